@@ -1,0 +1,1 @@
+"""Provider adapters on httpx that turn every outcome into an observation."""

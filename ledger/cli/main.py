@@ -1,0 +1,67 @@
+"""Entry point of the ``ledger`` command.
+
+Each command module exposes ``register(subparsers)``, adding its sub-commands with
+``set_defaults(func=...)``; ``func(args) -> int`` returns the exit code. Errors derived from
+:class:`ledger.errors.LedgerError` become one clear line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from ledger.errors import ConfigError, LedgerError
+
+DEFAULT_DB = "ledger.db"
+
+# Command modules, each with register(subparsers).
+COMMAND_MODULES: list[str] = [
+]
+
+
+def default_db_url() -> str:
+    """``LEDGER_URL`` or the embedded SQLite file in the working folder."""
+    return os.environ.get("LEDGER_URL") or DEFAULT_DB
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ledger", description="The run/attempt ledger for safe LLM model failover."
+    )
+    parser.add_argument(
+        "--db",
+        default=None,
+        help=f"database URL or SQLite path (default: $LEDGER_URL or ./{DEFAULT_DB})",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "db", None) is None:
+        args.db = default_db_url()
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args))
+    except ConfigError as e:
+        print(f"ledger: error: {e}", file=sys.stderr)
+        return 2
+    except LedgerError as e:
+        print(f"ledger: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""Time, from one injectable place.
+
+Every decision takes ``now`` as an argument; only the thin drivers read a :class:`Clock` and wait
+through a :class:`Sleeper`. Tests inject :class:`ManualClock`, whose sleeper advances the clock
+instead of waiting, so no test sleeps to make time pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Wall-clock seconds since the epoch (float)."""
+
+    def now(self) -> float: ...
+
+
+class Sleeper(Protocol):
+    """Waits ``seconds``; sync and async forms."""
+
+    def sleep(self, seconds: float) -> None: ...
+
+    async def asleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The real clock."""
+
+    def now(self) -> float:
+        return time.time()
+
+
+class SystemSleeper:
+    """Really waits."""
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+
+class ManualClock:
+    """A clock that moves only when told to; also a :class:`Sleeper` that advances it.
+
+    ``slept`` records every wait, so tests can assert the computed backoff.
+    """
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self._now = float(start)
+        self.slept: list[float] = []
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += float(seconds)
+
+    def set(self, t: float) -> None:
+        self._now = float(t)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.advance(max(0.0, seconds))
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+__all__ = ["Clock", "ManualClock", "Sleeper", "SystemClock", "SystemSleeper"]

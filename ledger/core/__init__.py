@@ -1,0 +1,1 @@
+"""The pure core: classification, backoff, health, selection, preflight. No I/O here."""

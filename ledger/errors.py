@@ -1,0 +1,215 @@
+"""Every error the ledger raises, under one root.
+
+The tree::
+
+    LedgerError
+    ├── ConfigError                     bad input from a file or an argument
+    │   ├── PolicyError                 a policy file that does not validate (file, field path, fix)
+    │   └── InvalidArgument             API misuse: a negative budget, a missing field, ...
+    ├── StorageError                    the database could not do what was asked
+    │   ├── DatabaseUnavailable         the URL cannot be opened / the server went away (retry-safe)
+    │   └── SchemaTooNew                the database was migrated by a newer ledger
+    ├── NotFound                        an unknown run id, attempt id, ...
+    ├── Conflict                        a write that contradicts what is already recorded
+    │   ├── AdmissionConflict           same run id, different frozen content (names the fields)
+    │   ├── SettleConflict              a settled attempt settled again with different content
+    │   └── InvalidState                the record is not in a state that allows this write
+    ├── FencedOut                       a stale executor (old fence) tried to write
+    ├── LeaseHeld                       another live executor holds the run's lease
+    ├── Refused                         a bounded resource said no; nothing was sent
+    │   ├── BudgetExceeded              the debit hold would overdraw the run's cost budget
+    │   ├── AllowanceExhausted          no model call or retry permission left
+    │   ├── CapacityUnavailable         the capacity group had no slot within the deadline
+    │   └── PreflightRefused            capability, role or disclosure check failed
+    ├── ProviderError                   an adapter could not produce a result (carries the fact)
+    └── FailoverExhausted (ExceptionGroup as well)
+                                        the run stopped: every attempt's error + the stop reason
+
+Every error carries structured fields (``.fields``) and a message that says what to do.
+Causes are chained with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class LedgerError(Exception):
+    """Root of every error raised by the ledger."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields: dict[str, Any] = fields
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(LedgerError):
+    """Bad configuration or arguments."""
+
+
+class PolicyError(ConfigError):
+    """A policy file or object that does not validate.
+
+    ``file`` is the source path (or ``None``), ``errors`` a list of ``(field_path, problem, fix)``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        errors: Sequence[tuple[str, str, str]] = (),
+        **fields: Any,
+    ) -> None:
+        super().__init__(message, file=file, errors=list(errors), **fields)
+        self.file = file
+        self.errors = list(errors)
+
+
+class InvalidArgument(ConfigError):
+    """API misuse: a value that can never be valid, with the field and the fix."""
+
+    def __init__(self, message: str, *, field: str | None = None, **fields: Any) -> None:
+        super().__init__(message, field=field, **fields)
+        self.field = field
+
+
+class StorageError(LedgerError):
+    """The database failed to perform an operation."""
+
+
+class DatabaseUnavailable(StorageError):
+    """The database could not be reached or opened. Safe to retry once it is back."""
+
+
+class SchemaTooNew(StorageError):
+    """The database schema is newer than this code understands."""
+
+
+class NotFound(LedgerError):
+    """An identifier that the ledger does not know."""
+
+
+class Conflict(LedgerError):
+    """A write that contradicts a write already recorded."""
+
+
+class AdmissionConflict(Conflict):
+    """A run id admitted before with different frozen content; ``differing`` names the fields."""
+
+    def __init__(self, message: str, *, run_id: str, differing: Sequence[str], **fields: Any):
+        super().__init__(message, run_id=run_id, differing=list(differing), **fields)
+        self.run_id = run_id
+        self.differing = list(differing)
+
+
+class SettleConflict(Conflict):
+    """An attempt already settled with different content."""
+
+
+class InvalidState(Conflict):
+    """The record is not in a state that allows this write."""
+
+
+class FencedOut(LedgerError):
+    """A write carried a fence older than the run's current fence: this executor lost the run."""
+
+
+class LeaseHeld(LedgerError):
+    """Another executor holds an unexpired lease on the run."""
+
+
+class Refused(LedgerError):
+    """A bounded resource refused; nothing was sent."""
+
+
+class BudgetExceeded(Refused):
+    """The debit hold would overdraw the run's cost (or token) budget."""
+
+
+class AllowanceExhausted(Refused):
+    """The run has no model-call allowance or retry permission left."""
+
+
+class CapacityUnavailable(Refused):
+    """The capacity group could not admit the attempt within the deadline."""
+
+
+class PreflightRefused(Refused):
+    """The request may not be sent to that route (capability, role or disclosure)."""
+
+
+class ProviderError(LedgerError):
+    """A provider call failed; ``fact`` holds the structured failure fact."""
+
+
+class FailoverExhausted(LedgerError, ExceptionGroup):  # type: ignore[misc]
+    """The run stopped without a result.
+
+    ``reason`` is the selector's stop reason, ``errors``/``exceptions`` every attempt's error in
+    order, ``attempts`` the attempt ids.
+    """
+
+    def __new__(
+        cls,
+        message: str,
+        exceptions: Sequence[Exception],
+        *,
+        reason: str,
+        attempts: Sequence[str] = (),
+        **fields: Any,
+    ) -> FailoverExhausted:
+        excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
+        self = ExceptionGroup.__new__(cls, message, excs)
+        return self
+
+    def __init__(
+        self,
+        message: str,
+        exceptions: Sequence[Exception],
+        *,
+        reason: str,
+        attempts: Sequence[str] = (),
+        **fields: Any,
+    ) -> None:
+        excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
+        ExceptionGroup.__init__(self, message, excs)
+        self.reason = reason
+        self.attempts = list(attempts)
+        self.fields = {"reason": reason, "attempts": list(attempts), **fields}
+
+    def __str__(self) -> str:
+        return f"{self.message} ({len(self.exceptions)} attempt error(s))"
+
+    def derive(self, excs: Sequence[Exception]) -> FailoverExhausted:  # type: ignore[override]
+        return FailoverExhausted(self.message, list(excs), reason=self.reason,
+                                 attempts=self.attempts)
+
+
+__all__ = [
+    "AdmissionConflict",
+    "AllowanceExhausted",
+    "BudgetExceeded",
+    "CapacityUnavailable",
+    "ConfigError",
+    "Conflict",
+    "DatabaseUnavailable",
+    "FailoverExhausted",
+    "FencedOut",
+    "InvalidArgument",
+    "InvalidState",
+    "LeaseHeld",
+    "LedgerError",
+    "NotFound",
+    "PolicyError",
+    "PreflightRefused",
+    "ProviderError",
+    "Refused",
+    "SchemaTooNew",
+    "SettleConflict",
+    "StorageError",
+]

@@ -1,0 +1,179 @@
+"""The ledger's value types: routes, grants, budgets, and the projections decisions read.
+
+All are frozen pydantic models, so a Run can freeze them as JSON snapshots at admission and read
+historical Attempts under their original routes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ledger.core.facts import Protocol
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ProfileType(StrEnum):
+    OAUTH = "oauth"
+    TOKEN = "token"
+    API_KEY = "api_key"
+
+
+class Profile(_Frozen):
+    """A credential profile: only its id and type are stored, never the secret."""
+
+    id: str
+    type: ProfileType = ProfileType.API_KEY
+
+
+class Capabilities(_Frozen):
+    """What a route can serve. ``None`` means unknown and is no restriction."""
+
+    tools: bool | None = None
+    context_window: int | None = None
+    prefill: bool | None = None
+    streaming: bool | None = None
+    parameters: list[str] | None = None  # supported request parameters; None = any
+
+
+class Price(_Frozen):
+    """Price per million tokens, in the ledger's currency unit."""
+
+    input_per_mtok: Decimal = Decimal(0)
+    output_per_mtok: Decimal = Decimal(0)
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
+        return (
+            self.input_per_mtok * prompt_tokens + self.output_per_mtok * completion_tokens
+        ) / Decimal(1_000_000)
+
+
+class Route(_Frozen):
+    """One concrete way to call a model."""
+
+    id: str
+    provider: str
+    model: str
+    group: str
+    recipient: str
+    protocol: Protocol = Protocol.OPENAI
+    endpoint: str | None = None
+    capabilities: Capabilities = Field(default_factory=Capabilities)
+    roles: list[str] | None = None  # qualified roles; None = every role
+    profiles: list[Profile] = Field(default_factory=list)
+    price: Price = Field(default_factory=Price)
+
+    @field_validator("id", "provider", "model", "group", "recipient")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v or not v.strip():
+            raise ValueError("must be a non-empty string")
+        return v
+
+
+class Grant(_Frozen):
+    """Which recipients may receive which data classes, and which roles the run may use.
+
+    ``recipients`` maps a recipient to the data classes approved for it.
+    """
+
+    recipients: dict[str, list[str]] = Field(default_factory=dict)
+    roles: list[str] | None = None
+
+    def approves(self, recipient: str, data_class: str) -> bool:
+        return data_class in self.recipients.get(recipient, [])
+
+
+class Budget(_Frozen):
+    """The bounds of a Run. Cost is in the ledger's currency unit (e.g. USD)."""
+
+    max_calls: int
+    max_retries: int
+    max_cost: Decimal
+    max_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _non_negative(self) -> Budget:
+        for name in ("max_calls", "max_retries", "max_cost", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0 (got {v}); set a non-negative bound")
+        return self
+
+
+class GroupMode(StrEnum):
+    OPEN = "open"
+    COOLDOWN = "cooldown"
+    UNAVAILABLE = "unavailable"
+
+
+class GroupProjection(_Frozen):
+    """Admission's view of a capacity group, as the selector reads it."""
+
+    group: str
+    mode: GroupMode = GroupMode.OPEN
+    until: float | None = None  # waiting floor: earliest next dispatch
+    sampled_at: float | None = None
+    in_flight: int = 0
+    limit: int | None = None
+
+
+class Health(_Frozen):
+    """Health of one key (a route id, or a credential profile id)."""
+
+    key: str
+    cooldown_until: float | None = None
+    disabled_until: float | None = None
+    disabled_reason: str | None = None
+    error_count: int = 0
+    failure_counts: dict[str, int] = Field(default_factory=dict)
+    last_failure_at: float | None = None
+    last_used: float | None = None
+    last_probe_at: float | None = None
+
+    def available(self, now: float) -> bool:
+        cooling = self.cooldown_until is not None and now < self.cooldown_until
+        disabled = self.disabled_until is not None and now < self.disabled_until
+        return not (cooling or disabled)
+
+
+def canonical_json(value: Any) -> str:
+    """A stable JSON encoding: sorted keys, no whitespace, decimals as strings."""
+
+    def default(o: Any) -> Any:
+        if isinstance(o, Decimal):
+            return str(o)
+        if isinstance(o, BaseModel):
+            return o.model_dump(mode="json")
+        raise TypeError(f"cannot encode {type(o).__name__}")
+
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=default)
+
+
+def content_hash(value: Any) -> str:
+    """sha256 over :func:`canonical_json`, as ``sha256:<hex>``."""
+    return "sha256:" + hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+__all__ = [
+    "Budget",
+    "Capabilities",
+    "Grant",
+    "GroupMode",
+    "GroupProjection",
+    "Health",
+    "Price",
+    "Profile",
+    "ProfileType",
+    "Route",
+    "canonical_json",
+    "content_hash",
+]

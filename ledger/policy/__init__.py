@@ -1,0 +1,1 @@
+"""Declarative policies: typed models, file loading, presets."""
