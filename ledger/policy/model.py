@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ledger.core.facts import Category, Phase, Scope, Transport
+from ledger.model import ProfileType
 
 
 class _Section(BaseModel):
@@ -56,6 +57,44 @@ class RetryRule(_Section):
     retry_after_cap_s: float | None = None
 
 
+class ProbePolicy(_Section):
+    """Probing a cooling primary to learn that it is back (goclaw)."""
+
+    enabled: bool = False
+    interval_s: float = 30.0
+    margin_s: float = 120.0
+    ttl_s: float = 86_400.0
+    max_keys: int = 256
+
+
+class ProfilePolicy(_Section):
+    """Credential-profile rotation inside a route before model fallback (fased)."""
+
+    rotate_before_model: bool = False
+    type_order: list[ProfileType] = Field(
+        default_factory=lambda: [ProfileType.OAUTH, ProfileType.TOKEN, ProfileType.API_KEY]
+    )
+    auth_order: dict[str, list[str]] = Field(default_factory=dict)
+
+
+class AdmissionPolicy(_Section):
+    """Capacity-group admission facts written by settle."""
+
+    trust_provider_429: bool = True
+    default_group_cooldown_s: float = 30.0
+    max_capacity_wait_s: float = 30.0
+
+
+class StreamingPolicy(_Section):
+    """Time limits adapters enforce so that no call is unbounded in time."""
+
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 120.0
+    first_token_timeout_s: float = 60.0
+    idle_timeout_s: float = 60.0
+    total_timeout_s: float = 600.0
+
+
 class Policy(BaseModel):
     """A whole policy (one preset file)."""
 
@@ -66,3 +105,7 @@ class Policy(BaseModel):
     failover: FailoverPolicy = Field(default_factory=FailoverPolicy)
     moves_on: list[MoveRule] = Field(default_factory=list)
     same_route_retry: list[RetryRule] = Field(default_factory=list)
+    probe: ProbePolicy = Field(default_factory=ProbePolicy)
+    profiles: ProfilePolicy = Field(default_factory=ProfilePolicy)
+    admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
+    streaming: StreamingPolicy = Field(default_factory=StreamingPolicy)

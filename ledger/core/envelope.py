@@ -1,0 +1,115 @@
+"""The envelope: the complete prepared request, as typed parts with data classes and provenance.
+
+A part's hash covers its canonical encoding (role, content, data class, tool linkage), so a copy
+with edited content, or with an extra "authorized" flag, hashes differently and does not inherit
+the provenance of the part it was copied from.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ledger.model import content_hash
+
+# Data classes the ledger knows; a host may use any other string for classes it registers.
+USER_INPUT = "user_input"
+MODEL_DERIVED = "model_derived"
+TOOL_DESCRIPTION = "tool_description"
+TOOL_RESULT = "tool_result"
+MEMORY = "memory"
+PRIVATE_DOCUMENT = "private_document"
+SYSTEM = "system"
+
+KNOWN_DATA_CLASSES = (
+    USER_INPUT, MODEL_DERIVED, TOOL_DESCRIPTION, TOOL_RESULT, MEMORY, PRIVATE_DOCUMENT, SYSTEM,
+)
+
+
+class Part(BaseModel):
+    """One part of a prepared request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"] = "user"
+    content: str
+    data_class: str = USER_INPUT
+    # The Attempt id (model output) or tool-call id (tool result) that produced this content.
+    provenance: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @cached_property
+    def content_hash(self) -> str:
+        return content_hash(
+            {
+                "role": self.role,
+                "content": self.content,
+                "data_class": self.data_class,
+                "tool_call_id": self.tool_call_id,
+                "name": self.name,
+            }
+        )
+
+
+class ToolSpec(BaseModel):
+    """A tool the model may call (its description is data too)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    data_class: str = TOOL_DESCRIPTION
+
+
+class Envelope(BaseModel):
+    """The complete request. Its :attr:`hash` is what an Attempt records."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    parts: list[Part]
+    tools: list[ToolSpec] = Field(default_factory=list)
+    params: dict[str, Any] = Field(default_factory=dict)  # temperature, top_p, ...
+    stream: bool = False
+    max_output_tokens: int | None = None
+
+    @property
+    def prefill(self) -> bool:
+        """True when the last part is an assistant part the model should continue."""
+        return bool(self.parts) and self.parts[-1].role == "assistant"
+
+    @property
+    def data_classes(self) -> set[str]:
+        classes = {p.data_class for p in self.parts}
+        classes.update(t.data_class for t in self.tools)
+        return classes
+
+    @cached_property
+    def hash(self) -> str:
+        return content_hash(
+            {
+                "parts": [p.content_hash for p in self.parts],
+                "tools": [t.model_dump(mode="json") for t in self.tools],
+                "params": self.params,
+                "stream": self.stream,
+                "max_output_tokens": self.max_output_tokens,
+            }
+        )
+
+
+__all__ = [
+    "KNOWN_DATA_CLASSES",
+    "MEMORY",
+    "MODEL_DERIVED",
+    "PRIVATE_DOCUMENT",
+    "SYSTEM",
+    "TOOL_DESCRIPTION",
+    "TOOL_RESULT",
+    "USER_INPUT",
+    "Envelope",
+    "Part",
+    "ToolSpec",
+]
