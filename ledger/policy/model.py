@@ -1,21 +1,45 @@
 """The policy model: a declarative file validated into typed, frozen models.
 
-Every number a preset uses is a field here, not a constant in code. Presets live in
-``policies/*.yaml``. (Skeleton: section owners fill in and validate their sections.)
+Every number a preset uses is a field here, not a constant in code; the engine reads the three
+presets (``policies/*.yaml``) through these fields alone, so a preset is data, not a branch.
+Validators refuse degenerate configuration with a :class:`PolicyValueError` that carries the
+fix, which :mod:`ledger.policy.load` turns into a :class:`ledger.errors.PolicyError`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ledger.core.facts import Category, Phase, Scope, Transport
 from ledger.model import ProfileType
 
+# Durations are seconds; infinities and NaN would make every comparison against them lie.
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Pattern = Annotated[str, Field(min_length=1)]
+
+
+class PolicyValueError(ValueError):
+    """A refused value: what is wrong, how to fix it, and optionally the sub-field it concerns.
+
+    Raised inside validators; the loader reads ``problem``, ``fix`` and ``field`` back out of
+    pydantic's error context so the user sees the exact path and the fix.
+    """
+
+    def __init__(self, problem: str, fix: str, field: str | None = None) -> None:
+        super().__init__(f"{problem}; fix: {fix}")
+        self.problem = problem
+        self.fix = fix
+        self.field = field
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------- failover
 
 
 class FailoverPolicy(_Section):
@@ -34,7 +58,7 @@ class FailoverPolicy(_Section):
     last_candidate_always_tried: bool = False
     new_turn: Literal["first_entry", "keep_current"] = "keep_current"
     group_aware: bool = True
-    group_fact_max_age_s: float = 30.0
+    group_fact_max_age_s: Seconds = 30.0
 
 
 class MoveRule(_Section):
@@ -44,27 +68,350 @@ class MoveRule(_Section):
     phases: list[Phase] | None = None  # None = any phase
     scope: Scope = Scope.ROUTE
 
+    @field_validator("categories")
+    @classmethod
+    def _some_categories(cls, v: list[Category]) -> list[Category]:
+        if not v:
+            raise PolicyValueError(
+                "a move rule with no categories matches nothing",
+                "list at least one category, or delete the rule",
+            )
+        return v
+
+    @field_validator("phases")
+    @classmethod
+    def _some_phases(cls, v: list[Phase] | None) -> list[Phase] | None:
+        if v is not None and not v:
+            raise PolicyValueError(
+                "an empty phase list matches no failure",
+                "list the phases, or leave `phases` out to match every phase",
+            )
+        return v
+
+
+# --------------------------------------------------------------------------- same-route retry
+
 
 class RetryRule(_Section):
-    """Same-route retries before moving on."""
+    """Same-route retries before moving on.
+
+    ``delays_s[i]`` is the nominal wait before retry ``i + 1``; the wait is drawn uniformly from
+    ``delay * (1 +- jitter)``. A Retry-After hint longer than the nominal wait replaces it exactly
+    when ``honor_retry_after``; a hint above ``retry_after_cap_s`` means no retry at all.
+    """
 
     categories: list[Category] = Field(default_factory=list)
     transports: list[Transport] = Field(default_factory=list)
-    max: int = 0
-    delays_s: list[float] = Field(default_factory=list)
-    jitter: float = 0.0
+    max: int = Field(default=0, ge=0)
+    delays_s: list[Seconds] = Field(default_factory=list)
+    jitter: float = Field(default=0.0, allow_inf_nan=False)
     honor_retry_after: bool = False
-    retry_after_cap_s: float | None = None
+    retry_after_cap_s: Seconds | None = None
+
+    @field_validator("jitter")
+    @classmethod
+    def _jitter_range(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise PolicyValueError(
+                f"jitter must be in [0, 1) (got {v})",
+                "use a fraction such as 0.2 for +-20%; 0 disables jitter",
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RetryRule:
+        if not self.categories and not self.transports:
+            raise PolicyValueError(
+                "the rule matches no failure",
+                "list `categories` and/or `transports` it applies to",
+                field="categories",
+            )
+        if self.max > len(self.delays_s):
+            raise PolicyValueError(
+                f"max is {self.max} but only {len(self.delays_s)} delay(s) are given",
+                f"give one delay per retry in `delays_s` ({self.max} values), or lower `max`",
+                field="max",
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- classification
+
+CodeField = Literal["openai.code", "openai.type", "anthropic.type", "gemini.status"]
+
+
+class ProviderCodes(_Section):
+    """Maps from a provider's structured error field to a category (compared case-insensitively).
+
+    OpenAI-compatible bodies carry ``error.code`` and ``error.type``, Anthropic ``error.type``,
+    Gemini ``error.status``. For protocol ``generic`` every shape is tried in this order.
+    """
+
+    openai_code: dict[str, Category] = Field(default_factory=dict)
+    openai_type: dict[str, Category] = Field(default_factory=dict)
+    anthropic_type: dict[str, Category] = Field(default_factory=dict)
+    gemini_status: dict[str, Category] = Field(default_factory=dict)
+
+
+class OverflowRule(_Section):
+    """A structured signal of context overflow, optionally narrowed by the error message."""
+
+    field: CodeField
+    equals: Pattern
+    message_starts_with: Pattern | None = None
+    message_contains: Pattern | None = None
+
+
+class TextRule(_Section):
+    """Free-text patterns (case-insensitive substrings) over the body and message."""
+
+    category: Category
+    patterns: list[Pattern]
+
+    @field_validator("patterns")
+    @classmethod
+    def _some_patterns(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise PolicyValueError(
+                "a text rule with no patterns matches nothing",
+                "list at least one pattern, or delete the rule",
+            )
+        return v
+
+
+class StatusTextRule(_Section):
+    """A status whose text says otherwise: e.g. goclaw's 429 that says 'overloaded'."""
+
+    statuses: list[int]
+    patterns: list[Pattern]
+    category: Category
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> StatusTextRule:
+        for name in ("statuses", "patterns"):
+            if not getattr(self, name):
+                raise PolicyValueError(
+                    f"`{name}` is empty, so the rule never applies",
+                    f"list at least one value in `{name}`, or delete the rule",
+                    field=name,
+                )
+        return self
+
+
+def _default_transports() -> dict[Transport, Category]:
+    return {
+        Transport.DNS_FAILURE: Category.DNS,
+        Transport.CONNECT_REFUSED: Category.NETWORK,
+        Transport.CONNECTION_RESET: Category.NETWORK,
+        Transport.STREAM_CUT: Category.NETWORK,
+        Transport.PROTOCOL_ERROR: Category.NETWORK,
+        Transport.CONNECT_TIMEOUT: Category.TIMEOUT,
+        Transport.READ_TIMEOUT: Category.TIMEOUT,
+        Transport.STREAM_STALL: Category.TIMEOUT,
+        Transport.FIRST_TOKEN_TIMEOUT: Category.TIMEOUT,
+        Transport.TLS_ERROR: Category.TLS,
+        Transport.MALFORMED_EVENT: Category.FORMAT,
+    }
+
+
+def _default_overflow() -> list[OverflowRule]:
+    return [
+        OverflowRule(field="openai.code", equals="context_length_exceeded"),
+        OverflowRule(
+            field="anthropic.type",
+            equals="invalid_request_error",
+            message_starts_with="prompt is too long",
+        ),
+        OverflowRule(
+            field="gemini.status",
+            equals="INVALID_ARGUMENT",
+            message_contains="exceeds the maximum number of tokens",
+        ),
+    ]
+
+
+def _default_codes() -> ProviderCodes:
+    c = Category
+    return ProviderCodes(
+        openai_code={
+            "insufficient_quota": c.BILLING,
+            "rate_limit_exceeded": c.RATE_LIMIT,
+            "model_not_found": c.MODEL_NOT_FOUND,
+            "invalid_api_key": c.AUTH,
+            "overloaded": c.OVERLOADED,
+            "content_policy_violation": c.CONTENT_POLICY,
+            "content_filter": c.CONTENT_POLICY,
+        },
+        anthropic_type={
+            "overloaded_error": c.OVERLOADED,
+            "rate_limit_error": c.RATE_LIMIT,
+            "authentication_error": c.AUTH,
+            "permission_error": c.AUTH,
+            "not_found_error": c.MODEL_NOT_FOUND,
+            "api_error": c.SERVER_ERROR,
+        },
+        gemini_status={
+            "UNAVAILABLE": c.OVERLOADED,
+            "RESOURCE_EXHAUSTED": c.RATE_LIMIT,
+            "UNAUTHENTICATED": c.AUTH,
+            "PERMISSION_DENIED": c.AUTH,
+            "NOT_FOUND": c.MODEL_NOT_FOUND,
+            "DEADLINE_EXCEEDED": c.TIMEOUT,
+            "INTERNAL": c.SERVER_ERROR,
+        },
+    )
+
+
+def _default_status() -> dict[int, Category]:
+    c = Category
+    return {
+        400: c.FORMAT,
+        401: c.AUTH,
+        402: c.BILLING,
+        403: c.AUTH,
+        404: c.MODEL_NOT_FOUND,
+        408: c.TIMEOUT,
+        429: c.RATE_LIMIT,
+        500: c.SERVER_ERROR,
+        502: c.SERVER_ERROR,
+        503: c.OVERLOADED,
+        504: c.SERVER_ERROR,
+        529: c.OVERLOADED,
+    }
+
+
+class ClassificationPolicy(_Section):
+    """How an observation becomes a category, in the fixed precedence of the conformance rules.
+
+    Caller facts, local 429s, transport kinds, context overflow, structured provider codes, HTTP
+    status, then free text. Leaving ``text`` and ``context_overflow_text`` empty keeps the
+    classifier on structured facts only (the failure-domain default).
+    """
+
+    transports: dict[Transport, Category] = Field(default_factory=_default_transports)
+    context_overflow: list[OverflowRule] = Field(default_factory=_default_overflow)
+    context_overflow_text: list[Pattern] = Field(default_factory=list)
+    codes: ProviderCodes = Field(default_factory=_default_codes)
+    status: dict[int, Category] = Field(default_factory=_default_status)
+    # Unlisted 4xx / 5xx statuses; null leaves them to the text rules, then `unknown`.
+    status_4xx: Category | None = Category.FORMAT
+    status_5xx: Category | None = Category.SERVER_ERROR
+    status_text: list[StatusTextRule] = Field(default_factory=list)
+    text: list[TextRule] = Field(default_factory=list)
+    # Hints beyond this are clamped: a year-long Retry-After carries no more information than a
+    # day-long one, and unbounded floats would poison arithmetic downstream.
+    retry_after_limit_s: PositiveSeconds = 86_400.0
+    # Only this much of a body is parsed or scanned; error bodies are small, hostile ones are not.
+    body_limit_bytes: int = Field(default=262_144, ge=1)
+    message_limit_chars: int = Field(default=300, ge=16)
+
+    @field_validator("status")
+    @classmethod
+    def _status_range(cls, v: dict[int, Category]) -> dict[int, Category]:
+        for code in v:
+            if not 100 <= code <= 599:
+                raise PolicyValueError(
+                    f"{code} is not an HTTP status",
+                    "use status codes between 100 and 599",
+                )
+        return v
+
+
+# --------------------------------------------------------------------------- health
+
+
+class CooldownCurve(_Section):
+    """``min(base_s * factor ** min(n - 1, max_exponent), cap_s)`` for the n-th counted failure."""
+
+    base_s: PositiveSeconds = 60.0
+    factor: float = Field(default=5.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+    max_exponent: int = Field(default=3, ge=0, le=64)
+    cap_s: PositiveSeconds = 3_600.0
+
+    @model_validator(mode="after")
+    def _cap_not_below_base(self) -> CooldownCurve:
+        if self.cap_s < self.base_s:
+            raise PolicyValueError(
+                f"cap_s ({self.cap_s}) is below base_s ({self.base_s}), so the curve never grows",
+                "raise cap_s to at least base_s",
+                field="cap_s",
+            )
+        return self
+
+
+class DisableRule(_Section):
+    """A failure that disables a key for long (fased billing): ``base * factor ** (k - 1)``.
+
+    ``k`` counts this rule's failures since the last reset; ``base_s_by_provider`` overrides the
+    base for named providers.
+    """
+
+    categories: list[Category]
+    base_s: PositiveSeconds = 18_000.0
+    factor: float = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+    cap_s: PositiveSeconds = 86_400.0
+    base_s_by_provider: dict[str, PositiveSeconds] = Field(default_factory=dict)
+
+    @field_validator("categories")
+    @classmethod
+    def _some_categories(cls, v: list[Category]) -> list[Category]:
+        if not v:
+            raise PolicyValueError(
+                "a disable rule with no categories disables nothing",
+                "list the categories (e.g. [billing]), or delete the rule",
+            )
+        return v
+
+
+class HealthPolicy(_Section):
+    """Per-key health: which failures cool or disable a route (or profile), and when it resets."""
+
+    # "profile": keyed by credential profile where the route has profiles, else by route.
+    key: Literal["route", "profile"] = "route"
+    cooldown_categories: list[Category] = Field(
+        default_factory=lambda: [
+            Category.OVERLOADED,
+            Category.SERVER_ERROR,
+            Category.MODEL_NOT_FOUND,
+        ]
+    )
+    cooldown: CooldownCurve = Field(default_factory=CooldownCurve)
+    disables: list[DisableRule] = Field(default_factory=list)
+    # Counters reset before counting a failure this long after the previous one (null: never).
+    failure_window_s: PositiveSeconds | None = 600.0
+    reset_on_success: bool = True
+    # Counters reset before counting a failure once every cooldown/disable window has expired.
+    reset_on_expiry: bool = True
+    # Routers that spread load over many upstreams: their keys are never cooled nor disabled.
+    exempt_providers: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> HealthPolicy:
+        seen = set(self.cooldown_categories)
+        for i, rule in enumerate(self.disables):
+            both = seen.intersection(rule.categories)
+            if both:
+                names = ", ".join(sorted(both))
+                raise PolicyValueError(
+                    f"{names} both cools and disables",
+                    "list each category either in cooldown_categories or in one disable rule",
+                    field=f"disables[{i}].categories",
+                )
+            seen.update(rule.categories)
+        return self
+
+
+# --------------------------------------------------------------------------- the rest
 
 
 class ProbePolicy(_Section):
     """Probing a cooling primary to learn that it is back (goclaw)."""
 
     enabled: bool = False
-    interval_s: float = 30.0
-    margin_s: float = 120.0
-    ttl_s: float = 86_400.0
-    max_keys: int = 256
+    interval_s: Seconds = 30.0
+    margin_s: Seconds = 120.0
+    ttl_s: PositiveSeconds = 86_400.0
+    max_keys: int = Field(default=256, ge=1)
 
 
 class ProfilePolicy(_Section):
@@ -81,18 +428,18 @@ class AdmissionPolicy(_Section):
     """Capacity-group admission facts written by settle."""
 
     trust_provider_429: bool = True
-    default_group_cooldown_s: float = 30.0
-    max_capacity_wait_s: float = 30.0
+    default_group_cooldown_s: Seconds = 30.0
+    max_capacity_wait_s: Seconds = 30.0
 
 
 class StreamingPolicy(_Section):
     """Time limits adapters enforce so that no call is unbounded in time."""
 
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 120.0
-    first_token_timeout_s: float = 60.0
-    idle_timeout_s: float = 60.0
-    total_timeout_s: float = 600.0
+    connect_timeout_s: PositiveSeconds = 10.0
+    read_timeout_s: PositiveSeconds = 120.0
+    first_token_timeout_s: PositiveSeconds = 60.0
+    idle_timeout_s: PositiveSeconds = 60.0
+    total_timeout_s: PositiveSeconds = 600.0
 
 
 class Policy(BaseModel):
@@ -100,12 +447,35 @@ class Policy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
+    name: str = Field(min_length=1)
     description: str = ""
     failover: FailoverPolicy = Field(default_factory=FailoverPolicy)
+    classification: ClassificationPolicy = Field(default_factory=ClassificationPolicy)
     moves_on: list[MoveRule] = Field(default_factory=list)
     same_route_retry: list[RetryRule] = Field(default_factory=list)
+    health: HealthPolicy = Field(default_factory=HealthPolicy)
     probe: ProbePolicy = Field(default_factory=ProbePolicy)
     profiles: ProfilePolicy = Field(default_factory=ProfilePolicy)
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
     streaming: StreamingPolicy = Field(default_factory=StreamingPolicy)
+
+
+__all__ = [
+    "AdmissionPolicy",
+    "ClassificationPolicy",
+    "CooldownCurve",
+    "DisableRule",
+    "FailoverPolicy",
+    "HealthPolicy",
+    "MoveRule",
+    "OverflowRule",
+    "Policy",
+    "PolicyValueError",
+    "ProbePolicy",
+    "ProfilePolicy",
+    "ProviderCodes",
+    "RetryRule",
+    "StatusTextRule",
+    "StreamingPolicy",
+    "TextRule",
+]
