@@ -49,6 +49,9 @@ class Transport(StrEnum):
     FIRST_TOKEN_TIMEOUT = "first_token_timeout"
     PROTOCOL_ERROR = "protocol_error"
     MALFORMED_EVENT = "malformed_event"
+    # The call's own total deadline (policy.streaming.total_timeout_s) ran out; the phase says how
+    # far the request had got.
+    TOTAL_TIMEOUT = "total_timeout"
 
 
 class Phase(StrEnum):
