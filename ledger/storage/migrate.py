@@ -1,0 +1,106 @@
+"""Creating and upgrading the schema with the Alembic scripts, safely from many processes.
+
+Concurrent openers serialize on a lock (a PostgreSQL advisory lock; an exclusive file lock beside
+a SQLite file), then each one re-reads the revision, so all converge on ``head`` and only the
+first does the work.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, text
+
+from ledger.errors import SchemaTooNew
+from ledger.storage.engine import mapped_errors, redact_url
+
+# Any constant works; it only has to be the same for every ledger process.
+_PG_MIGRATION_LOCK = 0x1ED6E5
+
+
+def script_location() -> str:
+    """The Alembic scripts: inside the installed wheel, else the repository's ``migrations/``."""
+    pkg = Path(__file__).resolve().parent.parent
+    for candidate in (pkg / "_migrations", pkg.parent / "migrations"):
+        if (candidate / "env.py").is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        "the ledger's Alembic scripts are missing: reinstall the package (pip install .)"
+    )
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", script_location())
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def check_not_newer(conn: Connection, url: str) -> None:
+    """Refuse a database migrated by a newer ledger (a revision our scripts do not know)."""
+    rev = current_revision(conn)
+    if rev is None:
+        return
+    scripts = ScriptDirectory.from_config(alembic_config())
+    known = {s.revision for s in scripts.walk_revisions()}
+    if rev not in known:
+        raise SchemaTooNew(
+            f"database {redact_url(url)} is at schema revision {rev!r}, newer than this ledger "
+            f"understands (head {scripts.get_current_head()!r}); upgrade the ledger package",
+            revision=rev,
+        )
+
+
+def upgrade(engine: Engine, url: str) -> None:
+    """Bring the schema to head; safe when many processes call it at once."""
+    head = head_revision()
+    with mapped_errors(url), _migration_lock(engine), engine.connect() as conn:
+        check_not_newer(conn, url)
+        if current_revision(conn) == head:
+            conn.rollback()
+            return
+        conn.rollback()
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+        conn.commit()
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as lock_conn:
+            lock_conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+            lock_conn.commit()
+            try:
+                yield
+            finally:
+                lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                lock_conn.commit()
+        return
+    db = engine.url.database
+    assert db is not None
+    fd = os.open(db + ".migrate-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

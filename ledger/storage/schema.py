@@ -1,0 +1,218 @@
+"""The declared schema. Alembic migrations in ``migrations/`` must produce exactly this.
+
+Conventions: times are float seconds since the epoch (the injectable clock's unit, so tests and
+recovery reason about one kind of time); money is integer micro-units (``*_micros``) so sums are
+exact on both backends; frozen snapshots are JSON text written once at admission.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+_ID = String(200)
+_T = Float(precision=53)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("run_id", _ID, primary_key=True),
+    Column("parent_run_id", _ID, ForeignKey("runs.run_id"), nullable=True),
+    Column("role", String(64), nullable=False),
+    Column("tenant", String(200), nullable=True),
+    Column("labels", Text, nullable=False),  # JSON object
+    Column("status", String(32), nullable=False),
+    # Frozen at admission, never updated.
+    Column("plan", Text, nullable=False),  # JSON list of route snapshots
+    Column("run_grant", Text, nullable=False),  # "grant" is an SQL keyword
+    Column("budget", Text, nullable=False),
+    Column("policy", Text, nullable=False),
+    Column("policy_hash", String(80), nullable=False),
+    Column("selected_route", _ID, nullable=False),
+    Column("content_hash", String(80), nullable=False),
+    Column("deadline", _T, nullable=True),
+    # Budget bounds, denormalized from the frozen budget so checks are single-row conditions.
+    Column("max_calls", Integer, nullable=False),
+    Column("max_retries", Integer, nullable=False),
+    Column("max_cost_micros", BigInteger, nullable=False),
+    Column("max_tokens", BigInteger, nullable=True),
+    # Mutable counters (serialized by the run row lock).
+    Column("calls_used", Integer, nullable=False, default=0),
+    Column("retries_used", Integer, nullable=False, default=0),
+    Column("reserved_micros", BigInteger, nullable=False, default=0),
+    Column("posted_micros", BigInteger, nullable=False, default=0),
+    Column("tokens_used", BigInteger, nullable=False, default=0),
+    Column("carved_calls", Integer, nullable=False, default=0),
+    Column("carved_retries", Integer, nullable=False, default=0),
+    Column("carved_micros", BigInteger, nullable=False, default=0),
+    Column("current_route", _ID, nullable=True),
+    Column("current_profile", _ID, nullable=True),
+    # Executor lease and fence.
+    Column("lease_holder", String(200), nullable=True),
+    Column("fence", BigInteger, nullable=False, default=0),
+    Column("lease_expires_at", _T, nullable=True),
+    Column("created_at", _T, nullable=False),
+    Column("updated_at", _T, nullable=False),
+    Index("ix_runs_parent_run_id", "parent_run_id"),
+    Index("ix_runs_created_at", "created_at"),
+    Index("ix_runs_status_lease", "status", "lease_expires_at"),
+    Index("ix_runs_tenant_created_at", "tenant", "created_at"),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("attempt_id", _ID, primary_key=True),
+    Column("run_id", _ID, ForeignKey("runs.run_id"), nullable=False),
+    Column("turn_id", _ID, nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("kind", String(16), nullable=False),  # first | retry | failover | probe
+    Column("route_id", _ID, nullable=False),
+    Column("provider", String(200), nullable=False),
+    Column("model", String(200), nullable=False),
+    Column("group_id", _ID, nullable=False),
+    Column("profile_id", _ID, nullable=True),
+    Column("debit_id", _ID, nullable=False),
+    Column("envelope_hash", String(80), nullable=False),
+    Column("state", String(16), nullable=False),  # dispatching|succeeded|failed|unknown|rejected
+    Column("reject_reason", String(64), nullable=True),
+    Column("fact", Text, nullable=True),  # JSON FailureFact
+    Column("category", String(32), nullable=True),
+    Column("http_status", Integer, nullable=True),
+    Column("effective_output", Boolean, nullable=False, default=False),
+    Column("tool_started", Boolean, nullable=False, default=False),
+    Column("prompt_tokens", BigInteger, nullable=True),
+    Column("completion_tokens", BigInteger, nullable=True),
+    Column("cost_micros", BigInteger, nullable=True),
+    Column("reserved_micros", BigInteger, nullable=False),
+    Column("model_reported", String(200), nullable=True),
+    Column("output_hash", String(80), nullable=True),
+    Column("settle_hash", String(80), nullable=True),
+    Column("begin_hash", String(80), nullable=False),
+    Column("fence", BigInteger, nullable=False),  # the fence the begin was written under
+    Column("settle_fence", BigInteger, nullable=True),
+    Column("executor", String(200), nullable=True),
+    Column("created_at", _T, nullable=False),
+    Column("settled_at", _T, nullable=True),
+    UniqueConstraint("run_id", "seq"),
+    Index("ix_attempts_route_id_created_at", "route_id", "created_at"),
+    Index("ix_attempts_group_id_created_at", "group_id", "created_at"),
+    Index("ix_attempts_state_created_at", "state", "created_at"),
+    Index("ix_attempts_category_created_at", "category", "created_at"),
+    Index("ix_attempts_created_at", "created_at"),
+)
+
+debits = Table(
+    "debits",
+    metadata,
+    Column("debit_id", _ID, primary_key=True),
+    Column("run_id", _ID, ForeignKey("runs.run_id"), nullable=False),
+    Column("attempt_id", _ID, nullable=False),
+    Column("state", String(16), nullable=False),  # reserved | posted | voided
+    Column("reserved_micros", BigInteger, nullable=False),
+    Column("posted_micros", BigInteger, nullable=False, default=0),
+    Column("created_at", _T, nullable=False),
+    Column("settled_at", _T, nullable=True),
+    Index("ix_debits_run_id", "run_id"),
+    Index("ix_debits_attempt_id", "attempt_id"),
+)
+
+capacity_groups = Table(
+    "capacity_groups",
+    metadata,
+    Column("group_id", _ID, primary_key=True),
+    Column("max_in_flight", Integer, nullable=True),  # None = unlimited
+    Column("mode", String(16), nullable=False),  # open | cooldown | unavailable
+    Column("until", _T, nullable=True),  # the waiting floor
+    Column("reason", String(200), nullable=True),
+    Column("sampled_at", _T, nullable=True),
+    Column("updated_at", _T, nullable=False),
+)
+
+group_slots = Table(
+    "group_slots",
+    metadata,
+    Column("attempt_id", _ID, primary_key=True),
+    Column("group_id", _ID, nullable=False),
+    Column("run_id", _ID, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("acquired_at", _T, nullable=False),
+    Index("ix_group_slots_group_id", "group_id"),
+    Index("ix_group_slots_run_id", "run_id"),
+)
+
+health = Table(
+    "health",
+    metadata,
+    Column("key", _ID, primary_key=True),  # route id or credential profile id
+    Column("kind", String(16), nullable=False),  # route | profile
+    Column("provider", String(200), nullable=True),
+    Column("cooldown_until", _T, nullable=True),
+    Column("disabled_until", _T, nullable=True),
+    Column("disabled_reason", String(64), nullable=True),
+    Column("error_count", Integer, nullable=False, default=0),
+    Column("failure_counts", Text, nullable=False),  # JSON {reason: n}
+    Column("last_failure_at", _T, nullable=True),
+    Column("last_used", _T, nullable=True),
+    Column("last_probe_at", _T, nullable=True),
+    Column("updated_at", _T, nullable=False),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("event_id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+           autoincrement=True),
+    Column("run_id", _ID, nullable=True),
+    Column("attempt_id", _ID, nullable=True),
+    Column("kind", String(32), nullable=False),
+    Column("data", Text, nullable=False),  # JSON
+    Column("created_at", _T, nullable=False),
+    Index("ix_events_run_id_event_id", "run_id", "event_id"),
+    Index("ix_events_kind_created_at", "kind", "created_at"),
+)
+
+provenance = Table(
+    "provenance",
+    metadata,
+    Column("run_id", _ID, nullable=False),
+    Column("ref", _ID, nullable=False),  # attempt id or tool-call id
+    Column("content_hash", String(80), nullable=False),
+    Column("kind", String(16), nullable=False),  # model_output | tool_result
+    Column("created_at", _T, nullable=False),
+    PrimaryKeyConstraint("run_id", "ref", "content_hash"),
+)
+
+__all__ = [
+    "attempts",
+    "capacity_groups",
+    "debits",
+    "events",
+    "group_slots",
+    "health",
+    "metadata",
+    "provenance",
+    "runs",
+]

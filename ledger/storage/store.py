@@ -1,0 +1,937 @@
+"""Every SQL statement of the ledger. Nothing outside ``ledger.storage`` touches the database.
+
+Each public method is one transaction. Writes that carry a fence lock the run row first
+(``SELECT ... FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite writers),
+then check the fence, so a stale executor can write nothing. Budget, allowance and capacity checks
+happen under that lock (capacity additionally under the group row lock, always taken after the run
+row, so lock order is fixed and cannot deadlock).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Row, and_, func, or_, select
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+
+from ledger.core.facts import FailureFact
+from ledger.errors import (
+    AdmissionConflict,
+    AllowanceExhausted,
+    BudgetExceeded,
+    CapacityUnavailable,
+    Conflict,
+    FencedOut,
+    InvalidArgument,
+    InvalidState,
+    LeaseHeld,
+    NotFound,
+    SettleConflict,
+)
+from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route
+from ledger.records import (
+    AttemptKind,
+    AttemptRecord,
+    AttemptState,
+    DebitRecord,
+    DebitState,
+    EventRecord,
+    Lease,
+    Outcome,
+    Page,
+    RunRecord,
+    RunStatus,
+    from_micros,
+)
+from ledger.storage import schema as s
+from ledger.storage.engine import mapped_errors
+
+HealthUpdate = Callable[[Health], Health]
+
+# Fields compared on a duplicate admission, in the order reported.
+ADMISSION_FIELDS = (
+    "parent_run_id", "role", "tenant", "labels", "plan", "run_grant", "budget", "policy_hash",
+    "selected_route", "deadline",
+)
+
+
+@dataclass(frozen=True)
+class AdmitSpec:
+    run_id: str
+    parent_run_id: str | None
+    parent_fence: int | None
+    role: str
+    tenant: str | None
+    labels: str  # JSON
+    plan: str  # JSON
+    run_grant: str  # JSON
+    budget: str  # JSON
+    policy: str  # JSON
+    policy_hash: str
+    selected_route: str
+    content_hash: str
+    deadline: float | None
+    max_calls: int
+    max_retries: int
+    max_cost_micros: int
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class BeginSpec:
+    run_id: str
+    fence: int
+    attempt_id: str
+    turn_id: str
+    kind: AttemptKind
+    route: Route
+    profile_id: str | None
+    envelope_hash: str
+    reserve_micros: int
+    executor: str | None
+    begin_hash: str
+    events: Sequence[tuple[str, dict[str, Any]]] = ()
+
+
+@dataclass(frozen=True)
+class GroupUpdate:
+    """A capacity-group fact written by settle: a cooldown with a waiting floor."""
+
+    mode: GroupMode
+    until: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class SettleSpec:
+    attempt_id: str
+    fence: int
+    outcome: Outcome
+    fact: FailureFact | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cost_micros: int | None
+    effective_output: bool
+    tool_started: bool
+    model_reported: str | None
+    output_hash: str | None
+    settle_hash: str
+    void_hold: bool  # the request provably never left the process
+    health: Mapping[str, tuple[str, str | None, HealthUpdate]]  # key -> (kind, provider, update)
+    group_update: GroupUpdate | None
+    events: Sequence[tuple[str, dict[str, Any]]] = ()
+
+
+class Store:
+    """The storage layer over one SQLAlchemy engine."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+        self.dialect = engine.dialect.name
+
+    # -- transactions ---------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with mapped_errors(self.url), self.engine.connect() as conn:
+            conn = conn.execution_options(ledger_write=True)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with mapped_errors(self.url), self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def _insert(self, table: Any) -> Any:
+        if self.dialect == "postgresql":
+            return pg_dialect.insert(table)
+        return sqlite_dialect.insert(table)
+
+    # -- runs -----------------------------------------------------------------------------
+
+    def admit(self, spec: AdmitSpec, now: float) -> tuple[RunRecord, bool]:
+        """Insert a run; returns (record, created). Same id + same content -> the first record."""
+        with self._write() as conn:
+            existing = conn.execute(
+                select(s.runs).where(s.runs.c.run_id == spec.run_id).with_for_update()
+            ).first()
+            if existing is not None:
+                differing = [f for f in ADMISSION_FIELDS if getattr(existing, f) != getattr(spec, f)]
+                if differing or existing.content_hash != spec.content_hash:
+                    raise AdmissionConflict(
+                        f"run {spec.run_id!r} was admitted before with different frozen content "
+                        f"(differs in: {', '.join(differing) or 'content'}); use a new run id",
+                        run_id=spec.run_id,
+                        differing=differing or ["content"],
+                    )
+                return _run(existing), False
+            if spec.parent_run_id is not None:
+                self._carve_from_parent(conn, spec)
+            values = {
+                f: getattr(spec, f)
+                for f in (
+                    "run_id", "parent_run_id", "role", "tenant", "labels", "plan", "run_grant",
+                    "budget", "policy", "policy_hash", "selected_route", "content_hash",
+                    "deadline", "max_calls", "max_retries", "max_cost_micros", "max_tokens",
+                )
+            }
+            conn.execute(
+                s.runs.insert().values(
+                    **values,
+                    status=RunStatus.ADMITTED.value,
+                    calls_used=0, retries_used=0, reserved_micros=0, posted_micros=0,
+                    tokens_used=0, carved_calls=0, carved_retries=0, carved_micros=0,
+                    fence=0, created_at=now, updated_at=now,
+                )
+            )
+            self._event(conn, spec.run_id, None, "admit",
+                        {"policy_hash": spec.policy_hash, "parent": spec.parent_run_id}, now)
+            row = conn.execute(select(s.runs).where(s.runs.c.run_id == spec.run_id)).one()
+            return _run(row), True
+
+    def _carve_from_parent(self, conn: Connection, spec: AdmitSpec) -> None:
+        r = s.runs.c
+        parent = conn.execute(
+            select(s.runs).where(r.run_id == spec.parent_run_id).with_for_update()
+        ).first()
+        if parent is None:
+            raise NotFound(f"parent run {spec.parent_run_id!r} does not exist; admit it first",
+                           run_id=spec.parent_run_id)
+        if spec.parent_fence is None or parent.fence != spec.parent_fence:
+            raise FencedOut(
+                f"the parent run {spec.parent_run_id!r} is held under fence {parent.fence}, "
+                f"not {spec.parent_fence}: only the parent's current executor can carve a child",
+                run_id=spec.parent_run_id, fence=spec.parent_fence, current=parent.fence,
+            )
+        cost_left = (parent.max_cost_micros - parent.carved_micros - parent.reserved_micros
+                     - parent.posted_micros)
+        calls_left = parent.max_calls - parent.carved_calls - parent.calls_used
+        retries_left = parent.max_retries - parent.carved_retries - parent.retries_used
+        if spec.max_cost_micros > cost_left:
+            raise BudgetExceeded(
+                f"child budget {from_micros(spec.max_cost_micros)} exceeds what parent "
+                f"{spec.parent_run_id!r} has left ({from_micros(cost_left)}); ask for less",
+                run_id=spec.run_id, field="budget.max_cost",
+            )
+        if spec.max_calls > calls_left or spec.max_retries > retries_left:
+            raise AllowanceExhausted(
+                f"child allowance (calls {spec.max_calls}, retries {spec.max_retries}) exceeds "
+                f"what parent {spec.parent_run_id!r} has left (calls {calls_left}, retries "
+                f"{retries_left}); ask for less",
+                run_id=spec.run_id, field="budget.max_calls",
+            )
+        conn.execute(
+            s.runs.update().where(r.run_id == spec.parent_run_id).values(
+                carved_micros=r.carved_micros + spec.max_cost_micros,
+                carved_calls=r.carved_calls + spec.max_calls,
+                carved_retries=r.carved_retries + spec.max_retries,
+            )
+        )
+
+    def get_run(self, run_id: str) -> RunRecord:
+        with self._read() as conn:
+            row = conn.execute(select(s.runs).where(s.runs.c.run_id == run_id)).first()
+        if row is None:
+            raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
+                           run_id=run_id)
+        return _run(row)
+
+    def children(self, run_id: str) -> list[RunRecord]:
+        with self._read() as conn:
+            rows = conn.execute(
+                select(s.runs).where(s.runs.c.parent_run_id == run_id)
+                .order_by(s.runs.c.created_at, s.runs.c.run_id)
+            ).all()
+        return [_run(r) for r in rows]
+
+    def _lock_run(self, conn: Connection, run_id: str, fence: int | None) -> Row[Any]:
+        row = conn.execute(
+            select(s.runs).where(s.runs.c.run_id == run_id).with_for_update()
+        ).first()
+        if row is None:
+            raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
+                           run_id=run_id)
+        if fence is not None and row.fence != fence:
+            raise FencedOut(
+                f"run {run_id!r} is now held under fence {row.fence}; this executor's fence "
+                f"{fence} is stale: stop working on the run (another executor took it over)",
+                run_id=run_id, fence=fence, current=row.fence,
+            )
+        return row
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, now: float,
+                      *, steal_expired_only: bool = True) -> Lease:
+        r = s.runs.c
+        with self._write() as conn:
+            row = self._lock_run(conn, run_id, None)
+            live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
+            if live and row.lease_holder != executor and steal_expired_only:
+                raise LeaseHeld(
+                    f"run {run_id!r} is leased by {row.lease_holder!r} until "
+                    f"{row.lease_expires_at}; wait for it to expire or for recovery",
+                    run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at,
+                )
+            fence = row.fence + 1
+            conn.execute(
+                s.runs.update().where(r.run_id == run_id).values(
+                    lease_holder=executor, fence=fence, lease_expires_at=now + ttl_s,
+                    updated_at=now,
+                )
+            )
+            self._event(conn, run_id, None, "lease",
+                        {"executor": executor, "fence": fence, "previous": row.lease_holder}, now)
+        return Lease(run_id, executor, fence, now + ttl_s)
+
+    def renew_lease(self, run_id: str, fence: int, ttl_s: float, now: float) -> Lease:
+        r = s.runs.c
+        with self._write() as conn:
+            row = self._lock_run(conn, run_id, fence)
+            conn.execute(
+                s.runs.update().where(r.run_id == run_id)
+                .values(lease_expires_at=now + ttl_s, updated_at=now)
+            )
+        return Lease(run_id, row.lease_holder or "", fence, now + ttl_s)
+
+    def release_lease(self, run_id: str, fence: int, now: float) -> None:
+        r = s.runs.c
+        with self._write() as conn:
+            self._lock_run(conn, run_id, fence)
+            held = conn.execute(
+                select(func.count()).select_from(s.group_slots)
+                .where(s.group_slots.c.run_id == run_id, s.group_slots.c.fence == fence)
+            ).scalar_one()
+            if held:
+                raise InvalidState(
+                    f"run {run_id!r} still has {held} attempt(s) in flight; settle them "
+                    "(or mark them unknown) before releasing the lease",
+                    run_id=run_id, in_flight=held,
+                )
+            conn.execute(
+                s.runs.update().where(r.run_id == run_id)
+                .values(lease_holder=None, lease_expires_at=None, updated_at=now)
+            )
+
+    def finish_run(self, run_id: str, fence: int, status: RunStatus, now: float) -> None:
+        r = s.runs.c
+        with self._write() as conn:
+            self._lock_run(conn, run_id, fence)
+            conn.execute(s.runs.update().where(r.run_id == run_id)
+                         .values(status=status.value, updated_at=now))
+            self._event(conn, run_id, None, "finish", {"status": status.value}, now)
+
+    # -- permissions ----------------------------------------------------------------------
+
+    def reserve_retry(self, run_id: str, fence: int, now: float,
+                      data: Mapping[str, Any] | None = None) -> int:
+        """Take one retry permission; returns how many are left after it."""
+        r = s.runs.c
+        with self._write() as conn:
+            row = self._lock_run(conn, run_id, fence)
+            left = row.max_retries - row.carved_retries - row.retries_used
+            if left <= 0:
+                raise AllowanceExhausted(
+                    f"run {run_id!r} has no retry permission left "
+                    f"({row.retries_used} of {row.max_retries} used)",
+                    run_id=run_id, field="retries",
+                )
+            conn.execute(s.runs.update().where(r.run_id == run_id)
+                         .values(retries_used=r.retries_used + 1, updated_at=now))
+            self._event(conn, run_id, None, "retry_permission", dict(data or {}), now)
+        return left - 1
+
+    # -- attempts -------------------------------------------------------------------------
+
+    def begin_attempt(self, spec: BeginSpec, now: float) -> AttemptRecord:
+        """Record an attempt before it is sent, in one transaction (see module docstring)."""
+        a = s.attempts.c
+        r = s.runs.c
+        rejected: tuple[str, float | None] | None = None
+        with self._write() as conn:
+            run = self._lock_run(conn, spec.run_id, spec.fence)
+            prior = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).first()
+            if prior is not None:
+                if prior.begin_hash == spec.begin_hash and prior.run_id == spec.run_id:
+                    return self._attempt(conn, prior)  # the same write, acknowledged again
+                raise Conflict(
+                    f"attempt id {spec.attempt_id!r} is already recorded with different content; "
+                    "use a new attempt id for a new physical call",
+                    attempt_id=spec.attempt_id,
+                )
+            if run.max_calls - run.carved_calls - run.calls_used <= 0:
+                raise AllowanceExhausted(
+                    f"run {spec.run_id!r} has used its model-call allowance "
+                    f"({run.calls_used} of {run.max_calls}); nothing was sent",
+                    run_id=spec.run_id, field="calls",
+                )
+            available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
+                         - run.posted_micros)
+            if spec.reserve_micros > available:
+                raise BudgetExceeded(
+                    f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
+                    f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
+                    run_id=spec.run_id, field="cost", requested=str(from_micros(spec.reserve_micros)),
+                    available=str(from_micros(available)),
+                )
+            rejected = self._admit_capacity(conn, spec.route.group, now)
+            seq = conn.execute(
+                select(func.coalesce(func.max(a.seq), 0) + 1).where(a.run_id == spec.run_id)
+            ).scalar_one()
+            debit_id = "d-" + spec.attempt_id
+            state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
+            conn.execute(
+                s.debits.insert().values(
+                    debit_id=debit_id, run_id=spec.run_id, attempt_id=spec.attempt_id,
+                    state=(DebitState.VOIDED if rejected else DebitState.RESERVED).value,
+                    reserved_micros=spec.reserve_micros, posted_micros=0, created_at=now,
+                    settled_at=now if rejected else None,
+                )
+            )
+            conn.execute(
+                s.attempts.insert().values(
+                    attempt_id=spec.attempt_id, run_id=spec.run_id, turn_id=spec.turn_id, seq=seq,
+                    kind=spec.kind.value, route_id=spec.route.id, provider=spec.route.provider,
+                    model=spec.route.model, group_id=spec.route.group, profile_id=spec.profile_id,
+                    debit_id=debit_id, envelope_hash=spec.envelope_hash, state=state.value,
+                    reject_reason=rejected[0] if rejected else None,
+                    effective_output=False, tool_started=False,
+                    reserved_micros=spec.reserve_micros, begin_hash=spec.begin_hash,
+                    fence=spec.fence, executor=spec.executor, created_at=now,
+                    settled_at=now if rejected else None,
+                )
+            )
+            for kind, data in spec.events:
+                self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
+            if rejected:
+                self._event(conn, spec.run_id, spec.attempt_id, "reject",
+                            {"reason": rejected[0], "until": rejected[1],
+                             "group": spec.route.group}, now)
+            else:
+                conn.execute(
+                    s.group_slots.insert().values(
+                        attempt_id=spec.attempt_id, group_id=spec.route.group, run_id=spec.run_id,
+                        fence=spec.fence, acquired_at=now,
+                    )
+                )
+                conn.execute(
+                    s.runs.update().where(r.run_id == spec.run_id).values(
+                        calls_used=r.calls_used + 1,
+                        reserved_micros=r.reserved_micros + spec.reserve_micros,
+                        status=RunStatus.RUNNING.value, updated_at=now,
+                    )
+                )
+            row = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).one()
+            record = self._attempt(conn, row)
+        if rejected:
+            raise CapacityUnavailable(
+                f"capacity group {spec.route.group!r} refused attempt {spec.attempt_id!r} "
+                f"({rejected[0]}); it was recorded as rejected, its hold voided, nothing sent",
+                attempt_id=spec.attempt_id, group=spec.route.group, reason=rejected[0],
+                until=rejected[1],
+            )
+        return record
+
+    def _admit_capacity(self, conn: Connection, group: str, now: float
+                        ) -> tuple[str, float | None] | None:
+        """None when the group admits one more attempt, else (reason, waiting floor)."""
+        g = s.capacity_groups.c
+        row = conn.execute(
+            select(s.capacity_groups).where(g.group_id == group).with_for_update()
+        ).first()
+        if row is None:
+            conn.execute(
+                self._insert(s.capacity_groups)
+                .values(group_id=group, mode=GroupMode.OPEN.value, updated_at=now)
+                .on_conflict_do_nothing()
+            )
+            row = conn.execute(
+                select(s.capacity_groups).where(g.group_id == group).with_for_update()
+            ).one()
+        if row.mode != GroupMode.OPEN.value and (row.until is None or row.until > now):
+            return ("group_" + row.mode, row.until)
+        if row.max_in_flight is not None:
+            held = self._live_slots(conn, group, now)
+            if held >= row.max_in_flight:
+                return ("capacity_full", None)
+        return None
+
+    def _live_slots(self, conn: Connection, group: str, now: float) -> int:
+        # A slot counts only while its executor still holds the run (same fence, lease alive):
+        # slots of dead executors come back when their lease expires, before any recovery.
+        gs = s.group_slots.c
+        r = s.runs.c
+        return int(
+            conn.execute(
+                select(func.count()).select_from(
+                    s.group_slots.join(s.runs, r.run_id == gs.run_id)
+                ).where(
+                    gs.group_id == group, gs.fence == r.fence,
+                    r.lease_expires_at.is_not(None), r.lease_expires_at > now,
+                )
+            ).scalar_one()
+        )
+
+    def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
+        """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
+        a = s.attempts.c
+        r = s.runs.c
+        with self._write() as conn:
+            self._lock_run(conn, run_id, spec.fence)
+            att = conn.execute(
+                select(s.attempts).where(a.attempt_id == spec.attempt_id, a.run_id == run_id)
+            ).first()
+            if att is None:
+                raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
+                               attempt_id=spec.attempt_id, run_id=run_id)
+            if att.state == AttemptState.REJECTED.value:
+                raise InvalidState(
+                    f"attempt {spec.attempt_id!r} was rejected before dispatch; nothing to settle",
+                    attempt_id=spec.attempt_id,
+                )
+            if att.state != AttemptState.DISPATCHING.value:
+                if att.settle_hash == spec.settle_hash:
+                    return self._attempt(conn, att)  # the same settle again: same write
+                if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None:
+                    pass  # recovery marked it unknown; a late receipt may still settle it
+                else:
+                    raise SettleConflict(
+                        f"attempt {spec.attempt_id!r} is already settled as {att.state} with "
+                        "different content; a settled attempt is immutable",
+                        attempt_id=spec.attempt_id, state=att.state,
+                    )
+            debit = conn.execute(
+                select(s.debits).where(s.debits.c.debit_id == att.debit_id)
+            ).one()
+            reserved = debit.reserved_micros
+            posted = 0
+            if spec.outcome is Outcome.UNKNOWN:
+                debit_state = DebitState.RESERVED  # may have executed: the hold stays
+            elif spec.void_hold:
+                debit_state = DebitState.VOIDED
+            else:
+                debit_state = DebitState.POSTED
+                posted = min(spec.cost_micros or 0, reserved)
+            fact = spec.fact
+            conn.execute(
+                s.attempts.update().where(a.attempt_id == spec.attempt_id).values(
+                    state=spec.outcome.value,
+                    fact=json.dumps(fact.to_json()) if fact else None,
+                    category=fact.category.value if fact else None,
+                    http_status=fact.status if fact else None,
+                    effective_output=spec.effective_output,
+                    tool_started=spec.tool_started,
+                    prompt_tokens=spec.prompt_tokens,
+                    completion_tokens=spec.completion_tokens,
+                    cost_micros=spec.cost_micros,
+                    model_reported=spec.model_reported,
+                    output_hash=spec.output_hash,
+                    settle_hash=spec.settle_hash,
+                    settle_fence=spec.fence,
+                    settled_at=now,
+                )
+            )
+            if debit.state == DebitState.RESERVED.value and debit_state is not DebitState.RESERVED:
+                conn.execute(
+                    s.debits.update().where(s.debits.c.debit_id == att.debit_id).values(
+                        state=debit_state.value, posted_micros=posted, settled_at=now,
+                    )
+                )
+                release = reserved
+            else:
+                release = 0
+            conn.execute(s.group_slots.delete().where(s.group_slots.c.attempt_id == spec.attempt_id))
+            tokens = (spec.prompt_tokens or 0) + (spec.completion_tokens or 0)
+            run_values: dict[str, Any] = {
+                "reserved_micros": r.reserved_micros - release,
+                "posted_micros": r.posted_micros + posted,
+                "tokens_used": r.tokens_used + tokens,
+                "updated_at": now,
+            }
+            if spec.outcome is Outcome.SUCCEEDED:
+                run_values["current_route"] = att.route_id
+                run_values["current_profile"] = att.profile_id
+            conn.execute(s.runs.update().where(r.run_id == run_id).values(**run_values))
+            for key, (kind, provider, update) in spec.health.items():
+                self._update_health(conn, key, kind, provider, update, now)
+            if spec.group_update is not None:
+                self._write_group_fact(conn, att.group_id, spec.group_update, now)
+            if spec.outcome is Outcome.SUCCEEDED and spec.output_hash:
+                conn.execute(
+                    self._insert(s.provenance).values(
+                        run_id=run_id, ref=spec.attempt_id, content_hash=spec.output_hash,
+                        kind="model_output", created_at=now,
+                    ).on_conflict_do_nothing()
+                )
+            for kind, data in spec.events:
+                self._event(conn, run_id, spec.attempt_id, kind, data, now)
+            row = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).one()
+            return self._attempt(conn, row)
+
+    def _update_health(self, conn: Connection, key: str, kind: str, provider: str | None,
+                       update: HealthUpdate, now: float) -> None:
+        h = s.health.c
+        row = conn.execute(select(s.health).where(h.key == key).with_for_update()).first()
+        if row is None:
+            conn.execute(
+                self._insert(s.health).values(
+                    key=key, kind=kind, provider=provider, error_count=0, failure_counts="{}",
+                    updated_at=now,
+                ).on_conflict_do_nothing()
+            )
+            row = conn.execute(select(s.health).where(h.key == key).with_for_update()).one()
+        new = update(_health(row))
+        conn.execute(
+            s.health.update().where(h.key == key).values(
+                cooldown_until=new.cooldown_until, disabled_until=new.disabled_until,
+                disabled_reason=new.disabled_reason, error_count=new.error_count,
+                failure_counts=json.dumps(new.failure_counts, sort_keys=True),
+                last_failure_at=new.last_failure_at, last_used=new.last_used,
+                last_probe_at=new.last_probe_at, updated_at=now,
+            )
+        )
+
+    def _write_group_fact(self, conn: Connection, group: str, upd: GroupUpdate, now: float) -> None:
+        g = s.capacity_groups.c
+        row = conn.execute(
+            select(s.capacity_groups).where(g.group_id == group).with_for_update()
+        ).first()
+        until = upd.until
+        if row is not None and row.until is not None and until is not None and row.mode != "open":
+            until = max(until, row.until)  # a later fact never shortens a known waiting floor
+        if row is None:
+            conn.execute(
+                self._insert(s.capacity_groups).values(
+                    group_id=group, mode=upd.mode.value, until=until, reason=upd.reason,
+                    sampled_at=now, updated_at=now,
+                ).on_conflict_do_nothing()
+            )
+        else:
+            conn.execute(
+                s.capacity_groups.update().where(g.group_id == group).values(
+                    mode=upd.mode.value, until=until, reason=upd.reason, sampled_at=now,
+                    updated_at=now,
+                )
+            )
+
+    def mark_unknown(self, run_id: str, attempt_id: str, fence: int, now: float,
+                     reason: str) -> AttemptRecord:
+        """Dispatched without a receipt: unknown, keeping its hold (used by recovery)."""
+        a = s.attempts.c
+        with self._write() as conn:
+            self._lock_run(conn, run_id, fence)
+            att = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
+            if att.state == AttemptState.DISPATCHING.value:
+                conn.execute(s.attempts.update().where(a.attempt_id == attempt_id)
+                             .values(state=AttemptState.UNKNOWN.value, settled_at=now,
+                                     settle_fence=fence))
+                conn.execute(s.group_slots.delete().where(s.group_slots.c.attempt_id == attempt_id))
+                self._event(conn, run_id, attempt_id, "unknown", {"reason": reason}, now)
+            row = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
+            return self._attempt(conn, row)
+
+    # -- groups, health, probes -----------------------------------------------------------
+
+    def configure_group(self, group: str, max_in_flight: int | None, now: float) -> None:
+        g = s.capacity_groups.c
+        with self._write() as conn:
+            stmt = self._insert(s.capacity_groups).values(
+                group_id=group, max_in_flight=max_in_flight, mode=GroupMode.OPEN.value,
+                updated_at=now,
+            )
+            conn.execute(stmt.on_conflict_do_update(
+                index_elements=[g.group_id],
+                set_={"max_in_flight": max_in_flight, "updated_at": now},
+            ))
+
+    def set_group_mode(self, group: str, upd: GroupUpdate, now: float) -> None:
+        with self._write() as conn:
+            g = s.capacity_groups.c
+            row = conn.execute(select(s.capacity_groups).where(g.group_id == group)).first()
+            if row is None:
+                conn.execute(self._insert(s.capacity_groups).values(
+                    group_id=group, mode=GroupMode.OPEN.value, updated_at=now,
+                ).on_conflict_do_nothing())
+            conn.execute(s.capacity_groups.update().where(g.group_id == group).values(
+                mode=upd.mode.value, until=upd.until, reason=upd.reason, sampled_at=now,
+                updated_at=now,
+            ))
+
+    def group_projections(self, groups: Iterable[str] | None, now: float
+                          ) -> dict[str, GroupProjection]:
+        g = s.capacity_groups.c
+        with self._read() as conn:
+            q = select(s.capacity_groups)
+            if groups is not None:
+                q = q.where(g.group_id.in_(list(groups)))
+            rows = conn.execute(q).all()
+            out: dict[str, GroupProjection] = {}
+            for row in rows:
+                mode = GroupMode(row.mode)
+                if mode is not GroupMode.OPEN and row.until is not None and row.until <= now:
+                    mode = GroupMode.OPEN  # the waiting floor has passed
+                out[row.group_id] = GroupProjection(
+                    group=row.group_id, mode=mode, until=row.until,
+                    sampled_at=row.sampled_at if row.sampled_at is not None else now,
+                    in_flight=self._live_slots(conn, row.group_id, now),
+                    limit=row.max_in_flight,
+                )
+        return out
+
+    def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
+        h = s.health.c
+        with self._read() as conn:
+            q = select(s.health)
+            if keys is not None:
+                q = q.where(h.key.in_(list(keys)))
+            return {row.key: _health(row) for row in conn.execute(q).all()}
+
+    def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float) -> bool:
+        """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window."""
+        h = s.health.c
+        with self._write() as conn:
+            conn.execute(
+                self._insert(s.health).values(
+                    key=key, kind="route", provider=provider, error_count=0, failure_counts="{}",
+                    updated_at=now,
+                ).on_conflict_do_nothing()
+            )
+            res = conn.execute(
+                s.health.update().where(
+                    h.key == key,
+                    or_(h.last_probe_at.is_(None), h.last_probe_at <= now - interval_s),
+                ).values(last_probe_at=now, updated_at=now)
+            )
+            return bool(res.rowcount == 1)
+
+    # -- provenance and events ------------------------------------------------------------
+
+    def record_provenance(self, run_id: str, fence: int, ref: str, content_hash: str,
+                          kind: str, now: float) -> None:
+        with self._write() as conn:
+            self._lock_run(conn, run_id, fence)
+            conn.execute(
+                self._insert(s.provenance).values(
+                    run_id=run_id, ref=ref, content_hash=content_hash, kind=kind, created_at=now,
+                ).on_conflict_do_nothing()
+            )
+
+    def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:
+        p = s.provenance.c
+        with self._read() as conn:
+            rows = conn.execute(select(p.ref, p.content_hash).where(p.run_id.in_(list(run_ids))))
+            out: dict[str, set[str]] = {}
+            for ref, h in rows:
+                out.setdefault(ref, set()).add(h)
+            return out
+
+    def append_event(self, run_id: str | None, attempt_id: str | None, kind: str,
+                     data: Mapping[str, Any], now: float, fence: int | None = None) -> None:
+        with self._write() as conn:
+            if run_id is not None and fence is not None:
+                self._lock_run(conn, run_id, fence)
+            self._event(conn, run_id, attempt_id, kind, data, now)
+
+    def _event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
+               data: Mapping[str, Any], now: float) -> None:
+        conn.execute(s.events.insert().values(
+            run_id=run_id, attempt_id=attempt_id, kind=kind,
+            data=json.dumps(dict(data), sort_keys=True, default=str), created_at=now,
+        ))
+
+    def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
+        e = s.events.c
+        with self._read() as conn:
+            q = select(s.events).where(e.run_id == run_id)
+            if kinds:
+                q = q.where(e.kind.in_(list(kinds)))
+            rows = conn.execute(q.order_by(e.event_id)).all()
+        return [EventRecord(r.event_id, r.run_id, r.attempt_id, r.kind, json.loads(r.data),
+                            r.created_at) for r in rows]
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get_attempt(self, attempt_id: str) -> AttemptRecord:
+        with self._read() as conn:
+            row = conn.execute(
+                select(s.attempts).where(s.attempts.c.attempt_id == attempt_id)
+            ).first()
+            if row is None:
+                raise NotFound(f"unknown attempt id {attempt_id!r}", attempt_id=attempt_id)
+            return self._attempt(conn, row)
+
+    def timeline(self, run_id: str) -> list[AttemptRecord]:
+        a = s.attempts.c
+        d = s.debits.c
+        with self._read() as conn:
+            if conn.execute(select(s.runs.c.run_id).where(s.runs.c.run_id == run_id)).first() is None:
+                raise NotFound(f"unknown run id {run_id!r}", run_id=run_id)
+            rows = conn.execute(
+                select(s.attempts, d.state.label("debit_state"))
+                .join(s.debits, d.debit_id == a.debit_id)
+                .where(a.run_id == run_id).order_by(a.seq)
+            ).all()
+        return [_attempt(row, row.debit_state) for row in rows]
+
+    def attempts(
+        self,
+        *,
+        route: str | None = None,
+        group: str | None = None,
+        state: str | None = None,
+        category: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        run_ids: Sequence[str] | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[AttemptRecord]:
+        """Attempts newest first, filtered; keyset pagination on (created_at, attempt_id)."""
+        if limit <= 0 or limit > 10_000:
+            raise InvalidArgument("limit must be between 1 and 10000", field="limit")
+        a = s.attempts.c
+        conds: list[Any] = []
+        if route is not None:
+            conds.append(a.route_id == route)
+        if group is not None:
+            conds.append(a.group_id == group)
+        if state is not None:
+            conds.append(a.state == state)
+        if category is not None:
+            conds.append(a.category == category)
+        if since is not None:
+            conds.append(a.created_at >= since)
+        if until is not None:
+            conds.append(a.created_at < until)
+        if run_ids is not None:
+            conds.append(a.run_id.in_(list(run_ids)))
+        if cursor:
+            try:
+                ts_text, last_id = cursor.split("|", 1)
+                ts = float(ts_text)
+            except ValueError as e:
+                raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
+                                      field="cursor") from e
+            conds.append(or_(a.created_at < ts, and_(a.created_at == ts, a.attempt_id < last_id)))
+        q = select(s.attempts).where(*conds).order_by(a.created_at.desc(), a.attempt_id.desc())
+        with self._read() as conn:
+            rows = conn.execute(q.limit(limit + 1)).all()
+        items = [_attempt(r, None) for r in rows[:limit]]
+        nxt = None
+        if len(rows) > limit:
+            last = rows[limit - 1]
+            nxt = f"{last.created_at!r}|{last.attempt_id}"
+        return Page(items, nxt)
+
+    def debit(self, debit_id: str) -> DebitRecord:
+        with self._read() as conn:
+            row = conn.execute(select(s.debits).where(s.debits.c.debit_id == debit_id)).first()
+        if row is None:
+            raise NotFound(f"unknown debit id {debit_id!r}", debit_id=debit_id)
+        return DebitRecord(row.debit_id, row.run_id, row.attempt_id, DebitState(row.state),
+                           from_micros(row.reserved_micros), from_micros(row.posted_micros),
+                           row.created_at, row.settled_at)
+
+    def _attempt(self, conn: Connection, row: Row[Any]) -> AttemptRecord:
+        dstate = conn.execute(
+            select(s.debits.c.state).where(s.debits.c.debit_id == row.debit_id)
+        ).scalar_one_or_none()
+        return _attempt(row, dstate)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _run(row: Row[Any]) -> RunRecord:
+    return RunRecord(
+        run_id=row.run_id,
+        parent_run_id=row.parent_run_id,
+        role=row.role,
+        tenant=row.tenant,
+        labels=json.loads(row.labels),
+        status=RunStatus(row.status),
+        plan=[Route.model_validate(x) for x in json.loads(row.plan)],
+        grant=Grant.model_validate(json.loads(row.run_grant)),
+        budget=Budget.model_validate(json.loads(row.budget)),
+        policy=json.loads(row.policy),
+        policy_hash=row.policy_hash,
+        selected_route=row.selected_route,
+        content_hash=row.content_hash,
+        deadline=row.deadline,
+        calls_used=row.calls_used,
+        retries_used=row.retries_used,
+        reserved=from_micros(row.reserved_micros),
+        posted=from_micros(row.posted_micros),
+        tokens_used=row.tokens_used,
+        carved_calls=row.carved_calls,
+        carved_retries=row.carved_retries,
+        carved=from_micros(row.carved_micros),
+        current_route=row.current_route,
+        current_profile=row.current_profile,
+        lease_holder=row.lease_holder,
+        fence=row.fence,
+        lease_expires_at=row.lease_expires_at,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def _attempt(row: Row[Any], debit_state: str | None) -> AttemptRecord:
+    return AttemptRecord(
+        attempt_id=row.attempt_id,
+        run_id=row.run_id,
+        turn_id=row.turn_id,
+        seq=row.seq,
+        kind=AttemptKind(row.kind),
+        route_id=row.route_id,
+        provider=row.provider,
+        model=row.model,
+        group_id=row.group_id,
+        profile_id=row.profile_id,
+        debit_id=row.debit_id,
+        envelope_hash=row.envelope_hash,
+        state=AttemptState(row.state),
+        reject_reason=row.reject_reason,
+        fact=FailureFact.model_validate_json(row.fact) if row.fact else None,
+        category=row.category,
+        http_status=row.http_status,
+        effective_output=bool(row.effective_output),
+        tool_started=bool(row.tool_started),
+        prompt_tokens=row.prompt_tokens,
+        completion_tokens=row.completion_tokens,
+        cost=from_micros(row.cost_micros) if row.cost_micros is not None else None,
+        reserved=from_micros(row.reserved_micros),
+        model_reported=row.model_reported,
+        output_hash=row.output_hash,
+        fence=row.fence,
+        executor=row.executor,
+        created_at=row.created_at,
+        settled_at=row.settled_at,
+        debit_state=DebitState(debit_state) if debit_state else None,
+    )
+
+
+def _health(row: Row[Any]) -> Health:
+    return Health(
+        key=row.key,
+        cooldown_until=row.cooldown_until,
+        disabled_until=row.disabled_until,
+        disabled_reason=row.disabled_reason,
+        error_count=row.error_count,
+        failure_counts=json.loads(row.failure_counts or "{}"),
+        last_failure_at=row.last_failure_at,
+        last_used=row.last_used,
+        last_probe_at=row.last_probe_at,
+    )

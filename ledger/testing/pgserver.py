@@ -1,0 +1,135 @@
+"""A throwaway PostgreSQL server on loopback, started from the installed server binaries.
+
+Used by the test suite, the benchmark and the soak test. Runs the server as the ``postgres``
+system user when the caller is root (PostgreSQL refuses to run as root).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def find_bindir() -> str | None:
+    """The directory holding ``initdb``/``pg_ctl``/``postgres``, or None when not installed."""
+    env = os.environ.get("LEDGER_PG_BINDIR")
+    if env and Path(env, "initdb").exists():
+        return env
+    cands = sorted(glob.glob("/usr/lib/postgresql/*/bin"),
+                   key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
+                   reverse=True)
+    for d in cands:
+        if Path(d, "initdb").exists() and Path(d, "postgres").exists():
+            return d
+    initdb = shutil.which("initdb")
+    if initdb and shutil.which("postgres"):
+        return str(Path(os.path.realpath(initdb)).parent)
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class PgServer:
+    """A running server; ``url(db)`` gives a psycopg URL for database ``db``."""
+
+    bindir: str
+    datadir: str
+    port: int
+    user: str = "postgres"
+    _as_user: str | None = None
+    _tmp: str | None = None
+    extra_conf: dict[str, str] = field(default_factory=dict)
+
+    def url(self, db: str = "postgres") -> str:
+        return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/{db}"
+
+    def _run(self, args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = args
+        if self._as_user:
+            cmd = ["runuser", "-u", self._as_user, "--", *args]
+        return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+    def start(self) -> None:
+        log = os.path.join(self.datadir, "server.log")
+        opts = " ".join(f"-c {k}={v}" for k, v in self.extra_conf.items())
+        res = self._run([
+            os.path.join(self.bindir, "pg_ctl"), "-D", self.datadir, "-l", log, "-w", "-t", "60",
+            "-o", f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1 {opts}",
+            "start",
+        ], check=False)
+        if res.returncode != 0:
+            text = Path(log).read_text() if Path(log).exists() else ""
+            raise RuntimeError(f"pg_ctl start failed: {res.stderr}\n{text[-2000:]}")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run([os.path.join(self.bindir, "pg_ctl"), "-D", self.datadir, "-m", mode, "-w",
+                   "stop"], check=False)
+
+    def restart(self, mode: str = "immediate") -> None:
+        self.stop(mode)
+        self.start()
+
+    def psql(self, sql: str, db: str = "postgres") -> str:
+        res = self._run([os.path.join(self.bindir, "psql"), "-h", "127.0.0.1", "-p",
+                         str(self.port), "-U", self.user, "-d", db, "-v", "ON_ERROR_STOP=1",
+                         "-Atc", sql])
+        return res.stdout
+
+    def cleanup(self) -> None:
+        self.stop("immediate")
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def start_server(*, durable: bool = False, max_connections: int = 200) -> PgServer:
+    """initdb a fresh cluster in a temp dir and start it on a free loopback port.
+
+    ``durable=False`` turns fsync off (tests: speed, nothing to protect); the benchmark passes
+    ``durable=True`` so commits cost what they cost in production.
+    """
+    bindir = find_bindir()
+    if bindir is None:
+        raise FileNotFoundError("PostgreSQL server binaries (initdb, postgres) are not installed")
+    tmp = tempfile.mkdtemp(prefix="ledger-pg-")
+    datadir = os.path.join(tmp, "data")
+    as_user = None
+    if os.geteuid() == 0:
+        as_user = "postgres"
+        pw = pwd.getpwnam(as_user)
+        os.chown(tmp, pw.pw_uid, pw.pw_gid)
+    os.chmod(tmp, 0o755)
+    srv = PgServer(bindir=bindir, datadir=datadir, port=free_port(), _as_user=as_user, _tmp=tmp)
+    res = srv._run([os.path.join(bindir, "initdb"), "-D", datadir, "-U", "postgres", "-A", "trust",
+                    "-E", "UTF8", "--no-locale"], check=False)
+    if res.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"initdb failed: {res.stderr}")
+    conf = {"max_connections": str(max_connections), "shared_buffers": "128MB"}
+    if not durable:
+        conf.update({"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"})
+    srv.extra_conf = conf
+    srv.start()
+    # pg_ctl -w returns once the server accepts connections; double-check over TCP.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return srv

@@ -1,0 +1,75 @@
+"""Shared fixtures: a real PostgreSQL server on loopback, and a ledger URL per backend.
+
+The server is started once per test session from the installed binaries; a migrated template
+database is cloned for each test (``CREATE DATABASE ... TEMPLATE``), which is fast and isolates
+tests. Without server binaries the PostgreSQL tests are skipped with a visible reason, unless
+``LEDGER_REQUIRE_POSTGRES=1``, in which case they fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from ledger.testing.pgserver import PgServer, find_bindir, start_server
+
+REQUIRE_PG = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
+_counter = itertools.count()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False, help="run the long soak test")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="soak test: run with --soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    if find_bindir() is None:
+        msg = ("PostgreSQL server binaries not installed (install Debian's 'postgresql' "
+               "package); PostgreSQL tests cannot run")
+        if REQUIRE_PG:
+            pytest.fail(msg + " and LEDGER_REQUIRE_POSTGRES=1")
+        pytest.skip(msg)
+    srv = start_server()
+    try:
+        srv.psql("CREATE DATABASE ledger_template")
+        from ledger.api import Ledger
+
+        Ledger.open(srv.url("ledger_template")).close()
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+def pg_url(pg_server: PgServer) -> str:
+    name = f"t_{os.getpid()}_{next(_counter)}"
+    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+    return pg_server.url(name)
+
+
+@pytest.fixture
+def pg_empty_url(pg_server: PgServer) -> str:
+    """A PostgreSQL database with no schema at all."""
+    name = f"e_{os.getpid()}_{next(_counter)}"
+    pg_server.psql(f"CREATE DATABASE {name}")
+    return pg_server.url(name)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    """A fresh ledger database URL, once per backend."""
+    if request.param == "sqlite":
+        return str(tmp_path) + "/ledger.db"  # a real file, not :memory:
+    return str(request.getfixturevalue("pg_url"))

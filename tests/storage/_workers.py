@@ -1,0 +1,95 @@
+"""Worker processes for the multi-process storage tests (run as ``python -m``).
+
+Each worker opens its own Ledger on the shared database and hammers one operation, printing one
+JSON line of counts. They use the real clock: the test checks invariants from what was recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from decimal import Decimal
+
+from ledger.api import Ledger
+from ledger.errors import (
+    AllowanceExhausted,
+    BudgetExceeded,
+    CapacityUnavailable,
+    DatabaseUnavailable,
+    FencedOut,
+)
+from ledger.records import Lease
+
+
+def budget_worker(url: str, run_id: str, fence: int, n: int, reserve: str) -> dict[str, int]:
+    """Begin+settle as fast as possible on one shared run until refused."""
+    led = Ledger.open(url, migrate_schema=False)
+    lease = Lease(run_id, "shared", fence, 0.0)
+    out = {"begun": 0, "budget": 0, "allowance": 0, "unavailable": 0}
+    for _ in range(n):
+        try:
+            att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve=reserve)
+        except BudgetExceeded:
+            out["budget"] += 1
+            continue
+        except AllowanceExhausted:
+            out["allowance"] += 1
+            continue
+        except DatabaseUnavailable:
+            out["unavailable"] += 1
+            continue
+        out["begun"] += 1
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost=Decimal(reserve))
+    led.close()
+    return out
+
+
+def group_worker(url: str, run_id: str, n: int) -> dict[str, int]:
+    """Own a run; begin attempts in a capacity-limited group, hold briefly, settle."""
+    led = Ledger.open(url, migrate_schema=False)
+    lease = led.acquire_lease(run_id, ttl_s=600)
+    out = {"begun": 0, "rejected": 0}
+    for _ in range(n):
+        try:
+            att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0")
+        except CapacityUnavailable:
+            out["rejected"] += 1
+            continue
+        out["begun"] += 1
+        # Hold the slot across a couple of reads, so holds overlap between processes.
+        led.group_projections(["g"])
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0")
+    led.close()
+    return out
+
+
+def stale_worker(url: str, run_id: str, fence: int, n: int) -> dict[str, int]:
+    """Write with a stale fence; every write must be refused."""
+    led = Ledger.open(url, migrate_schema=False)
+    lease = Lease(run_id, "stale", fence, 0.0)
+    out = {"refused": 0, "written": 0}
+    for _ in range(n):
+        try:
+            led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0")
+            out["written"] += 1
+        except FencedOut:
+            out["refused"] += 1
+        try:
+            led.reserve_retry(lease)
+            out["written"] += 1
+        except FencedOut:
+            out["refused"] += 1
+    led.close()
+    return out
+
+
+def migrate_worker(url: str) -> dict[str, int]:
+    Ledger.open(url).close()
+    return {"ok": 1}
+
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    fn = globals()[name + "_worker"]
+    conv = [int(a) if a.isdigit() else a for a in args]
+    print(json.dumps(fn(*conv)))

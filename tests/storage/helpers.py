@@ -1,0 +1,47 @@
+"""Small builders shared by the storage tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ledger.model import Budget, Grant, Route
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def routes() -> list[Route]:
+    return [
+        Route(id="a", provider="p1", model="m1", group="g", recipient="r1"),
+        Route(id="b", provider="p1", model="m2", group="g", recipient="r1"),
+        Route(id="c", provider="p2", model="m1", group="h", recipient="r2"),
+    ]
+
+
+def budget(calls: int = 10, retries: int = 3, cost: str = "1.00") -> Budget:
+    return Budget(max_calls=calls, max_retries=retries, max_cost=cost)  # type: ignore[arg-type]
+
+
+def grant() -> Grant:
+    return Grant(recipients={"r1": ["user_input", "model_derived"], "r2": ["user_input"]})
+
+
+def spawn(worker: str, *args: object) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.storage._workers", worker, *map(str, args)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def collect(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[dict[str, int]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"worker failed ({p.returncode}): {stderr[-3000:]}"
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out

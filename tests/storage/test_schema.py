@@ -1,0 +1,96 @@
+"""The migrations produce the declared schema; concurrent migration converges; bad databases."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+
+from ledger.api import Ledger
+from ledger.errors import DatabaseUnavailable, InvalidArgument, SchemaTooNew
+from ledger.storage.engine import normalize_url
+from ledger.storage.migrate import head_revision
+from ledger.storage.schema import metadata
+
+from .helpers import collect, spawn
+
+
+def _diff(url: str) -> list[object]:
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+            return list(compare_metadata(ctx, metadata))
+    finally:
+        eng.dispose()
+
+
+def test_upgrade_head_equals_declared_schema(db_url: str) -> None:
+    Ledger.open(db_url).close()
+    assert _diff(db_url) == []
+
+
+def test_reopen_is_a_no_op_and_records_head(db_url: str) -> None:
+    Ledger.open(db_url).close()
+    Ledger.open(db_url).close()
+    eng = create_engine(normalize_url(db_url))
+    with eng.connect() as conn:
+        assert MigrationContext.configure(conn).get_current_revision() == head_revision()
+        assert {"runs", "attempts", "debits", "capacity_groups", "group_slots", "health",
+                "events", "provenance"} <= set(inspect(conn).get_table_names())
+    eng.dispose()
+
+
+def test_newer_schema_is_refused_and_left_untouched(db_url: str) -> None:
+    Ledger.open(db_url).close()
+    eng = create_engine(normalize_url(db_url))
+    with eng.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfeed9999'"))
+    eng.dispose()
+    with pytest.raises(SchemaTooNew, match="upgrade the ledger package"):
+        Ledger.open(db_url)
+    eng = create_engine(normalize_url(db_url))
+    with eng.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == \
+            "f00dfeed9999"
+    eng.dispose()
+
+
+def test_sqlite_concurrent_migrations_converge(tmp_path: object) -> None:
+    url = f"{tmp_path}/many.db"
+    results = collect([spawn("migrate", url) for _ in range(6)])
+    assert results == [{"ok": 1}] * 6
+    assert _diff(url) == []
+    con = sqlite3.connect(url)
+    assert con.execute("SELECT count(*) FROM alembic_version").fetchone() == (1,)
+    con.close()
+
+
+@pytest.mark.postgres
+def test_postgres_concurrent_migrations_converge(pg_empty_url: str) -> None:
+    results = collect([spawn("migrate", pg_empty_url) for _ in range(6)])
+    assert results == [{"ok": 1}] * 6
+    assert _diff(pg_empty_url) == []
+
+
+def test_unopenable_urls_are_typed_errors(tmp_path: object) -> None:
+    with pytest.raises(DatabaseUnavailable, match="does not exist"):
+        Ledger.open(f"{tmp_path}/no/such/dir/x.db")
+    with pytest.raises(InvalidArgument, match="SQLite \\*file\\*"):
+        Ledger.open("sqlite://")
+    with pytest.raises(InvalidArgument, match="unsupported database backend"):
+        Ledger.open("mysql://u@h/db")
+    with pytest.raises(InvalidArgument, match="empty database URL"):
+        Ledger.open("")
+
+
+def test_unreachable_postgres_is_database_unavailable() -> None:
+    from ledger.testing.pgserver import free_port
+
+    url = f"postgresql+psycopg://nobody:secret@127.0.0.1:{free_port()}/x"
+    with pytest.raises(DatabaseUnavailable) as ei:
+        Ledger.open(url)
+    assert "secret" not in str(ei.value)
