@@ -1,0 +1,72 @@
+"""``ledger policy``: print the policy JSON schema, check a policy file, show a resolved policy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ledger.errors import PolicyError
+from ledger.policy.load import PRESETS, load_policy, policy_hash, policy_json_schema
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("policy", help="policy files: schema, check, show")
+    sub = p.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", required=True)
+
+    schema = sub.add_parser("schema", help="print the JSON schema of a policy file")
+    schema.set_defaults(func=_schema)
+
+    check = sub.add_parser("check", help="validate policy files (or preset names)")
+    check.add_argument("files", nargs="+", metavar="FILE", help=f"a path, or {', '.join(PRESETS)}")
+    check.set_defaults(func=_check)
+
+    show = sub.add_parser("show", help="print a policy as resolved JSON, with its hash")
+    show.add_argument("file", metavar="FILE", help=f"a path, or {', '.join(PRESETS)}")
+    show.set_defaults(func=_show)
+
+
+def schema_text() -> str:
+    """The schema exactly as published in ``docs/policy.schema.json``."""
+    return json.dumps(policy_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def _schema(args: argparse.Namespace) -> int:
+    sys.stdout.write(schema_text())
+    return 0
+
+
+def _report(e: PolicyError, source: str) -> None:
+    print(f"ledger: error: policy {e.file or source} is invalid", file=sys.stderr)
+    print(f"  file: {e.file or source}", file=sys.stderr)
+    for field, problem, fix in e.errors:
+        print(f"  field: {field}", file=sys.stderr)
+        print(f"    problem: {problem}", file=sys.stderr)
+        print(f"    fix: {fix}", file=sys.stderr)
+    if not e.errors:
+        print(f"  {e}", file=sys.stderr)
+
+
+def _check(args: argparse.Namespace) -> int:
+    status = 0
+    for source in args.files:
+        try:
+            policy = load_policy(source)
+        except PolicyError as e:
+            _report(e, source)
+            status = 2
+            continue
+        print(f"ok: {policy.name} {policy_hash(policy)}")
+    return status
+
+
+def _show(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.file)
+    except PolicyError as e:
+        _report(e, args.file)
+        return 2
+    out = {"hash": policy_hash(policy), "policy": policy.model_dump(mode="json")}
+    sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    return 0
