@@ -177,6 +177,28 @@ class PreflightResult:
         )
 
 
+def fresh_content_hash(part: Part) -> str:
+    """The part's hash recomputed from its current fields.
+
+    ``Part.content_hash`` is a cached property, and ``model_copy(update=...)`` copies the
+    instance dict, cache included: an edited copy would present the *original's* hash.
+    Rebuilding the part from its fields recomputes the hash, so a tampered copy cannot inherit
+    provenance through a stale cache.
+    """
+    return Part.model_validate(part.model_dump()).content_hash
+
+
+def _has_foreign_attributes(part: Part) -> bool:
+    """True when the instance carries attributes that are not Part fields.
+
+    ``Part`` forbids unknown fields on validation, but ``model_copy(update={"authorized": True})``
+    skips validation and plants the attribute anyway, invisible to the hash. Such a part is not
+    what the ledger recorded, so it is not covered, whatever its content.
+    """
+    known = set(Part.model_fields) | {"content_hash"}  # the cached hash lives in __dict__ too
+    return bool(set(vars(part)) - known)
+
+
 def part_coverage(part: Part, recorded: Mapping[str, Set[str]]) -> Coverage:
     """Whether the ledger recorded this part's producer with this exact content.
 
@@ -185,7 +207,7 @@ def part_coverage(part: Part, recorded: Mapping[str, Set[str]]) -> Coverage:
     """
     if part.provenance is None or part.provenance not in recorded:
         return Coverage.MISSING
-    if part.content_hash not in recorded[part.provenance]:
+    if _has_foreign_attributes(part) or fresh_content_hash(part) not in recorded[part.provenance]:
         return Coverage.MISMATCH
     return Coverage.OK
 
@@ -354,6 +376,7 @@ __all__ = [
     "PreflightResult",
     "RequestNeeds",
     "TokenCounter",
+    "fresh_content_hash",
     "narrow_grant",
     "needs_from_envelope",
     "part_coverage",
