@@ -209,6 +209,7 @@ def _default_transports() -> dict[Transport, Category]:
         Transport.READ_TIMEOUT: Category.TIMEOUT,
         Transport.STREAM_STALL: Category.TIMEOUT,
         Transport.FIRST_TOKEN_TIMEOUT: Category.TIMEOUT,
+        Transport.TOTAL_TIMEOUT: Category.TIMEOUT,
         Transport.TLS_ERROR: Category.TLS,
         Transport.MALFORMED_EVENT: Category.FORMAT,
     }
