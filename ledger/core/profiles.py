@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from enum import StrEnum
 
+from ledger.core.health import unavailable_until
 from ledger.model import Health, Profile
 from ledger.policy.model import ProfilePolicy
 
@@ -32,15 +33,12 @@ class Pin(StrEnum):
 
 
 def available_at(health: Health | None, now: float) -> float | None:
-    """When the key becomes usable again, or ``None`` if it is usable at ``now``.
+    """When the key becomes usable again, or ``None`` if it is usable at ``now`` (or unknown).
 
-    A key is usable again at exactly its ``until`` (the conformance rule), so an ``until`` equal
-    to ``now`` is already over. Cooldown and disable are independent; the later one decides.
+    A thin ``None``-tolerant wrapper over :func:`ledger.core.health.unavailable_until`, the one
+    definition of availability (usable again at exactly its ``until``).
     """
-    if health is None:
-        return None
-    ends = [t for t in (health.cooldown_until, health.disabled_until) if t is not None and now < t]
-    return max(ends) if ends else None
+    return None if health is None else unavailable_until(health, now)
 
 
 def usable(profile_id: str, health: Mapping[str, Health], now: float) -> bool:

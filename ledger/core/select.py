@@ -31,6 +31,7 @@ from typing import Any
 
 from ledger.core.envelope import Envelope
 from ledger.core.facts import FailureFact, Phase, Scope, Source
+from ledger.core.health import probe_eligible
 from ledger.core.preflight import (
     DEFAULT_TOKEN_COUNTER,
     NO_DENIALS,
@@ -309,15 +310,18 @@ class _Walk:
             return (Reason.ROUTE_COOLDOWN, f"cooling until {until:g}; too early to probe")
         h = self.inp.health.get(route.id)
         last = h.last_probe_at if h is not None else None
-        if last is not None and self.now - last > pp.ttl_s:
-            last = None  # probe state older than its TTL is forgotten
-        if last is not None and self.now - last < pp.interval_s:
-            return (
-                Reason.PROBE_THROTTLED,
-                f"cooling until {until:g}; last probe {self.now - last:g}s ago "
-                f"(< {pp.interval_s:g}s)",
-            )
-        return None
+        if last is not None and self.now - last >= pp.ttl_s:
+            last = None  # probe state past its TTL is forgotten
+        # The route cools either by its own key or because every profile cools; the probe rule
+        # reads one "available again at" time, so it is given exactly that.
+        state = Health(key=route.id, cooldown_until=until, last_probe_at=last)
+        if probe_eligible(state, self.now, self.policy):
+            return None
+        assert last is not None  # inside the margin, so only the throttle can refuse
+        return (
+            Reason.PROBE_THROTTLED,
+            f"cooling until {until:g}; last probe {self.now - last:g}s ago (< {pp.interval_s:g}s)",
+        )
 
     def health(self, cand: _Candidate) -> tuple[Profile | None, tuple[Reason, str] | None, bool]:
         """(profile to use, skip reason or None, probe?) for one candidate."""

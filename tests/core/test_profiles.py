@@ -28,7 +28,7 @@ PROFILES = [KEY, TOKEN, OAUTH]
 
 
 def h(key: str, **kw: float) -> Health:
-    return Health(key=key, **kw)  # type: ignore[arg-type]
+    return Health.model_validate({"key": key, **kw})
 
 
 def ids(ps: list[Profile]) -> list[str]:
