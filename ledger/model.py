@@ -12,7 +12,7 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ledger.core.facts import Protocol
 
@@ -100,13 +100,12 @@ class Budget(_Frozen):
     max_cost: Decimal
     max_tokens: int | None = None
 
-    @model_validator(mode="after")
-    def _non_negative(self) -> Budget:
-        for name in ("max_calls", "max_retries", "max_cost", "max_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0 (got {v}); set a non-negative bound")
-        return self
+    @field_validator("max_calls", "max_retries", "max_cost", "max_tokens")
+    @classmethod
+    def _non_negative(cls, v: Any) -> Any:
+        if v is not None and v < 0:
+            raise ValueError(f"must be >= 0 (got {v}); set a non-negative bound")
+        return v
 
 
 class GroupMode(StrEnum):

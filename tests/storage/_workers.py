@@ -6,6 +6,7 @@ JSON line of counts. They use the real clock: the test checks invariants from wh
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 from decimal import Decimal
@@ -44,8 +45,26 @@ def budget_worker(url: str, run_id: str, fence: int, n: int, reserve: str) -> di
     return out
 
 
-def group_worker(url: str, run_id: str, n: int) -> dict[str, int]:
-    """Own a run; begin attempts in a capacity-limited group, hold briefly, settle."""
+def _count(path: str, delta: int) -> None:
+    """Shared in-flight counter across processes: 'live peak' in a file under flock."""
+    with open(path, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        live, peak = (int(x) for x in (f.read().split() or ["0", "0"]))
+        live += delta
+        peak = max(peak, live)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{live} {peak}")
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def group_worker(url: str, run_id: str, n: int, counter: str) -> dict[str, int]:
+    """Own a run; begin attempts in a capacity-limited group, hold briefly, settle.
+
+    The holder counts itself in a shared counter after its begin committed and out before its
+    settle starts, so the counter never exceeds what the ledger counts: a peak above the limit
+    proves the ledger admitted too many.
+    """
     led = Ledger.open(url, migrate_schema=False)
     lease = led.acquire_lease(run_id, ttl_s=600)
     out = {"begun": 0, "rejected": 0}
@@ -56,8 +75,11 @@ def group_worker(url: str, run_id: str, n: int) -> dict[str, int]:
             out["rejected"] += 1
             continue
         out["begun"] += 1
-        # Hold the slot across a couple of reads, so holds overlap between processes.
-        led.group_projections(["g"])
+        _count(counter, +1)
+        # Hold the slot across a few reads, so holds overlap between processes.
+        for _ in range(4):
+            led.group_projections(["g"])
+        _count(counter, -1)
         led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0")
     led.close()
     return out
