@@ -1,0 +1,64 @@
+"""``ledger policy`` through the real entry point, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ledger(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ledger.cli.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+
+
+def test_schema_prints_the_published_schema() -> None:
+    r = _ledger("policy", "schema")
+    assert r.returncode == 0, r.stderr
+    schema = json.loads(r.stdout)
+    assert schema["title"] == "Policy"
+    assert r.stdout == (REPO / "docs" / "policy.schema.json").read_text(encoding="utf-8")
+
+
+def test_check_good_files_and_presets() -> None:
+    r = _ledger("policy", "check", str(REPO / "policies" / "fased.yaml"), "goclaw")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("ok: fased sha256:")
+    assert lines[1].startswith("ok: goclaw sha256:")
+
+
+def test_check_bad_file_names_file_field_and_fix(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: x\nsame_route_retry:\n  - categories: [overloaded]\n    max: 1\n"
+        "    delays_s: [2]\n    jitter: 1.5\n",
+        encoding="utf-8",
+    )
+    r = _ledger("policy", "check", str(bad))
+    assert r.returncode == 2
+    assert str(bad) in r.stderr
+    assert "same_route_retry[0].jitter" in r.stderr
+    assert "fix:" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_check_unknown_preset() -> None:
+    r = _ledger("policy", "check", "nosuch")
+    assert r.returncode == 2
+    assert "failure-domain" in r.stderr
+
+
+def test_show_prints_hash_and_policy() -> None:
+    r = _ledger("policy", "show", "failure-domain")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["hash"].startswith("sha256:") and out["policy"]["name"] == "failure-domain"

@@ -1,0 +1,209 @@
+"""Policy files: presets load, bad input is refused with the file, the field path and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ledger.cli.policy_cmd import schema_text
+from ledger.errors import PolicyError
+from ledger.policy.load import (
+    PRESETS,
+    apply_overrides,
+    default_policy,
+    load_policy,
+    policy_hash,
+    policy_json_schema,
+    preset,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "policy.yaml"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def _error(path: Path) -> PolicyError:
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    return info.value
+
+
+def _only(err: PolicyError, field: str) -> tuple[str, str, str]:
+    matching = [e for e in err.errors if e[0] == field]
+    assert matching, f"no error for {field}: {err.errors}"
+    return matching[0]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load_and_turn_failover_on(name: str) -> None:
+    policy = preset(name)
+    assert policy.name == name
+    assert policy.failover.enabled
+    assert load_policy(REPO / "policies" / f"{name}.yaml") == policy
+
+
+def test_default_is_failure_domain() -> None:
+    assert default_policy().name == "failure-domain"
+    assert default_policy().classification.text == []
+
+
+def test_hash_is_stable_and_content_sensitive() -> None:
+    a = policy_hash(preset("goclaw"))
+    assert a == policy_hash(load_policy(REPO / "policies" / "goclaw.yaml"))
+    assert a.startswith("sha256:") and len(a) == 71
+    assert len({policy_hash(preset(n)) for n in PRESETS}) == len(PRESETS)
+    changed = apply_overrides(preset("goclaw"), {"failover_enabled": False})
+    assert policy_hash(changed) != a
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, "name: x\nfailover:\n  enabeld: true\n")
+    err = _error(path)
+    assert err.file == str(path)
+    _, problem, fix = _only(err, "failover.enabeld")
+    assert "unknown key" in problem
+    assert "enabled" in fix and "remove" in fix
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    err = _error(_write(tmp_path, "name: x\nprobe:\n  max_keys: lots\n"))
+    _, problem, fix = _only(err, "probe.max_keys")
+    assert "wrong type" in problem and "whole number" in fix
+
+
+def test_negative_duration(tmp_path: Path) -> None:
+    err = _error(_write(tmp_path, "name: x\nfailover:\n  group_fact_max_age_s: -5\n"))
+    _, problem, fix = _only(err, "failover.group_fact_max_age_s")
+    assert "-5" in problem and ">= 0" in fix
+
+
+def test_negative_delay_in_list(tmp_path: Path) -> None:
+    text = "name: x\nsame_route_retry:\n  - categories: [overloaded]\n    max: 1\n"
+    text += "    delays_s: [-1]\n"
+    err = _error(_write(tmp_path, text))
+    _only(err, "same_route_retry[0].delays_s[0]")
+
+
+@pytest.mark.parametrize("jitter", ["1.0", "-0.1", "1.5"])
+def test_jitter_outside_unit_interval(tmp_path: Path, jitter: str) -> None:
+    text = "name: x\nsame_route_retry:\n  - categories: [overloaded]\n    max: 1\n"
+    text += f"    delays_s: [2]\n    jitter: {jitter}\n"
+    err = _error(_write(tmp_path, text))
+    _, problem, fix = _only(err, "same_route_retry[0].jitter")
+    assert "[0, 1)" in problem and "0.2" in fix
+    assert str(err.file).endswith("policy.yaml")
+    assert "same_route_retry[0].jitter" in str(err)
+
+
+def test_retry_max_beyond_delays(tmp_path: Path) -> None:
+    text = "name: x\nsame_route_retry:\n  - categories: [overloaded]\n    max: 3\n"
+    text += "    delays_s: [2, 6]\n"
+    _, problem, fix = _only(_error(_write(tmp_path, text)), "same_route_retry[0].max")
+    assert "2 delay" in problem and "delays_s" in fix
+
+
+def test_empty_required_lists(tmp_path: Path) -> None:
+    err = _error(_write(tmp_path, "name: x\nmoves_on:\n  - categories: []\n"))
+    _, _, fix = _only(err, "moves_on[0].categories")
+    assert "at least one" in fix
+    err = _error(
+        _write(
+            tmp_path, "name: x\nclassification:\n  text:\n    - {category: auth, patterns: []}\n"
+        )
+    )
+    _only(err, "classification.text[0].patterns")
+
+
+def test_category_both_cools_and_disables(tmp_path: Path) -> None:
+    text = "name: x\nhealth:\n  cooldown_categories: [billing]\n  disables:\n"
+    text += "    - categories: [billing]\n"
+    _, problem, _ = _only(_error(_write(tmp_path, text)), "health.disables[0].categories")
+    assert "billing" in problem
+
+
+def test_cap_below_base(tmp_path: Path) -> None:
+    text = "name: x\nhealth:\n  cooldown: {base_s: 600, cap_s: 60}\n"
+    _only(_error(_write(tmp_path, text)), "health.cooldown.cap_s")
+
+
+def test_unknown_preset_lists_valid_ones() -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy("gocalw")
+    assert all(name in str(info.value) for name in PRESETS)
+    with pytest.raises(PolicyError):
+        preset("nope")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path / "absent.yaml")
+    assert info.value.file == str(tmp_path / "absent.yaml")
+
+
+def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "name: x\nfailover: [unclosed\n")
+    err = _error(path)
+    assert err.file == str(path)
+    assert "line" in str(err) and err.errors
+    assert isinstance(err.__cause__, Exception)
+
+
+def test_duplicate_key_refused(tmp_path: Path) -> None:
+    err = _error(_write(tmp_path, "name: x\nname: y\n"))
+    assert "duplicate key" in str(err)
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "42\n"])
+def test_not_a_mapping(tmp_path: Path, text: str) -> None:
+    err = _error(_write(tmp_path, text))
+    assert err.errors[0][0] == "<root>" and "mapping" in str(err)
+
+
+def test_overrides_map_onto_the_model() -> None:
+    p = apply_overrides(
+        preset("fased"),
+        {
+            "failover_enabled": False,
+            "group_fact_max_age_s": 5,
+            "auth_order": {"anthropic": ["anthropic:b", "anthropic:a"]},
+            "billing_backoff_hours": 1,
+            "billing_backoff_hours_by_provider": {"openai": 2},
+            "billing_max_hours": 3,
+            "failure_window_s": 7,
+        },
+    )
+    assert not p.failover.enabled
+    assert p.failover.group_fact_max_age_s == 5
+    assert p.profiles.auth_order == {"anthropic": ["anthropic:b", "anthropic:a"]}
+    rule = p.health.disables[0]
+    assert (rule.base_s, rule.cap_s, rule.base_s_by_provider) == (3600, 10800, {"openai": 7200})
+    assert p.health.failure_window_s == 7
+
+
+def test_billing_override_adds_a_disable_where_billing_only_cooled() -> None:
+    p = apply_overrides(preset("goclaw"), {"billing_backoff_hours": 2})
+    assert "billing" not in p.health.cooldown_categories
+    assert p.health.disables[0].base_s == 7200
+
+
+def test_bad_overrides_are_policy_errors() -> None:
+    with pytest.raises(PolicyError) as info:
+        apply_overrides(preset("goclaw"), {"failover": False})
+    assert "failover_enabled" in str(info.value)
+    with pytest.raises(PolicyError) as info:
+        apply_overrides(preset("goclaw"), {"group_fact_max_age_s": -1})
+    assert info.value.errors[0][0] == "failover.group_fact_max_age_s"
+
+
+def test_published_schema_is_current() -> None:
+    committed = (REPO / "docs" / "policy.schema.json").read_text(encoding="utf-8")
+    assert committed == schema_text(), (
+        "regenerate with: ledger policy schema > docs/policy.schema.json"
+    )
+    assert json.loads(committed) == policy_json_schema()
