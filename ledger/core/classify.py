@@ -205,10 +205,15 @@ def _move(policy: Policy, category: Category, phase: Phase) -> Scope | None:
     return None
 
 
+def _clean(text: str) -> str:
+    # JSON escapes can carry lone surrogates, which no database encoding accepts.
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
 def _evidence(text: str | None, limit: int) -> str | None:
     if not text:
         return None
-    short = " ".join(text[: limit * 4].split())
+    short = " ".join(_clean(text[: limit * 4]).split())
     short = _SECRET.sub("[redacted]", short)
     return short[:limit] or None
 
@@ -228,6 +233,8 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
     category, code = _category(obs, cls, err, text)
     if code is None and err.fields:
         code = next(iter(err.fields.values()))
+    if code is not None:
+        code = _clean(code)
     scope = _move(policy, category, phase)
     resubmit = resubmittable(obs, phase, policy.failover)
     return FailureFact(

@@ -186,3 +186,11 @@ def test_gemini_retry_info_forms() -> None:
     assert (
         classify(_obs(status=503, body=body("8s"), protocol="openai"), GOCLAW).retry_after_s is None
     )
+
+
+def test_lone_surrogates_never_reach_the_fact() -> None:
+    body = '{"error": {"code": "bad\\ud800", "message": "oops \\udfff"}}'
+    fact = classify(_obs(status=500, body=body, protocol="openai"), FD)
+    assert fact.provider_code is not None and fact.message is not None
+    fact.provider_code.encode("utf-8")
+    fact.message.encode("utf-8")
