@@ -1,1 +1,59 @@
-"""Provider adapters on httpx that turn every outcome into an observation."""
+"""Provider adapters on httpx that turn every outcome into an observation.
+
+One engine (:class:`HttpAdapter`, and its blocking facade :class:`SyncAdapter`) sends on any route
+whose protocol has a registered codec; the three shipped codecs register themselves on import.
+See ``docs/adapters.md``.
+"""
+
+from ledger.adapters import anthropic as anthropic
+from ledger.adapters import gemini as gemini
+from ledger.adapters import openai as openai
+from ledger.adapters.base import (
+    AdapterResult,
+    ClientRegistry,
+    Codec,
+    EventCallback,
+    HttpAdapter,
+    Reset,
+    StreamEvent,
+    SyncAdapter,
+    TextDelta,
+    ToolCall,
+    ToolCallProposal,
+    Usage,
+    codec_for,
+    map_transport_error,
+    register_codec,
+)
+from ledger.adapters.secrets import (
+    EnvSecretProvider,
+    SecretProvider,
+    StaticSecretProvider,
+    env_var_name,
+    redact,
+)
+
+__all__ = [
+    "AdapterResult",
+    "ClientRegistry",
+    "Codec",
+    "EnvSecretProvider",
+    "EventCallback",
+    "HttpAdapter",
+    "Reset",
+    "SecretProvider",
+    "StaticSecretProvider",
+    "StreamEvent",
+    "SyncAdapter",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallProposal",
+    "Usage",
+    "anthropic",
+    "codec_for",
+    "env_var_name",
+    "gemini",
+    "map_transport_error",
+    "redact",
+    "register_codec",
+]

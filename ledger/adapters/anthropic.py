@@ -1,0 +1,306 @@
+"""Anthropic messages (``POST {endpoint}/v1/messages``).
+
+``Route.endpoint`` is the API root (``https://api.anthropic.com``); an endpoint ending in ``/v1``
+gets ``/messages``, one ending in ``/v1/messages`` is used as is. The credential goes in
+``x-api-key``; ``anthropic-version`` is sent as :data:`ANTHROPIC_VERSION`.
+
+Envelope mapping: every ``system`` part goes, in order, into the top-level ``system`` text.
+Other parts become content blocks of alternating ``user``/``assistant`` messages (consecutive
+parts of one role are merged): an assistant part with ``tool_call_id`` is a ``tool_use`` block
+(``name``, JSON-object ``content`` as ``input``), a ``tool`` part a ``tool_result`` block in a user
+message. A trailing assistant part is Anthropic's native prefill: the answer continues it, and the
+result's text is the continuation only. ``max_tokens`` is required by the API:
+``max_output_tokens`` or ``default_max_tokens`` (4096). The ``stop`` parameter is sent as
+``stop_sequences``.
+
+Stream completion: ``message_stop`` terminates. A body that ends cleanly without it is complete
+only if a ``message_delta`` carried a ``stop_reason``. An ``error`` event is a provider failure in
+mid-stream, reported with its body (e.g. ``overloaded_error``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ledger.adapters.base import (
+    Codec,
+    MalformedPayload,
+    ProviderErrorPayload,
+    Reply,
+    StreamEvent,
+    StreamState,
+    TextDelta,
+    ToolCall,
+    ToolCallProposal,
+    Usage,
+    WireRequest,
+    check_params,
+    join_url,
+    optional_str,
+    parse_json_event,
+    register_codec,
+    require_object,
+    token_count,
+    tool_arguments,
+)
+from ledger.adapters.sse import SSEEvent
+from ledger.core.envelope import Envelope
+from ledger.core.facts import Protocol as WireProtocol
+from ledger.errors import InvalidArgument
+from ledger.model import Route
+
+ANTHROPIC_VERSION = "2023-06-01"
+
+_RESERVED = {"model", "messages", "system", "tools", "stream", "max_tokens"}
+
+
+def _usage(value: Any, previous: Usage | None = None) -> Usage | None:
+    if value is None:
+        return previous
+    u = require_object(value, "usage")
+    # Cached prompt tokens are prompt tokens too; they are billed, at their own rates.
+    prompt_keys = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    has_prompt = any(u.get(k) is not None for k in prompt_keys)
+    prompt = sum(token_count(u.get(k), f"usage.{k}") for k in prompt_keys)
+    completion = token_count(u.get("output_tokens"), "usage.output_tokens")
+    if previous is not None:
+        # message_delta usage is cumulative and may omit the prompt side.
+        if not has_prompt:
+            prompt = previous.prompt_tokens
+        if u.get("output_tokens") is None:
+            completion = previous.completion_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _error(data: dict[str, Any]) -> ProviderErrorPayload:
+    err = data.get("error")
+    kind = err.get("type") if isinstance(err, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else None
+    return ProviderErrorPayload(
+        f"provider error {kind or ''}: {str(msg)[:200] if msg else 'no message'}".replace(
+            "  ", " "
+        ),
+        json.dumps(data),
+    )
+
+
+class AnthropicCodec(Codec):
+    protocol = WireProtocol.ANTHROPIC
+
+    def __init__(self, *, default_max_tokens: int = 4096) -> None:
+        self.default_max_tokens = default_max_tokens
+
+    @staticmethod
+    def url(endpoint: str) -> str:
+        e = endpoint.rstrip("/")
+        if e.endswith("/v1/messages"):
+            return e
+        if e.endswith("/v1"):
+            return join_url(e, "messages")
+        return join_url(e, "v1/messages")
+
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        assert route.endpoint is not None  # checked by the engine before building
+        system: list[str] = []
+        messages: list[dict[str, Any]] = []
+
+        def add(role: str, block: dict[str, Any]) -> None:
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"].append(block)
+            else:
+                messages.append({"role": role, "content": [block]})
+
+        for i, part in enumerate(envelope.parts):
+            where = f"envelope.parts[{i}]"
+            if part.role == "system":
+                system.append(part.content)
+            elif part.role == "tool":
+                if not part.tool_call_id:
+                    raise InvalidArgument(
+                        "a tool part needs tool_call_id= (the tool_use it answers)", field=where
+                    )
+                add(
+                    "user",
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": part.tool_call_id,
+                        "content": part.content,
+                    },
+                )
+            elif part.role == "assistant" and part.tool_call_id:
+                if not part.name:
+                    raise InvalidArgument(
+                        "an assistant tool-call part needs name= (the tool's name)", field=where
+                    )
+                add(
+                    "assistant",
+                    {
+                        "type": "tool_use",
+                        "id": part.tool_call_id,
+                        "name": part.name,
+                        "input": tool_arguments(part.content, where),
+                    },
+                )
+            else:
+                add(part.role, {"type": "text", "text": part.content})
+        if not messages:
+            raise InvalidArgument(
+                "an Anthropic request needs at least one user or assistant part besides system",
+                field="envelope.parts",
+            )
+        params = dict(envelope.params)
+        check_params(route, params, _RESERVED)
+        if "stop" in params:
+            stop = params.pop("stop")
+            params["stop_sequences"] = [stop] if isinstance(stop, str) else stop
+        body: dict[str, Any] = {
+            "model": route.model,
+            "max_tokens": envelope.max_output_tokens or self.default_max_tokens,
+            "messages": messages,
+        }
+        if system:
+            body["system"] = "\n\n".join(system)
+        body.update(params)
+        if envelope.tools:
+            body["tools"] = [
+                {
+                    "name": t.name,
+                    "description": t.description,
+                    "input_schema": t.parameters or {"type": "object", "properties": {}},
+                }
+                for t in envelope.tools
+            ]
+        headers = {
+            "content-type": "application/json",
+            "anthropic-version": ANTHROPIC_VERSION,
+            "accept": "text/event-stream" if envelope.stream else "application/json",
+        }
+        if envelope.stream:
+            body["stream"] = True
+        return WireRequest(url=self.url(route.endpoint), headers=headers, body=body)
+
+    def auth_headers(self, secret: str) -> dict[str, str]:
+        return {"x-api-key": secret}
+
+    def parse_reply(self, data: Any) -> Reply:
+        obj = require_object(data, "response body")
+        if obj.get("type") == "error" or ("error" in obj and "content" not in obj):
+            raise _error(obj)
+        content = obj.get("content")
+        if not isinstance(content, list):
+            raise MalformedPayload("content is not a list")
+        text: list[str] = []
+        calls: list[ToolCall] = []
+        for j, raw in enumerate(content):
+            block = require_object(raw, f"content[{j}]")
+            kind = block.get("type")
+            if kind == "text":
+                text.append(optional_str(block.get("text"), "text") or "")
+            elif kind == "tool_use":
+                name = optional_str(block.get("name"), "tool_use.name")
+                if not name:
+                    raise MalformedPayload(f"content[{j}] tool_use has no name")
+                calls.append(
+                    ToolCall(
+                        id=optional_str(block.get("id"), "tool_use.id") or f"toolu_{j}",
+                        name=name,
+                        arguments_json=json.dumps(block.get("input") or {}),
+                    )
+                )
+            # thinking and other block types are not part of the answer text
+        return Reply(
+            text="".join(text),
+            tool_calls=calls,
+            usage=_usage(obj.get("usage")),
+            model=optional_str(obj.get("model"), "model"),
+            finish_reason=optional_str(obj.get("stop_reason"), "stop_reason"),
+        )
+
+    def new_stream(self) -> StreamState:
+        return _AnthropicStream()
+
+
+class _AnthropicStream(StreamState):
+    def __init__(self) -> None:
+        super().__init__()
+        self._tools: dict[int, list[Any]] = {}  # index -> [id, name, json pieces]
+
+    def feed(self, event: SSEEvent) -> list[StreamEvent]:
+        data = parse_json_event(event)
+        kind = data.get("type", event.event)
+        out: list[StreamEvent] = []
+        if kind == "error":
+            raise _error(data)
+        if kind == "message_start":
+            msg = require_object(data.get("message"), "message_start.message")
+            self.model = optional_str(msg.get("model"), "message.model") or self.model
+            self.usage = _usage(msg.get("usage"), self.usage)
+        elif kind == "content_block_start":
+            index = self._index(data)
+            block = require_object(data.get("content_block"), "content_block")
+            if block.get("type") == "tool_use":
+                name = optional_str(block.get("name"), "tool_use.name")
+                if not name:
+                    raise MalformedPayload("tool_use block has no name")
+                tid = optional_str(block.get("id"), "tool_use.id") or f"toolu_{index}"
+                self._tools[index] = [tid, name, []]
+                self.content_seen = True
+            elif block.get("type") == "text":
+                text = optional_str(block.get("text"), "text") or ""
+                if text:
+                    self.content_seen = True
+                    self.text_parts.append(text)
+                    out.append(TextDelta(text))
+        elif kind == "content_block_delta":
+            index = self._index(data)
+            delta = require_object(data.get("delta"), "content_block_delta.delta")
+            dkind = delta.get("type")
+            if dkind == "text_delta":
+                text = optional_str(delta.get("text"), "text_delta.text") or ""
+                if text:
+                    self.content_seen = True
+                    self.text_parts.append(text)
+                    out.append(TextDelta(text))
+            elif dkind == "input_json_delta":
+                if index not in self._tools:
+                    raise MalformedPayload(f"input_json_delta for block {index} without tool_use")
+                piece = optional_str(delta.get("partial_json"), "partial_json") or ""
+                self._tools[index][2].append(piece)
+                self.content_seen = True
+        elif kind == "content_block_stop":
+            index = self._index(data)
+            slot = self._tools.pop(index, None)
+            if slot is not None:
+                out.append(self._proposal(slot))
+        elif kind == "message_delta":
+            delta = require_object(data.get("delta") or {}, "message_delta.delta")
+            stop = optional_str(delta.get("stop_reason"), "stop_reason")
+            if stop:
+                self.finish_reason = stop
+                self.completed = True
+            self.usage = _usage(data.get("usage"), self.usage)
+        elif kind == "message_stop":
+            self.terminated = True
+        # "ping" and event types added later are ignored, as the API documentation asks.
+        return out
+
+    def _proposal(self, slot: list[Any]) -> ToolCallProposal:
+        tid, name, pieces = slot
+        args = "".join(pieces) or "{}"
+        call = ToolCall(id=tid, name=name, arguments_json=args)
+        self.tool_calls.append(call)
+        return ToolCallProposal(call)
+
+    @staticmethod
+    def _index(data: dict[str, Any]) -> int:
+        index = data.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise MalformedPayload(f"{data.get('type')} has no integer index")
+        return index
+
+
+CODEC = AnthropicCodec()
+register_codec(CODEC)
+
+__all__ = ["ANTHROPIC_VERSION", "CODEC", "AnthropicCodec"]

@@ -1,0 +1,1203 @@
+"""The adapter contract and the one httpx engine behind all three protocols.
+
+An adapter call sends one request on one route and reports exactly what happened. It never raises
+for a provider or transport failure: every failure comes back as an :class:`AdapterResult` with
+``ok=False`` and an :class:`~ledger.core.facts.Observation` (transport kind, phase, status,
+effective output, redacted evidence). Only misuse (a route without an endpoint, a profile without a
+secret, ...) raises a typed :mod:`ledger.errors` error, and always before anything is sent.
+Cancellation by the caller (``asyncio.CancelledError``) and exceptions raised by the caller's own
+``on_event`` callback propagate unchanged: they are the caller's facts, not the provider's.
+
+The engine owns no retries: httpx transports are built with ``retries=0`` and nothing here loops.
+The Run is the only retry owner.
+
+Transport mapping. Phases follow how far the request got, which httpcore's ``trace`` extension
+tells us exactly (``send_request_headers.started`` = the first request byte was handed to the
+socket; ``receive_response_headers.complete`` = a status line and headers arrived):
+
+=====================================  ==============================  ======================
+what happened                          transport kind                  phase
+=====================================  ==============================  ======================
+ConnectError caused by socket.gaierror dns_failure                     before_send
+ConnectError caused by ssl.SSLError    tls_error                       before_send
+ConnectError caused by ECONNREFUSED    connect_refused                 before_send
+ConnectError: reset / EOF in handshake connection_reset                before_send
+ConnectError, other OSError            connect_refused                 before_send
+ConnectTimeout, PoolTimeout            connect_timeout                 before_send
+ReadError before headers               connection_reset                after_send
+RemoteProtocolError before headers,    connection_reset                after_send
+  server closed without a response
+RemoteProtocolError before headers,    protocol_error                  after_send
+  unparsable response
+ReadTimeout before headers             read_timeout                    after_send
+WriteTimeout (request partly written)  read_timeout                    after_send
+ReadError / peer closed mid-body       stream_cut                      mid_stream
+RemoteProtocolError mid-body, other    protocol_error                  mid_stream
+ReadTimeout mid-body                   stream_stall                    mid_stream
+no byte for idle_timeout_s mid-body    stream_stall                    mid_stream
+no content by first_token_timeout_s    first_token_timeout             after_headers, or
+  (streaming only)                                                     after_send before them
+total_timeout_s ran out                total_timeout                   how far it got
+clean end without completion signal    stream_cut                      mid_stream
+event not parsable / wrong shape       malformed_event                 mid_stream (stream),
+                                                                       after_headers (body)
+error event inside a stream            (none; status 200, body)        mid_stream
+HTTP status >= 300                     (none; status, headers, body)   after_headers
+=====================================  ==============================  ======================
+
+"After send" is conservative on purpose: once a request byte may have reached the peer, the
+request may have executed (DESIGN invariant 6), so nothing is reported as ``before_send`` then.
+A ``before_send`` phase with a transport kind is a promise that the request never left.
+
+Streaming rules (see :meth:`HttpAdapter.send`): a stream succeeds only when the protocol's
+terminator was seen (OpenAI ``data: [DONE]``, Anthropic ``message_stop``) or, when the HTTP body
+ended cleanly without it, the protocol's own completion signal was (OpenAI ``finish_reason`` on
+every choice, Anthropic ``message_delta.stop_reason``, Gemini ``finishReason``). Anything else is a
+failure, and when text or a tool-call proposal was already delivered the failure carries
+``effective_output=True`` and the callback receives a :class:`Reset`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import socket
+import ssl
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, ClassVar, TypeAlias
+from urllib.parse import urlsplit
+
+import httpx
+
+from ledger.adapters.secrets import (
+    EVIDENCE_CAP_BYTES,
+    EnvSecretProvider,
+    SecretProvider,
+    cap_text,
+    evidence_excerpt,
+    redact,
+)
+from ledger.adapters.sse import SSEError, SSEEvent, SSEParser
+from ledger.core.envelope import Envelope
+from ledger.core.facts import Observation, Phase, Transport
+from ledger.core.facts import Protocol as WireProtocol
+from ledger.errors import InvalidArgument
+from ledger.model import Route
+from ledger.policy.model import StreamingPolicy
+
+log = logging.getLogger("ledger.adapters")
+
+# An error body is read up to this many bytes; the classifier needs its head, not megabytes.
+_ERROR_BODY_READ_CAP = 64 * 1024
+# After a stream's terminator, the rest of the body is drained this long at most, so the
+# connection can go back to the pool without holding a finished answer hostage.
+_DRAIN_AFTER_TERMINATOR_S = 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Results and events
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call the model proposed. ``arguments_json`` is the model's text, verbatim."""
+
+    id: str
+    name: str
+    arguments_json: str = "{}"
+
+    @property
+    def arguments(self) -> dict[str, Any] | None:
+        """The arguments as an object, or ``None`` when the model's JSON is not an object."""
+        try:
+            value = json.loads(self.arguments_json or "{}")
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """A piece of streamed answer text."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallProposal:
+    """A complete tool-call proposal (delivered once its arguments are complete)."""
+
+    call: ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """Everything delivered so far for this call must be discarded: it is not an answer.
+
+    ``reason`` is the transport kind (or ``provider_error``) that ended the stream.
+    """
+
+    reason: str
+
+
+StreamEvent: TypeAlias = TextDelta | ToolCallProposal | Reset
+EventCallback: TypeAlias = Callable[[StreamEvent], Awaitable[None] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterResult:
+    """The outcome of one physical call.
+
+    On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
+    whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
+    ``usage`` and ``cost`` are ``None`` when the provider reported no usage.
+    """
+
+    ok: bool
+    route_id: str
+    text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage | None = None
+    model_reported: str | None = None
+    cost: Decimal | None = None
+    finish_reason: str | None = None
+    observation: Observation | None = None
+    effective_output: bool = False
+    http_status: int | None = None
+    evidence: str | None = None
+    partial_text: str = ""
+    request_id: str | None = None
+    elapsed_s: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# What a protocol codec provides: pure request building and response parsing
+
+
+@dataclass(frozen=True, slots=True)
+class WireRequest:
+    url: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Reply:
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    usage: Usage | None = None
+    model: str | None = None
+    finish_reason: str | None = None
+
+
+class MalformedPayload(ValueError):
+    """A body or event that does not have the protocol's shape."""
+
+
+class ProviderErrorPayload(Exception):
+    """The provider answered with an error object (in a stream, or in a 2xx body)."""
+
+    def __init__(self, message: str, body: str) -> None:
+        super().__init__(message)
+        self.body = body
+
+
+def require_object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise MalformedPayload(f"{what} is not a JSON object")
+    return value
+
+
+def optional_str(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise MalformedPayload(f"{what} is not a string")
+
+
+def token_count(value: Any, what: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedPayload(f"{what} is not a token count")
+    return value
+
+
+class StreamState(ABC):
+    """Accumulates one protocol's stream; :meth:`feed` returns the events to deliver."""
+
+    def __init__(self) -> None:
+        self.text_parts: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.usage: Usage | None = None
+        self.model: str | None = None
+        self.finish_reason: str | None = None
+        self.terminated = False  # the protocol's terminator arrived
+        self.completed = False  # the protocol's completion signal arrived
+        self.content_seen = False  # any text or tool-call fragment (stops the first-token clock)
+
+    @abstractmethod
+    def feed(self, event: SSEEvent) -> list[StreamEvent]:
+        """Consume one SSE event. Raises MalformedPayload or ProviderErrorPayload."""
+
+    def end(self) -> list[StreamEvent]:
+        """The body ended (or the terminator arrived): flush anything complete."""
+        return []
+
+    def reply(self) -> Reply:
+        return Reply(
+            text="".join(self.text_parts),
+            tool_calls=list(self.tool_calls),
+            usage=self.usage,
+            model=self.model,
+            finish_reason=self.finish_reason,
+        )
+
+
+def parse_json_event(event: SSEEvent) -> dict[str, Any]:
+    try:
+        value = json.loads(event.data)
+    except ValueError as exc:
+        raise MalformedPayload(f"event data is not JSON: {exc}") from exc
+    return require_object(value, "event data")
+
+
+class Codec(ABC):
+    """One wire protocol: pure functions from an Envelope to a request, and back from bytes."""
+
+    protocol: ClassVar[WireProtocol]
+
+    @abstractmethod
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        """URL, non-secret headers and JSON body. Raises InvalidArgument on misuse."""
+
+    @abstractmethod
+    def auth_headers(self, secret: str) -> dict[str, str]:
+        """The headers that carry the credential (never the URL: URLs end up in logs)."""
+
+    @abstractmethod
+    def parse_reply(self, data: Any) -> Reply:
+        """A non-streaming body. Raises MalformedPayload or ProviderErrorPayload."""
+
+    @abstractmethod
+    def new_stream(self) -> StreamState: ...
+
+
+_CODECS: dict[WireProtocol, Codec] = {}
+
+
+def register_codec(codec: Codec) -> None:
+    """Make ``codec`` the one used for routes of ``codec.protocol``."""
+    _CODECS[codec.protocol] = codec
+
+
+def codec_for(protocol: WireProtocol) -> Codec:
+    try:
+        return _CODECS[protocol]
+    except KeyError:
+        raise InvalidArgument(
+            f"no adapter for protocol {protocol.value!r}; set Route.protocol to one of "
+            f"{sorted(p.value for p in _CODECS)} or register a codec with register_codec()",
+            field="route.protocol",
+        ) from None
+
+
+def join_url(endpoint: str, path: str) -> str:
+    return endpoint.rstrip("/") + "/" + path.lstrip("/")
+
+
+def check_params(route: Route, params: Mapping[str, Any], reserved: set[str]) -> None:
+    """Refuse parameters that would overwrite the request's structure or that the route
+    declares it does not support (``Capabilities.parameters``)."""
+    for name in params:
+        if name in reserved:
+            raise InvalidArgument(
+                f"Envelope.params may not set {name!r}: the adapter builds it from the envelope",
+                field=f"envelope.params.{name}",
+            )
+        allowed = route.capabilities.parameters
+        if allowed is not None and name not in allowed:
+            raise InvalidArgument(
+                f"route {route.id!r} does not support parameter {name!r} (supported: {allowed}); "
+                "drop it or add it to Capabilities.parameters",
+                field=f"envelope.params.{name}",
+            )
+
+
+def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:
+    """The arguments of an assistant tool-call part, which carries them as a JSON object."""
+    try:
+        value = json.loads(part_content or "{}")
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidArgument(
+            "an assistant part with tool_call_id carries the call's arguments as a JSON object "
+            "in its content",
+            field=field_name,
+        )
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Transport-error mapping (pure)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every cause, context and ExceptionGroup member behind it."""
+    seen: list[BaseException] = []
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        if e.__cause__ is not None:
+            stack.append(e.__cause__)
+        if e.__context__ is not None:
+            stack.append(e.__context__)
+    return seen
+
+
+def _has(chain: list[BaseException], *types: type[BaseException]) -> bool:
+    return any(isinstance(e, types) for e in chain)
+
+
+def _from_module(chain: list[BaseException], prefix: str) -> bool:
+    return any(type(e).__module__.split(".")[0] == prefix for e in chain)
+
+
+def _is_reset(chain: list[BaseException]) -> bool:
+    if _has(chain, ConnectionResetError, BrokenPipeError, ConnectionAbortedError, EOFError):
+        return True
+    # anyio reports a peer that went away as EndOfStream / BrokenResourceError.
+    return any(type(e).__name__ in ("EndOfStream", "BrokenResourceError") for e in chain)
+
+
+def map_transport_error(
+    exc: BaseException, *, request_sent: bool, headers_received: bool
+) -> tuple[Transport, Phase]:
+    """The transport kind and phase of an httpx error (the table in the module docstring)."""
+    chain = _chain(exc)
+    sent_phase = Phase.AFTER_SEND if request_sent else Phase.BEFORE_SEND
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND
+    if isinstance(exc, httpx.ConnectError):
+        if _has(chain, socket.gaierror):
+            return Transport.DNS_FAILURE, Phase.BEFORE_SEND
+        if _has(chain, ConnectionRefusedError):
+            return Transport.CONNECT_REFUSED, Phase.BEFORE_SEND
+        if _has(chain, ssl.SSLError, ssl.CertificateError):
+            return Transport.TLS_ERROR, Phase.BEFORE_SEND
+        if _is_reset(chain):
+            return Transport.CONNECTION_RESET, Phase.BEFORE_SEND
+        return Transport.CONNECT_REFUSED, Phase.BEFORE_SEND
+    if isinstance(exc, httpx.WriteTimeout):
+        return (
+            (Transport.READ_TIMEOUT, Phase.AFTER_SEND)
+            if request_sent
+            else (
+                Transport.CONNECT_TIMEOUT,
+                Phase.BEFORE_SEND,
+            )
+        )
+    if isinstance(exc, httpx.ReadTimeout):
+        if headers_received:
+            return Transport.STREAM_STALL, Phase.MID_STREAM
+        return Transport.READ_TIMEOUT, sent_phase
+    if isinstance(exc, httpx.RemoteProtocolError):
+        if headers_received:
+            # h11 words an early close of a body as "peer closed connection without sending
+            # complete message body"; everything else is a response we cannot parse.
+            if "peer closed" in str(exc) or _is_reset(chain):
+                return Transport.STREAM_CUT, Phase.MID_STREAM
+            return Transport.PROTOCOL_ERROR, Phase.MID_STREAM
+        if _from_module(chain, "h11") and not _is_reset(chain):
+            return Transport.PROTOCOL_ERROR, sent_phase
+        # httpcore raises this without an h11 cause for "Server disconnected without sending a
+        # response": the connection was closed on us, which is a reset as far as we can tell.
+        return Transport.CONNECTION_RESET, sent_phase
+    if isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.CloseError):
+        if headers_received:
+            return Transport.STREAM_CUT, Phase.MID_STREAM
+        return Transport.CONNECTION_RESET, sent_phase
+    if isinstance(exc, httpx.DecodingError):
+        return Transport.PROTOCOL_ERROR, Phase.MID_STREAM
+    if headers_received:
+        return Transport.PROTOCOL_ERROR, Phase.MID_STREAM
+    return Transport.PROTOCOL_ERROR, sent_phase
+
+
+def describe_exception(exc: BaseException) -> str:
+    """A one-line description of an exception and its root cause (to be redacted by callers)."""
+    parts = [f"{type(exc).__name__}: {exc}".rstrip(": ")]
+    # Our own deadlines cancel httpx internally; the CancelledError behind them says nothing.
+    chain = [e for e in _chain(exc) if not isinstance(e, asyncio.CancelledError)]
+    root = chain[-1] if len(chain) > 1 else None
+    if root is not None and root is not exc and str(root) and str(root) != str(exc):
+        parts.append(f"caused by {type(root).__name__}: {root}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Pooled clients
+
+
+class ClientRegistry:
+    """One pooled ``httpx.AsyncClient`` per endpoint origin (scheme, host, port).
+
+    httpx clients belong to the event loop they were first used on, so the registry keeps one set
+    per running loop. Transports have ``retries=0``: no request is ever sent twice by us.
+    """
+
+    def __init__(
+        self,
+        *,
+        verify: ssl.SSLContext | bool = True,
+        max_connections: int = 100,
+        max_keepalive_connections: int = 20,
+    ) -> None:
+        self._verify = verify
+        self._limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_keepalive_connections
+        )
+        self._by_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, httpx.AsyncClient]
+        ] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def origin(url: str) -> str:
+        parts = urlsplit(url)
+        return f"{parts.scheme}://{parts.netloc}".lower()
+
+    def get(self, url: str) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        clients = self._by_loop.setdefault(loop, {})
+        key = self.origin(url)
+        client = clients.get(key)
+        if client is None:
+            transport = httpx.AsyncHTTPTransport(
+                retries=0, verify=self._verify, limits=self._limits
+            )
+            # follow_redirects stays off: a redirect is an answer we report, not one we chase
+            # (following it could send the request, and its credential, somewhere else).
+            client = httpx.AsyncClient(transport=transport, follow_redirects=False)
+            clients[key] = client
+        return client
+
+    async def aclose(self) -> None:
+        """Close the clients of the running loop."""
+        loop = asyncio.get_running_loop()
+        clients = self._by_loop.pop(loop, {})
+        for client in clients.values():
+            await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+
+
+class _Progress:
+    """How far the request got, from httpcore's trace events."""
+
+    def __init__(self) -> None:
+        self.request_sent = False
+        self.headers_received = False
+
+    async def trace(self, name: str, info: Mapping[str, Any]) -> None:
+        if name.endswith("send_request_headers.started"):
+            self.request_sent = True
+        elif name.endswith("receive_response_headers.complete"):
+            self.headers_received = True
+
+
+_KEEP_HEADER_VALUE = 256
+_DROP_HEADERS = frozenset({"set-cookie", "authorization", "x-api-key", "x-goog-api-key"})
+
+
+def _response_headers(headers: httpx.Headers, secrets: list[str | None]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        low = name.lower()
+        if low in _DROP_HEADERS:
+            continue
+        out[low] = cap_text(redact(value, secrets), _KEEP_HEADER_VALUE)
+    return out
+
+
+def _request_id(headers: httpx.Headers) -> str | None:
+    for name in ("x-request-id", "request-id", "x-goog-request-id", "cf-ray"):
+        value = headers.get(name)
+        if value:
+            return cap_text(value, 128)
+    return None
+
+
+@dataclass
+class _Call:
+    """The mutable state of one call; the engine methods fill it in."""
+
+    route: Route
+    codec: Codec
+    secret: str | None
+    on_event: EventCallback | None
+    limits: StreamingPolicy
+    stream: bool
+    t0: float
+    progress: _Progress = field(default_factory=_Progress)
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    request_id: str | None = None
+    delivered: list[str] = field(default_factory=list)  # text delivered to the caller
+    delivered_any: bool = False  # text or a proposal reached the caller
+    effective_output: bool = False
+    usage: Usage | None = None
+    model: str | None = None
+
+    @property
+    def secrets(self) -> list[str | None]:
+        return [self.secret]
+
+    def elapsed(self) -> float:
+        return asyncio.get_running_loop().time() - self.t0
+
+
+class HttpAdapter:
+    """Sends an Envelope on a Route over httpx, for every registered protocol.
+
+    ``secrets`` defaults to :class:`~ledger.adapters.secrets.EnvSecretProvider`; ``limits`` to
+    the default :class:`~ledger.policy.model.StreamingPolicy` and is overridable per call (pass the
+    Run's frozen ``policy.streaming``); ``clients`` defaults to a private
+    :class:`ClientRegistry`; ``verify`` is the TLS verification used by that registry.
+    """
+
+    def __init__(
+        self,
+        *,
+        secrets: SecretProvider | None = None,
+        limits: StreamingPolicy | None = None,
+        clients: ClientRegistry | None = None,
+        verify: ssl.SSLContext | bool = True,
+        max_body_bytes: int = 16 * 1024 * 1024,
+        evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
+    ) -> None:
+        self.secrets: SecretProvider = secrets if secrets is not None else EnvSecretProvider()
+        self.limits = limits if limits is not None else StreamingPolicy()
+        self.clients = clients if clients is not None else ClientRegistry(verify=verify)
+        self.max_body_bytes = max_body_bytes
+        self.evidence_cap_bytes = evidence_cap_bytes
+
+    async def __aenter__(self) -> HttpAdapter:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.clients.aclose()
+
+    # -- preparation (misuse raises here, before anything is sent) ----------------------------
+
+    def _secret(self, route: Route, profile_id: str | None) -> str | None:
+        if profile_id is None:
+            if route.profiles:
+                raise InvalidArgument(
+                    f"route {route.id!r} has credential profiles "
+                    f"{[p.id for p in route.profiles]}; pass profile_id= one of them",
+                    field="profile_id",
+                )
+            return None  # a keyless endpoint (a local server): no credential header is sent
+        if route.profiles and profile_id not in {p.id for p in route.profiles}:
+            raise InvalidArgument(
+                f"profile {profile_id!r} is not a credential profile of route {route.id!r}; "
+                f"use one of {[p.id for p in route.profiles]} or add it to Route.profiles",
+                field="profile_id",
+            )
+        secret = self.secrets.get(profile_id, protocol=route.protocol)
+        if not secret:
+            hint = ""
+            if isinstance(self.secrets, EnvSecretProvider):
+                names = self.secrets.candidates(profile_id, protocol=route.protocol)
+                hint = f"; set one of the environment variables {names}"
+            raise InvalidArgument(
+                f"no secret for credential profile {profile_id!r}{hint}",
+                field="profile_id",
+            )
+        return secret
+
+    @staticmethod
+    def _check(route: Route, envelope: Envelope) -> None:
+        if not route.endpoint:
+            raise InvalidArgument(
+                f"route {route.id!r} has no endpoint; set Route.endpoint to the provider's base "
+                "URL (e.g. https://api.openai.com/v1)",
+                field="route.endpoint",
+            )
+        scheme = urlsplit(route.endpoint).scheme
+        if scheme not in ("http", "https"):
+            raise InvalidArgument(
+                f"route {route.id!r} endpoint must be an http:// or https:// URL "
+                f"(got scheme {scheme!r})",
+                field="route.endpoint",
+            )
+        if not envelope.parts:
+            raise InvalidArgument(
+                "the envelope has no parts; add at least one user part", field="envelope.parts"
+            )
+        caps = route.capabilities
+        if envelope.stream and caps.streaming is False:
+            raise InvalidArgument(
+                f"route {route.id!r} does not stream; send with Envelope.stream=False",
+                field="envelope.stream",
+            )
+        if envelope.tools and caps.tools is False:
+            raise InvalidArgument(
+                f"route {route.id!r} does not take tools; preflight should have refused it",
+                field="envelope.tools",
+            )
+        if envelope.prefill and caps.prefill is False:
+            raise InvalidArgument(
+                f"route {route.id!r} does not support assistant prefill; preflight should have "
+                "refused it (or end the envelope with a user part)",
+                field="envelope.parts",
+            )
+
+    # -- the call ----------------------------------------------------------------------------
+
+    async def send(
+        self,
+        route: Route,
+        envelope: Envelope,
+        *,
+        profile_id: str | None,
+        on_event: EventCallback | None = None,
+        limits: StreamingPolicy | None = None,
+    ) -> AdapterResult:
+        """Send ``envelope`` on ``route`` with the secret of ``profile_id``; report the outcome.
+
+        ``on_event`` (sync or async) receives :class:`TextDelta` and :class:`ToolCallProposal`
+        as they stream, and a :class:`Reset` when a stream fails after delivering any of them.
+        """
+        self._check(route, envelope)
+        codec = codec_for(route.protocol)
+        secret = self._secret(route, profile_id)
+        wire = codec.build_request(route, envelope)
+        lim = limits if limits is not None else self.limits
+        headers = dict(wire.headers)
+        if secret is not None:
+            headers.update(codec.auth_headers(secret))
+        loop = asyncio.get_running_loop()
+        call = _Call(
+            route=route,
+            codec=codec,
+            secret=secret,
+            on_event=on_event,
+            limits=lim,
+            stream=envelope.stream,
+            t0=loop.time(),
+        )
+        client = self.clients.get(wire.url)
+        try:
+            request = client.build_request(
+                "POST",
+                wire.url,
+                json=wire.body,
+                headers=headers,
+                timeout=httpx.Timeout(
+                    connect=lim.connect_timeout_s,
+                    read=lim.read_timeout_s,
+                    write=lim.read_timeout_s,
+                    pool=lim.connect_timeout_s,
+                ),
+                extensions={"trace": call.progress.trace},
+            )
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+            raise InvalidArgument(
+                f"route {route.id!r} endpoint is not a usable URL: {redact(str(exc), [secret])}",
+                field="route.endpoint",
+            ) from None
+        result = await self._run(call, client, request)
+        if result.ok:
+            log.debug(
+                "route %s: ok status=%s model=%s in %.3fs",
+                route.id,
+                result.http_status,
+                result.model_reported,
+                result.elapsed_s,
+            )
+        else:
+            obs = result.observation
+            log.info(
+                "route %s: failed transport=%s phase=%s status=%s effective_output=%s: %s",
+                route.id,
+                obs.transport.value if obs and obs.transport else None,
+                obs.phase.value if obs and obs.phase else None,
+                result.http_status,
+                result.effective_output,
+                obs.message if obs else None,
+            )
+        return result
+
+    async def _run(
+        self, call: _Call, client: httpx.AsyncClient, request: httpx.Request
+    ) -> AdapterResult:
+        # All deadlines are absolute times on the running loop's monotonic clock.
+        total_at = call.t0 + call.limits.total_timeout_s
+        first_token_at = call.t0 + call.limits.first_token_timeout_s
+        head_at = min(total_at, first_token_at) if call.stream else total_at
+        try:
+            async with asyncio.timeout_at(head_at):
+                response = await client.send(request, stream=True)
+        except TimeoutError:
+            first = call.stream and first_token_at < total_at
+            return await self._deadline_failure(call, first_token=first)
+        except httpx.UnsupportedProtocol as exc:
+            raise InvalidArgument(
+                f"route {call.route.id!r} endpoint uses an unsupported scheme: {exc}",
+                field="route.endpoint",
+            ) from None
+        except httpx.HTTPError as exc:
+            return await self._transport_failure(call, exc)
+        call.progress.headers_received = True
+        call.status = response.status_code
+        call.headers = _response_headers(response.headers, call.secrets)
+        call.request_id = _request_id(response.headers)
+        try:
+            if not 200 <= response.status_code < 300:
+                return await self._status_failure(call, response, total_at)
+            ctype = response.headers.get("content-type", "")
+            if call.stream and "text/event-stream" in ctype:
+                return await self._stream(call, response, total_at, first_token_at)
+            return await self._body(call, response, total_at)
+        finally:
+            # Closing a response we did not read to the end drops its connection instead of
+            # returning it to the pool, so a half-read stream can never leak into the next call.
+            await response.aclose()
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def _observation(
+        self,
+        call: _Call,
+        *,
+        transport: Transport | None,
+        phase: Phase,
+        message: str,
+        body: str | None = None,
+    ) -> Observation:
+        return Observation(
+            status=call.status,
+            headers=dict(call.headers),
+            body=body,
+            protocol=call.route.protocol,
+            provider=call.route.provider,
+            message=cap_text(redact(message, call.secrets), 512),
+            transport=transport,
+            phase=phase,
+            effective_output=call.effective_output,
+        )
+
+    async def _fail(
+        self,
+        call: _Call,
+        *,
+        transport: Transport | None,
+        phase: Phase,
+        message: str,
+        body: str | None = None,
+        evidence: str | None = None,
+    ) -> AdapterResult:
+        if call.delivered_any and call.on_event is not None:
+            # Tell the caller that what it showed is not an answer; the Run decides what's next.
+            await self._deliver(
+                call, Reset(reason=transport.value if transport else "provider_error")
+            )
+        obs = self._observation(call, transport=transport, phase=phase, message=message, body=body)
+        return AdapterResult(
+            ok=False,
+            route_id=call.route.id,
+            usage=call.usage,
+            model_reported=call.model,
+            cost=call.route.price.cost(call.usage.prompt_tokens, call.usage.completion_tokens)
+            if call.usage
+            else None,
+            observation=obs,
+            effective_output=call.effective_output,
+            http_status=call.status,
+            evidence=evidence if evidence is not None else body,
+            partial_text=redact("".join(call.delivered), call.secrets),
+            request_id=call.request_id,
+            elapsed_s=call.elapsed(),
+        )
+
+    def _success(self, call: _Call, reply: Reply) -> AdapterResult:
+        usage = reply.usage
+        return AdapterResult(
+            ok=True,
+            route_id=call.route.id,
+            text=reply.text,
+            tool_calls=tuple(reply.tool_calls),
+            usage=usage,
+            model_reported=reply.model,
+            cost=call.route.price.cost(usage.prompt_tokens, usage.completion_tokens)
+            if usage
+            else None,
+            finish_reason=reply.finish_reason,
+            effective_output=bool(reply.text or reply.tool_calls),
+            http_status=call.status,
+            request_id=call.request_id,
+            elapsed_s=call.elapsed(),
+        )
+
+    async def _transport_failure(self, call: _Call, exc: BaseException) -> AdapterResult:
+        kind, phase = map_transport_error(
+            exc,
+            request_sent=call.progress.request_sent,
+            headers_received=call.progress.headers_received,
+        )
+        message = describe_exception(exc)
+        if isinstance(exc, httpx.TimeoutException):
+            lim = call.limits
+            limit = (
+                f"connect_timeout_s={lim.connect_timeout_s}"
+                if kind is Transport.CONNECT_TIMEOUT
+                else f"read_timeout_s={lim.read_timeout_s}"
+            )
+            message = f"{message} (limit {limit})"
+        return await self._fail(call, transport=kind, phase=phase, message=message)
+
+    async def _deadline_failure(self, call: _Call, *, first_token: bool) -> AdapterResult:
+        p = call.progress
+        if p.headers_received:
+            phase = Phase.AFTER_HEADERS if first_token else Phase.MID_STREAM
+        else:
+            phase = Phase.AFTER_SEND if p.request_sent else Phase.BEFORE_SEND
+        if first_token:
+            lim = call.limits.first_token_timeout_s
+            msg = f"no content within first_token_timeout_s={lim}"
+            return await self._fail(
+                call, transport=Transport.FIRST_TOKEN_TIMEOUT, phase=phase, message=msg
+            )
+        lim = call.limits.total_timeout_s
+        if p.headers_received and not call.stream:
+            phase = Phase.MID_STREAM  # the body was being received
+        return await self._fail(
+            call,
+            transport=Transport.TOTAL_TIMEOUT,
+            phase=phase,
+            message=f"the call exceeded total_timeout_s={lim}",
+        )
+
+    async def _read_capped(
+        self, response: httpx.Response, deadline: float, cap: int
+    ) -> tuple[bytes, bool]:
+        """Up to ``cap`` bytes of the body, and whether the body was longer."""
+        buf = bytearray()
+        async with asyncio.timeout_at(deadline):
+            async for chunk in response.aiter_bytes():
+                buf.extend(chunk)
+                if len(buf) > cap:
+                    return bytes(buf[:cap]), True
+        return bytes(buf), False
+
+    async def _status_failure(
+        self, call: _Call, response: httpx.Response, total_at: float
+    ) -> AdapterResult:
+        note = f"HTTP {response.status_code}"
+        raw: bytes | None
+        try:
+            raw, _more = await self._read_capped(response, total_at, _ERROR_BODY_READ_CAP)
+        except TimeoutError:
+            raw, note = None, note + " (error body not read: total deadline)"
+        except httpx.HTTPError as exc:
+            # The status is the fact that matters; a body we could not read is noted, not a
+            # different failure.
+            raw, note = None, note + f" (error body not read: {describe_exception(exc)})"
+        excerpt = evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes) if raw else None
+        return await self._fail(
+            call, transport=None, phase=Phase.AFTER_HEADERS, message=note, body=excerpt
+        )
+
+    async def _body(self, call: _Call, response: httpx.Response, total_at: float) -> AdapterResult:
+        try:
+            raw, more = await self._read_capped(response, total_at, self.max_body_bytes)
+        except TimeoutError:
+            return await self._deadline_failure(call, first_token=False)
+        except httpx.HTTPError as exc:
+            return await self._transport_failure(call, exc)
+        if more:
+            return await self._fail(
+                call,
+                transport=Transport.PROTOCOL_ERROR,
+                phase=Phase.AFTER_HEADERS,
+                message=f"response body larger than max_body_bytes={self.max_body_bytes}",
+            )
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            return await self._fail(
+                call,
+                transport=Transport.MALFORMED_EVENT,
+                phase=Phase.AFTER_HEADERS,
+                message=f"response body is not JSON: {exc}",
+                evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
+            )
+        return await self._parsed_reply(call, data, raw)
+
+    async def _parsed_reply(self, call: _Call, data: Any, raw: bytes) -> AdapterResult:
+        try:
+            reply = call.codec.parse_reply(data)
+        except ProviderErrorPayload as exc:
+            return await self._fail(
+                call,
+                transport=None,
+                phase=Phase.AFTER_HEADERS,
+                message=str(exc),
+                body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
+            )
+        except MalformedPayload as exc:
+            return await self._fail(
+                call,
+                transport=Transport.MALFORMED_EVENT,
+                phase=Phase.AFTER_HEADERS,
+                message=f"response body has not the protocol's shape: {exc}",
+                evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
+            )
+        return self._success(call, reply)
+
+    async def _deliver(self, call: _Call, event: StreamEvent) -> None:
+        if isinstance(event, TextDelta):
+            if not event.text:
+                return
+            call.delivered.append(event.text)
+            call.delivered_any = call.effective_output = True
+        elif isinstance(event, ToolCallProposal):
+            call.delivered_any = call.effective_output = True
+        if call.on_event is not None:
+            ret = call.on_event(event)
+            if inspect.isawaitable(ret):
+                await ret
+
+    async def _stream(
+        self,
+        call: _Call,
+        response: httpx.Response,
+        total_at: float,
+        first_token_at: float,
+    ) -> AdapterResult:
+        loop = asyncio.get_running_loop()
+        parser = SSEParser()
+        state = call.codec.new_stream()
+        chunks: AsyncIterator[bytes] = response.aiter_bytes().__aiter__()
+        last_byte = loop.time()
+        idle = call.limits.idle_timeout_s
+
+        async def handle(events: list[SSEEvent]) -> AdapterResult | None:
+            for ev in events:
+                if state.terminated:
+                    return None  # anything after the terminator is not part of the answer
+                try:
+                    out = state.feed(ev)
+                except ProviderErrorPayload as exc:
+                    self._absorb(call, state)
+                    return await self._fail(
+                        call,
+                        transport=None,
+                        phase=Phase.MID_STREAM,
+                        message=str(exc),
+                        body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
+                    )
+                except MalformedPayload as exc:
+                    self._absorb(call, state)
+                    return await self._fail(
+                        call,
+                        transport=Transport.MALFORMED_EVENT,
+                        phase=Phase.MID_STREAM,
+                        message=f"malformed {ev.event!r} event: {exc}",
+                        evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
+                    )
+                for item in out:
+                    await self._deliver(call, item)
+            return None
+
+        eof = False
+        while not state.terminated:
+            # Before the first content only the first-token limit applies (a model may think
+            # silently); after it, a gap longer than the idle limit is a stall.
+            waiting_first = not state.content_seen and first_token_at < total_at
+            if state.content_seen:
+                deadline = min(total_at, last_byte + idle)
+            else:
+                deadline = min(total_at, first_token_at)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                eof = True
+                break
+            except TimeoutError:
+                self._absorb(call, state)
+                if waiting_first:
+                    return await self._deadline_failure(call, first_token=True)
+                if deadline >= total_at:
+                    return await self._deadline_failure(call, first_token=False)
+                return await self._fail(
+                    call,
+                    transport=Transport.STREAM_STALL,
+                    phase=Phase.MID_STREAM,
+                    message=f"no data for idle_timeout_s={idle}",
+                )
+            except httpx.HTTPError as exc:
+                self._absorb(call, state)
+                return await self._transport_failure(call, exc)
+            last_byte = loop.time()
+            try:
+                events = parser.feed(chunk)
+            except SSEError as exc:
+                self._absorb(call, state)
+                return await self._fail(
+                    call,
+                    transport=Transport.MALFORMED_EVENT,
+                    phase=Phase.MID_STREAM,
+                    message=str(exc),
+                    evidence=evidence_excerpt(chunk[:512], call.secrets, self.evidence_cap_bytes),
+                )
+            failed = await handle(events)
+            if failed is not None:
+                return failed
+        if eof:
+            failed = await handle(parser.close())
+            if failed is not None:
+                return failed
+        else:
+            await self._drain(chunks, min(total_at, loop.time() + _DRAIN_AFTER_TERMINATOR_S))
+        if not (state.terminated or state.completed):
+            self._absorb(call, state)
+            return await self._fail(
+                call,
+                transport=Transport.STREAM_CUT,
+                phase=Phase.MID_STREAM,
+                message="the stream ended before the protocol's completion signal",
+            )
+        for item in state.end():
+            await self._deliver(call, item)
+        return self._success(call, state.reply())
+
+    @staticmethod
+    def _absorb(call: _Call, state: StreamState) -> None:
+        # A failed stream still reports the usage and model it saw: they may be billed.
+        call.usage = state.usage
+        call.model = state.model
+
+    @staticmethod
+    async def _drain(chunks: AsyncIterator[bytes], deadline: float) -> None:
+        """Read what follows a terminator (normally just the chunked-encoding end) briefly."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for _ in chunks:
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the answer is complete; the connection is simply not reused
+
+
+class SyncAdapter:
+    """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.
+
+    ``on_event`` callbacks run on that thread while the calling thread waits. Use one
+    ``SyncAdapter`` per process (or per configuration) and :meth:`close` it at exit.
+    """
+
+    def __init__(self, **config: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True
+        )
+        self._thread.start()
+        self.adapter = HttpAdapter(**config)
+        self._closed = False
+
+    def send(
+        self,
+        route: Route,
+        envelope: Envelope,
+        *,
+        profile_id: str | None,
+        on_event: EventCallback | None = None,
+        limits: StreamingPolicy | None = None,
+    ) -> AdapterResult:
+        if self._closed:
+            raise InvalidArgument("this SyncAdapter is closed; create a new one", field="self")
+        if threading.current_thread() is self._thread:
+            raise InvalidArgument(
+                "SyncAdapter.send was called from its own loop thread (inside an on_event "
+                "callback); use HttpAdapter.send in async code",
+                field="self",
+            )
+        fut = asyncio.run_coroutine_threadsafe(
+            self.adapter.send(
+                route, envelope, profile_id=profile_id, on_event=on_event, limits=limits
+            ),
+            self._loop,
+        )
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        asyncio.run_coroutine_threadsafe(self.adapter.aclose(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncAdapter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "AdapterResult",
+    "ClientRegistry",
+    "Codec",
+    "EventCallback",
+    "HttpAdapter",
+    "MalformedPayload",
+    "ProviderErrorPayload",
+    "Reply",
+    "Reset",
+    "StreamEvent",
+    "StreamState",
+    "SyncAdapter",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallProposal",
+    "Usage",
+    "WireRequest",
+    "check_params",
+    "codec_for",
+    "describe_exception",
+    "join_url",
+    "map_transport_error",
+    "register_codec",
+    "tool_arguments",
+]

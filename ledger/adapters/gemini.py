@@ -1,0 +1,287 @@
+"""Gemini ``generateContent`` and ``streamGenerateContent?alt=sse``.
+
+``Route.endpoint`` is the API root (``https://generativelanguage.googleapis.com``); the path
+``/v1beta/models/{model}:generateContent`` is appended (an endpoint already ending in ``/v1beta``
+or ``/v1`` gets only ``/models/...``). ``Route.model`` may carry the ``models/`` prefix or not.
+The credential goes in ``x-goog-api-key``, never in the URL's ``key=`` parameter: URLs end up in
+logs and exception messages.
+
+Envelope mapping: ``system`` parts go, in order, into ``systemInstruction``; the others become
+``contents`` with roles ``user`` and ``model`` (consecutive parts of one role are merged). An
+assistant part with ``tool_call_id`` is a ``functionCall`` (``name``, JSON-object ``content`` as
+``args``), a ``tool`` part a ``functionResponse`` (``name`` required; JSON content is passed as
+the response object, other text as ``{"result": text}``). A trailing assistant part is sent as a
+final ``model`` turn (prefill); models that refuse it answer with a 400. Generation parameters go
+into ``generationConfig``; ``max_output_tokens``, ``temperature``, ``top_p``, ``top_k`` and
+``stop`` are renamed to Gemini's names, other keys are passed as given.
+
+Stream completion: Gemini has no terminator event; a stream whose body ends cleanly is complete
+only if a candidate carried a ``finishReason``. A response without candidates whose
+``promptFeedback`` has a ``blockReason`` is a provider refusal, reported as a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+from urllib.parse import quote
+
+from ledger.adapters.base import (
+    Codec,
+    MalformedPayload,
+    ProviderErrorPayload,
+    Reply,
+    StreamEvent,
+    StreamState,
+    TextDelta,
+    ToolCall,
+    ToolCallProposal,
+    Usage,
+    WireRequest,
+    check_params,
+    join_url,
+    optional_str,
+    parse_json_event,
+    register_codec,
+    require_object,
+    token_count,
+    tool_arguments,
+)
+from ledger.adapters.sse import SSEEvent
+from ledger.core.envelope import Envelope
+from ledger.core.facts import Protocol as WireProtocol
+from ledger.errors import InvalidArgument
+from ledger.model import Route
+
+_RESERVED = {"contents", "systemInstruction", "tools", "generationConfig", "model"}
+_RENAME = {
+    "temperature": "temperature",
+    "top_p": "topP",
+    "top_k": "topK",
+    "stop": "stopSequences",
+    "max_output_tokens": "maxOutputTokens",
+    "presence_penalty": "presencePenalty",
+    "frequency_penalty": "frequencyPenalty",
+    "seed": "seed",
+}
+_VERSIONED = re.compile(r"/v1(beta\d*|alpha\d*)?$")
+
+
+def _usage(value: Any) -> Usage | None:
+    if value is None:
+        return None
+    u = require_object(value, "usageMetadata")
+    # Thinking tokens are billed as output.
+    completion = token_count(u.get("candidatesTokenCount"), "candidatesTokenCount") + token_count(
+        u.get("thoughtsTokenCount"), "thoughtsTokenCount"
+    )
+    return Usage(
+        prompt_tokens=token_count(u.get("promptTokenCount"), "promptTokenCount"),
+        completion_tokens=completion,
+    )
+
+
+def _error(data: dict[str, Any]) -> ProviderErrorPayload:
+    err = data.get("error")
+    status = err.get("status") if isinstance(err, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else err
+    return ProviderErrorPayload(
+        f"provider error {status or ''}: {str(msg)[:200] if msg else 'no message'}",
+        json.dumps(data),
+    )
+
+
+class GeminiCodec(Codec):
+    protocol = WireProtocol.GEMINI
+
+    @staticmethod
+    def url(endpoint: str, model: str, stream: bool) -> str:
+        base = endpoint.rstrip("/")
+        if not _VERSIONED.search(base):
+            base = join_url(base, "v1beta")
+        name = model.removeprefix("models/")
+        method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+        return join_url(base, f"models/{quote(name, safe='-._@')}:{method}")
+
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        assert route.endpoint is not None  # checked by the engine before building
+        system: list[str] = []
+        contents: list[dict[str, Any]] = []
+
+        def add(role: str, part: dict[str, Any]) -> None:
+            if contents and contents[-1]["role"] == role:
+                contents[-1]["parts"].append(part)
+            else:
+                contents.append({"role": role, "parts": [part]})
+
+        for i, p in enumerate(envelope.parts):
+            where = f"envelope.parts[{i}]"
+            if p.role == "system":
+                system.append(p.content)
+            elif p.role == "tool":
+                if not p.name:
+                    raise InvalidArgument(
+                        "a tool part for Gemini needs name= (the function it answers)",
+                        field=where,
+                    )
+                try:
+                    response = json.loads(p.content)
+                except ValueError:
+                    response = None
+                if not isinstance(response, dict):
+                    response = {"result": p.content}
+                add("user", {"functionResponse": {"name": p.name, "response": response}})
+            elif p.role == "assistant" and p.tool_call_id:
+                if not p.name:
+                    raise InvalidArgument(
+                        "an assistant tool-call part needs name= (the tool's name)", field=where
+                    )
+                add(
+                    "model",
+                    {"functionCall": {"name": p.name, "args": tool_arguments(p.content, where)}},
+                )
+            else:
+                add("model" if p.role == "assistant" else "user", {"text": p.content})
+        if not contents:
+            raise InvalidArgument(
+                "a Gemini request needs at least one user or assistant part besides system",
+                field="envelope.parts",
+            )
+        check_params(route, envelope.params, _RESERVED)
+        config: dict[str, Any] = {}
+        for key, value in envelope.params.items():
+            name = _RENAME.get(key, key)
+            if name == "stopSequences" and isinstance(value, str):
+                value = [value]
+            config[name] = value
+        if envelope.max_output_tokens is not None:
+            config["maxOutputTokens"] = envelope.max_output_tokens
+        body: dict[str, Any] = {"contents": contents}
+        if system:
+            body["systemInstruction"] = {"parts": [{"text": s} for s in system]}
+        if config:
+            body["generationConfig"] = config
+        if envelope.tools:
+            body["tools"] = [
+                {
+                    "functionDeclarations": [
+                        {
+                            "name": t.name,
+                            "description": t.description,
+                            **({"parameters": t.parameters} if t.parameters else {}),
+                        }
+                        for t in envelope.tools
+                    ]
+                }
+            ]
+        headers = {
+            "content-type": "application/json",
+            "accept": "text/event-stream" if envelope.stream else "application/json",
+        }
+        return WireRequest(
+            url=self.url(route.endpoint, route.model, envelope.stream), headers=headers, body=body
+        )
+
+    def auth_headers(self, secret: str) -> dict[str, str]:
+        return {"x-goog-api-key": secret}
+
+    def parse_reply(self, data: Any) -> Reply:
+        obj = require_object(data, "response body")
+        reply = Reply()
+        _Chunk(obj).apply(reply, [], whole=True)
+        return reply
+
+    def new_stream(self) -> StreamState:
+        return _GeminiStream()
+
+
+class _Chunk:
+    """One GenerateContentResponse (a whole body, or one stream chunk)."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        if "error" in obj and "candidates" not in obj:
+            raise _error(obj)
+        self.obj = obj
+
+    def apply(self, reply: Reply, out: list[StreamEvent], *, whole: bool) -> bool:
+        """Fold the chunk into ``reply``; append events to ``out``; True if content arrived."""
+        obj = self.obj
+        version = optional_str(obj.get("modelVersion"), "modelVersion")
+        if version:
+            reply.model = version
+        if obj.get("usageMetadata") is not None:
+            reply.usage = _usage(obj["usageMetadata"])
+        candidates = obj.get("candidates")
+        if candidates is None or candidates == []:
+            feedback = obj.get("promptFeedback")
+            if isinstance(feedback, dict) and feedback.get("blockReason"):
+                raise ProviderErrorPayload(
+                    f"prompt blocked: blockReason={feedback.get('blockReason')}", json.dumps(obj)
+                )
+            if whole:
+                raise MalformedPayload("candidates is missing or empty")
+            return False  # a usage-only chunk
+        if not isinstance(candidates, list):
+            raise MalformedPayload("candidates is not a list")
+        cand = require_object(candidates[0], "candidates[0]")
+        content_seen = False
+        content = cand.get("content")
+        parts = require_object(content, "candidate.content").get("parts") if content else []
+        if parts is None:
+            parts = []
+        if not isinstance(parts, list):
+            raise MalformedPayload("content.parts is not a list")
+        for j, raw in enumerate(parts):
+            part = require_object(raw, f"parts[{j}]")
+            if part.get("thought"):
+                continue  # thinking summaries are not answer text
+            if "text" in part:
+                text = optional_str(part.get("text"), "part.text") or ""
+                if text:
+                    content_seen = True
+                    reply.text += text
+                    out.append(TextDelta(text))
+            elif "functionCall" in part:
+                fc = require_object(part.get("functionCall"), "functionCall")
+                name = optional_str(fc.get("name"), "functionCall.name")
+                if not name:
+                    raise MalformedPayload("functionCall has no name")
+                call = ToolCall(
+                    id=optional_str(fc.get("id"), "functionCall.id")
+                    or f"call_{len(reply.tool_calls)}",
+                    name=name,
+                    arguments_json=json.dumps(fc.get("args") or {}),
+                )
+                content_seen = True
+                reply.tool_calls.append(call)
+                out.append(ToolCallProposal(call))
+        finish = optional_str(cand.get("finishReason"), "finishReason")
+        if finish:
+            reply.finish_reason = finish
+        return content_seen
+
+
+class _GeminiStream(StreamState):
+    def __init__(self) -> None:
+        super().__init__()
+        self._reply = Reply()
+
+    def feed(self, event: SSEEvent) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if _Chunk(parse_json_event(event)).apply(self._reply, out, whole=False):
+            self.content_seen = True
+        r = self._reply
+        self.usage, self.model = r.usage, r.model
+        if r.finish_reason:
+            self.finish_reason = r.finish_reason
+            self.completed = True
+        self.text_parts = [r.text]
+        self.tool_calls = list(r.tool_calls)
+        return out
+
+
+CODEC = GeminiCodec()
+register_codec(CODEC)
+
+__all__ = ["CODEC", "GeminiCodec"]

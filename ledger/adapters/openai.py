@@ -1,0 +1,308 @@
+"""OpenAI-compatible chat completions (``POST {endpoint}/chat/completions``).
+
+``Route.endpoint`` is the base URL including the version, as every OpenAI-compatible client
+configures it (``https://api.openai.com/v1``, ``https://openrouter.ai/api/v1``); an endpoint that
+already ends in ``/chat/completions`` is used as is. The credential goes in
+``Authorization: Bearer``.
+
+Envelope mapping: parts become messages in order (``system``, ``user``, ``assistant``, ``tool``).
+An assistant part with ``tool_call_id`` is a tool call the model made earlier (``name`` = the
+tool, ``content`` = its JSON arguments); consecutive ones form one assistant message. A ``tool``
+part is a tool result for ``tool_call_id``. A trailing assistant part (prefill) is sent as the last
+message: servers that continue it do, others answer with a 400 that is reported as observed.
+``max_output_tokens`` is sent as ``max_tokens``, or as ``max_completion_tokens`` when the route's
+``Capabilities.parameters`` lists that name and not ``max_tokens``. Streaming asks for
+``stream_options.include_usage`` (so cost is known) unless the route's declared parameters omit
+``stream_options``.
+
+Stream completion: ``data: [DONE]`` terminates. A body that ends cleanly without it is complete
+only if every choice seen carried a ``finish_reason``; otherwise it was cut.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ledger.adapters.base import (
+    Codec,
+    MalformedPayload,
+    ProviderErrorPayload,
+    Reply,
+    StreamEvent,
+    StreamState,
+    TextDelta,
+    ToolCall,
+    ToolCallProposal,
+    Usage,
+    WireRequest,
+    check_params,
+    join_url,
+    optional_str,
+    parse_json_event,
+    register_codec,
+    require_object,
+    token_count,
+    tool_arguments,
+)
+from ledger.adapters.sse import SSEEvent
+from ledger.core.envelope import Envelope
+from ledger.core.facts import Protocol as WireProtocol
+from ledger.errors import InvalidArgument
+from ledger.model import Route
+
+_RESERVED = {
+    "model",
+    "messages",
+    "tools",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+}
+
+
+def _usage(value: Any) -> Usage | None:
+    if value is None:
+        return None
+    u = require_object(value, "usage")
+    return Usage(
+        prompt_tokens=token_count(u.get("prompt_tokens"), "usage.prompt_tokens"),
+        completion_tokens=token_count(u.get("completion_tokens"), "usage.completion_tokens"),
+    )
+
+
+def _error(data: dict[str, Any]) -> ProviderErrorPayload:
+    err = data.get("error")
+    msg = err.get("message") if isinstance(err, dict) else err
+    return ProviderErrorPayload(
+        f"provider error: {str(msg)[:200] if msg is not None else 'no message'}", json.dumps(data)
+    )
+
+
+def _content_text(value: Any, what: str) -> str:
+    # Some compatible servers send content as a list of typed parts instead of a string.
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            if isinstance(item, dict) and isinstance(item.get("text"), str):
+                out.append(item["text"])
+        return "".join(out)
+    raise MalformedPayload(f"{what} is neither a string nor a list of parts")
+
+
+class OpenAICodec(Codec):
+    protocol = WireProtocol.OPENAI
+
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        assert route.endpoint is not None  # checked by the engine before building
+        endpoint = route.endpoint.rstrip("/")
+        url = (
+            endpoint
+            if endpoint.endswith("/chat/completions")
+            else join_url(endpoint, "chat/completions")
+        )
+        messages: list[dict[str, Any]] = []
+        for i, part in enumerate(envelope.parts):
+            where = f"envelope.parts[{i}]"
+            if part.role == "assistant" and part.tool_call_id:
+                if not part.name:
+                    raise InvalidArgument(
+                        "an assistant tool-call part needs name= (the tool's name)", field=where
+                    )
+                call = {
+                    "id": part.tool_call_id,
+                    "type": "function",
+                    "function": {
+                        "name": part.name,
+                        "arguments": json.dumps(tool_arguments(part.content, where)),
+                    },
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif part.role == "tool":
+                if not part.tool_call_id:
+                    raise InvalidArgument(
+                        "a tool part needs tool_call_id= (the call it answers)", field=where
+                    )
+                messages.append(
+                    {"role": "tool", "tool_call_id": part.tool_call_id, "content": part.content}
+                )
+            else:
+                msg: dict[str, Any] = {"role": part.role, "content": part.content}
+                if part.name and part.role == "user":
+                    msg["name"] = part.name
+                messages.append(msg)
+        check_params(route, envelope.params, _RESERVED)
+        body: dict[str, Any] = {"model": route.model, "messages": messages}
+        body.update(envelope.params)
+        declared = route.capabilities.parameters
+        if envelope.max_output_tokens is not None:
+            use_completion = (
+                declared is not None
+                and "max_completion_tokens" in declared
+                and "max_tokens" not in declared
+            )
+            key = "max_completion_tokens" if use_completion else "max_tokens"
+            body[key] = envelope.max_output_tokens
+        if envelope.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters or {"type": "object", "properties": {}},
+                    },
+                }
+                for t in envelope.tools
+            ]
+        if envelope.stream:
+            body["stream"] = True
+            if declared is None or "stream_options" in declared:
+                body["stream_options"] = {"include_usage": True}
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if envelope.stream:
+            headers["accept"] = "text/event-stream"
+        return WireRequest(url=url, headers=headers, body=body)
+
+    def auth_headers(self, secret: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {secret}"}
+
+    def parse_reply(self, data: Any) -> Reply:
+        obj = require_object(data, "response body")
+        if "error" in obj and not obj.get("choices"):
+            raise _error(obj)
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise MalformedPayload("choices is missing or empty")
+        choice = require_object(choices[0], "choices[0]")
+        message = require_object(choice.get("message"), "choices[0].message")
+        calls: list[ToolCall] = []
+        raw_calls = message.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise MalformedPayload("message.tool_calls is not a list")
+        for j, rc in enumerate(raw_calls):
+            c = require_object(rc, f"tool_calls[{j}]")
+            fn = require_object(c.get("function"), f"tool_calls[{j}].function")
+            name = optional_str(fn.get("name"), "function.name")
+            if not name:
+                raise MalformedPayload(f"tool_calls[{j}] has no function name")
+            args = fn.get("arguments")
+            calls.append(
+                ToolCall(
+                    id=optional_str(c.get("id"), "tool_call.id") or f"call_{j}",
+                    name=name,
+                    arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
+                )
+            )
+        return Reply(
+            text=_content_text(message.get("content"), "message.content"),
+            tool_calls=calls,
+            usage=_usage(obj.get("usage")),
+            model=optional_str(obj.get("model"), "model"),
+            finish_reason=optional_str(choice.get("finish_reason"), "finish_reason"),
+        )
+
+    def new_stream(self) -> StreamState:
+        return _OpenAIStream()
+
+
+class _OpenAIStream(StreamState):
+    def __init__(self) -> None:
+        super().__init__()
+        # tool-call fragments by index: [id, name, argument pieces]
+        self._calls: dict[int, list[Any]] = {}
+        self._emitted: set[int] = set()
+        self._choices_open: set[int] = set()
+        self._choices_finished: set[int] = set()
+
+    def feed(self, event: SSEEvent) -> list[StreamEvent]:
+        if event.data.strip() == "[DONE]":
+            self.terminated = True
+            return []
+        data = parse_json_event(event)
+        if "error" in data and not data.get("choices"):
+            raise _error(data)
+        model = optional_str(data.get("model"), "model")
+        if model:
+            self.model = model
+        if data.get("usage") is not None:
+            self.usage = _usage(data["usage"])
+        choices = data.get("choices") or []
+        if not isinstance(choices, list):
+            raise MalformedPayload("choices is not a list")
+        out: list[StreamEvent] = []
+        for raw in choices:
+            choice = require_object(raw, "choice")
+            index = choice.get("index", 0)
+            if not isinstance(index, int):
+                raise MalformedPayload("choice.index is not an integer")
+            self._choices_open.add(index)
+            if index != 0:
+                continue  # one answer per call; n > 1 is refused when building the request
+            delta = choice.get("delta") or {}
+            delta = require_object(delta, "choice.delta")
+            text = _content_text(delta.get("content"), "delta.content")
+            if text:
+                self.content_seen = True
+                self.text_parts.append(text)
+                out.append(TextDelta(text))
+            tcs = delta.get("tool_calls") or []
+            if not isinstance(tcs, list):
+                raise MalformedPayload("delta.tool_calls is not a list")
+            for rtc in tcs:
+                tc = require_object(rtc, "delta.tool_calls[]")
+                ti = tc.get("index", 0)
+                if not isinstance(ti, int):
+                    raise MalformedPayload("tool_call.index is not an integer")
+                slot = self._calls.setdefault(ti, [None, None, []])
+                if tc.get("id"):
+                    slot[0] = optional_str(tc.get("id"), "tool_call.id")
+                fn = tc.get("function") or {}
+                fn = require_object(fn, "tool_call.function")
+                if fn.get("name"):
+                    slot[1] = optional_str(fn.get("name"), "function.name")
+                piece = optional_str(fn.get("arguments"), "function.arguments")
+                if piece:
+                    slot[2].append(piece)
+                self.content_seen = True
+            finish = optional_str(choice.get("finish_reason"), "finish_reason")
+            if finish:
+                self.finish_reason = finish
+                self._choices_finished.add(index)
+                out.extend(self._flush())
+        if self._choices_open and self._choices_open <= self._choices_finished:
+            self.completed = True
+        return out
+
+    def _flush(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        for ti in sorted(self._calls):
+            if ti in self._emitted:
+                continue
+            cid, name, pieces = self._calls[ti]
+            if not name:
+                raise MalformedPayload(f"tool call {ti} ended without a function name")
+            call = ToolCall(id=cid or f"call_{ti}", name=name, arguments_json="".join(pieces))
+            self._emitted.add(ti)
+            self.tool_calls.append(call)
+            out.append(ToolCallProposal(call))
+        return out
+
+    def end(self) -> list[StreamEvent]:
+        return self._flush()
+
+
+CODEC = OpenAICodec()
+register_codec(CODEC)
+
+__all__ = ["CODEC", "OpenAICodec"]

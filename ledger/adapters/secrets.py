@@ -1,0 +1,174 @@
+"""Credentials by profile id, and the redaction every adapter output goes through.
+
+The ledger stores credential *profile ids* only. The secret behind a profile id is looked up at
+send time from a :class:`SecretProvider`, used for one request header, and never copied into an
+:class:`~ledger.core.facts.Observation`, an adapter result, an exception message, an evidence
+excerpt or a log line. Everything an adapter reports that came from the wire or from an exception
+passes through :func:`redact` first, with the key that was used.
+
+Environment naming (:class:`EnvSecretProvider`, the default):
+
+* ``LEDGER_SECRET_<PROFILE_ID>``: the profile id upper-cased, every character that is not an
+  ASCII letter or digit replaced by ``_`` (``openai:work`` -> ``LEDGER_SECRET_OPENAI_WORK``).
+* When that is unset, the provider's conventional variable, chosen by the route's protocol:
+  ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``, ``GEMINI_API_KEY`` (then ``GOOGLE_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from ledger.core.facts import Protocol as WireProtocol
+
+#: Size cap, in bytes of UTF-8, of an error body kept as evidence or in an observation.
+EVIDENCE_CAP_BYTES = 2048
+
+REDACTED = "[REDACTED]"
+
+# Keys shorter than this are not searched for verbatim: replacing every "abc" in a body would
+# destroy the evidence while protecting nothing (no real provider issues such keys).
+_MIN_VERBATIM_KEY = 6
+
+# Shapes of credentials that may show up in bodies or exception texts even when the exact key is
+# unknown to us (a gateway echoing another key, a key pasted into a prompt that errored, ...).
+_TOKEN_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(r"\bsk-[A-Za-z0-9_\-]{8,}"),  # OpenAI, Anthropic (sk-ant-...), OpenRouter (sk-or-)
+    re.compile(r"\bAIza[0-9A-Za-z_\-]{20,}"),  # Google API keys
+    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=\-]{8,}"),
+    re.compile(
+        r"(?i)\b(x-api-key|x-goog-api-key|api[_-]?key|authorization)(\"?\s*[:=]\s*\"?)[^\s\",}]{6,}"
+    ),
+    re.compile(r"\beyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{5,}"),  # JWTs
+)
+
+
+class SecretProvider(Protocol):
+    """Looks up the secret of a credential profile. ``None`` when it has none."""
+
+    def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None: ...
+
+
+_FALLBACK_ENV: dict[WireProtocol, tuple[str, ...]] = {
+    WireProtocol.OPENAI: ("OPENAI_API_KEY",),
+    WireProtocol.ANTHROPIC: ("ANTHROPIC_API_KEY",),
+    WireProtocol.GEMINI: ("GEMINI_API_KEY", "GOOGLE_API_KEY"),
+}
+
+
+def env_var_name(profile_id: str) -> str:
+    """The environment variable that holds ``profile_id``'s secret."""
+    return "LEDGER_SECRET_" + re.sub(r"[^A-Za-z0-9]", "_", profile_id).upper()
+
+
+class EnvSecretProvider:
+    """Reads secrets from the environment (see the module docstring for the naming).
+
+    ``environ`` defaults to :data:`os.environ`, read at every lookup so a rotated key is picked up
+    by the next request.
+    """
+
+    def __init__(self, environ: Mapping[str, str] | None = None, *, fallback: bool = True) -> None:
+        self._environ = environ
+        self._fallback = fallback
+
+    def candidates(self, profile_id: str, *, protocol: WireProtocol) -> list[str]:
+        names = [env_var_name(profile_id)]
+        if self._fallback:
+            names.extend(_FALLBACK_ENV.get(protocol, ()))
+        return names
+
+    def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None:
+        env = os.environ if self._environ is None else self._environ
+        for name in self.candidates(profile_id, protocol=protocol):
+            value = env.get(name)
+            if value:
+                return value
+        return None
+
+
+class StaticSecretProvider:
+    """Secrets from a mapping of profile id to secret (tests, or a host's own vault loader)."""
+
+    def __init__(self, secrets: Mapping[str, str]) -> None:
+        self._secrets = dict(secrets)
+
+    def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None:
+        return self._secrets.get(profile_id)
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """``text`` with the given secrets and every credential-shaped token replaced."""
+    for secret in secrets:
+        if secret and len(secret) >= _MIN_VERBATIM_KEY:
+            text = text.replace(secret, REDACTED)
+    for pattern in _TOKEN_PATTERNS:
+        if pattern.groups >= 2:
+            text = pattern.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+        else:
+            text = pattern.sub(REDACTED, text)
+    return text
+
+
+def cap_text(text: str, cap_bytes: int = EVIDENCE_CAP_BYTES) -> str:
+    """``text`` cut to at most ``cap_bytes`` of UTF-8, marking the cut."""
+    raw = text.encode("utf-8")
+    if len(raw) <= cap_bytes:
+        return text
+    marker = "...[truncated]"
+    keep = max(0, cap_bytes - len(marker))
+    return raw[:keep].decode("utf-8", errors="ignore") + marker
+
+
+def _shrink(value: Any, limit: int, items: int) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "..."
+    if isinstance(value, list):
+        return [_shrink(v, limit, items) for v in value[:items]]
+    if isinstance(value, dict):
+        return {k: _shrink(v, limit, items) for k, v in list(value.items())[: items * 4]}
+    return value
+
+
+def evidence_excerpt(
+    body: str | bytes | None,
+    secrets: Iterable[str | None] = (),
+    cap_bytes: int = EVIDENCE_CAP_BYTES,
+) -> str | None:
+    """A redacted excerpt of an error body of at most ``cap_bytes``.
+
+    A JSON body that is too large is shrunk by shortening its long strings and lists, so the
+    structured fields a classifier reads (``error.code``, ``error.type``, ``error.status``,
+    ``RetryInfo``) survive the cap; anything else is cut at the cap.
+    """
+    if body is None:
+        return None
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    text = redact(text, secrets)
+    if len(text.encode("utf-8")) <= cap_bytes:
+        return text
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return cap_text(text, cap_bytes)
+    for limit, items in ((512, 8), (200, 4), (80, 3), (40, 2)):
+        shrunk = json.dumps(_shrink(data, limit, items), ensure_ascii=False)
+        if len(shrunk.encode("utf-8")) <= cap_bytes:
+            return shrunk
+    return cap_text(text, cap_bytes)
+
+
+__all__ = [
+    "EVIDENCE_CAP_BYTES",
+    "REDACTED",
+    "EnvSecretProvider",
+    "SecretProvider",
+    "StaticSecretProvider",
+    "cap_text",
+    "env_var_name",
+    "evidence_excerpt",
+    "redact",
+]

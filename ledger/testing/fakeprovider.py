@@ -1,0 +1,1104 @@
+"""A fault-injecting fake model provider: a raw asyncio HTTP/1.1 server on loopback.
+
+It is raw on purpose: a web framework cannot reset a connection before the status line, stall a
+socket mid-body or send a truncated chunked body, and those are the faults adapters must report.
+Standard library only, so the demo and any host can use it.
+
+It speaks the three protocols on their real paths:
+
+* ``POST /v1/chat/completions`` (OpenAI-compatible; route endpoint ``fake.endpoint("openai")``)
+* ``POST /v1/messages`` (Anthropic; endpoint ``fake.endpoint("anthropic")``)
+* ``POST /v1beta/models/{model}:generateContent`` and ``:streamGenerateContent?alt=sse``
+  (Gemini; endpoint ``fake.endpoint("gemini")``)
+
+What a request gets is chosen per request, first match wins:
+
+1. an ``X-Fake-Fault: <fault>`` request header (handy with curl);
+2. the next scripted behaviour for the request's model (:meth:`FakeProvider.enqueue` with
+   ``model=``), then the next one for any model (``enqueue`` without ``model``);
+3. the sticky default for the model, then the global default (:meth:`FakeProvider.set_default`).
+
+Every request is recorded (:attr:`FakeProvider.requests`) with its headers and body, so a test can
+assert what was, or was not, sent. Connection-level faults that act before any request is read
+(``reset_next_connections``) are separate because they cannot be chosen by request content.
+
+Use it in-process: ``async with FakeProvider() as fake:`` on the running loop, or
+``with FakeProvider().in_thread() as fake:`` from synchronous code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import ssl as _ssl
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+_MAX_HEAD = 64 * 1024
+_MAX_BODY = 32 * 1024 * 1024
+
+
+class Fault(StrEnum):
+    """What the fake does with a request."""
+
+    OK = "ok"  # a complete answer, streaming or not, with usage and a reported model
+    RATE_LIMIT = "rate_limit"  # 429 without Retry-After
+    RATE_LIMIT_RETRY_AFTER = "rate_limit_retry_after"  # 429 with Retry-After (Gemini: RetryInfo)
+    SERVER_ERROR = "server_error"  # 500
+    SERVER_ERROR_ONCE = "server_error_once"  # as a default: 500 the first time, then OK
+    UNAVAILABLE = "unavailable"  # 503
+    OVERLOADED = "overloaded"  # 529, Anthropic's overloaded_error
+    UNAUTHORIZED = "unauthorized"  # 401 whose message echoes the credential it received
+    CONTEXT_LENGTH = "context_length"  # 400 in the protocol's real context-overflow shape
+    CONTENT_POLICY = "content_policy"  # 400 content-policy refusal
+    PREFILL_REJECTED = "prefill_rejected"  # 400 refusing a trailing assistant message
+    HUGE_ERROR = "huge_error"  # 500 with a ~100 KiB error body
+    RESET_BEFORE_HEADERS = "reset_before_headers"  # read the request, then TCP RST
+    CLOSE_BEFORE_HEADERS = "close_before_headers"  # read the request, then FIN, no response
+    GARBAGE = "garbage"  # a response that is not HTTP
+    NO_RESPONSE = "no_response"  # read the request, never answer
+    SLOW_FIRST_TOKEN = "slow_first_token"  # headers at once, content after delay_s
+    STREAM_CUT = "stream_cut"  # some content, then FIN inside the (chunked) body
+    STREAM_RESET = "stream_reset"  # some content, then RST
+    STREAM_EOF = "stream_eof"  # some content, then a clean end of body: no completion signal
+    STALL = "stall"  # some content, then silence
+    MALFORMED_EVENT = "malformed_event"  # some content, then an event that is not JSON
+    MISSING_DONE = "missing_done"  # a complete answer without the terminator, clean end
+    ERROR_EVENT = "error_event"  # some content, then the protocol's in-stream error
+    TRICKLE = "trickle"  # content every delay_s, forever
+
+
+@dataclass(frozen=True)
+class Behavior:
+    """A fault and the details of the answer around it."""
+
+    fault: Fault = Fault.OK
+    text: str = "Hello from the fake provider, streaming in pieces."
+    model: str | None = None  # the reported model; default: "<requested>-fake-001"
+    usage: tuple[int, int] = (11, 7)  # prompt, completion tokens
+    retry_after: str = "7"  # for RATE_LIMIT_RETRY_AFTER (seconds or an HTTP date)
+    delay_s: float = 1.0  # SLOW_FIRST_TOKEN wait; TRICKLE interval
+    content_before_fault: int = 2  # content events sent before a mid-stream fault
+    tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
+
+
+def _behavior(item: Fault | str | Behavior) -> Behavior:
+    if isinstance(item, Behavior):
+        return item
+    return Behavior(fault=Fault(item))
+
+
+@dataclass(frozen=True)
+class ReceivedRequest:
+    """One request as the fake received it."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    protocol: str | None  # "openai", "anthropic", "gemini", or None for an unknown path
+    model: str | None
+    stream: bool
+    fault: Fault
+    received_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+class _NotHttp(Exception):
+    pass
+
+
+class FakeProvider:
+    """The fake provider server. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl: _ssl.SSLContext | None = None,
+        default: Fault | str | Behavior = Fault.OK,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self._ssl = ssl
+        self._lock = threading.Lock()
+        self._default = _behavior(default)
+        self._model_default: dict[str, Behavior] = {}
+        self._queue: deque[Behavior] = deque()
+        self._model_queue: dict[str, deque[Behavior]] = {}
+        self._conn_resets = 0
+        self._requests: list[ReceivedRequest] = []
+        self.connections = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- scripting (thread-safe) -------------------------------------------------------------
+
+    def enqueue(self, *items: Fault | str | Behavior, model: str | None = None) -> None:
+        """One-shot behaviours, consumed in order by the next requests (for ``model``)."""
+        with self._lock:
+            q = self._queue if model is None else self._model_queue.setdefault(model, deque())
+            q.extend(_behavior(i) for i in items)
+
+    def set_default(self, item: Fault | str | Behavior, *, model: str | None = None) -> None:
+        """The sticky behaviour when nothing is queued (for ``model``, or for every model)."""
+        with self._lock:
+            if model is None:
+                self._default = _behavior(item)
+            else:
+                self._model_default[model] = _behavior(item)
+
+    def reset_next_connections(self, n: int = 1) -> None:
+        """Reset the next ``n`` connections on accept, before reading anything (TCP RST)."""
+        with self._lock:
+            self._conn_resets += n
+
+    @property
+    def requests(self) -> list[ReceivedRequest]:
+        with self._lock:
+            return list(self._requests)
+
+    def clear(self) -> None:
+        """Forget recorded requests and scripted behaviours; defaults go back to OK."""
+        with self._lock:
+            self._requests.clear()
+            self._queue.clear()
+            self._model_queue.clear()
+            self._model_default.clear()
+            self._default = Behavior()
+            self._conn_resets = 0
+
+    def _choose(self, model: str | None, header: str | None) -> Behavior:
+        with self._lock:
+            if header:
+                try:
+                    return Behavior(fault=Fault(header.strip().lower()))
+                except ValueError:
+                    pass  # an unknown fault name falls through to the script
+            if model is not None and self._model_queue.get(model):
+                return self._model_queue[model].popleft()
+            if self._queue:
+                return self._queue.popleft()
+            if model is not None and model in self._model_default:
+                chosen = self._model_default[model]
+                if chosen.fault is Fault.SERVER_ERROR_ONCE:
+                    self._model_default[model] = replace(chosen, fault=Fault.OK)
+                return chosen
+            chosen = self._default
+            if chosen.fault is Fault.SERVER_ERROR_ONCE:
+                self._default = replace(chosen, fault=Fault.OK)
+            return chosen
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        scheme = "https" if self._ssl is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}"
+
+    def endpoint(self, protocol: str) -> str:
+        """The ``Route.endpoint`` to use for ``protocol`` ("openai", "anthropic", "gemini")."""
+        return self.base_url + "/v1" if protocol == "openai" else self.base_url
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._connection, self.host, self.port, ssl=self._ssl, limit=_MAX_HEAD
+        )
+        sock = self._server.sockets[0]
+        self.port = sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> FakeProvider:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[FakeProvider]:
+        """Run the server on a private loop in a background thread (for synchronous tests)."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="fake-provider", daemon=True)
+        thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.start(), loop).result(timeout=10)
+            yield self
+        finally:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self.stop(), loop).result(timeout=10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            loop.close()
+
+    # -- connection handling -----------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        with self._lock:
+            self.connections += 1
+            reset_now = self._conn_resets > 0
+            if reset_now:
+                self._conn_resets -= 1
+        try:
+            if reset_now:
+                _reset(writer)
+                return
+            buf = bytearray()
+            while True:
+                try:
+                    head = await self._read_request(reader, buf)
+                except _NotHttp:
+                    # e.g. a TLS ClientHello sent to this plain-HTTP server: answer in plain
+                    # HTTP, which the client's TLS layer rejects as not-TLS.
+                    await _write(writer, _head(400, {"content-length": "0", "connection": "close"}))
+                    break
+                if head is None:
+                    break
+                if not await self._respond(*head, reader, writer):
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        except asyncio.CancelledError:
+            # stop() cancels open connections; ending quietly keeps asyncio's stream callback
+            # from logging the cancellation as an error.
+            pass
+        finally:
+            self._tasks.discard(task)
+            if not writer.is_closing():
+                writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _read_request(
+        self, reader: asyncio.StreamReader, buf: bytearray
+    ) -> tuple[ReceivedRequest, Behavior] | None:
+        while b"\r\n\r\n" not in buf:
+            if buf and not buf[:1].isalpha():
+                raise _NotHttp()
+            if len(buf) > _MAX_HEAD:
+                raise _NotHttp()
+            data = await reader.read(65536)
+            if not data:
+                return None
+            buf.extend(data)
+        if not buf[:1].isalpha():
+            raise _NotHttp()
+        end = buf.index(b"\r\n\r\n")
+        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+        del buf[: end + 4]
+        try:
+            method, target, _version = lines[0].split(" ", 2)
+        except ValueError:
+            raise _NotHttp() from None
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        body = bytearray()
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                while b"\r\n" not in buf:
+                    buf.extend(await _read_some(reader))
+                i = buf.index(b"\r\n")
+                size = int(bytes(buf[:i]).split(b";")[0], 16)
+                del buf[: i + 2]
+                while len(buf) < size + 2:
+                    buf.extend(await _read_some(reader))
+                body.extend(buf[:size])
+                del buf[: size + 2]
+                if size == 0:
+                    break
+        else:
+            length = int(headers.get("content-length", "0") or 0)
+            if length > _MAX_BODY:
+                raise _NotHttp()
+            while len(buf) < length:
+                buf.extend(await _read_some(reader))
+            body.extend(buf[:length])
+            del buf[:length]
+        parts = urlsplit(target)
+        path = unquote(parts.path)
+        protocol, model, stream = _classify(path, bytes(body))
+        behavior = self._choose(model, headers.get("x-fake-fault"))
+        req = ReceivedRequest(
+            method=method,
+            path=path,
+            query=parts.query,
+            headers=headers,
+            body=bytes(body),
+            protocol=protocol,
+            model=model,
+            stream=stream,
+            fault=behavior.fault,
+        )
+        with self._lock:
+            self._requests.append(req)
+        return req, behavior
+
+    async def _respond(
+        self,
+        req: ReceivedRequest,
+        behavior: Behavior,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        """Answer one request; False when the connection must not be reused."""
+        if req.protocol is None:
+            await _write(writer, _json_response(404, {"error": {"message": "unknown path"}}))
+            return True
+        f = behavior.fault
+        if f is Fault.RESET_BEFORE_HEADERS:
+            _reset(writer)
+            return False
+        if f is Fault.CLOSE_BEFORE_HEADERS:
+            return False
+        if f is Fault.GARBAGE:
+            await _write(writer, b"THIS IS NOT HTTP\r\n\r\n")
+            return False
+        if f is Fault.NO_RESPONSE:
+            await _until_closed(reader)
+            return False
+        status_body = _error_response(req, behavior)
+        if status_body is not None:
+            status, obj, extra = status_body
+            await _write(writer, _json_response(status, obj, extra))
+            return True
+        answer = _Answer.build(req, behavior)
+        if req.stream:
+            return await self._stream(req, behavior, answer, reader, writer)
+        return await self._whole(req, behavior, answer, reader, writer)
+
+    async def _whole(
+        self,
+        req: ReceivedRequest,
+        behavior: Behavior,
+        answer: _Answer,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        f = behavior.fault
+        body = json.dumps(answer.whole(req.protocol or "")).encode()
+        if f is Fault.SLOW_FIRST_TOKEN:
+            await asyncio.sleep(behavior.delay_s)
+        if f is Fault.MALFORMED_EVENT:
+            await _write(
+                writer, _raw_response(200, b'{"id": "broken", "choices": [', "application/json")
+            )
+            return True
+        if f is Fault.ERROR_EVENT:
+            await _write(writer, _json_response(200, _stream_error(req.protocol or "")))
+            return True
+        half = body[: len(body) // 2]
+        if f in (Fault.STREAM_CUT, Fault.STREAM_RESET, Fault.STALL, Fault.TRICKLE):
+            await _write(
+                writer,
+                _head(200, {"content-type": "application/json", "content-length": str(len(body))})
+                + half,
+            )
+            if f is Fault.STREAM_CUT:
+                return False
+            if f is Fault.STREAM_RESET:
+                _reset(writer)
+                return False
+            if f is Fault.STALL:
+                await _until_closed(reader)
+                return False
+            while True:  # TRICKLE: whitespace is valid JSON padding, and never ends the body
+                await asyncio.sleep(behavior.delay_s)
+                await _write(writer, b" ")
+        if f is Fault.STREAM_EOF:
+            # A close-delimited body that ends early: clean at the HTTP level, truncated JSON.
+            await _write(
+                writer,
+                _head(200, {"content-type": "application/json", "connection": "close"}) + half,
+            )
+            return False
+        await _write(writer, _raw_response(200, body, "application/json"))
+        return True
+
+    async def _stream(
+        self,
+        req: ReceivedRequest,
+        behavior: Behavior,
+        answer: _Answer,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        f = behavior.fault
+        protocol = req.protocol or ""
+        events = answer.events(protocol, include_usage=_wants_usage(req))
+        await _write(
+            writer,
+            _head(
+                200,
+                {
+                    "content-type": "text/event-stream",
+                    "cache-control": "no-cache",
+                    "transfer-encoding": "chunked",
+                },
+            ),
+        )
+        sent_content = 0
+        prelude_done = False
+        for data, is_content, is_terminator in events:
+            if is_content and not prelude_done:
+                prelude_done = True
+                if f is Fault.SLOW_FIRST_TOKEN:
+                    await asyncio.sleep(behavior.delay_s)
+                if f is Fault.TRICKLE:
+                    while True:
+                        await _write(writer, _chunk(data))
+                        await asyncio.sleep(behavior.delay_s)
+            if is_content and sent_content >= behavior.content_before_fault:
+                if f is Fault.STREAM_CUT:
+                    return False  # FIN inside the chunked body
+                if f is Fault.STREAM_RESET:
+                    _reset(writer)
+                    return False
+                if f is Fault.STALL:
+                    await _until_closed(reader)
+                    return False
+                if f is Fault.STREAM_EOF:
+                    await _write(writer, b"0\r\n\r\n")
+                    return True
+                if f is Fault.MALFORMED_EVENT:
+                    await _write(writer, _chunk(b'data: {"broken": \n\n'))
+                    await _write(writer, b"0\r\n\r\n")
+                    return True
+                if f is Fault.ERROR_EVENT:
+                    err = _stream_error(protocol)
+                    name = b"event: error\n" if protocol == "anthropic" else b""
+                    await _write(
+                        writer, _chunk(name + b"data: " + json.dumps(err).encode() + b"\n\n")
+                    )
+                    await _write(writer, b"0\r\n\r\n")
+                    return True
+            if is_terminator and f is Fault.MISSING_DONE:
+                continue
+            await _write(writer, _chunk(data))
+            if is_content:
+                sent_content += 1
+        await _write(writer, b"0\r\n\r\n")
+        return True
+
+
+# ------------------------------------------------------------------------------------------
+# wire helpers
+
+
+async def _read_some(reader: asyncio.StreamReader) -> bytes:
+    data = await reader.read(65536)
+    if not data:
+        raise asyncio.IncompleteReadError(b"", None)
+    return data
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Hold the connection open, sending nothing, until the client goes away."""
+    while await reader.read(65536):
+        pass
+
+
+async def _write(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(data)
+    await writer.drain()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP RST (SO_LINGER 0), not a FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    529: "Overloaded",
+}
+
+
+def _head(status: int, headers: dict[str, str]) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
+    lines.extend(f"{k}: {v}" for k, v in headers.items())
+    lines.append(f"x-request-id: req_fake_{time.monotonic_ns()}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _raw_response(
+    status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None
+) -> bytes:
+    headers = {"content-type": ctype, "content-length": str(len(body))}
+    headers.update(extra or {})
+    return _head(status, headers) + body
+
+
+def _json_response(status: int, obj: Any, extra: dict[str, str] | None = None) -> bytes:
+    return _raw_response(status, json.dumps(obj).encode(), "application/json", extra)
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _classify(path: str, body: bytes) -> tuple[str | None, str | None, bool]:
+    try:
+        obj = json.loads(body) if body else {}
+    except ValueError:
+        obj = {}
+    if not isinstance(obj, dict):
+        obj = {}
+    model = obj.get("model") if isinstance(obj.get("model"), str) else None
+    if path.endswith("/chat/completions"):
+        return "openai", model, bool(obj.get("stream"))
+    if path.endswith("/messages"):
+        return "anthropic", model, bool(obj.get("stream"))
+    if "/models/" in path and ":" in path.rsplit("/", 1)[-1]:
+        name, _, method = path.rsplit("/", 1)[-1].partition(":")
+        if method in ("generateContent", "streamGenerateContent"):
+            return "gemini", name, method == "streamGenerateContent"
+    return None, model, False
+
+
+def _wants_usage(req: ReceivedRequest) -> bool:
+    obj = req.json
+    if req.protocol != "openai" or not isinstance(obj, dict):
+        return True
+    opts = obj.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def _stream_error(protocol: str) -> dict[str, Any]:
+    if protocol == "anthropic":
+        return {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    if protocol == "gemini":
+        return {
+            "error": {
+                "code": 503,
+                "message": "The model is overloaded. Please try again later.",
+                "status": "UNAVAILABLE",
+            }
+        }
+    return {
+        "error": {
+            "message": "The server had an error while processing your request.",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+def _error_response(
+    req: ReceivedRequest, b: Behavior
+) -> tuple[int, dict[str, Any], dict[str, str]] | None:
+    """Status, body and headers for the faults that are an HTTP error; None otherwise."""
+    p = req.protocol
+    f = b.fault
+    key = (
+        req.headers.get("authorization", "").removeprefix("Bearer ")
+        or req.headers.get("x-api-key", "")
+        or req.headers.get("x-goog-api-key", "")
+    )
+
+    def oai(
+        status: int, message: str, type_: str, code: str | None, param: str | None = None
+    ) -> dict[str, Any]:
+        return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+    def ant(type_: str, message: str) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": type_, "message": message}}
+
+    def gem(
+        code: int, status: str, message: str, details: list[Any] | None = None
+    ) -> dict[str, Any]:
+        err: dict[str, Any] = {"code": code, "message": message, "status": status}
+        if details:
+            err["details"] = details
+        return {"error": err}
+
+    prefill_msg = (
+        "This model does not support assistant message prefill. The conversation "
+        "must end with a user message."
+    )
+    table: dict[Fault, tuple[int, dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+        Fault.RATE_LIMIT: (
+            429,
+            oai(429, "Rate limit reached for requests per min.", "requests", "rate_limit_exceeded"),
+            ant(
+                "rate_limit_error",
+                "Number of request tokens has exceeded your per-minute rate limit.",
+            ),
+            gem(429, "RESOURCE_EXHAUSTED", "Resource has been exhausted (e.g. check quota)."),
+        ),
+        Fault.RATE_LIMIT_RETRY_AFTER: (
+            429,
+            oai(429, "Rate limit reached for requests per min.", "requests", "rate_limit_exceeded"),
+            ant(
+                "rate_limit_error",
+                "Number of request tokens has exceeded your per-minute rate limit.",
+            ),
+            gem(
+                429,
+                "RESOURCE_EXHAUSTED",
+                "Resource has been exhausted (e.g. check quota).",
+                [
+                    {
+                        "@type": "type.googleapis.com/google.rpc.RetryInfo",
+                        "retryDelay": f"{b.retry_after}s",
+                    }
+                ],
+            ),
+        ),
+        Fault.SERVER_ERROR: (
+            500,
+            oai(
+                500, "The server had an error while processing your request.", "server_error", None
+            ),
+            ant("api_error", "Internal server error"),
+            gem(500, "INTERNAL", "An internal error has occurred."),
+        ),
+        Fault.UNAVAILABLE: (
+            503,
+            oai(
+                503,
+                "The engine is currently overloaded, please try again later.",
+                "server_error",
+                None,
+            ),
+            ant("api_error", "Service unavailable"),
+            gem(503, "UNAVAILABLE", "The model is overloaded. Please try again later."),
+        ),
+        Fault.OVERLOADED: (
+            529,
+            oai(529, "Overloaded", "server_error", "overloaded"),
+            ant("overloaded_error", "Overloaded"),
+            gem(503, "UNAVAILABLE", "The model is overloaded. Please try again later."),
+        ),
+        Fault.UNAUTHORIZED: (
+            401,
+            oai(
+                401,
+                f"Incorrect API key provided: {key}.",
+                "invalid_request_error",
+                "invalid_api_key",
+            ),
+            ant("authentication_error", f"invalid x-api-key: {key}"),
+            gem(401, "UNAUTHENTICATED", f"API key not valid: {key}"),
+        ),
+        Fault.CONTEXT_LENGTH: (
+            400,
+            oai(
+                400,
+                "This model's maximum context length is 128000 tokens. However, your "
+                "messages resulted in 131072 tokens. Please reduce the length of the messages.",
+                "invalid_request_error",
+                "context_length_exceeded",
+                "messages",
+            ),
+            ant("invalid_request_error", "prompt is too long: 215000 tokens > 200000 maximum"),
+            gem(
+                400,
+                "INVALID_ARGUMENT",
+                "The input token count (1200000) exceeds the maximum "
+                "number of tokens allowed (1048576).",
+            ),
+        ),
+        Fault.CONTENT_POLICY: (
+            400,
+            oai(
+                400,
+                "Your request was rejected as a result of our safety system.",
+                "invalid_request_error",
+                "content_policy_violation",
+            ),
+            ant("invalid_request_error", "Output blocked by content filtering policy"),
+            gem(400, "INVALID_ARGUMENT", "The request was blocked by the content policy (SAFETY)."),
+        ),
+        Fault.PREFILL_REJECTED: (
+            400,
+            oai(400, prefill_msg, "invalid_request_error", None, "messages"),
+            ant("invalid_request_error", prefill_msg),
+            gem(
+                400,
+                "INVALID_ARGUMENT",
+                "Please ensure that multiturn requests end with a "
+                "user role or a function response.",
+            ),
+        ),
+        Fault.HUGE_ERROR: (
+            500,
+            oai(500, "internal error " + "x" * 100_000, "server_error", None),
+            ant("api_error", "internal error " + "x" * 100_000),
+            gem(500, "INTERNAL", "internal error " + "x" * 100_000),
+        ),
+    }
+    row = table.get(Fault.SERVER_ERROR if f is Fault.SERVER_ERROR_ONCE else f)
+    if row is None:
+        return None
+    status, o, a, g = row
+    body = a if p == "anthropic" else g if p == "gemini" else o
+    if p == "gemini" and f is Fault.OVERLOADED:
+        status = 503
+    extra = {"retry-after": b.retry_after} if f is Fault.RATE_LIMIT_RETRY_AFTER else {}
+    return status, body, extra
+
+
+@dataclass
+class _Answer:
+    """The answer the fake gives, in each protocol's whole-body and stream shapes."""
+
+    pieces: list[str]
+    model: str
+    usage: tuple[int, int]
+    tool: tuple[str, dict[str, Any]] | None
+
+    @classmethod
+    def build(cls, req: ReceivedRequest, b: Behavior) -> _Answer:
+        obj = req.json if isinstance(req.json, dict) else {}
+        has_tools = bool(obj.get("tools"))
+        words = b.text.split(" ")
+        size = max(1, len(words) // 4)
+        pieces = [" ".join(words[i : i + size]) for i in range(0, len(words), size)]
+        pieces = [p + (" " if i < len(pieces) - 1 else "") for i, p in enumerate(pieces)]
+        return cls(
+            pieces=pieces,
+            model=b.model or f"{req.model or 'fake'}-fake-001",
+            usage=b.usage,
+            tool=b.tool_call if has_tools else None,
+        )
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def whole(self, protocol: str) -> dict[str, Any]:
+        pt, ct = self.usage
+        if protocol == "anthropic":
+            content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
+            if self.tool:
+                content.append(
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_fake_1",
+                        "name": self.tool[0],
+                        "input": self.tool[1],
+                    }
+                )
+            return {
+                "id": "msg_fake",
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": content,
+                "stop_reason": "tool_use" if self.tool else "end_turn",
+                "usage": {"input_tokens": pt, "output_tokens": ct},
+            }
+        if protocol == "gemini":
+            parts: list[dict[str, Any]] = [{"text": self.text}]
+            if self.tool:
+                parts.append({"functionCall": {"name": self.tool[0], "args": self.tool[1]}})
+            return {
+                "candidates": [
+                    {
+                        "content": {"role": "model", "parts": parts},
+                        "finishReason": "STOP",
+                        "index": 0,
+                    }
+                ],
+                "usageMetadata": {
+                    "promptTokenCount": pt,
+                    "candidatesTokenCount": ct,
+                    "totalTokenCount": pt + ct,
+                },
+                "modelVersion": self.model,
+            }
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool:
+            message["tool_calls"] = [
+                {
+                    "id": "call_fake_1",
+                    "type": "function",
+                    "function": {"name": self.tool[0], "arguments": json.dumps(self.tool[1])},
+                }
+            ]
+        return {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 0,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": "tool_calls" if self.tool else "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+        }
+
+    def events(self, protocol: str, *, include_usage: bool) -> list[tuple[bytes, bool, bool]]:
+        """SSE events as (bytes, carries content, is the terminator)."""
+
+        def sse(obj: Any, name: str | None = None) -> bytes:
+            head = f"event: {name}\n" if name else ""
+            return (head + "data: " + json.dumps(obj) + "\n\n").encode()
+
+        pt, ct = self.usage
+        out: list[tuple[bytes, bool, bool]] = []
+        if protocol == "anthropic":
+            out.append(
+                (
+                    sse(
+                        {
+                            "type": "message_start",
+                            "message": {
+                                "id": "msg_fake",
+                                "type": "message",
+                                "role": "assistant",
+                                "model": self.model,
+                                "content": [],
+                                "stop_reason": None,
+                                "usage": {"input_tokens": pt, "output_tokens": 1},
+                            },
+                        },
+                        "message_start",
+                    ),
+                    False,
+                    False,
+                )
+            )
+            out.append(
+                (
+                    sse(
+                        {
+                            "type": "content_block_start",
+                            "index": 0,
+                            "content_block": {"type": "text", "text": ""},
+                        },
+                        "content_block_start",
+                    ),
+                    False,
+                    False,
+                )
+            )
+            out.append((b'event: ping\ndata: {"type": "ping"}\n\n', False, False))
+            for piece in self.pieces:
+                out.append(
+                    (
+                        sse(
+                            {
+                                "type": "content_block_delta",
+                                "index": 0,
+                                "delta": {"type": "text_delta", "text": piece},
+                            },
+                            "content_block_delta",
+                        ),
+                        True,
+                        False,
+                    )
+                )
+            out.append(
+                (
+                    sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+                    False,
+                    False,
+                )
+            )
+            if self.tool:
+                args = json.dumps(self.tool[1])
+                out.append(
+                    (
+                        sse(
+                            {
+                                "type": "content_block_start",
+                                "index": 1,
+                                "content_block": {
+                                    "type": "tool_use",
+                                    "id": "toolu_fake_1",
+                                    "name": self.tool[0],
+                                    "input": {},
+                                },
+                            },
+                            "content_block_start",
+                        ),
+                        True,
+                        False,
+                    )
+                )
+                half = len(args) // 2
+                for frag in (args[:half], args[half:]):
+                    out.append(
+                        (
+                            sse(
+                                {
+                                    "type": "content_block_delta",
+                                    "index": 1,
+                                    "delta": {"type": "input_json_delta", "partial_json": frag},
+                                },
+                                "content_block_delta",
+                            ),
+                            True,
+                            False,
+                        )
+                    )
+                out.append(
+                    (
+                        sse({"type": "content_block_stop", "index": 1}, "content_block_stop"),
+                        False,
+                        False,
+                    )
+                )
+            out.append(
+                (
+                    sse(
+                        {
+                            "type": "message_delta",
+                            "delta": {
+                                "stop_reason": "tool_use" if self.tool else "end_turn",
+                                "stop_sequence": None,
+                            },
+                            "usage": {"output_tokens": ct},
+                        },
+                        "message_delta",
+                    ),
+                    False,
+                    False,
+                )
+            )
+            out.append((sse({"type": "message_stop"}, "message_stop"), False, True))
+            return out
+        if protocol == "gemini":
+            for i, piece in enumerate(self.pieces):
+                chunk: dict[str, Any] = {
+                    "candidates": [
+                        {"content": {"role": "model", "parts": [{"text": piece}]}, "index": 0}
+                    ],
+                    "modelVersion": self.model,
+                }
+                last = i == len(self.pieces) - 1
+                if last and self.tool:
+                    chunk["candidates"][0]["content"]["parts"].append(
+                        {"functionCall": {"name": self.tool[0], "args": self.tool[1]}}
+                    )
+                if last:
+                    chunk["candidates"][0]["finishReason"] = "STOP"
+                    chunk["usageMetadata"] = {
+                        "promptTokenCount": pt,
+                        "candidatesTokenCount": ct,
+                        "totalTokenCount": pt + ct,
+                    }
+                out.append((sse(chunk), True, False))
+            return out
+
+        def oai(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+
+        out.append((sse(oai({"role": "assistant", "content": ""})), False, False))
+        for piece in self.pieces:
+            out.append((sse(oai({"content": piece})), True, False))
+        if self.tool:
+            args = json.dumps(self.tool[1])
+            half = len(args) // 2
+            out.append(
+                (
+                    sse(
+                        oai(
+                            {
+                                "tool_calls": [
+                                    {
+                                        "index": 0,
+                                        "id": "call_fake_1",
+                                        "type": "function",
+                                        "function": {
+                                            "name": self.tool[0],
+                                            "arguments": args[:half],
+                                        },
+                                    }
+                                ]
+                            }
+                        )
+                    ),
+                    True,
+                    False,
+                )
+            )
+            out.append(
+                (
+                    sse(
+                        oai({"tool_calls": [{"index": 0, "function": {"arguments": args[half:]}}]})
+                    ),
+                    True,
+                    False,
+                )
+            )
+        out.append((sse(oai({}, "tool_calls" if self.tool else "stop")), False, False))
+        if include_usage:
+            out.append(
+                (
+                    sse(
+                        {
+                            "id": "chatcmpl-fake",
+                            "object": "chat.completion.chunk",
+                            "created": 0,
+                            "model": self.model,
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": pt,
+                                "completion_tokens": ct,
+                                "total_tokens": pt + ct,
+                            },
+                        }
+                    ),
+                    False,
+                    False,
+                )
+            )
+        out.append((b"data: [DONE]\n\n", False, True))
+        return out
+
+
+__all__ = ["Behavior", "FakeProvider", "Fault", "ReceivedRequest"]

@@ -1,0 +1,65 @@
+"""Fixtures for adapter tests: a fake provider on loopback and routes that point at it.
+
+Tests run on asyncio through anyio's pytest plugin (installed with httpx). Time limits are small
+(tenths of a second) where the behaviour under test is a wall-clock limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from ledger.adapters import HttpAdapter, StaticSecretProvider
+from ledger.core.facts import Protocol
+from ledger.model import Price, Profile, Route
+from ledger.policy.model import StreamingPolicy
+from ledger.testing import FakeProvider
+
+SECRET = "sk-test-SECRETKEY-0123456789abcdef"
+PROFILE = "fake:default"
+PROTOCOLS = ["openai", "anthropic", "gemini"]
+
+# Small limits: the tests that exercise them wait this long, and no longer.
+FAST = StreamingPolicy(
+    connect_timeout_s=0.5,
+    read_timeout_s=0.4,
+    first_token_timeout_s=0.3,
+    idle_timeout_s=0.25,
+    total_timeout_s=3.0,
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_route(endpoint: str, protocol: str, **overrides: Any) -> Route:
+    fields: dict[str, Any] = {
+        "id": f"r-{protocol}",
+        "provider": "fake",
+        "model": "m1",
+        "group": "fake",
+        "recipient": "fake",
+        "protocol": Protocol(protocol),
+        "endpoint": endpoint,
+        "profiles": [Profile(id=PROFILE)],
+        "price": Price(input_per_mtok=Decimal("3"), output_per_mtok=Decimal("15")),
+    }
+    fields.update(overrides)
+    return Route(**fields)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeProvider]:
+    async with FakeProvider() as server:
+        yield server
+
+
+@pytest.fixture
+async def adapter() -> AsyncIterator[HttpAdapter]:
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=FAST) as a:
+        yield a

@@ -1,0 +1,386 @@
+"""Every fault of the fake provider, per protocol, over real HTTP on loopback.
+
+Each test asserts the exact observation an adapter reports: transport kind, phase, status,
+effective output, and that a truncated answer never comes back as a success.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from decimal import Decimal
+
+import pytest
+
+from ledger.adapters import HttpAdapter, Reset, StreamEvent, TextDelta, ToolCallProposal
+from ledger.core.envelope import Envelope, Part, ToolSpec
+from ledger.core.facts import Phase, Transport
+from ledger.testing import Behavior, FakeProvider, Fault
+
+from .conftest import FAST, PROFILE, PROTOCOLS, make_route
+
+pytestmark = pytest.mark.anyio
+
+FULL_TEXT = Behavior().text
+
+
+def env(stream: bool, **kw: object) -> Envelope:
+    return Envelope(
+        parts=[Part(role="system", content="Be brief."), Part(content="Say hello.")],
+        stream=stream,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def send(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool, **kw: object
+) -> tuple[object, list[StreamEvent]]:
+    events: list[StreamEvent] = []
+    result = await adapter.send(
+        make_route(fake.endpoint(protocol), protocol),
+        env(stream, **kw),
+        profile_id=PROFILE,
+        on_event=events.append,
+    )
+    return result, events
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_success_reports_text_usage_cost_and_model(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool
+) -> None:
+    result, events = await send(adapter, fake, protocol, stream)
+    assert result.ok, result.observation  # type: ignore[attr-defined]
+    r = result  # type: ignore[assignment]
+    assert r.text == FULL_TEXT
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (11, 7)
+    assert r.cost == (Decimal(3) * 11 + Decimal(15) * 7) / Decimal(1_000_000)
+    assert r.model_reported == "m1-fake-001"
+    assert r.http_status == 200 and r.observation is None and r.effective_output
+    assert r.finish_reason in ("stop", "end_turn", "STOP")
+    assert r.request_id and r.request_id.startswith("req_fake_")
+    if stream:
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == FULL_TEXT
+        assert len([e for e in events if isinstance(e, TextDelta)]) > 1
+    else:
+        assert events == []
+    (req,) = fake.requests
+    assert req.protocol == protocol and req.stream is stream
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tool_call_proposal(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool
+) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "failover", "k": 3})))
+    tools = [ToolSpec(name="search", parameters={"type": "object", "properties": {}})]
+    result, events = await send(adapter, fake, protocol, stream, tools=tools)
+    assert result.ok  # type: ignore[attr-defined]
+    (call,) = result.tool_calls  # type: ignore[attr-defined]
+    assert call.name == "search" and call.arguments == {"query": "failover", "k": 3}
+    if stream:
+        proposals = [e for e in events if isinstance(e, ToolCallProposal)]
+        assert [p.call for p in proposals] == [call]
+
+
+STATUS_FAULTS = [
+    (Fault.RATE_LIMIT, 429),
+    (Fault.RATE_LIMIT_RETRY_AFTER, 429),
+    (Fault.SERVER_ERROR, 500),
+    (Fault.UNAVAILABLE, 503),
+    (Fault.OVERLOADED, 529),
+    (Fault.UNAUTHORIZED, 401),
+    (Fault.CONTEXT_LENGTH, 400),
+    (Fault.CONTENT_POLICY, 400),
+]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("fault", "status"), STATUS_FAULTS)
+async def test_http_error_status(
+    adapter: HttpAdapter,
+    fake: FakeProvider,
+    protocol: str,
+    stream: bool,
+    fault: Fault,
+    status: int,
+) -> None:
+    fake.enqueue(fault)
+    result, events = await send(adapter, fake, protocol, stream)
+    r = result
+    assert not r.ok and r.text == "" and events == []  # type: ignore[attr-defined]
+    obs = r.observation  # type: ignore[attr-defined]
+    expected = 503 if (protocol == "gemini" and fault is Fault.OVERLOADED) else status
+    assert obs.status == expected == r.http_status  # type: ignore[attr-defined]
+    assert obs.transport is None and obs.phase is Phase.AFTER_HEADERS
+    assert obs.protocol.value == protocol and obs.provider == "fake"
+    assert not obs.effective_output
+    body = json.loads(obs.body)
+    assert "error" in body
+    assert r.evidence == obs.body  # type: ignore[attr-defined]
+    if fault is Fault.RATE_LIMIT_RETRY_AFTER:
+        assert obs.header("Retry-After") == "7"
+    if fault is Fault.RATE_LIMIT:
+        assert obs.header("Retry-After") is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_context_length_bodies_have_each_protocols_real_shape(
+    adapter: HttpAdapter, fake: FakeProvider, stream: bool
+) -> None:
+    seen = {}
+    for protocol in PROTOCOLS:
+        fake.enqueue(Fault.CONTEXT_LENGTH)
+        result, _ = await send(adapter, fake, protocol, stream)
+        seen[protocol] = json.loads(result.observation.body)  # type: ignore[attr-defined]
+    assert seen["openai"]["error"]["code"] == "context_length_exceeded"
+    assert seen["anthropic"]["error"]["type"] == "invalid_request_error"
+    assert seen["anthropic"]["error"]["message"].startswith("prompt is too long")
+    assert seen["gemini"]["error"]["status"] == "INVALID_ARGUMENT"
+    assert "exceeds the maximum number of tokens" in seen["gemini"]["error"]["message"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_prefill_is_sent_and_a_rejection_is_reported(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Fault.PREFILL_REJECTED)
+    envelope = Envelope(
+        parts=[Part(content="Name a colour."), Part(role="assistant", content="The colour is")]
+    )
+    result = await adapter.send(
+        make_route(fake.endpoint(protocol), protocol), envelope, profile_id=PROFILE
+    )
+    assert not result.ok and result.observation is not None
+    assert result.observation.status == 400 and result.observation.phase is Phase.AFTER_HEADERS
+    sent = fake.requests[0].json
+    if protocol == "gemini":
+        assert sent["contents"][-1] == {"role": "model", "parts": [{"text": "The colour is"}]}
+    elif protocol == "anthropic":
+        assert sent["messages"][-1]["role"] == "assistant"
+    else:
+        assert sent["messages"][-1] == {"role": "assistant", "content": "The colour is"}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_server_error_once_then_success(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.set_default(Fault.SERVER_ERROR_ONCE)
+    first, _ = await send(adapter, fake, protocol, False)
+    second, _ = await send(adapter, fake, protocol, False)
+    assert first.observation.status == 500  # type: ignore[attr-defined]
+    assert second.ok  # type: ignore[attr-defined]
+    assert [r.fault for r in fake.requests] == [Fault.SERVER_ERROR_ONCE, Fault.OK]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_persistent_503(adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    fake.set_default(Fault.UNAVAILABLE)
+    for _ in range(3):
+        result, _ = await send(adapter, fake, protocol, True)
+        assert result.observation.status == 503  # type: ignore[attr-defined]
+    assert len(fake.requests) == 3  # one request per call: nothing retried underneath
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("fault", "transport"),
+    [
+        (Fault.RESET_BEFORE_HEADERS, Transport.CONNECTION_RESET),
+        (Fault.CLOSE_BEFORE_HEADERS, Transport.CONNECTION_RESET),
+        (Fault.GARBAGE, Transport.PROTOCOL_ERROR),
+    ],
+)
+async def test_no_response_bytes_is_after_send(
+    adapter: HttpAdapter,
+    fake: FakeProvider,
+    protocol: str,
+    stream: bool,
+    fault: Fault,
+    transport: Transport,
+) -> None:
+    fake.enqueue(fault)
+    result, events = await send(adapter, fake, protocol, stream)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and events == []  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase, obs.status) == (transport, Phase.AFTER_SEND, None)
+    assert not obs.effective_output
+    assert len(fake.requests) == 1  # the request was really received, and only once
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_no_response_is_bounded_nonstreaming(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Fault.NO_RESPONSE)
+    t0 = time.monotonic()
+    result, _ = await send(adapter, fake, protocol, False)
+    elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.READ_TIMEOUT, Phase.AFTER_SEND)
+    assert FAST.read_timeout_s * 0.9 <= elapsed < FAST.read_timeout_s + 1.0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_no_response_streaming_is_a_first_token_timeout_after_send(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Fault.NO_RESPONSE)
+    t0 = time.monotonic()
+    result, _ = await send(adapter, fake, protocol, True)
+    elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.FIRST_TOKEN_TIMEOUT, Phase.AFTER_SEND)
+    assert FAST.first_token_timeout_s * 0.9 <= elapsed < FAST.first_token_timeout_s + 1.0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_slow_first_token_fails_over_before_output(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=5.0))
+    t0 = time.monotonic()
+    result, events = await send(adapter, fake, protocol, True)
+    elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    # Headers came at once, content did not: after_headers, and nothing was shown.
+    assert (obs.transport, obs.phase, obs.status) == (
+        Transport.FIRST_TOKEN_TIMEOUT,
+        Phase.AFTER_HEADERS,
+        200,
+    )
+    assert not obs.effective_output and events == []
+    assert elapsed < FAST.first_token_timeout_s + 1.0
+
+
+async def test_slow_first_token_within_the_limit_succeeds(fake: FakeProvider) -> None:
+    from ledger.adapters import StaticSecretProvider
+
+    limits = FAST.model_copy(update={"first_token_timeout_s": 2.0, "idle_timeout_s": 0.1})
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: "k" * 20}), limits=limits) as a:
+        fake.enqueue(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=0.3))
+        # The silent wait before the first token (0.3 s) is longer than the idle limit
+        # (0.1 s): idle applies only once content flows.
+        result, _ = await send(a, fake, "openai", True)
+    assert result.ok and result.text == FULL_TEXT  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    ("fault", "transport"),
+    [
+        (Fault.STREAM_CUT, Transport.STREAM_CUT),
+        (Fault.STREAM_RESET, Transport.STREAM_CUT),
+        (Fault.STREAM_EOF, Transport.STREAM_CUT),
+        (Fault.STALL, Transport.STREAM_STALL),
+        (Fault.MALFORMED_EVENT, Transport.MALFORMED_EVENT),
+    ],
+)
+async def test_mid_stream_failures_carry_effective_output_and_reset(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str, fault: Fault, transport: Transport
+) -> None:
+    fake.enqueue(fault)
+    t0 = time.monotonic()
+    result, events = await send(adapter, fake, protocol, True)
+    elapsed = time.monotonic() - t0
+    r = result
+    assert not r.ok and r.text == "" and r.tool_calls == ()  # type: ignore[attr-defined]
+    obs = r.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase, obs.status) == (transport, Phase.MID_STREAM, 200)
+    assert obs.effective_output and r.effective_output  # type: ignore[attr-defined]
+    shown = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert shown and shown != FULL_TEXT and FULL_TEXT.startswith(shown)
+    assert r.partial_text == shown  # type: ignore[attr-defined]
+    assert isinstance(events[-1], Reset) and events[-1].reason == transport.value
+    assert elapsed < 2.0
+    if fault is Fault.STALL:
+        assert elapsed >= FAST.idle_timeout_s * 0.9
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_in_stream_error_event_is_a_provider_failure(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Fault.ERROR_EVENT)
+    result, events = await send(adapter, fake, protocol, True)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert obs.transport is None and obs.phase is Phase.MID_STREAM and obs.effective_output
+    body = json.loads(obs.body)
+    if protocol == "anthropic":
+        assert body["error"]["type"] == "overloaded_error"
+    elif protocol == "gemini":
+        assert body["error"]["status"] == "UNAVAILABLE"
+    else:
+        assert body["error"]["type"] == "server_error"
+    assert isinstance(events[-1], Reset) and events[-1].reason == "provider_error"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_missing_terminator_after_completion_signal_is_success(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Fault.MISSING_DONE)
+    t0 = time.monotonic()
+    result, _ = await send(adapter, fake, protocol, True)
+    assert result.ok and result.text == FULL_TEXT  # type: ignore[attr-defined]
+    assert time.monotonic() - t0 < FAST.idle_timeout_s  # completes at once, no waiting
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    ("fault", "transport", "phase"),
+    [
+        (Fault.STREAM_CUT, Transport.STREAM_CUT, Phase.MID_STREAM),
+        (Fault.STREAM_RESET, Transport.STREAM_CUT, Phase.MID_STREAM),
+        (Fault.STALL, Transport.STREAM_STALL, Phase.MID_STREAM),
+        (Fault.STREAM_EOF, Transport.MALFORMED_EVENT, Phase.AFTER_HEADERS),
+        (Fault.MALFORMED_EVENT, Transport.MALFORMED_EVENT, Phase.AFTER_HEADERS),
+    ],
+)
+async def test_truncated_whole_body_is_never_a_success(
+    adapter: HttpAdapter,
+    fake: FakeProvider,
+    protocol: str,
+    fault: Fault,
+    transport: Transport,
+    phase: Phase,
+) -> None:
+    fake.enqueue(fault)
+    result, _ = await send(adapter, fake, protocol, False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and result.text == ""  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase, obs.status) == (transport, phase, 200)
+    assert not obs.effective_output  # nothing of a whole body reaches the caller
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_200_with_error_object_is_a_failure(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    fake.enqueue(Fault.ERROR_EVENT)
+    result, _ = await send(adapter, fake, protocol, False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase, obs.status) == (None, Phase.AFTER_HEADERS, 200)
+    assert "error" in json.loads(obs.body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_total_deadline_bounds_an_endless_answer(fake: FakeProvider, stream: bool) -> None:
+    from ledger.adapters import StaticSecretProvider
+
+    limits = FAST.model_copy(update={"total_timeout_s": 0.6, "read_timeout_s": 1.0})
+    fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: "k" * 20}), limits=limits) as a:
+        t0 = time.monotonic()
+        result, _ = await send(a, fake, "anthropic", stream)
+        elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.TOTAL_TIMEOUT, Phase.MID_STREAM)
+    assert obs.effective_output is stream
+    assert 0.55 <= elapsed < 1.6
