@@ -9,19 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ledger.core.facts import Category, FailureFact, Scope, Source
-from ledger.core.health import record_failure, record_success
-from ledger.model import GroupMode, Health, Route
+from ledger.core.health import health_key, record_failure, record_success
+from ledger.model import GroupMode, Route
 from ledger.policy.model import Policy
 from ledger.records import Outcome
 from ledger.storage.store import GroupUpdate, HealthUpdate
 
 
-def health_keys(route: Route, profile_id: str | None) -> list[tuple[str, str]]:
-    """The keys whose health one attempt touches: the route, and its profile if any."""
-    keys = [(route.id, "route")]
-    if profile_id:
-        keys.append((profile_id, "profile"))
-    return keys
+def health_keys(policy: Policy, route: Route, profile_id: str | None) -> list[tuple[str, str]]:
+    """The key whose health one attempt touches: its profile where the policy keys health by
+    profile (fased), else its route."""
+    key = health_key(route.id, profile_id, policy)
+    return [(key, "profile" if key != route.id else "route")]
 
 
 def health_updates(
@@ -34,20 +33,23 @@ def health_updates(
 ) -> Mapping[str, tuple[str, str | None, HealthUpdate]]:
     """Health updaters for the settle transaction, keyed by route id / profile id."""
     out: dict[str, tuple[str, str | None, HealthUpdate]] = {}
-    for key, kind in health_keys(route, profile_id):
-        if outcome is Outcome.SUCCEEDED:
-            def upd(h: Health) -> Health:
-                return record_success(h, now=now, policy=policy)
-        elif outcome is Outcome.FAILED and fact is not None:
-            category = fact.category
-
-            def upd(h: Health, category: Category = category) -> Health:
-                return record_failure(h, category, provider=route.provider, now=now,
-                                      policy=policy)
-        else:
-            continue
-        out[key] = (kind, route.provider, upd)
+    update = _health_update(policy, route, outcome, fact, now)
+    if update is None:
+        return out
+    for key, kind in health_keys(policy, route, profile_id):
+        out[key] = (kind, route.provider, update)
     return out
+
+
+def _health_update(policy: Policy, route: Route, outcome: Outcome, fact: FailureFact | None,
+                   now: float) -> HealthUpdate | None:
+    if outcome is Outcome.SUCCEEDED:
+        return lambda h: record_success(h, now=now, policy=policy)
+    if outcome is Outcome.FAILED and fact is not None:
+        category: Category = fact.category
+        return lambda h: record_failure(h, category, provider=route.provider, now=now,
+                                        policy=policy)
+    return None  # unknown: nothing was observed about the route's health
 
 
 def group_update(policy: Policy, fact: FailureFact | None, now: float) -> GroupUpdate | None:

@@ -147,7 +147,7 @@ class ProviderError(LedgerError):
     """A provider call failed; ``fact`` holds the structured failure fact."""
 
 
-class FailoverExhausted(LedgerError, ExceptionGroup):  # type: ignore[misc]
+class FailoverExhausted(LedgerError, ExceptionGroup):
     """The run stopped without a result.
 
     ``reason`` is the selector's stop reason, ``errors``/``exceptions`` every attempt's error in

@@ -7,7 +7,6 @@ the provenance of the part it was copied from.
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,7 +40,9 @@ class Part(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
-    @cached_property
+    # A plain property, not cached: model_copy(update=...) would carry a cached hash over to an
+    # edited copy, which would then pass for the original.
+    @property
     def content_hash(self) -> str:
         return content_hash(
             {
@@ -87,7 +88,7 @@ class Envelope(BaseModel):
         classes.update(t.data_class for t in self.tools)
         return classes
 
-    @cached_property
+    @property
     def hash(self) -> str:
         return content_hash(
             {

@@ -167,7 +167,8 @@ class Store:
                 select(s.runs).where(s.runs.c.run_id == spec.run_id).with_for_update()
             ).first()
             if existing is not None:
-                differing = [f for f in ADMISSION_FIELDS if getattr(existing, f) != getattr(spec, f)]
+                differing = [f for f in ADMISSION_FIELDS
+                             if getattr(existing, f) != getattr(spec, f)]
                 if differing or existing.content_hash != spec.content_hash:
                     raise AdmissionConflict(
                         f"run {spec.run_id!r} was admitted before with different frozen content "
@@ -350,7 +351,7 @@ class Store:
             conn.execute(s.runs.update().where(r.run_id == run_id)
                          .values(retries_used=r.retries_used + 1, updated_at=now))
             self._event(conn, run_id, None, "retry_permission", dict(data or {}), now)
-        return left - 1
+        return int(left) - 1
 
     # -- attempts -------------------------------------------------------------------------
 
@@ -382,7 +383,8 @@ class Store:
                 raise BudgetExceeded(
                     f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
                     f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
-                    run_id=spec.run_id, field="cost", requested=str(from_micros(spec.reserve_micros)),
+                    run_id=spec.run_id, field="cost",
+                    requested=str(from_micros(spec.reserve_micros)),
                     available=str(from_micros(available)),
                 )
             rejected = self._admit_capacity(conn, spec.route.group, now)
@@ -551,7 +553,9 @@ class Store:
                 release = reserved
             else:
                 release = 0
-            conn.execute(s.group_slots.delete().where(s.group_slots.c.attempt_id == spec.attempt_id))
+            conn.execute(
+                s.group_slots.delete().where(s.group_slots.c.attempt_id == spec.attempt_id)
+            )
             tokens = (spec.prompt_tokens or 0) + (spec.completion_tokens or 0)
             run_values: dict[str, Any] = {
                 "reserved_micros": r.reserved_micros - release,
@@ -775,7 +779,8 @@ class Store:
         a = s.attempts.c
         d = s.debits.c
         with self._read() as conn:
-            if conn.execute(select(s.runs.c.run_id).where(s.runs.c.run_id == run_id)).first() is None:
+            known = conn.execute(select(s.runs.c.run_id).where(s.runs.c.run_id == run_id))
+            if known.first() is None:
                 raise NotFound(f"unknown run id {run_id!r}", run_id=run_id)
             rows = conn.execute(
                 select(s.attempts, d.state.label("debit_state"))

@@ -55,6 +55,7 @@ def _count(path: str, delta: int) -> None:
         f.seek(0)
         f.truncate()
         f.write(f"{live} {peak}")
+        f.flush()  # before unlocking, or another process reads the old count
         fcntl.flock(f, fcntl.LOCK_UN)
 
 

@@ -66,7 +66,7 @@ def test_admit_conflict_names_every_differing_field(led: Ledger) -> None:
 
 
 def test_admit_bad_input(led: Ledger) -> None:
-    with pytest.raises(InvalidArgument, match="budget.max_calls") as ei:
+    with pytest.raises(InvalidArgument, match=r"budget\.max_calls") as ei:
         led.admit_run("r1", plan=routes(), budget={"max_calls": -1, "max_retries": 1,
                                                    "max_cost": "1"})
     assert ei.value.field and "budget" in ei.value.field
