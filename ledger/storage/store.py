@@ -20,6 +20,7 @@ from sqlalchemy import Connection, Engine, Row, and_, func, or_, select
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
+from ledger import faults
 from ledger.core.facts import FailureFact
 from ledger.errors import (
     AdmissionConflict,
@@ -436,6 +437,8 @@ class Store:
                 )
             row = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).one()
             record = self._attempt(conn, row)
+            faults.point("begin.before_commit")
+        faults.point("begin.after_commit")
         if rejected:
             raise CapacityUnavailable(
                 f"capacity group {spec.route.group!r} refused attempt {spec.attempt_id!r} "
@@ -581,7 +584,10 @@ class Store:
             for kind, data in spec.events:
                 self._event(conn, run_id, spec.attempt_id, kind, data, now)
             row = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).one()
-            return self._attempt(conn, row)
+            record = self._attempt(conn, row)
+            faults.point("settle.before_commit")
+        faults.point("settle.after_commit")
+        return record
 
     def _update_health(self, conn: Connection, key: str, kind: str, provider: str | None,
                        update: HealthUpdate, now: float) -> None:

@@ -1,0 +1,138 @@
+"""Named fault points: places in the write path where a test can make the process die.
+
+A point costs one module-level ``None`` check when nothing is armed. Arm points either with the
+environment variable ``LEDGER_FAULTS="name[,name...]"`` (read once, at import; each named point
+then kills the process with SIGKILL when reached) or in-process with :func:`arm`, whose action
+is ``"kill"`` (SIGKILL), ``"raise"`` (:class:`FaultInjected`), or any callable.
+
+``name@N`` in ``LEDGER_FAULTS`` fires on the N-th time the point is reached (1-based), so a
+worker can be killed in the middle of a sequence of calls rather than at its first.
+
+Points in the ledger:
+
+``begin.before_commit`` / ``begin.after_commit``
+    inside :meth:`Store.begin_attempt`: the last statement of the transaction, and right after
+    the commit before the record is returned (a commit whose acknowledgement is lost).
+``settle.before_commit`` / ``settle.after_commit``
+    the same two places in :meth:`Store.settle_attempt`.
+``dispatch.before_send`` / ``dispatch.after_send``
+    for the driver that sends the request (the retry owner, or a host using the low-level API):
+    after begin returned and before the request leaves, and after the response arrived and
+    before settle is called.
+``recover.before_commit`` / ``recover.after_commit``
+    inside the takeover of one run by :func:`ledger.recovery.recover`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+Action = Literal["kill", "raise"] | Callable[[str], None]
+
+KNOWN_POINTS = (
+    "begin.before_commit",
+    "begin.after_commit",
+    "settle.before_commit",
+    "settle.after_commit",
+    "dispatch.before_send",
+    "dispatch.after_send",
+    "recover.before_commit",
+    "recover.after_commit",
+)
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a point armed with ``"raise"`` (in-process tests)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"fault point {name!r} fired")
+        self.name = name
+
+
+class _Armed:
+    __slots__ = ("action", "hits", "on_hit")
+
+    def __init__(self, action: Action, on_hit: int) -> None:
+        self.action = action
+        self.on_hit = on_hit
+        self.hits = 0
+
+
+# None when nothing is armed: the whole cost of an unused point is this check.
+_ARMED: dict[str, _Armed] | None = None
+_lock = threading.Lock()
+
+
+def point(name: str) -> None:
+    """A fault point. Does nothing unless ``name`` is armed."""
+    if _ARMED is None:
+        return
+    _fire(name)
+
+
+def _fire(name: str) -> None:
+    armed = _ARMED
+    if armed is None:
+        return
+    with _lock:
+        entry = armed.get(name)
+        if entry is None:
+            return
+        entry.hits += 1
+        if entry.hits != entry.on_hit:
+            return
+    action = entry.action
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "raise":
+        raise FaultInjected(name)
+    elif callable(action):
+        action(name)
+
+
+def arm(name: str, action: Action = "raise", *, on_hit: int = 1) -> None:
+    """Arm ``name`` in this process: fire ``action`` on the ``on_hit``-th time it is reached."""
+    global _ARMED
+    if on_hit < 1:
+        raise ValueError("on_hit must be >= 1")
+    with _lock:
+        new = dict(_ARMED or {})
+        new[name] = _Armed(action, on_hit)
+        _ARMED = new
+
+
+def disarm(name: str | None = None) -> None:
+    """Disarm one point, or all of them."""
+    global _ARMED
+    with _lock:
+        if name is None or _ARMED is None:
+            _ARMED = None
+            return
+        new = dict(_ARMED)
+        new.pop(name, None)
+        _ARMED = new or None
+
+
+def armed() -> dict[str, int]:
+    """Armed points and how often each was reached."""
+    return {k: v.hits for k, v in (_ARMED or {}).items()}
+
+
+def _from_env(text: str | None) -> None:
+    if not text:
+        return
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, nth = item.partition("@")
+        arm(name, "kill", on_hit=int(nth) if nth else 1)
+
+
+_from_env(os.environ.get("LEDGER_FAULTS"))
+
+__all__ = ["KNOWN_POINTS", "FaultInjected", "arm", "armed", "disarm", "point"]
