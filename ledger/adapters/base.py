@@ -20,6 +20,8 @@ what happened                          transport kind                  phase
 =====================================  ==============================  ======================
 ConnectError caused by socket.gaierror dns_failure                     before_send
 ConnectError caused by ssl.SSLError    tls_error                       before_send
+  (certificate, version, handshake;
+  not the peer hanging up)
 ConnectError caused by ECONNREFUSED    connect_refused                 before_send
 ConnectError: reset / EOF in handshake connection_reset                before_send
 ConnectError, other OSError            connect_refused                 before_send
@@ -94,8 +96,9 @@ from ledger.policy.model import StreamingPolicy
 
 log = logging.getLogger("ledger.adapters")
 
-# An error body is read up to this many bytes; the classifier needs its head, not megabytes.
-_ERROR_BODY_READ_CAP = 64 * 1024
+# An error body is read up to this many bytes (enough to keep a large JSON error parsable so
+# its structured fields survive the evidence cap; a body beyond it is cut, not buffered).
+_ERROR_BODY_READ_CAP = 1024 * 1024
 # After a stream's terminator, the rest of the body is drained this long at most, so the
 # connection can go back to the pool without holding a finished answer hostage.
 _DRAIN_AFTER_TERMINATOR_S = 1.0
@@ -381,8 +384,34 @@ def _from_module(chain: list[BaseException], prefix: str) -> bool:
     return any(type(e).__module__.split(".")[0] == prefix for e in chain)
 
 
+# Raised inside every non-blocking TLS handshake (flow control) or when the peer simply hangs
+# up during it: neither says anything about certificates or protocol versions.
+_NOT_TLS_FAILURES = (
+    ssl.SSLWantReadError,
+    ssl.SSLWantWriteError,
+    ssl.SSLEOFError,
+    ssl.SSLZeroReturnError,
+    ssl.SSLSyscallError,
+)
+
+
+def _tls_failure(chain: list[BaseException]) -> bool:
+    return any(
+        isinstance(e, ssl.SSLError | ssl.CertificateError) and not isinstance(e, _NOT_TLS_FAILURES)
+        for e in chain
+    )
+
+
 def _is_reset(chain: list[BaseException]) -> bool:
-    if _has(chain, ConnectionResetError, BrokenPipeError, ConnectionAbortedError, EOFError):
+    if _has(
+        chain,
+        ConnectionResetError,
+        BrokenPipeError,
+        ConnectionAbortedError,
+        EOFError,
+        ssl.SSLEOFError,
+        ssl.SSLZeroReturnError,
+    ):
         return True
     # anyio reports a peer that went away as EndOfStream / BrokenResourceError.
     return any(type(e).__name__ in ("EndOfStream", "BrokenResourceError") for e in chain)
@@ -401,7 +430,7 @@ def map_transport_error(
             return Transport.DNS_FAILURE, Phase.BEFORE_SEND
         if _has(chain, ConnectionRefusedError):
             return Transport.CONNECT_REFUSED, Phase.BEFORE_SEND
-        if _has(chain, ssl.SSLError, ssl.CertificateError):
+        if _tls_failure(chain):
             return Transport.TLS_ERROR, Phase.BEFORE_SEND
         if _is_reset(chain):
             return Transport.CONNECTION_RESET, Phase.BEFORE_SEND

@@ -1,0 +1,297 @@
+"""Pure request building and response parsing, per protocol (no I/O)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ledger.adapters import anthropic, gemini, openai
+from ledger.adapters.base import MalformedPayload, ProviderErrorPayload
+from ledger.adapters.sse import SSEEvent
+from ledger.core.envelope import Envelope, Part, ToolSpec
+from ledger.errors import InvalidArgument
+from ledger.model import Capabilities
+
+from .conftest import make_route
+
+CONVERSATION = Envelope(
+    parts=[
+        Part(role="system", content="You are terse."),
+        Part(content="Find papers on failover."),
+        Part(
+            role="assistant",
+            content='{"query": "failover"}',
+            tool_call_id="c1",
+            name="search",
+            data_class="model_derived",
+        ),
+        Part(
+            role="tool",
+            content='{"hits": 2}',
+            tool_call_id="c1",
+            name="search",
+            data_class="tool_result",
+        ),
+        Part(content="Summarise."),
+    ],
+    tools=[
+        ToolSpec(
+            name="search",
+            description="web search",
+            parameters={"type": "object", "properties": {"query": {"type": "string"}}},
+        )
+    ],
+    params={"temperature": 0.2, "top_p": 0.9, "stop": "END"},
+    max_output_tokens=256,
+)
+
+
+def test_openai_request() -> None:
+    route = make_route("https://api.example.com/v1/", "openai", model="gpt-x")
+    wire = openai.CODEC.build_request(route, CONVERSATION)
+    assert wire.url == "https://api.example.com/v1/chat/completions"
+    b = wire.body
+    assert b["model"] == "gpt-x" and b["max_tokens"] == 256 and b["temperature"] == 0.2
+    assert [m["role"] for m in b["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    call = b["messages"][2]["tool_calls"][0]
+    assert call["function"] == {"name": "search", "arguments": '{"query": "failover"}'}
+    assert b["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": '{"hits": 2}'}
+    assert b["tools"][0]["function"]["name"] == "search"
+    assert "stream" not in b
+    assert "authorization" not in wire.headers  # the credential is added by the engine only
+    streamed = openai.CODEC.build_request(route, CONVERSATION.model_copy(update={"stream": True}))
+    assert streamed.body["stream"] is True
+    assert streamed.body["stream_options"] == {"include_usage": True}
+
+
+def test_openai_declared_parameters_choose_names() -> None:
+    caps = Capabilities(parameters=["temperature", "top_p", "stop", "max_completion_tokens"])
+    route = make_route("https://x/v1", "openai", capabilities=caps)
+    body = openai.CODEC.build_request(route, CONVERSATION.model_copy(update={"stream": True})).body
+    assert body["max_completion_tokens"] == 256 and "max_tokens" not in body
+    assert "stream_options" not in body
+
+
+def test_params_that_would_overwrite_structure_or_are_unsupported_are_refused() -> None:
+    route = make_route("https://x/v1", "openai")
+    bad = CONVERSATION.model_copy(update={"params": {"messages": []}})
+    with pytest.raises(InvalidArgument) as err:
+        openai.CODEC.build_request(route, bad)
+    assert err.value.field == "envelope.params.messages"
+    limited = make_route("https://x/v1", "openai", capabilities=Capabilities(parameters=[]))
+    with pytest.raises(InvalidArgument, match="does not support parameter 'temperature'"):
+        openai.CODEC.build_request(limited, CONVERSATION)
+
+
+def test_anthropic_request() -> None:
+    route = make_route("https://api.anthropic.com", "anthropic", model="claude-x")
+    wire = anthropic.CODEC.build_request(route, CONVERSATION)
+    assert wire.url == "https://api.anthropic.com/v1/messages"
+    assert wire.headers["anthropic-version"] == anthropic.ANTHROPIC_VERSION
+    b = wire.body
+    assert b["system"] == "You are terse." and b["max_tokens"] == 256
+    assert b["stop_sequences"] == ["END"] and "stop" not in b
+    assert [m["role"] for m in b["messages"]] == ["user", "assistant", "user"]
+    assert b["messages"][1]["content"][0] == {
+        "type": "tool_use",
+        "id": "c1",
+        "name": "search",
+        "input": {"query": "failover"},
+    }
+    # The tool result and the next user text merge into one user turn, in order.
+    assert [c["type"] for c in b["messages"][2]["content"]] == ["tool_result", "text"]
+    assert b["tools"][0]["input_schema"]["properties"]["query"] == {"type": "string"}
+    assert anthropic.AnthropicCodec.url("https://h/v1") == "https://h/v1/messages"
+    default = anthropic.CODEC.build_request(route, Envelope(parts=[Part(content="hi")])).body
+    assert default["max_tokens"] == 4096
+
+
+def test_gemini_request() -> None:
+    route = make_route(
+        "https://generativelanguage.googleapis.com", "gemini", model="models/gemini-x"
+    )
+    wire = gemini.CODEC.build_request(route, CONVERSATION)
+    assert wire.url == (
+        "https://generativelanguage.googleapis.com/v1beta/models/gemini-x:generateContent"
+    )
+    assert "key=" not in wire.url
+    b = wire.body
+    assert b["systemInstruction"] == {"parts": [{"text": "You are terse."}]}
+    assert [c["role"] for c in b["contents"]] == ["user", "model", "user"]
+    assert b["contents"][1]["parts"][0] == {
+        "functionCall": {"name": "search", "args": {"query": "failover"}}
+    }
+    assert b["contents"][2]["parts"][0] == {
+        "functionResponse": {"name": "search", "response": {"hits": 2}}
+    }
+    assert b["generationConfig"] == {
+        "temperature": 0.2,
+        "topP": 0.9,
+        "stopSequences": ["END"],
+        "maxOutputTokens": 256,
+    }
+    stream = gemini.CODEC.build_request(route, CONVERSATION.model_copy(update={"stream": True}))
+    assert stream.url.endswith("/models/gemini-x:streamGenerateContent?alt=sse")
+    assert (
+        gemini.GeminiCodec.url("https://h/v1", "m", False)
+        == "https://h/v1/models/m:generateContent"
+    )
+
+
+def test_tool_call_part_needs_json_object_arguments() -> None:
+    bad = Envelope(
+        parts=[
+            Part(content="x"),
+            Part(role="assistant", content="not json", tool_call_id="c", name="t"),
+        ]
+    )
+    for codec, proto in (
+        (openai.CODEC, "openai"),
+        (anthropic.CODEC, "anthropic"),
+        (gemini.CODEC, "gemini"),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            codec.build_request(make_route("https://h", proto), bad)
+        assert err.value.field == "envelope.parts[1]"
+
+
+def test_parse_replies() -> None:
+    r = openai.CODEC.parse_reply(
+        {
+            "model": "gpt-x-2025",
+            "choices": [
+                {
+                    "message": {
+                        "content": "hi",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": '{"a":1}'},
+                            }
+                        ],
+                    },
+                    "finish_reason": "tool_calls",
+                }
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+        }
+    )
+    assert (r.text, r.model, r.finish_reason) == ("hi", "gpt-x-2025", "tool_calls")
+    assert r.tool_calls[0].arguments == {"a": 1} and r.usage is not None
+    a = anthropic.CODEC.parse_reply(
+        {
+            "model": "claude-x",
+            "content": [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "yo"}],
+            "stop_reason": "end_turn",
+            "usage": {"input_tokens": 5, "cache_read_input_tokens": 10, "output_tokens": 2},
+        }
+    )
+    assert a.text == "yo" and a.usage is not None and a.usage.prompt_tokens == 15
+    g = gemini.CODEC.parse_reply(
+        {
+            "candidates": [
+                {
+                    "content": {"parts": [{"text": "x", "thought": True}, {"text": "ok"}]},
+                    "finishReason": "STOP",
+                }
+            ],
+            "usageMetadata": {
+                "promptTokenCount": 2,
+                "candidatesTokenCount": 3,
+                "thoughtsTokenCount": 4,
+            },
+            "modelVersion": "gemini-x-001",
+        }
+    )
+    assert g.text == "ok" and g.usage is not None and g.usage.completion_tokens == 7
+    with pytest.raises(ProviderErrorPayload, match="blockReason=SAFETY"):
+        gemini.CODEC.parse_reply({"promptFeedback": {"blockReason": "SAFETY"}})
+    with pytest.raises(MalformedPayload):
+        openai.CODEC.parse_reply({"choices": []})
+    with pytest.raises(MalformedPayload):
+        anthropic.CODEC.parse_reply({"content": "nope"})
+    with pytest.raises(ProviderErrorPayload):
+        anthropic.CODEC.parse_reply({"type": "error", "error": {"type": "overloaded_error"}})
+
+
+def _feed(state: object, *datas: str, event: str = "message") -> list[object]:
+    out: list[object] = []
+    for d in datas:
+        out.extend(state.feed(SSEEvent(event=event, data=d)))  # type: ignore[attr-defined]
+    return out
+
+
+def test_openai_stream_completion_rules() -> None:
+    s = openai.CODEC.new_stream()
+    _feed(s, json.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}]}))
+    assert s.content_seen and not s.completed
+    _feed(s, json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+    assert s.completed and not s.terminated
+    _feed(s, "[DONE]")
+    assert s.terminated
+    with pytest.raises(MalformedPayload):
+        _feed(openai.CODEC.new_stream(), "{nope")
+    with pytest.raises(MalformedPayload):
+        _feed(openai.CODEC.new_stream(), json.dumps({"choices": "x"}))
+
+
+def test_anthropic_stream_tool_use_and_usage() -> None:
+    s = anthropic.CODEC.new_stream()
+    out = _feed(
+        s,
+        json.dumps(
+            {
+                "type": "message_start",
+                "message": {"model": "c", "usage": {"input_tokens": 9, "output_tokens": 1}},
+            }
+        ),
+        json.dumps(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+            }
+        ),
+        json.dumps(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": '{"a": '},
+            }
+        ),
+        json.dumps(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": "1}"},
+            }
+        ),
+        json.dumps({"type": "content_block_stop", "index": 0}),
+        json.dumps(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "tool_use"},
+                "usage": {"output_tokens": 12},
+            }
+        ),
+        json.dumps({"type": "some_future_event"}),
+        json.dumps({"type": "message_stop"}),
+    )
+    assert len(out) == 1 and s.tool_calls[0].arguments == {"a": 1}
+    assert s.usage is not None and (s.usage.prompt_tokens, s.usage.completion_tokens) == (9, 12)
+    assert s.completed and s.terminated and s.model == "c"
+
+
+def test_gemini_stream_has_no_terminator_only_finish_reason() -> None:
+    s = gemini.CODEC.new_stream()
+    _feed(s, json.dumps({"candidates": [{"content": {"parts": [{"text": "a"}]}}]}))
+    assert not s.completed
+    _feed(
+        s,
+        json.dumps(
+            {"candidates": [{"content": {"parts": [{"text": "b"}]}, "finishReason": "STOP"}]}
+        ),
+    )
+    assert s.completed and not s.terminated and s.reply().text == "ab"

@@ -1,0 +1,161 @@
+"""Misuse raises typed errors before anything is sent; the sync facade runs the same core."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from ledger.adapters import (
+    HttpAdapter,
+    StaticSecretProvider,
+    StreamEvent,
+    SyncAdapter,
+    TextDelta,
+)
+from ledger.core.envelope import Envelope, Part
+from ledger.core.facts import Phase, Protocol, Transport
+from ledger.errors import InvalidArgument
+from ledger.model import Capabilities
+from ledger.testing import FakeProvider, Fault
+
+from .conftest import FAST, PROFILE, SECRET, make_route
+
+pytestmark = pytest.mark.anyio
+
+ENV = Envelope(parts=[Part(content="hello")])
+
+
+async def test_misuse_raises_invalid_argument_naming_the_field(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    ep = fake.endpoint("openai")
+    cases = [
+        (make_route(None, "openai"), ENV, PROFILE, "route.endpoint"),  # type: ignore[arg-type]
+        (make_route("ftp://h/v1", "openai"), ENV, PROFILE, "route.endpoint"),
+        (make_route(ep, "generic"), ENV, PROFILE, "route.protocol"),
+        (make_route(ep, "openai"), ENV, "someone:else", "profile_id"),
+        (make_route(ep, "openai"), ENV, None, "profile_id"),
+        (make_route(ep, "openai"), Envelope(parts=[]), PROFILE, "envelope.parts"),
+        (
+            make_route(ep, "openai", capabilities=Capabilities(prefill=False)),
+            Envelope(parts=[Part(content="q"), Part(role="assistant", content="A:")]),
+            PROFILE,
+            "envelope.parts",
+        ),
+        (
+            make_route(ep, "openai", capabilities=Capabilities(streaming=False)),
+            Envelope(parts=[Part(content="q")], stream=True),
+            PROFILE,
+            "envelope.stream",
+        ),
+    ]
+    for route, envelope, profile, field in cases:
+        with pytest.raises(InvalidArgument) as err:
+            await adapter.send(route, envelope, profile_id=profile)
+        assert err.value.field == field, (field, str(err.value))
+        assert SECRET not in str(err.value)
+    assert fake.requests == []  # misuse never sends anything
+
+
+async def test_keyless_route_sends_no_credential(fake: FakeProvider) -> None:
+    async with HttpAdapter(limits=FAST) as a:
+        result = await a.send(
+            make_route(fake.endpoint("openai"), "openai", profiles=[]), ENV, profile_id=None
+        )
+    assert result.ok
+    assert "authorization" not in fake.requests[0].headers
+
+
+async def test_async_callback_and_callback_errors_propagate(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    seen: list[str] = []
+
+    async def collect(ev: StreamEvent) -> None:
+        await asyncio.sleep(0)
+        if isinstance(ev, TextDelta):
+            seen.append(ev.text)
+
+    route = make_route(fake.endpoint("anthropic"), "anthropic")
+    stream = Envelope(parts=[Part(content="hi")], stream=True)
+    result = await adapter.send(route, stream, profile_id=PROFILE, on_event=collect)
+    assert result.ok and "".join(seen) == result.text
+
+    def broken(ev: StreamEvent) -> None:
+        raise RuntimeError("caller bug")
+
+    with pytest.raises(RuntimeError, match="caller bug"):
+        await adapter.send(route, stream, profile_id=PROFILE, on_event=broken)
+
+
+async def test_per_call_limits_override_the_adapter_default(fake: FakeProvider) -> None:
+    fake.enqueue(Fault.NO_RESPONSE)
+    slow_default = FAST.model_copy(update={"read_timeout_s": 30.0, "total_timeout_s": 60.0})
+    async with HttpAdapter(
+        secrets=StaticSecretProvider({PROFILE: SECRET}), limits=slow_default
+    ) as a:
+        result = await a.send(
+            make_route(fake.endpoint("gemini"), "gemini"), ENV, profile_id=PROFILE, limits=FAST
+        )
+    assert result.observation is not None
+    assert result.observation.transport is Transport.READ_TIMEOUT
+
+
+def test_sync_facade_against_a_threaded_fake() -> None:
+    with (
+        FakeProvider().in_thread() as fake,
+        SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=FAST) as adapter,
+    ):
+        events: list[StreamEvent] = []
+        ok = adapter.send(
+            make_route(fake.endpoint("openai"), "openai"),
+            Envelope(parts=[Part(content="hi")], stream=True),
+            profile_id=PROFILE,
+            on_event=events.append,
+        )
+        assert ok.ok and ok.text == "".join(e.text for e in events if isinstance(e, TextDelta))
+        fake.enqueue(Fault.STREAM_CUT)
+        cut = adapter.send(
+            make_route(fake.endpoint("gemini"), "gemini"),
+            Envelope(parts=[Part(content="hi")], stream=True),
+            profile_id=PROFILE,
+        )
+        assert cut.observation is not None
+        assert (cut.observation.transport, cut.observation.phase) == (
+            Transport.STREAM_CUT,
+            Phase.MID_STREAM,
+        )
+        assert cut.observation.protocol is Protocol.GEMINI
+        with pytest.raises(InvalidArgument):
+            adapter.send(make_route(None, "openai"), ENV, profile_id=PROFILE)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="closed"):
+        adapter.send(make_route("http://h/v1", "openai"), ENV, profile_id=PROFILE)
+
+
+async def test_fake_provider_header_fault_and_per_model_script(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    fake.set_default(Fault.UNAVAILABLE, model="m2")
+    fake.enqueue(Fault.RATE_LIMIT, model="m1")
+    r1 = await adapter.send(make_route(fake.endpoint("openai"), "openai"), ENV, profile_id=PROFILE)
+    r2 = await adapter.send(
+        make_route(fake.endpoint("openai"), "openai", model="m2"), ENV, profile_id=PROFILE
+    )
+    r3 = await adapter.send(make_route(fake.endpoint("openai"), "openai"), ENV, profile_id=PROFILE)
+    assert [r.http_status for r in (r1, r2, r3)] == [429, 503, 200]
+    assert [(q.model, q.fault) for q in fake.requests] == [
+        ("m1", Fault.RATE_LIMIT),
+        ("m2", Fault.UNAVAILABLE),
+        ("m1", Fault.OK),
+    ]
+    # A header chooses the fault too (for hosts poking the fake with curl).
+    async with httpx.AsyncClient() as client:
+        resp = await client.post(
+            fake.base_url + "/v1/messages",
+            json={"model": "m1"},
+            headers={"X-Fake-Fault": "overloaded"},
+        )
+    assert resp.status_code == 529
+    assert resp.json()["error"]["type"] == "overloaded_error"

@@ -1,0 +1,210 @@
+"""Transport errors mapped to exact kinds and phases, with real sockets on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ledger.adapters import ClientRegistry, HttpAdapter, StaticSecretProvider
+from ledger.core.envelope import Envelope, Part
+from ledger.core.facts import Phase, Transport
+from ledger.testing import FakeProvider, Fault
+
+from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
+
+pytestmark = pytest.mark.anyio
+
+ENV = Envelope(parts=[Part(content="hello")])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_dns_failure_is_before_send(adapter: HttpAdapter, protocol: str) -> None:
+    route = make_route("http://no-such-provider.invalid/v1", protocol)
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and not result.ok
+    assert (obs.transport, obs.phase, obs.status) == (
+        Transport.DNS_FAILURE,
+        Phase.BEFORE_SEND,
+        None,
+    )
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port: int = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_connection_refused_is_before_send(adapter: HttpAdapter, protocol: str) -> None:
+    route = make_route(f"http://127.0.0.1:{_closed_port()}", protocol)
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None
+    assert (obs.transport, obs.phase) == (Transport.CONNECT_REFUSED, Phase.BEFORE_SEND)
+
+
+@pytest.fixture
+def full_backlog() -> Iterator[int]:
+    """A listener that never accepts, with its accept queue filled: new SYNs go unanswered."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):  # a non-blocking connect is in progress
+            s.connect(("127.0.0.1", port))
+        fillers.append(s)
+    yield port
+    for s in fillers:
+        s.close()
+    listener.close()
+
+
+async def test_connect_timeout_is_before_send(adapter: HttpAdapter, full_backlog: int) -> None:
+    route = make_route(f"http://127.0.0.1:{full_backlog}", "openai")
+    t0 = time.monotonic()
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    elapsed = time.monotonic() - t0
+    obs = result.observation
+    assert obs is not None
+    assert (obs.transport, obs.phase) == (Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND)
+    assert FAST.connect_timeout_s * 0.9 <= elapsed < FAST.connect_timeout_s + 1.0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_tls_to_a_plain_http_server_is_a_tls_error(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    route = make_route(fake.endpoint(protocol).replace("http://", "https://"), protocol)
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None
+    assert (obs.transport, obs.phase) == (Transport.TLS_ERROR, Phase.BEFORE_SEND)
+    assert fake.requests == []  # no HTTP request ever reached the server
+
+
+async def test_reset_during_tls_handshake_is_a_reset_before_send(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    fake.reset_next_connections(1)
+    route = make_route(fake.endpoint("openai").replace("http://", "https://"), "openai")
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None
+    assert (obs.transport, obs.phase) == (Transport.CONNECTION_RESET, Phase.BEFORE_SEND)
+    assert fake.requests == []
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed; the self-signed TLS tests need it")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_self_signed_certificate_is_a_tls_error_and_trusted_ca_works(
+    self_signed: tuple[Path, Path],
+) -> None:
+    cert, key = self_signed
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    secrets = StaticSecretProvider({PROFILE: SECRET})
+    async with FakeProvider(ssl=server_ctx) as fake:
+        route = make_route(fake.endpoint("anthropic"), "anthropic")
+        assert route.endpoint is not None and route.endpoint.startswith("https://")
+        async with HttpAdapter(secrets=secrets, limits=FAST) as untrusting:
+            result = await untrusting.send(route, ENV, profile_id=PROFILE)
+        obs = result.observation
+        assert obs is not None
+        assert (obs.transport, obs.phase) == (Transport.TLS_ERROR, Phase.BEFORE_SEND)
+        assert "CERTIFICATE_VERIFY_FAILED" in (obs.message or "")
+        trusting_ctx = ssl.create_default_context(cafile=str(cert))
+        async with HttpAdapter(secrets=secrets, limits=FAST, verify=trusting_ctx) as trusting:
+            ok = await trusting.send(route, ENV, profile_id=PROFILE)
+        assert ok.ok and ok.text
+        assert len(fake.requests) == 1
+
+
+async def test_connections_are_pooled_per_endpoint(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    for protocol in PROTOCOLS:  # three protocols, one origin: one client, one connection
+        for stream in (False, True):
+            envelope = Envelope(parts=[Part(content="hi")], stream=stream)
+            r = await adapter.send(
+                make_route(fake.endpoint(protocol), protocol), envelope, profile_id=PROFILE
+            )
+            assert r.ok
+    assert len(fake.requests) == 6
+    assert fake.connections == 1
+
+
+async def test_a_failed_stream_is_never_reused(adapter: HttpAdapter, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.STALL)
+    route = make_route(fake.endpoint("openai"), "openai")
+    stream = Envelope(parts=[Part(content="hi")], stream=True)
+    assert not (await adapter.send(route, stream, profile_id=PROFILE)).ok
+    assert (await adapter.send(route, stream, profile_id=PROFILE)).ok
+    assert fake.connections == 2
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault.RESET_BEFORE_HEADERS, Fault.CLOSE_BEFORE_HEADERS, Fault.SERVER_ERROR]
+)
+async def test_nothing_is_retried_underneath(
+    adapter: HttpAdapter, fake: FakeProvider, fault: Fault
+) -> None:
+    route = make_route(fake.endpoint("openai"), "openai")
+    assert (await adapter.send(route, ENV, profile_id=PROFILE)).ok  # a pooled connection now
+    fake.enqueue(fault)
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    assert not result.ok
+    assert len(fake.requests) == 2  # the failed request was sent exactly once
+
+
+def test_client_registry_keys_by_origin() -> None:
+    assert ClientRegistry.origin("https://API.example.com:8443/v1/chat") == (
+        "https://api.example.com:8443"
+    )
+    assert ClientRegistry.origin("http://h/v1") != ClientRegistry.origin("https://h/v1")
