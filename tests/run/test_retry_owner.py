@@ -1,0 +1,247 @@
+"""The retry owner end to end on both backends, with scripted send functions and a manual clock."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from decimal import Decimal
+
+import pytest
+
+from ledger.api import AsyncLedger, Ledger
+from ledger.clock import ManualClock
+from ledger.core.envelope import Envelope, Part
+from ledger.core.facts import Observation, Protocol, Transport
+from ledger.errors import FailoverExhausted, ProviderError
+from ledger.model import Budget, Grant, GroupMode, Price, Route
+from ledger.records import AttemptKind, AttemptState, DebitState
+from ledger.run import Dispatch, Notice, SendResult, aexecute, execute
+
+GO_DS = Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
+              recipient="go-gateway", price=Price(input_per_mtok=Decimal(1),
+                                                  output_per_mtok=Decimal(2)))
+GO_GLM = Route(id="go-glm", provider="go", model="glm-5", group="go", recipient="go-gateway")
+OFFICIAL = Route(id="official-deepseek", provider="deepseek", model="deepseek-v4",
+                 group="deepseek-official", recipient="deepseek")
+PLAN = [GO_DS, GO_GLM, OFFICIAL]
+ENV = Envelope(parts=[Part(content="Summarise the filings.")], max_output_tokens=200)
+
+
+class Script:
+    """A send function that answers per route from a queue; records every dispatch."""
+
+    def __init__(self, **by_route: list[SendResult]) -> None:
+        self.queues = {k.replace("_", "-"): list(v) for k, v in by_route.items()}
+        self.sent: list[Dispatch] = []
+
+    def __call__(self, d: Dispatch) -> SendResult:
+        self.sent.append(d)
+        q = self.queues.get(d.route.id) or [OK]
+        return q.pop(0) if len(q) > 1 else q[0]
+
+
+OK = SendResult(ok=True, output="answer", prompt_tokens=10, completion_tokens=5,
+                cost=Decimal("0.001"), model_reported="served-model")
+
+
+def fail(**kw: object) -> SendResult:
+    return SendResult.failed(Observation(**kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(50_000.0)
+
+
+@pytest.fixture
+def led(db_url: str, clock: ManualClock) -> Iterator[Ledger]:
+    ledger = Ledger.open(db_url, clock=clock)
+    yield ledger
+    ledger.close()
+
+
+def admit(led: Ledger, run_id: str = "r", policy: str = "failure-domain",
+          retries: int = 3, calls: int = 6, grant: Grant | None = None,
+          role: str = "research", plan: list[Route] | None = None) -> object:
+    led.admit_run(run_id, plan=plan or PLAN,
+                  budget=Budget(max_calls=calls, max_retries=retries, max_cost=Decimal("1")),
+                  grant=grant or Grant(recipients={"go-gateway": ["user_input"],
+                                                   "deepseek": ["user_input"]}),
+                  policy=policy, role=role)
+    return led.acquire_lease(run_id)
+
+
+def test_503_with_healthy_group_moves_to_next_model(led: Ledger) -> None:
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(status=503, body="Service Unavailable")])
+    res = execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert res.route.id == "go-glm" and res.output == "answer" and res.switched
+    tl = led.timeline("r")
+    assert [(a.route_id, a.state, a.kind) for a in tl] == [
+        ("go-deepseek", AttemptState.FAILED, AttemptKind.FIRST),
+        ("go-glm", AttemptState.SUCCEEDED, AttemptKind.FAILOVER),
+    ]
+    assert tl[0].debit_id != tl[1].debit_id and tl[0].category == "overloaded"
+    assert [d.route.id for d in send.sent] == ["go-deepseek", "go-glm"]
+    run = led.get_run("r")
+    assert run.retries_used == 1 and run.calls_used == 2 and run.selected_route == "go-deepseek"
+    assert run.current_route == "go-glm"
+    kinds = [e.kind for e in led.events("r")]
+    assert kinds.count("select") == 2 and "move" in kinds
+
+
+def test_trusted_429_cools_group_and_skips_same_group(led: Ledger, clock: ManualClock) -> None:
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(status=429, headers={"Retry-After": "30"},
+                                    body="rate limited")])
+    res = execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert res.route.id == "official-deepseek"
+    g = led.group_projections(["go"])["go"]
+    assert g.mode is GroupMode.COOLDOWN and g.until == clock.now() + 30
+    select_events = [e for e in led.events("r", ["select"])]
+    skipped = {s["route"]: s["reason"] for s in select_events[-1].data["skipped"]}
+    assert skipped["go-glm"] == "same_group_unavailable"
+    assert clock.slept == []  # crossing groups does not inherit the old Retry-After
+
+
+def test_goclaw_retries_overload_on_same_route_then_moves(led: Ledger, clock: ManualClock
+                                                          ) -> None:
+    lease = admit(led, policy="goclaw", retries=5, calls=8)
+    send = Script(go_deepseek=[fail(status=503, body="overloaded")])
+    res = execute(led, lease, ENV, send, rng=random.Random(7))  # type: ignore[arg-type]
+    assert res.route.id == "go-glm"
+    tl = led.timeline("r")
+    assert [a.route_id for a in tl] == ["go-deepseek"] * 3 + ["go-glm"]
+    assert [a.kind for a in tl[:3]] == [AttemptKind.FIRST, AttemptKind.RETRY, AttemptKind.RETRY]
+    assert len({a.debit_id for a in tl}) == 4
+    assert len(clock.slept) == 2
+    assert 1.6 <= clock.slept[0] <= 2.4 and 4.8 <= clock.slept[1] <= 7.2
+    assert led.get_run("r").retries_used == 3
+    assert led.health(["go-deepseek"])["go-deepseek"].cooldown_until is not None
+
+
+def test_401_stops_with_every_error(led: Ledger) -> None:
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(status=401, body="Unauthorized")])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    err = ei.value
+    assert err.reason == "not_eligible_failure" and len(err.exceptions) == 1
+    assert isinstance(err.exceptions[0], ProviderError)
+    assert err.exceptions[0].fields["fact"]["category"] == "auth"
+    assert len(send.sent) == 1 and led.get_run("r").retries_used == 0
+
+
+def test_no_retry_permission_stops(led: Ledger) -> None:
+    lease = admit(led, retries=0)
+    send = Script(go_deepseek=[fail(status=503)])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert ei.value.reason == "retry_allowance" and len(send.sent) == 1
+
+
+def test_call_allowance_bounds_the_loop(led: Ledger) -> None:
+    lease = admit(led, calls=2, retries=9)
+    send = Script(go_deepseek=[fail(status=503)], go_glm=[fail(status=502)])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert ei.value.reason == "retry_allowance" and len(send.sent) == 2
+    assert led.get_run("r").calls_used == 2
+
+
+def test_every_route_failing_raises_group_of_all_errors(led: Ledger) -> None:
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(status=503)], go_glm=[fail(status=500)],
+                  official_deepseek=[fail(status=502)])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    err = ei.value
+    assert err.reason == "no_candidate" and len(err.exceptions) == 3
+    assert len(err.attempts) == 3 and "go/deepseek-v4" in str(err)
+
+
+def test_read_timeout_is_unknown_and_never_resubmitted_by_default(led: Ledger) -> None:
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(transport=Transport.READ_TIMEOUT)])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert ei.value.reason == "execution_unknown"
+    (att,) = led.timeline("r")
+    assert att.state is AttemptState.UNKNOWN and att.debit_state is DebitState.RESERVED
+    assert led.get_run("r").reserved == att.reserved and len(send.sent) == 1
+
+
+def test_goclaw_resubmits_after_timeout_as_new_attempt(led: Ledger, clock: ManualClock) -> None:
+    lease = admit(led, policy="goclaw")
+    send = Script(go_deepseek=[fail(transport=Transport.READ_TIMEOUT), OK])
+    res = execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    tl = led.timeline("r")
+    assert res.route.id == "go-deepseek" and clock.slept == [0.5]
+    assert [a.state for a in tl] == [AttemptState.UNKNOWN, AttemptState.SUCCEEDED]
+    assert tl[0].debit_state is DebitState.RESERVED  # the unknown one keeps its hold
+
+
+def test_goclaw_discards_streamed_text_and_tells_the_caller(led: Ledger) -> None:
+    lease = admit(led, policy="goclaw")
+    notices: list[Notice] = []
+    send = Script(go_deepseek=[fail(transport=Transport.STREAM_CUT, effective_output=True)])
+    res = execute(led, lease, ENV, send, on_notice=notices.append)  # type: ignore[arg-type]
+    assert res.route.id == "go-glm" and [d.route.id for d in send.sent] == ["go-deepseek", "go-glm"]
+    assert notices and notices[0].kind == "reset" and res.resets == 1
+
+
+def test_default_never_moves_after_effective_output(led: Ledger) -> None:
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(status=503, phase="mid_stream", effective_output=True)])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert ei.value.reason == "output_exists" and len(send.sent) == 1
+
+
+def test_disclosure_skips_unapproved_recipient(led: Ledger) -> None:
+    lease = admit(led, grant=Grant(recipients={"go-gateway": ["user_input"]}))
+    send = Script(go_deepseek=[fail(status=429, headers={"Retry-After": "5"})])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert ei.value.reason == "no_candidate"
+    skipped = {s["route"]: s["reason"] for s in ei.value.fields["skipped"]}
+    assert skipped == {**skipped, "go-glm": "same_group_unavailable",
+                       "official-deepseek": "disclosure"}
+    assert [d.route.id for d in send.sent] == ["go-deepseek"]
+
+
+def test_next_turn_keeps_the_route_actually_used(led: Ledger) -> None:
+    lease = admit(led)
+    execute(led, lease, ENV, Script(go_deepseek=[fail(status=503)]),  # type: ignore[arg-type]
+            turn_id="t1")
+    send = Script()
+    res = execute(led, lease, ENV, send, turn_id="t2")  # type: ignore[arg-type]
+    assert res.route.id == "go-glm" and [d.route.id for d in send.sent] == ["go-glm"]
+
+
+def test_evaluation_role_never_fails_over(led: Ledger) -> None:
+    lease = admit(led, role="evaluation")
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, Script(go_deepseek=[fail(status=503)]))  # type: ignore[arg-type]
+    assert ei.value.reason == "role_excluded"
+
+
+def test_async_twin(db_url: str) -> None:
+    async def go() -> None:
+        aled = await AsyncLedger.open(db_url, clock=ManualClock(1000.0))
+        await aled.admit_run("ar", plan=PLAN, budget=Budget(max_calls=4, max_retries=2,
+                                                            max_cost=Decimal(1)))
+        lease = await aled.acquire_lease("ar")
+
+        async def send(d: Dispatch) -> SendResult:
+            if d.route.id == "go-deepseek":
+                return fail(status=503, protocol=Protocol.OPENAI)
+            return OK
+
+        res = await aexecute(aled, lease, ENV, send)
+        assert res.route.id == "go-glm"
+        assert [a.route_id for a in await aled.timeline("ar")] == ["go-deepseek", "go-glm"]
+        await aled.close()
+
+    asyncio.run(go())
