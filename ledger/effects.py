@@ -45,11 +45,11 @@ def _health_update(policy: Policy, route: Route, outcome: Outcome, fact: Failure
                    now: float) -> HealthUpdate | None:
     if outcome is Outcome.SUCCEEDED:
         return lambda h: record_success(h, now=now, policy=policy)
-    if outcome is Outcome.FAILED and fact is not None:
+    if fact is not None:  # failed, or unknown with an observed fact (a timeout after send)
         category: Category = fact.category
         return lambda h: record_failure(h, category, provider=route.provider, now=now,
                                         policy=policy)
-    return None  # unknown: nothing was observed about the route's health
+    return None  # unknown without a fact: nothing was observed about the route's health
 
 
 def group_update(policy: Policy, fact: FailureFact | None, now: float) -> GroupUpdate | None:

@@ -106,6 +106,18 @@ def stale_worker(url: str, run_id: str, fence: int, n: int) -> dict[str, int]:
     return out
 
 
+def probe_worker(url: str, t: int, n: int) -> dict[str, int]:
+    """Claim the cluster-wide probe of a cooling primary ``n`` times at clock ``t``."""
+    from ledger.clock import ManualClock
+    from ledger.model import Route
+
+    led = Ledger.open(url, migrate_schema=False, clock=ManualClock(float(t)))
+    route = Route(id="a", provider="p1", model="m1", group="g", recipient="r1")
+    won = sum(led.claim_probe(route, interval_s=30.0) for _ in range(n))
+    led.close()
+    return {"won": won}
+
+
 def migrate_worker(url: str) -> dict[str, int]:
     Ledger.open(url).close()
     return {"ok": 1}

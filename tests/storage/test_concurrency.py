@@ -107,3 +107,13 @@ def test_postgres_child_carving_under_concurrency(pg_url: str) -> None:
         parent = led.get_run("parent")
         assert ok == 6 and parent.carved == Decimal("0.90")
         assert len(led.children("parent")) == 6
+
+
+def test_one_probe_per_throttle_window_cluster_wide(db_url: str) -> None:
+    Ledger.open(db_url).close()
+    first = collect([spawn("probe", db_url, 1000, 5) for _ in range(WORKERS)])
+    assert sum(r["won"] for r in first) == 1
+    inside = collect([spawn("probe", db_url, 1029, 5) for _ in range(WORKERS)])
+    assert sum(r["won"] for r in inside) == 0  # still inside the 30 s window
+    after = collect([spawn("probe", db_url, 1030, 5) for _ in range(WORKERS)])
+    assert sum(r["won"] for r in after) == 1
