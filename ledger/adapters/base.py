@@ -44,6 +44,7 @@ clean end without completion signal    stream_cut                      mid_strea
 event not parsable / wrong shape       malformed_event                 mid_stream (stream),
                                                                        after_headers (body)
 error event inside a stream            (none; status 200, body)        mid_stream
+2xx body that is an error object       (none; status, body)            after_headers
 HTTP status >= 300                     (none; status, headers, body)   after_headers
 =====================================  ==============================  ======================
 
@@ -57,6 +58,12 @@ ended cleanly without it, the protocol's own completion signal was (OpenAI ``fin
 every choice, Anthropic ``message_delta.stop_reason``, Gemini ``finishReason``). Anything else is a
 failure, and when text or a tool-call proposal was already delivered the failure carries
 ``effective_output=True`` and the callback receives a :class:`Reset`.
+
+Time limits (``StreamingPolicy``): ``connect_timeout_s`` bounds connecting (and waiting for a
+pooled connection); ``read_timeout_s`` bounds every single socket read, so also the wait for the
+status line; for a stream, only ``first_token_timeout_s`` applies until the first text or
+tool-call fragment arrives (a model may think silently), then ``idle_timeout_s`` bounds every gap
+between received bytes; ``total_timeout_s`` bounds the whole call. No call is unbounded in time.
 """
 
 from __future__ import annotations
