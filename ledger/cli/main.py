@@ -20,6 +20,7 @@ DEFAULT_DB = "ledger.db"
 # Command modules, each with register(subparsers).
 COMMAND_MODULES: list[str] = [
     "ledger.cli.policy_cmd",
+    "ledger.cli.recover_cmd",
 ]
 
 

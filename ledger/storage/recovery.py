@@ -1,0 +1,335 @@
+"""SQL of restart-time recovery and of the reconciliation (see ``ledger.recovery`` and
+``ledger.reconcile``). Each public function is one transaction on the store's engine.
+
+Claiming: candidates are listed without locks; each run is then taken over in its own
+transaction that locks the run row and re-checks that the lease is still expired. On PostgreSQL
+the lock is ``FOR UPDATE SKIP LOCKED``: a run another recovering process (or a live writer) is
+holding right now is skipped, not waited for, and is left to that process or to the next pass.
+This is used only to *claim work items*; budget and capacity checks never skip locked rows.
+SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, and_, exists, func, not_, or_, select
+
+from ledger import faults
+from ledger.records import AttemptRecord, AttemptState, DebitState, Lease, RunStatus
+from ledger.storage import schema as s
+from ledger.storage.store import Store, _attempt
+
+FINISHED = (RunStatus.SUCCEEDED.value, RunStatus.FAILED.value, RunStatus.STOPPED.value)
+UNKNOWN_REASON = "recovery: dispatched without a receipt (executor lease expired)"
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What one takeover transaction did to one run."""
+
+    run_id: str
+    previous_executor: str | None
+    previous_fence: int
+    lease: Lease | None  # None when the lease was released after takeover
+    fence: int
+    newly_unknown: list[str]
+    voided: list[str]
+    slots_released: int
+    attempts: list[AttemptRecord]  # the run's whole timeline after the takeover
+    selected_route: str
+    current_route: str | None
+    status: str
+    adopted: bool = False  # already taken over by this executor (a retried, committed takeover)
+
+
+@dataclass
+class Figures:
+    """Whole-ledger figures and the violations found by :func:`reconcile_rows`."""
+
+    runs: int = 0
+    attempts: int = 0
+    by_state: dict[str, int] = field(default_factory=dict)
+    debits: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+
+def _expired_cond(now: float) -> Any:
+    r = s.runs.c
+    a = s.attempts.c
+    dispatching = exists().where(a.run_id == r.run_id,
+                                 a.state == AttemptState.DISPATCHING.value)
+    return and_(
+        r.lease_holder.is_not(None),
+        r.lease_expires_at.is_not(None),
+        r.lease_expires_at <= now,
+        or_(not_(r.status.in_(FINISHED)), dispatching),
+    )
+
+
+def expired_runs(store: Store, now: float, limit: int,
+                 run_ids: list[str] | None = None) -> list[str]:
+    """Runs whose executor lease expired and that are not finished (or still have attempts in
+    flight), oldest expiry first."""
+    r = s.runs.c
+    q = select(r.run_id).where(_expired_cond(now))
+    if run_ids is not None:
+        q = q.where(r.run_id.in_(run_ids))
+    q = q.order_by(r.lease_expires_at, r.run_id).limit(limit)
+    with store._read() as conn:
+        return [row[0] for row in conn.execute(q)]
+
+
+def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float, *,
+              release: bool, adopt: bool = False) -> Takeover | None:
+    """Take one expired run over under a new fence; None when it is not (or no longer) ours
+    to take (lease live again, recovered by someone else, or locked right now)."""
+    r = s.runs.c
+    a = s.attempts.c
+    d = s.debits.c
+    gs = s.group_slots.c
+    with store._write() as conn:
+        q = select(s.runs).where(r.run_id == run_id)
+        if store.dialect == "postgresql":
+            q = q.with_for_update(skip_locked=True)
+        row = conn.execute(q).first()
+        if row is None:
+            return None
+        expired = (row.lease_holder is not None and row.lease_expires_at is not None
+                   and row.lease_expires_at <= now)
+        if not expired:
+            if adopt and row.lease_holder == executor and (row.lease_expires_at or 0) > now:
+                # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
+                return _report(conn, row, row.lease_holder, row.fence, [], [], 0,
+                               Lease(run_id, executor, row.fence, row.lease_expires_at),
+                               adopted=True)
+            return None
+        old_holder, old_fence = row.lease_holder, int(row.fence)
+        fence = old_fence + 1
+        in_flight = [x[0] for x in conn.execute(
+            select(a.attempt_id).where(a.run_id == run_id,
+                                       a.state == AttemptState.DISPATCHING.value)
+            .order_by(a.seq)
+        )]
+        # Every dispatching attempt was recorded before its request could leave the process,
+        # and the ledger records nothing between begin and send: it may have been sent. Unknown,
+        # keeping its hold (invariant 6). Never re-sent by recovery.
+        if in_flight:
+            conn.execute(
+                s.attempts.update().where(a.attempt_id.in_(in_flight))
+                .values(state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence)
+            )
+            for att_id in in_flight:
+                store._event(conn, run_id, att_id, "unknown",
+                             {"reason": UNKNOWN_REASON, "fence": fence}, now)
+        # Holds the ledger can prove were never sent: attempts refused at begin (rejected) or
+        # settled as failed before send, whose debit is somehow still reserved. The write path
+        # voids these itself, so this only repairs; it never touches a dispatching attempt.
+        provably_unsent = [x[0] for x in conn.execute(
+            select(d.debit_id).select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
+            .where(d.run_id == run_id, d.state == DebitState.RESERVED.value,
+                   or_(a.state == AttemptState.REJECTED.value,
+                       and_(a.state == AttemptState.FAILED.value,
+                            a.fact.like('%"phase": "before_send"%'))))
+        )]
+        release_micros = 0
+        if provably_unsent:
+            release_micros = int(conn.execute(
+                select(func.coalesce(func.sum(d.reserved_micros), 0))
+                .where(d.debit_id.in_(provably_unsent))
+            ).scalar_one())
+            conn.execute(s.debits.update().where(d.debit_id.in_(provably_unsent))
+                         .values(state=DebitState.VOIDED.value, settled_at=now))
+        # Capacity slots of the dead executor (any fence but the new one).
+        slots = conn.execute(
+            s.group_slots.delete().where(gs.run_id == run_id, gs.fence != fence)
+        ).rowcount
+        lease: Lease | None = None
+        values: dict[str, Any] = {"fence": fence, "updated_at": now}
+        if release:
+            values.update(lease_holder=None, lease_expires_at=None)
+        else:
+            values.update(lease_holder=executor, lease_expires_at=now + ttl_s)
+            lease = Lease(run_id, executor, fence, now + ttl_s)
+        if release_micros:
+            values["reserved_micros"] = r.reserved_micros - release_micros
+        conn.execute(s.runs.update().where(r.run_id == run_id).values(**values))
+        store._event(conn, run_id, None, "recover", {
+            "executor": executor, "previous": old_holder, "previous_fence": old_fence,
+            "fence": fence, "unknown": in_flight, "voided": provably_unsent,
+            "slots_released": slots, "released": release,
+        }, now)
+        row = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
+        out = _report(conn, row, old_holder, old_fence, in_flight, provably_unsent, slots, lease)
+        faults.point("recover.before_commit")
+    faults.point("recover.after_commit")
+    return out
+
+
+def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
+            unknown: list[str], voided: list[str], slots: int, lease: Lease | None,
+            adopted: bool = False) -> Takeover:
+    a = s.attempts.c
+    d = s.debits.c
+    rows = conn.execute(
+        select(s.attempts, d.state.label("debit_state"))
+        .join(s.debits, d.debit_id == a.debit_id)
+        .where(a.run_id == row.run_id).order_by(a.seq)
+    ).all()
+    return Takeover(
+        run_id=row.run_id, previous_executor=old_holder, previous_fence=old_fence,
+        lease=lease, fence=int(row.fence), newly_unknown=list(unknown), voided=list(voided),
+        slots_released=int(slots or 0),
+        attempts=[_attempt(x, x.debit_state) for x in rows],
+        selected_route=row.selected_route, current_route=row.current_route, status=row.status,
+        adopted=adopted,
+    )
+
+
+# -- reconciliation -------------------------------------------------------------------------
+
+
+def reconcile_rows(store: Store, now: float) -> Figures:
+    """Check the ledger-wide invariants in one read transaction (a consistent snapshot on
+    PostgreSQL under REPEATABLE READ; SQLite reads are snapshots already)."""
+    g = s.capacity_groups.c
+    fig = Figures()
+    v = fig.violations
+    with store._read() as conn:
+        if store.dialect == "postgresql":
+            conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        runs = conn.execute(select(s.runs)).all()
+        fig.runs = len(runs)
+        by_run_att: dict[str, list[Any]] = {}
+        for row in conn.execute(select(s.attempts)):
+            by_run_att.setdefault(row.run_id, []).append(row)
+        debits = {row.debit_id: row for row in conn.execute(select(s.debits))}
+        slots = conn.execute(select(s.group_slots)).all()
+        limits = {row.group_id: row.max_in_flight for row in conn.execute(
+            select(g.group_id, g.max_in_flight))}
+        fig.attempts = sum(len(x) for x in by_run_att.values())
+        for x in by_run_att.values():
+            for att in x:
+                fig.by_state[att.state] = fig.by_state.get(att.state, 0) + 1
+        for drow in debits.values():
+            fig.debits[drow.state] = fig.debits.get(drow.state, 0) + 1
+        attempt_ids = {att.attempt_id for x in by_run_att.values() for att in x}
+        for drow in debits.values():
+            if drow.attempt_id not in attempt_ids:
+                v.append(f"debit {drow.debit_id} has no attempt")
+        run_by_id = {row.run_id: row for row in runs}
+        for run in runs:
+            atts = by_run_att.get(run.run_id, [])
+            reserved = posted = calls = 0
+            seqs = sorted(att.seq for att in atts)
+            if seqs != list(range(1, len(seqs) + 1)):
+                v.append(f"run {run.run_id}: attempt seqs not 1..n: {seqs}")
+            for att in atts:
+                deb = debits.get(att.debit_id)
+                where = f"run {run.run_id} attempt {att.attempt_id}"
+                if deb is None:
+                    v.append(f"{where}: no debit")
+                    continue
+                if deb.attempt_id != att.attempt_id or deb.run_id != run.run_id:
+                    v.append(f"{where}: debit {deb.debit_id} belongs elsewhere")
+                if deb.reserved_micros != att.reserved_micros:
+                    v.append(f"{where}: debit hold {deb.reserved_micros} != attempt's "
+                             f"{att.reserved_micros}")
+                st = att.state
+                expected = {
+                    AttemptState.DISPATCHING.value: {DebitState.RESERVED.value},
+                    AttemptState.UNKNOWN.value: {DebitState.RESERVED.value},
+                    AttemptState.REJECTED.value: {DebitState.VOIDED.value},
+                    AttemptState.SUCCEEDED.value: {DebitState.POSTED.value},
+                    AttemptState.FAILED.value: {DebitState.POSTED.value, DebitState.VOIDED.value},
+                }.get(st)
+                if expected is None:
+                    v.append(f"{where}: unknown state {st!r}")
+                elif deb.state not in expected:
+                    v.append(f"{where}: {st} attempt with a {deb.state} debit")
+                if st != AttemptState.DISPATCHING.value and att.settled_at is None:
+                    v.append(f"{where}: {st} without settled_at")
+                if st != AttemptState.REJECTED.value:
+                    calls += 1
+                if deb.state == DebitState.RESERVED.value:
+                    reserved += deb.reserved_micros
+                elif deb.state == DebitState.POSTED.value:
+                    if deb.posted_micros > deb.reserved_micros:
+                        v.append(f"{where}: posted {deb.posted_micros} above its hold")
+                    posted += deb.posted_micros
+                    if deb.posted_micros != min(att.cost_micros or 0, deb.reserved_micros):
+                        v.append(f"{where}: posted {deb.posted_micros} != the settled cost")
+                elif deb.posted_micros:
+                    v.append(f"{where}: a {deb.state} debit posted {deb.posted_micros}")
+                if att.fence > run.fence or (att.settle_fence or 0) > run.fence:
+                    v.append(f"{where}: written under a fence above the run's")
+            if reserved != run.reserved_micros:
+                v.append(f"run {run.run_id}: reserved counter {run.reserved_micros} != sum of "
+                         f"reserved debits {reserved}")
+            if posted != run.posted_micros:
+                v.append(f"run {run.run_id}: posted counter {run.posted_micros} != sum of posted "
+                         f"debits {posted}")
+            if calls != run.calls_used:
+                v.append(f"run {run.run_id}: calls_used {run.calls_used} != {calls} attempts")
+            if run.calls_used + run.carved_calls > run.max_calls:
+                v.append(f"run {run.run_id}: calls {run.calls_used} above allowance")
+            if run.retries_used + run.carved_retries > run.max_retries:
+                v.append(f"run {run.run_id}: retries {run.retries_used} above allowance")
+            if run.reserved_micros + run.posted_micros + run.carved_micros > run.max_cost_micros:
+                v.append(f"run {run.run_id}: reserved+posted above the cost budget")
+            if run.parent_run_id is not None and run.parent_run_id not in run_by_id:
+                v.append(f"run {run.run_id}: parent {run.parent_run_id} missing")
+        # Children's budgets come out of the parent's carve.
+        carved: dict[str, list[int]] = {}
+        for run in runs:
+            if run.parent_run_id is not None:
+                c = carved.setdefault(run.parent_run_id, [0, 0, 0])
+                c[0] += run.max_calls
+                c[1] += run.max_retries
+                c[2] += run.max_cost_micros
+        for pid, (calls, retries, micros) in carved.items():
+            par = run_by_id.get(pid)
+            if par is not None and (par.carved_calls, par.carved_retries, par.carved_micros) != (
+                    calls, retries, micros):
+                v.append(f"run {pid}: carved ({par.carved_calls}, {par.carved_retries}, "
+                         f"{par.carved_micros}) != its children's budgets ({calls}, {retries}, "
+                         f"{micros})")
+        # Slots: only dispatching attempts hold one; live ones never exceed a group's limit.
+        states = {att.attempt_id: att.state for x in by_run_att.values() for att in x}
+        live: dict[str, int] = {}
+        for slot in slots:
+            st = states.get(slot.attempt_id)
+            if st != AttemptState.DISPATCHING.value:
+                v.append(f"slot of attempt {slot.attempt_id} held by a {st} attempt")
+            holder = run_by_id.get(slot.run_id)
+            if (holder is not None and holder.fence == slot.fence
+                    and holder.lease_expires_at is not None and holder.lease_expires_at > now):
+                live[slot.group_id] = live.get(slot.group_id, 0) + 1
+        for grp, n in live.items():
+            lim = limits.get(grp)
+            if lim is not None and n > lim:
+                v.append(f"group {grp}: {n} live slots above its limit {lim}")
+        # Events: every recovered unknown attempt has its event (audit trail).
+        ev = s.events.c
+        unknown_events = {row[0] for row in conn.execute(
+            select(ev.attempt_id).where(ev.kind == "unknown"))}
+        for x in by_run_att.values():
+            for att in x:
+                if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None \
+                        and att.attempt_id not in unknown_events:
+                    v.append(f"attempt {att.attempt_id}: unknown without an 'unknown' event")
+    return fig
+
+
+def event_counts(store: Store, kinds: list[str]) -> dict[str, int]:
+    ev = s.events.c
+    with store._read() as conn:
+        rows = conn.execute(select(ev.kind, func.count()).where(ev.kind.in_(kinds))
+                            .group_by(ev.kind)).all()
+    out = {k: 0 for k in kinds}
+    out.update({k: int(n) for k, n in rows})
+    return out
+
+
+__all__ = ["Figures", "Takeover", "event_counts", "expired_runs", "reconcile_rows", "take_over"]

@@ -1,0 +1,121 @@
+"""Recovery in-process, on both backends: takeover, unknown with hold, slots, idempotence."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+
+import pytest
+
+from ledger import faults
+from ledger.api import AsyncLedger, Ledger
+from ledger.clock import ManualClock
+from ledger.errors import FencedOut
+from ledger.faults import FaultInjected
+from ledger.reconcile import reconcile
+from ledger.records import AttemptState, DebitState
+from ledger.recovery import arecover, recover
+from tests.storage.helpers import budget, grant, routes
+
+
+def _setup(url: str, clock: ManualClock) -> tuple[Ledger, str]:
+    led = Ledger.open(url, clock=clock, executor_id="worker-1")
+    led.configure_group("g", max_in_flight=1)
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    return led, "r1"
+
+
+def test_takeover_marks_unknown_keeps_hold_and_fences(db_url: str) -> None:
+    clock = ManualClock()
+    led, run = _setup(db_url, clock)
+    lease = led.acquire_lease(run, ttl_s=10)
+    ok = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.10",
+                           turn_id="t1")
+    led.settle_attempt(lease, ok.attempt_id, outcome="succeeded", cost="0.05")
+    lost = led.begin_attempt(lease, route="c", envelope_hash="sha256:2", reserve="0.20",
+                             turn_id="t2")
+    inflight = led.begin_attempt(lease, route="a", envelope_hash="sha256:3", reserve="0.30",
+                                 turn_id="t3")
+    led.set_group_state("h", "cooldown", until=clock.now() + 1000, reason="rate_limit")
+    health_before = led.health()
+    # Not expired yet: recovery takes nothing.
+    assert recover(led).runs == []
+    clock.advance(11)
+    # The group slot of the dead executor came back at lease expiry already.
+    assert led.group_projections(["g"])["g"].in_flight == 0
+    rep = recover(led, executor_id="rec")
+    assert [r.run_id for r in rep.runs] == [run]
+    rr = rep.runs[0]
+    assert sorted(rr.newly_unknown) == sorted([lost.attempt_id, inflight.attempt_id])
+    assert rr.route == "a" and rr.selected_route == "a"
+    assert [a.attempt_id for a in rr.settled] == [ok.attempt_id]
+    assert rr.lease is not None and rr.lease.fence == lease.fence + 1
+    assert rr.slots_released == 2
+    for att in (lost, inflight):
+        rec = led.get_attempt(att.attempt_id)
+        assert rec.state is AttemptState.UNKNOWN and rec.debit_state is DebitState.RESERVED
+    r = led.get_run(run)
+    assert r.reserved == Decimal("0.50") and r.posted == Decimal("0.05")
+    proj = led.group_projections(["h"])["h"]  # cooldown and health stay as they were
+    assert (proj.mode.value, proj.until) == ("cooldown", clock.now() + 989)
+    assert led.health() == health_before
+    # The dead executor can write nothing.
+    with pytest.raises(FencedOut):
+        led.settle_attempt(lease, lost.attempt_id, outcome="succeeded", cost="0.2")
+    with pytest.raises(FencedOut):
+        led.begin_attempt(lease, route="a", envelope_hash="sha256:4", reserve="0")
+    with pytest.raises(FencedOut):
+        led.renew_lease(lease)
+    # Idempotent: a second pass finds nothing (the recovery lease is live).
+    assert recover(led).runs == []
+    # Once the recovery lease also expires, another pass retakes it, marking nothing new.
+    clock.advance(60)
+    again = recover(led, release=True)
+    assert again.runs[0].newly_unknown == []
+    assert len(again.runs[0].unknown) == 2 and again.runs[0].lease is None
+    assert recover(led).runs == []  # released: nothing expired to take
+    assert reconcile(led).violations == []
+    led.close()
+
+
+def test_interrupted_takeover_rolls_back_and_resumes(db_url: str) -> None:
+    clock = ManualClock()
+    led, run = _setup(db_url, clock)
+    lease = led.acquire_lease(run, ttl_s=5)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.1")
+    clock.advance(6)
+    faults.arm("recover.before_commit", "raise")
+    try:
+        with pytest.raises(FaultInjected):
+            recover(led)
+    finally:
+        faults.disarm()
+    assert led.get_attempt(att.attempt_id).state is AttemptState.DISPATCHING
+    assert led.get_run(run).fence == lease.fence
+    rep = recover(led)
+    assert rep.runs[0].newly_unknown == [att.attempt_id]
+    # Lost acknowledgement of a committed takeover: the retry recognises it as its own.
+    clock.advance(100)
+    faults.arm("recover.after_commit", "raise")
+    try:
+        with pytest.raises(FaultInjected):
+            recover(led, executor_id="rec-2")
+    finally:
+        faults.disarm()
+    fence = led.get_run(run).fence
+    assert led.get_run(run).lease_holder == "rec-2"
+    assert recover(led, executor_id="rec-2").runs == []  # live lease: nothing to take
+    assert led.get_run(run).fence == fence
+    assert reconcile(led).violations == []
+    led.close()
+
+
+def test_async_twin(db_url: str) -> None:
+    clock = ManualClock()
+    led, run = _setup(db_url, clock)
+    lease = led.acquire_lease(run, ttl_s=5)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.1")
+    clock.advance(6)
+    rep = asyncio.run(arecover(AsyncLedger(led)))
+    assert rep.runs[0].newly_unknown == [att.attempt_id]
+    led.close()
