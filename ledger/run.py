@@ -219,7 +219,7 @@ class _Loop:
         same_route_retries = 0
         while True:
             if decision.kind is DecisionKind.STOP or decision.route is None:
-                raise self._stop(turn, decision, None)
+                raise (yield from self._stopped(turn, decision, None))
             route, profile = decision.route, decision.profile
             if decision.kind is DecisionKind.PROBE:
                 claimed = yield _Call("claim_probe", {"route": route,
@@ -254,7 +254,7 @@ class _Loop:
                 continue
             except (BudgetExceeded, AllowanceExhausted) as e:
                 turn.errors.append(e)
-                raise self._stop(turn, None, e) from e
+                raise (yield from self._stopped(turn, None, e)) from e
             dispatch = Dispatch(self.lease.run_id, att.attempt_id, self.turn_id, route, profile,
                                 self.envelope, kind)
             faults.point("dispatch.before_send")
@@ -303,7 +303,7 @@ class _Loop:
                                                   "cause": fact.category.value, "same_route": True})
                 except AllowanceExhausted as e:
                     turn.errors.append(e)
-                    raise self._stop(turn, None, e) from e
+                    raise (yield from self._stopped(turn, None, e)) from e
                 same_route_retries += 1
                 log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
                          fact.category.value, same_route_retries, rd.delay_s)
@@ -315,18 +315,20 @@ class _Loop:
                 decision = Decision(DecisionKind.ROUTE, route, profile)
                 continue
             turn.tried.add(route.id)
-            if profile:
+            if profile and policy.profiles.rotate_before_model:
+                # A failed credential is "tried" only where credentials rotate (fased); under a
+                # route-level policy one 503 says nothing about the account shared by routes.
                 turn.tried_profiles.add(profile)
             decision, run = yield from self._decide(
                 policy, turn, failure=fact, current=route.id, current_profile=profile)
             if decision.kind is DecisionKind.STOP or decision.route is None:
-                raise self._stop(turn, decision, None)
+                raise (yield from self._stopped(turn, decision, None))
             try:
                 yield _Call("reserve_retry", {"lease": self.lease, "route": decision.route.id,
                                               "cause": fact.category.value})
             except AllowanceExhausted as e:
                 turn.errors.append(e)
-                raise self._stop(turn, None, e) from e
+                raise (yield from self._stopped(turn, None, e)) from e
             nxt = decision.route
             log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
                      nxt.model, route.provider, route.model, _describe(fact))
@@ -351,6 +353,16 @@ class _Loop:
         if run.deadline is not None and g.until > run.deadline:
             return
         yield _Sleep(g.until - now)
+
+    def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None
+                 ) -> Generator[_Effect, Any, FailoverExhausted]:
+        """Record the stop with its reasons (an audit event), then build the error to raise."""
+        exc = self._stop(turn, decision, error)
+        yield _Call("append_event", {"lease": self.lease, "kind": "stop", "data": {
+            "reason": exc.reason, "detail": exc.fields.get("detail", ""),
+            "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
+            "errors": [str(e) for e in turn.errors]}})
+        return exc
 
     def _stop(self, turn: _Turn, decision: Decision | None,
               error: LedgerError | None) -> FailoverExhausted:

@@ -19,8 +19,10 @@ DEFAULT_DB = "ledger.db"
 
 # Command modules, each with register(subparsers).
 COMMAND_MODULES: list[str] = [
+    "ledger.cli.demo_cmd",
     "ledger.cli.policy_cmd",
     "ledger.cli.recover_cmd",
+    "ledger.cli.bench_cmd",
 ]
 
 

@@ -1,0 +1,151 @@
+"""``ledger demo``: a small research task against local fake providers, no network.
+
+Two fake endpoints on loopback stand in for a shared gateway ("go": two models behind one
+account, one capacity group) and an independent official endpoint. Three runs show the seed's
+scenarios:
+
+1. a 503 while the gateway's group is healthy -> the next model behind the same gateway;
+2. a trusted 429 with Retry-After -> the gateway group cools; its other model is skipped, the
+   independent endpoint serves;
+3. the same 429, but the run's grant does not approve the official endpoint for the request's
+   model-derived context -> the switch is refused and the run stops with its reasons.
+
+Everything goes to a real ledger (the embedded SQLite file by default), so ``ledger runs`` and
+``ledger run show`` can read it afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from decimal import Decimal
+from typing import TextIO
+
+from ledger.adapters.base import SyncAdapter
+from ledger.adapters.runner import sync_sender
+from ledger.adapters.secrets import StaticSecretProvider
+from ledger.api import Ledger
+from ledger.core.envelope import MODEL_DERIVED, Envelope, Part
+from ledger.core.facts import Protocol
+from ledger.errors import FailoverExhausted
+from ledger.model import Budget, Capabilities, Grant, Price, Profile, Route
+from ledger.records import AttemptRecord
+from ledger.run import execute
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+
+
+def _routes(go: FakeProvider, official: FakeProvider) -> list[Route]:
+    price = Price(input_per_mtok=Decimal("0.30"), output_per_mtok=Decimal("1.20"))
+    caps = Capabilities(tools=True, context_window=128_000, streaming=True)
+    return [
+        Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
+              recipient="go-gateway", protocol=Protocol.OPENAI, endpoint=go.endpoint("openai"),
+              capabilities=caps, price=price, profiles=[Profile(id="go:demo")]),
+        Route(id="go-glm", provider="go", model="glm-5", group="go", recipient="go-gateway",
+              protocol=Protocol.OPENAI, endpoint=go.endpoint("openai"), capabilities=caps,
+              price=price, profiles=[Profile(id="go:demo")]),
+        Route(id="official-deepseek", provider="deepseek", model="deepseek-v4",
+              group="deepseek-official", recipient="deepseek", protocol=Protocol.OPENAI,
+              endpoint=official.endpoint("openai"), capabilities=caps, price=price,
+              profiles=[Profile(id="deepseek:demo")]),
+    ]
+
+
+def _envelope(derived: str | None, derived_ref: str | None) -> Envelope:
+    parts = [Part(content="Compare the Q3 filings of the two companies.")]
+    if derived is not None:
+        parts.append(Part(role="assistant", content=derived, data_class=MODEL_DERIVED,
+                          provenance=derived_ref))
+        parts.append(Part(content="Now summarise the risks you found."))
+    return Envelope(parts=parts, max_output_tokens=300)
+
+
+def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
+    run = led.get_run(run_id)
+    selects = {e.attempt_id: e.data for e in led.events(run_id, ["select"])}
+    print(f"\nrun {run_id}  selected={run.selected_route}  served-by={run.current_route}  "
+          f"calls={run.calls_used}/{run.budget.max_calls}  retries={run.retries_used}/"
+          f"{run.budget.max_retries}  posted={run.posted}  held={run.reserved}", file=out)
+    rows: list[AttemptRecord] = led.timeline(run_id)
+    for a in rows:
+        cause = f"{a.category} HTTP {a.http_status}" if a.category else ""
+        print(f"  #{a.seq} {a.kind.value:<8} {a.route_id:<18} {a.state.value:<9} "
+              f"debit={a.debit_id[:14]}.. ({a.debit_state.value if a.debit_state else '?'}) "
+              f"{cause}", file=out)
+        sel = selects.get(a.attempt_id) or {}
+        for s in sel.get("skipped", []):
+            if s["reason"] != "already_tried":
+                print(f"       skipped {s['route']}: {s['reason']} ({s['detail']})", file=out)
+
+
+class SimulatedClock:
+    """Wall time plus an offset that waits advance instead of blocking (a demo never stalls)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        self.offset += max(0.0, seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+def run_demo(db_url: str, out: TextIO) -> list[str]:
+    """Run the three scenarios; returns the run ids written."""
+    suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+    secrets = StaticSecretProvider({"go:demo": "demo-key-go", "deepseek:demo": "demo-key-ds"})
+    run_ids: list[str] = []
+    clock = SimulatedClock()
+    with FakeProvider().in_thread() as go, FakeProvider().in_thread() as official, \
+            Ledger.open(db_url, clock=clock) as led:
+        adapter = SyncAdapter(secrets=secrets)
+        try:
+            send = sync_sender(adapter)
+            plan = _routes(go, official)
+            budget = Budget(max_calls=6, max_retries=3, max_cost=Decimal("0.05"))
+            wide = Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
+                                     "deepseek": ["user_input", MODEL_DERIVED]})
+            narrow = Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
+                                       "deepseek": ["user_input"]})
+            scenarios: list[tuple[str, Grant, Fault | Behavior]] = [
+                ("503 while the gateway group is healthy", wide, Fault.UNAVAILABLE),
+                ("429 with Retry-After cools the shared gateway", wide,
+                 Behavior(fault=Fault.RATE_LIMIT_RETRY_AFTER, retry_after="30")),
+                ("the backup's recipient is not approved for derived context", narrow,
+                 Behavior(fault=Fault.RATE_LIMIT_RETRY_AFTER, retry_after="30")),
+            ]
+            for i, (title, grant, fault) in enumerate(scenarios, 1):
+                run_id = f"demo-{suffix}-{i}"
+                run_ids.append(run_id)
+                print(f"\n== scenario {i}: {title}", file=out)
+                # Cooldowns are durable and shared: let simulated time pass so that each
+                # scenario starts with healthy routes and an open gateway group.
+                clock.sleep(2 * 3600)
+                led.admit_run(run_id, plan=plan, budget=budget, grant=grant,
+                              policy="failure-domain", tenant="demo",
+                              labels={"task": "filings"})
+                lease = led.acquire_lease(run_id)
+                # Turn 1 succeeds on the primary; its answer becomes provenance-backed context.
+                first = execute(led, lease, _envelope(None, None), send, turn_id="t1")
+                answer = first.output.text
+                go.enqueue(fault, model="deepseek-v4")
+                try:
+                    res = execute(led, lease, _envelope(answer, first.attempt.attempt_id), send,
+                                  turn_id="t2")
+                    print(f"   -> answered by {res.route.id}: {res.output.text[:48]!r}",
+                          file=out)
+                except FailoverExhausted as e:
+                    print(f"   -> stopped: {e.reason}; the turn-1 result is kept", file=out)
+                    for s in e.fields.get("skipped", []):
+                        if s["reason"] != "already_tried":
+                            print(f"       skipped {s['route']}: {s['reason']} ({s['detail']})",
+                                  file=out)
+                led.release_lease(lease)
+                print_timeline(led, run_id, out)
+        finally:
+            adapter.close()
+    return run_ids
