@@ -1157,13 +1157,29 @@ class SyncAdapter:
     ``SyncAdapter`` per process (or per configuration) and :meth:`close` it at exit.
     """
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(
+        self,
+        *,
+        secrets: SecretProvider | None = None,
+        limits: StreamingPolicy | None = None,
+        verify: ssl.SSLContext | bool = True,
+        max_body_bytes: int = 16 * 1024 * 1024,
+        evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True
         )
         self._thread.start()
-        self.adapter = HttpAdapter(**config)
+        # The registry is created here but its clients are created on the loop thread, which
+        # is the only place they are ever used.
+        self.adapter = HttpAdapter(
+            secrets=secrets,
+            limits=limits,
+            verify=verify,
+            max_body_bytes=max_body_bytes,
+            evidence_cap_bytes=evidence_cap_bytes,
+        )
         self._closed = False
 
     def send(
