@@ -5,7 +5,10 @@ Public API re-exported here; see ``docs/`` for the guide.
 
 from __future__ import annotations
 
+from ledger.api import AsyncLedger, Ledger
 from ledger.clock import Clock, ManualClock, Sleeper, SystemClock, SystemSleeper
+from ledger.core.classify import classify
+from ledger.core.envelope import Envelope, Part, ToolSpec
 from ledger.core.facts import (
     Category,
     CooldownEffect,
@@ -52,12 +55,30 @@ from ledger.model import (
     ProfileType,
     Route,
 )
+from ledger.policy.load import load_policy, policy_hash, preset
+from ledger.policy.model import Policy
+from ledger.records import (
+    AttemptKind,
+    AttemptRecord,
+    AttemptState,
+    DebitState,
+    Lease,
+    Outcome,
+    Page,
+    RunRecord,
+    RunStatus,
+)
+from ledger.run import Dispatch, Notice, RunResult, SendResult, aexecute, execute
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdmissionConflict",
     "AllowanceExhausted",
+    "AsyncLedger",
+    "AttemptKind",
+    "AttemptRecord",
+    "AttemptState",
     "Budget",
     "BudgetExceeded",
     "Capabilities",
@@ -68,6 +89,9 @@ __all__ = [
     "Conflict",
     "CooldownEffect",
     "DatabaseUnavailable",
+    "DebitState",
+    "Dispatch",
+    "Envelope",
     "FailoverExhausted",
     "FailureFact",
     "FencedOut",
@@ -77,12 +101,19 @@ __all__ = [
     "Health",
     "InvalidArgument",
     "InvalidState",
+    "Lease",
     "LeaseHeld",
+    "Ledger",
     "LedgerError",
     "ManualClock",
     "NotFound",
+    "Notice",
     "Observation",
+    "Outcome",
+    "Page",
+    "Part",
     "Phase",
+    "Policy",
     "PolicyError",
     "PreflightRefused",
     "Price",
@@ -92,14 +123,25 @@ __all__ = [
     "ProviderError",
     "Refused",
     "Route",
+    "RunRecord",
+    "RunResult",
+    "RunStatus",
     "SchemaTooNew",
     "Scope",
+    "SendResult",
     "SettleConflict",
     "Sleeper",
     "Source",
     "StorageError",
     "SystemClock",
     "SystemSleeper",
+    "ToolSpec",
     "Transport",
     "__version__",
+    "aexecute",
+    "classify",
+    "execute",
+    "load_policy",
+    "policy_hash",
+    "preset",
 ]
