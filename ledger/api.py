@@ -374,6 +374,10 @@ class Ledger:
         if cost_micros is not None and cost_micros < 0:
             raise InvalidArgument("cost must be >= 0", field="cost")
         att = self.store.get_attempt(attempt_id)
+        if (cost_micros is None and outcome is Outcome.FAILED and fact is not None
+                and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM)):
+            # It ran (or may have) and reported no usage: post the whole hold, never zero.
+            cost_micros = to_micros(att.reserved)
         run = self.frozen_run(lease.run_id)
         route = run.route(att.route_id)
         # Provably never sent: the hold is voided. Anything later keeps or posts it.

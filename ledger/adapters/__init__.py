@@ -25,6 +25,7 @@ from ledger.adapters.base import (
     map_transport_error,
     register_codec,
 )
+from ledger.adapters.runner import async_sender, output_part, sync_sender, to_send_result
 from ledger.adapters.secrets import (
     EnvSecretProvider,
     SecretProvider,
@@ -50,10 +51,14 @@ __all__ = [
     "ToolCallProposal",
     "Usage",
     "anthropic",
+    "async_sender",
     "codec_for",
     "env_var_name",
     "gemini",
     "map_transport_error",
+    "output_part",
     "redact",
     "register_codec",
+    "sync_sender",
+    "to_send_result",
 ]
