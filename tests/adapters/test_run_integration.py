@@ -22,7 +22,7 @@ from ledger.model import Budget, Grant, Price, Profile, Route
 from ledger.policy.model import StreamingPolicy
 from ledger.records import AttemptState, DebitState
 from ledger.run import Notice, execute
-from ledger.testing.fakeprovider import Behavior, Fault, FakeProvider
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 LIMITS = StreamingPolicy(connect_timeout_s=2, read_timeout_s=0.6, first_token_timeout_s=0.4,
                          idle_timeout_s=0.4, total_timeout_s=5)
