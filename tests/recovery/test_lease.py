@@ -1,0 +1,139 @@
+"""LeaseKeeper: renewal schedule, fenced-out signal, starvation-free renewal, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from ledger.api import AsyncLedger, Ledger
+from ledger.clock import ManualClock
+from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument
+from ledger.lease import AsyncLeaseKeeper, KeeperCore, LeaseKeeper, LeaseLost
+from ledger.records import AttemptState, DebitState, Lease
+from ledger.recovery import recover
+from tests.storage.helpers import budget, grant, routes
+
+
+def _ledger(url: str, clock: ManualClock) -> Ledger:
+    led = Ledger.open(url, clock=clock, executor_id="w1")
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    return led
+
+
+def test_schedule_renews_every_third_and_learns_takeover(db_url: str) -> None:
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    lease = led.acquire_lease("r1", ttl_s=30)
+    with pytest.raises(InvalidArgument):
+        KeeperCore(led, lease, ttl_s=30, interval_s=11)
+    k = KeeperCore(led, lease, ttl_s=30)
+    assert k.tick() == pytest.approx(10)  # not due yet
+    clock.advance(10)
+    assert k.tick() == pytest.approx(10) and k.renewals == 1
+    assert k.lease.expires_at == clock.now() + 30 and k.lease.fence == lease.fence
+    # The process stalls past its lease; recovery takes the run over.
+    clock.advance(31)
+    assert recover(led).runs[0].run_id == "r1"
+    assert k.tick() == float("inf")
+    assert k.lost.is_set()
+    with pytest.raises(FencedOut):
+        k.check()
+    led.close()
+
+
+class _Down:
+    """A ledger whose database is unreachable (only renew_lease is used by the schedule)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+
+    def renew_lease(self, lease: Lease, *, ttl_s: float) -> Lease:
+        raise DatabaseUnavailable("down")
+
+
+def test_unreachable_database_retries_then_lease_lost() -> None:
+    clock = ManualClock()
+    lease = Lease("r1", "w1", 1, clock.now() + 30)
+    k = KeeperCore(_Down(clock), lease, ttl_s=30)  # type: ignore[arg-type]
+    clock.advance(10)
+    assert k.tick() == pytest.approx(2.5)  # retried sooner than the interval
+    while not k.lost.is_set():
+        clock.advance(k.tick())
+    assert clock.now() >= lease.expires_at
+    with pytest.raises(LeaseLost):
+        k.check()
+
+
+def test_thread_keeper_renews_while_the_call_blocks(tmp_path: Path) -> None:
+    clock = ManualClock()
+    led = _ledger(str(tmp_path / "l.db"), clock)
+    lease = led.acquire_lease("r1", ttl_s=3)
+    renewed = threading.Event()
+    release = threading.Event()
+
+    class Gate:
+        def sleep(self, seconds: float) -> None:
+            clock.advance(seconds)
+            if keeper.renewals >= 5:
+                renewed.set()
+                release.wait(30)
+
+        async def asleep(self, seconds: float) -> None:  # pragma: no cover
+            self.sleep(seconds)
+
+    keeper = LeaseKeeper(led, lease, ttl_s=3, sleeper=Gate())
+    keeper.start()
+    # "The LLM call": this thread is blocked the whole time; renewals go on regardless.
+    assert renewed.wait(30)
+    assert led.get_run("r1").lease_expires_at == keeper.lease.expires_at > lease.expires_at
+    keeper.check()
+    release.set()
+    keeper.close()
+    assert led.get_run("r1").lease_holder is None
+    led.close()
+
+
+def test_graceful_shutdown_settles_in_flight(db_url: str) -> None:
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    lease = led.acquire_lease("r1", ttl_s=30)
+    unsent = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.1")
+    sent = led.begin_attempt(lease, route="c", envelope_hash="sha256:2", reserve="0.2")
+    keeper = LeaseKeeper(led, lease, ttl_s=30, sleeper=clock)
+    keeper.track(unsent.attempt_id)
+    keeper.track(sent.attempt_id)
+    keeper.mark_sent(sent.attempt_id)
+    keeper.close()  # never started: shutdown alone
+    a = led.get_attempt(unsent.attempt_id)
+    assert a.state is AttemptState.FAILED and a.debit_state is DebitState.VOIDED
+    b = led.get_attempt(sent.attempt_id)
+    assert b.state is AttemptState.UNKNOWN and b.debit_state is DebitState.RESERVED
+    run = led.get_run("r1")
+    assert run.lease_holder is None and str(run.reserved) == "0.2"
+    led.close()
+
+
+def test_async_keeper_cancels_the_work_when_fenced(tmp_path: Path) -> None:
+    clock = ManualClock()
+    led = _ledger(str(tmp_path / "l.db"), clock)
+    lease = led.acquire_lease("r1", ttl_s=3)
+    clock.advance(4)
+    led.acquire_lease("r1", ttl_s=3, executor_id="other")  # taken over meanwhile
+
+    async def main() -> None:
+        work = asyncio.create_task(asyncio.Event().wait())  # an LLM call that never returns
+        keeper = AsyncLeaseKeeper(AsyncLedger(led), lease, ttl_s=3, sleeper=clock)
+        keeper.watch(work)
+        keeper.start()
+        with pytest.raises(asyncio.CancelledError):
+            await work
+        with pytest.raises(FencedOut):
+            keeper.check()
+        await keeper.close()  # fenced: writes nothing, releases nothing
+
+    asyncio.run(main())
+    assert led.get_run("r1").lease_holder == "other"
+    led.close()
