@@ -79,6 +79,7 @@ runs = Table(
     Index("ix_runs_created_at", "created_at"),
     Index("ix_runs_status_lease", "status", "lease_expires_at"),
     Index("ix_runs_tenant_created_at", "tenant", "created_at"),
+    Index("ix_runs_status_created_at", "status", "created_at"),  # audit: runs by status
 )
 
 attempts = Table(
@@ -122,6 +123,7 @@ attempts = Table(
     Index("ix_attempts_state_created_at", "state", "created_at"),
     Index("ix_attempts_category_created_at", "category", "created_at"),
     Index("ix_attempts_created_at", "created_at"),
+    Index("ix_attempts_run_id_state", "run_id", "state"),  # audit: failover probe per run
 )
 
 debits = Table(
@@ -192,6 +194,7 @@ events = Table(
     Column("created_at", _T, nullable=False),
     Index("ix_events_run_id_event_id", "run_id", "event_id"),
     Index("ix_events_kind_created_at", "kind", "created_at"),
+    Index("ix_events_run_id_kind", "run_id", "kind"),  # audit: move events per run
 )
 
 provenance = Table(

@@ -1,0 +1,532 @@
+"""The audit API: typed, paginated, read-only answers from the ledger alone.
+
+:class:`Audit` holds the one implementation; :class:`AsyncAudit` runs the same methods in a worker
+thread. Nothing here writes, so an audit works through a read-only database role (open the ledger
+with ``Ledger.open(url, migrate_schema=False)``).
+
+Questions it answers: which route served a Run and why (:meth:`Audit.timeline`); which Runs failed
+over and for what cause (:meth:`Audit.failovers`); Attempts by route, group, outcome, category and
+time (:meth:`Audit.attempts`); what each route, Run, tenant or label cost (:meth:`Audit.costs`);
+which Attempts are unknown or still dispatching (:meth:`Audit.open_attempts`); which routes,
+profiles and groups are cooling now (:meth:`Audit.health`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from enum import Enum
+from typing import Any
+
+from ledger.api import Ledger
+from ledger.core.facts import FailureFact
+from ledger.errors import InvalidArgument, NotFound
+from ledger.records import AttemptRecord, Page, from_micros
+from ledger.storage import audit as q
+
+OPEN_STATES = ("unknown", "dispatching")
+# Event kinds that tell the story of an attempt (the retry owner's vocabulary, DESIGN §4).
+STORY_KINDS = ("select", "retry", "move", "stop", "reset", "unknown", "reject", "recovery")
+
+
+# -- result types ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    parent_run_id: str | None
+    role: str
+    tenant: str | None
+    labels: dict[str, str]
+    status: str
+    selected_route: str
+    current_route: str | None
+    current_profile: str | None
+    calls_used: int
+    retries_used: int
+    reserved: Decimal
+    posted: Decimal
+    max_cost: Decimal
+    tokens_used: int
+    lease_holder: str | None
+    lease_expires_at: float | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate the selector passed over, and why."""
+
+    route: str
+    reason: str
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The selector's recorded decision that led to an attempt (a ``select`` event)."""
+
+    decision: str | None
+    route: str | None
+    from_route: str | None
+    profile: str | None
+    reason: str | None
+    skipped: list[Skipped] = field(default_factory=list)
+    cause: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    event_id: int
+    kind: str
+    attempt_id: str | None
+    data: dict[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One attempt of a run's timeline, with its debit and the reasons it was made."""
+
+    seq: int
+    attempt_id: str
+    turn_id: str
+    kind: str
+    route_id: str
+    provider: str
+    model: str
+    group_id: str
+    profile_id: str | None
+    state: str
+    debit_id: str
+    debit_state: str
+    reserved: Decimal
+    posted: Decimal
+    cost: Decimal | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    category: str | None
+    http_status: int | None
+    fact: FailureFact | None
+    reject_reason: str | None
+    created_at: float
+    settled_at: float | None
+    selection: Selection | None
+    events: list[AuditEvent] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunTimeline:
+    run: RunSummary
+    attempts: list[TimelineEntry]
+    run_events: list[AuditEvent]  # events not tied to one attempt (admit, lease, stop, finish)
+    served_route: str | None  # the route of the run's last succeeded attempt
+    failed_over: bool
+    total_cost: Decimal
+
+
+@dataclass(frozen=True)
+class FailoverCause:
+    """A failed (or unknown/rejected) attempt that preceded the failover."""
+
+    attempt_id: str
+    route: str
+    state: str
+    category: str | None
+    http_status: int | None
+
+
+@dataclass(frozen=True)
+class Move:
+    from_route: str | None
+    to_route: str | None
+    category: str | None
+    status: int | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Failover:
+    run_id: str
+    tenant: str | None
+    labels: dict[str, str]
+    status: str
+    created_at: float
+    selected_route: str
+    served_route: str | None
+    routes: list[str]  # routes tried, in order, each once
+    causes: list[FailoverCause]
+    moves: list[Move]
+
+
+@dataclass(frozen=True)
+class Totals:
+    key: str | None
+    attempts: int
+    succeeded: int
+    failed: int
+    unknown: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: Decimal
+
+
+@dataclass(frozen=True)
+class OpenAttempt:
+    """An unknown or still-dispatching attempt, and whether its executor still holds the run."""
+
+    attempt: AttemptRecord
+    lease_holder: str | None
+    lease_expires_at: float | None
+    lease_live: bool  # False: the executor is gone or fenced; recovery should look at it
+
+
+@dataclass(frozen=True)
+class KeyHealth:
+    key: str
+    kind: str  # route | profile
+    provider: str | None
+    status: str  # ok | cooling | disabled
+    cooldown_until: float | None
+    disabled_until: float | None
+    disabled_reason: str | None
+    error_count: int
+    failure_counts: dict[str, int]
+    last_failure_at: float | None
+    last_used: float | None
+    last_probe_at: float | None
+
+
+@dataclass(frozen=True)
+class GroupHealth:
+    group: str
+    mode: str  # effective now: open | cooldown | unavailable
+    stored_mode: str
+    until: float | None  # the waiting floor
+    reason: str | None
+    sampled_at: float | None
+    in_flight: int
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    now: float
+    routes: list[KeyHealth]
+    profiles: list[KeyHealth]
+    groups: list[GroupHealth]
+
+
+@dataclass(frozen=True)
+class ActivityBucket:
+    start: float
+    attempts: int
+    failed: int
+    unknown: int
+
+
+# -- conversions ----------------------------------------------------------------------------
+
+
+def _run(row: Mapping[str, Any]) -> RunSummary:
+    return RunSummary(
+        run_id=row["run_id"], parent_run_id=row["parent_run_id"], role=row["role"],
+        tenant=row["tenant"], labels=json.loads(row["labels"] or "{}"), status=row["status"],
+        selected_route=row["selected_route"], current_route=row["current_route"],
+        current_profile=row["current_profile"], calls_used=int(row["calls_used"]),
+        retries_used=int(row["retries_used"]), reserved=from_micros(row["reserved_micros"]),
+        posted=from_micros(row["posted_micros"]), max_cost=from_micros(row["max_cost_micros"]),
+        tokens_used=int(row["tokens_used"]), lease_holder=row["lease_holder"],
+        lease_expires_at=row["lease_expires_at"], created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _selection(data: Mapping[str, Any]) -> Selection:
+    skipped = [Skipped(route=str(x.get("route")), reason=str(x.get("reason")),
+                       detail=x.get("detail"))
+               for x in data.get("skipped") or [] if isinstance(x, Mapping)]
+    return Selection(decision=data.get("decision"), route=data.get("route"),
+                     from_route=data.get("from_route"), profile=data.get("profile"),
+                     reason=data.get("reason"), skipped=skipped, cause=data.get("cause"))
+
+
+def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
+    from ledger.records import AttemptKind, AttemptState
+
+    return AttemptRecord(
+        attempt_id=row["attempt_id"], run_id=row["run_id"], turn_id=row["turn_id"],
+        seq=row["seq"], kind=AttemptKind(row["kind"]), route_id=row["route_id"],
+        provider=row["provider"], model=row["model"], group_id=row["group_id"],
+        profile_id=row["profile_id"], debit_id=row["debit_id"],
+        envelope_hash=row["envelope_hash"], state=AttemptState(row["state"]),
+        reject_reason=row["reject_reason"],
+        fact=FailureFact.model_validate_json(row["fact"]) if row["fact"] else None,
+        category=row["category"], http_status=row["http_status"],
+        effective_output=bool(row["effective_output"]), tool_started=bool(row["tool_started"]),
+        prompt_tokens=row["prompt_tokens"], completion_tokens=row["completion_tokens"],
+        cost=from_micros(row["cost_micros"]) if row["cost_micros"] is not None else None,
+        reserved=from_micros(row["reserved_micros"]), model_reported=row["model_reported"],
+        output_hash=row["output_hash"], fence=row["fence"], executor=row["executor"],
+        created_at=row["created_at"], settled_at=row["settled_at"],
+    )
+
+
+def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
+    if row["disabled_until"] is not None and row["disabled_until"] > now:
+        status = "disabled"
+    elif row["cooldown_until"] is not None and row["cooldown_until"] > now:
+        status = "cooling"
+    else:
+        status = "ok"
+    return KeyHealth(
+        key=row["key"], kind=row["kind"], provider=row["provider"], status=status,
+        cooldown_until=row["cooldown_until"], disabled_until=row["disabled_until"],
+        disabled_reason=row["disabled_reason"], error_count=int(row["error_count"]),
+        failure_counts=json.loads(row["failure_counts"] or "{}"),
+        last_failure_at=row["last_failure_at"], last_used=row["last_used"],
+        last_probe_at=row["last_probe_at"],
+    )
+
+
+def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
+    mode = row["mode"]
+    if mode != "open" and row["until"] is not None and row["until"] <= now:
+        mode = "open"  # the waiting floor has passed (the same projection admission uses)
+    return GroupHealth(group=row["group_id"], mode=mode, stored_mode=row["mode"],
+                       until=row["until"], reason=row["reason"], sampled_at=row["sampled_at"],
+                       in_flight=int(row["in_flight"]), limit=row["max_in_flight"])
+
+
+def to_jsonable(value: Any) -> Any:
+    """A result (dataclasses, pages, decimals, facts) as plain JSON values; money as strings."""
+    if isinstance(value, Page):
+        return {"items": [to_jsonable(x) for x in value.items],
+                "next_cursor": value.next_cursor}
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: to_jsonable(v) for k, v in asdict(value).items()}
+    if isinstance(value, FailureFact):
+        return value.to_json()
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(x) for x in value]
+    return value
+
+
+# -- the API --------------------------------------------------------------------------------
+
+
+class Audit:
+    """Read-only audit queries over one ledger."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.store = ledger.store
+
+    def now(self) -> float:
+        return self.ledger.now()
+
+    def runs(self, *, status: str | None = None, tenant: str | None = None,
+             since: float | None = None, until: float | None = None, limit: int = 50,
+             cursor: str | None = None) -> Page[RunSummary]:
+        """Runs newest first, optionally by status, tenant and admission time."""
+        rows, nxt = q.runs_page(self.store, status=status, tenant=tenant, since=since,
+                                until=until, limit=limit, cursor=cursor)
+        return Page([_run(r) for r in rows], nxt)
+
+    def timeline(self, run_id: str) -> RunTimeline:
+        """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons."""
+        run_row, att_rows, ev_rows = q.timeline(self.store, run_id)
+        if run_row is None:
+            raise NotFound(f"unknown run id {run_id!r}; list runs with `ledger runs`",
+                           run_id=run_id)
+        events = [AuditEvent(int(e["event_id"]), e["kind"], e["attempt_id"],
+                             json.loads(e["data"]), e["created_at"]) for e in ev_rows]
+        by_attempt: dict[str, list[AuditEvent]] = {}
+        run_events: list[AuditEvent] = []
+        for ev in events:
+            if ev.attempt_id is None:
+                run_events.append(ev)
+            else:
+                by_attempt.setdefault(ev.attempt_id, []).append(ev)
+        entries: list[TimelineEntry] = []
+        total = Decimal(0)
+        served: str | None = None
+        for a in att_rows:
+            evs = by_attempt.get(a["attempt_id"], [])
+            sel = next((_selection(e.data) for e in evs if e.kind == "select"), None)
+            cost = from_micros(a["cost_micros"]) if a["cost_micros"] is not None else None
+            total += cost or Decimal(0)
+            if a["state"] == "succeeded":
+                served = a["route_id"]
+            entries.append(TimelineEntry(
+                seq=a["seq"], attempt_id=a["attempt_id"], turn_id=a["turn_id"], kind=a["kind"],
+                route_id=a["route_id"], provider=a["provider"], model=a["model"],
+                group_id=a["group_id"], profile_id=a["profile_id"], state=a["state"],
+                debit_id=a["debit_id"], debit_state=a["debit_state"],
+                reserved=from_micros(a["reserved_micros"]),
+                posted=from_micros(a["debit_posted_micros"]), cost=cost,
+                prompt_tokens=a["prompt_tokens"], completion_tokens=a["completion_tokens"],
+                category=a["category"], http_status=a["http_status"],
+                fact=FailureFact.model_validate_json(a["fact"]) if a["fact"] else None,
+                reject_reason=a["reject_reason"], created_at=a["created_at"],
+                settled_at=a["settled_at"], selection=sel,
+                events=[e for e in evs if e.kind != "select"],
+            ))
+        run = _run(run_row)
+        failed_over = (served is not None and served != run.selected_route) or any(
+            e.kind == "move" for e in events)
+        return RunTimeline(run=run, attempts=entries, run_events=run_events,
+                           served_route=served, failed_over=failed_over, total_cost=total)
+
+    def failovers(self, *, since: float | None = None, until: float | None = None,
+                  limit: int = 50, cursor: str | None = None) -> Page[Failover]:
+        """Runs admitted in [since, until) that failed over, newest first, with their causes."""
+        runs, atts, moves, nxt = q.failover_page(self.store, since=since, until=until,
+                                                 limit=limit, cursor=cursor)
+        atts_by: dict[str, list[Mapping[str, Any]]] = {}
+        for a in atts:
+            atts_by.setdefault(a["run_id"], []).append(a)
+        moves_by: dict[str, list[Move]] = {}
+        for m in moves:
+            data = json.loads(m["data"])
+            cause = data.get("cause") if isinstance(data.get("cause"), Mapping) else {}
+            moves_by.setdefault(m["run_id"], []).append(Move(
+                from_route=data.get("from_route"), to_route=data.get("to_route"),
+                category=cause.get("category"), status=cause.get("status"),
+                at=m["created_at"]))
+        out: list[Failover] = []
+        for r in runs:
+            ra = atts_by.get(r["run_id"], [])
+            served = next((a["route_id"] for a in reversed(ra) if a["state"] == "succeeded"),
+                          None)
+            routes: list[str] = []
+            for a in ra:
+                if a["route_id"] not in routes:
+                    routes.append(a["route_id"])
+            causes = [FailoverCause(a["attempt_id"], a["route_id"], a["state"], a["category"],
+                                    a["http_status"])
+                      for a in ra if a["state"] in ("failed", "unknown", "rejected")]
+            out.append(Failover(
+                run_id=r["run_id"], tenant=r["tenant"], labels=json.loads(r["labels"] or "{}"),
+                status=r["status"], created_at=r["created_at"],
+                selected_route=r["selected_route"], served_route=served, routes=routes,
+                causes=causes, moves=moves_by.get(r["run_id"], []),
+            ))
+        return Page(out, nxt)
+
+    def attempts(self, *, route: str | None = None, group: str | None = None,
+                 state: str | None = None, category: str | None = None,
+                 since: float | None = None, until: float | None = None, limit: int = 100,
+                 cursor: str | None = None) -> Page[AttemptRecord]:
+        """Attempts newest first by route, group, outcome (state), category and time range."""
+        return self.store.attempts(route=route, group=group, state=state, category=category,
+                                   since=since, until=until, limit=limit, cursor=cursor)
+
+    def costs(self, *, by: str = "route", since: float | None = None,
+              until: float | None = None, label: str | None = None, limit: int = 100,
+              cursor: str | None = None) -> Page[Totals]:
+        """Cost and token totals of attempts made in [since, until), grouped by route, group,
+        provider, run, tenant or one label (``by="label", label="team"``); costliest first."""
+        rows, nxt = q.totals(self.store, by=by, since=since, until=until, label=label,
+                             limit=limit, cursor=cursor)
+        return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
+                            succeeded=int(r["succeeded"]), failed=int(r["failed"]),
+                            unknown=int(r["unknown"]), prompt_tokens=int(r["prompt_tokens"]),
+                            completion_tokens=int(r["completion_tokens"]),
+                            cost=from_micros(int(r["cost_micros"])))
+                     for r in rows], nxt)
+
+    def open_attempts(self, *, states: Sequence[str] = OPEN_STATES, since: float | None = None,
+                      until: float | None = None, limit: int = 100,
+                      cursor: str | None = None) -> Page[OpenAttempt]:
+        """Unknown and unsettled (dispatching) attempts, newest first."""
+        bad = sorted(set(states) - set(OPEN_STATES))
+        if bad or not states:
+            raise InvalidArgument(f"states must be among {list(OPEN_STATES)}, not {bad}",
+                                  field="states")
+        rows, nxt = q.open_attempts(self.store, states=list(states), since=since, until=until,
+                                    limit=limit, cursor=cursor)
+        now = self.now()
+        out = []
+        for r in rows:
+            live = (r["lease_expires_at"] is not None and r["lease_expires_at"] > now
+                    and r["run_fence"] == r["fence"])
+            out.append(OpenAttempt(_attempt_record(r), r["lease_holder"], r["lease_expires_at"],
+                                   live))
+        return Page(out, nxt)
+
+    def health(self, now: float | None = None) -> HealthReport:
+        """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes."""
+        t = self.now() if now is None else now
+        hrows, grows = q.health(self.store, t)
+        keys = [_key_health(h, t) for h in hrows]
+        return HealthReport(now=t, routes=[k for k in keys if k.kind == "route"],
+                            profiles=[k for k in keys if k.kind != "route"],
+                            groups=[_group_health(g, t) for g in grows])
+
+    def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
+        """Attempts, failures and unknowns in ``buckets`` equal slices of [since, until)."""
+        if until <= since or buckets < 1 or buckets > 1000:
+            raise InvalidArgument("need since < until and 1..1000 buckets", field="buckets")
+        width = (until - since) / buckets
+        rows = {int(r["bucket"]): r for r in q.activity(self.store, since=since, until=until,
+                                                         bucket_s=width)}
+        out = []
+        for i in range(buckets):
+            r = rows.get(i)
+            out.append(ActivityBucket(start=since + i * width,
+                                      attempts=int(r["attempts"]) if r else 0,
+                                      failed=int(r["failed"] or 0) if r else 0,
+                                      unknown=int(r["unknown"] or 0) if r else 0))
+        return out
+
+
+class AsyncAudit:
+    """The async twin of :class:`Audit`: the same methods, awaited in a worker thread."""
+
+    def __init__(self, audit: Audit) -> None:
+        self.sync = audit
+
+    async def runs(self, **kw: Any) -> Page[RunSummary]:
+        return await asyncio.to_thread(lambda: self.sync.runs(**kw))
+
+    async def timeline(self, run_id: str) -> RunTimeline:
+        return await asyncio.to_thread(self.sync.timeline, run_id)
+
+    async def failovers(self, **kw: Any) -> Page[Failover]:
+        return await asyncio.to_thread(lambda: self.sync.failovers(**kw))
+
+    async def attempts(self, **kw: Any) -> Page[AttemptRecord]:
+        return await asyncio.to_thread(lambda: self.sync.attempts(**kw))
+
+    async def costs(self, **kw: Any) -> Page[Totals]:
+        return await asyncio.to_thread(lambda: self.sync.costs(**kw))
+
+    async def open_attempts(self, **kw: Any) -> Page[OpenAttempt]:
+        return await asyncio.to_thread(lambda: self.sync.open_attempts(**kw))
+
+    async def health(self, now: float | None = None) -> HealthReport:
+        return await asyncio.to_thread(self.sync.health, now)
+
+    async def activity(self, *, since: float, until: float,
+                       buckets: int = 24) -> list[ActivityBucket]:
+        return await asyncio.to_thread(
+            lambda: self.sync.activity(since=since, until=until, buckets=buckets))
+
+
+__all__ = [
+    "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "Failover", "FailoverCause",
+    "GroupHealth", "HealthReport", "KeyHealth", "Move", "OpenAttempt", "RunSummary",
+    "RunTimeline", "Selection", "Skipped", "TimelineEntry", "Totals", "to_jsonable",
+]

@@ -1,0 +1,380 @@
+"""The audit queries' SQL: read-only statements over the ledger's tables.
+
+Every function takes the :class:`Store` and runs one read transaction; none of them writes, so
+they work through a read-only PostgreSQL role. Rows come back as plain mappings; the typed results
+are built by :mod:`ledger.audit`. Pagination is keyset on ``(created_at, id)`` newest first, so a
+page costs the same at any depth; aggregates (small result sets, sorted by cost) page by offset.
+
+Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.py``):
+
+- timeline: ``uq_attempts_run_id_seq``, ``ix_events_run_id_event_id``, ``pk_debits``;
+- runs page: ``ix_runs_created_at`` / ``ix_runs_status_created_at`` / ``ix_runs_tenant_created_at``;
+- failovers: ``ix_runs_created_at`` walk with per-run probes on ``uq_attempts_run_id_seq`` and
+  ``ix_events_run_id_event_id``;
+- totals and activity over a time range: ``ix_attempts_created_at_totals`` (covering);
+- unknown/unsettled attempts: ``ix_attempts_state_created_at``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    and_,
+    case,
+    cast,
+    func,
+    literal_column,
+    or_,
+    select,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from ledger.errors import InvalidArgument
+from ledger.storage import schema as s
+from ledger.storage.store import Store
+
+RowMap = Mapping[str, Any]
+
+# Columns of ``runs`` an audit needs; the frozen plan/policy JSON stays out of list queries.
+_RUN_COLS = (
+    "run_id", "parent_run_id", "role", "tenant", "labels", "status", "selected_route",
+    "current_route", "current_profile", "calls_used", "retries_used", "reserved_micros",
+    "posted_micros", "tokens_used", "max_cost_micros", "max_calls", "max_retries",
+    "lease_holder", "lease_expires_at", "fence", "created_at", "updated_at",
+)
+
+# Event kinds the timeline shows; lease renewals and admission bookkeeping are included too
+# because an auditor reading one run wants the whole story, and one run has few events.
+TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9_.:/-]{1,100}$")
+
+
+def parse_cursor(cursor: str | None) -> tuple[float, str] | None:
+    """A keyset cursor ``"<created_at>|<id>"`` (as handed out by the previous page)."""
+    if not cursor:
+        return None
+    try:
+        ts_text, last_id = cursor.split("|", 1)
+        return float(ts_text), last_id
+    except ValueError as e:
+        raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
+                              field="cursor") from e
+
+
+def make_cursor(created_at: float, ident: str) -> str:
+    return f"{created_at!r}|{ident}"
+
+
+def _offset(cursor: str | None) -> int:
+    if not cursor:
+        return 0
+    try:
+        off = int(cursor.removeprefix("o:"))
+    except ValueError as e:
+        raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
+                              field="cursor") from e
+    if off < 0 or not cursor.startswith("o:"):
+        raise InvalidArgument("malformed cursor; pass back next_cursor unchanged", field="cursor")
+    return off
+
+
+def _check_limit(limit: int) -> None:
+    if limit <= 0 or limit > 10_000:
+        raise InvalidArgument("limit must be between 1 and 10000", field="limit")
+
+
+def _range(col: Any, since: float | None, until: float | None) -> list[ColumnElement[bool]]:
+    conds: list[ColumnElement[bool]] = []
+    if since is not None:
+        conds.append(col >= since)
+    if until is not None:
+        conds.append(col < until)
+    return conds
+
+
+def _keyset(ts_col: Any, id_col: Any, cursor: str | None) -> list[ColumnElement[bool]]:
+    cur = parse_cursor(cursor)
+    if cur is None:
+        return []
+    ts, last = cur
+    return [or_(ts_col < ts, and_(ts_col == ts, id_col < last))]
+
+
+def _maps(rows: Sequence[Any]) -> list[RowMap]:
+    return [dict(r._mapping) for r in rows]
+
+
+# -- runs -----------------------------------------------------------------------------------
+
+
+def runs_page(store: Store, *, status: str | None, tenant: str | None, since: float | None,
+              until: float | None, limit: int, cursor: str | None
+              ) -> tuple[list[RowMap], str | None]:
+    _check_limit(limit)
+    r = s.runs.c
+    conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
+    if status is not None:
+        conds.append(r.status == status)
+    if tenant is not None:
+        conds.append(r.tenant == tenant)
+    q = (select(*(r[c] for c in _RUN_COLS)).where(*conds)
+         .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
+    with store._read() as conn:
+        rows = _maps(conn.execute(q).all())
+    nxt = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        nxt = make_cursor(rows[-1]["created_at"], rows[-1]["run_id"])
+    return rows, nxt
+
+
+# -- one run's timeline ---------------------------------------------------------------------
+
+
+def timeline(store: Store, run_id: str) -> tuple[RowMap | None, list[RowMap], list[RowMap]]:
+    """(run, attempts with their debit, events) for one run; run is None when unknown."""
+    r = s.runs.c
+    a = s.attempts.c
+    d = s.debits.c
+    e = s.events.c
+    with store._read() as conn:
+        run = conn.execute(select(*(r[c] for c in _RUN_COLS)).where(r.run_id == run_id)).first()
+        if run is None:
+            return None, [], []
+        atts = conn.execute(
+            select(s.attempts, d.state.label("debit_state"),
+                   d.posted_micros.label("debit_posted_micros"))
+            .join(s.debits, d.debit_id == a.debit_id)
+            .where(a.run_id == run_id).order_by(a.seq)
+        ).all()
+        evs = conn.execute(
+            select(e.event_id, e.attempt_id, e.kind, e.data, e.created_at)
+            .where(e.run_id == run_id).order_by(e.event_id)
+        ).all()
+    return dict(run._mapping), _maps(atts), _maps(evs)
+
+
+# -- failover history -----------------------------------------------------------------------
+
+
+def failover_page(store: Store, *, since: float | None, until: float | None, limit: int,
+                  cursor: str | None
+                  ) -> tuple[list[RowMap], list[RowMap], list[RowMap], str | None]:
+    """Runs (admitted in the range) that failed over: served by a route other than the selected
+    one, or with a recorded ``move``. Returns (runs, their attempts, their move events, cursor).
+
+    The walk goes newest-first over ``runs.created_at`` and probes each run's attempts and events
+    through their per-run indexes, so a page stops as soon as it has ``limit`` failovers.
+    """
+    _check_limit(limit)
+    r = s.runs.c
+    a = s.attempts.c
+    e = s.events.c
+    served_elsewhere = (select(a.attempt_id)
+                        .where(a.run_id == r.run_id, a.state == "succeeded",
+                               a.route_id != r.selected_route).exists())
+    moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
+    conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
+    q = (select(*(r[c] for c in _RUN_COLS))
+         .where(*conds, or_(served_elsewhere, moved))
+         .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
+    with store._read() as conn:
+        runs = _maps(conn.execute(q).all())
+        nxt = None
+        if len(runs) > limit:
+            runs = runs[:limit]
+            nxt = make_cursor(runs[-1]["created_at"], runs[-1]["run_id"])
+        ids = [x["run_id"] for x in runs]
+        if not ids:
+            return [], [], [], None
+        atts = _maps(conn.execute(
+            select(a.run_id, a.attempt_id, a.seq, a.kind, a.route_id, a.profile_id, a.state,
+                   a.category, a.http_status, a.created_at)
+            .where(a.run_id.in_(ids)).order_by(a.run_id, a.seq)
+        ).all())
+        moves = _maps(conn.execute(
+            select(e.run_id, e.attempt_id, e.data, e.created_at)
+            .where(e.run_id.in_(ids), e.kind == "move").order_by(e.run_id, e.event_id)
+        ).all())
+    return runs, atts, moves, nxt
+
+
+# -- totals ---------------------------------------------------------------------------------
+
+
+def _label_expr(store: Store, key: str) -> ColumnElement[Any]:
+    if not _LABEL_KEY.match(key):
+        raise InvalidArgument(
+            f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
+        )
+    if store.dialect == "postgresql":
+        return cast(s.runs.c.labels, JSONB).op("->>")(key)
+    return func.json_extract(s.runs.c.labels, f'$."{key}"')
+
+
+def totals(store: Store, *, by: str, since: float | None, until: float | None,
+           label: str | None, limit: int, cursor: str | None
+           ) -> tuple[list[RowMap], str | None]:
+    """Attempt counts, tokens and cost grouped by ``by``, most expensive first."""
+    _check_limit(limit)
+    if by not in TOTALS_KEYS:
+        raise InvalidArgument(f"cannot total by {by!r}; choose one of {', '.join(TOTALS_KEYS)}",
+                              field="by")
+    a = s.attempts.c
+    offset = _offset(cursor)
+    joined = False
+    key: ColumnElement[Any]
+    if by == "route":
+        key = a.route_id
+    elif by == "group":
+        key = a.group_id
+    elif by == "provider":
+        key = a.provider
+    elif by == "run":
+        key = a.run_id
+    elif by == "tenant":
+        key, joined = s.runs.c.tenant, True
+    else:
+        if not label:
+            raise InvalidArgument("totals by label need the label key (label='team')",
+                                  field="label")
+        key, joined = _label_expr(store, label), True
+
+    def n(state: str) -> ColumnElement[Any]:
+        return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
+
+    cost = func.coalesce(func.sum(a.cost_micros), 0)
+    q = select(
+        key.label("key"),
+        func.count().label("attempts"),
+        n("succeeded").label("succeeded"),
+        n("failed").label("failed"),
+        n("unknown").label("unknown"),
+        func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
+        func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
+        cost.label("cost_micros"),
+    )
+    q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
+                      else s.attempts)
+    q = (q.where(*_range(a.created_at, since, until)).group_by(key)
+         .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
+    with store._read() as conn:
+        rows = _maps(conn.execute(q).all())
+    nxt = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        nxt = f"o:{offset + limit}"
+    return rows, nxt
+
+
+# -- unknown and unsettled attempts ---------------------------------------------------------
+
+
+def open_attempts(store: Store, *, states: Sequence[str], since: float | None,
+                  until: float | None, limit: int, cursor: str | None
+                  ) -> tuple[list[RowMap], str | None]:
+    """Attempts in ``states`` (unknown, dispatching) with their run's lease, newest first."""
+    _check_limit(limit)
+    a = s.attempts.c
+    r = s.runs.c
+    conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
+    q = (select(s.attempts, r.lease_holder.label("lease_holder"),
+                r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"))
+         .join(s.runs, r.run_id == a.run_id)
+         .where(a.state.in_(list(states)), *conds)
+         .order_by(a.created_at.desc(), a.attempt_id.desc()).limit(limit + 1))
+    with store._read() as conn:
+        rows = _maps(conn.execute(q).all())
+    nxt = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        nxt = make_cursor(rows[-1]["created_at"], rows[-1]["attempt_id"])
+    return rows, nxt
+
+
+# -- health ---------------------------------------------------------------------------------
+
+
+def health(store: Store, now: float) -> tuple[list[RowMap], list[RowMap]]:
+    """(health rows of routes and profiles, capacity groups with their live in-flight count)."""
+    h = s.health.c
+    g = s.capacity_groups.c
+    gs = s.group_slots.c
+    r = s.runs.c
+    # A slot counts only while its executor still holds the run (the same rule as admission).
+    live = (select(gs.group_id, func.count().label("in_flight"))
+            .select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
+            .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
+                   r.lease_expires_at > now)
+            .group_by(gs.group_id).subquery())
+    with store._read() as conn:
+        hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())
+        grows = _maps(conn.execute(
+            select(s.capacity_groups, func.coalesce(live.c.in_flight, 0).label("in_flight"))
+            .select_from(s.capacity_groups.outerjoin(live, live.c.group_id == g.group_id))
+            .order_by(g.group_id)
+        ).all())
+    return hrows, grows
+
+
+# -- activity over time (the dashboard's chart) ---------------------------------------------
+
+
+def activity(store: Store, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
+    """Attempts per time bucket: total, failed, unknown. Buckets without attempts are absent."""
+    if bucket_s <= 0:
+        raise InvalidArgument("bucket_s must be > 0", field="bucket_s")
+    a = s.attempts.c
+    if store.dialect == "postgresql":
+        bucket: ColumnElement[Any] = func.floor((a.created_at - since) / bucket_s)
+    else:
+        # SQLite lacks floor() before 3.35; created_at >= since, so truncation is floor.
+        bucket = cast((a.created_at - since) / bucket_s, Integer)
+    q = (select(bucket.label("bucket"), func.count().label("attempts"),
+                func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
+                func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"))
+         .where(a.created_at >= since, a.created_at < until)
+         .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
+    with store._read() as conn:
+        return _maps(conn.execute(q).all())
+
+
+# -- benchmark helpers ----------------------------------------------------------------------
+
+
+def history_bounds(store: Store) -> tuple[float | None, float | None]:
+    """(oldest, newest) attempt time; both read from ``ix_attempts_created_at`` ends."""
+    a = s.attempts.c
+    with store._read() as conn:
+        lo = conn.execute(select(func.min(a.created_at))).scalar()
+        hi = conn.execute(select(func.max(a.created_at))).scalar()
+    return lo, hi
+
+
+def sample_runs(store: Store, *, since: float, until: float, n: int) -> list[str]:
+    """Up to ``n`` run ids admitted in the range, newest first (benchmark inputs)."""
+    r = s.runs.c
+    with store._read() as conn:
+        return list(conn.execute(
+            select(r.run_id).where(r.created_at >= since, r.created_at < until)
+            .order_by(r.created_at.desc()).limit(n)
+        ).scalars())
+
+
+def sample_route(store: Store) -> str | None:
+    a = s.attempts.c
+    with store._read() as conn:
+        return conn.execute(select(a.route_id).order_by(a.created_at.desc()).limit(1)).scalar()
+
+
+def schema_present(store: Store) -> bool:
+    """Whether the ledger tables exist (a reader never creates them)."""
+    from sqlalchemy import inspect
+
+    with store._read() as conn:
+        return bool(inspect(conn).has_table("runs"))
