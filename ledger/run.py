@@ -41,7 +41,7 @@ from ledger.errors import (
     LedgerError,
     ProviderError,
 )
-from ledger.model import Route
+from ledger.model import GroupMode, GroupProjection, Route
 from ledger.policy.model import Policy
 from ledger.records import AttemptKind, AttemptRecord, Lease, Outcome, RunRecord
 
@@ -141,6 +141,8 @@ class _Turn:
     errors: list[Exception] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)
     resets: int = 0
+    # Groups whose admission refused this turn: Admission's own fresh fact for the selector.
+    refused_groups: dict[str, float | None] = field(default_factory=dict)
 
 
 def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> Decimal:
@@ -199,10 +201,15 @@ class _Loop:
                 ) -> Generator[_Effect, Any, tuple[Decision, RunRecord]]:
         run: RunRecord = yield _Call("get_run", {"run_id": self.lease.run_id})
         groups = yield _Call("group_projections", {"groups": sorted({r.group for r in run.plan})})
+        now = yield _Call("now", {})
+        if turn.refused_groups:
+            groups = dict(groups)
+            for g, until in turn.refused_groups.items():
+                groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
+                                            sampled_at=now)
         keys = [r.id for r in run.plan] + [p.id for r in run.plan for p in r.profiles]
         health = yield _Call("health", {"keys": keys})
         provenance = yield _Call("provenance", {"run_id": run.run_id})
-        now = yield _Call("now", {})
         inp = self._selection(run, policy, turn, now, groups, health, provenance,
                               failure=failure, current=current, current_profile=current_profile)
         return select(inp), run
@@ -242,6 +249,7 @@ class _Loop:
             except CapacityUnavailable as e:
                 turn.errors.append(e)
                 turn.tried.add(route.id)
+                turn.refused_groups[route.group] = e.fields.get("until")
                 attempt_id = e.fields.get("attempt_id")
                 if attempt_id:
                     turn.attempts.append((yield _Call("get_attempt",

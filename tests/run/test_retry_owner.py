@@ -245,3 +245,106 @@ def test_async_twin(db_url: str) -> None:
         await aled.close()
 
     asyncio.run(go())
+
+
+def test_full_group_is_rejected_before_dispatch_and_next_group_serves(led: Ledger) -> None:
+    led.configure_group("go", max_in_flight=1)
+    other = admit(led, run_id="other")
+    led.begin_attempt(other, route="go-glm", envelope_hash="sha256:x", reserve="0")  # holds go
+    lease = admit(led)
+    send = Script()
+    res = execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert res.route.id == "official-deepseek"
+    tl = led.timeline("r")
+    assert [(a.route_id, a.state) for a in tl] == [
+        ("go-deepseek", AttemptState.REJECTED), ("official-deepseek", AttemptState.SUCCEEDED)]
+    assert tl[0].debit_state is DebitState.VOIDED and tl[0].reject_reason == "capacity_full"
+    assert [d.route.id for d in send.sent] == ["official-deepseek"]  # nothing sent on "go"
+    assert led.get_run("r").calls_used == 1
+
+
+def test_waiting_floor_inside_deadline_is_waited_beyond_it_rejected(
+        led: Ledger, clock: ManualClock) -> None:
+    # goclaw is not group-aware: it picks the cooling group's route, so admission's own
+    # waiting floor applies at dispatch.
+    lease = admit(led, policy="goclaw")
+    led.set_group_state("go", "cooldown", until=clock.now() + 12, reason="test")
+    res = execute(led, lease, ENV, Script())  # type: ignore[arg-type]
+    assert res.route.id == "go-deepseek" and clock.slept == [12]
+    led.admit_run("late", plan=PLAN, budget=Budget(max_calls=4, max_retries=2,
+                                                   max_cost=Decimal(1)),
+                  policy="goclaw", deadline=clock.now() + 5)
+    late = led.acquire_lease("late")
+    led.set_group_state("go", "cooldown", until=clock.now() + 60, reason="test")
+    res = execute(led, late, ENV, Script())  # type: ignore[arg-type]
+    assert res.route.id == "official-deepseek" and clock.slept == [12]  # no wait past deadline
+    assert [a.state for a in led.timeline("late")] == [
+        AttemptState.REJECTED, AttemptState.REJECTED, AttemptState.SUCCEEDED]
+
+
+def test_group_aware_new_turn_avoids_a_cooling_group(led: Ledger, clock: ManualClock) -> None:
+    lease = admit(led)
+    led.set_group_state("go", "cooldown", until=clock.now() + 12, reason="test")
+    res = execute(led, lease, ENV, Script())  # type: ignore[arg-type]
+    assert res.route.id == "official-deepseek" and clock.slept == []
+
+
+def test_current_denial_applies_to_new_attempts(led: Ledger) -> None:
+    from ledger.core.preflight import Denials
+
+    lease = admit(led)
+    send = Script(go_deepseek=[fail(status=503)])
+    res = execute(led, lease, ENV, send,  # type: ignore[arg-type]
+                  denials=Denials(routes=frozenset({"go-glm"})))
+    assert res.route.id == "official-deepseek"
+    sel = led.events("r", ["select"])[-1].data
+    assert {s["route"]: s["reason"] for s in sel["skipped"]}["go-glm"] == "not_qualified"
+
+
+def test_model_derived_context_needs_recorded_provenance(led: Ledger) -> None:
+    from ledger.core.envelope import MODEL_DERIVED
+
+    lease = admit(led, grant=Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
+                                               "deepseek": ["user_input", MODEL_DERIVED]}))
+    first = execute(led, lease, ENV, Script(), turn_id="t1")  # type: ignore[arg-type]
+    good = Part(role="assistant", content="answer", data_class=MODEL_DERIVED,
+                provenance=first.attempt.attempt_id)
+    assert first.attempt.output_hash is None  # the scripted send reported no output hash
+    led.record_provenance(lease, first.attempt.attempt_id, good.content_hash, "model_output")
+    env = Envelope(parts=[*ENV.parts, good, Part(content="go on")])
+    send = Script(go_deepseek=[fail(status=503)])
+    res = execute(led, lease, env, send, turn_id="t2")  # type: ignore[arg-type]
+    assert res.route.id == "go-glm"
+    # A tampered copy (edited content, same provenance ref) is not covered: no switch.
+    bad = good.model_copy(update={"content": "answer, edited"})
+    env = Envelope(parts=[*ENV.parts, bad, Part(content="go on")])
+    send = Script(go_glm=[fail(status=503)])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, env, send, turn_id="t3")  # type: ignore[arg-type]
+    reasons = {s["route"]: s["reason"] for s in ei.value.fields["skipped"]}
+    assert "disclosure" in reasons.values()
+
+
+def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) -> None:
+    parent = admit(led, run_id="p", calls=12, retries=6)
+    led.admit_run("c1", plan=PLAN, budget=Budget(max_calls=3, max_retries=2,
+                                                 max_cost=Decimal("0.2")),
+                  grant=Grant(recipients={"go-gateway": ["user_input"],
+                                          "deepseek": ["user_input"]}),
+                  parent_run_id="p", parent_fence=parent.fence)  # type: ignore[attr-defined]
+    led.admit_run("c2", plan=PLAN[1:], budget=Budget(max_calls=3, max_retries=2,
+                                                     max_cost=Decimal("0.2")),
+                  grant=Grant(recipients={"deepseek": ["user_input"]}),
+                  parent_run_id="p", parent_fence=parent.fence)  # type: ignore[attr-defined]
+    l1, l2 = led.acquire_lease("c1"), led.acquire_lease("c2")
+    done = execute(led, l2, ENV, Script(go_glm=[fail(status=503)]))  # type: ignore[arg-type]
+    assert done.route.id == "official-deepseek"  # go-glm is not approved for c2's grant
+    sibling_before = led.timeline("c2")
+    r1 = execute(led, l1, ENV, Script(go_deepseek=[fail(status=503)]))  # type: ignore[arg-type]
+    assert r1.route.id == "go-glm"
+    send = Script()
+    again = execute(led, l1, ENV, send, turn_id="t2")  # type: ignore[arg-type]
+    assert again.route.id == "go-glm" and [d.route.id for d in send.sent] == ["go-glm"]
+    assert led.timeline("c2") == sibling_before  # the sibling's completed work is untouched
+    p = led.get_run("p")
+    assert p.carved == Decimal("0.4") and p.calls_left == 6
