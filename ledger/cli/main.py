@@ -21,6 +21,7 @@ DEFAULT_DB = "ledger.db"
 COMMAND_MODULES: list[str] = [
     "ledger.cli.demo_cmd",
     "ledger.cli.policy_cmd",
+    "ledger.cli.ops_cmd",
     "ledger.cli.recover_cmd",
     "ledger.cli.bench_cmd",
 ]

@@ -42,3 +42,15 @@ def bulk_insert(store: Store, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -
                 conn.execute(table.insert(), [dict(r) for r in batch])
             n += len(batch)
     return n
+
+
+def analyze(store: Store) -> None:
+    """Refresh planner statistics after a bulk load (autovacuum would, but only later), so the
+    first queries on a freshly generated ledger are planned with its real size."""
+    from sqlalchemy import text
+
+    with store._write() as conn:
+        if store.dialect == "postgresql":
+            conn.execute(text("ANALYZE runs, attempts, debits, events, health, capacity_groups"))
+        else:
+            conn.execute(text("ANALYZE"))

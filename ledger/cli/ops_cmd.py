@@ -1,0 +1,543 @@
+"""Operator commands over the audit API: ``ledger runs``, ``run show``, ``attempts``,
+``failovers``, ``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``.
+
+Reading commands open the ledger without migrating it (they never write, so they work through a
+read-only role and never create a database by accident). Tables are aligned text by default and
+``--json`` prints the typed results as JSON for scripts. Progress bars go to stderr, only when
+stderr is a terminal or ``--progress`` is given, so piped output stays clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from ledger.errors import DatabaseUnavailable, InvalidArgument
+
+_REL = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def parse_time(text: str | None, now: float, field: str) -> float | None:
+    """``24h``/``30m``/``7d`` ago, an ISO-8601 time (UTC unless it says otherwise), or epoch."""
+    if text is None:
+        return None
+    m = _REL.match(text.strip())
+    if m:
+        return now - float(m.group(1)) * _UNIT[m.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidArgument(
+            f"--{field} {text!r} is not a time: use 24h, 30m, 7d (ago), an ISO time such as "
+            "2026-01-31T18:00 (UTC), or epoch seconds", field=field) from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def fmt_time(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_until(t: float | None, now: float) -> str:
+    """A future time as its distance from now (``in 42s``); the past as a plain time."""
+    if t is None:
+        return "-"
+    if t > now:
+        d = t - now
+        return f"in {d:.0f}s" if d < 120 else (f"in {d / 60:.0f}m" if d < 7200
+                                               else f"in {d / 3600:.1f}h")
+    return fmt_time(t)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Aligned columns; numbers right-aligned."""
+    cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in r]
+                                            for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_is_num(r[i]) for r in cells[1:]) and len(cells) > 1
+               for i in range(len(headers))]
+    lines = []
+    for n, r in enumerate(cells):
+        parts = [(c.rjust(w) if numeric[i] and n > 0 else c.ljust(w))
+                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        lines.append("  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _is_num(s: str) -> bool:
+    return bool(re.match(r"^-?\d+(\.\d+)?$", s)) or s == "-"
+
+
+class ProgressBar:
+    """A stdlib progress bar on stderr: ``[#####.....]  45%  450000/1000000  12.3s``."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self._last = -1.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total <= 0:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return  # redraw at most ten times a second
+        self._last = now
+        frac = min(1.0, done / total)
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:3.0f}%  {done}/{total}  "
+                         f"{now - self.start:.1f}s")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _progress_enabled(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "progress", False)) or sys.stderr.isatty()
+
+
+def _emit_json(value: Any) -> None:
+    from ledger.audit import to_jsonable
+
+    sys.stdout.write(json.dumps(to_jsonable(value), indent=2, sort_keys=True) + "\n")
+
+
+def open_reader(url: str) -> Any:
+    """Open a ledger for reading: no migration, no new database, a clear error when absent."""
+    from ledger.api import Ledger
+    from ledger.storage import audit as q
+    from ledger.storage.engine import normalize_url, redact_url
+
+    norm = normalize_url(url)
+    if norm.startswith("sqlite:///"):
+        path = norm[len("sqlite:///"):]
+        if not os.path.exists(path):
+            raise DatabaseUnavailable(
+                f"no ledger at {path}: the file does not exist; pass --db URL, set LEDGER_URL, "
+                "or create one (ledger demo / ledger generate)", url=norm)
+    led = Ledger.open(url, migrate_schema=False)
+    try:
+        present = q.schema_present(led.store)
+    except BaseException:
+        led.close()
+        raise
+    if not present:
+        led.close()
+        raise DatabaseUnavailable(
+            f"{redact_url(norm)} holds no ledger tables; point --db at a ledger database",
+            url=redact_url(norm))
+    return led
+
+
+def _audit(args: argparse.Namespace) -> Any:
+    from ledger.audit import Audit
+
+    return Audit(open_reader(args.db))
+
+
+def _money(d: Decimal | None) -> str:
+    return "-" if d is None else f"{d:.6f}"
+
+
+def _add_db(p: argparse.ArgumentParser) -> None:
+    # Also accepted after the command; SUPPRESS leaves the global --db / LEDGER_URL alone
+    # unless it is given here.
+    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
+
+
+def _add_common(p: argparse.ArgumentParser, *, paged: bool = True) -> None:
+    _add_db(p)
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    if paged:
+        p.add_argument("--limit", type=int, default=50, help="rows per page (default 50)")
+        p.add_argument("--cursor", default=None,
+                       help="next_cursor from the previous page (shown under the table)")
+
+
+def _add_range(p: argparse.ArgumentParser, default_since: str | None) -> None:
+    hint = f" (default {default_since} ago)" if default_since else ""
+    p.add_argument("--since", default=default_since,
+                   help=f"from this time: 24h, 7d, ISO time or epoch{hint}")
+    p.add_argument("--until", default=None, help="up to this time (default: now)")
+
+
+def _range(args: argparse.Namespace, now: float) -> tuple[float | None, float | None]:
+    since = parse_time(args.since, now, "since")
+    until = parse_time(args.until, now, "until")
+    if since is not None and until is not None and since >= until:
+        raise InvalidArgument("--since must be before --until", field="since")
+    return since, until
+
+
+def _footer(page: Any) -> None:
+    if page.next_cursor:
+        print(f"\nmore: --cursor '{page.next_cursor}'")
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def _runs(args: argparse.Namespace) -> int:
+    audit = _audit(args)
+    try:
+        since, until = _range(args, audit.now())
+        page = audit.runs(status=args.status, tenant=args.tenant, since=since, until=until,
+                          limit=args.limit, cursor=args.cursor)
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(page)
+        return 0
+    print(table(["RUN", "STATUS", "TENANT", "SELECTED", "CURRENT", "CALLS", "POSTED",
+                 "ADMITTED (UTC)"],
+                [[r.run_id, r.status, r.tenant, r.selected_route, r.current_route,
+                  r.calls_used, _money(r.posted), fmt_time(r.created_at)] for r in page.items]))
+    _footer(page)
+    return 0
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    audit = _audit(args)
+    try:
+        tl = audit.timeline(args.run_id)
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(tl)
+        return 0
+    r = tl.run
+    print(f"run {r.run_id}  status {r.status}  tenant {r.tenant or '-'}  "
+          f"labels {json.dumps(r.labels, sort_keys=True)}")
+    print(f"selected {r.selected_route}  served {tl.served_route or '-'}  "
+          f"failed over: {'yes' if tl.failed_over else 'no'}  "
+          f"cost {_money(tl.total_cost)} of {_money(r.max_cost)}  tokens {r.tokens_used}")
+    print()
+    rows = []
+    for a in tl.attempts:
+        why = "-"
+        if a.selection is not None:
+            why = a.selection.reason or a.selection.decision or "-"
+            if a.selection.skipped:
+                why += " (skipped " + ", ".join(f"{s.route}: {s.reason}"
+                                                for s in a.selection.skipped) + ")"
+        outcome = a.state + (f" {a.category}" if a.category else "") + (
+            f" {a.http_status}" if a.http_status else "") + (
+            f" {a.reject_reason}" if a.reject_reason else "")
+        held = a.posted if a.debit_state == "posted" else a.reserved
+        rows.append([a.seq, a.kind, a.route_id, a.profile_id, outcome,
+                     f"{a.debit_state} {_money(held)}",
+                     _money(a.cost), why, fmt_time(a.created_at)])
+    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST", "WHY",
+                 "AT (UTC)"], rows))
+    notes = [(a.seq, e) for a in tl.attempts for e in a.events]
+    if notes:
+        print()
+        for seq, e in notes:
+            print(f"  #{seq} {e.kind}: {json.dumps(e.data, sort_keys=True)}")
+    return 0
+
+
+def _attempts(args: argparse.Namespace) -> int:
+    audit = _audit(args)
+    try:
+        since, until = _range(args, audit.now())
+        if args.open:
+            opage = audit.open_attempts(since=since, until=until, limit=args.limit,
+                                        cursor=args.cursor)
+            if args.json:
+                _emit_json(opage)
+                return 0
+            print(table(["ATTEMPT", "RUN", "ROUTE", "STATE", "LEASE", "AT (UTC)"],
+                        [[o.attempt.attempt_id, o.attempt.run_id, o.attempt.route_id,
+                          o.attempt.state.value, "live" if o.lease_live else "gone",
+                          fmt_time(o.attempt.created_at)] for o in opage.items]))
+            _footer(opage)
+            return 0
+        page = audit.attempts(route=args.route, group=args.group, state=args.state,
+                              category=args.category, since=since, until=until,
+                              limit=args.limit, cursor=args.cursor)
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(page)
+        return 0
+    print(table(["ATTEMPT", "RUN", "#", "ROUTE", "GROUP", "STATE", "CATEGORY", "HTTP", "COST",
+                 "AT (UTC)"],
+                [[a.attempt_id, a.run_id, a.seq, a.route_id, a.group_id, a.state.value,
+                  a.category, a.http_status, _money(a.cost), fmt_time(a.created_at)]
+                 for a in page.items]))
+    _footer(page)
+    return 0
+
+
+def _failovers(args: argparse.Namespace) -> int:
+    audit = _audit(args)
+    try:
+        since, until = _range(args, audit.now())
+        page = audit.failovers(since=since, until=until, limit=args.limit, cursor=args.cursor)
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(page)
+        return 0
+    rows = []
+    for f in page.items:
+        causes = ", ".join(f"{c.route}: {c.category or c.state}"
+                           + (f" {c.http_status}" if c.http_status else "") for c in f.causes)
+        rows.append([f.run_id, f.tenant, f.selected_route, f.served_route or "(none)",
+                     " > ".join(f.routes), causes or "-", f.status, fmt_time(f.created_at)])
+    print(table(["RUN", "TENANT", "SELECTED", "SERVED BY", "ROUTES TRIED", "CAUSES", "STATUS",
+                 "ADMITTED (UTC)"], rows))
+    _footer(page)
+    return 0
+
+
+def _costs(args: argparse.Namespace) -> int:
+    audit = _audit(args)
+    try:
+        since, until = _range(args, audit.now())
+        page = audit.costs(by=args.by, label=args.label, since=since, until=until,
+                           limit=args.limit, cursor=args.cursor)
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(page)
+        return 0
+    key = args.label if args.by == "label" else args.by
+    print(table([key.upper(), "ATTEMPTS", "OK", "FAILED", "UNKNOWN", "PROMPT_TOK",
+                 "COMPLETION_TOK", "COST"],
+                [[t.key, t.attempts, t.succeeded, t.failed, t.unknown, t.prompt_tokens,
+                  t.completion_tokens, _money(t.cost)] for t in page.items]))
+    _footer(page)
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    audit = _audit(args)
+    try:
+        rep = audit.health()
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(rep)
+        return 0
+    now = rep.now
+    print("routes and profiles")
+    print(table(["KEY", "KIND", "PROVIDER", "STATUS", "COOLDOWN", "DISABLED", "ERRORS",
+                 "LAST FAILURE", "LAST PROBE"],
+                [[k.key, k.kind, k.provider, k.status, fmt_until(k.cooldown_until, now),
+                  fmt_until(k.disabled_until, now)
+                  + (f" ({k.disabled_reason})" if k.disabled_reason else ""),
+                  k.error_count, fmt_time(k.last_failure_at), fmt_time(k.last_probe_at)]
+                 for k in rep.routes + rep.profiles]))
+    print()
+    print("capacity groups")
+    print(table(["GROUP", "MODE", "WAIT UNTIL", "REASON", "IN FLIGHT", "LIMIT"],
+                [[g.group, g.mode, fmt_until(g.until, now) if g.mode != "open" else "-",
+                  g.reason if g.mode != "open" else "-", g.in_flight, g.limit]
+                 for g in rep.groups]))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ledger.api import Ledger
+    from ledger.generate import generate
+
+    if args.attempts < 1:
+        raise InvalidArgument("--attempts must be >= 1", field="attempts")
+    if args.days <= 0:
+        raise InvalidArgument("--days must be > 0", field="days")
+    led = Ledger.open(args.db)
+    try:
+        end = args.end if args.end is not None else time.time()
+        bar = ProgressBar("generate", _progress_enabled(args))
+        t0 = time.monotonic()
+        st = generate(led.store, attempts=args.attempts, days=args.days, end=end, seed=args.seed,
+                      progress=bar)
+        took = time.monotonic() - t0
+    finally:
+        led.close()
+    summary = {"runs": st.runs, "attempts": st.attempts, "failed": st.failed,
+               "unknown": st.unknown, "dispatching": st.dispatching,
+               "failovers": st.failovers, "events": st.events, "since": st.since,
+               "until": st.until, "seconds": round(took, 2)}
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    else:
+        print(f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
+              f"{st.failovers} failovers, {st.unknown} unknown, {st.dispatching} dispatching, "
+              f"{st.events} events) from {fmt_time(st.since)} to {fmt_time(st.until)} UTC "
+              f"in {took:.1f}s")
+    return 0
+
+
+def _bench_audit(args: argparse.Namespace) -> int:
+    from ledger.audit_bench import bench_audit
+
+    if args.repeat < 1:
+        raise InvalidArgument("--repeat must be >= 1", field="repeat")
+    audit = _audit(args)
+    try:
+        bar = ProgressBar("bench", _progress_enabled(args))
+        rows = bench_audit(audit, repeat=args.repeat, progress=bar)
+        backend = audit.ledger.backend
+    finally:
+        audit.ledger.close()
+    if args.json:
+        sys.stdout.write(json.dumps({"backend": backend, "results": [
+            {"query": r.query, "p50_ms": round(r.p50_ms, 3), "p95_ms": round(r.p95_ms, 3),
+             "max_ms": round(r.max_ms, 3), "rows": r.rows, "target_ms": r.target_ms,
+             "ok": r.ok} for r in rows]}, indent=2) + "\n")
+        return 0
+    print(f"audit query latency on {backend} (ms over {args.repeat} runs; newest day)")
+    print(table(["QUERY", "P50", "P95", "MAX", "ROWS", "TARGET"],
+                [[r.query, f"{r.p50_ms:.2f}", f"{r.p95_ms:.2f}", f"{r.max_ms:.2f}", r.rows,
+                  "-" if r.target_ms is None else
+                  f"<{r.target_ms:.0f} {'ok' if r.ok else 'MISSED'}"] for r in rows]))
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    try:
+        from ledger.dashboard.app import serve
+    except ImportError as e:
+        raise InvalidArgument(
+            f"the dashboard needs the optional extra: pip install 'ledger[dashboard]' ({e})",
+            field="dashboard") from e
+    led = open_reader(args.db)  # fail fast, with the clear message, before binding a port
+    led.close()
+    serve(args.db, host=args.host, port=args.port)
+    return 0
+
+
+# -- registration ---------------------------------------------------------------------------
+
+
+def _bench_subparsers(subparsers: Any) -> Any:
+    """``ledger bench``'s sub-command set, shared with other modules that add benchmarks.
+
+    Whichever module registers first creates ``bench`` and stores its sub-parsers as the
+    ``_bench_sub`` default; the others add to it (the convention of ``ledger.cli.bench_cmd``).
+    """
+    bench = subparsers.choices.get("bench")
+    if bench is None:
+        bench = subparsers.add_parser("bench", help="benchmarks")
+        sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+        bench.set_defaults(_bench_sub=sub)
+        return sub
+    sub = bench.get_default("_bench_sub")
+    if sub is None:
+        for action in bench._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action
+        sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+        bench.set_defaults(_bench_sub=sub)
+    return sub
+
+
+def _quiet_pipe(fn: Any) -> Any:
+    """``ledger runs | head`` closes the pipe early: that is not an error worth a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            rc = int(fn(args))
+            sys.stdout.flush()
+            return rc
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush is quiet
+            return 0
+
+    return run
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("runs", help="list runs, newest first")
+    p.add_argument("--status", choices=["admitted", "running", "succeeded", "failed", "stopped"])
+    p.add_argument("--tenant")
+    _add_range(p, None)
+    _add_common(p)
+    p.set_defaults(func=_quiet_pipe(_runs))
+
+    run = subparsers.add_parser("run", help="one run: ledger run show ID")
+    run_sub = run.add_subparsers(dest="run_command", metavar="SUBCOMMAND", required=True)
+    show = run_sub.add_parser("show", help="a run's attempt timeline: routes, debits, outcomes, "
+                              "facts, costs and the selector's reasons")
+    show.add_argument("run_id", metavar="ID")
+    _add_common(show, paged=False)
+    show.set_defaults(func=_quiet_pipe(_run_show))
+
+    p = subparsers.add_parser("attempts", help="attempts by route, group, outcome, category, time")
+    p.add_argument("--route")
+    p.add_argument("--group")
+    p.add_argument("--state", "--outcome", dest="state",
+                   choices=["dispatching", "succeeded", "failed", "unknown", "rejected"])
+    p.add_argument("--category", help="failure category, e.g. rate_limit")
+    p.add_argument("--open", action="store_true",
+                   help="only unknown and still-dispatching attempts, with their lease")
+    _add_range(p, None)
+    _add_common(p)
+    p.set_defaults(func=_quiet_pipe(_attempts))
+
+    p = subparsers.add_parser("failovers", help="runs that failed over, with the causes")
+    _add_range(p, "24h")
+    _add_common(p)
+    p.set_defaults(func=_quiet_pipe(_failovers))
+
+    p = subparsers.add_parser("costs", help="cost and token totals per route, run, tenant, ...")
+    p.add_argument("--by", default="route",
+                   choices=["route", "group", "provider", "run", "tenant", "label"])
+    p.add_argument("--label", help="label key for --by label (e.g. team)")
+    _add_range(p, "24h")
+    _add_common(p)
+    p.set_defaults(func=_quiet_pipe(_costs))
+
+    p = subparsers.add_parser("health", help="route, profile and group health now")
+    _add_common(p, paged=False)
+    p.set_defaults(func=_quiet_pipe(_health))
+
+    p = subparsers.add_parser("generate", help="fill a database with a realistic history")
+    p.add_argument("--attempts", type=int, default=100_000, help="attempts (default 100000)")
+    p.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--end", type=float, default=None, help="epoch of the newest history "
+                   "(default: now)")
+    p.add_argument("--progress", action="store_true", help="show progress even when piped")
+    _add_common(p, paged=False)
+    p.set_defaults(func=_quiet_pipe(_generate))
+
+    b = _bench_subparsers(subparsers).add_parser(
+        "audit", help="latency of each audit query on --db (fill it with ledger generate)")
+    b.add_argument("--repeat", type=int, default=5, help="timed runs per query (default 5)")
+    b.add_argument("--progress", action="store_true", help="show progress even when piped")
+    _add_common(b, paged=False)
+    b.set_defaults(func=_quiet_pipe(_bench_audit))
+
+    p = subparsers.add_parser("dashboard", help="serve the read-only health dashboard")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    _add_db(p)
+    p.set_defaults(func=_quiet_pipe(_dashboard))
+
