@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 from ledger import faults
 from ledger.api import Ledger
 from ledger.clock import ManualClock
-from ledger.core.facts import Category, FailureFact, Phase
 from ledger.errors import DatabaseUnavailable, FencedOut
 from ledger.model import Budget, Route
 from ledger.records import AttemptState, Lease
@@ -122,76 +121,93 @@ PLAN = [
 ]
 
 
-def soak_worker(url: str, prefix: str, seconds: int, log: str, seed: int) -> dict[str, int]:
-    """Admit and run many runs with random provider faults until ``seconds`` have passed.
+GROUPS = 4  # capacity groups g0..g3 and h0..h3 in the soak
 
-    Each call fails at random: 503 after headers (posted 0, retry on the next route), a
-    failure before send (voided, nothing sent), or a lost receipt (settled unknown, never
-    re-sent). FencedOut (a recovery took a stalled run over) abandons the run.
+
+class _NoWait:
+    """The soak's sleeper: retry-owner waits return at once (the soak measures safety)."""
+
+    def sleep(self, seconds: float) -> None:
+        pass
+
+    async def asleep(self, seconds: float) -> None:
+        pass
+
+
+def owner_soak_worker(url: str, prefix: str, seconds: int, log: str, seed: int,
+                      ttl_s: int) -> dict[str, int]:
+    """Many runs through the retry owner (``ledger.run.execute``) with random provider faults.
+
+    The send function records the request in ``sent.log`` unless the fault happens before the
+    request leaves (connect refused). A stalled run taken over by recovery (FencedOut) is
+    abandoned; a stop (FailoverExhausted) ends the run.
     """
+    from ledger.core.envelope import Envelope, Part
+    from ledger.core.facts import Observation, Transport
+    from ledger.errors import FailoverExhausted
+    from ledger.run import Dispatch, SendResult, execute
+
     rnd = random.Random(seed)
     led = Ledger.open(url, migrate_schema=False, executor_id=f"{prefix}-{os.getpid()}")
     out: dict[str, int] = {}
+
+    def bump(k: str) -> None:
+        out[k] = out.get(k, 0) + 1
+
+    def send(d: Dispatch) -> SendResult:
+        x = rnd.random()
+        if x < 0.04:
+            bump("faults")
+            return SendResult.failed(Observation(transport=Transport.CONNECT_REFUSED))
+        send_line(log, d.run_id, d.turn_id, d.attempt_id)
+        if x < 0.70:
+            return SendResult(ok=True, output="ok", prompt_tokens=10, completion_tokens=5,
+                              cost=Decimal("0.004"))
+        bump("faults")
+        if x < 0.84:
+            return SendResult.failed(Observation(status=503))
+        if x < 0.86:
+            return SendResult.failed(Observation(status=429, headers={"retry-after": "1"}))
+        if x < 0.94:
+            return SendResult.failed(Observation(status=500))
+        return SendResult.failed(Observation(transport=Transport.READ_TIMEOUT))
+
     end = time.monotonic() + seconds
     n = 0
     while time.monotonic() < end:
         n += 1
         run_id = f"{prefix}-{os.getpid()}-{n}"
-        led.admit_run(run_id, plan=PLAN, budget=Budget(max_calls=6, max_retries=3,
-                                                       max_cost=Decimal("0.05")))
-        out["runs"] = out.get("runs", 0) + 1
+        # Route ids rotate over a pool, so route cooldowns from earlier faults (shared health)
+        # do not stop every later run: the soak keeps exercising the write path.
+        k = rnd.randrange(64)
+        plan = [r.model_copy(update={"id": f"{r.id}{k}", "model": f"{r.model}-{k}",
+                                     "group": f"{r.group}{k % GROUPS}"}) for r in PLAN]
+        led.admit_run(run_id, plan=plan, budget=Budget(max_calls=8, max_retries=5,
+                                                       max_cost=Decimal("0.20")))
+        bump("runs")
         try:
-            run_one(led, run_id, rnd, log, out)
+            lease = led.acquire_lease(run_id, ttl_s=ttl_s)
+            status = "succeeded"
+            for t in range(1, rnd.randint(1, 3) + 1):
+                lease = led.renew_lease(lease, ttl_s=ttl_s)
+                env = Envelope(parts=[Part(content=f"{run_id} turn {t}")], max_output_tokens=50)
+                try:
+                    execute(led, lease, env, send, turn_id=f"t{t}", sleeper=_NoWait(), rng=rnd,
+                            reserve=Decimal("0.01"))
+                except FailoverExhausted:
+                    bump("stopped")
+                    status = "stopped"
+                    break
+            led.finish_run(run_id, lease.fence, status)
+            led.release_lease(lease)
         except FencedOut:
-            out["fenced"] = out.get("fenced", 0) + 1
-        except Exception as e:  # a refused begin (budget, capacity, allowance) ends the run
-            key = "refused_" + type(e).__name__
-            out[key] = out.get(key, 0) + 1
+            bump("fenced")
     led.close()
     return out
 
 
-def run_one(led: Ledger, run_id: str, rnd: random.Random, log: str, out: dict[str, int]) -> None:
-    lease = led.acquire_lease(run_id, ttl_s=3)
-    route_i = 0
-    for t in range(1, rnd.randint(2, 4) + 1):
-        turn = f"t{t}"
-        kind = "first"
-        while True:
-            lease = led.renew_lease(lease, ttl_s=3)
-            route = PLAN[route_i % len(PLAN)].id
-            att = led.begin_attempt(lease, route=route, envelope_hash=f"sha256:{turn}",
-                                    reserve=COST, turn_id=turn, kind=kind)
-            faults.point("dispatch.before_send")
-            x = rnd.random()
-            if x < 0.05:  # refused locally before the request left
-                out["faults"] = out.get("faults", 0) + 1
-                led.settle_attempt(lease, att.attempt_id, outcome="failed", fact=FailureFact(
-                    category=Category.NETWORK, phase=Phase.BEFORE_SEND))
-            else:
-                send(log, run_id, turn, att.attempt_id)
-                faults.point("dispatch.after_send")
-                if x < 0.25:
-                    out["faults"] = out.get("faults", 0) + 1
-                    led.settle_attempt(lease, att.attempt_id, outcome="failed", cost="0",
-                                       fact=FailureFact(category=Category.SERVER_ERROR,
-                                                        status=503, phase=Phase.AFTER_HEADERS))
-                elif x < 0.30:
-                    out["faults"] = out.get("faults", 0) + 1
-                    led.settle_attempt(lease, att.attempt_id, outcome="unknown")
-                    out["unknown"] = out.get("unknown", 0) + 1
-                    led.finish_run(run_id, lease.fence, "stopped")
-                    led.release_lease(lease)
-                    return  # execution unknown: never re-sent (default policy)
-                else:
-                    led.settle_attempt(lease, att.attempt_id, outcome="succeeded",
-                                       cost=COST * Decimal(rnd.random()))
-                    break
-            led.reserve_retry(lease)
-            route_i += 1
-            kind = "failover"
-    led.finish_run(run_id, lease.fence, "succeeded")
-    led.release_lease(lease)
+def send_line(log: str, run_id: str, turn: str, attempt_id: str) -> None:
+    send(log, run_id, turn, attempt_id)
 
 
 if __name__ == "__main__":
