@@ -348,3 +348,16 @@ def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) ->
     assert led.timeline("c2") == sibling_before  # the sibling's completed work is untouched
     p = led.get_run("p")
     assert p.carved == Decimal("0.4") and p.calls_left == 6
+
+
+def test_one_log_line_per_retry_and_per_move(led: Ledger, caplog: pytest.LogCaptureFixture
+                                              ) -> None:
+    lease = admit(led, policy="goclaw", retries=5, calls=8)
+    caplog.set_level("INFO", logger="ledger.run")
+    execute(led, lease, ENV, Script(go_deepseek=[fail(status=503, body="overloaded")]),  # type: ignore[arg-type]
+            rng=random.Random(1))
+    lines = [r.getMessage() for r in caplog.records if r.name == "ledger.run"]
+    retries = [m for m in lines if m.startswith("[LLM] go:deepseek-v4: overloaded; retry")]
+    moves = [m for m in lines if m.startswith("[fallback] serving the request with go/glm-5 "
+                                              "(go/deepseek-v4: 503 overloaded)")]
+    assert len(retries) == 2 and len(moves) == 1 and len(lines) == 3

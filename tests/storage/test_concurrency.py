@@ -9,8 +9,6 @@ from __future__ import annotations
 from decimal import Decimal
 from pathlib import Path
 
-import pytest
-
 from ledger.api import Ledger
 from ledger.records import AttemptState
 
@@ -82,14 +80,13 @@ def test_stale_fence_never_writes_from_other_processes(db_url: str) -> None:
         assert run.calls_used == 0 and run.retries_used == 0 and led.timeline("fenced") == []
 
 
-@pytest.mark.postgres
-def test_postgres_child_carving_under_concurrency(pg_url: str) -> None:
+def test_child_carving_under_concurrency(db_url: str) -> None:
     """Many threads carve children from one parent: the sum never exceeds the parent's."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ledger.errors import AllowanceExhausted, BudgetExceeded
 
-    with Ledger.open(pg_url) as led:
+    with Ledger.open(db_url) as led:
         led.admit_run("parent", plan=routes(), budget=budget(calls=100, retries=100, cost="1.00"))
         lease = led.acquire_lease("parent", ttl_s=600)
 
