@@ -14,9 +14,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, and_, func, or_, select
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, func, or_, select
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
@@ -127,6 +128,63 @@ class SettleSpec:
     health: Mapping[str, tuple[str, str | None, HealthUpdate]]  # key -> (kind, provider, update)
     group_update: GroupUpdate | None
     events: Sequence[tuple[str, dict[str, Any]]] = ()
+
+
+# -- prebuilt statements of the begin/settle hot path ------------------------------------------
+# Built once: SQLAlchemy memoizes a statement object's cache key, so executing these costs no
+# statement construction or cache-key walk per call (that was most of the write path's CPU time).
+# Parameters named ``k_*`` are bound per call; other keys passed to an INSERT/UPDATE are columns.
+
+_a, _r, _d, _h = s.attempts.c, s.runs.c, s.debits.c, s.health.c
+# The run row under the lock: its counters, fence and lease, not the frozen JSON snapshots.
+_FROZEN_RUN_JSON = ("labels", "plan", "run_grant", "budget", "policy")
+_LOCK_RUN = (
+    select(*[c for c in s.runs.c if c.name not in _FROZEN_RUN_JSON])
+    .where(_r.run_id == bindparam("k_run_id")).with_for_update()
+)
+_SEL_ATTEMPT = select(s.attempts).where(_a.attempt_id == bindparam("k_attempt_id"))
+_SEL_ATTEMPT_WITH_DEBIT = (
+    select(s.attempts, _d.state.label("debit_state"),
+           _d.reserved_micros.label("debit_reserved_micros"))
+    .outerjoin(s.debits, _d.debit_id == _a.debit_id)
+    .where(_a.attempt_id == bindparam("k_attempt_id"))
+)
+_SEL_ATTEMPT_WITH_DEBIT_IN_RUN = _SEL_ATTEMPT_WITH_DEBIT.where(_a.run_id == bindparam("k_run_id"))
+# Computed after the run row is locked, so no concurrent begin of this run can interleave.
+_NEXT_SEQ_AND_PRIOR = select(
+    select(func.coalesce(func.max(_a.seq), 0) + 1).where(_a.run_id == bindparam("k_run_id"))
+    .scalar_subquery().label("next_seq"),
+    select(_a.attempt_id).where(_a.attempt_id == bindparam("k_attempt_id"))
+    .scalar_subquery().label("prior"),
+)
+_SEL_GROUP_FOR_UPDATE = (
+    select(s.capacity_groups).where(s.capacity_groups.c.group_id == bindparam("k_group"))
+    .with_for_update()
+)
+_INS_DEBIT = s.debits.insert()
+_INS_ATTEMPT = s.attempts.insert()
+_INS_SLOT = s.group_slots.insert()
+_BEGIN_RUN = s.runs.update().where(_r.run_id == bindparam("k_run_id")).values(
+    calls_used=_r.calls_used + 1,
+    reserved_micros=_r.reserved_micros + bindparam("k_reserve", type_=_r.reserved_micros.type),
+    status=bindparam("k_status"), updated_at=bindparam("k_now"),
+)
+_SETTLE_ATTEMPT = s.attempts.update().where(_a.attempt_id == bindparam("k_attempt_id"))
+_SETTLE_DEBIT = s.debits.update().where(_d.debit_id == bindparam("k_debit_id"))
+_DEL_SLOT = s.group_slots.delete().where(s.group_slots.c.attempt_id == bindparam("k_attempt_id"))
+_SETTLE_RUN = s.runs.update().where(_r.run_id == bindparam("k_run_id")).values(
+    reserved_micros=_r.reserved_micros - bindparam("k_release", type_=_r.reserved_micros.type),
+    posted_micros=_r.posted_micros + bindparam("k_posted", type_=_r.posted_micros.type),
+    tokens_used=_r.tokens_used + bindparam("k_tokens", type_=_r.tokens_used.type),
+    updated_at=bindparam("k_now"),
+)
+_SETTLE_RUN_SUCCEEDED = _SETTLE_RUN.values(
+    current_route=bindparam("k_route"), current_profile=bindparam("k_profile"),
+)
+_SEL_HEALTH_FOR_UPDATE = select(s.health).where(_h.key == bindparam("k_key")).with_for_update()
+_UPD_HEALTH = s.health.update().where(_h.key == bindparam("k_key"))
+# Every attempts column, for building a record from the values a transaction just wrote.
+_ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
 
 
 class Store:
@@ -258,9 +316,7 @@ class Store:
         return [_run(r) for r in rows]
 
     def _lock_run(self, conn: Connection, run_id: str, fence: int | None) -> Row[Any]:
-        row = conn.execute(
-            select(s.runs).where(s.runs.c.run_id == run_id).with_for_update()
-        ).first()
+        row = conn.execute(_LOCK_RUN, {"k_run_id": run_id}).first()
         if row is None:
             raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
                            run_id=run_id)
@@ -358,15 +414,17 @@ class Store:
 
     def begin_attempt(self, spec: BeginSpec, now: float) -> AttemptRecord:
         """Record an attempt before it is sent, in one transaction (see module docstring)."""
-        a = s.attempts.c
-        r = s.runs.c
         rejected: tuple[str, float | None] | None = None
         with self._write() as conn:
             run = self._lock_run(conn, spec.run_id, spec.fence)
-            prior = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).first()
-            if prior is not None:
+            nxt = conn.execute(_NEXT_SEQ_AND_PRIOR, {"k_run_id": spec.run_id,
+                                                     "k_attempt_id": spec.attempt_id}).one()
+            if nxt.prior is not None:
+                prior = conn.execute(_SEL_ATTEMPT_WITH_DEBIT,
+                                     {"k_attempt_id": spec.attempt_id}).one()
                 if prior.begin_hash == spec.begin_hash and prior.run_id == spec.run_id:
-                    return self._attempt(conn, prior)  # the same write, acknowledged again
+                    # the same write, acknowledged again
+                    return _attempt(prior, prior.debit_state)
                 raise Conflict(
                     f"attempt id {spec.attempt_id!r} is already recorded with different content; "
                     "use a new attempt id for a new physical call",
@@ -389,32 +447,28 @@ class Store:
                     available=str(from_micros(available)),
                 )
             rejected = self._admit_capacity(conn, spec.route.group, now)
-            seq = conn.execute(
-                select(func.coalesce(func.max(a.seq), 0) + 1).where(a.run_id == spec.run_id)
-            ).scalar_one()
+            seq = nxt.next_seq
             debit_id = "d-" + spec.attempt_id
             state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
-            conn.execute(
-                s.debits.insert().values(
-                    debit_id=debit_id, run_id=spec.run_id, attempt_id=spec.attempt_id,
-                    state=(DebitState.VOIDED if rejected else DebitState.RESERVED).value,
-                    reserved_micros=spec.reserve_micros, posted_micros=0, created_at=now,
-                    settled_at=now if rejected else None,
-                )
-            )
-            conn.execute(
-                s.attempts.insert().values(
-                    attempt_id=spec.attempt_id, run_id=spec.run_id, turn_id=spec.turn_id, seq=seq,
-                    kind=spec.kind.value, route_id=spec.route.id, provider=spec.route.provider,
-                    model=spec.route.model, group_id=spec.route.group, profile_id=spec.profile_id,
-                    debit_id=debit_id, envelope_hash=spec.envelope_hash, state=state.value,
-                    reject_reason=rejected[0] if rejected else None,
-                    effective_output=False, tool_started=False,
-                    reserved_micros=spec.reserve_micros, begin_hash=spec.begin_hash,
-                    fence=spec.fence, executor=spec.executor, created_at=now,
-                    settled_at=now if rejected else None,
-                )
-            )
+            debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
+            conn.execute(_INS_DEBIT, {
+                "debit_id": debit_id, "run_id": spec.run_id, "attempt_id": spec.attempt_id,
+                "state": debit_state.value, "reserved_micros": spec.reserve_micros,
+                "posted_micros": 0, "created_at": now, "settled_at": now if rejected else None,
+            })
+            values: dict[str, Any] = {
+                "attempt_id": spec.attempt_id, "run_id": spec.run_id, "turn_id": spec.turn_id,
+                "seq": seq, "kind": spec.kind.value, "route_id": spec.route.id,
+                "provider": spec.route.provider, "model": spec.route.model,
+                "group_id": spec.route.group, "profile_id": spec.profile_id,
+                "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
+                "reject_reason": rejected[0] if rejected else None,
+                "effective_output": False, "tool_started": False,
+                "reserved_micros": spec.reserve_micros, "begin_hash": spec.begin_hash,
+                "fence": spec.fence, "executor": spec.executor, "created_at": now,
+                "settled_at": now if rejected else None,
+            }
+            conn.execute(_INS_ATTEMPT, values)
             for kind, data in spec.events:
                 self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
             if rejected:
@@ -422,21 +476,16 @@ class Store:
                             {"reason": rejected[0], "until": rejected[1],
                              "group": spec.route.group}, now)
             else:
-                conn.execute(
-                    s.group_slots.insert().values(
-                        attempt_id=spec.attempt_id, group_id=spec.route.group, run_id=spec.run_id,
-                        fence=spec.fence, acquired_at=now,
-                    )
-                )
-                conn.execute(
-                    s.runs.update().where(r.run_id == spec.run_id).values(
-                        calls_used=r.calls_used + 1,
-                        reserved_micros=r.reserved_micros + spec.reserve_micros,
-                        status=RunStatus.RUNNING.value, updated_at=now,
-                    )
-                )
-            row = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).one()
-            record = self._attempt(conn, row)
+                conn.execute(_INS_SLOT, {
+                    "attempt_id": spec.attempt_id, "group_id": spec.route.group,
+                    "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now,
+                })
+                conn.execute(_BEGIN_RUN, {
+                    "k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
+                    "k_status": RunStatus.RUNNING.value, "k_now": now,
+                })
+            # The record from what was just written (no re-read of the rows).
+            record = _written_attempt(values, debit_state.value)
             faults.point("begin.before_commit")
         faults.point("begin.after_commit")
         if rejected:
@@ -451,19 +500,14 @@ class Store:
     def _admit_capacity(self, conn: Connection, group: str, now: float
                         ) -> tuple[str, float | None] | None:
         """None when the group admits one more attempt, else (reason, waiting floor)."""
-        g = s.capacity_groups.c
-        row = conn.execute(
-            select(s.capacity_groups).where(g.group_id == group).with_for_update()
-        ).first()
+        row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).first()
         if row is None:
             conn.execute(
                 self._insert(s.capacity_groups)
                 .values(group_id=group, mode=GroupMode.OPEN.value, updated_at=now)
                 .on_conflict_do_nothing()
             )
-            row = conn.execute(
-                select(s.capacity_groups).where(g.group_id == group).with_for_update()
-            ).one()
+            row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
         if row.mode != GroupMode.OPEN.value and (row.until is None or row.until > now):
             return ("group_" + row.mode, row.until)
         if row.max_in_flight is not None:
@@ -490,13 +534,11 @@ class Store:
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
-        a = s.attempts.c
-        r = s.runs.c
         with self._write() as conn:
             self._lock_run(conn, run_id, spec.fence)
-            att = conn.execute(
-                select(s.attempts).where(a.attempt_id == spec.attempt_id, a.run_id == run_id)
-            ).first()
+            # The attempt with its debit's state and hold, in one statement.
+            att = conn.execute(_SEL_ATTEMPT_WITH_DEBIT_IN_RUN,
+                               {"k_attempt_id": spec.attempt_id, "k_run_id": run_id}).first()
             if att is None:
                 raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
                                attempt_id=spec.attempt_id, run_id=run_id)
@@ -507,7 +549,7 @@ class Store:
                 )
             if att.state != AttemptState.DISPATCHING.value:
                 if att.settle_hash == spec.settle_hash:
-                    return self._attempt(conn, att)  # the same settle again: same write
+                    return _attempt(att, att.debit_state)  # the same settle again: same write
                 if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None:
                     pass  # recovery marked it unknown; a late receipt may still settle it
                 else:
@@ -516,10 +558,9 @@ class Store:
                         "different content; a settled attempt is immutable",
                         attempt_id=spec.attempt_id, state=att.state,
                     )
-            debit = conn.execute(
-                select(s.debits).where(s.debits.c.debit_id == att.debit_id)
-            ).one()
-            reserved = debit.reserved_micros
+            if att.debit_state is None:  # no debit row: fails as before (NoResultFound)
+                conn.execute(select(s.debits).where(s.debits.c.debit_id == att.debit_id)).one()
+            reserved = att.debit_reserved_micros
             posted = 0
             if spec.outcome is Outcome.UNKNOWN:
                 debit_state = DebitState.RESERVED  # may have executed: the hold stays
@@ -529,47 +570,45 @@ class Store:
                 debit_state = DebitState.POSTED
                 posted = min(spec.cost_micros or 0, reserved)
             fact = spec.fact
-            conn.execute(
-                s.attempts.update().where(a.attempt_id == spec.attempt_id).values(
-                    state=spec.outcome.value,
-                    fact=json.dumps(fact.to_json()) if fact else None,
-                    category=fact.category.value if fact else None,
-                    http_status=fact.status if fact else None,
-                    effective_output=spec.effective_output,
-                    tool_started=spec.tool_started,
-                    prompt_tokens=spec.prompt_tokens,
-                    completion_tokens=spec.completion_tokens,
-                    cost_micros=spec.cost_micros,
-                    model_reported=spec.model_reported,
-                    output_hash=spec.output_hash,
-                    settle_hash=spec.settle_hash,
-                    settle_fence=spec.fence,
-                    settled_at=now,
-                )
-            )
-            if debit.state == DebitState.RESERVED.value and debit_state is not DebitState.RESERVED:
-                conn.execute(
-                    s.debits.update().where(s.debits.c.debit_id == att.debit_id).values(
-                        state=debit_state.value, posted_micros=posted, settled_at=now,
-                    )
-                )
+            values: dict[str, Any] = {
+                "state": spec.outcome.value,
+                "fact": json.dumps(fact.to_json()) if fact else None,
+                "category": fact.category.value if fact else None,
+                "http_status": fact.status if fact else None,
+                "effective_output": spec.effective_output,
+                "tool_started": spec.tool_started,
+                "prompt_tokens": spec.prompt_tokens,
+                "completion_tokens": spec.completion_tokens,
+                "cost_micros": spec.cost_micros,
+                "model_reported": spec.model_reported,
+                "output_hash": spec.output_hash,
+                "settle_hash": spec.settle_hash,
+                "settle_fence": spec.fence,
+                "settled_at": now,
+            }
+            conn.execute(_SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
+            final_debit_state = att.debit_state
+            if (att.debit_state == DebitState.RESERVED.value
+                    and debit_state is not DebitState.RESERVED):
+                conn.execute(_SETTLE_DEBIT, {
+                    "k_debit_id": att.debit_id, "state": debit_state.value,
+                    "posted_micros": posted, "settled_at": now,
+                })
+                final_debit_state = debit_state.value
                 release = reserved
             else:
                 release = 0
-            conn.execute(
-                s.group_slots.delete().where(s.group_slots.c.attempt_id == spec.attempt_id)
-            )
+            conn.execute(_DEL_SLOT, {"k_attempt_id": spec.attempt_id})
             tokens = (spec.prompt_tokens or 0) + (spec.completion_tokens or 0)
-            run_values: dict[str, Any] = {
-                "reserved_micros": r.reserved_micros - release,
-                "posted_micros": r.posted_micros + posted,
-                "tokens_used": r.tokens_used + tokens,
-                "updated_at": now,
+            run_params: dict[str, Any] = {
+                "k_run_id": run_id, "k_release": release, "k_posted": posted,
+                "k_tokens": tokens, "k_now": now,
             }
             if spec.outcome is Outcome.SUCCEEDED:
-                run_values["current_route"] = att.route_id
-                run_values["current_profile"] = att.profile_id
-            conn.execute(s.runs.update().where(r.run_id == run_id).values(**run_values))
+                run_params.update(k_route=att.route_id, k_profile=att.profile_id)
+                conn.execute(_SETTLE_RUN_SUCCEEDED, run_params)
+            else:
+                conn.execute(_SETTLE_RUN, run_params)
             for key, (kind, provider, update) in spec.health.items():
                 self._update_health(conn, key, kind, provider, update, now)
             if spec.group_update is not None:
@@ -583,16 +622,15 @@ class Store:
                 )
             for kind, data in spec.events:
                 self._event(conn, run_id, spec.attempt_id, kind, data, now)
-            row = conn.execute(select(s.attempts).where(a.attempt_id == spec.attempt_id)).one()
-            record = self._attempt(conn, row)
+            # The record from the row as read plus what was just written (no re-read).
+            record = _written_attempt({**att._mapping, **values}, final_debit_state)
             faults.point("settle.before_commit")
         faults.point("settle.after_commit")
         return record
 
     def _update_health(self, conn: Connection, key: str, kind: str, provider: str | None,
                        update: HealthUpdate, now: float) -> None:
-        h = s.health.c
-        row = conn.execute(select(s.health).where(h.key == key).with_for_update()).first()
+        row = conn.execute(_SEL_HEALTH_FOR_UPDATE, {"k_key": key}).first()
         if row is None:
             conn.execute(
                 self._insert(s.health).values(
@@ -600,17 +638,16 @@ class Store:
                     updated_at=now,
                 ).on_conflict_do_nothing()
             )
-            row = conn.execute(select(s.health).where(h.key == key).with_for_update()).one()
+            row = conn.execute(_SEL_HEALTH_FOR_UPDATE, {"k_key": key}).one()
         new = update(_health(row))
-        conn.execute(
-            s.health.update().where(h.key == key).values(
-                cooldown_until=new.cooldown_until, disabled_until=new.disabled_until,
-                disabled_reason=new.disabled_reason, error_count=new.error_count,
-                failure_counts=json.dumps(new.failure_counts, sort_keys=True),
-                last_failure_at=new.last_failure_at, last_used=new.last_used,
-                last_probe_at=new.last_probe_at, updated_at=now,
-            )
-        )
+        conn.execute(_UPD_HEALTH, {
+            "k_key": key,
+            "cooldown_until": new.cooldown_until, "disabled_until": new.disabled_until,
+            "disabled_reason": new.disabled_reason, "error_count": new.error_count,
+            "failure_counts": json.dumps(new.failure_counts, sort_keys=True),
+            "last_failure_at": new.last_failure_at, "last_used": new.last_used,
+            "last_probe_at": new.last_probe_at, "updated_at": now,
+        })
 
     def _write_group_fact(self, conn: Connection, group: str, upd: GroupUpdate, now: float) -> None:
         g = s.capacity_groups.c
@@ -774,12 +811,10 @@ class Store:
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
         with self._read() as conn:
-            row = conn.execute(
-                select(s.attempts).where(s.attempts.c.attempt_id == attempt_id)
-            ).first()
+            row = conn.execute(_SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": attempt_id}).first()
             if row is None:
                 raise NotFound(f"unknown attempt id {attempt_id!r}", attempt_id=attempt_id)
-            return self._attempt(conn, row)
+            return _attempt(row, row.debit_state)
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         a = s.attempts.c
@@ -932,6 +967,16 @@ def _attempt(row: Row[Any], debit_state: str | None) -> AttemptRecord:
         settled_at=row.settled_at,
         debit_state=DebitState(debit_state) if debit_state else None,
     )
+
+
+def _written_attempt(values: Mapping[str, Any], debit_state: str | None) -> AttemptRecord:
+    """An AttemptRecord from column values this transaction wrote, converted exactly as a row
+    read back would be (times are stored as double precision)."""
+    cols = {**_ATTEMPT_NULLS, **values}
+    for name in ("created_at", "settled_at"):
+        if cols[name] is not None:
+            cols[name] = float(cols[name])
+    return _attempt(SimpleNamespace(**cols), debit_state)  # type: ignore[arg-type]
 
 
 def _health(row: Row[Any]) -> Health:
