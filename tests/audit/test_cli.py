@@ -1,0 +1,154 @@
+"""The operator commands through the real entry point (``python -m ledger.cli.main``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .seed import T0, seed
+
+REPO = Path(__file__).resolve().parents[2]
+SINCE = ["--since", str(T0 - 1)]  # the seed lives in 2023; the CLI's default window is now-24h
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: str | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    e = dict(os.environ)
+    e.pop("LEDGER_URL", None)
+    e["PYTHONPATH"] = str(REPO)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ledger.cli.main", *args], capture_output=True,
+                          text=True, env=e, cwd=cwd or str(REPO), timeout=120)
+
+
+def ok(*args: str, **kw: Any) -> str:
+    res = cli(*args, **kw)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = str(tmp_path_factory.mktemp("cli") / "ledger.db")
+    seed(url)
+    return url
+
+
+def test_run_show_table_and_json(sqlite_url: str) -> None:
+    out = ok("--db", sqlite_url, "run", "show", "r1")
+    assert "selected A  served B  failed over: yes" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("#"))
+    assert lines[header].split() == ["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST",
+                                     "WHY", "AT", "(UTC)"]
+    assert lines[header + 2].split()[:9] == ["1", "first", "A", "pa1", "failed", "rate_limit",
+                                             "429", "posted", "0.000000"]
+    assert "next_candidate (skipped C: cooling)" in lines[header + 3]
+    assert "#1 move:" in out
+    doc = json.loads(ok("run", "show", "r1", "--json", "--db", sqlite_url))  # --db after, too
+    assert doc["served_route"] == "B"
+    assert [a["route_id"] for a in doc["attempts"]] == ["A", "B"]
+    assert doc["attempts"][1]["selection"]["skipped"] == [
+        {"route": "C", "reason": "cooling", "detail": "cooldown for 30s"}]
+
+
+def test_lists_and_filters(sqlite_url: str) -> None:
+    runs = json.loads(ok("--db", sqlite_url, "runs", "--json", "--limit", "4"))
+    assert [r["run_id"] for r in runs["items"]] == ["r6", "r5", "r4", "r3"]
+    nxt = json.loads(ok("--db", sqlite_url, "runs", "--json", "--cursor", runs["next_cursor"]))
+    assert [r["run_id"] for r in nxt["items"]] == ["r2", "r1"]
+    table = ok("--db", sqlite_url, "runs", "--status", "succeeded", "--limit", "2")
+    assert "more: --cursor" in table and table.splitlines()[2].split()[:2] == ["r6", "succeeded"]
+
+    att = json.loads(ok("--db", sqlite_url, "attempts", "--route", "B", "--outcome", "failed",
+                        "--json"))
+    assert [a["attempt_id"] for a in att["items"]] == ["r3-a1"]
+    assert att["items"][0]["category"] == "server_error"
+    opened = json.loads(ok("--db", sqlite_url, "attempts", "--open", "--json"))
+    assert [(o["attempt"]["attempt_id"], o["lease_live"]) for o in opened["items"]] == [
+        ("r5-a1", False), ("r4-a1", False)]  # the CLI's clock is real: every lease has expired
+
+    fo = ok("--db", sqlite_url, "failovers", *SINCE)
+    rows = [line.split() for line in fo.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["r6", "r1"]
+    assert "A: rate_limit 429" in fo
+    assert ok("--db", sqlite_url, "failovers").splitlines()[2:] == []  # nothing in the last day
+
+
+def test_costs_and_health(sqlite_url: str) -> None:
+    out = ok("--db", sqlite_url, "costs", *SINCE)
+    lines = out.splitlines()
+    assert lines[0].split() == ["ROUTE", "ATTEMPTS", "OK", "FAILED", "UNKNOWN", "PROMPT_TOK",
+                                "COMPLETION_TOK", "COST"]
+    assert [line.split() for line in lines[2:]] == [
+        ["B", "3", "2", "1", "0", "120", "60", "0.005000"],
+        ["C", "2", "1", "0", "1", "30", "20", "0.004000"],
+        ["A", "3", "1", "1", "0", "10", "5", "0.001000"],
+    ]
+    doc = json.loads(ok("--db", sqlite_url, "costs", "--by", "label", "--label", "team",
+                        "--json", *SINCE))
+    assert [(t["key"], t["cost"]) for t in doc["items"]] == [
+        ("search", "0.005"), (None, "0.004"), ("eval", "0.001")]
+    health = ok("--db", sqlite_url, "health")
+    assert "capacity groups" in health
+    g3 = next(line for line in health.splitlines() if line.startswith("g3 "))
+    assert g3.split()[:2] == ["g3", "open"]  # real clock: the 2023 waiting floor has passed
+    hj = json.loads(ok("--db", sqlite_url, "health", "--json"))
+    assert sorted(g["group"] for g in hj["groups"]) == ["g1", "g2", "g3"]
+    g3j = next(g for g in hj["groups"] if g["group"] == "g3")
+    assert (g3j["stored_mode"], g3j["until"], g3j["reason"]) == (
+        "unavailable", T0 + 10_000, "operator")
+
+
+def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
+    res = cli("--db", sqlite_url, "run", "show", "nope")
+    assert res.returncode == 1
+    assert res.stderr == "ledger: error: unknown run id 'nope'; list runs with `ledger runs`\n"
+    res = cli("--db", str(tmp_path / "absent.db"), "runs")
+    assert res.returncode == 1 and len(res.stderr.splitlines()) == 1
+    assert "no ledger at" in res.stderr and "does not exist" in res.stderr
+    assert not (tmp_path / "absent.db").exists()  # a reader never creates a database
+    res = cli("--db", sqlite_url, "failovers", "--since", "yesterday-ish")
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1
+    assert "is not a time" in res.stderr
+    # LEDGER_URL, then the default ./ledger.db in the working folder.
+    assert json.loads(ok("runs", "--json", env={"LEDGER_URL": sqlite_url}))["items"]
+    res = cli("runs", cwd=str(tmp_path))
+    assert res.returncode == 1 and "ledger.db" in res.stderr
+
+
+def test_generate_and_bench_audit(tmp_path: Path) -> None:
+    db = str(tmp_path / "gen.db")
+    res = cli("--db", db, "generate", "--attempts", "3000", "--days", "2", "--end",
+              str(T0), "--progress", "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["attempts"] == 3000 and summary["runs"] > 1000
+    assert summary["failed"] > 0 and summary["failovers"] > 0 and summary["unknown"] >= 0
+    assert "100%" in res.stderr  # the progress bar, forced on though stderr is a pipe
+    quiet = cli("--db", db, "runs", "--limit", "1")
+    assert quiet.stderr == ""  # no progress output when not asked and not a terminal
+    bench = json.loads(ok("--db", db, "bench", "audit", "--repeat", "2", "--json"))
+    names = [r["query"] for r in bench["results"]]
+    assert bench["backend"] == "sqlite"
+    assert names[0] == "timeline (one run)" and "costs by tenant (1 day)" in names
+    assert all(r["p50_ms"] >= 0 and r["rows"] >= 0 for r in bench["results"])
+    fo = json.loads(ok("--db", db, "failovers", "--since", str(T0 - 86400), "--until",
+                       str(T0 + 60), "--json", "--limit", "5"))
+    assert len(fo["items"]) == 5 and all(f["causes"] or f["served_route"] != f["selected_route"]
+                                         for f in fo["items"])
+
+
+@pytest.mark.postgres
+def test_cli_on_postgres(pg_url: str) -> None:
+    seed(pg_url)
+    doc = json.loads(ok("--db", pg_url, "run", "show", "r6", "--json"))
+    assert (doc["served_route"], doc["failed_over"]) == ("C", True)
+    fo = json.loads(ok("--db", pg_url, "failovers", "--json", *SINCE))
+    assert [f["run_id"] for f in fo["items"]] == ["r6", "r1"]
