@@ -95,6 +95,18 @@ def crash_worker(url: str, run_id: str, turns: int, log: str, state: str) -> dic
     return out
 
 
+def continue_worker(url: str, run_ids: str, turns: int, log: str) -> dict[str, int]:
+    """Continue recovered runs (comma-separated) in one process: acquire, drive, release."""
+    led = Ledger.open(url, migrate_schema=False, executor_id=f"c-{os.getpid()}")
+    out: dict[str, int] = {}
+    for run_id in run_ids.split(","):
+        lease = led.acquire_lease(run_id, ttl_s=600)
+        drive(led, lease, run_id, turns, log, out)
+        led.release_lease(lease)
+    led.close()
+    return out
+
+
 def recover_worker(url: str, offset_s: int) -> dict[str, Any]:
     """Recover with a clock ``offset_s`` past now (every test lease has expired by then)."""
     led = Ledger.open(url, migrate_schema=False,
