@@ -1,0 +1,36 @@
+"""``ledger recover`` and ``ledger reconcile`` on the command line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from ledger.api import Ledger
+from ledger.cli.main import main
+from ledger.clock import ManualClock
+from tests.storage.helpers import budget, grant, routes
+
+
+def test_recover_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = str(tmp_path / "l.db")
+    # A run leased an hour ago whose executor died mid-call.
+    led = Ledger.open(db, clock=ManualClock(time.time() - 3600))
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    lease = led.acquire_lease("r1", ttl_s=30)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.1")
+    led.close()
+    assert main(["--db", db, "recover", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["recovered"] == 1 and rep["newly_unknown"] == 1
+    run = rep["runs"][0]
+    assert run["run_id"] == "r1" and run["route"] == "a" and run["lease"] is None
+    assert run["unknown"][0]["attempt_id"] == att.attempt_id
+    assert run["fence"] == lease.fence + 1
+    assert main(["--db", db, "recover"]) == 0  # idempotent: nothing left
+    assert "recovered 0 run(s)" in capsys.readouterr().out
+    assert main(["--db", db, "reconcile", "--json"]) == 0
+    figs = json.loads(capsys.readouterr().out)
+    assert figs["violations"] == [] and figs["recoveries"] == 1 and figs["attempts"] == 1
