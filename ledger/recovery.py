@@ -15,6 +15,9 @@ each over in one transaction:
   voids the hold: that knowledge exists only in the process, never in the ledger;
 * capacity slots held by the dead executor are released (they already stopped counting when its
   lease expired);
+* Attempts left dispatching under an older fence of a run that another executor already
+  re-acquired (without recovery) are orphans: they become unknown too, keeping their holds,
+  without taking the run from its current executor;
 * route health, probes and group cooldowns are left as they are.
 
 It returns, per Run, the settled and unknown Attempts, the route to continue on (the route of
@@ -100,6 +103,9 @@ class RecoveryReport:
     now: float
     runs: list[RunRecovery] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # taken by another process, or busy
+    # Runs held by a live executor that still had Attempts dispatching under an older fence
+    # (its lease was acquired directly after expiry): those Attempts, now unknown.
+    orphans: dict[str, list[str]] = field(default_factory=dict)
     retries: int = 0  # takeovers retried after DatabaseUnavailable
 
     @property
@@ -110,7 +116,7 @@ class RecoveryReport:
         return {
             "executor": self.executor, "now": self.now,
             "recovered": len(self.runs), "newly_unknown": self.unknown_attempts,
-            "skipped": self.skipped, "retries": self.retries,
+            "skipped": self.skipped, "retries": self.retries, "orphans": self.orphans,
             "runs": [r.to_json() for r in self.runs],
         }
 
@@ -169,6 +175,13 @@ def recover(
             report.skipped.append(run_id)
         else:
             report.runs.append(_to_run(taken))
+    orphaned = _retrying(lambda: sql.orphaned_runs(ledger.store, limit, run_ids), sleeper,
+                         report)
+    for run_id in orphaned:
+        ids = _retrying(lambda run_id=run_id: sql.mark_orphans(ledger.store, run_id,
+                                                               ledger.now()), sleeper, report)
+        if ids:
+            report.orphans[run_id] = ids
     return report
 
 

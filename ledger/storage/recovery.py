@@ -167,6 +167,49 @@ def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float
     return out
 
 
+def orphaned_runs(store: Store, limit: int, run_ids: list[str] | None = None) -> list[str]:
+    """Runs held under a newer fence that still have Attempts dispatching under an older one:
+    their executor was fenced out (e.g. another executor acquired the expired lease directly,
+    without recovery) and can never settle them."""
+    r = s.runs.c
+    a = s.attempts.c
+    q = (select(r.run_id).where(exists().where(
+        a.run_id == r.run_id, a.state == AttemptState.DISPATCHING.value, a.fence < r.fence))
+        .order_by(r.run_id).limit(limit))
+    if run_ids is not None:
+        q = q.where(r.run_id.in_(run_ids))
+    with store._read() as conn:
+        return [row[0] for row in conn.execute(q)]
+
+
+def mark_orphans(store: Store, run_id: str, now: float) -> list[str]:
+    """Mark a run's orphaned dispatching Attempts unknown (hold kept, slot freed), under the
+    run's current fence, without taking the run from its current executor."""
+    r = s.runs.c
+    a = s.attempts.c
+    gs = s.group_slots.c
+    with store._write() as conn:
+        q = select(r.run_id, r.fence).where(r.run_id == run_id)
+        if store.dialect == "postgresql":
+            q = q.with_for_update(skip_locked=True)
+        row = conn.execute(q).first()
+        if row is None:
+            return []
+        ids = [x[0] for x in conn.execute(
+            select(a.attempt_id).where(a.run_id == run_id, a.fence < row.fence,
+                                       a.state == AttemptState.DISPATCHING.value)
+            .order_by(a.seq))]
+        if ids:
+            conn.execute(s.attempts.update().where(a.attempt_id.in_(ids)).values(
+                state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=row.fence))
+            conn.execute(s.group_slots.delete().where(gs.attempt_id.in_(ids)))
+            for att_id in ids:
+                store._event(conn, run_id, att_id, "unknown", {
+                    "reason": "recovery: dispatched under a fence that was taken over, "
+                              "without a receipt", "fence": int(row.fence)}, now)
+        return ids
+
+
 def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
             unknown: list[str], voided: list[str], slots: int, lease: Lease | None,
             adopted: bool = False) -> Takeover:
@@ -332,4 +375,7 @@ def event_counts(store: Store, kinds: list[str]) -> dict[str, int]:
     return out
 
 
-__all__ = ["Figures", "Takeover", "event_counts", "expired_runs", "reconcile_rows", "take_over"]
+__all__ = [
+    "Figures", "Takeover", "event_counts", "expired_runs", "mark_orphans", "orphaned_runs",
+    "reconcile_rows", "take_over",
+]

@@ -119,3 +119,22 @@ def test_async_twin(db_url: str) -> None:
     rep = asyncio.run(arecover(AsyncLedger(led)))
     assert rep.runs[0].newly_unknown == [att.attempt_id]
     led.close()
+
+
+def test_orphans_of_a_directly_reacquired_run(db_url: str) -> None:
+    """A host that re-acquires an expired lease without recovery leaves the old executor's
+    dispatching Attempt behind; recovery marks it unknown without taking the run away."""
+    clock = ManualClock()
+    led, run = _setup(db_url, clock)
+    old = led.acquire_lease(run, ttl_s=5)
+    att = led.begin_attempt(old, route="a", envelope_hash="sha256:1", reserve="0.1")
+    clock.advance(6)
+    new = led.acquire_lease(run, ttl_s=60, executor_id="worker-2")
+    rep = recover(led)
+    assert rep.runs == [] and rep.orphans == {run: [att.attempt_id]}
+    rec = led.get_attempt(att.attempt_id)
+    assert rec.state is AttemptState.UNKNOWN and rec.debit_state is DebitState.RESERVED
+    assert led.get_run(run).fence == new.fence and led.get_run(run).lease_holder == "worker-2"
+    assert recover(led).orphans == {}
+    assert reconcile(led).violations == []
+    led.close()
