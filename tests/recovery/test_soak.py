@@ -49,7 +49,7 @@ def soak(url: str, tmp: Path, *, seconds: float, workers: int, seed: int) -> dic
         if rnd.random() < 0.4:
             fault = f"{rnd.choice(POINTS)}@{rnd.randint(2, 40)}"
             armed_kills += 1
-        return spawn("owner_soak", url, f"w{i}", left, log, rnd.randint(0, 2**31), TTL_S,
+        return spawn("owner_soak", url, f"w{i}s{spawned}", left, log, rnd.randint(0, 2**31), TTL_S,
                      faults=fault)
 
     procs = {i: start(i) for i in range(workers)}
