@@ -326,7 +326,7 @@ class Ledger:
             run_id=lease.run_id, fence=lease.fence, attempt_id=attempt_id, turn_id=turn_id,
             kind=kind, route=snap, profile_id=profile_id, envelope_hash=envelope_hash,
             reserve_micros=reserve_micros, executor=lease.executor, begin_hash=begin_hash,
-            events=[(k, dict(d)) for k, d in events],
+            events=[(k, dict(d)) for k, d in events], tenant=run.tenant,
         )
         return self.store.begin_attempt(spec, self.now())
 

@@ -167,7 +167,8 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
             created = t
             t += rng.uniform(0.4, 12.0)
             row: dict[str, Any] = {
-                "attempt_id": att_id, "run_id": run_id, "turn_id": "turn-1", "seq": seq,
+                "attempt_id": att_id, "run_id": run_id, "tenant": tenant, "turn_id": "turn-1",
+                "seq": seq,
                 "kind": kind, "route_id": route.id, "provider": route.provider,
                 "model": route.model, "group_id": route.group, "profile_id": profile,
                 "debit_id": "d-" + att_id, "envelope_hash": "sha256:" + "0" * 64,

@@ -87,6 +87,8 @@ attempts = Table(
     metadata,
     Column("attempt_id", _ID, primary_key=True),
     Column("run_id", _ID, ForeignKey("runs.run_id"), nullable=False),
+    # The run's frozen tenant, copied at begin so per-tenant totals need no join.
+    Column("tenant", String(200), nullable=True),
     Column("turn_id", _ID, nullable=False),
     Column("seq", Integer, nullable=False),
     Column("kind", String(16), nullable=False),  # first | retry | failover | probe
@@ -123,6 +125,7 @@ attempts = Table(
     Index("ix_attempts_state_created_at", "state", "created_at"),
     Index("ix_attempts_category_created_at", "category", "created_at"),
     Index("ix_attempts_created_at", "created_at"),
+    Index("ix_attempts_tenant_created_at", "tenant", "created_at"),
     Index("ix_attempts_run_id_state", "run_id", "state"),  # audit: failover probe per run
 )
 

@@ -99,6 +99,7 @@ class BeginSpec:
     executor: str | None
     begin_hash: str
     events: Sequence[tuple[str, dict[str, Any]]] = ()
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -457,8 +458,8 @@ class Store:
                 "posted_micros": 0, "created_at": now, "settled_at": now if rejected else None,
             })
             values: dict[str, Any] = {
-                "attempt_id": spec.attempt_id, "run_id": spec.run_id, "turn_id": spec.turn_id,
-                "seq": seq, "kind": spec.kind.value, "route_id": spec.route.id,
+                "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
+                "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value, "route_id": spec.route.id,
                 "provider": spec.route.provider, "model": spec.route.model,
                 "group_id": spec.route.group, "profile_id": spec.profile_id,
                 "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
