@@ -459,7 +459,8 @@ class Store:
             })
             values: dict[str, Any] = {
                 "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
-                "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value, "route_id": spec.route.id,
+                "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value,
+                "route_id": spec.route.id,
                 "provider": spec.route.provider, "model": spec.route.model,
                 "group_id": spec.route.group, "profile_id": spec.profile_id,
                 "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
