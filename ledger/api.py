@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from ledger.clock import Clock, SystemClock
 from ledger.core.facts import FailureFact, Observation, Phase
-from ledger.errors import InvalidArgument, PolicyError
+from ledger.errors import InvalidArgument, NotFound, PolicyError
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
 from ledger.records import (
@@ -114,6 +114,9 @@ class Ledger:
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen: dict[str, RunRecord] = {}
+        # Attempts this process began and has not settled: settle needs their route, profile
+        # and hold, and reading them back would cost a transaction on the hot path.
+        self._in_flight: dict[str, AttemptRecord] = {}
         self._policies: dict[str, Policy] = {}
         self._lock = threading.Lock()
 
@@ -328,7 +331,12 @@ class Ledger:
             reserve_micros=reserve_micros, executor=lease.executor, begin_hash=begin_hash,
             events=[(k, dict(d)) for k, d in events], tenant=run.tenant,
         )
-        return self.store.begin_attempt(spec, self.now())
+        rec = self.store.begin_attempt(spec, self.now())
+        with self._lock:
+            if len(self._in_flight) >= 10_000:
+                self._in_flight.clear()  # a bound, not a correctness matter: settle re-reads
+            self._in_flight[rec.attempt_id] = rec
+        return rec
 
     def settle_attempt(
         self,
@@ -373,7 +381,12 @@ class Ledger:
         cost_micros = to_micros(cost) if cost is not None else None
         if cost_micros is not None and cost_micros < 0:
             raise InvalidArgument("cost must be >= 0", field="cost")
-        att = self.store.get_attempt(attempt_id)
+        with self._lock:
+            known = self._in_flight.get(attempt_id)
+        att = known if known is not None else self.store.get_attempt(attempt_id)
+        if att.run_id != lease.run_id:
+            raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
+                           attempt_id=attempt_id, run_id=lease.run_id)
         if (cost_micros is None and outcome is Outcome.FAILED and fact is not None
                 and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM)):
             # It ran (or may have) and reported no usage: post the whole hold, never zero.
@@ -399,7 +412,10 @@ class Ledger:
             group_update=group_update(pol, fact, now) if outcome is Outcome.FAILED else None,
             events=[(k, dict(d)) for k, d in events],
         )
-        return self.store.settle_attempt(lease.run_id, spec, now)
+        done = self.store.settle_attempt(lease.run_id, spec, now)
+        with self._lock:
+            self._in_flight.pop(attempt_id, None)
+        return done
 
     def mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> AttemptRecord:
         return self.store.mark_unknown(lease.run_id, attempt_id, lease.fence, self.now(), reason)

@@ -88,7 +88,10 @@ def create(url: str) -> Engine:
                 "use postgresql+psycopg://",
                 field="url",
             )
-        return create_engine(norm, pool_pre_ping=True, pool_size=5, max_overflow=10)
+        # No pre-ping: it costs a round trip per transaction. A connection that died (server
+        # restart) fails its next statement with DatabaseUnavailable, the pool drops it, and the
+        # caller's retry gets a fresh one; every write is idempotent per id, so that is safe.
+        return create_engine(norm, pool_pre_ping=False, pool_size=5, max_overflow=10)
     raise InvalidArgument(
         f"unsupported database backend {name!r}; use SQLite (a file path) or "
         "postgresql+psycopg://",

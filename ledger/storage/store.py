@@ -158,10 +158,9 @@ _NEXT_SEQ_AND_PRIOR = select(
     select(_a.attempt_id).where(_a.attempt_id == bindparam("k_attempt_id"))
     .scalar_subquery().label("prior"),
 )
-_SEL_GROUP_FOR_UPDATE = (
-    select(s.capacity_groups).where(s.capacity_groups.c.group_id == bindparam("k_group"))
-    .with_for_update()
-)
+_SEL_GROUP = select(s.capacity_groups).where(
+    s.capacity_groups.c.group_id == bindparam("k_group"))
+_SEL_GROUP_FOR_UPDATE = _SEL_GROUP.with_for_update()
 _INS_DEBIT = s.debits.insert()
 _INS_ATTEMPT = s.attempts.insert()
 _INS_SLOT = s.group_slots.insert()
@@ -502,13 +501,17 @@ class Store:
     def _admit_capacity(self, conn: Connection, group: str, now: float
                         ) -> tuple[str, float | None] | None:
         """None when the group admits one more attempt, else (reason, waiting floor)."""
-        row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).first()
+        # Only a limited group needs its row lock (the slot count must be serialized); reading
+        # the mode of an unlimited group without it keeps busy groups from serializing begins.
+        row = conn.execute(_SEL_GROUP, {"k_group": group}).first()
         if row is None:
             conn.execute(
                 self._insert(s.capacity_groups)
                 .values(group_id=group, mode=GroupMode.OPEN.value, updated_at=now)
                 .on_conflict_do_nothing()
             )
+            row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
+        elif row.max_in_flight is not None:
             row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
         if row.mode != GroupMode.OPEN.value and (row.until is None or row.until > now):
             return ("group_" + row.mode, row.until)
