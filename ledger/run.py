@@ -428,25 +428,23 @@ def execute(
     """Serve one logical turn of the Run (sync). Raises :class:`FailoverExhausted` on a stop."""
     gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
     sleeper = sleeper or _sleeper_of(ledger)
-    value: Any = None
-    error: BaseException | None = None
-    while True:
+    done, item = _advance(gen, None, None)
+    while not done:
+        value: Any = None
+        error: Exception | None = None
         try:
-            eff = gen.throw(error) if error is not None else gen.send(value)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        value, error = None, None
-        try:
-            if isinstance(eff, _Call):
-                value = _sync_call(ledger, eff)
-            elif isinstance(eff, _Send):
-                value = send(eff.dispatch)
-            elif isinstance(eff, _Sleep):
-                sleeper.sleep(eff.seconds)
+            if isinstance(item, _Call):
+                value = _sync_call(ledger, item)
+            elif isinstance(item, _Send):
+                value = send(item.dispatch)
+            elif isinstance(item, _Sleep):
+                sleeper.sleep(item.seconds)
             elif on_notice is not None:
-                on_notice(eff.notice)
+                on_notice(item.notice)
         except Exception as e:
             error = e
+        done, item = _advance(gen, value, error)
+    return item  # type: ignore[no-any-return]
 
 
 async def aexecute(
@@ -467,28 +465,35 @@ async def aexecute(
     """Serve one logical turn of the Run (async). Same logic as :func:`execute`."""
     gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
     sleeper = sleeper or _sleeper_of(ledger.sync)
-    value: Any = None
-    error: BaseException | None = None
-    while True:
+    done, item = _advance(gen, None, None)
+    while not done:
+        value: Any = None
+        error: Exception | None = None
         try:
-            eff = gen.throw(error) if error is not None else gen.send(value)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        value, error = None, None
-        try:
-            if isinstance(eff, _Call):
-                value = await _async_call(ledger, eff)
-            elif isinstance(eff, _Send):
-                out = send(eff.dispatch)
+            if isinstance(item, _Call):
+                value = await _async_call(ledger, item)
+            elif isinstance(item, _Send):
+                out = send(item.dispatch)
                 value = await out if inspect.isawaitable(out) else out
-            elif isinstance(eff, _Sleep):
-                await sleeper.asleep(eff.seconds)
+            elif isinstance(item, _Sleep):
+                await sleeper.asleep(item.seconds)
             elif on_notice is not None:
-                res = on_notice(eff.notice)
+                res = on_notice(item.notice)
                 if inspect.isawaitable(res):
                     await res
         except Exception as e:
             error = e
+        done, item = _advance(gen, value, error)
+    return item  # type: ignore[no-any-return]
+
+
+def _advance(gen: Generator[_Effect, Any, RunResult], value: Any,
+             error: Exception | None) -> tuple[bool, Any]:
+    """Resume the loop with an effect's result (or its error): (finished, effect or result)."""
+    try:
+        return False, (gen.throw(error) if error is not None else gen.send(value))
+    except StopIteration as stop:
+        return True, stop.value
 
 
 def _sleeper_of(ledger: Ledger) -> Sleeper:
