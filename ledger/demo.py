@@ -63,7 +63,8 @@ def _envelope(derived: str | None, derived_ref: str | None) -> Envelope:
 def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
     run = led.get_run(run_id)
     selects = {e.attempt_id: e.data for e in led.events(run_id, ["select"])}
-    print(f"\nrun {run_id}  selected={run.selected_route}  served-by={run.current_route}  "
+    print(f"\nrun {run_id} ({run.status.value})  selected={run.selected_route}  "
+          f"served-by={run.current_route}  "
           f"calls={run.calls_used}/{run.budget.max_calls}  retries={run.retries_used}/"
           f"{run.budget.max_retries}  posted={run.posted}  held={run.reserved}", file=out)
     rows: list[AttemptRecord] = led.timeline(run_id)
@@ -79,10 +80,14 @@ def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
 
 
 class SimulatedClock:
-    """Wall time plus an offset that waits advance instead of blocking (a demo never stalls)."""
+    """Wall time plus an offset that waits advance instead of blocking (a demo never stalls).
 
-    def __init__(self) -> None:
-        self.offset = 0.0
+    It starts hours in the past, so everything the demo records lies before the real "now" that
+    the operator commands read with afterwards.
+    """
+
+    def __init__(self, start_offset: float = 0.0) -> None:
+        self.offset = start_offset
 
     def now(self) -> float:
         return time.time() + self.offset
@@ -99,7 +104,8 @@ def run_demo(db_url: str, out: TextIO) -> list[str]:
     suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
     secrets = StaticSecretProvider({"go:demo": "demo-key-go", "deepseek:demo": "demo-key-ds"})
     run_ids: list[str] = []
-    clock = SimulatedClock()
+    clock = SimulatedClock(start_offset=-8 * 3600)
+    print("(simulated time: the demo's waits and cooldowns pass instantly, hours ago)", file=out)
     with FakeProvider().in_thread() as go, FakeProvider().in_thread() as official, \
             Ledger.open(db_url, clock=clock) as led:
         adapter = SyncAdapter(secrets=secrets)
@@ -138,12 +144,15 @@ def run_demo(db_url: str, out: TextIO) -> list[str]:
                                   turn_id="t2")
                     print(f"   -> answered by {res.route.id}: {res.output.text[:48]!r}",
                           file=out)
+                    status = "succeeded"
                 except FailoverExhausted as e:
                     print(f"   -> stopped: {e.reason}; the turn-1 result is kept", file=out)
+                    status = "stopped"
                     for s in e.fields.get("skipped", []):
                         if s["reason"] != "already_tried":
                             print(f"       skipped {s['route']}: {s['reason']} ({s['detail']})",
                                   file=out)
+                led.finish_run(run_id, lease.fence, status)
                 led.release_lease(lease)
                 print_timeline(led, run_id, out)
         finally:
