@@ -9,12 +9,11 @@ which applies them in the same transaction as the write.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pydantic import ValidationError
 
@@ -275,8 +274,11 @@ class Ledger:
     def release_lease(self, lease: Lease) -> None:
         self.store.release_lease(lease.run_id, lease.fence, self.now())
 
-    def reserve_retry(self, lease: Lease, **data: Any) -> int:
-        """Take one bounded retry permission from the run; returns how many are left."""
+    def reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None) -> int:
+        """Take one bounded retry permission from the run; returns how many are left.
+
+        ``data`` (e.g. the route and cause) is recorded with the permission as an audit event.
+        """
         return self.store.reserve_retry(lease.run_id, lease.fence, self.now(), data)
 
     # -- attempts -------------------------------------------------------------------------
@@ -472,7 +474,7 @@ class Ledger:
         """The run's Attempts in order, each under its original route."""
         return self.store.timeline(run_id)
 
-    def attempts(self, **filters: Any) -> Page[AttemptRecord]:
+    def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
         """Attempts newest first; filters: route, group, state, category, since, until, limit,
         cursor."""
         return self.store.attempts(**filters)
@@ -481,12 +483,19 @@ class Ledger:
         return self.store.debit(debit_id)
 
 
-def _to_thread(fn: Callable[P, R]) -> Callable[P, Any]:
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+def _in_thread(
+    fn: Callable[Concatenate[Ledger, P], R],
+) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
+    """The async twin of a :class:`Ledger` method: the same method, run in a worker thread
+    (the database call blocks), with the same typed signature."""
 
-    return wrapper
+    async def method(self: AsyncLedger, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(fn, self.sync, *args, **kwargs)
+
+    method.__name__ = fn.__name__
+    method.__qualname__ = f"AsyncLedger.{fn.__name__}"
+    method.__doc__ = fn.__doc__
+    return method
 
 
 class AsyncLedger:
@@ -514,12 +523,43 @@ class AsyncLedger:
     def clock(self) -> Clock:
         return self.sync.clock
 
-    def __getattr__(self, name: str) -> Any:
-        # Every public method of Ledger, run in a worker thread (the database call blocks).
-        attr = getattr(self.sync, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
-        return _to_thread(attr)
+    @property
+    def backend(self) -> str:
+        return self.sync.backend
+
+    @property
+    def executor_id(self) -> str:
+        return self.sync.executor_id
+
+    def now(self) -> float:
+        return self.sync.now()
+
+    admit_run = _in_thread(Ledger.admit_run)
+    get_run = _in_thread(Ledger.get_run)
+    children = _in_thread(Ledger.children)
+    frozen_run = _in_thread(Ledger.frozen_run)
+    run_policy = _in_thread(Ledger.run_policy)
+    finish_run = _in_thread(Ledger.finish_run)
+    acquire_lease = _in_thread(Ledger.acquire_lease)
+    renew_lease = _in_thread(Ledger.renew_lease)
+    release_lease = _in_thread(Ledger.release_lease)
+    reserve_retry = _in_thread(Ledger.reserve_retry)
+    begin_attempt = _in_thread(Ledger.begin_attempt)
+    settle_attempt = _in_thread(Ledger.settle_attempt)
+    mark_unknown = _in_thread(Ledger.mark_unknown)
+    configure_group = _in_thread(Ledger.configure_group)
+    set_group_state = _in_thread(Ledger.set_group_state)
+    group_projections = _in_thread(Ledger.group_projections)
+    health = _in_thread(Ledger.health)
+    claim_probe = _in_thread(Ledger.claim_probe)
+    record_provenance = _in_thread(Ledger.record_provenance)
+    provenance = _in_thread(Ledger.provenance)
+    append_event = _in_thread(Ledger.append_event)
+    events = _in_thread(Ledger.events)
+    get_attempt = _in_thread(Ledger.get_attempt)
+    timeline = _in_thread(Ledger.timeline)
+    attempts = _in_thread(Ledger.attempts)
+    debit = _in_thread(Ledger.debit)
 
 
 __all__ = ["AsyncLedger", "Ledger"]

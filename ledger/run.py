@@ -307,8 +307,8 @@ class _Loop:
             rd = retry_decision(fact, policy, same_route_retries, self.rng)
             if rd.retry and rd.delay_s is not None:
                 try:
-                    yield _Call("reserve_retry", {"lease": self.lease, "route": route.id,
-                                                  "cause": fact.category.value, "same_route": True})
+                    yield _Call("reserve_retry", {"lease": self.lease, "data": {
+                        "route": route.id, "cause": fact.category.value, "same_route": True}})
                 except AllowanceExhausted as e:
                     turn.errors.append(e)
                     raise (yield from self._stopped(turn, None, e)) from e
@@ -332,8 +332,8 @@ class _Loop:
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 raise (yield from self._stopped(turn, decision, None))
             try:
-                yield _Call("reserve_retry", {"lease": self.lease, "route": decision.route.id,
-                                              "cause": fact.category.value})
+                yield _Call("reserve_retry", {"lease": self.lease, "data": {
+                    "route": decision.route.id, "cause": fact.category.value}})
             except AllowanceExhausted as e:
                 turn.errors.append(e)
                 raise (yield from self._stopped(turn, None, e)) from e

@@ -111,7 +111,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
     att = led.begin_attempt(lease, route="B", envelope_hash=ENV, reserve="0.01",
                             attempt_id="r3-a1")
     _at(clock, 3, 2)
-    led.reserve_retry(lease, route="B")
+    led.reserve_retry(lease, {"route": "B"})
     led.settle_attempt(lease, att.attempt_id, outcome="failed", fact=SERVER_ERROR, events=[
         ("retry", {"route": "B", "cause": {"category": "server_error", "status": 500,
                                            "scope": "route"}, "delay_s": 1.0, "n": 1})])
