@@ -17,7 +17,18 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, and_, bindparam, func, or_, select
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+    and_,
+    bindparam,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+)
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
@@ -151,16 +162,30 @@ _SEL_ATTEMPT_WITH_DEBIT = (
     .where(_a.attempt_id == bindparam("k_attempt_id"))
 )
 _SEL_ATTEMPT_WITH_DEBIT_IN_RUN = _SEL_ATTEMPT_WITH_DEBIT.where(_a.run_id == bindparam("k_run_id"))
-# Computed after the run row is locked, so no concurrent begin of this run can interleave.
-_NEXT_SEQ_AND_PRIOR = select(
+# Computed after the run row is locked (its own statement, so its snapshot is taken after the
+# lock: every concurrent begin of this run has committed), with the capacity group row read
+# without a lock (``g_id`` is NULL when the group has no row yet). Not merged into the lock
+# statement: in READ COMMITTED the rest of a locking statement reads the snapshot taken before
+# it waited for the lock, so a begin that committed meanwhile would be missed.
+_CG = s.capacity_groups.c
+
+
+def _group_col(col: Any, label: str) -> Any:
+    return select(col).where(_CG.group_id == bindparam("k_group")).scalar_subquery().label(label)
+
+
+_BEGIN_LOOKUP = select(
     select(func.coalesce(func.max(_a.seq), 0) + 1).where(_a.run_id == bindparam("k_run_id"))
     .scalar_subquery().label("next_seq"),
     select(_a.attempt_id).where(_a.attempt_id == bindparam("k_attempt_id"))
     .scalar_subquery().label("prior"),
+    _group_col(_CG.group_id, "g_id"),
+    _group_col(_CG.max_in_flight, "g_max_in_flight"),
+    _group_col(_CG.mode, "g_mode"),
+    _group_col(_CG.until, "g_until"),
 )
-_SEL_GROUP = select(s.capacity_groups).where(
-    s.capacity_groups.c.group_id == bindparam("k_group"))
-_SEL_GROUP_FOR_UPDATE = _SEL_GROUP.with_for_update()
+_SEL_GROUP_FOR_UPDATE = select(s.capacity_groups).where(
+    s.capacity_groups.c.group_id == bindparam("k_group")).with_for_update()
 _INS_DEBIT = s.debits.insert()
 _INS_ATTEMPT = s.attempts.insert()
 _INS_SLOT = s.group_slots.insert()
@@ -185,6 +210,154 @@ _SEL_HEALTH_FOR_UPDATE = select(s.health).where(_h.key == bindparam("k_key")).wi
 _UPD_HEALTH = s.health.update().where(_h.key == bindparam("k_key"))
 # Every attempts column, for building a record from the values a transaction just wrote.
 _ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
+
+# Settle's read after the run lock: the attempt, its debit, and the first health row it updates
+# (``h_*`` columns, ``h_key`` NULL when the row does not exist yet). On PostgreSQL the health row
+# is locked here (the run row is already locked, so the lock order is unchanged) and its
+# read-modify-write completes in the settle's write statement; SQLite's ``BEGIN IMMEDIATE``
+# already holds the database's write lock.
+_HEALTH_COLS = [c.name for c in s.health.c]
+
+
+def _settle_read(dialect: str) -> Any:
+    if dialect == "postgresql":
+        h: Any = (select(s.health).where(_h.key == bindparam("k_key")).with_for_update()
+                  .lateral("h"))
+        on: Any = true()
+    else:
+        h = s.health
+        on = _h.key == bindparam("k_key")
+    return (
+        select(s.attempts, _d.state.label("debit_state"),
+               _d.reserved_micros.label("debit_reserved_micros"),
+               *[h.c[n].label("h_" + n) for n in _HEALTH_COLS])
+        .select_from(s.attempts.outerjoin(s.debits, _d.debit_id == _a.debit_id).outerjoin(h, on))
+        .where(_a.attempt_id == bindparam("k_attempt_id"), _a.run_id == bindparam("k_run_id"))
+    )
+
+
+_SETTLE_READ = {d: _settle_read(d) for d in ("postgresql", "sqlite")}
+
+# -- PostgreSQL: each transaction's writes as one statement (data-modifying CTEs) -------------
+# A round trip per statement is most of what the write path costs on PostgreSQL, so the writes of
+# begin and settle, all decided before they are sent, go as one statement. The sub-statements
+# touch distinct rows and none reads what another writes (they all see the statement's
+# snapshot); the events go in one multi-row INSERT so their ids keep the order given. Built once
+# per shape. SQLite keeps the plain statements (in-process: no round trips to save).
+
+
+def _bp(prefix: str, col: Any) -> Any:
+    return bindparam(prefix + col.name, type_=col.type)
+
+
+_BEGIN_ATTEMPT_COLS = (
+    "attempt_id", "run_id", "tenant", "turn_id", "seq", "kind", "route_id", "provider", "model",
+    "group_id", "profile_id", "debit_id", "envelope_hash", "state", "reject_reason",
+    "effective_output", "tool_started", "reserved_micros", "begin_hash", "fence", "executor",
+    "created_at", "settled_at",
+)
+_DEBIT_COLS = ("debit_id", "run_id", "attempt_id", "state", "reserved_micros", "posted_micros",
+               "created_at", "settled_at")
+_SLOT_COLS = ("attempt_id", "group_id", "run_id", "fence", "acquired_at")
+_SETTLE_ATTEMPT_COLS = (
+    "state", "fact", "category", "http_status", "effective_output", "tool_started",
+    "prompt_tokens", "completion_tokens", "cost_micros", "model_reported", "output_hash",
+    "settle_hash", "settle_fence", "settled_at",
+)
+_HEALTH_UPDATE_COLS = (
+    "cooldown_until", "disabled_until", "disabled_reason", "error_count", "failure_counts",
+    "last_failure_at", "last_used", "last_probe_at", "updated_at",
+)
+_EVENT_COLS = ("run_id", "attempt_id", "kind", "data", "created_at")
+_PG_STATEMENTS: dict[tuple[Any, ...], Any] = {}
+
+
+def _events_cte(n: int) -> Any:
+    e = s.events.c
+    return s.events.insert().values([
+        {c: _bp(f"e{i}_", e[c]) for c in _EVENT_COLS} for i in range(n)
+    ]).cte("w_events")
+
+
+def _pg_begin_writes(n_events: int) -> Any:
+    """Insert debit, attempt, slot and events, and count the call on the run, as one statement."""
+    key = ("begin", n_events)
+    stmt = _PG_STATEMENTS.get(key)
+    if stmt is None:
+        gs = s.group_slots.c
+        ctes = [
+            s.debits.insert().values({c: _bp("d_", _d[c]) for c in _DEBIT_COLS}).cte("w_debit"),
+            s.attempts.insert().values({c: _bp("a_", _a[c]) for c in _BEGIN_ATTEMPT_COLS})
+            .cte("w_attempt"),
+            s.group_slots.insert().values({c: _bp("s_", gs[c]) for c in _SLOT_COLS})
+            .cte("w_slot"),
+            _BEGIN_RUN.cte("w_run"),
+        ]
+        if n_events:
+            ctes.append(_events_cte(n_events))
+        stmt = _PG_STATEMENTS[key] = select(literal(1)).add_cte(*ctes)
+    return stmt
+
+
+def _pg_settle_writes(debit: bool, succeeded: bool, health: bool, provenance: bool,
+                      n_events: int) -> Any:
+    """Update attempt, debit, run and health row, release the slot, insert provenance and
+    events, as one statement."""
+    key = ("settle", debit, succeeded, health, provenance, n_events)
+    stmt = _PG_STATEMENTS.get(key)
+    if stmt is None:
+        ctes = [
+            _SETTLE_ATTEMPT.values({c: _bp("a_", _a[c]) for c in _SETTLE_ATTEMPT_COLS})
+            .cte("w_attempt"),
+            _DEL_SLOT.cte("w_slot"),
+            (_SETTLE_RUN_SUCCEEDED if succeeded else _SETTLE_RUN).cte("w_run"),
+        ]
+        if debit:
+            ctes.append(_SETTLE_DEBIT.values(
+                state=_bp("d_", _d.state), posted_micros=_bp("d_", _d.posted_micros),
+                settled_at=_bp("d_", _d.settled_at),
+            ).cte("w_debit"))
+        if health:
+            ctes.append(_UPD_HEALTH.values({c: _bp("h_", _h[c]) for c in _HEALTH_UPDATE_COLS})
+                        .cte("w_health"))
+        if provenance:
+            p = s.provenance.c
+            ctes.append(pg_dialect.insert(s.provenance).values(
+                run_id=bindparam("k_run_id", type_=p.run_id.type),
+                ref=bindparam("k_attempt_id", type_=p.ref.type),
+                content_hash=_bp("p_", p.content_hash), kind=_bp("p_", p.kind),
+                created_at=bindparam("k_now", type_=p.created_at.type),
+            ).on_conflict_do_nothing().cte("w_provenance"))
+        if n_events:
+            ctes.append(_events_cte(n_events))
+        stmt = _PG_STATEMENTS[key] = select(literal(1)).add_cte(*ctes)
+    return stmt
+
+
+def _event_params(events: Sequence[tuple[str, Mapping[str, Any]]], run_id: str,
+                  attempt_id: str, now: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, (kind, data) in enumerate(events):
+        out[f"e{i}_run_id"] = run_id
+        out[f"e{i}_attempt_id"] = attempt_id
+        out[f"e{i}_kind"] = kind
+        out[f"e{i}_data"] = _event_json(data)
+        out[f"e{i}_created_at"] = now
+    return out
+
+
+def _event_json(data: Mapping[str, Any]) -> str:
+    return json.dumps(dict(data), sort_keys=True, default=str)
+
+
+def _health_values(new: Health, now: float) -> dict[str, Any]:
+    return {
+        "cooldown_until": new.cooldown_until, "disabled_until": new.disabled_until,
+        "disabled_reason": new.disabled_reason, "error_count": new.error_count,
+        "failure_counts": json.dumps(new.failure_counts, sort_keys=True),
+        "last_failure_at": new.last_failure_at, "last_used": new.last_used,
+        "last_probe_at": new.last_probe_at, "updated_at": now,
+    }
 
 
 class Store:
@@ -417,8 +590,9 @@ class Store:
         rejected: tuple[str, float | None] | None = None
         with self._write() as conn:
             run = self._lock_run(conn, spec.run_id, spec.fence)
-            nxt = conn.execute(_NEXT_SEQ_AND_PRIOR, {"k_run_id": spec.run_id,
-                                                     "k_attempt_id": spec.attempt_id}).one()
+            nxt = conn.execute(_BEGIN_LOOKUP, {"k_run_id": spec.run_id,
+                                               "k_attempt_id": spec.attempt_id,
+                                               "k_group": spec.route.group}).one()
             if nxt.prior is not None:
                 prior = conn.execute(_SEL_ATTEMPT_WITH_DEBIT,
                                      {"k_attempt_id": spec.attempt_id}).one()
@@ -446,16 +620,16 @@ class Store:
                     requested=str(from_micros(spec.reserve_micros)),
                     available=str(from_micros(available)),
                 )
-            rejected = self._admit_capacity(conn, spec.route.group, now)
+            rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
             seq = nxt.next_seq
             debit_id = "d-" + spec.attempt_id
             state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
             debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
-            conn.execute(_INS_DEBIT, {
+            debit: dict[str, Any] = {
                 "debit_id": debit_id, "run_id": spec.run_id, "attempt_id": spec.attempt_id,
                 "state": debit_state.value, "reserved_micros": spec.reserve_micros,
                 "posted_micros": 0, "created_at": now, "settled_at": now if rejected else None,
-            })
+            }
             values: dict[str, Any] = {
                 "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
                 "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value,
@@ -469,22 +643,30 @@ class Store:
                 "fence": spec.fence, "executor": spec.executor, "created_at": now,
                 "settled_at": now if rejected else None,
             }
-            conn.execute(_INS_ATTEMPT, values)
-            for kind, data in spec.events:
-                self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
-            if rejected:
-                self._event(conn, spec.run_id, spec.attempt_id, "reject",
-                            {"reason": rejected[0], "until": rejected[1],
-                             "group": spec.route.group}, now)
+            slot = {"attempt_id": spec.attempt_id, "group_id": spec.route.group,
+                    "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}
+            run_params = {"k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
+                          "k_status": RunStatus.RUNNING.value, "k_now": now}
+            if not rejected and self.dialect == "postgresql":
+                # The same writes as below, as one statement (one round trip).
+                params = {**run_params,
+                          **_event_params(spec.events, spec.run_id, spec.attempt_id, now)}
+                params.update({"d_" + k: v for k, v in debit.items()})
+                params.update({"a_" + k: v for k, v in values.items()})
+                params.update({"s_" + k: v for k, v in slot.items()})
+                conn.execute(_pg_begin_writes(len(spec.events)), params)
             else:
-                conn.execute(_INS_SLOT, {
-                    "attempt_id": spec.attempt_id, "group_id": spec.route.group,
-                    "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now,
-                })
-                conn.execute(_BEGIN_RUN, {
-                    "k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
-                    "k_status": RunStatus.RUNNING.value, "k_now": now,
-                })
+                conn.execute(_INS_DEBIT, debit)
+                conn.execute(_INS_ATTEMPT, values)
+                for kind, data in spec.events:
+                    self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
+                if rejected:
+                    self._event(conn, spec.run_id, spec.attempt_id, "reject",
+                                {"reason": rejected[0], "until": rejected[1],
+                                 "group": spec.route.group}, now)
+                else:
+                    conn.execute(_INS_SLOT, slot)
+                    conn.execute(_BEGIN_RUN, run_params)
             # The record from what was just written (no re-read of the rows).
             record = _written_attempt(values, debit_state.value)
             faults.point("begin.before_commit")
@@ -498,12 +680,16 @@ class Store:
             )
         return record
 
-    def _admit_capacity(self, conn: Connection, group: str, now: float
+    def _admit_capacity(self, conn: Connection, group: str, now: float, looked_up: Any
                         ) -> tuple[str, float | None] | None:
-        """None when the group admits one more attempt, else (reason, waiting floor)."""
+        """None when the group admits one more attempt, else (reason, waiting floor).
+        ``looked_up`` carries the group row as read (unlocked) after the run lock."""
         # Only a limited group needs its row lock (the slot count must be serialized); reading
         # the mode of an unlimited group without it keeps busy groups from serializing begins.
-        row = conn.execute(_SEL_GROUP, {"k_group": group}).first()
+        row: Any = None
+        if looked_up.g_id is not None:
+            row = SimpleNamespace(mode=looked_up.g_mode, until=looked_up.g_until,
+                                  max_in_flight=looked_up.g_max_in_flight)
         if row is None:
             conn.execute(
                 self._insert(s.capacity_groups)
@@ -541,9 +727,15 @@ class Store:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
         with self._write() as conn:
             self._lock_run(conn, run_id, spec.fence)
-            # The attempt with its debit's state and hold, in one statement.
-            att = conn.execute(_SEL_ATTEMPT_WITH_DEBIT_IN_RUN,
-                               {"k_attempt_id": spec.attempt_id, "k_run_id": run_id}).first()
+            # The attempt with its debit's state and hold (and the first health row it
+            # updates, locked on PostgreSQL), in one statement.
+            health_keys = list(spec.health)
+            params: dict[str, Any] = {"k_attempt_id": spec.attempt_id, "k_run_id": run_id}
+            if health_keys:
+                att = conn.execute(_SETTLE_READ[self.dialect],
+                                   {**params, "k_key": health_keys[0]}).first()
+            else:
+                att = conn.execute(_SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params).first()
             if att is None:
                 raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
                                attempt_id=spec.attempt_id, run_id=run_id)
@@ -591,42 +783,68 @@ class Store:
                 "settle_fence": spec.fence,
                 "settled_at": now,
             }
-            conn.execute(_SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
-            final_debit_state = att.debit_state
-            if (att.debit_state == DebitState.RESERVED.value
-                    and debit_state is not DebitState.RESERVED):
-                conn.execute(_SETTLE_DEBIT, {
-                    "k_debit_id": att.debit_id, "state": debit_state.value,
-                    "posted_micros": posted, "settled_at": now,
-                })
-                final_debit_state = debit_state.value
-                release = reserved
-            else:
-                release = 0
-            conn.execute(_DEL_SLOT, {"k_attempt_id": spec.attempt_id})
+            settle_debit = (att.debit_state == DebitState.RESERVED.value
+                            and debit_state is not DebitState.RESERVED)
+            final_debit_state = debit_state.value if settle_debit else att.debit_state
+            release = reserved if settle_debit else 0
+            succeeded = spec.outcome is Outcome.SUCCEEDED
             tokens = (spec.prompt_tokens or 0) + (spec.completion_tokens or 0)
             run_params: dict[str, Any] = {
                 "k_run_id": run_id, "k_release": release, "k_posted": posted,
                 "k_tokens": tokens, "k_now": now,
             }
-            if spec.outcome is Outcome.SUCCEEDED:
+            if succeeded:
                 run_params.update(k_route=att.route_id, k_profile=att.profile_id)
-                conn.execute(_SETTLE_RUN_SUCCEEDED, run_params)
+            debit_params = {"state": debit_state.value, "posted_micros": posted,
+                            "settled_at": now}
+            # The first health row's new values, when it exists (read above, under its lock):
+            # the pure health function applied to the row as locked.
+            first_health: dict[str, Any] | None = None
+            if health_keys and att.h_key is not None:
+                _kind, _provider, update = spec.health[health_keys[0]]
+                first_health = _health_values(update(_health_from_read(att)), now)
+            provenance = succeeded and bool(spec.output_hash)
+            if self.dialect == "postgresql":
+                # The same writes as below, as one statement (one round trip).
+                params = {"k_attempt_id": spec.attempt_id, "k_debit_id": att.debit_id,
+                          **run_params,
+                          **_event_params(spec.events, run_id, spec.attempt_id, now)}
+                params.update({"a_" + k: v for k, v in values.items()})
+                if settle_debit:
+                    params.update({"d_" + k: v for k, v in debit_params.items()})
+                if first_health is not None:
+                    params["k_key"] = health_keys[0]
+                    params.update({"h_" + k: v for k, v in first_health.items()})
+                if provenance:
+                    params.update(p_content_hash=spec.output_hash, p_kind="model_output")
+                conn.execute(_pg_settle_writes(settle_debit, succeeded, first_health is not None,
+                                               provenance, len(spec.events)), params)
             else:
-                conn.execute(_SETTLE_RUN, run_params)
-            for key, (kind, provider, update) in spec.health.items():
+                conn.execute(_SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
+                if settle_debit:
+                    conn.execute(_SETTLE_DEBIT, {"k_debit_id": att.debit_id, **debit_params})
+                conn.execute(_DEL_SLOT, {"k_attempt_id": spec.attempt_id})
+                conn.execute(_SETTLE_RUN_SUCCEEDED if succeeded else _SETTLE_RUN, run_params)
+                if first_health is not None:
+                    conn.execute(_UPD_HEALTH, {"k_key": health_keys[0], **first_health})
+            # Health rows not updated above, in the order given (the lock order).
+            for i, key in enumerate(health_keys):
+                if i == 0 and first_health is not None:
+                    continue
+                kind, provider, update = spec.health[key]
                 self._update_health(conn, key, kind, provider, update, now)
             if spec.group_update is not None:
                 self._write_group_fact(conn, att.group_id, spec.group_update, now)
-            if spec.outcome is Outcome.SUCCEEDED and spec.output_hash:
-                conn.execute(
-                    self._insert(s.provenance).values(
-                        run_id=run_id, ref=spec.attempt_id, content_hash=spec.output_hash,
-                        kind="model_output", created_at=now,
-                    ).on_conflict_do_nothing()
-                )
-            for kind, data in spec.events:
-                self._event(conn, run_id, spec.attempt_id, kind, data, now)
+            if self.dialect != "postgresql":
+                if provenance:
+                    conn.execute(
+                        self._insert(s.provenance).values(
+                            run_id=run_id, ref=spec.attempt_id, content_hash=spec.output_hash,
+                            kind="model_output", created_at=now,
+                        ).on_conflict_do_nothing()
+                    )
+                for kind, data in spec.events:
+                    self._event(conn, run_id, spec.attempt_id, kind, data, now)
             # The record from the row as read plus what was just written (no re-read).
             record = _written_attempt({**att._mapping, **values}, final_debit_state)
             faults.point("settle.before_commit")
@@ -644,15 +862,7 @@ class Store:
                 ).on_conflict_do_nothing()
             )
             row = conn.execute(_SEL_HEALTH_FOR_UPDATE, {"k_key": key}).one()
-        new = update(_health(row))
-        conn.execute(_UPD_HEALTH, {
-            "k_key": key,
-            "cooldown_until": new.cooldown_until, "disabled_until": new.disabled_until,
-            "disabled_reason": new.disabled_reason, "error_count": new.error_count,
-            "failure_counts": json.dumps(new.failure_counts, sort_keys=True),
-            "last_failure_at": new.last_failure_at, "last_used": new.last_used,
-            "last_probe_at": new.last_probe_at, "updated_at": now,
-        })
+        conn.execute(_UPD_HEALTH, {"k_key": key, **_health_values(update(_health(row)), now)})
 
     def _write_group_fact(self, conn: Connection, group: str, upd: GroupUpdate, now: float) -> None:
         g = s.capacity_groups.c
@@ -798,8 +1008,8 @@ class Store:
     def _event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                data: Mapping[str, Any], now: float) -> None:
         conn.execute(s.events.insert().values(
-            run_id=run_id, attempt_id=attempt_id, kind=kind,
-            data=json.dumps(dict(data), sort_keys=True, default=str), created_at=now,
+            run_id=run_id, attempt_id=attempt_id, kind=kind, data=_event_json(data),
+            created_at=now,
         ))
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
@@ -982,6 +1192,12 @@ def _written_attempt(values: Mapping[str, Any], debit_state: str | None) -> Atte
         if cols[name] is not None:
             cols[name] = float(cols[name])
     return _attempt(SimpleNamespace(**cols), debit_state)  # type: ignore[arg-type]
+
+
+def _health_from_read(row: Row[Any]) -> Health:
+    """The health row read with settle's attempt (its columns prefixed ``h_``)."""
+    m = row._mapping
+    return _health(SimpleNamespace(**{n: m["h_" + n] for n in _HEALTH_COLS}))  # type: ignore[arg-type]
 
 
 def _health(row: Row[Any]) -> Health:
