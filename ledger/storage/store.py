@@ -154,6 +154,16 @@ _LOCK_RUN = (
     select(*[c for c in s.runs.c if c.name not in _FROZEN_RUN_JSON])
     .where(_r.run_id == bindparam("k_run_id")).with_for_update()
 )
+# The same lock, returning only what begin (fence and budget counters) and settle (fence) read:
+# fewer result columns cost less to describe on every execution.
+_LOCK_RUN_FOR_BEGIN = (
+    select(_r.fence, _r.max_calls, _r.carved_calls, _r.calls_used, _r.max_cost_micros,
+           _r.carved_micros, _r.reserved_micros, _r.posted_micros)
+    .where(_r.run_id == bindparam("k_run_id")).with_for_update()
+)
+_LOCK_RUN_FENCE = (
+    select(_r.fence).where(_r.run_id == bindparam("k_run_id")).with_for_update()
+)
 _SEL_ATTEMPT = select(s.attempts).where(_a.attempt_id == bindparam("k_attempt_id"))
 _SEL_ATTEMPT_WITH_DEBIT = (
     select(s.attempts, _d.state.label("debit_state"),
@@ -216,7 +226,8 @@ _ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
 # is locked here (the run row is already locked, so the lock order is unchanged) and its
 # read-modify-write completes in the settle's write statement; SQLite's ``BEGIN IMMEDIATE``
 # already holds the database's write lock.
-_HEALTH_COLS = [c.name for c in s.health.c]
+_HEALTH_COLS = ["key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
+                "failure_counts", "last_failure_at", "last_used", "last_probe_at"]
 
 
 def _settle_read(dialect: str) -> Any:
@@ -488,8 +499,9 @@ class Store:
             ).all()
         return [_run(r) for r in rows]
 
-    def _lock_run(self, conn: Connection, run_id: str, fence: int | None) -> Row[Any]:
-        row = conn.execute(_LOCK_RUN, {"k_run_id": run_id}).first()
+    def _lock_run(self, conn: Connection, run_id: str, fence: int | None,
+                  stmt: Any = _LOCK_RUN) -> Row[Any]:
+        row = conn.execute(stmt, {"k_run_id": run_id}).first()
         if row is None:
             raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
                            run_id=run_id)
@@ -589,7 +601,7 @@ class Store:
         """Record an attempt before it is sent, in one transaction (see module docstring)."""
         rejected: tuple[str, float | None] | None = None
         with self._write() as conn:
-            run = self._lock_run(conn, spec.run_id, spec.fence)
+            run = self._lock_run(conn, spec.run_id, spec.fence, _LOCK_RUN_FOR_BEGIN)
             nxt = conn.execute(_BEGIN_LOOKUP, {"k_run_id": spec.run_id,
                                                "k_attempt_id": spec.attempt_id,
                                                "k_group": spec.route.group}).one()
@@ -726,7 +738,7 @@ class Store:
     def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
         with self._write() as conn:
-            self._lock_run(conn, run_id, spec.fence)
+            self._lock_run(conn, run_id, spec.fence, _LOCK_RUN_FENCE)
             # The attempt with its debit's state and hold (and the first health row it
             # updates, locked on PostgreSQL), in one statement.
             health_keys = list(spec.health)
