@@ -23,6 +23,7 @@ from sqlalchemy import (
     Row,
     and_,
     bindparam,
+    cast,
     func,
     literal,
     or_,
@@ -310,6 +311,69 @@ def _pg_begin_writes(n_events: int) -> Any:
     return stmt
 
 
+def _pg_begin_common() -> Any:
+    """``_pg_begin_writes(0)`` guarded by the lookup's common answer (no prior attempt, group
+    row present, open or past its waiting floor, no in-flight limit); seq computed in SQL."""
+    gs = s.group_slots.c
+    ok = select(
+        select(func.coalesce(func.max(_a.seq), 0) + 1).where(_a.run_id == bindparam("k_run_id"))
+        .scalar_subquery().label("next_seq")
+    ).where(
+        ~select(_a.attempt_id).where(_a.attempt_id == bindparam("k_attempt_id")).exists(),
+        select(_CG.group_id).where(
+            _CG.group_id == bindparam("k_group"), _CG.max_in_flight.is_(None),
+            or_(_CG.mode == bindparam("k_open"),
+                and_(_CG.until.is_not(None), _CG.until <= bindparam("k_now"))),
+        ).exists(),
+    ).cte("ok")
+
+    def rows(prefix: str, table: Any, names: Sequence[str]) -> Any:
+        cols = [table.c[n] for n in names]
+        return table.insert().from_select(names, select(*[
+            ok.c.next_seq if (table is s.attempts and c.name == "seq")
+            else cast(bindparam(prefix + c.name), c.type) for c in cols
+        ]).select_from(ok))
+
+    return select(ok.c.next_seq).add_cte(
+        rows("d_", s.debits, _DEBIT_COLS).cte("w_debit"),
+        rows("a_", s.attempts, _BEGIN_ATTEMPT_COLS).cte("w_attempt"),
+        rows("s_", s.group_slots, [c.name for c in gs if c.name in _SLOT_COLS]).cte("w_slot"),
+        _BEGIN_RUN.where(select(ok.c.next_seq).exists()).cte("w_run"),
+    )
+
+
+def _begin_rows(spec: BeginSpec, seq: int | None, rejected: tuple[str, float | None] | None,
+                now: float) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any],
+                                     dict[str, Any]]:
+    """The debit, attempt and slot rows and the run update's parameters of one begin."""
+    debit_id = "d-" + spec.attempt_id
+    state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
+    debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
+    debit: dict[str, Any] = {
+        "debit_id": debit_id, "run_id": spec.run_id, "attempt_id": spec.attempt_id,
+        "state": debit_state.value, "reserved_micros": spec.reserve_micros,
+        "posted_micros": 0, "created_at": now, "settled_at": now if rejected else None,
+    }
+    values: dict[str, Any] = {
+        "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
+        "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value,
+        "route_id": spec.route.id,
+        "provider": spec.route.provider, "model": spec.route.model,
+        "group_id": spec.route.group, "profile_id": spec.profile_id,
+        "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
+        "reject_reason": rejected[0] if rejected else None,
+        "effective_output": False, "tool_started": False,
+        "reserved_micros": spec.reserve_micros, "begin_hash": spec.begin_hash,
+        "fence": spec.fence, "executor": spec.executor, "created_at": now,
+        "settled_at": now if rejected else None,
+    }
+    slot = {"attempt_id": spec.attempt_id, "group_id": spec.route.group,
+            "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}
+    run_params = {"k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
+                  "k_status": RunStatus.RUNNING.value, "k_now": now}
+    return debit, values, slot, run_params
+
+
 def _pg_settle_writes(debit: bool, succeeded: bool, health: bool, provenance: bool,
                       n_events: int) -> Any:
     """Update attempt, debit, run and health row, release the slot, insert provenance and
@@ -343,6 +407,9 @@ def _pg_settle_writes(debit: bool, succeeded: bool, health: bool, provenance: bo
             ctes.append(_events_cte(n_events))
         stmt = _PG_STATEMENTS[key] = select(literal(1)).add_cte(*ctes)
     return stmt
+
+
+_PG_BEGIN_COMMON = _pg_begin_common()
 
 
 def _event_params(events: Sequence[tuple[str, Mapping[str, Any]]], run_id: str,
@@ -602,83 +669,71 @@ class Store:
         rejected: tuple[str, float | None] | None = None
         with self._write() as conn:
             run = self._lock_run(conn, spec.run_id, spec.fence, _LOCK_RUN_FOR_BEGIN)
-            nxt = conn.execute(_BEGIN_LOOKUP, {"k_run_id": spec.run_id,
-                                               "k_attempt_id": spec.attempt_id,
-                                               "k_group": spec.route.group}).one()
-            if nxt.prior is not None:
-                prior = conn.execute(_SEL_ATTEMPT_WITH_DEBIT,
-                                     {"k_attempt_id": spec.attempt_id}).one()
-                if prior.begin_hash == spec.begin_hash and prior.run_id == spec.run_id:
-                    # the same write, acknowledged again
-                    return _attempt(prior, prior.debit_state)
-                raise Conflict(
-                    f"attempt id {spec.attempt_id!r} is already recorded with different content; "
-                    "use a new attempt id for a new physical call",
-                    attempt_id=spec.attempt_id,
-                )
-            if run.max_calls - run.carved_calls - run.calls_used <= 0:
-                raise AllowanceExhausted(
-                    f"run {spec.run_id!r} has used its model-call allowance "
-                    f"({run.calls_used} of {run.max_calls}); nothing was sent",
-                    run_id=spec.run_id, field="calls",
-                )
-            available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
-                         - run.posted_micros)
-            if spec.reserve_micros > available:
-                raise BudgetExceeded(
-                    f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
-                    f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
-                    run_id=spec.run_id, field="cost",
-                    requested=str(from_micros(spec.reserve_micros)),
-                    available=str(from_micros(available)),
-                )
-            rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
-            seq = nxt.next_seq
-            debit_id = "d-" + spec.attempt_id
-            state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
-            debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
-            debit: dict[str, Any] = {
-                "debit_id": debit_id, "run_id": spec.run_id, "attempt_id": spec.attempt_id,
-                "state": debit_state.value, "reserved_micros": spec.reserve_micros,
-                "posted_micros": 0, "created_at": now, "settled_at": now if rejected else None,
-            }
-            values: dict[str, Any] = {
-                "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
-                "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value,
-                "route_id": spec.route.id,
-                "provider": spec.route.provider, "model": spec.route.model,
-                "group_id": spec.route.group, "profile_id": spec.profile_id,
-                "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
-                "reject_reason": rejected[0] if rejected else None,
-                "effective_output": False, "tool_started": False,
-                "reserved_micros": spec.reserve_micros, "begin_hash": spec.begin_hash,
-                "fence": spec.fence, "executor": spec.executor, "created_at": now,
-                "settled_at": now if rejected else None,
-            }
-            slot = {"attempt_id": spec.attempt_id, "group_id": spec.route.group,
-                    "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}
-            run_params = {"k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
-                          "k_status": RunStatus.RUNNING.value, "k_now": now}
-            if not rejected and self.dialect == "postgresql":
-                # The same writes as below, as one statement (one round trip).
-                params = {**run_params,
-                          **_event_params(spec.events, spec.run_id, spec.attempt_id, now)}
-                params.update({"d_" + k: v for k, v in debit.items()})
-                params.update({"a_" + k: v for k, v in values.items()})
-                params.update({"s_" + k: v for k, v in slot.items()})
-                conn.execute(_pg_begin_writes(len(spec.events)), params)
-            else:
-                conn.execute(_INS_DEBIT, debit)
-                conn.execute(_INS_ATTEMPT, values)
-                for kind, data in spec.events:
-                    self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
-                if rejected:
-                    self._event(conn, spec.run_id, spec.attempt_id, "reject",
-                                {"reason": rejected[0], "until": rejected[1],
-                                 "group": spec.route.group}, now)
+            values: dict[str, Any] | None = None
+            debit_state = DebitState.RESERVED
+            if (self.dialect == "postgresql" and not spec.events
+                    and run.max_calls - run.carved_calls - run.calls_used > 0
+                    and spec.reserve_micros <= (run.max_cost_micros - run.carved_micros
+                                                - run.reserved_micros - run.posted_micros)):
+                # The common case in one statement: written only if no attempt has this id and
+                # the group is open and unlimited; else nothing is written and the checks below
+                # decide, as for every other begin.
+                values = self._pg_begin_common(conn, spec, now)
+            if values is None:
+                nxt = conn.execute(_BEGIN_LOOKUP, {"k_run_id": spec.run_id,
+                                                   "k_attempt_id": spec.attempt_id,
+                                                   "k_group": spec.route.group}).one()
+                if nxt.prior is not None:
+                    prior = conn.execute(_SEL_ATTEMPT_WITH_DEBIT,
+                                         {"k_attempt_id": spec.attempt_id}).one()
+                    if prior.begin_hash == spec.begin_hash and prior.run_id == spec.run_id:
+                        # the same write, acknowledged again
+                        return _attempt(prior, prior.debit_state)
+                    raise Conflict(
+                        f"attempt id {spec.attempt_id!r} is already recorded with different "
+                        "content; use a new attempt id for a new physical call",
+                        attempt_id=spec.attempt_id,
+                    )
+                if run.max_calls - run.carved_calls - run.calls_used <= 0:
+                    raise AllowanceExhausted(
+                        f"run {spec.run_id!r} has used its model-call allowance "
+                        f"({run.calls_used} of {run.max_calls}); nothing was sent",
+                        run_id=spec.run_id, field="calls",
+                    )
+                available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
+                             - run.posted_micros)
+                if spec.reserve_micros > available:
+                    raise BudgetExceeded(
+                        f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
+                        f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
+                        run_id=spec.run_id, field="cost",
+                        requested=str(from_micros(spec.reserve_micros)),
+                        available=str(from_micros(available)),
+                    )
+                rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
+                seq = nxt.next_seq
+                debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
+                debit, values, slot, run_params = _begin_rows(spec, seq, rejected, now)
+                if not rejected and self.dialect == "postgresql":
+                    # The same writes as below, as one statement (one round trip).
+                    params = {**run_params,
+                              **_event_params(spec.events, spec.run_id, spec.attempt_id, now)}
+                    params.update({"d_" + k: v for k, v in debit.items()})
+                    params.update({"a_" + k: v for k, v in values.items()})
+                    params.update({"s_" + k: v for k, v in slot.items()})
+                    conn.execute(_pg_begin_writes(len(spec.events)), params)
                 else:
-                    conn.execute(_INS_SLOT, slot)
-                    conn.execute(_BEGIN_RUN, run_params)
+                    conn.execute(_INS_DEBIT, debit)
+                    conn.execute(_INS_ATTEMPT, values)
+                    for kind, data in spec.events:
+                        self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
+                    if rejected:
+                        self._event(conn, spec.run_id, spec.attempt_id, "reject",
+                                    {"reason": rejected[0], "until": rejected[1],
+                                     "group": spec.route.group}, now)
+                    else:
+                        conn.execute(_INS_SLOT, slot)
+                        conn.execute(_BEGIN_RUN, run_params)
             # The record from what was just written (no re-read of the rows).
             record = _written_attempt(values, debit_state.value)
             faults.point("begin.before_commit")
@@ -691,6 +746,24 @@ class Store:
                 until=rejected[1],
             )
         return record
+
+    def _pg_begin_common(self, conn: Connection, spec: BeginSpec, now: float
+                         ) -> dict[str, Any] | None:
+        """Begin's writes as one statement, conditional on no attempt having this id and the
+        group being open without a limit; the attempt's values if written, else None (nothing
+        was written). Run after the run lock, so it sees every begin of this run, as the
+        lookup would; the budget and allowance were checked on the locked row."""
+        debit, values, slot, run_params = _begin_rows(spec, None, None, now)
+        params = {**run_params, "k_attempt_id": spec.attempt_id, "k_group": spec.route.group,
+                  "k_open": GroupMode.OPEN.value}
+        params.update({"d_" + k: v for k, v in debit.items()})
+        params.update({"a_" + k: v for k, v in values.items() if k != "seq"})
+        params.update({"s_" + k: v for k, v in slot.items()})
+        seq = conn.execute(_PG_BEGIN_COMMON, params).scalar()
+        if seq is None:
+            return None
+        values["seq"] = seq
+        return values
 
     def _admit_capacity(self, conn: Connection, group: str, now: float, looked_up: Any
                         ) -> tuple[str, float | None] | None:
