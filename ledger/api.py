@@ -36,7 +36,9 @@ from ledger.records import (
 )
 from ledger.storage import engine as engine_mod
 from ledger.storage import migrate
-from ledger.storage.store import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec, Store, new_id
+from ledger.storage.rows import new_id
+from ledger.storage.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
+from ledger.storage.store import Store
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -13,7 +13,7 @@ from ledger.core.health import health_key, record_failure, record_success
 from ledger.model import GroupMode, Route
 from ledger.policy.model import Policy
 from ledger.records import Outcome
-from ledger.storage.store import GroupUpdate, HealthUpdate
+from ledger.storage.specs import GroupUpdate, HealthUpdate
 
 
 def health_keys(policy: Policy, route: Route, profile_id: str | None) -> list[tuple[str, str]]:

@@ -37,7 +37,7 @@ from ledger.clock import Sleeper, SystemSleeper
 from ledger.errors import DatabaseUnavailable, InvalidArgument
 from ledger.records import AttemptRecord, AttemptState, Lease
 from ledger.storage import recovery as sql
-from ledger.storage.store import new_id
+from ledger.storage.rows import new_id
 
 if TYPE_CHECKING:
     from ledger.api import AsyncLedger, Ledger

@@ -19,7 +19,8 @@ from sqlalchemy import Connection, and_, exists, func, not_, or_, select
 from ledger import faults
 from ledger.records import AttemptRecord, AttemptState, DebitState, Lease, RunStatus
 from ledger.storage import schema as s
-from ledger.storage.store import Store, _attempt
+from ledger.storage.rows import attempt_record
+from ledger.storage.store import Store
 
 FINISHED = (RunStatus.SUCCEEDED.value, RunStatus.FAILED.value, RunStatus.STOPPED.value)
 UNKNOWN_REASON = "recovery: dispatched without a receipt (executor lease expired)"
@@ -224,7 +225,7 @@ def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
         run_id=row.run_id, previous_executor=old_holder, previous_fence=old_fence,
         lease=lease, fence=int(row.fence), newly_unknown=list(unknown), voided=list(voided),
         slots_released=int(slots or 0),
-        attempts=[_attempt(x, x.debit_state) for x in rows],
+        attempts=[attempt_record(x, x.debit_state) for x in rows],
         selected_route=row.selected_route, current_route=row.current_route, status=row.status,
         adopted=adopted,
     )

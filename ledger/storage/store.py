@@ -10,10 +10,8 @@ row, so lock order is fixed and cannot deadlock).
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,19 +20,14 @@ from sqlalchemy import (
     Engine,
     Row,
     and_,
-    bindparam,
-    cast,
     func,
-    literal,
     or_,
     select,
-    true,
 )
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from ledger import faults
-from ledger.core.facts import FailureFact
 from ledger.errors import (
     AdmissionConflict,
     AllowanceExhausted,
@@ -48,9 +41,8 @@ from ledger.errors import (
     NotFound,
     SettleConflict,
 )
-from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route
+from ledger.model import GroupMode, GroupProjection, Health
 from ledger.records import (
-    AttemptKind,
     AttemptRecord,
     AttemptState,
     DebitRecord,
@@ -65,377 +57,49 @@ from ledger.records import (
 )
 from ledger.storage import schema as s
 from ledger.storage.engine import mapped_errors
-
-HealthUpdate = Callable[[Health], Health]
-
-# Fields compared on a duplicate admission, in the order reported.
-ADMISSION_FIELDS = (
-    "parent_run_id", "role", "tenant", "labels", "plan", "run_grant", "budget", "policy_hash",
-    "selected_route", "deadline",
+from ledger.storage.rows import (
+    attempt_record,
+    health_from_read,
+    health_record,
+    run_record,
+    written_attempt,
 )
-
-
-@dataclass(frozen=True)
-class AdmitSpec:
-    run_id: str
-    parent_run_id: str | None
-    parent_fence: int | None
-    role: str
-    tenant: str | None
-    labels: str  # JSON
-    plan: str  # JSON
-    run_grant: str  # JSON
-    budget: str  # JSON
-    policy: str  # JSON
-    policy_hash: str
-    selected_route: str
-    content_hash: str
-    deadline: float | None
-    max_calls: int
-    max_retries: int
-    max_cost_micros: int
-    max_tokens: int | None
-
-
-@dataclass(frozen=True)
-class BeginSpec:
-    run_id: str
-    fence: int
-    attempt_id: str
-    turn_id: str
-    kind: AttemptKind
-    route: Route
-    profile_id: str | None
-    envelope_hash: str
-    reserve_micros: int
-    executor: str | None
-    begin_hash: str
-    events: Sequence[tuple[str, dict[str, Any]]] = ()
-    tenant: str | None = None
-
-
-@dataclass(frozen=True)
-class GroupUpdate:
-    """A capacity-group fact written by settle: a cooldown with a waiting floor."""
-
-    mode: GroupMode
-    until: float | None
-    reason: str
-
-
-@dataclass(frozen=True)
-class SettleSpec:
-    attempt_id: str
-    fence: int
-    outcome: Outcome
-    fact: FailureFact | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    cost_micros: int | None
-    effective_output: bool
-    tool_started: bool
-    model_reported: str | None
-    output_hash: str | None
-    settle_hash: str
-    void_hold: bool  # the request provably never left the process
-    health: Mapping[str, tuple[str, str | None, HealthUpdate]]  # key -> (kind, provider, update)
-    group_update: GroupUpdate | None
-    events: Sequence[tuple[str, dict[str, Any]]] = ()
-
-
-# -- prebuilt statements of the begin/settle hot path ------------------------------------------
-# Built once: SQLAlchemy memoizes a statement object's cache key, so executing these costs no
-# statement construction or cache-key walk per call (that was most of the write path's CPU time).
-# Parameters named ``k_*`` are bound per call; other keys passed to an INSERT/UPDATE are columns.
-
-_a, _r, _d, _h = s.attempts.c, s.runs.c, s.debits.c, s.health.c
-# The run row under the lock: its counters, fence and lease, not the frozen JSON snapshots.
-_FROZEN_RUN_JSON = ("labels", "plan", "run_grant", "budget", "policy")
-_LOCK_RUN = (
-    select(*[c for c in s.runs.c if c.name not in _FROZEN_RUN_JSON])
-    .where(_r.run_id == bindparam("k_run_id")).with_for_update()
+from ledger.storage.specs import (
+    ADMISSION_FIELDS,
+    AdmitSpec,
+    BeginSpec,
+    GroupUpdate,
+    HealthUpdate,
+    SettleSpec,
 )
-# The same lock, returning only what begin (fence and budget counters) and settle (fence) read:
-# fewer result columns cost less to describe on every execution.
-_LOCK_RUN_FOR_BEGIN = (
-    select(_r.fence, _r.max_calls, _r.carved_calls, _r.calls_used, _r.max_cost_micros,
-           _r.carved_micros, _r.reserved_micros, _r.posted_micros)
-    .where(_r.run_id == bindparam("k_run_id")).with_for_update()
+from ledger.storage.statements import (
+    BEGIN_LOOKUP,
+    BEGIN_RUN,
+    DEL_SLOT,
+    INS_ATTEMPT,
+    INS_DEBIT,
+    INS_SLOT,
+    LOCK_RUN,
+    LOCK_RUN_FENCE,
+    LOCK_RUN_FOR_BEGIN,
+    PG_BEGIN_COMMON,
+    SEL_ATTEMPT_WITH_DEBIT,
+    SEL_ATTEMPT_WITH_DEBIT_IN_RUN,
+    SEL_GROUP_FOR_UPDATE,
+    SEL_HEALTH_FOR_UPDATE,
+    SETTLE_ATTEMPT,
+    SETTLE_DEBIT,
+    SETTLE_READ,
+    SETTLE_RUN,
+    SETTLE_RUN_SUCCEEDED,
+    UPD_HEALTH,
+    begin_rows,
+    event_json,
+    event_params,
+    health_values,
+    pg_begin_writes,
+    pg_settle_writes,
 )
-_LOCK_RUN_FENCE = (
-    select(_r.fence).where(_r.run_id == bindparam("k_run_id")).with_for_update()
-)
-_SEL_ATTEMPT = select(s.attempts).where(_a.attempt_id == bindparam("k_attempt_id"))
-_SEL_ATTEMPT_WITH_DEBIT = (
-    select(s.attempts, _d.state.label("debit_state"),
-           _d.reserved_micros.label("debit_reserved_micros"))
-    .outerjoin(s.debits, _d.debit_id == _a.debit_id)
-    .where(_a.attempt_id == bindparam("k_attempt_id"))
-)
-_SEL_ATTEMPT_WITH_DEBIT_IN_RUN = _SEL_ATTEMPT_WITH_DEBIT.where(_a.run_id == bindparam("k_run_id"))
-# Computed after the run row is locked (its own statement, so its snapshot is taken after the
-# lock: every concurrent begin of this run has committed), with the capacity group row read
-# without a lock (``g_id`` is NULL when the group has no row yet). Not merged into the lock
-# statement: in READ COMMITTED the rest of a locking statement reads the snapshot taken before
-# it waited for the lock, so a begin that committed meanwhile would be missed.
-_CG = s.capacity_groups.c
-
-
-def _group_col(col: Any, label: str) -> Any:
-    return select(col).where(_CG.group_id == bindparam("k_group")).scalar_subquery().label(label)
-
-
-_BEGIN_LOOKUP = select(
-    select(func.coalesce(func.max(_a.seq), 0) + 1).where(_a.run_id == bindparam("k_run_id"))
-    .scalar_subquery().label("next_seq"),
-    select(_a.attempt_id).where(_a.attempt_id == bindparam("k_attempt_id"))
-    .scalar_subquery().label("prior"),
-    _group_col(_CG.group_id, "g_id"),
-    _group_col(_CG.max_in_flight, "g_max_in_flight"),
-    _group_col(_CG.mode, "g_mode"),
-    _group_col(_CG.until, "g_until"),
-)
-_SEL_GROUP_FOR_UPDATE = select(s.capacity_groups).where(
-    s.capacity_groups.c.group_id == bindparam("k_group")).with_for_update()
-_INS_DEBIT = s.debits.insert()
-_INS_ATTEMPT = s.attempts.insert()
-_INS_SLOT = s.group_slots.insert()
-_BEGIN_RUN = s.runs.update().where(_r.run_id == bindparam("k_run_id")).values(
-    calls_used=_r.calls_used + 1,
-    reserved_micros=_r.reserved_micros + bindparam("k_reserve", type_=_r.reserved_micros.type),
-    status=bindparam("k_status"), updated_at=bindparam("k_now"),
-)
-_SETTLE_ATTEMPT = s.attempts.update().where(_a.attempt_id == bindparam("k_attempt_id"))
-_SETTLE_DEBIT = s.debits.update().where(_d.debit_id == bindparam("k_debit_id"))
-_DEL_SLOT = s.group_slots.delete().where(s.group_slots.c.attempt_id == bindparam("k_attempt_id"))
-_SETTLE_RUN = s.runs.update().where(_r.run_id == bindparam("k_run_id")).values(
-    reserved_micros=_r.reserved_micros - bindparam("k_release", type_=_r.reserved_micros.type),
-    posted_micros=_r.posted_micros + bindparam("k_posted", type_=_r.posted_micros.type),
-    tokens_used=_r.tokens_used + bindparam("k_tokens", type_=_r.tokens_used.type),
-    updated_at=bindparam("k_now"),
-)
-_SETTLE_RUN_SUCCEEDED = _SETTLE_RUN.values(
-    current_route=bindparam("k_route"), current_profile=bindparam("k_profile"),
-)
-_SEL_HEALTH_FOR_UPDATE = select(s.health).where(_h.key == bindparam("k_key")).with_for_update()
-_UPD_HEALTH = s.health.update().where(_h.key == bindparam("k_key"))
-# Every attempts column, for building a record from the values a transaction just wrote.
-_ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
-
-# Settle's read after the run lock: the attempt, its debit, and the first health row it updates
-# (``h_*`` columns, ``h_key`` NULL when the row does not exist yet). On PostgreSQL the health row
-# is locked here (the run row is already locked, so the lock order is unchanged) and its
-# read-modify-write completes in the settle's write statement; SQLite's ``BEGIN IMMEDIATE``
-# already holds the database's write lock.
-_HEALTH_COLS = ["key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
-                "failure_counts", "last_failure_at", "last_used", "last_probe_at"]
-
-
-def _settle_read(dialect: str) -> Any:
-    if dialect == "postgresql":
-        h: Any = (select(s.health).where(_h.key == bindparam("k_key")).with_for_update()
-                  .lateral("h"))
-        on: Any = true()
-    else:
-        h = s.health
-        on = _h.key == bindparam("k_key")
-    return (
-        select(s.attempts, _d.state.label("debit_state"),
-               _d.reserved_micros.label("debit_reserved_micros"),
-               *[h.c[n].label("h_" + n) for n in _HEALTH_COLS])
-        .select_from(s.attempts.outerjoin(s.debits, _d.debit_id == _a.debit_id).outerjoin(h, on))
-        .where(_a.attempt_id == bindparam("k_attempt_id"), _a.run_id == bindparam("k_run_id"))
-    )
-
-
-_SETTLE_READ = {d: _settle_read(d) for d in ("postgresql", "sqlite")}
-
-# -- PostgreSQL: each transaction's writes as one statement (data-modifying CTEs) -------------
-# A round trip per statement is most of what the write path costs on PostgreSQL, so the writes of
-# begin and settle, all decided before they are sent, go as one statement. The sub-statements
-# touch distinct rows and none reads what another writes (they all see the statement's
-# snapshot); the events go in one multi-row INSERT so their ids keep the order given. Built once
-# per shape. SQLite keeps the plain statements (in-process: no round trips to save).
-
-
-def _bp(prefix: str, col: Any) -> Any:
-    return bindparam(prefix + col.name, type_=col.type)
-
-
-_BEGIN_ATTEMPT_COLS = (
-    "attempt_id", "run_id", "tenant", "turn_id", "seq", "kind", "route_id", "provider", "model",
-    "group_id", "profile_id", "debit_id", "envelope_hash", "state", "reject_reason",
-    "effective_output", "tool_started", "reserved_micros", "begin_hash", "fence", "executor",
-    "created_at", "settled_at",
-)
-_DEBIT_COLS = ("debit_id", "run_id", "attempt_id", "state", "reserved_micros", "posted_micros",
-               "created_at", "settled_at")
-_SLOT_COLS = ("attempt_id", "group_id", "run_id", "fence", "acquired_at")
-_SETTLE_ATTEMPT_COLS = (
-    "state", "fact", "category", "http_status", "effective_output", "tool_started",
-    "prompt_tokens", "completion_tokens", "cost_micros", "model_reported", "output_hash",
-    "settle_hash", "settle_fence", "settled_at",
-)
-_HEALTH_UPDATE_COLS = (
-    "cooldown_until", "disabled_until", "disabled_reason", "error_count", "failure_counts",
-    "last_failure_at", "last_used", "last_probe_at", "updated_at",
-)
-_EVENT_COLS = ("run_id", "attempt_id", "kind", "data", "created_at")
-_PG_STATEMENTS: dict[tuple[Any, ...], Any] = {}
-
-
-def _events_cte(n: int) -> Any:
-    e = s.events.c
-    return s.events.insert().values([
-        {c: _bp(f"e{i}_", e[c]) for c in _EVENT_COLS} for i in range(n)
-    ]).cte("w_events")
-
-
-def _pg_begin_writes(n_events: int) -> Any:
-    """Insert debit, attempt, slot and events, and count the call on the run, as one statement."""
-    key = ("begin", n_events)
-    stmt = _PG_STATEMENTS.get(key)
-    if stmt is None:
-        gs = s.group_slots.c
-        ctes = [
-            s.debits.insert().values({c: _bp("d_", _d[c]) for c in _DEBIT_COLS}).cte("w_debit"),
-            s.attempts.insert().values({c: _bp("a_", _a[c]) for c in _BEGIN_ATTEMPT_COLS})
-            .cte("w_attempt"),
-            s.group_slots.insert().values({c: _bp("s_", gs[c]) for c in _SLOT_COLS})
-            .cte("w_slot"),
-            _BEGIN_RUN.cte("w_run"),
-        ]
-        if n_events:
-            ctes.append(_events_cte(n_events))
-        stmt = _PG_STATEMENTS[key] = select(literal(1)).add_cte(*ctes)
-    return stmt
-
-
-def _pg_begin_common() -> Any:
-    """``_pg_begin_writes(0)`` guarded by the lookup's common answer (no prior attempt, group
-    row present, open or past its waiting floor, no in-flight limit); seq computed in SQL."""
-    gs = s.group_slots.c
-    ok = select(
-        select(func.coalesce(func.max(_a.seq), 0) + 1).where(_a.run_id == bindparam("k_run_id"))
-        .scalar_subquery().label("next_seq")
-    ).where(
-        ~select(_a.attempt_id).where(_a.attempt_id == bindparam("k_attempt_id")).exists(),
-        select(_CG.group_id).where(
-            _CG.group_id == bindparam("k_group"), _CG.max_in_flight.is_(None),
-            or_(_CG.mode == bindparam("k_open"),
-                and_(_CG.until.is_not(None), _CG.until <= bindparam("k_now"))),
-        ).exists(),
-    ).cte("ok")
-
-    def rows(prefix: str, table: Any, names: Sequence[str]) -> Any:
-        cols = [table.c[n] for n in names]
-        return table.insert().from_select(names, select(*[
-            ok.c.next_seq if (table is s.attempts and c.name == "seq")
-            else cast(bindparam(prefix + c.name), c.type) for c in cols
-        ]).select_from(ok))
-
-    return select(ok.c.next_seq).add_cte(
-        rows("d_", s.debits, _DEBIT_COLS).cte("w_debit"),
-        rows("a_", s.attempts, _BEGIN_ATTEMPT_COLS).cte("w_attempt"),
-        rows("s_", s.group_slots, [c.name for c in gs if c.name in _SLOT_COLS]).cte("w_slot"),
-        _BEGIN_RUN.where(select(ok.c.next_seq).exists()).cte("w_run"),
-    )
-
-
-def _begin_rows(spec: BeginSpec, seq: int | None, rejected: tuple[str, float | None] | None,
-                now: float) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any],
-                                     dict[str, Any]]:
-    """The debit, attempt and slot rows and the run update's parameters of one begin."""
-    debit_id = "d-" + spec.attempt_id
-    state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
-    debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
-    debit: dict[str, Any] = {
-        "debit_id": debit_id, "run_id": spec.run_id, "attempt_id": spec.attempt_id,
-        "state": debit_state.value, "reserved_micros": spec.reserve_micros,
-        "posted_micros": 0, "created_at": now, "settled_at": now if rejected else None,
-    }
-    values: dict[str, Any] = {
-        "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
-        "turn_id": spec.turn_id, "seq": seq, "kind": spec.kind.value,
-        "route_id": spec.route.id,
-        "provider": spec.route.provider, "model": spec.route.model,
-        "group_id": spec.route.group, "profile_id": spec.profile_id,
-        "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
-        "reject_reason": rejected[0] if rejected else None,
-        "effective_output": False, "tool_started": False,
-        "reserved_micros": spec.reserve_micros, "begin_hash": spec.begin_hash,
-        "fence": spec.fence, "executor": spec.executor, "created_at": now,
-        "settled_at": now if rejected else None,
-    }
-    slot = {"attempt_id": spec.attempt_id, "group_id": spec.route.group,
-            "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}
-    run_params = {"k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
-                  "k_status": RunStatus.RUNNING.value, "k_now": now}
-    return debit, values, slot, run_params
-
-
-def _pg_settle_writes(debit: bool, succeeded: bool, health: bool, provenance: bool,
-                      n_events: int) -> Any:
-    """Update attempt, debit, run and health row, release the slot, insert provenance and
-    events, as one statement."""
-    key = ("settle", debit, succeeded, health, provenance, n_events)
-    stmt = _PG_STATEMENTS.get(key)
-    if stmt is None:
-        ctes = [
-            _SETTLE_ATTEMPT.values({c: _bp("a_", _a[c]) for c in _SETTLE_ATTEMPT_COLS})
-            .cte("w_attempt"),
-            _DEL_SLOT.cte("w_slot"),
-            (_SETTLE_RUN_SUCCEEDED if succeeded else _SETTLE_RUN).cte("w_run"),
-        ]
-        if debit:
-            ctes.append(_SETTLE_DEBIT.values(
-                state=_bp("d_", _d.state), posted_micros=_bp("d_", _d.posted_micros),
-                settled_at=_bp("d_", _d.settled_at),
-            ).cte("w_debit"))
-        if health:
-            ctes.append(_UPD_HEALTH.values({c: _bp("h_", _h[c]) for c in _HEALTH_UPDATE_COLS})
-                        .cte("w_health"))
-        if provenance:
-            p = s.provenance.c
-            ctes.append(pg_dialect.insert(s.provenance).values(
-                run_id=bindparam("k_run_id", type_=p.run_id.type),
-                ref=bindparam("k_attempt_id", type_=p.ref.type),
-                content_hash=_bp("p_", p.content_hash), kind=_bp("p_", p.kind),
-                created_at=bindparam("k_now", type_=p.created_at.type),
-            ).on_conflict_do_nothing().cte("w_provenance"))
-        if n_events:
-            ctes.append(_events_cte(n_events))
-        stmt = _PG_STATEMENTS[key] = select(literal(1)).add_cte(*ctes)
-    return stmt
-
-
-_PG_BEGIN_COMMON = _pg_begin_common()
-
-
-def _event_params(events: Sequence[tuple[str, Mapping[str, Any]]], run_id: str,
-                  attempt_id: str, now: float) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i, (kind, data) in enumerate(events):
-        out[f"e{i}_run_id"] = run_id
-        out[f"e{i}_attempt_id"] = attempt_id
-        out[f"e{i}_kind"] = kind
-        out[f"e{i}_data"] = _event_json(data)
-        out[f"e{i}_created_at"] = now
-    return out
-
-
-def _event_json(data: Mapping[str, Any]) -> str:
-    return json.dumps(dict(data), sort_keys=True, default=str)
-
-
-def _health_values(new: Health, now: float) -> dict[str, Any]:
-    return {
-        "cooldown_until": new.cooldown_until, "disabled_until": new.disabled_until,
-        "disabled_reason": new.disabled_reason, "error_count": new.error_count,
-        "failure_counts": json.dumps(new.failure_counts, sort_keys=True),
-        "last_failure_at": new.last_failure_at, "last_used": new.last_used,
-        "last_probe_at": new.last_probe_at, "updated_at": now,
-    }
 
 
 class Store:
@@ -486,7 +150,7 @@ class Store:
                         run_id=spec.run_id,
                         differing=differing or ["content"],
                     )
-                return _run(existing), False
+                return run_record(existing), False
             if spec.parent_run_id is not None:
                 self._carve_from_parent(conn, spec)
             values = {
@@ -509,7 +173,7 @@ class Store:
             self._event(conn, spec.run_id, None, "admit",
                         {"policy_hash": spec.policy_hash, "parent": spec.parent_run_id}, now)
             row = conn.execute(select(s.runs).where(s.runs.c.run_id == spec.run_id)).one()
-            return _run(row), True
+            return run_record(row), True
 
     def _carve_from_parent(self, conn: Connection, spec: AdmitSpec) -> None:
         r = s.runs.c
@@ -556,7 +220,7 @@ class Store:
         if row is None:
             raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
                            run_id=run_id)
-        return _run(row)
+        return run_record(row)
 
     def children(self, run_id: str) -> list[RunRecord]:
         with self._read() as conn:
@@ -564,10 +228,10 @@ class Store:
                 select(s.runs).where(s.runs.c.parent_run_id == run_id)
                 .order_by(s.runs.c.created_at, s.runs.c.run_id)
             ).all()
-        return [_run(r) for r in rows]
+        return [run_record(r) for r in rows]
 
     def _lock_run(self, conn: Connection, run_id: str, fence: int | None,
-                  stmt: Any = _LOCK_RUN) -> Row[Any]:
+                  stmt: Any = LOCK_RUN) -> Row[Any]:
         row = conn.execute(stmt, {"k_run_id": run_id}).first()
         if row is None:
             raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
@@ -668,7 +332,7 @@ class Store:
         """Record an attempt before it is sent, in one transaction (see module docstring)."""
         rejected: tuple[str, float | None] | None = None
         with self._write() as conn:
-            run = self._lock_run(conn, spec.run_id, spec.fence, _LOCK_RUN_FOR_BEGIN)
+            run = self._lock_run(conn, spec.run_id, spec.fence, LOCK_RUN_FOR_BEGIN)
             values: dict[str, Any] | None = None
             debit_state = DebitState.RESERVED
             if (self.dialect == "postgresql" and not spec.events
@@ -680,15 +344,15 @@ class Store:
                 # decide, as for every other begin.
                 values = self._pg_begin_common(conn, spec, now)
             if values is None:
-                nxt = conn.execute(_BEGIN_LOOKUP, {"k_run_id": spec.run_id,
+                nxt = conn.execute(BEGIN_LOOKUP, {"k_run_id": spec.run_id,
                                                    "k_attempt_id": spec.attempt_id,
                                                    "k_group": spec.route.group}).one()
                 if nxt.prior is not None:
-                    prior = conn.execute(_SEL_ATTEMPT_WITH_DEBIT,
+                    prior = conn.execute(SEL_ATTEMPT_WITH_DEBIT,
                                          {"k_attempt_id": spec.attempt_id}).one()
                     if prior.begin_hash == spec.begin_hash and prior.run_id == spec.run_id:
                         # the same write, acknowledged again
-                        return _attempt(prior, prior.debit_state)
+                        return attempt_record(prior, prior.debit_state)
                     raise Conflict(
                         f"attempt id {spec.attempt_id!r} is already recorded with different "
                         "content; use a new attempt id for a new physical call",
@@ -713,18 +377,18 @@ class Store:
                 rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
                 seq = nxt.next_seq
                 debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
-                debit, values, slot, run_params = _begin_rows(spec, seq, rejected, now)
+                debit, values, slot, run_params = begin_rows(spec, seq, rejected, now)
                 if not rejected and self.dialect == "postgresql":
                     # The same writes as below, as one statement (one round trip).
                     params = {**run_params,
-                              **_event_params(spec.events, spec.run_id, spec.attempt_id, now)}
+                              **event_params(spec.events, spec.run_id, spec.attempt_id, now)}
                     params.update({"d_" + k: v for k, v in debit.items()})
                     params.update({"a_" + k: v for k, v in values.items()})
                     params.update({"s_" + k: v for k, v in slot.items()})
-                    conn.execute(_pg_begin_writes(len(spec.events)), params)
+                    conn.execute(pg_begin_writes(len(spec.events)), params)
                 else:
-                    conn.execute(_INS_DEBIT, debit)
-                    conn.execute(_INS_ATTEMPT, values)
+                    conn.execute(INS_DEBIT, debit)
+                    conn.execute(INS_ATTEMPT, values)
                     for kind, data in spec.events:
                         self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
                     if rejected:
@@ -732,10 +396,10 @@ class Store:
                                     {"reason": rejected[0], "until": rejected[1],
                                      "group": spec.route.group}, now)
                     else:
-                        conn.execute(_INS_SLOT, slot)
-                        conn.execute(_BEGIN_RUN, run_params)
+                        conn.execute(INS_SLOT, slot)
+                        conn.execute(BEGIN_RUN, run_params)
             # The record from what was just written (no re-read of the rows).
-            record = _written_attempt(values, debit_state.value)
+            record = written_attempt(values, debit_state.value)
             faults.point("begin.before_commit")
         faults.point("begin.after_commit")
         if rejected:
@@ -753,13 +417,13 @@ class Store:
         group being open without a limit; the attempt's values if written, else None (nothing
         was written). Run after the run lock, so it sees every begin of this run, as the
         lookup would; the budget and allowance were checked on the locked row."""
-        debit, values, slot, run_params = _begin_rows(spec, None, None, now)
+        debit, values, slot, run_params = begin_rows(spec, None, None, now)
         params = {**run_params, "k_attempt_id": spec.attempt_id, "k_group": spec.route.group,
                   "k_open": GroupMode.OPEN.value}
         params.update({"d_" + k: v for k, v in debit.items()})
         params.update({"a_" + k: v for k, v in values.items() if k != "seq"})
         params.update({"s_" + k: v for k, v in slot.items()})
-        seq = conn.execute(_PG_BEGIN_COMMON, params).scalar()
+        seq = conn.execute(PG_BEGIN_COMMON, params).scalar()
         if seq is None:
             return None
         values["seq"] = seq
@@ -781,9 +445,9 @@ class Store:
                 .values(group_id=group, mode=GroupMode.OPEN.value, updated_at=now)
                 .on_conflict_do_nothing()
             )
-            row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
+            row = conn.execute(SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
         elif row.max_in_flight is not None:
-            row = conn.execute(_SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
+            row = conn.execute(SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
         if row.mode != GroupMode.OPEN.value and (row.until is None or row.until > now):
             return ("group_" + row.mode, row.until)
         if row.max_in_flight is not None:
@@ -811,16 +475,16 @@ class Store:
     def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
         with self._write() as conn:
-            self._lock_run(conn, run_id, spec.fence, _LOCK_RUN_FENCE)
+            self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE)
             # The attempt with its debit's state and hold (and the first health row it
             # updates, locked on PostgreSQL), in one statement.
             health_keys = list(spec.health)
             params: dict[str, Any] = {"k_attempt_id": spec.attempt_id, "k_run_id": run_id}
             if health_keys:
-                att = conn.execute(_SETTLE_READ[self.dialect],
+                att = conn.execute(SETTLE_READ[self.dialect],
                                    {**params, "k_key": health_keys[0]}).first()
             else:
-                att = conn.execute(_SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params).first()
+                att = conn.execute(SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params).first()
             if att is None:
                 raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
                                attempt_id=spec.attempt_id, run_id=run_id)
@@ -831,7 +495,7 @@ class Store:
                 )
             if att.state != AttemptState.DISPATCHING.value:
                 if att.settle_hash == spec.settle_hash:
-                    return _attempt(att, att.debit_state)  # the same settle again: same write
+                    return attempt_record(att, att.debit_state)  # the same settle again: same write
                 if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None:
                     pass  # recovery marked it unknown; a late receipt may still settle it
                 else:
@@ -887,13 +551,13 @@ class Store:
             first_health: dict[str, Any] | None = None
             if health_keys and att.h_key is not None:
                 _kind, _provider, update = spec.health[health_keys[0]]
-                first_health = _health_values(update(_health_from_read(att)), now)
+                first_health = health_values(update(health_from_read(att)), now)
             provenance = succeeded and bool(spec.output_hash)
             if self.dialect == "postgresql":
                 # The same writes as below, as one statement (one round trip).
                 params = {"k_attempt_id": spec.attempt_id, "k_debit_id": att.debit_id,
                           **run_params,
-                          **_event_params(spec.events, run_id, spec.attempt_id, now)}
+                          **event_params(spec.events, run_id, spec.attempt_id, now)}
                 params.update({"a_" + k: v for k, v in values.items()})
                 if settle_debit:
                     params.update({"d_" + k: v for k, v in debit_params.items()})
@@ -902,16 +566,16 @@ class Store:
                     params.update({"h_" + k: v for k, v in first_health.items()})
                 if provenance:
                     params.update(p_content_hash=spec.output_hash, p_kind="model_output")
-                conn.execute(_pg_settle_writes(settle_debit, succeeded, first_health is not None,
+                conn.execute(pg_settle_writes(settle_debit, succeeded, first_health is not None,
                                                provenance, len(spec.events)), params)
             else:
-                conn.execute(_SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
+                conn.execute(SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
                 if settle_debit:
-                    conn.execute(_SETTLE_DEBIT, {"k_debit_id": att.debit_id, **debit_params})
-                conn.execute(_DEL_SLOT, {"k_attempt_id": spec.attempt_id})
-                conn.execute(_SETTLE_RUN_SUCCEEDED if succeeded else _SETTLE_RUN, run_params)
+                    conn.execute(SETTLE_DEBIT, {"k_debit_id": att.debit_id, **debit_params})
+                conn.execute(DEL_SLOT, {"k_attempt_id": spec.attempt_id})
+                conn.execute(SETTLE_RUN_SUCCEEDED if succeeded else SETTLE_RUN, run_params)
                 if first_health is not None:
-                    conn.execute(_UPD_HEALTH, {"k_key": health_keys[0], **first_health})
+                    conn.execute(UPD_HEALTH, {"k_key": health_keys[0], **first_health})
             # Health rows not updated above, in the order given (the lock order).
             for i, key in enumerate(health_keys):
                 if i == 0 and first_health is not None:
@@ -931,14 +595,14 @@ class Store:
                 for kind, data in spec.events:
                     self._event(conn, run_id, spec.attempt_id, kind, data, now)
             # The record from the row as read plus what was just written (no re-read).
-            record = _written_attempt({**att._mapping, **values}, final_debit_state)
+            record = written_attempt({**att._mapping, **values}, final_debit_state)
             faults.point("settle.before_commit")
         faults.point("settle.after_commit")
         return record
 
     def _update_health(self, conn: Connection, key: str, kind: str, provider: str | None,
                        update: HealthUpdate, now: float) -> None:
-        row = conn.execute(_SEL_HEALTH_FOR_UPDATE, {"k_key": key}).first()
+        row = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key}).first()
         if row is None:
             conn.execute(
                 self._insert(s.health).values(
@@ -946,8 +610,8 @@ class Store:
                     updated_at=now,
                 ).on_conflict_do_nothing()
             )
-            row = conn.execute(_SEL_HEALTH_FOR_UPDATE, {"k_key": key}).one()
-        conn.execute(_UPD_HEALTH, {"k_key": key, **_health_values(update(_health(row)), now)})
+            row = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key}).one()
+        conn.execute(UPD_HEALTH, {"k_key": key, **health_values(update(health_record(row)), now)})
 
     def _write_group_fact(self, conn: Connection, group: str, upd: GroupUpdate, now: float) -> None:
         g = s.capacity_groups.c
@@ -1042,7 +706,7 @@ class Store:
             q = select(s.health)
             if keys is not None:
                 q = q.where(h.key.in_(list(keys)))
-            return {row.key: _health(row) for row in conn.execute(q).all()}
+            return {row.key: health_record(row) for row in conn.execute(q).all()}
 
     def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float) -> bool:
         """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window."""
@@ -1093,7 +757,7 @@ class Store:
     def _event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                data: Mapping[str, Any], now: float) -> None:
         conn.execute(s.events.insert().values(
-            run_id=run_id, attempt_id=attempt_id, kind=kind, data=_event_json(data),
+            run_id=run_id, attempt_id=attempt_id, kind=kind, data=event_json(data),
             created_at=now,
         ))
 
@@ -1111,10 +775,10 @@ class Store:
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
         with self._read() as conn:
-            row = conn.execute(_SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": attempt_id}).first()
+            row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": attempt_id}).first()
             if row is None:
                 raise NotFound(f"unknown attempt id {attempt_id!r}", attempt_id=attempt_id)
-            return _attempt(row, row.debit_state)
+            return attempt_record(row, row.debit_state)
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         a = s.attempts.c
@@ -1128,7 +792,7 @@ class Store:
                 .join(s.debits, d.debit_id == a.debit_id)
                 .where(a.run_id == run_id).order_by(a.seq)
             ).all()
-        return [_attempt(row, row.debit_state) for row in rows]
+        return [attempt_record(row, row.debit_state) for row in rows]
 
     def attempts(
         self,
@@ -1173,7 +837,7 @@ class Store:
         q = select(s.attempts).where(*conds).order_by(a.created_at.desc(), a.attempt_id.desc())
         with self._read() as conn:
             rows = conn.execute(q.limit(limit + 1)).all()
-        items = [_attempt(r, None) for r in rows[:limit]]
+        items = [attempt_record(r, None) for r in rows[:limit]]
         nxt = None
         if len(rows) > limit:
             last = rows[limit - 1]
@@ -1193,107 +857,4 @@ class Store:
         dstate = conn.execute(
             select(s.debits.c.state).where(s.debits.c.debit_id == row.debit_id)
         ).scalar_one_or_none()
-        return _attempt(row, dstate)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _run(row: Row[Any]) -> RunRecord:
-    return RunRecord(
-        run_id=row.run_id,
-        parent_run_id=row.parent_run_id,
-        role=row.role,
-        tenant=row.tenant,
-        labels=json.loads(row.labels),
-        status=RunStatus(row.status),
-        plan=[Route.model_validate(x) for x in json.loads(row.plan)],
-        grant=Grant.model_validate(json.loads(row.run_grant)),
-        budget=Budget.model_validate(json.loads(row.budget)),
-        policy=json.loads(row.policy),
-        policy_hash=row.policy_hash,
-        selected_route=row.selected_route,
-        content_hash=row.content_hash,
-        deadline=row.deadline,
-        calls_used=row.calls_used,
-        retries_used=row.retries_used,
-        reserved=from_micros(row.reserved_micros),
-        posted=from_micros(row.posted_micros),
-        tokens_used=row.tokens_used,
-        carved_calls=row.carved_calls,
-        carved_retries=row.carved_retries,
-        carved=from_micros(row.carved_micros),
-        current_route=row.current_route,
-        current_profile=row.current_profile,
-        lease_holder=row.lease_holder,
-        fence=row.fence,
-        lease_expires_at=row.lease_expires_at,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-    )
-
-
-def _attempt(row: Row[Any], debit_state: str | None) -> AttemptRecord:
-    return AttemptRecord(
-        attempt_id=row.attempt_id,
-        run_id=row.run_id,
-        turn_id=row.turn_id,
-        seq=row.seq,
-        kind=AttemptKind(row.kind),
-        route_id=row.route_id,
-        provider=row.provider,
-        model=row.model,
-        group_id=row.group_id,
-        profile_id=row.profile_id,
-        debit_id=row.debit_id,
-        envelope_hash=row.envelope_hash,
-        state=AttemptState(row.state),
-        reject_reason=row.reject_reason,
-        fact=FailureFact.model_validate_json(row.fact) if row.fact else None,
-        category=row.category,
-        http_status=row.http_status,
-        effective_output=bool(row.effective_output),
-        tool_started=bool(row.tool_started),
-        prompt_tokens=row.prompt_tokens,
-        completion_tokens=row.completion_tokens,
-        cost=from_micros(row.cost_micros) if row.cost_micros is not None else None,
-        reserved=from_micros(row.reserved_micros),
-        model_reported=row.model_reported,
-        output_hash=row.output_hash,
-        fence=row.fence,
-        executor=row.executor,
-        created_at=row.created_at,
-        settled_at=row.settled_at,
-        debit_state=DebitState(debit_state) if debit_state else None,
-    )
-
-
-def _written_attempt(values: Mapping[str, Any], debit_state: str | None) -> AttemptRecord:
-    """An AttemptRecord from column values this transaction wrote, converted exactly as a row
-    read back would be (times are stored as double precision)."""
-    cols = {**_ATTEMPT_NULLS, **values}
-    for name in ("created_at", "settled_at"):
-        if cols[name] is not None:
-            cols[name] = float(cols[name])
-    return _attempt(SimpleNamespace(**cols), debit_state)  # type: ignore[arg-type]
-
-
-def _health_from_read(row: Row[Any]) -> Health:
-    """The health row read with settle's attempt (its columns prefixed ``h_``)."""
-    m = row._mapping
-    return _health(SimpleNamespace(**{n: m["h_" + n] for n in _HEALTH_COLS}))  # type: ignore[arg-type]
-
-
-def _health(row: Row[Any]) -> Health:
-    return Health(
-        key=row.key,
-        cooldown_until=row.cooldown_until,
-        disabled_until=row.disabled_until,
-        disabled_reason=row.disabled_reason,
-        error_count=row.error_count,
-        failure_counts=json.loads(row.failure_counts or "{}"),
-        last_failure_at=row.last_failure_at,
-        last_used=row.last_used,
-        last_probe_at=row.last_probe_at,
-    )
+        return attempt_record(row, dstate)
