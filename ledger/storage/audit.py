@@ -124,7 +124,7 @@ def runs_page(store: Store, *, status: str | None, tenant: str | None, since: fl
         conds.append(r.tenant == tenant)
     q = (select(*(r[c] for c in _RUN_COLS)).where(*conds)
          .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
-    with store._read() as conn:
+    with store.reading() as conn:
         rows = _maps(conn.execute(q).all())
     nxt = None
     if len(rows) > limit:
@@ -142,7 +142,7 @@ def timeline(store: Store, run_id: str) -> tuple[RowMap | None, list[RowMap], li
     a = s.attempts.c
     d = s.debits.c
     e = s.events.c
-    with store._read() as conn:
+    with store.reading() as conn:
         run = conn.execute(select(*(r[c] for c in _RUN_COLS)).where(r.run_id == run_id)).first()
         if run is None:
             return None, [], []
@@ -183,7 +183,7 @@ def failover_page(store: Store, *, since: float | None, until: float | None, lim
     q = (select(*(r[c] for c in _RUN_COLS))
          .where(*conds, or_(served_elsewhere, moved))
          .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
-    with store._read() as conn:
+    with store.reading() as conn:
         runs = _maps(conn.execute(q).all())
         nxt = None
         if len(runs) > limit:
@@ -263,7 +263,7 @@ def totals(store: Store, *, by: str, since: float | None, until: float | None,
                       else s.attempts)
     q = (q.where(*_range(a.created_at, since, until)).group_by(key)
          .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
-    with store._read() as conn:
+    with store.reading() as conn:
         rows = _maps(conn.execute(q).all())
     nxt = None
     if len(rows) > limit:
@@ -288,7 +288,7 @@ def open_attempts(store: Store, *, states: Sequence[str], since: float | None,
          .join(s.runs, r.run_id == a.run_id)
          .where(a.state.in_(list(states)), *conds)
          .order_by(a.created_at.desc(), a.attempt_id.desc()).limit(limit + 1))
-    with store._read() as conn:
+    with store.reading() as conn:
         rows = _maps(conn.execute(q).all())
     nxt = None
     if len(rows) > limit:
@@ -312,7 +312,7 @@ def health(store: Store, now: float) -> tuple[list[RowMap], list[RowMap]]:
             .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
                    r.lease_expires_at > now)
             .group_by(gs.group_id).subquery())
-    with store._read() as conn:
+    with store.reading() as conn:
         hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())
         grows = _maps(conn.execute(
             select(s.capacity_groups, func.coalesce(live.c.in_flight, 0).label("in_flight"))
@@ -340,7 +340,7 @@ def activity(store: Store, *, since: float, until: float, bucket_s: float) -> li
                 func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"))
          .where(a.created_at >= since, a.created_at < until)
          .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
-    with store._read() as conn:
+    with store.reading() as conn:
         return _maps(conn.execute(q).all())
 
 
@@ -350,7 +350,7 @@ def activity(store: Store, *, since: float, until: float, bucket_s: float) -> li
 def history_bounds(store: Store) -> tuple[float | None, float | None]:
     """(oldest, newest) attempt time; both read from ``ix_attempts_created_at`` ends."""
     a = s.attempts.c
-    with store._read() as conn:
+    with store.reading() as conn:
         lo = conn.execute(select(func.min(a.created_at))).scalar()
         hi = conn.execute(select(func.max(a.created_at))).scalar()
     return lo, hi
@@ -359,7 +359,7 @@ def history_bounds(store: Store) -> tuple[float | None, float | None]:
 def sample_runs(store: Store, *, since: float, until: float, n: int) -> list[str]:
     """Up to ``n`` run ids admitted in the range, newest first (benchmark inputs)."""
     r = s.runs.c
-    with store._read() as conn:
+    with store.reading() as conn:
         return list(conn.execute(
             select(r.run_id).where(r.created_at >= since, r.created_at < until)
             .order_by(r.created_at.desc()).limit(n)
@@ -368,7 +368,7 @@ def sample_runs(store: Store, *, since: float, until: float, n: int) -> list[str
 
 def sample_route(store: Store) -> str | None:
     a = s.attempts.c
-    with store._read() as conn:
+    with store.reading() as conn:
         return conn.execute(select(a.route_id).order_by(a.created_at.desc()).limit(1)).scalar()
 
 
@@ -376,5 +376,5 @@ def schema_present(store: Store) -> bool:
     """Whether the ledger tables exist (a reader never creates them)."""
     from sqlalchemy import inspect
 
-    with store._read() as conn:
+    with store.reading() as conn:
         return bool(inspect(conn).has_table("runs"))

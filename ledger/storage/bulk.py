@@ -28,14 +28,14 @@ def bulk_insert(store: Store, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -
     if unknown:
         raise ValueError(f"bulk_insert: unknown tables {sorted(unknown)}")
     n = 0
-    with store._write() as conn:
+    with store.writing() as conn:
         for name in _ORDER:
             batch = rows.get(name)
             if not batch:
                 continue
             table = s.metadata.tables[name]
             if name in _UPSERT_SKIP:
-                stmt = store._insert(table).on_conflict_do_nothing(
+                stmt = store.insert_for(table).on_conflict_do_nothing(
                     index_elements=[_UPSERT_SKIP[name]])
                 conn.execute(stmt, [dict(r) for r in batch])
             else:
@@ -49,7 +49,7 @@ def analyze(store: Store) -> None:
     first queries on a freshly generated ledger are planned with its real size."""
     from sqlalchemy import text
 
-    with store._write() as conn:
+    with store.writing() as conn:
         if store.dialect == "postgresql":
             conn.execute(text("ANALYZE runs, attempts, debits, events, health, capacity_groups"))
         else:

@@ -78,7 +78,7 @@ def expired_runs(store: Store, now: float, limit: int,
     if run_ids is not None:
         q = q.where(r.run_id.in_(run_ids))
     q = q.order_by(r.lease_expires_at, r.run_id).limit(limit)
-    with store._read() as conn:
+    with store.reading() as conn:
         return [row[0] for row in conn.execute(q)]
 
 
@@ -90,7 +90,7 @@ def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float
     a = s.attempts.c
     d = s.debits.c
     gs = s.group_slots.c
-    with store._write() as conn:
+    with store.writing() as conn:
         q = select(s.runs).where(r.run_id == run_id)
         if store.dialect == "postgresql":
             q = q.with_for_update(skip_locked=True)
@@ -122,7 +122,7 @@ def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float
                 .values(state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence)
             )
             for att_id in in_flight:
-                store._event(conn, run_id, att_id, "unknown",
+                store.add_event(conn, run_id, att_id, "unknown",
                              {"reason": UNKNOWN_REASON, "fence": fence}, now)
         # Holds the ledger can prove were never sent: attempts refused at begin (rejected) or
         # settled as failed before send, whose debit is somehow still reserved. The write path
@@ -156,7 +156,7 @@ def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float
         if release_micros:
             values["reserved_micros"] = r.reserved_micros - release_micros
         conn.execute(s.runs.update().where(r.run_id == run_id).values(**values))
-        store._event(conn, run_id, None, "recover", {
+        store.add_event(conn, run_id, None, "recover", {
             "executor": executor, "previous": old_holder, "previous_fence": old_fence,
             "fence": fence, "unknown": in_flight, "voided": provably_unsent,
             "slots_released": slots, "released": release,
@@ -179,7 +179,7 @@ def orphaned_runs(store: Store, limit: int, run_ids: list[str] | None = None) ->
         .order_by(r.run_id).limit(limit))
     if run_ids is not None:
         q = q.where(r.run_id.in_(run_ids))
-    with store._read() as conn:
+    with store.reading() as conn:
         return [row[0] for row in conn.execute(q)]
 
 
@@ -189,7 +189,7 @@ def mark_orphans(store: Store, run_id: str, now: float) -> list[str]:
     r = s.runs.c
     a = s.attempts.c
     gs = s.group_slots.c
-    with store._write() as conn:
+    with store.writing() as conn:
         q = select(r.run_id, r.fence).where(r.run_id == run_id)
         if store.dialect == "postgresql":
             q = q.with_for_update(skip_locked=True)
@@ -205,7 +205,7 @@ def mark_orphans(store: Store, run_id: str, now: float) -> list[str]:
                 state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=row.fence))
             conn.execute(s.group_slots.delete().where(gs.attempt_id.in_(ids)))
             for att_id in ids:
-                store._event(conn, run_id, att_id, "unknown", {
+                store.add_event(conn, run_id, att_id, "unknown", {
                     "reason": "recovery: dispatched under a fence that was taken over, "
                               "without a receipt", "fence": int(row.fence)}, now)
         return ids
@@ -240,7 +240,7 @@ def reconcile_rows(store: Store, now: float) -> Figures:
     g = s.capacity_groups.c
     fig = Figures()
     v = fig.violations
-    with store._read() as conn:
+    with store.reading() as conn:
         if store.dialect == "postgresql":
             conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         runs = conn.execute(select(s.runs)).all()
@@ -368,7 +368,7 @@ def reconcile_rows(store: Store, now: float) -> Figures:
 
 def event_counts(store: Store, kinds: list[str]) -> dict[str, int]:
     ev = s.events.c
-    with store._read() as conn:
+    with store.reading() as conn:
         rows = conn.execute(select(ev.kind, func.count()).where(ev.kind.in_(kinds))
                             .group_by(ev.kind)).all()
     out = {k: 0 for k in kinds}

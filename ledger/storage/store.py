@@ -113,21 +113,24 @@ class Store:
     # -- transactions ---------------------------------------------------------------------
 
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
+    def writing(self) -> Iterator[Connection]:
+        """One write transaction (``BEGIN IMMEDIATE`` on SQLite); other storage modules use it."""
         with mapped_errors(self.url), self.engine.connect() as conn:
             conn = conn.execution_options(ledger_write=True)
             with conn.begin():
                 yield conn
 
     @contextmanager
-    def _read(self) -> Iterator[Connection]:
+    def reading(self) -> Iterator[Connection]:
+        """One read transaction."""
         with mapped_errors(self.url), self.engine.connect() as conn, conn.begin():
             yield conn
 
     def dispose(self) -> None:
         self.engine.dispose()
 
-    def _insert(self, table: Any) -> Any:
+    def insert_for(self, table: Any) -> Any:
+        """The dialect's INSERT (with ON CONFLICT support) for ``table``."""
         if self.dialect == "postgresql":
             return pg_dialect.insert(table)
         return sqlite_dialect.insert(table)
@@ -136,7 +139,7 @@ class Store:
 
     def admit(self, spec: AdmitSpec, now: float) -> tuple[RunRecord, bool]:
         """Insert a run; returns (record, created). Same id + same content -> the first record."""
-        with self._write() as conn:
+        with self.writing() as conn:
             existing = conn.execute(
                 select(s.runs).where(s.runs.c.run_id == spec.run_id).with_for_update()
             ).first()
@@ -170,7 +173,7 @@ class Store:
                     fence=0, created_at=now, updated_at=now,
                 )
             )
-            self._event(conn, spec.run_id, None, "admit",
+            self.add_event(conn, spec.run_id, None, "admit",
                         {"policy_hash": spec.policy_hash, "parent": spec.parent_run_id}, now)
             row = conn.execute(select(s.runs).where(s.runs.c.run_id == spec.run_id)).one()
             return run_record(row), True
@@ -215,7 +218,7 @@ class Store:
         )
 
     def get_run(self, run_id: str) -> RunRecord:
-        with self._read() as conn:
+        with self.reading() as conn:
             row = conn.execute(select(s.runs).where(s.runs.c.run_id == run_id)).first()
         if row is None:
             raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
@@ -223,7 +226,7 @@ class Store:
         return run_record(row)
 
     def children(self, run_id: str) -> list[RunRecord]:
-        with self._read() as conn:
+        with self.reading() as conn:
             rows = conn.execute(
                 select(s.runs).where(s.runs.c.parent_run_id == run_id)
                 .order_by(s.runs.c.created_at, s.runs.c.run_id)
@@ -249,7 +252,7 @@ class Store:
     def acquire_lease(self, run_id: str, executor: str, ttl_s: float, now: float,
                       *, steal_expired_only: bool = True) -> Lease:
         r = s.runs.c
-        with self._write() as conn:
+        with self.writing() as conn:
             row = self._lock_run(conn, run_id, None)
             live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
             if live and row.lease_holder != executor and steal_expired_only:
@@ -265,13 +268,13 @@ class Store:
                     updated_at=now,
                 )
             )
-            self._event(conn, run_id, None, "lease",
+            self.add_event(conn, run_id, None, "lease",
                         {"executor": executor, "fence": fence, "previous": row.lease_holder}, now)
         return Lease(run_id, executor, fence, now + ttl_s)
 
     def renew_lease(self, run_id: str, fence: int, ttl_s: float, now: float) -> Lease:
         r = s.runs.c
-        with self._write() as conn:
+        with self.writing() as conn:
             row = self._lock_run(conn, run_id, fence)
             conn.execute(
                 s.runs.update().where(r.run_id == run_id)
@@ -281,7 +284,7 @@ class Store:
 
     def release_lease(self, run_id: str, fence: int, now: float) -> None:
         r = s.runs.c
-        with self._write() as conn:
+        with self.writing() as conn:
             self._lock_run(conn, run_id, fence)
             held = conn.execute(
                 select(func.count()).select_from(s.group_slots)
@@ -300,11 +303,11 @@ class Store:
 
     def finish_run(self, run_id: str, fence: int, status: RunStatus, now: float) -> None:
         r = s.runs.c
-        with self._write() as conn:
+        with self.writing() as conn:
             self._lock_run(conn, run_id, fence)
             conn.execute(s.runs.update().where(r.run_id == run_id)
                          .values(status=status.value, updated_at=now))
-            self._event(conn, run_id, None, "finish", {"status": status.value}, now)
+            self.add_event(conn, run_id, None, "finish", {"status": status.value}, now)
 
     # -- permissions ----------------------------------------------------------------------
 
@@ -312,7 +315,7 @@ class Store:
                       data: Mapping[str, Any] | None = None) -> int:
         """Take one retry permission; returns how many are left after it."""
         r = s.runs.c
-        with self._write() as conn:
+        with self.writing() as conn:
             row = self._lock_run(conn, run_id, fence)
             left = row.max_retries - row.carved_retries - row.retries_used
             if left <= 0:
@@ -323,7 +326,7 @@ class Store:
                 )
             conn.execute(s.runs.update().where(r.run_id == run_id)
                          .values(retries_used=r.retries_used + 1, updated_at=now))
-            self._event(conn, run_id, None, "retry_permission", dict(data or {}), now)
+            self.add_event(conn, run_id, None, "retry_permission", dict(data or {}), now)
         return int(left) - 1
 
     # -- attempts -------------------------------------------------------------------------
@@ -331,7 +334,7 @@ class Store:
     def begin_attempt(self, spec: BeginSpec, now: float) -> AttemptRecord:
         """Record an attempt before it is sent, in one transaction (see module docstring)."""
         rejected: tuple[str, float | None] | None = None
-        with self._write() as conn:
+        with self.writing() as conn:
             run = self._lock_run(conn, spec.run_id, spec.fence, LOCK_RUN_FOR_BEGIN)
             values: dict[str, Any] | None = None
             debit_state = DebitState.RESERVED
@@ -390,9 +393,9 @@ class Store:
                     conn.execute(INS_DEBIT, debit)
                     conn.execute(INS_ATTEMPT, values)
                     for kind, data in spec.events:
-                        self._event(conn, spec.run_id, spec.attempt_id, kind, data, now)
+                        self.add_event(conn, spec.run_id, spec.attempt_id, kind, data, now)
                     if rejected:
-                        self._event(conn, spec.run_id, spec.attempt_id, "reject",
+                        self.add_event(conn, spec.run_id, spec.attempt_id, "reject",
                                     {"reason": rejected[0], "until": rejected[1],
                                      "group": spec.route.group}, now)
                     else:
@@ -441,7 +444,7 @@ class Store:
                                   max_in_flight=looked_up.g_max_in_flight)
         if row is None:
             conn.execute(
-                self._insert(s.capacity_groups)
+                self.insert_for(s.capacity_groups)
                 .values(group_id=group, mode=GroupMode.OPEN.value, updated_at=now)
                 .on_conflict_do_nothing()
             )
@@ -474,7 +477,7 @@ class Store:
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
-        with self._write() as conn:
+        with self.writing() as conn:
             self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE)
             # The attempt with its debit's state and hold (and the first health row it
             # updates, locked on PostgreSQL), in one statement.
@@ -587,13 +590,13 @@ class Store:
             if self.dialect != "postgresql":
                 if provenance:
                     conn.execute(
-                        self._insert(s.provenance).values(
+                        self.insert_for(s.provenance).values(
                             run_id=run_id, ref=spec.attempt_id, content_hash=spec.output_hash,
                             kind="model_output", created_at=now,
                         ).on_conflict_do_nothing()
                     )
                 for kind, data in spec.events:
-                    self._event(conn, run_id, spec.attempt_id, kind, data, now)
+                    self.add_event(conn, run_id, spec.attempt_id, kind, data, now)
             # The record from the row as read plus what was just written (no re-read).
             record = written_attempt({**att._mapping, **values}, final_debit_state)
             faults.point("settle.before_commit")
@@ -605,7 +608,7 @@ class Store:
         row = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key}).first()
         if row is None:
             conn.execute(
-                self._insert(s.health).values(
+                self.insert_for(s.health).values(
                     key=key, kind=kind, provider=provider, error_count=0, failure_counts="{}",
                     updated_at=now,
                 ).on_conflict_do_nothing()
@@ -623,7 +626,7 @@ class Store:
             until = max(until, row.until)  # a later fact never shortens a known waiting floor
         if row is None:
             conn.execute(
-                self._insert(s.capacity_groups).values(
+                self.insert_for(s.capacity_groups).values(
                     group_id=group, mode=upd.mode.value, until=until, reason=upd.reason,
                     sampled_at=now, updated_at=now,
                 ).on_conflict_do_nothing()
@@ -640,7 +643,7 @@ class Store:
                      reason: str) -> AttemptRecord:
         """Dispatched without a receipt: unknown, keeping its hold (used by recovery)."""
         a = s.attempts.c
-        with self._write() as conn:
+        with self.writing() as conn:
             self._lock_run(conn, run_id, fence)
             att = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
             if att.state == AttemptState.DISPATCHING.value:
@@ -648,7 +651,7 @@ class Store:
                              .values(state=AttemptState.UNKNOWN.value, settled_at=now,
                                      settle_fence=fence))
                 conn.execute(s.group_slots.delete().where(s.group_slots.c.attempt_id == attempt_id))
-                self._event(conn, run_id, attempt_id, "unknown", {"reason": reason}, now)
+                self.add_event(conn, run_id, attempt_id, "unknown", {"reason": reason}, now)
             row = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
             return self._attempt(conn, row)
 
@@ -656,8 +659,8 @@ class Store:
 
     def configure_group(self, group: str, max_in_flight: int | None, now: float) -> None:
         g = s.capacity_groups.c
-        with self._write() as conn:
-            stmt = self._insert(s.capacity_groups).values(
+        with self.writing() as conn:
+            stmt = self.insert_for(s.capacity_groups).values(
                 group_id=group, max_in_flight=max_in_flight, mode=GroupMode.OPEN.value,
                 updated_at=now,
             )
@@ -667,11 +670,11 @@ class Store:
             ))
 
     def set_group_mode(self, group: str, upd: GroupUpdate, now: float) -> None:
-        with self._write() as conn:
+        with self.writing() as conn:
             g = s.capacity_groups.c
             row = conn.execute(select(s.capacity_groups).where(g.group_id == group)).first()
             if row is None:
-                conn.execute(self._insert(s.capacity_groups).values(
+                conn.execute(self.insert_for(s.capacity_groups).values(
                     group_id=group, mode=GroupMode.OPEN.value, updated_at=now,
                 ).on_conflict_do_nothing())
             conn.execute(s.capacity_groups.update().where(g.group_id == group).values(
@@ -682,7 +685,7 @@ class Store:
     def group_projections(self, groups: Iterable[str] | None, now: float
                           ) -> dict[str, GroupProjection]:
         g = s.capacity_groups.c
-        with self._read() as conn:
+        with self.reading() as conn:
             q = select(s.capacity_groups)
             if groups is not None:
                 q = q.where(g.group_id.in_(list(groups)))
@@ -702,7 +705,7 @@ class Store:
 
     def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
         h = s.health.c
-        with self._read() as conn:
+        with self.reading() as conn:
             q = select(s.health)
             if keys is not None:
                 q = q.where(h.key.in_(list(keys)))
@@ -711,9 +714,9 @@ class Store:
     def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float) -> bool:
         """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window."""
         h = s.health.c
-        with self._write() as conn:
+        with self.writing() as conn:
             conn.execute(
-                self._insert(s.health).values(
+                self.insert_for(s.health).values(
                     key=key, kind="route", provider=provider, error_count=0, failure_counts="{}",
                     updated_at=now,
                 ).on_conflict_do_nothing()
@@ -730,17 +733,17 @@ class Store:
 
     def record_provenance(self, run_id: str, fence: int, ref: str, content_hash: str,
                           kind: str, now: float) -> None:
-        with self._write() as conn:
+        with self.writing() as conn:
             self._lock_run(conn, run_id, fence)
             conn.execute(
-                self._insert(s.provenance).values(
+                self.insert_for(s.provenance).values(
                     run_id=run_id, ref=ref, content_hash=content_hash, kind=kind, created_at=now,
                 ).on_conflict_do_nothing()
             )
 
     def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:
         p = s.provenance.c
-        with self._read() as conn:
+        with self.reading() as conn:
             rows = conn.execute(select(p.ref, p.content_hash).where(p.run_id.in_(list(run_ids))))
             out: dict[str, set[str]] = {}
             for ref, h in rows:
@@ -749,12 +752,12 @@ class Store:
 
     def append_event(self, run_id: str | None, attempt_id: str | None, kind: str,
                      data: Mapping[str, Any], now: float, fence: int | None = None) -> None:
-        with self._write() as conn:
+        with self.writing() as conn:
             if run_id is not None and fence is not None:
                 self._lock_run(conn, run_id, fence)
-            self._event(conn, run_id, attempt_id, kind, data, now)
+            self.add_event(conn, run_id, attempt_id, kind, data, now)
 
-    def _event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
+    def add_event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                data: Mapping[str, Any], now: float) -> None:
         conn.execute(s.events.insert().values(
             run_id=run_id, attempt_id=attempt_id, kind=kind, data=event_json(data),
@@ -763,7 +766,7 @@ class Store:
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
         e = s.events.c
-        with self._read() as conn:
+        with self.reading() as conn:
             q = select(s.events).where(e.run_id == run_id)
             if kinds:
                 q = q.where(e.kind.in_(list(kinds)))
@@ -774,7 +777,7 @@ class Store:
     # -- reads ----------------------------------------------------------------------------
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
-        with self._read() as conn:
+        with self.reading() as conn:
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": attempt_id}).first()
             if row is None:
                 raise NotFound(f"unknown attempt id {attempt_id!r}", attempt_id=attempt_id)
@@ -783,7 +786,7 @@ class Store:
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         a = s.attempts.c
         d = s.debits.c
-        with self._read() as conn:
+        with self.reading() as conn:
             known = conn.execute(select(s.runs.c.run_id).where(s.runs.c.run_id == run_id))
             if known.first() is None:
                 raise NotFound(f"unknown run id {run_id!r}", run_id=run_id)
@@ -835,7 +838,7 @@ class Store:
                                       field="cursor") from e
             conds.append(or_(a.created_at < ts, and_(a.created_at == ts, a.attempt_id < last_id)))
         q = select(s.attempts).where(*conds).order_by(a.created_at.desc(), a.attempt_id.desc())
-        with self._read() as conn:
+        with self.reading() as conn:
             rows = conn.execute(q.limit(limit + 1)).all()
         items = [attempt_record(r, None) for r in rows[:limit]]
         nxt = None
@@ -845,7 +848,7 @@ class Store:
         return Page(items, nxt)
 
     def debit(self, debit_id: str) -> DebitRecord:
-        with self._read() as conn:
+        with self.reading() as conn:
             row = conn.execute(select(s.debits).where(s.debits.c.debit_id == debit_id)).first()
         if row is None:
             raise NotFound(f"unknown debit id {debit_id!r}", debit_id=debit_id)
