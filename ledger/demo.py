@@ -21,9 +21,9 @@ import uuid
 from decimal import Decimal
 from typing import TextIO
 
-from ledger.adapters.base import SyncAdapter
 from ledger.adapters.runner import sync_sender
 from ledger.adapters.secrets import StaticSecretProvider
+from ledger.adapters.sync import SyncAdapter
 from ledger.api import Ledger
 from ledger.core.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.core.facts import Protocol

@@ -8,21 +8,18 @@ See ``docs/adapters.md``.
 from ledger.adapters import anthropic as anthropic
 from ledger.adapters import gemini as gemini
 from ledger.adapters import openai as openai
-from ledger.adapters.base import (
+from ledger.adapters.base import HttpAdapter
+from ledger.adapters.contract import (
     AdapterResult,
-    ClientRegistry,
     Codec,
     EventCallback,
-    HttpAdapter,
     Reset,
     StreamEvent,
-    SyncAdapter,
     TextDelta,
     ToolCall,
     ToolCallProposal,
     Usage,
     codec_for,
-    map_transport_error,
     register_codec,
 )
 from ledger.adapters.runner import async_sender, output_part, sync_sender, to_send_result
@@ -32,6 +29,11 @@ from ledger.adapters.secrets import (
     StaticSecretProvider,
     env_var_name,
     redact,
+)
+from ledger.adapters.sync import SyncAdapter
+from ledger.adapters.transport import (
+    ClientRegistry,
+    map_transport_error,
 )
 
 __all__ = [

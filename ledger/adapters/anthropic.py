@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ledger.adapters.base import (
+from ledger.adapters.contract import (
     Codec,
     MalformedPayload,
     ProviderErrorPayload,

@@ -27,7 +27,7 @@ import re
 from typing import Any
 from urllib.parse import quote
 
-from ledger.adapters.base import (
+from ledger.adapters.contract import (
     Codec,
     MalformedPayload,
     ProviderErrorPayload,

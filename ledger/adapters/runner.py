@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from ledger.adapters.base import AdapterResult, EventCallback, HttpAdapter, SyncAdapter
+from ledger.adapters.base import HttpAdapter
+from ledger.adapters.contract import (
+    AdapterResult,
+    EventCallback,
+)
+from ledger.adapters.sync import SyncAdapter
 from ledger.core.envelope import MODEL_DERIVED, Part
 from ledger.core.facts import Observation
 from ledger.policy.model import StreamingPolicy

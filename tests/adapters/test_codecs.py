@@ -7,7 +7,10 @@ import json
 import pytest
 
 from ledger.adapters import anthropic, gemini, openai
-from ledger.adapters.base import MalformedPayload, ProviderErrorPayload
+from ledger.adapters.contract import (
+    MalformedPayload,
+    ProviderErrorPayload,
+)
 from ledger.adapters.sse import SSEEvent
 from ledger.core.envelope import Envelope, Part, ToolSpec
 from ledger.errors import InvalidArgument

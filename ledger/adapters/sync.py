@@ -1,0 +1,105 @@
+"""The blocking facade over the async engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import threading
+
+from ledger.adapters.base import (
+    HttpAdapter,
+)
+from ledger.adapters.contract import (
+    AdapterResult,
+    EventCallback,
+)
+from ledger.adapters.secrets import (
+    EVIDENCE_CAP_BYTES,
+    SecretProvider,
+)
+from ledger.core.envelope import Envelope
+from ledger.errors import InvalidArgument
+from ledger.model import Route
+from ledger.policy.model import StreamingPolicy
+
+log = logging.getLogger("ledger.adapters")
+
+class SyncAdapter:
+    """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.
+
+    ``on_event`` callbacks run on that thread while the calling thread waits. Use one
+    ``SyncAdapter`` per process (or per configuration) and :meth:`close` it at exit.
+    """
+
+    def __init__(
+        self,
+        *,
+        secrets: SecretProvider | None = None,
+        limits: StreamingPolicy | None = None,
+        verify: ssl.SSLContext | bool = True,
+        max_body_bytes: int = 16 * 1024 * 1024,
+        evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True
+        )
+        self._thread.start()
+        # The registry is created here but its clients are created on the loop thread, which
+        # is the only place they are ever used.
+        self.adapter = HttpAdapter(
+            secrets=secrets,
+            limits=limits,
+            verify=verify,
+            max_body_bytes=max_body_bytes,
+            evidence_cap_bytes=evidence_cap_bytes,
+        )
+        self._closed = False
+
+    def send(
+        self,
+        route: Route,
+        envelope: Envelope,
+        *,
+        profile_id: str | None,
+        on_event: EventCallback | None = None,
+        limits: StreamingPolicy | None = None,
+    ) -> AdapterResult:
+        if self._closed:
+            raise InvalidArgument("this SyncAdapter is closed; create a new one", field="self")
+        if threading.current_thread() is self._thread:
+            raise InvalidArgument(
+                "SyncAdapter.send was called from its own loop thread (inside an on_event "
+                "callback); use HttpAdapter.send in async code",
+                field="self",
+            )
+        fut = asyncio.run_coroutine_threadsafe(
+            self.adapter.send(
+                route, envelope, profile_id=profile_id, on_event=on_event, limits=limits
+            ),
+            self._loop,
+        )
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        asyncio.run_coroutine_threadsafe(self.adapter.aclose(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncAdapter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = ["SyncAdapter"]

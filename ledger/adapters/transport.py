@@ -1,0 +1,197 @@
+"""Transport errors mapped to observation kinds and phases, and the pooled httpx clients."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import weakref
+from urllib.parse import urlsplit
+
+import httpx
+
+from ledger.core.facts import Phase, Transport
+
+log = logging.getLogger("ledger.adapters")
+
+# --------------------------------------------------------------------------------------------
+# Transport-error mapping (pure)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every cause, context and ExceptionGroup member behind it."""
+    seen: list[BaseException] = []
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        if e.__cause__ is not None:
+            stack.append(e.__cause__)
+        if e.__context__ is not None:
+            stack.append(e.__context__)
+    return seen
+
+
+def _has(chain: list[BaseException], *types: type[BaseException]) -> bool:
+    return any(isinstance(e, types) for e in chain)
+
+
+def _from_module(chain: list[BaseException], prefix: str) -> bool:
+    return any(type(e).__module__.split(".")[0] == prefix for e in chain)
+
+
+# Raised inside every non-blocking TLS handshake (flow control) or when the peer simply hangs
+# up during it: neither says anything about certificates or protocol versions.
+_NOT_TLS_FAILURES = (
+    ssl.SSLWantReadError,
+    ssl.SSLWantWriteError,
+    ssl.SSLEOFError,
+    ssl.SSLZeroReturnError,
+    ssl.SSLSyscallError,
+)
+
+
+def _tls_failure(chain: list[BaseException]) -> bool:
+    return any(
+        isinstance(e, ssl.SSLError | ssl.CertificateError) and not isinstance(e, _NOT_TLS_FAILURES)
+        for e in chain
+    )
+
+
+def _is_reset(chain: list[BaseException]) -> bool:
+    if _has(
+        chain,
+        ConnectionResetError,
+        BrokenPipeError,
+        ConnectionAbortedError,
+        EOFError,
+        ssl.SSLEOFError,
+        ssl.SSLZeroReturnError,
+    ):
+        return True
+    # anyio reports a peer that went away as EndOfStream / BrokenResourceError.
+    return any(type(e).__name__ in ("EndOfStream", "BrokenResourceError") for e in chain)
+
+
+def map_transport_error(
+    exc: BaseException, *, request_sent: bool, headers_received: bool
+) -> tuple[Transport, Phase]:
+    """The transport kind and phase of an httpx error (the table in the module docstring)."""
+    chain = _chain(exc)
+    sent_phase = Phase.AFTER_SEND if request_sent else Phase.BEFORE_SEND
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND
+    if isinstance(exc, httpx.ConnectError):
+        if _has(chain, socket.gaierror):
+            return Transport.DNS_FAILURE, Phase.BEFORE_SEND
+        if _has(chain, ConnectionRefusedError):
+            return Transport.CONNECT_REFUSED, Phase.BEFORE_SEND
+        if _tls_failure(chain):
+            return Transport.TLS_ERROR, Phase.BEFORE_SEND
+        if _is_reset(chain):
+            return Transport.CONNECTION_RESET, Phase.BEFORE_SEND
+        return Transport.CONNECT_REFUSED, Phase.BEFORE_SEND
+    if isinstance(exc, httpx.WriteTimeout):
+        return (
+            (Transport.READ_TIMEOUT, Phase.AFTER_SEND)
+            if request_sent
+            else (
+                Transport.CONNECT_TIMEOUT,
+                Phase.BEFORE_SEND,
+            )
+        )
+    if isinstance(exc, httpx.ReadTimeout):
+        if headers_received:
+            return Transport.STREAM_STALL, Phase.MID_STREAM
+        return Transport.READ_TIMEOUT, sent_phase
+    if isinstance(exc, httpx.RemoteProtocolError):
+        if headers_received:
+            # h11 words an early close of a body as "peer closed connection without sending
+            # complete message body"; everything else is a response we cannot parse.
+            if "peer closed" in str(exc) or _is_reset(chain):
+                return Transport.STREAM_CUT, Phase.MID_STREAM
+            return Transport.PROTOCOL_ERROR, Phase.MID_STREAM
+        if _from_module(chain, "h11") and not _is_reset(chain):
+            return Transport.PROTOCOL_ERROR, sent_phase
+        # httpcore raises this without an h11 cause for "Server disconnected without sending a
+        # response": the connection was closed on us, which is a reset as far as we can tell.
+        return Transport.CONNECTION_RESET, sent_phase
+    if isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.CloseError):
+        if headers_received:
+            return Transport.STREAM_CUT, Phase.MID_STREAM
+        return Transport.CONNECTION_RESET, sent_phase
+    if isinstance(exc, httpx.DecodingError):
+        return Transport.PROTOCOL_ERROR, Phase.MID_STREAM
+    if headers_received:
+        return Transport.PROTOCOL_ERROR, Phase.MID_STREAM
+    return Transport.PROTOCOL_ERROR, sent_phase
+
+
+def describe_exception(exc: BaseException) -> str:
+    """A one-line description of an exception and its root cause (to be redacted by callers)."""
+    parts = [f"{type(exc).__name__}: {exc}".rstrip(": ")]
+    # Our own deadlines cancel httpx internally; the CancelledError behind them says nothing.
+    chain = [e for e in _chain(exc) if not isinstance(e, asyncio.CancelledError)]
+    root = chain[-1] if len(chain) > 1 else None
+    if root is not None and root is not exc and str(root) and str(root) != str(exc):
+        parts.append(f"caused by {type(root).__name__}: {root}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Pooled clients
+
+
+class ClientRegistry:
+    """One pooled ``httpx.AsyncClient`` per endpoint origin (scheme, host, port).
+
+    httpx clients belong to the event loop they were first used on, so the registry keeps one set
+    per running loop. Transports have ``retries=0``: no request is ever sent twice by us.
+    """
+
+    def __init__(
+        self,
+        *,
+        verify: ssl.SSLContext | bool = True,
+        max_connections: int = 100,
+        max_keepalive_connections: int = 20,
+    ) -> None:
+        self._verify = verify
+        self._limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_keepalive_connections
+        )
+        self._by_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, httpx.AsyncClient]
+        ] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def origin(url: str) -> str:
+        parts = urlsplit(url)
+        return f"{parts.scheme}://{parts.netloc}".lower()
+
+    def get(self, url: str) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        clients = self._by_loop.setdefault(loop, {})
+        key = self.origin(url)
+        client = clients.get(key)
+        if client is None:
+            transport = httpx.AsyncHTTPTransport(
+                retries=0, verify=self._verify, limits=self._limits
+            )
+            # follow_redirects stays off: a redirect is an answer we report, not one we chase
+            # (following it could send the request, and its credential, somewhere else).
+            client = httpx.AsyncClient(transport=transport, follow_redirects=False)
+            clients[key] = client
+        return client
+
+    async def aclose(self) -> None:
+        """Close the clients of the running loop."""
+        loop = asyncio.get_running_loop()
+        clients = self._by_loop.pop(loop, {})
+        for client in clients.values():
+            await client.aclose()
