@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,8 +15,6 @@ from ledger.core.facts import Observation
 from ledger.core.facts import Protocol as WireProtocol
 from ledger.errors import InvalidArgument
 from ledger.model import Route
-
-log = logging.getLogger("ledger.adapters")
 
 # --------------------------------------------------------------------------------------------
 # Results and events

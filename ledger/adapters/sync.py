@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import ssl
 import threading
 
@@ -23,7 +22,6 @@ from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 
-log = logging.getLogger("ledger.adapters")
 
 class SyncAdapter:
     """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import ssl
 import weakref
@@ -12,8 +11,6 @@ from urllib.parse import urlsplit
 import httpx
 
 from ledger.core.facts import Phase, Transport
-
-log = logging.getLogger("ledger.adapters")
 
 # --------------------------------------------------------------------------------------------
 # Transport-error mapping (pure)
