@@ -14,29 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ledger.cli.common import bench_subparsers
 from ledger.errors import InvalidArgument
-
-
-def bench_subparsers(subparsers: Any) -> Any:
-    """The sub-command set of ``ledger bench``, created on first use.
-
-    Any command module may add ``ledger bench <name>`` through this, in whichever order the
-    modules register.
-    """
-    bench = subparsers.choices.get("bench")
-    if bench is None:
-        bench = subparsers.add_parser("bench", help="benchmarks")
-        sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-        bench.set_defaults(_bench_sub=sub)
-        return sub
-    sub = bench.get_default("_bench_sub")
-    if sub is None:  # created by a module that does not use this helper
-        for action in bench._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return action
-        sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-        bench.set_defaults(_bench_sub=sub)
-    return sub
 
 
 def register(subparsers: Any) -> None:

@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(func(args))
+        rc = int(func(args))
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
+        return rc
     except ConfigError as e:
         print(f"ledger: error: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from ledger.cli.common import bench_subparsers
 from ledger.errors import DatabaseUnavailable, InvalidArgument
 
 _REL = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -435,51 +436,13 @@ def _dashboard(args: argparse.Namespace) -> int:
 # -- registration ---------------------------------------------------------------------------
 
 
-def _bench_subparsers(subparsers: Any) -> Any:
-    """``ledger bench``'s sub-command set, shared with other modules that add benchmarks.
-
-    Whichever module registers first creates ``bench`` and stores its sub-parsers as the
-    ``_bench_sub`` default; the others add to it (the convention of ``ledger.cli.bench_cmd``).
-    """
-    bench = subparsers.choices.get("bench")
-    if bench is None:
-        bench = subparsers.add_parser("bench", help="benchmarks")
-        sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-        bench.set_defaults(_bench_sub=sub)
-        return sub
-    sub = bench.get_default("_bench_sub")
-    if sub is None:
-        for action in bench._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return action
-        sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-        bench.set_defaults(_bench_sub=sub)
-    return sub
-
-
-def _quiet_pipe(fn: Any) -> Any:
-    """``ledger runs | head`` closes the pipe early: that is not an error worth a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            rc = int(fn(args))
-            sys.stdout.flush()
-            return rc
-        except BrokenPipeError:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush is quiet
-            return 0
-
-    return run
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("runs", help="list runs, newest first")
     p.add_argument("--status", choices=["admitted", "running", "succeeded", "failed", "stopped"])
     p.add_argument("--tenant")
     _add_range(p, None)
     _add_common(p)
-    p.set_defaults(func=_quiet_pipe(_runs))
+    p.set_defaults(func=_runs)
 
     run = subparsers.add_parser("run", help="one run: ledger run show ID")
     run_sub = run.add_subparsers(dest="run_command", metavar="SUBCOMMAND", required=True)
@@ -487,7 +450,7 @@ def register(subparsers: Any) -> None:
                               "facts, costs and the selector's reasons")
     show.add_argument("run_id", metavar="ID")
     _add_common(show, paged=False)
-    show.set_defaults(func=_quiet_pipe(_run_show))
+    show.set_defaults(func=_run_show)
 
     p = subparsers.add_parser("attempts", help="attempts by route, group, outcome, category, time")
     p.add_argument("--route")
@@ -499,12 +462,12 @@ def register(subparsers: Any) -> None:
                    help="only unknown and still-dispatching attempts, with their lease")
     _add_range(p, None)
     _add_common(p)
-    p.set_defaults(func=_quiet_pipe(_attempts))
+    p.set_defaults(func=_attempts)
 
     p = subparsers.add_parser("failovers", help="runs that failed over, with the causes")
     _add_range(p, "24h")
     _add_common(p)
-    p.set_defaults(func=_quiet_pipe(_failovers))
+    p.set_defaults(func=_failovers)
 
     p = subparsers.add_parser("costs", help="cost and token totals per route, run, tenant, ...")
     p.add_argument("--by", default="route",
@@ -512,11 +475,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--label", help="label key for --by label (e.g. team)")
     _add_range(p, "24h")
     _add_common(p)
-    p.set_defaults(func=_quiet_pipe(_costs))
+    p.set_defaults(func=_costs)
 
     p = subparsers.add_parser("health", help="route, profile and group health now")
     _add_common(p, paged=False)
-    p.set_defaults(func=_quiet_pipe(_health))
+    p.set_defaults(func=_health)
 
     p = subparsers.add_parser("generate", help="fill a database with a realistic history")
     p.add_argument("--attempts", type=int, default=100_000, help="attempts (default 100000)")
@@ -526,18 +489,18 @@ def register(subparsers: Any) -> None:
                    "(default: now)")
     p.add_argument("--progress", action="store_true", help="show progress even when piped")
     _add_common(p, paged=False)
-    p.set_defaults(func=_quiet_pipe(_generate))
+    p.set_defaults(func=_generate)
 
-    b = _bench_subparsers(subparsers).add_parser(
+    b = bench_subparsers(subparsers).add_parser(
         "audit", help="latency of each audit query on --db (fill it with ledger generate)")
     b.add_argument("--repeat", type=int, default=5, help="timed runs per query (default 5)")
     b.add_argument("--progress", action="store_true", help="show progress even when piped")
     _add_common(b, paged=False)
-    b.set_defaults(func=_quiet_pipe(_bench_audit))
+    b.set_defaults(func=_bench_audit)
 
     p = subparsers.add_parser("dashboard", help="serve the read-only health dashboard")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     _add_db(p)
-    p.set_defaults(func=_quiet_pipe(_dashboard))
+    p.set_defaults(func=_dashboard)
 
