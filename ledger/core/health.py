@@ -168,7 +168,7 @@ def record_failure(
 
 def record_success(health: Health, now: float, policy: Policy) -> Health:
     """A successful call: the key was used, and (per policy) all error state is cleared."""
-    update: dict[str, object] = {"last_used": now}
+    update: dict[str, object] = {"last_used": now} if policy.health.track_last_used else {}
     if policy.health.reset_on_success:
         update.update(
             error_count=0,

@@ -385,6 +385,10 @@ class HealthPolicy(_Section):
     reset_on_expiry: bool = True
     # Routers that spread load over many upstreams: their keys are never cooled nor disabled.
     exempt_providers: list[str] = Field(default_factory=list)
+    # Record each key's last successful use. Profile rotation orders by it (fased); where no
+    # decision reads it, leaving it off lets a success on a healthy key write nothing, so the
+    # settles of many workers on one route do not queue on its health row.
+    track_last_used: bool = True
 
     @model_validator(mode="after")
     def _disjoint(self) -> HealthPolicy:

@@ -113,9 +113,14 @@ UPD_HEALTH = s.health.update().where(H.key == bindparam("k_key"))
 
 
 def settle_read(dialect: str) -> Any:
+    """The attempt, its debit's state and hold, and the first health row settle updates.
+
+    The health row is read without a lock: most successes leave it unchanged and then write
+    nothing, so settles of many workers on one route do not queue on it. Settle locks the row
+    (after the run row, keeping the lock order) only when it is going to change it.
+    """
     if dialect == "postgresql":
-        h: Any = (select(s.health).where(H.key == bindparam("k_key")).with_for_update()
-                  .lateral("h"))
+        h: Any = select(s.health).where(H.key == bindparam("k_key")).lateral("h")
         on: Any = true()
     else:
         h = s.health

@@ -549,12 +549,23 @@ class Store:
                 run_params.update(k_route=att.route_id, k_profile=att.profile_id)
             debit_params = {"state": debit_state.value, "posted_micros": posted,
                             "settled_at": now}
-            # The first health row's new values, when it exists (read above, under its lock):
-            # the pure health function applied to the row as locked.
+            # The first health row's new values, when it exists and changes. An unchanged row
+            # (a success on a healthy key) is neither locked nor written: serialized, that
+            # settle simply comes before any failure committed meanwhile. A changing row is
+            # locked and the pure health function is applied to the row as locked.
             first_health: dict[str, Any] | None = None
+            health_done: set[str] = set()
             if health_keys and att.h_key is not None:
-                _kind, _provider, update = spec.health[health_keys[0]]
-                first_health = health_values(update(health_from_read(att)), now)
+                key0 = health_keys[0]
+                _kind, _provider, update = spec.health[key0]
+                seen = health_from_read(att)
+                new_health = update(seen)
+                if new_health != seen:
+                    if self.dialect == "postgresql":
+                        locked = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key0}).one()
+                        new_health = update(health_record(locked))
+                    first_health = health_values(new_health, now)
+                health_done.add(key0)
             provenance = succeeded and bool(spec.output_hash)
             if self.dialect == "postgresql":
                 # The same writes as below, as one statement (one round trip).
@@ -579,9 +590,9 @@ class Store:
                 conn.execute(SETTLE_RUN_SUCCEEDED if succeeded else SETTLE_RUN, run_params)
                 if first_health is not None:
                     conn.execute(UPD_HEALTH, {"k_key": health_keys[0], **first_health})
-            # Health rows not updated above, in the order given (the lock order).
-            for i, key in enumerate(health_keys):
-                if i == 0 and first_health is not None:
+            # Health rows not handled above, in the order given (the lock order).
+            for key in health_keys:
+                if key in health_done:
                     continue
                 kind, provider, update = spec.health[key]
                 self._update_health(conn, key, kind, provider, update, now)
