@@ -334,3 +334,40 @@ def test_async_twin_runs_the_same_logic(db_url: str) -> None:
         await led.close()
 
     asyncio.run(go())
+
+
+def test_health_is_written_only_when_it_changes(led: Ledger, clock: ManualClock) -> None:
+    led.admit_run("r1", plan=routes(), budget=budget(calls=10), policy="failure-domain")
+    lease = led.acquire_lease("r1")
+
+    def settle(outcome: str) -> None:
+        a = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0")
+        if outcome == "failed":
+            led.settle_attempt(lease, a.attempt_id, outcome="failed", fact=_fail())
+        else:
+            led.settle_attempt(lease, a.attempt_id, outcome="succeeded", cost="0")
+
+    settle("failed")
+    cooled = led.health(["a"])["a"]
+    assert cooled.error_count == 1 and cooled.cooldown_until is not None
+    clock.advance(5)
+    settle("succeeded")  # changes the row: counters reset
+    healthy = led.health(["a"])["a"]
+    assert healthy.error_count == 0 and healthy.cooldown_until is None
+    assert healthy.last_used is None  # failure-domain does not track last use
+    clock.advance(5)
+    settle("succeeded")  # a success on a healthy route leaves the row as it was
+    assert led.health(["a"])["a"] == healthy
+
+
+def test_fased_records_last_use_of_profiles(led: Ledger, clock: ManualClock) -> None:
+    from ledger.model import Profile, Route
+
+    plan = [Route(id="a", provider="p1", model="m1", group="g", recipient="r1",
+                  profiles=[Profile(id="p1:a"), Profile(id="p1:b")])]
+    led.admit_run("r1", plan=plan, budget=budget(), policy="fased")
+    lease = led.acquire_lease("r1")
+    a = led.begin_attempt(lease, route="a", profile_id="p1:b", envelope_hash="sha256:e",
+                          reserve="0")
+    led.settle_attempt(lease, a.attempt_id, outcome="succeeded", cost="0")
+    assert led.health(["p1:b"])["p1:b"].last_used == clock.now()
