@@ -56,7 +56,7 @@ from ledger.records import (
     from_micros,
 )
 from ledger.storage import schema as s
-from ledger.storage.engine import mapped_errors
+from ledger.storage.engine import mapped_errors, run_prebuilt, run_prebuilt_batch
 from ledger.storage.rows import (
     attempt_record,
     health_from_read,
@@ -234,8 +234,11 @@ class Store:
         return [run_record(r) for r in rows]
 
     def _lock_run(self, conn: Connection, run_id: str, fence: int | None,
-                  stmt: Any = LOCK_RUN) -> Row[Any]:
-        row = conn.execute(stmt, {"k_run_id": run_id}).first()
+                  stmt: Any = LOCK_RUN, rows: list[Any] | None = None) -> Any:
+        """The run row, locked; ``rows``: the lock statement's rows when already executed."""
+        if rows is None:
+            rows = run_prebuilt(conn, stmt, {"k_run_id": run_id})
+        row = rows[0] if rows else None
         if row is None:
             raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
                            run_id=run_id)
@@ -335,7 +338,10 @@ class Store:
         """Record an attempt before it is sent, in one transaction (see module docstring)."""
         rejected: tuple[str, float | None] | None = None
         with self.writing() as conn:
-            run = self._lock_run(conn, spec.run_id, spec.fence, LOCK_RUN_FOR_BEGIN)
+            # A batch of one: on PostgreSQL the transaction's BEGIN goes with it.
+            run = self._lock_run(conn, spec.run_id, spec.fence, LOCK_RUN_FOR_BEGIN,
+                                 run_prebuilt_batch(conn, [(LOCK_RUN_FOR_BEGIN,
+                                                            {"k_run_id": spec.run_id})])[0])
             values: dict[str, Any] | None = None
             debit_state = DebitState.RESERVED
             if (self.dialect == "postgresql" and not spec.events
@@ -347,9 +353,9 @@ class Store:
                 # decide, as for every other begin.
                 values = self._pg_begin_common(conn, spec, now)
             if values is None:
-                nxt = conn.execute(BEGIN_LOOKUP, {"k_run_id": spec.run_id,
-                                                   "k_attempt_id": spec.attempt_id,
-                                                   "k_group": spec.route.group}).one()
+                nxt = run_prebuilt(conn, BEGIN_LOOKUP, {"k_run_id": spec.run_id,
+                                                        "k_attempt_id": spec.attempt_id,
+                                                        "k_group": spec.route.group})[0]
                 if nxt.prior is not None:
                     prior = conn.execute(SEL_ATTEMPT_WITH_DEBIT,
                                          {"k_attempt_id": spec.attempt_id}).one()
@@ -388,10 +394,10 @@ class Store:
                     params.update({"d_" + k: v for k, v in debit.items()})
                     params.update({"a_" + k: v for k, v in values.items()})
                     params.update({"s_" + k: v for k, v in slot.items()})
-                    conn.execute(pg_begin_writes(len(spec.events)), params)
+                    run_prebuilt(conn, pg_begin_writes(len(spec.events)), params)
                 else:
-                    conn.execute(INS_DEBIT, debit)
-                    conn.execute(INS_ATTEMPT, values)
+                    run_prebuilt(conn, INS_DEBIT, debit)
+                    run_prebuilt(conn, INS_ATTEMPT, values)
                     for kind, data in spec.events:
                         self.add_event(conn, spec.run_id, spec.attempt_id, kind, data, now)
                     if rejected:
@@ -399,8 +405,8 @@ class Store:
                                     {"reason": rejected[0], "until": rejected[1],
                                      "group": spec.route.group}, now)
                     else:
-                        conn.execute(INS_SLOT, slot)
-                        conn.execute(BEGIN_RUN, run_params)
+                        run_prebuilt(conn, INS_SLOT, slot)
+                        run_prebuilt(conn, BEGIN_RUN, run_params)
             # The record from what was just written (no re-read of the rows).
             record = written_attempt(values, debit_state.value)
             faults.point("begin.before_commit")
@@ -426,7 +432,8 @@ class Store:
         params.update({"d_" + k: v for k, v in debit.items()})
         params.update({"a_" + k: v for k, v in values.items() if k != "seq"})
         params.update({"s_" + k: v for k, v in slot.items()})
-        seq = conn.execute(PG_BEGIN_COMMON, params).scalar()
+        rows = run_prebuilt(conn, PG_BEGIN_COMMON, params)
+        seq = rows[0][0] if rows else None
         if seq is None:
             return None
         values["seq"] = seq
@@ -478,16 +485,18 @@ class Store:
     def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
         with self.writing() as conn:
-            self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE)
-            # The attempt with its debit's state and hold (and the first health row it
-            # updates, locked on PostgreSQL), in one statement.
+            # The run lock, then the attempt with its debit's state and hold (and the first
+            # health row it updates, unlocked), in one statement; both in one round trip on
+            # PostgreSQL (the read runs after the lock is granted, and writes nothing).
             health_keys = list(spec.health)
             params: dict[str, Any] = {"k_attempt_id": spec.attempt_id, "k_run_id": run_id}
-            if health_keys:
-                att = conn.execute(SETTLE_READ[self.dialect],
-                                   {**params, "k_key": health_keys[0]}).first()
-            else:
-                att = conn.execute(SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params).first()
+            read: tuple[Any, dict[str, Any]] = (
+                (SETTLE_READ[self.dialect], {**params, "k_key": health_keys[0]}) if health_keys
+                else (SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params))
+            locked_rows, rows = run_prebuilt_batch(
+                conn, [(LOCK_RUN_FENCE, {"k_run_id": run_id}), read])
+            self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE, locked_rows)
+            att = rows[0] if rows else None
             if att is None:
                 raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
                                attempt_id=spec.attempt_id, run_id=run_id)
@@ -562,7 +571,7 @@ class Store:
                 new_health = update(seen)
                 if new_health != seen:
                     if self.dialect == "postgresql":
-                        locked = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key0}).one()
+                        locked = run_prebuilt(conn, SEL_HEALTH_FOR_UPDATE, {"k_key": key0})[0]
                         new_health = update(health_record(locked))
                     first_health = health_values(new_health, now)
                 health_done.add(key0)
@@ -580,16 +589,19 @@ class Store:
                     params.update({"h_" + k: v for k, v in first_health.items()})
                 if provenance:
                     params.update(p_content_hash=spec.output_hash, p_kind="model_output")
-                conn.execute(pg_settle_writes(settle_debit, succeeded, first_health is not None,
-                                               provenance, len(spec.events)), params)
+                run_prebuilt(conn, pg_settle_writes(settle_debit, succeeded,
+                                                    first_health is not None, provenance,
+                                                    len(spec.events)), params)
             else:
-                conn.execute(SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
+                run_prebuilt(conn, SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
                 if settle_debit:
-                    conn.execute(SETTLE_DEBIT, {"k_debit_id": att.debit_id, **debit_params})
-                conn.execute(DEL_SLOT, {"k_attempt_id": spec.attempt_id})
-                conn.execute(SETTLE_RUN_SUCCEEDED if succeeded else SETTLE_RUN, run_params)
+                    run_prebuilt(conn, SETTLE_DEBIT,
+                                 {"k_debit_id": att.debit_id, **debit_params})
+                run_prebuilt(conn, DEL_SLOT, {"k_attempt_id": spec.attempt_id})
+                run_prebuilt(conn, SETTLE_RUN_SUCCEEDED if succeeded else SETTLE_RUN,
+                             run_params)
                 if first_health is not None:
-                    conn.execute(UPD_HEALTH, {"k_key": health_keys[0], **first_health})
+                    run_prebuilt(conn, UPD_HEALTH, {"k_key": health_keys[0], **first_health})
             # Health rows not handled above, in the order given (the lock order).
             for key in health_keys:
                 if key in health_done:
