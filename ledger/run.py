@@ -197,9 +197,13 @@ class _Loop:
         )
 
     def _decide(self, policy: Policy, turn: _Turn, *, failure: FailureFact | None,
-                current: str | None, current_profile: str | None
+                current: str | None, current_profile: str | None, run_current: bool = False
                 ) -> Generator[_Effect, Any, tuple[Decision, RunRecord]]:
+        """Select with fresh facts. ``run_current``: a new turn continues from the route the
+        Run actually used last, as read here."""
         run: RunRecord = yield _Call("get_run", {"run_id": self.lease.run_id})
+        if run_current:
+            current, current_profile = run.current_route, run.current_profile
         groups = yield _Call("group_projections", {"groups": sorted({r.group for r in run.plan})})
         now = yield _Call("now", {})
         if turn.refused_groups:
@@ -217,11 +221,8 @@ class _Loop:
     def steps(self) -> Generator[_Effect, Any, RunResult]:
         policy: Policy = yield _Call("run_policy", {"run_id": self.lease.run_id})
         turn = _Turn()
-        run: RunRecord = yield _Call("get_run", {"run_id": self.lease.run_id})
         decision, run = yield from self._decide(
-            policy, turn, failure=None, current=run.current_route,
-            current_profile=run.current_profile,
-        )
+            policy, turn, failure=None, current=None, current_profile=None, run_current=True)
         kind = AttemptKind.FIRST
         same_route_retries = 0
         while True:
