@@ -28,8 +28,6 @@ from ledger.records import AttemptRecord, Page, from_micros
 from ledger.storage import audit as q
 
 OPEN_STATES = ("unknown", "dispatching")
-# Event kinds that tell the story of an attempt (the retry owner's vocabulary, DESIGN §4).
-STORY_KINDS = ("select", "retry", "move", "stop", "reset", "unknown", "reject", "recovery")
 
 
 # -- result types ---------------------------------------------------------------------------

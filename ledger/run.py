@@ -238,7 +238,7 @@ class _Loop:
                         policy, turn, failure=None, current=None, current_profile=None)
                     continue
                 kind = AttemptKind.PROBE
-            yield from self._await_group(route, run)
+            yield from self._await_group(route, run, policy)
             try:
                 att: AttemptRecord = yield _Call("begin_attempt", {
                     "lease": self.lease, "route": route, "envelope_hash": self.envelope.hash,
@@ -347,12 +347,14 @@ class _Loop:
             kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
             same_route_retries = 0
 
-    def _await_group(self, route: Route, run: RunRecord) -> Generator[_Effect, Any, None]:
-        """Wait out the target group's waiting floor when it ends before the Run's deadline.
+    def _await_group(self, route: Route, run: RunRecord, policy: Policy
+                     ) -> Generator[_Effect, Any, None]:
+        """Wait out the target group's waiting floor when it ends in time: before the Run's
+        deadline and within the policy's ``admission.max_capacity_wait_s``.
 
         Crossing to another group never inherits the old group's Retry-After; only the target
-        group's own floor applies. A floor beyond the deadline is left to admission, which
-        records the rejection.
+        group's own floor applies (read again here: time has passed since the selection). A
+        floor beyond either bound is left to admission, which records the rejection.
         """
         proj = yield _Call("group_projections", {"groups": [route.group]})
         g = proj.get(route.group)
@@ -360,6 +362,8 @@ class _Loop:
         if g is None or g.until is None or g.until <= now or g.mode.value == "open":
             return
         if run.deadline is not None and g.until > run.deadline:
+            return
+        if g.until - now > policy.admission.max_capacity_wait_s:
             return
         yield _Sleep(g.until - now)
 

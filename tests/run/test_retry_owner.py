@@ -361,3 +361,13 @@ def test_one_log_line_per_retry_and_per_move(led: Ledger, caplog: pytest.LogCapt
     moves = [m for m in lines if m.startswith("[fallback] serving the request with go/glm-5 "
                                               "(go/deepseek-v4: 503 overloaded)")]
     assert len(retries) == 2 and len(moves) == 1 and len(lines) == 3
+
+
+def test_floor_longer_than_the_policy_wait_is_not_waited(led: Ledger, clock: ManualClock) -> None:
+    # goclaw's admission waits at most max_capacity_wait_s (30 s) for a group's floor.
+    lease = admit(led, policy="goclaw")
+    led.set_group_state("go", "cooldown", until=clock.now() + 45, reason="test")
+    res = execute(led, lease, ENV, Script())  # type: ignore[arg-type]
+    assert res.route.id == "official-deepseek" and clock.slept == []
+    assert [a.state for a in led.timeline("r")] == [
+        AttemptState.REJECTED, AttemptState.REJECTED, AttemptState.SUCCEEDED]
