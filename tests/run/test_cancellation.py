@@ -246,9 +246,14 @@ def test_interrupt_mid_stream_is_unknown(db_url: str, fake: FakeProvider) -> Non
             # Ctrl-C while the caller waits for the stream (a real SIGINT to the main thread).
             signal.pthread_kill(main.ident or 0, signal.SIGINT)
 
-    led, lease, err = _run_sync(db_url, fake, stream=True,
-                                behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
-                                on_event=on_event)
+    # Python's own Ctrl-C handler, whatever an earlier test or library installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        led, lease, err = _run_sync(db_url, fake, stream=True,
+                                    behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
+                                    on_event=on_event)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert isinstance(err, KeyboardInterrupt)
     _assert_truthful(led, lease, AttemptState.UNKNOWN)
     led.close()
