@@ -63,7 +63,11 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class SendResult:
-    """What the send function reports. ``observation`` is set exactly when the call failed."""
+    """What the send function reports. ``observation`` is set exactly when the call failed.
+
+    ``sent`` is ``False`` only when no byte of the request left the process (the adapters'
+    ``AdapterResult.sent``); when unsure, it stays ``True``.
+    """
 
     ok: bool
     output: Any = None
@@ -73,10 +77,11 @@ class SendResult:
     model_reported: str | None = None
     output_hash: str | None = None
     observation: Observation | None = None
+    sent: bool = True
 
     @classmethod
-    def failed(cls, observation: Observation) -> SendResult:
-        return cls(ok=False, observation=observation)
+    def failed(cls, observation: Observation, *, sent: bool = True) -> SendResult:
+        return cls(ok=False, observation=observation, sent=sent)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,19 @@
 """The adapter contract and the one httpx engine behind all three protocols.
 
 An adapter call sends one request on one route and reports exactly what happened. It never raises
-for a provider or transport failure: every failure comes back as an :class:`AdapterResult` with
-``ok=False`` and an :class:`~ledger.core.facts.Observation` (transport kind, phase, status,
-effective output, redacted evidence). Only misuse (a route without an endpoint, a profile without a
-secret, ...) raises a typed :mod:`ledger.errors` error, and always before anything is sent.
-Cancellation by the caller (``asyncio.CancelledError``) and exceptions raised by the caller's own
-``on_event`` callback propagate unchanged: they are the caller's facts, not the provider's.
+for a provider or transport failure, nor for a route whose configuration cannot make a request:
+every such failure comes back as an :class:`AdapterResult` with ``ok=False``, ``sent`` saying
+whether any byte of the request was handed to the socket, and an
+:class:`~ledger.core.facts.Observation` (transport kind, phase, status, effective output, redacted
+evidence). A route that cannot build a request (no endpoint or not a usable http(s) URL, no codec
+for its protocol, no secret for its profile or one that cannot go in a header, a body that cannot
+be JSON-encoded) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a
+message naming the problem and the fix. Only caller misuse (a profile id that is not the route's,
+an envelope without parts, streaming, tools or prefill the route's capabilities refuse, envelope
+parts or parameters the codec cannot map) raises :class:`~ledger.errors.InvalidArgument`, always
+before anything is sent. Cancellation by the caller (``asyncio.CancelledError``) and exceptions
+raised by the caller's own ``on_event`` callback propagate unchanged: they are the caller's facts,
+not the provider's.
 
 The engine owns no retries: httpx transports are built with ``retries=0`` and nothing here loops.
 The Run is the only retry owner.
@@ -18,6 +25,7 @@ socket; ``receive_response_headers.complete`` = a status line and headers arrive
 =====================================  ==============================  ======================
 what happened                          transport kind                  phase
 =====================================  ==============================  ======================
+the route cannot build a request       cannot_build                    before_send
 ConnectError caused by socket.gaierror dns_failure                     before_send
 ConnectError caused by ssl.SSLError    tls_error                       before_send
   (certificate, version, handshake;
@@ -110,10 +118,11 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.core.envelope import Envelope
-from ledger.core.facts import Observation, Phase, Transport
+from ledger.core.facts import Observation, Phase, Source, Transport
 from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
+from ledger.redaction import install_log_redaction, register_secret
 
 log = logging.getLogger("ledger.adapters")
 
@@ -127,6 +136,14 @@ _DRAIN_AFTER_TERMINATOR_S = 1.0
 
 # --------------------------------------------------------------------------------------------
 # The engine
+
+
+class _CannotBuild(Exception):
+    """The route's configuration cannot make a request; ``message`` says what and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class _Progress:
@@ -228,49 +245,29 @@ class HttpAdapter:
     async def aclose(self) -> None:
         await self.clients.aclose()
 
-    # -- preparation (misuse raises here, before anything is sent) ----------------------------
+    # -- preparation ---------------------------------------------------------------------------
+    #
+    # Two kinds of problem are found before anything is sent. Caller misuse (an envelope or a
+    # profile id that does not fit the route) raises InvalidArgument: the caller has a bug.
+    # A route whose configuration cannot make a request (no secret, no usable endpoint, no
+    # codec, a body that cannot be encoded) is a `cannot_build` failure result, never an
+    # exception: the Run can skip that route and go on, and it knows nothing was sent.
 
-    def _secret(self, route: Route, profile_id: str | None) -> str | None:
-        if profile_id is None:
-            if route.profiles:
-                raise InvalidArgument(
-                    f"route {route.id!r} has credential profiles "
-                    f"{[p.id for p in route.profiles]}; pass profile_id= one of them",
-                    field="profile_id",
-                )
-            return None  # a keyless endpoint (a local server): no credential header is sent
-        if route.profiles and profile_id not in {p.id for p in route.profiles}:
+    @staticmethod
+    def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None) -> None:
+        if profile_id is None and route.profiles:
+            raise InvalidArgument(
+                f"route {route.id!r} has credential profiles "
+                f"{[p.id for p in route.profiles]}; pass profile_id= one of them",
+                field="profile_id",
+            )
+        if profile_id is not None and route.profiles and profile_id not in {
+            p.id for p in route.profiles
+        }:
             raise InvalidArgument(
                 f"profile {profile_id!r} is not a credential profile of route {route.id!r}; "
                 f"use one of {[p.id for p in route.profiles]} or add it to Route.profiles",
                 field="profile_id",
-            )
-        secret = self.secrets.get(profile_id, protocol=route.protocol)
-        if not secret:
-            hint = ""
-            if isinstance(self.secrets, EnvSecretProvider):
-                names = self.secrets.candidates(profile_id, protocol=route.protocol)
-                hint = f"; set one of the environment variables {names}"
-            raise InvalidArgument(
-                f"no secret for credential profile {profile_id!r}{hint}",
-                field="profile_id",
-            )
-        return secret
-
-    @staticmethod
-    def _check(route: Route, envelope: Envelope) -> None:
-        if not route.endpoint:
-            raise InvalidArgument(
-                f"route {route.id!r} has no endpoint; set Route.endpoint to the provider's base "
-                "URL (e.g. https://api.openai.com/v1)",
-                field="route.endpoint",
-            )
-        scheme = urlsplit(route.endpoint).scheme
-        if scheme not in ("http", "https"):
-            raise InvalidArgument(
-                f"route {route.id!r} endpoint must be an http:// or https:// URL "
-                f"(got scheme {scheme!r})",
-                field="route.endpoint",
             )
         if not envelope.parts:
             raise InvalidArgument(
@@ -294,6 +291,132 @@ class HttpAdapter:
                 field="envelope.parts",
             )
 
+    @staticmethod
+    def _check_endpoint(route: Route) -> None:
+        endpoint = route.endpoint
+        example = "https://api.openai.com/v1"
+        if not endpoint or not endpoint.strip():
+            raise _CannotBuild(
+                f"route {route.id!r} has no endpoint; set Route.endpoint to the provider's base "
+                f"URL (e.g. {example})"
+            )
+        try:
+            parts = urlsplit(endpoint.strip())
+        except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {endpoint[:80]!r} is not a usable URL ({exc}); set "
+                f"Route.endpoint to the provider's base URL (e.g. {example})"
+            ) from None
+        shown = f"{parts.scheme}://{parts.hostname}" if parts.hostname else repr(endpoint[:80])
+        if not parts.scheme or not parts.netloc:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {endpoint[:80]!r} has no http:// or https:// "
+                f"scheme and host; write it as a full URL (e.g. {example})"
+            )
+        if parts.scheme.lower() not in ("http", "https"):
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint must be an http:// or https:// URL (got scheme "
+                f"{parts.scheme!r}); use the provider's https:// base URL"
+            )
+        if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in parts.netloc):
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {endpoint[:80]!r} has an invalid host name "
+                "(spaces or control characters); correct Route.endpoint"
+            )
+        if not parts.hostname:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} has no host name; set the provider's "
+                f"base URL (e.g. {example})"
+            )
+        if parts.username is not None or parts.password is not None:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} carries credentials in the URL, where they "
+                "would reach logs; remove them and use a credential profile"
+            )
+        try:
+            parts.port  # noqa: B018 - validates the port
+        except ValueError:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} has an invalid port; use a number "
+                "between 1 and 65535"
+            ) from None
+
+    def _secret(self, route: Route, profile_id: str | None) -> str | None:
+        if profile_id is None:
+            return None  # a keyless endpoint (a local server): no credential header is sent
+        try:
+            secret = self.secrets.get(profile_id, protocol=route.protocol)
+        except Exception as exc:  # a vault that is down is a route we cannot use right now
+            raise _CannotBuild(
+                f"the secret provider {type(self.secrets).__name__} failed for credential "
+                f"profile {profile_id!r} ({type(exc).__name__}: {exc}); fix the provider or the "
+                "profile"
+            ) from None
+        if not secret:
+            if isinstance(self.secrets, EnvSecretProvider):
+                names = self.secrets.candidates(profile_id, protocol=route.protocol)
+                fix = "set " + " or ".join(names)
+            else:
+                fix = f"add it to the {type(self.secrets).__name__}"
+            raise _CannotBuild(f"no secret for credential profile {profile_id!r}; {fix}")
+        register_secret(secret)
+        if secret != secret.strip() or not all(0x20 <= ord(c) <= 0x7E for c in secret):
+            raise _CannotBuild(
+                f"the secret for credential profile {profile_id!r} cannot go in an HTTP header "
+                "(it has surrounding whitespace, control or non-ASCII characters); store the "
+                "key exactly as the provider issued it"
+            )
+        return secret
+
+    @staticmethod
+    def _encode(route: Route, body: Any) -> bytes:
+        # The same encoding httpx uses for json=, done here so that a failure is ours to report.
+        try:
+            text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            return text.encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise _CannotBuild(
+                f"the request body for route {route.id!r} cannot be JSON-encoded "
+                f"({type(exc).__name__}: {exc}); pass only JSON values (finite numbers, text "
+                "without lone surrogates) in Envelope.params and parts"
+            ) from None
+
+    def _prepare(
+        self, route: Route, envelope: Envelope, profile_id: str | None
+    ) -> tuple[Codec, str | None, str, bytes, dict[str, str]]:
+        """Codec, secret, URL, body and headers; raises _CannotBuild or InvalidArgument."""
+        self._check_endpoint(route)
+        try:
+            codec = codec_for(route.protocol)
+        except InvalidArgument as exc:
+            raise _CannotBuild(exc.message) from None
+        wire = codec.build_request(route, envelope)  # envelope misuse raises InvalidArgument
+        secret = self._secret(route, profile_id)
+        content = self._encode(route, wire.body)
+        headers = dict(wire.headers)
+        if secret is not None:
+            headers.update(codec.auth_headers(secret))
+        return codec, secret, wire.url, content, headers
+
+    def _cannot_build(
+        self, route: Route, message: str, t0: float, secret: str | None = None
+    ) -> AdapterResult:
+        obs = Observation(
+            protocol=route.protocol,
+            provider=route.provider,
+            message=cap_text(redact(message, [secret]), 512),
+            transport=Transport.CANNOT_BUILD,
+            phase=Phase.BEFORE_SEND,
+            source=Source.LOCAL,
+        )
+        return AdapterResult(
+            ok=False,
+            route_id=route.id,
+            observation=obs,
+            sent=False,
+            elapsed_s=asyncio.get_running_loop().time() - t0,
+        )
+
     # -- the call ----------------------------------------------------------------------------
 
     async def send(
@@ -309,31 +432,42 @@ class HttpAdapter:
 
         ``on_event`` (sync or async) receives :class:`TextDelta` and :class:`ToolCallProposal`
         as they stream, and a :class:`Reset` when a stream fails after delivering any of them.
+        Raises :class:`~ledger.errors.InvalidArgument` only for caller misuse (see the module
+        docstring); a route that cannot make a request is a ``cannot_build`` result.
         """
-        self._check(route, envelope)
-        codec = codec_for(route.protocol)
-        secret = self._secret(route, profile_id)
-        wire = codec.build_request(route, envelope)
+        self._check_misuse(route, envelope, profile_id)
+        install_log_redaction()
         lim = limits if limits is not None else self.limits
-        headers = dict(wire.headers)
-        if secret is not None:
-            headers.update(codec.auth_headers(secret))
         loop = asyncio.get_running_loop()
-        call = _Call(
-            route=route,
-            codec=codec,
-            secret=secret,
-            on_event=on_event,
-            limits=lim,
-            stream=envelope.stream,
-            t0=loop.time(),
-        )
-        client = self.clients.get(wire.url)
+        t0 = loop.time()
         try:
+            codec, secret, url, content, headers = self._prepare(route, envelope, profile_id)
+        except _CannotBuild as cb:
+            result = self._cannot_build(route, cb.message, t0)
+        else:
+            call = _Call(
+                route=route,
+                codec=codec,
+                secret=secret,
+                on_event=on_event,
+                limits=lim,
+                stream=envelope.stream,
+                t0=t0,
+            )
+            result = await self._call(call, url, content, headers)
+        self._log(route, result)
+        return result
+
+    async def _call(
+        self, call: _Call, url: str, content: bytes, headers: dict[str, str]
+    ) -> AdapterResult:
+        lim = call.limits
+        try:
+            client = self.clients.get(url)
             request = client.build_request(
                 "POST",
-                wire.url,
-                json=wire.body,
+                url,
+                content=content,
                 headers=headers,
                 timeout=httpx.Timeout(
                     connect=lim.connect_timeout_s,
@@ -343,12 +477,18 @@ class HttpAdapter:
                 ),
                 extensions={"trace": call.progress.trace},
             )
-        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-            raise InvalidArgument(
-                f"route {route.id!r} endpoint is not a usable URL: {redact(str(exc), [secret])}",
-                field="route.endpoint",
-            ) from None
-        result = await self._run(call, client, request)
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as exc:
+            return self._cannot_build(
+                call.route,
+                f"route {call.route.id!r} endpoint is not a usable URL ({exc}); set "
+                "Route.endpoint to the provider's base URL",
+                call.t0,
+                call.secret,
+            )
+        return await self._run(call, client, request)
+
+    @staticmethod
+    def _log(route: Route, result: AdapterResult) -> None:
         if result.ok:
             log.debug(
                 "route %s: ok status=%s model=%s in %.3fs",
@@ -357,18 +497,18 @@ class HttpAdapter:
                 result.model_reported,
                 result.elapsed_s,
             )
-        else:
-            obs = result.observation
-            log.info(
-                "route %s: failed transport=%s phase=%s status=%s effective_output=%s: %s",
-                route.id,
-                obs.transport.value if obs and obs.transport else None,
-                obs.phase.value if obs and obs.phase else None,
-                result.http_status,
-                result.effective_output,
-                obs.message if obs else None,
-            )
-        return result
+            return
+        obs = result.observation
+        log.info(
+            "route %s: failed transport=%s phase=%s status=%s sent=%s effective_output=%s: %s",
+            route.id,
+            obs.transport.value if obs and obs.transport else None,
+            obs.phase.value if obs and obs.phase else None,
+            result.http_status,
+            result.sent,
+            result.effective_output,
+            obs.message if obs else None,
+        )
 
     async def _run(
         self, call: _Call, client: httpx.AsyncClient, request: httpx.Request
@@ -384,10 +524,13 @@ class HttpAdapter:
             first = call.stream and first_token_at < total_at
             return await self._deadline_failure(call, first_token=first)
         except httpx.UnsupportedProtocol as exc:
-            raise InvalidArgument(
-                f"route {call.route.id!r} endpoint uses an unsupported scheme: {exc}",
-                field="route.endpoint",
-            ) from None
+            return self._cannot_build(
+                call.route,
+                f"route {call.route.id!r} endpoint uses an unsupported scheme ({exc}); use an "
+                "http:// or https:// URL",
+                call.t0,
+                call.secret,
+            )
         except httpx.HTTPError as exc:
             return await self._transport_failure(call, exc)
         call.progress.headers_received = True
@@ -460,6 +603,7 @@ class HttpAdapter:
             partial_text=redact("".join(call.delivered), call.secrets),
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
+            sent=call.progress.request_sent,
         )
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:

@@ -79,6 +79,10 @@ class AdapterResult:
     On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
     whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
     ``usage`` and ``cost`` are ``None`` when the provider reported no usage.
+
+    ``sent`` is ``False`` exactly when no byte of the request was handed to the socket (connect
+    refused, DNS and TLS failures, connect timeout, a route that cannot build a request), and
+    ``True`` from the moment the request started to be written (a reset after that is sent).
     """
 
     ok: bool
@@ -96,6 +100,7 @@ class AdapterResult:
     partial_text: str = ""
     request_id: str | None = None
     elapsed_s: float = 0.0
+    sent: bool = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ class Category(StrEnum):
     CANCELLED = "cancelled"
     BUDGET_EXCEEDED = "budget_exceeded"
     LOCAL_RATE_LIMIT = "local_rate_limit"
+    # The route cannot be used as configured (no secret, no usable endpoint, no codec, a body
+    # that cannot be encoded): nothing was sent, and nothing about the provider was learned.
+    UNUSABLE = "unusable"
     UNKNOWN = "unknown"
 
 
@@ -52,6 +55,9 @@ class Transport(StrEnum):
     # The call's own total deadline (policy.streaming.total_timeout_s) ran out; the phase says how
     # far the request had got.
     TOTAL_TIMEOUT = "total_timeout"
+    # The request could not be built from the route's configuration, so it never left the
+    # process (the message says what is wrong and the fix).
+    CANNOT_BUILD = "cannot_build"
 
 
 class Phase(StrEnum):
@@ -94,6 +100,7 @@ _DEFAULT_PHASE: dict[Transport, Phase] = {
     Transport.CONNECT_REFUSED: Phase.BEFORE_SEND,
     Transport.CONNECT_TIMEOUT: Phase.BEFORE_SEND,
     Transport.TLS_ERROR: Phase.BEFORE_SEND,
+    Transport.CANNOT_BUILD: Phase.BEFORE_SEND,
     Transport.CONNECTION_RESET: Phase.AFTER_SEND,
     Transport.READ_TIMEOUT: Phase.AFTER_SEND,
     Transport.FIRST_TOKEN_TIMEOUT: Phase.AFTER_SEND,
