@@ -327,6 +327,11 @@ class RedactingFilter(logging.Filter):
 
 
 _FILTER = RedactingFilter()
+# Loggers the HTTP stack creates only when a connection is first made (httpcore imports its
+# connection modules lazily): made here in advance, so the first request's records are covered.
+_LAZY_CHILDREN: dict[str, tuple[str, ...]] = {
+    "httpcore": ("connection", "connection_pool", "http11", "http2", "proxy", "socks"),
+}
 _install_lock = threading.Lock()
 _installed_for: dict[tuple[str, ...], int] = {}
 
@@ -344,6 +349,7 @@ def install_log_redaction(names: Iterable[str] = DEFAULT_LOGGERS) -> None:
         return
     with _install_lock:
         targets = [logging.getLogger(n) for n in key]
+        targets += [logging.getLogger(f"{n}.{c}") for n in key for c in _LAZY_CHILDREN.get(n, ())]
         for name in list(manager.loggerDict):
             if any(name.startswith(n + ".") for n in key):
                 obj = manager.loggerDict[name]

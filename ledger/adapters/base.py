@@ -174,6 +174,11 @@ def _response_headers(headers: httpx.Headers, secrets: list[str | None]) -> dict
     return out
 
 
+def _shown(text: str) -> str:
+    """A configuration value for a message: redacted before it is shortened."""
+    return cap_text(redact(text), 80)
+
+
 def _request_id(headers: httpx.Headers) -> str | None:
     for name in ("x-request-id", "request-id", "x-goog-request-id", "cf-ray"):
         value = headers.get(name)
@@ -304,13 +309,13 @@ class HttpAdapter:
             parts = urlsplit(endpoint.strip())
         except ValueError as exc:  # e.g. an unclosed IPv6 bracket
             raise _CannotBuild(
-                f"route {route.id!r} endpoint {endpoint[:80]!r} is not a usable URL ({exc}); set "
-                f"Route.endpoint to the provider's base URL (e.g. {example})"
+                f"route {route.id!r} endpoint {_shown(endpoint)!r} is not a usable URL ({exc}); "
+                f"set Route.endpoint to the provider's base URL (e.g. {example})"
             ) from None
-        shown = f"{parts.scheme}://{parts.hostname}" if parts.hostname else repr(endpoint[:80])
+        shown = f"{parts.scheme}://{parts.hostname}" if parts.hostname else repr(_shown(endpoint))
         if not parts.scheme or not parts.netloc:
             raise _CannotBuild(
-                f"route {route.id!r} endpoint {endpoint[:80]!r} has no http:// or https:// "
+                f"route {route.id!r} endpoint {_shown(endpoint)!r} has no http:// or https:// "
                 f"scheme and host; write it as a full URL (e.g. {example})"
             )
         if parts.scheme.lower() not in ("http", "https"):
@@ -320,7 +325,7 @@ class HttpAdapter:
             )
         if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in parts.netloc):
             raise _CannotBuild(
-                f"route {route.id!r} endpoint {endpoint[:80]!r} has an invalid host name "
+                f"route {route.id!r} endpoint {_shown(endpoint)!r} has an invalid host name "
                 "(spaces or control characters); correct Route.endpoint"
             )
         if not parts.hostname:
@@ -836,7 +841,7 @@ class HttpAdapter:
                     transport=Transport.MALFORMED_EVENT,
                     phase=Phase.MID_STREAM,
                     message=str(exc),
-                    evidence=evidence_excerpt(chunk[:512], call.secrets, self.evidence_cap_bytes),
+                    evidence=evidence_excerpt(chunk, call.secrets, self.evidence_cap_bytes),
                 )
             failed = await handle(events)
             if failed is not None:

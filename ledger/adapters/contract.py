@@ -15,6 +15,7 @@ from ledger.core.facts import Observation
 from ledger.core.facts import Protocol as WireProtocol
 from ledger.errors import InvalidArgument
 from ledger.model import Route
+from ledger.redaction import redact
 
 # --------------------------------------------------------------------------------------------
 # Results and events
@@ -133,6 +134,13 @@ class ProviderErrorPayload(Exception):
     def __init__(self, message: str, body: str) -> None:
         super().__init__(message)
         self.body = body
+
+
+def provider_message(value: Any, limit: int = 200) -> str:
+    """A provider's error text for a message: redacted whole first, then shortened (a secret
+    cut in half would no longer be recognised)."""
+    text = redact(str(value))
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def require_object(value: Any, what: str) -> dict[str, Any]:
