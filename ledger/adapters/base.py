@@ -132,6 +132,10 @@ _ERROR_BODY_READ_CAP = 1024 * 1024
 # After a stream's terminator, the rest of the body is drained this long at most, so the
 # connection can go back to the pool without holding a finished answer hostage.
 _DRAIN_AFTER_TERMINATOR_S = 1.0
+# What a codec may raise on a hostile body or event besides MalformedPayload: whatever shape the
+# provider sent, the outcome is a malformed_event failure, never an exception out of send().
+_BAD_PAYLOAD = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
+                ArithmeticError)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +183,11 @@ def _shown(text: str) -> str:
     return cap_text(redact(text), 80)
 
 
+def _what(exc: BaseException) -> str:
+    """A parse error for a message: MalformedPayload says it all, others are named."""
+    return str(exc) if isinstance(exc, MalformedPayload) else f"{type(exc).__name__}: {exc}"
+
+
 def _request_id(headers: httpx.Headers) -> str | None:
     for name in ("x-request-id", "request-id", "x-goog-request-id", "cf-ray"):
         value = headers.get(name)
@@ -222,7 +231,9 @@ class HttpAdapter:
     ``secrets`` defaults to :class:`~ledger.adapters.secrets.EnvSecretProvider`; ``limits`` to
     the default :class:`~ledger.policy.model.StreamingPolicy` and is overridable per call (pass the
     Run's frozen ``policy.streaming``); ``clients`` defaults to a private
-    :class:`ClientRegistry`; ``verify`` is the TLS verification used by that registry.
+    :class:`ClientRegistry`; ``verify`` is the TLS verification used by that registry. Memory is
+    bounded by ``max_body_bytes`` (a whole body), ``max_stream_bytes`` (all bytes of one stream)
+    and the SSE parser's line and event limits.
     """
 
     def __init__(
@@ -234,12 +245,14 @@ class HttpAdapter:
         verify: ssl.SSLContext | bool = True,
         max_body_bytes: int = 16 * 1024 * 1024,
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
+        max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.secrets: SecretProvider = secrets if secrets is not None else EnvSecretProvider()
         self.limits = limits if limits is not None else StreamingPolicy()
         self.clients = clients if clients is not None else ClientRegistry(verify=verify)
         self.max_body_bytes = max_body_bytes
         self.evidence_cap_bytes = evidence_cap_bytes
+        self.max_stream_bytes = max_stream_bytes
 
     async def __aenter__(self) -> HttpAdapter:
         return self
@@ -715,7 +728,7 @@ class HttpAdapter:
             )
         try:
             data = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return await self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
@@ -736,13 +749,29 @@ class HttpAdapter:
                 message=str(exc),
                 body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
             )
-        except MalformedPayload as exc:
+        except _BAD_PAYLOAD as exc:
             return await self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
                 phase=Phase.AFTER_HEADERS,
-                message=f"response body has not the protocol's shape: {exc}",
+                message=f"response body has not the protocol's shape: {_what(exc)}",
                 evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
+            )
+        return await self._complete(call, reply, Phase.AFTER_HEADERS)
+
+    async def _complete(self, call: _Call, reply: Reply, phase: Phase) -> AdapterResult:
+        """The success, unless the answer holds text no caller could store or send on."""
+        parts = [reply.text] + [f"{c.id}{c.name}{c.arguments_json}" for c in reply.tool_calls]
+        try:
+            for text in parts:
+                text.encode("utf-8")
+        except UnicodeEncodeError:
+            return await self._fail(
+                call,
+                transport=Transport.MALFORMED_EVENT,
+                phase=phase,
+                message="the answer holds unpaired surrogate escapes (\\ud800-\\udfff), which "
+                "are not text",
             )
         return self._success(call, reply)
 
@@ -771,6 +800,7 @@ class HttpAdapter:
         state = call.codec.new_stream()
         chunks: AsyncIterator[bytes] = response.aiter_bytes().__aiter__()
         last_byte = loop.time()
+        received = 0
         idle = call.limits.idle_timeout_s
 
         async def handle(events: list[SSEEvent]) -> AdapterResult | None:
@@ -788,13 +818,13 @@ class HttpAdapter:
                         message=str(exc),
                         body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
                     )
-                except MalformedPayload as exc:
+                except _BAD_PAYLOAD as exc:
                     self._absorb(call, state)
                     return await self._fail(
                         call,
                         transport=Transport.MALFORMED_EVENT,
                         phase=Phase.MID_STREAM,
-                        message=f"malformed {ev.event!r} event: {exc}",
+                        message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     )
                 for item in out:
@@ -832,6 +862,15 @@ class HttpAdapter:
                 self._absorb(call, state)
                 return await self._transport_failure(call, exc)
             last_byte = loop.time()
+            received += len(chunk)
+            if received > self.max_stream_bytes:
+                self._absorb(call, state)
+                return await self._fail(
+                    call,
+                    transport=Transport.PROTOCOL_ERROR,
+                    phase=Phase.MID_STREAM,
+                    message=f"the stream exceeded max_stream_bytes={self.max_stream_bytes}",
+                )
             try:
                 events = parser.feed(chunk)
             except SSEError as exc:
@@ -860,9 +899,20 @@ class HttpAdapter:
                 phase=Phase.MID_STREAM,
                 message="the stream ended before the protocol's completion signal",
             )
-        for item in state.end():
+        try:
+            final = state.end()
+            reply = state.reply()
+        except _BAD_PAYLOAD as exc:
+            self._absorb(call, state)
+            return await self._fail(
+                call,
+                transport=Transport.MALFORMED_EVENT,
+                phase=Phase.MID_STREAM,
+                message=f"the stream's last events do not complete the answer: {_what(exc)}",
+            )
+        for item in final:
             await self._deliver(call, item)
-        return self._success(call, state.reply())
+        return await self._complete(call, reply, Phase.MID_STREAM)
 
     @staticmethod
     def _absorb(call: _Call, state: StreamState) -> None:

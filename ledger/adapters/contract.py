@@ -40,7 +40,7 @@ class ToolCall:
         """The arguments as an object, or ``None`` when the model's JSON is not an object."""
         try:
             value = json.loads(self.arguments_json or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return value if isinstance(value, dict) else None
 
@@ -197,7 +197,7 @@ class StreamState(ABC):
 def parse_json_event(event: SSEEvent) -> dict[str, Any]:
     try:
         value = json.loads(event.data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise MalformedPayload(f"event data is not JSON: {exc}") from exc
     return require_object(value, "event data")
 
@@ -268,7 +268,7 @@ def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:
     """The arguments of an assistant tool-call part, which carries them as a JSON object."""
     try:
         value = json.loads(part_content or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
         raise InvalidArgument(

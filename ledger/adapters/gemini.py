@@ -128,7 +128,7 @@ class GeminiCodec(Codec):
                     )
                 try:
                     response = json.loads(p.content)
-                except ValueError:
+                except (ValueError, RecursionError):
                     response = None
                 if not isinstance(response, dict):
                     response = {"result": p.content}

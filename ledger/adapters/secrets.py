@@ -132,7 +132,7 @@ def evidence_excerpt(
         return text
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return cap_text(text, cap_bytes)
     for limit, items in ((512, 8), (200, 4), (80, 3), (40, 2)):
         shrunk = json.dumps(_shrink(data, limit, items), ensure_ascii=False)

@@ -84,6 +84,9 @@ class Fault(StrEnum):
     # A response head with an illegal header line holding the credential: the client's HTTP
     # parser fails with an exception whose message quotes that line.
     ECHO_KEY_BAD_HEADER = "echo_key_bad_header"
+    # Behavior.raw verbatim (status line, headers and body, each item one socket write), then
+    # close, or hold the connection open when Behavior.raw_hold: for hostile framing tests.
+    RAW = "raw"
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Behavior:
     delay_s: float = 1.0  # SLOW_FIRST_TOKEN wait; TRICKLE interval
     content_before_fault: int = 2  # content events sent before a mid-stream fault
     tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
+    raw: tuple[bytes, ...] = ()  # RAW: the bytes to write, one write per item
+    raw_hold: bool = False  # RAW: keep the connection open (sending nothing) after writing
 
 
 def _behavior(item: Fault | str | Behavior) -> Behavior:
@@ -396,6 +401,12 @@ class FakeProvider:
             return False
         if f is Fault.NO_RESPONSE:
             await _until_closed(reader)
+            return False
+        if f is Fault.RAW:
+            for piece in behavior.raw:
+                await _write(writer, piece)
+            if behavior.raw_hold:
+                await _until_closed(reader)
             return False
         if f is Fault.ECHO_KEY:
             await _write(writer, _echo_key_response(req))
