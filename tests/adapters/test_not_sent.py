@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -26,6 +26,16 @@ from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
 pytestmark = pytest.mark.anyio
 
 ENV = Envelope(parts=[Part(content="hello")])
+# Where the outcome must not depend on timing: a loaded machine may pause the fake a while.
+PATIENT = FAST.model_copy(update={"read_timeout_s": 10.0, "first_token_timeout_s": 10.0,
+                                  "idle_timeout_s": 10.0, "total_timeout_s": 20.0,
+                                  "connect_timeout_s": 10.0})
+
+
+@pytest.fixture
+async def patient() -> AsyncIterator[HttpAdapter]:
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as a:
+        yield a
 
 
 def _closed_port() -> int:
@@ -166,16 +176,16 @@ async def test_a_body_that_cannot_be_encoded_is_not_sent(
 # -- over real loopback ------------------------------------------------------------------------
 
 
-async def test_connect_refused_is_not_sent(adapter: HttpAdapter) -> None:
+async def test_connect_refused_is_not_sent(patient: HttpAdapter) -> None:
     route = make_route(f"http://127.0.0.1:{_closed_port()}/v1", "openai")
-    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    result = await patient.send(route, ENV, profile_id=PROFILE)
     obs = result.observation
     assert obs is not None and not result.sent
     assert (obs.transport, obs.phase) == (Transport.CONNECT_REFUSED, Phase.BEFORE_SEND)
 
 
-async def test_dns_failure_is_not_sent(adapter: HttpAdapter) -> None:
-    result = await adapter.send(make_route("http://nonexistent.invalid/v1", "openai"), ENV,
+async def test_dns_failure_is_not_sent(patient: HttpAdapter) -> None:
+    result = await patient.send(make_route("http://nonexistent.invalid/v1", "openai"), ENV,
                                 profile_id=PROFILE)
     obs = result.observation
     assert obs is not None and not result.sent
@@ -183,10 +193,10 @@ async def test_dns_failure_is_not_sent(adapter: HttpAdapter) -> None:
 
 
 async def test_tls_to_a_plain_http_server_is_not_sent(
-    adapter: HttpAdapter, fake: FakeProvider
+    patient: HttpAdapter, fake: FakeProvider
 ) -> None:
     route = make_route(fake.endpoint("gemini").replace("http://", "https://"), "gemini")
-    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    result = await patient.send(route, ENV, profile_id=PROFILE)
     obs = result.observation
     assert obs is not None and not result.sent
     assert (obs.transport, obs.phase) == (Transport.TLS_ERROR, Phase.BEFORE_SEND)
@@ -204,10 +214,10 @@ async def test_connect_timeout_is_not_sent(adapter: HttpAdapter, full_backlog: i
 @pytest.mark.parametrize("fault", [Fault.RESET_BEFORE_HEADERS, Fault.CLOSE_BEFORE_HEADERS])
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_reset_after_the_request_was_written_is_sent(
-    adapter: HttpAdapter, fake: FakeProvider, protocol: str, fault: Fault
+    patient: HttpAdapter, fake: FakeProvider, protocol: str, fault: Fault
 ) -> None:
     fake.enqueue(fault)
-    result = await adapter.send(make_route(fake.endpoint(protocol), protocol), ENV,
+    result = await patient.send(make_route(fake.endpoint(protocol), protocol), ENV,
                                 profile_id=PROFILE)
     obs = result.observation
     assert obs is not None and result.sent
@@ -217,12 +227,12 @@ async def test_a_reset_after_the_request_was_written_is_sent(
 
 
 async def test_answers_and_provider_errors_are_sent(
-    adapter: HttpAdapter, fake: FakeProvider
+    patient: HttpAdapter, fake: FakeProvider
 ) -> None:
-    ok = await adapter.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+    ok = await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
                             profile_id=PROFILE)
     fake.enqueue(Fault.SERVER_ERROR)
-    failed = await adapter.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+    failed = await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
                                 profile_id=PROFILE)
     assert ok.ok and ok.sent and to_send_result(ok, "a-1").sent
     assert not failed.ok and failed.sent and failed.http_status == 500

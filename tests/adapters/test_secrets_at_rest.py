@@ -42,8 +42,8 @@ KEY = "zk/Qm7+Lp2/x.9Rt_Vw-Yb3Nc8Hd4Jf6"
 HOST_KEY = "hk+Tq8/Wn3.Ly5_Zc-Rv1/Mb6+Xp0Sd4"
 # Never registered anywhere: only its shape can give it away.
 STRAY_KEY = "sk-proj-Gh7Tk2Lw9Qx4Vb8Nm3Zr6Yp1Fd5Sa0Jc"
-LIMITS = StreamingPolicy(connect_timeout_s=2, read_timeout_s=2, first_token_timeout_s=2,
-                         idle_timeout_s=2, total_timeout_s=10)
+LIMITS = StreamingPolicy(connect_timeout_s=10, read_timeout_s=10, first_token_timeout_s=10,
+                         idle_timeout_s=10, total_timeout_s=20)
 
 
 def encodings(key: str) -> set[str]:
