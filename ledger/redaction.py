@@ -107,9 +107,28 @@ def _forms(secret: str) -> list[str]:
     return forms
 
 
-def _compile(secret: str) -> re.Pattern[str]:
-    body = "|".join("".join(_char_pattern(c) for c in form) for form in _forms(secret))
-    return re.compile(body)
+_ALNUM_RUN = re.compile(r"[A-Za-z0-9]+")
+_PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+class _Known:
+    """A secret's pattern, and the literal each of its forms must contain when the text holds
+    no escape at all (JSON and URL encoding leave letters and digits alone): a cheap test that
+    skips the pattern for the texts that cannot contain the secret."""
+
+    __slots__ = ("anchors", "pattern")
+
+    def __init__(self, secret: str) -> None:
+        forms = _forms(secret)
+        self.pattern = re.compile(
+            "|".join("".join(_char_pattern(c) for c in form) for form in forms)
+        )
+        self.anchors = tuple(max(_ALNUM_RUN.findall(f) or [""], key=len) for f in forms)
+
+    def sub(self, text: str, escaped: bool) -> str:
+        if not escaped and all(a and a not in text for a in self.anchors):
+            return text
+        return self.pattern.sub(REDACTED, text)
 
 
 class _Registry:
@@ -117,16 +136,16 @@ class _Registry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_secret: OrderedDict[str, re.Pattern[str]] = OrderedDict()
+        self._by_secret: OrderedDict[str, _Known] = OrderedDict()
         # Readers take this tuple without the lock; writers replace it whole.
-        self.patterns: tuple[re.Pattern[str], ...] = ()
+        self.patterns: tuple[_Known, ...] = ()
 
     def add(self, secret: str) -> None:
         with self._lock:
             if secret in self._by_secret:
                 self._by_secret.move_to_end(secret)
                 return
-            self._by_secret[secret] = _compile(secret)
+            self._by_secret[secret] = _Known(secret)
             while len(self._by_secret) > MAX_SECRETS:
                 self._by_secret.popitem(last=False)
             # Longer secrets first, so a secret containing another is replaced whole.
@@ -201,6 +220,8 @@ _LABELLED: tuple[re.Pattern[str], ...] = (
     ),
     re.compile(r"(?i)([?&](?:key|api_key|apikey|token|access_token|sig|signature)=)[^&\s#\"']{6,}"),
 )
+# One pass for all prefixed shapes (none has a group).
+_PREFIXED_ONE = re.compile("|".join(f"(?:{p.pattern})" for p in _PREFIXED))
 _LONG = re.compile(r"(?<![A-Za-z0-9+/_\-.])[A-Za-z0-9+/_\-.]{32,}={0,2}")
 _SEPARATORS = re.compile(r"[/+._\-]")
 _WORD = re.compile(r"[A-Z]?[a-z]+(?:[A-Z][a-z]+)*[0-9]*$|[A-Z]+[0-9]*$")
@@ -250,11 +271,11 @@ def _long_token(text: str) -> str:
 # The step
 
 
-def _extra(secrets: Iterable[str | None]) -> list[re.Pattern[str]]:
+def _extra(secrets: Iterable[str | None]) -> list[_Known]:
     out = []
     for s in secrets:
         if isinstance(s, str) and len(s) >= MIN_SECRET_CHARS and s not in _REGISTRY:
-            out.append(_compile(s))
+            out.append(_Known(s))
     return out
 
 
@@ -263,15 +284,15 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     and every credential-shaped token, replaced by ``[REDACTED]``."""
     if not isinstance(text, str):
         text = str(text)
-    if not text:
-        return text
-    for pattern in (*_REGISTRY.patterns, *_extra(secrets)):
-        text = pattern.sub(REDACTED, text)
-    for pattern in _PREFIXED:
-        text = pattern.sub(REDACTED, text)
+    if len(text) < MIN_SECRET_CHARS:
+        return text  # too short to hold a known secret in any encoding, or any key shape
+    escaped = "\\" in text or _PERCENT.search(text) is not None
+    for known in (*_REGISTRY.patterns, *_extra(secrets)):
+        text = known.sub(text, escaped)
+    text = _PREFIXED_ONE.sub(REDACTED, text)
     for pattern in _LABELLED:
         text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
-    return _long_token(text)
+    return _long_token(text) if len(text) >= 32 else text
 
 
 def redact_data(value: Any, *, _depth: int = 0) -> Any:
