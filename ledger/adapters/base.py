@@ -123,6 +123,7 @@ from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.redaction import install_log_redaction, register_secret
+from ledger.turn_effects import SendProgress
 
 log = logging.getLogger("ledger.adapters")
 
@@ -151,15 +152,21 @@ class _CannotBuild(Exception):
 
 
 class _Progress:
-    """How far the request got, from httpcore's trace events."""
+    """How far the request got, from httpcore's trace events; mirrored into the caller's
+    :class:`~ledger.turn_effects.SendProgress` so an interrupted call is settled truthfully."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: SendProgress | None = None) -> None:
         self.request_sent = False
         self.headers_received = False
+        self.report = report
+        if report is not None:
+            report.sent = False
 
     async def trace(self, name: str, info: Mapping[str, Any]) -> None:
         if name.endswith("send_request_headers.started"):
             self.request_sent = True
+            if self.report is not None:
+                self.report.sent = True
         elif name.endswith("receive_response_headers.complete"):
             self.headers_received = True
 
@@ -207,7 +214,7 @@ class _Call:
     limits: StreamingPolicy
     stream: bool
     t0: float
-    progress: _Progress = field(default_factory=_Progress)
+    progress: _Progress
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     request_id: str | None = None
@@ -445,6 +452,7 @@ class HttpAdapter:
         profile_id: str | None,
         on_event: EventCallback | None = None,
         limits: StreamingPolicy | None = None,
+        progress: SendProgress | None = None,
     ) -> AdapterResult:
         """Send ``envelope`` on ``route`` with the secret of ``profile_id``; report the outcome.
 
@@ -452,12 +460,15 @@ class HttpAdapter:
         as they stream, and a :class:`Reset` when a stream fails after delivering any of them.
         Raises :class:`~ledger.errors.InvalidArgument` only for caller misuse (see the module
         docstring); a route that cannot make a request is a ``cannot_build`` result.
+        ``progress`` is told when the first request byte is written (so a cancelled call is
+        known to have been sent, or not).
         """
         self._check_misuse(route, envelope, profile_id)
         install_log_redaction()
         lim = limits if limits is not None else self.limits
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        tracker = _Progress(progress)  # tells `progress` nothing is sent yet
         try:
             codec, secret, url, content, headers = self._prepare(route, envelope, profile_id)
         except _CannotBuild as cb:
@@ -471,6 +482,7 @@ class HttpAdapter:
                 limits=lim,
                 stream=envelope.stream,
                 t0=t0,
+                progress=tracker,
             )
             result = await self._call(call, url, content, headers)
         self._log(route, result)

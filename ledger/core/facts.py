@@ -32,10 +32,10 @@ class Category(StrEnum):
     CANCELLED = "cancelled"
     BUDGET_EXCEEDED = "budget_exceeded"
     LOCAL_RATE_LIMIT = "local_rate_limit"
-    # The route cannot be used as configured (no secret, no usable endpoint, no codec, a body
-    # that cannot be encoded): nothing was sent, and nothing about the provider was learned.
-    UNUSABLE = "unusable"
     UNKNOWN = "unknown"
+    # The route cannot be used at all (no credential, unusable endpoint, a request that cannot
+    # be encoded): a configuration problem found before anything was sent.
+    UNUSABLE = "unusable"
 
 
 class Transport(StrEnum):
@@ -55,8 +55,7 @@ class Transport(StrEnum):
     # The call's own total deadline (policy.streaming.total_timeout_s) ran out; the phase says how
     # far the request had got.
     TOTAL_TIMEOUT = "total_timeout"
-    # The request could not be built from the route's configuration, so it never left the
-    # process (the message says what is wrong and the fix).
+    # The request could not even be built (see Category.UNUSABLE); nothing left the process.
     CANNOT_BUILD = "cannot_build"
 
 
@@ -161,7 +160,8 @@ class FailureFact(BaseModel):
     scope: Scope = Scope.REQUEST
     transport: Transport | None = None
     source: Source = Source.PROVIDER
-    retry_after_s: float | None = None
+    # Finite and non-negative: an infinite hint would close a group for ever.
+    retry_after_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     resubmit: bool = False
     moves_on: bool = False
     cooldown: CooldownEffect = CooldownEffect.NONE
