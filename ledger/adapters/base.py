@@ -463,12 +463,12 @@ class HttpAdapter:
         ``progress`` is told when the first request byte is written (so a cancelled call is
         known to have been sent, or not).
         """
+        tracker = _Progress(progress)  # tells `progress` nothing is sent yet
         self._check_misuse(route, envelope, profile_id)
         install_log_redaction()
         lim = limits if limits is not None else self.limits
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        tracker = _Progress(progress)  # tells `progress` nothing is sent yet
         try:
             codec, secret, url, content, headers = self._prepare(route, envelope, profile_id)
         except _CannotBuild as cb:

@@ -18,8 +18,10 @@ from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider
 from ledger.core.classify import classify
 from ledger.core.envelope import Envelope, Part
 from ledger.core.facts import Category, Phase, Source, Transport
+from ledger.errors import InvalidArgument
 from ledger.policy.load import PRESETS, preset
 from ledger.testing import FakeProvider, Fault
+from ledger.turn_effects import SendProgress
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
 
@@ -236,3 +238,24 @@ async def test_answers_and_provider_errors_are_sent(
                                 profile_id=PROFILE)
     assert ok.ok and ok.sent and to_send_result(ok, "a-1").sent
     assert not failed.ok and failed.sent and failed.http_status == 500
+
+
+async def test_the_callers_progress_says_whether_a_byte_left(
+    patient: HttpAdapter, fake: FakeProvider
+) -> None:
+    unbuildable = SendProgress(handed_over=True)
+    await patient.send(make_route(None, "openai"), ENV, profile_id=PROFILE,  # type: ignore[arg-type]
+                       progress=unbuildable)
+    misuse = SendProgress(handed_over=True)
+    with pytest.raises(InvalidArgument):
+        await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+                           profile_id="not:mine", progress=misuse)
+    refused = SendProgress(handed_over=True)
+    await patient.send(make_route(f"http://127.0.0.1:{_closed_port()}/v1", "openai"), ENV,
+                       profile_id=PROFILE, progress=refused)
+    fake.enqueue(Fault.RESET_BEFORE_HEADERS)
+    reset = SendProgress(handed_over=True)
+    await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV, profile_id=PROFILE,
+                       progress=reset)
+    assert [p.provably_unsent for p in (unbuildable, misuse, refused, reset)] == [
+        True, True, True, False]
