@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -30,7 +31,7 @@ from ledger.bounds import (
 from ledger.clock import Clock, SystemClock
 from ledger.core.admission import check_child_policy, child_grant, default_grant, validate_plan
 from ledger.core.facts import FailureFact, Observation, Phase
-from ledger.errors import InvalidArgument, NotFound, PolicyError
+from ledger.errors import InvalidArgument, NotFound
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
 from ledger.records import (
@@ -91,18 +92,16 @@ class _Lru(Generic[K, V]):
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
-    from ledger.policy.load import default_policy, load_policy
+    from ledger.policy.load import default_policy, load_policy, validate_policy
 
     if policy is None:
         return default_policy()
     if isinstance(policy, Policy):
         return policy
-    if isinstance(policy, str):
+    if isinstance(policy, str | os.PathLike):
         return load_policy(policy)
-    try:
-        return Policy.model_validate(dict(policy))
-    except ValidationError as e:
-        raise PolicyError(f"invalid policy object: {e.errors()[0]['msg']}") from e
+    # A mapping, or anything else: the loader's validation names the field path and the fix.
+    return validate_policy(policy)
 
 
 def _policy_hash(policy: Policy) -> str:

@@ -26,7 +26,8 @@ The tree::
     └── FailoverExhausted (ExceptionGroup as well)
                                         the run stopped: every attempt's error + the stop reason
 
-Every error carries structured fields (``.fields``) and a message that says what to do.
+Every error carries structured fields (``.fields``) and a message that says what to do; the
+message has passed :func:`ledger.redaction.redact`, so no known secret or key shape is in it.
 Causes are chained with ``raise ... from``.
 """
 
@@ -35,11 +36,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ledger.redaction import redact
+
 
 class LedgerError(Exception):
     """Root of every error raised by the ledger."""
 
     def __init__(self, message: str, **fields: Any) -> None:
+        # Exception text reaches logs and tracebacks: it passes the one redaction step.
+        message = redact(message)
         super().__init__(message)
         self.message = message
         self.fields: dict[str, Any] = fields
@@ -170,7 +175,7 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
         **fields: Any,
     ) -> FailoverExhausted:
         excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
-        self = ExceptionGroup.__new__(cls, message, excs)
+        self = ExceptionGroup.__new__(cls, redact(message), excs)
         return self
 
     def __init__(
@@ -183,7 +188,7 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
         **fields: Any,
     ) -> None:
         excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
-        ExceptionGroup.__init__(self, message, excs)
+        ExceptionGroup.__init__(self, redact(message), excs)
         self.reason = reason
         self.attempts = list(attempts)
         self.fields = {"reason": reason, "attempts": list(attempts), **fields}

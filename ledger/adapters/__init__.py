@@ -2,6 +2,8 @@
 
 One engine (:class:`HttpAdapter`, and its blocking facade :class:`SyncAdapter`) sends on any route
 whose protocol has a registered codec; the three shipped codecs register themselves on import.
+``register_secret`` and ``install_log_redaction`` are :mod:`ledger.redaction`'s, for hosts that
+send requests themselves.
 See ``docs/adapters.md``.
 """
 
@@ -35,6 +37,7 @@ from ledger.adapters.transport import (
     ClientRegistry,
     map_transport_error,
 )
+from ledger.redaction import install_log_redaction, register_secret
 
 __all__ = [
     "AdapterResult",
@@ -57,10 +60,12 @@ __all__ = [
     "codec_for",
     "env_var_name",
     "gemini",
+    "install_log_redaction",
     "map_transport_error",
     "output_part",
     "redact",
     "register_codec",
+    "register_secret",
     "sync_sender",
     "to_send_result",
 ]

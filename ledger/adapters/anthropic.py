@@ -39,6 +39,7 @@ from ledger.adapters.contract import (
     join_url,
     optional_str,
     parse_json_event,
+    provider_message,
     register_codec,
     require_object,
     token_count,
@@ -78,7 +79,7 @@ def _error(data: dict[str, Any]) -> ProviderErrorPayload:
     kind = err.get("type") if isinstance(err, dict) else None
     msg = err.get("message") if isinstance(err, dict) else None
     return ProviderErrorPayload(
-        f"provider error {kind or ''}: {str(msg)[:200] if msg else 'no message'}".replace(
+        f"provider error {kind or ''}: {provider_message(msg) if msg else 'no message'}".replace(
             "  ", " "
         ),
         json.dumps(data),

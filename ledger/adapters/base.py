@@ -1,12 +1,19 @@
 """The adapter contract and the one httpx engine behind all three protocols.
 
 An adapter call sends one request on one route and reports exactly what happened. It never raises
-for a provider or transport failure: every failure comes back as an :class:`AdapterResult` with
-``ok=False`` and an :class:`~ledger.core.facts.Observation` (transport kind, phase, status,
-effective output, redacted evidence). Only misuse (a route without an endpoint, a profile without a
-secret, ...) raises a typed :mod:`ledger.errors` error, and always before anything is sent.
-Cancellation by the caller (``asyncio.CancelledError``) and exceptions raised by the caller's own
-``on_event`` callback propagate unchanged: they are the caller's facts, not the provider's.
+for a provider or transport failure, nor for a route whose configuration cannot make a request:
+every such failure comes back as an :class:`AdapterResult` with ``ok=False``, ``sent`` saying
+whether any byte of the request was handed to the socket, and an
+:class:`~ledger.core.facts.Observation` (transport kind, phase, status, effective output, redacted
+evidence). A route that cannot build a request (no endpoint or not a usable http(s) URL, no codec
+for its protocol, no secret for its profile or one that cannot go in a header, a body that cannot
+be JSON-encoded) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a
+message naming the problem and the fix. Only caller misuse (a profile id that is not the route's,
+an envelope without parts, streaming, tools or prefill the route's capabilities refuse, envelope
+parts or parameters the codec cannot map) raises :class:`~ledger.errors.InvalidArgument`, always
+before anything is sent. Cancellation by the caller (``asyncio.CancelledError``) and exceptions
+raised by the caller's own ``on_event`` callback propagate unchanged: they are the caller's facts,
+not the provider's.
 
 The engine owns no retries: httpx transports are built with ``retries=0`` and nothing here loops.
 The Run is the only retry owner.
@@ -18,6 +25,7 @@ socket; ``receive_response_headers.complete`` = a status line and headers arrive
 =====================================  ==============================  ======================
 what happened                          transport kind                  phase
 =====================================  ==============================  ======================
+the route cannot build a request       cannot_build                    before_send
 ConnectError caused by socket.gaierror dns_failure                     before_send
 ConnectError caused by ssl.SSLError    tls_error                       before_send
   (certificate, version, handshake;
@@ -110,10 +118,11 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.core.envelope import Envelope
-from ledger.core.facts import Observation, Phase, Transport
+from ledger.core.facts import Observation, Phase, Source, Transport
 from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
+from ledger.redaction import install_log_redaction, register_secret
 from ledger.turn_effects import SendProgress
 
 log = logging.getLogger("ledger.adapters")
@@ -124,10 +133,22 @@ _ERROR_BODY_READ_CAP = 1024 * 1024
 # After a stream's terminator, the rest of the body is drained this long at most, so the
 # connection can go back to the pool without holding a finished answer hostage.
 _DRAIN_AFTER_TERMINATOR_S = 1.0
+# What a codec may raise on a hostile body or event besides MalformedPayload: whatever shape the
+# provider sent, the outcome is a malformed_event failure, never an exception out of send().
+_BAD_PAYLOAD = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
+                ArithmeticError)
 
 
 # --------------------------------------------------------------------------------------------
 # The engine
+
+
+class _CannotBuild(Exception):
+    """The route's configuration cannot make a request; ``message`` says what and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class _Progress:
@@ -162,6 +183,16 @@ def _response_headers(headers: httpx.Headers, secrets: list[str | None]) -> dict
             continue
         out[low] = cap_text(redact(value, secrets), _KEEP_HEADER_VALUE)
     return out
+
+
+def _shown(text: str) -> str:
+    """A configuration value for a message: redacted before it is shortened."""
+    return cap_text(redact(text), 80)
+
+
+def _what(exc: BaseException) -> str:
+    """A parse error for a message: MalformedPayload says it all, others are named."""
+    return str(exc) if isinstance(exc, MalformedPayload) else f"{type(exc).__name__}: {exc}"
 
 
 def _request_id(headers: httpx.Headers) -> str | None:
@@ -207,7 +238,9 @@ class HttpAdapter:
     ``secrets`` defaults to :class:`~ledger.adapters.secrets.EnvSecretProvider`; ``limits`` to
     the default :class:`~ledger.policy.model.StreamingPolicy` and is overridable per call (pass the
     Run's frozen ``policy.streaming``); ``clients`` defaults to a private
-    :class:`ClientRegistry`; ``verify`` is the TLS verification used by that registry.
+    :class:`ClientRegistry`; ``verify`` is the TLS verification used by that registry. Memory is
+    bounded by ``max_body_bytes`` (a whole body), ``max_stream_bytes`` (all bytes of one stream)
+    and the SSE parser's line and event limits.
     """
 
     def __init__(
@@ -219,12 +252,14 @@ class HttpAdapter:
         verify: ssl.SSLContext | bool = True,
         max_body_bytes: int = 16 * 1024 * 1024,
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
+        max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.secrets: SecretProvider = secrets if secrets is not None else EnvSecretProvider()
         self.limits = limits if limits is not None else StreamingPolicy()
         self.clients = clients if clients is not None else ClientRegistry(verify=verify)
         self.max_body_bytes = max_body_bytes
         self.evidence_cap_bytes = evidence_cap_bytes
+        self.max_stream_bytes = max_stream_bytes
 
     async def __aenter__(self) -> HttpAdapter:
         return self
@@ -235,49 +270,29 @@ class HttpAdapter:
     async def aclose(self) -> None:
         await self.clients.aclose()
 
-    # -- preparation (misuse raises here, before anything is sent) ----------------------------
+    # -- preparation ---------------------------------------------------------------------------
+    #
+    # Two kinds of problem are found before anything is sent. Caller misuse (an envelope or a
+    # profile id that does not fit the route) raises InvalidArgument: the caller has a bug.
+    # A route whose configuration cannot make a request (no secret, no usable endpoint, no
+    # codec, a body that cannot be encoded) is a `cannot_build` failure result, never an
+    # exception: the Run can skip that route and go on, and it knows nothing was sent.
 
-    def _secret(self, route: Route, profile_id: str | None) -> str | None:
-        if profile_id is None:
-            if route.profiles:
-                raise InvalidArgument(
-                    f"route {route.id!r} has credential profiles "
-                    f"{[p.id for p in route.profiles]}; pass profile_id= one of them",
-                    field="profile_id",
-                )
-            return None  # a keyless endpoint (a local server): no credential header is sent
-        if route.profiles and profile_id not in {p.id for p in route.profiles}:
+    @staticmethod
+    def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None) -> None:
+        if profile_id is None and route.profiles:
+            raise InvalidArgument(
+                f"route {route.id!r} has credential profiles "
+                f"{[p.id for p in route.profiles]}; pass profile_id= one of them",
+                field="profile_id",
+            )
+        if profile_id is not None and route.profiles and profile_id not in {
+            p.id for p in route.profiles
+        }:
             raise InvalidArgument(
                 f"profile {profile_id!r} is not a credential profile of route {route.id!r}; "
                 f"use one of {[p.id for p in route.profiles]} or add it to Route.profiles",
                 field="profile_id",
-            )
-        secret = self.secrets.get(profile_id, protocol=route.protocol)
-        if not secret:
-            hint = ""
-            if isinstance(self.secrets, EnvSecretProvider):
-                names = self.secrets.candidates(profile_id, protocol=route.protocol)
-                hint = f"; set one of the environment variables {names}"
-            raise InvalidArgument(
-                f"no secret for credential profile {profile_id!r}{hint}",
-                field="profile_id",
-            )
-        return secret
-
-    @staticmethod
-    def _check(route: Route, envelope: Envelope) -> None:
-        if not route.endpoint:
-            raise InvalidArgument(
-                f"route {route.id!r} has no endpoint; set Route.endpoint to the provider's base "
-                "URL (e.g. https://api.openai.com/v1)",
-                field="route.endpoint",
-            )
-        scheme = urlsplit(route.endpoint).scheme
-        if scheme not in ("http", "https"):
-            raise InvalidArgument(
-                f"route {route.id!r} endpoint must be an http:// or https:// URL "
-                f"(got scheme {scheme!r})",
-                field="route.endpoint",
             )
         if not envelope.parts:
             raise InvalidArgument(
@@ -301,6 +316,132 @@ class HttpAdapter:
                 field="envelope.parts",
             )
 
+    @staticmethod
+    def _check_endpoint(route: Route) -> None:
+        endpoint = route.endpoint
+        example = "https://api.openai.com/v1"
+        if not endpoint or not endpoint.strip():
+            raise _CannotBuild(
+                f"route {route.id!r} has no endpoint; set Route.endpoint to the provider's base "
+                f"URL (e.g. {example})"
+            )
+        try:
+            parts = urlsplit(endpoint.strip())
+        except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {_shown(endpoint)!r} is not a usable URL ({exc}); "
+                f"set Route.endpoint to the provider's base URL (e.g. {example})"
+            ) from None
+        shown = f"{parts.scheme}://{parts.hostname}" if parts.hostname else repr(_shown(endpoint))
+        if not parts.scheme or not parts.netloc:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {_shown(endpoint)!r} has no http:// or https:// "
+                f"scheme and host; write it as a full URL (e.g. {example})"
+            )
+        if parts.scheme.lower() not in ("http", "https"):
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint must be an http:// or https:// URL (got scheme "
+                f"{parts.scheme!r}); use the provider's https:// base URL"
+            )
+        if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in parts.netloc):
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {_shown(endpoint)!r} has an invalid host name "
+                "(spaces or control characters); correct Route.endpoint"
+            )
+        if not parts.hostname:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} has no host name; set the provider's "
+                f"base URL (e.g. {example})"
+            )
+        if parts.username is not None or parts.password is not None:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} carries credentials in the URL, where they "
+                "would reach logs; remove them and use a credential profile"
+            )
+        try:
+            parts.port  # noqa: B018 - validates the port
+        except ValueError:
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} has an invalid port; use a number "
+                "between 1 and 65535"
+            ) from None
+
+    def _secret(self, route: Route, profile_id: str | None) -> str | None:
+        if profile_id is None:
+            return None  # a keyless endpoint (a local server): no credential header is sent
+        try:
+            secret = self.secrets.get(profile_id, protocol=route.protocol)
+        except Exception as exc:  # a vault that is down is a route we cannot use right now
+            raise _CannotBuild(
+                f"the secret provider {type(self.secrets).__name__} failed for credential "
+                f"profile {profile_id!r} ({type(exc).__name__}: {exc}); fix the provider or the "
+                "profile"
+            ) from None
+        if not secret:
+            if isinstance(self.secrets, EnvSecretProvider):
+                names = self.secrets.candidates(profile_id, protocol=route.protocol)
+                fix = "set " + " or ".join(names)
+            else:
+                fix = f"add it to the {type(self.secrets).__name__}"
+            raise _CannotBuild(f"no secret for credential profile {profile_id!r}; {fix}")
+        register_secret(secret)
+        if secret != secret.strip() or not all(0x20 <= ord(c) <= 0x7E for c in secret):
+            raise _CannotBuild(
+                f"the secret for credential profile {profile_id!r} cannot go in an HTTP header "
+                "(it has surrounding whitespace, control or non-ASCII characters); store the "
+                "key exactly as the provider issued it"
+            )
+        return secret
+
+    @staticmethod
+    def _encode(route: Route, body: Any) -> bytes:
+        # The same encoding httpx uses for json=, done here so that a failure is ours to report.
+        try:
+            text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            return text.encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise _CannotBuild(
+                f"the request body for route {route.id!r} cannot be JSON-encoded "
+                f"({type(exc).__name__}: {exc}); pass only JSON values (finite numbers, text "
+                "without lone surrogates) in Envelope.params and parts"
+            ) from None
+
+    def _prepare(
+        self, route: Route, envelope: Envelope, profile_id: str | None
+    ) -> tuple[Codec, str | None, str, bytes, dict[str, str]]:
+        """Codec, secret, URL, body and headers; raises _CannotBuild or InvalidArgument."""
+        self._check_endpoint(route)
+        try:
+            codec = codec_for(route.protocol)
+        except InvalidArgument as exc:
+            raise _CannotBuild(exc.message) from None
+        wire = codec.build_request(route, envelope)  # envelope misuse raises InvalidArgument
+        secret = self._secret(route, profile_id)
+        content = self._encode(route, wire.body)
+        headers = dict(wire.headers)
+        if secret is not None:
+            headers.update(codec.auth_headers(secret))
+        return codec, secret, wire.url, content, headers
+
+    def _cannot_build(
+        self, route: Route, message: str, t0: float, secret: str | None = None
+    ) -> AdapterResult:
+        obs = Observation(
+            protocol=route.protocol,
+            provider=route.provider,
+            message=cap_text(redact(message, [secret]), 512),
+            transport=Transport.CANNOT_BUILD,
+            phase=Phase.BEFORE_SEND,
+            source=Source.LOCAL,
+        )
+        return AdapterResult(
+            ok=False,
+            route_id=route.id,
+            observation=obs,
+            sent=False,
+            elapsed_s=asyncio.get_running_loop().time() - t0,
+        )
+
     # -- the call ----------------------------------------------------------------------------
 
     async def send(
@@ -317,34 +458,46 @@ class HttpAdapter:
 
         ``on_event`` (sync or async) receives :class:`TextDelta` and :class:`ToolCallProposal`
         as they stream, and a :class:`Reset` when a stream fails after delivering any of them.
+        Raises :class:`~ledger.errors.InvalidArgument` only for caller misuse (see the module
+        docstring); a route that cannot make a request is a ``cannot_build`` result.
         ``progress`` is told when the first request byte is written (so a cancelled call is
         known to have been sent, or not).
         """
-        self._check(route, envelope)
-        codec = codec_for(route.protocol)
-        secret = self._secret(route, profile_id)
-        wire = codec.build_request(route, envelope)
+        tracker = _Progress(progress)  # tells `progress` nothing is sent yet
+        self._check_misuse(route, envelope, profile_id)
+        install_log_redaction()
         lim = limits if limits is not None else self.limits
-        headers = dict(wire.headers)
-        if secret is not None:
-            headers.update(codec.auth_headers(secret))
         loop = asyncio.get_running_loop()
-        call = _Call(
-            route=route,
-            codec=codec,
-            secret=secret,
-            on_event=on_event,
-            limits=lim,
-            stream=envelope.stream,
-            t0=loop.time(),
-            progress=_Progress(progress),
-        )
-        client = self.clients.get(wire.url)
+        t0 = loop.time()
         try:
+            codec, secret, url, content, headers = self._prepare(route, envelope, profile_id)
+        except _CannotBuild as cb:
+            result = self._cannot_build(route, cb.message, t0)
+        else:
+            call = _Call(
+                route=route,
+                codec=codec,
+                secret=secret,
+                on_event=on_event,
+                limits=lim,
+                stream=envelope.stream,
+                t0=t0,
+                progress=tracker,
+            )
+            result = await self._call(call, url, content, headers)
+        self._log(route, result)
+        return result
+
+    async def _call(
+        self, call: _Call, url: str, content: bytes, headers: dict[str, str]
+    ) -> AdapterResult:
+        lim = call.limits
+        try:
+            client = self.clients.get(url)
             request = client.build_request(
                 "POST",
-                wire.url,
-                json=wire.body,
+                url,
+                content=content,
                 headers=headers,
                 timeout=httpx.Timeout(
                     connect=lim.connect_timeout_s,
@@ -354,12 +507,18 @@ class HttpAdapter:
                 ),
                 extensions={"trace": call.progress.trace},
             )
-        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
-            raise InvalidArgument(
-                f"route {route.id!r} endpoint is not a usable URL: {redact(str(exc), [secret])}",
-                field="route.endpoint",
-            ) from None
-        result = await self._run(call, client, request)
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as exc:
+            return self._cannot_build(
+                call.route,
+                f"route {call.route.id!r} endpoint is not a usable URL ({exc}); set "
+                "Route.endpoint to the provider's base URL",
+                call.t0,
+                call.secret,
+            )
+        return await self._run(call, client, request)
+
+    @staticmethod
+    def _log(route: Route, result: AdapterResult) -> None:
         if result.ok:
             log.debug(
                 "route %s: ok status=%s model=%s in %.3fs",
@@ -368,18 +527,18 @@ class HttpAdapter:
                 result.model_reported,
                 result.elapsed_s,
             )
-        else:
-            obs = result.observation
-            log.info(
-                "route %s: failed transport=%s phase=%s status=%s effective_output=%s: %s",
-                route.id,
-                obs.transport.value if obs and obs.transport else None,
-                obs.phase.value if obs and obs.phase else None,
-                result.http_status,
-                result.effective_output,
-                obs.message if obs else None,
-            )
-        return result
+            return
+        obs = result.observation
+        log.info(
+            "route %s: failed transport=%s phase=%s status=%s sent=%s effective_output=%s: %s",
+            route.id,
+            obs.transport.value if obs and obs.transport else None,
+            obs.phase.value if obs and obs.phase else None,
+            result.http_status,
+            result.sent,
+            result.effective_output,
+            obs.message if obs else None,
+        )
 
     async def _run(
         self, call: _Call, client: httpx.AsyncClient, request: httpx.Request
@@ -395,10 +554,13 @@ class HttpAdapter:
             first = call.stream and first_token_at < total_at
             return await self._deadline_failure(call, first_token=first)
         except httpx.UnsupportedProtocol as exc:
-            raise InvalidArgument(
-                f"route {call.route.id!r} endpoint uses an unsupported scheme: {exc}",
-                field="route.endpoint",
-            ) from None
+            return self._cannot_build(
+                call.route,
+                f"route {call.route.id!r} endpoint uses an unsupported scheme ({exc}); use an "
+                "http:// or https:// URL",
+                call.t0,
+                call.secret,
+            )
         except httpx.HTTPError as exc:
             return await self._transport_failure(call, exc)
         call.progress.headers_received = True
@@ -471,6 +633,7 @@ class HttpAdapter:
             partial_text=redact("".join(call.delivered), call.secrets),
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
+            sent=call.progress.request_sent,
         )
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
@@ -577,7 +740,7 @@ class HttpAdapter:
             )
         try:
             data = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return await self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
@@ -598,13 +761,29 @@ class HttpAdapter:
                 message=str(exc),
                 body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
             )
-        except MalformedPayload as exc:
+        except _BAD_PAYLOAD as exc:
             return await self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
                 phase=Phase.AFTER_HEADERS,
-                message=f"response body has not the protocol's shape: {exc}",
+                message=f"response body has not the protocol's shape: {_what(exc)}",
                 evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
+            )
+        return await self._complete(call, reply, Phase.AFTER_HEADERS)
+
+    async def _complete(self, call: _Call, reply: Reply, phase: Phase) -> AdapterResult:
+        """The success, unless the answer holds text no caller could store or send on."""
+        parts = [reply.text] + [f"{c.id}{c.name}{c.arguments_json}" for c in reply.tool_calls]
+        try:
+            for text in parts:
+                text.encode("utf-8")
+        except UnicodeEncodeError:
+            return await self._fail(
+                call,
+                transport=Transport.MALFORMED_EVENT,
+                phase=phase,
+                message="the answer holds unpaired surrogate escapes (\\ud800-\\udfff), which "
+                "are not text",
             )
         return self._success(call, reply)
 
@@ -633,6 +812,7 @@ class HttpAdapter:
         state = call.codec.new_stream()
         chunks: AsyncIterator[bytes] = response.aiter_bytes().__aiter__()
         last_byte = loop.time()
+        received = 0
         idle = call.limits.idle_timeout_s
 
         async def handle(events: list[SSEEvent]) -> AdapterResult | None:
@@ -650,13 +830,13 @@ class HttpAdapter:
                         message=str(exc),
                         body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
                     )
-                except MalformedPayload as exc:
+                except _BAD_PAYLOAD as exc:
                     self._absorb(call, state)
                     return await self._fail(
                         call,
                         transport=Transport.MALFORMED_EVENT,
                         phase=Phase.MID_STREAM,
-                        message=f"malformed {ev.event!r} event: {exc}",
+                        message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     )
                 for item in out:
@@ -694,6 +874,15 @@ class HttpAdapter:
                 self._absorb(call, state)
                 return await self._transport_failure(call, exc)
             last_byte = loop.time()
+            received += len(chunk)
+            if received > self.max_stream_bytes:
+                self._absorb(call, state)
+                return await self._fail(
+                    call,
+                    transport=Transport.PROTOCOL_ERROR,
+                    phase=Phase.MID_STREAM,
+                    message=f"the stream exceeded max_stream_bytes={self.max_stream_bytes}",
+                )
             try:
                 events = parser.feed(chunk)
             except SSEError as exc:
@@ -703,7 +892,7 @@ class HttpAdapter:
                     transport=Transport.MALFORMED_EVENT,
                     phase=Phase.MID_STREAM,
                     message=str(exc),
-                    evidence=evidence_excerpt(chunk[:512], call.secrets, self.evidence_cap_bytes),
+                    evidence=evidence_excerpt(chunk, call.secrets, self.evidence_cap_bytes),
                 )
             failed = await handle(events)
             if failed is not None:
@@ -722,9 +911,20 @@ class HttpAdapter:
                 phase=Phase.MID_STREAM,
                 message="the stream ended before the protocol's completion signal",
             )
-        for item in state.end():
+        try:
+            final = state.end()
+            reply = state.reply()
+        except _BAD_PAYLOAD as exc:
+            self._absorb(call, state)
+            return await self._fail(
+                call,
+                transport=Transport.MALFORMED_EVENT,
+                phase=Phase.MID_STREAM,
+                message=f"the stream's last events do not complete the answer: {_what(exc)}",
+            )
+        for item in final:
             await self._deliver(call, item)
-        return self._success(call, state.reply())
+        return await self._complete(call, reply, Phase.MID_STREAM)
 
     @staticmethod
     def _absorb(call: _Call, state: StreamState) -> None:

@@ -15,6 +15,7 @@ from ledger.core.facts import Observation
 from ledger.core.facts import Protocol as WireProtocol
 from ledger.errors import InvalidArgument
 from ledger.model import Route
+from ledger.redaction import redact
 
 # --------------------------------------------------------------------------------------------
 # Results and events
@@ -39,7 +40,7 @@ class ToolCall:
         """The arguments as an object, or ``None`` when the model's JSON is not an object."""
         try:
             value = json.loads(self.arguments_json or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return value if isinstance(value, dict) else None
 
@@ -79,6 +80,10 @@ class AdapterResult:
     On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
     whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
     ``usage`` and ``cost`` are ``None`` when the provider reported no usage.
+
+    ``sent`` is ``False`` exactly when no byte of the request was handed to the socket (connect
+    refused, DNS and TLS failures, connect timeout, a route that cannot build a request), and
+    ``True`` from the moment the request started to be written (a reset after that is sent).
     """
 
     ok: bool
@@ -96,6 +101,7 @@ class AdapterResult:
     partial_text: str = ""
     request_id: str | None = None
     elapsed_s: float = 0.0
+    sent: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +134,13 @@ class ProviderErrorPayload(Exception):
     def __init__(self, message: str, body: str) -> None:
         super().__init__(message)
         self.body = body
+
+
+def provider_message(value: Any, limit: int = 200) -> str:
+    """A provider's error text for a message: redacted whole first, then shortened (a secret
+    cut in half would no longer be recognised)."""
+    text = redact(str(value))
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def require_object(value: Any, what: str) -> dict[str, Any]:
@@ -184,7 +197,7 @@ class StreamState(ABC):
 def parse_json_event(event: SSEEvent) -> dict[str, Any]:
     try:
         value = json.loads(event.data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise MalformedPayload(f"event data is not JSON: {exc}") from exc
     return require_object(value, "event data")
 
@@ -255,7 +268,7 @@ def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:
     """The arguments of an assistant tool-call part, which carries them as a JSON object."""
     try:
         value = json.loads(part_content or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
         raise InvalidArgument(

@@ -43,6 +43,7 @@ from ledger.adapters.contract import (
     join_url,
     optional_str,
     parse_json_event,
+    provider_message,
     register_codec,
     require_object,
     token_count,
@@ -87,7 +88,7 @@ def _error(data: dict[str, Any]) -> ProviderErrorPayload:
     status = err.get("status") if isinstance(err, dict) else None
     msg = err.get("message") if isinstance(err, dict) else err
     return ProviderErrorPayload(
-        f"provider error {status or ''}: {str(msg)[:200] if msg else 'no message'}",
+        f"provider error {status or ''}: {provider_message(msg) if msg else 'no message'}",
         json.dumps(data),
     )
 
@@ -127,7 +128,7 @@ class GeminiCodec(Codec):
                     )
                 try:
                     response = json.loads(p.content)
-                except ValueError:
+                except (ValueError, RecursionError):
                     response = None
                 if not isinstance(response, dict):
                     response = {"result": p.content}

@@ -40,6 +40,7 @@ from ledger.adapters.contract import (
     join_url,
     optional_str,
     parse_json_event,
+    provider_message,
     register_codec,
     require_object,
     token_count,
@@ -77,7 +78,8 @@ def _error(data: dict[str, Any]) -> ProviderErrorPayload:
     err = data.get("error")
     msg = err.get("message") if isinstance(err, dict) else err
     return ProviderErrorPayload(
-        f"provider error: {str(msg)[:200] if msg is not None else 'no message'}", json.dumps(data)
+        f"provider error: {provider_message(msg) if msg is not None else 'no message'}",
+        json.dumps(data),
     )
 
 

@@ -30,9 +30,10 @@ def output_part(result: AdapterResult, attempt_id: str) -> Part:
 
 
 def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
+    """What the retry owner records for ``result`` (``sent`` is copied as reported)."""
     if not result.ok:
         obs = result.observation or Observation(message="adapter failure without observation")
-        return SendResult.failed(obs)
+        return SendResult.failed(obs, sent=result.sent)
     usage = result.usage
     return SendResult(
         ok=True,

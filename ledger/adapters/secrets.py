@@ -4,7 +4,8 @@ The ledger stores credential *profile ids* only. The secret behind a profile id 
 send time from a :class:`SecretProvider`, used for one request header, and never copied into an
 :class:`~ledger.core.facts.Observation`, an adapter result, an exception message, an evidence
 excerpt or a log line. Everything an adapter reports that came from the wire or from an exception
-passes through :func:`redact` first, with the key that was used.
+passes through :func:`redact` first (the one step of :mod:`ledger.redaction`), and every secret
+the adapters resolve is registered there, so storage and logging remove it too.
 
 Environment naming (:class:`EnvSecretProvider`, the default):
 
@@ -23,27 +24,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from ledger.core.facts import Protocol as WireProtocol
+from ledger.redaction import REDACTED as REDACTED
+from ledger.redaction import redact as _redact
 
 #: Size cap, in bytes of UTF-8, of an error body kept as evidence or in an observation.
 EVIDENCE_CAP_BYTES = 2048
-
-REDACTED = "[REDACTED]"
-
-# Keys shorter than this are not searched for verbatim: replacing every "abc" in a body would
-# destroy the evidence while protecting nothing (no real provider issues such keys).
-_MIN_VERBATIM_KEY = 6
-
-# Shapes of credentials that may show up in bodies or exception texts even when the exact key is
-# unknown to us (a gateway echoing another key, a key pasted into a prompt that errored, ...).
-_TOKEN_PATTERNS: tuple[re.Pattern[str], ...] = (
-    re.compile(r"\bsk-[A-Za-z0-9_\-]{8,}"),  # OpenAI, Anthropic (sk-ant-...), OpenRouter (sk-or-)
-    re.compile(r"\bAIza[0-9A-Za-z_\-]{20,}"),  # Google API keys
-    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=\-]{8,}"),
-    re.compile(
-        r"(?i)\b(x-api-key|x-goog-api-key|api[_-]?key|authorization)(\"?\s*[:=]\s*\"?)[^\s\",}]{6,}"
-    ),
-    re.compile(r"\beyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{5,}"),  # JWTs
-)
 
 
 class SecretProvider(Protocol):
@@ -101,16 +86,11 @@ class StaticSecretProvider:
 
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """``text`` with the given secrets and every credential-shaped token replaced."""
-    for secret in secrets:
-        if secret and len(secret) >= _MIN_VERBATIM_KEY:
-            text = text.replace(secret, REDACTED)
-    for pattern in _TOKEN_PATTERNS:
-        if pattern.groups >= 2:
-            text = pattern.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
-        else:
-            text = pattern.sub(REDACTED, text)
-    return text
+    """``text`` through :func:`ledger.redaction.redact`, with ``secrets`` matched too.
+
+    The adapters register every secret they resolve, so passing it here is belt and braces.
+    """
+    return _redact(text, secrets)
 
 
 def cap_text(text: str, cap_bytes: int = EVIDENCE_CAP_BYTES) -> str:
@@ -152,7 +132,7 @@ def evidence_excerpt(
         return text
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return cap_text(text, cap_bytes)
     for limit, items in ((512, 8), (200, 4), (80, 3), (40, 2)):
         shrunk = json.dumps(_shrink(data, limit, items), ensure_ascii=False)

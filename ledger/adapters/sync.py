@@ -39,6 +39,7 @@ class SyncAdapter:
         verify: ssl.SSLContext | bool = True,
         max_body_bytes: int = 16 * 1024 * 1024,
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
+        max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -53,6 +54,7 @@ class SyncAdapter:
             verify=verify,
             max_body_bytes=max_body_bytes,
             evidence_cap_bytes=evidence_cap_bytes,
+            max_stream_bytes=max_stream_bytes,
         )
         self._closed = False
 

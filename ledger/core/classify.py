@@ -4,6 +4,9 @@ Precedence (the conformance rules, for every preset): caller facts; a local 429;
 kind; context overflow; the provider's structured error field; the HTTP status; free-text
 patterns; else ``unknown``. Which codes, statuses and patterns map where is policy data.
 
+Every text a fact carries (``message``, ``provider_code``) has been through
+:func:`ledger.redaction.redact`; decisions read the unredacted observation.
+
 ``classify`` is total: bodies of any bytes, JSON of any shape and headers of any size yield a
 fact, never an exception, because losing the record of a failure is worse than a vague one.
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ from ledger.core.facts import (
 from ledger.core.health import cooldown_effect
 from ledger.core.hints import gemini_retry_delay, parse_retry_after
 from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy
+from ledger.redaction import redact
 
 # Which structured fields each protocol's error body carries; `generic` tries them all in order.
 _FIELDS: dict[Protocol, tuple[str, ...]] = {
@@ -39,10 +42,6 @@ _FIELDS: dict[Protocol, tuple[str, ...]] = {
     Protocol.GENERIC: ("openai.code", "openai.type", "anthropic.type", "gemini.status"),
 }
 _CODE_LIMIT = 128
-# Long opaque tokens and credential-looking words never reach the ledger, even as evidence.
-_SECRET = re.compile(
-    r"(?i)(bearer\s+|api[_-]?key[=:\s]+|sk-|sk_|aiza)[A-Za-z0-9._\-]{6,}|[A-Za-z0-9_\-]{32,}"
-)
 
 
 @dataclass(frozen=True)
@@ -214,11 +213,11 @@ def _clean(text: str) -> str:
     return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
-def _evidence(text: str | None, limit: int) -> str | None:
+def _evidence(text: str | None, limit: int, body_limit: int) -> str | None:
     if not text:
         return None
-    short = " ".join(_clean(text[: limit * 4]).split())
-    short = _SECRET.sub("[redacted]", short)
+    # Redacted whole, before any cut: a secret cut in half no longer matches anything.
+    short = " ".join(redact(_clean(text[:body_limit])).split())
     return short[:limit] or None
 
 
@@ -238,7 +237,7 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
     if code is None and err.fields:
         code = next(iter(err.fields.values()))
     if code is not None:
-        code = _clean(code)
+        code = redact(_clean(code))
     scope = _move(policy, category, phase)
     if category is Category.UNUSABLE:
         # A route that cannot be used never ends the request by itself: it is skipped (seed
@@ -260,7 +259,8 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
         effective_output=obs.effective_output,
         tool_started=obs.tool_started,
         provider=obs.provider,
-        message=_evidence(err.message or message or body, cls.message_limit_chars),
+        message=_evidence(err.message or message or body, cls.message_limit_chars,
+                          cls.body_limit_bytes),
     )
 
 

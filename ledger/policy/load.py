@@ -1,13 +1,26 @@
 """Loading policies: YAML files, the shipped presets, overrides, hashes and the JSON schema.
 
 Every failure becomes a :class:`ledger.errors.PolicyError` naming the file, the field path
-(``same_route_retry[0].jitter``) and the fix; raw pydantic or YAML errors never escape.
+(``same_route_retry[0].jitter``) and the fix; raw pydantic or YAML errors, and anything else a
+hostile input could provoke (``TypeError``, ``RecursionError``, ``OSError``, ...), never escape.
+
+Time and memory are bounded before any validation runs, for files and for mappings alike: a file
+is read up to :data:`MAX_FILE_BYTES`; YAML is composed by a safe loader with a node budget that
+counts every alias as the size of what it refers to (so an alias bomb is refused after a few
+thousand nodes, not after expanding it), a nesting limit, plain-value mapping keys only, and
+integers of at most :data:`MAX_INT_DIGITS` digits; then the data (a file's, or a mapping a host
+passed in) is walked once against the same budget, refusing cycles, non-finite or huge numbers
+and over-long strings with their field path.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
-from collections.abc import Mapping
+import math
+import os
+import reprlib
+from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +48,24 @@ OVERRIDE_KEYS: tuple[str, ...] = (
 )
 
 _HOUR = 3600.0
+
+#: A policy file larger than this is refused unread (the presets are a few KiB).
+MAX_FILE_BYTES = 256 * 1024
+#: Deepest nesting of sections, lists and mappings a policy may have.
+MAX_DEPTH = 32
+#: Most values (scalars, lists, mappings; an alias counts as everything it refers to).
+MAX_NODES = 20_000
+#: Longest string value or key.
+MAX_STRING_CHARS = 16_384
+#: Largest number a policy may hold (durations, counts, factors are all far below it).
+MAX_NUMBER = 10**15
+#: Longest integer literal read from YAML.
+MAX_INT_DIGITS = 30
+_MAX_REPORTED = 50
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT.maxlevel = 3
 
 
 def preset_dirs() -> list[Path]:
@@ -74,68 +105,170 @@ def default_policy() -> Policy:
     return preset(DEFAULT_PRESET)
 
 
-def load_policy(path_or_preset: str | Path) -> Policy:
-    """A policy from a YAML file path, or from a preset name."""
+def _shown(value: object, limit: int = 200) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
+    """A policy from a YAML file path, or from a preset name. Raises only PolicyError."""
+    if not isinstance(path_or_preset, str | os.PathLike):
+        kind = type(path_or_preset).__name__
+        raise PolicyError(
+            f"load_policy takes a file path or a preset name, not a value of type {kind}",
+            file=None,
+            errors=[("<argument>", f"got a value of type {kind}",
+                     f"pass a str or pathlib.Path: a policy file, or one of {', '.join(PRESETS)}"
+                     " (a mapping goes to validate_policy)")],
+        )
     if isinstance(path_or_preset, str) and path_or_preset in PRESETS:
         return preset(path_or_preset)
-    path = Path(path_or_preset)
-    if path.is_file():
+    try:
+        path = Path(path_or_preset)
+        is_file = path.is_file()
+        is_dir = not is_file and path.is_dir()
+        shown = _shown(path)
+    except (TypeError, ValueError, OSError) as e:  # NUL bytes, a path too long, bytes paths
+        shown = _shown(repr(path_or_preset))
+        raise PolicyError(
+            f"{shown}: not a usable policy file path ({_shown(e)})",
+            file=shown,
+            errors=[("<file>", f"the path cannot be used: {_shown(e)}",
+                     "pass the path of a readable policy file, or name a preset")],
+        ) from e
+    if is_file:
         return _load_file(path)
+    text = str(path_or_preset)
     looks_like_name = isinstance(path_or_preset, str) and not (
-        path.suffix or "/" in path_or_preset or "\\" in path_or_preset
+        path.suffix or "/" in text or "\\" in text
     )
-    if looks_like_name:
-        return preset(str(path_or_preset))  # raises the unknown-preset error listing valid names
+    if looks_like_name and not is_dir:
+        return preset(text)  # raises the unknown-preset error listing valid names
+    problem = "it is a directory" if is_dir else "the file does not exist"
     raise PolicyError(
-        f"{path}: no such policy file",
-        file=str(path),
-        errors=[("<file>", "the file does not exist", "check the path, or name a preset")],
+        f"{shown}: no such policy file ({problem})",
+        file=shown,
+        errors=[("<file>", problem, "check the path, or name a preset")],
     )
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys, which PyYAML would silently let the last win."""
+    """SafeLoader with bounds: duplicate keys (which PyYAML would let the last win) and
+    non-scalar keys are refused, nesting is limited to MAX_DEPTH and the document to MAX_NODES
+    nodes, where an alias counts as the whole node it refers to."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+        self._sizes: dict[str, int] = {}
+
+    def _charge(self, n: int, mark: Any) -> None:
+        self._nodes += n
+        if self._nodes > MAX_NODES:
+            raise yaml.composer.ComposerError(
+                None, None,
+                f"the document has more than {MAX_NODES} values (aliases count as what they "
+                "refer to)", mark,
+            )
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.AliasEvent):
+            self._charge(self._sizes.get(str(event.anchor), 1), event.start_mark)
+            return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nesting deeper than {MAX_DEPTH} levels", event.start_mark
+                )
+            before = self._nodes
+            self._charge(1, event.start_mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._sizes[str(anchor)] = self._nodes - before
+        return node
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     loader.flatten_mapping(node)
     out: dict[Any, Any] = {}
     for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise yaml.constructor.ConstructorError(
+                None, None,
+                "a mapping key must be a plain name or number, not a list or a mapping",
+                key_node.start_mark,
+            )
         key = loader.construct_object(key_node, deep=True)
         if key in out:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
+                None, None, f"duplicate key {_SHORT.repr(key)}", key_node.start_mark
             )
         out[key] = loader.construct_object(value_node, deep=True)
     return out
+
+
+def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    text = str(node.value)
+    digits = sum(c.isalnum() for c in text)
+    if digits > MAX_INT_DIGITS:
+        raise yaml.constructor.ConstructorError(
+            None, None,
+            f"an integer of {digits} digits; policy numbers have at most {MAX_INT_DIGITS}",
+            node.start_mark,
+        )
+    return loader.construct_yaml_int(node)
 
 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
     _construct_mapping,
 )
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def _load_file(path: Path) -> Policy:
-    file = str(path)
+    file = _shown(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise PolicyError(
+                f"{file}: the policy file is larger than {MAX_FILE_BYTES} bytes",
+                file=file,
+                errors=[("<file>", f"larger than {MAX_FILE_BYTES} bytes",
+                         "a policy is a few KiB: start from a preset (`ledger policy show`)")],
+            )
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PolicyError(
-            f"{file}: cannot read the policy file: {e}",
+            f"{file}: cannot read the policy file: {_shown(e)}",
             file=file,
-            errors=[("<file>", str(e), "make the file readable UTF-8 text")],
+            errors=[("<file>", _shown(e), "make the file readable UTF-8 text")],
         ) from e
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: no arbitrary objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
-        problem = getattr(e, "problem", None) or str(e)
+        problem = _shown(getattr(e, "problem", None) or e)
+        fix = ("fix the YAML syntax at that position" if isinstance(e, yaml.scanner.ScannerError
+               | yaml.parser.ParserError) else "simplify the YAML at that position")
         raise PolicyError(
-            f"{file}: YAML syntax error at {where}: {problem}",
+            f"{file}: YAML error at {where}: {problem}",
             file=file,
-            errors=[(f"<yaml {where}>", str(problem), "fix the YAML syntax at that position")],
+            errors=[(f"<yaml {where}>", problem, fix)],
+        ) from e
+    except (ValueError, TypeError, ArithmeticError, RecursionError) as e:
+        raise PolicyError(
+            f"{file}: the YAML could not be read: {_shown(e)}",
+            file=file,
+            errors=[("<yaml>", _shown(e), "write plain YAML: mappings, lists, names, numbers")],
         ) from e
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
@@ -153,20 +286,108 @@ def _load_file(path: Path) -> Policy:
     return validate_policy(data, file=file)
 
 
-def validate_policy(data: Mapping[str, Any], *, file: str | None = None) -> Policy:
-    """Validate a mapping into a :class:`Policy`, converting every problem to PolicyError."""
+def validate_policy(data: Mapping[str, Any] | object, *, file: str | None = None) -> Policy:
+    """Validate a mapping into a :class:`Policy`; every problem is a PolicyError naming the
+    field path and the fix (also for a value that is not a mapping at all)."""
+    where = file or "<policy>"
+    if not isinstance(data, Mapping):
+        kind = "empty" if data is None else f"a value of type {type(data).__name__}"
+        raise PolicyError(
+            f"{where}: a policy must be a mapping of sections, but it is {kind}",
+            file=file,
+            errors=[("<root>", f"the policy is {kind}",
+                     "pass a mapping (name:, failover:, classification:, moves_on:, ...), a "
+                     f"policy file path, or a preset name ({', '.join(PRESETS)})")],
+        )
+    problems: list[tuple[str, str, str]] = []
+    _check_shape(data, (), 0, [0], set(), problems)
+    if problems:
+        raise _error_from(problems, file)
     try:
         return Policy.model_validate(dict(data))
     except ValidationError as e:
         raise _policy_error(e, file) from e
+    except (ValueError, TypeError, ArithmeticError, RecursionError) as e:
+        raise PolicyError(
+            f"{where}: the policy could not be validated: {_shown(e)}",
+            file=file,
+            errors=[("<root>", _shown(e), "compare it with `ledger policy schema`")],
+        ) from e
+
+
+def _check_shape(
+    value: Any,
+    loc: tuple[Any, ...],
+    depth: int,
+    count: list[int],
+    path_ids: set[int],
+    problems: list[tuple[str, str, str]],
+) -> None:
+    """Bounds any policy data must meet before validation (see the module docstring)."""
+    if len(problems) >= _MAX_REPORTED or count[0] > MAX_NODES:
+        return
+    count[0] += 1
+    if count[0] > MAX_NODES:
+        problems.append((_path(loc), f"the policy has more than {MAX_NODES} values",
+                         "a policy is a few hundred values: start from a preset"))
+        return
+    if depth > MAX_DEPTH:
+        problems.append((_path(loc), f"nested deeper than {MAX_DEPTH} levels",
+                         "policy sections are a few levels deep; compare with a preset"))
+        return
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if abs(value) > MAX_NUMBER:
+            problems.append((_path(loc), "the number is too large",
+                             f"use a value between -{MAX_NUMBER:g} and {MAX_NUMBER:g}"))
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            problems.append((_path(loc), f"{value!r} is not a finite number", "use a number"))
+        elif abs(value) > MAX_NUMBER:
+            problems.append((_path(loc), "the number is too large",
+                             f"use a value between -{MAX_NUMBER:g} and {MAX_NUMBER:g}"))
+        return
+    if isinstance(value, str | bytes | bytearray):
+        if len(value) > MAX_STRING_CHARS:
+            problems.append((_path(loc), f"a text of {len(value)} characters",
+                             f"use at most {MAX_STRING_CHARS} characters"))
+        return
+    if not isinstance(value, Mapping | list | tuple | Set):
+        return  # dates and other scalars: the model says what it wants instead
+    if id(value) in path_ids:
+        problems.append((_path(loc), "the value contains itself",
+                         "pass plain data: no container may refer to itself"))
+        return
+    path_ids.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if isinstance(k, str) and len(k) > MAX_STRING_CHARS:
+                    problems.append((_path(loc), "a key is too long",
+                                     f"use keys of at most {MAX_STRING_CHARS} characters"))
+                    continue
+                _check_shape(v, (*loc, k), depth + 1, count, path_ids, problems)
+        else:
+            for i, v in enumerate(value):
+                _check_shape(v, (*loc, i), depth + 1, count, path_ids, problems)
+    finally:
+        path_ids.discard(id(value))
+
+
+def _error_from(errors: list[tuple[str, str, str]], file: str | None) -> PolicyError:
+    shown = errors[:_MAX_REPORTED]
+    where = file or "<policy>"
+    lines = [f"{where}: the policy is invalid ({len(errors)} problem(s)):"]
+    lines += [f"  {path}: {problem}; fix: {fix}" for path, problem, fix in shown]
+    if len(errors) > len(shown):
+        lines.append(f"  ... and {len(errors) - len(shown)} more")
+    return PolicyError("\n".join(lines), file=file, errors=shown)
 
 
 def _policy_error(e: ValidationError, file: str | None) -> PolicyError:
-    errors = [_describe(err) for err in e.errors(include_url=False)]
-    where = file or "<policy>"
-    lines = [f"{where}: the policy is invalid ({len(errors)} problem(s)):"]
-    lines += [f"  {path}: {problem}; fix: {fix}" for path, problem, fix in errors]
-    return PolicyError("\n".join(lines), file=file, errors=errors)
+    return _error_from([_describe(err) for err in e.errors(include_url=False)], file)
 
 
 def _describe(err: Any) -> tuple[str, str, str]:
@@ -178,29 +399,33 @@ def _describe(err: Any) -> tuple[str, str, str]:
         if cause.field:
             loc = (*loc, cause.field)
         return _path(loc), cause.problem, cause.fix
-    msg = str(err.get("msg", "invalid value"))
-    got = err.get("input")
+    msg = _shown(err.get("msg", "invalid value"))
+    got = _SHORT.repr(err.get("input"))
     if kind == "extra_forbidden":
         valid = _valid_keys(loc[:-1])
-        fix = "remove it" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1) if loc and valid else []
+        fix = "remove it" + (f", or rename it to {close[0]!r}" if close else "")
+        fix += f"; valid keys here: {', '.join(valid)}" if valid else ""
         return _path(loc), "unknown key", fix
+    if kind == "invalid_key":
+        return _path(loc), f"the key {got} is not a name", "use a string key (a section or field)"
     if kind == "missing":
         return _path(loc), "required field is missing", "add it"
     if kind in ("greater_than_equal", "greater_than"):
         bound = ctx.get("ge", ctx.get("gt"))
         op = ">=" if "ge" in ctx else ">"
-        return _path(loc), f"{msg} (got {got!r})", f"use a value {op} {_num(bound)}"
+        return _path(loc), f"{msg} (got {got})", f"use a value {op} {_num(bound)}"
     if kind in ("less_than_equal", "less_than"):
         bound = ctx.get("le", ctx.get("lt"))
         op = "<=" if "le" in ctx else "<"
-        return _path(loc), f"{msg} (got {got!r})", f"use a value {op} {_num(bound)}"
+        return _path(loc), f"{msg} (got {got})", f"use a value {op} {_num(bound)}"
     if kind in ("enum", "literal_error"):
-        return _path(loc), f"{got!r} is not allowed", msg[0].lower() + msg[1:]
+        return _path(loc), f"{got} is not allowed", msg[0].lower() + msg[1:]
     if kind == "finite_number":
-        return _path(loc), f"{got!r} is not a finite number", "use a finite number"
+        return _path(loc), f"{got} is not a finite number", "use a finite number"
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        return _path(loc), f"wrong type: {msg} (got {got!r})", _type_fix(kind)
-    return _path(loc), f"{msg} (got {got!r})", "correct the value"
+        return _path(loc), f"wrong type: {msg} (got {got})", _type_fix(kind)
+    return _path(loc), f"{msg} (got {got})", "correct the value"
 
 
 def _num(v: Any) -> str:
@@ -226,10 +451,10 @@ def _type_fix(kind: str) -> str:
 def _path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) and not isinstance(part, bool):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            out += ("." if out else "") + _shown(part, 64)
     return out or "<root>"
 
 

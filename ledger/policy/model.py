@@ -212,6 +212,7 @@ def _default_transports() -> dict[Transport, Category]:
         Transport.TOTAL_TIMEOUT: Category.TIMEOUT,
         Transport.TLS_ERROR: Category.TLS,
         Transport.MALFORMED_EVENT: Category.FORMAT,
+        Transport.CANNOT_BUILD: Category.UNUSABLE,
     }
 
 

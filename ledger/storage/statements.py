@@ -15,12 +15,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql as pg_dialect
 
+from ledger.core.facts import FailureFact
 from ledger.model import Health
 from ledger.records import (
     AttemptState,
     DebitState,
     RunStatus,
 )
+from ledger.redaction import redact, redact_data
 from ledger.storage import schema as s
 from ledger.storage.rows import HEALTH_COLS
 from ledger.storage.specs import BeginSpec
@@ -225,7 +227,7 @@ def begin_rows(spec: BeginSpec, seq: int | None, rejected: tuple[str, float | No
         "provider": spec.route.provider, "model": spec.route.model,
         "group_id": spec.route.group, "profile_id": spec.profile_id,
         "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
-        "reject_reason": rejected[0] if rejected else None,
+        "reject_reason": redact(rejected[0]) if rejected else None,
         "effective_output": False, "tool_started": False,
         "reserved_micros": spec.reserve_micros,
         "reserved_tokens": 0 if rejected else spec.reserve_tokens,
@@ -291,7 +293,13 @@ def event_params(events: Sequence[tuple[str, Mapping[str, Any]]], run_id: str,
 
 
 def event_json(data: Mapping[str, Any]) -> str:
-    return json.dumps(dict(data), sort_keys=True, default=str)
+    """An event's data as stored: every string redacted (it may carry provider or host text)."""
+    return json.dumps(redact_data(dict(data)), sort_keys=True)
+
+
+def fact_json(fact: FailureFact) -> str:
+    """A failure fact as stored: every string redacted (message, provider code, ...)."""
+    return json.dumps(redact_data(fact.to_json()))
 
 
 def health_values(new: Health, now: float) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from ledger.records import (
     RunStatus,
     from_micros,
 )
+from ledger.redaction import redact
 from ledger.storage import schema as s
 from ledger.storage.engine import mapped_errors, run_prebuilt, run_prebuilt_batch
 from ledger.storage.rows import (
@@ -100,6 +101,7 @@ from ledger.storage.statements import (
     begin_rows,
     event_json,
     event_params,
+    fact_json,
     health_values,
     pg_begin_writes,
     pg_settle_writes,
@@ -692,7 +694,7 @@ class Store:
             fact = spec.fact
             values: dict[str, Any] = {
                 "state": AttemptState(spec.outcome.value).value,
-                "fact": json.dumps(fact.to_json()) if fact else None,
+                "fact": fact_json(fact) if fact else None,
                 "category": fact.category.value if fact else None,
                 "http_status": fact.status if fact else None,
                 "effective_output": spec.effective_output,
@@ -700,7 +702,7 @@ class Store:
                 "prompt_tokens": spec.prompt_tokens,
                 "completion_tokens": spec.completion_tokens,
                 "cost_micros": spec.cost_micros,
-                "model_reported": spec.model_reported,
+                "model_reported": redact(spec.model_reported) if spec.model_reported else None,
                 "output_hash": spec.output_hash,
                 "settle_hash": spec.settle_hash,
                 "settle_fence": spec.fence,

@@ -29,6 +29,7 @@ Use it in-process: ``async with FakeProvider() as fake:`` on the running loop, o
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import socket
@@ -41,7 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 32 * 1024 * 1024
@@ -75,6 +76,17 @@ class Fault(StrEnum):
     MISSING_DONE = "missing_done"  # a complete answer without the terminator, clean end
     ERROR_EVENT = "error_event"  # some content, then the protocol's in-stream error
     TRICKLE = "trickle"  # content every delay_s, forever
+    # The credential the request carried, echoed in every encoding a leak takes: in the status
+    # line's reason, in response headers, and in the body (JSON-escaped with \/ and \uXXXX so
+    # the raw bytes never hold it verbatim, URL-encoded, base64), also as the error code/type.
+    # A streaming request gets a 200 stream whose in-stream error event echoes it the same way.
+    ECHO_KEY = "echo_key"
+    # A response head with an illegal header line holding the credential: the client's HTTP
+    # parser fails with an exception whose message quotes that line.
+    ECHO_KEY_BAD_HEADER = "echo_key_bad_header"
+    # Behavior.raw verbatim (status line, headers and body, each item one socket write), then
+    # close, or hold the connection open when Behavior.raw_hold: for hostile framing tests.
+    RAW = "raw"
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,8 @@ class Behavior:
     delay_s: float = 1.0  # SLOW_FIRST_TOKEN wait; TRICKLE interval
     content_before_fault: int = 2  # content events sent before a mid-stream fault
     tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
+    raw: tuple[bytes, ...] = ()  # RAW: the bytes to write, one write per item
+    raw_hold: bool = False  # RAW: keep the connection open (sending nothing) after writing
 
 
 def _behavior(item: Fault | str | Behavior) -> Behavior:
@@ -388,6 +402,19 @@ class FakeProvider:
         if f is Fault.NO_RESPONSE:
             await _until_closed(reader)
             return False
+        if f is Fault.RAW:
+            for piece in behavior.raw:
+                await _write(writer, piece)
+            if behavior.raw_hold:
+                await _until_closed(reader)
+            return False
+        if f is Fault.ECHO_KEY:
+            await _write(writer, _echo_key_response(req))
+            return True
+        if f is Fault.ECHO_KEY_BAD_HEADER:
+            key = _received_key(req).encode("latin-1", errors="replace")
+            await _write(writer, b"HTTP/1.1 200 OK\r\nX-Echo " + key + b"\r\n\r\n")
+            return False
         status_body = _error_response(req, behavior)
         if status_body is not None:
             status, obj, extra = status_body
@@ -555,8 +582,8 @@ _REASONS = {
 }
 
 
-def _head(status: int, headers: dict[str, str]) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]
+def _head(status: int, headers: dict[str, str], reason: str | None = None) -> bytes:
+    lines = [f"HTTP/1.1 {status} {reason or _REASONS.get(status, 'Status')}"]
     lines.extend(f"{k}: {v}" for k, v in headers.items())
     lines.append(f"x-request-id: req_fake_{time.monotonic_ns()}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -626,17 +653,64 @@ def _stream_error(protocol: str) -> dict[str, Any]:
     }
 
 
+def _received_key(req: ReceivedRequest) -> str:
+    """The credential the request carried, in whichever header its protocol uses."""
+    return (
+        req.headers.get("authorization", "").removeprefix("Bearer ")
+        or req.headers.get("x-api-key", "")
+        or req.headers.get("x-goog-api-key", "")
+    )
+
+
+def _echo_key_response(req: ReceivedRequest) -> bytes:
+    """The ECHO_KEY answer: the request's credential in every encoding (see :class:`Fault`)."""
+    key = _received_key(req)
+    raw = key.encode("utf-8")
+    every_char = "".join(f"\\u{ord(c):04x}" for c in key)  # no byte of the key verbatim
+    slashed = json.dumps(key)[1:-1].replace("/", "\\/")
+    message = (
+        f"Incorrect API key provided: {slashed}. As escapes: {every_char}. URL-encoded: "
+        f"{quote(key, safe='')} or {quote_plus(key)}. Base64: "
+        f"{base64.b64encode(raw).decode()} or {base64.urlsafe_b64encode(raw).decode()}."
+    )
+    p = req.protocol
+    if p == "anthropic":
+        body = f'{{"type": "error", "error": {{"type": "{every_char}", "message": "{message}"}}}}'
+    elif p == "gemini":
+        body = f'{{"error": {{"code": 401, "message": "{message}", "status": "{every_char}"}}}}'
+    else:
+        body = (f'{{"error": {{"message": "{message}", "type": "invalid_request_error", '
+                f'"param": null, "code": "{every_char}"}}}}')
+    echo = {
+        "x-echo-key": key,
+        "x-echo-key-url": quote(key, safe=""),
+        "x-echo-key-b64": base64.b64encode(raw).decode(),
+        "www-authenticate": f'Bearer error="invalid_token", key="{key}"',
+    }
+    data = body.encode()
+    if not req.stream:
+        headers = {"content-type": "application/json", "content-length": str(len(data)), **echo}
+        return _head(401, headers, reason=f"Unauthorized {key}") + data
+    headers = {"content-type": "text/event-stream", "transfer-encoding": "chunked", **echo}
+    events = _Answer.build(req, Behavior(text="partial")).events(p or "", include_usage=False)
+    prelude = b""
+    for ev, is_content, _ in events:  # up to and including the first piece of content
+        prelude += _chunk(ev)
+        if is_content:
+            break
+    name = b"event: error\n" if p == "anthropic" else b""
+    return (
+        _head(200, headers) + prelude + _chunk(name + b"data: " + data + b"\n\n") + b"0\r\n\r\n"
+    )
+
+
 def _error_response(
     req: ReceivedRequest, b: Behavior
 ) -> tuple[int, dict[str, Any], dict[str, str]] | None:
     """Status, body and headers for the faults that are an HTTP error; None otherwise."""
     p = req.protocol
     f = b.fault
-    key = (
-        req.headers.get("authorization", "").removeprefix("Bearer ")
-        or req.headers.get("x-api-key", "")
-        or req.headers.get("x-goog-api-key", "")
-    )
+    key = _received_key(req)
 
     def oai(
         status: int, message: str, type_: str, code: str | None, param: str | None = None

@@ -1,4 +1,8 @@
-"""Misuse raises typed errors before anything is sent; the sync facade runs the same core."""
+"""Caller misuse raises typed errors before anything is sent; the sync facade runs the same core.
+
+Route-configuration problems are not misuse: they are ``cannot_build`` results
+(tests/adapters/test_not_sent.py).
+"""
 
 from __future__ import annotations
 
@@ -27,14 +31,11 @@ pytestmark = pytest.mark.anyio
 ENV = Envelope(parts=[Part(content="hello")])
 
 
-async def test_misuse_raises_invalid_argument_naming_the_field(
+async def test_caller_misuse_raises_invalid_argument_naming_the_field(
     adapter: HttpAdapter, fake: FakeProvider
 ) -> None:
     ep = fake.endpoint("openai")
     cases = [
-        (make_route(None, "openai"), ENV, PROFILE, "route.endpoint"),  # type: ignore[arg-type]
-        (make_route("ftp://h/v1", "openai"), ENV, PROFILE, "route.endpoint"),
-        (make_route(ep, "generic"), ENV, PROFILE, "route.protocol"),
         (make_route(ep, "openai"), ENV, "someone:else", "profile_id"),
         (make_route(ep, "openai"), ENV, None, "profile_id"),
         (make_route(ep, "openai"), Envelope(parts=[]), PROFILE, "envelope.parts"),
@@ -129,7 +130,10 @@ def test_sync_facade_against_a_threaded_fake() -> None:
         )
         assert cut.observation.protocol is Protocol.GEMINI
         with pytest.raises(InvalidArgument):
-            adapter.send(make_route(None, "openai"), ENV, profile_id=PROFILE)  # type: ignore[arg-type]
+            adapter.send(make_route(fake.endpoint("openai"), "openai"), ENV, profile_id="x:y")
+        unbuildable = adapter.send(make_route(None, "openai"), ENV, profile_id=PROFILE)  # type: ignore[arg-type]
+        assert unbuildable.observation is not None and not unbuildable.sent
+        assert unbuildable.observation.transport is Transport.CANNOT_BUILD
     with pytest.raises(InvalidArgument, match="closed"):
         adapter.send(make_route("http://h/v1", "openai"), ENV, profile_id=PROFILE)
 

@@ -10,8 +10,7 @@ import pytest
 from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider, env_var_name
 from ledger.adapters.secrets import EVIDENCE_CAP_BYTES, REDACTED, evidence_excerpt, redact
 from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Protocol
-from ledger.errors import InvalidArgument
+from ledger.core.facts import Protocol, Transport
 from ledger.testing import FakeProvider, Fault
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
@@ -114,15 +113,19 @@ async def test_huge_error_body_is_capped(adapter: HttpAdapter, fake: FakeProvide
 
 async def test_missing_secret_names_the_variable_not_a_value(fake: FakeProvider) -> None:
     async with HttpAdapter(secrets=EnvSecretProvider({}), limits=FAST) as a:
-        with pytest.raises(InvalidArgument) as err:
-            await a.send(
-                make_route(fake.endpoint("openai"), "openai"),
-                Envelope(parts=[Part(content="hi")]),
-                profile_id=PROFILE,
-            )
-    assert err.value.field == "profile_id"
-    assert "LEDGER_SECRET_FAKE_DEFAULT" in str(err.value) and "OPENAI_API_KEY" in str(err.value)
-    assert fake.requests == []
+        result = await a.send(
+            make_route(fake.endpoint("openai"), "openai"),
+            Envelope(parts=[Part(content="hi")]),
+            profile_id=PROFILE,
+        )
+    assert not result.ok and not result.sent
+    obs = result.observation
+    assert obs is not None and obs.transport is Transport.CANNOT_BUILD
+    assert obs.message == (
+        "no secret for credential profile 'fake:default'; "
+        "set LEDGER_SECRET_FAKE_DEFAULT or OPENAI_API_KEY"
+    )
+    assert fake.requests == [] and fake.connections == 0
 
 
 async def test_transport_messages_are_redacted(adapter: HttpAdapter) -> None:

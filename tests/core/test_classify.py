@@ -133,7 +133,7 @@ def test_secrets_are_redacted_from_evidence() -> None:
     body = json.dumps({"error": {"message": "Incorrect API key provided: sk-abcdef1234567890XYZ"}})
     fact = classify(_obs(status=401, body=body, protocol="openai"), FD)
     assert fact.message is not None
-    assert "sk-abcdef" not in fact.message and "[redacted]" in fact.message
+    assert "sk-abcdef" not in fact.message and "[REDACTED]" in fact.message
 
 
 def test_message_is_capped() -> None:

@@ -1,0 +1,261 @@
+"""Never sent is not unknown: every adapter result says whether any byte of the request left.
+
+A route whose configuration cannot make a request is a ``cannot_build`` result (never an
+exception), not sent, with a message naming the problem and the fix. Over real loopback, connect
+refused, DNS, TLS and connect-timeout failures are not sent; a reset after the request was written
+is sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider, to_send_result
+from ledger.core.classify import classify
+from ledger.core.envelope import Envelope, Part
+from ledger.core.facts import Category, Phase, Source, Transport
+from ledger.errors import InvalidArgument
+from ledger.policy.load import PRESETS, preset
+from ledger.testing import FakeProvider, Fault
+from ledger.turn_effects import SendProgress
+
+from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
+
+pytestmark = pytest.mark.anyio
+
+ENV = Envelope(parts=[Part(content="hello")])
+# Where the outcome must not depend on timing: a loaded machine may pause the fake a while.
+PATIENT = FAST.model_copy(update={"read_timeout_s": 10.0, "first_token_timeout_s": 10.0,
+                                  "idle_timeout_s": 10.0, "total_timeout_s": 20.0,
+                                  "connect_timeout_s": 10.0})
+
+
+@pytest.fixture
+async def patient() -> AsyncIterator[HttpAdapter]:
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as a:
+        yield a
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def full_backlog() -> Iterator[int]:
+    """A loopback port whose accept queue is full: new connections never complete."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = int(srv.getsockname()[1])
+    fillers = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        fillers.append(c)
+    yield port
+    for c in fillers:
+        c.close()
+    srv.close()
+
+
+def _assert_cannot_build(result: object, *needles: str) -> None:
+    from ledger.adapters import AdapterResult
+
+    assert isinstance(result, AdapterResult)
+    assert not result.ok and not result.sent
+    obs = result.observation
+    assert obs is not None
+    assert (obs.transport, obs.phase, obs.source) == (
+        Transport.CANNOT_BUILD,
+        Phase.BEFORE_SEND,
+        Source.LOCAL,
+    )
+    assert obs.status is None and not obs.effective_output
+    for needle in needles:
+        assert needle in (obs.message or ""), (needle, obs.message)
+    assert SECRET not in (obs.message or "")
+    for name in PRESETS:
+        fact = classify(obs, preset(name))
+        assert (fact.category, fact.phase) == (Category.UNUSABLE, Phase.BEFORE_SEND), name
+    send = to_send_result(result, "a-1")
+    assert not send.ok and not send.sent and send.observation == obs
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "protocol", "needles"),
+    [
+        (None, "openai", ["has no endpoint", "set Route.endpoint"]),
+        ("   ", "openai", ["has no endpoint"]),
+        ("api.openai.com/v1", "openai", ["no http:// or https:// scheme", "full URL"]),
+        ("ftp://h/v1", "anthropic", ["http:// or https://", "'ftp'"]),
+        ("http://", "gemini", ["no http:// or https:// scheme and host"]),
+        ("http://u:pw@127.0.0.1:9/v1", "openai", ["credentials in the URL", "credential profile"]),
+        ("http://127.0.0.1:99999/v1", "openai", ["invalid port"]),
+        ("http://exa mple.com/v1", "openai", ["invalid host name"]),
+        ("http://[::1/v1", "anthropic", ["not a usable URL"]),
+        ("ENDPOINT", "generic", ["no adapter for protocol 'generic'", "register_codec"]),
+    ],
+)
+async def test_a_route_that_cannot_build_a_request_is_a_not_sent_result(
+    adapter: HttpAdapter,
+    fake: FakeProvider,
+    endpoint: str | None,
+    protocol: str,
+    needles: list[str],
+) -> None:
+    ep = fake.endpoint("openai") if endpoint == "ENDPOINT" else endpoint
+    route = make_route(ep, protocol)  # type: ignore[arg-type]
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    _assert_cannot_build(result, *needles)
+    assert fake.requests == [] and fake.connections == 0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_no_secret_names_the_variables_to_set(fake: FakeProvider, protocol: str) -> None:
+    async with HttpAdapter(secrets=EnvSecretProvider({}), limits=FAST) as a:
+        result = await a.send(make_route(fake.endpoint(protocol), protocol), ENV,
+                              profile_id=PROFILE)
+    conventional = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY",
+                    "gemini": "GEMINI_API_KEY"}[protocol]
+    _assert_cannot_build(result, "no secret for credential profile 'fake:default'; set "
+                         f"LEDGER_SECRET_FAKE_DEFAULT or {conventional}")
+    async with HttpAdapter(secrets=StaticSecretProvider({}), limits=FAST) as a:
+        result = await a.send(make_route(fake.endpoint(protocol), protocol), ENV,
+                              profile_id=PROFILE)
+    _assert_cannot_build(result, "add it to the StaticSecretProvider")
+    assert fake.connections == 0
+
+
+async def test_a_failing_secret_provider_is_not_sent(fake: FakeProvider) -> None:
+    class Vault:
+        def get(self, profile_id: str, *, protocol: object) -> str | None:
+            raise ConnectionError("vault is sealed")
+
+    async with HttpAdapter(secrets=Vault(), limits=FAST) as a:  # type: ignore[arg-type]
+        result = await a.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+                              profile_id=PROFILE)
+    _assert_cannot_build(result, "secret provider Vault failed", "vault is sealed")
+
+
+@pytest.mark.parametrize("bad", [SECRET + "\n", " " + SECRET, SECRET + "\u00e9", "sk-\x00abcdef"])
+async def test_a_secret_that_cannot_go_in_a_header_is_not_sent(
+    fake: FakeProvider, bad: str
+) -> None:
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: bad}), limits=FAST) as a:
+        result = await a.send(make_route(fake.endpoint("anthropic"), "anthropic"), ENV,
+                              profile_id=PROFILE)
+    _assert_cannot_build(result, "cannot go in an HTTP header")
+    assert bad.strip() not in (result.observation.message or "")  # type: ignore[union-attr]
+    assert fake.connections == 0
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        Envelope(parts=[Part(content="hi")], params={"seed": {1, 2}}),
+        Envelope(parts=[Part(content="hi")], params={"temperature": float("nan")}),
+        Envelope(parts=[Part(content="lone \ud800 surrogate")]),
+    ],
+    ids=["set", "nan", "surrogate"],
+)
+async def test_a_body_that_cannot_be_encoded_is_not_sent(
+    adapter: HttpAdapter, fake: FakeProvider, envelope: Envelope
+) -> None:
+    result = await adapter.send(make_route(fake.endpoint("openai"), "openai"), envelope,
+                                profile_id=PROFILE)
+    _assert_cannot_build(result, "cannot be JSON-encoded", "Envelope.params")
+    assert fake.connections == 0
+
+
+# -- over real loopback ------------------------------------------------------------------------
+
+
+async def test_connect_refused_is_not_sent(patient: HttpAdapter) -> None:
+    route = make_route(f"http://127.0.0.1:{_closed_port()}/v1", "openai")
+    result = await patient.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and not result.sent
+    assert (obs.transport, obs.phase) == (Transport.CONNECT_REFUSED, Phase.BEFORE_SEND)
+
+
+async def test_dns_failure_is_not_sent(patient: HttpAdapter) -> None:
+    result = await patient.send(make_route("http://nonexistent.invalid/v1", "openai"), ENV,
+                                profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and not result.sent
+    assert (obs.transport, obs.phase) == (Transport.DNS_FAILURE, Phase.BEFORE_SEND)
+
+
+async def test_tls_to_a_plain_http_server_is_not_sent(
+    patient: HttpAdapter, fake: FakeProvider
+) -> None:
+    route = make_route(fake.endpoint("gemini").replace("http://", "https://"), "gemini")
+    result = await patient.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and not result.sent
+    assert (obs.transport, obs.phase) == (Transport.TLS_ERROR, Phase.BEFORE_SEND)
+    assert fake.requests == []  # the server saw a ClientHello, never a request
+
+
+async def test_connect_timeout_is_not_sent(adapter: HttpAdapter, full_backlog: int) -> None:
+    route = make_route(f"http://127.0.0.1:{full_backlog}/v1", "anthropic")
+    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and not result.sent
+    assert (obs.transport, obs.phase) == (Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND)
+
+
+@pytest.mark.parametrize("fault", [Fault.RESET_BEFORE_HEADERS, Fault.CLOSE_BEFORE_HEADERS])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_reset_after_the_request_was_written_is_sent(
+    patient: HttpAdapter, fake: FakeProvider, protocol: str, fault: Fault
+) -> None:
+    fake.enqueue(fault)
+    result = await patient.send(make_route(fake.endpoint(protocol), protocol), ENV,
+                                profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and result.sent
+    assert (obs.transport, obs.phase) == (Transport.CONNECTION_RESET, Phase.AFTER_SEND)
+    assert len(fake.requests) == 1  # the server really read the request
+    assert to_send_result(result, "a-1").sent
+
+
+async def test_answers_and_provider_errors_are_sent(
+    patient: HttpAdapter, fake: FakeProvider
+) -> None:
+    ok = await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+                            profile_id=PROFILE)
+    fake.enqueue(Fault.SERVER_ERROR)
+    failed = await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+                                profile_id=PROFILE)
+    assert ok.ok and ok.sent and to_send_result(ok, "a-1").sent
+    assert not failed.ok and failed.sent and failed.http_status == 500
+
+
+async def test_the_callers_progress_says_whether_a_byte_left(
+    patient: HttpAdapter, fake: FakeProvider
+) -> None:
+    unbuildable = SendProgress(handed_over=True)
+    await patient.send(make_route(None, "openai"), ENV, profile_id=PROFILE,  # type: ignore[arg-type]
+                       progress=unbuildable)
+    misuse = SendProgress(handed_over=True)
+    with pytest.raises(InvalidArgument):
+        await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
+                           profile_id="not:mine", progress=misuse)
+    refused = SendProgress(handed_over=True)
+    await patient.send(make_route(f"http://127.0.0.1:{_closed_port()}/v1", "openai"), ENV,
+                       profile_id=PROFILE, progress=refused)
+    fake.enqueue(Fault.RESET_BEFORE_HEADERS)
+    reset = SendProgress(handed_over=True)
+    await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV, profile_id=PROFILE,
+                       progress=reset)
+    assert [p.provably_unsent for p in (unbuildable, misuse, refused, reset)] == [
+        True, True, True, False]
