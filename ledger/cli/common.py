@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The command's name. Not "ledger": Debian's ledger-cli installs a command of that name.
+PROG = "failover-ledger"
+
 
 def bench_subparsers(subparsers: Any) -> Any:
     """The sub-commands of ``ledger bench``, created by whichever module registers first, so any

@@ -18,10 +18,8 @@ import ledger
 from ledger.core.facts import Category
 from ledger.errors import PolicyError
 from ledger.model import content_hash
+from ledger.policy import DEFAULT_PRESET, PRESETS
 from ledger.policy.model import DisableRule, Policy, PolicyValueError
-
-PRESETS: tuple[str, ...] = ("goclaw", "fased", "failure-domain")
-DEFAULT_PRESET = "failure-domain"
 
 # The override keys the conformance vectors use, each mapped onto this policy model.
 OVERRIDE_KEYS: tuple[str, ...] = (
