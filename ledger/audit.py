@@ -119,6 +119,19 @@ class TimelineEntry:
 
 
 @dataclass(frozen=True)
+class Stop:
+    """Why a turn of a Run stopped (a ``stop`` event): the reason, its detail, the candidates
+    the selector passed over, the attempts the turn made and their errors."""
+
+    reason: str
+    detail: str | None
+    skipped: list[Skipped]
+    attempts: list[str]
+    errors: list[str]
+    at: float
+
+
+@dataclass(frozen=True)
 class RunTimeline:
     run: RunSummary
     attempts: list[TimelineEntry]
@@ -126,6 +139,7 @@ class RunTimeline:
     served_route: str | None  # the route of the run's last succeeded attempt
     failed_over: bool
     total_cost: Decimal
+    stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
 
 
 @dataclass(frozen=True)
@@ -245,13 +259,24 @@ def _run(row: Mapping[str, Any]) -> RunSummary:
     )
 
 
+def _skipped(data: Mapping[str, Any]) -> list[Skipped]:
+    return [Skipped(route=str(x.get("route")), reason=str(x.get("reason")),
+                    detail=x.get("detail"))
+            for x in data.get("skipped") or [] if isinstance(x, Mapping)]
+
+
 def _selection(data: Mapping[str, Any]) -> Selection:
-    skipped = [Skipped(route=str(x.get("route")), reason=str(x.get("reason")),
-                       detail=x.get("detail"))
-               for x in data.get("skipped") or [] if isinstance(x, Mapping)]
     return Selection(decision=data.get("decision"), route=data.get("route"),
                      from_route=data.get("from_route"), profile=data.get("profile"),
-                     reason=data.get("reason"), skipped=skipped, cause=data.get("cause"))
+                     reason=data.get("reason"), skipped=_skipped(data),
+                     cause=data.get("cause"))
+
+
+def _stop(ev: AuditEvent) -> Stop:
+    d = ev.data
+    return Stop(reason=str(d.get("reason") or "unknown"), detail=d.get("detail") or None,
+                skipped=_skipped(d), attempts=[str(a) for a in d.get("attempts") or []],
+                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at)
 
 
 def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
@@ -346,7 +371,7 @@ class Audit:
         """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons."""
         run_row, att_rows, ev_rows = q.timeline(self.store, run_id)
         if run_row is None:
-            raise NotFound(f"unknown run id {run_id!r}; list runs with `ledger runs`",
+            raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
         events = [AuditEvent(int(e["event_id"]), e["kind"], e["attempt_id"],
                              json.loads(e["data"]), e["created_at"]) for e in ev_rows]
@@ -384,8 +409,10 @@ class Audit:
         run = _run(run_row)
         failed_over = (served is not None and served != run.selected_route) or any(
             e.kind == "move" for e in events)
+        stops = [_stop(e) for e in events if e.kind == "stop"]
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
-                           served_route=served, failed_over=failed_over, total_cost=total)
+                           served_route=served, failed_over=failed_over, total_cost=total,
+                           stops=stops)
 
     def failovers(self, *, since: float | None = None, until: float | None = None,
                   limit: int = 50, cursor: str | None = None) -> Page[Failover]:
@@ -526,5 +553,5 @@ class AsyncAudit:
 __all__ = [
     "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "Failover", "FailoverCause",
     "GroupHealth", "HealthReport", "KeyHealth", "Move", "OpenAttempt", "RunSummary",
-    "RunTimeline", "Selection", "Skipped", "TimelineEntry", "Totals", "to_jsonable",
+    "RunTimeline", "Selection", "Skipped", "Stop", "TimelineEntry", "Totals", "to_jsonable",
 ]

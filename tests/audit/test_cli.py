@@ -1,4 +1,5 @@
-"""The operator commands through the real entry point (``python -m ledger.cli.main``)."""
+"""The operator commands through the real entry point (``python -m ledger.cli.main``, the
+module the ``failover-ledger`` console script runs)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_run_show_table_and_json(sqlite_url: str) -> None:
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("#"))
     assert lines[header].split() == ["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST",
-                                     "WHY", "AT", "(UTC)"]
+                                     "WHY", "AT"]
     assert lines[header + 2].split()[:9] == ["1", "first", "A", "pa1", "failed", "rate_limit",
                                              "429", "posted", "0.000000"]
     assert "next_candidate (skipped C: cooling)" in lines[header + 3]
@@ -109,7 +110,8 @@ def test_costs_and_health(sqlite_url: str) -> None:
 def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     res = cli("--db", sqlite_url, "run", "show", "nope")
     assert res.returncode == 1
-    assert res.stderr == "ledger: error: unknown run id 'nope'; list runs with `ledger runs`\n"
+    assert res.stderr == ("failover-ledger: error: unknown run id 'nope'; list runs with "
+                          "`failover-ledger runs`\n")
     res = cli("--db", str(tmp_path / "absent.db"), "runs")
     assert res.returncode == 1 and len(res.stderr.splitlines()) == 1
     assert "no ledger at" in res.stderr and "does not exist" in res.stderr
