@@ -53,7 +53,7 @@ class Progress:
         left = eta(done, total, elapsed)
         tail = ("done" if done >= total else
                 f"ETA {duration(left)}" if left is not None else "ETA -")
-        return (f"{self.label} [{bar:<{_WIDTH}}] {frac * 100:3.0f}%  {done}/{total}  "
+        return (f"{self.label} [{bar.ljust(_WIDTH, '.')}] {frac * 100:3.0f}%  {done}/{total}  "
                 f"{duration(elapsed)} elapsed, {tail}")
 
     def __call__(self, done: int, total: int) -> None:
