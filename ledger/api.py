@@ -22,6 +22,7 @@ from ledger.core.facts import FailureFact, Observation, Phase
 from ledger.errors import InvalidArgument, NotFound, PolicyError
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
+from ledger.pricing import resolve_prices, same_route
 from ledger.records import (
     AttemptKind,
     AttemptRecord,
@@ -187,6 +188,10 @@ class Ledger:
                 ) from e
         plan = list(plan)
         validate_plan(plan)
+        parent = self.get_run(parent_run_id) if parent_run_id is not None else None
+        # Unpriced routes get the price table's price, frozen with the plan (ledger.pricing).
+        plan = resolve_prices(plan, budget, at=self.now(),
+                              inherited=parent.plan if parent is not None else ())
         if grant is None:
             grant = Grant(recipients={r.recipient: list(DEFAULT_GRANT_CLASSES) for r in plan})
         pol = _resolve_policy(policy)
@@ -194,8 +199,7 @@ class Ledger:
         if selected not in {r.id for r in plan}:
             raise InvalidArgument(f"selected_route {selected!r} is not in the plan",
                                   field="selected_route")
-        if parent_run_id is not None:
-            parent = self.get_run(parent_run_id)
+        if parent is not None:
             check_child_within_parent(parent, plan, grant)
         frozen = {
             "plan": [r.model_dump(mode="json") for r in plan],
@@ -309,7 +313,7 @@ class Ledger:
                 f"({[r.id for r in run.plan]}); a run can only use its admitted candidates",
                 field="route",
             ) from None
-        if isinstance(route, Route) and route != snap:
+        if isinstance(route, Route) and not same_route(route, snap):
             raise InvalidArgument(
                 f"route {route_id!r} differs from the snapshot frozen at admission; historical "
                 "and new attempts use the frozen route", field="route",

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from ledger.api import Ledger
 from ledger.errors import StorageError
-from ledger.model import Budget, Route
+from ledger.model import Budget, Price, Route
 from ledger.storage import baseline as baseline_mod
 from ledger.storage import engine as engine_mod
 
@@ -45,8 +45,9 @@ WORKER_TIMEOUT_S = 1800.0
 Mode = Literal["ledger", "baseline"]
 
 # One shared route (one provider group, one health row), as when many runs use the same model.
+# Free by declaration (Price()): the benchmark holds a fixed RESERVE per attempt.
 BENCH_ROUTE = Route(id="bench-route", provider="bench", model="bench-model", group="bench-group",
-                    recipient="bench")
+                    recipient="bench", price=Price())
 RESERVE = "0.001"
 
 

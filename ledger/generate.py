@@ -282,9 +282,7 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
 
 
 def _cost(route: Route, prompt: int, completion: int) -> int:
-    p = route.price
-    micros = (prompt * p.input_per_mtok + completion * p.output_per_mtok)  # per Mtok = micros/tok
-    return int(micros)
+    return int(route.cost(prompt, completion) * 1_000_000)  # in micros
 
 
 def _event(run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],

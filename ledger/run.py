@@ -149,7 +149,7 @@ def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> 
     """A hold that covers the request at the route's price: prompt estimate + max output."""
     prompt = counter.count_tokens(envelope, route)
     completion = envelope.max_output_tokens or 1024
-    return route.price.cost(prompt, completion)
+    return route.cost(prompt, completion)
 
 
 class _Loop:
