@@ -7,7 +7,10 @@ the demo and the dashboard all say the same thing for the same instant.
 
 from __future__ import annotations
 
+import json
+import re
 from datetime import UTC, datetime
+from typing import Any
 
 
 def iso(ts: float | None) -> str:
@@ -46,4 +49,24 @@ def when(ts: float | None, now: float) -> str:
     return f"{relative(ts, now)} ({iso(ts)})"
 
 
-__all__ = ["duration", "iso", "relative", "when"]
+_TIME_KEYS = re.compile(r"^(until|.*_until|.*_at)$")
+
+
+def data_text(data: Any, now: float) -> str:
+    """Event data as ``key=value`` pairs, keys sorted; numbers under time keys (``until``,
+    ``*_until``, ``*_at``) are instants and read as :func:`when` gives them."""
+    if not isinstance(data, dict):
+        return json.dumps(data, sort_keys=True)
+    parts = []
+    for k in sorted(data):
+        v = data[k]
+        if _TIME_KEYS.match(k) and isinstance(v, int | float) and not isinstance(v, bool):
+            parts.append(f"{k}={when(float(v), now)}")
+        elif isinstance(v, str):
+            parts.append(f"{k}={v}")
+        else:
+            parts.append(f"{k}={json.dumps(v, sort_keys=True)}")
+    return ", ".join(parts)
+
+
+__all__ = ["data_text", "duration", "iso", "relative", "when"]

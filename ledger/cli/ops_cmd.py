@@ -25,7 +25,7 @@ from typing import Any
 from ledger.cli.common import PROG, bench_subparsers
 from ledger.cli.progress import Progress, wanted
 from ledger.errors import DatabaseUnavailable, InvalidArgument
-from ledger.timefmt import iso, relative, when
+from ledger.timefmt import data_text, iso, relative, when
 
 _REL = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -66,23 +66,9 @@ def fmt_until(t: float | None, now: float) -> str:
     return when(t, now)
 
 
-_TIME_KEYS = re.compile(r"^(until|.*_until|.*_at)$")
-
-
 def fmt_event_data(data: Any, now: float) -> str:
     """An event's data as ``key=value`` pairs; times (``until``, ``*_at``) as ISO and relative."""
-    if not isinstance(data, dict):
-        return json.dumps(data, sort_keys=True)
-    parts = []
-    for k in sorted(data):
-        v = data[k]
-        if _TIME_KEYS.match(k) and isinstance(v, int | float) and not isinstance(v, bool):
-            parts.append(f"{k}={when(float(v), now)}")
-        elif isinstance(v, str):
-            parts.append(f"{k}={v}")
-        else:
-            parts.append(f"{k}={json.dumps(v, sort_keys=True)}")
-    return ", ".join(parts)
+    return data_text(data, now)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -457,9 +443,12 @@ def _dashboard(args: argparse.Namespace) -> int:
             "the dashboard needs the optional extra: "
             f"pip install 'failover-ledger[dashboard]' ({e})",
             field="dashboard") from e
+    if args.refresh < 0:
+        raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
+                              field="refresh")
     led = open_reader(args.db)  # fail fast, with the clear message, before binding a port
     led.close()
-    serve(args.db, host=args.host, port=args.port)
+    serve(args.db, host=args.host, port=args.port, refresh_s=args.refresh)
     return 0
 
 
@@ -534,6 +523,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("dashboard", help="serve the read-only health dashboard")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument("--refresh", type=int, default=30, metavar="SECONDS",
+                   help="pages reload themselves this often (default 30; 0: never)")
     _add_db(p)
     p.set_defaults(func=_dashboard)
 

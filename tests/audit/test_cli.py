@@ -132,6 +132,8 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     assert json.loads(ok("runs", "--json", env={"LEDGER_URL": sqlite_url}))["items"]
     res = cli("runs", cwd=str(tmp_path))
     assert res.returncode == 1 and "ledger.db" in res.stderr
+    res = cli("--db", sqlite_url, "dashboard", "--refresh", "-1")
+    assert res.returncode == 2 and "--refresh must be >= 0" in res.stderr
 
 
 EPOCH = re.compile(r"\b1\d{9}(\.\d+)?\b")  # an epoch-seconds time (2001..2286)
