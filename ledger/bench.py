@@ -23,7 +23,7 @@ import os
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
@@ -246,15 +246,21 @@ def backend_name(url: str) -> str:
 
 def bench_database(url: str, *, workers: Sequence[int] = DEFAULT_WORKERS,
                    attempts: int = DEFAULT_ATTEMPTS, warmup: int = WARMUP_ATTEMPTS,
-                   target: float = TARGET_RATIO, label: str | None = None) -> list[BenchRow]:
-    """Measure ledger and baseline at each worker count on one database."""
+                   target: float = TARGET_RATIO, label: str | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> list[BenchRow]:
+    """Measure ledger and baseline at each worker count on one database; ``progress(done,
+    total)`` is told after each of the ``2 * len(workers)`` measurements."""
     norm = engine_mod.normalize_url(url)
     backend = label or backend_name(norm)
     rows: list[BenchRow] = []
     with prepared(norm):
-        for w in workers:
+        for i, w in enumerate(workers):
             base = measure(norm, "baseline", w, attempts, warmup)
+            if progress is not None:
+                progress(2 * i + 1, 2 * len(workers))
             led = measure(norm, "ledger", w, attempts, warmup)
+            if progress is not None:
+                progress(2 * i + 2, 2 * len(workers))
             ratio = led.per_second / base.per_second if base.per_second > 0 else 0.0
             rows.append(BenchRow(
                 backend=backend, workers=w, attempts=attempts,
