@@ -1,4 +1,4 @@
-"""``ledger demo``: a small research task against local fake providers, no network.
+"""``failover-ledger demo``: a small research task against local fake providers, no network.
 
 Two fake endpoints on loopback stand in for a shared gateway ("go": two models behind one
 account, one capacity group) and an independent official endpoint. Three runs show the seed's

@@ -1,4 +1,5 @@
-"""A realistic synthetic history for scale tests and the audit benchmark (``ledger generate``).
+"""A realistic synthetic history for scale tests and the audit benchmark (``failover-ledger
+generate``).
 
 Runs over many routes, providers, capacity groups, tenants and labels; failures with classified
 facts (rate limits, overloads, timeouts, server errors, auth, context overflow, network before

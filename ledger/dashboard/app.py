@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import html
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from typing import Any
@@ -46,6 +48,7 @@ from ledger.timefmt import data_text, iso, relative
 
 DAY = 86400.0
 DEFAULT_REFRESH_S = 30
+DEFAULT_METRICS_TTL_S = 10.0
 # No network at all: nothing but inline styles and same-origin links and forms.
 _CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
         "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -309,10 +312,14 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
 
 
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,
-               clock: Clock | None = None, refresh_s: int = DEFAULT_REFRESH_S) -> Starlette:
+               clock: Clock | None = None, refresh_s: int = DEFAULT_REFRESH_S,
+               metrics_ttl_s: float = DEFAULT_METRICS_TTL_S) -> Starlette:
     """The dashboard over ``ledger`` (or a ledger opened on ``url`` without migrating it).
 
     Pages refresh themselves every ``refresh_s`` seconds (0: never; ``?refresh=N`` per page).
+    ``/metrics`` reads the whole history (counters are totals), so one answer is reused for
+    ``metrics_ttl_s`` seconds of this process's monotonic time: several scrapers (an HA pair of
+    Prometheus servers) cost one read.
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
@@ -320,6 +327,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         raise InvalidArgument("refresh_s must be >= 0 (0 turns auto-refresh off)",
                               field="refresh_s")
     state: dict[str, Any] = {}
+    metrics_cache: list[tuple[float, str]] = []  # (monotonic time computed, body)
+    metrics_lock = threading.Lock()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -456,7 +465,11 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         return _page(f"run {tl.run.run_id}", _timeline_html(tl, au.now()), refresh)
 
     def metrics(request: Request) -> Response:
-        return PlainTextResponse(exposition(audit().metrics()), media_type=CONTENT_TYPE)
+        with metrics_lock:
+            if not metrics_cache or time.monotonic() - metrics_cache[0][0] >= metrics_ttl_s:
+                metrics_cache[:] = [(time.monotonic(), exposition(audit().metrics()))]
+            body = metrics_cache[0][1]
+        return PlainTextResponse(body, media_type=CONTENT_TYPE)
 
     def api_health(request: Request) -> Response:
         return JSONResponse(to_jsonable(audit().health()))

@@ -218,7 +218,7 @@ def _type_fix(kind: str) -> str:
     for prefix, what in wanted.items():
         if kind.startswith(prefix):
             return f"write {what} here"
-    return "use the type the schema gives (`ledger policy schema`)"
+    return "use the type the schema gives (`failover-ledger policy schema`)"
 
 
 def _path(loc: tuple[Any, ...]) -> str:

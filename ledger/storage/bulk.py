@@ -1,4 +1,5 @@
-"""Fast bulk loading of generated history (``ledger generate``); never used by the write path.
+"""Fast bulk loading of generated history (``failover-ledger generate``); never used by the
+write path.
 
 Rows go in with one multi-row ``executemany`` per table and one transaction per batch, bypassing
 the fenced write path on purpose: generated history is synthetic and internally consistent by
