@@ -51,6 +51,18 @@ def test_every_public_name_resolves_lazily() -> None:
     assert set(ledger.__all__) <= set(dir(ledger))
 
 
+def test_submodules_load_on_attribute_access() -> None:
+    res = _py("import ledger\n"
+              "assert ledger.audit.Audit.__name__ == 'Audit'\n"
+              "assert ledger.storage.engine.normalize_url('x.db').startswith('sqlite:///')\n"
+              "try:\n"
+              "    ledger.no_such_thing\n"
+              "except AttributeError as e:\n"
+              "    print(e)\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "module 'ledger' has no attribute 'no_such_thing'"
+
+
 def test_type_checkers_see_every_lazy_name() -> None:
     """The TYPE_CHECKING block imports exactly the names the lazy table serves, from the same
     modules, and __all__ lists exactly those plus __version__."""
