@@ -11,13 +11,24 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from ledger.bounds import (
+    MAX_LEASE_TTL_S,
+    check_amount,
+    check_count,
+    check_id,
+    check_seconds,
+    check_time,
+    check_tokens,
+)
 from ledger.clock import Clock, SystemClock
+from ledger.core.admission import check_child_policy, child_grant, default_grant, validate_plan
 from ledger.core.facts import FailureFact, Observation, Phase
 from ledger.errors import InvalidArgument, NotFound, PolicyError
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
@@ -37,16 +48,47 @@ from ledger.records import (
 )
 from ledger.storage import engine as engine_mod
 from ledger.storage import migrate
-from ledger.storage.rows import new_id
+from ledger.storage.rows import new_id, run_live
 from ledger.storage.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
-from ledger.storage.store import Store
+from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
+from ledger.turn_effects import TurnSnapshot
 
 P = ParamSpec("P")
 R = TypeVar("R")
+K = TypeVar("K")
+V = TypeVar("V")
 
 DEFAULT_LEASE_TTL_S = 30.0
-# Classes a run may send to every recipient of its plan when the caller passes no grant.
-DEFAULT_GRANT_CLASSES = ("user_input", "system", "tool_description")
+MAX_EVENT_KIND = 32
+MAX_HASH = 80
+
+
+class _Lru(Generic[K, V]):
+    """A small thread-safe LRU map: frozen Runs and parsed policies are read once per Run and
+    kept while in use, without growing with the number of Runs a process ever served."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def pop(self, key: K) -> V | None:
+        with self._lock:
+            return self._items.pop(key, None)
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
@@ -70,41 +112,47 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
-def validate_plan(plan: Sequence[Route]) -> None:
-    if not plan:
-        raise InvalidArgument("the candidate plan is empty; pass at least one Route", field="plan")
-    seen: set[str] = set()
-    for r in plan:
-        if r.id in seen:
-            raise InvalidArgument(f"route id {r.id!r} appears twice in the plan; ids must be "
-                                  "unique", field="plan")
-        seen.add(r.id)
+def _model(cls: type[M], value: Any, field: str) -> M:
+    """``value`` as ``cls`` (a pydantic model), or InvalidArgument naming the field path."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls.model_validate(dict(value) if isinstance(value, Mapping) else value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = ".".join([field, *(str(p) for p in err["loc"])])
+        raise InvalidArgument(f"invalid {path}: {err['msg']}", field=path) from None
 
 
-def check_child_within_parent(parent: RunRecord, plan: Sequence[Route], grant: Grant) -> None:
-    """A child inherits the parent's approved candidates and grant, never broader."""
-    parent_routes = {r.id: r for r in parent.plan}
-    for r in plan:
-        if parent_routes.get(r.id) != r:
-            raise InvalidArgument(
-                f"child route {r.id!r} is not one of the parent's approved candidates (or differs "
-                "from the parent's frozen snapshot); a child may only narrow the parent's plan",
-                field="plan",
-            )
-    for recipient, classes in grant.recipients.items():
-        allowed = set(parent.grant.recipients.get(recipient, []))
-        extra = sorted(set(classes) - allowed)
-        if extra:
-            raise InvalidArgument(
-                f"child grant approves {extra} for {recipient!r}, which the parent's grant does "
-                "not; a child grant may only narrow the parent's",
-                field="grant",
-            )
-    if grant.roles is not None and parent.grant.roles is not None:
-        extra = sorted(set(grant.roles) - set(parent.grant.roles))
-        if extra:
-            raise InvalidArgument(f"child grant adds roles {extra} the parent lacks",
-                                  field="grant.roles")
+M = TypeVar("M", bound=BaseModel)
+
+
+def _events(events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for i, item in enumerate(events):
+        try:
+            kind, data = item
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"events[{i}] must be a (kind, data) pair",
+                                  field=f"events[{i}]") from None
+        if not isinstance(kind, str) or not 0 < len(kind) <= MAX_EVENT_KIND:
+            raise InvalidArgument(f"events[{i}] kind must be 1 to {MAX_EVENT_KIND} characters",
+                                  field=f"events[{i}]")
+        out.append((kind, dict(data)))
+    return out
+
+
+def _hash_arg(value: Any, field: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_HASH:
+        raise InvalidArgument(f"{field} must be a content hash string of at most {MAX_HASH} "
+                              "characters (e.g. Envelope.hash)", field=field)
+    return value
+
+
+def _optional_tokens(value: Any, field: str) -> int | None:
+    return None if value is None else check_tokens(value, field)
 
 
 class Ledger:
@@ -115,19 +163,24 @@ class Ledger:
         self.store = store
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
-        self._frozen: dict[str, RunRecord] = {}
+        self._frozen: _Lru[str, RunRecord] = _Lru(1024)
+        self._policies: _Lru[str, Policy] = _Lru(1024)
         # Attempts this process began and has not settled: settle needs their route, profile
         # and hold, and reading them back would cost a transaction on the hot path.
-        self._in_flight: dict[str, AttemptRecord] = {}
-        self._policies: dict[str, Policy] = {}
-        self._lock = threading.Lock()
+        self._in_flight: _Lru[str, AttemptRecord] = _Lru(10_000)
 
     # -- opening --------------------------------------------------------------------------
 
     @classmethod
     def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
-             migrate_schema: bool = True) -> Ledger:
-        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL."""
+             migrate_schema: bool = True,
+             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Ledger:
+        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
+
+        ``lease_margin_s``: how long before its end a lease stops starting work; it is the
+        clock skew between hosts the ledger tolerates (``docs/operations.md``).
+        """
+        check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         norm = engine_mod.normalize_url(url)
         eng = engine_mod.create(norm)
         if migrate_schema:
@@ -136,7 +189,8 @@ class Ledger:
             except BaseException:
                 eng.dispose()
                 raise
-        return cls(Store(eng, norm), clock=clock, executor_id=executor_id)
+        return cls(Store(eng, norm, lease_margin_s=lease_margin_s), clock=clock,
+                   executor_id=executor_id)
 
     def close(self) -> None:
         self.store.dispose()
@@ -162,64 +216,82 @@ class Ledger:
         *,
         plan: Sequence[Route],
         budget: Budget | Mapping[str, Any],
-        grant: Grant | None = None,
+        grant: Grant | Mapping[str, Any] | None = None,
         policy: Policy | str | Mapping[str, Any] | None = None,
         role: str = "research",
-        parent_run_id: str | None = None,
-        parent_fence: int | None = None,
+        parent: Lease | None = None,
         tenant: str | None = None,
         labels: Mapping[str, str] | None = None,
         deadline: float | None = None,
         selected_route: str | None = None,
     ) -> RunRecord:
-        """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content."""
-        if not run_id or not isinstance(run_id, str):
-            raise InvalidArgument("run_id must be a non-empty string", field="run_id")
-        if not isinstance(budget, Budget):
-            try:
-                budget = Budget.model_validate(dict(budget))
-            except ValidationError as e:
-                err = e.errors()[0]
-                path = "budget." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "budget"
-                raise InvalidArgument(
-                    f"invalid {path}: {err['msg']}; give max_calls, max_retries and max_cost as "
-                    "non-negative numbers",
-                    field=path,
-                ) from e
+        """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
+
+        ``parent``: the parent's lease, to admit a Child Run (its budget is carved from the
+        parent's under that lease; its plan, grant, role and policy may only narrow the
+        parent's; with ``policy=None`` and ``grant=None`` it inherits them).
+        """
+        check_id(run_id, "run_id")
+        check_id(role, "role")
+        if len(role) > 64:
+            raise InvalidArgument("role is at most 64 characters", field="role")
+        if tenant is not None:
+            check_id(tenant, "tenant")
+        if deadline is not None:
+            deadline = check_time(deadline, "deadline")
+        if parent is not None and not isinstance(parent, Lease):
+            raise InvalidArgument("parent must be the parent Run's Lease", field="parent")
+        budget = _model(Budget, budget, "budget")
+        if grant is not None:
+            grant = _model(Grant, grant, "grant")
+        if isinstance(plan, str | bytes) or not isinstance(plan, Sequence):
+            raise InvalidArgument("plan must be a list of ledger.Route", field="plan")
         plan = list(plan)
         validate_plan(plan)
-        parent = self.get_run(parent_run_id) if parent_run_id is not None else None
-        # Unpriced routes get the price table's price, frozen with the plan (ledger.pricing).
+        # Unpriced routes get the price table's price, frozen with the plan (ledger.pricing);
+        # a child's take its parent's frozen price.
         plan = resolve_prices(plan, budget, at=self.now(),
-                              inherited=parent.plan if parent is not None else ())
-        if grant is None:
-            grant = Grant(recipients={r.recipient: list(DEFAULT_GRANT_CLASSES) for r in plan})
-        pol = _resolve_policy(policy)
+                              inherited=self.frozen_run(parent.run_id).plan if parent else ())
+        label_map = dict(labels or {})
+        for k, v in label_map.items():
+            if not isinstance(k, str) or not isinstance(v, str) or len(k) > 200 or len(v) > 200:
+                raise InvalidArgument("labels map strings to strings (each at most 200 chars)",
+                                      field="labels")
         selected = selected_route or plan[0].id
         if selected not in {r.id for r in plan}:
             raise InvalidArgument(f"selected_route {selected!r} is not in the plan",
                                   field="selected_route")
         if parent is not None:
-            check_child_within_parent(parent, plan, grant)
+            prec = self.frozen_run(parent.run_id)
+            if policy is None:
+                pol = self.run_policy(parent.run_id)
+            else:
+                pol = _resolve_policy(policy)
+                check_child_policy(prec.policy_hash, _policy_hash(pol))
+            grant = child_grant(prec.plan, prec.grant, plan, grant, role)
+        else:
+            pol = _resolve_policy(policy)
+            if grant is None:
+                grant = default_grant(plan)
         frozen = {
             "plan": [r.model_dump(mode="json") for r in plan],
             "grant": grant.model_dump(mode="json"),
             "budget": budget.model_dump(mode="json"),
             "policy_hash": _policy_hash(pol),
             "role": role,
-            "parent": parent_run_id,
+            "parent": parent.run_id if parent else None,
             "tenant": tenant,
-            "labels": dict(labels or {}),
+            "labels": label_map,
             "selected_route": selected,
             "deadline": deadline,
         }
         spec = AdmitSpec(
             run_id=run_id,
-            parent_run_id=parent_run_id,
-            parent_fence=parent_fence,
+            parent_run_id=parent.run_id if parent else None,
+            parent_lease=parent,
             role=role,
             tenant=tenant,
-            labels=json.dumps(dict(labels or {}), sort_keys=True),
+            labels=json.dumps(label_map, sort_keys=True),
             plan=json.dumps(frozen["plan"], sort_keys=True),
             run_grant=json.dumps(frozen["grant"], sort_keys=True),
             budget=json.dumps(frozen["budget"], sort_keys=True),
@@ -233,59 +305,74 @@ class Ledger:
             max_cost_micros=to_micros(budget.max_cost),
             max_tokens=budget.max_tokens,
         )
-        rec, _created = self.store.admit(spec, self.now())
+        rec, _created = self.store.admit(spec, self.clock.now)
         return rec
 
     def get_run(self, run_id: str) -> RunRecord:
+        """The Run as it stands now (frozen parts and live counters)."""
         return self.store.get_run(run_id)
 
     def children(self, run_id: str) -> list[RunRecord]:
         return self.store.children(run_id)
 
     def frozen_run(self, run_id: str) -> RunRecord:
-        """The run as admitted (its frozen parts never change, so this is cached)."""
-        with self._lock:
-            rec = self._frozen.get(run_id)
+        """The run as admitted. Only its frozen parts (plan, grant, budget, policy, role,
+        parent, deadline) are meaningful: it is cached, so its counters are as first read."""
+        rec = self._frozen.get(run_id)
         if rec is None:
             rec = self.store.get_run(run_id)
-            with self._lock:
-                self._frozen[run_id] = rec
+            self._frozen.put(run_id, rec)
         return rec
 
     def run_policy(self, run_id: str) -> Policy:
-        """The policy snapshot the run froze at admission."""
-        with self._lock:
-            pol = self._policies.get(run_id)
+        """The policy snapshot the run froze at admission (parsed once per Run)."""
+        pol = self._policies.get(run_id)
         if pol is None:
             pol = Policy.model_validate(self.frozen_run(run_id).policy)
-            with self._lock:
-                self._policies[run_id] = pol
+            self._policies.put(run_id, pol)
         return pol
 
-    def finish_run(self, run_id: str, fence: int, status: RunStatus | str) -> None:
-        self.store.finish_run(run_id, fence, RunStatus(status), self.now())
+    def finish_run(self, lease: Lease, status: RunStatus | str) -> None:
+        """Record the Run's end (``succeeded``, ``failed``, ``stopped`` or ``cancelled``)."""
+        ends = ("succeeded", "failed", "stopped", "cancelled")
+        if not isinstance(status, str) or status not in ends:
+            raise InvalidArgument(f"status {status!r} is not how a Run ends; use one of {ends}",
+                                  field="status")
+        st = RunStatus(status)
+        self.store.finish_run(_lease(lease), st, self.clock.now)
 
     # -- leases ---------------------------------------------------------------------------
 
     def acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
                       executor_id: str | None = None) -> Lease:
-        if ttl_s <= 0:
-            raise InvalidArgument("ttl_s must be > 0", field="ttl_s")
-        return self.store.acquire_lease(run_id, executor_id or self.executor_id, ttl_s,
-                                        self.now())
+        """Take the Run's lease for ``ttl_s`` seconds (renew it with :meth:`renew_lease` or a
+        :class:`~ledger.lease.LeaseKeeper`). Another holder's unexpired lease is
+        :class:`LeaseHeld`; one's own unexpired lease is renewed under the same fence."""
+        check_id(run_id, "run_id")
+        ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        if ttl_s <= self.store.lease_margin_s:
+            raise InvalidArgument(
+                f"ttl_s={ttl_s:g} is not above the lease margin ({self.store.lease_margin_s:g}s): "
+                "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
+        executor = executor_id or self.executor_id
+        check_id(executor, "executor_id")
+        return self.store.acquire_lease(run_id, executor, ttl_s, self.clock.now)
 
     def renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Lease:
-        return self.store.renew_lease(lease.run_id, lease.fence, ttl_s, self.now())
+        """Extend a live lease; a lapsed one (expired or released) is :class:`LeaseLost`."""
+        ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        return self.store.renew_lease(_lease(lease), ttl_s, self.clock.now)
 
     def release_lease(self, lease: Lease) -> None:
-        self.store.release_lease(lease.run_id, lease.fence, self.now())
+        """Give the lease up (the Run's attempts must be settled first)."""
+        self.store.release_lease(_lease(lease), self.clock.now)
 
     def reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None) -> int:
         """Take one bounded retry permission from the run; returns how many are left.
 
         ``data`` (e.g. the route and cause) is recorded with the permission as an audit event.
         """
-        return self.store.reserve_retry(lease.run_id, lease.fence, self.now(), data)
+        return self.store.reserve_retry(_lease(lease), self.clock.now, data)
 
     # -- attempts -------------------------------------------------------------------------
 
@@ -296,13 +383,22 @@ class Ledger:
         route: str | Route,
         envelope_hash: str,
         reserve: Decimal | int | str,
+        reserve_tokens: int = 0,
         turn_id: str = "turn-1",
         profile_id: str | None = None,
         kind: AttemptKind | str = AttemptKind.FIRST,
         attempt_id: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
+        take_retry: bool = False,
     ) -> AttemptRecord:
-        """Record an Attempt (debit held, capacity slot taken) before its request is sent."""
+        """Record an Attempt (debit held, capacity slot taken) before its request is sent.
+
+        ``reserve`` is the cost hold, ``reserve_tokens`` the token hold (checked against the
+        Run's ``max_tokens``); ``take_retry`` takes one retry permission in the same transaction
+        (the retry owner does for every further Attempt of a turn). Retrying with the same
+        ``attempt_id`` and arguments, also after acquiring the lease again, is the same write.
+        """
+        lease = _lease(lease)
         run = self.frozen_run(lease.run_id)
         route_id = route if isinstance(route, str) else route.id
         try:
@@ -323,27 +419,34 @@ class Ledger:
         }:
             raise InvalidArgument(f"profile {profile_id!r} is not a profile of route {route_id!r}",
                                   field="profile_id")
-        reserve_micros = to_micros(reserve)
-        if reserve_micros < 0:
-            raise InvalidArgument("reserve must be >= 0", field="reserve")
-        kind = AttemptKind(kind)
-        attempt_id = attempt_id or new_id("att")
+        _hash_arg(envelope_hash, "envelope_hash")
+        check_id(turn_id, "turn_id")
+        reserve_micros = to_micros(check_amount(reserve, "reserve"))
+        reserve_tokens = check_tokens(reserve_tokens, "reserve_tokens")
+        try:
+            kind = AttemptKind(kind)
+        except ValueError:
+            raise InvalidArgument(f"kind {kind!r} is not one of "
+                                  f"{[k.value for k in AttemptKind]}", field="kind") from None
+        attempt_id = check_id(attempt_id, "attempt_id") if attempt_id else new_id("att")
+        if not isinstance(take_retry, bool):
+            raise InvalidArgument("take_retry must be True or False", field="take_retry")
+        # The fence is not part of the hash: the same begin retried under a lease acquired
+        # again (after a lost acknowledgement) is the same write.
         begin_hash = content_hash({
             "run": lease.run_id, "turn": turn_id, "route": route_id, "profile": profile_id,
             "envelope": envelope_hash, "reserve": reserve_micros, "kind": kind.value,
-            "fence": lease.fence,
+            "tokens": reserve_tokens,
         })
         spec = BeginSpec(
             run_id=lease.run_id, fence=lease.fence, attempt_id=attempt_id, turn_id=turn_id,
             kind=kind, route=snap, profile_id=profile_id, envelope_hash=envelope_hash,
             reserve_micros=reserve_micros, executor=lease.executor, begin_hash=begin_hash,
-            events=[(k, dict(d)) for k, d in events], tenant=run.tenant,
+            events=_events(events), tenant=run.tenant, take_retry=take_retry,
+            reserve_tokens=reserve_tokens,
         )
-        rec = self.store.begin_attempt(spec, self.now())
-        with self._lock:
-            if len(self._in_flight) >= 10_000:
-                self._in_flight.clear()  # a bound, not a correctness matter: settle re-reads
-            self._in_flight[rec.attempt_id] = rec
+        rec = self.store.begin_attempt(spec, self.clock.now)
+        self._in_flight.put(rec.attempt_id, rec)
         return rec
 
     def settle_attempt(
@@ -363,11 +466,29 @@ class Ledger:
         output_hash: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
     ) -> AttemptRecord:
-        """Record an Attempt's outcome; health and group facts update in the same transaction."""
+        """Record an Attempt's outcome; health and group facts update in the same transaction.
+
+        ``outcome``: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
+        classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent`` (provably never
+        left: the hold is voided and the call given back; a failure whose phase is
+        ``before_send`` is recorded as not sent). Usage and ``cost`` are what the provider
+        reported; when none was reported, the whole hold is posted.
+        """
         from ledger.core.classify import classify
         from ledger.effects import group_update, health_updates
 
-        outcome = Outcome(outcome)
+        lease = _lease(lease)
+        try:
+            outcome = Outcome(outcome)
+        except ValueError:
+            raise InvalidArgument(f"outcome {outcome!r} is not one of "
+                                  f"{[o.value for o in Outcome]}", field="outcome") from None
+        check_id(attempt_id, "attempt_id")
+        if fact is not None and not isinstance(fact, FailureFact):
+            raise InvalidArgument("fact must be a ledger.FailureFact", field="fact")
+        if observation is not None and not isinstance(observation, Observation):
+            raise InvalidArgument("observation must be a ledger.Observation",
+                                  field="observation")
         pol = self.run_policy(lease.run_id)
         now = self.now()
         if outcome is Outcome.FAILED and fact is None:
@@ -379,30 +500,27 @@ class Ledger:
             fact = classify(observation, pol, now=now)
         if outcome is Outcome.SUCCEEDED and (fact is not None or observation is not None):
             raise InvalidArgument("a succeeded outcome carries no failure fact", field="fact")
+        if outcome is Outcome.FAILED and fact is not None and fact.phase is Phase.BEFORE_SEND:
+            outcome = Outcome.NOT_SENT  # it never left: the truth is "not sent"
         eff = bool(effective_output if effective_output is not None
                    else (fact.effective_output if fact else False))
         tool = bool(tool_started if tool_started is not None
                     else (fact.tool_started if fact else False))
-        for name, v in (("prompt_tokens", prompt_tokens), ("completion_tokens", completion_tokens)):
-            if v is not None and v < 0:
-                raise InvalidArgument(f"{name} must be >= 0", field=name)
-        cost_micros = to_micros(cost) if cost is not None else None
-        if cost_micros is not None and cost_micros < 0:
-            raise InvalidArgument("cost must be >= 0", field="cost")
-        with self._lock:
-            known = self._in_flight.get(attempt_id)
+        prompt_tokens = _optional_tokens(prompt_tokens, "prompt_tokens")
+        completion_tokens = _optional_tokens(completion_tokens, "completion_tokens")
+        cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
+        if model_reported is not None and (not isinstance(model_reported, str)
+                                           or len(model_reported) > 200):
+            raise InvalidArgument("model_reported is a string of at most 200 characters",
+                                  field="model_reported")
+        _hash_arg(output_hash, "output_hash", optional=True)
+        known = self._in_flight.get(attempt_id)
         att = known if known is not None else self.store.get_attempt(attempt_id)
         if att.run_id != lease.run_id:
             raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
                            attempt_id=attempt_id, run_id=lease.run_id)
-        if (cost_micros is None and outcome is Outcome.FAILED and fact is not None
-                and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM)):
-            # It ran (or may have) and reported no usage: post the whole hold, never zero.
-            cost_micros = to_micros(att.reserved)
         run = self.frozen_run(lease.run_id)
         route = run.route(att.route_id)
-        # Provably never sent: the hold is voided. Anything later keeps or posts it.
-        void = outcome is Outcome.FAILED and fact is not None and fact.phase is Phase.BEFORE_SEND
         settle_hash = content_hash({
             "outcome": outcome.value,
             "fact": fact.to_json() if fact else None,
@@ -410,35 +528,69 @@ class Ledger:
             "cost": cost_micros, "eff": eff, "tool": tool, "model": model_reported,
             "output": output_hash,
         })
+        health = ({} if outcome is Outcome.NOT_SENT and fact is None
+                  else health_updates(pol, route, att.profile_id, outcome, fact, now))
         spec = SettleSpec(
             attempt_id=attempt_id, fence=lease.fence, outcome=outcome, fact=fact,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             cost_micros=cost_micros, effective_output=eff, tool_started=tool,
             model_reported=model_reported, output_hash=output_hash, settle_hash=settle_hash,
-            void_hold=void,
-            health=health_updates(pol, route, att.profile_id, outcome, fact, now),
+            health=health,
             group_update=group_update(pol, fact, now) if outcome is Outcome.FAILED else None,
-            events=[(k, dict(d)) for k, d in events],
+            events=_events(events),
         )
-        done = self.store.settle_attempt(lease.run_id, spec, now)
-        with self._lock:
-            self._in_flight.pop(attempt_id, None)
+        done = self.store.settle_attempt(lease.run_id, spec, self.clock.now)
+        self._in_flight.pop(attempt_id)
         return done
 
     def mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> AttemptRecord:
-        return self.store.mark_unknown(lease.run_id, attempt_id, lease.fence, self.now(), reason)
+        """Settle a dispatched Attempt as unknown (no receipt): its hold stays."""
+        return self.store.mark_unknown(_lease(lease), check_id(attempt_id, "attempt_id"),
+                                       self.clock.now, str(reason)[:200])
+
+    def turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> TurnSnapshot:
+        """Everything one routing decision reads, in one read transaction: the Run as it
+        stands, its frozen policy, its groups' projections, its routes' and profiles' health,
+        and the provenance of ``refs`` recorded by the Run or its ancestors."""
+        frozen = self.frozen_run(run_id)
+        policy = self.run_policy(run_id)
+        chain = [run_id]
+        anc = frozen
+        while anc.parent_run_id is not None:
+            chain.append(anc.parent_run_id)
+            anc = self.frozen_run(anc.parent_run_id)
+        groups = sorted({r.group for r in frozen.plan})
+        keys = [r.id for r in frozen.plan] + [p.id for r in frozen.plan for p in r.profiles]
+        row, projections, health, prov, now = self.store.turn_snapshot(
+            run_id, groups, keys, chain, list(refs), self.clock.now)
+        return TurnSnapshot(run=run_live(frozen, row), policy=policy, groups=projections,
+                            health=health, provenance=prov, now=now)
 
     # -- groups, health, provenance, events -------------------------------------------------
 
     def configure_group(self, group: str, *, max_in_flight: int | None) -> None:
-        if max_in_flight is not None and max_in_flight < 1:
-            raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
-                                  field="max_in_flight")
+        """Set a capacity group's concurrency limit (``None``: unlimited)."""
+        check_id(group, "group")
+        if max_in_flight is not None:
+            check_count(max_in_flight, "max_in_flight")
+            if max_in_flight < 1:
+                raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
+                                      field="max_in_flight")
         self.store.configure_group(group, max_in_flight, self.now())
 
     def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
                         reason: str = "operator") -> None:
-        self.store.set_group_mode(group, GroupUpdate(GroupMode(mode), until, reason), self.now())
+        """Set a group's mode by hand (an operator's cooldown or outage notice)."""
+        check_id(group, "group")
+        try:
+            mode = GroupMode(mode)
+        except ValueError:
+            raise InvalidArgument(f"mode {mode!r} is not one of {[m.value for m in GroupMode]}",
+                                  field="mode") from None
+        if until is not None:
+            until = check_time(until, "until")
+        self.store.set_group_mode(group, GroupUpdate(mode, until, str(reason)[:200]),
+                                  self.now())
 
     def group_projections(self, groups: Sequence[str] | None = None
                           ) -> dict[str, GroupProjection]:
@@ -448,12 +600,18 @@ class Ledger:
         return self.store.health(keys)
 
     def claim_probe(self, route: Route, interval_s: float) -> bool:
+        """Take the cluster-wide probe slot of ``route``: True for one caller per interval."""
+        interval_s = check_seconds(interval_s, "interval_s")
         return self.store.claim_probe(route.id, route.provider, self.now(), interval_s)
 
     def record_provenance(self, lease: Lease, ref: str, content_hash: str,
                           kind: str = "tool_result") -> None:
-        self.store.record_provenance(lease.run_id, lease.fence, ref, content_hash, kind,
-                                     self.now())
+        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``."""
+        check_id(ref, "ref")
+        _hash_arg(content_hash, "content_hash")
+        if not isinstance(kind, str) or not 0 < len(kind) <= 16:
+            raise InvalidArgument("kind is 1 to 16 characters (e.g. tool_result)", field="kind")
+        self.store.record_provenance(_lease(lease), ref, content_hash, kind, self.clock.now)
 
     def provenance(self, run_id: str) -> dict[str, set[str]]:
         """Recorded outputs of this run and its ancestors: ref -> content hashes."""
@@ -466,7 +624,9 @@ class Ledger:
 
     def append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
                      attempt_id: str | None = None) -> None:
-        self.store.append_event(lease.run_id, attempt_id, kind, data, self.now(), lease.fence)
+        """Append an audit event to the Run (needs a live lease)."""
+        [(kind, payload)] = _events([(kind, data)])
+        self.store.append_event(_lease(lease), attempt_id, kind, payload, self.clock.now)
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
         return self.store.events(run_id, kinds)
@@ -487,6 +647,12 @@ class Ledger:
 
     def debit(self, debit_id: str) -> DebitRecord:
         return self.store.debit(debit_id)
+
+
+def _lease(lease: Any) -> Lease:
+    if not isinstance(lease, Lease):
+        raise InvalidArgument("lease must be a ledger.Lease (from acquire_lease)", field="lease")
+    return lease
 
 
 def _in_thread(
@@ -553,6 +719,7 @@ class AsyncLedger:
     begin_attempt = _in_thread(Ledger.begin_attempt)
     settle_attempt = _in_thread(Ledger.settle_attempt)
     mark_unknown = _in_thread(Ledger.mark_unknown)
+    turn_snapshot = _in_thread(Ledger.turn_snapshot)
     configure_group = _in_thread(Ledger.configure_group)
     set_group_state = _in_thread(Ledger.set_group_state)
     group_projections = _in_thread(Ledger.group_projections)

@@ -345,7 +345,8 @@ def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
         effective_output=bool(row["effective_output"]), tool_started=bool(row["tool_started"]),
         prompt_tokens=row["prompt_tokens"], completion_tokens=row["completion_tokens"],
         cost=from_micros(row["cost_micros"]) if row["cost_micros"] is not None else None,
-        reserved=from_micros(row["reserved_micros"]), model_reported=row["model_reported"],
+        reserved=from_micros(row["reserved_micros"]),
+        reserved_tokens=int(row.get("reserved_tokens") or 0), model_reported=row["model_reported"],
         output_hash=row["output_hash"], fence=row["fence"], executor=row["executor"],
         created_at=row["created_at"], settled_at=row["settled_at"],
     )

@@ -216,7 +216,7 @@ def run_demo(db_url: str, out: TextIO) -> list[str]:
                         if s["reason"] != "already_tried":
                             print(f"       skipped {s['route']}: {s['reason']} ({s['detail']})",
                                   file=out)
-                led.finish_run(run_id, lease.fence, status)
+                led.finish_run(lease, status)
                 led.release_lease(lease)
                 print_timeline(led, run_id, out)
         finally:

@@ -15,6 +15,7 @@ The tree::
     │   ├── SettleConflict              a settled attempt settled again with different content
     │   └── InvalidState                the record is not in a state that allows this write
     ├── FencedOut                       a stale executor (old fence) tried to write
+    │   └── LeaseLost                   the lease lapsed (expired or released): acquire again
     ├── LeaseHeld                       another live executor holds the run's lease
     ├── Refused                         a bounded resource said no; nothing was sent
     │   ├── BudgetExceeded              the debit hold would overdraw the run's cost budget
@@ -119,6 +120,11 @@ class FencedOut(LedgerError):
     """A write carried a fence older than the run's current fence: this executor lost the run."""
 
 
+class LeaseLost(FencedOut):
+    """The lease is no longer live: it expired, or it was released. Nothing it starts is
+    written; acquire the lease again (which bumps the fence) before doing more work."""
+
+
 class LeaseHeld(LedgerError):
     """Another executor holds an unexpired lease on the run."""
 
@@ -203,6 +209,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidState",
     "LeaseHeld",
+    "LeaseLost",
     "LedgerError",
     "NotFound",
     "PolicyError",

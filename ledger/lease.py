@@ -27,16 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from ledger.clock import Clock, Sleeper
 from ledger.core.facts import Category, FailureFact, Phase, Source
-from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument
+from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument, LeaseLost
 from ledger.records import Lease
 
 if TYPE_CHECKING:
     from ledger.api import AsyncLedger, Ledger
-
-
-class LeaseLost(FencedOut):
-    """The lease expired before a renewal could reach the database: another executor may
-    already hold the run. Stop working on it."""
 
 
 SHUTDOWN_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.BEFORE_SEND,
@@ -146,7 +141,7 @@ class KeeperCore:
                 self.ledger.mark_unknown(lease, attempt_id,
                                          "executor shut down: sent without a receipt")
             else:
-                self.ledger.settle_attempt(lease, attempt_id, outcome="failed",
+                self.ledger.settle_attempt(lease, attempt_id, outcome="not_sent",
                                            fact=SHUTDOWN_FACT)
             self.untrack(attempt_id)
         self.ledger.release_lease(lease)

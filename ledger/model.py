@@ -12,8 +12,9 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from ledger.bounds import MAX_AMOUNT, MAX_COUNT, MAX_ID_LENGTH, MAX_TOKENS, canonical_decimal
 from ledger.core.facts import Protocol
 
 
@@ -43,12 +44,25 @@ class Capabilities(_Frozen):
     streaming: bool | None = None
     parameters: list[str] | None = None  # supported request parameters; None = any
 
+    @field_validator("parameters")
+    @classmethod
+    def _as_set(cls, v: list[str] | None) -> list[str] | None:
+        # A set, written in one order, so equal capabilities freeze (and hash) alike.
+        return sorted(set(v)) if v is not None else None
+
 
 class Price(_Frozen):
     """Price per million tokens, in the ledger's currency unit."""
 
-    input_per_mtok: Decimal = Decimal(0)
-    output_per_mtok: Decimal = Decimal(0)
+    input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=MAX_AMOUNT,
+                                    allow_inf_nan=False)
+    output_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=MAX_AMOUNT,
+                                     allow_inf_nan=False)
+
+    @field_validator("input_per_mtok", "output_per_mtok")
+    @classmethod
+    def _canonical(cls, v: Decimal) -> Decimal:
+        return canonical_decimal(v)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
         return (
@@ -59,11 +73,11 @@ class Price(_Frozen):
 class Route(_Frozen):
     """One concrete way to call a model."""
 
-    id: str
-    provider: str
-    model: str
-    group: str
-    recipient: str
+    id: str = Field(max_length=MAX_ID_LENGTH)
+    provider: str = Field(max_length=MAX_ID_LENGTH)
+    model: str = Field(max_length=MAX_ID_LENGTH)
+    group: str = Field(max_length=MAX_ID_LENGTH)
+    recipient: str = Field(max_length=MAX_ID_LENGTH)
     protocol: Protocol = Protocol.OPENAI
     endpoint: str | None = None
     capabilities: Capabilities = Field(default_factory=Capabilities)
@@ -83,7 +97,14 @@ class Route(_Frozen):
     def _non_empty(cls, v: str) -> str:
         if not v or not v.strip():
             raise ValueError("must be a non-empty string")
+        if not v.isprintable():
+            raise ValueError("must be printable text (no NUL or control characters)")
         return v
+
+    @field_validator("roles")
+    @classmethod
+    def _roles_as_set(cls, v: list[str] | None) -> list[str] | None:
+        return sorted(set(v)) if v is not None else None
 
 
 class Grant(_Frozen):
@@ -95,24 +116,40 @@ class Grant(_Frozen):
     recipients: dict[str, list[str]] = Field(default_factory=dict)
     roles: list[str] | None = None
 
+    @field_validator("recipients")
+    @classmethod
+    def _classes_as_sets(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        # Approved classes are a set: one order, no repeats, so equal grants hash alike.
+        return {k: sorted(set(classes)) for k, classes in sorted(v.items())}
+
+    @field_validator("roles")
+    @classmethod
+    def _roles_as_set(cls, v: list[str] | None) -> list[str] | None:
+        return sorted(set(v)) if v is not None else None
+
     def approves(self, recipient: str, data_class: str) -> bool:
         return data_class in self.recipients.get(recipient, [])
 
 
 class Budget(_Frozen):
-    """The bounds of a Run. Cost is in the ledger's currency unit (e.g. USD)."""
+    """The bounds of a Run. Cost is in the ledger's currency unit (e.g. USD).
 
-    max_calls: int
-    max_retries: int
-    max_cost: Decimal
-    max_tokens: int | None = None
+    ``max_calls``: physical model calls (Attempts that may have reached a provider);
+    ``max_retries``: further Attempts of a turn after its first (same-route retries and
+    failovers alike); ``max_cost``: reserved plus posted debits; ``max_tokens``: held plus used
+    tokens (``None``: no token bound). Ranges are in :mod:`ledger.bounds`.
+    """
 
-    @field_validator("max_calls", "max_retries", "max_cost", "max_tokens")
+    max_calls: StrictInt = Field(ge=0, le=MAX_COUNT)
+    max_retries: StrictInt = Field(ge=0, le=MAX_COUNT)
+    max_cost: Decimal = Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_TOKENS)
+
+    @field_validator("max_cost")
     @classmethod
-    def _non_negative(cls, v: Any) -> Any:
-        if v is not None and v < 0:
-            raise ValueError(f"must be >= 0 (got {v}); set a non-negative bound")
-        return v
+    def _canonical(cls, v: Decimal) -> Decimal:
+        # 1, "1.0" and "1.00" are one budget: a retried admission must not conflict.
+        return canonical_decimal(v)
 
 
 class GroupMode(StrEnum):

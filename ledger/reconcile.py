@@ -36,21 +36,24 @@ class Reconciliation:
     recoveries: int
     unknown_events: int
     violations: list[str] = field(default_factory=list)
+    cost_over_hold: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.violations
+        """No violation, and no Attempt that cost more than it held."""
+        return not self.violations and not self.cost_over_hold
 
     def to_json(self) -> dict[str, Any]:
         return {"runs": self.runs, "attempts": self.attempts, "by_state": self.by_state,
                 "debits": self.debits, "recoveries": self.recoveries,
-                "unknown_events": self.unknown_events, "violations": self.violations}
+                "unknown_events": self.unknown_events, "violations": self.violations,
+                "cost_over_hold": self.cost_over_hold}
 
     def summary(self) -> str:
         states = dict(sorted(self.by_state.items()))
         return (f"runs: {self.runs}, attempts: {self.attempts} {states}"
                 f", debits: {dict(sorted(self.debits.items()))}, recoveries: {self.recoveries}, "
-                f"violations: {len(self.violations)}")
+                f"violations: {len(self.violations)}, cost_over_hold: {len(self.cost_over_hold)}")
 
 
 def reconcile(ledger: Ledger) -> Reconciliation:
@@ -58,7 +61,8 @@ def reconcile(ledger: Ledger) -> Reconciliation:
     ev = sql.event_counts(ledger.store, ["recover", "unknown"])
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,
                           debits=fig.debits, recoveries=ev["recover"],
-                          unknown_events=ev["unknown"], violations=fig.violations)
+                          unknown_events=ev["unknown"], violations=fig.violations,
+                          cost_over_hold=fig.cost_over_hold)
 
 
 __all__ = ["Reconciliation", "reconcile"]

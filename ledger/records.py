@@ -29,6 +29,7 @@ class RunStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+    CANCELLED = "cancelled"
 
 
 class AttemptState(StrEnum):
@@ -36,11 +37,8 @@ class AttemptState(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     UNKNOWN = "unknown"  # sent, no receipt: keeps its hold, never re-sent by recovery
-    REJECTED = "rejected"  # refused before dispatch; nothing was sent
-
-    @property
-    def settled(self) -> bool:
-        return self is not AttemptState.DISPATCHING
+    REJECTED = "rejected"  # refused by admission at begin; nothing was sent
+    NOT_SENT = "not_sent"  # begun, then provably never left the process; hold voided
 
 
 class AttemptKind(StrEnum):
@@ -51,9 +49,13 @@ class AttemptKind(StrEnum):
 
 
 class Outcome(StrEnum):
+    """What settle records. ``not_sent``: the request provably never left the process (its
+    hold is voided and the call is not counted against the model-call allowance)."""
+
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     UNKNOWN = "unknown"
+    NOT_SENT = "not_sent"
 
 
 class DebitState(StrEnum):
@@ -91,9 +93,11 @@ class RunRecord:
     reserved: Decimal
     posted: Decimal
     tokens_used: int
+    tokens_reserved: int
     carved_calls: int
     carved_retries: int
     carved: Decimal
+    carved_tokens: int
     current_route: str | None
     current_profile: str | None
     lease_holder: str | None
@@ -113,6 +117,14 @@ class RunRecord:
     @property
     def cost_left(self) -> Decimal:
         return self.budget.max_cost - self.carved - self.reserved - self.posted
+
+    @property
+    def tokens_left(self) -> int | None:
+        """Tokens the Run may still hold or spend (``None``: no token budget)."""
+        if self.budget.max_tokens is None:
+            return None
+        return (self.budget.max_tokens - self.carved_tokens - self.tokens_reserved
+                - self.tokens_used)
 
     def route(self, route_id: str) -> Route:
         for r in self.plan:
@@ -146,6 +158,7 @@ class AttemptRecord:
     completion_tokens: int | None
     cost: Decimal | None
     reserved: Decimal
+    reserved_tokens: int
     model_reported: str | None
     output_hash: str | None
     fence: int

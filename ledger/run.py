@@ -1,33 +1,41 @@
-"""The retry owner: one Run-level call that drives the whole attempt lifecycle.
+"""The retry owner: one Run-level call that drives the whole attempt lifecycle of a turn.
 
-The logic is written once, as a generator (:meth:`_Loop.steps`) that *yields* what it needs done
-(a ledger call, a send, a sleep, a note to the caller) and receives the answer. Two thin drivers
-execute those effects: :func:`execute` (sync) and :func:`aexecute` (async). Neither contains a
-decision; every decision (classify, same-route retry, select, preflight) is a pure function.
+The logic is written once, as a generator (:meth:`_Loop.steps`) that yields typed effects
+(:mod:`ledger.turn_effects`: a snapshot read, a begin, a send, a settle, a sleep, a note to the
+caller) and receives each one's result. Two thin drivers perform them: :func:`execute` (sync)
+and :func:`aexecute` (async). Neither contains a decision; every decision (classify, same-route
+retry, select, preflight, what a settle does) is a pure function.
 
 The sequence per failure (seed 003 section 4): settle the failed attempt with its fact -> a
-same-route retry if the policy allows one (each retry its own Attempt and debit, after taking a
-retry permission) -> else reserve a retry permission, select the next eligible route from the
-frozen plan (group facts, health, capability, role, disclosure) -> begin the next attempt. A
-backup route brings no new budget: every attempt draws on the Run's allowances.
+same-route retry if the policy allows one -> else select the next eligible route from the
+frozen plan with fresh facts (group facts, health, capability, role, disclosure) -> begin the
+next attempt, which takes one retry permission in its own transaction. A backup route brings no
+new budget: every attempt draws on the Run's allowances.
+
+Interruptions (``CancelledError``, ``KeyboardInterrupt``, ``GeneratorExit``, a timeout) are
+recorded truthfully before they propagate unchanged: a begin or settle already under way is
+completed first; an attempt whose request provably never left is settled *not sent* (hold
+voided); one that may have left is settled *unknown* with a ``cancelled`` fact (hold kept).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import random
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from ledger import faults
 from ledger.api import AsyncLedger, Ledger
+from ledger.bounds import amount_in_range, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.core.classify import classify
 from ledger.core.envelope import Envelope
-from ledger.core.facts import FailureFact, Observation, Phase
+from ledger.core.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.core.preflight import NO_DENIALS, CharEstimator, Denials, TokenCounter
 from ledger.core.profiles import Pin
 from ledger.core.retry import retry_decision
@@ -37,56 +45,37 @@ from ledger.errors import (
     BudgetExceeded,
     CapacityUnavailable,
     FailoverExhausted,
+    FencedOut,
     InvalidArgument,
     LedgerError,
+    NotFound,
     ProviderError,
+    SettleConflict,
 )
 from ledger.model import GroupMode, GroupProjection, Route
-from ledger.policy.model import Policy
-from ledger.records import AttemptKind, AttemptRecord, Lease, Outcome, RunRecord
+from ledger.records import AttemptKind, AttemptRecord, AttemptState, Lease, Outcome
+from ledger.storage.rows import new_id
+from ledger.turn_effects import (
+    Begin,
+    ClaimProbe,
+    Dispatch,
+    Effect,
+    Notice,
+    Notify,
+    Now,
+    Record,
+    Send,
+    SendProgress,
+    SendResult,
+    Settle,
+    Sleep,
+    Snapshot,
+    TurnSnapshot,
+    perform,
+)
 
 log = logging.getLogger("ledger.run")
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """What the send function is asked to do: send ``envelope`` on ``route``."""
-
-    run_id: str
-    attempt_id: str
-    turn_id: str
-    route: Route
-    profile_id: str | None
-    envelope: Envelope
-    kind: AttemptKind
-
-
-@dataclass(frozen=True)
-class SendResult:
-    """What the send function reports. ``observation`` is set exactly when the call failed."""
-
-    ok: bool
-    output: Any = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cost: Decimal | None = None
-    model_reported: str | None = None
-    output_hash: str | None = None
-    observation: Observation | None = None
-
-    @classmethod
-    def failed(cls, observation: Observation) -> SendResult:
-        return cls(ok=False, observation=observation)
-
-
-@dataclass(frozen=True)
-class Notice:
-    """Told to the caller: ``reset`` means discard text streamed by ``attempt_id``."""
-
-    kind: str
-    attempt_id: str
-    route: str
-    detail: str = ""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,31 +96,11 @@ class RunResult:
 
 SendFn = Callable[[Dispatch], SendResult | Awaitable[SendResult]]
 NoticeFn = Callable[[Notice], Any]
+Steps = Generator[Effect[Any], Any, RunResult]
 
-
-# Effects the generator yields; the drivers execute them.
-@dataclass(frozen=True)
-class _Call:
-    method: str
-    kwargs: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class _Send:
-    dispatch: Dispatch
-
-
-@dataclass(frozen=True)
-class _Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class _Notify:
-    notice: Notice
-
-
-_Effect = _Call | _Send | _Sleep | _Notify
+# What the caller did not ask for but the loop must survive: the caller's own cancellation.
+CANCELLED_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.AFTER_SEND,
+                             source=Source.LOCAL, message="the caller cancelled the call")
 
 
 @dataclass
@@ -147,9 +116,32 @@ class _Turn:
 
 def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> Decimal:
     """A hold that covers the request at the route's price: prompt estimate + max output."""
-    prompt = counter.count_tokens(envelope, route)
-    completion = envelope.max_output_tokens or 1024
+    prompt, completion = _token_estimate(route, envelope, counter)
     return route.cost(prompt, completion)
+
+
+def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
+    return counter.count_tokens(envelope, route), envelope.max_output_tokens or 1024
+
+
+def group_wait(group: GroupProjection | None, now: float, deadline: float | None,
+               max_wait_s: float) -> float:
+    """How long to wait for the target group's waiting floor before beginning: its end, when it
+    ends before the Run's deadline and within ``max_wait_s``; else 0 (admission decides)."""
+    if group is None or group.until is None or group.until <= now:
+        return 0.0
+    if group.mode is GroupMode.OPEN:
+        return 0.0
+    if deadline is not None and group.until > deadline:
+        return 0.0
+    wait = group.until - now
+    return wait if wait <= max_wait_s else 0.0
+
+
+def _usage_ok(result: SendResult) -> bool:
+    return (all(v is None or tokens_in_range(v)
+                for v in (result.prompt_tokens, result.completion_tokens))
+            and (result.cost is None or amount_in_range(result.cost)))
 
 
 class _Loop:
@@ -173,128 +165,119 @@ class _Loop:
         self.reserve = reserve
         self.rng = rng
         self.counter = token_counter
+        self.envelope_hash = envelope.hash
+        self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
 
-    def _hold(self, route: Route) -> Decimal:
+    def _holds(self, route: Route) -> tuple[Decimal, int]:
+        prompt, completion = _token_estimate(route, self.envelope, self.counter)
         if self.reserve is None:
-            return default_reserve(route, self.envelope, self.counter)
-        if isinstance(self.reserve, Decimal):
-            return self.reserve
-        return self.reserve(route)
+            cost = route.cost(prompt, completion)
+        elif isinstance(self.reserve, Decimal):
+            cost = self.reserve
+        else:
+            cost = self.reserve(route)
+        return cost, prompt + completion
 
-    def _selection(self, run: RunRecord, policy: Policy, turn: _Turn, now: float,
-                   groups: Any, health: Any, provenance: Any, *, failure: FailureFact | None,
-                   current: str | None, current_profile: str | None) -> SelectionInput:
-        return SelectionInput(
+    def _select(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
+                current: str | None, current_profile: str | None) -> Decision:
+        run = snap.run
+        groups = snap.groups
+        if turn.refused_groups:
+            groups = dict(groups)
+            for g, until in turn.refused_groups.items():
+                groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
+                                            sampled_at=snap.now)
+        return select(SelectionInput(
             plan=run.plan,
             permissions=RunPermissions(
                 retries_left=run.retries_left, calls_left=run.calls_left,
                 tried=frozenset(turn.tried), tried_profiles=frozenset(turn.tried_profiles),
             ),
-            policy=policy, now=now, request=self.envelope, role=run.role, grant=run.grant,
-            groups=groups, health=health, current=current, current_profile=current_profile,
-            pin=self.pin, failure=failure, denials=self.denials, provenance=provenance,
-            token_counter=self.counter,
-        )
+            policy=snap.policy, now=snap.now, request=self.envelope, role=run.role,
+            grant=run.grant, groups=groups, health=snap.health, current=current,
+            current_profile=current_profile, pin=self.pin, failure=failure,
+            denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
+        ))
 
-    def _decide(self, policy: Policy, turn: _Turn, *, failure: FailureFact | None,
-                current: str | None, current_profile: str | None, run_current: bool = False
-                ) -> Generator[_Effect, Any, tuple[Decision, RunRecord]]:
-        """Select with fresh facts. ``run_current``: a new turn continues from the route the
-        Run actually used last, as read here."""
-        run: RunRecord = yield _Call("get_run", {"run_id": self.lease.run_id})
-        if run_current:
-            current, current_profile = run.current_route, run.current_profile
-        groups = yield _Call("group_projections", {"groups": sorted({r.group for r in run.plan})})
-        now = yield _Call("now", {})
-        if turn.refused_groups:
-            groups = dict(groups)
-            for g, until in turn.refused_groups.items():
-                groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
-                                            sampled_at=now)
-        keys = [r.id for r in run.plan] + [p.id for r in run.plan for p in r.profiles]
-        health = yield _Call("health", {"keys": keys})
-        provenance = yield _Call("provenance", {"run_id": run.run_id})
-        inp = self._selection(run, policy, turn, now, groups, health, provenance,
-                              failure=failure, current=current, current_profile=current_profile)
-        return select(inp), run
-
-    def steps(self) -> Generator[_Effect, Any, RunResult]:
-        policy: Policy = yield _Call("run_policy", {"run_id": self.lease.run_id})
+    def steps(self) -> Steps:
         turn = _Turn()
-        decision, run = yield from self._decide(
-            policy, turn, failure=None, current=None, current_profile=None, run_current=True)
+        snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+        policy = snap.policy
+        decision = self._select(snap, turn, failure=None, current=snap.run.current_route,
+                                current_profile=snap.run.current_profile)
         kind = AttemptKind.FIRST
         same_route_retries = 0
+        # Audit events that led to the next attempt; written in its begin transaction.
+        pending: list[tuple[str, dict[str, Any]]] = []
         while True:
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 raise (yield from self._stopped(turn, decision, None))
             route, profile = decision.route, decision.profile
+            attempt_kind = kind
             if decision.kind is DecisionKind.PROBE:
-                claimed = yield _Call("claim_probe", {"route": route,
-                                                      "interval_s": policy.probe.interval_s})
+                claimed = yield from perform(ClaimProbe(route, policy.probe.interval_s))
                 if not claimed:
                     # Another process probes it now: decide again with its probe recorded.
-                    decision, run = yield from self._decide(
-                        policy, turn, failure=None, current=None, current_profile=None)
+                    snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+                    decision = self._select(snap, turn, failure=None, current=None,
+                                            current_profile=None)
                     continue
-                kind = AttemptKind.PROBE
-            yield from self._await_group(route, run, policy)
+                attempt_kind = AttemptKind.PROBE
+            wait = group_wait(snap.groups.get(route.group), snap.now, snap.run.deadline,
+                              policy.admission.max_capacity_wait_s)
+            if wait > 0:
+                yield from perform(Sleep(wait))
+            reserve, reserve_tokens = self._holds(route)
+            attempt_id = new_id("att")
+            events = [*pending, ("select", {**decision.to_json(),
+                                            "attempt_kind": attempt_kind.value})]
+            pending = []
+            begin = Begin(self.lease, attempt_id, route, profile, self.envelope_hash, reserve,
+                          reserve_tokens, self.turn_id, attempt_kind,
+                          take_retry=kind is not AttemptKind.FIRST, events=events)
             try:
-                att: AttemptRecord = yield _Call("begin_attempt", {
-                    "lease": self.lease, "route": route, "envelope_hash": self.envelope.hash,
-                    "reserve": self._hold(route), "turn_id": self.turn_id,
-                    "profile_id": profile, "kind": kind,
-                    "events": [("select", {**decision.to_json(),
-                                           "attempt_kind": kind.value})],
-                })
+                att = yield from perform(begin)
             except CapacityUnavailable as e:
                 turn.errors.append(e)
                 turn.tried.add(route.id)
                 turn.refused_groups[route.group] = e.fields.get("until")
-                attempt_id = e.fields.get("attempt_id")
-                if attempt_id:
-                    turn.attempts.append((yield _Call("get_attempt",
-                                                      {"attempt_id": attempt_id})))
+                turn.attempts.append(_rejected_record(begin, e, snap.now))
                 log.info("[admission] %s/%s rejected before dispatch: %s", route.provider,
                          route.model, e.fields.get("reason"))
-                decision, run = yield from self._decide(
-                    policy, turn, failure=None, current=None, current_profile=None)
+                snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+                decision = self._select(snap, turn, failure=None, current=None,
+                                        current_profile=None)
                 kind = AttemptKind.FAILOVER
                 continue
             except (BudgetExceeded, AllowanceExhausted) as e:
                 turn.errors.append(e)
                 raise (yield from self._stopped(turn, None, e)) from e
+            except BaseException:
+                # Interrupted: the begin may have committed; if it did, it was never sent.
+                yield from self._settle_quietly(Settle(self.lease, attempt_id, Outcome.NOT_SENT))
+                raise
+            if att.state is not AttemptState.DISPATCHING:
+                raise LedgerError(
+                    f"attempt {attempt_id!r} is already {att.state.value}; it is not sent again",
+                    attempt_id=attempt_id, state=att.state.value)
             dispatch = Dispatch(self.lease.run_id, att.attempt_id, self.turn_id, route, profile,
-                                self.envelope, kind)
-            faults.point("dispatch.before_send")
+                                self.envelope, attempt_kind, SendProgress())
             try:
-                result: SendResult = yield _Send(dispatch)
-            except Exception:
-                # The send function itself broke: we cannot know what left the process.
-                yield _Call("settle_attempt", {"lease": self.lease,
-                                               "attempt_id": att.attempt_id,
-                                               "outcome": Outcome.UNKNOWN})
+                faults.point("dispatch.before_send")
+                result = yield from perform(Send(dispatch))
+            except BaseException:
+                yield from self._settle_interrupted(att, dispatch)
                 raise
             faults.point("dispatch.after_send")
             if result.ok:
-                done: AttemptRecord = yield _Call("settle_attempt", {
-                    "lease": self.lease, "attempt_id": att.attempt_id,
-                    "outcome": Outcome.SUCCEEDED, "prompt_tokens": result.prompt_tokens,
-                    "completion_tokens": result.completion_tokens, "cost": result.cost,
-                    "model_reported": result.model_reported, "output_hash": result.output_hash,
-                })
+                done = yield from self._settle_success(att, result)
                 turn.attempts.append(done)
                 return RunResult(result.output, route, profile, done, turn.attempts, turn.resets)
             obs = result.observation or Observation(message="send reported failure without "
                                                             "an observation")
-            now = yield _Call("now", {})
+            now = yield from perform(Now())
             fact = classify(obs, policy, now=now)
-            # Sent with no answer (no status) after it left: execution unknown; the hold stays.
-            unknown = fact.status is None and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM)
-            settled: AttemptRecord = yield _Call("settle_attempt", {
-                "lease": self.lease, "attempt_id": att.attempt_id,
-                "outcome": Outcome.UNKNOWN if unknown else Outcome.FAILED, "fact": fact,
-            })
+            settled = yield from self._settle_failure(att, fact, result.sent)
             turn.attempts.append(settled)
             turn.errors.append(ProviderError(
                 f"{route.provider}/{route.model}: {fact.category.value}"
@@ -303,78 +286,111 @@ class _Loop:
             ))
             if fact.effective_output and not fact.tool_started:
                 turn.resets += 1
-                yield _Notify(Notice("reset", att.attempt_id, route.id,
-                                     "partial output of a failed attempt is discarded"))
+                yield from perform(Notify(Notice("reset", att.attempt_id, route.id,
+                                                 "partial output of a failed attempt is "
+                                                 "discarded")))
+            if fact.category is Category.UNUSABLE:
+                log.warning("[fallback] %s/%s cannot be used: %s", route.provider, route.model,
+                            fact.message or fact.category.value)
+                pending.append(("unusable", {"route": route.id, "profile": profile,
+                                             "why": fact.message or ""}))
             rd = retry_decision(fact, policy, same_route_retries, self.rng)
-            if rd.retry and rd.delay_s is not None:
-                try:
-                    yield _Call("reserve_retry", {"lease": self.lease, "data": {
-                        "route": route.id, "cause": fact.category.value, "same_route": True}})
-                except AllowanceExhausted as e:
-                    turn.errors.append(e)
-                    raise (yield from self._stopped(turn, None, e)) from e
+            if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
                 same_route_retries += 1
                 log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
                          fact.category.value, same_route_retries, rd.delay_s)
-                yield _Call("append_event", {"lease": self.lease, "kind": "retry", "data": {
-                    "route": route.id, "cause": _cause(fact), "delay_s": rd.delay_s,
-                    "n": same_route_retries}, "attempt_id": att.attempt_id})
-                yield _Sleep(rd.delay_s)
+                pending.append(("retry", {"route": route.id, "cause": _cause(fact),
+                                          "delay_s": rd.delay_s, "n": same_route_retries,
+                                          "from_attempt": att.attempt_id}))
+                yield from perform(Sleep(rd.delay_s))
+                snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
                 kind = AttemptKind.RETRY
                 decision = Decision(DecisionKind.ROUTE, route, profile)
                 continue
             turn.tried.add(route.id)
-            if profile and policy.profiles.rotate_before_model:
+            if profile and (policy.profiles.rotate_before_model
+                            or fact.category is Category.UNUSABLE):
                 # A failed credential is "tried" only where credentials rotate (fased); under a
                 # route-level policy one 503 says nothing about the account shared by routes.
                 turn.tried_profiles.add(profile)
-            decision, run = yield from self._decide(
-                policy, turn, failure=fact, current=route.id, current_profile=profile)
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            decision = self._select(snap, turn, failure=fact, current=route.id,
+                                    current_profile=profile)
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 raise (yield from self._stopped(turn, decision, None))
-            try:
-                yield _Call("reserve_retry", {"lease": self.lease, "data": {
-                    "route": decision.route.id, "cause": fact.category.value}})
-            except AllowanceExhausted as e:
-                turn.errors.append(e)
-                raise (yield from self._stopped(turn, None, e)) from e
             nxt = decision.route
             log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
                      nxt.model, route.provider, route.model, _describe(fact))
-            yield _Call("append_event", {"lease": self.lease, "kind": "move", "data": {
-                "from_route": route.id, "to_route": nxt.id, "profile": decision.profile,
-                "cause": _cause(fact)}, "attempt_id": att.attempt_id})
+            pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
+                                     "profile": decision.profile, "cause": _cause(fact),
+                                     "from_attempt": att.attempt_id}))
             kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
             same_route_retries = 0
 
-    def _await_group(self, route: Route, run: RunRecord, policy: Policy
-                     ) -> Generator[_Effect, Any, None]:
-        """Wait out the target group's waiting floor when it ends in time: before the Run's
-        deadline and within the policy's ``admission.max_capacity_wait_s``.
+    # -- settling ----------------------------------------------------------------------------
 
-        Crossing to another group never inherits the old group's Retry-After; only the target
-        group's own floor applies (read again here: time has passed since the selection). A
-        floor beyond either bound is left to admission, which records the rejection.
-        """
-        proj = yield _Call("group_projections", {"groups": [route.group]})
-        g = proj.get(route.group)
-        now = yield _Call("now", {})
-        if g is None or g.until is None or g.until <= now or g.mode.value == "open":
-            return
-        if run.deadline is not None and g.until > run.deadline:
-            return
-        if g.until - now > policy.admission.max_capacity_wait_s:
-            return
-        yield _Sleep(g.until - now)
+    def _settle_success(self, att: AttemptRecord, result: SendResult
+                        ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
+        if not _usage_ok(result):
+            # A hostile or buggy provider must not turn a finished answer into a crash: the
+            # answer is recorded, the usage is marked invalid (kept as evidence), and the whole
+            # hold is posted.
+            events.append(("usage_invalid", {"prompt_tokens": str(pt), "completion_tokens":
+                                             str(ct), "cost": str(cost)}))
+            pt = ct = None
+            cost = None
+        return (yield from perform(Settle(
+            self.lease, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
+            completion_tokens=ct, cost=cost, model_reported=_short(result.model_reported),
+            output_hash=result.output_hash, events=events)))
+
+    def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool
+                        ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
+        if not sent or fact.phase is Phase.BEFORE_SEND:
+            outcome = Outcome.NOT_SENT
+        elif fact.status is None and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM):
+            # Sent with no answer (no status) after it left: execution unknown; the hold stays.
+            outcome = Outcome.UNKNOWN
+        else:
+            outcome = Outcome.FAILED
+        return (yield from perform(Settle(self.lease, att.attempt_id, outcome, fact=fact)))
+
+    def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
+                            ) -> Generator[Effect[Any], Any, None]:
+        """The send was interrupted (or the send function broke): settle truthfully."""
+        if dispatch.progress.sent is False:
+            settle = Settle(self.lease, att.attempt_id, Outcome.NOT_SENT,
+                            fact=CANCELLED_FACT.model_copy(update={"phase": Phase.BEFORE_SEND}))
+        else:
+            settle = Settle(self.lease, att.attempt_id, Outcome.UNKNOWN, fact=CANCELLED_FACT)
+        yield from self._settle_quietly(settle)
+
+    def _settle_quietly(self, settle: Settle) -> Generator[Effect[Any], Any, None]:
+        """A settle on the way out of an interruption: what cannot be written is left to
+        recovery (an attempt that does not exist, was settled, or whose run was taken over)."""
+        try:
+            yield from perform(settle)
+        except (NotFound, SettleConflict, FencedOut) as e:
+            log.debug("settle of %s on interruption not written: %s", settle.attempt_id, e)
+        except LedgerError as e:
+            log.warning("settle of %s on interruption failed (recovery will mark it): %s",
+                        settle.attempt_id, e)
+
+    # -- stopping ----------------------------------------------------------------------------
 
     def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None
-                 ) -> Generator[_Effect, Any, FailoverExhausted]:
+                 ) -> Generator[Effect[Any], Any, FailoverExhausted]:
         """Record the stop with its reasons (an audit event), then build the error to raise."""
         exc = self._stop(turn, decision, error)
-        yield _Call("append_event", {"lease": self.lease, "kind": "stop", "data": {
-            "reason": exc.reason, "detail": exc.fields.get("detail", ""),
-            "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
-            "errors": [str(e) for e in turn.errors]}})
+        try:
+            yield from perform(Record(self.lease, "stop", {
+                "reason": exc.reason, "detail": exc.fields.get("detail", ""),
+                "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
+                "errors": [str(e) for e in turn.errors]}))
+        except FencedOut as e:  # the lease is gone: the stop itself is the news
+            log.info("stop of run %s not recorded: %s", self.lease.run_id, e)
         return exc
 
     def _stop(self, turn: _Turn, decision: Decision | None,
@@ -394,6 +410,25 @@ class _Loop:
         )
 
 
+def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> AttemptRecord:
+    """The rejected Attempt as admission recorded it (no read back needed)."""
+    return AttemptRecord(
+        attempt_id=begin.attempt_id, run_id=begin.lease.run_id, turn_id=begin.turn_id,
+        seq=int(e.fields.get("seq") or 0),
+        kind=begin.kind, route_id=begin.route.id, provider=begin.route.provider,
+        model=begin.route.model, group_id=begin.route.group, profile_id=begin.profile_id,
+        debit_id="d-" + begin.attempt_id, envelope_hash=begin.envelope_hash,
+        state=AttemptState.REJECTED, reject_reason=str(e.fields.get("reason")), fact=None,
+        category=None, http_status=None, effective_output=False, tool_started=False,
+        prompt_tokens=None, completion_tokens=None, cost=None, reserved=begin.reserve,
+        reserved_tokens=0, model_reported=None, output_hash=None, fence=begin.lease.fence,
+        executor=begin.lease.executor, created_at=now, settled_at=now)
+
+
+def _short(text: str | None) -> str | None:
+    return text[:200] if text is not None else None
+
+
 def _cause(fact: FailureFact) -> dict[str, Any]:
     return {"category": fact.category.value, "status": fact.status, "scope": fact.scope.value,
             "phase": fact.phase.value}
@@ -406,13 +441,25 @@ def _describe(fact: FailureFact) -> str:
 def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str | None,
           denials: Denials | None, reserve: Decimal | Callable[[Route], Decimal] | None,
           rng: random.Random | None, token_counter: TokenCounter | None) -> _Loop:
+    if not isinstance(lease, Lease):
+        raise InvalidArgument("lease must be a ledger.Lease (from acquire_lease)", field="lease")
     if not isinstance(envelope, Envelope):
         raise InvalidArgument("envelope must be a ledger.Envelope", field="envelope")
+    if reserve is not None and not callable(reserve):
+        if isinstance(reserve, bool) or not isinstance(reserve, Decimal | int | str | float):
+            raise InvalidArgument("reserve must be a Decimal amount or a function of the route",
+                                  field="reserve")
+        from ledger.bounds import check_amount
+
+        reserve = check_amount(reserve, "reserve")
     return _Loop(
         lease, envelope, turn_id=turn_id or f"turn-{envelope.hash[7:19]}",
         pin=Pin(pin) if pin else None, denials=denials or NO_DENIALS, reserve=reserve,
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
     )
+
+
+# -- the drivers ----------------------------------------------------------------------------------
 
 
 def execute(
@@ -430,26 +477,18 @@ def execute(
     rng: random.Random | None = None,
     token_counter: TokenCounter | None = None,
 ) -> RunResult:
-    """Serve one logical turn of the Run (sync). Raises :class:`FailoverExhausted` on a stop."""
+    """Serve one logical turn of the Run (sync). Raises :class:`FailoverExhausted` on a stop.
+
+    ``send`` performs one physical call; ``turn_id`` names the logical turn (default: from the
+    envelope's hash); ``pin`` keeps a credential profile (``"user"``/``"auto"``); ``denials``
+    are switch-offs in the current configuration; ``reserve`` overrides the cost hold (an
+    amount, or a function of the route); ``sleeper`` waits backoffs (a ``ManualClock`` is
+    used when the ledger's clock is one); ``on_notice`` hears ``reset`` notices; ``rng`` makes
+    jitter reproducible; ``token_counter`` estimates prompt tokens for the holds.
+    """
     gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
     sleeper = sleeper or _sleeper_of(ledger)
-    done, item = _advance(gen, None, None)
-    while not done:
-        value: Any = None
-        error: Exception | None = None
-        try:
-            if isinstance(item, _Call):
-                value = _sync_call(ledger, item)
-            elif isinstance(item, _Send):
-                value = send(item.dispatch)
-            elif isinstance(item, _Sleep):
-                sleeper.sleep(item.seconds)
-            elif on_notice is not None:
-                on_notice(item.notice)
-        except Exception as e:
-            error = e
-        done, item = _advance(gen, value, error)
-    return item  # type: ignore[no-any-return]
+    return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
 
 async def aexecute(
@@ -467,38 +506,156 @@ async def aexecute(
     rng: random.Random | None = None,
     token_counter: TokenCounter | None = None,
 ) -> RunResult:
-    """Serve one logical turn of the Run (async). Same logic as :func:`execute`."""
+    """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
+    ``send`` and ``on_notice`` may be coroutine functions."""
     gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
     sleeper = sleeper or _sleeper_of(ledger.sync)
-    done, item = _advance(gen, None, None)
-    while not done:
-        value: Any = None
-        error: Exception | None = None
-        try:
-            if isinstance(item, _Call):
-                value = await _async_call(ledger, item)
-            elif isinstance(item, _Send):
-                out = send(item.dispatch)
-                value = await out if inspect.isawaitable(out) else out
-            elif isinstance(item, _Sleep):
-                await sleeper.asleep(item.seconds)
-            elif on_notice is not None:
-                res = on_notice(item.notice)
-                if inspect.isawaitable(res):
-                    await res
-        except Exception as e:
-            error = e
-        done, item = _advance(gen, value, error)
-    return item  # type: ignore[no-any-return]
+    return await _drive_async(gen, ledger, send, sleeper, on_notice)
 
 
-def _advance(gen: Generator[_Effect, Any, RunResult], value: Any,
-             error: Exception | None) -> tuple[bool, Any]:
+def _advance(gen: Steps, value: Any, error: BaseException | None) -> tuple[bool, Any]:
     """Resume the loop with an effect's result (or its error): (finished, effect or result)."""
     try:
         return False, (gen.throw(error) if error is not None else gen.send(value))
     except StopIteration as stop:
         return True, stop.value
+
+
+def _writes(eff: Effect[Any]) -> bool:
+    return isinstance(eff, Begin | Settle)
+
+
+def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunResult:
+    done, item = _advance(gen, None, None)
+    pending: BaseException | None = None  # an interruption to deliver at the next effect
+    while not done:
+        value: Any = None
+        error: BaseException | None = None
+        if pending is not None:
+            error, pending = pending, None
+        else:
+            try:
+                value = perform_one(item)
+            except Exception as e:
+                error = e
+            except BaseException as e:
+                if not _writes(item):
+                    error = e
+                else:
+                    # Interrupted inside a begin or settle (KeyboardInterrupt): it committed or
+                    # rolled back. The same write again is recognised, so it is done once more
+                    # to learn its outcome; the interruption is delivered right after.
+                    pending = e
+                    try:
+                        value = perform_one(item)
+                    except Exception as again:
+                        error = again
+        done, item = _advance(gen, value, error)
+    return item  # type: ignore[no-any-return]
+
+
+async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: Sleeper,
+                       on_notice: NoticeFn | None) -> RunResult:
+    done, item = _advance(gen, None, None)
+    pending: BaseException | None = None
+    while not done:
+        value: Any = None
+        error: BaseException | None = None
+        if pending is not None:
+            error, pending = pending, None
+        elif _writes(item):
+            # A begin or settle runs to completion even when the caller cancels meanwhile; the
+            # cancellation is delivered at the next effect, once the loop knows the outcome.
+            task = asyncio.ensure_future(_perform_async(ledger, item, send, sleeper, on_notice))
+            while True:
+                try:
+                    value = await asyncio.shield(task)
+                    break
+                except asyncio.CancelledError as e:
+                    if task.done() and not task.cancelled():
+                        pending = e
+                        try:
+                            value = task.result()
+                        except Exception as inner:
+                            error = inner
+                        break
+                    pending = e  # keep waiting for the write
+                except Exception as e:
+                    error = e
+                    break
+        else:
+            try:
+                value = await _perform_async(ledger, item, send, sleeper, on_notice)
+            except BaseException as e:
+                error = e
+        done, item = _advance(gen, value, error)
+    return item  # type: ignore[no-any-return]
+
+
+def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], SendResult],
+                  sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+    match eff:
+        case Snapshot(run_id=run_id, refs=refs):
+            return ledger.turn_snapshot(run_id, refs)
+        case Begin():
+            return ledger.begin_attempt(
+                eff.lease, route=eff.route, envelope_hash=eff.envelope_hash,
+                reserve=eff.reserve, reserve_tokens=eff.reserve_tokens, turn_id=eff.turn_id,
+                profile_id=eff.profile_id, kind=eff.kind, attempt_id=eff.attempt_id,
+                events=eff.events, take_retry=eff.take_retry)
+        case Settle():
+            return _settle(ledger, eff)
+        case Send(dispatch=dispatch):
+            return send(dispatch)
+        case Sleep(seconds=seconds):
+            sleeper.sleep(seconds)
+            return None
+        case Notify(notice=notice):
+            if on_notice is not None:
+                on_notice(notice)
+            return None
+        case ClaimProbe(route=route, interval_s=interval):
+            return ledger.claim_probe(route, interval)
+        case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):
+            ledger.append_event(lease, kind, data, attempt_id)
+            return None
+        case Now():
+            return ledger.now()
+    raise TypeError(f"unknown effect {eff!r}")  # pragma: no cover
+
+
+def _settle(ledger: Ledger, eff: Settle) -> AttemptRecord:
+    return ledger.settle_attempt(
+        eff.lease, eff.attempt_id, outcome=eff.outcome, fact=eff.fact,
+        prompt_tokens=eff.prompt_tokens, completion_tokens=eff.completion_tokens, cost=eff.cost,
+        model_reported=eff.model_reported, output_hash=eff.output_hash,
+        effective_output=eff.effective_output, events=eff.events)
+
+
+async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
+                         sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+    led = ledger.sync
+    match eff:
+        case Send(dispatch=dispatch):
+            out = send(dispatch)
+            return await out if inspect.isawaitable(out) else out
+        case Sleep(seconds=seconds):
+            await sleeper.asleep(seconds)
+            return None
+        case Notify(notice=notice):
+            if on_notice is not None:
+                res = on_notice(notice)
+                if inspect.isawaitable(res):
+                    await res
+            return None
+        case Now():
+            return led.now()
+    # The database effects: one worker-thread hop each (the storage driver blocks).
+    return await asyncio.to_thread(_perform_sync, led, eff, _no_send, sleeper, None)
+
+
+def _no_send(_d: Dispatch) -> SendResult:  # pragma: no cover - never reached
+    raise AssertionError("send is performed by the async driver")
 
 
 def _sleeper_of(ledger: Ledger) -> Sleeper:
@@ -509,24 +666,14 @@ def _sleeper_of(ledger: Ledger) -> Sleeper:
     return SystemSleeper()
 
 
-def _sync_call(ledger: Ledger, eff: _Call) -> Any:
-    if eff.method == "now":
-        return ledger.now()
-    return getattr(ledger, eff.method)(**eff.kwargs)
-
-
-async def _async_call(ledger: AsyncLedger, eff: _Call) -> Any:
-    if eff.method == "now":
-        return ledger.sync.now()
-    return await getattr(ledger, eff.method)(**eff.kwargs)
-
-
 __all__ = [
     "Dispatch",
     "Notice",
     "RunResult",
+    "SendProgress",
     "SendResult",
     "aexecute",
     "default_reserve",
     "execute",
+    "group_wait",
 ]

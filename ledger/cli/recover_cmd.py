@@ -83,4 +83,6 @@ def _reconcile(args: argparse.Namespace) -> int:
         print(res.summary())
         for v in res.violations:
             print(f"  violation: {v}")
+        for c in res.cost_over_hold:
+            print(f"  cost_over_hold: {c}")
     return 0 if res.ok else 1

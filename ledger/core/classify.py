@@ -25,6 +25,7 @@ from ledger.core.facts import (
     Protocol,
     Scope,
     Source,
+    Transport,
 )
 from ledger.core.health import cooldown_effect
 from ledger.core.hints import gemini_retry_delay, parse_retry_after
@@ -152,6 +153,9 @@ def _category(
 ) -> tuple[Category, str | None]:
     if obs.cancelled:
         return Category.CANCELLED, None
+    # Our own process could not build the request: a local fact no policy table renames.
+    if obs.transport is Transport.CANNOT_BUILD:
+        return Category.UNUSABLE, None
     if obs.over_token_budget:
         return Category.BUDGET_EXCEEDED, None
     if obs.source is Source.LOCAL and obs.status == 429:
@@ -236,6 +240,10 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
     if code is not None:
         code = _clean(code)
     scope = _move(policy, category, phase)
+    if category is Category.UNUSABLE:
+        # A route that cannot be used never ends the request by itself: it is skipped (seed
+        # 001: "one that cannot be built (no key) is logged and skipped"), under every policy.
+        scope = Scope.ROUTE
     resubmit = resubmittable(obs, phase, policy.failover)
     return FailureFact(
         category=category,

@@ -33,6 +33,9 @@ class Category(StrEnum):
     BUDGET_EXCEEDED = "budget_exceeded"
     LOCAL_RATE_LIMIT = "local_rate_limit"
     UNKNOWN = "unknown"
+    # The route cannot be used at all (no credential, unusable endpoint, a request that cannot
+    # be encoded): a configuration problem found before anything was sent.
+    UNUSABLE = "unusable"
 
 
 class Transport(StrEnum):
@@ -52,6 +55,8 @@ class Transport(StrEnum):
     # The call's own total deadline (policy.streaming.total_timeout_s) ran out; the phase says how
     # far the request had got.
     TOTAL_TIMEOUT = "total_timeout"
+    # The request could not even be built (see Category.UNUSABLE); nothing left the process.
+    CANNOT_BUILD = "cannot_build"
 
 
 class Phase(StrEnum):
@@ -94,6 +99,7 @@ _DEFAULT_PHASE: dict[Transport, Phase] = {
     Transport.CONNECT_REFUSED: Phase.BEFORE_SEND,
     Transport.CONNECT_TIMEOUT: Phase.BEFORE_SEND,
     Transport.TLS_ERROR: Phase.BEFORE_SEND,
+    Transport.CANNOT_BUILD: Phase.BEFORE_SEND,
     Transport.CONNECTION_RESET: Phase.AFTER_SEND,
     Transport.READ_TIMEOUT: Phase.AFTER_SEND,
     Transport.FIRST_TOKEN_TIMEOUT: Phase.AFTER_SEND,
@@ -154,7 +160,8 @@ class FailureFact(BaseModel):
     scope: Scope = Scope.REQUEST
     transport: Transport | None = None
     source: Source = Source.PROVIDER
-    retry_after_s: float | None = None
+    # Finite and non-negative: an infinite hint would close a group for ever.
+    retry_after_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     resubmit: bool = False
     moves_on: bool = False
     cooldown: CooldownEffect = CooldownEffect.NONE

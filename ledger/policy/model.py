@@ -299,9 +299,10 @@ class ClassificationPolicy(_Section):
     status_5xx: Category | None = Category.SERVER_ERROR
     status_text: list[StatusTextRule] = Field(default_factory=list)
     text: list[TextRule] = Field(default_factory=list)
-    # Hints beyond this are clamped: a year-long Retry-After carries no more information than a
-    # day-long one, and unbounded floats would poison arithmetic downstream.
-    retry_after_limit_s: PositiveSeconds = 86_400.0
+    # Hints beyond this are clamped, and so is every wait or group cooldown derived from one: a
+    # Retry-After dated in year 9999 carries no more information than an hour-long one, and one
+    # response must not close a capacity group for a day.
+    retry_after_limit_s: PositiveSeconds = 3_600.0
     # Only this much of a body is parsed or scanned; error bodies are small, hostile ones are not.
     body_limit_bytes: int = Field(default=262_144, ge=1)
     message_limit_chars: int = Field(default=300, ge=16)

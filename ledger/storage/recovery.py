@@ -54,6 +54,9 @@ class Figures:
     by_state: dict[str, int] = field(default_factory=dict)
     debits: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
+    # Attempts whose reported cost exceeded their hold: posted at the hold (the invariant holds)
+    # but the Run really cost more than it reserved; an operator needs to know.
+    cost_over_hold: list[str] = field(default_factory=list)
 
 
 def _expired_cond(now: float) -> Any:
@@ -130,9 +133,7 @@ def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float
         provably_unsent = [x[0] for x in conn.execute(
             select(d.debit_id).select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
             .where(d.run_id == run_id, d.state == DebitState.RESERVED.value,
-                   or_(a.state == AttemptState.REJECTED.value,
-                       and_(a.state == AttemptState.FAILED.value,
-                            a.fact.like('%"phase": "before_send"%'))))
+                   a.state.in_([AttemptState.REJECTED.value, AttemptState.NOT_SENT.value]))
         )]
         release_micros = 0
         if provably_unsent:
@@ -265,7 +266,7 @@ def reconcile_rows(store: Store, now: float) -> Figures:
         run_by_id = {row.run_id: row for row in runs}
         for run in runs:
             atts = by_run_att.get(run.run_id, [])
-            reserved = posted = calls = 0
+            reserved = posted = calls = held_tokens = 0
             seqs = sorted(att.seq for att in atts)
             if seqs != list(range(1, len(seqs) + 1)):
                 v.append(f"run {run.run_id}: attempt seqs not 1..n: {seqs}")
@@ -287,6 +288,7 @@ def reconcile_rows(store: Store, now: float) -> Figures:
                     AttemptState.REJECTED.value: {DebitState.VOIDED.value},
                     AttemptState.SUCCEEDED.value: {DebitState.POSTED.value},
                     AttemptState.FAILED.value: {DebitState.POSTED.value, DebitState.VOIDED.value},
+                    AttemptState.NOT_SENT.value: {DebitState.VOIDED.value},
                 }.get(st)
                 if expected is None:
                     v.append(f"{where}: unknown state {st!r}")
@@ -294,10 +296,15 @@ def reconcile_rows(store: Store, now: float) -> Figures:
                     v.append(f"{where}: {st} attempt with a {deb.state} debit")
                 if st != AttemptState.DISPATCHING.value and att.settled_at is None:
                     v.append(f"{where}: {st} without settled_at")
-                if st != AttemptState.REJECTED.value:
+                if st not in (AttemptState.REJECTED.value, AttemptState.NOT_SENT.value):
                     calls += 1
+                if att.cost_micros is not None and att.cost_micros > att.reserved_micros:
+                    fig.cost_over_hold.append(
+                        f"{where}: reported cost {att.cost_micros} above its hold "
+                        f"{att.reserved_micros} (posted at the hold)")
                 if deb.state == DebitState.RESERVED.value:
                     reserved += deb.reserved_micros
+                    held_tokens += att.reserved_tokens
                 elif deb.state == DebitState.POSTED.value:
                     if deb.posted_micros > deb.reserved_micros:
                         v.append(f"{where}: posted {deb.posted_micros} above its hold")
@@ -316,6 +323,12 @@ def reconcile_rows(store: Store, now: float) -> Figures:
                          f"debits {posted}")
             if calls != run.calls_used:
                 v.append(f"run {run.run_id}: calls_used {run.calls_used} != {calls} attempts")
+            if held_tokens != run.tokens_reserved:
+                v.append(f"run {run.run_id}: tokens_reserved {run.tokens_reserved} != sum of "
+                         f"held token reserves {held_tokens}")
+            if run.max_tokens is not None and (run.tokens_reserved + run.tokens_used
+                                               + run.carved_tokens > run.max_tokens):
+                v.append(f"run {run.run_id}: held+used tokens above the token budget")
             if run.calls_used + run.carved_calls > run.max_calls:
                 v.append(f"run {run.run_id}: calls {run.calls_used} above allowance")
             if run.retries_used + run.carved_retries > run.max_retries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,9 +56,11 @@ def run_record(row: Row[Any]) -> RunRecord:
         reserved=from_micros(row.reserved_micros),
         posted=from_micros(row.posted_micros),
         tokens_used=row.tokens_used,
+        tokens_reserved=row.tokens_reserved,
         carved_calls=row.carved_calls,
         carved_retries=row.carved_retries,
         carved=from_micros(row.carved_micros),
+        carved_tokens=row.carved_tokens,
         current_route=row.current_route,
         current_profile=row.current_profile,
         lease_holder=row.lease_holder,
@@ -93,6 +96,7 @@ def attempt_record(row: Row[Any], debit_state: str | None) -> AttemptRecord:
         completion_tokens=row.completion_tokens,
         cost=from_micros(row.cost_micros) if row.cost_micros is not None else None,
         reserved=from_micros(row.reserved_micros),
+        reserved_tokens=row.reserved_tokens or 0,
         model_reported=row.model_reported,
         output_hash=row.output_hash,
         fence=row.fence,
@@ -131,3 +135,20 @@ def health_record(row: Row[Any]) -> Health:
         last_used=row.last_used,
         last_probe_at=row.last_probe_at,
     )
+
+
+LIVE_RUN_FIELDS = (
+    "status", "calls_used", "retries_used", "tokens_used", "tokens_reserved", "carved_calls",
+    "carved_retries", "carved_tokens", "current_route", "current_profile", "lease_holder",
+    "fence", "lease_expires_at", "updated_at",
+)
+
+
+def run_live(frozen: RunRecord, row: Row[Any]) -> RunRecord:
+    """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
+    live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
+    live["status"] = RunStatus(live["status"])
+    live["reserved"] = from_micros(row.reserved_micros)
+    live["posted"] = from_micros(row.posted_micros)
+    live["carved"] = from_micros(row.carved_micros)
+    return replace(frozen, **live)

@@ -64,9 +64,11 @@ runs = Table(
     Column("reserved_micros", BigInteger, nullable=False, default=0),
     Column("posted_micros", BigInteger, nullable=False, default=0),
     Column("tokens_used", BigInteger, nullable=False, default=0),
+    Column("tokens_reserved", BigInteger, nullable=False, default=0, server_default="0"),
     Column("carved_calls", Integer, nullable=False, default=0),
     Column("carved_retries", Integer, nullable=False, default=0),
     Column("carved_micros", BigInteger, nullable=False, default=0),
+    Column("carved_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("current_route", _ID, nullable=True),
     Column("current_profile", _ID, nullable=True),
     # Executor lease and fence.
@@ -99,7 +101,8 @@ attempts = Table(
     Column("profile_id", _ID, nullable=True),
     Column("debit_id", _ID, nullable=False),
     Column("envelope_hash", String(80), nullable=False),
-    Column("state", String(16), nullable=False),  # dispatching|succeeded|failed|unknown|rejected
+    # dispatching | succeeded | failed | unknown | rejected | not_sent
+    Column("state", String(16), nullable=False),
     Column("reject_reason", String(64), nullable=True),
     Column("fact", Text, nullable=True),  # JSON FailureFact
     Column("category", String(32), nullable=True),
@@ -110,6 +113,7 @@ attempts = Table(
     Column("completion_tokens", BigInteger, nullable=True),
     Column("cost_micros", BigInteger, nullable=True),
     Column("reserved_micros", BigInteger, nullable=False),
+    Column("reserved_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("model_reported", String(200), nullable=True),
     Column("output_hash", String(80), nullable=True),
     Column("settle_hash", String(80), nullable=True),

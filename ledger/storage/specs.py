@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ledger.core.facts import FailureFact
-from ledger.model import GroupMode, Health, Route
+from ledger.model import Budget, GroupMode, Health, Route, canonical_json
+from ledger.model import Grant as GrantModel
 from ledger.records import (
     AttemptKind,
+    Lease,
     Outcome,
 )
 
@@ -22,11 +25,26 @@ ADMISSION_FIELDS = (
 )
 
 
+def normal_admission_field(name: str, value: Any) -> Any:
+    """A frozen field as compared on a repeated admission: JSON snapshots re-read through their
+    models (so ``1`` and ``"1.00"``, or lists that are sets, compare equal)."""
+    if value is None or name not in ("plan", "run_grant", "budget", "labels"):
+        return value
+    doc = json.loads(value)
+    if name == "plan":
+        return canonical_json([Route.model_validate(r) for r in doc])
+    if name == "run_grant":
+        return canonical_json(GrantModel.model_validate(doc))
+    if name == "budget":
+        return canonical_json(Budget.model_validate(doc))
+    return canonical_json(doc)
+
+
 @dataclass(frozen=True)
 class AdmitSpec:
     run_id: str
     parent_run_id: str | None
-    parent_fence: int | None
+    parent_lease: Lease | None
     role: str
     tenant: str | None
     labels: str  # JSON
@@ -46,6 +64,12 @@ class AdmitSpec:
 
 @dataclass(frozen=True)
 class BeginSpec:
+    """One begin: the Attempt to record under the lease ``fence`` held by ``executor``.
+
+    ``take_retry``: the Attempt is a further one of its turn and takes one retry permission in
+    the same transaction. ``reserve_tokens``: the token hold (prompt estimate + max output).
+    """
+
     run_id: str
     fence: int
     attempt_id: str
@@ -59,6 +83,8 @@ class BeginSpec:
     begin_hash: str
     events: Sequence[tuple[str, dict[str, Any]]] = ()
     tenant: str | None = None
+    take_retry: bool = False
+    reserve_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +98,10 @@ class GroupUpdate:
 
 @dataclass(frozen=True)
 class SettleSpec:
+    """One settle under the lease ``fence``. ``cost_micros`` and the token counts are what the
+    provider reported (``None``: not reported); what that does to the holds is
+    :func:`ledger.effects.settle_holds`, applied to the Attempt as locked."""
+
     attempt_id: str
     fence: int
     outcome: Outcome
@@ -84,7 +114,6 @@ class SettleSpec:
     model_reported: str | None
     output_hash: str | None
     settle_hash: str
-    void_hold: bool  # the request provably never left the process
     health: Mapping[str, tuple[str, str | None, HealthUpdate]]  # key -> (kind, provider, update)
     group_update: GroupUpdate | None
     events: Sequence[tuple[str, dict[str, Any]]] = ()

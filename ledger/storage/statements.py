@@ -7,12 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
-    and_,
     bindparam,
-    cast,
     func,
     literal,
-    or_,
     select,
     true,
 )
@@ -40,17 +37,22 @@ LOCK_RUN = (
     select(*[c for c in s.runs.c if c.name not in FROZEN_RUN_JSON])
     .where(R.run_id == bindparam("k_run_id")).with_for_update()
 )
+# The run's live state (counters, current route, lease) without its frozen snapshots.
+SEL_RUN_LIVE = select(*[c for c in s.runs.c if c.name not in FROZEN_RUN_JSON]).where(
+    R.run_id == bindparam("k_run_id"))
 # The same lock, returning only what begin (fence and budget counters) and settle (fence) read:
 # fewer result columns cost less to describe on every execution.
 LOCK_RUN_FOR_BEGIN = (
-    select(R.fence, R.max_calls, R.carved_calls, R.calls_used, R.max_cost_micros,
-           R.carved_micros, R.reserved_micros, R.posted_micros)
+    select(R.fence, R.lease_holder, R.lease_expires_at, R.max_calls, R.carved_calls,
+           R.calls_used, R.max_cost_micros, R.carved_micros, R.reserved_micros, R.posted_micros,
+           R.max_retries, R.carved_retries, R.retries_used, R.max_tokens, R.tokens_reserved,
+           R.tokens_used)
     .where(R.run_id == bindparam("k_run_id")).with_for_update()
 )
 LOCK_RUN_FENCE = (
-    select(R.fence).where(R.run_id == bindparam("k_run_id")).with_for_update()
+    select(R.fence, R.lease_holder, R.lease_expires_at, R.max_tokens)
+    .where(R.run_id == bindparam("k_run_id")).with_for_update()
 )
-SEL_ATTEMPT = select(s.attempts).where(A.attempt_id == bindparam("k_attempt_id"))
 SEL_ATTEMPT_WITH_DEBIT = (
     select(s.attempts, D.state.label("debit_state"),
            D.reserved_micros.label("debit_reserved_micros"))
@@ -86,8 +88,11 @@ INS_DEBIT = s.debits.insert()
 INS_ATTEMPT = s.attempts.insert()
 INS_SLOT = s.group_slots.insert()
 BEGIN_RUN = s.runs.update().where(R.run_id == bindparam("k_run_id")).values(
-    calls_used=R.calls_used + 1,
+    calls_used=R.calls_used + bindparam("k_calls", type_=R.calls_used.type),
+    retries_used=R.retries_used + bindparam("k_retries", type_=R.retries_used.type),
     reserved_micros=R.reserved_micros + bindparam("k_reserve", type_=R.reserved_micros.type),
+    tokens_reserved=R.tokens_reserved + bindparam("k_reserve_tokens",
+                                                  type_=R.tokens_reserved.type),
     status=bindparam("k_status"), updated_at=bindparam("k_now"),
 )
 SETTLE_ATTEMPT = s.attempts.update().where(A.attempt_id == bindparam("k_attempt_id"))
@@ -96,7 +101,11 @@ DEL_SLOT = s.group_slots.delete().where(s.group_slots.c.attempt_id == bindparam(
 SETTLE_RUN = s.runs.update().where(R.run_id == bindparam("k_run_id")).values(
     reserved_micros=R.reserved_micros - bindparam("k_release", type_=R.reserved_micros.type),
     posted_micros=R.posted_micros + bindparam("k_posted", type_=R.posted_micros.type),
+    tokens_reserved=R.tokens_reserved - bindparam("k_release_tokens",
+                                                  type_=R.tokens_reserved.type),
     tokens_used=R.tokens_used + bindparam("k_tokens", type_=R.tokens_used.type),
+    # A not-sent Attempt was no model call: it gives its call back.
+    calls_used=R.calls_used - bindparam("k_uncount", type_=R.calls_used.type),
     updated_at=bindparam("k_now"),
 )
 SETTLE_RUN_SUCCEEDED = SETTLE_RUN.values(
@@ -151,8 +160,8 @@ def bp(prefix: str, col: Any) -> Any:
 BEGIN_ATTEMPT_COLS = (
     "attempt_id", "run_id", "tenant", "turn_id", "seq", "kind", "route_id", "provider", "model",
     "group_id", "profile_id", "debit_id", "envelope_hash", "state", "reject_reason",
-    "effective_output", "tool_started", "reserved_micros", "begin_hash", "fence", "executor",
-    "created_at", "settled_at",
+    "effective_output", "tool_started", "reserved_micros", "reserved_tokens", "begin_hash",
+    "fence", "executor", "created_at", "settled_at",
 )
 DEBIT_COLS = ("debit_id", "run_id", "attempt_id", "state", "reserved_micros", "posted_micros",
                "created_at", "settled_at")
@@ -197,37 +206,6 @@ def pg_begin_writes(n_events: int) -> Any:
     return stmt
 
 
-def pg_begin_common() -> Any:
-    """``pg_begin_writes(0)`` guarded by the lookup's common answer (no prior attempt, group
-    row present, open or past its waiting floor, no in-flight limit); seq computed in SQL."""
-    gs = s.group_slots.c
-    ok = select(
-        select(func.coalesce(func.max(A.seq), 0) + 1).where(A.run_id == bindparam("k_run_id"))
-        .scalar_subquery().label("next_seq")
-    ).where(
-        ~select(A.attempt_id).where(A.attempt_id == bindparam("k_attempt_id")).exists(),
-        select(CG.group_id).where(
-            CG.group_id == bindparam("k_group"), CG.max_in_flight.is_(None),
-            or_(CG.mode == bindparam("k_open"),
-                and_(CG.until.is_not(None), CG.until <= bindparam("k_now"))),
-        ).exists(),
-    ).cte("ok")
-
-    def rows(prefix: str, table: Any, names: Sequence[str]) -> Any:
-        cols = [table.c[n] for n in names]
-        return table.insert().from_select(names, select(*[
-            ok.c.next_seq if (table is s.attempts and c.name == "seq")
-            else cast(bindparam(prefix + c.name), c.type) for c in cols
-        ]).select_from(ok))
-
-    return select(ok.c.next_seq).add_cte(
-        rows("d_", s.debits, DEBIT_COLS).cte("w_debit"),
-        rows("a_", s.attempts, BEGIN_ATTEMPT_COLS).cte("w_attempt"),
-        rows("s_", s.group_slots, [c.name for c in gs if c.name in SLOT_COLS]).cte("w_slot"),
-        BEGIN_RUN.where(select(ok.c.next_seq).exists()).cte("w_run"),
-    )
-
-
 def begin_rows(spec: BeginSpec, seq: int | None, rejected: tuple[str, float | None] | None,
                 now: float) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any],
                                      dict[str, Any]]:
@@ -249,13 +227,18 @@ def begin_rows(spec: BeginSpec, seq: int | None, rejected: tuple[str, float | No
         "debit_id": debit_id, "envelope_hash": spec.envelope_hash, "state": state.value,
         "reject_reason": rejected[0] if rejected else None,
         "effective_output": False, "tool_started": False,
-        "reserved_micros": spec.reserve_micros, "begin_hash": spec.begin_hash,
+        "reserved_micros": spec.reserve_micros,
+        "reserved_tokens": 0 if rejected else spec.reserve_tokens,
+        "begin_hash": spec.begin_hash,
         "fence": spec.fence, "executor": spec.executor, "created_at": now,
         "settled_at": now if rejected else None,
     }
     slot = {"attempt_id": spec.attempt_id, "group_id": spec.route.group,
             "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}
-    run_params = {"k_run_id": spec.run_id, "k_reserve": spec.reserve_micros,
+    run_params = {"k_run_id": spec.run_id, "k_calls": 0 if rejected else 1,
+                  "k_retries": 1 if spec.take_retry else 0,
+                  "k_reserve": 0 if rejected else spec.reserve_micros,
+                  "k_reserve_tokens": 0 if rejected else spec.reserve_tokens,
                   "k_status": RunStatus.RUNNING.value, "k_now": now}
     return debit, values, slot, run_params
 
@@ -293,9 +276,6 @@ def pg_settle_writes(debit: bool, succeeded: bool, health: bool, provenance: boo
             ctes.append(events_cte(n_events))
         stmt = PG_STATEMENTS[key] = select(literal(1)).add_cte(*ctes)
     return stmt
-
-
-PG_BEGIN_COMMON = pg_begin_common()
 
 
 def event_params(events: Sequence[tuple[str, Mapping[str, Any]]], run_id: str,

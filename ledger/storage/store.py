@@ -10,7 +10,7 @@ row, so lock order is fixed and cannot deadlock).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +28,7 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from ledger import faults
+from ledger.effects import lease_problem, settle_holds
 from ledger.errors import (
     AdmissionConflict,
     AllowanceExhausted,
@@ -38,8 +39,10 @@ from ledger.errors import (
     InvalidArgument,
     InvalidState,
     LeaseHeld,
+    LeaseLost,
     NotFound,
     SettleConflict,
+    StorageError,
 )
 from ledger.model import GroupMode, GroupProjection, Health
 from ledger.records import (
@@ -71,6 +74,7 @@ from ledger.storage.specs import (
     GroupUpdate,
     HealthUpdate,
     SettleSpec,
+    normal_admission_field,
 )
 from ledger.storage.statements import (
     BEGIN_LOOKUP,
@@ -82,11 +86,11 @@ from ledger.storage.statements import (
     LOCK_RUN,
     LOCK_RUN_FENCE,
     LOCK_RUN_FOR_BEGIN,
-    PG_BEGIN_COMMON,
     SEL_ATTEMPT_WITH_DEBIT,
     SEL_ATTEMPT_WITH_DEBIT_IN_RUN,
     SEL_GROUP_FOR_UPDATE,
     SEL_HEALTH_FOR_UPDATE,
+    SEL_RUN_LIVE,
     SETTLE_ATTEMPT,
     SETTLE_DEBIT,
     SETTLE_READ,
@@ -101,14 +105,21 @@ from ledger.storage.statements import (
     pg_settle_writes,
 )
 
+ClockFn = Callable[[], float]
+# How long before its end a lease stops starting work: processes whose clocks differ by less
+# than this never both believe they may use one capacity slot (docs/operations.md).
+DEFAULT_LEASE_MARGIN_S = 0.5
+
 
 class Store:
     """The storage layer over one SQLAlchemy engine."""
 
-    def __init__(self, engine: Engine, url: str) -> None:
+    def __init__(self, engine: Engine, url: str, *,
+                 lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> None:
         self.engine = engine
         self.url = url
         self.dialect = engine.dialect.name
+        self.lease_margin_s = lease_margin_s
 
     # -- transactions ---------------------------------------------------------------------
 
@@ -137,25 +148,31 @@ class Store:
 
     # -- runs -----------------------------------------------------------------------------
 
-    def admit(self, spec: AdmitSpec, now: float) -> tuple[RunRecord, bool]:
-        """Insert a run; returns (record, created). Same id + same content -> the first record."""
+    def admit(self, spec: AdmitSpec, clock: ClockFn) -> tuple[RunRecord, bool]:
+        """Insert a run; returns (record, created). Same id + same content -> the first record.
+
+        Content is compared normalised (decimals, set-like lists, defaults), so a retried
+        admission that spells a budget ``1`` instead of ``"1.00"`` is the same admission.
+        """
         with self.writing() as conn:
             existing = conn.execute(
                 select(s.runs).where(s.runs.c.run_id == spec.run_id).with_for_update()
             ).first()
             if existing is not None:
                 differing = [f for f in ADMISSION_FIELDS
-                             if getattr(existing, f) != getattr(spec, f)]
-                if differing or existing.content_hash != spec.content_hash:
+                             if normal_admission_field(f, getattr(existing, f))
+                             != normal_admission_field(f, getattr(spec, f))]
+                if differing:
                     raise AdmissionConflict(
                         f"run {spec.run_id!r} was admitted before with different frozen content "
-                        f"(differs in: {', '.join(differing) or 'content'}); use a new run id",
+                        f"(differs in: {', '.join(differing)}); use a new run id",
                         run_id=spec.run_id,
-                        differing=differing or ["content"],
+                        differing=differing,
                     )
                 return run_record(existing), False
+            now = clock()
             if spec.parent_run_id is not None:
-                self._carve_from_parent(conn, spec)
+                now = self._carve_from_parent(conn, spec, clock)
             values = {
                 f: getattr(spec, f)
                 for f in (
@@ -169,29 +186,28 @@ class Store:
                     **values,
                     status=RunStatus.ADMITTED.value,
                     calls_used=0, retries_used=0, reserved_micros=0, posted_micros=0,
-                    tokens_used=0, carved_calls=0, carved_retries=0, carved_micros=0,
-                    fence=0, created_at=now, updated_at=now,
+                    tokens_used=0, tokens_reserved=0, carved_calls=0, carved_retries=0,
+                    carved_micros=0, carved_tokens=0, fence=0, created_at=now, updated_at=now,
                 )
             )
             self.add_event(conn, spec.run_id, None, "admit",
-                        {"policy_hash": spec.policy_hash, "parent": spec.parent_run_id}, now)
+                           {"policy_hash": spec.policy_hash, "parent": spec.parent_run_id}, now)
             row = conn.execute(select(s.runs).where(s.runs.c.run_id == spec.run_id)).one()
             return run_record(row), True
 
-    def _carve_from_parent(self, conn: Connection, spec: AdmitSpec) -> None:
+    def _carve_from_parent(self, conn: Connection, spec: AdmitSpec, clock: ClockFn) -> float:
+        """Carve the child's budget out of the parent's, under the parent's live lease."""
         r = s.runs.c
-        parent = conn.execute(
-            select(s.runs).where(r.run_id == spec.parent_run_id).with_for_update()
-        ).first()
-        if parent is None:
+        assert spec.parent_run_id is not None
+        if spec.parent_lease is None:
+            raise InvalidArgument(
+                f"admitting a child of {spec.parent_run_id!r} needs the parent's lease; pass "
+                "parent_lease= (the lease the parent's executor holds)", field="parent_lease")
+        try:
+            parent, now = self._lock_live(conn, spec.parent_lease, clock)
+        except NotFound:
             raise NotFound(f"parent run {spec.parent_run_id!r} does not exist; admit it first",
-                           run_id=spec.parent_run_id)
-        if spec.parent_fence is None or parent.fence != spec.parent_fence:
-            raise FencedOut(
-                f"the parent run {spec.parent_run_id!r} is held under fence {parent.fence}, "
-                f"not {spec.parent_fence}: only the parent's current executor can carve a child",
-                run_id=spec.parent_run_id, fence=spec.parent_fence, current=parent.fence,
-            )
+                           run_id=spec.parent_run_id) from None
         cost_left = (parent.max_cost_micros - parent.carved_micros - parent.reserved_micros
                      - parent.posted_micros)
         calls_left = parent.max_calls - parent.carved_calls - parent.calls_used
@@ -209,13 +225,26 @@ class Store:
                 f"{retries_left}); ask for less",
                 run_id=spec.run_id, field="budget.max_calls",
             )
+        carved_tokens = 0
+        if parent.max_tokens is not None:
+            tokens_left = (parent.max_tokens - parent.carved_tokens - parent.tokens_reserved
+                           - parent.tokens_used)
+            if spec.max_tokens is None or spec.max_tokens > tokens_left:
+                raise BudgetExceeded(
+                    f"the child needs a token budget within what parent {spec.parent_run_id!r} "
+                    f"has left ({tokens_left} tokens); pass budget.max_tokens <= {tokens_left}",
+                    run_id=spec.run_id, field="budget.max_tokens",
+                )
+            carved_tokens = spec.max_tokens
         conn.execute(
             s.runs.update().where(r.run_id == spec.parent_run_id).values(
                 carved_micros=r.carved_micros + spec.max_cost_micros,
                 carved_calls=r.carved_calls + spec.max_calls,
                 carved_retries=r.carved_retries + spec.max_retries,
+                carved_tokens=r.carved_tokens + carved_tokens,
             )
         )
+        return now
 
     def get_run(self, run_id: str) -> RunRecord:
         with self.reading() as conn:
@@ -250,20 +279,59 @@ class Store:
             )
         return row
 
+    def _lock_live(self, conn: Connection, lease: Lease, clock: ClockFn, stmt: Any = LOCK_RUN,
+                   rows: list[Any] | None = None) -> tuple[Any, float]:
+        """The run row locked under a **live** lease, and the time read after the lock.
+
+        Live: the lease's fence is current, its holder still holds it (not released), and it
+        has not expired by the time this transaction runs, with :attr:`lease_margin_s` to spare
+        so that processes whose clocks differ by less than that never overlap (a begin that
+        waited for the lock, e.g. during a database restart, is judged when it got the lock).
+        """
+        row = self._lock_run(conn, lease.run_id, lease.fence, stmt, rows)
+        now = clock()
+        problem = lease_problem(row.lease_holder, row.lease_expires_at, lease.executor, now,
+                                self.lease_margin_s)
+        if problem == "released":
+            raise LeaseLost(
+                f"the lease on run {lease.run_id!r} (fence {lease.fence}) was released; acquire "
+                "it again before starting more work on the run",
+                run_id=lease.run_id, fence=lease.fence, reason=problem)
+        if problem == "expired":
+            raise LeaseLost(
+                f"the lease on run {lease.run_id!r} (fence {lease.fence}) expired at "
+                f"{row.lease_expires_at} (now {now}, margin {self.lease_margin_s:g}s); acquire it "
+                "again (the fence moves on) before starting more work on the run",
+                run_id=lease.run_id, fence=lease.fence, reason=problem,
+                expires_at=row.lease_expires_at)
+        if problem == "holder":
+            raise FencedOut(
+                f"run {lease.run_id!r} is held by {row.lease_holder!r}, not {lease.executor!r}",
+                run_id=lease.run_id, fence=lease.fence, current=row.fence)
+        return row, now
+
     # -- leases ---------------------------------------------------------------------------
 
-    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, now: float,
-                      *, steal_expired_only: bool = True) -> Lease:
+    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn) -> Lease:
+        """A lease on the run. Another holder's unexpired lease is :class:`LeaseHeld`; one's own
+        unexpired lease is renewed under the same fence (its slots stay counted); otherwise the
+        fence moves on, so every write of an earlier holder is refused from now on."""
         r = s.runs.c
         with self.writing() as conn:
             row = self._lock_run(conn, run_id, None)
+            now = clock()
             live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
-            if live and row.lease_holder != executor and steal_expired_only:
+            if live and row.lease_holder != executor:
                 raise LeaseHeld(
                     f"run {run_id!r} is leased by {row.lease_holder!r} until "
                     f"{row.lease_expires_at}; wait for it to expire or for recovery",
                     run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at,
                 )
+            if live:
+                expires = max(float(row.lease_expires_at), now + ttl_s)
+                conn.execute(s.runs.update().where(r.run_id == run_id)
+                             .values(lease_expires_at=expires, updated_at=now))
+                return Lease(run_id, executor, int(row.fence), expires)
             fence = row.fence + 1
             conn.execute(
                 s.runs.update().where(r.run_id == run_id).values(
@@ -272,143 +340,116 @@ class Store:
                 )
             )
             self.add_event(conn, run_id, None, "lease",
-                        {"executor": executor, "fence": fence, "previous": row.lease_holder}, now)
+                           {"executor": executor, "fence": fence, "previous": row.lease_holder},
+                           now)
         return Lease(run_id, executor, fence, now + ttl_s)
 
-    def renew_lease(self, run_id: str, fence: int, ttl_s: float, now: float) -> Lease:
+    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
+        """Extend a live lease; a lapsed one is :class:`LeaseLost` (acquire again)."""
         r = s.runs.c
         with self.writing() as conn:
-            row = self._lock_run(conn, run_id, fence)
+            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
             conn.execute(
-                s.runs.update().where(r.run_id == run_id)
+                s.runs.update().where(r.run_id == lease.run_id)
                 .values(lease_expires_at=now + ttl_s, updated_at=now)
             )
-        return Lease(run_id, row.lease_holder or "", fence, now + ttl_s)
+        return Lease(lease.run_id, lease.executor, lease.fence, now + ttl_s)
 
-    def release_lease(self, run_id: str, fence: int, now: float) -> None:
+    def release_lease(self, lease: Lease, clock: ClockFn) -> None:
+        """Give the lease up. Releasing an already released lease is the same write again."""
         r = s.runs.c
         with self.writing() as conn:
-            self._lock_run(conn, run_id, fence)
+            row = self._lock_run(conn, lease.run_id, lease.fence, LOCK_RUN_FENCE)
+            if row.lease_holder is None:
+                return
+            now = clock()
+            if lease_problem(row.lease_holder, row.lease_expires_at, lease.executor, now,
+                             0.0) is not None:
+                raise LeaseLost(
+                    f"the lease on run {lease.run_id!r} (fence {lease.fence}) is no longer "
+                    "live; there is nothing of it to release (recovery takes the run over)",
+                    run_id=lease.run_id, fence=lease.fence)
             held = conn.execute(
                 select(func.count()).select_from(s.group_slots)
-                .where(s.group_slots.c.run_id == run_id, s.group_slots.c.fence == fence)
+                .where(s.group_slots.c.run_id == lease.run_id,
+                       s.group_slots.c.fence == lease.fence)
             ).scalar_one()
             if held:
                 raise InvalidState(
-                    f"run {run_id!r} still has {held} attempt(s) in flight; settle them "
+                    f"run {lease.run_id!r} still has {held} attempt(s) in flight; settle them "
                     "(or mark them unknown) before releasing the lease",
-                    run_id=run_id, in_flight=held,
+                    run_id=lease.run_id, in_flight=held,
                 )
             conn.execute(
-                s.runs.update().where(r.run_id == run_id)
+                s.runs.update().where(r.run_id == lease.run_id)
                 .values(lease_holder=None, lease_expires_at=None, updated_at=now)
             )
 
-    def finish_run(self, run_id: str, fence: int, status: RunStatus, now: float) -> None:
+    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
         r = s.runs.c
         with self.writing() as conn:
-            self._lock_run(conn, run_id, fence)
-            conn.execute(s.runs.update().where(r.run_id == run_id)
+            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
+            conn.execute(s.runs.update().where(r.run_id == lease.run_id)
                          .values(status=status.value, updated_at=now))
-            self.add_event(conn, run_id, None, "finish", {"status": status.value}, now)
+            self.add_event(conn, lease.run_id, None, "finish", {"status": status.value}, now)
 
     # -- permissions ----------------------------------------------------------------------
 
-    def reserve_retry(self, run_id: str, fence: int, now: float,
+    def reserve_retry(self, lease: Lease, clock: ClockFn,
                       data: Mapping[str, Any] | None = None) -> int:
         """Take one retry permission; returns how many are left after it."""
         r = s.runs.c
         with self.writing() as conn:
-            row = self._lock_run(conn, run_id, fence)
+            row, now = self._lock_live(conn, lease, clock)
             left = row.max_retries - row.carved_retries - row.retries_used
             if left <= 0:
                 raise AllowanceExhausted(
-                    f"run {run_id!r} has no retry permission left "
+                    f"run {lease.run_id!r} has no retry permission left "
                     f"({row.retries_used} of {row.max_retries} used)",
-                    run_id=run_id, field="retries",
+                    run_id=lease.run_id, field="retries",
                 )
-            conn.execute(s.runs.update().where(r.run_id == run_id)
+            conn.execute(s.runs.update().where(r.run_id == lease.run_id)
                          .values(retries_used=r.retries_used + 1, updated_at=now))
-            self.add_event(conn, run_id, None, "retry_permission", dict(data or {}), now)
+            self.add_event(conn, lease.run_id, None, "retry_permission", dict(data or {}), now)
         return int(left) - 1
 
     # -- attempts -------------------------------------------------------------------------
 
-    def begin_attempt(self, spec: BeginSpec, now: float) -> AttemptRecord:
+    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
         """Record an attempt before it is sent, in one transaction (see module docstring)."""
         rejected: tuple[str, float | None] | None = None
+        record: AttemptRecord | None = None
+        lease = Lease(spec.run_id, spec.executor or "", spec.fence, 0.0)
         with self.writing() as conn:
             # A batch of one: on PostgreSQL the transaction's BEGIN goes with it.
-            run = self._lock_run(conn, spec.run_id, spec.fence, LOCK_RUN_FOR_BEGIN,
-                                 run_prebuilt_batch(conn, [(LOCK_RUN_FOR_BEGIN,
-                                                            {"k_run_id": spec.run_id})])[0])
-            values: dict[str, Any] | None = None
-            debit_state = DebitState.RESERVED
-            if (self.dialect == "postgresql" and not spec.events
-                    and run.max_calls - run.carved_calls - run.calls_used > 0
-                    and spec.reserve_micros <= (run.max_cost_micros - run.carved_micros
-                                                - run.reserved_micros - run.posted_micros)):
-                # The common case in one statement: written only if no attempt has this id and
-                # the group is open and unlimited; else nothing is written and the checks below
-                # decide, as for every other begin.
-                values = self._pg_begin_common(conn, spec, now)
-            if values is None:
-                nxt = run_prebuilt(conn, BEGIN_LOOKUP, {"k_run_id": spec.run_id,
-                                                        "k_attempt_id": spec.attempt_id,
-                                                        "k_group": spec.route.group})[0]
-                if nxt.prior is not None:
-                    prior = conn.execute(SEL_ATTEMPT_WITH_DEBIT,
-                                         {"k_attempt_id": spec.attempt_id}).one()
-                    if prior.begin_hash == spec.begin_hash and prior.run_id == spec.run_id:
-                        # the same write, acknowledged again
-                        return attempt_record(prior, prior.debit_state)
+            run, now = self._lock_live(
+                conn, lease, clock, LOCK_RUN_FOR_BEGIN,
+                run_prebuilt_batch(conn, [(LOCK_RUN_FOR_BEGIN, {"k_run_id": spec.run_id})])[0])
+            nxt = run_prebuilt(conn, BEGIN_LOOKUP, {"k_run_id": spec.run_id,
+                                                    "k_attempt_id": spec.attempt_id,
+                                                    "k_group": spec.route.group})[0]
+            if nxt.prior is not None:
+                prior = conn.execute(SEL_ATTEMPT_WITH_DEBIT,
+                                     {"k_attempt_id": spec.attempt_id}).one()
+                if prior.begin_hash != spec.begin_hash or prior.run_id != spec.run_id:
                     raise Conflict(
                         f"attempt id {spec.attempt_id!r} is already recorded with different "
                         "content; use a new attempt id for a new physical call",
                         attempt_id=spec.attempt_id,
                     )
-                if run.max_calls - run.carved_calls - run.calls_used <= 0:
-                    raise AllowanceExhausted(
-                        f"run {spec.run_id!r} has used its model-call allowance "
-                        f"({run.calls_used} of {run.max_calls}); nothing was sent",
-                        run_id=spec.run_id, field="calls",
-                    )
-                available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
-                             - run.posted_micros)
-                if spec.reserve_micros > available:
-                    raise BudgetExceeded(
-                        f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
-                        f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
-                        run_id=spec.run_id, field="cost",
-                        requested=str(from_micros(spec.reserve_micros)),
-                        available=str(from_micros(available)),
-                    )
+                if (prior.state != AttemptState.DISPATCHING.value or prior.fence == spec.fence
+                        or prior.executor != spec.executor):
+                    return attempt_record(prior, prior.debit_state)  # the same write again
+                # The same begin, retried under a lease acquired again after its
+                # acknowledgement was lost: its request was never sent. It is adopted under the
+                # new fence (its slot counts again) if its group still admits it.
                 rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
-                seq = nxt.next_seq
-                debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
-                debit, values, slot, run_params = begin_rows(spec, seq, rejected, now)
-                if not rejected and self.dialect == "postgresql":
-                    # The same writes as below, as one statement (one round trip).
-                    params = {**run_params,
-                              **event_params(spec.events, spec.run_id, spec.attempt_id, now)}
-                    params.update({"d_" + k: v for k, v in debit.items()})
-                    params.update({"a_" + k: v for k, v in values.items()})
-                    params.update({"s_" + k: v for k, v in slot.items()})
-                    run_prebuilt(conn, pg_begin_writes(len(spec.events)), params)
+                if rejected is None:
+                    record = self._adopt(conn, prior, spec.fence, now)
                 else:
-                    run_prebuilt(conn, INS_DEBIT, debit)
-                    run_prebuilt(conn, INS_ATTEMPT, values)
-                    for kind, data in spec.events:
-                        self.add_event(conn, spec.run_id, spec.attempt_id, kind, data, now)
-                    if rejected:
-                        self.add_event(conn, spec.run_id, spec.attempt_id, "reject",
-                                    {"reason": rejected[0], "until": rejected[1],
-                                     "group": spec.route.group}, now)
-                    else:
-                        run_prebuilt(conn, INS_SLOT, slot)
-                        run_prebuilt(conn, BEGIN_RUN, run_params)
-            # The record from what was just written (no re-read of the rows).
-            record = written_attempt(values, debit_state.value)
+                    self._void_in_place(conn, prior, rejected[0], spec.fence, now)
+            else:
+                record, rejected = self._begin_new(conn, spec, run, nxt, now)
             faults.point("begin.before_commit")
         faults.point("begin.after_commit")
         if rejected:
@@ -416,28 +457,99 @@ class Store:
                 f"capacity group {spec.route.group!r} refused attempt {spec.attempt_id!r} "
                 f"({rejected[0]}); it was recorded as rejected, its hold voided, nothing sent",
                 attempt_id=spec.attempt_id, group=spec.route.group, reason=rejected[0],
-                until=rejected[1],
+                until=rejected[1], seq=record.seq if record is not None else None,
             )
+        assert record is not None
         return record
 
-    def _pg_begin_common(self, conn: Connection, spec: BeginSpec, now: float
-                         ) -> dict[str, Any] | None:
-        """Begin's writes as one statement, conditional on no attempt having this id and the
-        group being open without a limit; the attempt's values if written, else None (nothing
-        was written). Run after the run lock, so it sees every begin of this run, as the
-        lookup would; the budget and allowance were checked on the locked row."""
-        debit, values, slot, run_params = begin_rows(spec, None, None, now)
-        params = {**run_params, "k_attempt_id": spec.attempt_id, "k_group": spec.route.group,
-                  "k_open": GroupMode.OPEN.value}
-        params.update({"d_" + k: v for k, v in debit.items()})
-        params.update({"a_" + k: v for k, v in values.items() if k != "seq"})
-        params.update({"s_" + k: v for k, v in slot.items()})
-        rows = run_prebuilt(conn, PG_BEGIN_COMMON, params)
-        seq = rows[0][0] if rows else None
-        if seq is None:
-            return None
-        values["seq"] = seq
-        return values
+    def _begin_new(self, conn: Connection, spec: BeginSpec, run: Any, nxt: Any, now: float
+                   ) -> tuple[AttemptRecord, tuple[str, float | None] | None]:
+        if run.max_calls - run.carved_calls - run.calls_used <= 0:
+            raise AllowanceExhausted(
+                f"run {spec.run_id!r} has used its model-call allowance "
+                f"({run.calls_used} of {run.max_calls}); nothing was sent",
+                run_id=spec.run_id, field="calls",
+            )
+        if spec.take_retry and run.max_retries - run.carved_retries - run.retries_used <= 0:
+            raise AllowanceExhausted(
+                f"run {spec.run_id!r} has no retry permission left ({run.retries_used} of "
+                f"{run.max_retries} used); every further attempt of a turn takes one",
+                run_id=spec.run_id, field="retries",
+            )
+        available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
+                     - run.posted_micros)
+        if spec.reserve_micros > available:
+            raise BudgetExceeded(
+                f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
+                f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
+                run_id=spec.run_id, field="cost",
+                requested=str(from_micros(spec.reserve_micros)),
+                available=str(from_micros(available)),
+            )
+        if run.max_tokens is not None:
+            tokens_left = run.max_tokens - run.tokens_reserved - run.tokens_used
+            if spec.reserve_tokens > tokens_left:
+                raise BudgetExceeded(
+                    f"a hold of {spec.reserve_tokens} tokens would overdraw run "
+                    f"{spec.run_id!r}'s token budget (left: {tokens_left}); nothing was sent",
+                    run_id=spec.run_id, field="tokens", requested=spec.reserve_tokens,
+                    available=tokens_left,
+                )
+        rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
+        debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
+        debit, values, slot, run_params = begin_rows(spec, nxt.next_seq, rejected, now)
+        if not rejected and self.dialect == "postgresql":
+            # The same writes as below, as one statement (one round trip).
+            params = {**run_params,
+                      **event_params(spec.events, spec.run_id, spec.attempt_id, now)}
+            params.update({"d_" + k: v for k, v in debit.items()})
+            params.update({"a_" + k: v for k, v in values.items()})
+            params.update({"s_" + k: v for k, v in slot.items()})
+            run_prebuilt(conn, pg_begin_writes(len(spec.events)), params)
+        else:
+            run_prebuilt(conn, INS_DEBIT, debit)
+            run_prebuilt(conn, INS_ATTEMPT, values)
+            for kind, data in spec.events:
+                self.add_event(conn, spec.run_id, spec.attempt_id, kind, data, now)
+            if rejected:
+                self.add_event(conn, spec.run_id, spec.attempt_id, "reject",
+                               {"reason": rejected[0], "until": rejected[1],
+                                "group": spec.route.group}, now)
+            else:
+                run_prebuilt(conn, INS_SLOT, slot)
+            run_prebuilt(conn, BEGIN_RUN, run_params)
+        # The record from what was just written (no re-read of the rows).
+        return written_attempt(values, debit_state.value), rejected
+
+    def _adopt(self, conn: Connection, prior: Any, fence: int, now: float) -> AttemptRecord:
+        a = s.attempts.c
+        gs = s.group_slots.c
+        conn.execute(s.attempts.update().where(a.attempt_id == prior.attempt_id)
+                     .values(fence=fence))
+        conn.execute(s.group_slots.update().where(gs.attempt_id == prior.attempt_id)
+                     .values(fence=fence))
+        self.add_event(conn, prior.run_id, prior.attempt_id, "adopt",
+                       {"from_fence": int(prior.fence), "fence": fence}, now)
+        return written_attempt({**prior._mapping, "fence": fence}, prior.debit_state)
+
+    def _void_in_place(self, conn: Connection, prior: Any, reason: str, fence: int,
+                       now: float) -> None:
+        """A dispatching Attempt that provably never left: not sent, holds voided, call and
+        slot given back (used when its adoption is refused by its group)."""
+        a = s.attempts.c
+        r = s.runs.c
+        conn.execute(s.attempts.update().where(a.attempt_id == prior.attempt_id).values(
+            state=AttemptState.NOT_SENT.value, reject_reason=reason, settled_at=now,
+            settle_fence=fence))
+        conn.execute(s.debits.update().where(s.debits.c.debit_id == prior.debit_id)
+                     .values(state=DebitState.VOIDED.value, settled_at=now))
+        run_prebuilt(conn, DEL_SLOT, {"k_attempt_id": prior.attempt_id})
+        conn.execute(s.runs.update().where(r.run_id == prior.run_id).values(
+            reserved_micros=r.reserved_micros - prior.debit_reserved_micros,
+            tokens_reserved=r.tokens_reserved - prior.reserved_tokens,
+            calls_used=r.calls_used - 1, updated_at=now))
+        self.add_event(conn, prior.run_id, prior.attempt_id, "reject",
+                       {"reason": reason, "group": prior.group_id, "adoption": True}, now)
 
     def _admit_capacity(self, conn: Connection, group: str, now: float, looked_up: Any
                         ) -> tuple[str, float | None] | None:
@@ -482,8 +594,38 @@ class Store:
             ).scalar_one()
         )
 
-    def settle_attempt(self, run_id: str, spec: SettleSpec, now: float) -> AttemptRecord:
-        """Record an attempt's outcome in one transaction; a settled attempt is never rewritten."""
+    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
+        """Record an attempt's outcome in one transaction; a settled attempt is never rewritten.
+
+        Accepted for an Attempt begun under the lease's fence while that fence is current, even
+        after the lease expired (the outcome is the truth; its slot already counted as free).
+        Refused with :class:`FencedOut` once the Run was taken over (by another executor, by
+        recovery, or by this executor acquiring again); the refused observation is kept as a
+        ``late_receipt`` event on the Attempt, and its row does not change.
+        """
+        try:
+            return self._settle(run_id, spec, clock)
+        except FencedOut as e:
+            self._late_receipt(run_id, spec, clock(), str(e))
+            raise
+        except SettleConflict as e:
+            if e.fields.get("state") == AttemptState.UNKNOWN.value:
+                self._late_receipt(run_id, spec, clock(), str(e))
+            raise
+
+    def _late_receipt(self, run_id: str, spec: SettleSpec, now: float, why: str) -> None:
+        """Keep a refused settle's observation beside the Attempt (append-only, no fence)."""
+        with self.writing() as conn:
+            self.add_event(conn, run_id, spec.attempt_id, "late_receipt", {
+                "outcome": spec.outcome.value,
+                "fact": spec.fact.to_json() if spec.fact else None,
+                "prompt_tokens": spec.prompt_tokens,
+                "completion_tokens": spec.completion_tokens,
+                "cost_micros": spec.cost_micros, "model_reported": spec.model_reported,
+                "output_hash": spec.output_hash, "fence": spec.fence, "refused": why,
+            }, now)
+
+    def _settle(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
         with self.writing() as conn:
             # The run lock, then the attempt with its debit's state and hold (and the first
             # health row it updates, unlocked), in one statement; both in one round trip on
@@ -495,7 +637,8 @@ class Store:
                 else (SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params))
             locked_rows, rows = run_prebuilt_batch(
                 conn, [(LOCK_RUN_FENCE, {"k_run_id": run_id}), read])
-            self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE, locked_rows)
+            run = self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE, locked_rows)
+            now = clock()
             att = rows[0] if rows else None
             if att is None:
                 raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
@@ -508,28 +651,30 @@ class Store:
             if att.state != AttemptState.DISPATCHING.value:
                 if att.settle_hash == spec.settle_hash:
                     return attempt_record(att, att.debit_state)  # the same settle again: same write
-                if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None:
-                    pass  # recovery marked it unknown; a late receipt may still settle it
-                else:
-                    raise SettleConflict(
-                        f"attempt {spec.attempt_id!r} is already settled as {att.state} with "
-                        "different content; a settled attempt is immutable",
-                        attempt_id=spec.attempt_id, state=att.state,
-                    )
-            if att.debit_state is None:  # no debit row: fails as before (NoResultFound)
-                conn.execute(select(s.debits).where(s.debits.c.debit_id == att.debit_id)).one()
-            reserved = att.debit_reserved_micros
-            posted = 0
-            if spec.outcome is Outcome.UNKNOWN:
-                debit_state = DebitState.RESERVED  # may have executed: the hold stays
-            elif spec.void_hold:
-                debit_state = DebitState.VOIDED
-            else:
-                debit_state = DebitState.POSTED
-                posted = min(spec.cost_micros or 0, reserved)
+                raise SettleConflict(
+                    f"attempt {spec.attempt_id!r} is already settled as {att.state} with "
+                    "different content; a settled attempt is immutable",
+                    attempt_id=spec.attempt_id, state=att.state,
+                )
+            if att.fence != spec.fence:
+                raise FencedOut(
+                    f"attempt {spec.attempt_id!r} was begun under fence {att.fence}, and run "
+                    f"{run_id!r} has since been acquired again (fence {spec.fence}): its "
+                    "outcome is kept as a late receipt; recovery marks it unknown",
+                    run_id=run_id, fence=spec.fence, attempt_fence=int(att.fence),
+                )
+            if att.debit_state is None:
+                raise StorageError(f"attempt {spec.attempt_id!r} has no debit row",
+                                   attempt_id=spec.attempt_id)
+            tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
+                      else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
+            holds = settle_holds(spec.outcome, spec.fact, cost_micros=spec.cost_micros,
+                                 tokens=tokens, reserved_micros=att.debit_reserved_micros,
+                                 reserved_tokens=att.reserved_tokens,
+                                 token_budget=run.max_tokens is not None)
             fact = spec.fact
             values: dict[str, Any] = {
-                "state": spec.outcome.value,
+                "state": AttemptState(spec.outcome.value).value,
                 "fact": json.dumps(fact.to_json()) if fact else None,
                 "category": fact.category.value if fact else None,
                 "http_status": fact.status if fact else None,
@@ -545,18 +690,20 @@ class Store:
                 "settled_at": now,
             }
             settle_debit = (att.debit_state == DebitState.RESERVED.value
-                            and debit_state is not DebitState.RESERVED)
-            final_debit_state = debit_state.value if settle_debit else att.debit_state
-            release = reserved if settle_debit else 0
+                            and holds.debit is not DebitState.RESERVED)
+            final_debit_state = holds.debit.value if settle_debit else att.debit_state
             succeeded = spec.outcome is Outcome.SUCCEEDED
-            tokens = (spec.prompt_tokens or 0) + (spec.completion_tokens or 0)
             run_params: dict[str, Any] = {
-                "k_run_id": run_id, "k_release": release, "k_posted": posted,
-                "k_tokens": tokens, "k_now": now,
+                "k_run_id": run_id,
+                "k_release": holds.release_micros if settle_debit else 0,
+                "k_posted": holds.posted_micros if settle_debit else 0,
+                "k_release_tokens": holds.release_tokens if settle_debit else 0,
+                "k_tokens": holds.tokens_used, "k_uncount": 1 if holds.uncount_call else 0,
+                "k_now": now,
             }
             if succeeded:
                 run_params.update(k_route=att.route_id, k_profile=att.profile_id)
-            debit_params = {"state": debit_state.value, "posted_micros": posted,
+            debit_params = {"state": holds.debit.value, "posted_micros": holds.posted_micros,
                             "settled_at": now}
             # The first health row's new values, when it exists and changes. An unchanged row
             # (a success on a healthy key) is neither locked nor written: serialized, that
@@ -662,19 +809,30 @@ class Store:
                 )
             )
 
-    def mark_unknown(self, run_id: str, attempt_id: str, fence: int, now: float,
+    def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
                      reason: str) -> AttemptRecord:
-        """Dispatched without a receipt: unknown, keeping its hold (used by recovery)."""
+        """Dispatched without a receipt: unknown, keeping its hold (a graceful shutdown).
+        Like settle, accepted under the fence the Attempt was begun under while it is current."""
         a = s.attempts.c
         with self.writing() as conn:
-            self._lock_run(conn, run_id, fence)
-            att = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
+            self._lock_run(conn, lease.run_id, lease.fence, LOCK_RUN_FENCE)
+            now = clock()
+            att = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id,
+                                                        a.run_id == lease.run_id)).first()
+            if att is None:
+                raise NotFound(f"unknown attempt id {attempt_id!r} in run {lease.run_id!r}",
+                               attempt_id=attempt_id, run_id=lease.run_id)
             if att.state == AttemptState.DISPATCHING.value:
+                if att.fence != lease.fence:
+                    raise FencedOut(
+                        f"attempt {attempt_id!r} was begun under fence {att.fence}, not "
+                        f"{lease.fence}; recovery marks it unknown",
+                        run_id=lease.run_id, fence=lease.fence, attempt_fence=int(att.fence))
                 conn.execute(s.attempts.update().where(a.attempt_id == attempt_id)
                              .values(state=AttemptState.UNKNOWN.value, settled_at=now,
-                                     settle_fence=fence))
+                                     settle_fence=lease.fence))
                 conn.execute(s.group_slots.delete().where(s.group_slots.c.attempt_id == attempt_id))
-                self.add_event(conn, run_id, attempt_id, "unknown", {"reason": reason}, now)
+                self.add_event(conn, lease.run_id, attempt_id, "unknown", {"reason": reason}, now)
             row = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
             return self._attempt(conn, row)
 
@@ -707,24 +865,55 @@ class Store:
 
     def group_projections(self, groups: Iterable[str] | None, now: float
                           ) -> dict[str, GroupProjection]:
-        g = s.capacity_groups.c
         with self.reading() as conn:
-            q = select(s.capacity_groups)
-            if groups is not None:
-                q = q.where(g.group_id.in_(list(groups)))
-            rows = conn.execute(q).all()
-            out: dict[str, GroupProjection] = {}
-            for row in rows:
-                mode = GroupMode(row.mode)
-                if mode is not GroupMode.OPEN and row.until is not None and row.until <= now:
-                    mode = GroupMode.OPEN  # the waiting floor has passed
-                out[row.group_id] = GroupProjection(
-                    group=row.group_id, mode=mode, until=row.until,
-                    sampled_at=row.sampled_at if row.sampled_at is not None else now,
-                    in_flight=self._live_slots(conn, row.group_id, now),
-                    limit=row.max_in_flight,
-                )
+            return self._projections(conn, groups, now)
+
+    def _projections(self, conn: Connection, groups: Iterable[str] | None, now: float
+                     ) -> dict[str, GroupProjection]:
+        g = s.capacity_groups.c
+        q = select(s.capacity_groups)
+        if groups is not None:
+            q = q.where(g.group_id.in_(list(groups)))
+        out: dict[str, GroupProjection] = {}
+        for row in conn.execute(q).all():
+            mode = GroupMode(row.mode)
+            if mode is not GroupMode.OPEN and row.until is not None and row.until <= now:
+                mode = GroupMode.OPEN  # the waiting floor has passed
+            # Only a limited group's live slots matter to anyone; counting them is a scan.
+            in_flight = (self._live_slots(conn, row.group_id, now)
+                         if row.max_in_flight is not None else 0)
+            out[row.group_id] = GroupProjection(
+                group=row.group_id, mode=mode, until=row.until,
+                sampled_at=row.sampled_at if row.sampled_at is not None else now,
+                in_flight=in_flight, limit=row.max_in_flight,
+            )
         return out
+
+    def turn_snapshot(self, run_id: str, groups: Sequence[str], health_keys: Sequence[str],
+                      provenance_runs: Sequence[str], refs: Sequence[str], clock: ClockFn
+                      ) -> tuple[Any, dict[str, GroupProjection], dict[str, Health],
+                                 dict[str, frozenset[str]], float]:
+        """One read transaction: the run's live row (counters, current route, lease; not its
+        frozen snapshots), the groups' projections, the health rows, and the provenance of
+        ``refs`` recorded by ``provenance_runs``."""
+        h = s.health.c
+        p = s.provenance.c
+        with self.reading() as conn:
+            now = clock()
+            row = conn.execute(SEL_RUN_LIVE, {"k_run_id": run_id}).first()
+            if row is None:
+                raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
+                               run_id=run_id)
+            projections = self._projections(conn, groups, now)
+            health = {r.key: health_record(r) for r in
+                      conn.execute(select(s.health).where(h.key.in_(list(health_keys)))).all()}
+            prov: dict[str, set[str]] = {}
+            if refs:
+                for ref, digest in conn.execute(
+                        select(p.ref, p.content_hash).where(
+                            p.run_id.in_(list(provenance_runs)), p.ref.in_(list(refs)))):
+                    prov.setdefault(ref, set()).add(digest)
+        return row, projections, health, {k: frozenset(v) for k, v in prov.items()}, now
 
     def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
         h = s.health.c
@@ -754,13 +943,14 @@ class Store:
 
     # -- provenance and events ------------------------------------------------------------
 
-    def record_provenance(self, run_id: str, fence: int, ref: str, content_hash: str,
-                          kind: str, now: float) -> None:
+    def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
+                          clock: ClockFn) -> None:
         with self.writing() as conn:
-            self._lock_run(conn, run_id, fence)
+            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
             conn.execute(
                 self.insert_for(s.provenance).values(
-                    run_id=run_id, ref=ref, content_hash=content_hash, kind=kind, created_at=now,
+                    run_id=lease.run_id, ref=ref, content_hash=content_hash, kind=kind,
+                    created_at=now,
                 ).on_conflict_do_nothing()
             )
 
@@ -773,12 +963,11 @@ class Store:
                 out.setdefault(ref, set()).add(h)
             return out
 
-    def append_event(self, run_id: str | None, attempt_id: str | None, kind: str,
-                     data: Mapping[str, Any], now: float, fence: int | None = None) -> None:
+    def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
+                     data: Mapping[str, Any], clock: ClockFn) -> None:
         with self.writing() as conn:
-            if run_id is not None and fence is not None:
-                self._lock_run(conn, run_id, fence)
-            self.add_event(conn, run_id, attempt_id, kind, data, now)
+            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
+            self.add_event(conn, lease.run_id, attempt_id, kind, data, now)
 
     def add_event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                data: Mapping[str, Any], now: float) -> None:

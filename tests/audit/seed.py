@@ -87,7 +87,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
     _at(clock, 1, 12)
     led.settle_attempt(lease, a2.attempt_id, outcome="succeeded", prompt_tokens=100,
                        completion_tokens=50, cost="0.002")
-    led.finish_run("r1", lease.fence, "succeeded")
+    led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 
     # r2: plain success on A.
@@ -100,7 +100,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
     _at(clock, 2, 3)
     led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=10,
                        completion_tokens=5, cost="0.001")
-    led.finish_run("r2", lease.fence, "succeeded")
+    led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 
     # r3: server error on B, same-route retry, success on B.
@@ -121,7 +121,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
     _at(clock, 3, 6)
     led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=20,
                        completion_tokens=10, cost="0.003")
-    led.finish_run("r3", lease.fence, "succeeded")
+    led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 
     # r4: sent on C, no receipt: unknown.
@@ -138,7 +138,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
     # r5: still dispatching under a live lease.
     _at(clock, 5, 0)
     led.admit_run("r5", plan=[A], budget=BUDGET)
-    lease = led.acquire_lease("r5", ttl_s=100_000)
+    lease = led.acquire_lease("r5", ttl_s=86_400)
     _at(clock, 5, 1)
     led.begin_attempt(lease, route="A", envelope_hash=ENV, reserve="0.03", profile_id="pa1",
                       attempt_id="r5-a1")
@@ -153,7 +153,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
     _at(clock, 6, 2)
     led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=30,
                        completion_tokens=20, cost="0.004")
-    led.finish_run("r6", lease.fence, "succeeded")
+    led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 
     _at(clock, 6, 50)

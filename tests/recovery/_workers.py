@@ -210,7 +210,7 @@ def owner_soak_worker(url: str, prefix: str, seconds: int, log: str, seed: int,
                     bump("stopped")
                     status = "stopped"
                     break
-            led.finish_run(run_id, lease.fence, status)
+            led.finish_run(lease, status)
             led.release_lease(lease)
         except FencedOut:
             bump("fenced")

@@ -108,7 +108,7 @@ def test_graceful_shutdown_settles_in_flight(db_url: str) -> None:
     keeper.mark_sent(sent.attempt_id)
     keeper.close()  # never started: shutdown alone
     a = led.get_attempt(unsent.attempt_id)
-    assert a.state is AttemptState.FAILED and a.debit_state is DebitState.VOIDED
+    assert a.state is AttemptState.NOT_SENT and a.debit_state is DebitState.VOIDED
     b = led.get_attempt(sent.attempt_id)
     assert b.state is AttemptState.UNKNOWN and b.debit_state is DebitState.RESERVED
     run = led.get_run("r1")

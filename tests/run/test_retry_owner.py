@@ -15,7 +15,7 @@ from ledger.core.envelope import Envelope, Part
 from ledger.core.facts import Observation, Protocol, Transport
 from ledger.errors import FailoverExhausted, ProviderError
 from ledger.model import Budget, Grant, GroupMode, Price, Route
-from ledger.records import AttemptKind, AttemptState, DebitState
+from ledger.records import AttemptKind, AttemptState, DebitState, Lease
 from ledger.run import Dispatch, Notice, SendResult, aexecute, execute
 
 GO_DS = Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
@@ -64,7 +64,7 @@ def led(db_url: str, clock: ManualClock) -> Iterator[Ledger]:
 
 def admit(led: Ledger, run_id: str = "r", policy: str = "failure-domain",
           retries: int = 3, calls: int = 6, grant: Grant | None = None,
-          role: str = "research", plan: list[Route] | None = None) -> object:
+          role: str = "research", plan: list[Route] | None = None) -> Lease:
     led.admit_run(run_id, plan=plan or PLAN,
                   budget=Budget(max_calls=calls, max_retries=retries, max_cost=Decimal("1")),
                   grant=grant or Grant(recipients={"go-gateway": ["user_input"],
@@ -332,11 +332,11 @@ def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) ->
                                                  max_cost=Decimal("0.2")),
                   grant=Grant(recipients={"go-gateway": ["user_input"],
                                           "deepseek": ["user_input"]}),
-                  parent_run_id="p", parent_fence=parent.fence)  # type: ignore[attr-defined]
+                  parent=parent)
     led.admit_run("c2", plan=PLAN[1:], budget=Budget(max_calls=3, max_retries=2,
                                                      max_cost=Decimal("0.2")),
                   grant=Grant(recipients={"deepseek": ["user_input"]}),
-                  parent_run_id="p", parent_fence=parent.fence)  # type: ignore[attr-defined]
+                  parent=parent)
     l1, l2 = led.acquire_lease("c1"), led.acquire_lease("c2")
     done = execute(led, l2, ENV, Script(go_glm=[fail(status=503)]))  # type: ignore[arg-type]
     assert done.route.id == "official-deepseek"  # go-glm is not approved for c2's grant

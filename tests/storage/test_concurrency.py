@@ -6,10 +6,12 @@ accident of timing: every overlap of in-flight intervals is checked.
 
 from __future__ import annotations
 
+import time
 from decimal import Decimal
 from pathlib import Path
 
 from ledger.api import Ledger
+from ledger.clock import ManualClock
 from ledger.records import AttemptState
 
 from .helpers import budget, collect, routes, spawn
@@ -68,9 +70,11 @@ def test_group_limit_never_exceeded_across_processes(db_url: str, tmp_path: Path
 
 
 def test_stale_fence_never_writes_from_other_processes(db_url: str) -> None:
-    with Ledger.open(db_url) as led:
+    clock = ManualClock(time.time())
+    with Ledger.open(db_url, clock=clock) as led:
         led.admit_run("fenced", plan=routes(), budget=budget(calls=1000, retries=1000))
-        old = led.acquire_lease("fenced", ttl_s=0.001, executor_id="old")
+        old = led.acquire_lease("fenced", ttl_s=1, executor_id="old")
+        clock.advance(2)  # the old lease expires: the new executor acquires it
         new = led.acquire_lease("fenced", ttl_s=600, executor_id="new")
         assert new.fence > old.fence
     results = collect([spawn("stale", db_url, "fenced", old.fence, 10) for _ in range(WORKERS)])
@@ -94,7 +98,7 @@ def test_child_carving_under_concurrency(db_url: str) -> None:
             try:
                 led.admit_run(f"child-{i}", plan=routes(), budget=budget(calls=1, retries=0,
                                                                          cost="0.15"),
-                              parent_run_id="parent", parent_fence=lease.fence)
+                              parent=lease)
                 return True
             except (BudgetExceeded, AllowanceExhausted):
                 return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
@@ -261,28 +262,28 @@ def test_child_budget_carved_and_broader_refused(led: Ledger) -> None:
                   grant=grant())
     pl = led.acquire_lease("p")
     child = led.admit_run("c1", plan=routes()[1:], budget=budget(calls=4, retries=2, cost="0.6"),
-                          grant=Grant(recipients={"r1": ["user_input"]}), parent_run_id="p",
-                          parent_fence=pl.fence)
+                          grant=Grant(recipients={"r1": ["user_input"]}), parent=pl)
     assert child.parent_run_id == "p"
     parent = led.get_run("p")
     assert parent.carved == Decimal("0.6") and parent.calls_left == 6 and parent.retries_left == 2
     with pytest.raises(BudgetExceeded):
         led.admit_run("c2", plan=routes(), budget=budget(calls=1, retries=0, cost="0.5"),
-                      grant=grant(), parent_run_id="p", parent_fence=pl.fence)
+                      grant=grant(), parent=pl)
     with pytest.raises(InvalidArgument, match="narrow"):
         led.admit_run("c3", plan=routes(), budget=budget(calls=1, retries=0, cost="0.1"),
                       grant=Grant(recipients={"r2": ["user_input", "memory"]}),
-                      parent_run_id="p", parent_fence=pl.fence)
+                      parent=pl)
     from ledger.model import Price, Route
 
     with pytest.raises(InvalidArgument, match="approved candidates"):
         led.admit_run("c4", plan=[Route(id="x", provider="p9", model="m", group="z",
                                         recipient="r9", price=Price())],
                       budget=budget(calls=1, retries=0, cost="0.1"), grant=Grant(),
-                      parent_run_id="p", parent_fence=pl.fence)
+                      parent=pl)
+    stale = replace(pl, fence=pl.fence - 1)
     with pytest.raises(FencedOut):
         led.admit_run("c5", plan=routes(), budget=budget(calls=1, retries=0, cost="0.1"),
-                      grant=grant(), parent_run_id="p", parent_fence=pl.fence - 1)
+                      grant=grant(), parent=stale)
     # The parent's own spending respects the carve.
     with pytest.raises(BudgetExceeded):
         led.begin_attempt(pl, route="a", envelope_hash="sha256:e", reserve="0.5")
