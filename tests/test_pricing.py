@@ -111,8 +111,8 @@ def test_a_child_takes_its_parents_frozen_prices(db_url: str) -> None:
     clock = ManualClock(_at("2025-01-01"))
     with Ledger.open(db_url, clock=clock) as led:
         led.admit_run("p", plan=[_route(model="o3")], budget=BUDGET)
-        lease = led.acquire_lease("p")
         clock.set(_at("2025-07-01"))  # the table's o3 price has changed since
+        lease = led.acquire_lease("p")  # the parent, leased now (a child needs its lease)
         led.admit_run("c", plan=[_route(model="o3")], parent=lease,
                       budget=Budget(max_calls=1, max_retries=0, max_cost=Decimal("0.5")))
         assert led.get_run("c").plan == led.get_run("p").plan
