@@ -360,7 +360,7 @@ class _Loop:
     def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
                             ) -> Generator[Effect[Any], Any, None]:
         """The send was interrupted (or the send function broke): settle truthfully."""
-        if dispatch.progress.sent is False:
+        if dispatch.progress.provably_unsent:
             settle = Settle(self.lease, att.attempt_id, Outcome.NOT_SENT,
                             fact=CANCELLED_FACT.model_copy(update={"phase": Phase.BEFORE_SEND}))
         else:
@@ -551,6 +551,8 @@ def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunRes
                     except Exception as again:
                         error = again
         done, item = _advance(gen, value, error)
+    if pending is not None:
+        raise pending  # the turn's last write completed; the interruption still stands
     return item  # type: ignore[no-any-return]
 
 
@@ -589,6 +591,8 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
             except BaseException as e:
                 error = e
         done, item = _advance(gen, value, error)
+    if pending is not None:
+        raise pending  # the turn's last write completed; the cancellation still stands
     return item  # type: ignore[no-any-return]
 
 
@@ -606,6 +610,7 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
         case Settle():
             return _settle(ledger, eff)
         case Send(dispatch=dispatch):
+            dispatch.progress.handed_over = True
             return send(dispatch)
         case Sleep(seconds=seconds):
             sleeper.sleep(seconds)
@@ -637,6 +642,7 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
     led = ledger.sync
     match eff:
         case Send(dispatch=dispatch):
+            dispatch.progress.handed_over = True
             out = send(dispatch)
             return await out if inspect.isawaitable(out) else out
         case Sleep(seconds=seconds):

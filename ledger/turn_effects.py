@@ -56,11 +56,17 @@ class TurnSnapshot:
 
 @dataclass
 class SendProgress:
-    """How far a send got, as the sender reports it: ``sent`` is ``False`` until the first byte
-    of the request is handed to the network, ``True`` from then on, and ``None`` when the sender
-    does not say (then the request is treated as possibly sent)."""
+    """How far a send got. ``handed_over``: the driver called the send function (before that,
+    nothing can have left). ``sent``: the sender's own report — ``False`` until the first byte
+    of the request is written to the network, ``True`` from then on; ``None`` when the sender
+    does not report it, and then a request handed over counts as possibly sent."""
 
+    handed_over: bool = False
     sent: bool | None = None
+
+    @property
+    def provably_unsent(self) -> bool:
+        return not self.handed_over or self.sent is False
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ from ledger.core.facts import Observation, Phase, Transport
 from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
+from ledger.turn_effects import SendProgress
 
 log = logging.getLogger("ledger.adapters")
 
@@ -130,15 +131,21 @@ _DRAIN_AFTER_TERMINATOR_S = 1.0
 
 
 class _Progress:
-    """How far the request got, from httpcore's trace events."""
+    """How far the request got, from httpcore's trace events; mirrored into the caller's
+    :class:`~ledger.turn_effects.SendProgress` so an interrupted call is settled truthfully."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: SendProgress | None = None) -> None:
         self.request_sent = False
         self.headers_received = False
+        self.report = report
+        if report is not None:
+            report.sent = False
 
     async def trace(self, name: str, info: Mapping[str, Any]) -> None:
         if name.endswith("send_request_headers.started"):
             self.request_sent = True
+            if self.report is not None:
+                self.report.sent = True
         elif name.endswith("receive_response_headers.complete"):
             self.headers_received = True
 
@@ -176,7 +183,7 @@ class _Call:
     limits: StreamingPolicy
     stream: bool
     t0: float
-    progress: _Progress = field(default_factory=_Progress)
+    progress: _Progress
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     request_id: str | None = None
@@ -304,11 +311,14 @@ class HttpAdapter:
         profile_id: str | None,
         on_event: EventCallback | None = None,
         limits: StreamingPolicy | None = None,
+        progress: SendProgress | None = None,
     ) -> AdapterResult:
         """Send ``envelope`` on ``route`` with the secret of ``profile_id``; report the outcome.
 
         ``on_event`` (sync or async) receives :class:`TextDelta` and :class:`ToolCallProposal`
         as they stream, and a :class:`Reset` when a stream fails after delivering any of them.
+        ``progress`` is told when the first request byte is written (so a cancelled call is
+        known to have been sent, or not).
         """
         self._check(route, envelope)
         codec = codec_for(route.protocol)
@@ -327,6 +337,7 @@ class HttpAdapter:
             limits=lim,
             stream=envelope.stream,
             t0=loop.time(),
+            progress=_Progress(progress),
         )
         client = self.clients.get(wire.url)
         try:

@@ -53,7 +53,7 @@ def async_sender(
 ) -> Callable[[Dispatch], Awaitable[SendResult]]:
     async def send(d: Dispatch) -> SendResult:
         res = await adapter.send(d.route, d.envelope, profile_id=d.profile_id,
-                                 on_event=on_event, limits=limits)
+                                 on_event=on_event, limits=limits, progress=d.progress)
         return to_send_result(res, d.attempt_id)
 
     return send
@@ -67,7 +67,7 @@ def sync_sender(
 ) -> Callable[[Dispatch], SendResult]:
     def send(d: Dispatch) -> SendResult:
         res = adapter.send(d.route, d.envelope, profile_id=d.profile_id, on_event=on_event,
-                           limits=limits)
+                           limits=limits, progress=d.progress)
         return to_send_result(res, d.attempt_id)
 
     return send

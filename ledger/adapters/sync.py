@@ -21,6 +21,7 @@ from ledger.core.envelope import Envelope
 from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
+from ledger.turn_effects import SendProgress
 
 
 class SyncAdapter:
@@ -63,6 +64,7 @@ class SyncAdapter:
         profile_id: str | None,
         on_event: EventCallback | None = None,
         limits: StreamingPolicy | None = None,
+        progress: SendProgress | None = None,
     ) -> AdapterResult:
         if self._closed:
             raise InvalidArgument("this SyncAdapter is closed; create a new one", field="self")
@@ -74,7 +76,8 @@ class SyncAdapter:
             )
         fut = asyncio.run_coroutine_threadsafe(
             self.adapter.send(
-                route, envelope, profile_id=profile_id, on_event=on_event, limits=limits
+                route, envelope, profile_id=profile_id, on_event=on_event, limits=limits,
+                progress=progress,
             ),
             self._loop,
         )

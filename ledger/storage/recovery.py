@@ -17,7 +17,9 @@ from typing import Any
 from sqlalchemy import Connection, and_, exists, func, not_, or_, select
 
 from ledger import faults
-from ledger.records import AttemptRecord, AttemptState, DebitState, Lease, RunStatus
+from ledger.core.facts import FailureFact
+from ledger.effects import settle_holds
+from ledger.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
 from ledger.storage import schema as s
 from ledger.storage.rows import attempt_record
 from ledger.storage.store import Store
@@ -309,7 +311,8 @@ def reconcile_rows(store: Store, now: float) -> Figures:
                     if deb.posted_micros > deb.reserved_micros:
                         v.append(f"{where}: posted {deb.posted_micros} above its hold")
                     posted += deb.posted_micros
-                    if deb.posted_micros != min(att.cost_micros or 0, deb.reserved_micros):
+                    if deb.posted_micros != _expected_post(att, deb.reserved_micros,
+                                                           run.max_tokens is not None):
                         v.append(f"{where}: posted {deb.posted_micros} != the settled cost")
                 elif deb.posted_micros:
                     v.append(f"{where}: a {deb.state} debit posted {deb.posted_micros}")
@@ -377,6 +380,16 @@ def reconcile_rows(store: Store, now: float) -> Figures:
                         and att.attempt_id not in unknown_events:
                     v.append(f"attempt {att.attempt_id}: unknown without an 'unknown' event")
     return fig
+
+
+def _expected_post(att: Any, reserved_micros: int, token_budget: bool) -> int:
+    """What settle posts for this attempt (the same pure rule settle applied)."""
+    fact = FailureFact.model_validate_json(att.fact) if att.fact else None
+    tokens = (None if att.prompt_tokens is None and att.completion_tokens is None
+              else (att.prompt_tokens or 0) + (att.completion_tokens or 0))
+    return settle_holds(Outcome(att.state), fact, cost_micros=att.cost_micros, tokens=tokens,
+                        reserved_micros=reserved_micros, reserved_tokens=att.reserved_tokens,
+                        token_budget=token_budget).posted_micros
 
 
 def event_counts(store: Store, kinds: list[str]) -> dict[str, int]:

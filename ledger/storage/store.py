@@ -290,6 +290,11 @@ class Store:
         """
         row = self._lock_run(conn, lease.run_id, lease.fence, stmt, rows)
         now = clock()
+        self._check_live(row, lease, now)
+        return row, now
+
+    def _check_live(self, row: Any, lease: Lease, now: float) -> None:
+        """Raise unless ``lease`` is live at ``now`` on the locked run ``row``."""
         problem = lease_problem(row.lease_holder, row.lease_expires_at, lease.executor, now,
                                 self.lease_margin_s)
         if problem == "released":
@@ -308,7 +313,6 @@ class Store:
             raise FencedOut(
                 f"run {lease.run_id!r} is held by {row.lease_holder!r}, not {lease.executor!r}",
                 run_id=lease.run_id, fence=lease.fence, current=row.fence)
-        return row, now
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -327,7 +331,11 @@ class Store:
                     f"{row.lease_expires_at}; wait for it to expire or for recovery",
                     run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at,
                 )
-            if live:
+            if live and lease_problem(row.lease_holder, row.lease_expires_at, executor, now,
+                                      self.lease_margin_s) is None:
+                # One's own live lease: renewed under the same fence. Inside the margin it is
+                # not extended (another process may already count it as ended): the fence
+                # moves on instead, as after expiry.
                 expires = max(float(row.lease_expires_at), now + ttl_s)
                 conn.execute(s.runs.update().where(r.run_id == run_id)
                              .values(lease_expires_at=expires, updated_at=now))
@@ -340,8 +348,8 @@ class Store:
                 )
             )
             self.add_event(conn, run_id, None, "lease",
-                           {"executor": executor, "fence": fence, "previous": row.lease_holder},
-                           now)
+                           {"executor": executor, "fence": fence, "previous": row.lease_holder,
+                            "expires_at": now + ttl_s}, now)
         return Lease(run_id, executor, fence, now + ttl_s)
 
     def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
@@ -443,13 +451,14 @@ class Store:
                 # The same begin, retried under a lease acquired again after its
                 # acknowledgement was lost: its request was never sent. It is adopted under the
                 # new fence (its slot counts again) if its group still admits it.
-                rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
+                rejected, now = self._admit_capacity(conn, spec.route.group, now, nxt, clock)
+                self._check_live(run, lease, now)
                 if rejected is None:
                     record = self._adopt(conn, prior, spec.fence, now)
                 else:
                     self._void_in_place(conn, prior, rejected[0], spec.fence, now)
             else:
-                record, rejected = self._begin_new(conn, spec, run, nxt, now)
+                record, rejected = self._begin_new(conn, spec, run, nxt, now, clock)
             faults.point("begin.before_commit")
         faults.point("begin.after_commit")
         if rejected:
@@ -462,8 +471,8 @@ class Store:
         assert record is not None
         return record
 
-    def _begin_new(self, conn: Connection, spec: BeginSpec, run: Any, nxt: Any, now: float
-                   ) -> tuple[AttemptRecord, tuple[str, float | None] | None]:
+    def _begin_new(self, conn: Connection, spec: BeginSpec, run: Any, nxt: Any, now: float,
+                   clock: ClockFn) -> tuple[AttemptRecord, tuple[str, float | None] | None]:
         if run.max_calls - run.carved_calls - run.calls_used <= 0:
             raise AllowanceExhausted(
                 f"run {spec.run_id!r} has used its model-call allowance "
@@ -495,7 +504,12 @@ class Store:
                     run_id=spec.run_id, field="tokens", requested=spec.reserve_tokens,
                     available=tokens_left,
                 )
-        rejected = self._admit_capacity(conn, spec.route.group, now, nxt)
+        rejected, decided = self._admit_capacity(conn, spec.route.group, now, nxt, clock)
+        if decided != now:
+            # The capacity decision read the clock again: the Attempt is recorded at that
+            # time, so the lease must still be live then.
+            now = decided
+            self._check_live(run, Lease(spec.run_id, spec.executor or "", spec.fence, 0.0), now)
         debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
         debit, values, slot, run_params = begin_rows(spec, nxt.next_seq, rejected, now)
         if not rejected and self.dialect == "postgresql":
@@ -551,10 +565,11 @@ class Store:
         self.add_event(conn, prior.run_id, prior.attempt_id, "reject",
                        {"reason": reason, "group": prior.group_id, "adoption": True}, now)
 
-    def _admit_capacity(self, conn: Connection, group: str, now: float, looked_up: Any
-                        ) -> tuple[str, float | None] | None:
-        """None when the group admits one more attempt, else (reason, waiting floor).
-        ``looked_up`` carries the group row as read (unlocked) after the run lock."""
+    def _admit_capacity(self, conn: Connection, group: str, now: float, looked_up: Any,
+                        clock: ClockFn) -> tuple[tuple[str, float | None] | None, float]:
+        """(None, time) when the group admits one more attempt, else ((reason, waiting
+        floor), time); the time is when the decision was taken. ``looked_up`` carries the group
+        row as read (unlocked) after the run lock."""
         # Only a limited group needs its row lock (the slot count must be serialized); reading
         # the mode of an unlimited group without it keeps busy groups from serializing begins.
         row: Any = None
@@ -571,28 +586,30 @@ class Store:
         elif row.max_in_flight is not None:
             row = conn.execute(SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
         if row.mode != GroupMode.OPEN.value and (row.until is None or row.until > now):
-            return ("group_" + row.mode, row.until)
+            return ("group_" + row.mode, row.until), now
         if row.max_in_flight is not None:
-            held = self._live_slots(conn, group, now)
-            if held >= row.max_in_flight:
-                return ("capacity_full", None)
-        return None
+            # The slots are read first and the clock after: a slot released (or a lease that
+            # lapsed) before this decision is then also before it in recorded time.
+            expiries = self._slot_expiries(conn, group)
+            now = max(now, clock())
+            if sum(1 for e in expiries if e > now) >= row.max_in_flight:
+                return ("capacity_full", None), now
+        return None, now
+
+    def _slot_expiries(self, conn: Connection, group: str) -> list[float]:
+        """The lease expiry behind each slot of ``group`` still held under its run's fence."""
+        gs = s.group_slots.c
+        r = s.runs.c
+        return [float(e) for (e,) in conn.execute(
+            select(r.lease_expires_at).select_from(
+                s.group_slots.join(s.runs, r.run_id == gs.run_id)
+            ).where(gs.group_id == group, gs.fence == r.fence, r.lease_expires_at.is_not(None))
+        )]
 
     def _live_slots(self, conn: Connection, group: str, now: float) -> int:
         # A slot counts only while its executor still holds the run (same fence, lease alive):
         # slots of dead executors come back when their lease expires, before any recovery.
-        gs = s.group_slots.c
-        r = s.runs.c
-        return int(
-            conn.execute(
-                select(func.count()).select_from(
-                    s.group_slots.join(s.runs, r.run_id == gs.run_id)
-                ).where(
-                    gs.group_id == group, gs.fence == r.fence,
-                    r.lease_expires_at.is_not(None), r.lease_expires_at > now,
-                )
-            ).scalar_one()
-        )
+        return sum(1 for e in self._slot_expiries(conn, group) if e > now)
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten.

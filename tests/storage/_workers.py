@@ -118,6 +118,52 @@ def probe_worker(url: str, t: int, n: int) -> dict[str, int]:
     return {"won": won}
 
 
+def lapse_worker(url: str, clock_path: str, run_id: str, log_path: str, n: int, ttl: str,
+                 margin: str) -> dict[str, int]:
+    """Begin and settle attempts in the limited group ``g`` on a clock the test moves, never
+    renewing: a lease that lapses (the test may SIGSTOP this process past it) must start
+    nothing; the worker then acquires again. Every lease it gets is logged for the checker."""
+    import time
+
+    from ledger.errors import LeaseHeld, LeaseLost
+    from ledger.testing.clock import SharedClock
+
+    led = Ledger.open(url, migrate_schema=False, clock=SharedClock(clock_path),
+                      executor_id=run_id, lease_margin_s=float(margin))
+    out = {"done": 0, "rejected": 0, "lapsed": 0, "late": 0}
+    log = open(log_path, "a")  # noqa: SIM115 - closed below
+    lease: Lease | None = None
+    while out["done"] < n:
+        if lease is None:
+            try:
+                lease = led.acquire_lease(run_id, ttl_s=float(ttl))
+            except LeaseHeld:
+                time.sleep(0.002)
+                continue
+            log.write(json.dumps({"fence": lease.fence, "expires_at": lease.expires_at}) + "\n")
+            log.flush()
+        try:
+            att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0")
+        except CapacityUnavailable:
+            out["rejected"] += 1
+            time.sleep(0.002)
+            continue
+        except (LeaseLost, FencedOut):
+            out["lapsed"] += 1
+            lease = None
+            continue
+        time.sleep(0.005)  # the model call: the slot is held meanwhile
+        try:
+            led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0")
+        except FencedOut:
+            out["late"] += 1
+            lease = None
+        out["done"] += 1
+    log.close()
+    led.close()
+    return out
+
+
 def migrate_worker(url: str) -> dict[str, int]:
     Ledger.open(url).close()
     return {"ok": 1}

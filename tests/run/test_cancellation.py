@@ -1,0 +1,262 @@
+"""Cancellation and interruption at every phase of a turn are recorded truthfully (invariants
+1, 4, 6 and 8).
+
+A caller that cancels (``task.cancel()``, ``asyncio.timeout``) or is interrupted (Ctrl-C) before
+the begin commits, between begin and send, in the middle of a stream, or while the settle
+transaction runs, leaves: no Attempt ``dispatching``, no capacity slot held, the Run's counters
+equal to its debit rows, and a lease that can be released; the exception propagates unchanged.
+Real HTTP over loopback (the shipped fake provider), both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from ledger import faults
+from ledger.adapters import (
+    HttpAdapter,
+    StaticSecretProvider,
+    SyncAdapter,
+    async_sender,
+    sync_sender,
+)
+from ledger.adapters.contract import StreamEvent, TextDelta
+from ledger.api import AsyncLedger, Ledger
+from ledger.core.envelope import Envelope, Part
+from ledger.model import Budget, Grant, Price, Profile, Route
+from ledger.reconcile import reconcile
+from ledger.records import AttemptState, DebitState, Lease
+from ledger.run import aexecute, execute
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+
+SECRETS = StaticSecretProvider({"p:a": "key-a"})
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider().in_thread() as fp:
+        yield fp
+
+
+@pytest.fixture(autouse=True)
+def _clean(fake: FakeProvider) -> Iterator[None]:
+    fake.clear()
+    yield
+    faults.disarm()
+
+
+def _plan(fake: FakeProvider) -> list[Route]:
+    return [Route(id="primary", provider="pa", model="m", group="ga", recipient="ra",
+                  endpoint=fake.endpoint("openai"), profiles=[Profile(id="p:a")],
+                  price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))]
+
+
+def _admit(led: Ledger, fake: FakeProvider) -> Lease:
+    led.admit_run("r", plan=_plan(fake), budget=Budget(max_calls=5, max_retries=2,
+                                                        max_cost=Decimal("1")),
+                  grant=Grant(recipients={"ra": ["user_input"]}))
+    led.configure_group("ga", max_in_flight=5)  # a limited group: its slots are counted
+    return led.acquire_lease("r", ttl_s=60)
+
+
+def _envelope(stream: bool = False) -> Envelope:
+    return Envelope(parts=[Part(content="hello")], stream=stream, max_output_tokens=16)
+
+
+def _assert_truthful(led: Ledger, lease: Lease, expected: AttemptState) -> None:
+    [att] = led.timeline("r")
+    assert att.state is expected
+    assert att.state is not AttemptState.DISPATCHING
+    if expected is AttemptState.NOT_SENT:
+        assert att.debit_state is DebitState.VOIDED
+    elif expected is AttemptState.UNKNOWN:
+        assert att.debit_state is DebitState.RESERVED
+        assert att.fact is not None and att.fact.category.value == "cancelled"
+    assert led.group_projections(["ga"])["ga"].in_flight == 0
+    check = reconcile(led)
+    assert check.ok, check.violations
+    run = led.get_run("r")
+    assert run.calls_used == (0 if expected is AttemptState.NOT_SENT else 1)
+    led.release_lease(lease)
+    assert led.get_run("r").lease_holder is None
+
+
+# -- asyncio: task.cancel() and asyncio.timeout --------------------------------------------------
+
+
+def _in_loop_thread(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]
+                    ) -> Callable[[str], None]:
+    """A fault action for a point reached in a worker thread: cancel the caller's task, and
+    give the loop a moment to deliver it while the transaction is still open."""
+
+    def act(_name: str) -> None:
+        loop.call_soon_threadsafe(task.cancel)
+        time.sleep(0.05)
+
+    return act
+
+
+def _run_async(db_url: str, fake: FakeProvider, *, stream: bool, behavior: Behavior,
+               setup: Callable[[asyncio.AbstractEventLoop, asyncio.Task[Any]], None] | None = None,
+               on_event: Callable[[asyncio.Task[Any]], Any] | None = None,
+               timeout: float | None = None) -> tuple[Ledger, Lease, BaseException]:
+    led = Ledger.open(db_url)
+    lease = _admit(led, fake)
+    fake.set_default(behavior)
+
+    async def main() -> BaseException:
+        adapter = HttpAdapter(secrets=SECRETS)
+        try:
+            holder: dict[str, asyncio.Task[Any]] = {}
+
+            def event(ev: StreamEvent) -> None:
+                if on_event is not None and isinstance(ev, TextDelta):
+                    on_event(holder["task"])
+
+            send = async_sender(adapter, on_event=event)
+
+            async def turn() -> None:
+                if timeout is not None:
+                    async with asyncio.timeout(timeout):
+                        await aexecute(AsyncLedger(led), lease, _envelope(stream), send)
+                else:
+                    await aexecute(AsyncLedger(led), lease, _envelope(stream), send)
+
+            task = asyncio.create_task(turn())
+            holder["task"] = task
+            if setup is not None:
+                setup(asyncio.get_running_loop(), task)
+            try:
+                await task
+            except BaseException as e:
+                return e
+            raise AssertionError("the turn was not interrupted")
+        finally:
+            await adapter.aclose()
+
+    return led, lease, asyncio.run(main())
+
+
+def test_cancel_before_begin_commits_voids_the_attempt(db_url: str, fake: FakeProvider) -> None:
+    led, lease, err = _run_async(
+        db_url, fake, stream=False, behavior=Behavior(),
+        setup=lambda loop, task: faults.arm("begin.before_commit", _in_loop_thread(loop, task)))
+    assert isinstance(err, asyncio.CancelledError)
+    _assert_truthful(led, lease, AttemptState.NOT_SENT)
+    assert fake.requests == []
+    led.close()
+
+
+def test_cancel_after_begin_before_send_voids_the_attempt(db_url: str,
+                                                          fake: FakeProvider) -> None:
+    def arm(_loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        faults.arm("dispatch.before_send", lambda _n: task.cancel())
+
+    led, lease, err = _run_async(db_url, fake, stream=False, behavior=Behavior(), setup=arm)
+    assert isinstance(err, asyncio.CancelledError)
+    _assert_truthful(led, lease, AttemptState.NOT_SENT)
+    assert fake.requests == []
+    led.close()
+
+
+def test_cancel_mid_stream_is_unknown_with_its_hold(db_url: str, fake: FakeProvider) -> None:
+    led, lease, err = _run_async(
+        db_url, fake, stream=True, behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
+        on_event=lambda task: task.cancel())
+    assert isinstance(err, asyncio.CancelledError)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    led.close()
+
+
+def test_timeout_mid_stream_is_unknown_and_raises_timeout(db_url: str,
+                                                          fake: FakeProvider) -> None:
+    led, lease, err = _run_async(
+        db_url, fake, stream=True, behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
+        timeout=0.5)
+    assert isinstance(err, TimeoutError)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    led.close()
+
+
+def test_cancel_during_settle_completes_the_settle(db_url: str, fake: FakeProvider) -> None:
+    led, lease, err = _run_async(
+        db_url, fake, stream=False, behavior=Behavior(),
+        setup=lambda loop, task: faults.arm("settle.before_commit", _in_loop_thread(loop, task)))
+    assert isinstance(err, asyncio.CancelledError)
+    _assert_truthful(led, lease, AttemptState.SUCCEEDED)
+    led.close()
+
+
+# -- sync: KeyboardInterrupt ---------------------------------------------------------------------
+
+
+def _interrupt(_name: str) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_sync(db_url: str, fake: FakeProvider, *, stream: bool, behavior: Behavior,
+              on_event: Callable[[StreamEvent], None] | None = None
+              ) -> tuple[Ledger, Lease, BaseException]:
+    led = Ledger.open(db_url)
+    lease = _admit(led, fake)
+    fake.set_default(behavior)
+    adapter = SyncAdapter(secrets=SECRETS)
+    try:
+        execute(led, lease, _envelope(stream), sync_sender(adapter, on_event=on_event))
+    except BaseException as e:
+        return led, lease, e
+    finally:
+        adapter.close()
+    raise AssertionError("the turn was not interrupted")
+
+
+def test_interrupt_inside_begin_voids_the_attempt(db_url: str, fake: FakeProvider) -> None:
+    faults.arm("begin.before_commit", _interrupt)
+    led, lease, err = _run_sync(db_url, fake, stream=False, behavior=Behavior())
+    assert isinstance(err, KeyboardInterrupt)
+    _assert_truthful(led, lease, AttemptState.NOT_SENT)
+    assert fake.requests == []
+    led.close()
+
+
+def test_interrupt_after_begin_voids_the_attempt(db_url: str, fake: FakeProvider) -> None:
+    faults.arm("dispatch.before_send", _interrupt)
+    led, lease, err = _run_sync(db_url, fake, stream=False, behavior=Behavior())
+    assert isinstance(err, KeyboardInterrupt)
+    _assert_truthful(led, lease, AttemptState.NOT_SENT)
+    led.close()
+
+
+def test_interrupt_mid_stream_is_unknown(db_url: str, fake: FakeProvider) -> None:
+    main = threading.main_thread()
+    assert threading.current_thread() is main
+    fired = threading.Event()
+
+    def on_event(ev: StreamEvent) -> None:
+        if isinstance(ev, TextDelta) and not fired.is_set():
+            fired.set()
+            # Ctrl-C while the caller waits for the stream (a real SIGINT to the main thread).
+            signal.pthread_kill(main.ident or 0, signal.SIGINT)
+
+    led, lease, err = _run_sync(db_url, fake, stream=True,
+                                behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
+                                on_event=on_event)
+    assert isinstance(err, KeyboardInterrupt)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    led.close()
+
+
+def test_interrupt_inside_settle_completes_the_settle(db_url: str, fake: FakeProvider) -> None:
+    faults.arm("settle.before_commit", _interrupt)
+    led, lease, err = _run_sync(db_url, fake, stream=False, behavior=Behavior())
+    assert isinstance(err, KeyboardInterrupt)
+    _assert_truthful(led, lease, AttemptState.SUCCEEDED)
+    led.close()

@@ -1,0 +1,102 @@
+"""Invariants 3 and 8 across OS processes: workers paused past their lease (SIGSTOP/SIGCONT)
+start nothing when they wake, and a capacity group's limit is never exceeded.
+
+Time is a :class:`~ledger.testing.SharedClock` the test moves; the workers never renew, so
+their leases lapse while they are stopped (and, often, while they work). Afterwards the ledger's
+own records are replayed: every Attempt was begun under a live lease, and the Attempts counted
+against the group (from begin until settle or until their lease ended) never overlap beyond
+the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ledger.api import Ledger
+from ledger.records import AttemptState
+from ledger.testing.clock import SharedClock
+
+from .helpers import budget, collect, routes, spawn
+
+WORKERS = 4
+ATTEMPTS = 25
+TTL = 3.0
+MARGIN = 1.0
+STEP = 0.02  # clock seconds per tick of the test's loop
+
+
+def _leases(log: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in log.read_text().splitlines():
+        item = json.loads(line)
+        out[item["fence"]] = max(out.get(item["fence"], 0.0), item["expires_at"])
+    return out
+
+
+@pytest.mark.slow
+def test_invariant8_group_limit_holds_while_workers_pause_past_their_lease(
+        db_url: str, tmp_path: Path) -> None:
+    clock = SharedClock(tmp_path / "clock", start=1_700_000_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        for i in range(WORKERS):
+            led.admit_run(f"w{i}", plan=routes(), budget=budget(calls=1000, retries=10))
+        led.configure_group("g", max_in_flight=1)
+    logs = [tmp_path / f"w{i}.log" for i in range(WORKERS)]
+    procs = [spawn("lapse", db_url, clock.path, f"w{i}", logs[i], ATTEMPTS, TTL, MARGIN)
+             for i in range(WORKERS)]
+    rng = random.Random(11)
+    paused: tuple[int, float] | None = None
+    pauses = 0
+    started = time.monotonic()
+    try:
+        tick = 0
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() - started < 240, "workers did not finish"
+            clock.advance(STEP)
+            tick += 1
+            if paused is None and tick % 40 == 0:
+                alive = [i for i, p in enumerate(procs) if p.poll() is None]
+                victim = rng.choice(alive)
+                os.kill(procs[victim].pid, signal.SIGSTOP)
+                paused = (victim, clock.now() + TTL + 1.0)  # past its lease, whatever it held
+                pauses += 1
+            elif paused is not None and clock.now() >= paused[1]:
+                os.kill(procs[paused[0]].pid, signal.SIGCONT)
+                paused = None
+            # Let the workers run between ticks; the ledger's time is the shared clock.
+            time.sleep(0.002)
+    finally:
+        if paused is not None:
+            os.kill(procs[paused[0]].pid, signal.SIGCONT)
+    results = collect(procs)
+    assert pauses >= 3
+    assert sum(r["lapsed"] for r in results) > 0  # leases did lapse, and were refused
+
+    limit = 1
+    intervals: list[tuple[float, float]] = []
+    with Ledger.open(db_url, clock=clock) as led:
+        for i in range(WORKERS):
+            expiry = _leases(logs[i])
+            for att in led.timeline(f"w{i}"):
+                if att.state is AttemptState.REJECTED:
+                    continue
+                ends = expiry[att.fence]
+                # Begun under a live lease: before its end (invariant 3).
+                assert att.created_at < ends, (att.attempt_id, att.created_at, ends)
+                assert att.state is AttemptState.SUCCEEDED and att.settled_at is not None
+                intervals.append((att.created_at, min(att.settled_at, ends)))
+    points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals],
+                    key=lambda p: (p[0], p[1]))
+    live = peak = 0
+    for _t, delta in points:
+        live += delta
+        peak = max(peak, live)
+    assert peak <= limit
+    assert len(intervals) == WORKERS * ATTEMPTS
