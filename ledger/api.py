@@ -34,6 +34,7 @@ from ledger.core.facts import FailureFact, Observation, Phase
 from ledger.errors import InvalidArgument, NotFound
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
+from ledger.pricing import resolve_prices, same_route
 from ledger.records import (
     AttemptKind,
     AttemptRecord,
@@ -246,6 +247,10 @@ class Ledger:
             raise InvalidArgument("plan must be a list of ledger.Route", field="plan")
         plan = list(plan)
         validate_plan(plan)
+        # Unpriced routes get the price table's price, frozen with the plan (ledger.pricing);
+        # a child's take its parent's frozen price.
+        plan = resolve_prices(plan, budget, at=self.now(),
+                              inherited=self.frozen_run(parent.run_id).plan if parent else ())
         label_map = dict(labels or {})
         for k, v in label_map.items():
             if not isinstance(k, str) or not isinstance(v, str) or len(k) > 200 or len(v) > 200:
@@ -403,7 +408,7 @@ class Ledger:
                 f"({[r.id for r in run.plan]}); a run can only use its admitted candidates",
                 field="route",
             ) from None
-        if isinstance(route, Route) and route != snap:
+        if isinstance(route, Route) and not same_route(route, snap):
             raise InvalidArgument(
                 f"route {route_id!r} differs from the snapshot frozen at admission; historical "
                 "and new attempts use the frozen route", field="route",

@@ -26,6 +26,7 @@ from ledger.core.facts import FailureFact
 from ledger.errors import InvalidArgument, NotFound
 from ledger.records import AttemptRecord, Page, from_micros
 from ledger.storage import audit as q
+from ledger.storage import series as qs
 
 OPEN_STATES = ("unknown", "dispatching")
 
@@ -119,6 +120,19 @@ class TimelineEntry:
 
 
 @dataclass(frozen=True)
+class Stop:
+    """Why a turn of a Run stopped (a ``stop`` event): the reason, its detail, the candidates
+    the selector passed over, the attempts the turn made and their errors."""
+
+    reason: str
+    detail: str | None
+    skipped: list[Skipped]
+    attempts: list[str]
+    errors: list[str]
+    at: float
+
+
+@dataclass(frozen=True)
 class RunTimeline:
     run: RunSummary
     attempts: list[TimelineEntry]
@@ -126,6 +140,7 @@ class RunTimeline:
     served_route: str | None  # the route of the run's last succeeded attempt
     failed_over: bool
     total_cost: Decimal
+    stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
 
 
 @dataclass(frozen=True)
@@ -228,6 +243,53 @@ class ActivityBucket:
     unknown: int
 
 
+@dataclass(frozen=True)
+class RoutePoint:
+    """One route in one time bucket. ``success_rate`` is succeeded / (succeeded + failed +
+    unknown), ``None`` when nothing was sent; ``latency_s`` is the mean time from begin to
+    settle of the succeeded attempts, ``None`` when none succeeded."""
+
+    start: float
+    attempts: int
+    succeeded: int
+    failed: int
+    unknown: int
+    success_rate: float | None
+    latency_s: float | None
+
+
+@dataclass(frozen=True)
+class RouteSeries:
+    """A route's success rate and latency over equal time buckets (the dashboard's charts)."""
+
+    route: str
+    attempts: int
+    points: list[RoutePoint]
+
+
+@dataclass(frozen=True)
+class DayCost:
+    """Cost of the attempts made on one UTC day by one tenant (``None``: no tenant)."""
+
+    day: float  # the day's midnight, UTC
+    tenant: str | None
+    attempts: int
+    cost: Decimal
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Totals for the Prometheus endpoint: counters over the whole history, gauges now."""
+
+    now: float
+    attempts: dict[tuple[str, str], int]  # (route, outcome) -> attempts
+    failovers: int  # the selector's moves to another route (``move`` events)
+    cooldowns: dict[str, int]  # route / profile / group -> cooling or disabled now
+    posted: dict[str | None, Decimal]  # tenant -> posted cost of its runs
+    reserved: dict[str | None, Decimal]  # tenant -> holds still outstanding
+    runs: dict[str | None, int]  # tenant -> runs admitted
+
+
 # -- conversions ----------------------------------------------------------------------------
 
 
@@ -245,13 +307,27 @@ def _run(row: Mapping[str, Any]) -> RunSummary:
     )
 
 
+def _skipped(data: Mapping[str, Any]) -> list[Skipped]:
+    return [Skipped(route=str(x.get("route")), reason=str(x.get("reason")),
+                    detail=x.get("detail"))
+            for x in data.get("skipped") or [] if isinstance(x, Mapping)]
+
+
 def _selection(data: Mapping[str, Any]) -> Selection:
-    skipped = [Skipped(route=str(x.get("route")), reason=str(x.get("reason")),
-                       detail=x.get("detail"))
-               for x in data.get("skipped") or [] if isinstance(x, Mapping)]
-    return Selection(decision=data.get("decision"), route=data.get("route"),
+    # The retry owner records the attempt's kind as "attempt_kind" beside the selector's own
+    # decision (its "kind": route / probe); hosts and generated history write "decision".
+    return Selection(decision=data.get("decision") or data.get("attempt_kind"),
+                     route=data.get("route"),
                      from_route=data.get("from_route"), profile=data.get("profile"),
-                     reason=data.get("reason"), skipped=skipped, cause=data.get("cause"))
+                     reason=data.get("reason"), skipped=_skipped(data),
+                     cause=data.get("cause"))
+
+
+def _stop(ev: AuditEvent) -> Stop:
+    d = ev.data
+    return Stop(reason=str(d.get("reason") or "unknown"), detail=d.get("detail") or None,
+                skipped=_skipped(d), attempts=[str(a) for a in d.get("attempts") or []],
+                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at)
 
 
 def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
@@ -347,7 +423,7 @@ class Audit:
         """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons."""
         run_row, att_rows, ev_rows = q.timeline(self.store, run_id)
         if run_row is None:
-            raise NotFound(f"unknown run id {run_id!r}; list runs with `ledger runs`",
+            raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
         events = [AuditEvent(int(e["event_id"]), e["kind"], e["attempt_id"],
                              json.loads(e["data"]), e["created_at"]) for e in ev_rows]
@@ -385,8 +461,10 @@ class Audit:
         run = _run(run_row)
         failed_over = (served is not None and served != run.selected_route) or any(
             e.kind == "move" for e in events)
+        stops = [_stop(e) for e in events if e.kind == "stop"]
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
-                           served_route=served, failed_over=failed_over, total_cost=total)
+                           served_route=served, failed_over=failed_over, total_cost=total,
+                           stops=stops)
 
     def failovers(self, *, since: float | None = None, until: float | None = None,
                   limit: int = 50, cursor: str | None = None) -> Page[Failover]:
@@ -491,6 +569,71 @@ class Audit:
         return out
 
 
+    def route_series(self, *, since: float, until: float, buckets: int = 24,
+                     routes: int = 8) -> list[RouteSeries]:
+        """Success rate and latency per route in ``buckets`` equal slices of [since, until), for
+        the ``routes`` busiest routes of the range (busiest first)."""
+        if until <= since or buckets < 1 or buckets > 1000 or routes < 1:
+            raise InvalidArgument("need since < until, 1..1000 buckets and routes >= 1",
+                                  field="buckets")
+        width = (until - since) / buckets
+        by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
+        for row in qs.route_series(self.store, since=since, until=until, bucket_s=width):
+            by_route.setdefault(row["route"], {})[int(row["bucket"])] = row
+        busiest = sorted(by_route, key=lambda k: (-sum(int(x["attempts"])
+                                                       for x in by_route[k].values()), k))
+        out = []
+        for route in busiest[:routes]:
+            rows = by_route[route]
+            points = []
+            for i in range(buckets):
+                r: Mapping[str, Any] | None = rows.get(i)
+                ok, bad, unk = ((int(r["succeeded"] or 0), int(r["failed"] or 0),
+                                 int(r["unknown"] or 0)) if r else (0, 0, 0))
+                sent = ok + bad + unk
+                points.append(RoutePoint(
+                    start=since + i * width, attempts=int(r["attempts"]) if r else 0,
+                    succeeded=ok, failed=bad, unknown=unk,
+                    success_rate=ok / sent if sent else None,
+                    latency_s=float(r["latency_sum"]) / ok if r and ok else None))
+            out.append(RouteSeries(route=route, attempts=sum(p.attempts for p in points),
+                                   points=points))
+        return out
+
+    def costs_by_day(self, *, days: int = 7, now: float | None = None) -> list[DayCost]:
+        """Cost per UTC day and tenant for the last ``days`` days (today included), oldest
+        first, no tenant before the named ones; days and tenants without attempts are absent."""
+        if days < 1 or days > 366:
+            raise InvalidArgument("days must be between 1 and 366", field="days")
+        t = self.now() if now is None else now
+        today = t - t % 86400.0
+        since = today - (days - 1) * 86400.0
+        out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
+                       attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])))
+               for r in qs.cost_by_day(self.store, since=since, until=today + 86400.0)]
+        # The same order on every backend (they sort NULL differently): no tenant first.
+        return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
+
+    def metrics(self, now: float | None = None) -> MetricsSnapshot:
+        """Totals for ``/metrics``: attempts by route and outcome, failovers, cooldowns active
+        now, and the budget used (posted and held cost) per tenant."""
+        t = self.now() if now is None else now
+        m = qs.metrics_totals(self.store, t)
+        cooldowns = {"route": 0, "profile": 0, "group": 0}
+        for r in m["cooling"]:
+            cooldowns[str(r["kind"])] = int(r["n"])
+        cooldowns["group"] = sum(int(r["n"]) for r in m["groups"])
+        return MetricsSnapshot(
+            now=t,
+            attempts={(str(r["route"]), str(r["outcome"])): int(r["n"]) for r in m["attempts"]},
+            failovers=int(m["moves"][0]["n"]) if m["moves"] else 0,
+            cooldowns=cooldowns,
+            posted={r["tenant"]: from_micros(int(r["posted_micros"])) for r in m["money"]},
+            reserved={r["tenant"]: from_micros(int(r["reserved_micros"])) for r in m["money"]},
+            runs={r["tenant"]: int(r["runs"]) for r in m["money"]},
+        )
+
+
 class AsyncAudit:
     """The async twin of :class:`Audit`: the same methods, awaited in a worker thread."""
 
@@ -523,9 +666,19 @@ class AsyncAudit:
         return await asyncio.to_thread(
             lambda: self.sync.activity(since=since, until=until, buckets=buckets))
 
+    async def route_series(self, **kw: Any) -> list[RouteSeries]:
+        return await asyncio.to_thread(lambda: self.sync.route_series(**kw))
+
+    async def costs_by_day(self, **kw: Any) -> list[DayCost]:
+        return await asyncio.to_thread(lambda: self.sync.costs_by_day(**kw))
+
+    async def metrics(self, now: float | None = None) -> MetricsSnapshot:
+        return await asyncio.to_thread(self.sync.metrics, now)
+
 
 __all__ = [
-    "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "Failover", "FailoverCause",
-    "GroupHealth", "HealthReport", "KeyHealth", "Move", "OpenAttempt", "RunSummary",
-    "RunTimeline", "Selection", "Skipped", "TimelineEntry", "Totals", "to_jsonable",
+    "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "DayCost", "Failover",
+    "FailoverCause", "GroupHealth", "HealthReport", "KeyHealth", "MetricsSnapshot", "Move",
+    "OpenAttempt", "RoutePoint", "RouteSeries", "RunSummary", "RunTimeline", "Selection",
+    "Skipped", "Stop", "TimelineEntry", "Totals", "to_jsonable",
 ]

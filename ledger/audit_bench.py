@@ -1,4 +1,4 @@
-"""Latency of each audit query on a (generated) ledger: ``ledger bench audit``.
+"""Latency of each audit query on a (generated) ledger: ``failover-ledger bench audit``.
 
 Each query runs ``repeat`` times over the newest day of history (the aggregates' target window)
 after one untimed warm-up; the report gives the median, p95 and worst wall time in milliseconds.
@@ -50,7 +50,8 @@ def bench_audit(audit: Audit, *, repeat: int = 5,
                 progress: Callable[[int, int], None] | None = None) -> list[BenchRow]:
     lo, hi = q.history_bounds(audit.store)
     if hi is None or lo is None:
-        raise NotFound("the ledger has no attempts to measure; fill it with `ledger generate`")
+        raise NotFound("the ledger has no attempts to measure; fill it with "
+                       "`failover-ledger generate`")
     until = hi + 1.0
     since = until - DAY
     run_ids = q.sample_runs(audit.store, since=since, until=until, n=max(repeat, 1) + 1)

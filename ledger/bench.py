@@ -23,7 +23,7 @@ import os
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from ledger.api import Ledger
 from ledger.errors import StorageError
-from ledger.model import Budget, Route
+from ledger.model import Budget, Price, Route
 from ledger.storage import baseline as baseline_mod
 from ledger.storage import engine as engine_mod
 
@@ -45,8 +45,9 @@ WORKER_TIMEOUT_S = 1800.0
 Mode = Literal["ledger", "baseline"]
 
 # One shared route (one provider group, one health row), as when many runs use the same model.
+# Free by declaration (Price()): the benchmark holds a fixed RESERVE per attempt.
 BENCH_ROUTE = Route(id="bench-route", provider="bench", model="bench-model", group="bench-group",
-                    recipient="bench")
+                    recipient="bench", price=Price())
 RESERVE = "0.001"
 
 
@@ -245,15 +246,21 @@ def backend_name(url: str) -> str:
 
 def bench_database(url: str, *, workers: Sequence[int] = DEFAULT_WORKERS,
                    attempts: int = DEFAULT_ATTEMPTS, warmup: int = WARMUP_ATTEMPTS,
-                   target: float = TARGET_RATIO, label: str | None = None) -> list[BenchRow]:
-    """Measure ledger and baseline at each worker count on one database."""
+                   target: float = TARGET_RATIO, label: str | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> list[BenchRow]:
+    """Measure ledger and baseline at each worker count on one database; ``progress(done,
+    total)`` is told after each of the ``2 * len(workers)`` measurements."""
     norm = engine_mod.normalize_url(url)
     backend = label or backend_name(norm)
     rows: list[BenchRow] = []
     with prepared(norm):
-        for w in workers:
+        for i, w in enumerate(workers):
             base = measure(norm, "baseline", w, attempts, warmup)
+            if progress is not None:
+                progress(2 * i + 1, 2 * len(workers))
             led = measure(norm, "ledger", w, attempts, warmup)
+            if progress is not None:
+                progress(2 * i + 2, 2 * len(workers))
             ratio = led.per_second / base.per_second if base.per_second > 0 else 0.0
             rows.append(BenchRow(
                 backend=backend, workers=w, attempts=attempts,

@@ -1,4 +1,4 @@
-"""``ledger demo``: a small research task against local fake providers, no network.
+"""``failover-ledger demo``: a small research task against local fake providers, no network.
 
 Two fake endpoints on loopback stand in for a shared gateway ("go": two models behind one
 account, one capacity group) and an independent official endpoint. Three runs show the seed's
@@ -10,12 +10,20 @@ scenarios:
 3. the same 429, but the run's grant does not approve the official endpoint for the request's
    model-derived context -> the switch is refused and the run stops with its reasons.
 
-Everything goes to a real ledger (the embedded SQLite file by default), so ``ledger runs`` and
-``ledger run show`` can read it afterwards.
+Everything goes to a real ledger (the embedded SQLite file by default), so
+``failover-ledger runs`` and ``failover-ledger run show`` can read it afterwards.
+
+Each demo gets a fresh ledger of its own (:func:`fresh_ledger`): cooldowns and group floors are
+durable, so a second demo on the first one's ledger would start with the gateway still cooling
+(and, as simulated time starts hours back again, with health "sampled in the future"), and
+would tell another story than its headings. A SQLite file that holds only an earlier demo's runs
+is replaced; anything else is refused, never overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import uuid
 from decimal import Decimal
@@ -27,7 +35,7 @@ from ledger.adapters.sync import SyncAdapter
 from ledger.api import Ledger
 from ledger.core.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.core.facts import Protocol
-from ledger.errors import FailoverExhausted
+from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError
 from ledger.model import Budget, Capabilities, Grant, Price, Profile, Route
 from ledger.records import AttemptRecord
 from ledger.run import execute
@@ -99,8 +107,64 @@ class SimulatedClock:
         self.sleep(seconds)
 
 
+DEMO_TENANT = "demo"
+
+
+def fresh_ledger(db_url: str) -> str | None:
+    """Make ``db_url`` a fresh ledger for one demo; returns a note for the reader, or ``None``.
+
+    A SQLite file that does not exist is created by the demo; one that holds only earlier demo
+    runs (tenant ``demo``) is deleted first. A file holding anything else (other runs, or not a
+    ledger at all), or a PostgreSQL database holding any run, is refused with
+    :class:`InvalidArgument` naming ``--db``: the demo never writes next to other history.
+    """
+    from ledger.storage import audit as q
+    from ledger.storage.bulk import first_run_other_than
+    from ledger.storage.engine import normalize_url, redact_url
+
+    norm = normalize_url(db_url)
+    sqlite = norm.startswith("sqlite:///")
+    path = norm[len("sqlite:///"):] if sqlite else None
+    if path is not None and not os.path.exists(path):
+        return None
+    where = path or redact_url(norm)
+    fix = "pass --db a new SQLite file (e.g. --db demo.db)"
+    try:
+        led = Ledger.open(db_url, migrate_schema=False)
+    except LedgerError as e:
+        raise InvalidArgument(f"{where} cannot be opened as a ledger ({e}); the demo needs a "
+                              f"fresh ledger: {fix}", field="db") from e
+    try:
+        if not q.schema_present(led.store):
+            if path is None:
+                return None  # an empty PostgreSQL database: the demo migrates it
+            raise InvalidArgument(f"{where} exists and is not a ledger; the demo will not "
+                                  f"overwrite it: {fix}", field="db")
+        other = (first_run_other_than(led.store, tenant=DEMO_TENANT) if path is not None
+                 else first_run_other_than(led.store))
+    except LedgerError as e:
+        raise InvalidArgument(f"{where} cannot be read as a ledger ({e}): {fix}",
+                              field="db") from e
+    finally:
+        led.close()
+    if other is not None:
+        held = "runs other than the demo's" if path is not None else "runs"
+        raise InvalidArgument(f"{where} holds {held} (e.g. {other!r}); the demo needs a fresh "
+                              f"ledger of its own: {fix}", field="db", run_id=other)
+    if path is None:
+        return None
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
+    return f"(replaced the earlier demo ledger {path}: each demo starts from a fresh one)"
+
+
 def run_demo(db_url: str, out: TextIO) -> list[str]:
-    """Run the three scenarios; returns the run ids written."""
+    """Run the three scenarios on a fresh ledger (see :func:`fresh_ledger`); returns the run ids
+    written."""
+    note = fresh_ledger(db_url)
+    if note:
+        print(note, file=out)
     suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
     secrets = StaticSecretProvider({"go:demo": "demo-key-go", "deepseek:demo": "demo-key-ds"})
     run_ids: list[str] = []
@@ -132,7 +196,7 @@ def run_demo(db_url: str, out: TextIO) -> list[str]:
                 # scenario starts with healthy routes and an open gateway group.
                 clock.sleep(2 * 3600)
                 led.admit_run(run_id, plan=plan, budget=budget, grant=grant,
-                              policy="failure-domain", tenant="demo",
+                              policy="failure-domain", tenant=DEMO_TENANT,
                               labels={"task": "filings"})
                 lease = led.acquire_lease(run_id)
                 # Turn 1 succeeds on the primary; its answer becomes provenance-backed context.

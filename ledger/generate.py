@@ -1,4 +1,5 @@
-"""A realistic synthetic history for scale tests and the audit benchmark (``ledger generate``).
+"""A realistic synthetic history for scale tests and the audit benchmark (``failover-ledger
+generate``).
 
 Runs over many routes, providers, capacity groups, tenants and labels; failures with classified
 facts (rate limits, overloads, timeouts, server errors, auth, context overflow, network before
@@ -51,6 +52,9 @@ _FAILURES: list[tuple[Category, int, int | None, Transport | None, Phase, Scope]
 ]
 _RETRYABLE = {Category.RATE_LIMIT, Category.OVERLOADED, Category.SERVER_ERROR, Category.TIMEOUT,
               Category.NETWORK}
+# Generated runs carry this policy hash (and the marker as their policy): how ``generate`` tells
+# its own history from real runs.
+POLICY_HASH = "generated"
 _POLICY_MARKER = json.dumps({"generated": True, "preset": "goclaw"})
 _RESERVE = 50_000  # micros held per attempt
 
@@ -135,7 +139,7 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
         recent = end - t0 < 600  # the last ten minutes may hold in-flight attempts
         t = t0
         ev = pending["events"]
-        ev.append(_event(run_id, None, "admit", {"policy_hash": "generated", "parent": None}, t))
+        ev.append(_event(run_id, None, "admit", {"policy_hash": POLICY_HASH, "parent": None}, t))
         ev.append(_event(run_id, None, "lease", {"executor": "gen", "fence": 1,
                                                  "previous": None}, t))
         idx, seq, retries, calls = 0, 0, 0, 0
@@ -255,7 +259,7 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
             "plan": plan_json[pi], "run_grant": json.dumps({"recipients": {}, "roles": None}),
             "budget": json.dumps({"max_calls": 8, "max_cost": "1", "max_retries": 3,
                                   "max_tokens": None}),
-            "policy": _POLICY_MARKER, "policy_hash": "generated",
+            "policy": _POLICY_MARKER, "policy_hash": POLICY_HASH,
             "selected_route": plan[0].id, "content_hash": content_hash(run_id),
             "deadline": None, "max_calls": 8, "max_retries": 3, "max_cost_micros": 1_000_000,
             "max_tokens": None, "calls_used": calls, "retries_used": retries,
@@ -279,9 +283,7 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
 
 
 def _cost(route: Route, prompt: int, completion: int) -> int:
-    p = route.price
-    micros = (prompt * p.input_per_mtok + completion * p.output_per_mtok)  # per Mtok = micros/tok
-    return int(micros)
+    return int(route.cost(prompt, completion) * 1_000_000)  # in micros
 
 
 def _event(run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],
@@ -332,4 +334,4 @@ def _health_rows(rng: random.Random, routes: list[Route], end: float
     return {"health": list(seen.values()), "capacity_groups": groups}
 
 
-__all__ = ["GenStats", "catalog", "generate"]
+__all__ = ["POLICY_HASH", "GenStats", "catalog", "generate"]

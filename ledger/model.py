@@ -83,7 +83,14 @@ class Route(_Frozen):
     capabilities: Capabilities = Field(default_factory=Capabilities)
     roles: list[str] | None = None  # qualified roles; None = every role
     profiles: list[Profile] = Field(default_factory=list)
-    price: Price = Field(default_factory=Price)
+    # None: look it up by provider and model when a Run is admitted (ledger.pricing), so the
+    # Run's frozen plan always carries a price. Price() declares the route free.
+    price: Price | None = None
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
+        """The cost of this usage at the route's price. Routes of an admitted Run are always
+        priced; an unpriced route outside a Run (never admitted) costs nothing, as before."""
+        return (self.price or Price()).cost(prompt_tokens, completion_tokens)
 
     @field_validator("id", "provider", "model", "group", "recipient")
     @classmethod

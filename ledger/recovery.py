@@ -30,6 +30,7 @@ transaction, and a run is taken only while its lease is expired.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,7 @@ def recover(
     release: bool = False,
     run_ids: list[str] | None = None,
     sleeper: Sleeper | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> RecoveryReport:
     """Take over every Run whose executor lease expired; see the module docstring.
 
@@ -149,7 +151,8 @@ def recover(
     ``lease_ttl_s``. ``run_ids`` restricts recovery to those runs. A takeover interrupted by
     :class:`DatabaseUnavailable` is retried (it was rolled back, or it committed and is then
     recognised as ours); if the database stays away, the error is raised and a later pass
-    resumes where this one stopped.
+    resumes where this one stopped. ``progress(done, total)`` is called after each run taken
+    over (or skipped), for a progress display.
     """
     if lease_ttl_s <= 0:
         raise InvalidArgument("lease_ttl_s must be > 0", field="lease_ttl_s")
@@ -175,6 +178,8 @@ def recover(
             report.skipped.append(run_id)
         else:
             report.runs.append(_to_run(taken))
+        if progress is not None:
+            progress(len(report.runs) + len(report.skipped), len(candidates))
     orphaned = _retrying(lambda: sql.orphaned_runs(ledger.store, limit, run_ids), sleeper,
                          report)
     for run_id in orphaned:

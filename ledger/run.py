@@ -117,7 +117,7 @@ class _Turn:
 def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> Decimal:
     """A hold that covers the request at the route's price: prompt estimate + max output."""
     prompt, completion = _token_estimate(route, envelope, counter)
-    return route.price.cost(prompt, completion)
+    return route.cost(prompt, completion)
 
 
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
@@ -171,7 +171,7 @@ class _Loop:
     def _holds(self, route: Route) -> tuple[Decimal, int]:
         prompt, completion = _token_estimate(route, self.envelope, self.counter)
         if self.reserve is None:
-            cost = route.price.cost(prompt, completion)
+            cost = route.cost(prompt, completion)
         elif isinstance(self.reserve, Decimal):
             cost = self.reserve
         else:

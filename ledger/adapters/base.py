@@ -623,7 +623,7 @@ class HttpAdapter:
             route_id=call.route.id,
             usage=call.usage,
             model_reported=call.model,
-            cost=call.route.price.cost(call.usage.prompt_tokens, call.usage.completion_tokens)
+            cost=call.route.cost(call.usage.prompt_tokens, call.usage.completion_tokens)
             if call.usage
             else None,
             observation=obs,
@@ -645,7 +645,7 @@ class HttpAdapter:
             tool_calls=tuple(reply.tool_calls),
             usage=usage,
             model_reported=reply.model,
-            cost=call.route.price.cost(usage.prompt_tokens, usage.completion_tokens)
+            cost=call.route.cost(usage.prompt_tokens, usage.completion_tokens)
             if usage
             else None,
             finish_reason=reply.finish_reason,

@@ -1,19 +1,29 @@
-"""``ledger demo``: the failover scenarios of the brief against local fake providers."""
+"""``failover-ledger demo``: the failover scenarios of the brief against local fake providers.
+
+Each demo writes a fresh ledger of its own (see :func:`ledger.demo.fresh_ledger`), so it can be
+re-run in the same folder and tells the same story every time.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ledger.cli.common import PROG
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="run a small research task against local fake providers")
+    p = sub.add_parser("demo", help="run a small research task against local fake providers "
+                       "(into a fresh ledger: replaces an earlier demo's, refuses other history)")
+    p.add_argument("--db", default=argparse.SUPPRESS, help="the ledger file to write")
     p.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from ledger.cli.main import default_db_url
     from ledger.demo import run_demo
 
     ids = run_demo(args.db, sys.stdout)
-    print(f"\nwritten to {args.db}; inspect with: ledger run show {ids[-1]}")
+    db = "" if args.db == default_db_url() else f" --db {args.db}"
+    print(f"\nwritten to {args.db}; inspect with: {PROG}{db} run show {ids[-1]}")
     return 0

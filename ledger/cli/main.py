@@ -1,4 +1,8 @@
-"""Entry point of the ``ledger`` command.
+"""Entry point of the ``failover-ledger`` command (also ``python -m ledger``).
+
+Start-up is kept short (``--help`` and argument parsing well under 0.3 s): this module and the
+command modules import only the standard library and :mod:`ledger.errors` at the top; SQLAlchemy,
+httpx and the pydantic models are imported inside the command functions that use them.
 
 Each command module exposes ``register(subparsers)``, adding its sub-commands with
 ``set_defaults(func=...)``; ``func(args) -> int`` returns the exit code. Errors derived from
@@ -13,6 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ledger import __version__
+from ledger.cli.common import PROG
 from ledger.errors import ConfigError, LedgerError
 
 DEFAULT_DB = "ledger.db"
@@ -33,9 +39,11 @@ def default_db_url() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser: global options and every command module's sub-commands."""
     parser = argparse.ArgumentParser(
-        prog="ledger", description="The run/attempt ledger for safe LLM model failover."
+        prog=PROG, description="The run/attempt ledger for safe LLM model failover."
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument(
         "--db",
         default=None,
@@ -48,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (2 for bad input, 1 for other ledger errors)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "db", None) is None:
@@ -61,10 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
         return rc
     except ConfigError as e:
-        print(f"ledger: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except LedgerError as e:
-        print(f"ledger: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

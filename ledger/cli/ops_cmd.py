@@ -1,10 +1,12 @@
-"""Operator commands over the audit API: ``ledger runs``, ``run show``, ``attempts``,
-``failovers``, ``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``.
+"""Operator commands over the audit API: ``runs``, ``run show``, ``attempts``, ``failovers``,
+``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``.
 
 Reading commands open the ledger without migrating it (they never write, so they work through a
 read-only role and never create a database by accident). Tables are aligned text by default and
-``--json`` prints the typed results as JSON for scripts. Progress bars go to stderr, only when
-stderr is a terminal or ``--progress`` is given, so piped output stays clean.
+``--json`` prints the typed results as JSON for scripts. Times for people are ISO-8601 UTC or a
+distance from now (``in 4 m``, ``12 s ago``); JSON keeps epoch seconds, as the API returns them.
+Progress bars go to stderr, only when stderr is a terminal or ``--progress`` is given, so piped
+output stays clean.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from ledger.cli.common import bench_subparsers
+from ledger.cli.common import PROG, bench_subparsers
+from ledger.cli.progress import Progress, wanted
 from ledger.errors import DatabaseUnavailable, InvalidArgument
+from ledger.timefmt import data_text, iso, relative, when
 
 _REL = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -53,20 +57,18 @@ def parse_time(text: str | None, now: float, field: str) -> float | None:
 
 
 def fmt_time(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    """An instant as ISO-8601 UTC (``2026-01-31T18:00:05Z``)."""
+    return iso(t)
 
 
 def fmt_until(t: float | None, now: float) -> str:
-    """A future time as its distance from now (``in 42s``); the past as a plain time."""
-    if t is None:
-        return "-"
-    if t > now:
-        d = t - now
-        return f"in {d:.0f}s" if d < 120 else (f"in {d / 60:.0f}m" if d < 7200
-                                               else f"in {d / 3600:.1f}h")
-    return fmt_time(t)
+    """A time a reader acts on: its distance from now and the instant (``in 42 s (...Z)``)."""
+    return when(t, now)
+
+
+def fmt_event_data(data: Any, now: float) -> str:
+    """An event's data as ``key=value`` pairs; times (``until``, ``*_at``) as ISO and relative."""
+    return data_text(data, now)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -90,33 +92,8 @@ def _is_num(s: str) -> bool:
     return bool(re.match(r"^-?\d+(\.\d+)?$", s)) or s == "-"
 
 
-class ProgressBar:
-    """A stdlib progress bar on stderr: ``[#####.....]  45%  450000/1000000  12.3s``."""
-
-    def __init__(self, label: str, enabled: bool) -> None:
-        self.label = label
-        self.enabled = enabled
-        self.start = time.monotonic()
-        self._last = -1.0
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total <= 0:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return  # redraw at most ten times a second
-        self._last = now
-        frac = min(1.0, done / total)
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:3.0f}%  {done}/{total}  "
-                         f"{now - self.start:.1f}s")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def _progress_enabled(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "progress", False)) or sys.stderr.isatty()
+def _progress(args: argparse.Namespace, label: str) -> Progress:
+    return Progress(label, wanted(bool(getattr(args, "progress", False))))
 
 
 def _emit_json(value: Any) -> None:
@@ -137,7 +114,7 @@ def open_reader(url: str) -> Any:
         if not os.path.exists(path):
             raise DatabaseUnavailable(
                 f"no ledger at {path}: the file does not exist; pass --db URL, set LEDGER_URL, "
-                "or create one (ledger demo / ledger generate)", url=norm)
+                f"or create one ({PROG} demo / {PROG} generate)", url=norm)
     led = Ledger.open(url, migrate_schema=False)
     try:
         present = q.schema_present(led.store)
@@ -212,7 +189,7 @@ def _runs(args: argparse.Namespace) -> int:
         _emit_json(page)
         return 0
     print(table(["RUN", "STATUS", "TENANT", "SELECTED", "CURRENT", "CALLS", "POSTED",
-                 "ADMITTED (UTC)"],
+                 "ADMITTED"],
                 [[r.run_id, r.status, r.tenant, r.selected_route, r.current_route,
                   r.calls_used, _money(r.posted), fmt_time(r.created_at)] for r in page.items]))
     _footer(page)
@@ -223,6 +200,7 @@ def _run_show(args: argparse.Namespace) -> int:
     audit = _audit(args)
     try:
         tl = audit.timeline(args.run_id)
+        now = audit.now()
     finally:
         audit.ledger.close()
     if args.json:
@@ -233,7 +211,8 @@ def _run_show(args: argparse.Namespace) -> int:
           f"labels {json.dumps(r.labels, sort_keys=True)}")
     print(f"selected {r.selected_route}  served {tl.served_route or '-'}  "
           f"failed over: {'yes' if tl.failed_over else 'no'}  "
-          f"cost {_money(tl.total_cost)} of {_money(r.max_cost)}  tokens {r.tokens_used}")
+          f"cost {_money(tl.total_cost)} of {_money(r.max_cost)}  tokens {r.tokens_used}  "
+          f"admitted {fmt_until(r.created_at, now)}")
     print()
     rows = []
     for a in tl.attempts:
@@ -250,14 +229,31 @@ def _run_show(args: argparse.Namespace) -> int:
         rows.append([a.seq, a.kind, a.route_id, a.profile_id, outcome,
                      f"{a.debit_state} {_money(held)}",
                      _money(a.cost), why, fmt_time(a.created_at)])
-    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST", "WHY",
-                 "AT (UTC)"], rows))
+    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST", "WHY", "AT"],
+                rows))
     notes = [(a.seq, e) for a in tl.attempts for e in a.events]
     if notes:
         print()
         for seq, e in notes:
-            print(f"  #{seq} {e.kind}: {json.dumps(e.data, sort_keys=True)}")
+            print(f"  #{seq} {e.kind}: {fmt_event_data(e.data, now)}")
+    for line in stop_lines(tl.stops, now):
+        print(line)
     return 0
+
+
+def stop_lines(stops: Sequence[Any], now: float) -> list[str]:
+    """Why the run stopped: each ``stop`` event's reason, detail, skipped candidates, errors."""
+    out: list[str] = []
+    for st in stops:
+        out.append("")
+        out.append(f"stopped {fmt_until(st.at, now)}: {st.reason}"
+                   + (f": {st.detail}" if st.detail else ""))
+        for sk in st.skipped:
+            out.append(f"  skipped {sk.route}: {sk.reason}" + (f" ({sk.detail})" if sk.detail
+                                                               else ""))
+        for err in st.errors:
+            out.append(f"  error: {err}")
+    return out
 
 
 def _attempts(args: argparse.Namespace) -> int:
@@ -270,7 +266,7 @@ def _attempts(args: argparse.Namespace) -> int:
             if args.json:
                 _emit_json(opage)
                 return 0
-            print(table(["ATTEMPT", "RUN", "ROUTE", "STATE", "LEASE", "AT (UTC)"],
+            print(table(["ATTEMPT", "RUN", "ROUTE", "STATE", "LEASE", "AT"],
                         [[o.attempt.attempt_id, o.attempt.run_id, o.attempt.route_id,
                           o.attempt.state.value, "live" if o.lease_live else "gone",
                           fmt_time(o.attempt.created_at)] for o in opage.items]))
@@ -284,10 +280,11 @@ def _attempts(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(page)
         return 0
-    print(table(["ATTEMPT", "RUN", "#", "ROUTE", "GROUP", "STATE", "CATEGORY", "HTTP", "COST",
-                 "AT (UTC)"],
+    print(table(["ATTEMPT", "RUN", "#", "ROUTE", "GROUP", "STATE", "DEBIT", "CATEGORY", "HTTP",
+                 "COST", "AT"],
                 [[a.attempt_id, a.run_id, a.seq, a.route_id, a.group_id, a.state.value,
-                  a.category, a.http_status, _money(a.cost), fmt_time(a.created_at)]
+                  a.debit_state.value if a.debit_state else None, a.category, a.http_status,
+                  _money(a.cost), fmt_time(a.created_at)]
                  for a in page.items]))
     _footer(page)
     return 0
@@ -310,7 +307,7 @@ def _failovers(args: argparse.Namespace) -> int:
         rows.append([f.run_id, f.tenant, f.selected_route, f.served_route or "(none)",
                      " > ".join(f.routes), causes or "-", f.status, fmt_time(f.created_at)])
     print(table(["RUN", "TENANT", "SELECTED", "SERVED BY", "ROUTES TRIED", "CAUSES", "STATUS",
-                 "ADMITTED (UTC)"], rows))
+                 "ADMITTED"], rows))
     _footer(page)
     return 0
 
@@ -351,7 +348,8 @@ def _health(args: argparse.Namespace) -> int:
                 [[k.key, k.kind, k.provider, k.status, fmt_until(k.cooldown_until, now),
                   fmt_until(k.disabled_until, now)
                   + (f" ({k.disabled_reason})" if k.disabled_reason else ""),
-                  k.error_count, fmt_time(k.last_failure_at), fmt_time(k.last_probe_at)]
+                  k.error_count, relative(k.last_failure_at, now),
+                  relative(k.last_probe_at, now)]
                  for k in rep.routes + rep.profiles]))
     print()
     print("capacity groups")
@@ -372,8 +370,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidArgument("--days must be > 0", field="days")
     led = Ledger.open(args.db)
     try:
+        if not args.into_existing:
+            _refuse_foreign_runs(led)
         end = args.end if args.end is not None else time.time()
-        bar = ProgressBar("generate", _progress_enabled(args))
+        bar = _progress(args, "generate")
         t0 = time.monotonic()
         st = generate(led.store, attempts=args.attempts, days=args.days, end=end, seed=args.seed,
                       progress=bar)
@@ -389,9 +389,24 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print(f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
               f"{st.failovers} failovers, {st.unknown} unknown, {st.dispatching} dispatching, "
-              f"{st.events} events) from {fmt_time(st.since)} to {fmt_time(st.until)} UTC "
-              f"in {took:.1f}s")
+              f"{st.events} events) from {fmt_time(st.since)} to {fmt_time(st.until)} "
+              f"in {took:.1f} s")
     return 0
+
+
+def _refuse_foreign_runs(led: Any) -> None:
+    """Synthetic history next to real runs would mix into every audit answer: ask first."""
+    from ledger.generate import POLICY_HASH
+    from ledger.storage.bulk import first_run_other_than
+    from ledger.storage.engine import redact_url
+
+    other = first_run_other_than(led.store, policy_hash=POLICY_HASH)
+    if other is not None:
+        raise InvalidArgument(
+            f"{redact_url(led.store.url)} holds runs that generate did not write (e.g. "
+            f"{other!r}); synthetic history would mix into their audit answers. Point --db at a "
+            "new database, or pass --into-existing to add it anyway",
+            field="into_existing", run_id=other)
 
 
 def _bench_audit(args: argparse.Namespace) -> int:
@@ -401,7 +416,7 @@ def _bench_audit(args: argparse.Namespace) -> int:
         raise InvalidArgument("--repeat must be >= 1", field="repeat")
     audit = _audit(args)
     try:
-        bar = ProgressBar("bench", _progress_enabled(args))
+        bar = _progress(args, "bench")
         rows = bench_audit(audit, repeat=args.repeat, progress=bar)
         backend = audit.ledger.backend
     finally:
@@ -425,11 +440,15 @@ def _dashboard(args: argparse.Namespace) -> int:
         from ledger.dashboard.app import serve
     except ImportError as e:
         raise InvalidArgument(
-            f"the dashboard needs the optional extra: pip install 'ledger[dashboard]' ({e})",
+            "the dashboard needs the optional extra: "
+            f"pip install 'failover-ledger[dashboard]' ({e})",
             field="dashboard") from e
+    if args.refresh < 0:
+        raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
+                              field="refresh")
     led = open_reader(args.db)  # fail fast, with the clear message, before binding a port
     led.close()
-    serve(args.db, host=args.host, port=args.port)
+    serve(args.db, host=args.host, port=args.port, refresh_s=args.refresh)
     return 0
 
 
@@ -444,7 +463,7 @@ def register(subparsers: Any) -> None:
     _add_common(p)
     p.set_defaults(func=_runs)
 
-    run = subparsers.add_parser("run", help="one run: ledger run show ID")
+    run = subparsers.add_parser("run", help=f"one run: {PROG} run show ID")
     run_sub = run.add_subparsers(dest="run_command", metavar="SUBCOMMAND", required=True)
     show = run_sub.add_parser("show", help="a run's attempt timeline: routes, debits, outcomes, "
                               "facts, costs and the selector's reasons")
@@ -488,11 +507,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--end", type=float, default=None, help="epoch of the newest history "
                    "(default: now)")
     p.add_argument("--progress", action="store_true", help="show progress even when piped")
+    p.add_argument("--into-existing", action="store_true",
+                   help="write into a ledger that already holds runs generate did not write "
+                   "(refused without this flag)")
     _add_common(p, paged=False)
     p.set_defaults(func=_generate)
 
     b = bench_subparsers(subparsers).add_parser(
-        "audit", help="latency of each audit query on --db (fill it with ledger generate)")
+        "audit", help=f"latency of each audit query on --db (fill it with {PROG} generate)")
     b.add_argument("--repeat", type=int, default=5, help="timed runs per query (default 5)")
     b.add_argument("--progress", action="store_true", help="show progress even when piped")
     _add_common(b, paged=False)
@@ -501,6 +523,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("dashboard", help="serve the read-only health dashboard")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument("--refresh", type=int, default=30, metavar="SECONDS",
+                   help="pages reload themselves this often (default 30; 0: never)")
     _add_db(p)
     p.set_defaults(func=_dashboard)
 

@@ -7,8 +7,9 @@ import json
 import sys
 from typing import Any
 
+from ledger.cli.common import PROG
 from ledger.errors import PolicyError
-from ledger.policy.load import PRESETS, load_policy, policy_hash, policy_json_schema
+from ledger.policy import PRESETS
 
 
 def register(subparsers: Any) -> None:
@@ -29,6 +30,8 @@ def register(subparsers: Any) -> None:
 
 def schema_text() -> str:
     """The schema exactly as published in ``docs/policy.schema.json``."""
+    from ledger.policy.load import policy_json_schema
+
     return json.dumps(policy_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
@@ -38,7 +41,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _report(e: PolicyError, source: str) -> None:
-    print(f"ledger: error: policy {e.file or source} is invalid", file=sys.stderr)
+    print(f"{PROG}: error: policy {e.file or source} is invalid", file=sys.stderr)
     print(f"  file: {e.file or source}", file=sys.stderr)
     for field, problem, fix in e.errors:
         print(f"  field: {field}", file=sys.stderr)
@@ -49,6 +52,8 @@ def _report(e: PolicyError, source: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from ledger.policy.load import load_policy, policy_hash
+
     status = 0
     for source in args.files:
         try:
@@ -62,6 +67,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from ledger.policy.load import load_policy, policy_hash
+
     try:
         policy = load_policy(args.file)
     except PolicyError as e:

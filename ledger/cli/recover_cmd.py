@@ -1,4 +1,9 @@
-"""``ledger recover``: take over runs whose executor lease expired; ``ledger reconcile``."""
+"""``failover-ledger recover``: take over runs whose executor lease expired; ``reconcile``.
+
+The ledger modules are imported inside the commands (the parser is built on every start-up).
+``--ttl`` and ``--limit`` default to ``None``, meaning :func:`ledger.recovery.recover`'s own
+defaults, which the help text names.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,11 @@ import json
 import sys
 from typing import Any
 
-from ledger.api import Ledger
-from ledger.recovery import DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
+from ledger.cli.progress import Progress, wanted
+
+# Shown in --help; tests/recovery/test_cli.py holds them equal to ledger.recovery's defaults.
+HELP_TTL_S = 30.0
+HELP_LIMIT = 1000
 
 
 def register(subparsers: Any) -> None:
@@ -20,14 +28,17 @@ def register(subparsers: Any) -> None:
         "the dead executor's capacity slots. Safe to run repeatedly and from several hosts.",
     )
     p.add_argument("--executor", default=None, help="executor id to take the runs over as")
-    p.add_argument("--ttl", type=float, default=DEFAULT_RECOVERY_TTL_S,
-                   help="lease time-to-live for the taken-over runs (seconds)")
-    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="at most this many runs")
+    p.add_argument("--ttl", type=float, default=None,
+                   help=f"lease time-to-live for the taken-over runs, seconds "
+                   f"(default {HELP_TTL_S:g})")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"at most this many runs (default {HELP_LIMIT})")
     p.add_argument("--keep-lease", action="store_true",
                    help="keep the new lease (default: release it so a host can acquire the run)")
     p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",
                    help="only this run (repeatable)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--progress", action="store_true", help="show progress even when piped")
     p.set_defaults(func=_recover)
 
     c = subparsers.add_parser("reconcile", help="check every stored invariant over the ledger")
@@ -36,9 +47,16 @@ def register(subparsers: Any) -> None:
 
 
 def _recover(args: argparse.Namespace) -> int:
+    from ledger.api import Ledger
+    from ledger.recovery import DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
+
+    bar = Progress("recover", wanted(args.progress))
     with Ledger.open(args.db) as led:
-        rep = recover(led, executor_id=args.executor, lease_ttl_s=args.ttl, limit=args.limit,
-                      release=not args.keep_lease, run_ids=args.runs)
+        rep = recover(led, executor_id=args.executor,
+                      lease_ttl_s=DEFAULT_RECOVERY_TTL_S if args.ttl is None else args.ttl,
+                      limit=DEFAULT_LIMIT if args.limit is None else args.limit,
+                      release=not args.keep_lease, run_ids=args.runs, progress=bar)
+    bar.close()
     if args.json:
         sys.stdout.write(json.dumps(rep.to_json(), indent=2) + "\n")
         return 0
@@ -54,6 +72,7 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _reconcile(args: argparse.Namespace) -> int:
+    from ledger.api import Ledger
     from ledger.reconcile import reconcile
 
     with Ledger.open(args.db) as led:

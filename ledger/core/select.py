@@ -51,6 +51,7 @@ from ledger.core.profiles import (
 from ledger.errors import InvalidArgument
 from ledger.model import Grant, GroupMode, GroupProjection, Health, Profile, Route
 from ledger.policy.model import Policy
+from ledger.timefmt import duration, iso, relative
 
 
 class Reason(StrEnum):
@@ -287,14 +288,15 @@ class _Walk:
         if proj.mode is GroupMode.UNAVAILABLE:
             return (
                 Reason.SAME_GROUP_UNAVAILABLE,
-                f"group {route.group!r} unavailable (sampled {age:g}s ago)",
+                f"group {route.group!r} unavailable (sampled {duration(age)} ago)",
             )
         # A cooldown with no known end is treated as still running: the projection only ever
         # eliminates candidates, so erring towards "unavailable" grants nothing.
         if proj.mode is GroupMode.COOLDOWN and (proj.until is None or proj.until > self.now):
             return (
                 Reason.SAME_GROUP_UNAVAILABLE,
-                f"group {route.group!r} cooling until {proj.until} (sampled {age:g}s ago)",
+                f"group {route.group!r} cooling until {_until(proj.until, self.now)} "
+                f"(sampled {duration(age)} ago)",
             )
         return None
 
@@ -305,9 +307,10 @@ class _Walk:
         pp = self.policy.probe
         # Only the Run's own route is probed, and only when there is somewhere else to go.
         if not (pp.enabled and route.id == self.primary.id and len(self.inp.plan) > 1):
-            return (Reason.ROUTE_COOLDOWN, f"cooling until {until:g}")
+            return (Reason.ROUTE_COOLDOWN, f"cooling until {_until(until, self.now)}")
         if self.now < until - pp.margin_s:
-            return (Reason.ROUTE_COOLDOWN, f"cooling until {until:g}; too early to probe")
+            return (Reason.ROUTE_COOLDOWN, f"cooling until {_until(until, self.now)}; "
+                    "too early to probe")
         h = self.inp.health.get(route.id)
         last = h.last_probe_at if h is not None else None
         if last is not None and self.now - last >= pp.ttl_s:
@@ -320,7 +323,8 @@ class _Walk:
         assert last is not None  # inside the margin, so only the throttle can refuse
         return (
             Reason.PROBE_THROTTLED,
-            f"cooling until {until:g}; last probe {self.now - last:g}s ago (< {pp.interval_s:g}s)",
+            f"cooling until {_until(until, self.now)}; last probe {duration(self.now - last)} ago "
+            f"(< {duration(pp.interval_s)})",
         )
 
     def health(self, cand: _Candidate) -> tuple[Profile | None, tuple[Reason, str] | None, bool]:
@@ -428,7 +432,7 @@ class _Walk:
                         Skip(
                             failed.id,
                             Reason.ROUTE_COOLDOWN,
-                            f"profile unusable until {until:g}",
+                            f"profile unusable until {_until(until, self.now)}",
                             p.id,
                         )
                     )
@@ -533,6 +537,13 @@ def select(inp: SelectionInput) -> Decision:
         )
     return _stop(Reason.NO_CANDIDATE, "every remaining candidate was eliminated", skipped)
 
+
+
+def _until(ts: float | None, now: float) -> str:
+    """An end time in a reason a person reads: ``2026-01-31T18:00:30Z (in 25 s)``."""
+    if ts is None:
+        return "an unknown time"
+    return f"{iso(ts)} ({relative(ts, now)})"
 
 __all__ = [
     "Decision",

@@ -1,33 +1,54 @@
-"""The dashboard's Starlette app: HTML pages and JSON endpoints over the audit API.
+"""The dashboard's Starlette app: HTML pages, JSON endpoints and Prometheus metrics over the
+audit API.
 
-Pages: ``/`` (route, profile and group health; attempts and failures over the last day; recent
-failovers; recent runs) and ``/runs/{id}`` (a run's attempt timeline). JSON: ``/api/health``,
-``/api/failovers``, ``/api/runs``, ``/api/runs/{id}``, ``/api/costs``, ``/api/activity``.
+Pages: ``/`` (what is cooling now at a glance; attempts, per-route success rate and latency over
+the window as charts; route, profile and group health; costs by tenant, route and day; recent
+failovers and runs) and ``/runs/{id}`` (a run's attempt timeline and why it stopped). Both
+refresh themselves (``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds,
+``?refresh=N`` per page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``,
+``/api/runs/{id}``, ``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``.
+``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
 
 Every endpoint is a plain function: Starlette runs it in its thread pool, so the blocking
-database reads never stall the event loop. Every value printed into HTML is escaped.
+database reads never stall the event loop. Every value printed into HTML is escaped, and times
+are ISO-8601 UTC or relative ("in 4 m", "12 s ago").
 """
 
 from __future__ import annotations
 
 import contextlib
 import html
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ledger.api import Ledger
-from ledger.audit import ActivityBucket, Audit, HealthReport, RunTimeline, to_jsonable
+from ledger.audit import (
+    Audit,
+    HealthReport,
+    RouteSeries,
+    RunSummary,
+    RunTimeline,
+    Totals,
+    to_jsonable,
+)
 from ledger.clock import Clock
+from ledger.dashboard.charts import chart_svg, cost_days_svg, latency_top, sparkline_svg
+from ledger.dashboard.metrics import CONTENT_TYPE, exposition
 from ledger.errors import InvalidArgument, LedgerError, NotFound
+from ledger.timefmt import data_text, iso, relative
 
 DAY = 86400.0
+DEFAULT_REFRESH_S = 30
+DEFAULT_METRICS_TTL_S = 10.0
 # No network at all: nothing but inline styles and same-origin links and forms.
 _CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
         "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -40,16 +61,28 @@ header a{color:#fff;text-decoration:none;font-weight:600}
 header form{margin-left:auto}
 main{padding:16px 20px;max-width:1400px}
 section{background:#fff;border:1px solid #dde1e7;border-radius:6px;padding:12px 16px;
-margin-bottom:16px}
+margin-bottom:16px;min-width:0}
 h1{font-size:18px;margin:0}h2{font-size:15px;margin:0 0 8px}
 table{border-collapse:collapse;width:100%;font-size:13px}
 th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff3;vertical-align:top}
-th{background:#f0f2f5;font-weight:600}
-td.num{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f0f2f5;font-weight:600;white-space:nowrap}
+td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
+td.nowrap{white-space:nowrap}
+td.id{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px;
+white-space:nowrap}
+.scroll{overflow-x:auto}
+svg.spark{display:block}
 .ok{color:#17803d;font-weight:600}.cooling,.cooldown{color:#b26a00;font-weight:600}
-.disabled,.unavailable,.failed,.unknown{color:#c0262d;font-weight:600}
-.succeeded{color:#17803d}.dispatching{color:#2459c4}.muted{color:#6b7280}
+.disabled,.unavailable,.failed,.unknown,.stopped{color:#c0262d;font-weight:600}
+.succeeded{color:#17803d}.dispatching,.running{color:#2459c4}.muted{color:#6b7280}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:16px}
+.tiles{display:grid;grid-template-columns:repeat(4,1fr);gap:12px;margin:0}
+.tile{border:1px solid #eceff3;border-radius:6px;padding:8px 12px}
+.tile b{display:block;font-size:22px;font-variant-numeric:tabular-nums}
+.glance{margin:8px 0 0;padding-left:18px}.glance li{margin:2px 0}
+.legend{margin:4px 0 0;font-size:12px}.legend-item{margin-right:14px;white-space:nowrap}
+.swatch{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px}
+.stop{border-left:4px solid #c0262d;padding:6px 12px;margin:8px 0;background:#fdf3f3}
 code{font-size:12px}
 """
 
@@ -61,16 +94,22 @@ def _e(v: Any) -> str:
 
 
 def _t(ts: float | None) -> str:
+    """An instant, ISO-8601 UTC."""
+    return _e(None) if ts is None else _e(iso(ts))
+
+
+def _ago(ts: float | None, now: float) -> str:
+    """A past instant as "12 s ago", the exact time on hover."""
     if ts is None:
         return _e(None)
-    return _e(datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S"))
+    return f'<span title="{html.escape(iso(ts), quote=True)}">{_e(relative(ts, now))}</span>'
 
 
 def _until(ts: float | None, now: float) -> str:
     if ts is None:
         return _e(None)
     if ts > now:
-        return _e(f"in {ts - now:.0f}s") + f' <span class="muted">({_t(ts)})</span>'
+        return _e(relative(ts, now)) + f' <span class="muted">({_t(ts)})</span>'
     return _t(ts)
 
 
@@ -82,59 +121,68 @@ def _tag(cls: str) -> str:
     return f'<span class="{html.escape(cls)}">{html.escape(cls)}</span>'
 
 
-def _page(title: str, body: str) -> HTMLResponse:
+def _link(run_id: str) -> str:
+    return f'<a href="/runs/{html.escape(run_id, quote=True)}">{_e(run_id)}</a>'
+
+
+def _page(title: str, body: str, refresh_s: int = 0) -> HTMLResponse:
+    refresh = (f'<meta http-equiv="refresh" content="{int(refresh_s)}">' if refresh_s > 0
+               else "")
+    note = (f"auto-refresh every {int(refresh_s)} s" if refresh_s > 0 else "auto-refresh off")
     doc = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-           f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+           f'<meta name="viewport" content="width=device-width, initial-scale=1">{refresh}'
            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
-           f'<header><h1><a href="/">ledger</a></h1><span>provider health (read-only)</span>'
+           f'<header><h1><a href="/">failover-ledger</a></h1><span>provider health '
+           f'(read-only)</span><span class="muted" id="refresh-note">{note}</span>'
            f'<form action="/runs" method="get"><input name="id" placeholder="run id" size="32">'
            f' <button>show run</button></form></header><main>{body}</main></body></html>')
     return HTMLResponse(doc, headers={"Content-Security-Policy": _CSP,
                                       "Cache-Control": "no-store"})
 
 
-def _table(headers: list[str], rows: list[list[str]], table_id: str, empty: str) -> str:
+def _table(headers: list[str], rows: list[list[str]], table_id: str, empty: str,
+           classes: list[str] | None = None) -> str:
+    """A table; ``classes`` gives each column's cell class (``num``, ``nowrap``, ``id``)."""
     if not rows:
         return f'<p class="muted" id="{table_id}-empty">{html.escape(empty)}</p>'
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    cls = classes or [""] * len(headers)
+    # A scrolling box, so a narrow window scrolls the table instead of crushing its columns.
+    head = "".join(f'<th class="{c}">{html.escape(h)}</th>' if c == "num"
+                   else f"<th>{html.escape(h)}</th>" for h, c in zip(headers, cls, strict=True))
+    body = "".join("<tr>" + "".join(f'<td class="{c}">{v}</td>' if c else f"<td>{v}</td>"
+                                    for v, c in zip(r, cls, strict=True)) + "</tr>"
+                   for r in rows)
+    return (f'<div class="scroll"><table id="{table_id}"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table></div>")
 
 
-def chart_svg(buckets: list[ActivityBucket], width: int = 900, height: int = 170) -> str:
-    """Bars of attempts per bucket (grey) with their failures and unknowns (red) in front."""
-    pad_l, pad_b, pad_t = 44, 22, 10
-    n = max(1, len(buckets))
-    top = max([b.attempts for b in buckets] + [1])
-    bw = (width - pad_l - 4) / n
-    plot_h = height - pad_b - pad_t
-    parts = [f'<svg id="activity-chart" xmlns="http://www.w3.org/2000/svg" width="100%" '
-             f'viewBox="0 0 {width} {height}" role="img" aria-label="attempts and failures '
-             f'over time">',
-             f'<text x="0" y="{pad_t + 8}" font-size="11" fill="#6b7280">{top}</text>',
-             f'<text x="0" y="{height - pad_b}" font-size="11" fill="#6b7280">0</text>',
-             f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width}" y2="{height - pad_b}" '
-             f'stroke="#c7ccd4"/>']
-    for i, b in enumerate(buckets):
-        x = pad_l + i * bw
-        h_all = plot_h * b.attempts / top
-        h_bad = plot_h * (b.failed + b.unknown) / top
-        label = (f"{datetime.fromtimestamp(b.start, UTC):%m-%d %H:%M} UTC: {b.attempts} "
-                 f"attempts, {b.failed} failed, {b.unknown} unknown")
-        parts.append(f'<g><title>{html.escape(label)}</title>'
-                     f'<rect x="{x:.1f}" y="{height - pad_b - h_all:.1f}" width="{bw * 0.85:.1f}"'
-                     f' height="{h_all:.1f}" fill="#9aa5b8"/>'
-                     f'<rect class="fail" x="{x:.1f}" y="{height - pad_b - h_bad:.1f}" '
-                     f'width="{bw * 0.85:.1f}" height="{h_bad:.1f}" fill="#d64545"/></g>')
-    if buckets:
-        last = len(buckets) - 1
-        for i, anchor in ((0, "start"), (last // 2, "middle"), (last, "end")):
-            ts = datetime.fromtimestamp(buckets[i].start, UTC)
-            x = pad_l + (i + (1 if anchor == "end" else 0)) * bw  # keep the last label inside
-            parts.append(f'<text x="{x:.1f}" y="{height - 6}" font-size="11" '
-                         f'text-anchor="{anchor}" fill="#6b7280">{ts:%m-%d %H:%M}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+def _glance_html(rep: HealthReport, attempts: int, bad: int, failovers: int, cost: Decimal,
+                 hours: float) -> str:
+    """What an operator looks for first: what is cooling or held right now, and until when."""
+    now = rep.now
+    cooling = [k for k in rep.routes + rep.profiles if k.status != "ok"]
+    floors = [g for g in rep.groups if g.mode != "open"]
+    items = []
+    for k in cooling:
+        until = k.disabled_until if k.status == "disabled" else k.cooldown_until
+        why = k.disabled_reason if k.status == "disabled" else None
+        items.append(f"<li>{_tag(k.status)} {k.kind} <b>{_e(k.key)}</b> until "
+                     f"{_until(until, now)}" + (f" ({_e(why)})" if why else "") + "</li>")
+    for g in floors:
+        items.append(f"<li>{_tag(g.mode)} group <b>{_e(g.group)}</b> waiting floor "
+                     f"{_until(g.until, now) if g.until is not None else 'until released'}"
+                     + (f" ({_e(g.reason)})" if g.reason else "") + "</li>")
+    listing = (f'<ul class="glance" id="glance-list">{"".join(items)}</ul>' if items else
+               '<p class="muted" id="glance-list">every route, profile and group is open</p>')
+    rate = f"{100 * (attempts - bad) / attempts:.1f}%" if attempts else "-"
+    return (
+        '<section id="glance"><h2>Now</h2><div class="tiles">'
+        f'<div class="tile">cooling or disabled<b id="glance-cooling">{len(cooling)}</b></div>'
+        f'<div class="tile">groups not open<b id="glance-groups">{len(floors)}</b></div>'
+        f'<div class="tile">attempts, last {hours:g} h<b>{attempts}</b>'
+        f'<span class="muted">{rate} without failure</span></div>'
+        f'<div class="tile">failovers / cost, last {hours:g} h<b>{failovers} &middot; '
+        f"{_money(cost)}</b></div></div>{listing}</section>")
 
 
 def _health_html(rep: HealthReport) -> str:
@@ -143,23 +191,93 @@ def _health_html(rep: HealthReport) -> str:
              _until(k.cooldown_until, now),
              _until(k.disabled_until, now) + (f" ({_e(k.disabled_reason)})"
                                               if k.disabled_reason else ""),
-             f'<span class="num">{k.error_count}</span>', _t(k.last_failure_at),
-             _t(k.last_probe_at)] for k in rep.routes + rep.profiles]
+             str(k.error_count), _ago(k.last_failure_at, now),
+             _ago(k.last_probe_at, now)] for k in rep.routes + rep.profiles]
     groups = [[_e(g.group), _tag(g.mode), _until(g.until, now) if g.mode != "open" else _e(None),
                _e(g.reason) if g.mode != "open" else _e(None), _e(g.in_flight), _e(g.limit)]
               for g in rep.groups]
     return (
         '<section><h2>Routes and credential profiles</h2>'
         + _table(["key", "kind", "provider", "status", "cooldown until", "disabled until",
-                  "errors", "last failure (UTC)", "last probe (UTC)"], keys, "health-table",
-                 "no health recorded yet")
+                  "errors", "last failure", "last probe"], keys, "health-table",
+                 "no health recorded yet",
+                 ["id", "", "", "", "nowrap", "nowrap", "num", "nowrap", "nowrap"])
         + '</section><section><h2>Capacity groups</h2>'
         + _table(["group", "mode", "waiting floor", "reason", "in flight", "limit"], groups,
-                 "groups-table", "no capacity groups yet")
+                 "groups-table", "no capacity groups yet",
+                 ["id", "", "nowrap", "", "num", "num"])
         + "</section>")
 
 
-def _timeline_html(tl: RunTimeline) -> str:
+def _routes_html(series: list[RouteSeries], hours: float) -> str:
+    """Small multiples: per route, its success rate and latency over the window, side by side
+    on shared axes (0-100 %, 0 to the busiest route's latency top) so rows compare."""
+    if not series:
+        return ('<section><h2>Routes over time</h2><p class="muted" id="routes-table-empty">'
+                f"no attempts in the last {hours:g} h</p></section>")
+    top = latency_top(series)
+    rows = []
+    for i, r in enumerate(series):
+        ok = sum(p.succeeded for p in r.points)
+        sent = sum(p.succeeded + p.failed + p.unknown for p in r.points)
+        lat = [p.latency_s * p.succeeded for p in r.points if p.latency_s is not None]
+        rows.append([
+            _e(r.route), str(r.attempts), _e(f"{100 * ok / sent:.1f}%" if sent else None),
+            sparkline_svg(r, metric="success_rate", top=1.0, css_id=f"success-{i}"),
+            _e(f"{sum(lat) / ok:.2f} s" if ok else None),
+            sparkline_svg(r, metric="latency_s", top=top, css_id=f"latency-{i}",
+                          stroke="#e69f00"),
+        ])
+    start, end = series[0].points[0].start, series[0].points[-1].start
+    return (f'<section id="routes-over-time"><h2>Routes over time, last {hours:g} h '
+            f'<span class="muted">({_t(start)} to {_t(end)}, {len(series[0].points)} '
+            f"buckets; success = succeeded of sent; latency = mean begin-to-settle of the "
+            f"succeeded, axis 0-{top:g} s)</span></h2>"
+            + _table(["route", "attempts", "success", "success rate over time", "latency",
+                      "latency over time"], rows, "routes-table", "",
+                     ["id", "num", "num", "", "num", ""])
+            + "</section>")
+
+
+def _runs_table(runs: list[RunSummary], now: float) -> str:
+    rows = [[_link(r.run_id), _tag(r.status), _e(r.tenant), _e(r.selected_route),
+             _e(r.current_route), f"{r.calls_used}", f"{r.retries_used}", _money(r.posted),
+             _money(r.reserved) if r.reserved else _e(None),
+             _ago(r.created_at, now) + f' <span class="muted">{_t(r.created_at)}</span>']
+            for r in runs]
+    return _table(["run", "status", "tenant", "selected", "served by (current)", "calls",
+                   "retries", "posted", "held", "admitted"], rows, "runs-table", "no runs yet",
+                  ["id", "", "", "id", "id", "num", "num", "num", "num", "nowrap"])
+
+
+def _totals_rows(items: list[Totals]) -> list[list[str]]:
+    return [[_e(t.key if t.key is not None else "(none)"), str(t.attempts), str(t.succeeded),
+             str(t.failed), str(t.unknown), str(t.prompt_tokens + t.completion_tokens),
+             _money(t.cost)] for t in items]
+
+
+_TOTALS_HEAD = ["attempts", "ok", "failed", "unknown", "tokens", "cost"]
+_TOTALS_CLS = ["num"] * 6
+
+
+def _stops_html(tl: RunTimeline, now: float) -> str:
+    if not tl.stops:
+        return ""
+    out = ['<section id="stops"><h2>Why the run stopped</h2>']
+    for st in tl.stops:
+        skipped = "".join(f"<li>skipped <b>{_e(s.route)}</b>: {_e(s.reason)}"
+                          + (f' <span class="muted">({_e(s.detail)})</span>' if s.detail
+                             else "") + "</li>" for s in st.skipped)
+        errors = "".join(f"<li>error: {_e(err)}</li>" for err in st.errors)
+        out.append(f'<div class="stop"><b class="stop-reason">{_e(st.reason)}</b>'
+                   + (f": {_e(st.detail)}" if st.detail else "")
+                   + f' <span class="muted">{_ago(st.at, now)}</span>'
+                   f"<ul>{skipped}{errors}</ul></div>")
+    out.append("</section>")
+    return "".join(out)
+
+
+def _timeline_html(tl: RunTimeline, now: float) -> str:
     r = tl.run
     rows = []
     for a in tl.attempts:
@@ -173,11 +291,9 @@ def _timeline_html(tl: RunTimeline) -> str:
         if a.fact is not None:
             fact = _e(f"{a.fact.category.value} {a.fact.status or ''} phase={a.fact.phase.value}"
                       f" scope={a.fact.scope.value}")
-        notes = "<br>".join(_e(f"{e.kind}: " + ", ".join(f"{k}={v}" for k, v in
-                                                          sorted(e.data.items())))
-                            for e in a.events)
-        rows.append([f'<span class="num">{a.seq}</span>', _e(a.kind), _e(a.route_id),
-                     _e(a.profile_id), _tag(a.state), fact,
+        notes = "<br>".join(_e(f"{e.kind}: {data_text(e.data, now)}") for e in a.events)
+        rows.append([str(a.seq), _e(a.kind), _e(a.route_id), _e(a.profile_id), _tag(a.state),
+                     fact,
                      _e(a.debit_state) + " " + _money(a.posted if a.debit_state == "posted"
                                                       else a.reserved),
                      _money(a.cost), why, notes or _e(None), _t(a.created_at)])
@@ -186,18 +302,33 @@ def _timeline_html(tl: RunTimeline) -> str:
             f"&middot; selected <b>{_e(r.selected_route)}</b> &middot; served by "
             f'<b id="served-route">{_e(tl.served_route)}</b> &middot; failed over: '
             f"{'yes' if tl.failed_over else 'no'} &middot; cost {_money(tl.total_cost)} of "
-            f"{_money(r.max_cost)} &middot; admitted {_t(r.created_at)} UTC</p>")
+            f"{_money(r.max_cost)} &middot; admitted {_t(r.created_at)} "
+            f'({_e(relative(r.created_at, now))})</p>')
     return (head + _table(["#", "kind", "route", "profile", "outcome", "fact", "debit", "cost",
-                           "why (selector)", "events", "at (UTC)"], rows, "timeline-table",
-                          "no attempts yet") + "</section>")
+                           "why (selector)", "events", "at"], rows, "timeline-table",
+                          "no attempts yet",
+                          ["num", "", "id", "id", "", "", "nowrap", "num", "", "", "nowrap"])
+            + "</section>" + _stops_html(tl, now))
 
 
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,
-               clock: Clock | None = None) -> Starlette:
-    """The dashboard over ``ledger`` (or a ledger opened on ``url`` without migrating it)."""
+               clock: Clock | None = None, refresh_s: int = DEFAULT_REFRESH_S,
+               metrics_ttl_s: float = DEFAULT_METRICS_TTL_S) -> Starlette:
+    """The dashboard over ``ledger`` (or a ledger opened on ``url`` without migrating it).
+
+    Pages refresh themselves every ``refresh_s`` seconds (0: never; ``?refresh=N`` per page).
+    ``/metrics`` reads the whole history (counters are totals), so one answer is reused for
+    ``metrics_ttl_s`` seconds of this process's monotonic time: several scrapers (an HA pair of
+    Prometheus servers) cost one read.
+    """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
+    if refresh_s < 0:
+        raise InvalidArgument("refresh_s must be >= 0 (0 turns auto-refresh off)",
+                              field="refresh_s")
     state: dict[str, Any] = {}
+    metrics_cache: list[tuple[float, str]] = []  # (monotonic time computed, body)
+    metrics_lock = threading.Lock()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -239,57 +370,106 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             raise InvalidArgument(f"query parameter {name} must be a number",
                                   field=name) from None
 
+    def _refresh(request: Request) -> int:
+        value = int(_num(request, "refresh", refresh_s))
+        if value < 0:
+            raise InvalidArgument("refresh must be >= 0 (0 turns it off)", field="refresh")
+        return value
+
     def index(request: Request) -> Response:
         au = audit()
         now = au.now()
         hours = _num(request, "hours", 24)
+        if hours <= 0:
+            raise InvalidArgument("hours must be > 0", field="hours")
+        days = int(_num(request, "days", 7))
+        since = now - hours * 3600
         rep = au.health(now)
-        buckets = au.activity(since=now - hours * 3600, until=now, buckets=48)
-        fos = au.failovers(since=now - hours * 3600, until=now, limit=20)
+        buckets = au.activity(since=since, until=now, buckets=48)
+        series = au.route_series(since=since, until=now, buckets=24, routes=8)
+        fos = au.failovers(since=since, until=now, limit=20)
         runs = au.runs(limit=15)
-        fo_rows = [[f'<a href="/runs/{html.escape(f.run_id, quote=True)}">{_e(f.run_id)}</a>',
-                    _e(f.tenant), _e(f.selected_route), _e(f.served_route),
+        by_tenant = au.costs(by="tenant", since=since, until=now, limit=1000)
+        by_route = au.costs(by="route", since=since, until=now, limit=10)
+        per_day = au.costs_by_day(days=days, now=now)
+        today = now - now % DAY
+        day_starts = [today - (days - 1 - i) * DAY for i in range(days)]
+        fo_rows = [[_link(f.run_id), _e(f.tenant), _e(f.selected_route), _e(f.served_route),
                     _e(" > ".join(f.routes)),
                     _e(", ".join(f"{c.route}: {c.category or c.state}"
                                  + (f" {c.http_status}" if c.http_status else "")
                                  for c in f.causes)),
-                    _tag(f.status), _t(f.created_at)] for f in fos.items]
-        run_rows = [[f'<a href="/runs/{html.escape(r.run_id, quote=True)}">{_e(r.run_id)}</a>',
-                     _tag(r.status), _e(r.tenant), _e(r.selected_route), _e(r.current_route),
-                     _money(r.posted), _t(r.created_at)] for r in runs.items]
+                    _tag(f.status), _ago(f.created_at, now)] for f in fos.items]
         total = sum(b.attempts for b in buckets)
         bad = sum(b.failed + b.unknown for b in buckets)
+        cost = sum((t.cost for t in by_tenant.items), Decimal(0))
         body = (
-            _health_html(rep)
-            + f'<section><h2>Attempts and failures, last {hours:g}h '
+            _glance_html(rep, total, bad, len(fos.items), cost, hours)
+            + f'<section><h2>Attempts and failures, last {hours:g} h '
             f'<span class="muted">({total} attempts, {bad} failed or unknown; UTC)</span></h2>'
             + chart_svg(buckets) + "</section>"
-            + '<div class="grid"><section><h2>Recent failovers</h2>'
-            + _table(["run", "tenant", "selected", "served by", "routes", "causes", "status",
-                      "admitted (UTC)"], fo_rows, "failovers-table",
-                     f"no failovers in the last {hours:g}h")
-            + "</section><section><h2>Recent runs</h2>"
-            + _table(["run", "status", "tenant", "selected", "current", "posted",
-                      "admitted (UTC)"], run_rows, "runs-table", "no runs yet")
-            + "</section></div>"
-            + f'<p class="muted">as of {_t(now)} UTC &middot; JSON: <a href="/api/health">'
+            + _routes_html(series, hours)
+            + _health_html(rep)
+            + f'<div class="grid"><section><h2>Cost by tenant, last {hours:g} h</h2>'
+            + _table(["tenant", *_TOTALS_HEAD], _totals_rows(by_tenant.items[:10]),
+                     "costs-tenant-table", "no attempts in the window", ["", *_TOTALS_CLS])
+            + f"</section><section><h2>Cost by route, last {hours:g} h</h2>"
+            + _table(["route", *_TOTALS_HEAD], _totals_rows(by_route.items),
+                     "costs-route-table", "no attempts in the window", ["id", *_TOTALS_CLS])
+            + f'</section></div><section><h2>Cost by day and tenant, last {days} days '
+            '<span class="muted">(UTC)</span></h2>'
+            + cost_days_svg(per_day, day_starts, width=1300, height=190)
+            + "</section>"
+            + '<section><h2>Recent failovers</h2>'
+            + _table(["run", "tenant", "selected", "served by", "routes tried", "causes",
+                      "status", "admitted"], fo_rows, "failovers-table",
+                     f"no failovers in the last {hours:g} h",
+                     ["id", "", "id", "id", "", "", "", "nowrap"])
+            + '</section><section><h2>Recent runs <a class="muted" href="/runs">(all runs)</a>'
+            "</h2>" + _runs_table(runs.items, now) + "</section>"
+            + f'<p class="muted">as of {_t(now)} &middot; JSON: <a href="/api/health">'
             "health</a>, <a href=\"/api/failovers\">failovers</a>, <a href=\"/api/activity\">"
-            "activity</a>, <a href=\"/api/costs\">costs</a></p>")
-        return _page("ledger dashboard", body)
+            "activity</a>, <a href=\"/api/routes\">routes</a>, <a href=\"/api/costs\">costs</a>"
+            ", <a href=\"/api/costs/days\">costs by day</a> &middot; "
+            "<a href=\"/metrics\">Prometheus metrics</a></p>")
+        return _page("failover-ledger dashboard", body, _refresh(request))
 
     def run_page(request: Request) -> Response:
-        tl = audit().timeline(request.path_params["run_id"])
-        return _page(f"run {tl.run.run_id}", _timeline_html(tl))
+        return run_page_for(request.path_params["run_id"], _refresh(request))
 
     def run_lookup(request: Request) -> Response:
         rid = (request.query_params.get("id") or "").strip()
         if not rid:
-            raise InvalidArgument("give a run id", field="id")
-        return run_page_for(rid)
+            return runs_page(request)
+        return run_page_for(rid, _refresh(request))
 
-    def run_page_for(rid: str) -> Response:
-        tl = audit().timeline(rid)
-        return _page(f"run {tl.run.run_id}", _timeline_html(tl))
+    def runs_page(request: Request) -> Response:
+        """Every run, newest first, a page of 50 at a time (``?status=``, ``?tenant=``)."""
+        au = audit()
+        now = au.now()
+        p = request.query_params
+        page = au.runs(status=p.get("status") or None, tenant=p.get("tenant") or None,
+                       limit=int(_num(request, "limit", 50)), cursor=p.get("cursor"))
+        body = ('<section><h2>Runs <span class="muted">(newest first)</span></h2>'
+                + _runs_table(page.items, now))
+        if page.next_cursor:
+            q = {k: v for k, v in p.items() if k in ("status", "tenant", "limit", "refresh")}
+            q["cursor"] = page.next_cursor
+            body += (f'<p><a id="runs-next" href="/runs?{html.escape(urlencode(q), quote=True)}">'
+                     "older runs &rarr;</a></p>")
+        return _page("runs", body + "</section>", _refresh(request))
+
+    def run_page_for(rid: str, refresh: int) -> Response:
+        au = audit()
+        tl = au.timeline(rid)
+        return _page(f"run {tl.run.run_id}", _timeline_html(tl, au.now()), refresh)
+
+    def metrics(request: Request) -> Response:
+        with metrics_lock:
+            if not metrics_cache or time.monotonic() - metrics_cache[0][0] >= metrics_ttl_s:
+                metrics_cache[:] = [(time.monotonic(), exposition(audit().metrics()))]
+            body = metrics_cache[0][1]
+        return PlainTextResponse(body, media_type=CONTENT_TYPE)
 
     def api_health(request: Request) -> Response:
         return JSONResponse(to_jsonable(audit().health()))
@@ -321,6 +501,10 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
             limit=int(_num(request, "limit", 100)), cursor=p.get("cursor"))))
 
+    def api_costs_days(request: Request) -> Response:
+        return JSONResponse(to_jsonable(audit().costs_by_day(days=int(_num(request, "days",
+                                                                            7)))))
+
     def api_activity(request: Request) -> Response:
         au = audit()
         now = au.now()
@@ -328,16 +512,26 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
             buckets=int(_num(request, "buckets", 48)))))
 
+    def api_routes(request: Request) -> Response:
+        au = audit()
+        now = au.now()
+        return JSONResponse(to_jsonable(au.route_series(
+            since=_num(request, "since", now - DAY), until=_num(request, "until", now),
+            buckets=int(_num(request, "buckets", 24)), routes=int(_num(request, "routes", 8)))))
+
     routes = [
         Route("/", handled(index)),
         Route("/runs", handled(run_lookup)),
         Route("/runs/{run_id:path}", handled(run_page)),
+        Route("/metrics", handled(metrics)),
         Route("/api/health", handled(api_health)),
         Route("/api/runs", handled(api_runs)),
         Route("/api/runs/{run_id:path}", handled(api_run)),
         Route("/api/failovers", handled(api_failovers)),
         Route("/api/costs", handled(api_costs)),
+        Route("/api/costs/days", handled(api_costs_days)),
         Route("/api/activity", handled(api_activity)),
+        Route("/api/routes", handled(api_routes)),
     ]
     # Only GET is routed: the dashboard has no way to change anything.
     return Starlette(routes=routes, lifespan=lifespan)
@@ -348,12 +542,14 @@ def _with_status(resp: Response, status: int) -> Response:
     return resp
 
 
-def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Serve the dashboard until interrupted (``ledger dashboard``)."""
+def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
+          refresh_s: int = DEFAULT_REFRESH_S) -> None:
+    """Serve the dashboard until interrupted (``failover-ledger dashboard``)."""
     import uvicorn
 
-    print(f"ledger dashboard on http://{host}:{port}/ (read-only; Ctrl-C to stop)", flush=True)
-    uvicorn.run(create_app(url), host=host, port=port, log_level="warning")
+    print(f"failover-ledger dashboard on http://{host}:{port}/ (read-only; metrics at /metrics;"
+          " Ctrl-C to stop)", flush=True)
+    uvicorn.run(create_app(url, refresh_s=refresh_s), host=host, port=port, log_level="warning")
 
 
-__all__ = ["chart_svg", "create_app", "serve"]
+__all__ = ["DEFAULT_REFRESH_S", "chart_svg", "create_app", "serve"]

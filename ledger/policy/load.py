@@ -31,10 +31,8 @@ import ledger
 from ledger.core.facts import Category
 from ledger.errors import PolicyError
 from ledger.model import content_hash
+from ledger.policy import DEFAULT_PRESET, PRESETS
 from ledger.policy.model import DisableRule, Policy, PolicyValueError
-
-PRESETS: tuple[str, ...] = ("goclaw", "fased", "failure-domain")
-DEFAULT_PRESET = "failure-domain"
 
 # The override keys the conformance vectors use, each mapped onto this policy model.
 OVERRIDE_KEYS: tuple[str, ...] = (
@@ -445,7 +443,7 @@ def _type_fix(kind: str) -> str:
     for prefix, what in wanted.items():
         if kind.startswith(prefix):
             return f"write {what} here"
-    return "use the type the schema gives (`ledger policy schema`)"
+    return "use the type the schema gives (`failover-ledger policy schema`)"
 
 
 def _path(loc: tuple[Any, ...]) -> str:

@@ -1,4 +1,5 @@
-"""Fast bulk loading of generated history (``ledger generate``); never used by the write path.
+"""Fast bulk loading of generated history (``failover-ledger generate``); never used by the
+write path.
 
 Rows go in with one multi-row ``executemany`` per table and one transaction per batch, bypassing
 the fenced write path on purpose: generated history is synthetic and internally consistent by
@@ -54,3 +55,26 @@ def analyze(store: Store) -> None:
             conn.execute(text("ANALYZE runs, attempts, debits, events, health, capacity_groups"))
         else:
             conn.execute(text("ANALYZE"))
+
+
+def first_run_other_than(store: Store, *, policy_hash: str | None = None,
+                         tenant: str | None = None) -> str | None:
+    """The id of one run that does not carry ``policy_hash`` (or ``tenant``), else ``None``.
+
+    ``generate`` and the demo ask this before writing, so that synthetic history never lands
+    beside real runs unnoticed. One indexed-or-short scan: it stops at the first such run.
+    """
+    from sqlalchemy import or_, select
+
+    r = s.runs.c
+    conds: list[Any] = []
+    if policy_hash is not None:
+        conds.append(r.policy_hash != policy_hash)
+    if tenant is not None:
+        conds.append(or_(r.tenant.is_(None), r.tenant != tenant))
+    q = select(r.run_id)
+    if conds:
+        q = q.where(or_(*conds))
+    with store.reading() as conn:
+        row = conn.execute(q.limit(1)).first()
+    return None if row is None else str(row.run_id)

@@ -89,6 +89,7 @@ def create(url: str) -> Engine:
                 "use postgresql+psycopg://",
                 field="url",
             )
+        _require_psycopg(norm)
         # No pre-ping: it costs a round trip per transaction. A connection that died (server
         # restart) fails its next statement with DatabaseUnavailable, the pool drops it, and the
         # caller's retry gets a fresh one; every write is idempotent per id, so that is safe.
@@ -98,6 +99,22 @@ def create(url: str) -> Engine:
         "postgresql+psycopg://",
         field="url",
     )
+
+
+POSTGRES_EXTRA_HINT = "pip install 'failover-ledger[postgres]'"
+
+
+def _require_psycopg(url: str) -> None:
+    """PostgreSQL needs the optional ``postgres`` extra (psycopg 3); say so before SQLAlchemy
+    fails on the missing module with a bare ImportError."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError as e:
+        raise InvalidArgument(
+            f"{redact_url(url)} is a PostgreSQL ledger, but the PostgreSQL driver (psycopg 3) "
+            f"is not installed; install the extra: {POSTGRES_EXTRA_HINT}",
+            field="url", extra="postgres",
+        ) from e
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:

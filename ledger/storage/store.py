@@ -1068,10 +1068,15 @@ class Store:
                 raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
                                       field="cursor") from e
             conds.append(or_(a.created_at < ts, and_(a.created_at == ts, a.attempt_id < last_id)))
-        q = select(s.attempts).where(*conds).order_by(a.created_at.desc(), a.attempt_id.desc())
+        d = s.debits.c
+        # The debit by its primary key, per attempt of the page (an outer join: an attempt
+        # without its debit row still lists, with debit_state None).
+        q = (select(s.attempts, d.state.label("debit_state"))
+             .outerjoin(s.debits, d.debit_id == a.debit_id)
+             .where(*conds).order_by(a.created_at.desc(), a.attempt_id.desc()))
         with self.reading() as conn:
             rows = conn.execute(q.limit(limit + 1)).all()
-        items = [attempt_record(r, None) for r in rows[:limit]]
+        items = [attempt_record(r, r.debit_state) for r in rows[:limit]]
         nxt = None
         if len(rows) > limit:
             last = rows[limit - 1]

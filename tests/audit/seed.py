@@ -31,8 +31,8 @@ A = Route(id="A", provider="p1", model="m-a", group="g1", recipient="p1",
           profiles=[Profile(id="pa1"), Profile(id="pa2")],
           price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))
 B = Route(id="B", provider="p2", model="m-b", group="g2", recipient="p2",
-          profiles=[Profile(id="pb1")])
-C = Route(id="C", provider="p3", model="m-c", group="g3", recipient="p3")
+          profiles=[Profile(id="pb1")], price=Price())
+C = Route(id="C", provider="p3", model="m-c", group="g3", recipient="p3", price=Price())
 
 RATE_LIMIT = FailureFact(category=Category.RATE_LIMIT, status=429, phase=Phase.AFTER_HEADERS,
                          scope=Scope.GROUP, resubmit=True, moves_on=True,

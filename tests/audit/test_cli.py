@@ -1,9 +1,11 @@
-"""The operator commands through the real entry point (``python -m ledger.cli.main``)."""
+"""The operator commands through the real entry point (``python -m ledger.cli.main``, the
+module the ``failover-ledger`` console script runs)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +48,7 @@ def test_run_show_table_and_json(sqlite_url: str) -> None:
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("#"))
     assert lines[header].split() == ["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST",
-                                     "WHY", "AT", "(UTC)"]
+                                     "WHY", "AT"]
     assert lines[header + 2].split()[:9] == ["1", "first", "A", "pa1", "failed", "rate_limit",
                                              "429", "posted", "0.000000"]
     assert "next_candidate (skipped C: cooling)" in lines[header + 3]
@@ -70,6 +72,14 @@ def test_lists_and_filters(sqlite_url: str) -> None:
                         "--json"))
     assert [a["attempt_id"] for a in att["items"]] == ["r3-a1"]
     assert att["items"][0]["category"] == "server_error"
+    # Each attempt with its debit's state: posted once settled, still held while unknown.
+    every = json.loads(ok("--db", sqlite_url, "attempts", "--json", "--limit", "100"))
+    states = {a["attempt_id"]: a["debit_state"] for a in every["items"]}
+    assert states["r3-a1"] == "posted" and states["r4-a1"] == "reserved"
+    assert states["r5-a1"] == "reserved" and None not in states.values()
+    listed = ok("--db", sqlite_url, "attempts", "--route", "C", "--outcome", "unknown")
+    assert listed.splitlines()[0].split()[6] == "DEBIT"
+    assert listed.splitlines()[2].split()[6] == "reserved"
     opened = json.loads(ok("--db", sqlite_url, "attempts", "--open", "--json"))
     assert [(o["attempt"]["attempt_id"], o["lease_live"]) for o in opened["items"]] == [
         ("r5-a1", False), ("r4-a1", False)]  # the CLI's clock is real: every lease has expired
@@ -109,7 +119,8 @@ def test_costs_and_health(sqlite_url: str) -> None:
 def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     res = cli("--db", sqlite_url, "run", "show", "nope")
     assert res.returncode == 1
-    assert res.stderr == "ledger: error: unknown run id 'nope'; list runs with `ledger runs`\n"
+    assert res.stderr == ("failover-ledger: error: unknown run id 'nope'; list runs with "
+                          "`failover-ledger runs`\n")
     res = cli("--db", str(tmp_path / "absent.db"), "runs")
     assert res.returncode == 1 and len(res.stderr.splitlines()) == 1
     assert "no ledger at" in res.stderr and "does not exist" in res.stderr
@@ -121,6 +132,93 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     assert json.loads(ok("runs", "--json", env={"LEDGER_URL": sqlite_url}))["items"]
     res = cli("runs", cwd=str(tmp_path))
     assert res.returncode == 1 and "ledger.db" in res.stderr
+    res = cli("--db", sqlite_url, "dashboard", "--refresh", "-1")
+    assert res.returncode == 2 and "--refresh must be >= 0" in res.stderr
+
+
+EPOCH = re.compile(r"\b1\d{9}(\.\d+)?\b")  # an epoch-seconds time (2001..2286)
+
+
+def test_human_output_never_prints_epoch_seconds(sqlite_url: str) -> None:
+    """Times people read are ISO-8601 (UTC) or relative; only --cursor tokens carry epochs."""
+    outputs = [ok("--db", sqlite_url, *args) for args in (
+        ["runs"], ["run", "show", "r1"], ["run", "show", "r4"], ["attempts"],
+        ["attempts", "--open"], ["failovers", *SINCE], ["health"], ["costs", *SINCE])]
+    for out in outputs:
+        body = "\n".join(line for line in out.splitlines() if not line.startswith("more:"))
+        assert not EPOCH.search(body), body
+    assert "2023-11-14T22:13:20Z" in outputs[1]  # T0, the admission of r1
+    assert re.search(r"admitted \d+ d ago \(2023-11-14T22:13:20Z\)", outputs[1])
+
+
+def test_generate_refuses_a_ledger_holding_real_runs(tmp_path: Path) -> None:
+    db = str(tmp_path / "real.db")
+    seed(db)
+    res = cli("--db", db, "generate", "--attempts", "200", "--days", "1", "--end", str(T0))
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1
+    assert "holds runs that generate did not write" in res.stderr
+    assert "--into-existing" in res.stderr
+    before = json.loads(ok("--db", db, "runs", "--json", "--limit", "1000"))["items"]
+    assert len(before) == 6  # nothing written
+    res = cli("--db", db, "generate", "--attempts", "200", "--days", "1", "--end", str(T0),
+              "--into-existing", "--json")
+    assert res.returncode == 0, res.stderr
+    after = json.loads(ok("--db", db, "runs", "--json", "--limit", "1000"))["items"]
+    assert len(after) == 6 + json.loads(res.stdout)["runs"]
+    # A ledger holding only generated history takes more of it without the flag.
+    gen = str(tmp_path / "gen.db")
+    assert cli("--db", gen, "generate", "--attempts", "100", "--end", str(T0)).returncode == 0
+    again = cli("--db", gen, "generate", "--attempts", "100", "--end", str(T0), "--seed", "2")
+    assert again.returncode == 0, again.stderr
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """Run the command with stderr on a pseudo-terminal (as a person's shell has it)."""
+    import pty
+
+    master, slave = pty.openpty()
+    e = dict(os.environ, PYTHONPATH=str(REPO))
+    e.pop("LEDGER_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args], env=e,
+                            cwd=str(REPO), stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = proc.stdout.read() if proc.stdout else ""
+    rc = proc.wait(timeout=120)
+    os.close(master)
+    return rc, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_with_eta_on_a_terminal_and_quiet_when_piped(tmp_path: Path) -> None:
+    db = str(tmp_path / "gen.db")
+    rc, out, err = _on_a_terminal("--db", db, "generate", "--attempts", "20000", "--days", "1",
+                                  "--end", str(T0))
+    assert rc == 0, err
+    assert "generate [" in err and "100%" in err and "20000/20000" in err
+    assert "ETA" in err and "elapsed" in err
+    assert re.match(r"generated 2000\d attempts", out)  # stdout keeps only the result
+    piped = cli("--db", db, "bench", "audit", "--repeat", "1")
+    assert piped.returncode == 0 and piped.stderr == ""
+    rc, _out, err = _on_a_terminal("--db", db, "bench", "audit", "--repeat", "1")
+    assert rc == 0 and "bench [" in err and "100%" in err
+    rc, out, err = _on_a_terminal("bench", "write", "--attempts", "40", "--workers", "1")
+    assert rc == 0, err
+    assert "bench write: sqlite" in err and "bench write [" in err and "2/2" in err
+    piped = cli("bench", "write", "--attempts", "40", "--workers", "1")
+    assert piped.returncode == 0 and piped.stderr == "" and "att/s" in piped.stdout
+    # recover over the generated runs still holding leases (the last minutes of history)
+    rc, out, err = _on_a_terminal("--db", db, "recover", "--json")
+    assert rc == 0, err
+    taken = json.loads(out)["recovered"]
+    assert taken > 0 and "recover [" in err and f"{taken}/{taken}" in err
 
 
 def test_generate_and_bench_audit(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
-"""The dashboard: JSON and HTML over the seeded ledger, through a read-only PostgreSQL role, and
-the real page in headless chromium (health table, a timeline, a screenshot artifact)."""
+"""The dashboard: JSON, HTML and Prometheus metrics over the seeded ledger, through a read-only
+PostgreSQL role, and the real pages in headless chromium (health, per-route charts, costs, the
+runs list at 1,400 px, a stopped run's reasons; screenshots kept as artifacts)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 
 from ledger.api import Ledger
 from ledger.clock import ManualClock
-from ledger.errors import StorageError
+from ledger.errors import InvalidArgument, StorageError
 
 from .seed import T0, seed
 
@@ -32,8 +34,20 @@ NOW = T0 + 600
 REQUIRE = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
 
 
-def _client(url: str) -> TestClient:
-    return TestClient(create_app(url, clock=ManualClock(NOW)))
+def _client(url: str, **kw: Any) -> TestClient:
+    return TestClient(create_app(url, clock=ManualClock(NOW), **kw))
+
+
+@pytest.fixture(scope="module")
+def demo_url(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A ledger written by the demo (real stop events); returns (url, the stopped run's id)."""
+    import io
+
+    from ledger.demo import run_demo
+
+    url = str(tmp_path_factory.mktemp("demo") / "ledger.db")
+    ids = run_demo(url, io.StringIO())
+    return url, ids[-1]
 
 
 def test_pages_and_json_endpoints(seeded_url: str) -> None:
@@ -62,6 +76,108 @@ def test_pages_and_json_endpoints(seeded_url: str) -> None:
         assert [b["attempts"] for b in act] == [2, 1, 2, 1, 1, 1]
         assert c.get("/api/costs", params={"by": "color"}).status_code == 400
         assert c.post("/api/health").status_code == 405  # nothing can be changed
+        assert c.post("/metrics").status_code == 405
+
+
+def test_index_shows_charts_costs_and_what_cools_now(seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        body = c.get("/", params={"hours": 1}).text
+    assert "<script" not in body
+    # At a glance: g3 is held by the operator until T0 + 10000.
+    glance = body.split('id="glance"', 1)[1].split("</section>", 1)[0]
+    assert '<span class="unavailable">unavailable</span> group <b>g3</b>' in glance
+    assert ('waiting floor in 3 h <span class="muted">(2023-11-15T01:00:00Z)</span> (operator)'
+            in glance)
+    # Per-route success rate and latency over time, one row of charts per route.
+    routes = body.split('id="routes-table"', 1)[1].split("</table>", 1)[0]
+    assert [r.split("</td>", 1)[0] for r in routes.split('<td class="id">')[1:]] == [
+        "A", "B", "C"]
+    assert routes.count('<svg id="success-') == 3 and routes.count('<svg id="latency-') == 3
+    # Costs by tenant and by route over the window, and by day.
+    tenants = body.split('id="costs-tenant-table"', 1)[1].split("</table>", 1)[0]
+    assert "<td>(none)</td>" in tenants and "<td>t1</td>" in tenants
+    assert '<svg id="cost-days-chart"' in body
+    assert 'href="/metrics"' in body
+
+
+def test_pages_refresh_themselves_as_configured(seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        assert '<meta http-equiv="refresh" content="30">' in c.get("/").text
+        assert '<meta http-equiv="refresh" content="5">' in c.get("/runs/r1?refresh=5").text
+        off = c.get("/", params={"refresh": 0}).text
+        assert "http-equiv" not in off and "auto-refresh off" in off
+        assert c.get("/", params={"refresh": -1}).status_code == 400
+    with _client(seeded_url, refresh_s=0) as c:
+        assert "http-equiv" not in c.get("/").text
+    with pytest.raises(InvalidArgument):
+        create_app(seeded_url, refresh_s=-5)
+
+
+def test_route_series_and_costs_by_day(seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        series = c.get("/api/routes", params={"since": T0, "until": NOW,
+                                              "buckets": 6}).json()
+        days = c.get("/api/costs/days").json()
+    assert [s["route"] for s in series] == ["A", "B", "C"]  # busiest first, then by name
+    rate = {s["route"]: [p["success_rate"] for p in s["points"]] for s in series}
+    latency = {s["route"]: [p["latency_s"] for p in s["points"]] for s in series}
+    # r1: A fails, B serves (2 s); r2: A serves (2 s); r3: B fails then serves (1 s);
+    # r4: C unknown; r5: A still dispatching (not sent: no rate); r6: C serves (1 s).
+    assert rate["A"] == [0.0, 1.0, None, None, None, None]
+    assert rate["B"] == [1.0, None, 0.5, None, None, None]
+    assert rate["C"] == [None, None, None, 0.0, None, 1.0]
+    assert latency["A"] == [None, 2.0, None, None, None, None]
+    assert latency["B"][0] == 2.0 and latency["B"][2] == 1.0 and latency["C"][5] == 1.0
+    assert [(d["tenant"], d["attempts"], d["cost"]) for d in days] == [
+        (None, 2, "0.004"), ("t1", 3, "0.003"), ("t2", 3, "0.003")]
+    assert {d["day"] for d in days} == {T0 - T0 % 86400}
+
+
+def test_metrics_endpoint_is_prometheus_text(seeded_url: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with _client(seeded_url) as c:
+        res = c.get("/metrics")
+        health = c.get("/api/health").json()
+    assert res.status_code == 200
+    assert res.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = res.text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # Every sample line belongs to a family with HELP and TYPE (the strict parser's view).
+    for line in text.splitlines():
+        assert line.startswith(("# HELP ", "# TYPE ")) or line.split("{")[0].split(" ")[0] in {
+            s.name for f in families.values() for s in f.samples}, line
+    attempts = {(s.labels["route"], s.labels["outcome"]): s.value
+                for s in families["ledger_attempts"].samples if s.name.endswith("_total")}
+    assert families["ledger_attempts"].type == "counter"
+    assert attempts == {("A", "dispatching"): 1, ("A", "failed"): 1, ("A", "succeeded"): 1,
+                        ("B", "failed"): 1, ("B", "succeeded"): 2, ("C", "succeeded"): 1,
+                        ("C", "unknown"): 1}
+    assert families["ledger_failovers"].samples[0].value == 1  # r1's move
+    cooling = {s.labels["kind"]: s.value for s in families["ledger_cooldowns_active"].samples}
+    keys = health["routes"] + health["profiles"]
+    assert cooling == {
+        "route": sum(k["status"] != "ok" for k in health["routes"]),
+        "profile": sum(k["status"] != "ok" for k in health["profiles"]),
+        "group": sum(g["mode"] != "open" for g in health["groups"])}
+    assert cooling["group"] == 1 and keys  # g3, held by the operator
+    posted = {s.labels["tenant"]: s.value for s in families["ledger_budget_posted"].samples
+              if s.name.endswith("_total")}
+    assert posted == {"": 0.004, "t1": 0.003, "t2": 0.003}
+    held = {s.labels["tenant"]: s.value for s in families["ledger_budget_reserved"].samples}
+    assert held == {"": 0.03, "t1": 0.0, "t2": 0.02}  # r5 dispatching, r4 unknown
+
+
+def test_run_page_says_why_the_run_stopped(demo_url: tuple[str, str]) -> None:
+    url, stopped = demo_url
+    with _client(url) as c:
+        page = c.get(f"/runs/{stopped}").text
+        doc = c.get(f"/api/runs/{stopped}").json()
+    stops = page.split('id="stops"', 1)[1].split("</section>", 1)[0]
+    assert '<b class="stop-reason">no_candidate</b>' in stops
+    assert "skipped <b>official-deepseek</b>: disclosure" in stops
+    assert "skipped <b>go-glm</b>: same_group_unavailable" in stops
+    assert doc["stops"][0]["reason"] == "no_candidate"
 
 
 def test_never_shows_secrets(seeded_url: str) -> None:
@@ -109,10 +225,16 @@ def _chromium() -> str | None:
 @pytest.fixture
 def served(seeded_url: str) -> Iterator[str]:
     """The dashboard on a free loopback port in a thread; yields its base URL."""
+    with _serving(seeded_url, ManualClock(NOW)) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def _serving(url: str, clock: ManualClock | None) -> Iterator[str]:
     from ledger.testing.pgserver import free_port
 
     port = free_port()
-    config = uvicorn.Config(create_app(seeded_url, clock=ManualClock(NOW)), host="127.0.0.1",
+    config = uvicorn.Config(create_app(url, clock=clock), host="127.0.0.1",
                             port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -161,7 +283,7 @@ def test_dashboard_in_headless_chromium(served: str, seeded_url: str) -> None:
     assert 'id="health-table"' in html and 'id="groups-table"' in html
     health_rows = html.split('id="health-table"', 1)[1].split("</table>", 1)[0]
     for key in ("A", "B", "C"):
-        assert f"<td>{key}</td>" in health_rows
+        assert f'<td class="id">{key}</td>' in health_rows
     assert '<span class="unavailable">unavailable</span>' in html  # g3's operator hold
     assert '<svg id="activity-chart"' in html
 
@@ -170,17 +292,44 @@ def test_dashboard_in_headless_chromium(served: str, seeded_url: str) -> None:
     timeline = dom.stdout.split('id="timeline-table"', 1)[1].split("</table>", 1)[0]
     rows = timeline.split("<tr>")[2:]
     assert len(rows) == 2
-    assert "<td>A</td>" in rows[0] and "rate_limit" in rows[0] and "primary" in rows[0]
-    assert "<td>B</td>" in rows[1] and "next_candidate" in rows[1] and "C (cooling)" in rows[1]
+    assert '<td class="id">A</td>' in rows[0] and "rate_limit" in rows[0]
+    assert "primary" in rows[0]
+    assert '<td class="id">B</td>' in rows[1] and "next_candidate" in rows[1]
+    assert "C (cooling)" in rows[1]
+    assert '<svg id="success-0"' in _browse(chromium, "--dump-dom", served + "/").stdout
 
     artifacts = Path(os.environ.get("LEDGER_ARTIFACTS", "test-artifacts"))
     artifacts.mkdir(parents=True, exist_ok=True)
     backend = "postgres" if seeded_url.startswith("postgresql") else "sqlite"
-    for name, path in ((f"dashboard-{backend}.png", "/"),
-                       (f"dashboard-run-{backend}.png", "/runs/r1")):
+    # 1,400 px: the width the recent-runs table must read well at (the screenshots are kept).
+    for name, path, height in ((f"dashboard-{backend}.png", "/", 3600),
+                               (f"dashboard-run-{backend}.png", "/runs/r1", 900),
+                               (f"dashboard-runs-{backend}.png", "/runs", 900)):
         shot = artifacts.resolve() / name
         shot.unlink(missing_ok=True)
-        res = _browse(chromium, f"--screenshot={shot}", "--window-size=1280,900",
+        res = _browse(chromium, f"--screenshot={shot}", f"--window-size=1400,{height}",
                       served + path)
         assert res.returncode == 0, res.stderr[-2000:]
         assert shot.exists() and shot.stat().st_size > 10_000
+
+
+@pytest.mark.browser
+def test_stopped_run_in_headless_chromium(demo_url: tuple[str, str]) -> None:
+    chromium = _chromium()
+    if chromium is None:
+        if REQUIRE:
+            pytest.fail("chromium is not installed and LEDGER_REQUIRE_POSTGRES=1")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    url, stopped = demo_url
+    with _serving(url, None) as base:
+        dom = _browse(chromium, "--dump-dom", f"{base}/runs/{stopped}")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        stops = dom.stdout.split('id="stops"', 1)[1].split("</section>", 1)[0]
+        assert "no_candidate" in stops and "disclosure" in stops
+        artifacts = Path(os.environ.get("LEDGER_ARTIFACTS", "test-artifacts")).resolve()
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shot = artifacts / "dashboard-run-stopped.png"
+        shot.unlink(missing_ok=True)
+        res = _browse(chromium, f"--screenshot={shot}", "--window-size=1400,900",
+                      f"{base}/runs/{stopped}")
+        assert res.returncode == 0 and shot.stat().st_size > 10_000

@@ -1,4 +1,4 @@
-"""``ledger policy`` through the real entry point, in a subprocess."""
+"""``failover-ledger policy`` through the real entry point, in a subprocess."""
 
 from __future__ import annotations
 

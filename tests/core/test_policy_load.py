@@ -204,6 +204,6 @@ def test_bad_overrides_are_policy_errors() -> None:
 def test_published_schema_is_current() -> None:
     committed = (REPO / "docs" / "policy.schema.json").read_text(encoding="utf-8")
     assert committed == schema_text(), (
-        "regenerate with: ledger policy schema > docs/policy.schema.json"
+        "regenerate with: failover-ledger policy schema > docs/policy.schema.json"
     )
     assert json.loads(committed) == policy_json_schema()

@@ -1,13 +1,17 @@
-"""The demo through the real entry point: three scenarios, written to the named ledger."""
+"""The demo through the real entry point: three scenarios, written to a fresh ledger of its own
+(re-runnable in the same folder), and the stopped run's reasons in ``run show``."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from ledger.api import Ledger
+from ledger.model import Budget, Price, Route
 from ledger.records import AttemptState
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,3 +35,68 @@ def test_demo_runs_offline_and_writes_the_ledger(tmp_path: Path) -> None:
         for r in runs:
             states = [a.state for a in led.timeline(r)]
             assert states[0] is AttemptState.SUCCEEDED and AttemptState.FAILED in states
+
+
+def _demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "LEDGER_URL"}
+    return subprocess.run([sys.executable, "-m", "ledger.cli.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def _story(out: str) -> str:
+    out = re.sub(r"demo-\d{8}-\d{6}-[0-9a-f]{4}", "RUN", out)
+    out = re.sub(r"d-att-[0-9a-f]+\.\.", "DEBIT", out)
+    out = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", "TIME", out)
+    return "\n".join(line for line in out.splitlines() if not line.startswith("(replaced"))
+
+
+def test_demo_rerun_in_the_same_folder_tells_the_same_story(tmp_path: Path) -> None:
+    first = _demo(tmp_path, "demo")
+    assert first.returncode == 0, first.stderr
+    second = _demo(tmp_path, "demo")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("(replaced the earlier demo ledger ")
+    assert _story(second.stdout) == _story(first.stdout)
+    # Its ledger holds this demo's three runs only, and no time reads like an epoch float.
+    assert not re.search(r"\b1\d{9}\.\d", second.stdout)
+    with Ledger.open(str(tmp_path / "ledger.db")) as led:
+        runs = {a.run_id for a in led.attempts(limit=100).items}
+    assert len(runs) == 3 and all(r in second.stdout for r in runs)
+
+
+def test_run_show_says_why_the_demo_run_stopped(tmp_path: Path) -> None:
+    res = _demo(tmp_path, "demo")
+    assert res.returncode == 0, res.stderr
+    stopped = re.findall(r"demo-\d{8}-\d{6}-[0-9a-f]{4}-3", res.stdout)[0]
+    show = _demo(tmp_path, "run", "show", stopped)
+    assert show.returncode == 0, show.stderr
+    lines = show.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stopped "))
+    assert lines[at].endswith(": no_candidate: every remaining candidate was eliminated")
+    assert "  skipped go-glm: same_group_unavailable (provider 429 on 'go-deepseek' " \
+           "established group 'go' unavailable)" in lines[at + 1:]
+    assert "  skipped official-deepseek: disclosure (recipient 'deepseek' is not approved " \
+           "for: model_derived)" in lines[at + 1:]
+    assert "  error: go/deepseek-v4: rate_limit (HTTP 429)" in lines[at + 1:]
+    doc = json.loads(_demo(tmp_path, "run", "show", stopped, "--json").stdout)
+    (stop,) = doc["stops"]
+    assert stop["reason"] == "no_candidate"
+    assert {s["route"]: s["reason"] for s in stop["skipped"]}["official-deepseek"] == "disclosure"
+
+
+def test_demo_refuses_a_ledger_holding_other_runs(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    with Ledger.open(str(db)) as led:
+        led.admit_run("real-1", plan=[Route(id="a", provider="p", model="m", group="g",
+                                            recipient="x", price=Price())],
+                      budget=Budget(max_calls=1, max_retries=0, max_cost=0))
+    res = _demo(tmp_path, "demo")
+    assert res.returncode == 2
+    assert "holds runs other than the demo's (e.g. 'real-1')" in res.stderr
+    assert "--db" in res.stderr
+    with Ledger.open(str(db)) as led:
+        assert led.get_run("real-1").run_id == "real-1"  # untouched
+    other = tmp_path / "notes.db"
+    other.write_text("not a database")
+    res = _demo(tmp_path, "demo", "--db", str(other))
+    assert res.returncode == 2 and other.read_text() == "not a database"

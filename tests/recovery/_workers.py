@@ -22,7 +22,7 @@ from ledger import faults
 from ledger.api import Ledger
 from ledger.clock import ManualClock
 from ledger.errors import DatabaseUnavailable, FencedOut
-from ledger.model import Budget, Route
+from ledger.model import Budget, Price, Route
 from ledger.records import AttemptState, Lease
 from ledger.recovery import recover
 
@@ -127,9 +127,9 @@ def restart_worker(url: str, run_id: str, turns: int, log: str) -> dict[str, int
 
 
 PLAN = [
-    Route(id="a", provider="p1", model="m1", group="g", recipient="r1"),
-    Route(id="b", provider="p1", model="m2", group="g", recipient="r1"),
-    Route(id="c", provider="p2", model="m1", group="h", recipient="r2"),
+    Route(id="a", provider="p1", model="m1", group="g", recipient="r1", price=Price()),
+    Route(id="b", provider="p1", model="m2", group="g", recipient="r1", price=Price()),
+    Route(id="c", provider="p2", model="m1", group="h", recipient="r2", price=Price()),
 ]
 
 

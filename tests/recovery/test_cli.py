@@ -34,3 +34,11 @@ def test_recover_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["--db", db, "reconcile", "--json"]) == 0
     figs = json.loads(capsys.readouterr().out)
     assert figs["violations"] == [] and figs["recoveries"] == 1 and figs["attempts"] == 1
+
+
+def test_recover_help_states_the_library_defaults() -> None:
+    from ledger.cli import recover_cmd
+    from ledger.recovery import DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S
+
+    assert (recover_cmd.HELP_TTL_S, recover_cmd.HELP_LIMIT) == (DEFAULT_RECOVERY_TTL_S,
+                                                                 DEFAULT_LIMIT)

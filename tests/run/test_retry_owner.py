@@ -21,9 +21,10 @@ from ledger.run import Dispatch, Notice, SendResult, aexecute, execute
 GO_DS = Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
               recipient="go-gateway", price=Price(input_per_mtok=Decimal(1),
                                                   output_per_mtok=Decimal(2)))
-GO_GLM = Route(id="go-glm", provider="go", model="glm-5", group="go", recipient="go-gateway")
+GO_GLM = Route(id="go-glm", provider="go", model="glm-5", group="go", recipient="go-gateway",
+               price=Price())
 OFFICIAL = Route(id="official-deepseek", provider="deepseek", model="deepseek-v4",
-                 group="deepseek-official", recipient="deepseek")
+                 group="deepseek-official", recipient="deepseek", price=Price())
 PLAN = [GO_DS, GO_GLM, OFFICIAL]
 ENV = Envelope(parts=[Part(content="Summarise the filings.")], max_output_tokens=200)
 

@@ -8,16 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ledger.model import Budget, Grant, Route
+from ledger.model import Budget, Grant, Price, Route
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def routes() -> list[Route]:
     return [
-        Route(id="a", provider="p1", model="m1", group="g", recipient="r1"),
-        Route(id="b", provider="p1", model="m2", group="g", recipient="r1"),
-        Route(id="c", provider="p2", model="m1", group="h", recipient="r2"),
+        # Made-up providers the price table cannot know: priced explicitly (free).
+        Route(id="a", provider="p1", model="m1", group="g", recipient="r1", price=Price()),
+        Route(id="b", provider="p1", model="m2", group="g", recipient="r1", price=Price()),
+        Route(id="c", provider="p2", model="m1", group="h", recipient="r2", price=Price()),
     ]
 
 

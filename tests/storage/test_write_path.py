@@ -273,11 +273,11 @@ def test_child_budget_carved_and_broader_refused(led: Ledger) -> None:
         led.admit_run("c3", plan=routes(), budget=budget(calls=1, retries=0, cost="0.1"),
                       grant=Grant(recipients={"r2": ["user_input", "memory"]}),
                       parent=pl)
-    from ledger.model import Route
+    from ledger.model import Price, Route
 
     with pytest.raises(InvalidArgument, match="approved candidates"):
         led.admit_run("c4", plan=[Route(id="x", provider="p9", model="m", group="z",
-                                        recipient="r9")],
+                                        recipient="r9", price=Price())],
                       budget=budget(calls=1, retries=0, cost="0.1"), grant=Grant(),
                       parent=pl)
     stale = replace(pl, fence=pl.fence - 1)
@@ -362,9 +362,9 @@ def test_health_is_written_only_when_it_changes(led: Ledger, clock: ManualClock)
 
 
 def test_fased_records_last_use_of_profiles(led: Ledger, clock: ManualClock) -> None:
-    from ledger.model import Profile, Route
+    from ledger.model import Price, Profile, Route
 
-    plan = [Route(id="a", provider="p1", model="m1", group="g", recipient="r1",
+    plan = [Route(id="a", provider="p1", model="m1", group="g", recipient="r1", price=Price(),
                   profiles=[Profile(id="p1:a"), Profile(id="p1:b")])]
     led.admit_run("r1", plan=plan, budget=budget(), policy="fased")
     lease = led.acquire_lease("r1")

@@ -1,0 +1,115 @@
+"""Start-up stays light: ``import ledger`` and the command line's parsing load nothing heavy.
+
+The package root is lazy (PEP 562) and the command modules import SQLAlchemy, httpx and the
+pydantic models only inside the commands, so ``--help`` and argument parsing answer in a
+fraction of a second. The module checks are exact; the wall-time bound is generous, so that a
+busy machine cannot fail it while a regression to eager imports (about 1 s) still would.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ledger
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("sqlalchemy", "alembic", "httpx", "pydantic", "psycopg", "yaml", "genai_prices")
+
+
+def _py(code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def _loaded_after(code: str) -> list[str]:
+    res = _py(code + "\nimport json, sys\n"
+              f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
+    assert res.returncode == 0, res.stderr
+    loaded: list[str] = json.loads(res.stdout.splitlines()[-1])
+    return loaded
+
+
+def test_import_ledger_loads_no_heavy_module() -> None:
+    assert _loaded_after("import ledger") == []
+
+
+def test_every_public_name_resolves_lazily() -> None:
+    res = _py("import ledger\n"
+              "for name in ledger.__all__:\n"
+              "    from_import = getattr(__import__('ledger', fromlist=[name]), name)\n"
+              "    assert from_import is getattr(ledger, name), name\n"
+              "print(len(ledger.__all__))")
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout) == len(ledger.__all__)
+    assert set(ledger.__all__) <= set(dir(ledger))
+
+
+def test_submodules_load_on_attribute_access() -> None:
+    res = _py("import ledger\n"
+              "assert ledger.audit.Audit.__name__ == 'Audit'\n"
+              "assert ledger.storage.engine.normalize_url('x.db').startswith('sqlite:///')\n"
+              "try:\n"
+              "    ledger.no_such_thing\n"
+              "except AttributeError as e:\n"
+              "    print(e)\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "module 'ledger' has no attribute 'no_such_thing'"
+
+
+def test_type_checkers_see_every_lazy_name() -> None:
+    """The TYPE_CHECKING block imports exactly the names the lazy table serves, from the same
+    modules, and __all__ lists exactly those plus __version__."""
+    tree = ast.parse((REPO / "ledger" / "__init__.py").read_text())
+    seen: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module
+                for alias in imp.names:
+                    seen[alias.name] = imp.module
+    assert seen == ledger._LAZY
+    assert set(ledger.__all__) == set(seen) | {"__version__"}
+
+
+def test_help_and_parsing_import_nothing_heavy() -> None:
+    code = ("from ledger.cli.main import build_parser\n"
+            "p = build_parser()\n"
+            "for argv in (['runs', '--since', '24h'], ['run', 'show', 'r1'], ['attempts', "
+            "'--open'], ['health', '--json'], ['costs', '--by', 'tenant'], ['failovers'], "
+            "['recover'], ['generate'], ['policy', 'check', 'goclaw'], ['demo'], "
+            "['dashboard'], ['bench', 'write'], ['bench', 'audit']):\n"
+            "    p.parse_args(argv)\n")
+    assert _loaded_after(code) == []
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "ledger", "--help"],
+                         capture_output=True, text=True, env=dict(os.environ,
+                                                                  PYTHONPATH=str(REPO)),
+                         timeout=60)
+    assert res.returncode == 0 and "usage: failover-ledger" in res.stdout
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_help_answers_quickly() -> None:
+    # Today about 0.07 s; eager imports took about 1 s. The best of three absorbs a busy core.
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        res = subprocess.run([sys.executable, "-m", "ledger", "--help"], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+        best = min(best, time.perf_counter() - t0)
+        assert res.returncode == 0
+    assert best < 0.6, f"--help took {best:.2f} s (target < 0.3 s)"
+
+
+def test_version() -> None:
+    res = subprocess.run([sys.executable, "-m", "ledger", "--version"], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert res.returncode == 0 and res.stdout == f"failover-ledger {ledger.__version__}\n"
