@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ssl
 import threading
 
@@ -22,6 +23,8 @@ from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.turn_effects import SendProgress
+
+_WAIT_SLICE_S = 0.2
 
 
 class SyncAdapter:
@@ -84,7 +87,14 @@ class SyncAdapter:
             self._loop,
         )
         try:
-            return fut.result()
+            # Waited in short slices: a Ctrl-C (or any signal) is then handled within a fraction
+            # of a second on every platform, not only where a lock wait is interruptible.
+            while True:
+                try:
+                    return fut.result(timeout=_WAIT_SLICE_S)
+                except concurrent.futures.TimeoutError:
+                    if fut.done():
+                        raise
         except BaseException:
             fut.cancel()
             raise

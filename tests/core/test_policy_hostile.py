@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from ledger.api import Ledger
 from ledger.cli.main import main
 from ledger.errors import PolicyError
-from ledger.model import Budget, Grant, Route
+from ledger.model import Budget, Grant, Price, Route
 from ledger.policy.load import MAX_FILE_BYTES, PRESETS, load_policy, preset, validate_policy
 from ledger.policy.model import Policy
 
@@ -126,7 +126,7 @@ def test_a_mapping_with_a_typo_names_the_field_and_the_fix() -> None:
 
 
 def test_admit_run_names_the_field_path_and_writes_nothing(tmp_path: Path) -> None:
-    route = Route(id="r", provider="p", model="m", group="g", recipient="p")
+    route = Route(id="r", provider="p", model="m", group="g", recipient="p", price=Price())
     data = copy.deepcopy(PRESET_DATA["goclaw"])
     data["health"]["cooldown"]["cap_sec"] = 5
     cyclic: dict[str, Any] = {"name": "x"}

@@ -70,6 +70,7 @@ def test_child_runs_under_the_parents_frozen_policy(led: Ledger) -> None:
 def test_child_without_a_grant_inherits_the_parents_approvals_for_its_recipients(
         led: Ledger) -> None:
     pl = led.acquire_lease("p")
-    child = led.admit_run("c", plan=routes()[2:], budget=budget(calls=1, retries=0, cost="0.1"), parent=pl)
+    child = led.admit_run("c", plan=routes()[2:], budget=budget(calls=1, retries=0, cost="0.1"),
+                          parent=pl)
     assert child.grant.recipients == {"r2": ["user_input"]}
     assert child.grant.roles == ["research"]

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +31,15 @@ ATTEMPTS = 25
 TTL = 3.0
 MARGIN = 1.0
 STEP = 0.02  # clock seconds per tick of the test's loop
+
+
+def _signal(proc: subprocess.Popen[str], sig: int) -> bool:
+    """Signal a worker that may just have finished (then there is nobody to pause)."""
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _leases(log: Path) -> dict[int, float]:
@@ -64,17 +74,17 @@ def test_invariant8_group_limit_holds_while_workers_pause_past_their_lease(
             if paused is None and tick % 40 == 0:
                 alive = [i for i, p in enumerate(procs) if p.poll() is None]
                 victim = rng.choice(alive)
-                os.kill(procs[victim].pid, signal.SIGSTOP)
-                paused = (victim, clock.now() + TTL + 1.0)  # past its lease, whatever it held
-                pauses += 1
+                if _signal(procs[victim], signal.SIGSTOP):
+                    paused = (victim, clock.now() + TTL + 1.0)  # past its lease
+                    pauses += 1
             elif paused is not None and clock.now() >= paused[1]:
-                os.kill(procs[paused[0]].pid, signal.SIGCONT)
+                _signal(procs[paused[0]], signal.SIGCONT)
                 paused = None
             # Let the workers run between ticks; the ledger's time is the shared clock.
             time.sleep(0.002)
     finally:
         if paused is not None:
-            os.kill(procs[paused[0]].pid, signal.SIGCONT)
+            _signal(procs[paused[0]], signal.SIGCONT)
     results = collect(procs)
     assert pauses >= 3
     assert sum(r["lapsed"] for r in results) > 0  # leases did lapse, and were refused
