@@ -9,11 +9,12 @@ which applies them in the same transaction as the write.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -49,6 +50,7 @@ from ledger.records import (
 )
 from ledger.storage import engine as engine_mod
 from ledger.storage import migrate
+from ledger.storage.hot import Snapshot
 from ledger.storage.rows import new_id, run_live
 from ledger.storage.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
 from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
@@ -152,6 +154,52 @@ def _hash_arg(value: Any, field: str, *, optional: bool = False) -> str | None:
 
 def _optional_tokens(value: Any, field: str) -> int | None:
     return None if value is None else check_tokens(value, field)
+
+
+class _Call(Generic[R]):
+    """One validated ledger operation, ready to run on the blocking or on the asyncio driver:
+    the checks happen once (building it), and both twins run the same storage transaction."""
+
+    __slots__ = ("asy", "done", "sync")
+
+    def __init__(self, sync: Callable[[], Any], asy: Callable[[], Awaitable[Any]],
+                 done: Callable[[Any], R] | None = None) -> None:
+        self.sync = sync
+        self.asy = asy
+        self.done = done
+
+    def run(self) -> R:
+        value = self.sync()
+        return self.done(value) if self.done is not None else value
+
+    async def arun(self) -> R:
+        value = await self.asy()
+        return self.done(value) if self.done is not None else value
+
+
+def _sync(fn: Callable[Concatenate[Ledger, P], _Call[R]]) -> Callable[Concatenate[Ledger, P], R]:
+    """The blocking method of an operation built by ``fn``."""
+
+    @functools.wraps(fn)
+    def method(self: Ledger, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return fn(self, *args, **kwargs).run()
+
+    method.__name__ = fn.__name__.lstrip("_")
+    method.__qualname__ = f"Ledger.{method.__name__}"
+    return method
+
+
+def _native(fn: Callable[Concatenate[Ledger, P], _Call[R]]
+            ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
+    """The coroutine method of the same operation, on the asyncio driver (no thread hop)."""
+
+    @functools.wraps(fn)
+    async def method(self: AsyncLedger, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await fn(self.sync, *args, **kwargs).arun()
+
+    method.__name__ = fn.__name__.lstrip("_")
+    method.__qualname__ = f"AsyncLedger.{method.__name__}"
+    return method
 
 
 class Ledger:
@@ -331,51 +379,61 @@ class Ledger:
             self._policies.put(run_id, pol)
         return pol
 
-    def finish_run(self, lease: Lease, status: RunStatus | str) -> None:
+    def _finish_run(self, lease: Lease, status: RunStatus | str) -> _Call[None]:
         """Record the Run's end (``succeeded``, ``failed``, ``stopped`` or ``cancelled``)."""
         ends = ("succeeded", "failed", "stopped", "cancelled")
         if not isinstance(status, str) or status not in ends:
             raise InvalidArgument(f"status {status!r} is not how a Run ends; use one of {ends}",
                                   field="status")
-        st = RunStatus(status)
-        self.store.finish_run(_lease(lease), st, self.clock.now)
+        st, lease, clock = RunStatus(status), _lease(lease), self.clock.now
+        return _Call(lambda: self.store.finish_run(lease, st, clock),
+                     lambda: self.store.afinish_run(lease, st, clock))
 
     # -- leases ---------------------------------------------------------------------------
 
-    def acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
-                      executor_id: str | None = None) -> Lease:
+    def _acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
+                       executor_id: str | None = None) -> _Call[Lease]:
         """Take the Run's lease for ``ttl_s`` seconds (renew it with :meth:`renew_lease` or a
         :class:`~ledger.lease.LeaseKeeper`). Another holder's unexpired lease is
         :class:`LeaseHeld`; one's own unexpired lease is renewed under the same fence."""
         check_id(run_id, "run_id")
-        ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        if ttl_s <= self.store.lease_margin_s:
+        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        if ttl <= self.store.lease_margin_s:
             raise InvalidArgument(
-                f"ttl_s={ttl_s:g} is not above the lease margin ({self.store.lease_margin_s:g}s): "
+                f"ttl_s={ttl:g} is not above the lease margin ({self.store.lease_margin_s:g}s): "
                 "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
         executor = executor_id or self.executor_id
         check_id(executor, "executor_id")
-        return self.store.acquire_lease(run_id, executor, ttl_s, self.clock.now)
+        clock = self.clock.now
+        return _Call(lambda: self.store.acquire_lease(run_id, executor, ttl, clock),
+                     lambda: self.store.aacquire_lease(run_id, executor, ttl, clock))
 
-    def renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Lease:
+    def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> _Call[Lease]:
         """Extend a live lease; a lapsed one (expired or released) is :class:`LeaseLost`."""
-        ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        return self.store.renew_lease(_lease(lease), ttl_s, self.clock.now)
+        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        lease, clock = _lease(lease), self.clock.now
+        return _Call(lambda: self.store.renew_lease(lease, ttl, clock),
+                     lambda: self.store.arenew_lease(lease, ttl, clock))
 
-    def release_lease(self, lease: Lease) -> None:
+    def _release_lease(self, lease: Lease) -> _Call[None]:
         """Give the lease up (the Run's attempts must be settled first)."""
-        self.store.release_lease(_lease(lease), self.clock.now)
+        lease, clock = _lease(lease), self.clock.now
+        return _Call(lambda: self.store.release_lease(lease, clock),
+                     lambda: self.store.arelease_lease(lease, clock))
 
-    def reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None) -> int:
+    def _reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
+                       ) -> _Call[int]:
         """Take one bounded retry permission from the run; returns how many are left.
 
         ``data`` (e.g. the route and cause) is recorded with the permission as an audit event.
         """
-        return self.store.reserve_retry(_lease(lease), self.clock.now, data)
+        lease, clock = _lease(lease), self.clock.now
+        return _Call(lambda: self.store.reserve_retry(lease, clock, data),
+                     lambda: self.store.areserve_retry(lease, clock, data))
 
     # -- attempts -------------------------------------------------------------------------
 
-    def begin_attempt(
+    def _begin_attempt(
         self,
         lease: Lease,
         *,
@@ -389,7 +447,7 @@ class Ledger:
         attempt_id: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
         take_retry: bool = False,
-    ) -> AttemptRecord:
+    ) -> _Call[AttemptRecord]:
         """Record an Attempt (debit held, capacity slot taken) before its request is sent.
 
         ``reserve`` is the cost hold, ``reserve_tokens`` the token hold (checked against the
@@ -444,11 +502,16 @@ class Ledger:
             events=_events(events), tenant=run.tenant, take_retry=take_retry,
             reserve_tokens=reserve_tokens,
         )
-        rec = self.store.begin_attempt(spec, self.clock.now)
-        self._in_flight.put(rec.attempt_id, rec)
-        return rec
+        clock = self.clock.now
 
-    def settle_attempt(
+        def done(rec: AttemptRecord) -> AttemptRecord:
+            self._in_flight.put(rec.attempt_id, rec)
+            return rec
+
+        return _Call(lambda: self.store.begin_attempt(spec, clock),
+                     lambda: self.store.abegin_attempt(spec, clock), done)
+
+    def _settle_attempt(
         self,
         lease: Lease,
         attempt_id: str,
@@ -464,7 +527,7 @@ class Ledger:
         model_reported: str | None = None,
         output_hash: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
-    ) -> AttemptRecord:
+    ) -> _Call[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
         ``outcome``: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
@@ -538,16 +601,23 @@ class Ledger:
             group_update=group_update(pol, fact, now) if outcome is Outcome.FAILED else None,
             events=_events(events),
         )
-        done = self.store.settle_attempt(lease.run_id, spec, self.clock.now)
-        self._in_flight.pop(attempt_id)
-        return done
+        clock = self.clock.now
 
-    def mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> AttemptRecord:
+        def done(rec: AttemptRecord) -> AttemptRecord:
+            self._in_flight.pop(attempt_id)
+            return rec
+
+        return _Call(lambda: self.store.settle_attempt(lease.run_id, spec, clock),
+                     lambda: self.store.asettle_attempt(lease.run_id, spec, clock), done)
+
+    def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> _Call[AttemptRecord]:
         """Settle a dispatched Attempt as unknown (no receipt): its hold stays."""
-        return self.store.mark_unknown(_lease(lease), check_id(attempt_id, "attempt_id"),
-                                       self.clock.now, str(reason)[:200])
+        lease, clock, why = _lease(lease), self.clock.now, str(reason)[:200]
+        check_id(attempt_id, "attempt_id")
+        return _Call(lambda: self.store.mark_unknown(lease, attempt_id, clock, why),
+                     lambda: self.store.amark_unknown(lease, attempt_id, clock, why))
 
-    def turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> TurnSnapshot:
+    def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> _Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction: the Run as it
         stands, its frozen policy, its groups' projections, its routes' and profiles' health,
         and the provenance of ``refs`` recorded by the Run or its ancestors."""
@@ -560,10 +630,16 @@ class Ledger:
             anc = self.frozen_run(anc.parent_run_id)
         groups = sorted({r.group for r in frozen.plan})
         keys = [r.id for r in frozen.plan] + [p.id for r in frozen.plan for p in r.profiles]
-        row, projections, health, prov, now = self.store.turn_snapshot(
-            run_id, groups, keys, chain, list(refs), self.clock.now)
-        return TurnSnapshot(run=run_live(frozen, row), policy=policy, groups=projections,
-                            health=health, provenance=prov, now=now)
+        clock, wanted = self.clock.now, list(refs)
+
+        def done(snap: Snapshot) -> TurnSnapshot:
+            return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy,
+                                groups=snap.groups, health=snap.health,
+                                provenance=snap.provenance, now=snap.now)
+
+        return _Call(
+            lambda: self.store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
+            lambda: self.store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
 
     # -- groups, health, provenance, events -------------------------------------------------
 
@@ -598,19 +674,24 @@ class Ledger:
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
         return self.store.health(keys)
 
-    def claim_probe(self, route: Route, interval_s: float) -> bool:
+    def _claim_probe(self, route: Route, interval_s: float) -> _Call[bool]:
         """Take the cluster-wide probe slot of ``route``: True for one caller per interval."""
-        interval_s = check_seconds(interval_s, "interval_s")
-        return self.store.claim_probe(route.id, route.provider, self.now(), interval_s)
+        interval = check_seconds(interval_s, "interval_s")
+        now = self.now()
+        return _Call(lambda: self.store.claim_probe(route.id, route.provider, now, interval),
+                     lambda: self.store.aclaim_probe(route.id, route.provider, now, interval))
 
-    def record_provenance(self, lease: Lease, ref: str, content_hash: str,
-                          kind: str = "tool_result") -> None:
+    def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
+                           kind: str = "tool_result") -> _Call[None]:
         """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``."""
         check_id(ref, "ref")
         _hash_arg(content_hash, "content_hash")
         if not isinstance(kind, str) or not 0 < len(kind) <= 16:
             raise InvalidArgument("kind is 1 to 16 characters (e.g. tool_result)", field="kind")
-        self.store.record_provenance(_lease(lease), ref, content_hash, kind, self.clock.now)
+        lease, clock = _lease(lease), self.clock.now
+        return _Call(
+            lambda: self.store.record_provenance(lease, ref, content_hash, kind, clock),
+            lambda: self.store.arecord_provenance(lease, ref, content_hash, kind, clock))
 
     def provenance(self, run_id: str) -> dict[str, set[str]]:
         """Recorded outputs of this run and its ancestors: ref -> content hashes."""
@@ -621,11 +702,26 @@ class Ledger:
             run = self.frozen_run(run.parent_run_id)
         return self.store.provenance(ids)
 
-    def append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
-                     attempt_id: str | None = None) -> None:
+    def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
+                      attempt_id: str | None = None) -> _Call[None]:
         """Append an audit event to the Run (needs a live lease)."""
-        [(kind, payload)] = _events([(kind, data)])
-        self.store.append_event(_lease(lease), attempt_id, kind, payload, self.clock.now)
+        [(name, payload)] = _events([(kind, data)])
+        lease, clock = _lease(lease), self.clock.now
+        return _Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),
+                     lambda: self.store.aappend_event(lease, attempt_id, name, payload, clock))
+
+    finish_run = _sync(_finish_run)
+    acquire_lease = _sync(_acquire_lease)
+    renew_lease = _sync(_renew_lease)
+    release_lease = _sync(_release_lease)
+    reserve_retry = _sync(_reserve_retry)
+    begin_attempt = _sync(_begin_attempt)
+    settle_attempt = _sync(_settle_attempt)
+    mark_unknown = _sync(_mark_unknown)
+    turn_snapshot = _sync(_turn_snapshot)
+    claim_probe = _sync(_claim_probe)
+    record_provenance = _sync(_record_provenance)
+    append_event = _sync(_append_event)
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
         return self.store.events(run_id, kinds)
@@ -705,28 +801,40 @@ class AsyncLedger:
     def now(self) -> float:
         return self.sync.now()
 
+    async def warm(self, run_id: str) -> None:
+        """Read the Run's (and its ancestors') frozen parts into the cache off the event loop,
+        so the turn's own calls never block it on a first read."""
+        led = self.sync
+        rid: str | None = run_id
+        while rid is not None:
+            rec = led._frozen.get(rid)
+            if rec is None:
+                rec = await asyncio.to_thread(led.frozen_run, rid)
+                await asyncio.to_thread(led.run_policy, rid)
+            rid = rec.parent_run_id
+
     admit_run = _in_thread(Ledger.admit_run)
     get_run = _in_thread(Ledger.get_run)
     children = _in_thread(Ledger.children)
     frozen_run = _in_thread(Ledger.frozen_run)
     run_policy = _in_thread(Ledger.run_policy)
-    finish_run = _in_thread(Ledger.finish_run)
-    acquire_lease = _in_thread(Ledger.acquire_lease)
-    renew_lease = _in_thread(Ledger.renew_lease)
-    release_lease = _in_thread(Ledger.release_lease)
-    reserve_retry = _in_thread(Ledger.reserve_retry)
-    begin_attempt = _in_thread(Ledger.begin_attempt)
-    settle_attempt = _in_thread(Ledger.settle_attempt)
-    mark_unknown = _in_thread(Ledger.mark_unknown)
-    turn_snapshot = _in_thread(Ledger.turn_snapshot)
+    finish_run = _native(Ledger._finish_run)
+    acquire_lease = _native(Ledger._acquire_lease)
+    renew_lease = _native(Ledger._renew_lease)
+    release_lease = _native(Ledger._release_lease)
+    reserve_retry = _native(Ledger._reserve_retry)
+    begin_attempt = _native(Ledger._begin_attempt)
+    settle_attempt = _native(Ledger._settle_attempt)
+    mark_unknown = _native(Ledger._mark_unknown)
+    turn_snapshot = _native(Ledger._turn_snapshot)
     configure_group = _in_thread(Ledger.configure_group)
     set_group_state = _in_thread(Ledger.set_group_state)
     group_projections = _in_thread(Ledger.group_projections)
     health = _in_thread(Ledger.health)
-    claim_probe = _in_thread(Ledger.claim_probe)
-    record_provenance = _in_thread(Ledger.record_provenance)
+    claim_probe = _native(Ledger._claim_probe)
+    record_provenance = _native(Ledger._record_provenance)
     provenance = _in_thread(Ledger.provenance)
-    append_event = _in_thread(Ledger.append_event)
+    append_event = _native(Ledger._append_event)
     events = _in_thread(Ledger.events)
     get_attempt = _in_thread(Ledger.get_attempt)
     timeline = _in_thread(Ledger.timeline)

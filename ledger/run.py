@@ -30,7 +30,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from ledger import faults
-from ledger.api import AsyncLedger, Ledger
+from ledger.api import AsyncLedger, Ledger, _Call
 from ledger.bounds import amount_in_range, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.core.classify import classify
@@ -510,6 +510,7 @@ async def aexecute(
     ``send`` and ``on_notice`` may be coroutine functions."""
     gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
     sleeper = sleeper or _sleeper_of(ledger.sync)
+    await ledger.warm(lease.run_id)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)
 
 
@@ -596,19 +597,34 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
     return item  # type: ignore[no-any-return]
 
 
-def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], SendResult],
-                  sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+def _call_of(ledger: Ledger, eff: Effect[Any]) -> _Call[Any]:
+    """The ledger operation a database effect asks for, checked once, runnable on either
+    driver: the single mapping from effects to the ledger for both drivers."""
     match eff:
         case Snapshot(run_id=run_id, refs=refs):
-            return ledger.turn_snapshot(run_id, refs)
+            return ledger._turn_snapshot(run_id, refs)
         case Begin():
-            return ledger.begin_attempt(
+            return ledger._begin_attempt(
                 eff.lease, route=eff.route, envelope_hash=eff.envelope_hash,
                 reserve=eff.reserve, reserve_tokens=eff.reserve_tokens, turn_id=eff.turn_id,
                 profile_id=eff.profile_id, kind=eff.kind, attempt_id=eff.attempt_id,
                 events=eff.events, take_retry=eff.take_retry)
         case Settle():
-            return _settle(ledger, eff)
+            return ledger._settle_attempt(
+                eff.lease, eff.attempt_id, outcome=eff.outcome, fact=eff.fact,
+                prompt_tokens=eff.prompt_tokens, completion_tokens=eff.completion_tokens,
+                cost=eff.cost, model_reported=eff.model_reported, output_hash=eff.output_hash,
+                effective_output=eff.effective_output, events=eff.events)
+        case ClaimProbe(route=route, interval_s=interval):
+            return ledger._claim_probe(route, interval)
+        case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):
+            return ledger._append_event(lease, kind, data, attempt_id)
+    raise TypeError(f"not a database effect: {eff!r}")  # pragma: no cover
+
+
+def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], SendResult],
+                  sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+    match eff:
         case Send(dispatch=dispatch):
             dispatch.progress.handed_over = True
             return send(dispatch)
@@ -619,27 +635,13 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
             if on_notice is not None:
                 on_notice(notice)
             return None
-        case ClaimProbe(route=route, interval_s=interval):
-            return ledger.claim_probe(route, interval)
-        case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):
-            ledger.append_event(lease, kind, data, attempt_id)
-            return None
         case Now():
             return ledger.now()
-    raise TypeError(f"unknown effect {eff!r}")  # pragma: no cover
-
-
-def _settle(ledger: Ledger, eff: Settle) -> AttemptRecord:
-    return ledger.settle_attempt(
-        eff.lease, eff.attempt_id, outcome=eff.outcome, fact=eff.fact,
-        prompt_tokens=eff.prompt_tokens, completion_tokens=eff.completion_tokens, cost=eff.cost,
-        model_reported=eff.model_reported, output_hash=eff.output_hash,
-        effective_output=eff.effective_output, events=eff.events)
+    return _call_of(ledger, eff).run()
 
 
 async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
                          sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
-    led = ledger.sync
     match eff:
         case Send(dispatch=dispatch):
             dispatch.progress.handed_over = True
@@ -655,13 +657,9 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
                     await res
             return None
         case Now():
-            return led.now()
-    # The database effects: one worker-thread hop each (the storage driver blocks).
-    return await asyncio.to_thread(_perform_sync, led, eff, _no_send, sleeper, None)
-
-
-def _no_send(_d: Dispatch) -> SendResult:  # pragma: no cover - never reached
-    raise AssertionError("send is performed by the async driver")
+            return ledger.sync.now()
+    # The database effects run on the asyncio driver: no worker-thread hop.
+    return await _call_of(ledger.sync, eff).arun()
 
 
 def _sleeper_of(ledger: Ledger) -> Sleeper:

@@ -27,8 +27,6 @@ from ledger.storage import schema as s
 # Every attempts column, for building a record from the values a transaction just wrote.
 ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
 
-HEALTH_COLS = ["key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
-                "failure_counts", "last_failure_at", "last_used", "last_probe_at"]
 
 
 def new_id(prefix: str) -> str:
@@ -71,7 +69,7 @@ def run_record(row: Row[Any]) -> RunRecord:
     )
 
 
-def attempt_record(row: Row[Any], debit_state: str | None) -> AttemptRecord:
+def attempt_record(row: Any, debit_state: str | None) -> AttemptRecord:
     return AttemptRecord(
         attempt_id=row.attempt_id,
         run_id=row.run_id,
@@ -114,16 +112,10 @@ def written_attempt(values: Mapping[str, Any], debit_state: str | None) -> Attem
     for name in ("created_at", "settled_at"):
         if cols[name] is not None:
             cols[name] = float(cols[name])
-    return attempt_record(SimpleNamespace(**cols), debit_state)  # type: ignore[arg-type]
+    return attempt_record(SimpleNamespace(**cols), debit_state)
 
 
-def health_from_read(row: Row[Any]) -> Health:
-    """The health row read with settle's attempt (its columns prefixed ``h_``)."""
-    m = row._mapping
-    return health_record(SimpleNamespace(**{n: m["h_" + n] for n in HEALTH_COLS}))  # type: ignore[arg-type]
-
-
-def health_record(row: Row[Any]) -> Health:
+def health_record(row: Any) -> Health:
     return Health(
         key=row.key,
         cooldown_until=row.cooldown_until,
@@ -144,7 +136,7 @@ LIVE_RUN_FIELDS = (
 )
 
 
-def run_live(frozen: RunRecord, row: Row[Any]) -> RunRecord:
+def run_live(frozen: RunRecord, row: Any) -> RunRecord:
     """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
     live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
     live["status"] = RunStatus(live["status"])

@@ -1,10 +1,14 @@
-"""Every SQL statement of the ledger. Nothing outside ``ledger.storage`` touches the database.
+"""The storage layer: every SQL statement of the ledger. Nothing outside ``ledger.storage``
+touches the database.
 
-Each public method is one transaction. Writes that carry a fence lock the run row first
-(``SELECT ... FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite writers),
-then check the fence, so a stale executor can write nothing. Budget, allowance and capacity checks
-happen under that lock (capacity additionally under the group row lock, always taken after the run
-row, so lock order is fixed and cannot deadlock).
+The hot path — the snapshot read of a decision, begin, settle, the lease writes, provenance and
+events — runs the transactions of :mod:`ledger.storage.hot` on the database's own driver
+(:mod:`ledger.storage.driver`): plain SQL, prepared by psycopg on the server, ``BEGIN`` and
+``COMMIT`` pipelined with the statements on PostgreSQL, and each one available sync and async.
+The rest (admission, reads, audit, recovery, administration) uses SQLAlchemy Core over an engine
+on the same database. Writes that carry a fence lock the run row first (``SELECT ... FOR
+UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite writers), then check the
+lease, so a stale or lapsed executor can write nothing.
 """
 
 from __future__ import annotations
@@ -12,37 +16,20 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    Row,
-    and_,
-    func,
-    or_,
-    select,
-)
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, func, or_, select
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ledger import faults
-from ledger.effects import lease_problem, settle_holds
 from ledger.errors import (
     AdmissionConflict,
     AllowanceExhausted,
     BudgetExceeded,
-    CapacityUnavailable,
-    Conflict,
     FencedOut,
     InvalidArgument,
-    InvalidState,
-    LeaseHeld,
-    LeaseLost,
     NotFound,
     SettleConflict,
-    StorageError,
 )
 from ledger.model import GroupMode, GroupProjection, Health
 from ledger.records import (
@@ -52,69 +39,49 @@ from ledger.records import (
     DebitState,
     EventRecord,
     Lease,
-    Outcome,
     Page,
     RunRecord,
     RunStatus,
     from_micros,
 )
-from ledger.redaction import redact
+from ledger.storage import hot
 from ledger.storage import schema as s
-from ledger.storage.engine import mapped_errors, run_prebuilt, run_prebuilt_batch
-from ledger.storage.rows import (
-    attempt_record,
-    health_from_read,
-    health_record,
-    run_record,
-    written_attempt,
-)
+from ledger.storage.driver import PgDriver, SqliteDriver, Tx
+from ledger.storage.engine import mapped_errors, redact_url
+from ledger.storage.hot import check_live
+from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.specs import (
     ADMISSION_FIELDS,
     AdmitSpec,
     BeginSpec,
     GroupUpdate,
-    HealthUpdate,
     SettleSpec,
     normal_admission_field,
 )
-from ledger.storage.statements import (
-    BEGIN_LOOKUP,
-    BEGIN_RUN,
-    DEL_SLOT,
-    INS_ATTEMPT,
-    INS_DEBIT,
-    INS_SLOT,
-    LOCK_RUN,
-    LOCK_RUN_FENCE,
-    LOCK_RUN_FOR_BEGIN,
-    SEL_ATTEMPT_WITH_DEBIT,
-    SEL_ATTEMPT_WITH_DEBIT_IN_RUN,
-    SEL_GROUP_FOR_UPDATE,
-    SEL_HEALTH_FOR_UPDATE,
-    SEL_RUN_LIVE,
-    SETTLE_ATTEMPT,
-    SETTLE_DEBIT,
-    SETTLE_READ,
-    SETTLE_RUN,
-    SETTLE_RUN_SUCCEEDED,
-    UPD_HEALTH,
-    begin_rows,
-    event_json,
-    event_params,
-    fact_json,
-    health_values,
-    pg_begin_writes,
-    pg_settle_writes,
-)
+from ledger.storage.statements import event_json
 
 ClockFn = Callable[[], float]
 # How long before its end a lease stops starting work: processes whose clocks differ by less
 # than this never both believe they may use one capacity slot (docs/operations.md).
 DEFAULT_LEASE_MARGIN_S = 0.5
+SEL_ATTEMPT_WITH_DEBIT = (
+    select(s.attempts, s.debits.c.state.label("debit_state"))
+    .outerjoin(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
+    .where(s.attempts.c.attempt_id == bindparam("k_attempt_id"))
+)
+
+
+def _driver(engine: Engine, url: str) -> SqliteDriver | PgDriver:
+    if engine.dialect.name == "postgresql":
+        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        return PgDriver(conninfo, where=redact_url(url))
+    db = engine.url.database
+    assert db is not None
+    return SqliteDriver(db)
 
 
 class Store:
-    """The storage layer over one SQLAlchemy engine."""
+    """The storage layer over one database (an engine for the cold path, a driver for the hot)."""
 
     def __init__(self, engine: Engine, url: str, *,
                  lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> None:
@@ -122,6 +89,8 @@ class Store:
         self.url = url
         self.dialect = engine.dialect.name
         self.lease_margin_s = lease_margin_s
+        self.driver = _driver(engine, url)
+        self.sql = hot.SQL[self.dialect]
 
     # -- transactions ---------------------------------------------------------------------
 
@@ -140,6 +109,7 @@ class Store:
             yield conn
 
     def dispose(self) -> None:
+        self.driver.close()
         self.engine.dispose()
 
     def insert_for(self, table: Any) -> Any:
@@ -147,6 +117,12 @@ class Store:
         if self.dialect == "postgresql":
             return pg_dialect.insert(table)
         return sqlite_dialect.insert(table)
+
+    def _write(self, tx: Tx[Any]) -> Any:
+        return self.driver.run(tx, write=True)
+
+    async def _awrite(self, tx: Tx[Any]) -> Any:
+        return await self.driver.arun(tx, write=True)
 
     # -- runs -----------------------------------------------------------------------------
 
@@ -205,11 +181,13 @@ class Store:
             raise InvalidArgument(
                 f"admitting a child of {spec.parent_run_id!r} needs the parent's lease; pass "
                 "parent_lease= (the lease the parent's executor holds)", field="parent_lease")
-        try:
-            parent, now = self._lock_live(conn, spec.parent_lease, clock)
-        except NotFound:
+        parent = conn.execute(
+            select(s.runs).where(r.run_id == spec.parent_run_id).with_for_update()).first()
+        if parent is None:
             raise NotFound(f"parent run {spec.parent_run_id!r} does not exist; admit it first",
-                           run_id=spec.parent_run_id) from None
+                           run_id=spec.parent_run_id)
+        now = clock()
+        check_live(parent, spec.parent_lease, now, self.lease_margin_s)
         cost_left = (parent.max_cost_micros - parent.carved_micros - parent.reserved_micros
                      - parent.posted_micros)
         calls_left = parent.max_calls - parent.carved_calls - parent.calls_used
@@ -264,354 +242,35 @@ class Store:
             ).all()
         return [run_record(r) for r in rows]
 
-    def _lock_run(self, conn: Connection, run_id: str, fence: int | None,
-                  stmt: Any = LOCK_RUN, rows: list[Any] | None = None) -> Any:
-        """The run row, locked; ``rows``: the lock statement's rows when already executed."""
-        if rows is None:
-            rows = run_prebuilt(conn, stmt, {"k_run_id": run_id})
-        row = rows[0] if rows else None
-        if row is None:
-            raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
-                           run_id=run_id)
-        if fence is not None and row.fence != fence:
-            raise FencedOut(
-                f"run {run_id!r} is now held under fence {row.fence}; this executor's fence "
-                f"{fence} is stale: stop working on the run (another executor took it over)",
-                run_id=run_id, fence=fence, current=row.fence,
-            )
-        return row
+    # -- the hot path (each also as an ``a``-prefixed coroutine) -------------------------
 
-    def _lock_live(self, conn: Connection, lease: Lease, clock: ClockFn, stmt: Any = LOCK_RUN,
-                   rows: list[Any] | None = None) -> tuple[Any, float]:
-        """The run row locked under a **live** lease, and the time read after the lock.
+    def _snapshot_tx(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
+                     runs: Sequence[str], refs: Sequence[str], clock: ClockFn
+                     ) -> Tx[hot.Snapshot]:
+        return hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs, clock)
 
-        Live: the lease's fence is current, its holder still holds it (not released), and it
-        has not expired by the time this transaction runs, with :attr:`lease_margin_s` to spare
-        so that processes whose clocks differ by less than that never overlap (a begin that
-        waited for the lock, e.g. during a database restart, is judged when it got the lock).
-        """
-        row = self._lock_run(conn, lease.run_id, lease.fence, stmt, rows)
-        now = clock()
-        self._check_live(row, lease, now)
-        return row, now
+    def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
+                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn
+                      ) -> hot.Snapshot:
+        """One read: the run's live row (counters, current route, lease; not its frozen
+        snapshots), its groups' projections, the health rows of ``keys``, and the provenance
+        of ``refs`` recorded by ``runs``."""
+        return self.driver.run(self._snapshot_tx(run_id, groups, keys, runs, refs, clock),
+                               write=False)
 
-    def _check_live(self, row: Any, lease: Lease, now: float) -> None:
-        """Raise unless ``lease`` is live at ``now`` on the locked run ``row``."""
-        problem = lease_problem(row.lease_holder, row.lease_expires_at, lease.executor, now,
-                                self.lease_margin_s)
-        if problem == "released":
-            raise LeaseLost(
-                f"the lease on run {lease.run_id!r} (fence {lease.fence}) was released; acquire "
-                "it again before starting more work on the run",
-                run_id=lease.run_id, fence=lease.fence, reason=problem)
-        if problem == "expired":
-            raise LeaseLost(
-                f"the lease on run {lease.run_id!r} (fence {lease.fence}) expired at "
-                f"{row.lease_expires_at} (now {now}, margin {self.lease_margin_s:g}s); acquire it "
-                "again (the fence moves on) before starting more work on the run",
-                run_id=lease.run_id, fence=lease.fence, reason=problem,
-                expires_at=row.lease_expires_at)
-        if problem == "holder":
-            raise FencedOut(
-                f"run {lease.run_id!r} is held by {row.lease_holder!r}, not {lease.executor!r}",
-                run_id=lease.run_id, fence=lease.fence, current=row.fence)
-
-    # -- leases ---------------------------------------------------------------------------
-
-    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn) -> Lease:
-        """A lease on the run. Another holder's unexpired lease is :class:`LeaseHeld`; one's own
-        unexpired lease is renewed under the same fence (its slots stay counted); otherwise the
-        fence moves on, so every write of an earlier holder is refused from now on."""
-        r = s.runs.c
-        with self.writing() as conn:
-            row = self._lock_run(conn, run_id, None)
-            now = clock()
-            live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
-            if live and row.lease_holder != executor:
-                raise LeaseHeld(
-                    f"run {run_id!r} is leased by {row.lease_holder!r} until "
-                    f"{row.lease_expires_at}; wait for it to expire or for recovery",
-                    run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at,
-                )
-            if live and lease_problem(row.lease_holder, row.lease_expires_at, executor, now,
-                                      self.lease_margin_s) is None:
-                # One's own live lease: renewed under the same fence. Inside the margin it is
-                # not extended (another process may already count it as ended): the fence
-                # moves on instead, as after expiry.
-                expires = max(float(row.lease_expires_at), now + ttl_s)
-                conn.execute(s.runs.update().where(r.run_id == run_id)
-                             .values(lease_expires_at=expires, updated_at=now))
-                return Lease(run_id, executor, int(row.fence), expires)
-            fence = row.fence + 1
-            conn.execute(
-                s.runs.update().where(r.run_id == run_id).values(
-                    lease_holder=executor, fence=fence, lease_expires_at=now + ttl_s,
-                    updated_at=now,
-                )
-            )
-            self.add_event(conn, run_id, None, "lease",
-                           {"executor": executor, "fence": fence, "previous": row.lease_holder,
-                            "expires_at": now + ttl_s}, now)
-        return Lease(run_id, executor, fence, now + ttl_s)
-
-    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
-        """Extend a live lease; a lapsed one is :class:`LeaseLost` (acquire again)."""
-        r = s.runs.c
-        with self.writing() as conn:
-            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
-            conn.execute(
-                s.runs.update().where(r.run_id == lease.run_id)
-                .values(lease_expires_at=now + ttl_s, updated_at=now)
-            )
-        return Lease(lease.run_id, lease.executor, lease.fence, now + ttl_s)
-
-    def release_lease(self, lease: Lease, clock: ClockFn) -> None:
-        """Give the lease up. Releasing an already released lease is the same write again."""
-        r = s.runs.c
-        with self.writing() as conn:
-            row = self._lock_run(conn, lease.run_id, lease.fence, LOCK_RUN_FENCE)
-            if row.lease_holder is None:
-                return
-            now = clock()
-            if lease_problem(row.lease_holder, row.lease_expires_at, lease.executor, now,
-                             0.0) is not None:
-                raise LeaseLost(
-                    f"the lease on run {lease.run_id!r} (fence {lease.fence}) is no longer "
-                    "live; there is nothing of it to release (recovery takes the run over)",
-                    run_id=lease.run_id, fence=lease.fence)
-            held = conn.execute(
-                select(func.count()).select_from(s.group_slots)
-                .where(s.group_slots.c.run_id == lease.run_id,
-                       s.group_slots.c.fence == lease.fence)
-            ).scalar_one()
-            if held:
-                raise InvalidState(
-                    f"run {lease.run_id!r} still has {held} attempt(s) in flight; settle them "
-                    "(or mark them unknown) before releasing the lease",
-                    run_id=lease.run_id, in_flight=held,
-                )
-            conn.execute(
-                s.runs.update().where(r.run_id == lease.run_id)
-                .values(lease_holder=None, lease_expires_at=None, updated_at=now)
-            )
-
-    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
-        r = s.runs.c
-        with self.writing() as conn:
-            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
-            conn.execute(s.runs.update().where(r.run_id == lease.run_id)
-                         .values(status=status.value, updated_at=now))
-            self.add_event(conn, lease.run_id, None, "finish", {"status": status.value}, now)
-
-    # -- permissions ----------------------------------------------------------------------
-
-    def reserve_retry(self, lease: Lease, clock: ClockFn,
-                      data: Mapping[str, Any] | None = None) -> int:
-        """Take one retry permission; returns how many are left after it."""
-        r = s.runs.c
-        with self.writing() as conn:
-            row, now = self._lock_live(conn, lease, clock)
-            left = row.max_retries - row.carved_retries - row.retries_used
-            if left <= 0:
-                raise AllowanceExhausted(
-                    f"run {lease.run_id!r} has no retry permission left "
-                    f"({row.retries_used} of {row.max_retries} used)",
-                    run_id=lease.run_id, field="retries",
-                )
-            conn.execute(s.runs.update().where(r.run_id == lease.run_id)
-                         .values(retries_used=r.retries_used + 1, updated_at=now))
-            self.add_event(conn, lease.run_id, None, "retry_permission", dict(data or {}), now)
-        return int(left) - 1
-
-    # -- attempts -------------------------------------------------------------------------
+    async def aturn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
+                             runs: Sequence[str], refs: Sequence[str], clock: ClockFn
+                             ) -> hot.Snapshot:
+        return await self.driver.arun(
+            self._snapshot_tx(run_id, groups, keys, runs, refs, clock), write=False)
 
     def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
-        """Record an attempt before it is sent, in one transaction (see module docstring)."""
-        rejected: tuple[str, float | None] | None = None
-        record: AttemptRecord | None = None
-        lease = Lease(spec.run_id, spec.executor or "", spec.fence, 0.0)
-        with self.writing() as conn:
-            # A batch of one: on PostgreSQL the transaction's BEGIN goes with it.
-            run, now = self._lock_live(
-                conn, lease, clock, LOCK_RUN_FOR_BEGIN,
-                run_prebuilt_batch(conn, [(LOCK_RUN_FOR_BEGIN, {"k_run_id": spec.run_id})])[0])
-            nxt = run_prebuilt(conn, BEGIN_LOOKUP, {"k_run_id": spec.run_id,
-                                                    "k_attempt_id": spec.attempt_id,
-                                                    "k_group": spec.route.group})[0]
-            if nxt.prior is not None:
-                prior = conn.execute(SEL_ATTEMPT_WITH_DEBIT,
-                                     {"k_attempt_id": spec.attempt_id}).one()
-                if prior.begin_hash != spec.begin_hash or prior.run_id != spec.run_id:
-                    raise Conflict(
-                        f"attempt id {spec.attempt_id!r} is already recorded with different "
-                        "content; use a new attempt id for a new physical call",
-                        attempt_id=spec.attempt_id,
-                    )
-                if (prior.state != AttemptState.DISPATCHING.value or prior.fence == spec.fence
-                        or prior.executor != spec.executor):
-                    return attempt_record(prior, prior.debit_state)  # the same write again
-                # The same begin, retried under a lease acquired again after its
-                # acknowledgement was lost: its request was never sent. It is adopted under the
-                # new fence (its slot counts again) if its group still admits it.
-                rejected, now = self._admit_capacity(conn, spec.route.group, now, nxt, clock)
-                self._check_live(run, lease, now)
-                if rejected is None:
-                    record = self._adopt(conn, prior, spec.fence, now)
-                else:
-                    self._void_in_place(conn, prior, rejected[0], spec.fence, now)
-            else:
-                record, rejected = self._begin_new(conn, spec, run, nxt, now, clock)
-            faults.point("begin.before_commit")
-        faults.point("begin.after_commit")
-        if rejected:
-            raise CapacityUnavailable(
-                f"capacity group {spec.route.group!r} refused attempt {spec.attempt_id!r} "
-                f"({rejected[0]}); it was recorded as rejected, its hold voided, nothing sent",
-                attempt_id=spec.attempt_id, group=spec.route.group, reason=rejected[0],
-                until=rejected[1], seq=record.seq if record is not None else None,
-            )
-        assert record is not None
-        return record
+        """Record an attempt before it is sent, in one transaction: live lease, allowances,
+        holds, capacity, the decision's events. A rejection is recorded, then raised."""
+        return self._write(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s))  # type: ignore[no-any-return]
 
-    def _begin_new(self, conn: Connection, spec: BeginSpec, run: Any, nxt: Any, now: float,
-                   clock: ClockFn) -> tuple[AttemptRecord, tuple[str, float | None] | None]:
-        if run.max_calls - run.carved_calls - run.calls_used <= 0:
-            raise AllowanceExhausted(
-                f"run {spec.run_id!r} has used its model-call allowance "
-                f"({run.calls_used} of {run.max_calls}); nothing was sent",
-                run_id=spec.run_id, field="calls",
-            )
-        if spec.take_retry and run.max_retries - run.carved_retries - run.retries_used <= 0:
-            raise AllowanceExhausted(
-                f"run {spec.run_id!r} has no retry permission left ({run.retries_used} of "
-                f"{run.max_retries} used); every further attempt of a turn takes one",
-                run_id=spec.run_id, field="retries",
-            )
-        available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
-                     - run.posted_micros)
-        if spec.reserve_micros > available:
-            raise BudgetExceeded(
-                f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
-                f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
-                run_id=spec.run_id, field="cost",
-                requested=str(from_micros(spec.reserve_micros)),
-                available=str(from_micros(available)),
-            )
-        if run.max_tokens is not None:
-            tokens_left = run.max_tokens - run.tokens_reserved - run.tokens_used
-            if spec.reserve_tokens > tokens_left:
-                raise BudgetExceeded(
-                    f"a hold of {spec.reserve_tokens} tokens would overdraw run "
-                    f"{spec.run_id!r}'s token budget (left: {tokens_left}); nothing was sent",
-                    run_id=spec.run_id, field="tokens", requested=spec.reserve_tokens,
-                    available=tokens_left,
-                )
-        rejected, decided = self._admit_capacity(conn, spec.route.group, now, nxt, clock)
-        if decided != now:
-            # The capacity decision read the clock again: the Attempt is recorded at that
-            # time, so the lease must still be live then.
-            now = decided
-            self._check_live(run, Lease(spec.run_id, spec.executor or "", spec.fence, 0.0), now)
-        debit_state = DebitState.VOIDED if rejected else DebitState.RESERVED
-        debit, values, slot, run_params = begin_rows(spec, nxt.next_seq, rejected, now)
-        if not rejected and self.dialect == "postgresql":
-            # The same writes as below, as one statement (one round trip).
-            params = {**run_params,
-                      **event_params(spec.events, spec.run_id, spec.attempt_id, now)}
-            params.update({"d_" + k: v for k, v in debit.items()})
-            params.update({"a_" + k: v for k, v in values.items()})
-            params.update({"s_" + k: v for k, v in slot.items()})
-            run_prebuilt(conn, pg_begin_writes(len(spec.events)), params)
-        else:
-            run_prebuilt(conn, INS_DEBIT, debit)
-            run_prebuilt(conn, INS_ATTEMPT, values)
-            for kind, data in spec.events:
-                self.add_event(conn, spec.run_id, spec.attempt_id, kind, data, now)
-            if rejected:
-                self.add_event(conn, spec.run_id, spec.attempt_id, "reject",
-                               {"reason": rejected[0], "until": rejected[1],
-                                "group": spec.route.group}, now)
-            else:
-                run_prebuilt(conn, INS_SLOT, slot)
-            run_prebuilt(conn, BEGIN_RUN, run_params)
-        # The record from what was just written (no re-read of the rows).
-        return written_attempt(values, debit_state.value), rejected
-
-    def _adopt(self, conn: Connection, prior: Any, fence: int, now: float) -> AttemptRecord:
-        a = s.attempts.c
-        gs = s.group_slots.c
-        conn.execute(s.attempts.update().where(a.attempt_id == prior.attempt_id)
-                     .values(fence=fence))
-        conn.execute(s.group_slots.update().where(gs.attempt_id == prior.attempt_id)
-                     .values(fence=fence))
-        self.add_event(conn, prior.run_id, prior.attempt_id, "adopt",
-                       {"from_fence": int(prior.fence), "fence": fence}, now)
-        return written_attempt({**prior._mapping, "fence": fence}, prior.debit_state)
-
-    def _void_in_place(self, conn: Connection, prior: Any, reason: str, fence: int,
-                       now: float) -> None:
-        """A dispatching Attempt that provably never left: not sent, holds voided, call and
-        slot given back (used when its adoption is refused by its group)."""
-        a = s.attempts.c
-        r = s.runs.c
-        conn.execute(s.attempts.update().where(a.attempt_id == prior.attempt_id).values(
-            state=AttemptState.NOT_SENT.value, reject_reason=reason, settled_at=now,
-            settle_fence=fence))
-        conn.execute(s.debits.update().where(s.debits.c.debit_id == prior.debit_id)
-                     .values(state=DebitState.VOIDED.value, settled_at=now))
-        run_prebuilt(conn, DEL_SLOT, {"k_attempt_id": prior.attempt_id})
-        conn.execute(s.runs.update().where(r.run_id == prior.run_id).values(
-            reserved_micros=r.reserved_micros - prior.debit_reserved_micros,
-            tokens_reserved=r.tokens_reserved - prior.reserved_tokens,
-            calls_used=r.calls_used - 1, updated_at=now))
-        self.add_event(conn, prior.run_id, prior.attempt_id, "reject",
-                       {"reason": reason, "group": prior.group_id, "adoption": True}, now)
-
-    def _admit_capacity(self, conn: Connection, group: str, now: float, looked_up: Any,
-                        clock: ClockFn) -> tuple[tuple[str, float | None] | None, float]:
-        """(None, time) when the group admits one more attempt, else ((reason, waiting
-        floor), time); the time is when the decision was taken. ``looked_up`` carries the group
-        row as read (unlocked) after the run lock."""
-        # Only a limited group needs its row lock (the slot count must be serialized); reading
-        # the mode of an unlimited group without it keeps busy groups from serializing begins.
-        row: Any = None
-        if looked_up.g_id is not None:
-            row = SimpleNamespace(mode=looked_up.g_mode, until=looked_up.g_until,
-                                  max_in_flight=looked_up.g_max_in_flight)
-        if row is None:
-            conn.execute(
-                self.insert_for(s.capacity_groups)
-                .values(group_id=group, mode=GroupMode.OPEN.value, updated_at=now)
-                .on_conflict_do_nothing()
-            )
-            row = conn.execute(SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
-        elif row.max_in_flight is not None:
-            row = conn.execute(SEL_GROUP_FOR_UPDATE, {"k_group": group}).one()
-        if row.mode != GroupMode.OPEN.value and (row.until is None or row.until > now):
-            return ("group_" + row.mode, row.until), now
-        if row.max_in_flight is not None:
-            # The slots are read first and the clock after: a slot released (or a lease that
-            # lapsed) before this decision is then also before it in recorded time.
-            expiries = self._slot_expiries(conn, group)
-            now = max(now, clock())
-            if sum(1 for e in expiries if e > now) >= row.max_in_flight:
-                return ("capacity_full", None), now
-        return None, now
-
-    def _slot_expiries(self, conn: Connection, group: str) -> list[float]:
-        """The lease expiry behind each slot of ``group`` still held under its run's fence."""
-        gs = s.group_slots.c
-        r = s.runs.c
-        return [float(e) for (e,) in conn.execute(
-            select(r.lease_expires_at).select_from(
-                s.group_slots.join(s.runs, r.run_id == gs.run_id)
-            ).where(gs.group_id == group, gs.fence == r.fence, r.lease_expires_at.is_not(None))
-        )]
-
-    def _live_slots(self, conn: Connection, group: str, now: float) -> int:
-        # A slot counts only while its executor still holds the run (same fence, lease alive):
-        # slots of dead executors come back when their lease expires, before any recovery.
-        return sum(1 for e in self._slot_expiries(conn, group) if e > now)
+    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
+        return await self._awrite(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s))  # type: ignore[no-any-return]
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten.
@@ -623,239 +282,103 @@ class Store:
         ``late_receipt`` event on the Attempt, and its row does not change.
         """
         try:
-            return self._settle(run_id, spec, clock)
-        except FencedOut as e:
-            self._late_receipt(run_id, spec, clock(), str(e))
-            raise
-        except SettleConflict as e:
-            if e.fields.get("state") == AttemptState.UNKNOWN.value:
-                self._late_receipt(run_id, spec, clock(), str(e))
+            return self._write(hot.settle_tx(self.sql, run_id, spec, clock))  # type: ignore[no-any-return]
+        except (FencedOut, SettleConflict) as e:
+            if _late(e):
+                self._write(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
             raise
 
-    def _late_receipt(self, run_id: str, spec: SettleSpec, now: float, why: str) -> None:
-        """Keep a refused settle's observation beside the Attempt (append-only, no fence)."""
-        with self.writing() as conn:
-            self.add_event(conn, run_id, spec.attempt_id, "late_receipt", {
-                "outcome": spec.outcome.value,
-                "fact": spec.fact.to_json() if spec.fact else None,
-                "prompt_tokens": spec.prompt_tokens,
-                "completion_tokens": spec.completion_tokens,
-                "cost_micros": spec.cost_micros, "model_reported": spec.model_reported,
-                "output_hash": spec.output_hash, "fence": spec.fence, "refused": why,
-            }, now)
-
-    def _settle(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
-        with self.writing() as conn:
-            # The run lock, then the attempt with its debit's state and hold (and the first
-            # health row it updates, unlocked), in one statement; both in one round trip on
-            # PostgreSQL (the read runs after the lock is granted, and writes nothing).
-            health_keys = list(spec.health)
-            params: dict[str, Any] = {"k_attempt_id": spec.attempt_id, "k_run_id": run_id}
-            read: tuple[Any, dict[str, Any]] = (
-                (SETTLE_READ[self.dialect], {**params, "k_key": health_keys[0]}) if health_keys
-                else (SEL_ATTEMPT_WITH_DEBIT_IN_RUN, params))
-            locked_rows, rows = run_prebuilt_batch(
-                conn, [(LOCK_RUN_FENCE, {"k_run_id": run_id}), read])
-            run = self._lock_run(conn, run_id, spec.fence, LOCK_RUN_FENCE, locked_rows)
-            now = clock()
-            att = rows[0] if rows else None
-            if att is None:
-                raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
-                               attempt_id=spec.attempt_id, run_id=run_id)
-            if att.state == AttemptState.REJECTED.value:
-                raise InvalidState(
-                    f"attempt {spec.attempt_id!r} was rejected before dispatch; nothing to settle",
-                    attempt_id=spec.attempt_id,
-                )
-            if att.state != AttemptState.DISPATCHING.value:
-                if att.settle_hash == spec.settle_hash:
-                    return attempt_record(att, att.debit_state)  # the same settle again: same write
-                raise SettleConflict(
-                    f"attempt {spec.attempt_id!r} is already settled as {att.state} with "
-                    "different content; a settled attempt is immutable",
-                    attempt_id=spec.attempt_id, state=att.state,
-                )
-            if att.fence != spec.fence:
-                raise FencedOut(
-                    f"attempt {spec.attempt_id!r} was begun under fence {att.fence}, and run "
-                    f"{run_id!r} has since been acquired again (fence {spec.fence}): its "
-                    "outcome is kept as a late receipt; recovery marks it unknown",
-                    run_id=run_id, fence=spec.fence, attempt_fence=int(att.fence),
-                )
-            if att.debit_state is None:
-                raise StorageError(f"attempt {spec.attempt_id!r} has no debit row",
-                                   attempt_id=spec.attempt_id)
-            tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
-                      else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
-            holds = settle_holds(spec.outcome, spec.fact, cost_micros=spec.cost_micros,
-                                 tokens=tokens, reserved_micros=att.debit_reserved_micros,
-                                 reserved_tokens=att.reserved_tokens,
-                                 token_budget=run.max_tokens is not None)
-            fact = spec.fact
-            values: dict[str, Any] = {
-                "state": AttemptState(spec.outcome.value).value,
-                "fact": fact_json(fact) if fact else None,
-                "category": fact.category.value if fact else None,
-                "http_status": fact.status if fact else None,
-                "effective_output": spec.effective_output,
-                "tool_started": spec.tool_started,
-                "prompt_tokens": spec.prompt_tokens,
-                "completion_tokens": spec.completion_tokens,
-                "cost_micros": spec.cost_micros,
-                "model_reported": redact(spec.model_reported) if spec.model_reported else None,
-                "output_hash": spec.output_hash,
-                "settle_hash": spec.settle_hash,
-                "settle_fence": spec.fence,
-                "settled_at": now,
-            }
-            settle_debit = (att.debit_state == DebitState.RESERVED.value
-                            and holds.debit is not DebitState.RESERVED)
-            final_debit_state = holds.debit.value if settle_debit else att.debit_state
-            succeeded = spec.outcome is Outcome.SUCCEEDED
-            run_params: dict[str, Any] = {
-                "k_run_id": run_id,
-                "k_release": holds.release_micros if settle_debit else 0,
-                "k_posted": holds.posted_micros if settle_debit else 0,
-                "k_release_tokens": holds.release_tokens if settle_debit else 0,
-                "k_tokens": holds.tokens_used, "k_uncount": 1 if holds.uncount_call else 0,
-                "k_now": now,
-            }
-            if succeeded:
-                run_params.update(k_route=att.route_id, k_profile=att.profile_id)
-            debit_params = {"state": holds.debit.value, "posted_micros": holds.posted_micros,
-                            "settled_at": now}
-            # The first health row's new values, when it exists and changes. An unchanged row
-            # (a success on a healthy key) is neither locked nor written: serialized, that
-            # settle simply comes before any failure committed meanwhile. A changing row is
-            # locked and the pure health function is applied to the row as locked.
-            first_health: dict[str, Any] | None = None
-            health_done: set[str] = set()
-            if health_keys and att.h_key is not None:
-                key0 = health_keys[0]
-                _kind, _provider, update = spec.health[key0]
-                seen = health_from_read(att)
-                new_health = update(seen)
-                if new_health != seen:
-                    if self.dialect == "postgresql":
-                        locked = run_prebuilt(conn, SEL_HEALTH_FOR_UPDATE, {"k_key": key0})[0]
-                        new_health = update(health_record(locked))
-                    first_health = health_values(new_health, now)
-                health_done.add(key0)
-            provenance = succeeded and bool(spec.output_hash)
-            if self.dialect == "postgresql":
-                # The same writes as below, as one statement (one round trip).
-                params = {"k_attempt_id": spec.attempt_id, "k_debit_id": att.debit_id,
-                          **run_params,
-                          **event_params(spec.events, run_id, spec.attempt_id, now)}
-                params.update({"a_" + k: v for k, v in values.items()})
-                if settle_debit:
-                    params.update({"d_" + k: v for k, v in debit_params.items()})
-                if first_health is not None:
-                    params["k_key"] = health_keys[0]
-                    params.update({"h_" + k: v for k, v in first_health.items()})
-                if provenance:
-                    params.update(p_content_hash=spec.output_hash, p_kind="model_output")
-                run_prebuilt(conn, pg_settle_writes(settle_debit, succeeded,
-                                                    first_health is not None, provenance,
-                                                    len(spec.events)), params)
-            else:
-                run_prebuilt(conn, SETTLE_ATTEMPT, {"k_attempt_id": spec.attempt_id, **values})
-                if settle_debit:
-                    run_prebuilt(conn, SETTLE_DEBIT,
-                                 {"k_debit_id": att.debit_id, **debit_params})
-                run_prebuilt(conn, DEL_SLOT, {"k_attempt_id": spec.attempt_id})
-                run_prebuilt(conn, SETTLE_RUN_SUCCEEDED if succeeded else SETTLE_RUN,
-                             run_params)
-                if first_health is not None:
-                    run_prebuilt(conn, UPD_HEALTH, {"k_key": health_keys[0], **first_health})
-            # Health rows not handled above, in the order given (the lock order).
-            for key in health_keys:
-                if key in health_done:
-                    continue
-                kind, provider, update = spec.health[key]
-                self._update_health(conn, key, kind, provider, update, now)
-            if spec.group_update is not None:
-                self._write_group_fact(conn, att.group_id, spec.group_update, now)
-            if self.dialect != "postgresql":
-                if provenance:
-                    conn.execute(
-                        self.insert_for(s.provenance).values(
-                            run_id=run_id, ref=spec.attempt_id, content_hash=spec.output_hash,
-                            kind="model_output", created_at=now,
-                        ).on_conflict_do_nothing()
-                    )
-                for kind, data in spec.events:
-                    self.add_event(conn, run_id, spec.attempt_id, kind, data, now)
-            # The record from the row as read plus what was just written (no re-read).
-            record = written_attempt({**att._mapping, **values}, final_debit_state)
-            faults.point("settle.before_commit")
-        faults.point("settle.after_commit")
-        return record
-
-    def _update_health(self, conn: Connection, key: str, kind: str, provider: str | None,
-                       update: HealthUpdate, now: float) -> None:
-        row = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key}).first()
-        if row is None:
-            conn.execute(
-                self.insert_for(s.health).values(
-                    key=key, kind=kind, provider=provider, error_count=0, failure_counts="{}",
-                    updated_at=now,
-                ).on_conflict_do_nothing()
-            )
-            row = conn.execute(SEL_HEALTH_FOR_UPDATE, {"k_key": key}).one()
-        conn.execute(UPD_HEALTH, {"k_key": key, **health_values(update(health_record(row)), now)})
-
-    def _write_group_fact(self, conn: Connection, group: str, upd: GroupUpdate, now: float) -> None:
-        g = s.capacity_groups.c
-        row = conn.execute(
-            select(s.capacity_groups).where(g.group_id == group).with_for_update()
-        ).first()
-        until = upd.until
-        if row is not None and row.until is not None and until is not None and row.mode != "open":
-            until = max(until, row.until)  # a later fact never shortens a known waiting floor
-        if row is None:
-            conn.execute(
-                self.insert_for(s.capacity_groups).values(
-                    group_id=group, mode=upd.mode.value, until=until, reason=upd.reason,
-                    sampled_at=now, updated_at=now,
-                ).on_conflict_do_nothing()
-            )
-        else:
-            conn.execute(
-                s.capacity_groups.update().where(g.group_id == group).values(
-                    mode=upd.mode.value, until=until, reason=upd.reason, sampled_at=now,
-                    updated_at=now,
-                )
-            )
+    async def asettle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
+                              ) -> AttemptRecord:
+        try:
+            return await self._awrite(hot.settle_tx(self.sql, run_id, spec, clock))  # type: ignore[no-any-return]
+        except (FencedOut, SettleConflict) as e:
+            if _late(e):
+                await self._awrite(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
+            raise
 
     def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
                      reason: str) -> AttemptRecord:
-        """Dispatched without a receipt: unknown, keeping its hold (a graceful shutdown).
-        Like settle, accepted under the fence the Attempt was begun under while it is current."""
-        a = s.attempts.c
-        with self.writing() as conn:
-            self._lock_run(conn, lease.run_id, lease.fence, LOCK_RUN_FENCE)
-            now = clock()
-            att = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id,
-                                                        a.run_id == lease.run_id)).first()
-            if att is None:
-                raise NotFound(f"unknown attempt id {attempt_id!r} in run {lease.run_id!r}",
-                               attempt_id=attempt_id, run_id=lease.run_id)
-            if att.state == AttemptState.DISPATCHING.value:
-                if att.fence != lease.fence:
-                    raise FencedOut(
-                        f"attempt {attempt_id!r} was begun under fence {att.fence}, not "
-                        f"{lease.fence}; recovery marks it unknown",
-                        run_id=lease.run_id, fence=lease.fence, attempt_fence=int(att.fence))
-                conn.execute(s.attempts.update().where(a.attempt_id == attempt_id)
-                             .values(state=AttemptState.UNKNOWN.value, settled_at=now,
-                                     settle_fence=lease.fence))
-                conn.execute(s.group_slots.delete().where(s.group_slots.c.attempt_id == attempt_id))
-                self.add_event(conn, lease.run_id, attempt_id, "unknown", {"reason": reason}, now)
-            row = conn.execute(select(s.attempts).where(a.attempt_id == attempt_id)).one()
-            return self._attempt(conn, row)
+        """Dispatched without a receipt: unknown, keeping its hold (a graceful shutdown)."""
+        return self._write(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason))  # type: ignore[no-any-return]
 
-    # -- groups, health, probes -----------------------------------------------------------
+    async def amark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
+                            reason: str) -> AttemptRecord:
+        return await self._awrite(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock,  # type: ignore[no-any-return]
+                                                      reason))
+
+    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn) -> Lease:
+        """A lease on the run. Another holder's unexpired lease is ``LeaseHeld``; one's own
+        live lease is renewed under the same fence; otherwise the fence moves on."""
+        return self._write(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,  # type: ignore[no-any-return]
+                                          self.lease_margin_s))
+
+    async def aacquire_lease(self, run_id: str, executor: str, ttl_s: float,
+                             clock: ClockFn) -> Lease:
+        return await self._awrite(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,  # type: ignore[no-any-return]
+                                                 self.lease_margin_s))
+
+    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
+        """Extend a live lease; a lapsed one is ``LeaseLost`` (acquire again)."""
+        return self._write(hot.renew_tx(self.sql, lease, ttl_s, clock, self.lease_margin_s))  # type: ignore[no-any-return]
+
+    async def arenew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
+        return await self._awrite(hot.renew_tx(self.sql, lease, ttl_s, clock,  # type: ignore[no-any-return]
+                                               self.lease_margin_s))
+
+    def release_lease(self, lease: Lease, clock: ClockFn) -> None:
+        """Give the lease up. Releasing an already released lease is the same write again."""
+        self._write(hot.release_tx(self.sql, lease, clock))
+
+    async def arelease_lease(self, lease: Lease, clock: ClockFn) -> None:
+        await self._awrite(hot.release_tx(self.sql, lease, clock))
+
+    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
+        self._write(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s))
+
+    async def afinish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
+        await self._awrite(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s))
+
+    def reserve_retry(self, lease: Lease, clock: ClockFn,
+                      data: Mapping[str, Any] | None = None) -> int:
+        """Take one retry permission; returns how many are left after it."""
+        return self._write(hot.reserve_retry_tx(self.sql, lease, clock, self.lease_margin_s,  # type: ignore[no-any-return]
+                                                dict(data or {})))
+
+    async def areserve_retry(self, lease: Lease, clock: ClockFn,
+                             data: Mapping[str, Any] | None = None) -> int:
+        return await self._awrite(hot.reserve_retry_tx(  # type: ignore[no-any-return]
+            self.sql, lease, clock, self.lease_margin_s, dict(data or {})))
+
+    def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
+                          clock: ClockFn) -> None:
+        self._write(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
+                                      self.lease_margin_s))
+
+    async def arecord_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
+                                 clock: ClockFn) -> None:
+        await self._awrite(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
+                                             self.lease_margin_s))
+
+    def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
+                     data: Mapping[str, Any], clock: ClockFn) -> None:
+        self._write(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
+                                 self.lease_margin_s))
+
+    async def aappend_event(self, lease: Lease, attempt_id: str | None, kind: str,
+                            data: Mapping[str, Any], clock: ClockFn) -> None:
+        await self._awrite(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
+                                        self.lease_margin_s))
+
+    def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float) -> bool:
+        """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window."""
+        return self._write(hot.claim_probe_tx(self.sql, key, provider, now, interval_s))  # type: ignore[no-any-return]
+
+    async def aclaim_probe(self, key: str, provider: str | None, now: float,
+                           interval_s: float) -> bool:
+        return await self._awrite(hot.claim_probe_tx(self.sql, key, provider, now, interval_s))  # type: ignore[no-any-return]
+
+    # -- groups, health (administration and reads) -----------------------------------------
 
     def configure_group(self, group: str, max_in_flight: int | None, now: float) -> None:
         g = s.capacity_groups.c
@@ -908,31 +431,15 @@ class Store:
             )
         return out
 
-    def turn_snapshot(self, run_id: str, groups: Sequence[str], health_keys: Sequence[str],
-                      provenance_runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                      ) -> tuple[Any, dict[str, GroupProjection], dict[str, Health],
-                                 dict[str, frozenset[str]], float]:
-        """One read transaction: the run's live row (counters, current route, lease; not its
-        frozen snapshots), the groups' projections, the health rows, and the provenance of
-        ``refs`` recorded by ``provenance_runs``."""
-        h = s.health.c
-        p = s.provenance.c
-        with self.reading() as conn:
-            now = clock()
-            row = conn.execute(SEL_RUN_LIVE, {"k_run_id": run_id}).first()
-            if row is None:
-                raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
-                               run_id=run_id)
-            projections = self._projections(conn, groups, now)
-            health = {r.key: health_record(r) for r in
-                      conn.execute(select(s.health).where(h.key.in_(list(health_keys)))).all()}
-            prov: dict[str, set[str]] = {}
-            if refs:
-                for ref, digest in conn.execute(
-                        select(p.ref, p.content_hash).where(
-                            p.run_id.in_(list(provenance_runs)), p.ref.in_(list(refs)))):
-                    prov.setdefault(ref, set()).add(digest)
-        return row, projections, health, {k: frozenset(v) for k, v in prov.items()}, now
+    def _live_slots(self, conn: Connection, group: str, now: float) -> int:
+        # A slot counts only while its executor still holds the run (same fence, lease alive):
+        # slots of dead executors come back when their lease expires, before any recovery.
+        gs = s.group_slots.c
+        r = s.runs.c
+        return int(conn.execute(
+            select(func.count()).select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
+            .where(gs.group_id == group, gs.fence == r.fence, r.lease_expires_at.is_not(None),
+                   r.lease_expires_at > now)).scalar_one())
 
     def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
         h = s.health.c
@@ -942,37 +449,6 @@ class Store:
                 q = q.where(h.key.in_(list(keys)))
             return {row.key: health_record(row) for row in conn.execute(q).all()}
 
-    def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float) -> bool:
-        """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window."""
-        h = s.health.c
-        with self.writing() as conn:
-            conn.execute(
-                self.insert_for(s.health).values(
-                    key=key, kind="route", provider=provider, error_count=0, failure_counts="{}",
-                    updated_at=now,
-                ).on_conflict_do_nothing()
-            )
-            res = conn.execute(
-                s.health.update().where(
-                    h.key == key,
-                    or_(h.last_probe_at.is_(None), h.last_probe_at <= now - interval_s),
-                ).values(last_probe_at=now, updated_at=now)
-            )
-            return bool(res.rowcount == 1)
-
-    # -- provenance and events ------------------------------------------------------------
-
-    def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
-                          clock: ClockFn) -> None:
-        with self.writing() as conn:
-            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
-            conn.execute(
-                self.insert_for(s.provenance).values(
-                    run_id=lease.run_id, ref=ref, content_hash=content_hash, kind=kind,
-                    created_at=now,
-                ).on_conflict_do_nothing()
-            )
-
     def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:
         p = s.provenance.c
         with self.reading() as conn:
@@ -981,12 +457,6 @@ class Store:
             for ref, h in rows:
                 out.setdefault(ref, set()).add(h)
             return out
-
-    def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
-                     data: Mapping[str, Any], clock: ClockFn) -> None:
-        with self.writing() as conn:
-            _row, now = self._lock_live(conn, lease, clock, LOCK_RUN_FENCE)
-            self.add_event(conn, lease.run_id, attempt_id, kind, data, now)
 
     def add_event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                data: Mapping[str, Any], now: float) -> None:
@@ -1097,3 +567,9 @@ class Store:
             select(s.debits.c.state).where(s.debits.c.debit_id == row.debit_id)
         ).scalar_one_or_none()
         return attempt_record(row, dstate)
+
+
+def _late(e: FencedOut | SettleConflict) -> bool:
+    """A refused settle whose observation is kept: the run moved on, or the attempt was
+    already settled unknown (the receipt came late)."""
+    return isinstance(e, FencedOut) or e.fields.get("state") == AttemptState.UNKNOWN.value
