@@ -79,6 +79,8 @@ class FlatRow:
     cpu_last_ms: float
     tx_first: float | None
     tx_last: float | None
+    hash_first_ms: float
+    hash_last_ms: float
     last_parts: int
     last_body_bytes: int
     flat: bool
@@ -101,6 +103,8 @@ COLUMNS = (
     Column("CPU last", lambda r: fmt(r.cpu_last_ms, 2)),
     Column("tx first", lambda r: fmt(r.tx_first, 2)),
     Column("tx last", lambda r: fmt(r.tx_last, 2)),
+    Column("hash first", lambda r: fmt(r.hash_first_ms, 2)),
+    Column("hash last", lambda r: fmt(r.hash_last_ms, 2)),
     Column("parts", lambda r: str(r.last_parts)),
     Column("", lambda r: "flat" if r.flat else "grows", left=True),
 )
@@ -118,11 +122,12 @@ class _Window:
     cpu: list[float]
     raw_lat: list[float]
     raw_cpu: list[float]
+    hash_ms: list[float]
     tx: TxCount | None = None
 
 
 def _new_window() -> _Window:
-    return _Window([], [], [], [])
+    return _Window([], [], [], [], [])
 
 
 async def _drive(url: str, backend: str, fake: FakeServer, turns: int, window: int,
@@ -212,6 +217,11 @@ async def _drive(url: str, backend: str, fake: FakeServer, turns: int, window: i
                 await raw(env)
                 win.raw_lat.append((time.perf_counter() - t0) * 1000)
                 win.raw_cpu.append((cpu_now() - c0) * 1000)
+                # One hash of the whole envelope, which every Attempt records: pure CPU that
+                # grows with the envelope, shown apart from the ledger's other costs.
+                t0 = time.perf_counter()
+                _ = env.hash
+                win.hash_ms.append((time.perf_counter() - t0) * 1000)
             if counter is not None and k in (window, turns):
                 await close_ledger()
                 (first if k == window else last).tx = counter.finish()
@@ -270,6 +280,8 @@ def bench_database(url: str, backend: str, fake: FakeServer, *, turns: int = DEF
         cpu_first_ms=round(mean(first.cpu), 3), cpu_last_ms=round(mean(last.cpu), 3),
         tx_first=None if tx(first) is None else round(tx(first) or 0.0, 2),
         tx_last=None if tx(last) is None else round(tx(last) or 0.0, 2),
+        hash_first_ms=round(percentile(first.hash_ms, 0.5), 3),
+        hash_last_ms=round(percentile(last.hash_ms, 0.5), 3),
         last_parts=parts, last_body_bytes=body, flat=_ratio(o2, o1) <= FLAT_TOLERANCE,
     )
 
@@ -283,8 +295,9 @@ def new_report(window: int = DEFAULT_WINDOW) -> Report:
                          "(the issue gives no number)"},
         notes=[f"first W / last W = mean latency of turns 1..{window} and of the last {window} "
                "turns; raw = a bare httpx call of the same body right after each of those "
-               "turns; tx = transactions per turn in each window; parts = envelope parts at "
-               "the last turn",
+               "turns; tx = transactions per turn in each window; hash = one Envelope.hash of "
+               "that turn's envelope (p50, ms, timed apart), which every Attempt records; "
+               "parts = envelope parts at the last turn",
                "turn 1 includes the cold start of a freshly opened ledger, which weighs on the "
                "first window's mean; ovh = p50 ledger - p50 raw per window, so the verdict "
                "does not hinge on that one turn; CPU = mean client CPU per turn"],
