@@ -339,6 +339,16 @@ def _admit(led: Ledger, plan: Plan, n: int) -> list[Lease]:
     return leases
 
 
+async def _aadmit(aled: AsyncLedger, plan: Plan, n: int) -> list[Lease]:
+    tag = uuid.uuid4().hex[:8]
+    leases = []
+    for w in range(n):
+        run_id = f"bench-turn-{plan.scenario}-{tag}-{w}"
+        await aled.admit_run(run_id, plan=plan.routes, budget=BUDGET, policy=plan.policy)
+        leases.append(await aled.acquire_lease(run_id, ttl_s=LEASE_TTL_S))
+    return leases
+
+
 def _measure(driver: _Driver, ledger_call: Callable[[int], Any], raw_call: Callable[[int], Any],
              s: _Setup) -> tuple[Samples, Samples]:
     """Warm up both, then alternate blocks of reference and ledger calls."""
@@ -464,7 +474,7 @@ def _async_scenario(backend: str, s: _Setup, counter: TxCounter | None, floor_ms
     aled, adapter, raw_client = driver.run(open_all())
     closed = False
     try:
-        leases = _admit(aled.sync, s.plan, s.concurrency)
+        leases: list[Lease] = driver.run(_aadmit(aled, s.plan, s.concurrency))
         send = async_sender(adapter)
         turns = itertools.count()
 
