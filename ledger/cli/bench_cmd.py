@@ -1,109 +1,231 @@
-"""``failover-ledger bench write``: the write-path benchmark (begin+settle vs the physical
-floor).
+"""``failover-ledger bench write|turn|turns-flat|recover|select``: the benchmark suite.
 
-Without ``--db`` it measures a temporary SQLite file; ``--postgres`` adds a throwaway PostgreSQL
-server started with production-like durability (fsync on). The exit code is non-zero only when
-the benchmark itself fails, never because the ledger missed the target ratio (that is reported).
-On a terminal (or with ``--progress``) stderr shows each stage and a progress line with an ETA
-over the measurements; piped, stderr stays quiet.
+Every database benchmark measures a temporary SQLite file by default; ``--postgres`` adds a
+throwaway PostgreSQL server started with production durability (fsync on), ``--no-sqlite``
+leaves the SQLite file out, and ``--db URL`` measures that database instead. Tables go to
+stdout, ``--json`` prints the report as JSON, progress goes to stderr. The exit code is non-zero
+only when a benchmark itself fails, never because a target was missed (that is reported).
+``failover-ledger bench audit`` is registered with the operator commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
-from pathlib import Path
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from ledger.cli.common import bench_subparsers
-from ledger.cli.progress import Progress, wanted
 from ledger.errors import InvalidArgument
 
 
-def register(subparsers: Any) -> None:
-    p = bench_subparsers(subparsers).add_parser(
-        "write",
-        help="attempts/s for begin+settle beside the insert+update floor",
-        description="Attempts per second for begin+settle, beside a baseline measured in the "
-        "same run on the same database (one single-row INSERT commit plus one single-row "
-        "UPDATE commit per attempt), at each worker count (workers are OS processes).",
-    )
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _add_where(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", dest="bench_db", default=None, metavar="URL",
-                   help="database to measure (SQLite path or postgresql+psycopg:// URL); "
-                   "default: a temporary SQLite file. It gets bench runs and attempts.")
+                   help="database to measure (SQLite path or postgresql+psycopg:// URL) "
+                   "instead of the temporary ones; it receives the benchmark's runs")
     p.add_argument("--postgres", action="store_true",
                    help="also measure a throwaway durable PostgreSQL server (needs the server "
                    "binaries)")
-    p.add_argument("--attempts", type=int, default=None, metavar="N",
-                   help="attempts per measurement, split over the workers (default 1000)")
+    p.add_argument("--no-sqlite", action="store_true",
+                   help="with --postgres: leave out the temporary SQLite file")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _add_tx(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-tx-count", action="store_true",
+                   help="skip counting database transactions (on PostgreSQL the count waits "
+                   "~11 s per measurement for the server's statistics)")
+
+
+def register(subparsers: Any) -> None:
+    """Add the benchmark commands under ``failover-ledger bench``."""
+    from ledger.benchmarks import defaults as d
+
+    bench = bench_subparsers(subparsers)
+
+    p = bench.add_parser(
+        "write", help="begin+settle attempts/s and CPU beside the raw-driver floor",
+        description="Attempts per second and client CPU per attempt for begin+settle (and for "
+        "a begin carrying the select event, as execute's does), beside a floor measured in the "
+        "same run with the same durability: the raw driver, prepared statements, autocommit, "
+        "one INSERT commit plus one UPDATE commit per attempt. Workers are OS processes.")
+    _add_where(p)
+    p.add_argument("--attempts", type=int, default=d.WRITE_ATTEMPTS, metavar="N",
+                   help=f"attempts per measurement, split over the workers "
+                   f"(default {d.WRITE_ATTEMPTS})")
     p.add_argument("--workers", default="1,8", metavar="LIST",
                    help="comma-separated worker counts (default 1,8)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--progress", action="store_true", help="show progress even when piped")
+    p.add_argument("--paths", default="ledger,ledger+event", metavar="LIST",
+                   help="ledger paths to measure: ledger (begin+settle), ledger+event (begin "
+                   "with the select event); default both")
     p.set_defaults(func=_write)
+
+    t = bench.add_parser(
+        "turn", help="aexecute/execute against a local fake provider, over raw httpx",
+        description="The whole aexecute/execute path through the httpx adapter against the "
+        "local fake provider (its own process), healthy and failover (503 then a fallback in "
+        "another capacity group), at each concurrency: latency overhead over a raw httpx call "
+        "with the same body in the same run, calls/s, client CPU per call, and database "
+        "transactions per call.")
+    _add_where(t)
+    _add_tx(t)
+    t.add_argument("--calls", type=int, default=d.TURN_CALLS, metavar="N",
+                   help=f"timed calls per measurement (default {d.TURN_CALLS})")
+    t.add_argument("--count-calls", type=int, default=d.TURN_COUNT_CALLS, metavar="N",
+                   help="calls of the transaction-counting pass (default "
+                   f"{d.TURN_COUNT_CALLS})")
+    t.add_argument("--concurrency", default="1,16", metavar="LIST",
+                   help="concurrent turns, comma-separated (default 1,16)")
+    t.add_argument("--drivers", default="async,sync", metavar="LIST",
+                   help="async (aexecute, tasks) and/or sync (execute, threads); default both")
+    t.add_argument("--scenarios", default="healthy,failover", metavar="LIST",
+                   help="healthy and/or failover; default both")
+    t.set_defaults(func=_turn)
+
+    f = bench.add_parser(
+        "turns-flat", help="per-turn cost at turn 1 and turn 1,000 of one Run",
+        description="One Run of N sequential healthy turns whose envelopes grow like a "
+        "conversation (every earlier answer as a model-derived part with provenance): mean "
+        "latency, CPU and transactions of the first and the last W turns, and their ratio.")
+    _add_where(f)
+    _add_tx(f)
+    f.add_argument("--turns", type=int, default=d.FLAT_TURNS, metavar="N",
+                   help=f"turns in the Run (default {d.FLAT_TURNS})")
+    f.add_argument("--window", type=int, default=d.FLAT_WINDOW, metavar="W",
+                   help=f"turns averaged at each end (default {d.FLAT_WINDOW})")
+    f.add_argument("--drivers", default="async", metavar="LIST",
+                   help="async (aexecute) and/or sync (execute); default async")
+    f.set_defaults(func=_flat)
+
+    r = bench.add_parser(
+        "recover", help="recovery of 10k unknown attempts over 1M attempts of history",
+        description="Writes synthetic history (ledger generate's bulk path), then a dead "
+        "executor's runs with dispatching attempts whose leases expire, then times "
+        "ledger.recovery.recover to completion, and idle passes over the same history. The "
+        "full size takes minutes to build; --scale shrinks it.")
+    _add_where(r)
+    r.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the default sizes (1,000,000 history, 10,000 unknown)")
+    r.add_argument("--history", type=int, default=None, metavar="N",
+                   help="attempts of history (overrides --scale)")
+    r.add_argument("--unknown", type=int, default=None, metavar="N",
+                   help="unknown attempts to recover (overrides --scale)")
+    r.add_argument("--per-run", type=int, default=d.RECOVER_PER_RUN, metavar="N",
+                   help="dispatching attempts per dead run (default 1)")
+    r.add_argument("--limit", type=int, default=d.RECOVER_LIMIT, metavar="N",
+                   help=f"runs per recovery pass (default {d.RECOVER_LIMIT})")
+    r.add_argument("--setup-workers", type=int, default=4, metavar="N",
+                   help="threads making the dead executor's runs (default 4)")
+    r.set_defaults(func=_recover)
+
+    s = bench.add_parser(
+        "select", help="the selector's deep walk and first fit, in microseconds",
+        description="select() at 10 candidates: the deep walk (every candidate but the last "
+        "ineligible, each for another reason) and the first fit, p50/p95 over many "
+        "iterations. Pure: no database.")
+    s.add_argument("--iterations", type=int, default=d.SELECT_ITERATIONS, metavar="N",
+                   help=f"timed calls per case (default {d.SELECT_ITERATIONS})")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(func=_select)
 
 
 def parse_workers(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(c < 1 for c in counts):
-        raise InvalidArgument(f"--workers {text!r}: give positive integers such as 1,8",
-                              field="workers")
-    return counts
+    """``--workers 1,8`` as a list of positive counts."""
+    from ledger.benchmarks.common import parse_counts
+
+    return parse_counts(text, "workers")
 
 
-def _write(args: argparse.Namespace) -> int:
-    from ledger import bench
+def _positive(value: int, name: str) -> None:
+    if value < 1:
+        raise InvalidArgument(f"--{name} must be at least 1", field=name.replace("-", "_"))
 
-    workers = parse_workers(args.workers)
-    attempts = args.attempts if args.attempts is not None else bench.DEFAULT_ATTEMPTS
-    if attempts < max(workers):
-        raise InvalidArgument(f"--attempts must be at least the largest worker count "
-                              f"({max(workers)})", field="attempts")
-    report = bench.BenchReport()
-    bar = Progress("bench write", wanted(args.progress))
 
-    def progress(msg: str) -> None:
-        if bar.enabled:
-            bar.note(msg)
-
-    with tempfile.TemporaryDirectory(prefix="ledger-bench-") as tmp:
-        url = args.bench_db or str(Path(tmp) / "bench.db")
-        where = "given database" if args.bench_db else "temporary SQLite file"
-        progress(f"bench write: {bench.backend_name(url)} ({where}), workers {workers}, "
-                 f"{attempts} attempts per measurement")
-        report.rows.extend(bench.bench_database(url, workers=workers, attempts=attempts,
-                                                progress=bar))
-        if args.postgres:
-            _postgres(report, workers, attempts, progress, bar)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(report.format_table())
+def _print(report: Any, as_json: bool) -> int:
+    print(report.to_json() if as_json else report.format_table())
     return 0
 
 
-def _postgres(report: Any, workers: list[int], attempts: int, progress: Any,
-              bar: Progress) -> None:
-    from ledger import bench
-    from ledger.testing.pgserver import find_bindir, start_server
+def _on_targets(args: argparse.Namespace, bench: str,
+                body: Callable[[list[tuple[str, str]]], Any]) -> int:
+    from ledger.benchmarks.common import targets
 
-    if find_bindir() is None:
-        msg = ("PostgreSQL: server binaries (initdb, postgres) not installed; install Debian's "
-               "'postgresql' package or set LEDGER_PG_BINDIR, or pass --db postgresql+psycopg://...")
-        progress(f"bench write: skipping {msg}")
-        report.skipped.append(msg)
-        return
-    progress("bench write: starting a throwaway durable PostgreSQL server")
-    srv = start_server(durable=True)
-    try:
-        srv.psql("CREATE DATABASE ledger_bench")
-        progress(f"bench write: postgresql, workers {workers}, "
-                 f"{attempts} attempts per measurement")
-        report.rows.extend(bench.bench_database(srv.url("ledger_bench"), workers=workers,
-                                                attempts=attempts, progress=bar))
-    finally:
-        srv.cleanup()
+    if args.no_sqlite and not args.postgres and args.bench_db is None:
+        raise InvalidArgument("--no-sqlite leaves nothing to measure; add --postgres or --db",
+                              field="no_sqlite")
+    with targets(db=args.bench_db, postgres=args.postgres, sqlite=not args.no_sqlite,
+                 bench=bench, progress=_progress) as (found, skipped):
+        for t in found:
+            _progress(f"bench {bench}: {t.backend} ({t.where})")
+        report = body([(t.backend, t.url) for t in found])
+        report.skipped.extend(skipped)
+    return _print(report, args.json)
+
+
+def _write(args: argparse.Namespace) -> int:
+    from ledger.benchmarks import write
+    from ledger.benchmarks.common import parse_choices
+
+    workers = parse_workers(args.workers)
+    if args.attempts < max(workers):
+        raise InvalidArgument(f"--attempts must be at least the largest worker count "
+                              f"({max(workers)})", field="attempts")
+    paths: Any = parse_choices(args.paths, "paths", write.LEDGER_MODES)
+    return _on_targets(args, "write", lambda ts: write.run(
+        ts, workers=workers, attempts=args.attempts, modes=paths, progress=_progress))
+
+
+def _turn(args: argparse.Namespace) -> int:
+    from ledger.benchmarks import turn
+    from ledger.benchmarks.common import parse_choices, parse_counts
+
+    conc = parse_counts(args.concurrency, "concurrency")
+    drivers = parse_choices(args.drivers, "drivers", turn.DRIVERS)
+    scenarios = parse_choices(args.scenarios, "scenarios", turn.SCENARIOS)
+    _positive(args.calls, "calls")
+    _positive(args.count_calls, "count-calls")
+    return _on_targets(args, "turn", lambda ts: turn.run(
+        ts, drivers=drivers, scenarios=scenarios, concurrency=conc, calls=args.calls,
+        count_calls=args.count_calls, count_tx=not args.no_tx_count, progress=_progress))
+
+
+def _flat(args: argparse.Namespace) -> int:
+    from ledger.benchmarks import flat, turn
+    from ledger.benchmarks.common import parse_choices
+
+    drivers = parse_choices(args.drivers, "drivers", turn.DRIVERS)
+    _positive(args.window, "window")
+    if args.turns < 2 * args.window:
+        raise InvalidArgument(f"--turns must be at least twice --window ({2 * args.window})",
+                              field="turns")
+    return _on_targets(args, "turns-flat", lambda ts: flat.run(
+        ts, turns=args.turns, window=args.window, drivers=drivers,
+        count_tx=not args.no_tx_count, progress=_progress))
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from ledger.benchmarks import recover
+
+    if args.scale <= 0:
+        raise InvalidArgument("--scale must be > 0", field="scale")
+    history, unknown = recover.scaled(args.scale, args.history, args.unknown)
+    if history < 0:
+        raise InvalidArgument("--history must be >= 0", field="history")
+    _positive(unknown, "unknown")
+    _positive(args.per_run, "per-run")
+    _positive(args.limit, "limit")
+    _positive(args.setup_workers, "setup-workers")
+    return _on_targets(args, "recover", lambda ts: recover.run(
+        ts, history=history, unknown=unknown, per_run=args.per_run, limit=args.limit,
+        setup_workers=args.setup_workers, progress=_progress))
+
+
+def _select(args: argparse.Namespace) -> int:
+    from ledger.benchmarks import selector
+
+    _positive(args.iterations, "iterations")
+    return _print(selector.run(iterations=args.iterations, progress=_progress), args.json)

@@ -22,7 +22,7 @@ SECRET = "sk-test-SECRETKEY-0123456789abcdef"
 PROFILE = "fake:default"
 PROTOCOLS = ["openai", "anthropic", "gemini"]
 
-# Small limits: the tests that exercise them wait this long, and no longer.
+# Small limits: the tests that exercise a time limit wait this long, and no longer.
 FAST = StreamingPolicy(
     connect_timeout_s=0.5,
     read_timeout_s=0.4,
@@ -59,7 +59,20 @@ async def fake() -> AsyncIterator[FakeProvider]:
         yield server
 
 
+# Limits no healthy loopback call comes near, even with the machine's cores busy: a test that
+# is not about a time limit must not depend on how fast the machine is.
+PATIENT = StreamingPolicy(connect_timeout_s=10.0, read_timeout_s=10.0,
+                          first_token_timeout_s=10.0, idle_timeout_s=10.0, total_timeout_s=20.0)
+
+
 @pytest.fixture
 async def adapter() -> AsyncIterator[HttpAdapter]:
+    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as a:
+        yield a
+
+
+@pytest.fixture
+async def fast_adapter() -> AsyncIterator[HttpAdapter]:
+    """An adapter with :data:`FAST` limits, for the tests of those limits."""
     async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=FAST) as a:
         yield a

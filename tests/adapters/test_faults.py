@@ -215,37 +215,37 @@ async def test_no_response_bytes_is_after_send(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_no_response_is_bounded_nonstreaming(
-    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+    fast_adapter: HttpAdapter, fake: FakeProvider, protocol: str
 ) -> None:
     fake.enqueue(Fault.NO_RESPONSE)
     t0 = time.monotonic()
-    result, _ = await send(adapter, fake, protocol, False)
+    result, _ = await send(fast_adapter, fake, protocol, False)
     elapsed = time.monotonic() - t0
     obs = result.observation  # type: ignore[attr-defined]
     assert (obs.transport, obs.phase) == (Transport.READ_TIMEOUT, Phase.AFTER_SEND)
-    assert FAST.read_timeout_s * 0.9 <= elapsed < FAST.read_timeout_s + 1.0
+    assert FAST.read_timeout_s * 0.9 <= elapsed < FAST.read_timeout_s + 3.0
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_no_response_streaming_is_a_first_token_timeout_after_send(
-    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+    fast_adapter: HttpAdapter, fake: FakeProvider, protocol: str
 ) -> None:
     fake.enqueue(Fault.NO_RESPONSE)
     t0 = time.monotonic()
-    result, _ = await send(adapter, fake, protocol, True)
+    result, _ = await send(fast_adapter, fake, protocol, True)
     elapsed = time.monotonic() - t0
     obs = result.observation  # type: ignore[attr-defined]
     assert (obs.transport, obs.phase) == (Transport.FIRST_TOKEN_TIMEOUT, Phase.AFTER_SEND)
-    assert FAST.first_token_timeout_s * 0.9 <= elapsed < FAST.first_token_timeout_s + 1.0
+    assert FAST.first_token_timeout_s * 0.9 <= elapsed < FAST.first_token_timeout_s + 3.0
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_slow_first_token_fails_over_before_output(
-    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+    fast_adapter: HttpAdapter, fake: FakeProvider, protocol: str
 ) -> None:
     fake.enqueue(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=5.0))
     t0 = time.monotonic()
-    result, events = await send(adapter, fake, protocol, True)
+    result, events = await send(fast_adapter, fake, protocol, True)
     elapsed = time.monotonic() - t0
     obs = result.observation  # type: ignore[attr-defined]
     # Headers came at once, content did not: after_headers, and nothing was shown.
@@ -255,7 +255,7 @@ async def test_slow_first_token_fails_over_before_output(
         200,
     )
     assert not obs.effective_output and events == []
-    assert elapsed < FAST.first_token_timeout_s + 1.0
+    assert elapsed < FAST.first_token_timeout_s + 3.0
 
 
 async def test_slow_first_token_within_the_limit_succeeds(fake: FakeProvider) -> None:
@@ -282,8 +282,11 @@ async def test_slow_first_token_within_the_limit_succeeds(fake: FakeProvider) ->
     ],
 )
 async def test_mid_stream_failures_carry_effective_output_and_reset(
-    adapter: HttpAdapter, fake: FakeProvider, protocol: str, fault: Fault, transport: Transport
+    adapter: HttpAdapter, fast_adapter: HttpAdapter, fake: FakeProvider, protocol: str,
+    fault: Fault, transport: Transport
 ) -> None:
+    if fault is Fault.STALL:  # the idle limit is what this case exercises
+        adapter = fast_adapter
     fake.enqueue(fault)
     t0 = time.monotonic()
     result, events = await send(adapter, fake, protocol, True)
@@ -297,7 +300,7 @@ async def test_mid_stream_failures_carry_effective_output_and_reset(
     assert shown and shown != FULL_TEXT and FULL_TEXT.startswith(shown)
     assert r.partial_text == shown  # type: ignore[attr-defined]
     assert isinstance(events[-1], Reset) and events[-1].reason == transport.value
-    assert elapsed < 2.0
+    assert elapsed < 5.0  # detected as it happened, not by a (patient) time limit
     if fault is Fault.STALL:
         assert elapsed >= FAST.idle_timeout_s * 0.9
 
@@ -328,7 +331,8 @@ async def test_missing_terminator_after_completion_signal_is_success(
     t0 = time.monotonic()
     result, _ = await send(adapter, fake, protocol, True)
     assert result.ok and result.text == FULL_TEXT  # type: ignore[attr-defined]
-    assert time.monotonic() - t0 < FAST.idle_timeout_s  # completes at once, no waiting
+    # Completes at the clean end of the body, not after waiting out a (patient) idle limit.
+    assert time.monotonic() - t0 < 5.0
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -343,13 +347,15 @@ async def test_missing_terminator_after_completion_signal_is_success(
     ],
 )
 async def test_truncated_whole_body_is_never_a_success(
-    adapter: HttpAdapter,
+    adapter: HttpAdapter, fast_adapter: HttpAdapter,
     fake: FakeProvider,
     protocol: str,
     fault: Fault,
     transport: Transport,
     phase: Phase,
 ) -> None:
+    if fault is Fault.STALL:  # the idle limit is what this case exercises
+        adapter = fast_adapter
     fake.enqueue(fault)
     result, _ = await send(adapter, fake, protocol, False)
     obs = result.observation  # type: ignore[attr-defined]

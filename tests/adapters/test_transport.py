@@ -75,15 +75,16 @@ def full_backlog() -> Iterator[int]:
     listener.close()
 
 
-async def test_connect_timeout_is_before_send(adapter: HttpAdapter, full_backlog: int) -> None:
+async def test_connect_timeout_is_before_send(fast_adapter: HttpAdapter,
+                                              full_backlog: int) -> None:
     route = make_route(f"http://127.0.0.1:{full_backlog}", "openai")
     t0 = time.monotonic()
-    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    result = await fast_adapter.send(route, ENV, profile_id=PROFILE)
     elapsed = time.monotonic() - t0
     obs = result.observation
     assert obs is not None
     assert (obs.transport, obs.phase) == (Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND)
-    assert FAST.connect_timeout_s * 0.9 <= elapsed < FAST.connect_timeout_s + 1.0
+    assert FAST.connect_timeout_s * 0.9 <= elapsed < FAST.connect_timeout_s + 3.0
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -1,101 +1,374 @@
-"""The write-path benchmark at tiny size: the report's structure, never its timings."""
+"""The benchmark suite at tiny sizes: each report's structure and what it counts, never timings.
+
+Benchmarks are scripts that report; these tests run each one on both backends with sizes that
+finish in seconds and check that the report has the shape the docs describe, that its figures
+are internally consistent (a ratio is the ratio of its columns), and that what a benchmark
+counts or recovers is what it set up. No assertion reads a latency or a rate against a bound.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import sqlite3
 from pathlib import Path
 
 import pytest
 
-from ledger.bench import BenchReport, bench_database, measure
+from ledger.api import Ledger
+from ledger.benchmarks import flat, recover, selector, turn, write
+from ledger.benchmarks.common import BenchError, Report, percentile
+from ledger.benchmarks.txcount import PgTxCounter, SqliteTxCounter
 from ledger.cli.bench_cmd import parse_workers
 from ledger.cli.main import build_parser, main
 from ledger.errors import InvalidArgument
 from ledger.storage import baseline
-from ledger.storage.engine import create, normalize_url
+
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
-def _check_rows(report: BenchReport, backend: str, workers: list[int]) -> None:
-    assert [(r.backend, r.workers) for r in report.rows] == [(backend, w) for w in workers]
-    for r in report.rows:
-        assert r.attempts == 4
-        assert r.ledger_per_s > 0 and r.baseline_per_s > 0
-        assert r.ratio == pytest.approx(r.ledger_per_s / r.baseline_per_s, rel=0.01)
-        assert r.meets_target == (r.ratio >= report.target)
+def _url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, str]:
+    if backend == "sqlite":
+        return "sqlite", str(tmp_path / "bench.db")
+    return "postgresql", str(request.getfixturevalue("pg_url"))
+
+
+def _table_lines(report: Report) -> list[str]:
+    lines = report.format_table().splitlines()
+    assert lines[0].split()[0] == report.columns[0].header
+    assert len(lines) >= 1 + len(report.rows)
+    return lines
+
+
+def _json(report: Report) -> dict[str, object]:
     data = json.loads(report.to_json())
-    assert set(data) == {"target_ratio", "meets_target", "cpus", "rows", "skipped"}
-    assert set(data["rows"][0]) == {
-        "backend", "workers", "attempts", "ledger_per_s", "baseline_per_s", "ratio",
-        "meets_target", "ledger_s", "baseline_s",
-    }
-    table = report.format_table().splitlines()
-    assert table[0].split()[:3] == ["backend", "workers", "attempts"]
-    assert len(table) == 1 + len(workers) + 1
-    assert table[-1].startswith("target: ledger >= 0.5 x baseline")
+    assert data["bench"] == report.bench
+    assert data["machine"]["cpus"] >= 1 and len(data["machine"]["load_before"]) == 3
+    return data  # type: ignore[no-any-return]
 
 
-def _no_baseline_table(url: str) -> bool:
-    from sqlalchemy import inspect
+# -- write -----------------------------------------------------------------------------------
 
-    eng = create(normalize_url(url))
-    try:
-        return baseline.baseline.name not in inspect(eng).get_table_names()
-    finally:
-        eng.dispose()
-
-
-@pytest.mark.parametrize(
-    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def test_bench_database_report_structure(backend: str, tmp_path: Path,
-                                         request: pytest.FixtureRequest) -> None:
-    url = (str(tmp_path / "bench.db") if backend == "sqlite"
-           else str(request.getfixturevalue("pg_url")))
-    report = BenchReport(rows=bench_database(url, workers=[1, 2], attempts=4, warmup=1))
-    _check_rows(report, "sqlite" if backend == "sqlite" else "postgresql", [1, 2])
-    assert _no_baseline_table(url)  # the baseline's table is dropped afterwards
-    # The ledger's attempts were really recorded, settled, by separate runs (one per worker).
-    from ledger.api import Ledger
-
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_reports_each_path_beside_the_floor(backend: str, tmp_path: Path,
+                                                  request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    report = write.run([(name, url)], workers=[1, 2], attempts=4, warmup=1)
+    assert [(r.backend, r.workers, r.path) for r in report.rows] == [
+        (name, w, p) for w in (1, 2) for p in ("begin+settle", "begin(event)+settle")]
+    for r in report.rows:
+        assert r.attempts == 4 and r.per_s > 0 and r.floor_per_s > 0
+        assert r.ratio == pytest.approx(r.per_s / r.floor_per_s, rel=0.02, abs=0.002)
+        assert r.meets_target == (r.ratio >= write.TARGET_RATIO)
+        assert r.cpu_us > 0 and r.floor_cpu_us > 0
+        assert r.floor_two_commit_ms == pytest.approx(r.workers * 1000 / r.floor_per_s,
+                                                      rel=0.01)
+    assert len(_table_lines(report)) == 1 + len(report.rows) + 2 + 1 + 1  # targets, notes, machine
+    assert not baseline.table_exists(url)  # the floor's table is dropped afterwards
+    # The ledger's attempts were really recorded and settled, by one run per worker.
     with Ledger.open(url) as led:
-        page = led.attempts(route="bench-route", limit=1000)
-        assert len(page.items) == (4 + 1) + (4 + 2)  # per worker count: measured + warm-ups
-        assert {a.state.value for a in page.items} == {"succeeded"}
-        assert len({a.run_id for a in page.items}) == 3
+        page = led.attempts(route=write.BENCH_ROUTE.id, limit=1000)
+    assert len(page.items) == 2 * ((4 + 1) + (4 + 2))  # 2 paths x (measured + warm-ups)
+    assert {a.state.value for a in page.items} == {"succeeded"}
+    assert len({a.run_id for a in page.items}) == 2 * (1 + 2)
 
 
-def test_measure_counts_every_attempt(tmp_path: Path) -> None:
+def test_write_measure_counts_every_attempt_of_every_worker(tmp_path: Path) -> None:
     url = str(tmp_path / "m.db")
-    from ledger.bench import prepared
-
-    with prepared(url):
-        m = measure(url, "baseline", 2, 5, warmup=0)
-    assert (m.mode, m.workers, m.attempts) == ("baseline", 2, 5)
-    assert m.seconds > 0 and m.per_second > 0
+    with write.prepared(url):
+        m = write.measure(url, "floor", 2, 5, warmup=0)
+    assert (m.mode, m.workers, m.attempts) == ("floor", 2, 5)
+    assert m.seconds > 0 and m.per_second > 0 and m.cpu_s > 0
 
 
-def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_write_worker_failure_is_a_bench_error(tmp_path: Path) -> None:
+    url = str(tmp_path / "nothing-prepared.db")  # no ledger schema, no floor table
+    sqlite3.connect(url).close()
+    with pytest.raises(BenchError, match="worker"):
+        write.measure(url, "floor", 1, 1, warmup=0)
+
+
+# -- the floor and the transaction counters ----------------------------------------------------
+
+def test_sqlite_counter_tells_reads_writes_and_autocommit_apart(tmp_path: Path) -> None:
+    path = str(tmp_path / "c.db")
+    other = str(tmp_path / "other.db")
+    original = sqlite3.connect
+    counter = SqliteTxCounter(path)
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+        elsewhere = sqlite3.connect(other, isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("CREATE TABLE t (x)")
+        counter.start()
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO t VALUES (1)")
+        conn.execute("COMMIT")
+        conn.execute("BEGIN")
+        conn.execute("SELECT * FROM t").fetchall()
+        conn.execute("COMMIT")
+        conn.execute("UPDATE t SET x = 2")  # autocommit: a write transaction of its own
+        conn.execute("SELECT count(*) FROM t").fetchall()  # a read of its own
+        conn.execute("PRAGMA user_version")  # not a transaction
+        elsewhere.execute("CREATE TABLE u (y)")  # another file: not counted
+        got = counter.finish()
+        conn.close()
+        elsewhere.close()
+    finally:
+        counter.close()
+    assert (got.transactions, got.reads, got.writes, got.connections) == (4, 2, 2, 0)
+    assert sqlite3.connect is original  # the wrapper is gone with the counter
+
+
+def test_sqlite_counter_says_unknown_when_it_saw_nothing(tmp_path: Path) -> None:
+    counter = SqliteTxCounter(str(tmp_path / "never-opened.db"))
+    try:
+        counter.start()
+        got = counter.finish()
+    finally:
+        counter.close()
+    assert got.transactions is None and got.per(10) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_floor_costs_two_commits_per_attempt(backend: str, tmp_path: Path,
+                                             request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    Ledger.open(url).close()
+    baseline.create_table(url)
+    counter = (SqliteTxCounter(baseline.sqlite_path(url)) if name == "sqlite"
+               else PgTxCounter(url))
+    try:
+        counter.start()
+        w = baseline.open_writer(url, "t")
+        for i in range(10):
+            w.attempt(f"a{i}", 1.0)
+        w.close()
+        got = counter.finish()
+    finally:
+        counter.close()
+        baseline.drop_table(url)
+    assert got.transactions is not None
+    if name == "sqlite":
+        assert (got.transactions, got.writes, got.connections) == (20, 20, 1)
+    else:
+        # The server also counts the connection's start and, in autocommit, each statement's
+        # first (preparing) round trip: at most 1 + 2 beyond the 20 commits.
+        assert got.connections == 1
+        assert 20 <= got.transactions <= 23
+
+
+# -- turn ------------------------------------------------------------------------------------
+
+def _check_turn_rows(report: Report, name: str, drivers: list[str], conc: list[int],
+                     counted: bool) -> None:
+    keys = [(r.backend, r.driver, r.scenario, r.concurrency) for r in report.rows]
+    assert keys == [(name, d, s, c) for d in drivers for s in turn.SCENARIOS for c in conc]
+    for r in report.rows:
+        assert r.calls >= 4 and r.p50_ms > 0 and r.raw_p50_ms > 0
+        assert r.overhead_p50_ms == pytest.approx(r.p50_ms - r.raw_p50_ms, abs=0.01)
+        assert r.ledger_cpu_ms == pytest.approx(r.cpu_ms - r.raw_cpu_ms, abs=0.01)
+        assert r.throughput_ratio == pytest.approx(r.calls_per_s / r.raw_calls_per_s, rel=0.02)
+        assert (r.target_overhead_ms is not None) == (r.concurrency == 1)
+        if counted:
+            # Whatever the ledger becomes, an attempt is at least its begin and settle commits.
+            floor = 2 if r.scenario == "healthy" else 4
+            assert r.tx_per_call is not None and r.tx_per_call >= floor
+            assert r.checks["tx"] == (r.tx_per_call <= turn.TX_TARGET[r.scenario])
+        else:
+            assert r.tx_per_call is None
+    assert set(_json(report)["floor_two_commit_ms"]) == {name}  # type: ignore[arg-type]
+
+
+def test_turn_on_sqlite_every_driver_scenario_and_concurrency(tmp_path: Path) -> None:
+    url = str(tmp_path / "turn.db")
+    report = turn.run([("sqlite", url)], concurrency=[1, 3], calls=6, count_calls=6, warmup=1,
+                      floor_attempts=20)
+    _check_turn_rows(report, "sqlite", ["async", "sync"], [1, 3], counted=True)
+    for r in report.rows:
+        assert r.tx_reads_per_call is not None and r.tx_writes_per_call is not None
+        assert r.tx_writes_per_call >= (2 if r.scenario == "healthy" else 4)
+    _table_lines(report)
+
+
+@pytest.mark.postgres
+def test_turn_on_postgres_counts_server_transactions(pg_url: str) -> None:
+    # One driver and one concurrency: each counted measurement waits ~11 s for the server's
+    # statistics.
+    report = turn.run([("postgresql", pg_url)], drivers=["async"], concurrency=[1], calls=4,
+                      count_calls=4, warmup=1, floor_attempts=20)
+    _check_turn_rows(report, "postgresql", ["async"], [1], counted=True)
+
+
+@pytest.mark.postgres
+def test_turn_on_postgres_both_drivers_uncounted(pg_url: str) -> None:
+    report = turn.run([("postgresql", pg_url)], concurrency=[1, 2], calls=4, warmup=1,
+                      count_tx=False, floor_attempts=20)
+    _check_turn_rows(report, "postgresql", ["async", "sync"], [1, 2], counted=False)
+
+
+def test_turn_failover_policy_moves_every_turn() -> None:
+    pol = turn.failover_policy()
+    assert pol.health.cooldown_categories == [] and pol.failover.new_turn == "first_entry"
+    assert pol.failover.enabled
+
+
+# -- turns-flat ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_turns_flat_grows_the_envelope_like_a_conversation(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    counted = name == "sqlite"  # PostgreSQL's count waits ~11 s per window: covered by turn
+    report = flat.run([(name, url)], turns=6, window=2, count_tx=counted)
+    (r,) = report.rows
+    assert (r.backend, r.driver, r.turns, r.window) == (name, "async", 6, 2)
+    assert r.last_parts == 2 * 6 - 1  # every earlier question and answer, then the question
+    assert r.ratio == pytest.approx(r.last_mean_ms / r.first_mean_ms, rel=0.01)
+    assert r.first_mean_ms > 0 and r.raw_first_mean_ms > 0 and r.last_body_bytes > 0
+    if counted:
+        assert r.tx_first is not None and r.tx_first >= 2
+        assert r.tx_last is not None and r.tx_last >= 2
+    else:
+        assert r.tx_first is None
+    with Ledger.open(url) as led:
+        runs = [x for x in led.attempts(limit=100).items if x.route_id == "bench-healthy"]
+    assert len(runs) == 6 and len({a.run_id for a in runs}) == 1
+    _table_lines(report)
+
+
+def test_turns_flat_sync_driver(tmp_path: Path) -> None:
+    report = flat.run([("sqlite", str(tmp_path / "f.db"))], turns=4, window=2,
+                      drivers=["sync"], count_tx=False)
+    assert [r.driver for r in report.rows] == ["sync"]
+
+
+# -- recover ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recover_takes_exactly_the_dead_executors_work(backend: str, tmp_path: Path,
+                                                       request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    report = recover.run([(name, url)], history=300, unknown=6, per_run=2, limit=2,
+                         setup_workers=2, idle_repeat=2)
+    (r,) = report.rows
+    assert (r.backend, r.history_attempts, r.unknown_attempts, r.runs) == (name, 300, 6, 3)
+    assert r.passes == 3  # 2 runs, 1 run, then a pass that finds nothing
+    assert r.recover_s > 0 and r.idle_before_ms > 0 and r.idle_after_ms > 0
+    assert r.per_unknown_ms == pytest.approx(r.recover_s / 6 * 1000, rel=0.01, abs=0.02)
+    with Ledger.open(url) as led:
+        unknown = led.attempts(route=recover.ROUTE.id, state="unknown", limit=100).items
+    assert len(unknown) == 6  # never re-sent, never settled: unknown with their holds
+    _table_lines(report)
+
+
+def test_recover_scale_and_explicit_sizes() -> None:
+    assert recover.scaled(1.0, None, None) == (1_000_000, 10_000)
+    assert recover.scaled(0.01, None, None) == (10_000, 100)
+    assert recover.scaled(0.01, 5, 7) == (5, 7)
+
+
+# -- select ----------------------------------------------------------------------------------
+
+def test_select_cases_walk_what_they_claim() -> None:
+    report = selector.run(iterations=20)
+    names = [r.case for r in report.rows]
+    assert names == [c.name for c in selector.cases()]
+    deep = [r for r in report.rows if r.case.startswith("deep walk")]
+    assert len(deep) == 3
+    for r in deep:
+        assert (r.candidates, r.skipped, r.chosen) == (10, 9, "r9")
+        assert r.target_us == selector.DEEP_TARGET_US and r.ok == (r.p50_us < r.target_us)
+    for r in report.rows:
+        assert r.iterations == 20 and 0 < r.p50_us <= r.p95_us
+    # Nine different causes in the failover walk (the reason codes repeat: the causes do not).
+    (case,) = [c for c in selector.cases() if c.name == "deep walk, failover"]
+    assert len(case.skips) == 9 and len({reason for _r, reason in case.skips}) == 6
+
+
+def test_select_case_that_does_not_decide_as_claimed_is_an_error() -> None:
+    case = selector.cases()[0]
+    wrong = selector.Case(case.name, case.inp, "r8", case.skips, case.target_us)
+    with pytest.raises(BenchError, match="chose 'r9'"):
+        selector.time_case(wrong, 1)
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([5.0], 0.95) == 5.0
+    assert math.isnan(percentile([], 0.5))
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def _cli_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_cli_every_bench_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = str(tmp_path / "cli.db")
-    assert main(["bench", "write", "--db", db, "--attempts", "2", "--workers", "1", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert [(r["backend"], r["workers"], r["attempts"]) for r in data["rows"]] == [
-        ("sqlite", 1, 2)]
-    assert data["target_ratio"] == 0.5 and data["skipped"] == []
+    data = _cli_json(capsys, ["bench", "write", "--db", db, "--attempts", "2", "--workers", "1",
+                              "--paths", "ledger", "--json"])
+    assert [(r["backend"], r["workers"], r["path"]) for r in data["rows"]] == [  # type: ignore[attr-defined]
+        ("sqlite", 1, "begin+settle")]
+    data = _cli_json(capsys, ["bench", "turn", "--db", db, "--calls", "2", "--count-calls",
+                              "2", "--concurrency", "1", "--drivers", "async", "--scenarios",
+                              "healthy", "--json"])
+    assert len(data["rows"]) == 1  # type: ignore[arg-type]
+    data = _cli_json(capsys, ["bench", "turns-flat", "--db", str(tmp_path / "f.db"), "--turns",
+                              "4", "--window", "2", "--json"])
+    assert data["bench"] == "turns-flat" and len(data["rows"]) == 1  # type: ignore[arg-type]
+    data = _cli_json(capsys, ["bench", "recover", "--db", str(tmp_path / "r.db"), "--history",
+                              "50", "--unknown", "2", "--json"])
+    assert data["rows"][0]["unknown_attempts"] == 2  # type: ignore[index]
+    data = _cli_json(capsys, ["bench", "select", "--iterations", "5", "--json"])
+    assert data["bench"] == "select" and data["targets"]
 
 
-def test_cli_table_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    db = str(tmp_path / "cli.db")
-    assert main(["bench", "write", "--db", db, "--attempts", "2", "--workers", "1"]) == 0
+def test_cli_table_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "select", "--iterations", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:2] == ["backend", "workers"]
-    assert "sqlite" in out and "target:" in out
+    assert out.splitlines()[0].split()[0] == "case" and "target: deep walk" in out
+
+
+def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(InvalidArgument, match="workers"):
         parse_workers("1,x")
     with pytest.raises(InvalidArgument, match="workers"):
         parse_workers("0")
-    assert main(["bench", "write", "--db", db, "--attempts", "1", "--workers", "2"]) == 2
-    assert "--attempts" in capsys.readouterr().err
+    db = str(tmp_path / "bad.db")
+    cases = [
+        (["bench", "write", "--db", db, "--attempts", "1", "--workers", "2"], "--attempts"),
+        (["bench", "write", "--paths", "ledger,fast"], "--paths"),
+        (["bench", "turn", "--no-sqlite"], "--no-sqlite"),
+        (["bench", "turn", "--drivers", "threads"], "--drivers"),
+        (["bench", "turns-flat", "--turns", "10", "--window", "6"], "--turns"),
+        (["bench", "recover", "--scale", "0"], "--scale"),
+        (["bench", "select", "--iterations", "0"], "--iterations"),
+    ]
+    for argv, word in cases:
+        assert main(argv) == 2, argv
+        assert word in capsys.readouterr().err
+    assert not os.path.exists(db)
 
 
-def test_parser_has_bench_write() -> None:
-    args = build_parser().parse_args(["bench", "write", "--workers", "1,8", "--postgres"])
+def test_parser_has_every_bench() -> None:
+    p = build_parser()
+    args = p.parse_args(["bench", "write", "--workers", "1,8", "--postgres"])
     assert args.workers == "1,8" and args.postgres and args.bench_db is None
+    for name in ("turn", "turns-flat", "recover", "select", "audit"):
+        assert p.parse_args(["bench", name]).bench_command == name
+
+
+def test_the_cli_defaults_are_the_benchmarks_own() -> None:
+    from ledger.benchmarks import defaults, flat, recover, selector, turn, write
+    from ledger.recovery import DEFAULT_LIMIT
+
+    assert defaults.RECOVER_LIMIT == DEFAULT_LIMIT
+    assert (write.DEFAULT_ATTEMPTS, turn.DEFAULT_CALLS, flat.DEFAULT_TURNS,
+            recover.DEFAULT_PER_RUN, selector.DEFAULT_ITERATIONS) == (
+        defaults.WRITE_ATTEMPTS, defaults.TURN_CALLS, defaults.FLAT_TURNS,
+        defaults.RECOVER_PER_RUN, defaults.SELECT_ITERATIONS)

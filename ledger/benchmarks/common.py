@@ -1,0 +1,281 @@
+"""What every benchmark shares: where it runs, how it reports, and a few measuring helpers.
+
+A benchmark is a script that reports; it never fails because a target was missed. Each one
+returns a :class:`Report`: typed rows, the columns its table shows, notes, the targets it was
+read against, and the machine it ran on (CPU count and load average before and after, since the
+numbers mean little without the load that was on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any
+
+from ledger.errors import StorageError
+
+Progress = Callable[[str], None]
+
+
+class BenchError(StorageError):
+    """A benchmark could not measure what it claims (a worker failed, or the scenario did not
+    behave as set up); the message says what happened."""
+
+
+def quiet(_msg: str) -> None:
+    """A progress callback that says nothing."""
+
+
+# -- statistics -------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by linear interpolation between closest ranks."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean, NaN for no values."""
+    return sum(values) / len(values) if values else math.nan
+
+
+def cpu_now() -> float:
+    """CPU seconds this process has used so far, every thread included (user + system)."""
+    return time.process_time()
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Machine:
+    """Where and under which load a benchmark ran."""
+
+    cpus: int
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float]
+    python: str
+    platform: str
+    sqlalchemy: str
+    psycopg: str
+
+    def describe(self) -> str:
+        """One line for the end of a table."""
+        b = ", ".join(f"{x:.2f}" for x in self.load_before)
+        a = ", ".join(f"{x:.2f}" for x in self.load_after)
+        return (f"machine: {self.cpus} CPUs, load average (1, 5, 15 min) {b} before, {a} after; "
+                f"Python {self.python}, SQLAlchemy {self.sqlalchemy}, psycopg {self.psycopg}")
+
+
+def _load() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:  # not available on this platform
+        return (math.nan, math.nan, math.nan)
+
+
+class MachineProbe:
+    """Samples the load average when created and again at :meth:`done`."""
+
+    def __init__(self) -> None:
+        self.before = _load()
+
+    def done(self) -> Machine:
+        """The machine description with the load average now."""
+        import psycopg
+        import sqlalchemy
+
+        return Machine(
+            cpus=os.cpu_count() or 1, load_before=self.before, load_after=_load(),
+            python=platform.python_version(), platform=sys.platform,
+            sqlalchemy=sqlalchemy.__version__, psycopg=psycopg.__version__,
+        )
+
+
+# -- reports ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a report's table: its header and how a row shows in it."""
+
+    header: str
+    cell: Callable[[Any], str]
+    left: bool = False
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    """A number for a table cell; ``-`` for a missing or undefined value."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _jsonable(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {k: _jsonable(v) for k, v in asdict(value).items()}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+@dataclass
+class Report:
+    """A benchmark's result: rows (dataclasses), the table's columns, targets and notes."""
+
+    bench: str
+    columns: Sequence[Column]
+    rows: list[Any] = field(default_factory=list)
+    targets: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    machine: Machine | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON data (NaN becomes null)."""
+        return {
+            "bench": self.bench,
+            "rows": [_jsonable(r) for r in self.rows],
+            "targets": dict(self.targets),
+            "notes": list(self.notes),
+            "skipped": list(self.skipped),
+            "machine": _jsonable(self.machine) if self.machine else None,
+            **{k: _jsonable(v) for k, v in self.extra.items()},
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def format_table(self) -> str:
+        """An aligned text table, then the targets, notes, skips and the machine line."""
+        head = [c.header for c in self.columns]
+        body = [[c.cell(r) for c in self.columns] for r in self.rows]
+        widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+        out = []
+        for line in [head, *body]:
+            cells = [v.ljust(w) if c.left else v.rjust(w)
+                     for v, w, c in zip(line, widths, self.columns, strict=True)]
+            out.append("  ".join(cells).rstrip())
+        out.extend(f"target: {name}: {text}" for name, text in self.targets.items())
+        out.extend(f"note: {n}" for n in self.notes)
+        out.extend(f"skipped: {s}" for s in self.skipped)
+        if self.machine is not None:
+            out.append(self.machine.describe())
+        return "\n".join(out)
+
+
+# -- where a benchmark runs -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    """One database a benchmark measures: its backend name, URL and what it is."""
+
+    backend: str
+    url: str
+    where: str
+
+
+PG_MISSING = ("PostgreSQL: server binaries (initdb, postgres) not installed; install Debian's "
+              "'postgresql' package or set LEDGER_PG_BINDIR, or pass --db postgresql+psycopg://...")
+
+
+@contextmanager
+def targets(*, db: str | None, postgres: bool, sqlite: bool = True, bench: str,
+            progress: Progress = quiet) -> Iterator[tuple[list[Target], list[str]]]:
+    """The databases to measure and the reasons any was skipped.
+
+    ``db`` given: that database only. Otherwise a temporary SQLite file (unless
+    ``sqlite=False``) and, with ``postgres``, a throwaway PostgreSQL server started with
+    production durability (fsync on), each removed afterwards.
+    """
+    from ledger.storage.baseline import backend
+
+    skipped: list[str] = []
+    if db is not None:
+        yield [Target(backend(db), db, "given database")], skipped
+        return
+    with tempfile.TemporaryDirectory(prefix=f"ledger-bench-{bench}-") as tmp:
+        found: list[Target] = []
+        if sqlite:
+            found.append(Target("sqlite", os.path.join(tmp, "bench.db"),
+                                "temporary SQLite file"))
+        srv = None
+        try:
+            if postgres:
+                from ledger.testing.pgserver import find_bindir, start_server
+
+                if find_bindir() is None:
+                    progress(f"bench {bench}: skipping {PG_MISSING}")
+                    skipped.append(PG_MISSING)
+                else:
+                    progress(f"bench {bench}: starting a throwaway durable PostgreSQL server")
+                    srv = start_server(durable=True)
+                    srv.psql("CREATE DATABASE ledger_bench")
+                    found.append(Target("postgresql", srv.url("ledger_bench"),
+                                        "throwaway PostgreSQL server, fsync on"))
+            yield found, skipped
+        finally:
+            if srv is not None:
+                srv.cleanup()
+
+
+def parse_counts(text: str, what: str) -> list[int]:
+    """``"1,16"`` -> ``[1, 16]``; a typed error naming ``what`` for anything else."""
+    from ledger.errors import InvalidArgument
+
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise InvalidArgument(f"--{what} {text!r}: give positive integers such as 1,8",
+                              field=what)
+    return counts
+
+
+def parse_choices(text: str, what: str, allowed: Sequence[str]) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]``, each one of ``allowed``; a typed error otherwise."""
+    from ledger.errors import InvalidArgument
+
+    got = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in got if x not in allowed]
+    if not got or bad:
+        raise InvalidArgument(f"--{what} {text!r}: choose from {', '.join(allowed)}",
+                              field=what)
+    return got
+
+
+__all__ = [
+    "BenchError",
+    "Column",
+    "Machine",
+    "MachineProbe",
+    "Progress",
+    "Report",
+    "Target",
+    "cpu_now",
+    "fmt",
+    "mean",
+    "parse_choices",
+    "parse_counts",
+    "percentile",
+    "quiet",
+    "targets",
+]
