@@ -11,16 +11,35 @@ only when a benchmark itself fails, never because a target was missed (that is r
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from ledger.cli.common import bench_subparsers
+from ledger.cli.progress import Progress, wanted
 from ledger.errors import InvalidArgument
 
 
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+class _Reporter:
+    """A benchmark's stage messages on stderr, only when a person is watching (a terminal, or
+    ``--progress``), with a progress line and ETA where the stages can be counted."""
+
+    def __init__(self, bench: str, forced: bool) -> None:
+        self.bar = Progress(f"bench {bench}", wanted(forced))
+        self.total = 0  # measured stages expected (0: not counted)
+        self.done = 0
+
+    def __call__(self, msg: str) -> None:
+        if not self.bar.enabled:
+            return
+        self.bar.note(msg)
+        if self.total and "worker(s):" in msg:
+            self.done += 1
+            self.bar(self.done - 1, self.total)  # the stage starts: the previous ones are done
+
+    def finish(self) -> None:
+        if self.total:
+            self.bar(self.total, self.total)
+        self.bar.close()
 
 
 def _add_where(p: argparse.ArgumentParser) -> None:
@@ -33,6 +52,8 @@ def _add_where(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sqlite", action="store_true",
                    help="with --postgres: leave out the temporary SQLite file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--progress", action="store_true",
+                   help="show the stages and progress on stderr even when it is not a terminal")
 
 
 def _add_tx(p: argparse.ArgumentParser) -> None:
@@ -151,18 +172,22 @@ def _print(report: Any, as_json: bool) -> int:
 
 
 def _on_targets(args: argparse.Namespace, bench: str,
-                body: Callable[[list[tuple[str, str]]], Any]) -> int:
+                body: Callable[[list[tuple[str, str]], _Reporter], Any],
+                stages_per_target: int = 0) -> int:
     from ledger.benchmarks.common import targets
 
     if args.no_sqlite and not args.postgres and args.bench_db is None:
         raise InvalidArgument("--no-sqlite leaves nothing to measure; add --postgres or --db",
                               field="no_sqlite")
+    report_to = _Reporter(bench, args.progress)
     with targets(db=args.bench_db, postgres=args.postgres, sqlite=not args.no_sqlite,
-                 bench=bench, progress=_progress) as (found, skipped):
+                 bench=bench, progress=report_to) as (found, skipped):
+        report_to.total = stages_per_target * len(found)
         for t in found:
-            _progress(f"bench {bench}: {t.backend} ({t.where})")
-        report = body([(t.backend, t.url) for t in found])
+            report_to(f"bench {bench}: {t.backend} ({t.where})")
+        report = body([(t.backend, t.url) for t in found], report_to)
         report.skipped.extend(skipped)
+    report_to.finish()
     return _print(report, args.json)
 
 
@@ -175,8 +200,9 @@ def _write(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--attempts must be at least the largest worker count "
                               f"({max(workers)})", field="attempts")
     paths: Any = parse_choices(args.paths, "paths", write.LEDGER_MODES)
-    return _on_targets(args, "write", lambda ts: write.run(
-        ts, workers=workers, attempts=args.attempts, modes=paths, progress=_progress))
+    return _on_targets(args, "write", lambda ts, progress: write.run(
+        ts, workers=workers, attempts=args.attempts, modes=paths, progress=progress),
+        stages_per_target=len(workers) * (1 + len(paths)))
 
 
 def _turn(args: argparse.Namespace) -> int:
@@ -188,9 +214,9 @@ def _turn(args: argparse.Namespace) -> int:
     scenarios = parse_choices(args.scenarios, "scenarios", turn.SCENARIOS)
     _positive(args.calls, "calls")
     _positive(args.count_calls, "count-calls")
-    return _on_targets(args, "turn", lambda ts: turn.run(
+    return _on_targets(args, "turn", lambda ts, progress: turn.run(
         ts, drivers=drivers, scenarios=scenarios, concurrency=conc, calls=args.calls,
-        count_calls=args.count_calls, count_tx=not args.no_tx_count, progress=_progress))
+        count_calls=args.count_calls, count_tx=not args.no_tx_count, progress=progress))
 
 
 def _flat(args: argparse.Namespace) -> int:
@@ -202,9 +228,9 @@ def _flat(args: argparse.Namespace) -> int:
     if args.turns < 2 * args.window:
         raise InvalidArgument(f"--turns must be at least twice --window ({2 * args.window})",
                               field="turns")
-    return _on_targets(args, "turns-flat", lambda ts: flat.run(
+    return _on_targets(args, "turns-flat", lambda ts, progress: flat.run(
         ts, turns=args.turns, window=args.window, drivers=drivers,
-        count_tx=not args.no_tx_count, progress=_progress))
+        count_tx=not args.no_tx_count, progress=progress))
 
 
 def _recover(args: argparse.Namespace) -> int:
@@ -219,13 +245,16 @@ def _recover(args: argparse.Namespace) -> int:
     _positive(args.per_run, "per-run")
     _positive(args.limit, "limit")
     _positive(args.setup_workers, "setup-workers")
-    return _on_targets(args, "recover", lambda ts: recover.run(
+    return _on_targets(args, "recover", lambda ts, progress: recover.run(
         ts, history=history, unknown=unknown, per_run=args.per_run, limit=args.limit,
-        setup_workers=args.setup_workers, progress=_progress))
+        setup_workers=args.setup_workers, progress=progress))
 
 
 def _select(args: argparse.Namespace) -> int:
     from ledger.benchmarks import selector
 
     _positive(args.iterations, "iterations")
-    return _print(selector.run(iterations=args.iterations, progress=_progress), args.json)
+    report_to = _Reporter("select", False)
+    report = selector.run(iterations=args.iterations, progress=report_to)
+    report_to.finish()
+    return _print(report, args.json)
