@@ -47,6 +47,16 @@ class Q:
     params: Mapping[str, Any] | Sequence[Mapping[str, Any]] = ()
     many: bool = False
 
+    @property
+    def mapping(self) -> Mapping[str, Any]:
+        """The parameters of a single execution."""
+        return self.params  # type: ignore[return-value]
+
+    @property
+    def batch(self) -> Sequence[Mapping[str, Any]]:
+        """The parameter sets of a ``many`` execution."""
+        return self.params  # type: ignore[return-value]
+
 
 @dataclass(frozen=True, slots=True)
 class Flush:
@@ -61,11 +71,15 @@ Step = Q | Flush
 Tx = Generator[Step, Any, T]
 
 
-def _sql(sql: str, dialect: str) -> str:
-    """``:name`` placeholders as the driver wants them (psycopg: ``%(name)s``)."""
+def _sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
+    """``:name`` placeholders as the driver wants them, and the names in order.
+
+    SQLite takes ``:name`` and a mapping as they are; for psycopg they become positional
+    ``%s`` (a sequence of values costs the driver less than a mapping to reorder)."""
     if dialect != "postgresql":
-        return sql
+        return sql, ()
     out = []
+    names: list[str] = []
     i = 0
     while i < len(sql):
         ch = sql[i]
@@ -74,32 +88,39 @@ def _sql(sql: str, dialect: str) -> str:
             j = i + 1
             while j < len(sql) and (sql[j].isalnum() or sql[j] == "_"):
                 j += 1
-            out.append(f"%({sql[i + 1:j]})s")
+            names.append(sql[i + 1:j])
+            out.append("%s")
             i = j
             continue
-        if ch == "%":
-            out.append("%%")
-        else:
-            out.append(ch)
+        out.append("%%" if ch == "%" else ch)
         i += 1
-    return "".join(out)
+    return "".join(out), tuple(names)
 
 
 class Statements:
-    """The SQL of one dialect, converted once: ``stmts[sql]`` is what the driver executes."""
+    """The SQL of one dialect, converted once: ``stmts.get(sql)`` is what the driver executes,
+    the parameter names in order (positional drivers), and whether it returns rows (only those
+    are fetched: describing a result costs the client work)."""
 
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect
-        self._cache: dict[str, str] = {}
+        self._cache: dict[str, tuple[str, tuple[str, ...], bool]] = {}
         self._lock = threading.Lock()
 
-    def __getitem__(self, sql: str) -> str:
+    def get(self, sql: str) -> tuple[str, tuple[str, ...], bool]:
         out = self._cache.get(sql)
         if out is None:
-            out = _sql(sql, self.dialect)
+            head = sql.lstrip()[:6].upper().rstrip()
+            text, names = _sql(sql, self.dialect)
+            out = (text, names, head in ("SELECT", "WITH") or head.startswith("WITH ")
+                   or " RETURNING " in sql.upper())
             with self._lock:
-                self._cache[sql] = out
+                if len(self._cache) < 4096:  # a bound: shapes are few, but never unbounded
+                    self._cache[sql] = out
         return out
+
+    def __getitem__(self, sql: str) -> str:
+        return self.get(sql)[0]
 
 
 # -- SQLite ------------------------------------------------------------------------------------
@@ -278,17 +299,17 @@ class PgDriver:
                     conn.execute("BEGIN")
                 for q in items:
                     cur = conn.cursor()
+                    text, names, fetch = stmts.get(q.sql)
                     if q.many:
-                        cur.executemany(stmts[q.sql], q.params)
+                        cur.executemany(text, [[r[n] for n in names] for r in q.batch])
                     else:
-                        cur.execute(stmts[q.sql], q.params)
-                    cursors.append((cur, q.many))
+                        cur.execute(text, [q.mapping[n] for n in names])
+                    cursors.append((cur, fetch and not q.many))
                 if commit:
                     conn.execute("COMMIT")
             first = False
             committed = committed or commit
-            rows = [[] if many else (cur.fetchall() if cur.description else [])
-                    for cur, many in cursors]
+            rows = [cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
 
     # -- asyncio
@@ -346,17 +367,17 @@ class PgDriver:
                     await conn.execute("BEGIN")
                 for q in items:
                     cur = conn.cursor()
+                    text, names, fetch = stmts.get(q.sql)
                     if q.many:
-                        await cur.executemany(stmts[q.sql], q.params)
+                        await cur.executemany(text, [[r[n] for n in names] for r in q.batch])
                     else:
-                        await cur.execute(stmts[q.sql], q.params)
-                    cursors.append((cur, q.many))
+                        await cur.execute(text, [q.mapping[n] for n in names])
+                    cursors.append((cur, fetch and not q.many))
                 if commit:
                     await conn.execute("COMMIT")
             first = False
             committed = committed or commit
-            rows = [[] if many else (await cur.fetchall() if cur.description else [])
-                    for cur, many in cursors]
+            rows = [await cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
 
     def _mapped(self, e: BaseException) -> StorageError:
