@@ -182,14 +182,13 @@ class PreflightResult:
 
 
 def fresh_content_hash(part: Part) -> str:
-    """The part's hash recomputed from its current fields.
+    """The part's hash computed from its current fields.
 
-    ``Part.content_hash`` is a cached property, and ``model_copy(update=...)`` copies the
-    instance dict, cache included: an edited copy would present the *original's* hash.
-    Rebuilding the part from its fields recomputes the hash, so a tampered copy cannot inherit
-    provenance through a stale cache.
+    :attr:`Part.content_hash` is a plain property (never cached), so an edited copy made with
+    ``model_copy(update=...)``, which skips validation, still hashes what it now holds and
+    cannot inherit the original's provenance.
     """
-    return Part.model_validate(part.model_dump()).content_hash
+    return part.content_hash
 
 
 def _has_foreign_attributes(part: Part) -> bool:
