@@ -166,7 +166,7 @@ class _Loop:
         lease: Lease,
         envelope: Envelope,
         *,
-        turn_id: str,
+        turn_id: str | None,
         pin: Pin | None,
         denials: Denials,
         reserve: Decimal | Callable[[Route], Decimal] | None,
@@ -175,13 +175,16 @@ class _Loop:
     ) -> None:
         self.lease = lease
         self.envelope = envelope
-        self.turn_id = turn_id
         self.pin = pin
         self.denials = denials
         self.reserve = reserve
         self.rng = rng
         self.counter = token_counter
-        self.envelope_hash = envelope.hash
+        # Every part hashed once per turn: the envelope's hash and each decision's coverage
+        # check use these (a long conversation's parts dominate a turn's CPU otherwise).
+        self.part_hashes = tuple(p.content_hash for p in envelope.parts)
+        self.envelope_hash = envelope.hash_with(self.part_hashes)
+        self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
         self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
 
     def _holds(self, route: Route) -> tuple[Decimal, int]:
@@ -213,6 +216,7 @@ class _Loop:
             grant=run.grant, groups=groups, health=snap.health, current=current,
             current_profile=current_profile, pin=self.pin, failure=failure,
             denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
+            part_hashes=self.part_hashes,
         ))
 
     def steps(self) -> Steps:
@@ -484,7 +488,7 @@ def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str 
 
         reserve = check_amount(reserve, "reserve")
     return _Loop(
-        lease, envelope, turn_id=turn_id or f"turn-{envelope.hash[7:19]}",
+        lease, envelope, turn_id=turn_id,
         pin=Pin(pin) if pin else None, denials=denials or NO_DENIALS, reserve=reserve,
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
     )

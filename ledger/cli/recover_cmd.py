@@ -1,8 +1,8 @@
 """``failover-ledger recover``: take over runs whose executor lease expired; ``reconcile``.
 
 The ledger modules are imported inside the commands (the parser is built on every start-up).
-``--ttl``, ``--limit`` and ``--batch`` default to ``None``, meaning :func:`ledger.recovery.recover`'s own
-defaults, which the help text names.
+``--ttl``, ``--limit`` and ``--batch`` default to ``None``, meaning
+:func:`ledger.recovery.recover`'s own defaults, which the help text names.
 """
 
 from __future__ import annotations
