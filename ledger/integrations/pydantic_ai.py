@@ -26,7 +26,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 
@@ -436,10 +436,9 @@ class LedgerStreamedResponse(StreamedResponse):
         """The response so far; once the turn completed, exactly the answer the ledger
         recorded (text a policy discarded after showing it is not part of it)."""
         response = super().get()
-        if self._answer is not None:
-            response.parts = list(self._answer.parts)
-            response.model_name = self._answer.model_name
-        return response
+        if self._answer is None:
+            return response
+        return replace(response, parts=list(self._answer.parts))
 
     async def close_stream(self) -> None:
         """Cancel the turn (it settles truthfully: a sent request becomes ``unknown``)."""

@@ -101,7 +101,7 @@ def responses(messages: list[ModelMessage]) -> list[ModelResponse]:
 # -- a multi-turn agent with a tool --------------------------------------------------------
 
 
-@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "gemini"])
 def test_a_three_request_agent_fails_over_once_and_its_history_passes_preflight(
         db_url: str, fake: FakeProvider, protocol: str) -> None:
     fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the primary answers 503 once
