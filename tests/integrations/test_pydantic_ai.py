@@ -221,26 +221,41 @@ def test_streamed_text_reaches_the_agent_while_the_attempt_is_still_on_the_wire(
 # -- stops -----------------------------------------------------------------------------------
 
 
+# A unit of cost per output token: each answer posts 7 (its reported usage), and each call's
+# hold is its max_tokens (16). Two calls post 14; the third's hold would overdraw 29.
+COSTLY = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1_000_000))
+
+
+@pytest.mark.parametrize(("kind", "budget", "reason", "detail"), [
+    ("calls", Budget(max_calls=2, max_retries=1, max_cost=Decimal(1000)), "retry_allowance",
+     "no model call left"),
+    ("cost", Budget(max_calls=10, max_retries=5, max_cost=Decimal(29)), "budget", ""),
+])
 def test_a_run_whose_budget_runs_out_stops_cleanly_with_failover_exhausted(
-        db_url: str, fake: FakeProvider) -> None:
+        db_url: str, fake: FakeProvider, kind: str, budget: Budget, reason: str,
+        detail: str) -> None:
     fake.set_default(Behavior(tool_call=("search", {"query": "again"})))  # never stops asking
-    tight = Budget(max_calls=2, max_retries=1, max_cost=Decimal("1"))
+    routes = [r.model_copy(update={"price": COSTLY}) for r in plan(fake)]
 
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led:
             with pytest.raises(FailoverExhausted) as ei:
-                async with led.run("tight", plan=plan(fake), budget=tight, grant=GRANT) as run:
-                    await agent_for(run).run("Search until done.")
+                async with led.run("tight", plan=routes, budget=budget, grant=GRANT) as run:
+                    await agent_for(run).run("Search until done.",
+                                             model_settings={"max_tokens": 16})
             stop = ei.value
             assert isinstance(stop, ExceptionGroup)
-            assert stop.reason == "retry_allowance" and "no model call left" in stop.detail
+            assert stop.reason == reason and detail in stop.detail
             rec = await led.get_run("tight")
             assert rec.status is RunStatus.FAILED and rec.calls_used == 2
+            if kind == "cost":
+                assert rec.posted == Decimal(14)  # within the budget: nothing overdrawn
             timeline = await led.timeline("tight")
             assert [a.state for a in timeline] == [AttemptState.SUCCEEDED] * 2
 
     asyncio.run(main())
     assert len(fake.requests) == 2  # the third request was never sent
+    assert fake.requests[0].json["max_tokens"] == 16
 
 
 def test_a_stop_is_failover_exhausted_which_fallback_exception_group_handlers_see_beside(
