@@ -11,11 +11,11 @@ SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffic
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, select, union
+from sqlalchemy import Connection, and_, bindparam, func, select
 
 from ledger import faults
 from ledger.core.facts import FailureFact
@@ -63,36 +63,50 @@ class Figures:
     cost_over_hold: list[str] = field(default_factory=list)
 
 
-def _expired_query(now: float, run_ids: list[str] | None) -> Any:
-    """Expired runs that are unfinished or still have an attempt dispatching.
-
-    Two arms, each driven by an index over unsettled work, never by history: unfinished runs by
-    ``(status, lease_expires_at)``, finished ones only through their dispatching attempts (by
-    ``attempts(state, ...)``). One ``OR`` over both would scan every run the ledger ever held.
-    """
+def _expired_cond(now: float) -> Any:
     r = s.runs.c
+    return and_(r.lease_holder.is_not(None), r.lease_expires_at.is_not(None),
+                r.lease_expires_at <= now)
+
+
+def _dispatching(conn: Connection, run_ids: list[str] | None) -> list[tuple[str, int]]:
+    """(run id, fence) of every dispatching attempt: unsettled work, found through the
+    attempts' state index, whatever the history's size (no join the planner could turn into a
+    scan of every run or every attempt)."""
     a = s.attempts.c
-    expired = and_(r.lease_holder.is_not(None), r.lease_expires_at.is_not(None),
-                   r.lease_expires_at <= now)
-    unfinished = select(r.run_id, r.lease_expires_at).where(
-        r.status.in_(UNFINISHED), expired)
-    dispatching = (select(r.run_id, r.lease_expires_at)
-                   .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
-                   .where(a.state == AttemptState.DISPATCHING.value, expired))
+    q = select(a.run_id, a.fence).where(a.state == AttemptState.DISPATCHING.value)
     if run_ids is not None:
-        unfinished = unfinished.where(r.run_id.in_(run_ids))
-        dispatching = dispatching.where(a.run_id.in_(run_ids))
-    return union(unfinished, dispatching).subquery()
+        q = q.where(a.run_id.in_(run_ids))
+    return [(row[0], int(row[1])) for row in conn.execute(q)]
+
+
+def _chunks(items: Sequence[str], n: int = 500) -> Iterator[list[str]]:
+    for i in range(0, len(items), n):
+        yield list(items[i:i + n])
 
 
 def expired_runs(store: Store, now: float, limit: int,
                  run_ids: list[str] | None = None) -> list[str]:
     """Runs whose executor lease expired and that are not finished (or still have attempts in
-    flight), oldest expiry first."""
-    u = _expired_query(now, run_ids)
-    q = select(u.c.run_id).order_by(u.c.lease_expires_at, u.c.run_id).limit(limit)
+    flight), oldest expiry first.
+
+    Both halves are driven by unsettled work: unfinished runs by ``(status,
+    lease_expires_at)``, finished ones only through their dispatching attempts; one ``OR``
+    over both would scan every run the ledger ever held.
+    """
+    r = s.runs.c
     with store.reading() as conn:
-        return [row[0] for row in conn.execute(q)]
+        q = select(r.run_id, r.lease_expires_at).where(r.status.in_(UNFINISHED),
+                                                      _expired_cond(now))
+        if run_ids is not None:
+            q = q.where(r.run_id.in_(run_ids))
+        found = {row[0]: row[1] for row in conn.execute(q)}
+        busy = sorted({rid for rid, _ in _dispatching(conn, run_ids)} - found.keys())
+        for chunk in _chunks(busy):
+            found.update((row[0], row[1]) for row in conn.execute(
+                select(r.run_id, r.lease_expires_at)
+                .where(r.run_id.in_(chunk), _expired_cond(now))))
+    return sorted(found, key=lambda rid: (found[rid], rid))[:limit]
 
 
 def _expired(row: Any, now: float) -> bool:
@@ -227,18 +241,17 @@ def _event_row(run_id: str, attempt_id: str | None, kind: str, data: Mapping[str
 def orphaned_runs(store: Store, limit: int, run_ids: list[str] | None = None) -> list[str]:
     """Runs held under a newer fence that still have Attempts dispatching under an older one:
     their executor was fenced out (e.g. another executor acquired the expired lease directly,
-    without recovery) and can never settle them."""
+    without recovery) and can never settle them. Driven by the dispatching attempts."""
     r = s.runs.c
-    a = s.attempts.c
-    # Driven by the dispatching attempts (an index over unsettled work), not by every run.
-    q = (select(a.run_id).distinct()
-         .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
-         .where(a.state == AttemptState.DISPATCHING.value, a.fence < r.fence)
-         .order_by(a.run_id).limit(limit))
-    if run_ids is not None:
-        q = q.where(a.run_id.in_(run_ids))
     with store.reading() as conn:
-        return [row[0] for row in conn.execute(q)]
+        oldest: dict[str, int] = {}
+        for rid, fence in _dispatching(conn, run_ids):
+            oldest[rid] = min(fence, oldest.get(rid, fence))
+        orphaned: list[str] = []
+        for chunk in _chunks(sorted(oldest)):
+            orphaned += [row[0] for row in conn.execute(
+                select(r.run_id, r.fence).where(r.run_id.in_(chunk))) if oldest[row[0]] < row[1]]
+    return sorted(orphaned)[:limit]
 
 
 def mark_orphans(store: Store, run_id: str, now: float) -> list[str]:
