@@ -11,7 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ledger.validation import HttpStatus, LedgerModel
 
 
 class Category(StrEnum):
@@ -110,12 +112,14 @@ _DEFAULT_PHASE: dict[Transport, Phase] = {
 }
 
 
-class Observation(BaseModel):
-    """Raw evidence about one failed call. Every field is optional."""
+class Observation(LedgerModel):
+    """Raw evidence about one failed call. Every field is optional.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``status`` is an integer 0 to 999 (the three digits of a status line); the texts are evidence
+    only, unbounded here (the classifier caps and redacts what it keeps).
+    """
 
-    status: int | None = None
+    status: HttpStatus | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     body: str | bytes | None = None
     protocol: Protocol = Protocol.GENERIC
@@ -148,13 +152,14 @@ class Observation(BaseModel):
         return None
 
 
-class FailureFact(BaseModel):
-    """The structured classification of an observed failure."""
+class FailureFact(LedgerModel):
+    """The structured classification of an observed failure.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``status`` is an integer 0 to 999; ``retry_after_s`` a finite number of seconds >= 0.
+    """
 
     category: Category
-    status: int | None = None
+    status: HttpStatus | None = None
     provider_code: str | None = None
     phase: Phase
     scope: Scope = Scope.REQUEST
