@@ -34,6 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ledger.bounds import (
+    MAX_LEASE_TTL_S,
+    check_bool,
+    check_count,
+    check_ids,
+    check_optional_id,
+    check_seconds,
+)
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.errors import DatabaseUnavailable, InvalidArgument
 from ledger.records import AttemptRecord, AttemptState, Lease
@@ -154,10 +162,23 @@ def recover(
     resumes where this one stopped. ``progress(done, total)`` is called after each run taken
     over (or skipped), for a progress display.
     """
-    if lease_ttl_s <= 0:
-        raise InvalidArgument("lease_ttl_s must be > 0", field="lease_ttl_s")
+    from ledger.api import Ledger
+
+    if not isinstance(ledger, Ledger):
+        raise InvalidArgument("ledger must be a ledger.Ledger (arecover takes an AsyncLedger)",
+                              field="ledger")
+    check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+    check_count(limit, "limit")
     if limit < 1:
-        raise InvalidArgument("limit must be >= 1", field="limit")
+        raise InvalidArgument("limit must be at least 1; pass e.g. 1000", field="limit")
+    check_bool(release, "release")
+    if run_ids is not None:
+        run_ids = check_ids(run_ids, "run_ids")
+    check_optional_id(executor_id, "executor_id")
+    if sleeper is not None and not callable(getattr(sleeper, "sleep", None)):
+        raise InvalidArgument("sleeper must have a sleep(seconds) method", field="sleeper")
+    if progress is not None and not callable(progress):
+        raise InvalidArgument("progress must be a function of (done, total)", field="progress")
     executor = executor_id or new_id("recover")
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
@@ -204,6 +225,11 @@ def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
 
 async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
     """The async twin of :func:`recover` (the same implementation, in a worker thread)."""
+    from ledger.api import AsyncLedger
+
+    if not isinstance(ledger, AsyncLedger):
+        raise InvalidArgument("ledger must be a ledger.AsyncLedger (recover takes a Ledger)",
+                              field="ledger")
     return await asyncio.to_thread(recover, ledger.sync, **kwargs)
 
 

@@ -9,6 +9,7 @@ import threading
 
 from ledger.adapters.base import (
     HttpAdapter,
+    check_adapter_options,
 )
 from ledger.adapters.contract import (
     AdapterResult,
@@ -44,6 +45,11 @@ class SyncAdapter:
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
         max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
+        # Checked before the loop thread starts: a refused option leaves nothing running.
+        check_adapter_options(secrets=secrets, limits=limits, verify=verify,
+                              max_body_bytes=max_body_bytes,
+                              evidence_cap_bytes=evidence_cap_bytes,
+                              max_stream_bytes=max_stream_bytes)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True

@@ -7,12 +7,13 @@ the provenance of the part it was copied from.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, StrictInt, field_validator
 
 from ledger.bounds import MAX_TOKENS
-from ledger.model import canonical_json, content_hash
+from ledger.model import content_hash
 from ledger.validation import Id, LedgerModel, Problem, Text
 
 # Data classes the ledger knows; a host may use any other string for classes it registers.
@@ -30,12 +31,13 @@ KNOWN_DATA_CLASSES = (
 
 
 def _json_data(value: Any) -> Any:
-    """Parameters are hashed into the Attempt's envelope hash: they must be JSON data."""
+    """Parameters are hashed into the Attempt's envelope hash and sent as JSON: they must be
+    JSON data (finite numbers; a set, an object or NaN has no JSON form)."""
     try:
-        canonical_json(value)
+        json.dumps(value, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
-        raise Problem("is not JSON data", "pass only strings, numbers, booleans, None, lists "
-                      "and mappings with string keys") from None
+        raise Problem("is not JSON data", "pass only strings, finite numbers, booleans, None, "
+                      "lists and mappings with string keys") from None
     return value
 
 
