@@ -302,6 +302,10 @@ def _describe(err: Mapping[str, Any], owner: type[BaseModel] | None) -> tuple[st
         return f"is out of range{got}", f"pass a value {op} {_num(ctx.get(key))}"
     if kind == "string_too_long":
         return f"is too long{got}", f"pass at most {ctx.get('max_length')} characters"
+    if kind == "string_pattern_mismatch":
+        return (f"does not match {ctx.get('pattern')}{got}",
+                "pass a value of that form (e.g. an environment variable name such as "
+                "'OPENAI_API_KEY' for api_key_env)")
     if kind == "string_too_short":
         return f"is too short{got}", f"pass at least {ctx.get('min_length')} character(s)"
     if kind == "too_long":
