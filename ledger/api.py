@@ -9,6 +9,7 @@ which applies them in the same transaction as the write.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import json
 import os
@@ -38,7 +39,7 @@ from ledger.bounds import (
 from ledger.clock import Clock, SystemClock
 from ledger.core.admission import check_child_policy, child_grant, default_grant, validate_plan
 from ledger.core.facts import Category, FailureFact, Observation, Phase
-from ledger.errors import InvalidArgument, NotFound
+from ledger.errors import ArgumentMismatch, InvalidArgument, NotFound
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
 from ledger.pricing import resolve_prices, same_route
@@ -62,7 +63,7 @@ from ledger.storage.rows import new_id, run_live
 from ledger.storage.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
 from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 from ledger.turn_effects import TurnSnapshot
-from ledger.validation import validate_as
+from ledger.validation import checked_calls, validate_as
 
 if TYPE_CHECKING:
     from ledger.session import AsyncRunSession, RunSession
@@ -181,8 +182,11 @@ def attempt_filters(filters: Mapping[str, Any]) -> dict[str, Any]:
     """The checked filters of an attempt listing (see :meth:`Ledger.attempts`)."""
     unknown = sorted(set(filters) - set(ATTEMPT_FILTERS))
     if unknown:
-        raise InvalidArgument(f"{unknown[0]!r} is not an attempt filter; pass only "
-                              f"{', '.join(ATTEMPT_FILTERS)}", field=unknown[0])
+        close = difflib.get_close_matches(unknown[0], ATTEMPT_FILTERS, n=1)
+        raise ArgumentMismatch(
+            f"{unknown[0]!r} is not an attempt filter; "
+            + (f"did you mean {close[0]!r}? " if close else "")
+            + f"pass only {', '.join(ATTEMPT_FILTERS)}", field=unknown[0])
     out = dict(filters)
     for name in ("route", "group"):
         out[name] = check_optional_id(out.get(name), name)
@@ -256,6 +260,7 @@ def _native(fn: Callable[Concatenate[Ledger, P], _Call[R]]
     return method
 
 
+@checked_calls
 class Ledger:
     """A ledger over one database. Open with :meth:`open`."""
 
@@ -904,6 +909,7 @@ def _in_thread(
     method.__name__ = fn.__name__
     method.__qualname__ = f"AsyncLedger.{fn.__name__}"
     method.__doc__ = fn.__doc__
+    method.__wrapped__ = fn  # type: ignore[attr-defined]  # its signature, for misuse checks
     return method
 
 
@@ -926,6 +932,7 @@ class _Opening:
             await self._led.close()
 
 
+@checked_calls
 class AsyncLedger:
     """The async twin of :class:`Ledger`: the same methods, awaited; one implementation."""
 

@@ -36,6 +36,7 @@ from ledger.errors import InvalidArgument, NotFound
 from ledger.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.storage import audit as q
 from ledger.storage import series as qs
+from ledger.validation import checked_calls
 
 OPEN_STATES = ("unknown", "dispatching")
 
@@ -436,6 +437,7 @@ def _page(limit: Any, cursor: Any) -> tuple[int, str | None]:
 # -- the API --------------------------------------------------------------------------------
 
 
+@checked_calls
 class Audit:
     """Read-only audit queries over one ledger."""
 
@@ -699,6 +701,7 @@ class Audit:
         )
 
 
+@checked_calls
 class AsyncAudit:
     """The async twin of :class:`Audit`: the same methods, awaited in a worker thread."""
 

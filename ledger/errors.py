@@ -6,7 +6,9 @@ The tree::
     ├── ConfigError                     bad input from a file or an argument
     │   ├── PolicyError                 a policy file that does not validate (file, field path, fix)
     │   └── InvalidArgument             API misuse: a negative budget, a missing field, ...
-    │                                   (names the field; also a ValueError)
+    │       │                           (names the field; also a ValueError)
+    │       └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
+    │                                   missing or extra argument (also a TypeError)
     ├── StorageError                    the database could not do what was asked
     │   ├── DatabaseUnavailable         the URL cannot be opened / the server went away (retry-safe)
     │   └── SchemaTooNew                the database was migrated by a newer ledger
@@ -94,6 +96,13 @@ class InvalidArgument(ConfigError, ValueError):
         super().__init__(message, field=field, errors=found, **fields)
         self.field = field
         self.errors = found
+
+
+class ArgumentMismatch(InvalidArgument, TypeError):
+    """A call of a public function that does not fit its signature: an unknown keyword (a
+    typo), a missing required argument, too many positional ones. ``field`` names the argument;
+    the message lists a close match. It is also a ``TypeError``, as Python's own error for such
+    a call is. Nothing ran: the function's body was not entered."""
 
 
 class StorageError(LedgerError):
@@ -254,6 +263,7 @@ def _rebuild_failover(message: str, excs: list[Exception], kwargs: dict[str, Any
 __all__ = [
     "AdmissionConflict",
     "AllowanceExhausted",
+    "ArgumentMismatch",
     "BudgetExceeded",
     "CapacityUnavailable",
     "ConfigError",

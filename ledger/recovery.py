@@ -47,6 +47,7 @@ from ledger.errors import DatabaseUnavailable, InvalidArgument
 from ledger.records import AttemptRecord, AttemptState, Lease
 from ledger.storage import recovery as sql
 from ledger.storage.rows import new_id
+from ledger.validation import checked_call
 
 if TYPE_CHECKING:
     from ledger.api import AsyncLedger, Ledger
@@ -141,6 +142,7 @@ def _to_run(t: sql.Takeover) -> RunRecovery:
     )
 
 
+@checked_call
 def recover(
     ledger: Ledger,
     *,
@@ -223,6 +225,7 @@ def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+@checked_call
 async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
     """The async twin of :func:`recover` (the same implementation, in a worker thread)."""
     from ledger.api import AsyncLedger

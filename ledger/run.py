@@ -74,6 +74,7 @@ from ledger.turn_effects import (
     TurnSnapshot,
     perform,
 )
+from ledger.validation import checked_call
 
 log = logging.getLogger("ledger.run")
 T = TypeVar("T")
@@ -521,6 +522,7 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
 # -- the drivers ----------------------------------------------------------------------------------
 
 
+@checked_call
 def execute(
     ledger: Ledger,
     lease: Lease,
@@ -551,6 +553,7 @@ def execute(
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
 
+@checked_call
 async def aexecute(
     ledger: AsyncLedger,
     lease: Lease,

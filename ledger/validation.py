@@ -23,10 +23,12 @@ of :mod:`ledger.bounds`, so a model and an API argument accept exactly the same 
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import reprlib
 import types
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Self, TypeVar, Union, get_args, get_origin
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Self, TypeVar, Union, cast, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -47,7 +49,7 @@ from ledger.bounds import (
     id_problem,
     text_problem,
 )
-from ledger.errors import InvalidArgument
+from ledger.errors import ArgumentMismatch, InvalidArgument
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -350,6 +352,114 @@ def _num(value: Any) -> str:
     return str(int(f)) if f.is_integer() and abs(f) < 1e16 else f"{f:g}"
 
 
+# -- calls that fit no signature ----------------------------------------------------------------
+#
+# Python refuses an unknown keyword with a TypeError that names no field and suggests nothing.
+# The public entry points are wrapped once (per class, or per function) so that such a call
+# raises ArgumentMismatch naming the argument and its likely spelling. The check costs nothing
+# on a call that fits: the signature is bound only after a TypeError, to tell a call that does
+# not fit from a TypeError raised inside the body (which is re-raised unchanged).
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=type)
+
+
+def _mismatch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> ArgumentMismatch | None:
+    """The ArgumentMismatch of calling ``fn`` so, or ``None`` when the call fits."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        return _describe_mismatch(fn, sig, args, kwargs, e)
+    return None
+
+
+def _describe_mismatch(fn: Callable[..., Any], sig: inspect.Signature, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], error: TypeError) -> ArgumentMismatch:
+    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "function"))
+    params = sig.parameters
+    P = inspect.Parameter
+    by_keyword = [n for n, p in params.items()
+                  if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and n != "self"]
+    open_keywords = any(p.kind is P.VAR_KEYWORD for p in params.values())
+    for key in kwargs:
+        if not open_keywords and key not in by_keyword:
+            close = difflib.get_close_matches(key, by_keyword, n=1)
+            fix = (f"did you mean {close[0]!r}?" if close
+                   else f"its arguments are {', '.join(by_keyword) or 'none'}")
+            return ArgumentMismatch(f"{name}() has no argument {key!r}; {fix}", field=key,
+                                    function=name)
+    given = set(kwargs)
+    positional = [n for n, p in params.items() if p.kind in (P.POSITIONAL_ONLY,
+                                                           P.POSITIONAL_OR_KEYWORD)]
+    given.update(positional[:len(args)])
+    for n, p in params.items():
+        if (p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
+                and n not in given):
+            return ArgumentMismatch(f"{name}() needs the argument {n!r}; pass it", field=n,
+                                    function=name)
+    return ArgumentMismatch(f"{name}(): {error}; pass the arguments its signature lists "
+                            f"({', '.join(by_keyword)})", field="args", function=name)
+
+
+def checked_call(fn: F) -> F:
+    """``fn``, raising :class:`ArgumentMismatch` for a call that does not fit its signature."""
+    if getattr(fn, "__ledger_checked__", False):
+        return fn
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def acall(*args: Any, **kwargs: Any) -> Any:
+            try:
+                coro = fn(*args, **kwargs)
+            except TypeError:
+                found = _mismatch(fn, args, kwargs)
+                if found is not None:
+                    raise found from None
+                raise
+            try:
+                return await coro
+            except TypeError:
+                # A wrapper that forwards (*args, **kwargs) fails only when it calls through.
+                found = _mismatch(fn, args, kwargs)
+                if found is not None:
+                    raise found from None
+                raise
+
+        acall.__ledger_checked__ = True  # type: ignore[attr-defined]
+        return cast(F, acall)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            found = _mismatch(fn, args, kwargs)
+            if found is not None:
+                raise found from None
+            raise
+
+    call.__ledger_checked__ = True  # type: ignore[attr-defined]
+    return cast(F, call)
+
+
+def checked_calls(cls: C) -> C:
+    """``cls`` with every public method (and ``__init__``) wrapped by :func:`checked_call`."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") and name != "__init__":
+            continue
+        if isinstance(member, classmethod):
+            setattr(cls, name, classmethod(checked_call(member.__func__)))
+        elif isinstance(member, staticmethod):
+            setattr(cls, name, staticmethod(checked_call(member.__func__)))
+        elif inspect.isfunction(member):
+            setattr(cls, name, checked_call(member))
+    return cls
+
+
 __all__ = [
     "MAX_ID_LENGTH",
     "MAX_TEXT",
@@ -363,6 +473,8 @@ __all__ = [
     "Text",
     "Time",
     "Tokens",
+    "checked_call",
+    "checked_calls",
     "invalid_argument",
     "validate_as",
 ]

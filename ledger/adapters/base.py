@@ -126,6 +126,7 @@ from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.redaction import install_log_redaction, register_secret
 from ledger.turn_effects import SendProgress
+from ledger.validation import checked_calls
 
 log = logging.getLogger("ledger.adapters")
 
@@ -257,6 +258,7 @@ def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_by
                                   field=name)
 
 
+@checked_calls
 class HttpAdapter:
     """Sends an Envelope on a Route over httpx, for every registered protocol.
 

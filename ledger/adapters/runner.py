@@ -23,6 +23,7 @@ from ledger.core.facts import Observation
 from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
 from ledger.run import Dispatch, SendResult
+from ledger.validation import checked_call
 
 
 def output_part(result: AdapterResult, attempt_id: str) -> Part:
@@ -75,6 +76,7 @@ def _check(adapter: Any, kind: type[Any], on_event: Any, limits: Any) -> None:
                               field="limits")
 
 
+@checked_call
 def async_sender(
     adapter: HttpAdapter,
     *,
@@ -91,6 +93,7 @@ def async_sender(
     return send
 
 
+@checked_call
 def sync_sender(
     adapter: SyncAdapter,
     *,

@@ -24,10 +24,12 @@ from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.turn_effects import SendProgress
+from ledger.validation import checked_calls
 
 _WAIT_SLICE_S = 0.2
 
 
+@checked_calls
 class SyncAdapter:
     """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.
 
