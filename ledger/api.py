@@ -371,7 +371,8 @@ class Ledger:
             check_text(v, f"labels[{k!r}]")
         selected = selected_route or plan[0].id
         if selected not in {r.id for r in plan}:
-            raise InvalidArgument(f"selected_route {selected!r} is not in the plan",
+            raise InvalidArgument(f"selected_route {selected!r} is not in the plan; pass "
+                                  "the id of one of the plan's routes (or None for the first)",
                                   field="selected_route")
         if parent is not None:
             prec = self.frozen_run(parent.run_id)
@@ -577,11 +578,12 @@ class Ledger:
                 "and new attempts use the frozen route", field="route",
             )
         check_optional_id(profile_id, "profile_id")
-        if profile_id is not None and snap.profiles and profile_id not in {
-            p.id for p in snap.profiles
-        }:
-            raise InvalidArgument(f"profile {profile_id!r} is not a profile of route {route_id!r}",
-                                  field="profile_id")
+        if profile_id is not None and profile_id not in {p.id for p in snap.profiles}:
+            known = ", ".join(repr(p.id) for p in snap.profiles)
+            raise InvalidArgument(
+                f"profile_id {profile_id!r} is not a credential profile of route {route_id!r}; "
+                + (f"pass one of {known}" if known else "the route has none: pass None"),
+                field="profile_id")
         _hash_arg(envelope_hash, "envelope_hash")
         check_id(turn_id, "turn_id")
         reserve_micros = to_micros(check_amount(reserve, "reserve"))
@@ -817,7 +819,7 @@ class Ledger:
     def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
                       attempt_id: str | None = None) -> _Call[None]:
         """Append an audit event to the Run (needs a live lease)."""
-        [(name, payload)] = _events([(kind, data)])
+        name, payload = _kind(kind, "kind", MAX_EVENT_KIND), _data(data, "data")
         check_optional_id(attempt_id, "attempt_id")
         lease, clock = _lease(lease), self.clock.now
         return _Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),

@@ -12,7 +12,7 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field, StrictInt, field_validator
+from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 
 from ledger.bounds import MAX_AMOUNT, MAX_COUNT, MAX_TOKENS, canonical_decimal
 from ledger.core.facts import Protocol
@@ -41,10 +41,10 @@ class Profile(LedgerModel):
 class Capabilities(LedgerModel):
     """What a route can serve. ``None`` means unknown and is no restriction."""
 
-    tools: bool | None = None
+    tools: StrictBool | None = None
     context_window: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    prefill: bool | None = None
-    streaming: bool | None = None
+    prefill: StrictBool | None = None
+    streaming: StrictBool | None = None
     # Supported request parameters; None = any.
     parameters: list[Text] | None = Field(default=None, max_length=MAX_LIST)
 

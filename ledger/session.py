@@ -63,9 +63,13 @@ def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> No
         raise InvalidArgument("secrets is for the session's own adapter; pass the secret "
                               "provider to your adapter instead, or pass no adapter",
                               field="secrets")
-    if secrets is not None and not callable(getattr(secrets, "get", None)):
+    if secrets is not None and (isinstance(secrets, Mapping)
+                                or not callable(getattr(secrets, "get", None))):
+        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
         raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
-                              "protocol=...)); pass e.g. EnvSecretProvider()", field="secrets")
+                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
+                              "StaticSecretProvider(...) for keys held in memory",
+                              field="secrets")
     if owns is not None:
         check_bool(owns, "owns_adapter")
 

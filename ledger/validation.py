@@ -202,6 +202,9 @@ def invalid_argument(error: ValidationError, model: type[BaseModel] | None,
             continue
         seen.add(path)
         problems.append((path, problem, fix))
+    # A misspelt field is reported as missing under its name and unknown under the typo: the
+    # typo comes first, with its likely spelling (the "missing" one is its consequence).
+    problems.sort(key=lambda p: 0 if p[1].startswith("is not a field of") else 1)
     shown = problems[:MAX_REPORTED]
     head_path, head_problem, head_fix = shown[0]
     message = f"invalid {head_path}: {head_problem}; {head_fix}"

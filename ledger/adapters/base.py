@@ -241,9 +241,13 @@ MAX_BYTES_OPTION = 2**40  # a terabyte: beyond any body or stream a process shou
 def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_bytes: Any,
                           evidence_cap_bytes: Any, max_stream_bytes: Any) -> None:
     """The constructor options shared by :class:`HttpAdapter` and the sync facade."""
-    if secrets is not None and not callable(getattr(secrets, "get", None)):
+    if secrets is not None and (isinstance(secrets, Mapping)
+                                or not callable(getattr(secrets, "get", None))):
+        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
         raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
-                              "protocol=...)); pass e.g. EnvSecretProvider()", field="secrets")
+                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
+                              "StaticSecretProvider(...) for keys held in memory",
+                              field="secrets")
     if limits is not None and not isinstance(limits, StreamingPolicy):
         raise InvalidArgument("limits must be a ledger.policy.model.StreamingPolicy",
                               field="limits")

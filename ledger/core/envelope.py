@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, StrictInt, field_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator
 
 from ledger.bounds import MAX_TOKENS
 from ledger.model import content_hash
@@ -93,7 +93,7 @@ class Envelope(LedgerModel):
     parts: list[Part]
     tools: list[ToolSpec] = Field(default_factory=list)
     params: dict[str, Any] = Field(default_factory=dict)  # temperature, top_p, ...
-    stream: bool = False
+    stream: StrictBool = False
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
 
     _params_are_json = field_validator("params")(_json_data)

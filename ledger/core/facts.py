@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from ledger.validation import HttpStatus, LedgerModel
 
@@ -128,10 +128,10 @@ class Observation(LedgerModel):
     transport: Transport | None = None
     phase: Phase | None = None
     source: Source = Source.PROVIDER
-    effective_output: bool = False
-    tool_started: bool = False
-    cancelled: bool = False
-    over_token_budget: bool = False
+    effective_output: StrictBool = False
+    tool_started: StrictBool = False
+    cancelled: StrictBool = False
+    over_token_budget: StrictBool = False
 
     def effective_phase(self) -> Phase:
         """The phase, defaulted from the transport kind or the presence of a status."""
@@ -167,11 +167,11 @@ class FailureFact(LedgerModel):
     source: Source = Source.PROVIDER
     # Finite and non-negative: an infinite hint would close a group for ever.
     retry_after_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    resubmit: bool = False
-    moves_on: bool = False
+    resubmit: StrictBool = False
+    moves_on: StrictBool = False
     cooldown: CooldownEffect = CooldownEffect.NONE
-    effective_output: bool = False
-    tool_started: bool = False
+    effective_output: StrictBool = False
+    tool_started: StrictBool = False
     provider: str | None = None
     message: str | None = None  # short, redacted; evidence only, never used for decisions
 
