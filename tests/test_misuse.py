@@ -45,6 +45,11 @@ from ledger import (
 )
 from ledger.adapters import HttpAdapter, SyncAdapter, async_sender, sync_sender
 from ledger.audit import AsyncAudit, Audit
+from ledger.core.classify import classify
+from ledger.core.facts import Observation
+from ledger.lease import AsyncLeaseKeeper, LeaseKeeper
+from ledger.policy.load import preset
+from ledger.reconcile import reconcile
 from ledger.records import Lease
 from ledger.recovery import arecover, recover
 from ledger.run import SendResult, aexecute, execute
@@ -109,6 +114,10 @@ class Face:
     @property
     def sender(self) -> Callable[..., Any]:
         return async_sender if self.is_async else sync_sender
+
+    @property
+    def keeper_cls(self) -> type[Any]:
+        return AsyncLeaseKeeper if self.is_async else LeaseKeeper
 
     def forged(self, **changes: Any) -> Lease:
         return replace(self.lease, **changes)
@@ -460,6 +469,24 @@ CASES: list[Case] = [
     C("adapter unknown keyword", "timeout", "arguments are",
       lambda f: f.adapter_cls(timeout=5), ArgumentMismatch),
     C("sender of the wrong adapter", "adapter", "adapter", lambda f: f.sender(object())),
+    C("lease keeper ttl NaN", "ttl_s", "finite",
+      lambda f: f.keeper_cls(f.L, f.lease, ttl_s=NAN)),
+    C("lease keeper interval too long", "interval_s", "smaller interval_s",
+      lambda f: f.keeper_cls(f.L, f.lease, ttl_s=30, interval_s=20)),
+    C("lease keeper not a lease", "lease", "acquire_lease",
+      lambda f: f.keeper_cls(f.L, "r1", ttl_s=30)),
+    C("lease keeper of the other ledger kind", "ledger", "Ledger",
+      lambda f: f.keeper_cls(f.sync if f.is_async else AsyncLedger(f.sync), f.lease,
+                             ttl_s=30)),
+    C("manual clock NaN", "start", "finite", lambda f: ManualClock(NAN)),
+    C("manual clock advance a string", "seconds", "number of seconds",
+      lambda f: ManualClock(T0).advance("1m")),
+    C("classify not an observation", "obs", "Observation",
+      lambda f: classify({"status": 500}, preset("goclaw"))),
+    C("classify now NaN", "now", "finite",
+      lambda f: classify(Observation(status=500), preset("goclaw"), now=NAN)),
+    C("reconcile not a ledger", "ledger", "Ledger", lambda f: reconcile(f.L if f.is_async
+                                                                         else "led")),
 ]
 
 
