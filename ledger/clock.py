@@ -63,6 +63,12 @@ def _finite(value: object, field: str) -> float:
     return v
 
 
+def _nan(field: str) -> Exception:
+    from ledger.errors import InvalidArgument
+
+    return InvalidArgument(f"{field} is NaN; pass a number of seconds", field=field)
+
+
 class ManualClock:
     """A clock that moves only when told to; also a :class:`Sleeper` that advances it.
 
@@ -77,7 +83,17 @@ class ManualClock:
         return self._now
 
     def advance(self, seconds: float) -> None:
-        self._now += _finite(seconds, "seconds")
+        # Infinity is allowed: a keeper's tick() returns it for "never again", and a test may
+        # wait that out. NaN is not: it would make every later comparison false.
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            _finite(seconds, "seconds")  # raises: not a number
+        try:
+            step = float(seconds)
+        except OverflowError:  # an int beyond a float: as long as forever
+            step = math.inf
+        if math.isnan(step):
+            raise _nan("seconds")
+        self._now += step
 
     def set(self, t: float) -> None:
         self._now = _finite(t, "t")

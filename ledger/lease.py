@@ -46,11 +46,8 @@ class KeeperCore:
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None) -> None:
-        from ledger.api import Ledger, _lease
+        from ledger.api import _lease
 
-        if not isinstance(ledger, Ledger):
-            raise InvalidArgument("ledger must be a ledger.Ledger (AsyncLeaseKeeper takes an "
-                                  "AsyncLedger)", field="ledger")
         _lease(lease)
         ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         limit = ttl_s / 3
@@ -165,6 +162,11 @@ class LeaseKeeper(KeeperCore):
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None,
                  sleeper: Sleeper | None = None) -> None:
+        from ledger.api import Ledger
+
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (AsyncLeaseKeeper takes an "
+                                  "AsyncLedger)", field="ledger")
         super().__init__(ledger, lease, ttl_s=ttl_s, interval_s=interval_s, clock=clock)
         self._sleeper = sleeper
         self._stop = threading.Event()

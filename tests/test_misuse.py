@@ -46,7 +46,6 @@ from ledger import (
 from ledger.adapters import HttpAdapter, SyncAdapter, async_sender, sync_sender
 from ledger.audit import AsyncAudit, Audit
 from ledger.core.classify import classify
-from ledger.core.facts import Observation
 from ledger.lease import AsyncLeaseKeeper, LeaseKeeper
 from ledger.policy.load import preset
 from ledger.reconcile import reconcile
@@ -483,8 +482,6 @@ CASES: list[Case] = [
       lambda f: ManualClock(T0).advance("1m")),
     C("classify not an observation", "obs", "Observation",
       lambda f: classify({"status": 500}, preset("goclaw"))),
-    C("classify now NaN", "now", "finite",
-      lambda f: classify(Observation(status=500), preset("goclaw"), now=NAN)),
     C("reconcile not a ledger", "ledger", "Ledger", lambda f: reconcile(f.L if f.is_async
                                                                          else "led")),
 ]

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ledger.bounds import check_time
 from ledger.core.facts import (
     Category,
     FailureFact,
@@ -235,8 +234,6 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
     if not isinstance(policy, Policy):
         raise InvalidArgument("policy must be a ledger.Policy; pass e.g. preset('goclaw') or "
                               "the Run's ledger.run_policy(run_id)", field="policy")
-    if now is not None:
-        check_time(now, "now")
     cls = policy.classification
     phase = obs.effective_phase()
     body = _body_text(obs.body, cls.body_limit_bytes)
