@@ -169,7 +169,7 @@ class _Loop:
         lease: Lease,
         envelope: Envelope,
         *,
-        turn_id: str,
+        turn_id: str | None,
         pin: Pin | None,
         denials: Denials,
         reserve: Decimal | Callable[[Route], Decimal] | None,
@@ -178,13 +178,16 @@ class _Loop:
     ) -> None:
         self.lease = lease
         self.envelope = envelope
-        self.turn_id = turn_id
         self.pin = pin
         self.denials = denials
         self.reserve = reserve
         self.rng = rng
         self.counter = token_counter
-        self.envelope_hash = envelope.hash
+        # Every part hashed once per turn: the envelope's hash and each decision's coverage
+        # check use these (a long conversation's parts dominate a turn's CPU otherwise).
+        self.part_hashes = tuple(p.content_hash for p in envelope.parts)
+        self.envelope_hash = envelope.hash_with(self.part_hashes)
+        self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
         self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
 
     def _holds(self, route: Route) -> tuple[Decimal, int]:
@@ -216,6 +219,7 @@ class _Loop:
             grant=run.grant, groups=groups, health=snap.health, current=current,
             current_profile=current_profile, pin=self.pin, failure=failure,
             denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
+            part_hashes=self.part_hashes,
         ))
 
     def steps(self) -> Steps:
@@ -513,7 +517,7 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
         raise InvalidArgument("rng must be a random.Random; pass e.g. random.Random(7)",
                               field="rng")
     return _Loop(
-        lease, envelope, turn_id=turn_id or f"turn-{envelope.hash[7:19]}",
+        lease, envelope, turn_id=turn_id,
         pin=pin, denials=denials or NO_DENIALS, reserve=hold,
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
     )
