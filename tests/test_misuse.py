@@ -457,6 +457,7 @@ CASES: list[Case] = [
     C("recover limit zero", "limit", "at least 1", lambda f: f.recover(f.L, limit=0)),
     C("recover run ids a string", "run_ids", "list of ids",
       lambda f: f.recover(f.L, run_ids="r1")),
+    C("recover batch zero", "batch", "pass e.g.", lambda f: f.recover(f.L, batch=0)),
     C("recover release an int", "release", "True or False",
       lambda f: f.recover(f.L, release=1)),
     C("recover unknown keyword", "lease_ttl", "'lease_ttl_s'",
