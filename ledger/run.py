@@ -24,7 +24,7 @@ import asyncio
 import inspect
 import logging
 import random
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -175,6 +175,7 @@ class _Loop:
         reserve: Decimal | Callable[[Route], Decimal] | None,
         rng: random.Random,
         token_counter: TokenCounter,
+        part_hashes: Sequence[str] | None = None,
     ) -> None:
         self.lease = lease
         self.envelope = envelope
@@ -185,7 +186,8 @@ class _Loop:
         self.counter = token_counter
         # Every part hashed once per turn: the envelope's hash and each decision's coverage
         # check use these (a long conversation's parts dominate a turn's CPU otherwise).
-        self.part_hashes = tuple(p.content_hash for p in envelope.parts)
+        self.part_hashes = (tuple(p.content_hash for p in envelope.parts)
+                            if part_hashes is None else tuple(part_hashes))
         self.envelope_hash = envelope.hash_with(self.part_hashes)
         self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
         self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
@@ -482,7 +484,8 @@ def _describe(fact: FailureFact) -> str:
 def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
           send: Any, turn_id: str | None, pin: Pin | str | None, denials: Denials | None,
           reserve: Reserve | None, sleeper: Any, on_notice: Any, rng: random.Random | None,
-          token_counter: TokenCounter | None) -> _Loop:
+          token_counter: TokenCounter | None, part_hashes: Sequence[str] | None = None
+          ) -> _Loop:
     """The checked arguments of :func:`execute` / :func:`aexecute` (nothing is read or written
     before they pass)."""
     if not isinstance(ledger, ledger_type):
@@ -516,10 +519,19 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
     if rng is not None and not isinstance(rng, random.Random):
         raise InvalidArgument("rng must be a random.Random; pass e.g. random.Random(7)",
                               field="rng")
+    if part_hashes is not None and (
+        isinstance(part_hashes, str | bytes) or not isinstance(part_hashes, Sequence)
+        or len(part_hashes) != len(envelope.parts)
+        or not all(isinstance(h, str) for h in part_hashes)
+    ):
+        raise InvalidArgument("part_hashes must be one content hash per envelope part, in "
+                              "order (Part.content_hash); leave it None to have them computed",
+                              field="part_hashes")
     return _Loop(
         lease, envelope, turn_id=turn_id,
         pin=pin, denials=denials or NO_DENIALS, reserve=hold,
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
+        part_hashes=part_hashes,
     )
 
 
@@ -541,6 +553,7 @@ def execute(
     on_notice: NoticeFn | None = None,
     rng: random.Random | None = None,
     token_counter: TokenCounter | None = None,
+    part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (sync). Raises :class:`FailoverExhausted` on a stop.
 
@@ -549,10 +562,12 @@ def execute(
     are switch-offs in the current configuration; ``reserve`` overrides the cost hold (an
     amount, or a function of the route); ``sleeper`` waits backoffs (a ``ManualClock`` is
     used when the ledger's clock is one); ``on_notice`` hears ``reset`` notices; ``rng`` makes
-    jitter reproducible; ``token_counter`` estimates prompt tokens for the holds.
+    jitter reproducible; ``token_counter`` estimates prompt tokens for the holds;
+    ``part_hashes`` are the envelope's part hashes when the caller has them already (a Run
+    session keeps them across turns), else each part is hashed here.
     """
     gen = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
-                on_notice, rng, token_counter).steps()
+                on_notice, rng, token_counter, part_hashes).steps()
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
@@ -572,11 +587,12 @@ async def aexecute(
     on_notice: NoticeFn | None = None,
     rng: random.Random | None = None,
     token_counter: TokenCounter | None = None,
+    part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
     ``send`` and ``on_notice`` may be coroutine functions."""
     gen = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
-                sleeper, on_notice, rng, token_counter).steps()
+                sleeper, on_notice, rng, token_counter, part_hashes).steps()
     sleeper = sleeper or _sleeper_of(ledger.sync)
     await ledger.warm(lease.run_id)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)

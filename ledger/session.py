@@ -113,6 +113,7 @@ class _SessionCore:
         self._state = "new"  # new -> open -> ended
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
         self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
+        self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
 
     def _check_open(self) -> None:
         if self._state == "new":
@@ -127,7 +128,10 @@ class _SessionCore:
                                "ledger.run(...)", run_id=self.run_id)
 
     @staticmethod
-    def _check_turn(on_text: Any, on_event: Any, send: Any) -> None:
+    def _check_turn(on_text: Any, on_event: Any, send: Any, options: Mapping[str, Any]) -> None:
+        if "part_hashes" in options:
+            raise InvalidArgument("a session computes part_hashes itself; do not pass it to "
+                                  "turn()", field="part_hashes")
         for name, fn, what in (("on_text", on_text, "a function of the text (str)"),
                                ("on_event", on_event, "a function of a StreamEvent"),
                                ("send", send, "a function of a Dispatch returning a "
@@ -175,6 +179,26 @@ class _SessionCore:
             return on_event(event) if on_event is not None else None
 
         return watch
+
+    def _part_hashes(self, envelope: Envelope) -> tuple[str, ...]:
+        """The envelope's part hashes, each part hashed once for the whole conversation.
+
+        A conversation re-sends every earlier part on every turn; hashing them all again made a
+        turn's cost grow with the Run's length. A part is reused only when it is the very same
+        (frozen) object as before, and the memo keeps just the latest envelope's parts, so it
+        is as large as the conversation and never outlives it. A copy, even an identical one,
+        is hashed afresh: an edited copy can never inherit a recorded hash.
+        """
+        if not isinstance(envelope, Envelope):
+            return ()  # execute names the bad argument
+        old, new, out = self._hashes, {}, []
+        for p in envelope.parts:
+            hit = old.get(id(p))
+            digest = hit[1] if hit is not None and hit[0] is p else p.content_hash
+            new[id(p)] = (p, digest)
+            out.append(digest)
+        self._hashes = new
+        return tuple(out)
 
     def _remember(self, parts: Sequence[Part], attempt_id: str) -> None:
         for p in parts:
@@ -283,7 +307,7 @@ class RunSession(_SessionCore):
         from ledger.run import execute
 
         self._check_open()
-        self._check_turn(on_text, on_event, send)
+        self._check_turn(on_text, on_event, send, options)
         inner = send or sync_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
             limits=self.ledger.run_policy(self.run_id).streaming)
@@ -295,7 +319,8 @@ class RunSession(_SessionCore):
             finally:
                 self._sending = None
 
-        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id, **options)
+        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                         part_hashes=self._part_hashes(envelope) or None, **options)
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
@@ -400,7 +425,7 @@ class AsyncRunSession(_SessionCore):
         from ledger.run import aexecute
 
         self._check_open()
-        self._check_turn(on_text, on_event, send)
+        self._check_turn(on_text, on_event, send, options)
         await self.ledger.warm(self.run_id)
         inner = send or async_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
@@ -414,7 +439,7 @@ class AsyncRunSession(_SessionCore):
                 self._sending = None
 
         result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                                **options)
+                                part_hashes=self._part_hashes(envelope) or None, **options)
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 

@@ -198,8 +198,11 @@ def _has_foreign_attributes(part: Part) -> bool:
     skips validation and plants the attribute anyway, invisible to the hash. Such a part is not
     what the ledger recorded, so it is not covered, whatever its content.
     """
-    known = set(Part.model_fields) | {"content_hash"}  # the cached hash lives in __dict__ too
-    return bool(set(vars(part)) - known)
+    return not _PART_ATTRIBUTES.issuperset(vars(part))
+
+
+# Every attribute a Part instance may hold (the cached hash of older versions lived there too).
+_PART_ATTRIBUTES = frozenset(Part.model_fields) | {"content_hash"}
 
 
 def part_coverage(part: Part, recorded: Mapping[str, Set[str]], digest: str | None = None,
