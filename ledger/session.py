@@ -83,15 +83,18 @@ def _end_status(exc: BaseException | None) -> str:
     return "failed"
 
 
+@checked_calls
 class _SessionCore:
     """What both sessions share: admission arguments, the calls a turn proposed, the Part a
     tool result becomes, and the callbacks a turn's stream goes to."""
 
-    def __init__(self, run_id: str, admit: Mapping[str, Any], lease_ttl_s: float,
-                 lease_margin_s: float) -> None:
+    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
+                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
+                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
         # Checked here, before the block admits anything: a session refused on entering after
         # admission would leave a Run admitted and nobody holding it. The admission arguments
         # themselves are admit_run's, which checks them all before it writes.
+        lease_margin_s, adapter_kind = self._ledger_kind(ledger)
         check_id(run_id, "run_id")
         ttl = check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         if ttl <= lease_margin_s:
@@ -106,6 +109,13 @@ class _SessionCore:
                 f"{unknown[0]!r} is not an admission argument; "
                 + (f"did you mean {close[0]!r}? " if close else "")
                 + f"pass only {', '.join(ADMIT_ARGUMENTS)}", field=unknown[0])
+        _check_adapter(adapter, adapter_kind, secrets, owns_adapter)
+        self.ledger = ledger
+        self._adapter = adapter
+        self._secrets = secrets
+        # A session closes the adapter it made itself, never one it was given (or a child's).
+        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
+        self._keeper: Any = None
         self.run_id = run_id
         self.admit = dict(admit)
         self.lease_ttl_s = lease_ttl_s
@@ -114,6 +124,12 @@ class _SessionCore:
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
         self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
         self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
+
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        """The ledger's lease margin and the adapter class a session of this kind sends with
+        (refusing a ledger of the other kind)."""
+        raise NotImplementedError
 
     def _check_open(self) -> None:
         if self._state == "new":
@@ -236,18 +252,15 @@ class _SessionCore:
 class RunSession(_SessionCore):
     """A Run held in a ``with`` block (see the module docstring); from :meth:`Ledger.run`."""
 
-    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
-                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
-                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import SyncAdapter
+        from ledger.api import Ledger
 
-        super().__init__(run_id, admit, lease_ttl_s, ledger.store.lease_margin_s)
-        _check_adapter(adapter, SyncAdapter, secrets, owns_adapter)
-        self.ledger = ledger
-        self._adapter = adapter
-        self._secrets = secrets
-        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
-        self._keeper: Any = None
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
+                                  "come from AsyncLedger.run)", field="ledger")
+        return ledger.store.lease_margin_s, SyncAdapter
 
     # -- the block -------------------------------------------------------------------------
 
@@ -357,18 +370,15 @@ class RunSession(_SessionCore):
 class AsyncRunSession(_SessionCore):
     """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`."""
 
-    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
-                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
-                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import HttpAdapter
+        from ledger.api import AsyncLedger
 
-        super().__init__(run_id, admit, lease_ttl_s, ledger.sync.store.lease_margin_s)
-        _check_adapter(adapter, HttpAdapter, secrets, owns_adapter)
-        self.ledger = ledger
-        self._adapter = adapter
-        self._secrets = secrets
-        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
-        self._keeper: Any = None
+        if not isinstance(ledger, AsyncLedger):
+            raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
+                                  "come from Ledger.run)", field="ledger")
+        return ledger.sync.store.lease_margin_s, HttpAdapter
 
     async def __aenter__(self) -> AsyncRunSession:
         from ledger.lease import AsyncLeaseKeeper
