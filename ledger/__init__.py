@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ledger.errors import (
         AdmissionConflict,
         AllowanceExhausted,
+        ArgumentMismatch,
         BudgetExceeded,
         CapacityUnavailable,
         ConfigError,
@@ -110,6 +111,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "AdmissionConflict": "ledger.errors",
     "AllowanceExhausted": "ledger.errors",
+    "ArgumentMismatch": "ledger.errors",
     "AsyncLedger": "ledger.api",
     "AttemptKind": "ledger.records",
     "AttemptRecord": "ledger.records",
@@ -187,6 +189,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "AdmissionConflict",
     "AllowanceExhausted",
+    "ArgumentMismatch",
     "AsyncLedger",
     "AsyncRunSession",
     "AttemptKind",

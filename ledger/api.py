@@ -9,6 +9,7 @@ which applies them in the same transaction as the write.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import json
 import os
@@ -18,27 +19,34 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, 
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from ledger.bounds import (
     MAX_LEASE_TTL_S,
     check_amount,
+    check_bool,
+    check_choice,
     check_count,
     check_id,
+    check_ids,
+    check_optional_id,
+    check_optional_time,
     check_seconds,
-    check_time,
+    check_text,
     check_tokens,
+    id_problem,
 )
 from ledger.clock import Clock, SystemClock
 from ledger.core.admission import check_child_policy, child_grant, default_grant, validate_plan
-from ledger.core.facts import FailureFact, Observation, Phase
-from ledger.errors import InvalidArgument, NotFound
+from ledger.core.facts import Category, FailureFact, Observation, Phase
+from ledger.errors import ArgumentMismatch, InvalidArgument, NotFound
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
 from ledger.pricing import resolve_prices, same_route
 from ledger.records import (
     AttemptKind,
     AttemptRecord,
+    AttemptState,
     DebitRecord,
     EventRecord,
     Lease,
@@ -55,6 +63,7 @@ from ledger.storage.rows import new_id, run_live
 from ledger.storage.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
 from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 from ledger.turn_effects import TurnSnapshot
+from ledger.validation import checked_calls, validate_as
 
 if TYPE_CHECKING:
     from ledger.session import AsyncRunSession, RunSession
@@ -117,41 +126,87 @@ def _policy_hash(policy: Policy) -> str:
 
 
 def _model(cls: type[M], value: Any, field: str) -> M:
-    """``value`` as ``cls`` (a pydantic model), or InvalidArgument naming the field path."""
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls.model_validate(dict(value) if isinstance(value, Mapping) else value)
-    except ValidationError as e:
-        err = e.errors()[0]
-        path = ".".join([field, *(str(p) for p in err["loc"])])
-        raise InvalidArgument(f"invalid {path}: {err['msg']}", field=path) from None
+    """``value`` (an instance or a mapping of its fields) as ``cls``, or InvalidArgument naming
+    the field path under ``field`` (``budget.max_cost``, ``plan[0].group``)."""
+    return validate_as(cls, dict(value) if isinstance(value, Mapping) else value, field)
 
 
 M = TypeVar("M", bound=BaseModel)
 
 
+def _data(value: Any, field: str) -> dict[str, Any]:
+    """Audit data: a mapping with string keys (its values are stored as JSON, redacted)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidArgument(f"{field} must be a mapping with string keys (got "
+                              f"{type(value).__name__}); pass a dict such as {{'why': '...'}}",
+                              field=field)
+    return dict(value)
+
+
+def _kind(value: Any, field: str, maximum: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgument(f"{field} must be a non-empty string; pass a short name such as "
+                              "'note'", field=field)
+    return check_text(value, field, maximum=maximum)
+
+
 def _events(events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    if isinstance(events, str | bytes | Mapping) or not isinstance(events, Sequence):
+        raise InvalidArgument("events must be a list of (kind, data) pairs", field="events")
     out = []
     for i, item in enumerate(events):
         try:
             kind, data = item
         except (TypeError, ValueError):
-            raise InvalidArgument(f"events[{i}] must be a (kind, data) pair",
-                                  field=f"events[{i}]") from None
-        if not isinstance(kind, str) or not 0 < len(kind) <= MAX_EVENT_KIND:
-            raise InvalidArgument(f"events[{i}] kind must be 1 to {MAX_EVENT_KIND} characters",
-                                  field=f"events[{i}]")
-        out.append((kind, dict(data)))
+            raise InvalidArgument(f"events[{i}] must be a (kind, data) pair; pass "
+                                  "('note', {...})", field=f"events[{i}]") from None
+        out.append((_kind(kind, f"events[{i}]", MAX_EVENT_KIND), _data(data, f"events[{i}]")))
     return out
 
 
 def _hash_arg(value: Any, field: str, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_HASH:
+    if (not isinstance(value, str) or not 0 < len(value) <= MAX_HASH
+            or not value.isprintable()):
         raise InvalidArgument(f"{field} must be a content hash string of at most {MAX_HASH} "
-                              "characters (e.g. Envelope.hash)", field=field)
+                              "printable characters; pass e.g. Envelope.hash", field=field)
+    return value
+
+
+ATTEMPT_FILTERS = ("route", "group", "state", "category", "since", "until", "limit", "cursor")
+MAX_CURSOR = 300
+
+
+def attempt_filters(filters: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked filters of an attempt listing (see :meth:`Ledger.attempts`)."""
+    unknown = sorted(set(filters) - set(ATTEMPT_FILTERS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], ATTEMPT_FILTERS, n=1)
+        raise ArgumentMismatch(
+            f"{unknown[0]!r} is not an attempt filter; "
+            + (f"did you mean {close[0]!r}? " if close else "")
+            + f"pass only {', '.join(ATTEMPT_FILTERS)}", field=unknown[0])
+    out = dict(filters)
+    for name in ("route", "group"):
+        out[name] = check_optional_id(out.get(name), name)
+    if out.get("state") is not None:
+        out["state"] = check_choice(out["state"], AttemptState, "state").value
+    if out.get("category") is not None:
+        out["category"] = check_choice(out["category"], Category, "category").value
+    for name in ("since", "until"):
+        out[name] = check_optional_time(out.get(name), name)
+    if "limit" in out:
+        out["limit"] = _limit(out["limit"])
+    if out.get("cursor") is not None:
+        out["cursor"] = check_text(out["cursor"], "cursor", maximum=MAX_CURSOR)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _limit(value: Any, field: str = "limit") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000:
+        raise InvalidArgument(f"{field} must be an integer from 1 to 10000 (got {value!r}); "
+                              "pass e.g. 100 and page on with next_cursor", field=field)
     return value
 
 
@@ -205,6 +260,7 @@ def _native(fn: Callable[Concatenate[Ledger, P], _Call[R]]
     return method
 
 
+@checked_calls
 class Ledger:
     """A ledger over one database. Open with :meth:`open`."""
 
@@ -231,6 +287,8 @@ class Ledger:
         clock skew between hosts the ledger tolerates (``docs/operations.md``).
         """
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
+        check_bool(migrate_schema, "migrate_schema")
+        _check_opening(url, clock, executor_id)
         norm = engine_mod.normalize_url(url)
         eng = engine_mod.create(norm)
         if migrate_schema:
@@ -284,32 +342,37 @@ class Ledger:
         check_id(run_id, "run_id")
         check_id(role, "role")
         if len(role) > 64:
-            raise InvalidArgument("role is at most 64 characters", field="role")
-        if tenant is not None:
-            check_id(tenant, "tenant")
-        if deadline is not None:
-            deadline = check_time(deadline, "deadline")
-        if parent is not None and not isinstance(parent, Lease):
-            raise InvalidArgument("parent must be the parent Run's Lease", field="parent")
+            raise InvalidArgument("role is at most 64 characters; pass a shorter role name",
+                                  field="role")
+        check_optional_id(tenant, "tenant")
+        deadline = check_optional_time(deadline, "deadline")
+        check_optional_id(selected_route, "selected_route")
+        if parent is not None:
+            parent = _lease(parent, "parent")
         budget = _model(Budget, budget, "budget")
         if grant is not None:
             grant = _model(Grant, grant, "grant")
-        if isinstance(plan, str | bytes) or not isinstance(plan, Sequence):
-            raise InvalidArgument("plan must be a list of ledger.Route", field="plan")
-        plan = list(plan)
+        if isinstance(plan, str | bytes | Mapping) or not isinstance(plan, Sequence):
+            raise InvalidArgument("plan must be a list of ledger.Route (or of mappings of "
+                                  "their fields)", field="plan")
+        plan = [_model(Route, r, f"plan[{i}]") for i, r in enumerate(plan)]
         validate_plan(plan)
         # Unpriced routes get the price table's price, frozen with the plan (ledger.pricing);
         # a child's take its parent's frozen price.
         plan = resolve_prices(plan, budget, at=self.now(),
                               inherited=self.frozen_run(parent.run_id).plan if parent else ())
+        if labels is not None and not isinstance(labels, Mapping):
+            raise InvalidArgument("labels must be a mapping of strings to strings; pass e.g. "
+                                  "{'team': 'search'}", field="labels")
         label_map = dict(labels or {})
         for k, v in label_map.items():
-            if not isinstance(k, str) or not isinstance(v, str) or len(k) > 200 or len(v) > 200:
-                raise InvalidArgument("labels map strings to strings (each at most 200 chars)",
-                                      field="labels")
+            # Printable: audit totals group by a label through the database's JSON functions.
+            check_id(k, "labels")
+            check_text(v, f"labels[{k!r}]")
         selected = selected_route or plan[0].id
         if selected not in {r.id for r in plan}:
-            raise InvalidArgument(f"selected_route {selected!r} is not in the plan",
+            raise InvalidArgument(f"selected_route {selected!r} is not in the plan; pass "
+                                  "the id of one of the plan's routes (or None for the first)",
                                   field="selected_route")
         if parent is not None:
             prec = self.frozen_run(parent.run_id)
@@ -396,17 +459,18 @@ class Ledger:
 
     def get_run(self, run_id: str) -> RunRecord:
         """The Run as it stands now (frozen parts and live counters)."""
-        return self.store.get_run(run_id)
+        return self.store.get_run(check_id(run_id, "run_id"))
 
     def children(self, run_id: str) -> list[RunRecord]:
-        return self.store.children(run_id)
+        """The Child Runs admitted under ``run_id``."""
+        return self.store.children(check_id(run_id, "run_id"))
 
     def frozen_run(self, run_id: str) -> RunRecord:
         """The run as admitted. Only its frozen parts (plan, grant, budget, policy, role,
         parent, deadline) are meaningful: it is cached, so its counters are as first read."""
         rec = self._frozen.get(run_id)
         if rec is None:
-            rec = self.store.get_run(run_id)
+            rec = self.store.get_run(check_id(run_id, "run_id"))
             self._frozen.put(run_id, rec)
         return rec
 
@@ -420,11 +484,9 @@ class Ledger:
 
     def _finish_run(self, lease: Lease, status: RunStatus | str) -> _Call[None]:
         """Record the Run's end (``succeeded``, ``failed``, ``stopped`` or ``cancelled``)."""
-        ends = ("succeeded", "failed", "stopped", "cancelled")
-        if not isinstance(status, str) or status not in ends:
-            raise InvalidArgument(f"status {status!r} is not how a Run ends; use one of {ends}",
-                                  field="status")
-        st, lease, clock = RunStatus(status), _lease(lease), self.clock.now
+        ends = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
+        st = check_choice(status, RunStatus, "status", ends)
+        lease, clock = _lease(lease), self.clock.now
         return _Call(lambda: self.store.finish_run(lease, st, clock),
                      lambda: self.store.afinish_run(lease, st, clock))
 
@@ -441,7 +503,7 @@ class Ledger:
             raise InvalidArgument(
                 f"ttl_s={ttl:g} is not above the lease margin ({self.store.lease_margin_s:g}s): "
                 "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
-        executor = executor_id or self.executor_id
+        executor = self.executor_id if executor_id is None else executor_id
         check_id(executor, "executor_id")
         clock = self.clock.now
         return _Call(lambda: self.store.acquire_lease(run_id, executor, ttl, clock),
@@ -467,6 +529,8 @@ class Ledger:
         ``data`` (e.g. the route and cause) is recorded with the permission as an audit event.
         """
         lease, clock = _lease(lease), self.clock.now
+        if data is not None:
+            data = _data(data, "data")
         return _Call(lambda: self.store.reserve_retry(lease, clock, data),
                      lambda: self.store.areserve_retry(lease, clock, data))
 
@@ -496,7 +560,10 @@ class Ledger:
         """
         lease = _lease(lease)
         run = self.frozen_run(lease.run_id)
-        route_id = route if isinstance(route, str) else route.id
+        if not isinstance(route, str | Route):
+            raise InvalidArgument("route must be a route id or a ledger.Route of the Run's plan",
+                                  field="route")
+        route_id = check_id(route, "route") if isinstance(route, str) else route.id
         try:
             snap = run.route(route_id)
         except KeyError:
@@ -510,23 +577,20 @@ class Ledger:
                 f"route {route_id!r} differs from the snapshot frozen at admission; historical "
                 "and new attempts use the frozen route", field="route",
             )
-        if profile_id is not None and snap.profiles and profile_id not in {
-            p.id for p in snap.profiles
-        }:
-            raise InvalidArgument(f"profile {profile_id!r} is not a profile of route {route_id!r}",
-                                  field="profile_id")
+        check_optional_id(profile_id, "profile_id")
+        if profile_id is not None and profile_id not in {p.id for p in snap.profiles}:
+            known = ", ".join(repr(p.id) for p in snap.profiles)
+            raise InvalidArgument(
+                f"profile_id {profile_id!r} is not a credential profile of route {route_id!r}; "
+                + (f"pass one of {known}" if known else "the route has none: pass None"),
+                field="profile_id")
         _hash_arg(envelope_hash, "envelope_hash")
         check_id(turn_id, "turn_id")
         reserve_micros = to_micros(check_amount(reserve, "reserve"))
         reserve_tokens = check_tokens(reserve_tokens, "reserve_tokens")
-        try:
-            kind = AttemptKind(kind)
-        except ValueError:
-            raise InvalidArgument(f"kind {kind!r} is not one of "
-                                  f"{[k.value for k in AttemptKind]}", field="kind") from None
-        attempt_id = check_id(attempt_id, "attempt_id") if attempt_id else new_id("att")
-        if not isinstance(take_retry, bool):
-            raise InvalidArgument("take_retry must be True or False", field="take_retry")
+        kind = check_choice(kind, AttemptKind, "kind")
+        attempt_id = new_id("att") if attempt_id is None else check_id(attempt_id, "attempt_id")
+        check_bool(take_retry, "take_retry")
         # The fence is not part of the hash: the same begin retried under a lease acquired
         # again (after a lost acknowledgement) is the same write.
         begin_hash = content_hash({
@@ -580,17 +644,16 @@ class Ledger:
         from ledger.effects import group_update, health_updates
 
         lease = _lease(lease)
-        try:
-            outcome = Outcome(outcome)
-        except ValueError:
-            raise InvalidArgument(f"outcome {outcome!r} is not one of "
-                                  f"{[o.value for o in Outcome]}", field="outcome") from None
+        outcome = check_choice(outcome, Outcome, "outcome")
         check_id(attempt_id, "attempt_id")
-        if fact is not None and not isinstance(fact, FailureFact):
-            raise InvalidArgument("fact must be a ledger.FailureFact", field="fact")
-        if observation is not None and not isinstance(observation, Observation):
-            raise InvalidArgument("observation must be a ledger.Observation",
-                                  field="observation")
+        if fact is not None:
+            fact = _model(FailureFact, fact, "fact")
+        if observation is not None:
+            observation = _model(Observation, observation, "observation")
+        for name, flag in (("effective_output", effective_output),
+                           ("tool_started", tool_started)):
+            if flag is not None:
+                check_bool(flag, name)
         pol = self.run_policy(lease.run_id)
         now = self.now()
         if outcome is Outcome.FAILED and fact is None:
@@ -611,12 +674,16 @@ class Ledger:
         prompt_tokens = _optional_tokens(prompt_tokens, "prompt_tokens")
         completion_tokens = _optional_tokens(completion_tokens, "completion_tokens")
         cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
-        if model_reported is not None and (not isinstance(model_reported, str)
-                                           or len(model_reported) > 200):
-            raise InvalidArgument("model_reported is a string of at most 200 characters",
-                                  field="model_reported")
+        if model_reported is not None:
+            check_text(model_reported, "model_reported")
         _hash_arg(output_hash, "output_hash", optional=True)
-        hashes = tuple(str(_hash_arg(h, "provenance_hashes")) for h in provenance_hashes)
+        if (isinstance(provenance_hashes, str | bytes | Mapping)
+                or not isinstance(provenance_hashes, Sequence)):
+            raise InvalidArgument("provenance_hashes must be a list of content hashes; pass "
+                                  "e.g. [part.content_hash for part in parts]",
+                                  field="provenance_hashes")
+        hashes = tuple(str(_hash_arg(h, f"provenance_hashes[{i}]"))
+                       for i, h in enumerate(provenance_hashes))
         known = self._in_flight.get(attempt_id)
         att = known if known is not None else self.store.get_attempt(attempt_id)
         if att.run_id != lease.run_id:
@@ -656,7 +723,10 @@ class Ledger:
 
     def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> _Call[AttemptRecord]:
         """Settle a dispatched Attempt as unknown (no receipt): its hold stays."""
-        lease, clock, why = _lease(lease), self.clock.now, str(reason)[:200]
+        if not isinstance(reason, str):
+            raise InvalidArgument("reason must be a string; pass why no receipt came",
+                                  field="reason")
+        lease, clock, why = _lease(lease), self.clock.now, reason[:200]
         check_id(attempt_id, "attempt_id")
         return _Call(lambda: self.store.mark_unknown(lease, attempt_id, clock, why),
                      lambda: self.store.amark_unknown(lease, attempt_id, clock, why))
@@ -667,6 +737,7 @@ class Ledger:
         and the provenance of ``refs`` recorded by the Run or its ancestors."""
         frozen = self.frozen_run(run_id)
         policy = self.run_policy(run_id)
+        refs = check_ids(refs, "refs")
         chain = [run_id]
         anc = frozen
         while anc.parent_run_id is not None:
@@ -701,25 +772,25 @@ class Ledger:
                         reason: str = "operator") -> None:
         """Set a group's mode by hand (an operator's cooldown or outage notice)."""
         check_id(group, "group")
-        try:
-            mode = GroupMode(mode)
-        except ValueError:
-            raise InvalidArgument(f"mode {mode!r} is not one of {[m.value for m in GroupMode]}",
-                                  field="mode") from None
-        if until is not None:
-            until = check_time(until, "until")
-        self.store.set_group_mode(group, GroupUpdate(mode, until, str(reason)[:200]),
-                                  self.now())
+        mode = check_choice(mode, GroupMode, "mode")
+        until = check_optional_time(until, "until")
+        why = check_text(reason, "reason")
+        self.store.set_group_mode(group, GroupUpdate(mode, until, why), self.now())
 
     def group_projections(self, groups: Sequence[str] | None = None
                           ) -> dict[str, GroupProjection]:
-        return self.store.group_projections(groups, self.now())
+        """Admission's view of the named capacity groups (``None``: every known group)."""
+        wanted = None if groups is None else check_ids(groups, "groups")
+        return self.store.group_projections(wanted, self.now())
 
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
-        return self.store.health(keys)
+        """Health of the named route and profile ids (``None``: every key)."""
+        return self.store.health(None if keys is None else check_ids(keys, "keys"))
 
     def _claim_probe(self, route: Route, interval_s: float) -> _Call[bool]:
         """Take the cluster-wide probe slot of ``route``: True for one caller per interval."""
+        if not isinstance(route, Route):
+            raise InvalidArgument("route must be a ledger.Route", field="route")
         interval = check_seconds(interval_s, "interval_s")
         now = self.now()
         return _Call(lambda: self.store.claim_probe(route.id, route.provider, now, interval),
@@ -730,8 +801,7 @@ class Ledger:
         """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``."""
         check_id(ref, "ref")
         _hash_arg(content_hash, "content_hash")
-        if not isinstance(kind, str) or not 0 < len(kind) <= 16:
-            raise InvalidArgument("kind is 1 to 16 characters (e.g. tool_result)", field="kind")
+        _kind(kind, "kind", 16)
         lease, clock = _lease(lease), self.clock.now
         return _Call(
             lambda: self.store.record_provenance(lease, ref, content_hash, kind, clock),
@@ -739,7 +809,7 @@ class Ledger:
 
     def provenance(self, run_id: str) -> dict[str, set[str]]:
         """Recorded outputs of this run and its ancestors: ref -> content hashes."""
-        ids = [run_id]
+        ids = [check_id(run_id, "run_id")]
         run = self.frozen_run(run_id)
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
@@ -749,7 +819,8 @@ class Ledger:
     def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
                       attempt_id: str | None = None) -> _Call[None]:
         """Append an audit event to the Run (needs a live lease)."""
-        [(name, payload)] = _events([(kind, data)])
+        name, payload = _kind(kind, "kind", MAX_EVENT_KIND), _data(data, "data")
+        check_optional_id(attempt_id, "attempt_id")
         lease, clock = _lease(lease), self.clock.now
         return _Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),
                      lambda: self.store.aappend_event(lease, attempt_id, name, payload, clock))
@@ -768,29 +839,63 @@ class Ledger:
     append_event = _sync(_append_event)
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
+        """The Run's audit events in order, optionally only those of the given kinds."""
+        check_id(run_id, "run_id")
+        if kinds is not None:
+            if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence | set | frozenset):
+                raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
+                                      field="kinds")
+            kinds = [_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
         return self.store.events(run_id, kinds)
 
     # -- reads ----------------------------------------------------------------------------
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
-        return self.store.get_attempt(attempt_id)
+        """One Attempt, under its original route."""
+        return self.store.get_attempt(check_id(attempt_id, "attempt_id"))
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         """The run's Attempts in order, each under its original route."""
-        return self.store.timeline(run_id)
+        return self.store.timeline(check_id(run_id, "run_id"))
 
     def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
-        """Attempts newest first; filters: route, group, state, category, since, until, limit,
-        cursor."""
-        return self.store.attempts(**filters)
+        """Attempts newest first. Filters: ``route``, ``group`` (ids), ``state`` (an
+        :class:`AttemptState`), ``category`` (a :class:`Category`), ``since``/``until`` (epoch
+        seconds), ``limit`` (1 to 10 000, default 100), ``cursor`` (a page's ``next_cursor``)."""
+        return self.store.attempts(**attempt_filters(filters))
 
     def debit(self, debit_id: str) -> DebitRecord:
-        return self.store.debit(debit_id)
+        """One debit (an Attempt's budget hold)."""
+        return self.store.debit(check_id(debit_id, "debit_id"))
 
 
-def _lease(lease: Any) -> Lease:
+MAX_FENCE = 2**62
+
+
+def _check_opening(url: Any, clock: Any, executor_id: Any) -> None:
+    if not isinstance(url, str):
+        raise InvalidArgument("url must be a SQLite file path or a database URL string; pass "
+                              "e.g. 'ledger.db' or 'postgresql://host/db'", field="url")
+    if clock is not None and not callable(getattr(clock, "now", None)):
+        raise InvalidArgument("clock must have a now() method returning epoch seconds; pass "
+                              "ledger.SystemClock() or ledger.ManualClock(t)", field="clock")
+    check_optional_id(executor_id, "executor_id")
+
+
+def _lease(lease: Any, field: str = "lease") -> Lease:
+    """A Lease as :meth:`Ledger.acquire_lease` returns it; a hand-built one must still fit the
+    columns it is compared with (so both backends refuse the same leases)."""
     if not isinstance(lease, Lease):
-        raise InvalidArgument("lease must be a ledger.Lease (from acquire_lease)", field="lease")
+        raise InvalidArgument(f"{field} must be a ledger.Lease; pass what acquire_lease "
+                              "returned", field=field)
+    if (id_problem(lease.run_id) or id_problem(lease.executor)
+            or isinstance(lease.fence, bool) or not isinstance(lease.fence, int)
+            or not 0 <= lease.fence <= MAX_FENCE
+            or isinstance(lease.expires_at, bool)
+            or not isinstance(lease.expires_at, int | float)):
+        raise InvalidArgument(f"{field} is not a lease the ledger granted (run id, executor, "
+                              "fence or expiry out of range); pass what acquire_lease returned",
+                              field=field)
     return lease
 
 
@@ -806,6 +911,7 @@ def _in_thread(
     method.__name__ = fn.__name__
     method.__qualname__ = f"AsyncLedger.{fn.__name__}"
     method.__doc__ = fn.__doc__
+    method.__wrapped__ = fn  # type: ignore[attr-defined]  # its signature, for misuse checks
     return method
 
 
@@ -828,6 +934,7 @@ class _Opening:
             await self._led.close()
 
 
+@checked_calls
 class AsyncLedger:
     """The async twin of :class:`Ledger`: the same methods, awaited; one implementation."""
 

@@ -21,12 +21,22 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any
 
-from ledger.api import Ledger
+from ledger.api import MAX_CURSOR, Ledger, _limit, attempt_filters
+from ledger.bounds import (
+    check_choice,
+    check_count,
+    check_id,
+    check_optional_id,
+    check_optional_time,
+    check_text,
+    check_time,
+)
 from ledger.core.facts import FailureFact
 from ledger.errors import InvalidArgument, NotFound
-from ledger.records import AttemptRecord, Page, from_micros
+from ledger.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.storage import audit as q
 from ledger.storage import series as qs
+from ledger.validation import checked_calls
 
 OPEN_STATES = ("unknown", "dispatching")
 
@@ -398,13 +408,43 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+# -- argument checks (the same for every query; nothing reaches SQL unchecked) ------------------
+
+
+def _window(since: Any, until: Any) -> tuple[float | None, float | None]:
+    start = check_optional_time(since, "since")
+    end = check_optional_time(until, "until")
+    if start is not None and end is not None and end < start:
+        raise InvalidArgument("until is before since; pass since <= until", field="until")
+    return start, end
+
+
+def _span(since: Any, until: Any, buckets: Any, most: int = 1000) -> tuple[float, float, int]:
+    start, end = check_time(since, "since"), check_time(until, "until")
+    if end <= start:
+        raise InvalidArgument("until must be after since; pass since < until", field="until")
+    n = check_count(buckets, "buckets", maximum=most)
+    if n < 1:
+        raise InvalidArgument(f"buckets must be 1 to {most}; pass e.g. 24", field="buckets")
+    return start, end, n
+
+
+def _page(limit: Any, cursor: Any) -> tuple[int, str | None]:
+    return _limit(limit), (None if cursor is None
+                           else check_text(cursor, "cursor", maximum=MAX_CURSOR))
+
+
 # -- the API --------------------------------------------------------------------------------
 
 
+@checked_calls
 class Audit:
     """Read-only audit queries over one ledger."""
 
     def __init__(self, ledger: Ledger) -> None:
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
+                                  field="ledger")
         self.ledger = ledger
         self.store = ledger.store
 
@@ -414,14 +454,20 @@ class Audit:
     def runs(self, *, status: str | None = None, tenant: str | None = None,
              since: float | None = None, until: float | None = None, limit: int = 50,
              cursor: str | None = None) -> Page[RunSummary]:
-        """Runs newest first, optionally by status, tenant and admission time."""
+        """Runs newest first, optionally by status (a :class:`RunStatus`), tenant (an id) and
+        admission time in [since, until) (epoch seconds); ``limit`` 1 to 10 000."""
+        if status is not None:
+            status = check_choice(status, RunStatus, "status").value
+        check_optional_id(tenant, "tenant")
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
         rows, nxt = q.runs_page(self.store, status=status, tenant=tenant, since=since,
                                 until=until, limit=limit, cursor=cursor)
         return Page([_run(r) for r in rows], nxt)
 
     def timeline(self, run_id: str) -> RunTimeline:
         """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons."""
-        run_row, att_rows, ev_rows = q.timeline(self.store, run_id)
+        run_row, att_rows, ev_rows = q.timeline(self.store, check_id(run_id, "run_id"))
         if run_row is None:
             raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
@@ -469,6 +515,8 @@ class Audit:
     def failovers(self, *, since: float | None = None, until: float | None = None,
                   limit: int = 50, cursor: str | None = None) -> Page[Failover]:
         """Runs admitted in [since, until) that failed over, newest first, with their causes."""
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
         runs, atts, moves, nxt = q.failover_page(self.store, since=since, until=until,
                                                  limit=limit, cursor=cursor)
         atts_by: dict[str, list[Mapping[str, Any]]] = {}
@@ -506,15 +554,25 @@ class Audit:
                  state: str | None = None, category: str | None = None,
                  since: float | None = None, until: float | None = None, limit: int = 100,
                  cursor: str | None = None) -> Page[AttemptRecord]:
-        """Attempts newest first by route, group, outcome (state), category and time range."""
-        return self.store.attempts(route=route, group=group, state=state, category=category,
-                                   since=since, until=until, limit=limit, cursor=cursor)
+        """Attempts newest first by route, group, outcome (state), category and time range
+        (the filters of :meth:`ledger.Ledger.attempts`)."""
+        _window(since, until)
+        return self.store.attempts(**attempt_filters(dict(
+            route=route, group=group, state=state, category=category, since=since, until=until,
+            limit=limit, cursor=cursor)))
 
     def costs(self, *, by: str = "route", since: float | None = None,
               until: float | None = None, label: str | None = None, limit: int = 100,
               cursor: str | None = None) -> Page[Totals]:
         """Cost and token totals of attempts made in [since, until), grouped by route, group,
         provider, run, tenant or one label (``by="label", label="team"``); costliest first."""
+        if not isinstance(by, str) or by not in q.TOTALS_KEYS:
+            raise InvalidArgument(f"cannot total by {by!r}; pass by= one of "
+                                  f"{', '.join(q.TOTALS_KEYS)}", field="by")
+        if label is not None:
+            check_id(label, "label")
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
         rows, nxt = q.totals(self.store, by=by, since=since, until=until, label=label,
                              limit=limit, cursor=cursor)
         return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
@@ -528,10 +586,17 @@ class Audit:
                       until: float | None = None, limit: int = 100,
                       cursor: str | None = None) -> Page[OpenAttempt]:
         """Unknown and unsettled (dispatching) attempts, newest first."""
-        bad = sorted(set(states) - set(OPEN_STATES))
-        if bad or not states:
-            raise InvalidArgument(f"states must be among {list(OPEN_STATES)}, not {bad}",
+        if isinstance(states, str | bytes) or not isinstance(states, Sequence | set | frozenset):
+            raise InvalidArgument(f"states must be a list among {list(OPEN_STATES)}; pass e.g. "
+                                  "['unknown']", field="states")
+        opened = [AttemptState(v) for v in OPEN_STATES]
+        states = [check_choice(v, AttemptState, f"states[{i}]", opened).value
+                  for i, v in enumerate(states)]
+        if not states:
+            raise InvalidArgument(f"states is empty; pass some of {list(OPEN_STATES)}",
                                   field="states")
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
         rows, nxt = q.open_attempts(self.store, states=list(states), since=since, until=until,
                                     limit=limit, cursor=cursor)
         now = self.now()
@@ -545,7 +610,7 @@ class Audit:
 
     def health(self, now: float | None = None) -> HealthReport:
         """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes."""
-        t = self.now() if now is None else now
+        t = self.now() if now is None else check_time(now, "now")
         hrows, grows = q.health(self.store, t)
         keys = [_key_health(h, t) for h in hrows]
         return HealthReport(now=t, routes=[k for k in keys if k.kind == "route"],
@@ -553,9 +618,9 @@ class Audit:
                             groups=[_group_health(g, t) for g in grows])
 
     def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
-        """Attempts, failures and unknowns in ``buckets`` equal slices of [since, until)."""
-        if until <= since or buckets < 1 or buckets > 1000:
-            raise InvalidArgument("need since < until and 1..1000 buckets", field="buckets")
+        """Attempts, failures and unknowns in ``buckets`` (1 to 1000) equal slices of
+        [since, until)."""
+        since, until, buckets = _span(since, until, buckets)
         width = (until - since) / buckets
         rows = {int(r["bucket"]): r for r in q.activity(self.store, since=since, until=until,
                                                          bucket_s=width)}
@@ -573,9 +638,10 @@ class Audit:
                      routes: int = 8) -> list[RouteSeries]:
         """Success rate and latency per route in ``buckets`` equal slices of [since, until), for
         the ``routes`` busiest routes of the range (busiest first)."""
-        if until <= since or buckets < 1 or buckets > 1000 or routes < 1:
-            raise InvalidArgument("need since < until, 1..1000 buckets and routes >= 1",
-                                  field="buckets")
+        since, until, buckets = _span(since, until, buckets)
+        routes = check_count(routes, "routes", maximum=1000)
+        if routes < 1:
+            raise InvalidArgument("routes must be 1 to 1000; pass e.g. 8", field="routes")
         width = (until - since) / buckets
         by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
         for row in qs.route_series(self.store, since=since, until=until, bucket_s=width):
@@ -603,9 +669,10 @@ class Audit:
     def costs_by_day(self, *, days: int = 7, now: float | None = None) -> list[DayCost]:
         """Cost per UTC day and tenant for the last ``days`` days (today included), oldest
         first, no tenant before the named ones; days and tenants without attempts are absent."""
-        if days < 1 or days > 366:
-            raise InvalidArgument("days must be between 1 and 366", field="days")
-        t = self.now() if now is None else now
+        if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 366:
+            raise InvalidArgument(f"days must be an integer from 1 to 366 (got {days!r}); pass "
+                                  "e.g. 7", field="days")
+        t = self.now() if now is None else check_time(now, "now")
         today = t - t % 86400.0
         since = today - (days - 1) * 86400.0
         out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
@@ -617,7 +684,7 @@ class Audit:
     def metrics(self, now: float | None = None) -> MetricsSnapshot:
         """Totals for ``/metrics``: attempts by route and outcome, failovers, cooldowns active
         now, and the budget used (posted and held cost) per tenant."""
-        t = self.now() if now is None else now
+        t = self.now() if now is None else check_time(now, "now")
         m = qs.metrics_totals(self.store, t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
         for r in m["cooling"]:
@@ -634,10 +701,13 @@ class Audit:
         )
 
 
+@checked_calls
 class AsyncAudit:
     """The async twin of :class:`Audit`: the same methods, awaited in a worker thread."""
 
     def __init__(self, audit: Audit) -> None:
+        if not isinstance(audit, Audit):
+            raise InvalidArgument("audit must be a ledger.audit.Audit", field="audit")
         self.sync = audit
 
     async def runs(self, **kw: Any) -> Page[RunSummary]:

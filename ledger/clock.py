@@ -8,6 +8,7 @@ instead of waiting, so no test sleeps to make time pass.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Protocol
 
@@ -45,6 +46,29 @@ class SystemSleeper:
             await asyncio.sleep(seconds)
 
 
+def _finite(value: object, field: str) -> float:
+    # A NaN or infinite time would poison every deadline and lease computed from it.
+    from ledger.errors import InvalidArgument
+
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{field} must be a number of seconds (got {value!r}); pass a "
+                              "float such as 1_700_000_000.0", field=field)
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise InvalidArgument(f"{field} must be finite (got {value!r}); pass a finite number "
+                              "of seconds", field=field)
+    return v
+
+
+def _nan(field: str) -> Exception:
+    from ledger.errors import InvalidArgument
+
+    return InvalidArgument(f"{field} is NaN; pass a number of seconds", field=field)
+
+
 class ManualClock:
     """A clock that moves only when told to; also a :class:`Sleeper` that advances it.
 
@@ -52,17 +76,27 @@ class ManualClock:
     """
 
     def __init__(self, start: float = 1_700_000_000.0) -> None:
-        self._now = float(start)
+        self._now = _finite(start, "start")
         self.slept: list[float] = []
 
     def now(self) -> float:
         return self._now
 
     def advance(self, seconds: float) -> None:
-        self._now += float(seconds)
+        # Infinity is allowed: a keeper's tick() returns it for "never again", and a test may
+        # wait that out. NaN is not: it would make every later comparison false.
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            _finite(seconds, "seconds")  # raises: not a number
+        try:
+            step = float(seconds)
+        except OverflowError:  # an int beyond a float: as long as forever
+            step = math.inf
+        if math.isnan(step):
+            raise _nan("seconds")
+        self._now += step
 
     def set(self, t: float) -> None:
-        self._now = float(t)
+        self._now = _finite(t, "t")
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)

@@ -6,6 +6,9 @@ The tree::
     ├── ConfigError                     bad input from a file or an argument
     │   ├── PolicyError                 a policy file that does not validate (file, field path, fix)
     │   └── InvalidArgument             API misuse: a negative budget, a missing field, ...
+    │       │                           (names the field; also a ValueError)
+    │       └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
+    │                                   missing or extra argument (also a TypeError)
     ├── StorageError                    the database could not do what was asked
     │   ├── DatabaseUnavailable         the URL cannot be opened / the server went away (retry-safe)
     │   └── SchemaTooNew                the database was migrated by a newer ledger
@@ -90,12 +93,29 @@ class PolicyError(ConfigError):
         self.errors = list(errors)
 
 
-class InvalidArgument(ConfigError):
-    """API misuse: a value that can never be valid, with the field and the fix."""
+class InvalidArgument(ConfigError, ValueError):
+    """API misuse: a value that can never be valid, with the field and the fix.
 
-    def __init__(self, message: str, *, field: str | None = None, **fields: Any) -> None:
-        super().__init__(message, field=field, **fields)
+    ``field`` is the argument or the dotted field path (``plan[0].group``,
+    ``budget.max_cost``); the message says what to pass instead; ``errors`` lists every problem
+    found as ``(field_path, problem, fix)`` when a model reported several. Nothing was written.
+    It is also a ``ValueError``, as pydantic's validation error (which it replaces) was, so code
+    that caught that keeps working.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None,
+                 errors: Sequence[tuple[str, str, str]] = (), **fields: Any) -> None:
+        found = list(errors) or ([(field, message, "")] if field is not None else [])
+        super().__init__(message, field=field, errors=found, **fields)
         self.field = field
+        self.errors = found
+
+
+class ArgumentMismatch(InvalidArgument, TypeError):
+    """A call of a public function that does not fit its signature: an unknown keyword (a
+    typo), a missing required argument, too many positional ones. ``field`` names the argument;
+    the message lists a close match. It is also a ``TypeError``, as Python's own error for such
+    a call is. Nothing ran: the function's body was not entered."""
 
 
 class StorageError(LedgerError):
@@ -266,6 +286,7 @@ def _rebuild_failover(message: str, excs: list[Exception], kwargs: dict[str, Any
 __all__ = [
     "AdmissionConflict",
     "AllowanceExhausted",
+    "ArgumentMismatch",
     "BudgetExceeded",
     "CapacityUnavailable",
     "ConfigError",

@@ -25,10 +25,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ledger.bounds import MAX_LEASE_TTL_S, check_seconds
 from ledger.clock import Clock, Sleeper
 from ledger.core.facts import Category, FailureFact, Phase, Source
 from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument, LeaseLost
 from ledger.records import Lease
+from ledger.validation import checked_calls
 
 if TYPE_CHECKING:
     from ledger.api import AsyncLedger, Ledger
@@ -44,15 +46,21 @@ class KeeperCore:
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None) -> None:
-        if ttl_s <= 0:
-            raise InvalidArgument("ttl_s must be > 0", field="ttl_s")
+        from ledger.api import _lease
+
+        _lease(lease)
+        ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         limit = ttl_s / 3
         if interval_s is None:
             interval_s = limit
+        interval_s = check_seconds(interval_s, "interval_s", positive=True)
         if not 0 < interval_s <= limit:
             raise InvalidArgument(
                 f"interval_s must be in (0, ttl_s/3 = {limit:g}]: renewal every third of the "
-                "lease or more often", field="interval_s")
+                "lease or more often; pass a smaller interval_s or None", field="interval_s")
+        if clock is not None and not callable(getattr(clock, "now", None)):
+            raise InvalidArgument("clock must have a now() method; pass e.g. ManualClock(t)",
+                                  field="clock")
         self.ledger = ledger
         self.ttl_s = ttl_s
         self.interval_s = interval_s
@@ -147,12 +155,18 @@ class KeeperCore:
         self.ledger.release_lease(lease)
 
 
+@checked_calls
 class LeaseKeeper(KeeperCore):
     """Renews in a daemon thread. Use as a context manager, or ``start()`` / ``close()``."""
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None,
                  sleeper: Sleeper | None = None) -> None:
+        from ledger.api import Ledger
+
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (AsyncLeaseKeeper takes an "
+                                  "AsyncLedger)", field="ledger")
         super().__init__(ledger, lease, ttl_s=ttl_s, interval_s=interval_s, clock=clock)
         self._sleeper = sleeper
         self._stop = threading.Event()
@@ -192,6 +206,7 @@ class LeaseKeeper(KeeperCore):
         self.close()
 
 
+@checked_calls
 class AsyncLeaseKeeper:
     """The asyncio twin: renews in a task (the database call runs in a worker thread), can
     cancel the task doing the work when the run is lost."""
@@ -199,6 +214,11 @@ class AsyncLeaseKeeper:
     def __init__(self, ledger: AsyncLedger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None,
                  sleeper: Sleeper | None = None) -> None:
+        from ledger.api import AsyncLedger
+
+        if not isinstance(ledger, AsyncLedger):
+            raise InvalidArgument("ledger must be a ledger.AsyncLedger (LeaseKeeper takes a "
+                                  "Ledger)", field="ledger")
         self.core = KeeperCore(ledger.sync, lease, ttl_s=ttl_s, interval_s=interval_s,
                                clock=clock)
         self._sleeper = sleeper

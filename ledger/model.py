@@ -12,14 +12,17 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 
-from ledger.bounds import MAX_AMOUNT, MAX_COUNT, MAX_ID_LENGTH, MAX_TOKENS, canonical_decimal
+from ledger.bounds import MAX_AMOUNT, MAX_COUNT, MAX_TOKENS, canonical_decimal
 from ledger.core.facts import Protocol
+from ledger.validation import Count, Id, Instant, LedgerModel, Problem, Text
 
+# A route's endpoint is a URL. Only its size is bounded here: an endpoint that cannot make a
+# request is the adapter's `cannot_build` result (the Run skips that route), not misuse.
+MAX_ENDPOINT = 8192
+MAX_LIST = 1000
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ProfileType(StrEnum):
@@ -28,21 +31,22 @@ class ProfileType(StrEnum):
     API_KEY = "api_key"
 
 
-class Profile(_Frozen):
+class Profile(LedgerModel):
     """A credential profile: only its id and type are stored, never the secret."""
 
-    id: str
+    id: Id
     type: ProfileType = ProfileType.API_KEY
 
 
-class Capabilities(_Frozen):
+class Capabilities(LedgerModel):
     """What a route can serve. ``None`` means unknown and is no restriction."""
 
-    tools: bool | None = None
-    context_window: int | None = None
-    prefill: bool | None = None
-    streaming: bool | None = None
-    parameters: list[str] | None = None  # supported request parameters; None = any
+    tools: StrictBool | None = None
+    context_window: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    prefill: StrictBool | None = None
+    streaming: StrictBool | None = None
+    # Supported request parameters; None = any.
+    parameters: list[Text] | None = Field(default=None, max_length=MAX_LIST)
 
     @field_validator("parameters")
     @classmethod
@@ -51,7 +55,7 @@ class Capabilities(_Frozen):
         return sorted(set(v)) if v is not None else None
 
 
-class Price(_Frozen):
+class Price(LedgerModel):
     """Price per million tokens, in the ledger's currency unit."""
 
     input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=MAX_AMOUNT,
@@ -70,19 +74,19 @@ class Price(_Frozen):
         ) / Decimal(1_000_000)
 
 
-class Route(_Frozen):
+class Route(LedgerModel):
     """One concrete way to call a model."""
 
-    id: str = Field(max_length=MAX_ID_LENGTH)
-    provider: str = Field(max_length=MAX_ID_LENGTH)
-    model: str = Field(max_length=MAX_ID_LENGTH)
-    group: str = Field(max_length=MAX_ID_LENGTH)
-    recipient: str = Field(max_length=MAX_ID_LENGTH)
+    id: Id
+    provider: Id
+    model: Id
+    group: Id
+    recipient: Id
     protocol: Protocol = Protocol.OPENAI
-    endpoint: str | None = None
+    endpoint: str | None = Field(default=None, max_length=MAX_ENDPOINT)
     capabilities: Capabilities = Field(default_factory=Capabilities)
-    roles: list[str] | None = None  # qualified roles; None = every role
-    profiles: list[Profile] = Field(default_factory=list)
+    roles: list[Id] | None = Field(default=None, max_length=MAX_LIST)  # None = every role
+    profiles: list[Profile] = Field(default_factory=list, max_length=MAX_LIST)
     # The environment variable that holds this route's API key, for a route without credential
     # profiles (the key itself is never stored: only this name is frozen with the plan).
     api_key_env: str | None = Field(default=None, max_length=200,
@@ -96,29 +100,29 @@ class Route(_Frozen):
         priced; an unpriced route outside a Run (never admitted) costs nothing, as before."""
         return (self.price or Price()).cost(prompt_tokens, completion_tokens)
 
-    @field_validator("id", "provider", "model", "group", "recipient")
-    @classmethod
-    def _non_empty(cls, v: str) -> str:
-        if not v or not v.strip():
-            raise ValueError("must be a non-empty string")
-        if not v.isprintable():
-            raise ValueError("must be printable text (no NUL or control characters)")
-        return v
-
     @field_validator("roles")
     @classmethod
     def _roles_as_set(cls, v: list[str] | None) -> list[str] | None:
         return sorted(set(v)) if v is not None else None
 
+    @field_validator("profiles")
+    @classmethod
+    def _unique_profiles(cls, v: list[Profile]) -> list[Profile]:
+        ids = [p.id for p in v]
+        dup = next((i for i in ids if ids.count(i) > 1), None)
+        if dup is not None:
+            raise Problem(f"profile id {dup!r} appears twice", "give each profile its own id")
+        return v
 
-class Grant(_Frozen):
+
+class Grant(LedgerModel):
     """Which recipients may receive which data classes, and which roles the run may use.
 
     ``recipients`` maps a recipient to the data classes approved for it.
     """
 
-    recipients: dict[str, list[str]] = Field(default_factory=dict)
-    roles: list[str] | None = None
+    recipients: dict[Id, list[Id]] = Field(default_factory=dict, max_length=MAX_LIST)
+    roles: list[Id] | None = Field(default=None, max_length=MAX_LIST)
 
     @field_validator("recipients")
     @classmethod
@@ -135,7 +139,7 @@ class Grant(_Frozen):
         return data_class in self.recipients.get(recipient, [])
 
 
-class Budget(_Frozen):
+class Budget(LedgerModel):
     """The bounds of a Run. Cost is in the ledger's currency unit (e.g. USD).
 
     ``max_calls``: physical model calls (Attempts that may have reached a provider);
@@ -162,29 +166,29 @@ class GroupMode(StrEnum):
     UNAVAILABLE = "unavailable"
 
 
-class GroupProjection(_Frozen):
+class GroupProjection(LedgerModel):
     """Admission's view of a capacity group, as the selector reads it."""
 
-    group: str
+    group: Id
     mode: GroupMode = GroupMode.OPEN
-    until: float | None = None  # waiting floor: earliest next dispatch
-    sampled_at: float | None = None
-    in_flight: int = 0
-    limit: int | None = None
+    until: Instant | None = None  # waiting floor: earliest next dispatch
+    sampled_at: Instant | None = None
+    in_flight: Count = 0
+    limit: StrictInt | None = Field(default=None, ge=1, le=MAX_COUNT)
 
 
-class Health(_Frozen):
+class Health(LedgerModel):
     """Health of one key (a route id, or a credential profile id)."""
 
-    key: str
-    cooldown_until: float | None = None
-    disabled_until: float | None = None
-    disabled_reason: str | None = None
-    error_count: int = 0
-    failure_counts: dict[str, int] = Field(default_factory=dict)
-    last_failure_at: float | None = None
-    last_used: float | None = None
-    last_probe_at: float | None = None
+    key: Id
+    cooldown_until: Instant | None = None
+    disabled_until: Instant | None = None
+    disabled_reason: Text | None = None
+    error_count: Count = 0
+    failure_counts: dict[Text, Count] = Field(default_factory=dict)
+    last_failure_at: Instant | None = None
+    last_used: Instant | None = None
+    last_probe_at: Instant | None = None
 
     def available(self, now: float) -> bool:
         cooling = self.cooldown_until is not None and now < self.cooldown_until

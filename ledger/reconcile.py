@@ -57,6 +57,13 @@ class Reconciliation:
 
 
 def reconcile(ledger: Ledger) -> Reconciliation:
+    """The ledger's books: runs, attempts by state, debits, recoveries and any violation."""
+    from ledger.api import Ledger as _Ledger
+    from ledger.errors import InvalidArgument
+
+    if not isinstance(ledger, _Ledger):
+        raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
+                              field="ledger")
     fig = sql.reconcile_rows(ledger.store, ledger.now())
     ev = sql.event_counts(ledger.store, ["recover", "unknown"])
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,

@@ -34,11 +34,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ledger.bounds import (
+    MAX_LEASE_TTL_S,
+    check_bool,
+    check_count,
+    check_ids,
+    check_optional_id,
+    check_seconds,
+)
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.errors import DatabaseUnavailable, InvalidArgument
 from ledger.records import AttemptRecord, AttemptState, Lease
 from ledger.storage import recovery as sql
 from ledger.storage.rows import new_id
+from ledger.validation import checked_call
 
 if TYPE_CHECKING:
     from ledger.api import AsyncLedger, Ledger
@@ -137,6 +146,7 @@ def _to_run(t: sql.Takeover) -> RunRecovery:
     )
 
 
+@checked_call
 def recover(
     ledger: Ledger,
     *,
@@ -160,12 +170,26 @@ def recover(
     over (or skipped), for a progress display. ``batch`` runs are taken over per transaction
     (default 100): all or none of a batch, each run under its own new fence.
     """
-    if lease_ttl_s <= 0:
-        raise InvalidArgument("lease_ttl_s must be > 0", field="lease_ttl_s")
+    from ledger.api import Ledger
+
+    if not isinstance(ledger, Ledger):
+        raise InvalidArgument("ledger must be a ledger.Ledger (arecover takes an AsyncLedger)",
+                              field="ledger")
+    check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+    check_count(limit, "limit")
     if limit < 1:
-        raise InvalidArgument("limit must be >= 1", field="limit")
+        raise InvalidArgument("limit must be at least 1; pass e.g. 1000", field="limit")
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
-        raise InvalidArgument(f"batch must be an integer from 1 to {MAX_BATCH}", field="batch")
+        raise InvalidArgument(f"batch must be an integer from 1 to {MAX_BATCH} (got "
+                              f"{batch!r}); pass e.g. {DEFAULT_BATCH}", field="batch")
+    check_bool(release, "release")
+    if run_ids is not None:
+        run_ids = check_ids(run_ids, "run_ids")
+    check_optional_id(executor_id, "executor_id")
+    if sleeper is not None and not callable(getattr(sleeper, "sleep", None)):
+        raise InvalidArgument("sleeper must have a sleep(seconds) method", field="sleeper")
+    if progress is not None and not callable(progress):
+        raise InvalidArgument("progress must be a function of (done, total)", field="progress")
     executor = executor_id or new_id("recover")
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
@@ -210,8 +234,14 @@ def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+@checked_call
 async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
     """The async twin of :func:`recover` (the same implementation, in a worker thread)."""
+    from ledger.api import AsyncLedger
+
+    if not isinstance(ledger, AsyncLedger):
+        raise InvalidArgument("ledger must be a ledger.AsyncLedger (recover takes a Ledger)",
+                              field="ledger")
     return await asyncio.to_thread(recover, ledger.sync, **kwargs)
 
 

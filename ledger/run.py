@@ -30,8 +30,8 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from ledger import faults
-from ledger.api import AsyncLedger, Ledger, _Call
-from ledger.bounds import amount_in_range, tokens_in_range
+from ledger.api import AsyncLedger, Ledger, _Call, _lease, _model
+from ledger.bounds import amount_in_range, check_amount, check_choice, check_id, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.core.classify import classify
 from ledger.core.envelope import Envelope, Part
@@ -74,6 +74,7 @@ from ledger.turn_effects import (
     TurnSnapshot,
     perform,
 )
+from ledger.validation import checked_call
 
 log = logging.getLogger("ledger.run")
 T = TypeVar("T")
@@ -109,6 +110,8 @@ class RunResult:
 
 
 SendFn = Callable[[Dispatch], SendResult | Awaitable[SendResult]]
+# A cost hold: an amount (as begin_attempt takes it) or a function of the route.
+Reserve = Decimal | int | float | str | Callable[[Route], Decimal]
 NoticeFn = Callable[[Notice], Any]
 Steps = Generator[Effect[Any], Any, RunResult]
 
@@ -463,7 +466,10 @@ def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> Attemp
 
 
 def _short(text: str | None) -> str | None:
-    return text[:200] if text is not None else None
+    # Provider text: what is stored is printable (both backends store it alike), at most 200.
+    if text is None:
+        return None
+    return "".join(c if c.isprintable() else "?" for c in text[:200])
 
 
 def _cause(fact: FailureFact) -> dict[str, Any]:
@@ -475,23 +481,47 @@ def _describe(fact: FailureFact) -> str:
     return f"{fact.status} {fact.category.value}" if fact.status else fact.category.value
 
 
-def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str | None,
-          denials: Denials | None, reserve: Decimal | Callable[[Route], Decimal] | None,
-          rng: random.Random | None, token_counter: TokenCounter | None,
-          part_hashes: Sequence[str] | None = None) -> _Loop:
-    if not isinstance(lease, Lease):
-        raise InvalidArgument("lease must be a ledger.Lease (from acquire_lease)", field="lease")
-    if not isinstance(envelope, Envelope):
-        raise InvalidArgument("envelope must be a ledger.Envelope", field="envelope")
-    if reserve is not None and not callable(reserve):
-        if isinstance(reserve, bool) or not isinstance(reserve, Decimal | int | str | float):
-            raise InvalidArgument("reserve must be a Decimal amount or a function of the route",
-                                  field="reserve")
-        from ledger.bounds import check_amount
-
-        reserve = check_amount(reserve, "reserve")
+def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
+          send: Any, turn_id: str | None, pin: Pin | str | None, denials: Denials | None,
+          reserve: Reserve | None, sleeper: Any, on_notice: Any, rng: random.Random | None,
+          token_counter: TokenCounter | None, part_hashes: Sequence[str] | None = None
+          ) -> _Loop:
+    """The checked arguments of :func:`execute` / :func:`aexecute` (nothing is read or written
+    before they pass)."""
+    if not isinstance(ledger, ledger_type):
+        raise InvalidArgument(f"ledger must be a ledger.{ledger_type.__name__}"
+                              + ("; use aexecute with an AsyncLedger" if ledger_type is Ledger
+                                 else "; use execute with a Ledger"), field="ledger")
+    _lease(lease)
+    envelope = _model(Envelope, envelope, "envelope")
+    if not callable(send):
+        raise InvalidArgument("send must be a function of a Dispatch returning a SendResult",
+                              field="send")
+    if turn_id is not None:
+        check_id(turn_id, "turn_id")
+    if pin is not None:
+        pin = check_choice(pin, Pin, "pin")
+    if denials is not None and not isinstance(denials, Denials):
+        raise InvalidArgument("denials must be a ledger.core.preflight.Denials", field="denials")
+    hold: Decimal | Callable[[Route], Decimal] | None = None
+    if callable(reserve):
+        hold = reserve
+    elif reserve is not None:
+        # The same amounts begin_attempt accepts: a Decimal, an int, a float or a string.
+        hold = check_amount(reserve, "reserve")
+    for name, obj, methods in (("sleeper", sleeper, ("sleep", "asleep")),
+                               ("token_counter", token_counter, ("count_tokens",))):
+        if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
+            raise InvalidArgument(f"{name} must have {' and '.join(methods)}() methods",
+                                  field=name)
+    if on_notice is not None and not callable(on_notice):
+        raise InvalidArgument("on_notice must be a function of a Notice", field="on_notice")
+    if rng is not None and not isinstance(rng, random.Random):
+        raise InvalidArgument("rng must be a random.Random; pass e.g. random.Random(7)",
+                              field="rng")
     if part_hashes is not None and (
-        isinstance(part_hashes, str) or len(part_hashes) != len(envelope.parts)
+        isinstance(part_hashes, str | bytes) or not isinstance(part_hashes, Sequence)
+        or len(part_hashes) != len(envelope.parts)
         or not all(isinstance(h, str) for h in part_hashes)
     ):
         raise InvalidArgument("part_hashes must be one content hash per envelope part, in "
@@ -499,7 +529,7 @@ def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str 
                               field="part_hashes")
     return _Loop(
         lease, envelope, turn_id=turn_id,
-        pin=Pin(pin) if pin else None, denials=denials or NO_DENIALS, reserve=reserve,
+        pin=pin, denials=denials or NO_DENIALS, reserve=hold,
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
         part_hashes=part_hashes,
     )
@@ -508,6 +538,7 @@ def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str 
 # -- the drivers ----------------------------------------------------------------------------------
 
 
+@checked_call
 def execute(
     ledger: Ledger,
     lease: Lease,
@@ -517,7 +548,7 @@ def execute(
     turn_id: str | None = None,
     pin: Pin | str | None = None,
     denials: Denials | None = None,
-    reserve: Decimal | Callable[[Route], Decimal] | None = None,
+    reserve: Reserve | None = None,
     sleeper: Sleeper | None = None,
     on_notice: NoticeFn | None = None,
     rng: random.Random | None = None,
@@ -535,12 +566,13 @@ def execute(
     ``part_hashes`` are the envelope's part hashes when the caller has them already (a Run
     session keeps them across turns), else each part is hashed here.
     """
-    gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter,
-                part_hashes).steps()
+    gen = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
+                on_notice, rng, token_counter, part_hashes).steps()
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
 
+@checked_call
 async def aexecute(
     ledger: AsyncLedger,
     lease: Lease,
@@ -550,7 +582,7 @@ async def aexecute(
     turn_id: str | None = None,
     pin: Pin | str | None = None,
     denials: Denials | None = None,
-    reserve: Decimal | Callable[[Route], Decimal] | None = None,
+    reserve: Reserve | None = None,
     sleeper: Sleeper | None = None,
     on_notice: NoticeFn | None = None,
     rng: random.Random | None = None,
@@ -559,8 +591,8 @@ async def aexecute(
 ) -> RunResult:
     """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
     ``send`` and ``on_notice`` may be coroutine functions."""
-    gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter,
-                part_hashes).steps()
+    gen = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
+                sleeper, on_notice, rng, token_counter, part_hashes).steps()
     sleeper = sleeper or _sleeper_of(ledger.sync)
     await ledger.warm(lease.run_id)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)

@@ -24,15 +24,18 @@ not I/O in :class:`_SessionCore`.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from ledger.bounds import MAX_LEASE_TTL_S, check_bool, check_id, check_seconds
 from ledger.core.envelope import Envelope, Part
-from ledger.errors import FencedOut, InvalidArgument, InvalidState
+from ledger.errors import ArgumentMismatch, FencedOut, InvalidArgument, InvalidState
 from ledger.model import Budget, Grant, Route
 from ledger.records import Lease, RunRecord
 from ledger.turn_effects import Dispatch, SendResult
+from ledger.validation import checked_calls
 
 log = logging.getLogger("ledger.session")
 
@@ -44,6 +47,33 @@ _ENDED = ("this Run session has ended (its block was left); open a new one with 
           "ledger.run(...) to continue the Run")
 
 
+# What Ledger.admit_run takes besides the run id: a session's admission arguments.
+ADMIT_ARGUMENTS = ("plan", "budget", "grant", "policy", "role", "parent", "tenant", "labels",
+                   "deadline", "selected_route")
+
+
+def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> None:
+    """A session's sender options, checked before anything is admitted."""
+    if adapter is not None and not isinstance(adapter, kind):
+        other = "AsyncLedger.run" if kind.__name__ == "SyncAdapter" else "Ledger.run"
+        raise InvalidArgument(f"adapter must be a ledger.adapters.{kind.__name__} (got "
+                              f"{type(adapter).__name__}); the other kind is for {other}",
+                              field="adapter")
+    if secrets is not None and adapter is not None:
+        raise InvalidArgument("secrets is for the session's own adapter; pass the secret "
+                              "provider to your adapter instead, or pass no adapter",
+                              field="secrets")
+    if secrets is not None and (isinstance(secrets, Mapping)
+                                or not callable(getattr(secrets, "get", None))):
+        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
+        raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
+                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
+                              "StaticSecretProvider(...) for keys held in memory",
+                              field="secrets")
+    if owns is not None:
+        check_bool(owns, "owns_adapter")
+
+
 def _end_status(exc: BaseException | None) -> str:
     """How a Run ends when its block is left with ``exc``."""
     if exc is None:
@@ -53,6 +83,7 @@ def _end_status(exc: BaseException | None) -> str:
     return "failed"
 
 
+@checked_calls
 class _SessionCore:
     """What both sessions share: admission arguments, the calls a turn proposed, the Part a
     tool result becomes, and the callbacks a turn's stream goes to."""
@@ -60,6 +91,25 @@ class _SessionCore:
     def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
                  lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
                  secrets: Any = None, owns_adapter: bool | None = None) -> None:
+        # Checked here, before the block admits anything: a session refused on entering after
+        # admission would leave a Run admitted and nobody holding it. The admission arguments
+        # themselves are admit_run's, which checks them all before it writes.
+        lease_margin_s, adapter_kind = self._ledger_kind(ledger)
+        check_id(run_id, "run_id")
+        ttl = check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        if ttl <= lease_margin_s:
+            raise InvalidArgument(
+                f"lease_ttl_s={ttl:g} is not above the lease margin ({lease_margin_s:g}s): such "
+                "a lease could start nothing; pass a longer lease_ttl_s (e.g. 30)",
+                field="lease_ttl_s")
+        unknown = sorted(set(admit) - set(ADMIT_ARGUMENTS))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], ADMIT_ARGUMENTS, n=1)
+            raise ArgumentMismatch(
+                f"{unknown[0]!r} is not an admission argument; "
+                + (f"did you mean {close[0]!r}? " if close else "")
+                + f"pass only {', '.join(ADMIT_ARGUMENTS)}", field=unknown[0])
+        _check_adapter(adapter, adapter_kind, secrets, owns_adapter)
         self.ledger = ledger
         self._adapter = adapter
         self._secrets = secrets
@@ -75,6 +125,12 @@ class _SessionCore:
         self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
         self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
 
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        """The ledger's lease margin and the adapter class a session of this kind sends with
+        (refusing a ledger of the other kind)."""
+        raise NotImplementedError
+
     def _check_open(self) -> None:
         if self._state == "new":
             raise InvalidState("the Run session is not open yet; use it in a with block",
@@ -86,6 +142,38 @@ class _SessionCore:
         if self._state != "new":
             raise InvalidState("a Run session is entered once; open a new one with "
                                "ledger.run(...)", run_id=self.run_id)
+
+    @staticmethod
+    def _check_turn(on_text: Any, on_event: Any, send: Any, options: Mapping[str, Any]) -> None:
+        if "part_hashes" in options:
+            raise InvalidArgument("a session computes part_hashes itself; do not pass it to "
+                                  "turn()", field="part_hashes")
+        for name, fn, what in (("on_text", on_text, "a function of the text (str)"),
+                               ("on_event", on_event, "a function of a StreamEvent"),
+                               ("send", send, "a function of a Dispatch returning a "
+                                              "SendResult")):
+            if fn is not None and not callable(fn):
+                raise InvalidArgument(f"{name} must be {what} (got {type(fn).__name__})",
+                                      field=name)
+
+    def _child_args(self, frozen: RunRecord, child_id: Any, budget: Any, plan: Any,
+                    grant: Any, role: Any, admit: Mapping[str, Any], lease: Lease
+                    ) -> dict[str, Any]:
+        """The admission arguments of a Child Run (checked by admit_run when it is entered)."""
+        check_id(child_id, "child_id")
+        if plan is not None and (isinstance(plan, str | bytes | Mapping)
+                                 or not isinstance(plan, Sequence)):
+            raise InvalidArgument("plan must be a list of ledger.Route (a subset of the "
+                                  "parent's); pass None to inherit the parent's plan",
+                                  field="plan")
+        if role is not None:
+            check_id(role, "role")
+        if "parent" in admit:
+            raise InvalidArgument("a child session's parent is this Run; do not pass parent",
+                                  field="parent")
+        return {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
+                "grant": grant, "role": frozen.role if role is None else role,
+                "parent": lease, **admit}
 
     def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None
                  ) -> Callable[[Any], Any] | None:
@@ -139,7 +227,8 @@ class _SessionCore:
         return isinstance(call_id, str) and call_id in self._calls
 
     def _call(self, call_id: str) -> tuple[str, str]:
-        if not isinstance(call_id, str) or call_id not in self._calls:
+        check_id(call_id, "call_id")
+        if call_id not in self._calls:
             raise InvalidArgument(
                 f"tool call {call_id!r} was not proposed in this Run session; pass the "
                 "tool_call_id of one of a turn's result.tool_calls", field="call_id")
@@ -148,8 +237,11 @@ class _SessionCore:
     def _tool_part(self, call_id: str, content: Any, data_class: str) -> Part:
         _attempt, name = self._call(call_id)
         if not isinstance(content, str):
-            raise InvalidArgument("a tool result's content is text (serialise it, e.g. JSON)",
-                                  field="content")
+            raise InvalidArgument("a tool result's content is text; serialise it (e.g. "
+                                  "json.dumps(result))", field="content")
+        if not isinstance(data_class, str):
+            raise InvalidArgument("data_class must be a string such as 'tool_result'",
+                                  field="data_class")
         return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
                     tool_call_id=call_id, name=name or None)
 
@@ -174,8 +266,19 @@ class _SessionCore:
         return attempt_id
 
 
+@checked_calls
 class RunSession(_SessionCore):
     """A Run held in a ``with`` block (see the module docstring); from :meth:`Ledger.run`."""
+
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        from ledger.adapters import SyncAdapter
+        from ledger.api import Ledger
+
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
+                                  "come from AsyncLedger.run)", field="ledger")
+        return ledger.store.lease_margin_s, SyncAdapter
 
     # -- the block -------------------------------------------------------------------------
 
@@ -235,6 +338,7 @@ class RunSession(_SessionCore):
         from ledger.run import execute
 
         self._check_open()
+        self._check_turn(on_text, on_event, send, options)
         inner = send or sync_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
             limits=self.ledger.run_policy(self.run_id).streaming)
@@ -283,14 +387,24 @@ class RunSession(_SessionCore):
         its budget carved from this Run's."""
         self._check_open()
         frozen = self.ledger.frozen_run(self.run_id)
-        args = {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
-                "grant": grant, "role": role or frozen.role, "parent": self.lease, **admit}
+        args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
         return RunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
                           adapter=self._adapter, owns_adapter=False)
 
 
+@checked_calls
 class AsyncRunSession(_SessionCore):
     """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`."""
+
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        from ledger.adapters import HttpAdapter
+        from ledger.api import AsyncLedger
+
+        if not isinstance(ledger, AsyncLedger):
+            raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
+                                  "come from Ledger.run)", field="ledger")
+        return ledger.sync.store.lease_margin_s, HttpAdapter
 
     async def __aenter__(self) -> AsyncRunSession:
         from ledger.lease import AsyncLeaseKeeper
@@ -347,6 +461,7 @@ class AsyncRunSession(_SessionCore):
         from ledger.run import aexecute
 
         self._check_open()
+        self._check_turn(on_text, on_event, send, options)
         await self.ledger.warm(self.run_id)
         inner = send or async_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
@@ -394,8 +509,7 @@ class AsyncRunSession(_SessionCore):
         ``async with``."""
         self._check_open()
         frozen = self.ledger.sync.frozen_run(self.run_id)
-        args = {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
-                "grant": grant, "role": role or frozen.role, "parent": self.lease, **admit}
+        args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
         return AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
                                adapter=self._adapter, owns_adapter=False)
 

@@ -118,6 +118,7 @@ from ledger.adapters.transport import (
     describe_exception,
     map_transport_error,
 )
+from ledger.bounds import check_count, check_optional_id
 from ledger.core.envelope import Envelope
 from ledger.core.facts import Observation, Phase, Source, Transport
 from ledger.errors import InvalidArgument
@@ -125,6 +126,7 @@ from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.redaction import install_log_redaction, register_secret
 from ledger.turn_effects import SendProgress
+from ledger.validation import checked_calls
 
 log = logging.getLogger("ledger.adapters")
 
@@ -233,6 +235,34 @@ class _Call:
         return asyncio.get_running_loop().time() - self.t0
 
 
+MAX_BYTES_OPTION = 2**40  # a terabyte: beyond any body or stream a process should buffer
+
+
+def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_bytes: Any,
+                          evidence_cap_bytes: Any, max_stream_bytes: Any) -> None:
+    """The constructor options shared by :class:`HttpAdapter` and the sync facade."""
+    if secrets is not None and (isinstance(secrets, Mapping)
+                                or not callable(getattr(secrets, "get", None))):
+        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
+        raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
+                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
+                              "StaticSecretProvider(...) for keys held in memory",
+                              field="secrets")
+    if limits is not None and not isinstance(limits, StreamingPolicy):
+        raise InvalidArgument("limits must be a ledger.policy.model.StreamingPolicy",
+                              field="limits")
+    if not isinstance(verify, bool | ssl.SSLContext):
+        raise InvalidArgument("verify must be True, False or an ssl.SSLContext", field="verify")
+    for name, value in (("max_body_bytes", max_body_bytes),
+                        ("evidence_cap_bytes", evidence_cap_bytes),
+                        ("max_stream_bytes", max_stream_bytes)):
+        check_count(value, name, maximum=MAX_BYTES_OPTION)
+        if value < 1:
+            raise InvalidArgument(f"{name} must be at least 1; pass a byte count",
+                                  field=name)
+
+
+@checked_calls
 class HttpAdapter:
     """Sends an Envelope on a Route over httpx, for every registered protocol.
 
@@ -255,6 +285,13 @@ class HttpAdapter:
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
         max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
+        check_adapter_options(secrets=secrets, limits=limits, verify=verify,
+                              max_body_bytes=max_body_bytes,
+                              evidence_cap_bytes=evidence_cap_bytes,
+                              max_stream_bytes=max_stream_bytes)
+        if clients is not None and not isinstance(clients, ClientRegistry):
+            raise InvalidArgument("clients must be a ledger.adapters.ClientRegistry",
+                                  field="clients")
         self.secrets: SecretProvider = secrets if secrets is not None else EnvSecretProvider()
         self.limits = limits if limits is not None else StreamingPolicy()
         self.clients = clients if clients is not None else ClientRegistry(verify=verify)
@@ -280,7 +317,19 @@ class HttpAdapter:
     # exception: the Run can skip that route and go on, and it knows nothing was sent.
 
     @staticmethod
-    def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None) -> None:
+    def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None,
+                      on_event: Any = None, limits: Any = None) -> None:
+        if not isinstance(route, Route):
+            raise InvalidArgument("route must be a ledger.Route", field="route")
+        if not isinstance(envelope, Envelope):
+            raise InvalidArgument("envelope must be a ledger.Envelope", field="envelope")
+        check_optional_id(profile_id, "profile_id")
+        if on_event is not None and not callable(on_event):
+            raise InvalidArgument("on_event must be a function of a StreamEvent (sync or async)",
+                                  field="on_event")
+        if limits is not None and not isinstance(limits, StreamingPolicy):
+            raise InvalidArgument("limits must be a StreamingPolicy (e.g. the Run's frozen "
+                                  "policy.streaming)", field="limits")
         if profile_id is None and route.profiles:
             raise InvalidArgument(
                 f"route {route.id!r} has credential profiles "
@@ -477,8 +526,11 @@ class HttpAdapter:
         ``progress`` is told when the first request byte is written (so a cancelled call is
         known to have been sent, or not).
         """
+        if progress is not None and not isinstance(progress, SendProgress):
+            raise InvalidArgument("progress must be a SendProgress (Dispatch.progress)",
+                                  field="progress")
         tracker = _Progress(progress)  # tells `progress` nothing is sent yet
-        self._check_misuse(route, envelope, profile_id)
+        self._check_misuse(route, envelope, profile_id, on_event, limits)
         install_log_redaction()
         lim = limits if limits is not None else self.limits
         loop = asyncio.get_running_loop()

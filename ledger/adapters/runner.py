@@ -10,6 +10,7 @@ separately tells the caller to discard text of a failed attempt.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ledger.adapters.base import HttpAdapter
 from ledger.adapters.contract import (
@@ -19,8 +20,10 @@ from ledger.adapters.contract import (
 from ledger.adapters.sync import SyncAdapter
 from ledger.core.envelope import MODEL_DERIVED, Part
 from ledger.core.facts import Observation
+from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
 from ledger.run import Dispatch, SendResult
+from ledger.validation import checked_call
 
 
 def output_part(result: AdapterResult, attempt_id: str) -> Part:
@@ -61,12 +64,27 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     )
 
 
+def _check(adapter: Any, kind: type[Any], on_event: Any, limits: Any) -> None:
+    if not isinstance(adapter, kind):
+        other = "sync_sender" if kind is HttpAdapter else "async_sender"
+        raise InvalidArgument(f"adapter must be a {kind.__name__} (use {other} for the "
+                              "other kind)", field="adapter")
+    if on_event is not None and not callable(on_event):
+        raise InvalidArgument("on_event must be a function of a StreamEvent", field="on_event")
+    if limits is not None and not isinstance(limits, StreamingPolicy):
+        raise InvalidArgument("limits must be a StreamingPolicy (the Run's policy.streaming)",
+                              field="limits")
+
+
+@checked_call
 def async_sender(
     adapter: HttpAdapter,
     *,
     on_event: EventCallback | None = None,
     limits: StreamingPolicy | None = None,
 ) -> Callable[[Dispatch], Awaitable[SendResult]]:
+    """The send function of :func:`ledger.run.aexecute` over an :class:`HttpAdapter`."""
+    _check(adapter, HttpAdapter, on_event, limits)
     async def send(d: Dispatch) -> SendResult:
         res = await adapter.send(d.route, d.envelope, profile_id=d.profile_id,
                                  on_event=on_event, limits=limits, progress=d.progress)
@@ -75,12 +93,15 @@ def async_sender(
     return send
 
 
+@checked_call
 def sync_sender(
     adapter: SyncAdapter,
     *,
     on_event: EventCallback | None = None,
     limits: StreamingPolicy | None = None,
 ) -> Callable[[Dispatch], SendResult]:
+    """The send function of :func:`ledger.run.execute` over a :class:`SyncAdapter`."""
+    _check(adapter, SyncAdapter, on_event, limits)
     def send(d: Dispatch) -> SendResult:
         res = adapter.send(d.route, d.envelope, profile_id=d.profile_id, on_event=on_event,
                            limits=limits, progress=d.progress)

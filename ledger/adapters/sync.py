@@ -9,6 +9,7 @@ import threading
 
 from ledger.adapters.base import (
     HttpAdapter,
+    check_adapter_options,
 )
 from ledger.adapters.contract import (
     AdapterResult,
@@ -23,10 +24,12 @@ from ledger.errors import InvalidArgument
 from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.turn_effects import SendProgress
+from ledger.validation import checked_calls
 
 _WAIT_SLICE_S = 0.2
 
 
+@checked_calls
 class SyncAdapter:
     """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.
 
@@ -44,6 +47,11 @@ class SyncAdapter:
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
         max_stream_bytes: int = 64 * 1024 * 1024,
     ) -> None:
+        # Checked before the loop thread starts: a refused option leaves nothing running.
+        check_adapter_options(secrets=secrets, limits=limits, verify=verify,
+                              max_body_bytes=max_body_bytes,
+                              evidence_cap_bytes=evidence_cap_bytes,
+                              max_stream_bytes=max_stream_bytes)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True

@@ -31,6 +31,7 @@ from ledger.core.facts import (
 )
 from ledger.core.health import cooldown_effect
 from ledger.core.hints import gemini_retry_delay, parse_retry_after
+from ledger.errors import InvalidArgument
 from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy
 from ledger.redaction import redact
 
@@ -227,6 +228,12 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
     ``now`` turns an HTTP-date ``Retry-After`` into seconds; without it the response's own
     ``Date`` header is the reference, and with neither the date is not used.
     """
+    if not isinstance(obs, Observation):
+        raise InvalidArgument("obs must be a ledger.Observation (what the adapter saw)",
+                              field="obs")
+    if not isinstance(policy, Policy):
+        raise InvalidArgument("policy must be a ledger.Policy; pass e.g. preset('goclaw') or "
+                              "the Run's ledger.run_policy(run_id)", field="policy")
     cls = policy.classification
     phase = obs.effective_phase()
     body = _body_text(obs.body, cls.body_limit_bytes)

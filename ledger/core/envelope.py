@@ -7,12 +7,15 @@ the provenance of the part it was copied from.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, StrictBool, StrictInt, field_validator
 
+from ledger.bounds import MAX_TOKENS
 from ledger.model import content_hash
+from ledger.validation import Id, LedgerModel, Problem, Text
 
 # Data classes the ledger knows; a host may use any other string for classes it registers.
 USER_INPUT = "user_input"
@@ -28,18 +31,31 @@ KNOWN_DATA_CLASSES = (
 )
 
 
-class Part(BaseModel):
-    """One part of a prepared request."""
+def _json_data(value: Any) -> Any:
+    """Parameters are hashed into the Attempt's envelope hash and sent as JSON: they must be
+    JSON data (finite numbers; a set, an object or NaN has no JSON form)."""
+    try:
+        json.dumps(value, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise Problem("is not JSON data", "pass only strings, finite numbers, booleans, None, "
+                      "lists and mappings with string keys") from None
+    return value
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+
+class Part(LedgerModel):
+    """One part of a prepared request.
+
+    ``data_class``, ``provenance`` and ``tool_call_id`` are identifiers (1 to 200 printable
+    characters); ``name`` a short printable text; ``content`` any text.
+    """
 
     role: Literal["system", "user", "assistant", "tool"] = "user"
     content: str
-    data_class: str = USER_INPUT
+    data_class: Id = USER_INPUT
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
-    provenance: str | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
+    provenance: Id | None = None
+    tool_call_id: Id | None = None
+    name: Text | None = None
 
     # A plain property, not cached: model_copy(update=...) would carry a cached hash over to an
     # edited copy, which would then pass for the original.
@@ -56,27 +72,32 @@ class Part(BaseModel):
         )
 
 
-class ToolSpec(BaseModel):
-    """A tool the model may call (its description is data too)."""
+class ToolSpec(LedgerModel):
+    """A tool the model may call (its description is data too). ``name`` is an identifier;
+    ``parameters`` (a JSON schema) must be JSON data."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
+    name: Id
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
-    data_class: str = TOOL_DESCRIPTION
+    data_class: Id = TOOL_DESCRIPTION
+
+    _parameters_are_json = field_validator("parameters")(_json_data)
 
 
-class Envelope(BaseModel):
-    """The complete request. Its :attr:`hash` is what an Attempt records."""
+class Envelope(LedgerModel):
+    """The complete request. Its :attr:`hash` is what an Attempt records.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``params`` (temperature, top_p, ...) must be JSON data; ``max_output_tokens`` an integer
+    from 1 to 10^15, or ``None``.
+    """
 
     parts: list[Part]
     tools: list[ToolSpec] = Field(default_factory=list)
     params: dict[str, Any] = Field(default_factory=dict)  # temperature, top_p, ...
-    stream: bool = False
-    max_output_tokens: int | None = None
+    stream: StrictBool = False
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
+
+    _params_are_json = field_validator("params")(_json_data)
 
     @property
     def prefill(self) -> bool:

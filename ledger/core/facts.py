@@ -11,7 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, StrictBool
+
+from ledger.validation import HttpStatus, LedgerModel
 
 
 class Category(StrEnum):
@@ -110,12 +112,14 @@ _DEFAULT_PHASE: dict[Transport, Phase] = {
 }
 
 
-class Observation(BaseModel):
-    """Raw evidence about one failed call. Every field is optional."""
+class Observation(LedgerModel):
+    """Raw evidence about one failed call. Every field is optional.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``status`` is an integer 0 to 999 (the three digits of a status line); the texts are evidence
+    only, unbounded here (the classifier caps and redacts what it keeps).
+    """
 
-    status: int | None = None
+    status: HttpStatus | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     body: str | bytes | None = None
     protocol: Protocol = Protocol.GENERIC
@@ -124,10 +128,10 @@ class Observation(BaseModel):
     transport: Transport | None = None
     phase: Phase | None = None
     source: Source = Source.PROVIDER
-    effective_output: bool = False
-    tool_started: bool = False
-    cancelled: bool = False
-    over_token_budget: bool = False
+    effective_output: StrictBool = False
+    tool_started: StrictBool = False
+    cancelled: StrictBool = False
+    over_token_budget: StrictBool = False
 
     def effective_phase(self) -> Phase:
         """The phase, defaulted from the transport kind or the presence of a status."""
@@ -148,13 +152,14 @@ class Observation(BaseModel):
         return None
 
 
-class FailureFact(BaseModel):
-    """The structured classification of an observed failure."""
+class FailureFact(LedgerModel):
+    """The structured classification of an observed failure.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    ``status`` is an integer 0 to 999; ``retry_after_s`` a finite number of seconds >= 0.
+    """
 
     category: Category
-    status: int | None = None
+    status: HttpStatus | None = None
     provider_code: str | None = None
     phase: Phase
     scope: Scope = Scope.REQUEST
@@ -162,11 +167,11 @@ class FailureFact(BaseModel):
     source: Source = Source.PROVIDER
     # Finite and non-negative: an infinite hint would close a group for ever.
     retry_after_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    resubmit: bool = False
-    moves_on: bool = False
+    resubmit: StrictBool = False
+    moves_on: StrictBool = False
     cooldown: CooldownEffect = CooldownEffect.NONE
-    effective_output: bool = False
-    tool_started: bool = False
+    effective_output: StrictBool = False
+    tool_started: StrictBool = False
     provider: str | None = None
     message: str | None = None  # short, redacted; evidence only, never used for decisions
 

@@ -160,8 +160,13 @@ async def test_a_secret_that_cannot_go_in_a_header_is_not_sent(
 @pytest.mark.parametrize(
     "envelope",
     [
-        Envelope(parts=[Part(content="hi")], params={"seed": {1, 2}}),
-        Envelope(parts=[Part(content="hi")], params={"temperature": float("nan")}),
+        # Envelope(...) refuses such params (InvalidArgument naming `params`); built without
+        # validation here, they show the adapter's own defence still holds.
+        Envelope.model_construct(parts=[Part(content="hi")], params={"seed": {1, 2}},
+                                 tools=[], stream=False, max_output_tokens=None),
+        Envelope.model_construct(parts=[Part(content="hi")],
+                                 params={"temperature": float("nan")}, tools=[], stream=False,
+                                 max_output_tokens=None),
         Envelope(parts=[Part(content="lone \ud800 surrogate")]),
     ],
     ids=["set", "nan", "surrogate"],

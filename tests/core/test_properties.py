@@ -58,7 +58,8 @@ headers = st.dictionaries(
 )
 observations = st.builds(
     Observation,
-    status=st.none() | st.integers(-1000, 100_000),
+    # Every status an Observation accepts (the three digits of a status line, 0 to 999).
+    status=st.none() | st.integers(0, 999),
     headers=headers,
     body=bodies,
     protocol=st.sampled_from(list(Protocol)),

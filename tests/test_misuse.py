@@ -1,0 +1,618 @@
+"""Every misuse of the public API is a typed error naming the field, the same on both backends,
+and a refused call writes nothing (issue 12, section 4).
+
+One table of misuses (wrong types, out-of-range numbers, bad ids, bad enums, NaN and infinity,
+negative budgets, unknown keywords, a forged lease, calls on an ended session, ...) is driven
+through every public entry point: the models, :class:`Ledger` and :class:`AsyncLedger`,
+``execute``/``aexecute``, Run sessions (``with``/``async with``), the audit queries, recovery and
+the adapters. For each case, on SQLite and on PostgreSQL, through the blocking and the asyncio
+face: the error is the case's class (under :class:`LedgerError`), its ``field`` is the case's
+field, its message names that field and says what to pass instead, and every table of the
+database is row for row what it was before the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from ledger import (
+    ArgumentMismatch,
+    AsyncLedger,
+    Budget,
+    Capabilities,
+    Envelope,
+    Grant,
+    InvalidArgument,
+    InvalidState,
+    Ledger,
+    LedgerError,
+    ManualClock,
+    NotFound,
+    Part,
+    Price,
+    Profile,
+    Route,
+    ToolSpec,
+)
+from ledger.adapters import HttpAdapter, SyncAdapter, async_sender, sync_sender
+from ledger.audit import AsyncAudit, Audit
+from ledger.core.classify import classify
+from ledger.lease import AsyncLeaseKeeper, LeaseKeeper
+from ledger.policy.load import preset
+from ledger.reconcile import reconcile
+from ledger.records import Lease
+from ledger.recovery import arecover, recover
+from ledger.run import SendResult, aexecute, execute
+from ledger.storage import schema
+
+T0 = 1_000_000.0
+NAN, INF = math.nan, math.inf
+FREE = Price()
+HASH = "sha256:" + "0" * 64
+
+
+def routes() -> list[Route]:
+    return [Route(id="a", provider="p1", model="m1", group="g", recipient="r1", price=FREE),
+            Route(id="b", provider="p2", model="m2", group="h", recipient="r1", price=FREE)]
+
+
+BUDGET = Budget(max_calls=10, max_retries=3, max_cost=Decimal("1"))
+GRANT = Grant(recipients={"r1": ["user_input", "model_derived", "tool_result"]})
+ENV = Envelope(parts=[Part(content="hi")])
+
+
+def never_sent(_d: Any) -> SendResult:
+    raise AssertionError("a refused call must not send")
+
+
+async def anever_sent(_d: Any) -> SendResult:
+    raise AssertionError("a refused call must not send")
+
+
+@dataclass
+class Face:
+    """One backend seen through one face (blocking or asyncio), with a Run in progress: a
+    leased Run ``r1`` with one Attempt dispatching, and an open Run session ``s1``."""
+
+    L: Any  # Ledger or AsyncLedger
+    sync: Ledger
+    lease: Lease
+    attempt_id: str
+    session: Any
+    is_async: bool
+
+    @property
+    def execute(self) -> Callable[..., Any]:
+        return aexecute if self.is_async else execute
+
+    @property
+    def send(self) -> Callable[..., Any]:
+        return anever_sent if self.is_async else never_sent
+
+    @property
+    def recover(self) -> Callable[..., Any]:
+        return arecover if self.is_async else recover
+
+    @property
+    def audit(self) -> Any:
+        return AsyncAudit(Audit(self.sync)) if self.is_async else Audit(self.sync)
+
+    @property
+    def adapter_cls(self) -> type[Any]:
+        return HttpAdapter if self.is_async else SyncAdapter
+
+    @property
+    def sender(self) -> Callable[..., Any]:
+        return async_sender if self.is_async else sync_sender
+
+    @property
+    def keeper_cls(self) -> type[Any]:
+        return AsyncLeaseKeeper if self.is_async else LeaseKeeper
+
+    def forged(self, **changes: Any) -> Lease:
+        return replace(self.lease, **changes)
+
+
+@dataclass(frozen=True)
+class Case:
+    """``call(face)`` must raise ``error`` with ``field``; the message must name the field and
+    contain ``fix`` (the words that say what to pass instead)."""
+
+    name: str
+    call: Callable[[Face], Any]
+    field: str
+    fix: str
+    error: type[LedgerError] = InvalidArgument
+
+
+def C(name: str, field: str, fix: str, call: Callable[[Face], Any],
+      error: type[LedgerError] = InvalidArgument) -> Case:
+    return Case(name, call, field, fix, error)
+
+
+def _enter(session: Any) -> Any:
+    """Enter and leave a (sync or async) Run session: admission happens on entering."""
+    if hasattr(session, "__aenter__"):
+        async def go() -> None:
+            async with session:
+                pass
+        return go()
+    with session:
+        pass
+    return None
+
+
+def _admit(f: Face, run_id: str = "new", **kw: Any) -> Any:
+    args: dict[str, Any] = {"plan": routes(), "budget": BUDGET, "grant": GRANT}
+    args.update(kw)
+    return f.L.admit_run(run_id, **args)
+
+
+def _begin(f: Face, **kw: Any) -> Any:
+    args: dict[str, Any] = {"route": "a", "envelope_hash": HASH, "reserve": "0.01"}
+    args.update(kw)
+    return f.L.begin_attempt(f.lease, **args)
+
+
+def _settle(f: Face, **kw: Any) -> Any:
+    args: dict[str, Any] = {"outcome": "succeeded"}
+    args.update(kw)
+    return f.L.settle_attempt(f.lease, f.attempt_id, **args)
+
+
+def _execute(f: Face, **kw: Any) -> Any:
+    args: dict[str, Any] = {"ledger": f.L, "lease": f.lease, "envelope": ENV, "send": f.send}
+    args.update(kw)
+    return f.execute(args.pop("ledger"), args.pop("lease"), args.pop("envelope"),
+                     args.pop("send"), **args)
+
+
+def _route(**kw: Any) -> Route:
+    args: dict[str, Any] = {"id": "x", "provider": "p", "model": "m", "group": "g",
+                            "recipient": "r1", "price": FREE}
+    args.update(kw)
+    return Route(**args)
+
+
+ID_TOO_LONG = "x" * 201
+CASES: list[Case] = [
+    # -- the models ---------------------------------------------------------------------------
+    C("budget negative cost", "max_cost", ">= 0",
+      lambda f: Budget(max_calls=1, max_retries=0, max_cost=-1)),
+    C("budget NaN cost", "max_cost", "finite", lambda f: Budget(max_calls=1, max_retries=0,
+                                                                  max_cost=NAN)),
+    C("budget inf cost", "max_cost", "finite",
+      lambda f: Budget(max_calls=1, max_retries=0, max_cost="inf")),
+    C("budget cost not a number", "max_cost", "decimal",
+      lambda f: Budget(max_calls=1, max_retries=0, max_cost="abc")),
+    C("budget bool calls", "max_calls", "integer",
+      lambda f: Budget(max_calls=True, max_retries=0, max_cost=1)),
+    C("budget float calls", "max_calls", "integer",
+      lambda f: Budget(max_calls=1.5, max_retries=0, max_cost=1)),
+    C("budget negative retries", "max_retries", ">= 0",
+      lambda f: Budget(max_calls=1, max_retries=-1, max_cost=1)),
+    C("budget calls beyond range", "max_calls", "<=",
+      lambda f: Budget(max_calls=2**40, max_retries=0, max_cost=1)),
+    C("budget unknown field", "max_costs", "max_cost",
+      lambda f: Budget(max_calls=1, max_retries=0, max_cost=1, max_costs=2)),
+    C("budget missing field", "max_retries", "pass it",
+      lambda f: Budget(max_calls=1, max_cost=1)),
+    C("route without group", "group", "pass it",
+      lambda f: Route(id="x", provider="p", model="m", recipient="r")),
+    C("route id too long", "id", "shorter", lambda f: _route(id=ID_TOO_LONG)),
+    C("route id with NUL", "id", "printable", lambda f: _route(id="a\x00b")),
+    C("route id empty", "id", "non-empty", lambda f: _route(id="  ")),
+    C("route bad protocol", "protocol", "one of", lambda f: _route(protocol="grpc")),
+    C("route api_key_env not a name", "api_key_env", "OPENAI_API_KEY",
+      lambda f: _route(api_key_env="MY KEY")),
+    C("route negative price", "price.input_per_mtok", ">= 0",
+      lambda f: _route(price={"input_per_mtok": "-1"})),
+    C("route profile id", "profiles[0].id", "non-empty",
+      lambda f: _route(profiles=[{"id": ""}])),
+    C("capabilities context window zero", "context_window", ">= 1",
+      lambda f: Capabilities(context_window=0)),
+    C("grant roles a string", "roles", "list", lambda f: Grant(roles="research")),
+    C("grant class id with newline", "recipients['r1'][0]", "printable",
+      lambda f: Grant(recipients={"r1": ["a\nb"]})),
+    C("price inf", "output_per_mtok", "finite", lambda f: Price(output_per_mtok=INF)),
+    C("profile bad type", "type", "one of", lambda f: Profile(id="p", type="password")),
+    C("part bad role", "role", "one of", lambda f: Part(role="robot", content="x")),
+    C("part content not text", "content", "string", lambda f: Part(content=3)),
+    C("envelope params NaN", "params", "finite",
+      lambda f: Envelope(parts=[Part(content="x")], params={"temperature": NAN})),
+    C("envelope params a set", "params", "JSON",
+      lambda f: Envelope(parts=[Part(content="x")], params={"seed": {1, 2}})),
+    C("envelope max_output_tokens zero", "max_output_tokens", ">= 1",
+      lambda f: Envelope(parts=[Part(content="x")], max_output_tokens=0)),
+    C("envelope stream a string", "stream", "True or False",
+      lambda f: Envelope(parts=[Part(content="x")], stream="yes")),
+    C("tool spec name empty", "name", "non-empty", lambda f: ToolSpec(name="")),
+    C("model assignment", "max_cost", "build a new Budget",
+      lambda f: setattr(BUDGET, "max_cost", Decimal(5))),
+    C("model_validate json", "max_calls", "integer",
+      lambda f: Budget.model_validate_json('{"max_calls": "many", "max_retries": 0, '
+                                           '"max_cost": 1}')),
+    # -- admission ----------------------------------------------------------------------------
+    C("admit run id too long", "run_id", "shorter", lambda f: _admit(f, ID_TOO_LONG)),
+    C("admit run id with NUL", "run_id", "printable", lambda f: _admit(f, "r\x00")),
+    C("admit run id not a string", "run_id", "non-empty string", lambda f: _admit(f, 42)),
+    C("admit budget mapping negative cost", "budget.max_cost", ">= 0",
+      lambda f: _admit(f, budget={"max_calls": 1, "max_retries": 0, "max_cost": -1})),
+    C("admit budget mapping typo", "budget.max_cals", "max_calls",
+      lambda f: _admit(f, budget={"max_cals": 1, "max_retries": 0, "max_cost": 1})),
+    C("admit budget not a budget", "budget", "Budget", lambda f: _admit(f, budget=7)),
+    C("admit plan a string", "plan", "list", lambda f: _admit(f, plan="a,b")),
+    C("admit plan entry without group", "plan[0].group", "pass it",
+      lambda f: _admit(f, plan=[{"id": "x", "provider": "p", "model": "m",
+                                 "recipient": "r1", "price": {}}])),
+    C("admit grant typo", "grant.recipient", "recipients",
+      lambda f: _admit(f, grant={"recipient": {}})),
+    C("admit deadline NaN", "deadline", "finite", lambda f: _admit(f, deadline=NAN)),
+    C("admit deadline inf", "deadline", "finite", lambda f: _admit(f, deadline=INF)),
+    C("admit deadline a string", "deadline", "epoch seconds",
+      lambda f: _admit(f, deadline="tomorrow")),
+    C("admit deadline negative", "deadline", "epoch seconds", lambda f: _admit(f, deadline=-5)),
+    C("admit tenant with newline", "tenant", "printable", lambda f: _admit(f, tenant="t\n")),
+    C("admit labels not a mapping", "labels", "mapping", lambda f: _admit(f, labels=["a"])),
+    C("admit label value not text", "labels['team']", "string",
+      lambda f: _admit(f, labels={"team": 3})),
+    C("admit selected route unknown", "selected_route", "plan",
+      lambda f: _admit(f, selected_route="zz")),
+    C("admit parent not a lease", "parent", "Lease", lambda f: _admit(f, parent="r1")),
+    C("admit unknown keyword", "budgett", "'budget'",
+      lambda f: f.L.admit_run("new", plan=routes(), budgett=BUDGET), ArgumentMismatch),
+    C("admit missing budget", "budget", "pass it",
+      lambda f: f.L.admit_run("new", plan=routes()), ArgumentMismatch),
+    # -- groups -------------------------------------------------------------------------------
+    C("configure group bool", "max_in_flight", "integer",
+      lambda f: f.L.configure_group("g", max_in_flight=True)),
+    C("configure group float", "max_in_flight", "integer",
+      lambda f: f.L.configure_group("g", max_in_flight=1.5)),
+    C("configure group negative", "max_in_flight", "between",
+      lambda f: f.L.configure_group("g", max_in_flight=-1)),
+    C("group state bad mode", "mode", "one of",
+      lambda f: f.L.set_group_state("g", "broken", until=None)),
+    C("group state until NaN", "until", "finite",
+      lambda f: f.L.set_group_state("g", "cooldown", until=NAN)),
+    C("group state reason not text", "reason", "string",
+      lambda f: f.L.set_group_state("g", "cooldown", until=T0 + 60, reason=5)),
+    C("group projections a string", "groups", "list", lambda f: f.L.group_projections("g")),
+    # -- leases -------------------------------------------------------------------------------
+    C("acquire ttl NaN", "ttl_s", "finite", lambda f: f.L.acquire_lease("r1", ttl_s=NAN)),
+    C("acquire ttl negative", "ttl_s", "above 0", lambda f: f.L.acquire_lease("r1", ttl_s=-1)),
+    C("acquire ttl huge", "ttl_s", "up to", lambda f: f.L.acquire_lease("r1", ttl_s=1e9)),
+    C("acquire ttl below margin", "ttl_s", "longer ttl_s",
+      lambda f: f.L.acquire_lease("r1", ttl_s=0.1)),
+    C("acquire executor empty", "executor_id", "non-empty",
+      lambda f: f.L.acquire_lease("r1", executor_id="")),
+    C("acquire unknown keyword", "ttl", "'ttl_s'",
+      lambda f: f.L.acquire_lease("r1", ttl=5), ArgumentMismatch),
+    C("renew not a lease", "lease", "acquire_lease", lambda f: f.L.renew_lease("r1")),
+    C("renew forged fence", "lease", "acquire_lease",
+      lambda f: f.L.renew_lease(f.forged(fence=2**70))),
+    C("renew forged run id", "lease", "acquire_lease",
+      lambda f: f.L.renew_lease(f.forged(run_id="r\x00"))),
+    C("release a dict", "lease", "acquire_lease",
+      lambda f: f.L.release_lease({"run_id": "r1", "fence": 1})),
+    C("finish bad status", "status", "one of", lambda f: f.L.finish_run(f.lease, "done")),
+    C("finish status not an end", "status", "one of",
+      lambda f: f.L.finish_run(f.lease, "running")),
+    C("retry data not a mapping", "data", "mapping",
+      lambda f: f.L.reserve_retry(f.lease, data=["route"])),
+    # -- attempts -----------------------------------------------------------------------------
+    C("begin reserve NaN", "reserve", "finite", lambda f: _begin(f, reserve=NAN)),
+    C("begin reserve inf", "reserve", "finite", lambda f: _begin(f, reserve="inf")),
+    C("begin reserve abc", "reserve", "decimal amount", lambda f: _begin(f, reserve="abc")),
+    C("begin reserve negative", "reserve", "between 0", lambda f: _begin(f, reserve=-1)),
+    C("begin reserve bool", "reserve", "decimal amount", lambda f: _begin(f, reserve=True)),
+    C("begin reserve tokens negative", "reserve_tokens", "between",
+      lambda f: _begin(f, reserve_tokens=-1)),
+    C("begin bad kind", "kind", "one of", lambda f: _begin(f, kind="third")),
+    C("begin take_retry not a bool", "take_retry", "True or False",
+      lambda f: _begin(f, take_retry=1)),
+    C("begin route unknown", "route", "plan", lambda f: _begin(f, route="zz")),
+    C("begin route a number", "route", "route id", lambda f: _begin(f, route=3)),
+    C("begin attempt id too long", "attempt_id", "shorter",
+      lambda f: _begin(f, attempt_id=ID_TOO_LONG)),
+    C("begin turn id with NUL", "turn_id", "printable", lambda f: _begin(f, turn_id="t\x00")),
+    C("begin envelope hash empty", "envelope_hash", "Envelope.hash",
+      lambda f: _begin(f, envelope_hash="")),
+    C("begin profile not in route", "profile_id", "profile",
+      lambda f: _begin(f, profile_id="nobody")),
+    C("begin events a string", "events", "pairs", lambda f: _begin(f, events="note")),
+    C("begin unknown keyword", "reserv", "'reserve'",
+      lambda f: f.L.begin_attempt(f.lease, route="a", envelope_hash=HASH, reserv="1"),
+      ArgumentMismatch),
+    C("settle outcome ok", "outcome", "one of", lambda f: _settle(f, outcome="ok")),
+    C("settle cost NaN", "cost", "finite", lambda f: _settle(f, cost="NaN")),
+    C("settle cost overflow", "cost", "between 0", lambda f: _settle(f, cost="1e30")),
+    C("settle tokens 2**63", "prompt_tokens", "between",
+      lambda f: _settle(f, prompt_tokens=2**63)),
+    C("settle tokens bool", "completion_tokens", "integer",
+      lambda f: _settle(f, completion_tokens=True)),
+    C("settle effective_output a string", "effective_output", "True or False",
+      lambda f: _settle(f, effective_output="yes")),
+    C("settle output hash with newline", "output_hash", "Envelope.hash",
+      lambda f: _settle(f, output_hash="sha\n")),
+    C("settle provenance a string", "provenance_hashes", "list",
+      lambda f: _settle(f, provenance_hashes=HASH)),
+    C("settle failed without fact", "fact", "observation",
+      lambda f: _settle(f, outcome="failed")),
+    C("settle fact a mapping with typo", "fact.categry", "category",
+      lambda f: _settle(f, outcome="failed", fact={"categry": "timeout"})),
+    C("settle model_reported too long", "model_reported", "at most",
+      lambda f: _settle(f, model_reported="m" * 500)),
+    C("mark unknown reason not text", "reason", "string",
+      lambda f: f.L.mark_unknown(f.lease, f.attempt_id, 5)),
+    C("record provenance kind empty", "kind", "non-empty",
+      lambda f: f.L.record_provenance(f.lease, "call-1", HASH, kind="")),
+    C("record provenance hash not text", "content_hash", "Envelope.hash",
+      lambda f: f.L.record_provenance(f.lease, "call-1", 5)),
+    C("append event data not a mapping", "data", "mapping",
+      lambda f: f.L.append_event(f.lease, "note", "text")),
+    C("claim probe interval negative", "interval_s", "from 0",
+      lambda f: f.L.claim_probe(routes()[0], -1)),
+    C("claim probe route id", "route", "Route", lambda f: f.L.claim_probe("a", 1)),
+    # -- reads --------------------------------------------------------------------------------
+    C("get run id not a string", "run_id", "non-empty string", lambda f: f.L.get_run(None)),
+    C("get attempt id too long", "attempt_id", "shorter",
+      lambda f: f.L.get_attempt(ID_TOO_LONG)),
+    C("get run unknown", "run_id", "admit the run", lambda f: f.L.get_run("nope"), NotFound),
+    C("attempts bad state", "state", "one of", lambda f: f.L.attempts(state="fine")),
+    C("attempts limit zero", "limit", "1 to 10000", lambda f: f.L.attempts(limit=0)),
+    C("attempts since NaN", "since", "finite", lambda f: f.L.attempts(since=NAN)),
+    C("attempts unknown filter", "routes", "'route'",
+      lambda f: f.L.attempts(routes="a"), ArgumentMismatch),
+    C("events kinds a string", "kinds", "list", lambda f: f.L.events("r1", kinds="stop")),
+    C("health keys a string", "keys", "list", lambda f: f.L.health("a")),
+    C("turn snapshot refs a string", "refs", "list", lambda f: f.L.turn_snapshot("r1", "a")),
+    C("open clock not a clock", "clock", "now()",
+      lambda f: Ledger.open(":memory:", clock="fast")),
+    C("open url not a string", "url", "database URL", lambda f: Ledger.open(5)),
+    C("open unknown keyword", "migrate", "'migrate_schema'",
+      lambda f: Ledger.open(":memory:", migrate=False), ArgumentMismatch),
+    # -- execute / aexecute -------------------------------------------------------------------
+    C("execute reserve a word", "reserve", "decimal amount",
+      lambda f: _execute(f, reserve="lots")),
+    C("execute reserve NaN", "reserve", "finite", lambda f: _execute(f, reserve=NAN)),
+    C("execute envelope a string", "envelope", "Envelope", lambda f: _execute(f, envelope="hi")),
+    C("execute envelope mapping typo", "envelope.part", "parts",
+      lambda f: _execute(f, envelope={"part": []})),
+    C("execute lease forged", "lease", "acquire_lease",
+      lambda f: _execute(f, lease=f.forged(expires_at="soon"))),
+    C("execute send not callable", "send", "function", lambda f: _execute(f, send="http")),
+    C("execute pin unknown", "pin", "one of", lambda f: _execute(f, pin="sticky")),
+    C("execute rng a seed", "rng", "random.Random", lambda f: _execute(f, rng=7)),
+    C("execute wrong ledger kind", "ledger", "execute",
+      lambda f: _execute(f, ledger=f.sync if f.is_async else AsyncLedger(f.sync))),
+    C("execute unknown keyword", "turn", "'turn_id'",
+      lambda f: _execute(f, turn="t1"), ArgumentMismatch),
+    # -- Run sessions -------------------------------------------------------------------------
+    C("session run id too long", "run_id", "shorter",
+      lambda f: f.L.run(ID_TOO_LONG, plan=routes(), budget=BUDGET)),
+    C("session lease ttl NaN", "lease_ttl_s", "finite",
+      lambda f: f.L.run("new", plan=routes(), budget=BUDGET, lease_ttl_s=NAN)),
+    C("session lease ttl below margin", "lease_ttl_s", "longer lease_ttl_s",
+      lambda f: f.L.run("new", plan=routes(), budget=BUDGET, lease_ttl_s=0.2)),
+    C("session adapter of the other kind", "adapter", "adapter",
+      lambda f: f.L.run("new", plan=routes(), budget=BUDGET, adapter=object())),
+    C("session secrets not a provider", "secrets", "SecretProvider",
+      lambda f: f.L.run("new", plan=routes(), budget=BUDGET, secrets={"k": "v"})),
+    C("session unknown keyword", "plann", "'plan'",
+      lambda f: f.L.run("new", plann=routes(), budget=BUDGET), ArgumentMismatch),
+    C("session negative budget on entering", "budget.max_cost", ">= 0",
+      lambda f: _enter(f.L.run("new", plan=routes(), budget={
+          "max_calls": 1, "max_retries": 0, "max_cost": -1}))),
+    C("session plan a string on entering", "plan", "list",
+      lambda f: _enter(f.L.run("new", plan="a", budget=BUDGET))),
+    C("session turn envelope a string", "envelope", "Envelope",
+      lambda f: f.session.turn("hello", send=f.send)),
+    C("session turn on_text not callable", "on_text", "function",
+      lambda f: f.session.turn(ENV, on_text="print")),
+    C("session turn reserve NaN", "reserve", "finite",
+      lambda f: f.session.turn(ENV, send=f.send, reserve=NAN)),
+    C("session turn unknown option", "reservee", "'reserve'",
+      lambda f: f.session.turn(ENV, send=f.send, reservee=1), ArgumentMismatch),
+    C("session turn part_hashes", "part_hashes", "do not pass it",
+      lambda f: f.session.turn(ENV, send=f.send, part_hashes=[HASH])),
+    C("execute part_hashes of the wrong length", "part_hashes", "one content hash per",
+      lambda f: _execute(f, part_hashes=[HASH, HASH])),
+    C("session tool result unknown call", "call_id", "tool_call_id",
+      lambda f: f.session.tool_result("call-9", "42")),
+    C("session tool result call id not text", "call_id", "non-empty string",
+      lambda f: f.session.tool_result(None, "42")),
+    C("session tool started unknown call", "call_id", "tool_call_id",
+      lambda f: f.session.tool_started("call-9")),
+    C("session child id bad", "child_id", "printable",
+      lambda f: f.session.child("c\x00", budget=BUDGET)),
+    C("session child plan a string", "plan", "list",
+      lambda f: f.session.child("c1", budget=BUDGET, plan="a")),
+    C("session child role empty", "role", "non-empty",
+      lambda f: f.session.child("c1", budget=BUDGET, role="")),
+    C("session child unknown admission keyword", "tenants", "'tenant'",
+      lambda f: f.session.child("c1", budget=BUDGET, tenants="t"), ArgumentMismatch),
+    C("session child parent given", "parent", "do not pass parent",
+      lambda f: f.session.child("c1", budget=BUDGET, parent=f.lease)),
+    C("session child negative budget on entering", "budget.max_cost", ">= 0",
+      lambda f: _enter(f.session.child("c1", budget={"max_calls": 1, "max_retries": 0,
+                                                     "max_cost": "-0.5"}))),
+    # -- audit, recovery, adapters ------------------------------------------------------------
+    C("audit runs bad status", "status", "one of", lambda f: f.audit.runs(status="done")),
+    C("audit runs until before since", "until", "since <= until",
+      lambda f: f.audit.runs(since=T0, until=T0 - 1)),
+    C("audit costs by unknown key", "by", "one of", lambda f: f.audit.costs(by="colour")),
+    C("audit activity zero buckets", "buckets", "1 to", lambda f: f.audit.activity(
+        since=T0 - 60, until=T0, buckets=0)),
+    C("audit open attempts a string", "states", "list",
+      lambda f: f.audit.open_attempts(states="unknown")),
+    C("audit days a float", "days", "1 to 366", lambda f: f.audit.costs_by_day(days=1.5)),
+    C("audit unknown keyword", "statuss", "'status'",
+      lambda f: f.audit.runs(statuss="failed"), ArgumentMismatch),
+    C("recover ttl NaN", "lease_ttl_s", "finite", lambda f: f.recover(f.L, lease_ttl_s=NAN)),
+    C("recover limit zero", "limit", "at least 1", lambda f: f.recover(f.L, limit=0)),
+    C("recover run ids a string", "run_ids", "list of ids",
+      lambda f: f.recover(f.L, run_ids="r1")),
+    C("recover batch zero", "batch", "pass e.g.", lambda f: f.recover(f.L, batch=0)),
+    C("recover release an int", "release", "True or False",
+      lambda f: f.recover(f.L, release=1)),
+    C("recover unknown keyword", "lease_ttl", "'lease_ttl_s'",
+      lambda f: f.recover(f.L, lease_ttl=5), ArgumentMismatch),
+    C("adapter body limit zero", "max_body_bytes", "at least 1",
+      lambda f: f.adapter_cls(max_body_bytes=0)),
+    C("adapter verify a path", "verify", "SSLContext",
+      lambda f: f.adapter_cls(verify="/etc/ca.pem")),
+    C("adapter unknown keyword", "timeout", "arguments are",
+      lambda f: f.adapter_cls(timeout=5), ArgumentMismatch),
+    C("sender of the wrong adapter", "adapter", "adapter", lambda f: f.sender(object())),
+    C("lease keeper ttl NaN", "ttl_s", "finite",
+      lambda f: f.keeper_cls(f.L, f.lease, ttl_s=NAN)),
+    C("lease keeper interval too long", "interval_s", "smaller interval_s",
+      lambda f: f.keeper_cls(f.L, f.lease, ttl_s=30, interval_s=20)),
+    C("lease keeper not a lease", "lease", "acquire_lease",
+      lambda f: f.keeper_cls(f.L, "r1", ttl_s=30)),
+    C("lease keeper of the other ledger kind", "ledger", "Ledger",
+      lambda f: f.keeper_cls(f.sync if f.is_async else AsyncLedger(f.sync), f.lease,
+                             ttl_s=30)),
+    C("manual clock NaN", "start", "finite", lambda f: ManualClock(NAN)),
+    C("manual clock advance a string", "seconds", "number of seconds",
+      lambda f: ManualClock(T0).advance("1m")),
+    C("classify not an observation", "obs", "Observation",
+      lambda f: classify({"status": 500}, preset("goclaw"))),
+    C("reconcile not a ledger", "ledger", "Ledger", lambda f: reconcile(f.L if f.is_async
+                                                                         else "led")),
+]
+
+
+def _dump(led: Ledger) -> dict[str, list[str]]:
+    """Every row of every table (as text, sorted): what a refused call must leave alone."""
+    with led.store.engine.connect() as conn:
+        return {t.name: sorted(repr(tuple(r)) for r in conn.execute(select(t)))
+                for t in schema.metadata.sorted_tables}
+
+
+_RUNNERS: dict[int, asyncio.Runner] = {}  # the async face's event loop, by face
+
+
+async def _await(aw: Any) -> Any:
+    return await aw
+
+
+def _raise(face: Face, case: Case) -> Exception | None:
+    try:
+        out = case.call(face)
+        if inspect.isawaitable(out):
+            _RUNNERS[id(face)].run(_await(out))
+    except Exception as e:  # the error is what is being checked
+        return e
+    return None
+
+
+def _check(face: Face, case: Case, before: dict[str, list[str]]) -> str | None:
+    err = _raise(face, case)
+    where = f"{case.name} ({'async' if face.is_async else 'sync'})"
+    if err is None:
+        return f"{where}: accepted (no error was raised)"
+    if type(err) is not case.error:
+        return f"{where}: {type(err).__name__}: {err} (expected {case.error.__name__})"
+    assert isinstance(err, LedgerError)
+    text = str(err)
+    if isinstance(err, InvalidArgument):
+        if err.field != case.field:
+            return f"{where}: field {err.field!r}, expected {case.field!r} ({err})"
+        # The message names the field (its last name, as the caller wrote it).
+        leaf = case.field.split(".")[-1].split("[")[0]
+        if leaf not in text:
+            return f"{where}: the message does not name {leaf!r}: {text}"
+    elif case.field not in err.fields:
+        return f"{where}: no {case.field!r} among the error's fields {err.fields}"
+    if case.fix not in text:
+        return f"{where}: the message does not say {case.fix!r}: {text}"
+    after = _dump(face.sync)
+    if after != before:
+        changed = [t for t in before if before[t] != after.get(t)]
+        before.clear()
+        before.update(after)  # so the next case is judged on its own
+        return f"{where}: the refused call wrote to {changed}"
+    return None
+
+
+@pytest.fixture
+def ledger(db_url: str) -> Iterator[Ledger]:
+    with Ledger.open(db_url, clock=ManualClock(T0)) as led:
+        yield led
+
+
+def _prepare(led: Ledger) -> tuple[Lease, str]:
+    led.admit_run("r1", plan=routes(), budget=BUDGET, grant=GRANT)
+    lease = led.acquire_lease("r1")
+    att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+    return lease, att.attempt_id
+
+
+def test_every_misuse_is_the_same_typed_error_naming_the_field_and_writes_nothing(
+        ledger: Ledger) -> None:
+    lease, attempt_id = _prepare(ledger)
+    failures: list[str] = []
+    with ledger.run("s1", plan=routes(), budget=BUDGET, grant=GRANT) as session:
+        face = Face(ledger, ledger, lease, attempt_id, session, is_async=False)
+        before = _dump(ledger)
+        for case in CASES:
+            problem = _check(face, case, before)
+            if problem:
+                failures.append(problem)
+    assert not failures, "\n".join(failures)
+
+
+def test_every_misuse_is_the_same_on_the_async_face(ledger: Ledger) -> None:
+    lease, attempt_id = _prepare(ledger)
+    failures: list[str] = []
+    with asyncio.Runner() as runner:
+        aled = AsyncLedger(ledger)
+        session = aled.run("s1", plan=routes(), budget=BUDGET, grant=GRANT)
+        runner.run(session.__aenter__())
+        face = Face(aled, ledger, lease, attempt_id, session, is_async=True)
+        _RUNNERS[id(face)] = runner
+        try:
+            before = _dump(ledger)
+            for case in CASES:
+                problem = _check(face, case, before)
+                if problem:
+                    failures.append(problem)
+        finally:
+            _RUNNERS.pop(id(face))
+            runner.run(session.__aexit__(None, None, None))
+    assert not failures, "\n".join(failures)
+
+
+def test_an_ended_session_refuses_every_call_as_invalid_state(ledger: Ledger) -> None:
+    with ledger.run("s1", plan=routes(), budget=BUDGET, grant=GRANT) as session:
+        pass
+    before = _dump(ledger)
+    for call in (lambda: session.turn(ENV, send=never_sent),
+                 lambda: session.tool_result("call-1", "x"),
+                 lambda: session.tool_started("call-1"),
+                 lambda: session.child("c1", budget=BUDGET),
+                 lambda: session.lease):
+        with pytest.raises(InvalidState, match="ended"):
+            call()
+    assert _dump(ledger) == before
+
+
+def test_a_call_that_fits_no_signature_is_also_a_type_error() -> None:
+    # Code written against Python's own error for a bad call keeps working; a bad value is a
+    # ValueError, as pydantic's error (which InvalidArgument replaces) was.
+    with pytest.raises(TypeError) as ei:
+        Ledger.open(":memory:", colck=None)
+    assert isinstance(ei.value, ArgumentMismatch) and ei.value.field == "colck"
+    with pytest.raises(ValueError) as ev:
+        Budget.model_validate({"max_calls": 1})
+    assert isinstance(ev.value, InvalidArgument) and not isinstance(ev.value, TypeError)
