@@ -181,6 +181,9 @@ class Health(_Frozen):
     last_failure_at: float | None = None
     last_used: float | None = None
     last_probe_at: float | None = None
+    # When the counters reset by themselves under the policy that counted the last failure
+    # (``None``: only a success resets them); see ledger.core.health.as_read.
+    reset_at: float | None = None
 
     def available(self, now: float) -> bool:
         cooling = self.cooldown_until is not None and now < self.cooldown_until
