@@ -14,14 +14,16 @@ from typing import Any
 
 import pytest
 
+from ledger.adapters import StaticSecretProvider
 from ledger.api import AsyncLedger, Ledger
 from ledger.clock import ManualClock
 from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Transport
+from ledger.core.facts import Observation, Protocol, Transport
 from ledger.model import Budget, Grant, Price, Profile, ProfileType, Route
 from ledger.policy.load import preset
 from ledger.records import Lease
 from ledger.run import Dispatch, SendResult, aexecute, execute
+from ledger.testing.fakeprovider import FakeProvider
 
 FREE = Price()
 ME = Profile(id="anthropic:me", type=ProfileType.API_KEY)
@@ -170,3 +172,26 @@ def test_a_user_pin_stays_locked_through_a_compaction_and_a_cooldown(
     send = Script({("claude", A.id): [RATE_LIMITED]})
     res = execute(led, lease, ENV, send, turn_id="t3", pin="user")
     assert send.sent == [("claude", A.id), ("gpt", "openai:default")] and res.route.id == "gpt"
+
+
+def test_a_session_keeps_its_credential_over_loopback_until_the_host_records_a_compaction(
+        db_url: str, clock: ManualClock) -> None:
+    secrets = StaticSecretProvider({A.id: "sk-anthropic-a-test-0001",
+                                    B.id: "sk-anthropic-b-test-0002"})
+    with FakeProvider().in_thread() as fake, Ledger.open(db_url, clock=clock) as led:
+        route = CLAUDE.model_copy(update={"protocol": Protocol.OPENAI,
+                                          "endpoint": fake.endpoint("openai")})
+        with led.run("s", plan=[route], grant=GRANT, policy="fased", secrets=secrets,
+                     budget=Budget(max_calls=10, max_retries=5, max_cost=Decimal(1))) as run:
+            used = []
+            for n in range(4):
+                if n == 2:
+                    assert run.compacted() == 1  # the host summarised the context
+                clock.advance(5)
+                used.append(run.turn(ENV, turn_id=f"t{n}").profile_id)
+        keys = [r.headers.get("authorization", "") for r in fake.requests]
+    # Kept across turns (rotation alone would pick b, never used, on the second), chosen again
+    # after the compaction, then kept again.
+    assert used == [A.id, A.id, B.id, B.id]
+    assert keys == (["Bearer sk-anthropic-a-test-0001"] * 2
+                    + ["Bearer sk-anthropic-b-test-0002"] * 2)
