@@ -174,3 +174,17 @@ def test_the_seeds_roles_never_fail_over(led: Ledger, role: str) -> None:
 def test_a_research_role_fails_over(led: Ledger) -> None:
     send = Script({"a": UNAVAILABLE})
     assert execute(led, admit(led, "r", [A, B]), ENV, send).route.id == "b"
+
+
+# -- decided by the brief: the selection is recorded, the route used is continued ---------------
+
+
+def test_selected_route_is_the_original_choice_and_later_turns_continue_on_the_route_used(
+        led: Ledger, clock: ManualClock) -> None:
+    lease = admit(led, "r", [A, B])
+    assert execute(led, lease, ENV, Script({"a": UNAVAILABLE}), turn_id="t1").route.id == "b"
+    clock.advance(600)  # a's cooldown is long over: a default consulted again would pick it
+    send = Script()
+    assert execute(led, lease, ENV, send, turn_id="t2").route.id == "b" and send.sent == ["b"]
+    run = led.get_run("r")
+    assert (run.selected_route, run.current_route) == ("a", "b")
