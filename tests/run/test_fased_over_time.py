@@ -195,3 +195,30 @@ def test_a_session_keeps_its_credential_over_loopback_until_the_host_records_a_c
     assert used == [A.id, A.id, B.id, B.id]
     assert keys == (["Bearer sk-anthropic-a-test-0001"] * 2
                     + ["Bearer sk-anthropic-b-test-0002"] * 2)
+
+
+def test_an_async_session_drops_its_credential_when_the_host_records_a_compaction(
+        db_url: str, clock: ManualClock) -> None:
+    secrets = StaticSecretProvider({A.id: "sk-anthropic-a-test-0001",
+                                    B.id: "sk-anthropic-b-test-0002"})
+
+    async def go(fake: FakeProvider) -> list[str | None]:
+        route = CLAUDE.model_copy(update={"protocol": Protocol.OPENAI,
+                                          "endpoint": fake.endpoint("openai")})
+        aled = await AsyncLedger.open(db_url, clock=clock)
+        try:
+            async with aled.run("s", plan=[route], grant=GRANT, policy="fased",
+                                secrets=secrets, budget=Budget(max_calls=10, max_retries=5,
+                                                               max_cost=Decimal(1))) as run:
+                used = []
+                for n in range(3):
+                    if n == 2:
+                        assert await run.compacted() == 1
+                    clock.advance(5)
+                    used.append((await run.turn(ENV, turn_id=f"t{n}")).profile_id)
+                return used
+        finally:
+            await aled.close()
+
+    with FakeProvider().in_thread() as fake:
+        assert asyncio.run(go(fake)) == [A.id, A.id, B.id]
