@@ -38,7 +38,9 @@ from ledger.core.preflight import (
     Denials,
     RequestNeeds,
     TokenCounter,
+    envelope_needs,
     preflight,
+    with_prompt,
 )
 from ledger.core.profiles import (
     Pin,
@@ -152,7 +154,8 @@ class SelectionInput:
     ``plan``: the Run's frozen candidate routes, first = the Run's primary. ``request``: the
     prepared :class:`Envelope` (with ``provenance``, the ledger's ``ref -> content hashes``
     record) or a :class:`RequestNeeds`. ``grant`` ``None`` approves every plan recipient for
-    every class. ``health`` is keyed by route id or by profile id. With a ``failure``,
+    every class. ``health`` is keyed by health key (``ledger.core.health.route_key``: route id or
+``provider:<name>``) or by profile id. With a ``failure``,
     ``current``/``current_profile`` are what just failed; without one (a new turn), what the Run
     used last. ``denials`` are switch-offs and revocations in the *current* configuration.
     ``no_probe``: routes whose probe another process claimed during this turn; they are not
@@ -175,6 +178,7 @@ class SelectionInput:
     denials: Denials = NO_DENIALS
     provenance: Mapping[str, Set[str]] = field(default_factory=dict)
     token_counter: TokenCounter = DEFAULT_TOKEN_COUNTER
+    part_hashes: Sequence[str] | None = None
     no_probe: frozenset[str] = frozenset()
 
 
@@ -266,6 +270,25 @@ class _Walk:
         # Without an explicit pin, a sticky policy keeps the session's profile as an auto pin.
         self.pin = inp.pin if inp.pin is not None else (
             Pin.AUTO if inp.policy.profiles.sticky else None)
+        self._base: RequestNeeds | None = None
+        self._shared: RequestNeeds | None = None  # the needs, when the counter ignores routes
+
+    def needs(self, route: Route) -> RequestNeeds:
+        """The request's needs for ``route``; what holds for every route is computed once."""
+        inp = self.inp
+        request = inp.request
+        if not isinstance(request, Envelope):
+            return request
+        if self._shared is not None:
+            return self._shared
+        if self._base is None:
+            self._base = envelope_needs(request, recorded=inp.provenance,
+                                        part_hashes=inp.part_hashes)
+        counter = inp.token_counter
+        needs = with_prompt(self._base, request, counter.count_tokens(request, route))
+        if getattr(counter, "route_independent", False):
+            self._shared = needs
+        return needs
 
     # -- group evidence ------------------------------------------------------------------------
 
@@ -406,14 +429,7 @@ class _Walk:
             return _Verdict(reason=health_skip[0], detail=health_skip[1])
         inp = self.inp
         pf = preflight(
-            route,
-            inp.request,
-            grant=inp.grant,
-            role=inp.role,
-            provenance=inp.provenance,
-            token_counter=inp.token_counter,
-            denials=inp.denials,
-            policy=inp.policy,
+            route, self.needs(route), grant=inp.grant, role=inp.role, denials=inp.denials
         ).first
         if health_skip is not None:
             return _Verdict(
@@ -488,6 +504,12 @@ class _Walk:
 
 
 def _validate(inp: SelectionInput) -> None:
+    if inp.part_hashes is not None and (
+        not isinstance(inp.request, Envelope) or len(inp.part_hashes) != len(inp.request.parts)
+    ):
+        raise InvalidArgument(
+            "part_hashes must give one hash per part of the request envelope, in order; "
+            "leave it None to have them computed", field="part_hashes")
     if not inp.plan:
         raise InvalidArgument("the plan is empty; a Run needs at least one route", field="plan")
     ids = [r.id for r in inp.plan]
