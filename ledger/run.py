@@ -30,6 +30,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from ledger import faults
+from ledger import telemetry as _telemetry
 from ledger.api import AsyncLedger, Ledger, _Call
 from ledger.bounds import amount_in_range, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
@@ -486,7 +487,8 @@ def execute(
     used when the ledger's clock is one); ``on_notice`` hears ``reset`` notices; ``rng`` makes
     jitter reproducible; ``token_counter`` estimates prompt tokens for the holds.
     """
-    gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
@@ -508,7 +510,8 @@ async def aexecute(
 ) -> RunResult:
     """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
     ``send`` and ``on_notice`` may be coroutine functions."""
-    gen = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter).steps()
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger.sync)
     await ledger.warm(lease.run_id)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)
