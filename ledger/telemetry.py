@@ -208,6 +208,7 @@ class _TurnObserver:
         self.turn_ctx: Context | None = None
         self.turn_token: Token[Context] | None = None
         self.open: dict[str, _AttemptSpan] = {}
+        self.closed: set[str] = set()  # attempts whose span has ended: never opened again
         self.begin: Begin | None = None
         self.begin_ns = 0
         self.send_t0 = 0.0
@@ -287,13 +288,14 @@ class _TurnObserver:
                 elif isinstance(value, SendResult):
                     self._sent(att, value)
         elif isinstance(eff, Settle):
-            if eff.attempt_id not in self.open and error is None and isinstance(
-                    value, AttemptRecord) and self.begin is not None and (
-                    self.begin.attempt_id == eff.attempt_id):
+            if eff.attempt_id not in self.open and eff.attempt_id not in self.closed and (
+                    error is None and isinstance(value, AttemptRecord)
+                    and self.begin is not None and self.begin.attempt_id == eff.attempt_id):
                 # An interrupted begin that had committed, settled on the way out.
                 self._open(self.begin, value)
             att = self.open.pop(eff.attempt_id, None)
             if att is not None:
+                self.closed.add(eff.attempt_id)
                 self._close(att, value if isinstance(value, AttemptRecord) else None, error)
         elif isinstance(eff, Record) and eff.kind == "stop":
             self.stop = eff.data

@@ -137,12 +137,12 @@ ENVELOPE = Envelope(parts=[Part(role="system", content=SYSTEM),
                     params={"temperature": 0.2})
 
 
-def admit(led: Ledger, plan: list[Route]) -> Lease:
-    led.admit_run("r", plan=plan, policy="failure-domain",
+def admit(led: Ledger, plan: list[Route], run_id: str = "r") -> Lease:
+    led.admit_run(run_id, plan=plan, policy="failure-domain",
                   budget=Budget(max_calls=4, max_retries=2, max_cost=Decimal("1")),
                   grant=Grant(recipients={"ra": ["user_input"],
                                           "rb": ["user_input"]}))
-    return led.acquire_lease("r")
+    return led.acquire_lease(run_id)
 
 
 def advancing(clock: ManualClock, send: Callable[[Dispatch], Any]) -> Callable[[Dispatch], Any]:
@@ -356,6 +356,42 @@ def test_stopped_turn_span_is_an_error_with_the_stop_reason(
     assert_no_content_or_secret(otel)
     assert metric_total(otel, "ledger.attempts") == {("primary", "failed"): 1}
     assert otel.points("ledger.failovers") == []
+
+
+def test_attempt_rejected_by_admission_is_a_span_of_its_own_and_no_failover(
+        db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider],
+        adapter: SyncAdapter) -> None:
+    a, b = clean_fakes
+    clock = ManualClock(1_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        led.configure_group("ga", max_in_flight=1)
+        other = admit(led, routes(a, b), run_id="other")
+        led.begin_attempt(other, route="primary", envelope_hash="sha256:x", reserve="0")
+        lease = admit(led, routes(a, b))
+        res = execute(led, lease, ENVELOPE, advancing(clock, sync_sender(adapter,
+                                                                         limits=PATIENT)))
+        tl = led.timeline("r")
+    assert res.route.id == "backup" and [a.state.value for a in tl] == ["rejected",
+                                                                        "succeeded"]
+    turn, attempts = by_name(otel.finished())
+    assert_children(turn, attempts)
+    rejected, served = attempts
+    attrs = dict(rejected.attributes or {})
+    assert rejected.status.status_code is StatusCode.ERROR
+    assert {k: attrs[k] for k in ("ledger.attempt_id", "ledger.outcome", "error.type",
+                                  "ledger.reject_reason", "ledger.debit.state",
+                                  "ledger.route")} == {
+        "ledger.attempt_id": tl[0].attempt_id, "ledger.outcome": "rejected",
+        "error.type": "rejected", "ledger.reject_reason": tl[0].reject_reason,
+        "ledger.debit.state": "voided", "ledger.route": "primary"}
+    assert dict(served.attributes or {})["ledger.attempt_id"] == tl[1].attempt_id
+    assert dict(turn.attributes or {})["ledger.attempts"] == 2
+    # Admission refused before anything was sent: no move event, so not a failover.
+    assert dict(turn.attributes or {})["ledger.failovers"] == 0
+    assert otel.points("ledger.failovers") == []
+    assert metric_total(otel, "ledger.attempts") == {("primary", "rejected"): 1,
+                                                     ("backup", "succeeded"): 1}
+    assert {a["ledger.route"] for a, _ in otel.points("ledger.attempt.duration")} == {"backup"}
 
 
 def test_send_that_raises_ends_the_attempt_span_with_its_recorded_outcome_and_no_message(
