@@ -419,6 +419,41 @@ def test_send_that_raises_ends_the_attempt_span_with_its_recorded_outcome_and_no
     assert_no_content_or_secret(otel)
 
 
+def test_cancelled_async_turn_ends_its_spans_with_what_was_recorded(
+        db_url: str, otel: Otel) -> None:
+    plan = [Route(id="primary", provider="openai", model="gpt-primary", group="ga",
+                  recipient="ra", price=Price())]
+
+    async def go() -> tuple[str, Any]:
+        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+            lease = admit(led, plan)
+            started = asyncio.Event()
+
+            async def hangs(d: Dispatch) -> SendResult:
+                started.set()
+                await asyncio.Event().wait()
+                raise AssertionError("never answered")
+
+            task = asyncio.create_task(aexecute(AsyncLedger(led), lease, ENVELOPE, hangs))
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            state = led.timeline("r")[0].state.value
+            return state, trace.get_current_span()
+
+    state, current_after = asyncio.run(go())
+    assert current_after is INVALID_SPAN
+    turn, [span] = by_name(otel.finished())
+    assert_children(turn, [span])
+    assert dict(turn.attributes or {})["error.type"] == "CancelledError"
+    assert dict(turn.attributes or {})["ledger.outcome"] == "interrupted"
+    attrs = dict(span.attributes or {})
+    assert attrs["ledger.outcome"] == state == "unknown"  # handed over: it may have been sent
+    assert attrs["error.type"] == "cancelled" and span.status.status_code is StatusCode.ERROR
+    assert metric_total(otel, "ledger.attempts") == {("primary", "unknown"): 1}
+
+
 def test_content_is_captured_only_when_opted_in_and_then_redacted(
         db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider],
         adapter: SyncAdapter) -> None:
