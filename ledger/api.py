@@ -14,9 +14,9 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -55,6 +55,9 @@ from ledger.storage.rows import new_id, run_live
 from ledger.storage.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
 from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 from ledger.turn_effects import TurnSnapshot
+
+if TYPE_CHECKING:
+    from ledger.session import AsyncRunSession, RunSession
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -355,6 +358,42 @@ class Ledger:
         rec, _created = self.store.admit(spec, self.clock.now)
         return rec
 
+    def run(
+        self,
+        run_id: str,
+        *,
+        plan: Sequence[Route],
+        budget: Budget | Mapping[str, Any],
+        grant: Grant | Mapping[str, Any] | None = None,
+        policy: Policy | str | Mapping[str, Any] | None = None,
+        role: str = "research",
+        parent: Lease | None = None,
+        tenant: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        deadline: float | None = None,
+        selected_route: str | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        adapter: Any = None,
+        secrets: Any = None,
+    ) -> RunSession:
+        """A Run held in a ``with`` block: admitted (or resumed, for the same id and content)
+        and leased on entering, finished and released on leaving. See :mod:`ledger.session`.
+
+        The admission arguments are those of :meth:`admit_run`. ``lease_ttl_s`` is the lease
+        the session keeps renewed; ``adapter`` a :class:`~ledger.adapters.SyncAdapter` to send
+        with (default: one of the session's own, closed with it) and ``secrets`` the secret
+        provider of that default adapter.
+
+        >>> with led.run("task-1", plan=routes, budget=budget) as run:   # doctest: +SKIP
+        ...     answer = run.turn(Envelope(parts=[Part(content="Hello")]))
+        """
+        from ledger.session import RunSession
+
+        return RunSession(self, run_id, dict(
+            plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
+            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route),
+            lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
+
     def get_run(self, run_id: str) -> RunRecord:
         """The Run as it stands now (frozen parts and live counters)."""
         return self.store.get_run(run_id)
@@ -527,6 +566,7 @@ class Ledger:
         model_reported: str | None = None,
         output_hash: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
+        provenance_hashes: Sequence[str] = (),
     ) -> _Call[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
@@ -576,6 +616,7 @@ class Ledger:
             raise InvalidArgument("model_reported is a string of at most 200 characters",
                                   field="model_reported")
         _hash_arg(output_hash, "output_hash", optional=True)
+        hashes = tuple(str(_hash_arg(h, "provenance_hashes")) for h in provenance_hashes)
         known = self._in_flight.get(attempt_id)
         att = known if known is not None else self.store.get_attempt(attempt_id)
         if att.run_id != lease.run_id:
@@ -583,13 +624,16 @@ class Ledger:
                            attempt_id=attempt_id, run_id=lease.run_id)
         run = self.frozen_run(lease.run_id)
         route = run.route(att.route_id)
-        settle_hash = content_hash({
+        settled: dict[str, Any] = {
             "outcome": outcome.value,
             "fact": fact.to_json() if fact else None,
             "tokens": [prompt_tokens, completion_tokens],
             "cost": cost_micros, "eff": eff, "tool": tool, "model": model_reported,
             "output": output_hash,
-        })
+        }
+        if hashes:  # only then: settles recorded before output parts existed hash as they did
+            settled["parts"] = list(hashes)
+        settle_hash = content_hash(settled)
         health = ({} if outcome is Outcome.NOT_SENT and fact is None
                   else health_updates(pol, route, att.profile_id, outcome, fact, now))
         spec = SettleSpec(
@@ -599,7 +643,7 @@ class Ledger:
             model_reported=model_reported, output_hash=output_hash, settle_hash=settle_hash,
             health=health,
             group_update=group_update(pol, fact, now) if outcome is Outcome.FAILED else None,
-            events=_events(events),
+            events=_events(events), provenance=hashes,
         )
         clock = self.clock.now
 
@@ -765,6 +809,25 @@ def _in_thread(
     return method
 
 
+class _Opening:
+    """An AsyncLedger being opened: awaitable, or used as ``async with``."""
+
+    def __init__(self, make: Callable[[], AsyncLedger]) -> None:
+        self._make = make
+        self._led: AsyncLedger | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLedger]:
+        return asyncio.to_thread(self._make).__await__()
+
+    async def __aenter__(self) -> AsyncLedger:
+        self._led = await asyncio.to_thread(self._make)
+        return self._led
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._led is not None:
+            await self._led.close()
+
+
 class AsyncLedger:
     """The async twin of :class:`Ledger`: the same methods, awaited; one implementation."""
 
@@ -772,10 +835,14 @@ class AsyncLedger:
         self.sync = ledger
 
     @classmethod
-    async def open(cls, url: str, *, clock: Clock | None = None,
-                   executor_id: str | None = None) -> AsyncLedger:
-        led = await asyncio.to_thread(Ledger.open, url, clock=clock, executor_id=executor_id)
-        return cls(led)
+    def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
+             migrate_schema: bool = True,
+             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> _Opening:
+        """Open a ledger (see :meth:`Ledger.open`): ``led = await AsyncLedger.open(url)``, or
+        ``async with AsyncLedger.open(url) as led:`` (closed when the block ends)."""
+        return _Opening(lambda: cls(Ledger.open(
+            url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
+            lease_margin_s=lease_margin_s)))
 
     async def close(self) -> None:
         await asyncio.to_thread(self.sync.close)
@@ -800,6 +867,22 @@ class AsyncLedger:
 
     def now(self) -> float:
         return self.sync.now()
+
+    def run(self, run_id: str, *, plan: Sequence[Route], budget: Budget | Mapping[str, Any],
+            grant: Grant | Mapping[str, Any] | None = None,
+            policy: Policy | str | Mapping[str, Any] | None = None, role: str = "research",
+            parent: Lease | None = None, tenant: str | None = None,
+            labels: Mapping[str, str] | None = None, deadline: float | None = None,
+            selected_route: str | None = None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+            adapter: Any = None, secrets: Any = None) -> AsyncRunSession:
+        """The asyncio twin of :meth:`Ledger.run`: ``async with led.run(...) as run:``;
+        ``adapter`` is an :class:`~ledger.adapters.HttpAdapter`."""
+        from ledger.session import AsyncRunSession
+
+        return AsyncRunSession(self, run_id, dict(
+            plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
+            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route),
+            lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
     async def warm(self, run_id: str) -> None:
         """Read the Run's (and its ancestors') frozen parts into the cache off the event loop,

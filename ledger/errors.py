@@ -34,6 +34,7 @@ Causes are chained with ``raise ... from``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ledger.redaction import redact
@@ -158,11 +159,23 @@ class ProviderError(LedgerError):
     """A provider call failed; ``fact`` holds the structured failure fact."""
 
 
+@dataclass(frozen=True)
+class PartialOutput:
+    """Output the caller was already shown when its attempt failed and the turn stopped:
+    ``text`` as delivered, by ``attempt_id`` on ``route`` (seed 003 section 7)."""
+
+    text: str
+    attempt_id: str
+    route: str
+
+
 class FailoverExhausted(LedgerError, ExceptionGroup):
     """The run stopped without a result.
 
-    ``reason`` is the selector's stop reason, ``errors``/``exceptions`` every attempt's error in
-    order, ``attempts`` the attempt ids.
+    ``reason`` is the stop reason (the selector's, ``retry_allowance`` or ``budget``);
+    ``exceptions`` every attempt's error in order; ``attempts`` the attempt ids; ``detail``
+    and ``skipped`` (the candidates passed over, with their reasons) explain the stop;
+    ``partial`` is the output the caller was already shown, when there was some.
     """
 
     def __new__(
@@ -172,6 +185,9 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
         *,
         reason: str,
         attempts: Sequence[str] = (),
+        detail: str = "",
+        skipped: Sequence[Any] = (),
+        partial: PartialOutput | None = None,
         **fields: Any,
     ) -> FailoverExhausted:
         excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
@@ -185,20 +201,43 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
         *,
         reason: str,
         attempts: Sequence[str] = (),
+        detail: str = "",
+        skipped: Sequence[Any] = (),
+        partial: PartialOutput | None = None,
         **fields: Any,
     ) -> None:
         excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
         ExceptionGroup.__init__(self, redact(message), excs)
         self.reason = reason
         self.attempts = list(attempts)
-        self.fields = {"reason": reason, "attempts": list(attempts), **fields}
+        self.detail = detail
+        self.skipped = list(skipped)
+        self.partial = partial
+        self.fields = {"reason": reason, "attempts": list(attempts), "detail": detail,
+                       "skipped": list(skipped), **fields}
+        if partial is not None:
+            self.fields["partial"] = partial
 
     def __str__(self) -> str:
         return f"{self.message} ({len(self.exceptions)} attempt error(s))"
 
+    def _kwargs(self) -> dict[str, Any]:
+        extra = {k: v for k, v in self.fields.items()
+                 if k not in ("reason", "attempts", "detail", "skipped", "partial")}
+        return {"reason": self.reason, "attempts": self.attempts, "detail": self.detail,
+                "skipped": self.skipped, "partial": self.partial, **extra}
+
     def derive(self, excs: Sequence[Exception]) -> FailoverExhausted:  # type: ignore[override]
-        return FailoverExhausted(self.message, list(excs), reason=self.reason,
-                                 attempts=self.attempts)
+        # ``except*`` splits the group: each part keeps every fact about the stop.
+        return FailoverExhausted(self.message, list(excs), **self._kwargs())
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_failover, (self.message, list(self.exceptions), self._kwargs()))
+
+
+def _rebuild_failover(message: str, excs: list[Exception], kwargs: dict[str, Any]
+                      ) -> FailoverExhausted:
+    return FailoverExhausted(message, excs, **kwargs)
 
 
 __all__ = [
@@ -217,6 +256,7 @@ __all__ = [
     "LeaseLost",
     "LedgerError",
     "NotFound",
+    "PartialOutput",
     "PolicyError",
     "PreflightRefused",
     "ProviderError",

@@ -83,6 +83,10 @@ class Route(_Frozen):
     capabilities: Capabilities = Field(default_factory=Capabilities)
     roles: list[str] | None = None  # qualified roles; None = every role
     profiles: list[Profile] = Field(default_factory=list)
+    # The environment variable that holds this route's API key, for a route without credential
+    # profiles (the key itself is never stored: only this name is frozen with the plan).
+    api_key_env: str | None = Field(default=None, max_length=200,
+                                    pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     # None: look it up by provider and model when a Run is admitted (ledger.pricing), so the
     # Run's frozen plan always carries a price. Price() declares the route free.
     price: Price | None = None

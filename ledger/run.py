@@ -35,7 +35,7 @@ from ledger.api import AsyncLedger, Ledger, _Call
 from ledger.bounds import amount_in_range, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.core.classify import classify
-from ledger.core.envelope import Envelope
+from ledger.core.envelope import Envelope, Part
 from ledger.core.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.core.preflight import NO_DENIALS, CharEstimator, Denials, TokenCounter
 from ledger.core.profiles import Pin
@@ -50,6 +50,7 @@ from ledger.errors import (
     InvalidArgument,
     LedgerError,
     NotFound,
+    PartialOutput,
     ProviderError,
     SettleConflict,
 )
@@ -89,10 +90,23 @@ class RunResult:
     attempt: AttemptRecord
     attempts: list[AttemptRecord]
     resets: int = 0
+    parts: list[Part] = field(default_factory=list)
 
     @property
     def switched(self) -> bool:
         return any(a.route_id != self.route.id for a in self.attempts)
+
+    @property
+    def text(self) -> str:
+        """The answer's text (its text parts, joined)."""
+        return "".join(p.content for p in self.parts if p.role == "assistant"
+                       and p.tool_call_id is None)
+
+    @property
+    def tool_calls(self) -> list[Part]:
+        """The tool calls the model proposed, as parts (``tool_call_id``, ``name``, arguments
+        as JSON in ``content``)."""
+        return [p for p in self.parts if p.tool_call_id is not None]
 
 
 SendFn = Callable[[Dispatch], SendResult | Awaitable[SendResult]]
@@ -113,6 +127,8 @@ class _Turn:
     resets: int = 0
     # Groups whose admission refused this turn: Admission's own fresh fact for the selector.
     refused_groups: dict[str, float | None] = field(default_factory=dict)
+    # Output the caller was shown before its attempt failed: handed back if the turn stops.
+    partial: PartialOutput | None = None
 
 
 def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> Decimal:
@@ -271,14 +287,21 @@ class _Loop:
                 raise
             faults.point("dispatch.after_send")
             if result.ok:
-                done = yield from self._settle_success(att, result)
+                done = yield from self._settle_success(att, result, dispatch.progress.tool_started)
                 turn.attempts.append(done)
-                return RunResult(result.output, route, profile, done, turn.attempts, turn.resets)
+                return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
+                                 list(result.parts))
             obs = result.observation or Observation(message="send reported failure without "
                                                             "an observation")
+            if dispatch.progress.tool_started:
+                # The host started a tool this attempt proposed: the turn may not move on.
+                obs = obs.model_copy(update={"tool_started": True, "effective_output": True})
             now = yield from perform(Now())
             fact = classify(obs, policy, now=now)
-            settled = yield from self._settle_failure(att, fact, result.sent)
+            discarded = bool(result.partial_text) and not fact.effective_output
+            settled = yield from self._settle_failure(att, fact, result.sent, discarded)
+            if fact.effective_output and result.partial_text:
+                turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
             turn.attempts.append(settled)
             turn.errors.append(ProviderError(
                 f"{route.provider}/{route.model}: {fact.category.value}"
@@ -330,7 +353,7 @@ class _Loop:
 
     # -- settling ----------------------------------------------------------------------------
 
-    def _settle_success(self, att: AttemptRecord, result: SendResult
+    def _settle_success(self, att: AttemptRecord, result: SendResult, tool_started: bool
                         ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
         events: list[tuple[str, dict[str, Any]]] = []
         pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
@@ -345,9 +368,11 @@ class _Loop:
         return (yield from perform(Settle(
             self.lease, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
             completion_tokens=ct, cost=cost, model_reported=_short(result.model_reported),
-            output_hash=result.output_hash, events=events)))
+            output_hash=result.output_hash, tool_started=tool_started or None,
+            provenance=result.provenance, events=events)))
 
-    def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool
+    def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool,
+                        discarded: bool
                         ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
         if not sent or fact.phase is Phase.BEFORE_SEND:
             outcome = Outcome.NOT_SENT
@@ -356,7 +381,12 @@ class _Loop:
             outcome = Outcome.UNKNOWN
         else:
             outcome = Outcome.FAILED
-        return (yield from perform(Settle(self.lease, att.attempt_id, outcome, fact=fact)))
+        # Streamed text nobody was shown (the caller buffered) is no effective output: it is
+        # discarded, and that is recorded; the policy may then move on.
+        events = [("discarded", {"reason": "partial output of a failed attempt that was "
+                                 "never delivered"})] if discarded else []
+        return (yield from perform(Settle(self.lease, att.attempt_id, outcome, fact=fact,
+                                          events=events)))
 
     def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
                             ) -> Generator[Effect[Any], Any, None]:
@@ -408,6 +438,7 @@ class _Loop:
             f"every route failed ({reason}): {names}", list(turn.errors), reason=reason,
             attempts=[a.attempt_id for a in turn.attempts], detail=detail,
             skipped=[s.to_json() for s in decision.skipped] if decision else [],
+            partial=turn.partial,
         )
 
 
@@ -617,7 +648,8 @@ def _call_of(ledger: Ledger, eff: Effect[Any]) -> _Call[Any]:
                 eff.lease, eff.attempt_id, outcome=eff.outcome, fact=eff.fact,
                 prompt_tokens=eff.prompt_tokens, completion_tokens=eff.completion_tokens,
                 cost=eff.cost, model_reported=eff.model_reported, output_hash=eff.output_hash,
-                effective_output=eff.effective_output, events=eff.events)
+                effective_output=eff.effective_output, tool_started=eff.tool_started,
+                provenance_hashes=eff.provenance, events=eff.events)
         case ClaimProbe(route=route, interval_s=interval):
             return ledger._claim_probe(route, interval)
         case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):

@@ -63,6 +63,9 @@ class SendProgress:
 
     handed_over: bool = False
     sent: bool | None = None
+    # The host started a tool this Attempt proposed: a failure of the turn may no longer move
+    # to another route (invariant 9).
+    tool_started: bool = False
 
     @property
     def provably_unsent(self) -> bool:
@@ -100,6 +103,16 @@ class SendResult:
     output_hash: str | None = None
     observation: Observation | None = None
     sent: bool = True
+    # The answer as conversation parts (text, tool calls), each recorded as provenance of the
+    # Attempt at settle so the next turn can carry them.
+    parts: tuple[Any, ...] = ()
+    # On a failure: text the caller was shown before the failure (effective output).
+    partial_text: str = ""
+
+    @property
+    def provenance(self) -> tuple[str, ...]:
+        """The content hashes the Attempt's settle records as its outputs."""
+        return tuple(p.content_hash for p in self.parts)
 
     @classmethod
     def failed(cls, observation: Observation, *, sent: bool = True) -> SendResult:
@@ -160,6 +173,8 @@ class Settle(Effect[AttemptRecord]):
     model_reported: str | None = None
     output_hash: str | None = None
     effective_output: bool | None = None
+    tool_started: bool | None = None
+    provenance: tuple[str, ...] = ()
     events: Events = ()
 
 

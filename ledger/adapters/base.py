@@ -80,6 +80,7 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -367,6 +368,15 @@ class HttpAdapter:
             ) from None
 
     def _secret(self, route: Route, profile_id: str | None) -> str | None:
+        if profile_id is None and route.api_key_env:
+            # The route names the environment variable holding its key.
+            secret = os.environ.get(route.api_key_env)
+            if not secret:
+                raise _CannotBuild(
+                    f"no API key for route {route.id!r}: the environment variable "
+                    f"{route.api_key_env} is not set; set it, or change Route.api_key_env")
+            register_secret(secret)
+            return self._usable(secret, f"route {route.id!r} ({route.api_key_env})")
         if profile_id is None:
             return None  # a keyless endpoint (a local server): no credential header is sent
         try:
@@ -385,11 +395,15 @@ class HttpAdapter:
                 fix = f"add it to the {type(self.secrets).__name__}"
             raise _CannotBuild(f"no secret for credential profile {profile_id!r}; {fix}")
         register_secret(secret)
+        return self._usable(secret, f"credential profile {profile_id!r}")
+
+    @staticmethod
+    def _usable(secret: str, whose: str) -> str:
         if secret != secret.strip() or not all(0x20 <= ord(c) <= 0x7E for c in secret):
             raise _CannotBuild(
-                f"the secret for credential profile {profile_id!r} cannot go in an HTTP header "
-                "(it has surrounding whitespace, control or non-ASCII characters); store the "
-                "key exactly as the provider issued it"
+                f"the secret for {whose} cannot go in an HTTP header (it has surrounding "
+                "whitespace, control or non-ASCII characters); store the key exactly as the "
+                "provider issued it"
             )
         return secret
 
@@ -788,13 +802,18 @@ class HttpAdapter:
         return self._success(call, reply)
 
     async def _deliver(self, call: _Call, event: StreamEvent) -> None:
+        # Output is *effective* once a caller was handed it: text streamed into a buffer that
+        # nobody saw can still be discarded, and the turn may move on (seed 003 section 7).
+        watched = call.on_event is not None
         if isinstance(event, TextDelta):
             if not event.text:
                 return
             call.delivered.append(event.text)
-            call.delivered_any = call.effective_output = True
+            call.delivered_any = True
+            call.effective_output = call.effective_output or watched
         elif isinstance(event, ToolCallProposal):
-            call.delivered_any = call.effective_output = True
+            call.delivered_any = True
+            call.effective_output = call.effective_output or watched
         if call.on_event is not None:
             ret = call.on_event(event)
             if inspect.isawaitable(ret):

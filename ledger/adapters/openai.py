@@ -126,8 +126,9 @@ class OpenAICodec(Codec):
                     },
                 }
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)
+                # One assistant message per turn: its text and its tool calls together.
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif part.role == "tool":

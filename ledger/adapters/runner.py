@@ -24,16 +24,30 @@ from ledger.run import Dispatch, SendResult
 
 
 def output_part(result: AdapterResult, attempt_id: str) -> Part:
-    """The answer as an envelope part for the next turn, with its provenance reference."""
+    """The answer's text as an envelope part for the next turn, with its provenance."""
     return Part(role="assistant", content=result.text, data_class=MODEL_DERIVED,
                 provenance=attempt_id)
+
+
+def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
+    """The whole answer as parts — its text, then one part per tool call (``tool_call_id``,
+    ``name``, the arguments as JSON text) — each with the Attempt as its provenance."""
+    parts: list[Part] = []
+    if result.text or not result.tool_calls:
+        parts.append(output_part(result, attempt_id))
+    for call in result.tool_calls:
+        parts.append(Part(role="assistant", content=call.arguments_json or "{}",
+                          data_class=MODEL_DERIVED, provenance=attempt_id,
+                          tool_call_id=call.id, name=call.name))
+    return tuple(parts)
 
 
 def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     """What the retry owner records for ``result`` (``sent`` is copied as reported)."""
     if not result.ok:
         obs = result.observation or Observation(message="adapter failure without observation")
-        return SendResult.failed(obs, sent=result.sent)
+        return SendResult(ok=False, observation=obs, sent=result.sent,
+                          partial_text=result.partial_text)
     usage = result.usage
     return SendResult(
         ok=True,
@@ -43,6 +57,7 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
         cost=result.cost,
         model_reported=result.model_reported,
         output_hash=output_part(result, attempt_id).content_hash,
+        parts=output_parts(result, attempt_id),
     )
 
 
@@ -74,4 +89,4 @@ def sync_sender(
     return send
 
 
-__all__ = ["async_sender", "output_part", "sync_sender", "to_send_result"]
+__all__ = ["async_sender", "output_part", "output_parts", "sync_sender", "to_send_result"]

@@ -29,16 +29,17 @@ from enum import StrEnum
 from typing import Protocol as TypingProtocol
 from typing import runtime_checkable
 
-from ledger.core.envelope import USER_INPUT, Envelope, Part
+from ledger.core.envelope import SYSTEM, USER_INPUT, Envelope, Part
 from ledger.core.facts import Protocol
 from ledger.errors import PreflightRefused
 from ledger.model import Grant, Route, canonical_json
 from ledger.policy.model import Policy
 
-# Classes that need no provenance: the user's own current input is, by definition, what the
-# Run's grant was confirmed against. Everything else (model output, tool results, memory,
-# private documents, system text) must prove where it came from.
-PROVENANCE_EXEMPT: frozenset[str] = frozenset({USER_INPUT})
+# Classes that need no provenance: the user's own current input and the host's own system
+# text are, by definition, what the Run's grant was confirmed against (the grant still decides
+# which recipients may receive them). Everything else (model output, tool results, memory,
+# private documents) must prove where it came from.
+PROVENANCE_EXEMPT: frozenset[str] = frozenset({USER_INPUT, SYSTEM})
 
 
 class Check(StrEnum):

@@ -645,10 +645,12 @@ def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[Att
     if succeeded:
         run_params.update(route=att.route_id, profile=att.profile_id)
     writes.append(Q(sql.settle_run_succeeded if succeeded else sql.settle_run, run_params))
-    if succeeded and spec.output_hash:
-        writes.append(Q(sql.insert_provenance, {"run_id": run_id, "ref": spec.attempt_id,
-                                                "content_hash": spec.output_hash,
-                                                "kind": "model_output", "now": now}))
+    if succeeded:
+        for digest in dict.fromkeys((spec.output_hash, *spec.provenance)):
+            if digest:
+                writes.append(Q(sql.insert_provenance, {
+                    "run_id": run_id, "ref": spec.attempt_id, "content_hash": digest,
+                    "kind": "model_output", "now": now}))
     if spec.group_update is not None:
         writes.append(_group_fact(sql, att.group_id, spec.group_update, now))
     if spec.events:

@@ -117,3 +117,6 @@ class SettleSpec:
     health: Mapping[str, tuple[str, str | None, HealthUpdate]]  # key -> (kind, provider, update)
     group_update: GroupUpdate | None
     events: Sequence[tuple[str, dict[str, Any]]] = ()
+    # Content hashes of every output part (text, tool calls) recorded as the Attempt's
+    # provenance, beside ``output_hash``.
+    provenance: tuple[str, ...] = ()

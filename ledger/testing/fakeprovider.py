@@ -100,6 +100,10 @@ class Behavior:
     retry_after: str = "7"  # for RATE_LIMIT_RETRY_AFTER (seconds or an HTTP date)
     delay_s: float = 1.0  # SLOW_FIRST_TOKEN wait; TRICKLE interval
     content_before_fault: int = 2  # content events sent before a mid-stream fault
+    # Fire a mid-stream cut or reset only after every content event and its block's end (an
+    # Anthropic tool_use block is then a complete proposal), before the completion signal:
+    # the answer is never finished.
+    fault_after_content: bool = False
     tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
     raw: tuple[bytes, ...] = ()  # RAW: the bytes to write, one write per item
     raw_hold: bool = False  # RAW: keep the connection open (sending nothing) after writing
@@ -497,7 +501,9 @@ class FakeProvider:
         )
         sent_content = 0
         prelude_done = False
-        for data, is_content, is_terminator in events:
+        events = list(events)
+        last_content = max((i for i, e in enumerate(events) if e[1]), default=-1)
+        for index, (data, is_content, is_terminator) in enumerate(events):
             if is_content and not prelude_done:
                 prelude_done = True
                 if f is Fault.SLOW_FIRST_TOKEN:
@@ -506,7 +512,14 @@ class FakeProvider:
                     while True:
                         await _write(writer, _chunk(data))
                         await asyncio.sleep(behavior.delay_s)
-            if is_content and sent_content >= behavior.content_before_fault:
+            if (behavior.fault_after_content and index > last_content >= 0
+                    and b"content_block_stop" not in data  # the block (a tool_use) completes
+                    and f in (Fault.STREAM_CUT, Fault.STREAM_RESET)):
+                if f is Fault.STREAM_RESET:
+                    _reset(writer)
+                return False
+            if (is_content and not behavior.fault_after_content
+                    and sent_content >= behavior.content_before_fault):
                 if f is Fault.STREAM_CUT:
                     return False  # FIN inside the chunked body
                 if f is Fault.STREAM_RESET:

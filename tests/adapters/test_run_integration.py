@@ -109,7 +109,11 @@ def test_fault_through_adapter_and_retry_owner(
         try:
             # Same-route retries are part of goclaw's behaviour; their waits are real here, so
             # keep them short through the clock-less sleeper of a ManualClock-free ledger.
-            res = execute(led, lease, env, sync_sender(adapter, limits=LIMITS),
+            # A streamed answer is watched (shown to a user as it arrives): it is effective.
+            shown: list[object] = []
+            res = execute(led, lease, env,
+                          sync_sender(adapter, limits=LIMITS,
+                                      on_event=shown.append if stream else None),
                           on_notice=notices.append, sleeper=_NoWait())
             outcome = res.route.id
             assert res.output.ok and res.output.text  # never a truncated answer
@@ -141,3 +145,33 @@ class _NoWait:
 
     async def asleep(self, seconds: float) -> None:
         pass
+
+
+@pytest.mark.parametrize(("policy", "expect"), [("failure-domain", "stop:execution_unknown"),
+                                                ("goclaw", "backup")])
+def test_buffered_stream_cut_is_discarded_not_effective(
+    db_url: str, fakes: tuple[FakeProvider, FakeProvider], adapter: SyncAdapter, policy: str,
+    expect: str,
+) -> None:
+    """Nobody was shown the partial text: it is no effective output; it is discarded and that
+    is recorded, and the policy decides whether to move on (seed 003 section 7)."""
+    a, b = fakes
+    a.clear()
+    b.clear()
+    a.enqueue(Behavior(fault=Fault.STREAM_CUT), model="m-primary")
+    with Ledger.open(db_url) as led:
+        led.admit_run("r", plan=plan(a, b, Protocol.OPENAI), policy=policy,
+                      budget=Budget(max_calls=4, max_retries=2, max_cost=Decimal("1")),
+                      grant=Grant(recipients={"ra": ["user_input"], "rb": ["user_input"]}))
+        lease = led.acquire_lease("r")
+        env = Envelope(parts=[Part(content="What changed?")], stream=True, max_output_tokens=64)
+        try:
+            outcome = execute(led, lease, env, sync_sender(adapter, limits=LIMITS),
+                              sleeper=_NoWait()).route.id
+        except FailoverExhausted as e:
+            outcome = f"stop:{e.reason}"
+            assert e.partial is None  # nothing was delivered, nothing to hand back
+        assert outcome == expect
+        first = led.timeline("r")[0]
+        assert first.route_id == "primary" and not first.effective_output
+        assert [e.attempt_id for e in led.events("r", ["discarded"])] == [first.attempt_id]

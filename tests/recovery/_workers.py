@@ -65,7 +65,7 @@ def turn_done(led: Ledger, run_id: str) -> dict[str, str]:
 def drive(led: Ledger, lease: Lease, run_id: str, turns: int, log: str, out: dict[str, int],
           route: str = "a") -> None:
     """Run the turns of one run: begin -> send -> settle, never re-sending a done turn."""
-    done = turn_done(led, run_id)
+    done = retrying(lambda: turn_done(led, run_id), out)
     for i in range(1, turns + 1):
         turn = f"t{i}"
         if turn in done:

@@ -1,0 +1,361 @@
+"""The Run session: a Run you hold in a ``with`` block, and turns on it.
+
+::
+
+    with led.run("task-42", plan=routes, budget=budget, grant=grant) as run:
+        result = run.turn(Envelope(parts=[Part(content="Compare the filings.")]),
+                          on_text=print)
+        for call in result.tool_calls:
+            answer = search(call.arguments)           # the host runs its tool
+            parts.append(run.tool_result(call.tool_call_id, answer))
+
+Entering admits the Run (or resumes it: the same id with identical content), takes its lease and
+keeps it renewed in the background; leaving finishes the Run — ``succeeded``, or ``failed`` /
+``cancelled`` when the block raised — and releases the lease, on every path, cancellation
+included. A turn is one logical turn through the retry owner (:func:`ledger.run.execute`) with
+the route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
+conversation parts whose provenance the ledger recorded, so appending them (and the tool
+results made here) to the next envelope passes disclosure preflight with nothing more to do.
+
+:class:`RunSession` (blocking) and :class:`AsyncRunSession` (asyncio) share everything that is
+not I/O in :class:`_SessionCore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from ledger.core.envelope import Envelope, Part
+from ledger.errors import FencedOut, InvalidArgument, InvalidState
+from ledger.model import Budget, Grant, Route
+from ledger.records import Lease, RunRecord
+from ledger.turn_effects import Dispatch, SendResult
+
+log = logging.getLogger("ledger.session")
+
+TextCallback = Callable[[str], Any]
+EventCallback = Callable[[Any], Any]  # ledger.adapters.StreamEvent -> None | Awaitable
+
+DEFAULT_SESSION_TTL_S = 30.0
+_ENDED = ("this Run session has ended (its block was left); open a new one with "
+          "ledger.run(...) to continue the Run")
+
+
+def _end_status(exc: BaseException | None) -> str:
+    """How a Run ends when its block is left with ``exc``."""
+    if exc is None:
+        return "succeeded"
+    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | GeneratorExit):
+        return "cancelled"
+    return "failed"
+
+
+class _SessionCore:
+    """What both sessions share: admission arguments, the calls a turn proposed, the Part a
+    tool result becomes, and the callbacks a turn's stream goes to."""
+
+    def __init__(self, run_id: str, admit: Mapping[str, Any], lease_ttl_s: float) -> None:
+        self.run_id = run_id
+        self.admit = dict(admit)
+        self.lease_ttl_s = lease_ttl_s
+        self.record: RunRecord | None = None
+        self._state = "new"  # new -> open -> ended
+        self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
+        self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
+
+    def _check_open(self) -> None:
+        if self._state == "new":
+            raise InvalidState("the Run session is not open yet; use it in a with block",
+                               run_id=self.run_id)
+        if self._state == "ended":
+            raise InvalidState(_ENDED, run_id=self.run_id)
+
+    def _enter(self) -> None:
+        if self._state != "new":
+            raise InvalidState("a Run session is entered once; open a new one with "
+                               "ledger.run(...)", run_id=self.run_id)
+
+    def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None
+                 ) -> Callable[[Any], Any] | None:
+        """The stream callback of a turn: text to ``on_text``, every event to ``on_event``,
+        tool-call proposals remembered. ``None`` when the caller watches nothing: streamed text
+        then stays a buffer, and it is no effective output until the answer completes."""
+        from ledger.adapters.contract import TextDelta, ToolCallProposal
+
+        if on_text is None and on_event is None:
+            return None
+
+        def watch(event: Any) -> Any:
+            if isinstance(event, ToolCallProposal) and self._sending is not None:
+                self._calls[event.call.id] = (self._sending.attempt_id, event.call.name)
+            if on_text is not None and isinstance(event, TextDelta):
+                out = on_text(event.text)
+                if on_event is None:
+                    return out
+            return on_event(event) if on_event is not None else None
+
+        return watch
+
+    def _remember(self, parts: Sequence[Part], attempt_id: str) -> None:
+        for p in parts:
+            if p.tool_call_id is not None:
+                self._calls[p.tool_call_id] = (attempt_id, p.name or "")
+
+    def _call(self, call_id: str) -> tuple[str, str]:
+        if not isinstance(call_id, str) or call_id not in self._calls:
+            raise InvalidArgument(
+                f"tool call {call_id!r} was not proposed in this Run session; pass the "
+                "tool_call_id of one of a turn's result.tool_calls", field="call_id")
+        return self._calls[call_id]
+
+    def _tool_part(self, call_id: str, content: Any, data_class: str) -> Part:
+        _attempt, name = self._call(call_id)
+        if not isinstance(content, str):
+            raise InvalidArgument("a tool result's content is text (serialise it, e.g. JSON)",
+                                  field="content")
+        return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
+                    tool_call_id=call_id, name=name or None)
+
+    def _mark_started(self, call_id: str) -> str:
+        attempt_id, _name = self._call(call_id)
+        d = self._sending
+        if d is not None and d.attempt_id == attempt_id:
+            d.progress.tool_started = True  # a failure of this Attempt may not move on now
+        return attempt_id
+
+
+class RunSession(_SessionCore):
+    """A Run held in a ``with`` block (see the module docstring); from :meth:`Ledger.run`."""
+
+    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
+                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
+                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+        super().__init__(run_id, admit, lease_ttl_s)
+        self.ledger = ledger
+        self._adapter = adapter
+        self._secrets = secrets
+        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
+        self._keeper: Any = None
+
+    # -- the block -------------------------------------------------------------------------
+
+    def __enter__(self) -> RunSession:
+        from ledger.lease import LeaseKeeper
+
+        self._enter()
+        self.record = self.ledger.admit_run(self.run_id, **self.admit)
+        lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+        self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+        if self._adapter is None:
+            from ledger.adapters import SyncAdapter
+
+            self._adapter = SyncAdapter(secrets=self._secrets)
+        self._state = "open"
+        return self
+
+    def __exit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
+        self._state = "ended"
+        try:
+            self._finish(exc)
+        finally:
+            if self._owns_adapter and self._adapter is not None:
+                self._adapter.close()
+
+    def _finish(self, exc: BaseException | None) -> None:
+        keeper = self._keeper
+        keeper.stop()
+        try:
+            if keeper.error is None:
+                self.ledger.finish_run(keeper.lease, _end_status(exc))
+            keeper.shutdown_writes()  # releases the lease (a fenced-out keeper writes nothing)
+        except FencedOut as e:
+            if exc is None:
+                raise  # the block succeeded, but the Run could not be finished: say so
+            log.warning("run %s: could not finish after %r: %s", self.run_id, exc, e)
+
+    @property
+    def lease(self) -> Lease:
+        """The Run's lease as the session holds it now (renewed in the background)."""
+        self._check_open()
+        return self._keeper.lease  # type: ignore[no-any-return]
+
+    # -- turns -----------------------------------------------------------------------------
+
+    def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
+             on_event: EventCallback | None = None, turn_id: str | None = None,
+             send: Callable[[Dispatch], SendResult] | None = None, **options: Any) -> Any:
+        """Serve one logical turn (see :func:`ledger.run.execute` for ``options``).
+
+        ``on_text`` receives answer text as it streams, ``on_event`` every stream event
+        (text, tool-call proposals, resets); both are for this turn only. ``send`` replaces the
+        route's built-in adapter. Returns the :class:`~ledger.run.RunResult`; its ``parts`` are
+        ready to append to the next envelope.
+        """
+        from ledger.adapters import sync_sender
+        from ledger.run import execute
+
+        self._check_open()
+        inner = send or sync_sender(
+            self._adapter, on_event=self._watcher(on_text, on_event),
+            limits=self.ledger.run_policy(self.run_id).streaming)
+
+        def tracked(d: Dispatch) -> SendResult:
+            self._sending = d
+            try:
+                return inner(d)
+            finally:
+                self._sending = None
+
+        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id, **options)
+        self._remember(result.parts, result.attempt.attempt_id)
+        return result
+
+    def tool_result(self, call_id: str, content: str, *, data_class: str = "tool_result"
+                    ) -> Part:
+        """Record provenance for a tool's result and return it as a Part for the next turn."""
+        self._check_open()
+        part = self._tool_part(call_id, content, data_class)
+        self.ledger.record_provenance(self.lease, call_id, part.content_hash, kind="tool_result")
+        return part
+
+    def tool_started(self, call_id: str) -> None:
+        """Record durably that the host started the tool of ``call_id``: from now on a failure
+        of its turn never moves to another route (invariant 9). Callable from ``on_event``
+        while the stream that proposed the call still runs."""
+        self._check_open()
+        attempt_id = self._mark_started(call_id)
+        self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
+                                 attempt_id=attempt_id)
+
+    def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
+              plan: Sequence[Route] | None = None, grant: Grant | None = None,
+              role: str | None = None, **admit: Any) -> RunSession:
+        """A session for a Child Run: the parent's plan, grant and policy narrowed as given,
+        its budget carved from this Run's."""
+        self._check_open()
+        frozen = self.ledger.frozen_run(self.run_id)
+        args = {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
+                "grant": grant, "role": role or frozen.role, "parent": self.lease, **admit}
+        return RunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
+                          adapter=self._adapter, owns_adapter=False)
+
+
+class AsyncRunSession(_SessionCore):
+    """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`."""
+
+    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
+                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
+                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+        super().__init__(run_id, admit, lease_ttl_s)
+        self.ledger = ledger
+        self._adapter = adapter
+        self._secrets = secrets
+        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
+        self._keeper: Any = None
+
+    async def __aenter__(self) -> AsyncRunSession:
+        from ledger.lease import AsyncLeaseKeeper
+
+        self._enter()
+        self.record = await self.ledger.admit_run(self.run_id, **self.admit)
+        lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+        self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+        if self._adapter is None:
+            from ledger.adapters import HttpAdapter
+
+            self._adapter = HttpAdapter(secrets=self._secrets)
+        self._state = "open"
+        return self
+
+    async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
+        self._state = "ended"
+        # The Run is finished and its lease released even when the block was cancelled.
+        task = asyncio.ensure_future(self._finish(exc))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+        finally:
+            if self._owns_adapter and self._adapter is not None:
+                await self._adapter.aclose()
+
+    async def _finish(self, exc: BaseException | None) -> None:
+        keeper = self._keeper
+        await keeper.stop()
+        try:
+            if keeper.core.error is None:
+                await self.ledger.finish_run(keeper.lease, _end_status(exc))
+            await asyncio.to_thread(keeper.core.shutdown_writes)  # releases the lease
+        except FencedOut as e:
+            if exc is None:
+                raise
+            log.warning("run %s: could not finish after %r: %s", self.run_id, exc, e)
+
+    @property
+    def lease(self) -> Lease:
+        """The Run's lease as the session holds it now (renewed in the background)."""
+        self._check_open()
+        return self._keeper.lease  # type: ignore[no-any-return]
+
+    async def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
+                   on_event: EventCallback | None = None, turn_id: str | None = None,
+                   send: Callable[[Dispatch], Awaitable[SendResult]] | None = None,
+                   **options: Any) -> Any:
+        """Serve one logical turn (see :meth:`RunSession.turn`); callbacks may be coroutine
+        functions."""
+        from ledger.adapters import async_sender
+        from ledger.run import aexecute
+
+        self._check_open()
+        await self.ledger.warm(self.run_id)
+        inner = send or async_sender(
+            self._adapter, on_event=self._watcher(on_text, on_event),
+            limits=self.ledger.sync.run_policy(self.run_id).streaming)
+
+        async def tracked(d: Dispatch) -> SendResult:
+            self._sending = d
+            try:
+                return await inner(d)
+            finally:
+                self._sending = None
+
+        result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                                **options)
+        self._remember(result.parts, result.attempt.attempt_id)
+        return result
+
+    async def tool_result(self, call_id: str, content: str, *,
+                          data_class: str = "tool_result") -> Part:
+        """Record provenance for a tool's result and return it as a Part for the next turn."""
+        self._check_open()
+        part = self._tool_part(call_id, content, data_class)
+        await self.ledger.record_provenance(self.lease, call_id, part.content_hash,
+                                            kind="tool_result")
+        return part
+
+    async def tool_started(self, call_id: str) -> None:
+        """Record durably that the host started the tool of ``call_id`` (see
+        :meth:`RunSession.tool_started`); await it from an async ``on_event``."""
+        self._check_open()
+        attempt_id = self._mark_started(call_id)
+        await self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
+                                       attempt_id=attempt_id)
+
+    def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
+              plan: Sequence[Route] | None = None, grant: Grant | None = None,
+              role: str | None = None, **admit: Any) -> AsyncRunSession:
+        """A session for a Child Run (see :meth:`RunSession.child`); use it with
+        ``async with``."""
+        self._check_open()
+        frozen = self.ledger.sync.frozen_run(self.run_id)
+        args = {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
+                "grant": grant, "role": role or frozen.role, "parent": self.lease, **admit}
+        return AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
+                               adapter=self._adapter, owns_adapter=False)
+
+
+__all__ = ["AsyncRunSession", "RunSession"]

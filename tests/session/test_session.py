@@ -1,0 +1,275 @@
+"""The Run session (``with led.run(...)`` / ``async with``): held, finished and released on every
+path; turns whose parts carry their provenance; tool calls and tool results; streaming;
+delivered partial output; credentials on routes; children; misuse. Real HTTP over loopback
+(the shipped fake provider) through each protocol, on both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+
+import pytest
+
+from ledger import (
+    AdmissionConflict,
+    AsyncLedger,
+    Budget,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    InvalidArgument,
+    InvalidState,
+    Ledger,
+    Part,
+    Price,
+    Route,
+    RunStatus,
+    ToolSpec,
+)
+from ledger.adapters import ToolCallProposal
+from ledger.core.facts import Protocol
+from ledger.records import AttemptState
+from ledger.testing import Behavior, FakeProvider, Fault
+
+PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
+BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+GRANT = Grant(recipients={"fake": ["user_input", "model_derived", "tool_result",
+                                   "tool_description", "system"]})
+TOOLS = [ToolSpec(name="search", description="Search the filings",
+                  parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+FULL_TEXT = Behavior().text
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider().in_thread() as fp:
+        yield fp
+
+
+@pytest.fixture(autouse=True)
+def _clear(fake: FakeProvider) -> None:
+    fake.clear()
+
+
+def plan(fake: FakeProvider, protocol: str = "openai") -> list[Route]:
+    proto = Protocol(protocol)
+    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
+                  recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
+                  price=PRICE),
+            Route(id="backup", provider="fake-b", model="backup-model", group="gb",
+                  recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
+                  price=PRICE)]
+
+
+# -- the block -----------------------------------------------------------------------------
+
+
+def test_a_session_admits_leases_finishes_and_releases(db_url: str, fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led:
+        with led.run("task-1", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            assert led.get_run("task-1").lease_holder == run.lease.executor
+            run.turn(Envelope(parts=[Part(content="hello")]))
+        rec = led.get_run("task-1")
+        assert rec.status is RunStatus.SUCCEEDED and rec.lease_holder is None
+        # The same block again resumes the Run (same id, same content): no LeaseHeld.
+        with led.run("task-1", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            pass
+        with pytest.raises(AdmissionConflict), led.run("task-1", plan=plan(fake)[:1],
+                                                        budget=BUDGET, grant=GRANT):
+            pass
+        assert led.get_run("task-1").lease_holder is None
+
+
+def test_a_block_that_raises_finishes_the_run_failed(db_url: str, fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led:
+        with pytest.raises(RuntimeError), led.run("t", plan=plan(fake), budget=BUDGET):
+            raise RuntimeError("the host's own error")
+        rec = led.get_run("t")
+        assert rec.status is RunStatus.FAILED and rec.lease_holder is None
+
+
+def test_a_cancelled_async_block_finishes_the_run_cancelled(db_url: str,
+                                                            fake: FakeProvider) -> None:
+    fake.set_default(Behavior(fault=Fault.TRICKLE, delay_s=0.02))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            async def agent() -> None:
+                async with led.run("t", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                    await run.turn(Envelope(parts=[Part(content="hi")], stream=True),
+                                   on_text=lambda _t: None)
+
+            task = asyncio.create_task(agent())
+            await asyncio.sleep(0.3)  # real time: the stream is really running on loopback
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            rec = led.sync.get_run("t")
+            assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
+            [att] = led.sync.timeline("t")
+            assert att.state is AttemptState.UNKNOWN  # sent, cut off: hold kept, never re-sent
+
+    asyncio.run(main())
+
+
+# -- turns, parts, tools -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "gemini"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_three_turn_agent_with_a_tool_passes_preflight_with_no_extra_calls(
+        db_url: str, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the primary fails over once
+    fake.set_default(Behavior(tool_call=("search", {"q": "filings"})), model="backup-model")
+    shown: list[str] = []
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("agent", plan=plan(fake, protocol), budget=BUDGET, grant=GRANT) as run:
+            msgs = [Part(role="system", content="Be brief.", data_class="system"),
+                    Part(content="Compare the two filings.")]
+            r1 = await run.turn(Envelope(parts=msgs, tools=TOOLS, stream=stream),
+                                on_text=shown.append)
+            assert r1.route.id == "backup" and r1.switched
+            [call] = r1.tool_calls
+            assert call.name == "search" and json.loads(call.content) == {"q": "filings"}
+            msgs += r1.parts
+            msgs.append(await run.tool_result(call.tool_call_id or "", '{"hits": 3}'))
+            fake.set_default(Behavior(), model="backup-model")
+            r2 = await run.turn(Envelope(parts=msgs, tools=TOOLS, stream=stream),
+                                on_text=shown.append)
+            assert r2.text == FULL_TEXT
+            msgs += r2.parts
+            msgs.append(Part(content="And the risks?"))
+            r3 = await run.turn(Envelope(parts=msgs, tools=TOOLS, stream=stream))
+            assert r3.text == FULL_TEXT
+            # An edited copy of the model's answer has no provenance: refused before sending.
+            forged = r2.parts[0].model_copy(update={"content": "The filings are identical."})
+            with pytest.raises(FailoverExhausted) as ei:
+                await run.turn(Envelope(parts=[*msgs, forged, Part(content="go on")]))
+            assert ei.value.reason == "no_candidate"
+            assert "provenance" in json.dumps(ei.value.skipped)
+
+    asyncio.run(main())
+    if stream:
+        assert "".join(shown).count(FULL_TEXT) == 2
+
+
+def test_text_and_tool_calls_go_out_as_one_assistant_message(db_url: str,
+                                                            fake: FakeProvider) -> None:
+    fake.set_default(Behavior(tool_call=("search", {"q": "x"})))
+    with Ledger.open(db_url) as led, led.run("r", plan=plan(fake), budget=BUDGET,
+                                             grant=GRANT) as run:
+        r1 = run.turn(Envelope(parts=[Part(content="look it up")], tools=TOOLS))
+        tool = run.tool_result(r1.tool_calls[0].tool_call_id or "", "42")
+        fake.set_default(Behavior())
+        run.turn(Envelope(parts=[Part(content="look it up"), *r1.parts, tool], tools=TOOLS))
+    messages = fake.requests[-1].json["messages"]
+    assistant = [m for m in messages if m["role"] == "assistant"]
+    assert len(assistant) == 1
+    assert assistant[0]["content"] == FULL_TEXT and assistant[0]["tool_calls"][0]["id"]
+    assert messages[-1] == {"role": "tool", "tool_call_id": r1.tool_calls[0].tool_call_id,
+                            "content": "42"}
+
+
+def test_a_started_tool_stops_the_turn_instead_of_moving_on(db_url: str,
+                                                           fake: FakeProvider) -> None:
+    # goclaw would discard a failed stream and move on; a tool the host started forbids it.
+    fake.enqueue(Behavior(fault=Fault.STREAM_CUT, tool_call=("search", {"q": "x"}),
+                          fault_after_content=True), model="primary-model")
+    with Ledger.open(db_url) as led, led.run("r", plan=plan(fake, "anthropic"), budget=BUDGET,
+                                             grant=GRANT, policy="goclaw") as run:
+        def on_event(ev: object) -> None:
+            if isinstance(ev, ToolCallProposal):
+                run.tool_started(ev.call.id)  # the host starts it while the stream runs
+
+        with pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=[Part(content="search")], tools=TOOLS, stream=True),
+                     on_event=on_event)
+        assert ei.value.reason == "output_exists" and "tool" in ei.value.detail
+        [att] = led.timeline("r")
+        assert att.tool_started and att.route_id == "primary"
+        assert [e.kind for e in led.events("r", ["tool_started"])] == ["tool_started"]
+
+
+def test_delivered_partial_output_is_handed_back_when_the_turn_stops(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(fault=Fault.STREAM_CUT, content_before_fault=2),
+                 model="primary-model")
+    shown: list[str] = []
+    with Ledger.open(db_url) as led, led.run("r", plan=plan(fake), budget=BUDGET,
+                                             grant=GRANT) as run:
+        with pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=[Part(content="hi")], stream=True), on_text=shown.append)
+        partial = ei.value.partial
+        assert partial is not None and partial.text == "".join(shown) and partial.text
+        assert FULL_TEXT.startswith(partial.text) and partial.text != FULL_TEXT
+        att = led.get_attempt(partial.attempt_id)
+        assert att.effective_output and att.route_id == "primary"
+
+
+def test_the_runs_frozen_streaming_limits_reach_the_adapter(db_url: str,
+                                                            fake: FakeProvider) -> None:
+    fake.set_default(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=5.0))
+    policy = {"name": "quick", "failover": {"enabled": False},
+              "streaming": {"first_token_timeout_s": 0.3}}
+    with Ledger.open(db_url) as led, led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                                             policy=policy) as run:
+        with pytest.raises(FailoverExhausted):
+            run.turn(Envelope(parts=[Part(content="hi")], stream=True), on_text=print)
+        [att] = led.timeline("r")
+        assert att.fact is not None and att.fact.transport is not None
+        assert att.fact.transport.value == "first_token_timeout"
+
+
+# -- credentials, children, misuse ---------------------------------------------------------
+
+
+def test_a_route_sends_the_key_its_environment_variable_holds(
+        db_url: str, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    routes = [r.model_copy(update={"api_key_env": "FAKE_PROVIDER_KEY"}) for r in plan(fake)]
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", "sk-test-from-env-0123456789")
+    with Ledger.open(db_url) as led, led.run("r", plan=routes, budget=BUDGET,
+                                             grant=GRANT) as run:
+        run.turn(Envelope(parts=[Part(content="hi")]))
+    assert fake.requests[-1].headers["authorization"] == "Bearer sk-test-from-env-0123456789"
+    monkeypatch.delenv("FAKE_PROVIDER_KEY")
+    with Ledger.open(db_url) as led, led.run("r2", plan=routes, budget=BUDGET,
+                                             grant=GRANT) as run:
+        with pytest.raises(FailoverExhausted):
+            run.turn(Envelope(parts=[Part(content="hi")]))
+        assert {a.state for a in led.timeline("r2")} == {AttemptState.NOT_SENT}
+
+
+def test_a_child_session_narrows_and_carves(db_url: str, fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led, led.run("p", plan=plan(fake), budget=BUDGET,
+                                             grant=GRANT) as run:
+        with run.child("c", plan=plan(fake)[1:],
+                       budget=Budget(max_calls=2, max_retries=0, max_cost=Decimal("0.1"))
+                       ) as child:
+            res = child.turn(Envelope(parts=[Part(content="sub-task")]))
+            assert res.route.id == "backup"
+        assert led.get_run("c").status is RunStatus.SUCCEEDED
+        assert led.get_run("p").carved == Decimal("0.1")
+
+
+def test_misuse_of_a_session_is_typed_and_changes_nothing(db_url: str,
+                                                         fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led:
+        session = led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT)
+        with pytest.raises(InvalidState):
+            session.turn(Envelope(parts=[Part(content="too early")]))
+        with session as run:
+            with pytest.raises(InvalidArgument) as ei:
+                run.tool_result("call_nobody_made", "x")
+            assert ei.value.field == "call_id"
+            with pytest.raises(InvalidArgument):
+                run.tool_started("call_nobody_made")
+        with pytest.raises(InvalidState):
+            run.turn(Envelope(parts=[Part(content="too late")]))
+        with pytest.raises(InvalidState):
+            run.tool_result("x", "y")
+        assert led.timeline("r") == [] and led.events("r", ["tool_started"]) == []
