@@ -296,6 +296,9 @@ class _TurnObserver:
             att = self.open.pop(eff.attempt_id, None)
             if att is not None:
                 self.closed.add(eff.attempt_id)
+                if any(kind == "discarded" for kind, _ in eff.events):
+                    # Streamed text nobody was shown, dropped so the turn could move on.
+                    att.span.set_attribute("ledger.output_discarded", True)
                 self._close(att, value if isinstance(value, AttemptRecord) else None, error)
         elif isinstance(eff, Record) and eff.kind == "stop":
             self.stop = eff.data
@@ -318,6 +321,9 @@ class _TurnObserver:
                 attrs["ledger.route"] = served.route_id
                 attrs["ledger.attempt_id"] = served.attempt_id
             attrs["ledger.resets"] = int(getattr(result, "resets", 0) or 0)
+            calls = getattr(result, "tool_calls", None)
+            if isinstance(calls, list):
+                attrs["ledger.tool_calls"] = len(calls)
         else:
             from ledger.errors import FailoverExhausted
 
@@ -334,6 +340,11 @@ class _TurnObserver:
                 attrs["ledger.stop.skipped"] = [
                     f"{s.get('route')}: {s.get('reason')}" for s in skipped
                     if isinstance(s, Mapping)]
+                partial = error.partial
+                if partial is not None:
+                    # The caller was shown part of an answer: which Attempt, never the text.
+                    attrs["ledger.stop.partial_attempt_id"] = partial.attempt_id
+                    attrs["ledger.stop.partial_chars"] = len(partial.text)
                 description = f"stopped: {error.reason}"
             else:
                 attrs["ledger.outcome"] = "interrupted"
@@ -506,6 +517,9 @@ class _TurnObserver:
                 etype = etype or att.send_error or state
                 attrs["error.type"] = etype
                 span.set_status(Status(StatusCode.ERROR, _describe(record)))
+            if record.tool_started:
+                # The host started a tool this Attempt proposed: the turn may not move on.
+                attrs["ledger.tool_started"] = True
             span.set_attributes(attrs)
             metric["ledger.outcome"] = state
             if etype is not None:
@@ -567,6 +581,10 @@ def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str,
         if part.role == "tool":
             item: dict[str, Any] = {"type": "tool_call_response",
                                     "id": part.tool_call_id, "response": redact(part.content)}
+        elif part.role == "assistant" and part.tool_call_id is not None:
+            # A tool call of an earlier turn carried back (its arguments as JSON text).
+            item = {"type": "tool_call", "id": part.tool_call_id,
+                    "name": redact(part.name or ""), "arguments": _arguments(part.content)}
         else:
             item = {"type": "text", "content": redact(part.content)}
         if messages and messages[-1]["role"] == part.role:
@@ -574,6 +592,14 @@ def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str,
         else:
             messages.append({"role": part.role, "parts": [item]})
     return system, messages
+
+
+def _arguments(text: str) -> Any:
+    """Tool-call arguments as semconv wants them (an object), redacted; text if not JSON."""
+    try:
+        return redact_data(json.loads(text))
+    except ValueError:
+        return redact(text)
 
 
 def _output_messages(out: Any, finish: Any) -> list[dict[str, Any]]:

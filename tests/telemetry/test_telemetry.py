@@ -33,12 +33,13 @@ from ledger.adapters import (
     HttpAdapter,
     StaticSecretProvider,
     SyncAdapter,
+    ToolCallProposal,
     async_sender,
     sync_sender,
 )
 from ledger.api import AsyncLedger, Ledger
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
+from ledger.core.envelope import Envelope, Part, ToolSpec
 from ledger.core.facts import Protocol
 from ledger.errors import FailoverExhausted
 from ledger.model import Budget, Grant, Price, Profile, Route
@@ -181,8 +182,12 @@ def assert_no_content_or_secret(otel: Otel) -> None:
 
 
 def metric_total(otel: Otel, name: str) -> dict[tuple[Any, ...], Any]:
-    return {(a.get("ledger.route"), a.get("ledger.outcome")): p.value
-            for a, p in otel.points(name)}
+    """A counter's total by (route, outcome), over its other attributes."""
+    out: dict[tuple[Any, ...], Any] = {}
+    for a, p in otel.points(name):
+        key = (a.get("ledger.route"), a.get("ledger.outcome"))
+        out[key] = out.get(key, 0) + p.value
+    return out
 
 
 def test_healthy_turn_is_one_turn_span_over_one_attempt_span_with_genai_names(
@@ -237,7 +242,7 @@ def test_healthy_turn_is_one_turn_span_over_one_attempt_span_with_genai_names(
     assert dict(turn.attributes or {}) == {
         "ledger.run_id": "r", "ledger.turn_id": "turn-1", "ledger.outcome": "succeeded",
         "ledger.attempts": 1, "ledger.failovers": 0, "ledger.route": "primary",
-        "ledger.attempt_id": att.attempt_id, "ledger.resets": 0}
+        "ledger.attempt_id": att.attempt_id, "ledger.resets": 0, "ledger.tool_calls": 0}
     assert turn.status.status_code is StatusCode.UNSET
     assert turn.instrumentation_scope is not None
     assert turn.instrumentation_scope.schema_url == telemetry.SCHEMA_URL
@@ -525,3 +530,163 @@ def test_enable_without_the_extra_names_it() -> None:
     err = json.loads(res.stdout)
     assert err["field"] == "telemetry" and err["extra"] == "otel"
     assert "pip install 'failover-ledger[otel]'" in err["msg"]
+
+
+# -- turns taken through a Run session (led.run(...) / async with) ------------------------
+
+TOOL_ARGS = {"q": "ACME Globex merger premium"}
+TOOL_ANSWER = '{"hits": ["confidential memo of 3 March"]}'
+TOOLS = [ToolSpec(name="search", description="Search the filings",
+                  parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+SESSION_GRANT = Grant(recipients={r: ["user_input", "model_derived", "tool_result",
+                                      "tool_description", "system"] for r in ("ra", "rb")})
+SESSION_BUDGET = Budget(max_calls=6, max_retries=3, max_cost=Decimal("1"))
+
+
+def turns_of(spans: list[ReadableSpan]) -> list[tuple[ReadableSpan, list[ReadableSpan]]]:
+    """Each turn span with its Attempt spans, in order."""
+    turns = [s for s in spans if s.name == "ledger.turn"]
+    return [(t, [s for s in spans if s.parent is not None
+                 and s.parent.span_id == t.context.span_id]) for t in turns]
+
+
+def test_session_turns_with_a_started_tool_are_observed_without_tool_content(
+        db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider]) -> None:
+    a, b = clean_fakes
+    a.set_default(Behavior(text=ANSWER, tool_call=("search", TOOL_ARGS)), model="gpt-primary")
+    with Ledger.open(db_url) as led, led.run(
+            "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+            secrets=StaticSecretProvider(SECRETS)) as run:
+        def on_event(ev: object) -> None:
+            if isinstance(ev, ToolCallProposal):
+                run.tool_started(ev.call.id)  # the host starts its tool while the stream runs
+
+        msgs = [Part(content=PROMPT)]
+        r1 = run.turn(Envelope(parts=msgs, tools=TOOLS, stream=True), on_event=on_event)
+        [call] = r1.tool_calls
+        msgs += [*r1.parts, run.tool_result(call.tool_call_id or "", TOOL_ANSWER)]
+        a.set_default(Behavior(text=ANSWER), model="gpt-primary")
+        r2 = run.turn(Envelope(parts=msgs, tools=TOOLS), turn_id="turn-2")
+        tl = led.timeline("agent")
+    assert trace.get_current_span() is INVALID_SPAN
+
+    (t1, [s1]), (t2, [s2]) = turns_of(otel.finished())
+    assert_children(t1, [s1])
+    assert_children(t2, [s2])
+    first, second = dict(s1.attributes or {}), dict(s2.attributes or {})
+    assert (first["ledger.attempt_id"], second["ledger.attempt_id"]) == (
+        r1.attempt.attempt_id, r2.attempt.attempt_id) == (tl[0].attempt_id, tl[1].attempt_id)
+    assert first["ledger.run_id"] == "agent" and first["ledger.outcome"] == "succeeded"
+    assert first["ledger.tool_started"] is True and tl[0].tool_started
+    assert s1.status.status_code is StatusCode.UNSET and "error.type" not in first
+    assert "ledger.tool_started" not in second
+    assert first["gen_ai.response.finish_reasons"] == ("tool_calls",)
+    assert first["gen_ai.usage.output_tokens"] == tl[0].completion_tokens
+    assert dict(t1.attributes or {})["ledger.tool_calls"] == 1
+    assert dict(t2.attributes or {})["ledger.tool_calls"] == 0
+    assert dict(t2.attributes or {})["ledger.turn_id"] == "turn-2"
+    assert_no_content_or_secret(otel)
+    text = otel.dump()
+    assert TOOL_ARGS["q"] not in text and "confidential memo" not in text
+    assert metric_total(otel, "ledger.attempts") == {("primary", "succeeded"): 2}
+
+
+def test_async_session_turn_nests_under_the_hosts_span_and_counts_a_discarding_failover(
+        db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider]) -> None:
+    a, b = clean_fakes
+    # A stream cut nobody watched: its text is discarded, and goclaw moves on to the backup.
+    a.enqueue(Behavior(fault=Fault.STREAM_CUT), model="gpt-primary")
+    host = TracerProvider()
+    host_spans = InMemorySpanExporter()
+    host.add_span_processor(SimpleSpanProcessor(host_spans))
+
+    async def main() -> tuple[Any, Any, list[Any]]:
+        adapter = HttpAdapter(secrets=StaticSecretProvider(SECRETS), limits=PATIENT)
+        async with AsyncLedger.open(db_url) as led, led.run(
+                "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+                policy="goclaw", adapter=adapter) as run:
+            with host.get_tracer("host").start_as_current_span("agent step") as step:
+                res = await run.turn(Envelope(parts=[Part(content=PROMPT)], stream=True))
+            return res, step, led.sync.timeline("agent")
+
+    res, step, tl = asyncio.run(main())
+    host.shutdown()
+    assert res.route.id == "backup" and [t.state.value for t in tl] == ["failed", "succeeded"]
+
+    [(turn, attempts)] = turns_of(otel.finished())
+    assert turn.parent is not None and turn.parent.span_id == step.get_span_context().span_id
+    assert turn.context.trace_id == step.get_span_context().trace_id
+    failed, served = attempts
+    for s in attempts:
+        assert s.kind is SpanKind.CLIENT and turn.start_time <= s.start_time  # type: ignore[operator]
+    f_attrs = dict(failed.attributes or {})
+    assert f_attrs["ledger.output_discarded"] is True
+    assert f_attrs["ledger.effective_output"] is False
+    assert f_attrs["ledger.outcome"] == "failed" and failed.status.status_code is StatusCode.ERROR
+    assert dict(served.attributes or {})["ledger.attempt.kind"] == "failover"
+    t_attrs = dict(turn.attributes or {})
+    assert (t_attrs["ledger.attempts"], t_attrs["ledger.failovers"], t_attrs["ledger.route"]) == (
+        2, 1, "backup")
+    [(move, n)] = otel.points("ledger.failovers")
+    assert n.value == 1 and (move["ledger.route.from"], move["ledger.route.to"]) == (
+        "primary", "backup")
+    assert_no_content_or_secret(otel)
+
+
+def test_session_stop_after_shown_output_names_the_attempt_not_the_text(
+        db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider]) -> None:
+    a, b = clean_fakes
+    a.enqueue(Behavior(text=ANSWER, fault=Fault.STREAM_CUT, content_before_fault=2),
+              model="gpt-primary")
+    shown: list[str] = []
+    with Ledger.open(db_url) as led, led.run(
+            "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+            secrets=StaticSecretProvider(SECRETS)) as run, \
+            pytest.raises(FailoverExhausted) as stop:
+        run.turn(Envelope(parts=[Part(content=PROMPT)], stream=True), on_text=shown.append)
+    partial = stop.value.partial
+    assert partial is not None and partial.text == "".join(shown) != ""
+    [(turn, [span])] = turns_of(otel.finished())
+    attrs = dict(turn.attributes or {})
+    assert attrs["ledger.outcome"] == "stopped"
+    assert attrs["ledger.stop.partial_attempt_id"] == partial.attempt_id
+    assert attrs["ledger.stop.partial_chars"] == len(partial.text)
+    assert dict(span.attributes or {})["ledger.effective_output"] is True
+    assert partial.text not in otel.dump()
+    assert_no_content_or_secret(otel)
+
+
+def test_captured_input_of_a_session_turn_carries_its_tool_call_and_result(
+        db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider]) -> None:
+    a, b = clean_fakes
+    a.set_default(Behavior(text=ANSWER, tool_call=("search", TOOL_ARGS)), model="gpt-primary")
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
+                     capture_content=True)
+    try:
+        with Ledger.open(db_url) as led, led.run(
+                "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+                secrets=StaticSecretProvider(SECRETS)) as run:
+            msgs = [Part(content=PROMPT)]
+            r1 = run.turn(Envelope(parts=msgs, tools=TOOLS))
+            [call] = r1.tool_calls
+            msgs += [*r1.parts, run.tool_result(call.tool_call_id or "", TOOL_ANSWER)]
+            a.set_default(Behavior(text=ANSWER), model="gpt-primary")
+            run.turn(Envelope(parts=msgs, tools=TOOLS))
+    finally:
+        telemetry.disable()
+    first, second = [s for s in sorted(spans.get_finished_spans(),
+                                       key=lambda s: s.start_time or 0)
+                     if s.name != "ledger.turn"]
+    [out] = json.loads(str(dict(first.attributes or {})["gen_ai.output.messages"]))
+    assert out["finish_reason"] == "tool_calls"
+    assert {"type": "tool_call", "id": call.tool_call_id, "name": "search",
+            "arguments": TOOL_ARGS} in out["parts"]
+    messages = json.loads(str(dict(second.attributes or {})["gen_ai.input.messages"]))
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert {"type": "tool_call", "id": call.tool_call_id, "name": "search",
+            "arguments": TOOL_ARGS} in messages[1]["parts"]
+    assert messages[2]["parts"] == [{"type": "tool_call_response", "id": call.tool_call_id,
+                                     "response": TOOL_ANSWER}]
