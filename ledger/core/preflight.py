@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import ClassVar, runtime_checkable
 from typing import Protocol as TypingProtocol
-from typing import runtime_checkable
 
 from ledger.core.envelope import SYSTEM, USER_INPUT, Envelope, Part
 from ledger.core.facts import Protocol
@@ -111,6 +111,9 @@ class CharEstimator:
     """
 
     chars_per_token: float = 4.0
+    #: The estimate ignores the route, so a selection counts the prompt once for all candidates
+    #: (a counter without this attribute is asked once per candidate).
+    route_independent: ClassVar[bool] = True
 
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
         chars = sum(len(p.content) for p in envelope.parts)
@@ -179,14 +182,13 @@ class PreflightResult:
 
 
 def fresh_content_hash(part: Part) -> str:
-    """The part's hash recomputed from its current fields.
+    """The part's hash computed from its current fields.
 
-    ``Part.content_hash`` is a cached property, and ``model_copy(update=...)`` copies the
-    instance dict, cache included: an edited copy would present the *original's* hash.
-    Rebuilding the part from its fields recomputes the hash, so a tampered copy cannot inherit
-    provenance through a stale cache.
+    :attr:`Part.content_hash` is a plain property (never cached), so an edited copy made with
+    ``model_copy(update=...)``, which skips validation, still hashes what it now holds and
+    cannot inherit the original's provenance.
     """
-    return Part.model_validate(part.model_dump()).content_hash
+    return part.content_hash
 
 
 def _has_foreign_attributes(part: Part) -> bool:
@@ -226,10 +228,23 @@ def needs_from_envelope(
     The context need is the prompt estimate plus ``max_output_tokens``: a window that holds
     the prompt but not the requested output would fail on the provider side.
     """
-    prompt = token_counter.count_tokens(envelope, route)
+    base = envelope_needs(envelope, recorded=recorded, protocols=protocols)
+    return with_prompt(base, envelope, token_counter.count_tokens(envelope, route))
+
+
+def envelope_needs(
+    envelope: Envelope,
+    *,
+    recorded: Mapping[str, Set[str]],
+    protocols: frozenset[Protocol] | None = None,
+) -> RequestNeeds:
+    """The needs of an envelope that hold for every route: all but the context size.
+
+    Part coverage re-hashes every part, the costliest check; the selector computes it once per
+    decision instead of once per candidate (see :func:`with_prompt`).
+    """
     return RequestNeeds(
         tools=bool(envelope.tools),
-        context_tokens=prompt + (envelope.max_output_tokens or 0),
         prefill=envelope.prefill,
         streaming=envelope.stream,
         parameters=frozenset(envelope.params),
@@ -239,6 +254,11 @@ def needs_from_envelope(
         ),
         classes=frozenset(t.data_class for t in envelope.tools),
     )
+
+
+def with_prompt(base: RequestNeeds, envelope: Envelope, prompt_tokens: int) -> RequestNeeds:
+    """``base`` with the context need of a prompt of ``prompt_tokens`` for one route."""
+    return replace(base, context_tokens=prompt_tokens + (envelope.max_output_tokens or 0))
 
 
 def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
@@ -377,9 +397,11 @@ __all__ = [
     "PreflightResult",
     "RequestNeeds",
     "TokenCounter",
+    "envelope_needs",
     "fresh_content_hash",
     "narrow_grant",
     "needs_from_envelope",
     "part_coverage",
     "preflight",
+    "with_prompt",
 ]

@@ -38,7 +38,9 @@ from ledger.core.preflight import (
     Denials,
     RequestNeeds,
     TokenCounter,
+    envelope_needs,
     preflight,
+    with_prompt,
 )
 from ledger.core.profiles import (
     Pin,
@@ -250,6 +252,24 @@ class _Walk:
         self.by_id = {r.id: r for r in inp.plan}
         self.primary = inp.plan[0]
         self.failed = self.by_id[inp.current] if inp.failure is not None and inp.current else None
+        self._base: RequestNeeds | None = None
+        self._shared: RequestNeeds | None = None  # the needs, when the counter ignores routes
+
+    def needs(self, route: Route) -> RequestNeeds:
+        """The request's needs for ``route``; what holds for every route is computed once."""
+        inp = self.inp
+        request = inp.request
+        if not isinstance(request, Envelope):
+            return request
+        if self._shared is not None:
+            return self._shared
+        if self._base is None:
+            self._base = envelope_needs(request, recorded=inp.provenance)
+        counter = inp.token_counter
+        needs = with_prompt(self._base, request, counter.count_tokens(request, route))
+        if getattr(counter, "route_independent", False):
+            self._shared = needs
+        return needs
 
     # -- group evidence ------------------------------------------------------------------------
 
@@ -387,14 +407,7 @@ class _Walk:
             return _Verdict(reason=health_skip[0], detail=health_skip[1])
         inp = self.inp
         pf = preflight(
-            route,
-            inp.request,
-            grant=inp.grant,
-            role=inp.role,
-            provenance=inp.provenance,
-            token_counter=inp.token_counter,
-            denials=inp.denials,
-            policy=inp.policy,
+            route, self.needs(route), grant=inp.grant, role=inp.role, denials=inp.denials
         ).first
         if health_skip is not None:
             return _Verdict(

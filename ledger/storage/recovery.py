@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, func, not_, or_, select
+from sqlalchemy import Connection, and_, func, select, union
 
 from ledger import faults
 from ledger.core.facts import FailureFact
@@ -24,7 +24,7 @@ from ledger.storage import schema as s
 from ledger.storage.rows import attempt_record
 from ledger.storage.store import Store
 
-FINISHED = (RunStatus.SUCCEEDED.value, RunStatus.FAILED.value, RunStatus.STOPPED.value)
+UNFINISHED = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 UNKNOWN_REASON = "recovery: dispatched without a receipt (executor lease expired)"
 
 
@@ -61,28 +61,34 @@ class Figures:
     cost_over_hold: list[str] = field(default_factory=list)
 
 
-def _expired_cond(now: float) -> Any:
+def _expired_query(now: float, run_ids: list[str] | None) -> Any:
+    """Expired runs that are unfinished or still have an attempt dispatching.
+
+    Two arms, each driven by an index over unsettled work, never by history: unfinished runs by
+    ``(status, lease_expires_at)``, finished ones only through their dispatching attempts (by
+    ``attempts(state, ...)``). One ``OR`` over both would scan every run the ledger ever held.
+    """
     r = s.runs.c
     a = s.attempts.c
-    dispatching = exists().where(a.run_id == r.run_id,
-                                 a.state == AttemptState.DISPATCHING.value)
-    return and_(
-        r.lease_holder.is_not(None),
-        r.lease_expires_at.is_not(None),
-        r.lease_expires_at <= now,
-        or_(not_(r.status.in_(FINISHED)), dispatching),
-    )
+    expired = and_(r.lease_holder.is_not(None), r.lease_expires_at.is_not(None),
+                   r.lease_expires_at <= now)
+    unfinished = select(r.run_id, r.lease_expires_at).where(
+        r.status.in_(UNFINISHED), expired)
+    dispatching = (select(r.run_id, r.lease_expires_at)
+                   .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
+                   .where(a.state == AttemptState.DISPATCHING.value, expired))
+    if run_ids is not None:
+        unfinished = unfinished.where(r.run_id.in_(run_ids))
+        dispatching = dispatching.where(a.run_id.in_(run_ids))
+    return union(unfinished, dispatching).subquery()
 
 
 def expired_runs(store: Store, now: float, limit: int,
                  run_ids: list[str] | None = None) -> list[str]:
     """Runs whose executor lease expired and that are not finished (or still have attempts in
     flight), oldest expiry first."""
-    r = s.runs.c
-    q = select(r.run_id).where(_expired_cond(now))
-    if run_ids is not None:
-        q = q.where(r.run_id.in_(run_ids))
-    q = q.order_by(r.lease_expires_at, r.run_id).limit(limit)
+    u = _expired_query(now, run_ids)
+    q = select(u.c.run_id).order_by(u.c.lease_expires_at, u.c.run_id).limit(limit)
     with store.reading() as conn:
         return [row[0] for row in conn.execute(q)]
 
@@ -177,11 +183,13 @@ def orphaned_runs(store: Store, limit: int, run_ids: list[str] | None = None) ->
     without recovery) and can never settle them."""
     r = s.runs.c
     a = s.attempts.c
-    q = (select(r.run_id).where(exists().where(
-        a.run_id == r.run_id, a.state == AttemptState.DISPATCHING.value, a.fence < r.fence))
-        .order_by(r.run_id).limit(limit))
+    # Driven by the dispatching attempts (an index over unsettled work), not by every run.
+    q = (select(a.run_id).distinct()
+         .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
+         .where(a.state == AttemptState.DISPATCHING.value, a.fence < r.fence)
+         .order_by(a.run_id).limit(limit))
     if run_ids is not None:
-        q = q.where(r.run_id.in_(run_ids))
+        q = q.where(a.run_id.in_(run_ids))
     with store.reading() as conn:
         return [row[0] for row in conn.execute(q)]
 

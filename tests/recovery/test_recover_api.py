@@ -138,3 +138,28 @@ def test_orphans_of_a_directly_reacquired_run(db_url: str) -> None:
     assert recover(led).orphans == {}
     assert reconcile(led).violations == []
     led.close()
+
+
+@pytest.mark.parametrize("end", ["succeeded", "failed", "stopped", "cancelled"])
+def test_recovery_takes_expired_runs_only_if_unfinished_or_dispatching(db_url: str,
+                                                                        end: str) -> None:
+    """Candidates come from unsettled work: an unfinished run, or a finished one with an
+    attempt still dispatching; a finished run with nothing in flight is never retaken."""
+    clock = ManualClock()
+    led = Ledger.open(db_url, clock=clock, executor_id="worker-1")
+    for run_id in ("done", "open", "done-inflight"):
+        led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+    done = led.acquire_lease("done", ttl_s=10)
+    led.finish_run(done, end)
+    led.acquire_lease("open", ttl_s=10)
+    inflight = led.acquire_lease("done-inflight", ttl_s=10)
+    att = led.begin_attempt(inflight, route="a", envelope_hash="sha256:1", reserve="0.10",
+                            turn_id="t1")
+    led.finish_run(inflight, end)
+    assert recover(led).runs == []  # nothing expired yet
+    clock.advance(11)
+    rep = recover(led, executor_id="rec", release=True)
+    assert sorted(r.run_id for r in rep.runs) == ["done-inflight", "open"]
+    assert led.get_attempt(att.attempt_id).state is AttemptState.UNKNOWN
+    assert recover(led).runs == []
+    led.close()
