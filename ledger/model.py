@@ -192,17 +192,22 @@ class Health(_Frozen):
         return not (cooling or disabled)
 
 
+def _encode_default(o: Any) -> Any:
+    if isinstance(o, Decimal):
+        return str(o)
+    if isinstance(o, BaseModel):
+        return o.model_dump(mode="json")
+    raise TypeError(f"cannot encode {type(o).__name__}")
+
+
+# One encoder for every hash: ``json.dumps`` with options builds a new encoder on each call,
+# which was most of the cost of hashing a small part.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_encode_default)
+
+
 def canonical_json(value: Any) -> str:
     """A stable JSON encoding: sorted keys, no whitespace, decimals as strings."""
-
-    def default(o: Any) -> Any:
-        if isinstance(o, Decimal):
-            return str(o)
-        if isinstance(o, BaseModel):
-            return o.model_dump(mode="json")
-        raise TypeError(f"cannot encode {type(o).__name__}")
-
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=default)
+    return _CANONICAL.encode(value)
 
 
 def content_hash(value: Any) -> str:

@@ -1,7 +1,7 @@
 """Restart-time recovery: fence dead executors and say exactly what was in flight.
 
-:func:`recover` finds Runs whose executor lease expired (and that are not finished), and takes
-each over in one transaction:
+:func:`recover` finds Runs whose executor lease expired (and that are not finished, or still
+have an Attempt dispatching), and takes them over, a batch of runs per transaction:
 
 * the run's fence is bumped, so the dead executor (should it wake up) can write nothing;
 * every Attempt still ``dispatching`` becomes ``unknown`` and **keeps its debit hold**. The
@@ -24,7 +24,7 @@ It returns, per Run, the settled and unknown Attempts, the route to continue on 
 the last success, else the originally selected one) and the new :class:`Lease` (or none, with
 ``release=True``). Running it twice, from several processes at once, or again after it was
 interrupted or after the database restarted under it is safe: each takeover is one
-transaction, and a run is taken only while its lease is expired.
+transaction (of up to ``batch`` runs), and a run is taken only while its lease is expired.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 DEFAULT_RECOVERY_TTL_S = 30.0
 DEFAULT_LIMIT = 1000
+# Runs taken over per transaction: one commit and a few statements per batch, not per run; a
+# batch holds its runs' row locks until it commits, so it stays small.
+DEFAULT_BATCH = 100
+MAX_BATCH = 1000
 # Retries of one takeover after DatabaseUnavailable, with these waits (seconds).
 RETRY_WAITS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -139,6 +143,7 @@ def recover(
     executor_id: str | None = None,
     lease_ttl_s: float = DEFAULT_RECOVERY_TTL_S,
     limit: int = DEFAULT_LIMIT,
+    batch: int = DEFAULT_BATCH,
     release: bool = False,
     run_ids: list[str] | None = None,
     sleeper: Sleeper | None = None,
@@ -152,32 +157,35 @@ def recover(
     :class:`DatabaseUnavailable` is retried (it was rolled back, or it committed and is then
     recognised as ours); if the database stays away, the error is raised and a later pass
     resumes where this one stopped. ``progress(done, total)`` is called after each run taken
-    over (or skipped), for a progress display.
+    over (or skipped), for a progress display. ``batch`` runs are taken over per transaction
+    (default 100): all or none of a batch, each run under its own new fence.
     """
     if lease_ttl_s <= 0:
         raise InvalidArgument("lease_ttl_s must be > 0", field="lease_ttl_s")
     if limit < 1:
         raise InvalidArgument("limit must be >= 1", field="limit")
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        raise InvalidArgument(f"batch must be an integer from 1 to {MAX_BATCH}", field="batch")
     executor = executor_id or new_id("recover")
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
     report = RecoveryReport(executor=executor, now=now)
     candidates = _retrying(lambda: sql.expired_runs(ledger.store, now, limit, run_ids),
                            sleeper, report)
-    for run_id in candidates:
+    for start in range(0, len(candidates), batch):
+        chunk = candidates[start:start + batch]
         first = [True]
 
-        def attempt(run_id: str = run_id, first: list[bool] = first) -> sql.Takeover | None:
+        def attempt(chunk: list[str] = chunk, first: list[bool] = first,
+                    ) -> tuple[list[sql.Takeover], list[str]]:
             adopt = not first[0]  # a retry may find its own committed takeover
             first[0] = False
-            return sql.take_over(ledger.store, run_id, executor, lease_ttl_s, ledger.now(),
+            return sql.take_over(ledger.store, chunk, executor, lease_ttl_s, ledger.now(),
                                  release=release, adopt=adopt)
 
-        taken = _retrying(attempt, sleeper, report)
-        if taken is None:
-            report.skipped.append(run_id)
-        else:
-            report.runs.append(_to_run(taken))
+        taken, skipped = _retrying(attempt, sleeper, report)
+        report.runs.extend(_to_run(t) for t in taken)
+        report.skipped.extend(skipped)
         if progress is not None:
             progress(len(report.runs) + len(report.skipped), len(candidates))
     orphaned = _retrying(lambda: sql.orphaned_runs(ledger.store, limit, run_ids), sleeper,

@@ -24,7 +24,7 @@ import asyncio
 import inspect
 import logging
 import random
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -167,22 +167,27 @@ class _Loop:
         lease: Lease,
         envelope: Envelope,
         *,
-        turn_id: str,
+        turn_id: str | None,
         pin: Pin | None,
         denials: Denials,
         reserve: Decimal | Callable[[Route], Decimal] | None,
         rng: random.Random,
         token_counter: TokenCounter,
+        part_hashes: Sequence[str] | None = None,
     ) -> None:
         self.lease = lease
         self.envelope = envelope
-        self.turn_id = turn_id
         self.pin = pin
         self.denials = denials
         self.reserve = reserve
         self.rng = rng
         self.counter = token_counter
-        self.envelope_hash = envelope.hash
+        # Every part hashed once per turn: the envelope's hash and each decision's coverage
+        # check use these (a long conversation's parts dominate a turn's CPU otherwise).
+        self.part_hashes = (tuple(p.content_hash for p in envelope.parts)
+                            if part_hashes is None else tuple(part_hashes))
+        self.envelope_hash = envelope.hash_with(self.part_hashes)
+        self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
         self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
 
     def _holds(self, route: Route) -> tuple[Decimal, int]:
@@ -214,6 +219,7 @@ class _Loop:
             grant=run.grant, groups=groups, health=snap.health, current=current,
             current_profile=current_profile, pin=self.pin, failure=failure,
             denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
+            part_hashes=self.part_hashes,
         ))
 
     def steps(self) -> Steps:
@@ -472,7 +478,8 @@ def _describe(fact: FailureFact) -> str:
 
 def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str | None,
           denials: Denials | None, reserve: Decimal | Callable[[Route], Decimal] | None,
-          rng: random.Random | None, token_counter: TokenCounter | None) -> _Loop:
+          rng: random.Random | None, token_counter: TokenCounter | None,
+          part_hashes: Sequence[str] | None = None) -> _Loop:
     if not isinstance(lease, Lease):
         raise InvalidArgument("lease must be a ledger.Lease (from acquire_lease)", field="lease")
     if not isinstance(envelope, Envelope):
@@ -484,10 +491,18 @@ def _loop(lease: Lease, envelope: Envelope, turn_id: str | None, pin: Pin | str 
         from ledger.bounds import check_amount
 
         reserve = check_amount(reserve, "reserve")
+    if part_hashes is not None and (
+        isinstance(part_hashes, str) or len(part_hashes) != len(envelope.parts)
+        or not all(isinstance(h, str) for h in part_hashes)
+    ):
+        raise InvalidArgument("part_hashes must be one content hash per envelope part, in "
+                              "order (Part.content_hash); leave it None to have them computed",
+                              field="part_hashes")
     return _Loop(
-        lease, envelope, turn_id=turn_id or f"turn-{envelope.hash[7:19]}",
+        lease, envelope, turn_id=turn_id,
         pin=Pin(pin) if pin else None, denials=denials or NO_DENIALS, reserve=reserve,
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
+        part_hashes=part_hashes,
     )
 
 
@@ -508,6 +523,7 @@ def execute(
     on_notice: NoticeFn | None = None,
     rng: random.Random | None = None,
     token_counter: TokenCounter | None = None,
+    part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (sync). Raises :class:`FailoverExhausted` on a stop.
 
@@ -516,9 +532,12 @@ def execute(
     are switch-offs in the current configuration; ``reserve`` overrides the cost hold (an
     amount, or a function of the route); ``sleeper`` waits backoffs (a ``ManualClock`` is
     used when the ledger's clock is one); ``on_notice`` hears ``reset`` notices; ``rng`` makes
-    jitter reproducible; ``token_counter`` estimates prompt tokens for the holds.
+    jitter reproducible; ``token_counter`` estimates prompt tokens for the holds;
+    ``part_hashes`` are the envelope's part hashes when the caller has them already (a Run
+    session keeps them across turns), else each part is hashed here.
     """
-    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter)
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter,
+                 part_hashes)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
@@ -538,10 +557,12 @@ async def aexecute(
     on_notice: NoticeFn | None = None,
     rng: random.Random | None = None,
     token_counter: TokenCounter | None = None,
+    part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
     ``send`` and ``on_notice`` may be coroutine functions."""
-    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter)
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter,
+                 part_hashes)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger.sync)
     await ledger.warm(lease.run_id)

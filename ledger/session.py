@@ -65,6 +65,7 @@ class _SessionCore:
         self._state = "new"  # new -> open -> ended
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
         self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
+        self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
 
     def _check_open(self) -> None:
         if self._state == "new":
@@ -98,6 +99,26 @@ class _SessionCore:
             return on_event(event) if on_event is not None else None
 
         return watch
+
+    def _part_hashes(self, envelope: Envelope) -> tuple[str, ...]:
+        """The envelope's part hashes, each part hashed once for the whole conversation.
+
+        A conversation re-sends every earlier part on every turn; hashing them all again made a
+        turn's cost grow with the Run's length. A part is reused only when it is the very same
+        (frozen) object as before, and the memo keeps just the latest envelope's parts, so it
+        is as large as the conversation and never outlives it. A copy, even an identical one,
+        is hashed afresh: an edited copy can never inherit a recorded hash.
+        """
+        if not isinstance(envelope, Envelope):
+            return ()  # execute names the bad argument
+        old, new, out = self._hashes, {}, []
+        for p in envelope.parts:
+            hit = old.get(id(p))
+            digest = hit[1] if hit is not None and hit[0] is p else p.content_hash
+            new[id(p)] = (p, digest)
+            out.append(digest)
+        self._hashes = new
+        return tuple(out)
 
     def _remember(self, parts: Sequence[Part], attempt_id: str) -> None:
         for p in parts:
@@ -209,7 +230,8 @@ class RunSession(_SessionCore):
             finally:
                 self._sending = None
 
-        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id, **options)
+        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                         part_hashes=self._part_hashes(envelope) or None, **options)
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
@@ -324,7 +346,7 @@ class AsyncRunSession(_SessionCore):
                 self._sending = None
 
         result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                                **options)
+                                part_hashes=self._part_hashes(envelope) or None, **options)
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 

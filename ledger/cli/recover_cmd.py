@@ -1,8 +1,8 @@
 """``failover-ledger recover``: take over runs whose executor lease expired; ``reconcile``.
 
 The ledger modules are imported inside the commands (the parser is built on every start-up).
-``--ttl`` and ``--limit`` default to ``None``, meaning :func:`ledger.recovery.recover`'s own
-defaults, which the help text names.
+``--ttl``, ``--limit`` and ``--batch`` default to ``None``, meaning
+:func:`ledger.recovery.recover`'s own defaults, which the help text names.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ledger.cli.progress import Progress, wanted
 # Shown in --help; tests/recovery/test_cli.py holds them equal to ledger.recovery's defaults.
 HELP_TTL_S = 30.0
 HELP_LIMIT = 1000
+HELP_BATCH = 100
 
 
 def register(subparsers: Any) -> None:
@@ -33,6 +34,8 @@ def register(subparsers: Any) -> None:
                    f"(default {HELP_TTL_S:g})")
     p.add_argument("--limit", type=int, default=None,
                    help=f"at most this many runs (default {HELP_LIMIT})")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"runs taken over per transaction (default {HELP_BATCH})")
     p.add_argument("--keep-lease", action="store_true",
                    help="keep the new lease (default: release it so a host can acquire the run)")
     p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",
@@ -48,13 +51,14 @@ def register(subparsers: Any) -> None:
 
 def _recover(args: argparse.Namespace) -> int:
     from ledger.api import Ledger
-    from ledger.recovery import DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
+    from ledger.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
 
     bar = Progress("recover", wanted(args.progress))
     with Ledger.open(args.db) as led:
         rep = recover(led, executor_id=args.executor,
                       lease_ttl_s=DEFAULT_RECOVERY_TTL_S if args.ttl is None else args.ttl,
                       limit=DEFAULT_LIMIT if args.limit is None else args.limit,
+                      batch=DEFAULT_BATCH if args.batch is None else args.batch,
                       release=not args.keep_lease, run_ids=args.runs, progress=bar)
     bar.close()
     if args.json:

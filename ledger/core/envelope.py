@@ -7,6 +7,7 @@ the provenance of the part it was copied from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,9 +91,14 @@ class Envelope(BaseModel):
 
     @property
     def hash(self) -> str:
+        return self.hash_with([p.content_hash for p in self.parts])
+
+    def hash_with(self, part_hashes: Sequence[str]) -> str:
+        """:attr:`hash` from the parts' hashes computed already (once per turn by the retry
+        owner, which also checks coverage with them)."""
         return content_hash(
             {
-                "parts": [p.content_hash for p in self.parts],
+                "parts": list(part_hashes),
                 "tools": [t.model_dump(mode="json") for t in self.tools],
                 "params": self.params,
                 "stream": self.stream,

@@ -23,7 +23,7 @@ already carry a provenance verdict (what the conformance vectors express). Pure:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import ClassVar, runtime_checkable
@@ -198,19 +198,26 @@ def _has_foreign_attributes(part: Part) -> bool:
     skips validation and plants the attribute anyway, invisible to the hash. Such a part is not
     what the ledger recorded, so it is not covered, whatever its content.
     """
-    known = set(Part.model_fields) | {"content_hash"}  # the cached hash lives in __dict__ too
-    return bool(set(vars(part)) - known)
+    return not _PART_ATTRIBUTES.issuperset(vars(part))
 
 
-def part_coverage(part: Part, recorded: Mapping[str, Set[str]]) -> Coverage:
+# Every attribute a Part instance may hold (the cached hash of older versions lived there too).
+_PART_ATTRIBUTES = frozenset(Part.model_fields) | {"content_hash"}
+
+
+def part_coverage(part: Part, recorded: Mapping[str, Set[str]], digest: str | None = None,
+                  ) -> Coverage:
     """Whether the ledger recorded this part's producer with this exact content.
 
     The part's hash covers role, content, data class and tool linkage (see
-    :class:`~ledger.core.envelope.Part`), so any edit makes a different hash.
+    :class:`~ledger.core.envelope.Part`), so any edit makes a different hash. ``digest``: the
+    part's hash when the caller computed it already from this very part.
     """
     if part.provenance is None or part.provenance not in recorded:
         return Coverage.MISSING
-    if _has_foreign_attributes(part) or fresh_content_hash(part) not in recorded[part.provenance]:
+    if digest is None:
+        digest = fresh_content_hash(part)
+    if _has_foreign_attributes(part) or digest not in recorded[part.provenance]:
         return Coverage.MISMATCH
     return Coverage.OK
 
@@ -237,12 +244,17 @@ def envelope_needs(
     *,
     recorded: Mapping[str, Set[str]],
     protocols: frozenset[Protocol] | None = None,
+    part_hashes: Sequence[str] | None = None,
 ) -> RequestNeeds:
     """The needs of an envelope that hold for every route: all but the context size.
 
     Part coverage re-hashes every part, the costliest check; the selector computes it once per
-    decision instead of once per candidate (see :func:`with_prompt`).
+    decision instead of once per candidate (see :func:`with_prompt`); ``part_hashes``, the
+    parts' hashes in order, saves even that when the caller has them.
     """
+    digests: Sequence[str | None] = (
+        part_hashes if part_hashes is not None else [None] * len(envelope.parts)
+    )
     return RequestNeeds(
         tools=bool(envelope.tools),
         prefill=envelope.prefill,
@@ -250,7 +262,8 @@ def envelope_needs(
         parameters=frozenset(envelope.params),
         protocols=protocols,
         parts=tuple(
-            PartNeed(p.data_class, part_coverage(p, recorded), p.provenance) for p in envelope.parts
+            PartNeed(p.data_class, part_coverage(p, recorded, h), p.provenance)
+            for p, h in zip(envelope.parts, digests, strict=True)
         ),
         classes=frozenset(t.data_class for t in envelope.tools),
     )

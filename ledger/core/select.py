@@ -171,6 +171,7 @@ class SelectionInput:
     denials: Denials = NO_DENIALS
     provenance: Mapping[str, Set[str]] = field(default_factory=dict)
     token_counter: TokenCounter = DEFAULT_TOKEN_COUNTER
+    part_hashes: Sequence[str] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +265,8 @@ class _Walk:
         if self._shared is not None:
             return self._shared
         if self._base is None:
-            self._base = envelope_needs(request, recorded=inp.provenance)
+            self._base = envelope_needs(request, recorded=inp.provenance,
+                                        part_hashes=inp.part_hashes)
         counter = inp.token_counter
         needs = with_prompt(self._base, request, counter.count_tokens(request, route))
         if getattr(counter, "route_independent", False):
@@ -482,6 +484,12 @@ class _Walk:
 
 
 def _validate(inp: SelectionInput) -> None:
+    if inp.part_hashes is not None and (
+        not isinstance(inp.request, Envelope) or len(inp.part_hashes) != len(inp.request.parts)
+    ):
+        raise InvalidArgument(
+            "part_hashes must give one hash per part of the request envelope, in order; "
+            "leave it None to have them computed", field="part_hashes")
     if not inp.plan:
         raise InvalidArgument("the plan is empty; a Run needs at least one route", field="plan")
     ids = [r.id for r in inp.plan]

@@ -11,10 +11,11 @@ SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffic
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, select, union
+from sqlalchemy import Connection, and_, bindparam, func, select, union
 
 from ledger import faults
 from ledger.core.facts import FailureFact
@@ -22,6 +23,7 @@ from ledger.effects import settle_holds
 from ledger.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
 from ledger.storage import schema as s
 from ledger.storage.rows import attempt_record
+from ledger.storage.statements import event_json
 from ledger.storage.store import Store
 
 UNFINISHED = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
@@ -93,88 +95,133 @@ def expired_runs(store: Store, now: float, limit: int,
         return [row[0] for row in conn.execute(q)]
 
 
-def take_over(store: Store, run_id: str, executor: str, ttl_s: float, now: float, *,
-              release: bool, adopt: bool = False) -> Takeover | None:
-    """Take one expired run over under a new fence; None when it is not (or no longer) ours
-    to take (lease live again, recovered by someone else, or locked right now)."""
+def _expired(row: Any, now: float) -> bool:
+    return (row.lease_holder is not None and row.lease_expires_at is not None
+            and row.lease_expires_at <= now)
+
+
+def take_over(store: Store, run_ids: Sequence[str], executor: str, ttl_s: float, now: float,
+              *, release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
+    """Take expired runs over under new fences, all in one transaction; returns the takeovers
+    and the runs that were not (or no longer) ours to take (lease live again, recovered by
+    someone else, or locked right now).
+
+    Every write is one statement for the whole batch (an ``executemany`` where values differ
+    per run), so a takeover costs a few statements and one commit per batch, not per run.
+    """
     r = s.runs.c
     a = s.attempts.c
     d = s.debits.c
     gs = s.group_slots.c
     with store.writing() as conn:
-        q = select(s.runs).where(r.run_id == run_id)
+        q = select(s.runs).where(r.run_id.in_(list(run_ids)))
         if store.dialect == "postgresql":
             q = q.with_for_update(skip_locked=True)
-        row = conn.execute(q).first()
-        if row is None:
-            return None
-        expired = (row.lease_holder is not None and row.lease_expires_at is not None
-                   and row.lease_expires_at <= now)
-        if not expired:
-            if adopt and row.lease_holder == executor and (row.lease_expires_at or 0) > now:
-                # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
-                return _report(conn, row, row.lease_holder, row.fence, [], [], 0,
-                               Lease(run_id, executor, row.fence, row.lease_expires_at),
-                               adopted=True)
-            return None
-        old_holder, old_fence = row.lease_holder, int(row.fence)
-        fence = old_fence + 1
-        in_flight = [x[0] for x in conn.execute(
-            select(a.attempt_id).where(a.run_id == run_id,
-                                       a.state == AttemptState.DISPATCHING.value)
-            .order_by(a.seq)
-        )]
-        # Every dispatching attempt was recorded before its request could leave the process,
-        # and the ledger records nothing between begin and send: it may have been sent. Unknown,
-        # keeping its hold (invariant 6). Never re-sent by recovery.
-        if in_flight:
+        rows = {row.run_id: row for row in conn.execute(q)}
+        take = [rows[i] for i in run_ids if i in rows and _expired(rows[i], now)]
+        # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
+        adopted = [rows[i] for i in run_ids if adopt and i in rows and not _expired(rows[i], now)
+                   and rows[i].lease_holder == executor and (rows[i].lease_expires_at or 0) > now]
+        ids = [row.run_id for row in take]
+        fence = {row.run_id: int(row.fence) + 1 for row in take}
+        in_flight: dict[str, list[str]] = {i: [] for i in ids}
+        voided: dict[str, list[str]] = {i: [] for i in ids}
+        release_micros: dict[str, int] = dict.fromkeys(ids, 0)
+        slots: dict[str, int] = dict.fromkeys(ids, 0)
+        if ids:
+            for att_id, rid in conn.execute(
+                select(a.attempt_id, a.run_id)
+                .where(a.run_id.in_(ids), a.state == AttemptState.DISPATCHING.value)
+                .order_by(a.run_id, a.seq)
+            ):
+                in_flight[rid].append(att_id)
+            # Every dispatching attempt was recorded before its request could leave the
+            # process, and the ledger records nothing between begin and send: it may have been
+            # sent. Unknown, keeping its hold (invariant 6). Never re-sent by recovery.
+            marks = [{"k_id": att_id, "k_fence": fence[rid]}
+                     for rid, atts in in_flight.items() for att_id in atts]
+            if marks:
+                conn.execute(
+                    s.attempts.update().where(a.attempt_id == bindparam("k_id"))
+                    .values(state=AttemptState.UNKNOWN.value, settled_at=now,
+                            settle_fence=bindparam("k_fence")), marks)
+            # Holds the ledger can prove were never sent: attempts refused at begin (rejected)
+            # or settled as not sent, whose debit is somehow still reserved. The write path
+            # voids these itself, so this only repairs; it never touches a dispatching attempt.
+            for debit_id, rid, micros in conn.execute(
+                select(d.debit_id, d.run_id, d.reserved_micros)
+                .select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
+                .where(d.run_id.in_(ids), d.state == DebitState.RESERVED.value,
+                       a.state.in_([AttemptState.REJECTED.value, AttemptState.NOT_SENT.value]))
+            ):
+                voided[rid].append(debit_id)
+                release_micros[rid] += int(micros)
+            unsent = [x for v in voided.values() for x in v]
+            if unsent:
+                conn.execute(s.debits.update().where(d.debit_id.in_(unsent))
+                             .values(state=DebitState.VOIDED.value, settled_at=now))
+            # Capacity slots of the dead executor: all of the run's (the new fence has none).
+            for rid, n in conn.execute(select(gs.run_id, func.count()).where(gs.run_id.in_(ids))
+                                       .group_by(gs.run_id)):
+                slots[rid] = int(n)
+            if any(slots.values()):
+                conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids)))
+            holder, expires = (None, None) if release else (executor, now + ttl_s)
             conn.execute(
-                s.attempts.update().where(a.attempt_id.in_(in_flight))
-                .values(state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence)
-            )
-            for att_id in in_flight:
-                store.add_event(conn, run_id, att_id, "unknown",
-                             {"reason": UNKNOWN_REASON, "fence": fence}, now)
-        # Holds the ledger can prove were never sent: attempts refused at begin (rejected) or
-        # settled as failed before send, whose debit is somehow still reserved. The write path
-        # voids these itself, so this only repairs; it never touches a dispatching attempt.
-        provably_unsent = [x[0] for x in conn.execute(
-            select(d.debit_id).select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
-            .where(d.run_id == run_id, d.state == DebitState.RESERVED.value,
-                   a.state.in_([AttemptState.REJECTED.value, AttemptState.NOT_SENT.value]))
-        )]
-        release_micros = 0
-        if provably_unsent:
-            release_micros = int(conn.execute(
-                select(func.coalesce(func.sum(d.reserved_micros), 0))
-                .where(d.debit_id.in_(provably_unsent))
-            ).scalar_one())
-            conn.execute(s.debits.update().where(d.debit_id.in_(provably_unsent))
-                         .values(state=DebitState.VOIDED.value, settled_at=now))
-        # Capacity slots of the dead executor (any fence but the new one).
-        slots = conn.execute(
-            s.group_slots.delete().where(gs.run_id == run_id, gs.fence != fence)
-        ).rowcount
-        lease: Lease | None = None
-        values: dict[str, Any] = {"fence": fence, "updated_at": now}
-        if release:
-            values.update(lease_holder=None, lease_expires_at=None)
-        else:
-            values.update(lease_holder=executor, lease_expires_at=now + ttl_s)
-            lease = Lease(run_id, executor, fence, now + ttl_s)
-        if release_micros:
-            values["reserved_micros"] = r.reserved_micros - release_micros
-        conn.execute(s.runs.update().where(r.run_id == run_id).values(**values))
-        store.add_event(conn, run_id, None, "recover", {
-            "executor": executor, "previous": old_holder, "previous_fence": old_fence,
-            "fence": fence, "unknown": in_flight, "voided": provably_unsent,
-            "slots_released": slots, "released": release,
-        }, now)
-        row = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
-        out = _report(conn, row, old_holder, old_fence, in_flight, provably_unsent, slots, lease)
+                s.runs.update().where(r.run_id == bindparam("k_run")).values(
+                    fence=bindparam("k_fence"), updated_at=now, lease_holder=holder,
+                    lease_expires_at=expires,
+                    reserved_micros=r.reserved_micros - bindparam("k_release")),
+                [{"k_run": i, "k_fence": fence[i], "k_release": release_micros[i]} for i in ids])
+            events = [_event_row(rid, att_id, "unknown",
+                                 {"reason": UNKNOWN_REASON, "fence": fence[rid]}, now)
+                      for rid, atts in in_flight.items() for att_id in atts]
+            events += [_event_row(row.run_id, None, "recover", {
+                "executor": executor, "previous": row.lease_holder,
+                "previous_fence": int(row.fence), "fence": fence[row.run_id],
+                "unknown": in_flight[row.run_id], "voided": voided[row.run_id],
+                "slots_released": slots[row.run_id], "released": release,
+            }, now) for row in take]
+            conn.execute(s.events.insert(), events)
+        reported = ids + [row.run_id for row in adopted]
+        timelines: dict[str, list[AttemptRecord]] = {i: [] for i in reported}
+        after: dict[str, Any] = {}
+        if reported:
+            for row in conn.execute(select(s.runs).where(r.run_id.in_(reported))):
+                after[row.run_id] = row
+            for x in conn.execute(
+                select(s.attempts, d.state.label("debit_state"))
+                .join(s.debits, d.debit_id == a.debit_id)
+                .where(a.run_id.in_(reported)).order_by(a.run_id, a.seq)
+            ):
+                timelines[x.run_id].append(attempt_record(x, x.debit_state))
+        out = [Takeover(
+            run_id=row.run_id, previous_executor=row.lease_holder,
+            previous_fence=int(row.fence),
+            lease=None if release else Lease(row.run_id, executor, fence[row.run_id],
+                                             now + ttl_s),
+            fence=fence[row.run_id], newly_unknown=in_flight[row.run_id],
+            voided=voided[row.run_id], slots_released=slots[row.run_id],
+            attempts=timelines[row.run_id], selected_route=after[row.run_id].selected_route,
+            current_route=after[row.run_id].current_route, status=after[row.run_id].status,
+        ) for row in take]
+        out += [Takeover(
+            run_id=row.run_id, previous_executor=row.lease_holder, previous_fence=int(row.fence),
+            lease=Lease(row.run_id, executor, int(row.fence), row.lease_expires_at),
+            fence=int(row.fence), newly_unknown=[], voided=[], slots_released=0,
+            attempts=timelines[row.run_id], selected_route=row.selected_route,
+            current_route=row.current_route, status=row.status, adopted=True,
+        ) for row in adopted]
         faults.point("recover.before_commit")
     faults.point("recover.after_commit")
-    return out
+    taken = {t.run_id for t in out}
+    return out, [i for i in run_ids if i not in taken]
+
+
+def _event_row(run_id: str, attempt_id: str | None, kind: str, data: Mapping[str, Any],
+               now: float) -> dict[str, Any]:
+    return {"run_id": run_id, "attempt_id": attempt_id, "kind": kind, "data": event_json(data),
+            "created_at": now}
 
 
 def orphaned_runs(store: Store, limit: int, run_ids: list[str] | None = None) -> list[str]:

@@ -531,6 +531,27 @@ def test_envelope_with_tampered_provenance_is_not_sent_anywhere() -> None:
     assert set(skipped(d).values()) == {Reason.ALREADY_TRIED, Reason.DISCLOSURE}
 
 
+def test_precomputed_part_hashes_decide_coverage_and_must_match_the_parts() -> None:
+    """The retry owner hashes a turn's parts once; the selector then judges coverage by those
+    hashes, so they must be one per part (a wrong count is refused, not guessed at)."""
+    derived = Part(role="assistant", content="interim analysis", data_class=MODEL_DERIVED,
+                   provenance="attempt-1")
+    recorded = {"attempt-1": {derived.content_hash}}
+    grant = Grant(recipients={"go-gateway": [USER_INPUT, MODEL_DERIVED],
+                              "deepseek": [USER_INPUT, MODEL_DERIVED]})
+    env = Envelope(parts=[Part(content="continue"), derived])
+    hashes = [p.content_hash for p in env.parts]
+    d = run(request=env, provenance=recorded, grant=grant, part_hashes=hashes)
+    assert chosen(d) == "go-glm"
+    d = run(request=env, provenance=recorded, grant=grant,
+            part_hashes=[hashes[0], "sha256:" + "0" * 64])
+    assert stopped(d) is Reason.NO_CANDIDATE
+    assert Reason.DISCLOSURE in set(skipped(d).values())
+    with pytest.raises(InvalidArgument) as err:
+        run(request=env, provenance=recorded, grant=grant, part_hashes=hashes[:1])
+    assert err.value.field == "part_hashes"
+
+
 class ModelCounter:
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
         return 150_000 if route.model == "glm-5" else 10

@@ -118,7 +118,9 @@ def test_recovery_resumes_across_restarts(own_server: PgServer) -> None:
     faults.arm("recover.before_commit", crash_before_commit, on_hit=1)
     faults.arm("recover.after_commit", crash_after_commit, on_hit=2)
     try:
-        rep = recover(led, executor_id="rec", sleeper=NoWait())
+        # Two batches of two runs: the first batch's commit is lost to a crash, the second's
+        # acknowledgement is lost after it committed.
+        rep = recover(led, executor_id="rec", sleeper=NoWait(), batch=2)
     finally:
         faults.disarm()
     assert rep.retries >= 2

@@ -10,7 +10,7 @@ import pytest
 from ledger import faults
 from ledger.api import AsyncLedger, Ledger
 from ledger.clock import ManualClock
-from ledger.errors import FencedOut
+from ledger.errors import FencedOut, InvalidArgument
 from ledger.faults import FaultInjected
 from ledger.reconcile import reconcile
 from ledger.records import AttemptState, DebitState
@@ -162,4 +162,39 @@ def test_recovery_takes_expired_runs_only_if_unfinished_or_dispatching(db_url: s
     assert sorted(r.run_id for r in rep.runs) == ["done-inflight", "open"]
     assert led.get_attempt(att.attempt_id).state is AttemptState.UNKNOWN
     assert recover(led).runs == []
+    led.close()
+
+
+def test_batched_takeover_gives_each_run_its_own_fence_and_record(db_url: str) -> None:
+    """Runs taken over together in one transaction are reported exactly as one at a time:
+    each its own new fence, its own unknown attempts and its own recover event."""
+    clock = ManualClock()
+    led = Ledger.open(db_url, clock=clock, executor_id="worker-1")
+    atts: dict[str, list[str]] = {}
+    for i in range(5):
+        run_id = f"b{i}"
+        led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease(run_id, ttl_s=10)
+        if i == 3:  # a fence already bumped once: the new one is its own, not the batch's
+            led.release_lease(lease)
+            lease = led.acquire_lease(run_id, ttl_s=10)
+        atts[run_id] = [led.begin_attempt(lease, route="a", envelope_hash=f"sha256:{i}{k}",
+                                          reserve="0.01", turn_id=f"t{k}").attempt_id
+                        for k in range(i % 3)]
+    fences = {r: led.get_run(r).fence for r in atts}
+    clock.advance(11)
+    seen: list[tuple[int, int]] = []
+    rep = recover(led, executor_id="rec", batch=2, progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(2, 5), (4, 5), (5, 5)]
+    assert sorted(r.run_id for r in rep.runs) == sorted(atts)
+    for r in rep.runs:
+        assert r.fence == fences[r.run_id] + 1 == led.get_run(r.run_id).fence
+        assert r.newly_unknown == atts[r.run_id]
+        assert r.lease is not None and r.lease.fence == r.fence
+        (event,) = led.events(r.run_id, ["recover"])
+        assert event.data["unknown"] == atts[r.run_id] and event.data["fence"] == r.fence
+    assert reconcile(led).violations == []
+    with pytest.raises(InvalidArgument) as err:
+        recover(led, batch=0)
+    assert err.value.field == "batch"
     led.close()

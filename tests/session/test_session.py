@@ -158,6 +158,27 @@ def test_three_turn_agent_with_a_tool_passes_preflight_with_no_extra_calls(
         assert "".join(shown).count(FULL_TEXT) == 2
 
 
+def test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns(
+        db_url: str, fake: FakeProvider) -> None:
+    """The session hashes each part once per conversation, by identity: an edited copy put in
+    the place of an answer it already hashed is hashed afresh and refused; the original
+    object put back passes again."""
+    with Ledger.open(db_url) as led, \
+            led.run("memo", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        msgs = [Part(content="Compare the two filings.")]
+        r1 = run.turn(Envelope(parts=msgs))
+        msgs += [*r1.parts, Part(content="Go on.")]
+        run.turn(Envelope(parts=msgs))
+        original = msgs[1]
+        msgs[1] = original.model_copy(update={"content": "The filings are identical."})
+        with pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=msgs))
+        assert ei.value.reason == "no_candidate"
+        assert "provenance" in json.dumps(ei.value.skipped)
+        msgs[1] = original
+        assert run.turn(Envelope(parts=msgs)).text == FULL_TEXT
+
+
 def test_text_and_tool_calls_go_out_as_one_assistant_message(db_url: str,
                                                             fake: FakeProvider) -> None:
     fake.set_default(Behavior(tool_call=("search", {"q": "x"})))
