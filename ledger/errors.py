@@ -53,6 +53,19 @@ class LedgerError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    def __reduce__(self) -> Any:
+        # Subclasses take keyword-only arguments, which Exception's default pickling (the
+        # positional ``args`` only) cannot pass back: rebuild from the state instead, so every
+        # error crosses a process boundary (multiprocessing, a task queue) intact.
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[LedgerError], message: str, state: dict[str, Any]) -> LedgerError:
+    err = cls.__new__(cls, message)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
 
 class ConfigError(LedgerError):
     """Bad configuration or arguments."""
@@ -156,7 +169,17 @@ class PreflightRefused(Refused):
 
 
 class ProviderError(LedgerError):
-    """A provider call failed; ``fact`` holds the structured failure fact."""
+    """A provider call failed. ``fact`` is the structured failure fact
+    (:class:`~ledger.core.facts.FailureFact`), ``attempt_id`` and ``route`` name the Attempt;
+    ``fields["fact"]`` holds the same fact as JSON for logs."""
+
+    def __init__(self, message: str, *, fact: Any = None, attempt_id: str | None = None,
+                 route: str | None = None, **fields: Any) -> None:
+        as_json = fact.to_json() if hasattr(fact, "to_json") else fact
+        super().__init__(message, attempt_id=attempt_id, route=route, fact=as_json, **fields)
+        self.fact = fact
+        self.attempt_id = attempt_id
+        self.route = route
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,7 @@ class _Loop:
             turn.errors.append(ProviderError(
                 f"{route.provider}/{route.model}: {fact.category.value}"
                 + (f" (HTTP {fact.status})" if fact.status else ""),
-                attempt_id=att.attempt_id, route=route.id, fact=fact.to_json(),
+                attempt_id=att.attempt_id, route=route.id, fact=fact,
             ))
             if fact.effective_output and not fact.tool_started:
                 turn.resets += 1

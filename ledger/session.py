@@ -57,7 +57,15 @@ class _SessionCore:
     """What both sessions share: admission arguments, the calls a turn proposed, the Part a
     tool result becomes, and the callbacks a turn's stream goes to."""
 
-    def __init__(self, run_id: str, admit: Mapping[str, Any], lease_ttl_s: float) -> None:
+    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
+                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
+                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+        self.ledger = ledger
+        self._adapter = adapter
+        self._secrets = secrets
+        # A session closes the adapter it made itself, never one it was given (or a child's).
+        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
+        self._keeper: Any = None
         self.run_id = run_id
         self.admit = dict(admit)
         self.lease_ttl_s = lease_ttl_s
@@ -150,16 +158,6 @@ class _SessionCore:
 
 class RunSession(_SessionCore):
     """A Run held in a ``with`` block (see the module docstring); from :meth:`Ledger.run`."""
-
-    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
-                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
-                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
-        super().__init__(run_id, admit, lease_ttl_s)
-        self.ledger = ledger
-        self._adapter = adapter
-        self._secrets = secrets
-        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
-        self._keeper: Any = None
 
     # -- the block -------------------------------------------------------------------------
 
@@ -267,16 +265,6 @@ class RunSession(_SessionCore):
 
 class AsyncRunSession(_SessionCore):
     """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`."""
-
-    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
-                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
-                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
-        super().__init__(run_id, admit, lease_ttl_s)
-        self.ledger = ledger
-        self._adapter = adapter
-        self._secrets = secrets
-        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
-        self._keeper: Any = None
 
     async def __aenter__(self) -> AsyncRunSession:
         from ledger.lease import AsyncLeaseKeeper

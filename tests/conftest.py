@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from ledger.testing.pgserver import PgServer, find_bindir, start_server
+from tests.invariants import INVARIANTS, invariants_of
 
 REQUIRE_PG = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
 _counter = itertools.count()
@@ -24,7 +25,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", default=False, help="run the long soak test")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    for n in INVARIANTS:
+        config.addinivalue_line("markers", f"invariant_{n}: protects invariant {n} (DESIGN 4)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for n in invariants_of(item.nodeid):
+            item.add_marker(getattr(pytest.mark, f"invariant_{n}"))
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="soak test: run with --soak")

@@ -1,14 +1,13 @@
 """Creating and upgrading the schema with the Alembic scripts, safely from many processes.
 
-Concurrent openers serialize on a lock (a PostgreSQL advisory lock; an exclusive file lock beside
-a SQLite file), then each one re-reads the revision, so all converge on ``head`` and only the
-first does the work.
+Concurrent openers serialize on the database's own lock (a PostgreSQL advisory lock; on SQLite
+the write lock of the migrating transaction, taken up front with ``BEGIN IMMEDIATE``), then each
+one re-reads the revision under it, so all converge on ``head`` and only the first does the
+work. Nothing is left behind: no lock file, no lock held after the call.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,36 +70,34 @@ def check_not_newer(conn: Connection, url: str) -> None:
 def upgrade(engine: Engine, url: str) -> None:
     """Bring the schema to head; safe when many processes call it at once."""
     head = head_revision()
-    with mapped_errors(url), _migration_lock(engine), engine.connect() as conn:
+    with mapped_errors(url), _migration_lock(engine) as conn:
         check_not_newer(conn, url)
         if current_revision(conn) == head:
             conn.rollback()
             return
-        conn.rollback()
         cfg = alembic_config()
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+        command.upgrade(cfg, "head")  # inside the locked transaction: all of it or nothing
         conn.commit()
 
 
 @contextmanager
-def _migration_lock(engine: Engine) -> Iterator[None]:
+def _migration_lock(engine: Engine) -> Iterator[Connection]:
+    """A connection whose work is serialized against every other migrating process."""
     if engine.dialect.name == "postgresql":
         with engine.connect() as lock_conn:
             lock_conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
             lock_conn.commit()
             try:
-                yield
+                with engine.connect() as conn:
+                    yield conn
             finally:
                 lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
                 lock_conn.commit()
         return
-    db = engine.url.database
-    assert db is not None
-    fd = os.open(db + ".migrate-lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    # SQLite: the transaction begins with BEGIN IMMEDIATE (the engine's write option), so the
+    # revision is read and the scripts run under the database's write lock; other openers wait
+    # on the busy timeout, then find head. SQLite's DDL is transactional, so a crash mid-way
+    # leaves the previous revision, never half of one.
+    with engine.connect().execution_options(ledger_write=True) as conn:
+        yield conn

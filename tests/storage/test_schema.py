@@ -67,6 +67,11 @@ def test_sqlite_concurrent_migrations_converge(tmp_path: object) -> None:
     con = sqlite3.connect(url)
     assert con.execute("SELECT count(*) FROM alembic_version").fetchone() == (1,)
     con.close()
+    # The database's own lock serialized them: no lock file is left beside it.
+    import pathlib
+    left = sorted(p.name for p in pathlib.Path(str(tmp_path)).iterdir())
+    assert [n for n in left if not n.startswith("many.db")] == []
+    assert not [n for n in left if "lock" in n]
 
 
 @pytest.mark.postgres

@@ -1,0 +1,96 @@
+"""Which tests protect which invariant of DESIGN section 4 (``pytest -m invariant_4`` runs the
+budget invariant's tests, on both backends wherever the test takes ``db_url``).
+
+The conftest marks every test named here with ``invariant_N``; ``tests/test_invariant_map.py``
+holds the map honest (each name a real test, each invariant with tests on both backends), and
+``docs/concepts.md`` lists the same tests.
+"""
+
+from __future__ import annotations
+
+INVARIANTS: dict[int, tuple[str, ...]] = {
+    # 1. Every physical call has an Attempt row committed before the request is sent.
+    1: (
+        "tests/run/test_attempt_before_send.py::test_invariant1_every_attempt_is_committed_before_its_request_is_sent",
+        "tests/recovery/test_crash.py::test_kill_at_every_fault_point_then_recover",
+    ),
+    # 2. Settled Attempts are immutable; duplicate settles/submissions are the same write.
+    2: (
+        "tests/storage/test_write_path.py::test_admit_freezes_and_duplicate_returns_first_identity",
+        "tests/storage/test_write_path.py::test_admit_conflict_names_every_differing_field",
+        "tests/storage/test_idempotency.py::test_invariant2_one_budget_spelled_three_ways_is_one_admission",
+        "tests/storage/test_idempotency.py::test_invariant2_begin_retried_after_a_lost_ack_under_the_same_lease",
+        "tests/storage/test_idempotency.py::test_invariant2_begin_retried_under_a_lease_acquired_again_is_adopted",
+        "tests/storage/test_bounded_values.py::test_property_settle_stores_exactly_what_it_accepts",
+    ),
+    # 3. A stale executor or a lapsed lease starts nothing; its late settle is a late receipt.
+    3: (
+        "tests/storage/test_write_path.py::test_lease_fence_and_stale_executor_refused_everywhere",
+        "tests/storage/test_concurrency.py::test_stale_fence_never_writes_from_other_processes",
+        "tests/storage/test_lease_liveness.py::test_invariant3_expired_lease_begins_nothing_and_the_group_limit_holds",
+        "tests/storage/test_lease_liveness.py::test_invariant3_a_lease_ending_within_the_margin_starts_nothing",
+        "tests/storage/test_lease_liveness.py::test_invariant3_renewing_a_lapsed_lease_is_refused_and_resurrects_no_slot",
+        "tests/storage/test_lease_liveness.py::test_invariant3_released_lease_begins_renews_and_releases_nothing",
+        "tests/storage/test_lease_liveness.py::test_invariant3_settle_after_expiry_is_accepted_until_someone_takes_over",
+        "tests/storage/test_lease_liveness.py::test_invariant3_settle_after_a_takeover_is_a_late_receipt_that_changes_no_row",
+        "tests/storage/test_lease_liveness.py::test_invariant3_reacquired_run_refuses_settles_of_the_older_fence",
+        "tests/storage/test_lease_liveness.py::test_invariant3_a_begin_that_waited_for_the_lock_is_judged_when_it_got_it",
+    ),
+    # 4. Budgets and allowances are never overdrawn; children come out of their parent.
+    4: (
+        "tests/storage/test_write_path.py::test_budget_and_allowance_refuse_without_overdraw",
+        "tests/storage/test_write_path.py::test_child_budget_carved_and_broader_refused",
+        "tests/storage/test_concurrency.py::test_budget_never_overdrawn_by_concurrent_processes",
+        "tests/storage/test_concurrency.py::test_call_allowance_never_exceeded",
+        "tests/storage/test_concurrency.py::test_child_carving_under_concurrency",
+        "tests/run/test_budgets.py::test_invariant4_token_budget_is_held_posted_and_never_moves_on",
+        "tests/run/test_budgets.py::test_invariant4_tokens_are_rechecked_before_a_retry_or_failover",
+        "tests/run/test_budgets.py::test_invariant4_token_hold_posts_the_reported_usage",
+        "tests/run/test_budgets.py::test_invariant4_a_switch_after_an_admission_rejection_takes_a_retry_permission",
+        "tests/run/test_retry_owner.py::test_call_allowance_bounds_the_loop",
+    ),
+    # 5. Frozen plan, grant, budget and policy; history read under its original routes.
+    5: (
+        "tests/storage/test_write_path.py::test_admit_freezes_and_duplicate_returns_first_identity",
+        "tests/test_pricing.py::test_admission_freezes_the_table_price_in_the_plan",
+        "tests/storage/test_child_narrowing.py::test_child_runs_under_the_parents_frozen_policy",
+        "tests/session/test_session.py::test_the_runs_frozen_streaming_limits_reach_the_adapter",
+    ),
+    # 6. Recovery never re-sends; unknown stays unknown with its hold.
+    6: (
+        "tests/recovery/test_recover_api.py::test_takeover_marks_unknown_keeps_hold_and_fences",
+        "tests/recovery/test_recover_api.py::test_orphans_of_a_directly_reacquired_run",
+        "tests/recovery/test_crash.py::test_kill_at_every_fault_point_then_recover",
+        "tests/recovery/test_pg_restart.py::test_restart_under_workers",
+        "tests/run/test_retry_owner.py::test_read_timeout_is_unknown_and_never_resubmitted_by_default",
+        "tests/run/test_cancellation.py::test_cancel_mid_stream_is_unknown_with_its_hold",
+    ),
+    # 7. Disclosure: approved recipients only; model-derived parts need matching provenance.
+    7: (
+        "tests/run/test_retry_owner.py::test_disclosure_skips_unapproved_recipient",
+        "tests/run/test_retry_owner.py::test_model_derived_context_needs_recorded_provenance",
+        "tests/session/test_session.py::test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns",
+        "tests/core/test_preflight.py::test_edited_copy_does_not_inherit_provenance",
+        "tests/core/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
+    ),
+    # 8. Group limits hold across processes; dead executors' slots come back.
+    8: (
+        "tests/storage/test_concurrency.py::test_group_limit_never_exceeded_across_processes",
+        "tests/storage/test_write_path.py::test_dead_executor_slot_comes_back_after_lease_expiry",
+        "tests/storage/test_lease_liveness.py::test_invariant8_acquiring_ones_own_live_lease_keeps_its_fence_and_slot",
+        "tests/storage/test_lease_lapse_processes.py::test_invariant8_group_limit_holds_while_workers_pause_past_their_lease",
+    ),
+    # 9. No re-run after a started tool; effective output moves on only where policy discards it.
+    9: (
+        "tests/run/test_retry_owner.py::test_default_never_moves_after_effective_output",
+        "tests/session/test_session.py::test_a_started_tool_stops_the_turn_instead_of_moving_on",
+        "tests/core/test_select.py::test_tool_started_always_stops_even_when_output_is_discarded",
+        "tests/core/test_select.py::test_effective_output_stops_unless_the_policy_discards_it",
+    ),
+}
+
+
+def invariants_of(nodeid: str) -> list[int]:
+    """The invariants a collected test protects (its node id without parameters)."""
+    base = nodeid.split("[", 1)[0]
+    return [n for n, tests in INVARIANTS.items() if base in tests]
