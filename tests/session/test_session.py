@@ -97,13 +97,16 @@ def test_a_cancelled_async_block_finishes_the_run_cancelled(db_url: str,
 
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led:
+            streaming = asyncio.Event()
+
             async def agent() -> None:
                 async with led.run("t", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
                     await run.turn(Envelope(parts=[Part(content="hi")], stream=True),
-                                   on_text=lambda _t: None)
+                                   on_text=lambda _t: streaming.set())
 
             task = asyncio.create_task(agent())
-            await asyncio.sleep(0.3)  # real time: the stream is really running on loopback
+            # Cancelled once text arrived: the request was sent, however busy the machine is.
+            await asyncio.wait_for(streaming.wait(), 60)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
