@@ -40,6 +40,7 @@ adapters) can use it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import logging
 import re
@@ -286,13 +287,35 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
         text = str(text)
     if len(text) < MIN_SECRET_CHARS:
         return text  # too short to hold a known secret in any encoding, or any key shape
+    extra = _extra(secrets)
+    patterns = _REGISTRY.patterns
+    if not extra and _CLEAN.get(text) is patterns:
+        return text  # found clean before, under the very same registered secrets
+    original = text
     escaped = "\\" in text or _PERCENT.search(text) is not None
-    for known in (*_REGISTRY.patterns, *_extra(secrets)):
+    for known in (*patterns, *extra):
         text = known.sub(text, escaped)
     text = _PREFIXED_ONE.sub(REDACTED, text)
     for pattern in _LABELLED:
         text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
-    return _long_token(text) if len(text) >= 32 else text
+    text = _long_token(text) if len(text) >= 32 else text
+    if not extra and text == original:
+        _remember_clean(text, patterns)
+    return text
+
+
+# Texts already found clean (ids, reasons, route names recur in every event), with the
+# registry's patterns they were checked against: a secret registered later makes them miss.
+# Only clean texts are kept, so the memo never holds a secret.
+_CLEAN: dict[str, tuple[_Known, ...]] = {}
+_CLEAN_MAX = 8192
+
+
+def _remember_clean(text: str, patterns: tuple[_Known, ...]) -> None:
+    if len(_CLEAN) >= _CLEAN_MAX:
+        with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+            del _CLEAN[next(iter(_CLEAN))]  # the oldest; a lost race only evicts less
+    _CLEAN[text] = patterns
 
 
 def redact_data(value: Any, *, _depth: int = 0) -> Any:

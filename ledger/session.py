@@ -133,6 +133,11 @@ class _SessionCore:
             if p.tool_call_id is not None:
                 self._calls[p.tool_call_id] = (attempt_id, p.name or "")
 
+    def proposed(self, call_id: str) -> bool:
+        """Whether a turn of this session proposed (or :meth:`adopt_tool_calls` adopted) the
+        tool call ``call_id``, so that its result may be recorded."""
+        return isinstance(call_id, str) and call_id in self._calls
+
     def _call(self, call_id: str) -> tuple[str, str]:
         if not isinstance(call_id, str) or call_id not in self._calls:
             raise InvalidArgument(
@@ -147,6 +152,19 @@ class _SessionCore:
                                   field="content")
         return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
                     tool_call_id=call_id, name=name or None)
+
+    def _adopt(self, parts: Sequence[Part], recorded: Mapping[str, Any]) -> list[str]:
+        from ledger.core.preflight import Coverage, part_coverage
+
+        adopted = []
+        for p in parts:
+            if p.tool_call_id is None or p.provenance is None or p.tool_call_id in self._calls:
+                continue
+            # Only a call an Attempt of this Run proposed, exactly as recorded, is adopted.
+            if part_coverage(p, recorded) is Coverage.OK:
+                self._calls[p.tool_call_id] = (p.provenance, p.name or "")
+                adopted.append(p.tool_call_id)
+        return adopted
 
     def _mark_started(self, call_id: str) -> str:
         attempt_id, _name = self._call(call_id)
@@ -240,6 +258,14 @@ class RunSession(_SessionCore):
         part = self._tool_part(call_id, content, data_class)
         self.ledger.record_provenance(self.lease, call_id, part.content_hash, kind="tool_result")
         return part
+
+    def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
+        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
+        (a host resuming a Run after a restart, with the conversation it kept): each tool-call
+        part whose provenance the ledger recorded, hash for hash, is adopted. Returns the call
+        ids adopted; a part the Run did not produce is passed over."""
+        self._check_open()
+        return self._adopt(parts, self.ledger.provenance(self.run_id))
 
     def tool_started(self, call_id: str) -> None:
         """Record durably that the host started the tool of ``call_id``: from now on a failure
@@ -346,6 +372,12 @@ class AsyncRunSession(_SessionCore):
         await self.ledger.record_provenance(self.lease, call_id, part.content_hash,
                                             kind="tool_result")
         return part
+
+    async def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
+        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
+        (see :meth:`RunSession.adopt_tool_calls`)."""
+        self._check_open()
+        return self._adopt(parts, await self.ledger.provenance(self.run_id))
 
     async def tool_started(self, call_id: str) -> None:
         """Record durably that the host started the tool of ``call_id`` (see

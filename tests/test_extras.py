@@ -66,3 +66,19 @@ def test_dashboard_without_its_extra_names_it(tmp_path: Path) -> None:
         f"raise SystemExit(main(['--db', {str(tmp_path / 'l.db')!r}, 'dashboard']))\n"))
     assert res.returncode == 2
     assert "pip install 'failover-ledger[dashboard]'" in res.stderr
+
+
+def test_the_pydantic_ai_integration_without_its_extra_names_it() -> None:
+    res = _without(["pydantic_ai"], (
+        "import json\n"
+        "from ledger import InvalidArgument\n"
+        "try:\n"
+        "    import ledger.integrations.pydantic_ai\n"
+        "except InvalidArgument as e:\n"
+        "    print(json.dumps({'extra': e.fields['extra'], 'msg': str(e),\n"
+        "                      'cause': type(e.__cause__).__name__}))\n"))
+    assert res.returncode == 0, res.stderr
+    err = json.loads(res.stdout)
+    assert err["extra"] == "pydantic-ai"
+    assert "pip install 'failover-ledger[pydantic-ai]'" in err["msg"]
+    assert err["cause"] in ("ImportError", "ModuleNotFoundError")

@@ -52,6 +52,9 @@ def test_distribution_is_failover_ledger_with_extras(wheel: Path) -> None:
     assert not any("opentelemetry" in r for r in core), "OpenTelemetry must be an extra"
     assert any(r.startswith("Requires-Dist: opentelemetry-api") and "extra == 'otel'" in r
                for r in requires)
+    assert not any("pydantic-ai" in r for r in core), "pydantic-ai must be an extra"
+    assert any(r.startswith("Requires-Dist: pydantic-ai-slim") and "extra == 'pydantic-ai'" in r
+               for r in requires)
     entry = zf.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
     scripts = re.findall(r"^(\S+) = (\S+)$", entry.split("[console_scripts]", 1)[1], re.M)
     assert scripts == [("failover-ledger", "ledger.cli.main:main")]

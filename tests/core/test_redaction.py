@@ -241,3 +241,18 @@ def test_log_filter_covers_descendants_made_before_and_after(
     assert caplog.text.count(REDACTED) >= 4
     clean = logging.LogRecord("ledger", logging.INFO, __file__, 1, "n=%d", (3,), None)
     assert RedactingFilter().filter(clean) and clean.args == (3,)  # clean records kept as they are
+
+
+def test_a_text_found_clean_is_checked_again_once_a_secret_it_holds_is_registered() -> None:
+    """Clean texts are remembered (they recur in every event), never past a new secret."""
+    from ledger.redaction import forget_secret, redact, register_secret
+
+    secret = "zk-Qm7Lp2Xv9Rt4Wn8Bc3Hd6Jf1"
+    text = f"route r1 said: unexpected value {secret} in the reply"
+    assert redact(text) == redact(text)  # remembered or not, the same answer
+    register_secret(secret)
+    try:
+        assert secret not in redact(text)
+        assert secret not in redact(text)  # and not remembered as clean meanwhile
+    finally:
+        forget_secret(secret)

@@ -297,3 +297,25 @@ def test_misuse_of_a_session_is_typed_and_changes_nothing(db_url: str,
         with pytest.raises(InvalidState):
             run.tool_result("x", "y")
         assert led.timeline("r") == [] and led.events("r", ["tool_started"]) == []
+
+
+def test_a_later_session_adopts_only_tool_calls_the_run_recorded(db_url: str,
+                                                                fake: FakeProvider) -> None:
+    # A host resuming a Run in a new session answers a call an earlier session proposed.
+    fake.set_default(Behavior(tool_call=("search", {"q": "x"})))
+    with Ledger.open(db_url) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            r1 = run.turn(Envelope(parts=[Part(content="look it up")], tools=TOOLS))
+        [call] = r1.tool_calls
+        forged = call.model_copy(update={"content": '{"q": "everything"}'})
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as again:
+            assert not again.proposed(call.tool_call_id or "")
+            with pytest.raises(InvalidArgument):
+                again.tool_result(call.tool_call_id or "", "42")
+            assert again.adopt_tool_calls([forged]) == []  # not what the Run recorded
+            assert again.adopt_tool_calls([call]) == [call.tool_call_id]
+            tool = again.tool_result(call.tool_call_id or "", "42")
+            fake.set_default(Behavior())
+            r2 = again.turn(Envelope(parts=[Part(content="look it up"), *r1.parts, tool],
+                                     tools=TOOLS))
+            assert r2.text == FULL_TEXT

@@ -1,0 +1,469 @@
+"""pydantic-ai agents on a ledger Run: :class:`LedgerModel`, a pydantic-ai ``Model`` whose every
+request is one turn of an :class:`~ledger.session.AsyncRunSession`.
+
+::
+
+    async with led.run("task-7", plan=routes, budget=budget, grant=grant) as run:
+        agent = Agent(LedgerModel(run), tools=[search])
+        result = await agent.run("Compare the two filings.")
+
+The Run's frozen plan, policy, budget and grant decide routes, retries and failover; every
+physical call is an Attempt. The agent's message history becomes the turn's envelope with the
+data classes the ledger's disclosure preflight checks: system prompts and instructions are
+``system``, user prompts ``user_input``, the model's earlier answers (text and tool calls)
+``model_derived`` with the Attempt that produced them as provenance (carried in
+``ModelResponse.provider_details["ledger"]``), and tool returns ``tool_result``, recorded through
+the session the first time they are sent. A history the Run did not produce — an edited answer,
+an invented tool call or result — has no covering provenance and is refused before anything is
+sent. A stop raises :class:`~ledger.errors.FailoverExhausted`.
+
+Needs the ``pydantic-ai`` extra (``pip install 'failover-ledger[pydantic-ai]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar
+
+from ledger.core.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
+from ledger.core.envelope import ToolSpec as _ToolSpec
+from ledger.errors import InvalidArgument
+from ledger.records import AttemptRecord
+from ledger.session import AsyncRunSession
+
+try:
+    from pydantic_ai import RunContext
+    from pydantic_ai.messages import (
+        FinishReason,
+        ModelMessage,
+        ModelRequest,
+        ModelRequestAttempt,
+        ModelResponse,
+        ModelResponsePart,
+        ModelResponseStreamEvent,
+        SystemPromptPart,
+        TextContent,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+        UserPromptPart,
+    )
+    from pydantic_ai.models import (  # the helper every built-in adapter maps requests with
+        Model,
+        ModelRequestParameters,
+        StreamedResponse,
+        _sendable_request_parts,
+    )
+    from pydantic_ai.settings import ModelSettingName, ModelSettings
+    from pydantic_ai.usage import RequestUsage
+except ImportError as e:  # pragma: no cover - exercised in a subprocess by tests/test_extras.py
+    raise InvalidArgument(
+        "ledger.integrations.pydantic_ai needs pydantic-ai: pip install "
+        "'failover-ledger[pydantic-ai]'", field="ledger.integrations.pydantic_ai",
+        extra="pydantic-ai") from e
+
+# Where a response says which Run and Attempt produced it (read back as provenance).
+DETAILS_KEY = "ledger"
+
+# Provider stop reasons, as the adapters report them, in pydantic-ai's normalised terms.
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop", "end_turn": "stop", "stop_sequence": "stop", "STOP": "stop",
+    "length": "length", "max_tokens": "length", "MAX_TOKENS": "length",
+    "tool_calls": "tool_call", "tool_use": "tool_call", "function_call": "tool_call",
+    "content_filter": "content_filter", "SAFETY": "content_filter", "refusal": "content_filter",
+}
+
+_DONE = object()  # the end of a streamed turn's events
+
+
+def _attempt_of(response: ModelResponse) -> str | None:
+    """The Attempt a response says produced it (``None``: it does not say)."""
+    details = response.provider_details or {}
+    ledger = details.get(DETAILS_KEY)
+    attempt = ledger.get("attempt_id") if isinstance(ledger, dict) else None
+    return attempt if isinstance(attempt, str) else None
+
+
+def _raw_args(part: ToolCallPart) -> str:
+    # The ledger recorded the model's arguments verbatim; pydantic-ai's args_as_json_str()
+    # re-serialises them compactly, which would hash differently from what was recorded.
+    if isinstance(part.args, str):
+        return part.args or "{}"
+    return json.dumps(part.args) if part.args is not None else "{}"
+
+
+def response_parts(response: ModelResponse) -> list[Part]:
+    """An earlier answer as the envelope parts the ledger recorded for it: its text, then one
+    part per tool call, each ``model_derived`` with the Attempt named in its provider details.
+
+    An answer whose content was changed (or that no Attempt of the Run produced) yields parts
+    whose hash the ledger never recorded: preflight refuses them.
+    """
+    attempt = _attempt_of(response)
+    texts: list[str] = []
+    calls: list[Part] = []
+    for p in response.parts:
+        if isinstance(p, TextPart):
+            texts.append(p.content)
+        elif isinstance(p, ToolCallPart):
+            calls.append(Part(role="assistant", content=_raw_args(p), data_class=MODEL_DERIVED,
+                              provenance=attempt, tool_call_id=p.tool_call_id,
+                              name=p.tool_name))
+        else:
+            raise InvalidArgument(
+                f"a model response part of kind {p.part_kind!r} cannot be sent through a ledger "
+                "Run (only text and tool calls are); drop it from the message history",
+                field="messages")
+    text: list[Part] = []
+    if texts or not calls:
+        text = [Part(role="assistant", content="".join(texts), data_class=MODEL_DERIVED,
+                     provenance=attempt)]
+    return text + calls
+
+
+def _user_parts(part: UserPromptPart) -> list[Part]:
+    if isinstance(part.content, str):
+        return [Part(content=part.content, data_class=USER_INPUT)]
+    out = []
+    for item in part.content:
+        if isinstance(item, str | TextContent):
+            text = item if isinstance(item, str) else item.content
+            out.append(Part(content=text, data_class=USER_INPUT))
+        else:
+            raise InvalidArgument(
+                f"user content of kind {getattr(item, 'kind', type(item).__name__)!r} cannot be "
+                "sent through a ledger Run (its envelopes carry text)", field="messages")
+    return out
+
+
+def _answer_parts(parts: Sequence[Part]) -> list[ModelResponsePart]:
+    """A turn's parts as pydantic-ai response parts (the inverse of :func:`response_parts`)."""
+    out: list[ModelResponsePart] = []
+    text = "".join(p.content for p in parts if p.tool_call_id is None)
+    if text:
+        out.append(TextPart(content=text))
+    out.extend(ToolCallPart(tool_name=p.name or "", args=p.content, tool_call_id=p.tool_call_id)
+               for p in parts if p.tool_call_id is not None)
+    return out
+
+
+def _when(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+def _failed(attempt: AttemptRecord) -> ModelRequestAttempt:
+    fact = attempt.fact
+    why = [attempt.state.value, attempt.category or (fact.category.value if fact else None)]
+    if attempt.http_status is not None:
+        why.append(f"HTTP {attempt.http_status}")
+    message = f"{' '.join(w for w in why if w)}: {fact.message if fact and fact.message else ''}"
+    usage = None
+    if attempt.prompt_tokens is not None or attempt.completion_tokens is not None:
+        usage = RequestUsage(input_tokens=attempt.prompt_tokens or 0,
+                             output_tokens=attempt.completion_tokens or 0)
+    return ModelRequestAttempt(
+        model_name=attempt.model, provider_name=attempt.provider, outcome="error",
+        error=f"attempt {attempt.attempt_id} on route {attempt.route_id}: {message}".strip(": "),
+        timestamp=_when(attempt.created_at),
+        duration=timedelta(seconds=max(0.0, (attempt.settled_at or attempt.created_at)
+                                       - attempt.created_at)),
+        usage=usage)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What a turn's result puts on a pydantic-ai response."""
+
+    parts: list[ModelResponsePart]
+    usage: RequestUsage
+    model_name: str
+    provider_name: str
+    provider_response_id: str | None
+    finish_reason: FinishReason | None
+    details: dict[str, Any]
+    failed: list[ModelRequestAttempt] | None
+    timestamp: datetime
+
+    @classmethod
+    def of(cls, run_id: str, result: Any) -> _Answer:
+        att: AttemptRecord = result.attempt
+        output = result.output
+        raw_finish = getattr(output, "finish_reason", None)
+        failed = [_failed(a) for a in result.attempts if a.attempt_id != att.attempt_id]
+        details = {DETAILS_KEY: {
+            "run_id": run_id, "turn_id": att.turn_id, "attempt_id": att.attempt_id,
+            "attempts": [a.attempt_id for a in result.attempts], "route": result.route.id,
+            "switched": bool(result.switched),
+            "cost": None if att.cost is None else str(att.cost)}}
+        return cls(
+            parts=_answer_parts(result.parts),
+            usage=RequestUsage(input_tokens=att.prompt_tokens or 0,
+                               output_tokens=att.completion_tokens or 0),
+            model_name=att.model_reported or att.model, provider_name=att.provider,
+            provider_response_id=getattr(output, "request_id", None),
+            finish_reason=_FINISH.get(raw_finish) if isinstance(raw_finish, str) else None,
+            details=details, failed=failed or None,
+            timestamp=_when(att.settled_at or att.created_at))
+
+    def response(self) -> ModelResponse:
+        return ModelResponse(
+            parts=list(self.parts), usage=self.usage, model_name=self.model_name,
+            timestamp=self.timestamp, provider_name=self.provider_name,
+            provider_response_id=self.provider_response_id, provider_details=self.details,
+            finish_reason=self.finish_reason, failed_attempts=self.failed)
+
+
+class LedgerModel(Model):
+    """A pydantic-ai model whose every request is one turn of a ledger Run.
+
+    ``run`` is an open :class:`~ledger.session.AsyncRunSession` (``async with
+    led.run(...) as run``); the model is used inside that block. ``model_name`` names the model
+    to pydantic-ai (default: the model of the Run's selected route); each response carries the
+    model that actually served it. ``tool_data_class`` is the data class tool returns are
+    recorded under (``tool_result``; a host registering e.g. ``private_document`` for a tool
+    that reads such documents passes that).
+
+    Supported model settings: ``max_tokens`` (the envelope's ``max_output_tokens``),
+    ``temperature`` and ``top_p`` (envelope parameters). The ledger's policy owns retries and
+    timeouts, so ``timeout``, ``max_retries`` and the rest are ignored (pydantic-ai warns about
+    the ones that change what a request guarantees).
+    """
+
+    unsupported_settings: ClassVar[frozenset[ModelSettingName]] = frozenset({
+        "top_k", "timeout", "max_retries", "parallel_tool_calls", "seed", "presence_penalty",
+        "frequency_penalty", "logit_bias", "stop_sequences", "extra_headers", "citations",
+        "service_tier", "extra_body"})
+    # No wire of its own to tell what pydantic-ai's frame tags mean: the routes behind it vary.
+    _announces_lookalike_notes = False
+
+    def __init__(self, run: AsyncRunSession, *, model_name: str | None = None,
+                 tool_data_class: str = TOOL_RESULT, settings: ModelSettings | None = None
+                 ) -> None:
+        if not isinstance(run, AsyncRunSession):
+            raise InvalidArgument(
+                "LedgerModel takes the async Run session of `async with led.run(...) as run` "
+                "(an AsyncLedger's)", field="run")
+        if not isinstance(tool_data_class, str) or not tool_data_class:
+            raise InvalidArgument("tool_data_class is a data class name (e.g. tool_result)",
+                                  field="tool_data_class")
+        super().__init__(settings=settings)
+        self.run = run
+        self.tool_data_class = tool_data_class
+        self._model_name = model_name
+        self._results: dict[str, Part] = {}  # tool-call id -> its result, as recorded
+
+    @property
+    def model_name(self) -> str:
+        """The name pydantic-ai knows this model by: the given one, else the model of the
+        Run's selected route."""
+        if self._model_name is not None:
+            return self._model_name
+        record = self.run.record
+        if record is None:
+            return "ledger-run"
+        selected = next((r for r in record.plan if r.id == record.selected_route),
+                        record.plan[0] if record.plan else None)
+        return selected.model if selected is not None else "ledger-run"
+
+    @property
+    def system(self) -> str:
+        """The provider name for telemetry: the ledger stands between the agent and them."""
+        return "failover-ledger"
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
+                      model_request_parameters: ModelRequestParameters) -> ModelResponse:
+        """Serve one request of the agent as one turn of the Run (buffered)."""
+        settings, params = self.prepare_request(model_settings, model_request_parameters)
+        envelope = await self.envelope(messages, settings, params, stream=False)
+        result = await self.run.turn(envelope)
+        return _Answer.of(self.run.run_id, result).response()
+
+    @asynccontextmanager
+    async def request_stream(self, messages: list[ModelMessage],
+                             model_settings: ModelSettings | None,
+                             model_request_parameters: ModelRequestParameters,
+                             run_context: RunContext[Any] | None = None,
+                             ) -> AsyncGenerator[StreamedResponse]:
+        """Serve one request as one streamed turn: text reaches the agent as it arrives (and
+        so counts as delivered output); tool calls come once the answer is complete."""
+        settings, params = self.prepare_request(model_settings, model_request_parameters)
+        envelope = await self.envelope(messages, settings, params, stream=True)
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def drive() -> Any:
+            try:
+                return await self.run.turn(envelope, on_event=events.put_nowait)
+            finally:
+                events.put_nowait(_DONE)
+
+        task = asyncio.ensure_future(drive())
+        try:
+            yield LedgerStreamedResponse(model_request_parameters=params,
+                                         _name=self.model_name, _run_id=self.run.run_id,
+                                         _events=events, _turn=task)
+        finally:
+            if not task.done():
+                # The agent stopped reading: the turn is cancelled, and settles truthfully.
+                task.cancel()
+            await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved: the stream raised it already, or nobody reads it
+
+    # -- the envelope ----------------------------------------------------------------------
+
+    async def envelope(self, messages: Sequence[ModelMessage], settings: ModelSettings | None,
+                       params: ModelRequestParameters, *, stream: bool) -> Envelope:
+        """The turn's envelope for ``messages``: every part with its data class and, for model
+        output and tool returns, the provenance the ledger recorded (tool returns are recorded
+        through the session the first time they are sent)."""
+        parts: list[Part] = []
+        calls: list[Part] = []
+        returns: list[tuple[int, ToolReturnPart]] = []
+        for message in messages:
+            if isinstance(message, ModelResponse):
+                answer = response_parts(message)
+                calls += [p for p in answer if p.tool_call_id is not None]
+                parts += answer
+                continue
+            if not isinstance(message, ModelRequest):
+                raise InvalidArgument(f"{type(message).__name__} is not a pydantic-ai message",
+                                      field="messages")
+            for part in _sendable_request_parts(message.parts):
+                if isinstance(part, SystemPromptPart):
+                    parts.append(Part(role="system", content=part.content, data_class=SYSTEM))
+                elif isinstance(part, UserPromptPart):
+                    parts += _user_parts(part)
+                elif isinstance(part, ToolReturnPart):
+                    returns.append((len(parts), part))
+                    parts.append(Part(content=""))  # replaced below, once recorded
+                else:
+                    raise InvalidArgument(
+                        f"a request part of kind {part.part_kind!r} cannot be sent through a "
+                        "ledger Run", field="messages")
+        for index, part in returns:
+            parts[index] = await self._tool_part(part, calls)
+        lead = next((i for i, p in enumerate(parts) if p.role != "system"), len(parts))
+        instructions = self._get_instruction_parts(list(messages), params) or []
+        parts[lead:lead] = [Part(role="system", content=i.content, data_class=SYSTEM)
+                            for i in instructions]
+        return Envelope(parts=parts, tools=_tools(params.tool_defs.values()), stream=stream,
+                        **_settings(settings))
+
+    async def _tool_part(self, part: ToolReturnPart, calls: Sequence[Part]) -> Part:
+        if part.files:
+            raise InvalidArgument(
+                f"tool {part.tool_name!r} returned files; a ledger Run's envelopes carry text",
+                field="messages")
+        call_id, content = part.tool_call_id, part.model_response_str()
+        # A tool's result is recorded once, the first time it is sent: a later copy with other
+        # content (a history edited by the host) stays unrecorded, and preflight refuses it.
+        unrecorded = Part(role="tool", content=content, data_class=self.tool_data_class,
+                          provenance=call_id, tool_call_id=call_id, name=part.tool_name)
+        if call_id in self._results:
+            first = self._results[call_id]
+            return first if first.content == content else unrecorded
+        if not self.run.proposed(call_id):
+            # Not proposed in this session: the Run's earlier session may have (a host resuming
+            # the Run with the history it kept). Its result counts as that session recorded
+            # it; a call no Attempt of the Run proposed is never adopted.
+            recorded = await self.run.ledger.provenance(self.run.run_id)
+            if call_id in recorded or call_id not in await self.run.adopt_tool_calls(calls):
+                return unrecorded
+        made: Part = await self.run.tool_result(call_id, content,
+                                                data_class=self.tool_data_class)
+        self._results[call_id] = made
+        return made
+
+
+def _tools(defs: Iterable[Any]) -> list[_ToolSpec]:
+    return [_ToolSpec(name=d.name, description=d.description or "",
+                      parameters=dict(d.parameters_json_schema)) for d in defs]
+
+
+def _settings(settings: ModelSettings | None) -> dict[str, Any]:
+    s = settings or {}
+    out: dict[str, Any] = {}
+    if s.get("max_tokens") is not None:
+        out["max_output_tokens"] = s["max_tokens"]
+    tuning = {k: s[k] for k in ("temperature", "top_p") if s.get(k) is not None}
+    if tuning:
+        out["params"] = tuning
+    return out
+
+
+@dataclass
+class LedgerStreamedResponse(StreamedResponse):
+    """The stream of one turn: text deltas as they arrive, the answer's tool calls, usage, the
+    served model and the Attempt ids once the turn completes; a stop raises
+    :class:`~ledger.errors.FailoverExhausted` from the iteration."""
+
+    _name: str = ""
+    _run_id: str = ""
+    _events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    _turn: asyncio.Future[Any] | None = None
+    _timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
+    _answer: _Answer | None = None
+
+    async def _get_event_iterator(self) -> AsyncIterator[ModelResponseStreamEvent]:
+        from ledger.adapters.contract import TextDelta
+
+        while (event := await self._events.get()) is not _DONE:
+            if isinstance(event, TextDelta) and event.text:
+                for ev in self._parts_manager.handle_text_delta(vendor_part_id="text",
+                                                                content=event.text):
+                    yield ev
+        assert self._turn is not None
+        answer = _Answer.of(self._run_id, await self._turn)  # a stop raises here
+        self._answer = answer
+        self._usage = answer.usage
+        self.provider_details = answer.details
+        self.provider_response_id = answer.provider_response_id
+        self.finish_reason = answer.finish_reason
+        self.failed_attempts = answer.failed
+        for part in answer.parts:
+            if isinstance(part, ToolCallPart):
+                yield self._parts_manager.handle_part(vendor_part_id=part.tool_call_id,
+                                                      part=part)
+
+    def get(self) -> ModelResponse:
+        """The response so far; once the turn completed, exactly the answer the ledger
+        recorded (text a policy discarded after showing it is not part of it)."""
+        response = super().get()
+        if self._answer is None:
+            return response
+        return replace(response, parts=list(self._answer.parts))
+
+    async def close_stream(self) -> None:
+        """Cancel the turn (it settles truthfully: a sent request becomes ``unknown``)."""
+        if self._turn is not None and not self._turn.done():
+            self._turn.cancel()
+
+    @property
+    def model_name(self) -> str:
+        """The served model once known, else the name the agent knows the model by."""
+        return self._answer.model_name if self._answer is not None else self._name
+
+    @property
+    def provider_name(self) -> str | None:
+        """The provider of the route that served the answer, once known."""
+        return self._answer.provider_name if self._answer is not None else None
+
+    @property
+    def provider_url(self) -> None:
+        """Not one URL: the routes of the Run's plan have their own."""
+        return None
+
+    @property
+    def timestamp(self) -> datetime:
+        """When the stream was opened."""
+        return self._timestamp
+
+
+__all__ = ["DETAILS_KEY", "LedgerModel", "LedgerStreamedResponse", "response_parts"]
