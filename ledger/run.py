@@ -30,6 +30,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from ledger import faults
+from ledger import telemetry as _telemetry
 from ledger.api import AsyncLedger, Ledger, _Call, _lease, _model
 from ledger.bounds import amount_in_range, check_amount, check_choice, check_id, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
@@ -623,8 +624,9 @@ def execute(
     ``part_hashes`` are the envelope's part hashes when the caller has them already (a Run
     session keeps them across turns), else each part is hashed here.
     """
-    gen = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
-                on_notice, rng, token_counter, part_hashes).steps()
+    loop = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
+                 on_notice, rng, token_counter, part_hashes)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
@@ -648,8 +650,9 @@ async def aexecute(
 ) -> RunResult:
     """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
     ``send`` and ``on_notice`` may be coroutine functions."""
-    gen = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
-                sleeper, on_notice, rng, token_counter, part_hashes).steps()
+    loop = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
+                 sleeper, on_notice, rng, token_counter, part_hashes)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger.sync)
     await ledger.warm(lease.run_id)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)
