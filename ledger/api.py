@@ -39,6 +39,7 @@ from ledger.bounds import (
 from ledger.clock import Clock, SystemClock
 from ledger.core.admission import check_child_policy, child_grant, default_grant, validate_plan
 from ledger.core.facts import Category, FailureFact, Observation, Phase
+from ledger.core.health import PROVIDER_KEY_PREFIX, as_read, route_key
 from ledger.errors import ArgumentMismatch, InvalidArgument, NotFound
 from ledger.model import Budget, Grant, GroupMode, GroupProjection, Health, Route, content_hash
 from ledger.policy.model import Policy
@@ -631,6 +632,7 @@ class Ledger:
         output_hash: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
         provenance_hashes: Sequence[str] = (),
+        repeat: bool = False,
     ) -> _Call[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
@@ -638,7 +640,10 @@ class Ledger:
         classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent`` (provably never
         left: the hold is voided and the call given back; a failure whose phase is
         ``before_send`` is recorded as not sent). Usage and ``cost`` are what the provider
-        reported; when none was reported, the whole hold is posted.
+        reported; when none was reported, the whole hold is posted. ``repeat``: the Attempt
+        was a same-route retry of a failure this request already counted in health, so its
+        failure restarts the key's window without counting again (unless the policy's
+        ``health.count_same_route_retries`` says every try counts).
         """
         from ledger.core.classify import classify
         from ledger.effects import group_update, health_updates
@@ -684,6 +689,8 @@ class Ledger:
                                   field="provenance_hashes")
         hashes = tuple(str(_hash_arg(h, f"provenance_hashes[{i}]"))
                        for i, h in enumerate(provenance_hashes))
+        if not isinstance(repeat, bool):
+            raise InvalidArgument("repeat must be True or False", field="repeat")
         known = self._in_flight.get(attempt_id)
         att = known if known is not None else self.store.get_attempt(attempt_id)
         if att.run_id != lease.run_id:
@@ -702,7 +709,8 @@ class Ledger:
             settled["parts"] = list(hashes)
         settle_hash = content_hash(settled)
         health = ({} if outcome is Outcome.NOT_SENT and fact is None
-                  else health_updates(pol, route, att.profile_id, outcome, fact, now))
+                  else health_updates(pol, route, att.profile_id, outcome, fact, now,
+                                      repeat=repeat))
         spec = SettleSpec(
             attempt_id=attempt_id, fence=lease.fence, outcome=outcome, fact=fact,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -744,12 +752,14 @@ class Ledger:
             chain.append(anc.parent_run_id)
             anc = self.frozen_run(anc.parent_run_id)
         groups = sorted({r.group for r in frozen.plan})
-        keys = [r.id for r in frozen.plan] + [p.id for r in frozen.plan for p in r.profiles]
+        keys = sorted({route_key(r, policy) for r in frozen.plan}
+                      | {p.id for r in frozen.plan for p in r.profiles})
         clock, wanted = self.clock.now, list(refs)
 
         def done(snap: Snapshot) -> TurnSnapshot:
+            health = {k: as_read(h, snap.now) for k, h in snap.health.items()}
             return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy,
-                                groups=snap.groups, health=snap.health,
+                                groups=snap.groups, health=health,
                                 provenance=snap.provenance, now=snap.now)
 
         return _Call(
@@ -784,17 +794,49 @@ class Ledger:
         return self.store.group_projections(wanted, self.now())
 
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
-        """Health of the named route and profile ids (``None``: every key)."""
-        return self.store.health(None if keys is None else check_ids(keys, "keys"))
+        """Health rows (all, or of ``keys``: route ids, profile ids, ``provider:<name>``) as
+        they stand now: counters past their reset time read as reset."""
+        wanted = None if keys is None else check_ids(keys, "keys")
+        now = self.now()
+        return {k: as_read(h, now) for k, h in self.store.health(wanted).items()}
 
-    def _claim_probe(self, route: Route, interval_s: float) -> _Call[bool]:
-        """Take the cluster-wide probe slot of ``route``: True for one caller per interval."""
+    def _claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
+                     ttl_s: float | None = None, max_keys: int | None = None) -> _Call[bool]:
+        """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
+
+        ``key`` is the health key the probe state lives under (default: the route id; the
+        retry owner passes the policy's key, e.g. ``provider:<name>``). A claim taken also
+        bounds the probe state: times ``ttl_s`` old are forgotten and at most ``max_keys``
+        keys keep one (GoClaw's probe state TTL and key limit).
+        """
         if not isinstance(route, Route):
             raise InvalidArgument("route must be a ledger.Route", field="route")
         interval = check_seconds(interval_s, "interval_s")
+        ttl = check_seconds(ttl_s, "ttl_s", positive=True) if ttl_s is not None else None
+        if max_keys is not None:
+            check_count(max_keys, "max_keys")
+            if max_keys < 1:
+                raise InvalidArgument("max_keys must be >= 1 (or None for no limit)",
+                                      field="max_keys")
+        k = check_id(key, "key") if key is not None else route.id
+        kind = "route" if k == route.id else (
+            "provider" if k.startswith(PROVIDER_KEY_PREFIX) else "profile")
         now = self.now()
-        return _Call(lambda: self.store.claim_probe(route.id, route.provider, now, interval),
-                     lambda: self.store.aclaim_probe(route.id, route.provider, now, interval))
+        return _Call(
+            lambda: self.store.claim_probe(k, route.provider, now, interval, kind=kind,
+                                           ttl_s=ttl, max_keys=max_keys),
+            lambda: self.store.aclaim_probe(k, route.provider, now, interval, kind=kind,
+                                            ttl_s=ttl, max_keys=max_keys))
+
+    def _record_compaction(self, lease: Lease) -> _Call[int]:
+        """Record that the host compacted the Run's session (its context was summarised);
+        returns the Run's compaction count. Under a policy with ``profiles.sticky`` the
+        auto-pinned credential profile is dropped: the next turn chooses again (Fased: the
+        pinned profile is reused until "a compaction completes (compaction count
+        increments)"). A user pin is kept. Needs a live lease."""
+        lease, clock = _lease(lease), self.clock.now
+        return _Call(lambda: self.store.record_compaction(lease, clock),
+                     lambda: self.store.arecord_compaction(lease, clock))
 
     def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
                            kind: str = "tool_result") -> _Call[None]:
@@ -835,6 +877,7 @@ class Ledger:
     mark_unknown = _sync(_mark_unknown)
     turn_snapshot = _sync(_turn_snapshot)
     claim_probe = _sync(_claim_probe)
+    record_compaction = _sync(_record_compaction)
     record_provenance = _sync(_record_provenance)
     append_event = _sync(_append_event)
 
@@ -1022,6 +1065,7 @@ class AsyncLedger:
     group_projections = _in_thread(Ledger.group_projections)
     health = _in_thread(Ledger.health)
     claim_probe = _native(Ledger._claim_probe)
+    record_compaction = _native(Ledger._record_compaction)
     record_provenance = _native(Ledger._record_provenance)
     provenance = _in_thread(Ledger.provenance)
     append_event = _native(Ledger._append_event)

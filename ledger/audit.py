@@ -212,7 +212,7 @@ class OpenAttempt:
 @dataclass(frozen=True)
 class KeyHealth:
     key: str
-    kind: str  # route | profile
+    kind: str  # route | profile | provider (one row shared by a provider's routes)
     provider: str | None
     status: str  # ok | cooling | disabled
     cooldown_until: float | None
@@ -369,11 +369,14 @@ def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
         status = "cooling"
     else:
         status = "ok"
+    # Counters past their reset time read as reset (ledger.core.health.as_read).
+    reset = row.get("reset_at") is not None and now >= row["reset_at"]
     return KeyHealth(
         key=row["key"], kind=row["kind"], provider=row["provider"], status=status,
         cooldown_until=row["cooldown_until"], disabled_until=row["disabled_until"],
-        disabled_reason=row["disabled_reason"], error_count=int(row["error_count"]),
-        failure_counts=json.loads(row["failure_counts"] or "{}"),
+        disabled_reason=row["disabled_reason"],
+        error_count=0 if reset else int(row["error_count"]),
+        failure_counts={} if reset else json.loads(row["failure_counts"] or "{}"),
         last_failure_at=row["last_failure_at"], last_used=row["last_used"],
         last_probe_at=row["last_probe_at"],
     )
@@ -613,8 +616,8 @@ class Audit:
         t = self.now() if now is None else check_time(now, "now")
         hrows, grows = q.health(self.store, t)
         keys = [_key_health(h, t) for h in hrows]
-        return HealthReport(now=t, routes=[k for k in keys if k.kind == "route"],
-                            profiles=[k for k in keys if k.kind != "route"],
+        return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
+                            profiles=[k for k in keys if k.kind == "profile"],
                             groups=[_group_health(g, t) for g in grows])
 
     def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:

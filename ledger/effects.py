@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ledger.core.facts import Category, FailureFact, Phase, Scope, Source
-from ledger.core.health import health_key, record_failure, record_success
+from ledger.core.health import (
+    health_key,
+    key_kind,
+    record_failure,
+    record_repeat,
+    record_success,
+)
 from ledger.model import GroupMode, Route
 from ledger.policy.model import Policy
 from ledger.records import DebitState, Outcome
@@ -18,10 +24,11 @@ from ledger.storage.specs import GroupUpdate, HealthUpdate
 
 
 def health_keys(policy: Policy, route: Route, profile_id: str | None) -> list[tuple[str, str]]:
-    """The key whose health one attempt touches: its profile where the policy keys health by
-    profile (fased), else its route."""
-    key = health_key(route.id, profile_id, policy)
-    return [(key, "profile" if key != route.id else "route")]
+    """The key whose health one attempt touches, with its kind: its profile where the policy
+    keys health by profile (fased), its provider's shared key where it keys health by
+    provider (goclaw), else its route."""
+    key = health_key(route, profile_id, policy)
+    return [(key, key_kind(route, key, policy))]
 
 
 def health_updates(
@@ -31,10 +38,16 @@ def health_updates(
     outcome: Outcome,
     fact: FailureFact | None,
     now: float,
+    *,
+    repeat: bool = False,
 ) -> Mapping[str, tuple[str, str | None, HealthUpdate]]:
-    """Health updaters for the settle transaction, keyed by route id / profile id."""
+    """Health updaters for the settle transaction, keyed by health key.
+
+    ``repeat``: the Attempt was a same-route retry of a failure this request already counted;
+    its failure restarts the key's window instead of counting again (``record_repeat``).
+    """
     out: dict[str, tuple[str, str | None, HealthUpdate]] = {}
-    update = _health_update(policy, route, outcome, fact, now)
+    update = _health_update(policy, route, outcome, fact, now, repeat)
     if update is None:
         return out
     for key, kind in health_keys(policy, route, profile_id):
@@ -48,14 +61,14 @@ _NOT_ABOUT_THE_ROUTE = frozenset({Category.CANCELLED, Category.UNUSABLE})
 
 
 def _health_update(policy: Policy, route: Route, outcome: Outcome, fact: FailureFact | None,
-                   now: float) -> HealthUpdate | None:
+                   now: float, repeat: bool) -> HealthUpdate | None:
     if outcome is Outcome.SUCCEEDED:
         return lambda h: record_success(h, now=now, policy=policy)
     if fact is not None and fact.category not in _NOT_ABOUT_THE_ROUTE:
         # failed, or unknown with an observed fact (a timeout after send)
         category: Category = fact.category
-        return lambda h: record_failure(h, category, provider=route.provider, now=now,
-                                        policy=policy)
+        record = record_repeat if repeat else record_failure
+        return lambda h: record(h, category, provider=route.provider, now=now, policy=policy)
     return None  # unknown without a fact: nothing was observed about the route's health
 
 

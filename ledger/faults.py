@@ -21,6 +21,9 @@ Points in the ledger:
     before settle is called.
 ``recover.before_commit`` / ``recover.after_commit``
     inside the takeover of one run by :func:`ledger.recovery.recover`.
+``probe.before_claim``
+    in :meth:`Store.claim_probe`, before its transaction: where another process may take the
+    probe slot first.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ KNOWN_POINTS = (
     "dispatch.after_send",
     "recover.before_commit",
     "recover.after_commit",
+    "probe.before_claim",
 )
 
 

@@ -189,6 +189,9 @@ class Health(LedgerModel):
     last_failure_at: Instant | None = None
     last_used: Instant | None = None
     last_probe_at: Instant | None = None
+    # When the counters reset by themselves under the policy that counted the last failure
+    # (``None``: only a success resets them); see ledger.core.health.as_read.
+    reset_at: Instant | None = None
 
     def available(self, now: float) -> bool:
         cooling = self.cooldown_until is not None and now < self.cooldown_until

@@ -105,6 +105,18 @@ class RunRecord:
     lease_expires_at: float | None
     created_at: float
     updated_at: float
+    # Compactions recorded (Ledger.record_compaction), and their count when current_profile
+    # was set: the profile is the session's pin only while no compaction came after it.
+    compactions: int = 0
+    profile_compactions: int = 0
+
+    @property
+    def pinned_profile(self) -> str | None:
+        """The profile a new turn keeps (session stickiness): the one used last, unless a
+        compaction was recorded since (Fased: "a compaction completes ... increments")."""
+        if self.compactions != self.profile_compactions:
+            return None
+        return self.current_profile
 
     @property
     def calls_left(self) -> int:

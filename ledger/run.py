@@ -30,16 +30,25 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from ledger import faults
+from ledger import telemetry as _telemetry
 from ledger.api import AsyncLedger, Ledger, _Call, _lease, _model
 from ledger.bounds import amount_in_range, check_amount, check_choice, check_id, tokens_in_range
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.core.classify import classify
 from ledger.core.envelope import Envelope, Part
 from ledger.core.facts import Category, FailureFact, Observation, Phase, Source
+from ledger.core.health import route_key
 from ledger.core.preflight import NO_DENIALS, CharEstimator, Denials, TokenCounter
-from ledger.core.profiles import Pin
+from ledger.core.profiles import Pin, marks_profile_tried
 from ledger.core.retry import retry_decision
-from ledger.core.select import Decision, DecisionKind, RunPermissions, SelectionInput, select
+from ledger.core.select import (
+    Decision,
+    DecisionKind,
+    RunPermissions,
+    SelectionInput,
+    floor_wait,
+    select,
+)
 from ledger.errors import (
     AllowanceExhausted,
     BudgetExceeded,
@@ -115,6 +124,9 @@ Reserve = Decimal | int | float | str | Callable[[Route], Decimal]
 NoticeFn = Callable[[Notice], Any]
 Steps = Generator[Effect[Any], Any, RunResult]
 
+# The stop reason of a turn whose continuation admission refused (failover.after_rejection).
+REJECTED = "rejected_before_dispatch"
+
 # What the caller did not ask for but the loop must survive: the caller's own cancellation.
 CANCELLED_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.AFTER_SEND,
                              source=Source.LOCAL, message="the caller cancelled the call")
@@ -129,6 +141,9 @@ class _Turn:
     resets: int = 0
     # Groups whose admission refused this turn: Admission's own fresh fact for the selector.
     refused_groups: dict[str, float | None] = field(default_factory=dict)
+    # (route, profile) pairs that failed, and routes whose probe another process claimed.
+    tried_pairs: set[tuple[str, str]] = field(default_factory=set)
+    refused_probes: set[str] = field(default_factory=set)
     # Output the caller was shown before its attempt failed: handed back if the turn stops.
     partial: PartialOutput | None = None
 
@@ -204,6 +219,11 @@ class _Loop:
 
     def _select(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
                 current: str | None, current_profile: str | None) -> Decision:
+        return select(self._input(snap, turn, failure=failure, current=current,
+                                  current_profile=current_profile))
+
+    def _input(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
+               current: str | None, current_profile: str | None) -> SelectionInput:
         run = snap.run
         groups = snap.groups
         if turn.refused_groups:
@@ -211,25 +231,39 @@ class _Loop:
             for g, until in turn.refused_groups.items():
                 groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
                                             sampled_at=snap.now)
-        return select(SelectionInput(
+        return SelectionInput(
             plan=run.plan,
             permissions=RunPermissions(
                 retries_left=run.retries_left, calls_left=run.calls_left,
                 tried=frozenset(turn.tried), tried_profiles=frozenset(turn.tried_profiles),
+                tried_pairs=frozenset(turn.tried_pairs),
             ),
             policy=snap.policy, now=snap.now, request=self.envelope, role=run.role,
             grant=run.grant, groups=groups, health=snap.health, current=current,
             current_profile=current_profile, pin=self.pin, failure=failure,
             denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
-            part_hashes=self.part_hashes,
-        ))
+            part_hashes=self.part_hashes, no_probe=frozenset(turn.refused_probes),
+        )
 
     def steps(self) -> Steps:
         turn = _Turn()
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
         policy = snap.policy
-        decision = self._select(snap, turn, failure=None, current=snap.run.current_route,
-                                current_profile=snap.run.current_profile)
+        run = snap.run
+        # What the current decision was made from; a refused probe claim decides again from it.
+        # A new turn keeps the session's profile (a user pin survives a compaction).
+        basis: dict[str, Any] = {
+            "failure": None, "current": run.current_route,
+            "current_profile": run.current_profile if self.pin is Pin.USER
+            else run.pinned_profile}
+        decision = self._select(snap, turn, **basis)
+        wait = floor_wait(self._input(snap, turn, **basis), decision,
+                          max_wait_s=policy.admission.max_capacity_wait_s, deadline=run.deadline)
+        if wait > 0:
+            # The only candidates are behind a short waiting floor: wait it out, then decide.
+            yield from perform(Sleep(wait))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            decision = self._select(snap, turn, **basis)
         kind = AttemptKind.FIRST
         same_route_retries = 0
         # Audit events that led to the next attempt; written in its begin transaction.
@@ -240,12 +274,15 @@ class _Loop:
             route, profile = decision.route, decision.profile
             attempt_kind = kind
             if decision.kind is DecisionKind.PROBE:
-                claimed = yield from perform(ClaimProbe(route, policy.probe.interval_s))
+                pp = policy.probe
+                claimed = yield from perform(ClaimProbe(
+                    route, pp.interval_s, key=route_key(route, policy), ttl_s=pp.ttl_s,
+                    max_keys=pp.max_keys))
                 if not claimed:
-                    # Another process probes it now: decide again with its probe recorded.
+                    # Another process probes it now: decide again, without that probe.
+                    turn.refused_probes.add(route.id)
                     snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-                    decision = self._select(snap, turn, failure=None, current=None,
-                                            current_profile=None)
+                    decision = self._select(snap, turn, **basis)
                     continue
                 attempt_kind = AttemptKind.PROBE
             wait = group_wait(snap.groups.get(route.group), snap.now, snap.run.deadline,
@@ -269,9 +306,15 @@ class _Loop:
                 turn.attempts.append(_rejected_record(begin, e, snap.now))
                 log.info("[admission] %s/%s rejected before dispatch: %s", route.provider,
                          route.model, e.fields.get("reason"))
+                cause = next((x for x in reversed(turn.errors) if isinstance(x, ProviderError)),
+                             None)
+                if cause is not None and policy.failover.after_rejection == "stop":
+                    # Seed 003: "Rejected before dispatch -> Return to original recovery".
+                    raise (yield from self._stopped(turn, None, e, reason=REJECTED,
+                                                    cause=cause)) from cause
                 snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-                decision = self._select(snap, turn, failure=None, current=None,
-                                        current_profile=None)
+                basis = {"failure": None, "current": None, "current_profile": None}
+                decision = self._select(snap, turn, **basis)
                 kind = AttemptKind.FAILOVER
                 continue
             except (BudgetExceeded, AllowanceExhausted) as e:
@@ -307,7 +350,9 @@ class _Loop:
             now = yield from perform(Now())
             fact = classify(obs, policy, now=now)
             discarded = bool(result.partial_text) and not fact.effective_output
-            settled = yield from self._settle_failure(att, fact, result.sent, discarded)
+            # A same-route retry's failure was counted with the request's first: not again.
+            settled = yield from self._settle_failure(att, fact, result.sent, discarded,
+                                                      repeat=same_route_retries > 0)
             if fact.effective_output and result.partial_text:
                 turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
             turn.attempts.append(settled)
@@ -340,16 +385,17 @@ class _Loop:
                 decision = Decision(DecisionKind.ROUTE, route, profile)
                 continue
             turn.tried.add(route.id)
-            if profile and (policy.profiles.rotate_before_model
-                            or fact.category is Category.UNUSABLE):
-                # A failed credential is "tried" only where credentials rotate (fased); under a
-                # route-level policy one 503 says nothing about the account shared by routes.
-                turn.tried_profiles.add(profile)
+            if profile:
+                turn.tried_pairs.add((route.id, profile))
+                if marks_profile_tried(fact, route.provider, policy):
+                    turn.tried_profiles.add(profile)
             snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-            decision = self._select(snap, turn, failure=fact, current=route.id,
-                                    current_profile=profile)
+            basis = {"failure": fact, "current": route.id, "current_profile": profile}
+            decision = self._select(snap, turn, **basis)
             if decision.kind is DecisionKind.STOP or decision.route is None:
-                raise (yield from self._stopped(turn, decision, None))
+                over_budget = fact.category is Category.BUDGET_EXCEEDED
+                raise (yield from self._stopped(turn, decision, None,
+                                                reason="budget" if over_budget else None))
             nxt = decision.route
             log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
                      nxt.model, route.provider, route.model, _describe(fact))
@@ -380,7 +426,7 @@ class _Loop:
             provenance=result.provenance, events=events)))
 
     def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool,
-                        discarded: bool
+                        discarded: bool, *, repeat: bool = False
                         ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
         if not sent or fact.phase is Phase.BEFORE_SEND:
             outcome = Outcome.NOT_SENT
@@ -394,7 +440,7 @@ class _Loop:
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
                                  "never delivered"})] if discarded else []
         return (yield from perform(Settle(self.lease, att.attempt_id, outcome, fact=fact,
-                                          events=events)))
+                                          events=events, repeat=repeat)))
 
     def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
                             ) -> Generator[Effect[Any], Any, None]:
@@ -419,35 +465,47 @@ class _Loop:
 
     # -- stopping ----------------------------------------------------------------------------
 
-    def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None
+    def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
+                 reason: str | None = None, cause: Exception | None = None
                  ) -> Generator[Effect[Any], Any, FailoverExhausted]:
-        """Record the stop with its reasons (an audit event), then build the error to raise."""
-        exc = self._stop(turn, decision, error)
+        """Record the stop with its reasons (an audit event), then build the error to raise.
+
+        ``reason`` overrides the stop reason (the token budget, a rejection before dispatch);
+        ``cause`` is the original failure a stop returns to, kept in the event and the error."""
+        exc = self._stop(turn, decision, error, reason=reason, cause=cause)
         try:
             yield from perform(Record(self.lease, "stop", {
                 "reason": exc.reason, "detail": exc.fields.get("detail", ""),
                 "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
-                "errors": [str(e) for e in turn.errors]}))
+                "errors": [str(e) for e in turn.errors],
+                **({"cause": str(cause)} if cause is not None else {})}))
         except FencedOut as e:  # the lease is gone: the stop itself is the news
             log.info("stop of run %s not recorded: %s", self.lease.run_id, e)
         return exc
 
-    def _stop(self, turn: _Turn, decision: Decision | None,
-              error: LedgerError | None) -> FailoverExhausted:
+    def _stop(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
+              reason: str | None = None, cause: Exception | None = None) -> FailoverExhausted:
         if decision is not None:
-            reason = decision.reason.value if decision.reason else "no_candidate"
+            why = decision.reason.value if decision.reason else "no_candidate"
             detail = decision.detail
         elif isinstance(error, BudgetExceeded):
-            reason, detail = "budget", str(error)
+            why, detail = "budget", str(error)
+        elif isinstance(error, CapacityUnavailable):
+            why, detail = "no_candidate", str(error)
         else:
-            reason, detail = "retry_allowance", str(error) if error else ""
+            why, detail = "retry_allowance", str(error) if error else ""
+        why = reason or why
         names = "; ".join(str(e) for e in turn.errors) or "no attempt was made"
-        return FailoverExhausted(
-            f"every route failed ({reason}): {names}", list(turn.errors), reason=reason,
+        exc = FailoverExhausted(
+            f"every route failed ({why}): {names}", list(turn.errors), reason=why,
             attempts=[a.attempt_id for a in turn.attempts], detail=detail,
             skipped=[s.to_json() for s in decision.skipped] if decision else [],
             partial=turn.partial,
+            **({"cause": str(cause)} if cause is not None else {}),
         )
+        if cause is not None:
+            exc.__cause__ = cause
+        return exc
 
 
 def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> AttemptRecord:
@@ -566,8 +624,9 @@ def execute(
     ``part_hashes`` are the envelope's part hashes when the caller has them already (a Run
     session keeps them across turns), else each part is hashed here.
     """
-    gen = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
-                on_notice, rng, token_counter, part_hashes).steps()
+    loop = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
+                 on_notice, rng, token_counter, part_hashes)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
@@ -591,8 +650,9 @@ async def aexecute(
 ) -> RunResult:
     """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
     ``send`` and ``on_notice`` may be coroutine functions."""
-    gen = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
-                sleeper, on_notice, rng, token_counter, part_hashes).steps()
+    loop = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
+                 sleeper, on_notice, rng, token_counter, part_hashes)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
     sleeper = sleeper or _sleeper_of(ledger.sync)
     await ledger.warm(lease.run_id)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)
@@ -699,9 +759,10 @@ def _call_of(ledger: Ledger, eff: Effect[Any]) -> _Call[Any]:
                 prompt_tokens=eff.prompt_tokens, completion_tokens=eff.completion_tokens,
                 cost=eff.cost, model_reported=eff.model_reported, output_hash=eff.output_hash,
                 effective_output=eff.effective_output, tool_started=eff.tool_started,
-                provenance_hashes=eff.provenance, events=eff.events)
+                provenance_hashes=eff.provenance, events=eff.events, repeat=eff.repeat)
         case ClaimProbe(route=route, interval_s=interval):
-            return ledger._claim_probe(route, interval)
+            return ledger._claim_probe(route, interval, key=eff.key, ttl_s=eff.ttl_s,
+                                       max_keys=eff.max_keys)
         case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):
             return ledger._append_event(lease, kind, data, attempt_id)
     raise TypeError(f"not a database effect: {eff!r}")  # pragma: no cover

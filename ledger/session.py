@@ -380,6 +380,13 @@ class RunSession(_SessionCore):
         self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                  attempt_id=attempt_id)
 
+    def compacted(self) -> int:
+        """Record that the host compacted this session's context; returns the compaction
+        count. Under a sticky profile policy (fased) the next turn chooses its credential
+        profile again instead of keeping the session's (a user pin is kept)."""
+        self._check_open()
+        return self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
+
     def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
               plan: Sequence[Route] | None = None, grant: Grant | None = None,
               role: str | None = None, **admit: Any) -> RunSession:
@@ -501,6 +508,12 @@ class AsyncRunSession(_SessionCore):
         attempt_id = self._mark_started(call_id)
         await self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                        attempt_id=attempt_id)
+
+    async def compacted(self) -> int:
+        """Record that the host compacted this session's context; returns the compaction
+        count (see :meth:`RunSession.compacted`)."""
+        self._check_open()
+        return await self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
 
     def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
               plan: Sequence[Route] | None = None, grant: Grant | None = None,

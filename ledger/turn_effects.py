@@ -161,7 +161,10 @@ class Begin(Effect[AttemptRecord]):
 
 @dataclass(frozen=True)
 class Settle(Effect[AttemptRecord]):
-    """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation."""
+    """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation.
+
+    ``repeat``: the Attempt was a same-route retry of a failure the request already counted in
+    health; its failure restarts the key's window without stepping the cooldown up."""
 
     lease: Lease
     attempt_id: str
@@ -176,6 +179,7 @@ class Settle(Effect[AttemptRecord]):
     tool_started: bool | None = None
     provenance: tuple[str, ...] = ()
     events: Events = ()
+    repeat: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,10 +199,14 @@ class Notify(Effect[None]):
 
 @dataclass(frozen=True)
 class ClaimProbe(Effect[bool]):
-    """Take the cluster-wide probe slot of a cooling route."""
+    """Take the cluster-wide probe slot of a cooling route, under its health ``key``; a claim
+    taken bounds the probe state (``ttl_s``, ``max_keys``)."""
 
     route: Route
     interval_s: float
+    key: str | None = None
+    ttl_s: float | None = None
+    max_keys: int | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Final
 
 from ledger.core.facts import Category, CooldownEffect, Source
-from ledger.model import Health
+from ledger.model import Health, Route
 from ledger.policy.model import DisableRule, HealthPolicy, Policy
 
 # Beyond this many doublings every curve has long hit its cap; bounding the exponent keeps the
@@ -22,11 +22,31 @@ from ledger.policy.model import DisableRule, HealthPolicy, Policy
 _MAX_EXPONENT: Final = 1024
 
 
-def health_key(route_id: str, profile_id: str | None, policy: Policy) -> str:
-    """The key health is kept under: the profile where the policy says so and one exists."""
+#: Prefix of the health key a provider's routes share under ``health.key: provider``.
+PROVIDER_KEY_PREFIX = "provider:"
+
+
+def route_key(route: Route, policy: Policy) -> str:
+    """The key a route's own health is kept under: its id, or ``provider:<name>`` where the
+    policy keys health by provider (every route of that provider shares the row)."""
+    if policy.health.key == "provider":
+        return PROVIDER_KEY_PREFIX + route.provider
+    return route.id
+
+
+def health_key(route: Route, profile_id: str | None, policy: Policy) -> str:
+    """The key one attempt's health is kept under: the profile where the policy keys health
+    by profile and the attempt used one, else :func:`route_key`."""
     if policy.health.key == "profile" and profile_id:
         return profile_id
-    return route_id
+    return route_key(route, policy)
+
+
+def key_kind(route: Route, key: str, policy: Policy) -> str:
+    """What a health row is about, as stored in its ``kind`` column."""
+    if key == route.id:
+        return "route"
+    return "provider" if policy.health.key == "provider" else "profile"
 
 
 def _exempt(provider: str | None, hp: HealthPolicy) -> bool:
@@ -104,6 +124,18 @@ def is_available(health: Health, now: float) -> bool:
     return unavailable_until(health, now) is None
 
 
+def _cleared() -> dict[str, object]:
+    """What a counter reset clears (a fresh mapping each time: the counts dict is new)."""
+    return {
+        "error_count": 0,
+        "failure_counts": {},
+        "cooldown_until": None,
+        "disabled_until": None,
+        "disabled_reason": None,
+        "reset_at": None,
+    }
+
+
 def refresh(health: Health, now: float, policy: Policy) -> Health:
     """Apply the counter resets that are due at ``now`` (before counting a new failure).
 
@@ -124,15 +156,42 @@ def refresh(health: Health, now: float, policy: Policy) -> Health:
     )
     if not (hp.reset_on_expiry or window_passed):
         return health
-    return health.model_copy(
-        update={
-            "error_count": 0,
-            "failure_counts": {},
-            "cooldown_until": None,
-            "disabled_until": None,
-            "disabled_reason": None,
-        }
-    )
+    return health.model_copy(update=_cleared())
+
+
+def reset_at(health: Health, policy: Policy) -> float | None:
+    """When the counters of ``health`` reset by themselves under ``policy`` (what
+    :func:`refresh` would do, as a time): once every window has expired, and, unless the
+    policy resets on expiry, once the failure window has passed since the last failure.
+    ``None``: only a success resets them."""
+    if health.error_count == 0 and not health.failure_counts:
+        return None
+    hp = policy.health
+    ends = [t for t in (health.cooldown_until, health.disabled_until) if t is not None]
+    available = max(ends) if ends else health.last_failure_at
+    if available is None:
+        return None
+    if hp.reset_on_expiry:
+        return available
+    if hp.failure_window_s is None or health.last_failure_at is None:
+        return None
+    return max(available, health.last_failure_at + hp.failure_window_s)
+
+
+def as_read(health: Health, now: float) -> Health:
+    """``health`` as it stands at ``now``: counters whose reset time (``reset_at``, written by
+    the policy that counted them) has passed read as reset, as the next write would find them.
+
+    GoClaw: "When both cooldownUntil and disabledUntil have expired, errorCount and
+    failureCounts are reset to zero" - an operator reading the row sees that, not stale counts.
+    """
+    if health.reset_at is None or now < health.reset_at:
+        return health
+    return health.model_copy(update=_cleared())
+
+
+def _with_reset(health: Health, policy: Policy) -> Health:
+    return health.model_copy(update={"reset_at": reset_at(health, policy)})
 
 
 def record_failure(
@@ -163,20 +222,52 @@ def record_failure(
         update["disabled_reason"] = category.value
     else:
         update["cooldown_until"] = now + cooldown_seconds(n, policy)
-    return h.model_copy(update=update)
+    return _with_reset(h.model_copy(update=update), policy)
+
+
+def record_repeat(
+    health: Health, category: Category, *, provider: str | None, now: float, policy: Policy
+) -> Health:
+    """A same-route retry failed again inside the request whose first failure was counted.
+
+    Unless the policy counts every retry, the failure is not counted again: the window
+    restarts from this (latest) failure with the count it has, so one request steps the
+    cooldown once and the cooldown runs from its last try. A key whose counters are at zero
+    by now (the first failure did not count, or they reset meanwhile) counts it normally.
+    """
+    effect = cooldown_effect(category, provider, Source.PROVIDER, policy)
+    if effect is CooldownEffect.NONE:
+        return health
+    h = refresh(health, now, policy)
+    if policy.health.count_same_route_retries or h.error_count == 0:
+        return record_failure(h, category, provider=provider, now=now, policy=policy)
+    update: dict[str, object] = {"last_failure_at": now}
+    rule = _disable_rule(category, policy.health)
+    if effect is CooldownEffect.DISABLE and rule is not None:
+        k = sum(h.failure_counts.get(c.value, 0) for c in rule.categories)
+        if k == 0:
+            return record_failure(h, category, provider=provider, now=now, policy=policy)
+        update["disabled_until"] = now + disable_seconds(k, rule, provider)
+        update["disabled_reason"] = category.value
+    else:
+        update["cooldown_until"] = now + cooldown_seconds(h.error_count, policy)
+    return _with_reset(h.model_copy(update=update), policy)
 
 
 def record_success(health: Health, now: float, policy: Policy) -> Health:
-    """A successful call: the key was used, and (per policy) all error state is cleared."""
-    update: dict[str, object] = {"last_used": now} if policy.health.track_last_used else {}
-    if policy.health.reset_on_success:
-        update.update(
-            error_count=0,
-            failure_counts={},
-            cooldown_until=None,
-            disabled_until=None,
-            disabled_reason=None,
-        )
+    """A successful call: the key was used, and (per policy) all error state is cleared.
+
+    ``last_used`` is rewritten only once it is ``last_used_interval_s`` old, so a success on
+    a healthy key that changes nothing else leaves the row as it is (and settle skips it).
+    """
+    hp = policy.health
+    update: dict[str, object] = {}
+    if hp.track_last_used and (
+        health.last_used is None or now - health.last_used >= hp.last_used_interval_s
+    ):
+        update["last_used"] = now
+    if hp.reset_on_success:
+        update.update(_cleared())
     return health.model_copy(update=update)
 
 
@@ -254,17 +345,23 @@ class ProbeThrottle:
 
 
 __all__ = [
+    "PROVIDER_KEY_PREFIX",
     "ProbeThrottle",
+    "as_read",
     "cooldown_effect",
     "cooldown_seconds",
     "disable_seconds",
     "health_key",
     "is_available",
+    "key_kind",
     "mark_probed",
     "mark_used",
     "probe_eligible",
     "record_failure",
+    "record_repeat",
     "record_success",
     "refresh",
+    "reset_at",
+    "route_key",
     "unavailable_until",
 ]

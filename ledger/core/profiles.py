@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from enum import StrEnum
 
-from ledger.core.health import unavailable_until
+from ledger.core.facts import Category, CooldownEffect, FailureFact
+from ledger.core.health import cooldown_effect, unavailable_until
 from ledger.model import Health, Profile
-from ledger.policy.model import ProfilePolicy
+from ledger.policy.model import Policy, ProfilePolicy
 
 
 class Pin(StrEnum):
@@ -126,6 +127,27 @@ def sticky_profile(
     return first_usable(profiles, provider, health, now, policy, exclude)
 
 
+def marks_profile_tried(fact: FailureFact, provider: str, policy: Policy) -> bool:
+    """Whether a failure on a credential profile rules that profile out for the rest of the
+    turn, on every route that carries it.
+
+    Only where credentials rotate (``profiles.rotate_before_model``): under a route-level
+    policy one 503 says nothing about the account its routes share. A profile that cannot be
+    used (no secret) is always ruled out. With ``mark_tried: credential_failure`` only a
+    failure that cools or disables the credential marks it: Fased rotates on timeouts and
+    format errors "but does not mark the auth profile ... marking the credential would block
+    other valid model routes on the same provider".
+    """
+    if fact.category is Category.UNUSABLE:
+        return True
+    pp = policy.profiles
+    if not pp.rotate_before_model:
+        return False
+    if pp.mark_tried == "any_failure":
+        return True
+    return cooldown_effect(fact.category, provider, fact.source, policy) is not CooldownEffect.NONE
+
+
 def rotation_candidates(
     profiles: Sequence[Profile],
     provider: str,
@@ -152,6 +174,7 @@ __all__ = [
     "Pin",
     "available_at",
     "first_usable",
+    "marks_profile_tried",
     "rotation_candidates",
     "rotation_order",
     "sticky_profile",

@@ -25,13 +25,13 @@ a preset by name.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from ledger.core.envelope import Envelope
 from ledger.core.facts import FailureFact, Phase, Scope, Source
-from ledger.core.health import probe_eligible
+from ledger.core.health import probe_eligible, route_key
 from ledger.core.preflight import (
     DEFAULT_TOKEN_COUNTER,
     NO_DENIALS,
@@ -52,7 +52,7 @@ from ledger.core.profiles import (
 )
 from ledger.errors import InvalidArgument
 from ledger.model import Grant, GroupMode, GroupProjection, Health, Profile, Route
-from ledger.policy.model import Policy
+from ledger.policy.model import FailoverPolicy, Policy
 from ledger.timefmt import duration, iso, relative
 
 
@@ -91,7 +91,11 @@ class RunPermissions:
     retries_left: int
     calls_left: int
     tried: frozenset[str] = frozenset()  # route ids that failed in this logical turn
-    tried_profiles: frozenset[str] = frozenset()  # profile ids that failed in this turn
+    # Profile ids marked tried for the whole turn: no route uses them again in it.
+    tried_profiles: frozenset[str] = frozenset()
+    # (route id, profile id) pairs that failed in this turn: a rotation inside that route
+    # never returns to them, while the profile stays a candidate on other routes.
+    tried_pairs: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +154,12 @@ class SelectionInput:
     ``plan``: the Run's frozen candidate routes, first = the Run's primary. ``request``: the
     prepared :class:`Envelope` (with ``provenance``, the ledger's ``ref -> content hashes``
     record) or a :class:`RequestNeeds`. ``grant`` ``None`` approves every plan recipient for
-    every class. ``health`` is keyed by route id or by profile id. With a ``failure``,
+    every class. ``health`` is keyed by health key (``ledger.core.health.route_key``: route id or
+``provider:<name>``) or by profile id. With a ``failure``,
     ``current``/``current_profile`` are what just failed; without one (a new turn), what the Run
     used last. ``denials`` are switch-offs and revocations in the *current* configuration.
+    ``no_probe``: routes whose probe another process claimed during this turn; they are not
+    offered as a probe again (the Run decides without them).
     """
 
     plan: Sequence[Route]
@@ -172,6 +179,7 @@ class SelectionInput:
     provenance: Mapping[str, Set[str]] = field(default_factory=dict)
     token_counter: TokenCounter = DEFAULT_TOKEN_COUNTER
     part_hashes: Sequence[str] | None = None
+    no_probe: frozenset[str] = frozenset()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,11 +190,17 @@ def _stop(reason: Reason, detail: str, skipped: Sequence[Skip] = ()) -> Decision
     return Decision(kind=DecisionKind.STOP, reason=reason, detail=detail, skipped=tuple(skipped))
 
 
+def role_excluded(role: str, fo: FailoverPolicy) -> bool:
+    """Whether the Run's role never fails over (``excluded_roles``, case-insensitively)."""
+    r = role.casefold()
+    return any(r == e.casefold() for e in fo.excluded_roles)
+
+
 def _failure_stop(inp: SelectionInput, fact: FailureFact) -> Decision | None:
     fo = inp.policy.failover
     if not fo.enabled:
         return _stop(Reason.FAILOVER_DISABLED, "failover is switched off by the policy")
-    if inp.role in fo.excluded_roles:
+    if role_excluded(inp.role, fo):
         return _stop(Reason.ROLE_EXCLUDED, f"role {inp.role!r} never fails over")
     # A started tool always stops: another route would run the tool again (invariant 9).
     if fact.tool_started:
@@ -253,6 +267,9 @@ class _Walk:
         self.by_id = {r.id: r for r in inp.plan}
         self.primary = inp.plan[0]
         self.failed = self.by_id[inp.current] if inp.failure is not None and inp.current else None
+        # Without an explicit pin, a sticky policy keeps the session's profile as an auto pin.
+        self.pin = inp.pin if inp.pin is not None else (
+            Pin.AUTO if inp.policy.profiles.sticky else None)
         self._base: RequestNeeds | None = None
         self._shared: RequestNeeds | None = None  # the needs, when the counter ignores routes
 
@@ -333,7 +350,10 @@ class _Walk:
         if self.now < until - pp.margin_s:
             return (Reason.ROUTE_COOLDOWN, f"cooling until {_until(until, self.now)}; "
                     "too early to probe")
-        h = self.inp.health.get(route.id)
+        if route.id in self.inp.no_probe:
+            return (Reason.PROBE_THROTTLED, f"cooling until {_until(until, self.now)}; "
+                    "another process claimed its probe")
+        h = self.inp.health.get(route_key(route, self.policy))
         last = h.last_probe_at if h is not None else None
         if last is not None and self.now - last >= pp.ttl_s:
             last = None  # probe state past its TTL is forgotten
@@ -353,7 +373,7 @@ class _Walk:
         """(profile to use, skip reason or None, probe?) for one candidate."""
         route = cand.route
         inp = self.inp
-        route_until = available_at(inp.health.get(route.id), self.now)
+        route_until = available_at(inp.health.get(route_key(route, self.policy)), self.now)
         profile = cand.profile
         profile_until: float | None = None
         if route.profiles and profile is None:
@@ -367,7 +387,7 @@ class _Walk:
                     self.now,
                     pp,
                     current=inp.current_profile,
-                    pin=inp.pin,
+                    pin=self.pin,
                     exclude=tried,
                 )
             else:
@@ -437,7 +457,7 @@ class _Walk:
             for p in rotation_order(failed.profiles, failed.provider, inp.health, self.now, pp):
                 if p.id == inp.current_profile:
                     continue
-                if p.id in tried:
+                if p.id in tried or (failed.id, p.id) in inp.permissions.tried_pairs:
                     skipped.append(
                         Skip(failed.id, Reason.ALREADY_TRIED, "profile already tried", p.id)
                     )
@@ -472,7 +492,7 @@ class _Walk:
             start = self.by_id[inp.current]
         order = [start, *(r for r in inp.plan if r.id != start.id)]
         # A Run that may not fail over still sends its new turn, but only on its own route.
-        if not fo.enabled or inp.role in fo.excluded_roles:
+        if not fo.enabled or role_excluded(inp.role, fo):
             order = [start]
         seq: list[_Candidate] = []
         for r in order:
@@ -559,6 +579,36 @@ def select(inp: SelectionInput) -> Decision:
     return _stop(Reason.NO_CANDIDATE, "every remaining candidate was eliminated", skipped)
 
 
+def floor_wait(inp: SelectionInput, decision: Decision, *, max_wait_s: float,
+               deadline: float | None) -> float:
+    """How long a new turn that found no candidate waits before it decides again, or 0.
+
+    When the only candidates that could serve are in capacity groups whose waiting floor (a
+    fresh cooldown projection, e.g. from a trusted 429's Retry-After) ends within
+    ``max_wait_s`` and before the Run's ``deadline``, the turn waits until the soonest such
+    floor after which the selector, given the same facts, would choose a route; it never
+    waits for a floor it could not then use. After a failure nothing is waited out: a
+    group-scoped failure keeps its real result (seed 003: no same-group escape).
+    """
+    if (inp.failure is not None or decision.kind is not DecisionKind.STOP
+            or decision.reason is not Reason.NO_CANDIDATE):
+        return 0.0
+    fo = inp.policy.failover
+    floors: set[float] = set()
+    for proj in inp.groups.values():
+        if (proj.mode is GroupMode.COOLDOWN and proj.until is not None
+                and proj.sampled_at is not None
+                and inp.now - proj.sampled_at <= fo.group_fact_max_age_s
+                and 0 < proj.until - inp.now <= max_wait_s
+                and (deadline is None or proj.until <= deadline)):
+            floors.add(proj.until)
+    for until in sorted(floors):
+        later = select(replace(inp, now=until))
+        if later.kind is not DecisionKind.STOP:
+            return until - inp.now
+    return 0.0
+
+
 
 def _until(ts: float | None, now: float) -> str:
     """An end time in a reason a person reads: ``2026-01-31T18:00:30Z (in 25 s)``."""
@@ -573,5 +623,7 @@ __all__ = [
     "RunPermissions",
     "SelectionInput",
     "Skip",
+    "floor_wait",
+    "role_excluded",
     "select",
 ]

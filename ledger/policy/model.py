@@ -35,6 +35,17 @@ class PolicyValueError(ValueError):
         self.field = field
 
 
+# Seed 003 section 8's roles that are "outside the scope of automatically broadening this
+# failover strategy", with the forms a host is likely to name them by.
+SEED_EXCLUDED_ROLES: tuple[str, ...] = (
+    "evaluation", "evaluations", "eval", "evals", "evaluator", "fixed_model_evaluation",
+    "reviewer", "reviewers", "review", "independent_reviewer",
+    "diagnostic", "diagnostics", "diagnosis",
+    "scheduled", "scheduled_task", "scheduled_tasks", "schedule", "scheduler",
+    "compaction", "compactions", "compact", "context_compaction", "compactor",
+)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -46,9 +57,10 @@ class FailoverPolicy(_Section):
     """The master switch and the rules about when a request may move to another route."""
 
     enabled: bool = True
-    excluded_roles: list[str] = Field(
-        default_factory=lambda: ["evaluation", "reviewer", "compaction", "diagnostics", "scheduled"]
-    )
+    # Roles that never fail over, compared case-insensitively. Seed 003's words ("independent
+    # reviewers, fixed-model evaluations, diagnostic invocations, scheduled tasks, and context
+    # compaction") and their common forms.
+    excluded_roles: list[str] = Field(default_factory=lambda: list(SEED_EXCLUDED_ROLES))
     # "stop": effective output rules out another route; "discard": discard it, tell the caller,
     # move on (goclaw). A started tool always stops.
     after_effective_output: Literal["stop", "discard"] = "stop"
@@ -59,6 +71,11 @@ class FailoverPolicy(_Section):
     new_turn: Literal["first_entry", "keep_current"] = "keep_current"
     group_aware: bool = True
     group_fact_max_age_s: Seconds = 30.0
+    # When admission rejects, before dispatch, the Attempt that would continue after a failure:
+    # "reselect" chooses again (another group may admit it); "stop" ends the turn with reason
+    # `rejected_before_dispatch`, the original failure kept as its cause (seed 003: "Rejected
+    # before dispatch -> Return to original recovery").
+    after_rejection: Literal["reselect", "stop"] = "reselect"
 
 
 class MoveRule(_Section):
@@ -369,8 +386,10 @@ class DisableRule(_Section):
 class HealthPolicy(_Section):
     """Per-key health: which failures cool or disable a route (or profile), and when it resets."""
 
-    # "profile": keyed by credential profile where the route has profiles, else by route.
-    key: Literal["route", "profile"] = "route"
+    # "route": one row per route id; "profile": per credential profile where the route has
+    # profiles, else per route; "provider": every route of one provider shares one row, keyed
+    # ``provider:<name>`` (GoClaw's cooldowns and usage stats belong to the provider).
+    key: Literal["route", "profile", "provider"] = "route"
     cooldown_categories: list[Category] = Field(
         default_factory=lambda: [
             Category.OVERLOADED,
@@ -391,6 +410,14 @@ class HealthPolicy(_Section):
     # decision reads it, leaving it off lets a success on a healthy key write nothing, so the
     # settles of many workers on one route do not queue on its health row.
     track_last_used: bool = True
+    # ``last_used`` is rewritten by a success only once it is this old: a healthy key then costs
+    # one health write per interval, not one per call (0: every success records it exactly).
+    last_used_interval_s: Seconds = 0.0
+    # Whether each failed try of a same-route retry counts again. False: a route's failure is
+    # counted once per request; a retry's failure restarts its window from the last try but does
+    # not step the cooldown up (GoClaw: "when every try fails, the request fails, or moves on,
+    # with the error it failed with before").
+    count_same_route_retries: bool = False
 
     @model_validator(mode="after")
     def _disjoint(self) -> HealthPolicy:
@@ -420,6 +447,19 @@ class ProbePolicy(_Section):
     ttl_s: PositiveSeconds = 86_400.0
     max_keys: int = Field(default=256, ge=1)
 
+    @model_validator(mode="after")
+    def _interval_within_ttl(self) -> ProbePolicy:
+        if self.interval_s > self.ttl_s:
+            # A probe time forgotten (TTL) while still inside its interval would let the
+            # selector offer a probe the cluster-wide claim keeps refusing.
+            raise PolicyValueError(
+                f"interval_s ({self.interval_s:g}) exceeds ttl_s ({self.ttl_s:g}): probe state "
+                "would be forgotten while it still throttles",
+                "make ttl_s at least interval_s",
+                field="interval_s",
+            )
+        return self
+
 
 class ProfilePolicy(_Section):
     """Credential-profile rotation inside a route before model fallback (fased)."""
@@ -429,6 +469,13 @@ class ProfilePolicy(_Section):
         default_factory=lambda: [ProfileType.OAUTH, ProfileType.TOKEN, ProfileType.API_KEY]
     )
     auth_order: dict[str, list[str]] = Field(default_factory=dict)
+    # A new turn keeps the profile the Run used last while it is usable, as if the caller had
+    # passed ``pin="auto"`` (Fased's session stickiness); a recorded compaction drops it.
+    sticky: bool = False
+    # Which failures mark a credential profile tried for the rest of the turn, so no other
+    # route uses it: "any_failure", or only a "credential_failure" (one that cools or disables
+    # the profile). Fased rotates on timeouts and format errors without marking the credential.
+    mark_tried: Literal["any_failure", "credential_failure"] = "any_failure"
 
 
 class AdmissionPolicy(_Section):
@@ -468,6 +515,7 @@ class Policy(BaseModel):
 
 
 __all__ = [
+    "SEED_EXCLUDED_ROLES",
     "AdmissionPolicy",
     "ClassificationPolicy",
     "CooldownCurve",

@@ -62,12 +62,12 @@ ATTEMPT_COLS = (
     "created_at", "settled_at",
 )
 HEALTH_COLS = ("key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
-               "failure_counts", "last_failure_at", "last_used", "last_probe_at")
+               "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at")
 RUN_LIVE_COLS = (
     "status", "calls_used", "retries_used", "reserved_micros", "posted_micros", "tokens_used",
     "tokens_reserved", "carved_calls", "carved_retries", "carved_micros", "carved_tokens",
     "current_route", "current_profile", "lease_holder", "fence", "lease_expires_at",
-    "updated_at",
+    "updated_at", "compactions", "profile_compactions",
 )
 BEGIN_RUN_COLS = (
     "fence", "lease_holder", "lease_expires_at", "max_calls", "carved_calls", "calls_used",
@@ -185,12 +185,13 @@ class Sql:
             "UPDATE runs SET reserved_micros = reserved_micros - :release, posted_micros = "
             "posted_micros + :posted, tokens_reserved = tokens_reserved - :release_tokens, "
             "tokens_used = tokens_used + :tokens, calls_used = calls_used - :uncount, "
-            "current_route = :route, current_profile = :profile, updated_at = :now "
-            "WHERE run_id = :run_id")
+            "current_route = :route, current_profile = :profile, "
+            "profile_compactions = compactions, updated_at = :now WHERE run_id = :run_id")
         self.lock_health = (f"SELECT {', '.join(HEALTH_COLS)} FROM health WHERE key = :key"
                             + lock)
         hcols = ("cooldown_until", "disabled_until", "disabled_reason", "error_count",
-                 "failure_counts", "last_failure_at", "last_used", "last_probe_at", "updated_at")
+                 "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at",
+                 "updated_at")
         self.insert_health = (
             f"INSERT INTO health (key, kind, provider, {', '.join(hcols)}) VALUES (:key, :kind, "
             f":provider, {', '.join(':' + c for c in hcols)}) ON CONFLICT DO NOTHING "
@@ -225,10 +226,23 @@ class Sql:
             "WHERE attempt_id = :attempt_id")
         self.ensure_health = (
             "INSERT INTO health (key, kind, provider, error_count, failure_counts, updated_at) "
-            "VALUES (:key, 'route', :provider, 0, '{}', :now) ON CONFLICT DO NOTHING")
+            "VALUES (:key, :kind, :provider, 0, '{}', :now) ON CONFLICT DO NOTHING")
         self.claim_probe = (
             "UPDATE health SET last_probe_at = :now, updated_at = :now WHERE key = :key AND "
             "(last_probe_at IS NULL OR last_probe_at <= :since) RETURNING key")
+        # Probe state is bounded like GoClaw's throttle map: times past the TTL are forgotten,
+        # and of the others only the newest `keep` stay besides the key just claimed. Rows
+        # another transaction holds are skipped (PostgreSQL), so concurrent claims never wait
+        # on each other's evictions; the bound is exact when claims do not overlap.
+        self.forget_probes = (
+            "UPDATE health SET last_probe_at = NULL WHERE key IN (SELECT key FROM health "
+            "WHERE last_probe_at IS NOT NULL AND key <> :key AND (last_probe_at <= :expired "
+            "OR key NOT IN (SELECT key FROM health WHERE last_probe_at IS NOT NULL AND "
+            "key <> :key ORDER BY last_probe_at DESC, key DESC LIMIT :keep))"
+            + (" FOR UPDATE SKIP LOCKED" if pg else "") + ")")
+        self.compaction = (
+            "UPDATE runs SET compactions = compactions + 1, updated_at = :now "
+            "WHERE run_id = :run_id RETURNING compactions")
 
 
     def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
@@ -839,13 +853,37 @@ def mark_unknown_tx(sql: Sql, lease: Lease, attempt_id: str, clock: ClockFn,
     return attempt_record(att, att.debit_state)
 
 
-def claim_probe_tx(sql: Sql, key: str, provider: str | None, now: float,
-                   interval_s: float) -> Tx[bool]:
+def claim_probe_tx(sql: Sql, key: str, provider: str | None, now: float, interval_s: float,
+                   *, kind: str = "route", ttl_s: float | None = None,
+                   max_keys: int | None = None) -> Tx[bool]:
+    """Take the probe slot of ``key`` (one caller per interval); a claim taken also bounds the
+    probe state: times at least ``ttl_s`` old are forgotten, and at most ``max_keys`` keys keep
+    one, the oldest going first (``ledger.core.health.ProbeThrottle`` is the same rule)."""
     _, claimed = yield Flush((
-        Q(sql.ensure_health, {"key": key, "provider": provider, "now": now}),
+        Q(sql.ensure_health, {"key": key, "kind": kind, "provider": provider, "now": now}),
         Q(sql.claim_probe, {"now": now, "key": key, "since": now - interval_s}),
-    ), commit=True)
+    ), commit=not _bounded(ttl_s, max_keys))
+    if claimed and _bounded(ttl_s, max_keys):
+        expired = now - ttl_s if ttl_s is not None else float("-inf")
+        keep = max_keys - 1 if max_keys is not None else 2**62
+        yield Flush((Q(sql.forget_probes, {"key": key, "expired": expired, "keep": keep}),),
+                    commit=True)
     return bool(claimed)
+
+
+def _bounded(ttl_s: float | None, max_keys: int | None) -> bool:
+    """Whether a claim bounds the probe state (a TTL or a key limit is given)."""
+    return ttl_s is not None or max_keys is not None
+
+
+def compaction_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float) -> Tx[int]:
+    """Count one compaction of the Run's session (needs a live lease), with its event."""
+    _row, now = yield from _lock_live(sql, sql.lock_run_fence, FENCE_COLS, lease, clock, margin)
+    [(count,)] = yield Q(sql.compaction, {"run_id": lease.run_id, "now": now})
+    yield Flush((Q(sql.insert_event, [_event(lease.run_id, None, "compaction",
+                                             {"compactions": int(count)}, now)], many=True),),
+                commit=True)
+    return int(count)
 
 
 __all__ = [
@@ -856,6 +894,7 @@ __all__ = [
     "begin_tx",
     "check_live",
     "claim_probe_tx",
+    "compaction_tx",
     "event_tx",
     "finish_tx",
     "late_receipt_tx",

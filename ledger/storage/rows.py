@@ -66,6 +66,8 @@ def run_record(row: Row[Any]) -> RunRecord:
         lease_expires_at=row.lease_expires_at,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        compactions=row.compactions,
+        profile_compactions=row.profile_compactions,
     )
 
 
@@ -126,13 +128,14 @@ def health_record(row: Any) -> Health:
         last_failure_at=row.last_failure_at,
         last_used=row.last_used,
         last_probe_at=row.last_probe_at,
+        reset_at=row.reset_at,
     )
 
 
 LIVE_RUN_FIELDS = (
     "status", "calls_used", "retries_used", "tokens_used", "tokens_reserved", "carved_calls",
     "carved_retries", "carved_tokens", "current_route", "current_profile", "lease_holder",
-    "fence", "lease_expires_at", "updated_at",
+    "fence", "lease_expires_at", "updated_at", "compactions", "profile_compactions",
 )
 
 

@@ -71,6 +71,10 @@ runs = Table(
     Column("carved_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("current_route", _ID, nullable=True),
     Column("current_profile", _ID, nullable=True),
+    # Compactions the host recorded, and their count when current_profile was last set: a
+    # compaction since then drops the session's auto-pinned profile.
+    Column("compactions", Integer, nullable=False, default=0, server_default="0"),
+    Column("profile_compactions", Integer, nullable=False, default=0, server_default="0"),
     # Executor lease and fence.
     Column("lease_holder", String(200), nullable=True),
     Column("fence", BigInteger, nullable=False, default=0),
@@ -175,8 +179,9 @@ group_slots = Table(
 health = Table(
     "health",
     metadata,
-    Column("key", _ID, primary_key=True),  # route id or credential profile id
-    Column("kind", String(16), nullable=False),  # route | profile
+    # route id, credential profile id, or provider:<name> (health keyed by provider)
+    Column("key", _ID, primary_key=True),
+    Column("kind", String(16), nullable=False),  # route | profile | provider
     Column("provider", String(200), nullable=True),
     Column("cooldown_until", _T, nullable=True),
     Column("disabled_until", _T, nullable=True),
@@ -186,6 +191,8 @@ health = Table(
     Column("last_failure_at", _T, nullable=True),
     Column("last_used", _T, nullable=True),
     Column("last_probe_at", _T, nullable=True),
+    # When the counters reset by themselves under the policy that counted them (reads apply it).
+    Column("reset_at", _T, nullable=True),
     Column("updated_at", _T, nullable=False),
 )
 

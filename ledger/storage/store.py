@@ -22,6 +22,7 @@ from sqlalchemy import Connection, Engine, Row, and_, bindparam, func, or_, sele
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
+from ledger import faults
 from ledger.errors import (
     AdmissionConflict,
     AllowanceExhausted,
@@ -370,13 +371,30 @@ class Store:
         await self._awrite(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
                                         self.lease_margin_s))
 
-    def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float) -> bool:
-        """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window."""
-        return self._write(hot.claim_probe_tx(self.sql, key, provider, now, interval_s))  # type: ignore[no-any-return]
+    def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float, *,
+                    kind: str = "route", ttl_s: float | None = None,
+                    max_keys: int | None = None) -> bool:
+        """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window.
+        A claim taken forgets probe times ``ttl_s`` old and keeps at most ``max_keys``."""
+        faults.point("probe.before_claim")
+        return self._write(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,  # type: ignore[no-any-return]
+                                              kind=kind, ttl_s=ttl_s, max_keys=max_keys))
 
     async def aclaim_probe(self, key: str, provider: str | None, now: float,
-                           interval_s: float) -> bool:
-        return await self._awrite(hot.claim_probe_tx(self.sql, key, provider, now, interval_s))  # type: ignore[no-any-return]
+                           interval_s: float, *, kind: str = "route", ttl_s: float | None = None,
+                           max_keys: int | None = None) -> bool:
+        faults.point("probe.before_claim")
+        return await self._awrite(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,  # type: ignore[no-any-return]
+                                                     kind=kind, ttl_s=ttl_s,
+                                                     max_keys=max_keys))
+
+    def record_compaction(self, lease: Lease, clock: ClockFn) -> int:
+        """Count one compaction of the Run's session; returns the new count."""
+        return self._write(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s))  # type: ignore[no-any-return]
+
+    async def arecord_compaction(self, lease: Lease, clock: ClockFn) -> int:
+        return await self._awrite(hot.compaction_tx(self.sql, lease, clock,  # type: ignore[no-any-return]
+                                                    self.lease_margin_s))
 
     # -- groups, health (administration and reads) -----------------------------------------
 

@@ -82,8 +82,10 @@ def _plan(fake: FakeProvider) -> list[Route]:
     routes = []
     for protocol in Protocol.OPENAI, Protocol.ANTHROPIC, Protocol.GEMINI:
         for kind in ("echo", "badheader"):
+            # One provider per route: goclaw cools a provider, and the run must reach each.
             routes.append(Route(
-                id=f"{kind}-{protocol.value}", provider="fake", model=f"{kind}-{protocol.value}",
+                id=f"{kind}-{protocol.value}", provider=f"fake-{kind}-{protocol.value}",
+                model=f"{kind}-{protocol.value}",
                 group=f"g-{kind}-{protocol.value}", recipient="fake", protocol=protocol,
                 endpoint=fake.endpoint(protocol.value), price=price,
                 profiles=[Profile(id="p:echo")]))

@@ -11,6 +11,7 @@ from typing import Any
 
 from ledger.core.classify import classify
 from ledger.core.facts import Observation
+from ledger.core.health import route_key
 from ledger.core.preflight import Coverage, PartNeed, RequestNeeds
 from ledger.core.profiles import Pin
 from ledger.core.select import Decision, RunPermissions, SelectionInput, select
@@ -72,8 +73,17 @@ def _groups(d: dict[str, Any] | None) -> dict[str, GroupProjection]:
     }
 
 
-def _health(d: dict[str, Any] | None) -> dict[str, Health]:
-    return {k: Health(key=k, **v) for k, v in (d or {}).items()}
+def _health(d: dict[str, Any] | None, routes: dict[str, Route], policy: Policy
+            ) -> dict[str, Health]:
+    """The vector's health (by route or profile id) under the keys the policy keeps it by: a
+    route's row is its provider's where the policy keys health by provider."""
+    out: dict[str, Health] = {}
+    for k, v in (d or {}).items():
+        key = route_key(routes[k], policy) if k in routes else k
+        if key in out:
+            raise AssertionError(f"health of {k!r} and another route share the key {key!r}")
+        out[key] = Health(key=key, **v)
+    return out
 
 
 def _policy(case: dict[str, Any], file_policy: dict[str, Any], preset_name: str) -> Policy:
@@ -114,7 +124,7 @@ def build_input(
         role=case.get("role", "research"),
         grant=Grant(recipients=grant.get("recipients", {})) if grant is not None else None,
         groups=_groups(case.get("groups")),
-        health=_health(case.get("health")),
+        health=_health(case.get("health"), routes, policy),
         current=current,
         current_profile=case.get("current_profile"),
         pin=Pin(pin) if pin is not None else None,

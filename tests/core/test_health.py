@@ -16,7 +16,7 @@ from ledger.core.health import (
     record_success,
     refresh,
 )
-from ledger.model import Health
+from ledger.model import Health, Route
 from ledger.policy.load import apply_overrides, preset
 
 GOCLAW = preset("goclaw")
@@ -89,10 +89,13 @@ def test_marks() -> None:
     assert mark_probed(Health(key="k"), 4).last_probe_at == 4
 
 
-def test_health_key() -> None:
-    assert health_key("route", "prof", FASED) == "prof"
-    assert health_key("route", None, FASED) == "route"
-    assert health_key("route", "prof", GOCLAW) == "route"
+def test_health_key_follows_the_policy_key() -> None:
+    route = Route(id="route", provider="gemini", model="m", group="g", recipient="r")
+    assert health_key(route, "prof", FASED) == "prof"
+    assert health_key(route, None, FASED) == "route"
+    # goclaw: the cooldown belongs to the provider, shared by all its routes.
+    assert health_key(route, "prof", GOCLAW) == "provider:gemini"
+    assert health_key(route, None, preset("failure-domain")) == "route"
 
 
 def test_probe_eligibility() -> None:

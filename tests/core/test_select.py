@@ -76,6 +76,11 @@ def tune(policy: Policy, section: str = "failover", **kw: Any) -> Policy:
     return policy.model_copy(update={section: sec})
 
 
+# goclaw's probe and last-candidate rules on the routes' own health rows: goclaw keys health
+# by provider, and PLAN's two `go` routes would share one row.
+GOCLAW_ROUTES = tune(GOCLAW, "health", key="route")
+
+
 def fact(
     category: Category = Category.OVERLOADED,
     *,
@@ -386,55 +391,56 @@ def _new_request(
 
 def test_probe_of_cooling_primary_near_expiry() -> None:
     h = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 90, last_probe_at=NOW - 60)}
-    d = _new_request(GOCLAW, h)
+    d = _new_request(GOCLAW_ROUTES, h)
     assert d.kind is DecisionKind.PROBE and d.route_id == "go-deepseek"
     never = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 120)}
-    assert _new_request(GOCLAW, never).kind is DecisionKind.PROBE  # margin boundary, never probed
+    # The margin boundary, never probed.
+    assert _new_request(GOCLAW_ROUTES, never).kind is DecisionKind.PROBE
 
 
 def test_probe_throttled_and_too_early() -> None:
     recent = {
         "go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 90, last_probe_at=NOW - 10)
     }
-    d = _new_request(GOCLAW, recent)
+    d = _new_request(GOCLAW_ROUTES, recent)
     assert chosen(d) == "go-glm" and d.kind is DecisionKind.ROUTE
     assert skipped(d)["go-deepseek"] is Reason.PROBE_THROTTLED
     far = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 121)}
-    assert skipped(_new_request(GOCLAW, far))["go-deepseek"] is Reason.ROUTE_COOLDOWN
+    assert skipped(_new_request(GOCLAW_ROUTES, far))["go-deepseek"] is Reason.ROUTE_COOLDOWN
 
 
 def test_probe_state_older_than_ttl_is_forgotten() -> None:
-    old = NOW - GOCLAW.probe.ttl_s - 1
+    old = NOW - GOCLAW_ROUTES.probe.ttl_s - 1
     h = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 60, last_probe_at=old)}
-    assert _new_request(GOCLAW, h).kind is DecisionKind.PROBE
+    assert _new_request(GOCLAW_ROUTES, h).kind is DecisionKind.PROBE
 
 
 def test_fallbacks_and_lone_primaries_are_never_probed() -> None:
     h = {"go-glm": Health(key="go-glm", cooldown_until=NOW + 30)}
-    d = run(policy=GOCLAW, health=h)
+    d = run(policy=GOCLAW_ROUTES, health=h)
     assert chosen(d) == "official-deepseek"
     assert skipped(d)["go-glm"] is Reason.ROUTE_COOLDOWN
     lone = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 30)}
-    d = _new_request(GOCLAW, lone, plan=(GO_DEEPSEEK,))
+    d = _new_request(GOCLAW_ROUTES, lone, plan=(GO_DEEPSEEK,))
     # No probe (nowhere else to go), but the last candidate is always tried.
     assert d.kind is DecisionKind.ROUTE and d.route_id == "go-deepseek"
 
 
 def test_no_probe_when_policy_disables_probes() -> None:
     h = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 60)}
-    d = _new_request(tune(GOCLAW, "probe", enabled=False), h)
+    d = _new_request(tune(GOCLAW_ROUTES, "probe", enabled=False), h)
     assert chosen(d) == "go-glm"
     assert skipped(d)["go-deepseek"] is Reason.ROUTE_COOLDOWN
 
 
 def test_last_candidate_always_tried() -> None:
     h = {r.id: Health(key=r.id, cooldown_until=NOW + 3600) for r in PLAN}
-    d = _new_request(GOCLAW, h)
+    d = _new_request(GOCLAW_ROUTES, h)
     assert d.kind is DecisionKind.ROUTE and d.route_id == "official-deepseek"
     assert "official-deepseek" not in skipped(d)
     assert skipped(d) == {"go-deepseek": Reason.ROUTE_COOLDOWN, "go-glm": Reason.ROUTE_COOLDOWN}
     # Without the rule the same input stops.
-    strict = tune(GOCLAW, last_candidate_always_tried=False)
+    strict = tune(GOCLAW_ROUTES, last_candidate_always_tried=False)
     assert stopped(_new_request(strict, h)) is Reason.NO_CANDIDATE
 
 
@@ -444,7 +450,7 @@ def test_last_candidate_rule_never_overrides_the_other_checks() -> None:
     h = {r.id: Health(key=r.id, cooldown_until=NOW + 3600) for r in PLAN}
     needs = RequestNeeds(context_tokens=100_000)  # official-deepseek's window is 64k
     d = run(
-        policy=GOCLAW,
+        policy=GOCLAW_ROUTES,
         health=h,
         failure=None,
         current=None,
@@ -454,7 +460,7 @@ def test_last_candidate_rule_never_overrides_the_other_checks() -> None:
     assert d.route_id == "go-glm"
     # Nothing passes the other checks: stop.
     h2 = {"go-glm": Health(key="go-glm", cooldown_until=NOW + 3600)}
-    d = run(policy=GOCLAW, health=h2, request=RequestNeeds(context_tokens=300_000))
+    d = run(policy=GOCLAW_ROUTES, health=h2, request=RequestNeeds(context_tokens=300_000))
     assert stopped(d) is Reason.NO_CANDIDATE
 
 
@@ -713,7 +719,12 @@ def test_new_request_profile_stickiness() -> None:
     h = {OAUTH.id: Health(key=OAUTH.id, last_used=100), KEY.id: Health(key=KEY.id, last_used=9999)}
     auto = _fased(failure=None, permissions=perms, current_profile=KEY.id, pin=Pin.AUTO, health=h)
     assert (auto.route_id, auto.profile) == ("claude", KEY.id)
-    none = _fased(failure=None, permissions=perms, current_profile=KEY.id, pin=None, health=h)
+    # fased is sticky: without a pin the session's profile is kept as if auto-pinned...
+    sticky = _fased(failure=None, permissions=perms, current_profile=KEY.id, pin=None, health=h)
+    assert sticky.profile == KEY.id
+    # ...and a policy that is not rotates to the best profile in rotation order.
+    none = _fased(failure=None, permissions=perms, current_profile=KEY.id, pin=None, health=h,
+                  policy=tune(FASED, "profiles", sticky=False))
     assert none.profile == OAUTH.id
     h_cool = {**h, KEY.id: Health(key=KEY.id, cooldown_until=NOW + 60)}
     moved = _fased(

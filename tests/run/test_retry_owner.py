@@ -111,15 +111,17 @@ def test_goclaw_retries_overload_on_same_route_then_moves(led: Ledger, clock: Ma
     lease = admit(led, policy="goclaw", retries=5, calls=8)
     send = Script(go_deepseek=[fail(status=503, body="overloaded")])
     res = execute(led, lease, ENV, send, rng=random.Random(7))  # type: ignore[arg-type]
-    assert res.route.id == "go-glm"
+    # The cooldown belongs to the provider: go-glm (provider `go` too) cools with go-deepseek.
+    assert res.route.id == "official-deepseek"
     tl = led.timeline("r")
-    assert [a.route_id for a in tl] == ["go-deepseek"] * 3 + ["go-glm"]
+    assert [a.route_id for a in tl] == ["go-deepseek"] * 3 + ["official-deepseek"]
     assert [a.kind for a in tl[:3]] == [AttemptKind.FIRST, AttemptKind.RETRY, AttemptKind.RETRY]
     assert len({a.debit_id for a in tl}) == 4
     assert len(clock.slept) == 2
     assert 1.6 <= clock.slept[0] <= 2.4 and 4.8 <= clock.slept[1] <= 7.2
     assert led.get_run("r").retries_used == 3
-    assert led.health(["go-deepseek"])["go-deepseek"].cooldown_until is not None
+    go = led.health(["provider:go"])["provider:go"]
+    assert go.cooldown_until is not None and go.error_count == 1
 
 
 def test_401_stops_with_every_error(led: Ledger) -> None:
@@ -188,7 +190,8 @@ def test_goclaw_discards_streamed_text_and_tells_the_caller(led: Ledger) -> None
     notices: list[Notice] = []
     send = Script(go_deepseek=[fail(transport=Transport.STREAM_CUT, effective_output=True)])
     res = execute(led, lease, ENV, send, on_notice=notices.append)  # type: ignore[arg-type]
-    assert res.route.id == "go-glm" and [d.route.id for d in send.sent] == ["go-deepseek", "go-glm"]
+    assert res.route.id == "official-deepseek"
+    assert [d.route.id for d in send.sent] == ["go-deepseek", "official-deepseek"]
     assert notices and notices[0].kind == "reset" and res.resets == 1
 
 
@@ -359,8 +362,9 @@ def test_one_log_line_per_retry_and_per_move(led: Ledger, caplog: pytest.LogCapt
             rng=random.Random(1))
     lines = [r.getMessage() for r in caplog.records if r.name == "ledger.run"]
     retries = [m for m in lines if m.startswith("[LLM] go:deepseek-v4: overloaded; retry")]
-    moves = [m for m in lines if m.startswith("[fallback] serving the request with go/glm-5 "
-                                              "(go/deepseek-v4: 503 overloaded)")]
+    moves = [m for m in lines if m.startswith("[fallback] serving the request with "
+                                              "deepseek/deepseek-v4 (go/deepseek-v4: 503 "
+                                              "overloaded)")]
     assert len(retries) == 2 and len(moves) == 1 and len(lines) == 3
 
 
