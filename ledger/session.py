@@ -35,7 +35,7 @@ from ledger.errors import ArgumentMismatch, FencedOut, InvalidArgument, InvalidS
 from ledger.model import Budget, Grant, Route
 from ledger.records import Lease, RunRecord
 from ledger.turn_effects import Dispatch, SendResult
-from ledger.validation import checked_calls
+from ledger.validation import check_secret_provider, checked_calls
 
 log = logging.getLogger("ledger.session")
 
@@ -63,13 +63,7 @@ def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> No
         raise InvalidArgument("secrets is for the session's own adapter; pass the secret "
                               "provider to your adapter instead, or pass no adapter",
                               field="secrets")
-    if secrets is not None and (isinstance(secrets, Mapping)
-                                or not callable(getattr(secrets, "get", None))):
-        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
-        raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
-                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
-                              "StaticSecretProvider(...) for keys held in memory",
-                              field="secrets")
+    check_secret_provider(secrets)
     if owns is not None:
         check_bool(owns, "owns_adapter")
 

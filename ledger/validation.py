@@ -463,6 +463,18 @@ def checked_calls(cls: C) -> C:
     return cls
 
 
+
+def check_secret_provider(secrets: Any) -> None:
+    """``secrets`` must be a SecretProvider (``get(profile_id, protocol=...)``), not a dict."""
+    if secrets is not None and (isinstance(secrets, Mapping)
+                                or not callable(getattr(secrets, "get", None))):
+        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
+        raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
+                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
+                              "StaticSecretProvider(...) for keys held in memory",
+                              field="secrets")
+
+
 __all__ = [
     "MAX_ID_LENGTH",
     "MAX_TEXT",
@@ -476,6 +488,7 @@ __all__ = [
     "Text",
     "Time",
     "Tokens",
+    "check_secret_provider",
     "checked_call",
     "checked_calls",
     "invalid_argument",

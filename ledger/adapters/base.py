@@ -126,7 +126,7 @@ from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.redaction import install_log_redaction, register_secret
 from ledger.turn_effects import SendProgress
-from ledger.validation import checked_calls
+from ledger.validation import check_secret_provider, checked_calls
 
 log = logging.getLogger("ledger.adapters")
 
@@ -241,13 +241,7 @@ MAX_BYTES_OPTION = 2**40  # a terabyte: beyond any body or stream a process shou
 def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_bytes: Any,
                           evidence_cap_bytes: Any, max_stream_bytes: Any) -> None:
     """The constructor options shared by :class:`HttpAdapter` and the sync facade."""
-    if secrets is not None and (isinstance(secrets, Mapping)
-                                or not callable(getattr(secrets, "get", None))):
-        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
-        raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
-                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
-                              "StaticSecretProvider(...) for keys held in memory",
-                              field="secrets")
+    check_secret_provider(secrets)
     if limits is not None and not isinstance(limits, StreamingPolicy):
         raise InvalidArgument("limits must be a ledger.policy.model.StreamingPolicy",
                               field="limits")
