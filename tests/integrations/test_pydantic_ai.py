@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
@@ -42,43 +41,26 @@ from ledger import (
     Ledger,
     Price,
     ProviderError,
-    Route,
     RunStatus,
 )
 from ledger.clock import ManualClock
-from ledger.core.facts import Protocol
 from ledger.integrations.pydantic_ai import LedgerModel
 from ledger.records import AttemptState
 from ledger.session import AsyncRunSession
 from ledger.testing import Behavior, FakeProvider, Fault
+from tests import fakeplan
+from tests.fakeplan import plan
+
+fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
+_clear = fakeplan._clear
 
 REPO = Path(__file__).resolve().parents[2]
-PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
 BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
 ALLOWED = ["user_input", "model_derived", "tool_result", "tool_description", "system"]
 GRANT = Grant(recipients={"fake": ALLOWED})
 FULL_TEXT = Behavior().text
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider().in_thread() as fp:
-        yield fp
-
-
-@pytest.fixture(autouse=True)
-def _clear(fake: FakeProvider) -> None:
-    fake.clear()
-
-
-def plan(fake: FakeProvider, protocol: str = "openai") -> list[Route]:
-    proto = Protocol(protocol)
-    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
-                  recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
-                  price=PRICE),
-            Route(id="backup", provider="fake-b", model="backup-model", group="gb",
-                  recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
-                  price=PRICE)]
 
 
 searched: list[str] = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
@@ -24,17 +23,18 @@ from ledger import (
     InvalidState,
     Ledger,
     Part,
-    Price,
-    Route,
     RunStatus,
     ToolSpec,
 )
 from ledger.adapters import ToolCallProposal
-from ledger.core.facts import Protocol
 from ledger.records import AttemptState
 from ledger.testing import Behavior, FakeProvider, Fault
+from tests import fakeplan
+from tests.fakeplan import plan
 
-PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
+fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
+_clear = fakeplan._clear
+
 BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
 GRANT = Grant(recipients={"fake": ["user_input", "model_derived", "tool_result",
                                    "tool_description", "system"]})
@@ -43,25 +43,6 @@ TOOLS = [ToolSpec(name="search", description="Search the filings",
 FULL_TEXT = Behavior().text
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider().in_thread() as fp:
-        yield fp
-
-
-@pytest.fixture(autouse=True)
-def _clear(fake: FakeProvider) -> None:
-    fake.clear()
-
-
-def plan(fake: FakeProvider, protocol: str = "openai") -> list[Route]:
-    proto = Protocol(protocol)
-    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
-                  recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
-                  price=PRICE),
-            Route(id="backup", provider="fake-b", model="backup-model", group="gb",
-                  recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
-                  price=PRICE)]
 
 
 # -- the block -----------------------------------------------------------------------------
