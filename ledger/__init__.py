@@ -14,9 +14,18 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ledger.api import (
+    from ledger.api.facade import (
         AsyncLedger,
         Ledger,
+    )
+    from ledger.api.session import AsyncRunSession, RunSession
+    from ledger.api.turn import (
+        Dispatch,
+        Notice,
+        RunResult,
+        SendResult,
+        aexecute,
+        execute,
     )
     from ledger.clock import (
         Clock,
@@ -25,22 +34,45 @@ if TYPE_CHECKING:
         SystemClock,
         SystemSleeper,
     )
-    from ledger.core.classify import classify
-    from ledger.core.envelope import (
+    from ledger.decide.classify import classify
+    from ledger.domain.envelope import (
         Envelope,
         Part,
         ToolSpec,
     )
-    from ledger.core.facts import (
+    from ledger.domain.facts import (
         Category,
         CooldownEffect,
         FailureFact,
         Observation,
         Phase,
-        Protocol,
         Scope,
         Source,
         Transport,
+        WireProtocol,
+    )
+    from ledger.domain.records import (
+        AttemptKind,
+        AttemptRecord,
+        AttemptState,
+        DebitState,
+        Lease,
+        Outcome,
+        Page,
+        RunRecord,
+        RunStatus,
+    )
+    from ledger.domain.values import (
+        Budget,
+        Capabilities,
+        Grant,
+        GroupMode,
+        GroupProjection,
+        Health,
+        Price,
+        Profile,
+        ProfileType,
+        Route,
     )
     from ledger.errors import (
         AdmissionConflict,
@@ -68,119 +100,87 @@ if TYPE_CHECKING:
         SettleConflict,
         StorageError,
     )
-    from ledger.model import (
-        Budget,
-        Capabilities,
-        Grant,
-        GroupMode,
-        GroupProjection,
-        Health,
-        Price,
-        Profile,
-        ProfileType,
-        Route,
-    )
     from ledger.policy.load import (
         load_policy,
         policy_hash,
         preset,
     )
     from ledger.policy.model import Policy
-    from ledger.records import (
-        AttemptKind,
-        AttemptRecord,
-        AttemptState,
-        DebitState,
-        Lease,
-        Outcome,
-        Page,
-        RunRecord,
-        RunStatus,
-    )
-    from ledger.run import (
-        Dispatch,
-        Notice,
-        RunResult,
-        SendResult,
-        aexecute,
-        execute,
-    )
-    from ledger.session import AsyncRunSession, RunSession
 
 # Public name -> the module that defines it.
 _LAZY: dict[str, str] = {
     "AdmissionConflict": "ledger.errors",
     "AllowanceExhausted": "ledger.errors",
     "ArgumentMismatch": "ledger.errors",
-    "AsyncLedger": "ledger.api",
-    "AttemptKind": "ledger.records",
-    "AttemptRecord": "ledger.records",
-    "AttemptState": "ledger.records",
-    "Budget": "ledger.model",
+    "AsyncLedger": "ledger.api.facade",
+    "AttemptKind": "ledger.domain.records",
+    "AttemptRecord": "ledger.domain.records",
+    "AttemptState": "ledger.domain.records",
+    "Budget": "ledger.domain.values",
     "BudgetExceeded": "ledger.errors",
-    "Capabilities": "ledger.model",
+    "Capabilities": "ledger.domain.values",
     "CapacityUnavailable": "ledger.errors",
-    "Category": "ledger.core.facts",
+    "Category": "ledger.domain.facts",
     "Clock": "ledger.clock",
     "ConfigError": "ledger.errors",
     "Conflict": "ledger.errors",
-    "CooldownEffect": "ledger.core.facts",
+    "CooldownEffect": "ledger.domain.facts",
     "DatabaseUnavailable": "ledger.errors",
-    "DebitState": "ledger.records",
-    "Dispatch": "ledger.run",
-    "Envelope": "ledger.core.envelope",
+    "DebitState": "ledger.domain.records",
+    "Dispatch": "ledger.api.turn",
+    "Envelope": "ledger.domain.envelope",
     "FailoverExhausted": "ledger.errors",
-    "FailureFact": "ledger.core.facts",
+    "FailureFact": "ledger.domain.facts",
     "FencedOut": "ledger.errors",
-    "Grant": "ledger.model",
-    "GroupMode": "ledger.model",
-    "GroupProjection": "ledger.model",
-    "Health": "ledger.model",
+    "Grant": "ledger.domain.values",
+    "GroupMode": "ledger.domain.values",
+    "GroupProjection": "ledger.domain.values",
+    "Health": "ledger.domain.values",
     "InvalidArgument": "ledger.errors",
     "InvalidState": "ledger.errors",
-    "Lease": "ledger.records",
+    "Lease": "ledger.domain.records",
     "LeaseHeld": "ledger.errors",
     "LeaseLost": "ledger.errors",
-    "Ledger": "ledger.api",
+    "Ledger": "ledger.api.facade",
     "LedgerError": "ledger.errors",
     "ManualClock": "ledger.clock",
     "NotFound": "ledger.errors",
-    "Notice": "ledger.run",
-    "Observation": "ledger.core.facts",
-    "Outcome": "ledger.records",
-    "Page": "ledger.records",
-    "Part": "ledger.core.envelope",
+    "Notice": "ledger.api.turn",
+    "Observation": "ledger.domain.facts",
+    "Outcome": "ledger.domain.records",
+    "Page": "ledger.domain.records",
+    "Part": "ledger.domain.envelope",
     "PartialOutput": "ledger.errors",
-    "Phase": "ledger.core.facts",
+    "Phase": "ledger.domain.facts",
     "Policy": "ledger.policy.model",
     "PolicyError": "ledger.errors",
     "PreflightRefused": "ledger.errors",
-    "Price": "ledger.model",
-    "Profile": "ledger.model",
-    "ProfileType": "ledger.model",
-    "Protocol": "ledger.core.facts",
+    "Price": "ledger.domain.values",
+    "Profile": "ledger.domain.values",
+    "ProfileType": "ledger.domain.values",
+    "WireProtocol": "ledger.domain.facts",
     "ProviderError": "ledger.errors",
     "Refused": "ledger.errors",
-    "Route": "ledger.model",
-    "RunRecord": "ledger.records",
-    "RunResult": "ledger.run",
-    "RunSession": "ledger.session",
-    "AsyncRunSession": "ledger.session",
-    "RunStatus": "ledger.records",
+    "Route": "ledger.domain.values",
+    "RunRecord": "ledger.domain.records",
+    "RunResult": "ledger.api.turn",
+    "RunSession": "ledger.api.session",
+    "AsyncRunSession": "ledger.api.session",
+    "RunStatus": "ledger.domain.records",
     "SchemaTooNew": "ledger.errors",
-    "Scope": "ledger.core.facts",
-    "SendResult": "ledger.run",
+    "Scope": "ledger.domain.facts",
+    "SendResult": "ledger.api.turn",
     "SettleConflict": "ledger.errors",
     "Sleeper": "ledger.clock",
-    "Source": "ledger.core.facts",
+    "Source": "ledger.domain.facts",
     "StorageError": "ledger.errors",
     "SystemClock": "ledger.clock",
     "SystemSleeper": "ledger.clock",
-    "ToolSpec": "ledger.core.envelope",
-    "Transport": "ledger.core.facts",
-    "aexecute": "ledger.run",
-    "classify": "ledger.core.classify",
-    "execute": "ledger.run",
+    "ToolSpec": "ledger.domain.envelope",
+    "Transport": "ledger.domain.facts",
+    "aexecute": "ledger.api.turn",
+    "classify": "ledger.decide.classify",
+    "execute": "ledger.api.turn",
     "load_policy": "ledger.policy.load",
     "policy_hash": "ledger.policy.load",
     "preset": "ledger.policy.load",
@@ -237,7 +237,6 @@ __all__ = [
     "Price",
     "Profile",
     "ProfileType",
-    "Protocol",
     "ProviderError",
     "Refused",
     "Route",
@@ -256,6 +255,7 @@ __all__ = [
     "SystemSleeper",
     "ToolSpec",
     "Transport",
+    "WireProtocol",
     "__version__",
     "aexecute",
     "classify",
@@ -273,7 +273,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later lookups skip this hook
         return value
     if not name.startswith("_"):
-        # ``import ledger; ledger.audit.Audit``: submodules load on first use, as they did when
+        # ``import ledger; ledger.ops.audit.Audit``: submodules load on first use, as they did when
         # the root imported them eagerly.
         try:
             return importlib.import_module(f"{__name__}.{name}")

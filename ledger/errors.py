@@ -190,7 +190,7 @@ class PreflightRefused(Refused):
 
 class ProviderError(LedgerError):
     """A provider call failed. ``fact`` is the structured failure fact
-    (:class:`~ledger.core.facts.FailureFact`), ``attempt_id`` and ``route`` name the Attempt;
+    (:class:`~ledger.domain.facts.FailureFact`), ``attempt_id`` and ``route`` name the Attempt;
     ``fields["fact"]`` holds the same fact as JSON for logs."""
 
     def __init__(self, message: str, *, fact: Any = None, attempt_id: str | None = None,

@@ -20,7 +20,7 @@ Points in the ledger:
     after begin returned and before the request leaves, and after the response arrived and
     before settle is called.
 ``recover.before_commit`` / ``recover.after_commit``
-    inside the takeover of one run by :func:`ledger.recovery.recover`.
+    inside the takeover of one run by :func:`ledger.ops.recovery.recover`.
 ``probe.before_claim``
     in :meth:`Store.claim_probe`, before its transaction: where another process may take the
     probe slot first.

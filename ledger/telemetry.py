@@ -12,8 +12,8 @@ Off until the host turns it on, and then it reads only what the turn already pro
 OpenTelemetry until ``enable`` is called, and while telemetry is off the turn drivers pay one
 ``None`` check per turn (:func:`observed` hands the turn's generator back untouched).
 
-How it sees a turn: the drivers (:func:`ledger.run.execute`, :func:`ledger.run.aexecute`) pass
-the turn's effect generator through :func:`observed`, which wraps it in a generator that yields
+How it sees a turn: the drivers (:func:`ledger.api.turn.execute`, :func:`ledger.api.turn.aexecute`)
+pass the turn's effect generator through :func:`observed`, which wraps it in a generator that yields
 the same effects and passes back the same results and errors, unchanged and in the same order,
 so a driver's shielding and interruption handling work exactly as without it. On the way it
 watches each effect and its answer: a ``Begin`` answered with a record (or refused by
@@ -40,10 +40,10 @@ from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from ledger.decide.effects import Begin, Effect, Record, Send, SendResult, Settle
+from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.errors import CapacityUnavailable, InvalidArgument
-from ledger.records import AttemptRecord, AttemptState
 from ledger.redaction import redact, redact_data
-from ledger.turn_effects import Begin, Effect, Record, Send, SendResult, Settle
 
 if TYPE_CHECKING:
     from contextvars import Token
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-    from ledger.core.envelope import Envelope
-    from ledger.model import Route
+    from ledger.domain.envelope import Envelope
+    from ledger.domain.values import Route
 
 log = logging.getLogger("ledger.telemetry")
 R = TypeVar("R")

@@ -53,7 +53,7 @@ def pg_server() -> Iterator[PgServer]:
     srv = start_server()
     try:
         srv.psql("CREATE DATABASE ledger_template")
-        from ledger.api import Ledger
+        from ledger.api.facade import Ledger
 
         Ledger.open(srv.url("ledger_template")).close()
         yield srv

@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 
 from ledger import Price, Route
-from ledger.core.facts import Protocol
+from ledger.domain.facts import WireProtocol
 from ledger.testing import FakeProvider
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
@@ -27,7 +27,7 @@ def _clear(fake: FakeProvider) -> None:
 
 
 def plan(fake: FakeProvider, protocol: str = "openai") -> list[Route]:
-    proto = Protocol(protocol)
+    proto = WireProtocol(protocol)
     return [Route(id="primary", provider="fake", model="primary-model", group="ga",
                   recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
                   price=PRICE),

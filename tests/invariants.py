@@ -70,8 +70,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/run/test_retry_owner.py::test_disclosure_skips_unapproved_recipient",
         "tests/run/test_retry_owner.py::test_model_derived_context_needs_recorded_provenance",
         "tests/session/test_session.py::test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns",
-        "tests/core/test_preflight.py::test_edited_copy_does_not_inherit_provenance",
-        "tests/core/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
+        "tests/decide/test_preflight.py::test_edited_copy_does_not_inherit_provenance",
+        "tests/decide/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (
@@ -84,8 +84,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
     9: (
         "tests/run/test_retry_owner.py::test_default_never_moves_after_effective_output",
         "tests/session/test_session.py::test_a_started_tool_stops_the_turn_instead_of_moving_on",
-        "tests/core/test_select.py::test_tool_started_always_stops_even_when_output_is_discarded",
-        "tests/core/test_select.py::test_effective_output_stops_unless_the_policy_discards_it",
+        "tests/decide/test_select.py::test_tool_started_always_stops_even_when_output_is_discarded",
+        "tests/decide/test_select.py::test_effective_output_stops_unless_the_policy_discards_it",
     ),
 }
 

@@ -44,14 +44,14 @@ from ledger import (
     ToolSpec,
 )
 from ledger.adapters import HttpAdapter, SyncAdapter, async_sender, sync_sender
-from ledger.audit import AsyncAudit, Audit
-from ledger.core.classify import classify
-from ledger.lease import AsyncLeaseKeeper, LeaseKeeper
+from ledger.api.lease import AsyncLeaseKeeper, LeaseKeeper
+from ledger.api.turn import SendResult, aexecute, execute
+from ledger.decide.classify import classify
+from ledger.domain.records import Lease
+from ledger.ops.audit import AsyncAudit, Audit
+from ledger.ops.reconcile import reconcile
+from ledger.ops.recovery import arecover, recover
 from ledger.policy.load import preset
-from ledger.reconcile import reconcile
-from ledger.records import Lease
-from ledger.recovery import arecover, recover
-from ledger.run import SendResult, aexecute, execute
 from ledger.storage import schema
 
 T0 = 1_000_000.0

@@ -9,14 +9,14 @@ from decimal import Decimal
 import pytest
 
 from ledger.adapters import StaticSecretProvider, SyncAdapter, sync_sender
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
+from ledger.decide.pricing import lookup_price, resolve_prices
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.records import from_micros, to_micros
+from ledger.domain.values import Budget, Price, Profile, Route
 from ledger.errors import InvalidArgument
-from ledger.model import Budget, Price, Profile, Route
-from ledger.pricing import lookup_price, resolve_prices
-from ledger.records import from_micros, to_micros
-from ledger.run import execute
 from ledger.testing.fakeprovider import FakeProvider
 
 GPT4O = Price(input_per_mtok=Decimal("2.5"), output_per_mtok=Decimal("10"))

@@ -53,8 +53,8 @@ def test_every_public_name_resolves_lazily() -> None:
 
 def test_submodules_load_on_attribute_access() -> None:
     res = _py("import ledger\n"
-              "assert ledger.audit.Audit.__name__ == 'Audit'\n"
-              "assert ledger.storage.engine.normalize_url('x.db').startswith('sqlite:///')\n"
+              "assert ledger.ops.__name__ == 'ledger.ops'\n"
+              "assert ledger.storage.__name__ == 'ledger.storage'\n"
               "try:\n"
               "    ledger.no_such_thing\n"
               "except AttributeError as e:\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from ledger.cli.progress import Progress, eta, wanted
-from ledger.timefmt import duration, iso, relative, when
+from ledger.domain.timefmt import duration, iso, relative, when
 
 T = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 

@@ -46,10 +46,10 @@ from ledger.adapters.contract import (
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.core.envelope import Envelope
-from ledger.core.facts import Protocol as WireProtocol
+from ledger.domain.envelope import Envelope
+from ledger.domain.facts import WireProtocol
+from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
-from ledger.model import Route
 
 ANTHROPIC_VERSION = "2023-06-01"
 

@@ -4,7 +4,7 @@ An adapter call sends one request on one route and reports exactly what happened
 for a provider or transport failure, nor for a route whose configuration cannot make a request:
 every such failure comes back as an :class:`AdapterResult` with ``ok=False``, ``sent`` saying
 whether any byte of the request was handed to the socket, and an
-:class:`~ledger.core.facts.Observation` (transport kind, phase, status, effective output, redacted
+:class:`~ledger.domain.facts.Observation` (transport kind, phase, status, effective output, redacted
 evidence). A route that cannot build a request (no endpoint or not a usable http(s) URL, no codec
 for its protocol, no secret for its profile or one that cannot go in a header, a body that cannot
 be JSON-encoded) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a
@@ -118,15 +118,15 @@ from ledger.adapters.transport import (
     describe_exception,
     map_transport_error,
 )
-from ledger.bounds import check_count, check_optional_id
-from ledger.core.envelope import Envelope
-from ledger.core.facts import Observation, Phase, Source, Transport
+from ledger.decide.effects import SendProgress
+from ledger.domain.bounds import check_count, check_optional_id
+from ledger.domain.envelope import Envelope
+from ledger.domain.facts import Observation, Phase, Source, Transport
+from ledger.domain.validation import check_secret_provider, checked_calls
+from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
-from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
 from ledger.redaction import install_log_redaction, register_secret
-from ledger.turn_effects import SendProgress
-from ledger.validation import check_secret_provider, checked_calls
 
 log = logging.getLogger("ledger.adapters")
 
@@ -156,7 +156,7 @@ class _CannotBuild(Exception):
 
 class _Progress:
     """How far the request got, from httpcore's trace events; mirrored into the caller's
-    :class:`~ledger.turn_effects.SendProgress` so an interrupted call is settled truthfully."""
+    :class:`~ledger.decide.effects.SendProgress` so an interrupted call is settled truthfully."""
 
     def __init__(self, report: SendProgress | None = None) -> None:
         self.request_sent = False

@@ -10,11 +10,10 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
-from ledger.core.envelope import Envelope
-from ledger.core.facts import Observation
-from ledger.core.facts import Protocol as WireProtocol
+from ledger.domain.envelope import Envelope
+from ledger.domain.facts import Observation, WireProtocol
+from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
-from ledger.model import Route
 from ledger.redaction import redact
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Driving a Run with the adapters: the send functions the retry owner calls.
 
 ``sender(adapter)`` turns an :class:`HttpAdapter` (async) or :class:`SyncAdapter` into the send
-function of :func:`ledger.run.aexecute` / :func:`ledger.run.execute`. A successful answer's text
-is hashed so the ledger records it as provenance (a later model-derived part is covered only if
-it matches, hash for hash). Streamed events go to ``on_event`` as they arrive; the retry owner
-separately tells the caller to discard text of a failed attempt.
+function of :func:`ledger.api.turn.aexecute` / :func:`ledger.api.turn.execute`. A successful
+answer's text is hashed so the ledger records it as provenance (a later model-derived part is
+covered only if it matches, hash for hash). Streamed events go to ``on_event`` as they arrive;
+the retry owner separately tells the caller to discard text of a failed attempt.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from ledger.adapters.contract import (
     EventCallback,
 )
 from ledger.adapters.sync import SyncAdapter
-from ledger.core.envelope import MODEL_DERIVED, Part
-from ledger.core.facts import Observation
+from ledger.decide.effects import Dispatch, SendResult
+from ledger.domain.envelope import MODEL_DERIVED, Part
+from ledger.domain.facts import Observation
+from ledger.domain.validation import checked_call
 from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
-from ledger.run import Dispatch, SendResult
-from ledger.validation import checked_call
 
 
 def output_part(result: AdapterResult, attempt_id: str) -> Part:
@@ -83,7 +83,7 @@ def async_sender(
     on_event: EventCallback | None = None,
     limits: StreamingPolicy | None = None,
 ) -> Callable[[Dispatch], Awaitable[SendResult]]:
-    """The send function of :func:`ledger.run.aexecute` over an :class:`HttpAdapter`."""
+    """The send function of :func:`ledger.api.turn.aexecute` over an :class:`HttpAdapter`."""
     _check(adapter, HttpAdapter, on_event, limits)
     async def send(d: Dispatch) -> SendResult:
         res = await adapter.send(d.route, d.envelope, profile_id=d.profile_id,
@@ -100,7 +100,7 @@ def sync_sender(
     on_event: EventCallback | None = None,
     limits: StreamingPolicy | None = None,
 ) -> Callable[[Dispatch], SendResult]:
-    """The send function of :func:`ledger.run.execute` over a :class:`SyncAdapter`."""
+    """The send function of :func:`ledger.api.turn.execute` over a :class:`SyncAdapter`."""
     _check(adapter, SyncAdapter, on_event, limits)
     def send(d: Dispatch) -> SendResult:
         res = adapter.send(d.route, d.envelope, profile_id=d.profile_id, on_event=on_event,

@@ -2,7 +2,7 @@
 
 The ledger stores credential *profile ids* only. The secret behind a profile id is looked up at
 send time from a :class:`SecretProvider`, used for one request header, and never copied into an
-:class:`~ledger.core.facts.Observation`, an adapter result, an exception message, an evidence
+:class:`~ledger.domain.facts.Observation`, an adapter result, an exception message, an evidence
 excerpt or a log line. Everything an adapter reports that came from the wire or from an exception
 passes through :func:`redact` first (the one step of :mod:`ledger.redaction`), and every secret
 the adapters resolve is registered there, so storage and logging remove it too.
@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from ledger.core.facts import Protocol as WireProtocol
+from ledger.domain.facts import WireProtocol
 from ledger.redaction import REDACTED as REDACTED
 from ledger.redaction import redact as _redact
 

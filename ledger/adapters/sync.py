@@ -19,12 +19,12 @@ from ledger.adapters.secrets import (
     EVIDENCE_CAP_BYTES,
     SecretProvider,
 )
-from ledger.core.envelope import Envelope
+from ledger.decide.effects import SendProgress
+from ledger.domain.envelope import Envelope
+from ledger.domain.validation import checked_calls
+from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
-from ledger.model import Route
 from ledger.policy.model import StreamingPolicy
-from ledger.turn_effects import SendProgress
-from ledger.validation import checked_calls
 
 _WAIT_SLICE_S = 0.2
 

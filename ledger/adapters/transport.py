@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ledger.core.facts import Phase, Transport
+from ledger.domain.facts import Phase, Transport
 
 # --------------------------------------------------------------------------------------------
 # Transport-error mapping (pure)

@@ -64,7 +64,7 @@ def _add_tx(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the benchmark commands under ``failover-ledger bench``."""
-    from ledger.benchmarks import defaults as d
+    from ledger.tools.bench import defaults as d
 
     bench = bench_subparsers(subparsers)
 
@@ -126,7 +126,7 @@ def register(subparsers: Any) -> None:
         "recover", help="recovery of 10k unknown attempts over 1M attempts of history",
         description="Writes synthetic history (ledger generate's bulk path), then a dead "
         "executor's runs with dispatching attempts whose leases expire, then times "
-        "ledger.recovery.recover to completion, and idle passes over the same history. The "
+        "ledger.ops.recovery.recover to completion, and idle passes over the same history. The "
         "full size takes minutes to build; --scale shrinks it.")
     _add_where(r)
     r.add_argument("--scale", type=float, default=1.0,
@@ -156,7 +156,7 @@ def register(subparsers: Any) -> None:
 
 def parse_workers(text: str) -> list[int]:
     """``--workers 1,8`` as a list of positive counts."""
-    from ledger.benchmarks.common import parse_counts
+    from ledger.tools.bench.common import parse_counts
 
     return parse_counts(text, "workers")
 
@@ -174,7 +174,7 @@ def _print(report: Any, as_json: bool) -> int:
 def _on_targets(args: argparse.Namespace, bench: str,
                 body: Callable[[list[tuple[str, str]], _Reporter], Any],
                 stages_per_target: int = 0) -> int:
-    from ledger.benchmarks.common import targets
+    from ledger.tools.bench.common import targets
 
     if args.no_sqlite and not args.postgres and args.bench_db is None:
         raise InvalidArgument("--no-sqlite leaves nothing to measure; add --postgres or --db",
@@ -192,8 +192,8 @@ def _on_targets(args: argparse.Namespace, bench: str,
 
 
 def _write(args: argparse.Namespace) -> int:
-    from ledger.benchmarks import write
-    from ledger.benchmarks.common import parse_choices
+    from ledger.tools.bench import write
+    from ledger.tools.bench.common import parse_choices
 
     workers = parse_workers(args.workers)
     if args.attempts < max(workers):
@@ -206,8 +206,8 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def _turn(args: argparse.Namespace) -> int:
-    from ledger.benchmarks import turn
-    from ledger.benchmarks.common import parse_choices, parse_counts
+    from ledger.tools.bench import turn
+    from ledger.tools.bench.common import parse_choices, parse_counts
 
     conc = parse_counts(args.concurrency, "concurrency")
     drivers = parse_choices(args.drivers, "drivers", turn.DRIVERS)
@@ -220,8 +220,8 @@ def _turn(args: argparse.Namespace) -> int:
 
 
 def _flat(args: argparse.Namespace) -> int:
-    from ledger.benchmarks import flat, turn
-    from ledger.benchmarks.common import parse_choices
+    from ledger.tools.bench import flat, turn
+    from ledger.tools.bench.common import parse_choices
 
     drivers = parse_choices(args.drivers, "drivers", turn.DRIVERS)
     _positive(args.window, "window")
@@ -234,7 +234,7 @@ def _flat(args: argparse.Namespace) -> int:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from ledger.benchmarks import recover
+    from ledger.tools.bench import recover
 
     if args.scale <= 0:
         raise InvalidArgument("--scale must be > 0", field="scale")
@@ -251,7 +251,7 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _select(args: argparse.Namespace) -> int:
-    from ledger.benchmarks import selector
+    from ledger.tools.bench import selector
 
     _positive(args.iterations, "iterations")
     report_to = _Reporter("select", False)

@@ -1,7 +1,7 @@
 """``failover-ledger demo``: the failover scenarios of the brief against local fake providers.
 
-Each demo writes a fresh ledger of its own (see :func:`ledger.demo.fresh_ledger`), so it can be
-re-run in the same folder and tells the same story every time.
+Each demo writes a fresh ledger of its own (see :func:`ledger.tools.demo.fresh_ledger`), so it can
+be re-run in the same folder and tells the same story every time.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from ledger.cli.main import default_db_url
-    from ledger.demo import run_demo
+    from ledger.tools.demo import run_demo
 
     ids = run_demo(args.db, sys.stdout)
     db = "" if args.db == default_db_url() else f" --db {args.db}"

@@ -24,8 +24,8 @@ from typing import Any
 
 from ledger.cli.common import PROG, bench_subparsers
 from ledger.cli.progress import Progress, wanted
+from ledger.domain.timefmt import data_text, iso, relative, when
 from ledger.errors import DatabaseUnavailable, InvalidArgument
-from ledger.timefmt import data_text, iso, relative, when
 
 _REL = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -97,14 +97,14 @@ def _progress(args: argparse.Namespace, label: str) -> Progress:
 
 
 def _emit_json(value: Any) -> None:
-    from ledger.audit import to_jsonable
+    from ledger.ops.audit import to_jsonable
 
     sys.stdout.write(json.dumps(to_jsonable(value), indent=2, sort_keys=True) + "\n")
 
 
 def open_reader(url: str) -> Any:
     """Open a ledger for reading: no migration, no new database, a clear error when absent."""
-    from ledger.api import Ledger
+    from ledger.api.facade import Ledger
     from ledger.storage import audit as q
     from ledger.storage.engine import normalize_url, redact_url
 
@@ -130,7 +130,7 @@ def open_reader(url: str) -> Any:
 
 
 def _audit(args: argparse.Namespace) -> Any:
-    from ledger.audit import Audit
+    from ledger.ops.audit import Audit
 
     return Audit(open_reader(args.db))
 
@@ -361,8 +361,8 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ledger.api import Ledger
-    from ledger.generate import generate
+    from ledger.api.facade import Ledger
+    from ledger.tools.generate import generate
 
     if args.attempts < 1:
         raise InvalidArgument("--attempts must be >= 1", field="attempts")
@@ -396,9 +396,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _refuse_foreign_runs(led: Any) -> None:
     """Synthetic history next to real runs would mix into every audit answer: ask first."""
-    from ledger.generate import POLICY_HASH
     from ledger.storage.bulk import first_run_other_than
     from ledger.storage.engine import redact_url
+    from ledger.tools.generate import POLICY_HASH
 
     other = first_run_other_than(led.store, policy_hash=POLICY_HASH)
     if other is not None:
@@ -410,7 +410,7 @@ def _refuse_foreign_runs(led: Any) -> None:
 
 
 def _bench_audit(args: argparse.Namespace) -> int:
-    from ledger.audit_bench import bench_audit
+    from ledger.tools.bench.audit import bench_audit
 
     if args.repeat < 1:
         raise InvalidArgument("--repeat must be >= 1", field="repeat")

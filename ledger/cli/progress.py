@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TextIO
 
-from ledger.timefmt import duration
+from ledger.domain.timefmt import duration
 
 _WIDTH = 30
 

@@ -2,7 +2,7 @@
 
 The ledger modules are imported inside the commands (the parser is built on every start-up).
 ``--ttl``, ``--limit`` and ``--batch`` default to ``None``, meaning
-:func:`ledger.recovery.recover`'s own defaults, which the help text names.
+:func:`ledger.ops.recovery.recover`'s own defaults, which the help text names.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from ledger.cli.progress import Progress, wanted
 
-# Shown in --help; tests/recovery/test_cli.py holds them equal to ledger.recovery's defaults.
+# Shown in --help; tests/recovery/test_cli.py holds them equal to ledger.ops.recovery's defaults.
 HELP_TTL_S = 30.0
 HELP_LIMIT = 1000
 HELP_BATCH = 100
@@ -50,8 +50,8 @@ def register(subparsers: Any) -> None:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from ledger.api import Ledger
-    from ledger.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
+    from ledger.api.facade import Ledger
+    from ledger.ops.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
 
     bar = Progress("recover", wanted(args.progress))
     with Ledger.open(args.db) as led:
@@ -76,8 +76,8 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _reconcile(args: argparse.Namespace) -> int:
-    from ledger.api import Ledger
-    from ledger.reconcile import reconcile
+    from ledger.api.facade import Ledger
+    from ledger.ops.reconcile import reconcile
 
     with Ledger.open(args.db) as led:
         res = reconcile(led)

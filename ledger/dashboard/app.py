@@ -30,8 +30,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ledger.api import Ledger
-from ledger.audit import (
+from ledger.api.facade import Ledger
+from ledger.clock import Clock
+from ledger.dashboard.charts import chart_svg, cost_days_svg, latency_top, sparkline_svg
+from ledger.dashboard.metrics import CONTENT_TYPE, exposition
+from ledger.domain.timefmt import data_text, iso, relative
+from ledger.errors import InvalidArgument, LedgerError, NotFound
+from ledger.ops.audit import (
     Audit,
     HealthReport,
     RouteSeries,
@@ -40,11 +45,6 @@ from ledger.audit import (
     Totals,
     to_jsonable,
 )
-from ledger.clock import Clock
-from ledger.dashboard.charts import chart_svg, cost_days_svg, latency_top, sparkline_svg
-from ledger.dashboard.metrics import CONTENT_TYPE, exposition
-from ledger.errors import InvalidArgument, LedgerError, NotFound
-from ledger.timefmt import data_text, iso, relative
 
 DAY = 86400.0
 DEFAULT_REFRESH_S = 30

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from ledger.audit import ActivityBucket, DayCost, RouteSeries
+from ledger.ops.audit import ActivityBucket, DayCost, RouteSeries
 
 # Distinguishable on white and for the common colour-vision deficiencies (Okabe-Ito + greys).
 PALETTE = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#7f7f7f",

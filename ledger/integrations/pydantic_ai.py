@@ -1,5 +1,5 @@
 """pydantic-ai agents on a ledger Run: :class:`LedgerModel`, a pydantic-ai ``Model`` whose every
-request is one turn of an :class:`~ledger.session.AsyncRunSession`.
+request is one turn of an :class:`~ledger.api.session.AsyncRunSession`.
 
 ::
 
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 
-from ledger.core.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
-from ledger.core.envelope import ToolSpec as _ToolSpec
+from ledger.api.session import AsyncRunSession
+from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
+from ledger.domain.envelope import ToolSpec as _ToolSpec
+from ledger.domain.records import AttemptRecord
 from ledger.errors import InvalidArgument
-from ledger.records import AttemptRecord
-from ledger.session import AsyncRunSession
 
 try:
     from pydantic_ai import RunContext
@@ -221,7 +221,7 @@ class _Answer:
 class LedgerModel(Model):
     """A pydantic-ai model whose every request is one turn of a ledger Run.
 
-    ``run`` is an open :class:`~ledger.session.AsyncRunSession` (``async with
+    ``run`` is an open :class:`~ledger.api.session.AsyncRunSession` (``async with
     led.run(...) as run``); the model is used inside that block. ``model_name`` names the model
     to pydantic-ai (default: the model of the Run's selected route); each response carries the
     model that actually served it. ``tool_data_class`` is the data class tool returns are

@@ -27,10 +27,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-import ledger
-from ledger.core.facts import Category
+from ledger.domain.facts import Category
+from ledger.domain.values import content_hash
 from ledger.errors import PolicyError
-from ledger.model import content_hash
 from ledger.policy import DEFAULT_PRESET, PRESETS
 from ledger.policy.model import DisableRule, Policy, PolicyValueError
 
@@ -68,7 +67,7 @@ _SHORT.maxlevel = 3
 
 def preset_dirs() -> list[Path]:
     """Where preset files are looked for: inside the installed wheel, then the source tree."""
-    pkg = Path(ledger.__file__).resolve().parent
+    pkg = Path(__file__).resolve().parents[1]  # the ledger package
     return [pkg / "_policies", pkg.parent / "policies"]
 
 

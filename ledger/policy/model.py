@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ledger.core.facts import Category, Phase, Scope, Transport
-from ledger.model import ProfileType
+from ledger.domain.facts import Category, Phase, Scope, Transport
+from ledger.domain.values import ProfileType
 
 # Durations are seconds; infinities and NaN would make every comparison against them lie.
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]

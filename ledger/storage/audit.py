@@ -2,8 +2,9 @@
 
 Every function takes the :class:`Store` and runs one read transaction; none of them writes, so
 they work through a read-only PostgreSQL role. Rows come back as plain mappings; the typed results
-are built by :mod:`ledger.audit`. Pagination is keyset on ``(created_at, id)`` newest first, so a
-page costs the same at any depth; aggregates (small result sets, sorted by cost) page by offset.
+are built by :mod:`ledger.ops.audit`. Pagination is keyset on ``(created_at, id)`` newest first,
+so a page costs the same at any depth; aggregates (small result sets, sorted by cost) page by
+offset.
 
 Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.py``):
 

@@ -4,7 +4,7 @@ A turn touches the database exactly here: one :func:`snapshot_tx` read, then per
 :func:`begin_tx` and one :func:`settle_tx`. Each is a generator yielding plain SQL; only a few
 statements differ between the dialects (row locks, ``GREATEST``/``MAX``, list parameters), and
 they are chosen once in :class:`Sql`. The rules these transactions apply — is the lease live,
-what a settle does to a hold, a health row, a group — are pure functions (``ledger.effects``);
+what a settle does to a hold, a health row, a group — are pure functions (``ledger.decide.settle``);
 here they meet the rows, under the run row's lock (PostgreSQL ``FOR UPDATE``; SQLite's
 ``BEGIN IMMEDIATE`` already serializes writers), and always after it: the clock is read once the
 lock is granted, and read again after a limited group's slots, so a decision is recorded at the
@@ -21,7 +21,18 @@ from types import SimpleNamespace
 from typing import Any
 
 from ledger import faults
-from ledger.effects import lease_problem, settle_holds
+from ledger.decide.settle import lease_problem, settle_holds
+from ledger.domain.records import (
+    AttemptRecord,
+    AttemptState,
+    DebitState,
+    Lease,
+    Outcome,
+    RunStatus,
+    from_micros,
+)
+from ledger.domain.specs import BeginSpec, GroupUpdate, HealthUpdate, SettleSpec
+from ledger.domain.values import GroupMode, GroupProjection, Health
 from ledger.errors import (
     AllowanceExhausted,
     BudgetExceeded,
@@ -35,20 +46,9 @@ from ledger.errors import (
     SettleConflict,
     StorageError,
 )
-from ledger.model import GroupMode, GroupProjection, Health
-from ledger.records import (
-    AttemptRecord,
-    AttemptState,
-    DebitState,
-    Lease,
-    Outcome,
-    RunStatus,
-    from_micros,
-)
 from ledger.redaction import redact
 from ledger.storage.driver import Flush, Q, Tx
 from ledger.storage.rows import attempt_record, health_record, written_attempt
-from ledger.storage.specs import BeginSpec, GroupUpdate, HealthUpdate, SettleSpec
 from ledger.storage.statements import event_json, fact_json, health_values
 
 ClockFn = Callable[[], float]
@@ -858,7 +858,7 @@ def claim_probe_tx(sql: Sql, key: str, provider: str | None, now: float, interva
                    max_keys: int | None = None) -> Tx[bool]:
     """Take the probe slot of ``key`` (one caller per interval); a claim taken also bounds the
     probe state: times at least ``ttl_s`` old are forgotten, and at most ``max_keys`` keys keep
-    one, the oldest going first (``ledger.core.health.ProbeThrottle`` is the same rule)."""
+    one, the oldest going first (``ledger.decide.health.ProbeThrottle`` is the same rule)."""
     _, claimed = yield Flush((
         Q(sql.ensure_health, {"key": key, "kind": kind, "provider": provider, "now": now}),
         Q(sql.claim_probe, {"now": now, "key": key, "since": now - interval_s}),

@@ -1,5 +1,5 @@
-"""SQL of restart-time recovery and of the reconciliation (see ``ledger.recovery`` and
-``ledger.reconcile``). Each public function is one transaction on the store's engine.
+"""SQL of restart-time recovery and of the reconciliation (see ``ledger.ops.recovery`` and
+``ledger.ops.reconcile``). Each public function is one transaction on the store's engine.
 
 Claiming: candidates are listed without locks; each run is then taken over in its own
 transaction that locks the run row and re-checks that the lease is still expired. On PostgreSQL
@@ -18,9 +18,9 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, func, select
 
 from ledger import faults
-from ledger.core.facts import FailureFact
-from ledger.effects import settle_holds
-from ledger.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
+from ledger.decide.settle import settle_holds
+from ledger.domain.facts import FailureFact
+from ledger.domain.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
 from ledger.storage import schema as s
 from ledger.storage.rows import attempt_record
 from ledger.storage.statements import event_json

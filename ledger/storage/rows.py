@@ -11,9 +11,8 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from ledger.core.facts import FailureFact
-from ledger.model import Budget, Grant, Health, Route
-from ledger.records import (
+from ledger.domain.facts import FailureFact
+from ledger.domain.records import (
     AttemptKind,
     AttemptRecord,
     AttemptState,
@@ -22,6 +21,7 @@ from ledger.records import (
     RunStatus,
     from_micros,
 )
+from ledger.domain.values import Budget, Grant, Health, Route
 from ledger.storage import schema as s
 
 # Every attempts column, for building a record from the values a transaction just wrote.

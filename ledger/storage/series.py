@@ -1,7 +1,7 @@
 """Read-only SQL for the dashboard's charts and the ``/metrics`` endpoint.
 
 Like :mod:`ledger.storage.audit`: every function runs one read transaction, never writes, and
-returns plain mappings that :mod:`ledger.audit` turns into typed results.
+returns plain mappings that :mod:`ledger.ops.audit` turns into typed results.
 
 - per-route series and costs by day scan one time range of ``attempts`` through
   ``ix_attempts_created_at`` (as the activity chart does);

@@ -6,8 +6,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ledger.core.facts import FailureFact
-from ledger.model import Health
+from ledger.domain.facts import FailureFact
+from ledger.domain.values import Health
 from ledger.redaction import redact_data
 
 

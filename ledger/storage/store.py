@@ -23,17 +23,7 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from ledger import faults
-from ledger.errors import (
-    AdmissionConflict,
-    AllowanceExhausted,
-    BudgetExceeded,
-    FencedOut,
-    InvalidArgument,
-    NotFound,
-    SettleConflict,
-)
-from ledger.model import GroupMode, GroupProjection, Health
-from ledger.records import (
+from ledger.domain.records import (
     AttemptRecord,
     AttemptState,
     DebitRecord,
@@ -45,13 +35,7 @@ from ledger.records import (
     RunStatus,
     from_micros,
 )
-from ledger.storage import hot
-from ledger.storage import schema as s
-from ledger.storage.driver import PgDriver, SqliteDriver, Tx
-from ledger.storage.engine import mapped_errors, redact_url
-from ledger.storage.hot import check_live
-from ledger.storage.rows import attempt_record, health_record, run_record
-from ledger.storage.specs import (
+from ledger.domain.specs import (
     ADMISSION_FIELDS,
     AdmitSpec,
     BeginSpec,
@@ -59,6 +43,22 @@ from ledger.storage.specs import (
     SettleSpec,
     normal_admission_field,
 )
+from ledger.domain.values import GroupMode, GroupProjection, Health
+from ledger.errors import (
+    AdmissionConflict,
+    AllowanceExhausted,
+    BudgetExceeded,
+    FencedOut,
+    InvalidArgument,
+    NotFound,
+    SettleConflict,
+)
+from ledger.storage import hot
+from ledger.storage import schema as s
+from ledger.storage.driver import PgDriver, SqliteDriver, Tx
+from ledger.storage.engine import mapped_errors, redact_url
+from ledger.storage.hot import check_live
+from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.statements import event_json
 
 ClockFn = Callable[[], float]

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from ledger.adapters import HttpAdapter, StaticSecretProvider
-from ledger.core.facts import Protocol
-from ledger.model import Price, Profile, Route
+from ledger.domain.facts import WireProtocol
+from ledger.domain.values import Price, Profile, Route
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import FakeProvider
 
@@ -44,7 +44,7 @@ def make_route(endpoint: str, protocol: str, **overrides: Any) -> Route:
         "model": "m1",
         "group": "fake",
         "recipient": "fake",
-        "protocol": Protocol(protocol),
+        "protocol": WireProtocol(protocol),
         "endpoint": endpoint,
         "profiles": [Profile(id=PROFILE)],
         "price": Price(input_per_mtok=Decimal("3"), output_per_mtok=Decimal("15")),

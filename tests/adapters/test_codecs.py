@@ -12,9 +12,9 @@ from ledger.adapters.contract import (
     ProviderErrorPayload,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.core.envelope import Envelope, Part, ToolSpec
+from ledger.domain.envelope import Envelope, Part, ToolSpec
+from ledger.domain.values import Capabilities
 from ledger.errors import InvalidArgument
-from ledger.model import Capabilities
 
 from .conftest import make_route
 

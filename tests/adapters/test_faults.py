@@ -13,8 +13,8 @@ from decimal import Decimal
 import pytest
 
 from ledger.adapters import HttpAdapter, Reset, StreamEvent, TextDelta, ToolCallProposal
-from ledger.core.envelope import Envelope, Part, ToolSpec
-from ledger.core.facts import Phase, Transport
+from ledger.domain.envelope import Envelope, Part, ToolSpec
+from ledger.domain.facts import Phase, Transport
 from ledger.testing import Behavior, FakeProvider, Fault
 
 from .conftest import FAST, PROFILE, PROTOCOLS, make_route

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ledger.adapters import AdapterResult, ClientRegistry, StaticSecretProvider, SyncAdapter
-from ledger.core.classify import classify
-from ledger.core.envelope import Envelope, Part
+from ledger.decide.classify import classify
+from ledger.domain.envelope import Envelope, Part
 from ledger.policy.load import PRESETS, preset
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import Behavior, FakeProvider, Fault

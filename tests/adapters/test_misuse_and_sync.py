@@ -18,10 +18,10 @@ from ledger.adapters import (
     SyncAdapter,
     TextDelta,
 )
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Phase, Protocol, Transport
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Phase, Transport, WireProtocol
+from ledger.domain.values import Capabilities
 from ledger.errors import InvalidArgument
-from ledger.model import Capabilities
 from ledger.testing import FakeProvider, Fault
 
 from .conftest import FAST, PROFILE, SECRET, make_route
@@ -128,7 +128,7 @@ def test_sync_facade_against_a_threaded_fake() -> None:
             Transport.STREAM_CUT,
             Phase.MID_STREAM,
         )
-        assert cut.observation.protocol is Protocol.GEMINI
+        assert cut.observation.protocol is WireProtocol.GEMINI
         with pytest.raises(InvalidArgument):
             adapter.send(make_route(fake.endpoint("openai"), "openai"), ENV, profile_id="x:y")
         unbuildable = adapter.send(make_route(None, "openai"), ENV, profile_id=PROFILE)  # type: ignore[arg-type]

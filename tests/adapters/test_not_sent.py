@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider, to_send_result
-from ledger.core.classify import classify
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Category, Phase, Source, Transport
+from ledger.decide.classify import classify
+from ledger.decide.effects import SendProgress
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Category, Phase, Source, Transport
 from ledger.errors import InvalidArgument
 from ledger.policy.load import PRESETS, preset
 from ledger.testing import FakeProvider, Fault
-from ledger.turn_effects import SendProgress
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
 

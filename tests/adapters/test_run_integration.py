@@ -14,14 +14,14 @@ from decimal import Decimal
 import pytest
 
 from ledger.adapters import StaticSecretProvider, SyncAdapter, sync_sender
-from ledger.api import Ledger
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Protocol
+from ledger.api.facade import Ledger
+from ledger.api.turn import Notice, execute
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import WireProtocol
+from ledger.domain.records import AttemptState, DebitState
+from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted
-from ledger.model import Budget, Grant, Price, Profile, Route
 from ledger.policy.model import StreamingPolicy
-from ledger.records import AttemptState, DebitState
-from ledger.run import Notice, execute
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 LIMITS = StreamingPolicy(connect_timeout_s=2, read_timeout_s=0.6, first_token_timeout_s=0.4,
@@ -41,7 +41,7 @@ def adapter() -> Iterator[SyncAdapter]:
     ad.close()
 
 
-def plan(a: FakeProvider, b: FakeProvider, protocol: Protocol) -> list[Route]:
+def plan(a: FakeProvider, b: FakeProvider, protocol: WireProtocol) -> list[Route]:
     price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(4))
     return [
         Route(id="primary", provider="pa", model="m-primary", group="ga", recipient="ra",
@@ -55,32 +55,32 @@ def plan(a: FakeProvider, b: FakeProvider, protocol: Protocol) -> list[Route]:
 
 CASES = [
     # policy, protocol, fault, stream, served-by or stop reason, primary state, category
-    ("failure-domain", Protocol.OPENAI, Fault.UNAVAILABLE, False, "backup", "failed",
+    ("failure-domain", WireProtocol.OPENAI, Fault.UNAVAILABLE, False, "backup", "failed",
      "overloaded"),
-    ("failure-domain", Protocol.ANTHROPIC, Fault.OVERLOADED, True, "backup", "failed",
+    ("failure-domain", WireProtocol.ANTHROPIC, Fault.OVERLOADED, True, "backup", "failed",
      "overloaded"),
-    ("failure-domain", Protocol.GEMINI, Fault.RATE_LIMIT_RETRY_AFTER, False, "backup", "failed",
+    ("failure-domain", WireProtocol.GEMINI, Fault.RATE_LIMIT_RETRY_AFTER, False, "backup", "failed",
      "rate_limit"),
-    ("failure-domain", Protocol.OPENAI, Fault.SERVER_ERROR, False, "backup", "failed",
+    ("failure-domain", WireProtocol.OPENAI, Fault.SERVER_ERROR, False, "backup", "failed",
      "server_error"),
-    ("failure-domain", Protocol.OPENAI, Fault.RESET_BEFORE_HEADERS, False, "stop:execution_unknown",
-     "unknown", "network"),
-    ("failure-domain", Protocol.OPENAI, Fault.NO_RESPONSE, False, "stop:execution_unknown",
-     "unknown", "timeout"),
-    ("failure-domain", Protocol.OPENAI, Fault.STREAM_CUT, True, "stop:output_exists", "failed",
+    ("failure-domain", WireProtocol.OPENAI, Fault.RESET_BEFORE_HEADERS, False,
+     "stop:execution_unknown", "unknown", "network"),
+    ("failure-domain", WireProtocol.OPENAI, Fault.NO_RESPONSE, False,
+     "stop:execution_unknown", "unknown", "timeout"),
+    ("failure-domain", WireProtocol.OPENAI, Fault.STREAM_CUT, True, "stop:output_exists", "failed",
      "network"),
-    ("failure-domain", Protocol.ANTHROPIC, Fault.STALL, True, "stop:output_exists", "failed",
+    ("failure-domain", WireProtocol.ANTHROPIC, Fault.STALL, True, "stop:output_exists", "failed",
      "timeout"),
-    ("failure-domain", Protocol.OPENAI, Fault.CONTEXT_LENGTH, False, "stop:not_eligible_failure",
-     "failed", "context_overflow"),
-    ("failure-domain", Protocol.GEMINI, Fault.CONTEXT_LENGTH, False, "stop:not_eligible_failure",
-     "failed", "context_overflow"),
-    ("failure-domain", Protocol.OPENAI, Fault.MISSING_DONE, True, "primary", "succeeded", None),
-    ("goclaw", Protocol.OPENAI, Fault.SLOW_FIRST_TOKEN, True, "backup", "failed", "timeout"),
-    ("goclaw", Protocol.OPENAI, Fault.STREAM_CUT, True, "backup", "failed", "network"),
-    ("goclaw", Protocol.OPENAI, Fault.MALFORMED_EVENT, True, "stop:not_eligible_failure",
+    ("failure-domain", WireProtocol.OPENAI, Fault.CONTEXT_LENGTH, False,
+     "stop:not_eligible_failure", "failed", "context_overflow"),
+    ("failure-domain", WireProtocol.GEMINI, Fault.CONTEXT_LENGTH, False,
+     "stop:not_eligible_failure", "failed", "context_overflow"),
+    ("failure-domain", WireProtocol.OPENAI, Fault.MISSING_DONE, True, "primary", "succeeded", None),
+    ("goclaw", WireProtocol.OPENAI, Fault.SLOW_FIRST_TOKEN, True, "backup", "failed", "timeout"),
+    ("goclaw", WireProtocol.OPENAI, Fault.STREAM_CUT, True, "backup", "failed", "network"),
+    ("goclaw", WireProtocol.OPENAI, Fault.MALFORMED_EVENT, True, "stop:not_eligible_failure",
      "failed", "format"),
-    ("fased", Protocol.OPENAI, Fault.CONTENT_POLICY, False, "stop:not_eligible_failure",
+    ("fased", WireProtocol.OPENAI, Fault.CONTENT_POLICY, False, "stop:not_eligible_failure",
      "failed", "content_policy"),
 ]
 
@@ -89,7 +89,7 @@ CASES = [
                          CASES, ids=[f"{c[0]}-{c[1].value}-{c[2].value}" for c in CASES])
 def test_fault_through_adapter_and_retry_owner(
     db_url: str, fakes: tuple[FakeProvider, FakeProvider], adapter: SyncAdapter, policy: str,
-    protocol: Protocol, fault: Fault, stream: bool, expect: str, state: str,
+    protocol: WireProtocol, fault: Fault, stream: bool, expect: str, state: str,
     category: str | None,
 ) -> None:
     a, b = fakes
@@ -160,7 +160,7 @@ def test_buffered_stream_cut_is_discarded_not_effective(
     b.clear()
     a.enqueue(Behavior(fault=Fault.STREAM_CUT), model="m-primary")
     with Ledger.open(db_url) as led:
-        led.admit_run("r", plan=plan(a, b, Protocol.OPENAI), policy=policy,
+        led.admit_run("r", plan=plan(a, b, WireProtocol.OPENAI), policy=policy,
                       budget=Budget(max_calls=4, max_retries=2, max_cost=Decimal("1")),
                       grant=Grant(recipients={"ra": ["user_input"], "rb": ["user_input"]}))
         lease = led.acquire_lease("r")

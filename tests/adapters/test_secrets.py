@@ -9,8 +9,8 @@ import pytest
 
 from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider, env_var_name
 from ledger.adapters.secrets import EVIDENCE_CAP_BYTES, REDACTED, evidence_excerpt, redact
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Protocol, Transport
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Transport, WireProtocol
 from ledger.testing import FakeProvider, Fault
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
@@ -30,11 +30,12 @@ def test_env_provider_prefers_the_profile_variable_then_the_provider_default() -
         "GOOGLE_API_KEY": "g-key",
     }
     p = EnvSecretProvider(env)
-    assert p.get("openai:work", protocol=Protocol.OPENAI) == "sk-profile"
-    assert p.get("openai:other", protocol=Protocol.OPENAI) == "sk-default"
-    assert p.get("anthropic:x", protocol=Protocol.ANTHROPIC) is None
-    assert p.get("gemini:x", protocol=Protocol.GEMINI) == "g-key"
-    assert EnvSecretProvider(env, fallback=False).get("openai:x", protocol=Protocol.OPENAI) is None
+    assert p.get("openai:work", protocol=WireProtocol.OPENAI) == "sk-profile"
+    assert p.get("openai:other", protocol=WireProtocol.OPENAI) == "sk-default"
+    assert p.get("anthropic:x", protocol=WireProtocol.ANTHROPIC) is None
+    assert p.get("gemini:x", protocol=WireProtocol.GEMINI) == "g-key"
+    no_fallback = EnvSecretProvider(env, fallback=False)
+    assert no_fallback.get("openai:x", protocol=WireProtocol.OPENAI) is None
 
 
 def test_redact_known_key_and_token_shapes() -> None:

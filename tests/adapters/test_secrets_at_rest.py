@@ -24,14 +24,14 @@ from urllib.parse import quote, quote_plus
 import pytest
 
 from ledger.adapters import HttpAdapter, StaticSecretProvider, async_sender
-from ledger.api import AsyncLedger
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Category, FailureFact, Observation, Phase, Protocol
+from ledger.api.facade import AsyncLedger
+from ledger.api.turn import aexecute
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Category, FailureFact, Observation, Phase, WireProtocol
+from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted, LedgerError, ProviderError
-from ledger.model import Budget, Grant, Price, Profile, Route
 from ledger.policy.model import StreamingPolicy
 from ledger.redaction import REDACTED, register_secret
-from ledger.run import aexecute
 from ledger.testing import FakeProvider, Fault
 
 pytestmark = pytest.mark.anyio
@@ -80,7 +80,7 @@ class _NoWait:
 def _plan(fake: FakeProvider) -> list[Route]:
     price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(4))
     routes = []
-    for protocol in Protocol.OPENAI, Protocol.ANTHROPIC, Protocol.GEMINI:
+    for protocol in WireProtocol.OPENAI, WireProtocol.ANTHROPIC, WireProtocol.GEMINI:
         for kind in ("echo", "badheader"):
             # One provider per route: goclaw cools a provider, and the run must reach each.
             routes.append(Route(
@@ -90,7 +90,7 @@ def _plan(fake: FakeProvider) -> list[Route]:
                 endpoint=fake.endpoint(protocol.value), price=price,
                 profiles=[Profile(id="p:echo")]))
     routes.append(Route(id="ok", provider="fake", model="ok", group="g-ok", recipient="fake",
-                        protocol=Protocol.OPENAI, endpoint=fake.endpoint("openai"), price=price,
+                        protocol=WireProtocol.OPENAI, endpoint=fake.endpoint("openai"), price=price,
                         profiles=[Profile(id="p:echo")]))
     for r in routes[:-1]:
         fault = Fault.ECHO_KEY if r.id.startswith("echo") else Fault.ECHO_KEY_BAD_HEADER
@@ -148,7 +148,7 @@ async def test_no_secret_reaches_the_database_the_facts_or_the_logs(
             register_secret(HOST_KEY)
             sync = led.sync
             for i, (obs, fact) in enumerate([
-                (Observation(status=401, protocol=Protocol.OPENAI,
+                (Observation(status=401, protocol=WireProtocol.OPENAI,
                              message=f"rejected {HOST_KEY} and {STRAY_KEY}",
                              body=json.dumps({"error": {"message": f"bad key {HOST_KEY}",
                                                         "code": STRAY_KEY}})), None),

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ledger.adapters import ClientRegistry, HttpAdapter, StaticSecretProvider
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Phase, Transport
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Phase, Transport
 from ledger.testing import FakeProvider, Fault
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route

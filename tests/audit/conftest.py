@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ledger.api import Ledger
-from ledger.audit import Audit
+from ledger.api.facade import Ledger
+from ledger.ops.audit import Audit
 
 from .seed import seed
 

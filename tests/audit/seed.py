@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.core.facts import Category, CooldownEffect, FailureFact, Phase, Scope
-from ledger.model import Budget, Price, Profile, Route
+from ledger.domain.facts import Category, CooldownEffect, FailureFact, Phase, Scope
+from ledger.domain.values import Budget, Price, Profile, Route
 
 T0 = 1_700_000_000.0
 

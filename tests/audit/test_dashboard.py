@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.errors import InvalidArgument, StorageError
 
@@ -43,7 +43,7 @@ def demo_url(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """A ledger written by the demo (real stop events); returns (url, the stopped run's id)."""
     import io
 
-    from ledger.demo import run_demo
+    from ledger.tools.demo import run_demo
 
     url = str(tmp_path_factory.mktemp("demo") / "ledger.db")
     ids = run_demo(url, io.StringIO())

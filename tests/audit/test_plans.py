@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from ledger.api import Ledger
-from ledger.audit import Audit
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.generate import generate
+from ledger.ops.audit import Audit
+from ledger.tools.generate import generate
 
 pytestmark = pytest.mark.postgres
 

@@ -8,10 +8,10 @@ from decimal import Decimal
 
 import pytest
 
-from ledger.api import Ledger
-from ledger.audit import AsyncAudit, Audit, Skipped, Totals, to_jsonable
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.errors import InvalidArgument, NotFound
+from ledger.ops.audit import AsyncAudit, Audit, Skipped, Totals, to_jsonable
 
 from .seed import T0
 

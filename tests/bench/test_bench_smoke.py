@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import Ledger
-from ledger.benchmarks import flat, recover, selector, turn, write
-from ledger.benchmarks.common import BenchError, Report, percentile
-from ledger.benchmarks.txcount import PgTxCounter, SqliteTxCounter
+from ledger.api.facade import Ledger
 from ledger.cli.bench_cmd import parse_workers
 from ledger.cli.main import build_parser, main
 from ledger.errors import InvalidArgument
 from ledger.storage import baseline
+from ledger.tools.bench import flat, recover, selector, turn, write
+from ledger.tools.bench.common import BenchError, Report, percentile
+from ledger.tools.bench.txcount import PgTxCounter, SqliteTxCounter
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
@@ -364,8 +364,8 @@ def test_parser_has_every_bench() -> None:
 
 
 def test_the_cli_defaults_are_the_benchmarks_own() -> None:
-    from ledger.benchmarks import defaults, flat, recover, selector, turn, write
-    from ledger.recovery import DEFAULT_LIMIT
+    from ledger.ops.recovery import DEFAULT_LIMIT
+    from ledger.tools.bench import defaults, flat, recover, selector, turn, write
 
     assert defaults.RECOVER_LIMIT == DEFAULT_LIMIT
     assert (write.DEFAULT_ATTEMPTS, turn.DEFAULT_CALLS, flat.DEFAULT_TURNS,

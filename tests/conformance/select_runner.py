@@ -1,4 +1,4 @@
-"""Runs one ``select`` conformance case against :func:`ledger.core.select.select`.
+"""Runs one ``select`` conformance case against :func:`ledger.decide.select.select`.
 
 The harness (``test_conformance.py``) calls :func:`run_select_case` for every case of every
 ``select-*.json`` file. This module only maps the language-neutral vector fields onto the
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledger.core.classify import classify
-from ledger.core.facts import Observation
-from ledger.core.health import route_key
-from ledger.core.preflight import Coverage, PartNeed, RequestNeeds
-from ledger.core.profiles import Pin
-from ledger.core.select import Decision, RunPermissions, SelectionInput, select
-from ledger.model import (
+from ledger.decide.classify import classify
+from ledger.decide.health import route_key
+from ledger.decide.preflight import Coverage, PartNeed, RequestNeeds
+from ledger.decide.profiles import Pin
+from ledger.decide.select import Decision, RunPermissions, SelectionInput, select
+from ledger.domain.facts import Observation
+from ledger.domain.values import (
     Capabilities,
     Grant,
     GroupMode,

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from ledger.core.classify import classify
-from ledger.core.facts import Category, Observation
-from ledger.core.health import is_available, record_failure, record_success
-from ledger.core.retry import retry_decision, retry_plan
-from ledger.model import Health
+from ledger.decide.classify import classify
+from ledger.decide.health import is_available, record_failure, record_success
+from ledger.decide.retry import retry_decision, retry_plan
+from ledger.domain.facts import Category, Observation
+from ledger.domain.values import Health
 from ledger.policy.load import apply_overrides, preset
 from ledger.policy.model import Policy
 

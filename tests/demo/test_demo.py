@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ledger.api import Ledger
-from ledger.model import Budget, Price, Route
-from ledger.records import AttemptState
+from ledger.api.facade import Ledger
+from ledger.domain.records import AttemptState
+from ledger.domain.values import Budget, Price, Route
 
 REPO = Path(__file__).resolve().parents[2]
 

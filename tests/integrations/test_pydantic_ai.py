@@ -43,10 +43,10 @@ from ledger import (
     ProviderError,
     RunStatus,
 )
+from ledger.api.session import AsyncRunSession
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState
 from ledger.integrations.pydantic_ai import LedgerModel
-from ledger.records import AttemptState
-from ledger.session import AsyncRunSession
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import plan

@@ -19,12 +19,12 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from ledger import faults
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, Lease
+from ledger.domain.values import Budget, Price, Route
 from ledger.errors import DatabaseUnavailable, FencedOut
-from ledger.model import Budget, Price, Route
-from ledger.records import AttemptState, Lease
-from ledger.recovery import recover
+from ledger.ops.recovery import recover
 
 T = TypeVar("T")
 COST = Decimal("0.01")
@@ -148,16 +148,16 @@ class _NoWait:
 
 def owner_soak_worker(url: str, prefix: str, seconds: int, log: str, seed: int,
                       ttl_s: int) -> dict[str, int]:
-    """Many runs through the retry owner (``ledger.run.execute``) with random provider faults.
+    """Many runs through the retry owner (``ledger.api.turn.execute``) with random provider faults.
 
     The send function records the request in ``sent.log`` unless the fault happens before the
     request leaves (connect refused). A stalled run taken over by recovery (FencedOut) is
     abandoned; a stop (FailoverExhausted) ends the run.
     """
-    from ledger.core.envelope import Envelope, Part
-    from ledger.core.facts import Observation, Transport
+    from ledger.api.turn import Dispatch, SendResult, execute
+    from ledger.domain.envelope import Envelope, Part
+    from ledger.domain.facts import Observation, Transport
     from ledger.errors import FailoverExhausted
-    from ledger.run import Dispatch, SendResult, execute
 
     rnd = random.Random(seed)
     led = Ledger.open(url, migrate_schema=False, executor_id=f"{prefix}-{os.getpid()}")

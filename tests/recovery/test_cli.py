@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.cli.main import main
 from ledger.clock import ManualClock
 from tests.storage.helpers import budget, grant, routes
@@ -38,7 +38,7 @@ def test_recover_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_recover_help_states_the_library_defaults() -> None:
     from ledger.cli import recover_cmd
-    from ledger.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S
+    from ledger.ops.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S
 
     assert (recover_cmd.HELP_TTL_S, recover_cmd.HELP_LIMIT, recover_cmd.HELP_BATCH) == (
         DEFAULT_RECOVERY_TTL_S, DEFAULT_LIMIT, DEFAULT_BATCH)

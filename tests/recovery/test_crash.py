@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.errors import FencedOut
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState, Lease
+from ledger.ops.reconcile import reconcile
 from tests.recovery.helpers import duplicates, finish, sent, spawn
 from tests.storage.helpers import budget, grant, routes
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import AsyncLedger, Ledger
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.lease import AsyncLeaseKeeper, KeeperCore, LeaseKeeper, LeaseLost
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument
-from ledger.lease import AsyncLeaseKeeper, KeeperCore, LeaseKeeper, LeaseLost
-from ledger.records import AttemptState, DebitState, Lease
-from ledger.recovery import recover
+from ledger.ops.recovery import recover
 from tests.storage.helpers import budget, grant, routes
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.domain.records import AttemptState
 from ledger.errors import DatabaseUnavailable
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState
+from ledger.ops.reconcile import reconcile
 from ledger.testing.pgserver import PgServer, find_bindir, start_server
 from tests.recovery.helpers import duplicates, finish, sent, spawn
 from tests.storage.helpers import budget, grant, routes
@@ -86,7 +86,7 @@ def test_recovery_resumes_across_restarts(own_server: PgServer) -> None:
     every run ends up taken over exactly once."""
     from ledger import faults
     from ledger.clock import ManualClock
-    from ledger.recovery import recover
+    from ledger.ops.recovery import recover
 
     own_server.psql("CREATE DATABASE ledger")
     url = own_server.url("ledger")

@@ -8,13 +8,13 @@ from decimal import Decimal
 import pytest
 
 from ledger import faults
-from ledger.api import AsyncLedger, Ledger
+from ledger.api.facade import AsyncLedger, Ledger
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, DebitState
 from ledger.errors import FencedOut, InvalidArgument
 from ledger.faults import FaultInjected
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState
-from ledger.recovery import arecover, recover
+from ledger.ops.reconcile import reconcile
+from ledger.ops.recovery import arecover, recover
 from tests.storage.helpers import budget, grant, routes
 
 

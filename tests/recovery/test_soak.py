@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, DebitState
 from ledger.faults import KNOWN_POINTS
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState
-from ledger.recovery import recover
+from ledger.ops.reconcile import reconcile
+from ledger.ops.recovery import recover
 from tests.recovery._workers import GROUPS
 from tests.recovery.helpers import duplicates, sent, spawn
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Protocol
-from ledger.model import Budget, Grant, Price, Route
-from ledger.records import AttemptState
-from ledger.run import Dispatch, SendResult, execute
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation, WireProtocol
+from ledger.domain.records import AttemptState
+from ledger.domain.values import Budget, Grant, Price, Route
 
 PLAN = [Route(id=f"r{i}", provider=f"p{i}", model="m", group=f"g{i}", recipient="rcpt",
               price=Price()) for i in range(3)]
@@ -31,7 +31,7 @@ def test_invariant1_every_attempt_is_committed_before_its_request_is_sent(db_url
         # The moment the request would leave: the Attempt must already be durable.
         seen.append((d.attempt_id, observer.get_attempt(d.attempt_id).state))
         if len(seen) < 3:  # two failures that fail over, then a success
-            return SendResult.failed(Observation(status=503, protocol=Protocol.OPENAI,
+            return SendResult.failed(Observation(status=503, protocol=WireProtocol.OPENAI,
                                                  provider=d.route.provider))
         return SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
 

@@ -14,15 +14,15 @@ from decimal import Decimal
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Transport
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation, Transport
+from ledger.domain.records import AttemptState
+from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import BudgetExceeded, FailoverExhausted
-from ledger.model import Budget, Grant, Price, Route
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState
-from ledger.run import Dispatch, SendResult, execute
+from ledger.ops.reconcile import reconcile
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
 PLAN = [

@@ -29,12 +29,12 @@ from ledger.adapters import (
     sync_sender,
 )
 from ledger.adapters.contract import StreamEvent, TextDelta
-from ledger.api import AsyncLedger, Ledger
-from ledger.core.envelope import Envelope, Part
-from ledger.model import Budget, Grant, Price, Profile, Route
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState, Lease
-from ledger.run import aexecute, execute
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.turn import aexecute, execute
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.records import AttemptState, DebitState, Lease
+from ledger.domain.values import Budget, Grant, Price, Profile, Route
+from ledger.ops.reconcile import reconcile
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 SECRETS = StaticSecretProvider({"p:a": "key-a"})

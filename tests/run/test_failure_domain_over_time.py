@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation
+from ledger.domain.records import AttemptState, Lease
+from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import CapacityUnavailable, FailoverExhausted, ProviderError
-from ledger.model import Budget, Grant, Price, Route
-from ledger.records import AttemptState, Lease
-from ledger.run import Dispatch, SendResult, execute
 
 FREE = Price()
 A = Route(id="a", provider="pa", model="m-a", group="ga", recipient="r", price=FREE)

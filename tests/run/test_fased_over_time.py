@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from ledger.adapters import StaticSecretProvider
-from ledger.api import AsyncLedger, Ledger
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.turn import Dispatch, SendResult, aexecute, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Protocol, Transport
-from ledger.model import Budget, Grant, Price, Profile, ProfileType, Route
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation, Transport, WireProtocol
+from ledger.domain.records import Lease
+from ledger.domain.values import Budget, Grant, Price, Profile, ProfileType, Route
 from ledger.policy.load import preset
-from ledger.records import Lease
-from ledger.run import Dispatch, SendResult, aexecute, execute
 from ledger.testing.fakeprovider import FakeProvider
 
 FREE = Price()
@@ -179,7 +179,7 @@ def test_a_session_keeps_its_credential_over_loopback_until_the_host_records_a_c
     secrets = StaticSecretProvider({A.id: "sk-anthropic-a-test-0001",
                                     B.id: "sk-anthropic-b-test-0002"})
     with FakeProvider().in_thread() as fake, Ledger.open(db_url, clock=clock) as led:
-        route = CLAUDE.model_copy(update={"protocol": Protocol.OPENAI,
+        route = CLAUDE.model_copy(update={"protocol": WireProtocol.OPENAI,
                                           "endpoint": fake.endpoint("openai")})
         with led.run("s", plan=[route], grant=GRANT, policy="fased", secrets=secrets,
                      budget=Budget(max_calls=10, max_retries=5, max_cost=Decimal(1))) as run:
@@ -203,7 +203,7 @@ def test_an_async_session_drops_its_credential_when_the_host_records_a_compactio
                                     B.id: "sk-anthropic-b-test-0002"})
 
     async def go(fake: FakeProvider) -> list[str | None]:
-        route = CLAUDE.model_copy(update={"protocol": Protocol.OPENAI,
+        route = CLAUDE.model_copy(update={"protocol": WireProtocol.OPENAI,
                                           "endpoint": fake.endpoint("openai")})
         aled = await AsyncLedger.open(db_url, clock=clock)
         try:

@@ -20,16 +20,16 @@ from sqlalchemy import create_engine, text
 
 from ledger import faults
 from ledger.adapters import StaticSecretProvider, SyncAdapter, sync_sender
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Protocol, Transport
-from ledger.core.health import ProbeThrottle
+from ledger.decide.health import ProbeThrottle
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation, Transport, WireProtocol
+from ledger.domain.records import AttemptKind, AttemptState, Lease
+from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted, PolicyError
-from ledger.model import Budget, Grant, Price, Profile, Route
 from ledger.policy.load import preset, validate_policy
-from ledger.records import AttemptKind, AttemptState, Lease
-from ledger.run import Dispatch, SendResult, execute
 from ledger.storage.engine import normalize_url
 from ledger.testing.fakeprovider import FakeProvider, Fault
 
@@ -170,13 +170,13 @@ def test_a_fallback_without_a_key_is_logged_as_cannot_be_used_and_skipped_over_l
         fake.set_default(Fault.UNAVAILABLE, model="gemini-3-flash")
 
         def real(route: Route, profile: str) -> Route:
-            return route.model_copy(update={"protocol": Protocol.OPENAI,
+            return route.model_copy(update={"protocol": WireProtocol.OPENAI,
                                             "endpoint": fake.endpoint("openai"),
                                             "profiles": [Profile(id=profile)]})
 
         plan = [real(FLASH, "gemini:default"), real(MINI, "openai:default"),
                 real(DEEPSEEK, "deepseek:default")]
-        with caplog.at_level(logging.INFO, logger="ledger.run"):
+        with caplog.at_level(logging.INFO, logger="ledger.api.turn"):
             res = execute(led, admit(led, "r", plan), ENV, sync_sender(adapter),
                           rng=random.Random(5))
         models = [r.model for r in fake.requests]

@@ -16,15 +16,15 @@ from decimal import Decimal
 import pytest
 
 from ledger.adapters import StaticSecretProvider, SyncAdapter, sync_sender
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Phase, Source, Transport
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation, Phase, Source, Transport
+from ledger.domain.records import AttemptState, DebitState, Lease
+from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import FailoverExhausted
-from ledger.model import Budget, Grant, Price, Route
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState, Lease
-from ledger.run import Dispatch, SendResult, execute
+from ledger.ops.reconcile import reconcile
 from ledger.testing.fakeprovider import FakeProvider
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
@@ -91,7 +91,7 @@ def test_a_fallback_that_cannot_be_built_is_logged_skipped_and_never_unknown(
         led: Ledger, policy: str, caplog: pytest.LogCaptureFixture) -> None:
     lease = _admit(led, _plan(), policy)
     send = Sender(UNAVAILABLE)
-    with caplog.at_level(logging.INFO, logger="ledger.run"):
+    with caplog.at_level(logging.INFO, logger="ledger.api.turn"):
         res = execute(led, lease, ENV, send)
     assert res.route.id == "backup"
     states = {a.route_id: (a.state, a.debit_state) for a in led.timeline("r")}

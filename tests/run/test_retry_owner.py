@@ -9,14 +9,14 @@ from decimal import Decimal
 
 import pytest
 
-from ledger.api import AsyncLedger, Ledger
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.turn import Dispatch, Notice, SendResult, aexecute, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Observation, Protocol, Transport
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Observation, Transport, WireProtocol
+from ledger.domain.records import AttemptKind, AttemptState, DebitState, Lease
+from ledger.domain.values import Budget, Grant, GroupMode, Price, Route
 from ledger.errors import FailoverExhausted, ProviderError
-from ledger.model import Budget, Grant, GroupMode, Price, Route
-from ledger.records import AttemptKind, AttemptState, DebitState, Lease
-from ledger.run import Dispatch, Notice, SendResult, aexecute, execute
 
 GO_DS = Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
               recipient="go-gateway", price=Price(input_per_mtok=Decimal(1),
@@ -240,7 +240,7 @@ def test_async_twin(db_url: str) -> None:
 
         async def send(d: Dispatch) -> SendResult:
             if d.route.id == "go-deepseek":
-                return fail(status=503, protocol=Protocol.OPENAI)
+                return fail(status=503, protocol=WireProtocol.OPENAI)
             return OK
 
         res = await aexecute(aled, lease, ENV, send)
@@ -294,7 +294,7 @@ def test_group_aware_new_turn_avoids_a_cooling_group(led: Ledger, clock: ManualC
 
 
 def test_current_denial_applies_to_new_attempts(led: Ledger) -> None:
-    from ledger.core.preflight import Denials
+    from ledger.decide.preflight import Denials
 
     lease = admit(led)
     send = Script(go_deepseek=[fail(status=503)])
@@ -306,7 +306,7 @@ def test_current_denial_applies_to_new_attempts(led: Ledger) -> None:
 
 
 def test_model_derived_context_needs_recorded_provenance(led: Ledger) -> None:
-    from ledger.core.envelope import MODEL_DERIVED
+    from ledger.domain.envelope import MODEL_DERIVED
 
     lease = admit(led, grant=Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
                                                "deepseek": ["user_input", MODEL_DERIVED]}))
@@ -357,10 +357,10 @@ def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) ->
 def test_one_log_line_per_retry_and_per_move(led: Ledger, caplog: pytest.LogCaptureFixture
                                               ) -> None:
     lease = admit(led, policy="goclaw", retries=5, calls=8)
-    caplog.set_level("INFO", logger="ledger.run")
+    caplog.set_level("INFO", logger="ledger.api.turn")
     execute(led, lease, ENV, Script(go_deepseek=[fail(status=503, body="overloaded")]),  # type: ignore[arg-type]
             rng=random.Random(1))
-    lines = [r.getMessage() for r in caplog.records if r.name == "ledger.run"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ledger.api.turn"]
     retries = [m for m in lines if m.startswith("[LLM] go:deepseek-v4: overloaded; retry")]
     moves = [m for m in lines if m.startswith("[fallback] serving the request with "
                                               "deepseek/deepseek-v4 (go/deepseek-v4: 503 "

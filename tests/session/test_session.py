@@ -27,7 +27,7 @@ from ledger import (
     ToolSpec,
 )
 from ledger.adapters import ToolCallProposal
-from ledger.records import AttemptState
+from ledger.domain.records import AttemptState
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import plan

@@ -11,7 +11,8 @@ import json
 import sys
 from decimal import Decimal
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.domain.records import Lease
 from ledger.errors import (
     AllowanceExhausted,
     BudgetExceeded,
@@ -19,7 +20,6 @@ from ledger.errors import (
     DatabaseUnavailable,
     FencedOut,
 )
-from ledger.records import Lease
 
 
 def budget_worker(url: str, run_id: str, fence: int, n: int, reserve: str) -> dict[str, int]:
@@ -109,7 +109,7 @@ def stale_worker(url: str, run_id: str, fence: int, n: int) -> dict[str, int]:
 def probe_worker(url: str, t: int, n: int) -> dict[str, int]:
     """Claim the cluster-wide probe of a cooling primary ``n`` times at clock ``t``."""
     from ledger.clock import ManualClock
-    from ledger.model import Route
+    from ledger.domain.values import Route
 
     led = Ledger.open(url, migrate_schema=False, clock=ManualClock(float(t)))
     route = Route(id="a", provider="p1", model="m1", group="g", recipient="r1")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ledger.model import Budget, Grant, Price, Route
+from ledger.domain.values import Budget, Grant, Price, Route
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,16 +16,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.turn import SendResult, execute
 from ledger.clock import ManualClock
-from ledger.core.classify import classify
-from ledger.core.envelope import Envelope, Part
-from ledger.core.facts import Category, FailureFact, Observation, Phase, Scope, Source
+from ledger.decide.classify import classify
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Category, FailureFact, Observation, Phase, Scope, Source
+from ledger.domain.records import AttemptState, DebitState
 from ledger.errors import InvalidArgument
+from ledger.ops.reconcile import reconcile
 from ledger.policy.load import preset
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState
-from ledger.run import SendResult, execute
 
 from .helpers import budget, grant, routes
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
+from ledger.domain.values import Grant
 from ledger.errors import InvalidArgument
-from ledger.model import Grant
 
 from .helpers import budget, routes
 

@@ -10,9 +10,9 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.records import AttemptState
+from ledger.domain.records import AttemptState
 
 from .helpers import budget, collect, routes, spawn
 

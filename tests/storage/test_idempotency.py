@@ -13,12 +13,12 @@ from decimal import Decimal
 import pytest
 
 from ledger import faults
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, DebitState
+from ledger.domain.values import Budget, Grant
 from ledger.errors import AdmissionConflict, DatabaseUnavailable
-from ledger.model import Budget, Grant
-from ledger.reconcile import reconcile
-from ledger.records import AttemptState, DebitState
+from ledger.ops.reconcile import reconcile
 
 from .helpers import routes
 

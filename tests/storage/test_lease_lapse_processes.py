@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api import Ledger
-from ledger.records import AttemptState
+from ledger.api.facade import Ledger
+from ledger.domain.records import AttemptState
 from ledger.testing.clock import SharedClock
 
 from .helpers import budget, collect, routes, spawn

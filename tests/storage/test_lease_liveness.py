@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import text
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.errors import CapacityUnavailable, FencedOut, LeaseHeld, LeaseLost
-from ledger.records import AttemptState, DebitState, Lease
-from ledger.recovery import recover
+from ledger.ops.recovery import recover
 
 from .helpers import budget, grant, routes
 

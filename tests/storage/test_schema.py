@@ -9,7 +9,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.errors import DatabaseUnavailable, InvalidArgument, SchemaTooNew
 from ledger.storage.engine import normalize_url
 from ledger.storage.migrate import head_revision

@@ -8,9 +8,11 @@ from decimal import Decimal
 
 import pytest
 
-from ledger.api import Ledger
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.core.facts import Category, FailureFact, Phase, Scope
+from ledger.domain.facts import Category, FailureFact, Phase, Scope
+from ledger.domain.records import AttemptState, DebitState
+from ledger.domain.values import Budget, Grant
 from ledger.errors import (
     AdmissionConflict,
     AllowanceExhausted,
@@ -24,8 +26,6 @@ from ledger.errors import (
     NotFound,
     SettleConflict,
 )
-from ledger.model import Budget, Grant
-from ledger.records import AttemptState, DebitState
 
 from .helpers import budget, grant, routes
 
@@ -273,7 +273,7 @@ def test_child_budget_carved_and_broader_refused(led: Ledger) -> None:
         led.admit_run("c3", plan=routes(), budget=budget(calls=1, retries=0, cost="0.1"),
                       grant=Grant(recipients={"r2": ["user_input", "memory"]}),
                       parent=pl)
-    from ledger.model import Price, Route
+    from ledger.domain.values import Price, Route
 
     with pytest.raises(InvalidArgument, match="approved candidates"):
         led.admit_run("c4", plan=[Route(id="x", provider="p9", model="m", group="z",
@@ -320,7 +320,7 @@ def test_attempt_queries_filter_and_paginate(led: Ledger, clock: ManualClock) ->
 def test_async_twin_runs_the_same_logic(db_url: str) -> None:
     import asyncio
 
-    from ledger.api import AsyncLedger
+    from ledger.api.facade import AsyncLedger
 
     async def go() -> None:
         led = await AsyncLedger.open(db_url, clock=ManualClock(5.0))
@@ -362,7 +362,7 @@ def test_health_is_written_only_when_it_changes(led: Ledger, clock: ManualClock)
 
 
 def test_fased_records_last_use_of_profiles(led: Ledger, clock: ManualClock) -> None:
-    from ledger.model import Price, Profile, Route
+    from ledger.domain.values import Price, Profile, Route
 
     plan = [Route(id="a", provider="p1", model="m1", group="g", recipient="r1", price=Price(),
                   profiles=[Profile(id="p1:a"), Profile(id="p1:b")])]

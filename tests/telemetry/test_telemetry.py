@@ -37,15 +37,15 @@ from ledger.adapters import (
     async_sender,
     sync_sender,
 )
-from ledger.api import AsyncLedger, Ledger
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.turn import Dispatch, SendResult, aexecute, execute
 from ledger.clock import ManualClock
-from ledger.core.envelope import Envelope, Part, ToolSpec
-from ledger.core.facts import Protocol
+from ledger.domain.envelope import Envelope, Part, ToolSpec
+from ledger.domain.facts import WireProtocol
+from ledger.domain.records import Lease
+from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted
-from ledger.model import Budget, Grant, Price, Profile, Route
 from ledger.policy.model import StreamingPolicy
-from ledger.records import Lease
-from ledger.run import Dispatch, SendResult, aexecute, execute
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,10 +125,10 @@ def routes(a: FakeProvider, b: FakeProvider) -> list[Route]:
     price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(4))
     return [
         Route(id="primary", provider="openai", model="gpt-primary", group="ga", recipient="ra",
-              protocol=Protocol.OPENAI, endpoint=a.endpoint("openai"), price=price,
+              protocol=WireProtocol.OPENAI, endpoint=a.endpoint("openai"), price=price,
               profiles=[Profile(id="p:a")]),
         Route(id="backup", provider="google", model="gemini-backup", group="gb",
-              recipient="rb", protocol=Protocol.GEMINI, endpoint=b.endpoint("gemini"),
+              recipient="rb", protocol=WireProtocol.GEMINI, endpoint=b.endpoint("gemini"),
               price=price, profiles=[Profile(id="p:b")]),
     ]
 
@@ -513,7 +513,7 @@ def _py(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_turn_path_does_not_import_opentelemetry_until_enabled() -> None:
-    res = _py("import sys\nimport ledger.run, ledger.telemetry\n"
+    res = _py("import sys\nimport ledger.api.turn, ledger.telemetry\n"
               "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"

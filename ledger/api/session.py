@@ -1,0 +1,524 @@
+"""The Run session: a Run you hold in a ``with`` block, and turns on it.
+
+::
+
+    with led.run("task-42", plan=routes, budget=budget, grant=grant) as run:
+        result = run.turn(Envelope(parts=[Part(content="Compare the filings.")]),
+                          on_text=print)
+        for call in result.tool_calls:
+            answer = search(call.arguments)           # the host runs its tool
+            parts.append(run.tool_result(call.tool_call_id, answer))
+
+Entering admits the Run (or resumes it: the same id with identical content), takes its lease and
+keeps it renewed in the background; leaving finishes the Run — ``succeeded``, or ``failed`` /
+``cancelled`` when the block raised — and releases the lease, on every path, cancellation
+included. A turn is one logical turn through the retry owner (:func:`ledger.api.turn.execute`) with
+the route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
+conversation parts whose provenance the ledger recorded, so appending them (and the tool
+results made here) to the next envelope passes disclosure preflight with nothing more to do.
+
+:class:`RunSession` (blocking) and :class:`AsyncRunSession` (asyncio) share everything that is
+not I/O in :class:`_SessionCore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from ledger.decide.effects import Dispatch, SendResult
+from ledger.domain.bounds import MAX_LEASE_TTL_S, check_bool, check_id, check_seconds
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.records import Lease, RunRecord
+from ledger.domain.validation import check_secret_provider, checked_calls
+from ledger.domain.values import Budget, Grant, Route
+from ledger.errors import ArgumentMismatch, FencedOut, InvalidArgument, InvalidState
+
+log = logging.getLogger("ledger.api.session")
+
+TextCallback = Callable[[str], Any]
+EventCallback = Callable[[Any], Any]  # ledger.adapters.StreamEvent -> None | Awaitable
+
+DEFAULT_SESSION_TTL_S = 30.0
+_ENDED = ("this Run session has ended (its block was left); open a new one with "
+          "ledger.run(...) to continue the Run")
+
+
+# What Ledger.admit_run takes besides the run id: a session's admission arguments.
+ADMIT_ARGUMENTS = ("plan", "budget", "grant", "policy", "role", "parent", "tenant", "labels",
+                   "deadline", "selected_route")
+
+
+def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> None:
+    """A session's sender options, checked before anything is admitted."""
+    if adapter is not None and not isinstance(adapter, kind):
+        other = "AsyncLedger.run" if kind.__name__ == "SyncAdapter" else "Ledger.run"
+        raise InvalidArgument(f"adapter must be a ledger.adapters.{kind.__name__} (got "
+                              f"{type(adapter).__name__}); the other kind is for {other}",
+                              field="adapter")
+    if secrets is not None and adapter is not None:
+        raise InvalidArgument("secrets is for the session's own adapter; pass the secret "
+                              "provider to your adapter instead, or pass no adapter",
+                              field="secrets")
+    check_secret_provider(secrets)
+    if owns is not None:
+        check_bool(owns, "owns_adapter")
+
+
+def _end_status(exc: BaseException | None) -> str:
+    """How a Run ends when its block is left with ``exc``."""
+    if exc is None:
+        return "succeeded"
+    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | GeneratorExit):
+        return "cancelled"
+    return "failed"
+
+
+@checked_calls
+class _SessionCore:
+    """What both sessions share: admission arguments, the calls a turn proposed, the Part a
+    tool result becomes, and the callbacks a turn's stream goes to."""
+
+    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
+                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
+                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+        # Checked here, before the block admits anything: a session refused on entering after
+        # admission would leave a Run admitted and nobody holding it. The admission arguments
+        # themselves are admit_run's, which checks them all before it writes.
+        lease_margin_s, adapter_kind = self._ledger_kind(ledger)
+        check_id(run_id, "run_id")
+        ttl = check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        if ttl <= lease_margin_s:
+            raise InvalidArgument(
+                f"lease_ttl_s={ttl:g} is not above the lease margin ({lease_margin_s:g}s): such "
+                "a lease could start nothing; pass a longer lease_ttl_s (e.g. 30)",
+                field="lease_ttl_s")
+        unknown = sorted(set(admit) - set(ADMIT_ARGUMENTS))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], ADMIT_ARGUMENTS, n=1)
+            raise ArgumentMismatch(
+                f"{unknown[0]!r} is not an admission argument; "
+                + (f"did you mean {close[0]!r}? " if close else "")
+                + f"pass only {', '.join(ADMIT_ARGUMENTS)}", field=unknown[0])
+        _check_adapter(adapter, adapter_kind, secrets, owns_adapter)
+        self.ledger = ledger
+        self._adapter = adapter
+        self._secrets = secrets
+        # A session closes the adapter it made itself, never one it was given (or a child's).
+        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
+        self._keeper: Any = None
+        self.run_id = run_id
+        self.admit = dict(admit)
+        self.lease_ttl_s = lease_ttl_s
+        self.record: RunRecord | None = None
+        self._state = "new"  # new -> open -> ended
+        self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
+        self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
+        self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
+
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        """The ledger's lease margin and the adapter class a session of this kind sends with
+        (refusing a ledger of the other kind)."""
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._state == "new":
+            raise InvalidState("the Run session is not open yet; use it in a with block",
+                               run_id=self.run_id)
+        if self._state == "ended":
+            raise InvalidState(_ENDED, run_id=self.run_id)
+
+    def _enter(self) -> None:
+        if self._state != "new":
+            raise InvalidState("a Run session is entered once; open a new one with "
+                               "ledger.run(...)", run_id=self.run_id)
+
+    @staticmethod
+    def _check_turn(on_text: Any, on_event: Any, send: Any, options: Mapping[str, Any]) -> None:
+        if "part_hashes" in options:
+            raise InvalidArgument("a session computes part_hashes itself; do not pass it to "
+                                  "turn()", field="part_hashes")
+        for name, fn, what in (("on_text", on_text, "a function of the text (str)"),
+                               ("on_event", on_event, "a function of a StreamEvent"),
+                               ("send", send, "a function of a Dispatch returning a "
+                                              "SendResult")):
+            if fn is not None and not callable(fn):
+                raise InvalidArgument(f"{name} must be {what} (got {type(fn).__name__})",
+                                      field=name)
+
+    def _child_args(self, frozen: RunRecord, child_id: Any, budget: Any, plan: Any,
+                    grant: Any, role: Any, admit: Mapping[str, Any], lease: Lease
+                    ) -> dict[str, Any]:
+        """The admission arguments of a Child Run (checked by admit_run when it is entered)."""
+        check_id(child_id, "child_id")
+        if plan is not None and (isinstance(plan, str | bytes | Mapping)
+                                 or not isinstance(plan, Sequence)):
+            raise InvalidArgument("plan must be a list of ledger.Route (a subset of the "
+                                  "parent's); pass None to inherit the parent's plan",
+                                  field="plan")
+        if role is not None:
+            check_id(role, "role")
+        if "parent" in admit:
+            raise InvalidArgument("a child session's parent is this Run; do not pass parent",
+                                  field="parent")
+        return {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
+                "grant": grant, "role": frozen.role if role is None else role,
+                "parent": lease, **admit}
+
+    def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None
+                 ) -> Callable[[Any], Any] | None:
+        """The stream callback of a turn: text to ``on_text``, every event to ``on_event``,
+        tool-call proposals remembered. ``None`` when the caller watches nothing: streamed text
+        then stays a buffer, and it is no effective output until the answer completes."""
+        from ledger.adapters.contract import TextDelta, ToolCallProposal
+
+        if on_text is None and on_event is None:
+            return None
+
+        def watch(event: Any) -> Any:
+            if isinstance(event, ToolCallProposal) and self._sending is not None:
+                self._calls[event.call.id] = (self._sending.attempt_id, event.call.name)
+            if on_text is not None and isinstance(event, TextDelta):
+                out = on_text(event.text)
+                if on_event is None:
+                    return out
+            return on_event(event) if on_event is not None else None
+
+        return watch
+
+    def _part_hashes(self, envelope: Envelope) -> tuple[str, ...]:
+        """The envelope's part hashes, each part hashed once for the whole conversation.
+
+        A conversation re-sends every earlier part on every turn; hashing them all again made a
+        turn's cost grow with the Run's length. A part is reused only when it is the very same
+        (frozen) object as before, and the memo keeps just the latest envelope's parts, so it
+        is as large as the conversation and never outlives it. A copy, even an identical one,
+        is hashed afresh: an edited copy can never inherit a recorded hash.
+        """
+        if not isinstance(envelope, Envelope):
+            return ()  # execute names the bad argument
+        old, new, out = self._hashes, {}, []
+        for p in envelope.parts:
+            hit = old.get(id(p))
+            digest = hit[1] if hit is not None and hit[0] is p else p.content_hash
+            new[id(p)] = (p, digest)
+            out.append(digest)
+        self._hashes = new
+        return tuple(out)
+
+    def _remember(self, parts: Sequence[Part], attempt_id: str) -> None:
+        for p in parts:
+            if p.tool_call_id is not None:
+                self._calls[p.tool_call_id] = (attempt_id, p.name or "")
+
+    def proposed(self, call_id: str) -> bool:
+        """Whether a turn of this session proposed (or :meth:`adopt_tool_calls` adopted) the
+        tool call ``call_id``, so that its result may be recorded."""
+        return isinstance(call_id, str) and call_id in self._calls
+
+    def _call(self, call_id: str) -> tuple[str, str]:
+        check_id(call_id, "call_id")
+        if call_id not in self._calls:
+            raise InvalidArgument(
+                f"tool call {call_id!r} was not proposed in this Run session; pass the "
+                "tool_call_id of one of a turn's result.tool_calls", field="call_id")
+        return self._calls[call_id]
+
+    def _tool_part(self, call_id: str, content: Any, data_class: str) -> Part:
+        _attempt, name = self._call(call_id)
+        if not isinstance(content, str):
+            raise InvalidArgument("a tool result's content is text; serialise it (e.g. "
+                                  "json.dumps(result))", field="content")
+        if not isinstance(data_class, str):
+            raise InvalidArgument("data_class must be a string such as 'tool_result'",
+                                  field="data_class")
+        return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
+                    tool_call_id=call_id, name=name or None)
+
+    def _adopt(self, parts: Sequence[Part], recorded: Mapping[str, Any]) -> list[str]:
+        from ledger.decide.preflight import Coverage, part_coverage
+
+        adopted = []
+        for p in parts:
+            if p.tool_call_id is None or p.provenance is None or p.tool_call_id in self._calls:
+                continue
+            # Only a call an Attempt of this Run proposed, exactly as recorded, is adopted.
+            if part_coverage(p, recorded) is Coverage.OK:
+                self._calls[p.tool_call_id] = (p.provenance, p.name or "")
+                adopted.append(p.tool_call_id)
+        return adopted
+
+    def _mark_started(self, call_id: str) -> str:
+        attempt_id, _name = self._call(call_id)
+        d = self._sending
+        if d is not None and d.attempt_id == attempt_id:
+            d.progress.tool_started = True  # a failure of this Attempt may not move on now
+        return attempt_id
+
+
+@checked_calls
+class RunSession(_SessionCore):
+    """A Run held in a ``with`` block (see the module docstring); from :meth:`Ledger.run`."""
+
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        from ledger.adapters import SyncAdapter
+        from ledger.api.facade import Ledger
+
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
+                                  "come from AsyncLedger.run)", field="ledger")
+        return ledger.store.lease_margin_s, SyncAdapter
+
+    # -- the block -------------------------------------------------------------------------
+
+    def __enter__(self) -> RunSession:
+        from ledger.api.lease import LeaseKeeper
+
+        self._enter()
+        self.record = self.ledger.admit_run(self.run_id, **self.admit)
+        lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+        self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+        if self._adapter is None:
+            from ledger.adapters import SyncAdapter
+
+            self._adapter = SyncAdapter(secrets=self._secrets)
+        self._state = "open"
+        return self
+
+    def __exit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
+        self._state = "ended"
+        try:
+            self._finish(exc)
+        finally:
+            if self._owns_adapter and self._adapter is not None:
+                self._adapter.close()
+
+    def _finish(self, exc: BaseException | None) -> None:
+        keeper = self._keeper
+        keeper.stop()
+        try:
+            if keeper.error is None:
+                self.ledger.finish_run(keeper.lease, _end_status(exc))
+            keeper.shutdown_writes()  # releases the lease (a fenced-out keeper writes nothing)
+        except FencedOut as e:
+            if exc is None:
+                raise  # the block succeeded, but the Run could not be finished: say so
+            log.warning("run %s: could not finish after %r: %s", self.run_id, exc, e)
+
+    @property
+    def lease(self) -> Lease:
+        """The Run's lease as the session holds it now (renewed in the background)."""
+        self._check_open()
+        return self._keeper.lease  # type: ignore[no-any-return]
+
+    # -- turns -----------------------------------------------------------------------------
+
+    def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
+             on_event: EventCallback | None = None, turn_id: str | None = None,
+             send: Callable[[Dispatch], SendResult] | None = None, **options: Any) -> Any:
+        """Serve one logical turn (see :func:`ledger.api.turn.execute` for ``options``).
+
+        ``on_text`` receives answer text as it streams, ``on_event`` every stream event
+        (text, tool-call proposals, resets); both are for this turn only. ``send`` replaces the
+        route's built-in adapter. Returns the :class:`~ledger.api.turn.RunResult`; its ``parts`` are
+        ready to append to the next envelope.
+        """
+        from ledger.adapters import sync_sender
+        from ledger.api.turn import execute
+
+        self._check_open()
+        self._check_turn(on_text, on_event, send, options)
+        inner = send or sync_sender(
+            self._adapter, on_event=self._watcher(on_text, on_event),
+            limits=self.ledger.run_policy(self.run_id).streaming)
+
+        def tracked(d: Dispatch) -> SendResult:
+            self._sending = d
+            try:
+                return inner(d)
+            finally:
+                self._sending = None
+
+        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                         part_hashes=self._part_hashes(envelope) or None, **options)
+        self._remember(result.parts, result.attempt.attempt_id)
+        return result
+
+    def tool_result(self, call_id: str, content: str, *, data_class: str = "tool_result"
+                    ) -> Part:
+        """Record provenance for a tool's result and return it as a Part for the next turn."""
+        self._check_open()
+        part = self._tool_part(call_id, content, data_class)
+        self.ledger.record_provenance(self.lease, call_id, part.content_hash, kind="tool_result")
+        return part
+
+    def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
+        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
+        (a host resuming a Run after a restart, with the conversation it kept): each tool-call
+        part whose provenance the ledger recorded, hash for hash, is adopted. Returns the call
+        ids adopted; a part the Run did not produce is passed over."""
+        self._check_open()
+        return self._adopt(parts, self.ledger.provenance(self.run_id))
+
+    def tool_started(self, call_id: str) -> None:
+        """Record durably that the host started the tool of ``call_id``: from now on a failure
+        of its turn never moves to another route (invariant 9). Callable from ``on_event``
+        while the stream that proposed the call still runs."""
+        self._check_open()
+        attempt_id = self._mark_started(call_id)
+        self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
+                                 attempt_id=attempt_id)
+
+    def compacted(self) -> int:
+        """Record that the host compacted this session's context; returns the compaction
+        count. Under a sticky profile policy (fased) the next turn chooses its credential
+        profile again instead of keeping the session's (a user pin is kept)."""
+        self._check_open()
+        return self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
+
+    def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
+              plan: Sequence[Route] | None = None, grant: Grant | None = None,
+              role: str | None = None, **admit: Any) -> RunSession:
+        """A session for a Child Run: the parent's plan, grant and policy narrowed as given,
+        its budget carved from this Run's."""
+        self._check_open()
+        frozen = self.ledger.frozen_run(self.run_id)
+        args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
+        return RunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
+                          adapter=self._adapter, owns_adapter=False)
+
+
+@checked_calls
+class AsyncRunSession(_SessionCore):
+    """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`."""
+
+    @staticmethod
+    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+        from ledger.adapters import HttpAdapter
+        from ledger.api.facade import AsyncLedger
+
+        if not isinstance(ledger, AsyncLedger):
+            raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
+                                  "come from Ledger.run)", field="ledger")
+        return ledger.sync.store.lease_margin_s, HttpAdapter
+
+    async def __aenter__(self) -> AsyncRunSession:
+        from ledger.api.lease import AsyncLeaseKeeper
+
+        self._enter()
+        self.record = await self.ledger.admit_run(self.run_id, **self.admit)
+        lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+        self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+        if self._adapter is None:
+            from ledger.adapters import HttpAdapter
+
+            self._adapter = HttpAdapter(secrets=self._secrets)
+        self._state = "open"
+        return self
+
+    async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
+        self._state = "ended"
+        # The Run is finished and its lease released even when the block was cancelled.
+        task = asyncio.ensure_future(self._finish(exc))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+        finally:
+            if self._owns_adapter and self._adapter is not None:
+                await self._adapter.aclose()
+
+    async def _finish(self, exc: BaseException | None) -> None:
+        keeper = self._keeper
+        await keeper.stop()
+        try:
+            if keeper.core.error is None:
+                await self.ledger.finish_run(keeper.lease, _end_status(exc))
+            await asyncio.to_thread(keeper.core.shutdown_writes)  # releases the lease
+        except FencedOut as e:
+            if exc is None:
+                raise
+            log.warning("run %s: could not finish after %r: %s", self.run_id, exc, e)
+
+    @property
+    def lease(self) -> Lease:
+        """The Run's lease as the session holds it now (renewed in the background)."""
+        self._check_open()
+        return self._keeper.lease  # type: ignore[no-any-return]
+
+    async def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
+                   on_event: EventCallback | None = None, turn_id: str | None = None,
+                   send: Callable[[Dispatch], Awaitable[SendResult]] | None = None,
+                   **options: Any) -> Any:
+        """Serve one logical turn (see :meth:`RunSession.turn`); callbacks may be coroutine
+        functions."""
+        from ledger.adapters import async_sender
+        from ledger.api.turn import aexecute
+
+        self._check_open()
+        self._check_turn(on_text, on_event, send, options)
+        await self.ledger.warm(self.run_id)
+        inner = send or async_sender(
+            self._adapter, on_event=self._watcher(on_text, on_event),
+            limits=self.ledger.sync.run_policy(self.run_id).streaming)
+
+        async def tracked(d: Dispatch) -> SendResult:
+            self._sending = d
+            try:
+                return await inner(d)
+            finally:
+                self._sending = None
+
+        result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                                part_hashes=self._part_hashes(envelope) or None, **options)
+        self._remember(result.parts, result.attempt.attempt_id)
+        return result
+
+    async def tool_result(self, call_id: str, content: str, *,
+                          data_class: str = "tool_result") -> Part:
+        """Record provenance for a tool's result and return it as a Part for the next turn."""
+        self._check_open()
+        part = self._tool_part(call_id, content, data_class)
+        await self.ledger.record_provenance(self.lease, call_id, part.content_hash,
+                                            kind="tool_result")
+        return part
+
+    async def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
+        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
+        (see :meth:`RunSession.adopt_tool_calls`)."""
+        self._check_open()
+        return self._adopt(parts, await self.ledger.provenance(self.run_id))
+
+    async def tool_started(self, call_id: str) -> None:
+        """Record durably that the host started the tool of ``call_id`` (see
+        :meth:`RunSession.tool_started`); await it from an async ``on_event``."""
+        self._check_open()
+        attempt_id = self._mark_started(call_id)
+        await self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
+                                       attempt_id=attempt_id)
+
+    async def compacted(self) -> int:
+        """Record that the host compacted this session's context; returns the compaction
+        count (see :meth:`RunSession.compacted`)."""
+        self._check_open()
+        return await self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
+
+    def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
+              plan: Sequence[Route] | None = None, grant: Grant | None = None,
+              role: str | None = None, **admit: Any) -> AsyncRunSession:
+        """A session for a Child Run (see :meth:`RunSession.child`); use it with
+        ``async with``."""
+        self._check_open()
+        frozen = self.ledger.sync.frozen_run(self.run_id)
+        args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
+        return AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
+                               adapter=self._adapter, owns_adapter=False)
+
+
+__all__ = ["AsyncRunSession", "RunSession"]

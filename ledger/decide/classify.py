@@ -1,0 +1,275 @@
+"""Classification: an :class:`Observation` becomes a :class:`FailureFact` under a policy.
+
+Precedence (the conformance rules, for every preset): caller facts; a local 429; the transport
+kind; context overflow; the provider's structured error field; the HTTP status; free-text
+patterns; else ``unknown``. Which codes, statuses and patterns map where is policy data.
+
+Every text a fact carries (``message``, ``provider_code``) has been through
+:func:`ledger.redaction.redact`; decisions read the unredacted observation.
+
+``classify`` is total: bodies of any bytes, JSON of any shape and headers of any size yield a
+fact, never an exception, because losing the record of a failure is worse than a vague one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ledger.decide.health import cooldown_effect
+from ledger.decide.hints import gemini_retry_delay, parse_retry_after
+from ledger.domain.facts import (
+    Category,
+    FailureFact,
+    Observation,
+    Phase,
+    Scope,
+    Source,
+    Transport,
+    WireProtocol,
+)
+from ledger.errors import InvalidArgument
+from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy
+from ledger.redaction import redact
+
+# Which structured fields each protocol's error body carries; `generic` tries them all in order.
+_FIELDS: dict[WireProtocol, tuple[str, ...]] = {
+    WireProtocol.OPENAI: ("openai.code", "openai.type"),
+    WireProtocol.ANTHROPIC: ("anthropic.type",),
+    WireProtocol.GEMINI: ("gemini.status",),
+    WireProtocol.GENERIC: ("openai.code", "openai.type", "anthropic.type", "gemini.status"),
+}
+_CODE_LIMIT = 128
+
+
+@dataclass(frozen=True)
+class _ProviderError:
+    """The structured parts of a provider's error body, whatever its shape."""
+
+    fields: Mapping[str, str]
+    message: str | None
+    retry_delay_s: float | None
+
+
+def _body_text(body: str | bytes | None, limit: int) -> str:
+    if body is None:
+        return ""
+    if isinstance(body, bytes | bytearray):
+        return bytes(body[:limit]).decode("utf-8", errors="replace")
+    return body[:limit]
+
+
+def _parse_error(text: str, protocol: WireProtocol) -> _ProviderError:
+    empty = _ProviderError({}, None, None)
+    if not text.lstrip().startswith(("{", "[")):
+        return empty
+    try:
+        doc: Any = json.loads(text)
+    except (ValueError, RecursionError):
+        return empty
+    # Gemini's streaming endpoints wrap the error object in a one-element list.
+    if isinstance(doc, list) and doc and isinstance(doc[0], dict):
+        doc = doc[0]
+    if not isinstance(doc, dict):
+        return empty
+    err = doc.get("error")
+    if not isinstance(err, dict):
+        return empty
+
+    def text_of(key: str) -> str | None:
+        v = err.get(key)
+        return v[:_CODE_LIMIT] if isinstance(v, str) and v else None
+
+    raw = {
+        "openai.code": text_of("code"),
+        "openai.type": text_of("type"),
+        "anthropic.type": text_of("type"),
+        "gemini.status": text_of("status"),
+    }
+    fields = {k: v for k in _FIELDS[protocol] if (v := raw[k]) is not None}
+    message = err.get("message")
+    gemini_like = protocol in (WireProtocol.GEMINI, WireProtocol.GENERIC)
+    delay = gemini_retry_delay(err) if gemini_like else None
+    return _ProviderError(fields, message if isinstance(message, str) else None, delay)
+
+
+def _lookup(table: Mapping[str, Category], value: str) -> Category | None:
+    v = value.casefold()
+    for key, category in table.items():
+        if key.casefold() == v:
+            return category
+    return None
+
+
+def _any_in(patterns: list[str], haystack: str) -> bool:
+    return any(p.casefold() in haystack for p in patterns)
+
+
+def _context_overflow(cls: ClassificationPolicy, err: _ProviderError, text: str) -> bool:
+    msg = (err.message or "").casefold().strip()
+    for rule in cls.context_overflow:
+        value = err.fields.get(rule.field)
+        if value is None or value.casefold() != rule.equals.casefold():
+            continue
+        if rule.message_starts_with and not msg.startswith(rule.message_starts_with.casefold()):
+            continue
+        if rule.message_contains and rule.message_contains.casefold() not in msg:
+            continue
+        return True
+    return _any_in(cls.context_overflow_text, text)
+
+
+def _structured(cls: ClassificationPolicy, err: _ProviderError) -> tuple[Category, str] | None:
+    tables = {
+        "openai.code": cls.codes.openai_code,
+        "openai.type": cls.codes.openai_type,
+        "anthropic.type": cls.codes.anthropic_type,
+        "gemini.status": cls.codes.gemini_status,
+    }
+    for name, value in err.fields.items():
+        found = _lookup(tables[name], value)
+        if found is not None:
+            return found, value
+    return None
+
+
+def _by_status(cls: ClassificationPolicy, status: int, text: str) -> Category | None:
+    for rule in cls.status_text:
+        if status in rule.statuses and _any_in(rule.patterns, text):
+            return rule.category
+    if status in cls.status:
+        return cls.status[status]
+    if 400 <= status < 500:
+        return cls.status_4xx
+    if 500 <= status < 600:
+        return cls.status_5xx
+    return None
+
+
+def _category(
+    obs: Observation, cls: ClassificationPolicy, err: _ProviderError, text: str
+) -> tuple[Category, str | None]:
+    if obs.cancelled:
+        return Category.CANCELLED, None
+    # Our own process could not build the request: a local fact no policy table renames.
+    if obs.transport is Transport.CANNOT_BUILD:
+        return Category.UNUSABLE, None
+    if obs.over_token_budget:
+        return Category.BUDGET_EXCEEDED, None
+    if obs.source is Source.LOCAL and obs.status == 429:
+        return Category.LOCAL_RATE_LIMIT, None
+    if obs.transport is not None and obs.transport in cls.transports:
+        return cls.transports[obs.transport], None
+    if _context_overflow(cls, err, text):
+        return Category.CONTEXT_OVERFLOW, None
+    structured = _structured(cls, err)
+    if structured is not None:
+        return structured
+    if obs.status is not None:
+        by_status = _by_status(cls, obs.status, text)
+        if by_status is not None:
+            return by_status, None
+    for rule in cls.text:
+        if _any_in(rule.patterns, text):
+            return rule.category, None
+    return Category.UNKNOWN, None
+
+
+def _retry_after(
+    obs: Observation, err: _ProviderError, cls: ClassificationPolicy, now: float | None
+) -> float | None:
+    hints = [
+        h
+        for h in (
+            parse_retry_after(obs.header("Retry-After"), now=now, date=obs.header("Date")),
+            err.retry_delay_s,
+        )
+        if h is not None and math.isfinite(h) and h >= 0
+    ]
+    # The longest hint wins: waiting less than any of them would be refused anyway.
+    return min(max(hints), cls.retry_after_limit_s) if hints else None
+
+
+def resubmittable(obs: Observation, phase: Phase, failover: FailoverPolicy) -> bool:
+    """Whether this same request may be sent again from the beginning at all."""
+    if obs.tool_started:
+        return False
+    if obs.effective_output and failover.after_effective_output == "stop":
+        return False
+    unknown = phase in (Phase.AFTER_SEND, Phase.MID_STREAM)
+    return not (unknown and not failover.resubmit_unknown_execution)
+
+
+def _move(policy: Policy, category: Category, phase: Phase) -> Scope | None:
+    for rule in policy.moves_on:
+        if category in rule.categories and (rule.phases is None or phase in rule.phases):
+            return rule.scope
+    return None
+
+
+def _clean(text: str) -> str:
+    # JSON escapes can carry lone surrogates, which no database encoding accepts.
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _evidence(text: str | None, limit: int, body_limit: int) -> str | None:
+    if not text:
+        return None
+    # Redacted whole, before any cut: a secret cut in half no longer matches anything.
+    short = " ".join(redact(_clean(text[:body_limit])).split())
+    return short[:limit] or None
+
+
+def classify(obs: Observation, policy: Policy, now: float | None = None) -> FailureFact:
+    """The failure fact for ``obs`` under ``policy``.
+
+    ``now`` turns an HTTP-date ``Retry-After`` into seconds; without it the response's own
+    ``Date`` header is the reference, and with neither the date is not used.
+    """
+    if not isinstance(obs, Observation):
+        raise InvalidArgument("obs must be a ledger.Observation (what the adapter saw)",
+                              field="obs")
+    if not isinstance(policy, Policy):
+        raise InvalidArgument("policy must be a ledger.Policy; pass e.g. preset('goclaw') or "
+                              "the Run's ledger.run_policy(run_id)", field="policy")
+    cls = policy.classification
+    phase = obs.effective_phase()
+    body = _body_text(obs.body, cls.body_limit_bytes)
+    err = _parse_error(body, obs.protocol)
+    message = obs.message[: cls.body_limit_bytes] if isinstance(obs.message, str) else ""
+    text = f"{body}\n{message}".casefold()
+    category, code = _category(obs, cls, err, text)
+    if code is None and err.fields:
+        code = next(iter(err.fields.values()))
+    if code is not None:
+        code = redact(_clean(code))
+    scope = _move(policy, category, phase)
+    if category is Category.UNUSABLE:
+        # A route that cannot be used never ends the request by itself: it is skipped (seed
+        # 001: "one that cannot be built (no key) is logged and skipped"), under every policy.
+        scope = Scope.ROUTE
+    resubmit = resubmittable(obs, phase, policy.failover)
+    return FailureFact(
+        category=category,
+        status=obs.status,
+        provider_code=code,
+        phase=phase,
+        scope=scope if scope is not None else Scope.REQUEST,
+        transport=obs.transport,
+        source=obs.source,
+        retry_after_s=_retry_after(obs, err, cls, now),
+        resubmit=resubmit,
+        moves_on=scope is not None and resubmit,
+        cooldown=cooldown_effect(category, obs.provider, obs.source, policy),
+        effective_output=obs.effective_output,
+        tool_started=obs.tool_started,
+        provider=obs.provider,
+        message=_evidence(err.message or message or body, cls.message_limit_chars,
+                          cls.body_limit_bytes),
+    )
+
+
+__all__ = ["classify", "resubmittable"]

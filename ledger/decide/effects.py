@@ -1,0 +1,244 @@
+"""The typed effects of the turn loop: what the retry owner asks its driver to do.
+
+The loop (:mod:`ledger.api.turn`) is a generator that yields these objects and is sent back each
+one's result. Every effect names its result type (``Effect[T]``), and the loop receives it
+through :func:`perform`, so a type checker follows the whole conversation::
+
+    att = yield from perform(Begin(...))     # att: AttemptRecord
+
+The drivers (``execute`` and ``aexecute``) match on the effect's type and are the only code that
+reads the database, sends, sleeps or talks to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Generic, TypeVar
+
+from ledger.domain.facts import FailureFact, Observation
+from ledger.domain.records import AttemptKind, AttemptRecord, Lease, Outcome, RunRecord
+from ledger.domain.values import GroupProjection, Health, Route
+from ledger.policy.model import Policy
+
+T = TypeVar("T")
+
+
+class Effect(Generic[T]):
+    """Something the loop needs done; ``T`` is what the driver sends back."""
+
+    __slots__ = ()
+
+
+def perform(effect: Effect[T]) -> Generator[Effect[T], T, T]:
+    """Yield ``effect`` and return its (typed) result: ``x = yield from perform(eff)``."""
+    return (yield effect)
+
+
+@dataclass(frozen=True)
+class TurnSnapshot:
+    """Everything one decision reads, from one read transaction.
+
+    ``run`` is the Run as it stands (counters, current route); ``policy`` its frozen policy,
+    parsed once per Run; ``groups`` the plan's capacity-group projections; ``health`` the plan's
+    route and profile health; ``provenance`` the recorded content hashes of the references the
+    envelope's parts carry (this Run's and its ancestors'), never the Run's whole history.
+    """
+
+    run: RunRecord
+    policy: Policy
+    groups: Mapping[str, GroupProjection]
+    health: Mapping[str, Health]
+    provenance: Mapping[str, frozenset[str]]
+    now: float
+
+
+@dataclass
+class SendProgress:
+    """How far a send got. ``handed_over``: the driver called the send function (before that,
+    nothing can have left). ``sent``: the sender's own report — ``False`` until the first byte
+    of the request is written to the network, ``True`` from then on; ``None`` when the sender
+    does not report it, and then a request handed over counts as possibly sent."""
+
+    handed_over: bool = False
+    sent: bool | None = None
+    # The host started a tool this Attempt proposed: a failure of the turn may no longer move
+    # to another route (invariant 9).
+    tool_started: bool = False
+
+    @property
+    def provably_unsent(self) -> bool:
+        return not self.handed_over or self.sent is False
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What the send function is asked to do: send ``envelope`` on ``route``."""
+
+    run_id: str
+    attempt_id: str
+    turn_id: str
+    route: Route
+    profile_id: str | None
+    envelope: Any  # ledger.domain.envelope.Envelope (Any keeps this module import-light)
+    kind: AttemptKind
+    progress: SendProgress = field(default_factory=SendProgress, compare=False)
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What the send function reports. ``observation`` is set exactly when the call failed.
+
+    ``sent`` is ``False`` only when the request provably never left the process (nothing was
+    written to the network): such an Attempt is settled *not sent*, its hold voided.
+    """
+
+    ok: bool
+    output: Any = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost: Decimal | None = None
+    model_reported: str | None = None
+    output_hash: str | None = None
+    observation: Observation | None = None
+    sent: bool = True
+    # The answer as conversation parts (text, tool calls), each recorded as provenance of the
+    # Attempt at settle so the next turn can carry them.
+    parts: tuple[Any, ...] = ()
+    # On a failure: text the caller was shown before the failure (effective output).
+    partial_text: str = ""
+
+    @property
+    def provenance(self) -> tuple[str, ...]:
+        """The content hashes the Attempt's settle records as its outputs."""
+        return tuple(p.content_hash for p in self.parts)
+
+    @classmethod
+    def failed(cls, observation: Observation, *, sent: bool = True) -> SendResult:
+        return cls(ok=False, observation=observation, sent=sent)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Told to the caller: ``reset`` means discard text streamed by ``attempt_id``."""
+
+    kind: str
+    attempt_id: str
+    route: str
+    detail: str = ""
+
+
+Events = Sequence[tuple[str, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Snapshot(Effect[TurnSnapshot]):
+    """One read: the Run, its groups, health and the provenance of ``refs``."""
+
+    run_id: str
+    refs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Begin(Effect[AttemptRecord]):
+    """Record an Attempt before its send (one commit). ``take_retry``: it is a further Attempt
+    of its turn and takes a retry permission in the same transaction; ``events`` (the selector's
+    decision, the move or retry that led here) are written with it."""
+
+    lease: Lease
+    attempt_id: str
+    route: Route
+    profile_id: str | None
+    envelope_hash: str
+    reserve: Decimal
+    reserve_tokens: int
+    turn_id: str
+    kind: AttemptKind
+    take_retry: bool
+    events: Events = ()
+
+
+@dataclass(frozen=True)
+class Settle(Effect[AttemptRecord]):
+    """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation.
+
+    ``repeat``: the Attempt was a same-route retry of a failure the request already counted in
+    health; its failure restarts the key's window without stepping the cooldown up."""
+
+    lease: Lease
+    attempt_id: str
+    outcome: Outcome
+    fact: FailureFact | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost: Decimal | None = None
+    model_reported: str | None = None
+    output_hash: str | None = None
+    effective_output: bool | None = None
+    tool_started: bool | None = None
+    provenance: tuple[str, ...] = ()
+    events: Events = ()
+    repeat: bool = False
+
+
+@dataclass(frozen=True)
+class Send(Effect[SendResult]):
+    dispatch: Dispatch
+
+
+@dataclass(frozen=True)
+class Sleep(Effect[None]):
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Notify(Effect[None]):
+    notice: Notice
+
+
+@dataclass(frozen=True)
+class ClaimProbe(Effect[bool]):
+    """Take the cluster-wide probe slot of a cooling route, under its health ``key``; a claim
+    taken bounds the probe state (``ttl_s``, ``max_keys``)."""
+
+    route: Route
+    interval_s: float
+    key: str | None = None
+    ttl_s: float | None = None
+    max_keys: int | None = None
+
+
+@dataclass(frozen=True)
+class Record(Effect[None]):
+    """Append an audit event under the lease (the stop of a turn)."""
+
+    lease: Lease
+    kind: str
+    data: Mapping[str, Any]
+    attempt_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Now(Effect[float]):
+    """The injectable clock's time."""
+
+
+__all__ = [
+    "Begin",
+    "ClaimProbe",
+    "Dispatch",
+    "Effect",
+    "Notice",
+    "Notify",
+    "Now",
+    "Record",
+    "Send",
+    "SendProgress",
+    "SendResult",
+    "Settle",
+    "Sleep",
+    "Snapshot",
+    "TurnSnapshot",
+    "perform",
+]

@@ -1,0 +1,419 @@
+"""Preflight: may this exact request be sent to this exact route? (seed 003, section 5)
+
+Three independent claims must all hold before any Attempt is begun on a route:
+
+1. **capability** - the route can serve the request: protocol, tools, streaming, prefill,
+   required parameters, and a context window that fits the request's token estimate. A request
+   the route cannot serve is rejected here, never "tested by sending" and learning from a 400.
+2. **role qualification** - the exact route is qualified for the Run's role (``route.roles``
+   ``None`` means every role), the Run's grant allows the role, and the route is not switched
+   off in the *current* configuration.
+3. **disclosure** - the route's data recipient is approved in the Run's frozen grant for every
+   data class in the request, no current denial revokes that recipient, and every part other
+   than ``user_input`` has provenance that is *covered*: its producer reference is recorded and
+   the part's content hash is among the hashes recorded for it. A copied part whose content
+   was edited, or which gained an extra field such as an "authorized" flag, hashes differently
+   and so does not inherit the original's provenance.
+
+The request is either a full :class:`~ledger.domain.envelope.Envelope` plus the ledger's record of
+provenance (``ref -> recorded content hashes``), or a lighter :class:`RequestNeeds` whose parts
+already carry a provenance verdict (what the conformance vectors express). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import ClassVar, Protocol, runtime_checkable
+
+from ledger.domain.envelope import SYSTEM, USER_INPUT, Envelope, Part
+from ledger.domain.facts import WireProtocol
+from ledger.domain.values import Grant, Route, canonical_json
+from ledger.errors import PreflightRefused
+from ledger.policy.model import Policy
+
+# Classes that need no provenance: the user's own current input and the host's own system
+# text are, by definition, what the Run's grant was confirmed against (the grant still decides
+# which recipients may receive them). Everything else (model output, tool results, memory,
+# private documents) must prove where it came from.
+PROVENANCE_EXEMPT: frozenset[str] = frozenset({USER_INPUT, SYSTEM})
+
+
+class Check(StrEnum):
+    """The preflight checks, in the order the selector applies them.
+
+    The values equal the selector's skip reasons, so a failed check names the skip directly.
+    """
+
+    CAPABILITY = "capability"
+    NOT_QUALIFIED = "not_qualified"
+    DISCLOSURE = "disclosure"
+
+
+_CHECK_ORDER = {c: i for i, c in enumerate(Check)}
+
+
+class Coverage(StrEnum):
+    """A part's provenance verdict."""
+
+    OK = "ok"  # the producer reference is recorded with this exact content hash
+    MISSING = "missing"  # no reference, or nothing recorded for it
+    MISMATCH = "mismatch"  # the reference is recorded, but not with this content
+
+
+@dataclass(frozen=True, slots=True)
+class PartNeed:
+    """One part of a request, reduced to what disclosure needs."""
+
+    data_class: str
+    coverage: Coverage | None = None  # None: no provenance claimed at all
+    ref: str | None = None  # the producer reference, for messages only
+
+
+@dataclass(frozen=True, slots=True)
+class RequestNeeds:
+    """What a request requires of a route, without its content.
+
+    ``None`` / ``False`` / empty means "no requirement". ``classes`` lists data classes present
+    outside ``parts`` (e.g. tool descriptions) that the recipient must also be approved for.
+    """
+
+    tools: bool = False
+    context_tokens: int | None = None
+    prefill: bool = False
+    streaming: bool = False
+    parameters: frozenset[str] = frozenset()
+    protocols: frozenset[WireProtocol] | None = None
+    parts: tuple[PartNeed, ...] = ()
+    classes: frozenset[str] = frozenset()
+
+    @property
+    def data_classes(self) -> frozenset[str]:
+        return frozenset(p.data_class for p in self.parts) | self.classes
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model)."""
+
+    def count_tokens(self, envelope: Envelope, route: Route) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CharEstimator:
+    """The default :class:`TokenCounter`: characters divided by ``chars_per_token``, rounded up.
+
+    Deliberately model-agnostic and slightly pessimistic for English; a host with a real
+    tokenizer plugs in its own counter.
+    """
+
+    chars_per_token: float = 4.0
+    #: The estimate ignores the route, so a selection counts the prompt once for all candidates
+    #: (a counter without this attribute is asked once per candidate).
+    route_independent: ClassVar[bool] = True
+
+    def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        chars = sum(len(p.content) for p in envelope.parts)
+        for t in envelope.tools:
+            chars += len(t.name) + len(t.description) + len(canonical_json(t.parameters))
+        return math.ceil(chars / self.chars_per_token)
+
+
+DEFAULT_TOKEN_COUNTER: TokenCounter = CharEstimator()
+
+
+@dataclass(frozen=True, slots=True)
+class Denials:
+    """Denials in the *current* configuration.
+
+    The Run's frozen grant and plan may still allow these, but historical permission never
+    overrides a current denial for a new Attempt.
+    """
+
+    routes: frozenset[str] = frozenset()  # route ids switched off
+    recipients: frozenset[str] = frozenset()  # recipients whose approval was revoked
+
+
+NO_DENIALS = Denials()
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightFailure:
+    check: Check
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightResult:
+    """Every failed check for one route (empty = the route may be used for this request)."""
+
+    route: str
+    failures: tuple[PreflightFailure, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def first(self) -> PreflightFailure | None:
+        """The failure the selector reports: the earliest in check order."""
+        if not self.failures:
+            return None
+        return min(self.failures, key=lambda f: _CHECK_ORDER[f.check])
+
+    @property
+    def checks(self) -> frozenset[Check]:
+        return frozenset(f.check for f in self.failures)
+
+    def require(self) -> None:
+        """Raise :class:`~ledger.errors.PreflightRefused` naming every failed check."""
+        first = self.first
+        if first is None:
+            return
+        raise PreflightRefused(
+            f"route {self.route!r} refused by preflight ({first.check}): {first.detail}; "
+            "choose another route or change the request",
+            route=self.route,
+            failures=[(f.check.value, f.detail) for f in self.failures],
+        )
+
+
+def fresh_content_hash(part: Part) -> str:
+    """The part's hash computed from its current fields.
+
+    :attr:`Part.content_hash` is a plain property (never cached), so an edited copy made with
+    ``model_copy(update=...)``, which skips validation, still hashes what it now holds and
+    cannot inherit the original's provenance.
+    """
+    return part.content_hash
+
+
+def _has_foreign_attributes(part: Part) -> bool:
+    """True when the instance carries attributes that are not Part fields.
+
+    ``Part`` forbids unknown fields on validation, but ``model_copy(update={"authorized": True})``
+    skips validation and plants the attribute anyway, invisible to the hash. Such a part is not
+    what the ledger recorded, so it is not covered, whatever its content.
+    """
+    return not _PART_ATTRIBUTES.issuperset(vars(part))
+
+
+# Every attribute a Part instance may hold (the cached hash of older versions lived there too).
+_PART_ATTRIBUTES = frozenset(Part.model_fields) | {"content_hash"}
+
+
+def part_coverage(part: Part, recorded: Mapping[str, Set[str]], digest: str | None = None,
+                  ) -> Coverage:
+    """Whether the ledger recorded this part's producer with this exact content.
+
+    The part's hash covers role, content, data class and tool linkage (see
+    :class:`~ledger.domain.envelope.Part`), so any edit makes a different hash. ``digest``: the
+    part's hash when the caller computed it already from this very part.
+    """
+    if part.provenance is None or part.provenance not in recorded:
+        return Coverage.MISSING
+    if digest is None:
+        digest = fresh_content_hash(part)
+    if _has_foreign_attributes(part) or digest not in recorded[part.provenance]:
+        return Coverage.MISMATCH
+    return Coverage.OK
+
+
+def needs_from_envelope(
+    envelope: Envelope,
+    route: Route,
+    *,
+    recorded: Mapping[str, Set[str]],
+    token_counter: TokenCounter = DEFAULT_TOKEN_COUNTER,
+    protocols: frozenset[WireProtocol] | None = None,
+) -> RequestNeeds:
+    """Reduce an envelope to its needs for ``route``.
+
+    The context need is the prompt estimate plus ``max_output_tokens``: a window that holds
+    the prompt but not the requested output would fail on the provider side.
+    """
+    base = envelope_needs(envelope, recorded=recorded, protocols=protocols)
+    return with_prompt(base, envelope, token_counter.count_tokens(envelope, route))
+
+
+def envelope_needs(
+    envelope: Envelope,
+    *,
+    recorded: Mapping[str, Set[str]],
+    protocols: frozenset[WireProtocol] | None = None,
+    part_hashes: Sequence[str] | None = None,
+) -> RequestNeeds:
+    """The needs of an envelope that hold for every route: all but the context size.
+
+    Part coverage re-hashes every part, the costliest check; the selector computes it once per
+    decision instead of once per candidate (see :func:`with_prompt`); ``part_hashes``, the
+    parts' hashes in order, saves even that when the caller has them.
+    """
+    digests: Sequence[str | None] = (
+        part_hashes if part_hashes is not None else [None] * len(envelope.parts)
+    )
+    return RequestNeeds(
+        tools=bool(envelope.tools),
+        prefill=envelope.prefill,
+        streaming=envelope.stream,
+        parameters=frozenset(envelope.params),
+        protocols=protocols,
+        parts=tuple(
+            PartNeed(p.data_class, part_coverage(p, recorded, h), p.provenance)
+            for p, h in zip(envelope.parts, digests, strict=True)
+        ),
+        classes=frozenset(t.data_class for t in envelope.tools),
+    )
+
+
+def with_prompt(base: RequestNeeds, envelope: Envelope, prompt_tokens: int) -> RequestNeeds:
+    """``base`` with the context need of a prompt of ``prompt_tokens`` for one route."""
+    return replace(base, context_tokens=prompt_tokens + (envelope.max_output_tokens or 0))
+
+
+def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
+    caps = route.capabilities
+    out: list[str] = []
+    # An absent (None) capability is unknown, and unknown is no restriction: only an explicit
+    # "no" or a known limit rules a route out.
+    if needs.protocols is not None and route.protocol not in needs.protocols:
+        wanted = ", ".join(sorted(needs.protocols))
+        out.append(f"protocol {route.protocol} is not one of the required ({wanted})")
+    if needs.tools and caps.tools is False:
+        out.append("request uses tools; route has no tool support")
+    if needs.streaming and caps.streaming is False:
+        out.append("request streams; route cannot stream")
+    if needs.prefill and caps.prefill is False:
+        out.append("request continues an assistant prefill; route does not support prefill")
+    if (
+        needs.context_tokens is not None
+        and caps.context_window is not None
+        and needs.context_tokens > caps.context_window
+    ):
+        out.append(
+            f"request needs ~{needs.context_tokens} tokens; context window is {caps.context_window}"
+        )
+    if caps.parameters is not None:
+        unsupported = sorted(needs.parameters - set(caps.parameters))
+        if unsupported:
+            out.append(f"unsupported parameters: {', '.join(unsupported)}")
+    return [PreflightFailure(Check.CAPABILITY, d) for d in out]
+
+
+def _qualification(
+    route: Route, role: str, grant: Grant | None, denials: Denials
+) -> list[PreflightFailure]:
+    out: list[str] = []
+    if route.roles is not None and role not in route.roles:
+        out.append(f"route is not qualified for role {role!r} (qualified: {route.roles})")
+    if grant is not None and grant.roles is not None and role not in grant.roles:
+        out.append(f"the run's grant does not allow role {role!r}")
+    # Qualification binds to the exact route as currently configured: an operator switching a
+    # route off withdraws its qualification for every new Attempt, whatever the frozen plan says.
+    if route.id in denials.routes:
+        out.append("route is switched off in the current configuration")
+    return [PreflightFailure(Check.NOT_QUALIFIED, d) for d in out]
+
+
+def _disclosure(
+    route: Route, needs: RequestNeeds, grant: Grant | None, denials: Denials
+) -> list[PreflightFailure]:
+    out: list[str] = []
+    recipient = route.recipient
+    if recipient in denials.recipients:
+        out.append(f"recipient {recipient!r} is revoked in the current configuration")
+    if grant is not None:
+        unapproved = sorted(c for c in needs.data_classes if not grant.approves(recipient, c))
+        if unapproved:
+            out.append(f"recipient {recipient!r} is not approved for: {', '.join(unapproved)}")
+    for i, p in enumerate(needs.parts):
+        if p.data_class in PROVENANCE_EXEMPT or p.coverage is Coverage.OK:
+            continue
+        verdict = p.coverage or Coverage.MISSING
+        ref = f" (ref {p.ref!r})" if p.ref else ""
+        out.append(f"part {i} ({p.data_class}) has no covering provenance: {verdict}{ref}")
+    return [PreflightFailure(Check.DISCLOSURE, d) for d in out]
+
+
+def preflight(
+    route: Route,
+    request: Envelope | RequestNeeds,
+    *,
+    grant: Grant | None,
+    role: str,
+    provenance: Mapping[str, Set[str]] | None = None,
+    token_counter: TokenCounter | None = None,
+    denials: Denials | None = None,
+    policy: Policy | None = None,
+) -> PreflightResult:
+    """Check one route against one request; every failed check is named.
+
+    ``grant`` ``None`` means the Run approved every recipient of its plan for every class (the
+    caller only passes plan routes). ``provenance`` is the ledger's record (producer reference ->
+    recorded content hashes) and is only read for an :class:`Envelope`; with no record nothing
+    non-exempt is covered. ``policy`` is accepted so callers can pass the Run's frozen policy;
+    no current policy field changes these checks.
+    """
+    del policy  # no policy field changes preflight today; kept for a stable call signature
+    if isinstance(request, Envelope):
+        needs = needs_from_envelope(
+            request,
+            route,
+            recorded=provenance or {},
+            token_counter=token_counter or DEFAULT_TOKEN_COUNTER,
+        )
+    else:
+        needs = request
+    den = denials or NO_DENIALS
+    failures = (
+        _capability(route, needs)
+        + _qualification(route, role, grant, den)
+        + _disclosure(route, needs, grant, den)
+    )
+    return PreflightResult(route=route.id, failures=tuple(failures))
+
+
+def narrow_grant(parent: Grant, requested: Grant) -> Grant:
+    """A Child's grant: what it asks for, cut down to what the parent holds (never broader).
+
+    Recipients the parent never approved vanish; a recipient keeps only the classes both
+    approve; roles are intersected (``None`` = unrestricted on that side).
+    """
+    recipients: dict[str, list[str]] = {}
+    for r, classes in requested.recipients.items():
+        allowed = [c for c in classes if parent.approves(r, c)]
+        if allowed:
+            recipients[r] = allowed
+    roles: list[str] | None
+    if parent.roles is None:
+        roles = requested.roles
+    elif requested.roles is None:
+        roles = list(parent.roles)
+    else:
+        roles = [r for r in requested.roles if r in parent.roles]
+    return Grant(recipients=recipients, roles=roles)
+
+
+__all__ = [
+    "DEFAULT_TOKEN_COUNTER",
+    "NO_DENIALS",
+    "PROVENANCE_EXEMPT",
+    "CharEstimator",
+    "Check",
+    "Coverage",
+    "Denials",
+    "PartNeed",
+    "PreflightFailure",
+    "PreflightResult",
+    "RequestNeeds",
+    "TokenCounter",
+    "envelope_needs",
+    "fresh_content_hash",
+    "narrow_grant",
+    "needs_from_envelope",
+    "part_coverage",
+    "preflight",
+    "with_prompt",
+]

@@ -1,0 +1,147 @@
+"""What settling an Attempt does to route/profile health and to its capacity group (pure).
+
+The settle transaction applies these values; computing them is pure so it is tested without a
+database and shared by every caller of settle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ledger.decide.health import (
+    health_key,
+    key_kind,
+    record_failure,
+    record_repeat,
+    record_success,
+)
+from ledger.domain.facts import Category, FailureFact, Phase, Scope, Source
+from ledger.domain.records import DebitState, Outcome
+from ledger.domain.specs import GroupUpdate, HealthUpdate
+from ledger.domain.values import GroupMode, Route
+from ledger.policy.model import Policy
+
+
+def health_keys(policy: Policy, route: Route, profile_id: str | None) -> list[tuple[str, str]]:
+    """The key whose health one attempt touches, with its kind: its profile where the policy
+    keys health by profile (fased), its provider's shared key where it keys health by
+    provider (goclaw), else its route."""
+    key = health_key(route, profile_id, policy)
+    return [(key, key_kind(route, key, policy))]
+
+
+def health_updates(
+    policy: Policy,
+    route: Route,
+    profile_id: str | None,
+    outcome: Outcome,
+    fact: FailureFact | None,
+    now: float,
+    *,
+    repeat: bool = False,
+) -> Mapping[str, tuple[str, str | None, HealthUpdate]]:
+    """Health updaters for the settle transaction, keyed by health key.
+
+    ``repeat``: the Attempt was a same-route retry of a failure this request already counted;
+    its failure restarts the key's window instead of counting again (``record_repeat``).
+    """
+    out: dict[str, tuple[str, str | None, HealthUpdate]] = {}
+    update = _health_update(policy, route, outcome, fact, now, repeat)
+    if update is None:
+        return out
+    for key, kind in health_keys(policy, route, profile_id):
+        out[key] = (kind, route.provider, update)
+    return out
+
+
+# Failures that say nothing about the route's health: the caller cancelled, or our own
+# configuration could not build the request (no key, bad endpoint).
+_NOT_ABOUT_THE_ROUTE = frozenset({Category.CANCELLED, Category.UNUSABLE})
+
+
+def _health_update(policy: Policy, route: Route, outcome: Outcome, fact: FailureFact | None,
+                   now: float, repeat: bool) -> HealthUpdate | None:
+    if outcome is Outcome.SUCCEEDED:
+        return lambda h: record_success(h, now=now, policy=policy)
+    if fact is not None and fact.category not in _NOT_ABOUT_THE_ROUTE:
+        # failed, or unknown with an observed fact (a timeout after send)
+        category: Category = fact.category
+        record = record_repeat if repeat else record_failure
+        return lambda h: record(h, category, provider=route.provider, now=now, policy=policy)
+    return None  # unknown without a fact: nothing was observed about the route's health
+
+
+def group_update(policy: Policy, fact: FailureFact | None, now: float) -> GroupUpdate | None:
+    """A trusted provider 429 establishes a group cooldown with a waiting floor."""
+    if fact is None or not policy.admission.trust_provider_429:
+        return None
+    if (fact.category is Category.RATE_LIMIT and fact.source is Source.PROVIDER
+            and fact.status == 429 and fact.scope is Scope.GROUP):
+        wait = fact.retry_after_s
+        if wait is None or wait <= 0:
+            wait = policy.admission.default_group_cooldown_s
+        # A hint is capped by the policy however it arrived (a host-built fact is not clamped
+        # by the classifier): one response never closes a group for longer.
+        wait = min(wait, policy.classification.retry_after_limit_s)
+        return GroupUpdate(GroupMode.COOLDOWN, now + wait, "provider_429")
+    return None
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What one settle does to an Attempt's cost and token holds."""
+
+    debit: DebitState  # the debit's state after the settle
+    posted_micros: int  # posted to the Run's spend (0 unless posted)
+    release_micros: int  # taken off the Run's reserved total
+    tokens_used: int  # added to the Run's used tokens
+    release_tokens: int  # taken off the Run's held tokens
+    uncount_call: bool  # the Attempt gives its model call back (it never left)
+
+
+def settle_holds(outcome: Outcome, fact: FailureFact | None, *, cost_micros: int | None,
+                 tokens: int | None, reserved_micros: int, reserved_tokens: int,
+                 token_budget: bool) -> Holds:
+    """The holds' fate, from the outcome and what the provider reported.
+
+    * unknown: both holds stay (the provider may bill it; invariant 6);
+    * not sent: both holds are voided and the call is given back;
+    * succeeded, or failed after the request left: posted at the reported cost and tokens, at
+      most the hold (the budget invariant; the true cost and tokens stay on the Attempt; tokens
+      are capped only where the Run has a token budget) — when nothing was reported, the whole
+      hold is posted, never zero;
+    * failed with the provider's own error status (phase after_headers) and no usage: nothing
+      was generated, so nothing is posted.
+    """
+    if outcome is Outcome.UNKNOWN:
+        return Holds(DebitState.RESERVED, 0, 0, 0, 0, False)
+    if outcome is Outcome.NOT_SENT:
+        return Holds(DebitState.VOIDED, 0, reserved_micros, 0, reserved_tokens, True)
+    answered_error = (outcome is Outcome.FAILED and fact is not None
+                      and fact.phase is Phase.AFTER_HEADERS)
+    if cost_micros is None:
+        cost_micros = 0 if answered_error else reserved_micros
+    if tokens is None:
+        tokens = 0 if answered_error else reserved_tokens
+    if token_budget:
+        tokens = min(tokens, reserved_tokens)
+    return Holds(DebitState.POSTED, min(cost_micros, reserved_micros), reserved_micros,
+                 tokens, reserved_tokens, False)
+
+
+def lease_problem(holder: str | None, expires_at: float | None, executor: str, now: float,
+                  margin_s: float) -> str | None:
+    """Why a lease (of the current fence, held by ``executor``) is not live, or ``None``.
+
+    ``released``: nobody holds the run; ``holder``: someone else does; ``expired``: it ends
+    within ``margin_s`` of ``now`` (the margin absorbs clock skew between hosts and the time
+    between this check and the commit).
+    """
+    if holder is None:
+        return "released"
+    if holder != executor:
+        return "holder"
+    if expires_at is None or expires_at - margin_s <= now:
+        return "expired"
+    return None

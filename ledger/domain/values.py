@@ -1,0 +1,238 @@
+"""The ledger's value types: routes, grants, budgets, and the projections decisions read.
+
+All are frozen pydantic models, so a Run can freeze them as JSON snapshots at admission and read
+historical Attempts under their original routes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
+
+from ledger.domain.bounds import MAX_AMOUNT, MAX_COUNT, MAX_TOKENS, canonical_decimal
+from ledger.domain.facts import WireProtocol
+from ledger.domain.validation import Count, Id, Instant, LedgerModel, Problem, Text
+
+# A route's endpoint is a URL. Only its size is bounded here: an endpoint that cannot make a
+# request is the adapter's `cannot_build` result (the Run skips that route), not misuse.
+MAX_ENDPOINT = 8192
+MAX_LIST = 1000
+
+
+
+class ProfileType(StrEnum):
+    OAUTH = "oauth"
+    TOKEN = "token"
+    API_KEY = "api_key"
+
+
+class Profile(LedgerModel):
+    """A credential profile: only its id and type are stored, never the secret."""
+
+    id: Id
+    type: ProfileType = ProfileType.API_KEY
+
+
+class Capabilities(LedgerModel):
+    """What a route can serve. ``None`` means unknown and is no restriction."""
+
+    tools: StrictBool | None = None
+    context_window: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    prefill: StrictBool | None = None
+    streaming: StrictBool | None = None
+    # Supported request parameters; None = any.
+    parameters: list[Text] | None = Field(default=None, max_length=MAX_LIST)
+
+    @field_validator("parameters")
+    @classmethod
+    def _as_set(cls, v: list[str] | None) -> list[str] | None:
+        # A set, written in one order, so equal capabilities freeze (and hash) alike.
+        return sorted(set(v)) if v is not None else None
+
+
+class Price(LedgerModel):
+    """Price per million tokens, in the ledger's currency unit."""
+
+    input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=MAX_AMOUNT,
+                                    allow_inf_nan=False)
+    output_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=MAX_AMOUNT,
+                                     allow_inf_nan=False)
+
+    @field_validator("input_per_mtok", "output_per_mtok")
+    @classmethod
+    def _canonical(cls, v: Decimal) -> Decimal:
+        return canonical_decimal(v)
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
+        return (
+            self.input_per_mtok * prompt_tokens + self.output_per_mtok * completion_tokens
+        ) / Decimal(1_000_000)
+
+
+class Route(LedgerModel):
+    """One concrete way to call a model."""
+
+    id: Id
+    provider: Id
+    model: Id
+    group: Id
+    recipient: Id
+    protocol: WireProtocol = WireProtocol.OPENAI
+    endpoint: str | None = Field(default=None, max_length=MAX_ENDPOINT)
+    capabilities: Capabilities = Field(default_factory=Capabilities)
+    roles: list[Id] | None = Field(default=None, max_length=MAX_LIST)  # None = every role
+    profiles: list[Profile] = Field(default_factory=list, max_length=MAX_LIST)
+    # The environment variable that holds this route's API key, for a route without credential
+    # profiles (the key itself is never stored: only this name is frozen with the plan).
+    api_key_env: str | None = Field(default=None, max_length=200,
+                                    pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # None: look it up by provider and model when a Run is admitted (ledger.decide.pricing), so the
+    # Run's frozen plan always carries a price. Price() declares the route free.
+    price: Price | None = None
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
+        """The cost of this usage at the route's price. Routes of an admitted Run are always
+        priced; an unpriced route outside a Run (never admitted) costs nothing, as before."""
+        return (self.price or Price()).cost(prompt_tokens, completion_tokens)
+
+    @field_validator("roles")
+    @classmethod
+    def _roles_as_set(cls, v: list[str] | None) -> list[str] | None:
+        return sorted(set(v)) if v is not None else None
+
+    @field_validator("profiles")
+    @classmethod
+    def _unique_profiles(cls, v: list[Profile]) -> list[Profile]:
+        ids = [p.id for p in v]
+        dup = next((i for i in ids if ids.count(i) > 1), None)
+        if dup is not None:
+            raise Problem(f"profile id {dup!r} appears twice", "give each profile its own id")
+        return v
+
+
+class Grant(LedgerModel):
+    """Which recipients may receive which data classes, and which roles the run may use.
+
+    ``recipients`` maps a recipient to the data classes approved for it.
+    """
+
+    recipients: dict[Id, list[Id]] = Field(default_factory=dict, max_length=MAX_LIST)
+    roles: list[Id] | None = Field(default=None, max_length=MAX_LIST)
+
+    @field_validator("recipients")
+    @classmethod
+    def _classes_as_sets(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        # Approved classes are a set: one order, no repeats, so equal grants hash alike.
+        return {k: sorted(set(classes)) for k, classes in sorted(v.items())}
+
+    @field_validator("roles")
+    @classmethod
+    def _roles_as_set(cls, v: list[str] | None) -> list[str] | None:
+        return sorted(set(v)) if v is not None else None
+
+    def approves(self, recipient: str, data_class: str) -> bool:
+        return data_class in self.recipients.get(recipient, [])
+
+
+class Budget(LedgerModel):
+    """The bounds of a Run. Cost is in the ledger's currency unit (e.g. USD).
+
+    ``max_calls``: physical model calls (Attempts that may have reached a provider);
+    ``max_retries``: further Attempts of a turn after its first (same-route retries and
+    failovers alike); ``max_cost``: reserved plus posted debits; ``max_tokens``: held plus used
+    tokens (``None``: no token bound). Ranges are in :mod:`ledger.domain.bounds`.
+    """
+
+    max_calls: StrictInt = Field(ge=0, le=MAX_COUNT)
+    max_retries: StrictInt = Field(ge=0, le=MAX_COUNT)
+    max_cost: Decimal = Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_TOKENS)
+
+    @field_validator("max_cost")
+    @classmethod
+    def _canonical(cls, v: Decimal) -> Decimal:
+        # 1, "1.0" and "1.00" are one budget: a retried admission must not conflict.
+        return canonical_decimal(v)
+
+
+class GroupMode(StrEnum):
+    OPEN = "open"
+    COOLDOWN = "cooldown"
+    UNAVAILABLE = "unavailable"
+
+
+class GroupProjection(LedgerModel):
+    """Admission's view of a capacity group, as the selector reads it."""
+
+    group: Id
+    mode: GroupMode = GroupMode.OPEN
+    until: Instant | None = None  # waiting floor: earliest next dispatch
+    sampled_at: Instant | None = None
+    in_flight: Count = 0
+    limit: StrictInt | None = Field(default=None, ge=1, le=MAX_COUNT)
+
+
+class Health(LedgerModel):
+    """Health of one key (a route id, or a credential profile id)."""
+
+    key: Id
+    cooldown_until: Instant | None = None
+    disabled_until: Instant | None = None
+    disabled_reason: Text | None = None
+    error_count: Count = 0
+    failure_counts: dict[Text, Count] = Field(default_factory=dict)
+    last_failure_at: Instant | None = None
+    last_used: Instant | None = None
+    last_probe_at: Instant | None = None
+    # When the counters reset by themselves under the policy that counted the last failure
+    # (``None``: only a success resets them); see ledger.decide.health.as_read.
+    reset_at: Instant | None = None
+
+    def available(self, now: float) -> bool:
+        cooling = self.cooldown_until is not None and now < self.cooldown_until
+        disabled = self.disabled_until is not None and now < self.disabled_until
+        return not (cooling or disabled)
+
+
+def _encode_default(o: Any) -> Any:
+    if isinstance(o, Decimal):
+        return str(o)
+    if isinstance(o, BaseModel):
+        return o.model_dump(mode="json")
+    raise TypeError(f"cannot encode {type(o).__name__}")
+
+
+# One encoder for every hash: ``json.dumps`` with options builds a new encoder on each call,
+# which was most of the cost of hashing a small part.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_encode_default)
+
+
+def canonical_json(value: Any) -> str:
+    """A stable JSON encoding: sorted keys, no whitespace, decimals as strings."""
+    return _CANONICAL.encode(value)
+
+
+def content_hash(value: Any) -> str:
+    """sha256 over :func:`canonical_json`, as ``sha256:<hex>``."""
+    return "sha256:" + hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+__all__ = [
+    "Budget",
+    "Capabilities",
+    "Grant",
+    "GroupMode",
+    "GroupProjection",
+    "Health",
+    "Price",
+    "Profile",
+    "ProfileType",
+    "Route",
+    "canonical_json",
+    "content_hash",
+]

@@ -1,0 +1,757 @@
+"""The audit API: typed, paginated, read-only answers from the ledger alone.
+
+:class:`Audit` holds the one implementation; :class:`AsyncAudit` runs the same methods in a worker
+thread. Nothing here writes, so an audit works through a read-only database role (open the ledger
+with ``Ledger.open(url, migrate_schema=False)``).
+
+Questions it answers: which route served a Run and why (:meth:`Audit.timeline`); which Runs failed
+over and for what cause (:meth:`Audit.failovers`); Attempts by route, group, outcome, category and
+time (:meth:`Audit.attempts`); what each route, Run, tenant or label cost (:meth:`Audit.costs`);
+which Attempts are unknown or still dispatching (:meth:`Audit.open_attempts`); which routes,
+profiles and groups are cooling now (:meth:`Audit.health`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from enum import Enum
+from typing import Any
+
+from ledger.api.facade import MAX_CURSOR, Ledger, _limit, attempt_filters
+from ledger.domain.bounds import (
+    check_choice,
+    check_count,
+    check_id,
+    check_optional_id,
+    check_optional_time,
+    check_text,
+    check_time,
+)
+from ledger.domain.facts import FailureFact
+from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
+from ledger.domain.validation import checked_calls
+from ledger.errors import InvalidArgument, NotFound
+from ledger.storage import audit as q
+from ledger.storage import series as qs
+
+OPEN_STATES = ("unknown", "dispatching")
+
+
+# -- result types ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    parent_run_id: str | None
+    role: str
+    tenant: str | None
+    labels: dict[str, str]
+    status: str
+    selected_route: str
+    current_route: str | None
+    current_profile: str | None
+    calls_used: int
+    retries_used: int
+    reserved: Decimal
+    posted: Decimal
+    max_cost: Decimal
+    tokens_used: int
+    lease_holder: str | None
+    lease_expires_at: float | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate the selector passed over, and why."""
+
+    route: str
+    reason: str
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The selector's recorded decision that led to an attempt (a ``select`` event)."""
+
+    decision: str | None
+    route: str | None
+    from_route: str | None
+    profile: str | None
+    reason: str | None
+    skipped: list[Skipped] = field(default_factory=list)
+    cause: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    event_id: int
+    kind: str
+    attempt_id: str | None
+    data: dict[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One attempt of a run's timeline, with its debit and the reasons it was made."""
+
+    seq: int
+    attempt_id: str
+    turn_id: str
+    kind: str
+    route_id: str
+    provider: str
+    model: str
+    group_id: str
+    profile_id: str | None
+    state: str
+    debit_id: str
+    debit_state: str
+    reserved: Decimal
+    posted: Decimal
+    cost: Decimal | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    category: str | None
+    http_status: int | None
+    fact: FailureFact | None
+    reject_reason: str | None
+    created_at: float
+    settled_at: float | None
+    selection: Selection | None
+    events: list[AuditEvent] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a turn of a Run stopped (a ``stop`` event): the reason, its detail, the candidates
+    the selector passed over, the attempts the turn made and their errors."""
+
+    reason: str
+    detail: str | None
+    skipped: list[Skipped]
+    attempts: list[str]
+    errors: list[str]
+    at: float
+
+
+@dataclass(frozen=True)
+class RunTimeline:
+    run: RunSummary
+    attempts: list[TimelineEntry]
+    run_events: list[AuditEvent]  # events not tied to one attempt (admit, lease, stop, finish)
+    served_route: str | None  # the route of the run's last succeeded attempt
+    failed_over: bool
+    total_cost: Decimal
+    stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
+
+
+@dataclass(frozen=True)
+class FailoverCause:
+    """A failed (or unknown/rejected) attempt that preceded the failover."""
+
+    attempt_id: str
+    route: str
+    state: str
+    category: str | None
+    http_status: int | None
+
+
+@dataclass(frozen=True)
+class Move:
+    from_route: str | None
+    to_route: str | None
+    category: str | None
+    status: int | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Failover:
+    run_id: str
+    tenant: str | None
+    labels: dict[str, str]
+    status: str
+    created_at: float
+    selected_route: str
+    served_route: str | None
+    routes: list[str]  # routes tried, in order, each once
+    causes: list[FailoverCause]
+    moves: list[Move]
+
+
+@dataclass(frozen=True)
+class Totals:
+    key: str | None
+    attempts: int
+    succeeded: int
+    failed: int
+    unknown: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: Decimal
+
+
+@dataclass(frozen=True)
+class OpenAttempt:
+    """An unknown or still-dispatching attempt, and whether its executor still holds the run."""
+
+    attempt: AttemptRecord
+    lease_holder: str | None
+    lease_expires_at: float | None
+    lease_live: bool  # False: the executor is gone or fenced; recovery should look at it
+
+
+@dataclass(frozen=True)
+class KeyHealth:
+    key: str
+    kind: str  # route | profile | provider (one row shared by a provider's routes)
+    provider: str | None
+    status: str  # ok | cooling | disabled
+    cooldown_until: float | None
+    disabled_until: float | None
+    disabled_reason: str | None
+    error_count: int
+    failure_counts: dict[str, int]
+    last_failure_at: float | None
+    last_used: float | None
+    last_probe_at: float | None
+
+
+@dataclass(frozen=True)
+class GroupHealth:
+    group: str
+    mode: str  # effective now: open | cooldown | unavailable
+    stored_mode: str
+    until: float | None  # the waiting floor
+    reason: str | None
+    sampled_at: float | None
+    in_flight: int
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    now: float
+    routes: list[KeyHealth]
+    profiles: list[KeyHealth]
+    groups: list[GroupHealth]
+
+
+@dataclass(frozen=True)
+class ActivityBucket:
+    start: float
+    attempts: int
+    failed: int
+    unknown: int
+
+
+@dataclass(frozen=True)
+class RoutePoint:
+    """One route in one time bucket. ``success_rate`` is succeeded / (succeeded + failed +
+    unknown), ``None`` when nothing was sent; ``latency_s`` is the mean time from begin to
+    settle of the succeeded attempts, ``None`` when none succeeded."""
+
+    start: float
+    attempts: int
+    succeeded: int
+    failed: int
+    unknown: int
+    success_rate: float | None
+    latency_s: float | None
+
+
+@dataclass(frozen=True)
+class RouteSeries:
+    """A route's success rate and latency over equal time buckets (the dashboard's charts)."""
+
+    route: str
+    attempts: int
+    points: list[RoutePoint]
+
+
+@dataclass(frozen=True)
+class DayCost:
+    """Cost of the attempts made on one UTC day by one tenant (``None``: no tenant)."""
+
+    day: float  # the day's midnight, UTC
+    tenant: str | None
+    attempts: int
+    cost: Decimal
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Totals for the Prometheus endpoint: counters over the whole history, gauges now."""
+
+    now: float
+    attempts: dict[tuple[str, str], int]  # (route, outcome) -> attempts
+    failovers: int  # the selector's moves to another route (``move`` events)
+    cooldowns: dict[str, int]  # route / profile / group -> cooling or disabled now
+    posted: dict[str | None, Decimal]  # tenant -> posted cost of its runs
+    reserved: dict[str | None, Decimal]  # tenant -> holds still outstanding
+    runs: dict[str | None, int]  # tenant -> runs admitted
+
+
+# -- conversions ----------------------------------------------------------------------------
+
+
+def _run(row: Mapping[str, Any]) -> RunSummary:
+    return RunSummary(
+        run_id=row["run_id"], parent_run_id=row["parent_run_id"], role=row["role"],
+        tenant=row["tenant"], labels=json.loads(row["labels"] or "{}"), status=row["status"],
+        selected_route=row["selected_route"], current_route=row["current_route"],
+        current_profile=row["current_profile"], calls_used=int(row["calls_used"]),
+        retries_used=int(row["retries_used"]), reserved=from_micros(row["reserved_micros"]),
+        posted=from_micros(row["posted_micros"]), max_cost=from_micros(row["max_cost_micros"]),
+        tokens_used=int(row["tokens_used"]), lease_holder=row["lease_holder"],
+        lease_expires_at=row["lease_expires_at"], created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _skipped(data: Mapping[str, Any]) -> list[Skipped]:
+    return [Skipped(route=str(x.get("route")), reason=str(x.get("reason")),
+                    detail=x.get("detail"))
+            for x in data.get("skipped") or [] if isinstance(x, Mapping)]
+
+
+def _selection(data: Mapping[str, Any]) -> Selection:
+    # The retry owner records the attempt's kind as "attempt_kind" beside the selector's own
+    # decision (its "kind": route / probe); hosts and generated history write "decision".
+    return Selection(decision=data.get("decision") or data.get("attempt_kind"),
+                     route=data.get("route"),
+                     from_route=data.get("from_route"), profile=data.get("profile"),
+                     reason=data.get("reason"), skipped=_skipped(data),
+                     cause=data.get("cause"))
+
+
+def _stop(ev: AuditEvent) -> Stop:
+    d = ev.data
+    return Stop(reason=str(d.get("reason") or "unknown"), detail=d.get("detail") or None,
+                skipped=_skipped(d), attempts=[str(a) for a in d.get("attempts") or []],
+                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at)
+
+
+def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
+    from ledger.domain.records import AttemptKind, AttemptState
+
+    return AttemptRecord(
+        attempt_id=row["attempt_id"], run_id=row["run_id"], turn_id=row["turn_id"],
+        seq=row["seq"], kind=AttemptKind(row["kind"]), route_id=row["route_id"],
+        provider=row["provider"], model=row["model"], group_id=row["group_id"],
+        profile_id=row["profile_id"], debit_id=row["debit_id"],
+        envelope_hash=row["envelope_hash"], state=AttemptState(row["state"]),
+        reject_reason=row["reject_reason"],
+        fact=FailureFact.model_validate_json(row["fact"]) if row["fact"] else None,
+        category=row["category"], http_status=row["http_status"],
+        effective_output=bool(row["effective_output"]), tool_started=bool(row["tool_started"]),
+        prompt_tokens=row["prompt_tokens"], completion_tokens=row["completion_tokens"],
+        cost=from_micros(row["cost_micros"]) if row["cost_micros"] is not None else None,
+        reserved=from_micros(row["reserved_micros"]),
+        reserved_tokens=int(row.get("reserved_tokens") or 0), model_reported=row["model_reported"],
+        output_hash=row["output_hash"], fence=row["fence"], executor=row["executor"],
+        created_at=row["created_at"], settled_at=row["settled_at"],
+    )
+
+
+def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
+    if row["disabled_until"] is not None and row["disabled_until"] > now:
+        status = "disabled"
+    elif row["cooldown_until"] is not None and row["cooldown_until"] > now:
+        status = "cooling"
+    else:
+        status = "ok"
+    # Counters past their reset time read as reset (ledger.decide.health.as_read).
+    reset = row.get("reset_at") is not None and now >= row["reset_at"]
+    return KeyHealth(
+        key=row["key"], kind=row["kind"], provider=row["provider"], status=status,
+        cooldown_until=row["cooldown_until"], disabled_until=row["disabled_until"],
+        disabled_reason=row["disabled_reason"],
+        error_count=0 if reset else int(row["error_count"]),
+        failure_counts={} if reset else json.loads(row["failure_counts"] or "{}"),
+        last_failure_at=row["last_failure_at"], last_used=row["last_used"],
+        last_probe_at=row["last_probe_at"],
+    )
+
+
+def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
+    mode = row["mode"]
+    if mode != "open" and row["until"] is not None and row["until"] <= now:
+        mode = "open"  # the waiting floor has passed (the same projection admission uses)
+    return GroupHealth(group=row["group_id"], mode=mode, stored_mode=row["mode"],
+                       until=row["until"], reason=row["reason"], sampled_at=row["sampled_at"],
+                       in_flight=int(row["in_flight"]), limit=row["max_in_flight"])
+
+
+def to_jsonable(value: Any) -> Any:
+    """A result (dataclasses, pages, decimals, facts) as plain JSON values; money as strings."""
+    if isinstance(value, Page):
+        return {"items": [to_jsonable(x) for x in value.items],
+                "next_cursor": value.next_cursor}
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: to_jsonable(v) for k, v in asdict(value).items()}
+    if isinstance(value, FailureFact):
+        return value.to_json()
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(x) for x in value]
+    return value
+
+
+# -- argument checks (the same for every query; nothing reaches SQL unchecked) ------------------
+
+
+def _window(since: Any, until: Any) -> tuple[float | None, float | None]:
+    start = check_optional_time(since, "since")
+    end = check_optional_time(until, "until")
+    if start is not None and end is not None and end < start:
+        raise InvalidArgument("until is before since; pass since <= until", field="until")
+    return start, end
+
+
+def _span(since: Any, until: Any, buckets: Any, most: int = 1000) -> tuple[float, float, int]:
+    start, end = check_time(since, "since"), check_time(until, "until")
+    if end <= start:
+        raise InvalidArgument("until must be after since; pass since < until", field="until")
+    n = check_count(buckets, "buckets", maximum=most)
+    if n < 1:
+        raise InvalidArgument(f"buckets must be 1 to {most}; pass e.g. 24", field="buckets")
+    return start, end, n
+
+
+def _page(limit: Any, cursor: Any) -> tuple[int, str | None]:
+    return _limit(limit), (None if cursor is None
+                           else check_text(cursor, "cursor", maximum=MAX_CURSOR))
+
+
+# -- the API --------------------------------------------------------------------------------
+
+
+@checked_calls
+class Audit:
+    """Read-only audit queries over one ledger."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
+                                  field="ledger")
+        self.ledger = ledger
+        self.store = ledger.store
+
+    def now(self) -> float:
+        return self.ledger.now()
+
+    def runs(self, *, status: str | None = None, tenant: str | None = None,
+             since: float | None = None, until: float | None = None, limit: int = 50,
+             cursor: str | None = None) -> Page[RunSummary]:
+        """Runs newest first, optionally by status (a :class:`RunStatus`), tenant (an id) and
+        admission time in [since, until) (epoch seconds); ``limit`` 1 to 10 000."""
+        if status is not None:
+            status = check_choice(status, RunStatus, "status").value
+        check_optional_id(tenant, "tenant")
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
+        rows, nxt = q.runs_page(self.store, status=status, tenant=tenant, since=since,
+                                until=until, limit=limit, cursor=cursor)
+        return Page([_run(r) for r in rows], nxt)
+
+    def timeline(self, run_id: str) -> RunTimeline:
+        """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons."""
+        run_row, att_rows, ev_rows = q.timeline(self.store, check_id(run_id, "run_id"))
+        if run_row is None:
+            raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
+                           run_id=run_id)
+        events = [AuditEvent(int(e["event_id"]), e["kind"], e["attempt_id"],
+                             json.loads(e["data"]), e["created_at"]) for e in ev_rows]
+        by_attempt: dict[str, list[AuditEvent]] = {}
+        run_events: list[AuditEvent] = []
+        for ev in events:
+            if ev.attempt_id is None:
+                run_events.append(ev)
+            else:
+                by_attempt.setdefault(ev.attempt_id, []).append(ev)
+        entries: list[TimelineEntry] = []
+        total = Decimal(0)
+        served: str | None = None
+        for a in att_rows:
+            evs = by_attempt.get(a["attempt_id"], [])
+            sel = next((_selection(e.data) for e in evs if e.kind == "select"), None)
+            cost = from_micros(a["cost_micros"]) if a["cost_micros"] is not None else None
+            total += cost or Decimal(0)
+            if a["state"] == "succeeded":
+                served = a["route_id"]
+            entries.append(TimelineEntry(
+                seq=a["seq"], attempt_id=a["attempt_id"], turn_id=a["turn_id"], kind=a["kind"],
+                route_id=a["route_id"], provider=a["provider"], model=a["model"],
+                group_id=a["group_id"], profile_id=a["profile_id"], state=a["state"],
+                debit_id=a["debit_id"], debit_state=a["debit_state"],
+                reserved=from_micros(a["reserved_micros"]),
+                posted=from_micros(a["debit_posted_micros"]), cost=cost,
+                prompt_tokens=a["prompt_tokens"], completion_tokens=a["completion_tokens"],
+                category=a["category"], http_status=a["http_status"],
+                fact=FailureFact.model_validate_json(a["fact"]) if a["fact"] else None,
+                reject_reason=a["reject_reason"], created_at=a["created_at"],
+                settled_at=a["settled_at"], selection=sel,
+                events=[e for e in evs if e.kind != "select"],
+            ))
+        run = _run(run_row)
+        failed_over = (served is not None and served != run.selected_route) or any(
+            e.kind == "move" for e in events)
+        stops = [_stop(e) for e in events if e.kind == "stop"]
+        return RunTimeline(run=run, attempts=entries, run_events=run_events,
+                           served_route=served, failed_over=failed_over, total_cost=total,
+                           stops=stops)
+
+    def failovers(self, *, since: float | None = None, until: float | None = None,
+                  limit: int = 50, cursor: str | None = None) -> Page[Failover]:
+        """Runs admitted in [since, until) that failed over, newest first, with their causes."""
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
+        runs, atts, moves, nxt = q.failover_page(self.store, since=since, until=until,
+                                                 limit=limit, cursor=cursor)
+        atts_by: dict[str, list[Mapping[str, Any]]] = {}
+        for a in atts:
+            atts_by.setdefault(a["run_id"], []).append(a)
+        moves_by: dict[str, list[Move]] = {}
+        for m in moves:
+            data = json.loads(m["data"])
+            cause = data.get("cause") if isinstance(data.get("cause"), Mapping) else {}
+            moves_by.setdefault(m["run_id"], []).append(Move(
+                from_route=data.get("from_route"), to_route=data.get("to_route"),
+                category=cause.get("category"), status=cause.get("status"),
+                at=m["created_at"]))
+        out: list[Failover] = []
+        for r in runs:
+            ra = atts_by.get(r["run_id"], [])
+            served = next((a["route_id"] for a in reversed(ra) if a["state"] == "succeeded"),
+                          None)
+            routes: list[str] = []
+            for a in ra:
+                if a["route_id"] not in routes:
+                    routes.append(a["route_id"])
+            causes = [FailoverCause(a["attempt_id"], a["route_id"], a["state"], a["category"],
+                                    a["http_status"])
+                      for a in ra if a["state"] in ("failed", "unknown", "rejected")]
+            out.append(Failover(
+                run_id=r["run_id"], tenant=r["tenant"], labels=json.loads(r["labels"] or "{}"),
+                status=r["status"], created_at=r["created_at"],
+                selected_route=r["selected_route"], served_route=served, routes=routes,
+                causes=causes, moves=moves_by.get(r["run_id"], []),
+            ))
+        return Page(out, nxt)
+
+    def attempts(self, *, route: str | None = None, group: str | None = None,
+                 state: str | None = None, category: str | None = None,
+                 since: float | None = None, until: float | None = None, limit: int = 100,
+                 cursor: str | None = None) -> Page[AttemptRecord]:
+        """Attempts newest first by route, group, outcome (state), category and time range
+        (the filters of :meth:`ledger.Ledger.attempts`)."""
+        _window(since, until)
+        return self.store.attempts(**attempt_filters(dict(
+            route=route, group=group, state=state, category=category, since=since, until=until,
+            limit=limit, cursor=cursor)))
+
+    def costs(self, *, by: str = "route", since: float | None = None,
+              until: float | None = None, label: str | None = None, limit: int = 100,
+              cursor: str | None = None) -> Page[Totals]:
+        """Cost and token totals of attempts made in [since, until), grouped by route, group,
+        provider, run, tenant or one label (``by="label", label="team"``); costliest first."""
+        if not isinstance(by, str) or by not in q.TOTALS_KEYS:
+            raise InvalidArgument(f"cannot total by {by!r}; pass by= one of "
+                                  f"{', '.join(q.TOTALS_KEYS)}", field="by")
+        if label is not None:
+            check_id(label, "label")
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
+        rows, nxt = q.totals(self.store, by=by, since=since, until=until, label=label,
+                             limit=limit, cursor=cursor)
+        return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
+                            succeeded=int(r["succeeded"]), failed=int(r["failed"]),
+                            unknown=int(r["unknown"]), prompt_tokens=int(r["prompt_tokens"]),
+                            completion_tokens=int(r["completion_tokens"]),
+                            cost=from_micros(int(r["cost_micros"])))
+                     for r in rows], nxt)
+
+    def open_attempts(self, *, states: Sequence[str] = OPEN_STATES, since: float | None = None,
+                      until: float | None = None, limit: int = 100,
+                      cursor: str | None = None) -> Page[OpenAttempt]:
+        """Unknown and unsettled (dispatching) attempts, newest first."""
+        if isinstance(states, str | bytes) or not isinstance(states, Sequence | set | frozenset):
+            raise InvalidArgument(f"states must be a list among {list(OPEN_STATES)}; pass e.g. "
+                                  "['unknown']", field="states")
+        opened = [AttemptState(v) for v in OPEN_STATES]
+        states = [check_choice(v, AttemptState, f"states[{i}]", opened).value
+                  for i, v in enumerate(states)]
+        if not states:
+            raise InvalidArgument(f"states is empty; pass some of {list(OPEN_STATES)}",
+                                  field="states")
+        since, until = _window(since, until)
+        limit, cursor = _page(limit, cursor)
+        rows, nxt = q.open_attempts(self.store, states=list(states), since=since, until=until,
+                                    limit=limit, cursor=cursor)
+        now = self.now()
+        out = []
+        for r in rows:
+            live = (r["lease_expires_at"] is not None and r["lease_expires_at"] > now
+                    and r["run_fence"] == r["fence"])
+            out.append(OpenAttempt(_attempt_record(r), r["lease_holder"], r["lease_expires_at"],
+                                   live))
+        return Page(out, nxt)
+
+    def health(self, now: float | None = None) -> HealthReport:
+        """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes."""
+        t = self.now() if now is None else check_time(now, "now")
+        hrows, grows = q.health(self.store, t)
+        keys = [_key_health(h, t) for h in hrows]
+        return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
+                            profiles=[k for k in keys if k.kind == "profile"],
+                            groups=[_group_health(g, t) for g in grows])
+
+    def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
+        """Attempts, failures and unknowns in ``buckets`` (1 to 1000) equal slices of
+        [since, until)."""
+        since, until, buckets = _span(since, until, buckets)
+        width = (until - since) / buckets
+        rows = {int(r["bucket"]): r for r in q.activity(self.store, since=since, until=until,
+                                                         bucket_s=width)}
+        out = []
+        for i in range(buckets):
+            r = rows.get(i)
+            out.append(ActivityBucket(start=since + i * width,
+                                      attempts=int(r["attempts"]) if r else 0,
+                                      failed=int(r["failed"] or 0) if r else 0,
+                                      unknown=int(r["unknown"] or 0) if r else 0))
+        return out
+
+
+    def route_series(self, *, since: float, until: float, buckets: int = 24,
+                     routes: int = 8) -> list[RouteSeries]:
+        """Success rate and latency per route in ``buckets`` equal slices of [since, until), for
+        the ``routes`` busiest routes of the range (busiest first)."""
+        since, until, buckets = _span(since, until, buckets)
+        routes = check_count(routes, "routes", maximum=1000)
+        if routes < 1:
+            raise InvalidArgument("routes must be 1 to 1000; pass e.g. 8", field="routes")
+        width = (until - since) / buckets
+        by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
+        for row in qs.route_series(self.store, since=since, until=until, bucket_s=width):
+            by_route.setdefault(row["route"], {})[int(row["bucket"])] = row
+        busiest = sorted(by_route, key=lambda k: (-sum(int(x["attempts"])
+                                                       for x in by_route[k].values()), k))
+        out = []
+        for route in busiest[:routes]:
+            rows = by_route[route]
+            points = []
+            for i in range(buckets):
+                r: Mapping[str, Any] | None = rows.get(i)
+                ok, bad, unk = ((int(r["succeeded"] or 0), int(r["failed"] or 0),
+                                 int(r["unknown"] or 0)) if r else (0, 0, 0))
+                sent = ok + bad + unk
+                points.append(RoutePoint(
+                    start=since + i * width, attempts=int(r["attempts"]) if r else 0,
+                    succeeded=ok, failed=bad, unknown=unk,
+                    success_rate=ok / sent if sent else None,
+                    latency_s=float(r["latency_sum"]) / ok if r and ok else None))
+            out.append(RouteSeries(route=route, attempts=sum(p.attempts for p in points),
+                                   points=points))
+        return out
+
+    def costs_by_day(self, *, days: int = 7, now: float | None = None) -> list[DayCost]:
+        """Cost per UTC day and tenant for the last ``days`` days (today included), oldest
+        first, no tenant before the named ones; days and tenants without attempts are absent."""
+        if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 366:
+            raise InvalidArgument(f"days must be an integer from 1 to 366 (got {days!r}); pass "
+                                  "e.g. 7", field="days")
+        t = self.now() if now is None else check_time(now, "now")
+        today = t - t % 86400.0
+        since = today - (days - 1) * 86400.0
+        out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
+                       attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])))
+               for r in qs.cost_by_day(self.store, since=since, until=today + 86400.0)]
+        # The same order on every backend (they sort NULL differently): no tenant first.
+        return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
+
+    def metrics(self, now: float | None = None) -> MetricsSnapshot:
+        """Totals for ``/metrics``: attempts by route and outcome, failovers, cooldowns active
+        now, and the budget used (posted and held cost) per tenant."""
+        t = self.now() if now is None else check_time(now, "now")
+        m = qs.metrics_totals(self.store, t)
+        cooldowns = {"route": 0, "profile": 0, "group": 0}
+        for r in m["cooling"]:
+            cooldowns[str(r["kind"])] = int(r["n"])
+        cooldowns["group"] = sum(int(r["n"]) for r in m["groups"])
+        return MetricsSnapshot(
+            now=t,
+            attempts={(str(r["route"]), str(r["outcome"])): int(r["n"]) for r in m["attempts"]},
+            failovers=int(m["moves"][0]["n"]) if m["moves"] else 0,
+            cooldowns=cooldowns,
+            posted={r["tenant"]: from_micros(int(r["posted_micros"])) for r in m["money"]},
+            reserved={r["tenant"]: from_micros(int(r["reserved_micros"])) for r in m["money"]},
+            runs={r["tenant"]: int(r["runs"]) for r in m["money"]},
+        )
+
+
+@checked_calls
+class AsyncAudit:
+    """The async twin of :class:`Audit`: the same methods, awaited in a worker thread."""
+
+    def __init__(self, audit: Audit) -> None:
+        if not isinstance(audit, Audit):
+            raise InvalidArgument("audit must be a ledger.ops.audit.Audit", field="audit")
+        self.sync = audit
+
+    async def runs(self, **kw: Any) -> Page[RunSummary]:
+        return await asyncio.to_thread(lambda: self.sync.runs(**kw))
+
+    async def timeline(self, run_id: str) -> RunTimeline:
+        return await asyncio.to_thread(self.sync.timeline, run_id)
+
+    async def failovers(self, **kw: Any) -> Page[Failover]:
+        return await asyncio.to_thread(lambda: self.sync.failovers(**kw))
+
+    async def attempts(self, **kw: Any) -> Page[AttemptRecord]:
+        return await asyncio.to_thread(lambda: self.sync.attempts(**kw))
+
+    async def costs(self, **kw: Any) -> Page[Totals]:
+        return await asyncio.to_thread(lambda: self.sync.costs(**kw))
+
+    async def open_attempts(self, **kw: Any) -> Page[OpenAttempt]:
+        return await asyncio.to_thread(lambda: self.sync.open_attempts(**kw))
+
+    async def health(self, now: float | None = None) -> HealthReport:
+        return await asyncio.to_thread(self.sync.health, now)
+
+    async def activity(self, *, since: float, until: float,
+                       buckets: int = 24) -> list[ActivityBucket]:
+        return await asyncio.to_thread(
+            lambda: self.sync.activity(since=since, until=until, buckets=buckets))
+
+    async def route_series(self, **kw: Any) -> list[RouteSeries]:
+        return await asyncio.to_thread(lambda: self.sync.route_series(**kw))
+
+    async def costs_by_day(self, **kw: Any) -> list[DayCost]:
+        return await asyncio.to_thread(lambda: self.sync.costs_by_day(**kw))
+
+    async def metrics(self, now: float | None = None) -> MetricsSnapshot:
+        return await asyncio.to_thread(self.sync.metrics, now)
+
+
+__all__ = [
+    "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "DayCost", "Failover",
+    "FailoverCause", "GroupHealth", "HealthReport", "KeyHealth", "MetricsSnapshot", "Move",
+    "OpenAttempt", "RoutePoint", "RouteSeries", "RunSummary", "RunTimeline", "Selection",
+    "Skipped", "Stop", "TimelineEntry", "Totals", "to_jsonable",
+]

@@ -1,0 +1,248 @@
+"""Restart-time recovery: fence dead executors and say exactly what was in flight.
+
+:func:`recover` finds Runs whose executor lease expired (and that are not finished, or still
+have an Attempt dispatching), and takes them over, a batch of runs per transaction:
+
+* the run's fence is bumped, so the dead executor (should it wake up) can write nothing;
+* every Attempt still ``dispatching`` becomes ``unknown`` and **keeps its debit hold**. The
+  Attempt row was committed before its request could leave the process, and the ledger records
+  nothing between begin and send, so a dispatching Attempt may have been executed remotely: not
+  observing success is not proof of no remote execution. Recovery never re-sends it;
+* holds the ledger can *prove* were never sent (an Attempt refused at begin, or settled as a
+  failure before send) are voided should any still be reserved; the write path voids these
+  itself, so in a healthy ledger this finds nothing. A live executor that knows its request
+  never left (e.g. shutting down before the send) settles it as a ``before_send`` failure, which
+  voids the hold: that knowledge exists only in the process, never in the ledger;
+* capacity slots held by the dead executor are released (they already stopped counting when its
+  lease expired);
+* Attempts left dispatching under an older fence of a run that another executor already
+  re-acquired (without recovery) are orphans: they become unknown too, keeping their holds,
+  without taking the run from its current executor;
+* route health, probes and group cooldowns are left as they are.
+
+It returns, per Run, the settled and unknown Attempts, the route to continue on (the route of
+the last success, else the originally selected one) and the new :class:`Lease` (or none, with
+``release=True``). Running it twice, from several processes at once, or again after it was
+interrupted or after the database restarted under it is safe: each takeover is one
+transaction (of up to ``batch`` runs), and a run is taken only while its lease is expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ledger.clock import Sleeper, SystemSleeper
+from ledger.domain.bounds import (
+    MAX_LEASE_TTL_S,
+    check_bool,
+    check_count,
+    check_ids,
+    check_optional_id,
+    check_seconds,
+)
+from ledger.domain.records import AttemptRecord, AttemptState, Lease
+from ledger.domain.validation import checked_call
+from ledger.errors import DatabaseUnavailable, InvalidArgument
+from ledger.storage import recovery as sql
+from ledger.storage.rows import new_id
+
+if TYPE_CHECKING:
+    from ledger.api.facade import AsyncLedger, Ledger
+
+DEFAULT_RECOVERY_TTL_S = 30.0
+DEFAULT_LIMIT = 1000
+# Runs taken over per transaction: one commit and a few statements per batch, not per run; a
+# batch holds its runs' row locks until it commits, so it stays small.
+DEFAULT_BATCH = 100
+MAX_BATCH = 1000
+# Retries of one takeover after DatabaseUnavailable, with these waits (seconds).
+RETRY_WAITS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+@dataclass(frozen=True)
+class RunRecovery:
+    """What recovery found and did for one Run."""
+
+    run_id: str
+    previous_executor: str | None
+    previous_fence: int
+    fence: int
+    lease: Lease | None
+    newly_unknown: list[str]
+    voided: list[str]
+    slots_released: int
+    settled: list[AttemptRecord]
+    unknown: list[AttemptRecord]
+    selected_route: str
+    current_route: str | None
+    status: str
+
+    @property
+    def route(self) -> str:
+        """The actual route to continue on: the last successful one, else the selected one."""
+        return self.current_route or self.selected_route
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "previous_executor": self.previous_executor,
+            "previous_fence": self.previous_fence,
+            "fence": self.fence,
+            "lease": None if self.lease is None else {
+                "executor": self.lease.executor, "fence": self.lease.fence,
+                "expires_at": self.lease.expires_at,
+            },
+            "newly_unknown": self.newly_unknown,
+            "voided": self.voided,
+            "slots_released": self.slots_released,
+            "settled": [{"attempt_id": a.attempt_id, "turn_id": a.turn_id, "route": a.route_id,
+                         "state": a.state.value} for a in self.settled],
+            "unknown": [{"attempt_id": a.attempt_id, "turn_id": a.turn_id, "route": a.route_id,
+                         "reserved": str(a.reserved)} for a in self.unknown],
+            "selected_route": self.selected_route,
+            "current_route": self.current_route,
+            "route": self.route,
+            "status": self.status,
+        }
+
+
+@dataclass
+class RecoveryReport:
+    """The result of one :func:`recover` pass."""
+
+    executor: str
+    now: float
+    runs: list[RunRecovery] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # taken by another process, or busy
+    # Runs held by a live executor that still had Attempts dispatching under an older fence
+    # (its lease was acquired directly after expiry): those Attempts, now unknown.
+    orphans: dict[str, list[str]] = field(default_factory=dict)
+    retries: int = 0  # takeovers retried after DatabaseUnavailable
+
+    @property
+    def unknown_attempts(self) -> int:
+        return sum(len(r.newly_unknown) for r in self.runs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "executor": self.executor, "now": self.now,
+            "recovered": len(self.runs), "newly_unknown": self.unknown_attempts,
+            "skipped": self.skipped, "retries": self.retries, "orphans": self.orphans,
+            "runs": [r.to_json() for r in self.runs],
+        }
+
+
+def _to_run(t: sql.Takeover) -> RunRecovery:
+    settled = [a for a in t.attempts if a.state in (AttemptState.SUCCEEDED, AttemptState.FAILED)]
+    unknown = [a for a in t.attempts if a.state is AttemptState.UNKNOWN]
+    return RunRecovery(
+        run_id=t.run_id, previous_executor=t.previous_executor, previous_fence=t.previous_fence,
+        fence=t.fence, lease=t.lease, newly_unknown=t.newly_unknown, voided=t.voided,
+        slots_released=t.slots_released, settled=settled, unknown=unknown,
+        selected_route=t.selected_route, current_route=t.current_route, status=t.status,
+    )
+
+
+@checked_call
+def recover(
+    ledger: Ledger,
+    *,
+    executor_id: str | None = None,
+    lease_ttl_s: float = DEFAULT_RECOVERY_TTL_S,
+    limit: int = DEFAULT_LIMIT,
+    batch: int = DEFAULT_BATCH,
+    release: bool = False,
+    run_ids: list[str] | None = None,
+    sleeper: Sleeper | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RecoveryReport:
+    """Take over every Run whose executor lease expired; see the module docstring.
+
+    ``executor_id`` names the recovering executor (default: a fresh id); with ``release=True``
+    the lease is released after the takeover (the fence stays bumped) instead of being held for
+    ``lease_ttl_s``. ``run_ids`` restricts recovery to those runs. A takeover interrupted by
+    :class:`DatabaseUnavailable` is retried (it was rolled back, or it committed and is then
+    recognised as ours); if the database stays away, the error is raised and a later pass
+    resumes where this one stopped. ``progress(done, total)`` is called after each run taken
+    over (or skipped), for a progress display. ``batch`` runs are taken over per transaction
+    (default 100): all or none of a batch, each run under its own new fence.
+    """
+    from ledger.api.facade import Ledger
+
+    if not isinstance(ledger, Ledger):
+        raise InvalidArgument("ledger must be a ledger.Ledger (arecover takes an AsyncLedger)",
+                              field="ledger")
+    check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+    check_count(limit, "limit")
+    if limit < 1:
+        raise InvalidArgument("limit must be at least 1; pass e.g. 1000", field="limit")
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        raise InvalidArgument(f"batch must be an integer from 1 to {MAX_BATCH} (got "
+                              f"{batch!r}); pass e.g. {DEFAULT_BATCH}", field="batch")
+    check_bool(release, "release")
+    if run_ids is not None:
+        run_ids = check_ids(run_ids, "run_ids")
+    check_optional_id(executor_id, "executor_id")
+    if sleeper is not None and not callable(getattr(sleeper, "sleep", None)):
+        raise InvalidArgument("sleeper must have a sleep(seconds) method", field="sleeper")
+    if progress is not None and not callable(progress):
+        raise InvalidArgument("progress must be a function of (done, total)", field="progress")
+    executor = executor_id or new_id("recover")
+    sleeper = sleeper or SystemSleeper()
+    now = ledger.now()
+    report = RecoveryReport(executor=executor, now=now)
+    candidates = _retrying(lambda: sql.expired_runs(ledger.store, now, limit, run_ids),
+                           sleeper, report)
+    for start in range(0, len(candidates), batch):
+        chunk = candidates[start:start + batch]
+        first = [True]
+
+        def attempt(chunk: list[str] = chunk, first: list[bool] = first,
+                    ) -> tuple[list[sql.Takeover], list[str]]:
+            adopt = not first[0]  # a retry may find its own committed takeover
+            first[0] = False
+            return sql.take_over(ledger.store, chunk, executor, lease_ttl_s, ledger.now(),
+                                 release=release, adopt=adopt)
+
+        taken, skipped = _retrying(attempt, sleeper, report)
+        report.runs.extend(_to_run(t) for t in taken)
+        report.skipped.extend(skipped)
+        if progress is not None:
+            progress(len(report.runs) + len(report.skipped), len(candidates))
+    orphaned = _retrying(lambda: sql.orphaned_runs(ledger.store, limit, run_ids), sleeper,
+                         report)
+    for run_id in orphaned:
+        ids = _retrying(lambda run_id=run_id: sql.mark_orphans(ledger.store, run_id,
+                                                               ledger.now()), sleeper, report)
+        if ids:
+            report.orphans[run_id] = ids
+    return report
+
+
+def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
+    for wait in (*RETRY_WAITS, None):
+        try:
+            return fn()
+        except DatabaseUnavailable:
+            if wait is None:
+                raise
+            report.retries += 1
+            sleeper.sleep(wait)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@checked_call
+async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
+    """The async twin of :func:`recover` (the same implementation, in a worker thread)."""
+    from ledger.api.facade import AsyncLedger
+
+    if not isinstance(ledger, AsyncLedger):
+        raise InvalidArgument("ledger must be a ledger.AsyncLedger (recover takes a Ledger)",
+                              field="ledger")
+    return await asyncio.to_thread(recover, ledger.sync, **kwargs)
+
+
+__all__ = ["RecoveryReport", "RunRecovery", "arecover", "recover"]

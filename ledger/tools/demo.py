@@ -1,0 +1,224 @@
+"""``failover-ledger demo``: a small research task against local fake providers, no network.
+
+Two fake endpoints on loopback stand in for a shared gateway ("go": two models behind one
+account, one capacity group) and an independent official endpoint. Three runs show the seed's
+scenarios:
+
+1. a 503 while the gateway's group is healthy -> the next model behind the same gateway;
+2. a trusted 429 with Retry-After -> the gateway group cools; its other model is skipped, the
+   independent endpoint serves;
+3. the same 429, but the run's grant does not approve the official endpoint for the request's
+   model-derived context -> the switch is refused and the run stops with its reasons.
+
+Everything goes to a real ledger (the embedded SQLite file by default), so
+``failover-ledger runs`` and ``failover-ledger run show`` can read it afterwards.
+
+Each demo gets a fresh ledger of its own (:func:`fresh_ledger`): cooldowns and group floors are
+durable, so a second demo on the first one's ledger would start with the gateway still cooling
+(and, as simulated time starts hours back again, with health "sampled in the future"), and
+would tell another story than its headings. A SQLite file that holds only an earlier demo's runs
+is replaced; anything else is refused, never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from decimal import Decimal
+from typing import TextIO
+
+from ledger.adapters.runner import sync_sender
+from ledger.adapters.secrets import StaticSecretProvider
+from ledger.adapters.sync import SyncAdapter
+from ledger.api.facade import Ledger
+from ledger.api.turn import execute
+from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
+from ledger.domain.facts import WireProtocol
+from ledger.domain.records import AttemptRecord
+from ledger.domain.values import Budget, Capabilities, Grant, Price, Profile, Route
+from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+
+
+def _routes(go: FakeProvider, official: FakeProvider) -> list[Route]:
+    price = Price(input_per_mtok=Decimal("0.30"), output_per_mtok=Decimal("1.20"))
+    caps = Capabilities(tools=True, context_window=128_000, streaming=True)
+    return [
+        Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
+              recipient="go-gateway", protocol=WireProtocol.OPENAI, endpoint=go.endpoint("openai"),
+              capabilities=caps, price=price, profiles=[Profile(id="go:demo")]),
+        Route(id="go-glm", provider="go", model="glm-5", group="go", recipient="go-gateway",
+              protocol=WireProtocol.OPENAI, endpoint=go.endpoint("openai"), capabilities=caps,
+              price=price, profiles=[Profile(id="go:demo")]),
+        Route(id="official-deepseek", provider="deepseek", model="deepseek-v4",
+              group="deepseek-official", recipient="deepseek", protocol=WireProtocol.OPENAI,
+              endpoint=official.endpoint("openai"), capabilities=caps, price=price,
+              profiles=[Profile(id="deepseek:demo")]),
+    ]
+
+
+def _envelope(derived: str | None, derived_ref: str | None) -> Envelope:
+    parts = [Part(content="Compare the Q3 filings of the two companies.")]
+    if derived is not None:
+        parts.append(Part(role="assistant", content=derived, data_class=MODEL_DERIVED,
+                          provenance=derived_ref))
+        parts.append(Part(content="Now summarise the risks you found."))
+    return Envelope(parts=parts, max_output_tokens=300)
+
+
+def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
+    run = led.get_run(run_id)
+    selects = {e.attempt_id: e.data for e in led.events(run_id, ["select"])}
+    print(f"\nrun {run_id} ({run.status.value})  selected={run.selected_route}  "
+          f"served-by={run.current_route}  "
+          f"calls={run.calls_used}/{run.budget.max_calls}  retries={run.retries_used}/"
+          f"{run.budget.max_retries}  posted={run.posted}  held={run.reserved}", file=out)
+    rows: list[AttemptRecord] = led.timeline(run_id)
+    for a in rows:
+        cause = f"{a.category} HTTP {a.http_status}" if a.category else ""
+        print(f"  #{a.seq} {a.kind.value:<8} {a.route_id:<18} {a.state.value:<9} "
+              f"debit={a.debit_id[:14]}.. ({a.debit_state.value if a.debit_state else '?'}) "
+              f"{cause}", file=out)
+        sel = selects.get(a.attempt_id) or {}
+        for s in sel.get("skipped", []):
+            if s["reason"] != "already_tried":
+                print(f"       skipped {s['route']}: {s['reason']} ({s['detail']})", file=out)
+
+
+class SimulatedClock:
+    """Wall time plus an offset that waits advance instead of blocking (a demo never stalls).
+
+    It starts hours in the past, so everything the demo records lies before the real "now" that
+    the operator commands read with afterwards.
+    """
+
+    def __init__(self, start_offset: float = 0.0) -> None:
+        self.offset = start_offset
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        self.offset += max(0.0, seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+DEMO_TENANT = "demo"
+
+
+def fresh_ledger(db_url: str) -> str | None:
+    """Make ``db_url`` a fresh ledger for one demo; returns a note for the reader, or ``None``.
+
+    A SQLite file that does not exist is created by the demo; one that holds only earlier demo
+    runs (tenant ``demo``) is deleted first. A file holding anything else (other runs, or not a
+    ledger at all), or a PostgreSQL database holding any run, is refused with
+    :class:`InvalidArgument` naming ``--db``: the demo never writes next to other history.
+    """
+    from ledger.storage import audit as q
+    from ledger.storage.bulk import first_run_other_than
+    from ledger.storage.engine import normalize_url, redact_url
+
+    norm = normalize_url(db_url)
+    sqlite = norm.startswith("sqlite:///")
+    path = norm[len("sqlite:///"):] if sqlite else None
+    if path is not None and not os.path.exists(path):
+        return None
+    where = path or redact_url(norm)
+    fix = "pass --db a new SQLite file (e.g. --db demo.db)"
+    try:
+        led = Ledger.open(db_url, migrate_schema=False)
+    except LedgerError as e:
+        raise InvalidArgument(f"{where} cannot be opened as a ledger ({e}); the demo needs a "
+                              f"fresh ledger: {fix}", field="db") from e
+    try:
+        if not q.schema_present(led.store):
+            if path is None:
+                return None  # an empty PostgreSQL database: the demo migrates it
+            raise InvalidArgument(f"{where} exists and is not a ledger; the demo will not "
+                                  f"overwrite it: {fix}", field="db")
+        other = (first_run_other_than(led.store, tenant=DEMO_TENANT) if path is not None
+                 else first_run_other_than(led.store))
+    except LedgerError as e:
+        raise InvalidArgument(f"{where} cannot be read as a ledger ({e}): {fix}",
+                              field="db") from e
+    finally:
+        led.close()
+    if other is not None:
+        held = "runs other than the demo's" if path is not None else "runs"
+        raise InvalidArgument(f"{where} holds {held} (e.g. {other!r}); the demo needs a fresh "
+                              f"ledger of its own: {fix}", field="db", run_id=other)
+    if path is None:
+        return None
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
+    return f"(replaced the earlier demo ledger {path}: each demo starts from a fresh one)"
+
+
+def run_demo(db_url: str, out: TextIO) -> list[str]:
+    """Run the three scenarios on a fresh ledger (see :func:`fresh_ledger`); returns the run ids
+    written."""
+    note = fresh_ledger(db_url)
+    if note:
+        print(note, file=out)
+    suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+    secrets = StaticSecretProvider({"go:demo": "demo-key-go", "deepseek:demo": "demo-key-ds"})
+    run_ids: list[str] = []
+    clock = SimulatedClock(start_offset=-8 * 3600)
+    print("(simulated time: the demo's waits and cooldowns pass instantly, hours ago)", file=out)
+    with FakeProvider().in_thread() as go, FakeProvider().in_thread() as official, \
+            Ledger.open(db_url, clock=clock) as led:
+        adapter = SyncAdapter(secrets=secrets)
+        try:
+            send = sync_sender(adapter)
+            plan = _routes(go, official)
+            budget = Budget(max_calls=6, max_retries=3, max_cost=Decimal("0.05"))
+            wide = Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
+                                     "deepseek": ["user_input", MODEL_DERIVED]})
+            narrow = Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
+                                       "deepseek": ["user_input"]})
+            scenarios: list[tuple[str, Grant, Fault | Behavior]] = [
+                ("503 while the gateway group is healthy", wide, Fault.UNAVAILABLE),
+                ("429 with Retry-After cools the shared gateway", wide,
+                 Behavior(fault=Fault.RATE_LIMIT_RETRY_AFTER, retry_after="30")),
+                ("the backup's recipient is not approved for derived context", narrow,
+                 Behavior(fault=Fault.RATE_LIMIT_RETRY_AFTER, retry_after="30")),
+            ]
+            for i, (title, grant, fault) in enumerate(scenarios, 1):
+                run_id = f"demo-{suffix}-{i}"
+                run_ids.append(run_id)
+                print(f"\n== scenario {i}: {title}", file=out)
+                # Cooldowns are durable and shared: let simulated time pass so that each
+                # scenario starts with healthy routes and an open gateway group.
+                clock.sleep(2 * 3600)
+                led.admit_run(run_id, plan=plan, budget=budget, grant=grant,
+                              policy="failure-domain", tenant=DEMO_TENANT,
+                              labels={"task": "filings"})
+                lease = led.acquire_lease(run_id)
+                # Turn 1 succeeds on the primary; its answer becomes provenance-backed context.
+                first = execute(led, lease, _envelope(None, None), send, turn_id="t1")
+                answer = first.output.text
+                go.enqueue(fault, model="deepseek-v4")
+                try:
+                    res = execute(led, lease, _envelope(answer, first.attempt.attempt_id), send,
+                                  turn_id="t2")
+                    print(f"   -> answered by {res.route.id}: {res.output.text[:48]!r}",
+                          file=out)
+                    status = "succeeded"
+                except FailoverExhausted as e:
+                    print(f"   -> stopped: {e.reason}; the turn-1 result is kept", file=out)
+                    status = "stopped"
+                    for s in e.fields.get("skipped", []):
+                        if s["reason"] != "already_tried":
+                            print(f"       skipped {s['route']}: {s['reason']} ({s['detail']})",
+                                  file=out)
+                led.finish_run(lease, status)
+                led.release_lease(lease)
+                print_timeline(led, run_id, out)
+        finally:
+            adapter.close()
+    return run_ids

@@ -1,0 +1,196 @@
+"""Classifier details the shared vectors do not pin down."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from email.utils import format_datetime
+
+from ledger.decide.classify import classify
+from ledger.decide.hints import parse_retry_after
+from ledger.domain.facts import Category, CooldownEffect, Observation, Phase, Source
+from ledger.policy.load import preset
+
+GOCLAW = preset("goclaw")
+FASED = preset("fased")
+FD = preset("failure-domain")
+
+
+def _obs(**kw: object) -> Observation:
+    return Observation.model_validate(kw)
+
+
+def test_generic_protocol_tries_every_shape() -> None:
+    gemini = json.dumps({"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "message": "x"}})
+    anthropic = json.dumps({"type": "error", "error": {"type": "overloaded_error"}})
+    assert classify(_obs(status=400, body=gemini), FD).category is Category.RATE_LIMIT
+    assert classify(_obs(status=400, body=anthropic), FD).category is Category.OVERLOADED
+
+
+def test_declared_protocol_reads_only_its_shape() -> None:
+    anthropic = json.dumps({"type": "error", "error": {"type": "overloaded_error"}})
+    fact = classify(_obs(status=400, body=anthropic, protocol="gemini"), FD)
+    assert fact.category is Category.FORMAT  # the status decides; the anthropic field is unread
+
+
+def test_structured_codes_are_case_insensitive_and_recorded() -> None:
+    body = json.dumps({"error": {"code": "Insufficient_Quota", "message": "pay up"}})
+    fact = classify(_obs(status=429, body=body, protocol="openai"), FD)
+    assert fact.category is Category.BILLING
+    assert fact.provider_code == "Insufficient_Quota"
+    assert fact.message == "pay up"
+
+
+def test_gemini_streaming_list_wrapper_and_overflow() -> None:
+    err = {"status": "INVALID_ARGUMENT", "message": "input exceeds the maximum number of tokens"}
+    body = json.dumps([{"error": err}])
+    assert classify(_obs(status=400, body=body), FD).category is Category.CONTEXT_OVERFLOW
+
+
+def test_anthropic_overflow_needs_the_message_prefix() -> None:
+    def body(msg: str) -> str:
+        return json.dumps({"error": {"type": "invalid_request_error", "message": msg}})
+
+    long = _obs(status=400, body=body("prompt is too long: 300000 tokens"), protocol="anthropic")
+    other = _obs(status=400, body=body("max_tokens: must be positive"), protocol="anthropic")
+    assert classify(long, FD).category is Category.CONTEXT_OVERFLOW
+    assert classify(other, FD).category is Category.FORMAT
+
+
+def test_goclaw_text_rows_in_order() -> None:
+    # "quota" (billing) is listed before "rate limit": first row wins.
+    fact = classify(_obs(message="quota exceeded; rate limit reached"), GOCLAW)
+    assert fact.category is Category.BILLING
+    assert classify(_obs(message="something odd"), GOCLAW).category is Category.UNKNOWN
+    # A 500 is not mapped by status under goclaw; its text decides.
+    assert (
+        classify(_obs(status=500, body="upstream timed out"), GOCLAW).category is Category.TIMEOUT
+    )
+
+
+def test_failure_domain_never_reads_text() -> None:
+    assert classify(_obs(message="rate limit, overloaded"), FD).category is Category.UNKNOWN
+    assert classify(_obs(status=418, body="overloaded"), FD).category is Category.FORMAT
+
+
+def test_local_refusal_never_cools() -> None:
+    fact = classify(_obs(status=503, source="local"), GOCLAW)
+    assert fact.source is Source.LOCAL
+    assert fact.cooldown is CooldownEffect.NONE
+
+
+def test_exempt_provider_is_case_insensitive() -> None:
+    fact = classify(_obs(status=402, provider="OpenRouter"), FASED)
+    assert fact.cooldown is CooldownEffect.NONE
+    assert (
+        classify(_obs(status=402, provider="anthropic"), FASED).cooldown is CooldownEffect.DISABLE
+    )
+
+
+def test_phase_defaults_and_resubmission() -> None:
+    stall = classify(_obs(transport="stream_stall"), FD)
+    assert (stall.phase, stall.category, stall.resubmit) == (
+        Phase.MID_STREAM,
+        Category.TIMEOUT,
+        False,
+    )
+    assert classify(_obs(transport="stream_stall"), GOCLAW).resubmit
+    output = classify(_obs(status=503, effective_output=True), GOCLAW)
+    assert output.moves_on and output.resubmit  # goclaw discards the output and moves on
+    assert not classify(_obs(status=503, effective_output=True), FD).moves_on
+
+
+def test_caller_facts_come_first() -> None:
+    fact = classify(_obs(status=429, cancelled=True, over_token_budget=True), GOCLAW)
+    assert fact.category is Category.CANCELLED
+    assert classify(_obs(transport="dns_failure", over_token_budget=True), FD).category is (
+        Category.BUDGET_EXCEEDED
+    )
+
+
+def test_binary_and_invalid_utf8_bodies() -> None:
+    fact = classify(_obs(status=503, body=b"\xff\xfe\x00overloaded\x80"), GOCLAW)
+    assert fact.category is Category.OVERLOADED
+    assert classify(_obs(body=b"\xc3\x28 timed out"), GOCLAW).category is Category.TIMEOUT
+
+
+def test_odd_json_shapes() -> None:
+    for body in [
+        "[]",
+        "[1, 2]",
+        "3",
+        "null",
+        '{"error": null}',
+        '{"error": [1]}',
+        '{"error": {"code": 5, "type": null, "status": {"x": 1}}}',
+        "[[[[[[" * 5000,
+    ]:
+        fact = classify(_obs(status=503, body=body, protocol="generic"), FD)
+        assert fact.category is Category.OVERLOADED
+
+
+def test_secrets_are_redacted_from_evidence() -> None:
+    body = json.dumps({"error": {"message": "Incorrect API key provided: sk-abcdef1234567890XYZ"}})
+    fact = classify(_obs(status=401, body=body, protocol="openai"), FD)
+    assert fact.message is not None
+    assert "sk-abcdef" not in fact.message and "[REDACTED]" in fact.message
+
+
+def test_message_is_capped() -> None:
+    fact = classify(_obs(status=500, body="x " * 100_000), FD)
+    assert fact.message is not None
+    assert len(fact.message) <= FD.classification.message_limit_chars
+
+
+def test_retry_after_http_date_against_now_or_the_date_header() -> None:
+    now = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+    later = format_datetime(datetime(2026, 1, 1, 12, 0, 15, tzinfo=UTC), usegmt=True)
+    obs = _obs(
+        status=503, headers={"retry-after": later, "Date": format_datetime(now, usegmt=True)}
+    )
+    assert classify(obs, GOCLAW, now=now.timestamp()).retry_after_s == 15
+    assert classify(obs, GOCLAW).retry_after_s == 15  # measured from the Date header
+    bare = _obs(status=503, headers={"Retry-After": later})
+    assert classify(bare, GOCLAW).retry_after_s is None  # no reference: no guess
+    assert classify(bare, GOCLAW, now=now.timestamp() + 60).retry_after_s == 0
+
+
+def test_retry_after_values() -> None:
+    assert parse_retry_after("  7 ") == 7
+    assert parse_retry_after("1.5") == 1.5
+    for junk in ["-3", "soon", "", "9" * 400, "1e5", "Mon, 99 Foo 2026 99:99:99 GMT", None]:
+        assert parse_retry_after(junk, now=0.0) is None
+
+
+def test_absurd_retry_after_is_clamped() -> None:
+    fact = classify(_obs(status=503, headers={"Retry-After": "9" * 30}), GOCLAW)
+    assert fact.retry_after_s == GOCLAW.classification.retry_after_limit_s
+
+
+def test_gemini_retry_info_forms() -> None:
+    def body(delay: object) -> str:
+        detail = {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}
+        return json.dumps({"error": {"status": "UNAVAILABLE", "details": [detail]}})
+
+    assert (
+        classify(_obs(status=503, body=body("1.5s"), protocol="gemini"), GOCLAW).retry_after_s
+        == 1.5
+    )
+    obj = _obs(status=503, body=body({"seconds": 3, "nanos": 500_000_000}), protocol="gemini")
+    assert classify(obj, GOCLAW).retry_after_s == 3.5
+    assert (
+        classify(_obs(status=503, body=body("soon"), protocol="gemini"), GOCLAW).retry_after_s
+        is None
+    )
+    # A declared OpenAI body does not carry Gemini details.
+    assert (
+        classify(_obs(status=503, body=body("8s"), protocol="openai"), GOCLAW).retry_after_s is None
+    )
+
+
+def test_lone_surrogates_never_reach_the_fact() -> None:
+    body = '{"error": {"code": "bad\\ud800", "message": "oops \\udfff"}}'
+    fact = classify(_obs(status=500, body=body, protocol="openai"), FD)
+    assert fact.provider_code is not None and fact.message is not None
+    fact.provider_code.encode("utf-8")
+    fact.message.encode("utf-8")

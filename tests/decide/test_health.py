@@ -1,0 +1,128 @@
+"""Health state machines: curves, disables, resets, probes and the probe throttle."""
+
+from __future__ import annotations
+
+from ledger.decide.health import (
+    ProbeThrottle,
+    cooldown_seconds,
+    disable_seconds,
+    health_key,
+    is_available,
+    mark_probed,
+    mark_used,
+    probe_eligible,
+    record_failure,
+    record_success,
+    refresh,
+)
+from ledger.domain.facts import Category
+from ledger.domain.values import Health, Route
+from ledger.policy.load import apply_overrides, preset
+
+GOCLAW = preset("goclaw")
+FASED = preset("fased")
+
+
+def test_goclaw_curve() -> None:
+    assert [cooldown_seconds(n, GOCLAW) for n in range(0, 7)] == [
+        0,
+        60,
+        300,
+        1500,
+        3600,
+        3600,
+        3600,
+    ]
+
+
+def test_billing_disable_doubles_to_cap_with_provider_override() -> None:
+    rule = apply_overrides(FASED, {"billing_backoff_hours_by_provider": {"OpenAI": 1}}).health
+    r = rule.disables[0]
+    assert [disable_seconds(k, r) for k in (1, 2, 3, 4)] == [18000, 36000, 72000, 86400]
+    assert disable_seconds(1, r, "openai") == 3600
+    assert disable_seconds(10_000, r) == 86400
+
+
+def test_disabled_key_available_again_at_exactly_until() -> None:
+    h = record_failure(Health(key="p"), Category.BILLING, provider="x", now=100, policy=FASED)
+    assert h.disabled_reason == "billing" and h.cooldown_until is None
+    assert not is_available(h, 18099.999)
+    assert is_available(h, 18100)
+
+
+def test_non_counting_failure_changes_nothing() -> None:
+    h = Health(key="p", error_count=2, last_failure_at=5.0, cooldown_until=65.0)
+    assert record_failure(h, Category.TIMEOUT, provider="x", now=10, policy=FASED) == h
+
+
+def test_fased_counters_survive_expiry_but_not_the_window() -> None:
+    h = record_failure(Health(key="p"), Category.RATE_LIMIT, provider="x", now=0, policy=FASED)
+    assert refresh(h, 61, FASED).error_count == 1  # expired, still inside 24 h
+    assert refresh(h, 86_400, FASED).error_count == 0
+    shorter = apply_overrides(FASED, {"failure_window_s": 100})
+    assert refresh(h, 100, shorter).error_count == 0
+
+
+def test_goclaw_window_reset_waits_for_expiry() -> None:
+    h = Health(key="r")
+    for t in (0, 10, 20, 30):
+        h = record_failure(h, Category.OVERLOADED, provider="p", now=t, policy=GOCLAW)
+    assert h.error_count == 4 and h.cooldown_until == 3630
+    # 10 minutes without a failure, but the 1 h cooldown is still running: escalate.
+    h = record_failure(h, Category.OVERLOADED, provider="p", now=1000, policy=GOCLAW)
+    assert h.error_count == 5 and h.cooldown_until == 4600
+
+
+def test_success_clears_and_marks_use() -> None:
+    h = record_failure(Health(key="p"), Category.BILLING, provider="x", now=0, policy=FASED)
+    h = record_success(h, 5, FASED)
+    assert (h.error_count, h.disabled_until, h.failure_counts, h.last_used) == (0, None, {}, 5)
+    keep = FASED.model_copy(
+        update={"health": FASED.health.model_copy(update={"reset_on_success": False})}
+    )
+    h2 = record_success(Health(key="p", error_count=3), 7, keep)
+    assert (h2.error_count, h2.last_used) == (3, 7)
+
+
+def test_marks() -> None:
+    assert mark_used(Health(key="k"), 3).last_used == 3
+    assert mark_probed(Health(key="k"), 4).last_probe_at == 4
+
+
+def test_health_key_follows_the_policy_key() -> None:
+    route = Route(id="route", provider="gemini", model="m", group="g", recipient="r")
+    assert health_key(route, "prof", FASED) == "prof"
+    assert health_key(route, None, FASED) == "route"
+    # goclaw: the cooldown belongs to the provider, shared by all its routes.
+    assert health_key(route, "prof", GOCLAW) == "provider:gemini"
+    assert health_key(route, None, preset("failure-domain")) == "route"
+
+
+def test_probe_eligibility() -> None:
+    cooling = Health(key="r", cooldown_until=1000)
+    assert not probe_eligible(cooling, 879, GOCLAW)  # outside the 2-minute margin
+    assert probe_eligible(cooling, 880, GOCLAW)  # never probed
+    assert not probe_eligible(cooling, 900, GOCLAW, last_probe_at=880)
+    assert probe_eligible(cooling, 910, GOCLAW, last_probe_at=880)
+    assert not probe_eligible(mark_probed(cooling, 890), 900, GOCLAW)
+    assert probe_eligible(mark_probed(cooling, 890), 900, GOCLAW, last_probe_at=None)
+    assert not probe_eligible(Health(key="r"), 0, GOCLAW)  # available: not a probe
+    assert not probe_eligible(cooling, 990, FASED)  # probes off
+
+
+def test_probe_throttle_interval_ttl_and_bound() -> None:
+    t = ProbeThrottle()
+    assert t.allowed("a", 0, GOCLAW)
+    t = t.record("a", 0, GOCLAW)
+    assert not t.allowed("a", 29.9, GOCLAW)
+    assert t.allowed("a", 30, GOCLAW)
+    t2 = t.record("b", 86_400, GOCLAW)
+    assert "a" not in t2.last and len(t2) == 1  # TTL eviction
+    small = apply_overrides(GOCLAW, {}).model_copy(
+        update={"probe": GOCLAW.probe.model_copy(update={"max_keys": 3})}
+    )
+    big = ProbeThrottle()
+    for i in range(5):
+        big = big.record(f"k{i}", float(i), small)
+    assert sorted(big.last) == ["k2", "k3", "k4"]  # the oldest went first
+    assert len(t) == 1  # values: recording never mutates

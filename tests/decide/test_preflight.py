@@ -1,0 +1,339 @@
+"""Preflight: capability, role qualification, disclosure with provenance (seed 003, section 5)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ledger.decide.preflight import (
+    CharEstimator,
+    Check,
+    Coverage,
+    Denials,
+    PartNeed,
+    RequestNeeds,
+    TokenCounter,
+    fresh_content_hash,
+    narrow_grant,
+    part_coverage,
+    preflight,
+)
+from ledger.domain.envelope import (
+    MEMORY,
+    MODEL_DERIVED,
+    PRIVATE_DOCUMENT,
+    TOOL_DESCRIPTION,
+    TOOL_RESULT,
+    USER_INPUT,
+    Envelope,
+    Part,
+    ToolSpec,
+)
+from ledger.domain.facts import WireProtocol
+from ledger.domain.values import Grant, Route
+from ledger.errors import PreflightRefused
+
+
+def route(**kw: object) -> Route:
+    base: dict[str, object] = {
+        "id": "official-deepseek",
+        "provider": "deepseek",
+        "model": "deepseek-v4",
+        "group": "deepseek-official",
+        "recipient": "deepseek",
+    }
+    base.update(kw)
+    return Route.model_validate(base)
+
+
+USER = Part(content="Summarise the filing.", data_class=USER_INPUT)
+ANALYSIS = Part(
+    role="assistant",
+    content="Revenue fell 4% on lower volumes.",
+    data_class=MODEL_DERIVED,
+    provenance="attempt-a1",
+)
+RECORDED = {"attempt-a1": {ANALYSIS.content_hash}}
+BOTH = Grant(recipients={"deepseek": [USER_INPUT, MODEL_DERIVED]})
+
+
+def checks(**kw: object) -> set[Check]:
+    return set(preflight(**kw).checks)  # type: ignore[arg-type]
+
+
+# -- capability -----------------------------------------------------------------------------------
+
+
+def test_absent_capability_is_no_restriction() -> None:
+    needs = RequestNeeds(tools=True, prefill=True, streaming=True, context_tokens=10**9)
+    assert preflight(route(), needs, grant=None, role="research").ok
+
+
+@pytest.mark.parametrize(
+    ("caps", "needs", "fragment"),
+    [
+        ({"tools": False}, RequestNeeds(tools=True), "tool"),
+        ({"prefill": False}, RequestNeeds(prefill=True), "prefill"),
+        ({"streaming": False}, RequestNeeds(streaming=True), "stream"),
+        ({"context_window": 100}, RequestNeeds(context_tokens=101), "101"),
+        ({"parameters": ["temperature"]}, RequestNeeds(parameters=frozenset({"top_k"})), "top_k"),
+    ],
+)
+def test_capability_failures_are_named(
+    caps: dict[str, object], needs: RequestNeeds, fragment: str
+) -> None:
+    r = preflight(route(capabilities=caps), needs, grant=None, role="research")
+    assert r.checks == {Check.CAPABILITY}
+    assert r.first is not None and fragment in r.first.detail
+
+
+def test_context_equal_to_window_fits() -> None:
+    r = preflight(
+        route(capabilities={"context_window": 100}),
+        RequestNeeds(context_tokens=100),
+        grant=None,
+        role="research",
+    )
+    assert r.ok
+
+
+def test_protocol_requirement() -> None:
+    needs = RequestNeeds(protocols=frozenset({WireProtocol.ANTHROPIC}))
+    assert checks(route=route(), request=needs, grant=None, role="r") == {Check.CAPABILITY}
+    ok = route(protocol="anthropic")
+    assert preflight(ok, needs, grant=None, role="r").ok
+
+
+def test_envelope_capabilities_are_derived() -> None:
+    env = Envelope(
+        parts=[USER, Part(role="assistant", content="{", data_class=USER_INPUT)],
+        tools=[ToolSpec(name="search")],
+        params={"top_k": 3},
+        stream=True,
+    )
+    caps = {"tools": False, "prefill": False, "streaming": False, "parameters": ["temperature"]}
+    r = preflight(route(capabilities=caps), env, grant=None, role="research")
+    details = " | ".join(f.detail for f in r.failures)
+    assert r.checks == {Check.CAPABILITY}
+    for word in ("tool", "prefill", "stream", "top_k"):
+        assert word in details
+
+
+def test_default_token_counter_is_chars_over_four_plus_output() -> None:
+    env = Envelope(parts=[Part(content="x" * 400)], max_output_tokens=50)
+    assert CharEstimator().count_tokens(env, route()) == 100
+    fits = route(capabilities={"context_window": 150})
+    too_small = route(capabilities={"context_window": 149})
+    assert preflight(fits, env, grant=None, role="r").ok
+    assert not preflight(too_small, env, grant=None, role="r").ok
+
+
+class FixedCounter:
+    """A pluggable counter: this model's tokenizer is far less efficient."""
+
+    def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        return 10_000 if route.model == "verbose" else 1
+
+
+def test_pluggable_token_counter() -> None:
+    counter: TokenCounter = FixedCounter()
+    assert isinstance(counter, TokenCounter)
+    env = Envelope(parts=[USER])
+    small = route(capabilities={"context_window": 5000})
+    verbose = route(model="verbose", capabilities={"context_window": 5000})
+    assert preflight(small, env, grant=None, role="r", token_counter=counter).ok
+    r = preflight(verbose, env, grant=None, role="r", token_counter=counter)
+    assert r.checks == {Check.CAPABILITY}
+
+
+# -- role qualification ---------------------------------------------------------------------------
+
+
+def test_roles_none_qualifies_every_role() -> None:
+    assert preflight(route(), RequestNeeds(), grant=None, role="anything").ok
+
+
+def test_route_roles_bind_to_the_exact_route() -> None:
+    r = preflight(route(roles=["chat"]), RequestNeeds(), grant=None, role="research")
+    assert r.checks == {Check.NOT_QUALIFIED}
+    assert preflight(route(roles=["research"]), RequestNeeds(), grant=None, role="research").ok
+
+
+def test_grant_roles_restrict_the_run() -> None:
+    g = Grant(recipients={"deepseek": [USER_INPUT]}, roles=["chat"])
+    assert checks(route=route(), request=RequestNeeds(), grant=g, role="research") == {
+        Check.NOT_QUALIFIED
+    }
+
+
+def test_route_switched_off_now_is_not_qualified() -> None:
+    den = Denials(routes=frozenset({"official-deepseek"}))
+    r = preflight(route(), RequestNeeds(), grant=None, role="research", denials=den)
+    assert r.checks == {Check.NOT_QUALIFIED}
+    assert r.first is not None and "switched off" in r.first.detail
+
+
+# -- disclosure -----------------------------------------------------------------------------------
+
+
+def test_user_input_needs_no_provenance() -> None:
+    env = Envelope(parts=[USER])
+    g = Grant(recipients={"deepseek": [USER_INPUT]})
+    assert preflight(route(), env, grant=g, role="research").ok
+
+
+def test_covered_model_derived_part_passes() -> None:
+    env = Envelope(parts=[USER, ANALYSIS])
+    r = preflight(route(), env, grant=BOTH, role="research", provenance=RECORDED)
+    assert r.ok, r.failures
+
+
+def test_approval_for_user_input_only_does_not_cover_derived_content() -> None:
+    env = Envelope(parts=[USER, ANALYSIS])
+    g = Grant(recipients={"deepseek": [USER_INPUT]})
+    r = preflight(route(), env, grant=g, role="research", provenance=RECORDED)
+    assert r.checks == {Check.DISCLOSURE}
+    assert r.first is not None and MODEL_DERIVED in r.first.detail
+
+
+def test_edited_copy_does_not_inherit_provenance() -> None:
+    edited = ANALYSIS.model_copy(update={"content": "Revenue rose 4% on higher volumes."})
+    assert part_coverage(edited, RECORDED) is Coverage.MISMATCH
+    r = preflight(
+        route(), Envelope(parts=[USER, edited]), grant=BOTH, role="r", provenance=RECORDED
+    )
+    assert r.checks == {Check.DISCLOSURE}
+    assert r.first is not None and "mismatch" in r.first.detail
+
+
+def test_copy_with_an_authorized_flag_is_not_covered() -> None:
+    # Validation refuses an unknown field outright ...
+    with pytest.raises(ValueError):
+        Part.model_validate({**ANALYSIS.model_dump(), "authorized": True})
+    # ... but model_copy skips validation: the flag is planted, invisible to the hash. The part
+    # is still not what the ledger recorded, so it is not covered.
+    planted = ANALYSIS.model_copy(update={"authorized": True})
+    # Or the flag is smuggled into hashed fields: a different hash.
+    flagged_name = ANALYSIS.model_copy(update={"name": "authorized"})
+    flagged_text = ANALYSIS.model_copy(update={"content": ANALYSIS.content + " [authorized]"})
+    for copy in (planted, flagged_name, flagged_text):
+        assert part_coverage(copy, RECORDED) is Coverage.MISMATCH
+        r = preflight(route(), Envelope(parts=[copy]), grant=BOTH, role="r", provenance=RECORDED)
+        assert r.checks == {Check.DISCLOSURE}
+    assert fresh_content_hash(flagged_name) != fresh_content_hash(ANALYSIS)
+
+
+def test_stale_cached_hash_on_an_edited_copy_does_not_cover() -> None:
+    # Part.content_hash is cached and model_copy copies the cache: an edited copy of a part whose
+    # hash was already computed presents the original's hash. Preflight recomputes it.
+    original = Part(content="draft A", data_class=MODEL_DERIVED, provenance="a9")
+    recorded = {"a9": {original.content_hash}}  # computes and caches the hash
+    edited = original.model_copy(update={"content": "draft B"})
+    assert part_coverage(edited, recorded) is Coverage.MISMATCH
+    assert part_coverage(original, recorded) is Coverage.OK
+
+
+def test_provenance_reference_must_be_recorded() -> None:
+    unknown = ANALYSIS.model_copy(update={"provenance": "attempt-zz"})
+    none = ANALYSIS.model_copy(update={"provenance": None})
+    assert part_coverage(unknown, RECORDED) is Coverage.MISSING
+    assert part_coverage(none, RECORDED) is Coverage.MISSING
+    r = preflight(route(), Envelope(parts=[none]), grant=None, role="r", provenance=RECORDED)
+    assert r.checks == {Check.DISCLOSURE}  # a grant of everything does not replace provenance
+
+
+@pytest.mark.parametrize("cls", [MEMORY, PRIVATE_DOCUMENT, TOOL_RESULT])
+def test_memory_private_and_tool_results_need_coverage(cls: str) -> None:
+    part = Part(content="holdings: 1200 ACME", data_class=cls, provenance="mem-1")
+    g = Grant(recipients={"deepseek": [cls]})
+    assert not preflight(route(), Envelope(parts=[part]), grant=g, role="r").ok
+    covered = {"mem-1": {part.content_hash}}
+    assert preflight(route(), Envelope(parts=[part]), grant=g, role="r", provenance=covered).ok
+
+
+def test_tool_descriptions_need_approval_of_their_class() -> None:
+    env = Envelope(parts=[USER], tools=[ToolSpec(name="search", description="web search")])
+    g = Grant(recipients={"deepseek": [USER_INPUT]})
+    r = preflight(route(), env, grant=g, role="r")
+    assert r.checks == {Check.DISCLOSURE}
+    g2 = Grant(recipients={"deepseek": [USER_INPUT, TOOL_DESCRIPTION]})
+    assert preflight(route(), env, grant=g2, role="r").ok
+
+
+def test_revoked_recipient_fails_although_the_frozen_grant_allows_it() -> None:
+    den = Denials(recipients=frozenset({"deepseek"}))
+    g = Grant(recipients={"deepseek": [USER_INPUT]})
+    r = preflight(route(), Envelope(parts=[USER]), grant=g, role="r", denials=den)
+    assert r.checks == {Check.DISCLOSURE}
+
+
+def test_needs_form_uses_the_given_verdicts() -> None:
+    for verdict, ok in ((Coverage.OK, True), (Coverage.MISSING, False), (Coverage.MISMATCH, False)):
+        needs = RequestNeeds(parts=(PartNeed(USER_INPUT), PartNeed(MODEL_DERIVED, verdict)))
+        assert preflight(route(), needs, grant=None, role="r").ok is ok
+
+
+def test_every_failed_check_is_named_and_require_raises() -> None:
+    r = preflight(
+        route(roles=["chat"], capabilities={"tools": False}),
+        RequestNeeds(tools=True, parts=(PartNeed(MODEL_DERIVED, Coverage.MISSING),)),
+        grant=None,
+        role="research",
+    )
+    assert r.checks == {Check.CAPABILITY, Check.NOT_QUALIFIED, Check.DISCLOSURE}
+    assert r.first is not None and r.first.check is Check.CAPABILITY
+    with pytest.raises(PreflightRefused) as exc:
+        r.require()
+    assert exc.value.fields["route"] == "official-deepseek"
+    assert len(exc.value.fields["failures"]) == 3
+    preflight(route(), RequestNeeds(), grant=None, role="r").require()  # ok: no raise
+
+
+# -- child narrowing ------------------------------------------------------------------------------
+
+
+def test_child_grant_is_never_broader_than_the_parent() -> None:
+    parent = Grant(recipients={"go-gateway": [USER_INPUT, MODEL_DERIVED], "deepseek": [USER_INPUT]})
+    asked = Grant(
+        recipients={"deepseek": [USER_INPUT, MODEL_DERIVED], "openai": [USER_INPUT]},
+        roles=["research"],
+    )
+    child = narrow_grant(parent, asked)
+    assert child.recipients == {"deepseek": [USER_INPUT]}
+    assert child.roles == ["research"]
+    env = Envelope(parts=[USER, ANALYSIS])
+    r = preflight(route(), env, grant=child, role="research", provenance=RECORDED)
+    assert r.checks == {Check.DISCLOSURE}
+    assert narrow_grant(Grant(roles=["a", "b"]), Grant(roles=["b", "c"])).roles == ["b"]
+    assert narrow_grant(Grant(roles=["a"]), Grant()).roles == ["a"]
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+_text = st.text(min_size=1, max_size=40)
+
+
+@given(_text, _text)
+def test_any_edit_breaks_coverage(original: str, edited: str) -> None:
+    part = Part(role="assistant", content=original, data_class=MODEL_DERIVED, provenance="a1")
+    recorded = {"a1": {part.content_hash}}
+    copy = part.model_copy(update={"content": edited})
+    expected = Coverage.OK if edited == original else Coverage.MISMATCH
+    assert part_coverage(copy, recorded) is expected
+
+
+@given(
+    st.sets(st.sampled_from([USER_INPUT, MODEL_DERIVED, MEMORY, TOOL_RESULT])),
+    st.sets(st.sampled_from([USER_INPUT, MODEL_DERIVED, MEMORY, TOOL_RESULT])),
+)
+def test_disclosure_is_monotone_in_the_grant(approved: set[str], extra: set[str]) -> None:
+    # Every part is covered, so only the grant decides; widening it never refuses more.
+    needs = RequestNeeds(parts=tuple(PartNeed(c, Coverage.OK) for c in (USER_INPUT, MEMORY)))
+    narrow = Grant(recipients={"deepseek": sorted(approved)})
+    wide = Grant(recipients={"deepseek": sorted(approved | extra)})
+    if preflight(route(), needs, grant=narrow, role="r").ok:
+        assert preflight(route(), needs, grant=wide, role="r").ok
+    assert preflight(route(), needs, grant=narrow, role="r").ok == (
+        {USER_INPUT, MEMORY} <= approved
+    )
