@@ -56,7 +56,7 @@ from ledger.domain.records import (
     to_micros,
 )
 from ledger.domain.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
-from ledger.domain.validation import checked_calls, validate_as
+from ledger.domain.validation import checked_call, checked_calls, validate_as
 from ledger.domain.values import (
     Budget,
     Grant,
@@ -68,11 +68,9 @@ from ledger.domain.values import (
 )
 from ledger.errors import ArgumentMismatch, InvalidArgument, NotFound
 from ledger.policy.model import Policy
-from ledger.storage import engine as engine_mod
-from ledger.storage import migrate
-from ledger.storage.hot import Snapshot
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
+from ledger.storage.port import Snapshot, StoragePort
 from ledger.storage.rows import new_id, run_live
-from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
@@ -271,11 +269,17 @@ def _native(fn: Callable[Concatenate[Ledger, P], _Call[R]]
 
 @checked_calls
 class Ledger:
-    """A ledger over one database. Open with :meth:`open`."""
+    """A ledger over one database. Open with :meth:`open`.
 
-    def __init__(self, store: Store, clock: Clock | None = None,
+    ``Ledger(store)`` builds one over a storage port that is already open (see
+    :func:`ledger.storage.open_store`); the ledger owns it from then on and closes it.
+    """
+
+    def __init__(self, store: StoragePort, clock: Clock | None = None,
                  executor_id: str | None = None) -> None:
-        self.store = store
+        # Private: applications use the ledger's methods; ops and tools reach the port
+        # deliberately, through storage_of().
+        self._store = store
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen: _Lru[str, RunRecord] = _Lru(1024)
@@ -298,19 +302,11 @@ class Ledger:
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         check_bool(migrate_schema, "migrate_schema")
         _check_opening(url, clock, executor_id)
-        norm = engine_mod.normalize_url(url)
-        eng = engine_mod.create(norm)
-        if migrate_schema:
-            try:
-                migrate.upgrade(eng, norm)
-            except BaseException:
-                eng.dispose()
-                raise
-        return cls(Store(eng, norm, lease_margin_s=lease_margin_s), clock=clock,
-                   executor_id=executor_id)
+        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
+        return cls(store, clock=clock, executor_id=executor_id)
 
     def close(self) -> None:
-        self.store.dispose()
+        self._store.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -320,7 +316,13 @@ class Ledger:
 
     @property
     def backend(self) -> str:
-        return self.store.dialect
+        return self._store.backend
+
+    @property
+    def lease_margin_s(self) -> float:
+        """How long before its end a lease stops starting work (seconds; set at :meth:`open`):
+        a lease's ``ttl_s`` must be longer, and a keeper renews before it."""
+        return self._store.lease_margin_s
 
     def now(self) -> float:
         return self.clock.now()
@@ -427,7 +429,7 @@ class Ledger:
             max_cost_micros=to_micros(budget.max_cost),
             max_tokens=budget.max_tokens,
         )
-        rec, _created = self.store.admit(spec, self.clock.now)
+        rec, _created = self._store.admit(spec, self.clock.now)
         return rec
 
     def run(
@@ -468,18 +470,18 @@ class Ledger:
 
     def get_run(self, run_id: str) -> RunRecord:
         """The Run as it stands now (frozen parts and live counters)."""
-        return self.store.get_run(check_id(run_id, "run_id"))
+        return self._store.get_run(check_id(run_id, "run_id"))
 
     def children(self, run_id: str) -> list[RunRecord]:
         """The Child Runs admitted under ``run_id``."""
-        return self.store.children(check_id(run_id, "run_id"))
+        return self._store.children(check_id(run_id, "run_id"))
 
     def frozen_run(self, run_id: str) -> RunRecord:
         """The run as admitted. Only its frozen parts (plan, grant, budget, policy, role,
         parent, deadline) are meaningful: it is cached, so its counters are as first read."""
         rec = self._frozen.get(run_id)
         if rec is None:
-            rec = self.store.get_run(check_id(run_id, "run_id"))
+            rec = self._store.get_run(check_id(run_id, "run_id"))
             self._frozen.put(run_id, rec)
         return rec
 
@@ -496,8 +498,8 @@ class Ledger:
         ends = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
         st = check_choice(status, RunStatus, "status", ends)
         lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.finish_run(lease, st, clock),
-                     lambda: self.store.afinish_run(lease, st, clock))
+        return _Call(lambda: self._store.finish_run(lease, st, clock),
+                     lambda: self._store.afinish_run(lease, st, clock))
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -508,28 +510,28 @@ class Ledger:
         :class:`LeaseHeld`; one's own unexpired lease is renewed under the same fence."""
         check_id(run_id, "run_id")
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        if ttl <= self.store.lease_margin_s:
+        if ttl <= self._store.lease_margin_s:
             raise InvalidArgument(
-                f"ttl_s={ttl:g} is not above the lease margin ({self.store.lease_margin_s:g}s): "
+                f"ttl_s={ttl:g} is not above the lease margin ({self._store.lease_margin_s:g}s): "
                 "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
         executor = self.executor_id if executor_id is None else executor_id
         check_id(executor, "executor_id")
         clock = self.clock.now
-        return _Call(lambda: self.store.acquire_lease(run_id, executor, ttl, clock),
-                     lambda: self.store.aacquire_lease(run_id, executor, ttl, clock))
+        return _Call(lambda: self._store.acquire_lease(run_id, executor, ttl, clock),
+                     lambda: self._store.aacquire_lease(run_id, executor, ttl, clock))
 
     def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> _Call[Lease]:
         """Extend a live lease; a lapsed one (expired or released) is :class:`LeaseLost`."""
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.renew_lease(lease, ttl, clock),
-                     lambda: self.store.arenew_lease(lease, ttl, clock))
+        return _Call(lambda: self._store.renew_lease(lease, ttl, clock),
+                     lambda: self._store.arenew_lease(lease, ttl, clock))
 
     def _release_lease(self, lease: Lease) -> _Call[None]:
         """Give the lease up (the Run's attempts must be settled first)."""
         lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.release_lease(lease, clock),
-                     lambda: self.store.arelease_lease(lease, clock))
+        return _Call(lambda: self._store.release_lease(lease, clock),
+                     lambda: self._store.arelease_lease(lease, clock))
 
     def _reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
                        ) -> _Call[int]:
@@ -540,8 +542,8 @@ class Ledger:
         lease, clock = _lease(lease), self.clock.now
         if data is not None:
             data = _data(data, "data")
-        return _Call(lambda: self.store.reserve_retry(lease, clock, data),
-                     lambda: self.store.areserve_retry(lease, clock, data))
+        return _Call(lambda: self._store.reserve_retry(lease, clock, data),
+                     lambda: self._store.areserve_retry(lease, clock, data))
 
     # -- attempts -------------------------------------------------------------------------
 
@@ -620,8 +622,8 @@ class Ledger:
             self._in_flight.put(rec.attempt_id, rec)
             return rec
 
-        return _Call(lambda: self.store.begin_attempt(spec, clock),
-                     lambda: self.store.abegin_attempt(spec, clock), done)
+        return _Call(lambda: self._store.begin_attempt(spec, clock),
+                     lambda: self._store.abegin_attempt(spec, clock), done)
 
     def _settle_attempt(
         self,
@@ -700,7 +702,7 @@ class Ledger:
         if not isinstance(repeat, bool):
             raise InvalidArgument("repeat must be True or False", field="repeat")
         known = self._in_flight.get(attempt_id)
-        att = known if known is not None else self.store.get_attempt(attempt_id)
+        att = known if known is not None else self._store.get_attempt(attempt_id)
         if att.run_id != lease.run_id:
             raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
                            attempt_id=attempt_id, run_id=lease.run_id)
@@ -734,8 +736,8 @@ class Ledger:
             self._in_flight.pop(attempt_id)
             return rec
 
-        return _Call(lambda: self.store.settle_attempt(lease.run_id, spec, clock),
-                     lambda: self.store.asettle_attempt(lease.run_id, spec, clock), done)
+        return _Call(lambda: self._store.settle_attempt(lease.run_id, spec, clock),
+                     lambda: self._store.asettle_attempt(lease.run_id, spec, clock), done)
 
     def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> _Call[AttemptRecord]:
         """Settle a dispatched Attempt as unknown (no receipt): its hold stays."""
@@ -744,8 +746,8 @@ class Ledger:
                                   field="reason")
         lease, clock, why = _lease(lease), self.clock.now, reason[:200]
         check_id(attempt_id, "attempt_id")
-        return _Call(lambda: self.store.mark_unknown(lease, attempt_id, clock, why),
-                     lambda: self.store.amark_unknown(lease, attempt_id, clock, why))
+        return _Call(lambda: self._store.mark_unknown(lease, attempt_id, clock, why),
+                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why))
 
     def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> _Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction: the Run as it
@@ -771,8 +773,8 @@ class Ledger:
                                 provenance=snap.provenance, now=snap.now)
 
         return _Call(
-            lambda: self.store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
-            lambda: self.store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
+            lambda: self._store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
+            lambda: self._store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
 
     # -- groups, health, provenance, events -------------------------------------------------
 
@@ -784,7 +786,7 @@ class Ledger:
             if max_in_flight < 1:
                 raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
                                       field="max_in_flight")
-        self.store.configure_group(group, max_in_flight, self.now())
+        self._store.configure_group(group, max_in_flight, self.now())
 
     def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
                         reason: str = "operator") -> None:
@@ -793,20 +795,20 @@ class Ledger:
         mode = check_choice(mode, GroupMode, "mode")
         until = check_optional_time(until, "until")
         why = check_text(reason, "reason")
-        self.store.set_group_mode(group, GroupUpdate(mode, until, why), self.now())
+        self._store.set_group_mode(group, GroupUpdate(mode, until, why), self.now())
 
     def group_projections(self, groups: Sequence[str] | None = None
                           ) -> dict[str, GroupProjection]:
         """Admission's view of the named capacity groups (``None``: every known group)."""
         wanted = None if groups is None else check_ids(groups, "groups")
-        return self.store.group_projections(wanted, self.now())
+        return self._store.group_projections(wanted, self.now())
 
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
         """Health rows (all, or of ``keys``: route ids, profile ids, ``provider:<name>``) as
         they stand now: counters past their reset time read as reset."""
         wanted = None if keys is None else check_ids(keys, "keys")
         now = self.now()
-        return {k: as_read(h, now) for k, h in self.store.health(wanted).items()}
+        return {k: as_read(h, now) for k, h in self._store.health(wanted).items()}
 
     def _claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
                      ttl_s: float | None = None, max_keys: int | None = None) -> _Call[bool]:
@@ -831,9 +833,9 @@ class Ledger:
             "provider" if k.startswith(PROVIDER_KEY_PREFIX) else "profile")
         now = self.now()
         return _Call(
-            lambda: self.store.claim_probe(k, route.provider, now, interval, kind=kind,
+            lambda: self._store.claim_probe(k, route.provider, now, interval, kind=kind,
                                            ttl_s=ttl, max_keys=max_keys),
-            lambda: self.store.aclaim_probe(k, route.provider, now, interval, kind=kind,
+            lambda: self._store.aclaim_probe(k, route.provider, now, interval, kind=kind,
                                             ttl_s=ttl, max_keys=max_keys))
 
     def _record_compaction(self, lease: Lease) -> _Call[int]:
@@ -843,8 +845,8 @@ class Ledger:
         pinned profile is reused until "a compaction completes (compaction count
         increments)"). A user pin is kept. Needs a live lease."""
         lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.record_compaction(lease, clock),
-                     lambda: self.store.arecord_compaction(lease, clock))
+        return _Call(lambda: self._store.record_compaction(lease, clock),
+                     lambda: self._store.arecord_compaction(lease, clock))
 
     def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
                            kind: str = "tool_result") -> _Call[None]:
@@ -854,8 +856,8 @@ class Ledger:
         _kind(kind, "kind", 16)
         lease, clock = _lease(lease), self.clock.now
         return _Call(
-            lambda: self.store.record_provenance(lease, ref, content_hash, kind, clock),
-            lambda: self.store.arecord_provenance(lease, ref, content_hash, kind, clock))
+            lambda: self._store.record_provenance(lease, ref, content_hash, kind, clock),
+            lambda: self._store.arecord_provenance(lease, ref, content_hash, kind, clock))
 
     def provenance(self, run_id: str) -> dict[str, set[str]]:
         """Recorded outputs of this run and its ancestors: ref -> content hashes."""
@@ -864,7 +866,7 @@ class Ledger:
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
             run = self.frozen_run(run.parent_run_id)
-        return self.store.provenance(ids)
+        return self._store.provenance(ids)
 
     def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
                       attempt_id: str | None = None) -> _Call[None]:
@@ -872,8 +874,8 @@ class Ledger:
         name, payload = _kind(kind, "kind", MAX_EVENT_KIND), _data(data, "data")
         check_optional_id(attempt_id, "attempt_id")
         lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),
-                     lambda: self.store.aappend_event(lease, attempt_id, name, payload, clock))
+        return _Call(lambda: self._store.append_event(lease, attempt_id, name, payload, clock),
+                     lambda: self._store.aappend_event(lease, attempt_id, name, payload, clock))
 
     finish_run = _sync(_finish_run)
     acquire_lease = _sync(_acquire_lease)
@@ -897,27 +899,45 @@ class Ledger:
                 raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
                                       field="kinds")
             kinds = [_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
-        return self.store.events(run_id, kinds)
+        return self._store.events(run_id, kinds)
 
     # -- reads ----------------------------------------------------------------------------
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
         """One Attempt, under its original route."""
-        return self.store.get_attempt(check_id(attempt_id, "attempt_id"))
+        return self._store.get_attempt(check_id(attempt_id, "attempt_id"))
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         """The run's Attempts in order, each under its original route."""
-        return self.store.timeline(check_id(run_id, "run_id"))
+        return self._store.timeline(check_id(run_id, "run_id"))
 
     def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
         """Attempts newest first. Filters: ``route``, ``group`` (ids), ``state`` (an
         :class:`AttemptState`), ``category`` (a :class:`Category`), ``since``/``until`` (epoch
         seconds), ``limit`` (1 to 10 000, default 100), ``cursor`` (a page's ``next_cursor``)."""
-        return self.store.attempts(**attempt_filters(filters))
+        return self._store.attempts(**attempt_filters(filters))
 
     def debit(self, debit_id: str) -> DebitRecord:
         """One debit (an Attempt's budget hold)."""
-        return self.store.debit(check_id(debit_id, "debit_id"))
+        return self._store.debit(check_id(debit_id, "debit_id"))
+
+
+@checked_call
+def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
+    """The storage port under ``ledger``: the one deliberate way for the ledger's own
+    operations and tools (recovery, reconciliation, the audit, ``generate``, the benchmarks,
+    the command line) to reach the database. Applications use the ledger's methods: the port
+    takes its arguments as already checked and writes without the facade's rules.
+
+    Raises :class:`InvalidArgument` when ``ledger`` is neither a :class:`Ledger` nor an
+    :class:`AsyncLedger`.
+    """
+    if isinstance(ledger, AsyncLedger):
+        ledger = ledger.sync
+    if not isinstance(ledger, Ledger):
+        raise InvalidArgument("ledger must be a ledger.Ledger or a ledger.AsyncLedger",
+                              field="ledger")
+    return ledger._store
 
 
 MAX_FENCE = 2**62
@@ -1023,6 +1043,11 @@ class AsyncLedger:
     def executor_id(self) -> str:
         return self.sync.executor_id
 
+    @property
+    def lease_margin_s(self) -> float:
+        """See :attr:`Ledger.lease_margin_s`."""
+        return self.sync.lease_margin_s
+
     def now(self) -> float:
         return self.sync.now()
 
@@ -1084,4 +1109,4 @@ class AsyncLedger:
     debit = _in_thread(Ledger.debit)
 
 
-__all__ = ["AsyncLedger", "Ledger"]
+__all__ = ["AsyncLedger", "Ledger", "storage_of"]
