@@ -31,7 +31,9 @@ from typing import Any, TypeVar
 
 from ledger import faults
 from ledger import telemetry as _telemetry
-from ledger.api.facade import AsyncLedger, Ledger, _Call, _lease, _model
+from ledger.api.arguments import as_model, lease_arg
+from ledger.api.calls import Call
+from ledger.api.facade import AsyncLedger, Ledger
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.decide.classify import classify
 from ledger.decide.effects import (
@@ -556,8 +558,8 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
         raise InvalidArgument(f"ledger must be a ledger.{ledger_type.__name__}"
                               + ("; use aexecute with an AsyncLedger" if ledger_type is Ledger
                                  else "; use execute with a Ledger"), field="ledger")
-    _lease(lease)
-    envelope = _model(Envelope, envelope, "envelope")
+    lease_arg(lease)
+    envelope = as_model(Envelope, envelope, "envelope")
     if not callable(send):
         raise InvalidArgument("send must be a function of a Dispatch returning a SendResult",
                               field="send")
@@ -747,7 +749,7 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
     return item  # type: ignore[no-any-return]
 
 
-def _call_of(ledger: Ledger, eff: Effect[Any]) -> _Call[Any]:
+def _call_of(ledger: Ledger, eff: Effect[Any]) -> Call[Any]:
     """The ledger operation a database effect asks for, checked once, runnable on either
     driver: the single mapping from effects to the ledger for both drivers."""
     match eff:

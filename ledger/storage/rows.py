@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,10 +12,12 @@ from sqlalchemy import Row
 
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
+    FROZEN_RUN_FIELDS,
     AttemptKind,
     AttemptRecord,
     AttemptState,
     DebitState,
+    FrozenRun,
     RunRecord,
     RunStatus,
     from_micros,
@@ -139,11 +140,11 @@ LIVE_RUN_FIELDS = (
 )
 
 
-def run_live(frozen: RunRecord, row: Any) -> RunRecord:
+def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
     """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
     live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
     live["status"] = RunStatus(live["status"])
     live["reserved"] = from_micros(row.reserved_micros)
     live["posted"] = from_micros(row.posted_micros)
     live["carved"] = from_micros(row.carved_micros)
-    return replace(frozen, **live)
+    return RunRecord(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS}, **live)
