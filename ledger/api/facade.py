@@ -76,13 +76,14 @@ from ledger.domain.values import (
     GroupProjection,
     Health,
     Route,
+    new_id,
 )
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
 from ledger.storage import engine as engine_mod
 from ledger.storage import migrate
 from ledger.storage.hot import Snapshot
-from ledger.storage.rows import new_id, run_live
+from ledger.storage.rows import run_live
 from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 
 if TYPE_CHECKING:

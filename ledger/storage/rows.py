@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -28,10 +27,6 @@ from ledger.storage import schema as s
 # Every attempts column, for building a record from the values a transaction just wrote.
 ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
 
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def run_record(row: Row[Any]) -> RunRecord:
