@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
@@ -72,14 +72,19 @@ class Lease:
     expires_at: float
 
 
-@dataclass(frozen=True)
-class RunRecord:
+@dataclass(frozen=True, kw_only=True)
+class FrozenRun:
+    """What a Run froze at admission: its plan, grant, budget, policy and identity.
+
+    None of it ever changes, so it is safe to cache for the Run's life
+    (:meth:`ledger.Ledger.frozen_run`); the counters that do change live in :class:`RunState`.
+    """
+
     run_id: str
     parent_run_id: str | None
     role: str
     tenant: str | None
     labels: dict[str, str]
-    status: RunStatus
     plan: list[Route]
     grant: Grant
     budget: Budget
@@ -88,6 +93,22 @@ class RunRecord:
     selected_route: str
     content_hash: str
     deadline: float | None
+    created_at: float
+
+    def route(self, route_id: str) -> Route:
+        """The frozen snapshot of the plan's route ``route_id`` (``KeyError`` if absent)."""
+        for r in self.plan:
+            if r.id == route_id:
+                return r
+        raise KeyError(route_id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    """A Run's live state as read: its status, what it used and holds, what it carved for its
+    Children, the route and profile it last used, and its lease."""
+
+    status: RunStatus
     calls_used: int
     retries_used: int
     reserved: Decimal
@@ -103,12 +124,37 @@ class RunRecord:
     lease_holder: str | None
     fence: int
     lease_expires_at: float | None
-    created_at: float
     updated_at: float
     # Compactions recorded (Ledger.record_compaction), and their count when current_profile
     # was set: the profile is the session's pin only while no compaction came after it.
     compactions: int = 0
     profile_compactions: int = 0
+
+
+FROZEN_RUN_FIELDS = tuple(f.name for f in fields(FrozenRun))
+RUN_STATE_FIELDS = tuple(f.name for f in fields(RunState))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord(FrozenRun, RunState):
+    """The Run as it stands when read: its frozen admission (:class:`FrozenRun`) with its live
+    state (:class:`RunState`), and what is left of its budget."""
+
+    @classmethod
+    def of(cls, frozen: FrozenRun, state: RunState) -> RunRecord:
+        """The record of ``frozen`` as it stands in ``state``."""
+        return cls(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS},
+                   **{f: getattr(state, f) for f in RUN_STATE_FIELDS})
+
+    @property
+    def frozen(self) -> FrozenRun:
+        """Only what the Run froze at admission (what :meth:`ledger.Ledger.frozen_run` caches)."""
+        return FrozenRun(**{f: getattr(self, f) for f in FROZEN_RUN_FIELDS})
+
+    @property
+    def state(self) -> RunState:
+        """Only the live state, as read."""
+        return RunState(**{f: getattr(self, f) for f in RUN_STATE_FIELDS})
 
     @property
     def pinned_profile(self) -> str | None:
@@ -120,14 +166,17 @@ class RunRecord:
 
     @property
     def calls_left(self) -> int:
+        """Model calls the Run may still begin."""
         return self.budget.max_calls - self.carved_calls - self.calls_used
 
     @property
     def retries_left(self) -> int:
+        """Retry permissions the Run may still take."""
         return self.budget.max_retries - self.carved_retries - self.retries_used
 
     @property
     def cost_left(self) -> Decimal:
+        """Cost the Run may still hold or spend."""
         return self.budget.max_cost - self.carved - self.reserved - self.posted
 
     @property
@@ -137,12 +186,6 @@ class RunRecord:
             return None
         return (self.budget.max_tokens - self.carved_tokens - self.tokens_reserved
                 - self.tokens_used)
-
-    def route(self, route_id: str) -> Route:
-        for r in self.plan:
-            if r.id == route_id:
-                return r
-        raise KeyError(route_id)
 
 
 @dataclass(frozen=True)
@@ -214,16 +257,20 @@ class Page(Generic[T]):
 
 
 __all__ = [
+    "FROZEN_RUN_FIELDS",
+    "RUN_STATE_FIELDS",
     "AttemptKind",
     "AttemptRecord",
     "AttemptState",
     "DebitRecord",
     "DebitState",
     "EventRecord",
+    "FrozenRun",
     "Lease",
     "Outcome",
     "Page",
     "RunRecord",
+    "RunState",
     "RunStatus",
     "from_micros",
     "to_micros",
