@@ -191,11 +191,6 @@ def is_registered(secret: str) -> bool:
     return secret in _REGISTRY
 
 
-def registered_count() -> int:
-    """How many secrets the registry holds."""
-    return len(_REGISTRY)
-
-
 # --------------------------------------------------------------------------------------------
 # Key shapes
 
@@ -417,5 +412,4 @@ __all__ = [
     "redact",
     "redact_data",
     "register_secret",
-    "registered_count",
 ]

@@ -154,12 +154,6 @@ class _Turn:
     partial: PartialOutput | None = None
 
 
-def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> Decimal:
-    """A hold that covers the request at the route's price: prompt estimate + max output."""
-    prompt, completion = _token_estimate(route, envelope, counter)
-    return route.cost(prompt, completion)
-
-
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
     return counter.count_tokens(envelope, route), envelope.max_output_tokens or 1024
 
@@ -829,7 +823,6 @@ __all__ = [
     "SendProgress",
     "SendResult",
     "aexecute",
-    "default_reserve",
     "execute",
     "group_wait",
 ]

@@ -271,16 +271,6 @@ def record_success(health: Health, now: float, policy: Policy) -> Health:
     return health.model_copy(update=update)
 
 
-def mark_used(health: Health, now: float) -> Health:
-    """The key was chosen for a call (rotation orders by oldest use)."""
-    return health.model_copy(update={"last_used": now})
-
-
-def mark_probed(health: Health, now: float) -> Health:
-    """A probe of the key was sent."""
-    return health.model_copy(update={"last_probe_at": now})
-
-
 class _Unset:
     pass
 
@@ -354,8 +344,6 @@ __all__ = [
     "health_key",
     "is_available",
     "key_kind",
-    "mark_probed",
-    "mark_used",
     "probe_eligible",
     "record_failure",
     "record_repeat",

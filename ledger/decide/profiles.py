@@ -148,34 +148,11 @@ def marks_profile_tried(fact: FailureFact, provider: str, policy: Policy) -> boo
     return cooldown_effect(fact.category, provider, fact.source, policy) is not CooldownEffect.NONE
 
 
-def rotation_candidates(
-    profiles: Sequence[Profile],
-    provider: str,
-    health: Mapping[str, Health],
-    now: float,
-    policy: ProfilePolicy,
-    *,
-    failed: str | None,
-    exclude: Collection[str] = (),
-) -> list[Profile]:
-    """After a failure on a route: its other usable profiles, in rotation order.
-
-    The failed profile and the excluded (already tried) ones are left out, and so are
-    unusable ones: rotating onto a cooling credential would only repeat the failure.
-    """
-    return [
-        p
-        for p in rotation_order(profiles, provider, health, now, policy)
-        if p.id != failed and p.id not in exclude and usable(p.id, health, now)
-    ]
-
-
 __all__ = [
     "Pin",
     "available_at",
     "first_usable",
     "marks_profile_tried",
-    "rotation_candidates",
     "rotation_order",
     "sticky_profile",
     "usable",

@@ -129,13 +129,6 @@ class Decision:
     def route_id(self) -> str | None:
         return self.route.id if self.route is not None else None
 
-    def skipped_map(self) -> dict[str, Reason]:
-        """Route id -> the first reason it was skipped for (profile skips included)."""
-        out: dict[str, Reason] = {}
-        for s in self.skipped:
-            out.setdefault(s.route, s.reason)
-        return out
-
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind.value,

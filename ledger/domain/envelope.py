@@ -26,10 +26,6 @@ MEMORY = "memory"
 PRIVATE_DOCUMENT = "private_document"
 SYSTEM = "system"
 
-KNOWN_DATA_CLASSES = (
-    USER_INPUT, MODEL_DERIVED, TOOL_DESCRIPTION, TOOL_RESULT, MEMORY, PRIVATE_DOCUMENT, SYSTEM,
-)
-
 
 def _json_data(value: Any) -> Any:
     """Parameters are hashed into the Attempt's envelope hash and sent as JSON: they must be
@@ -129,7 +125,6 @@ class Envelope(LedgerModel):
 
 
 __all__ = [
-    "KNOWN_DATA_CLASSES",
     "MEMORY",
     "MODEL_DERIVED",
     "PRIVATE_DOCUMENT",

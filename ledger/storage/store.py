@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, and_, bindparam, func, or_, select
+from sqlalchemy import Connection, Engine, and_, bindparam, func, or_, select
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
@@ -579,12 +579,6 @@ class Store:
         return DebitRecord(row.debit_id, row.run_id, row.attempt_id, DebitState(row.state),
                            from_micros(row.reserved_micros), from_micros(row.posted_micros),
                            row.created_at, row.settled_at)
-
-    def _attempt(self, conn: Connection, row: Row[Any]) -> AttemptRecord:
-        dstate = conn.execute(
-            select(s.debits.c.state).where(s.debits.c.debit_id == row.debit_id)
-        ).scalar_one_or_none()
-        return attempt_record(row, dstate)
 
 
 def _late(e: FencedOut | SettleConflict) -> bool:
