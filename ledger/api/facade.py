@@ -89,7 +89,8 @@ MAX_HASH = 80
 
 class _Lru(Generic[K, V]):
     """A small thread-safe LRU map: frozen Runs and parsed policies are read once per Run and
-    kept while in use, without growing with the number of Runs a process ever served."""
+    kept while in use, without growing with the number of Runs a process ever served.
+    """
 
     def __init__(self, size: int) -> None:
         self._size = size
@@ -136,7 +137,8 @@ def _policy_hash(policy: Policy) -> str:
 
 def _model(cls: type[M], value: Any, field: str) -> M:
     """``value`` (an instance or a mapping of its fields) as ``cls``, or InvalidArgument naming
-    the field path under ``field`` (``budget.max_cost``, ``plan[0].group``)."""
+    the field path under ``field`` (``budget.max_cost``, ``plan[0].group``).
+    """
     return validate_as(cls, dict(value) if isinstance(value, Mapping) else value, field)
 
 
@@ -225,7 +227,8 @@ def _optional_tokens(value: Any, field: str) -> int | None:
 
 class _Call(Generic[R]):
     """One validated ledger operation, ready to run on the blocking or on the asyncio driver:
-    the checks happen once (building it), and both twins run the same storage transaction."""
+    the checks happen once (building it), and both twins run the same storage transaction.
+    """
 
     __slots__ = ("asy", "done", "sync")
 
@@ -475,8 +478,11 @@ class Ledger:
         return self.store.children(check_id(run_id, "run_id"))
 
     def frozen_run(self, run_id: str) -> RunRecord:
-        """The run as admitted. Only its frozen parts (plan, grant, budget, policy, role,
-        parent, deadline) are meaningful: it is cached, so its counters are as first read."""
+        """The run as admitted.
+
+        Only its frozen parts (plan, grant, budget, policy, role, parent, deadline) are meaningful:
+        it is cached, so its counters are as first read.
+        """
         rec = self._frozen.get(run_id)
         if rec is None:
             rec = self.store.get_run(check_id(run_id, "run_id"))
@@ -505,7 +511,8 @@ class Ledger:
                        executor_id: str | None = None) -> _Call[Lease]:
         """Take the Run's lease for ``ttl_s`` seconds (renew it with :meth:`renew_lease` or a
         :class:`~ledger.api.lease.LeaseKeeper`). Another holder's unexpired lease is
-        :class:`LeaseHeld`; one's own unexpired lease is renewed under the same fence."""
+        :class:`LeaseHeld`; one's own unexpired lease is renewed under the same fence.
+        """
         check_id(run_id, "run_id")
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         if ttl <= self.store.lease_margin_s:
@@ -750,7 +757,8 @@ class Ledger:
     def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> _Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction: the Run as it
         stands, its frozen policy, its groups' projections, its routes' and profiles' health,
-        and the provenance of ``refs`` recorded by the Run or its ancestors."""
+        and the provenance of ``refs`` recorded by the Run or its ancestors.
+        """
         frozen = self.frozen_run(run_id)
         policy = self.run_policy(run_id)
         refs = check_ids(refs, "refs")
@@ -803,7 +811,8 @@ class Ledger:
 
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
         """Health rows (all, or of ``keys``: route ids, profile ids, ``provider:<name>``) as
-        they stand now: counters past their reset time read as reset."""
+        they stand now: counters past their reset time read as reset.
+        """
         wanted = None if keys is None else check_ids(keys, "keys")
         now = self.now()
         return {k: as_read(h, now) for k, h in self.store.health(wanted).items()}
@@ -841,7 +850,8 @@ class Ledger:
         returns the Run's compaction count. Under a policy with ``profiles.sticky`` the
         auto-pinned credential profile is dropped: the next turn chooses again (Fased: the
         pinned profile is reused until "a compaction completes (compaction count
-        increments)"). A user pin is kept. Needs a live lease."""
+        increments)"). A user pin is kept. Needs a live lease.
+        """
         lease, clock = _lease(lease), self.clock.now
         return _Call(lambda: self.store.record_compaction(lease, clock),
                      lambda: self.store.arecord_compaction(lease, clock))
@@ -910,9 +920,12 @@ class Ledger:
         return self.store.timeline(check_id(run_id, "run_id"))
 
     def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
-        """Attempts newest first. Filters: ``route``, ``group`` (ids), ``state`` (an
-        :class:`AttemptState`), ``category`` (a :class:`Category`), ``since``/``until`` (epoch
-        seconds), ``limit`` (1 to 10 000, default 100), ``cursor`` (a page's ``next_cursor``)."""
+        """Attempts newest first.
+
+        Filters: ``route``, ``group`` (ids), ``state`` (an :class:`AttemptState`), ``category`` (a
+        :class:`Category`), ``since``/``until`` (epoch seconds), ``limit`` (1 to 10 000, default
+        100), ``cursor`` (a page's ``next_cursor``).
+        """
         return self.store.attempts(**attempt_filters(filters))
 
     def debit(self, debit_id: str) -> DebitRecord:
@@ -935,7 +948,8 @@ def _check_opening(url: Any, clock: Any, executor_id: Any) -> None:
 
 def _lease(lease: Any, field: str = "lease") -> Lease:
     """A Lease as :meth:`Ledger.acquire_lease` returns it; a hand-built one must still fit the
-    columns it is compared with (so both backends refuse the same leases)."""
+    columns it is compared with (so both backends refuse the same leases).
+    """
     if not isinstance(lease, Lease):
         raise InvalidArgument(f"{field} must be a ledger.Lease; pass what acquire_lease "
                               "returned", field=field)
@@ -954,7 +968,8 @@ def _in_thread(
     fn: Callable[Concatenate[Ledger, P], R],
 ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
     """The async twin of a :class:`Ledger` method: the same method, run in a worker thread
-    (the database call blocks), with the same typed signature."""
+    (the database call blocks), with the same typed signature.
+    """
 
     async def method(self: AsyncLedger, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await asyncio.to_thread(fn, self.sync, *args, **kwargs)
@@ -997,7 +1012,8 @@ class AsyncLedger:
              migrate_schema: bool = True,
              lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> _Opening:
         """Open a ledger (see :meth:`Ledger.open`): ``led = await AsyncLedger.open(url)``, or
-        ``async with AsyncLedger.open(url) as led:`` (closed when the block ends)."""
+        ``async with AsyncLedger.open(url) as led:`` (closed when the block ends).
+        """
         return _Opening(lambda: cls(Ledger.open(
             url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
             lease_margin_s=lease_margin_s)))
@@ -1034,7 +1050,8 @@ class AsyncLedger:
             selected_route: str | None = None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
             adapter: Any = None, secrets: Any = None) -> AsyncRunSession:
         """The asyncio twin of :meth:`Ledger.run`: ``async with led.run(...) as run:``;
-        ``adapter`` is an :class:`~ledger.adapters.HttpAdapter`."""
+        ``adapter`` is an :class:`~ledger.adapters.HttpAdapter`.
+        """
         from ledger.api.session import AsyncRunSession
 
         return AsyncRunSession(self, run_id, dict(
@@ -1044,7 +1061,8 @@ class AsyncLedger:
 
     async def warm(self, run_id: str) -> None:
         """Read the Run's (and its ancestors') frozen parts into the cache off the event loop,
-        so the turn's own calls never block it on a first read."""
+        so the turn's own calls never block it on a first read.
+        """
         led = self.sync
         rid: str | None = run_id
         while rid is not None:

@@ -41,8 +41,10 @@ SHUTDOWN_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.BEFORE_SEND
 
 
 class KeeperCore:
-    """The schedule and state shared by both keepers. ``tick()`` does at most one renewal and
-    returns the seconds to wait before the next tick."""
+    """The schedule and state shared by both keepers.
+
+    ``tick()`` does at most one renewal and returns the seconds to wait before the next tick.
+    """
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None) -> None:
@@ -194,7 +196,8 @@ class LeaseKeeper(KeeperCore):
 
     def close(self, *, graceful: bool = True) -> None:
         """Stop renewing; with ``graceful`` settle or mark unknown what is in flight and
-        release the lease."""
+        release the lease.
+        """
         self.stop()
         if graceful:
             self.shutdown_writes()
@@ -209,7 +212,8 @@ class LeaseKeeper(KeeperCore):
 @checked_calls
 class AsyncLeaseKeeper:
     """The asyncio twin: renews in a task (the database call runs in a worker thread), can
-    cancel the task doing the work when the run is lost."""
+    cancel the task doing the work when the run is lost.
+    """
 
     def __init__(self, ledger: AsyncLedger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None,

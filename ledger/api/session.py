@@ -80,7 +80,8 @@ def _end_status(exc: BaseException | None) -> str:
 @checked_calls
 class _SessionCore:
     """What both sessions share: admission arguments, the calls a turn proposed, the Part a
-    tool result becomes, and the callbacks a turn's stream goes to."""
+    tool result becomes, and the callbacks a turn's stream goes to.
+    """
 
     def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
                  lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
@@ -122,7 +123,8 @@ class _SessionCore:
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         """The ledger's lease margin and the adapter class a session of this kind sends with
-        (refusing a ledger of the other kind)."""
+        (refusing a ledger of the other kind).
+        """
         raise NotImplementedError
 
     def _check_open(self) -> None:
@@ -173,7 +175,8 @@ class _SessionCore:
                  ) -> Callable[[Any], Any] | None:
         """The stream callback of a turn: text to ``on_text``, every event to ``on_event``,
         tool-call proposals remembered. ``None`` when the caller watches nothing: streamed text
-        then stays a buffer, and it is no effective output until the answer completes."""
+        then stays a buffer, and it is no effective output until the answer completes.
+        """
         from ledger.adapters.contract import TextDelta, ToolCallProposal
 
         if on_text is None and on_event is None:
@@ -217,7 +220,8 @@ class _SessionCore:
 
     def proposed(self, call_id: str) -> bool:
         """Whether a turn of this session proposed (or :meth:`adopt_tool_calls` adopted) the
-        tool call ``call_id``, so that its result may be recorded."""
+        tool call ``call_id``, so that its result may be recorded.
+        """
         return isinstance(call_id, str) and call_id in self._calls
 
     def _call(self, call_id: str) -> tuple[str, str]:
@@ -361,23 +365,27 @@ class RunSession(_SessionCore):
         """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
         (a host resuming a Run after a restart, with the conversation it kept): each tool-call
         part whose provenance the ledger recorded, hash for hash, is adopted. Returns the call
-        ids adopted; a part the Run did not produce is passed over."""
+        ids adopted; a part the Run did not produce is passed over.
+        """
         self._check_open()
         return self._adopt(parts, self.ledger.provenance(self.run_id))
 
     def tool_started(self, call_id: str) -> None:
         """Record durably that the host started the tool of ``call_id``: from now on a failure
         of its turn never moves to another route (invariant 9). Callable from ``on_event``
-        while the stream that proposed the call still runs."""
+        while the stream that proposed the call still runs.
+        """
         self._check_open()
         attempt_id = self._mark_started(call_id)
         self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                  attempt_id=attempt_id)
 
     def compacted(self) -> int:
-        """Record that the host compacted this session's context; returns the compaction
-        count. Under a sticky profile policy (fased) the next turn chooses its credential
-        profile again instead of keeping the session's (a user pin is kept)."""
+        """Record that the host compacted this session's context; returns the compaction count.
+
+        Under a sticky profile policy (fased) the next turn chooses its credential profile again
+        instead of keeping the session's (a user pin is kept).
+        """
         self._check_open()
         return self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
 
@@ -385,7 +393,8 @@ class RunSession(_SessionCore):
               plan: Sequence[Route] | None = None, grant: Grant | None = None,
               role: str | None = None, **admit: Any) -> RunSession:
         """A session for a Child Run: the parent's plan, grant and policy narrowed as given,
-        its budget carved from this Run's."""
+        its budget carved from this Run's.
+        """
         self._check_open()
         frozen = self.ledger.frozen_run(self.run_id)
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
@@ -457,7 +466,8 @@ class AsyncRunSession(_SessionCore):
                    send: Callable[[Dispatch], Awaitable[SendResult]] | None = None,
                    **options: Any) -> Any:
         """Serve one logical turn (see :meth:`RunSession.turn`); callbacks may be coroutine
-        functions."""
+        functions.
+        """
         from ledger.adapters import async_sender
         from ledger.api.turn import aexecute
 
@@ -491,13 +501,15 @@ class AsyncRunSession(_SessionCore):
 
     async def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
         """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
-        (see :meth:`RunSession.adopt_tool_calls`)."""
+        (see :meth:`RunSession.adopt_tool_calls`).
+        """
         self._check_open()
         return self._adopt(parts, await self.ledger.provenance(self.run_id))
 
     async def tool_started(self, call_id: str) -> None:
         """Record durably that the host started the tool of ``call_id`` (see
-        :meth:`RunSession.tool_started`); await it from an async ``on_event``."""
+        :meth:`RunSession.tool_started`); await it from an async ``on_event``.
+        """
         self._check_open()
         attempt_id = self._mark_started(call_id)
         await self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
@@ -505,15 +517,15 @@ class AsyncRunSession(_SessionCore):
 
     async def compacted(self) -> int:
         """Record that the host compacted this session's context; returns the compaction
-        count (see :meth:`RunSession.compacted`)."""
+        count (see :meth:`RunSession.compacted`).
+        """
         self._check_open()
         return await self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
 
     def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
               plan: Sequence[Route] | None = None, grant: Grant | None = None,
               role: str | None = None, **admit: Any) -> AsyncRunSession:
-        """A session for a Child Run (see :meth:`RunSession.child`); use it with
-        ``async with``."""
+        """A session for a Child Run (see :meth:`RunSession.child`); use it with ``async with``."""
         self._check_open()
         frozen = self.ledger.sync.frozen_run(self.run_id)
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)

@@ -120,7 +120,8 @@ class RunResult:
     @property
     def tool_calls(self) -> list[Part]:
         """The tool calls the model proposed, as parts (``tool_call_id``, ``name``, arguments
-        as JSON in ``content``)."""
+        as JSON in ``content``).
+        """
         return [p for p in self.parts if p.tool_call_id is not None]
 
 
@@ -161,7 +162,8 @@ def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> 
 def group_wait(group: GroupProjection | None, now: float, deadline: float | None,
                max_wait_s: float) -> float:
     """How long to wait for the target group's waiting floor before beginning: its end, when it
-    ends before the Run's deadline and within ``max_wait_s``; else 0 (admission decides)."""
+    ends before the Run's deadline and within ``max_wait_s``; else 0 (admission decides).
+    """
     if group is None or group.until is None or group.until <= now:
         return 0.0
     if group.mode is GroupMode.OPEN:
@@ -454,7 +456,8 @@ class _Loop:
 
     def _settle_quietly(self, settle: Settle) -> Generator[Effect[Any], Any, None]:
         """A settle on the way out of an interruption: what cannot be written is left to
-        recovery (an attempt that does not exist, was settled, or whose run was taken over)."""
+        recovery (an attempt that does not exist, was settled, or whose run was taken over).
+        """
         try:
             yield from perform(settle)
         except (NotFound, SettleConflict, FencedOut) as e:
@@ -471,7 +474,8 @@ class _Loop:
         """Record the stop with its reasons (an audit event), then build the error to raise.
 
         ``reason`` overrides the stop reason (the token budget, a rejection before dispatch);
-        ``cause`` is the original failure a stop returns to, kept in the event and the error."""
+        ``cause`` is the original failure a stop returns to, kept in the event and the error.
+        """
         exc = self._stop(turn, decision, error, reason=reason, cause=cause)
         try:
             yield from perform(Record(self.lease, "stop", {
@@ -545,7 +549,8 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
           token_counter: TokenCounter | None, part_hashes: Sequence[str] | None = None
           ) -> _Loop:
     """The checked arguments of :func:`execute` / :func:`aexecute` (nothing is read or written
-    before they pass)."""
+    before they pass).
+    """
     if not isinstance(ledger, ledger_type):
         raise InvalidArgument(f"ledger must be a ledger.{ledger_type.__name__}"
                               + ("; use aexecute with an AsyncLedger" if ledger_type is Ledger
@@ -648,8 +653,11 @@ async def aexecute(
     token_counter: TokenCounter | None = None,
     part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
-    """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
-    ``send`` and ``on_notice`` may be coroutine functions."""
+    """Serve one logical turn of the Run (async).
+
+    Same logic and arguments as :func:`execute`; ``send`` and ``on_notice`` may be coroutine
+    functions.
+    """
     loop = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
                  sleeper, on_notice, rng, token_counter, part_hashes)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
@@ -743,7 +751,8 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
 
 def _call_of(ledger: Ledger, eff: Effect[Any]) -> _Call[Any]:
     """The ledger operation a database effect asks for, checked once, runnable on either
-    driver: the single mapping from effects to the ledger for both drivers."""
+    driver: the single mapping from effects to the ledger for both drivers.
+    """
     match eff:
         case Snapshot(run_id=run_id, refs=refs):
             return ledger._turn_snapshot(run_id, refs)

@@ -38,8 +38,12 @@ def default_grant(plan: Sequence[Route]) -> Grant:
 
 def child_grant(parent_plan: Sequence[Route], parent_grant: Grant, plan: Sequence[Route],
                 grant: Grant | None, role: str) -> Grant:
-    """The grant a Child is admitted with, or :class:`InvalidArgument` when it would be broader
-    than its parent in any way (a route, a recipient, a data class, a role)."""
+    """The grant a Child is admitted with.
+
+    Raises:
+        InvalidArgument: the Child would be broader than its parent in any way (a route, a
+            recipient, a data class, a role); ``field`` names which.
+    """
     parent_routes = {r.id: r for r in parent_plan}
     for r in plan:
         if parent_routes.get(r.id) != r:
@@ -80,8 +84,11 @@ def child_grant(parent_plan: Sequence[Route], parent_grant: Grant, plan: Sequenc
 
 
 def check_child_policy(parent_policy_hash: str, child_policy_hash: str | None) -> None:
-    """A Child runs under its parent's frozen policy: a looser one (another preset, failover
-    switched on where the parent has it off) would let it do what the parent may not."""
+    """Refuse (InvalidArgument) a Child policy other than its parent's frozen one.
+
+    A looser policy (another preset, failover switched on where the parent has it off) would let
+    the Child do what the parent may not.
+    """
     if child_policy_hash is not None and child_policy_hash != parent_policy_hash:
         raise InvalidArgument(
             f"a child runs under its parent's frozen policy ({parent_policy_hash}); the policy "

@@ -32,7 +32,10 @@ class Effect(Generic[T]):
 
 
 def perform(effect: Effect[T]) -> Generator[Effect[T], T, T]:
-    """Yield ``effect`` and return its (typed) result: ``x = yield from perform(eff)``."""
+    """Yield ``effect`` and return its (typed) result.
+
+    A step of the retry owner reads ``x = yield from perform(eff)``.
+    """
     return (yield effect)
 
 
@@ -56,10 +59,13 @@ class TurnSnapshot:
 
 @dataclass
 class SendProgress:
-    """How far a send got. ``handed_over``: the driver called the send function (before that,
-    nothing can have left). ``sent``: the sender's own report — ``False`` until the first byte
-    of the request is written to the network, ``True`` from then on; ``None`` when the sender
-    does not report it, and then a request handed over counts as possibly sent."""
+    """How far a send got.
+
+    ``handed_over``: the driver called the send function (before that, nothing can have left).
+    ``sent``: the sender's own report — ``False`` until the first byte of the request is written to
+    the network, ``True`` from then on; ``None`` when the sender does not report it, and then a
+    request handed over counts as possibly sent.
+    """
 
     handed_over: bool = False
     sent: bool | None = None
@@ -69,6 +75,7 @@ class SendProgress:
 
     @property
     def provably_unsent(self) -> bool:
+        """Whether the request certainly never left: not handed over, or reported unsent."""
         return not self.handed_over or self.sent is False
 
 
@@ -116,6 +123,7 @@ class SendResult:
 
     @classmethod
     def failed(cls, observation: Observation, *, sent: bool = True) -> SendResult:
+        """A failed send, with its evidence; ``sent=False`` when no byte left."""
         return cls(ok=False, observation=observation, sent=sent)
 
 
@@ -142,9 +150,12 @@ class Snapshot(Effect[TurnSnapshot]):
 
 @dataclass(frozen=True)
 class Begin(Effect[AttemptRecord]):
-    """Record an Attempt before its send (one commit). ``take_retry``: it is a further Attempt
-    of its turn and takes a retry permission in the same transaction; ``events`` (the selector's
-    decision, the move or retry that led here) are written with it."""
+    """Record an Attempt before its send (one commit).
+
+    ``take_retry``: it is a further Attempt of its turn and takes a retry permission in the same
+    transaction; ``events`` (the selector's decision, the move or retry that led here) are written
+    with it.
+    """
 
     lease: Lease
     attempt_id: str
@@ -164,7 +175,8 @@ class Settle(Effect[AttemptRecord]):
     """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation.
 
     ``repeat``: the Attempt was a same-route retry of a failure the request already counted in
-    health; its failure restarts the key's window without stepping the cooldown up."""
+    health; its failure restarts the key's window without stepping the cooldown up.
+    """
 
     lease: Lease
     attempt_id: str
@@ -184,23 +196,32 @@ class Settle(Effect[AttemptRecord]):
 
 @dataclass(frozen=True)
 class Send(Effect[SendResult]):
+    """Perform one physical call (the caller's send function); its result comes back."""
+
     dispatch: Dispatch
 
 
 @dataclass(frozen=True)
 class Sleep(Effect[None]):
+    """Wait ``seconds`` (a backoff, a capacity group's waiting floor) through the sleeper."""
+
     seconds: float
 
 
 @dataclass(frozen=True)
 class Notify(Effect[None]):
+    """Tell the caller something (``on_notice``): a :class:`Notice`."""
+
     notice: Notice
 
 
 @dataclass(frozen=True)
 class ClaimProbe(Effect[bool]):
-    """Take the cluster-wide probe slot of a cooling route, under its health ``key``; a claim
-    taken bounds the probe state (``ttl_s``, ``max_keys``)."""
+    """Take the cluster-wide probe slot of a cooling route, under its health ``key``.
+
+    A claim taken also bounds the probe state (``ttl_s``, ``max_keys``); the result says whether
+    this caller got the slot.
+    """
 
     route: Route
     interval_s: float

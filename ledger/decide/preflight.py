@@ -1,4 +1,4 @@
-"""Preflight: may this exact request be sent to this exact route? (seed 003, section 5)
+"""Preflight: may this exact request be sent to this exact route (seed 003, section 5)?
 
 Three independent claims must all hold before any Attempt is begun on a route:
 
@@ -91,6 +91,7 @@ class RequestNeeds:
 
     @property
     def data_classes(self) -> frozenset[str]:
+        """Every data class the request carries (its parts' and its tools')."""
         return frozenset(p.data_class for p in self.parts) | self.classes
 
 
@@ -98,7 +99,9 @@ class RequestNeeds:
 class TokenCounter(Protocol):
     """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model)."""
 
-    def count_tokens(self, envelope: Envelope, route: Route) -> int: ...
+    def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        """The prompt tokens of ``envelope`` on ``route`` (an estimate is fine)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ class CharEstimator:
     route_independent: ClassVar[bool] = True
 
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        """The estimate: characters of parts and tools over ``chars_per_token``, rounded up."""
         chars = sum(len(p.content) for p in envelope.parts)
         for t in envelope.tools:
             chars += len(t.name) + len(t.description) + len(canonical_json(t.parameters))
@@ -141,6 +145,8 @@ NO_DENIALS = Denials()
 
 @dataclass(frozen=True, slots=True)
 class PreflightFailure:
+    """One failed check, and what exactly failed (``detail``, for people)."""
+
     check: Check
     detail: str
 
@@ -154,6 +160,7 @@ class PreflightResult:
 
     @property
     def ok(self) -> bool:
+        """Whether every check passed."""
         return not self.failures
 
     @property
@@ -165,6 +172,7 @@ class PreflightResult:
 
     @property
     def checks(self) -> frozenset[Check]:
+        """The checks that failed."""
         return frozenset(f.check for f in self.failures)
 
     def require(self) -> None:

@@ -128,8 +128,9 @@ def sticky_profile(
 
 
 def marks_profile_tried(fact: FailureFact, provider: str, policy: Policy) -> bool:
-    """Whether a failure on a credential profile rules that profile out for the rest of the
-    turn, on every route that carries it.
+    """Whether a failure on a credential profile rules it out for the rest of the turn.
+
+    Ruled out, it is skipped on every route that carries it.
 
     Only where credentials rotate (``profiles.rotate_before_model``): under a route-level
     policy one 503 says nothing about the account its routes share. A profile that cannot be

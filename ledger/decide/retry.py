@@ -17,6 +17,13 @@ from ledger.policy.model import Policy, RetryRule
 
 @dataclass(frozen=True)
 class RetryDecision:
+    """Whether to retry on the same route, after ``delay_s``; ``reason`` says why (not).
+
+    ``reason`` is ``retry``, ``retry_after`` (the provider's longer hint is waited exactly),
+    ``exhausted``, ``no_rule``, ``tool_started``, ``not_resubmittable`` or
+    ``retry_after_exceeds_cap``.
+    """
+
     retry: bool
     delay_s: float | None
     reason: str

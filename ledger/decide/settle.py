@@ -24,9 +24,11 @@ from ledger.policy.model import Policy
 
 
 def health_keys(policy: Policy, route: Route, profile_id: str | None) -> list[tuple[str, str]]:
-    """The key whose health one attempt touches, with its kind: its profile where the policy
-    keys health by profile (fased), its provider's shared key where it keys health by
-    provider (goclaw), else its route."""
+    """The key whose health one attempt touches, with its kind.
+
+    Its profile where the policy keys health by profile (fased), its provider's shared key where
+    it keys health by provider (goclaw), else its route.
+    """
     key = health_key(route, profile_id, policy)
     return [(key, key_kind(route, key, policy))]
 

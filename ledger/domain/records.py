@@ -20,10 +20,17 @@ def to_micros(amount: Decimal | int | float | str) -> int:
 
 
 def from_micros(micros: int) -> Decimal:
+    """Integer micro-units -> currency units (exact: the inverse of :func:`to_micros`)."""
     return Decimal(micros) / MICROS
 
 
 class RunStatus(StrEnum):
+    """Where a Run is in its life.
+
+    ``admitted`` until its first Attempt begins, then ``running``; it ends ``succeeded``,
+    ``failed``, ``stopped`` or ``cancelled`` (:meth:`~ledger.Ledger.finish_run`).
+    """
+
     ADMITTED = "admitted"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -33,6 +40,8 @@ class RunStatus(StrEnum):
 
 
 class AttemptState(StrEnum):
+    """Where an Attempt (one physical call) is: ``dispatching`` until it is settled."""
+
     DISPATCHING = "dispatching"  # recorded, request may be on the wire
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -42,6 +51,8 @@ class AttemptState(StrEnum):
 
 
 class AttemptKind(StrEnum):
+    """Why an Attempt was made: the turn's first, a same-route retry, a failover, a probe."""
+
     FIRST = "first"
     RETRY = "retry"  # same route again
     FAILOVER = "failover"  # another route
@@ -49,8 +60,11 @@ class AttemptKind(StrEnum):
 
 
 class Outcome(StrEnum):
-    """What settle records. ``not_sent``: the request provably never left the process (its
-    hold is voided and the call is not counted against the model-call allowance)."""
+    """What settle records.
+
+    ``not_sent``: the request provably never left the process (its hold is voided and the call is
+    not counted against the model-call allowance).
+    """
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -59,6 +73,8 @@ class Outcome(StrEnum):
 
 
 class DebitState(StrEnum):
+    """An Attempt's budget hold: ``reserved`` while in flight, then ``posted`` or ``voided``."""
+
     RESERVED = "reserved"
     POSTED = "posted"
     VOIDED = "voided"
@@ -66,6 +82,16 @@ class DebitState(StrEnum):
 
 @dataclass(frozen=True)
 class Lease:
+    """The right to write for a Run, as :meth:`~ledger.Ledger.acquire_lease` grants it.
+
+    Attributes:
+        run_id: The Run it is a lease on.
+        executor: Who holds it (the ledger's ``executor_id``).
+        fence: The Run's fence when it was granted; a write under an older fence is refused
+            with :class:`~ledger.errors.FencedOut`.
+        expires_at: When it lapses (epoch seconds) unless renewed.
+    """
+
     run_id: str
     executor: str
     fence: int
@@ -74,6 +100,22 @@ class Lease:
 
 @dataclass(frozen=True)
 class RunRecord:
+    """A Run as the ledger recorded it: what was frozen at admission, and its live counters.
+
+    Frozen at admission: ``run_id``, ``parent_run_id``, ``role``, ``tenant``, ``labels``,
+    ``plan`` (the route snapshots), ``grant``, ``budget``, ``policy`` (its JSON) and
+    ``policy_hash``, ``selected_route``, ``content_hash`` and ``deadline``.
+
+    Live, as of the read: ``status``; ``calls_used``, ``retries_used``, ``tokens_used``; the
+    cost ``reserved`` by Attempts in flight and ``posted`` by settled ones (currency units),
+    ``tokens_reserved``; what was carved out for Child Runs (``carved_calls``,
+    ``carved_retries``, ``carved``, ``carved_tokens``); ``current_route`` and
+    ``current_profile`` (those of the last success); the lease (``lease_holder``, ``fence``,
+    ``lease_expires_at``); ``compactions`` recorded; ``created_at`` and ``updated_at``.
+    What is left of the budget is :attr:`calls_left`, :attr:`retries_left`,
+    :attr:`cost_left` and :attr:`tokens_left`.
+    """
+
     run_id: str
     parent_run_id: str | None
     role: str
@@ -112,22 +154,28 @@ class RunRecord:
 
     @property
     def pinned_profile(self) -> str | None:
-        """The profile a new turn keeps (session stickiness): the one used last, unless a
-        compaction was recorded since (Fased: "a compaction completes ... increments")."""
+        """The profile a new turn keeps (session stickiness).
+
+        It is the one used last, unless a compaction was recorded since (Fased: "a compaction
+        completes ... increments").
+        """
         if self.compactions != self.profile_compactions:
             return None
         return self.current_profile
 
     @property
     def calls_left(self) -> int:
+        """Model calls the Run may still begin."""
         return self.budget.max_calls - self.carved_calls - self.calls_used
 
     @property
     def retries_left(self) -> int:
+        """Retry permissions (further Attempts of a turn) the Run still has."""
         return self.budget.max_retries - self.carved_retries - self.retries_used
 
     @property
     def cost_left(self) -> Decimal:
+        """Cost budget neither held, spent nor carved out for children (currency units)."""
         return self.budget.max_cost - self.carved - self.reserved - self.posted
 
     @property
@@ -139,6 +187,7 @@ class RunRecord:
                 - self.tokens_used)
 
     def route(self, route_id: str) -> Route:
+        """The plan's frozen snapshot of ``route_id``; :class:`KeyError` when not in the plan."""
         for r in self.plan:
             if r.id == route_id:
                 return r
@@ -147,6 +196,19 @@ class RunRecord:
 
 @dataclass(frozen=True)
 class AttemptRecord:
+    """One physical call, as recorded: begun before it was sent, settled once.
+
+    The route it used stays as it was frozen (``route_id``, ``provider``, ``model``,
+    ``group_id``, and ``profile_id``, the credential profile); ``kind`` says why it was made and
+    ``seq`` is its order in the Run. ``state`` is where it is; a settled one carries its
+    failure ``fact`` (with ``category`` and ``http_status`` copied out for queries),
+    ``effective_output`` and ``tool_started``, the usage the provider reported
+    (``prompt_tokens``, ``completion_tokens``, ``cost``; ``None`` when not reported),
+    ``model_reported`` and the ``output_hash`` of its answer. ``reserved`` and
+    ``reserved_tokens`` are its holds and ``debit_state`` what became of them; ``fence`` and
+    ``executor`` who began it; ``reject_reason`` why admission refused it (``rejected``).
+    """
+
     attempt_id: str
     run_id: str
     turn_id: str
@@ -182,6 +244,8 @@ class AttemptRecord:
 
 @dataclass(frozen=True)
 class DebitRecord:
+    """An Attempt's budget hold: ``reserved`` at begin, ``posted`` (spent) at settle."""
+
     debit_id: str
     run_id: str
     attempt_id: str
@@ -194,6 +258,8 @@ class DebitRecord:
 
 @dataclass(frozen=True)
 class EventRecord:
+    """One audit event of a Run (or of one of its Attempts): a ``kind`` and its ``data``."""
+
     event_id: int
     run_id: str | None
     attempt_id: str | None

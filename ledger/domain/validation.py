@@ -106,9 +106,11 @@ HttpStatus = Annotated[StrictInt, Field(ge=0, le=999)]
 
 
 class LedgerModel(BaseModel):
-    """Base of the ledger's public value models: frozen, no unknown fields, and every
-    validation problem an :class:`InvalidArgument` naming the field (see the module
-    docstring)."""
+    """Base of the ledger's public value models.
+
+    Frozen, no unknown fields, and every validation problem an :class:`InvalidArgument` naming
+    the field (see the module docstring).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -162,8 +164,10 @@ class LedgerModel(BaseModel):
 
 
 def validate_as(cls: type[M], value: Any, field: str) -> M:
-    """``value`` (an instance, or a mapping of its fields) as ``cls``; problems raise
-    :class:`InvalidArgument` with paths under ``field`` (``budget.max_cost``)."""
+    """``value`` (an instance, or a mapping of its fields) as ``cls``.
+
+    Problems raise :class:`InvalidArgument` with paths under ``field`` (``budget.max_cost``).
+    """
     if isinstance(value, cls):
         return value
     try:

@@ -132,7 +132,8 @@ class TimelineEntry:
 @dataclass(frozen=True)
 class Stop:
     """Why a turn of a Run stopped (a ``stop`` event): the reason, its detail, the candidates
-    the selector passed over, the attempts the turn made and their errors."""
+    the selector passed over, the attempts the turn made and their errors.
+    """
 
     reason: str
     detail: str | None
@@ -255,9 +256,12 @@ class ActivityBucket:
 
 @dataclass(frozen=True)
 class RoutePoint:
-    """One route in one time bucket. ``success_rate`` is succeeded / (succeeded + failed +
-    unknown), ``None`` when nothing was sent; ``latency_s`` is the mean time from begin to
-    settle of the succeeded attempts, ``None`` when none succeeded."""
+    """One route in one time bucket.
+
+    ``success_rate`` is succeeded / (succeeded + failed + unknown), ``None`` when nothing was sent;
+    ``latency_s`` is the mean time from begin to settle of the succeeded attempts, ``None`` when
+    none succeeded.
+    """
 
     start: float
     attempts: int
@@ -458,7 +462,8 @@ class Audit:
              since: float | None = None, until: float | None = None, limit: int = 50,
              cursor: str | None = None) -> Page[RunSummary]:
         """Runs newest first, optionally by status (a :class:`RunStatus`), tenant (an id) and
-        admission time in [since, until) (epoch seconds); ``limit`` 1 to 10 000."""
+        admission time in [since, until) (epoch seconds); ``limit`` 1 to 10 000.
+        """
         if status is not None:
             status = check_choice(status, RunStatus, "status").value
         check_optional_id(tenant, "tenant")
@@ -558,7 +563,8 @@ class Audit:
                  since: float | None = None, until: float | None = None, limit: int = 100,
                  cursor: str | None = None) -> Page[AttemptRecord]:
         """Attempts newest first by route, group, outcome (state), category and time range
-        (the filters of :meth:`ledger.Ledger.attempts`)."""
+        (the filters of :meth:`ledger.Ledger.attempts`).
+        """
         _window(since, until)
         return self.store.attempts(**attempt_filters(dict(
             route=route, group=group, state=state, category=category, since=since, until=until,
@@ -568,7 +574,8 @@ class Audit:
               until: float | None = None, label: str | None = None, limit: int = 100,
               cursor: str | None = None) -> Page[Totals]:
         """Cost and token totals of attempts made in [since, until), grouped by route, group,
-        provider, run, tenant or one label (``by="label", label="team"``); costliest first."""
+        provider, run, tenant or one label (``by="label", label="team"``); costliest first.
+        """
         if not isinstance(by, str) or by not in q.TOTALS_KEYS:
             raise InvalidArgument(f"cannot total by {by!r}; pass by= one of "
                                   f"{', '.join(q.TOTALS_KEYS)}", field="by")
@@ -622,7 +629,8 @@ class Audit:
 
     def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
         """Attempts, failures and unknowns in ``buckets`` (1 to 1000) equal slices of
-        [since, until)."""
+        [since, until).
+        """
         since, until, buckets = _span(since, until, buckets)
         width = (until - since) / buckets
         rows = {int(r["bucket"]): r for r in q.activity(self.store, since=since, until=until,
@@ -640,7 +648,8 @@ class Audit:
     def route_series(self, *, since: float, until: float, buckets: int = 24,
                      routes: int = 8) -> list[RouteSeries]:
         """Success rate and latency per route in ``buckets`` equal slices of [since, until), for
-        the ``routes`` busiest routes of the range (busiest first)."""
+        the ``routes`` busiest routes of the range (busiest first).
+        """
         since, until, buckets = _span(since, until, buckets)
         routes = check_count(routes, "routes", maximum=1000)
         if routes < 1:
@@ -671,7 +680,8 @@ class Audit:
 
     def costs_by_day(self, *, days: int = 7, now: float | None = None) -> list[DayCost]:
         """Cost per UTC day and tenant for the last ``days`` days (today included), oldest
-        first, no tenant before the named ones; days and tenants without attempts are absent."""
+        first, no tenant before the named ones; days and tenants without attempts are absent.
+        """
         if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 366:
             raise InvalidArgument(f"days must be an integer from 1 to 366 (got {days!r}); pass "
                                   "e.g. 7", field="days")
@@ -686,7 +696,8 @@ class Audit:
 
     def metrics(self, now: float | None = None) -> MetricsSnapshot:
         """Totals for ``/metrics``: attempts by route and outcome, failovers, cooldowns active
-        now, and the budget used (posted and held cost) per tenant."""
+        now, and the budget used (posted and held cost) per tenant.
+        """
         t = self.now() if now is None else check_time(now, "now")
         m = qs.metrics_totals(self.store, t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}

@@ -150,9 +150,12 @@ def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader with bounds: duplicate keys (which PyYAML would let the last win) and
-    non-scalar keys are refused, nesting is limited to MAX_DEPTH and the document to MAX_NODES
-    nodes, where an alias counts as the whole node it refers to."""
+    """PyYAML's SafeLoader, with bounds.
+
+    Duplicate keys (which PyYAML would let the last win) and non-scalar keys are refused,
+    nesting is limited to MAX_DEPTH and the document to MAX_NODES nodes, where an alias counts as
+    the whole node it refers to.
+    """
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -284,8 +287,12 @@ def _load_file(path: Path) -> Policy:
 
 
 def validate_policy(data: Mapping[str, Any] | object, *, file: str | None = None) -> Policy:
-    """Validate a mapping into a :class:`Policy`; every problem is a PolicyError naming the
-    field path and the fix (also for a value that is not a mapping at all)."""
+    """Validate a mapping into a :class:`Policy`.
+
+    Raises:
+        PolicyError: every problem, each naming the field path and the fix (also for a value
+            that is not a mapping at all).
+    """
     where = file or "<policy>"
     if not isinstance(data, Mapping):
         kind = "empty" if data is None else f"a value of type {type(data).__name__}"
