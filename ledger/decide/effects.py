@@ -81,7 +81,21 @@ class SendProgress:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """What the send function is asked to do: send ``envelope`` on ``route``."""
+    """What the send function is asked to do: send ``envelope`` on ``route``.
+
+    The Attempt is already recorded (begun) when the send function sees it.
+
+    Attributes:
+        run_id: The Run.
+        attempt_id: The Attempt this physical call is (its hold is taken).
+        turn_id: The logical turn it serves.
+        route: The frozen route to send on.
+        profile_id: The credential profile to use (``None``: the route has none).
+        envelope: The request (an :class:`~ledger.domain.envelope.Envelope`).
+        kind: Why it is made (first, retry, failover, probe).
+        progress: Tell it how far the send got (``progress.sent``), so an interruption is
+            settled truthfully; the adapters do this themselves.
+    """
 
     run_id: str
     attempt_id: str
@@ -95,10 +109,23 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class SendResult:
-    """What the send function reports. ``observation`` is set exactly when the call failed.
+    """What the send function reports about one physical call.
 
-    ``sent`` is ``False`` only when the request provably never left the process (nothing was
-    written to the network): such an Attempt is settled *not sent*, its hold voided.
+    Attributes:
+        ok: Whether an answer came back.
+        output: The answer, for the caller (the adapters put their ``AdapterResult``).
+        prompt_tokens: Usage the provider reported (``None``: not reported, and then the
+            whole hold is posted).
+        completion_tokens: Likewise.
+        cost: The cost the provider reported, if any.
+        model_reported: The model the provider says served it.
+        output_hash: The answer's content hash, recorded with the Attempt.
+        observation: The evidence of a failure; set exactly when ``ok`` is False.
+        sent: ``False`` only when the request provably never left the process (nothing was
+            written to the network): such an Attempt is settled *not sent*, its hold voided.
+        parts: The answer as conversation parts (text, tool calls), each recorded as
+            provenance of the Attempt at settle so the next turn can carry them.
+        partial_text: On a failure, text the caller was shown before it (effective output).
     """
 
     ok: bool
