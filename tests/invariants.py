@@ -22,6 +22,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_idempotency.py::test_invariant2_begin_retried_after_a_lost_ack_under_the_same_lease",
         "tests/storage/test_idempotency.py::test_invariant2_begin_retried_under_a_lease_acquired_again_is_adopted",
         "tests/storage/test_bounded_values.py::test_property_settle_stores_exactly_what_it_accepts",
+        "tests/decide/test_write_rules.py::test_a_begin_retried_under_a_new_fence_is_the_same_write",
+        "tests/decide/test_write_rules.py::test_the_settle_hash_covers_the_receipt",
     ),
     # 3. A stale executor or a lapsed lease starts nothing; its late settle is a late receipt.
     3: (
@@ -48,6 +50,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/run/test_budgets.py::test_invariant4_token_hold_posts_the_reported_usage",
         "tests/run/test_budgets.py::test_invariant4_a_switch_after_an_admission_rejection_takes_a_retry_permission",
         "tests/run/test_retry_owner.py::test_call_allowance_bounds_the_loop",
+        "tests/decide/test_write_rules.py::test_a_settle_never_posts_more_than_its_hold_and_posts_all_of_it_when_unreported",
+        "tests/decide/test_write_rules.py::test_a_child_is_never_broader_than_its_parent",
     ),
     # 5. Frozen plan, grant, budget and policy; history read under its original routes.
     5: (
@@ -55,6 +59,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/test_pricing.py::test_admission_freezes_the_table_price_in_the_plan",
         "tests/storage/test_child_narrowing.py::test_child_runs_under_the_parents_frozen_policy",
         "tests/session/test_session.py::test_the_runs_frozen_streaming_limits_reach_the_adapter",
+        "tests/storage/test_frozen_run.py::test_invariant5_the_frozen_run_never_carries_counters_that_go_stale",
+        "tests/decide/test_write_rules.py::test_a_begin_uses_the_frozen_snapshot_of_a_planned_route_only",
     ),
     # 6. Recovery never re-sends; unknown stays unknown with its hold.
     6: (
@@ -64,6 +70,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/recovery/test_pg_restart.py::test_restart_under_workers",
         "tests/run/test_retry_owner.py::test_read_timeout_is_unknown_and_never_resubmitted_by_default",
         "tests/run/test_cancellation.py::test_cancel_mid_stream_is_unknown_with_its_hold",
+        "tests/decide/test_write_rules.py::test_an_unknown_outcome_keeps_both_holds_and_not_sent_voids_them",
     ),
     # 7. Disclosure: approved recipients only; model-derived parts need matching provenance.
     7: (

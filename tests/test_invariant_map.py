@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 from tests.invariants import INVARIANTS
 
@@ -30,3 +31,14 @@ def test_every_mapped_name_is_a_test_and_every_invariant_runs_on_a_database() ->
             source = (ROOT / path).read_text()
             on_db = on_db or "db_url" in tests[name] or "db_url" in source
         assert on_db, f"invariant {n} has no test against a database"
+
+
+def test_the_concepts_page_lists_exactly_the_mapped_tests() -> None:
+    rows: dict[int, set[str]] = {}
+    for line in (ROOT / "docs" / "concepts.md").read_text().splitlines():
+        head = line.split(" | ", 1)[0].removeprefix("| ")
+        if line.startswith("| ") and head[:1].isdigit() and head[1:3] == ". ":
+            rows[int(head[0])] = set(re.findall(r"`([^`]+::[^`]+)`", line.rsplit(" | ", 1)[1]))
+    assert sorted(rows) == sorted(INVARIANTS)
+    for n, names in INVARIANTS.items():
+        assert rows[n] == {x.removeprefix("tests/") for x in names}, f"invariant {n}"

@@ -1,32 +1,45 @@
 """The public ledger API: :class:`Ledger` (sync) and :class:`AsyncLedger` (async).
 
-All logic lives in :class:`Ledger`; :class:`AsyncLedger` runs the same methods in a worker thread,
-so there is one implementation of every check. Decisions that are pure (health effects, group
-facts, hashes) are computed here from the Run's *frozen* policy and handed to the storage layer,
-which applies them in the same transaction as the write.
-"""
+A method checks its arguments (:mod:`ledger.api.arguments`), asks the pure core what the write
+means (:mod:`ledger.decide`: what an admission freezes, what a begin may use, what a settle
+records and does to holds, health and groups, all under the Run's *frozen* policy), and hands
+the resulting spec to the store, which applies it in one transaction.
 
+The operations of the turn (snapshot, begin, settle, leases, ...) are built once as a
+:class:`~ledger.api.calls.Call` and run natively on either driver, so :class:`AsyncLedger`
+awaits the same checks and the same transaction without a thread hop; its cold methods (admin
+and reads) run the blocking method in a worker thread.
+"""
 from __future__ import annotations
 
 import asyncio
-import difflib
 import functools
 import inspect
-import json
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from pydantic import BaseModel
-
+from ledger.api.arguments import (
+    MAX_EVENT_KIND,
+    as_model,
+    attempt_filters,
+    audit_data,
+    check_opening,
+    event_kind,
+    events_arg,
+    hash_arg,
+    lease_arg,
+    optional_tokens,
+)
+from ledger.api.calls import Call, Lru
 from ledger.clock import Clock, SystemClock
-from ledger.decide.admission import check_child_policy, child_grant, default_grant, validate_plan
+from ledger.decide.admission import admission_spec, admission_terms, validate_plan
+from ledger.decide.begin import begin_spec
 from ledger.decide.effects import TurnSnapshot
 from ledger.decide.health import PROVIDER_KEY_PREFIX, as_read, route_key
-from ledger.decide.pricing import resolve_prices, same_route
+from ledger.decide.pricing import resolve_prices
+from ledger.decide.settle import settle_spec
 from ledger.domain.bounds import (
     MAX_LEASE_TTL_S,
     check_amount,
@@ -40,15 +53,14 @@ from ledger.domain.bounds import (
     check_seconds,
     check_text,
     check_tokens,
-    id_problem,
 )
-from ledger.domain.facts import Category, FailureFact, Observation, Phase
+from ledger.domain.facts import FailureFact, Observation
 from ledger.domain.records import (
     AttemptKind,
     AttemptRecord,
-    AttemptState,
     DebitRecord,
     EventRecord,
+    FrozenRun,
     Lease,
     Outcome,
     Page,
@@ -56,8 +68,8 @@ from ledger.domain.records import (
     RunStatus,
     to_micros,
 )
-from ledger.domain.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
-from ledger.domain.validation import checked_calls, validate_as
+from ledger.domain.specs import GroupUpdate
+from ledger.domain.validation import checked_calls
 from ledger.domain.values import (
     Budget,
     Grant,
@@ -65,14 +77,14 @@ from ledger.domain.values import (
     GroupProjection,
     Health,
     Route,
-    content_hash,
+    new_id,
 )
-from ledger.errors import ArgumentMismatch, InvalidArgument, NotFound
+from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
 from ledger.storage import engine as engine_mod
 from ledger.storage import migrate
 from ledger.storage.hot import Snapshot
-from ledger.storage.rows import new_id, run_live
+from ledger.storage.rows import run_live
 from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 
 if TYPE_CHECKING:
@@ -84,39 +96,6 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 DEFAULT_LEASE_TTL_S = 30.0
-MAX_EVENT_KIND = 32
-MAX_HASH = 80
-
-
-class _Lru(Generic[K, V]):
-    """A small thread-safe LRU map.
-
-    Frozen Runs and parsed policies are read once per Run and kept while in use, without growing
-    with the number of Runs a process ever served.
-    """
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: OrderedDict[K, V] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: K) -> V | None:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: K, value: V) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
-
-    def pop(self, key: K) -> V | None:
-        with self._lock:
-            return self._items.pop(key, None)
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
@@ -138,122 +117,7 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
-def _model(cls: type[M], value: Any, field: str) -> M:
-    """``value`` (an instance or a mapping of its fields) as ``cls``.
-
-    A problem is InvalidArgument naming the field path under ``field`` (``budget.max_cost``,
-    ``plan[0].group``).
-    """
-    return validate_as(cls, dict(value) if isinstance(value, Mapping) else value, field)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def _data(value: Any, field: str) -> dict[str, Any]:
-    """Audit data: a mapping with string keys (its values are stored as JSON, redacted)."""
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise InvalidArgument(f"{field} must be a mapping with string keys (got "
-                              f"{type(value).__name__}); pass a dict such as {{'why': '...'}}",
-                              field=field)
-    return dict(value)
-
-
-def _kind(value: Any, field: str, maximum: int) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidArgument(f"{field} must be a non-empty string; pass a short name such as "
-                              "'note'", field=field)
-    return check_text(value, field, maximum=maximum)
-
-
-def _events(events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    if isinstance(events, str | bytes | Mapping) or not isinstance(events, Sequence):
-        raise InvalidArgument("events must be a list of (kind, data) pairs", field="events")
-    out = []
-    for i, item in enumerate(events):
-        try:
-            kind, data = item
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"events[{i}] must be a (kind, data) pair; pass "
-                                  "('note', {...})", field=f"events[{i}]") from None
-        out.append((_kind(kind, f"events[{i}]", MAX_EVENT_KIND), _data(data, f"events[{i}]")))
-    return out
-
-
-def _hash_arg(value: Any, field: str, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if (not isinstance(value, str) or not 0 < len(value) <= MAX_HASH
-            or not value.isprintable()):
-        raise InvalidArgument(f"{field} must be a content hash string of at most {MAX_HASH} "
-                              "printable characters; pass e.g. Envelope.hash", field=field)
-    return value
-
-
-ATTEMPT_FILTERS = ("route", "group", "state", "category", "since", "until", "limit", "cursor")
-MAX_CURSOR = 300
-
-
-def attempt_filters(filters: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked filters of an attempt listing (see :meth:`Ledger.attempts`)."""
-    unknown = sorted(set(filters) - set(ATTEMPT_FILTERS))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], ATTEMPT_FILTERS, n=1)
-        raise ArgumentMismatch(
-            f"{unknown[0]!r} is not an attempt filter; "
-            + (f"did you mean {close[0]!r}? " if close else "")
-            + f"pass only {', '.join(ATTEMPT_FILTERS)}", field=unknown[0])
-    out = dict(filters)
-    for name in ("route", "group"):
-        out[name] = check_optional_id(out.get(name), name)
-    if out.get("state") is not None:
-        out["state"] = check_choice(out["state"], AttemptState, "state").value
-    if out.get("category") is not None:
-        out["category"] = check_choice(out["category"], Category, "category").value
-    for name in ("since", "until"):
-        out[name] = check_optional_time(out.get(name), name)
-    if "limit" in out:
-        out["limit"] = _limit(out["limit"])
-    if out.get("cursor") is not None:
-        out["cursor"] = check_text(out["cursor"], "cursor", maximum=MAX_CURSOR)
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _limit(value: Any, field: str = "limit") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000:
-        raise InvalidArgument(f"{field} must be an integer from 1 to 10000 (got {value!r}); "
-                              "pass e.g. 100 and page on with next_cursor", field=field)
-    return value
-
-
-def _optional_tokens(value: Any, field: str) -> int | None:
-    return None if value is None else check_tokens(value, field)
-
-
-class _Call(Generic[R]):
-    """One validated ledger operation, ready to run on the blocking or on the asyncio driver.
-
-    The checks happen once (building it), and both twins run the same storage transaction.
-    """
-
-    __slots__ = ("asy", "done", "sync")
-
-    def __init__(self, sync: Callable[[], Any], asy: Callable[[], Awaitable[Any]],
-                 done: Callable[[Any], R] | None = None) -> None:
-        self.sync = sync
-        self.asy = asy
-        self.done = done
-
-    def run(self) -> R:
-        value = self.sync()
-        return self.done(value) if self.done is not None else value
-
-    async def arun(self) -> R:
-        value = await self.asy()
-        return self.done(value) if self.done is not None else value
-
-
-def _sync(fn: Callable[Concatenate[Ledger, P], _Call[R]]) -> Callable[Concatenate[Ledger, P], R]:
+def _sync(fn: Callable[Concatenate[Ledger, P], Call[R]]) -> Callable[Concatenate[Ledger, P], R]:
     """The blocking method of an operation built by ``fn``."""
 
     @functools.wraps(fn)
@@ -265,7 +129,7 @@ def _sync(fn: Callable[Concatenate[Ledger, P], _Call[R]]) -> Callable[Concatenat
     return method
 
 
-def _native(fn: Callable[Concatenate[Ledger, P], _Call[R]]
+def _native(fn: Callable[Concatenate[Ledger, P], Call[R]]
             ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
     """The coroutine method of the same operation, on the asyncio driver (no thread hop)."""
 
@@ -325,11 +189,11 @@ class Ledger:
         self.store = store
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
-        self._frozen: _Lru[str, RunRecord] = _Lru(1024)
-        self._policies: _Lru[str, Policy] = _Lru(1024)
+        self._frozen: Lru[str, FrozenRun] = Lru(1024)
+        self._policies: Lru[str, Policy] = Lru(1024)
         # Attempts this process began and has not settled: settle needs their route, profile
         # and hold, and reading them back would cost a transaction on the hot path.
-        self._in_flight: _Lru[str, AttemptRecord] = _Lru(10_000)
+        self._in_flight: Lru[str, AttemptRecord] = Lru(10_000)
 
     # -- opening --------------------------------------------------------------------------
 
@@ -369,7 +233,7 @@ class Ledger:
         """
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         check_bool(migrate_schema, "migrate_schema")
-        _check_opening(url, clock, executor_id)
+        check_opening(url, clock, executor_id)
         norm = engine_mod.normalize_url(url)
         eng = engine_mod.create(norm)
         if migrate_schema:
@@ -432,14 +296,14 @@ class Ledger:
         deadline = check_optional_time(deadline, "deadline")
         check_optional_id(selected_route, "selected_route")
         if parent is not None:
-            parent = _lease(parent, "parent")
-        budget = _model(Budget, budget, "budget")
+            parent = lease_arg(parent, "parent")
+        budget = as_model(Budget, budget, "budget")
         if grant is not None:
-            grant = _model(Grant, grant, "grant")
+            grant = as_model(Grant, grant, "grant")
         if isinstance(plan, str | bytes | Mapping) or not isinstance(plan, Sequence):
             raise InvalidArgument("plan must be a list of ledger.Route (or of mappings of "
                                   "their fields)", field="plan")
-        plan = [_model(Route, r, f"plan[{i}]") for i, r in enumerate(plan)]
+        plan = [as_model(Route, r, f"plan[{i}]") for i, r in enumerate(plan)]
         validate_plan(plan)
         # Unpriced routes get the price table's price, frozen with the plan (ledger.decide.pricing);
         # a child's take its parent's frozen price.
@@ -453,55 +317,18 @@ class Ledger:
             # Printable: audit totals group by a label through the database's JSON functions.
             check_id(k, "labels")
             check_text(v, f"labels[{k!r}]")
-        selected = selected_route or plan[0].id
-        if selected not in {r.id for r in plan}:
-            raise InvalidArgument(f"selected_route {selected!r} is not in the plan; pass "
-                                  "the id of one of the plan's routes (or None for the first)",
-                                  field="selected_route")
-        if parent is not None:
-            prec = self.frozen_run(parent.run_id)
-            if policy is None:
-                pol = self.run_policy(parent.run_id)
-            else:
-                pol = _resolve_policy(policy)
-                check_child_policy(prec.policy_hash, _policy_hash(pol))
-            grant = child_grant(prec.plan, prec.grant, plan, grant, role)
+        prec = self.frozen_run(parent.run_id) if parent is not None else None
+        if policy is None and prec is None:
+            pol: Policy | None = _resolve_policy(None)
         else:
-            pol = _resolve_policy(policy)
-            if grant is None:
-                grant = default_grant(plan)
-        frozen = {
-            "plan": [r.model_dump(mode="json") for r in plan],
-            "grant": grant.model_dump(mode="json"),
-            "budget": budget.model_dump(mode="json"),
-            "policy_hash": _policy_hash(pol),
-            "role": role,
-            "parent": parent.run_id if parent else None,
-            "tenant": tenant,
-            "labels": label_map,
-            "selected_route": selected,
-            "deadline": deadline,
-        }
-        spec = AdmitSpec(
-            run_id=run_id,
-            parent_run_id=parent.run_id if parent else None,
-            parent_lease=parent,
-            role=role,
-            tenant=tenant,
-            labels=json.dumps(label_map, sort_keys=True),
-            plan=json.dumps(frozen["plan"], sort_keys=True),
-            run_grant=json.dumps(frozen["grant"], sort_keys=True),
-            budget=json.dumps(frozen["budget"], sort_keys=True),
-            policy=json.dumps(pol.model_dump(mode="json"), sort_keys=True),
-            policy_hash=str(frozen["policy_hash"]),
-            selected_route=selected,
-            content_hash=content_hash(frozen),
-            deadline=deadline,
-            max_calls=budget.max_calls,
-            max_retries=budget.max_retries,
-            max_cost_micros=to_micros(budget.max_cost),
-            max_tokens=budget.max_tokens,
-        )
+            pol = None if policy is None else _resolve_policy(policy)
+        pol, grant = admission_terms(
+            plan, grant, role, pol, policy_hash=_policy_hash, parent=prec,
+            parent_policy=self.run_policy(prec.run_id) if prec is not None else None)
+        spec = admission_spec(
+            run_id, plan=plan, budget=budget, grant=grant, policy=pol,
+            policy_hash=_policy_hash(pol), role=role, parent=parent, tenant=tenant,
+            labels=label_map, selected_route=selected_route, deadline=deadline)
         rec, _created = self.store.admit(spec, self.clock.now)
         return rec
 
@@ -579,20 +406,21 @@ class Ledger:
         """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
         return self.store.children(check_id(run_id, "run_id"))
 
-    def frozen_run(self, run_id: str) -> RunRecord:
-        """The run as admitted, from a per-process cache.
+    def frozen_run(self, run_id: str) -> FrozenRun:
+        """What the Run froze at admission, read once and cached: it never changes.
 
-        Only its frozen parts (plan, grant, budget, policy, role, parent, deadline) are meaningful:
-        it is cached, so its counters are as first read (:meth:`get_run` reads them now).
+        Plan, grant, budget, policy, role, parent, deadline: a
+        :class:`~ledger.domain.records.FrozenRun`.
+        Its live counters are :meth:`get_run`'s.
 
         Raises:
             NotFound: no Run has this id.
         """
-        rec = self._frozen.get(run_id)
-        if rec is None:
-            rec = self.store.get_run(check_id(run_id, "run_id"))
-            self._frozen.put(run_id, rec)
-        return rec
+        frozen = self._frozen.get(run_id)
+        if frozen is None:
+            frozen = self.store.get_run(check_id(run_id, "run_id")).frozen
+            self._frozen.put(run_id, frozen)
+        return frozen
 
     def run_policy(self, run_id: str) -> Policy:
         """The policy snapshot the run froze at admission (parsed once per Run).
@@ -606,7 +434,7 @@ class Ledger:
             self._policies.put(run_id, pol)
         return pol
 
-    def _finish_run(self, lease: Lease, status: RunStatus | str) -> _Call[None]:
+    def _finish_run(self, lease: Lease, status: RunStatus | str) -> Call[None]:
         """Record the Run's end; its lease stays until :meth:`release_lease`.
 
         Args:
@@ -621,14 +449,14 @@ class Ledger:
         """
         ends = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
         st = check_choice(status, RunStatus, "status", ends)
-        lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.finish_run(lease, st, clock),
+        lease, clock = lease_arg(lease), self.clock.now
+        return Call(lambda: self.store.finish_run(lease, st, clock),
                      lambda: self.store.afinish_run(lease, st, clock))
 
     # -- leases ---------------------------------------------------------------------------
 
     def _acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
-                       executor_id: str | None = None) -> _Call[Lease]:
+                       executor_id: str | None = None) -> Call[Lease]:
         """Take the Run's lease for ``ttl_s`` seconds: the right to write for it.
 
         One's own unexpired lease is renewed under the same fence; otherwise the fence moves
@@ -663,10 +491,10 @@ class Ledger:
         executor = self.executor_id if executor_id is None else executor_id
         check_id(executor, "executor_id")
         clock = self.clock.now
-        return _Call(lambda: self.store.acquire_lease(run_id, executor, ttl, clock),
+        return Call(lambda: self.store.acquire_lease(run_id, executor, ttl, clock),
                      lambda: self.store.aacquire_lease(run_id, executor, ttl, clock))
 
-    def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> _Call[Lease]:
+    def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Call[Lease]:
         """Extend a live lease by ``ttl_s`` from now, under the same fence.
 
         Args:
@@ -681,11 +509,11 @@ class Ledger:
             FencedOut: another executor took the Run over.
         """
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.renew_lease(lease, ttl, clock),
+        lease, clock = lease_arg(lease), self.clock.now
+        return Call(lambda: self.store.renew_lease(lease, ttl, clock),
                      lambda: self.store.arenew_lease(lease, ttl, clock))
 
-    def _release_lease(self, lease: Lease) -> _Call[None]:
+    def _release_lease(self, lease: Lease) -> Call[None]:
         """Give the lease up. Releasing an already released lease does nothing.
 
         Args:
@@ -697,12 +525,12 @@ class Ledger:
             LeaseLost: the lease is no longer live; there is nothing of it to release.
             FencedOut: another executor took the Run over.
         """
-        lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.release_lease(lease, clock),
+        lease, clock = lease_arg(lease), self.clock.now
+        return Call(lambda: self.store.release_lease(lease, clock),
                      lambda: self.store.arelease_lease(lease, clock))
 
     def _reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
-                       ) -> _Call[int]:
+                       ) -> Call[int]:
         """Take one bounded retry permission from the run; returns how many are left.
 
         The retry owner takes them inside :meth:`begin_attempt` (``take_retry``) instead; this
@@ -717,10 +545,10 @@ class Ledger:
             AllowanceExhausted: the Run has no retry permission left.
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        lease, clock = _lease(lease), self.clock.now
+        lease, clock = lease_arg(lease), self.clock.now
         if data is not None:
-            data = _data(data, "data")
-        return _Call(lambda: self.store.reserve_retry(lease, clock, data),
+            data = audit_data(data, "data")
+        return Call(lambda: self.store.reserve_retry(lease, clock, data),
                      lambda: self.store.areserve_retry(lease, clock, data))
 
     # -- attempts -------------------------------------------------------------------------
@@ -739,7 +567,7 @@ class Ledger:
         attempt_id: str | None = None,
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
         take_retry: bool = False,
-    ) -> _Call[AttemptRecord]:
+    ) -> Call[AttemptRecord]:
         """Record an Attempt (debit held, capacity slot taken) before its request is sent.
 
         ``reserve`` is the cost hold, ``reserve_tokens`` the token hold (checked against the
@@ -747,60 +575,32 @@ class Ledger:
         (the retry owner does for every further Attempt of a turn). Retrying with the same
         ``attempt_id`` and arguments, also after acquiring the lease again, is the same write.
         """
-        lease = _lease(lease)
+        lease = lease_arg(lease)
         run = self.frozen_run(lease.run_id)
         if not isinstance(route, str | Route):
             raise InvalidArgument("route must be a route id or a ledger.Route of the Run's plan",
                                   field="route")
-        route_id = check_id(route, "route") if isinstance(route, str) else route.id
-        try:
-            snap = run.route(route_id)
-        except KeyError:
-            raise InvalidArgument(
-                f"route {route_id!r} is not in run {run.run_id!r}'s frozen plan "
-                f"({[r.id for r in run.plan]}); a run can only use its admitted candidates",
-                field="route",
-            ) from None
-        if isinstance(route, Route) and not same_route(route, snap):
-            raise InvalidArgument(
-                f"route {route_id!r} differs from the snapshot frozen at admission; historical "
-                "and new attempts use the frozen route", field="route",
-            )
+        if isinstance(route, str):
+            check_id(route, "route")
         check_optional_id(profile_id, "profile_id")
-        if profile_id is not None and profile_id not in {p.id for p in snap.profiles}:
-            known = ", ".join(repr(p.id) for p in snap.profiles)
-            raise InvalidArgument(
-                f"profile_id {profile_id!r} is not a credential profile of route {route_id!r}; "
-                + (f"pass one of {known}" if known else "the route has none: pass None"),
-                field="profile_id")
-        _hash_arg(envelope_hash, "envelope_hash")
+        hash_arg(envelope_hash, "envelope_hash")
         check_id(turn_id, "turn_id")
         reserve_micros = to_micros(check_amount(reserve, "reserve"))
         reserve_tokens = check_tokens(reserve_tokens, "reserve_tokens")
         kind = check_choice(kind, AttemptKind, "kind")
         attempt_id = new_id("att") if attempt_id is None else check_id(attempt_id, "attempt_id")
         check_bool(take_retry, "take_retry")
-        # The fence is not part of the hash: the same begin retried under a lease acquired
-        # again (after a lost acknowledgement) is the same write.
-        begin_hash = content_hash({
-            "run": lease.run_id, "turn": turn_id, "route": route_id, "profile": profile_id,
-            "envelope": envelope_hash, "reserve": reserve_micros, "kind": kind.value,
-            "tokens": reserve_tokens,
-        })
-        spec = BeginSpec(
-            run_id=lease.run_id, fence=lease.fence, attempt_id=attempt_id, turn_id=turn_id,
-            kind=kind, route=snap, profile_id=profile_id, envelope_hash=envelope_hash,
-            reserve_micros=reserve_micros, executor=lease.executor, begin_hash=begin_hash,
-            events=_events(events), tenant=run.tenant, take_retry=take_retry,
-            reserve_tokens=reserve_tokens,
-        )
+        spec = begin_spec(
+            run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
+            reserve_micros=reserve_micros, reserve_tokens=reserve_tokens, turn_id=turn_id,
+            kind=kind, attempt_id=attempt_id, events=events_arg(events), take_retry=take_retry)
         clock = self.clock.now
 
         def done(rec: AttemptRecord) -> AttemptRecord:
             self._in_flight.put(rec.attempt_id, rec)
             return rec
 
-        return _Call(lambda: self.store.begin_attempt(spec, clock),
+        return Call(lambda: self.store.begin_attempt(spec, clock),
                      lambda: self.store.abegin_attempt(spec, clock), done)
 
     def _settle_attempt(
@@ -821,7 +621,7 @@ class Ledger:
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
         provenance_hashes: Sequence[str] = (),
         repeat: bool = False,
-    ) -> _Call[AttemptRecord]:
+    ) -> Call[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
         ``outcome``: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
@@ -833,49 +633,29 @@ class Ledger:
         failure restarts the key's window without counting again (unless the policy's
         ``health.count_same_route_retries`` says every try counts).
         """
-        from ledger.decide.classify import classify
-        from ledger.decide.settle import group_update, health_updates
-
-        lease = _lease(lease)
+        lease = lease_arg(lease)
         outcome = check_choice(outcome, Outcome, "outcome")
         check_id(attempt_id, "attempt_id")
         if fact is not None:
-            fact = _model(FailureFact, fact, "fact")
+            fact = as_model(FailureFact, fact, "fact")
         if observation is not None:
-            observation = _model(Observation, observation, "observation")
+            observation = as_model(Observation, observation, "observation")
         for name, flag in (("effective_output", effective_output),
                            ("tool_started", tool_started)):
             if flag is not None:
                 check_bool(flag, name)
-        pol = self.run_policy(lease.run_id)
-        now = self.now()
-        if outcome is Outcome.FAILED and fact is None:
-            if observation is None:
-                raise InvalidArgument(
-                    "a failed outcome needs a fact or an observation to classify",
-                    field="fact",
-                )
-            fact = classify(observation, pol, now=now)
-        if outcome is Outcome.SUCCEEDED and (fact is not None or observation is not None):
-            raise InvalidArgument("a succeeded outcome carries no failure fact", field="fact")
-        if outcome is Outcome.FAILED and fact is not None and fact.phase is Phase.BEFORE_SEND:
-            outcome = Outcome.NOT_SENT  # it never left: the truth is "not sent"
-        eff = bool(effective_output if effective_output is not None
-                   else (fact.effective_output if fact else False))
-        tool = bool(tool_started if tool_started is not None
-                    else (fact.tool_started if fact else False))
-        prompt_tokens = _optional_tokens(prompt_tokens, "prompt_tokens")
-        completion_tokens = _optional_tokens(completion_tokens, "completion_tokens")
+        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
+        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
         cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
         if model_reported is not None:
             check_text(model_reported, "model_reported")
-        _hash_arg(output_hash, "output_hash", optional=True)
+        hash_arg(output_hash, "output_hash", optional=True)
         if (isinstance(provenance_hashes, str | bytes | Mapping)
                 or not isinstance(provenance_hashes, Sequence)):
             raise InvalidArgument("provenance_hashes must be a list of content hashes; pass "
                                   "e.g. [part.content_hash for part in parts]",
                                   field="provenance_hashes")
-        hashes = tuple(str(_hash_arg(h, f"provenance_hashes[{i}]"))
+        hashes = tuple(str(hash_arg(h, f"provenance_hashes[{i}]"))
                        for i, h in enumerate(provenance_hashes))
         if not isinstance(repeat, bool):
             raise InvalidArgument("repeat must be True or False", field="repeat")
@@ -884,40 +664,24 @@ class Ledger:
         if att.run_id != lease.run_id:
             raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
                            attempt_id=attempt_id, run_id=lease.run_id)
-        run = self.frozen_run(lease.run_id)
-        route = run.route(att.route_id)
-        settled: dict[str, Any] = {
-            "outcome": outcome.value,
-            "fact": fact.to_json() if fact else None,
-            "tokens": [prompt_tokens, completion_tokens],
-            "cost": cost_micros, "eff": eff, "tool": tool, "model": model_reported,
-            "output": output_hash,
-        }
-        if hashes:  # only then: settles recorded before output parts existed hash as they did
-            settled["parts"] = list(hashes)
-        settle_hash = content_hash(settled)
-        health = ({} if outcome is Outcome.NOT_SENT and fact is None
-                  else health_updates(pol, route, att.profile_id, outcome, fact, now,
-                                      repeat=repeat))
-        spec = SettleSpec(
-            attempt_id=attempt_id, fence=lease.fence, outcome=outcome, fact=fact,
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            cost_micros=cost_micros, effective_output=eff, tool_started=tool,
-            model_reported=model_reported, output_hash=output_hash, settle_hash=settle_hash,
-            health=health,
-            group_update=group_update(pol, fact, now) if outcome is Outcome.FAILED else None,
-            events=_events(events), provenance=hashes,
-        )
+        spec = settle_spec(
+            self.run_policy(lease.run_id), self.frozen_run(lease.run_id).route(att.route_id),
+            att.profile_id, lease, attempt_id, outcome=outcome, fact=fact,
+            observation=observation, now=self.now(), effective_output=effective_output,
+            tool_started=tool_started, prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens, cost_micros=cost_micros,
+            model_reported=model_reported, output_hash=output_hash, events=events_arg(events),
+            provenance=hashes, repeat=repeat)
         clock = self.clock.now
 
         def done(rec: AttemptRecord) -> AttemptRecord:
             self._in_flight.pop(attempt_id)
             return rec
 
-        return _Call(lambda: self.store.settle_attempt(lease.run_id, spec, clock),
+        return Call(lambda: self.store.settle_attempt(lease.run_id, spec, clock),
                      lambda: self.store.asettle_attempt(lease.run_id, spec, clock), done)
 
-    def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> _Call[AttemptRecord]:
+    def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> Call[AttemptRecord]:
         """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
 
         For a graceful shutdown with a call still out. An Attempt already settled is returned
@@ -940,12 +704,12 @@ class Ledger:
         if not isinstance(reason, str):
             raise InvalidArgument("reason must be a string; pass why no receipt came",
                                   field="reason")
-        lease, clock, why = _lease(lease), self.clock.now, reason[:200]
+        lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
         check_id(attempt_id, "attempt_id")
-        return _Call(lambda: self.store.mark_unknown(lease, attempt_id, clock, why),
+        return Call(lambda: self.store.mark_unknown(lease, attempt_id, clock, why),
                      lambda: self.store.amark_unknown(lease, attempt_id, clock, why))
 
-    def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> _Call[TurnSnapshot]:
+    def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction.
 
         The Run as it stands, its frozen policy, its groups' projections, its routes' and
@@ -981,7 +745,7 @@ class Ledger:
                                 groups=snap.groups, health=health,
                                 provenance=snap.provenance, now=snap.now)
 
-        return _Call(
+        return Call(
             lambda: self.store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
             lambda: self.store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
 
@@ -1046,7 +810,7 @@ class Ledger:
         return {k: as_read(h, now) for k, h in self.store.health(wanted).items()}
 
     def _claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
-                     ttl_s: float | None = None, max_keys: int | None = None) -> _Call[bool]:
+                     ttl_s: float | None = None, max_keys: int | None = None) -> Call[bool]:
         """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
 
         A claim taken also bounds the probe state: times ``ttl_s`` old are forgotten and at
@@ -1076,13 +840,13 @@ class Ledger:
         kind = "route" if k == route.id else (
             "provider" if k.startswith(PROVIDER_KEY_PREFIX) else "profile")
         now = self.now()
-        return _Call(
+        return Call(
             lambda: self.store.claim_probe(k, route.provider, now, interval, kind=kind,
                                            ttl_s=ttl, max_keys=max_keys),
             lambda: self.store.aclaim_probe(k, route.provider, now, interval, kind=kind,
                                             ttl_s=ttl, max_keys=max_keys))
 
-    def _record_compaction(self, lease: Lease) -> _Call[int]:
+    def _record_compaction(self, lease: Lease) -> Call[int]:
         """Record that the host compacted the Run's session (its context was summarised).
 
         Under a policy with ``profiles.sticky`` the auto-pinned credential profile is dropped:
@@ -1098,12 +862,12 @@ class Ledger:
         Raises:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.record_compaction(lease, clock),
+        lease, clock = lease_arg(lease), self.clock.now
+        return Call(lambda: self.store.record_compaction(lease, clock),
                      lambda: self.store.arecord_compaction(lease, clock))
 
     def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
-                           kind: str = "tool_result") -> _Call[None]:
+                           kind: str = "tool_result") -> Call[None]:
         """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
 
         A later part with ``provenance=ref`` and this exact content is then covered for
@@ -1119,10 +883,10 @@ class Ledger:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
         check_id(ref, "ref")
-        _hash_arg(content_hash, "content_hash")
-        _kind(kind, "kind", 16)
-        lease, clock = _lease(lease), self.clock.now
-        return _Call(
+        hash_arg(content_hash, "content_hash")
+        event_kind(kind, "kind", 16)
+        lease, clock = lease_arg(lease), self.clock.now
+        return Call(
             lambda: self.store.record_provenance(lease, ref, content_hash, kind, clock),
             lambda: self.store.arecord_provenance(lease, ref, content_hash, kind, clock))
 
@@ -1140,7 +904,7 @@ class Ledger:
         return self.store.provenance(ids)
 
     def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
-                      attempt_id: str | None = None) -> _Call[None]:
+                      attempt_id: str | None = None) -> Call[None]:
         """Append an audit event to the Run.
 
         Args:
@@ -1152,10 +916,10 @@ class Ledger:
         Raises:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        name, payload = _kind(kind, "kind", MAX_EVENT_KIND), _data(data, "data")
+        name, payload = event_kind(kind, "kind", MAX_EVENT_KIND), audit_data(data, "data")
         check_optional_id(attempt_id, "attempt_id")
-        lease, clock = _lease(lease), self.clock.now
-        return _Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),
+        lease, clock = lease_arg(lease), self.clock.now
+        return Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),
                      lambda: self.store.aappend_event(lease, attempt_id, name, payload, clock))
 
     finish_run = _sync(_finish_run)
@@ -1184,7 +948,7 @@ class Ledger:
             if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence | set | frozenset):
                 raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
                                       field="kinds")
-            kinds = [_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
+            kinds = [event_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
         return self.store.events(run_id, kinds)
 
     # -- reads ----------------------------------------------------------------------------
@@ -1236,39 +1000,6 @@ class Ledger:
             NotFound: no debit has this id.
         """
         return self.store.debit(check_id(debit_id, "debit_id"))
-
-
-MAX_FENCE = 2**62
-
-
-def _check_opening(url: Any, clock: Any, executor_id: Any) -> None:
-    if not isinstance(url, str):
-        raise InvalidArgument("url must be a SQLite file path or a database URL string; pass "
-                              "e.g. 'ledger.db' or 'postgresql://host/db'", field="url")
-    if clock is not None and not callable(getattr(clock, "now", None)):
-        raise InvalidArgument("clock must have a now() method returning epoch seconds; pass "
-                              "ledger.SystemClock() or ledger.ManualClock(t)", field="clock")
-    check_optional_id(executor_id, "executor_id")
-
-
-def _lease(lease: Any, field: str = "lease") -> Lease:
-    """``lease`` if it is a Lease as :meth:`Ledger.acquire_lease` returns it.
-
-    A hand-built one must still fit the columns it is compared with (so both backends refuse the
-    same leases).
-    """
-    if not isinstance(lease, Lease):
-        raise InvalidArgument(f"{field} must be a ledger.Lease; pass what acquire_lease "
-                              "returned", field=field)
-    if (id_problem(lease.run_id) or id_problem(lease.executor)
-            or isinstance(lease.fence, bool) or not isinstance(lease.fence, int)
-            or not 0 <= lease.fence <= MAX_FENCE
-            or isinstance(lease.expires_at, bool)
-            or not isinstance(lease.expires_at, int | float)):
-        raise InvalidArgument(f"{field} is not a lease the ledger granted (run id, executor, "
-                              "fence or expiry out of range); pass what acquire_lease returned",
-                              field=field)
-    return lease
 
 
 def _in_thread(

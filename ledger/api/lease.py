@@ -56,9 +56,9 @@ class KeeperCore:
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None) -> None:
-        from ledger.api.facade import _lease
+        from ledger.api.arguments import lease_arg
 
-        _lease(lease)
+        lease_arg(lease)
         ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         limit = ttl_s / 3
         if interval_s is None:

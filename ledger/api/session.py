@@ -32,12 +32,13 @@ from typing import Any
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.domain.bounds import MAX_LEASE_TTL_S, check_bool, check_id, check_seconds
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.records import Lease, RunRecord
+from ledger.domain.records import FrozenRun, Lease, RunRecord
 from ledger.domain.validation import check_secret_provider, checked_calls
 from ledger.domain.values import Budget, Grant, Route
 from ledger.errors import ArgumentMismatch, FencedOut, InvalidArgument, InvalidState
 
-log = logging.getLogger("ledger.api.session")
+# Logger names are part of the interface operators filter on: they stay as they were named.
+log = logging.getLogger("ledger.session")
 
 TextCallback = Callable[[str], Any]
 EventCallback = Callable[[Any], Any]  # ledger.adapters.StreamEvent -> None | Awaitable
@@ -156,7 +157,7 @@ class _SessionCore:
                 raise InvalidArgument(f"{name} must be {what} (got {type(fn).__name__})",
                                       field=name)
 
-    def _child_args(self, frozen: RunRecord, child_id: Any, budget: Any, plan: Any,
+    def _child_args(self, frozen: FrozenRun, child_id: Any, budget: Any, plan: Any,
                     grant: Any, role: Any, admit: Mapping[str, Any], lease: Lease
                     ) -> dict[str, Any]:
         """The admission arguments of a Child Run (checked by admit_run when it is entered)."""

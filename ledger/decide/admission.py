@@ -1,4 +1,6 @@
-"""Admission rules (pure): a valid plan, the default grant, and what a Child may be.
+"""Admission rules (pure): a valid plan, the default grant, what a Child may be, what is frozen.
+
+What an admission freezes is :func:`admission_terms` and :func:`admission_spec`.
 
 A Child Run is never broader than its parent: it uses a subset of the parent's frozen route
 snapshots, a grant inside the parent's (recipients, data classes and roles), a role the parent's
@@ -7,10 +9,14 @@ grant allows, and the parent's frozen policy itself (``docs/disclosure.md``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 
-from ledger.domain.values import Grant, Route
+from ledger.domain.records import FrozenRun, Lease, to_micros
+from ledger.domain.specs import AdmitSpec
+from ledger.domain.values import Budget, Grant, Route, content_hash
 from ledger.errors import InvalidArgument
+from ledger.policy.model import Policy
 
 # Classes a run may send to every recipient of its plan when the caller passes no grant.
 DEFAULT_GRANT_CLASSES = ("user_input", "system", "tool_description")
@@ -96,8 +102,91 @@ def check_child_policy(parent_policy_hash: str, child_policy_hash: str | None) -
             field="policy")
 
 
+def admission_terms(plan: Sequence[Route], grant: Grant | None, role: str,
+                    policy: Policy | None, *, policy_hash: Callable[[Policy], str],
+                    parent: FrozenRun | None = None, parent_policy: Policy | None = None,
+                    ) -> tuple[Policy, Grant]:
+    """The policy and grant a Run is admitted under.
+
+    A root Run gets ``policy`` (the caller resolves ``None`` to the default preset first) and
+    ``grant``, or :func:`default_grant` of its plan. A Child (``parent`` given, with the policy
+    the parent froze) inherits the parent's policy when ``policy`` is ``None`` and may not name
+    another (:func:`check_child_policy`); its grant is :func:`child_grant`.
+    ``policy_hash`` hashes a policy (:func:`ledger.policy.load.policy_hash`).
+
+    Raises :class:`~ledger.errors.InvalidArgument` when a Child would be broader than its parent.
+    """
+    if parent is None:
+        if policy is None:
+            raise InvalidArgument("a root Run needs a policy; pass a preset name or a Policy",
+                                  field="policy")
+        return policy, grant if grant is not None else default_grant(plan)
+    if parent_policy is None:
+        raise InvalidArgument("a Child's terms need its parent's frozen policy", field="parent")
+    if policy is None:
+        policy = parent_policy
+    else:
+        check_child_policy(parent.policy_hash, policy_hash(policy))
+    return policy, child_grant(parent.plan, parent.grant, plan, grant, role)
+
+
+def admission_spec(run_id: str, *, plan: Sequence[Route], budget: Budget, grant: Grant,
+                   policy: Policy, policy_hash: str, role: str, parent: Lease | None,
+                   tenant: str | None, labels: Mapping[str, str], selected_route: str | None,
+                   deadline: float | None) -> AdmitSpec:
+    """What admitting ``run_id`` writes.
+
+    The frozen plan, grant, budget and policy as canonical JSON, and the content hash that makes
+    a repeated admission of the same content idempotent (and a different content under the same
+    id an :class:`~ledger.errors.AdmissionConflict`).
+
+    ``selected_route`` (default: the plan's first) must be one of the plan's routes, else
+    :class:`~ledger.errors.InvalidArgument`.
+    """
+    selected = selected_route or plan[0].id
+    if selected not in {r.id for r in plan}:
+        raise InvalidArgument(f"selected_route {selected!r} is not in the plan; pass "
+                              "the id of one of the plan's routes (or None for the first)",
+                              field="selected_route")
+    label_map = dict(labels)
+    frozen = {
+        "plan": [r.model_dump(mode="json") for r in plan],
+        "grant": grant.model_dump(mode="json"),
+        "budget": budget.model_dump(mode="json"),
+        "policy_hash": policy_hash,
+        "role": role,
+        "parent": parent.run_id if parent else None,
+        "tenant": tenant,
+        "labels": label_map,
+        "selected_route": selected,
+        "deadline": deadline,
+    }
+    return AdmitSpec(
+        run_id=run_id,
+        parent_run_id=parent.run_id if parent else None,
+        parent_lease=parent,
+        role=role,
+        tenant=tenant,
+        labels=json.dumps(label_map, sort_keys=True),
+        plan=json.dumps(frozen["plan"], sort_keys=True),
+        run_grant=json.dumps(frozen["grant"], sort_keys=True),
+        budget=json.dumps(frozen["budget"], sort_keys=True),
+        policy=json.dumps(policy.model_dump(mode="json"), sort_keys=True),
+        policy_hash=policy_hash,
+        selected_route=selected,
+        content_hash=content_hash(frozen),
+        deadline=deadline,
+        max_calls=budget.max_calls,
+        max_retries=budget.max_retries,
+        max_cost_micros=to_micros(budget.max_cost),
+        max_tokens=budget.max_tokens,
+    )
+
+
 __all__ = [
     "DEFAULT_GRANT_CLASSES",
+    "admission_spec",
+    "admission_terms",
     "check_child_policy",
     "child_grant",
     "default_grant",

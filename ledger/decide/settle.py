@@ -1,14 +1,19 @@
-"""What settling an Attempt does to route/profile health and to its capacity group (pure).
+"""What settling an Attempt does (pure): its outcome, its hash, and its effects.
 
-The settle transaction applies these values; computing them is pure so it is tested without a
-database and shared by every caller of settle.
+The effects are on the holds, on route/profile health and on the capacity group.
+
+:func:`settle_spec` decides everything a settle writes from the Run's frozen policy and route;
+the settle transaction applies it (and :func:`settle_holds` to the Attempt as locked). Computing
+it is pure so it is tested without a database and shared by every caller of settle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from ledger.decide.classify import classify
 from ledger.decide.health import (
     health_key,
     key_kind,
@@ -16,10 +21,11 @@ from ledger.decide.health import (
     record_repeat,
     record_success,
 )
-from ledger.domain.facts import Category, FailureFact, Phase, Scope, Source
-from ledger.domain.records import DebitState, Outcome
-from ledger.domain.specs import GroupUpdate, HealthUpdate
-from ledger.domain.values import GroupMode, Route
+from ledger.domain.facts import Category, FailureFact, Observation, Phase, Scope, Source
+from ledger.domain.records import DebitState, Lease, Outcome
+from ledger.domain.specs import GroupUpdate, HealthUpdate, SettleSpec
+from ledger.domain.values import GroupMode, Route, content_hash
+from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
 
 
@@ -88,6 +94,62 @@ def group_update(policy: Policy, fact: FailureFact | None, now: float) -> GroupU
         wait = min(wait, policy.classification.retry_after_limit_s)
         return GroupUpdate(GroupMode.COOLDOWN, now + wait, "provider_429")
     return None
+
+
+def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lease,
+                attempt_id: str, *, outcome: Outcome, fact: FailureFact | None,
+                observation: Observation | None, now: float,
+                effective_output: bool | None, tool_started: bool | None,
+                prompt_tokens: int | None, completion_tokens: int | None,
+                cost_micros: int | None, model_reported: str | None, output_hash: str | None,
+                events: Sequence[tuple[str, dict[str, Any]]], provenance: tuple[str, ...],
+                repeat: bool) -> SettleSpec:
+    """Everything one settle of an Attempt on ``route`` (with ``profile_id``) writes.
+
+    * a failed outcome needs a ``fact``, or an ``observation`` that is classified under the
+      Run's policy; a succeeded one carries neither (else
+      :class:`~ledger.errors.InvalidArgument`, field ``fact``);
+    * a failure whose phase is ``before_send`` never left the process: it is recorded as
+      ``not_sent``, and a bare ``not_sent`` (no fact) says nothing about the route's health;
+    * ``effective_output`` and ``tool_started`` default to the fact's;
+    * the settle hash covers what was reported, so a repeated settle of the same receipt is the
+      same write and a different one a :class:`~ledger.errors.SettleConflict`;
+    * health changes come from :func:`health_updates` and a failed outcome's group fact from
+      :func:`group_update`.
+    """
+    if outcome is Outcome.FAILED and fact is None:
+        if observation is None:
+            raise InvalidArgument(
+                "a failed outcome needs a fact or an observation to classify", field="fact")
+        fact = classify(observation, policy, now=now)
+    if outcome is Outcome.SUCCEEDED and (fact is not None or observation is not None):
+        raise InvalidArgument("a succeeded outcome carries no failure fact", field="fact")
+    if outcome is Outcome.FAILED and fact is not None and fact.phase is Phase.BEFORE_SEND:
+        outcome = Outcome.NOT_SENT  # it never left: the truth is "not sent"
+    eff = bool(effective_output if effective_output is not None
+               else (fact.effective_output if fact else False))
+    tool = bool(tool_started if tool_started is not None
+                else (fact.tool_started if fact else False))
+    settled: dict[str, Any] = {
+        "outcome": outcome.value,
+        "fact": fact.to_json() if fact else None,
+        "tokens": [prompt_tokens, completion_tokens],
+        "cost": cost_micros, "eff": eff, "tool": tool, "model": model_reported,
+        "output": output_hash,
+    }
+    if provenance:  # only then: settles recorded before output parts existed hash as they did
+        settled["parts"] = list(provenance)
+    health = ({} if outcome is Outcome.NOT_SENT and fact is None
+              else health_updates(policy, route, profile_id, outcome, fact, now, repeat=repeat))
+    return SettleSpec(
+        attempt_id=attempt_id, fence=lease.fence, outcome=outcome, fact=fact,
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        cost_micros=cost_micros, effective_output=eff, tool_started=tool,
+        model_reported=model_reported, output_hash=output_hash,
+        settle_hash=content_hash(settled), health=health,
+        group_update=group_update(policy, fact, now) if outcome is Outcome.FAILED else None,
+        events=events, provenance=provenance,
+    )
 
 
 @dataclass(frozen=True)

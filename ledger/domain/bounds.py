@@ -31,6 +31,7 @@ MAX_COUNT = 10**9
 MAX_TOKENS = 10**15
 MAX_AMOUNT = Decimal(10**12)
 MAX_LEASE_TTL_S = 86_400.0
+MAX_FENCE = 2**62  # a lease's fence: a bigint on both backends, with room to grow
 MAX_TIME = 1e11
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
@@ -98,22 +98,28 @@ class Lease:
     expires_at: float
 
 
-@dataclass(frozen=True)
-class RunRecord:
-    """A Run as the ledger recorded it: what was frozen at admission, and its live counters.
+@dataclass(frozen=True, kw_only=True)
+class FrozenRun:
+    """What a Run froze at admission: its plan, grant, budget, policy and identity.
 
-    Frozen at admission: ``run_id``, ``parent_run_id``, ``role``, ``tenant``, ``labels``,
-    ``plan`` (the route snapshots), ``grant``, ``budget``, ``policy`` (its JSON) and
-    ``policy_hash``, ``selected_route``, ``content_hash`` and ``deadline``.
+    None of it ever changes, so it is safe to cache for the Run's life
+    (:meth:`ledger.Ledger.frozen_run`); the counters that do change live in :class:`RunState`.
 
-    Live, as of the read: ``status``; ``calls_used``, ``retries_used``, ``tokens_used``; the
-    cost ``reserved`` by Attempts in flight and ``posted`` by settled ones (currency units),
-    ``tokens_reserved``; what was carved out for Child Runs (``carved_calls``,
-    ``carved_retries``, ``carved``, ``carved_tokens``); ``current_route`` and
-    ``current_profile`` (those of the last success); the lease (``lease_holder``, ``fence``,
-    ``lease_expires_at``); ``compactions`` recorded; ``created_at`` and ``updated_at``.
-    What is left of the budget is :attr:`calls_left`, :attr:`retries_left`,
-    :attr:`cost_left` and :attr:`tokens_left`.
+    Attributes:
+        run_id: The Run's id.
+        parent_run_id: Its parent's, for a Child Run.
+        role: The role it runs in (routes and grants qualify roles).
+        tenant: Whose it is, for the audit's totals.
+        labels: Free labels (string to string), for the audit's totals.
+        plan: The frozen route snapshots, in preference order.
+        grant: Which recipients may receive which data classes.
+        budget: Its bounds (calls, retries, cost, tokens).
+        policy: The frozen policy, as JSON; ``policy_hash`` names it.
+        policy_hash: The hash of ``policy``.
+        selected_route: The route the first turn starts on.
+        content_hash: The hash of all of the above: a repeated admission must match it.
+        deadline: When the Run must be done by (epoch seconds), if any.
+        created_at: When it was admitted.
     """
 
     run_id: str
@@ -121,7 +127,6 @@ class RunRecord:
     role: str
     tenant: str | None
     labels: dict[str, str]
-    status: RunStatus
     plan: list[Route]
     grant: Grant
     budget: Budget
@@ -130,6 +135,29 @@ class RunRecord:
     selected_route: str
     content_hash: str
     deadline: float | None
+    created_at: float
+
+    def route(self, route_id: str) -> Route:
+        """The frozen snapshot of the plan's route ``route_id`` (``KeyError`` if absent)."""
+        for r in self.plan:
+            if r.id == route_id:
+                return r
+        raise KeyError(route_id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    """A Run's live state as read.
+
+    Its ``status``; what it used (``calls_used``, ``retries_used``, ``tokens_used``) and holds
+    for Attempts in flight (``reserved`` cost, ``tokens_reserved``) and spent (``posted``), in
+    currency units; what it carved out for its Children (``carved_calls``, ``carved_retries``,
+    ``carved``, ``carved_tokens``); ``current_route`` and ``current_profile``, those of its last
+    success; its lease (``lease_holder``, ``fence``, ``lease_expires_at``); the ``compactions``
+    recorded; ``updated_at``.
+    """
+
+    status: RunStatus
     calls_used: int
     retries_used: int
     reserved: Decimal
@@ -145,12 +173,41 @@ class RunRecord:
     lease_holder: str | None
     fence: int
     lease_expires_at: float | None
-    created_at: float
     updated_at: float
     # Compactions recorded (Ledger.record_compaction), and their count when current_profile
     # was set: the profile is the session's pin only while no compaction came after it.
     compactions: int = 0
     profile_compactions: int = 0
+
+
+FROZEN_RUN_FIELDS = tuple(f.name for f in fields(FrozenRun))
+RUN_STATE_FIELDS = tuple(f.name for f in fields(RunState))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord(FrozenRun, RunState):
+    """The Run as it stands when read: frozen admission and live state, and what is left.
+
+    It is its frozen admission (:class:`FrozenRun`, whose attributes it has) with its live state
+    (:class:`RunState`); what is left of the budget is :attr:`calls_left`,
+    :attr:`retries_left`, :attr:`cost_left` and :attr:`tokens_left`.
+    """
+
+    @classmethod
+    def of(cls, frozen: FrozenRun, state: RunState) -> RunRecord:
+        """The record of ``frozen`` as it stands in ``state``."""
+        return cls(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS},
+                   **{f: getattr(state, f) for f in RUN_STATE_FIELDS})
+
+    @property
+    def frozen(self) -> FrozenRun:
+        """Only what the Run froze at admission (what :meth:`ledger.Ledger.frozen_run` caches)."""
+        return FrozenRun(**{f: getattr(self, f) for f in FROZEN_RUN_FIELDS})
+
+    @property
+    def state(self) -> RunState:
+        """Only the live state, as read."""
+        return RunState(**{f: getattr(self, f) for f in RUN_STATE_FIELDS})
 
     @property
     def pinned_profile(self) -> str | None:
@@ -185,13 +242,6 @@ class RunRecord:
             return None
         return (self.budget.max_tokens - self.carved_tokens - self.tokens_reserved
                 - self.tokens_used)
-
-    def route(self, route_id: str) -> Route:
-        """The plan's frozen snapshot of ``route_id``; :class:`KeyError` when not in the plan."""
-        for r in self.plan:
-            if r.id == route_id:
-                return r
-        raise KeyError(route_id)
 
 
 @dataclass(frozen=True)
@@ -280,16 +330,20 @@ class Page(Generic[T]):
 
 
 __all__ = [
+    "FROZEN_RUN_FIELDS",
+    "RUN_STATE_FIELDS",
     "AttemptKind",
     "AttemptRecord",
     "AttemptState",
     "DebitRecord",
     "DebitState",
     "EventRecord",
+    "FrozenRun",
     "Lease",
     "Outcome",
     "Page",
     "RunRecord",
+    "RunState",
     "RunStatus",
     "from_micros",
     "to_micros",

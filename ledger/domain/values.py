@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from decimal import Decimal
 from enum import StrEnum
 from typing import Any
@@ -249,6 +250,11 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_en
 def canonical_json(value: Any) -> str:
     """A stable JSON encoding: sorted keys, no whitespace, decimals as strings."""
     return _CANONICAL.encode(value)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh identifier such as ``att-<32 hex digits>`` (a random UUID: unique across hosts)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def content_hash(value: Any) -> str:

@@ -21,7 +21,8 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any
 
-from ledger.api.facade import MAX_CURSOR, Ledger, _limit, attempt_filters
+from ledger.api.arguments import MAX_CURSOR, attempt_filters, limit_arg
+from ledger.api.facade import Ledger
 from ledger.domain.bounds import (
     check_choice,
     check_count,
@@ -470,7 +471,7 @@ def _span(since: Any, until: Any, buckets: Any, most: int = 1000) -> tuple[float
 
 
 def _page(limit: Any, cursor: Any) -> tuple[int, str | None]:
-    return _limit(limit), (None if cursor is None
+    return limit_arg(limit), (None if cursor is None
                            else check_text(cursor, "cursor", maximum=MAX_CURSOR))
 
 

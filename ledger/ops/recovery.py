@@ -45,9 +45,9 @@ from ledger.domain.bounds import (
 )
 from ledger.domain.records import AttemptRecord, AttemptState, Lease
 from ledger.domain.validation import checked_call
+from ledger.domain.values import new_id
 from ledger.errors import DatabaseUnavailable, InvalidArgument
 from ledger.storage import recovery as sql
-from ledger.storage.rows import new_id
 
 if TYPE_CHECKING:
     from ledger.api.facade import AsyncLedger, Ledger

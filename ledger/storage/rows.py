@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,10 +11,12 @@ from sqlalchemy import Row
 
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
+    FROZEN_RUN_FIELDS,
     AttemptKind,
     AttemptRecord,
     AttemptState,
     DebitState,
+    FrozenRun,
     RunRecord,
     RunStatus,
     from_micros,
@@ -27,10 +27,6 @@ from ledger.storage import schema as s
 # Every attempts column, for building a record from the values a transaction just wrote.
 ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
 
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def run_record(row: Row[Any]) -> RunRecord:
@@ -139,11 +135,11 @@ LIVE_RUN_FIELDS = (
 )
 
 
-def run_live(frozen: RunRecord, row: Any) -> RunRecord:
+def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
     """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
     live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
     live["status"] = RunStatus(live["status"])
     live["reserved"] = from_micros(row.reserved_micros)
     live["posted"] = from_micros(row.posted_micros)
     live["carved"] = from_micros(row.carved_micros)
-    return replace(frozen, **live)
+    return RunRecord(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS}, **live)

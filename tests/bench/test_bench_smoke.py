@@ -169,7 +169,9 @@ def _check_turn_rows(report: Report, name: str, drivers: list[str], conc: list[i
         assert r.calls >= 4 and r.p50_ms > 0 and r.raw_p50_ms > 0
         assert r.overhead_p50_ms == pytest.approx(r.p50_ms - r.raw_p50_ms, abs=0.01)
         assert r.ledger_cpu_ms == pytest.approx(r.cpu_ms - r.raw_cpu_ms, abs=0.01)
-        assert r.throughput_ratio == pytest.approx(r.calls_per_s / r.raw_calls_per_s, rel=0.02)
+        # The report rounds the ratio to 3 decimals: under load a tiny ratio is mostly rounding.
+        assert r.throughput_ratio == pytest.approx(r.calls_per_s / r.raw_calls_per_s, rel=0.02,
+                                                   abs=0.0005)
         assert (r.target_overhead_ms is not None) == (r.concurrency == 1)
         if counted:
             # Whatever the ledger becomes, an attempt is at least its begin and settle commits.

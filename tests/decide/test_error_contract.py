@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +72,37 @@ def test_a_provider_error_carries_its_fact_typed() -> None:
     assert err.fact.category is Category.OVERLOADED and err.fields["fact"]["status"] == 503
     back = pickle.loads(pickle.dumps(err))
     assert isinstance(back, ProviderError) and back.fact == err.fact
+
+
+def _drawn_parents(tree: str) -> dict[str, str | None]:
+    """Each name in a drawn tree with the name it hangs under (box-drawing, 4 columns a level)."""
+    parents: dict[str, str | None] = {}
+    stack: list[str] = []
+    for line in tree.splitlines():
+        found = re.match(r"^([ │├└─]*)([A-Z]\w+)", line)
+        if not found:
+            continue
+        depth = len(found.group(1)) // 4
+        del stack[depth:]
+        parents[found.group(2)] = stack[-1] if stack else None
+        stack.append(found.group(2))
+    return parents
+
+
+def _tree_in(text: str, start: str) -> str:
+    block = text.split(start, 1)[1]
+    lines = [ln.strip("\n") for ln in block.split("\n\n", 1)[0].splitlines()]
+    width = min(len(ln) - len(ln.lstrip()) for ln in lines if ln.strip())
+    return "\n".join(ln[width:] for ln in lines)
+
+
+@pytest.mark.parametrize("where", ["ledger/errors.py", "docs/concepts.md"])
+def test_the_drawn_error_tree_is_the_class_hierarchy(where: str) -> None:
+    text = (Path(__file__).resolve().parents[2] / where).read_text()
+    tree = _tree_in(text, "The tree::\n" if where.endswith(".py") else "```\nLedgerError")
+    if not tree.startswith("LedgerError"):
+        tree = "LedgerError\n" + tree
+    drawn = _drawn_parents(tree)
+    actual = {c.__name__: next((b.__name__ for b in c.__bases__ if issubclass(b, LedgerError)),
+                               None) for c in ERRORS}
+    assert drawn == actual

@@ -176,7 +176,7 @@ def test_a_fallback_without_a_key_is_logged_as_cannot_be_used_and_skipped_over_l
 
         plan = [real(FLASH, "gemini:default"), real(MINI, "openai:default"),
                 real(DEEPSEEK, "deepseek:default")]
-        with caplog.at_level(logging.INFO, logger="ledger.api.turn"):
+        with caplog.at_level(logging.INFO, logger="ledger.run"):
             res = execute(led, admit(led, "r", plan), ENV, sync_sender(adapter),
                           rng=random.Random(5))
         models = [r.model for r in fake.requests]

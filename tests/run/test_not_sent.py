@@ -91,7 +91,7 @@ def test_a_fallback_that_cannot_be_built_is_logged_skipped_and_never_unknown(
         led: Ledger, policy: str, caplog: pytest.LogCaptureFixture) -> None:
     lease = _admit(led, _plan(), policy)
     send = Sender(UNAVAILABLE)
-    with caplog.at_level(logging.INFO, logger="ledger.api.turn"):
+    with caplog.at_level(logging.INFO, logger="ledger.run"):
         res = execute(led, lease, ENV, send)
     assert res.route.id == "backup"
     states = {a.route_id: (a.state, a.debit_state) for a in led.timeline("r")}

@@ -357,10 +357,10 @@ def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) ->
 def test_one_log_line_per_retry_and_per_move(led: Ledger, caplog: pytest.LogCaptureFixture
                                               ) -> None:
     lease = admit(led, policy="goclaw", retries=5, calls=8)
-    caplog.set_level("INFO", logger="ledger.api.turn")
+    caplog.set_level("INFO", logger="ledger.run")
     execute(led, lease, ENV, Script(go_deepseek=[fail(status=503, body="overloaded")]),  # type: ignore[arg-type]
             rng=random.Random(1))
-    lines = [r.getMessage() for r in caplog.records if r.name == "ledger.api.turn"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ledger.run"]
     retries = [m for m in lines if m.startswith("[LLM] go:deepseek-v4: overloaded; retry")]
     moves = [m for m in lines if m.startswith("[fallback] serving the request with "
                                               "deepseek/deepseek-v4 (go/deepseek-v4: 503 "

@@ -1,0 +1,576 @@
+"""The retry owner's turn, as data: a generator that yields typed effects and decides.
+
+:meth:`TurnLoop.steps` is the whole attempt lifecycle of one turn, written once. It yields
+effects (:mod:`ledger.decide.effects`: a snapshot read, a begin, a send, a settle, a sleep, a
+note to the caller) and is sent back each one's result; it never reads a clock, sleeps, sends
+or writes itself. The drivers in :mod:`ledger.api.turn` (``execute``/``aexecute``) perform
+the effects; every decision here is one of the pure functions of :mod:`ledger.decide`.
+
+The sequence per failure (seed 003 section 4): settle the failed attempt with its fact -> a
+same-route retry if the policy allows one -> else select the next eligible route from the
+frozen plan with fresh facts (group facts, health, capability, role, disclosure) -> begin the
+next attempt, which takes one retry permission in its own transaction. A backup route brings no
+new budget: every attempt draws on the Run's allowances.
+
+Interruptions (``CancelledError``, ``KeyboardInterrupt``, ``GeneratorExit``, a timeout) are
+recorded truthfully before they propagate unchanged: a begin or settle already under way is
+completed first; an attempt whose request provably never left is settled *not sent* (hold
+voided); one that may have left is settled *unknown* with a ``cancelled`` fact (hold kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from ledger import faults
+from ledger.decide.classify import classify
+from ledger.decide.effects import (
+    Begin,
+    ClaimProbe,
+    Dispatch,
+    Effect,
+    Notice,
+    Notify,
+    Now,
+    Record,
+    Send,
+    SendProgress,
+    SendResult,
+    Settle,
+    Sleep,
+    Snapshot,
+    TurnSnapshot,
+    perform,
+)
+from ledger.decide.health import route_key
+from ledger.decide.preflight import Denials, TokenCounter
+from ledger.decide.profiles import Pin, marks_profile_tried
+from ledger.decide.retry import retry_decision
+from ledger.decide.select import (
+    Decision,
+    DecisionKind,
+    RunPermissions,
+    SelectionInput,
+    floor_wait,
+    select,
+)
+from ledger.domain.bounds import (
+    amount_in_range,
+    tokens_in_range,
+)
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
+from ledger.domain.records import AttemptKind, AttemptRecord, AttemptState, Lease, Outcome
+from ledger.domain.values import GroupMode, GroupProjection, Route, new_id
+from ledger.errors import (
+    AllowanceExhausted,
+    BudgetExceeded,
+    CapacityUnavailable,
+    FailoverExhausted,
+    FencedOut,
+    LedgerError,
+    NotFound,
+    PartialOutput,
+    ProviderError,
+    SettleConflict,
+)
+
+# The retry owner's log lines (the seeds' "[fallback] ..." lines) keep the logger name
+# operators filter on.
+log = logging.getLogger("ledger.run")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The answer, with the route that actually served it and every attempt made for it.
+
+    Attributes:
+        output: What the send function returned as the answer (the adapters':
+            ``AdapterResult``).
+        route: The frozen route that served it.
+        profile_id: The credential profile it was served with.
+        attempt: The successful Attempt, as settled.
+        attempts: Every Attempt of the turn, in order (rejected ones included).
+        resets: How often streamed text of a failed Attempt had to be discarded.
+        parts: The answer as conversation parts, ready to append to the next envelope.
+    """
+
+    output: Any
+    route: Route
+    profile_id: str | None
+    attempt: AttemptRecord
+    attempts: list[AttemptRecord]
+    resets: int = 0
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def switched(self) -> bool:
+        """Whether an Attempt of the turn was on another route than the one that served it."""
+        return any(a.route_id != self.route.id for a in self.attempts)
+
+    @property
+    def text(self) -> str:
+        """The answer's text (its text parts, joined)."""
+        return "".join(p.content for p in self.parts if p.role == "assistant"
+                       and p.tool_call_id is None)
+
+    @property
+    def tool_calls(self) -> list[Part]:
+        """The tool calls the model proposed, as parts.
+
+        Each has ``tool_call_id``, ``name``, and the arguments as JSON in ``content``.
+        """
+        return [p for p in self.parts if p.tool_call_id is not None]
+
+
+SendFn = Callable[[Dispatch], SendResult | Awaitable[SendResult]]
+# A cost hold: an amount (as begin_attempt takes it) or a function of the route.
+Reserve = Decimal | int | float | str | Callable[[Route], Decimal]
+NoticeFn = Callable[[Notice], Any]
+Steps = Generator[Effect[Any], Any, RunResult]
+
+# The stop reason of a turn whose continuation admission refused (failover.after_rejection).
+REJECTED = "rejected_before_dispatch"
+
+# What the caller did not ask for but the loop must survive: the caller's own cancellation.
+CANCELLED_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.AFTER_SEND,
+                             source=Source.LOCAL, message="the caller cancelled the call")
+
+
+@dataclass
+class _Turn:
+    tried: set[str] = field(default_factory=set)
+    tried_profiles: set[str] = field(default_factory=set)
+    errors: list[Exception] = field(default_factory=list)
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    resets: int = 0
+    # Groups whose admission refused this turn: Admission's own fresh fact for the selector.
+    refused_groups: dict[str, float | None] = field(default_factory=dict)
+    # (route, profile) pairs that failed, and routes whose probe another process claimed.
+    tried_pairs: set[tuple[str, str]] = field(default_factory=set)
+    refused_probes: set[str] = field(default_factory=set)
+    # Output the caller was shown before its attempt failed: handed back if the turn stops.
+    partial: PartialOutput | None = None
+
+
+def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
+    return counter.count_tokens(envelope, route), envelope.max_output_tokens or 1024
+
+
+def group_wait(group: GroupProjection | None, now: float, deadline: float | None,
+               max_wait_s: float) -> float:
+    """How long to wait for the target group's waiting floor before beginning.
+
+    Its end, when it ends before the Run's deadline and within ``max_wait_s``; else 0 (admission
+    decides).
+    """
+    if group is None or group.until is None or group.until <= now:
+        return 0.0
+    if group.mode is GroupMode.OPEN:
+        return 0.0
+    if deadline is not None and group.until > deadline:
+        return 0.0
+    wait = group.until - now
+    return wait if wait <= max_wait_s else 0.0
+
+
+def _usage_ok(result: SendResult) -> bool:
+    return (all(v is None or tokens_in_range(v)
+                for v in (result.prompt_tokens, result.completion_tokens))
+            and (result.cost is None or amount_in_range(result.cost)))
+
+
+class TurnLoop:
+    """One turn of a Run under ``lease``, as a generator of typed effects.
+
+    Iterate :meth:`steps` and send back each effect's result (the drivers in
+    :mod:`ledger.api.turn` do). ``reserve`` is the cost hold (an amount, a function of the
+    route, or ``None`` for the route's price of the token estimate); the other arguments are
+    :func:`ledger.execute`'s, checked.
+    """
+
+    def __init__(
+        self,
+        lease: Lease,
+        envelope: Envelope,
+        *,
+        turn_id: str | None,
+        pin: Pin | None,
+        denials: Denials,
+        reserve: Decimal | Callable[[Route], Decimal] | None,
+        rng: random.Random,
+        token_counter: TokenCounter,
+        part_hashes: Sequence[str] | None = None,
+    ) -> None:
+        self.lease = lease
+        self.envelope = envelope
+        self.pin = pin
+        self.denials = denials
+        self.reserve = reserve
+        self.rng = rng
+        self.counter = token_counter
+        # Every part hashed once per turn: the envelope's hash and each decision's coverage
+        # check use these (a long conversation's parts dominate a turn's CPU otherwise).
+        self.part_hashes = (tuple(p.content_hash for p in envelope.parts)
+                            if part_hashes is None else tuple(part_hashes))
+        self.envelope_hash = envelope.hash_with(self.part_hashes)
+        self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
+        self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
+
+    def _holds(self, route: Route) -> tuple[Decimal, int]:
+        prompt, completion = _token_estimate(route, self.envelope, self.counter)
+        if self.reserve is None:
+            cost = route.cost(prompt, completion)
+        elif isinstance(self.reserve, Decimal):
+            cost = self.reserve
+        else:
+            cost = self.reserve(route)
+        return cost, prompt + completion
+
+    def _select(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
+                current: str | None, current_profile: str | None) -> Decision:
+        return select(self._input(snap, turn, failure=failure, current=current,
+                                  current_profile=current_profile))
+
+    def _input(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
+               current: str | None, current_profile: str | None) -> SelectionInput:
+        run = snap.run
+        groups = snap.groups
+        if turn.refused_groups:
+            groups = dict(groups)
+            for g, until in turn.refused_groups.items():
+                groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
+                                            sampled_at=snap.now)
+        return SelectionInput(
+            plan=run.plan,
+            permissions=RunPermissions(
+                retries_left=run.retries_left, calls_left=run.calls_left,
+                tried=frozenset(turn.tried), tried_profiles=frozenset(turn.tried_profiles),
+                tried_pairs=frozenset(turn.tried_pairs),
+            ),
+            policy=snap.policy, now=snap.now, request=self.envelope, role=run.role,
+            grant=run.grant, groups=groups, health=snap.health, current=current,
+            current_profile=current_profile, pin=self.pin, failure=failure,
+            denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
+            part_hashes=self.part_hashes, no_probe=frozenset(turn.refused_probes),
+        )
+
+    def steps(self) -> Steps:
+        """The turn: yields each effect, receives its result, returns the :class:`RunResult`.
+
+        When it stops it raises :class:`~ledger.errors.FailoverExhausted`, holding every
+        attempt's error (a budget or allowance refusal at begin included, as its cause).
+        """
+        turn = _Turn()
+        snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+        policy = snap.policy
+        run = snap.run
+        # What the current decision was made from; a refused probe claim decides again from it.
+        # A new turn keeps the session's profile (a user pin survives a compaction).
+        basis: dict[str, Any] = {
+            "failure": None, "current": run.current_route,
+            "current_profile": run.current_profile if self.pin is Pin.USER
+            else run.pinned_profile}
+        decision = self._select(snap, turn, **basis)
+        wait = floor_wait(self._input(snap, turn, **basis), decision,
+                          max_wait_s=policy.admission.max_capacity_wait_s, deadline=run.deadline)
+        if wait > 0:
+            # The only candidates are behind a short waiting floor: wait it out, then decide.
+            yield from perform(Sleep(wait))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            decision = self._select(snap, turn, **basis)
+        kind = AttemptKind.FIRST
+        same_route_retries = 0
+        # Audit events that led to the next attempt; written in its begin transaction.
+        pending: list[tuple[str, dict[str, Any]]] = []
+        while True:
+            if decision.kind is DecisionKind.STOP or decision.route is None:
+                raise (yield from self._stopped(turn, decision, None))
+            route, profile = decision.route, decision.profile
+            attempt_kind = kind
+            if decision.kind is DecisionKind.PROBE:
+                pp = policy.probe
+                claimed = yield from perform(ClaimProbe(
+                    route, pp.interval_s, key=route_key(route, policy), ttl_s=pp.ttl_s,
+                    max_keys=pp.max_keys))
+                if not claimed:
+                    # Another process probes it now: decide again, without that probe.
+                    turn.refused_probes.add(route.id)
+                    snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+                    decision = self._select(snap, turn, **basis)
+                    continue
+                attempt_kind = AttemptKind.PROBE
+            wait = group_wait(snap.groups.get(route.group), snap.now, snap.run.deadline,
+                              policy.admission.max_capacity_wait_s)
+            if wait > 0:
+                yield from perform(Sleep(wait))
+            reserve, reserve_tokens = self._holds(route)
+            attempt_id = new_id("att")
+            events = [*pending, ("select", {**decision.to_json(),
+                                            "attempt_kind": attempt_kind.value})]
+            pending = []
+            begin = Begin(self.lease, attempt_id, route, profile, self.envelope_hash, reserve,
+                          reserve_tokens, self.turn_id, attempt_kind,
+                          take_retry=kind is not AttemptKind.FIRST, events=events)
+            try:
+                att = yield from perform(begin)
+            except CapacityUnavailable as e:
+                turn.errors.append(e)
+                turn.tried.add(route.id)
+                turn.refused_groups[route.group] = e.fields.get("until")
+                turn.attempts.append(_rejected_record(begin, e, snap.now))
+                log.info("[admission] %s/%s rejected before dispatch: %s", route.provider,
+                         route.model, e.fields.get("reason"))
+                cause = next((x for x in reversed(turn.errors) if isinstance(x, ProviderError)),
+                             None)
+                if cause is not None and policy.failover.after_rejection == "stop":
+                    # Seed 003: "Rejected before dispatch -> Return to original recovery".
+                    raise (yield from self._stopped(turn, None, e, reason=REJECTED,
+                                                    cause=cause)) from cause
+                snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+                basis = {"failure": None, "current": None, "current_profile": None}
+                decision = self._select(snap, turn, **basis)
+                kind = AttemptKind.FAILOVER
+                continue
+            except (BudgetExceeded, AllowanceExhausted) as e:
+                turn.errors.append(e)
+                raise (yield from self._stopped(turn, None, e)) from e
+            except BaseException:
+                # Interrupted: the begin may have committed; if it did, it was never sent.
+                yield from self._settle_quietly(Settle(self.lease, attempt_id, Outcome.NOT_SENT))
+                raise
+            if att.state is not AttemptState.DISPATCHING:
+                raise LedgerError(
+                    f"attempt {attempt_id!r} is already {att.state.value}; it is not sent again",
+                    attempt_id=attempt_id, state=att.state.value)
+            dispatch = Dispatch(self.lease.run_id, att.attempt_id, self.turn_id, route, profile,
+                                self.envelope, attempt_kind, SendProgress())
+            try:
+                faults.point("dispatch.before_send")
+                result = yield from perform(Send(dispatch))
+            except BaseException:
+                yield from self._settle_interrupted(att, dispatch)
+                raise
+            faults.point("dispatch.after_send")
+            if result.ok:
+                done = yield from self._settle_success(att, result, dispatch.progress.tool_started)
+                turn.attempts.append(done)
+                return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
+                                 list(result.parts))
+            obs = result.observation or Observation(message="send reported failure without "
+                                                            "an observation")
+            if dispatch.progress.tool_started:
+                # The host started a tool this attempt proposed: the turn may not move on.
+                obs = obs.model_copy(update={"tool_started": True, "effective_output": True})
+            now = yield from perform(Now())
+            fact = classify(obs, policy, now=now)
+            discarded = bool(result.partial_text) and not fact.effective_output
+            # A same-route retry's failure was counted with the request's first: not again.
+            settled = yield from self._settle_failure(att, fact, result.sent, discarded,
+                                                      repeat=same_route_retries > 0)
+            if fact.effective_output and result.partial_text:
+                turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
+            turn.attempts.append(settled)
+            turn.errors.append(ProviderError(
+                f"{route.provider}/{route.model}: {fact.category.value}"
+                + (f" (HTTP {fact.status})" if fact.status else ""),
+                attempt_id=att.attempt_id, route=route.id, fact=fact,
+            ))
+            if fact.effective_output and not fact.tool_started:
+                turn.resets += 1
+                yield from perform(Notify(Notice("reset", att.attempt_id, route.id,
+                                                 "partial output of a failed attempt is "
+                                                 "discarded")))
+            if fact.category is Category.UNUSABLE:
+                log.warning("[fallback] %s/%s cannot be used: %s", route.provider, route.model,
+                            fact.message or fact.category.value)
+                pending.append(("unusable", {"route": route.id, "profile": profile,
+                                             "why": fact.message or ""}))
+            rd = retry_decision(fact, policy, same_route_retries, self.rng)
+            if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
+                same_route_retries += 1
+                log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
+                         fact.category.value, same_route_retries, rd.delay_s)
+                pending.append(("retry", {"route": route.id, "cause": _cause(fact),
+                                          "delay_s": rd.delay_s, "n": same_route_retries,
+                                          "from_attempt": att.attempt_id}))
+                yield from perform(Sleep(rd.delay_s))
+                snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+                kind = AttemptKind.RETRY
+                decision = Decision(DecisionKind.ROUTE, route, profile)
+                continue
+            turn.tried.add(route.id)
+            if profile:
+                turn.tried_pairs.add((route.id, profile))
+                if marks_profile_tried(fact, route.provider, policy):
+                    turn.tried_profiles.add(profile)
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            basis = {"failure": fact, "current": route.id, "current_profile": profile}
+            decision = self._select(snap, turn, **basis)
+            if decision.kind is DecisionKind.STOP or decision.route is None:
+                over_budget = fact.category is Category.BUDGET_EXCEEDED
+                raise (yield from self._stopped(turn, decision, None,
+                                                reason="budget" if over_budget else None))
+            nxt = decision.route
+            log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
+                     nxt.model, route.provider, route.model, _describe(fact))
+            pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
+                                     "profile": decision.profile, "cause": _cause(fact),
+                                     "from_attempt": att.attempt_id}))
+            kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
+            same_route_retries = 0
+
+    # -- settling ----------------------------------------------------------------------------
+
+    def _settle_success(self, att: AttemptRecord, result: SendResult, tool_started: bool
+                        ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
+        if not _usage_ok(result):
+            # A hostile or buggy provider must not turn a finished answer into a crash: the
+            # answer is recorded, the usage is marked invalid (kept as evidence), and the whole
+            # hold is posted.
+            events.append(("usage_invalid", {"prompt_tokens": str(pt), "completion_tokens":
+                                             str(ct), "cost": str(cost)}))
+            pt = ct = None
+            cost = None
+        return (yield from perform(Settle(
+            self.lease, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
+            completion_tokens=ct, cost=cost, model_reported=_short(result.model_reported),
+            output_hash=result.output_hash, tool_started=tool_started or None,
+            provenance=result.provenance, events=events)))
+
+    def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool,
+                        discarded: bool, *, repeat: bool = False
+                        ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
+        if not sent or fact.phase is Phase.BEFORE_SEND:
+            outcome = Outcome.NOT_SENT
+        elif fact.status is None and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM):
+            # Sent with no answer (no status) after it left: execution unknown; the hold stays.
+            outcome = Outcome.UNKNOWN
+        else:
+            outcome = Outcome.FAILED
+        # Streamed text nobody was shown (the caller buffered) is no effective output: it is
+        # discarded, and that is recorded; the policy may then move on.
+        events = [("discarded", {"reason": "partial output of a failed attempt that was "
+                                 "never delivered"})] if discarded else []
+        return (yield from perform(Settle(self.lease, att.attempt_id, outcome, fact=fact,
+                                          events=events, repeat=repeat)))
+
+    def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
+                            ) -> Generator[Effect[Any], Any, None]:
+        """The send was interrupted (or the send function broke): settle truthfully."""
+        if dispatch.progress.provably_unsent:
+            settle = Settle(self.lease, att.attempt_id, Outcome.NOT_SENT,
+                            fact=CANCELLED_FACT.model_copy(update={"phase": Phase.BEFORE_SEND}))
+        else:
+            settle = Settle(self.lease, att.attempt_id, Outcome.UNKNOWN, fact=CANCELLED_FACT)
+        yield from self._settle_quietly(settle)
+
+    def _settle_quietly(self, settle: Settle) -> Generator[Effect[Any], Any, None]:
+        """A settle on the way out of an interruption.
+
+        What cannot be written is left to recovery (an attempt that does not exist, was settled,
+        or whose run was taken over).
+        """
+        try:
+            yield from perform(settle)
+        except (NotFound, SettleConflict, FencedOut) as e:
+            log.debug("settle of %s on interruption not written: %s", settle.attempt_id, e)
+        except LedgerError as e:
+            log.warning("settle of %s on interruption failed (recovery will mark it): %s",
+                        settle.attempt_id, e)
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
+                 reason: str | None = None, cause: Exception | None = None
+                 ) -> Generator[Effect[Any], Any, FailoverExhausted]:
+        """Record the stop with its reasons (an audit event), then build the error to raise.
+
+        ``reason`` overrides the stop reason (the token budget, a rejection before dispatch);
+        ``cause`` is the original failure a stop returns to, kept in the event and the error.
+        """
+        exc = self._stop(turn, decision, error, reason=reason, cause=cause)
+        try:
+            yield from perform(Record(self.lease, "stop", {
+                "reason": exc.reason, "detail": exc.fields.get("detail", ""),
+                "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
+                "errors": [str(e) for e in turn.errors],
+                **({"cause": str(cause)} if cause is not None else {})}))
+        except FencedOut as e:  # the lease is gone: the stop itself is the news
+            log.info("stop of run %s not recorded: %s", self.lease.run_id, e)
+        return exc
+
+    def _stop(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
+              reason: str | None = None, cause: Exception | None = None) -> FailoverExhausted:
+        if decision is not None:
+            why = decision.reason.value if decision.reason else "no_candidate"
+            detail = decision.detail
+        elif isinstance(error, BudgetExceeded):
+            why, detail = "budget", str(error)
+        elif isinstance(error, CapacityUnavailable):
+            why, detail = "no_candidate", str(error)
+        else:
+            why, detail = "retry_allowance", str(error) if error else ""
+        why = reason or why
+        names = "; ".join(str(e) for e in turn.errors) or "no attempt was made"
+        exc = FailoverExhausted(
+            f"every route failed ({why}): {names}", list(turn.errors), reason=why,
+            attempts=[a.attempt_id for a in turn.attempts], detail=detail,
+            skipped=[s.to_json() for s in decision.skipped] if decision else [],
+            partial=turn.partial,
+            **({"cause": str(cause)} if cause is not None else {}),
+        )
+        if cause is not None:
+            exc.__cause__ = cause
+        return exc
+
+
+def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> AttemptRecord:
+    """The rejected Attempt as admission recorded it (no read back needed)."""
+    return AttemptRecord(
+        attempt_id=begin.attempt_id, run_id=begin.lease.run_id, turn_id=begin.turn_id,
+        seq=int(e.fields.get("seq") or 0),
+        kind=begin.kind, route_id=begin.route.id, provider=begin.route.provider,
+        model=begin.route.model, group_id=begin.route.group, profile_id=begin.profile_id,
+        debit_id="d-" + begin.attempt_id, envelope_hash=begin.envelope_hash,
+        state=AttemptState.REJECTED, reject_reason=str(e.fields.get("reason")), fact=None,
+        category=None, http_status=None, effective_output=False, tool_started=False,
+        prompt_tokens=None, completion_tokens=None, cost=None, reserved=begin.reserve,
+        reserved_tokens=0, model_reported=None, output_hash=None, fence=begin.lease.fence,
+        executor=begin.lease.executor, created_at=now, settled_at=now)
+
+
+def _short(text: str | None) -> str | None:
+    # Provider text: what is stored is printable (both backends store it alike), at most 200.
+    if text is None:
+        return None
+    return "".join(c if c.isprintable() else "?" for c in text[:200])
+
+
+def _cause(fact: FailureFact) -> dict[str, Any]:
+    return {"category": fact.category.value, "status": fact.status, "scope": fact.scope.value,
+            "phase": fact.phase.value}
+
+
+def _describe(fact: FailureFact) -> str:
+    return f"{fact.status} {fact.category.value}" if fact.status else fact.category.value
+
+
+__all__ = [
+    "CANCELLED_FACT",
+    "REJECTED",
+    "NoticeFn",
+    "Reserve",
+    "RunResult",
+    "SendFn",
+    "Steps",
+    "TurnLoop",
+    "group_wait",
+]

@@ -1,0 +1,49 @@
+"""The frozen Run and its live state are separate values (invariant 5: a Run's plan, grant,
+budget and policy are frozen at admission).
+
+``Ledger.frozen_run`` caches what never changes, so it cannot offer counters that go stale;
+``Ledger.get_run`` reads the live state; a ``RunRecord`` is exactly the two together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import fields
+
+import pytest
+
+from ledger import FailureFact
+from ledger.api.facade import Ledger
+from ledger.clock import ManualClock
+from ledger.domain.facts import Category, Phase, Source
+from ledger.domain.records import FrozenRun, RunRecord, RunState
+
+from .helpers import routes
+
+
+@pytest.fixture
+def led(db_url: str) -> Iterator[Ledger]:
+    with Ledger.open(db_url, clock=ManualClock(10_000.0)) as led:
+        yield led
+
+
+def test_a_run_record_is_its_frozen_admission_plus_its_live_state() -> None:
+    frozen = {f.name for f in fields(FrozenRun)}
+    live = {f.name for f in fields(RunState)}
+    assert not frozen & live
+    assert {f.name for f in fields(RunRecord)} == frozen | live
+
+
+def test_invariant5_the_frozen_run_never_carries_counters_that_go_stale(led: Ledger) -> None:
+    led.admit_run("r", plan=routes(), budget={"max_calls": 3, "max_retries": 1, "max_cost": 1})
+    before = led.frozen_run("r")
+    assert type(before) is FrozenRun and not hasattr(before, "calls_used")
+    lease = led.acquire_lease("r")
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.1")
+    fact = FailureFact(category=Category.SERVER_ERROR, source=Source.PROVIDER,
+                       phase=Phase.AFTER_HEADERS, status=500)
+    led.settle_attempt(lease, att.attempt_id, outcome="failed", fact=fact)
+    live = led.get_run("r")
+    assert live.calls_used == 1 and live.fence == lease.fence
+    assert led.frozen_run("r") == before == live.frozen
+    assert RunRecord.of(before, live.state) == live
