@@ -283,9 +283,54 @@ class Ledger:
     ) -> RunRecord:
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
-        ``parent``: the parent's lease, to admit a Child Run (its budget is carved from the
-        parent's under that lease; its plan, grant, role and policy may only narrow the
-        parent's; with ``policy=None`` and ``grant=None`` it inherits them).
+        Admitting the same id again with the same content returns the first record (content
+        is compared normalised: ``1`` and ``"1.00"`` are one budget). Nothing is sent: a Run
+        starts when an Attempt is begun under its lease.
+
+        Args:
+            run_id: The Run's id (1 to 200 printable characters).
+            plan: The candidate routes in preference order (:class:`~ledger.Route` or
+                mappings of their fields; unique ids). A route without a price gets the
+                price table's, frozen with the plan.
+            budget: The Run's bounds (a :class:`~ledger.Budget` or a mapping of its fields):
+                model calls, retries, cost and optionally tokens.
+            grant: Which recipients may receive which data classes, and which roles the Run
+                may use (default: every recipient of the plan for the caller's own input,
+                system text and tool descriptions; a Child inherits its parent's).
+            policy: A :class:`~ledger.Policy`, a preset name (``"goclaw"``, ``"fased"``,
+                ``"failure-domain"``), a policy file path, or a mapping of its fields
+                (default: ``failure-domain``; a Child inherits its parent's).
+            role: The role the Run works in (at most 64 characters); routes and grants may
+                restrict roles.
+            parent: The parent's live lease, to admit a Child Run: its budget is carved from
+                the parent's under that lease, and its plan, grant, role and policy may only
+                narrow the parent's.
+            tenant: Whose Run it is (for the audit's totals and ``/metrics``).
+            labels: Free labels, string to string (the audit totals by a label).
+            deadline: When the Run must be done by (epoch seconds); capacity waits stop short
+                of it.
+            selected_route: The route the first turn starts on (default: the plan's first).
+
+        Returns:
+            The :class:`~ledger.RunRecord` as admitted (or as first admitted).
+
+        Raises:
+            InvalidArgument: an argument is wrong (an empty plan, duplicate route ids, a
+                ``selected_route`` not in the plan, a Child broader than its parent in route,
+                recipient, data class, role or policy, ...), naming the field.
+            PolicyError: ``policy`` does not validate (a file, a name or a mapping).
+            AdmissionConflict: ``run_id`` was admitted before with different content
+                (``differing`` names the fields).
+            NotFound: ``parent`` names a Run that does not exist.
+            BudgetExceeded: a Child asks for more cost or tokens than its parent has left
+                (:class:`~ledger.errors.AllowanceExhausted` for calls and retries).
+            LeaseLost: the parent's lease lapsed (``FencedOut``: the parent was taken over).
+
+        Example:
+            >>> rec = led.admit_run("task-1", plan=[primary, backup],  # doctest: +SKIP
+            ...                     budget={"max_calls": 6, "max_retries": 4, "max_cost": "0.50"},
+            ...                     policy="goclaw", tenant="acme")
+            >>> rec.selected_route, rec.policy_hash  # doctest: +SKIP
         """
         check_id(run_id, "run_id")
         check_id(role, "role")
@@ -570,10 +615,43 @@ class Ledger:
     ) -> Call[AttemptRecord]:
         """Record an Attempt (debit held, capacity slot taken) before its request is sent.
 
-        ``reserve`` is the cost hold, ``reserve_tokens`` the token hold (checked against the
-        Run's ``max_tokens``); ``take_retry`` takes one retry permission in the same transaction
-        (the retry owner does for every further Attempt of a turn). Retrying with the same
-        ``attempt_id`` and arguments, also after acquiring the lease again, is the same write.
+        One transaction checks the live lease, the Run's allowances and budget, and the
+        capacity group's admission; a refusal by the group is recorded (a ``rejected``
+        Attempt, its hold voided) and then raised. Retrying with the same ``attempt_id`` and
+        arguments, also after acquiring the lease again, is the same write. The retry owner
+        (:func:`ledger.execute`) calls this for every Attempt it makes.
+
+        Args:
+            lease: The Run's live lease.
+            route: The route to use: an id of the Run's frozen plan, or the frozen
+                :class:`~ledger.Route` itself.
+            envelope_hash: The request's hash (``Envelope.hash``), recorded with the Attempt.
+            reserve: The cost hold (a Decimal, an int or a decimal string), posted or voided
+                at settle.
+            reserve_tokens: The token hold, checked against the Run's ``max_tokens``.
+            turn_id: The logical turn the Attempt serves.
+            profile_id: The credential profile it uses (one of the route's), if any.
+            kind: Why it is made: ``first``, ``retry``, ``failover`` or ``probe``.
+            attempt_id: Its id (default: a new one); pass one to make a retried begin the
+                same write.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs
+                (the retry owner writes the selector's decision this way).
+            take_retry: Take one retry permission in the same transaction (every further
+                Attempt of a turn does).
+
+        Returns:
+            The :class:`~ledger.AttemptRecord`, ``dispatching``.
+
+        Raises:
+            InvalidArgument: a route not in the Run's frozen plan (or differing from its
+                snapshot), a profile that is not the route's, or another wrong argument.
+            AllowanceExhausted: no model call (or, with ``take_retry``, no retry permission)
+                is left.
+            BudgetExceeded: the hold would overdraw the Run's cost or token budget.
+            CapacityUnavailable: the capacity group refused it (the rejection is recorded).
+            Conflict: ``attempt_id`` is already recorded with different content.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
         """
         lease = lease_arg(lease)
         run = self.frozen_run(lease.run_id)
@@ -624,14 +702,47 @@ class Ledger:
     ) -> Call[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
-        ``outcome``: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
-        classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent`` (provably never
-        left: the hold is voided and the call given back; a failure whose phase is
-        ``before_send`` is recorded as not sent). Usage and ``cost`` are what the provider
-        reported; when none was reported, the whole hold is posted. ``repeat``: the Attempt
-        was a same-route retry of a failure this request already counted in health, so its
-        failure restarts the key's window without counting again (unless the policy's
-        ``health.count_same_route_retries`` says every try counts).
+        A settled Attempt is never rewritten: the same settle again returns it, a different one
+        is refused. The settle is accepted under the fence the Attempt was begun with even after
+        the lease expired (the outcome is the truth); once the Run was taken over it is refused
+        and kept as a ``late_receipt`` event.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            outcome: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
+                classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent``
+                (provably never left: the hold is voided and the call given back; a failure
+                whose phase is ``before_send`` is recorded as not sent).
+            fact: The classified failure (a :class:`~ledger.FailureFact`).
+            observation: Raw evidence to classify under the Run's policy instead of a fact.
+            prompt_tokens: Usage the provider reported (``None``: not reported).
+            completion_tokens: Likewise.
+            cost: The cost the provider reported; when no usage was reported, the whole hold
+                is posted.
+            effective_output: Whether output reached the caller (default: the fact's).
+            tool_started: Whether the host started a tool it proposed (default: the fact's).
+            model_reported: The model the provider says served it.
+            output_hash: The answer's content hash.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
+            provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
+                provenance (so the next turn may carry them).
+            repeat: The Attempt was a same-route retry of a failure this request already
+                counted in health, so its failure restarts the key's window without counting
+                again (unless the policy's ``health.count_same_route_retries`` says every try
+                counts).
+
+        Returns:
+            The settled :class:`~ledger.AttemptRecord`.
+
+        Raises:
+            InvalidArgument: ``failed`` without a fact or observation, ``succeeded`` with
+                one, or another wrong argument.
+            NotFound: the Attempt does not exist, or is not one of the lease's Run.
+            SettleConflict: it was settled before with different content.
+            InvalidState: it was rejected before dispatch: there is nothing to settle.
+            FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
+                a late receipt).
         """
         lease = lease_arg(lease)
         outcome = check_choice(outcome, Outcome, "outcome")
