@@ -190,7 +190,11 @@ class CapacityUnavailable(Refused):
 
 
 class PreflightRefused(Refused):
-    """The request may not be sent to that route (capability, role or disclosure)."""
+    """The request may not be sent to that route (capability, role or disclosure).
+
+    Raised by :meth:`ledger.decide.preflight.PreflightResult.require`. The retry owner does not
+    raise it: its selector passes such a route over (a skip named after the failed check).
+    """
 
 
 class ProviderError(LedgerError):

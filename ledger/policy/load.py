@@ -86,7 +86,11 @@ def _preset_path(name: str) -> Path:
 
 @functools.cache
 def preset(name: str) -> Policy:
-    """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``)."""
+    """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``), parsed once.
+
+    Raises:
+        PolicyError: ``name`` is not a preset (the message lists them).
+    """
     if name not in PRESETS:
         valid = ", ".join(PRESETS)
         raise PolicyError(
@@ -108,7 +112,26 @@ def _shown(value: object, limit: int = 200) -> str:
 
 
 def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
-    """A policy from a YAML file path, or from a preset name. Raises only PolicyError."""
+    """A policy from a YAML file path, or from a preset name.
+
+    The file is bounded before it is parsed (size, depth, nodes, duplicate keys) and then
+    validated; every problem is reported at once.
+
+    Args:
+        path_or_preset: A policy file (``str`` or ``pathlib.Path``), or one of the preset
+            names (``goclaw``, ``fased``, ``failure-domain``).
+
+    Returns:
+        The validated :class:`~ledger.Policy`.
+
+    Raises:
+        PolicyError: the only error it raises: an unreadable or malformed file, or a policy
+            that does not validate; ``errors`` lists each ``(field path, problem, fix)``.
+
+    Example:
+        >>> load_policy("failure-domain").failover.enabled  # doctest: +SKIP
+        True
+    """
     if not isinstance(path_or_preset, str | os.PathLike):
         kind = type(path_or_preset).__name__
         raise PolicyError(
@@ -543,7 +566,10 @@ def _apply_billing(health: dict[str, Any], billing: Mapping[str, Any]) -> None:
 
 
 def policy_hash(policy: Policy) -> str:
-    """A stable content hash (``sha256:<hex>``) of the policy's canonical JSON."""
+    """A stable content hash (``sha256:<hex>``) of the policy's canonical JSON.
+
+    It is what a Run freezes as ``policy_hash``: two policies with the same hash decide alike.
+    """
     return content_hash(policy.model_dump(mode="json"))
 
 
