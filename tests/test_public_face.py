@@ -9,6 +9,7 @@ Examples in docstrings that are not marked ``# doctest: +SKIP`` run here as doct
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import inspect
@@ -152,6 +153,49 @@ def test_every_async_ledger_method_says_it_is_the_async_form_of_the_sync_one() -
             doc = inspect.getdoc(attr) or ""
             assert doc.startswith(inspect.getdoc(sync) or "?"), name
             assert "On :class:`AsyncLedger` a coroutine" in doc, name
+
+
+# ``:class:`~ledger.x.Y``` and ````ledger.x.y```` in a docstring: a path a reader will follow.
+_REFERENCE = re.compile(r"(?::[a-z]+:`~?|``)(ledger(?:\.\w+)+)`")
+
+
+def resolves(path: str) -> bool:
+    """Whether a dotted ``ledger...`` path names a module, or an attribute or field of one."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            fields = {**getattr(obj, "__dataclass_fields__", {}),
+                      **getattr(obj, "model_fields", {})}
+            if name in fields and not hasattr(obj, name):
+                return True  # a field without a class default: documented, not an attribute
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_every_ledger_path_a_docstring_names_exists() -> None:
+    root = Path(ledger.__file__).parent
+    stale = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                stale += [f"{path.relative_to(root.parent)}:{node.lineno}: {m}"
+                          for m in _REFERENCE.findall(node.value) if not resolves(m)]
+    assert not stale, "docstrings naming what does not exist (moved or removed?):\n" + "\n".join(
+        stale)
+
+
+def test_a_moved_name_is_found_stale() -> None:
+    assert resolves("ledger.decide.retry.retry_decision")
+    assert not resolves("ledger.decide.retry.retry_plan")
+    assert not resolves("ledger.run.execute")
 
 
 @pytest.mark.parametrize("module", [m.__name__ for m in public_modules()])

@@ -1,14 +1,18 @@
-"""The storage layer: every SQL statement of the ledger. Nothing outside ``ledger.storage``
-touches the database.
+"""The store: every read and write of the ledger over one database goes through it.
+
+Nothing outside ``ledger.storage`` touches the database; the SQL itself lives here and in the
+modules beside it (:mod:`~ledger.storage.hot`, :mod:`~ledger.storage.audit`,
+:mod:`~ledger.storage.recovery`, :mod:`~ledger.storage.series`, ...).
 
 The hot path — the snapshot read of a decision, begin, settle, the lease writes, provenance and
 events — runs the transactions of :mod:`ledger.storage.hot` on the database's own driver
 (:mod:`ledger.storage.driver`): plain SQL, prepared by psycopg on the server, ``BEGIN`` and
 ``COMMIT`` pipelined with the statements on PostgreSQL, and each one available sync and async.
-The rest (admission, reads, audit, recovery, administration) uses SQLAlchemy Core over an engine
-on the same database. Writes that carry a fence lock the run row first (``SELECT ... FOR
-UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite writers), then check the
-lease, so a stale or lapsed executor can write nothing.
+The rest (admission, reads, group administration, and the audit and recovery queries, which run
+in :meth:`Store.reading` / :meth:`Store.writing`) uses SQLAlchemy Core over an engine on the same
+database; migrations use Alembic on that engine. Writes that carry a fence lock the run row
+first (``SELECT ... FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite
+writers), then check the lease, so a stale or lapsed executor can write nothing.
 """
 
 from __future__ import annotations
