@@ -1,14 +1,18 @@
-"""The storage layer: every SQL statement of the ledger. Nothing outside ``ledger.storage``
-touches the database.
+"""The store: every read and write of the ledger over one database goes through it.
+
+Nothing outside ``ledger.storage`` touches the database; the SQL itself lives here and in the
+modules beside it (:mod:`~ledger.storage.hot`, :mod:`~ledger.storage.audit`,
+:mod:`~ledger.storage.recovery`, :mod:`~ledger.storage.series`, ...).
 
 The hot path — the snapshot read of a decision, begin, settle, the lease writes, provenance and
 events — runs the transactions of :mod:`ledger.storage.hot` on the database's own driver
 (:mod:`ledger.storage.driver`): plain SQL, prepared by psycopg on the server, ``BEGIN`` and
 ``COMMIT`` pipelined with the statements on PostgreSQL, and each one available sync and async.
-The rest (admission, reads, audit, recovery, administration) uses SQLAlchemy Core over an engine
-on the same database. Writes that carry a fence lock the run row first (``SELECT ... FOR
-UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite writers), then check the
-lease, so a stale or lapsed executor can write nothing.
+The rest (admission, reads, group administration, and the audit and recovery queries, which run
+in :meth:`Store.reading` / :meth:`Store.writing`) uses SQLAlchemy Core over an engine on the same
+database; migrations use Alembic on that engine. Writes that carry a fence lock the run row
+first (``SELECT ... FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite
+writers), then check the lease, so a stale or lapsed executor can write nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, and_, bindparam, func, or_, select
+from sqlalchemy import Connection, Engine, and_, bindparam, func, or_, select
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
@@ -579,12 +583,6 @@ class Store:
         return DebitRecord(row.debit_id, row.run_id, row.attempt_id, DebitState(row.state),
                            from_micros(row.reserved_micros), from_micros(row.posted_micros),
                            row.created_at, row.settled_at)
-
-    def _attempt(self, conn: Connection, row: Row[Any]) -> AttemptRecord:
-        dstate = conn.execute(
-            select(s.debits.c.state).where(s.debits.c.debit_id == row.debit_id)
-        ).scalar_one_or_none()
-        return attempt_record(row, dstate)
 
 
 def _late(e: FencedOut | SettleConflict) -> bool:
