@@ -14,34 +14,43 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    """Wall-clock seconds since the epoch (float)."""
+    """Wall-clock seconds since the epoch (float): what the ledger reads time from."""
 
-    def now(self) -> float: ...
+    def now(self) -> float:
+        """The current time, in epoch seconds."""
+        ...
 
 
 class Sleeper(Protocol):
-    """Waits ``seconds``; sync and async forms."""
+    """Waits ``seconds``; sync and async forms (the retry owner waits backoffs through it)."""
 
-    def sleep(self, seconds: float) -> None: ...
+    def sleep(self, seconds: float) -> None:
+        """Block for ``seconds``."""
+        ...
 
-    async def asleep(self, seconds: float) -> None: ...
+    async def asleep(self, seconds: float) -> None:
+        """Wait ``seconds`` without blocking the event loop."""
+        ...
 
 
 class SystemClock:
-    """The real clock."""
+    """The real clock (:func:`time.time`); the default of :meth:`ledger.Ledger.open`."""
 
     def now(self) -> float:
+        """The system's wall-clock time, in epoch seconds."""
         return time.time()
 
 
 class SystemSleeper:
-    """Really waits."""
+    """Really waits (:func:`time.sleep`, :func:`asyncio.sleep`); a wait of 0 or less returns."""
 
     def sleep(self, seconds: float) -> None:
+        """Block for ``seconds``."""
         if seconds > 0:
             time.sleep(seconds)
 
     async def asleep(self, seconds: float) -> None:
+        """Wait ``seconds`` on the event loop."""
         if seconds > 0:
             await asyncio.sleep(seconds)
 
@@ -72,7 +81,20 @@ def _nan(field: str) -> Exception:
 class ManualClock:
     """A clock that moves only when told to; also a :class:`Sleeper` that advances it.
 
-    ``slept`` records every wait, so tests can assert the computed backoff.
+    ``slept`` records every wait, so tests can assert the computed backoff. Pass it as the
+    ledger's clock and the retry owner waits through it too: no test really sleeps.
+
+    Args:
+        start: The time it starts at, in epoch seconds (finite).
+
+    Raises:
+        InvalidArgument: ``start`` is not a finite number.
+
+    Example:
+        >>> clock = ManualClock(1_700_000_000.0)
+        >>> clock.sleep(2.5)
+        >>> clock.now(), clock.slept
+        (1700000002.5, [2.5])
     """
 
     def __init__(self, start: float = 1_700_000_000.0) -> None:
@@ -80,9 +102,11 @@ class ManualClock:
         self.slept: list[float] = []
 
     def now(self) -> float:
+        """The clock's time, in epoch seconds."""
         return self._now
 
     def advance(self, seconds: float) -> None:
+        """Move the clock on by ``seconds`` (``math.inf`` is allowed; NaN is InvalidArgument)."""
         # Infinity is allowed: a keeper's tick() returns it for "never again", and a test may
         # wait that out. NaN is not: it would make every later comparison false.
         if isinstance(seconds, bool) or not isinstance(seconds, int | float):
@@ -96,13 +120,16 @@ class ManualClock:
         self._now += step
 
     def set(self, t: float) -> None:
+        """Set the clock to ``t`` (finite epoch seconds, else InvalidArgument)."""
         self._now = _finite(t, "t")
 
     def sleep(self, seconds: float) -> None:
+        """Record the wait in :attr:`slept` and advance the clock by it (at least 0)."""
         self.slept.append(seconds)
         self.advance(max(0.0, seconds))
 
     async def asleep(self, seconds: float) -> None:
+        """The same as :meth:`sleep`; it never yields to the event loop."""
         self.sleep(seconds)
 
 

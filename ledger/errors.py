@@ -112,10 +112,12 @@ class InvalidArgument(ConfigError, ValueError):
 
 
 class ArgumentMismatch(InvalidArgument, TypeError):
-    """A call of a public function that does not fit its signature: an unknown keyword (a
-    typo), a missing required argument, too many positional ones. ``field`` names the argument;
-    the message lists a close match. It is also a ``TypeError``, as Python's own error for such
-    a call is. Nothing ran: the function's body was not entered."""
+    """A call of a public function that does not fit its signature.
+
+    An unknown keyword (a typo), a missing required argument, too many positional ones.
+    ``field`` names the argument; the message lists a close match. It is also a ``TypeError``,
+    as Python's own error for such a call is. Nothing ran: the function's body was not entered.
+    """
 
 
 class StorageError(LedgerError):
@@ -160,8 +162,11 @@ class FencedOut(LedgerError):
 
 
 class LeaseLost(FencedOut):
-    """The lease is no longer live: it expired, or it was released. Nothing it starts is
-    written; acquire the lease again (which bumps the fence) before doing more work."""
+    """The lease is no longer live: it expired, or it was released.
+
+    Nothing it starts is written; acquire the lease again (which bumps the fence) before doing
+    more work.
+    """
 
 
 class LeaseHeld(LedgerError):
@@ -185,13 +190,20 @@ class CapacityUnavailable(Refused):
 
 
 class PreflightRefused(Refused):
-    """The request may not be sent to that route (capability, role or disclosure)."""
+    """The request may not be sent to that route (capability, role or disclosure).
+
+    Raised by :meth:`ledger.decide.preflight.PreflightResult.require`. The retry owner does not
+    raise it: its selector passes such a route over (a skip named after the failed check).
+    """
 
 
 class ProviderError(LedgerError):
-    """A provider call failed. ``fact`` is the structured failure fact
-    (:class:`~ledger.domain.facts.FailureFact`), ``attempt_id`` and ``route`` name the Attempt;
-    ``fields["fact"]`` holds the same fact as JSON for logs."""
+    """A provider call failed.
+
+    ``fact`` is the structured failure fact (:class:`~ledger.domain.facts.FailureFact`),
+    ``attempt_id`` and ``route`` name the Attempt; ``fields["fact"]`` holds the same fact as JSON
+    for logs.
+    """
 
     def __init__(self, message: str, *, fact: Any = None, attempt_id: str | None = None,
                  route: str | None = None, **fields: Any) -> None:
@@ -204,8 +216,11 @@ class ProviderError(LedgerError):
 
 @dataclass(frozen=True)
 class PartialOutput:
-    """Output the caller was already shown when its attempt failed and the turn stopped:
-    ``text`` as delivered, by ``attempt_id`` on ``route`` (seed 003 section 7)."""
+    """Output the caller was already shown when its attempt failed and the turn stopped.
+
+    ``text`` as delivered, by ``attempt_id`` on ``route`` (seed 003 section 7); it is
+    :attr:`FailoverExhausted.partial`.
+    """
 
     text: str
     attempt_id: str
@@ -233,6 +248,7 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
         partial: PartialOutput | None = None,
         **fields: Any,
     ) -> FailoverExhausted:
+        """Build the group: an ExceptionGroup takes its message and errors in ``__new__``."""
         excs = list(exceptions) or [LedgerError(f"no attempt was made: {reason}")]
         self = ExceptionGroup.__new__(cls, redact(message), excs)
         return self
@@ -271,7 +287,10 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
                 "skipped": self.skipped, "partial": self.partial, **extra}
 
     def derive(self, excs: Sequence[Exception]) -> FailoverExhausted:  # type: ignore[override]
-        # ``except*`` splits the group: each part keeps every fact about the stop.
+        """The same stop with only ``excs`` (``except*`` splits the group this way).
+
+        Each part keeps every fact about the stop: reason, attempts, detail, skipped, partial.
+        """
         return FailoverExhausted(self.message, list(excs), **self._kwargs())
 
     def __reduce__(self) -> Any:

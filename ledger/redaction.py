@@ -1,4 +1,4 @@
-"""The one redaction step every string passes before the ledger stores or logs it.
+r"""The one redaction step every string passes before the ledger stores or logs it.
 
 Two layers, applied by :func:`redact` in this order:
 
@@ -8,7 +8,7 @@ Two layers, applied by :func:`redact` in this order:
    secret is matched in these encodings, and in any mix of them inside one occurrence:
 
    * raw;
-   * JSON-escaped: ``\\/``, ``\\"``, ``\\\\``, the short control escapes, and ``\\uXXXX`` for any
+   * JSON-escaped: ``\/``, ``\"``, ``\\``, the short control escapes, and ``\uXXXX`` for any
      character (surrogate pairs above the BMP; any hex case; one or more backslashes, so a JSON
      string nested in another JSON string is covered too);
    * URL-encoded: ``%XX`` of the character's UTF-8 bytes (any hex case), and ``+`` for a space;
@@ -113,9 +113,12 @@ _PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
 
 
 class _Known:
-    """A secret's pattern, and the literal each of its forms must contain when the text holds
-    no escape at all (JSON and URL encoding leave letters and digits alone): a cheap test that
-    skips the pattern for the texts that cannot contain the secret."""
+    """A secret's pattern, and the literals that let most texts skip it.
+
+    When a text holds no escape at all, each form of the secret must contain its literal (JSON
+    and URL encoding leave letters and digits alone): a cheap test that skips the pattern for
+    the texts that cannot contain the secret.
+    """
 
     __slots__ = ("anchors", "pattern")
 
@@ -189,11 +192,6 @@ def forget_secret(secret: str) -> None:
 def is_registered(secret: str) -> bool:
     """Whether ``secret`` is in the registry."""
     return secret in _REGISTRY
-
-
-def registered_count() -> int:
-    """How many secrets the registry holds."""
-    return len(_REGISTRY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,8 +279,23 @@ def _extra(secrets: Iterable[str | None]) -> list[_Known]:
 
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """``text`` with every known secret (registered, or given in ``secrets``) in every encoding,
-    and every credential-shaped token, replaced by ``[REDACTED]``."""
+    """``text`` with every known secret and every credential-shaped token made ``[REDACTED]``.
+
+    Known secrets are the registered ones (:func:`register_secret`) and those given in
+    ``secrets`` for this call only, matched in every encoding the module docstring lists.
+
+    Args:
+        text: The text to clean (anything else is converted with ``str`` first).
+        secrets: Secrets to remove from this text without registering them (``None`` and
+            too-short values are ignored).
+
+    Returns:
+        The text, with ``[REDACTED]`` in place of each match.
+
+    Example:
+        >>> redact("key=sk-live-0123456789abcdef0123", ["sk-live-0123456789abcdef0123"])
+        'key=[REDACTED]'
+    """
     if not isinstance(text, str):
         text = str(text)
     if len(text) < MIN_SECRET_CHARS:
@@ -354,6 +367,7 @@ class RedactingFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Redact ``record`` in place; always True (the record is kept)."""
         try:
             message = record.getMessage()
         except Exception:  # a broken format string: log what there is
@@ -417,5 +431,4 @@ __all__ = [
     "redact",
     "redact_data",
     "register_secret",
-    "registered_count",
 ]

@@ -86,9 +86,11 @@ _REQUEST_PARAMS = ("temperature", "top_p", "top_k", "seed", "frequency_penalty",
 
 
 def provider_name(route: Route) -> str:
-    """The ``gen_ai.provider.name`` of a route: semconv's well-known value where the route's
-    provider label has one (``google`` -> ``gcp.gemini``, ``aws`` -> ``aws.bedrock``, ...),
-    else the label itself."""
+    """The ``gen_ai.provider.name`` of a route.
+
+    Semconv's well-known value where the route's provider label has one (``google`` ->
+    ``gcp.gemini``, ``aws`` -> ``aws.bedrock``, ...), else the label itself.
+    """
     label = route.provider.lower()
     if label == "google" and route.endpoint and "aiplatform.googleapis.com" in route.endpoint:
         return "gcp.vertex_ai"
@@ -166,8 +168,7 @@ class _Instruments:
 
 
 class Telemetry:
-    """What :func:`enable` set up: the tracer, the instruments, and whether content is captured.
-    """
+    """What :func:`enable` set up: the tracer, the instruments, whether content is captured."""
 
     def __init__(self, tracer: Tracer, instruments: _Instruments, *,
                  capture_content: bool = False) -> None:
@@ -370,9 +371,12 @@ class _TurnObserver:
     # -- attempts ----------------------------------------------------------------------------
 
     def _count_moves(self, begin: Begin) -> None:
-        """Failovers are the turn's move events (as the audit and the dashboard count them),
-        once the begin that carries them is written, and only to another route: a credential
-        rotated on the same route is a retry, not a failover."""
+        """Count the failovers of a begin, once it is written.
+
+        Failovers are the turn's move events (as the audit and the dashboard count them), and
+        only those to another route: a credential rotated on the same route is a retry, not a
+        failover.
+        """
         for kind, data in begin.events:
             if kind != "move" or data.get("from_route") == data.get("to_route"):
                 continue
@@ -570,8 +574,10 @@ def _describe(record: AttemptRecord) -> str:
 
 
 def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The envelope as semconv's system instructions and input messages, every text redacted:
-    consecutive parts of one role form one message."""
+    """The envelope as semconv's system instructions and input messages, every text redacted.
+
+    Consecutive parts of one role form one message.
+    """
     system: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
     for part in env.parts:

@@ -87,6 +87,13 @@ def _error(data: dict[str, Any]) -> ProviderErrorPayload:
 
 
 class AnthropicCodec(Codec):
+    """The Anthropic Messages protocol (``/v1/messages``), as the module describes.
+
+    Args:
+        default_max_tokens: ``max_tokens`` of a request whose envelope sets no
+            ``max_output_tokens`` (the protocol requires one).
+    """
+
     protocol = WireProtocol.ANTHROPIC
 
     def __init__(self, *, default_max_tokens: int = 4096) -> None:
@@ -94,6 +101,7 @@ class AnthropicCodec(Codec):
 
     @staticmethod
     def url(endpoint: str) -> str:
+        """The Messages URL under ``endpoint`` (with or without ``/v1``)."""
         e = endpoint.rstrip("/")
         if e.endswith("/v1/messages"):
             return e
@@ -102,6 +110,7 @@ class AnthropicCodec(Codec):
         return join_url(e, "v1/messages")
 
     def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        """A Messages request; InvalidArgument for parts the protocol cannot carry."""
         assert route.endpoint is not None  # checked by the engine before building
         system: list[str] = []
         messages: list[dict[str, Any]] = []
@@ -182,9 +191,11 @@ class AnthropicCodec(Codec):
         return WireRequest(url=self.url(route.endpoint), headers=headers, body=body)
 
     def auth_headers(self, secret: str) -> dict[str, str]:
+        """``x-api-key: <secret>``."""
         return {"x-api-key": secret}
 
     def parse_reply(self, data: Any) -> Reply:
+        """A ``message`` body; an error object raises."""
         obj = require_object(data, "response body")
         if obj.get("type") == "error" or ("error" in obj and "content" not in obj):
             raise _error(obj)
@@ -219,6 +230,7 @@ class AnthropicCodec(Codec):
         )
 
     def new_stream(self) -> StreamState:
+        """An accumulator of Messages stream events, ended by ``message_stop``."""
         return _AnthropicStream()
 
 

@@ -1,4 +1,9 @@
-"""The adapter contract and the one httpx engine behind all three protocols.
+"""The one httpx engine behind every protocol: :class:`HttpAdapter`.
+
+The contract it keeps (results, stream events, what a codec provides) is
+:mod:`ledger.adapters.contract`; the codecs are :mod:`~ledger.adapters.openai`,
+:mod:`~ledger.adapters.anthropic` and :mod:`~ledger.adapters.gemini`, the transport mapping is
+:mod:`ledger.adapters.transport` and the blocking facade :mod:`ledger.adapters.sync`.
 
 An adapter call sends one request on one route and reports exactly what happened. It never raises
 for a provider or transport failure, nor for a route whose configuration cannot make a request:
@@ -155,8 +160,11 @@ class _CannotBuild(Exception):
 
 
 class _Progress:
-    """How far the request got, from httpcore's trace events; mirrored into the caller's
-    :class:`~ledger.decide.effects.SendProgress` so an interrupted call is settled truthfully."""
+    """How far the request got, from httpcore's trace events.
+
+    It is mirrored into the caller's :class:`~ledger.decide.effects.SendProgress`, so an
+    interrupted call is settled truthfully.
+    """
 
     def __init__(self, report: SendProgress | None = None) -> None:
         self.request_sent = False
@@ -258,14 +266,33 @@ def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_by
 
 @checked_calls
 class HttpAdapter:
-    """Sends an Envelope on a Route over httpx, for every registered protocol.
+    """Sends an Envelope on a Route over httpx, for every registered protocol (async).
 
-    ``secrets`` defaults to :class:`~ledger.adapters.secrets.EnvSecretProvider`; ``limits`` to
-    the default :class:`~ledger.policy.model.StreamingPolicy` and is overridable per call (pass the
-    Run's frozen ``policy.streaming``); ``clients`` defaults to a private
-    :class:`ClientRegistry`; ``verify`` is the TLS verification used by that registry. Memory is
-    bounded by ``max_body_bytes`` (a whole body), ``max_stream_bytes`` (all bytes of one stream)
-    and the SSE parser's line and event limits.
+    Memory is bounded by ``max_body_bytes``, ``max_stream_bytes`` and the SSE parser's line and
+    event limits; time by ``limits`` (see the module docstring). Use it as ``async with`` or
+    :meth:`aclose` it; :class:`~ledger.adapters.sync.SyncAdapter` is its blocking facade.
+
+    Args:
+        secrets: Where each profile's secret comes from (default:
+            :class:`~ledger.adapters.secrets.EnvSecretProvider`).
+        limits: The default time limits
+            (:class:`~ledger.policy.model.StreamingPolicy`); a call may pass its own (the Run's
+            frozen ``policy.streaming``).
+        clients: The pooled httpx clients (default: a private :class:`ClientRegistry`).
+        verify: TLS verification of that private registry (``True``, ``False`` or an
+            ``ssl.SSLContext``).
+        max_body_bytes: Largest whole (non-streamed) body read.
+        evidence_cap_bytes: Largest error excerpt kept as evidence.
+        max_stream_bytes: Most bytes read from one stream.
+
+    Raises:
+        InvalidArgument: an option of the wrong type, or a byte count below 1 or above 2**40.
+
+    Example:
+        >>> async with HttpAdapter() as adapter:  # doctest: +SKIP
+        ...     result = await adapter.send(route, Envelope(parts=[Part(content="Hi")]),
+        ...                                 profile_id=None)
+        ...     print(result.ok, result.text or result.observation)
     """
 
     def __init__(
@@ -300,6 +327,7 @@ class HttpAdapter:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the pooled clients of the running event loop."""
         await self.clients.aclose()
 
     # -- preparation ---------------------------------------------------------------------------
@@ -513,12 +541,31 @@ class HttpAdapter:
     ) -> AdapterResult:
         """Send ``envelope`` on ``route`` with the secret of ``profile_id``; report the outcome.
 
-        ``on_event`` (sync or async) receives :class:`TextDelta` and :class:`ToolCallProposal`
-        as they stream, and a :class:`Reset` when a stream fails after delivering any of them.
-        Raises :class:`~ledger.errors.InvalidArgument` only for caller misuse (see the module
-        docstring); a route that cannot make a request is a ``cannot_build`` result.
-        ``progress`` is told when the first request byte is written (so a cancelled call is
-        known to have been sent, or not).
+        A provider or transport failure is never raised: it is the result's ``observation``
+        (``ok=False``), and ``sent`` says whether any byte left. A route that cannot make a
+        request is a ``cannot_build`` result.
+
+        Args:
+            route: The route to call (its protocol picks the codec).
+            envelope: The request.
+            profile_id: The credential profile to use (one of ``route.profiles``), or ``None``
+                for a route without profiles: its key is then read from the route's
+                ``api_key_env``, and without one no credential header is sent (a keyless
+                local server).
+            on_event: Called (sync or async) with each :class:`TextDelta` and
+                :class:`ToolCallProposal` as they stream, and a :class:`Reset` when a stream
+                fails after delivering any of them.
+            limits: This call's time limits (default: the adapter's).
+            progress: Told when the first request byte is written, so a cancelled call is
+                known to have been sent, or not (the retry owner's ``Dispatch.progress``).
+
+        Returns:
+            The :class:`AdapterResult` of the one physical call.
+
+        Raises:
+            InvalidArgument: caller misuse, before anything is sent: a ``profile_id`` that is
+                not the route's, an envelope without parts, streaming, tools or prefill the
+                route's capabilities refuse, parts or parameters the codec cannot map.
         """
         if progress is not None and not isinstance(progress, SendProgress):
             raise InvalidArgument("progress must be a SendProgress (Dispatch.progress)",

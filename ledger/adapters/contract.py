@@ -22,6 +22,8 @@ from ledger.redaction import redact
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """The tokens the provider reported for one call (prompt and completion)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -109,6 +111,8 @@ class AdapterResult:
 
 @dataclass(frozen=True, slots=True)
 class WireRequest:
+    """What a codec builds: the URL, the non-secret headers and the JSON body."""
+
     url: str
     headers: dict[str, str]
     body: dict[str, Any]
@@ -116,6 +120,8 @@ class WireRequest:
 
 @dataclass(slots=True)
 class Reply:
+    """What a codec parsed from an answer: text, tool calls, usage, served model, finish."""
+
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage | None = None
@@ -136,25 +142,31 @@ class ProviderErrorPayload(Exception):
 
 
 def provider_message(value: Any, limit: int = 200) -> str:
-    """A provider's error text for a message: redacted whole first, then shortened (a secret
-    cut in half would no longer be recognised)."""
+    """A provider's error text for a message, at most ``limit`` characters.
+
+    It is redacted whole first, then shortened: a secret cut in half would no longer be
+    recognised.
+    """
     text = redact(str(value))
     return text if len(text) <= limit else text[:limit] + "..."
 
 
 def require_object(value: Any, what: str) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else :class:`MalformedPayload` naming ``what``."""
     if not isinstance(value, dict):
         raise MalformedPayload(f"{what} is not a JSON object")
     return value
 
 
 def optional_str(value: Any, what: str) -> str | None:
+    """``value`` if it is a string or ``None``, else :class:`MalformedPayload`."""
     if value is None or isinstance(value, str):
         return value
     raise MalformedPayload(f"{what} is not a string")
 
 
 def token_count(value: Any, what: str) -> int:
+    """``value`` as a token count (``None`` is 0), else :class:`MalformedPayload`."""
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -184,6 +196,7 @@ class StreamState(ABC):
         return []
 
     def reply(self) -> Reply:
+        """What the stream accumulated, as the :class:`Reply` a whole body would have parsed to."""
         return Reply(
             text="".join(self.text_parts),
             tool_calls=list(self.tool_calls),
@@ -194,6 +207,7 @@ class StreamState(ABC):
 
 
 def parse_json_event(event: SSEEvent) -> dict[str, Any]:
+    """An SSE event's data as a JSON object, else :class:`MalformedPayload`."""
     try:
         value = json.loads(event.data)
     except (ValueError, RecursionError) as exc:
@@ -219,7 +233,8 @@ class Codec(ABC):
         """A non-streaming body. Raises MalformedPayload or ProviderErrorPayload."""
 
     @abstractmethod
-    def new_stream(self) -> StreamState: ...
+    def new_stream(self) -> StreamState:
+        """A fresh accumulator for one streamed answer."""
 
 
 _CODECS: dict[WireProtocol, Codec] = {}
@@ -231,6 +246,11 @@ def register_codec(codec: Codec) -> None:
 
 
 def codec_for(protocol: WireProtocol) -> Codec:
+    """The codec registered for ``protocol``.
+
+    Raises:
+        InvalidArgument: no codec is registered for it (``field`` is ``route.protocol``).
+    """
     try:
         return _CODECS[protocol]
     except KeyError:
@@ -242,12 +262,16 @@ def codec_for(protocol: WireProtocol) -> Codec:
 
 
 def join_url(endpoint: str, path: str) -> str:
+    """``endpoint`` and ``path`` joined by exactly one slash."""
     return endpoint.rstrip("/") + "/" + path.lstrip("/")
 
 
 def check_params(route: Route, params: Mapping[str, Any], reserved: set[str]) -> None:
-    """Refuse parameters that would overwrite the request's structure or that the route
-    declares it does not support (``Capabilities.parameters``)."""
+    """Refuse (InvalidArgument) parameters a request may not carry on ``route``.
+
+    Those are parameters that would overwrite the request's structure (``reserved``) and those
+    the route declares it does not support (``Capabilities.parameters``).
+    """
     for name in params:
         if name in reserved:
             raise InvalidArgument(

@@ -94,10 +94,13 @@ def _error(data: dict[str, Any]) -> ProviderErrorPayload:
 
 
 class GeminiCodec(Codec):
+    """The Gemini ``generateContent`` protocol, as the module describes."""
+
     protocol = WireProtocol.GEMINI
 
     @staticmethod
     def url(endpoint: str, model: str, stream: bool) -> str:
+        """The ``generateContent`` (or streaming SSE) URL of ``model`` under ``endpoint``."""
         base = endpoint.rstrip("/")
         if not _VERSIONED.search(base):
             base = join_url(base, "v1beta")
@@ -106,6 +109,7 @@ class GeminiCodec(Codec):
         return join_url(base, f"models/{quote(name, safe='-._@')}:{method}")
 
     def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        """A ``generateContent`` request; InvalidArgument for parts it cannot carry."""
         assert route.endpoint is not None  # checked by the engine before building
         system: list[str] = []
         contents: list[dict[str, Any]] = []
@@ -185,15 +189,18 @@ class GeminiCodec(Codec):
         )
 
     def auth_headers(self, secret: str) -> dict[str, str]:
+        """``x-goog-api-key: <secret>`` (never the ``key=`` URL parameter: URLs get logged)."""
         return {"x-goog-api-key": secret}
 
     def parse_reply(self, data: Any) -> Reply:
+        """A ``GenerateContentResponse`` body; an error object raises."""
         obj = require_object(data, "response body")
         reply = Reply()
         _Chunk(obj).apply(reply, [], whole=True)
         return reply
 
     def new_stream(self) -> StreamState:
+        """An accumulator of streamed ``GenerateContentResponse`` chunks."""
         return _GeminiStream()
 
 

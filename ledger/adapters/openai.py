@@ -99,9 +99,12 @@ def _content_text(value: Any, what: str) -> str:
 
 
 class OpenAICodec(Codec):
+    """The OpenAI Chat Completions protocol (``/chat/completions``), as the module describes."""
+
     protocol = WireProtocol.OPENAI
 
     def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        """A Chat Completions request; InvalidArgument for parts the protocol cannot carry."""
         assert route.endpoint is not None  # checked by the engine before building
         endpoint = route.endpoint.rstrip("/")
         url = (
@@ -178,9 +181,11 @@ class OpenAICodec(Codec):
         return WireRequest(url=url, headers=headers, body=body)
 
     def auth_headers(self, secret: str) -> dict[str, str]:
+        """``Authorization: Bearer <secret>``."""
         return {"authorization": f"Bearer {secret}"}
 
     def parse_reply(self, data: Any) -> Reply:
+        """A ``chat.completion`` body (its first choice); an error object raises."""
         obj = require_object(data, "response body")
         if "error" in obj and not obj.get("choices"):
             raise _error(obj)
@@ -216,6 +221,7 @@ class OpenAICodec(Codec):
         )
 
     def new_stream(self) -> StreamState:
+        """An accumulator of ``chat.completion.chunk`` events, ended by ``data: [DONE]``."""
         return _OpenAIStream()
 
 

@@ -1,10 +1,12 @@
 """Driving a Run with the adapters: the send functions the retry owner calls.
 
-``sender(adapter)`` turns an :class:`HttpAdapter` (async) or :class:`SyncAdapter` into the send
-function of :func:`ledger.api.turn.aexecute` / :func:`ledger.api.turn.execute`. A successful
-answer's text is hashed so the ledger records it as provenance (a later model-derived part is
-covered only if it matches, hash for hash). Streamed events go to ``on_event`` as they arrive;
-the retry owner separately tells the caller to discard text of a failed attempt.
+:func:`async_sender` turns an :class:`HttpAdapter` into the send function of
+:func:`ledger.api.turn.aexecute`, :func:`sync_sender` a :class:`SyncAdapter` into that of
+:func:`ledger.api.turn.execute` (the Run sessions of :mod:`ledger.api.session` use them too).
+Each answer becomes parts (:func:`output_parts`) whose hashes the ledger records as provenance, so
+a later model-derived part is covered only if it matches, hash for hash. Streamed events go to
+``on_event`` as they arrive; the retry owner separately tells the caller to discard text of a
+failed attempt.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ def output_part(result: AdapterResult, attempt_id: str) -> Part:
 
 
 def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
-    """The whole answer as parts — its text, then one part per tool call (``tool_call_id``,
-    ``name``, the arguments as JSON text) — each with the Attempt as its provenance."""
+    """The whole answer as parts, each with the Attempt as its provenance.
+
+    Its text, then one part per tool call (``tool_call_id``, ``name``, the arguments as JSON
+    text).
+    """
     parts: list[Part] = []
     if result.text or not result.tool_calls:
         parts.append(output_part(result, attempt_id))
@@ -83,7 +88,25 @@ def async_sender(
     on_event: EventCallback | None = None,
     limits: StreamingPolicy | None = None,
 ) -> Callable[[Dispatch], Awaitable[SendResult]]:
-    """The send function of :func:`ledger.api.turn.aexecute` over an :class:`HttpAdapter`."""
+    """The send function of :func:`ledger.api.turn.aexecute` over an :class:`HttpAdapter`.
+
+    Args:
+        adapter: The adapter every Attempt of the turn sends with.
+        on_event: Receives the stream events of every Attempt (see :meth:`HttpAdapter.send`).
+        limits: The time limits of each call (pass the Run's frozen ``policy.streaming``).
+
+    Returns:
+        ``send(dispatch)``, a coroutine function returning the
+        :class:`~ledger.decide.effects.SendResult` the retry owner records.
+
+    Raises:
+        InvalidArgument: ``adapter`` is not an :class:`HttpAdapter` (a :class:`SyncAdapter`
+            goes with :func:`sync_sender`), or ``on_event``/``limits`` are of the wrong type.
+
+    Example:
+        >>> send = async_sender(adapter, limits=policy.streaming)  # doctest: +SKIP
+        >>> result = await aexecute(led, lease, envelope, send)  # doctest: +SKIP
+    """
     _check(adapter, HttpAdapter, on_event, limits)
     async def send(d: Dispatch) -> SendResult:
         res = await adapter.send(d.route, d.envelope, profile_id=d.profile_id,
@@ -100,7 +123,22 @@ def sync_sender(
     on_event: EventCallback | None = None,
     limits: StreamingPolicy | None = None,
 ) -> Callable[[Dispatch], SendResult]:
-    """The send function of :func:`ledger.api.turn.execute` over a :class:`SyncAdapter`."""
+    """The send function of :func:`ledger.api.turn.execute` over a :class:`SyncAdapter`.
+
+    The arguments are :func:`async_sender`'s; the function returned blocks.
+
+    Args:
+        adapter: The blocking adapter every Attempt of the turn sends with.
+        on_event: Receives the stream events of every Attempt (on the adapter's loop thread).
+        limits: The time limits of each call.
+
+    Returns:
+        ``send(dispatch)``, returning the :class:`~ledger.decide.effects.SendResult`.
+
+    Raises:
+        InvalidArgument: ``adapter`` is not a :class:`SyncAdapter`, or ``on_event``/``limits``
+            are of the wrong type.
+    """
     _check(adapter, SyncAdapter, on_event, limits)
     def send(d: Dispatch) -> SendResult:
         res = adapter.send(d.route, d.envelope, profile_id=d.profile_id, on_event=on_event,

@@ -34,7 +34,12 @@ EVIDENCE_CAP_BYTES = 2048
 class SecretProvider(Protocol):
     """Looks up the secret of a credential profile. ``None`` when it has none."""
 
-    def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None: ...
+    def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None:
+        """The secret of ``profile_id``, or ``None`` when there is none.
+
+        ``protocol`` is the route's, for providers that fall back to a conventional variable.
+        """
+        ...
 
 
 _FALLBACK_ENV: dict[WireProtocol, tuple[str, ...]] = {
@@ -52,8 +57,16 @@ def env_var_name(profile_id: str) -> str:
 class EnvSecretProvider:
     """Reads secrets from the environment (see the module docstring for the naming).
 
-    ``environ`` defaults to :data:`os.environ`, read at every lookup so a rotated key is picked up
-    by the next request.
+    Args:
+        environ: Where to read (default :data:`os.environ`, read at every lookup so a rotated
+            key is picked up by the next request).
+        fallback: Whether an unset ``LEDGER_SECRET_<PROFILE_ID>`` falls back to the
+            protocol's conventional variable (``OPENAI_API_KEY``, ...).
+
+    Example:
+        >>> EnvSecretProvider({"LEDGER_SECRET_OPENAI_WORK": "sk-1"}).get(
+        ...     "openai:work", protocol=WireProtocol.OPENAI)
+        'sk-1'
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, fallback: bool = True) -> None:
@@ -61,12 +74,14 @@ class EnvSecretProvider:
         self._fallback = fallback
 
     def candidates(self, profile_id: str, *, protocol: WireProtocol) -> list[str]:
+        """The variables looked at for ``profile_id``, in order."""
         names = [env_var_name(profile_id)]
         if self._fallback:
             names.extend(_FALLBACK_ENV.get(protocol, ()))
         return names
 
     def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None:
+        """The first non-empty value among :meth:`candidates`, else ``None``."""
         env = os.environ if self._environ is None else self._environ
         for name in self.candidates(profile_id, protocol=protocol):
             value = env.get(name)
@@ -76,12 +91,17 @@ class EnvSecretProvider:
 
 
 class StaticSecretProvider:
-    """Secrets from a mapping of profile id to secret (tests, or a host's own vault loader)."""
+    """Secrets from a mapping of profile id to secret (tests, or a host's own vault loader).
+
+    Args:
+        secrets: Profile id -> secret (copied; the protocol is not consulted).
+    """
 
     def __init__(self, secrets: Mapping[str, str]) -> None:
         self._secrets = dict(secrets)
 
     def get(self, profile_id: str, *, protocol: WireProtocol) -> str | None:
+        """The secret given for ``profile_id``, else ``None``."""
         return self._secrets.get(profile_id)
 
 

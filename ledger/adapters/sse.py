@@ -1,4 +1,4 @@
-"""An incremental Server-Sent Events parser shared by the three protocols.
+r"""An incremental Server-Sent Events parser shared by the three protocols.
 
 It follows the WHATWG event-stream interpretation rules
 (https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation):
@@ -8,7 +8,7 @@ It follows the WHATWG event-stream interpretation rules
 * lines end in CRLF, LF or CR alone, and a CRLF split across two chunks is one line end;
 * a line starting with ``:`` is a comment (keep-alive); ``field: value`` has one optional space
   after the first colon; a line without a colon is a field with an empty value;
-* ``data`` lines of one event are joined with ``\\n``; ``event`` sets the type (default
+* ``data`` lines of one event are joined with ``\n``; ``event`` sets the type (default
   ``message``); ``id`` sets the last event id unless the value contains U+0000, and it persists
   across events; ``retry`` and unknown fields are ignored;
 * a blank line dispatches the event, unless its data buffer is empty (then the event is dropped
@@ -22,7 +22,7 @@ Deliberate departures, each because a model answer must never be silently altere
   ``max_event_bytes`` raise :class:`SSEError`: a peer that never sends a line break or a blank
   line must not make us buffer without bound.
 * At end of input, an event whose lines were complete but which lacked its blank line is still
-  dispatched (some servers end with ``data: [DONE]\\n``), while an unterminated last line is
+  dispatched (some servers end with ``data: [DONE]\n``), while an unterminated last line is
   dropped: it may be cut mid-value, and the protocol's completion rules then decide.
 
 Why not ``httpx-sse``: it reads ``Response.aiter_lines()``, which buffers a line without any

@@ -34,7 +34,21 @@ class SyncAdapter:
     """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.
 
     ``on_event`` callbacks run on that thread while the calling thread waits. Use one
-    ``SyncAdapter`` per process (or per configuration) and :meth:`close` it at exit.
+    ``SyncAdapter`` per process (or per configuration) and :meth:`close` it at exit (or use it
+    as a ``with`` block). The arguments are :class:`HttpAdapter`'s (without ``clients``: the
+    registry lives on the private loop).
+
+    Args:
+        secrets: Where each profile's secret comes from (default: the environment).
+        limits: The default time limits (a ``StreamingPolicy``).
+        verify: TLS verification (``True``, ``False`` or an ``ssl.SSLContext``).
+        max_body_bytes: Largest whole body read.
+        evidence_cap_bytes: Largest error excerpt kept as evidence.
+        max_stream_bytes: Most bytes read from one stream.
+
+    Raises:
+        InvalidArgument: an option of the wrong type or out of range (checked before the loop
+            thread starts, so a refused option leaves nothing running).
     """
 
     def __init__(
@@ -79,6 +93,12 @@ class SyncAdapter:
         limits: StreamingPolicy | None = None,
         progress: SendProgress | None = None,
     ) -> AdapterResult:
+        """:meth:`HttpAdapter.send`, waited for on the calling thread (same arguments).
+
+        Raises:
+            InvalidArgument: the adapter is closed, the call comes from its own loop thread
+                (an ``on_event`` callback), or :meth:`HttpAdapter.send`'s caller misuse.
+        """
         if self._closed:
             raise InvalidArgument("this SyncAdapter is closed; create a new one", field="self")
         if threading.current_thread() is self._thread:
@@ -108,6 +128,7 @@ class SyncAdapter:
             raise
 
     def close(self) -> None:
+        """Close the clients and stop the loop thread (a second close does nothing)."""
         if self._closed:
             return
         self._closed = True

@@ -148,7 +148,13 @@ class ClientRegistry:
     """One pooled ``httpx.AsyncClient`` per endpoint origin (scheme, host, port).
 
     httpx clients belong to the event loop they were first used on, so the registry keeps one set
-    per running loop. Transports have ``retries=0``: no request is ever sent twice by us.
+    per running loop. Transports have ``retries=0``: no request is ever sent twice by us, and
+    redirects are not followed.
+
+    Args:
+        verify: TLS verification of every client (``True``, ``False`` or an ``SSLContext``).
+        max_connections: httpx's pool limit, per origin and loop.
+        max_keepalive_connections: Idle connections kept, per origin and loop.
     """
 
     def __init__(
@@ -168,10 +174,12 @@ class ClientRegistry:
 
     @staticmethod
     def origin(url: str) -> str:
+        """``scheme://host:port`` of ``url``, lower-cased: the key clients are shared by."""
         parts = urlsplit(url)
         return f"{parts.scheme}://{parts.netloc}".lower()
 
     def get(self, url: str) -> httpx.AsyncClient:
+        """The running loop's client for ``url``'s origin, created on first use."""
         loop = asyncio.get_running_loop()
         clients = self._by_loop.setdefault(loop, {})
         key = self.origin(url)

@@ -38,8 +38,11 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def as_model(cls: type[M], value: Any, field: str) -> M:
-    """``value`` (an instance or a mapping of its fields) as ``cls``, or InvalidArgument naming
-    the field path under ``field`` (``budget.max_cost``, ``plan[0].group``)."""
+    """``value`` (an instance or a mapping of its fields) as ``cls``.
+
+    A problem is InvalidArgument naming the field path under ``field`` (``budget.max_cost``,
+    ``plan[0].group``).
+    """
     return validate_as(cls, dict(value) if isinstance(value, Mapping) else value, field)
 
 
@@ -53,6 +56,7 @@ def audit_data(value: Any, field: str) -> dict[str, Any]:
 
 
 def event_kind(value: Any, field: str, maximum: int) -> str:
+    """An audit event's kind: a non-empty short text of at most ``maximum`` characters."""
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgument(f"{field} must be a non-empty string; pass a short name such as "
                               "'note'", field=field)
@@ -60,6 +64,7 @@ def event_kind(value: Any, field: str, maximum: int) -> str:
 
 
 def events_arg(events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """A list of ``(kind, data)`` audit events, each checked as :func:`event_kind` and data."""
     if isinstance(events, str | bytes | Mapping) or not isinstance(events, Sequence):
         raise InvalidArgument("events must be a list of (kind, data) pairs", field="events")
     out = []
@@ -75,6 +80,7 @@ def events_arg(events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[st
 
 
 def hash_arg(value: Any, field: str, *, optional: bool = False) -> str | None:
+    """A content hash string (``None`` allowed with ``optional``), else InvalidArgument."""
     if value is None and optional:
         return None
     if (not isinstance(value, str) or not 0 < len(value) <= MAX_HASH
@@ -116,6 +122,7 @@ def attempt_filters(filters: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def limit_arg(value: Any, field: str = "limit") -> int:
+    """A page size: an integer from 1 to 10 000, else InvalidArgument."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000:
         raise InvalidArgument(f"{field} must be an integer from 1 to 10000 (got {value!r}); "
                               "pass e.g. 100 and page on with next_cursor", field=field)
@@ -123,10 +130,12 @@ def limit_arg(value: Any, field: str = "limit") -> int:
 
 
 def optional_tokens(value: Any, field: str) -> int | None:
+    """A token count, or ``None``."""
     return None if value is None else check_tokens(value, field)
 
 
 def check_opening(url: Any, clock: Any, executor_id: Any) -> None:
+    """Refuse (InvalidArgument) what :meth:`~ledger.Ledger.open` cannot open with."""
     if not isinstance(url, str):
         raise InvalidArgument("url must be a SQLite file path or a database URL string; pass "
                               "e.g. 'ledger.db' or 'postgresql://host/db'", field="url")
@@ -137,8 +146,11 @@ def check_opening(url: Any, clock: Any, executor_id: Any) -> None:
 
 
 def lease_arg(lease: Any, field: str = "lease") -> Lease:
-    """A Lease as :meth:`Ledger.acquire_lease` returns it; a hand-built one must still fit the
-    columns it is compared with (so both backends refuse the same leases)."""
+    """``lease`` if it is a Lease as :meth:`~ledger.Ledger.acquire_lease` returns it.
+
+    A hand-built one must still fit the columns it is compared with (so both backends refuse the
+    same leases).
+    """
     if not isinstance(lease, Lease):
         raise InvalidArgument(f"{field} must be a ledger.Lease; pass what acquire_lease "
                               "returned", field=field)

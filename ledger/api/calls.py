@@ -1,5 +1,4 @@
-"""The facade's plumbing: one validated operation runnable on either driver, and a bounded
-cache.
+"""The facade's plumbing: one validated operation runnable on either driver, and a cache.
 
 A :class:`Call` is built once by a :class:`~ledger.api.facade.Ledger` method (arguments checked,
 spec decided) and then run by the blocking driver (:meth:`Call.run`) or the asyncio one
@@ -20,8 +19,11 @@ R = TypeVar("R")
 
 
 class Lru(Generic[K, V]):
-    """A small thread-safe LRU map: frozen Runs and parsed policies are read once per Run and
-    kept while in use, without growing with the number of Runs a process ever served."""
+    """A small thread-safe LRU map, of at most ``size`` items.
+
+    Frozen Runs and parsed policies are read once per Run and kept while in use, without growing
+    with the number of Runs a process ever served.
+    """
 
     def __init__(self, size: int) -> None:
         self._size = size
@@ -29,6 +31,7 @@ class Lru(Generic[K, V]):
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
+        """The value of ``key`` (now the most recently used), or ``None``."""
         with self._lock:
             value = self._items.get(key)
             if value is not None:
@@ -36,6 +39,7 @@ class Lru(Generic[K, V]):
             return value
 
     def put(self, key: K, value: V) -> None:
+        """Keep ``value`` under ``key``, dropping the least recently used beyond the size."""
         with self._lock:
             self._items[key] = value
             self._items.move_to_end(key)
@@ -43,13 +47,17 @@ class Lru(Generic[K, V]):
                 self._items.popitem(last=False)
 
     def pop(self, key: K) -> V | None:
+        """Remove ``key``; its value, or ``None``."""
         with self._lock:
             return self._items.pop(key, None)
 
 
 class Call(Generic[R]):
-    """One validated ledger operation, ready to run on the blocking or on the asyncio driver:
-    the checks happen once (building it), and both twins run the same storage transaction."""
+    """One validated ledger operation, ready to run on the blocking or on the asyncio driver.
+
+    The checks happen once (building it), and both twins run the same storage transaction;
+    ``done`` turns the transaction's result into the operation's.
+    """
 
     __slots__ = ("asy", "done", "sync")
 
@@ -60,10 +68,12 @@ class Call(Generic[R]):
         self.done = done
 
     def run(self) -> R:
+        """Run it on the blocking driver."""
         value = self.sync()
         return self.done(value) if self.done is not None else value
 
     async def arun(self) -> R:
+        """Run it on the asyncio driver."""
         value = await self.asy()
         return self.done(value) if self.done is not None else value
 

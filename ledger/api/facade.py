@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import os
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from decimal import Decimal
@@ -137,15 +138,51 @@ def _native(fn: Callable[Concatenate[Ledger, P], Call[R]]
 
     method.__name__ = fn.__name__.lstrip("_")
     method.__qualname__ = f"AsyncLedger.{method.__name__}"
+    method.__doc__ = _async_doc(fn.__doc__, "on the database's asyncio driver, no thread hop")
     return method
+
+
+def _async_doc(doc: str | None, how: str) -> str | None:
+    """A :class:`Ledger` method's docstring for its :class:`AsyncLedger` twin.
+
+    The same, plus how the twin runs: one docstring per operation, so the two never drift apart.
+    """
+    if doc is None:
+        return None
+    return f"{inspect.cleandoc(doc)}\n\nOn :class:`AsyncLedger` a coroutine: awaited, {how}."
 
 
 @checked_calls
 class Ledger:
-    """A ledger over one database. Open with :meth:`open`.
+    """A ledger over one database (SQLite file or PostgreSQL). Open with :meth:`open`.
 
-    ``Ledger(store)`` builds one over a storage port that is already open (see
-    :func:`ledger.storage.open_store`); the ledger owns it from then on and closes it.
+    It records Runs (admitted with a frozen plan, grant, budget and policy), their leases, and
+    every Attempt (a physical model call: begun before it is sent, settled once), and keeps the
+    health and capacity-group facts the selector reads. Most hosts use :meth:`run` (a Run
+    session) or :func:`ledger.execute`; the lower-level writes below are what those call.
+
+    Every method checks its arguments before it reads or writes: a wrong value is
+    :class:`~ledger.errors.InvalidArgument` naming the field, a call that fits no signature
+    :class:`~ledger.errors.ArgumentMismatch`. Every method that touches the database may also
+    raise :class:`~ledger.errors.StorageError`, and
+    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached. A
+    write under a lease raises :class:`~ledger.errors.FencedOut` once another executor took
+    the Run over, and :class:`~ledger.errors.LeaseLost` once the lease lapsed where it must be
+    live.
+
+    :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
+    storage port that is already open (see :func:`ledger.storage.open_store`); the ledger owns
+    it from then on and closes it.
+
+    Attributes:
+        clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
+        executor_id: This process's name as a lease holder.
+
+    Example:
+        >>> led = Ledger.open("ledger.db", clock=ManualClock())  # doctest: +SKIP
+        >>> with led.run("task-1", plan=[route], budget={"max_calls": 4, "max_retries": 2,
+        ...              "max_cost": "0.10"}) as run:  # doctest: +SKIP
+        ...     print(run.turn(Envelope(parts=[Part(content="Hello")])).text)
     """
 
     def __init__(self, store: StoragePort, clock: Clock | None = None,
@@ -169,8 +206,33 @@ class Ledger:
              lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Ledger:
         """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
 
-        ``lease_margin_s``: how long before its end a lease stops starting work; it is the
-        clock skew between hosts the ledger tolerates (``docs/operations.md``).
+        Args:
+            url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
+                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
+            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
+                pass a :class:`~ledger.ManualClock`).
+            executor_id: This process's name as a lease holder (default: a new unique id).
+            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
+                role, or when migrations run separately).
+            lease_margin_s: How long before its end a lease stops starting work, from 0 to
+                60 s: the clock skew between hosts the ledger tolerates
+                (``docs/operations.md``).
+
+        Returns:
+            The open ledger; :meth:`close` it (or use it as a ``with`` block).
+
+        Raises:
+            InvalidArgument: a URL that is not a string, cannot be parsed or names another
+                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
+                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
+            DatabaseUnavailable: the database cannot be opened or reached (a missing SQLite
+                folder, a server that is down).
+            SchemaTooNew: the database was migrated by a newer ledger.
+
+        Example:
+            >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP
+            ...     print(led.backend)
+            sqlite
         """
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         check_bool(migrate_schema, "migrate_schema")
@@ -179,6 +241,7 @@ class Ledger:
         return cls(store, clock=clock, executor_id=executor_id)
 
     def close(self) -> None:
+        """Close the database connections (the ledger cannot be used afterwards)."""
         self._store.close()
 
     def __enter__(self) -> Ledger:
@@ -189,15 +252,20 @@ class Ledger:
 
     @property
     def backend(self) -> str:
+        """The database backend: ``"sqlite"`` or ``"postgresql"``."""
         return self._store.backend
 
     @property
     def lease_margin_s(self) -> float:
-        """How long before its end a lease stops starting work (seconds; set at :meth:`open`):
-        a lease's ``ttl_s`` must be longer, and a keeper renews before it."""
+        """How long before its end a lease stops starting work, in seconds.
+
+        Set by :meth:`open` (``lease_margin_s=``): a lease's ``ttl_s`` must be longer, and a
+        keeper renews before it.
+        """
         return self._store.lease_margin_s
 
     def now(self) -> float:
+        """The ledger clock's time, in epoch seconds."""
         return self.clock.now()
 
     # -- runs -----------------------------------------------------------------------------
@@ -219,9 +287,54 @@ class Ledger:
     ) -> RunRecord:
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
-        ``parent``: the parent's lease, to admit a Child Run (its budget is carved from the
-        parent's under that lease; its plan, grant, role and policy may only narrow the
-        parent's; with ``policy=None`` and ``grant=None`` it inherits them).
+        Admitting the same id again with the same content returns the first record (content
+        is compared normalised: ``1`` and ``"1.00"`` are one budget). Nothing is sent: a Run
+        starts when an Attempt is begun under its lease.
+
+        Args:
+            run_id: The Run's id (1 to 200 printable characters).
+            plan: The candidate routes in preference order (:class:`~ledger.Route` or
+                mappings of their fields; unique ids). A route without a price gets the
+                price table's, frozen with the plan.
+            budget: The Run's bounds (a :class:`~ledger.Budget` or a mapping of its fields):
+                model calls, retries, cost and optionally tokens.
+            grant: Which recipients may receive which data classes, and which roles the Run
+                may use (default: every recipient of the plan for the caller's own input,
+                system text and tool descriptions; a Child inherits its parent's).
+            policy: A :class:`~ledger.Policy`, a preset name (``"goclaw"``, ``"fased"``,
+                ``"failure-domain"``), a policy file path, or a mapping of its fields
+                (default: ``failure-domain``; a Child inherits its parent's).
+            role: The role the Run works in (at most 64 characters); routes and grants may
+                restrict roles.
+            parent: The parent's live lease, to admit a Child Run: its budget is carved from
+                the parent's under that lease, and its plan, grant, role and policy may only
+                narrow the parent's.
+            tenant: Whose Run it is (for the audit's totals and ``/metrics``).
+            labels: Free labels, string to string (the audit totals by a label).
+            deadline: When the Run must be done by (epoch seconds); capacity waits stop short
+                of it.
+            selected_route: The route the first turn starts on (default: the plan's first).
+
+        Returns:
+            The :class:`~ledger.RunRecord` as admitted (or as first admitted).
+
+        Raises:
+            InvalidArgument: an argument is wrong (an empty plan, duplicate route ids, a
+                ``selected_route`` not in the plan, a Child broader than its parent in route,
+                recipient, data class, role or policy, ...), naming the field.
+            PolicyError: ``policy`` does not validate (a file, a name or a mapping).
+            AdmissionConflict: ``run_id`` was admitted before with different content
+                (``differing`` names the fields).
+            NotFound: ``parent`` names a Run that does not exist.
+            BudgetExceeded: a Child asks for more cost or tokens than its parent has left
+                (:class:`~ledger.errors.AllowanceExhausted` for calls and retries).
+            LeaseLost: the parent's lease lapsed (``FencedOut``: the parent was taken over).
+
+        Example:
+            >>> rec = led.admit_run("task-1", plan=[primary, backup],  # doctest: +SKIP
+            ...                     budget={"max_calls": 6, "max_retries": 4, "max_cost": "0.50"},
+            ...                     policy="goclaw", tenant="acme")
+            >>> rec.selected_route, rec.policy_hash  # doctest: +SKIP
         """
         check_id(run_id, "run_id")
         check_id(role, "role")
@@ -286,16 +399,42 @@ class Ledger:
         adapter: Any = None,
         secrets: Any = None,
     ) -> RunSession:
-        """A Run held in a ``with`` block: admitted (or resumed, for the same id and content)
-        and leased on entering, finished and released on leaving. See :mod:`ledger.api.session`.
+        """A Run held in a ``with`` block: a :class:`~ledger.RunSession`.
 
-        The admission arguments are those of :meth:`admit_run`. ``lease_ttl_s`` is the lease
-        the session keeps renewed; ``adapter`` a :class:`~ledger.adapters.SyncAdapter` to send
-        with (default: one of the session's own, closed with it) and ``secrets`` the secret
-        provider of that default adapter.
+        Entering admits the Run (or resumes it, for the same id and content) and takes its
+        lease, kept renewed in the background; leaving finishes it and releases the lease. See
+        :mod:`ledger.api.session`. Nothing is written until the block is entered.
 
-        >>> with led.run("task-1", plan=routes, budget=budget) as run:   # doctest: +SKIP
-        ...     answer = run.turn(Envelope(parts=[Part(content="Hello")]))
+        Args:
+            run_id: The Run's id.
+            plan: As :meth:`admit_run`.
+            budget: As :meth:`admit_run`.
+            grant: As :meth:`admit_run`.
+            policy: As :meth:`admit_run`.
+            role: As :meth:`admit_run`.
+            parent: As :meth:`admit_run` (a Run session's :meth:`~ledger.RunSession.child`
+                passes it for you).
+            tenant: As :meth:`admit_run`.
+            labels: As :meth:`admit_run`.
+            deadline: As :meth:`admit_run`.
+            selected_route: As :meth:`admit_run`.
+            lease_ttl_s: The lease the session takes and keeps renewed (above the lease
+                margin, at most 86 400 s).
+            adapter: A :class:`~ledger.adapters.SyncAdapter` to send with (default: one of
+                the session's own, closed with it).
+            secrets: The secret provider of that default adapter (not with ``adapter``).
+
+        Returns:
+            The session, to use as ``with led.run(...) as run:``.
+
+        Raises:
+            InvalidArgument: a malformed ``run_id``, a ``lease_ttl_s`` out of range, an
+                ``adapter`` of the other kind, ``secrets`` with ``adapter``; on entering, the
+                errors of :meth:`admit_run` and :meth:`acquire_lease`.
+
+        Example:
+            >>> with led.run("task-1", plan=routes, budget=budget) as run:  # doctest: +SKIP
+            ...     answer = run.turn(Envelope(parts=[Part(content="Hello")]))
         """
         from ledger.api.session import RunSession
 
@@ -305,19 +444,26 @@ class Ledger:
             lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
     def get_run(self, run_id: str) -> RunRecord:
-        """The Run as it stands now (frozen parts and live counters)."""
+        """The Run as it stands now (frozen parts and live counters).
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         return self._store.get_run(check_id(run_id, "run_id"))
 
     def children(self, run_id: str) -> list[RunRecord]:
-        """The Child Runs admitted under ``run_id``."""
+        """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
         return self._store.children(check_id(run_id, "run_id"))
 
     def frozen_run(self, run_id: str) -> FrozenRun:
-        """What the Run froze at admission (plan, grant, budget, policy, role, parent,
-        deadline), read once and cached: it never changes. Its live counters are
-        :meth:`get_run`'s.
+        """What the Run froze at admission, read once and cached: it never changes.
 
-        Raises :class:`~ledger.errors.NotFound` for an unknown ``run_id``.
+        Plan, grant, budget, policy, role, parent, deadline: a
+        :class:`~ledger.domain.records.FrozenRun`.
+        Its live counters are :meth:`get_run`'s.
+
+        Raises:
+            NotFound: no Run has this id.
         """
         frozen = self._frozen.get(run_id)
         if frozen is None:
@@ -326,7 +472,11 @@ class Ledger:
         return frozen
 
     def run_policy(self, run_id: str) -> Policy:
-        """The policy snapshot the run froze at admission (parsed once per Run)."""
+        """The policy snapshot the run froze at admission (parsed once per Run).
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         pol = self._policies.get(run_id)
         if pol is None:
             pol = Policy.model_validate(self.frozen_run(run_id).policy)
@@ -334,7 +484,18 @@ class Ledger:
         return pol
 
     def _finish_run(self, lease: Lease, status: RunStatus | str) -> Call[None]:
-        """Record the Run's end (``succeeded``, ``failed``, ``stopped`` or ``cancelled``)."""
+        """Record the Run's end; its lease stays until :meth:`release_lease`.
+
+        Args:
+            lease: The Run's live lease.
+            status: ``succeeded``, ``failed``, ``stopped`` or ``cancelled`` (a
+                :class:`~ledger.RunStatus` or its value).
+
+        Raises:
+            InvalidArgument: ``status`` is not one a Run ends in.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
+        """
         ends = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
         st = check_choice(status, RunStatus, "status", ends)
         lease, clock = lease_arg(lease), self.clock.now
@@ -345,9 +506,31 @@ class Ledger:
 
     def _acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
                        executor_id: str | None = None) -> Call[Lease]:
-        """Take the Run's lease for ``ttl_s`` seconds (renew it with :meth:`renew_lease` or a
-        :class:`~ledger.api.lease.LeaseKeeper`). Another holder's unexpired lease is
-        :class:`LeaseHeld`; one's own unexpired lease is renewed under the same fence."""
+        """Take the Run's lease for ``ttl_s`` seconds: the right to write for it.
+
+        One's own unexpired lease is renewed under the same fence; otherwise the fence moves
+        on, so every write of an earlier holder is refused from now on. Keep it with
+        :meth:`renew_lease` or a :class:`~ledger.api.lease.LeaseKeeper`.
+
+        Args:
+            run_id: The Run.
+            ttl_s: How long the lease lasts unless renewed (above the lease margin, at most
+                86 400 s).
+            executor_id: Who takes it (default: this ledger's ``executor_id``).
+
+        Returns:
+            The :class:`~ledger.Lease` (run id, executor, fence, expiry).
+
+        Raises:
+            LeaseHeld: another executor holds an unexpired lease on the Run.
+            NotFound: no Run has this id.
+            InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s.
+
+        Example:
+            >>> lease = led.acquire_lease("task-1", ttl_s=30)  # doctest: +SKIP
+            >>> lease.fence, lease.expires_at - led.now()  # doctest: +SKIP
+            (1, 30.0)
+        """
         check_id(run_id, "run_id")
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         if ttl <= self._store.lease_margin_s:
@@ -361,14 +544,36 @@ class Ledger:
                      lambda: self._store.aacquire_lease(run_id, executor, ttl, clock))
 
     def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Call[Lease]:
-        """Extend a live lease; a lapsed one (expired or released) is :class:`LeaseLost`."""
+        """Extend a live lease by ``ttl_s`` from now, under the same fence.
+
+        Args:
+            lease: The lease as last granted or renewed.
+            ttl_s: The new time left (above 0, at most 86 400 s).
+
+        Returns:
+            The renewed :class:`~ledger.Lease`.
+
+        Raises:
+            LeaseLost: the lease lapsed (expired or released): acquire it again.
+            FencedOut: another executor took the Run over.
+        """
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         lease, clock = lease_arg(lease), self.clock.now
         return Call(lambda: self._store.renew_lease(lease, ttl, clock),
                      lambda: self._store.arenew_lease(lease, ttl, clock))
 
     def _release_lease(self, lease: Lease) -> Call[None]:
-        """Give the lease up (the Run's attempts must be settled first)."""
+        """Give the lease up. Releasing an already released lease does nothing.
+
+        Args:
+            lease: The Run's lease.
+
+        Raises:
+            InvalidState: Attempts of the Run are still in flight: settle them (or
+                :meth:`mark_unknown`) first.
+            LeaseLost: the lease is no longer live; there is nothing of it to release.
+            FencedOut: another executor took the Run over.
+        """
         lease, clock = lease_arg(lease), self.clock.now
         return Call(lambda: self._store.release_lease(lease, clock),
                      lambda: self._store.arelease_lease(lease, clock))
@@ -377,7 +582,17 @@ class Ledger:
                        ) -> Call[int]:
         """Take one bounded retry permission from the run; returns how many are left.
 
-        ``data`` (e.g. the route and cause) is recorded with the permission as an audit event.
+        The retry owner takes them inside :meth:`begin_attempt` (``take_retry``) instead; this
+        is for a host that drives retries itself.
+
+        Args:
+            lease: The Run's live lease.
+            data: Recorded with the permission as a ``retry_permission`` audit event (e.g. the
+                route and cause); a mapping with string keys.
+
+        Raises:
+            AllowanceExhausted: the Run has no retry permission left.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
         lease, clock = lease_arg(lease), self.clock.now
         if data is not None:
@@ -404,10 +619,43 @@ class Ledger:
     ) -> Call[AttemptRecord]:
         """Record an Attempt (debit held, capacity slot taken) before its request is sent.
 
-        ``reserve`` is the cost hold, ``reserve_tokens`` the token hold (checked against the
-        Run's ``max_tokens``); ``take_retry`` takes one retry permission in the same transaction
-        (the retry owner does for every further Attempt of a turn). Retrying with the same
-        ``attempt_id`` and arguments, also after acquiring the lease again, is the same write.
+        One transaction checks the live lease, the Run's allowances and budget, and the
+        capacity group's admission; a refusal by the group is recorded (a ``rejected``
+        Attempt, its hold voided) and then raised. Retrying with the same ``attempt_id`` and
+        arguments, also after acquiring the lease again, is the same write. The retry owner
+        (:func:`ledger.execute`) calls this for every Attempt it makes.
+
+        Args:
+            lease: The Run's live lease.
+            route: The route to use: an id of the Run's frozen plan, or the frozen
+                :class:`~ledger.Route` itself.
+            envelope_hash: The request's hash (``Envelope.hash``), recorded with the Attempt.
+            reserve: The cost hold (a Decimal, an int or a decimal string), posted or voided
+                at settle.
+            reserve_tokens: The token hold, checked against the Run's ``max_tokens``.
+            turn_id: The logical turn the Attempt serves.
+            profile_id: The credential profile it uses (one of the route's), if any.
+            kind: Why it is made: ``first``, ``retry``, ``failover`` or ``probe``.
+            attempt_id: Its id (default: a new one); pass one to make a retried begin the
+                same write.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs
+                (the retry owner writes the selector's decision this way).
+            take_retry: Take one retry permission in the same transaction (every further
+                Attempt of a turn does).
+
+        Returns:
+            The :class:`~ledger.AttemptRecord`, ``dispatching``.
+
+        Raises:
+            InvalidArgument: a route not in the Run's frozen plan (or differing from its
+                snapshot), a profile that is not the route's, or another wrong argument.
+            AllowanceExhausted: no model call (or, with ``take_retry``, no retry permission)
+                is left.
+            BudgetExceeded: the hold would overdraw the Run's cost or token budget.
+            CapacityUnavailable: the capacity group refused it (the rejection is recorded).
+            Conflict: ``attempt_id`` is already recorded with different content.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
         """
         lease = lease_arg(lease)
         run = self.frozen_run(lease.run_id)
@@ -458,14 +706,47 @@ class Ledger:
     ) -> Call[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
-        ``outcome``: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
-        classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent`` (provably never
-        left: the hold is voided and the call given back; a failure whose phase is
-        ``before_send`` is recorded as not sent). Usage and ``cost`` are what the provider
-        reported; when none was reported, the whole hold is posted. ``repeat``: the Attempt
-        was a same-route retry of a failure this request already counted in health, so its
-        failure restarts the key's window without counting again (unless the policy's
-        ``health.count_same_route_retries`` says every try counts).
+        A settled Attempt is never rewritten: the same settle again returns it, a different one
+        is refused. The settle is accepted under the fence the Attempt was begun with even after
+        the lease expired (the outcome is the truth); once the Run was taken over it is refused
+        and kept as a ``late_receipt`` event.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            outcome: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
+                classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent``
+                (provably never left: the hold is voided and the call given back; a failure
+                whose phase is ``before_send`` is recorded as not sent).
+            fact: The classified failure (a :class:`~ledger.FailureFact`).
+            observation: Raw evidence to classify under the Run's policy instead of a fact.
+            prompt_tokens: Usage the provider reported (``None``: not reported).
+            completion_tokens: Likewise.
+            cost: The cost the provider reported; when no usage was reported, the whole hold
+                is posted.
+            effective_output: Whether output reached the caller (default: the fact's).
+            tool_started: Whether the host started a tool it proposed (default: the fact's).
+            model_reported: The model the provider says served it.
+            output_hash: The answer's content hash.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
+            provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
+                provenance (so the next turn may carry them).
+            repeat: The Attempt was a same-route retry of a failure this request already
+                counted in health, so its failure restarts the key's window without counting
+                again (unless the policy's ``health.count_same_route_retries`` says every try
+                counts).
+
+        Returns:
+            The settled :class:`~ledger.AttemptRecord`.
+
+        Raises:
+            InvalidArgument: ``failed`` without a fact or observation, ``succeeded`` with
+                one, or another wrong argument.
+            NotFound: the Attempt does not exist, or is not one of the lease's Run.
+            SettleConflict: it was settled before with different content.
+            InvalidState: it was rejected before dispatch: there is nothing to settle.
+            FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
+                a late receipt).
         """
         lease = lease_arg(lease)
         outcome = check_choice(outcome, Outcome, "outcome")
@@ -516,7 +797,25 @@ class Ledger:
                      lambda: self._store.asettle_attempt(lease.run_id, spec, clock), done)
 
     def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> Call[AttemptRecord]:
-        """Settle a dispatched Attempt as unknown (no receipt): its hold stays."""
+        """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
+
+        For a graceful shutdown with a call still out. An Attempt already settled is returned
+        as it is. Unknown Attempts are never sent again, by anyone.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            reason: Why no receipt came (kept in the ``unknown`` event, at most 200
+                characters).
+
+        Returns:
+            The Attempt as recorded.
+
+        Raises:
+            NotFound: the Attempt is not one of the lease's Run.
+            FencedOut: the Run was taken over, or the Attempt was begun under another fence
+                (recovery marks it).
+        """
         if not isinstance(reason, str):
             raise InvalidArgument("reason must be a string; pass why no receipt came",
                                   field="reason")
@@ -526,9 +825,22 @@ class Ledger:
                      lambda: self._store.amark_unknown(lease, attempt_id, clock, why))
 
     def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Call[TurnSnapshot]:
-        """Everything one routing decision reads, in one read transaction: the Run as it
-        stands, its frozen policy, its groups' projections, its routes' and profiles' health,
-        and the provenance of ``refs`` recorded by the Run or its ancestors."""
+        """Everything one routing decision reads, in one read transaction.
+
+        The Run as it stands, its frozen policy, its groups' projections, its routes' and
+        profiles' health, and the provenance of ``refs`` recorded by the Run or its ancestors.
+
+        Args:
+            run_id: The Run.
+            refs: The producer references (``Part.provenance``) whose recorded hashes the
+                decision's disclosure check needs.
+
+        Returns:
+            A :class:`~ledger.decide.effects.TurnSnapshot`.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         frozen = self.frozen_run(run_id)
         policy = self.run_policy(run_id)
         refs = check_ids(refs, "refs")
@@ -555,7 +867,16 @@ class Ledger:
     # -- groups, health, provenance, events -------------------------------------------------
 
     def configure_group(self, group: str, *, max_in_flight: int | None) -> None:
-        """Set a capacity group's concurrency limit (``None``: unlimited)."""
+        """Set a capacity group's concurrency limit, creating the group if it is new.
+
+        Args:
+            group: The group id (``Route.group``).
+            max_in_flight: How many Attempts of live leases may be in flight at once in the
+                group, across every process (``None``: unlimited).
+
+        Raises:
+            InvalidArgument: ``max_in_flight`` below 1 (or not an integer).
+        """
         check_id(group, "group")
         if max_in_flight is not None:
             check_count(max_in_flight, "max_in_flight")
@@ -566,7 +887,17 @@ class Ledger:
 
     def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
                         reason: str = "operator") -> None:
-        """Set a group's mode by hand (an operator's cooldown or outage notice)."""
+        """Set a group's mode by hand (an operator's cooldown or outage notice).
+
+        Args:
+            group: The group id.
+            mode: ``open``, ``cooldown`` or ``unavailable`` (a :class:`~ledger.GroupMode`).
+            until: When the mode ends (epoch seconds; ``None``: until changed again).
+            reason: Why, for the audit and the dashboard.
+
+        Raises:
+            InvalidArgument: an unknown ``mode``, an ``until`` that is not a usable time.
+        """
         check_id(group, "group")
         mode = check_choice(mode, GroupMode, "mode")
         until = check_optional_time(until, "until")
@@ -575,13 +906,20 @@ class Ledger:
 
     def group_projections(self, groups: Sequence[str] | None = None
                           ) -> dict[str, GroupProjection]:
-        """Admission's view of the named capacity groups (``None``: every known group)."""
+        """Admission's view of the named capacity groups (``None``: every known group).
+
+        A group nobody configured or reported on is absent (it is open and unlimited).
+        """
         wanted = None if groups is None else check_ids(groups, "groups")
         return self._store.group_projections(wanted, self.now())
 
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
-        """Health rows (all, or of ``keys``: route ids, profile ids, ``provider:<name>``) as
-        they stand now: counters past their reset time read as reset."""
+        """Health rows as they stand now: counters past their reset time read as reset.
+
+        Args:
+            keys: The keys to read (route ids, profile ids, ``provider:<name>``); ``None``:
+                every row. A key with no row (never failed) is absent.
+        """
         wanted = None if keys is None else check_ids(keys, "keys")
         now = self.now()
         return {k: as_read(h, now) for k, h in self._store.health(wanted).items()}
@@ -590,10 +928,19 @@ class Ledger:
                      ttl_s: float | None = None, max_keys: int | None = None) -> Call[bool]:
         """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
 
-        ``key`` is the health key the probe state lives under (default: the route id; the
-        retry owner passes the policy's key, e.g. ``provider:<name>``). A claim taken also
-        bounds the probe state: times ``ttl_s`` old are forgotten and at most ``max_keys``
-        keys keep one (GoClaw's probe state TTL and key limit).
+        A claim taken also bounds the probe state: times ``ttl_s`` old are forgotten and at
+        most ``max_keys`` keys keep one (GoClaw's probe state TTL and key limit).
+
+        Args:
+            route: The cooling route to probe.
+            interval_s: The least time between two probes of the key.
+            key: The health key the probe state lives under (default: the route id; the
+                retry owner passes the policy's key, e.g. ``provider:<name>``).
+            ttl_s: Probe times at least this old are forgotten (``None``: kept).
+            max_keys: At most this many keys keep a probe time (``None``: no limit).
+
+        Returns:
+            Whether this caller got the slot (and so may send the probe).
         """
         if not isinstance(route, Route):
             raise InvalidArgument("route must be a ledger.Route", field="route")
@@ -615,18 +962,41 @@ class Ledger:
                                             ttl_s=ttl, max_keys=max_keys))
 
     def _record_compaction(self, lease: Lease) -> Call[int]:
-        """Record that the host compacted the Run's session (its context was summarised);
-        returns the Run's compaction count. Under a policy with ``profiles.sticky`` the
-        auto-pinned credential profile is dropped: the next turn chooses again (Fased: the
-        pinned profile is reused until "a compaction completes (compaction count
-        increments)"). A user pin is kept. Needs a live lease."""
+        """Record that the host compacted the Run's session (its context was summarised).
+
+        Under a policy with ``profiles.sticky`` the auto-pinned credential profile is dropped:
+        the next turn chooses again (Fased: the pinned profile is reused until "a compaction
+        completes (compaction count increments)"). A user pin is kept.
+
+        Args:
+            lease: The Run's live lease.
+
+        Returns:
+            The Run's compaction count.
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
         lease, clock = lease_arg(lease), self.clock.now
         return Call(lambda: self._store.record_compaction(lease, clock),
                      lambda: self._store.arecord_compaction(lease, clock))
 
     def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
                            kind: str = "tool_result") -> Call[None]:
-        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``."""
+        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
+
+        A later part with ``provenance=ref`` and this exact content is then covered for
+        disclosure preflight, in this Run and its Children.
+
+        Args:
+            lease: The Run's live lease.
+            ref: The producer reference (a tool-call id, a memory or document id).
+            content_hash: The content's ``Part.content_hash``.
+            kind: What produced it (``tool_result``, ``memory``, ...; at most 16 characters).
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
         check_id(ref, "ref")
         hash_arg(content_hash, "content_hash")
         event_kind(kind, "kind", 16)
@@ -636,7 +1006,11 @@ class Ledger:
             lambda: self._store.arecord_provenance(lease, ref, content_hash, kind, clock))
 
     def provenance(self, run_id: str) -> dict[str, set[str]]:
-        """Recorded outputs of this run and its ancestors: ref -> content hashes."""
+        """Recorded outputs of this run and its ancestors: ref -> content hashes.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         ids = [check_id(run_id, "run_id")]
         run = self.frozen_run(run_id)
         while run.parent_run_id is not None:
@@ -646,7 +1020,17 @@ class Ledger:
 
     def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
                       attempt_id: str | None = None) -> Call[None]:
-        """Append an audit event to the Run (needs a live lease)."""
+        """Append an audit event to the Run.
+
+        Args:
+            lease: The Run's live lease.
+            kind: The event's kind (a short name such as ``note``, at most 32 characters).
+            data: Its data: a mapping with string keys, stored as JSON (redacted).
+            attempt_id: The Attempt it is about, if any.
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
         name, payload = event_kind(kind, "kind", MAX_EVENT_KIND), audit_data(data, "data")
         check_optional_id(attempt_id, "attempt_id")
         lease, clock = lease_arg(lease), self.clock.now
@@ -668,7 +1052,12 @@ class Ledger:
     append_event = _sync(_append_event)
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
-        """The Run's audit events in order, optionally only those of the given kinds."""
+        """The Run's audit events in order, optionally only those of the given kinds.
+
+        Args:
+            run_id: The Run (an unknown id has none).
+            kinds: Only events of these kinds (e.g. ``["stop", "move"]``); ``None``: all.
+        """
         check_id(run_id, "run_id")
         if kinds is not None:
             if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence | set | frozenset):
@@ -680,33 +1069,71 @@ class Ledger:
     # -- reads ----------------------------------------------------------------------------
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
-        """One Attempt, under its original route."""
+        """One Attempt, under its original route.
+
+        Raises:
+            NotFound: no Attempt has this id.
+        """
         return self._store.get_attempt(check_id(attempt_id, "attempt_id"))
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
-        """The run's Attempts in order, each under its original route."""
+        """The run's Attempts in order, each under its original route.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         return self._store.timeline(check_id(run_id, "run_id"))
 
     def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
-        """Attempts newest first. Filters: ``route``, ``group`` (ids), ``state`` (an
-        :class:`AttemptState`), ``category`` (a :class:`Category`), ``since``/``until`` (epoch
-        seconds), ``limit`` (1 to 10 000, default 100), ``cursor`` (a page's ``next_cursor``)."""
+        """Attempts across Runs, newest first, one page at a time.
+
+        Args:
+            **filters: Any of ``route`` and ``group`` (ids), ``state`` (an
+                :class:`~ledger.AttemptState`), ``category`` (a :class:`~ledger.Category`),
+                ``since`` and ``until`` (epoch seconds: created at or after, and before),
+                ``limit`` (1 to 10 000, default 100) and ``cursor`` (a page's
+                ``next_cursor``).
+
+        Returns:
+            A :class:`~ledger.Page`; pass its ``next_cursor`` back for the next one.
+
+        Raises:
+            ArgumentMismatch: an unknown filter (the message names the closest one).
+            InvalidArgument: a filter's value is wrong, or the cursor is not one a page gave.
+
+        Example:
+            >>> page = led.attempts(state="unknown", limit=50)  # doctest: +SKIP
+            >>> while page.next_cursor:  # doctest: +SKIP
+            ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
+        """
         return self._store.attempts(**attempt_filters(filters))
 
     def debit(self, debit_id: str) -> DebitRecord:
-        """One debit (an Attempt's budget hold)."""
+        """One debit (an Attempt's budget hold; its id is ``AttemptRecord.debit_id``).
+
+        Raises:
+            NotFound: no debit has this id.
+        """
         return self._store.debit(check_id(debit_id, "debit_id"))
 
 
 @checked_call
 def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
-    """The storage port under ``ledger``: the one deliberate way for the ledger's own
-    operations and tools (recovery, reconciliation, the audit, ``generate``, the benchmarks,
-    the command line) to reach the database. Applications use the ledger's methods: the port
-    takes its arguments as already checked and writes without the facade's rules.
+    """The storage port under ``ledger`` (:class:`~ledger.storage.port.StoragePort`).
 
-    Raises :class:`InvalidArgument` when ``ledger`` is neither a :class:`Ledger` nor an
-    :class:`AsyncLedger`.
+    The one deliberate way for the ledger's own operations and tools (recovery,
+    reconciliation, the audit, ``generate``, the benchmarks, the command line) to reach the
+    database. Applications use the ledger's methods: the port takes its arguments as already
+    checked and writes without the facade's rules.
+
+    Args:
+        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the port of its ``sync``).
+
+    Returns:
+        The port the ledger was opened on.
+
+    Raises:
+        InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.
     """
     if isinstance(ledger, AsyncLedger):
         ledger = ledger.sync
@@ -719,15 +1146,18 @@ def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
 def _in_thread(
     fn: Callable[Concatenate[Ledger, P], R],
 ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
-    """The async twin of a :class:`Ledger` method: the same method, run in a worker thread
-    (the database call blocks), with the same typed signature."""
+    """The async twin of a :class:`Ledger` method, run in a worker thread.
+
+    The database call blocks, so it runs off the event loop; the signature and the docstring
+    are the sync method's.
+    """
 
     async def method(self: AsyncLedger, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await asyncio.to_thread(fn, self.sync, *args, **kwargs)
 
     method.__name__ = fn.__name__
     method.__qualname__ = f"AsyncLedger.{fn.__name__}"
-    method.__doc__ = fn.__doc__
+    method.__doc__ = _async_doc(fn.__doc__, "in a worker thread (the database call blocks)")
     method.__wrapped__ = fn  # type: ignore[attr-defined]  # its signature, for misuse checks
     return method
 
@@ -753,7 +1183,24 @@ class _Opening:
 
 @checked_calls
 class AsyncLedger:
-    """The async twin of :class:`Ledger`: the same methods, awaited; one implementation."""
+    """The async twin of :class:`Ledger`: the same methods, awaited; one implementation.
+
+    Each method is made from :class:`Ledger`'s and carries its docstring (arguments, result,
+    errors), with a last line saying how it runs: the hot-path writes (leases, begin, settle,
+    events) on the database's asyncio driver, the rest in a worker thread, so the event loop
+    never blocks on the database. Open it with :meth:`open`.
+
+    Args:
+        ledger: The :class:`Ledger` it runs (see :attr:`sync`).
+
+    Attributes:
+        sync: The :class:`Ledger` underneath, for code that must block.
+
+    Example:
+        >>> async with AsyncLedger.open("ledger.db") as led:  # doctest: +SKIP
+        ...     async with led.run("task-1", plan=routes, budget=budget) as run:
+        ...         result = await run.turn(Envelope(parts=[Part(content="Hello")]))
+    """
 
     def __init__(self, ledger: Ledger) -> None:
         self.sync = ledger
@@ -762,13 +1209,30 @@ class AsyncLedger:
     def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
              migrate_schema: bool = True,
              lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> _Opening:
-        """Open a ledger (see :meth:`Ledger.open`): ``led = await AsyncLedger.open(url)``, or
-        ``async with AsyncLedger.open(url) as led:`` (closed when the block ends)."""
+        """Open a ledger: ``led = await AsyncLedger.open(url)``, or ``async with`` it.
+
+        ``async with AsyncLedger.open(url) as led:`` closes the ledger when the block ends. The
+        arguments and errors are those of :meth:`Ledger.open`; the opening (and any migration)
+        runs in a worker thread.
+
+        Args:
+            url: A SQLite file path or a PostgreSQL URL.
+            clock: Where the ledger reads time.
+            executor_id: This process's name as a lease holder.
+            migrate_schema: Create or upgrade the schema first.
+            lease_margin_s: How long before its end a lease stops starting work.
+
+        Raises:
+            InvalidArgument: as :meth:`Ledger.open` (when awaited).
+            DatabaseUnavailable: the database cannot be opened or reached.
+            SchemaTooNew: the database was migrated by a newer ledger.
+        """
         return _Opening(lambda: cls(Ledger.open(
             url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
             lease_margin_s=lease_margin_s)))
 
     async def close(self) -> None:
+        """Close the database connections."""
         await asyncio.to_thread(self.sync.close)
 
     async def __aenter__(self) -> AsyncLedger:
@@ -779,14 +1243,17 @@ class AsyncLedger:
 
     @property
     def clock(self) -> Clock:
+        """Where the ledger reads time."""
         return self.sync.clock
 
     @property
     def backend(self) -> str:
+        """The database backend: ``"sqlite"`` or ``"postgresql"``."""
         return self.sync.backend
 
     @property
     def executor_id(self) -> str:
+        """This process's name as a lease holder."""
         return self.sync.executor_id
 
     @property
@@ -795,6 +1262,7 @@ class AsyncLedger:
         return self.sync.lease_margin_s
 
     def now(self) -> float:
+        """The ledger clock's time, in epoch seconds (not a coroutine)."""
         return self.sync.now()
 
     def run(self, run_id: str, *, plan: Sequence[Route], budget: Budget | Mapping[str, Any],
@@ -804,8 +1272,31 @@ class AsyncLedger:
             labels: Mapping[str, str] | None = None, deadline: float | None = None,
             selected_route: str | None = None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
             adapter: Any = None, secrets: Any = None) -> AsyncRunSession:
-        """The asyncio twin of :meth:`Ledger.run`: ``async with led.run(...) as run:``;
-        ``adapter`` is an :class:`~ledger.adapters.HttpAdapter`."""
+        """A Run held in an ``async with`` block: an :class:`~ledger.AsyncRunSession`.
+
+        The asyncio twin of :meth:`Ledger.run`, with the same arguments and errors; ``adapter``
+        is an :class:`~ledger.adapters.HttpAdapter`.
+
+        Args:
+            run_id: The Run's id.
+            plan: As :meth:`Ledger.admit_run`.
+            budget: As :meth:`Ledger.admit_run`.
+            grant: As :meth:`Ledger.admit_run`.
+            policy: As :meth:`Ledger.admit_run`.
+            role: As :meth:`Ledger.admit_run`.
+            parent: As :meth:`Ledger.admit_run`.
+            tenant: As :meth:`Ledger.admit_run`.
+            labels: As :meth:`Ledger.admit_run`.
+            deadline: As :meth:`Ledger.admit_run`.
+            selected_route: As :meth:`Ledger.admit_run`.
+            lease_ttl_s: As :meth:`Ledger.run`.
+            adapter: An :class:`~ledger.adapters.HttpAdapter` to send with (default: the
+                session's own).
+            secrets: The secret provider of that default adapter.
+
+        Raises:
+            InvalidArgument: as :meth:`Ledger.run`.
+        """
         from ledger.api.session import AsyncRunSession
 
         return AsyncRunSession(self, run_id, dict(
@@ -814,8 +1305,14 @@ class AsyncLedger:
             lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
     async def warm(self, run_id: str) -> None:
-        """Read the Run's (and its ancestors') frozen parts into the cache off the event loop,
-        so the turn's own calls never block it on a first read."""
+        """Read the Run's (and its ancestors') frozen parts into the cache, off the event loop.
+
+        The turn's own calls then never block the loop on a first read; :func:`ledger.aexecute`
+        calls it.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         led = self.sync
         rid: str | None = run_id
         while rid is not None:

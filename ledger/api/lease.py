@@ -41,8 +41,18 @@ SHUTDOWN_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.BEFORE_SEND
 
 
 class KeeperCore:
-    """The schedule and state shared by both keepers. ``tick()`` does at most one renewal and
-    returns the seconds to wait before the next tick."""
+    """The schedule and state shared by both keepers.
+
+    :meth:`tick` does at most one renewal and returns the seconds to wait before the next tick.
+    The arguments are :class:`LeaseKeeper`'s (without ``sleeper``).
+
+    Attributes:
+        lost: Set once the Run is lost; :attr:`error` is then the reason.
+        error: The :class:`FencedOut` (or :class:`LeaseLost`) that ended it, else ``None``.
+        renewals: Renewals done so far.
+        failures: Renewals that failed because the database was unreachable (each retried).
+        in_flight: The Attempts :meth:`track` registered: attempt id -> sent?
+    """
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None) -> None:
@@ -78,6 +88,7 @@ class KeeperCore:
 
     @property
     def lease(self) -> Lease:
+        """The lease as last renewed (its ``expires_at`` moves on; its fence does not)."""
         with self._lock:
             return self._lease
 
@@ -92,6 +103,7 @@ class KeeperCore:
             self.in_flight[attempt_id] = sent
 
     def mark_sent(self, attempt_id: str) -> None:
+        """The tracked Attempt's request left: on shutdown it is marked unknown, not voided."""
         self.track(attempt_id, sent=True)
 
     def untrack(self, attempt_id: str) -> None:
@@ -106,6 +118,13 @@ class KeeperCore:
             cb(err)
 
     def tick(self) -> float:
+        """Renew when due; the seconds until the next tick (``math.inf`` once lost).
+
+        A renewal refused with :class:`FencedOut` loses the Run. An unreachable database
+        (:class:`DatabaseUnavailable`) is retried every quarter interval until the lease's own
+        end, and then it is lost with :class:`LeaseLost`. Nothing is raised: :meth:`check`
+        raises afterwards.
+        """
         if self.error is not None:
             return math.inf
         now = self.clock.now()
@@ -138,7 +157,18 @@ class KeeperCore:
         return self.interval_s
 
     def shutdown_writes(self) -> None:
-        """Settle or mark unknown what is in flight, then release the lease."""
+        """Settle or mark unknown what is in flight, then release the lease.
+
+        An Attempt tracked as not sent is settled ``not_sent`` (its hold voided), one sent
+        without a receipt is marked unknown (its hold kept). A keeper that lost the Run writes
+        nothing.
+
+        Raises:
+            LeaseLost: the lease lapsed before it could be released (the Attempts are settled
+                all the same: a settle needs the fence, not a live lease).
+            FencedOut: the Run was taken over meanwhile.
+            DatabaseUnavailable: the database could not be reached.
+        """
         if self.error is not None:
             return  # fenced out: nothing of ours may be written
         lease = self.lease
@@ -157,7 +187,33 @@ class KeeperCore:
 
 @checked_calls
 class LeaseKeeper(KeeperCore):
-    """Renews in a daemon thread. Use as a context manager, or ``start()`` / ``close()``."""
+    """Renews a Run's lease in a daemon thread, so a blocking model call cannot starve it.
+
+    Use it as a ``with`` block (started on entering, closed gracefully on leaving), or
+    :meth:`start` / :meth:`close`. Call :meth:`check` between steps of the work: it raises once
+    the Run was lost.
+
+    Args:
+        ledger: The :class:`~ledger.Ledger` the lease is from (an
+            :class:`~ledger.AsyncLedger` goes with :class:`AsyncLeaseKeeper`).
+        lease: The lease to keep, as :meth:`~ledger.Ledger.acquire_lease` returned it.
+        ttl_s: The lease time each renewal asks for (above 0, at most 86 400 s).
+        interval_s: How often to renew (default, and at most, ``ttl_s / 3``).
+        clock: The clock due renewals are read from (default: the ledger's).
+        sleeper: What waits between ticks (default: a stop-aware thread wait); a
+            :class:`~ledger.ManualClock` makes a test's keeper advance without sleeping.
+
+    Raises:
+        InvalidArgument: ``ledger`` is not a Ledger, ``lease`` is not one it granted,
+            ``ttl_s`` or ``interval_s`` are out of range, ``clock`` has no ``now()``.
+
+    Example:
+        >>> lease = led.acquire_lease("task-1", ttl_s=30)  # doctest: +SKIP
+        >>> with LeaseKeeper(led, lease, ttl_s=30) as keeper:  # doctest: +SKIP
+        ...     for step in work:
+        ...         keeper.check()  # FencedOut once another executor took the Run over
+        ...         step(keeper.lease)
+    """
 
     def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None,
@@ -173,6 +229,7 @@ class LeaseKeeper(KeeperCore):
         self._thread: threading.Thread | None = None
 
     def start(self) -> LeaseKeeper:
+        """Start the renewal thread; returns the keeper."""
         self._thread = threading.Thread(target=self._loop, name="ledger-lease", daemon=True)
         self._thread.start()
         return self
@@ -188,13 +245,23 @@ class LeaseKeeper(KeeperCore):
                 self._stop.wait(delay)
 
     def stop(self) -> None:
+        """Stop renewing (the lease is kept until it expires) and wait for the thread."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def close(self, *, graceful: bool = True) -> None:
-        """Stop renewing; with ``graceful`` settle or mark unknown what is in flight and
-        release the lease."""
+        """Stop renewing; with ``graceful``, also :meth:`~KeeperCore.shutdown_writes`.
+
+        Args:
+            graceful: Settle or mark unknown what is in flight and release the lease (else the
+                lease just runs out, and recovery settles what was in flight).
+
+        Raises:
+            LeaseLost: a graceful close after the lease lapsed.
+            FencedOut: the Run was taken over meanwhile.
+            DatabaseUnavailable: the database could not be reached.
+        """
         self.stop()
         if graceful:
             self.shutdown_writes()
@@ -208,8 +275,24 @@ class LeaseKeeper(KeeperCore):
 
 @checked_calls
 class AsyncLeaseKeeper:
-    """The asyncio twin: renews in a task (the database call runs in a worker thread), can
-    cancel the task doing the work when the run is lost."""
+    """The asyncio twin of :class:`LeaseKeeper`: renews in a task, on an AsyncLedger.
+
+    Each renewal runs in a worker thread, so the event loop never blocks on the database. It
+    can cancel the task doing the work the moment the Run is lost (:meth:`watch`). Use it as
+    ``async with``, or :meth:`start` / :meth:`close`. The arguments and errors are
+    :class:`LeaseKeeper`'s, with an :class:`~ledger.AsyncLedger` for ``ledger``.
+
+    Args:
+        ledger: The :class:`~ledger.AsyncLedger` the lease is from.
+        lease: The lease to keep.
+        ttl_s: The lease time each renewal asks for.
+        interval_s: How often to renew (default, and at most, ``ttl_s / 3``).
+        clock: The clock due renewals are read from (default: the ledger's).
+        sleeper: What waits between ticks (its ``asleep``).
+
+    Raises:
+        InvalidArgument: as :class:`LeaseKeeper`, or ``ledger`` is not an AsyncLedger.
+    """
 
     def __init__(self, ledger: AsyncLedger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None,
@@ -229,22 +312,28 @@ class AsyncLeaseKeeper:
 
     @property
     def lease(self) -> Lease:
+        """The lease as last renewed."""
         return self.core.lease
 
     @property
     def lost(self) -> threading.Event:
+        """Set once the Run is lost."""
         return self.core.lost
 
     def check(self) -> None:
+        """Raise :class:`FencedOut` (or :class:`LeaseLost`) once the run was lost."""
         self.core.check()
 
     def track(self, attempt_id: str, *, sent: bool = False) -> None:
+        """Tell the keeper an Attempt is in flight (see :meth:`KeeperCore.track`)."""
         self.core.track(attempt_id, sent=sent)
 
     def mark_sent(self, attempt_id: str) -> None:
+        """The tracked Attempt's request left."""
         self.core.mark_sent(attempt_id)
 
     def untrack(self, attempt_id: str) -> None:
+        """The Attempt was settled."""
         self.core.untrack(attempt_id)
 
     def watch(self, task: asyncio.Task[Any]) -> None:
@@ -259,6 +348,7 @@ class AsyncLeaseKeeper:
             loop.call_soon_threadsafe(t.cancel)
 
     def start(self) -> AsyncLeaseKeeper:
+        """Start the renewal task on the running loop; returns the keeper."""
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self
 
@@ -274,11 +364,22 @@ class AsyncLeaseKeeper:
                     await asyncio.wait_for(self._stop.wait(), delay)
 
     async def stop(self) -> None:
+        """Stop renewing and wait for the task to end."""
         self._stop.set()
         if self._task is not None:
             await self._task
 
     async def close(self, *, graceful: bool = True) -> None:
+        """Stop renewing; with ``graceful``, settle what is in flight and release the lease.
+
+        Args:
+            graceful: As :meth:`LeaseKeeper.close`.
+
+        Raises:
+            LeaseLost: a graceful close after the lease lapsed.
+            FencedOut: the Run was taken over meanwhile.
+            DatabaseUnavailable: the database could not be reached.
+        """
         await self.stop()
         if graceful:
             await asyncio.to_thread(self.core.shutdown_writes)

@@ -80,8 +80,12 @@ def _end_status(exc: BaseException | None) -> str:
 
 @checked_calls
 class _SessionCore:
-    """What both sessions share: admission arguments, the calls a turn proposed, the Part a
-    tool result becomes, and the callbacks a turn's stream goes to."""
+    """What both sessions share (everything that is not I/O).
+
+    The admission arguments, the calls a turn proposed, the Part a tool result becomes, and the
+    callbacks a turn's stream goes to. The constructor's arguments are those of
+    :meth:`ledger.Ledger.run` (which builds the session), checked before anything is admitted.
+    """
 
     def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
                  lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
@@ -122,8 +126,10 @@ class _SessionCore:
 
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
-        """The ledger's lease margin and the adapter class a session of this kind sends with
-        (refusing a ledger of the other kind)."""
+        """The ledger's lease margin and the adapter class a session of this kind sends with.
+
+        A ledger of the other kind (sync for async) is refused with InvalidArgument.
+        """
         raise NotImplementedError
 
     def _check_open(self) -> None:
@@ -172,9 +178,12 @@ class _SessionCore:
 
     def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None
                  ) -> Callable[[Any], Any] | None:
-        """The stream callback of a turn: text to ``on_text``, every event to ``on_event``,
-        tool-call proposals remembered. ``None`` when the caller watches nothing: streamed text
-        then stays a buffer, and it is no effective output until the answer completes."""
+        """The stream callback of a turn, or ``None`` when the caller watches nothing.
+
+        Text goes to ``on_text``, every event to ``on_event``, tool-call proposals are
+        remembered. Without a callback streamed text stays a buffer, and it is no effective
+        output until the answer completes.
+        """
         from ledger.adapters.contract import TextDelta, ToolCallProposal
 
         if on_text is None and on_event is None:
@@ -217,8 +226,11 @@ class _SessionCore:
                 self._calls[p.tool_call_id] = (attempt_id, p.name or "")
 
     def proposed(self, call_id: str) -> bool:
-        """Whether a turn of this session proposed (or :meth:`adopt_tool_calls` adopted) the
-        tool call ``call_id``, so that its result may be recorded."""
+        """Whether the tool call ``call_id`` may be answered with :meth:`tool_result`.
+
+        That is when a turn of this session proposed it, or :meth:`adopt_tool_calls` adopted
+        it.
+        """
         return isinstance(call_id, str) and call_id in self._calls
 
     def _call(self, call_id: str) -> tuple[str, str]:
@@ -263,7 +275,33 @@ class _SessionCore:
 
 @checked_calls
 class RunSession(_SessionCore):
-    """A Run held in a ``with`` block (see the module docstring); from :meth:`Ledger.run`."""
+    """A Run held in a ``with`` block (see the module docstring); made by :meth:`Ledger.run`.
+
+    Entering admits the Run (or resumes it: the same id and content), takes its lease and
+    starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving finishes the Run (``succeeded``,
+    or ``failed``/``cancelled`` when the block raised) and releases the lease. A session is
+    entered once; its methods work only inside the block.
+
+    Attributes:
+        run_id: The Run's id.
+        record: The Run as admitted (``None`` before entering).
+        ledger: The :class:`~ledger.Ledger` it runs on.
+
+    Raises:
+        InvalidArgument: (building it) an argument of :meth:`Ledger.run` is wrong; (entering)
+            an admission argument is (see :meth:`Ledger.admit_run`).
+        AdmissionConflict: (entering) the run id was admitted with other content.
+        LeaseHeld: (entering) another live executor holds the Run.
+        InvalidState: (entering) the session was entered before.
+        FencedOut: (leaving) the block succeeded but the Run was taken over, so it could not
+            be finished (after a failed block this is only logged).
+
+    Example:
+        >>> with led.run("task-42", plan=routes, budget={"max_calls": 6, "max_retries": 4,
+        ...              "max_cost": "0.50"}) as run:  # doctest: +SKIP
+        ...     result = run.turn(Envelope(parts=[Part(content="Compare the filings.")]))
+        ...     print(result.text, result.route.id)
+    """
 
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
@@ -322,12 +360,31 @@ class RunSession(_SessionCore):
     def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
              on_event: EventCallback | None = None, turn_id: str | None = None,
              send: Callable[[Dispatch], SendResult] | None = None, **options: Any) -> Any:
-        """Serve one logical turn (see :func:`ledger.api.turn.execute` for ``options``).
+        """Serve one logical turn of the Run, through the retry owner.
 
-        ``on_text`` receives answer text as it streams, ``on_event`` every stream event
-        (text, tool-call proposals, resets); both are for this turn only. ``send`` replaces the
-        route's built-in adapter. Returns the :class:`~ledger.api.turn.RunResult`; its ``parts`` are
-        ready to append to the next envelope.
+        Args:
+            envelope: The whole request (the conversation so far; append the previous turns'
+                ``result.parts`` and tool results to it).
+            on_text: Receives the answer's text as it streams (this turn only). Text shown
+                this way counts as delivered: a failure after it is not silently retried.
+            on_event: Receives every stream event (text, tool-call proposals, resets).
+            turn_id: Names the logical turn (default: from the envelope's hash).
+            send: Replaces the session's adapter: a function of a
+                :class:`~ledger.Dispatch` returning a :class:`~ledger.SendResult`.
+            **options: The other keyword arguments of :func:`ledger.execute` (``pin``,
+                ``denials``, ``reserve``, ``sleeper``, ``on_notice``, ``rng``,
+                ``token_counter``); not ``part_hashes``, which the session computes.
+
+        Returns:
+            The :class:`~ledger.RunResult`; its ``parts`` are ready to append to the next
+            envelope.
+
+        Raises:
+            FailoverExhausted: the turn stopped without an answer (every error, the reason).
+            InvalidState: the session is not open (before or after its block).
+            InvalidArgument: a callback that is not callable, ``part_hashes`` passed, or
+                :func:`ledger.execute`'s misuse.
+            FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
         """
         from ledger.adapters import sync_sender
         from ledger.api.turn import execute
@@ -352,41 +409,106 @@ class RunSession(_SessionCore):
 
     def tool_result(self, call_id: str, content: str, *, data_class: str = "tool_result"
                     ) -> Part:
-        """Record provenance for a tool's result and return it as a Part for the next turn."""
+        """Record provenance for a tool's result and return it as a Part for the next turn.
+
+        Args:
+            call_id: The ``tool_call_id`` of one of a turn's ``result.tool_calls`` (or of a
+                call adopted with :meth:`adopt_tool_calls`).
+            content: The tool's result, as text (serialise structured results).
+            data_class: The data class of that text, which disclosure preflight checks
+                (``tool_result``; e.g. ``private_document`` for a tool that reads one).
+
+        Returns:
+            A ``tool`` Part whose provenance is ``call_id``, covered by what was just recorded.
+
+        Raises:
+            InvalidArgument: ``call_id`` was not proposed in this session, or ``content`` is
+                not text.
+            InvalidState: the session is not open.
+            LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
+        """
         self._check_open()
         part = self._tool_part(call_id, content, data_class)
         self.ledger.record_provenance(self.lease, call_id, part.content_hash, kind="tool_result")
         return part
 
     def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
-        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
-        (a host resuming a Run after a restart, with the conversation it kept): each tool-call
-        part whose provenance the ledger recorded, hash for hash, is adopted. Returns the call
-        ids adopted; a part the Run did not produce is passed over."""
+        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed.
+
+        For a host resuming a Run after a restart, with the conversation it kept: each tool-call
+        part whose provenance the ledger recorded, hash for hash, is adopted; a part the Run did
+        not produce is passed over.
+
+        Args:
+            parts: The kept conversation's parts (others than tool calls are ignored).
+
+        Returns:
+            The call ids adopted.
+
+        Raises:
+            InvalidState: the session is not open.
+        """
         self._check_open()
         return self._adopt(parts, self.ledger.provenance(self.run_id))
 
     def tool_started(self, call_id: str) -> None:
-        """Record durably that the host started the tool of ``call_id``: from now on a failure
-        of its turn never moves to another route (invariant 9). Callable from ``on_event``
-        while the stream that proposed the call still runs."""
+        """Record durably that the host started the tool of ``call_id``.
+
+        From now on a failure of its turn never moves to another route (invariant 9). Callable
+        from ``on_event`` while the stream that proposed the call still runs.
+
+        Args:
+            call_id: The tool call's id, as proposed in this session.
+
+        Raises:
+            InvalidArgument: ``call_id`` was not proposed in this session.
+            InvalidState: the session is not open.
+            LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
+        """
         self._check_open()
         attempt_id = self._mark_started(call_id)
         self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                  attempt_id=attempt_id)
 
     def compacted(self) -> int:
-        """Record that the host compacted this session's context; returns the compaction
-        count. Under a sticky profile policy (fased) the next turn chooses its credential
-        profile again instead of keeping the session's (a user pin is kept)."""
+        """Record that the host compacted this session's context; returns the compaction count.
+
+        Under a sticky profile policy (fased) the next turn chooses its credential profile again
+        instead of keeping the session's (a user pin is kept).
+
+        Raises:
+            InvalidState: the session is not open.
+            LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
+        """
         self._check_open()
         return self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
 
     def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
               plan: Sequence[Route] | None = None, grant: Grant | None = None,
               role: str | None = None, **admit: Any) -> RunSession:
-        """A session for a Child Run: the parent's plan, grant and policy narrowed as given,
-        its budget carved from this Run's."""
+        """A session for a Child Run, to use in its own ``with`` block inside this one.
+
+        The Child's plan, grant and role may only narrow this Run's; its policy is this Run's;
+        its budget is carved from this Run's when it is entered. It sends with this session's
+        adapter.
+
+        Args:
+            child_id: The Child Run's id.
+            budget: Its budget (a :class:`~ledger.Budget` or a mapping of its fields).
+            plan: A subset of this Run's frozen routes (default: all of them).
+            grant: A grant inside this Run's (default: inherited for the Child's recipients).
+            role: Its role (default: this Run's).
+            **admit: Other arguments of :meth:`Ledger.admit_run` (``tenant``, ``labels``,
+                ``deadline``, ``selected_route``, ``policy``); not ``parent``.
+
+        Raises:
+            InvalidArgument: a malformed ``child_id``, ``plan`` or ``role``, or ``parent``
+                passed; on entering, a Child broader than this Run (see
+                :meth:`Ledger.admit_run`).
+            InvalidState: this session is not open.
+            BudgetExceeded: (entering) the Child asks for more than this Run has left
+                (``AllowanceExhausted`` for calls and retries).
+        """
         self._check_open()
         frozen = self.ledger.frozen_run(self.run_id)
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
@@ -396,7 +518,12 @@ class RunSession(_SessionCore):
 
 @checked_calls
 class AsyncRunSession(_SessionCore):
-    """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`."""
+    """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`.
+
+    The same block, methods and errors, awaited; it sends with an
+    :class:`~ledger.adapters.HttpAdapter`, and leaving finishes the Run and releases its lease
+    even when the block is cancelled.
+    """
 
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
@@ -457,8 +584,11 @@ class AsyncRunSession(_SessionCore):
                    on_event: EventCallback | None = None, turn_id: str | None = None,
                    send: Callable[[Dispatch], Awaitable[SendResult]] | None = None,
                    **options: Any) -> Any:
-        """Serve one logical turn (see :meth:`RunSession.turn`); callbacks may be coroutine
-        functions."""
+        """Serve one logical turn (see :meth:`RunSession.turn`).
+
+        The same arguments, errors and result, awaited; ``on_text``, ``on_event`` and ``send``
+        may be coroutine functions.
+        """
         from ledger.adapters import async_sender
         from ledger.api.turn import aexecute
 
@@ -483,7 +613,7 @@ class AsyncRunSession(_SessionCore):
 
     async def tool_result(self, call_id: str, content: str, *,
                           data_class: str = "tool_result") -> Part:
-        """Record provenance for a tool's result and return it as a Part for the next turn."""
+        """Record provenance for a tool's result (see :meth:`RunSession.tool_result`)."""
         self._check_open()
         part = self._tool_part(call_id, content, data_class)
         await self.ledger.record_provenance(self.lease, call_id, part.content_hash,
@@ -491,30 +621,29 @@ class AsyncRunSession(_SessionCore):
         return part
 
     async def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
-        """Let :meth:`tool_result` answer tool calls an earlier session of this Run proposed
-        (see :meth:`RunSession.adopt_tool_calls`)."""
+        """Adopt an earlier session's tool calls (see :meth:`RunSession.adopt_tool_calls`)."""
         self._check_open()
         return self._adopt(parts, await self.ledger.provenance(self.run_id))
 
     async def tool_started(self, call_id: str) -> None:
-        """Record durably that the host started the tool of ``call_id`` (see
-        :meth:`RunSession.tool_started`); await it from an async ``on_event``."""
+        """Record durably that the host started a tool (see :meth:`RunSession.tool_started`).
+
+        Await it from an async ``on_event``.
+        """
         self._check_open()
         attempt_id = self._mark_started(call_id)
         await self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                        attempt_id=attempt_id)
 
     async def compacted(self) -> int:
-        """Record that the host compacted this session's context; returns the compaction
-        count (see :meth:`RunSession.compacted`)."""
+        """Record a compaction of the context; the count (see :meth:`RunSession.compacted`)."""
         self._check_open()
         return await self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
 
     def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
               plan: Sequence[Route] | None = None, grant: Grant | None = None,
               role: str | None = None, **admit: Any) -> AsyncRunSession:
-        """A session for a Child Run (see :meth:`RunSession.child`); use it with
-        ``async with``."""
+        """A session for a Child Run (see :meth:`RunSession.child`); use it with ``async with``."""
         self._check_open()
         frozen = self.ledger.sync.frozen_run(self.run_id)
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)

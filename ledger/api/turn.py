@@ -66,8 +66,10 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
           reserve: Reserve | None, sleeper: Any, on_notice: Any, rng: random.Random | None,
           token_counter: TokenCounter | None, part_hashes: Sequence[str] | None = None
           ) -> TurnLoop:
-    """The checked arguments of :func:`execute` / :func:`aexecute` (nothing is read or written
-    before they pass)."""
+    """The checked arguments of :func:`execute` / :func:`aexecute`.
+
+    Nothing is read or written before they pass.
+    """
     if not isinstance(ledger, ledger_type):
         raise InvalidArgument(f"ledger must be a ledger.{ledger_type.__name__}"
                               + ("; use aexecute with an AsyncLedger" if ledger_type is Ledger
@@ -135,16 +137,67 @@ def execute(
     token_counter: TokenCounter | None = None,
     part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
-    """Serve one logical turn of the Run (sync). Raises :class:`FailoverExhausted` on a stop.
+    """Serve one logical turn of the Run (sync): the retry owner.
 
-    ``send`` performs one physical call; ``turn_id`` names the logical turn (default: from the
-    envelope's hash); ``pin`` keeps a credential profile (``"user"``/``"auto"``); ``denials``
-    are switch-offs in the current configuration; ``reserve`` overrides the cost hold (an
-    amount, or a function of the route); ``sleeper`` waits backoffs (a ``ManualClock`` is
-    used when the ledger's clock is one); ``on_notice`` hears ``reset`` notices; ``rng`` makes
-    jitter reproducible; ``token_counter`` estimates prompt tokens for the holds;
-    ``part_hashes`` are the envelope's part hashes when the caller has them already (a Run
-    session keeps them across turns), else each part is hashed here.
+    Every physical call is an Attempt, recorded (begun, with its holds) before ``send`` is
+    called and settled after; failures are classified, retried on the same route or moved to
+    the next eligible route of the frozen plan as the Run's frozen policy says, within the
+    Run's budget and retry allowance. See the module docstring and ``docs/retry-owner.md``.
+
+    Args:
+        ledger: The :class:`~ledger.Ledger` (an :class:`~ledger.AsyncLedger` goes with
+            :func:`aexecute`).
+        lease: The Run's live lease (:meth:`~ledger.Ledger.acquire_lease`).
+        envelope: The whole request (an :class:`~ledger.Envelope`, or a mapping of its
+            fields).
+        send: Performs one physical call: a function of a :class:`~ledger.Dispatch`
+            returning a :class:`~ledger.SendResult` (e.g.
+            :func:`ledger.adapters.sync_sender`).
+        turn_id: Names the logical turn (default: from the envelope's hash, so a repeated
+            turn is recognised).
+        pin: Keeps a credential profile: ``"user"`` (kept even while it cools, until a new
+            session) or ``"auto"`` (kept while usable); see
+            :class:`~ledger.decide.profiles.Pin`.
+        denials: Routes and recipients switched off in the current configuration
+            (:class:`~ledger.decide.preflight.Denials`): a current denial always wins over
+            the frozen grant.
+        reserve: Overrides the cost hold of each Attempt: an amount (a Decimal, int, float
+            or string) or a function of the route (default: the prompt estimate plus the
+            maximum output, at the route's price).
+        sleeper: Waits the backoffs (default: the ledger's clock when it can sleep, as a
+            :class:`~ledger.ManualClock` can, else real waits).
+        on_notice: Hears each :class:`~ledger.Notice`: ``reset`` means discard the text the
+            named Attempt streamed.
+        rng: Makes the retry jitter reproducible (a :class:`random.Random`).
+        token_counter: Estimates prompt tokens for the holds and the context check
+            (default: :class:`~ledger.decide.preflight.CharEstimator`).
+        part_hashes: The envelope's part hashes, in order, when the caller has them already
+            (a Run session keeps them across turns); else each part is hashed here.
+
+    Returns:
+        The :class:`RunResult`: the answer, the route that served it, every Attempt.
+
+    Raises:
+        FailoverExhausted: the turn stopped without an answer; ``reason`` says why (a
+            selector reason such as ``no_candidate`` or ``execution_unknown``,
+            ``retry_allowance``, ``budget``, ``rejected_before_dispatch``), ``exceptions``
+            holds every Attempt's error and ``partial`` the text already shown, if any.
+        InvalidArgument: an argument is wrong (nothing is read or written then); an unknown
+            keyword is :class:`~ledger.errors.ArgumentMismatch`.
+        FencedOut: the Run was taken over by another executor; :class:`~ledger.errors.LeaseLost`
+            when the lease lapsed (acquire it again).
+        DatabaseUnavailable: the database could not be reached; an Attempt it left in flight
+            is settled by recovery.
+
+    An interruption (``KeyboardInterrupt``, a timeout) propagates unchanged after the Attempt
+    in flight is recorded truthfully (not sent, or unknown with its hold kept).
+
+    Example:
+        >>> lease = led.acquire_lease("task-1")  # doctest: +SKIP
+        >>> with SyncAdapter() as adapter:  # doctest: +SKIP
+        ...     result = execute(led, lease, Envelope(parts=[Part(content="Hello")]),
+        ...                      sync_sender(adapter))
+        >>> result.text, result.route.id, len(result.attempts)  # doctest: +SKIP
     """
     loop = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
                  on_notice, rng, token_counter, part_hashes)
@@ -170,8 +223,38 @@ async def aexecute(
     token_counter: TokenCounter | None = None,
     part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
-    """Serve one logical turn of the Run (async). Same logic and arguments as :func:`execute`;
-    ``send`` and ``on_notice`` may be coroutine functions."""
+    """Serve one logical turn of the Run (async): the retry owner on the asyncio driver.
+
+    The same logic, arguments, result and errors as :func:`execute`, with an
+    :class:`~ledger.AsyncLedger`; ``send`` (e.g. :func:`ledger.adapters.async_sender`) and
+    ``on_notice`` may be coroutine functions, and ``sleeper`` waits with ``asleep``. A begin or
+    settle under way when the caller cancels is completed (shielded) before the
+    ``CancelledError`` is delivered.
+
+    Args:
+        ledger: The :class:`~ledger.AsyncLedger`.
+        lease: The Run's live lease.
+        envelope: The whole request.
+        send: Performs one physical call (a coroutine function is awaited).
+        turn_id: As :func:`execute`.
+        pin: As :func:`execute`.
+        denials: As :func:`execute`.
+        reserve: As :func:`execute`.
+        sleeper: As :func:`execute` (its ``asleep`` is awaited).
+        on_notice: As :func:`execute` (a coroutine function is awaited).
+        rng: As :func:`execute`.
+        token_counter: As :func:`execute`.
+        part_hashes: As :func:`execute`.
+
+    Returns:
+        The :class:`RunResult`.
+
+    Raises:
+        FailoverExhausted: the turn stopped without an answer.
+        InvalidArgument: an argument is wrong (a sync :class:`~ledger.Ledger` included).
+        FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
+        DatabaseUnavailable: the database could not be reached.
+    """
     loop = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
                  sleeper, on_notice, rng, token_counter, part_hashes)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
@@ -264,8 +347,10 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
 
 
 def _call_of(ledger: Ledger, eff: Effect[Any]) -> Call[Any]:
-    """The ledger operation a database effect asks for, checked once, runnable on either
-    driver: the single mapping from effects to the ledger for both drivers."""
+    """The ledger operation a database effect asks for, checked once, runnable on either driver.
+
+    It is the single mapping from effects to the ledger for both drivers.
+    """
     match eff:
         case Snapshot(run_id=run_id, refs=refs):
             return ledger._turn_snapshot(run_id, refs)

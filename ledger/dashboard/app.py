@@ -331,7 +331,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     metrics_lock = threading.Lock()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         led = ledger if ledger is not None else Ledger.open(url or "", clock=clock,
                                                             migrate_schema=False)
         state["audit"] = Audit(led)

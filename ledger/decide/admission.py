@@ -1,5 +1,6 @@
-"""Admission rules (pure): a valid plan, the default grant, what a Child may be, and what an
-admission freezes (:func:`admission_terms`, :func:`admission_spec`).
+"""Admission rules (pure): a valid plan, the default grant, what a Child may be, what is frozen.
+
+What an admission freezes is :func:`admission_terms` and :func:`admission_spec`.
 
 A Child Run is never broader than its parent: it uses a subset of the parent's frozen route
 snapshots, a grant inside the parent's (recipients, data classes and roles), a role the parent's
@@ -43,8 +44,12 @@ def default_grant(plan: Sequence[Route]) -> Grant:
 
 def child_grant(parent_plan: Sequence[Route], parent_grant: Grant, plan: Sequence[Route],
                 grant: Grant | None, role: str) -> Grant:
-    """The grant a Child is admitted with, or :class:`InvalidArgument` when it would be broader
-    than its parent in any way (a route, a recipient, a data class, a role)."""
+    """The grant a Child is admitted with.
+
+    Raises:
+        InvalidArgument: the Child would be broader than its parent in any way (a route, a
+            recipient, a data class, a role); ``field`` names which.
+    """
     parent_routes = {r.id: r for r in parent_plan}
     for r in plan:
         if parent_routes.get(r.id) != r:
@@ -85,8 +90,11 @@ def child_grant(parent_plan: Sequence[Route], parent_grant: Grant, plan: Sequenc
 
 
 def check_child_policy(parent_policy_hash: str, child_policy_hash: str | None) -> None:
-    """A Child runs under its parent's frozen policy: a looser one (another preset, failover
-    switched on where the parent has it off) would let it do what the parent may not."""
+    """Refuse (InvalidArgument) a Child policy other than its parent's frozen one.
+
+    A looser policy (another preset, failover switched on where the parent has it off) would let
+    the Child do what the parent may not.
+    """
     if child_policy_hash is not None and child_policy_hash != parent_policy_hash:
         raise InvalidArgument(
             f"a child runs under its parent's frozen policy ({parent_policy_hash}); the policy "
@@ -126,9 +134,11 @@ def admission_spec(run_id: str, *, plan: Sequence[Route], budget: Budget, grant:
                    policy: Policy, policy_hash: str, role: str, parent: Lease | None,
                    tenant: str | None, labels: Mapping[str, str], selected_route: str | None,
                    deadline: float | None) -> AdmitSpec:
-    """What admitting ``run_id`` writes: the frozen plan, grant, budget and policy as canonical
-    JSON, and the content hash that makes a repeated admission of the same content idempotent
-    (and a different content under the same id an :class:`~ledger.errors.AdmissionConflict`).
+    """What admitting ``run_id`` writes.
+
+    The frozen plan, grant, budget and policy as canonical JSON, and the content hash that makes
+    a repeated admission of the same content idempotent (and a different content under the same
+    id an :class:`~ledger.errors.AdmissionConflict`).
 
     ``selected_route`` (default: the plan's first) must be one of the plan's routes, else
     :class:`~ledger.errors.InvalidArgument`.

@@ -1,5 +1,6 @@
-"""What beginning an Attempt records (pure): the frozen route it uses and the hash that makes a
-repeated begin the same write.
+"""What beginning an Attempt records (pure): the frozen route it uses, and its hash.
+
+The hash makes a repeated begin the same write.
 
 A Run only ever uses its admitted candidates, under the snapshots frozen at admission, with one
 of the route's own credential profiles; :func:`begin_spec` refuses anything else before the

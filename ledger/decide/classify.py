@@ -226,8 +226,29 @@ def _evidence(text: str | None, limit: int, body_limit: int) -> str | None:
 def classify(obs: Observation, policy: Policy, now: float | None = None) -> FailureFact:
     """The failure fact for ``obs`` under ``policy``.
 
-    ``now`` turns an HTTP-date ``Retry-After`` into seconds; without it the response's own
-    ``Date`` header is the reference, and with neither the date is not used.
+    Pure: the same observation and policy always give the same fact. Whether a retry is then
+    allowed never renames a failure.
+
+    Args:
+        obs: What was observed about the failed call (status, headers, body, transport kind,
+            phase, ...).
+        policy: The policy to classify under (a Run's frozen one: ``Ledger.run_policy``).
+        now: Turns an HTTP-date ``Retry-After`` into seconds; without it the response's own
+            ``Date`` header is the reference, and with neither the date is not used.
+
+    Returns:
+        The :class:`~ledger.FailureFact`: category, scope, phase, whether the request may be
+        resubmitted or moved on, the cooldown effect, the retry hint, redacted evidence.
+
+    Raises:
+        InvalidArgument: ``obs`` is not an Observation or ``policy`` not a Policy.
+
+    Example:
+        >>> from ledger import Observation, classify, preset
+        >>> fact = classify(Observation(status=429, headers={"Retry-After": "7"}),
+        ...                 preset("goclaw"))
+        >>> fact.category.value, fact.retry_after_s
+        ('rate_limit', 7.0)
     """
     if not isinstance(obs, Observation):
         raise InvalidArgument("obs must be a ledger.Observation (what the adapter saw)",

@@ -32,7 +32,10 @@ class Effect(Generic[T]):
 
 
 def perform(effect: Effect[T]) -> Generator[Effect[T], T, T]:
-    """Yield ``effect`` and return its (typed) result: ``x = yield from perform(eff)``."""
+    """Yield ``effect`` and return its (typed) result.
+
+    A step of the retry owner reads ``x = yield from perform(eff)``.
+    """
     return (yield effect)
 
 
@@ -56,10 +59,13 @@ class TurnSnapshot:
 
 @dataclass
 class SendProgress:
-    """How far a send got. ``handed_over``: the driver called the send function (before that,
-    nothing can have left). ``sent``: the sender's own report — ``False`` until the first byte
-    of the request is written to the network, ``True`` from then on; ``None`` when the sender
-    does not report it, and then a request handed over counts as possibly sent."""
+    """How far a send got.
+
+    ``handed_over``: the driver called the send function (before that, nothing can have left).
+    ``sent``: the sender's own report — ``False`` until the first byte of the request is written to
+    the network, ``True`` from then on; ``None`` when the sender does not report it, and then a
+    request handed over counts as possibly sent.
+    """
 
     handed_over: bool = False
     sent: bool | None = None
@@ -69,12 +75,27 @@ class SendProgress:
 
     @property
     def provably_unsent(self) -> bool:
+        """Whether the request certainly never left: not handed over, or reported unsent."""
         return not self.handed_over or self.sent is False
 
 
 @dataclass(frozen=True)
 class Dispatch:
-    """What the send function is asked to do: send ``envelope`` on ``route``."""
+    """What the send function is asked to do: send ``envelope`` on ``route``.
+
+    The Attempt is already recorded (begun) when the send function sees it.
+
+    Attributes:
+        run_id: The Run.
+        attempt_id: The Attempt this physical call is (its hold is taken).
+        turn_id: The logical turn it serves.
+        route: The frozen route to send on.
+        profile_id: The credential profile to use (``None``: the route has none).
+        envelope: The request (an :class:`~ledger.domain.envelope.Envelope`).
+        kind: Why it is made (first, retry, failover, probe).
+        progress: Tell it how far the send got (``progress.sent``), so an interruption is
+            settled truthfully; the adapters do this themselves.
+    """
 
     run_id: str
     attempt_id: str
@@ -88,10 +109,23 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class SendResult:
-    """What the send function reports. ``observation`` is set exactly when the call failed.
+    """What the send function reports about one physical call.
 
-    ``sent`` is ``False`` only when the request provably never left the process (nothing was
-    written to the network): such an Attempt is settled *not sent*, its hold voided.
+    Attributes:
+        ok: Whether an answer came back.
+        output: The answer, for the caller (the adapters put their ``AdapterResult``).
+        prompt_tokens: Usage the provider reported (``None``: not reported, and then the
+            whole hold is posted).
+        completion_tokens: Likewise.
+        cost: The cost the provider reported, if any.
+        model_reported: The model the provider says served it.
+        output_hash: The answer's content hash, recorded with the Attempt.
+        observation: The evidence of a failure; set exactly when ``ok`` is False.
+        sent: ``False`` only when the request provably never left the process (nothing was
+            written to the network): such an Attempt is settled *not sent*, its hold voided.
+        parts: The answer as conversation parts (text, tool calls), each recorded as
+            provenance of the Attempt at settle so the next turn can carry them.
+        partial_text: On a failure, text the caller was shown before it (effective output).
     """
 
     ok: bool
@@ -116,6 +150,7 @@ class SendResult:
 
     @classmethod
     def failed(cls, observation: Observation, *, sent: bool = True) -> SendResult:
+        """A failed send, with its evidence; ``sent=False`` when no byte left."""
         return cls(ok=False, observation=observation, sent=sent)
 
 
@@ -142,9 +177,12 @@ class Snapshot(Effect[TurnSnapshot]):
 
 @dataclass(frozen=True)
 class Begin(Effect[AttemptRecord]):
-    """Record an Attempt before its send (one commit). ``take_retry``: it is a further Attempt
-    of its turn and takes a retry permission in the same transaction; ``events`` (the selector's
-    decision, the move or retry that led here) are written with it."""
+    """Record an Attempt before its send (one commit).
+
+    ``take_retry``: it is a further Attempt of its turn and takes a retry permission in the same
+    transaction; ``events`` (the selector's decision, the move or retry that led here) are written
+    with it.
+    """
 
     lease: Lease
     attempt_id: str
@@ -164,7 +202,8 @@ class Settle(Effect[AttemptRecord]):
     """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation.
 
     ``repeat``: the Attempt was a same-route retry of a failure the request already counted in
-    health; its failure restarts the key's window without stepping the cooldown up."""
+    health; its failure restarts the key's window without stepping the cooldown up.
+    """
 
     lease: Lease
     attempt_id: str
@@ -184,23 +223,32 @@ class Settle(Effect[AttemptRecord]):
 
 @dataclass(frozen=True)
 class Send(Effect[SendResult]):
+    """Perform one physical call (the caller's send function); its result comes back."""
+
     dispatch: Dispatch
 
 
 @dataclass(frozen=True)
 class Sleep(Effect[None]):
+    """Wait ``seconds`` (a backoff, a capacity group's waiting floor) through the sleeper."""
+
     seconds: float
 
 
 @dataclass(frozen=True)
 class Notify(Effect[None]):
+    """Tell the caller something (``on_notice``): a :class:`Notice`."""
+
     notice: Notice
 
 
 @dataclass(frozen=True)
 class ClaimProbe(Effect[bool]):
-    """Take the cluster-wide probe slot of a cooling route, under its health ``key``; a claim
-    taken bounds the probe state (``ttl_s``, ``max_keys``)."""
+    """Take the cluster-wide probe slot of a cooling route, under its health ``key``.
+
+    A claim taken also bounds the probe state (``ttl_s``, ``max_keys``); the result says whether
+    this caller got the slot.
+    """
 
     route: Route
     interval_s: float

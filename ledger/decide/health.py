@@ -27,16 +27,22 @@ PROVIDER_KEY_PREFIX = "provider:"
 
 
 def route_key(route: Route, policy: Policy) -> str:
-    """The key a route's own health is kept under: its id, or ``provider:<name>`` where the
-    policy keys health by provider (every route of that provider shares the row)."""
+    """The key a route's own health is kept under.
+
+    Its id, or ``provider:<name>`` where the policy keys health by provider (every route of that
+    provider shares the row).
+    """
     if policy.health.key == "provider":
         return PROVIDER_KEY_PREFIX + route.provider
     return route.id
 
 
 def health_key(route: Route, profile_id: str | None, policy: Policy) -> str:
-    """The key one attempt's health is kept under: the profile where the policy keys health
-    by profile and the attempt used one, else :func:`route_key`."""
+    """The key one attempt's health is kept under.
+
+    The profile where the policy keys health by profile and the attempt used one, else
+    :func:`route_key`.
+    """
     if policy.health.key == "profile" and profile_id:
         return profile_id
     return route_key(route, policy)
@@ -160,10 +166,12 @@ def refresh(health: Health, now: float, policy: Policy) -> Health:
 
 
 def reset_at(health: Health, policy: Policy) -> float | None:
-    """When the counters of ``health`` reset by themselves under ``policy`` (what
-    :func:`refresh` would do, as a time): once every window has expired, and, unless the
-    policy resets on expiry, once the failure window has passed since the last failure.
-    ``None``: only a success resets them."""
+    """When the counters of ``health`` reset by themselves under ``policy``, or ``None``.
+
+    It is what :func:`refresh` would do, as a time: once every window has expired, and, unless
+    the policy resets on expiry, once the failure window has passed since the last failure.
+    ``None``: only a success resets them.
+    """
     if health.error_count == 0 and not health.failure_counts:
         return None
     hp = policy.health
@@ -179,8 +187,10 @@ def reset_at(health: Health, policy: Policy) -> float | None:
 
 
 def as_read(health: Health, now: float) -> Health:
-    """``health`` as it stands at ``now``: counters whose reset time (``reset_at``, written by
-    the policy that counted them) has passed read as reset, as the next write would find them.
+    """``health`` as it stands at ``now``, as the next write would find it.
+
+    Counters whose reset time (``reset_at``, written by the policy that counted them) has passed
+    read as reset.
 
     GoClaw: "When both cooldownUntil and disabledUntil have expired, errorCount and
     failureCounts are reset to zero" - an operator reading the row sees that, not stale counts.
@@ -271,16 +281,6 @@ def record_success(health: Health, now: float, policy: Policy) -> Health:
     return health.model_copy(update=update)
 
 
-def mark_used(health: Health, now: float) -> Health:
-    """The key was chosen for a call (rotation orders by oldest use)."""
-    return health.model_copy(update={"last_used": now})
-
-
-def mark_probed(health: Health, now: float) -> Health:
-    """A probe of the key was sent."""
-    return health.model_copy(update={"last_probe_at": now})
-
-
 class _Unset:
     pass
 
@@ -329,8 +329,10 @@ class ProbeThrottle:
         return now - t >= pp.ttl_s or now - t >= pp.interval_s
 
     def record(self, key: str, now: float, policy: Policy) -> ProbeThrottle:
-        """A probe of ``key`` at ``now``; entries past their TTL go, then the oldest beyond
-        ``max_keys``."""
+        """Record a probe of ``key`` at ``now``.
+
+        Entries past their TTL go, then the oldest beyond ``max_keys``.
+        """
         pp = policy.probe
         kept = {k: t for k, t in self.last.items() if k != key and now - t < pp.ttl_s}
         excess = len(kept) + 1 - pp.max_keys
@@ -354,8 +356,6 @@ __all__ = [
     "health_key",
     "is_available",
     "key_kind",
-    "mark_probed",
-    "mark_used",
     "probe_eligible",
     "record_failure",
     "record_repeat",

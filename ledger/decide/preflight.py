@@ -1,4 +1,4 @@
-"""Preflight: may this exact request be sent to this exact route? (seed 003, section 5)
+"""Preflight: may this exact request be sent to this exact route (seed 003, section 5)?
 
 Three independent claims must all hold before any Attempt is begun on a route:
 
@@ -17,7 +17,10 @@ Three independent claims must all hold before any Attempt is begun on a route:
 
 The request is either a full :class:`~ledger.domain.envelope.Envelope` plus the ledger's record of
 provenance (``ref -> recorded content hashes``), or a lighter :class:`RequestNeeds` whose parts
-already carry a provenance verdict (what the conformance vectors express). Pure: no I/O.
+already carry a provenance verdict (what the conformance vectors express). Pure: no I/O. The
+selector (:mod:`ledger.decide.select`) runs :func:`preflight` for every candidate route and skips
+one that fails, naming the first failed check in :class:`Check` order; nothing here raises unless
+a host asks (:meth:`PreflightResult.require`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from ledger.domain.envelope import SYSTEM, USER_INPUT, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.values import Grant, Route, canonical_json
 from ledger.errors import PreflightRefused
-from ledger.policy.model import Policy
 
 # Classes that need no provenance: the user's own current input and the host's own system
 # text are, by definition, what the Run's grant was confirmed against (the grant still decides
@@ -91,6 +93,7 @@ class RequestNeeds:
 
     @property
     def data_classes(self) -> frozenset[str]:
+        """Every data class the request carries (its parts' and its tools')."""
         return frozenset(p.data_class for p in self.parts) | self.classes
 
 
@@ -98,7 +101,9 @@ class RequestNeeds:
 class TokenCounter(Protocol):
     """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model)."""
 
-    def count_tokens(self, envelope: Envelope, route: Route) -> int: ...
+    def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        """The prompt tokens of ``envelope`` on ``route`` (an estimate is fine)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,7 @@ class CharEstimator:
     route_independent: ClassVar[bool] = True
 
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        """The estimate: characters of parts and tools over ``chars_per_token``, rounded up."""
         chars = sum(len(p.content) for p in envelope.parts)
         for t in envelope.tools:
             chars += len(t.name) + len(t.description) + len(canonical_json(t.parameters))
@@ -141,6 +147,8 @@ NO_DENIALS = Denials()
 
 @dataclass(frozen=True, slots=True)
 class PreflightFailure:
+    """One failed check, and what exactly failed (``detail``, for people)."""
+
     check: Check
     detail: str
 
@@ -154,6 +162,7 @@ class PreflightResult:
 
     @property
     def ok(self) -> bool:
+        """Whether every check passed."""
         return not self.failures
 
     @property
@@ -165,6 +174,7 @@ class PreflightResult:
 
     @property
     def checks(self) -> frozenset[Check]:
+        """The checks that failed."""
         return frozenset(f.check for f in self.failures)
 
     def require(self) -> None:
@@ -346,17 +356,34 @@ def preflight(
     provenance: Mapping[str, Set[str]] | None = None,
     token_counter: TokenCounter | None = None,
     denials: Denials | None = None,
-    policy: Policy | None = None,
 ) -> PreflightResult:
     """Check one route against one request; every failed check is named.
 
-    ``grant`` ``None`` means the Run approved every recipient of its plan for every class (the
-    caller only passes plan routes). ``provenance`` is the ledger's record (producer reference ->
-    recorded content hashes) and is only read for an :class:`Envelope`; with no record nothing
-    non-exempt is covered. ``policy`` is accepted so callers can pass the Run's frozen policy;
-    no current policy field changes these checks.
+    Pure. The selector runs it for every candidate and skips a route that fails, naming the
+    first failed check; :meth:`PreflightResult.require` turns a failure into
+    :class:`~ledger.errors.PreflightRefused` for a host that checks by itself.
+
+    Args:
+        route: The (frozen) route the request would go to.
+        request: The request: an :class:`~ledger.domain.envelope.Envelope`, or its
+            :class:`RequestNeeds` with each part's provenance verdict already known.
+        grant: The Run's frozen grant; ``None`` means the Run approved every recipient of its
+            plan for every class (the caller only passes plan routes).
+        role: The Run's role.
+        provenance: The ledger's record (producer reference -> recorded content hashes), read
+            only for an Envelope; with no record nothing non-exempt is covered.
+        token_counter: Estimates the prompt tokens for the context-window check (default:
+            :class:`CharEstimator`).
+        denials: Routes and recipients switched off in the current configuration.
+
+    Returns:
+        The :class:`PreflightResult`: empty when the route may be used.
+
+    Example:
+        >>> r = preflight(route, Envelope(parts=[question]), grant=grant,  # doctest: +SKIP
+        ...               role="research", provenance=recorded)
+        >>> r.ok, r.checks  # doctest: +SKIP
     """
-    del policy  # no policy field changes preflight today; kept for a stable call signature
     if isinstance(request, Envelope):
         needs = needs_from_envelope(
             request,

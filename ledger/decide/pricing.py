@@ -45,8 +45,10 @@ def _plain(d: Decimal) -> Decimal:
 
 def lookup_price(provider: str, model: str, *, endpoint: str | None = None,
                  at: float | None = None) -> Price | None:
-    """The table's price for ``provider``/``model`` at time ``at`` (epoch seconds; default now),
-    or ``None`` when the table knows neither the provider (by id or endpoint) nor the model."""
+    """The table's price for ``provider``/``model`` at time ``at`` (epoch seconds; default now).
+
+    ``None`` when the table knows neither the provider (by id or endpoint) nor the model.
+    """
     from genai_prices import Usage, calc_price
 
     usage = Usage(input_tokens=_PROBE_TOKENS, output_tokens=_PROBE_TOKENS)
@@ -68,8 +70,11 @@ def lookup_price(provider: str, model: str, *, endpoint: str | None = None,
 
 def resolve_prices(plan: Sequence[Route], budget: Budget, *, at: float,
                    inherited: Iterable[Route] = ()) -> list[Route]:
-    """The plan with every route priced: explicit prices kept, ``None`` looked up (or taken from
-    ``inherited``, a parent Run's frozen plan, by route id). See the module docstring."""
+    """The plan with every route priced.
+
+    Explicit prices are kept, ``None`` is looked up (or taken from ``inherited``, a parent Run's
+    frozen plan, by route id). See the module docstring.
+    """
     parent = {r.id: r.price for r in inherited if r.price is not None}
     out: list[Route] = []
     for i, route in enumerate(plan):
@@ -96,8 +101,10 @@ def resolve_prices(plan: Sequence[Route], budget: Budget, *, at: float,
 
 
 def same_route(given: Route, frozen: Route) -> bool:
-    """Whether a caller's ``given`` route is the ``frozen`` snapshot: equal, or equal but for a
-    price left to the table (``None``) that admission resolved."""
+    """Whether a caller's ``given`` route is the ``frozen`` snapshot.
+
+    Equal, or equal but for a price left to the table (``None``) that admission resolved.
+    """
     if given == frozen:
         return True
     return given.price is None and given.model_copy(update={"price": frozen.price}) == frozen

@@ -128,8 +128,9 @@ def sticky_profile(
 
 
 def marks_profile_tried(fact: FailureFact, provider: str, policy: Policy) -> bool:
-    """Whether a failure on a credential profile rules that profile out for the rest of the
-    turn, on every route that carries it.
+    """Whether a failure on a credential profile rules it out for the rest of the turn.
+
+    Ruled out, it is skipped on every route that carries it.
 
     Only where credentials rotate (``profiles.rotate_before_model``): under a route-level
     policy one 503 says nothing about the account its routes share. A profile that cannot be
@@ -148,34 +149,11 @@ def marks_profile_tried(fact: FailureFact, provider: str, policy: Policy) -> boo
     return cooldown_effect(fact.category, provider, fact.source, policy) is not CooldownEffect.NONE
 
 
-def rotation_candidates(
-    profiles: Sequence[Profile],
-    provider: str,
-    health: Mapping[str, Health],
-    now: float,
-    policy: ProfilePolicy,
-    *,
-    failed: str | None,
-    exclude: Collection[str] = (),
-) -> list[Profile]:
-    """After a failure on a route: its other usable profiles, in rotation order.
-
-    The failed profile and the excluded (already tried) ones are left out, and so are
-    unusable ones: rotating onto a cooling credential would only repeat the failure.
-    """
-    return [
-        p
-        for p in rotation_order(profiles, provider, health, now, policy)
-        if p.id != failed and p.id not in exclude and usable(p.id, health, now)
-    ]
-
-
 __all__ = [
     "Pin",
     "available_at",
     "first_usable",
     "marks_profile_tried",
-    "rotation_candidates",
     "rotation_order",
     "sticky_profile",
     "usable",

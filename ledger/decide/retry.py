@@ -16,22 +16,17 @@ from ledger.policy.model import Policy, RetryRule
 
 
 @dataclass(frozen=True)
-class RetryPlan:
-    """At most ``max`` retries; the first waits ``delay_s`` (+- ``jitter`` as a fraction)."""
-
-    max: int
-    delay_s: float | None
-    jitter: float
-
-
-@dataclass(frozen=True)
 class RetryDecision:
+    """Whether to retry on the same route, after ``delay_s``; ``reason`` says why (not).
+
+    ``reason`` is ``retry``, ``retry_after`` (the provider's longer hint is waited exactly),
+    ``exhausted``, ``no_rule``, ``tool_started``, ``not_resubmittable`` or
+    ``retry_after_exceeds_cap``.
+    """
+
     retry: bool
     delay_s: float | None
     reason: str
-
-
-_NO_PLAN = RetryPlan(max=0, delay_s=None, jitter=0.0)
 
 
 def _rule_for(fact: FailureFact, policy: Policy) -> RetryRule | None:
@@ -65,19 +60,6 @@ def _refusal(fact: FailureFact, policy: Policy) -> tuple[RetryRule | None, str |
     return rule, None
 
 
-def retry_plan(fact: FailureFact, policy: Policy) -> RetryPlan:
-    """How often, and after how long at first, this failure is retried on the same route."""
-    rule, _ = _refusal(fact, policy)
-    if rule is None:
-        return _NO_PLAN
-    nominal = rule.delays_s[0]
-    hint = _hint(fact, rule)
-    if hint is not None and hint > nominal:
-        # A longer hint is waited out exactly: jitter would either undercut it or add delay.
-        return RetryPlan(max=rule.max, delay_s=hint, jitter=0.0)
-    return RetryPlan(max=rule.max, delay_s=nominal, jitter=rule.jitter)
-
-
 def retry_decision(
     fact: FailureFact, policy: Policy, retries_done: int, rng: random.Random
 ) -> RetryDecision:
@@ -103,4 +85,4 @@ def retry_decision(
     return RetryDecision(retry=True, delay_s=wait, reason="retry")
 
 
-__all__ = ["RetryDecision", "RetryPlan", "retry_decision", "retry_plan"]
+__all__ = ["RetryDecision", "retry_decision"]

@@ -79,6 +79,8 @@ class Reason(StrEnum):
 
 
 class DecisionKind(StrEnum):
+    """What the selector decided: a route to send on, a probe of the primary, or a stop."""
+
     ROUTE = "route"  # send the next Attempt on this route
     PROBE = "probe"  # send it on the cooling primary to learn whether it is back
     STOP = "stop"  # no further Attempt for this request
@@ -108,6 +110,7 @@ class Skip:
     profile: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The skip as JSON data (stored in the ``select`` and ``stop`` events)."""
         return {
             "route": self.route,
             "reason": self.reason.value,
@@ -118,6 +121,12 @@ class Skip:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """The selector's answer: ``kind``, the ``route`` and credential ``profile`` to use.
+
+    A stop carries its ``reason`` and ``detail``; ``skipped`` lists every candidate passed over
+    and why, in the order the selector considered them.
+    """
+
     kind: DecisionKind
     route: Route | None = None
     profile: str | None = None
@@ -127,16 +136,11 @@ class Decision:
 
     @property
     def route_id(self) -> str | None:
+        """The chosen route's id (``None`` for a stop)."""
         return self.route.id if self.route is not None else None
 
-    def skipped_map(self) -> dict[str, Reason]:
-        """Route id -> the first reason it was skipped for (profile skips included)."""
-        out: dict[str, Reason] = {}
-        for s in self.skipped:
-            out.setdefault(s.route, s.reason)
-        return out
-
     def to_json(self) -> dict[str, Any]:
+        """The decision as JSON data (the ``select`` audit event of the Attempt it led to)."""
         return {
             "kind": self.kind.value,
             "route": self.route_id,
@@ -155,7 +159,7 @@ class SelectionInput:
     prepared :class:`Envelope` (with ``provenance``, the ledger's ``ref -> content hashes``
     record) or a :class:`RequestNeeds`. ``grant`` ``None`` approves every plan recipient for
     every class. ``health`` is keyed by health key (``ledger.decide.health.route_key``: route id or
-``provider:<name>``) or by profile id. With a ``failure``,
+    ``provider:<name>``) or by profile id. With a ``failure``,
     ``current``/``current_profile`` are what just failed; without one (a new turn), what the Run
     used last. ``denials`` are switch-offs and revocations in the *current* configuration.
     ``no_probe``: routes whose probe another process claimed during this turn; they are not

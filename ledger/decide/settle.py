@@ -1,5 +1,6 @@
-"""What settling an Attempt does (pure): the outcome it records, its hash, and what it does to
-the holds, to route/profile health and to the capacity group.
+"""What settling an Attempt does (pure): its outcome, its hash, and its effects.
+
+The effects are on the holds, on route/profile health and on the capacity group.
 
 :func:`settle_spec` decides everything a settle writes from the Run's frozen policy and route;
 the settle transaction applies it (and :func:`settle_holds` to the Attempt as locked). Computing
@@ -29,9 +30,11 @@ from ledger.policy.model import Policy
 
 
 def health_keys(policy: Policy, route: Route, profile_id: str | None) -> list[tuple[str, str]]:
-    """The key whose health one attempt touches, with its kind: its profile where the policy
-    keys health by profile (fased), its provider's shared key where it keys health by
-    provider (goclaw), else its route."""
+    """The key whose health one attempt touches, with its kind.
+
+    Its profile where the policy keys health by profile (fased), its provider's shared key where
+    it keys health by provider (goclaw), else its route.
+    """
     key = health_key(route, profile_id, policy)
     return [(key, key_kind(route, key, policy))]
 

@@ -87,7 +87,18 @@ log = logging.getLogger("ledger.run")
 
 @dataclass(frozen=True)
 class RunResult:
-    """The answer, with the route that actually served it and every attempt made for it."""
+    """The answer, with the route that actually served it and every attempt made for it.
+
+    Attributes:
+        output: What the send function returned as the answer (the adapters':
+            ``AdapterResult``).
+        route: The frozen route that served it.
+        profile_id: The credential profile it was served with.
+        attempt: The successful Attempt, as settled.
+        attempts: Every Attempt of the turn, in order (rejected ones included).
+        resets: How often streamed text of a failed Attempt had to be discarded.
+        parts: The answer as conversation parts, ready to append to the next envelope.
+    """
 
     output: Any
     route: Route
@@ -99,6 +110,7 @@ class RunResult:
 
     @property
     def switched(self) -> bool:
+        """Whether an Attempt of the turn was on another route than the one that served it."""
         return any(a.route_id != self.route.id for a in self.attempts)
 
     @property
@@ -109,8 +121,10 @@ class RunResult:
 
     @property
     def tool_calls(self) -> list[Part]:
-        """The tool calls the model proposed, as parts (``tool_call_id``, ``name``, arguments
-        as JSON in ``content``)."""
+        """The tool calls the model proposed, as parts.
+
+        Each has ``tool_call_id``, ``name``, and the arguments as JSON in ``content``.
+        """
         return [p for p in self.parts if p.tool_call_id is not None]
 
 
@@ -144,20 +158,17 @@ class _Turn:
     partial: PartialOutput | None = None
 
 
-def default_reserve(route: Route, envelope: Envelope, counter: TokenCounter) -> Decimal:
-    """A hold that covers the request at the route's price: prompt estimate + max output."""
-    prompt, completion = _token_estimate(route, envelope, counter)
-    return route.cost(prompt, completion)
-
-
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
     return counter.count_tokens(envelope, route), envelope.max_output_tokens or 1024
 
 
 def group_wait(group: GroupProjection | None, now: float, deadline: float | None,
                max_wait_s: float) -> float:
-    """How long to wait for the target group's waiting floor before beginning: its end, when it
-    ends before the Run's deadline and within ``max_wait_s``; else 0 (admission decides)."""
+    """How long to wait for the target group's waiting floor before beginning.
+
+    Its end, when it ends before the Run's deadline and within ``max_wait_s``; else 0 (admission
+    decides).
+    """
     if group is None or group.until is None or group.until <= now:
         return 0.0
     if group.mode is GroupMode.OPEN:
@@ -175,9 +186,13 @@ def _usage_ok(result: SendResult) -> bool:
 
 
 class TurnLoop:
-    """One turn of a Run under ``lease``: iterate :meth:`steps` and send back each effect's
-    result (the drivers in :mod:`ledger.api.turn` do). ``reserve`` is the cost hold (an amount,
-    a function of the route, or ``None`` for the route's price of the token estimate)."""
+    """One turn of a Run under ``lease``, as a generator of typed effects.
+
+    Iterate :meth:`steps` and send back each effect's result (the drivers in
+    :mod:`ledger.api.turn` do). ``reserve`` is the cost hold (an amount, a function of the
+    route, or ``None`` for the route's price of the token estimate); the other arguments are
+    :func:`ledger.execute`'s, checked.
+    """
 
     def __init__(
         self,
@@ -246,9 +261,11 @@ class TurnLoop:
         )
 
     def steps(self) -> Steps:
-        """The turn: yields each effect, receives its result, returns the :class:`RunResult`
-        or raises :class:`~ledger.errors.FailoverExhausted` (holding every attempt's error)
-        when it stops; an admission or budget refusal raises that typed error."""
+        """The turn: yields each effect, receives its result, returns the :class:`RunResult`.
+
+        When it stops it raises :class:`~ledger.errors.FailoverExhausted`, holding every
+        attempt's error (a budget or allowance refusal at begin included, as its cause).
+        """
         turn = _Turn()
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
         policy = snap.policy
@@ -456,8 +473,11 @@ class TurnLoop:
         yield from self._settle_quietly(settle)
 
     def _settle_quietly(self, settle: Settle) -> Generator[Effect[Any], Any, None]:
-        """A settle on the way out of an interruption: what cannot be written is left to
-        recovery (an attempt that does not exist, was settled, or whose run was taken over)."""
+        """A settle on the way out of an interruption.
+
+        What cannot be written is left to recovery (an attempt that does not exist, was settled,
+        or whose run was taken over).
+        """
         try:
             yield from perform(settle)
         except (NotFound, SettleConflict, FencedOut) as e:
@@ -474,7 +494,8 @@ class TurnLoop:
         """Record the stop with its reasons (an audit event), then build the error to raise.
 
         ``reason`` overrides the stop reason (the token budget, a rejection before dispatch);
-        ``cause`` is the original failure a stop returns to, kept in the event and the error."""
+        ``cause`` is the original failure a stop returns to, kept in the event and the error.
+        """
         exc = self._stop(turn, decision, error, reason=reason, cause=cause)
         try:
             yield from perform(Record(self.lease, "stop", {
@@ -551,6 +572,5 @@ __all__ = [
     "SendFn",
     "Steps",
     "TurnLoop",
-    "default_reserve",
     "group_wait",
 ]

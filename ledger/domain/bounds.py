@@ -58,8 +58,10 @@ def id_problem(value: Any) -> tuple[str, str] | None:
 
 
 def text_problem(value: Any, maximum: int) -> tuple[str, str] | None:
-    """What is wrong with ``value`` as a short stored text (a name, a reason): a string of at
-    most ``maximum`` printable characters (it may be empty)."""
+    """What is wrong with ``value`` as a short stored text (a name, a reason), or ``None``.
+
+    A short text is a string of at most ``maximum`` printable characters (it may be empty).
+    """
     if not isinstance(value, str):
         return f"is not a string (got {type(value).__name__})", "pass a string"
     if len(value) > maximum:
@@ -106,8 +108,10 @@ E = TypeVar("E", bound=Enum)
 
 def check_choice(value: Any, choices: type[E], field: str,
                  allowed: Iterable[E] | None = None) -> E:
-    """One of an enum's values (the member or its string), else InvalidArgument listing the
-    choices. ``allowed`` narrows the choices (e.g. the states a Run ends in)."""
+    """One of an enum's values (the member or its string), else InvalidArgument listing the choices.
+
+    ``allowed`` narrows the choices (e.g. the states a Run ends in).
+    """
     options = list(allowed) if allowed is not None else list(choices)
     member: E | None = None
     if isinstance(value, choices):
@@ -122,8 +126,10 @@ def check_choice(value: Any, choices: type[E], field: str,
 
 
 def check_ids(value: Any, field: str, *, maximum: int = 10_000) -> list[str]:
-    """A list (or tuple) of identifiers, at most ``maximum`` of them; a lone string is refused
-    (it would be read as its characters)."""
+    """A list (or tuple) of identifiers, at most ``maximum`` of them, else InvalidArgument.
+
+    A lone string is refused: it would be read as its characters.
+    """
     if isinstance(value, str | bytes) or not isinstance(value, list | tuple | set | frozenset):
         raise InvalidArgument(f"{field} must be a list of ids (got {_short(value)})",
                               field=field)

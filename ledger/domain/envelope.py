@@ -26,14 +26,12 @@ MEMORY = "memory"
 PRIVATE_DOCUMENT = "private_document"
 SYSTEM = "system"
 
-KNOWN_DATA_CLASSES = (
-    USER_INPUT, MODEL_DERIVED, TOOL_DESCRIPTION, TOOL_RESULT, MEMORY, PRIVATE_DOCUMENT, SYSTEM,
-)
-
 
 def _json_data(value: Any) -> Any:
-    """Parameters are hashed into the Attempt's envelope hash and sent as JSON: they must be
-    JSON data (finite numbers; a set, an object or NaN has no JSON form)."""
+    """``value`` itself, when it is JSON data (finite numbers; a set, an object or NaN is not).
+
+    Parameters are hashed into the Attempt's envelope hash and sent as JSON.
+    """
     try:
         json.dumps(value, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
@@ -61,6 +59,11 @@ class Part(LedgerModel):
     # edited copy, which would then pass for the original.
     @property
     def content_hash(self) -> str:
+        """``sha256:<hex>`` of role, content, data class and tool linkage (not provenance).
+
+        Provenance is what the hash is checked *against*: the ledger records, per producer,
+        the hashes of what it produced, and a part is covered only if its hash is among them.
+        """
         return content_hash(
             {
                 "role": self.role,
@@ -73,8 +76,10 @@ class Part(LedgerModel):
 
 
 class ToolSpec(LedgerModel):
-    """A tool the model may call (its description is data too). ``name`` is an identifier;
-    ``parameters`` (a JSON schema) must be JSON data."""
+    """A tool the model may call (its description is data too).
+
+    ``name`` is an identifier; ``parameters`` (a JSON schema) must be JSON data.
+    """
 
     name: Id
     description: str = ""
@@ -106,17 +111,21 @@ class Envelope(LedgerModel):
 
     @property
     def data_classes(self) -> set[str]:
+        """Every data class the request carries (its parts' and its tools')."""
         classes = {p.data_class for p in self.parts}
         classes.update(t.data_class for t in self.tools)
         return classes
 
     @property
     def hash(self) -> str:
+        """``sha256:<hex>`` of the whole request (parts, tools, params, stream, max output)."""
         return self.hash_with([p.content_hash for p in self.parts])
 
     def hash_with(self, part_hashes: Sequence[str]) -> str:
-        """:attr:`hash` from the parts' hashes computed already (once per turn by the retry
-        owner, which also checks coverage with them)."""
+        """:attr:`hash` from the parts' hashes computed already.
+
+        The retry owner hashes the parts once per turn and checks coverage with the same hashes.
+        """
         return content_hash(
             {
                 "parts": list(part_hashes),
@@ -129,7 +138,6 @@ class Envelope(LedgerModel):
 
 
 __all__ = [
-    "KNOWN_DATA_CLASSES",
     "MEMORY",
     "MODEL_DERIVED",
     "PRIVATE_DOCUMENT",

@@ -17,6 +17,8 @@ from ledger.domain.validation import HttpStatus, LedgerModel
 
 
 class Category(StrEnum):
+    """What kind of failure a fact is: the classifier's verdict, named in policy files."""
+
     AUTH = "auth"
     BILLING = "billing"
     RATE_LIMIT = "rate_limit"
@@ -79,11 +81,15 @@ class Scope(StrEnum):
 
 
 class Source(StrEnum):
+    """Who produced a failure: the provider, or the local side (the adapter, the ledger)."""
+
     PROVIDER = "provider"
     LOCAL = "local"
 
 
 class WireProtocol(StrEnum):
+    """The wire protocol a route speaks; each has a codec in :mod:`ledger.adapters`."""
+
     OPENAI = "openai"
     ANTHROPIC = "anthropic"
     GEMINI = "gemini"
@@ -91,6 +97,8 @@ class WireProtocol(StrEnum):
 
 
 class CooldownEffect(StrEnum):
+    """What a failure does to its health key: nothing, a cooldown, or disabling it."""
+
     NONE = "none"
     COOLDOWN = "cooldown"
     DISABLE = "disable"
@@ -176,6 +184,7 @@ class FailureFact(LedgerModel):
     message: str | None = None  # short, redacted; evidence only, never used for decisions
 
     def to_json(self) -> dict[str, Any]:
+        """The fact as JSON data (what the ledger stores with the Attempt)."""
         return self.model_dump(mode="json")
 
 

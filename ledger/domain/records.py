@@ -20,10 +20,17 @@ def to_micros(amount: Decimal | int | float | str) -> int:
 
 
 def from_micros(micros: int) -> Decimal:
+    """Integer micro-units -> currency units (exact: the inverse of :func:`to_micros`)."""
     return Decimal(micros) / MICROS
 
 
 class RunStatus(StrEnum):
+    """Where a Run is in its life.
+
+    ``admitted`` until its first Attempt begins, then ``running``; it ends ``succeeded``,
+    ``failed``, ``stopped`` or ``cancelled`` (:meth:`~ledger.Ledger.finish_run`).
+    """
+
     ADMITTED = "admitted"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -33,6 +40,8 @@ class RunStatus(StrEnum):
 
 
 class AttemptState(StrEnum):
+    """Where an Attempt (one physical call) is: ``dispatching`` until it is settled."""
+
     DISPATCHING = "dispatching"  # recorded, request may be on the wire
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -42,6 +51,8 @@ class AttemptState(StrEnum):
 
 
 class AttemptKind(StrEnum):
+    """Why an Attempt was made: the turn's first, a same-route retry, a failover, a probe."""
+
     FIRST = "first"
     RETRY = "retry"  # same route again
     FAILOVER = "failover"  # another route
@@ -49,8 +60,11 @@ class AttemptKind(StrEnum):
 
 
 class Outcome(StrEnum):
-    """What settle records. ``not_sent``: the request provably never left the process (its
-    hold is voided and the call is not counted against the model-call allowance)."""
+    """What settle records.
+
+    ``not_sent``: the request provably never left the process (its hold is voided and the call is
+    not counted against the model-call allowance).
+    """
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -59,6 +73,8 @@ class Outcome(StrEnum):
 
 
 class DebitState(StrEnum):
+    """An Attempt's budget hold: ``reserved`` while in flight, then ``posted`` or ``voided``."""
+
     RESERVED = "reserved"
     POSTED = "posted"
     VOIDED = "voided"
@@ -66,6 +82,16 @@ class DebitState(StrEnum):
 
 @dataclass(frozen=True)
 class Lease:
+    """The right to write for a Run, as :meth:`~ledger.Ledger.acquire_lease` grants it.
+
+    Attributes:
+        run_id: The Run it is a lease on.
+        executor: Who holds it (the ledger's ``executor_id``).
+        fence: The Run's fence when it was granted; a write under an older fence is refused
+            with :class:`~ledger.errors.FencedOut`.
+        expires_at: When it lapses (epoch seconds) unless renewed.
+    """
+
     run_id: str
     executor: str
     fence: int
@@ -78,6 +104,22 @@ class FrozenRun:
 
     None of it ever changes, so it is safe to cache for the Run's life
     (:meth:`ledger.Ledger.frozen_run`); the counters that do change live in :class:`RunState`.
+
+    Attributes:
+        run_id: The Run's id.
+        parent_run_id: Its parent's, for a Child Run.
+        role: The role it runs in (routes and grants qualify roles).
+        tenant: Whose it is, for the audit's totals.
+        labels: Free labels (string to string), for the audit's totals.
+        plan: The frozen route snapshots, in preference order.
+        grant: Which recipients may receive which data classes.
+        budget: Its bounds (calls, retries, cost, tokens).
+        policy: The frozen policy, as JSON; ``policy_hash`` names it.
+        policy_hash: The hash of ``policy``.
+        selected_route: The route the first turn starts on.
+        content_hash: The hash of all of the above: a repeated admission must match it.
+        deadline: When the Run must be done by (epoch seconds), if any.
+        created_at: When it was admitted.
     """
 
     run_id: str
@@ -105,8 +147,15 @@ class FrozenRun:
 
 @dataclass(frozen=True, kw_only=True)
 class RunState:
-    """A Run's live state as read: its status, what it used and holds, what it carved for its
-    Children, the route and profile it last used, and its lease."""
+    """A Run's live state as read.
+
+    Its ``status``; what it used (``calls_used``, ``retries_used``, ``tokens_used``) and holds
+    for Attempts in flight (``reserved`` cost, ``tokens_reserved``) and spent (``posted``), in
+    currency units; what it carved out for its Children (``carved_calls``, ``carved_retries``,
+    ``carved``, ``carved_tokens``); ``current_route`` and ``current_profile``, those of its last
+    success; its lease (``lease_holder``, ``fence``, ``lease_expires_at``); the ``compactions``
+    recorded; ``updated_at``.
+    """
 
     status: RunStatus
     calls_used: int
@@ -137,8 +186,12 @@ RUN_STATE_FIELDS = tuple(f.name for f in fields(RunState))
 
 @dataclass(frozen=True, kw_only=True)
 class RunRecord(FrozenRun, RunState):
-    """The Run as it stands when read: its frozen admission (:class:`FrozenRun`) with its live
-    state (:class:`RunState`), and what is left of its budget."""
+    """The Run as it stands when read: frozen admission and live state, and what is left.
+
+    It is its frozen admission (:class:`FrozenRun`, whose attributes it has) with its live state
+    (:class:`RunState`); what is left of the budget is :attr:`calls_left`,
+    :attr:`retries_left`, :attr:`cost_left` and :attr:`tokens_left`.
+    """
 
     @classmethod
     def of(cls, frozen: FrozenRun, state: RunState) -> RunRecord:
@@ -158,8 +211,11 @@ class RunRecord(FrozenRun, RunState):
 
     @property
     def pinned_profile(self) -> str | None:
-        """The profile a new turn keeps (session stickiness): the one used last, unless a
-        compaction was recorded since (Fased: "a compaction completes ... increments")."""
+        """The profile a new turn keeps (session stickiness).
+
+        It is the one used last, unless a compaction was recorded since (Fased: "a compaction
+        completes ... increments").
+        """
         if self.compactions != self.profile_compactions:
             return None
         return self.current_profile
@@ -171,12 +227,12 @@ class RunRecord(FrozenRun, RunState):
 
     @property
     def retries_left(self) -> int:
-        """Retry permissions the Run may still take."""
+        """Retry permissions (further Attempts of a turn) the Run still has."""
         return self.budget.max_retries - self.carved_retries - self.retries_used
 
     @property
     def cost_left(self) -> Decimal:
-        """Cost the Run may still hold or spend."""
+        """Cost budget neither held, spent nor carved out for children (currency units)."""
         return self.budget.max_cost - self.carved - self.reserved - self.posted
 
     @property
@@ -190,6 +246,19 @@ class RunRecord(FrozenRun, RunState):
 
 @dataclass(frozen=True)
 class AttemptRecord:
+    """One physical call, as recorded: begun before it was sent, settled once.
+
+    The route it used stays as it was frozen (``route_id``, ``provider``, ``model``,
+    ``group_id``, and ``profile_id``, the credential profile); ``kind`` says why it was made and
+    ``seq`` is its order in the Run. ``state`` is where it is; a settled one carries its
+    failure ``fact`` (with ``category`` and ``http_status`` copied out for queries),
+    ``effective_output`` and ``tool_started``, the usage the provider reported
+    (``prompt_tokens``, ``completion_tokens``, ``cost``; ``None`` when not reported),
+    ``model_reported`` and the ``output_hash`` of its answer. ``reserved`` and
+    ``reserved_tokens`` are its holds and ``debit_state`` what became of them; ``fence`` and
+    ``executor`` who began it; ``reject_reason`` why admission refused it (``rejected``).
+    """
+
     attempt_id: str
     run_id: str
     turn_id: str
@@ -225,6 +294,8 @@ class AttemptRecord:
 
 @dataclass(frozen=True)
 class DebitRecord:
+    """An Attempt's budget hold: ``reserved`` at begin, ``posted`` (spent) at settle."""
+
     debit_id: str
     run_id: str
     attempt_id: str
@@ -237,6 +308,8 @@ class DebitRecord:
 
 @dataclass(frozen=True)
 class EventRecord:
+    """One audit event of a Run (or of one of its Attempts): a ``kind`` and its ``data``."""
+
     event_id: int
     run_id: str | None
     attempt_id: str | None

@@ -26,8 +26,11 @@ ADMISSION_FIELDS = (
 
 
 def normal_admission_field(name: str, value: Any) -> Any:
-    """A frozen field as compared on a repeated admission: JSON snapshots re-read through their
-    models (so ``1`` and ``"1.00"``, or lists that are sets, compare equal)."""
+    """A frozen field as compared on a repeated admission.
+
+    JSON snapshots are re-read through their models, so ``1`` and ``"1.00"``, or lists that are
+    sets, compare equal.
+    """
     if value is None or name not in ("plan", "run_grant", "budget", "labels"):
         return value
     doc = json.loads(value)
@@ -42,6 +45,8 @@ def normal_admission_field(name: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class AdmitSpec:
+    """One admission, checked and hashed by the facade: the frozen Run as the store writes it."""
+
     run_id: str
     parent_run_id: str | None
     parent_lease: Lease | None
@@ -98,9 +103,12 @@ class GroupUpdate:
 
 @dataclass(frozen=True)
 class SettleSpec:
-    """One settle under the lease ``fence``. ``cost_micros`` and the token counts are what the
-    provider reported (``None``: not reported); what that does to the holds is
-    :func:`ledger.decide.settle.settle_holds`, applied to the Attempt as locked."""
+    """One settle under the lease ``fence``.
+
+    ``cost_micros`` and the token counts are what the provider reported (``None``: not reported);
+    what that does to the holds is :func:`ledger.decide.settle.settle_holds`, applied to the Attempt
+    as locked.
+    """
 
     attempt_id: str
     fence: int

@@ -53,8 +53,11 @@ _TIME_KEYS = re.compile(r"^(until|.*_until|.*_at)$")
 
 
 def data_text(data: Any, now: float) -> str:
-    """Event data as ``key=value`` pairs, keys sorted; numbers under time keys (``until``,
-    ``*_until``, ``*_at``) are instants and read as :func:`when` gives them."""
+    """Event data as ``key=value`` pairs, keys sorted.
+
+    Numbers under time keys (``until``, ``*_until``, ``*_at``) are instants and read as
+    :func:`when` gives them.
+    """
     if not isinstance(data, dict):
         return json.dumps(data, sort_keys=True)
     parts = []

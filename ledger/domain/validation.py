@@ -16,7 +16,7 @@ whole value in one pass (the nested model's ``__init__`` is not called), and the
 from its error. ``model_construct`` and ``model_copy(update=...)`` skip validation, as pydantic
 documents; build a new model to have a changed value checked.
 
-The annotated field types here (:data:`Id`, :data:`Count`, :data:`Time`, ...) carry the ranges
+The annotated field types here (:data:`Id`, :data:`Count`, :data:`Seconds`, ...) carry the ranges
 of :mod:`ledger.domain.bounds`, so a model and an API argument accept exactly the same values.
 """
 
@@ -44,8 +44,6 @@ from pydantic import (
 from ledger.domain.bounds import (
     MAX_COUNT,
     MAX_ID_LENGTH,
-    MAX_TIME,
-    MAX_TOKENS,
     id_problem,
     text_problem,
 )
@@ -98,10 +96,6 @@ Text = Annotated[StrictStr, AfterValidator(_text)]
 """A short printable text (a name, a reason): at most 200 characters."""
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 """An integer in [0, 10^9]; ``True``/``False`` are not counts."""
-Tokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
-"""A token count in [0, 10^15]."""
-Time = Annotated[StrictFloat, Field(ge=0, lt=MAX_TIME, allow_inf_nan=False)]
-"""Epoch seconds, finite, in [0, 10^11)."""
 Instant = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 """A finite time in the clock's unit (epoch seconds), as the ledger computes and reads it."""
 Seconds = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]
@@ -112,9 +106,11 @@ HttpStatus = Annotated[StrictInt, Field(ge=0, le=999)]
 
 
 class LedgerModel(BaseModel):
-    """Base of the ledger's public value models: frozen, no unknown fields, and every
-    validation problem an :class:`InvalidArgument` naming the field (see the module
-    docstring)."""
+    """Base of the ledger's public value models.
+
+    Frozen, no unknown fields, and every validation problem an :class:`InvalidArgument` naming
+    the field (see the module docstring).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -168,8 +164,10 @@ class LedgerModel(BaseModel):
 
 
 def validate_as(cls: type[M], value: Any, field: str) -> M:
-    """``value`` (an instance, or a mapping of its fields) as ``cls``; problems raise
-    :class:`InvalidArgument` with paths under ``field`` (``budget.max_cost``)."""
+    """``value`` (an instance, or a mapping of its fields) as ``cls``.
+
+    Problems raise :class:`InvalidArgument` with paths under ``field`` (``budget.max_cost``).
+    """
     if isinstance(value, cls):
         return value
     try:
@@ -486,8 +484,6 @@ __all__ = [
     "Problem",
     "Seconds",
     "Text",
-    "Time",
-    "Tokens",
     "check_secret_provider",
     "checked_call",
     "checked_calls",

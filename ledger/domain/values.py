@@ -27,6 +27,8 @@ MAX_LIST = 1000
 
 
 class ProfileType(StrEnum):
+    """A credential profile's kind; rotation tries ``oauth``, then ``token``, then ``api_key``."""
+
     OAUTH = "oauth"
     TOKEN = "token"
     API_KEY = "api_key"
@@ -70,13 +72,38 @@ class Price(LedgerModel):
         return canonical_decimal(v)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
+        """The cost of this usage: tokens times the price per million, input and output."""
         return (
             self.input_per_mtok * prompt_tokens + self.output_per_mtok * completion_tokens
         ) / Decimal(1_000_000)
 
 
 class Route(LedgerModel):
-    """One concrete way to call a model."""
+    """One concrete way to call a model: a provider's model, at an endpoint, with credentials.
+
+    A Run's plan is a list of Routes, frozen at admission; an Attempt always uses a frozen one.
+
+    Attributes:
+        id: The route's id, unique in a plan.
+        provider: Who serves it (``"openai"``, ``"deepseek"``, ...); health keyed by provider
+            (``provider:<name>``) uses it.
+        model: The provider's model name, sent in the request.
+        group: The capacity group it shares slots and outage facts with.
+        recipient: Who receives the request's data, as the Run's :class:`Grant` names them.
+        protocol: The wire protocol (:class:`~ledger.domain.facts.WireProtocol`).
+        endpoint: The base URL; ``None`` lets an adapter refuse it as ``cannot_build``.
+        capabilities: What it can serve (:class:`Capabilities`; unknown is no restriction).
+        roles: The Run roles it is qualified for (``None``: every role).
+        profiles: Its credential profiles (ids and types only; the secrets stay outside).
+        api_key_env: The environment variable holding its key, for a route without profiles.
+        price: Its :class:`Price`; ``None`` is looked up by provider and model at admission,
+            ``Price()`` declares it free.
+
+    Example:
+        >>> Route(id="primary", provider="openai", model="gpt-4o-mini", group="openai",
+        ...       recipient="openai", endpoint="https://api.openai.com/v1",
+        ...       price=Price(input_per_mtok="0.15", output_per_mtok="0.60"))  # doctest: +SKIP
+    """
 
     id: Id
     provider: Id
@@ -97,8 +124,11 @@ class Route(LedgerModel):
     price: Price | None = None
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> Decimal:
-        """The cost of this usage at the route's price. Routes of an admitted Run are always
-        priced; an unpriced route outside a Run (never admitted) costs nothing, as before."""
+        """The cost of this usage at the route's price.
+
+        Routes of an admitted Run are always priced; an unpriced route outside a Run (never
+        admitted) costs nothing, as before.
+        """
         return (self.price or Price()).cost(prompt_tokens, completion_tokens)
 
     @field_validator("roles")
@@ -137,6 +167,7 @@ class Grant(LedgerModel):
         return sorted(set(v)) if v is not None else None
 
     def approves(self, recipient: str, data_class: str) -> bool:
+        """Whether ``data_class`` may be sent to ``recipient`` under this grant."""
         return data_class in self.recipients.get(recipient, [])
 
 
@@ -162,6 +193,8 @@ class Budget(LedgerModel):
 
 
 class GroupMode(StrEnum):
+    """A capacity group's state: ``open``, or closed (``cooldown``, ``unavailable``) ``until``."""
+
     OPEN = "open"
     COOLDOWN = "cooldown"
     UNAVAILABLE = "unavailable"
@@ -195,6 +228,7 @@ class Health(LedgerModel):
     reset_at: Instant | None = None
 
     def available(self, now: float) -> bool:
+        """Whether the key is neither cooling down nor disabled at ``now``."""
         cooling = self.cooldown_until is not None and now < self.cooldown_until
         disabled = self.disabled_until is not None and now < self.disabled_until
         return not (cooling or disabled)

@@ -1,5 +1,7 @@
-"""pydantic-ai agents on a ledger Run: :class:`LedgerModel`, a pydantic-ai ``Model`` whose every
-request is one turn of an :class:`~ledger.api.session.AsyncRunSession`.
+"""pydantic-ai agents on a ledger Run: :class:`LedgerModel`.
+
+A pydantic-ai ``Model`` whose every request is one turn of an
+:class:`~ledger.api.session.AsyncRunSession`.
 
 ::
 
@@ -98,8 +100,10 @@ def _raw_args(part: ToolCallPart) -> str:
 
 
 def response_parts(response: ModelResponse) -> list[Part]:
-    """An earlier answer as the envelope parts the ledger recorded for it: its text, then one
-    part per tool call, each ``model_derived`` with the Attempt named in its provider details.
+    """An earlier answer as the envelope parts the ledger recorded for it.
+
+    Its text, then one part per tool call, each ``model_derived`` with the Attempt named in its
+    provider details.
 
     An answer whose content was changed (or that no Attempt of the Run produced) yields parts
     whose hash the ledger never recorded: preflight refuses them.
@@ -221,12 +225,21 @@ class _Answer:
 class LedgerModel(Model):
     """A pydantic-ai model whose every request is one turn of a ledger Run.
 
-    ``run`` is an open :class:`~ledger.api.session.AsyncRunSession` (``async with
-    led.run(...) as run``); the model is used inside that block. ``model_name`` names the model
-    to pydantic-ai (default: the model of the Run's selected route); each response carries the
-    model that actually served it. ``tool_data_class`` is the data class tool returns are
-    recorded under (``tool_result``; a host registering e.g. ``private_document`` for a tool
-    that reads such documents passes that).
+    The model is used inside the Run session's block; each response carries the model that
+    actually served it.
+
+    Args:
+        run: An open :class:`~ledger.api.session.AsyncRunSession` (``async with
+            led.run(...) as run``, on an :class:`~ledger.AsyncLedger`).
+        model_name: The name pydantic-ai knows the model by (default: the model of the Run's
+            selected route).
+        tool_data_class: The data class tool returns are recorded under (``tool_result``; a
+            host registering e.g. ``private_document`` for a tool that reads such documents
+            passes that).
+        settings: pydantic-ai's default model settings.
+
+    Raises:
+        InvalidArgument: ``run`` is not an async Run session, or ``tool_data_class`` is empty.
 
     Supported model settings: ``max_tokens`` (the envelope's ``max_output_tokens``),
     ``temperature`` and ``top_p`` (envelope parameters). The ledger's policy owns retries and
@@ -259,8 +272,10 @@ class LedgerModel(Model):
 
     @property
     def model_name(self) -> str:
-        """The name pydantic-ai knows this model by: the given one, else the model of the
-        Run's selected route."""
+        """The name pydantic-ai knows this model by.
+
+        The given one, else the model of the Run's selected route.
+        """
         if self._model_name is not None:
             return self._model_name
         record = self.run.record
@@ -291,8 +306,11 @@ class LedgerModel(Model):
                              model_request_parameters: ModelRequestParameters,
                              run_context: RunContext[Any] | None = None,
                              ) -> AsyncGenerator[StreamedResponse]:
-        """Serve one request as one streamed turn: text reaches the agent as it arrives (and
-        so counts as delivered output); tool calls come once the answer is complete."""
+        """Serve one request as one streamed turn.
+
+        Text reaches the agent as it arrives (and so counts as delivered output); tool calls
+        come once the answer is complete.
+        """
         settings, params = self.prepare_request(model_settings, model_request_parameters)
         envelope = await self.envelope(messages, settings, params, stream=True)
         events: asyncio.Queue[Any] = asyncio.Queue()
@@ -320,9 +338,12 @@ class LedgerModel(Model):
 
     async def envelope(self, messages: Sequence[ModelMessage], settings: ModelSettings | None,
                        params: ModelRequestParameters, *, stream: bool) -> Envelope:
-        """The turn's envelope for ``messages``: every part with its data class and, for model
-        output and tool returns, the provenance the ledger recorded (tool returns are recorded
-        through the session the first time they are sent)."""
+        """The turn's envelope for ``messages``.
+
+        Every part has its data class and, for model output and tool returns, the provenance the
+        ledger recorded (tool returns are recorded through the session the first time they are
+        sent).
+        """
         parts: list[Part] = []
         calls: list[Part] = []
         returns: list[tuple[int, ToolReturnPart]] = []
@@ -400,9 +421,12 @@ def _settings(settings: ModelSettings | None) -> dict[str, Any]:
 
 @dataclass
 class LedgerStreamedResponse(StreamedResponse):
-    """The stream of one turn: text deltas as they arrive, the answer's tool calls, usage, the
-    served model and the Attempt ids once the turn completes; a stop raises
-    :class:`~ledger.errors.FailoverExhausted` from the iteration."""
+    """The stream of one turn.
+
+    Text deltas as they arrive; the answer's tool calls, usage, the served model and the Attempt
+    ids once the turn completes. A stop raises :class:`~ledger.errors.FailoverExhausted` from
+    the iteration.
+    """
 
     _name: str = ""
     _run_id: str = ""
@@ -433,8 +457,11 @@ class LedgerStreamedResponse(StreamedResponse):
                                                       part=part)
 
     def get(self) -> ModelResponse:
-        """The response so far; once the turn completed, exactly the answer the ledger
-        recorded (text a policy discarded after showing it is not part of it)."""
+        """The response so far.
+
+        Once the turn completed, exactly the answer the ledger recorded (text a policy discarded
+        after showing it is not part of it).
+        """
         response = super().get()
         if self._answer is None:
             return response

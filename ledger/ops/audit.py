@@ -46,6 +46,12 @@ OPEN_STATES = ("unknown", "dispatching")
 
 @dataclass(frozen=True)
 class RunSummary:
+    """A Run as the audit lists it: ids, status, routes, counters, lease, times.
+
+    Money (``reserved``, ``posted``, ``max_cost``) is in currency units; ``current_route`` is
+    the route of the Run's last success.
+    """
+
     run_id: str
     parent_run_id: str | None
     role: str
@@ -91,6 +97,8 @@ class Selection:
 
 @dataclass(frozen=True)
 class AuditEvent:
+    """One audit event: its ``kind`` (``admit``, ``select``, ``move``, ``stop``, ...) and data."""
+
     event_id: int
     kind: str
     attempt_id: str | None
@@ -131,8 +139,11 @@ class TimelineEntry:
 
 @dataclass(frozen=True)
 class Stop:
-    """Why a turn of a Run stopped (a ``stop`` event): the reason, its detail, the candidates
-    the selector passed over, the attempts the turn made and their errors."""
+    """Why a turn of a Run stopped (a ``stop`` event).
+
+    The reason, its detail, the candidates the selector passed over, the attempts the turn made
+    and their errors.
+    """
 
     reason: str
     detail: str | None
@@ -144,6 +155,12 @@ class Stop:
 
 @dataclass(frozen=True)
 class RunTimeline:
+    """A Run's whole story: its attempts in order, its own events, where it was served.
+
+    ``failed_over`` is true when it was served elsewhere than its selected route, or the
+    selector moved it; ``total_cost`` is what its attempts cost.
+    """
+
     run: RunSummary
     attempts: list[TimelineEntry]
     run_events: list[AuditEvent]  # events not tied to one attempt (admit, lease, stop, finish)
@@ -166,6 +183,8 @@ class FailoverCause:
 
 @dataclass(frozen=True)
 class Move:
+    """One of the selector's moves to another route (a ``move`` event), with its cause."""
+
     from_route: str | None
     to_route: str | None
     category: str | None
@@ -175,6 +194,8 @@ class Move:
 
 @dataclass(frozen=True)
 class Failover:
+    """A Run that failed over: the routes it tried, the failures that caused it, its moves."""
+
     run_id: str
     tenant: str | None
     labels: dict[str, str]
@@ -189,6 +210,8 @@ class Failover:
 
 @dataclass(frozen=True)
 class Totals:
+    """Attempts, outcomes, tokens and cost of one group of :meth:`Audit.costs` (its ``key``)."""
+
     key: str | None
     attempts: int
     succeeded: int
@@ -211,6 +234,11 @@ class OpenAttempt:
 
 @dataclass(frozen=True)
 class KeyHealth:
+    """One health row now: ``status`` is ``ok``, ``cooling`` or ``disabled``, with its counters.
+
+    Counters past their reset time read as reset, as the selector would read them.
+    """
+
     key: str
     kind: str  # route | profile | provider (one row shared by a provider's routes)
     provider: str | None
@@ -227,6 +255,8 @@ class KeyHealth:
 
 @dataclass(frozen=True)
 class GroupHealth:
+    """One capacity group now: its effective mode, waiting floor and slots in use."""
+
     group: str
     mode: str  # effective now: open | cooldown | unavailable
     stored_mode: str
@@ -239,6 +269,8 @@ class GroupHealth:
 
 @dataclass(frozen=True)
 class HealthReport:
+    """Every route (and provider), profile and group health row, as of ``now``."""
+
     now: float
     routes: list[KeyHealth]
     profiles: list[KeyHealth]
@@ -247,6 +279,8 @@ class HealthReport:
 
 @dataclass(frozen=True)
 class ActivityBucket:
+    """Attempts, failures and unknowns in one time slice starting at ``start``."""
+
     start: float
     attempts: int
     failed: int
@@ -255,9 +289,12 @@ class ActivityBucket:
 
 @dataclass(frozen=True)
 class RoutePoint:
-    """One route in one time bucket. ``success_rate`` is succeeded / (succeeded + failed +
-    unknown), ``None`` when nothing was sent; ``latency_s`` is the mean time from begin to
-    settle of the succeeded attempts, ``None`` when none succeeded."""
+    """One route in one time bucket.
+
+    ``success_rate`` is succeeded / (succeeded + failed + unknown), ``None`` when nothing was sent;
+    ``latency_s`` is the mean time from begin to settle of the succeeded attempts, ``None`` when
+    none succeeded.
+    """
 
     start: float
     attempts: int
@@ -442,7 +479,25 @@ def _page(limit: Any, cursor: Any) -> tuple[int, str | None]:
 
 @checked_calls
 class Audit:
-    """Read-only audit queries over one ledger."""
+    """Read-only audit queries over one ledger; see the module docstring.
+
+    Every listing is newest first and paginated: pass a page's ``next_cursor`` back as
+    ``cursor``. Times are epoch seconds and ranges are ``[since, until)``. Every method checks
+    its arguments first (:class:`~ledger.errors.InvalidArgument` naming the field) and may
+    raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable`` from the database.
+
+    Args:
+        ledger: The :class:`~ledger.Ledger` to read (for an :class:`~ledger.AsyncLedger`,
+            its ``.sync``; then wrap the audit in :class:`AsyncAudit`).
+
+    Raises:
+        InvalidArgument: ``ledger`` is not a Ledger.
+
+    Example:
+        >>> audit = Audit(Ledger.open(url, migrate_schema=False))  # doctest: +SKIP
+        >>> story = audit.timeline("task-42")  # doctest: +SKIP
+        >>> story.served_route, [a.state for a in story.attempts]  # doctest: +SKIP
+    """
 
     def __init__(self, ledger: Ledger) -> None:
         if not isinstance(ledger, Ledger):
@@ -453,13 +508,29 @@ class Audit:
         self._store = storage_of(ledger)
 
     def now(self) -> float:
+        """The ledger clock's time, in epoch seconds."""
         return self.ledger.now()
 
     def runs(self, *, status: str | None = None, tenant: str | None = None,
              since: float | None = None, until: float | None = None, limit: int = 50,
              cursor: str | None = None) -> Page[RunSummary]:
-        """Runs newest first, optionally by status (a :class:`RunStatus`), tenant (an id) and
-        admission time in [since, until) (epoch seconds); ``limit`` 1 to 10 000."""
+        """Runs newest first, optionally filtered.
+
+        Args:
+            status: Only Runs in this status (a :class:`~ledger.RunStatus` or its value).
+            tenant: Only this tenant's Runs.
+            since: Admitted at or after this time.
+            until: Admitted before this time.
+            limit: Page size, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`RunSummary`.
+
+        Raises:
+            InvalidArgument: an unknown status, a malformed tenant or cursor, ``until`` before
+                ``since``, a limit out of range.
+        """
         if status is not None:
             status = check_choice(status, RunStatus, "status").value
         check_optional_id(tenant, "tenant")
@@ -470,7 +541,17 @@ class Audit:
         return Page([_run(r) for r in rows], nxt)
 
     def timeline(self, run_id: str) -> RunTimeline:
-        """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons."""
+        """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons.
+
+        Args:
+            run_id: The Run.
+
+        Returns:
+            Its :class:`RunTimeline`.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
         run_row, att_rows, ev_rows = self._store.audit_timeline(check_id(run_id, "run_id"))
         if run_row is None:
             raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
@@ -518,7 +599,17 @@ class Audit:
 
     def failovers(self, *, since: float | None = None, until: float | None = None,
                   limit: int = 50, cursor: str | None = None) -> Page[Failover]:
-        """Runs admitted in [since, until) that failed over, newest first, with their causes."""
+        """Runs admitted in [since, until) that failed over, newest first, with their causes.
+
+        Args:
+            since: Admitted at or after this time.
+            until: Admitted before this time.
+            limit: Page size, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`Failover`.
+        """
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
         runs, atts, moves, nxt = self._store.audit_failovers(since=since, until=until,
@@ -558,8 +649,21 @@ class Audit:
                  state: str | None = None, category: str | None = None,
                  since: float | None = None, until: float | None = None, limit: int = 100,
                  cursor: str | None = None) -> Page[AttemptRecord]:
-        """Attempts newest first by route, group, outcome (state), category and time range
-        (the filters of :meth:`ledger.Ledger.attempts`)."""
+        """Attempts newest first, filtered as :meth:`ledger.Ledger.attempts` filters them.
+
+        Args:
+            route: Only this route's.
+            group: Only this capacity group's.
+            state: Only in this state (the outcome; an :class:`~ledger.AttemptState`).
+            category: Only failures of this :class:`~ledger.Category`.
+            since: Begun at or after this time.
+            until: Begun before this time.
+            limit: Page size, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`~ledger.AttemptRecord`.
+        """
         _window(since, until)
         return self._store.attempts(**attempt_filters(dict(
             route=route, group=group, state=state, category=category, since=since, until=until,
@@ -568,8 +672,27 @@ class Audit:
     def costs(self, *, by: str = "route", since: float | None = None,
               until: float | None = None, label: str | None = None, limit: int = 100,
               cursor: str | None = None) -> Page[Totals]:
-        """Cost and token totals of attempts made in [since, until), grouped by route, group,
-        provider, run, tenant or one label (``by="label", label="team"``); costliest first."""
+        """Cost and token totals of attempts made in [since, until), costliest first.
+
+        Args:
+            by: What to total by: ``route``, ``group``, ``provider``, ``run``, ``tenant`` or
+                ``label`` (with ``label=``).
+            since: Attempts begun at or after this time.
+            until: Attempts begun before this time.
+            label: The Run label to total by, with ``by="label"`` (e.g. ``"team"``).
+            limit: Page size, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`Totals`.
+
+        Raises:
+            InvalidArgument: an unknown ``by``, a malformed ``label``, a bad range or page.
+
+        Example:
+            >>> for t in audit.costs(by="label", label="team").items:  # doctest: +SKIP
+            ...     print(t.key, t.cost, t.attempts)
+        """
         if not isinstance(by, str) or by not in TOTALS_KEYS:
             raise InvalidArgument(f"cannot total by {by!r}; pass by= one of "
                                   f"{', '.join(TOTALS_KEYS)}", field="by")
@@ -589,7 +712,24 @@ class Audit:
     def open_attempts(self, *, states: Sequence[str] = OPEN_STATES, since: float | None = None,
                       until: float | None = None, limit: int = 100,
                       cursor: str | None = None) -> Page[OpenAttempt]:
-        """Unknown and unsettled (dispatching) attempts, newest first."""
+        """Unknown and unsettled (dispatching) attempts, newest first.
+
+        Each says whether its executor still holds the Run (``lease_live``): one that does not
+        is recovery's to look at.
+
+        Args:
+            states: Which of ``unknown`` and ``dispatching`` to list (default both).
+            since: Begun at or after this time.
+            until: Begun before this time.
+            limit: Page size, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`OpenAttempt`.
+
+        Raises:
+            InvalidArgument: ``states`` empty, or naming another state.
+        """
         if isinstance(states, str | bytes) or not isinstance(states, Sequence | set | frozenset):
             raise InvalidArgument(f"states must be a list among {list(OPEN_STATES)}; pass e.g. "
                                   "['unknown']", field="states")
@@ -613,7 +753,11 @@ class Audit:
         return Page(out, nxt)
 
     def health(self, now: float | None = None) -> HealthReport:
-        """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes."""
+        """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes.
+
+        Args:
+            now: The time to read them at (default: the ledger clock's now).
+        """
         t = self.now() if now is None else check_time(now, "now")
         hrows, grows = self._store.audit_health(t)
         keys = [_key_health(h, t) for h in hrows]
@@ -622,8 +766,16 @@ class Audit:
                             groups=[_group_health(g, t) for g in grows])
 
     def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
-        """Attempts, failures and unknowns in ``buckets`` (1 to 1000) equal slices of
-        [since, until)."""
+        """Attempts, failures and unknowns in ``buckets`` equal slices of [since, until).
+
+        Args:
+            since: The range's start (required).
+            until: Its end, after ``since``.
+            buckets: How many slices, 1 to 1000.
+
+        Returns:
+            One :class:`ActivityBucket` per slice, in time order (empty slices included).
+        """
         since, until, buckets = _span(since, until, buckets)
         width = (until - since) / buckets
         rows = {int(r["bucket"]): r for r in self._store.audit_activity(since=since, until=until,
@@ -640,8 +792,17 @@ class Audit:
 
     def route_series(self, *, since: float, until: float, buckets: int = 24,
                      routes: int = 8) -> list[RouteSeries]:
-        """Success rate and latency per route in ``buckets`` equal slices of [since, until), for
-        the ``routes`` busiest routes of the range (busiest first)."""
+        """Success rate and latency per route in ``buckets`` equal slices of [since, until).
+
+        Args:
+            since: The range's start.
+            until: Its end, after ``since``.
+            buckets: How many slices, 1 to 1000.
+            routes: How many of the range's busiest routes, 1 to 1000.
+
+        Returns:
+            One :class:`RouteSeries` per route, busiest first.
+        """
         since, until, buckets = _span(since, until, buckets)
         routes = check_count(routes, "routes", maximum=1000)
         if routes < 1:
@@ -671,8 +832,15 @@ class Audit:
         return out
 
     def costs_by_day(self, *, days: int = 7, now: float | None = None) -> list[DayCost]:
-        """Cost per UTC day and tenant for the last ``days`` days (today included), oldest
-        first, no tenant before the named ones; days and tenants without attempts are absent."""
+        """Cost per UTC day and tenant for the last ``days`` days (today included).
+
+        Oldest first, no tenant before the named ones; days and tenants without attempts are
+        absent.
+
+        Args:
+            days: How many days, 1 to 366.
+            now: What "today" is (default: the ledger clock's now).
+        """
         if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 366:
             raise InvalidArgument(f"days must be an integer from 1 to 366 (got {days!r}); pass "
                                   "e.g. 7", field="days")
@@ -686,8 +854,14 @@ class Audit:
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
     def metrics(self, now: float | None = None) -> MetricsSnapshot:
-        """Totals for ``/metrics``: attempts by route and outcome, failovers, cooldowns active
-        now, and the budget used (posted and held cost) per tenant."""
+        """Totals for the dashboard's ``/metrics``.
+
+        Attempts by route and outcome, failovers, cooldowns active now, and the budget used
+        (posted and held cost) per tenant.
+
+        Args:
+            now: The time the gauges are read at (default: the ledger clock's now).
+        """
         t = self.now() if now is None else check_time(now, "now")
         m = self._store.metrics_totals(t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
@@ -707,7 +881,14 @@ class Audit:
 
 @checked_calls
 class AsyncAudit:
-    """The async twin of :class:`Audit`: the same methods, awaited in a worker thread."""
+    """The async twin of :class:`Audit`: the same methods, awaited in a worker thread.
+
+    Each method takes :class:`Audit`'s arguments (by keyword) and returns and raises what it
+    does; the docstrings point there rather than repeat it.
+
+    Args:
+        audit: The :class:`Audit` to run.
+    """
 
     def __init__(self, audit: Audit) -> None:
         if not isinstance(audit, Audit):
@@ -715,38 +896,49 @@ class AsyncAudit:
         self.sync = audit
 
     async def runs(self, **kw: Any) -> Page[RunSummary]:
+        """:meth:`Audit.runs`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.runs(**kw))
 
     async def timeline(self, run_id: str) -> RunTimeline:
+        """:meth:`Audit.timeline`, awaited."""
         return await asyncio.to_thread(self.sync.timeline, run_id)
 
     async def failovers(self, **kw: Any) -> Page[Failover]:
+        """:meth:`Audit.failovers`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.failovers(**kw))
 
     async def attempts(self, **kw: Any) -> Page[AttemptRecord]:
+        """:meth:`Audit.attempts`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.attempts(**kw))
 
     async def costs(self, **kw: Any) -> Page[Totals]:
+        """:meth:`Audit.costs`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.costs(**kw))
 
     async def open_attempts(self, **kw: Any) -> Page[OpenAttempt]:
+        """:meth:`Audit.open_attempts`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.open_attempts(**kw))
 
     async def health(self, now: float | None = None) -> HealthReport:
+        """:meth:`Audit.health`, awaited."""
         return await asyncio.to_thread(self.sync.health, now)
 
     async def activity(self, *, since: float, until: float,
                        buckets: int = 24) -> list[ActivityBucket]:
+        """:meth:`Audit.activity`, awaited."""
         return await asyncio.to_thread(
             lambda: self.sync.activity(since=since, until=until, buckets=buckets))
 
     async def route_series(self, **kw: Any) -> list[RouteSeries]:
+        """:meth:`Audit.route_series`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.route_series(**kw))
 
     async def costs_by_day(self, **kw: Any) -> list[DayCost]:
+        """:meth:`Audit.costs_by_day`, awaited."""
         return await asyncio.to_thread(lambda: self.sync.costs_by_day(**kw))
 
     async def metrics(self, now: float | None = None) -> MetricsSnapshot:
+        """:meth:`Audit.metrics`, awaited."""
         return await asyncio.to_thread(self.sync.metrics, now)
 
 

@@ -1,7 +1,8 @@
 """Ledger-wide reconciliation: check every stored invariant over the whole ledger.
 
-Usable by operators (``ledger.ops.reconcile.reconcile(ledger)``) and by the soak test. It reads one
-consistent snapshot and reports figures and violations; it writes nothing. Checks:
+Usable by operators (``ledger.ops.reconcile.reconcile(ledger)``, ``failover-ledger reconcile``) and
+by the soak test. It reads the books in one read transaction (and the recovery event counts in a
+second one) and reports figures and violations; it writes nothing. Checks:
 
 * every Attempt has exactly its own Debit, with the same hold; states agree (dispatching and
   unknown keep a reserved hold, succeeded is posted, failed is posted or voided, rejected is
@@ -27,6 +28,20 @@ if TYPE_CHECKING:
 
 @dataclass
 class Reconciliation:
+    """The ledger's books, and what is wrong with them.
+
+    Attributes:
+        runs: How many Runs the ledger holds.
+        attempts: How many Attempts.
+        by_state: Attempts per state.
+        debits: Debits per state.
+        recoveries: Recovery takeovers recorded (``recover`` events).
+        unknown_events: ``unknown`` events recorded.
+        violations: Every broken invariant, one sentence each (empty when the books hold).
+        cost_over_hold: Attempts whose reported cost exceeded their hold (the provider
+            charged more than was reserved: worth a look, though no invariant broke).
+    """
+
     runs: int
     attempts: int
     by_state: dict[str, int]
@@ -42,12 +57,14 @@ class Reconciliation:
         return not self.violations and not self.cost_over_hold
 
     def to_json(self) -> dict[str, Any]:
+        """The books as JSON data."""
         return {"runs": self.runs, "attempts": self.attempts, "by_state": self.by_state,
                 "debits": self.debits, "recoveries": self.recoveries,
                 "unknown_events": self.unknown_events, "violations": self.violations,
                 "cost_over_hold": self.cost_over_hold}
 
     def summary(self) -> str:
+        """The figures on one line, for a log or a terminal."""
         states = dict(sorted(self.by_state.items()))
         return (f"runs: {self.runs}, attempts: {self.attempts} {states}"
                 f", debits: {dict(sorted(self.debits.items()))}, recoveries: {self.recoveries}, "
@@ -55,7 +72,22 @@ class Reconciliation:
 
 
 def reconcile(ledger: Ledger) -> Reconciliation:
-    """The ledger's books: runs, attempts by state, debits, recoveries and any violation."""
+    """The ledger's books: runs, attempts by state, debits, recoveries and any violation.
+
+    Args:
+        ledger: The :class:`~ledger.Ledger` to check (for an :class:`~ledger.AsyncLedger`,
+            pass its ``.sync``).
+
+    Returns:
+        The :class:`Reconciliation`; its ``ok`` says whether every invariant held.
+
+    Raises:
+        InvalidArgument: ``ledger`` is not a Ledger.
+
+    Example:
+        >>> books = reconcile(led)  # doctest: +SKIP
+        >>> assert books.ok, books.violations  # doctest: +SKIP
+    """
     from ledger.api.facade import Ledger as _Ledger
     from ledger.api.facade import storage_of
     from ledger.errors import InvalidArgument

@@ -64,7 +64,23 @@ RETRY_WAITS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 @dataclass(frozen=True)
 class RunRecovery:
-    """What recovery found and did for one Run."""
+    """What recovery found and did for one Run.
+
+    Attributes:
+        run_id: The Run taken over.
+        previous_executor: Who held its lease before (``None``: nobody).
+        previous_fence: Its fence before; ``fence`` is the new one.
+        fence: The Run's new fence.
+        lease: The recovering executor's new lease (``None`` with ``release=True``).
+        newly_unknown: Attempts this pass marked unknown (their holds kept).
+        voided: Attempts whose provably unsent holds this pass voided.
+        slots_released: Capacity slots of the dead executor released.
+        settled: The Run's Attempts that succeeded or failed.
+        unknown: The Run's unknown Attempts (never sent again).
+        selected_route: The route admitted as the first choice.
+        current_route: The route of the last success, if any.
+        status: The Run's status.
+    """
 
     run_id: str
     previous_executor: str | None
@@ -86,6 +102,7 @@ class RunRecovery:
         return self.current_route or self.selected_route
 
     def to_json(self) -> dict[str, Any]:
+        """The recovery as JSON data (``failover-ledger recover --json``)."""
         return {
             "run_id": self.run_id,
             "previous_executor": self.previous_executor,
@@ -111,7 +128,17 @@ class RunRecovery:
 
 @dataclass
 class RecoveryReport:
-    """The result of one :func:`recover` pass."""
+    """The result of one :func:`recover` pass.
+
+    Attributes:
+        executor: The recovering executor's id.
+        now: When the pass began (the ledger clock's time).
+        runs: One :class:`RunRecovery` per Run taken over.
+        skipped: Runs another process took over first, or that were busy.
+        orphans: Runs held by a live executor that still had Attempts dispatching under an
+            older fence: run id -> those Attempts, now unknown.
+        retries: Takeovers retried after :class:`~ledger.errors.DatabaseUnavailable`.
+    """
 
     executor: str
     now: float
@@ -124,9 +151,11 @@ class RecoveryReport:
 
     @property
     def unknown_attempts(self) -> int:
+        """How many Attempts this pass marked unknown, over every Run."""
         return sum(len(r.newly_unknown) for r in self.runs)
 
     def to_json(self) -> dict[str, Any]:
+        """The report as JSON data (``failover-ledger recover --json``)."""
         return {
             "executor": self.executor, "now": self.now,
             "recovered": len(self.runs), "newly_unknown": self.unknown_attempts,
@@ -161,14 +190,39 @@ def recover(
 ) -> RecoveryReport:
     """Take over every Run whose executor lease expired; see the module docstring.
 
-    ``executor_id`` names the recovering executor (default: a fresh id); with ``release=True``
-    the lease is released after the takeover (the fence stays bumped) instead of being held for
-    ``lease_ttl_s``. ``run_ids`` restricts recovery to those runs. A takeover interrupted by
-    :class:`DatabaseUnavailable` is retried (it was rolled back, or it committed and is then
-    recognised as ours); if the database stays away, the error is raised and a later pass
-    resumes where this one stopped. ``progress(done, total)`` is called after each run taken
-    over (or skipped), for a progress display. ``batch`` runs are taken over per transaction
-    (default 100): all or none of a batch, each run under its own new fence.
+    A takeover interrupted by :class:`~ledger.errors.DatabaseUnavailable` is retried (it was
+    rolled back, or it committed and is then recognised as ours), waiting 0.1 s to 8 s
+    between tries; if the database stays away, the error is raised and a later pass resumes
+    where this one stopped. Several processes may recover at once.
+
+    Args:
+        ledger: The :class:`~ledger.Ledger` (an :class:`~ledger.AsyncLedger` goes with
+            :func:`arecover`).
+        executor_id: Names the recovering executor (default: a fresh id).
+        lease_ttl_s: The lease the recovering executor takes on each Run (above 0, at most
+            86 400 s).
+        limit: At most this many Runs per pass (at least 1).
+        batch: Runs taken over per transaction, 1 to 1000 (default 100): all or none of a
+            batch, each Run under its own new fence.
+        release: Release each lease right after the takeover (the fence stays bumped)
+            instead of holding it for ``lease_ttl_s``.
+        run_ids: Recover only these Runs.
+        sleeper: Waits between retries (a :class:`~ledger.ManualClock` in tests).
+        progress: Called as ``progress(done, total)`` after each batch, for a progress
+            display.
+
+    Returns:
+        The :class:`RecoveryReport`: per Run, what was settled and what is unknown, and the
+        route to continue on.
+
+    Raises:
+        InvalidArgument: an argument is wrong (nothing is read or written then).
+        DatabaseUnavailable: the database stayed unreachable through every retry.
+
+    Example:
+        >>> report = recover(led, release=True)  # doctest: +SKIP
+        >>> for run in report.runs:  # doctest: +SKIP
+        ...     print(run.run_id, run.route, [a.attempt_id for a in run.unknown])
     """
     from ledger.api.facade import Ledger, storage_of
 
@@ -235,7 +289,20 @@ def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
 
 @checked_call
 async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
-    """The async twin of :func:`recover` (the same implementation, in a worker thread)."""
+    """The async twin of :func:`recover` (the same implementation, in a worker thread).
+
+    Args:
+        ledger: The :class:`~ledger.AsyncLedger`.
+        **kwargs: The keyword arguments of :func:`recover`.
+
+    Returns:
+        The :class:`RecoveryReport`.
+
+    Raises:
+        InvalidArgument: ``ledger`` is not an AsyncLedger, or an argument of :func:`recover`
+            is wrong.
+        DatabaseUnavailable: the database stayed unreachable through every retry.
+    """
     from ledger.api.facade import AsyncLedger
 
     if not isinstance(ledger, AsyncLedger):

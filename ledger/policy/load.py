@@ -86,7 +86,11 @@ def _preset_path(name: str) -> Path:
 
 @functools.cache
 def preset(name: str) -> Policy:
-    """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``)."""
+    """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``), parsed once.
+
+    Raises:
+        PolicyError: ``name`` is not a preset (the message lists them).
+    """
     if name not in PRESETS:
         valid = ", ".join(PRESETS)
         raise PolicyError(
@@ -108,7 +112,26 @@ def _shown(value: object, limit: int = 200) -> str:
 
 
 def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
-    """A policy from a YAML file path, or from a preset name. Raises only PolicyError."""
+    """A policy from a YAML file path, or from a preset name.
+
+    The file is bounded before it is parsed (size, depth, nodes, duplicate keys) and then
+    validated; every problem is reported at once.
+
+    Args:
+        path_or_preset: A policy file (``str`` or ``pathlib.Path``), or one of the preset
+            names (``goclaw``, ``fased``, ``failure-domain``).
+
+    Returns:
+        The validated :class:`~ledger.Policy`.
+
+    Raises:
+        PolicyError: the only error it raises: an unreadable or malformed file, or a policy
+            that does not validate; ``errors`` lists each ``(field path, problem, fix)``.
+
+    Example:
+        >>> load_policy("failure-domain").failover.enabled  # doctest: +SKIP
+        True
+    """
     if not isinstance(path_or_preset, str | os.PathLike):
         kind = type(path_or_preset).__name__
         raise PolicyError(
@@ -150,9 +173,12 @@ def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader with bounds: duplicate keys (which PyYAML would let the last win) and
-    non-scalar keys are refused, nesting is limited to MAX_DEPTH and the document to MAX_NODES
-    nodes, where an alias counts as the whole node it refers to."""
+    """PyYAML's SafeLoader, with bounds.
+
+    Duplicate keys (which PyYAML would let the last win) and non-scalar keys are refused,
+    nesting is limited to MAX_DEPTH and the document to MAX_NODES nodes, where an alias counts as
+    the whole node it refers to.
+    """
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -284,8 +310,12 @@ def _load_file(path: Path) -> Policy:
 
 
 def validate_policy(data: Mapping[str, Any] | object, *, file: str | None = None) -> Policy:
-    """Validate a mapping into a :class:`Policy`; every problem is a PolicyError naming the
-    field path and the fix (also for a value that is not a mapping at all)."""
+    """Validate a mapping into a :class:`Policy`.
+
+    Raises:
+        PolicyError: every problem, each naming the field path and the fix (also for a value
+            that is not a mapping at all).
+    """
     where = file or "<policy>"
     if not isinstance(data, Mapping):
         kind = "empty" if data is None else f"a value of type {type(data).__name__}"
@@ -536,7 +566,10 @@ def _apply_billing(health: dict[str, Any], billing: Mapping[str, Any]) -> None:
 
 
 def policy_hash(policy: Policy) -> str:
-    """A stable content hash (``sha256:<hex>``) of the policy's canonical JSON."""
+    """A stable content hash (``sha256:<hex>``) of the policy's canonical JSON.
+
+    It is what a Run freezes as ``policy_hash``: two policies with the same hash decide alike.
+    """
     return content_hash(policy.model_dump(mode="json"))
 
 

@@ -33,21 +33,25 @@ class SharedClock:
             self.set(start)
 
     def now(self) -> float:
+        """The shared time (a consistent read, retried while a writer is mid-write)."""
         while True:
             seq, value = _LAYOUT.unpack_from(self._map, 0)
             if seq % 2 == 0 and _LAYOUT.unpack_from(self._map, 0)[0] == seq:
                 return float(value)
 
     def set(self, t: float) -> None:
+        """Set the shared time to ``t`` for every process (one writer at a time)."""
         seq = _LAYOUT.unpack_from(self._map, 0)[0]
         struct.pack_into("<Q", self._map, 0, seq + 1)
         struct.pack_into("<d", self._map, 8, float(t))
         struct.pack_into("<Q", self._map, 0, seq + 2)
 
     def advance(self, seconds: float) -> None:
+        """Move the shared time on by ``seconds``."""
         self.set(self.now() + seconds)
 
     def close(self) -> None:
+        """Unmap the file (the time stays in it for the other processes)."""
         self._map.close()
 
 

@@ -132,6 +132,7 @@ class ReceivedRequest:
 
     @property
     def json(self) -> Any:
+        """The body parsed as JSON, or ``None`` when it is not JSON."""
         try:
             return json.loads(self.body)
         except ValueError:
@@ -143,7 +144,20 @@ class _NotHttp(Exception):
 
 
 class FakeProvider:
-    """The fake provider server. See the module docstring."""
+    """The fake provider server. See the module docstring.
+
+    Args:
+        host: The loopback address to listen on.
+        port: The port (0: a free one, known once started; see :attr:`base_url`).
+        ssl: A server TLS context, to serve https.
+        default: What a request gets when nothing is scripted (a :class:`Fault`, its name, or
+            a :class:`Behavior`).
+
+    Example:
+        >>> with FakeProvider().in_thread() as fake:  # doctest: +SKIP
+        ...     fake.enqueue(Fault.UNAVAILABLE)  # the next request gets a 503, then OK
+        ...     route = Route(..., endpoint=fake.endpoint("openai"))
+    """
 
     def __init__(
         self,
@@ -190,6 +204,7 @@ class FakeProvider:
 
     @property
     def requests(self) -> list[ReceivedRequest]:
+        """Every request received so far, in order (a copy)."""
         with self._lock:
             return list(self._requests)
 
@@ -228,6 +243,7 @@ class FakeProvider:
 
     @property
     def base_url(self) -> str:
+        """``http(s)://host:port`` of the running server."""
         scheme = "https" if self._ssl is not None else "http"
         return f"{scheme}://{self.host}:{self.port}"
 
@@ -236,6 +252,7 @@ class FakeProvider:
         return self.base_url + "/v1" if protocol == "openai" else self.base_url
 
     async def start(self) -> None:
+        """Listen on the running loop (``async with`` does this)."""
         self._server = await asyncio.start_server(
             self._connection, self.host, self.port, ssl=self._ssl, limit=_MAX_HEAD
         )
@@ -243,6 +260,7 @@ class FakeProvider:
         self.port = sock.getsockname()[1]
 
     async def stop(self) -> None:
+        """Stop listening and cancel the connections being served."""
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):

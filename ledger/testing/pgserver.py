@@ -36,6 +36,7 @@ def find_bindir() -> str | None:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -54,6 +55,7 @@ class PgServer:
     extra_conf: dict[str, str] = field(default_factory=dict)
 
     def url(self, db: str = "postgres") -> str:
+        """The ``postgresql+psycopg://`` URL of database ``db`` on this server."""
         return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/{db}"
 
     def _run(self, args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -63,6 +65,7 @@ class PgServer:
         return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
     def start(self) -> None:
+        """Start the server (``pg_ctl start``) and wait until it accepts connections."""
         log = os.path.join(self.datadir, "server.log")
         opts = " ".join(f"-c {k}={v}" for k, v in self.extra_conf.items())
         res = self._run([
@@ -75,27 +78,31 @@ class PgServer:
             raise RuntimeError(f"pg_ctl start failed: {res.stderr}\n{text[-2000:]}")
 
     def stop(self, mode: str = "fast") -> None:
+        """Stop the server with ``pg_ctl``'s shutdown ``mode`` (smart, fast, immediate)."""
         self._run([os.path.join(self.bindir, "pg_ctl"), "-D", self.datadir, "-m", mode, "-w",
                    "stop"], check=False)
 
     def restart(self, mode: str = "immediate") -> None:
+        """Stop (by default as a crash would: ``immediate``) and start again, same data."""
         self.stop(mode)
         self.start()
 
     def psql(self, sql: str, db: str = "postgres") -> str:
+        """Run ``sql`` with ``psql`` in ``db``; its unaligned output."""
         res = self._run([os.path.join(self.bindir, "psql"), "-h", "127.0.0.1", "-p",
                          str(self.port), "-U", self.user, "-d", db, "-v", "ON_ERROR_STOP=1",
                          "-Atc", sql])
         return res.stdout
 
     def cleanup(self) -> None:
+        """Stop the server and remove its data directory when this module created it."""
         self.stop("immediate")
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def start_server(*, durable: bool = False, max_connections: int = 200) -> PgServer:
-    """initdb a fresh cluster in a temp dir and start it on a free loopback port.
+    """Initdb a fresh cluster in a temp dir and start it on a free loopback port.
 
     ``durable=False`` turns fsync off (tests: speed, nothing to protect); the benchmark passes
     ``durable=True`` so commits cost what they cost in production.

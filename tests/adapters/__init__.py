@@ -1,0 +1,1 @@
+"""The httpx adapters over real loopback HTTP: codecs, transport mapping, streams, secrets."""

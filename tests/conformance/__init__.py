@@ -1,0 +1,1 @@
+"""The language-neutral conformance vectors (tests/conformance/vectors) run against the core."""

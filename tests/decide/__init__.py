@@ -1,0 +1,1 @@
+"""The pure core without a database: classification, retries, health, selection, policies."""

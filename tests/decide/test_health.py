@@ -8,8 +8,6 @@ from ledger.decide.health import (
     disable_seconds,
     health_key,
     is_available,
-    mark_probed,
-    mark_used,
     probe_eligible,
     record_failure,
     record_success,
@@ -84,11 +82,6 @@ def test_success_clears_and_marks_use() -> None:
     assert (h2.error_count, h2.last_used) == (3, 7)
 
 
-def test_marks() -> None:
-    assert mark_used(Health(key="k"), 3).last_used == 3
-    assert mark_probed(Health(key="k"), 4).last_probe_at == 4
-
-
 def test_health_key_follows_the_policy_key() -> None:
     route = Route(id="route", provider="gemini", model="m", group="g", recipient="r")
     assert health_key(route, "prof", FASED) == "prof"
@@ -104,8 +97,9 @@ def test_probe_eligibility() -> None:
     assert probe_eligible(cooling, 880, GOCLAW)  # never probed
     assert not probe_eligible(cooling, 900, GOCLAW, last_probe_at=880)
     assert probe_eligible(cooling, 910, GOCLAW, last_probe_at=880)
-    assert not probe_eligible(mark_probed(cooling, 890), 900, GOCLAW)
-    assert probe_eligible(mark_probed(cooling, 890), 900, GOCLAW, last_probe_at=None)
+    probed = cooling.model_copy(update={"last_probe_at": 890})
+    assert not probe_eligible(probed, 900, GOCLAW)
+    assert probe_eligible(probed, 900, GOCLAW, last_probe_at=None)
     assert not probe_eligible(Health(key="r"), 0, GOCLAW)  # available: not a probe
     assert not probe_eligible(cooling, 990, FASED)  # probes off
 

@@ -9,7 +9,6 @@ from ledger.decide.profiles import (
     Pin,
     available_at,
     first_usable,
-    rotation_candidates,
     rotation_order,
     sticky_profile,
     usable,
@@ -132,12 +131,12 @@ def test_no_pin_or_foreign_current_uses_rotation_order() -> None:
     assert foreign == OAUTH
 
 
-def test_rotation_candidates_leave_out_failed_tried_and_unusable() -> None:
+def test_rotation_after_a_failure_leaves_out_failed_tried_and_unusable() -> None:
     health = {TOKEN.id: h(TOKEN.id, disabled_until=NOW + 3600)}
-    got = rotation_candidates(
-        PROFILES, "anthropic", health, NOW, POLICY, failed=OAUTH.id, exclude=()
-    )
-    assert got == [KEY]
+    # The failed OAuth profile is excluded; the disabled token is skipped: the key is next.
+    assert first_usable(PROFILES, "anthropic", health, NOW, POLICY, exclude={OAUTH.id}) == KEY
+    assert first_usable(PROFILES, "anthropic", health, NOW, POLICY,
+                        exclude={OAUTH.id, KEY.id}) is None
 
 
 _types = st.sampled_from(list(ProfileType))

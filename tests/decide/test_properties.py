@@ -18,11 +18,12 @@ from ledger.decide.health import (
     unavailable_until,
 )
 from ledger.decide.hints import gemini_retry_delay, parse_retry_after
-from ledger.decide.retry import retry_decision, retry_plan
+from ledger.decide.retry import retry_decision
 from ledger.domain.facts import Category, Observation, Phase, Source, Transport, WireProtocol
 from ledger.domain.values import Health
 from ledger.policy.load import PRESETS, preset
 from ledger.policy.model import CooldownCurve, DisableRule, HealthPolicy, Policy, RetryRule
+from tests.decide.retries import same_route_retries
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 POLICIES = [preset(n) for n in PRESETS]
@@ -91,9 +92,8 @@ def test_classify_is_total_and_consistent(obs: Observation, now: float | None, w
     if fact.moves_on:
         assert fact.resubmit
     json.dumps(fact.to_json())  # always serialisable evidence
-    plan = retry_plan(fact, policy)
     decision = retry_decision(fact, policy, 0, random.Random(0))
-    assert decision.retry == (plan.max > 0)
+    assert decision.retry == (same_route_retries(fact, policy) > 0)
 
 
 @FEW

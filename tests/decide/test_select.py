@@ -142,7 +142,11 @@ def run(**kw: Any) -> Decision:
 
 
 def skipped(d: Decision) -> dict[str, Reason]:
-    return d.skipped_map()
+    """Route id -> the first reason it was skipped for (profile skips included)."""
+    out: dict[str, Reason] = {}
+    for s in d.skipped:
+        out.setdefault(s.route, s.reason)
+    return out
 
 
 def chosen(d: Decision) -> str | None:

@@ -1,0 +1,1 @@
+"""The demo command, end to end."""

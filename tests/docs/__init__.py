@@ -1,0 +1,1 @@
+"""The code blocks of the guides run as written."""

@@ -1,0 +1,1 @@
+"""Agent-framework integrations (pydantic-ai) over the fake provider."""

@@ -1,0 +1,1 @@
+"""Crash, restart, lease keeping and recovery, across real processes and both backends."""

@@ -1,0 +1,1 @@
+"""The retry owner (execute/aexecute): budgets, cancellation, the presets over time."""

@@ -1,0 +1,1 @@
+"""The Run sessions (Ledger.run / AsyncLedger.run)."""

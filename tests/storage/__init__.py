@@ -1,0 +1,1 @@
+"""The storage layer on both backends: the write path, concurrency, idempotency, the schema."""

@@ -13,7 +13,6 @@ import contextlib
 import multiprocessing as mp
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
-from types import TracebackType
 
 from ledger.tools.bench.common import BenchError
 
@@ -90,8 +89,7 @@ class FakeServer:
                 self._proc.join()
             self._proc = None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop()
 
 

@@ -1,0 +1,57 @@
+"""Names used only from outside the library's own code, which vulture cannot see used.
+
+Read by vulture (``[tool.vulture]`` in pyproject.toml, and ``tests/test_dead_code.py``), never
+imported. Each line marks one name as used and says who uses it. Keep it short: a name whose
+only reason is "a test calls it" does not belong here unless it is documented public API.
+"""
+# ruff: noqa: B018  (each line is an expression naming a use; that is the file's whole point)
+
+from vulture.whitelist_utils import Whitelist
+
+_ = Whitelist()
+
+# -- hooks Python itself calls ----------------------------------------------------------------
+_.__getattr__  # ledger/__init__.py: PEP 562, the lazy package root
+_.__dir__  # ledger/__init__.py: PEP 562, dir(ledger) lists the lazy names
+_.__wrapped__  # facade.py: inspect.signature follows it to the sync method's signature
+_.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits the group
+
+# -- hooks of the libraries we build on -------------------------------------------------------
+_.__pydantic_base_init__  # domain/validation.py: pydantic reads it off a model's __init__
+_.maxstring, _.maxother, _.maxlist, _.maxdict  # reprlib.Repr limits, read by reprlib
+_.maxset, _.maxtuple, _.maxlevel  # (policy/load.py sets these too)
+# integrations/pydantic_ai.py: the pydantic-ai Model / StreamedResponse interface
+_.unsupported_settings  # read by pydantic-ai to warn about settings the model ignores
+_.request_stream  # Model.request_stream, called by the agent for a streamed request
+_.run_context  # its parameter, passed by pydantic-ai
+_._get_event_iterator  # StreamedResponse's event source, iterated by pydantic-ai
+_.close_stream  # StreamedResponse.close_stream, called when the agent stops early
+_.provider_url  # StreamedResponse.provider_url, read by pydantic-ai
+_.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-ai.md)
+
+# -- fields of public records, read by their users --------------------------------------------
+_.provider_code  # FailureFact.provider_code: the provider's error code, kept as evidence
+_.from_route, _.to_route, _.stored_mode  # ops/audit.py records (docs/audit.md)
+_.SESSION_EXPIRED  # Category member: policy files name it (policies/fased.yaml)
+_.MEMORY, _.PRIVATE_DOCUMENT  # data-class names for hosts' parts (docs/disclosure.md)
+_.renewals  # LeaseKeeper.renewals: how often the keeper renewed, for its owner to watch
+_.received_at  # ReceivedRequest.received_at, in the fake provider's request log
+# tools/bench: result fields, written to the JSON report via dataclasses.asdict
+_.raw_first_mean_ms, _.raw_last_mean_ms, _.raw_first_p50_ms, _.raw_last_p50_ms
+_.last_body_bytes, _.raw_p95_ms, _.tx_count_calls, _.floor_seconds
+
+# -- documented public API the library itself does not call -----------------------------------
+_.compacted  # RunSession.compacted (docs/policies.md, docs/presets/fased.md)
+_.require  # PreflightResult.require raises PreflightRefused (docs/disclosure.md)
+_.narrow_grant  # decide/preflight.py: a Child's grant inside its parent's (docs/disclosure.md)
+_.AsyncAudit  # ops/audit.py (docs/audit.md)
+_.arecover  # ops/recovery.py (docs/operations.md)
+_.apply_overrides  # policy/load.py: the fixed override keys (docs/policies.md)
+_.forget_secret, _.is_registered  # redaction.py: the registry's other half (docs/adapters.md)
+_.enable, _.disable  # telemetry.py: the process-wide switch (docs/telemetry.md)
+_.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and their off switch
+
+# -- the shipped test kit (ledger.testing), there for tests to use ----------------------------
+_.reset_next_connections, _.requests  # FakeProvider (docs/adapters.md)
+_.restart  # pgserver.PgServer.restart (tests/recovery/test_pg_restart.py)
+_.table_exists  # storage/baseline.py: the benchmark's floor table is dropped (bench smoke test)
