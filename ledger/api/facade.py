@@ -3,7 +3,8 @@
 A method checks its arguments (:mod:`ledger.api.arguments`), asks the pure core what the write
 means (:mod:`ledger.decide`: what an admission freezes, what a begin may use, what a settle
 records and does to holds, health and groups, all under the Run's *frozen* policy), and hands
-the resulting spec to the store, which applies it in one transaction.
+the resulting spec to the storage port (:mod:`ledger.storage.port`), which applies it in one
+transaction. The port is private to the ledger; ops and tools reach it with :func:`storage_of`.
 
 The operations of the turn (snapshot, begin, settle, leases, ...) are built once as a
 :class:`~ledger.api.calls.Call` and run natively on either driver, so :class:`AsyncLedger`
@@ -69,7 +70,7 @@ from ledger.domain.records import (
     to_micros,
 )
 from ledger.domain.specs import GroupUpdate
-from ledger.domain.validation import checked_calls
+from ledger.domain.validation import checked_call, checked_calls
 from ledger.domain.values import (
     Budget,
     Grant,
@@ -81,11 +82,9 @@ from ledger.domain.values import (
 )
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
-from ledger.storage import engine as engine_mod
-from ledger.storage import migrate
-from ledger.storage.hot import Snapshot
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
+from ledger.storage.port import Snapshot, StoragePort
 from ledger.storage.rows import run_live
-from ledger.storage.store import DEFAULT_LEASE_MARGIN_S, Store
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
@@ -171,7 +170,9 @@ class Ledger:
     the Run over, and :class:`~ledger.errors.LeaseLost` once the lease lapsed where it must be
     live.
 
-    :class:`AsyncLedger` has the same methods, awaited.
+    :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
+    storage port that is already open (see :func:`ledger.storage.open_store`); the ledger owns
+    it from then on and closes it.
 
     Attributes:
         clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
@@ -184,9 +185,11 @@ class Ledger:
         ...     print(run.turn(Envelope(parts=[Part(content="Hello")])).text)
     """
 
-    def __init__(self, store: Store, clock: Clock | None = None,
+    def __init__(self, store: StoragePort, clock: Clock | None = None,
                  executor_id: str | None = None) -> None:
-        self.store = store
+        # Private: applications use the ledger's methods; ops and tools reach the port
+        # deliberately, through storage_of().
+        self._store = store
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen: Lru[str, FrozenRun] = Lru(1024)
@@ -234,20 +237,12 @@ class Ledger:
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         check_bool(migrate_schema, "migrate_schema")
         check_opening(url, clock, executor_id)
-        norm = engine_mod.normalize_url(url)
-        eng = engine_mod.create(norm)
-        if migrate_schema:
-            try:
-                migrate.upgrade(eng, norm)
-            except BaseException:
-                eng.dispose()
-                raise
-        return cls(Store(eng, norm, lease_margin_s=lease_margin_s), clock=clock,
-                   executor_id=executor_id)
+        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
+        return cls(store, clock=clock, executor_id=executor_id)
 
     def close(self) -> None:
         """Close the database connections (the ledger cannot be used afterwards)."""
-        self.store.dispose()
+        self._store.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -258,7 +253,16 @@ class Ledger:
     @property
     def backend(self) -> str:
         """The database backend: ``"sqlite"`` or ``"postgresql"``."""
-        return self.store.dialect
+        return self._store.backend
+
+    @property
+    def lease_margin_s(self) -> float:
+        """How long before its end a lease stops starting work, in seconds.
+
+        Set by :meth:`open` (``lease_margin_s=``): a lease's ``ttl_s`` must be longer, and a
+        keeper renews before it.
+        """
+        return self._store.lease_margin_s
 
     def now(self) -> float:
         """The ledger clock's time, in epoch seconds."""
@@ -374,7 +378,7 @@ class Ledger:
             run_id, plan=plan, budget=budget, grant=grant, policy=pol,
             policy_hash=_policy_hash(pol), role=role, parent=parent, tenant=tenant,
             labels=label_map, selected_route=selected_route, deadline=deadline)
-        rec, _created = self.store.admit(spec, self.clock.now)
+        rec, _created = self._store.admit(spec, self.clock.now)
         return rec
 
     def run(
@@ -445,11 +449,11 @@ class Ledger:
         Raises:
             NotFound: no Run has this id.
         """
-        return self.store.get_run(check_id(run_id, "run_id"))
+        return self._store.get_run(check_id(run_id, "run_id"))
 
     def children(self, run_id: str) -> list[RunRecord]:
         """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
-        return self.store.children(check_id(run_id, "run_id"))
+        return self._store.children(check_id(run_id, "run_id"))
 
     def frozen_run(self, run_id: str) -> FrozenRun:
         """What the Run froze at admission, read once and cached: it never changes.
@@ -463,7 +467,7 @@ class Ledger:
         """
         frozen = self._frozen.get(run_id)
         if frozen is None:
-            frozen = self.store.get_run(check_id(run_id, "run_id")).frozen
+            frozen = self._store.get_run(check_id(run_id, "run_id")).frozen
             self._frozen.put(run_id, frozen)
         return frozen
 
@@ -495,8 +499,8 @@ class Ledger:
         ends = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
         st = check_choice(status, RunStatus, "status", ends)
         lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self.store.finish_run(lease, st, clock),
-                     lambda: self.store.afinish_run(lease, st, clock))
+        return Call(lambda: self._store.finish_run(lease, st, clock),
+                     lambda: self._store.afinish_run(lease, st, clock))
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -529,15 +533,15 @@ class Ledger:
         """
         check_id(run_id, "run_id")
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        if ttl <= self.store.lease_margin_s:
+        if ttl <= self._store.lease_margin_s:
             raise InvalidArgument(
-                f"ttl_s={ttl:g} is not above the lease margin ({self.store.lease_margin_s:g}s): "
+                f"ttl_s={ttl:g} is not above the lease margin ({self._store.lease_margin_s:g}s): "
                 "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
         executor = self.executor_id if executor_id is None else executor_id
         check_id(executor, "executor_id")
         clock = self.clock.now
-        return Call(lambda: self.store.acquire_lease(run_id, executor, ttl, clock),
-                     lambda: self.store.aacquire_lease(run_id, executor, ttl, clock))
+        return Call(lambda: self._store.acquire_lease(run_id, executor, ttl, clock),
+                     lambda: self._store.aacquire_lease(run_id, executor, ttl, clock))
 
     def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Call[Lease]:
         """Extend a live lease by ``ttl_s`` from now, under the same fence.
@@ -555,8 +559,8 @@ class Ledger:
         """
         ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
         lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self.store.renew_lease(lease, ttl, clock),
-                     lambda: self.store.arenew_lease(lease, ttl, clock))
+        return Call(lambda: self._store.renew_lease(lease, ttl, clock),
+                     lambda: self._store.arenew_lease(lease, ttl, clock))
 
     def _release_lease(self, lease: Lease) -> Call[None]:
         """Give the lease up. Releasing an already released lease does nothing.
@@ -571,8 +575,8 @@ class Ledger:
             FencedOut: another executor took the Run over.
         """
         lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self.store.release_lease(lease, clock),
-                     lambda: self.store.arelease_lease(lease, clock))
+        return Call(lambda: self._store.release_lease(lease, clock),
+                     lambda: self._store.arelease_lease(lease, clock))
 
     def _reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
                        ) -> Call[int]:
@@ -593,8 +597,8 @@ class Ledger:
         lease, clock = lease_arg(lease), self.clock.now
         if data is not None:
             data = audit_data(data, "data")
-        return Call(lambda: self.store.reserve_retry(lease, clock, data),
-                     lambda: self.store.areserve_retry(lease, clock, data))
+        return Call(lambda: self._store.reserve_retry(lease, clock, data),
+                     lambda: self._store.areserve_retry(lease, clock, data))
 
     # -- attempts -------------------------------------------------------------------------
 
@@ -678,8 +682,8 @@ class Ledger:
             self._in_flight.put(rec.attempt_id, rec)
             return rec
 
-        return Call(lambda: self.store.begin_attempt(spec, clock),
-                     lambda: self.store.abegin_attempt(spec, clock), done)
+        return Call(lambda: self._store.begin_attempt(spec, clock),
+                     lambda: self._store.abegin_attempt(spec, clock), done)
 
     def _settle_attempt(
         self,
@@ -771,7 +775,7 @@ class Ledger:
         if not isinstance(repeat, bool):
             raise InvalidArgument("repeat must be True or False", field="repeat")
         known = self._in_flight.get(attempt_id)
-        att = known if known is not None else self.store.get_attempt(attempt_id)
+        att = known if known is not None else self._store.get_attempt(attempt_id)
         if att.run_id != lease.run_id:
             raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
                            attempt_id=attempt_id, run_id=lease.run_id)
@@ -789,8 +793,8 @@ class Ledger:
             self._in_flight.pop(attempt_id)
             return rec
 
-        return Call(lambda: self.store.settle_attempt(lease.run_id, spec, clock),
-                     lambda: self.store.asettle_attempt(lease.run_id, spec, clock), done)
+        return Call(lambda: self._store.settle_attempt(lease.run_id, spec, clock),
+                     lambda: self._store.asettle_attempt(lease.run_id, spec, clock), done)
 
     def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> Call[AttemptRecord]:
         """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
@@ -817,8 +821,8 @@ class Ledger:
                                   field="reason")
         lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
         check_id(attempt_id, "attempt_id")
-        return Call(lambda: self.store.mark_unknown(lease, attempt_id, clock, why),
-                     lambda: self.store.amark_unknown(lease, attempt_id, clock, why))
+        return Call(lambda: self._store.mark_unknown(lease, attempt_id, clock, why),
+                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why))
 
     def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction.
@@ -857,8 +861,8 @@ class Ledger:
                                 provenance=snap.provenance, now=snap.now)
 
         return Call(
-            lambda: self.store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
-            lambda: self.store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
+            lambda: self._store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
+            lambda: self._store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
 
     # -- groups, health, provenance, events -------------------------------------------------
 
@@ -879,7 +883,7 @@ class Ledger:
             if max_in_flight < 1:
                 raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
                                       field="max_in_flight")
-        self.store.configure_group(group, max_in_flight, self.now())
+        self._store.configure_group(group, max_in_flight, self.now())
 
     def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
                         reason: str = "operator") -> None:
@@ -898,7 +902,7 @@ class Ledger:
         mode = check_choice(mode, GroupMode, "mode")
         until = check_optional_time(until, "until")
         why = check_text(reason, "reason")
-        self.store.set_group_mode(group, GroupUpdate(mode, until, why), self.now())
+        self._store.set_group_mode(group, GroupUpdate(mode, until, why), self.now())
 
     def group_projections(self, groups: Sequence[str] | None = None
                           ) -> dict[str, GroupProjection]:
@@ -907,7 +911,7 @@ class Ledger:
         A group nobody configured or reported on is absent (it is open and unlimited).
         """
         wanted = None if groups is None else check_ids(groups, "groups")
-        return self.store.group_projections(wanted, self.now())
+        return self._store.group_projections(wanted, self.now())
 
     def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
         """Health rows as they stand now: counters past their reset time read as reset.
@@ -918,7 +922,7 @@ class Ledger:
         """
         wanted = None if keys is None else check_ids(keys, "keys")
         now = self.now()
-        return {k: as_read(h, now) for k, h in self.store.health(wanted).items()}
+        return {k: as_read(h, now) for k, h in self._store.health(wanted).items()}
 
     def _claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
                      ttl_s: float | None = None, max_keys: int | None = None) -> Call[bool]:
@@ -952,9 +956,9 @@ class Ledger:
             "provider" if k.startswith(PROVIDER_KEY_PREFIX) else "profile")
         now = self.now()
         return Call(
-            lambda: self.store.claim_probe(k, route.provider, now, interval, kind=kind,
+            lambda: self._store.claim_probe(k, route.provider, now, interval, kind=kind,
                                            ttl_s=ttl, max_keys=max_keys),
-            lambda: self.store.aclaim_probe(k, route.provider, now, interval, kind=kind,
+            lambda: self._store.aclaim_probe(k, route.provider, now, interval, kind=kind,
                                             ttl_s=ttl, max_keys=max_keys))
 
     def _record_compaction(self, lease: Lease) -> Call[int]:
@@ -974,8 +978,8 @@ class Ledger:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
         lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self.store.record_compaction(lease, clock),
-                     lambda: self.store.arecord_compaction(lease, clock))
+        return Call(lambda: self._store.record_compaction(lease, clock),
+                     lambda: self._store.arecord_compaction(lease, clock))
 
     def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
                            kind: str = "tool_result") -> Call[None]:
@@ -998,8 +1002,8 @@ class Ledger:
         event_kind(kind, "kind", 16)
         lease, clock = lease_arg(lease), self.clock.now
         return Call(
-            lambda: self.store.record_provenance(lease, ref, content_hash, kind, clock),
-            lambda: self.store.arecord_provenance(lease, ref, content_hash, kind, clock))
+            lambda: self._store.record_provenance(lease, ref, content_hash, kind, clock),
+            lambda: self._store.arecord_provenance(lease, ref, content_hash, kind, clock))
 
     def provenance(self, run_id: str) -> dict[str, set[str]]:
         """Recorded outputs of this run and its ancestors: ref -> content hashes.
@@ -1012,7 +1016,7 @@ class Ledger:
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
             run = self.frozen_run(run.parent_run_id)
-        return self.store.provenance(ids)
+        return self._store.provenance(ids)
 
     def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
                       attempt_id: str | None = None) -> Call[None]:
@@ -1030,8 +1034,8 @@ class Ledger:
         name, payload = event_kind(kind, "kind", MAX_EVENT_KIND), audit_data(data, "data")
         check_optional_id(attempt_id, "attempt_id")
         lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self.store.append_event(lease, attempt_id, name, payload, clock),
-                     lambda: self.store.aappend_event(lease, attempt_id, name, payload, clock))
+        return Call(lambda: self._store.append_event(lease, attempt_id, name, payload, clock),
+                     lambda: self._store.aappend_event(lease, attempt_id, name, payload, clock))
 
     finish_run = _sync(_finish_run)
     acquire_lease = _sync(_acquire_lease)
@@ -1060,7 +1064,7 @@ class Ledger:
                 raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
                                       field="kinds")
             kinds = [event_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
-        return self.store.events(run_id, kinds)
+        return self._store.events(run_id, kinds)
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -1070,7 +1074,7 @@ class Ledger:
         Raises:
             NotFound: no Attempt has this id.
         """
-        return self.store.get_attempt(check_id(attempt_id, "attempt_id"))
+        return self._store.get_attempt(check_id(attempt_id, "attempt_id"))
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         """The run's Attempts in order, each under its original route.
@@ -1078,7 +1082,7 @@ class Ledger:
         Raises:
             NotFound: no Run has this id.
         """
-        return self.store.timeline(check_id(run_id, "run_id"))
+        return self._store.timeline(check_id(run_id, "run_id"))
 
     def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
         """Attempts across Runs, newest first, one page at a time.
@@ -1102,7 +1106,7 @@ class Ledger:
             >>> while page.next_cursor:  # doctest: +SKIP
             ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
         """
-        return self.store.attempts(**attempt_filters(filters))
+        return self._store.attempts(**attempt_filters(filters))
 
     def debit(self, debit_id: str) -> DebitRecord:
         """One debit (an Attempt's budget hold; its id is ``AttemptRecord.debit_id``).
@@ -1110,7 +1114,33 @@ class Ledger:
         Raises:
             NotFound: no debit has this id.
         """
-        return self.store.debit(check_id(debit_id, "debit_id"))
+        return self._store.debit(check_id(debit_id, "debit_id"))
+
+
+@checked_call
+def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
+    """The storage port under ``ledger`` (:class:`~ledger.storage.port.StoragePort`).
+
+    The one deliberate way for the ledger's own operations and tools (recovery,
+    reconciliation, the audit, ``generate``, the benchmarks, the command line) to reach the
+    database. Applications use the ledger's methods: the port takes its arguments as already
+    checked and writes without the facade's rules.
+
+    Args:
+        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the port of its ``sync``).
+
+    Returns:
+        The port the ledger was opened on.
+
+    Raises:
+        InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.
+    """
+    if isinstance(ledger, AsyncLedger):
+        ledger = ledger.sync
+    if not isinstance(ledger, Ledger):
+        raise InvalidArgument("ledger must be a ledger.Ledger or a ledger.AsyncLedger",
+                              field="ledger")
+    return ledger._store
 
 
 def _in_thread(
@@ -1226,6 +1256,11 @@ class AsyncLedger:
         """This process's name as a lease holder."""
         return self.sync.executor_id
 
+    @property
+    def lease_margin_s(self) -> float:
+        """See :attr:`Ledger.lease_margin_s`."""
+        return self.sync.lease_margin_s
+
     def now(self) -> float:
         """The ledger clock's time, in epoch seconds (not a coroutine)."""
         return self.sync.now()
@@ -1317,4 +1352,4 @@ class AsyncLedger:
     debit = _in_thread(Ledger.debit)
 
 
-__all__ = ["AsyncLedger", "Ledger"]
+__all__ = ["AsyncLedger", "Ledger", "storage_of"]

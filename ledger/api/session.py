@@ -311,7 +311,7 @@ class RunSession(_SessionCore):
         if not isinstance(ledger, Ledger):
             raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
                                   "come from AsyncLedger.run)", field="ledger")
-        return ledger.store.lease_margin_s, SyncAdapter
+        return ledger.lease_margin_s, SyncAdapter
 
     # -- the block -------------------------------------------------------------------------
 
@@ -533,7 +533,7 @@ class AsyncRunSession(_SessionCore):
         if not isinstance(ledger, AsyncLedger):
             raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
                                   "come from Ledger.run)", field="ledger")
-        return ledger.sync.store.lease_margin_s, HttpAdapter
+        return ledger.lease_margin_s, HttpAdapter
 
     async def __aenter__(self) -> AsyncRunSession:
         from ledger.api.lease import AsyncLeaseKeeper

@@ -104,8 +104,7 @@ def _emit_json(value: Any) -> None:
 
 def open_reader(url: str) -> Any:
     """Open a ledger for reading: no migration, no new database, a clear error when absent."""
-    from ledger.api.facade import Ledger
-    from ledger.storage import audit as q
+    from ledger.api.facade import Ledger, storage_of
     from ledger.storage.engine import normalize_url, redact_url
 
     norm = normalize_url(url)
@@ -117,7 +116,7 @@ def open_reader(url: str) -> Any:
                 f"or create one ({PROG} demo / {PROG} generate)", url=norm)
     led = Ledger.open(url, migrate_schema=False)
     try:
-        present = q.schema_present(led.store)
+        present = storage_of(led).schema_present()
     except BaseException:
         led.close()
         raise
@@ -361,7 +360,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ledger.api.facade import Ledger
+    from ledger.api.facade import Ledger, storage_of
     from ledger.tools.generate import generate
 
     if args.attempts < 1:
@@ -375,8 +374,8 @@ def _generate(args: argparse.Namespace) -> int:
         end = args.end if args.end is not None else time.time()
         bar = _progress(args, "generate")
         t0 = time.monotonic()
-        st = generate(led.store, attempts=args.attempts, days=args.days, end=end, seed=args.seed,
-                      progress=bar)
+        st = generate(storage_of(led), attempts=args.attempts, days=args.days, end=end,
+                      seed=args.seed, progress=bar)
         took = time.monotonic() - t0
     finally:
         led.close()
@@ -396,14 +395,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _refuse_foreign_runs(led: Any) -> None:
     """Synthetic history next to real runs would mix into every audit answer: ask first."""
-    from ledger.storage.bulk import first_run_other_than
-    from ledger.storage.engine import redact_url
+    from ledger.api.facade import storage_of
     from ledger.tools.generate import POLICY_HASH
 
-    other = first_run_other_than(led.store, policy_hash=POLICY_HASH)
+    store = storage_of(led)
+    other = store.first_run_other_than(policy_hash=POLICY_HASH)
     if other is not None:
         raise InvalidArgument(
-            f"{redact_url(led.store.url)} holds runs that generate did not write (e.g. "
+            f"{store.where} holds runs that generate did not write (e.g. "
             f"{other!r}); synthetic history would mix into their audit answers. Point --db at a "
             "new database, or pass --into-existing to add it anyway",
             field="into_existing", run_id=other)

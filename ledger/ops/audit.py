@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from ledger.api.arguments import MAX_CURSOR, attempt_filters, limit_arg
-from ledger.api.facade import Ledger
+from ledger.api.facade import Ledger, storage_of
 from ledger.domain.bounds import (
     check_choice,
     check_count,
@@ -36,8 +36,7 @@ from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.domain.validation import checked_calls
 from ledger.errors import InvalidArgument, NotFound
-from ledger.storage import audit as q
-from ledger.storage import series as qs
+from ledger.storage.port import TOTALS_KEYS
 
 OPEN_STATES = ("unknown", "dispatching")
 
@@ -505,7 +504,8 @@ class Audit:
             raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
                                   field="ledger")
         self.ledger = ledger
-        self.store = ledger.store
+        # The port's read-only queries; nothing here writes.
+        self._store = storage_of(ledger)
 
     def now(self) -> float:
         """The ledger clock's time, in epoch seconds."""
@@ -536,7 +536,7 @@ class Audit:
         check_optional_id(tenant, "tenant")
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        rows, nxt = q.runs_page(self.store, status=status, tenant=tenant, since=since,
+        rows, nxt = self._store.audit_runs(status=status, tenant=tenant, since=since,
                                 until=until, limit=limit, cursor=cursor)
         return Page([_run(r) for r in rows], nxt)
 
@@ -552,7 +552,7 @@ class Audit:
         Raises:
             NotFound: no Run has this id.
         """
-        run_row, att_rows, ev_rows = q.timeline(self.store, check_id(run_id, "run_id"))
+        run_row, att_rows, ev_rows = self._store.audit_timeline(check_id(run_id, "run_id"))
         if run_row is None:
             raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
@@ -612,7 +612,7 @@ class Audit:
         """
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        runs, atts, moves, nxt = q.failover_page(self.store, since=since, until=until,
+        runs, atts, moves, nxt = self._store.audit_failovers(since=since, until=until,
                                                  limit=limit, cursor=cursor)
         atts_by: dict[str, list[Mapping[str, Any]]] = {}
         for a in atts:
@@ -665,7 +665,7 @@ class Audit:
             A :class:`~ledger.Page` of :class:`~ledger.AttemptRecord`.
         """
         _window(since, until)
-        return self.store.attempts(**attempt_filters(dict(
+        return self._store.attempts(**attempt_filters(dict(
             route=route, group=group, state=state, category=category, since=since, until=until,
             limit=limit, cursor=cursor)))
 
@@ -693,14 +693,14 @@ class Audit:
             >>> for t in audit.costs(by="label", label="team").items:  # doctest: +SKIP
             ...     print(t.key, t.cost, t.attempts)
         """
-        if not isinstance(by, str) or by not in q.TOTALS_KEYS:
+        if not isinstance(by, str) or by not in TOTALS_KEYS:
             raise InvalidArgument(f"cannot total by {by!r}; pass by= one of "
-                                  f"{', '.join(q.TOTALS_KEYS)}", field="by")
+                                  f"{', '.join(TOTALS_KEYS)}", field="by")
         if label is not None:
             check_id(label, "label")
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        rows, nxt = q.totals(self.store, by=by, since=since, until=until, label=label,
+        rows, nxt = self._store.audit_totals(by=by, since=since, until=until, label=label,
                              limit=limit, cursor=cursor)
         return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
                             succeeded=int(r["succeeded"]), failed=int(r["failed"]),
@@ -741,7 +741,7 @@ class Audit:
                                   field="states")
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        rows, nxt = q.open_attempts(self.store, states=list(states), since=since, until=until,
+        rows, nxt = self._store.audit_open_attempts(states=list(states), since=since, until=until,
                                     limit=limit, cursor=cursor)
         now = self.now()
         out = []
@@ -759,7 +759,7 @@ class Audit:
             now: The time to read them at (default: the ledger clock's now).
         """
         t = self.now() if now is None else check_time(now, "now")
-        hrows, grows = q.health(self.store, t)
+        hrows, grows = self._store.audit_health(t)
         keys = [_key_health(h, t) for h in hrows]
         return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
                             profiles=[k for k in keys if k.kind == "profile"],
@@ -778,7 +778,7 @@ class Audit:
         """
         since, until, buckets = _span(since, until, buckets)
         width = (until - since) / buckets
-        rows = {int(r["bucket"]): r for r in q.activity(self.store, since=since, until=until,
+        rows = {int(r["bucket"]): r for r in self._store.audit_activity(since=since, until=until,
                                                          bucket_s=width)}
         out = []
         for i in range(buckets):
@@ -809,7 +809,7 @@ class Audit:
             raise InvalidArgument("routes must be 1 to 1000; pass e.g. 8", field="routes")
         width = (until - since) / buckets
         by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
-        for row in qs.route_series(self.store, since=since, until=until, bucket_s=width):
+        for row in self._store.route_series(since=since, until=until, bucket_s=width):
             by_route.setdefault(row["route"], {})[int(row["bucket"])] = row
         busiest = sorted(by_route, key=lambda k: (-sum(int(x["attempts"])
                                                        for x in by_route[k].values()), k))
@@ -849,7 +849,7 @@ class Audit:
         since = today - (days - 1) * 86400.0
         out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
                        attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])))
-               for r in qs.cost_by_day(self.store, since=since, until=today + 86400.0)]
+               for r in self._store.cost_by_day(since=since, until=today + 86400.0)]
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
@@ -863,7 +863,7 @@ class Audit:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
         t = self.now() if now is None else check_time(now, "now")
-        m = qs.metrics_totals(self.store, t)
+        m = self._store.metrics_totals(t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
         for r in m["cooling"]:
             cooldowns[str(r["kind"])] = int(r["n"])

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ledger.storage import recovery as sql
-
 if TYPE_CHECKING:
     from ledger.api.facade import Ledger
 
@@ -91,13 +89,15 @@ def reconcile(ledger: Ledger) -> Reconciliation:
         >>> assert books.ok, books.violations  # doctest: +SKIP
     """
     from ledger.api.facade import Ledger as _Ledger
+    from ledger.api.facade import storage_of
     from ledger.errors import InvalidArgument
 
     if not isinstance(ledger, _Ledger):
         raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
                               field="ledger")
-    fig = sql.reconcile_rows(ledger.store, ledger.now())
-    ev = sql.event_counts(ledger.store, ["recover", "unknown"])
+    store = storage_of(ledger)
+    fig = store.reconcile_figures(ledger.now())
+    ev = store.event_counts(["recover", "unknown"])
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,
                           debits=fig.debits, recoveries=ev["recover"],
                           unknown_events=ev["unknown"], violations=fig.violations,

@@ -47,7 +47,7 @@ from ledger.domain.records import AttemptRecord, AttemptState, Lease
 from ledger.domain.validation import checked_call
 from ledger.domain.values import new_id
 from ledger.errors import DatabaseUnavailable, InvalidArgument
-from ledger.storage import recovery as sql
+from ledger.storage.port import Takeover
 
 if TYPE_CHECKING:
     from ledger.api.facade import AsyncLedger, Ledger
@@ -164,7 +164,7 @@ class RecoveryReport:
         }
 
 
-def _to_run(t: sql.Takeover) -> RunRecovery:
+def _to_run(t: Takeover) -> RunRecovery:
     settled = [a for a in t.attempts if a.state in (AttemptState.SUCCEEDED, AttemptState.FAILED)]
     unknown = [a for a in t.attempts if a.state is AttemptState.UNKNOWN]
     return RunRecovery(
@@ -224,7 +224,7 @@ def recover(
         >>> for run in report.runs:  # doctest: +SKIP
         ...     print(run.run_id, run.route, [a.attempt_id for a in run.unknown])
     """
-    from ledger.api.facade import Ledger
+    from ledger.api.facade import Ledger, storage_of
 
     if not isinstance(ledger, Ledger):
         raise InvalidArgument("ledger must be a ledger.Ledger (arecover takes an AsyncLedger)",
@@ -248,29 +248,28 @@ def recover(
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
     report = RecoveryReport(executor=executor, now=now)
-    candidates = _retrying(lambda: sql.expired_runs(ledger.store, now, limit, run_ids),
-                           sleeper, report)
+    store = storage_of(ledger)
+    candidates = _retrying(lambda: store.expired_runs(now, limit, run_ids), sleeper, report)
     for start in range(0, len(candidates), batch):
         chunk = candidates[start:start + batch]
         first = [True]
 
         def attempt(chunk: list[str] = chunk, first: list[bool] = first,
-                    ) -> tuple[list[sql.Takeover], list[str]]:
+                    ) -> tuple[list[Takeover], list[str]]:
             adopt = not first[0]  # a retry may find its own committed takeover
             first[0] = False
-            return sql.take_over(ledger.store, chunk, executor, lease_ttl_s, ledger.now(),
-                                 release=release, adopt=adopt)
+            return store.take_over(chunk, executor, lease_ttl_s, ledger.now(),
+                                   release=release, adopt=adopt)
 
         taken, skipped = _retrying(attempt, sleeper, report)
         report.runs.extend(_to_run(t) for t in taken)
         report.skipped.extend(skipped)
         if progress is not None:
             progress(len(report.runs) + len(report.skipped), len(candidates))
-    orphaned = _retrying(lambda: sql.orphaned_runs(ledger.store, limit, run_ids), sleeper,
-                         report)
+    orphaned = _retrying(lambda: store.orphaned_runs(limit, run_ids), sleeper, report)
     for run_id in orphaned:
-        ids = _retrying(lambda run_id=run_id: sql.mark_orphans(ledger.store, run_id,
-                                                               ledger.now()), sleeper, report)
+        ids = _retrying(lambda run_id=run_id: store.mark_orphans(run_id, ledger.now()),
+                        sleeper, report)
         if ids:
             report.orphans[run_id] = ids
     return report

@@ -1,1 +1,56 @@
-"""The storage layer: the only package that issues SQL or imports a database driver."""
+"""The storage layer: the only package that issues SQL or imports a database driver.
+
+Its face is the storage port (:class:`~ledger.storage.port.StoragePort`) and the one factory
+that opens it, :func:`open_store`; the two implementations are
+:class:`~ledger.storage.sqlite.SqliteStore` and :class:`~ledger.storage.postgres.PostgresStore`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ledger.storage.port import StoragePort
+
+#: The default of ``lease_margin_s`` (seconds): processes whose clocks differ by less than this
+#: never both believe they may use one capacity slot (``docs/operations.md``).
+DEFAULT_LEASE_MARGIN_S = 0.5
+
+
+def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
+               migrate_schema: bool = True) -> StoragePort:
+    """The storage port on the database at ``url`` (a SQLite file path or URL, or a
+    ``postgresql+psycopg://`` URL): :class:`~ledger.storage.sqlite.SqliteStore` or
+    :class:`~ledger.storage.postgres.PostgresStore`, the one place that tells them apart.
+
+    ``migrate_schema`` creates or upgrades the schema first (safe from many processes at
+    once); without it nothing is touched until the first call. ``lease_margin_s``: how long
+    before its end a lease stops starting work (the clock skew between hosts the ledger
+    tolerates). Arguments are checked by the caller (:meth:`ledger.Ledger.open`).
+
+    Raises :class:`~ledger.errors.InvalidArgument` (a URL that names no supported database,
+    PostgreSQL without its driver installed), :class:`~ledger.errors.DatabaseUnavailable`
+    (the database cannot be reached or opened), :class:`~ledger.errors.SchemaTooNew` (migrated
+    by a newer ledger).
+    """
+    from ledger.storage import engine, migrate
+    from ledger.storage.postgres import PostgresStore
+    from ledger.storage.sqlite import SqliteStore
+    from ledger.storage.store import SqlStore
+
+    norm, parsed = engine.parse(url)
+    kinds: dict[str, type[SqlStore]] = {"sqlite": SqliteStore, "postgresql": PostgresStore}
+    store = kinds[parsed.get_backend_name()].connect(norm, parsed,
+                                                      lease_margin_s=lease_margin_s)
+    if migrate_schema:
+        try:
+            migrate.upgrade(store.migration_lock(), norm)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the migration's error is the one to tell
+                store.close()
+            raise
+    return store
+
+
+__all__ = ["DEFAULT_LEASE_MARGIN_S", "open_store"]

@@ -1,6 +1,7 @@
 """The audit queries' SQL: read-only statements over the ledger's tables.
 
-Every function takes the :class:`Store` and runs one read transaction; none of them writes, so
+Every function takes the store (:class:`~ledger.storage.store.SqlStore`; callers reach them as
+the ``audit_*`` methods of the storage port) and runs one read transaction; none of them writes, so
 they work through a read-only PostgreSQL role. Rows come back as plain mappings; the typed results
 are built by :mod:`ledger.ops.audit`. Pagination is keyset on ``(created_at, id)`` newest first,
 so a page costs the same at any depth; aggregates (small result sets, sorted by cost) page by
@@ -19,27 +20,25 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     ColumnElement,
-    Integer,
     and_,
     case,
-    cast,
     func,
     literal_column,
     or_,
     select,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
-from ledger.storage.store import Store
+from ledger.storage.port import TOTALS_KEYS, RowMap
 
-RowMap = Mapping[str, Any]
+if TYPE_CHECKING:
+    from ledger.storage.store import SqlStore as Store
 
 # Columns of ``runs`` an audit needs; the frozen plan/policy JSON stays out of list queries.
 _RUN_COLS = (
@@ -51,7 +50,6 @@ _RUN_COLS = (
 
 # Event kinds the timeline shows; lease renewals and admission bookkeeping are included too
 # because an auditor reading one run wants the whole story, and one run has few events.
-TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9_.:/-]{1,100}$")
 
 
@@ -213,9 +211,8 @@ def _label_expr(store: Store, key: str) -> ColumnElement[Any]:
         raise InvalidArgument(
             f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
         )
-    if store.dialect == "postgresql":
-        return cast(s.runs.c.labels, JSONB).op("->>")(key)
-    return func.json_extract(s.runs.c.labels, f'$."{key}"')
+    expr: ColumnElement[Any] = store.label(key)
+    return expr
 
 
 def totals(store: Store, *, by: str, since: float | None, until: float | None,
@@ -331,11 +328,7 @@ def activity(store: Store, *, since: float, until: float, bucket_s: float) -> li
     if bucket_s <= 0:
         raise InvalidArgument("bucket_s must be > 0", field="bucket_s")
     a = s.attempts.c
-    if store.dialect == "postgresql":
-        bucket: ColumnElement[Any] = func.floor((a.created_at - since) / bucket_s)
-    else:
-        # SQLite lacks floor() before 3.35; created_at >= since, so truncation is floor.
-        bucket = cast((a.created_at - since) / bucket_s, Integer)
+    bucket: ColumnElement[Any] = store.bucket(a.created_at, since, bucket_s)
     q = (select(bucket.label("bucket"), func.count().label("attempts"),
                 func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
                 func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"))

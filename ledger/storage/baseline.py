@@ -20,14 +20,14 @@ before measuring and drop it afterwards.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from sqlalchemy.engine import make_url
 
-from ledger.errors import DatabaseUnavailable, InvalidArgument, StorageError
+from ledger.errors import InvalidArgument
 from ledger.storage.engine import SQLITE_BUSY_TIMEOUT_MS, normalize_url, redact_url
+from ledger.storage.failure import mapped
 
 TABLE = "ledger_bench_floor"
 
@@ -74,18 +74,9 @@ def pg_connect_args(url: str, dbname: str | None = None) -> dict[str, Any]:
     return args
 
 
-@contextmanager
-def _mapped(url: str) -> Iterator[None]:
-    """Driver errors as ledger errors, as :func:`ledger.storage.engine.mapped_errors` does."""
-    import psycopg
-
-    try:
-        yield
-    except (sqlite3.OperationalError, psycopg.OperationalError) as e:
-        raise DatabaseUnavailable(f"database {redact_url(url)} is unavailable: {e}",
-                                  url=redact_url(url)) from e
-    except (sqlite3.Error, psycopg.Error) as e:
-        raise StorageError(f"database error: {e}", url=redact_url(url)) from e
+def _mapped(url: str) -> AbstractContextManager[None]:
+    """Driver errors as ledger errors, as everywhere in storage (:mod:`ledger.storage.failure`)."""
+    return mapped(redact_url(url))
 
 
 def _sqlite_connect(url: str) -> sqlite3.Connection:
@@ -114,6 +105,25 @@ class _SqliteFloor:
     def close(self) -> None:
         self.conn.close()
 
+    @staticmethod
+    def ddl(url: str, statements: list[str]) -> None:
+        conn = _sqlite_connect(url)
+        try:
+            for stmt in statements:
+                conn.execute(stmt)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def table_exists(url: str) -> bool:
+        conn = _sqlite_connect(url)
+        try:
+            row = conn.execute("SELECT count(*) FROM sqlite_master WHERE name = ?",
+                               (TABLE,)).fetchone()
+        finally:
+            conn.close()
+        return bool(row and row[0])
+
 
 class _PgFloor:
     def __init__(self, url: str, worker: str) -> None:
@@ -136,29 +146,36 @@ class _PgFloor:
     def close(self) -> None:
         self.conn.close()
 
-
-def open_writer(url: str, worker: str) -> FloorWriter:
-    """A floor writer for ``url`` (its own driver connection)."""
-    if backend(url) == "sqlite":
-        return _SqliteFloor(url, worker)
-    return _PgFloor(url, worker)
-
-
-def _ddl(url: str, statements: list[str]) -> None:
-    with _mapped(url):
-        if backend(url) == "sqlite":
-            conn = _sqlite_connect(url)
-            try:
-                for stmt in statements:
-                    conn.execute(stmt)
-            finally:
-                conn.close()
-            return
+    @staticmethod
+    def ddl(url: str, statements: list[str]) -> None:
         import psycopg
 
         with psycopg.connect(autocommit=True, **pg_connect_args(url)) as pg:
             for stmt in statements:
                 pg.execute(stmt)
+
+    @staticmethod
+    def table_exists(url: str) -> bool:
+        import psycopg
+
+        with psycopg.connect(autocommit=True, **pg_connect_args(url)) as pg:
+            got = pg.execute("SELECT to_regclass(%s) IS NOT NULL", (TABLE,)).fetchone()
+        return bool(got and got[0])
+
+
+def _floor(url: str) -> type[_SqliteFloor] | type[_PgFloor]:
+    """The floor of ``url``'s backend: the one place the two are told apart."""
+    return _SqliteFloor if backend(url) == "sqlite" else _PgFloor
+
+
+def open_writer(url: str, worker: str) -> FloorWriter:
+    """A floor writer for ``url`` (its own driver connection)."""
+    return _floor(url)(url, worker)
+
+
+def _ddl(url: str, statements: list[str]) -> None:
+    with _mapped(url):
+        _floor(url).ddl(url, statements)
 
 
 def create_table(url: str) -> None:
@@ -174,19 +191,7 @@ def drop_table(url: str) -> None:
 def table_exists(url: str) -> bool:
     """Whether the floor's table is present (it should not be after a benchmark)."""
     with _mapped(url):
-        if backend(url) == "sqlite":
-            conn = _sqlite_connect(url)
-            try:
-                row = conn.execute("SELECT count(*) FROM sqlite_master WHERE name = ?",
-                                   (TABLE,)).fetchone()
-            finally:
-                conn.close()
-            return bool(row and row[0])
-        import psycopg
-
-        with psycopg.connect(autocommit=True, **pg_connect_args(url)) as pg:
-            got = pg.execute("SELECT to_regclass(%s) IS NOT NULL", (TABLE,)).fetchone()
-        return bool(got and got[0])
+        return _floor(url).table_exists(url)
 
 
 __all__ = [

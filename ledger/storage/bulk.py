@@ -9,10 +9,13 @@ construction, and loading a million attempts through per-attempt transactions wo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
-from ledger.storage.store import Store
+
+if TYPE_CHECKING:
+    from ledger.storage.store import SqlStore as Store
 
 # Parents before children (attempts and debits reference runs).
 _ORDER = ("runs", "debits", "attempts", "events", "health", "capacity_groups")
@@ -27,7 +30,8 @@ def bulk_insert(store: Store, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -
     """
     unknown = set(rows) - set(_ORDER)
     if unknown:
-        raise ValueError(f"bulk_insert: unknown tables {sorted(unknown)}")
+        raise InvalidArgument(f"bulk_insert: unknown tables {sorted(unknown)}; pass rows of "
+                              f"{', '.join(_ORDER)}", field="rows")
     n = 0
     with store.writing() as conn:
         for name in _ORDER:
@@ -51,10 +55,7 @@ def analyze(store: Store) -> None:
     from sqlalchemy import text
 
     with store.writing() as conn:
-        if store.dialect == "postgresql":
-            conn.execute(text("ANALYZE runs, attempts, debits, events, health, capacity_groups"))
-        else:
-            conn.execute(text("ANALYZE"))
+        conn.execute(text(store.ANALYZE))
 
 
 def first_run_other_than(store: Store, *, policy_hash: str | None = None,

@@ -14,11 +14,13 @@ blocking :mod:`psycopg` connection, and on PostgreSQL through an asyncio one::
 The drivers open the transaction (``BEGIN IMMEDIATE`` on SQLite, so writers serialize up front;
 ``BEGIN`` on PostgreSQL, sent in the same round trip as the first statements), feed the
 generator, and commit — on PostgreSQL the last writes and the ``COMMIT`` go as one pipeline, so
-a begin or a settle costs two round trips. Driver errors become ledger errors here, in one
-place: a lost or refused connection is :class:`~ledger.errors.DatabaseUnavailable` (retry-safe:
-the transaction was rolled back, or its commit outcome is unknown and every write is idempotent
-per id), anything else :class:`~ledger.errors.StorageError`. Statements are plain SQL strings
-executed through each driver's public API; psycopg prepares the repeated ones on the server.
+a begin or a settle costs two round trips. A driver's error leaves as the ledger error that
+:mod:`ledger.storage.failure` names for it (a lost or refused connection is
+:class:`~ledger.errors.DatabaseUnavailable`: retry-safe, the transaction was rolled back, or its
+commit outcome is unknown and every write is idempotent per id). Statements are plain SQL
+strings executed through each driver's public API; psycopg prepares the repeated ones on the
+server. What differs between the databases is the driver object itself: how it opens a
+transaction, how it spells a parameter (:class:`Statements`), how it sends statements.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ import contextlib
 import sqlite3
 import threading
 import weakref
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ledger.errors import DatabaseUnavailable, StorageError
+from ledger.storage.failure import driver_error
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -71,13 +73,30 @@ Step = Q | Flush
 Tx = Generator[Step, Any, T]
 
 
-def _sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
-    """``:name`` placeholders as the driver wants them, and the names in order.
+class Driver(Protocol):
+    """What a store needs of its hot-path driver (:class:`SqliteDriver`, :class:`PgDriver`)."""
 
-    SQLite takes ``:name`` and a mapping as they are; for psycopg they become positional
-    ``%s`` (a sequence of values costs the driver less than a mapping to reorder)."""
-    if dialect != "postgresql":
-        return sql, ()
+    def run(self, tx: Tx[T], *, write: bool) -> T:
+        """Run the transaction function ``tx`` on a blocking connection; returns its value."""
+        ...
+
+    async def arun(self, tx: Tx[T], *, write: bool) -> T:
+        """Run ``tx`` for an asyncio caller."""
+        ...
+
+    def close(self) -> None:
+        """Close every connection the driver holds."""
+        ...
+
+
+def named(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``:name`` placeholders as :mod:`sqlite3` takes them: unchanged, with a mapping."""
+    return sql, ()
+
+
+def positional(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``:name`` placeholders as positional ``%s`` for psycopg (a sequence of values costs the
+    driver less than a mapping to reorder), and the names in order."""
     out = []
     names: list[str] = []
     i = 0
@@ -98,20 +117,22 @@ def _sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
 
 
 class Statements:
-    """The SQL of one dialect, converted once: ``stmts.get(sql)`` is what the driver executes,
-    the parameter names in order (positional drivers), and whether it returns rows (only those
-    are fetched: describing a result costs the client work)."""
+    """The SQL of one driver, converted once by ``convert`` (:func:`named` or
+    :func:`positional`): ``stmts.get(sql)`` is what the driver executes, the parameter names in
+    order (positional drivers), and whether it returns rows (only those are fetched: describing
+    a result costs the client work)."""
 
-    def __init__(self, dialect: str) -> None:
-        self.dialect = dialect
+    def __init__(self, convert: Callable[[str], tuple[str, tuple[str, ...]]]) -> None:
+        self._convert = convert
         self._cache: dict[str, tuple[str, tuple[str, ...], bool]] = {}
         self._lock = threading.Lock()
 
     def get(self, sql: str) -> tuple[str, tuple[str, ...], bool]:
+        """The driver's text of ``sql``, its parameter names in order, whether it has rows."""
         out = self._cache.get(sql)
         if out is None:
             head = sql.lstrip()[:6].upper().rstrip()
-            text, names = _sql(sql, self.dialect)
+            text, names = self._convert(sql)
             out = (text, names, head in ("SELECT", "WITH") or head.startswith("WITH ")
                    or " RETURNING " in sql.upper())
             with self._lock:
@@ -134,50 +155,52 @@ class SqliteDriver:
     event loop's thread: a SQLite transaction has no network wait to overlap, and a hop to a
     worker thread costs more than the statements (``docs/benchmarks.md``)."""
 
-    dialect = "sqlite"
-
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> None:
         self.path = path
+        self.busy_timeout_s = busy_timeout_s
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self.stmts = Statements("sqlite")
+        self.stmts = Statements(named)
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = sqlite3.connect(self.path, timeout=SQLITE_BUSY_TIMEOUT_S,
+                conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
                                        isolation_level=None, check_same_thread=False,
                                        cached_statements=256)
-                conn.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            except sqlite3.Error as e:
+                raise driver_error(e, self.path) from e
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = FULL")
                 conn.execute("PRAGMA foreign_keys = ON")
             except sqlite3.Error as e:
-                raise _mapped(e, self.path) from e
+                conn.close()
+                raise driver_error(e, self.path) from e
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
         return conn
 
     def run(self, tx: Tx[T], *, write: bool) -> T:
+        """Run ``tx`` in one transaction (``BEGIN IMMEDIATE`` when it writes)."""
         conn = self._conn()
         try:
             conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
                 result = self._feed(conn, tx)
             except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+                _rollback(conn)
                 raise
             if conn.in_transaction:
                 conn.execute("COMMIT")
             return result
         except sqlite3.Error as e:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise _mapped(e, self.path) from e
+            _rollback(conn)
+            raise driver_error(e, self.path) from e
 
     def _feed(self, conn: sqlite3.Connection, tx: Tx[T]) -> T:
         stmts = self.stmts
@@ -213,14 +236,12 @@ def _sqlite_exec(conn: sqlite3.Connection, sql: str, q: Q) -> list[Row]:
     return conn.execute(sql, q.params).fetchall()
 
 
-def _mapped(e: BaseException, where: str) -> StorageError:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, sqlite3.OperationalError) and ("locked" in text or "unable to open" in text
-                                                    or "disk" in text or "busy" in text):
-        return DatabaseUnavailable(
-            f"database {where} is unavailable ({text}); the transaction was rolled back and is "
-            "safe to retry", url=where)
-    return StorageError(f"database error: {text}", url=where)
+def _rollback(conn: sqlite3.Connection) -> None:
+    """End a failed transaction; a rollback that fails too (the file went away) leaves the
+    connection to SQLite, which rolls back on its own, and the first error is the one told."""
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
 
 
 # -- PostgreSQL --------------------------------------------------------------------------------
@@ -230,13 +251,11 @@ class PgDriver:
     """psycopg 3 connections from a small pool, blocking and asyncio, in autocommit mode with
     the transaction's ``BEGIN`` and ``COMMIT`` pipelined with its statements."""
 
-    dialect = "postgresql"
-
     def __init__(self, conninfo: str, *, where: str, max_size: int = 10) -> None:
         self.conninfo = conninfo
         self.where = where
         self.max_size = max_size
-        self.stmts = Statements("postgresql")
+        self.stmts = Statements(positional)
         self._idle: list[Any] = []
         self._aidle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
             weakref.WeakKeyDictionary())
@@ -254,7 +273,7 @@ class PgDriver:
             try:
                 conn = psycopg.connect(self.conninfo, autocommit=True)
             except psycopg.Error as e:
-                raise self._mapped(e) from e
+                raise driver_error(e, self.where) from e
         try:
             yield conn
         finally:
@@ -276,7 +295,7 @@ class PgDriver:
             except BaseException as e:
                 _abort(conn)
                 if isinstance(e, psycopg.Error):
-                    raise self._mapped(e) from e
+                    raise driver_error(e, self.where) from e
                 raise
 
     def _feed(self, conn: Any, tx: Tx[T]) -> T:
@@ -325,7 +344,7 @@ class PgDriver:
             try:
                 conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
             except psycopg.Error as e:
-                raise self._mapped(e) from e
+                raise driver_error(e, self.where) from e
         try:
             yield conn
         finally:
@@ -344,7 +363,7 @@ class PgDriver:
             except BaseException as e:
                 await _aabort(conn)
                 if isinstance(e, psycopg.Error):
-                    raise self._mapped(e) from e
+                    raise driver_error(e, self.where) from e
                 raise
 
     async def _afeed(self, conn: Any, tx: Tx[T]) -> T:
@@ -379,17 +398,6 @@ class PgDriver:
             committed = committed or commit
             rows = [await cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
-
-    def _mapped(self, e: BaseException) -> StorageError:
-        import psycopg
-
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, psycopg.OperationalError | psycopg.errors.AdminShutdown
-                      | psycopg.errors.CannotConnectNow):
-            return DatabaseUnavailable(
-                f"database {self.where} is unavailable ({text}); the transaction was rolled "
-                "back (or its commit outcome is unknown) and is safe to retry", url=self.where)
-        return StorageError(f"database error: {text}", url=self.where)
 
     def close(self) -> None:
         with self._lock:
@@ -438,4 +446,5 @@ async def _aabort(conn: Any) -> None:
     await conn.close()
 
 
-__all__ = ["Flush", "PgDriver", "Q", "SqliteDriver", "Statements", "Tx"]
+__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Statements", "Tx", "named",
+           "positional"]

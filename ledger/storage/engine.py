@@ -1,9 +1,11 @@
-"""Opening a database: URL normalization, engine settings per backend, driver-error mapping.
+"""Opening a database: URL normalization and parsing, the engine settings of each backend.
 
 SQLite runs in WAL mode with ``synchronous=FULL`` (an Attempt row must survive power loss before
-its request leaves the process), a busy timeout, and ``BEGIN IMMEDIATE`` for every write
-transaction so that writers serialize up front instead of failing on lock upgrade.
-PostgreSQL uses psycopg 3; writes serialize on row locks (``SELECT ... FOR UPDATE``).
+its request leaves the process), a busy timeout (30 s, or the URL's ``?timeout=`` in seconds),
+and ``BEGIN IMMEDIATE`` for every write transaction so that writers serialize up front instead
+of failing on lock upgrade. PostgreSQL uses psycopg 3; writes serialize on row locks
+(``SELECT ... FOR UPDATE``). Which of the two a URL names is decided once, by
+:func:`ledger.storage.open_store`; each store implementation builds its own engine here.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
-from ledger.errors import DatabaseUnavailable, InvalidArgument, StorageError
+from ledger.errors import DatabaseUnavailable, InvalidArgument
+from ledger.storage.failure import mapped
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -43,8 +46,8 @@ def redact_url(url: str) -> str:
     return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
 
 
-def create(url: str) -> Engine:
-    """Create an engine for ``url`` with the ledger's per-backend settings."""
+def parse(url: str) -> tuple[str, URL]:
+    """``url`` normalized (:func:`normalize_url`) and parsed; names the backend's problems."""
     norm = normalize_url(url)
     try:
         parsed = make_url(norm)
@@ -55,45 +58,76 @@ def create(url: str) -> Engine:
             field="url",
         ) from e
     name = parsed.get_backend_name()
-    if name == "sqlite":
-        db = parsed.database
-        if not db or db == ":memory:":
-            raise InvalidArgument(
-                "the ledger needs a SQLite *file* (several connections share it); "
-                "pass a path such as ./ledger.db",
-                field="url",
-            )
-        parent = os.path.dirname(os.path.abspath(db))
-        if not os.path.isdir(parent):
-            raise DatabaseUnavailable(
-                f"cannot open SQLite database {db!r}: folder {parent!r} does not exist; "
-                "create it or choose another path",
-                url=redact_url(norm),
-            )
-        engine = create_engine(
-            norm,
-            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "isolation_level": None},
-            pool_pre_ping=False,
+    if name not in ("sqlite", "postgresql"):
+        raise InvalidArgument(
+            f"unsupported database backend {name!r}; use SQLite (a file path) or "
+            "postgresql+psycopg://",
+            field="url",
         )
-        _install_sqlite_hooks(engine)
-        return engine
-    if name == "postgresql":
-        if parsed.get_driver_name() != "psycopg":
-            raise InvalidArgument(
-                f"unsupported PostgreSQL driver {parsed.get_driver_name()!r}; "
-                "use postgresql+psycopg://",
-                field="url",
-            )
-        _require_psycopg(norm)
-        # No pre-ping: it costs a round trip per transaction. A connection that died (server
-        # restart) fails its next statement with DatabaseUnavailable, the pool drops it, and the
-        # caller's retry gets a fresh one; every write is idempotent per id, so that is safe.
-        return create_engine(norm, pool_pre_ping=False, pool_size=5, max_overflow=10)
-    raise InvalidArgument(
-        f"unsupported database backend {name!r}; use SQLite (a file path) or "
-        "postgresql+psycopg://",
-        field="url",
+    return norm, parsed
+
+
+def sqlite_file(norm: str, parsed: URL) -> str:
+    """The database file of a SQLite URL, whose folder exists."""
+    db = parsed.database
+    if not db or db == ":memory:":
+        raise InvalidArgument(
+            "the ledger needs a SQLite *file* (several connections share it); "
+            "pass a path such as ./ledger.db",
+            field="url",
+        )
+    parent = os.path.dirname(os.path.abspath(db))
+    if not os.path.isdir(parent):
+        raise DatabaseUnavailable(
+            f"cannot open SQLite database {db!r}: folder {parent!r} does not exist; "
+            "create it or choose another path",
+            url=redact_url(norm),
+        )
+    return db
+
+
+def sqlite_busy_timeout(parsed: URL) -> float:
+    """How long a SQLite connection waits for another's write lock (seconds): the URL's
+    ``?timeout=`` or :data:`SQLITE_BUSY_TIMEOUT_MS`."""
+    raw = parsed.query.get("timeout")
+    if raw is None:
+        return SQLITE_BUSY_TIMEOUT_MS / 1000
+    try:
+        value = float(raw if isinstance(raw, str) else raw[-1])
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise InvalidArgument(
+            f"the SQLite URL's timeout={raw!r} is not a number of seconds from 0 to 3600; "
+            "pass e.g. sqlite:///ledger.db?timeout=5", field="url")
+    return value
+
+
+def sqlite_engine(parsed: URL, busy_timeout_s: float) -> Engine:
+    """An engine for a SQLite file: WAL, ``synchronous=FULL``, the busy timeout, and
+    ``BEGIN IMMEDIATE`` for the write transactions."""
+    engine = create_engine(
+        parsed.difference_update_query(["timeout"]),
+        connect_args={"timeout": busy_timeout_s, "isolation_level": None},
+        pool_pre_ping=False,
     )
+    _install_sqlite_hooks(engine, int(busy_timeout_s * 1000))
+    return engine
+
+
+def postgres_engine(norm: str, parsed: URL) -> Engine:
+    """An engine for a PostgreSQL URL (psycopg 3 only)."""
+    if parsed.get_driver_name() != "psycopg":
+        raise InvalidArgument(
+            f"unsupported PostgreSQL driver {parsed.get_driver_name()!r}; "
+            "use postgresql+psycopg://",
+            field="url",
+        )
+    _require_psycopg(norm)
+    # No pre-ping: it costs a round trip per transaction. A connection that died (server
+    # restart) fails its next statement with DatabaseUnavailable, the pool drops it, and the
+    # caller's retry gets a fresh one; every write is idempotent per id, so that is safe.
+    return create_engine(norm, pool_pre_ping=False, pool_size=5, max_overflow=10)
 
 
 POSTGRES_EXTRA_HINT = "pip install 'failover-ledger[postgres]'"
@@ -112,11 +146,11 @@ def _require_psycopg(url: str) -> None:
         ) from e
 
 
-def _install_sqlite_hooks(engine: Engine) -> None:
+def _install_sqlite_hooks(engine: Engine, busy_timeout_ms: int) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
         cur.execute("PRAGMA journal_mode = WAL")
         cur.execute("PRAGMA synchronous = FULL")
         cur.execute("PRAGMA foreign_keys = ON")
@@ -134,25 +168,7 @@ def _install_sqlite_hooks(engine: Engine) -> None:
 
 @contextmanager
 def mapped_errors(url: str) -> Iterator[None]:
-    """Turn driver errors into typed ledger errors (the transaction has been rolled back)."""
-    try:
+    """Driver and SQLAlchemy errors leaving the block as ledger errors
+    (:mod:`ledger.storage.failure`); the transaction has been rolled back."""
+    with mapped(redact_url(url)):
         yield
-    except OperationalError as e:
-        raise DatabaseUnavailable(
-            f"database {redact_url(url)} is unavailable ({_first_line(e)}); the transaction "
-            "was rolled back and is safe to retry once the database is back",
-            url=redact_url(url),
-        ) from e
-    except DBAPIError as e:
-        if e.connection_invalidated:
-            raise DatabaseUnavailable(
-                f"lost the connection to {redact_url(url)} ({_first_line(e)}); safe to retry",
-                url=redact_url(url),
-            ) from e
-        raise StorageError(f"database error: {_first_line(e)}", url=redact_url(url)) from e
-
-
-def _first_line(e: BaseException) -> str:
-    orig = getattr(e, "orig", None)
-    text = str(orig if orig is not None else e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

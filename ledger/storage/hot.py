@@ -2,21 +2,21 @@
 
 A turn touches the database exactly here: one :func:`snapshot_tx` read, then per Attempt one
 :func:`begin_tx` and one :func:`settle_tx`. Each is a generator yielding plain SQL; only a few
-statements differ between the dialects (row locks, ``GREATEST``/``MAX``, list parameters), and
-they are chosen once in :class:`Sql`. The rules these transactions apply — is the lease live,
-what a settle does to a hold, a health row, a group — are pure functions (``ledger.decide.settle``);
-here they meet the rows, under the run row's lock (PostgreSQL ``FOR UPDATE``; SQLite's
-``BEGIN IMMEDIATE`` already serializes writers), and always after it: the clock is read once the
-lock is granted, and read again after a limited group's slots, so a decision is recorded at the
-time it was taken.
+statements differ between the databases (row locks, ``GREATEST``/``MAX``, list parameters), and
+they are said once, by :class:`SqliteSql` and :class:`PostgresSql`. The rules these
+transactions apply — is the lease live, what a settle does to a hold, a health row, a group —
+are pure functions (``ledger.decide.settle``); here they meet the rows, under the run row's
+lock (PostgreSQL ``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE`` already serializes writers), and
+always after it: the clock is read once the lock is granted, and read again after a limited
+group's slots, so a decision is recorded at the time it was taken.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,6 +48,7 @@ from ledger.errors import (
 )
 from ledger.redaction import redact
 from ledger.storage.driver import Flush, Q, Tx
+from ledger.storage.port import Snapshot
 from ledger.storage.rows import attempt_record, health_record, written_attempt
 from ledger.storage.statements import event_json, fact_json, health_values
 
@@ -81,20 +82,22 @@ def _ns(cols: Sequence[str], row: Sequence[Any]) -> SimpleNamespace:
     return SimpleNamespace(**dict(zip(cols, row, strict=True)))
 
 
-def _list_param(dialect: str, values: Sequence[str]) -> Any:
-    # One SQL text whatever the length: an array on PostgreSQL, a JSON array on SQLite.
-    return list(values) if dialect == "postgresql" else json.dumps(list(values))
+class Sql(abc.ABC):
+    """The hot path's statements. What differs between the databases is said once, by
+    :class:`SqliteSql` and :class:`PostgresSql`: a few spellings (class attributes), how a list
+    parameter is passed and how the writes that end a transaction are sent (methods)."""
 
+    # A locking read's suffix (SQLite's BEGIN IMMEDIATE already holds the write lock).
+    LOCK: str
+    # ``column IN <list parameter>``, with one SQL text whatever the list's length.
+    IN_LIST: str
+    GREATEST: str
+    # How the probe state's eviction treats rows another transaction holds.
+    SKIP_LOCKED: str
 
-class Sql:
-    """The hot path's statements for one dialect."""
-
-    def __init__(self, dialect: str) -> None:
-        pg = dialect == "postgresql"
-        self.dialect = dialect
-        self._combined: dict[tuple[tuple[str, int], ...], str] = {}
-        lock = " FOR UPDATE" if pg else ""
-        inlist = "= ANY(:{0})" if pg else "IN (SELECT value FROM json_each(:{0}))"
+    def __init__(self) -> None:
+        lock = self.LOCK
+        inlist = self.IN_LIST
         self.run_live = (f"SELECT {', '.join(RUN_LIVE_COLS)} FROM runs WHERE run_id = :run_id")
         self.lock_run = (f"SELECT {', '.join(BEGIN_RUN_COLS)} FROM runs WHERE run_id = :run_id"
                          + lock)
@@ -198,7 +201,7 @@ class Sql:
             "RETURNING key")
         self.update_health = (f"UPDATE health SET {', '.join(f'{c} = :{c}' for c in hcols)} "
                               "WHERE key = :key")
-        greatest = "GREATEST" if pg else "MAX"
+        greatest = self.GREATEST
         self.group_fact = (
             "INSERT INTO capacity_groups (group_id, mode, until, reason, sampled_at, updated_at) "
             "VALUES (:group, :mode, :until, :reason, :now, :now) ON CONFLICT (group_id) DO "
@@ -239,19 +242,59 @@ class Sql:
             "WHERE last_probe_at IS NOT NULL AND key <> :key AND (last_probe_at <= :expired "
             "OR key NOT IN (SELECT key FROM health WHERE last_probe_at IS NOT NULL AND "
             "key <> :key ORDER BY last_probe_at DESC, key DESC LIMIT :keep))"
-            + (" FOR UPDATE SKIP LOCKED" if pg else "") + ")")
+            + self.SKIP_LOCKED + ")")
         self.compaction = (
             "UPDATE runs SET compactions = compactions + 1, updated_at = :now "
             "WHERE run_id = :run_id RETURNING compactions")
 
+    @abc.abstractmethod
+    def list_param(self, values: Sequence[str]) -> Any:
+        """A list parameter as :attr:`IN_LIST` takes it."""
+
+    @abc.abstractmethod
+    def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
+        """The writes that end a transaction, as this database takes them best."""
+
+
+class SqliteSql(Sql):
+    """The hot path's statements on SQLite: no row locks, JSON arrays, ``MAX``."""
+
+    LOCK = ""
+    IN_LIST = "IN (SELECT value FROM json_each(:{0}))"
+    GREATEST = "MAX"
+    SKIP_LOCKED = ""
+
+    def list_param(self, values: Sequence[str]) -> Any:
+        """A list parameter as a JSON array (read by ``json_each``)."""
+        return json.dumps(list(values))
 
     def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
-        """The writes that end a transaction, as this dialect sends them best.
+        """The writes as they are: there are no round trips to save."""
+        return tuple(items)
 
-        PostgreSQL: one statement of data-modifying CTEs (every statement costs the client a
-        round of work in the driver, and they touch distinct rows, none reading another's
-        writes, so one snapshot serves them all); SQLite: as they are (no round trips)."""
-        if self.dialect != "postgresql" or len(items) < 2:
+
+class PostgresSql(Sql):
+    """The hot path's statements on PostgreSQL: row locks, arrays, ``GREATEST``, and the
+    writes that end a transaction sent as one statement."""
+
+    LOCK = " FOR UPDATE"
+    IN_LIST = "= ANY(:{0})"
+    GREATEST = "GREATEST"
+    SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._combined: dict[tuple[tuple[str, int], ...], str] = {}
+
+    def list_param(self, values: Sequence[str]) -> Any:
+        """A list parameter as an array."""
+        return list(values)
+
+    def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
+        """One statement of data-modifying CTEs (every statement costs the client a round of
+        work in the driver, and they touch distinct rows, none reading another's writes, so
+        one snapshot serves them all)."""
+        if len(items) < 2:
             return tuple(items)
         shape = tuple((q.sql, len(q.batch) if q.many else -1) for q in items)
         sql = self._combined.get(shape)
@@ -284,7 +327,8 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_][A-Za-z0-9_]*)")
 def _prefixed(sql: str, prefix: str) -> str:
     return _PARAM.sub(lambda m: ":" + prefix + m.group(1), sql)
 
-SQL = {"sqlite": Sql("sqlite"), "postgresql": Sql("postgresql")}
+SQLITE_SQL = SqliteSql()
+POSTGRES_SQL = PostgresSql()
 
 
 # -- the lease rule ----------------------------------------------------------------------------
@@ -345,25 +389,16 @@ RETRY_COLS = ("fence", "lease_holder", "lease_expires_at", "max_retries", "carve
 # -- the read of a decision --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    run: SimpleNamespace
-    groups: dict[str, GroupProjection]
-    health: dict[str, Health]
-    provenance: dict[str, frozenset[str]]
-    now: float
-
-
 def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str],
                 runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Tx[Snapshot]:
-    d = sql.dialect
+    listed = sql.list_param(groups)
     items = [Q(sql.run_live, {"run_id": run_id}),
-             Q(sql.groups, {"groups": _list_param(d, groups)}),
-             Q(sql.group_slots, {"groups": _list_param(d, groups)}),
-             Q(sql.health, {"keys": _list_param(d, keys)})]
+             Q(sql.groups, {"groups": listed}),
+             Q(sql.group_slots, {"groups": listed}),
+             Q(sql.health, {"keys": sql.list_param(keys)})]
     if refs:
-        items.append(Q(sql.provenance, {"runs": _list_param(d, runs),
-                                        "refs": _list_param(d, refs)}))
+        items.append(Q(sql.provenance, {"runs": sql.list_param(runs),
+                                        "refs": sql.list_param(refs)}))
     res = yield Flush(tuple(items))
     now = clock()
     run = _locked(res[0], RUN_LIVE_COLS, run_id)
@@ -391,7 +426,7 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
 
 
 def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float) -> Tx[AttemptRecord]:
-    """Record an Attempt before it is sent (see ``Store.begin_attempt``)."""
+    """Record an Attempt before it is sent (see ``StoragePort.begin_attempt``)."""
     lease = Lease(spec.run_id, spec.executor or "", spec.fence, 0.0)
     locked, looked = yield Flush((
         Q(sql.lock_run, {"run_id": spec.run_id}),
@@ -585,7 +620,7 @@ _SETTLE_COLS = (*ATTEMPT_COLS, "debit_state", "debit_reserved_micros",
 
 
 def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[AttemptRecord]:
-    """Record an Attempt's outcome (see ``Store.settle_attempt``)."""
+    """Record an Attempt's outcome (see ``StoragePort.settle_attempt``)."""
     keys = list(spec.health)
     locked, read = yield Flush((
         Q(sql.lock_run_fence, {"run_id": run_id}),
@@ -887,9 +922,12 @@ def compaction_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float) -> Tx[i
 
 
 __all__ = [
-    "SQL",
+    "POSTGRES_SQL",
+    "SQLITE_SQL",
+    "PostgresSql",
     "Snapshot",
     "Sql",
+    "SqliteSql",
     "acquire_tx",
     "begin_tx",
     "check_live",

@@ -9,7 +9,7 @@ work. Nothing is left behind: no lock file, no lock held after the call.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -67,10 +67,11 @@ def check_not_newer(conn: Connection, url: str) -> None:
         )
 
 
-def upgrade(engine: Engine, url: str) -> None:
-    """Bring the schema to head; safe when many processes call it at once."""
+def upgrade(lock: AbstractContextManager[Connection], url: str) -> None:
+    """Bring the schema to head; safe when many processes call it at once. ``lock`` is the
+    backend's (:func:`postgres_lock` or :func:`sqlite_lock` of its engine)."""
     head = head_revision()
-    with mapped_errors(url), _migration_lock(engine) as conn:
+    with mapped_errors(url), lock as conn:
         check_not_newer(conn, url)
         if current_revision(conn) == head:
             conn.rollback()
@@ -82,22 +83,25 @@ def upgrade(engine: Engine, url: str) -> None:
 
 
 @contextmanager
-def _migration_lock(engine: Engine) -> Iterator[Connection]:
-    """A connection whose work is serialized against every other migrating process."""
-    if engine.dialect.name == "postgresql":
-        with engine.connect() as lock_conn:
-            lock_conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+def postgres_lock(engine: Engine) -> Iterator[Connection]:
+    """A connection whose work is serialized against every other migrating process: a
+    session-level advisory lock, held on a second connection and released at the end."""
+    with engine.connect() as lock_conn:
+        lock_conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+        lock_conn.commit()
+        try:
+            with engine.connect() as conn:
+                yield conn
+        finally:
+            lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
             lock_conn.commit()
-            try:
-                with engine.connect() as conn:
-                    yield conn
-            finally:
-                lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
-                lock_conn.commit()
-        return
-    # SQLite: the transaction begins with BEGIN IMMEDIATE (the engine's write option), so the
-    # revision is read and the scripts run under the database's write lock; other openers wait
-    # on the busy timeout, then find head. SQLite's DDL is transactional, so a crash mid-way
-    # leaves the previous revision, never half of one.
+
+
+@contextmanager
+def sqlite_lock(engine: Engine) -> Iterator[Connection]:
+    """A connection whose transaction begins with ``BEGIN IMMEDIATE`` (the engine's write
+    option), so the revision is read and the scripts run under the database's write lock;
+    other openers wait on the busy timeout, then find head. SQLite's DDL is transactional, so
+    a crash mid-way leaves the previous revision, never half of one."""
     with engine.connect().execution_options(ledger_write=True) as conn:
         yield conn

@@ -12,8 +12,7 @@ SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffic
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, and_, bindparam, func, select
 
@@ -22,45 +21,15 @@ from ledger.decide.settle import settle_holds
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
 from ledger.storage import schema as s
+from ledger.storage.port import Figures, Takeover
 from ledger.storage.rows import attempt_record
 from ledger.storage.statements import event_json
-from ledger.storage.store import Store
+
+if TYPE_CHECKING:
+    from ledger.storage.store import SqlStore as Store
 
 UNFINISHED = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 UNKNOWN_REASON = "recovery: dispatched without a receipt (executor lease expired)"
-
-
-@dataclass(frozen=True)
-class Takeover:
-    """What one takeover transaction did to one run."""
-
-    run_id: str
-    previous_executor: str | None
-    previous_fence: int
-    lease: Lease | None  # None when the lease was released after takeover
-    fence: int
-    newly_unknown: list[str]
-    voided: list[str]
-    slots_released: int
-    attempts: list[AttemptRecord]  # the run's whole timeline after the takeover
-    selected_route: str
-    current_route: str | None
-    status: str
-    adopted: bool = False  # already taken over by this executor (a retried, committed takeover)
-
-
-@dataclass
-class Figures:
-    """Whole-ledger figures and the violations found by :func:`reconcile_rows`."""
-
-    runs: int = 0
-    attempts: int = 0
-    by_state: dict[str, int] = field(default_factory=dict)
-    debits: dict[str, int] = field(default_factory=dict)
-    violations: list[str] = field(default_factory=list)
-    # Attempts whose reported cost exceeded their hold: posted at the hold (the invariant holds)
-    # but the Run really cost more than it reserved; an operator needs to know.
-    cost_over_hold: list[str] = field(default_factory=list)
 
 
 def _expired_cond(now: float) -> Any:
@@ -128,9 +97,7 @@ def take_over(store: Store, run_ids: Sequence[str], executor: str, ttl_s: float,
     d = s.debits.c
     gs = s.group_slots.c
     with store.writing() as conn:
-        q = select(s.runs).where(r.run_id.in_(list(run_ids)))
-        if store.dialect == "postgresql":
-            q = q.with_for_update(skip_locked=True)
+        q = store.claiming(select(s.runs).where(r.run_id.in_(list(run_ids))))
         rows = {row.run_id: row for row in conn.execute(q)}
         take = [rows[i] for i in run_ids if i in rows and _expired(rows[i], now)]
         # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
@@ -261,10 +228,8 @@ def mark_orphans(store: Store, run_id: str, now: float) -> list[str]:
     a = s.attempts.c
     gs = s.group_slots.c
     with store.writing() as conn:
-        q = select(r.run_id, r.fence).where(r.run_id == run_id)
-        if store.dialect == "postgresql":
-            q = q.with_for_update(skip_locked=True)
-        row = conn.execute(q).first()
+        row = conn.execute(store.claiming(
+            select(r.run_id, r.fence).where(r.run_id == run_id))).first()
         if row is None:
             return []
         ids = [x[0] for x in conn.execute(
@@ -312,8 +277,7 @@ def reconcile_rows(store: Store, now: float) -> Figures:
     fig = Figures()
     v = fig.violations
     with store.reading() as conn:
-        if store.dialect == "postgresql":
-            conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        store.consistent(conn)
         runs = conn.execute(select(s.runs)).all()
         fig.runs = len(runs)
         by_run_att: dict[str, list[Any]] = {}
@@ -470,7 +434,5 @@ def event_counts(store: Store, kinds: list[str]) -> dict[str, int]:
     return out
 
 
-__all__ = [
-    "Figures", "Takeover", "event_counts", "expired_runs", "mark_orphans", "orphaned_runs",
-    "reconcile_rows", "take_over",
-]
+__all__ = ["event_counts", "expired_runs", "mark_orphans", "orphaned_runs", "reconcile_rows",
+           "take_over"]

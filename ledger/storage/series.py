@@ -13,16 +13,17 @@ returns plain mappings that :mod:`ledger.ops.audit` turns into typed results.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Integer, case, cast, func, literal_column, select
+from sqlalchemy import ColumnElement, case, func, literal_column, select
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
-from ledger.storage.store import Store
+from ledger.storage.port import RowMap
 
-RowMap = Mapping[str, Any]
+if TYPE_CHECKING:
+    from ledger.storage.store import SqlStore as Store
 
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
@@ -30,10 +31,8 @@ def _maps(rows: Sequence[Any]) -> list[RowMap]:
 
 
 def _bucket(store: Store, col: Any, since: float, width: float) -> ColumnElement[Any]:
-    if store.dialect == "postgresql":
-        return func.floor((col - since) / width)
-    # SQLite lacks floor() before 3.35; col >= since, so truncation is floor.
-    return cast((col - since) / width, Integer)
+    bucket: ColumnElement[Any] = store.bucket(col, since, width)
+    return bucket
 
 
 def route_series(store: Store, *, since: float, until: float, bucket_s: float) -> list[RowMap]:

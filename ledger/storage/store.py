@@ -1,30 +1,30 @@
-"""The store: every read and write of the ledger over one database goes through it.
-
-Nothing outside ``ledger.storage`` touches the database; the SQL itself lives here and in the
-modules beside it (:mod:`~ledger.storage.hot`, :mod:`~ledger.storage.audit`,
-:mod:`~ledger.storage.recovery`, :mod:`~ledger.storage.series`, ...).
+"""The SQL shared by both store implementations (:class:`SqlStore`).
 
 The hot path — the snapshot read of a decision, begin, settle, the lease writes, provenance and
 events — runs the transactions of :mod:`ledger.storage.hot` on the database's own driver
 (:mod:`ledger.storage.driver`): plain SQL, prepared by psycopg on the server, ``BEGIN`` and
 ``COMMIT`` pipelined with the statements on PostgreSQL, and each one available sync and async.
-The rest (admission, reads, group administration, and the audit and recovery queries, which run
-in :meth:`Store.reading` / :meth:`Store.writing`) uses SQLAlchemy Core over an engine on the same
-database; migrations use Alembic on that engine. Writes that carry a fence lock the run row
-first (``SELECT ... FOR UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite
-writers), then check the lease, so a stale or lapsed executor can write nothing.
+The rest (admission, reads, audit, recovery, administration) uses SQLAlchemy Core over an engine
+on the same database. Writes that carry a fence lock the run row first (``SELECT ... FOR
+UPDATE`` on PostgreSQL; ``BEGIN IMMEDIATE`` already serializes SQLite writers), then check the
+lease, so a stale or lapsed executor can write nothing.
+
+What differs between the databases is not decided here: :class:`SqlStore` leaves it to its two
+subclasses, :class:`ledger.storage.sqlite.SqliteStore` and
+:class:`ledger.storage.postgres.PostgresStore` (their driver, their hot-path statements, a few
+hooks of the cold-path SQL), so no transaction asks which database it runs on.
 """
 
 from __future__ import annotations
 
+import abc
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ClassVar
 
-from sqlalchemy import Connection, Engine, and_, bindparam, func, or_, select
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy import Connection, Engine, Select, and_, bindparam, func, or_, select
+from sqlalchemy.engine import URL
 
 from ledger import faults
 from ledger.domain.records import (
@@ -52,23 +52,21 @@ from ledger.errors import (
     AdmissionConflict,
     AllowanceExhausted,
     BudgetExceeded,
+    Conflict,
     FencedOut,
     InvalidArgument,
     NotFound,
     SettleConflict,
 )
-from ledger.storage import hot
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, audit, bulk, hot, recovery, series
 from ledger.storage import schema as s
-from ledger.storage.driver import PgDriver, SqliteDriver, Tx
-from ledger.storage.engine import mapped_errors, redact_url
+from ledger.storage.driver import Driver
+from ledger.storage.failure import mapped
 from ledger.storage.hot import check_live
+from ledger.storage.port import ClockFn, Figures, RowMap, Snapshot, StoragePort, Takeover
 from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.statements import event_json
 
-ClockFn = Callable[[], float]
-# How long before its end a lease stops starting work: processes whose clocks differ by less
-# than this never both believe they may use one capacity slot (docs/operations.md).
-DEFAULT_LEASE_MARGIN_S = 0.5
 SEL_ATTEMPT_WITH_DEBIT = (
     select(s.attempts, s.debits.c.state.label("debit_state"))
     .outerjoin(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
@@ -76,33 +74,63 @@ SEL_ATTEMPT_WITH_DEBIT = (
 )
 
 
-def _driver(engine: Engine, url: str) -> SqliteDriver | PgDriver:
-    if engine.dialect.name == "postgresql":
-        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        return PgDriver(conninfo, where=redact_url(url))
-    db = engine.url.database
-    assert db is not None
-    return SqliteDriver(db)
+class SqlStore(StoragePort, abc.ABC):
+    """The storage port over one database: an engine for the cold path, the database's own
+    driver for the hot one. Subclasses say what differs between the databases (the hooks
+    below); open one with :func:`ledger.storage.open_store`."""
 
+    #: The hot path's statements for this database.
+    SQL: ClassVar[hot.Sql]
+    #: The statement that refreshes the planner's statistics after a bulk load.
+    ANALYZE: ClassVar[str]
 
-class Store:
-    """The storage layer over one database (an engine for the cold path, a driver for the hot)."""
-
-    def __init__(self, engine: Engine, url: str, *,
+    def __init__(self, engine: Engine, where: str, driver: Driver, *,
                  lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> None:
         self.engine = engine
-        self.url = url
-        self.dialect = engine.dialect.name
+        self.where = where
         self.lease_margin_s = lease_margin_s
-        self.driver = _driver(engine, url)
-        self.sql = hot.SQL[self.dialect]
+        self.driver = driver
+        self.sql = self.SQL
+
+    @classmethod
+    @abc.abstractmethod
+    def connect(cls, norm: str, parsed: URL, *, lease_margin_s: float) -> SqlStore:
+        """A store on the database of the normalized URL ``norm`` (parsed: ``parsed``),
+        without touching it yet (the first transaction connects)."""
+
+    # -- what differs between the databases (the cold path's hooks) ------------------------
+
+    @abc.abstractmethod
+    def migration_lock(self) -> AbstractContextManager[Connection]:
+        """A connection whose work is serialized against every other migrating process."""
+
+    @abc.abstractmethod
+    def insert_for(self, table: Any) -> Any:
+        """The database's INSERT (with ON CONFLICT support) for ``table``."""
+
+    @abc.abstractmethod
+    def claiming(self, query: Select[Any]) -> Select[Any]:
+        """``query`` as a claim of work items: rows another transaction holds are skipped
+        (PostgreSQL), not waited for; budget and capacity checks never use it."""
+
+    @abc.abstractmethod
+    def consistent(self, conn: Connection) -> None:
+        """Make the read transaction just begun on ``conn`` one snapshot of the whole ledger."""
+
+    @abc.abstractmethod
+    def bucket(self, col: Any, since: float, width: float) -> Any:
+        """The 0-based index of the ``width``-wide time bucket from ``since`` of ``col``."""
+
+    @abc.abstractmethod
+    def label(self, key: str) -> Any:
+        """The value of label ``key`` (checked) of a run, as SQL."""
 
     # -- transactions ---------------------------------------------------------------------
 
     @contextmanager
     def writing(self) -> Iterator[Connection]:
         """One write transaction (``BEGIN IMMEDIATE`` on SQLite); other storage modules use it."""
-        with mapped_errors(self.url), self.engine.connect() as conn:
+        with mapped(self.where), self.engine.connect() as conn:
             conn = conn.execution_options(ledger_write=True)
             with conn.begin():
                 yield conn
@@ -110,24 +138,14 @@ class Store:
     @contextmanager
     def reading(self) -> Iterator[Connection]:
         """One read transaction."""
-        with mapped_errors(self.url), self.engine.connect() as conn, conn.begin():
+        with mapped(self.where), self.engine.connect() as conn, conn.begin():
             yield conn
 
-    def dispose(self) -> None:
-        self.driver.close()
-        self.engine.dispose()
-
-    def insert_for(self, table: Any) -> Any:
-        """The dialect's INSERT (with ON CONFLICT support) for ``table``."""
-        if self.dialect == "postgresql":
-            return pg_dialect.insert(table)
-        return sqlite_dialect.insert(table)
-
-    def _write(self, tx: Tx[Any]) -> Any:
-        return self.driver.run(tx, write=True)
-
-    async def _awrite(self, tx: Tx[Any]) -> Any:
-        return await self.driver.arun(tx, write=True)
+    def close(self) -> None:
+        """Close the driver's connections and the engine's pool."""
+        with mapped(self.where):
+            self.driver.close()
+            self.engine.dispose()
 
     # -- runs -----------------------------------------------------------------------------
 
@@ -137,6 +155,16 @@ class Store:
         Content is compared normalised (decimals, set-like lists, defaults), so a retried
         admission that spells a budget ``1`` instead of ``"1.00"`` is the same admission.
         """
+        try:
+            return self._admit(spec, clock)
+        except Conflict as e:
+            if isinstance(e, AdmissionConflict):
+                raise
+            # Another process admitted the same id between this one's read and its insert
+            # (PostgreSQL: the row did not exist to be locked): compare with what it recorded.
+            return self._admit(spec, clock)
+
+    def _admit(self, spec: AdmitSpec, clock: ClockFn) -> tuple[RunRecord, bool]:
         with self.writing() as conn:
             existing = conn.execute(
                 select(s.runs).where(s.runs.c.run_id == spec.run_id).with_for_update()
@@ -232,6 +260,7 @@ class Store:
         return now
 
     def get_run(self, run_id: str) -> RunRecord:
+        """The Run as it stands (NotFound for an unknown id)."""
         with self.reading() as conn:
             row = conn.execute(select(s.runs).where(s.runs.c.run_id == run_id)).first()
         if row is None:
@@ -240,6 +269,7 @@ class Store:
         return run_record(row)
 
     def children(self, run_id: str) -> list[RunRecord]:
+        """The Child Runs of ``run_id``, oldest first."""
         with self.reading() as conn:
             rows = conn.execute(
                 select(s.runs).where(s.runs.c.parent_run_id == run_id)
@@ -248,34 +278,34 @@ class Store:
         return [run_record(r) for r in rows]
 
     # -- the hot path (each also as an ``a``-prefixed coroutine) -------------------------
-
-    def _snapshot_tx(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                     runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                     ) -> Tx[hot.Snapshot]:
-        return hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs, clock)
+    # Each method is one call of the driver with one transaction function of ``hot``: nothing
+    # else stands between the facade and the statements.
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                      ) -> hot.Snapshot:
+                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Snapshot:
         """One read: the run's live row (counters, current route, lease; not its frozen
         snapshots), its groups' projections, the health rows of ``keys``, and the provenance
         of ``refs`` recorded by ``runs``."""
-        return self.driver.run(self._snapshot_tx(run_id, groups, keys, runs, refs, clock),
-                               write=False)
+        return self.driver.run(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
+                                               clock), write=False)
 
     async def aturn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
                              runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                             ) -> hot.Snapshot:
-        return await self.driver.arun(
-            self._snapshot_tx(run_id, groups, keys, runs, refs, clock), write=False)
+                             ) -> Snapshot:
+        """The coroutine twin of :meth:`turn_snapshot`."""
+        return await self.driver.arun(hot.snapshot_tx(self.sql, run_id, groups, keys, runs,
+                                                      refs, clock), write=False)
 
     def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
         """Record an attempt before it is sent, in one transaction: live lease, allowances,
         holds, capacity, the decision's events. A rejection is recorded, then raised."""
-        return self._write(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s))  # type: ignore[no-any-return]
+        return self.driver.run(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
+                               write=True)
 
     async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
-        return await self._awrite(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s))  # type: ignore[no-any-return]
+        """The coroutine twin of :meth:`begin_attempt`."""
+        return await self.driver.arun(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
+                                      write=True)
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten.
@@ -287,93 +317,112 @@ class Store:
         ``late_receipt`` event on the Attempt, and its row does not change.
         """
         try:
-            return self._write(hot.settle_tx(self.sql, run_id, spec, clock))  # type: ignore[no-any-return]
+            return self.driver.run(hot.settle_tx(self.sql, run_id, spec, clock), write=True)
         except (FencedOut, SettleConflict) as e:
             if _late(e):
-                self._write(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
+                self.driver.run(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)),
+                                write=True)
             raise
 
     async def asettle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
                               ) -> AttemptRecord:
+        """The coroutine twin of :meth:`settle_attempt`."""
         try:
-            return await self._awrite(hot.settle_tx(self.sql, run_id, spec, clock))  # type: ignore[no-any-return]
+            return await self.driver.arun(hot.settle_tx(self.sql, run_id, spec, clock),
+                                          write=True)
         except (FencedOut, SettleConflict) as e:
             if _late(e):
-                await self._awrite(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
+                await self.driver.arun(hot.late_receipt_tx(self.sql, run_id, spec, clock(),
+                                                           str(e)), write=True)
             raise
 
     def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
                      reason: str) -> AttemptRecord:
         """Dispatched without a receipt: unknown, keeping its hold (a graceful shutdown)."""
-        return self._write(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason))  # type: ignore[no-any-return]
+        return self.driver.run(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason),
+                               write=True)
 
     async def amark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
                             reason: str) -> AttemptRecord:
-        return await self._awrite(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock,  # type: ignore[no-any-return]
-                                                      reason))
+        """The coroutine twin of :meth:`mark_unknown`."""
+        return await self.driver.arun(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock,
+                                                          reason), write=True)
 
     def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn) -> Lease:
         """A lease on the run. Another holder's unexpired lease is ``LeaseHeld``; one's own
         live lease is renewed under the same fence; otherwise the fence moves on."""
-        return self._write(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,  # type: ignore[no-any-return]
-                                          self.lease_margin_s))
+        return self.driver.run(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
+                                              self.lease_margin_s), write=True)
 
     async def aacquire_lease(self, run_id: str, executor: str, ttl_s: float,
                              clock: ClockFn) -> Lease:
-        return await self._awrite(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,  # type: ignore[no-any-return]
-                                                 self.lease_margin_s))
+        """The coroutine twin of :meth:`acquire_lease`."""
+        return await self.driver.arun(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
+                                                     self.lease_margin_s), write=True)
 
     def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
         """Extend a live lease; a lapsed one is ``LeaseLost`` (acquire again)."""
-        return self._write(hot.renew_tx(self.sql, lease, ttl_s, clock, self.lease_margin_s))  # type: ignore[no-any-return]
+        return self.driver.run(hot.renew_tx(self.sql, lease, ttl_s, clock, self.lease_margin_s),
+                               write=True)
 
     async def arenew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
-        return await self._awrite(hot.renew_tx(self.sql, lease, ttl_s, clock,  # type: ignore[no-any-return]
-                                               self.lease_margin_s))
+        """The coroutine twin of :meth:`renew_lease`."""
+        return await self.driver.arun(hot.renew_tx(self.sql, lease, ttl_s, clock,
+                                                   self.lease_margin_s), write=True)
 
     def release_lease(self, lease: Lease, clock: ClockFn) -> None:
         """Give the lease up. Releasing an already released lease is the same write again."""
-        self._write(hot.release_tx(self.sql, lease, clock))
+        self.driver.run(hot.release_tx(self.sql, lease, clock), write=True)
 
     async def arelease_lease(self, lease: Lease, clock: ClockFn) -> None:
-        await self._awrite(hot.release_tx(self.sql, lease, clock))
+        """The coroutine twin of :meth:`release_lease`."""
+        await self.driver.arun(hot.release_tx(self.sql, lease, clock), write=True)
 
     def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
-        self._write(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s))
+        """Record the Run's end under a live lease."""
+        self.driver.run(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s),
+                        write=True)
 
     async def afinish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
-        await self._awrite(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s))
+        """The coroutine twin of :meth:`finish_run`."""
+        await self.driver.arun(hot.finish_tx(self.sql, lease, status, clock,
+                                             self.lease_margin_s), write=True)
 
     def reserve_retry(self, lease: Lease, clock: ClockFn,
                       data: Mapping[str, Any] | None = None) -> int:
         """Take one retry permission; returns how many are left after it."""
-        return self._write(hot.reserve_retry_tx(self.sql, lease, clock, self.lease_margin_s,  # type: ignore[no-any-return]
-                                                dict(data or {})))
+        return self.driver.run(hot.reserve_retry_tx(self.sql, lease, clock, self.lease_margin_s,
+                                                    dict(data or {})), write=True)
 
     async def areserve_retry(self, lease: Lease, clock: ClockFn,
                              data: Mapping[str, Any] | None = None) -> int:
-        return await self._awrite(hot.reserve_retry_tx(  # type: ignore[no-any-return]
-            self.sql, lease, clock, self.lease_margin_s, dict(data or {})))
+        """The coroutine twin of :meth:`reserve_retry`."""
+        return await self.driver.arun(hot.reserve_retry_tx(
+            self.sql, lease, clock, self.lease_margin_s, dict(data or {})), write=True)
 
     def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
                           clock: ClockFn) -> None:
-        self._write(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
-                                      self.lease_margin_s))
+        """Record that ``ref`` produced ``content_hash`` (under a live lease)."""
+        self.driver.run(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
+                                          self.lease_margin_s), write=True)
 
     async def arecord_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
                                  clock: ClockFn) -> None:
-        await self._awrite(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
-                                             self.lease_margin_s))
+        """The coroutine twin of :meth:`record_provenance`."""
+        await self.driver.arun(hot.provenance_tx(self.sql, lease, ref, content_hash, kind,
+                                                 clock, self.lease_margin_s), write=True)
 
     def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
                      data: Mapping[str, Any], clock: ClockFn) -> None:
-        self._write(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
-                                 self.lease_margin_s))
+        """Append an audit event under a live lease."""
+        self.driver.run(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
+                                     self.lease_margin_s), write=True)
 
     async def aappend_event(self, lease: Lease, attempt_id: str | None, kind: str,
                             data: Mapping[str, Any], clock: ClockFn) -> None:
-        await self._awrite(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
-                                        self.lease_margin_s))
+        """The coroutine twin of :meth:`append_event`."""
+        await self.driver.arun(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
+                                            self.lease_margin_s), write=True)
 
     def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float, *,
                     kind: str = "route", ttl_s: float | None = None,
@@ -381,28 +430,33 @@ class Store:
         """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window.
         A claim taken forgets probe times ``ttl_s`` old and keeps at most ``max_keys``."""
         faults.point("probe.before_claim")
-        return self._write(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,  # type: ignore[no-any-return]
-                                              kind=kind, ttl_s=ttl_s, max_keys=max_keys))
+        return self.driver.run(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,
+                                                  kind=kind, ttl_s=ttl_s, max_keys=max_keys),
+                               write=True)
 
     async def aclaim_probe(self, key: str, provider: str | None, now: float,
                            interval_s: float, *, kind: str = "route", ttl_s: float | None = None,
                            max_keys: int | None = None) -> bool:
+        """The coroutine twin of :meth:`claim_probe`."""
         faults.point("probe.before_claim")
-        return await self._awrite(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,  # type: ignore[no-any-return]
-                                                     kind=kind, ttl_s=ttl_s,
-                                                     max_keys=max_keys))
+        return await self.driver.arun(hot.claim_probe_tx(
+            self.sql, key, provider, now, interval_s, kind=kind, ttl_s=ttl_s,
+            max_keys=max_keys), write=True)
 
     def record_compaction(self, lease: Lease, clock: ClockFn) -> int:
         """Count one compaction of the Run's session; returns the new count."""
-        return self._write(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s))  # type: ignore[no-any-return]
+        return self.driver.run(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s),
+                               write=True)
 
     async def arecord_compaction(self, lease: Lease, clock: ClockFn) -> int:
-        return await self._awrite(hot.compaction_tx(self.sql, lease, clock,  # type: ignore[no-any-return]
-                                                    self.lease_margin_s))
+        """The coroutine twin of :meth:`record_compaction`."""
+        return await self.driver.arun(hot.compaction_tx(self.sql, lease, clock,
+                                                        self.lease_margin_s), write=True)
 
     # -- groups, health (administration and reads) -----------------------------------------
 
     def configure_group(self, group: str, max_in_flight: int | None, now: float) -> None:
+        """Create or update a capacity group's limit (its mode is kept)."""
         g = s.capacity_groups.c
         with self.writing() as conn:
             stmt = self.insert_for(s.capacity_groups).values(
@@ -415,6 +469,7 @@ class Store:
             ))
 
     def set_group_mode(self, group: str, upd: GroupUpdate, now: float) -> None:
+        """Set a group's mode, waiting floor and reason (the group is created if unknown)."""
         with self.writing() as conn:
             g = s.capacity_groups.c
             row = conn.execute(select(s.capacity_groups).where(g.group_id == group)).first()
@@ -429,6 +484,7 @@ class Store:
 
     def group_projections(self, groups: Iterable[str] | None, now: float
                           ) -> dict[str, GroupProjection]:
+        """Admission's view of ``groups`` (None: all) at ``now``."""
         with self.reading() as conn:
             return self._projections(conn, groups, now)
 
@@ -464,6 +520,7 @@ class Store:
                    r.lease_expires_at > now)).scalar_one())
 
     def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
+        """The stored health rows of ``keys`` (None: all)."""
         h = s.health.c
         with self.reading() as conn:
             q = select(s.health)
@@ -472,6 +529,7 @@ class Store:
             return {row.key: health_record(row) for row in conn.execute(q).all()}
 
     def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:
+        """Provenance recorded by ``run_ids``: ref -> content hashes."""
         p = s.provenance.c
         with self.reading() as conn:
             rows = conn.execute(select(p.ref, p.content_hash).where(p.run_id.in_(list(run_ids))))
@@ -482,12 +540,14 @@ class Store:
 
     def add_event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                data: Mapping[str, Any], now: float) -> None:
+        """Insert one event on ``conn`` (inside another write of this store)."""
         conn.execute(s.events.insert().values(
             run_id=run_id, attempt_id=attempt_id, kind=kind, data=event_json(data),
             created_at=now,
         ))
 
     def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
+        """The Run's events in order, optionally only of ``kinds``."""
         e = s.events.c
         with self.reading() as conn:
             q = select(s.events).where(e.run_id == run_id)
@@ -500,6 +560,7 @@ class Store:
     # -- reads ----------------------------------------------------------------------------
 
     def get_attempt(self, attempt_id: str) -> AttemptRecord:
+        """One Attempt with its debit's state (NotFound for an unknown id)."""
         with self.reading() as conn:
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": attempt_id}).first()
             if row is None:
@@ -507,6 +568,7 @@ class Store:
             return attempt_record(row, row.debit_state)
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
+        """The Run's Attempts in sequence (NotFound for an unknown run)."""
         a = s.attempts.c
         d = s.debits.c
         with self.reading() as conn:
@@ -576,6 +638,7 @@ class Store:
         return Page(items, nxt)
 
     def debit(self, debit_id: str) -> DebitRecord:
+        """One debit (NotFound for an unknown id)."""
         with self.reading() as conn:
             row = conn.execute(select(s.debits).where(s.debits.c.debit_id == debit_id)).first()
         if row is None:
@@ -584,8 +647,125 @@ class Store:
                            from_micros(row.reserved_micros), from_micros(row.posted_micros),
                            row.created_at, row.settled_at)
 
+    # -- recovery and reconciliation (the SQL is in ledger.storage.recovery) ----------------
+
+    def expired_runs(self, now: float, limit: int,
+                     run_ids: list[str] | None = None) -> list[str]:
+        """Runs whose lease expired by ``now`` with work left, oldest expiry first."""
+        return recovery.expired_runs(self, now, limit, run_ids)
+
+    def take_over(self, run_ids: Sequence[str], executor: str, ttl_s: float, now: float, *,
+                  release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
+        """Take expired runs over under new fences, in one transaction."""
+        return recovery.take_over(self, run_ids, executor, ttl_s, now, release=release,
+                                  adopt=adopt)
+
+    def orphaned_runs(self, limit: int, run_ids: list[str] | None = None) -> list[str]:
+        """Runs with Attempts dispatching under a fence older than the run's."""
+        return recovery.orphaned_runs(self, limit, run_ids)
+
+    def mark_orphans(self, run_id: str, now: float) -> list[str]:
+        """Mark a run's orphaned Attempts unknown; returns their ids."""
+        return recovery.mark_orphans(self, run_id, now)
+
+    def reconcile_figures(self, now: float) -> Figures:
+        """Every ledger-wide invariant checked on one snapshot."""
+        return recovery.reconcile_rows(self, now)
+
+    def event_counts(self, kinds: list[str]) -> dict[str, int]:
+        """How many events of each kind the ledger holds."""
+        return recovery.event_counts(self, kinds)
+
+    # -- audit reads (the SQL is in ledger.storage.audit and ledger.storage.series) ---------
+
+    def audit_runs(self, *, status: str | None, tenant: str | None, since: float | None,
+                   until: float | None, limit: int, cursor: str | None
+                   ) -> tuple[list[RowMap], str | None]:
+        """Runs newest first, with the next cursor."""
+        return audit.runs_page(self, status=status, tenant=tenant, since=since, until=until,
+                               limit=limit, cursor=cursor)
+
+    def audit_timeline(self, run_id: str
+                       ) -> tuple[RowMap | None, list[RowMap], list[RowMap]]:
+        """(run, attempts with debits, events) of one run."""
+        return audit.timeline(self, run_id)
+
+    def audit_failovers(self, *, since: float | None, until: float | None, limit: int,
+                        cursor: str | None
+                        ) -> tuple[list[RowMap], list[RowMap], list[RowMap], str | None]:
+        """Runs that failed over, their attempts and moves, and the next cursor."""
+        return audit.failover_page(self, since=since, until=until, limit=limit, cursor=cursor)
+
+    def audit_totals(self, *, by: str, since: float | None, until: float | None,
+                     label: str | None, limit: int, cursor: str | None
+                     ) -> tuple[list[RowMap], str | None]:
+        """Attempt totals grouped by ``by``, most expensive first."""
+        return audit.totals(self, by=by, since=since, until=until, label=label, limit=limit,
+                            cursor=cursor)
+
+    def audit_open_attempts(self, *, states: Sequence[str], since: float | None,
+                            until: float | None, limit: int, cursor: str | None
+                            ) -> tuple[list[RowMap], str | None]:
+        """Attempts in ``states`` with their run's lease, newest first."""
+        return audit.open_attempts(self, states=states, since=since, until=until, limit=limit,
+                                   cursor=cursor)
+
+    def audit_health(self, now: float) -> tuple[list[RowMap], list[RowMap]]:
+        """(health rows, groups with their live in-flight count)."""
+        return audit.health(self, now)
+
+    def audit_activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
+        """Attempts per time bucket."""
+        return audit.activity(self, since=since, until=until, bucket_s=bucket_s)
+
+    def route_series(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
+        """Per route and time bucket: attempts, outcomes, latency."""
+        return series.route_series(self, since=since, until=until, bucket_s=bucket_s)
+
+    def cost_by_day(self, *, since: float, until: float) -> list[RowMap]:
+        """Per UTC day and tenant: attempts and cost."""
+        return series.cost_by_day(self, since=since, until=until)
+
+    def metrics_totals(self, now: float) -> dict[str, list[RowMap]]:
+        """The counters of ``/metrics``."""
+        return series.metrics_totals(self, now)
+
+    def history_bounds(self) -> tuple[float | None, float | None]:
+        """(oldest, newest) Attempt time."""
+        return audit.history_bounds(self)
+
+    def sample_runs(self, *, since: float, until: float, n: int) -> list[str]:
+        """Up to ``n`` run ids admitted in the range, newest first."""
+        return audit.sample_runs(self, since=since, until=until, n=n)
+
+    def sample_route(self) -> str | None:
+        """The route of the newest Attempt."""
+        return audit.sample_route(self)
+
+    def schema_present(self) -> bool:
+        """Whether the ledger's tables exist."""
+        return audit.schema_present(self)
+
+    # -- bulk history (the SQL is in ledger.storage.bulk) -----------------------------------
+
+    def bulk_insert(self, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> int:
+        """Insert generated history in one transaction; returns the rows written."""
+        return bulk.bulk_insert(self, rows)
+
+    def analyze(self) -> None:
+        """Refresh the planner's statistics."""
+        bulk.analyze(self)
+
+    def first_run_other_than(self, *, policy_hash: str | None = None,
+                             tenant: str | None = None) -> str | None:
+        """One run not carrying ``policy_hash`` (or ``tenant``), else None."""
+        return bulk.first_run_other_than(self, policy_hash=policy_hash, tenant=tenant)
+
 
 def _late(e: FencedOut | SettleConflict) -> bool:
     """A refused settle whose observation is kept: the run moved on, or the attempt was
     already settled unknown (the receipt came late)."""
     return isinstance(e, FencedOut) or e.fields.get("state") == AttemptState.UNKNOWN.value
+
+
+__all__ = ["DEFAULT_LEASE_MARGIN_S", "SqlStore"]

@@ -118,8 +118,7 @@ def fresh_ledger(db_url: str) -> str | None:
     ledger at all), or a PostgreSQL database holding any run, is refused with
     :class:`InvalidArgument` naming ``--db``: the demo never writes next to other history.
     """
-    from ledger.storage import audit as q
-    from ledger.storage.bulk import first_run_other_than
+    from ledger.api.facade import storage_of
     from ledger.storage.engine import normalize_url, redact_url
 
     norm = normalize_url(db_url)
@@ -135,13 +134,14 @@ def fresh_ledger(db_url: str) -> str | None:
         raise InvalidArgument(f"{where} cannot be opened as a ledger ({e}); the demo needs a "
                               f"fresh ledger: {fix}", field="db") from e
     try:
-        if not q.schema_present(led.store):
+        store = storage_of(led)
+        if not store.schema_present():
             if path is None:
                 return None  # an empty PostgreSQL database: the demo migrates it
             raise InvalidArgument(f"{where} exists and is not a ledger; the demo will not "
                                   f"overwrite it: {fix}", field="db")
-        other = (first_run_other_than(led.store, tenant=DEMO_TENANT) if path is not None
-                 else first_run_other_than(led.store))
+        other = (store.first_run_other_than(tenant=DEMO_TENANT) if path is not None
+                 else store.first_run_other_than())
     except LedgerError as e:
         raise InvalidArgument(f"{where} cannot be read as a ledger ({e}): {fix}",
                               field="db") from e

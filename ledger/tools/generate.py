@@ -7,7 +7,7 @@ send); same-route retries and failovers with the selector's ``select``/``retry``
 events; a few unknown attempts and, at the recent end, a few still dispatching; current route
 health (cooldowns, disables, probes) and group waiting floors. Deterministic for a given seed.
 
-The rows are written with :func:`ledger.storage.bulk.bulk_insert`, not through the fenced write
+The rows are written with the storage port's ``bulk_insert``, not through the fenced write
 path, so generated runs carry a small policy marker instead of the full frozen policy: they are
 finished history for reading, not runs to resume.
 """
@@ -24,8 +24,7 @@ from typing import Any
 
 from ledger.domain.facts import Category, FailureFact, Phase, Scope, Transport
 from ledger.domain.values import Price, Profile, Route, content_hash
-from ledger.storage.bulk import analyze, bulk_insert
-from ledger.storage.store import Store
+from ledger.storage.port import StoragePort
 
 Progress = Callable[[int, int], None]
 
@@ -89,7 +88,7 @@ def catalog() -> list[Route]:
     return out
 
 
-def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
+def generate(store: StoragePort, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
              batch_attempts: int = 5000, progress: Progress | None = None) -> GenStats:
     """Write about ``attempts`` attempts of history spread over ``days`` days before ``end``."""
     if attempts < 1:
@@ -116,7 +115,7 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
     def flush() -> None:
         nonlocal written
         if pending["attempts"] or pending["runs"]:
-            bulk_insert(store, pending)
+            store.bulk_insert(pending)
             written = stats.attempts
             for v in pending.values():
                 v.clear()
@@ -277,8 +276,8 @@ def generate(store: Store, *, attempts: int, days: float = 7.0, end: float, seed
     stats.events += len(pending["events"])
     pending_health = _health_rows(rng, routes, end)
     flush()
-    bulk_insert(store, pending_health)
-    analyze(store)
+    store.bulk_insert(pending_health)
+    store.analyze()
     return stats
 
 

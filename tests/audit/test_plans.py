@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from ledger.api.facade import Ledger
+from ledger.api.facade import Ledger, storage_of
 from ledger.clock import ManualClock
 from ledger.ops.audit import Audit
 from ledger.tools.generate import generate
+from tests.storage.helpers import sql_store
 
 pytestmark = pytest.mark.postgres
 
@@ -32,7 +33,7 @@ def big(pg_server: Any) -> Iterator[Audit]:
     name = f"plans_{os.getpid()}"
     pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
     led = Ledger.open(pg_server.url(name), clock=ManualClock(END), migrate_schema=False)
-    generate(led.store, attempts=20_000, days=30, end=END, seed=7)  # ends with ANALYZE
+    generate(storage_of(led), attempts=20_000, days=30, end=END, seed=7)  # ends with ANALYZE
     try:
         yield Audit(led)
     finally:
@@ -48,7 +49,7 @@ def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def _plans_of(audit: Audit, call: Any) -> list[tuple[str, list[tuple[str, str | None]]]]:
     """Run ``call``; EXPLAIN every SELECT it sent; [(sql, [(node type, relation), ...])]."""
     sent: list[tuple[str, Any]] = []
-    engine = audit.store.engine
+    engine = sql_store(audit.ledger).engine
 
     def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
                 executemany: bool) -> None:

@@ -224,10 +224,10 @@ def test_results_are_json_ready(audit: Audit) -> None:
 def test_reader_never_migrates(tmp_path: object) -> None:
     # An audit opened without migration on an empty database finds no tables instead of
     # creating them (the read-only contract of the CLI and dashboard).
-    from ledger.storage import audit as q
+    from ledger.api.facade import storage_of
 
     led = Ledger.open(f"{tmp_path}/empty.db", clock=ManualClock(T0), migrate_schema=False)
     try:
-        assert q.schema_present(led.store) is False
+        assert storage_of(led).schema_present() is False
     finally:
         led.close()

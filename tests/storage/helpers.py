@@ -7,10 +7,22 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from ledger.domain.values import Budget, Grant, Price, Route
+from ledger.storage.store import SqlStore
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def sql_store(led: Any) -> SqlStore:
+    """The SQL implementation under a ledger, for white-box tests that reach its engine or
+    its transactions (reached, as ops and tools reach the port, through ``storage_of``)."""
+    from ledger.api.facade import storage_of
+
+    store = storage_of(led)
+    assert isinstance(store, SqlStore)
+    return store
 
 
 def routes() -> list[Route]:

@@ -18,7 +18,7 @@ from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.errors import CapacityUnavailable, FencedOut, LeaseHeld, LeaseLost
 from ledger.ops.recovery import recover
 
-from .helpers import budget, grant, routes
+from .helpers import budget, grant, routes, sql_store
 
 ENV = "sha256:env"
 
@@ -62,7 +62,7 @@ def test_invariant3_expired_lease_begins_nothing_and_the_group_limit_holds(
 def test_invariant3_a_lease_ending_within_the_margin_starts_nothing(
         led: Ledger, clock: ManualClock) -> None:
     lease = led.acquire_lease("r1", ttl_s=10)
-    clock.advance(10 - led.store.lease_margin_s / 2)  # not expired yet, but inside the margin
+    clock.advance(10 - led.lease_margin_s / 2)  # not expired yet, but inside the margin
     with pytest.raises(LeaseLost, match="expired"):
         led.begin_attempt(lease, route="c", envelope_hash=ENV, reserve="0.01")
     assert led.timeline("r1") == []
@@ -159,7 +159,7 @@ def test_invariant3_reacquired_run_refuses_settles_of_the_older_fence(
 def _hold_run_lock(led: Ledger, run_id: str, locked: threading.Event,
                    release: threading.Event) -> None:
     """Another transaction holding the run's write lock (SQLite: the database's)."""
-    with led.store.writing() as conn:  # BEGIN IMMEDIATE on SQLite: the database's write lock
+    with sql_store(led).writing() as conn:  # BEGIN IMMEDIATE on SQLite: the database's write lock
         if led.backend == "postgresql":
             conn.execute(text("SELECT run_id FROM runs WHERE run_id = :r FOR UPDATE"),
                          {"r": run_id})

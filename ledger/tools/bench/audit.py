@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ledger.api.facade import storage_of
 from ledger.errors import NotFound
 from ledger.ops.audit import Audit
-from ledger.storage import audit as q
 
 DAY = 86400.0
 TIMELINE_TARGET_MS = 10.0
@@ -48,14 +48,15 @@ def _count(result: Any) -> int:
 
 def bench_audit(audit: Audit, *, repeat: int = 5,
                 progress: Callable[[int, int], None] | None = None) -> list[BenchRow]:
-    lo, hi = q.history_bounds(audit.store)
+    store = storage_of(audit.ledger)
+    lo, hi = store.history_bounds()
     if hi is None or lo is None:
         raise NotFound("the ledger has no attempts to measure; fill it with "
                        "`failover-ledger generate`")
     until = hi + 1.0
     since = until - DAY
-    run_ids = q.sample_runs(audit.store, since=since, until=until, n=max(repeat, 1) + 1)
-    route = q.sample_route(audit.store)
+    run_ids = store.sample_runs(since=since, until=until, n=max(repeat, 1) + 1)
+    route = store.sample_route()
     if not run_ids or route is None:
         raise NotFound("the ledger has no runs in its newest day of history")
     cases: list[tuple[str, float | None, Callable[[int], Any]]] = [

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
 
-from ledger.api.facade import Ledger
+from ledger.api.facade import Ledger, storage_of
 from ledger.clock import ManualClock
 from ledger.domain.values import Budget, Price, Route
 from ledger.ops.recovery import DEFAULT_LIMIT, recover
@@ -104,8 +104,8 @@ def _history(led: Ledger, attempts: int, end: float, progress: Progress, backend
             progress(f"bench recover: {backend}: history {done:,}/{total:,} attempts")
 
     # The generator's bulk path is a tool beside the ledger, not the ledger's write path; it is
-    # given the ledger's store, as ``ledger generate`` does.
-    generate(led.store, attempts=attempts, days=7.0, end=end, seed=1, progress=tick)
+    # given the ledger's storage port, as ``ledger generate`` does.
+    generate(storage_of(led), attempts=attempts, days=7.0, end=end, seed=1, progress=tick)
 
 
 def _dead_executor(url: str, runs: int, per_run: int, at: float, workers: int,

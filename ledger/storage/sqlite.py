@@ -1,0 +1,68 @@
+"""The storage port on SQLite: :class:`SqliteStore`.
+
+One file shared by every process on the host: the hot path runs on :mod:`sqlite3` directly (one
+connection per thread, ``BEGIN IMMEDIATE`` for writes, WAL with ``synchronous=FULL``), the cold
+path on a SQLAlchemy engine over the same file. Writers serialize on the database's write lock,
+so no statement takes a row lock; a connection waits for another's write lock up to the busy
+timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers
+:class:`~ledger.errors.DatabaseUnavailable`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from sqlalchemy import Connection, Integer, Select, cast, func
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import URL
+
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate
+from ledger.storage import engine as eng
+from ledger.storage import schema as s
+from ledger.storage.driver import SqliteDriver
+from ledger.storage.engine import redact_url
+from ledger.storage.store import SqlStore
+
+
+class SqliteStore(SqlStore):
+    """The storage port over one SQLite file."""
+
+    backend = "sqlite"
+    SQL = hot.SQLITE_SQL
+    ANALYZE = "ANALYZE"
+
+    @classmethod
+    def connect(cls, norm: str, parsed: URL, *,
+                lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> SqliteStore:
+        """A store on the SQLite file of ``parsed`` (its folder must exist)."""
+        path = eng.sqlite_file(norm, parsed)
+        timeout = eng.sqlite_busy_timeout(parsed)
+        return cls(eng.sqlite_engine(parsed, timeout), redact_url(norm),
+                   SqliteDriver(path, busy_timeout_s=timeout), lease_margin_s=lease_margin_s)
+
+    def migration_lock(self) -> AbstractContextManager[Connection]:
+        """:func:`ledger.storage.migrate.sqlite_lock`."""
+        return migrate.sqlite_lock(self.engine)
+
+    def insert_for(self, table: Any) -> Any:
+        """SQLite's INSERT (with ``ON CONFLICT``)."""
+        return sqlite_dialect.insert(table)
+
+    def claiming(self, query: Select[Any]) -> Select[Any]:
+        """As it is: ``BEGIN IMMEDIATE`` serializes writers, so the re-check suffices."""
+        return query
+
+    def consistent(self, conn: Connection) -> None:
+        """Nothing to do: a SQLite read transaction is one snapshot already."""
+
+    def bucket(self, col: Any, since: float, width: float) -> Any:
+        """Truncation: SQLite lacks ``floor()`` before 3.35, and ``col >= since``."""
+        return cast((col - since) / width, Integer)
+
+    def label(self, key: str) -> Any:
+        """``json_extract`` of the labels' JSON text."""
+        return func.json_extract(s.runs.c.labels, f'$."{key}"')
+
+
+__all__ = ["SqliteStore"]

@@ -1,0 +1,495 @@
+"""No driver or SQLAlchemy exception escapes a public method: each way a database fails is a
+:class:`~ledger.errors.LedgerError`, with the driver's exception chained as its cause, and what
+was recorded before the failure is still there after it.
+
+Every kind runs through the public faces — :class:`Ledger`, :class:`AsyncLedger`, the audit,
+recovery, reconciliation — on SQLite and on a real PostgreSQL server, except where a kind has
+no faithful counterpart on one backend (said at the test):
+
+* SQLite has no server to go away: the database is a local file, read by the process itself;
+* on SQLite a second writer cannot interleave with a write transaction (``BEGIN IMMEDIATE``
+  serializes them), so an attempt id recorded by another run *during* a begin happens only on
+  PostgreSQL; a duplicate key on SQLite is driven through the bulk loader (``generate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from ledger import faults
+from ledger.api.facade import AsyncLedger, Ledger, storage_of
+from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, Lease
+from ledger.errors import (
+    Conflict,
+    DatabaseUnavailable,
+    LedgerError,
+    NotFound,
+    SchemaTooNew,
+    StorageError,
+)
+from ledger.ops.audit import Audit
+from ledger.ops.reconcile import reconcile
+from ledger.ops.recovery import recover
+from ledger.storage.baseline import pg_connect_args
+from ledger.storage.engine import normalize_url
+from ledger.testing.pgserver import PgServer, free_port
+from ledger.tools.generate import generate
+
+from .helpers import REPO, budget, grant, routes
+
+T0 = 1_700_000_000.0
+ENV = "sha256:env"
+DRIVERS = ("sqlite3", "psycopg", "sqlalchemy")
+T = TypeVar("T")
+
+
+# -- what every failure must look like --------------------------------------------------------
+
+
+def _driver_cause(err: BaseException) -> BaseException | None:
+    """The first driver or SQLAlchemy exception among ``err``'s causes and contexts."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err.__cause__, err.__context__]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] in DRIVERS:
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "orig", None)]
+    return None
+
+
+async def _awaited(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+def _failure(call: Callable[[], Any]) -> BaseException:
+    """What ``call()`` (awaited, when it returns an awaitable) raised."""
+    try:
+        out = call()
+        if isinstance(out, Awaitable):
+            asyncio.run(_awaited(out))
+    except Exception as e:
+        return e
+    pytest.fail("the call succeeded; it was expected to fail")
+
+
+def mapped(call: Callable[[], Any], kind: type[LedgerError], *,
+           driver: bool = True) -> LedgerError:
+    """Run ``call``: it must raise ``kind`` (a ledger error, never a driver's), whose causes
+    hold the driver's exception (``driver``) or none at all (a failure the ledger found)."""
+    err = _failure(call)
+    name = f"{type(err).__module__}.{type(err).__name__}"
+    assert isinstance(err, LedgerError), f"{name} escaped: {err}"
+    assert isinstance(err, kind), f"{name} instead of {kind.__name__}: {err}"
+    cause = _driver_cause(err)
+    if driver:
+        assert cause is not None, f"{name} does not chain the driver's error: {err}"
+    else:
+        assert cause is None, f"{name} chains a driver error it should not have met: {cause!r}"
+    return err
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(T0)
+
+
+def _seed(led: Ledger) -> tuple[Lease, str]:
+    """Run r1, leased, with one Attempt dispatching: what a failure must not lose."""
+    led.configure_group("g", max_in_flight=None)
+    led.configure_group("h", max_in_flight=None)
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    lease = led.acquire_lease("r1", ttl_s=30, executor_id="w1")
+    att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01")
+    return lease, att.attempt_id
+
+
+def _still_there(url: str, attempt_id: str, state: AttemptState) -> None:
+    """The seeded Run and its Attempt as they were, and the books in order."""
+    with Ledger.open(url, clock=ManualClock(T0), migrate_schema=False) as led:
+        assert led.get_attempt(attempt_id).state is state
+        assert led.timeline("r1")[0].attempt_id == attempt_id
+        assert reconcile(led).violations == []
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def unreachable(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path)  # a folder: the driver cannot open it as a database file
+    return f"postgresql+psycopg://nobody:secret@127.0.0.1:{free_port()}/x"  # nothing listens
+
+
+# -- the database cannot be reached ------------------------------------------------------------
+
+
+def test_an_unreachable_database_is_database_unavailable_on_every_face(unreachable: str,
+                                                                      clock: ManualClock
+                                                                      ) -> None:
+    err = mapped(lambda: Ledger.open(unreachable), DatabaseUnavailable)
+    assert "secret" not in str(err)
+    mapped(lambda: AsyncLedger.open(unreachable), DatabaseUnavailable)
+    # Opened without migrating, nothing is touched until the first call; then every call of
+    # every face is the same typed error, from the cold path and from the hot path's driver.
+    led = Ledger.open(unreachable, clock=clock, migrate_schema=False)
+    aled = AsyncLedger(led)
+    lease = Lease("r1", "w1", 1, T0 + 30)
+    try:
+        for call in (
+            lambda: led.get_run("r1"),
+            lambda: led.admit_run("r1", plan=routes(), budget=budget(), grant=grant()),
+            lambda: led.acquire_lease("r1"),
+            lambda: led.mark_unknown(lease, "att-1", "stop"),
+            lambda: led.health(),
+            lambda: led.attempts(limit=10),
+            lambda: aled.acquire_lease("r1"),
+            lambda: aled.mark_unknown(lease, "att-1", "stop"),
+            lambda: aled.get_run("r1"),
+            lambda: Audit(led).runs(),
+            lambda: Audit(led).health(),
+            lambda: reconcile(led),
+            lambda: recover(led, sleeper=ManualClock(T0)),  # retried, then told
+        ):
+            mapped(call, DatabaseUnavailable)
+    finally:
+        led.close()
+
+
+def test_a_sqlite_file_in_a_missing_folder_is_refused_before_the_driver(tmp_path: Path) -> None:
+    # The ledger checks the folder itself (SQLite would create the file anywhere it can), so
+    # this one carries no driver error: there was none.
+    err = mapped(lambda: Ledger.open(f"{tmp_path}/no/such/dir/x.db"), DatabaseUnavailable,
+                 driver=False)
+    assert "does not exist" in str(err)
+
+
+# -- the server goes away while in use (PostgreSQL) --------------------------------------------
+
+
+def _kill_sessions(server: PgServer, url: str) -> None:
+    """Terminate every session of ``url``'s database (waiting until they are gone)."""
+    db = url.rsplit("/", 1)[1]
+    server.psql("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
+                f"WHERE datname = '{db}' AND pid <> pg_backend_pid()")
+
+
+def _again(call: Callable[[], T]) -> T:
+    """``call()``; once more if it met a connection the server had dropped (the retry a
+    caller makes: every ledger call is safe to retry after DatabaseUnavailable)."""
+    try:
+        return call()
+    except DatabaseUnavailable as e:
+        assert _driver_cause(e) is not None, e
+        return call()
+
+
+@pytest.mark.postgres
+def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_nothing(
+        pg_server: PgServer, pg_url: str, clock: ManualClock) -> None:
+    led = Ledger.open(pg_url, clock=clock)
+    aled = AsyncLedger(led)
+    try:
+        lease, att = _seed(led)
+        # Between calls: every pooled connection of both paths is dead. The first use of each
+        # path's connection is DatabaseUnavailable; the same call again connects afresh.
+        _kill_sessions(pg_server, pg_url)
+        mapped(lambda: led.get_run("r1"), DatabaseUnavailable)  # SQLAlchemy's pool
+        mapped(lambda: led.settle_attempt(lease, att, outcome="succeeded"),  # the driver's
+               DatabaseUnavailable)
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING  # nothing half-written
+        assert led.settle_attempt(lease, att, outcome="succeeded").state is \
+            AttemptState.SUCCEEDED
+        for call in (lambda: Audit(led).timeline("r1"), lambda: reconcile(led)):
+            _kill_sessions(pg_server, pg_url)
+            _again(call)  # typed, or (when the pool noticed first) answered
+
+        # Inside a transaction, just before its commit: nothing of the settle is written.
+        second = _again(lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                                  reserve="0.01"))
+        faults.arm("settle.before_commit", lambda _name: _kill_sessions(pg_server, pg_url))
+        try:
+            mapped(lambda: led.settle_attempt(lease, second.attempt_id, outcome="succeeded"),
+                   DatabaseUnavailable)
+        finally:
+            faults.disarm("settle.before_commit")
+        assert _again(lambda: led.get_attempt(second.attempt_id)).state is \
+            AttemptState.DISPATCHING
+        led.settle_attempt(lease, second.attempt_id, outcome="succeeded")
+
+        # The asyncio driver: its own pooled connection dies the same way.
+        async def go() -> BaseException | None:
+            third = await aled.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                             reserve="0.01")
+            _kill_sessions(pg_server, pg_url)
+            try:
+                await aled.settle_attempt(lease, third.attempt_id, outcome="succeeded")
+            except Exception as e:
+                await aled.settle_attempt(lease, third.attempt_id, outcome="succeeded")
+                return e
+            return None
+
+        err = asyncio.run(go())
+        assert isinstance(err, DatabaseUnavailable) and _driver_cause(err) is not None
+
+        # Recovery retries through a dropped connection instead of failing.
+        _kill_sessions(pg_server, pg_url)
+        clock.advance(60)
+        report = recover(led, sleeper=ManualClock(T0))
+        assert report.retries >= 1 and [r.run_id for r in report.runs] == ["r1"]
+        assert [a.state for a in led.timeline("r1")] == [AttemptState.SUCCEEDED] * 3
+        assert reconcile(led).violations == []
+    finally:
+        led.close()
+
+
+# -- another connection holds the write lock ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def _write_lock(url: str) -> Iterator[None]:
+    """Another connection, of the driver itself, holding r1's and group g's write locks (on
+    SQLite: the database's write lock)."""
+    if "://" not in url:
+        conn = sqlite3.connect(url, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            conn.execute("ROLLBACK")
+            conn.close()
+        return
+    import psycopg
+
+    with psycopg.connect(**pg_connect_args(url)) as pg:  # a transaction until the end
+        pg.execute("SELECT 1 FROM runs WHERE run_id = 'r1' FOR UPDATE")
+        pg.execute("SELECT 1 FROM capacity_groups WHERE group_id = 'g' FOR UPDATE")
+        yield
+        pg.rollback()
+
+
+def _impatient(db_url: str, pg_server: Any) -> str:
+    """``db_url`` whose connections wait at most a moment for another's lock: SQLite's busy
+    timeout from the URL, PostgreSQL's ``lock_timeout`` of the database."""
+    if "://" not in db_url:
+        return f"sqlite:///{db_url}?timeout=0"
+    db = db_url.rsplit("/", 1)[1]
+    pg_server.psql(f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
+    return db_url
+
+
+def test_a_write_lock_held_past_the_busy_timeout_is_database_unavailable(
+        db_url: str, clock: ManualClock, request: pytest.FixtureRequest) -> None:
+    pg_server = request.getfixturevalue("pg_server") if "://" in db_url else None
+    with Ledger.open(db_url, clock=clock) as led:
+        lease, att = _seed(led)
+    url = _impatient(db_url, pg_server)
+    led = Ledger.open(url, clock=clock, migrate_schema=False)
+    aled = AsyncLedger(led)
+    try:
+        with _write_lock(db_url):
+            for call in (
+                lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01"),
+                lambda: led.settle_attempt(lease, att, outcome="succeeded"),
+                lambda: led.renew_lease(lease, ttl_s=30),
+                lambda: led.configure_group("g", max_in_flight=2),
+                lambda: aled.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01"),
+                lambda: aled.settle_attempt(lease, att, outcome="succeeded"),
+            ):
+                mapped(call, DatabaseUnavailable)
+            # Readers never wait for a writer (WAL; MVCC).
+            assert led.get_attempt(att).state is AttemptState.DISPATCHING
+            assert Audit(led).timeline("r1").attempts[0].attempt_id == att
+            assert reconcile(led).violations == []
+            clock.advance(60)  # r1's lease expires: recovery has a run to take over
+            if led.backend == "sqlite":
+                # The takeover is one write transaction: retried, then told.
+                mapped(lambda: recover(led, sleeper=ManualClock(T0)), DatabaseUnavailable)
+            else:
+                # A run another transaction holds is skipped (SKIP LOCKED), not waited for.
+                assert recover(led, sleeper=ManualClock(T0)).skipped == ["r1"]
+        assert recover(led, sleeper=ManualClock(T0)).runs[0].newly_unknown == [att]
+    finally:
+        led.close()
+    _still_there(db_url, att, AttemptState.UNKNOWN)
+
+
+# -- the database is read-only to this connection ----------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_read_only_postgres_database_refuses_writes_and_still_answers_reads(
+        pg_server: PgServer, pg_url: str, clock: ManualClock) -> None:
+    with Ledger.open(pg_url, clock=clock) as led:
+        lease, att = _seed(led)
+    db = pg_url.rsplit("/", 1)[1]
+    pg_server.psql(f"ALTER DATABASE {db} SET default_transaction_read_only = on")
+    led = Ledger.open(pg_url, clock=clock)  # at head already: the migration only reads
+    aled = AsyncLedger(led)
+    try:
+        for call in (
+            lambda: led.configure_group("g2", max_in_flight=1),
+            lambda: led.admit_run("r2", plan=routes(), budget=budget(), grant=grant()),
+            lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01"),
+            lambda: led.settle_attempt(lease, att, outcome="succeeded"),
+            lambda: aled.mark_unknown(lease, att, "stop"),
+            lambda: aled.acquire_lease("r1", executor_id="w1"),
+        ):
+            err = mapped(call, StorageError)
+            assert not isinstance(err, DatabaseUnavailable)  # retrying would not help
+            assert err.fields["read_only"] is True and "read-only" in str(err)
+        clock.advance(60)
+        err = mapped(lambda: recover(led, sleeper=ManualClock(T0)), StorageError)
+        assert err.fields["read_only"] is True
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING
+        assert Audit(led).runs().items[0].run_id == "r1"
+        assert reconcile(led).violations == []
+    finally:
+        led.close()
+    pg_server.psql(f"ALTER DATABASE {db} SET default_transaction_read_only = off")
+    _still_there(pg_url, att, AttemptState.DISPATCHING)
+
+
+def test_a_read_only_sqlite_file_refuses_writes_and_still_answers_reads(
+        tmp_path: Path, clock: ManualClock) -> None:
+    path = str(tmp_path / "ledger.db")
+    with Ledger.open(path, clock=clock) as led:
+        lease, att = _seed(led)
+    files = [p for p in tmp_path.iterdir() if p.name.startswith("ledger.db")]
+    for p in files:
+        p.chmod(0o444)
+    # File modes do not bind root: then the reader runs without CAP_DAC_OVERRIDE.
+    cmd = [sys.executable, "-m", "tests.storage._readonly", path, "r1", lease.executor,
+           str(lease.fence), att]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set=-dac_override", *cmd]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        for p in files:
+            p.chmod(0o644)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    writes = ("configure_group", "admit_run", "begin_attempt", "settle_attempt",
+              "AsyncLedger.mark_unknown", "recover")
+    for name in writes:
+        out = got[name]
+        assert out.get("error") == "ledger.errors.StorageError", (name, out)
+        assert out["read_only"] is True and out["cause"], (name, out)
+    # Opening at head only reads the revision (under the write lock SQLite grants a reader).
+    for name in ("Ledger.open", "get_run", "timeline", "Audit.runs", "reconcile"):
+        assert got[name] == {"ok": True}, (name, got[name])
+    _still_there(path, att, AttemptState.DISPATCHING)
+
+
+# -- a row that does not exist ---------------------------------------------------------------
+
+
+def test_a_missing_row_is_not_found_on_every_face(db_url: str, clock: ManualClock) -> None:
+    with Ledger.open(db_url, clock=clock) as led:
+        lease, att = _seed(led)
+        aled = AsyncLedger(led)
+        for call in (
+            lambda: led.get_attempt("att-missing"),
+            lambda: led.settle_attempt(lease, "att-missing", outcome="succeeded"),
+            lambda: led.mark_unknown(lease, "att-missing", "stop"),
+            lambda: aled.get_attempt("att-missing"),
+            lambda: aled.settle_attempt(lease, "att-missing", outcome="succeeded"),
+            lambda: aled.mark_unknown(lease, "att-missing", "stop"),
+            lambda: led.get_run("r-missing"),
+            lambda: led.timeline("r-missing"),
+            lambda: led.debit("d-missing"),
+            lambda: led.acquire_lease("r-missing"),
+            lambda: aled.acquire_lease("r-missing"),
+            lambda: Audit(led).timeline("r-missing"),
+        ):
+            mapped(call, NotFound, driver=False)  # found missing by the ledger, not a driver
+        assert recover(led, run_ids=["r-missing"]).runs == []
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING
+
+
+# -- a key that is recorded already -----------------------------------------------------------
+
+
+def test_history_loaded_twice_is_a_conflict_that_adds_nothing(db_url: str,
+                                                              clock: ManualClock) -> None:
+    with Ledger.open(db_url, clock=clock) as led:
+        _lease, att = _seed(led)
+        store = storage_of(led)
+        generate(store, attempts=40, days=1.0, end=T0, seed=3)
+        before = reconcile(led)
+        # The same seed writes the same ids: the first batch's insert hits the primary keys.
+        mapped(lambda: generate(store, attempts=40, days=1.0, end=T0, seed=3), Conflict)
+        after = reconcile(led)
+        assert (after.runs, after.attempts, after.by_state) == (
+            before.runs, before.attempts, before.by_state)
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING
+
+
+@pytest.mark.postgres
+def test_an_attempt_id_recorded_meanwhile_by_another_run_is_a_conflict(pg_url: str,
+                                                                        clock: ManualClock
+                                                                        ) -> None:
+    with Ledger.open(pg_url, clock=clock) as led, \
+            Ledger.open(pg_url, clock=clock, migrate_schema=False) as other:
+        lease, att = _seed(led)
+        led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
+        theirs = other.acquire_lease("r2", ttl_s=30, executor_id="w2")
+
+        def meanwhile(_point: str) -> None:
+            # Between r1's begin reading that the id is free and its writes.
+            other.begin_attempt(theirs, route="c", envelope_hash=ENV, reserve="0.01",
+                                attempt_id="att-shared")
+
+        faults.arm("begin.before_commit", meanwhile)
+        try:
+            mapped(lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                             reserve="0.01", attempt_id="att-shared"),
+                   Conflict)
+        finally:
+            faults.disarm("begin.before_commit")
+        assert led.get_attempt("att-shared").run_id == "r2"
+        assert [a.attempt_id for a in led.timeline("r1")] == [att]  # the begin left nothing
+        assert led.get_run("r1").calls_used == 1
+        assert reconcile(led).violations == []
+
+
+# -- a schema newer than the code --------------------------------------------------------------
+
+
+def test_a_newer_schema_is_schema_too_new_and_its_records_stay(db_url: str,
+                                                               clock: ManualClock) -> None:
+    with Ledger.open(db_url, clock=clock) as led:
+        _lease, att = _seed(led)
+    eng = create_engine(normalize_url(db_url))
+    try:
+        with eng.begin() as conn:
+            old = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+            conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfeed9999'"))
+        mapped(lambda: Ledger.open(db_url), SchemaTooNew, driver=False)
+        mapped(lambda: AsyncLedger.open(db_url), SchemaTooNew, driver=False)
+        with eng.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": old})
+    finally:
+        eng.dispose()
+    _still_there(db_url, att, AttemptState.DISPATCHING)
