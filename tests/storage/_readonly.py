@@ -27,8 +27,11 @@ T0 = 1_700_000_000.0  # the test's clock: its lease is live
 LATER = 1_800_000_000.0
 
 
-def driver_cause(err: BaseException) -> str | None:
-    """``module.Class`` of the first driver or SQLAlchemy exception among ``err``'s causes."""
+DRIVERS = ("sqlite3", "psycopg", "sqlalchemy")
+
+
+def driver_cause(err: BaseException) -> BaseException | None:
+    """The first driver or SQLAlchemy exception among ``err``'s causes and contexts."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [err.__cause__, err.__context__]
     while todo:
@@ -36,10 +39,15 @@ def driver_cause(err: BaseException) -> str | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if type(e).__module__.split(".")[0] in ("sqlite3", "psycopg", "sqlalchemy"):
-            return f"{type(e).__module__}.{type(e).__name__}"
+        if type(e).__module__.split(".")[0] in DRIVERS:
+            return e
         todo += [e.__cause__, e.__context__, getattr(e, "orig", None)]
     return None
+
+
+def _cause_name(err: BaseException) -> str | None:
+    cause = driver_cause(err)
+    return None if cause is None else f"{type(cause).__module__}.{type(cause).__name__}"
 
 
 def outcome(call: Callable[[], Any]) -> dict[str, Any]:
@@ -50,7 +58,7 @@ def outcome(call: Callable[[], Any]) -> dict[str, Any]:
     except Exception as e:
         return {"error": f"{type(e).__module__}.{type(e).__name__}",
                 "read_only": getattr(e, "fields", {}).get("read_only"),
-                "cause": driver_cause(e), "message": str(e)}
+                "cause": _cause_name(e), "message": str(e)}
     return {"ok": True}
 
 

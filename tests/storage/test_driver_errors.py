@@ -47,30 +47,15 @@ from ledger.storage.engine import normalize_url
 from ledger.testing.pgserver import PgServer, free_port
 from ledger.tools.generate import generate
 
+from ._readonly import driver_cause
 from .helpers import REPO, budget, grant, routes
 
 T0 = 1_700_000_000.0
 ENV = "sha256:env"
-DRIVERS = ("sqlite3", "psycopg", "sqlalchemy")
 T = TypeVar("T")
 
 
 # -- what every failure must look like --------------------------------------------------------
-
-
-def _driver_cause(err: BaseException) -> BaseException | None:
-    """The first driver or SQLAlchemy exception among ``err``'s causes and contexts."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [err.__cause__, err.__context__]
-    while todo:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if type(e).__module__.split(".")[0] in DRIVERS:
-            return e
-        todo += [e.__cause__, e.__context__, getattr(e, "orig", None)]
-    return None
 
 
 async def _awaited(aw: Awaitable[Any]) -> Any:
@@ -96,7 +81,7 @@ def mapped(call: Callable[[], Any], kind: type[LedgerError], *,
     name = f"{type(err).__module__}.{type(err).__name__}"
     assert isinstance(err, LedgerError), f"{name} escaped: {err}"
     assert isinstance(err, kind), f"{name} instead of {kind.__name__}: {err}"
-    cause = _driver_cause(err)
+    cause = driver_cause(err)
     if driver:
         assert cause is not None, f"{name} does not chain the driver's error: {err}"
     else:
@@ -196,7 +181,7 @@ def _again(call: Callable[[], T]) -> T:
     try:
         return call()
     except DatabaseUnavailable as e:
-        assert _driver_cause(e) is not None, e
+        assert driver_cause(e) is not None, e
         return call()
 
 
@@ -246,7 +231,7 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
             return None
 
         err = asyncio.run(go())
-        assert isinstance(err, DatabaseUnavailable) and _driver_cause(err) is not None
+        assert isinstance(err, DatabaseUnavailable) and driver_cause(err) is not None
 
         # Recovery retries through a dropped connection instead of failing.
         _kill_sessions(pg_server, pg_url)
