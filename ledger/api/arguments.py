@@ -8,7 +8,6 @@ same way. The rules that decide what a write *means* live in :mod:`ledger.decide
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -25,8 +24,8 @@ from ledger.domain.bounds import (
 )
 from ledger.domain.facts import Category
 from ledger.domain.records import AttemptState, Lease
-from ledger.domain.validation import validate_as
-from ledger.errors import ArgumentMismatch, InvalidArgument
+from ledger.domain.validation import check_known_keys, validate_as
+from ledger.errors import InvalidArgument
 
 MAX_EVENT_KIND = 32
 
@@ -98,13 +97,7 @@ MAX_CURSOR = 300
 
 def attempt_filters(filters: Mapping[str, Any]) -> dict[str, Any]:
     """The checked filters of an attempt listing (see :meth:`Ledger.attempts`)."""
-    unknown = sorted(set(filters) - set(ATTEMPT_FILTERS))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], ATTEMPT_FILTERS, n=1)
-        raise ArgumentMismatch(
-            f"{unknown[0]!r} is not an attempt filter; "
-            + (f"did you mean {close[0]!r}? " if close else "")
-            + f"pass only {', '.join(ATTEMPT_FILTERS)}", field=unknown[0])
+    check_known_keys(filters, ATTEMPT_FILTERS, "an attempt filter")
     out = dict(filters)
     for name in ("route", "group"):
         out[name] = check_optional_id(out.get(name), name)

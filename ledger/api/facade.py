@@ -354,10 +354,11 @@ class Ledger:
                                   "their fields)", field="plan")
         plan = [as_model(Route, r, f"plan[{i}]") for i, r in enumerate(plan)]
         validate_plan(plan)
+        prec = self.frozen_run(parent.run_id) if parent is not None else None
         # Unpriced routes get the price table's price, frozen with the plan (ledger.decide.pricing);
         # a child's take its parent's frozen price.
         plan = resolve_prices(plan, budget, at=self.now(),
-                              inherited=self.frozen_run(parent.run_id).plan if parent else ())
+                              inherited=prec.plan if prec is not None else ())
         if labels is not None and not isinstance(labels, Mapping):
             raise InvalidArgument("labels must be a mapping of strings to strings; pass e.g. "
                                   "{'team': 'search'}", field="labels")
@@ -366,13 +367,11 @@ class Ledger:
             # Printable: audit totals group by a label through the database's JSON functions.
             check_id(k, "labels")
             check_text(v, f"labels[{k!r}]")
-        prec = self.frozen_run(parent.run_id) if parent is not None else None
-        if policy is None and prec is None:
-            pol: Policy | None = _resolve_policy(None)
-        else:
-            pol = None if policy is None else _resolve_policy(policy)
+        # A Child given no policy inherits its parent's; a root Run's None is the default preset.
+        inherit = policy is None and prec is not None
         pol, grant = admission_terms(
-            plan, grant, role, pol, policy_hash=_policy_hash, parent=prec,
+            plan, grant, role, None if inherit else _resolve_policy(policy),
+            policy_hash=_policy_hash, parent=prec,
             parent_policy=self.run_policy(prec.run_id) if prec is not None else None)
         spec = admission_spec(
             run_id, plan=plan, budget=budget, grant=grant, policy=pol,

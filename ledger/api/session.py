@@ -24,7 +24,6 @@ not I/O in :class:`_SessionCore`.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -33,9 +32,9 @@ from ledger.decide.effects import Dispatch, SendResult
 from ledger.domain.bounds import MAX_LEASE_TTL_S, check_bool, check_id, check_seconds
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.records import FrozenRun, Lease, RunRecord
-from ledger.domain.validation import check_secret_provider, checked_calls
+from ledger.domain.validation import check_known_keys, check_secret_provider, checked_calls
 from ledger.domain.values import Budget, Grant, Route
-from ledger.errors import ArgumentMismatch, FencedOut, InvalidArgument, InvalidState
+from ledger.errors import FencedOut, InvalidArgument, InvalidState
 
 # Logger names are part of the interface operators filter on: they stay as they were named.
 log = logging.getLogger("ledger.session")
@@ -101,13 +100,7 @@ class _SessionCore:
                 f"lease_ttl_s={ttl:g} is not above the lease margin ({lease_margin_s:g}s): such "
                 "a lease could start nothing; pass a longer lease_ttl_s (e.g. 30)",
                 field="lease_ttl_s")
-        unknown = sorted(set(admit) - set(ADMIT_ARGUMENTS))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], ADMIT_ARGUMENTS, n=1)
-            raise ArgumentMismatch(
-                f"{unknown[0]!r} is not an admission argument; "
-                + (f"did you mean {close[0]!r}? " if close else "")
-                + f"pass only {', '.join(ADMIT_ARGUMENTS)}", field=unknown[0])
+        check_known_keys(admit, ADMIT_ARGUMENTS, "an admission argument")
         _check_adapter(adapter, adapter_kind, secrets, owns_adapter)
         self.ledger = ledger
         self._adapter = adapter

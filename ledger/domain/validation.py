@@ -27,7 +27,7 @@ import functools
 import inspect
 import reprlib
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Annotated, Any, Self, TypeVar, Union, cast, get_args, get_origin
 
 from pydantic import (
@@ -462,6 +462,21 @@ def checked_calls(cls: C) -> C:
 
 
 
+def check_known_keys(given: Iterable[str], known: Sequence[str], what: str) -> None:
+    """Refuse any key of ``given`` that is not one of ``known``.
+
+    The :class:`~ledger.errors.ArgumentMismatch` names the key, its likely spelling and the
+    valid keys; ``what`` names one key in the message, e.g. ``"an attempt filter"``.
+    """
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        raise ArgumentMismatch(
+            f"{unknown[0]!r} is not {what}; "
+            + (f"did you mean {close[0]!r}? " if close else "")
+            + f"pass only {', '.join(known)}", field=unknown[0])
+
+
 def check_secret_provider(secrets: Any) -> None:
     """``secrets`` must be a SecretProvider (``get(profile_id, protocol=...)``), not a dict."""
     if secrets is not None and (isinstance(secrets, Mapping)
@@ -484,6 +499,7 @@ __all__ = [
     "Problem",
     "Seconds",
     "Text",
+    "check_known_keys",
     "check_secret_provider",
     "checked_call",
     "checked_calls",
