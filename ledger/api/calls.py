@@ -8,14 +8,18 @@ copies of a check.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
 R = TypeVar("R")
+S = TypeVar("S")
+P = ParamSpec("P")
 
 
 class Lru(Generic[K, V]):
@@ -78,4 +82,33 @@ class Call(Generic[R]):
         return self.done(value) if self.done is not None else value
 
 
-__all__ = ["Call", "Lru"]
+def async_doc(doc: str | None, owner: str, how: str) -> str | None:
+    """A blocking method's docstring for its async twin on ``owner``.
+
+    The same, plus how the twin runs: one docstring per operation, so the two never drift apart.
+    """
+    if doc is None:
+        return None
+    return f"{inspect.cleandoc(doc)}\n\nOn :class:`{owner}` a coroutine: awaited, {how}."
+
+
+def in_thread(fn: Callable[Concatenate[S, P], R], owner: str
+              ) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]:
+    """The async twin, on class ``owner``, of the blocking method ``fn``.
+
+    The twin holds the blocking object as ``.sync`` and runs the same call in a worker thread,
+    so the database call does not block the event loop. The signature (for the misuse checks)
+    and the docstring are ``fn``'s.
+    """
+
+    async def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(fn, self.sync, *args, **kwargs)
+
+    method.__name__ = fn.__name__
+    method.__qualname__ = f"{owner}.{fn.__name__}"
+    method.__doc__ = async_doc(fn.__doc__, owner, "in a worker thread (the database call blocks)")
+    method.__wrapped__ = fn  # type: ignore[attr-defined]
+    return method
+
+
+__all__ = ["Call", "Lru", "async_doc", "in_thread"]

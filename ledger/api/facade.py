@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import os
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from decimal import Decimal
@@ -33,7 +32,7 @@ from ledger.api.arguments import (
     lease_arg,
     optional_tokens,
 )
-from ledger.api.calls import Call, Lru
+from ledger.api.calls import Call, Lru, async_doc, in_thread
 from ledger.clock import Clock, SystemClock
 from ledger.decide.admission import admission_spec, admission_terms, validate_plan
 from ledger.decide.begin import begin_spec
@@ -138,18 +137,9 @@ def _native(fn: Callable[Concatenate[Ledger, P], Call[R]]
 
     method.__name__ = fn.__name__.lstrip("_")
     method.__qualname__ = f"AsyncLedger.{method.__name__}"
-    method.__doc__ = _async_doc(fn.__doc__, "on the database's asyncio driver, no thread hop")
+    method.__doc__ = async_doc(fn.__doc__, "AsyncLedger",
+                               "on the database's asyncio driver, no thread hop")
     return method
-
-
-def _async_doc(doc: str | None, how: str) -> str | None:
-    """A :class:`Ledger` method's docstring for its :class:`AsyncLedger` twin.
-
-    The same, plus how the twin runs: one docstring per operation, so the two never drift apart.
-    """
-    if doc is None:
-        return None
-    return f"{inspect.cleandoc(doc)}\n\nOn :class:`AsyncLedger` a coroutine: awaited, {how}."
 
 
 @checked_calls
@@ -1142,23 +1132,10 @@ def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
     return ledger._store
 
 
-def _in_thread(
-    fn: Callable[Concatenate[Ledger, P], R],
-) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
-    """The async twin of a :class:`Ledger` method, run in a worker thread.
-
-    The database call blocks, so it runs off the event loop; the signature and the docstring
-    are the sync method's.
-    """
-
-    async def method(self: AsyncLedger, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await asyncio.to_thread(fn, self.sync, *args, **kwargs)
-
-    method.__name__ = fn.__name__
-    method.__qualname__ = f"AsyncLedger.{fn.__name__}"
-    method.__doc__ = _async_doc(fn.__doc__, "in a worker thread (the database call blocks)")
-    method.__wrapped__ = fn  # type: ignore[attr-defined]  # its signature, for misuse checks
-    return method
+def _in_thread(fn: Callable[Concatenate[Ledger, P], R]
+               ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
+    """The async twin of a cold :class:`Ledger` method, run in a worker thread."""
+    return in_thread(fn, "AsyncLedger")
 
 
 class _Opening:

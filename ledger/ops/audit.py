@@ -13,7 +13,6 @@ profiles and groups are cooling now (:meth:`Audit.health`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from enum import Enum
 from typing import Any
 
 from ledger.api.arguments import MAX_CURSOR, attempt_filters, limit_arg
+from ledger.api.calls import in_thread
 from ledger.api.facade import Ledger, storage_of
 from ledger.domain.bounds import (
     check_choice,
@@ -883,8 +883,8 @@ class Audit:
 class AsyncAudit:
     """The async twin of :class:`Audit`: the same methods, awaited in a worker thread.
 
-    Each method takes :class:`Audit`'s arguments (by keyword) and returns and raises what it
-    does; the docstrings point there rather than repeat it.
+    Each method is :class:`Audit`'s, with its arguments, result, errors and docstring, run in a
+    worker thread.
 
     Args:
         audit: The :class:`Audit` to run.
@@ -895,51 +895,17 @@ class AsyncAudit:
             raise InvalidArgument("audit must be a ledger.ops.audit.Audit", field="audit")
         self.sync = audit
 
-    async def runs(self, **kw: Any) -> Page[RunSummary]:
-        """:meth:`Audit.runs`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.runs(**kw))
-
-    async def timeline(self, run_id: str) -> RunTimeline:
-        """:meth:`Audit.timeline`, awaited."""
-        return await asyncio.to_thread(self.sync.timeline, run_id)
-
-    async def failovers(self, **kw: Any) -> Page[Failover]:
-        """:meth:`Audit.failovers`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.failovers(**kw))
-
-    async def attempts(self, **kw: Any) -> Page[AttemptRecord]:
-        """:meth:`Audit.attempts`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.attempts(**kw))
-
-    async def costs(self, **kw: Any) -> Page[Totals]:
-        """:meth:`Audit.costs`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.costs(**kw))
-
-    async def open_attempts(self, **kw: Any) -> Page[OpenAttempt]:
-        """:meth:`Audit.open_attempts`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.open_attempts(**kw))
-
-    async def health(self, now: float | None = None) -> HealthReport:
-        """:meth:`Audit.health`, awaited."""
-        return await asyncio.to_thread(self.sync.health, now)
-
-    async def activity(self, *, since: float, until: float,
-                       buckets: int = 24) -> list[ActivityBucket]:
-        """:meth:`Audit.activity`, awaited."""
-        return await asyncio.to_thread(
-            lambda: self.sync.activity(since=since, until=until, buckets=buckets))
-
-    async def route_series(self, **kw: Any) -> list[RouteSeries]:
-        """:meth:`Audit.route_series`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.route_series(**kw))
-
-    async def costs_by_day(self, **kw: Any) -> list[DayCost]:
-        """:meth:`Audit.costs_by_day`, awaited."""
-        return await asyncio.to_thread(lambda: self.sync.costs_by_day(**kw))
-
-    async def metrics(self, now: float | None = None) -> MetricsSnapshot:
-        """:meth:`Audit.metrics`, awaited."""
-        return await asyncio.to_thread(self.sync.metrics, now)
+    runs = in_thread(Audit.runs, "AsyncAudit")
+    timeline = in_thread(Audit.timeline, "AsyncAudit")
+    failovers = in_thread(Audit.failovers, "AsyncAudit")
+    attempts = in_thread(Audit.attempts, "AsyncAudit")
+    costs = in_thread(Audit.costs, "AsyncAudit")
+    open_attempts = in_thread(Audit.open_attempts, "AsyncAudit")
+    health = in_thread(Audit.health, "AsyncAudit")
+    activity = in_thread(Audit.activity, "AsyncAudit")
+    route_series = in_thread(Audit.route_series, "AsyncAudit")
+    costs_by_day = in_thread(Audit.costs_by_day, "AsyncAudit")
+    metrics = in_thread(Audit.metrics, "AsyncAudit")
 
 
 __all__ = [
