@@ -27,5 +27,7 @@ def health_values(new: Health, now: float) -> dict[str, Any]:
         "disabled_reason": new.disabled_reason, "error_count": new.error_count,
         "failure_counts": json.dumps(new.failure_counts, sort_keys=True),
         "last_failure_at": new.last_failure_at, "last_used": new.last_used,
-        "last_probe_at": new.last_probe_at, "reset_at": new.reset_at, "updated_at": now,
+        "last_probe_at": new.last_probe_at, "reset_at": new.reset_at,
+        "recent_failures": json.dumps(list(new.recent_failures)) if new.recent_failures else None,
+        "updated_at": now,
     }
