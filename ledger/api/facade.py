@@ -14,6 +14,7 @@ and reads) run the blocking method in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
@@ -64,11 +65,12 @@ from ledger.domain.records import (
     Lease,
     Outcome,
     Page,
+    Queued,
     RunRecord,
     RunStatus,
     to_micros,
 )
-from ledger.domain.specs import GroupUpdate
+from ledger.domain.specs import BeginSpec, GroupUpdate
 from ledger.domain.validation import checked_call, checked_calls
 from ledger.domain.values import (
     Budget,
@@ -84,6 +86,7 @@ from ledger.policy.model import Policy
 from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
 from ledger.storage.port import Snapshot, StoragePort
 from ledger.storage.rows import run_live
+from ledger.storage.wake import SlotWaker
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
@@ -646,6 +649,17 @@ class Ledger:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
             NotFound: the lease's Run does not exist.
         """
+        return self._begin(self._begin_spec(  # type: ignore[return-value]  # never Queued
+            lease, route=route, envelope_hash=envelope_hash, reserve=reserve,
+            reserve_tokens=reserve_tokens, turn_id=turn_id, profile_id=profile_id, kind=kind,
+            attempt_id=attempt_id, events=events, take_retry=take_retry))
+
+    def _begin_spec(self, lease: Lease, *, route: str | Route, envelope_hash: str,
+                    reserve: Decimal | int | str, reserve_tokens: int, turn_id: str,
+                    profile_id: str | None, kind: AttemptKind | str, attempt_id: str | None,
+                    events: Sequence[tuple[str, Mapping[str, Any]]], take_retry: bool,
+                    queue_until: float | None = None) -> BeginSpec:
+        """The checked :class:`~ledger.domain.specs.BeginSpec` of :meth:`begin_attempt`."""
         lease = lease_arg(lease)
         run = self.frozen_run(lease.run_id)
         if not isinstance(route, str | Route):
@@ -665,14 +679,29 @@ class Ledger:
             run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
             reserve_micros=reserve_micros, reserve_tokens=reserve_tokens, turn_id=turn_id,
             kind=kind, attempt_id=attempt_id, events=events_arg(events), take_retry=take_retry)
+        return spec if queue_until is None else dataclasses.replace(spec, queue_until=queue_until)
+
+    def _begin(self, spec: BeginSpec) -> Call[AttemptRecord | Queued]:
+        """The begin of ``spec`` (checked), queued in a full group when ``spec.queue_until``."""
         clock = self.clock.now
 
-        def done(rec: AttemptRecord) -> AttemptRecord:
-            self._in_flight.put(rec.attempt_id, rec)
+        def done(rec: AttemptRecord | Queued) -> AttemptRecord | Queued:
+            if isinstance(rec, AttemptRecord):
+                self._in_flight.put(rec.attempt_id, rec)
             return rec
 
         return Call(lambda: self._store.begin_attempt(spec, clock),
                      lambda: self._store.abegin_attempt(spec, clock), done)
+
+    def _leave_queue(self, waiter_id: str, group: str) -> Call[None]:
+        """Give up a queued begin's place in ``group``'s queue (the turn stopped waiting)."""
+        return Call(lambda: self._store.leave_queue(waiter_id, group),
+                     lambda: self._store.aleave_queue(waiter_id, group))
+
+    @property
+    def _waker(self) -> SlotWaker:
+        """Wakes this process's waiters of a full capacity group."""
+        return self._store.waker
 
     def _settle_attempt(
         self,
@@ -780,6 +809,7 @@ class Ledger:
 
         def done(rec: AttemptRecord) -> AttemptRecord:
             self._in_flight.pop(attempt_id)
+            self._store.waker.poke(rec.group_id)  # its slot is free: a waiter may go
             return rec
 
         return Call(lambda: self._store.settle_attempt(lease.run_id, spec, clock),
@@ -810,8 +840,13 @@ class Ledger:
                                   field="reason")
         lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
         check_id(attempt_id, "attempt_id")
+
+        def done(rec: AttemptRecord) -> AttemptRecord:
+            self._store.waker.poke(rec.group_id)  # its slot is free: a waiter may go
+            return rec
+
         return Call(lambda: self._store.mark_unknown(lease, attempt_id, clock, why),
-                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why))
+                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why), done)
 
     def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction.

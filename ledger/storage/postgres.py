@@ -9,6 +9,8 @@ transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -32,6 +34,9 @@ class PostgresStore(SqlStore):
     SQL = hot.POSTGRES_SQL
     ANALYZE = "ANALYZE runs, attempts, debits, events, health, capacity_groups"
 
+    #: Notifications wake waiters at once; polling only finds slots of leases that expired.
+    QUEUE_POLL_S = 1.0
+
     @classmethod
     def connect(cls, norm: str, parsed: URL, *,
                 lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> PostgresStore:
@@ -40,6 +45,18 @@ class PostgresStore(SqlStore):
         conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         where = redact_url(norm)
         return cls(engine, where, PgDriver(conninfo, where=where), lease_margin_s=lease_margin_s)
+
+    def _listen(self, told: Callable[[str], None], stop: threading.Event) -> None:
+        """LISTEN on the queue channel until ``stop``; ``told("")`` once listening."""
+        import psycopg
+
+        conninfo = self.driver.conninfo  # type: ignore[attr-defined]
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f"LISTEN {hot.QUEUE_CHANNEL}")
+            told("")
+            while not stop.is_set():
+                for note in conn.notifies(timeout=0.5):
+                    told(note.payload)
 
     def migration_lock(self) -> AbstractContextManager[Connection]:
         """:func:`ledger.storage.migrate.postgres_lock`."""
