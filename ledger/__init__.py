@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         Sleeper,
         SystemClock,
         SystemSleeper,
+        WakeableSleeper,
     )
     from ledger.decide.classify import classify
     from ledger.domain.envelope import (
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
         AllowanceExhausted,
         ArgumentMismatch,
         BudgetExceeded,
+        CandidateSkipped,
         CapacityUnavailable,
         ConfigError,
         Conflict,
@@ -121,6 +123,7 @@ _LAZY: dict[str, str] = {
     "Budget": "ledger.domain.values",
     "BudgetExceeded": "ledger.errors",
     "Capabilities": "ledger.domain.values",
+    "CandidateSkipped": "ledger.errors",
     "CapacityUnavailable": "ledger.errors",
     "Category": "ledger.domain.facts",
     "Clock": "ledger.clock",
@@ -180,6 +183,7 @@ _LAZY: dict[str, str] = {
     "StorageError": "ledger.errors",
     "SystemClock": "ledger.clock",
     "SystemSleeper": "ledger.clock",
+    "WakeableSleeper": "ledger.clock",
     "ToolSpec": "ledger.domain.envelope",
     "Transport": "ledger.domain.facts",
     "aexecute": "ledger.api.turn",
@@ -201,6 +205,7 @@ __all__ = [
     "AttemptState",
     "Budget",
     "BudgetExceeded",
+    "CandidateSkipped",
     "Capabilities",
     "CapacityUnavailable",
     "Category",
@@ -261,6 +266,7 @@ __all__ = [
     "SystemSleeper",
     "ToolSpec",
     "Transport",
+    "WakeableSleeper",
     "WireProtocol",
     "__version__",
     "aexecute",

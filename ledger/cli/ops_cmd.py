@@ -235,9 +235,17 @@ def _run_show(args: argparse.Namespace) -> int:
         print()
         for seq, e in notes:
             print(f"  #{seq} {e.kind}: {fmt_event_data(e.data, now)}")
+    seqs = {a.attempt_id: a.seq for a in tl.attempts}
+    if tl.waits:
+        print()
+        for w in tl.waits:
+            print(f"  waited {w.waited_s:.1f} s ({w.text}): {w.outcome}"
+                  + (f" -> #{seqs[w.attempt_id]}" if w.attempt_id in seqs else "")
+                  + f"  {fmt_until(w.at, now)}")
     for line in stop_lines(tl.stops, now):
         print(line)
     return 0
+
 
 
 def stop_lines(stops: Sequence[Any], now: float) -> list[str]:
@@ -247,6 +255,9 @@ def stop_lines(stops: Sequence[Any], now: float) -> list[str]:
         out.append("")
         out.append(f"stopped {fmt_until(st.at, now)}: {st.reason}"
                    + (f": {st.detail}" if st.detail else ""))
+        if st.candidates:
+            out.extend(f"  {line}" for line in st.candidates)
+            continue
         for sk in st.skipped:
             out.append(f"  skipped {sk.route}: {sk.reason}" + (f" ({sk.detail})" if sk.detail
                                                                else ""))

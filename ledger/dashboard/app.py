@@ -260,6 +260,18 @@ _TOTALS_HEAD = ["attempts", "ok", "failed", "unknown", "tokens", "cost"]
 _TOTALS_CLS = ["num"] * 6
 
 
+def _waits_html(tl: RunTimeline, now: float) -> str:
+    if not tl.waits:
+        return ""
+    seqs = {a.attempt_id: a.seq for a in tl.attempts}
+    rows = [[_e(f"{w.waited_s:.1f} s"), _e(w.text), _tag(w.outcome),
+             _e(f"#{seqs[w.attempt_id]}" if w.attempt_id in seqs else None), _t(w.at)]
+            for w in tl.waits]
+    return ('<section id="waits"><h2>Waits</h2>'
+            + _table(["waited", "for", "outcome", "attempt", "at"], rows, "waits-table",
+                     "no waits", ["num", "", "", "num", "nowrap"]) + "</section>")
+
+
 def _stops_html(tl: RunTimeline, now: float) -> str:
     if not tl.stops:
         return ""
@@ -269,6 +281,11 @@ def _stops_html(tl: RunTimeline, now: float) -> str:
                           + (f' <span class="muted">({_e(s.detail)})</span>' if s.detail
                              else "") + "</li>" for s in st.skipped)
         errors = "".join(f"<li>error: {_e(err)}</li>" for err in st.errors)
+        if st.candidates:
+            # "route: failed: ..." / "route: skipped (reason): detail — fix: ..."
+            skipped = "".join("<li><b>{}</b>: {}</li>".format(*map(_e, c.split(": ", 1)))
+                              if ": " in c else f"<li>{_e(c)}</li>" for c in st.candidates)
+            errors = ""
         out.append(f'<div class="stop"><b class="stop-reason">{_e(st.reason)}</b>'
                    + (f": {_e(st.detail)}" if st.detail else "")
                    + f' <span class="muted">{_ago(st.at, now)}</span>'
@@ -308,7 +325,7 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
                            "why (selector)", "events", "at"], rows, "timeline-table",
                           "no attempts yet",
                           ["num", "", "id", "id", "", "", "nowrap", "num", "", "", "nowrap"])
-            + "</section>" + _stops_html(tl, now))
+            + "</section>" + _waits_html(tl, now) + _stops_html(tl, now))
 
 
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,

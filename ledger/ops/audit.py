@@ -151,6 +151,35 @@ class Stop:
     attempts: list[str]
     errors: list[str]
     at: float
+    # One line per candidate of the plan: how it failed, or why it was skipped (and the fix).
+    candidates: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One wait of a turn (a ``capacity_wait`` or ``wait`` event), recorded once.
+
+    ``kind``: ``capacity`` (in a full group's queue), ``reopening`` (for a cooling route) or
+    ``group_floor`` (a group's waiting floor); ``outcome``: ``admitted`` (the Attempt it ended
+    in is ``attempt_id``), ``rejected`` or ``timed_out`` (no Attempt).
+    """
+
+    kind: str
+    group: str | None
+    route: str | None
+    waited_s: float
+    outcome: str
+    attempt_id: str | None
+    at: float
+
+    @property
+    def text(self) -> str:
+        """What the turn waited for, in words (``run show`` and the dashboard say it)."""
+        if self.kind == "capacity":
+            return f"for a slot of full group {self.group}"
+        if self.kind == "reopening":
+            return f"for route {self.route} to reopen"
+        return f"for group {self.group}'s waiting floor"
 
 
 @dataclass(frozen=True)
@@ -168,6 +197,7 @@ class RunTimeline:
     failed_over: bool
     total_cost: Decimal
     stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
+    waits: list[Wait] = field(default_factory=list)  # every wait of its turns, oldest first
 
 
 @dataclass(frozen=True)
@@ -374,7 +404,17 @@ def _stop(ev: AuditEvent) -> Stop:
     d = ev.data
     return Stop(reason=str(d.get("reason") or "unknown"), detail=d.get("detail") or None,
                 skipped=_skipped(d), attempts=[str(a) for a in d.get("attempts") or []],
-                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at)
+                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at,
+                candidates=[str(c) for c in d.get("candidates") or []])
+
+
+def _wait(ev: AuditEvent) -> Wait:
+    d = ev.data
+    what = "capacity" if ev.kind == "capacity_wait" else str(d.get("for") or "wait")
+    return Wait(kind=what, group=d.get("group"), route=d.get("route"),
+                waited_s=float(d.get("waited_s") or 0.0),
+                outcome=str(d.get("outcome") or "admitted"), attempt_id=ev.attempt_id,
+                at=ev.created_at)
 
 
 def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
@@ -593,9 +633,10 @@ class Audit:
         failed_over = (served is not None and served != run.selected_route) or any(
             e.kind == "move" for e in events)
         stops = [_stop(e) for e in events if e.kind == "stop"]
+        waits = [_wait(e) for e in events if e.kind in ("capacity_wait", "wait")]
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
                            served_route=served, failed_over=failed_over, total_cost=total,
-                           stops=stops)
+                           stops=stops, waits=waits)
 
     def failovers(self, *, since: float | None = None, until: float | None = None,
                   limit: int = 50, cursor: str | None = None) -> Page[Failover]:

@@ -209,7 +209,7 @@ COSTLY = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1_000_000))
 
 
 @pytest.mark.parametrize(("kind", "budget", "reason", "detail"), [
-    ("calls", Budget(max_calls=2, max_retries=1, max_cost=Decimal(1000)), "retry_allowance",
+    ("calls", Budget(max_calls=2, max_retries=1, max_cost=Decimal(1000)), "call_allowance",
      "no model call left"),
     ("cost", Budget(max_calls=10, max_retries=5, max_cost=Decimal(29)), "budget", ""),
 ])
