@@ -354,18 +354,18 @@ def _health(args: argparse.Namespace) -> int:
     now = rep.now
     print("routes and profiles")
     print(table(["KEY", "KIND", "PROVIDER", "STATUS", "COOLDOWN", "DISABLED", "ERRORS",
-                 "LAST FAILURE", "LAST PROBE"],
+                 "RECENT", "LAST FAILURE", "LAST PROBE"],
                 [[k.key, k.kind, k.provider, k.status, fmt_until(k.cooldown_until, now),
                   fmt_until(k.disabled_until, now)
                   + (f" ({k.disabled_reason})" if k.disabled_reason else ""),
-                  k.error_count, relative(k.last_failure_at, now),
+                  k.error_count, k.recent_failures, relative(k.last_failure_at, now),
                   relative(k.last_probe_at, now)]
                  for k in rep.routes + rep.profiles]))
     print()
     print("capacity groups")
-    print(table(["GROUP", "MODE", "WAIT UNTIL", "REASON", "IN FLIGHT", "LIMIT"],
+    print(table(["GROUP", "MODE", "WAIT UNTIL", "REASON", "IN FLIGHT", "LIMIT", "WAITING"],
                 [[g.group, g.mode, fmt_until(g.until, now) if g.mode != "open" else "-",
-                  g.reason if g.mode != "open" else "-", g.in_flight, g.limit]
+                  g.reason if g.mode != "open" else "-", g.in_flight, g.limit, g.waiting]
                  for g in rep.groups]))
     return 0
 

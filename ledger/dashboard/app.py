@@ -191,21 +191,22 @@ def _health_html(rep: HealthReport) -> str:
              _until(k.cooldown_until, now),
              _until(k.disabled_until, now) + (f" ({_e(k.disabled_reason)})"
                                               if k.disabled_reason else ""),
-             str(k.error_count), _ago(k.last_failure_at, now),
+             str(k.error_count), str(k.recent_failures), _ago(k.last_failure_at, now),
              _ago(k.last_probe_at, now)] for k in rep.routes + rep.profiles]
     groups = [[_e(g.group), _tag(g.mode), _until(g.until, now) if g.mode != "open" else _e(None),
-               _e(g.reason) if g.mode != "open" else _e(None), _e(g.in_flight), _e(g.limit)]
+               _e(g.reason) if g.mode != "open" else _e(None), _e(g.in_flight), _e(g.limit),
+               _e(g.waiting)]
               for g in rep.groups]
     return (
         '<section><h2>Routes and credential profiles</h2>'
         + _table(["key", "kind", "provider", "status", "cooldown until", "disabled until",
-                  "errors", "last failure", "last probe"], keys, "health-table",
-                 "no health recorded yet",
-                 ["id", "", "", "", "nowrap", "nowrap", "num", "nowrap", "nowrap"])
+                  "errors", "recent failures", "last failure", "last probe"], keys,
+                 "health-table", "no health recorded yet",
+                 ["id", "", "", "", "nowrap", "nowrap", "num", "num", "nowrap", "nowrap"])
         + '</section><section><h2>Capacity groups</h2>'
-        + _table(["group", "mode", "waiting floor", "reason", "in flight", "limit"], groups,
-                 "groups-table", "no capacity groups yet",
-                 ["id", "", "nowrap", "", "num", "num"])
+        + _table(["group", "mode", "waiting floor", "reason", "in flight", "limit", "waiting"],
+                 groups, "groups-table", "no capacity groups yet",
+                 ["id", "", "nowrap", "", "num", "num", "num"])
         + "</section>")
 
 

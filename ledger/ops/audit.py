@@ -281,6 +281,8 @@ class KeyHealth:
     last_failure_at: float | None
     last_used: float | None
     last_probe_at: float | None
+    # Failures below the policy's cooling threshold (health.cooldown_after), not yet forgotten.
+    recent_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -295,6 +297,7 @@ class GroupHealth:
     sampled_at: float | None
     in_flight: int
     limit: int | None
+    waiting: int = 0  # turns waiting in its queue for a slot
 
 
 @dataclass(frozen=True)
@@ -456,6 +459,7 @@ def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
         failure_counts={} if reset else json.loads(row["failure_counts"] or "{}"),
         last_failure_at=row["last_failure_at"], last_used=row["last_used"],
         last_probe_at=row["last_probe_at"],
+        recent_failures=0 if reset else len(json.loads(row.get("recent_failures") or "[]")),
     )
 
 
@@ -465,7 +469,8 @@ def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
         mode = "open"  # the waiting floor has passed (the same projection admission uses)
     return GroupHealth(group=row["group_id"], mode=mode, stored_mode=row["mode"],
                        until=row["until"], reason=row["reason"], sampled_at=row["sampled_at"],
-                       in_flight=int(row["in_flight"]), limit=row["max_in_flight"])
+                       in_flight=int(row["in_flight"]), limit=row["max_in_flight"],
+                       waiting=int(row.get("waiting") or 0))
 
 
 def to_jsonable(value: Any) -> Any:

@@ -310,11 +310,20 @@ def health(store: Store, now: float) -> tuple[list[RowMap], list[RowMap]]:
             .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
                    r.lease_expires_at > now)
             .group_by(gs.group_id).subquery())
+    w = s.group_waiters.c
+    # A place in a full group's queue counts the same way, while its own bound has not passed.
+    queued = (select(w.group_id, func.count().label("waiting"))
+              .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
+              .where(w.fence == r.fence, w.expires_at > now, r.lease_expires_at.is_not(None),
+                     r.lease_expires_at > now)
+              .group_by(w.group_id).subquery())
     with store.reading() as conn:
         hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())
         grows = _maps(conn.execute(
-            select(s.capacity_groups, func.coalesce(live.c.in_flight, 0).label("in_flight"))
-            .select_from(s.capacity_groups.outerjoin(live, live.c.group_id == g.group_id))
+            select(s.capacity_groups, func.coalesce(live.c.in_flight, 0).label("in_flight"),
+                   func.coalesce(queued.c.waiting, 0).label("waiting"))
+            .select_from(s.capacity_groups.outerjoin(live, live.c.group_id == g.group_id)
+                         .outerjoin(queued, queued.c.group_id == g.group_id))
             .order_by(g.group_id)
         ).all())
     return hrows, grows
