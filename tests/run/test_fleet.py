@@ -38,6 +38,7 @@ from ledger import (
     preset,
 )
 from ledger.domain.records import AttemptKind, AttemptState, DebitState
+from ledger.ops.audit import Audit
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import FakeProvider, Fault
 from tests import fakeplan
@@ -155,6 +156,9 @@ def test_one_503_on_each_of_two_routes_darkens_nothing_for_the_next_run(
     health = led.health(["a", "b"])  # each failure is remembered, and cools nothing
     assert all(h.available(clock.now()) and h.error_count == 0 for h in health.values())
     assert [len(health[k].recent_failures) for k in ("a", "b")] == [1, 1]
+    report = Audit(led).health()  # what `failover-ledger health` shows an operator
+    assert {(k.key, k.status, k.recent_failures) for k in report.routes} == {
+        ("a", "ok", 1), ("b", "ok", 1)}
     clock.advance(1)
     res = served(led, "next", plan)  # a worker's next Run, a second later
     assert res.route.id == "a" and len(res.attempts) == 1  # type: ignore[attr-defined]
