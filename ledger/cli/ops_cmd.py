@@ -230,7 +230,9 @@ def _run_show(args: argparse.Namespace) -> int:
                      _money(a.cost), why, fmt_time(a.created_at)])
     print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST", "WHY", "AT"],
                 rows))
-    notes = [(a.seq, e) for a in tl.attempts for e in a.events]
+    # Waits have their own lines below.
+    notes = [(a.seq, e) for a in tl.attempts for e in a.events
+             if e.kind not in ("capacity_wait", "wait")]
     if notes:
         print()
         for seq, e in notes:
