@@ -345,7 +345,7 @@ class TurnLoop:
             begin = Begin(self.lease, attempt_id, route, profile, self.envelope_hash, reserve,
                           reserve_tokens, self.turn_id, attempt_kind,
                           take_retry=kind is not AttemptKind.FIRST, events=events,
-                          queue_until=self._queue_until(snap, turn))
+                          queue_until=self._queue_until(snap, turn, waited=wait))
             try:
                 att = yield from self._admitted(begin, turn, policy)
             except CapacityUnavailable as e:
@@ -460,12 +460,17 @@ class TurnLoop:
         """What is left of the turn's one bound on waiting (``max_capacity_wait_s``)."""
         return max(0.0, policy.admission.max_capacity_wait_s - turn.waited)
 
-    def _queue_until(self, snap: TurnSnapshot, turn: _Turn) -> float | None:
-        """Until when a begin may wait in a full group's queue (``None``: it may not)."""
-        until = snap.now + self._wait_left(snap.policy, turn)
+    def _queue_until(self, snap: TurnSnapshot, turn: _Turn, *, waited: float
+                     ) -> float | None:
+        """Until when a begin may wait in a full group's queue (``None``: it may not).
+
+        ``waited``: what the turn slept since ``snap`` was read (a group's floor).
+        """
+        now = snap.now + waited
+        until = now + self._wait_left(snap.policy, turn)
         if snap.run.deadline is not None:
             until = min(until, snap.run.deadline)
-        return until if until > snap.now else None
+        return until if until > now else None
 
     def _decide(self, snap: TurnSnapshot, turn: _Turn, basis: dict[str, Any]
                 ) -> Generator[Effect[Any], Any, tuple[Decision, TurnSnapshot]]:
