@@ -165,17 +165,17 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
             "then run `failover-ledger db init` again"),
         "schema_privilege": (
             f"role {who} may not create or change the ledger's tables in database {db}{said}: "
-            "run `failover-ledger db init URL` once as the role that owns the database "
-            f"(`createdb -O OWNER {database or 'DBNAME'}` makes one), then open it with this "
-            f"role; or, as the owner, GRANT CREATE ON SCHEMA public TO {who};"),
+            "run `failover-ledger db init URL` once as the role that owns the database and "
+            f"its tables (`createdb -O OWNER {database or 'DBNAME'}` makes one), then open it "
+            "with this role"),
         "connections_disabled": (
             f"database {db} does not accept connections: as its owner, ALTER DATABASE {db} "
             "ALLOW_CONNECTIONS true;"),
     }
     message = fixes.get(problem, f"{server} refused the connection{said}")
     return DatabaseSetupError(
-        f"{message}; retrying will not help (docs/postgresql.md)", url=where, problem=problem,
-        database=database, role=role)
+        f"{message.rstrip(';')}; retrying will not help (docs/postgresql.md)", url=where,
+        problem=problem, database=database, role=role)
 
 
 def _pg_setup(e: BaseException, state: str | None, where: str) -> DatabaseSetupError | None:

@@ -263,24 +263,29 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           cwd=str(REPO), capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.postgres
-def test_db_init_upgrades_an_older_schema(pg_server: PgServer,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def _migrate_to(url: str, revision: str) -> None:
+    """The schema of ``url`` at an older ``revision``, as an earlier package left it."""
     from alembic import command
     from sqlalchemy import create_engine
 
     from ledger.storage.migrate import alembic_config
 
-    db = _name("older")
-    pg_server.psql(f"CREATE DATABASE {db}")
-    engine = create_engine(pg_server.url(db))
+    engine = create_engine(url)
     try:
         with engine.begin() as conn:
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "0004")
+            command.upgrade(cfg, revision)
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_db_init_upgrades_an_older_schema(pg_server: PgServer,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    db = _name("older")
+    pg_server.psql(f"CREATE DATABASE {db}")
+    _migrate_to(pg_server.url(db), "0004")
     rc, rep, err = _init(capsys, pg_server.url(db))
     assert rc == 0, err
     assert (rep["schema"], rep["revision_before"], rep["revision"]) == (
@@ -364,8 +369,8 @@ def test_a_runtime_role_with_the_documented_grants_runs_the_ledger_the_owner_mig
         assert [r.run_id for r in report.runs] == ["r1"] and report.unknown_attempts == 1
         books = reconcile(led)
         assert books.ok and books.attempts == 2, books.violations
-    # The runtime role cannot change the schema: on a database whose schema is missing (or
-    # older than the package) it stops at once, naming db init, and creates nothing.
+    # The runtime role cannot change the schema: on a database whose schema is missing or
+    # older than the package it stops at once, naming db init, and changes nothing.
     bare = _name("bare")
     pg_server.psql(f"CREATE DATABASE {bare} OWNER {owner}")
     pg_server.psql(f"GRANT CONNECT ON DATABASE {bare} TO {app}")
@@ -373,3 +378,10 @@ def test_a_runtime_role_with_the_documented_grants_runs_the_ledger_the_owner_mig
     assert "failover-ledger db init" in str(err) and err.fields["role"] == app
     assert pg_server.psql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'",
                           db=bare).strip() == "0"
+    older = _name("older")
+    pg_server.psql(f"CREATE DATABASE {older} OWNER {owner}")
+    _migrate_to(_url(pg_server, owner, older), "0004")
+    pg_server.psql(f"SET ROLE {owner};\n{as_owner.replace(db, older)}", db=older)
+    err = _setup_error(lambda: Ledger.open(_url(pg_server, app, older)), "schema_privilege")
+    assert "0004" in str(err) and head_revision() in str(err)
+    assert pg_server.psql("SELECT version_num FROM alembic_version", db=older).strip() == "0004"
