@@ -5,12 +5,16 @@ The tree::
     LedgerError
     ├── ConfigError                     bad input from a file or an argument
     │   ├── PolicyError                 a policy file that does not validate (file, field path, fix)
-    │   └── InvalidArgument             API misuse: a negative budget, a missing field, ...
-    │       │                           (names the field; also a ValueError)
-    │       └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
-    │                                   missing or extra argument (also a TypeError)
+    │   ├── InvalidArgument             API misuse: a negative budget, a missing field, ...
+    │   │   │                           (names the field; also a ValueError)
+    │   │   └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
+    │   │                               missing or extra argument (also a TypeError)
+    │   └── DatabaseSetupError          the database is not set up for this URL: no such database
+    │                                   or role, credentials or pg_hba refused, no privilege
+    │                                   (names the fix; retrying will not help)
     ├── StorageError                    the database could not do what was asked
-    │   ├── DatabaseUnavailable         the URL cannot be opened / the server went away (retry-safe)
+    │   ├── DatabaseUnavailable         the server is down or went away, the file is busy
+    │   │                               (retry-safe)
     │   └── SchemaTooNew                the database was migrated by a newer ledger
     ├── NotFound                        an unknown run id, attempt id, ...
     ├── Conflict                        a write that contradicts what is already recorded
@@ -118,6 +122,22 @@ class ArgumentMismatch(InvalidArgument, TypeError):
     An unknown keyword (a typo), a missing required argument, too many positional ones.
     ``field`` names the argument; the message lists a close match. It is also a ``TypeError``,
     as Python's own error for such a call is. Nothing ran: the function's body was not entered.
+    """
+
+
+class DatabaseSetupError(ConfigError):
+    """The database server answered, and its answer is a set-up problem retrying will not fix.
+
+    The database or the role the URL names does not exist, the server refused the credentials
+    (a wrong password, no ``pg_hba.conf`` entry for this host), the role may not log in, may
+    not connect to the database, may not create it (``failover-ledger db init``) or may not
+    create or change the ledger's tables; for SQLite, the file's folder does not exist.
+    Nothing was written. ``fields``: ``url`` (without its password), ``problem`` (one of
+    ``database_missing``, ``role_missing``, ``login_refused``, ``auth_failed``,
+    ``password_missing``, ``hba_rejected``, ``connect_privilege``, ``connections_disabled``,
+    ``createdb_privilege``, ``schema_privilege``, ``folder_missing``) and ``database`` /
+    ``role`` where known. The message names the fix (``docs/postgresql.md``).
+    A server that is down or unreachable is :class:`DatabaseUnavailable` instead.
     """
 
 
@@ -341,6 +361,7 @@ __all__ = [
     "CapacityUnavailable",
     "ConfigError",
     "Conflict",
+    "DatabaseSetupError",
     "DatabaseUnavailable",
     "FailoverExhausted",
     "FencedOut",

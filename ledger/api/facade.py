@@ -158,7 +158,9 @@ class Ledger:
     :class:`~ledger.errors.InvalidArgument` naming the field, a call that fits no signature
     :class:`~ledger.errors.ArgumentMismatch`. Every method that touches the database may also
     raise :class:`~ledger.errors.StorageError`, and
-    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached. A
+    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached, or
+    :class:`~ledger.errors.DatabaseSetupError` when the server refuses the URL's database or
+    role (retrying will not help). A
     write under a lease raises :class:`~ledger.errors.FencedOut` once another executor took
     the Run over, and :class:`~ledger.errors.LeaseLost` once the lease lapsed where it must be
     live.
@@ -218,8 +220,12 @@ class Ledger:
             InvalidArgument: a URL that is not a string, cannot be parsed or names another
                 backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
                 ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
-            DatabaseUnavailable: the database cannot be opened or reached (a missing SQLite
-                folder, a server that is down).
+            DatabaseSetupError: the database is not set up for this URL, which no retry
+                fixes: the database or role does not exist, the server refused the
+                credentials, the role may not connect or migrate, a missing SQLite folder (the
+                message names the fix; ``docs/postgresql.md``).
+            DatabaseUnavailable: the database cannot be reached (a server that is down or
+                went away, a file another process keeps busy): retry once it is back.
             SchemaTooNew: the database was migrated by a newer ledger.
 
         Example:
@@ -1235,7 +1241,9 @@ class AsyncLedger:
 
         Raises:
             InvalidArgument: as :meth:`Ledger.open` (when awaited).
-            DatabaseUnavailable: the database cannot be opened or reached.
+            DatabaseSetupError: the database is not set up for this URL (as
+                :meth:`Ledger.open`; retrying will not help).
+            DatabaseUnavailable: the database cannot be reached.
             SchemaTooNew: the database was migrated by a newer ledger.
         """
         return _Opening(lambda: cls(Ledger.open(

@@ -393,16 +393,16 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         led.close()
     summary = {"runs": st.runs, "attempts": st.attempts, "failed": st.failed,
-               "unknown": st.unknown, "dispatching": st.dispatching,
+               "unknown": st.unknown, "not_sent": st.not_sent, "dispatching": st.dispatching,
                "failovers": st.failovers, "events": st.events, "since": st.since,
                "until": st.until, "seconds": round(took, 2)}
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     else:
         print(f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
-              f"{st.failovers} failovers, {st.unknown} unknown, {st.dispatching} dispatching, "
-              f"{st.events} events) from {fmt_time(st.since)} to {fmt_time(st.until)} "
-              f"in {took:.1f} s")
+              f"{st.unknown} unknown, {st.not_sent} not sent, {st.dispatching} dispatching; "
+              f"{st.failovers} runs failed over; {st.events} events) from "
+              f"{fmt_time(st.since)} to {fmt_time(st.until)} in {took:.1f} s")
     return 0
 
 

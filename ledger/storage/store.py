@@ -111,6 +111,14 @@ class SqlStore(StoragePort, abc.ABC):
         """A store on the database of the normalized URL ``norm`` (parsed: ``parsed``),
         without touching it yet (the first transaction connects)."""
 
+    @classmethod
+    @abc.abstractmethod
+    def prepare_database(cls, norm: str, parsed: URL) -> bool:
+        """Make sure the database of ``norm`` can hold a ledger, creating what this backend
+        must and may; ``True`` when the database did not exist before. A database that cannot
+        be made (no such folder, a role that may not create it) is a
+        :class:`~ledger.errors.DatabaseSetupError`, and nothing is created."""
+
     # -- what differs between the databases (the cold path's hooks) ------------------------
 
     @abc.abstractmethod
