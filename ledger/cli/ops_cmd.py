@@ -1,5 +1,6 @@
 """Operator commands over the audit API: ``runs``, ``run show``, ``attempts``, ``failovers``,
-``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``.
+``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``; and ``run close``, the
+one that writes (it ends a Run nobody will resume).
 
 Reading commands open the ledger without migrating it (they never write, so they work through a
 read-only role and never create a database by accident). Tables are aligned text by default and
@@ -249,6 +250,44 @@ def _run_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_writer(url: str) -> Any:
+    """Open an existing ledger to write to it (never a new database by accident)."""
+    from ledger.api.facade import Ledger
+
+    open_reader(url).close()  # the same clear errors when there is no ledger at the URL
+    return Ledger.open(url)
+
+
+def _run_close(args: argparse.Namespace) -> int:
+    led = _open_writer(args.db)
+    try:
+        before = led.get_run(args.run_id)
+        rec = led.close_run(args.run_id, status=args.status, reason=args.reason)
+        closes = led.events(args.run_id, ["close"])
+    finally:
+        led.close()
+    changed = before.status != rec.status
+    data = closes[-1].data if closes and changed else {}
+    if args.json:
+        _emit_json({"run_id": rec.run_id, "status": rec.status.value,
+                    "previous_status": before.status.value, "changed": changed,
+                    "close": data})
+        return 0
+    if not changed:
+        print(f"run {rec.run_id} already ended {rec.status.value}; nothing changed")
+        return 0
+    print(f"closed run {rec.run_id}: {before.status.value} -> {rec.status.value} "
+          f"(fence {data.get('previous_fence')} -> {data.get('fence')}, lease released)")
+    unknown = data.get("unknown") or []
+    if unknown:
+        print(f"  {len(unknown)} attempt(s) still dispatching marked unknown: "
+              + ", ".join(unknown))
+    held = data.get("holds_kept") or []
+    if held:
+        print(f"  {len(held)} unknown attempt(s) keep their holds until settled: "
+              + ", ".join(held))
+    return 0
+
 
 def stop_lines(stops: Sequence[Any], now: float) -> list[str]:
     """Why the run stopped: each ``stop`` event's reason, detail, skipped candidates, errors."""
@@ -313,13 +352,22 @@ def _failovers(args: argparse.Namespace) -> int:
         _emit_json(page)
         return 0
     rows = []
+    unusable: dict[tuple[str, str], str] = {}  # (run, route) -> why the route could not be used
     for f in page.items:
         causes = ", ".join(f"{c.route}: {c.category or c.state}"
                            + (f" {c.http_status}" if c.http_status else "") for c in f.causes)
         rows.append([f.run_id, f.tenant, f.selected_route, f.served_route or "(none)",
                      " > ".join(f.routes), causes or "-", f.status, fmt_time(f.created_at)])
+        for c in f.causes:
+            if c.category == "unusable":
+                unusable.setdefault((f.run_id, c.route), c.detail or "-")
     print(table(["RUN", "TENANT", "SELECTED", "SERVED BY", "ROUTES TRIED", "CAUSES", "STATUS",
                  "ADMITTED"], rows))
+    if unusable:
+        # Skipped without sending (a missing key, an unusable endpoint): what to fix.
+        print("\nunusable routes (skipped, nothing sent)")
+        for (run_id, route), why in unusable.items():
+            print(f"  {run_id} {route}: {why}")
     _footer(page)
     return 0
 
@@ -369,6 +417,15 @@ def _health(args: argparse.Namespace) -> int:
                 [[g.group, g.mode, fmt_until(g.until, now) if g.mode != "open" else "-",
                   g.reason if g.mode != "open" else "-", g.in_flight, g.limit, g.waiting]
                  for g in rep.groups]))
+    if rep.unusable:
+        print()
+        print("unusable routes (skipped without sending, not served since; fix the cause)")
+        print(table(["ROUTE", "PROFILE", "PROVIDER", "SKIPS", "LAST SKIP", "LAST RUN"],
+                    [[u.route, u.profile, u.provider, u.skips, relative(u.last_at, now),
+                      u.last_run] for u in rep.unusable]))
+        for u in rep.unusable:
+            print(f"  {u.route}" + (f" ({u.profile})" if u.profile else "")
+                  + f": {u.why or '-'}")
     return 0
 
 
@@ -469,19 +526,35 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("runs", help="list runs, newest first")
-    p.add_argument("--status", choices=["admitted", "running", "succeeded", "failed", "stopped"])
+    p.add_argument("--status", choices=["admitted", "running", "succeeded", "failed", "stopped",
+                                        "cancelled"])
     p.add_argument("--tenant")
     _add_range(p, None)
     _add_common(p)
     p.set_defaults(func=_runs)
 
-    run = subparsers.add_parser("run", help=f"one run: {PROG} run show ID")
+    run = subparsers.add_parser("run", help=f"one run: {PROG} run show ID, {PROG} run close ID")
     run_sub = run.add_subparsers(dest="run_command", metavar="SUBCOMMAND", required=True)
     show = run_sub.add_parser("show", help="a run's attempt timeline: routes, debits, outcomes, "
                               "facts, costs and the selector's reasons")
     show.add_argument("run_id", metavar="ID")
     _add_common(show, paged=False)
     show.set_defaults(func=_run_show)
+    close = run_sub.add_parser(
+        "close", help="end a run nobody will resume (e.g. recovered and left running)",
+        description="Take the run over under a fresh fence (refused while a live executor "
+        "holds it), end it with --status, record a close event and release the lease. "
+        "Attempts still dispatching become unknown; unknown attempts keep their holds until "
+        "settled. Closing a run that already ended with the same status changes nothing.")
+    close.add_argument("run_id", metavar="ID")
+    close.add_argument("--status", required=True, metavar="STATUS",
+                       help="failed, cancelled, stopped, or succeeded (only when its last "
+                       "turn was served)")
+    close.add_argument("--reason", default="closed by an operator: nobody will resume it",
+                       help="why, kept in the close event")
+    _add_db(close)
+    close.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    close.set_defaults(func=_run_close)
 
     p = subparsers.add_parser("attempts", help="attempts by route, group, outcome, category, time")
     p.add_argument("--route")

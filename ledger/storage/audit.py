@@ -193,7 +193,7 @@ def failover_page(store: Store, *, since: float | None, until: float | None, lim
             return [], [], [], None
         atts = _maps(conn.execute(
             select(a.run_id, a.attempt_id, a.seq, a.kind, a.route_id, a.profile_id, a.state,
-                   a.category, a.http_status, a.created_at)
+                   a.category, a.http_status, a.fact, a.created_at)
             .where(a.run_id.in_(ids)).order_by(a.run_id, a.seq)
         ).all())
         moves = _maps(conn.execute(
@@ -327,6 +327,41 @@ def health(store: Store, now: float) -> tuple[list[RowMap], list[RowMap]]:
             .order_by(g.group_id)
         ).all())
     return hrows, grows
+
+
+def unusable(store: Store, since: float) -> list[RowMap]:
+    """Routes (per credential profile) skipped as unusable since ``since`` and not served on
+    since their last skip: how many skips, the first and the last, and the last one's attempt,
+    run and fact (its message names the missing variable and the fix).
+
+    Read through the attempts' (category, created_at) and (route_id, created_at) indexes: the
+    unusable skips of the window, then one probe per route for the last skip and a later
+    success.
+    """
+    a = s.attempts.c
+    grouped = (select(a.route_id, a.profile_id, func.count().label("skips"),
+                      func.min(a.created_at).label("first_at"),
+                      func.max(a.created_at).label("last_at"))
+               .where(a.category == "unusable", a.created_at >= since)
+               .group_by(a.route_id, a.profile_id).order_by(a.route_id))
+    out: list[RowMap] = []
+    with store.reading() as conn:
+        for g in _maps(conn.execute(grouped).all()):
+            same = (a.profile_id.is_(None) if g["profile_id"] is None
+                    else a.profile_id == g["profile_id"])
+            served = conn.execute(
+                select(a.attempt_id).where(a.route_id == g["route_id"], same,
+                                           a.state == "succeeded", a.created_at > g["last_at"])
+                .limit(1)).first()
+            if served is not None:
+                continue  # served since: whatever was missing is there again
+            last = conn.execute(
+                select(a.attempt_id, a.run_id, a.provider, a.group_id, a.fact)
+                .where(a.category == "unusable", a.created_at == g["last_at"],
+                       a.route_id == g["route_id"], same)
+                .order_by(a.attempt_id.desc()).limit(1)).one()
+            out.append({**g, **last._mapping})
+    return out
 
 
 # -- activity over time (the dashboard's chart) ---------------------------------------------

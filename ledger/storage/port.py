@@ -399,6 +399,24 @@ class StoragePort(Protocol):
         taking the run from its executor; returns their ids."""
         ...
 
+    def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
+                  clock: ClockFn) -> tuple[RunRecord, bool]:
+        """End ``run_id`` with ``status`` under a fresh fence, in one transaction: dispatching
+        Attempts unknown (holds kept), slots freed, the lease released, a ``close`` event with
+        ``reason``. Returns the Run and whether it changed (``False``: it had already ended
+        with ``status``). Raises :class:`~ledger.errors.NotFound`,
+        :class:`~ledger.errors.LeaseHeld` (a live executor other than ``executor`` holds it)
+        and :class:`~ledger.errors.InvalidState` (it ended with another status, or
+        ``succeeded`` asked of a Run whose last turn was not served)."""
+        ...
+
+    def past_deadline_runs(self, now: float, limit: int, run_ids: list[str] | None = None,
+                           executor: str | None = None) -> list[str]:
+        """Up to ``limit`` unfinished runs (of ``run_ids``, or all) whose deadline is past at
+        ``now`` and that no live executor other than ``executor`` holds, oldest deadline
+        first."""
+        ...
+
     def reconcile_figures(self, now: float) -> Figures:
         """Check every ledger-wide invariant on one consistent snapshot; writes nothing."""
         ...
@@ -444,6 +462,11 @@ class StoragePort(Protocol):
 
     def audit_health(self, now: float) -> tuple[list[RowMap], list[RowMap]]:
         """(every health row, every capacity group with its live in-flight count at ``now``)."""
+        ...
+
+    def audit_unusable(self, since: float) -> list[RowMap]:
+        """Routes (per profile) skipped as unusable since ``since`` and not served since their
+        last skip: skips, first and last time, the last skip's attempt, run and fact."""
         ...
 
     def audit_activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:

@@ -712,6 +712,16 @@ class SqlStore(StoragePort, abc.ABC):
         """Mark a run's orphaned Attempts unknown; returns their ids."""
         return recovery.mark_orphans(self, run_id, now)
 
+    def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
+                  clock: ClockFn) -> tuple[RunRecord, bool]:
+        """End a Run nobody will resume, under a fresh fence, in one transaction."""
+        return recovery.close_run(self, run_id, executor, status, reason, clock)
+
+    def past_deadline_runs(self, now: float, limit: int, run_ids: list[str] | None = None,
+                           executor: str | None = None) -> list[str]:
+        """Unfinished runs past their deadline that no other live executor holds."""
+        return recovery.past_deadline_runs(self, now, limit, run_ids, executor)
+
     def reconcile_figures(self, now: float) -> Figures:
         """Every ledger-wide invariant checked on one snapshot."""
         return recovery.reconcile_rows(self, now)
@@ -757,6 +767,10 @@ class SqlStore(StoragePort, abc.ABC):
     def audit_health(self, now: float) -> tuple[list[RowMap], list[RowMap]]:
         """(health rows, groups with their live in-flight count)."""
         return audit.health(self, now)
+
+    def audit_unusable(self, since: float) -> list[RowMap]:
+        """Routes skipped as unusable since ``since`` and not served since."""
+        return audit.unusable(self, since)
 
     def audit_activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
         """Attempts per time bucket."""
