@@ -50,7 +50,7 @@ from ledger.decide.effects import (
     perform,
 )
 from ledger.decide.health import route_key
-from ledger.decide.preflight import Denials, TokenCounter
+from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits
 from ledger.decide.profiles import Pin, marks_profile_tried
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import (
@@ -300,6 +300,9 @@ class TurnLoop:
         turn = _Turn()
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
         policy = snap.policy
+        # Images and documents beyond the Run's frozen bounds: refused before anything is
+        # recorded (the snapshot is a read).
+        check_envelope_limits(self.envelope, policy.envelope)
         run = snap.run
         turn.plan = run.plan
         # What the current decision was made from; a refused probe claim decides again from it.
