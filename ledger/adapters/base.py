@@ -106,7 +106,9 @@ from ledger.adapters.contract import (
     TextDelta,
     ToolCallProposal,
     Usage,
+    WireRequest,
     codec_for,
+    reasoning_data,
 )
 from ledger.adapters.secrets import (
     EVIDENCE_CAP_BYTES,
@@ -127,6 +129,7 @@ from ledger.decide.effects import SendProgress
 from ledger.domain.bounds import check_count, check_optional_id
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import Observation, Phase, Source, Transport
+from ledger.domain.media import MediaKind
 from ledger.domain.validation import check_secret_provider, checked_calls
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
@@ -234,6 +237,7 @@ class _Call:
     effective_output: bool = False
     usage: Usage | None = None
     model: str | None = None
+    notes: tuple[str, ...] = ()  # what the codec left out of the request, and why
 
     @property
     def secrets(self) -> list[str | None]:
@@ -387,6 +391,16 @@ class HttpAdapter:
                 "refused it (or end the envelope with a user part)",
                 field="envelope.parts",
             )
+        for i, part in enumerate(envelope.parts):
+            kind = part.kind
+            declared = {MediaKind.IMAGE: caps.image_input, MediaKind.PDF: caps.pdf_input}
+            if kind in declared and declared[kind] is False:
+                what = "images" if kind is MediaKind.IMAGE else "PDFs"
+                raise InvalidArgument(
+                    f"route {route.id!r} reads no {what} (Capabilities.{kind.value}_input="
+                    f"False); preflight should have refused it (or leave part {i} out)",
+                    field=f"envelope.parts[{i}]",
+                )
 
     @staticmethod
     def _check_endpoint(route: Route) -> None:
@@ -460,8 +474,8 @@ class HttpAdapter:
 
     def _prepare(
         self, route: Route, envelope: Envelope, profile_id: str | None
-    ) -> tuple[Codec, str | None, str, bytes, dict[str, str]]:
-        """Codec, secret, URL, body and headers; raises _CannotBuild or InvalidArgument."""
+    ) -> tuple[Codec, str | None, WireRequest, bytes, dict[str, str]]:
+        """Codec, secret, request, body and headers; raises _CannotBuild or InvalidArgument."""
         self._check_endpoint(route)
         try:
             codec = codec_for(route.protocol)
@@ -473,7 +487,7 @@ class HttpAdapter:
         headers = dict(wire.headers)
         if secret is not None:
             headers.update(codec.auth_headers(secret))
-        return codec, secret, wire.url, content, headers
+        return codec, secret, wire, content, headers
 
     def _cannot_build(
         self, route: Route, message: str, t0: float, secret: str | None = None
@@ -544,10 +558,12 @@ class HttpAdapter:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            codec, secret, url, content, headers = self._prepare(route, envelope, profile_id)
+            codec, secret, wire, content, headers = self._prepare(route, envelope, profile_id)
         except _CannotBuild as cb:
             result = self._cannot_build(route, cb.message, t0)
         else:
+            for note in wire.notes:
+                log.info("route %s: %s", route.id, note)
             call = _Call(
                 route=route,
                 codec=codec,
@@ -557,8 +573,9 @@ class HttpAdapter:
                 stream=envelope.stream,
                 t0=t0,
                 progress=tracker,
+                notes=wire.notes,
             )
-            result = await self._call(call, url, content, headers)
+            result = await self._call(call, wire.url, content, headers)
         self._log(route, result)
         return result
 
@@ -708,6 +725,7 @@ class HttpAdapter:
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
             sent=call.progress.request_sent,
+            notes=call.notes,
         )
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
@@ -727,6 +745,8 @@ class HttpAdapter:
             http_status=call.status,
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
+            reasoning=tuple(reasoning_data(call.route, item) for item in reply.reasoning),
+            notes=call.notes,
         )
 
     async def _transport_failure(self, call: _Call, exc: BaseException) -> AdapterResult:
