@@ -848,6 +848,7 @@ class HttpAdapter:
         try:
             reply = call.codec.parse_reply(data)
         except ProviderErrorPayload as exc:
+            call.usage, call.model = exc.usage or call.usage, exc.model or call.model
             return await self._fail(
                 call,
                 transport=None,

@@ -157,11 +157,18 @@ class MalformedPayload(ValueError):
 
 
 class ProviderErrorPayload(Exception):
-    """The provider answered with an error object (in a stream, or in a 2xx body)."""
+    """The provider answered with an error object (in a stream, or in a 2xx body).
 
-    def __init__(self, message: str, body: str) -> None:
+    ``usage`` and ``model`` are what a whole failed answer still reported (a Responses-API
+    response that failed or was incomplete is billed): the result keeps them.
+    """
+
+    def __init__(self, message: str, body: str, *, usage: Usage | None = None,
+                 model: str | None = None) -> None:
         super().__init__(message)
         self.body = body
+        self.usage = usage
+        self.model = model
 
 
 def provider_message(value: Any, limit: int = 200) -> str:

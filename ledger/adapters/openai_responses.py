@@ -290,6 +290,9 @@ class OpenAIResponsesCodec(Codec):
             raise _error(obj["error"], status=optional_str(obj.get("status"), "status"))
         bad = _ended_badly(obj)
         if bad is not None:
+            # A failed or incomplete response is billed: its usage stays on the result.
+            bad.usage = _usage(obj.get("usage"))
+            bad.model = optional_str(obj.get("model"), "model")
             raise bad
         output = obj.get("output")
         if not isinstance(output, list):
