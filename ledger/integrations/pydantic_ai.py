@@ -279,6 +279,9 @@ class _Answer:
             "attempts": [a.attempt_id for a in result.attempts], "route": result.route.id,
             "switched": bool(result.switched),
             "cost": None if att.cost is None else str(att.cost)}}
+        notes = list(getattr(output, "notes", ()) or ())
+        if notes:  # what the route's codec left out (another route's reasoning), and why
+            details[DETAILS_KEY]["notes"] = notes
         return cls(
             parts=_answer_parts(result.parts),
             usage=RequestUsage(input_tokens=att.prompt_tokens or 0,

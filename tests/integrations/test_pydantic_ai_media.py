@@ -105,6 +105,14 @@ def test_a_pydantic_ai_agent_on_a_responses_route_calls_a_tool_and_keeps_its_rea
             assert again.output == FULL_TEXT
             timeline = await led.timeline("resp")
             assert [a.route_id for a in timeline] == ["primary", "backup", "backup", "backup"]
+            # The backup fails once: the primary serves, without the backup's reasoning.
+            fake.enqueue(Fault.UNAVAILABLE, model="backup-model")
+            moved = await agent.run("And its debt?", message_history=again.all_messages())
+            last = [m for m in moved.all_messages() if isinstance(m, ModelResponse)][-1]
+            details = (last.provider_details or {})["ledger"]
+            assert details["route"] == "primary" and details["switched"]
+            assert len(details["notes"]) == 2  # both reasoning items of the backup
+            assert all("route 'backup'" in n for n in details["notes"])
 
     asyncio.run(main())
     # The backup's reasoning went back to the backup (its model reads it), in order.
