@@ -38,6 +38,7 @@ _.SESSION_EXPIRED  # Category member: policy files name it (policies/fased.yaml)
 _.MEMORY, _.PRIVATE_DOCUMENT  # data-class names for hosts' parts (docs/disclosure.md)
 _.renewals  # LeaseKeeper.renewals: how often the keeper renewed, for its owner to watch
 _.received_at  # ReceivedRequest.received_at, in the fake provider's request log
+_.filename  # ReceivedMedia.filename: the file name a request sent (docs/adapters.md)
 # tools/bench: result fields, written to the JSON report via dataclasses.asdict
 _.raw_first_mean_ms, _.raw_last_mean_ms, _.raw_first_p50_ms, _.raw_last_p50_ms
 _.last_body_bytes, _.raw_p95_ms, _.tx_count_calls, _.floor_seconds

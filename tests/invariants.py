@@ -52,6 +52,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/run/test_retry_owner.py::test_call_allowance_bounds_the_loop",
         "tests/decide/test_write_rules.py::test_a_settle_never_posts_more_than_its_hold_and_posts_all_of_it_when_unreported",
         "tests/decide/test_write_rules.py::test_a_child_is_never_broader_than_its_parent",
+        "tests/session/test_multimodal_runs.py::test_the_budget_holds_a_documents_pages_before_anything_is_sent",
     ),
     # 5. Frozen plan, grant, budget and policy; history read under its original routes.
     5: (
@@ -79,6 +80,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_session.py::test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns",
         "tests/decide/test_preflight.py::test_edited_copy_does_not_inherit_provenance",
         "tests/decide/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
+        "tests/session/test_multimodal_runs.py::test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (
