@@ -82,6 +82,25 @@ CASES = [
      "failed", "format"),
     ("fased", WireProtocol.OPENAI, Fault.CONTENT_POLICY, False, "stop:not_eligible_failure",
      "failed", "content_policy"),
+    # The Responses API: the same faults, the same facts.
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.UNAVAILABLE, True, "backup",
+     "failed", "overloaded"),
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.RATE_LIMIT_RETRY_AFTER, False,
+     "backup", "failed", "rate_limit"),
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.STREAM_CUT, True,
+     "stop:output_exists", "failed", "network"),
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.STALL, True, "stop:output_exists",
+     "failed", "timeout"),
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.CONTEXT_LENGTH, False,
+     "stop:not_eligible_failure", "failed", "context_overflow"),
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.INCOMPLETE, False,
+     "stop:not_eligible_failure", "failed", "unknown"),
+    ("failure-domain", WireProtocol.OPENAI_RESPONSES, Fault.RESET_BEFORE_HEADERS, False,
+     "stop:execution_unknown", "unknown", "network"),
+    ("goclaw", WireProtocol.OPENAI_RESPONSES, Fault.SLOW_FIRST_TOKEN, True, "backup", "failed",
+     "timeout"),
+    ("goclaw", WireProtocol.OPENAI_RESPONSES, Fault.ERROR_EVENT, False, "stop:not_eligible_failure",
+     "failed", "unknown"),
 ]
 
 

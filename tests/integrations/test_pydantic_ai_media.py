@@ -82,6 +82,26 @@ def test_binary_content_image_url_and_document_url_go_through_ledger_model(
     assert len(fake.requests) == 2
 
 
+def test_a_document_link_chat_completions_cannot_carry_stops_before_sending(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("chat", plan=plan(fake, "openai"), budget=BUDGET, grant=GRANT) as run:
+            agent = agent_for(run)
+            ok = await agent.run(["Describe it.", ImageUrl("https://files.example/q3.png"),
+                                  BinaryContent(data=PDF, media_type="application/pdf")])
+            assert ok.output == FULL_TEXT
+            with pytest.raises(FailoverExhausted) as info:
+                await agent.run(["Read it.", DocumentUrl("https://files.example/a.pdf")])
+            assert info.value.reason == "no_candidate"
+            assert "pdf input: part 2 (application/pdf) is a link" in str(info.value)
+
+    asyncio.run(main())
+    (req,) = fake.requests
+    assert [m.url or m.media_type for m in req.media] == [
+        "https://files.example/q3.png", "application/pdf"]
+
+
 def test_a_pydantic_ai_agent_on_a_responses_route_calls_a_tool_and_keeps_its_reasoning(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the primary answers 503 once

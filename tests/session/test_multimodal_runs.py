@@ -91,10 +91,12 @@ def _blind(fake: FakeProvider, protocol: str = "openai", **caps: Any) -> list[Ro
     return [primary.model_copy(update={"capabilities": Capabilities(**caps)}), backup]
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_route_that_cannot_read_images_is_skipped_before_any_switch(
-        db_url: str, fake: FakeProvider) -> None:
-    with Ledger.open(db_url) as led, led.run("skip", plan=_blind(fake, image_input=False),
-                                              budget=BUDGET, grant=GRANT) as run:
+        db_url: str, fake: FakeProvider, protocol: str) -> None:
+    blind = _blind(fake, protocol, image_input=False)
+    with Ledger.open(db_url) as led, led.run("skip", plan=blind, budget=BUDGET,
+                                              grant=GRANT) as run:
         result = run.turn(Envelope(parts=[QUESTION, chart()]))
         assert result.route.id == "backup" and len(result.attempts) == 1
         (select,) = [e.data for e in led.events("skip", ["select"])]
@@ -102,8 +104,8 @@ def test_a_route_that_cannot_read_images_is_skipped_before_any_switch(
         assert (skip["route"], skip["reason"]) == ("primary", "capability")
         assert skip["detail"].startswith("image input") and "part 1 (image/png)" in skip["detail"]
     assert [r.model for r in fake.requests] == ["backup-model"]  # the primary was never sent it
-    with Ledger.open(db_url) as led, led.run("text", plan=_blind(fake, image_input=False),
-                                              budget=BUDGET, grant=GRANT) as run:
+    with Ledger.open(db_url) as led, led.run("text", plan=blind, budget=BUDGET,
+                                              grant=GRANT) as run:
         # The capability is about the envelope: a text-only turn goes to the primary.
         assert run.turn(Envelope(parts=[QUESTION])).route.id == "primary"
 
@@ -135,11 +137,13 @@ def test_media_no_route_can_read_stops_naming_the_part_and_the_fix_with_nothing_
 # -- the budget holds images and pages --------------------------------------------------------
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_the_budget_holds_a_documents_pages_before_anything_is_sent(
-        db_url: str, fake: FakeProvider) -> None:
-    # 12,000 tokens: the question fits; ten pages do not (Anthropic: ~3,000 tokens a page).
-    budget = Budget(max_calls=5, max_retries=2, max_cost=Decimal(1), max_tokens=12_000)
-    with Ledger.open(db_url) as led, led.run("hold", plan=plan(fake, "anthropic"),
+        db_url: str, fake: FakeProvider, protocol: str) -> None:
+    # Room for the question and five of the document's ten pages, by the protocol's rule.
+    pages = 5 * PDF_PAGE_TOKENS[WireProtocol(protocol)]
+    budget = Budget(max_calls=5, max_retries=2, max_cost=Decimal(1), max_tokens=1100 + pages)
+    with Ledger.open(db_url) as led, led.run("hold", plan=plan(fake, protocol),
                                               budget=budget, grant=GRANT) as run:
         run.turn(Envelope(parts=[QUESTION]))
         sent = len(fake.requests)
@@ -154,18 +158,20 @@ def test_the_budget_holds_a_documents_pages_before_anything_is_sent(
 # -- disclosure and provenance of a private document ------------------------------------------
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance(
-        db_url: str, fake: FakeProvider) -> None:
+        db_url: str, fake: FakeProvider, protocol: str) -> None:
     doc = filing(data_class="private_document", provenance="doc-10k")
     ask = Envelope(parts=[QUESTION, doc])
     with Ledger.open(db_url) as led:
         only_user = Grant(recipients={"fake": ["user_input", "model_derived", "system"]})
-        with led.run("no-grant", plan=plan(fake), budget=BUDGET, grant=only_user) as run:
+        with led.run("no-grant", plan=plan(fake, protocol), budget=BUDGET,
+                     grant=only_user) as run:
             with pytest.raises(FailoverExhausted) as info:
                 run.turn(ask)
             assert info.value.reason == "no_candidate"
             assert "not approved for: private_document" in str(info.value)
-        with led.run("grant", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        with led.run("grant", plan=plan(fake, protocol), budget=BUDGET, grant=GRANT) as run:
             with pytest.raises(FailoverExhausted) as info:
                 run.turn(ask)  # approved, but the ledger never recorded the document
             assert "no covering provenance: missing (ref 'doc-10k')" in str(info.value)
