@@ -2,7 +2,8 @@
 
 The contract it keeps (results, stream events, what a codec provides) is
 :mod:`ledger.adapters.contract`; the codecs are :mod:`~ledger.adapters.openai`,
-:mod:`~ledger.adapters.anthropic` and :mod:`~ledger.adapters.gemini`, the transport mapping is
+:mod:`~ledger.adapters.openai_responses`, :mod:`~ledger.adapters.anthropic` and
+:mod:`~ledger.adapters.gemini`, the transport mapping is
 :mod:`ledger.adapters.transport` and the blocking facade :mod:`ledger.adapters.sync`.
 
 An adapter call sends one request on one route and reports exactly what happened. It never raises
@@ -66,7 +67,8 @@ request may have executed (DESIGN invariant 6), so nothing is reported as ``befo
 A ``before_send`` phase with a transport kind is a promise that the request never left.
 
 Streaming rules (see :meth:`HttpAdapter.send`): a stream succeeds only when the protocol's
-terminator was seen (OpenAI ``data: [DONE]``, Anthropic ``message_stop``) or, when the HTTP body
+terminator was seen (OpenAI ``data: [DONE]``, the Responses API's ``response.completed``,
+Anthropic ``message_stop``) or, when the HTTP body
 ended cleanly without it, the protocol's own completion signal was (OpenAI ``finish_reason`` on
 every choice, Anthropic ``message_delta.stop_reason``, Gemini ``finishReason``). Anything else is a
 failure, and when text or a tool-call proposal was already delivered the failure carries

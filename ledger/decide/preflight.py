@@ -3,8 +3,11 @@
 Three independent claims must all hold before any Attempt is begun on a route:
 
 1. **capability** - the route can serve the request: protocol, tools, streaming, prefill,
-   required parameters, and a context window that fits the request's token estimate. A request
-   the route cannot serve is rejected here, never "tested by sending" and learning from a 400.
+   required parameters, a context window that fits the request's token estimate, and the
+   request's images and documents (``image input``, ``pdf input``: declared by the route's
+   :class:`~ledger.domain.values.Capabilities`, sizes, links the provider must fetch and links
+   the protocol cannot carry at all). A request the route cannot serve is rejected here, never
+   "tested by sending" and learning from a 400.
 2. **role qualification** - the exact route is qualified for the Run's role (``route.roles``
    ``None`` means every role), the Run's grant allows the role, and the route is not switched
    off in the *current* configuration.
@@ -117,7 +120,13 @@ class RequestNeeds:
 
 @runtime_checkable
 class TokenCounter(Protocol):
-    """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model)."""
+    """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model).
+
+    A counter may also have ``sharing_key(route)``: routes with one key get one estimate, so
+    the selector counts once per key (:class:`CharEstimator`'s is the protocol); or
+    ``route_independent = True``: one estimate for every route. Without either it is asked once
+    per candidate.
+    """
 
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
         """The prompt tokens of ``envelope`` on ``route`` (an estimate is fine)."""

@@ -1,8 +1,10 @@
 """The envelope: the complete prepared request, as typed parts with data classes and provenance.
 
-A part's hash covers its canonical encoding (role, content, data class, tool linkage), so a copy
-with edited content, or with an extra "authorized" flag, hashes differently and does not inherit
-the provenance of the part it was copied from.
+A part is text, or an image or a document (bytes with a media type, or a link). Its hash covers
+its canonical encoding (role, content, data class, tool linkage; a binary part's media type and
+the sha256 of its bytes, or its URL), so a copy with edited content or bytes, or with an extra
+"authorized" flag, hashes differently and does not inherit the provenance of the part it was
+copied from.
 """
 
 from __future__ import annotations
