@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -657,7 +657,7 @@ class TurnLoop:
         for skip in turn.skips.values():
             if skip.route not in failed:
                 errors.append(_skipped_error(skip))
-        lines = _candidate_lines(turn.plan, errors, turn.skips)
+        lines = candidate_lines(turn.plan, _failures_by_route(errors), turn.skips)
         exc = FailoverExhausted(
             f"the turn stopped ({why}): {detail}" + "".join(f"\n  {ln}" for ln in lines),
             errors, reason=why, attempts=[a.attempt_id for a in turn.attempts], detail=detail,
@@ -690,23 +690,31 @@ def _skipped_error(skip: Skip) -> CandidateSkipped:
         profile=skip.profile)
 
 
-def _candidate_lines(plan: Sequence[Route], errors: Sequence[Exception],
-                     skips: dict[str, Skip]) -> list[str]:
-    """One line per candidate of the plan: how it failed, why it was skipped, or untried."""
-    by_route: dict[str, list[str]] = {}
+def _failures_by_route(errors: Sequence[Exception]) -> dict[str, list[str]]:
+    """How each candidate failed, from the turn's errors (skips are not failures)."""
+    out: dict[str, list[str]] = {}
     for e in errors:
         route = getattr(e, "route", None)
         if route is None or isinstance(e, CandidateSkipped):
             continue
-        attempt = getattr(e, "attempt_id", None) or e.__dict__.get("fields", {}).get(
-            "attempt_id")
-        by_route.setdefault(route, []).append(
+        attempt = getattr(e, "attempt_id", None)
+        out.setdefault(route, []).append(
             f"{e}" + (f" [attempt {attempt}]" if attempt and isinstance(e, ProviderError)
                       else ""))
+    return out
+
+
+def candidate_lines(plan: Sequence[Route], failures: Mapping[str, Sequence[str]],
+                    skips: Mapping[str, Skip]) -> list[str]:
+    """One line per candidate of the plan: how it failed, why it was skipped, or untried.
+
+    ``failures`` gives each failed route's errors in order, ``skips`` each route's latest skip
+    (the stop's message, its ``stop`` event and ``run show`` say these lines).
+    """
     lines = []
     for r in plan:
-        if r.id in by_route:
-            lines.append(f"{r.id}: failed: " + "; then ".join(by_route[r.id]))
+        if failures.get(r.id):
+            lines.append(f"{r.id}: failed: " + "; then ".join(failures[r.id]))
         elif r.id in skips and skips[r.id].reason is not Reason.ALREADY_TRIED:
             skip = skips[r.id]
             fix = f" — fix: {skip.fix}" if skip.fix else ""
@@ -778,5 +786,6 @@ __all__ = [
     "SendFn",
     "Steps",
     "TurnLoop",
+    "candidate_lines",
     "group_wait",
 ]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -44,6 +44,7 @@ from ledger.decide.profiles import marks_profile_tried
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import Decision, DecisionKind, RunPermissions, SelectionInput, select
 from ledger.decide.settle import settle_holds, settle_spec
+from ledger.decide.turn import candidate_lines
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Transport, WireProtocol
 from ledger.domain.records import AttemptKind, FrozenRun, Lease, Outcome, to_micros
 from ledger.domain.specs import BeginSpec, SettleSpec
@@ -271,6 +272,7 @@ class _Generator:
         tried_pairs: set[tuple[str, str]] = set()
         attempts: list[str] = []
         errors: list[str] = []
+        failures: dict[str, list[str]] = {}  # by route, for the stop's candidate lines
         pending: list[tuple[str, dict[str, Any]]] = []
 
         def decide(failure: FailureFact | None, current: str | None,
@@ -290,7 +292,8 @@ class _Generator:
         while True:
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 reason = decision.reason.value if decision.reason else "no_candidate"
-                return self._stop(run.run_id, reason, decision, attempts, errors, t), t
+                return self._stop(run.run_id, reason, decision, attempts, errors, t,
+                                  plan, failures), t
             route, profile = decision.route, decision.profile
             attempt_kind = AttemptKind.PROBE if decision.kind is DecisionKind.PROBE else kind
             if attempt_kind is AttemptKind.PROBE:
@@ -303,7 +306,9 @@ class _Generator:
             refusal = self._allowance(c, take_retry, reserve)
             if refusal is not None:  # begin refuses: nothing is recorded but the stop
                 errors.append(refusal[1])
-                return self._stop(run.run_id, refusal[0], None, attempts, errors, t), t
+                failures.setdefault(route.id, []).append(refusal[1])
+                return self._stop(run.run_id, refusal[0], None, attempts, errors, t,
+                                  plan, failures), t
             c.seq += 1
             attempt_id = f"att-{self.tag}-{run.run_id[-8:]}-{c.seq}"
             events = [*pending, ("select", {**decision.to_json(),
@@ -359,6 +364,7 @@ class _Generator:
             self._settle(settle, spec, row, debit, c, health, t)
             errors.append(f"{route.provider}/{route.model}: {fact.category.value}"
                           + (f" (HTTP {fact.status})" if fact.status else ""))
+            failures.setdefault(route.id, []).append(f"{errors[-1]} [attempt {attempt_id}]")
             cause = {"category": fact.category.value, "status": fact.status,
                      "scope": fact.scope.value, "phase": fact.phase.value}
             rd = retry_decision(fact, policy, same_route_retries, rng)
@@ -474,12 +480,15 @@ class _Generator:
                     getattr(self.stats, counted[spec.outcome.value]) + 1)
 
     def _stop(self, run_id: str, reason: str, decision: Decision | None,
-              attempts: list[str], errors: list[str], t: float) -> str:
+              attempts: list[str], errors: list[str], t: float, plan: Sequence[Route],
+              failures: Mapping[str, Sequence[str]]) -> str:
         """The retry owner's ``stop`` event; the Run then ends ``failed``."""
+        skips = {s.route: s for s in decision.skipped} if decision is not None else {}
         self._event(run_id, None, "stop", {
             "reason": reason, "detail": decision.detail if decision is not None else "",
             "skipped": [s.to_json() for s in decision.skipped] if decision is not None else [],
-            "attempts": list(attempts), "errors": list(errors)}, t)
+            "attempts": list(attempts), "errors": list(errors),
+            "candidates": candidate_lines(plan, failures, skips)}, t)
         return "failed"
 
     def _event(self, run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],

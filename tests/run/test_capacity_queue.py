@@ -216,6 +216,20 @@ class Worker:
         assert self.proc.returncode == 0, err
 
 
+def _release(holder: Worker) -> None:
+    holder.tell()
+    holder.expect("settled")
+    holder.done()
+
+
+def _holding(led: Ledger, url: str, route: Route) -> Worker:
+    """A process that holds the only slot of ``route``'s group until told to settle."""
+    led.configure_group("ga", max_in_flight=1)
+    holder = Worker("holder", url, "holder", route.model_dump_json())
+    holder.expect("holding")
+    return holder
+
+
 def _waiter(url: str, run_id: str, route: Route, ttl: float = 30.0) -> Worker:
     return Worker("waiter", url, run_id, route.model_dump_json(), str(ttl))
 
@@ -223,9 +237,7 @@ def _waiter(url: str, run_id: str, route: Route, ttl: float = 30.0) -> Worker:
 def test_a_slot_freed_by_another_process_wakes_the_waiter(
         led: Ledger, db_url: str, fake: FakeProvider) -> None:
     route = _route(fake)
-    led.configure_group("ga", max_in_flight=1)
-    holder = Worker("holder", db_url, "holder", route.model_dump_json())
-    holder.expect("holding")
+    holder = _holding(led, db_url, route)
     if led.backend == "postgresql":
         _only_a_signal_wakes(led)  # only NOTIFY from the holder's process can wake it
     served: dict[str, object] = {}
@@ -242,9 +254,7 @@ def test_a_slot_freed_by_another_process_wakes_the_waiter(
     t = threading.Thread(target=worker)
     t.start()
     assert queued.wait(PATIENCE_S), served
-    holder.tell()
-    holder.expect("settled")
-    holder.done()
+    _release(holder)
     t.join(PATIENCE_S)
     assert not t.is_alive() and "error" not in served, served
     assert [a.state for a in led.timeline("w")] == [AttemptState.SUCCEEDED]
@@ -254,18 +264,14 @@ def test_a_slot_freed_by_another_process_wakes_the_waiter(
 def test_waiters_in_several_processes_are_served_in_arrival_order(
         led: Ledger, db_url: str, fake: FakeProvider) -> None:
     route = _route(fake)
-    led.configure_group("ga", max_in_flight=1)
-    holder = Worker("holder", db_url, "holder", route.model_dump_json())
-    holder.expect("holding")
+    holder = _holding(led, db_url, route)
     waiters = []
     for i in range(4):
         w = _waiter(db_url, f"w{i}", route)
         w.expect("queued")  # in the queue before the next one arrives
         waiters.append(w)
     assert _waiting(led) == 4
-    holder.tell()
-    holder.expect("settled")
-    holder.done()
+    _release(holder)
     for w in waiters:
         w.expect("served")
         w.done()
@@ -284,18 +290,14 @@ def test_waiters_in_several_processes_are_served_in_arrival_order(
 def test_a_dead_waiters_place_is_reclaimed_when_its_lease_expires(
         led: Ledger, db_url: str, fake: FakeProvider) -> None:
     route = _route(fake)
-    led.configure_group("ga", max_in_flight=1)
-    holder = Worker("holder", db_url, "holder", route.model_dump_json())
-    holder.expect("holding")
+    holder = _holding(led, db_url, route)
     dead = _waiter(db_url, "dead", route, ttl=3.0)  # a short lease: it lapses soon after death
     dead.expect("queued")
     live = _waiter(db_url, "live", route)
     live.expect("queued")
     os.kill(dead.proc.pid, signal.SIGKILL)
     dead.proc.communicate(timeout=PATIENCE_S)
-    holder.tell()
-    holder.expect("settled")
-    holder.done()
+    _release(holder)
     # The dead waiter is first in line until its lease expires; then the live one is served.
     live.expect("served")
     live.done()
