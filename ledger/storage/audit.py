@@ -13,7 +13,8 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 - runs page: ``ix_runs_created_at`` / ``ix_runs_status_created_at`` / ``ix_runs_tenant_created_at``;
 - failovers: ``ix_runs_created_at`` walk with per-run probes on ``uq_attempts_run_id_seq`` and
   ``ix_events_run_id_event_id``;
-- totals and activity over a time range: ``ix_attempts_created_at_totals`` (covering);
+- totals and activity over a time range: ``ix_attempts_created_at``, totals probing each
+  attempt's debit through ``pk_debits`` (the money is what the debits moved);
 - unknown/unsettled attempts: ``ix_attempts_state_created_at``.
 """
 
@@ -215,6 +216,20 @@ def _label_expr(store: Store, key: str) -> ColumnElement[Any]:
     return expr
 
 
+def with_debits() -> Any:
+    """``attempts`` with each one's debit (by its primary key), for the money it moved."""
+    return s.attempts.outerjoin(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
+
+
+def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
+    """Sums over :func:`with_debits`: what the budget was charged (posted debits) and what is
+    held now (reserved debits), in micros: the same figures as the runs' counters."""
+    d = s.debits.c
+    charged = func.coalesce(func.sum(case((d.state == "posted", d.posted_micros), else_=0)), 0)
+    held = func.coalesce(func.sum(case((d.state == "reserved", d.reserved_micros), else_=0)), 0)
+    return charged, held
+
+
 def totals(store: Store, *, by: str, since: float | None, until: float | None,
            label: str | None, limit: int, cursor: str | None
            ) -> tuple[list[RowMap], str | None]:
@@ -246,7 +261,7 @@ def totals(store: Store, *, by: str, since: float | None, until: float | None,
     def n(state: str) -> ColumnElement[Any]:
         return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
 
-    cost = func.coalesce(func.sum(a.cost_micros), 0)
+    cost, held = charged_and_held()
     q = select(
         key.label("key"),
         func.count().label("attempts"),
@@ -256,9 +271,10 @@ def totals(store: Store, *, by: str, since: float | None, until: float | None,
         func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
         func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
         cost.label("cost_micros"),
+        held.label("held_micros"),
     )
-    q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
-                      else s.attempts)
+    source = with_debits()
+    q = q.select_from(source.join(s.runs, s.runs.c.run_id == a.run_id) if joined else source)
     q = (q.where(*_range(a.created_at, since, until)).group_by(key)
          .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
     with store.reading() as conn:
