@@ -8,7 +8,9 @@ instead of waiting, so no test sleeps to make time pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import threading
 import time
 from typing import Protocol
 
@@ -33,6 +35,23 @@ class Sleeper(Protocol):
         ...
 
 
+class WakeableSleeper(Sleeper, Protocol):
+    """A sleeper whose wait a signal can end early (a queued turn waits for a free slot).
+
+    A sleeper without these methods still works: the waiter then polls.
+    """
+
+    def sleep_until_woken(self, seconds: float, woken: threading.Event,
+                          poll_s: float) -> None:
+        """Block until ``woken`` is set or ``seconds`` passed (real time: at most ``poll_s``)."""
+        ...
+
+    async def asleep_until_woken(self, seconds: float, woken: asyncio.Event,
+                                 poll_s: float) -> None:
+        """Wait until ``woken`` is set or ``seconds`` passed, without blocking the loop."""
+        ...
+
+
 class SystemClock:
     """The real clock (:func:`time.time`); the default of :meth:`ledger.Ledger.open`."""
 
@@ -53,6 +72,19 @@ class SystemSleeper:
         """Wait ``seconds`` on the event loop."""
         if seconds > 0:
             await asyncio.sleep(seconds)
+
+    def sleep_until_woken(self, seconds: float, woken: threading.Event,
+                          poll_s: float) -> None:
+        """Block until ``woken`` is set, at most ``min(seconds, poll_s)``."""
+        if seconds > 0:
+            woken.wait(min(seconds, poll_s))
+
+    async def asleep_until_woken(self, seconds: float, woken: asyncio.Event,
+                                 poll_s: float) -> None:
+        """Wait until ``woken`` is set, at most ``min(seconds, poll_s)``, on the event loop."""
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), min(seconds, poll_s))
 
 
 def _finite(value: object, field: str) -> float:
@@ -132,5 +164,21 @@ class ManualClock:
         """The same as :meth:`sleep`; it never yields to the event loop."""
         self.sleep(seconds)
 
+    def sleep_until_woken(self, seconds: float, woken: threading.Event,
+                          poll_s: float) -> None:
+        """Return at once if ``woken`` is set; else wait all of ``seconds`` (:meth:`sleep`).
 
-__all__ = ["Clock", "ManualClock", "Sleeper", "SystemClock", "SystemSleeper"]
+        Manual time has no polling interval: nobody else moves it while this waits, so the
+        wait is the whole of it (a test of a queue that is served uses the real clock).
+        """
+        if not woken.is_set():
+            self.sleep(seconds)
+
+    async def asleep_until_woken(self, seconds: float, woken: asyncio.Event,
+                                 poll_s: float) -> None:
+        """The same as :meth:`sleep_until_woken`; it never yields to the event loop."""
+        if not woken.is_set():
+            self.sleep(seconds)
+
+
+__all__ = ["Clock", "ManualClock", "Sleeper", "SystemClock", "SystemSleeper", "WakeableSleeper"]

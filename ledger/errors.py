@@ -5,12 +5,16 @@ The tree::
     LedgerError
     ├── ConfigError                     bad input from a file or an argument
     │   ├── PolicyError                 a policy file that does not validate (file, field path, fix)
-    │   └── InvalidArgument             API misuse: a negative budget, a missing field, ...
-    │       │                           (names the field; also a ValueError)
-    │       └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
-    │                                   missing or extra argument (also a TypeError)
+    │   ├── InvalidArgument             API misuse: a negative budget, a missing field, ...
+    │   │   │                           (names the field; also a ValueError)
+    │   │   └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
+    │   │                               missing or extra argument (also a TypeError)
+    │   └── DatabaseSetupError          the database is not set up for this URL: no such database
+    │                                   or role, credentials or pg_hba refused, no privilege
+    │                                   (names the fix; retrying will not help)
     ├── StorageError                    the database could not do what was asked
-    │   ├── DatabaseUnavailable         the URL cannot be opened / the server went away (retry-safe)
+    │   ├── DatabaseUnavailable         the server is down or went away, the file is busy
+    │   │                               (retry-safe)
     │   └── SchemaTooNew                the database was migrated by a newer ledger
     ├── NotFound                        an unknown run id, attempt id, ...
     ├── Conflict                        a write that contradicts what is already recorded
@@ -23,8 +27,9 @@ The tree::
     ├── Refused                         a bounded resource said no; nothing was sent
     │   ├── BudgetExceeded              the debit hold would overdraw the run's cost budget
     │   ├── AllowanceExhausted          no model call or retry permission left
-    │   ├── CapacityUnavailable         the capacity group had no slot within the deadline
-    │   └── PreflightRefused            capability, role or disclosure check failed
+    │   ├── CapacityUnavailable         the capacity group had no slot within the wait bound
+    │   └── CandidateSkipped            the selector passed a route over (reason, fix)
+    │       └── PreflightRefused        capability, role or disclosure check failed
     ├── ProviderError                   an adapter could not produce a result (carries the fact)
     └── FailoverExhausted (ExceptionGroup as well)
                                         the run stopped: every attempt's error + the stop reason
@@ -120,6 +125,22 @@ class ArgumentMismatch(InvalidArgument, TypeError):
     """
 
 
+class DatabaseSetupError(ConfigError):
+    """The database server answered, and its answer is a set-up problem retrying will not fix.
+
+    The database or the role the URL names does not exist, the server refused the credentials
+    (a wrong password, no ``pg_hba.conf`` entry for this host), the role may not log in, may
+    not connect to the database, may not create it (``failover-ledger db init``) or may not
+    create or change the ledger's tables; for SQLite, the file's folder does not exist.
+    Nothing was written. ``fields``: ``url`` (without its password), ``problem`` (one of
+    ``database_missing``, ``role_missing``, ``login_refused``, ``auth_failed``,
+    ``password_missing``, ``hba_rejected``, ``connect_privilege``, ``connections_disabled``,
+    ``createdb_privilege``, ``schema_privilege``, ``folder_missing``) and ``database`` /
+    ``role`` where known. The message names the fix (``docs/postgresql.md``).
+    A server that is down or unreachable is :class:`DatabaseUnavailable` instead.
+    """
+
+
 class StorageError(LedgerError):
     """The database failed to perform an operation."""
 
@@ -174,7 +195,15 @@ class LeaseHeld(LedgerError):
 
 
 class Refused(LedgerError):
-    """A bounded resource refused; nothing was sent."""
+    """A bounded resource refused; nothing was sent.
+
+    ``route`` names the candidate route it concerns, when it concerns one (a turn's stop
+    holds one error per candidate).
+    """
+
+    def __init__(self, message: str, *, route: str | None = None, **fields: Any) -> None:
+        super().__init__(message, route=route, **fields)
+        self.route = route
 
 
 class BudgetExceeded(Refused):
@@ -189,11 +218,29 @@ class CapacityUnavailable(Refused):
     """The capacity group could not admit the attempt within the deadline."""
 
 
-class PreflightRefused(Refused):
+class CandidateSkipped(Refused):
+    """The selector passed a candidate route over for this turn; nothing was sent to it.
+
+    ``route`` is the candidate, ``reason`` the selector's skip reason (``route_cooldown``,
+    ``same_group_unavailable``, ``disclosure``, ...), ``detail`` what exactly, and ``fix``
+    what would make it eligible where the host can act (empty otherwise). A turn's stop
+    (:class:`FailoverExhausted`) holds one for every candidate it never tried.
+    """
+
+    def __init__(self, message: str, *, route: str | None = None, reason: str = "",
+                 detail: str = "", fix: str = "", **fields: Any) -> None:
+        super().__init__(message, route=route, reason=reason, detail=detail, fix=fix, **fields)
+        self.reason = reason
+        self.detail = detail
+        self.fix = fix
+
+
+class PreflightRefused(CandidateSkipped):
     """The request may not be sent to that route (capability, role or disclosure).
 
     Raised by :meth:`ledger.decide.preflight.PreflightResult.require`. The retry owner does not
-    raise it: its selector passes such a route over (a skip named after the failed check).
+    raise it: its selector passes such a route over (a skip named after the failed check), and
+    a stop holds it for that candidate.
     """
 
 
@@ -230,10 +277,13 @@ class PartialOutput:
 class FailoverExhausted(LedgerError, ExceptionGroup):
     """The run stopped without a result.
 
-    ``reason`` is the stop reason (the selector's, ``retry_allowance`` or ``budget``);
-    ``exceptions`` every attempt's error in order; ``attempts`` the attempt ids; ``detail``
-    and ``skipped`` (the candidates passed over, with their reasons) explain the stop;
-    ``partial`` is the output the caller was already shown, when there was some.
+    ``reason`` is the stop reason (the selector's, ``retry_allowance``, ``call_allowance`` or
+    ``budget``); ``exceptions`` every attempt's error in order, then a
+    :class:`CandidateSkipped` for every candidate that was passed over and never tried, each
+    with its ``route``; ``attempts`` the attempt ids; ``detail`` and ``skipped`` (the
+    candidates passed over, with their reasons) explain the stop; ``partial`` is the output the
+    caller was already shown, when there was some. Its message names every candidate: how it
+    failed, or why it was skipped and the fix where there is one.
     """
 
     def __new__(
@@ -278,7 +328,7 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
             self.fields["partial"] = partial
 
     def __str__(self) -> str:
-        return f"{self.message} ({len(self.exceptions)} attempt error(s))"
+        return self.message
 
     def _kwargs(self) -> dict[str, Any]:
         extra = {k: v for k, v in self.fields.items()
@@ -307,9 +357,11 @@ __all__ = [
     "AllowanceExhausted",
     "ArgumentMismatch",
     "BudgetExceeded",
+    "CandidateSkipped",
     "CapacityUnavailable",
     "ConfigError",
     "Conflict",
+    "DatabaseSetupError",
     "DatabaseUnavailable",
     "FailoverExhausted",
     "FencedOut",

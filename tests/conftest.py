@@ -16,6 +16,7 @@ import pytest
 
 from ledger.testing.pgserver import PgServer, find_bindir, start_server
 from tests.invariants import INVARIANTS, invariants_of
+from tests.netfaults import full_backlog  # noqa: F401  (a fixture for every test)
 
 REQUIRE_PG = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
 _counter = itertools.count()

@@ -32,6 +32,8 @@ _.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-a
 # -- fields of public records, read by their users --------------------------------------------
 _.provider_code  # FailureFact.provider_code: the provider's error code, kept as evidence
 _.from_route, _.to_route, _.stored_mode  # ops/audit.py records (docs/audit.md)
+_.first_at, _.last_attempt  # ops/audit.py UnusableRoute (docs/audit.md)
+_.ended  # RunSession.ended: the status the block finished the Run with (docs/quickstart.md)
 _.SESSION_EXPIRED  # Category member: policy files name it (policies/fased.yaml)
 _.MEMORY, _.PRIVATE_DOCUMENT  # data-class names for hosts' parts (docs/disclosure.md)
 _.renewals  # LeaseKeeper.renewals: how often the keeper renewed, for its owner to watch

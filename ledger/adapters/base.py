@@ -85,7 +85,6 @@ import asyncio
 import inspect
 import json
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -116,6 +115,7 @@ from ledger.adapters.secrets import (
     SecretProvider,
     cap_text,
     evidence_excerpt,
+    lookup_key,
     redact,
 )
 from ledger.adapters.sse import SSEError, SSEEvent, SSEParser
@@ -137,7 +137,7 @@ from ledger.domain.validation import check_secret_provider, checked_calls
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
-from ledger.redaction import install_log_redaction, register_secret
+from ledger.redaction import install_log_redaction
 
 log = logging.getLogger("ledger.adapters")
 
@@ -450,43 +450,10 @@ class HttpAdapter:
             ) from None
 
     def _secret(self, route: Route, profile_id: str | None) -> str | None:
-        if profile_id is None and route.api_key_env:
-            # The route names the environment variable holding its key.
-            secret = os.environ.get(route.api_key_env)
-            if not secret:
-                raise _CannotBuild(
-                    f"no API key for route {route.id!r}: the environment variable "
-                    f"{route.api_key_env} is not set; set it, or change Route.api_key_env")
-            register_secret(secret)
-            return self._usable(secret, f"route {route.id!r} ({route.api_key_env})")
-        if profile_id is None:
-            return None  # a keyless endpoint (a local server): no credential header is sent
-        try:
-            secret = self.secrets.get(profile_id, protocol=route.protocol)
-        except Exception as exc:  # a vault that is down is a route we cannot use right now
-            raise _CannotBuild(
-                f"the secret provider {type(self.secrets).__name__} failed for credential "
-                f"profile {profile_id!r} ({type(exc).__name__}: {exc}); fix the provider or the "
-                "profile"
-            ) from None
-        if not secret:
-            if isinstance(self.secrets, EnvSecretProvider):
-                names = self.secrets.candidates(profile_id, protocol=route.protocol)
-                fix = "set " + " or ".join(names)
-            else:
-                fix = f"add it to the {type(self.secrets).__name__}"
-            raise _CannotBuild(f"no secret for credential profile {profile_id!r}; {fix}")
-        register_secret(secret)
-        return self._usable(secret, f"credential profile {profile_id!r}")
-
-    @staticmethod
-    def _usable(secret: str, whose: str) -> str:
-        if secret != secret.strip() or not all(0x20 <= ord(c) <= 0x7E for c in secret):
-            raise _CannotBuild(
-                f"the secret for {whose} cannot go in an HTTP header (it has surrounding "
-                "whitespace, control or non-ASCII characters); store the key exactly as the "
-                "provider issued it"
-            )
+        # The same resolution a Run session checks on entering (ledger.adapters.secrets).
+        secret, problem = lookup_key(route, profile_id, self.secrets)
+        if problem is not None:
+            raise _CannotBuild(problem.message)
         return secret
 
     @staticmethod

@@ -158,6 +158,33 @@ def lease_arg(lease: Any, field: str = "lease") -> Lease:
     return lease
 
 
+def keyless_arg(value: Any, plan: Sequence[Any]) -> frozenset[str]:
+    """``keyless_ok``: the route and profile ids of ``plan`` allowed to lack a key.
+
+    ``True`` allows every route; ``False`` or an empty collection none. An id that is neither a
+    route nor a credential profile of the plan is refused (a typo would silently check the key
+    it meant to excuse).
+    """
+    if value is True:
+        return frozenset(r.id for r in plan)
+    if value is False:
+        return frozenset()
+    if (isinstance(value, str | bytes | Mapping)
+            or not isinstance(value, Sequence | set | frozenset)
+            or not all(isinstance(v, str) for v in value)):
+        raise InvalidArgument("keyless_ok must be a set of route ids (or credential profile "
+                              "ids) of the plan, or True for every route; pass e.g. "
+                              "{'local-llama'}", field="keyless_ok")
+    known = {r.id for r in plan} | {p.id for r in plan for p in r.profiles}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidArgument(
+            f"keyless_ok names {', '.join(repr(u) for u in unknown)}, which is no route or "
+            f"credential profile of the plan ({', '.join(repr(r.id) for r in plan)}); pass ids "
+            "of the plan's routes", field="keyless_ok", unknown=unknown)
+    return frozenset(value)
+
+
 __all__ = [
     "ATTEMPT_FILTERS",
     "MAX_CURSOR",
@@ -170,7 +197,9 @@ __all__ = [
     "event_kind",
     "events_arg",
     "hash_arg",
+    "keyless_arg",
     "lease_arg",
     "limit_arg",
     "optional_tokens",
 ]
+

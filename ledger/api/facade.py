@@ -14,9 +14,10 @@ and reads) run the blocking method in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
-from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Generator, Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -29,6 +30,7 @@ from ledger.api.arguments import (
     event_kind,
     events_arg,
     hash_arg,
+    keyless_arg,
     lease_arg,
     optional_tokens,
 )
@@ -37,6 +39,7 @@ from ledger.clock import Clock, SystemClock
 from ledger.decide.admission import admission_spec, admission_terms, validate_plan
 from ledger.decide.begin import begin_spec
 from ledger.decide.effects import TurnSnapshot
+from ledger.decide.ending import ENDED
 from ledger.decide.health import PROVIDER_KEY_PREFIX, as_read, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
@@ -65,12 +68,13 @@ from ledger.domain.records import (
     Lease,
     Outcome,
     Page,
+    Queued,
     RunRecord,
     RunStatus,
     to_micros,
 )
-from ledger.domain.specs import GroupUpdate, ReceiptSpec
-from ledger.domain.validation import checked_call, checked_calls
+from ledger.domain.specs import BeginSpec, GroupUpdate, ReceiptSpec
+from ledger.domain.validation import check_secret_provider, checked_call, checked_calls
 from ledger.domain.values import (
     Budget,
     Grant,
@@ -85,6 +89,7 @@ from ledger.policy.model import Policy
 from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
 from ledger.storage.port import Snapshot, StoragePort
 from ledger.storage.rows import run_live
+from ledger.storage.wake import SlotWaker
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
@@ -156,7 +161,9 @@ class Ledger:
     :class:`~ledger.errors.InvalidArgument` naming the field, a call that fits no signature
     :class:`~ledger.errors.ArgumentMismatch`. Every method that touches the database may also
     raise :class:`~ledger.errors.StorageError`, and
-    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached. A
+    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached, or
+    :class:`~ledger.errors.DatabaseSetupError` when the server refuses the URL's database or
+    role (retrying will not help). A
     write under a lease raises :class:`~ledger.errors.FencedOut` once another executor took
     the Run over, and :class:`~ledger.errors.LeaseLost` once the lease lapsed where it must be
     live.
@@ -216,8 +223,12 @@ class Ledger:
             InvalidArgument: a URL that is not a string, cannot be parsed or names another
                 backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
                 ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
-            DatabaseUnavailable: the database cannot be opened or reached (a missing SQLite
-                folder, a server that is down).
+            DatabaseSetupError: the database is not set up for this URL, which no retry
+                fixes: the database or role does not exist, the server refused the
+                credentials, the role may not connect or migrate, a missing SQLite folder (the
+                message names the fix; ``docs/postgresql.md``).
+            DatabaseUnavailable: the database cannot be reached (a server that is down or
+                went away, a file another process keeps busy): retry once it is back.
             SchemaTooNew: the database was migrated by a newer ledger.
 
         Example:
@@ -275,12 +286,21 @@ class Ledger:
         labels: Mapping[str, str] | None = None,
         deadline: float | None = None,
         selected_route: str | None = None,
+        keyless_ok: Collection[str] | bool = (),
+        secrets: Any = None,
     ) -> RunRecord:
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
         Admitting the same id again with the same content returns the first record (content
         is compared normalised: ``1`` and ``"1.00"`` are one budget). Nothing is sent: a Run
         starts when an Attempt is begun under its lease.
+
+        Keys are checked before anything is recorded, where the routes name their key source:
+        a route without credential profiles whose ``api_key_env`` is not set in this process's
+        environment is refused, and with ``secrets`` every credential profile's secret is looked
+        up through it too (a Run session passes its adapter's provider). A host that sends with
+        its own secrets names no ``api_key_env`` and passes no ``secrets``, and nothing is
+        checked for it.
 
         Args:
             run_id: The Run's id (1 to 200 printable characters).
@@ -305,6 +325,11 @@ class Ledger:
             deadline: When the Run must be done by (epoch seconds); capacity waits stop short
                 of it.
             selected_route: The route the first turn starts on (default: the plan's first).
+            keyless_ok: Route ids (or credential profile ids) of the plan allowed to lack a
+                key, e.g. ``{"local-llama"}``; ``True`` for every route. Their keys are not
+                checked here; a turn that reaches one without a key skips it as unusable.
+            secrets: The :class:`~ledger.adapters.SecretProvider` the Run's sender resolves
+                credential profiles with; when given, every profile's key is checked too.
 
         Returns:
             The :class:`~ledger.RunRecord` as admitted (or as first admitted).
@@ -312,7 +337,9 @@ class Ledger:
         Raises:
             InvalidArgument: an argument is wrong (an empty plan, duplicate route ids, a
                 ``selected_route`` not in the plan, a Child broader than its parent in route,
-                recipient, data class, role or policy, ...), naming the field.
+                recipient, data class, role or policy, ...), naming the field; or a route's
+                key cannot be resolved (the route, the variable or profile, and the fixes:
+                provide the key, or name the route in ``keyless_ok``); nothing is recorded.
             PolicyError: ``policy`` does not validate (a file, a name or a mapping).
             AdmissionConflict: ``run_id`` was admitted before with different content
                 (``differing`` names the fields).
@@ -345,6 +372,8 @@ class Ledger:
                                   "their fields)", field="plan")
         plan = [as_model(Route, r, f"plan[{i}]") for i, r in enumerate(plan)]
         validate_plan(plan)
+        keyless = keyless_arg(keyless_ok, plan)
+        check_secret_provider(secrets)
         prec = self.frozen_run(parent.run_id) if parent is not None else None
         # Unpriced routes get the price table's price, frozen with the plan (ledger.decide.pricing);
         # a child's take its parent's frozen price.
@@ -368,6 +397,13 @@ class Ledger:
             run_id, plan=plan, budget=budget, grant=grant, policy=pol,
             policy_hash=_policy_hash(pol), role=role, parent=parent, tenant=tenant,
             labels=label_map, selected_route=selected_route, deadline=deadline)
+        # The last check before the write: every argument is known good, so a missing key is
+        # the one thing this refusal is about. (The adapters, and httpx with them, are loaded
+        # only for a plan that names a key source.)
+        if secrets is not None or any(r.api_key_env for r in plan):
+            from ledger.adapters.secrets import check_keys
+
+            check_keys(plan, secrets, keyless_ok=keyless)
         rec, _created = self._store.admit(spec, self.clock.now)
         return rec
 
@@ -388,12 +424,15 @@ class Ledger:
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         adapter: Any = None,
         secrets: Any = None,
+        keyless_ok: Collection[str] | bool = (),
     ) -> RunSession:
         """A Run held in a ``with`` block: a :class:`~ledger.RunSession`.
 
-        Entering admits the Run (or resumes it, for the same id and content) and takes its
-        lease, kept renewed in the background; leaving finishes it and releases the lease. See
-        :mod:`ledger.api.session`. Nothing is written until the block is entered.
+        Entering checks that every route's key can be resolved (its ``api_key_env``, or each
+        credential profile through the adapter's secret provider), then admits the Run (or
+        resumes it, for the same id and content) and takes its lease, kept renewed in the
+        background; leaving finishes it and releases the lease. See :mod:`ledger.api.session`.
+        Nothing is written until the block is entered, nor when a key is missing.
 
         Args:
             run_id: The Run's id.
@@ -413,14 +452,19 @@ class Ledger:
             adapter: A :class:`~ledger.adapters.SyncAdapter` to send with (default: one of
                 the session's own, closed with it).
             secrets: The secret provider of that default adapter (not with ``adapter``).
+            keyless_ok: Route ids (or credential profile ids) allowed to lack a key on
+                entering, e.g. ``{"local-llama"}``; ``True`` for every route (a host whose
+                turns all pass their own ``send``). A route with no key source at all needs
+                no entry here.
 
         Returns:
             The session, to use as ``with led.run(...) as run:``.
 
         Raises:
             InvalidArgument: a malformed ``run_id``, a ``lease_ttl_s`` out of range, an
-                ``adapter`` of the other kind, ``secrets`` with ``adapter``; on entering, the
-                errors of :meth:`admit_run` and :meth:`acquire_lease`.
+                ``adapter`` of the other kind, ``secrets`` with ``adapter``; on entering, a
+                route whose key cannot be resolved (nothing is recorded), and the errors of
+                :meth:`admit_run` and :meth:`acquire_lease`.
 
         Example:
             >>> with led.run("task-1", plan=routes, budget=budget) as run:  # doctest: +SKIP
@@ -430,8 +474,8 @@ class Ledger:
 
         return RunSession(self, run_id, dict(
             plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
-            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route),
-            lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
+            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route,
+            keyless_ok=keyless_ok), lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
     def get_run(self, run_id: str) -> RunRecord:
         """The Run as it stands now (frozen parts and live counters).
@@ -473,6 +517,45 @@ class Ledger:
             self._policies.put(run_id, pol)
         return pol
 
+    def close_run(self, run_id: str, *, status: RunStatus | str,
+                  reason: str = "closed by an operator: nobody will resume it") -> RunRecord:
+        """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
+
+        It takes the Run over itself, under a fresh fence (so an executor that wakes up later
+        can write nothing more), ends it with ``status``, records a ``close`` event (who, why,
+        the fence, the unknown Attempts that keep their holds) and releases the lease, in one
+        transaction. Attempts still ``dispatching`` become ``unknown``, as recovery marks them;
+        every ``unknown`` Attempt keeps its hold until it is settled. Closing a Run that
+        already ended with the same status changes nothing (the same call again is safe).
+
+        Args:
+            run_id: The Run.
+            status: ``failed``, ``cancelled``, ``stopped`` or ``succeeded`` (a
+                :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
+                last turn was served.
+            reason: Why, kept in the ``close`` event (at most 200 printable characters).
+
+        Returns:
+            The Run as closed (:class:`~ledger.RunRecord`).
+
+        Raises:
+            InvalidArgument: ``status`` is not a status a Run ends in (``field="status"``,
+                the choices listed), or ``reason`` is not a short text.
+            NotFound: no Run has this id.
+            LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
+            InvalidState: the Run already ended with another status, or ``succeeded`` was
+                asked of a Run whose last turn was not served (nothing changed).
+
+        Example:
+            >>> led.close_run("task-7", status="failed",  # doctest: +SKIP
+            ...               reason="host crashed; the user retried as task-8")
+        """
+        check_id(run_id, "run_id")
+        st = check_choice(status, RunStatus, "status", ENDED)
+        why = check_text(reason, "reason")
+        rec, _changed = self._store.close_run(run_id, new_id("close"), st, why, self.clock.now)
+        return rec
+
     def _finish_run(self, lease: Lease, status: RunStatus | str) -> Call[None]:
         """Record the Run's end; its lease stays until :meth:`release_lease`.
 
@@ -486,8 +569,7 @@ class Ledger:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
             NotFound: the lease's Run does not exist.
         """
-        ends = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
-        st = check_choice(status, RunStatus, "status", ends)
+        st = check_choice(status, RunStatus, "status", ENDED)
         lease, clock = lease_arg(lease), self.clock.now
         return Call(lambda: self._store.finish_run(lease, st, clock),
                      lambda: self._store.afinish_run(lease, st, clock))
@@ -647,6 +729,17 @@ class Ledger:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
             NotFound: the lease's Run does not exist.
         """
+        return self._begin(self._begin_spec(  # type: ignore[return-value]  # never Queued
+            lease, route=route, envelope_hash=envelope_hash, reserve=reserve,
+            reserve_tokens=reserve_tokens, turn_id=turn_id, profile_id=profile_id, kind=kind,
+            attempt_id=attempt_id, events=events, take_retry=take_retry))
+
+    def _begin_spec(self, lease: Lease, *, route: str | Route, envelope_hash: str,
+                    reserve: Decimal | int | str, reserve_tokens: int, turn_id: str,
+                    profile_id: str | None, kind: AttemptKind | str, attempt_id: str | None,
+                    events: Sequence[tuple[str, Mapping[str, Any]]], take_retry: bool,
+                    queue_until: float | None = None) -> BeginSpec:
+        """The checked :class:`~ledger.domain.specs.BeginSpec` of :meth:`begin_attempt`."""
         lease = lease_arg(lease)
         run = self.frozen_run(lease.run_id)
         if not isinstance(route, str | Route):
@@ -666,14 +759,29 @@ class Ledger:
             run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
             reserve_micros=reserve_micros, reserve_tokens=reserve_tokens, turn_id=turn_id,
             kind=kind, attempt_id=attempt_id, events=events_arg(events), take_retry=take_retry)
+        return spec if queue_until is None else dataclasses.replace(spec, queue_until=queue_until)
+
+    def _begin(self, spec: BeginSpec) -> Call[AttemptRecord | Queued]:
+        """The begin of ``spec`` (checked), queued in a full group when ``spec.queue_until``."""
         clock = self.clock.now
 
-        def done(rec: AttemptRecord) -> AttemptRecord:
-            self._in_flight.put(rec.attempt_id, rec)
+        def done(rec: AttemptRecord | Queued) -> AttemptRecord | Queued:
+            if isinstance(rec, AttemptRecord):
+                self._in_flight.put(rec.attempt_id, rec)
             return rec
 
         return Call(lambda: self._store.begin_attempt(spec, clock),
                      lambda: self._store.abegin_attempt(spec, clock), done)
+
+    def _leave_queue(self, waiter_id: str, group: str) -> Call[None]:
+        """Give up a queued begin's place in ``group``'s queue (the turn stopped waiting)."""
+        return Call(lambda: self._store.leave_queue(waiter_id, group),
+                     lambda: self._store.aleave_queue(waiter_id, group))
+
+    @property
+    def _waker(self) -> SlotWaker:
+        """Wakes this process's waiters of a full capacity group."""
+        return self._store.waker
 
     def _settle_attempt(
         self,
@@ -781,6 +889,7 @@ class Ledger:
 
         def done(rec: AttemptRecord) -> AttemptRecord:
             self._in_flight.pop(attempt_id)
+            self._store.waker.poke(rec.group_id)  # its slot is free: a waiter may go
             return rec
 
         return Call(lambda: self._store.settle_attempt(lease.run_id, spec, clock),
@@ -811,8 +920,13 @@ class Ledger:
                                   field="reason")
         lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
         check_id(attempt_id, "attempt_id")
+
+        def done(rec: AttemptRecord) -> AttemptRecord:
+            self._store.waker.poke(rec.group_id)  # its slot is free: a waiter may go
+            return rec
+
         return Call(lambda: self._store.mark_unknown(lease, attempt_id, clock, why),
-                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why))
+                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why), done)
 
     def settle_unknown(self, attempt_id: str, *, outcome: Outcome | str,
                        prompt_tokens: int | None = None, completion_tokens: int | None = None,
@@ -1278,7 +1392,9 @@ class AsyncLedger:
 
         Raises:
             InvalidArgument: as :meth:`Ledger.open` (when awaited).
-            DatabaseUnavailable: the database cannot be opened or reached.
+            DatabaseSetupError: the database is not set up for this URL (as
+                :meth:`Ledger.open`; retrying will not help).
+            DatabaseUnavailable: the database cannot be reached.
             SchemaTooNew: the database was migrated by a newer ledger.
         """
         return _Opening(lambda: cls(Ledger.open(
@@ -1325,7 +1441,8 @@ class AsyncLedger:
             parent: Lease | None = None, tenant: str | None = None,
             labels: Mapping[str, str] | None = None, deadline: float | None = None,
             selected_route: str | None = None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-            adapter: Any = None, secrets: Any = None) -> AsyncRunSession:
+            adapter: Any = None, secrets: Any = None,
+            keyless_ok: Collection[str] | bool = ()) -> AsyncRunSession:
         """A Run held in an ``async with`` block: an :class:`~ledger.AsyncRunSession`.
 
         The asyncio twin of :meth:`Ledger.run`, with the same arguments and errors; ``adapter``
@@ -1347,6 +1464,7 @@ class AsyncLedger:
             adapter: An :class:`~ledger.adapters.HttpAdapter` to send with (default: the
                 session's own).
             secrets: The secret provider of that default adapter.
+            keyless_ok: As :meth:`Ledger.run`.
 
         Raises:
             InvalidArgument: as :meth:`Ledger.run`.
@@ -1355,8 +1473,8 @@ class AsyncLedger:
 
         return AsyncRunSession(self, run_id, dict(
             plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
-            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route),
-            lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
+            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route,
+            keyless_ok=keyless_ok), lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
     async def warm(self, run_id: str) -> None:
         """Read the Run's (and its ancestors') frozen parts into the cache, off the event loop.
@@ -1381,6 +1499,7 @@ class AsyncLedger:
     children = _in_thread(Ledger.children)
     frozen_run = _in_thread(Ledger.frozen_run)
     run_policy = _in_thread(Ledger.run_policy)
+    close_run = _in_thread(Ledger.close_run)
     finish_run = _native(Ledger._finish_run)
     acquire_lease = _native(Ledger._acquire_lease)
     renew_lease = _native(Ledger._renew_lease)

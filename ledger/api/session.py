@@ -9,11 +9,16 @@
             answer = search(call.arguments)           # the host runs its tool
             parts.append(run.tool_result(call.tool_call_id, answer))
 
-Entering admits the Run (or resumes it: the same id with identical content), takes its lease and
-keeps it renewed in the background; leaving finishes the Run — ``succeeded``, or ``failed`` /
-``cancelled`` when the block raised — and releases the lease, on every path, cancellation
-included. A turn is one logical turn through the retry owner (:func:`ledger.api.turn.execute`) with
-the route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
+Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
+admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
+renewed in the background; leaving finishes the Run and releases the lease, on every path,
+cancellation included. The status says what happened (:mod:`ledger.decide.ending`):
+``succeeded`` only when the last turn was served, ``cancelled`` after a cancelled turn (even one
+the host caught), ``stopped`` or ``failed`` after a stop, ``failed`` or ``cancelled`` when the
+block raised.
+
+A turn is one logical turn through the retry owner (:func:`ledger.api.turn.execute`) with the
+route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
 conversation parts whose provenance the ledger recorded, so appending them (and the tool
 results made here) to the next envelope passes disclosure preflight with nothing more to do.
 
@@ -28,10 +33,12 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from ledger.api.arguments import as_model
 from ledger.decide.effects import Dispatch, SendResult
+from ledger.decide.ending import idle_end, last_turn_served, turn_end
 from ledger.domain.bounds import MAX_LEASE_TTL_S, check_bool, check_id, check_seconds
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.records import FrozenRun, Lease, RunRecord
+from ledger.domain.records import AttemptRecord, EventRecord, FrozenRun, Lease, RunRecord, RunStatus
 from ledger.domain.validation import check_known_keys, check_secret_provider, checked_calls
 from ledger.domain.values import Budget, Grant, Route
 from ledger.errors import FencedOut, InvalidArgument, InvalidState
@@ -49,7 +56,7 @@ _ENDED = ("this Run session has ended (its block was left); open a new one with 
 
 # What Ledger.admit_run takes besides the run id: a session's admission arguments.
 ADMIT_ARGUMENTS = ("plan", "budget", "grant", "policy", "role", "parent", "tenant", "labels",
-                   "deadline", "selected_route")
+                   "deadline", "selected_route", "keyless_ok")
 
 
 def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> None:
@@ -68,13 +75,23 @@ def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> No
         check_bool(owns, "owns_adapter")
 
 
-def _end_status(exc: BaseException | None) -> str:
-    """How a Run ends when its block is left with ``exc``."""
-    if exc is None:
-        return "succeeded"
-    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | GeneratorExit):
-        return "cancelled"
-    return "failed"
+def _idle_status(run: RunRecord, attempts: Sequence[AttemptRecord],
+                 stops: Sequence[EventRecord]) -> RunStatus:
+    """How a block that tried no turn (nor held a Child) ends the Run, from its record."""
+    return idle_end(run.status, last_turn_served(attempts, [e.created_at for e in stops]))
+
+
+def _key_source(adapter: Any, secrets: Any) -> Any:
+    """The secret provider the session's sender resolves credential profiles with."""
+    if secrets is not None:
+        return secrets
+    inner = getattr(adapter, "adapter", adapter)  # a SyncAdapter wraps an HttpAdapter
+    found = getattr(inner, "secrets", None)
+    if found is not None:
+        return found
+    from ledger.adapters import EnvSecretProvider
+
+    return EnvSecretProvider()
 
 
 @checked_calls
@@ -116,6 +133,35 @@ class _SessionCore:
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
         self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
         self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
+        # How the block's last piece of work ended (a turn, or a Child Run it held): the
+        # status the Run ends in when the block is left normally. None: no turn was tried.
+        self._outcome: RunStatus | None = None
+        self._parent: _SessionCore | None = None  # the session a Child session reports to
+        self.ended: RunStatus | None = None  # the status the Run was finished with
+
+    def _turn_ended(self, status: RunStatus) -> None:
+        """Record how the block's latest turn ended.
+
+        The session records it for its own turns; the pydantic-ai integration also records a
+        streamed turn whose reader left before the end (``cancelled``, even when the answer
+        had arrived).
+        """
+        self._outcome = status
+
+    def _end_status(self, exc: BaseException | None) -> RunStatus | None:
+        """How the block ends the Run: by its exception, else by its last turn or Child.
+
+        ``None`` when it tried neither: the Run's record decides (:func:`_idle_status`).
+        """
+        if exc is not None:
+            return turn_end(exc)
+        return self._outcome
+
+    def _ended(self, status: RunStatus) -> None:
+        self.ended = status
+        parent = self._parent
+        if parent is not None and parent._state == "open":
+            parent._outcome = status  # the parent's last piece of work was this Child Run
 
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
@@ -165,7 +211,18 @@ class _SessionCore:
         if "parent" in admit:
             raise InvalidArgument("a child session's parent is this Run; do not pass parent",
                                   field="parent")
-        return {"plan": list(plan) if plan is not None else frozen.plan, "budget": budget,
+        routes = list(plan) if plan is not None else frozen.plan
+        if "keyless_ok" not in admit:
+            # The Child sends on routes of this Run: what this Run may lack, it may lack too.
+            mine = self.admit.get("keyless_ok", ())
+            if mine is True:
+                admit = {**admit, "keyless_ok": True}
+            elif isinstance(mine, Sequence | set | frozenset) and not isinstance(mine, str):
+                checked = [r if isinstance(r, Route) else as_model(Route, r, "plan")
+                           for r in routes]
+                ids = {r.id for r in checked} | {p.id for r in checked for p in r.profiles}
+                admit = {**admit, "keyless_ok": {k for k in mine if k in ids}}
+        return {"plan": routes, "budget": budget,
                 "grant": grant, "role": frozen.role if role is None else role,
                 "parent": lease, **admit}
 
@@ -270,19 +327,31 @@ class _SessionCore:
 class RunSession(_SessionCore):
     """A Run held in a ``with`` block (see the module docstring); made by :meth:`Ledger.run`.
 
-    Entering admits the Run (or resumes it: the same id and content), takes its lease and
-    starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving finishes the Run (``succeeded``,
-    or ``failed``/``cancelled`` when the block raised) and releases the lease. A session is
-    entered once; its methods work only inside the block.
+    Entering checks every route's key, admits the Run (or resumes it: the same id and
+    content), takes its lease and starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving
+    finishes the Run and releases the lease. A session is entered once; its methods work only
+    inside the block.
+
+    The status the Run ends in: when the block raised, ``cancelled`` for a cancellation
+    (``KeyboardInterrupt``, ``asyncio.CancelledError``), else as a stop or an error of a turn
+    (below). When the block ends normally, its last turn (or the last Child Run it held)
+    decides: ``succeeded`` if it was served; ``cancelled`` if it was cancelled, even if the host
+    caught that; after a :class:`~ledger.errors.FailoverExhausted`, ``stopped`` when the policy
+    stopped on purpose (:data:`ledger.decide.ending.POLICY_STOPS`: failover off, the budget or
+    an allowance spent), else ``failed``; ``failed`` after any other error. A block that tried
+    no turn leaves a Run that ended before as it was, ends a Run that never made an Attempt
+    ``cancelled``, and a resumed one by its last recorded turn.
 
     Attributes:
         run_id: The Run's id.
         record: The Run as admitted (``None`` before entering).
         ledger: The :class:`~ledger.Ledger` it runs on.
+        ended: The status the block finished the Run with (``None`` until it did).
 
     Raises:
         InvalidArgument: (building it) an argument of :meth:`Ledger.run` is wrong; (entering)
-            an admission argument is (see :meth:`Ledger.admit_run`).
+            a route's key cannot be resolved (the route, the variable, the fix; nothing is
+            recorded), or an admission argument is wrong (see :meth:`Ledger.admit_run`).
         AdmissionConflict: (entering) the run id was admitted with other content.
         LeaseHeld: (entering) another live executor holds the Run.
         InvalidState: (entering) the session was entered before.
@@ -312,7 +381,9 @@ class RunSession(_SessionCore):
         from ledger.api.lease import LeaseKeeper
 
         self._enter()
-        self.record = self.ledger.admit_run(self.run_id, **self.admit)
+        # Admission checks every route's key first, with the provider this session sends with.
+        self.record = self.ledger.admit_run(
+            self.run_id, **self.admit, secrets=_key_source(self._adapter, self._secrets))
         lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
         self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
         if self._adapter is None:
@@ -335,7 +406,13 @@ class RunSession(_SessionCore):
         keeper.stop()
         try:
             if keeper.error is None:
-                self.ledger.finish_run(keeper.lease, _end_status(exc))
+                status = self._end_status(exc)
+                if status is None:
+                    led = self.ledger
+                    status = _idle_status(led.get_run(self.run_id), led.timeline(self.run_id),
+                                          led.events(self.run_id, ["stop"]))
+                self.ledger.finish_run(keeper.lease, status)
+                self._ended(status)
             keeper.shutdown_writes()  # releases the lease (a fenced-out keeper writes nothing)
         except FencedOut as e:
             if exc is None:
@@ -395,8 +472,13 @@ class RunSession(_SessionCore):
             finally:
                 self._sending = None
 
-        result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                         part_hashes=self._part_hashes(envelope) or None, **options)
+        try:
+            result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                             part_hashes=self._part_hashes(envelope) or None, **options)
+        except BaseException as e:
+            self._turn_ended(turn_end(e))
+            raise
+        self._turn_ended(RunStatus.SUCCEEDED)
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
@@ -505,8 +587,10 @@ class RunSession(_SessionCore):
         self._check_open()
         frozen = self.ledger.frozen_run(self.run_id)
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
-        return RunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
-                          adapter=self._adapter, owns_adapter=False)
+        child = RunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
+                           adapter=self._adapter, owns_adapter=False)
+        child._parent = self
+        return child
 
 
 @checked_calls
@@ -532,7 +616,8 @@ class AsyncRunSession(_SessionCore):
         from ledger.api.lease import AsyncLeaseKeeper
 
         self._enter()
-        self.record = await self.ledger.admit_run(self.run_id, **self.admit)
+        self.record = await self.ledger.admit_run(
+            self.run_id, **self.admit, secrets=_key_source(self._adapter, self._secrets))
         lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
         self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
         if self._adapter is None:
@@ -560,7 +645,14 @@ class AsyncRunSession(_SessionCore):
         await keeper.stop()
         try:
             if keeper.core.error is None:
-                await self.ledger.finish_run(keeper.lease, _end_status(exc))
+                status = self._end_status(exc)
+                if status is None:
+                    led = self.ledger
+                    status = _idle_status(await led.get_run(self.run_id),
+                                          await led.timeline(self.run_id),
+                                          await led.events(self.run_id, ["stop"]))
+                await self.ledger.finish_run(keeper.lease, status)
+                self._ended(status)
             await asyncio.to_thread(keeper.core.shutdown_writes)  # releases the lease
         except FencedOut as e:
             if exc is None:
@@ -599,8 +691,13 @@ class AsyncRunSession(_SessionCore):
             finally:
                 self._sending = None
 
-        result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                                part_hashes=self._part_hashes(envelope) or None, **options)
+        try:
+            result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
+                                    part_hashes=self._part_hashes(envelope) or None, **options)
+        except BaseException as e:
+            self._turn_ended(turn_end(e))
+            raise
+        self._turn_ended(RunStatus.SUCCEEDED)
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
@@ -640,8 +737,10 @@ class AsyncRunSession(_SessionCore):
         self._check_open()
         frozen = self.ledger.sync.frozen_run(self.run_id)
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
-        return AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
-                               adapter=self._adapter, owns_adapter=False)
+        child = AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
+                                adapter=self._adapter, owns_adapter=False)
+        child._parent = self
+        return child
 
 
 __all__ = ["AsyncRunSession", "RunSession"]

@@ -23,10 +23,12 @@ from ledger.api.calls import Call
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.decide.effects import (
+    AwaitSlot,
     Begin,
     ClaimProbe,
     Dispatch,
     Effect,
+    LeaveQueue,
     Notice,
     Notify,
     Now,
@@ -272,7 +274,7 @@ def _advance(gen: Steps, value: Any, error: BaseException | None) -> tuple[bool,
 
 
 def _writes(eff: Effect[Any]) -> bool:
-    return isinstance(eff, Begin | Settle)
+    return isinstance(eff, Begin | Settle | LeaveQueue)
 
 
 def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunResult:
@@ -355,11 +357,13 @@ def _call_of(ledger: Ledger, eff: Effect[Any]) -> Call[Any]:
         case Snapshot(run_id=run_id, refs=refs):
             return ledger._turn_snapshot(run_id, refs)
         case Begin():
-            return ledger._begin_attempt(
+            return ledger._begin(ledger._begin_spec(
                 eff.lease, route=eff.route, envelope_hash=eff.envelope_hash,
                 reserve=eff.reserve, reserve_tokens=eff.reserve_tokens, turn_id=eff.turn_id,
                 profile_id=eff.profile_id, kind=eff.kind, attempt_id=eff.attempt_id,
-                events=eff.events, take_retry=eff.take_retry)
+                events=eff.events, take_retry=eff.take_retry, queue_until=eff.queue_until))
+        case LeaveQueue(group=group, waiter=waiter):
+            return ledger._leave_queue(waiter, group)
         case Settle():
             return ledger._settle_attempt(
                 eff.lease, eff.attempt_id, outcome=eff.outcome, fact=eff.fact,
@@ -390,6 +394,19 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
             return None
         case Now():
             return ledger.now()
+        case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
+            waker = ledger._waker
+            if waker.join(group, waiter):
+                return None  # registered: begin once more before waiting (no wake is missed)
+            waker.wait(waiter, seconds, sleeper)
+            return None
+        case LeaveQueue(waiter=waiter, drop=drop):
+            try:
+                if drop:
+                    _call_of(ledger, eff).run()
+            finally:
+                ledger._waker.leave(waiter)
+            return None
     return _call_of(ledger, eff).run()
 
 
@@ -411,6 +428,19 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
             return None
         case Now():
             return ledger.sync.now()
+        case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
+            waker = ledger.sync._waker
+            if waker.join(group, waiter, aio=True):
+                return None  # registered: begin once more before waiting (no wake is missed)
+            await waker.await_(waiter, seconds, sleeper)
+            return None
+        case LeaveQueue(waiter=waiter, drop=drop):
+            try:
+                if drop:
+                    await _call_of(ledger.sync, eff).arun()
+            finally:
+                ledger.sync._waker.leave(waiter)
+            return None
     # The database effects run on the asyncio driver: no worker-thread hop.
     return await _call_of(ledger.sync, eff).arun()
 

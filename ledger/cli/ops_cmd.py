@@ -1,5 +1,6 @@
 """Operator commands over the audit API: ``runs``, ``run show``, ``attempts``, ``failovers``,
-``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``.
+``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``; and ``run close``, the
+one that writes (it ends a Run nobody will resume).
 
 Reading commands open the ledger without migrating it (they never write, so they work through a
 read-only role and never create a database by accident). Tables are aligned text by default and
@@ -232,13 +233,61 @@ def _run_show(args: argparse.Namespace) -> int:
                      _money(a.cost), why, fmt_time(a.created_at)])
     print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "REPORTED", "WHY", "AT"],
                 rows))
-    notes = [(a.seq, e) for a in tl.attempts for e in a.events]
+    # Waits have their own lines below.
+    notes = [(a.seq, e) for a in tl.attempts for e in a.events
+             if e.kind not in ("capacity_wait", "wait")]
     if notes:
         print()
         for seq, e in notes:
             print(f"  #{seq} {e.kind}: {fmt_event_data(e.data, now)}")
+    seqs = {a.attempt_id: a.seq for a in tl.attempts}
+    if tl.waits:
+        print()
+        for w in tl.waits:
+            print(f"  waited {w.waited_s:.1f} s ({w.text}): {w.outcome}"
+                  + (f" -> #{seqs[w.attempt_id]}" if w.attempt_id in seqs else "")
+                  + f"  {fmt_until(w.at, now)}")
     for line in stop_lines(tl.stops, now):
         print(line)
+    return 0
+
+
+def _open_writer(url: str) -> Any:
+    """Open an existing ledger to write to it (never a new database by accident)."""
+    from ledger.api.facade import Ledger
+
+    open_reader(url).close()  # the same clear errors when there is no ledger at the URL
+    return Ledger.open(url)
+
+
+def _run_close(args: argparse.Namespace) -> int:
+    led = _open_writer(args.db)
+    try:
+        before = led.get_run(args.run_id)
+        rec = led.close_run(args.run_id, status=args.status, reason=args.reason)
+        closes = led.events(args.run_id, ["close"])
+    finally:
+        led.close()
+    changed = before.status != rec.status
+    data = closes[-1].data if closes and changed else {}
+    if args.json:
+        _emit_json({"run_id": rec.run_id, "status": rec.status.value,
+                    "previous_status": before.status.value, "changed": changed,
+                    "close": data})
+        return 0
+    if not changed:
+        print(f"run {rec.run_id} already ended {rec.status.value}; nothing changed")
+        return 0
+    print(f"closed run {rec.run_id}: {before.status.value} -> {rec.status.value} "
+          f"(fence {data.get('previous_fence')} -> {data.get('fence')}, lease released)")
+    unknown = data.get("unknown") or []
+    if unknown:
+        print(f"  {len(unknown)} attempt(s) still dispatching marked unknown: "
+              + ", ".join(unknown))
+    held = data.get("holds_kept") or []
+    if held:
+        print(f"  {len(held)} unknown attempt(s) keep their holds until settled: "
+              + ", ".join(held))
     return 0
 
 
@@ -249,6 +298,9 @@ def stop_lines(stops: Sequence[Any], now: float) -> list[str]:
         out.append("")
         out.append(f"stopped {fmt_until(st.at, now)}: {st.reason}"
                    + (f": {st.detail}" if st.detail else ""))
+        if st.candidates:
+            out.extend(f"  {line}" for line in st.candidates)
+            continue
         for sk in st.skipped:
             out.append(f"  skipped {sk.route}: {sk.reason}" + (f" ({sk.detail})" if sk.detail
                                                                else ""))
@@ -302,13 +354,22 @@ def _failovers(args: argparse.Namespace) -> int:
         _emit_json(page)
         return 0
     rows = []
+    unusable: dict[tuple[str, str], str] = {}  # (run, route) -> why the route could not be used
     for f in page.items:
         causes = ", ".join(f"{c.route}: {c.category or c.state}"
                            + (f" {c.http_status}" if c.http_status else "") for c in f.causes)
         rows.append([f.run_id, f.tenant, f.selected_route, f.served_route or "(none)",
                      " > ".join(f.routes), causes or "-", f.status, fmt_time(f.created_at)])
+        for c in f.causes:
+            if c.category == "unusable":
+                unusable.setdefault((f.run_id, c.route), c.detail or "-")
     print(table(["RUN", "TENANT", "SELECTED", "SERVED BY", "ROUTES TRIED", "CAUSES", "STATUS",
                  "ADMITTED"], rows))
+    if unusable:
+        # Skipped without sending (a missing key, an unusable endpoint): what to fix.
+        print("\nunusable routes (skipped, nothing sent)")
+        for (run_id, route), why in unusable.items():
+            print(f"  {run_id} {route}: {why}")
     _footer(page)
     return 0
 
@@ -345,19 +406,28 @@ def _health(args: argparse.Namespace) -> int:
     now = rep.now
     print("routes and profiles")
     print(table(["KEY", "KIND", "PROVIDER", "STATUS", "COOLDOWN", "DISABLED", "ERRORS",
-                 "LAST FAILURE", "LAST PROBE"],
+                 "RECENT", "LAST FAILURE", "LAST PROBE"],
                 [[k.key, k.kind, k.provider, k.status, fmt_until(k.cooldown_until, now),
                   fmt_until(k.disabled_until, now)
                   + (f" ({k.disabled_reason})" if k.disabled_reason else ""),
-                  k.error_count, relative(k.last_failure_at, now),
+                  k.error_count, k.recent_failures, relative(k.last_failure_at, now),
                   relative(k.last_probe_at, now)]
                  for k in rep.routes + rep.profiles]))
     print()
     print("capacity groups")
-    print(table(["GROUP", "MODE", "WAIT UNTIL", "REASON", "IN FLIGHT", "LIMIT"],
+    print(table(["GROUP", "MODE", "WAIT UNTIL", "REASON", "IN FLIGHT", "LIMIT", "WAITING"],
                 [[g.group, g.mode, fmt_until(g.until, now) if g.mode != "open" else "-",
-                  g.reason if g.mode != "open" else "-", g.in_flight, g.limit]
+                  g.reason if g.mode != "open" else "-", g.in_flight, g.limit, g.waiting]
                  for g in rep.groups]))
+    if rep.unusable:
+        print()
+        print("unusable routes (skipped without sending, not served since; fix the cause)")
+        print(table(["ROUTE", "PROFILE", "PROVIDER", "SKIPS", "LAST SKIP", "LAST RUN"],
+                    [[u.route, u.profile, u.provider, u.skips, relative(u.last_at, now),
+                      u.last_run] for u in rep.unusable]))
+        for u in rep.unusable:
+            print(f"  {u.route}" + (f" ({u.profile})" if u.profile else "")
+                  + f": {u.why or '-'}")
     return 0
 
 
@@ -382,16 +452,16 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         led.close()
     summary = {"runs": st.runs, "attempts": st.attempts, "failed": st.failed,
-               "unknown": st.unknown, "dispatching": st.dispatching,
+               "unknown": st.unknown, "not_sent": st.not_sent, "dispatching": st.dispatching,
                "failovers": st.failovers, "events": st.events, "since": st.since,
                "until": st.until, "seconds": round(took, 2)}
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     else:
         print(f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
-              f"{st.failovers} failovers, {st.unknown} unknown, {st.dispatching} dispatching, "
-              f"{st.events} events) from {fmt_time(st.since)} to {fmt_time(st.until)} "
-              f"in {took:.1f} s")
+              f"{st.unknown} unknown, {st.not_sent} not sent, {st.dispatching} dispatching; "
+              f"{st.failovers} runs failed over; {st.events} events) from "
+              f"{fmt_time(st.since)} to {fmt_time(st.until)} in {took:.1f} s")
     return 0
 
 
@@ -458,19 +528,35 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("runs", help="list runs, newest first")
-    p.add_argument("--status", choices=["admitted", "running", "succeeded", "failed", "stopped"])
+    p.add_argument("--status", choices=["admitted", "running", "succeeded", "failed", "stopped",
+                                        "cancelled"])
     p.add_argument("--tenant")
     _add_range(p, None)
     _add_common(p)
     p.set_defaults(func=_runs)
 
-    run = subparsers.add_parser("run", help=f"one run: {PROG} run show ID")
+    run = subparsers.add_parser("run", help=f"one run: {PROG} run show ID, {PROG} run close ID")
     run_sub = run.add_subparsers(dest="run_command", metavar="SUBCOMMAND", required=True)
     show = run_sub.add_parser("show", help="a run's attempt timeline: routes, debits, outcomes, "
                               "facts, costs and the selector's reasons")
     show.add_argument("run_id", metavar="ID")
     _add_common(show, paged=False)
     show.set_defaults(func=_run_show)
+    close = run_sub.add_parser(
+        "close", help="end a run nobody will resume (e.g. recovered and left running)",
+        description="Take the run over under a fresh fence (refused while a live executor "
+        "holds it), end it with --status, record a close event and release the lease. "
+        "Attempts still dispatching become unknown; unknown attempts keep their holds until "
+        "settled. Closing a run that already ended with the same status changes nothing.")
+    close.add_argument("run_id", metavar="ID")
+    close.add_argument("--status", required=True, metavar="STATUS",
+                       help="failed, cancelled, stopped, or succeeded (only when its last "
+                       "turn was served)")
+    close.add_argument("--reason", default="closed by an operator: nobody will resume it",
+                       help="why, kept in the close event")
+    _add_db(close)
+    close.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    close.set_defaults(func=_run_close)
 
     p = subparsers.add_parser("attempts", help="attempts by route, group, outcome, category, time")
     p.add_argument("--route")

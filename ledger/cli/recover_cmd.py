@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
                    help="keep the new lease (default: release it so a host can acquire the run)")
     p.add_argument("--run", action="append", dest="runs", metavar="RUN_ID",
                    help="only this run (repeatable)")
+    p.add_argument("--close-past-deadline", action="store_true",
+                   help="then close (failed) every unfinished run past its deadline that no "
+                   "live executor holds, under a fresh fence, with a close event")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--progress", action="store_true", help="show progress even when piped")
     p.set_defaults(func=_recover)
@@ -87,7 +90,8 @@ def _recover(args: argparse.Namespace) -> int:
                       lease_ttl_s=DEFAULT_RECOVERY_TTL_S if args.ttl is None else args.ttl,
                       limit=DEFAULT_LIMIT if args.limit is None else args.limit,
                       batch=DEFAULT_BATCH if args.batch is None else args.batch,
-                      release=not args.keep_lease, run_ids=args.runs, progress=bar)
+                      release=not args.keep_lease, run_ids=args.runs, progress=bar,
+                      close_past_deadline=args.close_past_deadline)
     bar.close()
     if args.json:
         sys.stdout.write(json.dumps(rep.to_json(), indent=2) + "\n")
@@ -100,6 +104,9 @@ def _recover(args: argparse.Namespace) -> int:
         for a in r.unknown:
             print(f"    unknown {a.attempt_id} turn {a.turn_id} route {a.route_id} "
                   f"hold {a.reserved}")
+    if args.close_past_deadline:
+        print(f"closed {len(rep.closed)} run(s) past their deadline (failed)"
+              + (": " + ", ".join(rep.closed) if rep.closed else ""))
     return 0
 
 

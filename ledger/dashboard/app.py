@@ -193,21 +193,22 @@ def _health_html(rep: HealthReport) -> str:
              _until(k.cooldown_until, now),
              _until(k.disabled_until, now) + (f" ({_e(k.disabled_reason)})"
                                               if k.disabled_reason else ""),
-             str(k.error_count), _ago(k.last_failure_at, now),
+             str(k.error_count), str(k.recent_failures), _ago(k.last_failure_at, now),
              _ago(k.last_probe_at, now)] for k in rep.routes + rep.profiles]
     groups = [[_e(g.group), _tag(g.mode), _until(g.until, now) if g.mode != "open" else _e(None),
-               _e(g.reason) if g.mode != "open" else _e(None), _e(g.in_flight), _e(g.limit)]
+               _e(g.reason) if g.mode != "open" else _e(None), _e(g.in_flight), _e(g.limit),
+               _e(g.waiting)]
               for g in rep.groups]
     return (
         '<section><h2>Routes and credential profiles</h2>'
         + _table(["key", "kind", "provider", "status", "cooldown until", "disabled until",
-                  "errors", "last failure", "last probe"], keys, "health-table",
-                 "no health recorded yet",
-                 ["id", "", "", "", "nowrap", "nowrap", "num", "nowrap", "nowrap"])
+                  "errors", "recent failures", "last failure", "last probe"], keys,
+                 "health-table", "no health recorded yet",
+                 ["id", "", "", "", "nowrap", "nowrap", "num", "num", "nowrap", "nowrap"])
         + '</section><section><h2>Capacity groups</h2>'
-        + _table(["group", "mode", "waiting floor", "reason", "in flight", "limit"], groups,
-                 "groups-table", "no capacity groups yet",
-                 ["id", "", "nowrap", "", "num", "num"])
+        + _table(["group", "mode", "waiting floor", "reason", "in flight", "limit", "waiting"],
+                 groups, "groups-table", "no capacity groups yet",
+                 ["id", "", "nowrap", "", "num", "num", "num"])
         + "</section>")
 
 
@@ -262,6 +263,18 @@ _TOTALS_HEAD = ["attempts", "ok", "failed", "unknown", "tokens", "charged", "hel
 _TOTALS_CLS = ["num"] * 7
 
 
+def _waits_html(tl: RunTimeline, now: float) -> str:
+    if not tl.waits:
+        return ""
+    seqs = {a.attempt_id: a.seq for a in tl.attempts}
+    rows = [[_e(f"{w.waited_s:.1f} s"), _e(w.text), _tag(w.outcome),
+             _e(f"#{seqs[w.attempt_id]}" if w.attempt_id in seqs else None), _t(w.at)]
+            for w in tl.waits]
+    return ('<section id="waits"><h2>Waits</h2>'
+            + _table(["waited", "for", "outcome", "attempt", "at"], rows, "waits-table",
+                     "no waits", ["num", "", "", "num", "nowrap"]) + "</section>")
+
+
 def _stops_html(tl: RunTimeline, now: float) -> str:
     if not tl.stops:
         return ""
@@ -271,6 +284,11 @@ def _stops_html(tl: RunTimeline, now: float) -> str:
                           + (f' <span class="muted">({_e(s.detail)})</span>' if s.detail
                              else "") + "</li>" for s in st.skipped)
         errors = "".join(f"<li>error: {_e(err)}</li>" for err in st.errors)
+        if st.candidates:
+            # "route: failed: ..." / "route: skipped (reason): detail — fix: ..."
+            skipped = "".join("<li><b>{}</b>: {}</li>".format(*map(_e, c.split(": ", 1)))
+                              if ": " in c else f"<li>{_e(c)}</li>" for c in st.candidates)
+            errors = ""
         out.append(f'<div class="stop"><b class="stop-reason">{_e(st.reason)}</b>'
                    + (f": {_e(st.detail)}" if st.detail else "")
                    + f' <span class="muted">{_ago(st.at, now)}</span>'
@@ -313,7 +331,7 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
                           "timeline-table",
                           "no attempts yet",
                           ["num", "", "id", "id", "", "", "nowrap", "num", "", "", "nowrap"])
-            + "</section>" + _stops_html(tl, now))
+            + "</section>" + _waits_html(tl, now) + _stops_html(tl, now))
 
 
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,

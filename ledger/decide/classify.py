@@ -203,9 +203,11 @@ def resubmittable(obs: Observation, phase: Phase, failover: FailoverPolicy) -> b
     return not (unknown and not failover.resubmit_unknown_execution)
 
 
-def _move(policy: Policy, category: Category, phase: Phase) -> Scope | None:
+def _move(policy: Policy, category: Category, phase: Phase,
+          transport: Transport | None) -> Scope | None:
     for rule in policy.moves_on:
-        if category in rule.categories and (rule.phases is None or phase in rule.phases):
+        if (category in rule.categories and (rule.phases is None or phase in rule.phases)
+                and (rule.transports is None or transport in rule.transports)):
             return rule.scope
     return None
 
@@ -267,7 +269,7 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
         code = next(iter(err.fields.values()))
     if code is not None:
         code = redact(_clean(code))
-    scope = _move(policy, category, phase)
+    scope = _move(policy, category, phase, obs.transport)
     if category is Category.UNUSABLE:
         # A route that cannot be used never ends the request by itself: it is skipped (seed
         # 001: "one that cannot be built (no key) is logged and skipped"), under every policy.

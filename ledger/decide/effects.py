@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Any, Generic, TypeVar
 
 from ledger.domain.facts import FailureFact, Observation
-from ledger.domain.records import AttemptKind, AttemptRecord, Lease, Outcome, RunRecord
+from ledger.domain.records import AttemptKind, AttemptRecord, Lease, Outcome, Queued, RunRecord
 from ledger.domain.values import GroupProjection, Health, Route
 from ledger.policy.model import Policy
 
@@ -160,7 +160,11 @@ class SendResult:
 
 @dataclass(frozen=True)
 class Notice:
-    """Told to the caller: ``reset`` means discard text streamed by ``attempt_id``."""
+    """Told to the caller.
+
+    ``reset``: discard the text streamed by ``attempt_id``; ``queued``: the turn waits in a full
+    capacity group's queue before ``attempt_id`` is begun (``detail`` says which and how long).
+    """
 
     kind: str
     attempt_id: str
@@ -180,12 +184,13 @@ class Snapshot(Effect[TurnSnapshot]):
 
 
 @dataclass(frozen=True)
-class Begin(Effect[AttemptRecord]):
+class Begin(Effect[AttemptRecord | Queued]):
     """Record an Attempt before its send (one commit).
 
     ``take_retry``: it is a further Attempt of its turn and takes a retry permission in the same
     transaction; ``events`` (the selector's decision, the move or retry that led here) are written
-    with it.
+    with it. ``queue_until``: a full capacity group queues the begin until then (the result is
+    a :class:`~ledger.domain.records.Queued` place, nothing recorded); ``None`` refuses.
     """
 
     lease: Lease
@@ -199,6 +204,7 @@ class Begin(Effect[AttemptRecord]):
     kind: AttemptKind
     take_retry: bool
     events: Events = ()
+    queue_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,32 @@ class Settle(Effect[AttemptRecord]):
     provenance: tuple[str, ...] = ()
     events: Events = ()
     repeat: bool = False
+
+
+@dataclass(frozen=True)
+class AwaitSlot(Effect[None]):
+    """Wait for a slot of ``group`` to come free, at most ``seconds``, for queued ``waiter``.
+
+    The first wait of a waiter only registers it for wake-ups and returns at once (the loop
+    then begins again, so a slot freed meanwhile is not missed); later ones wait for a wake-up
+    or the store's polling interval, through the sleeper.
+    """
+
+    group: str
+    waiter: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LeaveQueue(Effect[None]):
+    """Stop waiting in ``group``'s queue; ``drop``: give up the place (cancelled, timed out).
+
+    Without ``drop`` the place is already gone (the begin that was served took it).
+    """
+
+    group: str
+    waiter: str
+    drop: bool
 
 
 @dataclass(frozen=True)
@@ -277,10 +309,12 @@ class Now(Effect[float]):
 
 
 __all__ = [
+    "AwaitSlot",
     "Begin",
     "ClaimProbe",
     "Dispatch",
     "Effect",
+    "LeaveQueue",
     "Notice",
     "Notify",
     "Now",

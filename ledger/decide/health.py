@@ -139,6 +139,7 @@ def _cleared() -> dict[str, object]:
         "disabled_until": None,
         "disabled_reason": None,
         "reset_at": None,
+        "recent_failures": (),
     }
 
 
@@ -172,9 +173,12 @@ def reset_at(health: Health, policy: Policy) -> float | None:
     the policy resets on expiry, once the failure window has passed since the last failure.
     ``None``: only a success resets them.
     """
-    if health.error_count == 0 and not health.failure_counts:
-        return None
     hp = policy.health
+    if health.error_count == 0 and not health.failure_counts:
+        if health.recent_failures and hp.cooldown_window_s is not None:
+            # Failures below the threshold are forgotten once the window has passed them all.
+            return health.recent_failures[-1] + hp.cooldown_window_s
+        return None
     ends = [t for t in (health.cooldown_until, health.disabled_until) if t is not None]
     available = max(ends) if ends else health.last_failure_at
     if available is None:
@@ -217,6 +221,11 @@ def record_failure(
     if effect is CooldownEffect.NONE:
         return health
     h = refresh(health, now, policy)
+    if effect is CooldownEffect.COOLDOWN and h.error_count == 0:
+        below = _below_threshold(h, now, policy.health)
+        if below is not None:
+            return _with_reset(h.model_copy(update={"recent_failures": below,
+                                                    "last_failure_at": now}), policy)
     counts = dict(h.failure_counts)
     counts[category.value] = counts.get(category.value, 0) + 1
     n = h.error_count + 1
@@ -224,6 +233,7 @@ def record_failure(
         "error_count": n,
         "failure_counts": counts,
         "last_failure_at": now,
+        "recent_failures": (),
     }
     rule = _disable_rule(category, policy.health)
     if effect is CooldownEffect.DISABLE and rule is not None:
@@ -233,6 +243,21 @@ def record_failure(
     else:
         update["cooldown_until"] = now + cooldown_seconds(n, policy)
     return _with_reset(h.model_copy(update=update), policy)
+
+
+def _below_threshold(health: Health, now: float, hp: HealthPolicy) -> tuple[float, ...] | None:
+    """The key's recent failures with this one, while they stay below the cooling threshold.
+
+    ``None`` when this failure reaches ``cooldown_after`` failures within ``cooldown_window_s``:
+    then the key cools. A policy that cools on the first failure never remembers any.
+    """
+    if hp.cooldown_after <= 1 or hp.cooldown_window_s is None:
+        return None
+    window = hp.cooldown_window_s
+    recent = (*(t for t in health.recent_failures if now - t < window), now)
+    if len(recent) >= hp.cooldown_after:
+        return None
+    return recent
 
 
 def record_repeat(
@@ -249,7 +274,16 @@ def record_repeat(
     if effect is CooldownEffect.NONE:
         return health
     h = refresh(health, now, policy)
-    if policy.health.count_same_route_retries or h.error_count == 0:
+    hp = policy.health
+    if (h.error_count == 0 and h.recent_failures and not hp.count_same_route_retries
+            and effect is CooldownEffect.COOLDOWN
+            and _below_threshold(h, now, hp) is not None):
+        # The request's first failure is remembered below the threshold: its retry moves it
+        # to this latest try instead of counting as a second, independent failure.
+        recent = (*h.recent_failures[:-1], now)
+        return _with_reset(h.model_copy(update={"recent_failures": recent,
+                                                "last_failure_at": now}), policy)
+    if hp.count_same_route_retries or h.error_count == 0:
         return record_failure(h, category, provider=provider, now=now, policy=policy)
     update: dict[str, object] = {"last_failure_at": now}
     rule = _disable_rule(category, policy.health)

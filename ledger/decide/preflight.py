@@ -147,10 +147,15 @@ NO_DENIALS = Denials()
 
 @dataclass(frozen=True, slots=True)
 class PreflightFailure:
-    """One failed check, and what exactly failed (``detail``, for people)."""
+    """One failed check, what exactly failed (``detail``) and how to fix it (``fix``).
+
+    ``fix`` is empty where nothing the host does makes the route eligible for this request
+    (an operator switched it off, say).
+    """
 
     check: Check
     detail: str
+    fix: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +187,11 @@ class PreflightResult:
         first = self.first
         if first is None:
             return
+        fix = first.fix or "choose another route or change the request"
         raise PreflightRefused(
             f"route {self.route!r} refused by preflight ({first.check}): {first.detail}; "
-            "choose another route or change the request",
-            route=self.route,
+            f"fix: {fix}",
+            route=self.route, reason=first.check.value, detail=first.detail, fix=first.fix,
             failures=[(f.check.value, f.detail) for f in self.failures],
         )
 
@@ -285,66 +291,83 @@ def with_prompt(base: RequestNeeds, envelope: Envelope, prompt_tokens: int) -> R
 
 def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
     caps = route.capabilities
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     # An absent (None) capability is unknown, and unknown is no restriction: only an explicit
     # "no" or a known limit rules a route out.
     if needs.protocols is not None and route.protocol not in needs.protocols:
         wanted = ", ".join(sorted(needs.protocols))
-        out.append(f"protocol {route.protocol} is not one of the required ({wanted})")
+        out.append((f"protocol {route.protocol} is not one of the required ({wanted})",
+                    "plan a route that speaks one of them"))
     if needs.tools and caps.tools is False:
-        out.append("request uses tools; route has no tool support")
+        out.append(("request uses tools; route has no tool support",
+                    "send the request without tools, or plan a route with tool support"))
     if needs.streaming and caps.streaming is False:
-        out.append("request streams; route cannot stream")
+        out.append(("request streams; route cannot stream",
+                    "send it with stream=False, or plan a route that streams"))
     if needs.prefill and caps.prefill is False:
-        out.append("request continues an assistant prefill; route does not support prefill")
+        out.append(("request continues an assistant prefill; route does not support prefill",
+                    "drop the prefill, or plan a route that supports it"))
     if (
         needs.context_tokens is not None
         and caps.context_window is not None
         and needs.context_tokens > caps.context_window
     ):
-        out.append(
-            f"request needs ~{needs.context_tokens} tokens; context window is {caps.context_window}"
-        )
+        out.append((
+            f"request needs ~{needs.context_tokens} tokens; context window is "
+            f"{caps.context_window}",
+            "shorten the conversation (or max_output_tokens), or plan a route with a larger "
+            "context window"))
     if caps.parameters is not None:
         unsupported = sorted(needs.parameters - set(caps.parameters))
         if unsupported:
-            out.append(f"unsupported parameters: {', '.join(unsupported)}")
-    return [PreflightFailure(Check.CAPABILITY, d) for d in out]
+            out.append((f"unsupported parameters: {', '.join(unsupported)}",
+                        f"leave out {', '.join(unsupported)}, or plan a route that takes them"))
+    return [PreflightFailure(Check.CAPABILITY, d, f) for d, f in out]
 
 
 def _qualification(
     route: Route, role: str, grant: Grant | None, denials: Denials
 ) -> list[PreflightFailure]:
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     if route.roles is not None and role not in route.roles:
-        out.append(f"route is not qualified for role {role!r} (qualified: {route.roles})")
+        out.append((f"route is not qualified for role {role!r} (qualified: {route.roles})",
+                    f"add {role!r} to Route(id={route.id!r}).roles"))
     if grant is not None and grant.roles is not None and role not in grant.roles:
-        out.append(f"the run's grant does not allow role {role!r}")
+        out.append((f"the run's grant does not allow role {role!r}",
+                    f"add {role!r} to Grant.roles"))
     # Qualification binds to the exact route as currently configured: an operator switching a
     # route off withdraws its qualification for every new Attempt, whatever the frozen plan says.
     if route.id in denials.routes:
-        out.append("route is switched off in the current configuration")
-    return [PreflightFailure(Check.NOT_QUALIFIED, d) for d in out]
+        out.append(("route is switched off in the current configuration", ""))
+    return [PreflightFailure(Check.NOT_QUALIFIED, d, f) for d, f in out]
 
 
 def _disclosure(
     route: Route, needs: RequestNeeds, grant: Grant | None, denials: Denials
 ) -> list[PreflightFailure]:
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     recipient = route.recipient
     if recipient in denials.recipients:
-        out.append(f"recipient {recipient!r} is revoked in the current configuration")
+        out.append((f"recipient {recipient!r} is revoked in the current configuration", ""))
     if grant is not None:
         unapproved = sorted(c for c in needs.data_classes if not grant.approves(recipient, c))
         if unapproved:
-            out.append(f"recipient {recipient!r} is not approved for: {', '.join(unapproved)}")
+            classes = ", ".join(unapproved)
+            out.append((f"recipient {recipient!r} is not approved for: {classes}",
+                        f"add {classes} to Grant.recipients[{recipient!r}]"))
     for i, p in enumerate(needs.parts):
         if p.data_class in PROVENANCE_EXEMPT or p.coverage is Coverage.OK:
             continue
         verdict = p.coverage or Coverage.MISSING
         ref = f" (ref {p.ref!r})" if p.ref else ""
-        out.append(f"part {i} ({p.data_class}) has no covering provenance: {verdict}{ref}")
-    return [PreflightFailure(Check.DISCLOSURE, d) for d in out]
+        fix = ("send the part exactly as the ledger returned it (a RunResult's parts, "
+               "RunSession.tool_result): an edited copy is not covered"
+               if verdict is Coverage.MISMATCH else
+               "carry the part as the ledger returned it (its provenance is recorded then), "
+               "or give it data class user_input if it is the user's own")
+        out.append((f"part {i} ({p.data_class}) has no covering provenance: {verdict}{ref}",
+                    fix))
+    return [PreflightFailure(Check.DISCLOSURE, d, f) for d, f in out]
 
 
 def preflight(

@@ -66,6 +66,7 @@ class Reason(StrEnum):
     EXECUTION_UNKNOWN = "execution_unknown"
     NOT_ELIGIBLE_FAILURE = "not_eligible_failure"
     RETRY_ALLOWANCE = "retry_allowance"
+    CALL_ALLOWANCE = "call_allowance"  # a new turn with no model call left
     NO_CANDIDATE = "no_candidate"
     # skip reasons, in candidate-check order
     ALREADY_TRIED = "already_tried"
@@ -102,21 +103,29 @@ class RunPermissions:
 
 @dataclass(frozen=True, slots=True)
 class Skip:
-    """One eliminated candidate. ``profile`` is set when one credential profile was skipped."""
+    """One eliminated candidate. ``profile`` is set when one credential profile was skipped.
+
+    ``fix`` says what would make the candidate eligible, where the host can do something
+    (approve a recipient for a data class, qualify a route for a role); empty otherwise.
+    """
 
     route: str
     reason: Reason
     detail: str = ""
     profile: str | None = None
+    fix: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The skip as JSON data (stored in the ``select`` and ``stop`` events)."""
-        return {
+        out: dict[str, Any] = {
             "route": self.route,
             "reason": self.reason.value,
             "detail": self.detail,
             "profile": self.profile,
         }
+        if self.fix:
+            out["fix"] = self.fix
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +260,7 @@ class _Candidate:
 class _Verdict:
     reason: Reason | None = None
     detail: str = ""
+    fix: str = ""
     profile: Profile | None = None
     probe: bool = False
     # Failed on health only (everything else passed): eligible for "last candidate always tried".
@@ -313,9 +323,11 @@ class _Walk:
             # group is unavailable; one without any response (a DNS failure before send) is
             # evidence against the shared endpoint itself, so only another group may serve.
             if fact.status is None:
+                what = fact.transport.value if fact.transport is not None else fact.category
                 return (
                     Reason.INDEPENDENT_GROUP_REQUIRED,
-                    f"{fact.category} before any response on group {failed.group!r}",
+                    f"{what} before anything was sent on group {failed.group!r}: only another "
+                    "group may serve",
                 )
             return (
                 Reason.SAME_GROUP_UNAVAILABLE,
@@ -443,7 +455,7 @@ class _Walk:
                 health_only=pf is None,
             )
         if pf is not None:
-            return _Verdict(reason=Reason(pf.check.value), detail=pf.detail)
+            return _Verdict(reason=Reason(pf.check.value), detail=pf.detail, fix=pf.fix)
         return _Verdict(profile=profile, probe=probe)
 
     # -- the candidate sequence ----------------------------------------------------------------
@@ -543,7 +555,8 @@ def select(inp: SelectionInput) -> Decision:
         seq = walk.failure_sequence(skipped)
     else:
         if inp.permissions.calls_left <= 0:
-            return _stop(Reason.RETRY_ALLOWANCE, "no model call left in the Run")
+            return _stop(Reason.CALL_ALLOWANCE,
+                         "no model call left in the Run (its budget's max_calls is used up)")
         seq = walk.new_turn_sequence(skipped)
 
     last_cooling: tuple[_Candidate, _Verdict, int] | None = None
@@ -566,6 +579,7 @@ def select(inp: SelectionInput) -> Decision:
                 v.reason,
                 v.detail,
                 cand.profile.id if cand.rotation and cand.profile is not None else None,
+                v.fix,
             )
         )
 
@@ -583,35 +597,66 @@ def select(inp: SelectionInput) -> Decision:
     return _stop(Reason.NO_CANDIDATE, "every remaining candidate was eliminated", skipped)
 
 
-def floor_wait(inp: SelectionInput, decision: Decision, *, max_wait_s: float,
-               deadline: float | None) -> float:
-    """How long a new turn that found no candidate waits before it decides again, or 0.
+def reopenings(inp: SelectionInput) -> list[float]:
+    """When the things that can eliminate a candidate of ``inp`` end, soonest first.
 
-    When the only candidates that could serve are in capacity groups whose waiting floor (a
-    fresh cooldown projection, e.g. from a trusted 429's Retry-After) ends within
-    ``max_wait_s`` and before the Run's ``deadline``, the turn waits until the soonest such
-    floor after which the selector, given the same facts, would choose a route; it never
-    waits for a floor it could not then use. After a failure nothing is waited out: a
-    group-scoped failure keeps its real result (seed 003: no same-group escape).
+    The future ends of fresh capacity-group floors (a cooldown projection, e.g. from a trusted
+    429's Retry-After) and, where the policy waits for routes to reopen
+    (``failover.wait_for_reopening``), of the plan's route and profile cooldowns and disables.
     """
-    if (inp.failure is not None or decision.kind is not DecisionKind.STOP
-            or decision.reason is not Reason.NO_CANDIDATE):
-        return 0.0
     fo = inp.policy.failover
-    floors: set[float] = set()
+    now = inp.now
+    times: set[float] = set()
     for proj in inp.groups.values():
         if (proj.mode is GroupMode.COOLDOWN and proj.until is not None
                 and proj.sampled_at is not None
-                and inp.now - proj.sampled_at <= fo.group_fact_max_age_s
-                and 0 < proj.until - inp.now <= max_wait_s
-                and (deadline is None or proj.until <= deadline)):
-            floors.add(proj.until)
-    for until in sorted(floors):
-        later = select(replace(inp, now=until))
-        if later.kind is not DecisionKind.STOP:
-            return until - inp.now
-    return 0.0
+                and now - proj.sampled_at <= fo.group_fact_max_age_s and proj.until > now):
+            times.add(proj.until)
+    if fo.wait_for_reopening:
+        keys = {route_key(r, inp.policy) for r in inp.plan} | {
+            p.id for r in inp.plan for p in r.profiles}
+        for key in keys:
+            until = available_at(inp.health.get(key), now)
+            if until is not None:
+                times.add(until)
+    return sorted(times)
 
+
+def first_reopening(inp: SelectionInput, decision: Decision) -> float | None:
+    """The soonest time at which the selector, on the same facts, would no longer stop.
+
+    ``None`` when ``decision`` is no ``no_candidate`` stop or nothing that eliminated a
+    candidate ever ends by itself (a disclosure refusal, a failure's own group evidence).
+    """
+    if decision.kind is not DecisionKind.STOP or decision.reason is not Reason.NO_CANDIDATE:
+        return None
+    for until in reopenings(inp):
+        if select(replace(inp, now=until)).kind is not DecisionKind.STOP:
+            return until
+    return None
+
+
+def reopening_wait(inp: SelectionInput, decision: Decision, *, max_wait_s: float,
+                   deadline: float | None) -> float:
+    """How long a turn that found no candidate waits before it decides again, or 0.
+
+    When the only candidates that could serve are cooling - in capacity groups whose waiting
+    floor ends soon (every policy, for a new turn) or, where the policy waits for routes to
+    reopen (``failover.wait_for_reopening``), routes or profiles whose cooldown ends soon (also
+    after a failure) - and the soonest time at which the selector would then choose a route is
+    within ``max_wait_s`` and not after the Run's ``deadline``, the turn waits until then. It
+    never waits for a reopening it could not then use: a failure's own group evidence
+    (``same_group_unavailable``, ``independent_group_required``) holds whatever the time, so a
+    group-scoped failure keeps its real result (seed 003: no same-group escape).
+    """
+    if inp.failure is not None and not inp.policy.failover.wait_for_reopening:
+        return 0.0
+    until = first_reopening(inp, decision)
+    if until is None or until - inp.now > max_wait_s:
+        return 0.0
+    if deadline is not None and until > deadline:
+        return 0.0
+    return until - inp.now
 
 
 def _until(ts: float | None, now: float) -> str:
@@ -627,7 +672,9 @@ __all__ = [
     "RunPermissions",
     "SelectionInput",
     "Skip",
-    "floor_wait",
+    "first_reopening",
+    "reopening_wait",
+    "reopenings",
     "role_excluded",
     "select",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -30,10 +30,12 @@ from typing import Any
 from ledger import faults
 from ledger.decide.classify import classify
 from ledger.decide.effects import (
+    AwaitSlot,
     Begin,
     ClaimProbe,
     Dispatch,
     Effect,
+    LeaveQueue,
     Notice,
     Notify,
     Now,
@@ -54,9 +56,12 @@ from ledger.decide.retry import retry_decision
 from ledger.decide.select import (
     Decision,
     DecisionKind,
+    Reason,
     RunPermissions,
     SelectionInput,
-    floor_wait,
+    Skip,
+    first_reopening,
+    reopening_wait,
     select,
 )
 from ledger.decide.settle import failure_outcome
@@ -66,11 +71,20 @@ from ledger.domain.bounds import (
 )
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
-from ledger.domain.records import AttemptKind, AttemptRecord, AttemptState, Lease, Outcome
+from ledger.domain.records import (
+    AttemptKind,
+    AttemptRecord,
+    AttemptState,
+    Lease,
+    Outcome,
+    Queued,
+)
+from ledger.domain.timefmt import duration, iso, relative
 from ledger.domain.values import GroupMode, GroupProjection, Route, new_id
 from ledger.errors import (
     AllowanceExhausted,
     BudgetExceeded,
+    CandidateSkipped,
     CapacityUnavailable,
     FailoverExhausted,
     FencedOut,
@@ -80,6 +94,7 @@ from ledger.errors import (
     ProviderError,
     SettleConflict,
 )
+from ledger.policy.model import Policy
 
 # The retry owner's log lines (the seeds' "[fallback] ..." lines) keep the logger name
 # operators filter on.
@@ -157,6 +172,21 @@ class _Turn:
     refused_probes: set[str] = field(default_factory=set)
     # Output the caller was shown before its attempt failed: handed back if the turn stops.
     partial: PartialOutput | None = None
+    # Seconds waited so far (group floors, reopenings, a full group's queue): together at most
+    # the policy's one bound on waiting, admission.max_capacity_wait_s.
+    waited: float = 0.0
+    # Audit events that led to the next attempt; written in its begin transaction.
+    pending: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # The latest reason each candidate was passed over, by route id (for the stop).
+    skips: dict[str, Skip] = field(default_factory=dict)
+    # A route chosen after waiting for its cooldown to end: its Attempt is a probe.
+    reopened: str | None = None
+    # When the first candidate would reopen, for a decision that found none, and the time and
+    # wait bound that decision was made with.
+    reopens_at: float | None = None
+    now: float | None = None
+    bound: float | None = None
+    plan: Sequence[Route] = ()
 
 
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
@@ -265,30 +295,23 @@ class TurnLoop:
         """The turn: yields each effect, receives its result, returns the :class:`RunResult`.
 
         When it stops it raises :class:`~ledger.errors.FailoverExhausted`, holding every
-        attempt's error (a budget or allowance refusal at begin included, as its cause).
+        attempt's error (a budget or allowance refusal at begin included, as its cause) and a
+        :class:`~ledger.errors.CandidateSkipped` for every candidate passed over.
         """
         turn = _Turn()
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
         policy = snap.policy
         run = snap.run
+        turn.plan = run.plan
         # What the current decision was made from; a refused probe claim decides again from it.
         # A new turn keeps the session's profile (a user pin survives a compaction).
         basis: dict[str, Any] = {
             "failure": None, "current": run.current_route,
             "current_profile": run.current_profile if self.pin is Pin.USER
             else run.pinned_profile}
-        decision = self._select(snap, turn, **basis)
-        wait = floor_wait(self._input(snap, turn, **basis), decision,
-                          max_wait_s=policy.admission.max_capacity_wait_s, deadline=run.deadline)
-        if wait > 0:
-            # The only candidates are behind a short waiting floor: wait it out, then decide.
-            yield from perform(Sleep(wait))
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-            decision = self._select(snap, turn, **basis)
+        decision, snap = yield from self._decide(snap, turn, basis)
         kind = AttemptKind.FIRST
         same_route_retries = 0
-        # Audit events that led to the next attempt; written in its begin transaction.
-        pending: list[tuple[str, dict[str, Any]]] = []
         while True:
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 raise (yield from self._stopped(turn, decision, None))
@@ -303,28 +326,35 @@ class TurnLoop:
                     # Another process probes it now: decide again, without that probe.
                     turn.refused_probes.add(route.id)
                     snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-                    decision = self._select(snap, turn, **basis)
+                    decision, snap = yield from self._decide(snap, turn, basis)
                     continue
                 attempt_kind = AttemptKind.PROBE
+            elif turn.reopened == route.id:
+                attempt_kind = AttemptKind.PROBE  # the first call since it reopened
             wait = group_wait(snap.groups.get(route.group), snap.now, snap.run.deadline,
-                              policy.admission.max_capacity_wait_s)
+                              self._wait_left(policy, turn))
             if wait > 0:
                 yield from perform(Sleep(wait))
+                turn.waited += wait
+                turn.pending.append(("wait", {"for": "group_floor", "group": route.group,
+                                              "waited_s": round(wait, 6)}))
             reserve, reserve_tokens = self._holds(route)
             attempt_id = new_id("att")
-            events = [*pending, ("select", {**decision.to_json(),
-                                            "attempt_kind": attempt_kind.value})]
-            pending = []
+            events = [*turn.pending, ("select", {**decision.to_json(),
+                                                 "attempt_kind": attempt_kind.value})]
+            turn.pending = []
             begin = Begin(self.lease, attempt_id, route, profile, self.envelope_hash, reserve,
                           reserve_tokens, self.turn_id, attempt_kind,
-                          take_retry=kind is not AttemptKind.FIRST, events=events)
+                          take_retry=kind is not AttemptKind.FIRST, events=events,
+                          queue_until=self._queue_until(snap, turn, waited=wait))
             try:
-                att = yield from perform(begin)
+                att = yield from self._admitted(begin, turn, policy)
             except CapacityUnavailable as e:
                 turn.errors.append(e)
                 turn.tried.add(route.id)
                 turn.refused_groups[route.group] = e.fields.get("until")
-                turn.attempts.append(_rejected_record(begin, e, snap.now))
+                if not e.fields.get("queued"):  # a queue's wait wrote no Attempt
+                    turn.attempts.append(_rejected_record(begin, e, snap.now))
                 log.info("[admission] %s/%s rejected before dispatch: %s", route.provider,
                          route.model, e.fields.get("reason"))
                 cause = next((x for x in reversed(turn.errors) if isinstance(x, ProviderError)),
@@ -335,7 +365,7 @@ class TurnLoop:
                                                     cause=cause)) from cause
                 snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
                 basis = {"failure": None, "current": None, "current_profile": None}
-                decision = self._select(snap, turn, **basis)
+                decision, snap = yield from self._decide(snap, turn, basis)
                 kind = AttemptKind.FAILOVER
                 continue
             except (BudgetExceeded, AllowanceExhausted) as e:
@@ -378,8 +408,7 @@ class TurnLoop:
                 turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
             turn.attempts.append(settled)
             turn.errors.append(ProviderError(
-                f"{route.provider}/{route.model}: {fact.category.value}"
-                + (f" (HTTP {fact.status})" if fact.status else ""),
+                f"{route.provider}/{route.model}: {_failure_text(fact)}",
                 attempt_id=att.attempt_id, route=route.id, fact=fact,
             ))
             if fact.effective_output and not fact.tool_started:
@@ -390,16 +419,16 @@ class TurnLoop:
             if fact.category is Category.UNUSABLE:
                 log.warning("[fallback] %s/%s cannot be used: %s", route.provider, route.model,
                             fact.message or fact.category.value)
-                pending.append(("unusable", {"route": route.id, "profile": profile,
-                                             "why": fact.message or ""}))
+                turn.pending.append(("unusable", {"route": route.id, "profile": profile,
+                                                  "why": fact.message or ""}))
             rd = retry_decision(fact, policy, same_route_retries, self.rng)
             if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
                 same_route_retries += 1
                 log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
                          fact.category.value, same_route_retries, rd.delay_s)
-                pending.append(("retry", {"route": route.id, "cause": _cause(fact),
-                                          "delay_s": rd.delay_s, "n": same_route_retries,
-                                          "from_attempt": att.attempt_id}))
+                turn.pending.append(("retry", {"route": route.id, "cause": _cause(fact),
+                                               "delay_s": rd.delay_s, "n": same_route_retries,
+                                               "from_attempt": att.attempt_id}))
                 yield from perform(Sleep(rd.delay_s))
                 snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
                 kind = AttemptKind.RETRY
@@ -412,7 +441,7 @@ class TurnLoop:
                     turn.tried_profiles.add(profile)
             snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
             basis = {"failure": fact, "current": route.id, "current_profile": profile}
-            decision = self._select(snap, turn, **basis)
+            decision, snap = yield from self._decide(snap, turn, basis)
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 over_budget = fact.category is Category.BUDGET_EXCEEDED
                 raise (yield from self._stopped(turn, decision, None,
@@ -420,11 +449,103 @@ class TurnLoop:
             nxt = decision.route
             log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
                      nxt.model, route.provider, route.model, _describe(fact))
-            pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
-                                     "profile": decision.profile, "cause": _cause(fact),
-                                     "from_attempt": att.attempt_id}))
+            turn.pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
+                                          "profile": decision.profile, "cause": _cause(fact),
+                                          "from_attempt": att.attempt_id}))
             kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
             same_route_retries = 0
+
+    # -- deciding and waiting ----------------------------------------------------------------
+
+    def _wait_left(self, policy: Policy, turn: _Turn) -> float:
+        """What is left of the turn's one bound on waiting (``max_capacity_wait_s``)."""
+        return max(0.0, policy.admission.max_capacity_wait_s - turn.waited)
+
+    def _queue_until(self, snap: TurnSnapshot, turn: _Turn, *, waited: float
+                     ) -> float | None:
+        """Until when a begin may wait in a full group's queue (``None``: it may not).
+
+        ``waited``: what the turn slept since ``snap`` was read (a group's floor).
+        """
+        now = snap.now + waited
+        until = now + self._wait_left(snap.policy, turn)
+        if snap.run.deadline is not None:
+            until = min(until, snap.run.deadline)
+        return until if until > now else None
+
+    def _decide(self, snap: TurnSnapshot, turn: _Turn, basis: dict[str, Any]
+                ) -> Generator[Effect[Any], Any, tuple[Decision, TurnSnapshot]]:
+        """Select; when every candidate is cooling and one reopens soon enough, wait for it.
+
+        Returns the decision and the snapshot it was made on.
+        """
+        inp = self._input(snap, turn, **basis)
+        decision = select(inp)
+        wait = reopening_wait(inp, decision, max_wait_s=self._wait_left(snap.policy, turn),
+                              deadline=snap.run.deadline)
+        if wait > 0:
+            cooling = {s.route for s in decision.skipped
+                       if s.reason in (Reason.ROUTE_COOLDOWN, Reason.PROBE_THROTTLED)}
+            yield from perform(Sleep(wait))
+            turn.waited += wait
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            inp = self._input(snap, turn, **basis)
+            decision = select(inp)
+            if decision.route_id is not None:
+                turn.pending.append(("wait", {"for": "reopening", "route": decision.route_id,
+                                              "waited_s": round(wait, 6)}))
+                if decision.route_id in cooling:
+                    turn.reopened = decision.route_id
+        for skip in decision.skipped:
+            turn.skips[skip.route] = skip
+        turn.reopens_at = first_reopening(inp, decision)
+        turn.now, turn.bound = snap.now, self._wait_left(snap.policy, turn)
+        return decision, snap
+
+    def _admitted(self, begin: Begin, turn: _Turn, policy: Policy
+                  ) -> Generator[Effect[Any], Any, AttemptRecord]:
+        """Begin; while the group is full, wait in its queue (first come, first served).
+
+        The wait is bounded by ``begin.queue_until``; past it the place is given up and
+        :class:`~ledger.errors.CapacityUnavailable` raised (``queued=True``: no Attempt was
+        recorded). An interruption gives the place up too, then propagates.
+        """
+        result = yield from perform(begin)
+        if not isinstance(result, Queued):
+            return result
+        first = result
+        group, waiter = begin.route.group, begin.attempt_id
+        try:
+            yield from perform(Notify(Notice(
+                "queued", waiter, begin.route.id,
+                f"capacity group {group!r} is full (limit {first.limit}: {first.in_flight} in "
+                f"flight, {first.ahead} waiting ahead); waiting for a slot until "
+                f"{iso(begin.queue_until or first.now)}")))
+            while isinstance(result, Queued):
+                left = (begin.queue_until or result.now) - result.now
+                if left <= 0:
+                    raise _queue_timeout(begin, first, result, policy)
+                yield from perform(AwaitSlot(group, waiter, left))
+                result = yield from perform(begin)
+        except BaseException as e:
+            yield from perform(LeaveQueue(group, waiter, drop=True))
+            if isinstance(e, CapacityUnavailable):
+                waited = float(e.fields.get("waited_s") or 0.0)
+                turn.waited += waited
+                yield from self._record_quietly("capacity_wait", {
+                    "group": group, "limit": first.limit, "outcome": "timed_out",
+                    "waited_s": waited})
+            raise
+        yield from perform(LeaveQueue(group, waiter, drop=False))
+        turn.waited += max(0.0, result.created_at - first.since)
+        return result
+
+    def _record_quietly(self, kind: str, data: dict[str, Any]
+                        ) -> Generator[Effect[Any], Any, None]:
+        try:
+            yield from perform(Record(self.lease, kind, data))
+        except LedgerError as e:  # the news is the error the turn raises anyway
+            log.info("%s of run %s not recorded: %s", kind, self.lease.run_id, e)
 
     # -- settling ----------------------------------------------------------------------------
 
@@ -504,6 +625,7 @@ class TurnLoop:
                 "reason": exc.reason, "detail": exc.fields.get("detail", ""),
                 "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
                 "errors": [str(e) for e in turn.errors],
+                "candidates": exc.fields.get("candidates", []),
                 **({"cause": str(cause)} if cause is not None else {})}))
         except FencedOut as e:  # the lease is gone: the stop itself is the news
             log.info("stop of run %s not recorded: %s", self.lease.run_id, e)
@@ -514,6 +636,8 @@ class TurnLoop:
         if decision is not None:
             why = decision.reason.value if decision.reason else "no_candidate"
             detail = decision.detail
+            if decision.reason is Reason.NO_CANDIDATE:
+                detail += _reopening_note(turn.reopens_at, turn.bound, turn.now)
         elif isinstance(error, BudgetExceeded):
             why, detail = "budget", str(error)
         elif isinstance(error, CapacityUnavailable):
@@ -521,17 +645,95 @@ class TurnLoop:
         else:
             why, detail = "retry_allowance", str(error) if error else ""
         why = reason or why
-        names = "; ".join(str(e) for e in turn.errors) or "no attempt was made"
+        errors = list(turn.errors)
+        if decision is not None and decision.reason is Reason.CALL_ALLOWANCE and not errors:
+            route = turn.plan[0].id if turn.plan else None
+            errors.append(AllowanceExhausted(
+                f"run {self.lease.run_id!r} has no model call left: {decision.detail}; raise "
+                "Budget.max_calls for new Runs", run_id=self.lease.run_id, route=route,
+                field="calls"))
+        failed = {getattr(e, "route", None) for e in errors}
+        for skip in turn.skips.values():
+            if skip.route not in failed:
+                errors.append(_skipped_error(skip))
+        lines = candidate_lines(turn.plan, _failures_by_route(errors), turn.skips)
         exc = FailoverExhausted(
-            f"every route failed ({why}): {names}", list(turn.errors), reason=why,
-            attempts=[a.attempt_id for a in turn.attempts], detail=detail,
+            f"the turn stopped ({why}): {detail}" + "".join(f"\n  {ln}" for ln in lines),
+            errors, reason=why, attempts=[a.attempt_id for a in turn.attempts], detail=detail,
             skipped=[s.to_json() for s in decision.skipped] if decision else [],
-            partial=turn.partial,
+            partial=turn.partial, candidates=lines,
             **({"cause": str(cause)} if cause is not None else {}),
         )
         if cause is not None:
             exc.__cause__ = cause
         return exc
+
+
+def _reopening_note(at: float | None, bound: float | None, now: float | None) -> str:
+    """Why a stop did not wait for the first candidate that reopens, when one does."""
+    if at is None or now is None:
+        return ""
+    note = f"; the first candidate reopens at {iso(at)} ({relative(at, now)})"
+    if bound is not None:
+        note += f", beyond what this turn may wait ({duration(bound)}, " \
+                "admission.max_capacity_wait_s, or the Run's deadline)"
+    return note
+
+
+def _skipped_error(skip: Skip) -> CandidateSkipped:
+    """The typed error a stop holds for a candidate it passed over and never tried."""
+    fix = f" — fix: {skip.fix}" if skip.fix else ""
+    return CandidateSkipped(
+        f"route {skip.route!r} skipped ({skip.reason.value}): {skip.detail}{fix}",
+        route=skip.route, reason=skip.reason.value, detail=skip.detail, fix=skip.fix,
+        profile=skip.profile)
+
+
+def _failures_by_route(errors: Sequence[Exception]) -> dict[str, list[str]]:
+    """How each candidate failed, from the turn's errors (skips are not failures)."""
+    out: dict[str, list[str]] = {}
+    for e in errors:
+        route = getattr(e, "route", None)
+        if route is None or isinstance(e, CandidateSkipped):
+            continue
+        attempt = getattr(e, "attempt_id", None)
+        out.setdefault(route, []).append(
+            f"{e}" + (f" [attempt {attempt}]" if attempt and isinstance(e, ProviderError)
+                      else ""))
+    return out
+
+
+def candidate_lines(plan: Sequence[Route], failures: Mapping[str, Sequence[str]],
+                    skips: Mapping[str, Skip]) -> list[str]:
+    """One line per candidate of the plan: how it failed, why it was skipped, or untried.
+
+    ``failures`` gives each failed route's errors in order, ``skips`` each route's latest skip
+    (the stop's message, its ``stop`` event and ``run show`` say these lines).
+    """
+    lines = []
+    for r in plan:
+        if failures.get(r.id):
+            lines.append(f"{r.id}: failed: " + "; then ".join(failures[r.id]))
+        elif r.id in skips and skips[r.id].reason is not Reason.ALREADY_TRIED:
+            skip = skips[r.id]
+            fix = f" — fix: {skip.fix}" if skip.fix else ""
+            lines.append(f"{r.id}: skipped ({skip.reason.value}): {skip.detail}{fix}")
+        else:
+            lines.append(f"{r.id}: not tried (the turn stopped first)")
+    return lines
+
+
+def _queue_timeout(begin: Begin, first: Queued, last: Queued, policy: Policy
+                   ) -> CapacityUnavailable:
+    """The error of a wait in a full group's queue that reached its bound."""
+    waited = last.now - first.since
+    bound = policy.admission.max_capacity_wait_s
+    return CapacityUnavailable(
+        f"capacity group {first.group!r} stayed full (limit {last.limit}: {last.in_flight} in "
+        f"flight, {last.ahead} waiting ahead) for the {duration(waited)} this turn could wait "
+        f"(admission.max_capacity_wait_s {duration(bound)}, or the Run's deadline); nothing "
+        "was sent", group=first.group, limit=last.limit, waited_s=round(waited, 6),
+        reason="capacity_full", queued=True, route=begin.route.id)
 
 
 def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> AttemptRecord:
@@ -565,6 +767,15 @@ def _describe(fact: FailureFact) -> str:
     return f"{fact.status} {fact.category.value}" if fact.status else fact.category.value
 
 
+def _failure_text(fact: FailureFact) -> str:
+    """A failure as a stop's message names it: category, then the status or transport kind."""
+    if fact.status:
+        return f"{fact.category.value} (HTTP {fact.status})"
+    if fact.transport is not None:
+        return f"{fact.category.value} ({fact.transport.value}, {fact.phase.value})"
+    return fact.category.value
+
+
 __all__ = [
     "CANCELLED_FACT",
     "REJECTED",
@@ -574,5 +785,6 @@ __all__ = [
     "SendFn",
     "Steps",
     "TurnLoop",
+    "candidate_lines",
     "group_wait",
 ]

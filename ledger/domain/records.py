@@ -318,6 +318,24 @@ class EventRecord:
     created_at: float
 
 
+@dataclass(frozen=True)
+class Queued:
+    """A begin that found its capacity group full: it holds a place in the group's queue.
+
+    No Attempt was recorded. Places are served in ``ticket`` order across processes; ``ahead``
+    counts the live places before this one, ``in_flight`` the live slots, of ``limit``; the
+    place was taken at ``since`` (``now`` is when this was decided).
+    """
+
+    group: str
+    ticket: int
+    ahead: int
+    in_flight: int
+    limit: int
+    since: float
+    now: float
+
+
 T = TypeVar("T")
 
 
@@ -342,6 +360,7 @@ __all__ = [
     "Lease",
     "Outcome",
     "Page",
+    "Queued",
     "RunRecord",
     "RunState",
     "RunStatus",

@@ -90,6 +90,9 @@ class BeginSpec:
     tenant: str | None = None
     take_retry: bool = False
     reserve_tokens: int = 0
+    # When the group is full: wait in its queue until then (epoch seconds); ``None`` refuses
+    # (a ``rejected`` Attempt), as a host's own begin does.
+    queue_until: float | None = None
 
 
 @dataclass(frozen=True)

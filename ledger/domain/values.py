@@ -209,6 +209,9 @@ class GroupProjection(LedgerModel):
     sampled_at: Instant | None = None
     in_flight: Count = 0
     limit: StrictInt | None = Field(default=None, ge=1, le=MAX_COUNT)
+    # Turns waiting in the group's queue for a slot (live places); read by operators, not by
+    # the selector (a full group is a queue, not a reason to skip a route).
+    waiting: Count = 0
 
 
 class Health(LedgerModel):
@@ -226,6 +229,9 @@ class Health(LedgerModel):
     # When the counters reset by themselves under the policy that counted the last failure
     # (``None``: only a success resets them); see ledger.decide.health.as_read.
     reset_at: Instant | None = None
+    # Failures below the policy's threshold (``health.cooldown_after``), oldest first: each
+    # would have cooled the key, but one failed call is not an outage.
+    recent_failures: tuple[Instant, ...] = ()
 
     def available(self, now: float) -> bool:
         """Whether the key is neither cooling down nor disabled at ``now``."""

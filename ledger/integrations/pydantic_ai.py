@@ -19,6 +19,12 @@ the session the first time they are sent. A history the Run did not produce — 
 an invented tool call or result — has no covering provenance and is refused before anything is
 sent. A stop raises :class:`~ledger.errors.FailoverExhausted`.
 
+The Run ends as a Run session ends it (:mod:`ledger.decide.ending`): ``succeeded`` only when
+the agent's last model request was served; a streamed request the reader left before its end
+(``run_stream`` exited early, a ``break`` out of ``stream_text``) was not, and ends the Run
+``cancelled`` (the request in flight is cancelled and settled truthfully); a stop the host
+caught ends it ``stopped`` or ``failed`` by its reason.
+
 Needs the ``pydantic-ai`` extra (``pip install 'failover-ledger[pydantic-ai]'``).
 """
 
@@ -35,7 +41,7 @@ from typing import Any, ClassVar
 from ledger.api.session import AsyncRunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
 from ledger.domain.envelope import ToolSpec as _ToolSpec
-from ledger.domain.records import AttemptRecord
+from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.errors import InvalidArgument
 
 try:
@@ -322,17 +328,21 @@ class LedgerModel(Model):
                 events.put_nowait(_DONE)
 
         task = asyncio.ensure_future(drive())
+        response = LedgerStreamedResponse(model_request_parameters=params,
+                                          _name=self.model_name, _run_id=self.run.run_id,
+                                          _events=events, _turn=task)
         try:
-            yield LedgerStreamedResponse(model_request_parameters=params,
-                                         _name=self.model_name, _run_id=self.run.run_id,
-                                         _events=events, _turn=task)
+            yield response
         finally:
             if not task.done():
                 # The agent stopped reading: the turn is cancelled, and settles truthfully.
                 task.cancel()
             await asyncio.wait([task])
-            if not task.cancelled():
-                task.exception()  # retrieved: the stream raised it already, or nobody reads it
+            served = not task.cancelled() and task.exception() is None  # (retrieved, too)
+            if served and not response._complete:
+                # The answer arrived but the reader left before the end of it: the turn was not
+                # served to the agent, so the Run does not end succeeded by it.
+                self.run._turn_ended(RunStatus.CANCELLED)
 
     # -- the envelope ----------------------------------------------------------------------
 
@@ -434,6 +444,7 @@ class LedgerStreamedResponse(StreamedResponse):
     _turn: asyncio.Future[Any] | None = None
     _timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
     _answer: _Answer | None = None
+    _complete: bool = False  # the reader read to the end: the whole answer reached the agent
 
     async def _get_event_iterator(self) -> AsyncIterator[ModelResponseStreamEvent]:
         from ledger.adapters.contract import TextDelta
@@ -455,6 +466,7 @@ class LedgerStreamedResponse(StreamedResponse):
             if isinstance(part, ToolCallPart):
                 yield self._parts_manager.handle_part(vendor_part_id=part.tool_call_id,
                                                       part=part)
+        self._complete = True
 
     def get(self) -> ModelResponse:
         """The response so far.

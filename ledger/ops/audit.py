@@ -29,6 +29,7 @@ from ledger.domain.bounds import (
     check_id,
     check_optional_id,
     check_optional_time,
+    check_seconds,
     check_text,
     check_time,
 )
@@ -39,6 +40,12 @@ from ledger.errors import InvalidArgument, NotFound
 from ledger.storage.port import TOTALS_KEYS
 
 OPEN_STATES = ("unknown", "dispatching")
+# The attempts that can cause a failover; a not_sent one only with a failure category (a
+# route that cannot be used, a connection that never carried the request), not a cancellation
+# before the send.
+CAUSE_STATES = ("failed", "unknown", "rejected", "not_sent")
+#: How far back :meth:`Audit.health` looks for routes skipped as unusable, by default.
+UNUSABLE_WINDOW_S = 86400.0
 
 
 # -- result types ---------------------------------------------------------------------------
@@ -151,6 +158,35 @@ class Stop:
     attempts: list[str]
     errors: list[str]
     at: float
+    # One line per candidate of the plan: how it failed, or why it was skipped (and the fix).
+    candidates: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One wait of a turn (a ``capacity_wait`` or ``wait`` event), recorded once.
+
+    ``kind``: ``capacity`` (in a full group's queue), ``reopening`` (for a cooling route) or
+    ``group_floor`` (a group's waiting floor); ``outcome``: ``admitted`` (the Attempt it ended
+    in is ``attempt_id``), ``rejected`` or ``timed_out`` (no Attempt).
+    """
+
+    kind: str
+    group: str | None
+    route: str | None
+    waited_s: float
+    outcome: str
+    attempt_id: str | None
+    at: float
+
+    @property
+    def text(self) -> str:
+        """What the turn waited for, in words (``run show`` and the dashboard say it)."""
+        if self.kind == "capacity":
+            return f"for a slot of full group {self.group}"
+        if self.kind == "reopening":
+            return f"for route {self.route} to reopen"
+        return f"for group {self.group}'s waiting floor"
 
 
 @dataclass(frozen=True)
@@ -171,18 +207,24 @@ class RunTimeline:
     failed_over: bool
     total_cost: Decimal
     stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
+    waits: list[Wait] = field(default_factory=list)  # every wait of its turns, oldest first
     held: Decimal = Decimal(0)
 
 
 @dataclass(frozen=True)
 class FailoverCause:
-    """A failed (or unknown/rejected) attempt that preceded the failover."""
+    """An attempt that preceded the failover: failed, unknown, rejected, or not sent.
+
+    A route skipped as ``unusable`` (its key missing, its endpoint unusable; never sent) is
+    one, with ``detail`` saying what is missing (the variable or profile) and the fix.
+    """
 
     attempt_id: str
     route: str
     state: str
     category: str | None
     http_status: int | None
+    detail: str | None = None  # an unusable route's reason (names the missing variable)
 
 
 @dataclass(frozen=True)
@@ -261,6 +303,8 @@ class KeyHealth:
     last_failure_at: float | None
     last_used: float | None
     last_probe_at: float | None
+    # Failures below the policy's cooling threshold (health.cooldown_after), not yet forgotten.
+    recent_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,16 +319,43 @@ class GroupHealth:
     sampled_at: float | None
     in_flight: int
     limit: int | None
+    waiting: int = 0  # turns waiting in its queue for a slot
+
+
+@dataclass(frozen=True)
+class UnusableRoute:
+    """A route (with one credential profile) the retry owner skipped as ``unusable``.
+
+    Its key was missing or its endpoint could not make a request, so nothing was sent; it is no
+    health penalty and so no cooldown, but every turn that reaches it skips it until it is
+    fixed. Listed while the route has not served since its last skip. ``why`` is the last
+    skip's reason: what is missing (the environment variable, the profile) and the fix.
+    """
+
+    route: str
+    profile: str | None
+    provider: str
+    group: str
+    skips: int  # in the window
+    first_at: float
+    last_at: float
+    last_attempt: str
+    last_run: str
+    why: str | None
 
 
 @dataclass(frozen=True)
 class HealthReport:
-    """Every route (and provider), profile and group health row, as of ``now``."""
+    """Every route (and provider), profile and group health row, as of ``now``.
+
+    ``unusable`` lists the routes skipped as unusable in the window and not served since.
+    """
 
     now: float
     routes: list[KeyHealth]
     profiles: list[KeyHealth]
     groups: list[GroupHealth]
+    unusable: list[UnusableRoute] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -388,7 +459,17 @@ def _stop(ev: AuditEvent) -> Stop:
     d = ev.data
     return Stop(reason=str(d.get("reason") or "unknown"), detail=d.get("detail") or None,
                 skipped=_skipped(d), attempts=[str(a) for a in d.get("attempts") or []],
-                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at)
+                errors=[str(e) for e in d.get("errors") or []], at=ev.created_at,
+                candidates=[str(c) for c in d.get("candidates") or []])
+
+
+def _wait(ev: AuditEvent) -> Wait:
+    d = ev.data
+    what = "capacity" if ev.kind == "capacity_wait" else str(d.get("for") or "wait")
+    return Wait(kind=what, group=d.get("group"), route=d.get("route"),
+                waited_s=float(d.get("waited_s") or 0.0),
+                outcome=str(d.get("outcome") or "admitted"), attempt_id=ev.attempt_id,
+                at=ev.created_at)
 
 
 def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
@@ -430,7 +511,26 @@ def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
         failure_counts={} if reset else json.loads(row["failure_counts"] or "{}"),
         last_failure_at=row["last_failure_at"], last_used=row["last_used"],
         last_probe_at=row["last_probe_at"],
+        recent_failures=0 if reset else len(json.loads(row.get("recent_failures") or "[]")),
     )
+
+
+def _fact_message(raw: Any) -> str | None:
+    if not raw:
+        return None
+    try:
+        message = json.loads(raw).get("message")
+    except (ValueError, AttributeError):
+        return None
+    return message if isinstance(message, str) else None
+
+
+def _unusable(row: Mapping[str, Any]) -> UnusableRoute:
+    return UnusableRoute(
+        route=row["route_id"], profile=row["profile_id"], provider=row["provider"],
+        group=row["group_id"], skips=int(row["skips"]), first_at=row["first_at"],
+        last_at=row["last_at"], last_attempt=row["attempt_id"], last_run=row["run_id"],
+        why=_fact_message(row["fact"]))
 
 
 def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
@@ -439,7 +539,8 @@ def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
         mode = "open"  # the waiting floor has passed (the same projection admission uses)
     return GroupHealth(group=row["group_id"], mode=mode, stored_mode=row["mode"],
                        until=row["until"], reason=row["reason"], sampled_at=row["sampled_at"],
-                       in_flight=int(row["in_flight"]), limit=row["max_in_flight"])
+                       in_flight=int(row["in_flight"]), limit=row["max_in_flight"],
+                       waiting=int(row.get("waiting") or 0))
 
 
 def to_jsonable(value: Any) -> Any:
@@ -611,9 +712,10 @@ class Audit:
         failed_over = (served is not None and served != run.selected_route) or any(
             e.kind == "move" for e in events)
         stops = [_stop(e) for e in events if e.kind == "stop"]
+        waits = [_wait(e) for e in events if e.kind in ("capacity_wait", "wait")]
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
                            served_route=served, failed_over=failed_over,
-                           total_cost=from_micros(charged), stops=stops,
+                           total_cost=from_micros(charged), stops=stops, waits=waits,
                            held=from_micros(held))
 
     def failovers(self, *, since: float | None = None, until: float | None = None,
@@ -654,8 +756,11 @@ class Audit:
                 if a["route_id"] not in routes:
                     routes.append(a["route_id"])
             causes = [FailoverCause(a["attempt_id"], a["route_id"], a["state"], a["category"],
-                                    a["http_status"])
-                      for a in ra if a["state"] in ("failed", "unknown", "rejected")]
+                                    a["http_status"],
+                                    _fact_message(a["fact"]) if a["category"] == "unusable"
+                                    else None)
+                      for a in ra if a["state"] in CAUSE_STATES and (
+                          a["state"] != "not_sent" or a["category"] not in (None, "cancelled"))]
             out.append(Failover(
                 run_id=r["run_id"], tenant=r["tenant"], labels=json.loads(r["labels"] or "{}"),
                 status=r["status"], created_at=r["created_at"],
@@ -776,18 +881,29 @@ class Audit:
                                    live))
         return Page(out, nxt)
 
-    def health(self, now: float | None = None) -> HealthReport:
+    def health(self, now: float | None = None, *,
+               unusable_window_s: float = UNUSABLE_WINDOW_S) -> HealthReport:
         """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes.
+
+        Also the routes skipped as unusable (a missing key, an unusable endpoint) in the last
+        ``unusable_window_s`` and not served since: a configuration problem, so no cooldown
+        shows it, yet every turn that reaches such a route skips it.
 
         Args:
             now: The time to read them at (default: the ledger clock's now).
+            unusable_window_s: How far back unusable skips are looked for (default one day;
+                above 0, at most 30 days).
         """
         t = self.now() if now is None else check_time(now, "now")
+        window = check_seconds(unusable_window_s, "unusable_window_s", positive=True,
+                               maximum=30 * 86400.0)
         hrows, grows = self._store.audit_health(t)
         keys = [_key_health(h, t) for h in hrows]
         return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
                             profiles=[k for k in keys if k.kind == "profile"],
-                            groups=[_group_health(g, t) for g in grows])
+                            groups=[_group_health(g, t) for g in grows],
+                            unusable=[_unusable(u) for u in self._store.audit_unusable(t - window)
+                                      if u["last_at"] <= t])
 
     def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
         """Attempts, failures and unknowns in ``buckets`` equal slices of [since, until).
@@ -937,5 +1053,5 @@ __all__ = [
     "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "DayCost", "Failover",
     "FailoverCause", "GroupHealth", "HealthReport", "KeyHealth", "MetricsSnapshot", "Move",
     "OpenAttempt", "RoutePoint", "RouteSeries", "RunSummary", "RunTimeline", "Selection",
-    "Skipped", "Stop", "TimelineEntry", "Totals", "to_jsonable",
+    "Skipped", "Stop", "TimelineEntry", "Totals", "UnusableRoute", "to_jsonable",
 ]

@@ -20,6 +20,12 @@ have an Attempt dispatching), and takes them over, a batch of runs per transacti
   without taking the run from its current executor;
 * route health, probes and group cooldowns are left as they are.
 
+With ``close_past_deadline=True`` it then closes every unfinished Run whose deadline has passed
+and that no live executor holds (those it just took over included, and those an earlier pass
+recovered and nobody resumed): each is ended ``failed`` as :meth:`ledger.Ledger.close_run`
+ends a Run, under a fresh fence, with a ``close`` event saying it was past its deadline; its
+unknown Attempts keep their holds.
+
 It returns, per Run, the settled and unknown Attempts, the route to continue on (the route of
 the last success, else the originally selected one) and the new :class:`Lease` (or none, with
 ``release=True``). Running it twice, from several processes at once, or again after it was
@@ -43,11 +49,11 @@ from ledger.domain.bounds import (
     check_optional_id,
     check_seconds,
 )
-from ledger.domain.records import AttemptRecord, AttemptState, Lease
+from ledger.domain.records import AttemptRecord, AttemptState, Lease, RunStatus
 from ledger.domain.validation import checked_call
 from ledger.domain.values import new_id
-from ledger.errors import DatabaseUnavailable, InvalidArgument
-from ledger.storage.port import Takeover
+from ledger.errors import DatabaseUnavailable, InvalidArgument, InvalidState, LeaseHeld
+from ledger.storage.port import StoragePort, Takeover
 
 if TYPE_CHECKING:
     from ledger.api.facade import AsyncLedger, Ledger
@@ -138,6 +144,8 @@ class RecoveryReport:
         orphans: Runs held by a live executor that still had Attempts dispatching under an
             older fence: run id -> those Attempts, now unknown.
         retries: Takeovers retried after :class:`~ledger.errors.DatabaseUnavailable`.
+        closed: With ``close_past_deadline``: the Runs past their deadline this pass closed
+            (``failed``), oldest deadline first.
     """
 
     executor: str
@@ -148,6 +156,7 @@ class RecoveryReport:
     # (its lease was acquired directly after expiry): those Attempts, now unknown.
     orphans: dict[str, list[str]] = field(default_factory=dict)
     retries: int = 0  # takeovers retried after DatabaseUnavailable
+    closed: list[str] = field(default_factory=list)  # past their deadline, closed failed
 
     @property
     def unknown_attempts(self) -> int:
@@ -160,7 +169,7 @@ class RecoveryReport:
             "executor": self.executor, "now": self.now,
             "recovered": len(self.runs), "newly_unknown": self.unknown_attempts,
             "skipped": self.skipped, "retries": self.retries, "orphans": self.orphans,
-            "runs": [r.to_json() for r in self.runs],
+            "closed": self.closed, "runs": [r.to_json() for r in self.runs],
         }
 
 
@@ -187,6 +196,7 @@ def recover(
     run_ids: list[str] | None = None,
     sleeper: Sleeper | None = None,
     progress: Callable[[int, int], None] | None = None,
+    close_past_deadline: bool = False,
 ) -> RecoveryReport:
     """Take over every Run whose executor lease expired; see the module docstring.
 
@@ -210,6 +220,10 @@ def recover(
         sleeper: Waits between retries (a :class:`~ledger.ManualClock` in tests).
         progress: Called as ``progress(done, total)`` after each batch, for a progress
             display.
+        close_past_deadline: Then close every unfinished Run whose deadline has passed and
+            that no live executor holds: ended ``failed`` under a fresh fence, with a
+            ``close`` event (see :meth:`ledger.Ledger.close_run`); listed in ``closed``. A
+            Run another executor holds (or takes meanwhile) is left alone.
 
     Returns:
         The :class:`RecoveryReport`: per Run, what was settled and what is unknown, and the
@@ -237,6 +251,7 @@ def recover(
         raise InvalidArgument(f"batch must be an integer from 1 to {MAX_BATCH} (got "
                               f"{batch!r}); pass e.g. {DEFAULT_BATCH}", field="batch")
     check_bool(release, "release")
+    check_bool(close_past_deadline, "close_past_deadline")
     if run_ids is not None:
         run_ids = check_ids(run_ids, "run_ids")
     check_optional_id(executor_id, "executor_id")
@@ -272,7 +287,27 @@ def recover(
                         sleeper, report)
         if ids:
             report.orphans[run_id] = ids
+    if close_past_deadline:
+        _close_past_deadline(store, report, ledger.now, limit, run_ids, sleeper)
     return report
+
+
+def _close_past_deadline(store: StoragePort, report: RecoveryReport, clock: Callable[[], float],
+                         limit: int, run_ids: list[str] | None, sleeper: Sleeper) -> None:
+    """Close the unfinished Runs past their deadline that nobody holds (or this pass holds)."""
+    due = _retrying(lambda: store.past_deadline_runs(clock(), limit, run_ids,
+                                                     report.executor), sleeper, report)
+    why = f"recovery: past its deadline with nobody to resume it (closed by {report.executor})"
+    for run_id in due:
+        try:
+            _rec, changed = _retrying(
+                lambda run_id=run_id: store.close_run(run_id, report.executor,
+                                                      RunStatus.FAILED, why, clock),
+                sleeper, report)
+        except (LeaseHeld, InvalidState):
+            continue  # resumed or ended meanwhile: no longer ours to close
+        if changed:
+            report.closed.append(run_id)
 
 
 def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:

@@ -8,6 +8,7 @@ fix, which :mod:`ledger.policy.load` turns into a :class:`ledger.errors.PolicyEr
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -76,13 +77,25 @@ class FailoverPolicy(_Section):
     # `rejected_before_dispatch`, the original failure kept as its cause (seed 003: "Rejected
     # before dispatch -> Return to original recovery").
     after_rejection: Literal["reselect", "stop"] = "reselect"
+    # When every candidate of a turn is cooling (route or profile health, a group's waiting
+    # floor), wait for the earliest reopening within ``admission.max_capacity_wait_s`` and the
+    # Run's deadline, then try it (recorded as a probe), instead of stopping with no attempt;
+    # also after a failure. Without it only a new turn waits, and only for group floors.
+    wait_for_reopening: bool = False
 
 
 class MoveRule(_Section):
-    """A failure that makes the request eligible for another route."""
+    """A failure that makes the request eligible for another route.
+
+    It matches a failure of one of ``categories`` in one of ``phases`` (``None``: any phase)
+    and, when ``transports`` is given, only one observed as one of those transport kinds: a
+    connection refused is ``network`` like a connection reset, but only the refusal provably
+    carried nothing of the request.
+    """
 
     categories: list[Category]
     phases: list[Phase] | None = None  # None = any phase
+    transports: list[Transport] | None = None  # None = whatever the transport kind (or none)
     scope: Scope = Scope.ROUTE
 
     @field_validator("categories")
@@ -102,6 +115,16 @@ class MoveRule(_Section):
             raise PolicyValueError(
                 "an empty phase list matches no failure",
                 "list the phases, or leave `phases` out to match every phase",
+            )
+        return v
+
+    @field_validator("transports")
+    @classmethod
+    def _some_transports(cls, v: list[Transport] | None) -> list[Transport] | None:
+        if v is not None and not v:
+            raise PolicyValueError(
+                "an empty transport list matches no failure",
+                "list the transport kinds, or leave `transports` out to match any",
             )
         return v
 
@@ -413,11 +436,51 @@ class HealthPolicy(_Section):
     # ``last_used`` is rewritten by a success only once it is this old: a healthy key then costs
     # one health write per interval, not one per call (0: every success records it exactly).
     last_used_interval_s: Seconds = 0.0
+    # One failed call is not an outage: a key cools only once this many failures that would
+    # cool it fell within ``cooldown_window_s`` (1: the first one cools it, as GoClaw and Fased
+    # do). The failures before that are remembered (``Health.recent_failures``), not counted.
+    cooldown_after: int = 1
+    cooldown_window_s: float | None = None
     # Whether each failed try of a same-route retry counts again. False: a route's failure is
     # counted once per request; a retry's failure restarts its window from the last try but does
     # not step the cooldown up (GoClaw: "when every try fails, the request fails, or moves on,
     # with the error it failed with before").
     count_same_route_retries: bool = False
+
+    @field_validator("cooldown_after", mode="before")
+    @classmethod
+    def _threshold(cls, v: object) -> object:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PolicyValueError(
+                f"cooldown_after must be a whole number of failures of at least 1 (got {v!r}); "
+                "a threshold of 0 would cool a key that never failed",
+                "use 1 to cool on the first failure, or e.g. 3 with cooldown_window_s: 60",
+            )
+        return v
+
+    @field_validator("cooldown_window_s", mode="before")
+    @classmethod
+    def _window(cls, v: object) -> object:
+        if v is None:
+            return v
+        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                or v < 1):
+            raise PolicyValueError(
+                f"cooldown_window_s must be a finite number of seconds of at least 1 (got {v!r})",
+                "use e.g. 60; failures of one burst a second apart are one outage, not three",
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _threshold_has_window(self) -> HealthPolicy:
+        if self.cooldown_after > 1 and self.cooldown_window_s is None:
+            raise PolicyValueError(
+                f"cooldown_after is {self.cooldown_after} but no cooldown_window_s says within "
+                "how long those failures must fall",
+                "add cooldown_window_s (e.g. 60), or set cooldown_after: 1",
+                field="cooldown_window_s",
+            )
+        return self
 
     @model_validator(mode="after")
     def _disjoint(self) -> HealthPolicy:

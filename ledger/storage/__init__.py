@@ -11,7 +11,10 @@ import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
+
     from ledger.storage.port import StoragePort
+    from ledger.storage.store import SqlStore
 
 #: The default of ``lease_margin_s`` (seconds): processes whose clocks differ by less than this
 #: never both believe they may use one capacity slot (``docs/operations.md``).
@@ -22,7 +25,7 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
                migrate_schema: bool = True) -> StoragePort:
     """The storage port on the database at ``url`` (a SQLite file path or URL, or a
     ``postgresql+psycopg://`` URL): :class:`~ledger.storage.sqlite.SqliteStore` or
-    :class:`~ledger.storage.postgres.PostgresStore`, the one place that tells them apart.
+    :class:`~ledger.storage.postgres.PostgresStore`, picked by :func:`store_class`.
 
     ``migrate_schema`` creates or upgrades the schema first (safe from many processes at
     once); without it nothing is touched until the first call. ``lease_margin_s``: how long
@@ -30,19 +33,15 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     tolerates). Arguments are checked by the caller (:meth:`ledger.Ledger.open`).
 
     Raises :class:`~ledger.errors.InvalidArgument` (a URL that names no supported database,
-    PostgreSQL without its driver installed), :class:`~ledger.errors.DatabaseUnavailable`
-    (the database cannot be reached or opened), :class:`~ledger.errors.SchemaTooNew` (migrated
-    by a newer ledger).
+    PostgreSQL without its driver installed), :class:`~ledger.errors.DatabaseSetupError` (the
+    database is not set up for the URL: no such database, role or folder, credentials refused,
+    no privilege to migrate), :class:`~ledger.errors.DatabaseUnavailable` (the database cannot
+    be reached), :class:`~ledger.errors.SchemaTooNew` (migrated by a newer ledger).
     """
     from ledger.storage import engine, migrate
-    from ledger.storage.postgres import PostgresStore
-    from ledger.storage.sqlite import SqliteStore
-    from ledger.storage.store import SqlStore
 
     norm, parsed = engine.parse(url)
-    kinds: dict[str, type[SqlStore]] = {"sqlite": SqliteStore, "postgresql": PostgresStore}
-    store = kinds[parsed.get_backend_name()].connect(norm, parsed,
-                                                      lease_margin_s=lease_margin_s)
+    store = store_class(parsed).connect(norm, parsed, lease_margin_s=lease_margin_s)
     if migrate_schema:
         try:
             migrate.upgrade(store.migration_lock(), norm)
@@ -53,4 +52,14 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     return store
 
 
-__all__ = ["DEFAULT_LEASE_MARGIN_S", "open_store"]
+def store_class(parsed: URL) -> type[SqlStore]:
+    """The store implementation of the parsed URL ``parsed`` (checked by
+    :func:`ledger.storage.engine.parse`): the one place that tells the backends apart."""
+    from ledger.storage.postgres import PostgresStore
+    from ledger.storage.sqlite import SqliteStore
+
+    kinds: dict[str, type[SqlStore]] = {"sqlite": SqliteStore, "postgresql": PostgresStore}
+    return kinds[parsed.get_backend_name()]
+
+
+__all__ = ["DEFAULT_LEASE_MARGIN_S", "open_store", "store_class"]

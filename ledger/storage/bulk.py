@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from ledger.storage.store import SqlStore as Store
 
 # Parents before children (attempts and debits reference runs).
-_ORDER = ("runs", "debits", "attempts", "events", "health", "capacity_groups")
+_ORDER = ("runs", "debits", "attempts", "events", "group_slots", "provenance", "health",
+          "capacity_groups")
 _UPSERT_SKIP = {"health": "key", "capacity_groups": "group_id"}
 
 

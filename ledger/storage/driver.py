@@ -26,7 +26,9 @@ transaction, how it spells a parameter (:class:`Statements`), how it sends state
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import sqlite3
 import threading
 import weakref
@@ -151,9 +153,13 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 
 class SqliteDriver:
     """One :mod:`sqlite3` connection per thread (WAL, ``synchronous=FULL``), transactions
-    opened with ``BEGIN IMMEDIATE`` for writes. Async callers run transactions inline on the
-    event loop's thread: a SQLite transaction has no network wait to overlap, and a hop to a
-    worker thread costs more than the statements (``docs/benchmarks.md``)."""
+    opened with ``BEGIN IMMEDIATE`` for writes.
+
+    Async callers' transactions run on one dedicated thread of this database, never on the
+    event loop: a write waits for another process's write lock for up to the busy timeout, and
+    the loop must keep running meanwhile. One thread is enough (SQLite serializes writers), and
+    its connection stays warm.
+    """
 
     def __init__(self, path: str, *, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> None:
         self.path = path
@@ -161,6 +167,7 @@ class SqliteDriver:
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self.stmts = Statements(named)
 
     def _conn(self) -> sqlite3.Connection:
@@ -218,11 +225,21 @@ class SqliteDriver:
                     conn.execute("COMMIT")
 
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
-        return self.run(tx, write=write)
+        """Run ``tx`` on the database's own thread; the event loop waits without blocking."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="ledger-sqlite")
+            writer = self._writer
+        return await asyncio.get_running_loop().run_in_executor(
+            writer, functools.partial(self.run, tx, write=write))
 
     def close(self) -> None:
         with self._lock:
             conns, self._all = self._all, []
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
         for c in conns:
             with contextlib.suppress(sqlite3.Error):  # closing is best effort
                 c.close()

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-from ledger.errors import DatabaseUnavailable, InvalidArgument
+from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage.failure import mapped
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -78,10 +78,11 @@ def sqlite_file(norm: str, parsed: URL) -> str:
         )
     parent = os.path.dirname(os.path.abspath(db))
     if not os.path.isdir(parent):
-        raise DatabaseUnavailable(
+        # Retrying cannot create a folder: a set-up problem, not an unavailable database.
+        raise DatabaseSetupError(
             f"cannot open SQLite database {db!r}: folder {parent!r} does not exist; "
-            "create it or choose another path",
-            url=redact_url(norm),
+            "create it (mkdir -p) or choose another path; retrying will not help",
+            url=redact_url(norm), problem="folder_missing", database=db, role=None,
         )
     return db
 

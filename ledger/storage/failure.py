@@ -6,6 +6,11 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
 :func:`ledger_error` and raises the answer ``from`` it, so the driver's exception stays the
 ``__cause__`` and nothing of a driver reaches a caller of the ledger. The kinds:
 
+* the server answered that the database is not set up for this URL — the database or the
+  role does not exist, the credentials or ``pg_hba.conf`` were refused, the role may not log in
+  or connect (SQLSTATE class 28, 3D000 and their kin): :class:`~ledger.errors.DatabaseSetupError`
+  (a :class:`~ledger.errors.ConfigError`) naming the fix. Retrying cannot help, so it is never
+  told as retry-safe (:func:`setup_error` builds it, also for ``db init`` and migrations);
 * the database cannot be reached, went away, or is busy (another connection holds the write
   lock past the busy timeout, the server shuts down or kills the session, a serialization
   failure): :class:`~ledger.errors.DatabaseUnavailable`. The transaction was rolled back, or
@@ -22,6 +27,7 @@ have raised, so psycopg is looked up only when it is loaded (it is an optional e
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -30,7 +36,13 @@ from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
-from ledger.errors import Conflict, DatabaseUnavailable, LedgerError, StorageError
+from ledger.errors import (
+    Conflict,
+    DatabaseSetupError,
+    DatabaseUnavailable,
+    LedgerError,
+    StorageError,
+)
 
 # SQLite's primary result codes (the extended codes share their name's prefix, e.g.
 # SQLITE_BUSY_SNAPSHOT, SQLITE_IOERR_FSYNC, SQLITE_READONLY_DBMOVED).
@@ -41,6 +53,26 @@ _SQLITE_DUPLICATE = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
 # PostgreSQL SQLSTATEs of a refused write: read-only transaction, insufficient privilege.
 _PG_REFUSED = ("25006", "42501")
 _PG_DUPLICATE = "23505"
+# What a PostgreSQL server answers when the set-up is wrong, not the server away. A connection
+# that never opened carries no SQLSTATE to psycopg (libpq keeps only the server's text), so the
+# server's own messages are recognised; they are English unless the server's lc_messages says
+# otherwise, and a message not recognised stays DatabaseUnavailable, as it was.
+_PG_SETUP: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), problem) for pattern, problem in (
+    (r'database "(?P<database>[^"]*)" does not exist', "database_missing"),
+    (r'role "(?P<role>[^"]*)" does not exist', "role_missing"),
+    (r'role "(?P<role>[^"]*)" is not permitted to log in', "login_refused"),
+    (r'(?:no pg_hba\.conf entry|pg_hba\.conf rejects connection) for host "[^"]*", '
+     r'user "(?P<role>[^"]*)", database "(?P<database>[^"]*)"', "hba_rejected"),
+    (r'authentication failed for user "(?P<role>[^"]*)"', "auth_failed"),
+    (r"no password supplied", "password_missing"),
+    (r'permission denied for database "(?P<database>[^"]*)"', "connect_privilege"),
+    (r'database "(?P<database>[^"]*)" is not currently accepting connections',
+     "connections_disabled"),
+))
+# SQLSTATEs of the same answers when a statement carries one: invalid authorization (class
+# 28) and invalid catalog name (the database does not exist).
+_PG_SETUP_STATES = {"3D000": "database_missing", "28P01": "auth_failed"}
 
 
 def _first_line(e: BaseException) -> str:
@@ -68,6 +100,107 @@ def _duplicate(text: str, where: str) -> Conflict:
         "recorded it first: read it back, or use a new id", url=where)
 
 
+def _names(where: str) -> tuple[str | None, str | None, str]:
+    """(database, role, "host:port") of the URL ``where``, as far as it says."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(where)
+    except sa_exc.ArgumentError:
+        return None, None, where
+    host = f"{url.host or 'localhost'}:{url.port or 5432}"
+    return url.database, url.username, host
+
+
+def _quoted(name: str | None, placeholder: str) -> str:
+    """An SQL identifier as psql takes it (double quotes doubled), or the placeholder."""
+    return '"' + name.replace('"', '""') + '"' if name else placeholder
+
+
+def setup_error(problem: str, where: str, *, database: str | None = None,
+                role: str | None = None, text: str = "") -> DatabaseSetupError:
+    """The :class:`~ledger.errors.DatabaseSetupError` of ``problem`` on the database at
+    ``where`` (its URL without the password; the database and role default to the URL's),
+    with the fix in its message; ``text`` is what the server said, when it said something."""
+    url_db, url_role, host = _names(where)
+    database = database or url_db
+    role = role or url_role
+    db, who = _quoted(database, "DBNAME"), _quoted(role, "ROLE")
+    server = f"the server at {host}"
+    said = f" ({text})" if text else ""
+    hostname, _, port = host.rpartition(":")
+    fixes = {
+        "database_missing": (
+            f"database {db} does not exist on {server}: create it as a role that may "
+            f"create databases, `createdb -h {hostname} -p {port} -O {role or 'ROLE'} "
+            f"{database or 'DBNAME'}` (in psql: CREATE DATABASE {db} OWNER {who};), or run "
+            f"`failover-ledger db init {where}` with a role that has CREATEDB"),
+        "role_missing": (
+            f"role {who} does not exist on {server}: create it as a superuser (in psql: "
+            f"CREATE ROLE {who} LOGIN PASSWORD '...';) or correct the user name in the URL"),
+        "login_refused": (
+            f"role {who} may not log in (it is NOLOGIN): as a superuser, ALTER ROLE {who} "
+            "LOGIN; or put a role that may log in in the URL"),
+        "auth_failed": (
+            f"{server} refused the credentials of role {who}{said}: correct the password in "
+            f"the URL (or in PGPASSWORD or ~/.pgpass), or set it as a superuser: ALTER ROLE "
+            f"{who} PASSWORD '...';"),
+        "password_missing": (
+            f"{server} asks role {who} for a password and none was given: put it in the URL "
+            f"(postgresql+psycopg://{role or 'ROLE'}:PASSWORD@{host}/{database or 'DBNAME'}), "
+            "in PGPASSWORD or in ~/.pgpass"),
+        "hba_rejected": (
+            f"{server} does not let role {who} connect to database {db} from this host{said}: "
+            f"add a line such as `host {database or 'DBNAME'} {role or 'ROLE'} ADDRESS/32 "
+            "scram-sha-256` to its pg_hba.conf (before any line that rejects) and reload the "
+            "server (SELECT pg_reload_conf();)"),
+        "connect_privilege": (
+            f"role {who} may not connect to database {db}: as its owner, GRANT CONNECT ON "
+            f"DATABASE {db} TO {who};"),
+        "createdb_privilege": (
+            f"database {db} does not exist on {server} and role {who} may not create "
+            f"databases{said}: create it as a role that may, `createdb -h {hostname} -p {port} "
+            f"-O {role or 'ROLE'} {database or 'DBNAME'}` (in psql: CREATE DATABASE {db} OWNER "
+            f"{who};), or give this role the right as a superuser (ALTER ROLE {who} CREATEDB;), "
+            "then run `failover-ledger db init` again"),
+        "schema_privilege": (
+            f"role {who} may not create or change the ledger's tables in database {db}{said}: "
+            "run `failover-ledger db init URL` once as the role that owns the database and "
+            f"its tables (`createdb -O OWNER {database or 'DBNAME'}` makes one), then open it "
+            "with this role"),
+        "connections_disabled": (
+            f"database {db} does not accept connections: as its owner, ALTER DATABASE {db} "
+            "ALLOW_CONNECTIONS true;"),
+    }
+    message = fixes.get(problem, f"{server} refused the connection{said}")
+    return DatabaseSetupError(
+        f"{message.rstrip(';')}; retrying will not help (docs/postgresql.md)", url=where,
+        problem=problem, database=database, role=role)
+
+
+def _pg_setup(e: BaseException, state: str | None, where: str) -> DatabaseSetupError | None:
+    """The set-up problem the server's answer ``e`` names, or ``None`` (not one)."""
+    if state is not None and state not in _PG_SETUP_STATES and not state.startswith("28"):
+        return None  # a statement's error with its own SQLSTATE: another kind
+    text = str(e)
+    for pattern, problem in _PG_SETUP:
+        found = pattern.search(text)
+        if found is not None:
+            names = found.groupdict()
+            return setup_error(problem, where, database=names.get("database"),
+                               role=names.get("role"), text=_server_text(text))
+    if state is not None:
+        return setup_error(_PG_SETUP_STATES.get(state, "auth_failed"), where,
+                           text=_first_line(e))
+    return None
+
+
+def _server_text(text: str) -> str:
+    """What the server said, without libpq's ``connection to server ... failed:`` lead."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line.rsplit("FATAL:", 1)[-1].strip() if "FATAL:" in line else line
+
+
 def _sqlite(e: sqlite3.Error, where: str) -> LedgerError:
     text = _first_line(e)
     name = getattr(e, "sqlite_errorname", "") or ""
@@ -86,6 +219,9 @@ def _sqlite(e: sqlite3.Error, where: str) -> LedgerError:
 def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
     text = _first_line(e)
     state = getattr(getattr(e, "diag", None), "sqlstate", None) or getattr(e, "sqlstate", None)
+    setup = _pg_setup(e, state, where)
+    if setup is not None:
+        return setup
     if state in _PG_REFUSED:
         return _refused(text, where)
     if state == _PG_DUPLICATE:
@@ -105,6 +241,13 @@ def ledger_error(e: BaseException, where: str) -> LedgerError | None:
         return e
     if isinstance(e, sa_exc.DBAPIError):
         orig = e.orig
+        psycopg = sys.modules.get("psycopg")
+        if psycopg is not None and isinstance(orig, psycopg.Error):
+            # Before the invalidation check: a refused login is told by what the server said.
+            state = getattr(getattr(orig, "diag", None), "sqlstate", None)
+            setup = _pg_setup(orig, state, where)
+            if setup is not None:
+                return setup
         if e.connection_invalidated:
             return _unavailable(_first_line(orig if orig is not None else e), where)
         if orig is not None:
@@ -148,4 +291,4 @@ def mapped(where: str) -> Iterator[None]:
         raise err from e
 
 
-__all__ = ["driver_error", "ledger_error", "mapped"]
+__all__ = ["driver_error", "ledger_error", "mapped", "setup_error"]

@@ -17,6 +17,7 @@ import abc
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,6 +29,7 @@ from ledger.domain.records import (
     DebitState,
     Lease,
     Outcome,
+    Queued,
     RunStatus,
     from_micros,
 )
@@ -53,6 +55,9 @@ from ledger.storage.rows import attempt_record, health_record, written_attempt
 from ledger.storage.statements import event_json, fact_json, health_values
 
 ClockFn = Callable[[], float]
+#: The PostgreSQL channel told (payload: the group id) when a slot of a group with waiters is
+#: freed (a trigger, migration 0006) or a waiter leaves its queue.
+QUEUE_CHANNEL = "ledger_slots"
 
 ATTEMPT_COLS = (
     "attempt_id", "run_id", "tenant", "turn_id", "seq", "kind", "route_id", "provider", "model",
@@ -63,7 +68,8 @@ ATTEMPT_COLS = (
     "created_at", "settled_at",
 )
 HEALTH_COLS = ("key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
-               "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at")
+               "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at",
+               "recent_failures")
 RUN_LIVE_COLS = (
     "status", "calls_used", "retries_used", "reserved_micros", "posted_micros", "tokens_used",
     "tokens_reserved", "carved_calls", "carved_retries", "carved_micros", "carved_tokens",
@@ -94,6 +100,9 @@ class Sql(abc.ABC):
     GREATEST: str
     # How the probe state's eviction treats rows another transaction holds.
     SKIP_LOCKED: str
+    # Tells other processes that a group's queue changed (PostgreSQL's NOTIFY); None: there is
+    # no channel, and waiters in other processes find out by polling.
+    NOTIFY_QUEUE: str | None = None
 
     def __init__(self) -> None:
         lock = self.LOCK
@@ -125,6 +134,17 @@ class Sql(abc.ABC):
                              "VALUES (:group, 'open', :now) ON CONFLICT DO NOTHING")
         self.lock_group = ("SELECT mode, until, max_in_flight FROM capacity_groups "
                            "WHERE group_id = :group" + lock)
+        self.waiters = (
+            "SELECT w.ticket, w.waiter_id, w.enqueued_at, w.expires_at, w.fence, r.fence, "
+            "r.lease_expires_at FROM group_waiters w LEFT JOIN runs r ON r.run_id = w.run_id "
+            "WHERE w.group_id = :group ORDER BY w.ticket")
+        self.insert_waiter = (
+            "INSERT INTO group_waiters (group_id, waiter_id, run_id, fence, enqueued_at, "
+            "expires_at) VALUES (:group_id, :waiter_id, :run_id, :fence, :enqueued_at, "
+            ":expires_at) RETURNING ticket")
+        self.drop_waiters = ("DELETE FROM group_waiters WHERE group_id = :group AND ticket "
+                             + inlist.format("tickets"))
+        self.leave_queue = "DELETE FROM group_waiters WHERE waiter_id = :waiter_id"
         self.slot_expiries = (
             "SELECT r.lease_expires_at FROM group_slots gs JOIN runs r ON r.run_id = gs.run_id "
             "WHERE gs.group_id = :group AND gs.fence = r.fence "
@@ -194,7 +214,7 @@ class Sql(abc.ABC):
                             + lock)
         hcols = ("cooldown_until", "disabled_until", "disabled_reason", "error_count",
                  "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at",
-                 "updated_at")
+                 "recent_failures", "updated_at")
         self.insert_health = (
             f"INSERT INTO health (key, kind, provider, {', '.join(hcols)}) VALUES (:key, :kind, "
             f":provider, {', '.join(':' + c for c in hcols)}) ON CONFLICT DO NOTHING "
@@ -248,7 +268,7 @@ class Sql(abc.ABC):
             "WHERE run_id = :run_id RETURNING compactions")
 
     @abc.abstractmethod
-    def list_param(self, values: Sequence[str]) -> Any:
+    def list_param(self, values: Sequence[str] | Sequence[int]) -> Any:
         """A list parameter as :attr:`IN_LIST` takes it."""
 
     @abc.abstractmethod
@@ -264,7 +284,7 @@ class SqliteSql(Sql):
     GREATEST = "MAX"
     SKIP_LOCKED = ""
 
-    def list_param(self, values: Sequence[str]) -> Any:
+    def list_param(self, values: Sequence[str] | Sequence[int]) -> Any:
         """A list parameter as a JSON array (read by ``json_each``)."""
         return json.dumps(list(values))
 
@@ -281,12 +301,13 @@ class PostgresSql(Sql):
     IN_LIST = "= ANY(:{0})"
     GREATEST = "GREATEST"
     SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
+    NOTIFY_QUEUE = f"SELECT pg_notify('{QUEUE_CHANNEL}', :group)"
 
     def __init__(self) -> None:
         super().__init__()
         self._combined: dict[tuple[tuple[str, int], ...], str] = {}
 
-    def list_param(self, values: Sequence[str]) -> Any:
+    def list_param(self, values: Sequence[str] | Sequence[int]) -> Any:
         """A list parameter as an array."""
         return list(values)
 
@@ -425,8 +446,13 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
 # -- begin -------------------------------------------------------------------------------------
 
 
-def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float) -> Tx[AttemptRecord]:
-    """Record an Attempt before it is sent (see ``StoragePort.begin_attempt``)."""
+def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float
+             ) -> Tx[AttemptRecord | Queued]:
+    """Record an Attempt before it is sent (see ``StoragePort.begin_attempt``).
+
+    With ``spec.queue_until`` a full group queues the begin instead (:class:`Queued`, nothing
+    recorded as an Attempt); the same begin again, once its place comes up, records it.
+    """
     lease = Lease(spec.run_id, spec.executor or "", spec.fence, 0.0)
     locked, looked = yield Flush((
         Q(sql.lock_run, {"run_id": spec.run_id}),
@@ -443,11 +469,13 @@ def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float) -> Tx[Att
         return (yield from _begin_again(sql, spec, run, lease, now, clock, margin,
                                         (g_id, g_limit, g_mode, g_until)))
     _check_allowances(spec, run)
-    rejected, decided = yield from _admit(sql, spec.route.group, (g_id, g_limit, g_mode, g_until),
-                                          now, clock)
-    if decided != now:
-        now = decided  # recorded at the time of the capacity decision: live then too
+    adm = yield from _admit(sql, spec, (g_id, g_limit, g_mode, g_until), now, clock)
+    if adm.now != now:
+        now = adm.now  # recorded at the time of the capacity decision: live then too
         check_live(run, lease, now, margin)
+    if adm.queued:
+        return (yield from _enqueue(sql, spec, adm))
+    rejected = adm.rejected
     state = AttemptState.REJECTED if rejected else AttemptState.DISPATCHING
     debit_id = "d-" + spec.attempt_id
     values = {
@@ -471,6 +499,15 @@ def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float) -> Tx[Att
         Q(sql.insert_attempt, values),
     ]
     events = [_event(spec.run_id, spec.attempt_id, k, d, now) for k, d in spec.events]
+    if adm.place is not None and adm.place.live:
+        # The wait is recorded once, with the Attempt it ended in.
+        events.append(_event(spec.run_id, spec.attempt_id, "capacity_wait", {
+            "group": spec.route.group, "limit": adm.limit, "ticket": adm.place.ticket,
+            "waited_s": round(max(0.0, now - adm.place.enqueued_at), 6),
+            "outcome": "rejected" if rejected else "admitted"}, now))
+    if adm.leaving:
+        writes.append(Q(sql.drop_waiters, {"group": spec.route.group,
+                                           "tickets": sql.list_param(adm.leaving)}))
     if rejected:
         events.append(_event(spec.run_id, spec.attempt_id, "reject", {
             "reason": rejected[0], "until": rejected[1], "group": spec.route.group}, now))
@@ -501,7 +538,7 @@ def _refused(spec: BeginSpec, rejected: tuple[str, float | None], seq: int | Non
         f"capacity group {spec.route.group!r} refused attempt {spec.attempt_id!r} "
         f"({rejected[0]}); it was recorded as rejected, its hold voided, nothing sent",
         attempt_id=spec.attempt_id, group=spec.route.group, reason=rejected[0],
-        until=rejected[1], seq=seq,
+        until=rejected[1], seq=seq, route=spec.route.id,
     )
 
 
@@ -510,13 +547,13 @@ def _check_allowances(spec: BeginSpec, run: Any) -> None:
         raise AllowanceExhausted(
             f"run {spec.run_id!r} has used its model-call allowance "
             f"({run.calls_used} of {run.max_calls}); nothing was sent",
-            run_id=spec.run_id, field="calls",
+            run_id=spec.run_id, route=spec.route.id, field="calls",
         )
     if spec.take_retry and run.max_retries - run.carved_retries - run.retries_used <= 0:
         raise AllowanceExhausted(
             f"run {spec.run_id!r} has no retry permission left ({run.retries_used} of "
             f"{run.max_retries} used); every further attempt of a turn takes one",
-            run_id=spec.run_id, field="retries",
+            run_id=spec.run_id, route=spec.route.id, field="retries",
         )
     available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
                  - run.posted_micros)
@@ -524,7 +561,7 @@ def _check_allowances(spec: BeginSpec, run: Any) -> None:
         raise BudgetExceeded(
             f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
             f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
-            run_id=spec.run_id, field="cost",
+            run_id=spec.run_id, route=spec.route.id, field="cost",
             requested=str(from_micros(spec.reserve_micros)),
             available=str(from_micros(available)),
         )
@@ -534,14 +571,49 @@ def _check_allowances(spec: BeginSpec, run: Any) -> None:
             raise BudgetExceeded(
                 f"a hold of {spec.reserve_tokens} tokens would overdraw run "
                 f"{spec.run_id!r}'s token budget (left: {tokens_left}); nothing was sent",
-                run_id=spec.run_id, field="tokens", requested=spec.reserve_tokens,
-                available=tokens_left,
+                run_id=spec.run_id, route=spec.route.id, field="tokens",
+                requested=spec.reserve_tokens, available=tokens_left,
             )
 
 
-def _admit(sql: Sql, group: str, looked: tuple[Any, Any, Any, Any], now: float,
-           clock: ClockFn) -> Tx[tuple[tuple[str, float | None] | None, float]]:
-    """(None, time) when the group admits one more attempt, else ((reason, floor), time)."""
+@dataclass(frozen=True)
+class _Place:
+    """A waiter's place in a group's queue, as read under the group's lock."""
+
+    ticket: int
+    waiter_id: str
+    enqueued_at: float
+    live: bool
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What admission decided for one begin, and what it leaves to write.
+
+    ``rejected``: (reason, floor) when refused; ``queued``: full, and the begin waits in the
+    queue; ``place``: the begin's own place, if it had one; ``leaving``: tickets to drop (the
+    begin's own once it is served or refused, and dead places found on the way).
+    """
+
+    now: float
+    rejected: tuple[str, float | None] | None = None
+    queued: bool = False
+    place: _Place | None = None
+    leaving: tuple[int, ...] = ()
+    ahead: int = 0
+    in_flight: int = 0
+    limit: int | None = None
+
+
+def _admit(sql: Sql, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], now: float,
+           clock: ClockFn) -> Tx[_Admission]:
+    """Whether the group admits one more attempt, refuses it, or queues it.
+
+    A limited group admits a begin while its live slots plus the live places ahead of the
+    begin's own (all of them, for a begin without a place) stay below its limit: first come,
+    first served across processes.
+    """
+    group = spec.route.group
     g_id, limit, mode, until = looked
     if g_id is None:
         # A group nobody configured yet: create its row (open, unlimited), then decide on it.
@@ -552,16 +624,71 @@ def _admit(sql: Sql, group: str, looked: tuple[Any, Any, Any, Any], now: float,
         # Only a limited group's row is locked: its slot count must be serialized; reading the
         # mode of an unlimited group without it keeps busy groups from serializing begins.
         [(mode, until, limit)] = yield Q(sql.lock_group, {"group": group})
+    if limit is None:
+        if mode != GroupMode.OPEN.value and (until is None or until > now):
+            return _Admission(now, rejected=("group_" + mode, until))
+        return _Admission(now)
+    # The slots and places first, the clock after: a slot released (or a lease that lapsed)
+    # before this decision is then also before it in recorded time.
+    slots, waiting = yield Flush((Q(sql.slot_expiries, {"group": group}),
+                                  Q(sql.waiters, {"group": group})))
+    now = max(now, clock())
+    places = [_Place(int(t), w, float(at), float(exp) > now and fence == run_fence
+                     and lease is not None and float(lease) > now)
+              for t, w, at, exp, fence, run_fence, lease in waiting]
+    mine = next((p for p in places if p.waiter_id == spec.attempt_id), None)
+    dead = tuple(p.ticket for p in places if not p.live)
+    leaving = tuple(sorted({*dead, *((mine.ticket,) if mine is not None else ())}))
     if mode != GroupMode.OPEN.value and (until is None or until > now):
-        return ("group_" + mode, until), now
-    if limit is not None:
-        # The slots first, the clock after: a slot released (or a lease that lapsed) before
-        # this decision is then also before it in recorded time.
-        expiries = [float(e) for (e,) in (yield Q(sql.slot_expiries, {"group": group}))]
-        now = max(now, clock())
-        if sum(1 for e in expiries if e > now) >= limit:
-            return ("capacity_full", None), now
-    return None, now
+        return _Admission(now, rejected=("group_" + mode, until), place=mine, leaving=leaving,
+                          limit=limit)
+    in_flight = sum(1 for (e,) in slots if float(e) > now)
+    live = [p for p in places if p.live]
+    ahead = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None and mine.live
+             else len(live))
+    if in_flight + ahead < limit:
+        return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight, limit=limit)
+    if spec.queue_until is None:
+        return _Admission(now, rejected=("capacity_full", None), place=mine, leaving=leaving,
+                          ahead=ahead, in_flight=in_flight, limit=limit)
+    if mine is not None and mine.live:
+        leaving = dead
+    return _Admission(now, queued=True, place=mine, leaving=leaving, ahead=ahead,
+                      in_flight=in_flight, limit=limit)
+
+
+def _enqueue(sql: Sql, spec: BeginSpec, adm: _Admission) -> Tx[Queued]:
+    """Keep (or take) the begin's place in its full group's queue; nothing else is written."""
+    group, place = spec.route.group, adm.place
+    assert adm.limit is not None and spec.queue_until is not None
+    writes: list[Q] = []
+    if adm.leaving:
+        writes.append(Q(sql.drop_waiters, {"group": group,
+                                           "tickets": sql.list_param(adm.leaving)}))
+    if place is None or not place.live:
+        writes.append(Q(sql.insert_waiter, {
+            "group_id": group, "waiter_id": spec.attempt_id, "run_id": spec.run_id,
+            "fence": spec.fence, "enqueued_at": adm.now,
+            "expires_at": max(spec.queue_until, adm.now)}))
+    if writes:
+        res = yield Flush(tuple(writes), commit=True)
+        if place is None or not place.live:
+            place = _Place(int(res[-1][0][0]), spec.attempt_id, adm.now, True)
+    assert place is not None
+    return Queued(group=group, ticket=place.ticket, ahead=adm.ahead, in_flight=adm.in_flight,
+                  limit=adm.limit, since=place.enqueued_at, now=adm.now)
+
+
+def leave_queue_tx(sql: Sql, waiter_id: str, group: str) -> Tx[bool]:
+    """Give up a place in ``group``'s queue (a waiter cancelled or past its bound).
+
+    The waiters behind it are told (PostgreSQL), since the place may have held a slot back.
+    """
+    items = [Q(sql.leave_queue, {"waiter_id": waiter_id})]
+    if sql.NOTIFY_QUEUE is not None:
+        items.append(Q(sql.NOTIFY_QUEUE, {"group": group}))
+    yield Flush(tuple(items), commit=True)
+    return True
 
 
 def _begin_again(sql: Sql, spec: BeginSpec, run: Any, lease: Lease, now: float,
@@ -580,8 +707,10 @@ def _begin_again(sql: Sql, spec: BeginSpec, run: Any, lease: Lease, now: float,
     if (prior.state != AttemptState.DISPATCHING.value or prior.fence == spec.fence
             or prior.executor != spec.executor):
         return attempt_record(prior, prior.debit_state)
-    # Never sent (its begin was retried): adopted under the new fence if its group admits it.
-    rejected, now = yield from _admit(sql, spec.route.group, looked, now, clock)
+    # Never sent (its begin was retried): adopted under the new fence if its group admits it
+    # now (it does not queue: the turn that began it is gone).
+    adm = yield from _admit(sql, replace(spec, queue_until=None), looked, now, clock)
+    rejected, now = adm.rejected, adm.now
     check_live(run, lease, now, margin)
     if rejected is None:
         yield Flush((
@@ -923,6 +1052,7 @@ def compaction_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float) -> Tx[i
 
 __all__ = [
     "POSTGRES_SQL",
+    "QUEUE_CHANNEL",
     "SQLITE_SQL",
     "PostgresSql",
     "Snapshot",
@@ -936,6 +1066,7 @@ __all__ = [
     "event_tx",
     "finish_tx",
     "late_receipt_tx",
+    "leave_queue_tx",
     "mark_unknown_tx",
     "provenance_tx",
     "release_tx",

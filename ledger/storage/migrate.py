@@ -18,8 +18,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 
-from ledger.errors import SchemaTooNew
+from ledger.errors import SchemaTooNew, StorageError
 from ledger.storage.engine import mapped_errors, redact_url
+from ledger.storage.failure import setup_error
 
 # Any constant works; it only has to be the same for every ledger process.
 _PG_MIGRATION_LOCK = 0x1ED6E5
@@ -67,19 +68,38 @@ def check_not_newer(conn: Connection, url: str) -> None:
         )
 
 
-def upgrade(lock: AbstractContextManager[Connection], url: str) -> None:
+def upgrade(lock: AbstractContextManager[Connection], url: str) -> str | None:
     """Bring the schema to head; safe when many processes call it at once. ``lock`` is the
-    backend's (:func:`postgres_lock` or :func:`sqlite_lock` of its engine)."""
+    backend's (:func:`postgres_lock` or :func:`sqlite_lock` of its engine). Returns the
+    revision found before (``None``: no schema); it equals :func:`head_revision` when there
+    was nothing to do.
+
+    A role that may read and write the ledger's rows but not create or alter its tables opens
+    a database already at head (it only reads the revision); anywhere else the refusal is a
+    :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_privilege"``) naming the fix.
+    """
     head = head_revision()
-    with mapped_errors(url), lock as conn:
-        check_not_newer(conn, url)
-        if current_revision(conn) == head:
-            conn.rollback()
-            return
-        cfg = alembic_config()
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")  # inside the locked transaction: all of it or nothing
-        conn.commit()
+    found: str | None = None
+    try:
+        with mapped_errors(url), lock as conn:
+            check_not_newer(conn, url)
+            found = current_revision(conn)
+            if found == head:
+                conn.rollback()
+                return found
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")  # inside the locked transaction: all of it or nothing
+            conn.commit()
+    except StorageError as e:
+        if not e.fields.get("read_only"):
+            raise
+        cause = e.__cause__
+        said = str(getattr(cause, "orig", None) or cause or e).strip().splitlines()[0]
+        raise setup_error("schema_privilege", redact_url(url), text=(
+            f"schema at revision {found or 'none'}, this ledger needs {head}; the server "
+            f"said: {said}")) from e
+    return found
 
 
 @contextmanager

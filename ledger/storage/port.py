@@ -40,11 +40,13 @@ from ledger.domain.records import (
     EventRecord,
     Lease,
     Page,
+    Queued,
     RunRecord,
     RunStatus,
 )
 from ledger.domain.specs import AdmitSpec, BeginSpec, GroupUpdate, ReceiptSpec, SettleSpec
 from ledger.domain.values import GroupProjection, Health
+from ledger.storage.wake import SlotWaker
 
 ClockFn = Callable[[], float]
 RowMap = Mapping[str, Any]
@@ -116,6 +118,8 @@ class StoragePort(Protocol):
     lease_margin_s: float
     #: The database's URL without its password, for messages.
     where: str
+    #: Wakes this process's waiters of a full capacity group (:mod:`ledger.storage.wake`).
+    waker: SlotWaker
 
     def close(self) -> None:
         """Close every connection. The store is not used afterwards."""
@@ -159,7 +163,7 @@ class StoragePort(Protocol):
         """The coroutine twin of :meth:`turn_snapshot`."""
         ...
 
-    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
+    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
         """Record the Attempt of ``spec`` before it is sent, in one transaction: live lease,
         allowances (and a retry permission when ``spec.take_retry``), the cost and token holds,
         a capacity slot, the decision's events. The same attempt id and content again is the
@@ -167,11 +171,24 @@ class StoragePort(Protocol):
         raised. Raises ``FencedOut`` / ``LeaseLost`` (the lease), ``BudgetExceeded``,
         ``AllowanceExhausted``, ``CapacityUnavailable`` (refused; nothing may be sent),
         :class:`~ledger.errors.Conflict` (the id was begun with other content),
-        :class:`~ledger.errors.NotFound` (unknown run)."""
+        :class:`~ledger.errors.NotFound` (unknown run). With ``spec.queue_until``, a full
+        limited group queues the begin instead: the result is a
+        :class:`~ledger.domain.records.Queued` place (first come, first served across
+        processes), nothing is recorded as an Attempt, and the same begin again records it
+        once its place comes up (with a ``capacity_wait`` event)."""
         ...
 
-    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
+    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
         """The coroutine twin of :meth:`begin_attempt`."""
+        ...
+
+    def leave_queue(self, waiter_id: str, group: str) -> None:
+        """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in
+        ``group``, and wake the waiters behind it; without a place nothing happens."""
+        ...
+
+    async def aleave_queue(self, waiter_id: str, group: str) -> None:
+        """The coroutine twin of :meth:`leave_queue`."""
         ...
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
@@ -393,6 +410,24 @@ class StoragePort(Protocol):
         taking the run from its executor; returns their ids."""
         ...
 
+    def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
+                  clock: ClockFn) -> tuple[RunRecord, bool]:
+        """End ``run_id`` with ``status`` under a fresh fence, in one transaction: dispatching
+        Attempts unknown (holds kept), slots freed, the lease released, a ``close`` event with
+        ``reason``. Returns the Run and whether it changed (``False``: it had already ended
+        with ``status``). Raises :class:`~ledger.errors.NotFound`,
+        :class:`~ledger.errors.LeaseHeld` (a live executor other than ``executor`` holds it)
+        and :class:`~ledger.errors.InvalidState` (it ended with another status, or
+        ``succeeded`` asked of a Run whose last turn was not served)."""
+        ...
+
+    def past_deadline_runs(self, now: float, limit: int, run_ids: list[str] | None = None,
+                           executor: str | None = None) -> list[str]:
+        """Up to ``limit`` unfinished runs (of ``run_ids``, or all) whose deadline is past at
+        ``now`` and that no live executor other than ``executor`` holds, oldest deadline
+        first."""
+        ...
+
     def reconcile_figures(self, now: float) -> Figures:
         """Check every ledger-wide invariant on one consistent snapshot; writes nothing."""
         ...
@@ -438,6 +473,11 @@ class StoragePort(Protocol):
 
     def audit_health(self, now: float) -> tuple[list[RowMap], list[RowMap]]:
         """(every health row, every capacity group with its live in-flight count at ``now``)."""
+        ...
+
+    def audit_unusable(self, since: float) -> list[RowMap]:
+        """Routes (per profile) skipped as unusable since ``since`` and not served since their
+        last skip: skips, first and last time, the last skip's attempt, run and fact."""
         ...
 
     def audit_activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:

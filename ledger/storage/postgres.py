@@ -9,19 +9,25 @@ transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Select, cast, func
+from sqlalchemy import Connection, Select, cast, create_engine, func, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
+from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate
 from ledger.storage import engine as eng
 from ledger.storage import schema as s
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
+from ledger.storage.failure import driver_error, mapped, setup_error
 from ledger.storage.store import SqlStore
 
 
@@ -32,6 +38,9 @@ class PostgresStore(SqlStore):
     SQL = hot.POSTGRES_SQL
     ANALYZE = "ANALYZE runs, attempts, debits, events, health, capacity_groups"
 
+    #: Notifications wake waiters at once; polling only finds slots of leases that expired.
+    QUEUE_POLL_S = 1.0
+
     @classmethod
     def connect(cls, norm: str, parsed: URL, *,
                 lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> PostgresStore:
@@ -40,6 +49,58 @@ class PostgresStore(SqlStore):
         conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         where = redact_url(norm)
         return cls(engine, where, PgDriver(conninfo, where=where), lease_margin_s=lease_margin_s)
+
+    def _listen(self, told: Callable[[str], None], stop: threading.Event) -> None:
+        """LISTEN on the queue channel until ``stop``; ``told("")`` once listening."""
+        import psycopg
+
+        conninfo = self.driver.conninfo  # type: ignore[attr-defined]
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f"LISTEN {hot.QUEUE_CHANNEL}")
+            told("")
+            while not stop.is_set():
+                for note in conn.notifies(timeout=0.5):
+                    told(note.payload)
+
+    @classmethod
+    def prepare_database(cls, norm: str, parsed: URL) -> bool:
+        """Create the URL's database when it does not exist and the role may create databases:
+        connected, with the URL's credentials, to the server's ``postgres`` maintenance
+        database (``template1`` when that one is missing or closed to the role), as
+        ``createdb`` does. The new database belongs to the role."""
+        where = redact_url(norm)
+        if not parsed.database:
+            raise InvalidArgument(
+                f"{where} names no database; add it to the URL: "
+                "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
+        probe = eng.postgres_engine(norm, parsed)  # checks the driver is installed
+        try:
+            with mapped(where), probe.connect():
+                return False  # it exists (and this role may connect to it)
+        except DatabaseSetupError as e:
+            if e.fields.get("problem") != "database_missing":
+                raise
+            missing = e
+        finally:
+            probe.dispose()
+        with _maintenance(parsed, where) as conn:
+            may = conn.execute(text(
+                "SELECT rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user"
+            )).scalar()
+            if not may:
+                raise setup_error("createdb_privilege", where) from missing
+            name = '"' + parsed.database.replace('"', '""') + '"'
+            try:
+                conn.exec_driver_sql(f"CREATE DATABASE {name}")
+            except sa_exc.DBAPIError as e:
+                state = getattr(e.orig, "sqlstate", None)
+                if state == "42P04":  # another process created it first: it exists now
+                    return False
+                if state == "42501":
+                    raise setup_error("createdb_privilege", where,
+                                      text=str(e.orig).strip().splitlines()[0]) from e
+                raise driver_error(e, where) from e
+        return True
 
     def migration_lock(self) -> AbstractContextManager[Connection]:
         """:func:`ledger.storage.migrate.postgres_lock`."""
@@ -64,6 +125,35 @@ class PostgresStore(SqlStore):
     def label(self, key: str) -> Any:
         """The labels as ``jsonb``, ``->> key``."""
         return cast(s.runs.c.labels, JSONB).op("->>")(key)
+
+
+@contextmanager
+def _maintenance(parsed: URL, where: str) -> Iterator[Connection]:
+    """An autocommit connection to the server's maintenance database, with the URL's
+    credentials; a database missing or closed to the role is passed over for the next."""
+    last: DatabaseSetupError | None = None
+    for name in ("postgres", "template1"):
+        engine = create_engine(parsed.set(database=name), isolation_level="AUTOCOMMIT",
+                               poolclass=NullPool)
+        try:
+            try:
+                with mapped(where):
+                    conn = engine.connect()
+            except DatabaseSetupError as e:
+                if e.fields.get("problem") not in ("database_missing", "connect_privilege",
+                                                   "connections_disabled", "hba_rejected"):
+                    raise
+                last = e
+                continue
+            with conn, mapped(where):
+                yield conn
+            return
+        finally:
+            engine.dispose()
+    assert last is not None
+    raise setup_error("createdb_privilege", where, text=(
+        "it cannot connect to the maintenance database postgres or template1 to create it: "
+        f"{last.fields.get('problem')}")) from last
 
 
 __all__ = ["PostgresStore"]

@@ -14,15 +14,25 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, and_, bindparam, func, select
+from sqlalchemy import Connection, and_, bindparam, func, or_, select
 
 from ledger import faults
+from ledger.decide.ending import ENDED, last_turn_served
 from ledger.decide.settle import settle_holds
 from ledger.domain.facts import FailureFact
-from ledger.domain.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
+from ledger.domain.records import (
+    AttemptRecord,
+    AttemptState,
+    DebitState,
+    Lease,
+    Outcome,
+    RunRecord,
+    RunStatus,
+)
+from ledger.errors import InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
-from ledger.storage.port import Figures, Takeover
-from ledger.storage.rows import attempt_record
+from ledger.storage.port import ClockFn, Figures, Takeover
+from ledger.storage.rows import attempt_record, run_record
 from ledger.storage.statements import event_json
 
 if TYPE_CHECKING:
@@ -265,6 +275,103 @@ def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
         selected_route=row.selected_route, current_route=row.current_route, status=row.status,
         adopted=adopted,
     )
+
+
+# -- closing a Run nobody will resume ------------------------------------------------------
+
+CLOSE_UNKNOWN_REASON = "closed: dispatched without a receipt (the Run was closed)"
+
+
+def close_run(store: Store, run_id: str, executor: str, status: RunStatus, reason: str,
+              clock: ClockFn) -> tuple[RunRecord, bool]:
+    """End a Run under a fresh fence, in one transaction; returns (the Run, whether it changed).
+
+    The run row is locked; a live lease of another executor refuses (``LeaseHeld``), one of
+    ``executor``'s own (recovery's) is taken over as well. A Run already ended with ``status``
+    is returned unchanged; with another status it is ``InvalidState``, as ``succeeded`` is
+    when its last turn was not served. Otherwise the fence moves on (an old executor can write
+    nothing more), Attempts still dispatching become unknown keeping their holds (as recovery
+    marks them), their capacity slots are released, the status is set, the lease released, and
+    a ``close`` event records who closed it, why, and which unknown Attempts keep holds.
+    """
+    r = s.runs.c
+    a = s.attempts.c
+    d = s.debits.c
+    e = s.events.c
+    gs = s.group_slots.c
+    with store.writing() as conn:
+        row = conn.execute(select(s.runs).where(r.run_id == run_id).with_for_update()).first()
+        if row is None:
+            raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
+                           run_id=run_id)
+        now = clock()
+        live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
+        if live and row.lease_holder != executor:
+            raise LeaseHeld(
+                f"run {run_id!r} is held by the live executor {row.lease_holder!r} until "
+                f"{row.lease_expires_at}; it is still being worked on: let it finish, or stop "
+                "that executor and close the run once its lease has expired",
+                run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at)
+        if row.status in {x.value for x in ENDED}:
+            if row.status == status.value:
+                return run_record(row), False
+            raise InvalidState(
+                f"run {run_id!r} already ended {row.status}; a closed Run is not closed again "
+                f"with another status (close it with --status {row.status}, which changes "
+                "nothing)", run_id=run_id, status=row.status, requested=status.value)
+        atts = [attempt_record(x, x.debit_state) for x in conn.execute(
+            select(s.attempts, d.state.label("debit_state"))
+            .join(s.debits, d.debit_id == a.debit_id)
+            .where(a.run_id == run_id).order_by(a.seq))]
+        if status is RunStatus.SUCCEEDED:
+            stops = [t for (t,) in conn.execute(
+                select(e.created_at).where(e.run_id == run_id, e.kind == "stop"))]
+            if not last_turn_served(atts, stops):
+                raise InvalidState(
+                    f"run {run_id!r} cannot be closed succeeded: its last turn was not served "
+                    "(or it made no Attempt); close it failed, stopped or cancelled",
+                    run_id=run_id, status=row.status, requested=status.value)
+        fence = int(row.fence) + 1
+        dispatching = [x.attempt_id for x in atts if x.state is AttemptState.DISPATCHING]
+        if dispatching:
+            # Sent, for all the ledger knows (invariant 6): unknown, the hold kept, never resent.
+            conn.execute(s.attempts.update().where(a.attempt_id.in_(dispatching)).values(
+                state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence))
+        slots = conn.execute(s.group_slots.delete().where(gs.run_id == run_id)).rowcount
+        conn.execute(s.runs.update().where(r.run_id == run_id).values(
+            status=status.value, fence=fence, lease_holder=None, lease_expires_at=None,
+            updated_at=now))
+        held = [x.attempt_id for x in atts
+                if x.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)]
+        events = [_event_row(run_id, att_id, "unknown",
+                             {"reason": CLOSE_UNKNOWN_REASON, "fence": fence}, now)
+                  for att_id in dispatching]
+        events.append(_event_row(run_id, None, "close", {
+            "status": status.value, "reason": reason, "executor": executor,
+            "previous": row.lease_holder, "previous_status": row.status,
+            "previous_fence": int(row.fence), "fence": fence, "unknown": dispatching,
+            "holds_kept": held, "slots_released": int(slots or 0)}, now))
+        conn.execute(s.events.insert(), events)
+        after = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
+    return run_record(after), True
+
+
+def past_deadline_runs(store: Store, now: float, limit: int, run_ids: list[str] | None = None,
+                       executor: str | None = None) -> list[str]:
+    """Unfinished Runs whose deadline passed and that no live executor (other than
+    ``executor``) holds, oldest deadline first (found through the runs' status index:
+    unfinished Runs are the few)."""
+    r = s.runs.c
+    free = or_(r.lease_holder.is_(None), r.lease_expires_at.is_(None), r.lease_expires_at <= now)
+    if executor is not None:
+        free = or_(free, r.lease_holder == executor)
+    q = (select(r.run_id).where(r.status.in_(UNFINISHED), r.deadline.is_not(None),
+                                r.deadline <= now, free)
+         .order_by(r.deadline, r.run_id).limit(limit))
+    if run_ids is not None:
+        q = q.where(r.run_id.in_(run_ids))
+    with store.reading() as conn:
+        return [row[0] for row in conn.execute(q)]
 
 
 # -- reconciliation -------------------------------------------------------------------------

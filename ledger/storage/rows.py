@@ -125,6 +125,8 @@ def health_record(row: Any) -> Health:
         last_used=row.last_used,
         last_probe_at=row.last_probe_at,
         reset_at=row.reset_at,
+        recent_failures=tuple(float(t) for t in json.loads(row.recent_failures))
+        if row.recent_failures else (),
     )
 
 

@@ -176,6 +176,23 @@ group_slots = Table(
     Index("ix_group_slots_run_id", "run_id"),
 )
 
+# A full limited group's queue: one place per waiting Attempt (not yet recorded as one).
+# Places are served in ticket order; a place counts while now < expires_at and its Run's
+# lease (of the same fence) is live, so a dead waiter's place lapses with its lease.
+group_waiters = Table(
+    "group_waiters",
+    metadata,
+    Column("ticket", BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+           autoincrement=True),
+    Column("group_id", _ID, nullable=False),
+    Column("waiter_id", _ID, nullable=False, unique=True),  # the attempt id it will begin
+    Column("run_id", _ID, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("enqueued_at", _T, nullable=False),
+    Column("expires_at", _T, nullable=False),
+    Index("ix_group_waiters_group_id_ticket", "group_id", "ticket"),
+)
+
 health = Table(
     "health",
     metadata,
@@ -193,6 +210,8 @@ health = Table(
     Column("last_probe_at", _T, nullable=True),
     # When the counters reset by themselves under the policy that counted them (reads apply it).
     Column("reset_at", _T, nullable=True),
+    # JSON list of failure times below the policy's cooling threshold (health.cooldown_after).
+    Column("recent_failures", Text, nullable=True),
     Column("updated_at", _T, nullable=False),
 )
 
@@ -228,6 +247,7 @@ __all__ = [
     "debits",
     "events",
     "group_slots",
+    "group_waiters",
     "health",
     "metadata",
     "provenance",

@@ -20,7 +20,7 @@ from sqlalchemy import ColumnElement, case, func, literal_column, select
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
-from ledger.storage.audit import charged_and_held, with_debits
+from ledger.storage.audit import charged_and_held
 from ledger.storage.port import RowMap
 
 if TYPE_CHECKING:
@@ -66,7 +66,6 @@ def cost_by_day(store: Store, *, since: float, until: float) -> list[RowMap]:
     q = (select(_bucket(store, a.created_at, since, 86400.0).label("day"),
                 a.tenant.label("tenant"), func.count().label("attempts"),
                 charged.label("cost_micros"), held.label("held_micros"))
-         .select_from(with_debits())
          .where(a.created_at >= since, a.created_at < until)
          .group_by(literal_column("day"), a.tenant)
          .order_by(literal_column("day"), a.tenant))

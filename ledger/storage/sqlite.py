@@ -10,6 +10,7 @@ timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -40,6 +41,12 @@ class SqliteStore(SqlStore):
         timeout = eng.sqlite_busy_timeout(parsed)
         return cls(eng.sqlite_engine(parsed, timeout), redact_url(norm),
                    SqliteDriver(path, busy_timeout_s=timeout), lease_margin_s=lease_margin_s)
+
+    @classmethod
+    def prepare_database(cls, norm: str, parsed: URL) -> bool:
+        """Its folder must exist; the file itself is made by the first connection (the
+        migration's), so ``True`` says it does not exist yet."""
+        return not os.path.exists(eng.sqlite_file(norm, parsed))
 
     def migration_lock(self) -> AbstractContextManager[Connection]:
         """:func:`ledger.storage.migrate.sqlite_lock`."""

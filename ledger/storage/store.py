@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
@@ -37,6 +38,7 @@ from ledger.domain.records import (
     EventRecord,
     Lease,
     Page,
+    Queued,
     RunRecord,
     RunStatus,
     from_micros,
@@ -70,6 +72,7 @@ from ledger.storage.hot import check_live
 from ledger.storage.port import ClockFn, Figures, RowMap, Snapshot, StoragePort, Takeover
 from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.statements import event_json
+from ledger.storage.wake import SlotWaker
 
 SEL_ATTEMPT_WITH_DEBIT = (
     select(s.attempts, s.debits.c.state.label("debit_state"))
@@ -88,6 +91,10 @@ class SqlStore(StoragePort, abc.ABC):
     #: The statement that refreshes the planner's statistics after a bulk load.
     ANALYZE: ClassVar[str]
 
+    #: The longest a queued begin waits without a signal before it begins again (another
+    #: process's settle signals nothing on SQLite).
+    QUEUE_POLL_S: ClassVar[float] = 0.1
+
     def __init__(self, engine: Engine, where: str, driver: Driver, *,
                  lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> None:
         self.engine = engine
@@ -95,12 +102,26 @@ class SqlStore(StoragePort, abc.ABC):
         self.lease_margin_s = lease_margin_s
         self.driver = driver
         self.sql = self.SQL
+        listen = self._listen if self.sql.NOTIFY_QUEUE is not None else None
+        self.waker = SlotWaker(where, self.QUEUE_POLL_S, listen)
+
+    def _listen(self, told: Callable[[str], None], stop: threading.Event) -> None:
+        """Listen for the database's queue notifications (where it has a channel)."""
+        raise NotImplementedError
 
     @classmethod
     @abc.abstractmethod
     def connect(cls, norm: str, parsed: URL, *, lease_margin_s: float) -> SqlStore:
         """A store on the database of the normalized URL ``norm`` (parsed: ``parsed``),
         without touching it yet (the first transaction connects)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def prepare_database(cls, norm: str, parsed: URL) -> bool:
+        """Make sure the database of ``norm`` can hold a ledger, creating what this backend
+        must and may; ``True`` when the database did not exist before. A database that cannot
+        be made (no such folder, a role that may not create it) is a
+        :class:`~ledger.errors.DatabaseSetupError`, and nothing is created."""
 
     # -- what differs between the databases (the cold path's hooks) ------------------------
 
@@ -147,6 +168,7 @@ class SqlStore(StoragePort, abc.ABC):
 
     def close(self) -> None:
         """Close the driver's connections and the engine's pool."""
+        self.waker.close()
         with mapped(self.where):
             self.driver.close()
             self.engine.dispose()
@@ -300,16 +322,27 @@ class SqlStore(StoragePort, abc.ABC):
         return await self.driver.arun(hot.snapshot_tx(self.sql, run_id, groups, keys, runs,
                                                       refs, clock), write=False)
 
-    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
+    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
         """Record an attempt before it is sent, in one transaction: live lease, allowances,
-        holds, capacity, the decision's events. A rejection is recorded, then raised."""
+        holds, capacity, the decision's events. A rejection is recorded, then raised; a full
+        group queues a begin with ``spec.queue_until`` (nothing recorded)."""
         return self.driver.run(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
                                write=True)
 
-    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord:
+    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
         """The coroutine twin of :meth:`begin_attempt`."""
         return await self.driver.arun(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
                                       write=True)
+
+    def leave_queue(self, waiter_id: str, group: str) -> None:
+        """Give up ``waiter_id``'s place in ``group``'s queue (no place: nothing happens)."""
+        self.driver.run(hot.leave_queue_tx(self.sql, waiter_id, group), write=True)
+        self.waker.poke(group)
+
+    async def aleave_queue(self, waiter_id: str, group: str) -> None:
+        """The coroutine twin of :meth:`leave_queue`."""
+        await self.driver.arun(hot.leave_queue_tx(self.sql, waiter_id, group), write=True)
+        self.waker.poke(group)
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten.
@@ -564,14 +597,25 @@ class SqlStore(StoragePort, abc.ABC):
             if mode is not GroupMode.OPEN and row.until is not None and row.until <= now:
                 mode = GroupMode.OPEN  # the waiting floor has passed
             # Only a limited group's live slots matter to anyone; counting them is a scan.
-            in_flight = (self._live_slots(conn, row.group_id, now)
-                         if row.max_in_flight is not None else 0)
+            limited = row.max_in_flight is not None
             out[row.group_id] = GroupProjection(
                 group=row.group_id, mode=mode, until=row.until,
                 sampled_at=row.sampled_at if row.sampled_at is not None else now,
-                in_flight=in_flight, limit=row.max_in_flight,
+                in_flight=self._live_slots(conn, row.group_id, now) if limited else 0,
+                limit=row.max_in_flight,
+                waiting=self._live_places(conn, row.group_id, now) if limited else 0,
             )
         return out
+
+    def _live_places(self, conn: Connection, group: str, now: float) -> int:
+        # A place counts like a slot: while its own bound has not passed and its executor
+        # still holds the run (same fence, lease alive).
+        w = s.group_waiters.c
+        r = s.runs.c
+        return int(conn.execute(
+            select(func.count()).select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
+            .where(w.group_id == group, w.fence == r.fence, w.expires_at > now,
+                   r.lease_expires_at.is_not(None), r.lease_expires_at > now)).scalar_one())
 
     def _live_slots(self, conn: Connection, group: str, now: float) -> int:
         # A slot counts only while its executor still holds the run (same fence, lease alive):
@@ -732,6 +776,16 @@ class SqlStore(StoragePort, abc.ABC):
         """Mark a run's orphaned Attempts unknown; returns their ids."""
         return recovery.mark_orphans(self, run_id, now)
 
+    def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
+                  clock: ClockFn) -> tuple[RunRecord, bool]:
+        """End a Run nobody will resume, under a fresh fence, in one transaction."""
+        return recovery.close_run(self, run_id, executor, status, reason, clock)
+
+    def past_deadline_runs(self, now: float, limit: int, run_ids: list[str] | None = None,
+                           executor: str | None = None) -> list[str]:
+        """Unfinished runs past their deadline that no other live executor holds."""
+        return recovery.past_deadline_runs(self, now, limit, run_ids, executor)
+
     def reconcile_figures(self, now: float) -> Figures:
         """Every ledger-wide invariant checked on one snapshot."""
         return recovery.reconcile_rows(self, now)
@@ -777,6 +831,10 @@ class SqlStore(StoragePort, abc.ABC):
     def audit_health(self, now: float) -> tuple[list[RowMap], list[RowMap]]:
         """(health rows, groups with their live in-flight count)."""
         return audit.health(self, now)
+
+    def audit_unusable(self, since: float) -> list[RowMap]:
+        """Routes skipped as unusable since ``since`` and not served since."""
+        return audit.unusable(self, since)
 
     def audit_activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
         """Attempts per time bucket."""

@@ -1,15 +1,30 @@
 """A realistic synthetic history for scale tests and the audit benchmark (``failover-ledger
 generate``).
 
-Runs over many routes, providers, capacity groups, tenants and labels; failures with classified
-facts (rate limits, overloads, timeouts, server errors, auth, context overflow, network before
-send); same-route retries and failovers with the selector's ``select``/``retry``/``move``/``stop``
-events; a few unknown attempts and, at the recent end, a few still dispatching; current route
-health (cooldowns, disables, probes) and group waiting floors. Deterministic for a given seed.
+Runs over many routes, providers, capacity groups, tenants and labels, of one to three turns
+each; failures observed as a provider or the transport reports them (rate limits with
+Retry-After, overloads, server errors, read timeouts, refused connections, auth, context
+overflow); at the recent end, a few Runs still in flight. Deterministic for a given seed.
+
+The history is what the ledger itself would have written for such Runs under the ``goclaw``
+preset, because every decision and every record is made by the ledger's own pure rules: the
+classifier turns each observation into a fact (:func:`ledger.decide.classify.classify`), the
+same-route retry rule and the selector choose the next Attempt or the stop
+(:func:`ledger.decide.retry.retry_decision`, :func:`ledger.decide.select.select`, reading the
+health the Run's own failures left, updated by the settle's own health rules), and each
+Attempt's begin and settle are specified by :func:`ledger.decide.begin.begin_spec` and
+:func:`ledger.decide.settle.settle_spec`, whose holds (:func:`ledger.decide.settle.settle_holds`)
+move the Run's counters exactly as the begin and settle transactions do. So a timeout after the
+request left is ``unknown`` and keeps its hold, a refused connection is ``not_sent`` (hold
+voided, model call given back), every Attempt after a turn's first takes a retry permission
+(``retries_used``), and the events are the retry owner's (``select`` with the decision, ``retry``
+and ``move`` written with the Attempt they led to, ``stop``, ``finish``); ``failover-ledger
+reconcile`` finds nothing to report.
 
 The rows are written with the storage port's ``bulk_insert``, not through the fenced write
-path, so generated runs carry a small policy marker instead of the full frozen policy: they are
-finished history for reading, not runs to resume.
+path (a million Attempts in per-Attempt transactions would take hours), so generated Runs carry
+a small policy marker instead of the full frozen policy: they are finished history for reading,
+not Runs to resume.
 """
 
 from __future__ import annotations
@@ -17,13 +32,25 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from ledger.domain.facts import Category, FailureFact, Phase, Scope, Transport
-from ledger.domain.values import Price, Profile, Route, content_hash
+from ledger.decide.begin import begin_spec
+from ledger.decide.classify import classify
+from ledger.decide.health import as_read, route_key
+from ledger.decide.profiles import marks_profile_tried
+from ledger.decide.retry import retry_decision
+from ledger.decide.select import Decision, DecisionKind, RunPermissions, SelectionInput, select
+from ledger.decide.settle import failure_outcome, settle_holds, settle_spec
+from ledger.decide.turn import candidate_lines
+from ledger.domain.facts import Category, FailureFact, Observation, Transport, WireProtocol
+from ledger.domain.records import AttemptKind, FrozenRun, Lease, Outcome, to_micros
+from ledger.domain.specs import BeginSpec, SettleSpec
+from ledger.domain.values import Budget, Grant, Health, Price, Profile, Route, content_hash
+from ledger.policy.load import preset
+from ledger.policy.model import Policy
 from ledger.storage.port import StoragePort
 
 Progress = Callable[[int, int], None]
@@ -36,34 +63,56 @@ _PROVIDERS = {
     "mistral": (["mistral-large"], ["mistral-eu"], 0.15, (2, 6)),
     "together": (["llama-70b", "qwen-72b"], ["together-shared"], 0.22, (0.9, 0.9)),
 }
+_PROTOCOL = {"anthropic": WireProtocol.ANTHROPIC, "gemini": WireProtocol.GEMINI}
 _TENANTS = ["acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "wonka"]
 _TEAMS = ["search", "research", "support", "eval"]
 _ENVS = ["prod", "prod", "prod", "staging"]
-# (category, weight, status, transport, phase, scope, movable)
-_FAILURES: list[tuple[Category, int, int | None, Transport | None, Phase, Scope]] = [
-    (Category.RATE_LIMIT, 34, 429, None, Phase.AFTER_HEADERS, Scope.GROUP),
-    (Category.OVERLOADED, 18, 529, None, Phase.AFTER_HEADERS, Scope.ROUTE),
-    (Category.SERVER_ERROR, 16, 500, None, Phase.AFTER_HEADERS, Scope.ROUTE),
-    (Category.TIMEOUT, 14, None, Transport.READ_TIMEOUT, Phase.AFTER_SEND, Scope.ROUTE),
-    (Category.NETWORK, 8, None, Transport.CONNECT_REFUSED, Phase.BEFORE_SEND, Scope.ROUTE),
-    (Category.AUTH, 5, 401, None, Phase.AFTER_HEADERS, Scope.ROUTE),
-    (Category.CONTEXT_OVERFLOW, 5, 400, None, Phase.AFTER_HEADERS, Scope.REQUEST),
+# What a failed call looks like to the adapter: (weight, observation of it on a route).
+_FAILURES: list[tuple[int, Callable[[Route, random.Random], Observation]]] = [
+    (34, lambda r, rng: Observation(status=429, provider=r.provider,
+                                    headers={"retry-after": str(rng.choice([1, 2, 5, 30]))})),
+    (18, lambda r, rng: Observation(status=529 if r.provider == "anthropic" else 503,
+                                    provider=r.provider)),
+    (16, lambda r, rng: Observation(status=500, provider=r.provider,
+                                    protocol=_PROTOCOL.get(r.provider, WireProtocol.OPENAI),
+                                    body='{"error": {"type": "api_error", "message": '
+                                         '"Internal server error"}}')),
+    (14, lambda r, rng: Observation(transport=Transport.READ_TIMEOUT, provider=r.provider)),
+    (8, lambda r, rng: Observation(transport=Transport.CONNECT_REFUSED, provider=r.provider)),
+    (5, lambda r, rng: Observation(status=401, provider=r.provider)),
+    (5, lambda r, rng: Observation(status=400, provider=r.provider,
+                                   body="This model's maximum context length is 128000 tokens")),
 ]
-_RETRYABLE = {Category.RATE_LIMIT, Category.OVERLOADED, Category.SERVER_ERROR, Category.TIMEOUT,
-              Category.NETWORK}
+# How long each kind of answer takes (seconds): a refused connection at once, an error status
+# quickly, a read timeout after the stream's read timeout.
+_LATENCY = {"ok": (0.4, 12.0), "status": (0.1, 2.0), "timeout": (30.0, 120.0),
+            "refused": (0.001, 0.05)}
 # Generated runs carry this policy hash (and the marker as their policy): how ``generate`` tells
 # its own history from real runs.
 POLICY_HASH = "generated"
-_POLICY_MARKER = json.dumps({"generated": True, "preset": "goclaw"})
-_RESERVE = 50_000  # micros held per attempt
+_PRESET = "goclaw"
+_POLICY_MARKER = json.dumps({"generated": True, "preset": _PRESET})
+_BUDGET = Budget(max_calls=12, max_retries=4, max_cost=Decimal(1))
+_GRANT = Grant()
+_MAX_COMPLETION = 1500  # the completion tokens a turn reserves for
+_LEASE_TTL_S = 30.0
+_EXECUTOR = "gen"
 
 
 @dataclass
 class GenStats:
+    """What :func:`generate` wrote.
+
+    ``failed``, ``unknown``, ``not_sent`` and ``dispatching`` count Attempts in that state;
+    ``failovers`` the Runs that failed over (served elsewhere than their selected route, or
+    moved on).
+    """
+
     runs: int = 0
     attempts: int = 0
     failed: int = 0
     unknown: int = 0
+    not_sent: int = 0
     dispatching: int = 0
     failovers: int = 0
     events: int = 0
@@ -88,207 +137,415 @@ def catalog() -> list[Route]:
     return out
 
 
+@dataclass
+class _Counters:
+    """A Run's counters as its begin and settle transactions move them."""
+
+    calls: int = 0
+    retries: int = 0
+    reserved: int = 0
+    posted: int = 0
+    tokens_reserved: int = 0
+    tokens: int = 0
+    seq: int = 0
+    current: tuple[str, str | None] | None = None
+
+
+@dataclass
+class _Rows:
+    """Rows waiting for the next bulk insert, per table."""
+
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
+        k: [] for k in ("runs", "debits", "attempts", "events", "group_slots", "provenance")})
+
+    def add(self, table: str, row: dict[str, Any]) -> dict[str, Any]:
+        self.tables[table].append(row)
+        return row
+
+
+class _Generator:
+    """Simulates Runs, one at a time, with the ledger's own rules (see the module docstring)."""
+
+    def __init__(self, rng: random.Random, end: float, tag: str) -> None:
+        self.rng = rng
+        self.end = end
+        self.tag = tag
+        self.policy: Policy = preset(_PRESET)
+        self.routes = catalog()
+        self.fail_rate = {r.id: _PROVIDERS[r.provider][2] * rng.uniform(0.6, 1.4)
+                          for r in self.routes}
+        # A plan is 3 routes from 3 different providers, primary first.
+        self.plans: list[list[Route]] = []
+        for _ in range(24):
+            chosen = rng.sample(list(_PROVIDERS), 3)
+            self.plans.append([rng.choice([r for r in self.routes if r.provider == p])
+                               for p in chosen])
+        self.plan_json = [json.dumps([r.model_dump(mode="json") for r in p], sort_keys=True)
+                          for p in self.plans]
+        self.failure_weights = [w for w, _ in _FAILURES]
+        self.stats = GenStats()
+        self.rows = _Rows()
+
+    # -- one Run ---------------------------------------------------------------------------
+
+    def run(self, i: int, t0: float, left: int) -> None:
+        """Simulate Run number ``i`` admitted at ``t0``, making at most ``left`` Attempts."""
+        rng = self.rng
+        pi = rng.randrange(len(self.plans))
+        plan = self.plans[pi]
+        run_id = f"run-{self.tag}-{i:08d}"
+        tenant = rng.choice(_TENANTS)
+        labels = {"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)}
+        frozen = FrozenRun(
+            run_id=run_id, parent_run_id=None, role="research", tenant=tenant, labels=labels,
+            plan=plan, grant=_GRANT, budget=_BUDGET, policy={"generated": True},
+            policy_hash=POLICY_HASH, selected_route=plan[0].id, content_hash=content_hash(run_id),
+            deadline=None, created_at=t0)
+        lease = Lease(run_id, _EXECUTOR, 1, t0 + _LEASE_TTL_S)
+        first_row = len(self.rows.tables["events"]), len(self.rows.tables["attempts"])
+        self._event(run_id, None, "admit", {"policy_hash": POLICY_HASH, "parent": None}, t0)
+        self._event(run_id, None, "lease", {"executor": _EXECUTOR, "fence": 1, "previous": None,
+                                            "expires_at": t0 + _LEASE_TTL_S}, t0)
+        # What other Runs left behind: now and then the primary's provider is cooling.
+        health: dict[str, Health] = {}
+        if rng.random() < 0.03:
+            key = route_key(plan[0], self.policy)
+            health[key] = Health(key=key, cooldown_until=t0 + rng.uniform(30, 600),
+                                 error_count=1, last_failure_at=t0 - 1)
+        in_flight = self.end - t0 < 600 and rng.random() < 0.15  # a Run still going at ``end``
+        c = _Counters()
+        t = t0
+        status = "succeeded"
+        turns = rng.choices([1, 2, 3], [6, 3, 1])[0]
+        for n in range(1, turns + 1):
+            ended, t = self._turn(frozen, lease, f"turn-{n}", health, c, t, left,
+                                  in_flight and n == turns)
+            if ended != "served":
+                status = ended
+                break
+            if left - c.seq < 1:
+                break  # the requested number of Attempts is written
+            t += rng.uniform(0.5, 30.0)  # the agent reads the answer, runs its tools
+        running = status == "running"
+        if not running:
+            self._event(run_id, None, "finish", {"status": status}, t)
+        self.rows.add("runs", {
+            "run_id": run_id, "parent_run_id": None, "role": "research", "tenant": tenant,
+            "labels": json.dumps(labels, sort_keys=True), "status": status,
+            "plan": self.plan_json[pi], "run_grant": json.dumps({"recipients": {}, "roles": None}),
+            "budget": json.dumps({"max_calls": _BUDGET.max_calls, "max_cost": "1",
+                                  "max_retries": _BUDGET.max_retries, "max_tokens": None}),
+            "policy": _POLICY_MARKER, "policy_hash": POLICY_HASH,
+            "selected_route": plan[0].id, "content_hash": frozen.content_hash,
+            "deadline": None, "max_calls": _BUDGET.max_calls, "max_retries": _BUDGET.max_retries,
+            "max_cost_micros": to_micros(_BUDGET.max_cost), "max_tokens": None,
+            "calls_used": c.calls, "retries_used": c.retries, "reserved_micros": c.reserved,
+            "posted_micros": c.posted, "tokens_used": c.tokens,
+            "tokens_reserved": c.tokens_reserved,
+            "carved_calls": 0, "carved_retries": 0, "carved_micros": 0, "carved_tokens": 0,
+            "current_route": c.current[0] if c.current else None,
+            "current_profile": c.current[1] if c.current else None,
+            # A finished Run's lease was released; one in flight is kept renewed.
+            "lease_holder": _EXECUTOR if running else None, "fence": 1,
+            "lease_expires_at": self.end + _LEASE_TTL_S if running else None,
+            "created_at": t0, "updated_at": t,
+        })
+        if t > self.end - 1:
+            # The Run ran past the end of the history: it happened that much earlier.
+            self._shift(first_row, t - (self.end - 1))
+        self.stats.runs += 1
+        moved = any(e["kind"] == "move" for e in self.rows.tables["events"][first_row[0]:])
+        if moved or (c.current is not None and c.current[0] != plan[0].id):
+            self.stats.failovers += 1
+
+    def _turn(self, run: FrozenRun, lease: Lease, turn_id: str, health: dict[str, Health],
+              c: _Counters, t: float, left: int, in_flight: bool) -> tuple[str, float]:
+        """One turn through the retry owner's loop (``ledger.decide.turn``); returns how it
+        ended (``served``, ``failed`` or ``running``) and the time after it. The Run may make
+        ``left`` Attempts in all: the last one it may make succeeds."""
+        rng, policy = self.rng, self.policy
+        plan = run.plan
+        envelope_hash = content_hash(f"{run.run_id}/{turn_id}")
+        prompt = rng.randint(200, 4000)
+        tried: set[str] = set()
+        tried_profiles: set[str] = set()
+        tried_pairs: set[tuple[str, str]] = set()
+        attempts: list[str] = []
+        errors: list[str] = []
+        failures: dict[str, list[str]] = {}  # by route, for the stop's candidate lines
+        pending: list[tuple[str, dict[str, Any]]] = []
+
+        def decide(failure: FailureFact | None, current: str | None,
+                   current_profile: str | None) -> Decision:
+            return select(SelectionInput(
+                plan=plan, policy=policy, now=t,
+                permissions=RunPermissions(
+                    retries_left=_BUDGET.max_retries - c.retries,
+                    calls_left=_BUDGET.max_calls - c.calls, tried=frozenset(tried),
+                    tried_profiles=frozenset(tried_profiles), tried_pairs=frozenset(tried_pairs)),
+                health={k: as_read(h, t) for k, h in health.items()}, current=current,
+                current_profile=current_profile, failure=failure))
+
+        decision = decide(None, c.current[0] if c.current else None, None)
+        kind = AttemptKind.FIRST
+        same_route_retries = 0
+        while True:
+            if decision.kind is DecisionKind.STOP or decision.route is None:
+                reason = decision.reason.value if decision.reason else "no_candidate"
+                return self._stop(run.run_id, reason, decision, attempts, errors, t,
+                                  plan, failures), t
+            route, profile = decision.route, decision.profile
+            attempt_kind = AttemptKind.PROBE if decision.kind is DecisionKind.PROBE else kind
+            if attempt_kind is AttemptKind.PROBE:
+                key = route_key(route, policy)  # the probe's claim, as claim_probe records it
+                health[key] = health.get(key, Health(key=key)).model_copy(
+                    update={"last_probe_at": t})
+            reserve = to_micros(route.cost(prompt, _MAX_COMPLETION))
+            reserve_tokens = prompt + _MAX_COMPLETION
+            take_retry = kind is not AttemptKind.FIRST
+            refusal = self._allowance(c, take_retry, reserve)
+            if refusal is not None:  # begin refuses: nothing is recorded but the stop
+                errors.append(refusal[1])
+                failures.setdefault(route.id, []).append(refusal[1])
+                return self._stop(run.run_id, refusal[0], None, attempts, errors, t,
+                                  plan, failures), t
+            c.seq += 1
+            attempt_id = f"att-{self.tag}-{run.run_id[-8:]}-{c.seq}"
+            events = [*pending, ("select", {**decision.to_json(),
+                                            "attempt_kind": attempt_kind.value})]
+            pending = []
+            spec = begin_spec(run, lease, route=route.id, profile_id=profile,
+                              envelope_hash=envelope_hash, reserve_micros=reserve,
+                              reserve_tokens=reserve_tokens, turn_id=turn_id,
+                              kind=attempt_kind, attempt_id=attempt_id, events=events,
+                              take_retry=take_retry)
+            row, debit = self._begin(spec, c, t)
+            attempts.append(attempt_id)
+            if in_flight and rng.random() < 0.5:
+                self._in_flight(spec, t)
+                return "running", t
+            # The last Attempt the caller asked for succeeds: the history ends on a served turn.
+            last = left - c.seq <= 0
+            if last or rng.random() >= self.fail_rate[route.id]:
+                t += rng.uniform(*_LATENCY["ok"])
+                completion = rng.randint(50, _MAX_COMPLETION)
+                cost = to_micros(route.cost(prompt, completion))
+                output = "sha256:" + uuid.UUID(int=rng.getrandbits(128)).hex * 2
+                settle = settle_spec(
+                    policy, route, profile, lease, attempt_id, outcome=Outcome.SUCCEEDED,
+                    fact=None, observation=None, now=t, effective_output=None,
+                    tool_started=None, prompt_tokens=prompt, completion_tokens=completion,
+                    cost_micros=cost, model_reported=route.model, output_hash=output,
+                    events=(), provenance=(), repeat=False)
+                self._settle(settle, spec, row, debit, c, health, t)
+                self.rows.add("provenance", {"run_id": run.run_id, "ref": attempt_id,
+                                             "content_hash": output, "kind": "model_output",
+                                             "created_at": t})
+                c.current = (route.id, profile)
+                return "served", t
+            obs = rng.choices(_FAILURES, self.failure_weights)[0][1](route, rng)
+            t += rng.uniform(*_LATENCY["timeout" if obs.transport is Transport.READ_TIMEOUT
+                                       else "refused" if obs.transport else "status"])
+            fact = classify(obs, policy, now=t)
+            # The retry owner's reading of the outcome: never sent, or sent without a verdict
+            # (unknown: the hold stays), or failed.
+            outcome = failure_outcome(fact, sent=True)
+            settle = settle_spec(
+                policy, route, profile, lease, attempt_id, outcome=outcome, fact=fact,
+                observation=None, now=t, effective_output=None, tool_started=None,
+                prompt_tokens=None, completion_tokens=None, cost_micros=None,
+                model_reported=None, output_hash=None, events=(), provenance=(),
+                repeat=same_route_retries > 0)
+            self._settle(settle, spec, row, debit, c, health, t)
+            errors.append(f"{route.provider}/{route.model}: {fact.category.value}"
+                          + (f" (HTTP {fact.status})" if fact.status else ""))
+            failures.setdefault(route.id, []).append(f"{errors[-1]} [attempt {attempt_id}]")
+            cause = {"category": fact.category.value, "status": fact.status,
+                     "scope": fact.scope.value, "phase": fact.phase.value}
+            rd = retry_decision(fact, policy, same_route_retries, rng)
+            if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
+                same_route_retries += 1
+                pending.append(("retry", {"route": route.id, "cause": cause,
+                                          "delay_s": rd.delay_s, "n": same_route_retries,
+                                          "from_attempt": attempt_id}))
+                t += rd.delay_s
+                kind = AttemptKind.RETRY
+                decision = Decision(DecisionKind.ROUTE, route, profile)
+                continue
+            tried.add(route.id)
+            if profile:
+                tried_pairs.add((route.id, profile))
+                if marks_profile_tried(fact, route.provider, policy):
+                    tried_profiles.add(profile)
+            decision = decide(fact, route.id, profile)
+            if decision.kind is DecisionKind.STOP or decision.route is None:
+                continue  # the stop is recorded at the top of the loop
+            nxt = decision.route
+            pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
+                                     "profile": decision.profile, "cause": cause,
+                                     "from_attempt": attempt_id}))
+            kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
+            same_route_retries = 0
+
+    # -- the records -----------------------------------------------------------------------
+
+    @staticmethod
+    def _allowance(c: _Counters, take_retry: bool, reserve: int) -> tuple[str, str] | None:
+        """Why the begin transaction would refuse this Attempt (stop reason, error), or
+        ``None``: the same checks, in the same order."""
+        if _BUDGET.max_calls - c.calls <= 0:
+            return "retry_allowance", "the run has used its model-call allowance"
+        if take_retry and _BUDGET.max_retries - c.retries <= 0:
+            return "retry_allowance", "the run has no retry permission left"
+        if reserve > to_micros(_BUDGET.max_cost) - c.reserved - c.posted:
+            return "budget", "a hold would overdraw the run's cost budget"
+        return None
+
+    def _begin(self, spec: BeginSpec, c: _Counters, t: float
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The rows one begin writes, and the Run's counters after it."""
+        route = spec.route
+        row = self.rows.add("attempts", {
+            "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
+            "turn_id": spec.turn_id, "seq": c.seq, "kind": spec.kind.value,
+            "route_id": route.id, "provider": route.provider, "model": route.model,
+            "group_id": route.group, "profile_id": spec.profile_id,
+            "debit_id": "d-" + spec.attempt_id, "envelope_hash": spec.envelope_hash,
+            "state": "dispatching", "reject_reason": None, "fact": None, "category": None,
+            "http_status": None, "effective_output": False, "tool_started": False,
+            "prompt_tokens": None, "completion_tokens": None, "cost_micros": None,
+            "reserved_micros": spec.reserve_micros, "reserved_tokens": spec.reserve_tokens,
+            "model_reported": None, "output_hash": None, "settle_hash": None,
+            "begin_hash": spec.begin_hash, "fence": spec.fence, "settle_fence": None,
+            "executor": spec.executor, "created_at": t, "settled_at": None,
+        })
+        debit = self.rows.add("debits", {
+            "debit_id": "d-" + spec.attempt_id, "run_id": spec.run_id,
+            "attempt_id": spec.attempt_id, "state": "reserved",
+            "reserved_micros": spec.reserve_micros, "posted_micros": 0, "created_at": t,
+            "settled_at": None})
+        for k, d in spec.events:
+            self._event(spec.run_id, spec.attempt_id, k, d, t)
+        c.calls += 1
+        c.retries += 1 if spec.take_retry else 0
+        c.reserved += spec.reserve_micros
+        c.tokens_reserved += spec.reserve_tokens
+        self.stats.attempts += 1
+        return row, debit
+
+    def _in_flight(self, spec: BeginSpec, t: float) -> None:
+        """The Attempt is still dispatching at the end of the history: it holds its slot."""
+        self.rows.add("group_slots", {"attempt_id": spec.attempt_id,
+                                      "group_id": spec.route.group, "run_id": spec.run_id,
+                                      "fence": spec.fence, "acquired_at": t})
+        self.stats.dispatching += 1
+
+    def _settle(self, spec: SettleSpec, begun: BeginSpec, row: dict[str, Any],
+                debit: dict[str, Any],
+                c: _Counters, health: dict[str, Health], t: float) -> None:
+        """What one settle writes, as the settle transaction applies ``spec``."""
+        fact = spec.fact
+        tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
+                  else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
+        holds = settle_holds(spec.outcome, fact, cost_micros=spec.cost_micros, tokens=tokens,
+                             reserved_micros=begun.reserve_micros,
+                             reserved_tokens=begun.reserve_tokens, token_budget=False)
+        row.update(state=spec.outcome.value,
+                   fact=json.dumps(fact.to_json()) if fact is not None else None,
+                   category=fact.category.value if fact else None,
+                   http_status=fact.status if fact else None,
+                   effective_output=spec.effective_output, tool_started=spec.tool_started,
+                   prompt_tokens=spec.prompt_tokens, completion_tokens=spec.completion_tokens,
+                   cost_micros=spec.cost_micros, model_reported=spec.model_reported,
+                   output_hash=spec.output_hash, settle_hash=spec.settle_hash,
+                   settle_fence=spec.fence, settled_at=t)
+        if holds.debit.value != "reserved":
+            debit.update(state=holds.debit.value, posted_micros=holds.posted_micros,
+                         settled_at=t)
+            c.reserved -= holds.release_micros
+            c.posted += holds.posted_micros
+            c.tokens_reserved -= holds.release_tokens
+        c.tokens += holds.tokens_used
+        c.calls -= 1 if holds.uncount_call else 0
+        for key, (_kind, _provider, update) in spec.health.items():
+            health[key] = update(health.get(key, Health(key=key)))
+        counted = {"failed": "failed", "unknown": "unknown", "not_sent": "not_sent"}
+        if spec.outcome.value in counted:
+            setattr(self.stats, counted[spec.outcome.value],
+                    getattr(self.stats, counted[spec.outcome.value]) + 1)
+
+    def _stop(self, run_id: str, reason: str, decision: Decision | None,
+              attempts: list[str], errors: list[str], t: float, plan: Sequence[Route],
+              failures: Mapping[str, Sequence[str]]) -> str:
+        """The retry owner's ``stop`` event; the Run then ends ``failed``."""
+        skips = {s.route: s for s in decision.skipped} if decision is not None else {}
+        self._event(run_id, None, "stop", {
+            "reason": reason, "detail": decision.detail if decision is not None else "",
+            "skipped": [s.to_json() for s in decision.skipped] if decision is not None else [],
+            "attempts": list(attempts), "errors": list(errors),
+            "candidates": candidate_lines(plan, failures, skips)}, t)
+        return "failed"
+
+    def _event(self, run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],
+               at: float) -> None:
+        self.rows.add("events", {"run_id": run_id, "attempt_id": attempt_id, "kind": kind,
+                                 "data": json.dumps(data, sort_keys=True), "created_at": at})
+        self.stats.events += 1
+
+    def _shift(self, first: tuple[int, int], by: float) -> None:
+        """Move the newest Run (whose rows start at ``first``) ``by`` seconds earlier."""
+        tables = self.rows.tables
+        times = ("created_at", "settled_at", "updated_at", "acquired_at")
+        ev, att = first
+        rows = [*tables["events"][ev:], *tables["attempts"][att:], tables["runs"][-1]]
+        ids = {r["attempt_id"] for r in tables["attempts"][att:]}
+        rows += [r for name in ("debits", "group_slots", "provenance")
+                 for r in tables[name] if r.get("attempt_id", r.get("ref")) in ids]
+        for r in rows:
+            for k in times:
+                if r.get(k) is not None:
+                    r[k] -= by
+        for e in tables["events"][ev:]:
+            if e["kind"] == "lease":
+                data = json.loads(e["data"])
+                data["expires_at"] -= by
+                e["data"] = json.dumps(data, sort_keys=True)
+
+
 def generate(store: StoragePort, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
              batch_attempts: int = 5000, progress: Progress | None = None) -> GenStats:
-    """Write about ``attempts`` attempts of history spread over ``days`` days before ``end``."""
+    """Write ``attempts`` attempts of history spread over ``days`` days before ``end``."""
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
     rng = random.Random(seed)
-    routes = catalog()
-    by_id = {r.id: r for r in routes}
-    fail_rate = {r.id: _PROVIDERS[r.provider][2] * rng.uniform(0.6, 1.4) for r in routes}
-    # A plan is 3 routes from 3 different providers, primary first.
-    plans: list[list[Route]] = []
-    provs = list(_PROVIDERS)
-    for _ in range(24):
-        chosen = rng.sample(provs, 3)
-        plans.append([rng.choice([r for r in routes if r.provider == p]) for p in chosen])
-    plan_json = [json.dumps([r.model_dump(mode="json") for r in p], sort_keys=True)
-                 for p in plans]
-    stats = GenStats(since=end - days * 86400.0, until=end, routes=[r.id for r in routes])
+    gen = _Generator(rng, end, uuid.UUID(int=rng.getrandbits(128)).hex[:8])
+    stats = gen.stats
+    stats.since, stats.until = end - days * 86400.0, end
+    stats.routes = [r.id for r in gen.routes]
     span = days * 86400.0
-    tag = uuid.UUID(int=rng.getrandbits(128)).hex[:8]
-    pending: dict[str, list[dict[str, Any]]] = {k: [] for k in ("runs", "attempts", "debits",
-                                                                 "events")}
-    written = 0
 
     def flush() -> None:
-        nonlocal written
-        if pending["attempts"] or pending["runs"]:
-            store.bulk_insert(pending)
-            written = stats.attempts
-            for v in pending.values():
+        tables = gen.rows.tables
+        if tables["attempts"] or tables["runs"]:
+            store.bulk_insert(tables)
+            for v in tables.values():
                 v.clear()
             if progress:
-                progress(min(written, attempts), attempts)
+                progress(min(stats.attempts, attempts), attempts)
 
-    weights = [w for _c, w, *_ in _FAILURES]
     i = 0
     while stats.attempts < attempts:
         # Runs arrive in time order, spread evenly over the span by the attempts written so far
         # (so the requested attempt count lands exactly on the span, whatever the retry mix).
         t0 = stats.since + span * min(stats.attempts + rng.random(), attempts - 0.5) / attempts
-        t0 = min(t0, end - 15.0)  # leave room for the run's own attempts before ``end``
         i += 1
-        pi = rng.randrange(len(plans))
-        plan = plans[pi]
-        run_id = f"run-{tag}-{i:08d}"
-        tenant = rng.choice(_TENANTS)
-        labels = {"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)}
-        recent = end - t0 < 600  # the last ten minutes may hold in-flight attempts
-        t = t0
-        ev = pending["events"]
-        ev.append(_event(run_id, None, "admit", {"policy_hash": POLICY_HASH, "parent": None}, t))
-        ev.append(_event(run_id, None, "lease", {"executor": "gen", "fence": 1,
-                                                 "previous": None}, t))
-        idx, seq, retries, calls = 0, 0, 0, 0
-        posted = tokens = reserved = 0
-        status = "running"
-        current: tuple[str, str | None] | None = None
-        cause: dict[str, Any] | None = None
-        prev_route: str | None = None
-        while True:
-            route = plan[idx]
-            seq += 1
-            calls += 1
-            stats.attempts += 1
-            att_id = f"att-{tag}-{i:08d}-{seq}"
-            profile = route.profiles[rng.randrange(len(route.profiles))].id
-            kind = "first" if seq == 1 else ("retry" if prev_route == route.id else "failover")
-            skipped = []
-            if seq == 1 and rng.random() < 0.03:
-                skipped = [{"route": plan[-1].id, "reason": "cooling",
-                            "detail": "cooldown until a later time"}]
-            ev.append(_event(run_id, att_id, "select", {
-                "decision": kind, "route": route.id, "from_route": prev_route,
-                "profile": profile,
-                "reason": {"first": "primary", "retry": "same_route_retry",
-                           "failover": "next_candidate"}[kind],
-                "skipped": skipped, "cause": cause,
-            }, t))
-            roll = rng.random()
-            created = t
-            t += rng.uniform(0.4, 12.0)
-            row: dict[str, Any] = {
-                "attempt_id": att_id, "run_id": run_id, "tenant": tenant, "turn_id": "turn-1",
-                "seq": seq,
-                "kind": kind, "route_id": route.id, "provider": route.provider,
-                "model": route.model, "group_id": route.group, "profile_id": profile,
-                "debit_id": "d-" + att_id, "envelope_hash": "sha256:" + "0" * 64,
-                "reject_reason": None, "fact": None, "category": None, "http_status": None,
-                "effective_output": False, "tool_started": False, "prompt_tokens": None,
-                "completion_tokens": None, "cost_micros": None, "reserved_micros": _RESERVE,
-                "model_reported": None, "output_hash": None, "settle_hash": None,
-                "begin_hash": "sha256:" + "1" * 64, "fence": 1, "settle_fence": 1,
-                "executor": "gen", "created_at": created, "settled_at": t,
-            }
-            debit = {"debit_id": "d-" + att_id, "run_id": run_id, "attempt_id": att_id,
-                     "state": "posted", "reserved_micros": _RESERVE, "posted_micros": 0,
-                     "created_at": created, "settled_at": t}
-            pending["attempts"].append(row)
-            pending["debits"].append(debit)
-            if recent and roll < 0.15:
-                row.update(state="dispatching", settled_at=None, settle_fence=None)
-                debit.update(state="reserved", settled_at=None)
-                reserved += _RESERVE
-                stats.dispatching += 1
-                break
-            if roll < 0.003:
-                row.update(state="unknown", settle_fence=1)
-                debit.update(state="reserved", settled_at=None)
-                reserved += _RESERVE
-                ev.append(_event(run_id, att_id, "unknown",
-                                 {"reason": "sent without receipt"}, t))
-                stats.unknown += 1
-                status = "stopped"
-                ev.append(_event(run_id, None, "stop", {"reason": "unknown_outcome",
-                                                        "cause": None}, t))
-                break
-            if rng.random() < fail_rate[route.id]:
-                cat, _w, st, tr, phase, scope = rng.choices(_FAILURES, weights)[0]
-                fact = FailureFact(
-                    category=cat, status=st, phase=phase, scope=scope, transport=tr,
-                    provider=route.provider, resubmit=cat in _RETRYABLE,
-                    moves_on=cat is not Category.CONTEXT_OVERFLOW,
-                    retry_after_s=float(rng.choice([1, 2, 5, 30])) if st == 429 else None,
-                )
-                row.update(state="failed", fact=json.dumps(fact.to_json()),
-                           category=cat.value, http_status=st)
-                if phase is Phase.BEFORE_SEND:
-                    debit.update(state="voided")
-                stats.failed += 1
-                cause = {"category": cat.value, "status": st, "scope": scope.value}
-                prev_route = route.id
-                if cat in _RETRYABLE and retries < 2 and rng.random() < 0.35:
-                    retries += 1
-                    ev.append(_event(run_id, None, "retry_permission", {}, t))
-                    ev.append(_event(run_id, att_id, "retry", {
-                        "route": route.id, "cause": cause, "delay_s": 1.0 * retries,
-                        "n": retries}, t))
-                    t += retries
-                    continue
-                if cat is not Category.CONTEXT_OVERFLOW and idx + 1 < len(plan):
-                    idx += 1
-                    ev.append(_event(run_id, att_id, "move", {
-                        "from_route": route.id, "to_route": plan[idx].id, "cause": cause}, t))
-                    continue
-                reason = "not_movable" if cat is Category.CONTEXT_OVERFLOW else "exhausted"
-                ev.append(_event(run_id, None, "stop", {"reason": reason, "cause": cause}, t))
-                status = "failed"
-                break
-            pt, ct = rng.randint(200, 4000), rng.randint(50, 1500)
-            cost = min(_RESERVE, _cost(by_id[route.id], pt, ct))
-            row.update(state="succeeded", prompt_tokens=pt, completion_tokens=ct,
-                       cost_micros=cost, model_reported=route.model,
-                       output_hash="sha256:" + uuid.UUID(int=rng.getrandbits(128)).hex * 2)
-            debit.update(posted_micros=cost)
-            posted += cost
-            tokens += pt + ct
-            current = (route.id, profile)
-            status = "succeeded"
-            if idx > 0:
-                stats.failovers += 1
-            break
-        if status in ("succeeded", "failed"):
-            ev.append(_event(run_id, None, "finish", {"status": status}, t))
-        stats.runs += 1
-        pending["runs"].append({
-            "run_id": run_id, "parent_run_id": None, "role": "research", "tenant": tenant,
-            "labels": json.dumps(labels, sort_keys=True), "status": status,
-            "plan": plan_json[pi], "run_grant": json.dumps({"recipients": {}, "roles": None}),
-            "budget": json.dumps({"max_calls": 8, "max_cost": "1", "max_retries": 3,
-                                  "max_tokens": None}),
-            "policy": _POLICY_MARKER, "policy_hash": POLICY_HASH,
-            "selected_route": plan[0].id, "content_hash": content_hash(run_id),
-            "deadline": None, "max_calls": 8, "max_retries": 3, "max_cost_micros": 1_000_000,
-            "max_tokens": None, "calls_used": calls, "retries_used": retries,
-            "reserved_micros": reserved, "posted_micros": posted, "tokens_used": tokens,
-            "carved_calls": 0, "carved_retries": 0, "carved_micros": 0,
-            "current_route": current[0] if current else None,
-            "current_profile": current[1] if current else None,
-            "lease_holder": "gen" if status == "running" else None,
-            "fence": 1, "lease_expires_at": end + 30 if status == "running" else None,
-            "created_at": t0, "updated_at": t,
-        })
-        if len(pending["attempts"]) >= batch_attempts:
-            stats.events += len(pending["events"])
+        gen.run(i, t0, attempts - stats.attempts)
+        if len(gen.rows.tables["attempts"]) >= batch_attempts:
             flush()
-    stats.events += len(pending["events"])
-    pending_health = _health_rows(rng, routes, end)
     flush()
-    store.bulk_insert(pending_health)
+    store.bulk_insert(_health_rows(rng, gen.routes, end))
     store.analyze()
     return stats
-
-
-def _cost(route: Route, prompt: int, completion: int) -> int:
-    return int(route.cost(prompt, completion) * 1_000_000)  # in micros
-
-
-def _event(run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],
-           at: float) -> dict[str, Any]:
-    return {"run_id": run_id, "attempt_id": attempt_id, "kind": kind,
-            "data": json.dumps(data, sort_keys=True), "created_at": at}
 
 
 def _health_rows(rng: random.Random, routes: list[Route], end: float

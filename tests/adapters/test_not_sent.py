@@ -8,9 +8,7 @@ is sent.
 
 from __future__ import annotations
 
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -22,6 +20,7 @@ from ledger.domain.facts import Category, Phase, Source, Transport
 from ledger.errors import InvalidArgument
 from ledger.policy.load import PRESETS, preset
 from ledger.testing import FakeProvider, Fault
+from tests.netfaults import closed_port
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
 
@@ -38,32 +37,6 @@ PATIENT = FAST.model_copy(update={"read_timeout_s": 10.0, "first_token_timeout_s
 async def patient() -> AsyncIterator[HttpAdapter]:
     async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as a:
         yield a
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def full_backlog() -> Iterator[int]:
-    """A loopback port whose accept queue is full: new connections never complete."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(0)
-    port = int(srv.getsockname()[1])
-    fillers = []
-    for _ in range(3):
-        c = socket.socket()
-        c.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            c.connect(("127.0.0.1", port))
-        fillers.append(c)
-    yield port
-    for c in fillers:
-        c.close()
-    srv.close()
 
 
 def _assert_cannot_build(result: object, *needles: str) -> None:
@@ -184,7 +157,7 @@ async def test_a_body_that_cannot_be_encoded_is_not_sent(
 
 
 async def test_connect_refused_is_not_sent(patient: HttpAdapter) -> None:
-    route = make_route(f"http://127.0.0.1:{_closed_port()}/v1", "openai")
+    route = make_route(f"http://127.0.0.1:{closed_port()}/v1", "openai")
     result = await patient.send(route, ENV, profile_id=PROFILE)
     obs = result.observation
     assert obs is not None and not result.sent
@@ -256,7 +229,7 @@ async def test_the_callers_progress_says_whether_a_byte_left(
         await patient.send(make_route(fake.endpoint("openai"), "openai"), ENV,
                            profile_id="not:mine", progress=misuse)
     refused = SendProgress(handed_over=True)
-    await patient.send(make_route(f"http://127.0.0.1:{_closed_port()}/v1", "openai"), ENV,
+    await patient.send(make_route(f"http://127.0.0.1:{closed_port()}/v1", "openai"), ENV,
                        profile_id=PROFILE, progress=refused)
     fake.enqueue(Fault.RESET_BEFORE_HEADERS)
     reset = SendProgress(handed_over=True)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from ledger.adapters import ClientRegistry, HttpAdapter, StaticSecretProvider
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Phase, Transport
 from ledger.testing import FakeProvider, Fault
+from tests.netfaults import closed_port
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
 
@@ -38,41 +36,13 @@ async def test_dns_failure_is_before_send(adapter: HttpAdapter, protocol: str) -
     )
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_connection_refused_is_before_send(adapter: HttpAdapter, protocol: str) -> None:
-    route = make_route(f"http://127.0.0.1:{_closed_port()}", protocol)
+    route = make_route(f"http://127.0.0.1:{closed_port()}", protocol)
     result = await adapter.send(route, ENV, profile_id=PROFILE)
     obs = result.observation
     assert obs is not None
     assert (obs.transport, obs.phase) == (Transport.CONNECT_REFUSED, Phase.BEFORE_SEND)
-
-
-@pytest.fixture
-def full_backlog() -> Iterator[int]:
-    """A listener that never accepts, with its accept queue filled: new SYNs go unanswered."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(4):
-        s = socket.socket()
-        s.setblocking(False)
-        with contextlib.suppress(BlockingIOError):  # a non-blocking connect is in progress
-            s.connect(("127.0.0.1", port))
-        fillers.append(s)
-    yield port
-    for s in fillers:
-        s.close()
-    listener.close()
 
 
 async def test_connect_timeout_is_before_send(fast_adapter: HttpAdapter,

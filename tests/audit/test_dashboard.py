@@ -176,8 +176,10 @@ def test_run_page_says_why_the_run_stopped(demo_url: tuple[str, str]) -> None:
         doc = c.get(f"/api/runs/{stopped}").json()
     stops = page.split('id="stops"', 1)[1].split("</section>", 1)[0]
     assert '<b class="stop-reason">no_candidate</b>' in stops
-    assert "skipped <b>official-deepseek</b>: disclosure" in stops
-    assert "skipped <b>go-glm</b>: same_group_unavailable" in stops
+    assert "<b>official-deepseek</b>: skipped (disclosure)" in stops
+    assert "add model_derived to Grant.recipients" in stops  # the fix, where there is one
+    assert "<b>go-glm</b>: skipped (same_group_unavailable)" in stops
+    assert "<b>go-deepseek</b>: failed: go/deepseek-v4: rate_limit (HTTP 429)" in stops
     assert doc["stops"][0]["reason"] == "no_candidate"
 
 

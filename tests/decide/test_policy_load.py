@@ -207,3 +207,46 @@ def test_published_schema_is_current() -> None:
         "regenerate with: failover-ledger policy schema > docs/policy.schema.json"
     )
     assert json.loads(committed) == policy_json_schema()
+
+
+# -- the fleet's bounds: one bound on waiting, and the cooling threshold ------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", ".inf", "-.inf", ".nan"])
+def test_a_negative_or_infinite_wait_bound_is_refused(tmp_path: Path, value: str) -> None:
+    err = _error(_write(tmp_path, f"name: x\nadmission:\n  max_capacity_wait_s: {value}\n"))
+    _, problem, fix = _only(err, "admission.max_capacity_wait_s")
+    assert problem and fix
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "true"])
+def test_a_cooling_threshold_below_one_failure_is_refused(tmp_path: Path, value: str) -> None:
+    text = f"name: x\nhealth:\n  cooldown_after: {value}\n  cooldown_window_s: 60\n"
+    err = _error(_write(tmp_path, text))
+    _, problem, fix = _only(err, "health.cooldown_after")
+    assert "at least 1" in problem and "cooldown_window_s: 60" in fix
+
+
+@pytest.mark.parametrize(("value", "said"), [("0.5", "at least 1"), ("0", "at least 1"),
+                                             ("-1", "at least 1"), (".inf", "finite")])
+def test_a_cooling_window_shorter_than_a_second_is_refused(tmp_path: Path, value: str,
+                                                           said: str) -> None:
+    text = f"name: x\nhealth:\n  cooldown_after: 3\n  cooldown_window_s: {value}\n"
+    err = _error(_write(tmp_path, text))
+    _, problem, fix = _only(err, "health.cooldown_window_s")
+    assert said in problem and fix
+
+
+def test_a_cooling_threshold_needs_its_window(tmp_path: Path) -> None:
+    err = _error(_write(tmp_path, "name: x\nhealth:\n  cooldown_after: 3\n"))
+    _, problem, fix = _only(err, "health.cooldown_window_s")
+    assert "within how long" in problem and "cooldown_window_s" in fix
+
+
+def test_the_default_preset_cools_after_three_failures_within_a_minute() -> None:
+    hp = preset("failure-domain").health
+    assert (hp.cooldown_after, hp.cooldown_window_s) == (3, 60)
+    assert preset("failure-domain").failover.wait_for_reopening
+    for name in ("goclaw", "fased"):  # the seeds cool on the first failure, and never wait
+        assert preset(name).health.cooldown_after == 1
+        assert not preset(name).failover.wait_for_reopening

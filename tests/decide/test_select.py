@@ -603,7 +603,7 @@ def test_new_turn_keeps_the_route_actually_used() -> None:
 def test_new_turn_needs_a_call_but_no_retry() -> None:
     assert chosen(_turn()) == "go-deepseek"
     assert stopped(_turn(permissions=RunPermissions(retries_left=9, calls_left=0))) is (
-        Reason.RETRY_ALLOWANCE
+        Reason.CALL_ALLOWANCE
     )
 
 

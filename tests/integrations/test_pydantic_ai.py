@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic_ai import Agent
@@ -209,7 +210,7 @@ COSTLY = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1_000_000))
 
 
 @pytest.mark.parametrize(("kind", "budget", "reason", "detail"), [
-    ("calls", Budget(max_calls=2, max_retries=1, max_cost=Decimal(1000)), "retry_allowance",
+    ("calls", Budget(max_calls=2, max_retries=1, max_cost=Decimal(1000)), "call_allowance",
      "no model call left"),
     ("cost", Budget(max_calls=10, max_retries=5, max_cost=Decimal(29)), "budget", ""),
 ])
@@ -229,7 +230,8 @@ def test_a_run_whose_budget_runs_out_stops_cleanly_with_failover_exhausted(
             assert isinstance(stop, ExceptionGroup)
             assert stop.reason == reason and detail in stop.detail
             rec = await led.get_run("tight")
-            assert rec.status is RunStatus.FAILED and rec.calls_used == 2
+            # The Run's own bounds stopped it on purpose: stopped, not failed.
+            assert rec.status is RunStatus.STOPPED and rec.calls_used == 2
             if kind == "cost":
                 assert rec.posted == Decimal(14)  # within the budget: nothing overdrawn
             timeline = await led.timeline("tight")
@@ -287,6 +289,77 @@ def test_a_streamed_stop_hands_back_the_delivered_partial_output(
             assert att.effective_output
 
     asyncio.run(main())
+
+
+# -- how the Run ends ------------------------------------------------------------------------
+
+
+def test_a_reader_that_leaves_run_stream_early_ends_the_run_cancelled(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> list[RunStatus]:
+        out = []
+        async with AsyncLedger.open(db_url) as led:
+            # Read to the end: served, succeeded.
+            async with led.run("whole", plan=plan(fake), budget=BUDGET, grant=GRANT) as run, \
+                    agent_for(run).run_stream("Go.") as stream:
+                assert await stream.get_output() == FULL_TEXT
+            out.append((await led.get_run("whole")).status)
+            # Left while the answer was still on the wire: the turn is cancelled.
+            fake.set_default(Behavior(fault=Fault.STALL, content_before_fault=2))
+            async with led.run("left", plan=plan(fake), budget=BUDGET, grant=GRANT) as run, \
+                    agent_for(run).run_stream("Go.") as stream:
+                async for _text in stream.stream_text(delta=True, debounce_by=None):
+                    break
+            out.append((await led.get_run("left")).status)
+            [att] = await led.timeline("left")
+            assert att.state is AttemptState.UNKNOWN
+        return out
+
+    assert asyncio.run(main()) == [RunStatus.SUCCEEDED, RunStatus.CANCELLED]
+
+
+def test_a_streamed_answer_that_arrived_but_was_not_read_to_its_end_ends_the_run_cancelled(
+        db_url: str, fake: FakeProvider) -> None:
+    from pydantic_ai.models import ModelRequestParameters
+
+    async def main() -> RunStatus:
+        async with AsyncLedger.open(db_url) as led:
+            async with led.run("unread", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                model = LedgerModel(run)
+                messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart("Go.")])]
+                async with model.request_stream(messages, None,
+                                                ModelRequestParameters()) as response:
+                    assert response._turn is not None
+                    await response._turn  # the whole answer is in and recorded ...
+                    [att] = await led.timeline("unread")
+                    assert att.state is AttemptState.SUCCEEDED
+                # ... but the reader never read it: the agent was not served.
+            return (await led.get_run("unread")).status
+
+    assert asyncio.run(main()) is RunStatus.CANCELLED
+
+
+@pytest.mark.parametrize(("policy", "reason", "status"), [
+    (None, "no_candidate", RunStatus.FAILED),
+    ({"name": "off", "failover": {"enabled": False}}, "failover_disabled", RunStatus.STOPPED),
+])
+def test_a_stop_the_host_caught_ends_the_agents_run_failed_or_stopped(
+        db_url: str, fake: FakeProvider, policy: Any, reason: str, status: RunStatus) -> None:
+    fake.set_default(Fault.UNAVAILABLE)
+
+    async def main() -> RunStatus:
+        async with AsyncLedger.open(db_url) as led:
+            async with led.run("down", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                               policy=policy) as run:
+                try:
+                    await agent_for(run).run("Anyone there?")
+                except FailoverExhausted as stop:
+                    assert stop.reason == reason
+                else:  # pragma: no cover - the test's premise
+                    pytest.fail("not stopped")
+            return (await led.get_run("down")).status
+
+    assert asyncio.run(main()) is status
 
 
 # -- history the Run did not produce -----------------------------------------------------

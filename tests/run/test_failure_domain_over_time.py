@@ -85,9 +85,14 @@ def test_a_failover_rejected_before_dispatch_returns_to_the_original_failure(
     assert err.reason == "rejected_before_dispatch" and send.sent == ["a"]
     assert isinstance(err.__cause__, ProviderError) and err.__cause__.fields["route"] == "a"
     assert [type(e) for e in err.exceptions] == [ProviderError, CapacityUnavailable]
-    assert [(a.route_id, a.state) for a in led.timeline("r")] == [
-        ("a", AttemptState.FAILED), ("b", AttemptState.REJECTED)]
-    assert led.get_run("r").retries_used == 1  # the switch took its retry permission
+    # b's group stayed full for the whole wait (admission.max_capacity_wait_s): the switch
+    # waited in its queue, wrote no Attempt and took no retry permission.
+    assert err.exceptions[1].fields["queued"] and err.exceptions[1].fields["limit"] == 1
+    assert [(a.route_id, a.state) for a in led.timeline("r")] == [("a", AttemptState.FAILED)]
+    assert led.get_run("r").retries_used == 0
+    [wait] = [e.data for e in led.events("r", ["capacity_wait"])]
+    assert wait["outcome"] == "timed_out" and wait["group"] == B.group
+    assert wait["waited_s"] == pytest.approx(30.0)
     stop = led.events("r", ["stop"])[-1].data
     assert stop["reason"] == "rejected_before_dispatch" and "a" in stop["cause"]
 
@@ -100,9 +105,11 @@ def test_other_presets_choose_again_after_a_rejection_and_each_switch_takes_a_pe
     res = execute(led, admit(led, "r", [A, B, C], policy=policy, retries=5), ENV, send)
     assert res.route.id == "c" and "b" not in send.sent
     tl = led.timeline("r")
-    assert [a.route_id for a in tl if a.state is AttemptState.REJECTED] == ["b"]
-    # Every attempt after the first (goclaw's same-route retries, the rejected switch to b,
-    # the switch to c) took a retry permission.
+    # The switch to b waited in its full group's queue, past the bound: no Attempt for it.
+    assert "b" not in [a.route_id for a in tl]
+    assert [e.data["outcome"] for e in led.events("r", ["capacity_wait"])] == ["timed_out"]
+    # Every attempt after the first (goclaw's same-route retries, the switch to c) took a
+    # retry permission.
     assert led.get_run("r").retries_used == len(tl) - 1
 
 

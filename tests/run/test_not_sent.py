@@ -9,7 +9,6 @@ problem; the retry owner logs ``[fallback] provider/model cannot be used: <why>`
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterator
 from decimal import Decimal
 
@@ -26,19 +25,12 @@ from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import FailoverExhausted
 from ledger.ops.reconcile import reconcile
 from ledger.testing.fakeprovider import FakeProvider
+from tests.netfaults import closed_port
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
 ENV = Envelope(parts=[Part(content="Summarise the filings.")], max_output_tokens=100)
 OK = SendResult(ok=True, output="answer", prompt_tokens=10, completion_tokens=5,
                 cost=Decimal("0.0001"))
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()  # nothing listens there now: connecting is refused at once
-    return port
 
 
 def _plan(primary_endpoint: str = "http://127.0.0.1:9/v1") -> list[Route]:
@@ -127,7 +119,7 @@ def test_unusable_route_stops_when_failover_is_off(led: Ledger) -> None:
 
 
 def test_connect_refused_over_loopback_is_not_sent_and_counts_no_call(led: Ledger) -> None:
-    plan = _plan(f"http://127.0.0.1:{_closed_port()}/v1")
+    plan = _plan(f"http://127.0.0.1:{closed_port()}/v1")
     adapter = SyncAdapter(secrets=StaticSecretProvider({}))
     with FakeProvider().in_thread() as fake:
         backup = plan[2].model_copy(update={"endpoint": fake.endpoint("openai")})

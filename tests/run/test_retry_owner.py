@@ -251,18 +251,25 @@ def test_async_twin(db_url: str) -> None:
     asyncio.run(go())
 
 
-def test_full_group_is_rejected_before_dispatch_and_next_group_serves(led: Ledger) -> None:
+def test_a_group_full_past_the_wait_bound_writes_no_attempt_and_the_next_group_serves(
+        led: Ledger, clock: ManualClock) -> None:
     led.configure_group("go", max_in_flight=1)
-    other = admit(led, run_id="other")
+    led.admit_run("other", plan=PLAN, budget=Budget(max_calls=2, max_retries=0,
+                                                    max_cost=Decimal("1")))
+    other = led.acquire_lease("other", ttl_s=3600)
     led.begin_attempt(other, route="go-glm", envelope_hash="sha256:x", reserve="0")  # holds go
-    lease = admit(led)
+    admit(led)
+    lease = led.acquire_lease("r", ttl_s=3600)
     send = Script()
     res = execute(led, lease, ENV, send)  # type: ignore[arg-type]
     assert res.route.id == "official-deepseek"
-    tl = led.timeline("r")
-    assert [(a.route_id, a.state) for a in tl] == [
-        ("go-deepseek", AttemptState.REJECTED), ("official-deepseek", AttemptState.SUCCEEDED)]
-    assert tl[0].debit_state is DebitState.VOIDED and tl[0].reject_reason == "capacity_full"
+    # The turn waited in go's queue for the policy's whole bound, then moved on; the wait left
+    # no rejected Attempt behind, only its record.
+    assert clock.slept == [pytest.approx(30.0)]
+    assert [(a.route_id, a.state) for a in led.timeline("r")] == [
+        ("official-deepseek", AttemptState.SUCCEEDED)]
+    [wait] = led.events("r", ["capacity_wait"])
+    assert wait.data["outcome"] == "timed_out" and wait.data["group"] == "go"
     assert [d.route.id for d in send.sent] == ["official-deepseek"]  # nothing sent on "go"
     assert led.get_run("r").calls_used == 1
 

@@ -243,11 +243,17 @@ def test_a_route_sends_the_key_its_environment_variable_holds(
         run.turn(Envelope(parts=[Part(content="hi")]))
     assert fake.requests[-1].headers["authorization"] == "Bearer sk-test-from-env-0123456789"
     monkeypatch.delenv("FAKE_PROVIDER_KEY")
-    with Ledger.open(db_url) as led, led.run("r2", plan=routes, budget=BUDGET,
-                                             grant=GRANT) as run:
-        with pytest.raises(FailoverExhausted):
-            run.turn(Envelope(parts=[Part(content="hi")]))
-        assert {a.state for a in led.timeline("r2")} == {AttemptState.NOT_SENT}
+    with Ledger.open(db_url) as led:
+        # Found when the Run starts (tests/session/test_keys.py has the rest of it).
+        with pytest.raises(InvalidArgument) as ei, led.run("r2", plan=routes, budget=BUDGET,
+                                                           grant=GRANT):
+            pytest.fail("entered")
+        assert "FAKE_PROVIDER_KEY" in str(ei.value)
+        # Allowed to lack it: every route is skipped unsent when a turn reaches it.
+        with led.run("r2", plan=routes, budget=BUDGET, grant=GRANT, keyless_ok=True) as run:
+            with pytest.raises(FailoverExhausted):
+                run.turn(Envelope(parts=[Part(content="hi")]))
+            assert {a.state for a in led.timeline("r2")} == {AttemptState.NOT_SENT}
 
 
 def test_a_child_session_narrows_and_carves(db_url: str, fake: FakeProvider) -> None:

@@ -33,6 +33,7 @@ from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, Lease
 from ledger.errors import (
     Conflict,
+    DatabaseSetupError,
     DatabaseUnavailable,
     LedgerError,
     NotFound,
@@ -159,10 +160,12 @@ def test_an_unreachable_database_is_database_unavailable_on_every_face(unreachab
 
 def test_a_sqlite_file_in_a_missing_folder_is_refused_before_the_driver(tmp_path: Path) -> None:
     # The ledger checks the folder itself (SQLite would create the file anywhere it can), so
-    # this one carries no driver error: there was none.
-    err = mapped(lambda: Ledger.open(f"{tmp_path}/no/such/dir/x.db"), DatabaseUnavailable,
+    # this one carries no driver error: there was none. Retrying cannot create the folder: a
+    # set-up problem, not an unavailable database.
+    err = mapped(lambda: Ledger.open(f"{tmp_path}/no/such/dir/x.db"), DatabaseSetupError,
                  driver=False)
-    assert "does not exist" in str(err)
+    assert "does not exist" in str(err) and err.fields["problem"] == "folder_missing"
+    assert not isinstance(err, DatabaseUnavailable)
 
 
 # -- the server goes away while in use (PostgreSQL) --------------------------------------------

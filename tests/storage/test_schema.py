@@ -10,7 +10,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from ledger.api.facade import Ledger
-from ledger.errors import DatabaseUnavailable, InvalidArgument, SchemaTooNew
+from ledger.errors import DatabaseSetupError, DatabaseUnavailable, InvalidArgument, SchemaTooNew
 from ledger.storage.engine import normalize_url
 from ledger.storage.migrate import head_revision
 from ledger.storage.schema import metadata
@@ -82,7 +82,7 @@ def test_postgres_concurrent_migrations_converge(pg_empty_url: str) -> None:
 
 
 def test_unopenable_urls_are_typed_errors(tmp_path: object) -> None:
-    with pytest.raises(DatabaseUnavailable, match="does not exist"):
+    with pytest.raises(DatabaseSetupError, match="does not exist"):  # retrying cannot help
         Ledger.open(f"{tmp_path}/no/such/dir/x.db")
     with pytest.raises(InvalidArgument, match="SQLite \\*file\\*"):
         Ledger.open("sqlite://")

@@ -348,7 +348,8 @@ def test_health_is_written_only_when_it_changes(led: Ledger, clock: ManualClock)
         else:
             led.settle_attempt(lease, a.attempt_id, outcome="succeeded", cost="0")
 
-    settle("failed")
+    for _ in range(3):  # failure-domain cools a route after 3 failures within 60 s
+        settle("failed")
     cooled = led.health(["a"])["a"]
     assert cooled.error_count == 1 and cooled.cooldown_until is not None
     clock.advance(5)

@@ -45,7 +45,8 @@ from ledger.domain.facts import WireProtocol
 from ledger.domain.records import Lease
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted
-from ledger.policy.model import StreamingPolicy
+from ledger.policy.load import preset
+from ledger.policy.model import AdmissionPolicy, Policy, StreamingPolicy
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,8 +139,9 @@ ENVELOPE = Envelope(parts=[Part(role="system", content=SYSTEM),
                     params={"temperature": 0.2})
 
 
-def admit(led: Ledger, plan: list[Route], run_id: str = "r") -> Lease:
-    led.admit_run(run_id, plan=plan, policy="failure-domain",
+def admit(led: Ledger, plan: list[Route], run_id: str = "r",
+          policy: Policy | str = "failure-domain") -> Lease:
+    led.admit_run(run_id, plan=plan, policy=policy,
                   budget=Budget(max_calls=4, max_retries=2, max_cost=Decimal("1")),
                   grant=Grant(recipients={"ra": ["user_input"],
                                           "rb": ["user_input"]}))
@@ -372,7 +374,10 @@ def test_attempt_rejected_by_admission_is_a_span_of_its_own_and_no_failover(
         led.configure_group("ga", max_in_flight=1)
         other = admit(led, routes(a, b), run_id="other")
         led.begin_attempt(other, route="primary", envelope_hash="sha256:x", reserve="0")
-        lease = admit(led, routes(a, b))
+        # A Run that may not wait for capacity: a full group refuses it (a rejected Attempt).
+        no_wait = preset("failure-domain").model_copy(
+            update={"admission": AdmissionPolicy(max_capacity_wait_s=0)})
+        lease = admit(led, routes(a, b), policy=no_wait)
         res = execute(led, lease, ENVELOPE, advancing(clock, sync_sender(adapter,
                                                                          limits=PATIENT)))
         tl = led.timeline("r")

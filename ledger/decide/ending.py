@@ -1,0 +1,80 @@
+"""How a Run ends: the status its last turn (or a stop, or a cancellation) gives it.
+
+A Run session (``with led.run(...)``), the pydantic-ai integration and ``Ledger.close_run`` all
+end a Run by these rules, so its status says what happened (``docs/operations.md``, "How a
+Run ends"):
+
+* ``succeeded`` only when the Run's last turn was served;
+* ``cancelled`` when its last turn was cancelled (``asyncio.CancelledError``,
+  ``KeyboardInterrupt``, ``GeneratorExit``), even when the host caught the cancellation;
+* ``stopped`` when its last turn was stopped on purpose by the Run's own policy or bounds
+  (:data:`POLICY_STOPS`), ``failed`` after any other stop (every candidate failed, none was
+  eligible, ...) and after any other error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+
+from ledger.domain.records import AttemptRecord, AttemptState, RunStatus
+from ledger.errors import FailoverExhausted
+
+#: The statuses a Run ends in.
+ENDED = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
+
+#: Stop reasons (``FailoverExhausted.reason``) that are the policy stopping on purpose: failover
+#: switched off (for the Run's role, or altogether), or a bound the Run was admitted with spent
+#: (its cost or token budget, its retry or model-call allowance). Every other stop reason
+#: (``no_candidate``, ``not_eligible_failure``, ``output_exists``, ``execution_unknown``,
+#: ``rejected_before_dispatch``, and any reason not listed here) ends the Run ``failed``.
+POLICY_STOPS = frozenset({"failover_disabled", "role_excluded", "budget", "retry_allowance",
+                          "call_allowance"})
+
+_CANCELLATIONS = (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)
+
+
+def turn_end(exc: BaseException | None) -> RunStatus:
+    """The status a Run ends in when its last turn ended with ``exc`` (``None``: served)."""
+    if exc is None:
+        return RunStatus.SUCCEEDED
+    if isinstance(exc, _CANCELLATIONS):
+        return RunStatus.CANCELLED
+    if isinstance(exc, FailoverExhausted):
+        return RunStatus.STOPPED if exc.reason in POLICY_STOPS else RunStatus.FAILED
+    return RunStatus.FAILED
+
+
+def last_turn_served(attempts: Sequence[AttemptRecord], stops: Iterable[float]) -> bool | None:
+    """Whether the Run's last turn was served, from its Attempts and the times of its stops.
+
+    A turn ends with its one successful Attempt, so the last turn was served when the Run's
+    last Attempt succeeded and no turn stopped since (a stop can come with no Attempt at all;
+    one at the same instant counts as later). ``None`` when the Run has no Attempt.
+    """
+    if not attempts:
+        return None
+    last = max(attempts, key=lambda a: a.seq)
+    if last.state is not AttemptState.SUCCEEDED:
+        return False
+    served_at = last.settled_at if last.settled_at is not None else last.created_at
+    return all(t < served_at for t in stops)
+
+
+def idle_end(status: RunStatus, served: bool | None) -> RunStatus:
+    """How a block that tried no turn ends the Run.
+
+    ``status`` is the Run's status as recorded, ``served`` what :func:`last_turn_served` says.
+    A Run that ended before keeps its status (the block changed nothing); a Run that never
+    made an Attempt is ``cancelled`` (nothing was asked of it); a Run resumed with Attempts (a
+    crash, recovery) ends by its last recorded turn: ``succeeded`` if it was served, else
+    ``failed``.
+    """
+    if status in ENDED:
+        return status
+    if served is None:
+        return RunStatus.CANCELLED
+    return RunStatus.SUCCEEDED if served else RunStatus.FAILED
+
+
+__all__ = ["ENDED", "POLICY_STOPS", "idle_end", "last_turn_served", "turn_end"]

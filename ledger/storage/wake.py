@@ -1,0 +1,202 @@
+"""Waking the waiters of a full capacity group when one of its slots may have come free.
+
+A waiter is a turn whose begin was queued (:class:`~ledger.domain.records.Queued`). It waits
+through the turn's sleeper for a signal or a bounded polling interval, whichever comes first,
+and then begins again; the begin decides (first come, first served), so a wake is a hint, never
+a grant, and a missed one costs at most one polling interval.
+
+Signals come from two places:
+
+* this process: every settle, ``mark_unknown`` and queue departure of a ledger on the same
+  database wakes the waiters of that group at once (:meth:`SlotWaker.poke`);
+* other processes, on PostgreSQL: a trigger (migration 0006) notifies channel
+  :data:`~ledger.storage.hot.QUEUE_CHANNEL` when a slot of a group with waiters is freed, and a
+  queue departure notifies it too; one listening connection per store, opened while someone
+  waits, pokes the local waiters. SQLite has no such channel: waiters in other processes poll.
+
+A slot held by a dead executor comes back when its lease expires, which nothing announces: the
+polling interval bounds how long a waiter takes to notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("ledger.storage")
+
+
+@dataclass
+class _Signal:
+    """One waiter's wake-up: a thread event, and an asyncio one for a waiter on a loop."""
+
+    group: str
+    event: threading.Event = field(default_factory=threading.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    aevent: asyncio.Event | None = None
+
+    def set(self) -> None:
+        self.event.set()
+        if self.loop is not None and self.aevent is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                self.loop.call_soon_threadsafe(self.aevent.set)
+
+    def clear(self) -> None:
+        self.event.clear()
+        if self.aevent is not None:
+            self.aevent.clear()
+
+
+class _Registry:
+    """Every waiter of this process, by database and group (shared by all stores)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_key: dict[str, dict[str, _Signal]] = {}
+
+    def add(self, key: str, waiter: str, signal: _Signal) -> None:
+        with self.lock:
+            self.by_key.setdefault(key, {})[waiter] = signal
+
+    def get(self, key: str, waiter: str) -> _Signal | None:
+        with self.lock:
+            return self.by_key.get(key, {}).get(waiter)
+
+    def remove(self, key: str, waiter: str) -> bool:
+        with self.lock:
+            waiters = self.by_key.get(key, {})
+            waiters.pop(waiter, None)
+            if not waiters:
+                self.by_key.pop(key, None)
+                return True  # nobody of this database waits any more
+            return False
+
+    def poke(self, key: str, group: str | None) -> int:
+        with self.lock:
+            signals = [s for s in self.by_key.get(key, {}).values()
+                       if group is None or s.group == group]
+        for s in signals:
+            s.set()
+        return len(signals)
+
+
+_REGISTRY = _Registry()
+
+
+class SlotWaker:
+    """The wake-ups of one store's database in this process.
+
+    Args:
+        key: Names the database (its URL without the password): ledgers of one process on one
+            database share their waiters' wake-ups.
+        poll_s: The longest a waiter waits without a signal before it begins again.
+        listen: Opens a listening connection that calls its argument with a group id for each
+            notification until the event it gets is set (PostgreSQL); ``None``: no channel.
+    """
+
+    def __init__(self, key: str, poll_s: float,
+                 listen: Callable[[Callable[[str], None], threading.Event], None] | None = None
+                 ) -> None:
+        self.key = key
+        self.poll_s = poll_s
+        self._listen = listen
+        self._listener: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def poke(self, group: str | None) -> None:
+        """Wake this process's waiters of ``group`` (``None``: of every group)."""
+        _REGISTRY.poke(self.key, group)
+
+    def join(self, group: str, waiter: str, *, aio: bool = False) -> bool:
+        """Register ``waiter`` for ``group``'s wake-ups; ``False`` when it already was.
+
+        With ``aio`` the signal is also an :class:`asyncio.Event` of the running loop.
+        """
+        if _REGISTRY.get(self.key, waiter) is not None:
+            return False
+        signal = _Signal(group)
+        if aio:
+            signal.loop = asyncio.get_running_loop()
+            signal.aevent = asyncio.Event()
+        _REGISTRY.add(self.key, waiter, signal)
+        self._ensure_listener()
+        return True
+
+    def leave(self, waiter: str) -> None:
+        """Forget ``waiter`` (it was served, gave up or was cancelled)."""
+        if _REGISTRY.remove(self.key, waiter):
+            self._stop_listener()
+
+    def signal(self, waiter: str) -> _Signal | None:
+        """The registered signal of ``waiter``."""
+        return _REGISTRY.get(self.key, waiter)
+
+    def wait(self, waiter: str, seconds: float, sleeper: Any) -> None:
+        """Wait for ``waiter``'s signal, at most ``seconds`` (and one polling interval)."""
+        signal = self.signal(waiter)
+        wait = getattr(sleeper, "sleep_until_woken", None)
+        if signal is None or wait is None:
+            sleeper.sleep(min(seconds, self.poll_s))
+            return
+        wait(seconds, signal.event, self.poll_s)
+        signal.clear()
+
+    async def await_(self, waiter: str, seconds: float, sleeper: Any) -> None:
+        """The coroutine form of :meth:`wait`."""
+        signal = self.signal(waiter)
+        wait = getattr(sleeper, "asleep_until_woken", None)
+        if signal is None or signal.aevent is None or wait is None:
+            await sleeper.asleep(min(seconds, self.poll_s))
+            return
+        await wait(seconds, signal.aevent, self.poll_s)
+        signal.clear()
+
+    # -- the listening connection (PostgreSQL) ---------------------------------------------
+
+    def _ensure_listener(self) -> None:
+        if self._listen is None:
+            return
+        with self._lock:
+            if self._listener is not None and self._listener.is_alive():
+                return
+            self._stop = threading.Event()
+            ready = threading.Event()
+            stop = self._stop
+            listen = self._listen
+
+            def run() -> None:
+                def told(group: str) -> None:
+                    ready.set()
+                    if group:
+                        _REGISTRY.poke(self.key, group)
+                try:
+                    listen(told, stop)
+                except Exception as e:  # the waiters fall back to polling
+                    log.info("queue notifications from %s stopped: %s", self.key, e)
+                finally:
+                    ready.set()
+
+            self._listener = threading.Thread(target=run, name="ledger-slot-listener",
+                                              daemon=True)
+            self._listener.start()
+        # The listener calls told("") once it listens: a slot freed after that wakes us. A
+        # server that does not answer leaves us to polling after a short while.
+        ready.wait(5.0)
+
+    def _stop_listener(self) -> None:
+        with self._lock:
+            self._stop.set()
+            self._listener = None
+
+    def close(self) -> None:
+        """Stop listening (waiters of this database in this process keep polling)."""
+        self._stop_listener()
+
+
+__all__ = ["SlotWaker"]

@@ -1,0 +1,244 @@
+"""Closing a Run nobody will resume (issue 22, item 6): ``Ledger.close_run``, its AsyncLedger
+twin, ``failover-ledger run close``, and ``recover(close_past_deadline=True)``, on both backends.
+
+A close takes the Run over under a fresh fence (an executor that wakes up can write nothing),
+records a ``close`` event and releases the lease; unknown Attempts keep their holds. Bad input
+changes nothing: a Run a live executor holds (``LeaseHeld``), an unknown id (``NotFound``), a
+status that is no end (``InvalidArgument`` naming the field and the choices), a different end
+for an ended Run (``InvalidState``; the same end again is a no-op).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import func, select
+
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.cli.main import main
+from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState, DebitState, RunStatus
+from ledger.errors import FencedOut, InvalidArgument, InvalidState, LeaseHeld, NotFound
+from ledger.ops.reconcile import reconcile
+from ledger.ops.recovery import recover
+from ledger.storage import schema as s
+from tests.storage.helpers import budget, grant, routes, sql_store
+
+T0 = 1_700_000_000.0
+
+
+def _rows(led: Ledger) -> dict[str, int]:
+    with sql_store(led).engine.connect() as conn:
+        return {t: conn.execute(select(func.count()).select_from(getattr(s, t))).scalar_one()
+                for t in ("runs", "attempts", "debits", "events", "group_slots")}
+
+
+def _crashed(led: Ledger, clock: ManualClock, run_id: str = "r1", *,
+             deadline: float | None = None) -> tuple[object, str, str]:
+    """A Run whose executor served one turn, sent a second and died: (its lease, the served
+    attempt, the one left dispatching). The lease has expired."""
+    led.configure_group("g", max_in_flight=5)
+    led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant(), deadline=deadline)
+    lease = led.acquire_lease(run_id, ttl_s=10, executor_id="worker-1")
+    ok = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.10",
+                           turn_id="t1")
+    led.settle_attempt(lease, ok.attempt_id, outcome="succeeded", cost="0.05")
+    lost = led.begin_attempt(lease, route="a", envelope_hash="sha256:2", reserve="0.20",
+                             turn_id="t2")
+    clock.advance(11)
+    return lease, ok.attempt_id, lost.attempt_id
+
+
+def test_a_recovered_run_left_running_is_closed_under_a_fresh_fence(db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        lease, _ok, lost = _crashed(led, clock)
+        rep = recover(led, release=True)  # taken over, released: nobody resumes it
+        assert led.get_run("r1").status is RunStatus.RUNNING
+        fence = rep.runs[0].fence
+        rec = led.close_run("r1", status="failed", reason="the user gave up on task 7")
+        assert rec.status is RunStatus.FAILED and rec.lease_holder is None
+        [ev] = led.events("r1", ["close"])
+        assert ev.data["status"] == "failed" and ev.data["reason"] == "the user gave up on task 7"
+        assert (ev.data["previous_fence"], ev.data["fence"]) == (fence, fence + 1)
+        assert ev.data["previous_status"] == "running" and ev.data["holds_kept"] == [lost]
+        # The unknown Attempt keeps its hold: the provider may bill it.
+        att = led.get_attempt(lost)
+        assert att.state is AttemptState.UNKNOWN and att.debit_state is DebitState.RESERVED
+        assert led.get_run("r1").reserved == Decimal("0.20")
+        # The dead executor, should it wake up, can write nothing.
+        with pytest.raises(FencedOut):
+            led.settle_attempt(lease, lost, outcome="succeeded", cost="0.1")  # type: ignore[arg-type]
+        assert led.get_attempt(lost).state is AttemptState.UNKNOWN
+        assert reconcile(led).violations == []
+
+
+def test_closing_a_run_nobody_recovered_marks_its_dispatching_attempt_unknown_with_its_hold(
+        db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        lease, _ok, lost = _crashed(led, clock)
+        rec = led.close_run("r1", status="cancelled")
+        assert rec.status is RunStatus.CANCELLED
+        att = led.get_attempt(lost)
+        assert att.state is AttemptState.UNKNOWN and att.debit_state is DebitState.RESERVED
+        assert led.group_projections(["g"])["g"].in_flight == 0
+        [ev] = led.events("r1", ["close"])
+        assert ev.data["unknown"] == [lost] and ev.data["slots_released"] == 1
+        assert ev.data["fence"] == lease.fence + 1  # type: ignore[attr-defined]
+        [unknown] = led.events("r1", ["unknown"])
+        assert unknown.attempt_id == lost
+        assert reconcile(led).violations == []
+
+
+def test_a_run_a_live_executor_holds_is_not_closed_and_nothing_changes(db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r1", ttl_s=30, executor_id="worker-1")
+        before, run = _rows(led), led.get_run("r1")
+        with pytest.raises(LeaseHeld) as ei:
+            led.close_run("r1", status="failed")
+        assert ei.value.fields["holder"] == "worker-1"
+        assert _rows(led) == before and led.get_run("r1") == run
+        led.renew_lease(lease, ttl_s=30)  # still the holder, fence unchanged
+
+
+def test_bad_input_to_close_run_is_typed_and_changes_nothing(db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        _crashed(led, clock)
+        before, run = _rows(led), led.get_run("r1")
+        with pytest.raises(NotFound):
+            led.close_run("no-such-run", status="failed")
+        for bad in ("running", "admitted", "done", 3):
+            with pytest.raises(InvalidArgument) as ei:
+                led.close_run("r1", status=bad)  # type: ignore[arg-type]
+            assert ei.value.field == "status"
+            assert ei.value.fields["choices"] == ["succeeded", "failed", "stopped", "cancelled"]
+        with pytest.raises(InvalidArgument) as ei:
+            led.close_run("r1", status="failed", reason="x" * 500)
+        assert ei.value.field == "reason"
+        # Its last turn was not served (an attempt is still out): not succeeded.
+        with pytest.raises(InvalidState):
+            led.close_run("r1", status="succeeded")
+        assert _rows(led) == before and led.get_run("r1") == run
+
+
+def test_closing_an_ended_run_again_is_a_no_op_for_the_same_status_and_refused_for_another(
+        db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        _crashed(led, clock)
+        led.close_run("r1", status="stopped")
+        before, run = _rows(led), led.get_run("r1")
+        assert led.close_run("r1", status=RunStatus.STOPPED) == run
+        with pytest.raises(InvalidState) as ei:
+            led.close_run("r1", status="failed")
+        assert ei.value.fields["status"] == "stopped"
+        assert _rows(led) == before and led.get_run("r1") == run
+
+
+def test_a_run_whose_last_turn_was_served_may_be_closed_succeeded(db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+        led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r1", ttl_s=10)
+        att = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.10")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.05")
+        clock.advance(11)  # the host died before it finished the Run
+        assert led.close_run("r1", status="succeeded").status is RunStatus.SUCCEEDED
+        with pytest.raises(InvalidState):  # nothing was ever served
+            led.close_run("r2", status="succeeded")
+
+
+def test_the_async_twin_closes_the_same_way(db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        _crashed(led, clock)
+
+    async def main_() -> RunStatus:
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            with pytest.raises(NotFound):
+                await led.close_run("nope", status="failed")
+            return (await led.close_run("r1", status="failed")).status
+
+    assert asyncio.run(main_()) is RunStatus.FAILED
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The command reads the system clock: the crash is an hour old, the other lease is live.
+    clock = ManualClock(time.time() - 3600)
+    with Ledger.open(db_url, clock=clock) as led:
+        _, _ok, lost = _crashed(led, clock)
+        led.admit_run("held", plan=routes(), budget=budget(), grant=grant())
+        led.acquire_lease("held", ttl_s=86400, executor_id="worker-2")
+    assert main(["--db", db_url, "run", "close", "r1", "--status", "running"]) == 2
+    err = capsys.readouterr().err
+    assert "status 'running' is not one of the choices" in err and "'failed'" in err
+    assert main(["--db", db_url, "run", "close", "nope", "--status", "failed"]) == 1
+    assert "unknown run id 'nope'" in capsys.readouterr().err
+    assert main(["--db", db_url, "run", "close", "held", "--status", "failed"]) == 1
+    assert "worker-2" in capsys.readouterr().err
+    assert main(["--db", db_url, "run", "close", "r1", "--status", "failed",
+                 "--reason", "crashed, nobody resumes"]) == 0
+    out = capsys.readouterr().out
+    assert "closed run r1: running -> failed" in out and lost in out
+    assert main(["--db", db_url, "run", "close", "r1", "--status", "failed", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["changed"] is False and doc["status"] == "failed"
+    assert main(["--db", db_url, "runs", "--status", "failed", "--json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)["items"]] == ["r1"]
+    with Ledger.open(db_url) as led:
+        [ev] = led.events("r1", ["close"])
+        assert ev.data["reason"] == "crashed, nobody resumes"
+        assert led.get_run("held").status is RunStatus.ADMITTED
+
+
+# -- recovery closes Runs past their deadline -----------------------------------------------
+
+
+def test_recovery_closes_runs_past_their_deadline_when_asked(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The command at the end reads the system clock: the story happens in the last hour.
+    t0 = time.time() - 3600
+    clock = ManualClock(t0)
+    with Ledger.open(db_url, clock=clock) as led:
+        _crashed(led, clock, "late", deadline=t0 + 5)          # crashed, past its deadline
+        _crashed(led, clock, "on-time", deadline=t0 + 10 ** 6)  # crashed, deadline ahead
+        _crashed(led, clock, "no-deadline")
+        led.admit_run("busy", plan=routes(), budget=budget(), grant=grant(),
+                      deadline=t0 + 5)
+        led.acquire_lease("busy", ttl_s=86400, executor_id="alive")
+        # Recovered earlier and released: left running with nobody on it.
+        _crashed(led, clock, "orphan", deadline=t0 + 50)
+        recover(led, release=True, run_ids=["orphan"])
+        clock.advance(100)
+        rep = recover(led)  # without the option nothing is closed
+        assert rep.closed == []
+        clock.advance(100)
+        rep = recover(led, close_past_deadline=True, executor_id="rec-2")
+        assert sorted(rep.closed) == ["late", "orphan"]
+        for rid in ("late", "orphan"):
+            rec = led.get_run(rid)
+            assert rec.status is RunStatus.FAILED and rec.lease_holder is None
+            [ev] = led.events(rid, ["close"])
+            assert "deadline" in ev.data["reason"] and ev.data["executor"] == "rec-2"
+            assert len(ev.data["holds_kept"]) == 1
+        assert led.get_run("on-time").status is RunStatus.RUNNING
+        assert led.get_run("no-deadline").status is RunStatus.RUNNING
+        assert led.get_run("busy").lease_holder == "alive"
+        assert reconcile(led).violations == []
+        _crashed(led, clock, "late-2", deadline=t0)
+    assert main(["--db", db_url, "recover", "--close-past-deadline", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["closed"] == ["late-2"]
+    assert main(["--db", db_url, "recover", "--close-past-deadline"]) == 0
+    assert "closed 0 run(s) past their deadline" in capsys.readouterr().out

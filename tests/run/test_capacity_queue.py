@@ -1,0 +1,337 @@
+"""A full capacity group is a queue, not a refusal.
+
+A turn whose target group is full waits for a slot, bounded by ``max_capacity_wait_s`` and the
+Run's deadline; waiters are served first come, first served across processes; a waiter that is
+cancelled or times out leaves the queue and nothing else behind; a dead waiter's place lapses
+with its lease. A wait writes no ``rejected`` Attempt: it is recorded once (``capacity_wait``)
+and shows in the audit timeline and ``run show``. Waits wake when a slot frees (PostgreSQL
+``LISTEN/NOTIFY``, or in-process signals), polling only as a bounded fallback.
+
+Real HTTP over loopback (the fake provider), real PostgreSQL and SQLite files, real OS
+processes for order and reclaiming; no test sleeps to make time pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from ledger import (
+    AsyncLedger,
+    Budget,
+    CapacityUnavailable,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    Ledger,
+    ManualClock,
+    Notice,
+    Part,
+    Route,
+)
+from ledger.api.facade import storage_of
+from ledger.domain.records import AttemptState
+from ledger.ops.audit import Audit
+from ledger.testing import FakeProvider
+from tests import fakeplan
+from tests.fakeplan import PRICE
+
+fake = fakeplan.fake
+_clear = fakeplan._clear
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET = Budget(max_calls=4, max_retries=2, max_cost=Decimal("1"))
+GRANT = Grant(recipients={"fake": ["user_input"]})
+ENV = Envelope(parts=[Part(content="hello")])
+PATIENCE_S = 120  # how long a test waits for an event before it calls the run hung
+
+
+def _route(fake: FakeProvider) -> Route:
+    return Route(id="a", provider="fake", model="a-model", group="ga", recipient="fake",
+                 endpoint=fake.endpoint("openai"), price=PRICE)
+
+
+def _hold(led: Ledger, route: Route, run_id: str = "holder") -> tuple[object, str]:
+    """Another Run takes the group's only slot (a long lease: it stays live)."""
+    led.configure_group("ga", max_in_flight=1)
+    led.admit_run(run_id, plan=[route], budget=BUDGET, grant=GRANT)
+    lease = led.acquire_lease(run_id, ttl_s=3600)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:held", reserve="0")
+    return lease, att.attempt_id
+
+
+def _waiting(led: Ledger) -> int:
+    return led.group_projections(["ga"])["ga"].waiting
+
+
+@pytest.fixture
+def led(db_url: str) -> Iterator[Ledger]:
+    with Ledger.open(db_url) as ledger:
+        yield ledger
+
+
+def _only_a_signal_wakes(led: Ledger) -> None:
+    # No polling fallback within the test's patience: the waiter is served only if a signal
+    # (this process's settle, or PostgreSQL's NOTIFY) wakes it.
+    storage_of(led).waker.poll_s = 10 * PATIENCE_S
+
+
+# -- in one process -------------------------------------------------------------------------
+
+
+def test_a_full_group_queues_the_turn_and_a_freed_slot_serves_it_at_once(
+        led: Ledger, fake: FakeProvider) -> None:
+    route = _route(fake)
+    lease, held = _hold(led, route)
+    _only_a_signal_wakes(led)
+    queued = threading.Event()
+    notices: list[Notice] = []
+    out: dict[str, object] = {}
+
+    def on_notice(n: Notice) -> None:
+        notices.append(n)
+        if n.kind == "queued":
+            queued.set()
+
+    def worker() -> None:
+        try:
+            with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                out["result"] = run.turn(ENV, on_notice=on_notice)
+        except BaseException as e:  # pragma: no cover - reported below
+            out["error"] = e
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert queued.wait(PATIENCE_S), out
+    assert _waiting(led) == 1
+    assert led.timeline("w") == []  # waiting writes no Attempt
+    led.settle_attempt(lease, held, outcome="succeeded", cost="0")  # type: ignore[arg-type]
+    t.join(PATIENCE_S)
+    assert not t.is_alive() and "error" not in out, out
+    [att] = led.timeline("w")
+    assert att.state is AttemptState.SUCCEEDED and att.route_id == "a"
+    [wait] = led.events("w", ["capacity_wait"])
+    assert wait.attempt_id == att.attempt_id and wait.data["outcome"] == "admitted"
+    assert wait.data["group"] == "ga" and wait.data["limit"] == 1 and wait.data["waited_s"] > 0
+    assert [n.kind for n in notices] == ["queued"] and "ga" in notices[0].detail
+    assert _waiting(led) == 0
+    tl = Audit(led).timeline("w")
+    assert [(w.kind, w.group, w.outcome) for w in tl.waits] == [("capacity", "ga", "admitted")]
+
+
+def test_a_waiter_past_its_bound_leaves_nothing_behind_and_names_group_limit_and_wait(
+        db_url: str, fake: FakeProvider) -> None:
+    clock = ManualClock(1_800_000_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        route = _route(fake)
+        lease, held = _hold(led, route)
+        with pytest.raises(FailoverExhausted) as ei, led.run(
+                "w", plan=[route], budget=BUDGET, grant=GRANT, lease_ttl_s=3600) as run:
+            run.turn(ENV)
+        [err] = ei.value.exceptions
+        assert isinstance(err, CapacityUnavailable) and err.route == "a"
+        assert err.fields["group"] == "ga" and err.fields["limit"] == 1
+        assert err.fields["waited_s"] == pytest.approx(30.0)
+        assert "'ga'" in str(err) and "limit 1" in str(err) and "30 s" in str(err)
+        assert clock.slept == [pytest.approx(30.0)]  # the injectable sleeper, not real time
+        assert led.timeline("w") == [] and _waiting(led) == 0
+        [wait] = led.events("w", ["capacity_wait"])
+        assert wait.attempt_id is None and wait.data["outcome"] == "timed_out"
+        # Its place is gone: once the slot frees, a begin that does not queue is admitted.
+        led.settle_attempt(lease, held, outcome="succeeded", cost="0")  # type: ignore
+        other = led.acquire_lease("holder", ttl_s=3600)
+        assert led.begin_attempt(other, route="a", envelope_hash="sha256:again",
+                                 reserve="0").state is AttemptState.DISPATCHING
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            route = _route(fake)
+            lease, held = _hold(led.sync, route)
+            queued = asyncio.Event()
+
+            def on_notice(n: Notice) -> None:
+                if n.kind == "queued":
+                    queued.set()
+
+            async with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                task = asyncio.create_task(run.turn(ENV, on_notice=on_notice))
+                await asyncio.wait_for(queued.wait(), PATIENCE_S)
+                assert _waiting(led.sync) == 1
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                # The session still holds the Run (its lease is live), yet its place is gone:
+                assert _waiting(led.sync) == 0
+                await led.settle_attempt(lease, held, outcome="succeeded", cost="0")
+                other = await led.acquire_lease("holder", ttl_s=3600)
+                att = await led.begin_attempt(other, route="a", envelope_hash="sha256:x",
+                                              reserve="0")
+                assert att.state is AttemptState.DISPATCHING
+            assert await led.timeline("w") == []  # nothing recorded for the cancelled wait
+
+    asyncio.run(main())
+
+
+# -- across processes -----------------------------------------------------------------------
+
+
+class Worker:
+    """A worker process (tests/run/_queue_worker.py) and the lines it prints."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.run._queue_worker", *args], cwd=REPO,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def expect(self, prefix: str) -> str:
+        """The next line, which must start with ``prefix`` (waits for it, never for time)."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith(prefix):
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=PATIENCE_S)
+            raise AssertionError(f"expected {prefix!r}, got {line!r}; stderr:\n{err}")
+        return line
+
+    def tell(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def done(self) -> None:
+        _, err = self.proc.communicate(timeout=PATIENCE_S)
+        assert self.proc.returncode == 0, err
+
+
+def _release(holder: Worker) -> None:
+    holder.tell()
+    holder.expect("settled")
+    holder.done()
+
+
+def _holding(led: Ledger, url: str, route: Route) -> Worker:
+    """A process that holds the only slot of ``route``'s group until told to settle."""
+    led.configure_group("ga", max_in_flight=1)
+    holder = Worker("holder", url, "holder", route.model_dump_json())
+    holder.expect("holding")
+    return holder
+
+
+def _waiter(url: str, run_id: str, route: Route, ttl: float = 30.0) -> Worker:
+    return Worker("waiter", url, run_id, route.model_dump_json(), str(ttl))
+
+
+def test_a_slot_freed_by_another_process_wakes_the_waiter(
+        led: Ledger, db_url: str, fake: FakeProvider) -> None:
+    route = _route(fake)
+    holder = _holding(led, db_url, route)
+    if led.backend == "postgresql":
+        _only_a_signal_wakes(led)  # only NOTIFY from the holder's process can wake it
+    served: dict[str, object] = {}
+    queued = threading.Event()
+
+    def worker() -> None:
+        try:
+            with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                served["result"] = run.turn(
+                    ENV, on_notice=lambda n: queued.set() if n.kind == "queued" else None)
+        except BaseException as e:  # pragma: no cover - reported below
+            served["error"] = e
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert queued.wait(PATIENCE_S), served
+    _release(holder)
+    t.join(PATIENCE_S)
+    assert not t.is_alive() and "error" not in served, served
+    assert [a.state for a in led.timeline("w")] == [AttemptState.SUCCEEDED]
+
+
+@pytest.mark.slow
+def test_waiters_in_several_processes_are_served_in_arrival_order(
+        led: Ledger, db_url: str, fake: FakeProvider) -> None:
+    route = _route(fake)
+    holder = _holding(led, db_url, route)
+    waiters = []
+    for i in range(4):
+        w = _waiter(db_url, f"w{i}", route)
+        w.expect("queued")  # in the queue before the next one arrives
+        waiters.append(w)
+    assert _waiting(led) == 4
+    _release(holder)
+    for w in waiters:
+        w.expect("served")
+        w.done()
+    begun = sorted((led.timeline(f"w{i}")[0].created_at, f"w{i}") for i in range(4))
+    assert [rid for _, rid in begun] == ["w0", "w1", "w2", "w3"]
+    tickets = [led.events(f"w{i}", ["capacity_wait"])[0].data["ticket"] for i in range(4)]
+    assert tickets == sorted(tickets)
+    for i in range(4):
+        [att] = led.timeline(f"w{i}")
+        assert att.state is AttemptState.SUCCEEDED
+    assert led.attempts(state="rejected").items == []  # no wait left a rejected row
+    assert _waiting(led) == 0
+
+
+@pytest.mark.slow
+def test_a_dead_waiters_place_is_reclaimed_when_its_lease_expires(
+        led: Ledger, db_url: str, fake: FakeProvider) -> None:
+    route = _route(fake)
+    holder = _holding(led, db_url, route)
+    dead = _waiter(db_url, "dead", route, ttl=3.0)  # a short lease: it lapses soon after death
+    dead.expect("queued")
+    live = _waiter(db_url, "live", route)
+    live.expect("queued")
+    os.kill(dead.proc.pid, signal.SIGKILL)
+    dead.proc.communicate(timeout=PATIENCE_S)
+    _release(holder)
+    # The dead waiter is first in line until its lease expires; then the live one is served.
+    live.expect("served")
+    live.done()
+    assert led.timeline("dead") == []
+    assert [a.state for a in led.timeline("live")] == [AttemptState.SUCCEEDED]
+    assert _waiting(led) == 0
+
+
+def test_run_show_says_how_long_a_turn_waited_for_which_group(
+        db_url: str, fake: FakeProvider) -> None:
+    clock = ManualClock(1_800_000_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        route = _route(fake)
+        _hold(led, route)
+        with pytest.raises(FailoverExhausted), led.run(
+                "w", plan=[route], budget=BUDGET, grant=GRANT, lease_ttl_s=3600) as run:
+            run.turn(ENV)
+    show = subprocess.run([sys.executable, "-m", "ledger.cli.main", "--db", db_url, "run",
+                           "show", "w"], capture_output=True, text=True, cwd=REPO,
+                          timeout=PATIENCE_S)
+    assert show.returncode == 0, show.stderr
+    assert "waited 30.0 s (for a slot of full group ga): timed_out" in show.stdout
+    doc = json.loads(subprocess.run(
+        [sys.executable, "-m", "ledger.cli.main", "--db", db_url, "run", "show", "w", "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=PATIENCE_S).stdout)
+    assert doc["waits"][0]["group"] == "ga" and doc["waits"][0]["outcome"] == "timed_out"
+    # The dashboard's run page shows the same wait.
+    from starlette.testclient import TestClient
+
+    from ledger.dashboard.app import create_app
+
+    with TestClient(create_app(db_url)) as c:
+        page = c.get("/runs/w").text
+        api = c.get("/api/runs/w").json()
+    waits = page.split('id="waits"', 1)[1].split("</section>", 1)[0]
+    assert "30.0 s" in waits and "for a slot of full group ga" in waits and "timed_out" in waits
+    assert api["waits"][0]["waited_s"] == pytest.approx(30.0)

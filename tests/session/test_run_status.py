@@ -1,0 +1,221 @@
+"""A Run's status says what happened (issue 22, item 6), for a Run session's block.
+
+``succeeded`` only when the Run's last turn was served; ``cancelled`` after a cancelled turn,
+even one the host caught; after a stop the host caught, ``stopped`` when the policy stopped on
+purpose (failover off, a bound spent) and ``failed`` otherwise; a block with no turn leaves an
+ended Run as it was and ends a new one ``cancelled``; a parent's last piece of work may be a
+Child Run. Real HTTP over loopback (the shipped fake provider), sync and async, both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from ledger import (
+    AsyncLedger,
+    Budget,
+    Dispatch,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    Ledger,
+    Part,
+    RunStatus,
+    SendResult,
+)
+from ledger.clock import ManualClock
+from ledger.decide.ending import POLICY_STOPS, turn_end
+from ledger.domain.records import AttemptState
+from ledger.testing import FakeProvider, Fault
+from tests import fakeplan
+from tests.fakeplan import plan
+
+fake = fakeplan.fake
+_clear = fakeplan._clear
+
+BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+GRANT = Grant(recipients={"fake": ["user_input", "model_derived"]})
+HELLO = Envelope(parts=[Part(content="hello")])
+NO_FAILOVER = {"name": "no-failover", "failover": {"enabled": False}}
+
+
+def _finish(led: Ledger, run_id: str) -> tuple[RunStatus, list[str]]:
+    rec = led.get_run(run_id)
+    assert rec.lease_holder is None  # released on every path
+    return rec.status, [e.data["status"] for e in led.events(run_id, ["finish"])]
+
+
+# -- cancelled turns ------------------------------------------------------------------------
+
+
+def test_a_turn_interrupted_inside_the_block_ends_the_run_cancelled_though_caught(
+        db_url: str, fake: FakeProvider) -> None:
+    def interrupted(_d: Dispatch) -> SendResult:
+        raise KeyboardInterrupt  # Ctrl-C while the request was on its way
+
+    with Ledger.open(db_url) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            run.turn(HELLO)  # served first: it is the last turn that counts
+            with contextlib.suppress(KeyboardInterrupt):
+                run.turn(Envelope(parts=[Part(content="more")]), send=interrupted)
+        assert run.ended is RunStatus.CANCELLED
+        assert _finish(led, "r") == (RunStatus.CANCELLED, ["cancelled"])
+        assert [a.state for a in led.timeline("r")] == [AttemptState.SUCCEEDED,
+                                                        AttemptState.UNKNOWN]
+
+
+def test_a_cancelled_async_turn_the_host_caught_ends_the_run_cancelled(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> tuple[RunStatus, RunStatus]:
+        async with AsyncLedger.open(db_url) as led:
+            sending = asyncio.Event()
+
+            async def hangs(_d: Dispatch) -> SendResult:
+                sending.set()
+                await asyncio.Event().wait()  # a provider that never answers
+                raise AssertionError("unreachable")
+
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                task = asyncio.create_task(run.turn(HELLO, send=hangs))
+                await sending.wait()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            first = (await led.get_run("r")).status
+            # A later served turn is the last one again: succeeded.
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                await run.turn(HELLO)
+            return first, (await led.get_run("r")).status
+
+    assert asyncio.run(main()) == (RunStatus.CANCELLED, RunStatus.SUCCEEDED)
+
+
+# -- stops the host caught ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("policy", "budget", "reason", "status"), [
+    # Every route failed: no candidate is left. Not on purpose: failed.
+    (None, BUDGET, "no_candidate", RunStatus.FAILED),
+    # Failover switched off by the policy: a deliberate stop.
+    (NO_FAILOVER, BUDGET, "failover_disabled", RunStatus.STOPPED),
+    # The Run's own retry allowance spent: a deliberate stop.
+    (None, Budget(max_calls=10, max_retries=0, max_cost=Decimal("1")), "retry_allowance",
+     RunStatus.STOPPED),
+])
+def test_a_stop_the_host_caught_ends_the_run_failed_or_stopped_by_its_reason(
+        db_url: str, fake: FakeProvider, policy: Any, budget: Budget, reason: str,
+        status: RunStatus) -> None:
+    fake.set_default(Fault.UNAVAILABLE)  # every route answers 503
+    with Ledger.open(db_url) as led:
+        with led.run("r", plan=plan(fake), budget=budget, grant=GRANT, policy=policy) as run:
+            with pytest.raises(FailoverExhausted) as ei:
+                run.turn(HELLO)
+            assert ei.value.reason == reason
+        assert _finish(led, "r") == (status, [status.value])
+
+
+def test_a_stop_that_leaves_the_block_ends_the_run_by_the_same_rule(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.set_default(Fault.UNAVAILABLE)
+    with Ledger.open(db_url) as led:
+        with pytest.raises(FailoverExhausted), led.run("r", plan=plan(fake), budget=BUDGET,
+                                                       grant=GRANT, policy=NO_FAILOVER) as run:
+            run.turn(HELLO)
+        assert _finish(led, "r")[0] is RunStatus.STOPPED
+        with pytest.raises(FailoverExhausted), led.run("r2", plan=plan(fake), budget=BUDGET,
+                                                       grant=GRANT) as run:
+            run.turn(HELLO)
+        assert _finish(led, "r2")[0] is RunStatus.FAILED
+
+
+def test_a_served_turn_after_a_caught_stop_ends_the_run_succeeded(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Fault.UNAVAILABLE, model="backup-model")
+    clock = ManualClock(time.time())
+    with Ledger.open(db_url, clock=clock) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                     lease_ttl_s=7200) as run:
+            with pytest.raises(FailoverExhausted):
+                run.turn(HELLO)
+            clock.advance(3600)  # past any cooldown the failures left
+            run.turn(HELLO)  # the host tries again, and is served
+        assert _finish(led, "r")[0] is RunStatus.SUCCEEDED
+
+
+# -- blocks without a turn, and Children ----------------------------------------------------
+
+
+def test_a_block_without_a_turn_ends_a_new_run_cancelled_and_leaves_an_ended_run_as_it_was(
+        db_url: str, fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+            pass
+        assert _finish(led, "r")[0] is RunStatus.CANCELLED  # nothing was asked, nothing served
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            run.turn(HELLO)
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+            pass  # resumed and left alone: still succeeded
+        assert _finish(led, "r") == (RunStatus.SUCCEEDED,
+                                     ["cancelled", "succeeded", "succeeded"])
+
+
+def test_a_block_without_a_turn_ends_a_resumed_running_run_by_its_last_recorded_turn(
+        db_url: str, fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led:
+        led.admit_run("r", plan=plan(fake), budget=BUDGET, grant=GRANT)
+        lease = led.acquire_lease("r", ttl_s=30)
+        att = led.begin_attempt(lease, route="primary", envelope_hash=HELLO.hash,
+                                reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="unknown")  # no receipt, host died
+        led.release_lease(lease)
+        assert led.get_run("r").status is RunStatus.RUNNING
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+            pass
+        assert _finish(led, "r")[0] is RunStatus.FAILED  # its last turn was not served
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_parent_whose_last_work_was_a_child_run_ends_as_the_child_ended(
+        db_url: str, fake: FakeProvider, kind: str) -> None:
+    small = Budget(max_calls=3, max_retries=2, max_cost=Decimal("0.1"))
+    fake.set_default(Fault.UNAVAILABLE)  # both routes fail: no candidate left, failed
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, led.run(
+                "p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run, run.child(
+                "c", budget=small) as child:
+            with pytest.raises(FailoverExhausted):
+                await child.turn(HELLO)
+
+    if kind == "sync":
+        with Ledger.open(db_url) as led, led.run("p", plan=plan(fake), budget=BUDGET,
+                                                 grant=GRANT) as run, run.child(
+                "c", budget=small) as child, pytest.raises(FailoverExhausted):
+            child.turn(HELLO)
+    else:
+        asyncio.run(main())
+    with Ledger.open(db_url) as led:
+        assert _finish(led, "c")[0] is RunStatus.FAILED
+        assert _finish(led, "p")[0] is RunStatus.FAILED  # nothing of the parent was served
+
+
+# -- the mapping itself ---------------------------------------------------------------------
+
+
+def test_every_deliberate_stop_reason_is_stopped_and_any_other_is_failed() -> None:
+    for reason in POLICY_STOPS:
+        assert turn_end(FailoverExhausted("x", [], reason=reason)) is RunStatus.STOPPED
+    for reason in ("no_candidate", "not_eligible_failure", "output_exists",
+                   "execution_unknown", "rejected_before_dispatch", "a_reason_added_later"):
+        assert turn_end(FailoverExhausted("x", [], reason=reason)) is RunStatus.FAILED
+    assert turn_end(None) is RunStatus.SUCCEEDED
+    for cancel in (asyncio.CancelledError(), KeyboardInterrupt(), GeneratorExit()):
+        assert turn_end(cancel) is RunStatus.CANCELLED
+    assert turn_end(RuntimeError("host")) is RunStatus.FAILED
