@@ -26,8 +26,11 @@ user message of its own, after the text
 earlier answer's, as the ledger carried it back) is sent as the provider returned it when it
 came from this very route, and left out, with a note, otherwise: encrypted reasoning is
 readable only by the account and model that wrote it. Tools are ``{"type": "function",
-"name", "description", "parameters"}``; ``max_output_tokens`` is sent as is; other parameters
-(``tool_choice``, ``reasoning``, ``temperature``, ``text``, ``include``, ...) pass through. With
+"name", "description", "parameters"}``, followed by the provider's built-in tools a host names
+in ``params["tools"]`` (``[{"type": "image_generation"}]`` asks for images; a function tool
+there is refused: it belongs in ``Envelope.tools``); ``max_output_tokens`` is sent as is; other
+parameters (``tool_choice``, ``reasoning``, ``temperature``, ``text``, ``include``, ...) pass
+through. With
 ``params["reasoning"]`` and no ``include``, the request asks for
 ``include: ["reasoning.encrypted_content"]``, so the reasoning can be carried to the next turn
 without being stored.
@@ -171,6 +174,29 @@ def _reasoning(item: dict[str, Any]) -> dict[str, Any] | None:
     return {k: item[k] for k in _REASONING_KEYS if k in item}
 
 
+def _builtin_tools(value: Any) -> list[dict[str, Any]]:
+    """``Envelope.params["tools"]``: the provider's built-in tools (``image_generation``, ...).
+
+    The host's own function tools are ``Envelope.tools`` (their descriptions are data the grant
+    discloses), never a parameter.
+    """
+    if value is None:
+        return []
+    fix = ("pass the provider's built-in tools as a list of objects, e.g. "
+           "params={'tools': [{'type': 'image_generation'}]}; function tools go in "
+           "Envelope.tools")
+    if not isinstance(value, list):
+        raise InvalidArgument(f"Envelope.params['tools'] is not a list; {fix}",
+                              field="envelope.params.tools")
+    for k, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(kind, str) or not kind or kind == "function":
+            raise InvalidArgument(f"Envelope.params['tools'][{k}] is not a built-in tool "
+                                  f"(type {kind!r}); {fix}",
+                                  field=f"envelope.params.tools[{k}]")
+    return [dict(t) for t in value]
+
+
 # The formats the image_generation tool writes (its output_format), by media type.
 _IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg",
                   "webp": "image/webp"}
@@ -285,16 +311,18 @@ class OpenAIResponsesCodec(Codec):
             raise InvalidArgument(
                 "a Responses request needs at least one user or assistant part besides system",
                 field="envelope.parts")
-        check_params(route, envelope.params, _RESERVED)
+        check_params(route, envelope.params, _RESERVED - {"tools"})
+        params = dict(envelope.params)
+        builtin = _builtin_tools(params.pop("tools", None))
         body: dict[str, Any] = {"model": route.model, "input": items, "store": False}
         if instructions:
             body["instructions"] = "\n\n".join(instructions)
-        body.update(envelope.params)
+        body.update(params)
         if "reasoning" in envelope.params and "include" not in envelope.params:
             body["include"] = ["reasoning.encrypted_content"]
         if envelope.max_output_tokens is not None:
             body["max_output_tokens"] = envelope.max_output_tokens
-        if envelope.tools:
+        if envelope.tools or builtin:
             body["tools"] = [
                 {
                     "type": "function",
@@ -303,7 +331,7 @@ class OpenAIResponsesCodec(Codec):
                     "parameters": t.parameters or {"type": "object", "properties": {}},
                 }
                 for t in envelope.tools
-            ]
+            ] + builtin
         headers = {"content-type": "application/json", "accept": "application/json"}
         if envelope.stream:
             body["stream"] = True

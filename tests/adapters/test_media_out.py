@@ -15,6 +15,7 @@ import base64
 import json
 from typing import Any
 
+import httpx
 import pytest
 
 from ledger.adapters import HttpAdapter, TextDelta
@@ -25,9 +26,10 @@ from ledger.adapters.contract import (
     codec_for,
 )
 from ledger.adapters.runner import output_parts, to_send_result
-from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
+from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part, ToolSpec
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind
+from ledger.errors import InvalidArgument
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests.media import gif, jpeg, png, webp
 
@@ -186,6 +188,46 @@ async def test_a_stream_cut_after_its_image_is_no_answer(
     assert not result.ok and result.media == ()
 
 
+# -- asking for images -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("protocol", "params", "sent"), [
+    # Gemini's image models: generationConfig.responseModalities (passed through as given).
+    ("gemini", {"responseModalities": ["TEXT", "IMAGE"]},
+     lambda body: body["generationConfig"]["responseModalities"] == ["TEXT", "IMAGE"]),
+    # The chat-completions gateways: a top-level modalities list.
+    ("openai", {"modalities": ["image", "text"]},
+     lambda body: body["modalities"] == ["image", "text"]),
+    # The Responses API: the image_generation built-in tool, after the host's function tools.
+    ("openai_responses", {"tools": [{"type": "image_generation", "partial_images": 1}]},
+     lambda body: [t["type"] for t in body["tools"]] == ["function", "image_generation"]
+     and body["tools"][1]["partial_images"] == 1),
+])
+async def test_asking_for_images_is_each_protocols_own_parameter(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, params: dict[str, Any],
+        sent: Any) -> None:
+    fake.enqueue(Behavior(image_out=("image/png", PNG)))
+    envelope = Envelope(parts=[ASK], params=params, stream=True,
+                        tools=[ToolSpec(name="lookup", description="Look a figure up.")])
+    result, _ = await send(adapter, fake, protocol, envelope)
+    assert result.ok and result.media == (OutputMedia("image/png", PNG),)
+    assert sent(fake.requests[-1].json)
+
+
+@pytest.mark.parametrize(("tools", "field"), [
+    ({"type": "image_generation"}, "envelope.params.tools"),
+    ([{"type": "function", "name": "lookup"}], "envelope.params.tools[0]"),
+    (["image_generation"], "envelope.params.tools[0]"),
+])
+async def test_a_responses_params_tools_holds_built_in_tools_only(
+        adapter: HttpAdapter, fake: FakeProvider, tools: Any, field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, "openai_responses",
+                   Envelope(parts=[ASK], params={"tools": tools}))
+    assert info.value.field == field and "Envelope.tools" in str(info.value)
+    assert fake.requests == []
+
+
 # -- the model's image, sent again ------------------------------------------------------------
 
 
@@ -266,8 +308,6 @@ async def test_a_models_image_link_goes_back_as_a_link(
 ])
 async def test_the_fake_refuses_a_file_in_an_assistant_message(
         fake: FakeProvider, protocol: str, body: dict[str, Any], says: str) -> None:
-    import httpx
-
     path = {"openai": "/v1/chat/completions", "openai_responses": "/v1/responses",
             "anthropic": "/v1/messages"}[protocol]
     async with httpx.AsyncClient() as client:
