@@ -24,7 +24,11 @@ assert what was, or was not, sent. The fake checks what it receives as a provide
 image or a document that is not valid base64 or not what its media type says, a file without
 its name, a Responses-API reasoning item another model wrote, a ``previous_response_id`` it never
 stored get a 400 in the protocol's error shape (``ReceivedRequest.problem`` says why), and the
-images and documents a request carried are decoded into ``ReceivedRequest.media``.
+images and documents a request carried are decoded into ``ReceivedRequest.media`` (with the
+role of the message that carried them). ``Behavior(image_out=(media_type, bytes))`` answers
+with an image as each protocol with image output frames it (Gemini ``inlineData``, the Responses
+API's ``image_generation_call``, the chat-completions gateways' ``message.images``), streamed or
+not; Anthropic's answers carry none, as the Messages API's do not.
 Connection-level faults that act before any request is read (``reset_next_connections``) are
 separate because they cannot be chosen by request content.
 
