@@ -55,6 +55,6 @@ _.enable, _.disable  # telemetry.py: the process-wide switch (docs/telemetry.md)
 _.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and their off switch
 
 # -- the shipped test kit (ledger.testing), there for tests to use ----------------------------
-_.reset_next_connections, _.requests  # FakeProvider (docs/adapters.md)
+_.reset_next_connections, _.requests, _.wait_for_requests  # FakeProvider (docs/adapters.md)
 _.restart  # pgserver.PgServer.restart (tests/recovery/test_pg_restart.py)
 _.table_exists  # storage/baseline.py: the benchmark's floor table is dropped (bench smoke test)

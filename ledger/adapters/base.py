@@ -90,6 +90,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -128,7 +129,12 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.decide.effects import SendProgress
-from ledger.domain.bounds import check_count, check_optional_id
+from ledger.domain.bounds import (
+    amount_in_range,
+    check_count,
+    check_optional_id,
+    tokens_in_range,
+)
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import Observation, Phase, Source, Transport
 from ledger.domain.media import MediaKind
@@ -177,6 +183,11 @@ class _Progress:
         self.report = report
         if report is not None:
             report.sent = False
+
+    def delivered(self) -> None:
+        """Output reached the caller: an interrupted call is recorded with effective output."""
+        if self.report is not None:
+            self.report.delivered = True
 
     async def trace(self, name: str, info: Mapping[str, Any]) -> None:
         if name.endswith("send_request_headers.started"):
@@ -709,6 +720,28 @@ class HttpAdapter:
             effective_output=call.effective_output,
         )
 
+    @staticmethod
+    def _billing(call: _Call, usage: Usage | None
+                 ) -> tuple[Usage | None, Decimal | None, Usage | None]:
+        """``(usage, cost, rejected)`` as a caller may record them.
+
+        A report the ledger cannot store (a count above 10^15 tokens, or a cost at the route's
+        price above 10^12) is no usage: the answer stands with ``usage`` and ``cost`` ``None``
+        (the whole hold is then posted, never a made-up figure), and the report is handed
+        back as ``rejected`` evidence, so ``settle_attempt`` never refuses what the adapter
+        returned and a delivered answer is never lost to a hostile or buggy counter.
+        """
+        if usage is None:
+            return None, None, None
+        if tokens_in_range(usage.prompt_tokens) and tokens_in_range(usage.completion_tokens):
+            cost = call.route.cost(usage.prompt_tokens, usage.completion_tokens)
+            if amount_in_range(cost):
+                return usage, cost, None
+        log.warning("route %s: reported usage out of range (prompt_tokens=%s, "
+                    "completion_tokens=%s); recorded as not reported", call.route.id,
+                    usage.prompt_tokens, usage.completion_tokens)
+        return None, None, usage
+
     async def _fail(
         self,
         call: _Call,
@@ -725,14 +758,14 @@ class HttpAdapter:
                 call, Reset(reason=transport.value if transport else "provider_error")
             )
         obs = self._observation(call, transport=transport, phase=phase, message=message, body=body)
+        usage, cost, rejected = self._billing(call, call.usage)
         return AdapterResult(
             ok=False,
             route_id=call.route.id,
-            usage=call.usage,
+            usage=usage,
             model_reported=call.model,
-            cost=call.route.cost(call.usage.prompt_tokens, call.usage.completion_tokens)
-            if call.usage
-            else None,
+            cost=cost,
+            rejected_usage=rejected,
             observation=obs,
             effective_output=call.effective_output,
             http_status=call.status,
@@ -745,7 +778,7 @@ class HttpAdapter:
         )
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
-        usage = reply.usage
+        usage, cost, rejected = self._billing(call, reply.usage)
         for note in reply.notes:  # what of the answer cannot be a part, and why
             log.info("route %s: %s", call.route.id, note)
         return AdapterResult(
@@ -755,9 +788,8 @@ class HttpAdapter:
             tool_calls=tuple(reply.tool_calls),
             usage=usage,
             model_reported=reply.model,
-            cost=call.route.cost(usage.prompt_tokens, usage.completion_tokens)
-            if usage
-            else None,
+            cost=cost,
+            rejected_usage=rejected,
             finish_reason=reply.finish_reason,
             effective_output=bool(reply.text or reply.tool_calls or reply.media),
             http_status=call.status,
@@ -914,6 +946,9 @@ class HttpAdapter:
         elif isinstance(event, ToolCallProposal):
             call.delivered_any = True
             call.effective_output = call.effective_output or watched
+        if watched and call.effective_output:
+            # Told before the callback runs: a caller that cancels from inside it was shown it.
+            call.progress.delivered()
         if call.on_event is not None:
             ret = call.on_event(event)
             if inspect.isawaitable(ret):

@@ -113,7 +113,9 @@ class AdapterResult:
 
     On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
     whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
-    ``usage`` and ``cost`` are ``None`` when the provider reported no usage.
+    ``usage`` and ``cost`` are ``None`` when the provider reported no usage, or usage the ledger
+    cannot store (a count above 10^15 tokens, a cost above 10^12): such a report is kept as
+    ``rejected_usage``, evidence for the record, and never handed on as a figure.
 
     ``sent`` is ``False`` exactly when no byte of the request was handed to the socket (connect
     refused, DNS and TLS failures, connect timeout, a route that cannot build a request), and
@@ -142,6 +144,7 @@ class AdapterResult:
     # What the codec left out of the request and why (e.g. another route's reasoning items),
     # or of the answer (an image of a media type the ledger does not carry).
     notes: tuple[str, ...] = ()
+    rejected_usage: Usage | None = None
     # The images and documents of the answer, in the order the provider sent them.
     media: tuple[OutputMedia, ...] = ()
 

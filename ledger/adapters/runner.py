@@ -68,7 +68,9 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
         obs = result.observation or Observation(message="adapter failure without observation")
         return SendResult(ok=False, observation=obs, sent=result.sent,
                           partial_text=result.partial_text)
-    usage = result.usage
+    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
+    # again, records the answer with no usage, and keeps the report in a usage_invalid event.
+    usage = result.usage or result.rejected_usage
     return SendResult(
         ok=True,
         output=result,

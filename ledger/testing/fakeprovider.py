@@ -200,6 +200,8 @@ class FakeProvider:
         self.port = port
         self._ssl = ssl
         self._lock = threading.Lock()
+        # Notified as each request is recorded (wait_for_requests), under the same lock.
+        self._arrived = threading.Condition(self._lock)
         self._default = _behavior(default)
         self._model_default: dict[str, Behavior] = {}
         self._queue: deque[Behavior] = deque()
@@ -236,6 +238,16 @@ class FakeProvider:
         """Every request received so far, in order (a copy)."""
         with self._lock:
             return list(self._requests)
+
+    def wait_for_requests(self, n: int = 1, *, timeout: float = 10.0) -> bool:
+        """Block until ``n`` requests have been received (and recorded) in all; False on timeout.
+
+        The request is recorded once its body was read, so it was sent in full: a test that
+        cancels its caller after this knows the request left (``asyncio.to_thread`` it from a
+        coroutine). It waits for the event, not for time to pass.
+        """
+        with self._arrived:
+            return self._arrived.wait_for(lambda: len(self._requests) >= n, timeout=timeout)
 
     def clear(self) -> None:
         """Forget recorded requests and scripted behaviours; defaults go back to OK."""
@@ -441,6 +453,7 @@ class FakeProvider:
         )
         with self._lock:
             self._requests.append(req)
+            self._arrived.notify_all()
         return req, behavior
 
     async def _respond(
