@@ -14,6 +14,7 @@ _ = Whitelist()
 _.__getattr__  # ledger/__init__.py: PEP 562, the lazy package root
 _.__dir__  # ledger/__init__.py: PEP 562, dir(ledger) lists the lazy names
 _.__wrapped__  # facade.py: inspect.signature follows it to the sync method's signature
+_.__signature__  # api/calls.py: inspect.signature reads a bound operation's signature there
 _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits the group
 
 # -- hooks of the libraries we build on -------------------------------------------------------
@@ -58,3 +59,6 @@ _.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and
 _.reset_next_connections, _.requests, _.wait_for_requests  # FakeProvider (docs/adapters.md)
 _.restart  # pgserver.PgServer.restart (tests/recovery/test_pg_restart.py)
 _.table_exists  # storage/baseline.py: the benchmark's floor table is dropped (bench smoke test)
+
+# -- public operations no library code calls (documented in docs/reference.md) --------------
+_.set_group_state  # Ledger.set_group_state: an operator's cooldown or outage notice

@@ -1,9 +1,11 @@
-"""The facade's plumbing: one validated operation runnable on either driver, and a cache.
+"""The face's plumbing: one operation written once, run blocking or awaited, and a cache.
 
-A :class:`Call` is built once by a :class:`~ledger.api.facade.Ledger` method (arguments checked,
-spec decided) and then run by the blocking driver (:meth:`Call.run`) or the asyncio one
-(:meth:`Call.arun`): both run the same storage transaction, so sync and async never hold two
-copies of a check.
+An operation of the ledger is a method that returns a :data:`~ledger.storage.runner.Flow`: it
+checks its arguments, asks the pure core what the write means, and yields the transactions it
+needs. :class:`op` turns such a method into the public method of both faces: on a
+:class:`~ledger.Ledger` it runs the flow on the blocking runner and returns its result, on an
+:class:`~ledger.AsyncLedger` it returns a coroutine that awaits it. One definition, one
+docstring and one signature serve both (and a type checker sees each face's return type).
 """
 
 from __future__ import annotations
@@ -13,12 +15,19 @@ import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from ledger.domain.validation import checked_call
+
+if TYPE_CHECKING:
+    from ledger.api.facade import AsyncLedger, Ledger, _Face
+    from ledger.storage.runner import Flow
 
 K = TypeVar("K")
 V = TypeVar("V")
 R = TypeVar("R")
 S = TypeVar("S")
+T = TypeVar("T")
 P = ParamSpec("P")
 
 
@@ -50,55 +59,63 @@ class Lru(Generic[K, V]):
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
 
-    def pop(self, key: K) -> V | None:
-        """Remove ``key``; its value, or ``None``."""
-        with self._lock:
-            return self._items.pop(key, None)
 
+class op(Generic[P, T]):
+    """An operation of the ledger: a flow-returning method, public on both faces.
 
-class Call(Generic[R]):
-    """One validated ledger operation, ready to run on the blocking or on the asyncio driver.
-
-    The checks happen once (building it), and both twins run the same storage transaction;
-    ``done`` turns the transaction's result into the operation's.
+    ``Ledger().name(...)`` runs the flow and returns ``T``; ``AsyncLedger().name(...)`` returns
+    an awaitable of ``T``; ``Face.name.flow(ledger, ...)`` is the flow itself, for code that
+    composes operations (a lease keeper's renewal, a session's entry). A call that does not
+    fit the signature is :class:`~ledger.errors.ArgumentMismatch` before anything runs.
     """
 
-    __slots__ = ("asy", "done", "sync")
+    def __init__(self, builder: Callable[Concatenate[Any, P], Flow[T]]) -> None:
+        self._builder = checked_call(builder)
+        self.__doc__ = builder.__doc__
+        self.__name__ = builder.__name__
+        self.__qualname__ = builder.__qualname__
+        self.__wrapped__ = builder
+        sig = inspect.signature(builder)
+        self._signature = sig.replace(parameters=list(sig.parameters.values())[1:])
 
-    def __init__(self, sync: Callable[[], Any], asy: Callable[[], Awaitable[Any]],
-                 done: Callable[[Any], R] | None = None) -> None:
-        self.sync = sync
-        self.asy = asy
-        self.done = done
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> op[P, T]: ...
+    @overload
+    def __get__(self, obj: AsyncLedger, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+    @overload
+    def __get__(self, obj: Ledger, owner: type[Any]) -> Callable[P, T]: ...
 
-    def run(self) -> R:
-        """Run it on the blocking driver."""
-        value = self.sync()
-        return self.done(value) if self.done is not None else value
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        builder = self._builder
+        if obj.awaiting:
+            async def awaited(*args: Any, **kwargs: Any) -> Any:
+                return await obj._runner.arun(builder(obj, *args, **kwargs))
+            bound: Any = awaited
+        else:
+            def blocking(*args: Any, **kwargs: Any) -> Any:
+                return obj._runner.run(builder(obj, *args, **kwargs))
+            bound = blocking
+        bound.__name__ = self.__name__
+        bound.__qualname__ = f"{type(obj).__name__}.{self.__name__}"
+        bound.__doc__ = self.__doc__
+        bound.__signature__ = self._signature
+        return bound
 
-    async def arun(self) -> R:
-        """Run it on the asyncio driver."""
-        value = await self.asy()
-        return self.done(value) if self.done is not None else value
-
-
-def async_doc(doc: str | None, owner: str, how: str) -> str | None:
-    """A blocking method's docstring for its async twin on ``owner``.
-
-    The same, plus how the twin runs: one docstring per operation, so the two never drift apart.
-    """
-    if doc is None:
-        return None
-    return f"{inspect.cleandoc(doc)}\n\nOn :class:`{owner}` a coroutine: awaited, {how}."
+    def flow(self, face: _Face, /, *args: P.args, **kwargs: P.kwargs) -> Flow[T]:
+        """The operation's flow for ``face`` (either kind), unrun."""
+        return self._builder(face, *args, **kwargs)
 
 
 def in_thread(fn: Callable[Concatenate[S, P], R], owner: str
               ) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]:
     """The async twin, on class ``owner``, of the blocking method ``fn``.
 
-    The twin holds the blocking object as ``.sync`` and runs the same call in a worker thread,
-    so the database call does not block the event loop. The signature (for the misuse checks)
-    and the docstring are ``fn``'s.
+    For the operator's read-only queries (the audit), which are SQLAlchemy queries with only a
+    blocking form: the twin holds the blocking object as ``.sync`` and runs the same call in a
+    worker thread, so the database call does not block the event loop. The signature (for the
+    misuse checks) and the docstring are ``fn``'s.
     """
 
     async def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -106,9 +123,11 @@ def in_thread(fn: Callable[Concatenate[S, P], R], owner: str
 
     method.__name__ = fn.__name__
     method.__qualname__ = f"{owner}.{fn.__name__}"
-    method.__doc__ = async_doc(fn.__doc__, owner, "in a worker thread (the database call blocks)")
+    method.__doc__ = (None if fn.__doc__ is None else f"{inspect.cleandoc(fn.__doc__)}\n\n"
+                      f"On :class:`{owner}` a coroutine: awaited, in a worker thread (the "
+                      "database call blocks).")
     method.__wrapped__ = fn  # type: ignore[attr-defined]
     return method
 
 
-__all__ = ["Call", "Lru", "async_doc", "in_thread"]
+__all__ = ["Lru", "in_thread", "op"]

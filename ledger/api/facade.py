@@ -6,20 +6,20 @@ records and does to holds, health and groups, all under the Run's *frozen* polic
 the resulting spec to the storage port (:mod:`ledger.storage.port`), which applies it in one
 transaction. The port is private to the ledger; ops and tools reach it with :func:`storage_of`.
 
-The operations of the turn (snapshot, begin, settle, leases, ...) are built once as a
-:class:`~ledger.api.calls.Call` and run natively on either driver, so :class:`AsyncLedger`
-awaits the same checks and the same transaction without a thread hop; its cold methods (admin
-and reads) run the blocking method in a worker thread.
+Every operation is written once, as a flow (:mod:`ledger.storage.runner`) decorated with
+:class:`~ledger.api.calls.op`, on the base both faces share: :class:`Ledger` performs it on the
+blocking runner, :class:`AsyncLedger` awaits it on the asyncio one (on SQLite, the database's
+own thread), with the same checks and the same transactions. The cold path's SQLAlchemy reads
+and writes (admission, reads for people) have only a blocking form: an AsyncLedger runs those
+steps in a worker thread.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import os
-from collections.abc import Callable, Collection, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ledger.api.arguments import (
     MAX_EVENT_KIND,
@@ -34,13 +34,13 @@ from ledger.api.arguments import (
     lease_arg,
     optional_tokens,
 )
-from ledger.api.calls import Call, Lru, async_doc, in_thread
+from ledger.api.calls import Lru, op
 from ledger.clock import Clock, SystemClock
 from ledger.decide.admission import admission_spec, admission_terms, validate_plan
 from ledger.decide.begin import begin_spec
 from ledger.decide.effects import TurnSnapshot
 from ledger.decide.ending import ENDED
-from ledger.decide.health import PROVIDER_KEY_PREFIX, as_read, route_key
+from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
 from ledger.domain.bounds import (
@@ -68,12 +68,11 @@ from ledger.domain.records import (
     Lease,
     Outcome,
     Page,
-    Queued,
     RunRecord,
     RunStatus,
     to_micros,
 )
-from ledger.domain.specs import BeginSpec, GroupUpdate, ReceiptSpec
+from ledger.domain.specs import GroupUpdate, ReceiptSpec
 from ledger.domain.validation import check_secret_provider, checked_call, checked_calls
 from ledger.domain.values import (
     Budget,
@@ -87,9 +86,9 @@ from ledger.domain.values import (
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
 from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
-from ledger.storage.port import Snapshot, StoragePort
+from ledger.storage.port import StoragePort
 from ledger.storage.rows import run_live
-from ledger.storage.wake import SlotWaker
+from ledger.storage.runner import Flow, blocking
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
@@ -121,136 +120,29 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
-def _sync(fn: Callable[Concatenate[Ledger, P], Call[R]]) -> Callable[Concatenate[Ledger, P], R]:
-    """The blocking method of an operation built by ``fn``."""
+class _Face:
+    """What :class:`Ledger` and :class:`AsyncLedger` share: every operation, written once.
 
-    @functools.wraps(fn)
-    def method(self: Ledger, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return fn(self, *args, **kwargs).run()
-
-    method.__name__ = fn.__name__.lstrip("_")
-    method.__qualname__ = f"Ledger.{method.__name__}"
-    return method
-
-
-def _native(fn: Callable[Concatenate[Ledger, P], Call[R]]
-            ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
-    """The coroutine method of the same operation, on the asyncio driver (no thread hop)."""
-
-    @functools.wraps(fn)
-    async def method(self: AsyncLedger, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await fn(self.sync, *args, **kwargs).arun()
-
-    method.__name__ = fn.__name__.lstrip("_")
-    method.__qualname__ = f"AsyncLedger.{method.__name__}"
-    method.__doc__ = async_doc(fn.__doc__, "AsyncLedger",
-                               "on the database's asyncio driver, no thread hop")
-    return method
-
-
-@checked_calls
-class Ledger:
-    """A ledger over one database (SQLite file or PostgreSQL). Open with :meth:`open`.
-
-    It records Runs (admitted with a frozen plan, grant, budget and policy), their leases, and
-    every Attempt (a physical model call: begun before it is sent, settled once), and keeps the
-    health and capacity-group facts the selector reads. Most hosts use :meth:`run` (a Run
-    session) or :func:`ledger.execute`; the lower-level writes below are what those call.
-
-    Every method checks its arguments before it reads or writes: a wrong value is
-    :class:`~ledger.errors.InvalidArgument` naming the field, a call that fits no signature
-    :class:`~ledger.errors.ArgumentMismatch`. Every method that touches the database may also
-    raise :class:`~ledger.errors.StorageError`, and
-    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached, or
-    :class:`~ledger.errors.DatabaseSetupError` when the server refuses the URL's database or
-    role (retrying will not help). A
-    write under a lease raises :class:`~ledger.errors.FencedOut` once another executor took
-    the Run over, and :class:`~ledger.errors.LeaseLost` once the lease lapsed where it must be
-    live.
-
-    :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
-    storage port that is already open (see :func:`ledger.storage.open_store`); the ledger owns
-    it from then on and closes it.
-
-    Attributes:
-        clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
-        executor_id: This process's name as a lease holder.
-
-    Example:
-        >>> led = Ledger.open("ledger.db", clock=ManualClock())  # doctest: +SKIP
-        >>> with led.run("task-1", plan=[route], budget={"max_calls": 4, "max_retries": 2,
-        ...              "max_cost": "0.10"}) as run:  # doctest: +SKIP
-        ...     print(run.turn(Envelope(parts=[Part(content="Hello")])).text)
+    Each public operation is a flow (:mod:`ledger.storage.runner`) decorated with :class:`op`:
+    the two faces differ only in how they perform it (``awaiting``), blocking or awaited.
     """
+
+    #: Whether this face awaits its operations (AsyncLedger) or blocks on them (Ledger).
+    awaiting = False
 
     def __init__(self, store: StoragePort, clock: Clock | None = None,
                  executor_id: str | None = None) -> None:
         # Private: applications use the ledger's methods; ops and tools reach the port
         # deliberately, through storage_of().
         self._store = store
+        self._runner = store.runner
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
-        self._frozen: Lru[str, FrozenRun] = Lru(1024)
+        self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
         self._policies: Lru[str, Policy] = Lru(1024)
-        # Attempts this process began and has not settled: settle needs their route, profile
-        # and hold, and reading them back would cost a transaction on the hot path.
-        self._in_flight: Lru[str, AttemptRecord] = Lru(10_000)
-
-    # -- opening --------------------------------------------------------------------------
-
-    @classmethod
-    def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
-             migrate_schema: bool = True,
-             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Ledger:
-        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
-
-        Args:
-            url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
-                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
-            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
-                pass a :class:`~ledger.ManualClock`).
-            executor_id: This process's name as a lease holder (default: a new unique id).
-            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
-                role, or when migrations run separately).
-            lease_margin_s: How long before its end a lease stops starting work, from 0 to
-                60 s: the clock skew between hosts the ledger tolerates
-                (``docs/operations.md``).
-
-        Returns:
-            The open ledger; :meth:`close` it (or use it as a ``with`` block).
-
-        Raises:
-            InvalidArgument: a URL that is not a string, cannot be parsed or names another
-                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
-                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
-            DatabaseSetupError: the database is not set up for this URL, which no retry
-                fixes: the database or role does not exist, the server refused the
-                credentials, the role may not connect or migrate, a missing SQLite folder (the
-                message names the fix; ``docs/postgresql.md``).
-            DatabaseUnavailable: the database cannot be reached (a server that is down or
-                went away, a file another process keeps busy): retry once it is back.
-            SchemaTooNew: the database was migrated by a newer ledger.
-
-        Example:
-            >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP
-            ...     print(led.backend)
-            sqlite
-        """
-        check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
-        check_bool(migrate_schema, "migrate_schema")
-        check_opening(url, clock, executor_id)
-        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
-        return cls(store, clock=clock, executor_id=executor_id)
-
-    def close(self) -> None:
-        """Close the database connections (the ledger cannot be used afterwards)."""
-        self._store.close()
-
-    def __enter__(self) -> Ledger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        # What a Run's decisions read besides its live row: its ancestors (for provenance),
+        # its groups and its health keys, all fixed by its frozen plan and policy.
+        self._reads: Lru[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = Lru(1024)
 
     @property
     def backend(self) -> str:
@@ -272,6 +164,7 @@ class Ledger:
 
     # -- runs -----------------------------------------------------------------------------
 
+    @op
     def admit_run(
         self,
         run_id: str,
@@ -288,7 +181,7 @@ class Ledger:
         selected_route: str | None = None,
         keyless_ok: Collection[str] | bool = (),
         secrets: Any = None,
-    ) -> RunRecord:
+    ) -> Flow[RunRecord]:
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
         Admitting the same id again with the same content returns the first record (content
@@ -374,7 +267,7 @@ class Ledger:
         validate_plan(plan)
         keyless = keyless_arg(keyless_ok, plan)
         check_secret_provider(secrets)
-        prec = self.frozen_run(parent.run_id) if parent is not None else None
+        prec = (yield from self._frozen(parent.run_id)) if parent is not None else None
         # Unpriced routes get the price table's price, frozen with the plan (ledger.decide.pricing);
         # a child's take its parent's frozen price.
         plan = resolve_prices(plan, budget, at=self.now(),
@@ -389,10 +282,10 @@ class Ledger:
             check_text(v, f"labels[{k!r}]")
         # A Child given no policy inherits its parent's; a root Run's None is the default preset.
         inherit = policy is None and prec is not None
+        parent_policy = (yield from self._policy(prec.run_id)) if prec is not None else None
         pol, grant = admission_terms(
             plan, grant, role, None if inherit else _resolve_policy(policy),
-            policy_hash=_policy_hash, parent=prec,
-            parent_policy=self.run_policy(prec.run_id) if prec is not None else None)
+            policy_hash=_policy_hash, parent=prec, parent_policy=parent_policy)
         spec = admission_spec(
             run_id, plan=plan, budget=budget, grant=grant, policy=pol,
             policy_hash=_policy_hash(pol), role=role, parent=parent, tenant=tenant,
@@ -404,8 +297,909 @@ class Ledger:
             from ledger.adapters.secrets import check_keys
 
             check_keys(plan, secrets, keyless_ok=keyless)
-        rec, _created = self._store.admit(spec, self.clock.now)
+        rec, _created = yield from blocking(lambda: self._store.admit(spec, self.clock.now))
         return rec
+
+    @op
+    def get_run(self, run_id: str) -> Flow[RunRecord]:
+        """The Run as it stands now (frozen parts and live counters).
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        check_id(run_id, "run_id")
+        return (yield from blocking(lambda: self._store.get_run(run_id)))
+
+    @op
+    def children(self, run_id: str) -> Flow[list[RunRecord]]:
+        """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
+        check_id(run_id, "run_id")
+        return (yield from blocking(lambda: self._store.children(run_id)))
+
+    @op
+    def frozen_run(self, run_id: str) -> Flow[FrozenRun]:
+        """What the Run froze at admission, read once and cached: it never changes.
+
+        Plan, grant, budget, policy, role, parent, deadline: a
+        :class:`~ledger.domain.records.FrozenRun`.
+        Its live counters are :meth:`get_run`'s.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from self._frozen(check_id(run_id, "run_id")))
+
+    def _frozen(self, run_id: str) -> Flow[FrozenRun]:
+        """:meth:`frozen_run`, for a ``run_id`` already checked."""
+        frozen = self._frozen_runs.get(run_id)
+        if frozen is None:
+            rec = yield from blocking(lambda: self._store.get_run(run_id))
+            frozen = rec.frozen
+            self._frozen_runs.put(run_id, frozen)
+        return frozen
+
+    @op
+    def run_policy(self, run_id: str) -> Flow[Policy]:
+        """The policy snapshot the run froze at admission (parsed once per Run).
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from self._policy(check_id(run_id, "run_id")))
+
+    def _policy(self, run_id: str) -> Flow[Policy]:
+        """:meth:`run_policy`, for a ``run_id`` already checked."""
+        pol = self._policies.get(run_id)
+        if pol is None:
+            pol = Policy.model_validate((yield from self._frozen(run_id)).policy)
+            self._policies.put(run_id, pol)
+        return pol
+
+    @op
+    def close_run(self, run_id: str, *, status: RunStatus | str,
+                  reason: str = "closed by an operator: nobody will resume it"
+                  ) -> Flow[RunRecord]:
+        """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
+
+        It takes the Run over itself, under a fresh fence (so an executor that wakes up later
+        can write nothing more), ends it with ``status``, records a ``close`` event (who, why,
+        the fence, the unknown Attempts that keep their holds) and releases the lease, in one
+        transaction. Attempts still ``dispatching`` become ``unknown``, as recovery marks them;
+        every ``unknown`` Attempt keeps its hold until it is settled. Closing a Run that
+        already ended with the same status changes nothing (the same call again is safe).
+
+        Args:
+            run_id: The Run.
+            status: ``failed``, ``cancelled``, ``stopped`` or ``succeeded`` (a
+                :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
+                last turn was served.
+            reason: Why, kept in the ``close`` event (at most 200 printable characters).
+
+        Returns:
+            The Run as closed (:class:`~ledger.RunRecord`).
+
+        Raises:
+            InvalidArgument: ``status`` is not a status a Run ends in (``field="status"``,
+                the choices listed), or ``reason`` is not a short text.
+            NotFound: no Run has this id.
+            LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
+            InvalidState: the Run already ended with another status, or ``succeeded`` was
+                asked of a Run whose last turn was not served (nothing changed).
+
+        Example:
+            >>> led.close_run("task-7", status="failed",  # doctest: +SKIP
+            ...               reason="host crashed; the user retried as task-8")
+        """
+        check_id(run_id, "run_id")
+        st = check_choice(status, RunStatus, "status", ENDED)
+        why = check_text(reason, "reason")
+        rec, _changed = yield from blocking(
+            lambda: self._store.close_run(run_id, new_id("close"), st, why, self.clock.now))
+        return rec
+
+    @op
+    def finish_run(self, lease: Lease, status: RunStatus | str) -> Flow[None]:
+        """Record the Run's end; its lease stays until :meth:`release_lease`.
+
+        Args:
+            lease: The Run's live lease.
+            status: ``succeeded``, ``failed``, ``stopped`` or ``cancelled`` (a
+                :class:`~ledger.RunStatus` or its value).
+
+        Raises:
+            InvalidArgument: ``status`` is not one a Run ends in.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
+        """
+        st = check_choice(status, RunStatus, "status", ENDED)
+        lease, clock = lease_arg(lease), self.clock.now
+        yield from self._store.finish_run(lease, st, clock)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    @op
+    def acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
+                       executor_id: str | None = None) -> Flow[Lease]:
+        """Take the Run's lease for ``ttl_s`` seconds: the right to write for it.
+
+        One's own unexpired lease is renewed under the same fence; otherwise the fence moves
+        on, so every write of an earlier holder is refused from now on. Keep it with
+        :meth:`renew_lease` or a :class:`~ledger.api.lease.LeaseKeeper`.
+
+        Args:
+            run_id: The Run.
+            ttl_s: How long the lease lasts unless renewed (above the lease margin, at most
+                86 400 s).
+            executor_id: Who takes it (default: this ledger's ``executor_id``).
+
+        Returns:
+            The :class:`~ledger.Lease` (run id, executor, fence, expiry).
+
+        Raises:
+            LeaseHeld: another executor holds an unexpired lease on the Run.
+            NotFound: no Run has this id.
+            InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s.
+
+        Example:
+            >>> lease = led.acquire_lease("task-1", ttl_s=30)  # doctest: +SKIP
+            >>> lease.fence, lease.expires_at - led.now()  # doctest: +SKIP
+            (1, 30.0)
+        """
+        check_id(run_id, "run_id")
+        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        if ttl <= self._store.lease_margin_s:
+            raise InvalidArgument(
+                f"ttl_s={ttl:g} is not above the lease margin ({self._store.lease_margin_s:g}s): "
+                "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
+        executor = self.executor_id if executor_id is None else executor_id
+        check_id(executor, "executor_id")
+        clock = self.clock.now
+        return (yield from self._store.acquire_lease(run_id, executor, ttl, clock))
+
+    @op
+    def renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Flow[Lease]:
+        """Extend a live lease by ``ttl_s`` from now, under the same fence.
+
+        Args:
+            lease: The lease as last granted or renewed.
+            ttl_s: The new time left (above 0, at most 86 400 s).
+
+        Returns:
+            The renewed :class:`~ledger.Lease`.
+
+        Raises:
+            LeaseLost: the lease lapsed (expired or released): acquire it again.
+            FencedOut: another executor took the Run over.
+        """
+        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        lease, clock = lease_arg(lease), self.clock.now
+        return (yield from self._store.renew_lease(lease, ttl, clock))
+
+    @op
+    def release_lease(self, lease: Lease) -> Flow[None]:
+        """Give the lease up. Releasing an already released lease does nothing.
+
+        Args:
+            lease: The Run's lease.
+
+        Raises:
+            InvalidState: Attempts of the Run are still in flight: settle them (or
+                :meth:`mark_unknown`) first.
+            LeaseLost: the lease is no longer live; there is nothing of it to release.
+            FencedOut: another executor took the Run over.
+        """
+        lease, clock = lease_arg(lease), self.clock.now
+        yield from self._store.release_lease(lease, clock)
+
+    @op
+    def reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
+                       ) -> Flow[int]:
+        """Take one bounded retry permission from the run; returns how many are left.
+
+        The retry owner takes them inside :meth:`begin_attempt` (``take_retry``) instead; this
+        is for a host that drives retries itself.
+
+        Args:
+            lease: The Run's live lease.
+            data: Recorded with the permission as a ``retry_permission`` audit event (e.g. the
+                route and cause); a mapping with string keys.
+
+        Raises:
+            AllowanceExhausted: the Run has no retry permission left.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        lease, clock = lease_arg(lease), self.clock.now
+        if data is not None:
+            data = audit_data(data, "data")
+        return (yield from self._store.reserve_retry(lease, clock, data))
+
+    # -- attempts -------------------------------------------------------------------------
+
+    @op
+    def begin_attempt(
+        self,
+        lease: Lease,
+        *,
+        route: str | Route,
+        envelope_hash: str,
+        reserve: Decimal | int | str,
+        reserve_tokens: int = 0,
+        turn_id: str = "turn-1",
+        profile_id: str | None = None,
+        kind: AttemptKind | str = AttemptKind.FIRST,
+        attempt_id: str | None = None,
+        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
+        take_retry: bool = False,
+    ) -> Flow[AttemptRecord]:
+        """Record an Attempt (debit held, capacity slot taken) before its request is sent.
+
+        One transaction checks the live lease, the Run's allowances and budget, and the
+        capacity group's admission; a refusal by the group is recorded (a ``rejected``
+        Attempt, its hold voided) and then raised. Retrying with the same ``attempt_id`` and
+        arguments, also after acquiring the lease again, is the same write. The retry owner
+        (:func:`ledger.execute`) calls this for every Attempt it makes.
+
+        Args:
+            lease: The Run's live lease.
+            route: The route to use: an id of the Run's frozen plan, or the frozen
+                :class:`~ledger.Route` itself.
+            envelope_hash: The request's hash (``Envelope.hash``), recorded with the Attempt.
+            reserve: The cost hold (a Decimal, an int or a decimal string), posted or voided
+                at settle.
+            reserve_tokens: The token hold, checked against the Run's ``max_tokens``.
+            turn_id: The logical turn the Attempt serves.
+            profile_id: The credential profile it uses (one of the route's), if any.
+            kind: Why it is made: ``first``, ``retry``, ``failover`` or ``probe``.
+            attempt_id: Its id (default: a new one); pass one to make a retried begin the
+                same write.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs
+                (the retry owner writes the selector's decision this way).
+            take_retry: Take one retry permission in the same transaction (every further
+                Attempt of a turn does).
+
+        Returns:
+            The :class:`~ledger.AttemptRecord`, ``dispatching``.
+
+        Raises:
+            InvalidArgument: a route not in the Run's frozen plan (or differing from its
+                snapshot), a profile that is not the route's, or another wrong argument.
+            AllowanceExhausted: no model call (or, with ``take_retry``, no retry permission)
+                is left.
+            BudgetExceeded: the hold would overdraw the Run's cost or token budget.
+            CapacityUnavailable: the capacity group refused it (the rejection is recorded).
+            Conflict: ``attempt_id`` is already recorded with different content.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
+        """
+        lease = lease_arg(lease)
+        if not isinstance(route, str | Route):
+            raise InvalidArgument("route must be a route id or a ledger.Route of the Run's plan",
+                                  field="route")
+        if isinstance(route, str):
+            check_id(route, "route")
+        check_optional_id(profile_id, "profile_id")
+        hash_arg(envelope_hash, "envelope_hash")
+        check_id(turn_id, "turn_id")
+        reserve_micros = to_micros(check_amount(reserve, "reserve"))
+        reserve_tokens = check_tokens(reserve_tokens, "reserve_tokens")
+        kind = check_choice(kind, AttemptKind, "kind")
+        attempt_id = new_id("att") if attempt_id is None else check_id(attempt_id, "attempt_id")
+        check_bool(take_retry, "take_retry")
+        hooks = events_arg(events)
+        run = yield from self._frozen(lease.run_id)
+        spec = begin_spec(
+            run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
+            reserve_micros=reserve_micros, reserve_tokens=reserve_tokens, turn_id=turn_id,
+            kind=kind, attempt_id=attempt_id, events=hooks, take_retry=take_retry)
+        rec = yield from self._store.begin_attempt(spec, self.clock.now)
+        assert isinstance(rec, AttemptRecord)  # a begin without queue_until never queues
+        return rec
+
+    @op
+    def settle_attempt(
+        self,
+        lease: Lease,
+        attempt_id: str,
+        *,
+        outcome: Outcome | str,
+        fact: FailureFact | None = None,
+        observation: Observation | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cost: Decimal | int | str | None = None,
+        effective_output: bool | None = None,
+        tool_started: bool | None = None,
+        model_reported: str | None = None,
+        output_hash: str | None = None,
+        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
+        provenance_hashes: Sequence[str] = (),
+        repeat: bool = False,
+    ) -> Flow[AttemptRecord]:
+        """Record an Attempt's outcome; health and group facts update in the same transaction.
+
+        A settled Attempt is never rewritten: the same settle again returns it, a different one
+        is refused. The settle is accepted under the fence the Attempt was begun with even after
+        the lease expired (the outcome is the truth); once the Run was taken over it is refused
+        and kept as a ``late_receipt`` event.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            outcome: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
+                classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent``
+                (provably never left: the hold is voided and the call given back; a failure
+                whose phase is ``before_send`` is recorded as not sent).
+            fact: The classified failure (a :class:`~ledger.FailureFact`).
+            observation: Raw evidence to classify under the Run's policy instead of a fact.
+            prompt_tokens: Usage the provider reported (``None``: not reported).
+            completion_tokens: Likewise.
+            cost: The cost the provider reported; when no usage was reported, the whole hold
+                is posted.
+            effective_output: Whether output reached the caller (default: the fact's).
+            tool_started: Whether the host started a tool it proposed (default: the fact's).
+            model_reported: The model the provider says served it.
+            output_hash: The answer's content hash.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
+            provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
+                provenance (so the next turn may carry them).
+            repeat: The Attempt was a same-route retry of a failure this request already
+                counted in health, so its failure restarts the key's window without counting
+                again (unless the policy's ``health.count_same_route_retries`` says every try
+                counts).
+
+        Returns:
+            The settled :class:`~ledger.AttemptRecord`.
+
+        Raises:
+            InvalidArgument: ``failed`` without a fact or observation, ``succeeded`` with
+                one, or another wrong argument.
+            NotFound: the Attempt does not exist, or is not one of the lease's Run.
+            SettleConflict: it was settled before with different content.
+            InvalidState: it was rejected before dispatch: there is nothing to settle.
+            FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
+                a late receipt).
+        """
+        lease = lease_arg(lease)
+        outcome = check_choice(outcome, Outcome, "outcome")
+        check_id(attempt_id, "attempt_id")
+        if fact is not None:
+            fact = as_model(FailureFact, fact, "fact")
+        if observation is not None:
+            observation = as_model(Observation, observation, "observation")
+        for name, flag in (("effective_output", effective_output),
+                           ("tool_started", tool_started)):
+            if flag is not None:
+                check_bool(flag, name)
+        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
+        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
+        cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
+        if model_reported is not None:
+            check_text(model_reported, "model_reported")
+        hash_arg(output_hash, "output_hash", optional=True)
+        if (isinstance(provenance_hashes, str | bytes | Mapping)
+                or not isinstance(provenance_hashes, Sequence)):
+            raise InvalidArgument("provenance_hashes must be a list of content hashes; pass "
+                                  "e.g. [part.content_hash for part in parts]",
+                                  field="provenance_hashes")
+        hashes = tuple(str(hash_arg(h, f"provenance_hashes[{i}]"))
+                       for i, h in enumerate(provenance_hashes))
+        if not isinstance(repeat, bool):
+            raise InvalidArgument("repeat must be True or False", field="repeat")
+        hooks = events_arg(events)
+        # The Attempt's route and profile decide which health rows its outcome touches.
+        att = yield from self._store.attempt(attempt_id)
+        if att.run_id != lease.run_id:
+            raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
+                           attempt_id=attempt_id, run_id=lease.run_id)
+        run = yield from self._frozen(lease.run_id)
+        policy = yield from self._policy(lease.run_id)
+        spec = settle_spec(
+            policy, run.route(att.route_id), att.profile_id, lease, attempt_id,
+            outcome=outcome, fact=fact, observation=observation, now=self.now(),
+            effective_output=effective_output, tool_started=tool_started,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            cost_micros=cost_micros, model_reported=model_reported, output_hash=output_hash,
+            events=hooks, provenance=hashes, repeat=repeat)
+        return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
+
+    @op
+    def mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> Flow[AttemptRecord]:
+        """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
+
+        For a graceful shutdown with a call still out. An Attempt already settled is returned
+        as it is. Unknown Attempts are never sent again, by anyone.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            reason: Why no receipt came (kept in the ``unknown`` event, at most 200
+                characters).
+
+        Returns:
+            The Attempt as recorded.
+
+        Raises:
+            NotFound: the Attempt is not one of the lease's Run.
+            FencedOut: the Run was taken over, or the Attempt was begun under another fence
+                (recovery marks it).
+        """
+        if not isinstance(reason, str):
+            raise InvalidArgument("reason must be a string; pass why no receipt came",
+                                  field="reason")
+        lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
+        check_id(attempt_id, "attempt_id")
+        return (yield from self._store.mark_unknown(lease, attempt_id, clock, why))
+
+    @op
+    def settle_unknown(self, attempt_id: str, *, outcome: Outcome | str,
+                       prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                       cost: Decimal | int | str | None = None, note: str | None = None,
+                       by: str | None = None) -> Flow[AttemptRecord]:
+        """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
+
+        An unknown Attempt (sent, no receipt) keeps its hold until someone knows better, e.g.
+        from the provider's usage console or billing export. This records that evidence: the
+        Attempt's state moves from ``unknown`` to ``outcome`` exactly once, its hold is posted
+        (``succeeded``/``failed``: the evidenced cost, at most the hold, the rest released;
+        without a cost or usage the whole hold) or voided (``not_sent``: it never ran, and the
+        model call is given back), the Run's counters follow, and a ``late_receipt`` event
+        (``applied``) keeps who, what, why and the previous state beside the Attempt. Its
+        recorded fact, output flags and route health are left as observed.
+
+        No lease is needed: the Run may be closed, or held by nobody. It cannot race a live
+        executor, because only an ``unknown`` Attempt is accepted (an executor never writes
+        to one again) and the write runs under the Run's row lock.
+
+        Args:
+            attempt_id: The unknown Attempt (``failover-ledger attempts --open`` lists them).
+            outcome: What the evidence shows: ``succeeded``, ``failed`` or ``not_sent``.
+            prompt_tokens: The prompt tokens the provider billed, if known.
+            completion_tokens: The completion tokens it billed, if known.
+            cost: What it cost (a Decimal, int or decimal string); default: the usage at the
+                Attempt's frozen route price, or the whole hold when no usage is given.
+            note: Why, for the audit (the evidence: a console link, a ticket), at most 500
+                characters.
+            by: Who records it (default: this ledger's ``executor_id``).
+
+        Returns:
+            The Attempt as settled now.
+
+        Raises:
+            InvalidArgument: ``outcome`` is not one of the three; a count or cost that is
+                negative or absurd (over 10^15 tokens, over 10^12), or usage with
+                ``not_sent``; a ``note`` or ``by`` that is not short printable text.
+            NotFound: no Attempt has this id.
+            InvalidState: the Attempt is not ``unknown`` (its state is named): settled
+                Attempts are never rewritten, and one still dispatching is its executor's.
+
+        Example:
+            >>> led.settle_unknown("att-9f2c", outcome="succeeded", prompt_tokens=812,
+            ...     completion_tokens=240, note="provider console, req 7a1")  # doctest: +SKIP
+        """
+        check_id(attempt_id, "attempt_id")
+        final = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
+        outcome = check_choice(outcome, Outcome, "outcome", final)
+        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
+        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
+        amount = check_amount(cost, "cost") if cost is not None else None
+        if note is not None:
+            check_text(note, "note", maximum=500)
+        who = self.executor_id if by is None else check_id(by, "by")
+        if outcome is Outcome.NOT_SENT:
+            for name, value in (("prompt_tokens", prompt_tokens),
+                                ("completion_tokens", completion_tokens), ("cost", amount)):
+                if value is not None:
+                    raise InvalidArgument(
+                        f"{name} given with outcome not_sent: a request that never ran used and "
+                        "cost nothing; drop it, or settle as succeeded or failed", field=name)
+        if amount is None and (prompt_tokens is not None or completion_tokens is not None):
+            att = yield from self._store.attempt(attempt_id)
+            route = (yield from self._frozen(att.run_id)).route(att.route_id)
+            priced = route.cost(prompt_tokens or 0, completion_tokens or 0)
+            if not amount_in_range(priced):
+                raise InvalidArgument(
+                    f"the usage costs {priced} at route {route.id!r}'s price, beyond any "
+                    "amount the ledger records; check the token counts, or pass cost=",
+                    field="completion_tokens" if completion_tokens else "prompt_tokens")
+            amount = priced
+        spec = ReceiptSpec(attempt_id=attempt_id, outcome=outcome, prompt_tokens=prompt_tokens,
+                           completion_tokens=completion_tokens,
+                           cost_micros=None if amount is None else to_micros(amount),
+                           by=who, note=note)
+        return (yield from blocking(lambda: self._store.settle_unknown(spec, self.clock.now)))
+
+    @op
+    def turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Flow[TurnSnapshot]:
+        """Everything one routing decision reads, in one read transaction.
+
+        The Run as it stands, its frozen policy, its groups' projections, its routes' and
+        profiles' health, and the provenance of ``refs`` recorded by the Run or its ancestors.
+
+        Args:
+            run_id: The Run.
+            refs: The producer references (``Part.provenance``) whose recorded hashes the
+                decision's disclosure check needs.
+
+        Returns:
+            A :class:`~ledger.decide.effects.TurnSnapshot`.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        check_id(run_id, "run_id")
+        return (yield from self._snapshot(run_id, tuple(check_ids(refs, "refs"))))
+
+    def _snapshot(self, run_id: str, refs: tuple[str, ...]) -> Flow[TurnSnapshot]:
+        """:meth:`turn_snapshot` of arguments the turn loop made itself (not checked again)."""
+        frozen = yield from self._frozen(run_id)
+        policy = yield from self._policy(run_id)
+        reads = self._reads.get(run_id)
+        if reads is None:
+            chain = [run_id]
+            anc = frozen
+            while anc.parent_run_id is not None:
+                chain.append(anc.parent_run_id)
+                anc = yield from self._frozen(anc.parent_run_id)
+            groups = sorted({r.group for r in frozen.plan})
+            keys = sorted({route_key(r, policy) for r in frozen.plan}
+                          | {p.id for r in frozen.plan for p in r.profiles})
+            reads = (tuple(chain), tuple(groups), tuple(keys))
+            self._reads.put(run_id, reads)
+        chain_, groups_, keys_ = reads
+        snap = yield from self._store.turn_snapshot(run_id, groups_, keys_, chain_, refs,
+                                                    self.clock.now)
+        health = {k: as_read(h, snap.now) for k, h in snap.health.items()}
+        return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy, groups=snap.groups,
+                            health=health, provenance=snap.provenance, now=snap.now)
+
+    # -- groups, health, provenance, events -------------------------------------------------
+
+    @op
+    def configure_group(self, group: str, *, max_in_flight: int | None) -> Flow[None]:
+        """Set a capacity group's concurrency limit, creating the group if it is new.
+
+        Args:
+            group: The group id (``Route.group``).
+            max_in_flight: How many Attempts of live leases may be in flight at once in the
+                group, across every process (``None``: unlimited).
+
+        Raises:
+            InvalidArgument: ``max_in_flight`` below 1 (or not an integer).
+        """
+        check_id(group, "group")
+        if max_in_flight is not None:
+            check_count(max_in_flight, "max_in_flight")
+            if max_in_flight < 1:
+                raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
+                                      field="max_in_flight")
+        now = self.now()
+        yield from blocking(lambda: self._store.configure_group(group, max_in_flight, now))
+
+    @op
+    def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
+                        reason: str = "operator") -> Flow[None]:
+        """Set a group's mode by hand (an operator's cooldown or outage notice).
+
+        Args:
+            group: The group id.
+            mode: ``open``, ``cooldown`` or ``unavailable`` (a :class:`~ledger.GroupMode`).
+            until: When the mode ends (epoch seconds; ``None``: until changed again).
+            reason: Why, for the audit and the dashboard.
+
+        Raises:
+            InvalidArgument: an unknown ``mode``, an ``until`` that is not a usable time.
+        """
+        check_id(group, "group")
+        mode = check_choice(mode, GroupMode, "mode")
+        until = check_optional_time(until, "until")
+        why = check_text(reason, "reason")
+        upd, now = GroupUpdate(mode, until, why), self.now()
+        yield from blocking(lambda: self._store.set_group_mode(group, upd, now))
+
+    @op
+    def group_projections(self, groups: Sequence[str] | None = None
+                          ) -> Flow[dict[str, GroupProjection]]:
+        """Admission's view of the named capacity groups (``None``: every known group).
+
+        A group nobody configured or reported on is absent (it is open and unlimited).
+        """
+        wanted = None if groups is None else check_ids(groups, "groups")
+        now = self.now()
+        return (yield from blocking(lambda: self._store.group_projections(wanted, now)))
+
+    @op
+    def health(self, keys: Sequence[str] | None = None) -> Flow[dict[str, Health]]:
+        """Health rows as they stand now: counters past their reset time read as reset.
+
+        Args:
+            keys: The keys to read (route ids, profile ids, ``provider:<name>``); ``None``:
+                every row. A key with no row (never failed) is absent.
+        """
+        wanted = None if keys is None else check_ids(keys, "keys")
+        now = self.now()
+        rows = yield from blocking(lambda: self._store.health(wanted))
+        return {k: as_read(h, now) for k, h in rows.items()}
+
+    @op
+    def claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
+                    ttl_s: float | None = None, max_keys: int | None = None) -> Flow[bool]:
+        """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
+
+        A claim taken also bounds the probe state: times ``ttl_s`` old are forgotten and at
+        most ``max_keys`` keys keep one (GoClaw's probe state TTL and key limit).
+
+        Args:
+            route: The cooling route to probe.
+            interval_s: The least time between two probes of the key.
+            key: The health key the probe state lives under (default: the route id; the
+                retry owner passes the policy's key, e.g. ``provider:<name>``).
+            ttl_s: Probe times at least this old are forgotten (``None``: kept).
+            max_keys: At most this many keys keep a probe time (``None``: no limit).
+
+        Returns:
+            Whether this caller got the slot (and so may send the probe).
+        """
+        if not isinstance(route, Route):
+            raise InvalidArgument("route must be a ledger.Route", field="route")
+        interval = check_seconds(interval_s, "interval_s")
+        ttl = check_seconds(ttl_s, "ttl_s", positive=True) if ttl_s is not None else None
+        if max_keys is not None:
+            check_count(max_keys, "max_keys")
+            if max_keys < 1:
+                raise InvalidArgument("max_keys must be >= 1 (or None for no limit)",
+                                      field="max_keys")
+        k = check_id(key, "key") if key is not None else route.id
+        return (yield from self._store.claim_probe(k, route.provider, self.now(), interval,
+                                                   kind=probe_key_kind(route, k), ttl_s=ttl,
+                                                   max_keys=max_keys))
+
+    @op
+    def record_compaction(self, lease: Lease) -> Flow[int]:
+        """Record that the host compacted the Run's session (its context was summarised).
+
+        Under a policy with ``profiles.sticky`` the auto-pinned credential profile is dropped:
+        the next turn chooses again (Fased: the pinned profile is reused until "a compaction
+        completes (compaction count increments)"). A user pin is kept.
+
+        Args:
+            lease: The Run's live lease.
+
+        Returns:
+            The Run's compaction count.
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        lease, clock = lease_arg(lease), self.clock.now
+        return (yield from self._store.record_compaction(lease, clock))
+
+    @op
+    def record_provenance(self, lease: Lease, ref: str, content_hash: str,
+                           kind: str = "tool_result") -> Flow[None]:
+        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
+
+        A later part with ``provenance=ref`` and this exact content is then covered for
+        disclosure preflight, in this Run and its Children.
+
+        Args:
+            lease: The Run's live lease.
+            ref: The producer reference (a tool-call id, a memory or document id).
+            content_hash: The content's ``Part.content_hash``.
+            kind: What produced it (``tool_result``, ``memory``, ...; at most 16 characters).
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        check_id(ref, "ref")
+        hash_arg(content_hash, "content_hash")
+        event_kind(kind, "kind", 16)
+        lease, clock = lease_arg(lease), self.clock.now
+        yield from self._store.record_provenance(lease, ref, content_hash, kind, clock)
+
+    @op
+    def provenance(self, run_id: str) -> Flow[dict[str, set[str]]]:
+        """Recorded outputs of this run and its ancestors: ref -> content hashes.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        ids = [check_id(run_id, "run_id")]
+        run = yield from self._frozen(run_id)
+        while run.parent_run_id is not None:
+            ids.append(run.parent_run_id)
+            run = yield from self._frozen(run.parent_run_id)
+        return (yield from blocking(lambda: self._store.provenance(ids)))
+
+    @op
+    def append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
+                      attempt_id: str | None = None) -> Flow[None]:
+        """Append an audit event to the Run.
+
+        Args:
+            lease: The Run's live lease.
+            kind: The event's kind (a short name such as ``note``, at most 32 characters).
+            data: Its data: a mapping with string keys, stored as JSON (redacted).
+            attempt_id: The Attempt it is about, if any.
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        name, payload = event_kind(kind, "kind", MAX_EVENT_KIND), audit_data(data, "data")
+        check_optional_id(attempt_id, "attempt_id")
+        lease, clock = lease_arg(lease), self.clock.now
+        yield from self._store.append_event(lease, attempt_id, name, payload, clock)
+
+    @op
+    def events(self, run_id: str, kinds: Sequence[str] | None = None
+               ) -> Flow[list[EventRecord]]:
+        """The Run's audit events in order, optionally only those of the given kinds.
+
+        Args:
+            run_id: The Run (an unknown id has none).
+            kinds: Only events of these kinds (e.g. ``["stop", "move"]``); ``None``: all.
+        """
+        check_id(run_id, "run_id")
+        if kinds is not None:
+            if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence | set | frozenset):
+                raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
+                                      field="kinds")
+            kinds = [event_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
+        wanted = kinds
+        return (yield from blocking(lambda: self._store.events(run_id, wanted)))
+
+    # -- reads ----------------------------------------------------------------------------
+
+    @op
+    def get_attempt(self, attempt_id: str) -> Flow[AttemptRecord]:
+        """One Attempt, under its original route.
+
+        Raises:
+            NotFound: no Attempt has this id.
+        """
+        return (yield from self._store.attempt(check_id(attempt_id, "attempt_id")))
+
+    @op
+    def timeline(self, run_id: str) -> Flow[list[AttemptRecord]]:
+        """The run's Attempts in order, each under its original route.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        check_id(run_id, "run_id")
+        return (yield from blocking(lambda: self._store.timeline(run_id)))
+
+    @op
+    def attempts(self, /, **filters: Any) -> Flow[Page[AttemptRecord]]:
+        """Attempts across Runs, newest first, one page at a time.
+
+        Args:
+            **filters: Any of ``route`` and ``group`` (ids), ``state`` (an
+                :class:`~ledger.AttemptState`), ``category`` (a :class:`~ledger.Category`),
+                ``since`` and ``until`` (epoch seconds: created at or after, and before),
+                ``limit`` (1 to 10 000, default 100) and ``cursor`` (a page's
+                ``next_cursor``).
+
+        Returns:
+            A :class:`~ledger.Page`; pass its ``next_cursor`` back for the next one.
+
+        Raises:
+            ArgumentMismatch: an unknown filter (the message names the closest one).
+            InvalidArgument: a filter's value is wrong, or the cursor is not one a page gave.
+
+        Example:
+            >>> page = led.attempts(state="unknown", limit=50)  # doctest: +SKIP
+            >>> while page.next_cursor:  # doctest: +SKIP
+            ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
+        """
+        checked = attempt_filters(filters)
+        return (yield from blocking(lambda: self._store.attempts(**checked)))
+
+    @op
+    def debit(self, debit_id: str) -> Flow[DebitRecord]:
+        """One debit (an Attempt's budget hold; its id is ``AttemptRecord.debit_id``).
+
+        Raises:
+            NotFound: no debit has this id.
+        """
+        check_id(debit_id, "debit_id")
+        return (yield from blocking(lambda: self._store.debit(debit_id)))
+
+
+@checked_calls
+class Ledger(_Face):
+    """A ledger over one database (SQLite file or PostgreSQL). Open with :meth:`open`.
+
+    It records Runs (admitted with a frozen plan, grant, budget and policy), their leases, and
+    every Attempt (a physical model call: begun before it is sent, settled once), and keeps the
+    health and capacity-group facts the selector reads. Most hosts use :meth:`run` (a Run
+    session) or :func:`ledger.execute`; the lower-level writes below are what those call.
+
+    Every method checks its arguments before it reads or writes: a wrong value is
+    :class:`~ledger.errors.InvalidArgument` naming the field, a call that fits no signature
+    :class:`~ledger.errors.ArgumentMismatch`. Every method that touches the database may also
+    raise :class:`~ledger.errors.StorageError`, and
+    :class:`~ledger.errors.DatabaseUnavailable` (safe to retry) when it cannot be reached, or
+    :class:`~ledger.errors.DatabaseSetupError` when the server refuses the URL's database or
+    role (retrying will not help). A
+    write under a lease raises :class:`~ledger.errors.FencedOut` once another executor took
+    the Run over, and :class:`~ledger.errors.LeaseLost` once the lease lapsed where it must be
+    live.
+
+    :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
+    storage port that is already open (see :func:`ledger.storage.open_store`); the ledger owns
+    it from then on and closes it.
+
+    Attributes:
+        clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
+        executor_id: This process's name as a lease holder.
+
+    Example:
+        >>> led = Ledger.open("ledger.db", clock=ManualClock())  # doctest: +SKIP
+        >>> with led.run("task-1", plan=[route], budget={"max_calls": 4, "max_retries": 2,
+        ...              "max_cost": "0.10"}) as run:  # doctest: +SKIP
+        ...     print(run.turn(Envelope(parts=[Part(content="Hello")])).text)
+    """
+
+
+    def __init__(self, store: StoragePort, clock: Clock | None = None,
+                 executor_id: str | None = None) -> None:
+        super().__init__(store, clock, executor_id)
+
+    # -- opening --------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
+             migrate_schema: bool = True,
+             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Ledger:
+        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
+
+        Args:
+            url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
+                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
+            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
+                pass a :class:`~ledger.ManualClock`).
+            executor_id: This process's name as a lease holder (default: a new unique id).
+            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
+                role, or when migrations run separately).
+            lease_margin_s: How long before its end a lease stops starting work, from 0 to
+                60 s: the clock skew between hosts the ledger tolerates
+                (``docs/operations.md``).
+
+        Returns:
+            The open ledger; :meth:`close` it (or use it as a ``with`` block).
+
+        Raises:
+            InvalidArgument: a URL that is not a string, cannot be parsed or names another
+                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
+                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
+            DatabaseSetupError: the database is not set up for this URL, which no retry
+                fixes: the database or role does not exist, the server refused the
+                credentials, the role may not connect or migrate, a missing SQLite folder (the
+                message names the fix; ``docs/postgresql.md``).
+            DatabaseUnavailable: the database cannot be reached (a server that is down or
+                went away, a file another process keeps busy): retry once it is back.
+            SchemaTooNew: the database was migrated by a newer ledger.
+
+        Example:
+            >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP
+            ...     print(led.backend)
+            sqlite
+        """
+        check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
+        check_bool(migrate_schema, "migrate_schema")
+        check_opening(url, clock, executor_id)
+        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
+        return cls(store, clock=clock, executor_id=executor_id)
+
+    def close(self) -> None:
+        """Close the database connections (the ledger cannot be used afterwards)."""
+        self._store.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(
         self,
@@ -477,825 +1271,6 @@ class Ledger:
             tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route,
             keyless_ok=keyless_ok), lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
-    def get_run(self, run_id: str) -> RunRecord:
-        """The Run as it stands now (frozen parts and live counters).
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        return self._store.get_run(check_id(run_id, "run_id"))
-
-    def children(self, run_id: str) -> list[RunRecord]:
-        """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
-        return self._store.children(check_id(run_id, "run_id"))
-
-    def frozen_run(self, run_id: str) -> FrozenRun:
-        """What the Run froze at admission, read once and cached: it never changes.
-
-        Plan, grant, budget, policy, role, parent, deadline: a
-        :class:`~ledger.domain.records.FrozenRun`.
-        Its live counters are :meth:`get_run`'s.
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        frozen = self._frozen.get(run_id)
-        if frozen is None:
-            frozen = self._store.get_run(check_id(run_id, "run_id")).frozen
-            self._frozen.put(run_id, frozen)
-        return frozen
-
-    def run_policy(self, run_id: str) -> Policy:
-        """The policy snapshot the run froze at admission (parsed once per Run).
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        pol = self._policies.get(run_id)
-        if pol is None:
-            pol = Policy.model_validate(self.frozen_run(run_id).policy)
-            self._policies.put(run_id, pol)
-        return pol
-
-    def close_run(self, run_id: str, *, status: RunStatus | str,
-                  reason: str = "closed by an operator: nobody will resume it") -> RunRecord:
-        """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
-
-        It takes the Run over itself, under a fresh fence (so an executor that wakes up later
-        can write nothing more), ends it with ``status``, records a ``close`` event (who, why,
-        the fence, the unknown Attempts that keep their holds) and releases the lease, in one
-        transaction. Attempts still ``dispatching`` become ``unknown``, as recovery marks them;
-        every ``unknown`` Attempt keeps its hold until it is settled. Closing a Run that
-        already ended with the same status changes nothing (the same call again is safe).
-
-        Args:
-            run_id: The Run.
-            status: ``failed``, ``cancelled``, ``stopped`` or ``succeeded`` (a
-                :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
-                last turn was served.
-            reason: Why, kept in the ``close`` event (at most 200 printable characters).
-
-        Returns:
-            The Run as closed (:class:`~ledger.RunRecord`).
-
-        Raises:
-            InvalidArgument: ``status`` is not a status a Run ends in (``field="status"``,
-                the choices listed), or ``reason`` is not a short text.
-            NotFound: no Run has this id.
-            LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
-            InvalidState: the Run already ended with another status, or ``succeeded`` was
-                asked of a Run whose last turn was not served (nothing changed).
-
-        Example:
-            >>> led.close_run("task-7", status="failed",  # doctest: +SKIP
-            ...               reason="host crashed; the user retried as task-8")
-        """
-        check_id(run_id, "run_id")
-        st = check_choice(status, RunStatus, "status", ENDED)
-        why = check_text(reason, "reason")
-        rec, _changed = self._store.close_run(run_id, new_id("close"), st, why, self.clock.now)
-        return rec
-
-    def _finish_run(self, lease: Lease, status: RunStatus | str) -> Call[None]:
-        """Record the Run's end; its lease stays until :meth:`release_lease`.
-
-        Args:
-            lease: The Run's live lease.
-            status: ``succeeded``, ``failed``, ``stopped`` or ``cancelled`` (a
-                :class:`~ledger.RunStatus` or its value).
-
-        Raises:
-            InvalidArgument: ``status`` is not one a Run ends in.
-            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
-            NotFound: the lease's Run does not exist.
-        """
-        st = check_choice(status, RunStatus, "status", ENDED)
-        lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self._store.finish_run(lease, st, clock),
-                     lambda: self._store.afinish_run(lease, st, clock))
-
-    # -- leases ---------------------------------------------------------------------------
-
-    def _acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
-                       executor_id: str | None = None) -> Call[Lease]:
-        """Take the Run's lease for ``ttl_s`` seconds: the right to write for it.
-
-        One's own unexpired lease is renewed under the same fence; otherwise the fence moves
-        on, so every write of an earlier holder is refused from now on. Keep it with
-        :meth:`renew_lease` or a :class:`~ledger.api.lease.LeaseKeeper`.
-
-        Args:
-            run_id: The Run.
-            ttl_s: How long the lease lasts unless renewed (above the lease margin, at most
-                86 400 s).
-            executor_id: Who takes it (default: this ledger's ``executor_id``).
-
-        Returns:
-            The :class:`~ledger.Lease` (run id, executor, fence, expiry).
-
-        Raises:
-            LeaseHeld: another executor holds an unexpired lease on the Run.
-            NotFound: no Run has this id.
-            InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s.
-
-        Example:
-            >>> lease = led.acquire_lease("task-1", ttl_s=30)  # doctest: +SKIP
-            >>> lease.fence, lease.expires_at - led.now()  # doctest: +SKIP
-            (1, 30.0)
-        """
-        check_id(run_id, "run_id")
-        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        if ttl <= self._store.lease_margin_s:
-            raise InvalidArgument(
-                f"ttl_s={ttl:g} is not above the lease margin ({self._store.lease_margin_s:g}s): "
-                "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
-        executor = self.executor_id if executor_id is None else executor_id
-        check_id(executor, "executor_id")
-        clock = self.clock.now
-        return Call(lambda: self._store.acquire_lease(run_id, executor, ttl, clock),
-                     lambda: self._store.aacquire_lease(run_id, executor, ttl, clock))
-
-    def _renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Call[Lease]:
-        """Extend a live lease by ``ttl_s`` from now, under the same fence.
-
-        Args:
-            lease: The lease as last granted or renewed.
-            ttl_s: The new time left (above 0, at most 86 400 s).
-
-        Returns:
-            The renewed :class:`~ledger.Lease`.
-
-        Raises:
-            LeaseLost: the lease lapsed (expired or released): acquire it again.
-            FencedOut: another executor took the Run over.
-        """
-        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self._store.renew_lease(lease, ttl, clock),
-                     lambda: self._store.arenew_lease(lease, ttl, clock))
-
-    def _release_lease(self, lease: Lease) -> Call[None]:
-        """Give the lease up. Releasing an already released lease does nothing.
-
-        Args:
-            lease: The Run's lease.
-
-        Raises:
-            InvalidState: Attempts of the Run are still in flight: settle them (or
-                :meth:`mark_unknown`) first.
-            LeaseLost: the lease is no longer live; there is nothing of it to release.
-            FencedOut: another executor took the Run over.
-        """
-        lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self._store.release_lease(lease, clock),
-                     lambda: self._store.arelease_lease(lease, clock))
-
-    def _reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
-                       ) -> Call[int]:
-        """Take one bounded retry permission from the run; returns how many are left.
-
-        The retry owner takes them inside :meth:`begin_attempt` (``take_retry``) instead; this
-        is for a host that drives retries itself.
-
-        Args:
-            lease: The Run's live lease.
-            data: Recorded with the permission as a ``retry_permission`` audit event (e.g. the
-                route and cause); a mapping with string keys.
-
-        Raises:
-            AllowanceExhausted: the Run has no retry permission left.
-            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
-        """
-        lease, clock = lease_arg(lease), self.clock.now
-        if data is not None:
-            data = audit_data(data, "data")
-        return Call(lambda: self._store.reserve_retry(lease, clock, data),
-                     lambda: self._store.areserve_retry(lease, clock, data))
-
-    # -- attempts -------------------------------------------------------------------------
-
-    def _begin_attempt(
-        self,
-        lease: Lease,
-        *,
-        route: str | Route,
-        envelope_hash: str,
-        reserve: Decimal | int | str,
-        reserve_tokens: int = 0,
-        turn_id: str = "turn-1",
-        profile_id: str | None = None,
-        kind: AttemptKind | str = AttemptKind.FIRST,
-        attempt_id: str | None = None,
-        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
-        take_retry: bool = False,
-    ) -> Call[AttemptRecord]:
-        """Record an Attempt (debit held, capacity slot taken) before its request is sent.
-
-        One transaction checks the live lease, the Run's allowances and budget, and the
-        capacity group's admission; a refusal by the group is recorded (a ``rejected``
-        Attempt, its hold voided) and then raised. Retrying with the same ``attempt_id`` and
-        arguments, also after acquiring the lease again, is the same write. The retry owner
-        (:func:`ledger.execute`) calls this for every Attempt it makes.
-
-        Args:
-            lease: The Run's live lease.
-            route: The route to use: an id of the Run's frozen plan, or the frozen
-                :class:`~ledger.Route` itself.
-            envelope_hash: The request's hash (``Envelope.hash``), recorded with the Attempt.
-            reserve: The cost hold (a Decimal, an int or a decimal string), posted or voided
-                at settle.
-            reserve_tokens: The token hold, checked against the Run's ``max_tokens``.
-            turn_id: The logical turn the Attempt serves.
-            profile_id: The credential profile it uses (one of the route's), if any.
-            kind: Why it is made: ``first``, ``retry``, ``failover`` or ``probe``.
-            attempt_id: Its id (default: a new one); pass one to make a retried begin the
-                same write.
-            events: Audit events written in the same transaction, as ``(kind, data)`` pairs
-                (the retry owner writes the selector's decision this way).
-            take_retry: Take one retry permission in the same transaction (every further
-                Attempt of a turn does).
-
-        Returns:
-            The :class:`~ledger.AttemptRecord`, ``dispatching``.
-
-        Raises:
-            InvalidArgument: a route not in the Run's frozen plan (or differing from its
-                snapshot), a profile that is not the route's, or another wrong argument.
-            AllowanceExhausted: no model call (or, with ``take_retry``, no retry permission)
-                is left.
-            BudgetExceeded: the hold would overdraw the Run's cost or token budget.
-            CapacityUnavailable: the capacity group refused it (the rejection is recorded).
-            Conflict: ``attempt_id`` is already recorded with different content.
-            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
-            NotFound: the lease's Run does not exist.
-        """
-        return self._begin(self._begin_spec(  # type: ignore[return-value]  # never Queued
-            lease, route=route, envelope_hash=envelope_hash, reserve=reserve,
-            reserve_tokens=reserve_tokens, turn_id=turn_id, profile_id=profile_id, kind=kind,
-            attempt_id=attempt_id, events=events, take_retry=take_retry))
-
-    def _begin_spec(self, lease: Lease, *, route: str | Route, envelope_hash: str,
-                    reserve: Decimal | int | str, reserve_tokens: int, turn_id: str,
-                    profile_id: str | None, kind: AttemptKind | str, attempt_id: str | None,
-                    events: Sequence[tuple[str, Mapping[str, Any]]], take_retry: bool,
-                    queue_until: float | None = None) -> BeginSpec:
-        """The checked :class:`~ledger.domain.specs.BeginSpec` of :meth:`begin_attempt`."""
-        lease = lease_arg(lease)
-        run = self.frozen_run(lease.run_id)
-        if not isinstance(route, str | Route):
-            raise InvalidArgument("route must be a route id or a ledger.Route of the Run's plan",
-                                  field="route")
-        if isinstance(route, str):
-            check_id(route, "route")
-        check_optional_id(profile_id, "profile_id")
-        hash_arg(envelope_hash, "envelope_hash")
-        check_id(turn_id, "turn_id")
-        reserve_micros = to_micros(check_amount(reserve, "reserve"))
-        reserve_tokens = check_tokens(reserve_tokens, "reserve_tokens")
-        kind = check_choice(kind, AttemptKind, "kind")
-        attempt_id = new_id("att") if attempt_id is None else check_id(attempt_id, "attempt_id")
-        check_bool(take_retry, "take_retry")
-        spec = begin_spec(
-            run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
-            reserve_micros=reserve_micros, reserve_tokens=reserve_tokens, turn_id=turn_id,
-            kind=kind, attempt_id=attempt_id, events=events_arg(events), take_retry=take_retry)
-        return spec if queue_until is None else dataclasses.replace(spec, queue_until=queue_until)
-
-    def _begin(self, spec: BeginSpec) -> Call[AttemptRecord | Queued]:
-        """The begin of ``spec`` (checked), queued in a full group when ``spec.queue_until``."""
-        clock = self.clock.now
-
-        def done(rec: AttemptRecord | Queued) -> AttemptRecord | Queued:
-            if isinstance(rec, AttemptRecord):
-                self._in_flight.put(rec.attempt_id, rec)
-            return rec
-
-        return Call(lambda: self._store.begin_attempt(spec, clock),
-                     lambda: self._store.abegin_attempt(spec, clock), done)
-
-    def _leave_queue(self, waiter_id: str, group: str) -> Call[None]:
-        """Give up a queued begin's place in ``group``'s queue (the turn stopped waiting)."""
-        return Call(lambda: self._store.leave_queue(waiter_id, group),
-                     lambda: self._store.aleave_queue(waiter_id, group))
-
-    @property
-    def _waker(self) -> SlotWaker:
-        """Wakes this process's waiters of a full capacity group."""
-        return self._store.waker
-
-    def _settle_attempt(
-        self,
-        lease: Lease,
-        attempt_id: str,
-        *,
-        outcome: Outcome | str,
-        fact: FailureFact | None = None,
-        observation: Observation | None = None,
-        prompt_tokens: int | None = None,
-        completion_tokens: int | None = None,
-        cost: Decimal | int | str | None = None,
-        effective_output: bool | None = None,
-        tool_started: bool | None = None,
-        model_reported: str | None = None,
-        output_hash: str | None = None,
-        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
-        provenance_hashes: Sequence[str] = (),
-        repeat: bool = False,
-    ) -> Call[AttemptRecord]:
-        """Record an Attempt's outcome; health and group facts update in the same transaction.
-
-        A settled Attempt is never rewritten: the same settle again returns it, a different one
-        is refused. The settle is accepted under the fence the Attempt was begun with even after
-        the lease expired (the outcome is the truth); once the Run was taken over it is refused
-        and kept as a ``late_receipt`` event.
-
-        Args:
-            lease: The lease the Attempt was begun under.
-            attempt_id: The Attempt.
-            outcome: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
-                classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent``
-                (provably never left: the hold is voided and the call given back; a failure
-                whose phase is ``before_send`` is recorded as not sent).
-            fact: The classified failure (a :class:`~ledger.FailureFact`).
-            observation: Raw evidence to classify under the Run's policy instead of a fact.
-            prompt_tokens: Usage the provider reported (``None``: not reported).
-            completion_tokens: Likewise.
-            cost: The cost the provider reported; when no usage was reported, the whole hold
-                is posted.
-            effective_output: Whether output reached the caller (default: the fact's).
-            tool_started: Whether the host started a tool it proposed (default: the fact's).
-            model_reported: The model the provider says served it.
-            output_hash: The answer's content hash.
-            events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
-            provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
-                provenance (so the next turn may carry them).
-            repeat: The Attempt was a same-route retry of a failure this request already
-                counted in health, so its failure restarts the key's window without counting
-                again (unless the policy's ``health.count_same_route_retries`` says every try
-                counts).
-
-        Returns:
-            The settled :class:`~ledger.AttemptRecord`.
-
-        Raises:
-            InvalidArgument: ``failed`` without a fact or observation, ``succeeded`` with
-                one, or another wrong argument.
-            NotFound: the Attempt does not exist, or is not one of the lease's Run.
-            SettleConflict: it was settled before with different content.
-            InvalidState: it was rejected before dispatch: there is nothing to settle.
-            FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
-                a late receipt).
-        """
-        lease = lease_arg(lease)
-        outcome = check_choice(outcome, Outcome, "outcome")
-        check_id(attempt_id, "attempt_id")
-        if fact is not None:
-            fact = as_model(FailureFact, fact, "fact")
-        if observation is not None:
-            observation = as_model(Observation, observation, "observation")
-        for name, flag in (("effective_output", effective_output),
-                           ("tool_started", tool_started)):
-            if flag is not None:
-                check_bool(flag, name)
-        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
-        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
-        cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
-        if model_reported is not None:
-            check_text(model_reported, "model_reported")
-        hash_arg(output_hash, "output_hash", optional=True)
-        if (isinstance(provenance_hashes, str | bytes | Mapping)
-                or not isinstance(provenance_hashes, Sequence)):
-            raise InvalidArgument("provenance_hashes must be a list of content hashes; pass "
-                                  "e.g. [part.content_hash for part in parts]",
-                                  field="provenance_hashes")
-        hashes = tuple(str(hash_arg(h, f"provenance_hashes[{i}]"))
-                       for i, h in enumerate(provenance_hashes))
-        if not isinstance(repeat, bool):
-            raise InvalidArgument("repeat must be True or False", field="repeat")
-        known = self._in_flight.get(attempt_id)
-        att = known if known is not None else self._store.get_attempt(attempt_id)
-        if att.run_id != lease.run_id:
-            raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
-                           attempt_id=attempt_id, run_id=lease.run_id)
-        spec = settle_spec(
-            self.run_policy(lease.run_id), self.frozen_run(lease.run_id).route(att.route_id),
-            att.profile_id, lease, attempt_id, outcome=outcome, fact=fact,
-            observation=observation, now=self.now(), effective_output=effective_output,
-            tool_started=tool_started, prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens, cost_micros=cost_micros,
-            model_reported=model_reported, output_hash=output_hash, events=events_arg(events),
-            provenance=hashes, repeat=repeat)
-        clock = self.clock.now
-
-        def done(rec: AttemptRecord) -> AttemptRecord:
-            self._in_flight.pop(attempt_id)
-            self._store.waker.poke(rec.group_id)  # its slot is free: a waiter may go
-            return rec
-
-        return Call(lambda: self._store.settle_attempt(lease.run_id, spec, clock),
-                     lambda: self._store.asettle_attempt(lease.run_id, spec, clock), done)
-
-    def _mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> Call[AttemptRecord]:
-        """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
-
-        For a graceful shutdown with a call still out. An Attempt already settled is returned
-        as it is. Unknown Attempts are never sent again, by anyone.
-
-        Args:
-            lease: The lease the Attempt was begun under.
-            attempt_id: The Attempt.
-            reason: Why no receipt came (kept in the ``unknown`` event, at most 200
-                characters).
-
-        Returns:
-            The Attempt as recorded.
-
-        Raises:
-            NotFound: the Attempt is not one of the lease's Run.
-            FencedOut: the Run was taken over, or the Attempt was begun under another fence
-                (recovery marks it).
-        """
-        if not isinstance(reason, str):
-            raise InvalidArgument("reason must be a string; pass why no receipt came",
-                                  field="reason")
-        lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
-        check_id(attempt_id, "attempt_id")
-
-        def done(rec: AttemptRecord) -> AttemptRecord:
-            self._store.waker.poke(rec.group_id)  # its slot is free: a waiter may go
-            return rec
-
-        return Call(lambda: self._store.mark_unknown(lease, attempt_id, clock, why),
-                     lambda: self._store.amark_unknown(lease, attempt_id, clock, why), done)
-
-    def settle_unknown(self, attempt_id: str, *, outcome: Outcome | str,
-                       prompt_tokens: int | None = None, completion_tokens: int | None = None,
-                       cost: Decimal | int | str | None = None, note: str | None = None,
-                       by: str | None = None) -> AttemptRecord:
-        """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
-
-        An unknown Attempt (sent, no receipt) keeps its hold until someone knows better, e.g.
-        from the provider's usage console or billing export. This records that evidence: the
-        Attempt's state moves from ``unknown`` to ``outcome`` exactly once, its hold is posted
-        (``succeeded``/``failed``: the evidenced cost, at most the hold, the rest released;
-        without a cost or usage the whole hold) or voided (``not_sent``: it never ran, and the
-        model call is given back), the Run's counters follow, and a ``late_receipt`` event
-        (``applied``) keeps who, what, why and the previous state beside the Attempt. Its
-        recorded fact, output flags and route health are left as observed.
-
-        No lease is needed: the Run may be closed, or held by nobody. It cannot race a live
-        executor, because only an ``unknown`` Attempt is accepted (an executor never writes
-        to one again) and the write runs under the Run's row lock.
-
-        Args:
-            attempt_id: The unknown Attempt (``failover-ledger attempts --open`` lists them).
-            outcome: What the evidence shows: ``succeeded``, ``failed`` or ``not_sent``.
-            prompt_tokens: The prompt tokens the provider billed, if known.
-            completion_tokens: The completion tokens it billed, if known.
-            cost: What it cost (a Decimal, int or decimal string); default: the usage at the
-                Attempt's frozen route price, or the whole hold when no usage is given.
-            note: Why, for the audit (the evidence: a console link, a ticket), at most 500
-                characters.
-            by: Who records it (default: this ledger's ``executor_id``).
-
-        Returns:
-            The Attempt as settled now.
-
-        Raises:
-            InvalidArgument: ``outcome`` is not one of the three; a count or cost that is
-                negative or absurd (over 10^15 tokens, over 10^12), or usage with
-                ``not_sent``; a ``note`` or ``by`` that is not short printable text.
-            NotFound: no Attempt has this id.
-            InvalidState: the Attempt is not ``unknown`` (its state is named): settled
-                Attempts are never rewritten, and one still dispatching is its executor's.
-
-        Example:
-            >>> led.settle_unknown("att-9f2c", outcome="succeeded", prompt_tokens=812,
-            ...     completion_tokens=240, note="provider console, req 7a1")  # doctest: +SKIP
-        """
-        check_id(attempt_id, "attempt_id")
-        final = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
-        outcome = check_choice(outcome, Outcome, "outcome", final)
-        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
-        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
-        amount = check_amount(cost, "cost") if cost is not None else None
-        if note is not None:
-            check_text(note, "note", maximum=500)
-        who = self.executor_id if by is None else check_id(by, "by")
-        if outcome is Outcome.NOT_SENT:
-            for name, value in (("prompt_tokens", prompt_tokens),
-                                ("completion_tokens", completion_tokens), ("cost", amount)):
-                if value is not None:
-                    raise InvalidArgument(
-                        f"{name} given with outcome not_sent: a request that never ran used and "
-                        "cost nothing; drop it, or settle as succeeded or failed", field=name)
-        if amount is None and (prompt_tokens is not None or completion_tokens is not None):
-            att = self._store.get_attempt(attempt_id)
-            route = self.frozen_run(att.run_id).route(att.route_id)
-            priced = route.cost(prompt_tokens or 0, completion_tokens or 0)
-            if not amount_in_range(priced):
-                raise InvalidArgument(
-                    f"the usage costs {priced} at route {route.id!r}'s price, beyond any "
-                    "amount the ledger records; check the token counts, or pass cost=",
-                    field="completion_tokens" if completion_tokens else "prompt_tokens")
-            amount = priced
-        spec = ReceiptSpec(attempt_id=attempt_id, outcome=outcome, prompt_tokens=prompt_tokens,
-                           completion_tokens=completion_tokens,
-                           cost_micros=None if amount is None else to_micros(amount),
-                           by=who, note=note)
-        return self._store.settle_unknown(spec, self.clock.now)
-
-    def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Call[TurnSnapshot]:
-        """Everything one routing decision reads, in one read transaction.
-
-        The Run as it stands, its frozen policy, its groups' projections, its routes' and
-        profiles' health, and the provenance of ``refs`` recorded by the Run or its ancestors.
-
-        Args:
-            run_id: The Run.
-            refs: The producer references (``Part.provenance``) whose recorded hashes the
-                decision's disclosure check needs.
-
-        Returns:
-            A :class:`~ledger.decide.effects.TurnSnapshot`.
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        frozen = self.frozen_run(run_id)
-        policy = self.run_policy(run_id)
-        refs = check_ids(refs, "refs")
-        chain = [run_id]
-        anc = frozen
-        while anc.parent_run_id is not None:
-            chain.append(anc.parent_run_id)
-            anc = self.frozen_run(anc.parent_run_id)
-        groups = sorted({r.group for r in frozen.plan})
-        keys = sorted({route_key(r, policy) for r in frozen.plan}
-                      | {p.id for r in frozen.plan for p in r.profiles})
-        clock, wanted = self.clock.now, list(refs)
-
-        def done(snap: Snapshot) -> TurnSnapshot:
-            health = {k: as_read(h, snap.now) for k, h in snap.health.items()}
-            return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy,
-                                groups=snap.groups, health=health,
-                                provenance=snap.provenance, now=snap.now)
-
-        return Call(
-            lambda: self._store.turn_snapshot(run_id, groups, keys, chain, wanted, clock),
-            lambda: self._store.aturn_snapshot(run_id, groups, keys, chain, wanted, clock), done)
-
-    # -- groups, health, provenance, events -------------------------------------------------
-
-    def configure_group(self, group: str, *, max_in_flight: int | None) -> None:
-        """Set a capacity group's concurrency limit, creating the group if it is new.
-
-        Args:
-            group: The group id (``Route.group``).
-            max_in_flight: How many Attempts of live leases may be in flight at once in the
-                group, across every process (``None``: unlimited).
-
-        Raises:
-            InvalidArgument: ``max_in_flight`` below 1 (or not an integer).
-        """
-        check_id(group, "group")
-        if max_in_flight is not None:
-            check_count(max_in_flight, "max_in_flight")
-            if max_in_flight < 1:
-                raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
-                                      field="max_in_flight")
-        self._store.configure_group(group, max_in_flight, self.now())
-
-    def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
-                        reason: str = "operator") -> None:
-        """Set a group's mode by hand (an operator's cooldown or outage notice).
-
-        Args:
-            group: The group id.
-            mode: ``open``, ``cooldown`` or ``unavailable`` (a :class:`~ledger.GroupMode`).
-            until: When the mode ends (epoch seconds; ``None``: until changed again).
-            reason: Why, for the audit and the dashboard.
-
-        Raises:
-            InvalidArgument: an unknown ``mode``, an ``until`` that is not a usable time.
-        """
-        check_id(group, "group")
-        mode = check_choice(mode, GroupMode, "mode")
-        until = check_optional_time(until, "until")
-        why = check_text(reason, "reason")
-        self._store.set_group_mode(group, GroupUpdate(mode, until, why), self.now())
-
-    def group_projections(self, groups: Sequence[str] | None = None
-                          ) -> dict[str, GroupProjection]:
-        """Admission's view of the named capacity groups (``None``: every known group).
-
-        A group nobody configured or reported on is absent (it is open and unlimited).
-        """
-        wanted = None if groups is None else check_ids(groups, "groups")
-        return self._store.group_projections(wanted, self.now())
-
-    def health(self, keys: Sequence[str] | None = None) -> dict[str, Health]:
-        """Health rows as they stand now: counters past their reset time read as reset.
-
-        Args:
-            keys: The keys to read (route ids, profile ids, ``provider:<name>``); ``None``:
-                every row. A key with no row (never failed) is absent.
-        """
-        wanted = None if keys is None else check_ids(keys, "keys")
-        now = self.now()
-        return {k: as_read(h, now) for k, h in self._store.health(wanted).items()}
-
-    def _claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
-                     ttl_s: float | None = None, max_keys: int | None = None) -> Call[bool]:
-        """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
-
-        A claim taken also bounds the probe state: times ``ttl_s`` old are forgotten and at
-        most ``max_keys`` keys keep one (GoClaw's probe state TTL and key limit).
-
-        Args:
-            route: The cooling route to probe.
-            interval_s: The least time between two probes of the key.
-            key: The health key the probe state lives under (default: the route id; the
-                retry owner passes the policy's key, e.g. ``provider:<name>``).
-            ttl_s: Probe times at least this old are forgotten (``None``: kept).
-            max_keys: At most this many keys keep a probe time (``None``: no limit).
-
-        Returns:
-            Whether this caller got the slot (and so may send the probe).
-        """
-        if not isinstance(route, Route):
-            raise InvalidArgument("route must be a ledger.Route", field="route")
-        interval = check_seconds(interval_s, "interval_s")
-        ttl = check_seconds(ttl_s, "ttl_s", positive=True) if ttl_s is not None else None
-        if max_keys is not None:
-            check_count(max_keys, "max_keys")
-            if max_keys < 1:
-                raise InvalidArgument("max_keys must be >= 1 (or None for no limit)",
-                                      field="max_keys")
-        k = check_id(key, "key") if key is not None else route.id
-        kind = "route" if k == route.id else (
-            "provider" if k.startswith(PROVIDER_KEY_PREFIX) else "profile")
-        now = self.now()
-        return Call(
-            lambda: self._store.claim_probe(k, route.provider, now, interval, kind=kind,
-                                           ttl_s=ttl, max_keys=max_keys),
-            lambda: self._store.aclaim_probe(k, route.provider, now, interval, kind=kind,
-                                            ttl_s=ttl, max_keys=max_keys))
-
-    def _record_compaction(self, lease: Lease) -> Call[int]:
-        """Record that the host compacted the Run's session (its context was summarised).
-
-        Under a policy with ``profiles.sticky`` the auto-pinned credential profile is dropped:
-        the next turn chooses again (Fased: the pinned profile is reused until "a compaction
-        completes (compaction count increments)"). A user pin is kept.
-
-        Args:
-            lease: The Run's live lease.
-
-        Returns:
-            The Run's compaction count.
-
-        Raises:
-            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
-        """
-        lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self._store.record_compaction(lease, clock),
-                     lambda: self._store.arecord_compaction(lease, clock))
-
-    def _record_provenance(self, lease: Lease, ref: str, content_hash: str,
-                           kind: str = "tool_result") -> Call[None]:
-        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
-
-        A later part with ``provenance=ref`` and this exact content is then covered for
-        disclosure preflight, in this Run and its Children.
-
-        Args:
-            lease: The Run's live lease.
-            ref: The producer reference (a tool-call id, a memory or document id).
-            content_hash: The content's ``Part.content_hash``.
-            kind: What produced it (``tool_result``, ``memory``, ...; at most 16 characters).
-
-        Raises:
-            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
-        """
-        check_id(ref, "ref")
-        hash_arg(content_hash, "content_hash")
-        event_kind(kind, "kind", 16)
-        lease, clock = lease_arg(lease), self.clock.now
-        return Call(
-            lambda: self._store.record_provenance(lease, ref, content_hash, kind, clock),
-            lambda: self._store.arecord_provenance(lease, ref, content_hash, kind, clock))
-
-    def provenance(self, run_id: str) -> dict[str, set[str]]:
-        """Recorded outputs of this run and its ancestors: ref -> content hashes.
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        ids = [check_id(run_id, "run_id")]
-        run = self.frozen_run(run_id)
-        while run.parent_run_id is not None:
-            ids.append(run.parent_run_id)
-            run = self.frozen_run(run.parent_run_id)
-        return self._store.provenance(ids)
-
-    def _append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
-                      attempt_id: str | None = None) -> Call[None]:
-        """Append an audit event to the Run.
-
-        Args:
-            lease: The Run's live lease.
-            kind: The event's kind (a short name such as ``note``, at most 32 characters).
-            data: Its data: a mapping with string keys, stored as JSON (redacted).
-            attempt_id: The Attempt it is about, if any.
-
-        Raises:
-            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
-        """
-        name, payload = event_kind(kind, "kind", MAX_EVENT_KIND), audit_data(data, "data")
-        check_optional_id(attempt_id, "attempt_id")
-        lease, clock = lease_arg(lease), self.clock.now
-        return Call(lambda: self._store.append_event(lease, attempt_id, name, payload, clock),
-                     lambda: self._store.aappend_event(lease, attempt_id, name, payload, clock))
-
-    finish_run = _sync(_finish_run)
-    acquire_lease = _sync(_acquire_lease)
-    renew_lease = _sync(_renew_lease)
-    release_lease = _sync(_release_lease)
-    reserve_retry = _sync(_reserve_retry)
-    begin_attempt = _sync(_begin_attempt)
-    settle_attempt = _sync(_settle_attempt)
-    mark_unknown = _sync(_mark_unknown)
-    turn_snapshot = _sync(_turn_snapshot)
-    claim_probe = _sync(_claim_probe)
-    record_compaction = _sync(_record_compaction)
-    record_provenance = _sync(_record_provenance)
-    append_event = _sync(_append_event)
-
-    def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
-        """The Run's audit events in order, optionally only those of the given kinds.
-
-        Args:
-            run_id: The Run (an unknown id has none).
-            kinds: Only events of these kinds (e.g. ``["stop", "move"]``); ``None``: all.
-        """
-        check_id(run_id, "run_id")
-        if kinds is not None:
-            if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence | set | frozenset):
-                raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
-                                      field="kinds")
-            kinds = [event_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
-        return self._store.events(run_id, kinds)
-
-    # -- reads ----------------------------------------------------------------------------
-
-    def get_attempt(self, attempt_id: str) -> AttemptRecord:
-        """One Attempt, under its original route.
-
-        Raises:
-            NotFound: no Attempt has this id.
-        """
-        return self._store.get_attempt(check_id(attempt_id, "attempt_id"))
-
-    def timeline(self, run_id: str) -> list[AttemptRecord]:
-        """The run's Attempts in order, each under its original route.
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        return self._store.timeline(check_id(run_id, "run_id"))
-
-    def attempts(self, /, **filters: Any) -> Page[AttemptRecord]:
-        """Attempts across Runs, newest first, one page at a time.
-
-        Args:
-            **filters: Any of ``route`` and ``group`` (ids), ``state`` (an
-                :class:`~ledger.AttemptState`), ``category`` (a :class:`~ledger.Category`),
-                ``since`` and ``until`` (epoch seconds: created at or after, and before),
-                ``limit`` (1 to 10 000, default 100) and ``cursor`` (a page's
-                ``next_cursor``).
-
-        Returns:
-            A :class:`~ledger.Page`; pass its ``next_cursor`` back for the next one.
-
-        Raises:
-            ArgumentMismatch: an unknown filter (the message names the closest one).
-            InvalidArgument: a filter's value is wrong, or the cursor is not one a page gave.
-
-        Example:
-            >>> page = led.attempts(state="unknown", limit=50)  # doctest: +SKIP
-            >>> while page.next_cursor:  # doctest: +SKIP
-            ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
-        """
-        return self._store.attempts(**attempt_filters(filters))
-
-    def debit(self, debit_id: str) -> DebitRecord:
-        """One debit (an Attempt's budget hold; its id is ``AttemptRecord.debit_id``).
-
-        Raises:
-            NotFound: no debit has this id.
-        """
-        return self._store.debit(check_id(debit_id, "debit_id"))
 
 
 @checked_call
@@ -1316,18 +1291,10 @@ def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
     Raises:
         InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.
     """
-    if isinstance(ledger, AsyncLedger):
-        ledger = ledger.sync
-    if not isinstance(ledger, Ledger):
+    if not isinstance(ledger, _Face):
         raise InvalidArgument("ledger must be a ledger.Ledger or a ledger.AsyncLedger",
                               field="ledger")
     return ledger._store
-
-
-def _in_thread(fn: Callable[Concatenate[Ledger, P], R]
-               ) -> Callable[Concatenate[AsyncLedger, P], Coroutine[Any, Any, R]]:
-    """The async twin of a cold :class:`Ledger` method, run in a worker thread."""
-    return in_thread(fn, "AsyncLedger")
 
 
 class _Opening:
@@ -1350,19 +1317,19 @@ class _Opening:
 
 
 @checked_calls
-class AsyncLedger:
-    """The async twin of :class:`Ledger`: the same methods, awaited; one implementation.
+class AsyncLedger(_Face):
+    """The async twin of :class:`Ledger`: the same operations, awaited; one implementation.
 
-    Each method is made from :class:`Ledger`'s and carries its docstring (arguments, result,
-    errors), with a last line saying how it runs: the hot-path writes (leases, begin, settle,
-    events) on the database's asyncio driver, the rest in a worker thread, so the event loop
-    never blocks on the database. Open it with :meth:`open`.
+    Every operation is :class:`Ledger`'s own (the same checks, docstring and transactions),
+    awaited: on PostgreSQL on psycopg's asyncio connections, on SQLite on the database's own
+    thread, so the event loop never blocks on the database. Open it with :meth:`open`.
 
     Args:
-        ledger: The :class:`Ledger` it runs (see :attr:`sync`).
+        ledger: The :class:`Ledger` whose database, clock, executor id and caches it shares
+            (see :attr:`sync`).
 
     Attributes:
-        sync: The :class:`Ledger` underneath, for code that must block.
+        sync: The blocking :class:`Ledger` over the same database, for code that must block.
 
     Example:
         >>> async with AsyncLedger.open("ledger.db") as led:  # doctest: +SKIP
@@ -1370,7 +1337,13 @@ class AsyncLedger:
         ...         result = await run.turn(Envelope(parts=[Part(content="Hello")]))
     """
 
+    awaiting = True
+
     def __init__(self, ledger: Ledger) -> None:
+        if not isinstance(ledger, Ledger):
+            raise InvalidArgument("AsyncLedger(ledger) takes a ledger.Ledger; open one with "
+                                  "AsyncLedger.open(url)", field="ledger")
+        self.__dict__.update(vars(ledger))  # one database, clock, executor id and caches
         self.sync = ledger
 
     @classmethod
@@ -1410,30 +1383,6 @@ class AsyncLedger:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    @property
-    def clock(self) -> Clock:
-        """Where the ledger reads time."""
-        return self.sync.clock
-
-    @property
-    def backend(self) -> str:
-        """The database backend: ``"sqlite"`` or ``"postgresql"``."""
-        return self.sync.backend
-
-    @property
-    def executor_id(self) -> str:
-        """This process's name as a lease holder."""
-        return self.sync.executor_id
-
-    @property
-    def lease_margin_s(self) -> float:
-        """See :attr:`Ledger.lease_margin_s`."""
-        return self.sync.lease_margin_s
-
-    def now(self) -> float:
-        """The ledger clock's time, in epoch seconds (not a coroutine)."""
-        return self.sync.now()
 
     def run(self, run_id: str, *, plan: Sequence[Route], budget: Budget | Mapping[str, Any],
             grant: Grant | Mapping[str, Any] | None = None,
@@ -1475,55 +1424,6 @@ class AsyncLedger:
             plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
             tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route,
             keyless_ok=keyless_ok), lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
-
-    async def warm(self, run_id: str) -> None:
-        """Read the Run's (and its ancestors') frozen parts into the cache, off the event loop.
-
-        The turn's own calls then never block the loop on a first read; :func:`ledger.aexecute`
-        calls it.
-
-        Raises:
-            NotFound: no Run has this id.
-        """
-        led = self.sync
-        rid: str | None = run_id
-        while rid is not None:
-            rec = led._frozen.get(rid)
-            if rec is None:
-                rec = await asyncio.to_thread(led.frozen_run, rid)
-                await asyncio.to_thread(led.run_policy, rid)
-            rid = rec.parent_run_id
-
-    admit_run = _in_thread(Ledger.admit_run)
-    get_run = _in_thread(Ledger.get_run)
-    children = _in_thread(Ledger.children)
-    frozen_run = _in_thread(Ledger.frozen_run)
-    run_policy = _in_thread(Ledger.run_policy)
-    close_run = _in_thread(Ledger.close_run)
-    finish_run = _native(Ledger._finish_run)
-    acquire_lease = _native(Ledger._acquire_lease)
-    renew_lease = _native(Ledger._renew_lease)
-    release_lease = _native(Ledger._release_lease)
-    reserve_retry = _native(Ledger._reserve_retry)
-    begin_attempt = _native(Ledger._begin_attempt)
-    settle_attempt = _native(Ledger._settle_attempt)
-    mark_unknown = _native(Ledger._mark_unknown)
-    settle_unknown = _in_thread(Ledger.settle_unknown)
-    turn_snapshot = _native(Ledger._turn_snapshot)
-    configure_group = _in_thread(Ledger.configure_group)
-    set_group_state = _in_thread(Ledger.set_group_state)
-    group_projections = _in_thread(Ledger.group_projections)
-    health = _in_thread(Ledger.health)
-    claim_probe = _native(Ledger._claim_probe)
-    record_compaction = _native(Ledger._record_compaction)
-    record_provenance = _native(Ledger._record_provenance)
-    provenance = _in_thread(Ledger.provenance)
-    append_event = _native(Ledger._append_event)
-    events = _in_thread(Ledger.events)
-    get_attempt = _in_thread(Ledger.get_attempt)
-    timeline = _in_thread(Ledger.timeline)
-    attempts = _in_thread(Ledger.attempts)
-    debit = _in_thread(Ledger.debit)
 
 
 __all__ = ["AsyncLedger", "Ledger", "storage_of"]

@@ -25,12 +25,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ledger.api.facade import _Face
 from ledger.clock import Clock, Sleeper
 from ledger.domain.bounds import MAX_LEASE_TTL_S, check_seconds
 from ledger.domain.facts import Category, FailureFact, Phase, Source
 from ledger.domain.records import Lease
 from ledger.domain.validation import checked_calls
 from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument, LeaseLost
+from ledger.storage.runner import Flow
 
 if TYPE_CHECKING:
     from ledger.api.facade import AsyncLedger, Ledger
@@ -54,7 +56,7 @@ class KeeperCore:
         in_flight: The Attempts :meth:`track` registered: attempt id -> sent?
     """
 
-    def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
+    def __init__(self, ledger: Ledger | AsyncLedger, lease: Lease, *, ttl_s: float,
                  interval_s: float | None = None, clock: Clock | None = None) -> None:
         from ledger.api.arguments import lease_arg
 
@@ -125,6 +127,10 @@ class KeeperCore:
         end, and then it is lost with :class:`LeaseLost`. Nothing is raised: :meth:`check`
         raises afterwards.
         """
+        return self.ledger._runner.run(self._tick())
+
+    def _tick(self) -> Flow[float]:
+        """:meth:`tick` as a flow, for either kind of ledger."""
         if self.error is not None:
             return math.inf
         now = self.clock.now()
@@ -132,7 +138,7 @@ class KeeperCore:
             return self._next - now
         lease = self.lease
         try:
-            new = self.ledger.renew_lease(lease, ttl_s=self.ttl_s)
+            new = yield from _Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
         except FencedOut as e:
             self._lose(e)
             return math.inf
@@ -169,20 +175,24 @@ class KeeperCore:
             FencedOut: the Run was taken over meanwhile.
             DatabaseUnavailable: the database could not be reached.
         """
+        self.ledger._runner.run(self._shutdown())
+
+    def _shutdown(self) -> Flow[None]:
+        """:meth:`shutdown_writes` as a flow, for either kind of ledger."""
         if self.error is not None:
             return  # fenced out: nothing of ours may be written
-        lease = self.lease
+        led, lease = self.ledger, self.lease
         with self._lock:
             pending = dict(self.in_flight)
         for attempt_id, was_sent in pending.items():
             if was_sent:
-                self.ledger.mark_unknown(lease, attempt_id,
-                                         "executor shut down: sent without a receipt")
+                yield from _Face.mark_unknown.flow(
+                    led, lease, attempt_id, "executor shut down: sent without a receipt")
             else:
-                self.ledger.settle_attempt(lease, attempt_id, outcome="not_sent",
-                                           fact=SHUTDOWN_FACT)
+                yield from _Face.settle_attempt.flow(led, lease, attempt_id,
+                                                     outcome="not_sent", fact=SHUTDOWN_FACT)
             self.untrack(attempt_id)
-        self.ledger.release_lease(lease)
+        yield from _Face.release_lease.flow(led, lease)
 
 
 @checked_calls
@@ -277,7 +287,8 @@ class LeaseKeeper(KeeperCore):
 class AsyncLeaseKeeper:
     """The asyncio twin of :class:`LeaseKeeper`: renews in a task, on an AsyncLedger.
 
-    Each renewal runs in a worker thread, so the event loop never blocks on the database. It
+    Each renewal runs on the ledger's asyncio driver, so the event loop never blocks on the
+    database (no worker thread). It
     can cancel the task doing the work the moment the Run is lost (:meth:`watch`). Use it as
     ``async with``, or :meth:`start` / :meth:`close`. The arguments and errors are
     :class:`LeaseKeeper`'s, with an :class:`~ledger.AsyncLedger` for ``ledger``.
@@ -302,7 +313,7 @@ class AsyncLeaseKeeper:
         if not isinstance(ledger, AsyncLedger):
             raise InvalidArgument("ledger must be a ledger.AsyncLedger (LeaseKeeper takes a "
                                   "Ledger)", field="ledger")
-        self.core = KeeperCore(ledger.sync, lease, ttl_s=ttl_s, interval_s=interval_s,
+        self.core = KeeperCore(ledger, lease, ttl_s=ttl_s, interval_s=interval_s,
                                clock=clock)
         self._sleeper = sleeper
         self._task: asyncio.Task[None] | None = None
@@ -354,7 +365,7 @@ class AsyncLeaseKeeper:
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
-            delay = await asyncio.to_thread(self.core.tick)
+            delay = await self.core.ledger._runner.arun(self.core._tick())
             if math.isinf(delay):
                 return
             if self._sleeper is not None:
@@ -382,7 +393,7 @@ class AsyncLeaseKeeper:
         """
         await self.stop()
         if graceful:
-            await asyncio.to_thread(self.core.shutdown_writes)
+            await self.core.ledger._runner.arun(self.core._shutdown())
 
     async def __aenter__(self) -> AsyncLeaseKeeper:
         return self.start()

@@ -620,6 +620,8 @@ class AsyncRunSession(_SessionCore):
             self.run_id, **self.admit, secrets=_key_source(self._adapter, self._secrets))
         lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
         self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+        # Read now, awaited: child() and the turns then find the frozen Run in the cache.
+        await self.ledger.frozen_run(self.run_id)
         if self._adapter is None:
             from ledger.adapters import HttpAdapter
 
@@ -653,7 +655,7 @@ class AsyncRunSession(_SessionCore):
                                           await led.events(self.run_id, ["stop"]))
                 await self.ledger.finish_run(keeper.lease, status)
                 self._ended(status)
-            await asyncio.to_thread(keeper.core.shutdown_writes)  # releases the lease
+            await self.ledger._runner.arun(keeper.core._shutdown())  # releases the lease
         except FencedOut as e:
             if exc is None:
                 raise
@@ -679,10 +681,9 @@ class AsyncRunSession(_SessionCore):
 
         self._check_open()
         self._check_turn(on_text, on_event, send, options)
-        await self.ledger.warm(self.run_id)
         inner = send or async_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
-            limits=self.ledger.sync.run_policy(self.run_id).streaming)
+            limits=(await self.ledger.run_policy(self.run_id)).streaming)
 
         async def tracked(d: Dispatch) -> SendResult:
             self._sending = d
@@ -735,7 +736,7 @@ class AsyncRunSession(_SessionCore):
               role: str | None = None, **admit: Any) -> AsyncRunSession:
         """A session for a Child Run (see :meth:`RunSession.child`); use it with ``async with``."""
         self._check_open()
-        frozen = self.ledger.sync.frozen_run(self.run_id)
+        frozen = self.ledger.sync.frozen_run(self.run_id)  # cached since the block was entered
         args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
         child = AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
                                 adapter=self._adapter, owns_adapter=False)

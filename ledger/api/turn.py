@@ -2,8 +2,8 @@
 
 A turn is :class:`~ledger.decide.turn.TurnLoop`, a generator of typed effects that holds every
 decision. A driver checks the arguments, then performs each effect the loop yields: a snapshot,
-begin or settle through the ledger's one validated :class:`~ledger.api.calls.Call` (run
-natively on the blocking or the asyncio driver), the send through the caller's ``send``, a
+begin or settle as the storage flow of the spec the loop decided (run by the ledger's runner,
+blocking or for asyncio: no thread hop), the send through the caller's ``send``, a
 wait through the injectable :class:`~ledger.clock.Sleeper`, a notice to ``on_notice``. The
 drivers are the only code of the turn that sends, sleeps or shields a settle from
 cancellation; they contain no decision.
@@ -19,8 +19,7 @@ from typing import Any
 
 from ledger import telemetry as _telemetry
 from ledger.api.arguments import as_model, lease_arg
-from ledger.api.calls import Call
-from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.facade import AsyncLedger, Ledger, _Face
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.decide.effects import (
     AwaitSlot,
@@ -39,6 +38,7 @@ from ledger.decide.effects import (
     Sleep,
     Snapshot,
 )
+from ledger.decide.health import probe_key_kind
 from ledger.decide.preflight import NO_DENIALS, CharEstimator, Denials, TokenCounter
 from ledger.decide.profiles import Pin
 from ledger.decide.turn import (
@@ -61,6 +61,7 @@ from ledger.domain.values import Route
 from ledger.errors import (
     InvalidArgument,
 )
+from ledger.storage.runner import Flow
 
 
 def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
@@ -260,8 +261,7 @@ async def aexecute(
     loop = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
                  sleeper, on_notice, rng, token_counter, part_hashes)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
-    sleeper = sleeper or _sleeper_of(ledger.sync)
-    await ledger.warm(lease.run_id)
+    sleeper = sleeper or _sleeper_of(ledger)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)
 
 
@@ -348,34 +348,27 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
     return item  # type: ignore[no-any-return]
 
 
-def _call_of(ledger: Ledger, eff: Effect[Any]) -> Call[Any]:
-    """The ledger operation a database effect asks for, checked once, runnable on either driver.
+def _flow_of(ledger: _Face, eff: Effect[Any]) -> Flow[Any]:
+    """The storage flow a database effect asks for: one mapping for both drivers.
 
-    It is the single mapping from effects to the ledger for both drivers.
+    The loop decided every write with the pure rules (its specs), so nothing is checked again.
     """
+    store, clock = ledger._store, ledger.clock.now
     match eff:
         case Snapshot(run_id=run_id, refs=refs):
-            return ledger._turn_snapshot(run_id, refs)
-        case Begin():
-            return ledger._begin(ledger._begin_spec(
-                eff.lease, route=eff.route, envelope_hash=eff.envelope_hash,
-                reserve=eff.reserve, reserve_tokens=eff.reserve_tokens, turn_id=eff.turn_id,
-                profile_id=eff.profile_id, kind=eff.kind, attempt_id=eff.attempt_id,
-                events=eff.events, take_retry=eff.take_retry, queue_until=eff.queue_until))
+            return ledger._snapshot(run_id, refs)
+        case Begin(spec=spec):
+            return store.begin_attempt(spec, clock)
+        case Settle(run_id=run_id, spec=spec):
+            return store.settle_attempt(run_id, spec, clock)
         case LeaveQueue(group=group, waiter=waiter):
-            return ledger._leave_queue(waiter, group)
-        case Settle():
-            return ledger._settle_attempt(
-                eff.lease, eff.attempt_id, outcome=eff.outcome, fact=eff.fact,
-                prompt_tokens=eff.prompt_tokens, completion_tokens=eff.completion_tokens,
-                cost=eff.cost, model_reported=eff.model_reported, output_hash=eff.output_hash,
-                effective_output=eff.effective_output, tool_started=eff.tool_started,
-                provenance_hashes=eff.provenance, events=eff.events, repeat=eff.repeat)
-        case ClaimProbe(route=route, interval_s=interval):
-            return ledger._claim_probe(route, interval, key=eff.key, ttl_s=eff.ttl_s,
-                                       max_keys=eff.max_keys)
+            return store.leave_queue(waiter, group)
+        case ClaimProbe(route=route, interval_s=interval, key=key):
+            return store.claim_probe(key, route.provider, clock(), interval,
+                                     kind=probe_key_kind(route, key), ttl_s=eff.ttl_s,
+                                     max_keys=eff.max_keys)
         case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):
-            return ledger._append_event(lease, kind, data, attempt_id)
+            return store.append_event(lease, attempt_id, kind, data, clock)
     raise TypeError(f"not a database effect: {eff!r}")  # pragma: no cover
 
 
@@ -395,7 +388,7 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
         case Now():
             return ledger.now()
         case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
-            waker = ledger._waker
+            waker = ledger._store.waker
             if waker.join(group, waiter):
                 return None  # registered: begin once more before waiting (no wake is missed)
             waker.wait(waiter, seconds, sleeper)
@@ -403,11 +396,11 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
         case LeaveQueue(waiter=waiter, drop=drop):
             try:
                 if drop:
-                    _call_of(ledger, eff).run()
+                    ledger._runner.run(_flow_of(ledger, eff))
             finally:
-                ledger._waker.leave(waiter)
+                ledger._store.waker.leave(waiter)
             return None
-    return _call_of(ledger, eff).run()
+    return ledger._runner.run(_flow_of(ledger, eff))
 
 
 async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
@@ -427,9 +420,9 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
                     await res
             return None
         case Now():
-            return ledger.sync.now()
+            return ledger.now()
         case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
-            waker = ledger.sync._waker
+            waker = ledger._store.waker
             if waker.join(group, waiter, aio=True):
                 return None  # registered: begin once more before waiting (no wake is missed)
             await waker.await_(waiter, seconds, sleeper)
@@ -437,15 +430,15 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
         case LeaveQueue(waiter=waiter, drop=drop):
             try:
                 if drop:
-                    await _call_of(ledger.sync, eff).arun()
+                    await ledger._runner.arun(_flow_of(ledger, eff))
             finally:
-                ledger.sync._waker.leave(waiter)
+                ledger._store.waker.leave(waiter)
             return None
     # The database effects run on the asyncio driver: no worker-thread hop.
-    return await _call_of(ledger.sync, eff).arun()
+    return await ledger._runner.arun(_flow_of(ledger, eff))
 
 
-def _sleeper_of(ledger: Ledger) -> Sleeper:
+def _sleeper_of(ledger: _Face) -> Sleeper:
     # A ManualClock is also a sleeper that advances it: tests never really wait.
     clock: Any = ledger.clock
     if callable(getattr(clock, "sleep", None)) and callable(getattr(clock, "asleep", None)):

@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Generic, TypeVar
 
-from ledger.domain.facts import FailureFact, Observation
-from ledger.domain.records import AttemptKind, AttemptRecord, Lease, Outcome, Queued, RunRecord
+from ledger.domain.facts import Observation
+from ledger.domain.records import (
+    AttemptKind,
+    AttemptRecord,
+    Lease,
+    Outcome,
+    Queued,
+    RunRecord,
+    from_micros,
+)
+from ledger.domain.specs import BeginSpec, SettleSpec
 from ledger.domain.values import GroupProjection, Health, Route
 from ledger.policy.model import Policy
 
@@ -188,48 +197,84 @@ class Snapshot(Effect[TurnSnapshot]):
 class Begin(Effect[AttemptRecord | Queued]):
     """Record an Attempt before its send (one commit).
 
-    ``take_retry``: it is a further Attempt of its turn and takes a retry permission in the same
-    transaction; ``events`` (the selector's decision, the move or retry that led here) are written
-    with it. ``queue_until``: a full capacity group queues the begin until then (the result is
-    a :class:`~ledger.domain.records.Queued` place, nothing recorded); ``None`` refuses.
+    ``spec`` is the :class:`~ledger.domain.specs.BeginSpec` the loop decided with the pure
+    rules (:func:`ledger.decide.begin.begin_spec`).
+
+    ``spec.take_retry``: it is a further Attempt of its turn and takes a retry permission in
+    the same transaction; ``spec.events`` (the selector's decision, the move or retry that led
+    here) are written with it; ``spec.queue_until``: a full capacity group queues the begin
+    until then (the result is a :class:`~ledger.domain.records.Queued` place, nothing
+    recorded), ``None`` refuses.
     """
 
-    lease: Lease
-    attempt_id: str
-    route: Route
-    profile_id: str | None
-    envelope_hash: str
-    reserve: Decimal
-    reserve_tokens: int
-    turn_id: str
-    kind: AttemptKind
-    take_retry: bool
-    events: Events = ()
-    queue_until: float | None = None
+    spec: BeginSpec
+
+    @property
+    def attempt_id(self) -> str:
+        """The Attempt's id."""
+        return self.spec.attempt_id
+
+    @property
+    def route(self) -> Route:
+        """The frozen route it is sent on."""
+        return self.spec.route
+
+    @property
+    def profile_id(self) -> str | None:
+        """The credential profile it uses."""
+        return self.spec.profile_id
+
+    @property
+    def kind(self) -> AttemptKind:
+        """Why it is made (first, retry, failover, probe)."""
+        return self.spec.kind
+
+    @property
+    def turn_id(self) -> str:
+        """The logical turn it serves."""
+        return self.spec.turn_id
+
+    @property
+    def reserve(self) -> Decimal:
+        """Its cost hold."""
+        return from_micros(self.spec.reserve_micros)
+
+    @property
+    def events(self) -> Events:
+        """The audit events written with it."""
+        return self.spec.events
+
+    @property
+    def queue_until(self) -> float | None:
+        """Until when it may wait in a full group's queue."""
+        return self.spec.queue_until
 
 
 @dataclass(frozen=True)
 class Settle(Effect[AttemptRecord]):
     """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation.
 
-    ``repeat``: the Attempt was a same-route retry of a failure the request already counted in
-    health; its failure restarts the key's window without stepping the cooldown up.
+    ``spec`` is what :func:`ledger.decide.settle.settle_spec` decided: the outcome, the fact,
+    the usage, and what the settle does to holds, health and the capacity group.
     """
 
-    lease: Lease
-    attempt_id: str
-    outcome: Outcome
-    fact: FailureFact | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cost: Decimal | None = None
-    model_reported: str | None = None
-    output_hash: str | None = None
-    effective_output: bool | None = None
-    tool_started: bool | None = None
-    provenance: tuple[str, ...] = ()
-    events: Events = ()
-    repeat: bool = False
+    run_id: str
+    spec: SettleSpec
+
+    @property
+    def attempt_id(self) -> str:
+        """The Attempt settled."""
+        return self.spec.attempt_id
+
+    @property
+    def outcome(self) -> Outcome:
+        """What it is settled as."""
+        return self.spec.outcome
+
+    @property
+    def events(self) -> Events:
+        """The audit events written with it."""
+        return self.spec.events
 
 
 @dataclass(frozen=True)
@@ -289,7 +334,7 @@ class ClaimProbe(Effect[bool]):
 
     route: Route
     interval_s: float
-    key: str | None = None
+    key: str
     ttl_s: float | None = None
     max_keys: int | None = None
 

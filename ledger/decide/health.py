@@ -55,6 +55,13 @@ def key_kind(route: Route, key: str, policy: Policy) -> str:
     return "provider" if policy.health.key == "provider" else "profile"
 
 
+def probe_key_kind(route: Route, key: str) -> str:
+    """What the health row a probe of ``route`` claims under ``key`` is about (its ``kind``)."""
+    if key == route.id:
+        return "route"
+    return "provider" if key.startswith(PROVIDER_KEY_PREFIX) else "profile"
+
+
 def _exempt(provider: str | None, hp: HealthPolicy) -> bool:
     if not provider:
         return False
@@ -391,6 +398,7 @@ __all__ = [
     "is_available",
     "key_kind",
     "probe_eligible",
+    "probe_key_kind",
     "record_failure",
     "record_repeat",
     "record_success",

@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
 from ledger import faults
+from ledger.decide.begin import begin_spec
 from ledger.decide.classify import classify
 from ledger.decide.effects import (
     AwaitSlot,
@@ -64,7 +65,7 @@ from ledger.decide.select import (
     reopening_wait,
     select,
 )
-from ledger.decide.settle import failure_outcome
+from ledger.decide.settle import failure_outcome, settle_spec
 from ledger.domain.bounds import (
     amount_in_range,
     tokens_in_range,
@@ -78,6 +79,7 @@ from ledger.domain.records import (
     Lease,
     Outcome,
     Queued,
+    to_micros,
 )
 from ledger.domain.timefmt import duration, iso, relative
 from ledger.domain.values import GroupMode, GroupProjection, Route, new_id
@@ -181,12 +183,55 @@ class _Turn:
     skips: dict[str, Skip] = field(default_factory=dict)
     # A route chosen after waiting for its cooldown to end: its Attempt is a probe.
     reopened: str | None = None
+    # What the current decision was made from (a refused probe claim decides again from it).
+    basis: dict[str, Any] = field(default_factory=dict)
     # When the first candidate would reopen, for a decision that found none, and the time and
     # wait bound that decision was made with.
     reopens_at: float | None = None
     now: float | None = None
     bound: float | None = None
     plan: Sequence[Route] = ()
+
+
+@dataclass(frozen=True)
+class _Try:
+    """The next attempt of a turn.
+
+    What was decided, why it is made, and how many same-route retries of this request came
+    before it.
+    """
+
+    decision: Decision
+    kind: AttemptKind
+    retries: int
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """An attempt that was sent and failed (settled with ``fact``)."""
+
+    route: Route
+    profile: str | None
+    attempt_id: str
+    fact: FailureFact
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """An attempt the capacity group did not admit (refused, or full past the wait bound)."""
+
+    route: Route
+    error: CapacityUnavailable
+
+
+@dataclass(frozen=True)
+class _Unclaimed:
+    """A probe whose cluster-wide slot another process took."""
+
+    route: Route
+
+
+_Ended = _Failed | _Refused | _Unclaimed
 
 
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
@@ -294,169 +339,204 @@ class TurnLoop:
     def steps(self) -> Steps:
         """The turn: yields each effect, receives its result, returns the :class:`RunResult`.
 
-        When it stops it raises :class:`~ledger.errors.FailoverExhausted`, holding every
-        attempt's error (a budget or allowance refusal at begin included, as its cause) and a
+        It reads top to bottom: decide, then attempt (begin, send, settle) until an answer,
+        each failure deciding whether to retry the route or move on. When it stops it raises
+        :class:`~ledger.errors.FailoverExhausted`, holding every attempt's error (a budget or
+        allowance refusal at begin included, as its cause) and a
         :class:`~ledger.errors.CandidateSkipped` for every candidate passed over.
         """
         turn = _Turn()
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-        policy = snap.policy
+        self._policy = snap.policy
         # Images and documents beyond the Run's frozen bounds: refused before anything is
         # recorded (the snapshot is a read).
-        check_envelope_limits(self.envelope, policy.envelope)
+        check_envelope_limits(self.envelope, snap.policy.envelope)
         run = snap.run
         turn.plan = run.plan
-        # What the current decision was made from; a refused probe claim decides again from it.
         # A new turn keeps the session's profile (a user pin survives a compaction).
-        basis: dict[str, Any] = {
-            "failure": None, "current": run.current_route,
-            "current_profile": run.current_profile if self.pin is Pin.USER
-            else run.pinned_profile}
-        decision, snap = yield from self._decide(snap, turn, basis)
-        kind = AttemptKind.FIRST
-        same_route_retries = 0
+        turn.basis = {"failure": None, "current": run.current_route,
+                      "current_profile": run.current_profile if self.pin is Pin.USER
+                      else run.pinned_profile}
+        decision, snap = yield from self._decide(snap, turn, turn.basis)
+        attempt = _Try(decision, AttemptKind.FIRST, 0)
         while True:
-            if decision.kind is DecisionKind.STOP or decision.route is None:
-                raise (yield from self._stopped(turn, decision, None))
-            route, profile = decision.route, decision.profile
-            attempt_kind = kind
-            if decision.kind is DecisionKind.PROBE:
-                pp = policy.probe
-                claimed = yield from perform(ClaimProbe(
-                    route, pp.interval_s, key=route_key(route, policy), ttl_s=pp.ttl_s,
-                    max_keys=pp.max_keys))
-                if not claimed:
-                    # Another process probes it now: decide again, without that probe.
-                    turn.refused_probes.add(route.id)
-                    snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-                    decision, snap = yield from self._decide(snap, turn, basis)
-                    continue
-                attempt_kind = AttemptKind.PROBE
-            elif turn.reopened == route.id:
-                attempt_kind = AttemptKind.PROBE  # the first call since it reopened
-            wait = group_wait(snap.groups.get(route.group), snap.now, snap.run.deadline,
-                              self._wait_left(policy, turn))
-            if wait > 0:
-                yield from perform(Sleep(wait))
-                turn.waited += wait
-                turn.pending.append(("wait", {"for": "group_floor", "group": route.group,
-                                              "waited_s": round(wait, 6)}))
-            reserve, reserve_tokens = self._holds(route)
-            attempt_id = new_id("att")
-            events = [*turn.pending, ("select", {**decision.to_json(),
-                                                 "attempt_kind": attempt_kind.value})]
-            turn.pending = []
-            begin = Begin(self.lease, attempt_id, route, profile, self.envelope_hash, reserve,
-                          reserve_tokens, self.turn_id, attempt_kind,
-                          take_retry=kind is not AttemptKind.FIRST, events=events,
-                          queue_until=self._queue_until(snap, turn, waited=wait))
-            try:
-                att = yield from self._admitted(begin, turn, policy)
-            except CapacityUnavailable as e:
-                turn.errors.append(e)
-                turn.tried.add(route.id)
-                turn.refused_groups[route.group] = e.fields.get("until")
-                if not e.fields.get("queued"):  # a queue's wait wrote no Attempt
-                    turn.attempts.append(_rejected_record(begin, e, snap.now))
-                log.info("[admission] %s/%s rejected before dispatch: %s", route.provider,
-                         route.model, e.fields.get("reason"))
-                cause = next((x for x in reversed(turn.errors) if isinstance(x, ProviderError)),
-                             None)
-                if cause is not None and policy.failover.after_rejection == "stop":
-                    # Seed 003: "Rejected before dispatch -> Return to original recovery".
-                    raise (yield from self._stopped(turn, None, e, reason=REJECTED,
-                                                    cause=cause)) from cause
-                snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-                basis = {"failure": None, "current": None, "current_profile": None}
-                decision, snap = yield from self._decide(snap, turn, basis)
-                kind = AttemptKind.FAILOVER
-                continue
-            except (BudgetExceeded, AllowanceExhausted) as e:
-                turn.errors.append(e)
-                raise (yield from self._stopped(turn, None, e)) from e
-            except BaseException:
-                # Interrupted: the begin may have committed; if it did, it was never sent.
-                yield from self._settle_quietly(Settle(self.lease, attempt_id, Outcome.NOT_SENT))
-                raise
-            if att.state is not AttemptState.DISPATCHING:
-                raise LedgerError(
-                    f"attempt {attempt_id!r} is already {att.state.value}; it is not sent again",
-                    attempt_id=attempt_id, state=att.state.value)
-            dispatch = Dispatch(self.lease.run_id, att.attempt_id, self.turn_id, route, profile,
-                                self.envelope, attempt_kind, SendProgress())
-            try:
-                faults.point("dispatch.before_send")
-                result = yield from perform(Send(dispatch))
-            except BaseException:
-                yield from self._settle_interrupted(att, dispatch)
-                raise
-            faults.point("dispatch.after_send")
-            if result.ok:
-                done = yield from self._settle_success(att, result, dispatch.progress.tool_started)
-                turn.attempts.append(done)
-                return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
-                                 list(result.parts))
-            obs = result.observation or Observation(message="send reported failure without "
-                                                            "an observation")
-            if dispatch.progress.tool_started:
-                # The host started a tool this attempt proposed: the turn may not move on.
-                obs = obs.model_copy(update={"tool_started": True, "effective_output": True})
-            now = yield from perform(Now())
-            fact = classify(obs, policy, now=now)
-            discarded = bool(result.partial_text) and not fact.effective_output
-            # A same-route retry's failure was counted with the request's first: not again.
-            settled = yield from self._settle_failure(att, fact, result.sent, discarded,
-                                                      repeat=same_route_retries > 0)
-            if fact.effective_output and result.partial_text:
-                turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
-            turn.attempts.append(settled)
-            turn.errors.append(ProviderError(
-                f"{route.provider}/{route.model}: {_failure_text(fact)}",
-                attempt_id=att.attempt_id, route=route.id, fact=fact,
-            ))
-            if fact.effective_output and not fact.tool_started:
-                turn.resets += 1
-                yield from perform(Notify(Notice("reset", att.attempt_id, route.id,
-                                                 "partial output of a failed attempt is "
-                                                 "discarded")))
-            if fact.category is Category.UNUSABLE:
-                log.warning("[fallback] %s/%s cannot be used: %s", route.provider, route.model,
-                            fact.message or fact.category.value)
-                turn.pending.append(("unusable", {"route": route.id, "profile": profile,
-                                                  "why": fact.message or ""}))
-            rd = retry_decision(fact, policy, same_route_retries, self.rng)
-            if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
-                same_route_retries += 1
-                log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
-                         fact.category.value, same_route_retries, rd.delay_s)
-                turn.pending.append(("retry", {"route": route.id, "cause": _cause(fact),
-                                               "delay_s": rd.delay_s, "n": same_route_retries,
-                                               "from_attempt": att.attempt_id}))
-                yield from perform(Sleep(rd.delay_s))
-                snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-                kind = AttemptKind.RETRY
-                decision = Decision(DecisionKind.ROUTE, route, profile)
-                continue
-            turn.tried.add(route.id)
-            if profile:
-                turn.tried_pairs.add((route.id, profile))
-                if marks_profile_tried(fact, route.provider, policy):
-                    turn.tried_profiles.add(profile)
+            ended = yield from self._attempt(turn, snap, attempt)
+            if isinstance(ended, RunResult):
+                return ended
+            attempt, snap = yield from self._next(turn, attempt, ended)
+
+    # -- one attempt: begin, send, settle ----------------------------------------------------
+
+    def _attempt(self, turn: _Turn, snap: TurnSnapshot, attempt: _Try
+                 ) -> Generator[Effect[Any], Any, RunResult | _Ended]:
+        """Make the decided attempt: its answer, or how it ended without one."""
+        decision, policy = attempt.decision, self._policy
+        if decision.kind is DecisionKind.STOP or decision.route is None:
+            raise (yield from self._stopped(turn, decision, None))
+        route, profile = decision.route, decision.profile
+        attempt_kind = attempt.kind
+        if decision.kind is DecisionKind.PROBE:
+            pp = policy.probe
+            claimed = yield from perform(ClaimProbe(
+                route, pp.interval_s, key=route_key(route, policy), ttl_s=pp.ttl_s,
+                max_keys=pp.max_keys))
+            if not claimed:
+                return _Unclaimed(route)  # another process probes it now
+            attempt_kind = AttemptKind.PROBE
+        elif turn.reopened == route.id:
+            attempt_kind = AttemptKind.PROBE  # the first call since it reopened
+        wait = group_wait(snap.groups.get(route.group), snap.now, snap.run.deadline,
+                          self._wait_left(policy, turn))
+        if wait > 0:
+            yield from perform(Sleep(wait))
+            turn.waited += wait
+            turn.pending.append(("wait", {"for": "group_floor", "group": route.group,
+                                          "waited_s": round(wait, 6)}))
+        reserve, reserve_tokens = self._holds(route)
+        attempt_id = new_id("att")
+        events = [*turn.pending, ("select", {**decision.to_json(),
+                                             "attempt_kind": attempt_kind.value})]
+        turn.pending = []
+        begin = Begin(replace(begin_spec(
+            snap.run, self.lease, route=route, profile_id=profile,
+            envelope_hash=self.envelope_hash, reserve_micros=to_micros(reserve),
+            reserve_tokens=reserve_tokens, turn_id=self.turn_id, kind=attempt_kind,
+            attempt_id=attempt_id, events=events,
+            take_retry=attempt.kind is not AttemptKind.FIRST),
+            queue_until=self._queue_until(snap, turn, waited=wait)))
+        try:
+            att = yield from self._admitted(begin, turn, policy)
+        except CapacityUnavailable as e:
+            turn.errors.append(e)
+            if not e.fields.get("queued"):  # a queue's wait wrote no Attempt
+                turn.attempts.append(_rejected_record(begin, e, snap.now))
+            return _Refused(route, e)
+        except (BudgetExceeded, AllowanceExhausted) as e:
+            turn.errors.append(e)
+            raise (yield from self._stopped(turn, None, e)) from e
+        except GeneratorExit:
+            raise  # closed with no driver left: nothing can be written any more
+        except BaseException:
+            # Interrupted: the begin may have committed; if it did, it was never sent.
+            yield from self._settle_quietly(route, profile, attempt_id, Outcome.NOT_SENT)
+            raise
+        if att.state is not AttemptState.DISPATCHING:
+            raise LedgerError(
+                f"attempt {attempt_id!r} is already {att.state.value}; it is not sent again",
+                attempt_id=attempt_id, state=att.state.value)
+        dispatch = Dispatch(self.lease.run_id, att.attempt_id, self.turn_id, route, profile,
+                            self.envelope, attempt_kind, SendProgress())
+        try:
+            faults.point("dispatch.before_send")
+            result = yield from perform(Send(dispatch))
+        except GeneratorExit:
+            raise  # closed with no driver left: recovery settles it
+        except BaseException:
+            yield from self._settle_interrupted(route, profile, att, dispatch)
+            raise
+        faults.point("dispatch.after_send")
+        if result.ok:
+            done = yield from self._settle_success(route, profile, att, result,
+                                                   dispatch.progress.tool_started)
+            turn.attempts.append(done)
+            return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
+                             list(result.parts))
+        return (yield from self._failed(turn, attempt, route, profile, att, result, dispatch))
+
+    def _failed(self, turn: _Turn, attempt: _Try, route: Route, profile: str | None,
+                att: AttemptRecord, result: SendResult, dispatch: Dispatch
+                ) -> Generator[Effect[Any], Any, _Failed]:
+        """Classify and settle a failed send; tell the caller what it must discard."""
+        obs = result.observation or Observation(message="send reported failure without "
+                                                        "an observation")
+        if dispatch.progress.tool_started:
+            # The host started a tool this attempt proposed: the turn may not move on.
+            obs = obs.model_copy(update={"tool_started": True, "effective_output": True})
+        now = yield from perform(Now())
+        fact = classify(obs, self._policy, now=now)
+        discarded = bool(result.partial_text) and not fact.effective_output
+        # A same-route retry's failure was counted with the request's first: not again.
+        settled = yield from self._settle_failure(route, profile, att, fact, result.sent,
+                                                  discarded, now, repeat=attempt.retries > 0)
+        if fact.effective_output and result.partial_text:
+            turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
+        turn.attempts.append(settled)
+        turn.errors.append(ProviderError(
+            f"{route.provider}/{route.model}: {_failure_text(fact)}",
+            attempt_id=att.attempt_id, route=route.id, fact=fact,
+        ))
+        if fact.effective_output and not fact.tool_started:
+            turn.resets += 1
+            yield from perform(Notify(Notice("reset", att.attempt_id, route.id,
+                                             "partial output of a failed attempt is "
+                                             "discarded")))
+        if fact.category is Category.UNUSABLE:
+            log.warning("[fallback] %s/%s cannot be used: %s", route.provider, route.model,
+                        fact.message or fact.category.value)
+            turn.pending.append(("unusable", {"route": route.id, "profile": profile,
+                                              "why": fact.message or ""}))
+        return _Failed(route, profile, att.attempt_id, fact)
+
+    # -- after an attempt: retry the route, or move on -----------------------------------------
+
+    def _next(self, turn: _Turn, attempt: _Try, ended: _Ended
+              ) -> Generator[Effect[Any], Any, tuple[_Try, TurnSnapshot]]:
+        """The next attempt after one that gave no answer, and the snapshot it decides on."""
+        policy = self._policy
+        if isinstance(ended, _Unclaimed):
+            # Decide again, without the probe another process took.
+            turn.refused_probes.add(ended.route.id)
             snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-            basis = {"failure": fact, "current": route.id, "current_profile": profile}
-            decision, snap = yield from self._decide(snap, turn, basis)
-            if decision.kind is DecisionKind.STOP or decision.route is None:
-                over_budget = fact.category is Category.BUDGET_EXCEEDED
-                raise (yield from self._stopped(turn, decision, None,
-                                                reason="budget" if over_budget else None))
-            nxt = decision.route
-            log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
-                     nxt.model, route.provider, route.model, _describe(fact))
-            turn.pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
-                                          "profile": decision.profile, "cause": _cause(fact),
-                                          "from_attempt": att.attempt_id}))
-            kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
-            same_route_retries = 0
+            decision, snap = yield from self._decide(snap, turn, turn.basis)
+            return _Try(decision, attempt.kind, attempt.retries), snap
+        if isinstance(ended, _Refused):
+            route, e = ended.route, ended.error
+            turn.tried.add(route.id)
+            turn.refused_groups[route.group] = e.fields.get("until")
+            log.info("[admission] %s/%s rejected before dispatch: %s", route.provider,
+                     route.model, e.fields.get("reason"))
+            cause = next((x for x in reversed(turn.errors) if isinstance(x, ProviderError)),
+                         None)
+            if cause is not None and policy.failover.after_rejection == "stop":
+                # Seed 003: "Rejected before dispatch -> Return to original recovery".
+                raise (yield from self._stopped(turn, None, e, reason=REJECTED,
+                                                cause=cause)) from cause
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            turn.basis = {"failure": None, "current": None, "current_profile": None}
+            decision, snap = yield from self._decide(snap, turn, turn.basis)
+            return _Try(decision, AttemptKind.FAILOVER, 0), snap
+        route, profile, fact = ended.route, ended.profile, ended.fact
+        rd = retry_decision(fact, policy, attempt.retries, self.rng)
+        if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
+            n = attempt.retries + 1
+            log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
+                     fact.category.value, n, rd.delay_s)
+            turn.pending.append(("retry", {"route": route.id, "cause": _cause(fact),
+                                           "delay_s": rd.delay_s, "n": n,
+                                           "from_attempt": ended.attempt_id}))
+            yield from perform(Sleep(rd.delay_s))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            return _Try(Decision(DecisionKind.ROUTE, route, profile), AttemptKind.RETRY, n), snap
+        turn.tried.add(route.id)
+        if profile:
+            turn.tried_pairs.add((route.id, profile))
+            if marks_profile_tried(fact, route.provider, policy):
+                turn.tried_profiles.add(profile)
+        snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+        turn.basis = {"failure": fact, "current": route.id, "current_profile": profile}
+        decision, snap = yield from self._decide(snap, turn, turn.basis)
+        if decision.kind is DecisionKind.STOP or decision.route is None:
+            over_budget = fact.category is Category.BUDGET_EXCEEDED
+            raise (yield from self._stopped(turn, decision, None,
+                                            reason="budget" if over_budget else None))
+        nxt = decision.route
+        log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
+                 nxt.model, route.provider, route.model, _describe(fact))
+        turn.pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
+                                      "profile": decision.profile, "cause": _cause(fact),
+                                      "from_attempt": ended.attempt_id}))
+        kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
+        return _Try(decision, kind, 0), snap
 
     # -- deciding and waiting ----------------------------------------------------------------
 
@@ -530,6 +610,8 @@ class TurnLoop:
                     raise _queue_timeout(begin, first, result, policy)
                 yield from perform(AwaitSlot(group, waiter, left))
                 result = yield from perform(begin)
+        except GeneratorExit:
+            raise  # closed with no driver left: the place lapses with the lease
         except BaseException as e:
             yield from perform(LeaveQueue(group, waiter, drop=True))
             if isinstance(e, CapacityUnavailable):
@@ -552,8 +634,28 @@ class TurnLoop:
 
     # -- settling ----------------------------------------------------------------------------
 
-    def _settle_success(self, att: AttemptRecord, result: SendResult, tool_started: bool
-                        ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
+    def _settle(self, route: Route, profile: str | None, attempt_id: str, outcome: Outcome,
+                *, now: float | None = None, fact: FailureFact | None = None,
+                prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                cost: Decimal | None = None, model_reported: str | None = None,
+                output_hash: str | None = None, tool_started: bool | None = None,
+                provenance: tuple[str, ...] = (), events: Sequence[tuple[str, Any]] = (),
+                repeat: bool = False) -> Generator[Effect[Any], Any, AttemptRecord]:
+        """Settle ``attempt_id`` (on ``route`` with ``profile``) as the pure rules say."""
+        if now is None:
+            now = yield from perform(Now())
+        spec = settle_spec(
+            self._policy, route, profile, self.lease, attempt_id, outcome=outcome, fact=fact,
+            observation=None, now=now, effective_output=None, tool_started=tool_started,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            cost_micros=None if cost is None else to_micros(cost),
+            model_reported=model_reported, output_hash=output_hash,
+            events=[(k, dict(d)) for k, d in events], provenance=provenance, repeat=repeat)
+        return (yield from perform(Settle(self.lease.run_id, spec)))
+
+    def _settle_success(self, route: Route, profile: str | None, att: AttemptRecord,
+                        result: SendResult, tool_started: bool
+                        ) -> Generator[Effect[Any], Any, AttemptRecord]:
         events: list[tuple[str, dict[str, Any]]] = []
         pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
         if not _usage_ok(result):
@@ -564,53 +666,55 @@ class TurnLoop:
                                              str(ct), "cost": str(cost)}))
             pt = ct = None
             cost = None
-        return (yield from perform(Settle(
-            self.lease, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
+        return (yield from self._settle(
+            route, profile, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
             completion_tokens=ct, cost=cost, model_reported=_short(result.model_reported),
             output_hash=result.output_hash, tool_started=tool_started or None,
-            provenance=result.provenance, events=events)))
+            provenance=result.provenance, events=events))
 
-    def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool,
-                        discarded: bool, *, repeat: bool = False
-                        ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
+    def _settle_failure(self, route: Route, profile: str | None, att: AttemptRecord,
+                        fact: FailureFact, sent: bool, discarded: bool, now: float, *,
+                        repeat: bool = False) -> Generator[Effect[Any], Any, AttemptRecord]:
         outcome = failure_outcome(fact, sent)
         # Streamed text nobody was shown (the caller buffered) is no effective output: it is
         # discarded, and that is recorded; the policy may then move on.
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
                                  "never delivered"})] if discarded else []
-        return (yield from perform(Settle(self.lease, att.attempt_id, outcome, fact=fact,
-                                          events=events, repeat=repeat)))
+        return (yield from self._settle(route, profile, att.attempt_id, outcome, now=now,
+                                        fact=fact, events=events, repeat=repeat))
 
-    def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
-                            ) -> Generator[Effect[Any], Any, None]:
+    def _settle_interrupted(self, route: Route, profile: str | None, att: AttemptRecord,
+                            dispatch: Dispatch) -> Generator[Effect[Any], Any, None]:
         """The send was interrupted (or the send function broke): settle truthfully."""
         progress = dispatch.progress
         if progress.provably_unsent:
-            settle = Settle(self.lease, att.attempt_id, Outcome.NOT_SENT,
-                            fact=CANCELLED_FACT.model_copy(update={"phase": Phase.BEFORE_SEND}))
-        else:
-            # What the caller was already shown is effective output, cancelled or not.
-            fact = CANCELLED_FACT
-            if progress.delivered or progress.tool_started:
-                fact = fact.model_copy(update={"phase": Phase.MID_STREAM,
-                                               "effective_output": True,
-                                               "tool_started": progress.tool_started})
-            settle = Settle(self.lease, att.attempt_id, Outcome.UNKNOWN, fact=fact)
-        yield from self._settle_quietly(settle)
+            yield from self._settle_quietly(
+                route, profile, att.attempt_id, Outcome.NOT_SENT,
+                CANCELLED_FACT.model_copy(update={"phase": Phase.BEFORE_SEND}))
+            return
+        # What the caller was already shown is effective output, cancelled or not.
+        fact = CANCELLED_FACT
+        if progress.delivered or progress.tool_started:
+            fact = fact.model_copy(update={"phase": Phase.MID_STREAM,
+                                           "effective_output": True,
+                                           "tool_started": progress.tool_started})
+        yield from self._settle_quietly(route, profile, att.attempt_id, Outcome.UNKNOWN, fact)
 
-    def _settle_quietly(self, settle: Settle) -> Generator[Effect[Any], Any, None]:
+    def _settle_quietly(self, route: Route, profile: str | None, attempt_id: str,
+                        outcome: Outcome, fact: FailureFact | None = None
+                        ) -> Generator[Effect[Any], Any, None]:
         """A settle on the way out of an interruption.
 
         What cannot be written is left to recovery (an attempt that does not exist, was settled,
         or whose run was taken over).
         """
         try:
-            yield from perform(settle)
+            yield from self._settle(route, profile, attempt_id, outcome, fact=fact)
         except (NotFound, SettleConflict, FencedOut) as e:
-            log.debug("settle of %s on interruption not written: %s", settle.attempt_id, e)
+            log.debug("settle of %s on interruption not written: %s", attempt_id, e)
         except LedgerError as e:
             log.warning("settle of %s on interruption failed (recovery will mark it): %s",
-                        settle.attempt_id, e)
+                        attempt_id, e)
 
     # -- stopping ----------------------------------------------------------------------------
 
@@ -742,16 +846,16 @@ def _queue_timeout(begin: Begin, first: Queued, last: Queued, policy: Policy
 def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> AttemptRecord:
     """The rejected Attempt as admission recorded it (no read back needed)."""
     return AttemptRecord(
-        attempt_id=begin.attempt_id, run_id=begin.lease.run_id, turn_id=begin.turn_id,
+        attempt_id=begin.attempt_id, run_id=begin.spec.run_id, turn_id=begin.turn_id,
         seq=int(e.fields.get("seq") or 0),
         kind=begin.kind, route_id=begin.route.id, provider=begin.route.provider,
         model=begin.route.model, group_id=begin.route.group, profile_id=begin.profile_id,
-        debit_id="d-" + begin.attempt_id, envelope_hash=begin.envelope_hash,
+        debit_id="d-" + begin.attempt_id, envelope_hash=begin.spec.envelope_hash,
         state=AttemptState.REJECTED, reject_reason=str(e.fields.get("reason")), fact=None,
         category=None, http_status=None, effective_output=False, tool_started=False,
         prompt_tokens=None, completion_tokens=None, cost=None, reserved=begin.reserve,
-        reserved_tokens=0, model_reported=None, output_hash=None, fence=begin.lease.fence,
-        executor=begin.lease.executor, created_at=now, settled_at=now)
+        reserved_tokens=0, model_reported=None, output_hash=None, fence=begin.spec.fence,
+        executor=begin.spec.executor, created_at=now, settled_at=now)
 
 
 def _short(text: str | None) -> str | None:

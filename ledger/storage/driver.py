@@ -29,8 +29,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import select
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -284,13 +286,17 @@ class PgDriver:
     def _connection(self) -> Iterator[Any]:
         import psycopg
 
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            try:
-                conn = psycopg.connect(self.conninfo, autocommit=True)
-            except psycopg.Error as e:
-                raise driver_error(e, self.where) from e
+        conn = None
+        while conn is None:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                try:
+                    conn = psycopg.connect(self.conninfo, autocommit=True)
+                except psycopg.Error as e:
+                    raise driver_error(e, self.where) from e
+            elif not _alive(conn):
+                conn = None  # the server dropped it while it was idle: take another
         try:
             yield conn
         finally:
@@ -298,6 +304,7 @@ class PgDriver:
             if not conn.closed and conn.info.transaction_status == 0:
                 with self._lock:
                     if len(self._idle) < self.max_size:
+                        conn._ledger_idle_since = time.monotonic()
                         self._idle.append(conn)
                         conn = None
             if conn is not None and not conn.closed:
@@ -312,8 +319,21 @@ class PgDriver:
             except BaseException as e:
                 _abort(conn)
                 if isinstance(e, psycopg.Error):
+                    self._after_error(conn)
                     raise driver_error(e, self.where) from e
                 raise
+
+    def _after_error(self, conn: Any) -> None:
+        """A connection the server dropped: the idle ones are as suspect, so they go too."""
+        if not conn.closed:
+            return
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            with contextlib.suppress(Exception):  # closing a dead connection is best effort
+                c.close()
+        # Async connections belong to their loops; they are dropped the same way.
+        self._aidle = weakref.WeakKeyDictionary()
 
     def _feed(self, conn: Any, tx: Tx[T]) -> T:
         stmts = self.stmts
@@ -356,17 +376,22 @@ class PgDriver:
 
         # Async connections belong to the event loop that made them.
         idle = self._aidle.setdefault(asyncio.get_running_loop(), [])
-        conn = idle.pop() if idle else None
-        if conn is None:
-            try:
-                conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
-            except psycopg.Error as e:
-                raise driver_error(e, self.where) from e
+        conn = None
+        while conn is None:
+            conn = idle.pop() if idle else None
+            if conn is None:
+                try:
+                    conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
+                except psycopg.Error as e:
+                    raise driver_error(e, self.where) from e
+            elif not await _aalive(conn):
+                conn = None  # the server dropped it while it was idle: take another
         try:
             yield conn
         finally:
             if not conn.closed and conn.info.transaction_status == 0 and \
                     len(idle) < self.max_size:
+                conn._ledger_idle_since = time.monotonic()
                 idle.append(conn)
             elif not conn.closed:
                 await conn.close()
@@ -380,6 +405,7 @@ class PgDriver:
             except BaseException as e:
                 await _aabort(conn)
                 if isinstance(e, psycopg.Error):
+                    self._after_error(conn)
                     raise driver_error(e, self.where) from e
                 raise
 
@@ -424,6 +450,60 @@ class PgDriver:
         # Async connections belong to the loop that made them; dropping them lets the loop's
         # shutdown close their sockets.
         self._aidle = weakref.WeakKeyDictionary()
+
+
+# A connection idle longer than this is checked (one round trip) before it is used again: a
+# dropped socket shows up there, not as a failed transaction. One used more recently (a busy
+# worker's) costs one poll of its socket: an idle connection has nothing to read, so anything
+# there (a server's goodbye, an end of file) means it is gone.
+IDLE_CHECK_S = 1.0
+
+
+def _told_goodbye(conn: Any) -> bool:
+    """Whether the server wrote to, or closed, a connection nobody is using."""
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+def _alive(conn: Any) -> bool:
+    """Whether a pooled connection still works (checked only after it idled a while)."""
+    import psycopg
+
+    if conn.closed or _told_goodbye(conn):
+        with contextlib.suppress(Exception):
+            conn.close()
+        return False
+    if time.monotonic() - getattr(conn, "_ledger_idle_since", 0.0) < IDLE_CHECK_S:
+        return True
+    try:
+        conn.execute("SELECT 1")
+        return True
+    except psycopg.Error:
+        with contextlib.suppress(Exception):
+            conn.close()
+        return False
+
+
+async def _aalive(conn: Any) -> bool:
+    """:func:`_alive` for an asyncio connection."""
+    import psycopg
+
+    if conn.closed or _told_goodbye(conn):
+        with contextlib.suppress(Exception):
+            await conn.close()
+        return False
+    if time.monotonic() - getattr(conn, "_ledger_idle_since", 0.0) < IDLE_CHECK_S:
+        return True
+    try:
+        await conn.execute("SELECT 1")
+        return True
+    except psycopg.Error:
+        with contextlib.suppress(Exception):
+            await conn.close()
+        return False
 
 
 def _abort(conn: Any) -> None:

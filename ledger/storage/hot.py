@@ -1017,6 +1017,16 @@ def mark_unknown_tx(sql: Sql, lease: Lease, attempt_id: str, clock: ClockFn,
     return attempt_record(att, att.debit_state)
 
 
+def attempt_tx(sql: Sql, attempt_id: str) -> Tx[AttemptRecord]:
+    """One Attempt with its debit's state (:class:`~ledger.errors.NotFound` for an unknown id)."""
+    rows = yield Q(sql.attempt, {"attempt_id": attempt_id})
+    if not rows:
+        raise NotFound(f"unknown attempt id {attempt_id!r}; list a run's attempts with "
+                       "`failover-ledger run show RUN_ID`", attempt_id=attempt_id)
+    att = _ns((*ATTEMPT_COLS, "debit_state", "debit_reserved_micros"), rows[0])
+    return attempt_record(att, att.debit_state)
+
+
 def claim_probe_tx(sql: Sql, key: str, provider: str | None, now: float, interval_s: float,
                    *, kind: str = "route", ttl_s: float | None = None,
                    max_keys: int | None = None) -> Tx[bool]:
@@ -1059,6 +1069,7 @@ __all__ = [
     "Sql",
     "SqliteSql",
     "acquire_tx",
+    "attempt_tx",
     "begin_tx",
     "check_live",
     "claim_probe_tx",

@@ -19,9 +19,9 @@ What every method promises:
   cannot be reached, went away or stayed busy (retry-safe), :class:`~ledger.errors.StorageError`
   (``read_only=True``) for a write the database refuses, :class:`~ledger.errors.Conflict` for a
   key recorded already, :class:`~ledger.errors.StorageError` for the rest;
-* the hot-path operations come in pairs: ``begin_attempt`` and its coroutine twin
-  ``abegin_attempt`` run the same transaction function (:mod:`ledger.storage.hot`), one on a
-  blocking connection, the other on an asyncio one.
+* the hot-path operations are flows (:mod:`ledger.storage.runner`): each yields the
+  transaction functions of :mod:`ledger.storage.hot` it needs, and the ledger's runner performs
+  them, blocking or for asyncio, so no operation is written twice.
 
 Arguments are taken as already checked by the facade (ids, amounts, leases); the port checks
 only what only the database knows (a live lease, a budget left, a row that exists).
@@ -46,6 +46,7 @@ from ledger.domain.records import (
 )
 from ledger.domain.specs import AdmitSpec, BeginSpec, GroupUpdate, ReceiptSpec, SettleSpec
 from ledger.domain.values import GroupProjection, Health
+from ledger.storage.runner import Flow, Runner
 from ledger.storage.wake import SlotWaker
 
 ClockFn = Callable[[], float]
@@ -120,6 +121,8 @@ class StoragePort(Protocol):
     where: str
     #: Wakes this process's waiters of a full capacity group (:mod:`ledger.storage.wake`).
     waker: SlotWaker
+    #: Performs the port's flows on its database, blocking or for asyncio.
+    runner: Runner
 
     def close(self) -> None:
         """Close every connection. The store is not used afterwards."""
@@ -151,19 +154,16 @@ class StoragePort(Protocol):
     # -- the hot path -------------------------------------------------------------------
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Snapshot:
+                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn
+                      ) -> Flow[Snapshot]:
         """One read: the live row of ``run_id``, the projections of ``groups``, the health
         rows of ``keys`` and the provenance of ``refs`` recorded by ``runs`` (the Run and its
         ancestors). Raises :class:`~ledger.errors.NotFound` for an unknown run."""
         ...
 
-    async def aturn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                             runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                             ) -> Snapshot:
-        """The coroutine twin of :meth:`turn_snapshot`."""
-        ...
 
-    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
+    def begin_attempt(self, spec: BeginSpec, clock: ClockFn
+                      ) -> Flow[AttemptRecord | Queued]:
         """Record the Attempt of ``spec`` before it is sent, in one transaction: live lease,
         allowances (and a retry permission when ``spec.take_retry``), the cost and token holds,
         a capacity slot, the decision's events. The same attempt id and content again is the
@@ -178,20 +178,15 @@ class StoragePort(Protocol):
         once its place comes up (with a ``capacity_wait`` event)."""
         ...
 
-    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
-        """The coroutine twin of :meth:`begin_attempt`."""
-        ...
 
-    def leave_queue(self, waiter_id: str, group: str) -> None:
+    def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in
         ``group``, and wake the waiters behind it; without a place nothing happens."""
         ...
 
-    async def aleave_queue(self, waiter_id: str, group: str) -> None:
-        """The coroutine twin of :meth:`leave_queue`."""
-        ...
 
-    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
+    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
+                       ) -> Flow[AttemptRecord]:
         """Record the outcome of ``spec.attempt_id`` (of ``run_id``) in one transaction: the
         hold posted or voided, the slot freed, health and the group fact applied. Settling
         again with the same content returns the settled record. Accepted under the Attempt's
@@ -202,10 +197,6 @@ class StoragePort(Protocol):
         settled unknown), :class:`~ledger.errors.NotFound` (no such attempt in the run)."""
         ...
 
-    async def asettle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
-                              ) -> AttemptRecord:
-        """The coroutine twin of :meth:`settle_attempt`."""
-        ...
 
     def settle_unknown(self, spec: ReceiptSpec, clock: ClockFn) -> AttemptRecord:
         """Settle an ``unknown`` Attempt with an operator's evidence, in one transaction under
@@ -219,114 +210,78 @@ class StoragePort(Protocol):
         ...
 
     def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
-                     reason: str) -> AttemptRecord:
+                     reason: str) -> Flow[AttemptRecord]:
         """Settle a dispatching Attempt as unknown (sent, no receipt: the hold stays, the slot
         is freed); an Attempt already settled is returned as it is. Raises
         :class:`~ledger.errors.NotFound` (no such attempt in the lease's run),
         :class:`~ledger.errors.FencedOut` (a stale lease, or an Attempt of another fence)."""
         ...
 
-    async def amark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
-                            reason: str) -> AttemptRecord:
-        """The coroutine twin of :meth:`mark_unknown`."""
-        ...
 
-    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn) -> Lease:
+    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn
+                      ) -> Flow[Lease]:
         """A lease on ``run_id`` for ``executor`` lasting ``ttl_s``: one's own live lease is
         renewed under the same fence, otherwise the fence moves on. Raises
         :class:`~ledger.errors.LeaseHeld` (another holder's unexpired lease),
         :class:`~ledger.errors.NotFound` (unknown run)."""
         ...
 
-    async def aacquire_lease(self, run_id: str, executor: str, ttl_s: float,
-                             clock: ClockFn) -> Lease:
-        """The coroutine twin of :meth:`acquire_lease`."""
-        ...
 
-    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
+    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Flow[Lease]:
         """Extend a live lease to ``ttl_s`` from now. Raises :class:`~ledger.errors.LeaseLost`
         (expired or released) or :class:`~ledger.errors.FencedOut` (taken over)."""
         ...
 
-    async def arenew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
-        """The coroutine twin of :meth:`renew_lease`."""
-        ...
 
-    def release_lease(self, lease: Lease, clock: ClockFn) -> None:
+    def release_lease(self, lease: Lease, clock: ClockFn) -> Flow[None]:
         """Give the lease up (again: the same write). Raises
         :class:`~ledger.errors.InvalidState` (attempts still in flight),
         :class:`~ledger.errors.LeaseLost` / :class:`~ledger.errors.FencedOut`."""
         ...
 
-    async def arelease_lease(self, lease: Lease, clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`release_lease`."""
-        ...
 
-    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
+    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> Flow[None]:
         """Record the Run's end ``status`` under a live lease (with a ``finish`` event).
         Raises :class:`~ledger.errors.LeaseLost` / :class:`~ledger.errors.FencedOut`."""
         ...
 
-    async def afinish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`finish_run`."""
-        ...
 
     def reserve_retry(self, lease: Lease, clock: ClockFn,
-                      data: Mapping[str, Any] | None = None) -> int:
+                      data: Mapping[str, Any] | None = None) -> Flow[int]:
         """Take one retry permission (``data`` is recorded with it as an event); returns how
         many are left. Raises :class:`~ledger.errors.AllowanceExhausted`, ``LeaseLost`` /
         ``FencedOut``."""
         ...
 
-    async def areserve_retry(self, lease: Lease, clock: ClockFn,
-                             data: Mapping[str, Any] | None = None) -> int:
-        """The coroutine twin of :meth:`reserve_retry`."""
-        ...
 
     def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
-                          clock: ClockFn) -> None:
+                          clock: ClockFn) -> Flow[None]:
         """Record that ``ref`` produced content with ``content_hash`` (the same again is the
         same write). Raises ``LeaseLost`` / ``FencedOut``."""
         ...
 
-    async def arecord_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
-                                 clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`record_provenance`."""
-        ...
 
     def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
-                     data: Mapping[str, Any], clock: ClockFn) -> None:
+                     data: Mapping[str, Any], clock: ClockFn) -> Flow[None]:
         """Append an audit event (``data`` stored as redacted JSON) under a live lease.
         Raises ``LeaseLost`` / ``FencedOut``."""
         ...
 
-    async def aappend_event(self, lease: Lease, attempt_id: str | None, kind: str,
-                            data: Mapping[str, Any], clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`append_event`."""
-        ...
 
     def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float, *,
                     kind: str = "route", ttl_s: float | None = None,
-                    max_keys: int | None = None) -> bool:
+                    max_keys: int | None = None) -> Flow[bool]:
         """Take the cluster-wide probe slot of health key ``key`` (of ``kind``: route,
         profile or provider): True for exactly one caller per ``interval_s``. A claim taken
         forgets probe times ``ttl_s`` old and keeps at most ``max_keys`` keys with one."""
         ...
 
-    async def aclaim_probe(self, key: str, provider: str | None, now: float,
-                           interval_s: float, *, kind: str = "route",
-                           ttl_s: float | None = None, max_keys: int | None = None) -> bool:
-        """The coroutine twin of :meth:`claim_probe`."""
-        ...
 
-    def record_compaction(self, lease: Lease, clock: ClockFn) -> int:
+    def record_compaction(self, lease: Lease, clock: ClockFn) -> Flow[int]:
         """Count one compaction of the Run's session; returns the new count. Raises
         ``LeaseLost`` / ``FencedOut``."""
         ...
 
-    async def arecord_compaction(self, lease: Lease, clock: ClockFn) -> int:
-        """The coroutine twin of :meth:`record_compaction`."""
-        ...
 
     # -- groups, health, provenance, events ---------------------------------------------
 
@@ -359,7 +314,7 @@ class StoragePort(Protocol):
 
     # -- reads --------------------------------------------------------------------------
 
-    def get_attempt(self, attempt_id: str) -> AttemptRecord:
+    def attempt(self, attempt_id: str) -> Flow[AttemptRecord]:
         """One Attempt with its debit's state. Raises :class:`~ledger.errors.NotFound`."""
         ...
 

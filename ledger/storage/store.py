@@ -71,6 +71,7 @@ from ledger.storage.failure import mapped
 from ledger.storage.hot import check_live
 from ledger.storage.port import ClockFn, Figures, RowMap, Snapshot, StoragePort, Takeover
 from ledger.storage.rows import attempt_record, health_record, run_record
+from ledger.storage.runner import Flow, Runner, txn
 from ledger.storage.statements import event_json
 from ledger.storage.wake import SlotWaker
 
@@ -101,6 +102,7 @@ class SqlStore(StoragePort, abc.ABC):
         self.where = where
         self.lease_margin_s = lease_margin_s
         self.driver = driver
+        self.runner = Runner(driver)
         self.sql = self.SQL
         listen = self._listen if self.sql.NOTIFY_QUEUE is not None else None
         self.waker = SlotWaker(where, self.QUEUE_POLL_S, listen)
@@ -303,48 +305,32 @@ class SqlStore(StoragePort, abc.ABC):
             ).all()
         return [run_record(r) for r in rows]
 
-    # -- the hot path (each also as an ``a``-prefixed coroutine) -------------------------
-    # Each method is one call of the driver with one transaction function of ``hot``: nothing
-    # else stands between the facade and the statements.
+    # -- the hot path ---------------------------------------------------------------------
+    # Each is a flow of one transaction function of ``hot`` (a refused settle adds the late
+    # receipt's): the runner performs it, blocking or for asyncio (ledger.storage.runner).
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Snapshot:
+                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn
+                      ) -> Flow[Snapshot]:
         """One read: the run's live row (counters, current route, lease; not its frozen
         snapshots), its groups' projections, the health rows of ``keys``, and the provenance
         of ``refs`` recorded by ``runs``."""
-        return self.driver.run(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
-                                               clock), write=False)
+        return (yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
+                                               clock), write=False))
 
-    async def aturn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                             runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                             ) -> Snapshot:
-        """The coroutine twin of :meth:`turn_snapshot`."""
-        return await self.driver.arun(hot.snapshot_tx(self.sql, run_id, groups, keys, runs,
-                                                      refs, clock), write=False)
-
-    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
+    def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> Flow[AttemptRecord | Queued]:
         """Record an attempt before it is sent, in one transaction: live lease, allowances,
         holds, capacity, the decision's events. A rejection is recorded, then raised; a full
         group queues a begin with ``spec.queue_until`` (nothing recorded)."""
-        return self.driver.run(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
-                               write=True)
+        return (yield from txn(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s)))
 
-    async def abegin_attempt(self, spec: BeginSpec, clock: ClockFn) -> AttemptRecord | Queued:
-        """The coroutine twin of :meth:`begin_attempt`."""
-        return await self.driver.arun(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
-                                      write=True)
-
-    def leave_queue(self, waiter_id: str, group: str) -> None:
+    def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up ``waiter_id``'s place in ``group``'s queue (no place: nothing happens)."""
-        self.driver.run(hot.leave_queue_tx(self.sql, waiter_id, group), write=True)
+        yield from txn(hot.leave_queue_tx(self.sql, waiter_id, group))
         self.waker.poke(group)
 
-    async def aleave_queue(self, waiter_id: str, group: str) -> None:
-        """The coroutine twin of :meth:`leave_queue`."""
-        await self.driver.arun(hot.leave_queue_tx(self.sql, waiter_id, group), write=True)
-        self.waker.poke(group)
-
-    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> AttemptRecord:
+    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
+                       ) -> Flow[AttemptRecord]:
         """Record an attempt's outcome in one transaction; a settled attempt is never rewritten.
 
         Accepted for an Attempt begun under the lease's fence while that fence is current, even
@@ -354,24 +340,13 @@ class SqlStore(StoragePort, abc.ABC):
         ``late_receipt`` event on the Attempt, and its row does not change.
         """
         try:
-            return self.driver.run(hot.settle_tx(self.sql, run_id, spec, clock), write=True)
+            rec = yield from txn(hot.settle_tx(self.sql, run_id, spec, clock))
         except (FencedOut, SettleConflict) as e:
             if _late(e):
-                self.driver.run(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)),
-                                write=True)
+                yield from txn(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
             raise
-
-    async def asettle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
-                              ) -> AttemptRecord:
-        """The coroutine twin of :meth:`settle_attempt`."""
-        try:
-            return await self.driver.arun(hot.settle_tx(self.sql, run_id, spec, clock),
-                                          write=True)
-        except (FencedOut, SettleConflict) as e:
-            if _late(e):
-                await self.driver.arun(hot.late_receipt_tx(self.sql, run_id, spec, clock(),
-                                                           str(e)), write=True)
-            raise
+        self.waker.poke(rec.group_id)  # its slot is free: a waiter may go
+        return rec
 
     def settle_unknown(self, spec: ReceiptSpec, clock: ClockFn) -> AttemptRecord:
         """Settle an unknown Attempt with an operator's evidence (see the port's docstring).
@@ -434,121 +409,66 @@ class SqlStore(StoragePort, abc.ABC):
         return attempt_record(row, row.debit_state)
 
     def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
-                     reason: str) -> AttemptRecord:
+                     reason: str) -> Flow[AttemptRecord]:
         """Dispatched without a receipt: unknown, keeping its hold (a graceful shutdown)."""
-        return self.driver.run(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason),
-                               write=True)
+        rec = yield from txn(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason))
+        self.waker.poke(rec.group_id)  # its slot is free: a waiter may go
+        return rec
 
-    async def amark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
-                            reason: str) -> AttemptRecord:
-        """The coroutine twin of :meth:`mark_unknown`."""
-        return await self.driver.arun(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock,
-                                                          reason), write=True)
+    def attempt(self, attempt_id: str) -> Flow[AttemptRecord]:
+        """One Attempt, under its original route, with its debit's state."""
+        return (yield from txn(hot.attempt_tx(self.sql, attempt_id), write=False))
 
-    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn) -> Lease:
+    def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn
+                      ) -> Flow[Lease]:
         """A lease on the run. Another holder's unexpired lease is ``LeaseHeld``; one's own
         live lease is renewed under the same fence; otherwise the fence moves on."""
-        return self.driver.run(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
-                                              self.lease_margin_s), write=True)
+        return (yield from txn(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
+                                              self.lease_margin_s)))
 
-    async def aacquire_lease(self, run_id: str, executor: str, ttl_s: float,
-                             clock: ClockFn) -> Lease:
-        """The coroutine twin of :meth:`acquire_lease`."""
-        return await self.driver.arun(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
-                                                     self.lease_margin_s), write=True)
-
-    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
+    def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Flow[Lease]:
         """Extend a live lease; a lapsed one is ``LeaseLost`` (acquire again)."""
-        return self.driver.run(hot.renew_tx(self.sql, lease, ttl_s, clock, self.lease_margin_s),
-                               write=True)
+        return (yield from txn(hot.renew_tx(self.sql, lease, ttl_s, clock,
+                                            self.lease_margin_s)))
 
-    async def arenew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Lease:
-        """The coroutine twin of :meth:`renew_lease`."""
-        return await self.driver.arun(hot.renew_tx(self.sql, lease, ttl_s, clock,
-                                                   self.lease_margin_s), write=True)
-
-    def release_lease(self, lease: Lease, clock: ClockFn) -> None:
+    def release_lease(self, lease: Lease, clock: ClockFn) -> Flow[None]:
         """Give the lease up. Releasing an already released lease is the same write again."""
-        self.driver.run(hot.release_tx(self.sql, lease, clock), write=True)
+        yield from txn(hot.release_tx(self.sql, lease, clock))
 
-    async def arelease_lease(self, lease: Lease, clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`release_lease`."""
-        await self.driver.arun(hot.release_tx(self.sql, lease, clock), write=True)
-
-    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
+    def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> Flow[None]:
         """Record the Run's end under a live lease."""
-        self.driver.run(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s),
-                        write=True)
-
-    async def afinish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`finish_run`."""
-        await self.driver.arun(hot.finish_tx(self.sql, lease, status, clock,
-                                             self.lease_margin_s), write=True)
+        yield from txn(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s))
 
     def reserve_retry(self, lease: Lease, clock: ClockFn,
-                      data: Mapping[str, Any] | None = None) -> int:
+                      data: Mapping[str, Any] | None = None) -> Flow[int]:
         """Take one retry permission; returns how many are left after it."""
-        return self.driver.run(hot.reserve_retry_tx(self.sql, lease, clock, self.lease_margin_s,
-                                                    dict(data or {})), write=True)
-
-    async def areserve_retry(self, lease: Lease, clock: ClockFn,
-                             data: Mapping[str, Any] | None = None) -> int:
-        """The coroutine twin of :meth:`reserve_retry`."""
-        return await self.driver.arun(hot.reserve_retry_tx(
-            self.sql, lease, clock, self.lease_margin_s, dict(data or {})), write=True)
+        return (yield from txn(hot.reserve_retry_tx(self.sql, lease, clock,
+                                                    self.lease_margin_s, dict(data or {}))))
 
     def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
-                          clock: ClockFn) -> None:
+                          clock: ClockFn) -> Flow[None]:
         """Record that ``ref`` produced ``content_hash`` (under a live lease)."""
-        self.driver.run(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
-                                          self.lease_margin_s), write=True)
-
-    async def arecord_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
-                                 clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`record_provenance`."""
-        await self.driver.arun(hot.provenance_tx(self.sql, lease, ref, content_hash, kind,
-                                                 clock, self.lease_margin_s), write=True)
+        yield from txn(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
+                                         self.lease_margin_s))
 
     def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
-                     data: Mapping[str, Any], clock: ClockFn) -> None:
+                     data: Mapping[str, Any], clock: ClockFn) -> Flow[None]:
         """Append an audit event under a live lease."""
-        self.driver.run(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
-                                     self.lease_margin_s), write=True)
-
-    async def aappend_event(self, lease: Lease, attempt_id: str | None, kind: str,
-                            data: Mapping[str, Any], clock: ClockFn) -> None:
-        """The coroutine twin of :meth:`append_event`."""
-        await self.driver.arun(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
-                                            self.lease_margin_s), write=True)
+        yield from txn(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
+                                    self.lease_margin_s))
 
     def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float, *,
                     kind: str = "route", ttl_s: float | None = None,
-                    max_keys: int | None = None) -> bool:
+                    max_keys: int | None = None) -> Flow[bool]:
         """Take the cluster-wide probe slot for ``key``: True for exactly one caller per window.
         A claim taken forgets probe times ``ttl_s`` old and keeps at most ``max_keys``."""
         faults.point("probe.before_claim")
-        return self.driver.run(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,
-                                                  kind=kind, ttl_s=ttl_s, max_keys=max_keys),
-                               write=True)
+        return (yield from txn(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,
+                                                  kind=kind, ttl_s=ttl_s, max_keys=max_keys)))
 
-    async def aclaim_probe(self, key: str, provider: str | None, now: float,
-                           interval_s: float, *, kind: str = "route", ttl_s: float | None = None,
-                           max_keys: int | None = None) -> bool:
-        """The coroutine twin of :meth:`claim_probe`."""
-        faults.point("probe.before_claim")
-        return await self.driver.arun(hot.claim_probe_tx(
-            self.sql, key, provider, now, interval_s, kind=kind, ttl_s=ttl_s,
-            max_keys=max_keys), write=True)
-
-    def record_compaction(self, lease: Lease, clock: ClockFn) -> int:
+    def record_compaction(self, lease: Lease, clock: ClockFn) -> Flow[int]:
         """Count one compaction of the Run's session; returns the new count."""
-        return self.driver.run(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s),
-                               write=True)
-
-    async def arecord_compaction(self, lease: Lease, clock: ClockFn) -> int:
-        """The coroutine twin of :meth:`record_compaction`."""
-        return await self.driver.arun(hot.compaction_tx(self.sql, lease, clock,
-                                                        self.lease_margin_s), write=True)
+        return (yield from txn(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s)))
 
     # -- groups, health (administration and reads) -----------------------------------------
 
@@ -666,14 +586,6 @@ class SqlStore(StoragePort, abc.ABC):
                             r.created_at) for r in rows]
 
     # -- reads ----------------------------------------------------------------------------
-
-    def get_attempt(self, attempt_id: str) -> AttemptRecord:
-        """One Attempt with its debit's state (NotFound for an unknown id)."""
-        with self.reading() as conn:
-            row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": attempt_id}).first()
-            if row is None:
-                raise NotFound(f"unknown attempt id {attempt_id!r}", attempt_id=attempt_id)
-            return attempt_record(row, row.debit_state)
 
     def timeline(self, run_id: str) -> list[AttemptRecord]:
         """The Run's Attempts in sequence (NotFound for an unknown run)."""

@@ -12,8 +12,9 @@ from ledger.api.facade import AsyncLedger, Ledger
 from ledger.api.lease import AsyncLeaseKeeper, KeeperCore, LeaseKeeper, LeaseLost
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, DebitState, Lease
-from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument
+from ledger.errors import FencedOut, InvalidArgument
 from ledger.ops.recovery import recover
+from tests.netfaults import closed_port
 from tests.storage.helpers import budget, grant, routes
 
 
@@ -44,27 +45,21 @@ def test_schedule_renews_every_third_and_learns_takeover(db_url: str) -> None:
     led.close()
 
 
-class _Down:
-    """A ledger whose database is unreachable (only renew_lease is used by the schedule)."""
-
-    def __init__(self, clock: ManualClock) -> None:
-        self.clock = clock
-
-    def renew_lease(self, lease: Lease, *, ttl_s: float) -> Lease:
-        raise DatabaseUnavailable("down")
-
-
 def test_unreachable_database_retries_then_lease_lost() -> None:
+    # A real ledger whose PostgreSQL server is not there (a closed loopback port).
     clock = ManualClock()
+    down = Ledger.open(f"postgresql+psycopg://ledger@127.0.0.1:{closed_port()}/ledger",
+                       clock=clock, migrate_schema=False)
     lease = Lease("r1", "w1", 1, clock.now() + 30)
-    k = KeeperCore(_Down(clock), lease, ttl_s=30)  # type: ignore[arg-type]
+    k = KeeperCore(down, lease, ttl_s=30)
     clock.advance(10)
     assert k.tick() == pytest.approx(2.5)  # retried sooner than the interval
     while not k.lost.is_set():
         clock.advance(k.tick())
-    assert clock.now() >= lease.expires_at
+    assert clock.now() >= lease.expires_at and k.failures >= 2
     with pytest.raises(LeaseLost):
         k.check()
+    down.close()
 
 
 def test_thread_keeper_renews_while_the_call_blocks(tmp_path: Path) -> None:

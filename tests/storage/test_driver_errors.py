@@ -195,13 +195,14 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
     aled = AsyncLedger(led)
     try:
         lease, att = _seed(led)
-        # Between calls: every pooled connection of both paths is dead. The first use of each
-        # path's connection is DatabaseUnavailable; the same call again connects afresh.
+        # Between calls: every pooled connection of both paths is dead. SQLAlchemy's pool
+        # finds out on first use (DatabaseUnavailable; the same call again connects afresh);
+        # the hot path's driver sees the server's goodbye on an idle connection before it uses
+        # it, and connects afresh at once.
         _kill_sessions(pg_server, pg_url)
         mapped(lambda: led.get_run("r1"), DatabaseUnavailable)  # SQLAlchemy's pool
-        mapped(lambda: led.settle_attempt(lease, att, outcome="succeeded"),  # the driver's
-               DatabaseUnavailable)
-        assert led.get_attempt(att).state is AttemptState.DISPATCHING  # nothing half-written
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING  # the driver's
+        _kill_sessions(pg_server, pg_url)
         assert led.settle_attempt(lease, att, outcome="succeeded").state is \
             AttemptState.SUCCEEDED
         for call in (lambda: Audit(led).timeline("r1"), lambda: reconcile(led)):
@@ -221,16 +222,24 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
             AttemptState.DISPATCHING
         led.settle_attempt(lease, second.attempt_id, outcome="succeeded")
 
-        # The asyncio driver: its own pooled connection dies the same way.
+        # The asyncio driver: its own idle connection dies the same way and is replaced before
+        # use; one that dies inside a transaction is DatabaseUnavailable, nothing written.
         async def go() -> BaseException | None:
             third = await aled.begin_attempt(lease, route="a", envelope_hash=ENV,
                                              reserve="0.01")
             _kill_sessions(pg_server, pg_url)
+            assert (await aled.get_attempt(third.attempt_id)).state is \
+                AttemptState.DISPATCHING
+            faults.arm("settle.before_commit",
+                       lambda _name: _kill_sessions(pg_server, pg_url))
             try:
                 await aled.settle_attempt(lease, third.attempt_id, outcome="succeeded")
             except Exception as e:
+                faults.disarm("settle.before_commit")
                 await aled.settle_attempt(lease, third.attempt_id, outcome="succeeded")
                 return e
+            finally:
+                faults.disarm("settle.before_commit")
             return None
 
         err = asyncio.run(go())
