@@ -2,9 +2,10 @@
 generate``, and the history of ``python -m benchmarks recover``).
 
 The ledger's own ``failover-ledger generate`` (:mod:`ledger.tools.generate`) runs real Runs
-through the ledger's public API, so every record is the ledger's own writing; it manages a few
-hundred Attempts a second. This generator is for the millions of Attempts the audit benchmarks
-need: it simulates the same kind of Runs with the ledger's pure rules and bulk-loads the rows.
+through the ledger's public API, so every record is the ledger's own writing; it costs about
+6 ms of CPU per Attempt (``docs/audit.md``). This generator is for the millions of Attempts the
+audit benchmarks need: it simulates the same kind of Runs with the ledger's pure rules and
+bulk-loads the rows.
 
 Runs over many routes, providers, capacity groups, tenants and labels, of one to three turns
 each; failures observed as a provider or the transport reports them (rate limits with

@@ -566,9 +566,10 @@ def register(subparsers: Any) -> None:
         description="Runs Runs through the ledger (admit, lease, execute) with a scripted "
         "send function in place of the network and a manual clock moved through the --days "
         "window before --end, so every record is the ledger's own; exactly --attempts "
-        "Attempts. A few hundred Attempts a second: for millions, use the benchmarks' bulk "
-        "generator (python -m benchmarks generate, from a checkout).")
-    p.add_argument("--attempts", type=int, default=100_000, help="attempts (default 100000)")
+        "Attempts. About 6 ms of CPU per Attempt (docs/audit.md): for millions, use the "
+        "benchmarks' bulk generator (python -m benchmarks generate, from a checkout).")
+    p.add_argument("--attempts", type=int, default=10_000,
+                   help="attempts (default 10000: about a minute; see docs/audit.md)")
     p.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--end", type=float, default=None, help="epoch of the newest history "
