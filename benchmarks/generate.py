@@ -51,9 +51,9 @@ from ledger.decide.health import as_read, route_key
 from ledger.decide.profiles import marks_profile_tried
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import Decision, DecisionKind, RunPermissions, SelectionInput, select
-from ledger.decide.settle import settle_holds, settle_spec
+from ledger.decide.settle import failure_outcome, settle_holds, settle_spec
 from ledger.decide.turn import candidate_lines
-from ledger.domain.facts import Category, FailureFact, Observation, Phase, Transport, WireProtocol
+from ledger.domain.facts import Category, FailureFact, Observation, Transport, WireProtocol
 from ledger.domain.records import AttemptKind, FrozenRun, Lease, Outcome, to_micros
 from ledger.domain.specs import BeginSpec, SettleSpec
 from ledger.domain.values import Budget, Grant, Health, Price, Profile, Route, content_hash
@@ -354,14 +354,9 @@ class _Generator:
             t += rng.uniform(*_LATENCY["timeout" if obs.transport is Transport.READ_TIMEOUT
                                        else "refused" if obs.transport else "status"])
             fact = classify(obs, policy, now=t)
-            # The retry owner's reading of the outcome: never sent, or sent without an answer
+            # The retry owner's reading of the outcome: never sent, or sent without a verdict
             # (unknown: the hold stays), or failed.
-            if fact.phase is Phase.BEFORE_SEND:
-                outcome = Outcome.NOT_SENT
-            elif fact.status is None and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM):
-                outcome = Outcome.UNKNOWN
-            else:
-                outcome = Outcome.FAILED
+            outcome = failure_outcome(fact, sent=True)
             settle = settle_spec(
                 policy, route, profile, lease, attempt_id, outcome=outcome, fact=fact,
                 observation=None, now=t, effective_output=None, tool_started=None,

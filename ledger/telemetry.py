@@ -587,6 +587,8 @@ def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str,
         if part.role == "tool":
             item: dict[str, Any] = {"type": "tool_call_response",
                                     "id": part.tool_call_id, "response": redact(part.content)}
+        elif part.media_type is not None:
+            item = _media_item(part)
         elif part.role == "assistant" and part.tool_call_id is not None:
             # A tool call of an earlier turn carried back (its arguments as JSON text).
             item = {"type": "tool_call", "id": part.tool_call_id,
@@ -598,6 +600,19 @@ def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str,
         else:
             messages.append({"role": part.role, "parts": [item]})
     return system, messages
+
+
+def _media_item(part: Any) -> dict[str, Any]:
+    """An image, document or reasoning item as semconv describes it, without its bytes."""
+    kind = part.kind.value if part.kind is not None else "file"
+    if kind == "reasoning":
+        return {"type": "reasoning"}  # opaque, encrypted: nothing to show
+    if part.link is not None:
+        return {"type": "uri", "modality": kind, "mime_type": part.media_type,
+                "uri": redact(part.link)}
+    # The bytes stay out of telemetry (size, and what a document holds); their size is shown.
+    return {"type": "blob", "modality": kind, "mime_type": part.media_type,
+            "size": len(part.payload or b"")}
 
 
 def _arguments(text: str) -> Any:

@@ -38,6 +38,7 @@ _.SESSION_EXPIRED  # Category member: policy files name it (policies/fased.yaml)
 _.MEMORY, _.PRIVATE_DOCUMENT  # data-class names for hosts' parts (docs/disclosure.md)
 _.renewals  # LeaseKeeper.renewals: how often the keeper renewed, for its owner to watch
 _.received_at  # ReceivedRequest.received_at, in the fake provider's request log
+_.filename  # ReceivedMedia.filename: the file name a request sent (docs/adapters.md)
 
 # -- documented public API the library itself does not call -----------------------------------
 _.compacted  # RunSession.compacted (docs/policies.md, docs/presets/fased.md)
@@ -52,6 +53,6 @@ _.enable, _.disable  # telemetry.py: the process-wide switch (docs/telemetry.md)
 _.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and their off switch
 
 # -- the shipped test kit (ledger.testing), there for tests to use ----------------------------
-_.reset_next_connections, _.requests  # FakeProvider (docs/adapters.md)
+_.reset_next_connections, _.requests, _.wait_for_requests  # FakeProvider (docs/adapters.md)
 _.set_default, _.connections  # FakeProvider (docs/adapters.md)
 _.restart, _.psql, _.cleanup  # pgserver.PgServer (docs/reference.md, "The test kit")

@@ -24,6 +24,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_bounded_values.py::test_property_settle_stores_exactly_what_it_accepts",
         "tests/decide/test_write_rules.py::test_a_begin_retried_under_a_new_fence_is_the_same_write",
         "tests/decide/test_write_rules.py::test_the_settle_hash_covers_the_receipt",
+        "tests/recovery/test_settle_unknown.py::test_an_attempt_moves_out_of_unknown_exactly_once",
+        "tests/recovery/test_settle_unknown.py::test_the_executors_repeated_unknown_settle_after_the_receipt_changes_nothing",
     ),
     # 3. A stale executor or a lapsed lease starts nothing; its late settle is a late receipt.
     3: (
@@ -52,6 +54,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/run/test_retry_owner.py::test_call_allowance_bounds_the_loop",
         "tests/decide/test_write_rules.py::test_a_settle_never_posts_more_than_its_hold_and_posts_all_of_it_when_unreported",
         "tests/decide/test_write_rules.py::test_a_child_is_never_broader_than_its_parent",
+        "tests/session/test_multimodal_runs.py::test_the_budget_holds_a_documents_pages_before_anything_is_sent",
     ),
     # 5. Frozen plan, grant, budget and policy; history read under its original routes.
     5: (
@@ -71,6 +74,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/run/test_retry_owner.py::test_read_timeout_is_unknown_and_never_resubmitted_by_default",
         "tests/run/test_cancellation.py::test_cancel_mid_stream_is_unknown_with_its_hold",
         "tests/decide/test_write_rules.py::test_an_unknown_outcome_keeps_both_holds_and_not_sent_voids_them",
+        "tests/run/test_stream_endings.py::test_cut_with_buffered_output_is_unknown_discarded_and_keeps_its_hold",
     ),
     # 7. Disclosure: approved recipients only; model-derived parts need matching provenance.
     7: (
@@ -79,6 +83,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_session.py::test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns",
         "tests/decide/test_preflight.py::test_edited_copy_does_not_inherit_provenance",
         "tests/decide/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
+        "tests/session/test_multimodal_runs.py::test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

@@ -1,7 +1,7 @@
 """Provider adapters on httpx that turn every outcome into an observation.
 
 One engine (:class:`HttpAdapter`, and its blocking facade :class:`SyncAdapter`) sends on any route
-whose protocol has a registered codec; the three shipped codecs register themselves on import.
+whose protocol has a registered codec; the four shipped codecs register themselves on import.
 ``register_secret`` and ``install_log_redaction`` are :mod:`ledger.redaction`'s, for hosts that
 send requests themselves.
 See ``docs/adapters.md``.
@@ -10,6 +10,7 @@ See ``docs/adapters.md``.
 from ledger.adapters import anthropic as anthropic
 from ledger.adapters import gemini as gemini
 from ledger.adapters import openai as openai
+from ledger.adapters import openai_responses as openai_responses
 from ledger.adapters.base import HttpAdapter
 from ledger.adapters.contract import (
     AdapterResult,
@@ -62,6 +63,7 @@ __all__ = [
     "gemini",
     "install_log_redaction",
     "map_transport_error",
+    "openai_responses",
     "output_part",
     "redact",
     "register_codec",

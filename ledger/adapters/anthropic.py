@@ -13,6 +13,12 @@ result's text is the continuation only. ``max_tokens`` is required by the API:
 ``max_output_tokens`` or ``default_max_tokens`` (4096). The ``stop`` parameter is sent as
 ``stop_sequences``.
 
+Images and documents (binary parts) are content blocks of the user message: an image is an
+``image`` block, a PDF a ``document`` block, each with a ``base64`` source of its bytes or a
+``url`` source for an ``https://`` link; a plain-text document is a ``document`` block with a
+``text`` source (no link). A part's ``name`` is the document's ``title``. Reasoning items
+another protocol produced are left out, with a note.
+
 Stream completion: ``message_stop`` terminates. A body that ends cleanly without it is complete
 only if a ``message_delta`` carried a ``stop_reason``. An ``error`` event is a provider failure in
 mid-stream, reported with its body (e.g. ``overloaded_error``).
@@ -36,7 +42,10 @@ from ledger.adapters.contract import (
     Usage,
     WireRequest,
     check_params,
+    document_text,
+    dropped_reasoning,
     join_url,
+    media_of,
     optional_str,
     parse_json_event,
     provider_message,
@@ -46,8 +55,9 @@ from ledger.adapters.contract import (
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.envelope import Envelope
+from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
+from ledger.domain.media import MediaKind, b64
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
@@ -86,6 +96,25 @@ def _error(data: dict[str, Any]) -> ProviderErrorPayload:
     )
 
 
+def _media_block(part: Part, index: int, route: Route) -> dict[str, Any]:
+    """An ``image`` or ``document`` content block for a binary part."""
+    kind, payload, link = media_of(part, index, route)
+    mt = part.media_type or ""
+    if link is not None:
+        source: dict[str, Any] = {"type": "url", "url": link}
+    elif kind is MediaKind.TEXT:
+        source = {"type": "text", "media_type": "text/plain",
+                  "data": document_text(payload or b"")}
+    else:
+        source = {"type": "base64", "media_type": mt, "data": b64(payload or b"")}
+    if kind is MediaKind.IMAGE:
+        return {"type": "image", "source": source}
+    block: dict[str, Any] = {"type": "document", "source": source}
+    if part.name:
+        block["title"] = part.name
+    return block
+
+
 class AnthropicCodec(Codec):
     """The Anthropic Messages protocol (``/v1/messages``), as the module describes.
 
@@ -114,6 +143,7 @@ class AnthropicCodec(Codec):
         assert route.endpoint is not None  # checked by the engine before building
         system: list[str] = []
         messages: list[dict[str, Any]] = []
+        notes: list[str] = []
 
         def add(role: str, block: dict[str, Any]) -> None:
             if messages and messages[-1]["role"] == role:
@@ -152,6 +182,10 @@ class AnthropicCodec(Codec):
                         "input": tool_arguments(part.content, where),
                     },
                 )
+            elif part.kind is MediaKind.REASONING:
+                notes.append(dropped_reasoning(route, part, i))
+            elif part.media_type is not None:
+                add("user", _media_block(part, i, route))
             else:
                 add(part.role, {"type": "text", "text": part.content})
         if not messages:
@@ -188,7 +222,8 @@ class AnthropicCodec(Codec):
         }
         if envelope.stream:
             body["stream"] = True
-        return WireRequest(url=self.url(route.endpoint), headers=headers, body=body)
+        return WireRequest(url=self.url(route.endpoint), headers=headers, body=body,
+                           notes=tuple(notes))
 
     def auth_headers(self, secret: str) -> dict[str, str]:
         """``x-api-key: <secret>``."""

@@ -2,7 +2,8 @@
 
 The contract it keeps (results, stream events, what a codec provides) is
 :mod:`ledger.adapters.contract`; the codecs are :mod:`~ledger.adapters.openai`,
-:mod:`~ledger.adapters.anthropic` and :mod:`~ledger.adapters.gemini`, the transport mapping is
+:mod:`~ledger.adapters.openai_responses`, :mod:`~ledger.adapters.anthropic` and
+:mod:`~ledger.adapters.gemini`, the transport mapping is
 :mod:`ledger.adapters.transport` and the blocking facade :mod:`ledger.adapters.sync`.
 
 An adapter call sends one request on one route and reports exactly what happened. It never raises
@@ -66,7 +67,8 @@ request may have executed (DESIGN invariant 6), so nothing is reported as ``befo
 A ``before_send`` phase with a transport kind is a promise that the request never left.
 
 Streaming rules (see :meth:`HttpAdapter.send`): a stream succeeds only when the protocol's
-terminator was seen (OpenAI ``data: [DONE]``, Anthropic ``message_stop``) or, when the HTTP body
+terminator was seen (OpenAI ``data: [DONE]``, the Responses API's ``response.completed``,
+Anthropic ``message_stop``) or, when the HTTP body
 ended cleanly without it, the protocol's own completion signal was (OpenAI ``finish_reason`` on
 every choice, Anthropic ``message_delta.stop_reason``, Gemini ``finishReason``). Anything else is a
 failure, and when text or a tool-call proposal was already delivered the failure carries
@@ -88,6 +90,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -106,7 +109,9 @@ from ledger.adapters.contract import (
     TextDelta,
     ToolCallProposal,
     Usage,
+    WireRequest,
     codec_for,
+    reasoning_data,
 )
 from ledger.adapters.secrets import (
     EVIDENCE_CAP_BYTES,
@@ -124,9 +129,15 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.decide.effects import SendProgress
-from ledger.domain.bounds import check_count, check_optional_id
+from ledger.domain.bounds import (
+    amount_in_range,
+    check_count,
+    check_optional_id,
+    tokens_in_range,
+)
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import Observation, Phase, Source, Transport
+from ledger.domain.media import MediaKind
 from ledger.domain.validation import check_secret_provider, checked_calls
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
@@ -172,6 +183,11 @@ class _Progress:
         self.report = report
         if report is not None:
             report.sent = False
+
+    def delivered(self) -> None:
+        """Output reached the caller: an interrupted call is recorded with effective output."""
+        if self.report is not None:
+            self.report.delivered = True
 
     async def trace(self, name: str, info: Mapping[str, Any]) -> None:
         if name.endswith("send_request_headers.started"):
@@ -234,6 +250,7 @@ class _Call:
     effective_output: bool = False
     usage: Usage | None = None
     model: str | None = None
+    notes: tuple[str, ...] = ()  # what the codec left out of the request, and why
 
     @property
     def secrets(self) -> list[str | None]:
@@ -387,6 +404,16 @@ class HttpAdapter:
                 "refused it (or end the envelope with a user part)",
                 field="envelope.parts",
             )
+        for i, part in enumerate(envelope.parts):
+            kind = part.kind
+            declared = {MediaKind.IMAGE: caps.image_input, MediaKind.PDF: caps.pdf_input}
+            if kind in declared and declared[kind] is False:
+                what = "images" if kind is MediaKind.IMAGE else "PDFs"
+                raise InvalidArgument(
+                    f"route {route.id!r} reads no {what} (Capabilities.{kind.value}_input="
+                    f"False); preflight should have refused it (or leave part {i} out)",
+                    field=f"envelope.parts[{i}]",
+                )
 
     @staticmethod
     def _check_endpoint(route: Route) -> None:
@@ -460,8 +487,8 @@ class HttpAdapter:
 
     def _prepare(
         self, route: Route, envelope: Envelope, profile_id: str | None
-    ) -> tuple[Codec, str | None, str, bytes, dict[str, str]]:
-        """Codec, secret, URL, body and headers; raises _CannotBuild or InvalidArgument."""
+    ) -> tuple[Codec, str | None, WireRequest, bytes, dict[str, str]]:
+        """Codec, secret, request, body and headers; raises _CannotBuild or InvalidArgument."""
         self._check_endpoint(route)
         try:
             codec = codec_for(route.protocol)
@@ -473,7 +500,7 @@ class HttpAdapter:
         headers = dict(wire.headers)
         if secret is not None:
             headers.update(codec.auth_headers(secret))
-        return codec, secret, wire.url, content, headers
+        return codec, secret, wire, content, headers
 
     def _cannot_build(
         self, route: Route, message: str, t0: float, secret: str | None = None
@@ -544,10 +571,12 @@ class HttpAdapter:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            codec, secret, url, content, headers = self._prepare(route, envelope, profile_id)
+            codec, secret, wire, content, headers = self._prepare(route, envelope, profile_id)
         except _CannotBuild as cb:
             result = self._cannot_build(route, cb.message, t0)
         else:
+            for note in wire.notes:
+                log.info("route %s: %s", route.id, note)
             call = _Call(
                 route=route,
                 codec=codec,
@@ -557,8 +586,9 @@ class HttpAdapter:
                 stream=envelope.stream,
                 t0=t0,
                 progress=tracker,
+                notes=wire.notes,
             )
-            result = await self._call(call, url, content, headers)
+            result = await self._call(call, wire.url, content, headers)
         self._log(route, result)
         return result
 
@@ -676,6 +706,28 @@ class HttpAdapter:
             effective_output=call.effective_output,
         )
 
+    @staticmethod
+    def _billing(call: _Call, usage: Usage | None
+                 ) -> tuple[Usage | None, Decimal | None, Usage | None]:
+        """``(usage, cost, rejected)`` as a caller may record them.
+
+        A report the ledger cannot store (a count above 10^15 tokens, or a cost at the route's
+        price above 10^12) is no usage: the answer stands with ``usage`` and ``cost`` ``None``
+        (the whole hold is then posted, never a made-up figure), and the report is handed
+        back as ``rejected`` evidence, so ``settle_attempt`` never refuses what the adapter
+        returned and a delivered answer is never lost to a hostile or buggy counter.
+        """
+        if usage is None:
+            return None, None, None
+        if tokens_in_range(usage.prompt_tokens) and tokens_in_range(usage.completion_tokens):
+            cost = call.route.cost(usage.prompt_tokens, usage.completion_tokens)
+            if amount_in_range(cost):
+                return usage, cost, None
+        log.warning("route %s: reported usage out of range (prompt_tokens=%s, "
+                    "completion_tokens=%s); recorded as not reported", call.route.id,
+                    usage.prompt_tokens, usage.completion_tokens)
+        return None, None, usage
+
     async def _fail(
         self,
         call: _Call,
@@ -692,14 +744,14 @@ class HttpAdapter:
                 call, Reset(reason=transport.value if transport else "provider_error")
             )
         obs = self._observation(call, transport=transport, phase=phase, message=message, body=body)
+        usage, cost, rejected = self._billing(call, call.usage)
         return AdapterResult(
             ok=False,
             route_id=call.route.id,
-            usage=call.usage,
+            usage=usage,
             model_reported=call.model,
-            cost=call.route.cost(call.usage.prompt_tokens, call.usage.completion_tokens)
-            if call.usage
-            else None,
+            cost=cost,
+            rejected_usage=rejected,
             observation=obs,
             effective_output=call.effective_output,
             http_status=call.status,
@@ -708,10 +760,11 @@ class HttpAdapter:
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
             sent=call.progress.request_sent,
+            notes=call.notes,
         )
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
-        usage = reply.usage
+        usage, cost, rejected = self._billing(call, reply.usage)
         return AdapterResult(
             ok=True,
             route_id=call.route.id,
@@ -719,14 +772,15 @@ class HttpAdapter:
             tool_calls=tuple(reply.tool_calls),
             usage=usage,
             model_reported=reply.model,
-            cost=call.route.cost(usage.prompt_tokens, usage.completion_tokens)
-            if usage
-            else None,
+            cost=cost,
+            rejected_usage=rejected,
             finish_reason=reply.finish_reason,
             effective_output=bool(reply.text or reply.tool_calls),
             http_status=call.status,
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
+            reasoning=tuple(reasoning_data(call.route, item) for item in reply.reasoning),
+            notes=call.notes,
         )
 
     async def _transport_failure(self, call: _Call, exc: BaseException) -> AdapterResult:
@@ -828,6 +882,7 @@ class HttpAdapter:
         try:
             reply = call.codec.parse_reply(data)
         except ProviderErrorPayload as exc:
+            call.usage, call.model = exc.usage or call.usage, exc.model or call.model
             return await self._fail(
                 call,
                 transport=None,
@@ -874,6 +929,9 @@ class HttpAdapter:
         elif isinstance(event, ToolCallProposal):
             call.delivered_any = True
             call.effective_output = call.effective_output or watched
+        if watched and call.effective_output:
+            # Told before the callback runs: a caller that cancels from inside it was shown it.
+            call.progress.delivered()
         if call.on_event is not None:
             ret = call.on_event(event)
             if inspect.isawaitable(ret):

@@ -10,9 +10,10 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.envelope import Envelope
+from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
-from ledger.domain.values import Route
+from ledger.domain.media import URL_KINDS, MediaKind
+from ledger.domain.values import Route, canonical_json
 from ledger.errors import InvalidArgument
 from ledger.redaction import redact
 
@@ -22,10 +23,17 @@ from ledger.redaction import redact
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """The tokens the provider reported for one call (prompt and completion)."""
+    """The tokens the provider reported for one call (prompt and completion).
+
+    ``cached_tokens`` (prompt tokens served from the provider's cache) and
+    ``reasoning_tokens`` (completion tokens spent reasoning) are included in the two totals
+    and reported where the protocol says them (the Responses API does).
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +88,9 @@ class AdapterResult:
 
     On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
     whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
-    ``usage`` and ``cost`` are ``None`` when the provider reported no usage.
+    ``usage`` and ``cost`` are ``None`` when the provider reported no usage, or usage the ledger
+    cannot store (a count above 10^15 tokens, a cost above 10^12): such a report is kept as
+    ``rejected_usage``, evidence for the record, and never handed on as a figure.
 
     ``sent`` is ``False`` exactly when no byte of the request was handed to the socket (connect
     refused, DNS and TLS failures, connect timeout, a route that cannot build a request), and
@@ -103,6 +113,12 @@ class AdapterResult:
     request_id: str | None = None
     elapsed_s: float = 0.0
     sent: bool = True
+    # Opaque reasoning items of the answer (a Responses-API route's), as the data of the parts
+    # that carry them back to this route (see reasoning_data).
+    reasoning: tuple[bytes, ...] = ()
+    # What the codec left out of the request and why (e.g. another route's reasoning items).
+    notes: tuple[str, ...] = ()
+    rejected_usage: Usage | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,22 +127,32 @@ class AdapterResult:
 
 @dataclass(frozen=True, slots=True)
 class WireRequest:
-    """What a codec builds: the URL, the non-secret headers and the JSON body."""
+    """What a codec builds: the URL, the non-secret headers and the JSON body.
+
+    ``notes`` say what of the envelope was left out, and why (logged, and returned on the
+    result).
+    """
 
     url: str
     headers: dict[str, str]
     body: dict[str, Any]
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
 class Reply:
-    """What a codec parsed from an answer: text, tool calls, usage, served model, finish."""
+    """What a codec parsed from an answer: text, tool calls, usage, served model, finish.
+
+    ``reasoning`` holds the answer's opaque reasoning items (JSON objects, as the provider
+    sent them), for protocols that carry them between turns.
+    """
 
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage | None = None
     model: str | None = None
     finish_reason: str | None = None
+    reasoning: list[dict[str, Any]] = field(default_factory=list)
 
 
 class MalformedPayload(ValueError):
@@ -134,11 +160,18 @@ class MalformedPayload(ValueError):
 
 
 class ProviderErrorPayload(Exception):
-    """The provider answered with an error object (in a stream, or in a 2xx body)."""
+    """The provider answered with an error object (in a stream, or in a 2xx body).
 
-    def __init__(self, message: str, body: str) -> None:
+    ``usage`` and ``model`` are what a whole failed answer still reported (a Responses-API
+    response that failed or was incomplete is billed): the result keeps them.
+    """
+
+    def __init__(self, message: str, body: str, *, usage: Usage | None = None,
+                 model: str | None = None) -> None:
         super().__init__(message)
         self.body = body
+        self.usage = usage
+        self.model = model
 
 
 def provider_message(value: Any, limit: int = 200) -> str:
@@ -183,6 +216,7 @@ class StreamState(ABC):
         self.usage: Usage | None = None
         self.model: str | None = None
         self.finish_reason: str | None = None
+        self.reasoning: list[dict[str, Any]] = []
         self.terminated = False  # the protocol's terminator arrived
         self.completed = False  # the protocol's completion signal arrived
         self.content_seen = False  # any text or tool-call fragment (stops the first-token clock)
@@ -203,6 +237,7 @@ class StreamState(ABC):
             usage=self.usage,
             model=self.model,
             finish_reason=self.finish_reason,
+            reasoning=list(self.reasoning),
         )
 
 
@@ -285,6 +320,70 @@ def check_params(route: Route, params: Mapping[str, Any], reserved: set[str]) ->
                 "drop it or add it to Capabilities.parameters",
                 field=f"envelope.params.{name}",
             )
+
+
+# --------------------------------------------------------------------------------------------
+# Images, documents and reasoning items
+
+
+def reasoning_data(route: Route, item: Mapping[str, Any]) -> bytes:
+    """The data of a part that carries ``item`` (a reasoning item) back to ``route``.
+
+    Canonical JSON of the route's id and protocol and the item, so the part hashes alike
+    whoever rebuilds it from the same answer.
+    """
+    return canonical_json({"route": route.id, "protocol": route.protocol.value,
+                           "item": dict(item)}).encode("utf-8")
+
+
+def reasoning_item(part: Part) -> tuple[str, str, dict[str, Any]] | None:
+    """``(route id, protocol, item)`` of a reasoning part, or ``None`` for any other part."""
+    if part.kind is not MediaKind.REASONING or part.payload is None:
+        return None
+    try:
+        doc = json.loads(part.payload)
+    except (ValueError, RecursionError):
+        return None
+    if (not isinstance(doc, dict) or not isinstance(doc.get("route"), str)
+            or not isinstance(doc.get("protocol"), str) or not isinstance(doc.get("item"), dict)):
+        return None
+    return doc["route"], doc["protocol"], doc["item"]
+
+
+def dropped_reasoning(route: Route, part: Part, index: int) -> str:
+    """The note of a reasoning item left out of a request to ``route`` (another route's)."""
+    found = reasoning_item(part)
+    origin = f"route {found[0]!r} ({found[1]})" if found else "an unreadable origin"
+    return (f"envelope.parts[{index}]: a reasoning item of {origin} is left out of the request "
+            f"to route {route.id!r} ({route.protocol.value}): reasoning is carried only to the "
+            "route that produced it (another route cannot read it); the conversation's text and "
+            "tool calls go on")
+
+
+def media_of(part: Part, index: int, route: Route) -> tuple[MediaKind, bytes | None,
+                                                                    str | None]:
+    """``(kind, bytes, link)`` of an image or document part (exactly one of the two is set).
+
+    Raises:
+        InvalidArgument: a link of a kind ``route``'s protocol cannot carry (preflight skips
+            such a route: the selector never sends it there).
+    """
+    kind = part.kind
+    assert kind is not None and kind is not MediaKind.REASONING
+    payload = part.payload
+    link = part.link
+    if link is not None and kind not in URL_KINDS.get(route.protocol, frozenset()):
+        raise InvalidArgument(
+            f"protocol {route.protocol.value} carries no {kind.value} by link (the ledger never "
+            f"fetches one); send the file's bytes as data=, or use a route whose protocol takes "
+            f"links; preflight should have refused route {route.id!r}",
+            field=f"envelope.parts[{index}].url")
+    return kind, payload, link
+
+
+def document_text(payload: bytes) -> str:
+    """A plain-text document's text (UTF-8, checked when its part was built)."""
+    return payload.decode("utf-8")
 
 
 def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:

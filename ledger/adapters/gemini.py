@@ -15,6 +15,11 @@ final ``model`` turn (prefill); models that refuse it answer with a 400. Generat
 into ``generationConfig``; ``max_output_tokens``, ``temperature``, ``top_p``, ``top_k`` and
 ``stop`` are renamed to Gemini's names, other keys are passed as given.
 
+Images and documents (binary parts) are parts of the user turn: ``inline_data`` (``mime_type``,
+base64 ``data``) for bytes, ``file_data`` (``mime_type``, ``file_uri``) for an ``https://``
+link; a plain-text document's media type is sent as ``text/plain``. Reasoning items another
+protocol produced are left out, with a note.
+
 Stream completion: Gemini has no terminator event; a stream whose body ends cleanly is complete
 only if a candidate carried a ``finishReason``. A response without candidates whose
 ``promptFeedback`` has a ``blockReason`` is a provider refusal, reported as a failure.
@@ -40,7 +45,9 @@ from ledger.adapters.contract import (
     Usage,
     WireRequest,
     check_params,
+    dropped_reasoning,
     join_url,
+    media_of,
     optional_str,
     parse_json_event,
     provider_message,
@@ -52,6 +59,7 @@ from ledger.adapters.contract import (
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import WireProtocol
+from ledger.domain.media import MediaKind, b64, wire_media_type
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
@@ -113,6 +121,7 @@ class GeminiCodec(Codec):
         assert route.endpoint is not None  # checked by the engine before building
         system: list[str] = []
         contents: list[dict[str, Any]] = []
+        notes: list[str] = []
 
         def add(role: str, part: dict[str, Any]) -> None:
             if contents and contents[-1]["role"] == role:
@@ -146,6 +155,15 @@ class GeminiCodec(Codec):
                     "model",
                     {"functionCall": {"name": p.name, "args": tool_arguments(p.content, where)}},
                 )
+            elif p.kind is MediaKind.REASONING:
+                notes.append(dropped_reasoning(route, p, i))
+            elif p.media_type is not None:
+                _kind, payload, link = media_of(p, i, route)
+                mime = wire_media_type(p.media_type)
+                if link is not None:
+                    add("user", {"file_data": {"mime_type": mime, "file_uri": link}})
+                else:
+                    add("user", {"inline_data": {"mime_type": mime, "data": b64(payload or b"")}})
             else:
                 add("model" if p.role == "assistant" else "user", {"text": p.content})
         if not contents:
@@ -185,7 +203,8 @@ class GeminiCodec(Codec):
             "accept": "text/event-stream" if envelope.stream else "application/json",
         }
         return WireRequest(
-            url=self.url(route.endpoint, route.model, envelope.stream), headers=headers, body=body
+            url=self.url(route.endpoint, route.model, envelope.stream), headers=headers, body=body,
+            notes=tuple(notes),
         )
 
     def auth_headers(self, secret: str) -> dict[str, str]:

@@ -15,6 +15,12 @@ message: servers that continue it do, others answer with a 400 that is reported 
 ``stream_options.include_usage`` (so cost is known) unless the route's declared parameters omit
 ``stream_options``.
 
+Images and documents (binary parts) join the user message before them as content items:
+an image as ``image_url`` (a ``data:`` URL of its bytes, or its ``https://`` link), a PDF as
+``file`` (``filename``, ``file_data``: a ``data:`` URL; chat completions takes no PDF link), a
+plain-text document as a ``text`` item holding its text. Reasoning items another protocol
+produced are left out, with a note.
+
 Stream completion: ``data: [DONE]`` terminates. A body that ends cleanly without it is complete
 only if every choice seen carried a ``finish_reason``; otherwise it was cut.
 """
@@ -37,7 +43,10 @@ from ledger.adapters.contract import (
     Usage,
     WireRequest,
     check_params,
+    document_text,
+    dropped_reasoning,
     join_url,
+    media_of,
     optional_str,
     parse_json_event,
     provider_message,
@@ -47,8 +56,9 @@ from ledger.adapters.contract import (
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.envelope import Envelope
+from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
+from ledger.domain.media import MediaKind, data_url
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
@@ -98,6 +108,20 @@ def _content_text(value: Any, what: str) -> str:
     raise MalformedPayload(f"{what} is neither a string nor a list of parts")
 
 
+def _media_item(part: Part, index: int, route: Route) -> dict[str, Any]:
+    """A user message's content item for an image or a document part."""
+    kind, payload, link = media_of(part, index, route)
+    mt = part.media_type or ""
+    if kind is MediaKind.IMAGE:
+        return {"type": "image_url", "image_url": {"url": link or data_url(mt, payload or b"")}}
+    assert payload is not None  # media_of refused a document link: chat takes none
+    if kind is MediaKind.PDF:
+        return {"type": "file", "file": {"filename": part.name or "document.pdf",
+                                          "file_data": data_url(mt, payload)}}
+    # Chat completions has no plain-text document: its text is the content.
+    return {"type": "text", "text": document_text(payload)}
+
+
 class OpenAICodec(Codec):
     """The OpenAI Chat Completions protocol (``/chat/completions``), as the module describes."""
 
@@ -113,6 +137,7 @@ class OpenAICodec(Codec):
             else join_url(endpoint, "chat/completions")
         )
         messages: list[dict[str, Any]] = []
+        notes: list[str] = []
         for i, part in enumerate(envelope.parts):
             where = f"envelope.parts[{i}]"
             if part.role == "assistant" and part.tool_call_id:
@@ -142,6 +167,19 @@ class OpenAICodec(Codec):
                 messages.append(
                     {"role": "tool", "tool_call_id": part.tool_call_id, "content": part.content}
                 )
+            elif part.kind is MediaKind.REASONING:
+                notes.append(dropped_reasoning(route, part, i))
+            elif part.media_type is not None:
+                item = _media_item(part, i, route)
+                last = messages[-1] if messages else None
+                # An image or a document joins the user message before it (a question and its
+                # attachment are one message); its own message otherwise.
+                if last is not None and last["role"] == "user" and "name" not in last:
+                    if isinstance(last["content"], str):
+                        last["content"] = [{"type": "text", "text": last["content"]}]
+                    last["content"].append(item)
+                else:
+                    messages.append({"role": "user", "content": [item]})
             else:
                 msg: dict[str, Any] = {"role": part.role, "content": part.content}
                 if part.name and part.role == "user":
@@ -178,7 +216,7 @@ class OpenAICodec(Codec):
         headers = {"content-type": "application/json", "accept": "application/json"}
         if envelope.stream:
             headers["accept"] = "text/event-stream"
-        return WireRequest(url=url, headers=headers, body=body)
+        return WireRequest(url=url, headers=headers, body=body, notes=tuple(notes))
 
     def auth_headers(self, secret: str) -> dict[str, str]:
         """``Authorization: Bearer <secret>``."""

@@ -23,6 +23,7 @@ from ledger.adapters.sync import SyncAdapter
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.domain.envelope import MODEL_DERIVED, Part
 from ledger.domain.facts import Observation
+from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.domain.validation import checked_call
 from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
@@ -37,10 +38,13 @@ def output_part(result: AdapterResult, attempt_id: str) -> Part:
 def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
     """The whole answer as parts, each with the Attempt as its provenance.
 
-    Its text, then one part per tool call (``tool_call_id``, ``name``, the arguments as JSON
-    text).
+    Its reasoning items (a Responses-API route's, carried back to that route only), its text,
+    then one part per tool call (``tool_call_id``, ``name``, the arguments as JSON text).
     """
-    parts: list[Part] = []
+    parts: list[Part] = [
+        Part(role="assistant", data=data, media_type=REASONING_MEDIA_TYPE,
+             data_class=MODEL_DERIVED, provenance=attempt_id)
+        for data in result.reasoning]
     if result.text or not result.tool_calls:
         parts.append(output_part(result, attempt_id))
     for call in result.tool_calls:
@@ -56,7 +60,9 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
         obs = result.observation or Observation(message="adapter failure without observation")
         return SendResult(ok=False, observation=obs, sent=result.sent,
                           partial_text=result.partial_text)
-    usage = result.usage
+    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
+    # again, records the answer with no usage, and keeps the report in a usage_invalid event.
+    usage = result.usage or result.rejected_usage
     return SendResult(
         ok=True,
         output=result,

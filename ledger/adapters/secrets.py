@@ -50,6 +50,7 @@ class SecretProvider(Protocol):
 
 _FALLBACK_ENV: dict[WireProtocol, tuple[str, ...]] = {
     WireProtocol.OPENAI: ("OPENAI_API_KEY",),
+    WireProtocol.OPENAI_RESPONSES: ("OPENAI_API_KEY",),
     WireProtocol.ANTHROPIC: ("ANTHROPIC_API_KEY",),
     WireProtocol.GEMINI: ("GEMINI_API_KEY", "GOOGLE_API_KEY"),
 }

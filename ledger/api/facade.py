@@ -45,6 +45,7 @@ from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
 from ledger.domain.bounds import (
     MAX_LEASE_TTL_S,
+    amount_in_range,
     check_amount,
     check_bool,
     check_choice,
@@ -72,7 +73,7 @@ from ledger.domain.records import (
     RunStatus,
     to_micros,
 )
-from ledger.domain.specs import BeginSpec, GroupUpdate
+from ledger.domain.specs import BeginSpec, GroupUpdate, ReceiptSpec
 from ledger.domain.validation import check_secret_provider, checked_call, checked_calls
 from ledger.domain.values import (
     Budget,
@@ -927,6 +928,83 @@ class Ledger:
         return Call(lambda: self._store.mark_unknown(lease, attempt_id, clock, why),
                      lambda: self._store.amark_unknown(lease, attempt_id, clock, why), done)
 
+    def settle_unknown(self, attempt_id: str, *, outcome: Outcome | str,
+                       prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                       cost: Decimal | int | str | None = None, note: str | None = None,
+                       by: str | None = None) -> AttemptRecord:
+        """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
+
+        An unknown Attempt (sent, no receipt) keeps its hold until someone knows better, e.g.
+        from the provider's usage console or billing export. This records that evidence: the
+        Attempt's state moves from ``unknown`` to ``outcome`` exactly once, its hold is posted
+        (``succeeded``/``failed``: the evidenced cost, at most the hold, the rest released;
+        without a cost or usage the whole hold) or voided (``not_sent``: it never ran, and the
+        model call is given back), the Run's counters follow, and a ``late_receipt`` event
+        (``applied``) keeps who, what, why and the previous state beside the Attempt. Its
+        recorded fact, output flags and route health are left as observed.
+
+        No lease is needed: the Run may be closed, or held by nobody. It cannot race a live
+        executor, because only an ``unknown`` Attempt is accepted (an executor never writes
+        to one again) and the write runs under the Run's row lock.
+
+        Args:
+            attempt_id: The unknown Attempt (``failover-ledger attempts --open`` lists them).
+            outcome: What the evidence shows: ``succeeded``, ``failed`` or ``not_sent``.
+            prompt_tokens: The prompt tokens the provider billed, if known.
+            completion_tokens: The completion tokens it billed, if known.
+            cost: What it cost (a Decimal, int or decimal string); default: the usage at the
+                Attempt's frozen route price, or the whole hold when no usage is given.
+            note: Why, for the audit (the evidence: a console link, a ticket), at most 500
+                characters.
+            by: Who records it (default: this ledger's ``executor_id``).
+
+        Returns:
+            The Attempt as settled now.
+
+        Raises:
+            InvalidArgument: ``outcome`` is not one of the three; a count or cost that is
+                negative or absurd (over 10^15 tokens, over 10^12), or usage with
+                ``not_sent``; a ``note`` or ``by`` that is not short printable text.
+            NotFound: no Attempt has this id.
+            InvalidState: the Attempt is not ``unknown`` (its state is named): settled
+                Attempts are never rewritten, and one still dispatching is its executor's.
+
+        Example:
+            >>> led.settle_unknown("att-9f2c", outcome="succeeded", prompt_tokens=812,
+            ...     completion_tokens=240, note="provider console, req 7a1")  # doctest: +SKIP
+        """
+        check_id(attempt_id, "attempt_id")
+        final = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
+        outcome = check_choice(outcome, Outcome, "outcome", final)
+        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
+        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
+        amount = check_amount(cost, "cost") if cost is not None else None
+        if note is not None:
+            check_text(note, "note", maximum=500)
+        who = self.executor_id if by is None else check_id(by, "by")
+        if outcome is Outcome.NOT_SENT:
+            for name, value in (("prompt_tokens", prompt_tokens),
+                                ("completion_tokens", completion_tokens), ("cost", amount)):
+                if value is not None:
+                    raise InvalidArgument(
+                        f"{name} given with outcome not_sent: a request that never ran used and "
+                        "cost nothing; drop it, or settle as succeeded or failed", field=name)
+        if amount is None and (prompt_tokens is not None or completion_tokens is not None):
+            att = self._store.get_attempt(attempt_id)
+            route = self.frozen_run(att.run_id).route(att.route_id)
+            priced = route.cost(prompt_tokens or 0, completion_tokens or 0)
+            if not amount_in_range(priced):
+                raise InvalidArgument(
+                    f"the usage costs {priced} at route {route.id!r}'s price, beyond any "
+                    "amount the ledger records; check the token counts, or pass cost=",
+                    field="completion_tokens" if completion_tokens else "prompt_tokens")
+            amount = priced
+        spec = ReceiptSpec(attempt_id=attempt_id, outcome=outcome, prompt_tokens=prompt_tokens,
+                           completion_tokens=completion_tokens,
+                           cost_micros=None if amount is None else to_micros(amount),
+                           by=who, note=note)
+        return self._store.settle_unknown(spec, self.clock.now)
+
     def _turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Call[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction.
 
@@ -1430,6 +1508,7 @@ class AsyncLedger:
     begin_attempt = _native(Ledger._begin_attempt)
     settle_attempt = _native(Ledger._settle_attempt)
     mark_unknown = _native(Ledger._mark_unknown)
+    settle_unknown = _in_thread(Ledger.settle_unknown)
     turn_snapshot = _native(Ledger._turn_snapshot)
     configure_group = _in_thread(Ledger.configure_group)
     set_group_state = _in_thread(Ledger.set_group_state)

@@ -188,10 +188,11 @@ def _runs(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(page)
         return 0
-    print(table(["RUN", "STATUS", "TENANT", "SELECTED", "CURRENT", "CALLS", "POSTED",
+    print(table(["RUN", "STATUS", "TENANT", "SELECTED", "CURRENT", "CALLS", "CHARGED", "HELD",
                  "ADMITTED"],
                 [[r.run_id, r.status, r.tenant, r.selected_route, r.current_route,
-                  r.calls_used, _money(r.posted), fmt_time(r.created_at)] for r in page.items]))
+                  r.calls_used, _money(r.posted), _money(r.reserved), fmt_time(r.created_at)]
+                 for r in page.items]))
     _footer(page)
     return 0
 
@@ -211,7 +212,8 @@ def _run_show(args: argparse.Namespace) -> int:
           f"labels {json.dumps(r.labels, sort_keys=True)}")
     print(f"selected {r.selected_route}  served {tl.served_route or '-'}  "
           f"failed over: {'yes' if tl.failed_over else 'no'}  "
-          f"cost {_money(tl.total_cost)} of {_money(r.max_cost)}  tokens {r.tokens_used}  "
+          f"charged {_money(tl.total_cost)}  held {_money(tl.held)} of {_money(r.max_cost)}  "
+          f"tokens {r.tokens_used}  "
           f"admitted {fmt_until(r.created_at, now)}")
     print()
     rows = []
@@ -229,7 +231,7 @@ def _run_show(args: argparse.Namespace) -> int:
         rows.append([a.seq, a.kind, a.route_id, a.profile_id, outcome,
                      f"{a.debit_state} {_money(held)}",
                      _money(a.cost), why, fmt_time(a.created_at)])
-    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST", "WHY", "AT"],
+    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "REPORTED", "WHY", "AT"],
                 rows))
     # Waits have their own lines below.
     notes = [(a.seq, e) for a in tl.attempts for e in a.events
@@ -385,9 +387,9 @@ def _costs(args: argparse.Namespace) -> int:
         return 0
     key = args.label if args.by == "label" else args.by
     print(table([key.upper(), "ATTEMPTS", "OK", "FAILED", "UNKNOWN", "PROMPT_TOK",
-                 "COMPLETION_TOK", "COST"],
+                 "COMPLETION_TOK", "CHARGED", "HELD"],
                 [[t.key, t.attempts, t.succeeded, t.failed, t.unknown, t.prompt_tokens,
-                  t.completion_tokens, _money(t.cost)] for t in page.items]))
+                  t.completion_tokens, _money(t.cost), _money(t.held)] for t in page.items]))
     _footer(page)
     return 0
 
@@ -549,7 +551,8 @@ def register(subparsers: Any) -> None:
     _add_common(p)
     p.set_defaults(func=_failovers)
 
-    p = subparsers.add_parser("costs", help="cost and token totals per route, run, tenant, ...")
+    p = subparsers.add_parser("costs", help="money charged and held, and token totals, per route, "
+                              "run, tenant, ...")
     p.add_argument("--by", default="route",
                    choices=["route", "group", "provider", "run", "tenant", "label"])
     p.add_argument("--label", help="label key for --by label (e.g. team)")

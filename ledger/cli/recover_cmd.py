@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from ledger.cli.common import PROG
 from ledger.cli.progress import Progress, wanted
 
 # Shown in --help; tests/recovery/test_cli.py holds them equal to ledger.ops.recovery's defaults.
@@ -46,6 +47,33 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--progress", action="store_true", help="show progress even when piped")
     p.set_defaults(func=_recover)
+
+    att = subparsers.add_parser("attempt", help=f"one attempt: {PROG} attempt settle ID ...")
+    att_sub = att.add_subparsers(dest="attempt_command", metavar="SUBCOMMAND", required=True)
+    st = att_sub.add_parser(
+        "settle", help="settle an unknown attempt with evidence (a late receipt)",
+        description="Record what is known of an attempt whose outcome is unknown (sent, no "
+        "receipt), e.g. from the provider's usage console: its state moves from unknown to "
+        "--outcome once, its hold is posted (the evidenced cost, the rest released) or voided "
+        "(not_sent), and a late_receipt event keeps who, what and why. Only an unknown "
+        "attempt is accepted; no lease is needed.")
+    st.add_argument("attempt_id", metavar="ID")
+    st.add_argument("--outcome", required=True, choices=["succeeded", "failed", "not_sent"],
+                    help="what the evidence shows")
+    st.add_argument("--usage", metavar="PROMPT,COMPLETION",
+                    help="the tokens billed, e.g. 812,240 (or --prompt-tokens and "
+                    "--completion-tokens)")
+    st.add_argument("--prompt-tokens", type=int, default=None)
+    st.add_argument("--completion-tokens", type=int, default=None)
+    st.add_argument("--cost", default=None,
+                    help="what it cost (default: the usage at the route's frozen price; with "
+                    "no usage either, the whole hold)")
+    st.add_argument("--note", default=None, help="why: the evidence (a console link, a ticket)")
+    st.add_argument("--by", default=None,
+                    help="who records it (default: the operating-system user @ host)")
+    st.add_argument("--json", action="store_true", help="print the settled attempt as JSON")
+    st.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
+    st.set_defaults(func=_attempt_settle)
 
     c = subparsers.add_parser("reconcile", help="check every stored invariant over the ledger")
     c.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -97,3 +125,56 @@ def _reconcile(args: argparse.Namespace) -> int:
         for c in res.cost_over_hold:
             print(f"  cost_over_hold: {c}")
     return 0 if res.ok else 1
+
+
+def _usage(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    from ledger.errors import InvalidArgument
+
+    if args.usage is None:
+        return args.prompt_tokens, args.completion_tokens
+    if args.prompt_tokens is not None or args.completion_tokens is not None:
+        raise InvalidArgument("--usage is --prompt-tokens and --completion-tokens in one; pass "
+                              "one form, not both", field="usage")
+    parts = args.usage.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError(args.usage)
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        raise InvalidArgument(f"--usage {args.usage!r} is not PROMPT,COMPLETION; pass two "
+                              "token counts such as 812,240", field="usage") from None
+
+
+def _attempt_settle(args: argparse.Namespace) -> int:
+    import getpass
+    import socket
+
+    from ledger.cli.ops_cmd import open_reader
+    from ledger.ops.audit import to_jsonable
+
+    prompt, completion = _usage(args)
+    by = args.by
+    if by is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no user name in this environment (a bare container)
+            user = "operator"
+        by = f"{user}@{socket.gethostname()}"
+    led = open_reader(args.db)  # an existing ledger: nothing is created or migrated
+    try:
+        before = led.get_attempt(args.attempt_id)
+        att = led.settle_unknown(args.attempt_id, outcome=args.outcome, prompt_tokens=prompt,
+                                 completion_tokens=completion, cost=args.cost, note=args.note,
+                                 by=by)
+        run = led.get_run(att.run_id)
+        debit = led.debit(att.debit_id)
+    finally:
+        led.close()
+    if args.json:
+        sys.stdout.write(json.dumps(to_jsonable(att), indent=2, sort_keys=True) + "\n")
+        return 0
+    print(f"attempt {att.attempt_id} of run {att.run_id}: {before.state.value} -> "
+          f"{att.state.value}; debit {debit.state.value}, posted {debit.posted} of the hold "
+          f"{debit.reserved}")
+    print(f"run {run.run_id}: charged {run.posted}, held {run.reserved}")
+    return 0

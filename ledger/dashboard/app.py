@@ -157,7 +157,7 @@ def _table(headers: list[str], rows: list[list[str]], table_id: str, empty: str,
 
 
 def _glance_html(rep: HealthReport, attempts: int, bad: int, failovers: int, cost: Decimal,
-                 hours: float) -> str:
+                 held: Decimal, hours: float) -> str:
     """What an operator looks for first: what is cooling or held right now, and until when."""
     now = rep.now
     cooling = [k for k in rep.routes + rep.profiles if k.status != "ok"]
@@ -181,8 +181,10 @@ def _glance_html(rep: HealthReport, attempts: int, bad: int, failovers: int, cos
         f'<div class="tile">groups not open<b id="glance-groups">{len(floors)}</b></div>'
         f'<div class="tile">attempts, last {hours:g} h<b>{attempts}</b>'
         f'<span class="muted">{rate} without failure</span></div>'
-        f'<div class="tile">failovers / cost, last {hours:g} h<b>{failovers} &middot; '
-        f"{_money(cost)}</b></div></div>{listing}</section>")
+        f'<div class="tile">failovers / charged, last {hours:g} h<b>{failovers} &middot; '
+        f'<span id="glance-charged">{_money(cost)}</span></b>'
+        f'<span class="muted">held <span id="glance-held">{_money(held)}</span></span></div>'
+        f"</div>{listing}</section>")
 
 
 def _health_html(rep: HealthReport) -> str:
@@ -254,11 +256,11 @@ def _runs_table(runs: list[RunSummary], now: float) -> str:
 def _totals_rows(items: list[Totals]) -> list[list[str]]:
     return [[_e(t.key if t.key is not None else "(none)"), str(t.attempts), str(t.succeeded),
              str(t.failed), str(t.unknown), str(t.prompt_tokens + t.completion_tokens),
-             _money(t.cost)] for t in items]
+             _money(t.cost), _money(t.held)] for t in items]
 
 
-_TOTALS_HEAD = ["attempts", "ok", "failed", "unknown", "tokens", "cost"]
-_TOTALS_CLS = ["num"] * 6
+_TOTALS_HEAD = ["attempts", "ok", "failed", "unknown", "tokens", "charged", "held"]
+_TOTALS_CLS = ["num"] * 7
 
 
 def _waits_html(tl: RunTimeline, now: float) -> str:
@@ -319,11 +321,14 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
             f'<p id="run-summary">status {_tag(r.status)} &middot; tenant {_e(r.tenant)} '
             f"&middot; selected <b>{_e(r.selected_route)}</b> &middot; served by "
             f'<b id="served-route">{_e(tl.served_route)}</b> &middot; failed over: '
-            f"{'yes' if tl.failed_over else 'no'} &middot; cost {_money(tl.total_cost)} of "
+            f"{'yes' if tl.failed_over else 'no'} &middot; charged "
+            f'<span id="run-charged">{_money(tl.total_cost)}</span> &middot; held '
+            f'<span id="run-held">{_money(tl.held)}</span> of '
             f"{_money(r.max_cost)} &middot; admitted {_t(r.created_at)} "
             f'({_e(relative(r.created_at, now))})</p>')
-    return (head + _table(["#", "kind", "route", "profile", "outcome", "fact", "debit", "cost",
-                           "why (selector)", "events", "at"], rows, "timeline-table",
+    return (head + _table(["#", "kind", "route", "profile", "outcome", "fact", "debit",
+                           "reported cost", "why (selector)", "events", "at"], rows,
+                          "timeline-table",
                           "no attempts yet",
                           ["num", "", "id", "id", "", "", "nowrap", "num", "", "", "nowrap"])
             + "</section>" + _waits_html(tl, now) + _stops_html(tl, now))
@@ -421,8 +426,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         total = sum(b.attempts for b in buckets)
         bad = sum(b.failed + b.unknown for b in buckets)
         cost = sum((t.cost for t in by_tenant.items), Decimal(0))
+        held = sum((t.held for t in by_tenant.items), Decimal(0))
         body = (
-            _glance_html(rep, total, bad, len(fos.items), cost, hours)
+            _glance_html(rep, total, bad, len(fos.items), cost, held, hours)
             + f'<section><h2>Attempts and failures, last {hours:g} h '
             f'<span class="muted">({total} attempts, {bad} failed or unknown; UTC)</span></h2>'
             + chart_svg(buckets) + "</section>"

@@ -38,6 +38,8 @@ from ledger.redaction import redact
 # Which structured fields each protocol's error body carries; `generic` tries them all in order.
 _FIELDS: dict[WireProtocol, tuple[str, ...]] = {
     WireProtocol.OPENAI: ("openai.code", "openai.type"),
+    # The Responses API's errors are OpenAI's (error.code, error.type), also in failed events.
+    WireProtocol.OPENAI_RESPONSES: ("openai.code", "openai.type"),
     WireProtocol.ANTHROPIC: ("anthropic.type",),
     WireProtocol.GEMINI: ("gemini.status",),
     WireProtocol.GENERIC: ("openai.code", "openai.type", "anthropic.type", "gemini.status"),

@@ -65,10 +65,14 @@ class SendProgress:
     ``sent``: the sender's own report — ``False`` until the first byte of the request is written to
     the network, ``True`` from then on; ``None`` when the sender does not report it, and then a
     request handed over counts as possibly sent.
+    ``delivered``: the sender handed streamed text or a tool-call proposal to the caller (its
+    callback saw it): effective output, recorded as such even when the send is then cancelled.
+    The adapters set it; a host's own send function sets it when it shows output.
     """
 
     handed_over: bool = False
     sent: bool | None = None
+    delivered: bool = False
     # The host started a tool this Attempt proposed: a failure of the turn may no longer move
     # to another route (invariant 9).
     tool_started: bool = False

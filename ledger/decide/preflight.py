@@ -3,8 +3,11 @@
 Three independent claims must all hold before any Attempt is begun on a route:
 
 1. **capability** - the route can serve the request: protocol, tools, streaming, prefill,
-   required parameters, and a context window that fits the request's token estimate. A request
-   the route cannot serve is rejected here, never "tested by sending" and learning from a 400.
+   required parameters, a context window that fits the request's token estimate, and the
+   request's images and documents (``image input``, ``pdf input``: declared by the route's
+   :class:`~ledger.domain.values.Capabilities`, sizes, links the provider must fetch and links
+   the protocol cannot carry at all). A request the route cannot serve is rejected here, never
+   "tested by sending" and learning from a 400.
 2. **role qualification** - the exact route is qualified for the Run's role (``route.roles``
    ``None`` means every role), the Run's grant allows the role, and the route is not switched
    off in the *current* configuration.
@@ -29,12 +32,14 @@ import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ledger.domain.envelope import SYSTEM, USER_INPUT, Envelope, Part
 from ledger.domain.facts import WireProtocol
+from ledger.domain.media import URL_KINDS, MediaKind, human_bytes, image_size, pdf_pages
 from ledger.domain.values import Grant, Route, canonical_json
-from ledger.errors import PreflightRefused
+from ledger.errors import InvalidArgument, PreflightRefused
+from ledger.policy.model import EnvelopePolicy
 
 # Classes that need no provenance: the user's own current input and the host's own system
 # text are, by definition, what the Run's grant was confirmed against (the grant still decides
@@ -75,6 +80,21 @@ class PartNeed:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaNeed:
+    """One image or document of a request, reduced to what capability checks need.
+
+    ``size`` is the bytes the ledger holds (0 for an ``https://`` link, which the provider
+    fetches); ``link`` whether it is such a link.
+    """
+
+    index: int
+    kind: MediaKind
+    media_type: str
+    size: int = 0
+    link: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RequestNeeds:
     """What a request requires of a route, without its content.
 
@@ -90,6 +110,7 @@ class RequestNeeds:
     protocols: frozenset[WireProtocol] | None = None
     parts: tuple[PartNeed, ...] = ()
     classes: frozenset[str] = frozenset()
+    media: tuple[MediaNeed, ...] = ()
 
     @property
     def data_classes(self) -> frozenset[str]:
@@ -99,32 +120,125 @@ class RequestNeeds:
 
 @runtime_checkable
 class TokenCounter(Protocol):
-    """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model)."""
+    """Estimates the prompt tokens of an envelope for a route (tokenizers differ by model).
+
+    A counter may also have ``sharing_key(route)``: routes with one key get one estimate, so
+    the selector counts once per key (:class:`CharEstimator`'s is the protocol); or
+    ``route_independent = True``: one estimate for every route. Without either it is asked once
+    per candidate.
+    """
 
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
         """The prompt tokens of ``envelope`` on ``route`` (an estimate is fine)."""
         ...
 
 
+# Per-protocol token rules for images and PDF pages, from each provider's published rule (or,
+# where none is published, a conservative estimate); docs/adapters.md lists them with sources.
+_OPENAI_LIKE = (WireProtocol.OPENAI, WireProtocol.OPENAI_RESPONSES)
+#: Tokens per PDF page: OpenAI puts each page's extracted text and an image of it in context
+#: (~765 image tokens at high detail plus the text), Anthropic "1,500-3,000 tokens per page"
+#: of text plus the page image (the upper end is taken), Gemini 258 per page.
+PDF_PAGE_TOKENS: Mapping[WireProtocol, int] = {
+    WireProtocol.OPENAI: 1600, WireProtocol.OPENAI_RESPONSES: 1600,
+    WireProtocol.ANTHROPIC: 3000, WireProtocol.GEMINI: 258}
+#: Tokens of an image whose size is unknown (a link): each rule's largest likely answer
+#: (OpenAI's tile rule at its most, 8 tiles; Anthropic's ~1,600 cap; Gemini for 2048x2048).
+UNKNOWN_IMAGE_TOKENS: Mapping[WireProtocol, int] = {
+    WireProtocol.OPENAI: 1445, WireProtocol.OPENAI_RESPONSES: 1445,
+    WireProtocol.ANTHROPIC: 1600, WireProtocol.GEMINI: 2322}
+
+
+def image_tokens(width: int, height: int, protocol: WireProtocol) -> int:
+    """The prompt tokens of one ``width`` x ``height`` image under ``protocol``'s rule.
+
+    OpenAI (chat and Responses, detail ``auto``/``high``): fit within 2048x2048, scale the
+    short side to 768, then 170 per 512-pixel tile plus 85. Anthropic: fit the long edge within
+    1568, then ``width * height / 750``, at most ~1,600. Gemini: 258 for an image within
+    384x384, else 258 per 768x768 tile. A protocol without a rule (``generic``) takes the
+    largest of the three.
+    """
+    if protocol in _OPENAI_LIKE:
+        w, h = float(width), float(height)
+        fit = min(1.0, 2048 / max(w, h))
+        w, h = w * fit, h * fit
+        short = min(1.0, 768 / min(w, h))
+        w, h = w * short, h * short
+        return 85 + 170 * math.ceil(w / 512) * math.ceil(h / 512)
+    if protocol is WireProtocol.ANTHROPIC:
+        fit = min(1.0, 1568 / max(width, height))
+        return min(1600, math.ceil(width * fit * height * fit / 750))
+    if protocol is WireProtocol.GEMINI:
+        if width <= 384 and height <= 384:
+            return 258
+        return 258 * math.ceil(width / 768) * math.ceil(height / 768)
+    return max(image_tokens(width, height, p) for p in
+               (WireProtocol.OPENAI, WireProtocol.ANTHROPIC, WireProtocol.GEMINI))
+
+
+def _by_protocol(table: Mapping[WireProtocol, int], protocol: WireProtocol) -> int:
+    return table.get(protocol, max(table.values()))
+
+
 @dataclass(frozen=True, slots=True)
 class CharEstimator:
-    """The default :class:`TokenCounter`: characters divided by ``chars_per_token``, rounded up.
+    """The default :class:`TokenCounter`: characters over ``chars_per_token``, plus media.
 
-    Deliberately model-agnostic and slightly pessimistic for English; a host with a real
-    tokenizer plugs in its own counter.
+    Text (parts, plain-text documents, tool descriptions, carried reasoning items) is counted
+    as characters divided by ``chars_per_token``, rounded up: model-agnostic and slightly
+    pessimistic for English. Images and PDFs follow the route's protocol
+    (:func:`image_tokens`; :data:`PDF_PAGE_TOKENS` per page). A PDF whose page count its
+    uncompressed objects do not tell is taken to have one page per ``pdf_bytes_per_page``
+    bytes; a PDF link (the provider fetches it, the ledger never does) ``link_pdf_pages``
+    pages; an image link :data:`UNKNOWN_IMAGE_TOKENS`; a plain-text document link
+    ``link_text_tokens``. A host with a real tokenizer plugs in its own counter.
     """
 
     chars_per_token: float = 4.0
-    #: The estimate ignores the route, so a selection counts the prompt once for all candidates
-    #: (a counter without this attribute is asked once per candidate).
-    route_independent: ClassVar[bool] = True
+    pdf_bytes_per_page: int = 50 * 1024
+    link_pdf_pages: int = 10
+    link_text_tokens: int = 8192
+
+    def sharing_key(self, route: Route) -> WireProtocol:
+        """Routes of one protocol get one estimate, so a selection counts once per protocol."""
+        return route.protocol
 
     def count_tokens(self, envelope: Envelope, route: Route) -> int:
-        """The estimate: characters of parts and tools over ``chars_per_token``, rounded up."""
-        chars = sum(len(p.content) for p in envelope.parts)
-        for t in envelope.tools:
-            chars += len(t.name) + len(t.description) + len(canonical_json(t.parameters))
-        return math.ceil(chars / self.chars_per_token)
+        """The estimate of ``envelope``'s prompt on ``route`` (see the class docstring)."""
+        chars = 0
+        tokens = 0
+        for p in envelope.parts:
+            if p.media_type is None:
+                chars += len(p.content)
+            else:
+                media_tokens, media_chars = self._media(p, route.protocol)
+                tokens += media_tokens
+                chars += media_chars
+        for tool in envelope.tools:
+            chars += (len(tool.name) + len(tool.description)
+                      + len(canonical_json(tool.parameters)))
+        return tokens + math.ceil(chars / self.chars_per_token)
+
+    def _media(self, part: Part, protocol: WireProtocol) -> tuple[int, int]:
+        """(tokens, characters) of one binary part."""
+        payload = part.payload
+        kind = part.kind
+        if kind is MediaKind.IMAGE:
+            size = image_size(payload, part.media_type or "") if payload is not None else None
+            if size is None:
+                return _by_protocol(UNKNOWN_IMAGE_TOKENS, protocol), 0
+            return image_tokens(*size, protocol), 0
+        if kind is MediaKind.PDF:
+            if payload is None:
+                pages = self.link_pdf_pages
+            else:
+                pages = pdf_pages(payload) or max(
+                    1, math.ceil(len(payload) / max(1, self.pdf_bytes_per_page)))
+            return pages * _by_protocol(PDF_PAGE_TOKENS, protocol), 0
+        if payload is None:
+            return self.link_text_tokens, 0
+        # A plain-text document (UTF-8, checked when the part was built) or a reasoning item.
+        return 0, len(payload.decode("utf-8", errors="replace"))
 
 
 DEFAULT_TOKEN_COUNTER: TokenCounter = CharEstimator()
@@ -281,7 +395,112 @@ def envelope_needs(
             for p, h in zip(envelope.parts, digests, strict=True)
         ),
         classes=frozenset(t.data_class for t in envelope.tools),
+        media=media_needs(envelope),
     )
+
+
+def media_needs(envelope: Envelope) -> tuple[MediaNeed, ...]:
+    """The images and documents of ``envelope`` (carried reasoning items are no media)."""
+    out = []
+    for i, p in enumerate(envelope.parts):
+        kind = p.kind
+        if kind is None or kind is MediaKind.REASONING:
+            continue
+        payload = p.payload
+        out.append(MediaNeed(i, kind, p.media_type or "", len(payload) if payload else 0,
+                             payload is None))
+    return tuple(out)
+
+
+_INPUT = {MediaKind.IMAGE: "image input", MediaKind.PDF: "pdf input",
+          MediaKind.TEXT: "document input"}
+
+
+def _parts_list(media: Sequence[MediaNeed]) -> str:
+    return ", ".join(f"part {m.index} ({m.media_type})" for m in media)
+
+
+def _media_capability(route: Route, needs: RequestNeeds) -> list[tuple[str, str]]:
+    """The media a route cannot read. Each detail starts with what is missing (``image input``).
+
+    Unknown (``None``) is no restriction, as for every capability; what a wire protocol cannot
+    carry at all (a PDF link to OpenAI chat completions) is known, whatever the route says.
+    """
+    caps = route.capabilities
+    out: list[tuple[str, str]] = []
+    images = [m for m in needs.media if m.kind is MediaKind.IMAGE]
+    pdfs = [m for m in needs.media if m.kind is MediaKind.PDF]
+    for items, declared, limit, what, field in (
+            (images, caps.image_input, caps.max_image_bytes, "image", "image_input"),
+            (pdfs, caps.pdf_input, caps.max_pdf_bytes, "pdf", "pdf_input")):
+        if not items:
+            continue
+        if declared is False:
+            out.append((f"{what} input: the request carries {_parts_list(items)}; route "
+                        f"{route.id!r} declares {field}=False",
+                        f"plan a route that reads {what}s (Capabilities.{field}), or send the "
+                        f"request without the {what}"))
+            continue
+        big = [m for m in items if limit is not None and m.size > limit]
+        if big and limit is not None:
+            m = big[0]
+            out.append((f"{what} input: part {m.index} ({m.media_type}) is "
+                        f"{human_bytes(m.size)}; route {route.id!r} takes {what}s up to "
+                        f"{human_bytes(limit)} (max_{what}_bytes)",
+                        f"send a smaller {what}, or plan a route that takes larger ones"))
+    links = [m for m in needs.media if m.link]
+    if links and caps.url_input is False:
+        m = links[0]
+        out.append((f"{_INPUT[m.kind]}: part {m.index} ({m.media_type}) is a link the provider "
+                    f"would fetch; route {route.id!r} declares url_input=False",
+                    "send the file's bytes as data= (fetch it yourself), or plan a route that "
+                    "fetches links"))
+    carried = URL_KINDS.get(route.protocol, frozenset(MediaKind))
+    for m in links:
+        if m.kind not in carried:
+            out.append((f"{_INPUT[m.kind]}: part {m.index} ({m.media_type}) is a link, and "
+                        f"protocol {route.protocol.value} carries no {m.kind.value} by link",
+                        "send the file's bytes as data=, or plan a route whose protocol takes "
+                        "links (see docs/adapters.md)"))
+            break
+    return out
+
+
+def check_envelope_limits(envelope: Envelope, limits: EnvelopePolicy,
+                          field: str = "envelope") -> None:
+    """Refuse an envelope whose binary parts exceed the policy's ``envelope`` bounds.
+
+    Counted are the bytes the ledger holds (``data=`` and ``data:`` URLs); an ``https://``
+    link weighs nothing (the provider fetches it).
+
+    Raises:
+        InvalidArgument: a part over ``max_part_bytes`` (``field`` is
+            ``envelope.parts[i].data``), or parts together over ``max_envelope_bytes``
+            (``envelope.parts``); the message names the part, its size and the fix.
+    """
+    total = 0
+    for i, p in enumerate(envelope.parts):
+        payload = p.payload if p.media_type is not None else None
+        if payload is None:
+            continue
+        size = len(payload)
+        total += size
+        if size > limits.max_part_bytes:
+            raise InvalidArgument(
+                f"part {i} ({p.media_type}{', ' + repr(p.name) if p.name else ''}) is "
+                f"{human_bytes(size)}, over the Run's policy limit envelope.max_part_bytes "
+                f"({human_bytes(limits.max_part_bytes)}); send a smaller file (fewer pages, a "
+                "scaled-down image), a link the provider fetches (url='https://...'), or "
+                "raise envelope.max_part_bytes in the policy of new Runs",
+                field=f"{field}.parts[{i}].data", size=size, limit=limits.max_part_bytes)
+    if total > limits.max_envelope_bytes:
+        raise InvalidArgument(
+            f"the envelope's images and documents are {human_bytes(total)} together, over the "
+            f"Run's policy limit envelope.max_envelope_bytes "
+            f"({human_bytes(limits.max_envelope_bytes)}); send fewer or smaller files (drop "
+            "the ones earlier turns already answered), or raise envelope.max_envelope_bytes in "
+            "the policy of new Runs",
+            field=f"{field}.parts", size=total, limit=limits.max_envelope_bytes)
 
 
 def with_prompt(base: RequestNeeds, envelope: Envelope, prompt_tokens: int) -> RequestNeeds:
@@ -322,6 +541,7 @@ def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
         if unsupported:
             out.append((f"unsupported parameters: {', '.join(unsupported)}",
                         f"leave out {', '.join(unsupported)}, or plan a route that takes them"))
+    out.extend(_media_capability(route, needs))
     return [PreflightFailure(Check.CAPABILITY, d, f) for d, f in out]
 
 
@@ -449,18 +669,24 @@ def narrow_grant(parent: Grant, requested: Grant) -> Grant:
 __all__ = [
     "DEFAULT_TOKEN_COUNTER",
     "NO_DENIALS",
+    "PDF_PAGE_TOKENS",
     "PROVENANCE_EXEMPT",
+    "UNKNOWN_IMAGE_TOKENS",
     "CharEstimator",
     "Check",
     "Coverage",
     "Denials",
+    "MediaNeed",
     "PartNeed",
     "PreflightFailure",
     "PreflightResult",
     "RequestNeeds",
     "TokenCounter",
+    "check_envelope_limits",
     "envelope_needs",
     "fresh_content_hash",
+    "image_tokens",
+    "media_needs",
     "narrow_grant",
     "needs_from_envelope",
     "part_coverage",

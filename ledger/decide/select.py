@@ -195,6 +195,14 @@ class SelectionInput:
     no_probe: frozenset[str] = frozenset()
 
 
+def _sharing_key(counter: TokenCounter, route: Route) -> Any:
+    """What routes a counter's estimate is shared by (``None``: this route alone)."""
+    key = getattr(counter, "sharing_key", None)
+    if callable(key):
+        return ("key", key(route))
+    return ("all",) if getattr(counter, "route_independent", False) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # stop checks
 
@@ -285,7 +293,9 @@ class _Walk:
         self.pin = inp.pin if inp.pin is not None else (
             Pin.AUTO if inp.policy.profiles.sticky else None)
         self._base: RequestNeeds | None = None
-        self._shared: RequestNeeds | None = None  # the needs, when the counter ignores routes
+        # The needs by the counter's sharing key: a counter with ``sharing_key(route)`` (the
+        # default's is the protocol) counts once per key, one with ``route_independent`` once.
+        self._shared: dict[Any, RequestNeeds] = {}
 
     def needs(self, route: Route) -> RequestNeeds:
         """The request's needs for ``route``; what holds for every route is computed once."""
@@ -293,15 +303,16 @@ class _Walk:
         request = inp.request
         if not isinstance(request, Envelope):
             return request
-        if self._shared is not None:
-            return self._shared
+        counter = inp.token_counter
+        key = _sharing_key(counter, route)
+        if key is not None and key in self._shared:
+            return self._shared[key]
         if self._base is None:
             self._base = envelope_needs(request, recorded=inp.provenance,
                                         part_hashes=inp.part_hashes)
-        counter = inp.token_counter
         needs = with_prompt(self._base, request, counter.count_tokens(request, route))
-        if getattr(counter, "route_independent", False):
-            self._shared = needs
+        if key is not None:
+            self._shared[key] = needs
         return needs
 
     # -- group evidence ------------------------------------------------------------------------

@@ -21,7 +21,15 @@ from ledger.decide.health import (
     record_repeat,
     record_success,
 )
-from ledger.domain.facts import Category, FailureFact, Observation, Phase, Scope, Source
+from ledger.domain.facts import (
+    Category,
+    FailureFact,
+    Observation,
+    Phase,
+    Scope,
+    Source,
+    Transport,
+)
 from ledger.domain.records import DebitState, Lease, Outcome
 from ledger.domain.specs import GroupUpdate, HealthUpdate, SettleSpec
 from ledger.domain.values import GroupMode, Route, content_hash
@@ -94,6 +102,35 @@ def group_update(policy: Policy, fact: FailureFact | None, now: float) -> GroupU
         wait = min(wait, policy.classification.retry_after_limit_s)
         return GroupUpdate(GroupMode.COOLDOWN, now + wait, "provider_429")
     return None
+
+
+# Transport kinds that say the answer stopped arriving (the connection broke, the stream was cut
+# or stalled, a time limit ran out, the framing broke), not what the provider answered.
+_ANSWER_LOST = frozenset({
+    Transport.CONNECTION_RESET, Transport.READ_TIMEOUT, Transport.STREAM_CUT,
+    Transport.STREAM_STALL, Transport.FIRST_TOKEN_TIMEOUT, Transport.PROTOCOL_ERROR,
+    Transport.TOTAL_TIMEOUT,
+})
+
+
+def failure_outcome(fact: FailureFact, sent: bool) -> Outcome:
+    """The outcome a failed send is recorded with: how far it got, and what ended it.
+
+    * it never left (``sent`` is False, or the phase is ``before_send``): ``not_sent``, the hold
+      voided;
+    * it left and no verdict came back: no status at all (a reset or a timeout before the
+      response), or the answer stopped arriving mid-stream (a cut, a stall, a time limit,
+      broken framing) — ``unknown``: the provider may have run it to the end and billed it,
+      so the hold stays until a receipt settles it (``Ledger.settle_unknown``);
+    * the provider answered with an error (a status, an error object or event, a payload that
+      is not the protocol's): ``failed``, posted at the reported cost.
+    """
+    if not sent or fact.phase is Phase.BEFORE_SEND:
+        return Outcome.NOT_SENT
+    if fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM) and (
+            fact.status is None or fact.transport in _ANSWER_LOST):
+        return Outcome.UNKNOWN
+    return Outcome.FAILED
 
 
 def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lease,

@@ -50,7 +50,7 @@ from ledger.decide.effects import (
     perform,
 )
 from ledger.decide.health import route_key
-from ledger.decide.preflight import Denials, TokenCounter
+from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits
 from ledger.decide.profiles import Pin, marks_profile_tried
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import (
@@ -64,6 +64,7 @@ from ledger.decide.select import (
     reopening_wait,
     select,
 )
+from ledger.decide.settle import failure_outcome
 from ledger.domain.bounds import (
     amount_in_range,
     tokens_in_range,
@@ -295,6 +296,9 @@ class TurnLoop:
         turn = _Turn()
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
         policy = snap.policy
+        # Images and documents beyond the Run's frozen bounds: refused before anything is
+        # recorded (the snapshot is a read).
+        check_envelope_limits(self.envelope, policy.envelope)
         run = snap.run
         turn.plan = run.plan
         # What the current decision was made from; a refused probe claim decides again from it.
@@ -564,13 +568,7 @@ class TurnLoop:
     def _settle_failure(self, att: AttemptRecord, fact: FailureFact, sent: bool,
                         discarded: bool, *, repeat: bool = False
                         ) -> Generator[Effect[AttemptRecord], AttemptRecord, AttemptRecord]:
-        if not sent or fact.phase is Phase.BEFORE_SEND:
-            outcome = Outcome.NOT_SENT
-        elif fact.status is None and fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM):
-            # Sent with no answer (no status) after it left: execution unknown; the hold stays.
-            outcome = Outcome.UNKNOWN
-        else:
-            outcome = Outcome.FAILED
+        outcome = failure_outcome(fact, sent)
         # Streamed text nobody was shown (the caller buffered) is no effective output: it is
         # discarded, and that is recorded; the policy may then move on.
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
@@ -581,11 +579,18 @@ class TurnLoop:
     def _settle_interrupted(self, att: AttemptRecord, dispatch: Dispatch
                             ) -> Generator[Effect[Any], Any, None]:
         """The send was interrupted (or the send function broke): settle truthfully."""
-        if dispatch.progress.provably_unsent:
+        progress = dispatch.progress
+        if progress.provably_unsent:
             settle = Settle(self.lease, att.attempt_id, Outcome.NOT_SENT,
                             fact=CANCELLED_FACT.model_copy(update={"phase": Phase.BEFORE_SEND}))
         else:
-            settle = Settle(self.lease, att.attempt_id, Outcome.UNKNOWN, fact=CANCELLED_FACT)
+            # What the caller was already shown is effective output, cancelled or not.
+            fact = CANCELLED_FACT
+            if progress.delivered or progress.tool_started:
+                fact = fact.model_copy(update={"phase": Phase.MID_STREAM,
+                                               "effective_output": True,
+                                               "tool_started": progress.tool_started})
+            settle = Settle(self.lease, att.attempt_id, Outcome.UNKNOWN, fact=fact)
         yield from self._settle_quietly(settle)
 
     def _settle_quietly(self, settle: Settle) -> Generator[Effect[Any], Any, None]:

@@ -1,19 +1,42 @@
 """The envelope: the complete prepared request, as typed parts with data classes and provenance.
 
-A part's hash covers its canonical encoding (role, content, data class, tool linkage), so a copy
-with edited content, or with an extra "authorized" flag, hashes differently and does not inherit
-the provenance of the part it was copied from.
+A part is text, or an image or a document (bytes with a media type, or a link). Its hash covers
+its canonical encoding (role, content, data class, tool linkage; a binary part's media type and
+the sha256 of its bytes, or its URL), so a copy with edited content or bytes, or with an extra
+"authorized" flag, hashes differently and does not inherit the provenance of the part it was
+copied from.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ledger.domain.bounds import MAX_TOKENS
+from ledger.domain.media import (
+    ACCEPTED_MEDIA_TYPES,
+    MAX_BINARY_BYTES,
+    MAX_URL_LENGTH,
+    DataUrlError,
+    MediaKind,
+    bytes_digest,
+    content_problem,
+    decode_data_url,
+    human_bytes,
+    kind_of,
+)
 from ledger.domain.validation import Id, LedgerModel, Problem, Text
 from ledger.domain.values import content_hash
 
@@ -41,19 +64,185 @@ def _json_data(value: Any) -> Any:
 
 
 class Part(LedgerModel):
-    """One part of a prepared request.
+    """One part of a prepared request: text, or an image or a document.
+
+    A text part has ``content``. A binary part carries an image or a document either as bytes
+    (``data=`` with ``media_type=``) or as a URL (``url=``: ``https://``, fetched by the
+    provider, never by the ledger; or a ``data:`` URL, which carries its own bytes and media
+    type), and no text. Media types: ``image/png``, ``image/jpeg``, ``image/gif``,
+    ``image/webp``, ``application/pdf``, ``text/plain``, ``text/markdown``, ``text/csv``
+    (:mod:`ledger.domain.media`); the bytes must be what the type says. A binary part is the
+    user's (``role="user"``); its ``data_class`` is ``user_input`` unless given (a private
+    upload is ``private_document``, and needs recorded provenance like any other class but
+    ``user_input``); ``name`` is its file name where a protocol sends one.
 
     ``data_class``, ``provenance`` and ``tool_call_id`` are identifiers (1 to 200 printable
     characters); ``name`` a short printable text; ``content`` any text.
+
+    Example:
+        >>> Part(data=open("10-K.pdf", "rb").read(), media_type="application/pdf",
+        ...      name="10-K.pdf", data_class="private_document", provenance="doc-10k")
+        ...  # doctest: +SKIP
     """
 
-    role: Literal["system", "user", "assistant", "tool"] = "user"
-    content: str
+    # The binary fields come first: the validators of the later fields read them.
+    data: bytes | None = None
+    url: str | None = None
+    media_type: str | None = Field(default=None, validate_default=True)
+    role: Literal["system", "user", "assistant", "tool"] = Field(default="user",
+                                                                 validate_default=True)
+    content: str = Field(default="", validate_default=True)
     data_class: Id = USER_INPUT
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
     provenance: Id | None = None
-    tool_call_id: Id | None = None
+    tool_call_id: Id | None = Field(default=None, validate_default=True)
     name: Text | None = None
+
+    # Bytes travel as base64 in JSON (a dumped envelope validates back to the same parts).
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _something(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not {"content", "data", "url"} & data.keys():
+            raise Problem("a part carries nothing",
+                          "pass content= (text), or data= (bytes) or url= with media_type= "
+                          "(an image or a document)")
+        return data
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any, info: ValidationInfo) -> Any:
+        # Python callers pass bytes; JSON carries them as base64 text (val_json_bytes).
+        if info.mode == "python" and v is not None and not isinstance(v, bytes):
+            if isinstance(v, bytearray | memoryview):
+                return bytes(v)
+            raise Problem(f"data is {type(v).__name__}, not bytes",
+                          "pass the file's bytes (open(path, 'rb').read()); text goes in "
+                          "content=")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        if info.data.get("data") is not None:
+            raise Problem("a part carries data= (bytes) and url= at once",
+                          "pass the bytes as data=, or the link as url=, not both")
+        scheme = v.split(":", 1)[0].lower() if ":" in v else ""
+        if scheme == "data":
+            try:
+                decode_data_url(v)
+            except DataUrlError as e:
+                fix = "pass data:<media type>;base64,<data>, or the bytes as data="
+                raise Problem(f"the data: URL {e}", fix) from None
+            return v
+        if scheme != "https":
+            shown = f"scheme {scheme!r}" if scheme else "no scheme"
+            raise Problem(f"url has {shown}; a part's URL is https:// (fetched by the "
+                          "provider) or a data: URL",
+                          "pass an https:// link, a data: URL, or the bytes as data=")
+        if len(v) > MAX_URL_LENGTH:
+            raise Problem(f"url is {len(v)} characters long", f"pass at most {MAX_URL_LENGTH} "
+                          "characters, or the bytes as data=")
+        if any(c.isspace() or not c.isprintable() for c in v) or not v[8:].split("/")[0]:
+            raise Problem("url is not a usable https:// URL (no host, or spaces or control "
+                          "characters)", "pass a full https://host/path link")
+        return v
+
+    @field_validator("media_type")
+    @classmethod
+    def _media_type(cls, v: str | None, info: ValidationInfo) -> str | None:
+        data, url = info.data.get("data"), info.data.get("url")
+        if data is None and url is None:
+            if "data" not in info.data or "url" not in info.data:
+                return v  # data= or url= was refused already
+            if v is not None:
+                raise Problem("media_type= describes data= or url=, and this part has neither",
+                              "pass the bytes as data= (or a url=), or leave media_type out")
+            return v
+        own = None
+        if url is not None and url[:5].lower() == "data:":
+            own, data = decode_data_url(url)
+        if v is None:
+            if own is None:
+                raise Problem("a binary part needs media_type=",
+                              f"pass one of {', '.join(ACCEPTED_MEDIA_TYPES)}")
+            v = own
+        if not isinstance(v, str):
+            raise Problem("is not a string", "pass a media type such as 'application/pdf'")
+        v = v.strip().lower()
+        if own is not None and own != v:
+            raise Problem(f"media_type {v!r} differs from the data: URL's {own!r}",
+                          "pass the data: URL's own media type, or leave media_type out")
+        kind = kind_of(v)
+        if kind is None:
+            fix = "use image/jpeg" if v == "image/jpg" else (
+                f"pass one of {', '.join(ACCEPTED_MEDIA_TYPES)}")
+            raise Problem(f"media type {v!r} is not one the ledger sends", fix)
+        if kind is MediaKind.REASONING and data is None:
+            raise Problem("a reasoning item carries its bytes", "pass data=")
+        if data is not None:
+            if not data:
+                raise Problem("data is empty", "pass the file's bytes, or leave the part out")
+            if len(data) > MAX_BINARY_BYTES:
+                raise Problem(f"data is {human_bytes(len(data))}, over the ledger's ceiling of "
+                              f"{human_bytes(MAX_BINARY_BYTES)}",
+                              "send a smaller file (or a link as url=)")
+            problem = content_problem(v, data)
+            if problem is not None:
+                raise Problem(f"the data {problem}", "pass the media type the bytes really "
+                              "have, or the right file")
+        return v
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str, info: ValidationInfo) -> str:
+        kind = kind_of(info.data.get("media_type") or "")
+        if kind is MediaKind.REASONING and v != "assistant":
+            raise Problem("a reasoning item is the model's: role must be 'assistant'",
+                          "pass role='assistant'")
+        if kind is not None and kind is not MediaKind.REASONING and v != "user":
+            raise Problem("an image or a document is user content",
+                          "pass role='user' (the default); a tool's file goes in a user part "
+                          "after the tool result")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str, info: ValidationInfo) -> str:
+        if v and (info.data.get("data") is not None or info.data.get("url") is not None):
+            raise Problem("a binary part carries no text",
+                          "put the text (a caption, a question) in its own part")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _not_a_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("media_type") is not None:
+            raise Problem("a binary part is not a tool call or a tool result",
+                          "leave tool_call_id out; send the file in a user part")
+        return v
+
+    @property
+    def kind(self) -> MediaKind | None:
+        """What a binary part is (``image``, ``pdf``, ``text``, ``reasoning``); ``None``: text."""
+        return kind_of(self.media_type) if self.media_type is not None else None
+
+    @property
+    def payload(self) -> bytes | None:
+        """The part's bytes: ``data``, or a ``data:`` URL's; ``None`` for text and https links."""
+        if self.data is not None:
+            return self.data
+        if self.url is not None and self.url[:5].lower() == "data:":
+            return _decoded(self.url)
+        return None
+
+    @property
+    def link(self) -> str | None:
+        """The ``https://`` URL the provider fetches, or ``None``."""
+        return self.url if self.url is not None and self.payload is None else None
 
     # A plain property, not cached: model_copy(update=...) would carry a cached hash over to an
     # edited copy, which would then pass for the original.
@@ -61,18 +250,35 @@ class Part(LedgerModel):
     def content_hash(self) -> str:
         """``sha256:<hex>`` of role, content, data class and tool linkage (not provenance).
 
+        A binary part's hash also covers its media type and its bytes (their sha256), or, for
+        an ``https://`` link, the URL text (the ledger never fetches it; a ``data:`` URL is
+        hashed as the bytes it carries, so it hashes as the same ``data=`` part).
+
         Provenance is what the hash is checked *against*: the ledger records, per producer,
         the hashes of what it produced, and a part is covered only if its hash is among them.
         """
-        return content_hash(
-            {
-                "role": self.role,
-                "content": self.content,
-                "data_class": self.data_class,
-                "tool_call_id": self.tool_call_id,
-                "name": self.name,
-            }
-        )
+        fields: dict[str, Any] = {
+            "role": self.role,
+            "content": self.content,
+            "data_class": self.data_class,
+            "tool_call_id": self.tool_call_id,
+            "name": self.name,
+        }
+        if self.media_type is not None:
+            # Only binary parts add keys: a text part hashes exactly as it always did, so the
+            # provenance recorded before binary parts existed still covers it.
+            fields["media_type"] = self.media_type
+            payload = self.payload
+            if payload is not None:
+                fields["data_sha256"] = bytes_digest(payload)
+            else:
+                fields["url"] = self.url
+        return content_hash(fields)
+
+
+@functools.lru_cache(maxsize=32)
+def _decoded(url: str) -> bytes:
+    return decode_data_url(url)[1]
 
 
 class ToolSpec(LedgerModel):

@@ -91,6 +91,8 @@ class WireProtocol(StrEnum):
     """The wire protocol a route speaks; each has a codec in :mod:`ledger.adapters`."""
 
     OPENAI = "openai"
+    # OpenAI's Responses API (``POST /v1/responses``): input items, reasoning items, store=false.
+    OPENAI_RESPONSES = "openai_responses"
     ANTHROPIC = "anthropic"
     GEMINI = "gemini"
     GENERIC = "generic"

@@ -131,3 +131,22 @@ class SettleSpec:
     # Content hashes of every output part (text, tool calls) recorded as the Attempt's
     # provenance, beside ``output_hash``.
     provenance: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReceiptSpec:
+    """An operator's evidence for an ``unknown`` Attempt (``Ledger.settle_unknown``).
+
+    ``outcome`` is ``succeeded``, ``failed`` or ``not_sent``; the counts and ``cost_micros``
+    are what the evidence says (``None``: not known; then the whole hold is posted for a
+    succeeded or failed outcome, as a settle without usage posts it). ``by`` and ``note`` say
+    who recorded it and why.
+    """
+
+    attempt_id: str
+    outcome: Outcome
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cost_micros: int | None
+    by: str
+    note: str | None

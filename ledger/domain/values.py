@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 
 from ledger.domain.bounds import MAX_AMOUNT, MAX_COUNT, MAX_TOKENS, canonical_decimal
 from ledger.domain.facts import WireProtocol
+from ledger.domain.media import MAX_BINARY_BYTES
 from ledger.domain.validation import Count, Id, Instant, LedgerModel, Problem, Text
 
 # A route's endpoint is a URL. Only its size is bounded here: an endpoint that cannot make a
@@ -42,7 +43,22 @@ class Profile(LedgerModel):
 
 
 class Capabilities(LedgerModel):
-    """What a route can serve. ``None`` means unknown and is no restriction."""
+    """What a route can serve. ``None`` means unknown and is no restriction.
+
+    Attributes:
+        tools: Tool calls.
+        context_window: Prompt plus output tokens, at most.
+        prefill: Continuing a trailing assistant part.
+        streaming: Streamed answers.
+        parameters: The request parameters it takes (``None``: any).
+        image_input: Images in the request (``image/png``, ``jpeg``, ``gif``, ``webp``).
+        pdf_input: PDF documents in the request (plain-text documents are text to every
+            protocol, so they need no capability).
+        url_input: Images and documents given as ``https://`` links, which the provider fetches
+            (``False`` for a server that cannot reach the internet).
+        max_image_bytes: The largest image it takes, in bytes (Anthropic's API: 5 MB).
+        max_pdf_bytes: The largest PDF it takes, in bytes (Anthropic and OpenAI: 32 MB).
+    """
 
     tools: StrictBool | None = None
     context_window: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
@@ -50,6 +66,11 @@ class Capabilities(LedgerModel):
     streaming: StrictBool | None = None
     # Supported request parameters; None = any.
     parameters: list[Text] | None = Field(default=None, max_length=MAX_LIST)
+    image_input: StrictBool | None = None
+    pdf_input: StrictBool | None = None
+    url_input: StrictBool | None = None
+    max_image_bytes: StrictInt | None = Field(default=None, ge=1, le=MAX_BINARY_BYTES)
+    max_pdf_bytes: StrictInt | None = Field(default=None, ge=1, le=MAX_BINARY_BYTES)
 
     @field_validator("parameters")
     @classmethod

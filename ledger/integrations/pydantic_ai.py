@@ -15,9 +15,12 @@ data classes the ledger's disclosure preflight checks: system prompts and instru
 ``system``, user prompts ``user_input``, the model's earlier answers (text and tool calls)
 ``model_derived`` with the Attempt that produced them as provenance (carried in
 ``ModelResponse.provider_details["ledger"]``), and tool returns ``tool_result``, recorded through
-the session the first time they are sent. A history the Run did not produce — an edited answer,
-an invented tool call or result — has no covering provenance and is refused before anything is
-sent. A stop raises :class:`~ledger.errors.FailoverExhausted`.
+the session the first time they are sent. Images and documents in a user prompt
+(``BinaryContent``, ``ImageUrl``, ``DocumentUrl``) become binary parts of class ``user_input``
+(or the model's ``document_data_class``); a Responses-API route's reasoning comes back as a
+``ThinkingPart`` that carries it to that route on the next request. A history the Run did not
+produce — an edited answer, an invented tool call or result — has no covering provenance and is
+refused before anything is sent. A stop raises :class:`~ledger.errors.FailoverExhausted`.
 
 The Run ends as a Run session ends it (:mod:`ledger.decide.ending`): ``succeeded`` only when
 the agent's last model request was served; a streamed request the reader left before its end
@@ -31,6 +34,7 @@ Needs the ``pydantic-ai`` extra (``pip install 'failover-ledger[pydantic-ai]'``)
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -41,13 +45,17 @@ from typing import Any, ClassVar
 from ledger.api.session import AsyncRunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
 from ledger.domain.envelope import ToolSpec as _ToolSpec
+from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.errors import InvalidArgument
 
 try:
     from pydantic_ai import RunContext
     from pydantic_ai.messages import (
+        BinaryContent,
+        DocumentUrl,
         FinishReason,
+        ImageUrl,
         ModelMessage,
         ModelRequest,
         ModelRequestAttempt,
@@ -57,6 +65,7 @@ try:
         SystemPromptPart,
         TextContent,
         TextPart,
+        ThinkingPart,
         ToolCallPart,
         ToolReturnPart,
         UserPromptPart,
@@ -84,6 +93,7 @@ _FINISH: dict[str, FinishReason] = {
     "length": "length", "max_tokens": "length", "MAX_TOKENS": "length",
     "tool_calls": "tool_call", "tool_use": "tool_call", "function_call": "tool_call",
     "content_filter": "content_filter", "SAFETY": "content_filter", "refusal": "content_filter",
+    "completed": "stop",  # the Responses API's status of a finished response
 }
 
 _DONE = object()  # the end of a streamed turn's events
@@ -117,9 +127,14 @@ def response_parts(response: ModelResponse) -> list[Part]:
     attempt = _attempt_of(response)
     texts: list[str] = []
     calls: list[Part] = []
+    reasoning: list[Part] = []
     for p in response.parts:
         if isinstance(p, TextPart):
             texts.append(p.content)
+        elif isinstance(p, ThinkingPart) and _carried(p) is not None:
+            reasoning.append(Part(role="assistant", data=_carried(p),
+                                  media_type=REASONING_MEDIA_TYPE, data_class=MODEL_DERIVED,
+                                  provenance=attempt))
         elif isinstance(p, ToolCallPart):
             calls.append(Part(role="assistant", content=_raw_args(p), data_class=MODEL_DERIVED,
                               provenance=attempt, tool_call_id=p.tool_call_id,
@@ -133,10 +148,43 @@ def response_parts(response: ModelResponse) -> list[Part]:
     if texts or not calls:
         text = [Part(role="assistant", content="".join(texts), data_class=MODEL_DERIVED,
                      provenance=attempt)]
-    return text + calls
+    return reasoning + text + calls
 
 
-def _user_parts(part: UserPromptPart) -> list[Part]:
+def _carried(part: ThinkingPart) -> bytes | None:
+    """The reasoning item a ``ThinkingPart`` carries for the ledger, as its part's data."""
+    ours = (part.provider_details or {}).get(DETAILS_KEY)
+    data = ours.get("reasoning") if isinstance(ours, dict) else None
+    return base64.b64decode(data) if isinstance(data, str) else None
+
+
+def _media_part(item: Any, data_class: str) -> Part:
+    """An image or a document of a user prompt as a binary part (the ledger never fetches)."""
+    kind = getattr(item, "kind", type(item).__name__)
+    if isinstance(item, ImageUrl | DocumentUrl) and item.force_download:
+        raise InvalidArgument(
+            f"a {kind} with force_download=True asks for the file to be downloaded, and the "
+            "ledger never fetches a URL; download it and pass BinaryContent, or leave "
+            "force_download False so the provider fetches the link", field="messages")
+    try:
+        if isinstance(item, BinaryContent):
+            return Part(data=item.data, media_type=item.media_type, data_class=data_class)
+        try:
+            media_type = item.media_type
+        except ValueError:
+            raise InvalidArgument(
+                f"the media type of {kind} {item.url[:80]!r} cannot be told from its URL; pass "
+                f"{type(item).__name__}(url, media_type='image/png' or 'application/pdf' ...)",
+                field="messages") from None
+        return Part(url=item.url, media_type=media_type, data_class=data_class)
+    except InvalidArgument as e:
+        if e.field == "messages":
+            raise
+        raise InvalidArgument(f"user content of kind {kind!r} cannot be sent: {e.message}",
+                              field="messages", part_field=e.field) from e
+
+
+def _user_parts(part: UserPromptPart, data_class: str) -> list[Part]:
     if isinstance(part.content, str):
         return [Part(content=part.content, data_class=USER_INPUT)]
     out = []
@@ -144,22 +192,43 @@ def _user_parts(part: UserPromptPart) -> list[Part]:
         if isinstance(item, str | TextContent):
             text = item if isinstance(item, str) else item.content
             out.append(Part(content=text, data_class=USER_INPUT))
+        elif isinstance(item, BinaryContent | ImageUrl | DocumentUrl):
+            out.append(_media_part(item, data_class))
         else:
             raise InvalidArgument(
                 f"user content of kind {getattr(item, 'kind', type(item).__name__)!r} cannot be "
-                "sent through a ledger Run (its envelopes carry text)", field="messages")
+                "sent through a ledger Run (its envelopes carry text, images and documents: "
+                "BinaryContent, ImageUrl, DocumentUrl)", field="messages")
     return out
 
 
 def _answer_parts(parts: Sequence[Part]) -> list[ModelResponsePart]:
     """A turn's parts as pydantic-ai response parts (the inverse of :func:`response_parts`)."""
     out: list[ModelResponsePart] = []
+    for p in parts:
+        if p.kind is MediaKind.REASONING and p.payload is not None:
+            out.append(_thinking(p.payload))
     text = "".join(p.content for p in parts if p.tool_call_id is None)
     if text:
         out.append(TextPart(content=text))
     out.extend(ToolCallPart(tool_name=p.name or "", args=p.content, tool_call_id=p.tool_call_id)
                for p in parts if p.tool_call_id is not None)
     return out
+
+
+def _thinking(data: bytes) -> ThinkingPart:
+    """A carried reasoning item as a ``ThinkingPart`` (its summary as the content)."""
+    try:
+        item = json.loads(data).get("item", {})
+    except (ValueError, AttributeError):
+        item = {}
+    summary = item.get("summary") if isinstance(item, dict) else None
+    text = "".join(s.get("text", "") for s in summary if isinstance(s, dict)) \
+        if isinstance(summary, list) else ""
+    return ThinkingPart(content=text, id=item.get("id") if isinstance(item, dict) else None,
+                        provider_name="failover-ledger",
+                        provider_details={DETAILS_KEY: {"reasoning": base64.b64encode(data)
+                                                        .decode("ascii")}})
 
 
 def _when(t: float) -> datetime:
@@ -210,6 +279,9 @@ class _Answer:
             "attempts": [a.attempt_id for a in result.attempts], "route": result.route.id,
             "switched": bool(result.switched),
             "cost": None if att.cost is None else str(att.cost)}}
+        notes = list(getattr(output, "notes", ()) or ())
+        if notes:  # what the route's codec left out (another route's reasoning), and why
+            details[DETAILS_KEY]["notes"] = notes
         return cls(
             parts=_answer_parts(result.parts),
             usage=RequestUsage(input_tokens=att.prompt_tokens or 0,
@@ -242,10 +314,16 @@ class LedgerModel(Model):
         tool_data_class: The data class tool returns are recorded under (``tool_result``; a
             host registering e.g. ``private_document`` for a tool that reads such documents
             passes that).
+        document_data_class: The data class of the images and documents in user prompts
+            (``user_input``, which needs the grant only). Any other class (e.g.
+            ``private_document``: uploads the grant must approve per recipient) has each file's
+            provenance recorded through the session the first time it is sent, as the
+            document's content hash under ``upload-<sha256 prefix>``.
         settings: pydantic-ai's default model settings.
 
     Raises:
-        InvalidArgument: ``run`` is not an async Run session, or ``tool_data_class`` is empty.
+        InvalidArgument: ``run`` is not an async Run session, or ``tool_data_class`` or
+            ``document_data_class`` is empty.
 
     Supported model settings: ``max_tokens`` (the envelope's ``max_output_tokens``),
     ``temperature`` and ``top_p`` (envelope parameters). The ledger's policy owns retries and
@@ -261,8 +339,8 @@ class LedgerModel(Model):
     _announces_lookalike_notes = False
 
     def __init__(self, run: AsyncRunSession, *, model_name: str | None = None,
-                 tool_data_class: str = TOOL_RESULT, settings: ModelSettings | None = None
-                 ) -> None:
+                 tool_data_class: str = TOOL_RESULT, document_data_class: str = USER_INPUT,
+                 settings: ModelSettings | None = None) -> None:
         if not isinstance(run, AsyncRunSession):
             raise InvalidArgument(
                 "LedgerModel takes the async Run session of `async with led.run(...) as run` "
@@ -270,11 +348,16 @@ class LedgerModel(Model):
         if not isinstance(tool_data_class, str) or not tool_data_class:
             raise InvalidArgument("tool_data_class is a data class name (e.g. tool_result)",
                                   field="tool_data_class")
+        if not isinstance(document_data_class, str) or not document_data_class:
+            raise InvalidArgument("document_data_class is a data class name (e.g. user_input "
+                                  "or private_document)", field="document_data_class")
         super().__init__(settings=settings)
         self.run = run
         self.tool_data_class = tool_data_class
+        self.document_data_class = document_data_class
         self._model_name = model_name
         self._results: dict[str, Part] = {}  # tool-call id -> its result, as recorded
+        self._documents: set[str] = set()  # content hashes of uploads recorded as provenance
 
     @property
     def model_name(self) -> str:
@@ -370,7 +453,8 @@ class LedgerModel(Model):
                 if isinstance(part, SystemPromptPart):
                     parts.append(Part(role="system", content=part.content, data_class=SYSTEM))
                 elif isinstance(part, UserPromptPart):
-                    parts += _user_parts(part)
+                    parts += [await self._document(p)
+                              for p in _user_parts(part, self.document_data_class)]
                 elif isinstance(part, ToolReturnPart):
                     returns.append((len(parts), part))
                     parts.append(Part(content=""))  # replaced below, once recorded
@@ -386,6 +470,23 @@ class LedgerModel(Model):
                             for i in instructions]
         return Envelope(parts=parts, tools=_tools(params.tool_defs.values()), stream=stream,
                         **_settings(settings))
+
+    async def _document(self, part: Part) -> Part:
+        """A binary part of a class that needs provenance, with its provenance recorded.
+
+        Recorded once, the first time it is sent; the same bytes again carry the same reference.
+        """
+        if part.media_type is None or part.data_class == USER_INPUT:
+            return part
+        payload = part.payload
+        ref = "upload-" + bytes_digest(payload if payload is not None
+                                       else (part.url or "").encode())[:32]
+        made = part.model_copy(update={"provenance": ref})
+        digest = made.content_hash
+        if digest not in self._documents:
+            await self.run.ledger.record_provenance(self.run.lease, ref, digest, "document")
+            self._documents.add(digest)
+        return Part.model_validate(made.model_dump())
 
     async def _tool_part(self, part: ToolReturnPart, calls: Sequence[Part]) -> Part:
         if part.files:

@@ -194,7 +194,10 @@ class RunTimeline:
     """A Run's whole story: its attempts in order, its own events, where it was served.
 
     ``failed_over`` is true when it was served elsewhere than its selected route, or the
-    selector moved it; ``total_cost`` is what its attempts cost.
+    selector moved it; ``total_cost`` is what its budget was charged (its attempts' posted
+    debits, equal to ``run.posted``) and ``held`` what its holds still reserve (unknown and
+    in-flight attempts, equal to ``run.reserved``). An attempt's own ``cost`` is the cost the
+    provider reported, which may differ (none reported: the whole hold was posted).
     """
 
     run: RunSummary
@@ -205,6 +208,7 @@ class RunTimeline:
     total_cost: Decimal
     stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
     waits: list[Wait] = field(default_factory=list)  # every wait of its turns, oldest first
+    held: Decimal = Decimal(0)
 
 
 @dataclass(frozen=True)
@@ -252,7 +256,12 @@ class Failover:
 
 @dataclass(frozen=True)
 class Totals:
-    """Attempts, outcomes, tokens and cost of one group of :meth:`Audit.costs` (its ``key``)."""
+    """Attempts, outcomes, tokens and money of one group of :meth:`Audit.costs` (its ``key``).
+
+    ``cost`` is what the budget was charged (the posted debits: the same figure as the runs'
+    ``posted``), ``held`` what is still reserved (unknown and in-flight attempts' holds, not
+    charged yet: the runs' ``reserved``). Tokens are as the providers reported them.
+    """
 
     key: str | None
     attempts: int
@@ -262,6 +271,7 @@ class Totals:
     prompt_tokens: int
     completion_tokens: int
     cost: Decimal
+    held: Decimal = Decimal(0)
 
 
 @dataclass(frozen=True)
@@ -387,12 +397,16 @@ class RouteSeries:
 
 @dataclass(frozen=True)
 class DayCost:
-    """Cost of the attempts made on one UTC day by one tenant (``None``: no tenant)."""
+    """Money of the attempts made on one UTC day by one tenant (``None``: no tenant).
+
+    ``cost`` is what the budget was charged (posted debits), ``held`` what is still reserved.
+    """
 
     day: float  # the day's midnight, UTC
     tenant: str | None
     attempts: int
     cost: Decimal
+    held: Decimal = Decimal(0)
 
 
 @dataclass(frozen=True)
@@ -667,13 +681,17 @@ class Audit:
             else:
                 by_attempt.setdefault(ev.attempt_id, []).append(ev)
         entries: list[TimelineEntry] = []
-        total = Decimal(0)
+        charged = held = 0
         served: str | None = None
         for a in att_rows:
             evs = by_attempt.get(a["attempt_id"], [])
             sel = next((_selection(e.data) for e in evs if e.kind == "select"), None)
             cost = from_micros(a["cost_micros"]) if a["cost_micros"] is not None else None
-            total += cost or Decimal(0)
+            # The money is what the debits moved, as the run's counters count it.
+            if a["debit_state"] == "posted":
+                charged += int(a["debit_posted_micros"])
+            elif a["debit_state"] == "reserved":
+                held += int(a["reserved_micros"])
             if a["state"] == "succeeded":
                 served = a["route_id"]
             entries.append(TimelineEntry(
@@ -696,8 +714,9 @@ class Audit:
         stops = [_stop(e) for e in events if e.kind == "stop"]
         waits = [_wait(e) for e in events if e.kind in ("capacity_wait", "wait")]
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
-                           served_route=served, failed_over=failed_over, total_cost=total,
-                           stops=stops, waits=waits)
+                           served_route=served, failed_over=failed_over,
+                           total_cost=from_micros(charged), stops=stops, waits=waits,
+                           held=from_micros(held))
 
     def failovers(self, *, since: float | None = None, until: float | None = None,
                   limit: int = 50, cursor: str | None = None) -> Page[Failover]:
@@ -777,7 +796,11 @@ class Audit:
     def costs(self, *, by: str = "route", since: float | None = None,
               until: float | None = None, label: str | None = None, limit: int = 100,
               cursor: str | None = None) -> Page[Totals]:
-        """Cost and token totals of attempts made in [since, until), costliest first.
+        """Money and token totals of attempts made in [since, until), costliest first.
+
+        Each :class:`Totals` says what the budget was charged (``cost``: posted debits) and
+        what is still held (``held``: reserved debits of unknown or in-flight attempts), the
+        same money the runs' ``posted`` and ``reserved`` counters count.
 
         Args:
             by: What to total by: ``route``, ``group``, ``provider``, ``run``, ``tenant`` or
@@ -811,7 +834,8 @@ class Audit:
                             succeeded=int(r["succeeded"]), failed=int(r["failed"]),
                             unknown=int(r["unknown"]), prompt_tokens=int(r["prompt_tokens"]),
                             completion_tokens=int(r["completion_tokens"]),
-                            cost=from_micros(int(r["cost_micros"])))
+                            cost=from_micros(int(r["cost_micros"])),
+                            held=from_micros(int(r["held_micros"])))
                      for r in rows], nxt)
 
     def open_attempts(self, *, states: Sequence[str] = OPEN_STATES, since: float | None = None,
@@ -964,7 +988,8 @@ class Audit:
         today = t - t % 86400.0
         since = today - (days - 1) * 86400.0
         out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
-                       attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])))
+                       attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])),
+                       held=from_micros(int(r["held_micros"])))
                for r in self._store.cost_by_day(since=since, until=today + 86400.0)]
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ledger.domain.facts import Category, Phase, Scope, Transport
+from ledger.domain.media import MAX_BINARY_BYTES
 from ledger.domain.values import ProfileType
 
 # Durations are seconds; infinities and NaN would make every comparison against them lie.
@@ -559,6 +560,44 @@ class StreamingPolicy(_Section):
     total_timeout_s: PositiveSeconds = 600.0
 
 
+class EnvelopePolicy(_Section):
+    """Bounds on the images and documents a request carries, checked before anything is recorded.
+
+    A turn whose envelope holds a binary part larger than ``max_part_bytes``, or binary parts
+    together larger than ``max_envelope_bytes``, is refused with
+    :class:`~ledger.errors.InvalidArgument` naming the part, before any Attempt is begun.
+    Counted are the bytes the ledger holds (``data=`` and ``data:`` URLs); an ``https://`` link
+    is fetched by the provider and weighs nothing here. The defaults fit the providers' own
+    request limits (OpenAI 50 MB per request, Anthropic 32 MB, Gemini 20 MB inline).
+    """
+
+    max_part_bytes: int = 20 * 1024 * 1024
+    max_envelope_bytes: int = 32 * 1024 * 1024
+
+    @field_validator("max_part_bytes", "max_envelope_bytes", mode="before")
+    @classmethod
+    def _byte_count(cls, v: object) -> object:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_BINARY_BYTES:
+            raise PolicyValueError(
+                f"a byte limit must be a whole number of bytes from 1 to {MAX_BINARY_BYTES} "
+                f"(got {v!r}); 0 would refuse every image and document",
+                "use e.g. 20971520 (20 MiB); to refuse binary parts on a route, declare "
+                "Capabilities(image_input=False, pdf_input=False) instead",
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _part_fits(self) -> EnvelopePolicy:
+        if self.max_part_bytes > self.max_envelope_bytes:
+            raise PolicyValueError(
+                f"max_part_bytes ({self.max_part_bytes}) exceeds max_envelope_bytes "
+                f"({self.max_envelope_bytes}): no envelope could hold such a part",
+                "raise max_envelope_bytes to at least max_part_bytes, or lower max_part_bytes",
+                field="max_part_bytes",
+            )
+        return self
+
+
 class Policy(BaseModel):
     """A whole policy (one preset file)."""
 
@@ -575,6 +614,7 @@ class Policy(BaseModel):
     profiles: ProfilePolicy = Field(default_factory=ProfilePolicy)
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
     streaming: StreamingPolicy = Field(default_factory=StreamingPolicy)
+    envelope: EnvelopePolicy = Field(default_factory=EnvelopePolicy)
 
 
 __all__ = [
@@ -583,6 +623,7 @@ __all__ = [
     "ClassificationPolicy",
     "CooldownCurve",
     "DisableRule",
+    "EnvelopePolicy",
     "FailoverPolicy",
     "HealthPolicy",
     "MoveRule",

@@ -13,7 +13,8 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 - runs page: ``ix_runs_created_at`` / ``ix_runs_status_created_at`` / ``ix_runs_tenant_created_at``;
 - failovers: ``ix_runs_created_at`` walk with per-run probes on ``uq_attempts_run_id_seq`` and
   ``ix_events_run_id_event_id``;
-- totals and activity over a time range: ``ix_attempts_created_at_totals`` (covering);
+- totals and activity over a time range: ``ix_attempts_created_at`` (the money each debit
+  moved is read off its attempt's row: :func:`charged_and_held`);
 - unknown/unsettled attempts: ``ix_attempts_state_created_at``.
 """
 
@@ -36,6 +37,7 @@ from sqlalchemy import (
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.port import TOTALS_KEYS, RowMap
+from ledger.storage.statements import fact_member
 
 if TYPE_CHECKING:
     from ledger.storage.store import SqlStore as Store
@@ -215,6 +217,35 @@ def _label_expr(store: Store, key: str) -> ColumnElement[Any]:
     return expr
 
 
+def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
+    """Sums of what the attempts' debits did, in micros: what the budget was charged (the
+    posted amounts) and what is held now (the holds still reserved): the runs' own counters.
+
+    Read off each attempt's row, not its debit's: a join per attempt made the totals three to
+    four times slower over a day of history (this costs some 15-20 % over summing one column).
+    The row says it exactly, because the settle posted
+    :func:`ledger.decide.settle.settle_holds` of these very columns, and reconcile checks every
+    posted debit against that rule. The rule, in SQL:
+
+    * ``dispatching``, ``unknown``: the hold is reserved, nothing posted;
+    * ``succeeded``, ``failed``: the reported cost, at most the hold; none reported, the whole
+      hold — except a failure the provider answered with its status (phase ``after_headers``),
+      which generated nothing and posted nothing (found in the stored fact's text, which is
+      cheaper than parsing it);
+    * ``not_sent``, ``rejected``: voided, nothing held or posted.
+    """
+    a = s.attempts.c
+    posted = case((a.state.in_(("succeeded", "failed")),
+                   case((a.cost_micros < a.reserved_micros, a.cost_micros),
+                        else_=a.reserved_micros)), else_=0)
+    answered = and_(a.state == "failed", a.cost_micros.is_(None),
+                    a.fact.contains(fact_member("phase", "after_headers"), autoescape=True))
+    nothing = case((answered, a.reserved_micros), else_=0)
+    held = case((a.state.in_(("dispatching", "unknown")), a.reserved_micros), else_=0)
+    charged = func.coalesce(func.sum(posted), 0) - func.coalesce(func.sum(nothing), 0)
+    return charged, func.coalesce(func.sum(held), 0)
+
+
 def totals(store: Store, *, by: str, since: float | None, until: float | None,
            label: str | None, limit: int, cursor: str | None
            ) -> tuple[list[RowMap], str | None]:
@@ -246,7 +277,7 @@ def totals(store: Store, *, by: str, since: float | None, until: float | None,
     def n(state: str) -> ColumnElement[Any]:
         return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
 
-    cost = func.coalesce(func.sum(a.cost_micros), 0)
+    cost, held = charged_and_held()
     q = select(
         key.label("key"),
         func.count().label("attempts"),
@@ -256,6 +287,7 @@ def totals(store: Store, *, by: str, since: float | None, until: float | None,
         func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
         func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
         cost.label("cost_micros"),
+        held.label("held_micros"),
     )
     q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
                       else s.attempts)

@@ -44,7 +44,7 @@ from ledger.domain.records import (
     RunRecord,
     RunStatus,
 )
-from ledger.domain.specs import AdmitSpec, BeginSpec, GroupUpdate, SettleSpec
+from ledger.domain.specs import AdmitSpec, BeginSpec, GroupUpdate, ReceiptSpec, SettleSpec
 from ledger.domain.values import GroupProjection, Health
 from ledger.storage.wake import SlotWaker
 
@@ -205,6 +205,17 @@ class StoragePort(Protocol):
     async def asettle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
                               ) -> AttemptRecord:
         """The coroutine twin of :meth:`settle_attempt`."""
+        ...
+
+    def settle_unknown(self, spec: ReceiptSpec, clock: ClockFn) -> AttemptRecord:
+        """Settle an ``unknown`` Attempt with an operator's evidence, in one transaction under
+        its Run's row lock (no lease: the Run may be closed or held by nobody): the state moves
+        from ``unknown`` to ``spec.outcome`` once, the hold is posted or voided by
+        :func:`ledger.decide.settle.settle_holds`, the Run's counters follow, and an applied
+        ``late_receipt`` event records who, what and the previous state. Raises
+        :class:`~ledger.errors.NotFound` (no such attempt) and
+        :class:`~ledger.errors.InvalidState` (it is not ``unknown``); nothing is written
+        then."""
         ...
 
     def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,

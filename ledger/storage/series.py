@@ -20,6 +20,7 @@ from sqlalchemy import ColumnElement, case, func, literal_column, select
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
+from ledger.storage.audit import charged_and_held
 from ledger.storage.port import RowMap
 
 if TYPE_CHECKING:
@@ -58,11 +59,13 @@ def route_series(store: Store, *, since: float, until: float, bucket_s: float) -
 
 
 def cost_by_day(store: Store, *, since: float, until: float) -> list[RowMap]:
-    """Per UTC day (``since`` is a midnight) and tenant: attempts and cost in micros."""
+    """Per UTC day (``since`` is a midnight) and tenant: attempts, the cost charged (posted
+    debits) and the money still held (reserved debits), in micros."""
     a = s.attempts.c
+    charged, held = charged_and_held()
     q = (select(_bucket(store, a.created_at, since, 86400.0).label("day"),
                 a.tenant.label("tenant"), func.count().label("attempts"),
-                func.coalesce(func.sum(a.cost_micros), 0).label("cost_micros"))
+                charged.label("cost_micros"), held.label("held_micros"))
          .where(a.created_at >= since, a.created_at < until)
          .group_by(literal_column("day"), a.tenant)
          .order_by(literal_column("day"), a.tenant))

@@ -21,6 +21,16 @@ def fact_json(fact: FailureFact) -> str:
     return json.dumps(redact_data(fact.to_json()))
 
 
+def fact_member(key: str, value: str) -> str:
+    """The text one member of a stored fact reads as (``"phase": "after_headers"``).
+
+    Spelled by the same encoder as :func:`fact_json`, so a query can find it in the stored
+    text without parsing the JSON; a quote inside a string value is escaped, so no message can
+    hold it.
+    """
+    return json.dumps({key: value})[1:-1]
+
+
 def health_values(new: Health, now: float) -> dict[str, Any]:
     return {
         "cooldown_until": new.cooldown_until, "disabled_until": new.disabled_until,

@@ -28,6 +28,8 @@ from sqlalchemy import Connection, Engine, Select, and_, bindparam, func, or_, s
 from sqlalchemy.engine import URL
 
 from ledger import faults
+from ledger.decide.settle import settle_holds
+from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
     AttemptRecord,
     AttemptState,
@@ -46,6 +48,7 @@ from ledger.domain.specs import (
     AdmitSpec,
     BeginSpec,
     GroupUpdate,
+    ReceiptSpec,
     SettleSpec,
     normal_admission_field,
 )
@@ -57,6 +60,7 @@ from ledger.errors import (
     Conflict,
     FencedOut,
     InvalidArgument,
+    InvalidState,
     NotFound,
     SettleConflict,
 )
@@ -366,6 +370,66 @@ class SqlStore(StoragePort, abc.ABC):
                 await self.driver.arun(hot.late_receipt_tx(self.sql, run_id, spec, clock(),
                                                            str(e)), write=True)
             raise
+
+    def settle_unknown(self, spec: ReceiptSpec, clock: ClockFn) -> AttemptRecord:
+        """Settle an unknown Attempt with an operator's evidence (see the port's docstring).
+
+        No lease: the Run may be closed or held by nobody. It cannot race a live executor:
+        only an ``unknown`` Attempt is settled here, an executor never writes to one again
+        (its repeated settle is the same write, recognised by its hash, and changes nothing),
+        and the Run's row lock serializes this with every other write to its counters.
+        """
+        a, d, r = s.attempts.c, s.debits.c, s.runs.c
+        with self.writing() as conn:
+            found = conn.execute(select(a.run_id).where(a.attempt_id == spec.attempt_id)).first()
+            if found is None:
+                raise NotFound(f"unknown attempt id {spec.attempt_id!r}; list unknown attempts "
+                               "with `failover-ledger attempts --open`",
+                               attempt_id=spec.attempt_id)
+            run = conn.execute(select(r.run_id, r.max_tokens).where(r.run_id == found.run_id)
+                               .with_for_update()).one()
+            now = clock()
+            att = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
+            if att.state != AttemptState.UNKNOWN.value or att.debit_state != "reserved":
+                raise InvalidState(
+                    f"attempt {spec.attempt_id!r} is {att.state}, not unknown: only an unknown "
+                    "attempt is settled with evidence, once (a settled one is never rewritten)",
+                    attempt_id=spec.attempt_id, state=att.state)
+            fact = FailureFact.model_validate_json(att.fact) if att.fact else None
+            tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
+                      else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
+            holds = settle_holds(spec.outcome, fact, cost_micros=spec.cost_micros,
+                                 tokens=tokens, reserved_micros=att.reserved_micros,
+                                 reserved_tokens=att.reserved_tokens or 0,
+                                 token_budget=run.max_tokens is not None)
+            changed = conn.execute(
+                s.attempts.update()
+                .where(a.attempt_id == spec.attempt_id, a.state == AttemptState.UNKNOWN.value)
+                .values(state=spec.outcome.value, prompt_tokens=spec.prompt_tokens,
+                        completion_tokens=spec.completion_tokens,
+                        cost_micros=spec.cost_micros)).rowcount
+            if changed != 1:  # pragma: no cover - the run row lock makes this unreachable
+                raise Conflict(f"attempt {spec.attempt_id!r} changed while it was settled",
+                               attempt_id=spec.attempt_id)
+            conn.execute(s.debits.update().where(d.debit_id == att.debit_id).values(
+                state=holds.debit.value, posted_micros=holds.posted_micros, settled_at=now))
+            conn.execute(s.runs.update().where(r.run_id == run.run_id).values(
+                reserved_micros=r.reserved_micros - holds.release_micros,
+                posted_micros=r.posted_micros + holds.posted_micros,
+                tokens_reserved=r.tokens_reserved - holds.release_tokens,
+                tokens_used=r.tokens_used + holds.tokens_used,
+                calls_used=r.calls_used - (1 if holds.uncount_call else 0), updated_at=now))
+            self.add_event(conn, run.run_id, spec.attempt_id, "late_receipt", {
+                "applied": True, "by": spec.by, "note": spec.note,
+                "previous_state": AttemptState.UNKNOWN.value, "outcome": spec.outcome.value,
+                "prompt_tokens": spec.prompt_tokens,
+                "completion_tokens": spec.completion_tokens,
+                "cost": None if spec.cost_micros is None else str(from_micros(spec.cost_micros)),
+                "posted": str(from_micros(holds.posted_micros)),
+                "released": str(from_micros(holds.release_micros - holds.posted_micros)),
+            }, now)
+            row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
+        return attempt_record(row, row.debit_state)
 
     def mark_unknown(self, lease: Lease, attempt_id: str, clock: ClockFn,
                      reason: str) -> AttemptRecord:

@@ -4,9 +4,10 @@ It is raw on purpose: a web framework cannot reset a connection before the statu
 socket mid-body or send a truncated chunked body, and those are the faults adapters must report.
 Standard library only, so the demo and any host can use it.
 
-It speaks the three protocols on their real paths:
+It speaks the four protocols on their real paths:
 
 * ``POST /v1/chat/completions`` (OpenAI-compatible; route endpoint ``fake.endpoint("openai")``)
+* ``POST /v1/responses`` (OpenAI's Responses API; ``fake.endpoint("openai_responses")``)
 * ``POST /v1/messages`` (Anthropic; endpoint ``fake.endpoint("anthropic")``)
 * ``POST /v1beta/models/{model}:generateContent`` and ``:streamGenerateContent?alt=sse``
   (Gemini; endpoint ``fake.endpoint("gemini")``)
@@ -19,8 +20,13 @@ What a request gets is chosen per request, first match wins:
 3. the sticky default for the model, then the global default (:meth:`FakeProvider.set_default`).
 
 Every request is recorded (:attr:`FakeProvider.requests`) with its headers and body, so a test can
-assert what was, or was not, sent. Connection-level faults that act before any request is read
-(``reset_next_connections``) are separate because they cannot be chosen by request content.
+assert what was, or was not, sent. The fake checks what it receives as a provider would: an
+image or a document that is not valid base64 or not what its media type says, a file without
+its name, a Responses-API reasoning item another model wrote, a ``previous_response_id`` it never
+stored get a 400 in the protocol's error shape (``ReceivedRequest.problem`` says why), and the
+images and documents a request carried are decoded into ``ReceivedRequest.media``.
+Connection-level faults that act before any request is read (``reset_next_connections``) are
+separate because they cannot be chosen by request content.
 
 Use it in-process: ``async with FakeProvider() as fake:`` on the running loop, or
 ``with FakeProvider().in_thread() as fake:`` from synchronous code.
@@ -43,6 +49,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 from urllib.parse import quote, quote_plus, unquote, urlsplit
+
+from ledger.testing.fakewire import BadRequest, ReceivedMedia, check, reasoning_secret
 
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 32 * 1024 * 1024
@@ -76,6 +84,10 @@ class Fault(StrEnum):
     MISSING_DONE = "missing_done"  # a complete answer without the terminator, clean end
     ERROR_EVENT = "error_event"  # some content, then the protocol's in-stream error
     TRICKLE = "trickle"  # content every delay_s, forever
+    # The answer stops at the output limit: chat completions finish "length", Anthropic
+    # "max_tokens", Gemini "MAX_TOKENS" (answers); the Responses API's status "incomplete"
+    # (reason max_output_tokens: response.incomplete in a stream).
+    INCOMPLETE = "incomplete"
     # The credential the request carried, echoed in every encoding a leak takes: in the status
     # line's reason, in response headers, and in the body (JSON-escaped with \/ and \uXXXX so
     # the raw bytes never hold it verbatim, URL-encoded, base64), also as the error code/type.
@@ -107,6 +119,11 @@ class Behavior:
     tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
     raw: tuple[bytes, ...] = ()  # RAW: the bytes to write, one write per item
     raw_hold: bool = False  # RAW: keep the connection open (sending nothing) after writing
+    # The Responses API: answer with a reasoning item whose summary is this text, "encrypted"
+    # for the requested model (only that model's requests may carry it back).
+    reasoning: str | None = None
+    cached_tokens: int = 0  # reported as usage.input_tokens_details.cached_tokens
+    reasoning_tokens: int = 0  # reported as usage.output_tokens_details.reasoning_tokens
 
 
 def _behavior(item: Fault | str | Behavior) -> Behavior:
@@ -124,11 +141,14 @@ class ReceivedRequest:
     query: str
     headers: dict[str, str]  # lower-case names
     body: bytes
-    protocol: str | None  # "openai", "anthropic", "gemini", or None for an unknown path
+    protocol: str | None  # "openai", "openai_responses", "anthropic", "gemini", or None
     model: str | None
     stream: bool
     fault: Fault
     received_at: float = field(default_factory=time.monotonic)
+    # The images and documents it carried; what a provider would refuse in it, if anything.
+    media: tuple[ReceivedMedia, ...] = ()
+    problem: str | None = None
 
     @property
     def json(self) -> Any:
@@ -171,6 +191,8 @@ class FakeProvider:
         self.port = port
         self._ssl = ssl
         self._lock = threading.Lock()
+        # Notified as each request is recorded (wait_for_requests), under the same lock.
+        self._arrived = threading.Condition(self._lock)
         self._default = _behavior(default)
         self._model_default: dict[str, Behavior] = {}
         self._queue: deque[Behavior] = deque()
@@ -207,6 +229,16 @@ class FakeProvider:
         """Every request received so far, in order (a copy)."""
         with self._lock:
             return list(self._requests)
+
+    def wait_for_requests(self, n: int = 1, *, timeout: float = 10.0) -> bool:
+        """Block until ``n`` requests have been received (and recorded) in all; False on timeout.
+
+        The request is recorded once its body was read, so it was sent in full: a test that
+        cancels its caller after this knows the request left (``asyncio.to_thread`` it from a
+        coroutine). It waits for the event, not for time to pass.
+        """
+        with self._arrived:
+            return self._arrived.wait_for(lambda: len(self._requests) >= n, timeout=timeout)
 
     def clear(self) -> None:
         """Forget recorded requests and scripted behaviours; defaults go back to OK."""
@@ -248,8 +280,13 @@ class FakeProvider:
         return f"{scheme}://{self.host}:{self.port}"
 
     def endpoint(self, protocol: str) -> str:
-        """The ``Route.endpoint`` to use for ``protocol`` ("openai", "anthropic", "gemini")."""
-        return self.base_url + "/v1" if protocol == "openai" else self.base_url
+        """The ``Route.endpoint`` for ``protocol``.
+
+        ``"openai"``, ``"openai_responses"``, ``"anthropic"`` or ``"gemini"``.
+        """
+        if protocol in ("openai", "openai_responses"):
+            return self.base_url + "/v1"
+        return self.base_url
 
     async def start(self) -> None:
         """Listen on the running loop (``async with`` does this)."""
@@ -386,6 +423,12 @@ class FakeProvider:
         path = unquote(parts.path)
         protocol, model, stream = _classify(path, bytes(body))
         behavior = self._choose(model, headers.get("x-fake-fault"))
+        media: list[ReceivedMedia] = []
+        problem = None
+        try:
+            media = check(protocol, bytes(body), model)
+        except BadRequest as e:
+            problem = str(e)
         req = ReceivedRequest(
             method=method,
             path=path,
@@ -396,9 +439,12 @@ class FakeProvider:
             model=model,
             stream=stream,
             fault=behavior.fault,
+            media=tuple(media),
+            problem=problem,
         )
         with self._lock:
             self._requests.append(req)
+            self._arrived.notify_all()
         return req, behavior
 
     async def _respond(
@@ -442,6 +488,10 @@ class FakeProvider:
             status, obj, extra = status_body
             await _write(writer, _json_response(status, obj, extra))
             return True
+        if req.problem is not None:
+            await _write(writer, _json_response(400, _invalid_request(req.protocol,
+                                                                      req.problem)))
+            return True
         answer = _Answer.build(req, behavior)
         if req.stream:
             return await self._stream(req, behavior, answer, reader, writer)
@@ -465,7 +515,12 @@ class FakeProvider:
             )
             return True
         if f is Fault.ERROR_EVENT:
-            await _write(writer, _json_response(200, _stream_error(req.protocol or "")))
+            if req.protocol == "openai_responses":
+                failed = {**answer.whole("openai_responses"), "status": "failed", "output": [],
+                          "error": _stream_error("openai_responses")["response"]["error"]}
+                await _write(writer, _json_response(200, failed))
+            else:
+                await _write(writer, _json_response(200, _stream_error(req.protocol or "")))
             return True
         half = body[: len(body) // 2]
         if f in (Fault.STREAM_CUT, Fault.STREAM_RESET, Fault.STALL, Fault.TRICKLE):
@@ -531,7 +586,8 @@ class FakeProvider:
                         await _write(writer, _chunk(data))
                         await asyncio.sleep(behavior.delay_s)
             if (behavior.fault_after_content and index > last_content >= 0
-                    and b"content_block_stop" not in data  # the block (a tool_use) completes
+                    # the block (a tool_use, a function_call item) completes
+                    and not any(end in data for end in _ITEM_ENDS)
                     and f in (Fault.STREAM_CUT, Fault.STREAM_RESET)):
                 if f is Fault.STREAM_RESET:
                     _reset(writer)
@@ -555,7 +611,7 @@ class FakeProvider:
                     return True
                 if f is Fault.ERROR_EVENT:
                     err = _stream_error(protocol)
-                    name = b"event: error\n" if protocol == "anthropic" else b""
+                    name = _ERROR_EVENT_NAME.get(protocol, b"")
                     await _write(
                         writer, _chunk(name + b"data: " + json.dumps(err).encode() + b"\n\n")
                     )
@@ -646,6 +702,8 @@ def _classify(path: str, body: bytes) -> tuple[str | None, str | None, bool]:
     model = obj.get("model") if isinstance(obj.get("model"), str) else None
     if path.endswith("/chat/completions"):
         return "openai", model, bool(obj.get("stream"))
+    if path.endswith("/responses"):
+        return "openai_responses", model, bool(obj.get("stream"))
     if path.endswith("/messages"):
         return "anthropic", model, bool(obj.get("stream"))
     if "/models/" in path and ":" in path.rsplit("/", 1)[-1]:
@@ -663,7 +721,32 @@ def _wants_usage(req: ReceivedRequest) -> bool:
     return isinstance(opts, dict) and bool(opts.get("include_usage"))
 
 
+# The SSE event name of each protocol's in-stream error (the others send data only).
+_ERROR_EVENT_NAME = {"anthropic": b"event: error\n",
+                     "openai_responses": b"event: response.failed\n"}
+# Events that complete an output item: a mid-stream fault after the last content lets them
+# through, so the tool call is a complete proposal when the stream breaks.
+_ITEM_ENDS = (b"content_block_stop", b"response.function_call_arguments.done",
+              b"response.output_item.done")
+
+
+def _invalid_request(protocol: str | None, message: str) -> dict[str, Any]:
+    """A 400 body in the protocol's shape for a request a provider would refuse."""
+    if protocol == "anthropic":
+        return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    if protocol == "gemini":
+        return {"error": {"code": 400, "message": message, "status": "INVALID_ARGUMENT"}}
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_value"}}
+
+
 def _stream_error(protocol: str) -> dict[str, Any]:
+    if protocol == "openai_responses":
+        return {"type": "response.failed", "sequence_number": 9, "response": {
+            "id": "resp_fake", "object": "response", "status": "failed", "output": [],
+            "error": {"code": "server_error",
+                      "message": "The server had an error while processing your request."},
+            "usage": None}}
     if protocol == "anthropic":
         return {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
     if protocol == "gemini":
@@ -729,7 +812,7 @@ def _echo_key_response(req: ReceivedRequest) -> bytes:
         prelude += _chunk(ev)
         if is_content:
             break
-    name = b"event: error\n" if p == "anthropic" else b""
+    name = b"event: error\n" if p in ("anthropic", "openai_responses") else b""
     return (
         _head(200, headers) + prelude + _chunk(name + b"data: " + data + b"\n\n") + b"0\r\n\r\n"
     )
@@ -879,7 +962,7 @@ def _error_response(
     if row is None:
         return None
     status, o, a, g = row
-    body = a if p == "anthropic" else g if p == "gemini" else o
+    body = a if p == "anthropic" else g if p == "gemini" else o  # Responses: OpenAI's errors
     if p == "gemini" and f is Fault.OVERLOADED:
         status = 503
     extra = {"retry-after": b.retry_after} if f is Fault.RATE_LIMIT_RETRY_AFTER else {}
@@ -894,6 +977,11 @@ class _Answer:
     model: str
     usage: tuple[int, int]
     tool: tuple[str, dict[str, Any]] | None
+    incomplete: bool = False  # stopped at the output limit (Fault.INCOMPLETE)
+    reasoning: str | None = None  # a Responses reasoning item's summary
+    secret: str = ""  # its "encrypted" content, readable by the requested model only
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @classmethod
     def build(cls, req: ReceivedRequest, b: Behavior) -> _Answer:
@@ -908,7 +996,52 @@ class _Answer:
             model=b.model or f"{req.model or 'fake'}-fake-001",
             usage=b.usage,
             tool=b.tool_call if has_tools else None,
+            incomplete=b.fault is Fault.INCOMPLETE,
+            reasoning=b.reasoning,
+            secret=reasoning_secret(req.model, b.reasoning) if b.reasoning else "",
+            cached_tokens=b.cached_tokens,
+            reasoning_tokens=b.reasoning_tokens,
         )
+
+    def finish(self, protocol: str) -> str:
+        """The answer's finish (stop) reason in ``protocol``'s words."""
+        if protocol == "anthropic":
+            return "max_tokens" if self.incomplete else "tool_use" if self.tool else "end_turn"
+        if protocol == "gemini":
+            return "MAX_TOKENS" if self.incomplete else "STOP"
+        return "length" if self.incomplete else "tool_calls" if self.tool else "stop"
+
+    def _responses_usage(self) -> dict[str, Any]:
+        pt, ct = self.usage
+        return {"input_tokens": pt, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": ct,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "total_tokens": pt + ct}
+
+    def _responses_items(self) -> list[dict[str, Any]]:
+        """The answer's output items (reasoning, message, function call)."""
+        items: list[dict[str, Any]] = []
+        if self.reasoning:
+            items.append({"type": "reasoning", "id": "rs_fake_1",
+                          "summary": [{"type": "summary_text", "text": self.reasoning}],
+                          "encrypted_content": self.secret})
+        items.append({"type": "message", "id": "msg_fake_1", "status": "completed",
+                      "role": "assistant", "content": [
+                          {"type": "output_text", "text": self.text, "annotations": []}]})
+        if self.tool:
+            items.append({"type": "function_call", "id": "fc_fake_1", "call_id": "call_fake_1",
+                          "name": self.tool[0], "arguments": json.dumps(self.tool[1]),
+                          "status": "completed"})
+        return items
+
+    def _response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        done = status in ("completed", "incomplete")
+        return {"id": "resp_fake", "object": "response", "created_at": 0, "status": status,
+                "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"}
+                if status == "incomplete" else None,
+                "model": self.model, "output": output, "store": False,
+                "usage": self._responses_usage() if done else None}
 
     @property
     def text(self) -> str:
@@ -916,6 +1049,9 @@ class _Answer:
 
     def whole(self, protocol: str) -> dict[str, Any]:
         pt, ct = self.usage
+        if protocol == "openai_responses":
+            return self._response("incomplete" if self.incomplete else "completed",
+                                  self._responses_items())
         if protocol == "anthropic":
             content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
             if self.tool:
@@ -933,7 +1069,7 @@ class _Answer:
                 "role": "assistant",
                 "model": self.model,
                 "content": content,
-                "stop_reason": "tool_use" if self.tool else "end_turn",
+                "stop_reason": self.finish(protocol),
                 "usage": {"input_tokens": pt, "output_tokens": ct},
             }
         if protocol == "gemini":
@@ -944,7 +1080,7 @@ class _Answer:
                 "candidates": [
                     {
                         "content": {"role": "model", "parts": parts},
-                        "finishReason": "STOP",
+                        "finishReason": self.finish(protocol),
                         "index": 0,
                     }
                 ],
@@ -973,11 +1109,64 @@ class _Answer:
                 {
                     "index": 0,
                     "message": message,
-                    "finish_reason": "tool_calls" if self.tool else "stop",
+                    "finish_reason": self.finish(protocol),
                 }
             ],
             "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
         }
+
+    def _responses_events(self) -> list[tuple[bytes, bool, bool]]:
+        """The Responses stream: every event named by its ``type``; no terminator event."""
+        out: list[tuple[bytes, bool, bool]] = []
+        seq = 0
+
+        def ev(obj: dict[str, Any], content: bool = False) -> None:
+            nonlocal seq
+            obj = {**obj, "sequence_number": seq}
+            seq += 1
+            out.append((f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode(),
+                        content, False))
+
+        ev({"type": "response.created", "response": self._response("in_progress", [])})
+        ev({"type": "response.in_progress", "response": self._response("in_progress", [])})
+        items = self._responses_items()
+        for index, item in enumerate(items):
+            if item["type"] == "reasoning":
+                ev({"type": "response.output_item.added", "output_index": index,
+                    "item": {**item, "summary": [], "encrypted_content": None}})
+                ev({"type": "response.reasoning_summary_text.delta", "item_id": item["id"],
+                    "output_index": index, "summary_index": 0, "delta": self.reasoning})
+                ev({"type": "response.output_item.done", "output_index": index, "item": item})
+            elif item["type"] == "message":
+                ev({"type": "response.output_item.added", "output_index": index,
+                    "item": {**item, "status": "in_progress", "content": []}})
+                ev({"type": "response.content_part.added", "item_id": item["id"],
+                    "output_index": index, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []}})
+                for piece in self.pieces:
+                    ev({"type": "response.output_text.delta", "item_id": item["id"],
+                        "output_index": index, "content_index": 0, "delta": piece}, True)
+                ev({"type": "response.output_text.done", "item_id": item["id"],
+                    "output_index": index, "content_index": 0, "text": self.text})
+                ev({"type": "response.content_part.done", "item_id": item["id"],
+                    "output_index": index, "content_index": 0, "part": item["content"][0]})
+                ev({"type": "response.output_item.done", "output_index": index, "item": item})
+            else:
+                args = item["arguments"]
+                half = len(args) // 2
+                ev({"type": "response.output_item.added", "output_index": index,
+                    "item": {**item, "arguments": "", "status": "in_progress"}}, True)
+                for frag in (args[:half], args[half:]):
+                    ev({"type": "response.function_call_arguments.delta",
+                        "item_id": item["id"], "output_index": index, "delta": frag}, True)
+                ev({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                    "output_index": index, "arguments": args})
+                ev({"type": "response.output_item.done", "output_index": index, "item": item})
+        if self.incomplete:
+            ev({"type": "response.incomplete", "response": self._response("incomplete", items)})
+        else:
+            ev({"type": "response.completed", "response": self._response("completed", items)})
+        return out
 
     def events(self, protocol: str, *, include_usage: bool) -> list[tuple[bytes, bool, bool]]:
         """SSE events as (bytes, carries content, is the terminator)."""
@@ -988,6 +1177,8 @@ class _Answer:
 
         pt, ct = self.usage
         out: list[tuple[bytes, bool, bool]] = []
+        if protocol == "openai_responses":
+            return self._responses_events()
         if protocol == "anthropic":
             out.append(
                 (
@@ -1097,7 +1288,7 @@ class _Answer:
                         {
                             "type": "message_delta",
                             "delta": {
-                                "stop_reason": "tool_use" if self.tool else "end_turn",
+                                "stop_reason": self.finish(protocol),
                                 "stop_sequence": None,
                             },
                             "usage": {"output_tokens": ct},
@@ -1124,7 +1315,7 @@ class _Answer:
                         {"functionCall": {"name": self.tool[0], "args": self.tool[1]}}
                     )
                 if last:
-                    chunk["candidates"][0]["finishReason"] = "STOP"
+                    chunk["candidates"][0]["finishReason"] = self.finish(protocol)
                     chunk["usageMetadata"] = {
                         "promptTokenCount": pt,
                         "candidatesTokenCount": ct,
@@ -1180,7 +1371,7 @@ class _Answer:
                     False,
                 )
             )
-        out.append((sse(oai({}, "tool_calls" if self.tool else "stop")), False, False))
+        out.append((sse(oai({}, self.finish(protocol))), False, False))
         if include_usage:
             out.append(
                 (
@@ -1206,4 +1397,4 @@ class _Answer:
         return out
 
 
-__all__ = ["Behavior", "FakeProvider", "Fault", "ReceivedRequest"]
+__all__ = ["Behavior", "FakeProvider", "Fault", "ReceivedMedia", "ReceivedRequest"]

@@ -20,7 +20,7 @@ from ledger.testing import FakeProvider
 
 SECRET = "sk-test-SECRETKEY-0123456789abcdef"
 PROFILE = "fake:default"
-PROTOCOLS = ["openai", "anthropic", "gemini"]
+PROTOCOLS = ["openai", "openai_responses", "anthropic", "gemini"]
 
 # Small limits: the tests that exercise a time limit wait this long, and no longer.
 FAST = StreamingPolicy(

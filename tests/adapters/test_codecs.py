@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ledger.adapters import anthropic, gemini, openai
+from ledger.adapters import anthropic, gemini, openai, openai_responses
 from ledger.adapters.contract import (
     MalformedPayload,
     ProviderErrorPayload,
@@ -298,3 +298,83 @@ def test_gemini_stream_has_no_terminator_only_finish_reason() -> None:
         ),
     )
     assert s.completed and not s.terminated and s.reply().text == "ab"
+
+
+# -- the Responses API ---------------------------------------------------------------------
+
+
+def test_openai_responses_request_urls_and_structure() -> None:
+    for endpoint in ("https://api.example.com/v1", "https://api.example.com/v1/responses/"):
+        route = make_route(endpoint, "openai_responses", model="gpt-x")
+        wire = openai_responses.CODEC.build_request(route, CONVERSATION)
+        assert wire.url == "https://api.example.com/v1/responses"
+    b = wire.body
+    assert b["instructions"] == "You are terse." and b["store"] is False
+    assert b["max_output_tokens"] == 256 and b["stop"] == "END"  # passed as given
+    assert "authorization" not in wire.headers
+    assert openai_responses.CODEC.auth_headers("k") == {"authorization": "Bearer k"}
+    with pytest.raises(InvalidArgument):
+        openai_responses.CODEC.build_request(route, Envelope(parts=[
+            Part(role="system", content="only a system part")]))
+
+
+def test_openai_responses_reply_reads_every_output_item() -> None:
+    r = openai_responses.CODEC.parse_reply({
+        "status": "completed", "model": "gpt-x-2025",
+        "output": [
+            {"type": "reasoning", "id": "rs_plain", "summary": []},  # unencrypted: not carried
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e",
+             "status": "completed"},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Yes, ", "annotations": []},
+                {"type": "refusal", "refusal": "but not that."}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f",
+             "arguments": '{"a": 1}'},
+            {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+        ],
+        "usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4},
+                  "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 2}},
+    })
+    assert (r.text, r.model, r.finish_reason) == ("Yes, but not that.", "gpt-x-2025",
+                                                  "completed")
+    assert [(c.id, c.name, c.arguments) for c in r.tool_calls] == [("call_1", "f", {"a": 1})]
+    assert r.reasoning == [{"type": "reasoning", "id": "rs_1", "summary": [],
+                            "encrypted_content": "e"}]
+    assert r.usage is not None and (r.usage.cached_tokens, r.usage.reasoning_tokens) == (4, 2)
+    with pytest.raises(MalformedPayload, match="still in_progress"):
+        openai_responses.CODEC.parse_reply({"status": "in_progress", "output": []})
+    with pytest.raises(ProviderErrorPayload, match="cancelled"):
+        openai_responses.CODEC.parse_reply({"status": "cancelled", "output": []})
+    with pytest.raises(ProviderErrorPayload, match="server_error"):
+        openai_responses.CODEC.parse_reply({"status": "failed", "output": [], "error": {
+            "code": "server_error", "message": "boom"}})
+    with pytest.raises(MalformedPayload):
+        openai_responses.CODEC.parse_reply({"status": "completed", "output": "nope"})
+
+
+def test_openai_responses_stream_proposes_calls_assembled_from_argument_deltas() -> None:
+    s = openai_responses.CODEC.new_stream()
+
+    def ev(obj: dict[str, object]) -> list[object]:
+        return _feed(s, json.dumps(obj), event=str(obj["type"]))
+
+    ev({"type": "response.created", "response": {"model": "gpt-x", "status": "in_progress"}})
+    assert not s.content_seen
+    ev({"type": "response.output_item.added", "output_index": 0,
+        "item": {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f",
+                 "arguments": ""}})
+    assert s.content_seen
+    ev({"type": "response.function_call_arguments.delta", "item_id": "fc_1", "delta": '{"a":'})
+    ev({"type": "response.function_call_arguments.delta", "item_id": "fc_1", "delta": " 1}"})
+    assert s.tool_calls == []  # proposed only once complete
+    out = ev({"type": "response.completed", "response": {
+        "status": "completed", "usage": {"input_tokens": 3, "output_tokens": 4}}})
+    assert s.terminated and [p.call.arguments for p in out] == [{"a": 1}]  # type: ignore[attr-defined]
+    assert s.reply().usage is not None
+    bad = openai_responses.CODEC.new_stream()
+    with pytest.raises(MalformedPayload):
+        _feed(bad, json.dumps({"type": "response.function_call_arguments.delta",
+                               "item_id": "nope", "delta": "x"}))
+    done = openai_responses.CODEC.new_stream()
+    _feed(done, "[DONE]")
+    assert done.terminated

@@ -58,7 +58,7 @@ async def test_success_reports_text_usage_cost_and_model(
     assert r.cost == (Decimal(3) * 11 + Decimal(15) * 7) / Decimal(1_000_000)
     assert r.model_reported == "m1-fake-001"
     assert r.http_status == 200 and r.observation is None and r.effective_output
-    assert r.finish_reason in ("stop", "end_turn", "STOP")
+    assert r.finish_reason in ("stop", "end_turn", "STOP", "completed")
     assert r.request_id and r.request_id.startswith("req_fake_")
     if stream:
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == FULL_TEXT
@@ -161,6 +161,9 @@ async def test_prefill_is_sent_and_a_rejection_is_reported(
         assert sent["contents"][-1] == {"role": "model", "parts": [{"text": "The colour is"}]}
     elif protocol == "anthropic":
         assert sent["messages"][-1]["role"] == "assistant"
+    elif protocol == "openai_responses":
+        assert sent["input"][-1] == {"type": "message", "role": "assistant",
+                                     "content": "The colour is"}
     else:
         assert sent["messages"][-1] == {"role": "assistant", "content": "The colour is"}
 
@@ -318,6 +321,8 @@ async def test_in_stream_error_event_is_a_provider_failure(
         assert body["error"]["type"] == "overloaded_error"
     elif protocol == "gemini":
         assert body["error"]["status"] == "UNAVAILABLE"
+    elif protocol == "openai_responses":  # response.failed: its response's error object
+        assert body["error"]["code"] == "server_error" and body["status"] == "failed"
     else:
         assert body["error"]["type"] == "server_error"
     assert isinstance(events[-1], Reset) and events[-1].reason == "provider_error"

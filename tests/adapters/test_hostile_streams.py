@@ -1,7 +1,7 @@
 """Streams that lie are never a success.
 
 A raw loopback server (the fake provider's ``raw`` fault) sends a complete answer in hostile
-framing, encodings, JSON and headers, to all three adapters, streaming and not. Every call ends
+framing, encodings, JSON and headers, to all four adapters, streaming and not. Every call ends
 as a complete success with the complete text, or as a clean failure observation: never an
 exception, never a hang (each call is bounded by the adapter's own limits), and never truncated
 text reported as a success. Framing the standard allows (a byte-order mark, CR-only or mixed line
@@ -83,6 +83,20 @@ def sse_events(protocol: str) -> list[tuple[str | None, str]]:
             ("message_stop", js({"type": "message_stop"})),
         ]
         return out
+    if protocol == "openai_responses":
+        def resp(status: str) -> dict[str, Any]:
+            return {"id": "resp_1", "object": "response", "status": status, "model": "m1-fake",
+                    "output": [], "usage": {"input_tokens": 3, "output_tokens": 5}
+                    if status == "completed" else None}
+        out = [("response.created", js({"type": "response.created",
+                                         "response": resp("in_progress")}))]
+        out += [("response.output_text.delta", js({"type": "response.output_text.delta",
+                                                    "item_id": "msg_1", "output_index": 0,
+                                                    "content_index": 0, "delta": p}))
+                for p in PIECES]
+        out += [("response.completed", js({"type": "response.completed",
+                                            "response": resp("completed")}))]
+        return out
     if protocol == "gemini":
         out = []
         for i, p in enumerate(PIECES):
@@ -114,6 +128,11 @@ def whole_body(protocol: str) -> bytes:
                                "model": "m1-fake", "stop_reason": "end_turn",
                                "content": [{"type": "text", "text": EXPECTED}],
                                "usage": {"input_tokens": 3, "output_tokens": 5}}
+    elif protocol == "openai_responses":
+        obj = {"id": "resp_1", "object": "response", "status": "completed", "model": "m1-fake",
+               "output": [{"type": "message", "role": "assistant", "content": [
+                   {"type": "output_text", "text": EXPECTED, "annotations": []}]}],
+               "usage": {"input_tokens": 3, "output_tokens": 5}}
     elif protocol == "gemini":
         obj = {"candidates": [{"content": {"role": "model", "parts": [{"text": EXPECTED}]},
                                "finishReason": "STOP", "index": 0}],
@@ -381,6 +400,7 @@ def test_truncated_json_fails(
         f = Framing(http="chunked")
         body = sse_text(protocol, f).replace(b'"text": " W\xc3\x96RLD"', b'"text": " W\xc3\x96R')
         body = body.replace(b'"content": " W\xc3\x96RLD"', b'"content": " W\xc3\x96R')
+        body = body.replace(b'"delta": " W\xc3\x96RLD"', b'"delta": " W\xc3\x96R')
         raw = frame(200, [("content-type", "text/event-stream")], body, f)
     else:
         body = whole_body(protocol)

@@ -96,8 +96,8 @@ async def test_no_secret_names_the_variables_to_set(fake: FakeProvider, protocol
     async with HttpAdapter(secrets=EnvSecretProvider({}), limits=FAST) as a:
         result = await a.send(make_route(fake.endpoint(protocol), protocol), ENV,
                               profile_id=PROFILE)
-    conventional = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY",
-                    "gemini": "GEMINI_API_KEY"}[protocol]
+    conventional = {"openai": "OPENAI_API_KEY", "openai_responses": "OPENAI_API_KEY",
+                    "anthropic": "ANTHROPIC_API_KEY", "gemini": "GEMINI_API_KEY"}[protocol]
     _assert_cannot_build(result, "no secret for credential profile 'fake:default'; set "
                          f"LEDGER_SECRET_FAKE_DEFAULT or {conventional}")
     async with HttpAdapter(secrets=StaticSecretProvider({}), limits=FAST) as a:

@@ -140,14 +140,14 @@ async def test_self_signed_certificate_is_a_tls_error_and_trusted_ca_works(
 async def test_connections_are_pooled_per_endpoint(
     adapter: HttpAdapter, fake: FakeProvider
 ) -> None:
-    for protocol in PROTOCOLS:  # three protocols, one origin: one client, one connection
+    for protocol in PROTOCOLS:  # four protocols, one origin: one client, one connection
         for stream in (False, True):
             envelope = Envelope(parts=[Part(content="hi")], stream=stream)
             r = await adapter.send(
                 make_route(fake.endpoint(protocol), protocol), envelope, profile_id=PROFILE
             )
             assert r.ok
-    assert len(fake.requests) == 6
+    assert len(fake.requests) == 2 * len(PROTOCOLS)
     assert fake.connections == 1
 
 

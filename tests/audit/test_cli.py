@@ -47,8 +47,8 @@ def test_run_show_table_and_json(sqlite_url: str) -> None:
     assert "selected A  served B  failed over: yes" in out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("#"))
-    assert lines[header].split() == ["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "COST",
-                                     "WHY", "AT"]
+    assert lines[header].split() == ["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT",
+                                     "REPORTED", "WHY", "AT"]
     assert lines[header + 2].split()[:9] == ["1", "first", "A", "pa1", "failed", "rate_limit",
                                              "429", "posted", "0.000000"]
     assert "next_candidate (skipped C: cooling)" in lines[header + 3]
@@ -95,16 +95,18 @@ def test_costs_and_health(sqlite_url: str) -> None:
     out = ok("--db", sqlite_url, "costs", *SINCE)
     lines = out.splitlines()
     assert lines[0].split() == ["ROUTE", "ATTEMPTS", "OK", "FAILED", "UNKNOWN", "PROMPT_TOK",
-                                "COMPLETION_TOK", "COST"]
+                                "COMPLETION_TOK", "CHARGED", "HELD"]
+    # Charged: the posted debits (the 429 and the 500 posted nothing); held: r4's unknown
+    # attempt on C and r5's dispatching one on A keep their holds.
     assert [line.split() for line in lines[2:]] == [
-        ["B", "3", "2", "1", "0", "120", "60", "0.005000"],
-        ["C", "2", "1", "0", "1", "30", "20", "0.004000"],
-        ["A", "3", "1", "1", "0", "10", "5", "0.001000"],
+        ["B", "3", "2", "1", "0", "120", "60", "0.005000", "0.000000"],
+        ["C", "2", "1", "0", "1", "30", "20", "0.004000", "0.020000"],
+        ["A", "3", "1", "1", "0", "10", "5", "0.001000", "0.030000"],
     ]
     doc = json.loads(ok("--db", sqlite_url, "costs", "--by", "label", "--label", "team",
                         "--json", *SINCE))
-    assert [(t["key"], t["cost"]) for t in doc["items"]] == [
-        ("search", "0.005"), (None, "0.004"), ("eval", "0.001")]
+    assert [(t["key"], t["cost"], t["held"]) for t in doc["items"]] == [
+        ("search", "0.005", "0"), (None, "0.004", "0.05"), ("eval", "0.001", "0")]
     health = ok("--db", sqlite_url, "health")
     assert "capacity groups" in health
     g3 = next(line for line in health.splitlines() if line.startswith("g3 "))

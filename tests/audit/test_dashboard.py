@@ -128,8 +128,9 @@ def test_route_series_and_costs_by_day(seeded_url: str) -> None:
     assert rate["C"] == [None, None, None, 0.0, None, 1.0]
     assert latency["A"] == [None, 2.0, None, None, None, None]
     assert latency["B"][0] == 2.0 and latency["B"][2] == 1.0 and latency["C"][5] == 1.0
-    assert [(d["tenant"], d["attempts"], d["cost"]) for d in days] == [
-        (None, 2, "0.004"), ("t1", 3, "0.003"), ("t2", 3, "0.003")]
+    # Charged (posted debits) and held (r5 dispatching, r4 unknown), as the runs count them.
+    assert [(d["tenant"], d["attempts"], d["cost"], d["held"]) for d in days] == [
+        (None, 2, "0.004", "0.03"), ("t1", 3, "0.003", "0"), ("t2", 3, "0.003", "0.02")]
     assert {d["day"] for d in days} == {T0 - T0 % 86400}
 
 

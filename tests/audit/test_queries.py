@@ -26,7 +26,8 @@ def test_timeline_tells_which_route_served_and_why(audit: Audit) -> None:
     assert tl.run.labels == {"team": "search"}
     assert tl.run.selected_route == "A" and tl.run.status == "succeeded"
     assert tl.served_route == "B" and tl.failed_over is True
-    assert tl.total_cost == _d("0.002")
+    assert (tl.total_cost, tl.held) == (_d("0.002"), _d("0"))
+    assert (tl.total_cost, tl.held) == (tl.run.posted, tl.run.reserved)
     first, second = tl.attempts
     assert (first.seq, first.kind, first.route_id, first.profile_id, first.state) == (
         1, "first", "A", "pa1", "failed")
@@ -108,29 +109,29 @@ def test_attempts_by_route_group_outcome_category_time(audit: Audit) -> None:
 
 
 def _t(key: str | None, n: int, ok: int, failed: int, unknown: int, pt: int, ct: int,
-       cost: str) -> Totals:
-    return Totals(key, n, ok, failed, unknown, pt, ct, Decimal(cost))
+       cost: str, held: str = "0") -> Totals:
+    return Totals(key, n, ok, failed, unknown, pt, ct, Decimal(cost), Decimal(held))
 
 
 def test_cost_and_token_totals(audit: Audit) -> None:
     assert audit.costs(by="route").items == [
         _t("B", 3, 2, 1, 0, 120, 60, "0.005"),
-        _t("C", 2, 1, 0, 1, 30, 20, "0.004"),
-        _t("A", 3, 1, 1, 0, 10, 5, "0.001"),
+        _t("C", 2, 1, 0, 1, 30, 20, "0.004", "0.02"),  # r4's unknown attempt keeps its hold
+        _t("A", 3, 1, 1, 0, 10, 5, "0.001", "0.03"),  # r5's is still dispatching
     ]
     assert audit.costs(by="group").items[0] == _t("g2", 3, 2, 1, 0, 120, 60, "0.005")
-    assert audit.costs(by="provider").items[-1] == _t("p1", 3, 1, 1, 0, 10, 5, "0.001")
+    assert audit.costs(by="provider").items[-1] == _t("p1", 3, 1, 1, 0, 10, 5, "0.001", "0.03")
     assert [(t.key, t.cost) for t in audit.costs(by="run").items] == [
         ("r6", _d("0.004")), ("r3", _d("0.003")), ("r1", _d("0.002")), ("r2", _d("0.001")),
         ("r4", _d("0")), ("r5", _d("0"))]
     assert audit.costs(by="tenant").items == [
-        _t(None, 2, 1, 0, 0, 30, 20, "0.004"),
+        _t(None, 2, 1, 0, 0, 30, 20, "0.004", "0.03"),
         _t("t1", 3, 2, 1, 0, 110, 55, "0.003"),
-        _t("t2", 3, 1, 1, 1, 20, 10, "0.003"),
+        _t("t2", 3, 1, 1, 1, 20, 10, "0.003", "0.02"),
     ]
     assert audit.costs(by="label", label="team").items == [
         _t("search", 4, 2, 2, 0, 120, 60, "0.005"),
-        _t(None, 3, 1, 0, 1, 30, 20, "0.004"),
+        _t(None, 3, 1, 0, 1, 30, 20, "0.004", "0.05"),
         _t("eval", 1, 1, 0, 0, 10, 5, "0.001"),
     ]
     # A time range: only r1..r3's attempts.

@@ -38,6 +38,16 @@ def test_the_quickstart_agent_runs_as_written(tmp_path: Path) -> None:
     assert "2 attempt(s)" in out and "spent" in out
 
 
+def test_the_quickstart_pdf_agent_runs_as_written(tmp_path: Path) -> None:
+    code = _first_python_block(REPO / "docs" / "quickstart.md", after="## An agent that reads")
+    assert len([ln for ln in code.splitlines() if ln.strip()]) <= 40  # "short"
+    done = _run(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "served by reader holding" in out
+    assert "skipped: pdf input: the request carries part 1 (application/pdf)" in out
+
+
 def test_the_readme_example_runs_as_pasted(tmp_path: Path) -> None:
     done = _run(_first_python_block(REPO / "README.md", after="## Using it"), tmp_path)
     assert done.returncode == 0, done.stderr

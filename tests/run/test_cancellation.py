@@ -30,7 +30,7 @@ from ledger.adapters import (
 )
 from ledger.adapters.contract import StreamEvent, TextDelta
 from ledger.api.facade import AsyncLedger, Ledger
-from ledger.api.turn import aexecute, execute
+from ledger.api.turn import Dispatch, SendResult, aexecute, execute
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
@@ -71,9 +71,12 @@ def _envelope(stream: bool = False) -> Envelope:
     return Envelope(parts=[Part(content="hello")], stream=stream, max_output_tokens=16)
 
 
-def _assert_truthful(led: Ledger, lease: Lease, expected: AttemptState) -> None:
+def _assert_truthful(led: Ledger, lease: Lease, expected: AttemptState, *,
+                     shown: bool = False) -> None:
     [att] = led.timeline("r")
     assert att.state is expected
+    # Text the caller was shown before the interruption is effective output (and only that).
+    assert att.effective_output is shown
     assert att.state is not AttemptState.DISPATCHING
     if expected is AttemptState.NOT_SENT:
         assert att.debit_state is DebitState.VOIDED
@@ -172,7 +175,7 @@ def test_cancel_mid_stream_is_unknown_with_its_hold(db_url: str, fake: FakeProvi
         db_url, fake, stream=True, behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
         on_event=lambda task: task.cancel())
     assert isinstance(err, asyncio.CancelledError)
-    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN, shown=True)
     led.close()
 
 
@@ -182,7 +185,8 @@ def test_timeout_mid_stream_is_unknown_and_raises_timeout(db_url: str,
         db_url, fake, stream=True, behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
         timeout=0.5)
     assert isinstance(err, TimeoutError)
-    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    # The stream's callback had been handed text before the deadline: it was shown.
+    _assert_truthful(led, lease, AttemptState.UNKNOWN, shown=True)
     led.close()
 
 
@@ -255,7 +259,43 @@ def test_interrupt_mid_stream_is_unknown(db_url: str, fake: FakeProvider) -> Non
     finally:
         signal.signal(signal.SIGINT, previous)
     assert isinstance(err, KeyboardInterrupt)
-    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN, shown=True)
+    led.close()
+
+
+class _ReaderGone(Exception):
+    pass
+
+
+def test_callback_error_after_shown_text_is_unknown_with_effective_output(
+        db_url: str, fake: FakeProvider) -> None:
+    def on_event(ev: StreamEvent) -> None:
+        if isinstance(ev, TextDelta):
+            raise _ReaderGone  # the caller's own callback: it propagates unchanged
+
+    led, lease, err = _run_sync(db_url, fake, stream=True,
+                                behavior=Behavior(fault=Fault.TRICKLE, delay_s=0.02),
+                                on_event=on_event)
+    assert isinstance(err, _ReaderGone)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN, shown=True)
+    led.close()
+
+
+def test_a_hosts_send_function_reports_shown_output_through_the_progress(
+        db_url: str, fake: FakeProvider) -> None:
+    """A host that streams itself says what it showed (``Dispatch.progress.delivered``); an
+    interruption after that is recorded with effective output."""
+    led = Ledger.open(db_url)
+    lease = _admit(led, fake)
+
+    def send(d: Dispatch) -> SendResult:
+        d.progress.sent = True
+        d.progress.delivered = True  # the host printed the first tokens
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        execute(led, lease, _envelope(True), send)
+    _assert_truthful(led, lease, AttemptState.UNKNOWN, shown=True)
     led.close()
 
 

@@ -1,0 +1,456 @@
+"""OpenAI's Responses API (``POST {endpoint}/responses``), ``WireProtocol.OPENAI_RESPONSES``.
+
+``Route.endpoint`` is the base URL including the version, as for chat completions
+(``https://api.openai.com/v1``); an endpoint that already ends in ``/responses`` is used as is.
+The credential goes in ``Authorization: Bearer``.
+
+No conversation state at the provider. Every request sends the whole conversation as ``input``
+items with ``store: false`` (unless ``Envelope.params`` sets ``store``), so a failover can send
+the same input to any other route. ``previous_response_id`` and ``conversation``, which make
+the provider hold the conversation, are refused with :class:`~ledger.errors.InvalidArgument`
+(another route could not continue it), and so is ``background`` (the adapter does not poll).
+
+Envelope mapping: ``system`` parts are joined into ``instructions``. Consecutive user parts
+form one ``message`` item whose content is ``input_text``, ``input_image`` (``image_url``: a
+``data:`` URL of the bytes or the ``https://`` link, ``detail: auto``) and ``input_file``
+(``filename`` and ``file_data``, a ``data:`` URL, or ``file_url`` for a link) items; a
+plain-text document is an ``input_text`` item holding its text. An assistant part is an
+assistant ``message`` (its text); an assistant part with ``tool_call_id`` a ``function_call``
+item (``call_id``, ``name``, ``arguments`` as JSON text); a ``tool`` part a
+``function_call_output`` (``call_id``, ``output``). A reasoning item (an earlier answer's, as
+the ledger carried it back) is sent as the provider returned it when it came from this very
+route, and left out, with a note, otherwise: encrypted reasoning is readable only by the
+account and model that wrote it. Tools are ``{"type": "function", "name", "description",
+"parameters"}``; ``max_output_tokens`` is sent as is; other parameters (``tool_choice``,
+``reasoning``, ``temperature``, ``text``, ``include``, ...) pass through. With
+``params["reasoning"]`` and no ``include``, the request asks for
+``include: ["reasoning.encrypted_content"]``, so the reasoning can be carried to the next turn
+without being stored.
+
+Answers: the ``output`` items' ``output_text`` (and ``refusal``) text, ``function_call`` items
+as tool calls, ``reasoning`` items that carry ``encrypted_content`` as reasoning to carry back;
+usage ``input_tokens`` (``input_tokens_details.cached_tokens`` included) and ``output_tokens``
+(``output_tokens_details.reasoning_tokens`` included); the finish is the response's ``status``.
+A response whose status is ``failed`` or ``incomplete`` is a failure, not an answer: its
+``error`` (``incomplete_details.reason`` for an incomplete one, e.g. ``max_output_tokens``) is
+reported as the provider's error object, so the classifier reads ``error.code``.
+
+Streams (no ``[DONE]``; each event's ``type`` says what it is): ``response.output_text.delta``
+(and ``response.refusal.delta``) is text; ``response.output_item.added`` opens a function call,
+``response.function_call_arguments.delta`` / ``.done`` fill its arguments and
+``response.output_item.done`` completes it (then it is proposed) or hands over a reasoning
+item; ``response.completed`` terminates with the final usage; ``response.failed``,
+``response.incomplete`` and ``error`` events are provider failures in mid-stream. Other events
+(``response.created``, ``response.in_progress``, content-part and reasoning-summary events,
+events added later) are read for the model name at most and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ledger.adapters.contract import (
+    Codec,
+    MalformedPayload,
+    ProviderErrorPayload,
+    Reply,
+    StreamEvent,
+    StreamState,
+    TextDelta,
+    ToolCall,
+    ToolCallProposal,
+    Usage,
+    WireRequest,
+    check_params,
+    document_text,
+    dropped_reasoning,
+    join_url,
+    media_of,
+    optional_str,
+    parse_json_event,
+    provider_message,
+    reasoning_item,
+    register_codec,
+    require_object,
+    token_count,
+    tool_arguments,
+)
+from ledger.adapters.sse import SSEEvent
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import WireProtocol
+from ledger.domain.media import MediaKind, data_url
+from ledger.domain.values import Route
+from ledger.errors import InvalidArgument
+
+_RESERVED = {"model", "input", "instructions", "tools", "stream", "max_output_tokens"}
+# Parameters that keep the conversation at the provider, which a failover cannot follow.
+_STATEFUL = {
+    "previous_response_id": "it continues a conversation the provider stored, which no other "
+    "route holds; the ledger sends the whole conversation with every request instead (store="
+    "false), so a failover can resend it elsewhere",
+    "conversation": "it continues a conversation the provider stored, which no other route "
+    "holds; the ledger sends the whole conversation with every request instead",
+    "background": "a background response is fetched later by polling, which the adapter does "
+    "not do; send the request in the foreground (stream=True for a long answer)",
+}
+# What a reasoning item keeps when carried back: the provider needs no more to read it.
+_REASONING_KEYS = ("type", "id", "summary", "encrypted_content", "content")
+
+
+def _usage(value: Any) -> Usage | None:
+    if value is None:
+        return None
+    u = require_object(value, "usage")
+    inp = u.get("input_tokens_details") or {}
+    out = u.get("output_tokens_details") or {}
+    inp = require_object(inp, "usage.input_tokens_details")
+    out = require_object(out, "usage.output_tokens_details")
+    return Usage(
+        prompt_tokens=token_count(u.get("input_tokens"), "usage.input_tokens"),
+        completion_tokens=token_count(u.get("output_tokens"), "usage.output_tokens"),
+        cached_tokens=token_count(inp.get("cached_tokens"), "cached_tokens"),
+        reasoning_tokens=token_count(out.get("reasoning_tokens"), "reasoning_tokens"),
+    )
+
+
+def _error(err: Any, *, status: str | None = None) -> ProviderErrorPayload:
+    """The provider's error object as the body the classifier reads (``error.code``, ...)."""
+    obj = dict(err) if isinstance(err, dict) else {"message": err}
+    msg = obj.get("message")
+    code = obj.get("code") or obj.get("type")
+    what = f"response {status}" if status else "provider error"
+    return ProviderErrorPayload(
+        f"{what} {code or ''}: {provider_message(msg) if msg else 'no message'}".replace(
+            "  ", " "),
+        json.dumps({"error": obj, **({"status": status} if status else {})}),
+    )
+
+
+def _ended_badly(response: dict[str, Any]) -> ProviderErrorPayload | None:
+    """The failure a response object reports, or ``None`` when it completed."""
+    status = optional_str(response.get("status"), "response.status")
+    if status == "failed":
+        err = response.get("error")
+        return _error(err if isinstance(err, dict) else {"code": None,
+                                                         "message": "the response failed"},
+                      status="failed")
+    if status == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        reason = reason if isinstance(reason, str) else "unknown"
+        return _error({"code": reason, "type": "incomplete",
+                       "message": f"the response is incomplete ({reason}); it is not a finished "
+                       "answer" + ("; raise max_output_tokens" if reason == "max_output_tokens"
+                                   else "")},
+                      status="incomplete")
+    if status == "cancelled":
+        return _error({"code": "cancelled", "message": "the response was cancelled"},
+                      status="cancelled")
+    if status in ("queued", "in_progress"):
+        raise MalformedPayload(f"the response is still {status}: it holds no answer yet")
+    return None
+
+
+def _reasoning(item: dict[str, Any]) -> dict[str, Any] | None:
+    """A reasoning output item as it is carried back (``None``: it cannot be, unencrypted)."""
+    if not isinstance(item.get("encrypted_content"), str) or not item["encrypted_content"]:
+        # Without store, an item the provider did not encrypt cannot be referenced again.
+        return None
+    return {k: item[k] for k in _REASONING_KEYS if k in item}
+
+
+def _call_of(item: dict[str, Any], j: int) -> ToolCall:
+    name = optional_str(item.get("name"), "function_call.name")
+    if not name:
+        raise MalformedPayload(f"output[{j}] function_call has no name")
+    args = item.get("arguments")
+    return ToolCall(
+        id=optional_str(item.get("call_id"), "function_call.call_id")
+        or optional_str(item.get("id"), "function_call.id") or f"call_{j}",
+        name=name,
+        arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
+    )
+
+
+def _message_text(item: dict[str, Any], j: int) -> str:
+    content = item.get("content") or []
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MalformedPayload(f"output[{j}].content is not a list")
+    out = []
+    for k, raw in enumerate(content):
+        c = require_object(raw, f"output[{j}].content[{k}]")
+        if c.get("type") == "output_text":
+            out.append(optional_str(c.get("text"), "output_text.text") or "")
+        elif c.get("type") == "refusal":
+            out.append(optional_str(c.get("refusal"), "refusal.refusal") or "")
+    return "".join(out)
+
+
+class OpenAIResponsesCodec(Codec):
+    """The OpenAI Responses API (``/responses``), as the module describes."""
+
+    protocol = WireProtocol.OPENAI_RESPONSES
+
+    @staticmethod
+    def url(endpoint: str) -> str:
+        """The ``/responses`` URL under ``endpoint`` (a base URL with its version)."""
+        e = endpoint.rstrip("/")
+        return e if e.endswith("/responses") else join_url(e, "responses")
+
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        """A Responses request; InvalidArgument for parts or parameters it cannot carry."""
+        assert route.endpoint is not None  # checked by the engine before building
+        for name, why in _STATEFUL.items():
+            if name in envelope.params:
+                raise InvalidArgument(f"Envelope.params may not set {name!r}: {why}",
+                                      field=f"envelope.params.{name}")
+        instructions: list[str] = []
+        items: list[dict[str, Any]] = []
+        notes: list[str] = []
+        for i, part in enumerate(envelope.parts):
+            where = f"envelope.parts[{i}]"
+            if part.role == "system":
+                instructions.append(part.content)
+            elif part.kind is MediaKind.REASONING:
+                found = reasoning_item(part)
+                if found is not None and found[0] == route.id and found[1] == self.protocol:
+                    items.append(found[2])
+                else:
+                    notes.append(dropped_reasoning(route, part, i))
+            elif part.media_type is not None:
+                self._user(items).append(_media_item(part, i, route))
+            elif part.role == "tool":
+                if not part.tool_call_id:
+                    raise InvalidArgument(
+                        "a tool part needs tool_call_id= (the call it answers)", field=where)
+                items.append({"type": "function_call_output", "call_id": part.tool_call_id,
+                              "output": part.content})
+            elif part.role == "assistant" and part.tool_call_id:
+                if not part.name:
+                    raise InvalidArgument(
+                        "an assistant tool-call part needs name= (the tool's name)", field=where)
+                items.append({"type": "function_call", "call_id": part.tool_call_id,
+                              "name": part.name,
+                              "arguments": json.dumps(tool_arguments(part.content, where))})
+            elif part.role == "assistant":
+                items.append({"type": "message", "role": "assistant", "content": part.content})
+            else:
+                self._user(items).append({"type": "input_text", "text": part.content})
+        if not items:
+            raise InvalidArgument(
+                "a Responses request needs at least one user or assistant part besides system",
+                field="envelope.parts")
+        check_params(route, envelope.params, _RESERVED)
+        body: dict[str, Any] = {"model": route.model, "input": items, "store": False}
+        if instructions:
+            body["instructions"] = "\n\n".join(instructions)
+        body.update(envelope.params)
+        if "reasoning" in envelope.params and "include" not in envelope.params:
+            body["include"] = ["reasoning.encrypted_content"]
+        if envelope.max_output_tokens is not None:
+            body["max_output_tokens"] = envelope.max_output_tokens
+        if envelope.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters or {"type": "object", "properties": {}},
+                }
+                for t in envelope.tools
+            ]
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if envelope.stream:
+            body["stream"] = True
+            headers["accept"] = "text/event-stream"
+        return WireRequest(url=self.url(route.endpoint), headers=headers, body=body,
+                           notes=tuple(notes))
+
+    @staticmethod
+    def _user(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The content list of the user message being built (a new one after anything else)."""
+        last = items[-1] if items else None
+        if last is None or last.get("type") != "message" or last.get("role") != "user":
+            last = {"type": "message", "role": "user", "content": []}
+            items.append(last)
+        content: list[dict[str, Any]] = last["content"]
+        return content
+
+    def auth_headers(self, secret: str) -> dict[str, str]:
+        """``Authorization: Bearer <secret>``."""
+        return {"authorization": f"Bearer {secret}"}
+
+    def parse_reply(self, data: Any) -> Reply:
+        """A ``response`` object; an error object, or a failed or incomplete response, raises."""
+        obj = require_object(data, "response body")
+        if "error" in obj and obj.get("error") is not None and not obj.get("output"):
+            raise _error(obj["error"], status=optional_str(obj.get("status"), "status"))
+        bad = _ended_badly(obj)
+        if bad is not None:
+            # A failed or incomplete response is billed: its usage stays on the result.
+            bad.usage = _usage(obj.get("usage"))
+            bad.model = optional_str(obj.get("model"), "model")
+            raise bad
+        output = obj.get("output")
+        if not isinstance(output, list):
+            raise MalformedPayload("output is missing or not a list")
+        reply = Reply(usage=_usage(obj.get("usage")), model=optional_str(obj.get("model"), "model"),
+                      finish_reason=optional_str(obj.get("status"), "status"))
+        text: list[str] = []
+        for j, raw in enumerate(output):
+            item = require_object(raw, f"output[{j}]")
+            kind = item.get("type")
+            if kind == "message":
+                text.append(_message_text(item, j))
+            elif kind == "function_call":
+                reply.tool_calls.append(_call_of(item, j))
+            elif kind == "reasoning":
+                carried = _reasoning(item)
+                if carried is not None:
+                    reply.reasoning.append(carried)
+            # built-in tool calls (web search, ...) are the provider's own: not the host's
+        reply.text = "".join(text)
+        return reply
+
+    def new_stream(self) -> StreamState:
+        """An accumulator of Responses stream events, ended by ``response.completed``."""
+        return _ResponsesStream()
+
+
+def _media_item(part: Part, index: int, route: Route) -> dict[str, Any]:
+    """An ``input_image``, ``input_file`` or ``input_text`` item for a binary part."""
+    kind, payload, link = media_of(part, index, route)
+    mt = part.media_type or ""
+    if kind is MediaKind.IMAGE:
+        return {"type": "input_image", "image_url": link or data_url(mt, payload or b""),
+                "detail": "auto"}
+    if kind is MediaKind.PDF:
+        if link is not None:
+            return {"type": "input_file", "file_url": link}
+        return {"type": "input_file", "filename": part.name or "document.pdf",
+                "file_data": data_url(mt, payload or b"")}
+    return {"type": "input_text", "text": document_text(payload or b"")}
+
+
+class _ResponsesStream(StreamState):
+    def __init__(self) -> None:
+        super().__init__()
+        # function calls by item id: [call id, name, argument pieces, final arguments]
+        self._calls: dict[str, list[Any]] = {}
+        self._done: set[str] = set()
+
+    def feed(self, event: SSEEvent) -> list[StreamEvent]:
+        if event.data.strip() == "[DONE]":  # some compatible servers end with it anyway
+            self.terminated = True
+            return []
+        data = parse_json_event(event)
+        kind = data.get("type", event.event)
+        out: list[StreamEvent] = []
+        if kind == "error":
+            err = data.get("error") if isinstance(data.get("error"), dict) else {
+                k: data.get(k) for k in ("code", "message", "param")}
+            raise _error(err)
+        if kind in ("response.created", "response.in_progress", "response.completed",
+                    "response.failed", "response.incomplete"):
+            response = require_object(data.get("response"), f"{kind}.response")
+            self.model = optional_str(response.get("model"), "response.model") or self.model
+            if response.get("usage") is not None:
+                self.usage = _usage(response["usage"])
+            if kind == "response.completed":
+                self.finish_reason = optional_str(response.get("status"), "status") or "completed"
+                self.terminated = True
+                return self._flush()
+            if kind in ("response.failed", "response.incomplete"):
+                bad = _ended_badly(response) or _error(
+                    {"code": None, "message": f"{kind} without a status"}, status=kind[9:])
+                raise bad
+        elif kind in ("response.output_text.delta", "response.refusal.delta"):
+            text = optional_str(data.get("delta"), f"{kind}.delta") or ""
+            if text:
+                self.content_seen = True
+                self.text_parts.append(text)
+                out.append(TextDelta(text))
+        elif kind == "response.output_item.added":
+            item = require_object(data.get("item"), "output_item.added.item")
+            if item.get("type") == "function_call":
+                iid = self._item_id(item, data)
+                name = optional_str(item.get("name"), "function_call.name")
+                call_id = optional_str(item.get("call_id"), "function_call.call_id")
+                self._calls[iid] = [call_id, name, [], None]
+                self.content_seen = True
+        elif kind == "response.function_call_arguments.delta":
+            slot = self._slot(data, kind)
+            slot[2].append(optional_str(data.get("delta"), f"{kind}.delta") or "")
+            self.content_seen = True
+        elif kind == "response.function_call_arguments.done":
+            slot = self._slot(data, kind)
+            slot[3] = optional_str(data.get("arguments"), f"{kind}.arguments")
+            slot[1] = optional_str(data.get("name"), f"{kind}.name") or slot[1]
+        elif kind == "response.output_item.done":
+            item = require_object(data.get("item"), "output_item.done.item")
+            if item.get("type") == "function_call":
+                iid = self._item_id(item, data)
+                slot = self._calls.setdefault(iid, [None, None, [], None])
+                slot[0] = optional_str(item.get("call_id"), "function_call.call_id") or slot[0]
+                slot[1] = optional_str(item.get("name"), "function_call.name") or slot[1]
+                args = item.get("arguments")
+                if isinstance(args, str):
+                    slot[3] = args
+                out.extend(self._propose(iid))
+                self.content_seen = True
+            elif item.get("type") == "reasoning":
+                carried = _reasoning(item)
+                if carried is not None:
+                    self.reasoning.append(carried)
+        # Everything else (content parts, summaries, annotations, events added later) is
+        # ignored, as the API documentation asks of clients.
+        return out
+
+    @staticmethod
+    def _item_id(item: dict[str, Any], data: dict[str, Any]) -> str:
+        iid = item.get("id")
+        if isinstance(iid, str) and iid:
+            return iid
+        index = data.get("output_index")
+        if isinstance(index, int) and not isinstance(index, bool):
+            return f"#{index}"
+        raise MalformedPayload("a function_call item has neither an id nor an output_index")
+
+    def _slot(self, data: dict[str, Any], kind: str) -> list[Any]:
+        iid = data.get("item_id")
+        if not isinstance(iid, str) or iid not in self._calls:
+            index = data.get("output_index")
+            iid = f"#{index}" if f"#{index}" in self._calls else iid
+        if not isinstance(iid, str) or iid not in self._calls:
+            raise MalformedPayload(f"{kind} for an item that is no function call")
+        return self._calls[iid]
+
+    def _propose(self, iid: str) -> list[StreamEvent]:
+        if iid in self._done:
+            return []
+        call_id, name, pieces, final = self._calls[iid]
+        if not name:
+            raise MalformedPayload(f"function call {iid} ended without a name")
+        call = ToolCall(id=call_id or iid, name=name,
+                        arguments_json=final if final is not None else "".join(pieces))
+        self._done.add(iid)
+        self.tool_calls.append(call)
+        return [ToolCallProposal(call)]
+
+    def _flush(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        for iid in list(self._calls):
+            out.extend(self._propose(iid))
+        return out
+
+    def end(self) -> list[StreamEvent]:
+        return self._flush()
+
+
+CODEC = OpenAIResponsesCodec()
+register_codec(CODEC)
+
+__all__ = ["CODEC", "OpenAIResponsesCodec"]

@@ -1,0 +1,300 @@
+"""Images and documents in an envelope: media types, data URLs, and what the bytes say.
+
+A binary :class:`~ledger.domain.envelope.Part` carries an image or a document, as bytes with a
+media type or as a URL. This module holds the facts about those values that every room reads
+alike: which media types the ledger accepts and of which kind they are, how a ``data:`` URL
+decodes, whether bytes are what their media type claims, an image's size in pixels, a PDF's
+page count, and which wire protocol can carry which kind of part by URL. Pure functions over
+bytes; nothing is fetched (the ledger never follows a URL).
+
+=====================  ==============  ===============================================
+media type             kind            wire (see docs/adapters.md)
+=====================  ==============  ===============================================
+``image/png``          ``image``       every protocol's image block
+``image/jpeg``         ``image``
+``image/gif``          ``image``
+``image/webp``         ``image``
+``application/pdf``    ``pdf``         every protocol's document / file block
+``text/plain``         ``text``        text where the protocol has no text document
+``text/markdown``      ``text``        (sent as ``text/plain`` where a type is needed)
+``text/csv``           ``text``
+=====================  ==============  ===============================================
+
+:data:`REASONING_MEDIA_TYPE` is the ledger's own: an opaque reasoning item a provider returned
+(the OpenAI Responses API's encrypted reasoning), carried back to the route that produced it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import hashlib
+import re
+import struct
+from enum import StrEnum
+from urllib.parse import unquote_to_bytes
+
+from ledger.domain.facts import WireProtocol
+
+
+class MediaKind(StrEnum):
+    """What a binary part is, for capabilities, token estimates and codecs."""
+
+    IMAGE = "image"
+    PDF = "pdf"
+    TEXT = "text"  # a plain-text document (a .txt, .md or .csv file)
+    REASONING = "reasoning"  # an opaque reasoning item of one route (never a user's part)
+
+
+IMAGE_MEDIA_TYPES: frozenset[str] = frozenset({"image/png", "image/jpeg", "image/gif",
+                                                "image/webp"})
+DOCUMENT_MEDIA_TYPES: frozenset[str] = frozenset({"application/pdf", "text/plain",
+                                                   "text/markdown", "text/csv"})
+#: The media type of an opaque reasoning item (JSON: the route that produced it and the item).
+REASONING_MEDIA_TYPE = "application/vnd.ledger.reasoning+json"
+
+_KINDS: dict[str, MediaKind] = {
+    **{t: MediaKind.IMAGE for t in IMAGE_MEDIA_TYPES},
+    "application/pdf": MediaKind.PDF,
+    "text/plain": MediaKind.TEXT,
+    "text/markdown": MediaKind.TEXT,
+    "text/csv": MediaKind.TEXT,
+    REASONING_MEDIA_TYPE: MediaKind.REASONING,
+}
+
+#: Every media type a part may carry (the user's; the reasoning type is the adapters').
+ACCEPTED_MEDIA_TYPES: tuple[str, ...] = tuple(sorted(IMAGE_MEDIA_TYPES | DOCUMENT_MEDIA_TYPES))
+
+#: The largest part any policy may allow (``envelope.max_part_bytes`` is at most this): one
+#: request's bytes are held in memory, base64-encoded once more to be sent.
+MAX_BINARY_BYTES = 512 * 1024 * 1024
+#: The longest ``https://`` URL a part may carry (as a route's endpoint).
+MAX_URL_LENGTH = 8192
+
+
+def kind_of(media_type: str) -> MediaKind | None:
+    """The kind of ``media_type`` (already lower-case), or ``None`` when the ledger refuses it."""
+    return _KINDS.get(media_type)
+
+
+def wire_media_type(media_type: str) -> str:
+    """The media type a protocol that knows only ``text/plain`` documents is sent."""
+    return "text/plain" if kind_of(media_type) is MediaKind.TEXT else media_type
+
+
+# -- data: URLs -----------------------------------------------------------------------------
+
+_DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.I)
+
+
+class DataUrlError(ValueError):
+    """A ``data:`` URL that does not decode; the message says why."""
+
+
+def decode_data_url(url: str) -> tuple[str, bytes]:
+    """``(media type, bytes)`` of a ``data:`` URL (base64 or percent-encoded).
+
+    Raises:
+        DataUrlError: not a data URL, no media type, or a payload that is not valid base64.
+    """
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise DataUrlError("is not a data: URL of the form data:<media type>;base64,<data>")
+    media_type = m.group("type").strip().lower()
+    if not media_type:
+        raise DataUrlError("names no media type (data:<media type>;base64,...)")
+    params = [p.strip().lower() for p in m.group("params").split(";") if p.strip()]
+    payload = url[m.end():]
+    if "base64" in params:
+        try:
+            return media_type, base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise DataUrlError("has a payload that is not valid base64") from None
+    return media_type, unquote_to_bytes(payload)
+
+
+def data_url(media_type: str, data: bytes) -> str:
+    """``data:<media type>;base64,<data>``: how most wire protocols inline bytes."""
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def b64(data: bytes) -> str:
+    """Standard base64 of ``data``, as text."""
+    return base64.b64encode(data).decode("ascii")
+
+
+# -- what the bytes are ---------------------------------------------------------------------
+
+_SIGNATURES: dict[str, tuple[bytes, ...]] = {
+    "image/png": (b"\x89PNG\r\n\x1a\n",),
+    "image/jpeg": (b"\xff\xd8\xff",),
+    "image/gif": (b"GIF87a", b"GIF89a"),
+}
+
+
+def content_problem(media_type: str, data: bytes) -> str | None:
+    """What is wrong with ``data`` as ``media_type`` (a sentence), or ``None`` if it fits.
+
+    Images and PDFs must start with their format's signature (a provider answers a mislabelled
+    file with a 400 the Run could only record); text documents must be UTF-8.
+    """
+    kind = kind_of(media_type)
+    if kind is MediaKind.IMAGE:
+        if media_type == "image/webp":
+            ok = data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+        else:
+            ok = data.startswith(_SIGNATURES[media_type])
+        if not ok:
+            return f"is not {media_type} (its first bytes are not that format's signature)"
+    elif kind is MediaKind.PDF:
+        # The PDF header may follow some leading bytes (ISO 32000-1, 7.5.2 allows it).
+        if b"%PDF-" not in data[:1024]:
+            return "is not a PDF (no %PDF- header in its first 1024 bytes)"
+    elif kind is MediaKind.TEXT:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"is not UTF-8 text (byte {e.start} does not decode)"
+    return None
+
+
+@functools.lru_cache(maxsize=128)
+def bytes_digest(data: bytes) -> str:
+    """The sha256 hex digest of ``data``.
+
+    Memoised by the bytes themselves (an edited copy is other bytes, so never a cache hit): a
+    conversation re-sends the same document every turn, and hashing 20 MB costs milliseconds.
+    """
+    return hashlib.sha256(data).hexdigest()
+
+
+@functools.lru_cache(maxsize=128)
+def image_size(data: bytes, media_type: str) -> tuple[int, int] | None:
+    """``(width, height)`` in pixels from the image's header, or ``None`` when unreadable."""
+    try:
+        if media_type == "image/png":
+            if data[12:16] == b"IHDR":
+                w, h = struct.unpack(">II", data[16:24])
+                return _positive(w, h)
+        elif media_type == "image/gif":
+            w, h = struct.unpack("<HH", data[6:10])
+            return _positive(w, h)
+        elif media_type == "image/webp":
+            return _webp_size(data)
+        elif media_type == "image/jpeg":
+            return _jpeg_size(data)
+    except (struct.error, IndexError):
+        return None
+    return None
+
+
+def _positive(w: int, h: int) -> tuple[int, int] | None:
+    return (w, h) if w > 0 and h > 0 else None
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    chunk = data[12:16]
+    if chunk == b"VP8X":
+        w = int.from_bytes(data[24:27], "little") + 1
+        h = int.from_bytes(data[27:30], "little") + 1
+        return _positive(w, h)
+    if chunk == b"VP8L" and data[20:21] == b"\x2f":
+        bits = int.from_bytes(data[21:25], "little")
+        return _positive((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        w, h = struct.unpack("<HH", data[26:30])
+        return _positive(w & 0x3FFF, h & 0x3FFF)
+    return None
+
+
+# Start-of-frame markers (baseline, progressive, ...): not DHT (C4), JPG (C8) or DAC (CC).
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    i = 2
+    n = len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
+            i += 2
+            continue
+        (length,) = struct.unpack(">H", data[i + 2:i + 4])
+        if marker in _SOF:
+            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+            return _positive(w, h)
+        if length < 2:
+            return None
+        i += 2 + length
+    return None
+
+
+_PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z])")
+_COUNT = re.compile(rb"/Type\s*/Pages\b[^>]*?/Count\s+(\d+)|/Count\s+(\d+)[^>]*?/Type\s*/Pages\b")
+
+
+@functools.lru_cache(maxsize=64)
+def pdf_pages(data: bytes) -> int | None:
+    """The page count a PDF's uncompressed objects declare, or ``None`` when they hide it.
+
+    The larger of the page tree's ``/Count`` and the number of ``/Type /Page`` objects. A PDF
+    whose objects are all in compressed object streams declares neither here; callers then
+    estimate (see :class:`ledger.decide.preflight.CharEstimator`).
+    """
+    counts = [int(a or b) for a, b in _COUNT.findall(data)]
+    pages = max([*counts, len(_PAGE.findall(data))])
+    return pages or None
+
+
+# -- what each protocol carries by URL ------------------------------------------------------
+
+#: The kinds each protocol can send as a URL for the provider to fetch (the ledger never
+#: fetches). OpenAI chat completions takes images only (``file`` wants the bytes), the
+#: Responses API and Anthropic images and PDFs, Gemini any (``file_data``).
+URL_KINDS: dict[WireProtocol, frozenset[MediaKind]] = {
+    WireProtocol.OPENAI: frozenset({MediaKind.IMAGE}),
+    WireProtocol.OPENAI_RESPONSES: frozenset({MediaKind.IMAGE, MediaKind.PDF}),
+    WireProtocol.ANTHROPIC: frozenset({MediaKind.IMAGE, MediaKind.PDF}),
+    WireProtocol.GEMINI: frozenset({MediaKind.IMAGE, MediaKind.PDF, MediaKind.TEXT}),
+    WireProtocol.GENERIC: frozenset({MediaKind.IMAGE, MediaKind.PDF, MediaKind.TEXT}),
+}
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes for a message: ``512 B``, ``3.2 KiB``, ``20 MiB``."""
+    value = float(n)
+    unit = "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{value:.1f}".removesuffix(".0") + f" {unit}"
+
+
+__all__ = [
+    "ACCEPTED_MEDIA_TYPES",
+    "DOCUMENT_MEDIA_TYPES",
+    "IMAGE_MEDIA_TYPES",
+    "MAX_BINARY_BYTES",
+    "MAX_URL_LENGTH",
+    "REASONING_MEDIA_TYPE",
+    "URL_KINDS",
+    "DataUrlError",
+    "MediaKind",
+    "b64",
+    "bytes_digest",
+    "content_problem",
+    "data_url",
+    "decode_data_url",
+    "human_bytes",
+    "image_size",
+    "kind_of",
+    "pdf_pages",
+    "wire_media_type",
+]

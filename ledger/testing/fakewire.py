@@ -1,0 +1,291 @@
+"""What the fake provider checks in a request, and the images and documents it received.
+
+A real provider refuses a request whose image is not base64, whose document has no file name,
+or whose reasoning item another account wrote; so does the fake, with a 400 in the protocol's
+own error shape, so a codec that sends something a provider would refuse fails its tests.
+Standard library only, like the fake itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+_IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+_DOCUMENTS = ("application/pdf", "text/plain")
+_SIGNATURES = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff",
+               "image/gif": b"GIF8", "application/pdf": b"%PDF-"}
+
+
+@dataclass(frozen=True)
+class ReceivedMedia:
+    """One image or document a request carried, as the provider would read it.
+
+    ``data`` holds the decoded bytes (a plain-text document's UTF-8 text too), ``url`` the
+    link the provider would fetch; ``filename`` the name sent with a file, if any.
+    """
+
+    media_type: str
+    data: bytes | None = None
+    url: str | None = None
+    filename: str | None = None
+
+
+class BadRequest(ValueError):
+    """A request a real provider would refuse with a 400; the message says why."""
+
+
+def reasoning_secret(model: str | None, text: str) -> str:
+    """The fake's "encrypted" reasoning: readable back only by the same model."""
+    return f"enc:{model}:" + base64.b64encode(text.encode()).decode()
+
+
+def _b64(value: Any, where: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{where} must be base64 text")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{where} is not valid base64") from None
+
+
+def _fits(media_type: str, data: bytes, where: str) -> None:
+    sig = _SIGNATURES.get(media_type)
+    if sig is not None and not data.startswith(sig) and not (
+            media_type == "application/pdf" and sig in data[:1024]):
+        raise BadRequest(f"{where}: the data is not {media_type}")
+    if media_type == "image/webp" and not (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        raise BadRequest(f"{where}: the data is not image/webp")
+    if media_type.startswith("text/"):
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(f"{where}: the text is not UTF-8") from None
+
+
+def _data_url(value: Any, where: str, kinds: tuple[str, ...]) -> ReceivedMedia:
+    """A ``data:`` URL (decoded) or an ``https://`` link."""
+    if not isinstance(value, str):
+        raise BadRequest(f"{where} must be a string URL")
+    if value.startswith("https://"):
+        return ReceivedMedia(media_type="", url=value)
+    if not value.startswith("data:") or ";base64," not in value:
+        raise BadRequest(f"{where} must be an https:// URL or data:<type>;base64,<data>")
+    head, _, payload = value.partition(";base64,")
+    media_type = head[5:]
+    if media_type not in kinds:
+        raise BadRequest(f"{where}: unsupported media type {media_type!r}")
+    data = _b64(payload, where)
+    _fits(media_type, data, where)
+    return ReceivedMedia(media_type=media_type, data=data)
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise BadRequest(f"{where} must be a list")
+    return value
+
+
+def _obj(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} must be an object")
+    return value
+
+
+def check(protocol: str | None, body: bytes, model: str | None) -> list[ReceivedMedia]:
+    """The media of a request body, once it passes the protocol's checks.
+
+    Raises:
+        BadRequest: something a real provider would refuse.
+    """
+    try:
+        obj = json.loads(body) if body else None
+    except ValueError:
+        raise BadRequest("the body is not JSON") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("the body is not a JSON object")
+    if protocol == "openai":
+        return _openai(obj)
+    if protocol == "openai_responses":
+        return _responses(obj, model)
+    if protocol == "anthropic":
+        return _anthropic(obj)
+    if protocol == "gemini":
+        return _gemini(obj)
+    return []
+
+
+def _openai(obj: dict[str, Any]) -> list[ReceivedMedia]:
+    media: list[ReceivedMedia] = []
+    for i, raw in enumerate(_list(obj.get("messages"), "messages")):
+        msg = _obj(raw, f"messages[{i}]")
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, rc in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            item = _obj(rc, where)
+            kind = item.get("type")
+            if kind == "text":
+                if not isinstance(item.get("text"), str):
+                    raise BadRequest(f"{where}.text must be a string")
+            elif kind == "image_url":
+                url = _obj(item.get("image_url"), f"{where}.image_url").get("url")
+                media.append(_data_url(url, f"{where}.image_url.url", _IMAGES))
+            elif kind == "file":
+                file = _obj(item.get("file"), f"{where}.file")
+                if not isinstance(file.get("filename"), str) or not file["filename"]:
+                    raise BadRequest(f"{where}.file.filename is required with file_data")
+                got = _data_url(file.get("file_data"), f"{where}.file.file_data",
+                                ("application/pdf",))
+                if got.url is not None:
+                    raise BadRequest(f"{where}.file.file_data must be a data: URL (chat "
+                                     "completions fetches no file)")
+                media.append(ReceivedMedia(got.media_type, got.data, None, file["filename"]))
+            else:
+                raise BadRequest(f"{where}: unknown content type {kind!r}")
+    return media
+
+
+def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
+    if obj.get("previous_response_id") is not None:
+        raise BadRequest("previous_response_id: no response is stored here (store=false)")
+    media: list[ReceivedMedia] = []
+    for i, raw in enumerate(_list(obj.get("input"), "input")):
+        where = f"input[{i}]"
+        item = _obj(raw, where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise BadRequest(f"{where}.role is not a message role")
+            content = item.get("content")
+            if isinstance(content, str):
+                continue
+            for j, rc in enumerate(_list(content, f"{where}.content")):
+                media.extend(_responses_content(_obj(rc, f"{where}.content[{j}]"),
+                                                f"{where}.content[{j}]", item["role"]))
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str) or not item[key]:
+                    raise BadRequest(f"{where}.{key} is required")
+            try:
+                json.loads(item["arguments"])
+            except ValueError:
+                raise BadRequest(f"{where}.arguments is not JSON") from None
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"),
+                                                                          str):
+                raise BadRequest(f"{where} needs call_id and output")
+        elif kind == "reasoning":
+            secret = item.get("encrypted_content")
+            if not isinstance(secret, str) or not secret.startswith(f"enc:{model}:"):
+                raise BadRequest(f"{where}: the encrypted content could not be decrypted or "
+                                 "verified (it belongs to another model or organization)")
+        else:
+            raise BadRequest(f"{where}: unknown item type {kind!r}")
+    return media
+
+
+def _responses_content(item: dict[str, Any], where: str, role: str) -> list[ReceivedMedia]:
+    kind = item.get("type")
+    if role == "assistant" and kind not in ("output_text", "refusal"):
+        raise BadRequest(f"{where}: an assistant message holds output_text, not {kind!r}")
+    if kind in ("input_text", "output_text"):
+        if not isinstance(item.get("text"), str):
+            raise BadRequest(f"{where}.text must be a string")
+        return []
+    if kind == "input_image":
+        return [_data_url(item.get("image_url"), f"{where}.image_url", _IMAGES)]
+    if kind == "input_file":
+        sources = [k for k in ("file_data", "file_url", "file_id") if item.get(k) is not None]
+        if len(sources) != 1:
+            raise BadRequest(f"{where}: give exactly one of file_data, file_url, file_id")
+        if "file_url" in sources:
+            url = item["file_url"]
+            if not isinstance(url, str) or not url.startswith("https://"):
+                raise BadRequest(f"{where}.file_url must be an https:// URL")
+            return [ReceivedMedia(media_type="", url=url)]
+        if "file_data" in sources:
+            if not isinstance(item.get("filename"), str) or not item["filename"]:
+                raise BadRequest(f"{where}.filename is required with file_data")
+            got = _data_url(item["file_data"], f"{where}.file_data", _DOCUMENTS)
+            return [ReceivedMedia(got.media_type, got.data, None, item["filename"])]
+        return []
+    raise BadRequest(f"{where}: unknown content type {kind!r}")
+
+
+def _anthropic(obj: dict[str, Any]) -> list[ReceivedMedia]:
+    media: list[ReceivedMedia] = []
+    for i, raw in enumerate(_list(obj.get("messages"), "messages")):
+        msg = _obj(raw, f"messages[{i}]")
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, rb in enumerate(content):
+            where = f"messages.{i}.content.{j}"
+            block = _obj(rb, where)
+            kind = block.get("type")
+            if kind not in ("image", "document"):
+                continue
+            if msg.get("role") != "user":
+                raise BadRequest(f"{where}: {kind} blocks belong in user messages")
+            source = _obj(block.get("source"), f"{where}.source")
+            stype = source.get("type")
+            allowed = _IMAGES if kind == "image" else ("application/pdf",)
+            if stype == "base64":
+                mt = source.get("media_type")
+                if not isinstance(mt, str) or mt not in allowed:
+                    raise BadRequest(f"{where}.source.media_type: {mt!r} is not one of "
+                                     f"{', '.join(allowed)}")
+                data = _b64(source.get("data"), f"{where}.source.data")
+                _fits(mt, data, where)
+                media.append(ReceivedMedia(mt, data, None, block.get("title")))
+            elif stype == "url":
+                url = source.get("url")
+                if not isinstance(url, str) or not url.startswith("https://"):
+                    raise BadRequest(f"{where}.source.url must be an https:// URL")
+                media.append(ReceivedMedia("", None, url, block.get("title")))
+            elif stype == "text" and kind == "document":
+                text = source.get("data")
+                if source.get("media_type") != "text/plain" or not isinstance(text, str):
+                    raise BadRequest(f"{where}.source: a text source is text/plain data")
+                media.append(ReceivedMedia("text/plain", text.encode(), None,
+                                           block.get("title")))
+            else:
+                raise BadRequest(f"{where}.source.type: {stype!r} is not valid here")
+    return media
+
+
+def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
+    media: list[ReceivedMedia] = []
+    for i, raw in enumerate(_list(obj.get("contents"), "contents")):
+        content = _obj(raw, f"contents[{i}]")
+        for j, rp in enumerate(_list(content.get("parts"), f"contents[{i}].parts")):
+            where = f"contents[{i}].parts[{j}]"
+            part = _obj(rp, where)
+            inline = part.get("inline_data", part.get("inlineData"))
+            if inline is not None:
+                inline = _obj(inline, f"{where}.inline_data")
+                mt = inline.get("mime_type", inline.get("mimeType"))
+                if mt not in _IMAGES + _DOCUMENTS:
+                    raise BadRequest(f"{where}.inline_data.mime_type: unsupported {mt!r}")
+                data = _b64(inline.get("data"), f"{where}.inline_data.data")
+                _fits(mt, data, where)
+                media.append(ReceivedMedia(mt, data))
+            file_data = part.get("file_data", part.get("fileData"))
+            if file_data is not None:
+                file_data = _obj(file_data, f"{where}.file_data")
+                uri = file_data.get("file_uri", file_data.get("fileUri"))
+                mt = file_data.get("mime_type", file_data.get("mimeType"))
+                if not isinstance(uri, str) or not uri.startswith("https://"):
+                    raise BadRequest(f"{where}.file_data.file_uri must be an https:// URI")
+                if mt not in _IMAGES + _DOCUMENTS:
+                    raise BadRequest(f"{where}.file_data.mime_type: unsupported {mt!r}")
+                media.append(ReceivedMedia(mt, None, uri))
+    return media
+
+
+__all__ = ["BadRequest", "ReceivedMedia", "check", "reasoning_secret"]

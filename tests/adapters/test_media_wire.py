@@ -1,0 +1,299 @@
+"""Images, documents and the Responses API on the wire, over real HTTP on loopback.
+
+Every protocol carries binary parts to the fake provider, which decodes and checks them as a
+provider would (``ReceivedRequest.media``, a 400 for what a provider refuses); the Responses
+API keeps no state at the provider, reports cached and reasoning tokens, carries reasoning
+items to the route that wrote them only, and reports failed and incomplete responses and error
+events as provider failures.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import pytest
+
+from ledger.adapters import HttpAdapter, TextDelta
+from ledger.adapters.runner import output_parts
+from ledger.decide.classify import classify
+from ledger.domain.envelope import Envelope, Part, ToolSpec
+from ledger.domain.facts import Category, Phase
+from ledger.domain.media import REASONING_MEDIA_TYPE
+from ledger.errors import InvalidArgument
+from ledger.policy.load import preset
+from ledger.testing import Behavior, FakeProvider, Fault
+from tests.media import pdf, png
+
+from .conftest import PROFILE, PROTOCOLS, make_route
+
+pytestmark = pytest.mark.anyio
+
+PNG = png(48, 24)
+PDF = pdf(2)
+NOTES = "Q3 notes: margins widened.\n"
+
+
+def attachments() -> Envelope:
+    return Envelope(parts=[
+        Part(role="system", content="Be precise."),
+        Part(content="Compare the chart with the filing and the notes."),
+        Part(data=PNG, media_type="image/png"),
+        Part(data=PDF, media_type="application/pdf", name="10-K.pdf"),
+        Part(data=NOTES.encode(), media_type="text/plain", name="notes.txt"),
+    ])
+
+
+async def send(adapter: HttpAdapter, fake: FakeProvider, protocol: str, envelope: Envelope,
+               **route: Any) -> Any:
+    events: list[Any] = []
+    result = await adapter.send(make_route(fake.endpoint(protocol), protocol, **route),
+                                envelope, profile_id=PROFILE, on_event=events.append)
+    return result, events
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_images_and_documents_arrive_intact_on_every_protocol(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    env = attachments().model_copy(update={"stream": stream})
+    result, events = await send(adapter, fake, protocol, env)
+    assert result.ok, result.observation
+    if stream:
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == result.text
+    (req,) = fake.requests
+    assert req.problem is None
+    by_type = {m.media_type: m for m in req.media}
+    assert by_type["image/png"].data == PNG
+    assert by_type["application/pdf"].data == PDF
+    sent = req.body.decode()
+    if protocol in ("openai", "openai_responses"):
+        # No plain-text document type in OpenAI's protocols: the document's text is the content.
+        assert "text/plain" not in by_type and json.dumps(NOTES)[1:-1] in sent
+        assert by_type["application/pdf"].filename == "10-K.pdf"
+    else:
+        assert by_type["text/plain"].data == NOTES.encode()
+    if protocol == "anthropic":
+        assert by_type["application/pdf"].filename == "10-K.pdf"  # the document's title
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_links_are_sent_for_the_provider_to_fetch(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    image = Part(url="https://files.example/chart.png", media_type="image/png")
+    document = Part(url="https://files.example/10-K.pdf", media_type="application/pdf")
+    question = Part(content="What do these show?")
+    result, _ = await send(adapter, fake, protocol, Envelope(parts=[question, image]))
+    assert result.ok and [m.url for m in fake.requests[-1].media] == [image.url]
+    if protocol == "openai":
+        # Chat completions takes no document link, and the ledger never fetches one.
+        with pytest.raises(InvalidArgument) as info:
+            await send(adapter, fake, protocol, Envelope(parts=[question, document]))
+        assert info.value.field == "envelope.parts[1].url" and "data=" in str(info.value)
+        assert len(fake.requests) == 1  # nothing more was sent
+        return
+    result, _ = await send(adapter, fake, protocol, Envelope(parts=[question, document]))
+    assert result.ok and [m.url for m in fake.requests[-1].media] == [document.url]
+
+
+@pytest.mark.parametrize(("protocol", "body", "says"), [
+    ("openai", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
+     "not valid base64"),
+    ("openai", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "file", "file": {"file_data": "data:application/pdf;base64,"
+                                               + base64.b64encode(PDF).decode()}}]}]},
+     "filename is required"),
+    ("openai_responses", {"model": "m", "input": [{"type": "message", "role": "user",
+                                                   "content": [{"type": "input_image",
+                                                                "image_url": "data:image/png;"
+                                                                "base64," + base64.b64encode(
+                                                                    PDF).decode()}]}]},
+     "not image/png"),
+    ("openai_responses", {"model": "m", "previous_response_id": "resp_1", "input": []},
+     "previous_response_id"),
+    ("openai_responses", {"model": "m", "input": [{"type": "reasoning", "id": "rs_1",
+                                                   "encrypted_content": "enc:other:eA=="}]},
+     "could not be decrypted"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/tiff",
+                                     "data": "AAAA"}}]}]}, "image/tiff"),
+    ("gemini", {"contents": [{"role": "user", "parts": [
+        {"file_data": {"mime_type": "application/pdf", "file_uri": "http://x/a.pdf"}}]}]},
+     "https://"),
+])
+async def test_the_fake_refuses_what_a_provider_would(
+        fake: FakeProvider, protocol: str, body: dict[str, Any], says: str) -> None:
+    path = {"openai": "/v1/chat/completions", "openai_responses": "/v1/responses",
+            "anthropic": "/v1/messages", "gemini": "/v1beta/models/m:generateContent"}[protocol]
+    async with httpx.AsyncClient() as client:
+        response = await client.post(fake.base_url + path, json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert says in error["message"]
+    assert fake.requests[-1].problem == error["message"]
+
+
+# -- the Responses API ---------------------------------------------------------------------
+
+
+CONVERSATION = Envelope(
+    parts=[
+        Part(role="system", content="You are terse."),
+        Part(content="Find papers on failover."),
+        Part(role="assistant", content='{"q": "failover"}', tool_call_id="call_1",
+             name="search", data_class="model_derived"),
+        Part(role="tool", content='{"hits": 2}', tool_call_id="call_1", name="search",
+             data_class="tool_result"),
+        Part(role="assistant", content="Two hits.", data_class="model_derived"),
+        Part(content="Summarise them."),
+        Part(data=PNG, media_type="image/png"),
+    ],
+    tools=[ToolSpec(name="search", description="web search",
+                    parameters={"type": "object", "properties": {"q": {"type": "string"}}})],
+    params={"tool_choice": "auto", "temperature": 0.2},
+    max_output_tokens=300,
+)
+
+
+async def test_a_responses_request_sends_the_whole_conversation_and_stores_nothing(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    result, _ = await send(adapter, fake, "openai_responses", CONVERSATION)
+    assert result.ok
+    (req,) = fake.requests
+    body = req.json
+    assert req.path == "/v1/responses" and body["store"] is False
+    assert body["instructions"] == "You are terse." and body["max_output_tokens"] == 300
+    assert body["tool_choice"] == "auto" and body["temperature"] == 0.2
+    assert body["tools"] == [{"type": "function", "name": "search", "description": "web search",
+                              "parameters": CONVERSATION.tools[0].parameters}]
+    assert [i["type"] for i in body["input"]] == [
+        "message", "function_call", "function_call_output", "message", "message"]
+    assert body["input"][1] == {"type": "function_call", "call_id": "call_1", "name": "search",
+                                "arguments": '{"q": "failover"}'}
+    assert body["input"][2] == {"type": "function_call_output", "call_id": "call_1",
+                                "output": '{"hits": 2}'}
+    last = body["input"][4]
+    assert last["role"] == "user" and [c["type"] for c in last["content"]] == [
+        "input_text", "input_image"]
+    assert "include" not in body  # no reasoning asked for
+
+
+@pytest.mark.parametrize("param", ["previous_response_id", "conversation", "background"])
+async def test_provider_held_conversation_state_is_refused_with_the_reason(
+        adapter: HttpAdapter, fake: FakeProvider, param: str) -> None:
+    env = Envelope(parts=[Part(content="Go on.")], params={param: "resp_123"})
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, "openai_responses", env)
+    assert info.value.field == f"envelope.params.{param}"
+    if param != "background":
+        assert "failover" in str(info.value) or "no other route" in str(info.value)
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_usage_reports_cached_and_reasoning_tokens(
+        adapter: HttpAdapter, fake: FakeProvider, stream: bool) -> None:
+    fake.enqueue(Behavior(usage=(120, 40), cached_tokens=100, reasoning_tokens=25))
+    env = Envelope(parts=[Part(content="Think.")], stream=stream)
+    result, _ = await send(adapter, fake, "openai_responses", env)
+    assert result.ok and result.finish_reason == "completed"
+    u = result.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens) == (
+        120, 40, 100, 25)
+    # Cost at the route's flat price: cached tokens are held at the input price (conservative).
+    assert result.cost == (Decimal(120) * 3 + Decimal(40) * 15) / 1_000_000
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_reasoning_items_are_carried_back_to_the_route_that_wrote_them_only(
+        adapter: HttpAdapter, fake: FakeProvider, stream: bool,
+        caplog: pytest.LogCaptureFixture) -> None:
+    fake.enqueue(Behavior(reasoning="Margins first, then revenue."))
+    ask = Part(content="Compare the margins.")
+    env = Envelope(parts=[ask], params={"reasoning": {"effort": "low"}}, stream=stream)
+    first, _ = await send(adapter, fake, "openai_responses", env)
+    assert first.ok and fake.requests[0].json["include"] == ["reasoning.encrypted_content"]
+    assert len(first.reasoning) == 1
+    answer = output_parts(first, "att-1")
+    assert answer[0].media_type == REASONING_MEDIA_TYPE and answer[0].role == "assistant"
+    assert answer[0].data_class == "model_derived" and answer[0].provenance == "att-1"
+    assert "".join(p.content for p in answer) == first.text
+    follow = Envelope(parts=[ask, *answer, Part(content="And revenue?")], stream=stream)
+
+    # The same route: the item goes back as the provider returned it (the fake reads it back
+    # only for the model it was written for).
+    again, _ = await send(adapter, fake, "openai_responses", follow)
+    assert again.ok and again.notes == ()
+    sent = fake.requests[-1].json["input"]
+    assert [i.get("type") for i in sent] == ["message", "reasoning", "message", "message"]
+    assert sent[1]["encrypted_content"].startswith("enc:m1:")
+    # Another route (another model, so another account could be behind it) and another
+    # protocol: the item is left out, with a note; the conversation goes on.
+    with caplog.at_level(logging.INFO, logger="ledger.adapters"):
+        other, _ = await send(adapter, fake, "openai_responses", follow, id="other",
+                              model="m2")
+    assert other.ok and fake.requests[-1].problem is None
+    assert "reasoning" not in [i.get("type") for i in fake.requests[-1].json["input"]]
+    (note,) = other.notes
+    assert "envelope.parts[1]" in note and "route 'r-openai_responses'" in note
+    assert note in caplog.text
+    for protocol in ("openai", "anthropic", "gemini"):
+        moved, _ = await send(adapter, fake, protocol, follow)
+        assert moved.ok and len(moved.notes) == 1 and fake.requests[-1].problem is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_incomplete_response_is_a_failure_fact_not_an_answer(
+        adapter: HttpAdapter, fake: FakeProvider, stream: bool) -> None:
+    fake.enqueue(Fault.INCOMPLETE)
+    env = Envelope(parts=[Part(content="Write a long report.")], stream=stream,
+                   max_output_tokens=7)
+    result, _ = await send(adapter, fake, "openai_responses", env)
+    assert not result.ok and result.text == ""
+    obs = result.observation
+    assert obs.status == 200 and obs.transport is None
+    assert obs.phase is (Phase.MID_STREAM if stream else Phase.AFTER_HEADERS)
+    body = json.loads(obs.body)
+    assert body["status"] == "incomplete" and body["error"]["code"] == "max_output_tokens"
+    assert "raise max_output_tokens" in obs.message
+    assert result.usage is not None  # it was billed
+    fact = classify(obs, preset("failure-domain"))
+    assert fact.provider_code == "max_output_tokens" and not fact.moves_on
+    # Chat completions marks the same stop per choice: an answer that finished at the limit.
+    fake.enqueue(Fault.INCOMPLETE)
+    chat, _ = await send(adapter, fake, "openai", env)
+    assert chat.ok and chat.finish_reason == "length"
+
+
+async def test_a_failed_response_body_is_a_provider_failure(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.ERROR_EVENT)
+    result, _ = await send(adapter, fake, "openai_responses", Envelope(parts=[Part(content="x")]))
+    obs = result.observation
+    assert not result.ok and (obs.status, obs.phase) == (200, Phase.AFTER_HEADERS)
+    assert json.loads(obs.body)["error"]["code"] == "server_error"
+
+
+async def test_an_error_event_in_a_responses_stream_is_a_provider_failure(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    delta = {"type": "response.output_text.delta", "item_id": "m", "output_index": 0,
+             "content_index": 0, "delta": "Half an answer"}
+    error = {"type": "error", "code": "rate_limit_exceeded",
+             "message": "Rate limit reached for requests", "param": None, "sequence_number": 2}
+    body = (f"event: response.output_text.delta\ndata: {json.dumps(delta)}\n\n"
+            f"event: error\ndata: {json.dumps(error)}\n\n").encode()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body,)))
+    result, _ = await send(adapter, fake, "openai_responses",
+                           Envelope(parts=[Part(content="x")], stream=True))
+    obs = result.observation
+    assert not result.ok and obs.phase is Phase.MID_STREAM and obs.effective_output
+    assert result.partial_text == "Half an answer"
+    fact = classify(obs, preset("failure-domain"))
+    assert fact.category is Category.RATE_LIMIT and fact.provider_code == "rate_limit_exceeded"
