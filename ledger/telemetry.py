@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from ledger.decide.effects import Begin, Effect, Record, Send, SendResult, Settle
+from ledger.domain.media import kind_of
 from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.errors import CapacityUnavailable, InvalidArgument
 from ledger.redaction import redact, redact_data
@@ -624,11 +625,24 @@ def _arguments(text: str) -> Any:
 
 
 def _output_messages(out: Any, finish: Any) -> list[dict[str, Any]]:
-    """The answer as semconv's output messages (redacted): text and tool-call proposals."""
+    """The answer as semconv's output messages (redacted).
+
+    Its text, the images and documents it returned (described, never their bytes) and its
+    tool-call proposals.
+    """
     text = out if isinstance(out, str) else getattr(out, "text", None)
     parts: list[dict[str, Any]] = []
     if isinstance(text, str) and text:
         parts.append({"type": "text", "content": redact(text)})
+    for media in getattr(out, "media", None) or ():  # images a model returned: described
+        kind = kind_of(media.media_type)
+        modality = kind.value if kind is not None else "file"
+        if media.url is not None:
+            parts.append({"type": "uri", "modality": modality, "mime_type": media.media_type,
+                          "uri": redact(media.url)})
+        else:
+            parts.append({"type": "blob", "modality": modality,
+                          "mime_type": media.media_type, "size": len(media.data or b"")})
     calls: Sequence[Any] = getattr(out, "tool_calls", None) or ()
     for call in calls:
         args = getattr(call, "arguments", None)

@@ -16,8 +16,14 @@ result's text is the continuation only. ``max_tokens`` is required by the API:
 Images and documents (binary parts) are content blocks of the user message: an image is an
 ``image`` block, a PDF a ``document`` block, each with a ``base64`` source of its bytes or a
 ``url`` source for an ``https://`` link; a plain-text document is a ``document`` block with a
-``text`` source (no link). A part's ``name`` is the document's ``title``. Reasoning items
-another protocol produced are left out, with a note.
+``text`` source (no link). A part's ``name`` is the document's ``title``. An image or a
+document a model returned (an assistant binary part) cannot be in an assistant message: it is
+sent in the user message that follows, after the text
+:data:`~ledger.adapters.contract.ASSISTANT_MEDIA_TEXT`, with a note. Reasoning items another
+protocol produced are left out, with a note.
+
+Answers are text, ``tool_use`` and thinking blocks: the Messages API returns no images or
+documents, so an Anthropic answer's ``AdapterResult.media`` is always empty.
 
 Stream completion: ``message_stop`` terminates. A body that ends cleanly without it is complete
 only if a ``message_delta`` carried a ``stop_reason``. An ``error`` event is a provider failure in
@@ -30,6 +36,7 @@ import json
 from typing import Any
 
 from ledger.adapters.contract import (
+    ASSISTANT_MEDIA_TEXT,
     Codec,
     MalformedPayload,
     ProviderErrorPayload,
@@ -41,6 +48,7 @@ from ledger.adapters.contract import (
     ToolCallProposal,
     Usage,
     WireRequest,
+    assistant_media_note,
     check_params,
     document_text,
     dropped_reasoning,
@@ -184,6 +192,12 @@ class AnthropicCodec(Codec):
                 )
             elif part.kind is MediaKind.REASONING:
                 notes.append(dropped_reasoning(route, part, i))
+            elif part.media_type is not None and part.role == "assistant":
+                # Image and document blocks belong in user messages: a file a model returned
+                # goes back there, after a line that says whose it is.
+                add("user", {"type": "text", "text": ASSISTANT_MEDIA_TEXT})
+                add("user", _media_block(part, i, route))
+                notes.append(assistant_media_note(route, part, i))
             elif part.media_type is not None:
                 add("user", _media_block(part, i, route))
             else:

@@ -263,8 +263,15 @@ class _Call:
 MAX_BYTES_OPTION = 2**40  # a terabyte: beyond any body or stream a process should buffer
 
 
+#: The default bound of one stream event (and of one of its lines): an event that carries a
+#: whole image (a Gemini ``inline_data`` chunk, a Responses ``output_item.done``) is as large
+#: as the image's base64.
+MAX_EVENT_BYTES = 32 * 1024 * 1024
+
+
 def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_bytes: Any,
-                          evidence_cap_bytes: Any, max_stream_bytes: Any) -> None:
+                          evidence_cap_bytes: Any, max_stream_bytes: Any,
+                          max_event_bytes: Any = MAX_EVENT_BYTES) -> None:
     """The constructor options shared by :class:`HttpAdapter` and the sync facade."""
     check_secret_provider(secrets)
     if limits is not None and not isinstance(limits, StreamingPolicy):
@@ -274,7 +281,8 @@ def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_by
         raise InvalidArgument("verify must be True, False or an ssl.SSLContext", field="verify")
     for name, value in (("max_body_bytes", max_body_bytes),
                         ("evidence_cap_bytes", evidence_cap_bytes),
-                        ("max_stream_bytes", max_stream_bytes)):
+                        ("max_stream_bytes", max_stream_bytes),
+                        ("max_event_bytes", max_event_bytes)):
         check_count(value, name, maximum=MAX_BYTES_OPTION)
         if value < 1:
             raise InvalidArgument(f"{name} must be at least 1; pass a byte count",
@@ -285,9 +293,10 @@ def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_by
 class HttpAdapter:
     """Sends an Envelope on a Route over httpx, for every registered protocol (async).
 
-    Memory is bounded by ``max_body_bytes``, ``max_stream_bytes`` and the SSE parser's line and
-    event limits; time by ``limits`` (see the module docstring). Use it as ``async with`` or
-    :meth:`aclose` it; :class:`~ledger.adapters.sync.SyncAdapter` is its blocking facade.
+    Memory is bounded by ``max_body_bytes``, ``max_stream_bytes`` and ``max_event_bytes``
+    (the SSE parser's line and event limit); time by ``limits`` (see the module docstring).
+    Use it as ``async with`` or :meth:`aclose` it; :class:`~ledger.adapters.sync.SyncAdapter`
+    is its blocking facade.
 
     Args:
         secrets: Where each profile's secret comes from (default:
@@ -301,6 +310,8 @@ class HttpAdapter:
         max_body_bytes: Largest whole (non-streamed) body read.
         evidence_cap_bytes: Largest error excerpt kept as evidence.
         max_stream_bytes: Most bytes read from one stream.
+        max_event_bytes: Largest stream event (and line) parsed: an event carrying an image is
+            as large as its base64 (default 32 MiB).
 
     Raises:
         InvalidArgument: an option of the wrong type, or a byte count below 1 or above 2**40.
@@ -322,11 +333,13 @@ class HttpAdapter:
         max_body_bytes: int = 16 * 1024 * 1024,
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
         max_stream_bytes: int = 64 * 1024 * 1024,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         check_adapter_options(secrets=secrets, limits=limits, verify=verify,
                               max_body_bytes=max_body_bytes,
                               evidence_cap_bytes=evidence_cap_bytes,
-                              max_stream_bytes=max_stream_bytes)
+                              max_stream_bytes=max_stream_bytes,
+                              max_event_bytes=max_event_bytes)
         if clients is not None and not isinstance(clients, ClientRegistry):
             raise InvalidArgument("clients must be a ledger.adapters.ClientRegistry",
                                   field="clients")
@@ -336,6 +349,7 @@ class HttpAdapter:
         self.max_body_bytes = max_body_bytes
         self.evidence_cap_bytes = evidence_cap_bytes
         self.max_stream_bytes = max_stream_bytes
+        self.max_event_bytes = max_event_bytes
 
     async def __aenter__(self) -> HttpAdapter:
         return self
@@ -765,6 +779,8 @@ class HttpAdapter:
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
         usage, cost, rejected = self._billing(call, reply.usage)
+        for note in reply.notes:  # what of the answer cannot be a part, and why
+            log.info("route %s: %s", call.route.id, note)
         return AdapterResult(
             ok=True,
             route_id=call.route.id,
@@ -775,12 +791,13 @@ class HttpAdapter:
             cost=cost,
             rejected_usage=rejected,
             finish_reason=reply.finish_reason,
-            effective_output=bool(reply.text or reply.tool_calls),
+            effective_output=bool(reply.text or reply.tool_calls or reply.media),
             http_status=call.status,
             request_id=call.request_id,
             elapsed_s=call.elapsed(),
             reasoning=tuple(reasoning_data(call.route, item) for item in reply.reasoning),
-            notes=call.notes,
+            notes=call.notes + tuple(reply.notes),
+            media=tuple(reply.media),
         )
 
     async def _transport_failure(self, call: _Call, exc: BaseException) -> AdapterResult:
@@ -945,7 +962,8 @@ class HttpAdapter:
         first_token_at: float,
     ) -> AdapterResult:
         loop = asyncio.get_running_loop()
-        parser = SSEParser()
+        parser = SSEParser(max_line_bytes=self.max_event_bytes,
+                           max_event_bytes=self.max_event_bytes)
         state = call.codec.new_stream()
         chunks: AsyncIterator[bytes] = response.aiter_bytes().__aiter__()
         last_byte = loop.time()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
@@ -10,9 +12,17 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.envelope import Envelope, Part
+from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
-from ledger.domain.media import URL_KINDS, MediaKind
+from ledger.domain.media import (
+    ACCEPTED_MEDIA_TYPES,
+    URL_KINDS,
+    DataUrlError,
+    MediaKind,
+    decode_data_url,
+    kind_of,
+    sniff_image_type,
+)
 from ledger.domain.values import Route, canonical_json
 from ledger.errors import InvalidArgument
 from ledger.redaction import redact
@@ -52,6 +62,21 @@ class ToolCall:
         except (ValueError, RecursionError):
             return None
         return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputMedia:
+    """An image or a document the model returned: its bytes, or a link the provider gave.
+
+    ``media_type`` is one the ledger carries (:mod:`ledger.domain.media`), as the wire named it
+    (or, where the wire does not, as the bytes' signature says); exactly one of ``data`` and
+    ``url`` (an ``https://`` link) is set. A turn's parts hold it as an assistant part of class
+    ``model_derived`` (:func:`ledger.adapters.runner.output_parts`).
+    """
+
+    media_type: str
+    data: bytes | None = None
+    url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +141,12 @@ class AdapterResult:
     # Opaque reasoning items of the answer (a Responses-API route's), as the data of the parts
     # that carry them back to this route (see reasoning_data).
     reasoning: tuple[bytes, ...] = ()
-    # What the codec left out of the request and why (e.g. another route's reasoning items).
+    # What the codec left out of the request and why (e.g. another route's reasoning items),
+    # or of the answer (an image of a media type the ledger does not carry).
     notes: tuple[str, ...] = ()
     rejected_usage: Usage | None = None
+    # The images and documents of the answer, in the order the provider sent them.
+    media: tuple[OutputMedia, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +172,8 @@ class Reply:
     """What a codec parsed from an answer: text, tool calls, usage, served model, finish.
 
     ``reasoning`` holds the answer's opaque reasoning items (JSON objects, as the provider
-    sent them), for protocols that carry them between turns.
+    sent them), for protocols that carry them between turns; ``media`` its images and
+    documents; ``notes`` what of the answer was left out, and why.
     """
 
     text: str = ""
@@ -153,6 +182,8 @@ class Reply:
     model: str | None = None
     finish_reason: str | None = None
     reasoning: list[dict[str, Any]] = field(default_factory=list)
+    media: list[OutputMedia] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 class MalformedPayload(ValueError):
@@ -217,6 +248,8 @@ class StreamState(ABC):
         self.model: str | None = None
         self.finish_reason: str | None = None
         self.reasoning: list[dict[str, Any]] = []
+        self.media: list[OutputMedia] = []  # whole images and documents, as they completed
+        self.notes: list[str] = []
         self.terminated = False  # the protocol's terminator arrived
         self.completed = False  # the protocol's completion signal arrived
         self.content_seen = False  # any text or tool-call fragment (stops the first-token clock)
@@ -238,6 +271,8 @@ class StreamState(ABC):
             model=self.model,
             finish_reason=self.finish_reason,
             reasoning=list(self.reasoning),
+            media=list(self.media),
+            notes=list(self.notes),
         )
 
 
@@ -358,6 +393,77 @@ def dropped_reasoning(route: Route, part: Part, index: int) -> str:
             f"to route {route.id!r} ({route.protocol.value}): reasoning is carried only to the "
             "route that produced it (another route cannot read it); the conversation's text and "
             "tool calls go on")
+
+
+#: The text that goes before an image or a document a model returned earlier, where the
+#: protocol carries files in user messages only (see :func:`assistant_media_note`).
+ASSISTANT_MEDIA_TEXT = "[The next file is one the assistant returned in an earlier answer.]"
+
+
+def assistant_media_note(route: Route, part: Part, index: int) -> str:
+    """The note of an assistant's image or document sent in a user message to ``route``."""
+    what = "image" if part.kind is MediaKind.IMAGE else "document"
+    return (f"envelope.parts[{index}]: an {what} the model returned ({part.media_type}) is sent "
+            f"to route {route.id!r} in a user message, after the text "
+            f"{ASSISTANT_MEDIA_TEXT!r}: {route.protocol.value} carries images and documents "
+            "in user messages only")
+
+
+def take_output_media(into: Reply | StreamState, where: str, media_type: Any, *,
+                      b64data: Any = None, url: Any = None) -> bool:
+    """Add an image or a document of the answer to ``into.media``; True if it was added.
+
+    ``b64data`` is the base64 of its bytes, ``url`` a link (an ``https://`` one the provider
+    serves, or a ``data:`` URL, which is decoded); ``media_type`` the type the wire names, or
+    ``None`` when it names none (an image's type is then read from its signature). What the
+    ledger cannot carry as a part (a media type it does not accept, bytes that are not what
+    their type says, a link that is not ``https://``) is left out with a note in
+    ``into.notes``: the rest of the answer stands.
+
+    Raises:
+        MalformedPayload: the bytes are not base64, or the ``data:`` URL does not decode (the
+            answer is not the protocol's shape).
+    """
+    data: bytes | None = None
+    link: str | None = None
+    if b64data is not None:
+        if not isinstance(b64data, str):
+            raise MalformedPayload(f"{where} data is not base64 text")
+        try:
+            data = base64.b64decode(b64data, validate=True)
+        except (binascii.Error, ValueError):
+            raise MalformedPayload(f"{where} data is not valid base64") from None
+    elif isinstance(url, str) and url[:5].lower() == "data:":
+        try:
+            own, data = decode_data_url(url)
+        except DataUrlError as exc:
+            raise MalformedPayload(f"{where} data URL {exc}") from None
+        media_type = media_type or own
+    elif isinstance(url, str):
+        link = url
+    else:
+        raise MalformedPayload(f"{where} carries neither data nor a URL")
+    if isinstance(media_type, str):
+        media_type = media_type.split(";")[0].strip().lower() or None
+    elif media_type is not None:
+        raise MalformedPayload(f"{where} media type is not a string")
+    if media_type is None and data is not None:
+        media_type = sniff_image_type(data)
+    what = f"{where}: a file the model returned ({media_type or 'no media type'})"
+    if media_type is None or kind_of(media_type) in (None, MediaKind.REASONING):
+        into.notes.append(f"{what} is left out of the answer: the ledger carries "
+                          f"{', '.join(ACCEPTED_MEDIA_TYPES)} only")
+        return False
+    try:
+        # The part a turn will hold: what cannot be one is left out here, not at settle.
+        part = Part(role="assistant", data_class=MODEL_DERIVED, media_type=media_type,
+                    **({"data": data} if data is not None else {"url": link}))
+    except InvalidArgument as exc:
+        into.notes.append(f"{what} is left out of the answer: {exc.message}")
+        return False
+    into.media.append(OutputMedia(media_type=part.media_type or media_type, data=data,
+                                  url=link))
+    return True
 
 
 def media_of(part: Part, index: int, route: Route) -> tuple[MediaKind, bytes | None,

@@ -17,8 +17,15 @@ into ``generationConfig``; ``max_output_tokens``, ``temperature``, ``top_p``, ``
 
 Images and documents (binary parts) are parts of the user turn: ``inline_data`` (``mime_type``,
 base64 ``data``) for bytes, ``file_data`` (``mime_type``, ``file_uri``) for an ``https://``
-link; a plain-text document's media type is sent as ``text/plain``. Reasoning items another
-protocol produced are left out, with a note.
+link; a plain-text document's media type is sent as ``text/plain``. An image or a document a
+model returned (an assistant binary part) goes back the same way in the ``model`` turn.
+Reasoning items another protocol produced are left out, with a note.
+
+Answers: the first candidate's ``text`` parts (thought parts left out), ``functionCall`` parts
+as tool calls, and ``inlineData`` / ``fileData`` parts (an image model's output) as the answer's
+images and documents (``AdapterResult.media``), in a stream as the chunk that carries each one
+whole arrives; a media type the ledger does not carry, or a link that is not ``https://``, is
+left out with a note.
 
 Stream completion: Gemini has no terminator event; a stream whose body ends cleanly is complete
 only if a candidate carried a ``finishReason``. A response without candidates whose
@@ -53,6 +60,7 @@ from ledger.adapters.contract import (
     provider_message,
     register_codec,
     require_object,
+    take_output_media,
     token_count,
     tool_arguments,
 )
@@ -160,10 +168,13 @@ class GeminiCodec(Codec):
             elif p.media_type is not None:
                 _kind, payload, link = media_of(p, i, route)
                 mime = wire_media_type(p.media_type)
+                # A file the model returned goes back in its own (model) turn, as Gemini's
+                # multi-turn image editing sends it.
+                role = "model" if p.role == "assistant" else "user"
                 if link is not None:
-                    add("user", {"file_data": {"mime_type": mime, "file_uri": link}})
+                    add(role, {"file_data": {"mime_type": mime, "file_uri": link}})
                 else:
-                    add("user", {"inline_data": {"mime_type": mime, "data": b64(payload or b"")}})
+                    add(role, {"inline_data": {"mime_type": mime, "data": b64(payload or b"")}})
             else:
                 add("model" if p.role == "assistant" else "user", {"text": p.content})
         if not contents:
@@ -269,6 +280,9 @@ class _Chunk:
                     content_seen = True
                     reply.text += text
                     out.append(TextDelta(text))
+            elif _MEDIA_KEYS & part.keys():
+                content_seen = True
+                _take_media(reply, part, f"candidates[0].content.parts[{j}]")
             elif "functionCall" in part:
                 fc = require_object(part.get("functionCall"), "functionCall")
                 name = optional_str(fc.get("name"), "functionCall.name")
@@ -289,6 +303,29 @@ class _Chunk:
         return content_seen
 
 
+_MEDIA_KEYS = frozenset({"inlineData", "inline_data", "fileData", "file_data"})
+
+
+def _take_media(reply: Reply, part: dict[str, Any], where: str) -> None:
+    """An ``inlineData`` (bytes) or ``fileData`` (link) part of the answer, into ``reply``.
+
+    Responses name the fields in camelCase; the snake_case the requests use is read too.
+    """
+    inline = part.get("inlineData", part.get("inline_data"))
+    if inline is not None:
+        blob = require_object(inline, f"{where}.inlineData")
+        take_output_media(reply, f"{where}.inlineData",
+                          blob.get("mimeType", blob.get("mime_type")),
+                          b64data=blob.get("data"))
+        return
+    ref = require_object(part.get("fileData", part.get("file_data")), f"{where}.fileData")
+    uri = ref.get("fileUri", ref.get("file_uri"))
+    if not isinstance(uri, str) or not uri:
+        raise MalformedPayload(f"{where}.fileData has no fileUri")
+    take_output_media(reply, f"{where}.fileData", ref.get("mimeType", ref.get("mime_type")),
+                      url=uri)
+
+
 class _GeminiStream(StreamState):
     def __init__(self) -> None:
         super().__init__()
@@ -305,6 +342,9 @@ class _GeminiStream(StreamState):
             self.completed = True
         self.text_parts = [r.text]
         self.tool_calls = list(r.tool_calls)
+        # A streamed image or document arrives whole, in one chunk's part.
+        self.media = list(r.media)
+        self.notes = list(r.notes)
         return out
 
 

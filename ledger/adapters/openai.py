@@ -18,8 +18,17 @@ message: servers that continue it do, others answer with a 400 that is reported 
 Images and documents (binary parts) join the user message before them as content items:
 an image as ``image_url`` (a ``data:`` URL of its bytes, or its ``https://`` link), a PDF as
 ``file`` (``filename``, ``file_data``: a ``data:`` URL; chat completions takes no PDF link), a
-plain-text document as a ``text`` item holding its text. Reasoning items another protocol
-produced are left out, with a note.
+plain-text document as a ``text`` item holding its text. An image or a document a model
+returned (an assistant binary part) cannot be in an assistant message (the API takes images in
+user messages only): it is sent in a user message of its own, after the text
+:data:`~ledger.adapters.contract.ASSISTANT_MEDIA_TEXT`, with a note. Reasoning items another
+protocol produced are left out, with a note.
+
+OpenAI's chat completions returns no images. The OpenAI-compatible gateways that serve image
+models (OpenRouter, Vercel's AI Gateway; ``modalities: ["image", "text"]`` in
+``Envelope.params``) return them as ``message.images`` (``delta.images`` in a stream, each entry
+one whole image): ``image_url`` items whose ``data:`` URL becomes one of the answer's images
+(``AdapterResult.media``); a link, which names no media type, is left out with a note.
 
 Stream completion: ``data: [DONE]`` terminates. A body that ends cleanly without it is complete
 only if every choice seen carried a ``finish_reason``; otherwise it was cut.
@@ -31,6 +40,7 @@ import json
 from typing import Any
 
 from ledger.adapters.contract import (
+    ASSISTANT_MEDIA_TEXT,
     Codec,
     MalformedPayload,
     ProviderErrorPayload,
@@ -42,6 +52,7 @@ from ledger.adapters.contract import (
     ToolCallProposal,
     Usage,
     WireRequest,
+    assistant_media_note,
     check_params,
     document_text,
     dropped_reasoning,
@@ -52,6 +63,7 @@ from ledger.adapters.contract import (
     provider_message,
     register_codec,
     require_object,
+    take_output_media,
     token_count,
     tool_arguments,
 )
@@ -122,6 +134,32 @@ def _media_item(part: Part, index: int, route: Route) -> dict[str, Any]:
     return {"type": "text", "text": document_text(payload)}
 
 
+def _take_images(into: Reply | StreamState, images: Any, where: str) -> None:
+    """The images of an answer (``message.images``, ``delta.images``), into ``into.media``.
+
+    Not OpenAI's own chat completions (which returns no image) but the extension
+    OpenAI-compatible gateways serve image models with (OpenRouter, Vercel's AI Gateway): a
+    list of ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``.
+    """
+    if images is None:
+        return
+    if not isinstance(images, list):
+        raise MalformedPayload(f"{where} is not a list")
+    for k, raw in enumerate(images):
+        item = require_object(raw, f"{where}[{k}]")
+        ref = item.get("image_url")
+        url = require_object(ref, f"{where}[{k}].image_url").get("url") if isinstance(
+            ref, dict) else ref
+        if not isinstance(url, str) or not url:
+            raise MalformedPayload(f"{where}[{k}] has no image_url.url")
+        if url[:5].lower() != "data:":
+            # A link names no media type; the ledger would have to guess one.
+            into.notes.append(f"{where}[{k}]: an image link the model returned is left out of "
+                              "the answer: it names no media type (a data: URL does)")
+            continue
+        take_output_media(into, f"{where}[{k}]", None, url=url)
+
+
 class OpenAICodec(Codec):
     """The OpenAI Chat Completions protocol (``/chat/completions``), as the module describes."""
 
@@ -169,6 +207,14 @@ class OpenAICodec(Codec):
                 )
             elif part.kind is MediaKind.REASONING:
                 notes.append(dropped_reasoning(route, part, i))
+            elif part.media_type is not None and part.role == "assistant":
+                # Chat completions carries images and files in user messages only ("Image URLs
+                # are only allowed for messages with role 'user'"): a file the model returned
+                # goes back in a user message of its own, after a line that says whose it is.
+                messages.append({"role": "user", "content": [
+                    {"type": "text", "text": ASSISTANT_MEDIA_TEXT},
+                    _media_item(part, i, route)]})
+                notes.append(assistant_media_note(route, part, i))
             elif part.media_type is not None:
                 item = _media_item(part, i, route)
                 last = messages[-1] if messages else None
@@ -250,13 +296,15 @@ class OpenAICodec(Codec):
                     arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
                 )
             )
-        return Reply(
+        reply = Reply(
             text=_content_text(message.get("content"), "message.content"),
             tool_calls=calls,
             usage=_usage(obj.get("usage")),
             model=optional_str(obj.get("model"), "model"),
             finish_reason=optional_str(choice.get("finish_reason"), "finish_reason"),
         )
+        _take_images(reply, message.get("images"), "choices[0].message.images")
+        return reply
 
     def new_stream(self) -> StreamState:
         """An accumulator of ``chat.completion.chunk`` events, ended by ``data: [DONE]``."""
@@ -303,6 +351,10 @@ class _OpenAIStream(StreamState):
                 self.content_seen = True
                 self.text_parts.append(text)
                 out.append(TextDelta(text))
+            if delta.get("images"):
+                # Each entry is one whole image (OpenRouter frames them so).
+                _take_images(self, delta.get("images"), "delta.images")
+                self.content_seen = True
             tcs = delta.get("tool_calls") or []
             if not isinstance(tcs, list):
                 raise MalformedPayload("delta.tool_calls is not a list")

@@ -17,18 +17,28 @@ form one ``message`` item whose content is ``input_text``, ``input_image`` (``im
 plain-text document is an ``input_text`` item holding its text. An assistant part is an
 assistant ``message`` (its text); an assistant part with ``tool_call_id`` a ``function_call``
 item (``call_id``, ``name``, ``arguments`` as JSON text); a ``tool`` part a
-``function_call_output`` (``call_id``, ``output``). A reasoning item (an earlier answer's, as
-the ledger carried it back) is sent as the provider returned it when it came from this very
-route, and left out, with a note, otherwise: encrypted reasoning is readable only by the
-account and model that wrote it. Tools are ``{"type": "function", "name", "description",
-"parameters"}``; ``max_output_tokens`` is sent as is; other parameters (``tool_choice``,
-``reasoning``, ``temperature``, ``text``, ``include``, ...) pass through. With
+``function_call_output`` (``call_id``, ``output``). An image or a document a model returned (an
+assistant binary part) cannot go back as it came: an assistant message holds ``output_text``
+only, and an ``image_generation_call`` item is read back by its id from the provider's store,
+which ``store: false`` leaves empty (and another route's image has no such id); it is sent in a
+user message of its own, after the text
+:data:`~ledger.adapters.contract.ASSISTANT_MEDIA_TEXT`, with a note. A reasoning item (an
+earlier answer's, as the ledger carried it back) is sent as the provider returned it when it
+came from this very route, and left out, with a note, otherwise: encrypted reasoning is
+readable only by the account and model that wrote it. Tools are ``{"type": "function",
+"name", "description", "parameters"}``, followed by the provider's built-in tools a host names
+in ``params["tools"]`` (``[{"type": "image_generation"}]`` asks for images; a function tool
+there is refused: it belongs in ``Envelope.tools``); ``max_output_tokens`` is sent as is; other
+parameters (``tool_choice``, ``reasoning``, ``temperature``, ``text``, ``include``, ...) pass
+through. With
 ``params["reasoning"]`` and no ``include``, the request asks for
 ``include: ["reasoning.encrypted_content"]``, so the reasoning can be carried to the next turn
 without being stored.
 
 Answers: the ``output`` items' ``output_text`` (and ``refusal``) text, ``function_call`` items
-as tool calls, ``reasoning`` items that carry ``encrypted_content`` as reasoning to carry back;
+as tool calls, ``reasoning`` items that carry ``encrypted_content`` as reasoning to carry back,
+``image_generation_call`` items (the ``image_generation`` tool's) as the answer's images (their
+base64 ``result``; the media type from ``output_format``, else from the bytes' signature);
 usage ``input_tokens`` (``input_tokens_details.cached_tokens`` included) and ``output_tokens``
 (``output_tokens_details.reasoning_tokens`` included); the finish is the response's ``status``.
 A response whose status is ``failed`` or ``incomplete`` is a failure, not an answer: its
@@ -39,7 +49,8 @@ Streams (no ``[DONE]``; each event's ``type`` says what it is): ``response.outpu
 (and ``response.refusal.delta``) is text; ``response.output_item.added`` opens a function call,
 ``response.function_call_arguments.delta`` / ``.done`` fill its arguments and
 ``response.output_item.done`` completes it (then it is proposed) or hands over a reasoning
-item; ``response.completed`` terminates with the final usage; ``response.failed``,
+item or a generated image (whole: ``response.image_generation_call.partial_image`` previews
+are not the answer); ``response.completed`` terminates with the final usage; ``response.failed``,
 ``response.incomplete`` and ``error`` events are provider failures in mid-stream. Other events
 (``response.created``, ``response.in_progress``, content-part and reasoning-summary events,
 events added later) are read for the model name at most and otherwise ignored.
@@ -51,6 +62,7 @@ import json
 from typing import Any
 
 from ledger.adapters.contract import (
+    ASSISTANT_MEDIA_TEXT,
     Codec,
     MalformedPayload,
     ProviderErrorPayload,
@@ -62,6 +74,7 @@ from ledger.adapters.contract import (
     ToolCallProposal,
     Usage,
     WireRequest,
+    assistant_media_note,
     check_params,
     document_text,
     dropped_reasoning,
@@ -73,6 +86,7 @@ from ledger.adapters.contract import (
     reasoning_item,
     register_codec,
     require_object,
+    take_output_media,
     token_count,
     tool_arguments,
 )
@@ -160,6 +174,52 @@ def _reasoning(item: dict[str, Any]) -> dict[str, Any] | None:
     return {k: item[k] for k in _REASONING_KEYS if k in item}
 
 
+def _builtin_tools(value: Any) -> list[dict[str, Any]]:
+    """``Envelope.params["tools"]``: the provider's built-in tools (``image_generation``, ...).
+
+    The host's own function tools are ``Envelope.tools`` (their descriptions are data the grant
+    discloses), never a parameter.
+    """
+    if value is None:
+        return []
+    fix = ("pass the provider's built-in tools as a list of objects, e.g. "
+           "params={'tools': [{'type': 'image_generation'}]}; function tools go in "
+           "Envelope.tools")
+    if not isinstance(value, list):
+        raise InvalidArgument(f"Envelope.params['tools'] is not a list; {fix}",
+                              field="envelope.params.tools")
+    for k, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(kind, str) or not kind or kind == "function":
+            raise InvalidArgument(f"Envelope.params['tools'][{k}] is not a built-in tool "
+                                  f"(type {kind!r}); {fix}",
+                                  field=f"envelope.params.tools[{k}]")
+    return [dict(t) for t in value]
+
+
+# The formats the image_generation tool writes (its output_format), by media type.
+_IMAGE_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg",
+                  "webp": "image/webp"}
+
+
+def _take_image(into: Reply | StreamState, item: dict[str, Any], where: str) -> None:
+    """An ``image_generation_call`` output item's image (base64 ``result``), into ``into``.
+
+    Its media type is the item's ``output_format`` where it says one, else what the bytes'
+    signature says. A call that failed (no result) is noted, not an image.
+    """
+    result = item.get("result")
+    if result is None or result == "":
+        status = optional_str(item.get("status"), f"{where}.status")
+        into.notes.append(f"{where}: the image_generation_call ended {status or 'without a'} "
+                          "result; the answer holds no image of it")
+        return
+    fmt = item.get("output_format")
+    media_type = _IMAGE_FORMATS.get(fmt.lower(), f"image/{fmt.lower()}") if isinstance(
+        fmt, str) and fmt else None
+    take_output_media(into, f"{where} image_generation_call", media_type, b64data=result)
+
+
 def _call_of(item: dict[str, Any], j: int) -> ToolCall:
     name = optional_str(item.get("name"), "function_call.name")
     if not name:
@@ -220,6 +280,14 @@ class OpenAIResponsesCodec(Codec):
                     items.append(found[2])
                 else:
                     notes.append(dropped_reasoning(route, part, i))
+            elif part.media_type is not None and part.role == "assistant":
+                # An assistant message holds output_text only, and an image_generation_call
+                # item is read back by its id from the provider's store (store=false keeps
+                # none): a file the model returned goes back in a user message of its own.
+                items.append({"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": ASSISTANT_MEDIA_TEXT},
+                    _media_item(part, i, route)]})
+                notes.append(assistant_media_note(route, part, i))
             elif part.media_type is not None:
                 self._user(items).append(_media_item(part, i, route))
             elif part.role == "tool":
@@ -243,16 +311,18 @@ class OpenAIResponsesCodec(Codec):
             raise InvalidArgument(
                 "a Responses request needs at least one user or assistant part besides system",
                 field="envelope.parts")
-        check_params(route, envelope.params, _RESERVED)
+        check_params(route, envelope.params, _RESERVED - {"tools"})
+        params = dict(envelope.params)
+        builtin = _builtin_tools(params.pop("tools", None))
         body: dict[str, Any] = {"model": route.model, "input": items, "store": False}
         if instructions:
             body["instructions"] = "\n\n".join(instructions)
-        body.update(envelope.params)
+        body.update(params)
         if "reasoning" in envelope.params and "include" not in envelope.params:
             body["include"] = ["reasoning.encrypted_content"]
         if envelope.max_output_tokens is not None:
             body["max_output_tokens"] = envelope.max_output_tokens
-        if envelope.tools:
+        if envelope.tools or builtin:
             body["tools"] = [
                 {
                     "type": "function",
@@ -261,7 +331,7 @@ class OpenAIResponsesCodec(Codec):
                     "parameters": t.parameters or {"type": "object", "properties": {}},
                 }
                 for t in envelope.tools
-            ]
+            ] + builtin
         headers = {"content-type": "application/json", "accept": "application/json"}
         if envelope.stream:
             body["stream"] = True
@@ -311,7 +381,9 @@ class OpenAIResponsesCodec(Codec):
                 carried = _reasoning(item)
                 if carried is not None:
                     reply.reasoning.append(carried)
-            # built-in tool calls (web search, ...) are the provider's own: not the host's
+            elif kind == "image_generation_call":
+                _take_image(reply, item, f"output[{j}]")
+            # other built-in tool calls (web search, ...) are the provider's own: not the host's
         reply.text = "".join(text)
         return reply
 
@@ -405,6 +477,11 @@ class _ResponsesStream(StreamState):
                 carried = _reasoning(item)
                 if carried is not None:
                     self.reasoning.append(carried)
+            elif item.get("type") == "image_generation_call":
+                # The whole image, once generated (partial images before it are previews).
+                index = data.get("output_index")
+                _take_image(self, item, f"output[{index}]")
+                self.content_seen = True
         # Everything else (content parts, summaries, annotations, events added later) is
         # ignored, as the API documentation asks of clients.
         return out

@@ -38,15 +38,23 @@ def output_part(result: AdapterResult, attempt_id: str) -> Part:
 def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
     """The whole answer as parts, each with the Attempt as its provenance.
 
-    Its reasoning items (a Responses-API route's, carried back to that route only), its text,
-    then one part per tool call (``tool_call_id``, ``name``, the arguments as JSON text).
+    Its reasoning items (a Responses-API route's, carried back to that route only), its text
+    (left out when the answer is only images or tool calls: an empty text block is what some
+    providers refuse), its images and documents (assistant binary parts, in the order the
+    provider sent them), then one part per tool call (``tool_call_id``, ``name``, the
+    arguments as JSON text). The Run records every part's hash as the Attempt's provenance, so
+    each may be carried into the next turn as it is, and an edited copy is not covered.
     """
     parts: list[Part] = [
         Part(role="assistant", data=data, media_type=REASONING_MEDIA_TYPE,
              data_class=MODEL_DERIVED, provenance=attempt_id)
         for data in result.reasoning]
-    if result.text or not result.tool_calls:
+    if result.text or not (result.tool_calls or result.media):
         parts.append(output_part(result, attempt_id))
+    for m in result.media:
+        where = {"data": m.data} if m.data is not None else {"url": m.url}
+        parts.append(Part(role="assistant", media_type=m.media_type, data_class=MODEL_DERIVED,
+                          provenance=attempt_id, **where))
     for call in result.tool_calls:
         parts.append(Part(role="assistant", content=call.arguments_json or "{}",
                           data_class=MODEL_DERIVED, provenance=attempt_id,

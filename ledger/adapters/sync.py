@@ -8,6 +8,7 @@ import ssl
 import threading
 
 from ledger.adapters.base import (
+    MAX_EVENT_BYTES,
     HttpAdapter,
     check_adapter_options,
 )
@@ -45,6 +46,7 @@ class SyncAdapter:
         max_body_bytes: Largest whole body read.
         evidence_cap_bytes: Largest error excerpt kept as evidence.
         max_stream_bytes: Most bytes read from one stream.
+        max_event_bytes: Largest stream event (and line) parsed.
 
     Raises:
         InvalidArgument: an option of the wrong type or out of range (checked before the loop
@@ -60,12 +62,14 @@ class SyncAdapter:
         max_body_bytes: int = 16 * 1024 * 1024,
         evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
         max_stream_bytes: int = 64 * 1024 * 1024,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         # Checked before the loop thread starts: a refused option leaves nothing running.
         check_adapter_options(secrets=secrets, limits=limits, verify=verify,
                               max_body_bytes=max_body_bytes,
                               evidence_cap_bytes=evidence_cap_bytes,
-                              max_stream_bytes=max_stream_bytes)
+                              max_stream_bytes=max_stream_bytes,
+                              max_event_bytes=max_event_bytes)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True
@@ -80,6 +84,7 @@ class SyncAdapter:
             max_body_bytes=max_body_bytes,
             evidence_cap_bytes=evidence_cap_bytes,
             max_stream_bytes=max_stream_bytes,
+            max_event_bytes=max_event_bytes,
         )
         self._closed = False
 

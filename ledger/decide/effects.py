@@ -127,8 +127,9 @@ class SendResult:
         observation: The evidence of a failure; set exactly when ``ok`` is False.
         sent: ``False`` only when the request provably never left the process (nothing was
             written to the network): such an Attempt is settled *not sent*, its hold voided.
-        parts: The answer as conversation parts (text, tool calls), each recorded as
-            provenance of the Attempt at settle so the next turn can carry them.
+        parts: The answer as conversation parts (text, images and documents, tool calls),
+            each recorded as provenance of the Attempt at settle so the next turn can carry
+            them.
         partial_text: On a failure, text the caller was shown before it (effective output).
     """
 
@@ -141,8 +142,8 @@ class SendResult:
     output_hash: str | None = None
     observation: Observation | None = None
     sent: bool = True
-    # The answer as conversation parts (text, tool calls), each recorded as provenance of the
-    # Attempt at settle so the next turn can carry them.
+    # The answer as conversation parts (text, images and documents, tool calls), each recorded
+    # as provenance of the Attempt at settle so the next turn can carry them.
     parts: tuple[Any, ...] = ()
     # On a failure: text the caller was shown before the failure (effective output).
     partial_text: str = ""

@@ -119,9 +119,10 @@ def failure_outcome(fact: FailureFact, sent: bool) -> Outcome:
     * it never left (``sent`` is False, or the phase is ``before_send``): ``not_sent``, the hold
       voided;
     * it left and no verdict came back: no status at all (a reset or a timeout before the
-      response), or the answer stopped arriving mid-stream (a cut, a stall, a time limit,
-      broken framing) — ``unknown``: the provider may have run it to the end and billed it,
-      so the hold stays until a receipt settles it (``Ledger.settle_unknown``);
+      response), the answer stopped arriving mid-stream (a cut, a stall, a time limit, broken
+      framing), or the provider accepted it (a 2xx) and then sent nothing before a time limit
+      (the first token never came) — ``unknown``: the provider may have run it to the end and
+      billed it, so the hold stays until a receipt settles it (``Ledger.settle_unknown``);
     * the provider answered with an error (a status, an error object or event, a payload that
       is not the protocol's): ``failed``, posted at the reported cost.
     """
@@ -130,6 +131,9 @@ def failure_outcome(fact: FailureFact, sent: bool) -> Outcome:
     if fact.phase in (Phase.AFTER_SEND, Phase.MID_STREAM) and (
             fact.status is None or fact.transport in _ANSWER_LOST):
         return Outcome.UNKNOWN
+    if (fact.phase is Phase.AFTER_HEADERS and fact.transport in _ANSWER_LOST
+            and (fact.status is None or 200 <= fact.status < 300)):
+        return Outcome.UNKNOWN  # accepted, then silent: it may be running all the same
     return Outcome.FAILED
 
 

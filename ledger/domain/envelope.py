@@ -74,7 +74,11 @@ class Part(LedgerModel):
     (:mod:`ledger.domain.media`); the bytes must be what the type says. A binary part is the
     user's (``role="user"``); its ``data_class`` is ``user_input`` unless given (a private
     upload is ``private_document``, and needs recorded provenance like any other class but
-    ``user_input``); ``name`` is its file name where a protocol sends one.
+    ``user_input``); ``name`` is its file name where a protocol sends one. An image or a
+    document a model returned is the model's (``role="assistant"``), of class
+    ``model_derived`` with the Attempt that produced it as ``provenance``: a turn's
+    ``RunResult.parts`` hold it so, and a copy of it is covered only while its bytes are the
+    ones recorded.
 
     ``data_class``, ``provenance`` and ``tool_call_id`` are identifiers (1 to 200 printable
     characters); ``name`` a short printable text; ``content`` any text.
@@ -92,7 +96,8 @@ class Part(LedgerModel):
     role: Literal["system", "user", "assistant", "tool"] = Field(default="user",
                                                                  validate_default=True)
     content: str = Field(default="", validate_default=True)
-    data_class: Id = USER_INPUT
+    # Validated even when left out: an assistant's image or document must say model_derived.
+    data_class: Id = Field(default=USER_INPUT, validate_default=True)
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
     provenance: Id | None = None
     tool_call_id: Id | None = Field(default=None, validate_default=True)
@@ -203,10 +208,26 @@ class Part(LedgerModel):
         if kind is MediaKind.REASONING and v != "assistant":
             raise Problem("a reasoning item is the model's: role must be 'assistant'",
                           "pass role='assistant'")
-        if kind is not None and kind is not MediaKind.REASONING and v != "user":
-            raise Problem("an image or a document is user content",
-                          "pass role='user' (the default); a tool's file goes in a user part "
-                          "after the tool result")
+        if kind is not None and kind is not MediaKind.REASONING and v not in ("user",
+                                                                            "assistant"):
+            raise Problem(f"an image or a document is the user's or the model's, not the "
+                          f"{v}'s",
+                          "pass role='user' (the default; a tool's file goes in a user part "
+                          "after the tool result), or role='assistant' for one a model "
+                          "returned")
+        return v
+
+    @field_validator("data_class")
+    @classmethod
+    def _model_derived(cls, v: str, info: ValidationInfo) -> str:
+        kind = kind_of(info.data.get("media_type") or "")
+        if (kind is not None and kind is not MediaKind.REASONING
+                and info.data.get("role") == "assistant" and v != MODEL_DERIVED):
+            raise Problem(f"an image or a document of role 'assistant' is what a model "
+                          f"returned, so its data class is {MODEL_DERIVED!r}, not {v!r}",
+                          f"pass data_class={MODEL_DERIVED!r} with the producing Attempt as "
+                          "provenance= (a turn's result.parts carry both), or role='user' for "
+                          "the user's own file")
         return v
 
     @field_validator("content")

@@ -159,6 +159,18 @@ def content_problem(media_type: str, data: bytes) -> str | None:
     return None
 
 
+def sniff_image_type(data: bytes) -> str | None:
+    """The image media type ``data``'s signature names (PNG, JPEG, GIF, WebP), or ``None``.
+
+    For answers that carry an image without naming its type (the Responses API's
+    ``image_generation_call`` may leave its format out).
+    """
+    for media_type in sorted(IMAGE_MEDIA_TYPES):
+        if content_problem(media_type, data) is None:
+            return media_type
+    return None
+
+
 @functools.lru_cache(maxsize=128)
 def bytes_digest(data: bytes) -> str:
     """The sha256 hex digest of ``data``.
@@ -296,5 +308,6 @@ __all__ = [
     "image_size",
     "kind_of",
     "pdf_pages",
+    "sniff_image_type",
     "wire_media_type",
 ]

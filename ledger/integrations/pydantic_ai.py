@@ -18,9 +18,13 @@ data classes the ledger's disclosure preflight checks: system prompts and instru
 the session the first time they are sent. Images and documents in a user prompt
 (``BinaryContent``, ``ImageUrl``, ``DocumentUrl``) become binary parts of class ``user_input``
 (or the model's ``document_data_class``); a Responses-API route's reasoning comes back as a
-``ThinkingPart`` that carries it to that route on the next request. A history the Run did not
-produce — an edited answer, an invented tool call or result — has no covering provenance and is
-refused before anything is sent. A stop raises :class:`~ledger.errors.FailoverExhausted`.
+``ThinkingPart`` that carries it to that route on the next request; an image or a document the
+model returned comes back as a ``FilePart`` (``BinaryImage`` for an image), ``model_derived``
+with its Attempt's provenance, and goes back as that assistant part (a file the provider
+returned as a link, which a ``FilePart`` cannot hold, is kept in the provider details). A
+history the Run did not produce — an edited answer or image, an invented tool call or result —
+has no covering provenance and is refused before anything is sent. A stop raises
+:class:`~ledger.errors.FailoverExhausted`.
 
 The Run ends as a Run session ends it (:mod:`ledger.decide.ending`): ``succeeded`` only when
 the agent's last model request was served; a streamed request the reader left before its end
@@ -54,6 +58,7 @@ try:
     from pydantic_ai.messages import (
         BinaryContent,
         DocumentUrl,
+        FilePart,
         FinishReason,
         ImageUrl,
         ModelMessage,
@@ -118,8 +123,9 @@ def _raw_args(part: ToolCallPart) -> str:
 def response_parts(response: ModelResponse) -> list[Part]:
     """An earlier answer as the envelope parts the ledger recorded for it.
 
-    Its text, then one part per tool call, each ``model_derived`` with the Attempt named in its
-    provider details.
+    Its reasoning, its text, its files (``FilePart``: an image or a document the model
+    returned; and the links the ledger keeps in the provider details), then one part per tool
+    call, each ``model_derived`` with the Attempt named in its provider details.
 
     An answer whose content was changed (or that no Attempt of the Run produced) yields parts
     whose hash the ledger never recorded: preflight refuses them.
@@ -128,9 +134,12 @@ def response_parts(response: ModelResponse) -> list[Part]:
     texts: list[str] = []
     calls: list[Part] = []
     reasoning: list[Part] = []
+    files: list[Part] = []
     for p in response.parts:
         if isinstance(p, TextPart):
             texts.append(p.content)
+        elif isinstance(p, FilePart):
+            files.append(_file_part(p.content.data, p.content.media_type, attempt))
         elif isinstance(p, ThinkingPart) and _carried(p) is not None:
             reasoning.append(Part(role="assistant", data=_carried(p),
                                   media_type=REASONING_MEDIA_TYPE, data_class=MODEL_DERIVED,
@@ -142,13 +151,36 @@ def response_parts(response: ModelResponse) -> list[Part]:
         else:
             raise InvalidArgument(
                 f"a model response part of kind {p.part_kind!r} cannot be sent through a ledger "
-                "Run (only text and tool calls are); drop it from the message history",
+                "Run (only text, files and tool calls are); drop it from the message history",
                 field="messages")
+    files += [_file_part(None, link.get("media_type"), attempt, url=link.get("url"))
+              for link in _links(response)]
     text: list[Part] = []
-    if texts or not calls:
+    if texts or not (calls or files):
         text = [Part(role="assistant", content="".join(texts), data_class=MODEL_DERIVED,
                      provenance=attempt)]
-    return reasoning + text + calls
+    return reasoning + text + files + calls
+
+
+def _file_part(data: bytes | None, media_type: Any, attempt: str | None, *,
+               url: Any = None) -> Part:
+    """A file of an earlier answer as the assistant part the ledger recorded for it."""
+    try:
+        return Part(role="assistant", media_type=media_type, data_class=MODEL_DERIVED,
+                    provenance=attempt, **({"data": data} if data is not None else {"url": url}))
+    except InvalidArgument as e:
+        raise InvalidArgument(f"a file of a model response cannot be sent: {e.message}",
+                              field="messages", part_field=e.field) from e
+
+
+def _links(response: ModelResponse) -> list[dict[str, Any]]:
+    """The file links an answer returned, kept in its provider details.
+
+    A ``FilePart`` holds bytes only.
+    """
+    ours = (response.provider_details or {}).get(DETAILS_KEY)
+    links = ours.get("links") if isinstance(ours, dict) else None
+    return [x for x in links if isinstance(x, dict)] if isinstance(links, list) else []
 
 
 def _carried(part: ThinkingPart) -> bytes | None:
@@ -211,9 +243,17 @@ def _answer_parts(parts: Sequence[Part]) -> list[ModelResponsePart]:
     text = "".join(p.content for p in parts if p.tool_call_id is None)
     if text:
         out.append(TextPart(content=text))
+    out.extend(FilePart(content=BinaryContent.narrow_type(
+        BinaryContent(data=p.payload, media_type=p.media_type or "")))
+        for p in parts if _is_file(p) and p.payload is not None)
     out.extend(ToolCallPart(tool_name=p.name or "", args=p.content, tool_call_id=p.tool_call_id)
                for p in parts if p.tool_call_id is not None)
     return out
+
+
+def _is_file(part: Part) -> bool:
+    """Whether ``part`` is an image or a document (not text, not a reasoning item)."""
+    return part.kind is not None and part.kind is not MediaKind.REASONING
 
 
 def _thinking(data: bytes) -> ThinkingPart:
@@ -282,6 +322,10 @@ class _Answer:
         notes = list(getattr(output, "notes", ()) or ())
         if notes:  # what the route's codec left out (another route's reasoning), and why
             details[DETAILS_KEY]["notes"] = notes
+        links = [{"url": p.link, "media_type": p.media_type} for p in result.parts
+                 if _is_file(p) and p.link is not None]
+        if links:  # files the model returned as links: a FilePart holds bytes only
+            details[DETAILS_KEY]["links"] = links
         return cls(
             parts=_answer_parts(result.parts),
             usage=RequestUsage(input_tokens=att.prompt_tokens or 0,
@@ -563,8 +607,12 @@ class LedgerStreamedResponse(StreamedResponse):
         self.provider_response_id = answer.provider_response_id
         self.finish_reason = answer.finish_reason
         self.failed_attempts = answer.failed
-        for part in answer.parts:
-            if isinstance(part, ToolCallPart):
+        for index, part in enumerate(answer.parts):
+            # The answer's files arrive whole, once the turn completed (as its tool calls).
+            if isinstance(part, FilePart):
+                yield self._parts_manager.handle_part(vendor_part_id=f"file-{index}",
+                                                      part=part)
+            elif isinstance(part, ToolCallPart):
                 yield self._parts_manager.handle_part(vendor_part_id=part.tool_call_id,
                                                       part=part)
         self._complete = True

@@ -24,7 +24,11 @@ assert what was, or was not, sent. The fake checks what it receives as a provide
 image or a document that is not valid base64 or not what its media type says, a file without
 its name, a Responses-API reasoning item another model wrote, a ``previous_response_id`` it never
 stored get a 400 in the protocol's error shape (``ReceivedRequest.problem`` says why), and the
-images and documents a request carried are decoded into ``ReceivedRequest.media``.
+images and documents a request carried are decoded into ``ReceivedRequest.media`` (with the
+role of the message that carried them). ``Behavior(image_out=(media_type, bytes))`` answers
+with an image as each protocol with image output frames it (Gemini ``inlineData``, the Responses
+API's ``image_generation_call``, the chat-completions gateways' ``message.images``), streamed or
+not; Anthropic's answers carry none, as the Messages API's do not.
 Connection-level faults that act before any request is read (``reset_next_connections``) are
 separate because they cannot be chosen by request content.
 
@@ -124,6 +128,11 @@ class Behavior:
     reasoning: str | None = None
     cached_tokens: int = 0  # reported as usage.input_tokens_details.cached_tokens
     reasoning_tokens: int = 0  # reported as usage.output_tokens_details.reasoning_tokens
+    # Answer with this image too, (media type, bytes), as each protocol that has image output
+    # frames it: Gemini an inlineData part (its own chunk in a stream), the Responses API an
+    # image_generation_call item, chat completions message.images (delta.images in a stream:
+    # the gateways' extension). Anthropic's Messages API returns no images: ignored there.
+    image_out: tuple[str, bytes] | None = None
 
 
 def _behavior(item: Fault | str | Behavior) -> Behavior:
@@ -982,6 +991,7 @@ class _Answer:
     secret: str = ""  # its "encrypted" content, readable by the requested model only
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    image: tuple[str, bytes] | None = None  # (media type, bytes) of an image in the answer
 
     @classmethod
     def build(cls, req: ReceivedRequest, b: Behavior) -> _Answer:
@@ -1001,7 +1011,21 @@ class _Answer:
             secret=reasoning_secret(req.model, b.reasoning) if b.reasoning else "",
             cached_tokens=b.cached_tokens,
             reasoning_tokens=b.reasoning_tokens,
+            image=b.image_out,
         )
+
+    @property
+    def image_b64(self) -> str:
+        return base64.b64encode(self.image[1]).decode("ascii") if self.image else ""
+
+    def _gemini_image(self) -> dict[str, Any]:
+        assert self.image is not None
+        return {"inlineData": {"mimeType": self.image[0], "data": self.image_b64}}
+
+    def _chat_images(self) -> list[dict[str, Any]]:
+        assert self.image is not None
+        return [{"type": "image_url", "index": 0, "image_url": {
+            "url": f"data:{self.image[0]};base64,{self.image_b64}"}}]
 
     def finish(self, protocol: str) -> str:
         """The answer's finish (stop) reason in ``protocol``'s words."""
@@ -1025,6 +1049,14 @@ class _Answer:
             items.append({"type": "reasoning", "id": "rs_fake_1",
                           "summary": [{"type": "summary_text", "text": self.reasoning}],
                           "encrypted_content": self.secret})
+        if self.image:
+            item: dict[str, Any] = {"type": "image_generation_call", "id": "ig_fake_1",
+                                    "status": "completed", "result": self.image_b64}
+            fmt = {"image/png": "png", "image/jpeg": "jpeg",
+                   "image/webp": "webp"}.get(self.image[0])
+            if fmt:  # the tool writes png, jpeg or webp; another type is told by its bytes
+                item["output_format"] = fmt
+            items.append(item)
         items.append({"type": "message", "id": "msg_fake_1", "status": "completed",
                       "role": "assistant", "content": [
                           {"type": "output_text", "text": self.text, "annotations": []}]})
@@ -1074,6 +1106,8 @@ class _Answer:
             }
         if protocol == "gemini":
             parts: list[dict[str, Any]] = [{"text": self.text}]
+            if self.image:
+                parts.append(self._gemini_image())
             if self.tool:
                 parts.append({"functionCall": {"name": self.tool[0], "args": self.tool[1]}})
             return {
@@ -1092,6 +1126,8 @@ class _Answer:
                 "modelVersion": self.model,
             }
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.image:
+            message["images"] = self._chat_images()
         if self.tool:
             message["tool_calls"] = [
                 {
@@ -1137,6 +1173,17 @@ class _Answer:
                 ev({"type": "response.reasoning_summary_text.delta", "item_id": item["id"],
                     "output_index": index, "summary_index": 0, "delta": self.reasoning})
                 ev({"type": "response.output_item.done", "output_index": index, "item": item})
+            elif item["type"] == "image_generation_call":
+                ref = {"item_id": item["id"], "output_index": index}
+                ev({"type": "response.output_item.added", "output_index": index,
+                    "item": {**item, "status": "in_progress", "result": None}})
+                ev({"type": "response.image_generation_call.in_progress", **ref})
+                ev({"type": "response.image_generation_call.generating", **ref})
+                ev({"type": "response.image_generation_call.partial_image", **ref,
+                    "partial_image_index": 0, "partial_image_b64": item["result"]})
+                ev({"type": "response.image_generation_call.completed", **ref})
+                ev({"type": "response.output_item.done", "output_index": index, "item": item},
+                   True)
             elif item["type"] == "message":
                 ev({"type": "response.output_item.added", "output_index": index,
                     "item": {**item, "status": "in_progress", "content": []}})
@@ -1303,6 +1350,11 @@ class _Answer:
             return out
         if protocol == "gemini":
             for i, piece in enumerate(self.pieces):
+                if self.image and i == len(self.pieces) - 1:
+                    # The image arrives whole, in a chunk of its own.
+                    out.append((sse({"candidates": [{"content": {
+                        "role": "model", "parts": [self._gemini_image()]}, "index": 0}],
+                        "modelVersion": self.model}), True, False))
                 chunk: dict[str, Any] = {
                     "candidates": [
                         {"content": {"role": "model", "parts": [{"text": piece}]}, "index": 0}
@@ -1336,6 +1388,8 @@ class _Answer:
         out.append((sse(oai({"role": "assistant", "content": ""})), False, False))
         for piece in self.pieces:
             out.append((sse(oai({"content": piece})), True, False))
+        if self.image:
+            out.append((sse(oai({"images": self._chat_images()})), True, False))
         if self.tool:
             args = json.dumps(self.tool[1])
             half = len(args) // 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 _IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
@@ -25,13 +25,15 @@ class ReceivedMedia:
     """One image or document a request carried, as the provider would read it.
 
     ``data`` holds the decoded bytes (a plain-text document's UTF-8 text too), ``url`` the
-    link the provider would fetch; ``filename`` the name sent with a file, if any.
+    link the provider would fetch; ``filename`` the name sent with a file, if any; ``role``
+    the role of the message (or Gemini turn: ``user``, ``model``) that carried it.
     """
 
     media_type: str
     data: bytes | None = None
     url: str | None = None
     filename: str | None = None
+    role: str | None = None
 
 
 class BadRequest(ValueError):
@@ -125,16 +127,22 @@ def _openai(obj: dict[str, Any]) -> list[ReceivedMedia]:
         content = msg.get("content")
         if not isinstance(content, list):
             continue
+        role = msg.get("role")
         for j, rc in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             item = _obj(rc, where)
             kind = item.get("type")
+            if kind in ("image_url", "file") and role != "user":
+                raise BadRequest(f"Invalid 'messages[{i}]'. Image URLs and files are only "
+                                 f"allowed for messages with role 'user', but this message "
+                                 f"with role {role!r} contains one.")
             if kind == "text":
                 if not isinstance(item.get("text"), str):
                     raise BadRequest(f"{where}.text must be a string")
             elif kind == "image_url":
                 url = _obj(item.get("image_url"), f"{where}.image_url").get("url")
-                media.append(_data_url(url, f"{where}.image_url.url", _IMAGES))
+                media.append(replace(_data_url(url, f"{where}.image_url.url", _IMAGES),
+                                     role=role))
             elif kind == "file":
                 file = _obj(item.get("file"), f"{where}.file")
                 if not isinstance(file.get("filename"), str) or not file["filename"]:
@@ -144,7 +152,8 @@ def _openai(obj: dict[str, Any]) -> list[ReceivedMedia]:
                 if got.url is not None:
                     raise BadRequest(f"{where}.file.file_data must be a data: URL (chat "
                                      "completions fetches no file)")
-                media.append(ReceivedMedia(got.media_type, got.data, None, file["filename"]))
+                media.append(ReceivedMedia(got.media_type, got.data, None, file["filename"],
+                                           role))
             else:
                 raise BadRequest(f"{where}: unknown content type {kind!r}")
     return media
@@ -165,8 +174,8 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             if isinstance(content, str):
                 continue
             for j, rc in enumerate(_list(content, f"{where}.content")):
-                media.extend(_responses_content(_obj(rc, f"{where}.content[{j}]"),
-                                                f"{where}.content[{j}]", item["role"]))
+                media.extend(replace(m, role=item["role"]) for m in _responses_content(
+                    _obj(rc, f"{where}.content[{j}]"), f"{where}.content[{j}]", item["role"]))
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str) or not item[key]:
@@ -242,18 +251,18 @@ def _anthropic(obj: dict[str, Any]) -> list[ReceivedMedia]:
                                      f"{', '.join(allowed)}")
                 data = _b64(source.get("data"), f"{where}.source.data")
                 _fits(mt, data, where)
-                media.append(ReceivedMedia(mt, data, None, block.get("title")))
+                media.append(ReceivedMedia(mt, data, None, block.get("title"), "user"))
             elif stype == "url":
                 url = source.get("url")
                 if not isinstance(url, str) or not url.startswith("https://"):
                     raise BadRequest(f"{where}.source.url must be an https:// URL")
-                media.append(ReceivedMedia("", None, url, block.get("title")))
+                media.append(ReceivedMedia("", None, url, block.get("title"), "user"))
             elif stype == "text" and kind == "document":
                 text = source.get("data")
                 if source.get("media_type") != "text/plain" or not isinstance(text, str):
                     raise BadRequest(f"{where}.source: a text source is text/plain data")
                 media.append(ReceivedMedia("text/plain", text.encode(), None,
-                                           block.get("title")))
+                                           block.get("title"), "user"))
             else:
                 raise BadRequest(f"{where}.source.type: {stype!r} is not valid here")
     return media
@@ -263,6 +272,9 @@ def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
     for i, raw in enumerate(_list(obj.get("contents"), "contents")):
         content = _obj(raw, f"contents[{i}]")
+        role = content.get("role", "user")
+        if role not in ("user", "model"):
+            raise BadRequest(f"contents[{i}].role: please use a valid role: user, model")
         for j, rp in enumerate(_list(content.get("parts"), f"contents[{i}].parts")):
             where = f"contents[{i}].parts[{j}]"
             part = _obj(rp, where)
@@ -274,7 +286,7 @@ def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
                     raise BadRequest(f"{where}.inline_data.mime_type: unsupported {mt!r}")
                 data = _b64(inline.get("data"), f"{where}.inline_data.data")
                 _fits(mt, data, where)
-                media.append(ReceivedMedia(mt, data))
+                media.append(ReceivedMedia(mt, data, role=role))
             file_data = part.get("file_data", part.get("fileData"))
             if file_data is not None:
                 file_data = _obj(file_data, f"{where}.file_data")
@@ -284,7 +296,7 @@ def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
                     raise BadRequest(f"{where}.file_data.file_uri must be an https:// URI")
                 if mt not in _IMAGES + _DOCUMENTS:
                     raise BadRequest(f"{where}.file_data.mime_type: unsupported {mt!r}")
-                media.append(ReceivedMedia(mt, None, uri))
+                media.append(ReceivedMedia(mt, None, uri, role=role))
     return media
 
 

@@ -39,7 +39,8 @@ LIMITS = StreamingPolicy(connect_timeout_s=5.0, read_timeout_s=5.0, first_token_
                          idle_timeout_s=5.0, total_timeout_s=10.0)
 TIGHT = StreamingPolicy(connect_timeout_s=1.0, read_timeout_s=0.5, first_token_timeout_s=0.5,
                         idle_timeout_s=0.3, total_timeout_s=2.0)
-HUGE = (1 << 20) + 64  # beyond the SSE parser's line bound
+EVENT_BOUND = 1 << 20  # the adapter's max_event_bytes here (32 MiB by default: images)
+HUGE = EVENT_BOUND + 64  # beyond the SSE parser's line bound
 MODES = [(p, s) for p in PROTOCOLS for s in (False, True)]
 
 
@@ -47,7 +48,8 @@ MODES = [(p, s) for p in PROTOCOLS for s in (False, True)]
 def server() -> Iterator[tuple[FakeProvider, SyncAdapter]]:
     with (
         FakeProvider().in_thread() as fake,
-        SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=LIMITS) as adapter,
+        SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=LIMITS,
+                    max_event_bytes=EVENT_BOUND) as adapter,
     ):
         # Every raw answer closes its connection; without keep-alive each call gets a fresh one
         # (a pooled connection the server already closed fails before the server reads it).

@@ -175,6 +175,24 @@ def test_stall_after_delivered_output_is_unknown_effective_and_keeps_its_hold(
     led.close()
 
 
+def test_first_token_timeout_after_the_provider_accepted_is_unknown_and_keeps_its_hold(
+        db_url: str, fakes: tuple[FakeProvider, FakeProvider]) -> None:
+    """A 200 and then nothing before first_token_timeout_s: the provider accepted the call and
+    may be running it (and billing it), so its outcome is unknown, its hold kept."""
+    led, shown, raised = _turn(db_url, fakes, Behavior(fault=Fault.SLOW_FIRST_TOKEN,
+                                                       delay_s=6.0), watch=True)
+    att = _first(led)
+    assert shown == []
+    assert (att.state, att.effective_output, att.debit_state) == (
+        AttemptState.UNKNOWN, False, DebitState.RESERVED)
+    assert att.fact is not None and att.fact.transport is not None
+    assert att.fact.transport.value == "first_token_timeout"
+    assert_books(led, charged=ZERO, held=HOLD)
+    assert isinstance(raised, FailoverExhausted) and raised.reason == "not_eligible_failure"
+    assert not _moved_on(fakes)
+    led.close()
+
+
 def test_provider_error_event_after_delivered_output_is_failed_and_posts_its_hold(
         db_url: str, fakes: tuple[FakeProvider, FakeProvider]) -> None:
     """The contrast: the provider itself said the call failed (an error event), so it is

@@ -535,6 +535,38 @@ def test_captured_images_and_documents_are_described_never_their_bytes(
     assert "CONFIDENTIAL-FIGURES" not in text and "Link0Key" not in text
 
 
+def test_a_captured_answers_image_is_described_never_its_bytes(
+        db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider],
+        adapter: SyncAdapter) -> None:
+    from tests.media import png
+
+    a, b = clean_fakes
+    image = png(16, 16) + b"CONFIDENTIAL-PIXELS"
+    a.enqueue(Behavior(image_out=("image/png", image)))  # the primary speaks chat completions
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
+                     capture_content=True)
+    try:
+        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+            lease = admit(led, routes(a, b))
+            result = execute(led, lease, Envelope(parts=[Part(content=PROMPT)]),
+                             sync_sender(adapter, limits=PATIENT))
+    finally:
+        telemetry.disable()
+    assert [p.data for p in result.parts if p.media_type] == [image]
+    [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
+    [message] = json.loads(str(dict(span.attributes or {})["gen_ai.output.messages"]))
+    assert message["parts"][1:] == [
+        {"type": "blob", "modality": "image", "mime_type": "image/png", "size": len(image)}]
+    text = "\n".join(s.to_json() for s in spans.get_finished_spans())
+    import base64
+
+    assert "CONFIDENTIAL-PIXELS" not in text
+    assert base64.b64encode(image).decode()[:40] not in text
+
+
 def test_telemetry_off_leaves_the_turn_unobserved(
         db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider],
         adapter: SyncAdapter) -> None:
