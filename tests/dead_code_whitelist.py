@@ -40,13 +40,11 @@ _.MEMORY, _.PRIVATE_DOCUMENT  # data-class names for hosts' parts (docs/disclosu
 _.renewals  # LeaseKeeper.renewals: how often the keeper renewed, for its owner to watch
 _.received_at  # ReceivedRequest.received_at, in the fake provider's request log
 _.filename  # ReceivedMedia.filename: the file name a request sent (docs/adapters.md)
-# tools/bench: result fields, written to the JSON report via dataclasses.asdict
-_.raw_first_mean_ms, _.raw_last_mean_ms, _.raw_first_p50_ms, _.raw_last_p50_ms
-_.last_body_bytes, _.raw_p95_ms, _.tx_count_calls, _.floor_seconds
 
 # -- documented public API the library itself does not call -----------------------------------
 _.compacted  # RunSession.compacted (docs/policies.md, docs/presets/fased.md)
 _.require  # PreflightResult.require raises PreflightRefused (docs/disclosure.md)
+_.checks  # PreflightResult.checks: the checks that failed (docs/disclosure.md)
 _.narrow_grant  # decide/preflight.py: a Child's grant inside its parent's (docs/disclosure.md)
 _.AsyncAudit  # ops/audit.py (docs/audit.md)
 _.arecover  # ops/recovery.py (docs/operations.md)
@@ -57,8 +55,8 @@ _.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and
 
 # -- the shipped test kit (ledger.testing), there for tests to use ----------------------------
 _.reset_next_connections, _.requests, _.wait_for_requests  # FakeProvider (docs/adapters.md)
-_.restart  # pgserver.PgServer.restart (tests/recovery/test_pg_restart.py)
-_.table_exists  # storage/baseline.py: the benchmark's floor table is dropped (bench smoke test)
+_.set_default, _.connections  # FakeProvider (docs/adapters.md)
+_.restart, _.psql, _.cleanup  # pgserver.PgServer (docs/reference.md, "The test kit")
 
 # -- public operations no library code calls (documented in docs/reference.md) --------------
 _.set_group_state  # Ledger.set_group_state: an operator's cooldown or outage notice

@@ -56,6 +56,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "integrations": frozenset({"base", "domain", "policy", "decide", "adapters", "api"}),
     "dashboard": frozenset({"base", "domain", "policy", "api", "ops"}),
     "testing": frozenset({"base", "domain", "policy", "decide", "storage", "adapters"}),
+    # The demo and generate, which run Runs through the library (the demo on the fake provider).
     "tools": frozenset(_LIBRARY) | {"testing"},
     "cli": frozenset(_LIBRARY) | {"tools", "dashboard", "testing"},
 }
@@ -153,6 +154,19 @@ def test_nothing_in_the_library_reaches_the_tools_or_the_command_line() -> None:
     for src, line, target, src_room, dst_room in _edges():
         if src_room in _LIBRARY:
             assert dst_room not in ("tools", "cli", "dashboard", "testing"), (src, line, target)
+
+
+def test_nothing_in_the_package_imports_the_benchmarks() -> None:
+    # benchmarks/ lives beside the package and is not in the wheel: an import of it from
+    # ledger/ would work in a checkout and fail in every installation.
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.relative_to(PKG.parent)}:{node.lineno} imports {n}"
+                      for n in names if n == "benchmarks" or n.startswith("benchmarks.")]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module", ["ledger.decide.select", "ledger.decide.classify",

@@ -1,4 +1,5 @@
-"""The wheel: its name, its contents, and what a fresh install can do.
+"""The wheel: its name, its contents (the library, no benchmark tooling), and what a fresh
+install can do.
 
 An installed ``failover-ledger`` can migrate a database, and a fresh virtual environment with
 the wheel (and no PostgreSQL driver, as a SQLite-only ``pip install failover-ledger`` has) gets
@@ -14,6 +15,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -58,6 +60,31 @@ def test_distribution_is_failover_ledger_with_extras(wheel: Path) -> None:
     entry = zf.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
     scripts = re.findall(r"^(\S+) = (\S+)$", entry.split("[console_scripts]", 1)[1], re.M)
     assert scripts == [("failover-ledger", "ledger.cli.main:main")]
+
+
+def test_the_wheel_holds_the_library_and_no_benchmark_tooling(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    files = [n for n in names if ".dist-info/" not in n]
+    assert files and all(n.startswith("ledger/") for n in files), [
+        n for n in files if not n.startswith("ledger/")]
+    # The benchmarks, the raw-driver floor, the bulk loader and the bench commands, wherever.
+    tooling = [n for n in files if n.startswith(("benchmarks/", "ledger/tools/bench/"))
+               or Path(n).stem in ("baseline", "floor", "bulk", "bench_cmd", "txcount")]
+    assert tooling == []
+    # What stays: the demo, generate (through the public API) and the test kit.
+    assert {"ledger/tools/demo.py", "ledger/tools/generate.py", "ledger/cli/demo_cmd.py",
+            "ledger/testing/fakeprovider.py", "ledger/testing/pgserver.py"} <= set(files)
+
+
+def test_the_sdist_carries_the_benchmarks_its_tests_import(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o",
+                          str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"benchmarks/__main__.py", "benchmarks/write.py", "benchmarks/floor.py",
+            "benchmarks/bulk.py", "tests/bench/test_bench_smoke.py", "ledger/__init__.py"} <= names
 
 
 def test_wheel_creates_and_migrates_a_database(wheel: Path, tmp_path: Path) -> None:
@@ -132,6 +159,11 @@ def test_fresh_venv_gets_the_command_and_runs_the_demo_twice(wheel: Path,
 
     version = run("--version")
     assert version.returncode == 0 and version.stdout.strip() == "failover-ledger 0.1.0"
+    # The benchmarks are no command of the installed ledger (they run from a checkout).
+    usage = run("--help")
+    assert usage.returncode == 0 and "demo" in usage.stdout and "generate" in usage.stdout
+    assert "bench" not in usage.stdout
+    assert run("bench", "write").returncode == 2
     probe = subprocess.run([str(py), "-c", "import ledger; print(ledger.__file__)"],
                            capture_output=True, text=True, env=env, cwd=work, check=True)
     assert probe.stdout.startswith(purelib), probe.stdout  # the installed wheel, not the repo

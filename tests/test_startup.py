@@ -84,7 +84,7 @@ def test_help_and_parsing_import_nothing_heavy() -> None:
             "for argv in (['runs', '--since', '24h'], ['run', 'show', 'r1'], ['attempts', "
             "'--open'], ['health', '--json'], ['costs', '--by', 'tenant'], ['failovers'], "
             "['recover'], ['generate'], ['policy', 'check', 'goclaw'], ['demo'], "
-            "['dashboard'], ['bench', 'write'], ['bench', 'audit'], ['db', 'init', 'x.db']):\n"
+            "['dashboard'], ['db', 'init', 'x.db']):\n"
             "    p.parse_args(argv)\n")
     assert _loaded_after(code) == []
     res = subprocess.run([sys.executable, "-X", "importtime", "-m", "ledger", "--help"],

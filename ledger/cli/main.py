@@ -29,7 +29,6 @@ COMMAND_MODULES: list[str] = [
     "ledger.cli.policy_cmd",
     "ledger.cli.ops_cmd",
     "ledger.cli.recover_cmd",
-    "ledger.cli.bench_cmd",
     "ledger.cli.db_cmd",
 ]
 

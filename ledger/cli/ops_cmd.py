@@ -1,5 +1,5 @@
 """Operator commands over the audit API: ``runs``, ``run show``, ``attempts``, ``failovers``,
-``costs``, ``health``, ``generate``, ``bench audit`` and ``dashboard``; and ``run close``, the
+``costs``, ``health``, ``generate`` and ``dashboard``; and ``run close``, the
 one that writes (it ends a Run nobody will resume).
 
 Reading commands open the ledger without migrating it (they never write, so they work through a
@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from ledger.cli.common import PROG, bench_subparsers
+from ledger.cli.common import PROG
 from ledger.cli.progress import Progress, wanted
 from ledger.domain.timefmt import data_text, iso, relative, when
 from ledger.errors import DatabaseUnavailable, InvalidArgument
@@ -432,22 +432,24 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ledger.api.facade import Ledger, storage_of
+    from ledger.api.facade import Ledger
+    from ledger.clock import ManualClock
     from ledger.tools.generate import generate
 
     if args.attempts < 1:
         raise InvalidArgument("--attempts must be >= 1", field="attempts")
     if args.days <= 0:
         raise InvalidArgument("--days must be > 0", field="days")
-    led = Ledger.open(args.db)
+    end = args.end if args.end is not None else time.time()
+    # The history's own time: generate moves it through the --days window.
+    led = Ledger.open(args.db, clock=ManualClock(end))
     try:
         if not args.into_existing:
             _refuse_foreign_runs(led)
-        end = args.end if args.end is not None else time.time()
         bar = _progress(args, "generate")
         t0 = time.monotonic()
-        st = generate(storage_of(led), attempts=args.attempts, days=args.days, end=end,
-                      seed=args.seed, progress=bar)
+        st = generate(led, attempts=args.attempts, days=args.days, end=end, seed=args.seed,
+                      progress=bar)
         took = time.monotonic() - t0
     finally:
         led.close()
@@ -468,42 +470,16 @@ def _generate(args: argparse.Namespace) -> int:
 def _refuse_foreign_runs(led: Any) -> None:
     """Synthetic history next to real runs would mix into every audit answer: ask first."""
     from ledger.api.facade import storage_of
-    from ledger.tools.generate import POLICY_HASH
+    from ledger.tools.generate import generated_policy_hash
 
     store = storage_of(led)
-    other = store.first_run_other_than(policy_hash=POLICY_HASH)
+    other = store.first_run_other_than(policy_hash=generated_policy_hash())
     if other is not None:
         raise InvalidArgument(
             f"{store.where} holds runs that generate did not write (e.g. "
             f"{other!r}); synthetic history would mix into their audit answers. Point --db at a "
             "new database, or pass --into-existing to add it anyway",
             field="into_existing", run_id=other)
-
-
-def _bench_audit(args: argparse.Namespace) -> int:
-    from ledger.tools.bench.audit import bench_audit
-
-    if args.repeat < 1:
-        raise InvalidArgument("--repeat must be >= 1", field="repeat")
-    audit = _audit(args)
-    try:
-        bar = _progress(args, "bench")
-        rows = bench_audit(audit, repeat=args.repeat, progress=bar)
-        backend = audit.ledger.backend
-    finally:
-        audit.ledger.close()
-    if args.json:
-        sys.stdout.write(json.dumps({"backend": backend, "results": [
-            {"query": r.query, "p50_ms": round(r.p50_ms, 3), "p95_ms": round(r.p95_ms, 3),
-             "max_ms": round(r.max_ms, 3), "rows": r.rows, "target_ms": r.target_ms,
-             "ok": r.ok} for r in rows]}, indent=2) + "\n")
-        return 0
-    print(f"audit query latency on {backend} (ms over {args.repeat} runs; newest day)")
-    print(table(["QUERY", "P50", "P95", "MAX", "ROWS", "TARGET"],
-                [[r.query, f"{r.p50_ms:.2f}", f"{r.p95_ms:.2f}", f"{r.max_ms:.2f}", r.rows,
-                  "-" if r.target_ms is None else
-                  f"<{r.target_ms:.0f} {'ok' if r.ok else 'MISSED'}"] for r in rows]))
-    return 0
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -588,8 +564,15 @@ def register(subparsers: Any) -> None:
     _add_common(p, paged=False)
     p.set_defaults(func=_health)
 
-    p = subparsers.add_parser("generate", help="fill a database with a realistic history")
-    p.add_argument("--attempts", type=int, default=100_000, help="attempts (default 100000)")
+    p = subparsers.add_parser(
+        "generate", help="fill a database with a realistic history, run through the ledger",
+        description="Runs Runs through the ledger (admit, lease, execute) with a scripted "
+        "send function in place of the network and a manual clock moved through the --days "
+        "window before --end, so every record is the ledger's own; exactly --attempts "
+        "Attempts. About 6 ms of CPU per Attempt (docs/audit.md): for millions, use the "
+        "benchmarks' bulk generator (python -m benchmarks generate, from a checkout).")
+    p.add_argument("--attempts", type=int, default=10_000,
+                   help="attempts (default 10000: about a minute; see docs/audit.md)")
     p.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--end", type=float, default=None, help="epoch of the newest history "
@@ -600,13 +583,6 @@ def register(subparsers: Any) -> None:
                    "(refused without this flag)")
     _add_common(p, paged=False)
     p.set_defaults(func=_generate)
-
-    b = bench_subparsers(subparsers).add_parser(
-        "audit", help=f"latency of each audit query on --db (fill it with {PROG} generate)")
-    b.add_argument("--repeat", type=int, default=5, help="timed runs per query (default 5)")
-    b.add_argument("--progress", action="store_true", help="show progress even when piped")
-    _add_common(b, paged=False)
-    b.set_defaults(func=_bench_audit)
 
     p = subparsers.add_parser("dashboard", help="serve the read-only health dashboard")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")

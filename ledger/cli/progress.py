@@ -1,7 +1,7 @@
 """Progress of a long command on stderr, with an ETA, only when a person is watching.
 
-``generate``, ``recover`` and ``bench`` report ``(done, total)`` through a callback; this turns
-that into one redrawn line::
+``generate``, ``recover`` and the benchmarks (``python -m benchmarks``) report ``(done, total)``
+through a callback; this turns that into one redrawn line::
 
     generate [############..................]  40%  400000/1000000  12 s elapsed, ETA 18 s
 

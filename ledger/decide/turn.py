@@ -308,11 +308,6 @@ class TurnLoop:
             cost = self.reserve(route)
         return cost, prompt + completion
 
-    def _select(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
-                current: str | None, current_profile: str | None) -> Decision:
-        return select(self._input(snap, turn, failure=failure, current=current,
-                                  current_profile=current_profile))
-
     def _input(self, snap: TurnSnapshot, turn: _Turn, *, failure: FailureFact | None,
                current: str | None, current_profile: str | None) -> SelectionInput:
         run = snap.run

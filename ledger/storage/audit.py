@@ -414,37 +414,30 @@ def activity(store: Store, *, since: float, until: float, bucket_s: float) -> li
         return _maps(conn.execute(q).all())
 
 
-# -- benchmark helpers ----------------------------------------------------------------------
-
-
-def history_bounds(store: Store) -> tuple[float | None, float | None]:
-    """(oldest, newest) attempt time; both read from ``ix_attempts_created_at`` ends."""
-    a = s.attempts.c
-    with store.reading() as conn:
-        lo = conn.execute(select(func.min(a.created_at))).scalar()
-        hi = conn.execute(select(func.max(a.created_at))).scalar()
-    return lo, hi
-
-
-def sample_runs(store: Store, *, since: float, until: float, n: int) -> list[str]:
-    """Up to ``n`` run ids admitted in the range, newest first (benchmark inputs)."""
-    r = s.runs.c
-    with store.reading() as conn:
-        return list(conn.execute(
-            select(r.run_id).where(r.created_at >= since, r.created_at < until)
-            .order_by(r.created_at.desc()).limit(n)
-        ).scalars())
-
-
-def sample_route(store: Store) -> str | None:
-    a = s.attempts.c
-    with store.reading() as conn:
-        return conn.execute(select(a.route_id).order_by(a.created_at.desc()).limit(1)).scalar()
-
-
 def schema_present(store: Store) -> bool:
     """Whether the ledger tables exist (a reader never creates them)."""
     from sqlalchemy import inspect
 
     with store.reading() as conn:
         return bool(inspect(conn).has_table("runs"))
+
+
+def first_run_other_than(store: Store, *, policy_hash: str | None = None,
+                         tenant: str | None = None) -> str | None:
+    """The id of one run that does not carry ``policy_hash`` (or ``tenant``), else ``None``.
+
+    ``generate`` and the demo ask this before writing, so that synthetic history never lands
+    beside real runs unnoticed. One indexed-or-short scan: it stops at the first such run.
+    """
+    r = s.runs.c
+    conds: list[Any] = []
+    if policy_hash is not None:
+        conds.append(r.policy_hash != policy_hash)
+    if tenant is not None:
+        conds.append(or_(r.tenant.is_(None), r.tenant != tenant))
+    q = select(r.run_id)
+    if conds:
+        q = q.where(or_(*conds))
+    with store.reading() as conn:
+        row = conn.execute(q.limit(1)).first()
+    return None if row is None else str(row.run_id)

@@ -453,33 +453,8 @@ class StoragePort(Protocol):
         """The whole-history counters ``/metrics`` exposes, in one read."""
         ...
 
-    def history_bounds(self) -> tuple[float | None, float | None]:
-        """(oldest, newest) Attempt time; (None, None) for an empty ledger."""
-        ...
-
-    def sample_runs(self, *, since: float, until: float, n: int) -> list[str]:
-        """Up to ``n`` run ids admitted in [since, until), newest first."""
-        ...
-
-    def sample_route(self) -> str | None:
-        """The route of the newest Attempt (None: there is none)."""
-        ...
-
     def schema_present(self) -> bool:
         """Whether the ledger's tables exist (a reader never creates them)."""
-        ...
-
-    # -- bulk history (ledger.tools.generate) -------------------------------------------
-
-    def bulk_insert(self, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> int:
-        """Insert ``{table: [row, ...]}`` in one transaction, bypassing the fenced write path
-        (generated history only); existing health and group rows are kept. Returns the rows
-        written. Raises :class:`~ledger.errors.InvalidArgument` (an unknown table),
-        :class:`~ledger.errors.Conflict` (a key recorded already)."""
-        ...
-
-    def analyze(self) -> None:
-        """Refresh the planner's statistics (after a bulk load)."""
         ...
 
     def first_run_other_than(self, *, policy_hash: str | None = None,

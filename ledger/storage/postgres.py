@@ -36,7 +36,6 @@ class PostgresStore(SqlStore):
 
     backend = "postgresql"
     SQL = hot.POSTGRES_SQL
-    ANALYZE = "ANALYZE runs, attempts, debits, events, health, capacity_groups"
 
     #: Notifications wake waiters at once; polling only finds slots of leases that expired.
     QUEUE_POLL_S = 1.0

@@ -31,7 +31,6 @@ class SqliteStore(SqlStore):
 
     backend = "sqlite"
     SQL = hot.SQLITE_SQL
-    ANALYZE = "ANALYZE"
 
     @classmethod
     def connect(cls, norm: str, parsed: URL, *,

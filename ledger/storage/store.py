@@ -64,7 +64,7 @@ from ledger.errors import (
     NotFound,
     SettleConflict,
 )
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, audit, bulk, hot, recovery, series
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, audit, hot, recovery, series
 from ledger.storage import schema as s
 from ledger.storage.driver import Driver
 from ledger.storage.failure import mapped
@@ -89,8 +89,6 @@ class SqlStore(StoragePort, abc.ABC):
 
     #: The hot path's statements for this database.
     SQL: ClassVar[hot.Sql]
-    #: The statement that refreshes the planner's statistics after a bulk load.
-    ANALYZE: ClassVar[str]
 
     #: The longest a queued begin waits without a signal before it begins again (another
     #: process's settle signals nothing on SQLite).
@@ -764,36 +762,14 @@ class SqlStore(StoragePort, abc.ABC):
         """The counters of ``/metrics``."""
         return series.metrics_totals(self, now)
 
-    def history_bounds(self) -> tuple[float | None, float | None]:
-        """(oldest, newest) Attempt time."""
-        return audit.history_bounds(self)
-
-    def sample_runs(self, *, since: float, until: float, n: int) -> list[str]:
-        """Up to ``n`` run ids admitted in the range, newest first."""
-        return audit.sample_runs(self, since=since, until=until, n=n)
-
-    def sample_route(self) -> str | None:
-        """The route of the newest Attempt."""
-        return audit.sample_route(self)
-
     def schema_present(self) -> bool:
         """Whether the ledger's tables exist."""
         return audit.schema_present(self)
 
-    # -- bulk history (the SQL is in ledger.storage.bulk) -----------------------------------
-
-    def bulk_insert(self, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> int:
-        """Insert generated history in one transaction; returns the rows written."""
-        return bulk.bulk_insert(self, rows)
-
-    def analyze(self) -> None:
-        """Refresh the planner's statistics."""
-        bulk.analyze(self)
-
     def first_run_other_than(self, *, policy_hash: str | None = None,
                              tenant: str | None = None) -> str | None:
         """One run not carrying ``policy_hash`` (or ``tenant``), else None."""
-        return bulk.first_run_other_than(self, policy_hash=policy_hash, tenant=tenant)
+        return audit.first_run_other_than(self, policy_hash=policy_hash, tenant=tenant)
 
 
 def _late(e: FencedOut | SettleConflict) -> bool:

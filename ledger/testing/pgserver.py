@@ -1,7 +1,17 @@
 """A throwaway PostgreSQL server on loopback, started from the installed server binaries.
 
-Used by the test suite, the benchmark and the soak test. Runs the server as the ``postgres``
-system user when the caller is root (PostgreSQL refuses to run as root).
+For tests of a ledger on PostgreSQL (the ledger's own suite uses it too)::
+
+    srv = start_server()
+    try:
+        srv.psql("CREATE DATABASE t")
+        with Ledger.open(srv.url("t")) as led:
+            ...
+    finally:
+        srv.cleanup()
+
+Runs the server as the ``postgres`` system user when the caller is root (PostgreSQL refuses to
+run as root). ``LEDGER_PG_BINDIR`` names the binaries' directory when they are not found.
 """
 
 from __future__ import annotations
@@ -104,8 +114,9 @@ class PgServer:
 def start_server(*, durable: bool = False, max_connections: int = 200) -> PgServer:
     """Initdb a fresh cluster in a temp dir and start it on a free loopback port.
 
-    ``durable=False`` turns fsync off (tests: speed, nothing to protect); the benchmark passes
-    ``durable=True`` so commits cost what they cost in production.
+    ``durable=False`` turns fsync off (tests: speed, nothing to protect); ``durable=True``
+    keeps production durability, so commits cost what they cost there (a crash test, a
+    benchmark).
     """
     bindir = find_bindir()
     if bindir is None:

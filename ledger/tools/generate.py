@@ -1,57 +1,56 @@
-"""A realistic synthetic history for scale tests and the audit benchmark (``failover-ledger
-generate``).
+"""A realistic history written by the ledger itself (``failover-ledger generate``).
 
 Runs over many routes, providers, capacity groups, tenants and labels, of one to three turns
-each; failures observed as a provider or the transport reports them (rate limits with
-Retry-After, overloads, server errors, read timeouts, refused connections, auth, context
-overflow); at the recent end, a few Runs still in flight. Deterministic for a given seed.
+each, are *really run*: each is admitted (:meth:`~ledger.Ledger.admit_run`, under a copy of the
+``goclaw`` preset), leased, and each of its turns is served by the retry owner
+(:func:`ledger.execute`) with a scripted send function in place of the network. The script
+answers as providers and the transport do, decided by a seeded random generator: answers with
+usage, rate limits with Retry-After, overloads, server errors, read timeouts after the request
+left, refused connections, auth failures, context overflows. Time is a
+:class:`~ledger.clock.ManualClock` moved through the ``days`` window: Runs start spread over it
+and overlap as the Runs of a busy service do (one after another in this process, each from its
+own start time, so later Runs see the cooldowns earlier ones left), each call takes as long as
+such a call takes (an answer seconds, a read timeout a minute or two), and the retry owner's
+waits (backoffs, Retry-After) pass on the same clock. Later turns carry the
+earlier answers with their provenance, as an agent's conversation does.
 
-The history is what the ledger itself would have written for such Runs under the ``goclaw``
-preset, because every decision and every record is made by the ledger's own pure rules: the
-classifier turns each observation into a fact (:func:`ledger.decide.classify.classify`), the
-same-route retry rule and the selector choose the next Attempt or the stop
-(:func:`ledger.decide.retry.retry_decision`, :func:`ledger.decide.select.select`, reading the
-health the Run's own failures left, updated by the settle's own health rules), and each
-Attempt's begin and settle are specified by :func:`ledger.decide.begin.begin_spec` and
-:func:`ledger.decide.settle.settle_spec`, whose holds (:func:`ledger.decide.settle.settle_holds`)
-move the Run's counters exactly as the begin and settle transactions do. So a timeout after the
-request left is ``unknown`` and keeps its hold, a refused connection is ``not_sent`` (hold
-voided, model call given back), every Attempt after a turn's first takes a retry permission
-(``retries_used``), and the events are the retry owner's (``select`` with the decision, ``retry``
-and ``move`` written with the Attempt they led to, ``stop``, ``finish``); ``failover-ledger
-reconcile`` finds nothing to report.
+So every record is exactly what the ledger writes: the begin and settle transactions, the holds
+(a timeout after the request left is ``unknown`` and keeps its hold; a refused connection is
+``not_sent``, its hold voided), the retry permissions, the health and cooldowns the failures
+leave for later Runs, the selector's decisions and the retry owner's events; ``failover-ledger
+reconcile`` finds nothing to report. At the recent end a few Runs are still in flight: an
+Attempt begun (:meth:`~ledger.Ledger.begin_attempt`) and not answered, under a lease its
+executor keeps renewed until the end of the history.
 
-The rows are written with the storage port's ``bulk_insert``, not through the fenced write
-path (a million Attempts in per-Attempt transactions would take hours), so generated Runs carry
-a small policy marker instead of the full frozen policy: they are finished history for reading,
-not Runs to resume.
+Deterministic for a given seed (the Runs, their turns, what each call answers, the retry owner's
+jitter), except the ids the ledger draws itself (attempt ids). It writes through the ledger's
+transactions, a few per Attempt, so it is far slower than bulk loading (``docs/audit.md`` gives
+the rate); the benchmarks' bulk generator (``python -m benchmarks generate``) makes the
+millions of Attempts the audit benchmarks need.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import random
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
 
-from ledger.decide.begin import begin_spec
-from ledger.decide.classify import classify
-from ledger.decide.health import as_read, route_key
-from ledger.decide.profiles import marks_profile_tried
-from ledger.decide.retry import retry_decision
-from ledger.decide.select import Decision, DecisionKind, RunPermissions, SelectionInput, select
-from ledger.decide.settle import failure_outcome, settle_holds, settle_spec
-from ledger.decide.turn import candidate_lines
-from ledger.domain.facts import Category, FailureFact, Observation, Transport, WireProtocol
-from ledger.domain.records import AttemptKind, FrozenRun, Lease, Outcome, to_micros
-from ledger.domain.specs import BeginSpec, SettleSpec
-from ledger.domain.values import Budget, Grant, Health, Price, Profile, Route, content_hash
-from ledger.policy.load import preset
+from ledger.api.facade import Ledger
+from ledger.api.turn import execute
+from ledger.clock import ManualClock
+from ledger.decide.effects import Dispatch, SendResult
+from ledger.decide.ending import turn_end
+from ledger.decide.preflight import CharEstimator
+from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT, Envelope, Part
+from ledger.domain.facts import Observation, Transport, WireProtocol
+from ledger.domain.records import AttemptState, Lease, RunStatus
+from ledger.domain.values import Budget, Grant, Price, Profile, Route
+from ledger.errors import FailoverExhausted, InvalidArgument
+from ledger.policy.load import policy_hash, preset
 from ledger.policy.model import Policy
-from ledger.storage.port import StoragePort
 
 Progress = Callable[[int, int], None]
 
@@ -69,34 +68,37 @@ _TEAMS = ["search", "research", "support", "eval"]
 _ENVS = ["prod", "prod", "prod", "staging"]
 # What a failed call looks like to the adapter: (weight, observation of it on a route).
 _FAILURES: list[tuple[int, Callable[[Route, random.Random], Observation]]] = [
-    (34, lambda r, rng: Observation(status=429, provider=r.provider,
+    (34, lambda r, rng: Observation(status=429, provider=r.provider, protocol=r.protocol,
                                     headers={"retry-after": str(rng.choice([1, 2, 5, 30]))})),
     (18, lambda r, rng: Observation(status=529 if r.provider == "anthropic" else 503,
-                                    provider=r.provider)),
-    (16, lambda r, rng: Observation(status=500, provider=r.provider,
-                                    protocol=_PROTOCOL.get(r.provider, WireProtocol.OPENAI),
+                                    provider=r.provider, protocol=r.protocol)),
+    (16, lambda r, rng: Observation(status=500, provider=r.provider, protocol=r.protocol,
                                     body='{"error": {"type": "api_error", "message": '
                                          '"Internal server error"}}')),
-    (14, lambda r, rng: Observation(transport=Transport.READ_TIMEOUT, provider=r.provider)),
-    (8, lambda r, rng: Observation(transport=Transport.CONNECT_REFUSED, provider=r.provider)),
-    (5, lambda r, rng: Observation(status=401, provider=r.provider)),
-    (5, lambda r, rng: Observation(status=400, provider=r.provider,
+    (14, lambda r, rng: Observation(transport=Transport.READ_TIMEOUT, provider=r.provider,
+                                    protocol=r.protocol)),
+    (8, lambda r, rng: Observation(transport=Transport.CONNECT_REFUSED, provider=r.provider,
+                                   protocol=r.protocol)),
+    (5, lambda r, rng: Observation(status=401, provider=r.provider, protocol=r.protocol)),
+    (5, lambda r, rng: Observation(status=400, provider=r.provider, protocol=r.protocol,
                                    body="This model's maximum context length is 128000 tokens")),
 ]
 # How long each kind of answer takes (seconds): a refused connection at once, an error status
 # quickly, a read timeout after the stream's read timeout.
 _LATENCY = {"ok": (0.4, 12.0), "status": (0.1, 2.0), "timeout": (30.0, 120.0),
             "refused": (0.001, 0.05)}
-# Generated runs carry this policy hash (and the marker as their policy): how ``generate`` tells
-# its own history from real runs.
-POLICY_HASH = "generated"
-_PRESET = "goclaw"
-_POLICY_MARKER = json.dumps({"generated": True, "preset": _PRESET})
 _BUDGET = Budget(max_calls=12, max_retries=4, max_cost=Decimal(1))
-_GRANT = Grant()
-_MAX_COMPLETION = 1500  # the completion tokens a turn reserves for
-_LEASE_TTL_S = 30.0
-_EXECUTOR = "gen"
+_MAX_COMPLETION = 1500  # the completion tokens a turn asks for (and holds)
+# A Run's lease outlasts any of its turns (a dozen calls of two minutes); it is renewed
+# between turns, as a lease keeper would.
+_RUN_LEASE_S = 3600.0
+_KEPT_LEASE_S = 30.0  # what the executor of a Run still in flight renewed last, at the end
+_TAIL_S = 900.0  # no Run starts in the last quarter hour (at most a tenth of the span)
+_IN_FLIGHT_S = 600.0  # Runs started in the last ten minutes (at most a tenth of the span) ...
+_IN_FLIGHT_SHARE = 0.15  # ... are still in flight at the end with this chance
+_CHARS_PER_TOKEN = 4  # the default token counter's (CharEstimator) ratio
+_FILLER = ("The filings show revenue growth in the segment, offset by higher costs of capital "
+           "and a one-off charge; the risks named are supply, currency and litigation. ") * 8
 
 
 @dataclass
@@ -104,8 +106,9 @@ class GenStats:
     """What :func:`generate` wrote.
 
     ``failed``, ``unknown``, ``not_sent`` and ``dispatching`` count Attempts in that state;
-    ``failovers`` the Runs that failed over (served elsewhere than their selected route, or
-    moved on).
+    ``failovers`` the Runs with an Attempt on another route than their selected one; ``events``
+    the Runs' events. ``until`` is the end of the history: ``end``, or the end of a Run that ran
+    past it (none starts in the last quarter hour, so that is rare).
     """
 
     runs: int = 0
@@ -127,467 +130,240 @@ def catalog() -> list[Route]:
     for prov, (models, groups, _rate, (pin, pout)) in _PROVIDERS.items():
         for model in models:
             for group in groups:
-                rid = f"{prov}/{model}@{group.split('-')[-1]}"
                 out.append(Route(
-                    id=rid, provider=prov, model=model, group=group, recipient=prov,
+                    id=f"{prov}/{model}@{group.split('-')[-1]}", provider=prov, model=model,
+                    group=group, recipient=prov,
+                    protocol=_PROTOCOL.get(prov, WireProtocol.OPENAI),
                     profiles=[Profile(id=f"{prov}-key-{i}") for i in (1, 2)],
                     price=Price(input_per_mtok=Decimal(str(pin)),
-                                output_per_mtok=Decimal(str(pout))),
-                ))
+                                output_per_mtok=Decimal(str(pout)))))
     return out
 
 
-@dataclass
-class _Counters:
-    """A Run's counters as its begin and settle transactions move them."""
+def generated_policy() -> Policy:
+    """The policy generated Runs are admitted under: the ``goclaw`` preset under its own name.
 
-    calls: int = 0
-    retries: int = 0
-    reserved: int = 0
-    posted: int = 0
-    tokens_reserved: int = 0
-    tokens: int = 0
-    seq: int = 0
-    current: tuple[str, str | None] | None = None
+    It decides exactly as ``goclaw`` does; its name gives it its own hash, which is how
+    ``generate`` tells its history from real Runs (see :func:`generated_policy_hash`).
+    """
+    base = preset("goclaw")
+    return base.model_copy(update={
+        "name": "goclaw-generated",
+        "description": "The goclaw preset, for the synthetic history of failover-ledger "
+                       "generate (the same rules under another name)."})
 
 
-@dataclass
-class _Rows:
-    """Rows waiting for the next bulk insert, per table."""
+def generated_policy_hash() -> str:
+    """The ``policy_hash`` every Run ``generate`` writes carries, and no other Run."""
+    return policy_hash(generated_policy())
 
-    tables: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
-        k: [] for k in ("runs", "debits", "attempts", "events", "group_slots", "provenance")})
 
-    def add(self, table: str, row: dict[str, Any]) -> dict[str, Any]:
-        self.tables[table].append(row)
-        return row
+def _text(prefix: str, tokens: int) -> str:
+    """``tokens`` tokens of text (by the default counter's measure), starting with ``prefix``."""
+    chars = max(tokens * _CHARS_PER_TOKEN - len(prefix), 0)
+    reps = _FILLER * (chars // len(_FILLER) + 1)
+    return prefix + reps[:chars]
+
+
+class _Provider:
+    """The scripted send function: what each call answers, decided by the seeded generator.
+
+    The last Attempt the caller asked for succeeds, so the history ends on a served turn.
+    """
+
+    def __init__(self, rng: random.Random, clock: ManualClock, routes: list[Route],
+                 stats: GenStats, target: int) -> None:
+        self.rng = rng
+        self.clock = clock
+        self.stats = stats
+        self.target = target
+        self.fail_rate = {r.id: _PROVIDERS[r.provider][2] * rng.uniform(0.6, 1.4)
+                          for r in routes}
+        self.weights = [w for w, _ in _FAILURES]
+        self.counter = CharEstimator()
+
+    def __call__(self, d: Dispatch) -> SendResult:
+        rng, route = self.rng, d.route
+        self.stats.attempts += 1
+        last = self.stats.attempts >= self.target
+        if last or rng.random() >= self.fail_rate[route.id]:
+            self.clock.advance(rng.uniform(*_LATENCY["ok"]))
+            # Usage as a provider reports it: the prompt within the counter's estimate (which
+            # the hold was taken for), the completion within the asked maximum; its cost at the
+            # route's price, as the adapters compute it.
+            estimate = self.counter.count_tokens(d.envelope, route)
+            prompt = max(1, int(estimate * rng.uniform(0.7, 1.0)))
+            completion = rng.randint(50, d.envelope.max_output_tokens or _MAX_COMPLETION)
+            answer = Part(role="assistant", content=_text(f"[{d.attempt_id}] ", completion),
+                          data_class=MODEL_DERIVED, provenance=d.attempt_id)
+            return SendResult(ok=True, output=answer.content, prompt_tokens=prompt,
+                              completion_tokens=completion,
+                              cost=route.cost(prompt, completion), model_reported=route.model,
+                              output_hash=answer.content_hash, parts=(answer,))
+        obs = rng.choices(_FAILURES, self.weights)[0][1](route, rng)
+        if obs.transport is Transport.CONNECT_REFUSED:
+            self.clock.advance(rng.uniform(*_LATENCY["refused"]))
+            d.progress.sent = False
+            return SendResult.failed(obs, sent=False)  # no byte left: never sent
+        kind = "timeout" if obs.transport is Transport.READ_TIMEOUT else "status"
+        self.clock.advance(rng.uniform(*_LATENCY[kind]))
+        return SendResult.failed(obs)
 
 
 class _Generator:
-    """Simulates Runs, one at a time, with the ledger's own rules (see the module docstring)."""
+    """Runs the Runs, one after another on the ledger's manual clock."""
 
-    def __init__(self, rng: random.Random, end: float, tag: str) -> None:
+    def __init__(self, led: Ledger, clock: ManualClock, rng: random.Random, *, attempts: int,
+                 in_flight_from: float, stats: GenStats) -> None:
+        self.led = led
+        self.clock = clock
         self.rng = rng
-        self.end = end
-        self.tag = tag
-        self.policy: Policy = preset(_PRESET)
+        self.in_flight_from = in_flight_from  # Runs started from then on may be in flight
+        self.attempts = attempts
+        self.stats = stats
+        self.tag = uuid.UUID(int=rng.getrandbits(128)).hex[:8]
+        self.policy = generated_policy()
         self.routes = catalog()
-        self.fail_rate = {r.id: _PROVIDERS[r.provider][2] * rng.uniform(0.6, 1.4)
-                          for r in self.routes}
+        self.send = _Provider(rng, clock, self.routes, stats, attempts)
         # A plan is 3 routes from 3 different providers, primary first.
         self.plans: list[list[Route]] = []
         for _ in range(24):
             chosen = rng.sample(list(_PROVIDERS), 3)
             self.plans.append([rng.choice([r for r in self.routes if r.provider == p])
                                for p in chosen])
-        self.plan_json = [json.dumps([r.model_dump(mode="json") for r in p], sort_keys=True)
-                          for p in self.plans]
-        self.failure_weights = [w for w, _ in _FAILURES]
-        self.stats = GenStats()
-        self.rows = _Rows()
+        # Every provider may receive the user's input and the earlier answers.
+        self.grant = Grant(recipients={p: [USER_INPUT, MODEL_DERIVED] for p in _PROVIDERS})
+        self.in_flight: list[Lease] = []
 
-    # -- one Run ---------------------------------------------------------------------------
-
-    def run(self, i: int, t0: float, left: int) -> None:
-        """Simulate Run number ``i`` admitted at ``t0``, making at most ``left`` Attempts."""
-        rng = self.rng
-        pi = rng.randrange(len(self.plans))
-        plan = self.plans[pi]
-        run_id = f"run-{self.tag}-{i:08d}"
-        tenant = rng.choice(_TENANTS)
-        labels = {"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)}
-        frozen = FrozenRun(
-            run_id=run_id, parent_run_id=None, role="research", tenant=tenant, labels=labels,
-            plan=plan, grant=_GRANT, budget=_BUDGET, policy={"generated": True},
-            policy_hash=POLICY_HASH, selected_route=plan[0].id, content_hash=content_hash(run_id),
-            deadline=None, created_at=t0)
-        lease = Lease(run_id, _EXECUTOR, 1, t0 + _LEASE_TTL_S)
-        first_row = len(self.rows.tables["events"]), len(self.rows.tables["attempts"])
-        self._event(run_id, None, "admit", {"policy_hash": POLICY_HASH, "parent": None}, t0)
-        self._event(run_id, None, "lease", {"executor": _EXECUTOR, "fence": 1, "previous": None,
-                                            "expires_at": t0 + _LEASE_TTL_S}, t0)
-        # What other Runs left behind: now and then the primary's provider is cooling.
-        health: dict[str, Health] = {}
-        if rng.random() < 0.03:
-            key = route_key(plan[0], self.policy)
-            health[key] = Health(key=key, cooldown_until=t0 + rng.uniform(30, 600),
-                                 error_count=1, last_failure_at=t0 - 1)
-        in_flight = self.end - t0 < 600 and rng.random() < 0.15  # a Run still going at ``end``
-        c = _Counters()
-        t = t0
-        status = "succeeded"
+    def run(self, i: int) -> None:
+        """Run number ``i``, admitted now; it makes at most the Attempts still asked for."""
+        rng, led, stats = self.rng, self.led, self.stats
+        plan = self.plans[rng.randrange(len(self.plans))]
+        run_id = f"gen-{self.tag}-{i:08d}"
+        led.admit_run(run_id, plan=plan, budget=_BUDGET, grant=self.grant, policy=self.policy,
+                      tenant=rng.choice(_TENANTS),
+                      labels={"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)})
+        lease = led.acquire_lease(run_id, ttl_s=_RUN_LEASE_S)
+        in_flight = (self.clock.now() >= self.in_flight_from
+                     and rng.random() < _IN_FLIGHT_SHARE)
         turns = rng.choices([1, 2, 3], [6, 3, 1])[0]
+        conversation: list[Part] = []
+        status = RunStatus.SUCCEEDED
         for n in range(1, turns + 1):
-            ended, t = self._turn(frozen, lease, f"turn-{n}", health, c, t, left,
-                                  in_flight and n == turns)
-            if ended != "served":
-                status = ended
+            if n > 1:
+                self.clock.advance(rng.uniform(0.5, 30.0))  # the agent reads, runs its tools
+                lease = led.renew_lease(lease, ttl_s=_RUN_LEASE_S)
+            question = Part(content=_text(f"[{run_id} turn {n}] ", rng.randint(200, 4000)))
+            envelope = Envelope(parts=[*conversation, question],
+                                max_output_tokens=_MAX_COMPLETION)
+            # The last Attempt asked for must be a served one, so an unanswered one never is.
+            if in_flight and n == turns and self.attempts - stats.attempts >= 2:
+                self._leave_in_flight(run_id, lease, envelope, f"turn-{n}")
+                self._count(run_id, plan[0].id)
+                return
+            try:
+                result = execute(led, lease, envelope, self.send, turn_id=f"turn-{n}", rng=rng)
+            except FailoverExhausted as e:
+                status = turn_end(e)
                 break
-            if left - c.seq < 1:
+            conversation += [question, *result.parts]
+            if stats.attempts >= self.attempts:
                 break  # the requested number of Attempts is written
-            t += rng.uniform(0.5, 30.0)  # the agent reads the answer, runs its tools
-        running = status == "running"
-        if not running:
-            self._event(run_id, None, "finish", {"status": status}, t)
-        self.rows.add("runs", {
-            "run_id": run_id, "parent_run_id": None, "role": "research", "tenant": tenant,
-            "labels": json.dumps(labels, sort_keys=True), "status": status,
-            "plan": self.plan_json[pi], "run_grant": json.dumps({"recipients": {}, "roles": None}),
-            "budget": json.dumps({"max_calls": _BUDGET.max_calls, "max_cost": "1",
-                                  "max_retries": _BUDGET.max_retries, "max_tokens": None}),
-            "policy": _POLICY_MARKER, "policy_hash": POLICY_HASH,
-            "selected_route": plan[0].id, "content_hash": frozen.content_hash,
-            "deadline": None, "max_calls": _BUDGET.max_calls, "max_retries": _BUDGET.max_retries,
-            "max_cost_micros": to_micros(_BUDGET.max_cost), "max_tokens": None,
-            "calls_used": c.calls, "retries_used": c.retries, "reserved_micros": c.reserved,
-            "posted_micros": c.posted, "tokens_used": c.tokens,
-            "tokens_reserved": c.tokens_reserved,
-            "carved_calls": 0, "carved_retries": 0, "carved_micros": 0, "carved_tokens": 0,
-            "current_route": c.current[0] if c.current else None,
-            "current_profile": c.current[1] if c.current else None,
-            # A finished Run's lease was released; one in flight is kept renewed.
-            "lease_holder": _EXECUTOR if running else None, "fence": 1,
-            "lease_expires_at": self.end + _LEASE_TTL_S if running else None,
-            "created_at": t0, "updated_at": t,
-        })
-        if t > self.end - 1:
-            # The Run ran past the end of the history: it happened that much earlier.
-            self._shift(first_row, t - (self.end - 1))
-        self.stats.runs += 1
-        moved = any(e["kind"] == "move" for e in self.rows.tables["events"][first_row[0]:])
-        if moved or (c.current is not None and c.current[0] != plan[0].id):
-            self.stats.failovers += 1
+        led.finish_run(lease, status)
+        led.release_lease(lease)
+        self._count(run_id, plan[0].id)
 
-    def _turn(self, run: FrozenRun, lease: Lease, turn_id: str, health: dict[str, Health],
-              c: _Counters, t: float, left: int, in_flight: bool) -> tuple[str, float]:
-        """One turn through the retry owner's loop (``ledger.decide.turn``); returns how it
-        ended (``served``, ``failed`` or ``running``) and the time after it. The Run may make
-        ``left`` Attempts in all: the last one it may make succeeds."""
-        rng, policy = self.rng, self.policy
-        plan = run.plan
-        envelope_hash = content_hash(f"{run.run_id}/{turn_id}")
-        prompt = rng.randint(200, 4000)
-        tried: set[str] = set()
-        tried_profiles: set[str] = set()
-        tried_pairs: set[tuple[str, str]] = set()
-        attempts: list[str] = []
-        errors: list[str] = []
-        failures: dict[str, list[str]] = {}  # by route, for the stop's candidate lines
-        pending: list[tuple[str, dict[str, Any]]] = []
-
-        def decide(failure: FailureFact | None, current: str | None,
-                   current_profile: str | None) -> Decision:
-            return select(SelectionInput(
-                plan=plan, policy=policy, now=t,
-                permissions=RunPermissions(
-                    retries_left=_BUDGET.max_retries - c.retries,
-                    calls_left=_BUDGET.max_calls - c.calls, tried=frozenset(tried),
-                    tried_profiles=frozenset(tried_profiles), tried_pairs=frozenset(tried_pairs)),
-                health={k: as_read(h, t) for k, h in health.items()}, current=current,
-                current_profile=current_profile, failure=failure))
-
-        decision = decide(None, c.current[0] if c.current else None, None)
-        kind = AttemptKind.FIRST
-        same_route_retries = 0
-        while True:
-            if decision.kind is DecisionKind.STOP or decision.route is None:
-                reason = decision.reason.value if decision.reason else "no_candidate"
-                return self._stop(run.run_id, reason, decision, attempts, errors, t,
-                                  plan, failures), t
-            route, profile = decision.route, decision.profile
-            attempt_kind = AttemptKind.PROBE if decision.kind is DecisionKind.PROBE else kind
-            if attempt_kind is AttemptKind.PROBE:
-                key = route_key(route, policy)  # the probe's claim, as claim_probe records it
-                health[key] = health.get(key, Health(key=key)).model_copy(
-                    update={"last_probe_at": t})
-            reserve = to_micros(route.cost(prompt, _MAX_COMPLETION))
-            reserve_tokens = prompt + _MAX_COMPLETION
-            take_retry = kind is not AttemptKind.FIRST
-            refusal = self._allowance(c, take_retry, reserve)
-            if refusal is not None:  # begin refuses: nothing is recorded but the stop
-                errors.append(refusal[1])
-                failures.setdefault(route.id, []).append(refusal[1])
-                return self._stop(run.run_id, refusal[0], None, attempts, errors, t,
-                                  plan, failures), t
-            c.seq += 1
-            attempt_id = f"att-{self.tag}-{run.run_id[-8:]}-{c.seq}"
-            events = [*pending, ("select", {**decision.to_json(),
-                                            "attempt_kind": attempt_kind.value})]
-            pending = []
-            spec = begin_spec(run, lease, route=route.id, profile_id=profile,
-                              envelope_hash=envelope_hash, reserve_micros=reserve,
-                              reserve_tokens=reserve_tokens, turn_id=turn_id,
-                              kind=attempt_kind, attempt_id=attempt_id, events=events,
-                              take_retry=take_retry)
-            row, debit = self._begin(spec, c, t)
-            attempts.append(attempt_id)
-            if in_flight and rng.random() < 0.5:
-                self._in_flight(spec, t)
-                return "running", t
-            # The last Attempt the caller asked for succeeds: the history ends on a served turn.
-            last = left - c.seq <= 0
-            if last or rng.random() >= self.fail_rate[route.id]:
-                t += rng.uniform(*_LATENCY["ok"])
-                completion = rng.randint(50, _MAX_COMPLETION)
-                cost = to_micros(route.cost(prompt, completion))
-                output = "sha256:" + uuid.UUID(int=rng.getrandbits(128)).hex * 2
-                settle = settle_spec(
-                    policy, route, profile, lease, attempt_id, outcome=Outcome.SUCCEEDED,
-                    fact=None, observation=None, now=t, effective_output=None,
-                    tool_started=None, prompt_tokens=prompt, completion_tokens=completion,
-                    cost_micros=cost, model_reported=route.model, output_hash=output,
-                    events=(), provenance=(), repeat=False)
-                self._settle(settle, spec, row, debit, c, health, t)
-                self.rows.add("provenance", {"run_id": run.run_id, "ref": attempt_id,
-                                             "content_hash": output, "kind": "model_output",
-                                             "created_at": t})
-                c.current = (route.id, profile)
-                return "served", t
-            obs = rng.choices(_FAILURES, self.failure_weights)[0][1](route, rng)
-            t += rng.uniform(*_LATENCY["timeout" if obs.transport is Transport.READ_TIMEOUT
-                                       else "refused" if obs.transport else "status"])
-            fact = classify(obs, policy, now=t)
-            # The retry owner's reading of the outcome: never sent, or sent without a verdict
-            # (unknown: the hold stays), or failed.
-            outcome = failure_outcome(fact, sent=True)
-            settle = settle_spec(
-                policy, route, profile, lease, attempt_id, outcome=outcome, fact=fact,
-                observation=None, now=t, effective_output=None, tool_started=None,
-                prompt_tokens=None, completion_tokens=None, cost_micros=None,
-                model_reported=None, output_hash=None, events=(), provenance=(),
-                repeat=same_route_retries > 0)
-            self._settle(settle, spec, row, debit, c, health, t)
-            errors.append(f"{route.provider}/{route.model}: {fact.category.value}"
-                          + (f" (HTTP {fact.status})" if fact.status else ""))
-            failures.setdefault(route.id, []).append(f"{errors[-1]} [attempt {attempt_id}]")
-            cause = {"category": fact.category.value, "status": fact.status,
-                     "scope": fact.scope.value, "phase": fact.phase.value}
-            rd = retry_decision(fact, policy, same_route_retries, rng)
-            if rd.retry and rd.delay_s is not None and fact.category is not Category.UNUSABLE:
-                same_route_retries += 1
-                pending.append(("retry", {"route": route.id, "cause": cause,
-                                          "delay_s": rd.delay_s, "n": same_route_retries,
-                                          "from_attempt": attempt_id}))
-                t += rd.delay_s
-                kind = AttemptKind.RETRY
-                decision = Decision(DecisionKind.ROUTE, route, profile)
-                continue
-            tried.add(route.id)
-            if profile:
-                tried_pairs.add((route.id, profile))
-                if marks_profile_tried(fact, route.provider, policy):
-                    tried_profiles.add(profile)
-            decision = decide(fact, route.id, profile)
-            if decision.kind is DecisionKind.STOP or decision.route is None:
-                continue  # the stop is recorded at the top of the loop
-            nxt = decision.route
-            pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
-                                     "profile": decision.profile, "cause": cause,
-                                     "from_attempt": attempt_id}))
-            kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
-            same_route_retries = 0
-
-    # -- the records -----------------------------------------------------------------------
-
-    @staticmethod
-    def _allowance(c: _Counters, take_retry: bool, reserve: int) -> tuple[str, str] | None:
-        """Why the begin transaction would refuse this Attempt (stop reason, error), or
-        ``None``: the same checks, in the same order."""
-        if _BUDGET.max_calls - c.calls <= 0:
-            return "retry_allowance", "the run has used its model-call allowance"
-        if take_retry and _BUDGET.max_retries - c.retries <= 0:
-            return "retry_allowance", "the run has no retry permission left"
-        if reserve > to_micros(_BUDGET.max_cost) - c.reserved - c.posted:
-            return "budget", "a hold would overdraw the run's cost budget"
-        return None
-
-    def _begin(self, spec: BeginSpec, c: _Counters, t: float
-               ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The rows one begin writes, and the Run's counters after it."""
-        route = spec.route
-        row = self.rows.add("attempts", {
-            "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
-            "turn_id": spec.turn_id, "seq": c.seq, "kind": spec.kind.value,
-            "route_id": route.id, "provider": route.provider, "model": route.model,
-            "group_id": route.group, "profile_id": spec.profile_id,
-            "debit_id": "d-" + spec.attempt_id, "envelope_hash": spec.envelope_hash,
-            "state": "dispatching", "reject_reason": None, "fact": None, "category": None,
-            "http_status": None, "effective_output": False, "tool_started": False,
-            "prompt_tokens": None, "completion_tokens": None, "cost_micros": None,
-            "reserved_micros": spec.reserve_micros, "reserved_tokens": spec.reserve_tokens,
-            "model_reported": None, "output_hash": None, "settle_hash": None,
-            "begin_hash": spec.begin_hash, "fence": spec.fence, "settle_fence": None,
-            "executor": spec.executor, "created_at": t, "settled_at": None,
-        })
-        debit = self.rows.add("debits", {
-            "debit_id": "d-" + spec.attempt_id, "run_id": spec.run_id,
-            "attempt_id": spec.attempt_id, "state": "reserved",
-            "reserved_micros": spec.reserve_micros, "posted_micros": 0, "created_at": t,
-            "settled_at": None})
-        for k, d in spec.events:
-            self._event(spec.run_id, spec.attempt_id, k, d, t)
-        c.calls += 1
-        c.retries += 1 if spec.take_retry else 0
-        c.reserved += spec.reserve_micros
-        c.tokens_reserved += spec.reserve_tokens
+    def _leave_in_flight(self, run_id: str, lease: Lease, envelope: Envelope,
+                         turn_id: str) -> None:
+        """Begin the turn's first Attempt and leave it unanswered: the Run is still going."""
+        run = self.led.get_run(run_id)
+        route = next(r for r in run.plan if r.id == (run.current_route or run.selected_route))
+        prompt = CharEstimator().count_tokens(envelope, route)
+        self.led.begin_attempt(lease, route=route.id, envelope_hash=envelope.hash,
+                               reserve=route.cost(prompt, _MAX_COMPLETION),
+                               reserve_tokens=prompt + _MAX_COMPLETION, turn_id=turn_id)
         self.stats.attempts += 1
-        return row, debit
+        self.in_flight.append(lease)
 
-    def _in_flight(self, spec: BeginSpec, t: float) -> None:
-        """The Attempt is still dispatching at the end of the history: it holds its slot."""
-        self.rows.add("group_slots", {"attempt_id": spec.attempt_id,
-                                      "group_id": spec.route.group, "run_id": spec.run_id,
-                                      "fence": spec.fence, "acquired_at": t})
-        self.stats.dispatching += 1
-
-    def _settle(self, spec: SettleSpec, begun: BeginSpec, row: dict[str, Any],
-                debit: dict[str, Any],
-                c: _Counters, health: dict[str, Health], t: float) -> None:
-        """What one settle writes, as the settle transaction applies ``spec``."""
-        fact = spec.fact
-        tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
-                  else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
-        holds = settle_holds(spec.outcome, fact, cost_micros=spec.cost_micros, tokens=tokens,
-                             reserved_micros=begun.reserve_micros,
-                             reserved_tokens=begun.reserve_tokens, token_budget=False)
-        row.update(state=spec.outcome.value,
-                   fact=json.dumps(fact.to_json()) if fact is not None else None,
-                   category=fact.category.value if fact else None,
-                   http_status=fact.status if fact else None,
-                   effective_output=spec.effective_output, tool_started=spec.tool_started,
-                   prompt_tokens=spec.prompt_tokens, completion_tokens=spec.completion_tokens,
-                   cost_micros=spec.cost_micros, model_reported=spec.model_reported,
-                   output_hash=spec.output_hash, settle_hash=spec.settle_hash,
-                   settle_fence=spec.fence, settled_at=t)
-        if holds.debit.value != "reserved":
-            debit.update(state=holds.debit.value, posted_micros=holds.posted_micros,
-                         settled_at=t)
-            c.reserved -= holds.release_micros
-            c.posted += holds.posted_micros
-            c.tokens_reserved -= holds.release_tokens
-        c.tokens += holds.tokens_used
-        c.calls -= 1 if holds.uncount_call else 0
-        for key, (_kind, _provider, update) in spec.health.items():
-            health[key] = update(health.get(key, Health(key=key)))
-        counted = {"failed": "failed", "unknown": "unknown", "not_sent": "not_sent"}
-        if spec.outcome.value in counted:
-            setattr(self.stats, counted[spec.outcome.value],
-                    getattr(self.stats, counted[spec.outcome.value]) + 1)
-
-    def _stop(self, run_id: str, reason: str, decision: Decision | None,
-              attempts: list[str], errors: list[str], t: float, plan: Sequence[Route],
-              failures: Mapping[str, Sequence[str]]) -> str:
-        """The retry owner's ``stop`` event; the Run then ends ``failed``."""
-        skips = {s.route: s for s in decision.skipped} if decision is not None else {}
-        self._event(run_id, None, "stop", {
-            "reason": reason, "detail": decision.detail if decision is not None else "",
-            "skipped": [s.to_json() for s in decision.skipped] if decision is not None else [],
-            "attempts": list(attempts), "errors": list(errors),
-            "candidates": candidate_lines(plan, failures, skips)}, t)
-        return "failed"
-
-    def _event(self, run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],
-               at: float) -> None:
-        self.rows.add("events", {"run_id": run_id, "attempt_id": attempt_id, "kind": kind,
-                                 "data": json.dumps(data, sort_keys=True), "created_at": at})
-        self.stats.events += 1
-
-    def _shift(self, first: tuple[int, int], by: float) -> None:
-        """Move the newest Run (whose rows start at ``first``) ``by`` seconds earlier."""
-        tables = self.rows.tables
-        times = ("created_at", "settled_at", "updated_at", "acquired_at")
-        ev, att = first
-        rows = [*tables["events"][ev:], *tables["attempts"][att:], tables["runs"][-1]]
-        ids = {r["attempt_id"] for r in tables["attempts"][att:]}
-        rows += [r for name in ("debits", "group_slots", "provenance")
-                 for r in tables[name] if r.get("attempt_id", r.get("ref")) in ids]
-        for r in rows:
-            for k in times:
-                if r.get(k) is not None:
-                    r[k] -= by
-        for e in tables["events"][ev:]:
-            if e["kind"] == "lease":
-                data = json.loads(e["data"])
-                data["expires_at"] -= by
-                e["data"] = json.dumps(data, sort_keys=True)
+    def _count(self, run_id: str, selected: str) -> None:
+        """Add the Run's records, as the ledger holds them, to the statistics."""
+        attempts = self.led.timeline(run_id)
+        st = self.stats
+        st.runs += 1
+        for a in attempts:
+            if a.state is AttemptState.FAILED:
+                st.failed += 1
+            elif a.state is AttemptState.UNKNOWN:
+                st.unknown += 1
+            elif a.state is AttemptState.NOT_SENT:
+                st.not_sent += 1
+            elif a.state is AttemptState.DISPATCHING:
+                st.dispatching += 1
+        if any(a.route_id != selected for a in attempts):
+            st.failovers += 1
+        st.events += len(self.led.events(run_id))
 
 
-def generate(store: StoragePort, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
-             batch_attempts: int = 5000, progress: Progress | None = None) -> GenStats:
-    """Write ``attempts`` attempts of history spread over ``days`` days before ``end``."""
-    if attempts < 1:
-        raise ValueError("attempts must be >= 1")
+def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
+             progress: Progress | None = None) -> GenStats:
+    """Write exactly ``attempts`` Attempts of history, in Runs admitted over the ``days`` days
+    before ``end``, by running them through ``led`` (see the module docstring).
+
+    Args:
+        led: A ledger opened with a :class:`~ledger.clock.ManualClock`
+            (``Ledger.open(url, clock=ManualClock())``); generating moves that clock.
+        attempts: How many Attempts to write (at least 1).
+        days: The span of the history (above 0).
+        end: The end of the history, in epoch seconds.
+        seed: Makes the history reproducible.
+        progress: Called with (Attempts written, ``attempts``) after each Run.
+
+    Returns:
+        What was written (:class:`GenStats`).
+
+    Raises:
+        InvalidArgument: the ledger's clock is not a ManualClock, or ``attempts``, ``days`` or
+            ``end`` are out of range; nothing is written then.
+    """
+    clock = led.clock
+    if not isinstance(clock, ManualClock):
+        raise InvalidArgument("generate moves the ledger's clock through the history: open "
+                              "the ledger with clock=ManualClock()", field="ledger")
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise InvalidArgument("attempts must be an integer >= 1", field="attempts")
+    if isinstance(days, bool) or not isinstance(days, int | float) or not 0 < days < math.inf:
+        raise InvalidArgument("days must be a number of days > 0", field="days")
+    if isinstance(end, bool) or not isinstance(end, int | float) or not math.isfinite(end):
+        raise InvalidArgument("end must be finite epoch seconds", field="end")
     rng = random.Random(seed)
-    gen = _Generator(rng, end, uuid.UUID(int=rng.getrandbits(128)).hex[:8])
-    stats = gen.stats
-    stats.since, stats.until = end - days * 86400.0, end
-    stats.routes = [r.id for r in gen.routes]
     span = days * 86400.0
-
-    def flush() -> None:
-        tables = gen.rows.tables
-        if tables["attempts"] or tables["runs"]:
-            store.bulk_insert(tables)
-            for v in tables.values():
-                v.clear()
-            if progress:
-                progress(min(stats.attempts, attempts), attempts)
-
+    stats = GenStats(since=end - span, until=end)
+    # Runs start over the span but the last minutes, so that the last ones end by ``end``.
+    starts = span - min(_TAIL_S, span / 10)
+    gen = _Generator(led, clock, rng, attempts=attempts, stats=stats,
+                     in_flight_from=stats.since + starts - min(_IN_FLIGHT_S, span / 10))
+    stats.routes = [r.id for r in gen.routes]
+    latest = stats.since
     i = 0
     while stats.attempts < attempts:
-        # Runs arrive in time order, spread evenly over the span by the attempts written so far
-        # (so the requested attempt count lands exactly on the span, whatever the retry mix).
-        t0 = stats.since + span * min(stats.attempts + rng.random(), attempts - 0.5) / attempts
+        # Runs arrive in time order, spread evenly by the Attempts written so far (so the
+        # requested count lands on the span, whatever the retry mix). They overlap as the
+        # Runs of a busy service do: a Run starts at its time even when the one before is still
+        # going, so the clock goes back to it (each Run's own time only moves forward).
+        clock.set(stats.since + starts * min(stats.attempts + rng.random(), attempts - 0.5)
+                  / attempts)
         i += 1
-        gen.run(i, t0, attempts - stats.attempts)
-        if len(gen.rows.tables["attempts"]) >= batch_attempts:
-            flush()
-    flush()
-    store.bulk_insert(_health_rows(rng, gen.routes, end))
-    store.analyze()
+        gen.run(i)
+        latest = max(latest, clock.now())
+        clock.slept.clear()  # the waits are in the ledger's records; the list need not grow
+        if progress:
+            progress(min(stats.attempts, attempts), attempts)
+    # The executors of the Runs still in flight keep their leases renewed up to the end.
+    clock.set(max(end, latest))
+    for lease in gen.in_flight:
+        led.renew_lease(lease, ttl_s=_KEPT_LEASE_S)
+    stats.until = clock.now()
     return stats
 
 
-def _health_rows(rng: random.Random, routes: list[Route], end: float
-                 ) -> dict[str, list[dict[str, Any]]]:
-    """Current health: a few routes cooling, one disabled, probes, groups with waiting floors."""
-    health: list[dict[str, Any]] = []
-    for i, r in enumerate(routes):
-        cooling = i % 5 == 1
-        disabled = i % 11 == 3
-        health.append({
-            "key": r.id, "kind": "route", "provider": r.provider,
-            "cooldown_until": end + rng.uniform(30, 600) if cooling else None,
-            "disabled_until": end + 3600 if disabled else None,
-            "disabled_reason": "auth" if disabled else None,
-            "error_count": rng.randint(1, 9) if cooling or disabled else 0,
-            "failure_counts": json.dumps({"rate_limit": rng.randint(1, 40)} if cooling else {}),
-            "last_failure_at": end - rng.uniform(1, 300) if cooling or disabled else None,
-            "last_used": end - rng.uniform(0, 60),
-            "last_probe_at": end - rng.uniform(5, 120) if cooling else None,
-            "updated_at": end,
-        })
-        for p in r.profiles:
-            health.append({
-                "key": p.id, "kind": "profile", "provider": r.provider, "cooldown_until": None,
-                "disabled_until": None, "disabled_reason": None, "error_count": 0,
-                "failure_counts": "{}", "last_failure_at": None,
-                "last_used": end - rng.uniform(0, 60), "last_probe_at": None, "updated_at": end,
-            })
-    seen: dict[str, dict[str, Any]] = {}
-    for row in health:
-        seen.setdefault(row["key"], row)  # profiles are shared by a provider's routes
-    groups = []
-    for j, g in enumerate(sorted({r.group for r in routes})):
-        cooling = j % 3 == 0
-        groups.append({
-            "group_id": g, "max_in_flight": 64 if j % 2 == 0 else None,
-            "mode": "cooldown" if cooling else "open",
-            "until": end + rng.uniform(5, 90) if cooling else None,
-            "reason": "rate_limit" if cooling else None,
-            "sampled_at": end - rng.uniform(0, 30), "updated_at": end,
-        })
-    return {"health": list(seen.values()), "capacity_groups": groups}
-
-
-__all__ = ["POLICY_HASH", "GenStats", "catalog", "generate"]
+__all__ = ["GenStats", "catalog", "generate", "generated_policy", "generated_policy_hash"]

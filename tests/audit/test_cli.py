@@ -174,14 +174,14 @@ def test_generate_refuses_a_ledger_holding_real_runs(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
 
 
-def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+def _on_a_terminal(*args: str, module: str = "ledger.cli.main") -> tuple[int, str, str]:
     """Run the command with stderr on a pseudo-terminal (as a person's shell has it)."""
     import pty
 
     master, slave = pty.openpty()
     e = dict(os.environ, PYTHONPATH=str(REPO))
     e.pop("LEDGER_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args], env=e,
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=e,
                             cwd=str(REPO), stdout=subprocess.PIPE, stderr=slave, text=True)
     os.close(slave)
     chunks = []
@@ -199,24 +199,34 @@ def _on_a_terminal(*args: str) -> tuple[int, str, str]:
     return rc, out, b"".join(chunks).decode(errors="replace")
 
 
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks ...`` from the repository root, as docs/benchmarks.md runs it."""
+    e = dict(os.environ)
+    e.pop("LEDGER_URL", None)
+    e.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], capture_output=True,
+                          text=True, env=e, cwd=str(REPO), timeout=300)
+
+
 def test_progress_with_eta_on_a_terminal_and_quiet_when_piped(tmp_path: Path) -> None:
     db = str(tmp_path / "gen.db")
-    rc, out, err = _on_a_terminal("--db", db, "generate", "--attempts", "20000", "--days", "1",
-                                  "--end", str(T0))
+    rc, out, err = _on_a_terminal("--db", db, "generate", "--attempts", "400", "--days",
+                                  "0.03", "--end", str(T0))
     assert rc == 0, err
-    assert "generate [" in err and "100%" in err and "20000/20000" in err
+    assert "generate [" in err and "100%" in err and "400/400" in err
     assert "ETA" in err and "elapsed" in err
-    assert re.match(r"generated 2000\d attempts", out)  # stdout keeps only the result
-    piped = cli("--db", db, "bench", "audit", "--repeat", "1")
+    assert re.match(r"generated 400 attempts", out)  # stdout keeps only the result
+    piped = bench("audit", "--db", db, "--repeat", "1")
     assert piped.returncode == 0 and piped.stderr == ""
-    rc, _out, err = _on_a_terminal("--db", db, "bench", "audit", "--repeat", "1")
-    assert rc == 0 and "bench [" in err and "100%" in err
-    rc, out, err = _on_a_terminal("bench", "write", "--attempts", "40", "--workers", "1")
+    rc, _out, err = _on_a_terminal("audit", "--db", db, "--repeat", "1", module="benchmarks")
+    assert rc == 0 and "bench audit [" in err and "100%" in err
+    rc, out, err = _on_a_terminal("write", "--attempts", "40", "--workers", "1",
+                                  module="benchmarks")
     assert rc == 0, err
     assert "bench write: sqlite" in err and "bench write [" in err and "100%" in err
-    piped = cli("bench", "write", "--attempts", "40", "--workers", "1")
+    piped = bench("write", "--attempts", "40", "--workers", "1")
     assert piped.returncode == 0 and piped.stderr == "" and "att/s" in piped.stdout
-    # recover over the generated runs still holding leases (the last minutes of history)
+    # recover over the generated runs still in flight (their leases ended with the history)
     rc, out, err = _on_a_terminal("--db", db, "recover", "--json")
     assert rc == 0, err
     taken = json.loads(out)["recovered"]
@@ -225,24 +235,33 @@ def test_progress_with_eta_on_a_terminal_and_quiet_when_piped(tmp_path: Path) ->
 
 def test_generate_and_bench_audit(tmp_path: Path) -> None:
     db = str(tmp_path / "gen.db")
-    res = cli("--db", db, "generate", "--attempts", "3000", "--days", "2", "--end",
+    res = cli("--db", db, "generate", "--attempts", "500", "--days", "1", "--end",
               str(T0), "--progress", "--json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    assert summary["attempts"] == 3000 and summary["runs"] > 1000
+    assert summary["attempts"] == 500 and summary["runs"] > 150
     assert summary["failed"] > 0 and summary["failovers"] > 0 and summary["unknown"] >= 0
+    assert summary["events"] > 3 * summary["runs"]  # admit, lease, select ..., finish
     assert "100%" in res.stderr  # the progress bar, forced on though stderr is a pipe
     quiet = cli("--db", db, "runs", "--limit", "1")
     assert quiet.stderr == ""  # no progress output when not asked and not a terminal
-    bench = json.loads(ok("--db", db, "bench", "audit", "--repeat", "2", "--json"))
-    names = [r["query"] for r in bench["results"]]
-    assert bench["backend"] == "sqlite"
+    audit = bench("audit", "--db", db, "--repeat", "2", "--json")
+    assert audit.returncode == 0, audit.stderr
+    doc = json.loads(audit.stdout)
+    names = [r["query"] for r in doc["results"]]
+    assert doc["backend"] == "sqlite"
     assert names[0] == "timeline (one run)" and "costs by tenant (1 day)" in names
-    assert all(r["p50_ms"] >= 0 and r["rows"] >= 0 for r in bench["results"])
+    assert all(r["p50_ms"] >= 0 and r["rows"] >= 0 for r in doc["results"])
     fo = json.loads(ok("--db", db, "failovers", "--since", str(T0 - 86400), "--until",
                        str(T0 + 60), "--json", "--limit", "5"))
     assert len(fo["items"]) == 5 and all(f["causes"] or f["served_route"] != f["selected_route"]
                                          for f in fo["items"])
+
+
+def test_the_benchmarks_are_no_command_of_the_ledger(tmp_path: Path) -> None:
+    res = cli("bench", "write")
+    assert res.returncode == 2 and "invalid choice: 'bench'" in res.stderr
+    assert "bench" not in ok("--help")
 
 
 @pytest.mark.postgres

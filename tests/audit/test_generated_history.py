@@ -1,7 +1,8 @@
-"""``failover-ledger generate`` writes the history the ledger itself would write: reconciliation
-finds nothing to report in it, every Attempt after a turn's first holds a retry permission, and
-its rows and events have the shape the retry owner gives them (checked against a real Run on
-the fake provider, under the same preset), on SQLite and PostgreSQL.
+"""``failover-ledger generate`` writes its history through the ledger (admitted Runs, turns
+served by the retry owner with a scripted send function): reconciliation finds nothing to report
+in it, every Attempt after a turn's first holds a retry permission, its Runs are frozen under the
+goclaw rules, and its rows and events have the shape the retry owner gives a real Run on the
+fake provider under the same preset, over HTTP, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -17,19 +18,31 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part, Route
-from ledger.api.facade import storage_of
+from ledger import (
+    Budget,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    InvalidArgument,
+    Ledger,
+    Part,
+    Route,
+    policy_hash,
+    preset,
+)
 from ledger.clock import ManualClock
 from ledger.domain.facts import WireProtocol
 from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
 from ledger.testing import FakeProvider, Fault
 from ledger.testing.pgserver import free_port
-from ledger.tools.generate import generate
+from ledger.tools.generate import generate, generated_policy, generated_policy_hash
 from tests.fakeplan import PRICE, _clear, fake
 from tests.storage.helpers import REPO, sql_store
 
-N = 8000
+# Enough Runs for a page of 40 that failed over in the audit (about one Run in twelve fails
+# over: some 60 here). Generating costs a few transactions per Attempt, so N stays small.
+N = 1200
 END = 1_700_000_000.0
 DAY = 86400.0
 
@@ -51,7 +64,7 @@ def generated(request: pytest.FixtureRequest,
         url = srv.url(name)
     led = Ledger.open(url, clock=ManualClock(END))
     try:
-        stats = generate(storage_of(led), attempts=N, days=2, end=END, seed=5)
+        stats = generate(led, attempts=N, days=2, end=END, seed=5)
         assert stats.attempts == N
         yield led
     finally:
@@ -86,8 +99,8 @@ def test_every_attempt_after_a_turns_first_took_a_retry_permission(generated: Le
     wrong = [r for r in rows if r[1] != r[3] - r[4] or r[2] != r[3] - r[5]]
     assert wrong == []
     audit = Audit(generated)
-    page = audit.failovers(since=END - 3 * DAY, until=END + 1, limit=100)
-    assert len(page.items) == 100
+    page = audit.failovers(since=END - 3 * DAY, until=END + 1, limit=40)
+    assert len(page.items) == 40
     moved = 0
     for f in page.items:
         tl = audit.timeline(f.run_id)
@@ -97,7 +110,7 @@ def test_every_attempt_after_a_turns_first_took_a_retry_permission(generated: Le
         if any(a.kind == "failover" for a in tl.attempts):
             moved += 1
             assert further > 0, f.run_id
-    assert moved > 50
+    assert moved > 20
 
 
 def test_the_command_line_reconciles_a_generated_ledger(tmp_path: Path) -> None:
@@ -109,13 +122,56 @@ def test_the_command_line_reconciles_a_generated_ledger(tmp_path: Path) -> None:
         return subprocess.run([sys.executable, "-m", "ledger.cli.main", "--db", db, *args],
                               env=env, capture_output=True, text=True, timeout=300)
 
-    made = cli("generate", "--attempts", "5000", "--days", "1", "--end", str(END), "--json")
+    made = cli("generate", "--attempts", "600", "--days", "1", "--end", str(END), "--json")
     assert made.returncode == 0, made.stderr
     summary = json.loads(made.stdout)
-    assert summary["attempts"] == 5000 and summary["not_sent"] > 0 and summary["unknown"] > 0
+    assert summary["attempts"] == 600 and summary["not_sent"] > 0 and summary["unknown"] > 0
     books = cli("reconcile", "--json")
     assert books.returncode == 0, books.stdout
     assert json.loads(books.stdout)["violations"] == []
+
+
+def test_generated_runs_are_frozen_under_the_goclaw_rules_and_marked_by_their_hash(
+        generated: Ledger) -> None:
+    runs = Audit(generated).runs(limit=50).items
+    assert len(runs) == 50
+    marker = generated_policy_hash()
+    goclaw = preset("goclaw").model_dump(mode="json")
+    for r in runs[:5]:
+        rec = generated.get_run(r.run_id)
+        assert rec.policy_hash == marker
+        frozen = generated.run_policy(r.run_id).model_dump(mode="json")
+        # The same rules as the preset; only the name (and so the hash) tells them apart.
+        assert {k: v for k, v in frozen.items() if k not in ("name", "description")} == {
+            k: v for k, v in goclaw.items() if k not in ("name", "description")}
+    assert marker != policy_hash(preset("goclaw")) and generated_policy().name != "goclaw"
+
+
+def test_the_same_seed_writes_the_same_history(tmp_path: Path) -> None:
+    def written(name: str) -> list[tuple[str, str, str, str, int]]:
+        with Ledger.open(str(tmp_path / name), clock=ManualClock(END)) as led:
+            generate(led, attempts=120, days=0.5, end=END, seed=11)
+            # Attempt ids are the ledger's own draw; everything else follows from the seed.
+            return [(a.run_id, a.turn_id, a.route_id, a.state.value, a.seq)
+                    for run in Audit(led).runs(limit=500).items
+                    for a in led.timeline(run.run_id)]
+
+    first = written("a.db")
+    assert len(first) == 120 and first == written("b.db")
+
+
+def test_generate_needs_a_manual_clock_and_writes_nothing_without_one(tmp_path: Path) -> None:
+    with Ledger.open(str(tmp_path / "g.db")) as led:
+        with pytest.raises(InvalidArgument, match="ManualClock") as e:
+            generate(led, attempts=10, end=END)
+        assert e.value.field == "ledger"
+        assert Audit(led).runs().items == []
+    with Ledger.open(str(tmp_path / "g.db"), clock=ManualClock(END)) as led:
+        for bad, field in (({"attempts": 0}, "attempts"), ({"days": 0}, "days")):
+            with pytest.raises(InvalidArgument) as e:
+                generate(led, **{"attempts": 10, "end": END, **bad})  # type: ignore[arg-type]
+            assert e.value.field == field
+        assert Audit(led).runs().items == []
 
 
 # -- the shape of what the retry owner writes ----------------------------------------------------

@@ -1,9 +1,9 @@
 """On PostgreSQL, the audit queries use indexes: EXPLAIN shows no Seq Scan on attempts or events.
 
-The ledger is filled by the generator (20k attempts over 30 days, so one day is ~3% of the
-table, as in a long-lived ledger) and ANALYZEd. Every statement the audit API actually sends is
-captured from the engine and EXPLAINed with its own parameters, so the test checks the real
-queries, not copies of them.
+The ledger is filled by the benchmarks' bulk generator (20k attempts over 30 days, so one day is
+~3% of the table, as in a long-lived ledger) and ANALYZEd. Every statement the audit API
+actually sends is captured from the engine and EXPLAINed with its own parameters, so the test
+checks the real queries, not copies of them.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from ledger.api.facade import Ledger, storage_of
+from benchmarks.generate import generate
+from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.ops.audit import Audit
-from ledger.tools.generate import generate
 from tests.storage.helpers import sql_store
 
 pytestmark = pytest.mark.postgres
@@ -33,7 +33,7 @@ def big(pg_server: Any) -> Iterator[Audit]:
     name = f"plans_{os.getpid()}"
     pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
     led = Ledger.open(pg_server.url(name), clock=ManualClock(END), migrate_schema=False)
-    generate(storage_of(led), attempts=20_000, days=30, end=END, seed=7)  # ends with ANALYZE
+    generate(led, attempts=20_000, days=30, end=END, seed=7)  # ends with ANALYZE
     try:
         yield Audit(led)
     finally:

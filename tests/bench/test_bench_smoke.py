@@ -12,19 +12,25 @@ import json
 import math
 import os
 import sqlite3
+import subprocess
+import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
+from benchmarks import flat, recover, selector, turn, write
+from benchmarks import floor as baseline
+from benchmarks.cli import build_parser, main, parse_workers
+from benchmarks.common import BenchError, Report, percentile
+from benchmarks.txcount import PgTxCounter, SqliteTxCounter
 from ledger.api.facade import Ledger
-from ledger.cli.bench_cmd import parse_workers
-from ledger.cli.main import build_parser, main
+from ledger.domain.values import Budget
 from ledger.errors import InvalidArgument
-from ledger.storage import baseline
-from ledger.tools.bench import flat, recover, selector, turn, write
-from ledger.tools.bench.common import BenchError, Report, percentile
-from ledger.tools.bench.txcount import PgTxCounter, SqliteTxCounter
+from ledger.ops.audit import Audit
+from ledger.ops.reconcile import reconcile
 
+REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
@@ -311,26 +317,26 @@ def _cli_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, 
 
 def test_cli_every_bench_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = str(tmp_path / "cli.db")
-    data = _cli_json(capsys, ["bench", "write", "--db", db, "--attempts", "2", "--workers", "1",
+    data = _cli_json(capsys, ["write", "--db", db, "--attempts", "2", "--workers", "1",
                               "--paths", "ledger", "--json"])
     assert [(r["backend"], r["workers"], r["path"]) for r in data["rows"]] == [  # type: ignore[attr-defined]
         ("sqlite", 1, "begin+settle")]
-    data = _cli_json(capsys, ["bench", "turn", "--db", db, "--calls", "2", "--count-calls",
+    data = _cli_json(capsys, ["turn", "--db", db, "--calls", "2", "--count-calls",
                               "2", "--concurrency", "1", "--drivers", "async", "--scenarios",
                               "healthy", "--json"])
     assert len(data["rows"]) == 1  # type: ignore[arg-type]
-    data = _cli_json(capsys, ["bench", "turns-flat", "--db", str(tmp_path / "f.db"), "--turns",
+    data = _cli_json(capsys, ["turns-flat", "--db", str(tmp_path / "f.db"), "--turns",
                               "4", "--window", "2", "--json"])
     assert data["bench"] == "turns-flat" and len(data["rows"]) == 1  # type: ignore[arg-type]
-    data = _cli_json(capsys, ["bench", "recover", "--db", str(tmp_path / "r.db"), "--history",
+    data = _cli_json(capsys, ["recover", "--db", str(tmp_path / "r.db"), "--history",
                               "50", "--unknown", "2", "--json"])
     assert data["rows"][0]["unknown_attempts"] == 2  # type: ignore[index]
-    data = _cli_json(capsys, ["bench", "select", "--iterations", "5", "--json"])
+    data = _cli_json(capsys, ["select", "--iterations", "5", "--json"])
     assert data["bench"] == "select" and data["targets"]
 
 
 def test_cli_table_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "select", "--iterations", "3"]) == 0
+    assert main(["select", "--iterations", "3"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[0] == "case" and "target: deep walk" in out
 
@@ -343,13 +349,16 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
         parse_workers("0")
     db = str(tmp_path / "bad.db")
     cases = [
-        (["bench", "write", "--db", db, "--attempts", "1", "--workers", "2"], "--attempts"),
-        (["bench", "write", "--paths", "ledger,fast"], "--paths"),
-        (["bench", "turn", "--no-sqlite"], "--no-sqlite"),
-        (["bench", "turn", "--drivers", "threads"], "--drivers"),
-        (["bench", "turns-flat", "--turns", "10", "--window", "6"], "--turns"),
-        (["bench", "recover", "--scale", "0"], "--scale"),
-        (["bench", "select", "--iterations", "0"], "--iterations"),
+        (["write", "--db", db, "--attempts", "1", "--workers", "2"], "--attempts"),
+        (["write", "--paths", "ledger,fast"], "--paths"),
+        (["turn", "--no-sqlite"], "--no-sqlite"),
+        (["turn", "--drivers", "threads"], "--drivers"),
+        (["turns-flat", "--turns", "10", "--window", "6"], "--turns"),
+        (["recover", "--scale", "0"], "--scale"),
+        (["select", "--iterations", "0"], "--iterations"),
+        (["generate", "--db", db, "--attempts", "0"], "--attempts"),
+        (["generate", "--db", db, "--days", "0"], "--days"),
+        (["audit", "--db", db, "--repeat", "0"], "--repeat"),
     ]
     for argv, word in cases:
         assert main(argv) == 2, argv
@@ -359,15 +368,66 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
 
 def test_parser_has_every_bench() -> None:
     p = build_parser()
-    args = p.parse_args(["bench", "write", "--workers", "1,8", "--postgres"])
+    args = p.parse_args(["write", "--workers", "1,8", "--postgres"])
     assert args.workers == "1,8" and args.postgres and args.bench_db is None
-    for name in ("turn", "turns-flat", "recover", "select", "audit"):
-        assert p.parse_args(["bench", name]).bench_command == name
+    for name in ("turn", "turns-flat", "recover", "select", "audit", "generate"):
+        assert p.parse_args([name]).bench_command == name
+
+
+# -- python -m benchmarks, from the repository root (the documented command) -------------------
+
+END = 1_700_000_000.0
+
+
+def _bench(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LEDGER_URL", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bulk_generate_then_audit_through_python_dash_m(tmp_path: Path) -> None:
+    db = str(tmp_path / "gen.db")
+    made = _bench("generate", "--db", db, "--attempts", "600", "--days", "1", "--end",
+                  str(END), "--json")
+    assert made.returncode == 0, made.stderr
+    summary = json.loads(made.stdout)
+    assert summary["attempts"] == 600 and summary["runs"] > 100 and made.stderr == ""
+    # Its own history again (another seed: the same seed writes the same ids) is accepted.
+    more = _bench("generate", "--db", db, "--attempts", "50", "--days", "1", "--end",
+                  str(END), "--seed", "2")
+    assert more.returncode == 0, more.stderr
+    assert more.stdout.startswith("generated 50 attempts in ")
+    audit = _bench("audit", "--db", db, "--repeat", "1", "--json")
+    assert audit.returncode == 0, audit.stderr
+    doc = json.loads(audit.stdout)
+    names = [r["query"] for r in doc["results"]]
+    assert doc["backend"] == "sqlite"
+    assert names[0] == "timeline (one run)" and "costs by tenant (1 day)" in names
+    assert all(r["rows"] >= 0 and r["p50_ms"] >= 0 for r in doc["results"])
+    with Ledger.open(db) as led:
+        assert reconcile(led).violations == []
+
+
+def test_bulk_generate_refuses_a_ledger_with_other_runs(tmp_path: Path) -> None:
+    db = str(tmp_path / "real.db")
+    with Ledger.open(db) as led:
+        led.admit_run("mine", plan=[write.BENCH_ROUTE], budget=Budget(
+            max_calls=1, max_retries=0, max_cost=Decimal(1)))
+    refused = _bench("generate", "--db", db, "--attempts", "10")
+    assert refused.returncode == 2
+    assert "'mine'" in refused.stderr and "--into-existing" in refused.stderr
+    with Ledger.open(db) as led:
+        assert [r.run_id for r in Audit(led).runs().items] == ["mine"]
+    empty = _bench("audit", "--db", db, "--repeat", "1")
+    assert empty.returncode == 1 and "no attempts" in empty.stderr
+    missing = _bench("audit", "--db", str(tmp_path / "none.db"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert not (tmp_path / "none.db").exists()
 
 
 def test_the_cli_defaults_are_the_benchmarks_own() -> None:
+    from benchmarks import defaults, flat, recover, selector, turn, write
     from ledger.ops.recovery import DEFAULT_LIMIT
-    from ledger.tools.bench import defaults, flat, recover, selector, turn, write
 
     assert defaults.RECOVER_LIMIT == DEFAULT_LIMIT
     assert (write.DEFAULT_ATTEMPTS, turn.DEFAULT_CALLS, flat.DEFAULT_TURNS,

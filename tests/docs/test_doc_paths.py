@@ -21,8 +21,10 @@ def _named(pattern: str) -> list[tuple[str, str]]:
 
 
 def test_every_file_path_in_the_docs_exists() -> None:
-    missing = [(page, path) for page, path in _named(r"`((?:ledger|tests)/[\w/]+\.py)")
-               if not (REPO / path).exists()]
+    # The changelog names the old paths on purpose (where a moved file came from).
+    named = _named(r"`((?:ledger|tests|benchmarks)/[\w/]+\.py)")
+    missing = [(page, path) for page, path in named
+               if not (REPO / path).exists() and page != "CHANGELOG.md"]
     assert not missing
 
 

@@ -9,7 +9,8 @@ no faithful counterpart on one backend (said at the test):
 * SQLite has no server to go away: the database is a local file, read by the process itself;
 * on SQLite a second writer cannot interleave with a write transaction (``BEGIN IMMEDIATE``
   serializes them), so an attempt id recorded by another run *during* a begin happens only on
-  PostgreSQL; a duplicate key on SQLite is driven through the bulk loader (``generate``).
+  PostgreSQL; a duplicate key on SQLite is driven through the benchmarks' bulk loader
+  (``benchmarks.generate``), which maps driver errors with the storage's own mapping.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
+from benchmarks.generate import generate
 from ledger import faults
-from ledger.api.facade import AsyncLedger, Ledger, storage_of
+from ledger.api.facade import AsyncLedger, Ledger
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, Lease
 from ledger.errors import (
@@ -43,10 +46,8 @@ from ledger.errors import (
 from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
-from ledger.storage.baseline import pg_connect_args
 from ledger.storage.engine import normalize_url
 from ledger.testing.pgserver import PgServer, free_port
-from ledger.tools.generate import generate
 
 from ._readonly import driver_cause
 from .helpers import REPO, budget, grant, routes
@@ -274,7 +275,9 @@ def _write_lock(url: str) -> Iterator[None]:
         return
     import psycopg
 
-    with psycopg.connect(**pg_connect_args(url)) as pg:  # a transaction until the end
+    conninfo = make_url(normalize_url(url)).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    with psycopg.connect(conninfo) as pg:  # a transaction until the end
         pg.execute("SELECT 1 FROM runs WHERE run_id = 'r1' FOR UPDATE")
         pg.execute("SELECT 1 FROM capacity_groups WHERE group_id = 'g' FOR UPDATE")
         yield
@@ -432,11 +435,10 @@ def test_history_loaded_twice_is_a_conflict_that_adds_nothing(db_url: str,
                                                               clock: ManualClock) -> None:
     with Ledger.open(db_url, clock=clock) as led:
         _lease, att = _seed(led)
-        store = storage_of(led)
-        generate(store, attempts=40, days=1.0, end=T0, seed=3)
+        generate(led, attempts=40, days=1.0, end=T0, seed=3)
         before = reconcile(led)
         # The same seed writes the same ids: the first batch's insert hits the primary keys.
-        mapped(lambda: generate(store, attempts=40, days=1.0, end=T0, seed=3), Conflict)
+        mapped(lambda: generate(led, attempts=40, days=1.0, end=T0, seed=3), Conflict)
         after = reconcile(led)
         assert (after.runs, after.attempts, after.by_state) == (
             before.runs, before.attempts, before.by_state)

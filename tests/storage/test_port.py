@@ -42,7 +42,7 @@ def test_the_port_declares_what_the_facade_ops_and_tools_use() -> None:
     # A sample of each family, so that an emptied Protocol cannot pass the checks below.
     for name in ("begin_attempt", "settle_attempt", "turn_snapshot", "acquire_lease", "admit",
                  "take_over", "reconcile_figures", "audit_timeline", "metrics_totals",
-                 "backend", "lease_margin_s", "runner"):
+                 "first_run_other_than", "backend", "lease_margin_s", "runner"):
         assert name in members, name
     for name, value in members.items():
         if value != "attribute":
@@ -111,7 +111,7 @@ def _imports_of(path: Path) -> list[tuple[int, str, str]]:
 # What only storage may name: its implementations, and the engine and connection they own.
 _CONCRETE_MODULES = ("ledger.storage.store", "ledger.storage.sqlite", "ledger.storage.postgres",
                      "ledger.storage.driver", "ledger.storage.hot", "ledger.storage.recovery",
-                     "ledger.storage.audit", "ledger.storage.series", "ledger.storage.bulk",
+                     "ledger.storage.audit", "ledger.storage.series",
                      "ledger.storage.migrate", "ledger.storage.schema")
 _CONCRETE_NAMES = ("Engine", "Connection", "AsyncConnection", "Row")
 
@@ -143,10 +143,8 @@ def _string_comparisons(path: Path) -> list[int]:
 
 def test_no_storage_code_asks_which_database_it_runs_on() -> None:
     # Differences are the implementations' (a subclass, a class attribute, the driver they
-    # own); the one choice is open_store's, by URL. The floor benchmark picks its writer once.
+    # own); the one choice is open_store's, by URL.
     found = {p.name: _string_comparisons(p) for p in sorted((PKG / "storage").glob("*.py"))}
-    assert {name: lines for name, lines in found.items() if lines and name != "baseline.py"} \
-        == {}
-    assert len(found["baseline.py"]) == 1  # _floor: the benchmark floor's one choice
+    assert {name: lines for name, lines in found.items() if lines} == {}
     for path in (PKG / "storage").glob("*.py"):
         assert not re.search(r"\.dialect\b", path.read_text()), path.name

@@ -1,27 +1,37 @@
-"""``failover-ledger bench write|turn|turns-flat|recover|select``: the benchmark suite.
+"""``python -m benchmarks COMMAND``: the benchmark suite's command line (run from the repository
+root; the benchmarks are not part of the installed package).
 
-Every database benchmark measures a temporary SQLite file by default; ``--postgres`` adds a
-throwaway PostgreSQL server started with production durability (fsync on), ``--no-sqlite``
-leaves the SQLite file out, and ``--db URL`` measures that database instead. Tables go to
-stdout, ``--json`` prints the report as JSON, progress goes to stderr. The exit code is non-zero
-only when a benchmark itself fails, never because a target was missed (that is reported).
-``failover-ledger bench audit`` is registered with the operator commands.
+``write``, ``turn``, ``turns-flat``, ``recover`` and ``select`` measure; ``generate`` fills a
+database with a large synthetic history, fast (the bulk generator), and ``audit`` times each
+audit query on it. Every database benchmark measures a temporary SQLite file by default;
+``--postgres`` adds a throwaway PostgreSQL server started with production durability (fsync
+on), ``--no-sqlite`` leaves the SQLite file out, and ``--db URL`` measures that database instead.
+Tables go to stdout, ``--json`` prints the report as JSON, progress goes to stderr (on a
+terminal, or with ``--progress``). The exit code is non-zero only when a benchmark itself fails
+(1) or an argument is wrong (2), never because a target was missed (that is reported).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ledger.cli.common import bench_subparsers
 from ledger.cli.progress import Progress, wanted
-from ledger.errors import InvalidArgument
+from ledger.errors import ConfigError, InvalidArgument, LedgerError
+
+PROG = "python -m benchmarks"
+DEFAULT_DB = "ledger.db"
 
 
 class _Reporter:
     """A benchmark's stage messages on stderr, only when a person is watching (a terminal, or
-    ``--progress``), with a progress line and ETA where the stages can be counted."""
+    ``--progress``), with a progress line and ETA where the stages can be counted.
+    """
 
     def __init__(self, bench: str, forced: bool) -> None:
         self.bar = Progress(f"bench {bench}", wanted(forced))
@@ -62,11 +72,13 @@ def _add_tx(p: argparse.ArgumentParser) -> None:
                    "~11 s per measurement for the server's statistics)")
 
 
-def register(subparsers: Any) -> None:
-    """Add the benchmark commands under ``failover-ledger bench``."""
-    from ledger.tools.bench import defaults as d
+def build_parser() -> argparse.ArgumentParser:
+    """Every benchmark command and its options."""
+    from benchmarks import defaults as d
 
-    bench = bench_subparsers(subparsers)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="The benchmark suite of failover-ledger (docs/benchmarks.md).")
+    bench = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
 
     p = bench.add_parser(
         "write", help="begin+settle attempts/s and CPU beside the raw-driver floor",
@@ -124,7 +136,7 @@ def register(subparsers: Any) -> None:
 
     r = bench.add_parser(
         "recover", help="recovery of 10k unknown attempts over 1M attempts of history",
-        description="Writes synthetic history (ledger generate's bulk path), then a dead "
+        description="Writes synthetic history (the bulk generator), then a dead "
         "executor's runs with dispatching attempts whose leases expire, then times "
         "ledger.ops.recovery.recover to completion, and idle passes over the same history. The "
         "full size takes minutes to build; --scale shrinks it.")
@@ -153,10 +165,51 @@ def register(subparsers: Any) -> None:
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(func=_select)
 
+    a = bench.add_parser(
+        "audit", help="latency of each audit query on --db (fill it with generate)",
+        description="Each audit query, timed --repeat times over the newest day of history of "
+        "--db after one warm-up: median, p95 and worst, beside the targets.")
+    _add_ledger_db(a)
+    a.add_argument("--repeat", type=int, default=5, help="timed runs per query (default 5)")
+    a.add_argument("--progress", action="store_true", help="show progress even when piped")
+    a.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    a.set_defaults(func=_audit)
+
+    g = bench.add_parser(
+        "generate", help="fill --db with a large synthetic history, fast (bulk loaded)",
+        description="Simulates Runs under the goclaw preset with the ledger's pure rules and "
+        "bulk-loads exactly --attempts Attempts spread over --days days before --end, "
+        "bypassing the ledger's write path (minutes for millions of Attempts; "
+        "failover-ledger generate writes through the ledger itself, far slower). Refuses a "
+        "ledger holding runs it did not generate unless --into-existing is given.")
+    _add_ledger_db(g)
+    g.add_argument("--attempts", type=int, default=100_000, help="attempts (default 100000)")
+    g.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
+    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--end", type=float, default=None,
+                   help="epoch of the newest history (default: now)")
+    g.add_argument("--progress", action="store_true", help="show progress even when piped")
+    g.add_argument("--into-existing", action="store_true",
+                   help="write into a ledger that already holds runs generate did not write "
+                   "(refused without this flag)")
+    g.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def _add_ledger_db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=None, metavar="URL",
+                   help=f"the ledger (SQLite path or postgresql+psycopg:// URL; default "
+                   f"$LEDGER_URL or ./{DEFAULT_DB})")
+
+
+def _ledger_db(args: argparse.Namespace) -> str:
+    return str(args.db or os.environ.get("LEDGER_URL") or DEFAULT_DB)
+
 
 def parse_workers(text: str) -> list[int]:
     """``--workers 1,8`` as a list of positive counts."""
-    from ledger.tools.bench.common import parse_counts
+    from benchmarks.common import parse_counts
 
     return parse_counts(text, "workers")
 
@@ -174,7 +227,7 @@ def _print(report: Any, as_json: bool) -> int:
 def _on_targets(args: argparse.Namespace, bench: str,
                 body: Callable[[list[tuple[str, str]], _Reporter], Any],
                 stages_per_target: int = 0) -> int:
-    from ledger.tools.bench.common import targets
+    from benchmarks.common import targets
 
     if args.no_sqlite and not args.postgres and args.bench_db is None:
         raise InvalidArgument("--no-sqlite leaves nothing to measure; add --postgres or --db",
@@ -192,8 +245,8 @@ def _on_targets(args: argparse.Namespace, bench: str,
 
 
 def _write(args: argparse.Namespace) -> int:
-    from ledger.tools.bench import write
-    from ledger.tools.bench.common import parse_choices
+    from benchmarks import write
+    from benchmarks.common import parse_choices
 
     workers = parse_workers(args.workers)
     if args.attempts < max(workers):
@@ -206,8 +259,8 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def _turn(args: argparse.Namespace) -> int:
-    from ledger.tools.bench import turn
-    from ledger.tools.bench.common import parse_choices, parse_counts
+    from benchmarks import turn
+    from benchmarks.common import parse_choices, parse_counts
 
     conc = parse_counts(args.concurrency, "concurrency")
     drivers = parse_choices(args.drivers, "drivers", turn.DRIVERS)
@@ -220,8 +273,8 @@ def _turn(args: argparse.Namespace) -> int:
 
 
 def _flat(args: argparse.Namespace) -> int:
-    from ledger.tools.bench import flat, turn
-    from ledger.tools.bench.common import parse_choices
+    from benchmarks import flat, turn
+    from benchmarks.common import parse_choices
 
     drivers = parse_choices(args.drivers, "drivers", turn.DRIVERS)
     _positive(args.window, "window")
@@ -234,7 +287,7 @@ def _flat(args: argparse.Namespace) -> int:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from ledger.tools.bench import recover
+    from benchmarks import recover
 
     if args.scale <= 0:
         raise InvalidArgument("--scale must be > 0", field="scale")
@@ -251,10 +304,100 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _select(args: argparse.Namespace) -> int:
-    from ledger.tools.bench import selector
+    from benchmarks import selector
 
     _positive(args.iterations, "iterations")
     report_to = _Reporter("select", False)
     report = selector.run(iterations=args.iterations, progress=report_to)
     report_to.finish()
     return _print(report, args.json)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from benchmarks.audit import bench_audit
+    from ledger.cli.ops_cmd import open_reader, table
+    from ledger.ops.audit import Audit
+
+    if args.repeat < 1:
+        raise InvalidArgument("--repeat must be >= 1", field="repeat")
+    audit = Audit(open_reader(_ledger_db(args)))
+    try:
+        bar = Progress("bench audit", wanted(args.progress))
+        rows = bench_audit(audit, repeat=args.repeat, progress=bar)
+        bar.close()
+        backend = audit.ledger.backend
+    finally:
+        audit.ledger.close()
+    if args.json:
+        sys.stdout.write(json.dumps({"backend": backend, "results": [
+            {"query": r.query, "p50_ms": round(r.p50_ms, 3), "p95_ms": round(r.p95_ms, 3),
+             "max_ms": round(r.max_ms, 3), "rows": r.rows, "target_ms": r.target_ms,
+             "ok": r.ok} for r in rows]}, indent=2) + "\n")
+        return 0
+    print(f"audit query latency on {backend} (ms over {args.repeat} runs; newest day)")
+    print(table(["QUERY", "P50", "P95", "MAX", "ROWS", "TARGET"],
+                [[r.query, f"{r.p50_ms:.2f}", f"{r.p95_ms:.2f}", f"{r.max_ms:.2f}", r.rows,
+                  "-" if r.target_ms is None else
+                  f"<{r.target_ms:.0f} {'ok' if r.ok else 'MISSED'}"] for r in rows]))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from benchmarks.generate import POLICY_HASH, generate
+    from ledger.api.facade import Ledger, storage_of
+    from ledger.domain.timefmt import iso
+
+    if args.attempts < 1:
+        raise InvalidArgument("--attempts must be >= 1", field="attempts")
+    if args.days <= 0:
+        raise InvalidArgument("--days must be > 0", field="days")
+    led = Ledger.open(_ledger_db(args))
+    try:
+        if not args.into_existing:
+            store = storage_of(led)
+            other = store.first_run_other_than(policy_hash=POLICY_HASH)
+            if other is not None:
+                raise InvalidArgument(
+                    f"{store.where} holds runs that the bulk generator did not write (e.g. "
+                    f"{other!r}); synthetic history would mix into their audit answers. Point "
+                    "--db at a new database, or pass --into-existing to add it anyway",
+                    field="into_existing", run_id=other)
+        end = args.end if args.end is not None else time.time()
+        bar = Progress("generate", wanted(args.progress))
+        t0 = time.monotonic()
+        st = generate(led, attempts=args.attempts, days=args.days, end=end, seed=args.seed,
+                      progress=bar)
+        bar.close()
+        took = time.monotonic() - t0
+    finally:
+        led.close()
+    summary = {"runs": st.runs, "attempts": st.attempts, "failed": st.failed,
+               "unknown": st.unknown, "not_sent": st.not_sent, "dispatching": st.dispatching,
+               "failovers": st.failovers, "events": st.events, "since": st.since,
+               "until": st.until, "seconds": round(took, 2)}
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    else:
+        print(f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
+              f"{st.unknown} unknown, {st.not_sent} not sent, {st.dispatching} dispatching; "
+              f"{st.failovers} runs failed over; {st.events} events) from "
+              f"{iso(st.since)} to {iso(st.until)} in {took:.1f} s")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one benchmark command; its exit code (2 for bad input, 1 for a failed benchmark)."""
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        rc = int(func(args))
+        sys.stdout.flush()
+        return rc
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except LedgerError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

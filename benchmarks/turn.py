@@ -1,4 +1,4 @@
-"""``failover-ledger bench turn``: the whole ``aexecute``/``execute`` path against a local fake
+"""``python -m benchmarks turn``: the whole ``aexecute``/``execute`` path against a local fake
 provider.
 
 What a user runs: a Run admitted and leased, then turns served by ``aexecute`` (async tasks) or
@@ -25,7 +25,7 @@ same machine load. Reported per row:
   HTTP client; the fake provider runs elsewhere) and the reference's CPU per call, whose
   difference is the ledger's own CPU;
 * **database transactions per call**, counted in a separate pass after the timed one (see
-  :mod:`ledger.tools.bench.txcount`).
+  :mod:`benchmarks.txcount`).
 
 The floor's two-commit time (raw driver, prepared statements, autocommit, c=1) is measured on
 the same database at the start, so the overhead can be read against the issue's targets: floor
@@ -48,15 +48,8 @@ from typing import Any
 
 import httpx
 
-from ledger.api.facade import AsyncLedger, Ledger
-from ledger.domain.envelope import Envelope, Part
-from ledger.domain.facts import WireProtocol
-from ledger.domain.records import Lease
-from ledger.domain.values import Budget, Price, Route
-from ledger.policy.load import preset
-from ledger.policy.model import Policy
-from ledger.tools.bench import defaults
-from ledger.tools.bench.common import (
+from benchmarks import defaults
+from benchmarks.common import (
     BenchError,
     Column,
     MachineProbe,
@@ -67,8 +60,15 @@ from ledger.tools.bench.common import (
     percentile,
     quiet,
 )
-from ledger.tools.bench.fake import FakeServer
-from ledger.tools.bench.txcount import TxCount, TxCounter, counting
+from benchmarks.fake import FakeServer
+from benchmarks.txcount import TxCount, TxCounter, counting
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import WireProtocol
+from ledger.domain.records import Lease
+from ledger.domain.values import Budget, Price, Route
+from ledger.policy.load import preset
+from ledger.policy.model import Policy
 
 DRIVERS = ("async", "sync")
 SCENARIOS = ("healthy", "failover")
@@ -544,7 +544,7 @@ def bench_database(url: str, backend: str, fake: FakeServer, *,
                    progress: Progress = quiet) -> tuple[list[TurnRow], float]:
     """Every (driver, scenario, concurrency) on one database; returns the rows and the floor's
     two-commit time (ms, median, c=1)."""
-    from ledger.tools.bench.write import floor_two_commit_ms
+    from benchmarks.write import floor_two_commit_ms
 
     Ledger.open(url).close()  # migrate before the counter sees anything
     progress(f"bench turn: {backend}: the floor's two-commit time")

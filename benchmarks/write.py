@@ -1,9 +1,9 @@
-"""``failover-ledger bench write``: begin+settle Attempts per second beside the physical floor.
+"""``python -m benchmarks write``: begin+settle Attempts per second beside the physical floor.
 
 At each worker count (workers are OS processes, started with ``spawn``), against one database:
 
 * **floor**: every worker does the physical floor of an Attempt through the raw driver,
-  prepared statements and autocommit (:mod:`ledger.storage.baseline`): one single-row INSERT
+  prepared statements and autocommit (:mod:`benchmarks.floor`): one single-row INSERT
   commit plus one single-row UPDATE commit;
 * **ledger**: every worker admits its own Run, takes its lease and records Attempts with
   ``Ledger.begin_attempt`` then ``Ledger.settle_attempt`` (succeeded, with a cost and tokens),
@@ -33,11 +33,8 @@ from decimal import Decimal
 from multiprocessing.synchronize import Barrier
 from typing import Any, Literal
 
-from ledger.api.facade import Ledger
-from ledger.domain.values import Budget, Price, Route
-from ledger.storage import baseline
-from ledger.tools.bench import defaults
-from ledger.tools.bench.common import (
+from benchmarks import defaults, floor
+from benchmarks.common import (
     BenchError,
     Column,
     MachineProbe,
@@ -46,6 +43,8 @@ from ledger.tools.bench.common import (
     fmt,
     quiet,
 )
+from ledger.api.facade import Ledger
+from ledger.domain.values import Budget, Price, Route
 
 TARGET_RATIO = 0.8
 DEFAULT_WORKERS = (1, 8)
@@ -155,7 +154,7 @@ def _ledger_worker(url: str, tag: str, n: int, warmup: int, barrier: Barrier, ev
 
 def _floor_worker(url: str, tag: str, n: int, warmup: int, barrier: Barrier
                   ) -> tuple[float, float, float]:
-    writer = baseline.open_writer(url, tag)
+    writer = floor.open_writer(url, tag)
     try:
         for i in range(warmup):
             writer.attempt(f"{tag}-w{i}", time.time())
@@ -224,21 +223,21 @@ def measure(url: str, mode: Mode, workers: int, attempts: int,
 def prepared(url: str) -> Iterator[None]:
     """Migrate the ledger schema and create the floor's table; drop the table afterwards."""
     Ledger.open(url).close()
-    baseline.create_table(url)
+    floor.create_table(url)
     try:
         yield
     finally:
-        baseline.drop_table(url)
+        floor.drop_table(url)
 
 
 def floor_two_commit_ms(url: str, attempts: int = 300, warmup: int = 20) -> float:
     """The floor's median wall time of one attempt (two commits) on one connection, in ms;
     creates and drops the floor's table."""
-    from ledger.tools.bench.common import percentile
+    from benchmarks.common import percentile
 
-    baseline.create_table(url)
+    floor.create_table(url)
     try:
-        writer = baseline.open_writer(url, "two-commit")
+        writer = floor.open_writer(url, "two-commit")
         try:
             for i in range(warmup):
                 writer.attempt(f"w{i}", time.time())
@@ -250,7 +249,7 @@ def floor_two_commit_ms(url: str, attempts: int = 300, warmup: int = 20) -> floa
         finally:
             writer.close()
     finally:
-        baseline.drop_table(url)
+        floor.drop_table(url)
     return percentile(times, 0.5)
 
 

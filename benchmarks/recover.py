@@ -1,9 +1,9 @@
-"""``failover-ledger bench recover``: restart-time recovery of many unknown attempts over a long
+"""``python -m benchmarks recover``: restart-time recovery of many unknown attempts over a long
 history.
 
 1. **History**: ``history`` attempts (default 1,000,000) of finished synthetic runs, written by
-   the bulk path of ``ledger generate`` (:func:`ledger.tools.generate.generate`), ending at ``E`` =
-   now. Its few still-running runs keep leases that outlive the whole benchmark.
+   the bulk generator (:func:`benchmarks.generate.generate`), ending at ``E`` = now. Its few
+   still-running runs keep leases that outlive the whole benchmark.
 2. **Unknown work**: a dead executor's runs: ``unknown`` dispatching attempts (default 10,000),
    ``per_run`` in each run, made through the public API (``admit_run``, ``acquire_lease``,
    ``begin_attempt``) on a :class:`~ledger.clock.ManualClock` an hour before ``E``, with
@@ -30,12 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
 
-from ledger.api.facade import Ledger, storage_of
-from ledger.clock import ManualClock
-from ledger.domain.values import Budget, Price, Route
-from ledger.ops.recovery import DEFAULT_LIMIT, recover
-from ledger.tools.bench import defaults
-from ledger.tools.bench.common import (
+from benchmarks import defaults
+from benchmarks.common import (
     BenchError,
     Column,
     MachineProbe,
@@ -45,6 +41,10 @@ from ledger.tools.bench.common import (
     percentile,
     quiet,
 )
+from ledger.api.facade import Ledger
+from ledger.clock import ManualClock
+from ledger.domain.values import Budget, Price, Route
+from ledger.ops.recovery import DEFAULT_LIMIT, recover
 
 DEFAULT_HISTORY = 1_000_000
 DEFAULT_UNKNOWN = 10_000
@@ -93,7 +93,7 @@ COLUMNS = (
 
 
 def _history(led: Ledger, attempts: int, end: float, progress: Progress, backend: str) -> None:
-    from ledger.tools.generate import generate
+    from benchmarks.generate import generate
 
     step = max(attempts // 10, 1)
     last = [0]
@@ -103,9 +103,8 @@ def _history(led: Ledger, attempts: int, end: float, progress: Progress, backend
             last[0] = done
             progress(f"bench recover: {backend}: history {done:,}/{total:,} attempts")
 
-    # The generator's bulk path is a tool beside the ledger, not the ledger's write path; it is
-    # given the ledger's storage port, as ``ledger generate`` does.
-    generate(storage_of(led), attempts=attempts, days=7.0, end=end, seed=1, progress=tick)
+    # The bulk generator writes beside the ledger's write path, through its engine.
+    generate(led, attempts=attempts, days=7.0, end=end, seed=1, progress=tick)
 
 
 def _dead_executor(url: str, runs: int, per_run: int, at: float, workers: int,

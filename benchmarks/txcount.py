@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ledger.tools.bench.common import BenchError
+from benchmarks.common import BenchError
 
 PG_IDLE_FLUSH_S = 10.5  # PGSTAT_IDLE_INTERVAL (10 s) plus a margin
 
@@ -191,7 +191,7 @@ class PgTxCounter:
                  timeout_s: float = 120.0) -> None:
         import psycopg
 
-        from ledger.storage.baseline import pg_connect_args
+        from benchmarks.floor import pg_connect_args
 
         args = pg_connect_args(url)
         self.dbname = str(args.get("dbname") or "")
@@ -256,7 +256,7 @@ class PgTxCounter:
 def counter_for(backend: str, url: str, *, idle_flush_s: float = PG_IDLE_FLUSH_S) -> TxCounter:
     """The transaction counter for one bench database."""
     if backend == "sqlite":
-        from ledger.storage.baseline import sqlite_path
+        from benchmarks.floor import sqlite_path
 
         return SqliteTxCounter(sqlite_path(url))
     return PgTxCounter(url, idle_flush_s=idle_flush_s)

@@ -1,4 +1,4 @@
-"""``failover-ledger bench turns-flat``: does a turn cost more when the Run is longer?
+"""``python -m benchmarks turns-flat``: does a turn cost more when the Run is longer?
 
 One Run, ``turns`` sequential healthy turns (default 1,000) through ``aexecute`` (or ``execute``)
 and the shipped adapter against the local fake provider. The envelopes grow like a
@@ -11,7 +11,7 @@ Reported: mean latency and client CPU of turns 1..W and of the last W turns (W =
 ratio, and beside each window a raw httpx call of the same request body right after each turn
 (not inside its timing), so growth that comes from the larger request itself (encoding, the
 fake's parsing, the network) is separated from the ledger's. Database transactions per turn are
-counted over both windows (see :mod:`ledger.tools.bench.txcount`); on PostgreSQL the ledger is
+counted over both windows (see :mod:`benchmarks.txcount`); on PostgreSQL the ledger is
 closed after each counted window and reopened, which the counter needs to read the server's
 statistics, and which no measured turn sees.
 """
@@ -30,11 +30,8 @@ from typing import Any
 
 import httpx
 
-from ledger.api.facade import AsyncLedger, Ledger
-from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT, Envelope, Part
-from ledger.domain.values import Budget, Grant
-from ledger.tools.bench import defaults
-from ledger.tools.bench.common import (
+from benchmarks import defaults
+from benchmarks.common import (
     BenchError,
     Column,
     MachineProbe,
@@ -46,9 +43,12 @@ from ledger.tools.bench.common import (
     percentile,
     quiet,
 )
-from ledger.tools.bench.fake import FakeServer
-from ledger.tools.bench.turn import FAKE_DEFAULTS, EventLoopThread, plans
-from ledger.tools.bench.txcount import TxCount, TxCounter, counting
+from benchmarks.fake import FakeServer
+from benchmarks.turn import FAKE_DEFAULTS, EventLoopThread, plans
+from benchmarks.txcount import TxCount, TxCounter, counting
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT, Envelope, Part
+from ledger.domain.values import Budget, Grant
 
 DEFAULT_TURNS = defaults.FLAT_TURNS
 DEFAULT_WINDOW = defaults.FLAT_WINDOW

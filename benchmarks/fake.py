@@ -14,7 +14,7 @@ import multiprocessing as mp
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 
-from ledger.tools.bench.common import BenchError
+from benchmarks.common import BenchError
 
 START_TIMEOUT_S = 60.0
 

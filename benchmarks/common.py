@@ -205,7 +205,7 @@ def targets(*, db: str | None, postgres: bool, sqlite: bool = True, bench: str,
     ``sqlite=False``) and, with ``postgres``, a throwaway PostgreSQL server started with
     production durability (fsync on), each removed afterwards.
     """
-    from ledger.storage.baseline import backend
+    from benchmarks.floor import backend
 
     skipped: list[str] = []
     if db is not None:

@@ -1,4 +1,4 @@
-"""``failover-ledger bench select``: the selector's cost per decision, in microseconds.
+"""``python -m benchmarks select``: the selector's cost per decision, in microseconds.
 
 :func:`ledger.decide.select.select` is pure (no clock, no store), so this benchmark needs no
 database. It times ``select`` on prepared inputs over many iterations and reports p50, p95 and
@@ -30,6 +30,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from benchmarks import defaults
+from benchmarks.common import (
+    BenchError,
+    Column,
+    MachineProbe,
+    Progress,
+    Report,
+    fmt,
+    mean,
+    percentile,
+    quiet,
+)
 from ledger.decide.classify import classify
 from ledger.decide.preflight import Denials
 from ledger.decide.select import Decision, RunPermissions, SelectionInput, select
@@ -44,18 +56,6 @@ from ledger.domain.envelope import (
 from ledger.domain.facts import Observation, Phase, WireProtocol
 from ledger.domain.values import Capabilities, Grant, GroupMode, GroupProjection, Health, Route
 from ledger.policy.load import preset
-from ledger.tools.bench import defaults
-from ledger.tools.bench.common import (
-    BenchError,
-    Column,
-    MachineProbe,
-    Progress,
-    Report,
-    fmt,
-    mean,
-    percentile,
-    quiet,
-)
 
 DEFAULT_ITERATIONS = defaults.SELECT_ITERATIONS
 WARMUP = 500

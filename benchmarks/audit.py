@@ -1,4 +1,4 @@
-"""Latency of each audit query on a (generated) ledger: ``failover-ledger bench audit``.
+"""Latency of each audit query on a (generated) ledger: ``python -m benchmarks audit``.
 
 Each query runs ``repeat`` times over the newest day of history (the aggregates' target window)
 after one untimed warm-up; the report gives the median, p95 and worst wall time in milliseconds.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ledger.api.facade import storage_of
+from benchmarks.bulk import history_bounds, sample_route, sample_runs
 from ledger.errors import NotFound
 from ledger.ops.audit import Audit
 
@@ -48,15 +48,15 @@ def _count(result: Any) -> int:
 
 def bench_audit(audit: Audit, *, repeat: int = 5,
                 progress: Callable[[int, int], None] | None = None) -> list[BenchRow]:
-    store = storage_of(audit.ledger)
-    lo, hi = store.history_bounds()
+    led = audit.ledger
+    lo, hi = history_bounds(led)
     if hi is None or lo is None:
         raise NotFound("the ledger has no attempts to measure; fill it with "
-                       "`failover-ledger generate`")
+                       "`python -m benchmarks generate` (or `failover-ledger generate`)")
     until = hi + 1.0
     since = until - DAY
-    run_ids = store.sample_runs(since=since, until=until, n=max(repeat, 1) + 1)
-    route = store.sample_route()
+    run_ids = sample_runs(led, since=since, until=until, n=max(repeat, 1) + 1)
+    route = sample_route(led)
     if not run_ids or route is None:
         raise NotFound("the ledger has no runs in its newest day of history")
     cases: list[tuple[str, float | None, Callable[[int], Any]]] = [
