@@ -37,7 +37,7 @@ from ledger.domain.media import (
     human_bytes,
     kind_of,
 )
-from ledger.domain.validation import Id, LedgerModel, Problem, Text
+from ledger.domain.validation import Id, Problem, StrictModel, Text
 from ledger.domain.values import content_hash
 
 # Data classes the ledger knows; a host may use any other string for classes it registers.
@@ -63,7 +63,7 @@ def _json_data(value: Any) -> Any:
     return value
 
 
-class Part(LedgerModel):
+class Part(StrictModel):
     """One part of a prepared request: text, or an image or a document.
 
     A text part has ``content``. A binary part carries an image or a document either as bytes
@@ -302,7 +302,7 @@ def _decoded(url: str) -> bytes:
     return decode_data_url(url)[1]
 
 
-class ToolSpec(LedgerModel):
+class ToolSpec(StrictModel):
     """A tool the model may call (its description is data too).
 
     ``name`` is an identifier; ``parameters`` (a JSON schema) must be JSON data.
@@ -316,7 +316,7 @@ class ToolSpec(LedgerModel):
     _parameters_are_json = field_validator("parameters")(_json_data)
 
 
-class Envelope(LedgerModel):
+class Envelope(StrictModel):
     """The complete request. Its :attr:`hash` is what an Attempt records.
 
     ``params`` (temperature, top_p, ...) must be JSON data; ``max_output_tokens`` an integer

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, StrictBool
 
-from ledger.domain.validation import HttpStatus, LedgerModel
+from ledger.domain.validation import HttpStatus, StrictModel
 
 
 class Category(StrEnum):
@@ -122,7 +122,7 @@ _DEFAULT_PHASE: dict[Transport, Phase] = {
 }
 
 
-class Observation(LedgerModel):
+class Observation(StrictModel):
     """Raw evidence about one failed call. Every field is optional.
 
     ``status`` is an integer 0 to 999 (the three digits of a status line); the texts are evidence
@@ -162,7 +162,7 @@ class Observation(LedgerModel):
         return None
 
 
-class FailureFact(LedgerModel):
+class FailureFact(StrictModel):
     """The structured classification of an observed failure.
 
     ``status`` is an integer 0 to 999; ``retry_after_s`` a finite number of seconds >= 0.

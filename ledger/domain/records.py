@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from enum import StrEnum
+from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
 
 from ledger.domain.facts import FailureFact
@@ -221,27 +222,67 @@ class RunRecord(FrozenRun, RunState):
         return self.current_profile
 
     @property
+    def left(self) -> Left:
+        """What is left of the Run's budget (:func:`budget_left`)."""
+        b = self.budget
+        return budget_left(SimpleNamespace(
+            max_calls=b.max_calls, carved_calls=self.carved_calls, calls_used=self.calls_used,
+            max_retries=b.max_retries, carved_retries=self.carved_retries,
+            retries_used=self.retries_used, max_cost_micros=to_micros(b.max_cost),
+            carved_micros=to_micros(self.carved), reserved_micros=to_micros(self.reserved),
+            posted_micros=to_micros(self.posted), max_tokens=b.max_tokens,
+            carved_tokens=self.carved_tokens, tokens_reserved=self.tokens_reserved,
+            tokens_used=self.tokens_used))
+
+    @property
     def calls_left(self) -> int:
         """Model calls the Run may still begin."""
-        return self.budget.max_calls - self.carved_calls - self.calls_used
+        return self.left.calls
 
     @property
     def retries_left(self) -> int:
         """Retry permissions (further Attempts of a turn) the Run still has."""
-        return self.budget.max_retries - self.carved_retries - self.retries_used
+        return self.left.retries
 
     @property
     def cost_left(self) -> Decimal:
         """Cost budget neither held, spent nor carved out for children (currency units)."""
-        return self.budget.max_cost - self.carved - self.reserved - self.posted
+        return from_micros(self.left.micros)
 
     @property
     def tokens_left(self) -> int | None:
         """Tokens the Run may still hold or spend (``None``: no token budget)."""
-        if self.budget.max_tokens is None:
-            return None
-        return (self.budget.max_tokens - self.carved_tokens - self.tokens_reserved
-                - self.tokens_used)
+        return self.left.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """What is left of a Run's budget: neither used, held, nor carved out for its Children.
+
+    ``micros`` is money in millionths; ``tokens`` is ``None`` without a token budget.
+    """
+
+    calls: int
+    retries: int
+    micros: int
+    tokens: int | None
+
+
+def budget_left(run: Any) -> Left:
+    """What is left of the budget of ``run``; the one place this is said.
+
+    ``run`` is anything with the ledger's run counters by their column names (a row, a
+    namespace), money in micros.
+    """
+    tokens = None
+    if run.max_tokens is not None:
+        tokens = run.max_tokens - run.carved_tokens - run.tokens_reserved - run.tokens_used
+    return Left(
+        calls=run.max_calls - run.carved_calls - run.calls_used,
+        retries=run.max_retries - run.carved_retries - run.retries_used,
+        micros=(run.max_cost_micros - run.carved_micros - run.reserved_micros
+                - run.posted_micros),
+        tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -358,12 +399,14 @@ __all__ = [
     "EventRecord",
     "FrozenRun",
     "Lease",
+    "Left",
     "Outcome",
     "Page",
     "Queued",
     "RunRecord",
     "RunState",
     "RunStatus",
+    "budget_left",
     "from_micros",
     "to_micros",
 ]

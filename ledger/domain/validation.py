@@ -1,7 +1,7 @@
 """The one place pydantic's ``ValidationError`` becomes :class:`~ledger.errors.InvalidArgument`.
 
 Every public value model (routes, budgets, grants, envelopes, facts, ...) derives from
-:class:`LedgerModel`. Building one (``Route(...)``), validating data into one
+:class:`StrictModel`. Building one (``Route(...)``), validating data into one
 (``Route.model_validate(...)``, ``model_validate_json``, ``model_validate_strings``) or assigning
 to one (they are frozen) raises ``InvalidArgument`` and never pydantic's error:
 
@@ -105,7 +105,7 @@ HttpStatus = Annotated[StrictInt, Field(ge=0, le=999)]
 (a hostile server may send 042 or 999); each fits the status column on both backends."""
 
 
-class LedgerModel(BaseModel):
+class StrictModel(BaseModel):
     """Base of the ledger's public value models.
 
     Frozen, no unknown fields, and every validation problem an :class:`InvalidArgument` naming
@@ -495,9 +495,9 @@ __all__ = [
     "HttpStatus",
     "Id",
     "Instant",
-    "LedgerModel",
     "Problem",
     "Seconds",
+    "StrictModel",
     "Text",
     "check_known_keys",
     "check_secret_provider",

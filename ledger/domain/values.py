@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 from ledger.domain.bounds import MAX_AMOUNT, MAX_COUNT, MAX_TOKENS, canonical_decimal
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MAX_BINARY_BYTES
-from ledger.domain.validation import Count, Id, Instant, LedgerModel, Problem, Text
+from ledger.domain.validation import Count, Id, Instant, Problem, StrictModel, Text
 
 # A route's endpoint is a URL. Only its size is bounded here: an endpoint that cannot make a
 # request is the adapter's `cannot_build` result (the Run skips that route), not misuse.
@@ -35,14 +35,14 @@ class ProfileType(StrEnum):
     API_KEY = "api_key"
 
 
-class Profile(LedgerModel):
+class Profile(StrictModel):
     """A credential profile: only its id and type are stored, never the secret."""
 
     id: Id
     type: ProfileType = ProfileType.API_KEY
 
 
-class Capabilities(LedgerModel):
+class Capabilities(StrictModel):
     """What a route can serve. ``None`` means unknown and is no restriction.
 
     Attributes:
@@ -79,7 +79,7 @@ class Capabilities(LedgerModel):
         return sorted(set(v)) if v is not None else None
 
 
-class Price(LedgerModel):
+class Price(StrictModel):
     """Price per million tokens, in the ledger's currency unit."""
 
     input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=MAX_AMOUNT,
@@ -99,7 +99,7 @@ class Price(LedgerModel):
         ) / Decimal(1_000_000)
 
 
-class Route(LedgerModel):
+class Route(StrictModel):
     """One concrete way to call a model: a provider's model, at an endpoint, with credentials.
 
     A Run's plan is a list of Routes, frozen at admission; an Attempt always uses a frozen one.
@@ -167,7 +167,7 @@ class Route(LedgerModel):
         return v
 
 
-class Grant(LedgerModel):
+class Grant(StrictModel):
     """Which recipients may receive which data classes, and which roles the run may use.
 
     ``recipients`` maps a recipient to the data classes approved for it.
@@ -192,7 +192,7 @@ class Grant(LedgerModel):
         return data_class in self.recipients.get(recipient, [])
 
 
-class Budget(LedgerModel):
+class Budget(StrictModel):
     """The bounds of a Run. Cost is in the ledger's currency unit (e.g. USD).
 
     ``max_calls``: physical model calls (Attempts that may have reached a provider);
@@ -221,7 +221,7 @@ class GroupMode(StrEnum):
     UNAVAILABLE = "unavailable"
 
 
-class GroupProjection(LedgerModel):
+class GroupProjection(StrictModel):
     """Admission's view of a capacity group, as the selector reads it."""
 
     group: Id
@@ -235,7 +235,7 @@ class GroupProjection(LedgerModel):
     waiting: Count = 0
 
 
-class Health(LedgerModel):
+class Health(StrictModel):
     """Health of one key (a route id, or a credential profile id)."""
 
     key: Id

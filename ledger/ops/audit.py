@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from enum import Enum
+from types import SimpleNamespace
 from typing import Any
 
 from ledger.api.arguments import MAX_CURSOR, attempt_filters, limit_arg
@@ -38,6 +39,7 @@ from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, 
 from ledger.domain.validation import checked_calls
 from ledger.errors import InvalidArgument, NotFound
 from ledger.storage.port import TOTALS_KEYS
+from ledger.storage.rows import attempt_record
 
 OPEN_STATES = ("unknown", "dispatching")
 # The attempts that can cause a failover; a not_sent one only with a failure category (a
@@ -472,28 +474,6 @@ def _wait(ev: AuditEvent) -> Wait:
                 at=ev.created_at)
 
 
-def _attempt_record(row: Mapping[str, Any]) -> AttemptRecord:
-    from ledger.domain.records import AttemptKind, AttemptState
-
-    return AttemptRecord(
-        attempt_id=row["attempt_id"], run_id=row["run_id"], turn_id=row["turn_id"],
-        seq=row["seq"], kind=AttemptKind(row["kind"]), route_id=row["route_id"],
-        provider=row["provider"], model=row["model"], group_id=row["group_id"],
-        profile_id=row["profile_id"], debit_id=row["debit_id"],
-        envelope_hash=row["envelope_hash"], state=AttemptState(row["state"]),
-        reject_reason=row["reject_reason"],
-        fact=FailureFact.model_validate_json(row["fact"]) if row["fact"] else None,
-        category=row["category"], http_status=row["http_status"],
-        effective_output=bool(row["effective_output"]), tool_started=bool(row["tool_started"]),
-        prompt_tokens=row["prompt_tokens"], completion_tokens=row["completion_tokens"],
-        cost=from_micros(row["cost_micros"]) if row["cost_micros"] is not None else None,
-        reserved=from_micros(row["reserved_micros"]),
-        reserved_tokens=int(row.get("reserved_tokens") or 0), model_reported=row["model_reported"],
-        output_hash=row["output_hash"], fence=row["fence"], executor=row["executor"],
-        created_at=row["created_at"], settled_at=row["settled_at"],
-    )
-
-
 def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
     if row["disabled_until"] is not None and row["disabled_until"] > now:
         status = "disabled"
@@ -877,8 +857,8 @@ class Audit:
         for r in rows:
             live = (r["lease_expires_at"] is not None and r["lease_expires_at"] > now
                     and r["run_fence"] == r["fence"])
-            out.append(OpenAttempt(_attempt_record(r), r["lease_holder"], r["lease_expires_at"],
-                                   live))
+            out.append(OpenAttempt(attempt_record(SimpleNamespace(**r), r["debit_state"]),
+                                   r["lease_holder"], r["lease_expires_at"], live))
         return Page(out, nxt)
 
     def health(self, now: float | None = None, *,

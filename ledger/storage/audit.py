@@ -36,8 +36,8 @@ from sqlalchemy import (
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
+from ledger.storage.encode import fact_member
 from ledger.storage.port import TOTALS_KEYS, RowMap
-from ledger.storage.statements import fact_member
 
 if TYPE_CHECKING:
     from ledger.storage.store import SqlStore as Store
@@ -313,9 +313,12 @@ def open_attempts(store: Store, *, states: Sequence[str], since: float | None,
     a = s.attempts.c
     r = s.runs.c
     conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
+    d = s.debits.c
     q = (select(s.attempts, r.lease_holder.label("lease_holder"),
-                r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"))
+                r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"),
+                d.state.label("debit_state"))
          .join(s.runs, r.run_id == a.run_id)
+         .outerjoin(s.debits, d.debit_id == a.debit_id)
          .where(a.state.in_(list(states)), *conds)
          .order_by(a.created_at.desc(), a.attempt_id.desc()).limit(limit + 1))
     with store.reading() as conn:

@@ -31,6 +31,7 @@ from ledger.domain.records import (
     Outcome,
     Queued,
     RunStatus,
+    budget_left,
     from_micros,
 )
 from ledger.domain.specs import BeginSpec, GroupUpdate, HealthUpdate, SettleSpec
@@ -50,9 +51,9 @@ from ledger.errors import (
 )
 from ledger.redaction import redact
 from ledger.storage.driver import Flush, Q, Tx
-from ledger.storage.port import Snapshot
+from ledger.storage.encode import event_json, fact_json, health_values
+from ledger.storage.port import SnapshotRows
 from ledger.storage.rows import attempt_record, health_record, written_attempt
-from ledger.storage.statements import event_json, fact_json, health_values
 
 ClockFn = Callable[[], float]
 #: The PostgreSQL channel told (payload: the group id) when a slot of a group with waiters is
@@ -79,7 +80,8 @@ RUN_LIVE_COLS = (
 BEGIN_RUN_COLS = (
     "fence", "lease_holder", "lease_expires_at", "max_calls", "carved_calls", "calls_used",
     "max_cost_micros", "carved_micros", "reserved_micros", "posted_micros", "max_retries",
-    "carved_retries", "retries_used", "max_tokens", "tokens_reserved", "tokens_used",
+    "carved_retries", "retries_used", "max_tokens", "carved_tokens", "tokens_reserved",
+    "tokens_used",
 )
 GROUP_COLS = ("group_id", "max_in_flight", "mode", "until", "sampled_at")
 
@@ -89,7 +91,7 @@ def _ns(cols: Sequence[str], row: Sequence[Any]) -> SimpleNamespace:
 
 
 class Sql(abc.ABC):
-    """The hot path's statements. What differs between the databases is said once, by
+    """The hot path's encode. What differs between the databases is said once, by
     :class:`SqliteSql` and :class:`PostgresSql`: a few spellings (class attributes), how a list
     parameter is passed and how the writes that end a transaction are sent (methods)."""
 
@@ -411,7 +413,7 @@ RETRY_COLS = ("fence", "lease_holder", "lease_expires_at", "max_retries", "carve
 
 
 def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Tx[Snapshot]:
+                runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Tx[SnapshotRows]:
     listed = sql.list_param(groups)
     items = [Q(sql.run_live, {"run_id": run_id}),
              Q(sql.groups, {"groups": listed}),
@@ -440,7 +442,7 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
     prov: dict[str, set[str]] = {}
     for ref, digest in (res[4] if refs else ()):
         prov.setdefault(ref, set()).add(digest)
-    return Snapshot(run, projections, health, {k: frozenset(v) for k, v in prov.items()}, now)
+    return SnapshotRows(run, projections, health, {k: frozenset(v) for k, v in prov.items()}, now)
 
 
 # -- begin -------------------------------------------------------------------------------------
@@ -543,37 +545,34 @@ def _refused(spec: BeginSpec, rejected: tuple[str, float | None], seq: int | Non
 
 
 def _check_allowances(spec: BeginSpec, run: Any) -> None:
-    if run.max_calls - run.carved_calls - run.calls_used <= 0:
+    left = budget_left(run)
+    if left.calls <= 0:
         raise AllowanceExhausted(
             f"run {spec.run_id!r} has used its model-call allowance "
             f"({run.calls_used} of {run.max_calls}); nothing was sent",
             run_id=spec.run_id, route=spec.route.id, field="calls",
         )
-    if spec.take_retry and run.max_retries - run.carved_retries - run.retries_used <= 0:
+    if spec.take_retry and left.retries <= 0:
         raise AllowanceExhausted(
             f"run {spec.run_id!r} has no retry permission left ({run.retries_used} of "
             f"{run.max_retries} used); every further attempt of a turn takes one",
             run_id=spec.run_id, route=spec.route.id, field="retries",
         )
-    available = (run.max_cost_micros - run.carved_micros - run.reserved_micros
-                 - run.posted_micros)
-    if spec.reserve_micros > available:
+    if spec.reserve_micros > left.micros:
         raise BudgetExceeded(
             f"a hold of {from_micros(spec.reserve_micros)} would overdraw run "
-            f"{spec.run_id!r} (left: {from_micros(available)}); nothing was sent",
+            f"{spec.run_id!r} (left: {from_micros(left.micros)}); nothing was sent",
             run_id=spec.run_id, route=spec.route.id, field="cost",
             requested=str(from_micros(spec.reserve_micros)),
-            available=str(from_micros(available)),
+            available=str(from_micros(left.micros)),
         )
-    if run.max_tokens is not None:
-        tokens_left = run.max_tokens - run.tokens_reserved - run.tokens_used
-        if spec.reserve_tokens > tokens_left:
-            raise BudgetExceeded(
-                f"a hold of {spec.reserve_tokens} tokens would overdraw run "
-                f"{spec.run_id!r}'s token budget (left: {tokens_left}); nothing was sent",
-                run_id=spec.run_id, route=spec.route.id, field="tokens",
-                requested=spec.reserve_tokens, available=tokens_left,
-            )
+    if left.tokens is not None and spec.reserve_tokens > left.tokens:
+        raise BudgetExceeded(
+            f"a hold of {spec.reserve_tokens} tokens would overdraw run "
+            f"{spec.run_id!r}'s token budget (left: {left.tokens}); nothing was sent",
+            run_id=spec.run_id, route=spec.route.id, field="tokens",
+            requested=spec.reserve_tokens, available=left.tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -1065,7 +1064,7 @@ __all__ = [
     "QUEUE_CHANNEL",
     "SQLITE_SQL",
     "PostgresSql",
-    "Snapshot",
+    "SnapshotRows",
     "Sql",
     "SqliteSql",
     "acquire_tx",

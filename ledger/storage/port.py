@@ -56,7 +56,7 @@ TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class SnapshotRows:
     """What one routing decision reads, in one read transaction (:meth:`StoragePort.turn_snapshot`).
 
     ``run`` holds the Run's live columns by name (counters, current route and profile, lease,
@@ -155,7 +155,7 @@ class StoragePort(Protocol):
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
                       runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                      ) -> Flow[Snapshot]:
+                      ) -> Flow[SnapshotRows]:
         """One read: the live row of ``run_id``, the projections of ``groups``, the health
         rows of ``keys`` and the provenance of ``refs`` recorded by ``runs`` (the Run and its
         ancestors). Raises :class:`~ledger.errors.NotFound` for an unknown run."""
@@ -463,4 +463,4 @@ class StoragePort(Protocol):
         ...
 
 
-__all__ = ["TOTALS_KEYS", "ClockFn", "Figures", "RowMap", "Snapshot", "StoragePort", "Takeover"]
+__all__ = ["TOTALS_KEYS", "ClockFn", "Figures", "RowMap", "SnapshotRows", "StoragePort", "Takeover"]

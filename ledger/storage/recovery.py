@@ -31,9 +31,9 @@ from ledger.domain.records import (
 )
 from ledger.errors import InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
+from ledger.storage.encode import event_json
 from ledger.storage.port import ClockFn, Figures, Takeover
 from ledger.storage.rows import attempt_record, run_record
-from ledger.storage.statements import event_json
 
 if TYPE_CHECKING:
     from ledger.storage.store import SqlStore as Store

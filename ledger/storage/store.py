@@ -41,6 +41,7 @@ from ledger.domain.records import (
     Queued,
     RunRecord,
     RunStatus,
+    budget_left,
     from_micros,
 )
 from ledger.domain.specs import (
@@ -67,12 +68,12 @@ from ledger.errors import (
 from ledger.storage import DEFAULT_LEASE_MARGIN_S, audit, hot, recovery, series
 from ledger.storage import schema as s
 from ledger.storage.driver import Driver
+from ledger.storage.encode import event_json
 from ledger.storage.failure import mapped
 from ledger.storage.hot import check_live
-from ledger.storage.port import ClockFn, Figures, RowMap, Snapshot, StoragePort, Takeover
+from ledger.storage.port import ClockFn, Figures, RowMap, SnapshotRows, StoragePort, Takeover
 from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.runner import Flow, Runner, txn
-from ledger.storage.statements import event_json
 from ledger.storage.wake import SlotWaker
 
 SEL_ATTEMPT_WITH_DEBIT = (
@@ -247,10 +248,8 @@ class SqlStore(StoragePort, abc.ABC):
                            run_id=spec.parent_run_id)
         now = clock()
         check_live(parent, spec.parent_lease, now, self.lease_margin_s)
-        cost_left = (parent.max_cost_micros - parent.carved_micros - parent.reserved_micros
-                     - parent.posted_micros)
-        calls_left = parent.max_calls - parent.carved_calls - parent.calls_used
-        retries_left = parent.max_retries - parent.carved_retries - parent.retries_used
+        left = budget_left(parent)
+        cost_left, calls_left, retries_left = left.micros, left.calls, left.retries
         if spec.max_cost_micros > cost_left:
             raise BudgetExceeded(
                 f"child budget {from_micros(spec.max_cost_micros)} exceeds what parent "
@@ -265,9 +264,8 @@ class SqlStore(StoragePort, abc.ABC):
                 run_id=spec.run_id, field="budget.max_calls",
             )
         carved_tokens = 0
-        if parent.max_tokens is not None:
-            tokens_left = (parent.max_tokens - parent.carved_tokens - parent.tokens_reserved
-                           - parent.tokens_used)
+        if left.tokens is not None:
+            tokens_left = left.tokens
             if spec.max_tokens is None or spec.max_tokens > tokens_left:
                 raise BudgetExceeded(
                     f"the child needs a token budget within what parent {spec.parent_run_id!r} "
@@ -309,7 +307,7 @@ class SqlStore(StoragePort, abc.ABC):
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
                       runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                      ) -> Flow[Snapshot]:
+                      ) -> Flow[SnapshotRows]:
         """One read: the run's live row (counters, current route, lease; not its frozen
         snapshots), its groups' projections, the health rows of ``keys``, and the provenance
         of ``refs`` recorded by ``runs``."""

@@ -153,6 +153,9 @@ def test_unknown_and_unsettled_attempts(audit: Audit) -> None:
     assert [(o.attempt.attempt_id, o.attempt.state.value, o.lease_live, o.lease_holder)
             for o in page.items] == [("r5-a1", "dispatching", True, "exec-1"),
                                      ("r4-a1", "unknown", False, None)]
+    # Both still hold their budget: the debit is reserved (never reported as null).
+    assert [o.attempt.debit_state.value for o in page.items if o.attempt.debit_state] == [
+        "reserved", "reserved"]
     assert [o.attempt.attempt_id for o in audit.open_attempts(states=["unknown"]).items] == [
         "r4-a1"]
     with pytest.raises(InvalidArgument):

@@ -15,7 +15,7 @@ from ledger.api.facade import Ledger
 from ledger.domain.values import Grant
 from ledger.errors import InvalidArgument
 
-from .helpers import budget, routes
+from .helpers import budget, grant, routes
 
 
 @pytest.fixture
@@ -74,3 +74,29 @@ def test_child_without_a_grant_inherits_the_parents_approvals_for_its_recipients
                           parent=pl)
     assert child.grant.recipients == {"r2": ["user_input"]}
     assert child.grant.roles == ["research"]
+
+
+def test_invariant4_tokens_carved_for_a_child_are_not_the_parents_to_hold(db_url: str) -> None:
+    """A parent's begin counts the tokens it carved out for its Children as gone."""
+    from decimal import Decimal
+
+    from ledger.domain.values import Budget
+    from ledger.errors import BudgetExceeded
+
+    with Ledger.open(db_url) as led:
+        led.admit_run("tp", plan=routes(), policy="failure-domain", grant=grant(),
+                      budget=Budget(max_calls=10, max_retries=3, max_cost=Decimal(1),
+                                    max_tokens=1000))
+        pl = led.acquire_lease("tp")
+        led.admit_run("tc", plan=routes()[:1], parent=pl,
+                      budget=Budget(max_calls=1, max_retries=0, max_cost=Decimal("0.1"),
+                                    max_tokens=800))
+        assert led.get_run("tp").tokens_left == 200
+        with pytest.raises(BudgetExceeded) as ei:
+            led.begin_attempt(pl, route="a", envelope_hash="sha256:e", reserve="0",
+                              reserve_tokens=300)
+        assert ei.value.fields["available"] == 200 and ei.value.fields["field"] == "tokens"
+        assert led.timeline("tp") == []
+        att = led.begin_attempt(pl, route="a", envelope_hash="sha256:e", reserve="0",
+                                reserve_tokens=200)
+        assert att.reserved_tokens == 200
