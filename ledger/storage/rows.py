@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,8 +22,25 @@ from ledger.domain.records import (
     RunStatus,
     from_micros,
 )
-from ledger.domain.values import Budget, Grant, Health, Route
+from ledger.domain.values import Budget, Grant, GroupProjection, Health, Route
 from ledger.storage import schema as s
+
+
+@dataclass(frozen=True)
+class SnapshotRows:
+    """What one routing decision reads, in one read transaction
+    (:meth:`ledger.storage.store.Store.turn_snapshot`).
+
+    ``run`` holds the Run's live columns by name (counters, current route and profile, lease,
+    compactions), not its frozen snapshots; ``now`` is the clock as read after the rows.
+    """
+
+    run: SimpleNamespace
+    groups: dict[str, GroupProjection]
+    health: dict[str, Health]
+    provenance: dict[str, frozenset[str]]
+    now: float
+
 
 # Every attempts column, for building a record from the values a transaction just wrote.
 ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
