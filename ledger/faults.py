@@ -12,7 +12,8 @@ Points in the ledger:
 
 ``begin.before_commit`` / ``begin.after_commit``
     inside :meth:`ledger.storage.store.Store.begin_attempt`: the last statement of the
-    transaction, and right after the commit before the record is returned (a commit whose acknowledgement is lost).
+    transaction, and right after the commit before the record is returned (a commit whose
+    acknowledgement is lost).
 ``settle.before_commit`` / ``settle.after_commit``
     the same two places in :meth:`ledger.storage.store.Store.settle_attempt`.
 ``dispatch.before_send`` / ``dispatch.after_send``

@@ -46,6 +46,7 @@ from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
 from ledger.domain.bounds import (
+    DEFAULT_LEASE_MARGIN_S,
     MAX_LEASE_TTL_S,
     amount_in_range,
     check_amount,
@@ -72,6 +73,7 @@ from ledger.domain.records import (
     Page,
     RunRecord,
     RunStatus,
+    run_live,
     to_micros,
 )
 from ledger.domain.specs import GroupUpdate, ReceiptSpec
@@ -87,15 +89,11 @@ from ledger.domain.values import (
 )
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
-from ledger.storage.recovery import RecoveryQueries
-from ledger.storage.rows import run_live
 from ledger.storage.runner import Flow, blocking
-from ledger.storage.runs import RunQueries
-from ledger.storage.store import Store
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
+    from ledger.storage.store import Store
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -140,6 +138,10 @@ class _Face:
         # deliberately, through storage_of().
         self._store = store
         self._runner = store.runner
+        # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
+        from ledger.storage.recovery import RecoveryQueries
+        from ledger.storage.runs import RunQueries
+
         self._runs = RunQueries(store.context)
         self._recovery = RecoveryQueries(store.context)
         self.clock: Clock = clock or SystemClock()
@@ -1194,6 +1196,8 @@ class Ledger(_Face):
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         check_bool(migrate_schema, "migrate_schema")
         check_opening(url, clock, executor_id)
+        from ledger.storage import open_store
+
         store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
         return cls(store, clock=clock, executor_id=executor_id)
 

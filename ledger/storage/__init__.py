@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-from ledger.storage.context import DEFAULT_LEASE_MARGIN_S
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -47,7 +47,7 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     store = context_class(parsed).open(norm, parsed, lease_margin_s=lease_margin_s)
     if migrate_schema:
         try:
-            migrate.upgrade(store.context.migration_lock(), norm)
+            migrate.upgrade(store.context, norm)
         except BaseException:
             with contextlib.suppress(Exception):  # the migration's error is the one to tell
                 store.close()

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Engine, Select
 
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.storage import schema as s
 from ledger.storage.encode import event_json
 from ledger.storage.failure import mapped
@@ -30,10 +31,6 @@ from ledger.storage.failure import mapped
 ClockFn = Callable[[], float]
 #: One row of a read query, by column name.
 RowMap = Mapping[str, Any]
-
-#: The default of ``lease_margin_s`` (seconds): processes whose clocks differ by less than this
-#: never both believe they may use one capacity slot (``docs/operations.md``).
-DEFAULT_LEASE_MARGIN_S = 0.5
 
 
 class SqlContext(abc.ABC):
@@ -109,4 +106,4 @@ class SqlContext(abc.ABC):
             self.engine.dispose()
 
 
-__all__ = ["DEFAULT_LEASE_MARGIN_S", "ClockFn", "RowMap", "SqlContext"]
+__all__ = ["ClockFn", "RowMap", "SqlContext"]

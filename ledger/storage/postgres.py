@@ -22,11 +22,12 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage import engine as eng
 from ledger.storage import hot, migrate
 from ledger.storage import schema as s
-from ledger.storage.context import DEFAULT_LEASE_MARGIN_S, SqlContext
+from ledger.storage.context import SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error

@@ -69,7 +69,7 @@ def init_database(url: str) -> InitReport:
     created = cls.prepare_database(norm, parsed)
     store = cls.open(norm, parsed, lease_margin_s=DEFAULT_LEASE_MARGIN_S)
     try:
-        before = migrate.upgrade(store.context.migration_lock(), norm)
+        before = migrate.upgrade(store.context, norm)
     finally:
         store.close()
     return InitReport(backend=store.backend, url=engine.redact_url(norm),

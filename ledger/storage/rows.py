@@ -12,12 +12,10 @@ from sqlalchemy import Row
 
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
-    FROZEN_RUN_FIELDS,
     AttemptKind,
     AttemptRecord,
     AttemptState,
     DebitState,
-    FrozenRun,
     RunRecord,
     RunStatus,
     from_micros,
@@ -146,20 +144,3 @@ def health_record(row: Any) -> Health:
         recent_failures=tuple(float(t) for t in json.loads(row.recent_failures))
         if row.recent_failures else (),
     )
-
-
-LIVE_RUN_FIELDS = (
-    "status", "calls_used", "retries_used", "tokens_used", "tokens_reserved", "carved_calls",
-    "carved_retries", "carved_tokens", "current_route", "current_profile", "lease_holder",
-    "fence", "lease_expires_at", "updated_at", "compactions", "profile_compactions",
-)
-
-
-def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
-    """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
-    live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
-    live["status"] = RunStatus(live["status"])
-    live["reserved"] = from_micros(row.reserved_micros)
-    live["posted"] = from_micros(row.posted_micros)
-    live["carved"] = from_micros(row.carved_micros)
-    return RunRecord(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS}, **live)

@@ -18,10 +18,11 @@ from sqlalchemy import Connection, Integer, Select, cast, func
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
 
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.storage import engine as eng
 from ledger.storage import hot, migrate
 from ledger.storage import schema as s
-from ledger.storage.context import DEFAULT_LEASE_MARGIN_S, SqlContext
+from ledger.storage.context import SqlContext
 from ledger.storage.driver import SqliteDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.store import Store
