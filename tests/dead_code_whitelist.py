@@ -29,6 +29,7 @@ _._get_event_iterator  # StreamedResponse's event source, iterated by pydantic-a
 _.close_stream  # StreamedResponse.close_stream, called when the agent stops early
 _.provider_url  # StreamedResponse.provider_url, read by pydantic-ai
 _.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-ai.md)
+_.collect  # dashboard/metrics.py: prometheus-client's registry calls a Collector's collect
 
 # -- fields of public records, read by their users --------------------------------------------
 _.provider_code  # FailureFact.provider_code: the provider's error code, kept as evidence

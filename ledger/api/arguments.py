@@ -18,6 +18,7 @@ from ledger.domain.bounds import (
     check_choice,
     check_optional_id,
     check_optional_time,
+    check_seconds,
     check_text,
     check_tokens,
     id_problem,
@@ -125,6 +126,46 @@ def limit_arg(value: Any, field: str = "limit") -> int:
 def optional_tokens(value: Any, field: str) -> int | None:
     """A token count, or ``None``."""
     return None if value is None else check_tokens(value, field)
+
+
+def token_details(prompt: int | None, completion: int | None, cached: Any,
+                  reasoning: Any) -> tuple[int | None, int | None]:
+    """``cached_tokens`` and ``reasoning_tokens`` as a settle records them.
+
+    Counts within the totals they are parts of (the prompt's, the completion's), when those
+    are given.
+    """
+    out = []
+    for value, field, total, of in ((cached, "cached_tokens", prompt, "prompt_tokens"),
+                                    (reasoning, "reasoning_tokens", completion,
+                                     "completion_tokens")):
+        n = optional_tokens(value, field)
+        if n is not None and total is not None and n > total:
+            raise InvalidArgument(
+                f"{field} ({n}) exceeds {of} ({total}); it counts a part of {of}, so pass at "
+                f"most {total}", field=field)
+        out.append(n)
+    return out[0], out[1]
+
+
+#: The longest time to a first byte or token a settle accepts (a day: no call waits longer).
+MAX_SEND_S = 86_400.0
+
+
+def send_times(first_byte_s: Any, first_token_s: Any) -> tuple[float | None, float | None]:
+    """The seconds from an Attempt's begin to its first byte and first token, checked.
+
+    Finite, from 0 to a day, and the first token not before the first byte.
+    """
+    byte = (None if first_byte_s is None
+            else check_seconds(first_byte_s, "first_byte_s", maximum=MAX_SEND_S))
+    token = (None if first_token_s is None
+             else check_seconds(first_token_s, "first_token_s", maximum=MAX_SEND_S))
+    if byte is not None and token is not None and token < byte:
+        raise InvalidArgument(
+            f"first_token_s ({token:g}) is before first_byte_s ({byte:g}); content comes after "
+            "the response's first byte: pass times measured from the begin", field="first_token_s")
+    return byte, token
 
 
 def check_opening(url: Any, clock: Any, executor_id: Any) -> None:

@@ -35,6 +35,8 @@ from ledger.api.arguments import (
     keyless_arg,
     lease_arg,
     optional_tokens,
+    send_times,
+    token_details,
 )
 from ledger.api.calls import Lru, op
 from ledger.clock import Clock, SystemClock
@@ -622,6 +624,10 @@ class _Face:
         events: Sequence[tuple[str, Mapping[str, Any]]] = (),
         provenance_hashes: Sequence[str] = (),
         repeat: bool = False,
+        cached_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
+        first_byte_s: float | None = None,
+        first_token_s: float | None = None,
     ) -> Flow[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
@@ -654,6 +660,18 @@ class _Face:
                 counted in health, so its failure restarts the key's window without counting
                 again (unless the policy's ``health.count_same_route_retries`` says every try
                 counts).
+            cached_tokens: The part of ``prompt_tokens`` the provider served from its cache,
+                where it reports it (at most ``prompt_tokens``).
+            reasoning_tokens: The part of ``completion_tokens`` spent reasoning, where the
+                provider reports it (at most ``completion_tokens``).
+            first_byte_s: Seconds from the begin to the response's first byte, by the
+                ledger's clock (a send's ``progress.first_byte_at`` minus the Attempt's
+                ``created_at``); kept within the latency the settle records.
+            first_token_s: Seconds from the begin to a stream's first content (not before
+                ``first_byte_s``).
+
+        The settle records the Attempt's ``latency_s``: from its begin to this settle, by the
+        ledger's clock.
 
         Returns:
             The settled :class:`~ledger.AttemptRecord`.
@@ -680,6 +698,9 @@ class _Face:
                 check_bool(flag, name)
         prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
         completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
+        cached, reasoning = token_details(prompt_tokens, completion_tokens, cached_tokens,
+                                          reasoning_tokens)
+        first_byte, first_token = send_times(first_byte_s, first_token_s)
         cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
         if model_reported is not None:
             check_text(model_reported, "model_reported")
@@ -707,7 +728,8 @@ class _Face:
             effective_output=effective_output, tool_started=tool_started,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             cost_micros=cost_micros, model_reported=model_reported, output_hash=output_hash,
-            events=hooks, provenance=hashes, repeat=repeat)
+            events=hooks, provenance=hashes, repeat=repeat, cached_tokens=cached,
+            reasoning_tokens=reasoning, first_byte_s=first_byte, first_token_s=first_token)
         return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
 
     @op

@@ -376,6 +376,7 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
                   sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
+            dispatch.progress.clock = ledger.clock.now  # the send's marks, on the ledger's time
             dispatch.progress.handed_over = True
             return send(dispatch)
         case Sleep(seconds=seconds):
@@ -407,6 +408,7 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
                          sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
+            dispatch.progress.clock = ledger.clock.now  # the send's marks, on the ledger's time
             dispatch.progress.handed_over = True
             out = send(dispatch)
             return await out if inspect.isawaitable(out) else out

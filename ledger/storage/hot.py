@@ -65,7 +65,8 @@ ATTEMPT_COLS = (
     "category", "http_status", "effective_output", "tool_started", "prompt_tokens",
     "completion_tokens", "cost_micros", "reserved_micros", "reserved_tokens", "model_reported",
     "output_hash", "settle_hash", "begin_hash", "fence", "settle_fence", "executor",
-    "created_at", "settled_at",
+    "created_at", "settled_at", "latency_s", "first_byte_s", "first_token_s", "cached_tokens",
+    "reasoning_tokens",
 )
 HEALTH_COLS = ("key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
                "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at",
@@ -83,6 +84,9 @@ BEGIN_RUN_COLS = (
     "tokens_used",
 )
 GROUP_COLS = ("group_id", "max_in_flight", "mode", "until", "sampled_at")
+# What a settle measured besides the usage: times from the begin and the token details.
+SETTLE_MEASURES = ("latency_s", "first_byte_s", "first_token_s", "cached_tokens",
+                   "reasoning_tokens")
 
 
 def _ns(cols: Sequence[str], row: Sequence[Any]) -> SimpleNamespace:
@@ -166,7 +170,8 @@ class Sql(abc.ABC):
             ":state, :reserved_micros, 0, :created_at, :settled_at)")
         cols = [c for c in ATTEMPT_COLS if c not in (
             "fact", "category", "http_status", "prompt_tokens", "completion_tokens",
-            "cost_micros", "model_reported", "output_hash", "settle_hash", "settle_fence")]
+            "cost_micros", "model_reported", "output_hash", "settle_hash", "settle_fence",
+            *SETTLE_MEASURES)]
         self.insert_attempt = (f"INSERT INTO attempts ({', '.join(cols)}) VALUES "
                                f"({', '.join(':' + c for c in cols)})")
         self.insert_slot = ("INSERT INTO group_slots (attempt_id, group_id, run_id, fence, "
@@ -196,7 +201,9 @@ class Sql(abc.ABC):
             ":tool_started, prompt_tokens = :prompt_tokens, completion_tokens = "
             ":completion_tokens, cost_micros = :cost_micros, model_reported = :model_reported, "
             "output_hash = :output_hash, settle_hash = :settle_hash, settle_fence = "
-            ":settle_fence, settled_at = :settled_at WHERE attempt_id = :attempt_id")
+            ":settle_fence, settled_at = :settled_at, "
+            + ", ".join(f"{c} = :{c}" for c in SETTLE_MEASURES)
+            + " WHERE attempt_id = :attempt_id")
         self.settle_debit = ("UPDATE debits SET state = :state, posted_micros = :posted, "
                              "settled_at = :now WHERE debit_id = :debit_id")
         self.delete_slot = "DELETE FROM group_slots WHERE attempt_id = :attempt_id"
@@ -802,6 +809,7 @@ def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[Att
         "model_reported": redact(spec.model_reported) if spec.model_reported else None,
         "output_hash": spec.output_hash, "settle_hash": spec.settle_hash,
         "settle_fence": spec.fence, "settled_at": now,
+        **settle_measures(spec, float(att.created_at), now),
     }
     settle_debit = (att.debit_state == DebitState.RESERVED.value
                     and holds.debit is not DebitState.RESERVED)
@@ -851,6 +859,20 @@ def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[Att
                            holds.debit.value if settle_debit else att.debit_state)
 
 
+def settle_measures(spec: SettleSpec, created_at: float, now: float) -> dict[str, Any]:
+    """The latency columns a settle writes (seconds from the begin, by the ledger's clock) and
+    the token details. The send's first-byte and first-token times lie within the latency: a
+    clock that stepped back between them is not taken for a negative or longer wait."""
+    latency = max(0.0, now - created_at)
+
+    def within(t: float | None) -> float | None:
+        return None if t is None else min(max(0.0, t), latency)
+
+    return {"latency_s": latency, "first_byte_s": within(spec.first_byte_s),
+            "first_token_s": within(spec.first_token_s), "cached_tokens": spec.cached_tokens,
+            "reasoning_tokens": spec.reasoning_tokens}
+
+
 def _health_write(sql: Sql, key: str, kind: str, provider: str | None, update: HealthUpdate,
                   now: float, exists: bool) -> Tx[list[Q]]:
     """The statements that apply ``update`` to a health row, computed on the row as locked."""
@@ -876,6 +898,7 @@ def late_receipt_tx(sql: Sql, run_id: str, spec: SettleSpec, now: float, why: st
     yield Flush((Q(sql.insert_event, [_event(run_id, spec.attempt_id, "late_receipt", {
         "outcome": spec.outcome.value, "fact": spec.fact.to_json() if spec.fact else None,
         "prompt_tokens": spec.prompt_tokens, "completion_tokens": spec.completion_tokens,
+        "cached_tokens": spec.cached_tokens, "reasoning_tokens": spec.reasoning_tokens,
         "cost_micros": spec.cost_micros, "model_reported": spec.model_reported,
         "output_hash": spec.output_hash, "fence": spec.fence, "refused": why,
     }, now)], many=True),), commit=True)

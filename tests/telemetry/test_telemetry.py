@@ -239,6 +239,8 @@ def test_healthy_turn_is_one_turn_span_over_one_attempt_span_with_genai_names(
         "ledger.debit.state": "posted",
         "ledger.cost": float(att.cost or 0),
         "ledger.outcome": "succeeded",
+        # The response's first byte, on the ledger's clock (the send moved it SEND_S first).
+        "ledger.attempt.time_to_first_byte": SEND_S,
     }
     assert att.model_reported == attrs["gen_ai.response.model"]
     assert dict(turn.attributes or {}) == {
@@ -259,6 +261,9 @@ def test_healthy_turn_is_one_turn_span_over_one_attempt_span_with_genai_names(
     assert op.count == 1 and op.sum > 0
     tokens = {x["gen_ai.token.type"]: p.sum for x, p in otel.points("gen_ai.client.token.usage")}
     assert tokens == {"input": 11, "output": 7}
+    [(_, first_byte)] = otel.points("ledger.attempt.time_to_first_byte")
+    assert first_byte.sum == pytest.approx(SEND_S)
+    assert otel.points("gen_ai.client.operation.time_to_first_chunk") == []  # not streamed
 
 
 def test_failover_turn_has_a_failed_and_a_serving_attempt_under_one_turn_and_counts_the_move(
