@@ -719,10 +719,12 @@ class TurnLoop:
             fact = fact.model_copy(update={"phase": Phase.MID_STREAM,
                                            "effective_output": True,
                                            "tool_started": progress.tool_started})
-        yield from self._settle_quietly(route, profile, att.attempt_id, Outcome.UNKNOWN, fact)
+        yield from self._settle_quietly(route, profile, att.attempt_id, Outcome.UNKNOWN, fact,
+                                        times=progress.since(att.created_at))
 
     def _settle_quietly(self, route: Route, profile: str | None, attempt_id: str,
-                        outcome: Outcome, fact: FailureFact | None = None
+                        outcome: Outcome, fact: FailureFact | None = None, *,
+                        times: tuple[float | None, float | None] = (None, None),
                         ) -> Generator[Effect[Any], Any, None]:
         """A settle on the way out of an interruption.
 
@@ -730,7 +732,7 @@ class TurnLoop:
         or whose run was taken over).
         """
         try:
-            yield from self._settle(route, profile, attempt_id, outcome, fact=fact)
+            yield from self._settle(route, profile, attempt_id, outcome, fact=fact, times=times)
         except (NotFound, SettleConflict, FencedOut) as e:
             log.debug("settle of %s on interruption not written: %s", attempt_id, e)
         except LedgerError as e:

@@ -100,3 +100,12 @@ def test_failovers_attempts_open_and_activity_use_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.open_attempts(limit=100))
     _assert_indexed(big, lambda: big.activity(buckets=48, **window))
     _assert_indexed(big, lambda: big.runs(status="failed", limit=50))
+
+
+def test_latency_percentiles_and_the_failover_count_use_indexes(big: Audit) -> None:
+    window = {"since": END - DAY, "until": END}
+    _assert_indexed(big, lambda: big.latency(**window))
+    route = big.attempts(limit=1).items[0].route_id
+    _assert_indexed(big, lambda: big.latency(route=route, state="succeeded", **window))
+    _assert_indexed(big, lambda: big.latency(category="timeout", tenant="acme", **window))
+    _assert_indexed(big, lambda: big.count_failovers(**window))
