@@ -63,6 +63,7 @@ try:
         AsyncCallbackManagerForLLMRun,
         CallbackManagerForLLMRun,
     )
+    from langchain_core.exceptions import ModelError
     from langchain_core.language_models import BaseChatModel, LanguageModelInput
     from langchain_core.messages import (
         AIMessage,
@@ -165,7 +166,8 @@ def ai_parts(message: AIMessage) -> list[Part]:
     """
     ours = _details(message)
     attempt = ours.get("attempt_id") if isinstance(ours.get("attempt_id"), str) else None
-    raw = ours.get("arguments") if isinstance(ours.get("arguments"), dict) else {}
+    found = ours.get("arguments")
+    raw: dict[str, Any] = found if isinstance(found, dict) else {}
     parts: list[Part] = [
         Part(role="assistant", data=base64.b64decode(r), media_type=REASONING_MEDIA_TYPE,
              data_class=MODEL_DERIVED, provenance=attempt)
@@ -186,7 +188,7 @@ def ai_parts(message: AIMessage) -> list[Part]:
                 field="messages")
     calls = []
     for call in message.tool_calls:
-        given = raw.get(call["id"]) if call.get("id") else None
+        given = raw.get(call["id"] or "")
         args = given if isinstance(given, str) and _same_args(given, call["args"]) \
             else json.dumps(call["args"])
         calls.append(Part(role="assistant", content=args, data_class=MODEL_DERIVED,
@@ -278,6 +280,36 @@ def _content(parts: Sequence[Part]) -> str | list[str | dict[str, Any]]:
     return blocks
 
 
+class LedgerStop(FailoverExhausted, ModelError):
+    """A stop of the Run, as LangChain knows a model error that retrying cannot fix.
+
+    It is the :class:`~ledger.errors.FailoverExhausted` the turn raised (``reason``,
+    ``attempts``, ``detail``, ``skipped``, ``partial``, ``exceptions``), and a
+    ``langchain_core.exceptions.ModelError`` with ``is_retryable = False``: LangChain's
+    ``ModelRetryMiddleware`` (with its default ``retry_on``) does not retry it, because the Run
+    already retried and failed over as its policy allows.
+    """
+
+    is_retryable = False
+
+    @classmethod
+    def of(cls, stop: FailoverExhausted) -> LedgerStop:
+        """The same stop, with every fact of it."""
+        extra = {k: v for k, v in stop.fields.items()
+                 if k not in ("reason", "attempts", "detail", "skipped", "partial")}
+        return cls(stop.message, list(stop.exceptions), reason=stop.reason,
+                   attempts=stop.attempts, detail=stop.detail, skipped=stop.skipped,
+                   partial=stop.partial, **extra)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_stop, (FailoverExhausted.__reduce__(self),))
+
+
+def _rebuild_stop(parts: Any) -> LedgerStop:
+    _fn, (message, excs, kwargs) = parts
+    return LedgerStop(message, excs, **kwargs)
+
+
 def _stop_message(stop: FailoverExhausted) -> AIMessage:
     """How a stop ends an agent with ``exit_behavior="end"`` (never sent to a model)."""
     shown = stop.partial.text if stop.partial is not None else ""
@@ -302,6 +334,10 @@ class LedgerChatModel(BaseChatModel):
             :class:`~ledger.AsyncRunSession` (``async with``, for ``ainvoke``/``astream``).
         route: A route of the Run's plan to start its requests at (the routes before it are
             not used for them; failover goes on down the plan). ``None``: the plan as it is.
+        max_tokens: The most output tokens of an answer (the envelope's ``max_output_tokens``,
+            which also sizes each Attempt's hold); a call's own ``max_tokens`` wins.
+        temperature: Sent with every request (a call's own wins).
+        top_p: Sent with every request (a call's own wins).
         tool_data_class: The data class tool results are recorded under (``tool_result``).
         document_data_class: The data class of the images and documents of human messages
             (``user_input``; any other class, e.g. ``private_document``, has each file's
@@ -322,6 +358,9 @@ class LedgerChatModel(BaseChatModel):
 
     run: Any
     route: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     tool_data_class: str = "tool_result"
     document_data_class: str = USER_INPUT
     _link: RunLink = PrivateAttr()
@@ -387,6 +426,8 @@ class LedgerChatModel(BaseChatModel):
             raise InvalidArgument("stop sequences are not carried across the protocols of a "
                                   "Run's routes; leave stop out", field="stop")
         tools = _tool_specs(kwargs.pop("tools", None) or [])
+        kwargs = {**{k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p")},
+                  **kwargs}
         out: dict[str, Any] = {}
         for name, value in kwargs.items():
             if name in _IGNORED or value is None:
@@ -440,10 +481,10 @@ class LedgerChatModel(BaseChatModel):
                     f"a {type(message).__name__} cannot be sent through a ledger Run (system, "
                     "human, AI and tool messages can)", field="messages")
         for index, tool in returns:
-            name = next((c.name for c in calls if c.tool_call_id == tool.tool_call_id),
-                        tool.name)
+            tool_name: str | None = next((c.name for c in calls
+                                          if c.tool_call_id == tool.tool_call_id), tool.name)
             parts[index] = await link.tool_part(
-                tool.tool_call_id, name, _text_of(tool, f"tool message {tool.tool_call_id!r}"),
+                tool.tool_call_id, tool_name, _text_of(tool, f"tool message {tool.tool_call_id!r}"),
                 calls)
         try:
             return Envelope(parts=parts, tools=tools, stream=stream, **out)
@@ -452,6 +493,15 @@ class LedgerChatModel(BaseChatModel):
                                   field=e.field) from e
 
     # -- calls -----------------------------------------------------------------------------
+
+    async def _prepare(self, messages: Sequence[BaseMessage], stop: Sequence[str] | None,
+                       stream: bool, kwargs: dict[str, Any]) -> tuple[Envelope, str]:
+        envelope = await self.envelope(messages, stop=stop, stream=stream, **kwargs)
+        try:
+            return envelope, await self._link.guard(envelope)
+        except FailoverExhausted as stop_:
+            _raise_stop(stop_)
+            raise
 
     def _options(self, turn_id: str) -> dict[str, Any]:
         options: dict[str, Any] = {"turn_id": turn_id}
@@ -470,12 +520,12 @@ class LedgerChatModel(BaseChatModel):
         link = self._link
         link.check_async()
         link.check_open()
-        envelope = drive(self.envelope(messages, stop=stop, stream=False, **kwargs))
-        turn_id = drive(link.guard(envelope))
+        envelope, turn_id = drive(self._prepare(messages, stop, False, kwargs))
         try:
             result = self.run.turn(envelope, **self._options(turn_id))
         except BaseException as e:
             link.sent(envelope, turn_id, e)
+            _raise_stop(e)
             raise
         link.sent(envelope, turn_id, None)
         return ChatResult(generations=[ChatGeneration(message=drive(self._served(result,
@@ -488,12 +538,12 @@ class LedgerChatModel(BaseChatModel):
         if not link.is_async:
             return await run_in_executor(None, self._generate, messages, stop, None, **kwargs)
         link.check_open()
-        envelope = await self.envelope(messages, stop=stop, stream=False, **kwargs)
-        turn_id = await link.guard(envelope)
+        envelope, turn_id = await self._prepare(messages, stop, False, kwargs)
         try:
             result = await self.run.turn(envelope, **self._options(turn_id))
         except BaseException as e:
             link.sent(envelope, turn_id, e)
+            _raise_stop(e)
             raise
         link.sent(envelope, turn_id, None)
         return ChatResult(generations=[ChatGeneration(message=await self._served(result,
@@ -505,8 +555,7 @@ class LedgerChatModel(BaseChatModel):
         link = self._link
         link.check_async()
         link.check_open()
-        envelope = drive(self.envelope(messages, stop=stop, stream=True, **kwargs))
-        turn_id = drive(link.guard(envelope))
+        envelope, turn_id = drive(self._prepare(messages, stop, True, kwargs))
         events: queue.Queue[Any] = queue.Queue()
         done: list[Any] = []
 
@@ -523,16 +572,17 @@ class LedgerChatModel(BaseChatModel):
         worker.start()
         try:
             while (event := events.get()) is not _DONE:
-                chunk = _text_chunk(event)
-                if chunk is not None:
+                piece = _text_chunk(event)
+                if piece is not None:
                     if run_manager is not None:
-                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
+                        run_manager.on_llm_new_token(piece.text, chunk=piece)
+                    yield piece
         finally:
             worker.join()
         outcome = done[0]
         link.sent(envelope, turn_id, outcome if isinstance(outcome, BaseException) else None)
         if isinstance(outcome, BaseException):
+            _raise_stop(outcome)
             raise outcome
         yield _last_chunk(drive(self._served(outcome, envelope)))
 
@@ -546,8 +596,7 @@ class LedgerChatModel(BaseChatModel):
                 yield chunk
             return
         link.check_open()
-        envelope = await self.envelope(messages, stop=stop, stream=True, **kwargs)
-        turn_id = await link.guard(envelope)
+        envelope, turn_id = await self._prepare(messages, stop, True, kwargs)
         events: asyncio.Queue[Any] = asyncio.Queue()
 
         async def serve() -> Any:
@@ -560,11 +609,11 @@ class LedgerChatModel(BaseChatModel):
         task = asyncio.ensure_future(serve())
         try:
             while (event := await events.get()) is not _DONE:
-                chunk = _text_chunk(event)
-                if chunk is not None:
+                piece = _text_chunk(event)
+                if piece is not None:
                     if run_manager is not None:
-                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
+                        await run_manager.on_llm_new_token(piece.text, chunk=piece)
+                    yield piece
         finally:
             if not task.done():
                 # The reader left: the turn is cancelled, and settles truthfully.
@@ -572,11 +621,19 @@ class LedgerChatModel(BaseChatModel):
             await asyncio.wait([task])
         error = None if task.cancelled() else task.exception()
         link.sent(envelope, turn_id, error)
-        result = await task  # a stop (or the cancellation) raises here
+        if error is not None:
+            _raise_stop(error)
+        result = await task  # the cancellation raises here
         yield _last_chunk(await self._served(result, envelope))
 
 
 _DONE = object()  # the end of a streamed turn's events
+
+
+def _raise_stop(error: BaseException) -> None:
+    """Raise a stop as :class:`LedgerStop` (other errors are left to propagate)."""
+    if isinstance(error, FailoverExhausted) and not isinstance(error, LedgerStop):
+        raise LedgerStop.of(error) from error
 
 
 def _text_chunk(event: Any) -> ChatGenerationChunk | None:
@@ -622,10 +679,11 @@ def _tool_specs(tools: Sequence[Any]) -> list[ToolSpec]:
     return specs
 
 
-class LedgerMiddleware(AgentMiddleware):  # type: ignore[type-arg]
+class LedgerMiddleware(AgentMiddleware):
     """``create_agent`` middleware: every model call of the agent is a turn of a ledger Run.
 
-    It replaces the agent's model, for each call, by a :class:`LedgerChatModel` of the Run;
+    It replaces the agent's model, for each call, by a :class:`LedgerChatModel` of the Run (the
+    agent's own model when it is a ``LedgerChatModel`` of this Run, with its settings);
     ``create_agent`` then binds the call's tools and structured-output tools to it, so they
     stay bound whichever route serves. Other middleware compose as usual; a retry around it
     (``ModelRetryMiddleware``, ``ModelFallbackMiddleware``) is refused when it repeats a
@@ -660,32 +718,38 @@ class LedgerMiddleware(AgentMiddleware):  # type: ignore[type-arg]
                                      document_data_class=document_data_class)
         self.exit_behavior = exit_behavior
 
-    def wrap_model_call(self, request: ModelRequest,  # type: ignore[type-arg]
-                        handler: Callable[[ModelRequest], ModelResponse],  # type: ignore[type-arg]
-                        ) -> ModelResponse | AIMessage | ExtendedModelResponse:  # type: ignore[type-arg]
+    def _model(self, request: ModelRequest) -> LedgerChatModel:
+        given = request.model
+        if isinstance(given, LedgerChatModel) and given.run is self.model.run:
+            return given
+        return self.model
+
+    def wrap_model_call(self, request: ModelRequest,
+                        handler: Callable[[ModelRequest], ModelResponse],
+                        ) -> ModelResponse | AIMessage | ExtendedModelResponse:
         """Serve the agent's model call as one turn of the Run."""
         link = self.model._link
         link.check_open()
         link.check_async()
         try:
-            return handler(request.override(model=self.model))
+            return handler(request.override(model=self._model(request)))
         except FailoverExhausted as stop:
             if self.exit_behavior == "end":
                 return _stop_message(stop)
             raise
 
     async def awrap_model_call(
-            self, request: ModelRequest,  # type: ignore[type-arg]
-            handler: Callable[[ModelRequest], Awaitable[ModelResponse]],  # type: ignore[type-arg]
-    ) -> ModelResponse | AIMessage | ExtendedModelResponse:  # type: ignore[type-arg]
+            self, request: ModelRequest,
+            handler: Callable[[ModelRequest], Awaitable[ModelResponse]],
+    ) -> ModelResponse | AIMessage | ExtendedModelResponse:
         """Serve the agent's model call as one turn of the Run (awaited)."""
         self.model._link.check_open()
         try:
-            return await handler(request.override(model=self.model))
+            return await handler(request.override(model=self._model(request)))
         except FailoverExhausted as stop:
             if self.exit_behavior == "end":
                 return _stop_message(stop)
             raise
 
 
-__all__ = ["DETAILS_KEY", "LedgerChatModel", "LedgerMiddleware", "ai_parts"]
+__all__ = ["DETAILS_KEY", "LedgerChatModel", "LedgerMiddleware", "LedgerStop", "ai_parts"]
