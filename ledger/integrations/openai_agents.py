@@ -1,4 +1,4 @@
-"""The OpenAI Agents SDK on a ledger Run: :class:`LedgerModelProvider` and :class:`LedgerAgentModel`.
+"""The OpenAI Agents SDK on a ledger Run: :class:`LedgerModelProvider`, :class:`LedgerAgentModel`.
 
 A ``ModelProvider`` whose models serve every model call of the SDK's runner as one turn of an
 :class:`~ledger.AsyncRunSession`::
@@ -350,7 +350,7 @@ class LedgerAgentModel(Model):
         self.run = run
 
     def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
-        """The ledger's facts about a failed call, for the SDK's runner (see :func:`retry_advice`)."""
+        """The ledger's facts about a failed call, for the runner (see :func:`retry_advice`)."""
         return retry_advice(request.error)
 
     # -- the envelope ----------------------------------------------------------------------
@@ -441,9 +441,9 @@ class LedgerAgentModel(Model):
             if not isinstance(call_id, str):
                 raise InvalidArgument("a function_call_output item needs its call_id",
                                       field="input")
-            name = next((c.name for c in calls if c.tool_call_id == call_id), None)
+            tool_name: str | None = next((c.name for c in calls if c.tool_call_id == call_id), None)
             output = _content_text(item.get("output"), f"the output of call {call_id!r}")
-            parts[index] = await link.tool_part(call_id, name, output, calls)
+            parts[index] = await link.tool_part(call_id, tool_name, output, calls)
         out: dict[str, Any] = {}
         if model_settings.max_tokens is not None:
             out["max_output_tokens"] = model_settings.max_tokens
