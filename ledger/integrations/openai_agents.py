@@ -251,7 +251,7 @@ class _Answer:
     detail: dict[str, Any]
 
 
-def _answer(result: Any, parts: Sequence[Part], run_id: str, link_route: str | None) -> _Answer:
+def _answer(result: Any, parts: Sequence[Part], run_id: str) -> _Answer:
     att = result.attempt
     attempt_id = att.attempt_id
     items: list[Any] = []
@@ -462,7 +462,7 @@ class LedgerAgentModel(Model):
     async def _served(self, result: Any, envelope: Envelope) -> _Answer:
         used = [p.tool_call_id for p in envelope.parts if p.tool_call_id]
         parts = await self.link.stable_calls(result, used)
-        return _answer(result, parts, self.run.run_id, self.link.route)
+        return _answer(result, parts, self.run.run_id)
 
     # -- the SDK's calls -------------------------------------------------------------------
 
