@@ -52,7 +52,6 @@ _.received_at  # ReceivedRequest.received_at, in the fake provider's request log
 _.filename  # ReceivedMedia.filename: the file name a request sent (docs/adapters.md)
 
 # -- documented public API the library itself does not call -----------------------------------
-_.LedgerModel  # integrations/pydantic_ai.py (docs/integrations/pydantic-ai.md)
 _.LedgerMiddleware  # integrations/langchain.py (docs/integrations/langchain.md)
 _.LedgerModelProvider  # integrations/openai_agents.py (docs/integrations/openai-agents.md)
 _.compacted  # RunSession.compacted (docs/policies.md, docs/presets/fased.md)
