@@ -589,3 +589,37 @@ def test_an_interrupted_model_node_is_not_sent_again_on_resume(
         assert att.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)
         assert led.get_run("graph").status is RunStatus.FAILED
     assert len(fake.requests) == 1  # never sent again
+
+
+def test_an_image_the_model_returned_is_a_content_block_the_next_call_carries(
+        db_url: str, fake: FakeProvider) -> None:
+    from tests.media import png
+
+    image = png()
+    fake.enqueue(Behavior(image_out=("image/png", image)))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("image", plan=routes(fake, "gemini"), budget=BUDGET,
+                        grant=GRANT) as run:
+            model = LedgerChatModel(run)
+            answer = await model.ainvoke("Draw the revenue chart.")
+            blocks = answer.content_blocks
+            assert [b["type"] for b in blocks] == ["text", "image"]
+            assert blocks[1]["mime_type"] == "image/png"
+            again = await model.ainvoke([HumanMessage("Draw the revenue chart."), answer,
+                                         HumanMessage("Now in blue.")])
+            assert again.text == FULL_TEXT
+            # An edited image is not what the model returned: refused, nothing sent.
+            import base64
+
+            edited = answer.model_copy(update={"content": [
+                blocks[0], {**blocks[1], "base64": base64.b64encode(png(8, 8)).decode()}]})
+            with pytest.raises(FailoverExhausted) as ei:
+                await model.ainvoke([HumanMessage("Draw the revenue chart."), edited,
+                                     HumanMessage("Now in blue.")])
+            assert ei.value.reason == "no_candidate"
+
+    asyncio.run(main())
+    assert len(fake.requests) == 2
+    assert [m.role for m in fake.requests[1].media] == ["model"]
