@@ -43,7 +43,7 @@ from ledger.domain.records import AttemptState
 from ledger.integrations.langchain import LedgerChatModel, LedgerMiddleware, LedgerStop
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import PRICE
+from tests.fakeplan import PRICE, tool_call_ids
 
 fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
 _clear = fakeplan._clear
@@ -145,6 +145,87 @@ def test_an_agent_with_a_tool_fails_over_from_a_503_across_protocols(
     assert "You are a careful analyst." in body
     with Ledger.open(db_url) as led:
         assert led.get_run("agent").status is RunStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize(("first", "second"), [("gemini", "anthropic"),
+                                               ("openai", "openai_responses"),
+                                               ("anthropic", "openai")])
+def test_a_tool_call_keeps_its_id_when_the_next_call_fails_over_to_another_protocol(
+        db_url: str, fake: FakeProvider, first: str, second: str) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="primary-model")
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the call with the tool's result
+    searched.clear()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("ids", plan=routes(fake, first, second), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = agent_for(run)
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            [call] = ais(state)[0].tool_calls
+            [result] = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+            assert result.tool_call_id == call["id"]
+            timeline = await led.timeline("ids")
+            assert [(a.route_id, a.state) for a in timeline] == [
+                ("primary", AttemptState.SUCCEEDED), ("primary", AttemptState.FAILED),
+                ("backup", AttemptState.SUCCEEDED)]
+            # The conversation goes on, on the backup, with the id the agent holds.
+            state = await agent.ainvoke(
+                {"messages": [*state["messages"], ("user", "And the risks?")]})
+            assert state["messages"][-1].text == FULL_TEXT
+
+    asyncio.run(main())
+    first_req, failed, backup, later = fake.requests
+    assert (first_req.protocol, failed.protocol, backup.protocol) == (first, first, second)
+    call_id = tool_call_ids(backup)[0]
+    # The id the primary's protocol gave (or the ledger made, for Gemini) is the one the
+    # backup's protocol was sent, for the call and for its result, on every later call too.
+    assert tool_call_ids(backup) == tool_call_ids(later) == [call_id, call_id]
+    if first == "gemini":
+        assert call_id.startswith("call_") and len(call_id) == 29
+    else:
+        assert call_id == ("toolu_fake_1" if first == "anthropic" else "call_fake_1")
+    if first != "gemini":
+        assert tool_call_ids(failed) == [call_id, call_id]
+
+
+def test_a_streamed_model_call_ends_with_its_tool_call_chunks_and_usage(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="backup-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("chunks", plan=routes(fake, "openai_responses", "anthropic"),
+                        budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run).bind_tools([search])
+            chunks = [c async for c in model.astream("Compare the two filings.")]
+            *pieces, last = chunks
+            # Text as it arrived; nothing else before the end.
+            assert "".join(c.text for c in pieces) == FULL_TEXT and len(pieces) > 2
+            assert not any(c.tool_call_chunks or c.usage_metadata for c in pieces)
+            # The last chunk: the tool call, the usage, the ledger's record.
+            assert last.chunk_position == "last"
+            [piece] = last.tool_call_chunks
+            assert piece["name"] == "search" and json.loads(piece["args"] or "") == {
+                "query": "10-K"}
+            assert last.usage_metadata is not None and last.usage_metadata["output_tokens"] == 7
+            [backup, failed] = list(reversed(await led.timeline("chunks")))
+            assert last.response_metadata["ledger"]["attempt_id"] == backup.attempt_id
+            assert last.response_metadata["ledger"]["attempts"] == [failed.attempt_id,
+                                                                    backup.attempt_id]
+            # The chunks add up to the answer the ledger recorded: it goes on as history.
+            answer = chunks[0]
+            for c in chunks[1:]:
+                answer = answer + c
+            assert answer.tool_calls[0]["args"] == {"query": "10-K"}
+            [call] = answer.tool_calls
+            again = await model.ainvoke([HumanMessage("Compare the two filings."), answer,
+                                         ToolMessage("3 hits", tool_call_id=call["id"])])
+            assert again.text == FULL_TEXT
+
+    asyncio.run(main())
 
 
 def test_a_streamed_agent_gets_the_text_as_it_arrives_and_the_recorded_answer(

@@ -29,7 +29,7 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
-from agents.retry import ModelRetrySettings, retry_policies
+from agents.retry import ModelRetryAdviceRequest, ModelRetrySettings, retry_policies
 
 from ledger import (
     AsyncLedger,
@@ -53,7 +53,7 @@ from ledger.integrations.openai_agents import (
 )
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import PRICE
+from tests.fakeplan import PRICE, tool_call_ids
 
 set_tracing_disabled(True)  # the SDK's trace export would reach api.openai.com
 
@@ -153,6 +153,51 @@ def test_runner_run_with_a_handoff_and_a_tool_fails_over_from_a_503_across_proto
     assert "You research filings." in body
     with Ledger.open(db_url) as led:
         assert led.get_run("sdk").status is RunStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize(("first", "second"), [("gemini", "openai_responses"),
+                                               ("openai_responses", "anthropic"),
+                                               ("anthropic", "openai")])
+def test_a_tool_call_keeps_its_id_when_the_next_call_fails_over_to_another_protocol(
+        db_url: str, fake: FakeProvider, first: str, second: str) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="primary-model")
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the call with the tool's output
+    searched.clear()
+    researcher = Agent(name="researcher", tools=[search])
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("ids", plan=routes(fake, first, second), budget=BUDGET,
+                        grant=GRANT) as run:
+            result = await Runner.run(researcher, "Compare the two filings.",
+                                      run_config=config(run))
+            assert result.final_output == FULL_TEXT and searched == ["10-K"]
+            items = result.to_input_list()
+            [call] = [i for i in items if i.get("type") == "function_call"]
+            [output] = [i for i in items if i.get("type") == "function_call_output"]
+            assert output["call_id"] == call["call_id"]
+            timeline = await led.timeline("ids")
+            assert [(a.route_id, a.state) for a in timeline] == [
+                ("primary", AttemptState.SUCCEEDED), ("primary", AttemptState.FAILED),
+                ("backup", AttemptState.SUCCEEDED)]
+            # The item names the Attempt of the primary that proposed it, whoever serves next.
+            assert call["id"] == f"fc_{timeline[0].attempt_id}_0"
+            again = await Runner.run(researcher, [*items, {"role": "user", "content": "More."}],
+                                     run_config=config(run))
+            assert again.final_output == FULL_TEXT
+            call_id = call["call_id"]
+
+        first_req, failed, backup, later = fake.requests
+        assert (first_req.protocol, failed.protocol, backup.protocol) == (first, first, second)
+        # The id the SDK holds is the one the backup's protocol was sent, call and output.
+        assert tool_call_ids(backup) == tool_call_ids(later) == [call_id, call_id]
+        if first == "gemini":
+            assert call_id.startswith("call_") and len(call_id) == 29
+        else:
+            assert call_id == ("toolu_fake_1" if first == "anthropic" else "call_fake_1")
+            assert tool_call_ids(failed) == [call_id, call_id]
+
+    asyncio.run(main())
 
 
 def test_runner_run_streamed_sends_responses_events_ending_with_response_completed(
@@ -278,6 +323,16 @@ def test_retry_advice_maps_the_ledgers_facts_and_sdk_retries_are_refused(
             assert advice is not None and advice.suggested is False
             assert advice.replay_safety == "safe" and not advice.response_started
             assert advice.normalized is not None and advice.normalized.status_code == 503
+            # The connection reset after the request was sent: it may have executed, and
+            # nothing was shown. Through the model, as the SDK's runner asks.
+            fake.set_default(Fault.RESET_BEFORE_HEADERS)
+            with pytest.raises(FailoverExhausted) as ei:
+                await Runner.run(researcher, "Anyone there?", run_config=config(run))
+            advice = LedgerModelProvider(run).get_model(None).get_retry_advice(
+                ModelRetryAdviceRequest(error=ei.value, attempt=1, stream=False))
+            assert advice is not None and advice.suggested is False
+            assert advice.replay_safety == "unsafe" and not advice.response_started
+            assert advice.normalized is not None and advice.normalized.is_network_error
             # A stream cut after text was shown: the outcome is unknown, the reader saw output.
             fake.set_default(Behavior(fault=Fault.STREAM_CUT, content_before_fault=2))
             streamed = Runner.run_streamed(researcher, "Go.", run_config=config(run))
@@ -475,3 +530,67 @@ def _approved_search() -> Any:
         return json.dumps({"hits": 3, "query": query})
 
     return search
+
+
+CHILD_IN_CALL = r"""
+import asyncio, json, os, sys
+from agents import Agent, RunConfig, Runner, set_tracing_disabled
+from ledger import AsyncLedger, Budget, Grant, Route
+from ledger.integrations.openai_agents import LedgerModelProvider
+set_tracing_disabled(True)
+
+async def main():
+    routes = [Route.model_validate(r) for r in json.loads(os.environ["PLAN"])]
+    led = await AsyncLedger.open(sys.argv[1])
+    run = await led.run("in-call", plan=routes,
+                        budget=Budget.model_validate_json(os.environ["BUDGET"]),
+                        grant=Grant.model_validate_json(os.environ["GRANT"])).__aenter__()
+    await Runner.run(Agent(name="researcher", instructions="You research filings."),
+                     "Compare the two filings.",
+                     run_config=RunConfig(model_provider=LedgerModelProvider(run),
+                                          tracing_disabled=True))
+
+asyncio.run(main())
+"""
+
+
+def test_a_call_whose_executor_died_after_sending_is_not_sent_again_and_is_unsafe_to_replay(
+        db_url: str, fake: FakeProvider) -> None:
+    plan = routes(fake, "openai_responses", "anthropic")
+    env = dict(os.environ, PYTHONPATH=str(REPO), LEDGER_FAULTS="dispatch.after_send",
+               PLAN=json.dumps([r.model_dump(mode="json") for r in plan]),
+               BUDGET=BUDGET.model_dump_json(), GRANT=GRANT.model_dump_json())
+    # The provider answered; the process died before the ledger settled the Attempt.
+    child = subprocess.run([sys.executable, "-c", CHILD_IN_CALL, db_url], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -9, child.stderr
+    assert len(fake.requests) == 1
+    agent = Agent(name="researcher", instructions="You research filings.")
+
+    async def main() -> None:
+        clock = ManualClock(start=time.time() + 3600)  # the crashed lease lapsed
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            with pytest.raises(FailoverExhausted) as ei:
+                async with led.run("in-call", plan=plan, budget=BUDGET, grant=GRANT) as run:
+                    provider = LedgerModelProvider(run)
+                    try:
+                        # The host runs the same request again: the ledger refuses to resend.
+                        await Runner.run(agent, "Compare the two filings.",
+                                         run_config=RunConfig(model_provider=provider,
+                                                              tracing_disabled=True))
+                    except FailoverExhausted as stop:
+                        # What the SDK's runner is told: no retry, and unsafe to replay.
+                        advice = provider.get_model(None).get_retry_advice(
+                            ModelRetryAdviceRequest(error=stop, attempt=1, stream=False))
+                        assert advice is not None and advice.suggested is False
+                        assert advice.replay_safety == "unsafe"
+                        assert not advice.response_started
+                        raise
+            [att] = await led.timeline("in-call")
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [att.attempt_id]
+            assert att.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)
+            assert (await led.get_run("in-call")).status is RunStatus.FAILED
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1  # never sent again
