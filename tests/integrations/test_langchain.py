@@ -20,7 +20,12 @@ from typing import Any
 
 import pytest
 from langchain.agents import create_agent
-from langchain.agents.middleware import ModelCallLimitMiddleware, ModelRetryMiddleware
+from langchain.agents.middleware import (
+    ModelCallLimitMiddleware,
+    ModelFallbackMiddleware,
+    ModelRetryMiddleware,
+)
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel
@@ -397,10 +402,39 @@ def test_a_retry_around_the_ledger_never_sends_a_stopped_request_again(
             default = ModelRetryMiddleware(max_retries=2, on_failure="error", initial_delay=0)
             with pytest.raises(LedgerStop):
                 await agent_for(run, before=[default]).ainvoke({"messages": [("user", "Yo")]})
-            assert len(await led.timeline("twice")) == 4  # two turns, two Attempts each
+            # ModelFallbackMiddleware before the ledger: its fallback call comes back through
+            # LedgerMiddleware as the same request, and is refused the same way.
+            other = GenericFakeChatModel(messages=iter([AIMessage("from the fallback")]))
+            with pytest.raises(InvalidArgument) as ei:
+                await agent_for(run, before=[ModelFallbackMiddleware(other)]).ainvoke(
+                    {"messages": [("user", "Again?")]})
+            assert ei.value.field == "retry" and "ModelFallbackMiddleware" in str(ei.value)
+            assert len(await led.timeline("twice")) == 6  # three turns, two Attempts each
 
     asyncio.run(main())
-    assert len(fake.requests) == 4
+    assert len(fake.requests) == 6
+
+
+def test_the_middleware_serves_the_agents_calls_whatever_model_the_agent_was_built_with(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+    searched.clear()
+    never = GenericFakeChatModel(messages=iter([AIMessage("not the ledger's")]))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("other", plan=routes(fake, "anthropic"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = create_agent(never, tools=[search], middleware=[LedgerMiddleware(run)])
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            assert [m.response_metadata["ledger"]["route"] for m in ais(state)] == [
+                "primary", "primary"]
+            assert len(await led.timeline("other")) == 2
+
+    asyncio.run(main())
+    # The tools create_agent bound for the call went to the provider.
+    assert [t["name"] for t in fake.requests[0].json["tools"]] == ["search"]
 
 
 def test_model_call_limit_and_the_run_budget_the_first_to_run_out_stops(
