@@ -186,6 +186,11 @@ def test_a_tool_call_keeps_its_id_when_the_next_call_fails_over_to_another_proto
                                      run_config=config(run))
             assert again.final_output == FULL_TEXT
             call_id = call["call_id"]
+            if first == "gemini":
+                # Gemini gives no call id: one is made from the Attempt, and recorded.
+                [ev] = await led.events("ids", ["tool_call_id"])
+                assert ev.data == {"provider_id": "call_0", "call_id": call_id}
+                assert ev.attempt_id == timeline[0].attempt_id
 
         first_req, failed, backup, later = fake.requests
         assert (first_req.protocol, failed.protocol, backup.protocol) == (first, first, second)
