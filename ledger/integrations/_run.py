@@ -73,6 +73,8 @@ class _Memory:
     stopped: dict[str, FailoverExhausted] = field(default_factory=dict)  # envelope hash -> stop
     orphans: dict[str, list[str]] | None = None  # turn id -> attempts sent without a receipt
     mine: set[str] = field(default_factory=set)  # turn ids this session sent
+    # Tool-call ids the Run used: recorded refs (read once), sent, or handed out by this session.
+    call_ids: set[str] | None = None
 
 
 _MEMORY: weakref.WeakKeyDictionary[Any, _Memory] = weakref.WeakKeyDictionary()
@@ -281,14 +283,23 @@ class RunLink:
     async def stable_calls(self, result: Any, used: Iterable[str]) -> list[Part]:
         """The turn's parts, each tool call with an id that is stable and unique in the Run.
 
-        A call whose id the provider did not give (a positional ``call_<n>``), or that the
-        conversation used already (``used``, or an earlier call of the same answer), gets
-        ``call_<24 hex>`` derived from its Attempt and position; that part is recorded as the
-        Attempt's provenance, an event ``tool_call_id`` names the id it stands for, and the
-        session adopts it so that its result can be recorded.
+        A call whose id the provider did not give (a positional ``call_<n>``), or that the Run
+        used already (in this conversation, ``used``; in another conversation of the Run, such
+        as a subagent's; a ref the ledger recorded; or an earlier call of the same answer),
+        gets ``call_<24 hex>`` derived from its Attempt and position; that part is recorded as
+        the Attempt's provenance, an event ``tool_call_id`` names the id it stands for, and
+        the session adopts it so that its result can be recorded.
         """
         attempt_id: str = result.attempt.attempt_id
-        taken = set(used)
+        memory = self.memory
+        if memory.call_ids is None:
+            if not any(p.tool_call_id is not None for p in result.parts):
+                return list(result.parts)
+            # Read once per session: while it holds the lease no other executor records.
+            recorded = await self._call(self.run.ledger.provenance(self.run.run_id))
+            memory.call_ids = set(recorded)
+        memory.call_ids.update(used)
+        taken = set(memory.call_ids)
         out: list[Part] = []
         renamed: list[Part] = []
         index = 0
@@ -309,6 +320,7 @@ class RunLink:
                 renamed.append(fresh)
                 part = fresh
             taken.add(part.tool_call_id or "")
+            memory.call_ids.add(part.tool_call_id or "")
             out.append(part)
             index += 1
         if renamed:

@@ -321,6 +321,50 @@ def test_structured_output_comes_through_a_tool_call_on_any_route(
     assert fake.requests[-1].json["tools"][0]["name"] == "Verdict"
 
 
+def test_a_deep_agent_and_its_subagent_draw_on_the_one_run(
+        db_url: str, fake: FakeProvider) -> None:
+    from deepagents import create_deep_agent
+
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Behavior(tool_call=("task", {"description": "Search the 10-K filings",
+                                              "subagent_type": "general-purpose"})),
+                 model="backup-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="backup-model")
+    searched.clear()
+
+    async def main() -> str:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("deep", plan=routes(fake, "openai", "anthropic"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = create_deep_agent(LedgerChatModel(run), tools=[search],
+                                      middleware=[LedgerMiddleware(run)],
+                                      system_prompt="You are a careful analyst.")
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            [task] = ais(state)[0].tool_calls
+            assert task["name"] == "task" and task["id"] == "toolu_fake_1"
+            # The subagent's call got the same id from the provider: in the Run it has its own.
+            [ev] = await led.events("deep", ["tool_call_id"])
+            assert ev.data["provider_id"] == "toolu_fake_1"
+            sub_id: str = ev.data["call_id"]
+            # The main agent's three model calls and the subagent's two: one Run, one budget.
+            timeline = await led.timeline("deep")
+            assert [(a.route_id, a.state) for a in timeline] == [
+                ("primary", AttemptState.FAILED)] + [("backup", AttemptState.SUCCEEDED)] * 4
+            assert (await led.get_run("deep")).calls_used == 5
+            state = await agent.ainvoke(
+                {"messages": [*state["messages"], ("user", "And the risks?")]})
+            assert state["messages"][-1].text == FULL_TEXT
+            return sub_id
+
+    sub_id = asyncio.run(main())
+    _503, main_call, sub_call, sub_result, main_result, later = fake.requests
+    assert "task" in [t["name"] for t in main_call.json["tools"]]
+    assert "task" not in [t["name"] for t in sub_call.json["tools"]]
+    assert tool_call_ids(sub_call) == [] and tool_call_ids(sub_result) == [sub_id] * 2
+    assert tool_call_ids(main_result) == tool_call_ids(later) == ["toolu_fake_1"] * 2
+
+
 # -- stops -------------------------------------------------------------------------------------
 
 # A unit of cost per output token: each answer posts 7 (its reported usage), and each call's

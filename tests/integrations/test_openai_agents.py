@@ -205,6 +205,37 @@ def test_a_tool_call_keeps_its_id_when_the_next_call_fails_over_to_another_proto
     asyncio.run(main())
 
 
+def test_an_agent_used_as_a_tool_gets_call_ids_of_its_own_in_the_one_run(
+        db_url: str, fake: FakeProvider) -> None:
+    # The fake gives every call the id call_fake_1: the inner agent's call would collide with
+    # the outer agent's, in another conversation of the same Run.
+    fake.enqueue(Behavior(tool_call=("research", {"input": "the 10-K filings"})))
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+    searched.clear()
+    researcher = Agent(name="researcher", instructions="You research filings.", tools=[search])
+    triage = Agent(name="triage", instructions="You are a careful analyst.", tools=[
+        researcher.as_tool(tool_name="research", tool_description="Research filings.")])
+
+    async def main() -> str:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("nested", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            result = await Runner.run(triage, "Compare the two filings.", run_config=config(run))
+            assert result.final_output == FULL_TEXT and searched == ["10-K"]
+            [call] = [i for i in result.to_input_list() if i.get("type") == "function_call"]
+            assert call["call_id"] == "call_fake_1"
+            [ev] = await led.events("nested", ["tool_call_id"])
+            assert ev.data["provider_id"] == "call_fake_1"
+            assert len(await led.timeline("nested")) == 4  # outer, inner, inner, outer
+            inner: str = ev.data["call_id"]
+            return inner
+
+    inner = asyncio.run(main())
+    outer_call, inner_call, inner_result, outer_result = fake.requests
+    assert tool_call_ids(outer_call) == tool_call_ids(inner_call) == []
+    assert tool_call_ids(inner_result) == [inner, inner]
+    assert tool_call_ids(outer_result) == ["call_fake_1", "call_fake_1"]
+
+
 def test_runner_run_streamed_sends_responses_events_ending_with_response_completed(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
