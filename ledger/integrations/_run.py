@@ -273,8 +273,19 @@ class RunLink:
                 return unrecorded
             if call_id not in await self._call(self.run.adopt_tool_calls(list(calls))):
                 return unrecorded
-        made: Part = await self._call(self.run.tool_result(call_id, content,
-                                                           data_class=self.tool_data_class))
+        made: Part
+        if name:
+            # Named as the conversation's call, which the request carries beside it (Gemini
+            # pairs a functionResponse with its functionCall by name): the session names a
+            # call id by the latest Attempt that proposed it, and a provider that reuses ids
+            # (another conversation of the Run got the same one) would make that another tool.
+            made = Part(role="tool", content=content, data_class=self.tool_data_class,
+                        provenance=call_id, tool_call_id=call_id, name=name)
+            await self._call(self.run.ledger.record_provenance(
+                self.run.lease, call_id, made.content_hash, "tool_result"))
+        else:
+            made = await self._call(self.run.tool_result(call_id, content,
+                                                         data_class=self.tool_data_class))
         memory.results[call_id] = made
         return made
 

@@ -365,6 +365,37 @@ def test_a_deep_agent_and_its_subagent_draw_on_the_one_run(
     assert tool_call_ids(main_result) == tool_call_ids(later) == ["toolu_fake_1"] * 2
 
 
+def test_a_tool_result_is_named_as_its_call_when_a_subagent_got_the_same_provider_id(
+        db_url: str, fake: FakeProvider) -> None:
+    from deepagents import create_deep_agent
+
+    # The primary (Anthropic) gives every call the id toolu_fake_1: the main agent's task call
+    # and the subagent's search call. The main agent's next call fails over to Gemini, which
+    # pairs a functionResponse with its functionCall by name.
+    fake.enqueue(Behavior(tool_call=("task", {"description": "Search the 10-K filings",
+                                              "subagent_type": "general-purpose"})),
+                 model="primary-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="primary-model")
+    fake.enqueue(Behavior(), model="primary-model")
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("names", plan=routes(fake, "anthropic", "gemini"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = create_deep_agent(LedgerChatModel(run), tools=[search],
+                                      middleware=[LedgerMiddleware(run)])
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT
+
+    asyncio.run(main())
+    last = fake.requests[-1]
+    assert last.protocol == "gemini"
+    pairs = [(k, p[k]["name"]) for c in last.json["contents"] for p in c["parts"]
+             for k in ("functionCall", "functionResponse") if k in p]
+    assert pairs == [("functionCall", "task"), ("functionResponse", "task")]
+
+
 # -- stops -------------------------------------------------------------------------------------
 
 # A unit of cost per output token: each answer posts 7 (its reported usage), and each call's
