@@ -339,18 +339,16 @@ def health(store: Store, now: float) -> tuple[list[RowMap], list[RowMap]]:
     g = s.capacity_groups.c
     gs = s.group_slots.c
     r = s.runs.c
-    # A slot counts only while its executor still holds the run (the same rule as admission).
+    # A slot counts while its executor still holds the run (the same rule as admission).
     live = (select(gs.group_id, func.count().label("in_flight"))
             .select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
-            .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
-                   r.lease_expires_at > now)
+            .where(s.held_until(gs.fence) > now)
             .group_by(gs.group_id).subquery())
     w = s.group_waiters.c
     # A place in a full group's queue counts the same way, while its own bound has not passed.
     queued = (select(w.group_id, func.count().label("waiting"))
               .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
-              .where(w.fence == r.fence, w.expires_at > now, r.lease_expires_at.is_not(None),
-                     r.lease_expires_at > now)
+              .where(w.expires_at > now, s.held_until(w.fence) > now)
               .group_by(w.group_id).subquery())
     with store.reading() as conn:
         hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())
