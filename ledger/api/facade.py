@@ -3,8 +3,10 @@
 A method checks its arguments (:mod:`ledger.api.arguments`), asks the pure core what the write
 means (:mod:`ledger.decide`: what an admission freezes, what a begin may use, what a settle
 records and does to holds, health and groups, all under the Run's *frozen* policy), and hands
-the resulting spec to the storage port (:mod:`ledger.storage.port`), which applies it in one
-transaction. The port is private to the ledger; ops and tools reach it with :func:`storage_of`.
+the resulting spec to storage: the hot path's store (:class:`~ledger.storage.store.Store`) or,
+for admission, reads and administration, :class:`~ledger.storage.runs.RunQueries`. Each applies
+it in one transaction. The store is private to the ledger; ops and tools reach it with
+:func:`storage_of`.
 
 Every operation is written once, as a flow (:mod:`ledger.storage.runner`) decorated with
 :class:`~ledger.api.calls.op`, on the base both faces share: :class:`Ledger` performs it on the
@@ -54,6 +56,7 @@ from ledger.decide.ending import ENDED
 from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.domain.facts import FailureFact, Observation
 from ledger.domain.records import (
     AttemptKind,
@@ -67,6 +70,7 @@ from ledger.domain.records import (
     Page,
     RunRecord,
     RunStatus,
+    run_live,
     to_micros,
 )
 from ledger.domain.specs import GroupUpdate, ReceiptSpec
@@ -99,14 +103,12 @@ from ledger.domain.values import (
 )
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
-from ledger.storage.port import StoragePort
-from ledger.storage.rows import run_live
 from ledger.storage.runner import Flow, blocking
 
 if TYPE_CHECKING:
     # Named (as strings) in the faces' base classes, which ruff does not read.
     from ledger.api.session import AsyncRunSession, RunSession  # noqa: F401
+    from ledger.storage.store import Store
 
 SessionT = TypeVar("SessionT")  # a Run session: RunSession or AsyncRunSession
 OpenedT = TypeVar("OpenedT")  # an opened ledger: Ledger, or an _Opening of an AsyncLedger
@@ -146,13 +148,23 @@ class _Face(Generic[SessionT, OpenedT]):
     #: Whether this face awaits its operations (AsyncLedger) or blocks on them (Ledger).
     awaiting = False
 
+    # Private: applications use the ledger's methods; ops and tools reach the store
+    # deliberately, through storage_of().
+    _store: Store
+
+    # ``store`` is not validated: its class is SQLAlchemy's side of the ledger, which a type
+    # checker imports and ``import ledger`` does not.
     @checked
-    def __init__(self, store: SkipValidation[StoragePort], clock: ClockArg | None = None,
+    def __init__(self, store: SkipValidation[Any], clock: ClockArg | None = None,
                  executor_id: Id | None = None) -> None:
-        # Private: applications use the ledger's methods; ops and tools reach the port
-        # deliberately, through storage_of().
         self._store = store
-        self._runner = store.runner
+        self._runner = self._store.runner
+        # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
+        from ledger.storage.recovery import RecoveryQueries
+        from ledger.storage.runs import RunQueries
+
+        self._runs = RunQueries(store.context)
+        self._recovery = RecoveryQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
@@ -218,6 +230,8 @@ class _Face(Generic[SessionT, OpenedT]):
         """
         if cls.awaiting:
             return cast(OpenedT, _Opening(lambda: AsyncLedger(Ledger.open(url, **options))))
+        from ledger.storage import open_store
+
         store = open_store(url, lease_margin_s=options.get("lease_margin_s",
                                                            DEFAULT_LEASE_MARGIN_S),
                            migrate_schema=options.get("migrate_schema", True))
@@ -340,7 +354,7 @@ class _Face(Generic[SessionT, OpenedT]):
             from ledger.adapters.secrets import check_keys
 
             check_keys(plan, secrets, keyless_ok=keyless)
-        rec, _created = yield from blocking(lambda: self._store.admit(spec, self.clock.now))
+        rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
         return rec
 
     @op
@@ -350,12 +364,12 @@ class _Face(Generic[SessionT, OpenedT]):
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from blocking(lambda: self._store.get_run(run_id)))
+        return (yield from blocking(lambda: self._runs.get_run(run_id)))
 
     @op
     def children(self, run_id: Id) -> Flow[list[RunRecord]]:
         """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
-        return (yield from blocking(lambda: self._store.children(run_id)))
+        return (yield from blocking(lambda: self._runs.children(run_id)))
 
     @op
     def frozen_run(self, run_id: Id) -> Flow[FrozenRun]:
@@ -374,7 +388,7 @@ class _Face(Generic[SessionT, OpenedT]):
         """:meth:`frozen_run`, for a ``run_id`` already checked."""
         frozen = self._frozen_runs.get(run_id)
         if frozen is None:
-            rec = yield from blocking(lambda: self._store.get_run(run_id))
+            rec = yield from blocking(lambda: self._runs.get_run(run_id))
             frozen = rec.frozen
             self._frozen_runs.put(run_id, frozen)
         return frozen
@@ -433,7 +447,7 @@ class _Face(Generic[SessionT, OpenedT]):
         """
         st = RunStatus(status)
         rec, _changed = yield from blocking(
-            lambda: self._store.close_run(run_id, new_id("close"), st, reason, self.clock.now))
+            lambda: self._recovery.close_run(run_id, new_id("close"), st, reason, self.clock.now))
         return rec
 
     @op
@@ -789,7 +803,7 @@ class _Face(Generic[SessionT, OpenedT]):
                            completion_tokens=completion_tokens,
                            cost_micros=None if amount is None else to_micros(amount),
                            by=who, note=note)
-        return (yield from blocking(lambda: self._store.settle_unknown(spec, self.clock.now)))
+        return (yield from blocking(lambda: self._runs.settle_unknown(spec, self.clock.now)))
 
     @op
     def turn_snapshot(self, run_id: Id, refs: IdList = ()) -> Flow[TurnSnapshot]:
@@ -850,7 +864,7 @@ class _Face(Generic[SessionT, OpenedT]):
             InvalidArgument: ``max_in_flight`` below 1 (or not an integer).
         """
         now = self.now()
-        yield from blocking(lambda: self._store.configure_group(group, max_in_flight, now))
+        yield from blocking(lambda: self._runs.configure_group(group, max_in_flight, now))
 
     @op
     def set_group_state(self, group: Id, mode: Annotated[GroupMode | str, one_of(GroupMode)], *,
@@ -867,7 +881,7 @@ class _Face(Generic[SessionT, OpenedT]):
             InvalidArgument: an unknown ``mode``, an ``until`` that is not a usable time.
         """
         upd, now = GroupUpdate(GroupMode(mode), until, reason), self.now()
-        yield from blocking(lambda: self._store.set_group_mode(group, upd, now))
+        yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
 
     @op
     def group_projections(self, groups: IdList | None = None
@@ -877,7 +891,7 @@ class _Face(Generic[SessionT, OpenedT]):
         A group nobody configured or reported on is absent (it is open and unlimited).
         """
         wanted, now = None if groups is None else list(groups), self.now()
-        return (yield from blocking(lambda: self._store.group_projections(wanted, now)))
+        return (yield from blocking(lambda: self._runs.group_projections(wanted, now)))
 
     @op
     def health(self, keys: IdList | None = None) -> Flow[dict[str, Health]]:
@@ -888,7 +902,7 @@ class _Face(Generic[SessionT, OpenedT]):
                 every row. A key with no row (never failed) is absent.
         """
         wanted, now = None if keys is None else list(keys), self.now()
-        rows = yield from blocking(lambda: self._store.health(wanted))
+        rows = yield from blocking(lambda: self._runs.health(wanted))
         return {k: as_read(h, now) for k, h in rows.items()}
 
     @op
@@ -969,7 +983,7 @@ class _Face(Generic[SessionT, OpenedT]):
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
             run = yield from self._frozen(run.parent_run_id)
-        return (yield from blocking(lambda: self._store.provenance(ids)))
+        return (yield from blocking(lambda: self._runs.provenance(ids)))
 
     @op
     def append_event(self, lease: LeaseArg, kind: EventKind, data: AuditData,
@@ -996,7 +1010,7 @@ class _Face(Generic[SessionT, OpenedT]):
             run_id: The Run (an unknown id has none).
             kinds: Only events of these kinds (e.g. ``["stop", "move"]``); ``None``: all.
         """
-        return (yield from blocking(lambda: self._store.events(run_id, kinds)))
+        return (yield from blocking(lambda: self._runs.events(run_id, kinds)))
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -1016,7 +1030,7 @@ class _Face(Generic[SessionT, OpenedT]):
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from blocking(lambda: self._store.timeline(run_id)))
+        return (yield from blocking(lambda: self._runs.timeline(run_id)))
 
     @op
     def attempts(self, /, **filters: Unpack[AttemptFilters]) -> Flow[Page[AttemptRecord]]:
@@ -1041,7 +1055,7 @@ class _Face(Generic[SessionT, OpenedT]):
             >>> while page.next_cursor:  # doctest: +SKIP
             ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
         """
-        return (yield from blocking(lambda: self._store.attempts(**attempt_query(filters))))
+        return (yield from blocking(lambda: self._runs.attempts(**attempt_query(filters))))
 
     @op
     def debit(self, debit_id: Id) -> Flow[DebitRecord]:
@@ -1050,7 +1064,7 @@ class _Face(Generic[SessionT, OpenedT]):
         Raises:
             NotFound: no debit has this id.
         """
-        return (yield from blocking(lambda: self._store.debit(debit_id)))
+        return (yield from blocking(lambda: self._runs.debit(debit_id)))
 
 
 class Ledger(_Face["RunSession", "Ledger"]):
@@ -1073,8 +1087,8 @@ class Ledger(_Face["RunSession", "Ledger"]):
     live.
 
     :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
-    storage port that is already open (see :func:`ledger.storage.open_store`); the ledger owns
-    it from then on and closes it.
+    store that is already open (see :func:`ledger.storage.open_store`); the ledger owns it from
+    then on and closes it.
 
     Attributes:
         clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
@@ -1102,19 +1116,21 @@ class Ledger(_Face["RunSession", "Ledger"]):
 @checked
 def storage_of(ledger: Annotated[Ledger | AsyncLedger, instance(
         _Face, "a Ledger or an AsyncLedger", "pass a ledger.Ledger or a ledger.AsyncLedger")]
-               ) -> StoragePort:
-    """The storage port under ``ledger`` (:class:`~ledger.storage.port.StoragePort`).
+               ) -> Store:
+    """The store under ``ledger`` (:class:`~ledger.storage.store.Store`).
 
     The one deliberate way for the ledger's own operations and tools (recovery,
     reconciliation, the audit, ``generate``, the benchmarks, the command line) to reach the
-    database. Applications use the ledger's methods: the port takes its arguments as already
-    checked and writes without the facade's rules.
+    database: its flows, and its ``context``, on which they build the query objects they need
+    (:class:`~ledger.storage.recovery.RecoveryQueries`,
+    :class:`~ledger.storage.audit.AuditQueries`, ...). Applications use the ledger's methods:
+    the store takes its arguments as already checked and writes without the facade's rules.
 
     Args:
-        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the port of its ``sync``).
+        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the store of its ``sync``).
 
     Returns:
-        The port the ledger was opened on.
+        The store the ledger was opened on.
 
     Raises:
         InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.

@@ -39,8 +39,10 @@ from ledger.domain.validation import (
     rule,
 )
 from ledger.errors import InvalidArgument, NotFound
-from ledger.storage.port import TOTALS_KEYS
+from ledger.storage.audit import TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
+from ledger.storage.runs import RunQueries
+from ledger.storage.series import SeriesQueries
 
 OPEN_STATES = ("unknown", "dispatching")
 # The attempts that can cause a failover; a not_sent one only with a failure category (a
@@ -604,7 +606,10 @@ class Audit:
                  ) -> None:
         self.ledger = ledger
         # The port's read-only queries; nothing here writes.
-        self._store = storage_of(ledger)
+        ctx = storage_of(ledger).context
+        self._audit = AuditQueries(ctx)
+        self._series = SeriesQueries(ctx)
+        self._runs = RunQueries(ctx)
 
     def now(self) -> float:
         """The ledger clock's time, in epoch seconds."""
@@ -632,9 +637,9 @@ class Audit:
                 ``since``, a limit out of range.
         """
         _window(since, until)
-        rows, nxt = self._store.audit_runs(status=None if status is None else
-                                           RunStatus(status).value, tenant=tenant, since=since,
-                                until=until, limit=limit, cursor=cursor)
+        rows, nxt = self._audit.runs(status=None if status is None else RunStatus(status).value,
+                                     tenant=tenant, since=since, until=until, limit=limit,
+                                     cursor=cursor)
         return Page([_run(r) for r in rows], nxt)
 
     @query
@@ -650,7 +655,7 @@ class Audit:
         Raises:
             NotFound: no Run has this id.
         """
-        run_row, att_rows, ev_rows = self._store.audit_timeline(run_id)
+        run_row, att_rows, ev_rows = self._audit.timeline(run_id)
         if run_row is None:
             raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
@@ -716,8 +721,8 @@ class Audit:
             A :class:`~ledger.Page` of :class:`Failover`.
         """
         _window(since, until)
-        runs, atts, moves, nxt = self._store.audit_failovers(since=since, until=until,
-                                                 limit=limit, cursor=cursor)
+        runs, atts, moves, nxt = self._audit.failovers(since=since, until=until, limit=limit,
+                                                       cursor=cursor)
         atts_by: dict[str, list[Mapping[str, Any]]] = {}
         for a in atts:
             atts_by.setdefault(a["run_id"], []).append(a)
@@ -766,7 +771,7 @@ class Audit:
             A :class:`~ledger.Page` of :class:`~ledger.AttemptRecord`.
         """
         _window(filters.get("since"), filters.get("until"))
-        return self._store.attempts(**attempt_query(filters))
+        return self._runs.attempts(**attempt_query(filters))
 
     @query
     def costs(self, *, by: Annotated[str, _totals_key] = "route", since: Time | None = None,
@@ -798,8 +803,8 @@ class Audit:
             ...     print(t.key, t.cost, t.attempts)
         """
         _window(since, until)
-        rows, nxt = self._store.audit_totals(by=by, since=since, until=until, label=label,
-                             limit=limit, cursor=cursor)
+        rows, nxt = self._audit.totals(by=by, since=since, until=until, label=label,
+                                       limit=limit, cursor=cursor)
         return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
                             succeeded=int(r["succeeded"]), failed=int(r["failed"]),
                             unknown=int(r["unknown"]), prompt_tokens=int(r["prompt_tokens"]),
@@ -834,9 +839,9 @@ class Audit:
             raise InvalidArgument(f"states is empty; pass some of {list(OPEN_STATES)}",
                                   field="states")
         _window(since, until)
-        rows, nxt = self._store.audit_open_attempts(states=[AttemptState(v).value for v in states],
-                                    since=since, until=until,
-                                    limit=limit, cursor=cursor)
+        rows, nxt = self._audit.open_attempts(states=[AttemptState(v).value for v in states],
+                                              since=since, until=until, limit=limit,
+                                              cursor=cursor)
         now = self.now()
         out = []
         for r in rows:
@@ -862,12 +867,12 @@ class Audit:
                 above 0, at most 30 days).
         """
         t, window = self.now() if now is None else now, unusable_window_s
-        hrows, grows = self._store.audit_health(t)
+        hrows, grows = self._audit.health(t)
         keys = [_key_health(h, t) for h in hrows]
         return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
                             profiles=[k for k in keys if k.kind == "profile"],
                             groups=[_group_health(g, t) for g in grows],
-                            unusable=[_unusable(u) for u in self._store.audit_unusable(t - window)
+                            unusable=[_unusable(u) for u in self._audit.unusable(t - window)
                                       if u["last_at"] <= t])
 
     @query
@@ -885,7 +890,7 @@ class Audit:
         """
         _span(since, until)
         width = (until - since) / buckets
-        rows = {int(r["bucket"]): r for r in self._store.audit_activity(since=since, until=until,
+        rows = {int(r["bucket"]): r for r in self._audit.activity(since=since, until=until,
                                                          bucket_s=width)}
         out = []
         for i in range(buckets):
@@ -915,7 +920,7 @@ class Audit:
         _span(since, until)
         width = (until - since) / buckets
         by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
-        for row in self._store.route_series(since=since, until=until, bucket_s=width):
+        for row in self._series.route_series(since=since, until=until, bucket_s=width):
             by_route.setdefault(row["route"], {})[int(row["bucket"])] = row
         busiest = sorted(by_route, key=lambda k: (-sum(int(x["attempts"])
                                                        for x in by_route[k].values()), k))
@@ -956,7 +961,7 @@ class Audit:
         out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
                        attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])),
                        held=from_micros(int(r["held_micros"])))
-               for r in self._store.cost_by_day(since=since, until=today + 86400.0)]
+               for r in self._series.cost_by_day(since=since, until=today + 86400.0)]
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
@@ -971,7 +976,7 @@ class Audit:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
         t = self.now() if now is None else now
-        m = self._store.metrics_totals(t)
+        m = self._series.metrics_totals(t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
         for r in m["cooling"]:
             cooldowns[str(r["kind"])] = int(r["n"])

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 from ledger.api.facade import Ledger, storage_of
 from ledger.domain.validation import checked, instance
+from ledger.storage.recovery import RecoveryQueries
 
 
 @dataclass
@@ -91,7 +92,7 @@ def reconcile(ledger: Annotated[Ledger, instance(
         >>> books = reconcile(led)  # doctest: +SKIP
         >>> assert books.ok, books.violations  # doctest: +SKIP
     """
-    store = storage_of(ledger)
+    store = RecoveryQueries(storage_of(ledger).context)
     fig = store.reconcile_figures(ledger.now())
     ev = store.event_counts(["recover", "unknown"])
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,

@@ -56,7 +56,7 @@ from ledger.domain.validation import (
 )
 from ledger.domain.values import new_id
 from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld
-from ledger.storage.port import StoragePort, Takeover
+from ledger.storage.recovery import RecoveryQueries, Takeover
 
 DEFAULT_RECOVERY_TTL_S = 30.0
 DEFAULT_LIMIT = 1000
@@ -247,7 +247,7 @@ def recover(
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
     report = RecoveryReport(executor=executor, now=now)
-    store = storage_of(ledger)
+    store = RecoveryQueries(storage_of(ledger).context)
     candidates = _retrying(lambda: store.expired_runs(now, limit, run_ids), sleeper, report)
     for start in range(0, len(candidates), batch):
         chunk = candidates[start:start + batch]
@@ -276,7 +276,7 @@ def recover(
     return report
 
 
-def _close_past_deadline(store: StoragePort, report: RecoveryReport, clock: Callable[[], float],
+def _close_past_deadline(store: RecoveryQueries, report: RecoveryReport, clock: Callable[[], float],
                          limit: int, run_ids: list[str] | None, sleeper: Sleeper) -> None:
     """Close the unfinished Runs past their deadline that nobody holds (or this pass holds)."""
     due = _retrying(lambda: store.past_deadline_runs(clock(), limit, run_ids,
