@@ -20,7 +20,6 @@ from ledger.domain.bounds import MAX_LEASE_TTL_S
 from ledger.domain.facts import Category
 from ledger.domain.records import AttemptState
 from ledger.domain.validation import (
-    Flag,
     Id,
     Problem,
     Secrets,
@@ -59,7 +58,7 @@ def audit_data(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-event_kind = text(MAX_EVENT_KIND, empty=False, fix="pass a short name such as 'note'")
+event_kind = text(MAX_EVENT_KIND, empty=False, fix="pass a non-empty short name such as 'note'")
 
 
 @rule
@@ -110,26 +109,6 @@ ClockArg = Annotated[Clock, methods("now", fix="pass ledger.SystemClock() or "
 Url = Annotated[str, instance(str, "a database URL string", "pass a SQLite file path or a "
                               "database URL string, e.g. 'ledger.db' or 'postgresql://host/db'")]
 """A SQLite file path or a database URL."""
-
-
-class Opening(TypedDict, total=False):
-    """The options of :meth:`~ledger.Ledger.open` (and of ``AsyncLedger.open``).
-
-    Attributes:
-        clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests pass a
-            :class:`~ledger.ManualClock`).
-        executor_id: This process's name as a lease holder (default: a new unique id).
-        migrate_schema: Create or upgrade the schema first (default ``True``; ``False`` for a
-            read-only role, or when migrations run separately).
-        lease_margin_s: How long before its end a lease stops starting work, from 0 to 60 s
-            (default 0.5): the clock skew between hosts the ledger tolerates
-            (``docs/operations.md``).
-    """
-
-    clock: ClockArg | None
-    executor_id: Id | None
-    migrate_schema: Flag
-    lease_margin_s: Annotated[float, duration(60.0)]
 
 
 class SessionOptions(Admission, total=False):
@@ -183,7 +162,6 @@ __all__ = [
     "Hashes",
     "LeaseTtl",
     "Limit",
-    "Opening",
     "RouteRef",
     "SessionOptions",
     "Url",

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 K = TypeVar("K")
 V = TypeVar("V")
 R = TypeVar("R")
-S = TypeVar("S")
 T = TypeVar("T")
 P = ParamSpec("P")
 

@@ -34,7 +34,6 @@ from ledger.api.arguments import (
     Hash,
     Hashes,
     LeaseTtl,
-    Opening,
     RouteRef,
     SessionOptions,
     Url,
@@ -195,7 +194,10 @@ class _Face(Generic[SessionT, OpenedT]):
 
     @classmethod
     @checked
-    def open(cls, url: Url, **options: Unpack[Opening]) -> OpenedT:
+    def open(cls, url: Url, *, clock: ClockArg | None = None, executor_id: Id | None = None,
+             migrate_schema: Flag = True,
+             lease_margin_s: Annotated[float, duration(60.0)] = DEFAULT_LEASE_MARGIN_S
+             ) -> OpenedT:
         """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
 
         ``Ledger.open(url)`` returns the open :class:`Ledger`; ``await AsyncLedger.open(url)``
@@ -205,8 +207,14 @@ class _Face(Generic[SessionT, OpenedT]):
         Args:
             url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
                 (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
-            **options: ``clock``, ``executor_id``, ``migrate_schema`` and ``lease_margin_s``
-                (:class:`~ledger.api.arguments.Opening`).
+            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
+                pass a :class:`~ledger.ManualClock`).
+            executor_id: This process's name as a lease holder (default: a new unique id).
+            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
+                role, or when migrations run separately).
+            lease_margin_s: How long before its end a lease stops starting work, from 0 to
+                60 s: the clock skew between hosts the ledger tolerates
+                (``docs/operations.md``).
 
         Returns:
             The open ledger; :meth:`close` it (or use it as a ``with`` block).
@@ -229,14 +237,13 @@ class _Face(Generic[SessionT, OpenedT]):
             sqlite
         """
         if cls.awaiting:
-            return cast(OpenedT, _Opening(lambda: AsyncLedger(Ledger.open(url, **options))))
+            return cast(OpenedT, _Opening(lambda: AsyncLedger(Ledger.open(
+                url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
+                lease_margin_s=lease_margin_s))))
         from ledger.storage import open_store
 
-        store = open_store(url, lease_margin_s=options.get("lease_margin_s",
-                                                           DEFAULT_LEASE_MARGIN_S),
-                           migrate_schema=options.get("migrate_schema", True))
-        return cast(OpenedT, Ledger(store, clock=options.get("clock"),
-                              executor_id=options.get("executor_id")))
+        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
+        return cast(OpenedT, Ledger(store, clock=clock, executor_id=executor_id))
 
     @checked
     def run(self, run_id: Id, **options: Unpack[SessionOptions]) -> SessionT:
@@ -953,8 +960,9 @@ class _Face(Generic[SessionT, OpenedT]):
 
     @op
     def record_provenance(self, lease: LeaseArg, ref: Id, content_hash: Hash,
-                          kind: Annotated[str, text(16, empty=False, fix="pass e.g. 'memory'")]
-                          = "tool_result") -> Flow[None]:
+                          kind: Annotated[str, text(16, empty=False, fix="pass a non-empty "
+                                                    "kind such as 'memory'")] = "tool_result"
+                          ) -> Flow[None]:
         """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
 
         A later part with ``provenance=ref`` and this exact content is then covered for

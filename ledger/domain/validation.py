@@ -24,13 +24,14 @@ documents; build a new model to have a changed value checked.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
 import math
 import reprlib
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from enum import Enum
 from typing import (
@@ -82,14 +83,13 @@ class Problem(ValueError):
     """Raised by a validator: what is wrong with the value, and what to pass instead.
 
     A plain ``ValueError`` works too (its text becomes the problem); this one also says the fix,
-    and ``at`` where inside the value the problem sits (``[2]`` of a list).
+    ``at`` where inside the value the problem sits (``[2]`` of a list), and ``fields`` what the
+    :class:`~ledger.errors.InvalidArgument` carries besides (``choices=[...]``).
     """
 
-    def __init__(self, problem: str, fix: str, at: str = "") -> None:
+    def __init__(self, problem: str, fix: str, at: str = "", **fields: Any) -> None:
         super().__init__(f"{problem}; {fix}")
-        self.problem = problem
-        self.fix = fix
-        self.at = at
+        self.problem, self.fix, self.at, self.fields = problem, fix, at, fields
 
 
 # -- the rules ----------------------------------------------------------------------------------
@@ -127,23 +127,60 @@ def rule(check: Callable[[Any], R]) -> Rule[R]:
     return Rule(check)
 
 
-def _as_id(value: Any) -> str:
-    fix = "pass a non-empty string such as 'run-1'"
-    if not isinstance(value, str):
-        raise Problem("is not a string", fix)
-    if not value.strip():
-        raise Problem("is empty", fix)
-    if len(value) > MAX_ID_LENGTH:
-        raise Problem(f"is {len(value)} characters long; ids are at most {MAX_ID_LENGTH}",
-                      "use a shorter id (e.g. a hash of the long one)")
-    if not value.isprintable():
-        # str.isprintable: no NUL, newline, other control or format characters, no lone
-        # surrogates: what both backends store and compare alike.
-        raise Problem("contains control characters (NUL, newline, ...)", "use printable text only")
-    return value
+def that(test: Callable[[Any], bool], problem: str, fix: str) -> Rule[Any]:
+    """A value ``test`` accepts, as it is; else ``problem``, and ``fix`` says what to pass."""
+
+    def check(value: Any) -> Any:
+        if not test(value):
+            raise Problem(problem, fix)
+        return value
+
+    return Rule(check)
 
 
-as_id = Rule(_as_id, before=True)
+def instance(cls: type[Any] | tuple[type[Any], ...], what: str, fix: str) -> Rule[Any]:
+    """An instance of ``cls`` (``what`` names it in the message)."""
+    return that(lambda v: isinstance(v, cls), f"is not {what}", fix)
+
+
+def function(what: str) -> Rule[Any]:
+    """A callable: ``what`` says what it is called with."""
+    return that(callable, "is not callable", f"pass {what}")
+
+
+def methods(*names: str, fix: str) -> Rule[Any]:
+    """An object with the methods ``names`` (a clock, a sleeper, ...)."""
+    return that(lambda v: all(callable(getattr(v, n, None)) for n in names),
+                f"has no {'() and '.join(names)}() method", fix)
+
+
+flag = that(lambda v: isinstance(v, bool), "is not True or False", "pass True or False")
+"""``True`` or ``False`` (not 0/1, not a string)."""
+
+
+def text(maximum: int = MAX_TEXT, *, empty: bool = True, fix: str = "pass a string"
+         ) -> Rule[str]:
+    """A printable text of at most ``maximum`` characters (not blank unless ``empty``)."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise Problem("is not a string", fix)
+        if not empty and not value.strip():
+            raise Problem("is empty", fix)
+        if len(value) > maximum:
+            raise Problem(f"is {len(value)} characters long",
+                          f"pass a shorter one, of at most {maximum} characters")
+        if not value.isprintable():
+            # str.isprintable: no NUL, newline, other control or format characters, no lone
+            # surrogates: what both backends store and compare alike.
+            raise Problem("contains control characters (NUL, newline, ...)",
+                          "use printable text only")
+        return value
+
+    return Rule(check, before=True)
+
+
+as_id = text(MAX_ID_LENGTH, empty=False, fix="pass a non-empty string such as 'run-1'")
 """An identifier: 1 to 200 printable characters, not only whitespace (the rule of :data:`Id`)."""
 
 
@@ -154,25 +191,6 @@ def is_id(value: Any) -> bool:
     except Problem:
         return False
     return True
-
-
-def text(maximum: int = MAX_TEXT, *, empty: bool = True, fix: str = "pass a string"
-         ) -> Rule[str]:
-    """A short printable text of at most ``maximum`` characters (non-empty unless ``empty``)."""
-
-    def check(value: Any) -> str:
-        if not isinstance(value, str):
-            raise Problem("is not a string", fix)
-        if not empty and not value.strip():
-            raise Problem("is empty", f"pass a non-empty string; {fix}")
-        if len(value) > maximum:
-            raise Problem(f"is {len(value)} characters long", f"pass at most {maximum} characters")
-        if not value.isprintable():
-            raise Problem("contains control characters (NUL, newline, ...)",
-                          "use printable text only")
-        return value
-
-    return Rule(check, before=True)
 
 
 def integers(low: int = 0, high: int = MAX_COUNT, fix: str | None = None) -> Rule[int]:
@@ -254,14 +272,6 @@ def tokens_in_range(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
 
 
-@rule
-def flag(value: Any) -> bool:
-    """``True`` or ``False`` (not 0/1, not a string)."""
-    if not isinstance(value, bool):
-        raise Problem("is not True or False", "pass True or False")
-    return value
-
-
 E = TypeVar("E", bound=Enum)
 
 
@@ -275,41 +285,8 @@ def one_of(choices: type[E], among: Iterable[E] | None = None) -> Rule[E]:
         member = value if isinstance(value, choices) else (
             by_value.get(value) if isinstance(value, str) else None)
         if member is None or member not in options:
-            raise Problem("is not one of the choices", fix)
+            raise Problem("is not one of the choices", fix, choices=list(by_value))
         return member
-
-    return Rule(check)
-
-
-def instance(cls: type[Any] | tuple[type[Any], ...], what: str, fix: str) -> Rule[Any]:
-    """An instance of ``cls`` (``what`` names it in the message), as it is."""
-
-    def check(value: Any) -> Any:
-        if not isinstance(value, cls):
-            raise Problem(f"is not {what}", fix)
-        return value
-
-    return Rule(check)
-
-
-def function(what: str) -> Rule[Any]:
-    """A callable: ``what`` says what it is called with."""
-
-    def check(value: Any) -> Any:
-        if not callable(value):
-            raise Problem("is not callable", f"pass {what}")
-        return value
-
-    return Rule(check)
-
-
-def methods(*names: str, fix: str) -> Rule[Any]:
-    """An object with the methods ``names`` (a clock, a sleeper, a secret provider, ...)."""
-
-    def check(value: Any) -> Any:
-        if not all(callable(getattr(value, n, None)) for n in names):
-            raise Problem(f"has no {'() and '.join(names)}() method", fix)
-        return value
 
     return Rule(check)
 
@@ -332,17 +309,6 @@ def listing(each: Callable[[Any], R], what: str, fix: str, maximum: int = 10_000
         return out
 
     return Rule(check)
-
-
-@rule
-def secret_provider(value: Any) -> Any:
-    """A :class:`~ledger.adapters.SecretProvider` (``get(profile_id, protocol=...)``)."""
-    # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
-    if isinstance(value, Mapping) or not callable(getattr(value, "get", None)):
-        raise Problem("is not a SecretProvider (with get(profile_id, protocol=...))",
-                      "pass e.g. EnvSecretProvider(), or StaticSecretProvider(...) for keys "
-                      "held in memory")
-    return value
 
 
 # -- the types ----------------------------------------------------------------------------------
@@ -368,7 +334,11 @@ Flag = Annotated[bool, flag]
 """``True`` or ``False`` (not 0/1, not a string)."""
 IdList = Annotated[Sequence[str], listing(as_id, "ids", "pass a list of ids such as ['r1']")]
 """A list (tuple, set) of at most 10 000 ids; a lone string is refused (not its characters)."""
-Secrets = Annotated[Any, secret_provider]
+# A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
+Secrets = Annotated[Any, that(
+    lambda v: not isinstance(v, Mapping) and callable(getattr(v, "get", None)),
+    "is not a SecretProvider (with get(profile_id, protocol=...))", "pass e.g. "
+    "EnvSecretProvider(), or StaticSecretProvider(...) for keys held in memory")]
 """A :class:`~ledger.adapters.SecretProvider` (``get(profile_id, protocol=...)``), not a dict."""
 
 
@@ -387,6 +357,18 @@ class As:
         return schema
 
 
+@contextlib.contextmanager
+def _mapped(model: type[BaseModel]) -> Iterator[None]:
+    """Raise pydantic's error in ``model``'s data as :class:`InvalidArgument`."""
+    try:
+        yield
+    except ValidationError as e:
+        # ``from None``: the pydantic error repeats the input, which may be private envelope
+        # content; everything it says is in the InvalidArgument's ``errors``.
+        raise _invalid([dict(x) for x in e.errors(include_url=False)], model,
+                       model.__name__) from None
+
+
 class StrictModel(BaseModel):
     """Base of the ledger's public value models.
 
@@ -397,12 +379,8 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def __init__(self, /, **data: Any) -> None:
-        try:
+        with _mapped(type(self)):
             super().__init__(**data)
-        except ValidationError as e:
-            # ``from None``: the pydantic error repeats the input, which may be private
-            # envelope content; everything it says is in the InvalidArgument's ``errors``.
-            raise invalid_argument(e, type(self)) from None
 
     # Not a "custom" __init__ for pydantic: nested models keep being validated in the outer
     # model's single pass, so their errors carry the outer path.
@@ -411,38 +389,28 @@ class StrictModel(BaseModel):
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
         """Validate ``obj`` into this model; problems raise :class:`InvalidArgument`."""
-        try:
+        with _mapped(cls):
             return super().model_validate(obj, **kwargs)
-        except ValidationError as e:
-            raise invalid_argument(e, cls) from None
 
     @classmethod
     def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
         """Validate JSON text into this model; problems raise :class:`InvalidArgument`."""
-        try:
+        with _mapped(cls):
             return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as e:
-            raise invalid_argument(e, cls) from None
 
     @classmethod
     def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Self:
         """Validate string data into this model; problems raise :class:`InvalidArgument`."""
-        try:
+        with _mapped(cls):
             return super().model_validate_strings(obj, **kwargs)
-        except ValidationError as e:
-            raise invalid_argument(e, cls) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        try:
+        with _mapped(type(self)):
             super().__setattr__(name, value)
-        except ValidationError as e:
-            raise invalid_argument(e, type(self)) from None
 
     def __delattr__(self, name: str) -> None:
-        try:
+        with _mapped(type(self)):
             super().__delattr__(name)
-        except ValidationError as e:
-            raise invalid_argument(e, type(self)) from None
 
 
 # -- calls --------------------------------------------------------------------------------------
@@ -538,7 +506,7 @@ def _call_error(error: ValidationError, fn: Callable[..., Any], body: Any) -> In
                       and (len(e["loc"]) == 1 or e["type"] not in ("missing", "extra_forbidden"))),
                      key=lambda e: _MISFITS[e["type"]])
     if not misfits:
-        return _invalid(errors, roots, "")
+        return _invalid(errors, roots)
     first, name = misfits[0], fn.__name__
     key = str(first["loc"][0]) if first["loc"] else "args"
     keywords = [n for n, p in sig.parameters.items() if n not in ("self", "cls")
@@ -564,33 +532,22 @@ def _call_error(error: ValidationError, fn: Callable[..., Any], body: Any) -> In
 # -- turning pydantic's errors into InvalidArgument ---------------------------------------------
 
 
-def invalid_argument(error: ValidationError, model: type[BaseModel] | None,
-                     prefix: str = "") -> InvalidArgument:
-    """One :class:`InvalidArgument` for every problem pydantic found in ``model``'s data.
-
-    ``prefix`` is where the data sat in the caller's arguments (``plan[0]``).
-    """
-    return _invalid([dict(e) for e in error.errors(include_url=False)], model, prefix,
-                    model.__name__ if model is not None else "value")
-
-
-def _invalid(errors: list[dict[str, Any]], root: Any, prefix: str,
-             name: str = "value") -> InvalidArgument:
+def _invalid(errors: list[dict[str, Any]], root: Any, name: str = "value") -> InvalidArgument:
     """The InvalidArgument of pydantic ``errors``, read against ``root``.
 
     ``root`` is a model class, or a call's parameter annotations by name.
     """
     problems: list[tuple[str, str, str]] = []
-    seen: set[str] = set()
+    fields: dict[str, dict[str, Any]] = {}
     for err in errors:
-        path, owner = _path(root, tuple(err.get("loc", ())), prefix)
+        path, owner = _path(root, tuple(err.get("loc", ())))
         problem, fix = _describe(err, owner)
         cause = (err.get("ctx") or {}).get("error")
-        path = (path or prefix or name) + (cause.at if isinstance(cause, Problem) else "")
-        if path in seen and len(problems) >= 1:
+        path = (path or name) + (cause.at if isinstance(cause, Problem) else "")
+        if path in fields:
             # A union reports one error per member: the first one says enough.
             continue
-        seen.add(path)
+        fields[path] = cause.fields if isinstance(cause, Problem) else {}
         problems.append((path, problem, fix))
     # A misspelt field is reported as missing under its name and unknown under the typo: the
     # typo comes first, with its likely spelling (the "missing" one is its consequence).
@@ -602,7 +559,7 @@ def _invalid(errors: list[dict[str, Any]], root: Any, prefix: str,
         rest = "; ".join(f"{p}: {problem}" for p, problem, _ in shown[1:])
         more = len(problems) - len(shown)
         message += f" (also {rest}" + (f", and {more} more)" if more else ")")
-    return InvalidArgument(message, field=head_path, errors=shown)
+    return InvalidArgument(message, field=head_path, errors=shown, **fields[head_path])
 
 
 def _unwrap(tp: Any) -> Any:
@@ -627,14 +584,13 @@ def _unwrap(tp: Any) -> Any:
         return tp
 
 
-def _path(root: Any, loc: tuple[int | str, ...],
-          prefix: str) -> tuple[str, type[BaseModel] | None]:
+def _path(root: Any, loc: tuple[int | str, ...]) -> tuple[str, type[BaseModel] | None]:
     """The dotted path of ``loc`` in ``root``'s data, and the model that owns the last item.
 
     Walking the field types tells a field name from a union member's tag (which pydantic puts
     in ``loc`` too, and which is no part of where the value sits).
     """
-    out = prefix
+    out = ""
     tp: Any = root
     owner: type[BaseModel] | None = None
     for item in loc:
@@ -786,14 +742,13 @@ __all__ = [
     "function",
     "instance",
     "integers",
-    "invalid_argument",
     "is_id",
     "listing",
     "methods",
     "money",
     "one_of",
     "rule",
-    "secret_provider",
     "text",
+    "that",
     "tokens_in_range",
 ]

@@ -348,7 +348,8 @@ class _Answer:
 
 
 # A data class name (e.g. tool_result, user_input or private_document).
-_DataClass = Annotated[str, text(empty=False, fix="pass a data class name such as tool_result")]
+_DataClass = Annotated[str, text(empty=False, fix="pass a non-empty data class name such as "
+                                  "tool_result")]
 
 
 class LedgerModel(Model):
