@@ -30,7 +30,7 @@ from ledger.api.facade import AsyncLedger, Ledger, _Face
 from ledger.clock import Clock, Sleeper
 from ledger.domain.facts import Category, FailureFact, Phase, Source
 from ledger.domain.records import Lease, LeaseArg
-from ledger.domain.validation import checked, duration, instance, methods
+from ledger.domain.validation import Flag, Id, checked, duration, instance, methods
 from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument, LeaseLost
 from ledger.storage.runner import Flow
 
@@ -91,16 +91,19 @@ class KeeperCore:
         if self.error is not None:
             raise self.error
 
-    def track(self, attempt_id: str, *, sent: bool = False) -> None:
+    @checked
+    def track(self, attempt_id: Id, *, sent: Flag = False) -> None:
         """Tell the keeper an Attempt is in flight (begun; ``sent`` once the request left)."""
         with self._lock:
             self.in_flight[attempt_id] = sent
 
-    def mark_sent(self, attempt_id: str) -> None:
+    @checked
+    def mark_sent(self, attempt_id: Id) -> None:
         """The tracked Attempt's request left: on shutdown it is marked unknown, not voided."""
         self.track(attempt_id, sent=True)
 
-    def untrack(self, attempt_id: str) -> None:
+    @checked
+    def untrack(self, attempt_id: Id) -> None:
         """The Attempt was settled."""
         with self._lock:
             self.in_flight.pop(attempt_id, None)

@@ -845,8 +845,7 @@ class Audit:
         now = self.now()
         out = []
         for r in rows:
-            live = (r["lease_expires_at"] is not None and r["lease_expires_at"] > now
-                    and r["run_fence"] == r["fence"])
+            live = r["held_until"] is not None and r["held_until"] > now
             out.append(OpenAttempt(attempt_record(SimpleNamespace(**r), r["debit_state"]),
                                    r["lease_holder"], r["lease_expires_at"], live))
         return Page(out, nxt)

@@ -294,14 +294,16 @@ class AuditQueries:
     def open_attempts(self, *, states: Sequence[str], since: float | None,
                       until: float | None, limit: int, cursor: str | None
                       ) -> tuple[list[RowMap], str | None]:
-        """Attempts in ``states`` with their run's lease, newest first."""
+        """Attempts in ``states`` with their run's lease and until when their executor holds
+        it (:func:`~ledger.storage.schema.held_until`), newest first."""
         _check_limit(limit)
         a = s.attempts.c
         r = s.runs.c
         conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
         d = s.debits.c
         q = (select(s.attempts, r.lease_holder.label("lease_holder"),
-                    r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"),
+                    r.lease_expires_at.label("lease_expires_at"),
+                    s.held_until(a.fence).label("held_until"),
                     d.state.label("debit_state"))
              .join(s.runs, r.run_id == a.run_id)
              .outerjoin(s.debits, d.debit_id == a.debit_id)
