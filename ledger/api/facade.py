@@ -19,48 +19,43 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar, Unpack, cast
+
+from pydantic import SkipValidation, StrictStr
 
 from ledger.api.arguments import (
-    MAX_EVENT_KIND,
-    as_model,
-    attempt_filters,
-    audit_data,
-    check_opening,
-    event_kind,
-    events_arg,
-    hash_arg,
-    keyless_arg,
-    lease_arg,
-    optional_tokens,
+    AttemptFilters,
+    AuditData,
+    ClockArg,
+    EventKind,
+    Events,
+    Hash,
+    Hashes,
+    LeaseTtl,
+    RouteRef,
+    SessionOptions,
+    Url,
+    attempt_query,
 )
 from ledger.api.calls import Lru, op
 from ledger.clock import Clock, SystemClock
-from ledger.decide.admission import admission_spec, admission_terms, validate_plan
+from ledger.decide.admission import (
+    DEFAULT_ROLE,
+    Admission,
+    admission_spec,
+    admission_terms,
+    keyless_ids,
+    validate_plan,
+)
 from ledger.decide.begin import begin_spec
 from ledger.decide.effects import TurnSnapshot
 from ledger.decide.ending import ENDED
 from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
-from ledger.domain.bounds import (
-    DEFAULT_LEASE_MARGIN_S,
-    MAX_LEASE_TTL_S,
-    amount_in_range,
-    check_amount,
-    check_bool,
-    check_choice,
-    check_count,
-    check_id,
-    check_ids,
-    check_optional_id,
-    check_optional_time,
-    check_seconds,
-    check_text,
-    check_tokens,
-)
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.domain.facts import FailureFact, Observation
 from ledger.domain.records import (
     AttemptKind,
@@ -69,6 +64,7 @@ from ledger.domain.records import (
     EventRecord,
     FrozenRun,
     Lease,
+    LeaseArg,
     Outcome,
     Page,
     RunRecord,
@@ -77,7 +73,24 @@ from ledger.domain.records import (
     to_micros,
 )
 from ledger.domain.specs import GroupUpdate, ReceiptSpec
-from ledger.domain.validation import check_secret_provider, checked_call, checked_calls
+from ledger.domain.validation import (
+    As,
+    Flag,
+    Id,
+    IdList,
+    Money,
+    Secrets,
+    Text,
+    Time,
+    Tokens,
+    amount_in_range,
+    checked,
+    duration,
+    instance,
+    integers,
+    one_of,
+    text,
+)
 from ledger.domain.values import (
     Budget,
     Grant,
@@ -92,15 +105,16 @@ from ledger.policy.model import Policy
 from ledger.storage.runner import Flow, blocking
 
 if TYPE_CHECKING:
-    from ledger.api.session import AsyncRunSession, RunSession
+    # Named (as strings) in the faces' base classes, which ruff does not read.
+    from ledger.api.session import AsyncRunSession, RunSession  # noqa: F401
     from ledger.storage.store import Store
 
-P = ParamSpec("P")
-R = TypeVar("R")
-K = TypeVar("K")
-V = TypeVar("V")
+SessionT = TypeVar("SessionT")  # a Run session: RunSession or AsyncRunSession
+OpenedT = TypeVar("OpenedT")  # an opened ledger: Ledger, or an _Opening of an AsyncLedger
 
 DEFAULT_LEASE_TTL_S = 30.0
+# What an operator's evidence may settle an unknown Attempt as.
+_FINAL = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
@@ -122,22 +136,28 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
-class _Face:
+class _Face(Generic[SessionT, OpenedT]):
     """What :class:`Ledger` and :class:`AsyncLedger` share: every operation, written once.
 
     Each public operation is a flow (:mod:`ledger.storage.runner`) decorated with :class:`op`:
-    the two faces differ only in how they perform it (``awaiting``), blocking or awaited.
+    the two faces differ only in how they perform it (``awaiting``), blocking or awaited, and
+    in what :meth:`run` and :meth:`open` give (``SessionT``, ``OpenedT``).
     """
 
     #: Whether this face awaits its operations (AsyncLedger) or blocks on them (Ledger).
     awaiting = False
 
-    def __init__(self, store: Store, clock: Clock | None = None,
-                 executor_id: str | None = None) -> None:
-        # Private: applications use the ledger's methods; ops and tools reach the port
-        # deliberately, through storage_of().
+    # Private: applications use the ledger's methods; ops and tools reach the store
+    # deliberately, through storage_of().
+    _store: Store
+
+    # ``store`` is not validated: its class is SQLAlchemy's side of the ledger, which a type
+    # checker imports and ``import ledger`` does not.
+    @checked
+    def __init__(self, store: SkipValidation[Any], clock: ClockArg | None = None,
+                 executor_id: Id | None = None) -> None:
         self._store = store
-        self._runner = store.runner
+        self._runner = self._store.runner
         # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
         from ledger.storage.recovery import RecoveryQueries
         from ledger.storage.runs import RunQueries
@@ -170,26 +190,107 @@ class _Face:
         """The ledger clock's time, in epoch seconds."""
         return self.clock.now()
 
+    # -- opening, and Run sessions ---------------------------------------------------------
+
+    @classmethod
+    @checked
+    def open(cls, url: Url, *, clock: ClockArg | None = None, executor_id: Id | None = None,
+             migrate_schema: Flag = True,
+             lease_margin_s: Annotated[float, duration(60.0)] = DEFAULT_LEASE_MARGIN_S
+             ) -> OpenedT:
+        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
+
+        ``Ledger.open(url)`` returns the open :class:`Ledger`; ``await AsyncLedger.open(url)``
+        (or ``async with AsyncLedger.open(url) as led:``, which closes it when the block ends)
+        the :class:`AsyncLedger`, opened (and migrated) in a worker thread.
+
+        Args:
+            url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
+                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
+            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
+                pass a :class:`~ledger.ManualClock`).
+            executor_id: This process's name as a lease holder (default: a new unique id).
+            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
+                role, or when migrations run separately).
+            lease_margin_s: How long before its end a lease stops starting work, from 0 to
+                60 s: the clock skew between hosts the ledger tolerates
+                (``docs/operations.md``).
+
+        Returns:
+            The open ledger; :meth:`close` it (or use it as a ``with`` block).
+
+        Raises:
+            InvalidArgument: a URL that is not a string, cannot be parsed or names another
+                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
+                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
+            DatabaseSetupError: the database is not set up for this URL, which no retry
+                fixes: the database or role does not exist, the server refused the
+                credentials, the role may not connect or migrate, a missing SQLite folder (the
+                message names the fix; ``docs/postgresql.md``).
+            DatabaseUnavailable: the database cannot be reached (a server that is down or
+                went away, a file another process keeps busy): retry once it is back.
+            SchemaTooNew: the database was migrated by a newer ledger.
+
+        Example:
+            >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP
+            ...     print(led.backend)
+            sqlite
+        """
+        if cls.awaiting:
+            return cast(OpenedT, _Opening(lambda: AsyncLedger(Ledger.open(
+                url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
+                lease_margin_s=lease_margin_s))))
+        from ledger.storage import open_store
+
+        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
+        return cast(OpenedT, Ledger(store, clock=clock, executor_id=executor_id))
+
+    @checked
+    def run(self, run_id: Id, **options: Unpack[SessionOptions]) -> SessionT:
+        """A Run held in a ``with`` block: a :class:`~ledger.RunSession`.
+
+        On an :class:`AsyncLedger`, an ``async with`` block: an
+        :class:`~ledger.AsyncRunSession`. Entering checks that every route's key can be
+        resolved (its ``api_key_env``, or each credential profile through the adapter's secret
+        provider), then admits the Run (or resumes it, for the same id and content) and takes
+        its lease, kept renewed in the background; leaving finishes it and releases the lease.
+        See :mod:`ledger.api.session`. Nothing is written until the block is entered, nor when
+        a key is missing.
+
+        Args:
+            run_id: The Run's id.
+            **options: The Run's terms, as :meth:`admit_run` takes them (``plan``, ``budget``,
+                ``grant``, ``policy``, ``role``, ``parent``, ``tenant``, ``labels``,
+                ``deadline``, ``selected_route``, ``keyless_ok``: a Run session's
+                :meth:`~ledger.RunSession.child` passes ``parent`` for you), and the session's
+                ``lease_ttl_s``, ``adapter`` and ``secrets``
+                (:class:`~ledger.api.arguments.SessionOptions`). ``keyless_ok=True`` suits a
+                host whose turns all pass their own ``send``.
+
+        Returns:
+            The session, to use as ``with led.run(...) as run:`` (``async with`` on an
+            AsyncLedger).
+
+        Raises:
+            InvalidArgument: a malformed ``run_id`` or admission argument, a ``lease_ttl_s``
+                out of range, an ``adapter`` of the other kind, ``secrets`` with ``adapter``;
+                on entering, a route whose key cannot be resolved (nothing is recorded), and
+                the errors of :meth:`admit_run` and :meth:`acquire_lease`.
+
+        Example:
+            >>> with led.run("task-1", plan=routes, budget=budget) as run:  # doctest: +SKIP
+            ...     answer = run.turn(Envelope(parts=[Part(content="Hello")]))
+        """
+        from ledger.api.session import AsyncRunSession, RunSession
+
+        session = AsyncRunSession if self.awaiting else RunSession
+        return cast(SessionT, session(self, run_id, options))
+
     # -- runs -----------------------------------------------------------------------------
 
     @op
-    def admit_run(
-        self,
-        run_id: str,
-        *,
-        plan: Sequence[Route],
-        budget: Budget | Mapping[str, Any],
-        grant: Grant | Mapping[str, Any] | None = None,
-        policy: Policy | str | Mapping[str, Any] | None = None,
-        role: str = "research",
-        parent: Lease | None = None,
-        tenant: str | None = None,
-        labels: Mapping[str, str] | None = None,
-        deadline: float | None = None,
-        selected_route: str | None = None,
-        keyless_ok: Collection[str] | bool = (),
-        secrets: Any = None,
-    ) -> Flow[RunRecord]:
+    def admit_run(self, run_id: Id, *, secrets: Secrets | None = None,
+                  **admission: Unpack[Admission]) -> Flow[RunRecord]:
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
         Admitting the same id again with the same content returns the first record (content
@@ -205,32 +306,12 @@ class _Face:
 
         Args:
             run_id: The Run's id (1 to 200 printable characters).
-            plan: The candidate routes in preference order (:class:`~ledger.Route` or
-                mappings of their fields; unique ids). A route without a price gets the
-                price table's, frozen with the plan.
-            budget: The Run's bounds (a :class:`~ledger.Budget` or a mapping of its fields):
-                model calls, retries, cost and optionally tokens.
-            grant: Which recipients may receive which data classes, and which roles the Run
-                may use (default: every recipient of the plan for the caller's own input,
-                system text and tool descriptions; a Child inherits its parent's).
-            policy: A :class:`~ledger.Policy`, a preset name (``"goclaw"``, ``"fased"``,
-                ``"failure-domain"``), a policy file path, or a mapping of its fields
-                (default: ``failure-domain``; a Child inherits its parent's).
-            role: The role the Run works in (at most 64 characters); routes and grants may
-                restrict roles.
-            parent: The parent's live lease, to admit a Child Run: its budget is carved from
-                the parent's under that lease, and its plan, grant, role and policy may only
-                narrow the parent's.
-            tenant: Whose Run it is (for the audit's totals and ``/metrics``).
-            labels: Free labels, string to string (the audit totals by a label).
-            deadline: When the Run must be done by (epoch seconds); capacity waits stop short
-                of it.
-            selected_route: The route the first turn starts on (default: the plan's first).
-            keyless_ok: Route ids (or credential profile ids) of the plan allowed to lack a
-                key, e.g. ``{"local-llama"}``; ``True`` for every route. Their keys are not
-                checked here; a turn that reaches one without a key skips it as unusable.
             secrets: The :class:`~ledger.adapters.SecretProvider` the Run's sender resolves
                 credential profiles with; when given, every profile's key is checked too.
+            **admission: The Run's terms (:class:`~ledger.decide.admission.Admission`):
+                ``plan`` and ``budget``, and optionally ``grant``, ``policy``, ``role``,
+                ``parent`` (a parent's live lease, for a Child Run), ``tenant``, ``labels``,
+                ``deadline``, ``selected_route``, ``keyless_ok``.
 
         Returns:
             The :class:`~ledger.RunRecord` as admitted (or as first admitted).
@@ -255,49 +336,24 @@ class _Face:
             ...                     policy="goclaw", tenant="acme")
             >>> rec.selected_route, rec.policy_hash  # doctest: +SKIP
         """
-        check_id(run_id, "run_id")
-        check_id(role, "role")
-        if len(role) > 64:
-            raise InvalidArgument("role is at most 64 characters; pass a shorter role name",
-                                  field="role")
-        check_optional_id(tenant, "tenant")
-        deadline = check_optional_time(deadline, "deadline")
-        check_optional_id(selected_route, "selected_route")
-        if parent is not None:
-            parent = lease_arg(parent, "parent")
-        budget = as_model(Budget, budget, "budget")
-        if grant is not None:
-            grant = as_model(Grant, grant, "grant")
-        if isinstance(plan, str | bytes | Mapping) or not isinstance(plan, Sequence):
-            raise InvalidArgument("plan must be a list of ledger.Route (or of mappings of "
-                                  "their fields)", field="plan")
-        plan = [as_model(Route, r, f"plan[{i}]") for i, r in enumerate(plan)]
+        plan = list(admission["plan"])
         validate_plan(plan)
-        keyless = keyless_arg(keyless_ok, plan)
-        check_secret_provider(secrets)
+        keyless = keyless_ids(admission.get("keyless_ok", ()), plan)
+        parent, policy = admission.get("parent"), admission.get("policy")
         prec = (yield from self._frozen(parent.run_id)) if parent is not None else None
         # Unpriced routes get the price table's price, frozen with the plan (ledger.decide.pricing);
         # a child's take its parent's frozen price.
-        plan = resolve_prices(plan, budget, at=self.now(),
+        plan = resolve_prices(plan, cast(Budget, admission["budget"]), at=self.now(),
                               inherited=prec.plan if prec is not None else ())
-        if labels is not None and not isinstance(labels, Mapping):
-            raise InvalidArgument("labels must be a mapping of strings to strings; pass e.g. "
-                                  "{'team': 'search'}", field="labels")
-        label_map = dict(labels or {})
-        for k, v in label_map.items():
-            # Printable: audit totals group by a label through the database's JSON functions.
-            check_id(k, "labels")
-            check_text(v, f"labels[{k!r}]")
         # A Child given no policy inherits its parent's; a root Run's None is the default preset.
         inherit = policy is None and prec is not None
         parent_policy = (yield from self._policy(prec.run_id)) if prec is not None else None
         pol, grant = admission_terms(
-            plan, grant, role, None if inherit else _resolve_policy(policy),
-            policy_hash=_policy_hash, parent=prec, parent_policy=parent_policy)
-        spec = admission_spec(
-            run_id, plan=plan, budget=budget, grant=grant, policy=pol,
-            policy_hash=_policy_hash(pol), role=role, parent=parent, tenant=tenant,
-            labels=label_map, selected_route=selected_route, deadline=deadline)
+            plan, cast(Grant | None, admission.get("grant")), admission.get("role", DEFAULT_ROLE),
+            None if inherit else _resolve_policy(policy), policy_hash=_policy_hash, parent=prec,
+            parent_policy=parent_policy)
+        spec = admission_spec(run_id, admission, plan=plan, grant=grant, policy=pol,
+                              policy_hash=_policy_hash(pol))
         # The last check before the write: every argument is known good, so a missing key is
         # the one thing this refusal is about. (The adapters, and httpx with them, are loaded
         # only for a plan that names a key source.)
@@ -309,23 +365,21 @@ class _Face:
         return rec
 
     @op
-    def get_run(self, run_id: str) -> Flow[RunRecord]:
+    def get_run(self, run_id: Id) -> Flow[RunRecord]:
         """The Run as it stands now (frozen parts and live counters).
 
         Raises:
             NotFound: no Run has this id.
         """
-        check_id(run_id, "run_id")
         return (yield from blocking(lambda: self._runs.get_run(run_id)))
 
     @op
-    def children(self, run_id: str) -> Flow[list[RunRecord]]:
+    def children(self, run_id: Id) -> Flow[list[RunRecord]]:
         """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
-        check_id(run_id, "run_id")
         return (yield from blocking(lambda: self._runs.children(run_id)))
 
     @op
-    def frozen_run(self, run_id: str) -> Flow[FrozenRun]:
+    def frozen_run(self, run_id: Id) -> Flow[FrozenRun]:
         """What the Run froze at admission, read once and cached: it never changes.
 
         Plan, grant, budget, policy, role, parent, deadline: a
@@ -335,7 +389,7 @@ class _Face:
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from self._frozen(check_id(run_id, "run_id")))
+        return (yield from self._frozen(run_id))
 
     def _frozen(self, run_id: str) -> Flow[FrozenRun]:
         """:meth:`frozen_run`, for a ``run_id`` already checked."""
@@ -347,13 +401,13 @@ class _Face:
         return frozen
 
     @op
-    def run_policy(self, run_id: str) -> Flow[Policy]:
+    def run_policy(self, run_id: Id) -> Flow[Policy]:
         """The policy snapshot the run froze at admission (parsed once per Run).
 
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from self._policy(check_id(run_id, "run_id")))
+        return (yield from self._policy(run_id))
 
     def _policy(self, run_id: str) -> Flow[Policy]:
         """:meth:`run_policy`, for a ``run_id`` already checked."""
@@ -364,8 +418,8 @@ class _Face:
         return pol
 
     @op
-    def close_run(self, run_id: str, *, status: RunStatus | str,
-                  reason: str = "closed by an operator: nobody will resume it"
+    def close_run(self, run_id: Id, *, status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)],
+                  reason: Text = "closed by an operator: nobody will resume it"
                   ) -> Flow[RunRecord]:
         """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
 
@@ -398,15 +452,14 @@ class _Face:
             >>> led.close_run("task-7", status="failed",  # doctest: +SKIP
             ...               reason="host crashed; the user retried as task-8")
         """
-        check_id(run_id, "run_id")
-        st = check_choice(status, RunStatus, "status", ENDED)
-        why = check_text(reason, "reason")
+        st = RunStatus(status)
         rec, _changed = yield from blocking(
-            lambda: self._recovery.close_run(run_id, new_id("close"), st, why, self.clock.now))
+            lambda: self._recovery.close_run(run_id, new_id("close"), st, reason, self.clock.now))
         return rec
 
     @op
-    def finish_run(self, lease: Lease, status: RunStatus | str) -> Flow[None]:
+    def finish_run(self, lease: LeaseArg,
+                   status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)]) -> Flow[None]:
         """Record the Run's end; its lease stays until :meth:`release_lease`.
 
         Args:
@@ -419,15 +472,13 @@ class _Face:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
             NotFound: the lease's Run does not exist.
         """
-        st = check_choice(status, RunStatus, "status", ENDED)
-        lease, clock = lease_arg(lease), self.clock.now
-        yield from self._store.finish_run(lease, st, clock)
+        yield from self._store.finish_run(lease, RunStatus(status), self.clock.now)
 
     # -- leases ---------------------------------------------------------------------------
 
     @op
-    def acquire_lease(self, run_id: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S,
-                       executor_id: str | None = None) -> Flow[Lease]:
+    def acquire_lease(self, run_id: Id, *, ttl_s: LeaseTtl = DEFAULT_LEASE_TTL_S,
+                      executor_id: Id | None = None) -> Flow[Lease]:
         """Take the Run's lease for ``ttl_s`` seconds: the right to write for it.
 
         One's own unexpired lease is renewed under the same fence; otherwise the fence moves
@@ -453,19 +504,16 @@ class _Face:
             >>> lease.fence, lease.expires_at - led.now()  # doctest: +SKIP
             (1, 30.0)
         """
-        check_id(run_id, "run_id")
-        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        if ttl <= self._store.lease_margin_s:
+        if ttl_s <= self._store.lease_margin_s:
             raise InvalidArgument(
-                f"ttl_s={ttl:g} is not above the lease margin ({self._store.lease_margin_s:g}s): "
-                "such a lease could start nothing; use a longer ttl_s", field="ttl_s")
+                f"ttl_s={ttl_s:g} is not above the lease margin ({self._store.lease_margin_s:g}s):"
+                " such a lease could start nothing; use a longer ttl_s", field="ttl_s")
         executor = self.executor_id if executor_id is None else executor_id
-        check_id(executor, "executor_id")
-        clock = self.clock.now
-        return (yield from self._store.acquire_lease(run_id, executor, ttl, clock))
+        return (yield from self._store.acquire_lease(run_id, executor, ttl_s, self.clock.now))
 
     @op
-    def renew_lease(self, lease: Lease, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> Flow[Lease]:
+    def renew_lease(self, lease: LeaseArg, *, ttl_s: LeaseTtl = DEFAULT_LEASE_TTL_S
+                    ) -> Flow[Lease]:
         """Extend a live lease by ``ttl_s`` from now, under the same fence.
 
         Args:
@@ -479,12 +527,10 @@ class _Face:
             LeaseLost: the lease lapsed (expired or released): acquire it again.
             FencedOut: another executor took the Run over.
         """
-        ttl = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-        lease, clock = lease_arg(lease), self.clock.now
-        return (yield from self._store.renew_lease(lease, ttl, clock))
+        return (yield from self._store.renew_lease(lease, ttl_s, self.clock.now))
 
     @op
-    def release_lease(self, lease: Lease) -> Flow[None]:
+    def release_lease(self, lease: LeaseArg) -> Flow[None]:
         """Give the lease up. Releasing an already released lease does nothing.
 
         Args:
@@ -496,12 +542,10 @@ class _Face:
             LeaseLost: the lease is no longer live; there is nothing of it to release.
             FencedOut: another executor took the Run over.
         """
-        lease, clock = lease_arg(lease), self.clock.now
-        yield from self._store.release_lease(lease, clock)
+        yield from self._store.release_lease(lease, self.clock.now)
 
     @op
-    def reserve_retry(self, lease: Lease, data: Mapping[str, Any] | None = None
-                       ) -> Flow[int]:
+    def reserve_retry(self, lease: LeaseArg, data: AuditData | None = None) -> Flow[int]:
         """Take one bounded retry permission from the run; returns how many are left.
 
         The retry owner takes them inside :meth:`begin_attempt` (``take_retry``) instead; this
@@ -516,28 +560,25 @@ class _Face:
             AllowanceExhausted: the Run has no retry permission left.
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        lease, clock = lease_arg(lease), self.clock.now
-        if data is not None:
-            data = audit_data(data, "data")
-        return (yield from self._store.reserve_retry(lease, clock, data))
+        return (yield from self._store.reserve_retry(lease, self.clock.now, data))
 
     # -- attempts -------------------------------------------------------------------------
 
     @op
     def begin_attempt(
         self,
-        lease: Lease,
+        lease: LeaseArg,
         *,
-        route: str | Route,
-        envelope_hash: str,
-        reserve: Decimal | int | str,
-        reserve_tokens: int = 0,
-        turn_id: str = "turn-1",
-        profile_id: str | None = None,
-        kind: AttemptKind | str = AttemptKind.FIRST,
-        attempt_id: str | None = None,
-        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
-        take_retry: bool = False,
+        route: RouteRef,
+        envelope_hash: Hash,
+        reserve: Money,
+        reserve_tokens: Tokens = 0,
+        turn_id: Id = "turn-1",
+        profile_id: Id | None = None,
+        kind: Annotated[AttemptKind | str, one_of(AttemptKind)] = AttemptKind.FIRST,
+        attempt_id: Id | None = None,
+        events: Events = (),
+        take_retry: Flag = False,
     ) -> Flow[AttemptRecord]:
         """Record an Attempt (debit held, capacity slot taken) before its request is sent.
 
@@ -579,26 +620,12 @@ class _Face:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
             NotFound: the lease's Run does not exist.
         """
-        lease = lease_arg(lease)
-        if not isinstance(route, str | Route):
-            raise InvalidArgument("route must be a route id or a ledger.Route of the Run's plan",
-                                  field="route")
-        if isinstance(route, str):
-            check_id(route, "route")
-        check_optional_id(profile_id, "profile_id")
-        hash_arg(envelope_hash, "envelope_hash")
-        check_id(turn_id, "turn_id")
-        reserve_micros = to_micros(check_amount(reserve, "reserve"))
-        reserve_tokens = check_tokens(reserve_tokens, "reserve_tokens")
-        kind = check_choice(kind, AttemptKind, "kind")
-        attempt_id = new_id("att") if attempt_id is None else check_id(attempt_id, "attempt_id")
-        check_bool(take_retry, "take_retry")
-        hooks = events_arg(events)
         run = yield from self._frozen(lease.run_id)
         spec = begin_spec(
             run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
-            reserve_micros=reserve_micros, reserve_tokens=reserve_tokens, turn_id=turn_id,
-            kind=kind, attempt_id=attempt_id, events=hooks, take_retry=take_retry)
+            reserve_micros=to_micros(reserve), reserve_tokens=reserve_tokens, turn_id=turn_id,
+            kind=AttemptKind(kind), attempt_id=attempt_id or new_id("att"),
+            events=cast(list[tuple[str, dict[str, Any]]], events), take_retry=take_retry)
         rec = yield from self._store.begin_attempt(spec, self.clock.now)
         assert isinstance(rec, AttemptRecord)  # a begin without queue_until never queues
         return rec
@@ -606,22 +633,23 @@ class _Face:
     @op
     def settle_attempt(
         self,
-        lease: Lease,
-        attempt_id: str,
+        lease: LeaseArg,
+        attempt_id: Id,
         *,
-        outcome: Outcome | str,
-        fact: FailureFact | None = None,
-        observation: Observation | None = None,
-        prompt_tokens: int | None = None,
-        completion_tokens: int | None = None,
-        cost: Decimal | int | str | None = None,
-        effective_output: bool | None = None,
-        tool_started: bool | None = None,
-        model_reported: str | None = None,
-        output_hash: str | None = None,
-        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
-        provenance_hashes: Sequence[str] = (),
-        repeat: bool = False,
+        outcome: Annotated[Outcome | str, one_of(Outcome)],
+        fact: Annotated[FailureFact | Mapping[str, Any] | None, As(FailureFact | None)] = None,
+        observation: Annotated[Observation | Mapping[str, Any] | None,
+                               As(Observation | None)] = None,
+        prompt_tokens: Tokens | None = None,
+        completion_tokens: Tokens | None = None,
+        cost: Money | None = None,
+        effective_output: Flag | None = None,
+        tool_started: Flag | None = None,
+        model_reported: Text | None = None,
+        output_hash: Hash | None = None,
+        events: Events = (),
+        provenance_hashes: Hashes = (),
+        repeat: Flag = False,
     ) -> Flow[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
@@ -667,33 +695,6 @@ class _Face:
             FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
                 a late receipt).
         """
-        lease = lease_arg(lease)
-        outcome = check_choice(outcome, Outcome, "outcome")
-        check_id(attempt_id, "attempt_id")
-        if fact is not None:
-            fact = as_model(FailureFact, fact, "fact")
-        if observation is not None:
-            observation = as_model(Observation, observation, "observation")
-        for name, flag in (("effective_output", effective_output),
-                           ("tool_started", tool_started)):
-            if flag is not None:
-                check_bool(flag, name)
-        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
-        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
-        cost_micros = to_micros(check_amount(cost, "cost")) if cost is not None else None
-        if model_reported is not None:
-            check_text(model_reported, "model_reported")
-        hash_arg(output_hash, "output_hash", optional=True)
-        if (isinstance(provenance_hashes, str | bytes | Mapping)
-                or not isinstance(provenance_hashes, Sequence)):
-            raise InvalidArgument("provenance_hashes must be a list of content hashes; pass "
-                                  "e.g. [part.content_hash for part in parts]",
-                                  field="provenance_hashes")
-        hashes = tuple(str(hash_arg(h, f"provenance_hashes[{i}]"))
-                       for i, h in enumerate(provenance_hashes))
-        if not isinstance(repeat, bool):
-            raise InvalidArgument("repeat must be True or False", field="repeat")
-        hooks = events_arg(events)
         # The Attempt's route and profile decide which health rows its outcome touches.
         att = yield from self._store.attempt(attempt_id)
         if att.run_id != lease.run_id:
@@ -703,15 +704,19 @@ class _Face:
         policy = yield from self._policy(lease.run_id)
         spec = settle_spec(
             policy, run.route(att.route_id), att.profile_id, lease, attempt_id,
-            outcome=outcome, fact=fact, observation=observation, now=self.now(),
+            outcome=Outcome(outcome), fact=cast(FailureFact | None, fact),
+            observation=cast(Observation | None, observation), now=self.now(),
             effective_output=effective_output, tool_started=tool_started,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            cost_micros=cost_micros, model_reported=model_reported, output_hash=output_hash,
-            events=hooks, provenance=hashes, repeat=repeat)
+            cost_micros=None if cost is None else to_micros(cost),
+            model_reported=model_reported, output_hash=output_hash,
+            events=cast(list[tuple[str, dict[str, Any]]], events),
+            provenance=tuple(provenance_hashes), repeat=repeat)
         return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
 
     @op
-    def mark_unknown(self, lease: Lease, attempt_id: str, reason: str) -> Flow[AttemptRecord]:
+    def mark_unknown(self, lease: LeaseArg, attempt_id: Id,
+                     reason: StrictStr) -> Flow[AttemptRecord]:
         """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
 
         For a graceful shutdown with a call still out. An Attempt already settled is returned
@@ -731,18 +736,15 @@ class _Face:
             FencedOut: the Run was taken over, or the Attempt was begun under another fence
                 (recovery marks it).
         """
-        if not isinstance(reason, str):
-            raise InvalidArgument("reason must be a string; pass why no receipt came",
-                                  field="reason")
-        lease, clock, why = lease_arg(lease), self.clock.now, reason[:200]
-        check_id(attempt_id, "attempt_id")
-        return (yield from self._store.mark_unknown(lease, attempt_id, clock, why))
+        return (yield from self._store.mark_unknown(lease, attempt_id, self.clock.now,
+                                                    reason[:200]))
 
     @op
-    def settle_unknown(self, attempt_id: str, *, outcome: Outcome | str,
-                       prompt_tokens: int | None = None, completion_tokens: int | None = None,
-                       cost: Decimal | int | str | None = None, note: str | None = None,
-                       by: str | None = None) -> Flow[AttemptRecord]:
+    def settle_unknown(self, attempt_id: Id, *,
+                       outcome: Annotated[Outcome | str, one_of(Outcome, _FINAL)],
+                       prompt_tokens: Tokens | None = None, completion_tokens: Tokens | None = None,
+                       cost: Money | None = None, note: Annotated[str, text(500)] | None = None,
+                       by: Id | None = None) -> Flow[AttemptRecord]:
         """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
 
         An unknown Attempt (sent, no receipt) keeps its hold until someone knows better, e.g.
@@ -784,15 +786,8 @@ class _Face:
             >>> led.settle_unknown("att-9f2c", outcome="succeeded", prompt_tokens=812,
             ...     completion_tokens=240, note="provider console, req 7a1")  # doctest: +SKIP
         """
-        check_id(attempt_id, "attempt_id")
-        final = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
-        outcome = check_choice(outcome, Outcome, "outcome", final)
-        prompt_tokens = optional_tokens(prompt_tokens, "prompt_tokens")
-        completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
-        amount = check_amount(cost, "cost") if cost is not None else None
-        if note is not None:
-            check_text(note, "note", maximum=500)
-        who = self.executor_id if by is None else check_id(by, "by")
+        amount = None if cost is None else Decimal(cost)
+        who = self.executor_id if by is None else by
         if outcome is Outcome.NOT_SENT:
             for name, value in (("prompt_tokens", prompt_tokens),
                                 ("completion_tokens", completion_tokens), ("cost", amount)):
@@ -810,14 +805,15 @@ class _Face:
                     "amount the ledger records; check the token counts, or pass cost=",
                     field="completion_tokens" if completion_tokens else "prompt_tokens")
             amount = priced
-        spec = ReceiptSpec(attempt_id=attempt_id, outcome=outcome, prompt_tokens=prompt_tokens,
+        spec = ReceiptSpec(attempt_id=attempt_id, outcome=Outcome(outcome),
+                           prompt_tokens=prompt_tokens,
                            completion_tokens=completion_tokens,
                            cost_micros=None if amount is None else to_micros(amount),
                            by=who, note=note)
         return (yield from blocking(lambda: self._runs.settle_unknown(spec, self.clock.now)))
 
     @op
-    def turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Flow[TurnSnapshot]:
+    def turn_snapshot(self, run_id: Id, refs: IdList = ()) -> Flow[TurnSnapshot]:
         """Everything one routing decision reads, in one read transaction.
 
         The Run as it stands, its frozen policy, its groups' projections, its routes' and
@@ -834,8 +830,7 @@ class _Face:
         Raises:
             NotFound: no Run has this id.
         """
-        check_id(run_id, "run_id")
-        return (yield from self._snapshot(run_id, tuple(check_ids(refs, "refs"))))
+        return (yield from self._snapshot(run_id, tuple(refs)))
 
     def _snapshot(self, run_id: str, refs: tuple[str, ...]) -> Flow[TurnSnapshot]:
         """:meth:`turn_snapshot` of arguments the turn loop made itself (not checked again)."""
@@ -863,7 +858,8 @@ class _Face:
     # -- groups, health, provenance, events -------------------------------------------------
 
     @op
-    def configure_group(self, group: str, *, max_in_flight: int | None) -> Flow[None]:
+    def configure_group(self, group: Id, *, max_in_flight: Annotated[int, integers(1)] | None
+                        ) -> Flow[None]:
         """Set a capacity group's concurrency limit, creating the group if it is new.
 
         Args:
@@ -874,18 +870,12 @@ class _Face:
         Raises:
             InvalidArgument: ``max_in_flight`` below 1 (or not an integer).
         """
-        check_id(group, "group")
-        if max_in_flight is not None:
-            check_count(max_in_flight, "max_in_flight")
-            if max_in_flight < 1:
-                raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
-                                      field="max_in_flight")
         now = self.now()
         yield from blocking(lambda: self._runs.configure_group(group, max_in_flight, now))
 
     @op
-    def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
-                        reason: str = "operator") -> Flow[None]:
+    def set_group_state(self, group: Id, mode: Annotated[GroupMode | str, one_of(GroupMode)], *,
+                        until: Time | None, reason: Text = "operator") -> Flow[None]:
         """Set a group's mode by hand (an operator's cooldown or outage notice).
 
         Args:
@@ -897,40 +887,37 @@ class _Face:
         Raises:
             InvalidArgument: an unknown ``mode``, an ``until`` that is not a usable time.
         """
-        check_id(group, "group")
-        mode = check_choice(mode, GroupMode, "mode")
-        until = check_optional_time(until, "until")
-        why = check_text(reason, "reason")
-        upd, now = GroupUpdate(mode, until, why), self.now()
+        upd, now = GroupUpdate(GroupMode(mode), until, reason), self.now()
         yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
 
     @op
-    def group_projections(self, groups: Sequence[str] | None = None
+    def group_projections(self, groups: IdList | None = None
                           ) -> Flow[dict[str, GroupProjection]]:
         """Admission's view of the named capacity groups (``None``: every known group).
 
         A group nobody configured or reported on is absent (it is open and unlimited).
         """
-        wanted = None if groups is None else check_ids(groups, "groups")
-        now = self.now()
+        wanted, now = None if groups is None else list(groups), self.now()
         return (yield from blocking(lambda: self._runs.group_projections(wanted, now)))
 
     @op
-    def health(self, keys: Sequence[str] | None = None) -> Flow[dict[str, Health]]:
+    def health(self, keys: IdList | None = None) -> Flow[dict[str, Health]]:
         """Health rows as they stand now: counters past their reset time read as reset.
 
         Args:
             keys: The keys to read (route ids, profile ids, ``provider:<name>``); ``None``:
                 every row. A key with no row (never failed) is absent.
         """
-        wanted = None if keys is None else check_ids(keys, "keys")
-        now = self.now()
+        wanted, now = None if keys is None else list(keys), self.now()
         rows = yield from blocking(lambda: self._runs.health(wanted))
         return {k: as_read(h, now) for k, h in rows.items()}
 
     @op
-    def claim_probe(self, route: Route, interval_s: float, *, key: str | None = None,
-                    ttl_s: float | None = None, max_keys: int | None = None) -> Flow[bool]:
+    def claim_probe(self, route: Annotated[Route, instance(Route, "a ledger.Route",
+                                                           "pass a ledger.Route")],
+                    interval_s: Annotated[float, duration()], *, key: Id | None = None,
+                    ttl_s: Annotated[float, duration(positive=True)] | None = None,
+                    max_keys: Annotated[int, integers(1)] | None = None) -> Flow[bool]:
         """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
 
         A claim taken also bounds the probe state: times ``ttl_s`` old are forgotten and at
@@ -947,22 +934,13 @@ class _Face:
         Returns:
             Whether this caller got the slot (and so may send the probe).
         """
-        if not isinstance(route, Route):
-            raise InvalidArgument("route must be a ledger.Route", field="route")
-        interval = check_seconds(interval_s, "interval_s")
-        ttl = check_seconds(ttl_s, "ttl_s", positive=True) if ttl_s is not None else None
-        if max_keys is not None:
-            check_count(max_keys, "max_keys")
-            if max_keys < 1:
-                raise InvalidArgument("max_keys must be >= 1 (or None for no limit)",
-                                      field="max_keys")
-        k = check_id(key, "key") if key is not None else route.id
-        return (yield from self._store.claim_probe(k, route.provider, self.now(), interval,
-                                                   kind=probe_key_kind(route, k), ttl_s=ttl,
+        k = key if key is not None else route.id
+        return (yield from self._store.claim_probe(k, route.provider, self.now(), interval_s,
+                                                   kind=probe_key_kind(route, k), ttl_s=ttl_s,
                                                    max_keys=max_keys))
 
     @op
-    def record_compaction(self, lease: Lease) -> Flow[int]:
+    def record_compaction(self, lease: LeaseArg) -> Flow[int]:
         """Record that the host compacted the Run's session (its context was summarised).
 
         Under a policy with ``profiles.sticky`` the auto-pinned credential profile is dropped:
@@ -978,12 +956,13 @@ class _Face:
         Raises:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        lease, clock = lease_arg(lease), self.clock.now
-        return (yield from self._store.record_compaction(lease, clock))
+        return (yield from self._store.record_compaction(lease, self.clock.now))
 
     @op
-    def record_provenance(self, lease: Lease, ref: str, content_hash: str,
-                           kind: str = "tool_result") -> Flow[None]:
+    def record_provenance(self, lease: LeaseArg, ref: Id, content_hash: Hash,
+                          kind: Annotated[str, text(16, empty=False, fix="pass a non-empty "
+                                                    "kind such as 'memory'")] = "tool_result"
+                          ) -> Flow[None]:
         """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
 
         A later part with ``provenance=ref`` and this exact content is then covered for
@@ -998,20 +977,16 @@ class _Face:
         Raises:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        check_id(ref, "ref")
-        hash_arg(content_hash, "content_hash")
-        event_kind(kind, "kind", 16)
-        lease, clock = lease_arg(lease), self.clock.now
-        yield from self._store.record_provenance(lease, ref, content_hash, kind, clock)
+        yield from self._store.record_provenance(lease, ref, content_hash, kind, self.clock.now)
 
     @op
-    def provenance(self, run_id: str) -> Flow[dict[str, set[str]]]:
+    def provenance(self, run_id: Id) -> Flow[dict[str, set[str]]]:
         """Recorded outputs of this run and its ancestors: ref -> content hashes.
 
         Raises:
             NotFound: no Run has this id.
         """
-        ids = [check_id(run_id, "run_id")]
+        ids = [run_id]
         run = yield from self._frozen(run_id)
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
@@ -1019,8 +994,8 @@ class _Face:
         return (yield from blocking(lambda: self._runs.provenance(ids)))
 
     @op
-    def append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
-                      attempt_id: str | None = None) -> Flow[None]:
+    def append_event(self, lease: LeaseArg, kind: EventKind, data: AuditData,
+                     attempt_id: Id | None = None) -> Flow[None]:
         """Append an audit event to the Run.
 
         Args:
@@ -1032,13 +1007,10 @@ class _Face:
         Raises:
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
-        name, payload = event_kind(kind, "kind", MAX_EVENT_KIND), audit_data(data, "data")
-        check_optional_id(attempt_id, "attempt_id")
-        lease, clock = lease_arg(lease), self.clock.now
-        yield from self._store.append_event(lease, attempt_id, name, payload, clock)
+        yield from self._store.append_event(lease, attempt_id, kind, dict(data), self.clock.now)
 
     @op
-    def events(self, run_id: str, kinds: Sequence[str] | None = None
+    def events(self, run_id: Id, kinds: list[EventKind] | None = None
                ) -> Flow[list[EventRecord]]:
         """The Run's audit events in order, optionally only those of the given kinds.
 
@@ -1046,38 +1018,30 @@ class _Face:
             run_id: The Run (an unknown id has none).
             kinds: Only events of these kinds (e.g. ``["stop", "move"]``); ``None``: all.
         """
-        check_id(run_id, "run_id")
-        if kinds is not None:
-            if isinstance(kinds, str | bytes) or not isinstance(kinds, Sequence | set | frozenset):
-                raise InvalidArgument("kinds must be a list of event kinds; pass e.g. ['stop']",
-                                      field="kinds")
-            kinds = [event_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
-        wanted = kinds
-        return (yield from blocking(lambda: self._runs.events(run_id, wanted)))
+        return (yield from blocking(lambda: self._runs.events(run_id, kinds)))
 
     # -- reads ----------------------------------------------------------------------------
 
     @op
-    def get_attempt(self, attempt_id: str) -> Flow[AttemptRecord]:
+    def get_attempt(self, attempt_id: Id) -> Flow[AttemptRecord]:
         """One Attempt, under its original route.
 
         Raises:
             NotFound: no Attempt has this id.
         """
-        return (yield from self._store.attempt(check_id(attempt_id, "attempt_id")))
+        return (yield from self._store.attempt(attempt_id))
 
     @op
-    def timeline(self, run_id: str) -> Flow[list[AttemptRecord]]:
+    def timeline(self, run_id: Id) -> Flow[list[AttemptRecord]]:
         """The run's Attempts in order, each under its original route.
 
         Raises:
             NotFound: no Run has this id.
         """
-        check_id(run_id, "run_id")
         return (yield from blocking(lambda: self._runs.timeline(run_id)))
 
     @op
-    def attempts(self, /, **filters: Any) -> Flow[Page[AttemptRecord]]:
+    def attempts(self, /, **filters: Unpack[AttemptFilters]) -> Flow[Page[AttemptRecord]]:
         """Attempts across Runs, newest first, one page at a time.
 
         Args:
@@ -1099,22 +1063,19 @@ class _Face:
             >>> while page.next_cursor:  # doctest: +SKIP
             ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
         """
-        checked = attempt_filters(filters)
-        return (yield from blocking(lambda: self._runs.attempts(**checked)))
+        return (yield from blocking(lambda: self._runs.attempts(**attempt_query(filters))))
 
     @op
-    def debit(self, debit_id: str) -> Flow[DebitRecord]:
+    def debit(self, debit_id: Id) -> Flow[DebitRecord]:
         """One debit (an Attempt's budget hold; its id is ``AttemptRecord.debit_id``).
 
         Raises:
             NotFound: no debit has this id.
         """
-        check_id(debit_id, "debit_id")
         return (yield from blocking(lambda: self._runs.debit(debit_id)))
 
 
-@checked_calls
-class Ledger(_Face):
+class Ledger(_Face["RunSession", "Ledger"]):
     """A ledger over one database (SQLite file or PostgreSQL). Open with :meth:`open`.
 
     It records Runs (admitted with a frozen plan, grant, budget and policy), their leases, and
@@ -1134,8 +1095,8 @@ class Ledger(_Face):
     live.
 
     :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
-    storage port that is already open (see :func:`ledger.storage.open_store`); the ledger owns
-    it from then on and closes it.
+    store that is already open (see :func:`ledger.storage.open_store`); the ledger owns it from
+    then on and closes it.
 
     Attributes:
         clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
@@ -1149,58 +1110,6 @@ class Ledger(_Face):
     """
 
 
-    def __init__(self, store: Store, clock: Clock | None = None,
-                 executor_id: str | None = None) -> None:
-        super().__init__(store, clock, executor_id)
-
-    # -- opening --------------------------------------------------------------------------
-
-    @classmethod
-    def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
-             migrate_schema: bool = True,
-             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Ledger:
-        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
-
-        Args:
-            url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
-                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
-            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
-                pass a :class:`~ledger.ManualClock`).
-            executor_id: This process's name as a lease holder (default: a new unique id).
-            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
-                role, or when migrations run separately).
-            lease_margin_s: How long before its end a lease stops starting work, from 0 to
-                60 s: the clock skew between hosts the ledger tolerates
-                (``docs/operations.md``).
-
-        Returns:
-            The open ledger; :meth:`close` it (or use it as a ``with`` block).
-
-        Raises:
-            InvalidArgument: a URL that is not a string, cannot be parsed or names another
-                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
-                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
-            DatabaseSetupError: the database is not set up for this URL, which no retry
-                fixes: the database or role does not exist, the server refused the
-                credentials, the role may not connect or migrate, a missing SQLite folder (the
-                message names the fix; ``docs/postgresql.md``).
-            DatabaseUnavailable: the database cannot be reached (a server that is down or
-                went away, a file another process keeps busy): retry once it is back.
-            SchemaTooNew: the database was migrated by a newer ledger.
-
-        Example:
-            >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP
-            ...     print(led.backend)
-            sqlite
-        """
-        check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
-        check_bool(migrate_schema, "migrate_schema")
-        check_opening(url, clock, executor_id)
-        from ledger.storage import open_store
-
-        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
-        return cls(store, clock=clock, executor_id=executor_id)
-
     def close(self) -> None:
         """Close the database connections (the ledger cannot be used afterwards)."""
         self._store.close()
@@ -1211,80 +1120,11 @@ class Ledger(_Face):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(
-        self,
-        run_id: str,
-        *,
-        plan: Sequence[Route],
-        budget: Budget | Mapping[str, Any],
-        grant: Grant | Mapping[str, Any] | None = None,
-        policy: Policy | str | Mapping[str, Any] | None = None,
-        role: str = "research",
-        parent: Lease | None = None,
-        tenant: str | None = None,
-        labels: Mapping[str, str] | None = None,
-        deadline: float | None = None,
-        selected_route: str | None = None,
-        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-        adapter: Any = None,
-        secrets: Any = None,
-        keyless_ok: Collection[str] | bool = (),
-    ) -> RunSession:
-        """A Run held in a ``with`` block: a :class:`~ledger.RunSession`.
 
-        Entering checks that every route's key can be resolved (its ``api_key_env``, or each
-        credential profile through the adapter's secret provider), then admits the Run (or
-        resumes it, for the same id and content) and takes its lease, kept renewed in the
-        background; leaving finishes it and releases the lease. See :mod:`ledger.api.session`.
-        Nothing is written until the block is entered, nor when a key is missing.
-
-        Args:
-            run_id: The Run's id.
-            plan: As :meth:`admit_run`.
-            budget: As :meth:`admit_run`.
-            grant: As :meth:`admit_run`.
-            policy: As :meth:`admit_run`.
-            role: As :meth:`admit_run`.
-            parent: As :meth:`admit_run` (a Run session's :meth:`~ledger.RunSession.child`
-                passes it for you).
-            tenant: As :meth:`admit_run`.
-            labels: As :meth:`admit_run`.
-            deadline: As :meth:`admit_run`.
-            selected_route: As :meth:`admit_run`.
-            lease_ttl_s: The lease the session takes and keeps renewed (above the lease
-                margin, at most 86 400 s).
-            adapter: A :class:`~ledger.adapters.SyncAdapter` to send with (default: one of
-                the session's own, closed with it).
-            secrets: The secret provider of that default adapter (not with ``adapter``).
-            keyless_ok: Route ids (or credential profile ids) allowed to lack a key on
-                entering, e.g. ``{"local-llama"}``; ``True`` for every route (a host whose
-                turns all pass their own ``send``). A route with no key source at all needs
-                no entry here.
-
-        Returns:
-            The session, to use as ``with led.run(...) as run:``.
-
-        Raises:
-            InvalidArgument: a malformed ``run_id``, a ``lease_ttl_s`` out of range, an
-                ``adapter`` of the other kind, ``secrets`` with ``adapter``; on entering, a
-                route whose key cannot be resolved (nothing is recorded), and the errors of
-                :meth:`admit_run` and :meth:`acquire_lease`.
-
-        Example:
-            >>> with led.run("task-1", plan=routes, budget=budget) as run:  # doctest: +SKIP
-            ...     answer = run.turn(Envelope(parts=[Part(content="Hello")]))
-        """
-        from ledger.api.session import RunSession
-
-        return RunSession(self, run_id, dict(
-            plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
-            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route,
-            keyless_ok=keyless_ok), lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
-
-
-
-@checked_call
-def storage_of(ledger: Ledger | AsyncLedger) -> Store:
+@checked
+def storage_of(ledger: Annotated[Ledger | AsyncLedger, instance(
+        _Face, "a Ledger or an AsyncLedger", "pass a ledger.Ledger or a ledger.AsyncLedger")]
+               ) -> Store:
     """The store under ``ledger`` (:class:`~ledger.storage.store.Store`).
 
     The one deliberate way for the ledger's own operations and tools (recovery,
@@ -1295,7 +1135,7 @@ def storage_of(ledger: Ledger | AsyncLedger) -> Store:
     the store takes its arguments as already checked and writes without the facade's rules.
 
     Args:
-        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the port of its ``sync``).
+        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the store of its ``sync``).
 
     Returns:
         The store the ledger was opened on.
@@ -1303,9 +1143,6 @@ def storage_of(ledger: Ledger | AsyncLedger) -> Store:
     Raises:
         InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.
     """
-    if not isinstance(ledger, _Face):
-        raise InvalidArgument("ledger must be a ledger.Ledger or a ledger.AsyncLedger",
-                              field="ledger")
     return ledger._store
 
 
@@ -1328,8 +1165,7 @@ class _Opening:
             await self._led.close()
 
 
-@checked_calls
-class AsyncLedger(_Face):
+class AsyncLedger(_Face["AsyncRunSession", "_Opening"]):
     """The async twin of :class:`Ledger`: the same operations, awaited; one implementation.
 
     Every operation is :class:`Ledger`'s own (the same checks, docstring and transactions),
@@ -1351,40 +1187,12 @@ class AsyncLedger(_Face):
 
     awaiting = True
 
-    def __init__(self, ledger: Ledger) -> None:
-        if not isinstance(ledger, Ledger):
-            raise InvalidArgument("AsyncLedger(ledger) takes a ledger.Ledger; open one with "
-                                  "AsyncLedger.open(url)", field="ledger")
+    @checked
+    def __init__(self, ledger: Annotated[Ledger, instance(
+            Ledger, "a ledger.Ledger", "AsyncLedger(ledger) takes a ledger.Ledger; open one "
+            "with AsyncLedger.open(url)")]) -> None:
         self.__dict__.update(vars(ledger))  # one database, clock, executor id and caches
         self.sync = ledger
-
-    @classmethod
-    def open(cls, url: str, *, clock: Clock | None = None, executor_id: str | None = None,
-             migrate_schema: bool = True,
-             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> _Opening:
-        """Open a ledger: ``led = await AsyncLedger.open(url)``, or ``async with`` it.
-
-        ``async with AsyncLedger.open(url) as led:`` closes the ledger when the block ends. The
-        arguments and errors are those of :meth:`Ledger.open`; the opening (and any migration)
-        runs in a worker thread.
-
-        Args:
-            url: A SQLite file path or a PostgreSQL URL.
-            clock: Where the ledger reads time.
-            executor_id: This process's name as a lease holder.
-            migrate_schema: Create or upgrade the schema first.
-            lease_margin_s: How long before its end a lease stops starting work.
-
-        Raises:
-            InvalidArgument: as :meth:`Ledger.open` (when awaited).
-            DatabaseSetupError: the database is not set up for this URL (as
-                :meth:`Ledger.open`; retrying will not help).
-            DatabaseUnavailable: the database cannot be reached.
-            SchemaTooNew: the database was migrated by a newer ledger.
-        """
-        return _Opening(lambda: cls(Ledger.open(
-            url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
-            lease_margin_s=lease_margin_s)))
 
     async def close(self) -> None:
         """Close the database connections."""
@@ -1395,47 +1203,6 @@ class AsyncLedger(_Face):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def run(self, run_id: str, *, plan: Sequence[Route], budget: Budget | Mapping[str, Any],
-            grant: Grant | Mapping[str, Any] | None = None,
-            policy: Policy | str | Mapping[str, Any] | None = None, role: str = "research",
-            parent: Lease | None = None, tenant: str | None = None,
-            labels: Mapping[str, str] | None = None, deadline: float | None = None,
-            selected_route: str | None = None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-            adapter: Any = None, secrets: Any = None,
-            keyless_ok: Collection[str] | bool = ()) -> AsyncRunSession:
-        """A Run held in an ``async with`` block: an :class:`~ledger.AsyncRunSession`.
-
-        The asyncio twin of :meth:`Ledger.run`, with the same arguments and errors; ``adapter``
-        is an :class:`~ledger.adapters.HttpAdapter`.
-
-        Args:
-            run_id: The Run's id.
-            plan: As :meth:`Ledger.admit_run`.
-            budget: As :meth:`Ledger.admit_run`.
-            grant: As :meth:`Ledger.admit_run`.
-            policy: As :meth:`Ledger.admit_run`.
-            role: As :meth:`Ledger.admit_run`.
-            parent: As :meth:`Ledger.admit_run`.
-            tenant: As :meth:`Ledger.admit_run`.
-            labels: As :meth:`Ledger.admit_run`.
-            deadline: As :meth:`Ledger.admit_run`.
-            selected_route: As :meth:`Ledger.admit_run`.
-            lease_ttl_s: As :meth:`Ledger.run`.
-            adapter: An :class:`~ledger.adapters.HttpAdapter` to send with (default: the
-                session's own).
-            secrets: The secret provider of that default adapter.
-            keyless_ok: As :meth:`Ledger.run`.
-
-        Raises:
-            InvalidArgument: as :meth:`Ledger.run`.
-        """
-        from ledger.api.session import AsyncRunSession
-
-        return AsyncRunSession(self, run_id, dict(
-            plan=plan, budget=budget, grant=grant, policy=policy, role=role, parent=parent,
-            tenant=tenant, labels=labels, deadline=deadline, selected_route=selected_route,
-            keyless_ok=keyless_ok), lease_ttl_s=lease_ttl_s, adapter=adapter, secrets=secrets)
 
 
 __all__ = ["AsyncLedger", "Ledger", "storage_of"]
