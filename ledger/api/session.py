@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
+from ledger.api.face import AsyncFace, SyncFace
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
@@ -372,9 +373,8 @@ class RunSession(_SessionCore):
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import SyncAdapter
-        from ledger.api.facade import Ledger
 
-        if not isinstance(ledger, Ledger):
+        if not isinstance(ledger, SyncFace):
             raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
                                   "come from AsyncLedger.run)", field="ledger")
         return ledger.lease_margin_s, SyncAdapter
@@ -569,9 +569,8 @@ class AsyncRunSession(_SessionCore):
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import HttpAdapter
-        from ledger.api.facade import AsyncLedger
 
-        if not isinstance(ledger, AsyncLedger):
+        if not isinstance(ledger, AsyncFace):
             raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
                                   "come from Ledger.run)", field="ledger")
         return ledger.lease_margin_s, HttpAdapter
