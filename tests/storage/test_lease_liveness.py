@@ -61,7 +61,7 @@ def test_invariant3_expired_lease_begins_nothing_and_the_group_limit_holds(
     assert [a.state for a in led.timeline("r1")] == [AttemptState.DISPATCHING]
 
 
-def test_every_reader_counts_in_flight_alike_and_a_taken_over_slot_counts_for_none(
+def test_invariant8_every_reader_counts_in_flight_alike_and_a_taken_over_slot_counts_for_none(
         led: Ledger, clock: ManualClock) -> None:
     # One rule (schema.held_until): a slot or an open attempt is held while the executor that
     # took it still holds the Run under the same fence. After a takeover the Run's new lease is
