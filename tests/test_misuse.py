@@ -629,7 +629,7 @@ def test_every_public_entry_point_validates_with_the_one_mechanism() -> None:
     # mapper), directly or through op/query: none checks them by hand, and a new one cannot
     # skip validation unnoticed.
     from ledger.api.calls import op, query
-    from ledger.api.facade import storage_of
+    from ledger.api.face import storage_of
     from ledger.api.session import AsyncRunSession, RunSession
 
     exempt = {

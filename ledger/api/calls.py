@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 from ledger.domain.validation import checked
 
 if TYPE_CHECKING:
-    from ledger.api.facade import AsyncLedger, Ledger, _Face
     from ledger.storage.runner import Flow
 
 K = TypeVar("K")
@@ -82,9 +81,9 @@ class op(Generic[P, T]):
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> op[P, T]: ...
     @overload
-    def __get__(self, obj: AsyncLedger, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+    def __get__(self, obj: Awaiting, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
     @overload
-    def __get__(self, obj: Ledger, owner: type[Any]) -> Callable[P, T]: ...
+    def __get__(self, obj: Blocking, owner: type[Any]) -> Callable[P, T]: ...
 
     def __get__(self, obj: Any, owner: type[Any]) -> Any:
         if obj is None:
@@ -104,13 +103,19 @@ class op(Generic[P, T]):
         bound.__signature__ = self._signature
         return bound
 
-    def flow(self, face: _Face[Any, Any], /, *args: P.args, **kwargs: P.kwargs) -> Flow[T]:
+    def flow(self, face: Blocking | Awaiting, /, *args: P.args, **kwargs: P.kwargs) -> Flow[T]:
         """The operation's flow for ``face`` (either kind), unrun."""
         return self._builder(face, *args, **kwargs)
 
 
+class Blocking:
+    """The mark of a face that blocks on its operations: an :class:`op` returns its result."""
+
+    awaiting = False
+
+
 class Awaiting:
-    """The mark of a face that awaits its operations: :class:`query` methods are coroutines."""
+    """The mark of a face that awaits its operations: an op or a query returns an awaitable."""
 
     awaiting = True
 
@@ -158,4 +163,4 @@ class query(Generic[P, T]):
         return bound
 
 
-__all__ = ["Awaiting", "Lru", "op", "query"]
+__all__ = ["Awaiting", "Blocking", "Lru", "op", "query"]

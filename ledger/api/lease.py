@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from ledger.api.arguments import ClockArg, LeaseTtl
-from ledger.api.facade import AsyncLedger, Ledger, _Face
+from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.clock import Clock, Sleeper
 from ledger.domain.facts import Category, FailureFact, Phase, Source
 from ledger.domain.records import Lease, LeaseArg
@@ -55,8 +55,8 @@ class KeeperCore:
         in_flight: The Attempts :meth:`track` registered: attempt id -> sent?
     """
 
-    def __init__(self, ledger: Ledger | AsyncLedger, lease: Lease, *, ttl_s: float,
-                 interval_s: float | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, ledger: SyncFace[Any, Any] | AsyncFace[Any, Any], lease: Lease, *,
+                 ttl_s: float, interval_s: float | None = None, clock: Clock | None = None) -> None:
         # The arguments as a keeper validated them; the one rule between two of them:
         limit = ttl_s / 3
         if interval_s is None:
@@ -133,7 +133,7 @@ class KeeperCore:
             return self._next - now
         lease = self.lease
         try:
-            new = yield from _Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
+            new = yield from Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
         except FencedOut as e:
             self._lose(e)
             return math.inf
@@ -181,13 +181,13 @@ class KeeperCore:
             pending = dict(self.in_flight)
         for attempt_id, was_sent in pending.items():
             if was_sent:
-                yield from _Face.mark_unknown.flow(
+                yield from Face.mark_unknown.flow(
                     led, lease, attempt_id, "executor shut down: sent without a receipt")
             else:
-                yield from _Face.settle_attempt.flow(led, lease, attempt_id,
+                yield from Face.settle_attempt.flow(led, lease, attempt_id,
                                                      outcome="not_sent", fact=SHUTDOWN_FACT)
             self.untrack(attempt_id)
-        yield from _Face.release_lease.flow(led, lease)
+        yield from Face.release_lease.flow(led, lease)
 
 
 @checked
@@ -220,13 +220,12 @@ class LeaseKeeper(KeeperCore):
         ...         step(keeper.lease)
     """
 
-    def __init__(self, ledger: Annotated[Ledger, instance(Ledger, "a ledger.Ledger", "pass a "
-                                                          "ledger.Ledger (AsyncLeaseKeeper takes "
-                                                          "an AsyncLedger)")],
-                 lease: LeaseArg, *, ttl_s: LeaseTtl, interval_s: Interval | None = None,
-                 clock: ClockArg | None = None,
-                 sleeper: Annotated[Sleeper, methods("sleep", fix="pass e.g. ManualClock(t)")]
-                 | None = None) -> None:
+    def __init__(self, ledger: Annotated[SyncFace[Any, Any], instance(
+            SyncFace, "a ledger.Ledger", "pass a ledger.Ledger (AsyncLeaseKeeper takes an "
+            "AsyncLedger)")], lease: LeaseArg, *, ttl_s: LeaseTtl,
+            interval_s: Interval | None = None, clock: ClockArg | None = None,
+            sleeper: Annotated[Sleeper, methods("sleep", fix="pass e.g. ManualClock(t)")]
+            | None = None) -> None:
         super().__init__(ledger, lease, ttl_s=ttl_s, interval_s=interval_s, clock=clock)
         self._sleeper = sleeper
         self._stop = threading.Event()
@@ -279,7 +278,7 @@ class LeaseKeeper(KeeperCore):
 
 @checked
 class AsyncLeaseKeeper:
-    """The asyncio twin of :class:`LeaseKeeper`: renews in a task, on an AsyncLedger.
+    """The asyncio twin of :class:`LeaseKeeper`: renews in a task, on an AsyncFace.
 
     Each renewal runs on the ledger's asyncio driver, so the event loop never blocks on the
     database (no worker thread). It
@@ -296,11 +295,11 @@ class AsyncLeaseKeeper:
         sleeper: What waits between ticks (its ``asleep``).
 
     Raises:
-        InvalidArgument: as :class:`LeaseKeeper`, or ``ledger`` is not an AsyncLedger.
+        InvalidArgument: as :class:`LeaseKeeper`, or ``ledger`` is not an AsyncFace.
     """
 
-    def __init__(self, ledger: Annotated[AsyncLedger, instance(
-            AsyncLedger, "a ledger.AsyncLedger", "pass a ledger.AsyncLedger (LeaseKeeper takes "
+    def __init__(self, ledger: Annotated[AsyncFace[Any, Any], instance(
+            AsyncFace, "a ledger.AsyncLedger", "pass a ledger.AsyncLedger (LeaseKeeper takes "
             "a Ledger)")], lease: LeaseArg, *, ttl_s: LeaseTtl,
                  interval_s: Interval | None = None, clock: ClockArg | None = None,
                  sleeper: Annotated[Sleeper, methods("asleep", fix="pass e.g. ManualClock(t)")]

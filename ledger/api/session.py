@@ -34,9 +34,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
+from ledger.api.face import AsyncFace, SyncFace
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
+from ledger.decide.turn import RunResult
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, checked, function, instance
@@ -369,12 +371,13 @@ class RunSession(_SessionCore):
         ...     print(result.text, result.route.id)
     """
 
+    ledger: SyncFace[Any, Any]
+
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import SyncAdapter
-        from ledger.api.facade import Ledger
 
-        if not isinstance(ledger, Ledger):
+        if not isinstance(ledger, SyncFace):
             raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
                                   "come from AsyncLedger.run)", field="ledger")
         return ledger.lease_margin_s, SyncAdapter
@@ -427,7 +430,7 @@ class RunSession(_SessionCore):
 
     def turn(self, envelope: Envelope, *,
              on_text: OnText | None = None, on_event: OnEvent | None = None,
-             turn_id: Id | None = None, send: Send | None = None, **options: Any) -> Any:
+             turn_id: Id | None = None, send: Send | None = None, **options: Any) -> RunResult:
         """Serve one logical turn of the Run, through the retry owner.
 
         Args:
@@ -554,7 +557,7 @@ class RunSession(_SessionCore):
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
         """
         self._check_open()
-        return self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
+        return self.ledger.record_compaction(self.lease)
 
 
 @checked
@@ -566,12 +569,13 @@ class AsyncRunSession(_SessionCore):
     even when the block is cancelled.
     """
 
+    ledger: AsyncFace[Any, Any]
+
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import HttpAdapter
-        from ledger.api.facade import AsyncLedger
 
-        if not isinstance(ledger, AsyncLedger):
+        if not isinstance(ledger, AsyncFace):
             raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
                                   "come from Ledger.run)", field="ledger")
         return ledger.lease_margin_s, HttpAdapter
@@ -628,7 +632,7 @@ class AsyncRunSession(_SessionCore):
     async def turn(self, envelope: Envelope, *,
                    on_text: OnText | None = None, on_event: OnEvent | None = None,
                    turn_id: Id | None = None, send: AwaitedSend | None = None,
-                   **options: Any) -> Any:
+                   **options: Any) -> RunResult:
         """Serve one logical turn (see :meth:`RunSession.turn`).
 
         The same arguments, errors and result, awaited; ``on_text``, ``on_event`` and ``send``
@@ -687,7 +691,7 @@ class AsyncRunSession(_SessionCore):
     async def compacted(self) -> int:
         """Record a compaction of the context; the count (see :meth:`RunSession.compacted`)."""
         self._check_open()
-        return await self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
+        return await self.ledger.record_compaction(self.lease)
 
 
 __all__ = ["AsyncRunSession", "RunSession"]

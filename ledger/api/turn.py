@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Annotated, Any, cast
 
 from ledger import telemetry as _telemetry
-from ledger.api.facade import AsyncLedger, Ledger, _Face
+from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.decide.effects import (
     AwaitSlot,
@@ -115,7 +115,7 @@ def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str |
 
 @checked
 def execute(
-    ledger: Annotated[Ledger, instance(Ledger, "a ledger.Ledger",
+    ledger: Annotated[SyncFace[Any, Any], instance(SyncFace, "a ledger.Ledger",
                                        "use aexecute with an AsyncLedger")],
     lease: LeaseArg,
     envelope: Request,
@@ -201,7 +201,7 @@ def execute(
 
 @checked
 async def aexecute(
-    ledger: Annotated[AsyncLedger, instance(AsyncLedger, "a ledger.AsyncLedger",
+    ledger: Annotated[AsyncFace[Any, Any], instance(AsyncFace, "a ledger.AsyncLedger",
                                             "use execute with a Ledger")],
     lease: LeaseArg,
     envelope: Request,
@@ -298,7 +298,7 @@ def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunRes
     return item  # type: ignore[no-any-return]
 
 
-async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: Sleeper,
+async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sleeper: Sleeper,
                        on_notice: NoticeFn | None) -> RunResult:
     done, item = _advance(gen, None, None)
     pending: BaseException | None = None
@@ -338,7 +338,7 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
     return item  # type: ignore[no-any-return]
 
 
-def _flow_of(ledger: _Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
+def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
     """The storage flow a database effect asks for: one mapping for both drivers.
 
     The loop decided every write with the pure rules (its specs), so nothing is checked again.
@@ -362,8 +362,9 @@ def _flow_of(ledger: _Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
     raise TypeError(f"not a database effect: {eff!r}")  # pragma: no cover
 
 
-def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], SendResult],
-                  sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
+                  send: Callable[[Dispatch], SendResult], sleeper: Sleeper,
+                  on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
             dispatch.progress.handed_over = True
@@ -393,7 +394,7 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
     return ledger._runner.run(_flow_of(ledger, eff))
 
 
-async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
+async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: SendFn,
                          sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
@@ -428,7 +429,7 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
     return await ledger._runner.arun(_flow_of(ledger, eff))
 
 
-def _sleeper_of(ledger: _Face[Any, Any]) -> Sleeper:
+def _sleeper_of(ledger: Face[Any, Any]) -> Sleeper:
     # A ManualClock is also a sleeper that advances it: tests never really wait.
     clock: Any = ledger.clock
     if callable(getattr(clock, "sleep", None)) and callable(getattr(clock, "asleep", None)):

@@ -23,7 +23,8 @@ from typing import Annotated, Any, Unpack
 
 from ledger.api.arguments import AttemptFilters, Cursor, Limit, attempt_query
 from ledger.api.calls import Awaiting, query
-from ledger.api.facade import Ledger, storage_of
+from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.domain.validation import (

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from ledger.api.facade import Ledger, storage_of
+from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.domain.validation import checked, instance
 from ledger.storage.recovery import RecoveryQueries
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from ledger.api.arguments import LeaseTtl
-from ledger.api.facade import AsyncLedger, Ledger, storage_of
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.face import storage_of
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, RunStatus
 from ledger.domain.validation import (
