@@ -22,7 +22,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
 from ledger.errors import DatabaseSetupError, InvalidArgument
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate, statements
 from ledger.storage import engine as eng
 from ledger.storage import schema as s
 from ledger.storage.driver import PgDriver
@@ -35,7 +35,7 @@ class PostgresStore(SqlStore):
     """The storage port over one PostgreSQL database."""
 
     backend = "postgresql"
-    SQL = hot.POSTGRES_SQL
+    SQL = statements.POSTGRES
 
     #: Notifications wake waiters at once; polling only finds slots of leases that expired.
     QUEUE_POLL_S = 1.0

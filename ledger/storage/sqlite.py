@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Integer, Select, cast, func
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
 
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate
+from ledger.storage import DEFAULT_LEASE_MARGIN_S, migrate, statements
 from ledger.storage import engine as eng
 from ledger.storage import schema as s
 from ledger.storage.driver import SqliteDriver
@@ -30,7 +30,7 @@ class SqliteStore(SqlStore):
     """The storage port over one SQLite file."""
 
     backend = "sqlite"
-    SQL = hot.SQLITE_SQL
+    SQL = statements.SQLITE
 
     @classmethod
     def connect(cls, norm: str, parsed: URL, *,

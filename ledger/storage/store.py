@@ -74,6 +74,7 @@ from ledger.storage.hot import check_live
 from ledger.storage.port import ClockFn, Figures, RowMap, SnapshotRows, StoragePort, Takeover
 from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.runner import Flow, Runner, txn
+from ledger.storage.statements import Statements
 from ledger.storage.wake import SlotWaker
 
 SEL_ATTEMPT_WITH_DEBIT = (
@@ -89,7 +90,7 @@ class SqlStore(StoragePort, abc.ABC):
     below); open one with :func:`ledger.storage.open_store`."""
 
     #: The hot path's statements for this database.
-    SQL: ClassVar[hot.Sql]
+    SQL: ClassVar[Statements]
 
     #: The longest a queued begin waits without a signal before it begins again (another
     #: process's settle signals nothing on SQLite).
