@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,8 +23,9 @@ def _without(modules: list[str], code: str) -> subprocess.CompletedProcess[str]:
                           env=env, timeout=60)
 
 
-def test_postgres_url_without_psycopg_names_the_extra() -> None:
-    res = _without(["psycopg"], (
+@pytest.mark.parametrize("missing", ["psycopg", "psycopg_pool"])
+def test_postgres_url_without_psycopg_names_the_extra(missing: str) -> None:
+    res = _without([missing], (
         "import json\n"
         "from ledger import InvalidArgument, Ledger\n"
         "try:\n"

@@ -21,7 +21,7 @@ commit outcome is unknown and every write is idempotent per id). Statements are 
 per database from the schema (:mod:`ledger.storage.statements`) and executed through each
 driver's public API, with named parameters on SQLite and positional ones on psycopg, which
 prepares the repeated ones on the server. What differs between the databases is the driver
-object itself: how it opens a transaction, how it sends statements.
+object itself: how it gets a connection, how it opens a transaction, how it sends statements.
 """
 
 from __future__ import annotations
@@ -30,19 +30,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import select
 import sqlite3
 import threading
-import time
-import weakref
-from collections.abc import AsyncIterator, Generator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ledger.storage.failure import driver_error
 
 if TYPE_CHECKING:
+    from ledger.storage.pgpool import PgPool
     from ledger.storage.statements import Stmt
 
 T = TypeVar("T")
@@ -207,72 +204,35 @@ def _rollback(conn: sqlite3.Connection) -> None:
 
 
 class PgDriver:
-    """psycopg 3 connections from a small pool, blocking and asyncio, in autocommit mode with
-    the transaction's ``BEGIN`` and ``COMMIT`` pipelined with its statements."""
+    """psycopg 3 connections of the store's pool (:class:`~ledger.storage.pgpool.PgPool`),
+    blocking and asyncio, in autocommit mode with the transaction's ``BEGIN`` and ``COMMIT``
+    pipelined with its statements."""
 
-    def __init__(self, conninfo: str, *, where: str, max_size: int = 10) -> None:
-        self.conninfo = conninfo
-        self.where = where
-        self.max_size = max_size
-        self._idle: list[Any] = []
-        self._aidle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
-            weakref.WeakKeyDictionary())
-        self._lock = threading.Lock()
-
-    # -- blocking
-
-    @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        import psycopg
-
-        conn = None
-        while conn is None:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                try:
-                    conn = psycopg.connect(self.conninfo, autocommit=True)
-                except psycopg.Error as e:
-                    raise driver_error(e, self.where) from e
-            elif not _alive(conn):
-                conn = None  # the server dropped it while it was idle: take another
-        try:
-            yield conn
-        finally:
-            # Only a connection outside any transaction goes back (errors were rolled back).
-            if not conn.closed and conn.info.transaction_status == 0:
-                with self._lock:
-                    if len(self._idle) < self.max_size:
-                        conn._ledger_idle_since = time.monotonic()
-                        self._idle.append(conn)
-                        conn = None
-            if conn is not None and not conn.closed:
-                conn.close()
+    def __init__(self, pool: PgPool) -> None:
+        self.pool = pool
+        self.conninfo = pool.conninfo
+        self.where = pool.where
 
     def run(self, tx: Tx[T], *, write: bool) -> T:
         import psycopg
 
-        with self._connection() as conn:
-            try:
-                return self._feed(conn, tx)
-            except BaseException as e:
-                _abort(conn)
-                if isinstance(e, psycopg.Error):
-                    self._after_error(conn)
-                    raise driver_error(e, self.where) from e
-                raise
+        from ledger.storage.pgpool import release
 
-    def _after_error(self, conn: Any) -> None:
-        """A connection the server dropped: the idle ones are as suspect, so they go too."""
-        if not conn.closed:
-            return
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            with contextlib.suppress(Exception):  # closing a dead connection is best effort
-                c.close()
-        # Async connections belong to their loops; they are dropped the same way.
-        self._aidle = weakref.WeakKeyDictionary()
+        try:
+            conn = self.pool.checkout()
+        except psycopg.Error as e:
+            raise driver_error(e, self.where) from e
+        try:
+            return self._feed(conn, tx)
+        except BaseException as e:
+            _abort(conn)
+            if isinstance(e, psycopg.Error):
+                if conn.closed:
+                    self.pool.lost(conn)  # the server dropped it: the idle ones are as suspect
+                raise driver_error(e, self.where) from e
+            raise
+        finally:
+            release(conn)
 
     def _feed(self, conn: Any, tx: Tx[T]) -> T:
         value: Any = None
@@ -308,44 +268,26 @@ class PgDriver:
 
     # -- asyncio
 
-    @asynccontextmanager
-    async def _aconnection(self) -> AsyncIterator[Any]:
-        import psycopg
-
-        # Async connections belong to the event loop that made them.
-        idle = self._aidle.setdefault(asyncio.get_running_loop(), [])
-        conn = None
-        while conn is None:
-            conn = idle.pop() if idle else None
-            if conn is None:
-                try:
-                    conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
-                except psycopg.Error as e:
-                    raise driver_error(e, self.where) from e
-            elif not await _aalive(conn):
-                conn = None  # the server dropped it while it was idle: take another
-        try:
-            yield conn
-        finally:
-            if not conn.closed and conn.info.transaction_status == 0 and \
-                    len(idle) < self.max_size:
-                conn._ledger_idle_since = time.monotonic()
-                idle.append(conn)
-            elif not conn.closed:
-                await conn.close()
-
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
         import psycopg
 
-        async with self._aconnection() as conn:
-            try:
-                return await self._afeed(conn, tx)
-            except BaseException as e:
-                await _aabort(conn)
-                if isinstance(e, psycopg.Error):
-                    self._after_error(conn)
-                    raise driver_error(e, self.where) from e
-                raise
+        from ledger.storage.pgpool import arelease
+
+        try:
+            conn = await self.pool.acheckout()
+        except psycopg.Error as e:
+            raise driver_error(e, self.where) from e
+        try:
+            return await self._afeed(conn, tx)
+        except BaseException as e:
+            await _aabort(conn)
+            if isinstance(e, psycopg.Error):
+                if conn.closed:
+                    await self.pool.alost(conn)
+                raise driver_error(e, self.where) from e
+            raise
+        finally:
+            await arelease(conn)
 
     async def _afeed(self, conn: Any, tx: Tx[T]) -> T:
         value: Any = None
@@ -380,73 +322,15 @@ class PgDriver:
             value = rows[0] if isinstance(step, Q) else rows
 
     def close(self) -> None:
-        with self._lock:
-            conns, self._idle = self._idle, []
-        for c in conns:
-            c.close()
-        # Async connections belong to the loop that made them; dropping them lets the loop's
-        # shutdown close their sockets.
-        self._aidle = weakref.WeakKeyDictionary()
-
-
-# A connection idle longer than this is checked (one round trip) before it is used again: a
-# dropped socket shows up there, not as a failed transaction. One used more recently (a busy
-# worker's) costs one poll of its socket: an idle connection has nothing to read, so anything
-# there (a server's goodbye, an end of file) means it is gone.
-IDLE_CHECK_S = 1.0
-
-
-def _told_goodbye(conn: Any) -> bool:
-    """Whether the server wrote to, or closed, a connection nobody is using."""
-    try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
-
-
-def _alive(conn: Any) -> bool:
-    """Whether a pooled connection still works (checked only after it idled a while)."""
-    import psycopg
-
-    if conn.closed or _told_goodbye(conn):
-        with contextlib.suppress(Exception):
-            conn.close()
-        return False
-    if time.monotonic() - getattr(conn, "_ledger_idle_since", 0.0) < IDLE_CHECK_S:
-        return True
-    try:
-        conn.execute("SELECT 1")
-        return True
-    except psycopg.Error:
-        with contextlib.suppress(Exception):
-            conn.close()
-        return False
-
-
-async def _aalive(conn: Any) -> bool:
-    """:func:`_alive` for an asyncio connection."""
-    import psycopg
-
-    if conn.closed or _told_goodbye(conn):
-        with contextlib.suppress(Exception):
-            await conn.close()
-        return False
-    if time.monotonic() - getattr(conn, "_ledger_idle_since", 0.0) < IDLE_CHECK_S:
-        return True
-    try:
-        await conn.execute("SELECT 1")
-        return True
-    except psycopg.Error:
-        with contextlib.suppress(Exception):
-            await conn.close()
-        return False
+        self.pool.close()
 
 
 def _abort(conn: Any) -> None:
     """Leave no transaction open on a connection going back to the pool (or close it)."""
     import psycopg
     from psycopg.pq import TransactionStatus
+
+    from ledger.storage.pgpool import hard_close
 
     if conn.closed:
         return
@@ -459,12 +343,14 @@ def _abort(conn: Any) -> None:
             return
         except psycopg.Error:
             pass
-    conn.close()
+    hard_close(conn)
 
 
 async def _aabort(conn: Any) -> None:
     import psycopg
     from psycopg.pq import TransactionStatus
+
+    from ledger.storage.pgpool import ahard_close
 
     if conn.closed:
         return
@@ -477,7 +363,7 @@ async def _aabort(conn: Any) -> None:
             return
         except psycopg.Error:
             pass
-    await conn.close()
+    await ahard_close(conn)
 
 
 __all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Tx"]

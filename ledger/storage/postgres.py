@@ -1,10 +1,10 @@
 """The storage port on PostgreSQL: :class:`PostgresStore`.
 
-The hot path runs on psycopg 3 directly (a small pool of blocking and of asyncio connections,
-autocommit with ``BEGIN`` and ``COMMIT`` pipelined with the statements, prepared statements on
-the server), the cold path on a SQLAlchemy engine over the same database. Writes that carry a
-fence lock the run row (``SELECT ... FOR UPDATE``); claims of work items skip rows another
-transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
+The hot path runs on psycopg 3 directly (autocommit with ``BEGIN`` and ``COMMIT`` pipelined with
+the statements, prepared statements on the server), the cold path on a SQLAlchemy engine; both
+take their connections from the store's one pool (:class:`~ledger.storage.pgpool.PgPool`).
+Writes that carry a fence lock the run row (``SELECT ... FOR UPDATE``); claims of work items
+skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ledger.storage import schema as s
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
+from ledger.storage.pgpool import PgPool
 from ledger.storage.store import SqlStore
 
 
@@ -44,10 +45,17 @@ class PostgresStore(SqlStore):
     def connect(cls, norm: str, parsed: URL, *,
                 lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> PostgresStore:
         """A store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL)."""
-        engine = eng.postgres_engine(norm, parsed)
-        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        eng.postgres_driver(norm, parsed)
+        conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
         where = redact_url(norm)
-        return cls(engine, where, PgDriver(conninfo, where=where), lease_margin_s=lease_margin_s)
+        pool = PgPool(conninfo, where=where)
+        # One pool to the database: the engine keeps no connection of its own (NullPool); each
+        # one SQLAlchemy uses is lent by the store's pool and goes back to it when SQLAlchemy
+        # closes it, so the hot and the cold path share one bound, one health check and one
+        # close. (A pool of SQLAlchemy's beside it would double the connections held, check
+        # them another way, and find a dead one only by failing a statement on it.)
+        engine = eng.postgres_engine(norm, parsed, creator=pool.lend)
+        return cls(engine, where, PgDriver(pool), lease_margin_s=lease_margin_s)
 
     def _listen(self, told: Callable[[str], None], stop: threading.Event) -> None:
         """LISTEN on the queue channel until ``stop``; ``told("")`` once listening."""
