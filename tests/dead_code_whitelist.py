@@ -48,6 +48,7 @@ _.require  # PreflightResult.require raises PreflightRefused (docs/disclosure.md
 _.checks  # PreflightResult.checks: the checks that failed (docs/disclosure.md)
 _.narrow_grant  # decide/preflight.py: a Child's grant inside its parent's (docs/disclosure.md)
 _.AsyncAudit  # ops/audit.py (docs/audit.md)
+_.LedgerModel  # integrations/pydantic_ai.py (docs/integrations/pydantic-ai.md)
 _.arecover  # ops/recovery.py (docs/operations.md)
 _.apply_overrides  # policy/load.py: the fixed override keys (docs/policies.md)
 _.forget_secret, _.is_registered  # redaction.py: the registry's other half (docs/adapters.md)

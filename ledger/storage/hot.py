@@ -50,8 +50,7 @@ from ledger.redaction import redact
 from ledger.storage import schema as s
 from ledger.storage.driver import Flush, Q, Tx
 from ledger.storage.encode import event_json, fact_json, health_values
-from ledger.storage.port import SnapshotRows
-from ledger.storage.rows import attempt_record, health_record, written_attempt
+from ledger.storage.rows import SnapshotRows, attempt_record, health_record, written_attempt
 from ledger.storage.statements import HEALTH_READ, QUEUE_CHANNEL, Statements, Stmt
 
 ClockFn = Callable[[], float]
@@ -158,7 +157,7 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
 
 def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
              ) -> Tx[AttemptRecord | Queued]:
-    """Record an Attempt before it is sent (see ``StoragePort.begin_attempt``).
+    """Record an Attempt before it is sent (see ``Store.begin_attempt``).
 
     With ``spec.queue_until`` a full group queues the begin instead (:class:`Queued`, nothing
     recorded as an Attempt); the same begin again, once its place comes up, records it.
@@ -452,7 +451,7 @@ def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[
 # -- settle ------------------------------------------------------------------------------------
 
 def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[AttemptRecord]:
-    """Record an Attempt's outcome (see ``StoragePort.settle_attempt``)."""
+    """Record an Attempt's outcome (see ``Store.settle_attempt``)."""
     keys = list(spec.health)
     locked, read = yield Flush((
         Q(sql.lock_run_fence, {"run_id": run_id}),

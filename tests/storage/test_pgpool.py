@@ -35,7 +35,7 @@ def _pool_threads() -> list[str]:
 
 
 def _pid_cold(store: Any) -> int:
-    with store.engine.connect() as conn:
+    with store.context.engine.connect() as conn:
         return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
 
 
