@@ -210,7 +210,6 @@ class PgDriver:
 
     def __init__(self, pool: PgPool) -> None:
         self.pool = pool
-        self.conninfo = pool.conninfo
         self.where = pool.where
 
     def run(self, tx: Tx[T], *, write: bool) -> T:
@@ -222,17 +221,20 @@ class PgDriver:
             conn = self.pool.checkout()
         except psycopg.Error as e:
             raise driver_error(e, self.where) from e
+        dropped = False
         try:
             return self._feed(conn, tx)
         except BaseException as e:
+            dropped = conn.closed  # the server (or the network) ended it, not the abort
             _abort(conn)
             if isinstance(e, psycopg.Error):
-                if conn.closed:
-                    self.pool.lost(conn)  # the server dropped it: the idle ones are as suspect
                 raise driver_error(e, self.where) from e
             raise
         finally:
-            release(conn)
+            if dropped:
+                self.pool.lost(conn)  # the idle ones beside it are as suspect
+            else:
+                release(conn)
 
     def _feed(self, conn: Any, tx: Tx[T]) -> T:
         value: Any = None
@@ -277,17 +279,20 @@ class PgDriver:
             conn = await self.pool.acheckout()
         except psycopg.Error as e:
             raise driver_error(e, self.where) from e
+        dropped = False
         try:
             return await self._afeed(conn, tx)
         except BaseException as e:
+            dropped = conn.closed  # the server (or the network) ended it, not the abort
             await _aabort(conn)
             if isinstance(e, psycopg.Error):
-                if conn.closed:
-                    await self.pool.alost(conn)
                 raise driver_error(e, self.where) from e
             raise
         finally:
-            await arelease(conn)
+            if dropped:
+                await self.pool.alost(conn)
+            else:
+                await arelease(conn)
 
     async def _afeed(self, conn: Any, tx: Tx[T]) -> T:
         value: Any = None
