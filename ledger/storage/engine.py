@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import NullPool
 
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage.failure import mapped
@@ -116,8 +117,8 @@ def sqlite_engine(parsed: URL, busy_timeout_s: float) -> Engine:
     return engine
 
 
-def postgres_engine(norm: str, parsed: URL) -> Engine:
-    """An engine for a PostgreSQL URL (psycopg 3 only)."""
+def postgres_driver(norm: str, parsed: URL) -> None:
+    """Check that a PostgreSQL URL names psycopg 3 and that it is installed."""
     if parsed.get_driver_name() != "psycopg":
         raise InvalidArgument(
             f"unsupported PostgreSQL driver {parsed.get_driver_name()!r}; "
@@ -125,24 +126,33 @@ def postgres_engine(norm: str, parsed: URL) -> Engine:
             field="url",
         )
     _require_psycopg(norm)
-    # No pre-ping: it costs a round trip per transaction. A connection that died (server
-    # restart) fails its next statement with DatabaseUnavailable, the pool drops it, and the
-    # caller's retry gets a fresh one; every write is idempotent per id, so that is safe.
-    return create_engine(norm, pool_pre_ping=False, pool_size=5, max_overflow=10)
+
+
+def postgres_engine(norm: str, parsed: URL,
+                    creator: Callable[[], Any] | None = None) -> Engine:
+    """An engine for a PostgreSQL URL (psycopg 3 only) that keeps no connection of its own:
+    each one comes from ``creator`` (a store's pool, which takes it back when SQLAlchemy
+    closes it) or, without one, is opened for its use and closed after it (a short-lived
+    engine, such as a probe's)."""
+    postgres_driver(norm, parsed)
+    if creator is None:
+        return create_engine(norm, poolclass=NullPool)
+    return create_engine(norm, poolclass=NullPool, creator=creator)
 
 
 POSTGRES_EXTRA_HINT = "pip install 'failover-ledger[postgres]'"
 
 
 def _require_psycopg(url: str) -> None:
-    """PostgreSQL needs the optional ``postgres`` extra (psycopg 3); say so before SQLAlchemy
-    fails on the missing module with a bare ImportError."""
+    """PostgreSQL needs the optional ``postgres`` extra (psycopg 3 and its pool); say so
+    before SQLAlchemy or the pool fails on the missing module with a bare ImportError."""
     try:
         import psycopg  # noqa: F401
+        import psycopg_pool  # noqa: F401
     except ImportError as e:
         raise InvalidArgument(
-            f"{redact_url(url)} is a PostgreSQL ledger, but the PostgreSQL driver (psycopg 3) "
-            f"is not installed; install the extra: {POSTGRES_EXTRA_HINT}",
+            f"{redact_url(url)} is a PostgreSQL ledger, but the PostgreSQL driver (psycopg 3 "
+            f"with psycopg_pool) is not installed; install the extra: {POSTGRES_EXTRA_HINT}",
             field="url", extra="postgres",
         ) from e
 

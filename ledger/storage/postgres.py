@@ -1,10 +1,10 @@
 """PostgreSQL: :class:`PostgresContext`, and the store it opens.
 
-The hot path runs on psycopg 3 directly (a small pool of blocking and of asyncio connections,
-autocommit with ``BEGIN`` and ``COMMIT`` pipelined with the statements, prepared statements on
-the server), the cold path on a SQLAlchemy engine over the same database. Writes that carry a
-fence lock the run row (``SELECT ... FOR UPDATE``); claims of work items skip rows another
-transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
+The hot path runs on psycopg 3 directly (autocommit with ``BEGIN`` and ``COMMIT`` pipelined with
+the statements, prepared statements on the server), the cold path on a SQLAlchemy engine; both
+take their connections from the store's one pool (:class:`~ledger.storage.pgpool.PgPool`).
+Writes that carry a fence lock the run row (``SELECT ... FOR UPDATE``); claims of work items
+skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from sqlalchemy.pool import NullPool
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage import engine as eng
-from ledger.storage import hot, migrate
+from ledger.storage import migrate, statements
 from ledger.storage import schema as s
 from ledger.storage.context import SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
+from ledger.storage.pgpool import PgPool
 from ledger.storage.store import Store
 
 
@@ -47,11 +48,18 @@ class PostgresContext(SqlContext):
              lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Store:
         """The store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL), without
         touching it yet (the first transaction connects)."""
-        engine = eng.postgres_engine(norm, parsed)
-        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        eng.postgres_driver(norm, parsed)
+        conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
         where = redact_url(norm)
+        pool = PgPool(conninfo, where=where)
+        # One pool to the database: the engine keeps no connection of its own (NullPool); each
+        # one SQLAlchemy uses is lent by the store's pool and goes back to it when SQLAlchemy
+        # closes it, so the hot and the cold path share one bound, one health check and one
+        # close. (A pool of SQLAlchemy's beside it would double the connections held, check
+        # them another way, and find a dead one only by failing a statement on it.)
+        engine = eng.postgres_engine(norm, parsed, creator=pool.lend)
         ctx = cls(engine, where, lease_margin_s=lease_margin_s)
-        return Store(ctx, PgDriver(conninfo, where=where), hot.POSTGRES_SQL,
+        return Store(ctx, PgDriver(pool), statements.POSTGRES,
                      queue_poll_s=cls.QUEUE_POLL_S, listen=partial(_listen, conninfo))
 
     @classmethod
@@ -139,7 +147,7 @@ def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -
     import psycopg
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(f"LISTEN {hot.QUEUE_CHANNEL}")
+        conn.execute(f"LISTEN {statements.QUEUE_CHANNEL}")
         told("")
         while not stop.is_set():
             for note in conn.notifies(timeout=0.5):

@@ -119,11 +119,11 @@ class SeriesQueries:
                 select(grp.label("group"), out.label("outcome"),
                        *_histogram(waited, "waited_s", bounds))
                 .where(e.kind == "capacity_wait").group_by(grp, out)).all())
+            # A place counts as admission counts it (schema.held_until), within its own bound.
             waiting = _maps(conn.execute(
                 select(w.group_id.label("group"), func.count().label("n"))
                 .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
-                .where(w.fence == r.fence, w.expires_at > now,
-                       r.lease_expires_at.is_not(None), r.lease_expires_at > now)
+                .where(w.expires_at > now, s.held_until(w.fence) > now)
                 .group_by(w.group_id).order_by(w.group_id)).all())
             money = _maps(conn.execute(
                 select(r.tenant.label("tenant"),

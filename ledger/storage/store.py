@@ -12,7 +12,7 @@ nothing.
 Everything else (admission and reads, recovery, the audit) is a query object built on the
 store's :class:`~ledger.storage.context.SqlContext` (``store.context``). Open a store with
 :func:`ledger.storage.open_store`; ops and tools reach the store of an open ledger through
-:func:`ledger.api.facade.storage_of`.
+:func:`ledger.api.face.storage_of`.
 
 What every flow promises:
 
@@ -44,6 +44,7 @@ from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver
 from ledger.storage.rows import SnapshotRows
 from ledger.storage.runner import Flow, Runner, txn
+from ledger.storage.statements import Statements
 from ledger.storage.wake import SlotWaker
 
 #: Listens for the database's queue notifications until its event is set, telling each one.
@@ -58,7 +59,7 @@ class Store:
     and how its queued begins learn that a slot came free (``queue_poll_s``, ``listen``).
     """
 
-    def __init__(self, context: SqlContext, driver: Driver, sql: hot.Sql, *,
+    def __init__(self, context: SqlContext, driver: Driver, sql: Statements, *,
                  queue_poll_s: float, listen: Listener | None = None) -> None:
         #: The cold path: what query objects are built on.
         self.context = context
