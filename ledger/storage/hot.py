@@ -134,7 +134,8 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
     run = _locked(res[0], sql.run_live, run_id)
     expiries: dict[str, list[float]] = {}
     for gid, exp in res[2]:
-        expiries.setdefault(gid, []).append(float(exp))
+        if exp is not None:
+            expiries.setdefault(gid, []).append(float(exp))
     projections: dict[str, GroupProjection] = {}
     for gid, limit, mode_text, until, sampled in res[1]:
         mode = GroupMode(mode_text)
@@ -339,16 +340,16 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
     slots, waiting = yield Flush((Q(sql.slot_expiries, {"group": group}),
                                   Q(sql.waiters, {"group": group})))
     now = max(now, clock())
-    places = [_Place(int(t), w, float(at), float(exp) > now and fence == run_fence
-                     and lease is not None and float(lease) > now)
-              for t, w, at, exp, fence, run_fence, lease in waiting]
+    places = [_Place(int(t), w, float(at), float(exp) > now
+                     and held is not None and float(held) > now)
+              for t, w, at, exp, held in waiting]
     mine = next((p for p in places if p.waiter_id == spec.attempt_id), None)
     dead = tuple(p.ticket for p in places if not p.live)
     leaving = tuple(sorted({*dead, *((mine.ticket,) if mine is not None else ())}))
     if mode != GroupMode.OPEN.value and (until is None or until > now):
         return _Admission(now, rejected=("group_" + mode, until), place=mine, leaving=leaving,
                           limit=limit)
-    in_flight = sum(1 for (e,) in slots if float(e) > now)
+    in_flight = sum(1 for (e,) in slots if e is not None and float(e) > now)
     live = [p for p in places if p.live]
     ahead = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None and mine.live
              else len(live))

@@ -255,7 +255,8 @@ def _run_lock(*names: str) -> Build:
 # A group's slots joined to their runs, and the condition that a slot's lease (of the same
 # fence) may still be live.
 _SLOT_RUNS = _slots.join(_runs, _runs.c.run_id == _slots.c.run_id)
-_SLOT_HELD = and_(_slots.c.fence == _runs.c.fence, _runs.c.lease_expires_at.is_not(None))
+# Until when each slot counts (schema.held_until: NULL once it does not), the one definition.
+_SLOT_HELD_UNTIL = s.held_until(_slots.c.fence).label("held_until")
 
 
 def _event_rows(k: Spelling, *rows: Namer) -> Any:
@@ -380,8 +381,8 @@ class Statements:
         _groups, "group_id", "max_in_flight", "mode", "until", "sampled_at",
     )).where(in_list(_groups.c.group_id, p("groups"))))
     group_slots = _stmt(lambda k, p=bindparam: select(
-        _slots.c.group_id, _runs.c.lease_expires_at,
-    ).select_from(_SLOT_RUNS).where(in_list(_slots.c.group_id, p("groups")), _SLOT_HELD))
+        _slots.c.group_id, _SLOT_HELD_UNTIL,
+    ).select_from(_SLOT_RUNS).where(in_list(_slots.c.group_id, p("groups"))))
     health = _stmt(lambda k, p=bindparam: select(*HEALTH_READ).where(
         in_list(_health.c.key, p("keys"))))
     provenance = _stmt(lambda k, p=bindparam: select(_prov.c.ref, _prov.c.content_hash).where(
@@ -416,11 +417,11 @@ class Statements:
         _groups, _groups.c.group_id == p("group"))))
     ensure_group = _stmt(lambda k, p=bindparam: k.insert(_groups).values(
         group_id=p("group"), mode=lit("open"), updated_at=p("now")).on_conflict_do_nothing())
-    slot_expiries = _stmt(lambda k, p=bindparam: select(_runs.c.lease_expires_at).select_from(
-        _SLOT_RUNS).where(_slots.c.group_id == p("group"), _SLOT_HELD))
+    slot_expiries = _stmt(lambda k, p=bindparam: select(_SLOT_HELD_UNTIL).select_from(
+        _SLOT_RUNS).where(_slots.c.group_id == p("group")))
     waiters = _stmt(lambda k, p=bindparam: select(
         _waiters.c.ticket, _waiters.c.waiter_id, _waiters.c.enqueued_at, _waiters.c.expires_at,
-        _waiters.c.fence, _runs.c.fence.label("run_fence"), _runs.c.lease_expires_at,
+        s.held_until(_waiters.c.fence).label("held_until"),
     ).select_from(_waiters.outerjoin(_runs, _runs.c.run_id == _waiters.c.run_id))
         .where(_waiters.c.group_id == p("group")).order_by(_waiters.c.ticket))
     insert_waiter = _stmt(lambda k, p=bindparam: k.insert(_waiters).values({

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from ledger.api.facade import AsyncLedger, Ledger, storage_of
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.face import storage_of
 from ledger.clock import ManualClock
 from ledger.errors import DatabaseUnavailable
 from ledger.storage.pgpool import PgPool, release
