@@ -36,7 +36,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ledger.storage.failure import driver_error
+from ledger.storage.failure import driver_error, standby_error
 
 if TYPE_CHECKING:
     from ledger.storage.pgpool import PgPool
@@ -225,8 +225,12 @@ class PgDriver:
         try:
             return self._feed(conn, tx)
         except BaseException as e:
-            dropped = conn.closed  # the server (or the network) ended it, not the abort
+            # The server (or the network) ended it, not the abort; or it is a standby's.
+            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+            dropped = conn.closed or standby
             _abort(conn)
+            if standby:
+                raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
                 raise driver_error(e, self.where) from e
             raise
@@ -283,8 +287,12 @@ class PgDriver:
         try:
             return await self._afeed(conn, tx)
         except BaseException as e:
-            dropped = conn.closed  # the server (or the network) ended it, not the abort
+            # The server (or the network) ended it, not the abort; or it is a standby's.
+            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+            dropped = conn.closed or standby
             await _aabort(conn)
+            if standby:
+                raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
                 raise driver_error(e, self.where) from e
             raise
@@ -328,6 +336,14 @@ class PgDriver:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _standby_refusal(e: Any, conn: Any) -> bool:
+    """Whether ``e`` is a write refused because ``conn``'s server is a standby (SQLSTATE
+    25006 on a server in recovery), not because the database or the role is read-only."""
+    from ledger.storage.pgpool import on_standby
+
+    return getattr(e, "sqlstate", None) == "25006" and not conn.closed and on_standby(conn)
 
 
 def _abort(conn: Any) -> None:
