@@ -57,6 +57,7 @@ from ledger.domain.bounds import (
     check_ids,
     check_optional_id,
     check_optional_time,
+    check_reason,
     check_seconds,
     check_text,
     check_tokens,
@@ -365,8 +366,8 @@ class _Face:
 
     @op
     def close_run(self, run_id: str, *, status: RunStatus | str,
-                  reason: str = "closed by an operator: nobody will resume it"
-                  ) -> Flow[RunRecord]:
+                  reason: str = "closed by an operator: nobody will resume it",
+                  by: str | None = None) -> Flow[RunRecord]:
         """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
 
         It takes the Run over itself, under a fresh fence (so an executor that wakes up later
@@ -381,14 +382,18 @@ class _Face:
             status: ``failed``, ``cancelled``, ``stopped`` or ``succeeded`` (a
                 :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
                 last turn was served.
-            reason: Why, kept in the ``close`` event (at most 200 printable characters).
+            reason: Why, kept in the ``close`` event (at most 200 printable characters, not
+                blank).
+            by: Who closes it, kept in the ``close`` event as ``by`` (default: this ledger's
+                ``executor_id``).
 
         Returns:
             The Run as closed (:class:`~ledger.RunRecord`).
 
         Raises:
             InvalidArgument: ``status`` is not a status a Run ends in (``field="status"``,
-                the choices listed), or ``reason`` is not a short text.
+                the choices listed), ``reason`` is blank or not a short text, or ``by`` is
+                not an identifier.
             NotFound: no Run has this id.
             LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
             InvalidState: the Run already ended with another status, or ``succeeded`` was
@@ -400,9 +405,11 @@ class _Face:
         """
         check_id(run_id, "run_id")
         st = check_choice(status, RunStatus, "status", ENDED)
-        why = check_text(reason, "reason")
+        why = check_reason(reason, "reason")
+        who = self.executor_id if by is None else check_id(by, "by")
         rec, _changed = yield from blocking(
-            lambda: self._recovery.close_run(run_id, new_id("close"), st, why, self.clock.now))
+            lambda: self._recovery.close_run(run_id, new_id("close"), st, why, self.clock.now,
+                                             by=who))
         return rec
 
     @op
@@ -766,7 +773,7 @@ class _Face:
             cost: What it cost (a Decimal, int or decimal string); default: the usage at the
                 Attempt's frozen route price, or the whole hold when no usage is given.
             note: Why, for the audit (the evidence: a console link, a ticket), at most 500
-                characters.
+                characters, not blank.
             by: Who records it (default: this ledger's ``executor_id``).
 
         Returns:
@@ -791,7 +798,7 @@ class _Face:
         completion_tokens = optional_tokens(completion_tokens, "completion_tokens")
         amount = check_amount(cost, "cost") if cost is not None else None
         if note is not None:
-            check_text(note, "note", maximum=500)
+            check_reason(note, "note", maximum=500)
         who = self.executor_id if by is None else check_id(by, "by")
         if outcome is Outcome.NOT_SENT:
             for name, value in (("prompt_tokens", prompt_tokens),
@@ -903,6 +910,50 @@ class _Face:
         why = check_text(reason, "reason")
         upd, now = GroupUpdate(mode, until, why), self.now()
         yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
+
+    @op
+    def clear_cooldown(self, key: str, *, reason: str, by: str | None = None,
+                       group: bool = False) -> Flow[EventRecord]:
+        """Clear a cooldown at an operator's word: the key is available again at once.
+
+        A route, credential profile or ``provider:<name>`` health key (``group=False``) is
+        made available and its counters start again from zero (cooldown, disable, error and
+        failure counts, failures below the cooling threshold; when it was last used, failed
+        and probed stays). A capacity group (``group=True``) is opened: its mode ``open``, its
+        waiting floor and reason gone. In the same transaction a ``clear_cooldown`` event (of
+        no Run) records who, why and what was cleared; ``Audit.actions`` lists it. Runs
+        already admitted read the cleared state at their next turn; the next failure counts
+        from one again.
+
+        Args:
+            key: The health key (``failover-ledger health`` lists them), or the group id with
+                ``group=True``.
+            reason: Why (kept in the event; at most 200 printable characters, not blank).
+            by: Who clears it (default: this ledger's ``executor_id``).
+            group: ``key`` names a capacity group.
+
+        Returns:
+            The ``clear_cooldown`` event as recorded (its ``data``: ``key``, ``kind``,
+            ``by``, ``reason`` and ``previous``, what was cleared).
+
+        Raises:
+            InvalidArgument: ``key`` or ``by`` is not an identifier, ``reason`` is blank or
+                not a short text, ``group`` is not a bool.
+            NotFound: no health is recorded for ``key`` (it never failed), or no such group.
+            InvalidState: there is nothing to clear: the key is available and counts no
+                failure, or the group is open (nothing recorded).
+
+        Example:
+            >>> led.clear_cooldown("openai-gpt", reason="provider says the incident is over",
+            ...                    by="alice")  # doctest: +SKIP
+        """
+        check_id(key, "key")
+        why = check_reason(reason, "reason")
+        who = self.executor_id if by is None else check_id(by, "by")
+        clock = self.clock.now
+        if check_bool(group, "group"):
+            return (yield from blocking(lambda: self._runs.clear_group(key, who, why, clock)))
+        return (yield from blocking(lambda: self._runs.clear_health(key, who, why, clock)))
 
     @op
     def group_projections(self, groups: Sequence[str] | None = None

@@ -98,6 +98,15 @@ def check_text(value: Any, field: str, *, maximum: int = 200) -> str:
     return value  # type: ignore[no-any-return]
 
 
+def check_reason(value: Any, field: str, *, maximum: int = 200) -> str:
+    """Why an operator acts: a short printable text (:func:`check_text`) that is not blank."""
+    text = check_text(value, field, maximum=maximum)
+    if not text.strip():
+        raise InvalidArgument(f"{field} is empty; say why (it is kept with the action for the "
+                              "audit), e.g. 'provider confirmed the outage is over'", field=field)
+    return text
+
+
 def check_bool(value: Any, field: str) -> bool:
     """``True`` or ``False`` (not 0/1, not a string)."""
     if not isinstance(value, bool):
@@ -260,6 +269,7 @@ __all__ = [
     "check_ids",
     "check_optional_id",
     "check_optional_time",
+    "check_reason",
     "check_seconds",
     "check_text",
     "check_time",
