@@ -4,7 +4,8 @@
 (``Ledger.admit_run``, ``get_run``, ``timeline``, ``attempts``, the group administration) and by
 the operator's tools. Each method is one transaction on the context's engine (SQLAlchemy Core):
 admission, the reads of Runs, Attempts, debits, health, provenance and events, the capacity
-groups' settings, and the settle of an unknown Attempt with an operator's evidence. The hot path
+groups' settings, and the operator's writes: the settle of an unknown Attempt with evidence and
+the clear of a cooldown (of a health key or a group). The hot path
 (begin, settle, leases) is :class:`~ledger.storage.store.Store`'s.
 """
 

@@ -33,6 +33,7 @@ from ledger.domain.records import Lease, RunStatus
 from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import FencedOut, InvalidArgument, InvalidState, NotFound
 from ledger.ops.audit import Audit
+from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage import schema as s
 from tests.storage.helpers import sql_context
@@ -123,6 +124,7 @@ def test_a_cleared_route_serves_the_very_next_turn_and_the_clear_is_recorded(
     execute(led, admit(led, "one-more"), ENV, Script({"a": UNAVAILABLE}))
     again = led.health(["a"])["a"]
     assert again.available(clock.now()) and len(again.recent_failures) == 1
+    assert reconcile(led).violations == []  # an event of no Run breaks no invariant
 
 
 def test_failures_below_the_threshold_can_be_cleared_too(led: Ledger) -> None:
