@@ -38,6 +38,9 @@ from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.domain.validation import checked_calls
 from ledger.errors import InvalidArgument, NotFound
+from ledger.ops.replay import ReplayReport
+from ledger.ops.replay import replay as replay_window
+from ledger.policy.model import Policy
 from ledger.storage.audit import TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
@@ -979,6 +982,43 @@ class Audit:
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
+    def replay(self, policy: Policy | str, *, since: float | None = None,
+               until: float | None = None, run: str | None = None,
+               tenant: str | None = None) -> ReplayReport:
+        """What another policy would have done over recorded history, against what was done.
+
+        For every decision recorded in the window (the first route of a turn, each retry,
+        each move and each stop of the Runs admitted in [since, until)), the other policy
+        decides again on the recorded facts: whether to move on, which route, which stop, which
+        candidates it skips and why. Where it differs, the report groups the differences with
+        examples; where it picks a route not tried at that moment, it estimates the outcome
+        from other Runs' Attempts on that route in the window and says how much rests on such
+        estimates; and it totals attempts, cost, latency and stops under both. No provider is
+        called and nothing is written (``docs/audit.md``, "Should we change policy?").
+
+        Args:
+            policy: The policy to replay: a :class:`~ledger.Policy`, a preset name
+                (``goclaw``, ``fased``, ``failure-domain``) or a policy file's path.
+            since: Runs admitted at or after this time (default: a day before ``until``; with
+                ``run``, any time).
+            until: Runs admitted before this time (default: now).
+            run: Only this Run.
+            tenant: Only this tenant's Runs.
+
+        Returns:
+            The :class:`~ledger.ops.replay.ReplayReport`.
+
+        Raises:
+            InvalidArgument: a policy that does not load (``field="policy"``), a bad range.
+
+        Example:
+            >>> rep = audit.replay("failure-domain", since=t0)  # doctest: +SKIP
+            >>> [f.text for f in rep.findings][:2]  # doctest: +SKIP
+            ['would have stopped (execution_unknown) after 41 read timeout failures', ...]
+        """
+        return replay_window(self.ledger, policy, since=since, until=until, run=run,
+                             tenant=tenant)
+
     def metrics(self, now: float | None = None) -> MetricsSnapshot:
         """Totals for the dashboard's ``/metrics``.
 
@@ -1032,6 +1072,7 @@ class AsyncAudit:
     route_series = in_thread(Audit.route_series, "AsyncAudit")
     costs_by_day = in_thread(Audit.costs_by_day, "AsyncAudit")
     metrics = in_thread(Audit.metrics, "AsyncAudit")
+    replay = in_thread(Audit.replay, "AsyncAudit")
 
 
 __all__ = [
