@@ -23,14 +23,16 @@ Attempt's begin and settle are specified by :func:`ledger.decide.begin.begin_spe
 move the Run's counters exactly as the begin and settle transactions do. So a timeout after the
 request left is ``unknown`` and keeps its hold, a refused connection is ``not_sent`` (hold
 voided, model call given back), every Attempt after a turn's first takes a retry permission
-(``retries_used``), and the events are the retry owner's (``select`` with the decision, ``retry``
-and ``move`` written with the Attempt they led to, ``stop``, ``finish``); ``failover-ledger
-reconcile`` finds nothing to report.
+(``retries_used``), and the events are the retry owner's (``select`` with the decision and
+the inputs it was made from (:mod:`ledger.decide.inputs`), ``retry`` and ``move`` written with
+the Attempt they led to, ``stop`` with its decision and inputs, ``finish``);
+``failover-ledger reconcile`` finds nothing to report.
 
 The rows are written with :func:`benchmarks.bulk.bulk_insert`, not through the fenced write
 path (a million Attempts in per-Attempt transactions would take hours), so generated Runs carry
 a small policy marker instead of the full frozen policy: they are finished history for reading,
-not Runs to resume.
+not Runs to resume. With ``frozen_policy=True`` (``--frozen-policy``) they carry the preset
+itself, still under the marker hash, so that ``failover-ledger replay`` can replay them.
 """
 
 from __future__ import annotations

@@ -64,12 +64,14 @@ def report_lines(rep: Any, *, examples: int = 1) -> list[str]:
                 lines.append(f"          e.g. {e.command}  ({e.turn_id}, {iso(e.at)}: "
                              f"{e.recorded} -> {e.replayed})")
     est = rep.estimates
+    cost_share = 100 * est.cost / o.cost if o.cost else 0
     lines += ["", (f"estimates: {est.decisions} decisions in {est.runs} runs left the recorded "
                    f"path onto a route not tried then; their outcome is estimated from other "
                    f"Runs' attempts on that route in the window: {100 * est.share:.1f}% of the "
-                   f"replayed attempts ({_num(round(est.attempts, 1))}), {est.cost:.6f} of its "
-                   f"cost" + (f"; {est.no_evidence} steps had no evidence (counted open)"
-                              if est.no_evidence else ""))]
+                   f"replayed attempts ({_num(round(est.attempts, 1))}) and {cost_share:.1f}% "
+                   f"of its cost ({est.cost:.6f})"
+                   + (f"; {est.no_evidence} steps had no evidence (counted open)"
+                      if est.no_evidence else ""))]
     cov = rep.coverage
     if cov.decisions_without_inputs or cov.runs_without_policy or cov.malformed:
         lines.append(f"not replayed: {cov.decisions_without_inputs} decisions recorded without "

@@ -839,9 +839,10 @@ class _Replay:
         inp = p.inp = self.other_input(p, turn)
         rec = p.rec
         assert rec is not None
+        # As the retry owner: a refused failover stops the turn when a provider failure came
+        # before it (the failure it returns to).
         stop = (rec.on == "rejection" and self.policy.failover.after_rejection == "stop"
-                and any(a.fact is not None and a.created_at < p.at and a.state != "not_sent"
-                        for a in turn.attempts))
+                and any(a.fact is not None and a.created_at <= p.at for a in turn.attempts))
         return self.decide(inp, p.run, retries_done=p.failed.retry if p.failed else 0,
                            rejection_stop=stop)
 
@@ -928,7 +929,12 @@ def _compare(p: _Point, fact: FailureFact | None, out: _Findings) -> None:
     ex = Example(p.run.run_id, p.turn, p.at, p.attempt.attempt_id if p.attempt else None,
                  rec.text(), oth.text())
     label = _label(fact)
-    after = f"after {{n}} {label} failure{{s}}" if fact is not None else "on {n} new turn{s}"
+    if fact is not None:
+        after = f"after {{n}} {label} failure{{s}}"
+    elif p.rec is not None and p.rec.on == "rejection":
+        label, after = "admission refusal", "after {n} failover{s} admission refused"
+    else:
+        after = "on {n} new turn{s}"
     if rec.moves and oth.moves and rec.route == oth.route and rec.kind != "retry" and (
             oth.kind != "retry"):
         if rec.profile != oth.profile:
@@ -954,7 +960,7 @@ def _compare(p: _Point, fact: FailureFact | None, out: _Findings) -> None:
         out.add("retried_not_moved", label,
                 f"would have retried the same route instead of moving on {after}", ex)
     elif fact is None:
-        out.add("other_start", label, "would have started {n} new turn{s} on another route", ex)
+        out.add("other_start", label, f"would have chosen another route {after}", ex)
     else:
         out.add("other_route", label, f"would have moved to another route {after}", ex)
     if oth.wait_s:
@@ -1021,8 +1027,9 @@ class _Follow:
                     break
                 continue
             # Diverged here: what was recorded up to this point stands.
-            before = [a for a in t.attempts if a.created_at < p.at
-                      or (p.attempt is not None and a.seq < p.attempt.seq)]
+            before = ([a for a in t.attempts if a.seq < p.attempt.seq]
+                      if p.attempt is not None
+                      else [a for a in t.attempts if a.created_at <= p.at])
             n, money = _calls(before)
             out.attempts, out.money = float(n), float(money)
             elapsed = max(0.0, p.at - t.start)

@@ -100,3 +100,9 @@ def test_failovers_attempts_open_and_activity_use_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.open_attempts(limit=100))
     _assert_indexed(big, lambda: big.activity(buckets=48, **window))
     _assert_indexed(big, lambda: big.runs(status="failed", limit=50))
+
+
+def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
+    _assert_indexed(big, lambda: big.replay("failure-domain", since=END - DAY, until=END))
+    run_id = big.runs(limit=1, since=END - DAY).items[0].run_id
+    _assert_indexed(big, lambda: big.replay("failure-domain", run=run_id))

@@ -324,3 +324,65 @@ def test_the_replay_command_refuses_a_policy_it_cannot_load(history: tuple[str, 
     rc, out = _cli(history[0], "replay", "--policy", "nonesuch")
     assert rc == 2 and out == ""
     assert "nonesuch" in capsys.readouterr().err
+
+
+# -- the dashboard ----------------------------------------------------------------------------
+
+
+def test_the_dashboard_replays_a_preset_on_request(history: tuple[str, Any],
+                                                   audit: Audit) -> None:
+    pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+    from starlette.testclient import TestClient
+
+    from ledger.dashboard.app import create_app
+
+    window = {"since": SINCE, "until": NOW, "tenant": "auth"}
+    with TestClient(create_app(history[0], clock=ManualClock(NOW))) as c:
+        form = c.get("/replay")
+        assert form.status_code == 200 and 'id="replay-form"' in form.text
+        assert 'id="replay-summary"' not in form.text  # nothing is replayed unasked
+        assert '<a href="/replay">replay</a>' in c.get("/").text
+        page = c.get("/replay", params={"policy": "failure-domain", **window})
+        assert page.status_code == 200 and "<script" not in page.text
+        findings = page.text.split('id="replay-findings-table"', 1)[1].split("</table>", 1)[0]
+        assert ("would have stopped (not_eligible_failure) after 3 auth (HTTP 401) failures"
+                in findings)
+        assert '<a href="/runs/auth-0">auth-0</a>' in findings
+        totals = page.text.split('id="replay-totals-table"', 1)[1].split("</table>", 1)[0]
+        assert "<td>attempts</td>" in totals and '<td class="num">6</td>' in totals
+        api = c.get("/api/replay", params={"policy": "failure-domain", **window})
+        assert api.json() == json.loads(json.dumps(to_jsonable(
+            audit.replay("failure-domain", **window))))
+        # Presets only: the dashboard never opens a file a request names.
+        assert c.get("/replay", params={"policy": "policies/goclaw.yaml"}).status_code == 400
+        assert c.get("/api/replay", params={"policy": "fased", "hours": -1}).status_code == 400
+        assert c.post("/api/replay", params={"policy": "fased"}).status_code == 405
+
+
+@pytest.mark.browser
+def test_the_replay_page_in_headless_chromium(history: tuple[str, Any]) -> None:
+    pytest.importorskip("uvicorn", reason="the dashboard extra is not installed")
+    from .test_dashboard import REQUIRE, _browse, _chromium, _serving
+
+    chromium = _chromium()
+    if chromium is None:
+        if REQUIRE:
+            pytest.fail("chromium is not installed and LEDGER_REQUIRE_POSTGRES=1")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    backend = "postgres" if history[0].startswith("postgresql") else "sqlite"
+    query = f"/replay?policy=failure-domain&since={SINCE}&until={NOW}"
+    with _serving(history[0], ManualClock(NOW)) as base:
+        dom = _browse(chromium, "--dump-dom", base + query)
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        html = dom.stdout
+        assert 'id="replay-policy-name">failure-domain<' in html
+        findings = html.split('id="replay-findings-table"', 1)[1].split("</table>", 1)[0]
+        assert "would have skipped group `go` 3 times" in findings
+        assert "Runs that succeeded" in findings and "failures" in findings
+        assert 'href="/runs/' in findings
+        artifacts = Path(os.environ.get("LEDGER_ARTIFACTS", "test-artifacts")).resolve()
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shot = artifacts / f"dashboard-replay-{backend}.png"
+        shot.unlink(missing_ok=True)
+        res = _browse(chromium, f"--screenshot={shot}", "--window-size=1400,2400", base + query)
+        assert res.returncode == 0 and shot.stat().st_size > 10_000
