@@ -12,6 +12,13 @@ page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``, ``/ap
 ``/api/actions``. ``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
 Started with actions and a token, it also serves the operator's actions as POST routes
 (:mod:`ledger.dashboard.actions`); otherwise nothing it serves writes.
+failovers and runs), ``/runs/{id}`` (a run's attempt timeline and why it stopped) and
+``/replay`` (what another policy would have done over the window: :mod:`ledger.dashboard.replay`,
+computed on request, ``/api/replay`` its JSON). The first two refresh themselves
+(``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds, ``?refresh=N`` per
+page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``,
+``/api/runs/{id}``, ``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``.
+``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
 
 Every endpoint is a plain function: Starlette runs it in its thread pool, so the blocking
 database reads never stall the event loop. Every value printed into HTML is escaped, and times
@@ -45,6 +52,7 @@ from ledger.dashboard.actions import (
 )
 from ledger.dashboard.charts import chart_svg, cost_days_svg, latency_top, sparkline_svg
 from ledger.dashboard.metrics import CONTENT_TYPE, exposition
+from ledger.dashboard.replay import replay_form, replay_html
 from ledger.dashboard.spend import spend_section
 from ledger.domain.timefmt import data_text, iso, relative
 from ledger.errors import InvalidArgument, LedgerError, NotFound
@@ -57,6 +65,7 @@ from ledger.ops.audit import (
     Totals,
     to_jsonable,
 )
+from ledger.policy import PRESETS
 
 DAY = 86400.0
 DEFAULT_REFRESH_S = 30
@@ -146,7 +155,7 @@ def _document(title: str, body: str, refresh_s: int = 0, mode: str = "read-only"
            f'<meta name="viewport" content="width=device-width, initial-scale=1">{refresh}'
            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
            f'<header><h1><a href="/">failover-ledger</a></h1><span>provider health '
-           f'(<span id="mode">{html.escape(mode)}</span>)</span>'
+           f'(<span id="mode">{html.escape(mode)}</span>)</span><a href="/replay">replay</a>'
            f'<span class="muted" id="refresh-note">{note}</span>'
            f'<form action="/runs" method="get"><input name="id" placeholder="run id" size="32">'
            f' <button>show run</button></form></header><main>{body}</main></body></html>')
@@ -618,6 +627,37 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
             buckets=int(_num(request, "buckets", 48)))))
 
+    def _replay_args(request: Request) -> dict[str, Any]:
+        """The replay a request asks for: a preset (never a file), a window, a tenant, a run."""
+        au = audit()
+        now = au.now()
+        p = request.query_params
+        policy = p.get("policy") or ""
+        if policy not in PRESETS:
+            raise InvalidArgument(f"policy must be one of {', '.join(PRESETS)} (the dashboard "
+                                  "replays presets; the command line also takes a file)",
+                                  field="policy")
+        hours = _num(request, "hours", 24)
+        if hours <= 0:
+            raise InvalidArgument("hours must be > 0", field="hours")
+        until = _num(request, "until", now)
+        return {"policy": policy, "since": _num(request, "since", until - hours * 3600),
+                "until": until, "tenant": p.get("tenant") or None, "run": p.get("run") or None}
+
+    def replay_page(request: Request) -> Response:
+        p = request.query_params
+        hours = _num(request, "hours", 24)
+        body = replay_form(p.get("policy"), hours, p.get("tenant"), p.get("run"))
+        if p.get("policy"):
+            body += replay_html(audit().replay(**_replay_args(request)))
+        refresh = int(_num(request, "refresh", 0))  # a replay reads a whole window: on demand
+        if refresh < 0:
+            raise InvalidArgument("refresh must be >= 0 (0 turns it off)", field="refresh")
+        return _page("replay", body, refresh)
+
+    def api_replay(request: Request) -> Response:
+        return JSONResponse(to_jsonable(audit().replay(**_replay_args(request))))
+
     def api_routes(request: Request) -> Response:
         au = audit()
         now = au.now()
@@ -641,6 +681,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         Route("/budgets", handled(budgets_page)),
         Route("/api/budgets", handled(api_budgets)),
         Route("/api/actions", handled(api_actions)),
+        Route("/replay", handled(replay_page)),
+        Route("/api/replay", handled(api_replay)),
     ]
     if actions:
         assert token is not None

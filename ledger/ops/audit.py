@@ -44,6 +44,9 @@ from ledger.domain.validation import (
     rule,
 )
 from ledger.errors import InvalidArgument, NotFound
+from ledger.ops.replay import ReplayReport
+from ledger.ops.replay import replay as replay_window
+from ledger.policy.model import Policy
 from ledger.storage.audit import TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
@@ -1175,6 +1178,46 @@ class Audit:
                for r in self._series.cost_by_day(since=since, until=today + 86400.0)]
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
+
+    @query
+    def replay(self, policy: Annotated[Policy | str, instance(
+            (Policy, str), "a Policy, a preset name or a policy file's path",
+            "pass e.g. 'failure-domain'")], *, since: Time | None = None,
+               until: Time | None = None, run: Id | None = None,
+               tenant: Id | None = None) -> ReplayReport:
+        """What another policy would have done over recorded history, against what was done.
+
+        For every decision recorded in the window (the first route of a turn, each retry,
+        each move and each stop of the Runs admitted in [since, until)), the other policy
+        decides again on the recorded facts: whether to move on, which route, which stop, which
+        candidates it skips and why. Where it differs, the report groups the differences with
+        examples; where it picks a route not tried at that moment, it estimates the outcome
+        from other Runs' Attempts on that route in the window and says how much rests on such
+        estimates; and it totals attempts, cost, latency and stops under both. No provider is
+        called and nothing is written (``docs/audit.md``, "Should we change policy?").
+
+        Args:
+            policy: The policy to replay: a :class:`~ledger.Policy`, a preset name
+                (``goclaw``, ``fased``, ``failure-domain``) or a policy file's path.
+            since: Runs admitted at or after this time (default: a day before ``until``; with
+                ``run``, any time).
+            until: Runs admitted before this time (default: now).
+            run: Only this Run.
+            tenant: Only this tenant's Runs.
+
+        Returns:
+            The :class:`~ledger.ops.replay.ReplayReport`.
+
+        Raises:
+            InvalidArgument: a policy that does not load (``field="policy"``), a bad range.
+
+        Example:
+            >>> rep = audit.replay("failure-domain", since=t0)  # doctest: +SKIP
+            >>> [f.text for f in rep.findings][:2]  # doctest: +SKIP
+            ['would have stopped (execution_unknown) after 41 read timeout failures', ...]
+        """
+        return replay_window(self.ledger, policy, since=since, until=until, run=run,
+                             tenant=tenant)
 
     @query
     def metrics(self, now: Time | None = None) -> MetricsSnapshot:

@@ -113,3 +113,7 @@ def test_spend_and_operator_actions_use_indexes(big: Audit) -> None:
             assert any("Index" in kind for kind, _ in nodes), (sql, nodes)
     _assert_indexed(big, lambda: big.actions(limit=50))
     _assert_indexed(big, lambda: big.actions(since=END - DAY, kinds=["close"], limit=50))
+def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
+    _assert_indexed(big, lambda: big.replay("failure-domain", since=END - DAY, until=END))
+    run_id = big.runs(limit=1, since=END - DAY).items[0].run_id
+    _assert_indexed(big, lambda: big.replay("failure-domain", run=run_id))
