@@ -146,7 +146,11 @@ class StorageError(LedgerError):
 
 
 class DatabaseUnavailable(StorageError):
-    """The database could not be reached or opened. Safe to retry once it is back."""
+    """The database could not be reached or opened. Safe to retry once it is back.
+
+    ``fields["standby"]`` is ``True`` when the server reached was a standby that refused a
+    write (a failover under way): nothing was written and the connection was dropped.
+    """
 
 
 class SchemaTooNew(StorageError):

@@ -36,14 +36,29 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ledger.storage.failure import driver_error
+from ledger.storage.failure import driver_error, standby_error
 
 if TYPE_CHECKING:
     from ledger.storage.pgpool import PgPool
-    from ledger.storage.statements import Stmt
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+
+
+class Statement(Protocol):
+    """What a driver needs of a statement (:class:`~ledger.storage.statements.Stmt` is one):
+    said here, so that the statements depend on the driver's steps and not the other way."""
+
+    @property
+    def text(self) -> str:
+        """The SQL, in the driver's parameter style."""
+
+    @property
+    def rows(self) -> bool:
+        """Whether it returns rows (only those are fetched)."""
+
+    def args(self, params: Any) -> list[Any]:
+        """The positional values of ``params``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +67,7 @@ class Q:
     the statement run once per mapping (no rows). A fused statement
     (:class:`~ledger.storage.statements.Fused`) takes the writes it fuses instead."""
 
-    stmt: Stmt
+    stmt: Statement
     params: Any = ()
     many: bool = False
 
@@ -225,8 +240,12 @@ class PgDriver:
         try:
             return self._feed(conn, tx)
         except BaseException as e:
-            dropped = conn.closed  # the server (or the network) ended it, not the abort
+            # The server (or the network) ended it, not the abort; or it is a standby's.
+            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+            dropped = conn.closed or standby
             _abort(conn)
+            if standby:
+                raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
                 raise driver_error(e, self.where) from e
             raise
@@ -283,8 +302,12 @@ class PgDriver:
         try:
             return await self._afeed(conn, tx)
         except BaseException as e:
-            dropped = conn.closed  # the server (or the network) ended it, not the abort
+            # The server (or the network) ended it, not the abort; or it is a standby's.
+            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+            dropped = conn.closed or standby
             await _aabort(conn)
+            if standby:
+                raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
                 raise driver_error(e, self.where) from e
             raise
@@ -330,6 +353,14 @@ class PgDriver:
         self.pool.close()
 
 
+def _standby_refusal(e: Any, conn: Any) -> bool:
+    """Whether ``e`` is a write refused because ``conn``'s server is a standby (SQLSTATE
+    25006 on a server in recovery), not because the database or the role is read-only."""
+    from ledger.storage.pgpool import on_standby
+
+    return getattr(e, "sqlstate", None) == "25006" and not conn.closed and on_standby(conn)
+
+
 def _abort(conn: Any) -> None:
     """Leave no transaction open on a connection going back to the pool (or close it)."""
     import psycopg
@@ -371,4 +402,4 @@ async def _aabort(conn: Any) -> None:
     await ahard_close(conn)
 
 
-__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Tx"]
+__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Statement", "Tx"]

@@ -43,18 +43,22 @@ def normalize_url(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+    """The URL without its password (in its user part or as ``password=``), for messages
+    and logs."""
+    url = re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
 
 def parse(url: str) -> tuple[str, URL]:
     """``url`` normalized (:func:`normalize_url`) and parsed; names the backend's problems."""
-    norm = normalize_url(url)
+    from ledger.storage.pgurl import hosts_to_query
+
+    norm = hosts_to_query(normalize_url(url), redact_url(url))
     try:
         parsed = make_url(norm)
-    except ArgumentError as e:
+    except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
         raise InvalidArgument(
-            f"cannot parse database URL {redact_url(url)!r}: use a SQLite file path or "
+            f"cannot parse database URL {redact_url(url)!r} ({e}): use a SQLite file path or "
             "postgresql+psycopg://user:pass@host:port/dbname",
             field="url",
         ) from e
@@ -128,16 +132,39 @@ def postgres_driver(norm: str, parsed: URL) -> None:
     _require_psycopg(norm)
 
 
-def postgres_engine(norm: str, parsed: URL,
-                    creator: Callable[[], Any] | None = None) -> Engine:
-    """An engine for a PostgreSQL URL (psycopg 3 only) that keeps no connection of its own:
-    each one comes from ``creator`` (a store's pool, which takes it back when SQLAlchemy
-    closes it) or, without one, is opened for its use and closed after it (a short-lived
-    engine, such as a probe's)."""
+def postgres_conninfo(norm: str, parsed: URL) -> str:
+    """The libpq connection string of a PostgreSQL URL (psycopg 3 only; every spelling of
+    several hosts: :mod:`ledger.storage.pgurl`), checked without any name lookup."""
+    from ledger.storage.pgurl import conninfo
+
     postgres_driver(norm, parsed)
-    if creator is None:
-        return create_engine(norm, poolclass=NullPool)
-    return create_engine(norm, poolclass=NullPool, creator=creator)
+    return conninfo(parsed, redact_url(norm))
+
+
+def postgres_engine(parsed: URL, creator: Callable[[], Any], **options: Any) -> Engine:
+    """An engine for a PostgreSQL URL that keeps no connection of its own: each one comes from
+    ``creator`` (a store's pool, which takes it back when SQLAlchemy closes it; or a
+    connection opened for one use). The engine's own URL carries no host: SQLAlchemy never
+    connects by itself, so the hosts are read once, by :func:`postgres_conninfo`."""
+    url = URL.create(parsed.drivername, username=parsed.username, database=parsed.database)
+    engine = create_engine(url, poolclass=NullPool, creator=creator, **options)
+    event.listen(engine, "handle_error", _standby_drops)
+    return engine
+
+
+def _standby_drops(context: Any) -> None:
+    """A write a standby refused drops its connection (SQLAlchemy invalidates it, as it does
+    a lost one), so that no later statement runs on it; the error says why
+    (:func:`ledger.storage.failure.standby_error`)."""
+    from ledger.storage.pgpool import on_standby
+
+    if getattr(context.original_exception, "sqlstate", None) != "25006":
+        return
+    conn = context.connection
+    raw = conn.connection.driver_connection if conn is not None and not conn.invalidated \
+        else None
+    if raw is not None and not raw.closed and on_standby(raw):
+        context.is_disconnect = True
 
 
 POSTGRES_EXTRA_HINT = "pip install 'failover-ledger[postgres]'"

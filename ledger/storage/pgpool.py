@@ -109,6 +109,13 @@ def _told_goodbye(conn: Any) -> bool:
         return True
 
 
+def on_standby(conn: Any) -> bool:
+    """Whether ``conn``'s server is a hot standby (in recovery: it refuses every write), as
+    the server last reported (``in_hot_standby``, PostgreSQL 14 and later; no round trip).
+    Such a connection is never lent: the primary is what the ledger writes to."""
+    return bool(conn.info.parameter_status("in_hot_standby") == "on")
+
+
 def _fresh(conn: Any) -> None:
     """Made just now by the pool: as good as just used."""
     conn._ledger_idle_since = time.monotonic()
@@ -134,8 +141,9 @@ def release(conn: Any) -> None:
     """Give back a connection of :meth:`PgPool.checkout` or :meth:`PgPool.lend` (one the
     checkout made by itself is closed)."""
     pool, conn._ledger_pool = conn._ledger_pool, None
+    if pool is None or (not conn.closed and on_standby(conn)):
+        hard_close(conn)  # given back closed, it is dropped by its pool
     if pool is None:
-        hard_close(conn)
         return
     if not conn.closed and not conn.autocommit:
         try:
@@ -149,8 +157,9 @@ def release(conn: Any) -> None:
 async def arelease(conn: Any) -> None:
     """:func:`release` for a connection of :meth:`PgPool.acheckout`."""
     pool, conn._ledger_pool = conn._ledger_pool, None
-    if pool is None:
+    if pool is None or (not conn.closed and on_standby(conn)):
         await ahard_close(conn)
+    if pool is None:
         return
     conn._ledger_idle_since = time.monotonic()
     await pool.putconn(conn)
@@ -282,7 +291,7 @@ class PgPool:
         return conn
 
     def _usable(self, conn: Any, now: float) -> bool:
-        if conn.closed or _told_goodbye(conn):
+        if conn.closed or on_standby(conn) or _told_goodbye(conn):
             return False
         if now - conn._ledger_idle_since < IDLE_CHECK_S:
             return True
@@ -374,7 +383,7 @@ class PgPool:
             await self.alost(conn)
 
     async def _ausable(self, conn: Any, now: float) -> bool:
-        if conn.closed or _told_goodbye(conn):
+        if conn.closed or on_standby(conn) or _told_goodbye(conn):
             return False
         if now - conn._ledger_idle_since < IDLE_CHECK_S:
             return True
@@ -427,4 +436,4 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 
 
 __all__ = ["CHECKOUT_TIMEOUT_S", "IDLE_CHECK_S", "MAX_IDLE_S", "MAX_SIZE", "PgPool",
-           "ahard_close", "arelease", "hard_close", "release"]
+           "ahard_close", "arelease", "hard_close", "on_standby", "release"]

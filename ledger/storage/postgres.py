@@ -15,12 +15,11 @@ from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Select, cast, create_engine, func, select, text
+from sqlalchemy import Connection, Select, cast, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
-from sqlalchemy.pool import NullPool
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseSetupError, InvalidArgument
@@ -48,8 +47,7 @@ class PostgresContext(SqlContext):
              lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Store:
         """The store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL), without
         touching it yet (the first transaction connects)."""
-        eng.postgres_driver(norm, parsed)
-        conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+        conninfo = eng.postgres_conninfo(norm, parsed)
         where = redact_url(norm)
         pool = PgPool(conninfo, where=where)
         # One pool to the database: the engine keeps no connection of its own (NullPool); each
@@ -57,7 +55,7 @@ class PostgresContext(SqlContext):
         # closes it, so the hot and the cold path share one bound, one health check and one
         # close. (A pool of SQLAlchemy's beside it would double the connections held, check
         # them another way, and find a dead one only by failing a statement on it.)
-        engine = eng.postgres_engine(norm, parsed, creator=pool.lend)
+        engine = eng.postgres_engine(parsed, pool.lend)
         ctx = cls(engine, where, lease_margin_s=lease_margin_s)
         return Store(ctx, PgDriver(pool), statements.POSTGRES,
                      queue_poll_s=cls.QUEUE_POLL_S, listen=partial(_listen, conninfo))
@@ -73,17 +71,15 @@ class PostgresContext(SqlContext):
             raise InvalidArgument(
                 f"{where} names no database; add it to the URL: "
                 "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
-        probe = eng.postgres_engine(norm, parsed)  # checks the driver is installed
+        conninfo = eng.postgres_conninfo(norm, parsed)  # checks the driver is installed
         try:
-            with mapped(where), probe.connect():
+            with mapped(where), _connected(conninfo):
                 return False  # it exists (and this role may connect to it)
         except DatabaseSetupError as e:
             if e.fields.get("problem") != "database_missing":
                 raise
             missing = e
-        finally:
-            probe.dispose()
-        with _maintenance(parsed, where) as conn:
+        with _maintenance(parsed, conninfo, where) as conn:
             may = conn.execute(text(
                 "SELECT rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user"
             )).scalar()
@@ -155,13 +151,27 @@ def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -
 
 
 @contextmanager
-def _maintenance(parsed: URL, where: str) -> Iterator[Connection]:
-    """An autocommit connection to the server's maintenance database, with the URL's
-    credentials; a database missing or closed to the role is passed over for the next."""
+def _connected(conninfo: str) -> Iterator[Any]:
+    """A connection of ``conninfo``, closed at the end of the block."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        yield conn
+
+
+@contextmanager
+def _maintenance(parsed: URL, conninfo: str, where: str) -> Iterator[Connection]:
+    """An autocommit connection to the server's maintenance database, with the URL's hosts
+    and credentials; a database missing or closed to the role is passed over for the next."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
     last: DatabaseSetupError | None = None
     for name in ("postgres", "template1"):
-        engine = create_engine(parsed.set(database=name), isolation_level="AUTOCOMMIT",
-                               poolclass=NullPool)
+        maintenance = make_conninfo(conninfo, dbname=name)
+        engine = eng.postgres_engine(parsed.set(database=name),
+                                     partial(psycopg.connect, maintenance),
+                                     isolation_level="AUTOCOMMIT")
         try:
             try:
                 with mapped(where):

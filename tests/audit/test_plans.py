@@ -109,3 +109,22 @@ def test_latency_percentiles_and_the_failover_count_use_indexes(big: Audit) -> N
     _assert_indexed(big, lambda: big.latency(route=route, state="succeeded", **window))
     _assert_indexed(big, lambda: big.latency(category="timeout", tenant="acme", **window))
     _assert_indexed(big, lambda: big.count_failovers(**window))
+
+
+def test_spend_and_operator_actions_use_indexes(big: Audit) -> None:
+    # Spend reads runs admitted in the window: through ix_runs_created_at, not every run.
+    for kwargs in ({"by": "tenant"}, {"by": "label", "label": "team"},
+                   {"by": "tenant", "every": 3600.0}):
+        plans = _plans_of(big, lambda kw=kwargs: big.spend(since=END - DAY, until=END, **kw))
+        assert plans
+        for sql, nodes in plans:
+            assert not [rel for kind, rel in nodes if kind == "Seq Scan"], (sql, nodes)
+            assert any("Index" in kind for kind, _ in nodes), (sql, nodes)
+    _assert_indexed(big, lambda: big.actions(limit=50))
+    _assert_indexed(big, lambda: big.actions(since=END - DAY, kinds=["close"], limit=50))
+
+
+def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
+    _assert_indexed(big, lambda: big.replay("failure-domain", since=END - DAY, until=END))
+    run_id = big.runs(limit=1, since=END - DAY).items[0].run_id
+    _assert_indexed(big, lambda: big.replay("failure-domain", run=run_id))
