@@ -40,10 +40,22 @@ from ledger.storage.failure import driver_error, standby_error
 
 if TYPE_CHECKING:
     from ledger.storage.pgpool import PgPool
-    from ledger.storage.statements import Stmt
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+
+
+class Compiled(Protocol):
+    """What a driver needs of a statement (:class:`~ledger.storage.statements.Stmt`, compiled
+    for its database): the text, whether it returns rows, and its parameters in the order a
+    positional driver passes them."""
+
+    text: str
+    rows: bool
+
+    def args(self, params: Any) -> list[Any]:
+        """The values of ``params`` in the text's order."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +64,7 @@ class Q:
     the statement run once per mapping (no rows). A fused statement
     (:class:`~ledger.storage.statements.Fused`) takes the writes it fuses instead."""
 
-    stmt: Stmt
+    stmt: Compiled
     params: Any = ()
     many: bool = False
 
