@@ -97,6 +97,7 @@ class SyncAdapter:
         on_event: EventCallback | None = None,
         limits: StreamingPolicy | None = None,
         progress: SendProgress | None = None,
+        attempt_id: str | None = None,
     ) -> AdapterResult:
         """:meth:`HttpAdapter.send`, waited for on the calling thread (same arguments).
 
@@ -115,7 +116,7 @@ class SyncAdapter:
         fut = asyncio.run_coroutine_threadsafe(
             self.adapter.send(
                 route, envelope, profile_id=profile_id, on_event=on_event, limits=limits,
-                progress=progress,
+                progress=progress, attempt_id=attempt_id,
             ),
             self._loop,
         )

@@ -48,6 +48,7 @@ from ledger.decide.effects import (
     Sleep,
     Snapshot,
     TurnSnapshot,
+    attempt_headers,
     perform,
 )
 from ledger.decide.health import route_key
@@ -389,8 +390,11 @@ class TurnLoop:
                                           "waited_s": round(wait, 6)}))
         reserve, reserve_tokens = self._holds(route)
         attempt_id = new_id("att")
+        # The headers that will name this Attempt on the wire, recorded before it is sent.
         events = [*turn.pending, ("select", {**decision.to_json(),
-                                             "attempt_kind": attempt_kind.value})]
+                                             "attempt_kind": attempt_kind.value,
+                                             "headers": attempt_headers(attempt_id,
+                                                                        route.protocol)})]
         turn.pending = []
         begin = Begin(replace(begin_spec(
             snap.run, self.lease, route=route, profile_id=profile,
