@@ -36,11 +36,8 @@ _ANALYZE = {"sqlite": "ANALYZE",
 
 
 def _engine(led: Ledger) -> tuple[Engine, str]:
-    store = storage_of(led)
-    engine = getattr(store, "engine", None)
-    if not isinstance(engine, Engine):
-        raise TypeError(f"{type(store).__name__} has no SQLAlchemy engine to load rows with")
-    return engine, store.where
+    ctx = storage_of(led).context
+    return ctx.engine, ctx.where
 
 
 @contextmanager

@@ -346,6 +346,7 @@ def _generate(args: argparse.Namespace) -> int:
     from benchmarks.generate import POLICY_HASH, generate
     from ledger.api.facade import Ledger, storage_of
     from ledger.domain.timefmt import iso
+    from ledger.storage.audit import AuditQueries
 
     if args.attempts < 1:
         raise InvalidArgument("--attempts must be >= 1", field="attempts")
@@ -354,11 +355,11 @@ def _generate(args: argparse.Namespace) -> int:
     led = Ledger.open(_ledger_db(args))
     try:
         if not args.into_existing:
-            store = storage_of(led)
-            other = store.first_run_other_than(policy_hash=POLICY_HASH)
+            ctx = storage_of(led).context
+            other = AuditQueries(ctx).first_run_other_than(policy_hash=POLICY_HASH)
             if other is not None:
                 raise InvalidArgument(
-                    f"{store.where} holds runs that the bulk generator did not write (e.g. "
+                    f"{ctx.where} holds runs that the bulk generator did not write (e.g. "
                     f"{other!r}); synthetic history would mix into their audit answers. Point "
                     "--db at a new database, or pass --into-existing to add it anyway",
                     field="into_existing", run_id=other)

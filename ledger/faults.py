@@ -11,10 +11,11 @@ worker can be killed in the middle of a sequence of calls rather than at its fir
 Points in the ledger:
 
 ``begin.before_commit`` / ``begin.after_commit``
-    inside :meth:`StoragePort.begin_attempt`: the last statement of the transaction, and right after
-    the commit before the record is returned (a commit whose acknowledgement is lost).
+    inside :meth:`ledger.storage.store.Store.begin_attempt`: the last statement of the
+    transaction, and right after the commit before the record is returned (a commit whose
+    acknowledgement is lost).
 ``settle.before_commit`` / ``settle.after_commit``
-    the same two places in :meth:`StoragePort.settle_attempt`.
+    the same two places in :meth:`ledger.storage.store.Store.settle_attempt`.
 ``dispatch.before_send`` / ``dispatch.after_send``
     for the driver that sends the request (the retry owner, or a host using the low-level API):
     after begin returned and before the request leaves, and after the response arrived and
@@ -22,8 +23,8 @@ Points in the ledger:
 ``recover.before_commit`` / ``recover.after_commit``
     inside the takeover of one run by :func:`ledger.ops.recovery.recover`.
 ``probe.before_claim``
-    in :meth:`StoragePort.claim_probe`, before its transaction: where another process may take the
-    probe slot first.
+    in :meth:`ledger.storage.store.Store.claim_probe`, before its transaction: where another
+    process may take the probe slot first.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import arecover, recover
 from ledger.policy.load import preset
 from ledger.storage import schema
-from tests.storage.helpers import sql_store
+from tests.storage.helpers import sql_context
 
 T0 = 1_000_000.0
 NAN, INF = math.nan, math.inf
@@ -495,7 +495,7 @@ CASES: list[Case] = [
 
 def _dump(led: Ledger) -> dict[str, list[str]]:
     """Every row of every table (as text, sorted): what a refused call must leave alone."""
-    with sql_store(led).engine.connect() as conn:
+    with sql_context(led).engine.connect() as conn:
         return {t.name: sorted(repr(tuple(r)) for r in conn.execute(select(t)))
                 for t in schema.metadata.sorted_tables}
 

@@ -3,8 +3,10 @@
 A method checks its arguments (:mod:`ledger.api.arguments`), asks the pure core what the write
 means (:mod:`ledger.decide`: what an admission freezes, what a begin may use, what a settle
 records and does to holds, health and groups, all under the Run's *frozen* policy), and hands
-the resulting spec to the storage port (:mod:`ledger.storage.port`), which applies it in one
-transaction. The port is private to the ledger; ops and tools reach it with :func:`storage_of`.
+the resulting spec to storage: the hot path's store (:class:`~ledger.storage.store.Store`) or,
+for admission, reads and administration, :class:`~ledger.storage.runs.RunQueries`. Each applies
+it in one transaction. The store is private to the ledger; ops and tools reach it with
+:func:`storage_of`.
 
 Every operation is written once, as a flow (:mod:`ledger.storage.runner`) decorated with
 :class:`~ledger.api.calls.op`, on the base both faces share: :class:`Ledger` performs it on the
@@ -44,6 +46,7 @@ from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
 from ledger.domain.bounds import (
+    DEFAULT_LEASE_MARGIN_S,
     MAX_LEASE_TTL_S,
     amount_in_range,
     check_amount,
@@ -70,6 +73,7 @@ from ledger.domain.records import (
     Page,
     RunRecord,
     RunStatus,
+    run_live,
     to_micros,
 )
 from ledger.domain.specs import GroupUpdate, ReceiptSpec
@@ -85,13 +89,11 @@ from ledger.domain.values import (
 )
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, open_store
-from ledger.storage.port import StoragePort
-from ledger.storage.rows import run_live
 from ledger.storage.runner import Flow, blocking
 
 if TYPE_CHECKING:
     from ledger.api.session import AsyncRunSession, RunSession
+    from ledger.storage.store import Store
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -130,12 +132,18 @@ class _Face:
     #: Whether this face awaits its operations (AsyncLedger) or blocks on them (Ledger).
     awaiting = False
 
-    def __init__(self, store: StoragePort, clock: Clock | None = None,
+    def __init__(self, store: Store, clock: Clock | None = None,
                  executor_id: str | None = None) -> None:
         # Private: applications use the ledger's methods; ops and tools reach the port
         # deliberately, through storage_of().
         self._store = store
         self._runner = store.runner
+        # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
+        from ledger.storage.recovery import RecoveryQueries
+        from ledger.storage.runs import RunQueries
+
+        self._runs = RunQueries(store.context)
+        self._recovery = RecoveryQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
@@ -297,7 +305,7 @@ class _Face:
             from ledger.adapters.secrets import check_keys
 
             check_keys(plan, secrets, keyless_ok=keyless)
-        rec, _created = yield from blocking(lambda: self._store.admit(spec, self.clock.now))
+        rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
         return rec
 
     @op
@@ -308,13 +316,13 @@ class _Face:
             NotFound: no Run has this id.
         """
         check_id(run_id, "run_id")
-        return (yield from blocking(lambda: self._store.get_run(run_id)))
+        return (yield from blocking(lambda: self._runs.get_run(run_id)))
 
     @op
     def children(self, run_id: str) -> Flow[list[RunRecord]]:
         """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
         check_id(run_id, "run_id")
-        return (yield from blocking(lambda: self._store.children(run_id)))
+        return (yield from blocking(lambda: self._runs.children(run_id)))
 
     @op
     def frozen_run(self, run_id: str) -> Flow[FrozenRun]:
@@ -333,7 +341,7 @@ class _Face:
         """:meth:`frozen_run`, for a ``run_id`` already checked."""
         frozen = self._frozen_runs.get(run_id)
         if frozen is None:
-            rec = yield from blocking(lambda: self._store.get_run(run_id))
+            rec = yield from blocking(lambda: self._runs.get_run(run_id))
             frozen = rec.frozen
             self._frozen_runs.put(run_id, frozen)
         return frozen
@@ -394,7 +402,7 @@ class _Face:
         st = check_choice(status, RunStatus, "status", ENDED)
         why = check_text(reason, "reason")
         rec, _changed = yield from blocking(
-            lambda: self._store.close_run(run_id, new_id("close"), st, why, self.clock.now))
+            lambda: self._recovery.close_run(run_id, new_id("close"), st, why, self.clock.now))
         return rec
 
     @op
@@ -806,7 +814,7 @@ class _Face:
                            completion_tokens=completion_tokens,
                            cost_micros=None if amount is None else to_micros(amount),
                            by=who, note=note)
-        return (yield from blocking(lambda: self._store.settle_unknown(spec, self.clock.now)))
+        return (yield from blocking(lambda: self._runs.settle_unknown(spec, self.clock.now)))
 
     @op
     def turn_snapshot(self, run_id: str, refs: Sequence[str] = ()) -> Flow[TurnSnapshot]:
@@ -873,7 +881,7 @@ class _Face:
                 raise InvalidArgument("max_in_flight must be >= 1 (or None for no limit)",
                                       field="max_in_flight")
         now = self.now()
-        yield from blocking(lambda: self._store.configure_group(group, max_in_flight, now))
+        yield from blocking(lambda: self._runs.configure_group(group, max_in_flight, now))
 
     @op
     def set_group_state(self, group: str, mode: GroupMode | str, *, until: float | None,
@@ -894,7 +902,7 @@ class _Face:
         until = check_optional_time(until, "until")
         why = check_text(reason, "reason")
         upd, now = GroupUpdate(mode, until, why), self.now()
-        yield from blocking(lambda: self._store.set_group_mode(group, upd, now))
+        yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
 
     @op
     def group_projections(self, groups: Sequence[str] | None = None
@@ -905,7 +913,7 @@ class _Face:
         """
         wanted = None if groups is None else check_ids(groups, "groups")
         now = self.now()
-        return (yield from blocking(lambda: self._store.group_projections(wanted, now)))
+        return (yield from blocking(lambda: self._runs.group_projections(wanted, now)))
 
     @op
     def health(self, keys: Sequence[str] | None = None) -> Flow[dict[str, Health]]:
@@ -917,7 +925,7 @@ class _Face:
         """
         wanted = None if keys is None else check_ids(keys, "keys")
         now = self.now()
-        rows = yield from blocking(lambda: self._store.health(wanted))
+        rows = yield from blocking(lambda: self._runs.health(wanted))
         return {k: as_read(h, now) for k, h in rows.items()}
 
     @op
@@ -1008,7 +1016,7 @@ class _Face:
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
             run = yield from self._frozen(run.parent_run_id)
-        return (yield from blocking(lambda: self._store.provenance(ids)))
+        return (yield from blocking(lambda: self._runs.provenance(ids)))
 
     @op
     def append_event(self, lease: Lease, kind: str, data: Mapping[str, Any],
@@ -1045,7 +1053,7 @@ class _Face:
                                       field="kinds")
             kinds = [event_kind(k, f"kinds[{i}]", MAX_EVENT_KIND) for i, k in enumerate(kinds)]
         wanted = kinds
-        return (yield from blocking(lambda: self._store.events(run_id, wanted)))
+        return (yield from blocking(lambda: self._runs.events(run_id, wanted)))
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -1066,7 +1074,7 @@ class _Face:
             NotFound: no Run has this id.
         """
         check_id(run_id, "run_id")
-        return (yield from blocking(lambda: self._store.timeline(run_id)))
+        return (yield from blocking(lambda: self._runs.timeline(run_id)))
 
     @op
     def attempts(self, /, **filters: Any) -> Flow[Page[AttemptRecord]]:
@@ -1092,7 +1100,7 @@ class _Face:
             ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
         """
         checked = attempt_filters(filters)
-        return (yield from blocking(lambda: self._store.attempts(**checked)))
+        return (yield from blocking(lambda: self._runs.attempts(**checked)))
 
     @op
     def debit(self, debit_id: str) -> Flow[DebitRecord]:
@@ -1102,7 +1110,7 @@ class _Face:
             NotFound: no debit has this id.
         """
         check_id(debit_id, "debit_id")
-        return (yield from blocking(lambda: self._store.debit(debit_id)))
+        return (yield from blocking(lambda: self._runs.debit(debit_id)))
 
 
 @checked_calls
@@ -1141,7 +1149,7 @@ class Ledger(_Face):
     """
 
 
-    def __init__(self, store: StoragePort, clock: Clock | None = None,
+    def __init__(self, store: Store, clock: Clock | None = None,
                  executor_id: str | None = None) -> None:
         super().__init__(store, clock, executor_id)
 
@@ -1188,6 +1196,8 @@ class Ledger(_Face):
         check_seconds(lease_margin_s, "lease_margin_s", maximum=60.0)
         check_bool(migrate_schema, "migrate_schema")
         check_opening(url, clock, executor_id)
+        from ledger.storage import open_store
+
         store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
         return cls(store, clock=clock, executor_id=executor_id)
 
@@ -1274,19 +1284,21 @@ class Ledger(_Face):
 
 
 @checked_call
-def storage_of(ledger: Ledger | AsyncLedger) -> StoragePort:
-    """The storage port under ``ledger`` (:class:`~ledger.storage.port.StoragePort`).
+def storage_of(ledger: Ledger | AsyncLedger) -> Store:
+    """The store under ``ledger`` (:class:`~ledger.storage.store.Store`).
 
     The one deliberate way for the ledger's own operations and tools (recovery,
     reconciliation, the audit, ``generate``, the benchmarks, the command line) to reach the
-    database. Applications use the ledger's methods: the port takes its arguments as already
-    checked and writes without the facade's rules.
+    database: its flows, and its ``context``, on which they build the query objects they need
+    (:class:`~ledger.storage.recovery.RecoveryQueries`,
+    :class:`~ledger.storage.audit.AuditQueries`, ...). Applications use the ledger's methods:
+    the store takes its arguments as already checked and writes without the facade's rules.
 
     Args:
         ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the port of its ``sync``).
 
     Returns:
-        The port the ledger was opened on.
+        The store the ledger was opened on.
 
     Raises:
         InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.

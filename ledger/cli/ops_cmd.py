@@ -106,6 +106,7 @@ def _emit_json(value: Any) -> None:
 def open_reader(url: str) -> Any:
     """Open a ledger for reading: no migration, no new database, a clear error when absent."""
     from ledger.api.facade import Ledger, storage_of
+    from ledger.storage.audit import AuditQueries
     from ledger.storage.engine import normalize_url, redact_url
 
     norm = normalize_url(url)
@@ -117,7 +118,7 @@ def open_reader(url: str) -> Any:
                 f"or create one ({PROG} demo / {PROG} generate)", url=norm)
     led = Ledger.open(url, migrate_schema=False)
     try:
-        present = storage_of(led).schema_present()
+        present = AuditQueries(storage_of(led).context).schema_present()
     except BaseException:
         led.close()
         raise
@@ -470,13 +471,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _refuse_foreign_runs(led: Any) -> None:
     """Synthetic history next to real runs would mix into every audit answer: ask first."""
     from ledger.api.facade import storage_of
+    from ledger.storage.audit import AuditQueries
     from ledger.tools.generate import generated_policy_hash
 
-    store = storage_of(led)
-    other = store.first_run_other_than(policy_hash=generated_policy_hash())
+    ctx = storage_of(led).context
+    other = AuditQueries(ctx).first_run_other_than(policy_hash=generated_policy_hash())
     if other is not None:
         raise InvalidArgument(
-            f"{store.where} holds runs that generate did not write (e.g. "
+            f"{ctx.where} holds runs that generate did not write (e.g. "
             f"{other!r}); synthetic history would mix into their audit answers. Point --db at a "
             "new database, or pass --into-existing to add it anyway",
             field="into_existing", run_id=other)

@@ -31,6 +31,9 @@ MAX_COUNT = 10**9
 MAX_TOKENS = 10**15
 MAX_AMOUNT = Decimal(10**12)
 MAX_LEASE_TTL_S = 86_400.0
+#: The default of ``lease_margin_s`` (seconds): processes whose clocks differ by less than this
+#: never both believe they may use one capacity slot (``docs/operations.md``).
+DEFAULT_LEASE_MARGIN_S = 0.5
 MAX_FENCE = 2**62  # a lease's fence: a bigint on both backends, with room to grow
 MAX_TIME = 1e11
 

@@ -388,8 +388,26 @@ class Page(Generic[T]):
     next_cursor: str | None = None
 
 
+LIVE_RUN_FIELDS = (
+    "status", "calls_used", "retries_used", "tokens_used", "tokens_reserved", "carved_calls",
+    "carved_retries", "carved_tokens", "current_route", "current_profile", "lease_holder",
+    "fence", "lease_expires_at", "updated_at", "compactions", "profile_compactions",
+)
+
+
+def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
+    """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
+    live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
+    live["status"] = RunStatus(live["status"])
+    live["reserved"] = from_micros(row.reserved_micros)
+    live["posted"] = from_micros(row.posted_micros)
+    live["carved"] = from_micros(row.carved_micros)
+    return RunRecord(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS}, **live)
+
+
 __all__ = [
     "FROZEN_RUN_FIELDS",
+    "LIVE_RUN_FIELDS",
     "RUN_STATE_FIELDS",
     "AttemptKind",
     "AttemptRecord",
@@ -408,5 +426,6 @@ __all__ = [
     "RunStatus",
     "budget_left",
     "from_micros",
+    "run_live",
     "to_micros",
 ]

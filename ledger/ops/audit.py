@@ -38,8 +38,10 @@ from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.domain.validation import checked_calls
 from ledger.errors import InvalidArgument, NotFound
-from ledger.storage.port import TOTALS_KEYS
+from ledger.storage.audit import TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
+from ledger.storage.runs import RunQueries
+from ledger.storage.series import SeriesQueries
 
 OPEN_STATES = ("unknown", "dispatching")
 # The attempts that can cause a failover; a not_sent one only with a failure category (a
@@ -600,7 +602,10 @@ class Audit:
                                   field="ledger")
         self.ledger = ledger
         # The port's read-only queries; nothing here writes.
-        self._store = storage_of(ledger)
+        ctx = storage_of(ledger).context
+        self._audit = AuditQueries(ctx)
+        self._series = SeriesQueries(ctx)
+        self._runs = RunQueries(ctx)
 
     def now(self) -> float:
         """The ledger clock's time, in epoch seconds."""
@@ -631,7 +636,7 @@ class Audit:
         check_optional_id(tenant, "tenant")
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        rows, nxt = self._store.audit_runs(status=status, tenant=tenant, since=since,
+        rows, nxt = self._audit.runs(status=status, tenant=tenant, since=since,
                                 until=until, limit=limit, cursor=cursor)
         return Page([_run(r) for r in rows], nxt)
 
@@ -647,7 +652,7 @@ class Audit:
         Raises:
             NotFound: no Run has this id.
         """
-        run_row, att_rows, ev_rows = self._store.audit_timeline(check_id(run_id, "run_id"))
+        run_row, att_rows, ev_rows = self._audit.timeline(check_id(run_id, "run_id"))
         if run_row is None:
             raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
@@ -713,7 +718,7 @@ class Audit:
         """
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        runs, atts, moves, nxt = self._store.audit_failovers(since=since, until=until,
+        runs, atts, moves, nxt = self._audit.failovers(since=since, until=until,
                                                  limit=limit, cursor=cursor)
         atts_by: dict[str, list[Mapping[str, Any]]] = {}
         for a in atts:
@@ -769,7 +774,7 @@ class Audit:
             A :class:`~ledger.Page` of :class:`~ledger.AttemptRecord`.
         """
         _window(since, until)
-        return self._store.attempts(**attempt_filters(dict(
+        return self._runs.attempts(**attempt_filters(dict(
             route=route, group=group, state=state, category=category, since=since, until=until,
             limit=limit, cursor=cursor)))
 
@@ -808,7 +813,7 @@ class Audit:
             check_id(label, "label")
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        rows, nxt = self._store.audit_totals(by=by, since=since, until=until, label=label,
+        rows, nxt = self._audit.totals(by=by, since=since, until=until, label=label,
                              limit=limit, cursor=cursor)
         return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
                             succeeded=int(r["succeeded"]), failed=int(r["failed"]),
@@ -850,7 +855,7 @@ class Audit:
                                   field="states")
         since, until = _window(since, until)
         limit, cursor = _page(limit, cursor)
-        rows, nxt = self._store.audit_open_attempts(states=list(states), since=since, until=until,
+        rows, nxt = self._audit.open_attempts(states=list(states), since=since, until=until,
                                     limit=limit, cursor=cursor)
         now = self.now()
         out = []
@@ -877,12 +882,12 @@ class Audit:
         t = self.now() if now is None else check_time(now, "now")
         window = check_seconds(unusable_window_s, "unusable_window_s", positive=True,
                                maximum=30 * 86400.0)
-        hrows, grows = self._store.audit_health(t)
+        hrows, grows = self._audit.health(t)
         keys = [_key_health(h, t) for h in hrows]
         return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
                             profiles=[k for k in keys if k.kind == "profile"],
                             groups=[_group_health(g, t) for g in grows],
-                            unusable=[_unusable(u) for u in self._store.audit_unusable(t - window)
+                            unusable=[_unusable(u) for u in self._audit.unusable(t - window)
                                       if u["last_at"] <= t])
 
     def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
@@ -898,7 +903,7 @@ class Audit:
         """
         since, until, buckets = _span(since, until, buckets)
         width = (until - since) / buckets
-        rows = {int(r["bucket"]): r for r in self._store.audit_activity(since=since, until=until,
+        rows = {int(r["bucket"]): r for r in self._audit.activity(since=since, until=until,
                                                          bucket_s=width)}
         out = []
         for i in range(buckets):
@@ -929,7 +934,7 @@ class Audit:
             raise InvalidArgument("routes must be 1 to 1000; pass e.g. 8", field="routes")
         width = (until - since) / buckets
         by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
-        for row in self._store.route_series(since=since, until=until, bucket_s=width):
+        for row in self._series.route_series(since=since, until=until, bucket_s=width):
             by_route.setdefault(row["route"], {})[int(row["bucket"])] = row
         busiest = sorted(by_route, key=lambda k: (-sum(int(x["attempts"])
                                                        for x in by_route[k].values()), k))
@@ -970,7 +975,7 @@ class Audit:
         out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
                        attempts=int(r["attempts"]), cost=from_micros(int(r["cost_micros"])),
                        held=from_micros(int(r["held_micros"])))
-               for r in self._store.cost_by_day(since=since, until=today + 86400.0)]
+               for r in self._series.cost_by_day(since=since, until=today + 86400.0)]
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
@@ -984,7 +989,7 @@ class Audit:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
         t = self.now() if now is None else check_time(now, "now")
-        m = self._store.metrics_totals(t)
+        m = self._series.metrics_totals(t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
         for r in m["cooling"]:
             cooldowns[str(r["kind"])] = int(r["n"])

@@ -91,11 +91,12 @@ def reconcile(ledger: Ledger) -> Reconciliation:
     from ledger.api.facade import Ledger as _Ledger
     from ledger.api.facade import storage_of
     from ledger.errors import InvalidArgument
+    from ledger.storage.recovery import RecoveryQueries
 
     if not isinstance(ledger, _Ledger):
         raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
                               field="ledger")
-    store = storage_of(ledger)
+    store = RecoveryQueries(storage_of(ledger).context)
     fig = store.reconcile_figures(ledger.now())
     ev = store.event_counts(["recover", "unknown"])
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,

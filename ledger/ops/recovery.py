@@ -53,7 +53,7 @@ from ledger.domain.records import AttemptRecord, AttemptState, Lease, RunStatus
 from ledger.domain.validation import checked_call
 from ledger.domain.values import new_id
 from ledger.errors import DatabaseUnavailable, InvalidArgument, InvalidState, LeaseHeld
-from ledger.storage.port import StoragePort, Takeover
+from ledger.storage.recovery import RecoveryQueries, Takeover
 
 if TYPE_CHECKING:
     from ledger.api.facade import AsyncLedger, Ledger
@@ -263,7 +263,7 @@ def recover(
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
     report = RecoveryReport(executor=executor, now=now)
-    store = storage_of(ledger)
+    store = RecoveryQueries(storage_of(ledger).context)
     candidates = _retrying(lambda: store.expired_runs(now, limit, run_ids), sleeper, report)
     for start in range(0, len(candidates), batch):
         chunk = candidates[start:start + batch]
@@ -292,7 +292,7 @@ def recover(
     return report
 
 
-def _close_past_deadline(store: StoragePort, report: RecoveryReport, clock: Callable[[], float],
+def _close_past_deadline(store: RecoveryQueries, report: RecoveryReport, clock: Callable[[], float],
                          limit: int, run_ids: list[str] | None, sleeper: Sleeper) -> None:
     """Close the unfinished Runs past their deadline that nobody holds (or this pass holds)."""
     due = _retrying(lambda: store.past_deadline_runs(clock(), limit, run_ids,

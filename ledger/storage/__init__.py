@@ -1,8 +1,13 @@
 """The storage layer: the only package that issues SQL or imports a database driver.
 
-Its face is the storage port (:class:`~ledger.storage.port.StoragePort`) and the one factory
-that opens it, :func:`open_store`; the two implementations are
-:class:`~ledger.storage.sqlite.SqliteStore` and :class:`~ledger.storage.postgres.PostgresStore`.
+Its faces are the hot path's :class:`~ledger.storage.store.Store` (the turn, leases, provenance
+and events, as flows its runner performs), the query objects built on the store's
+:class:`~ledger.storage.context.SqlContext` (:class:`~ledger.storage.runs.RunQueries`,
+:class:`~ledger.storage.recovery.RecoveryQueries`, :class:`~ledger.storage.audit.AuditQueries`,
+:class:`~ledger.storage.series.SeriesQueries`), and the one factory that opens a store,
+:func:`open_store`. The databases differ in their context
+(:class:`~ledger.storage.sqlite.SqliteContext`, :class:`~ledger.storage.postgres.PostgresContext`),
+their driver and their hot-path statements.
 """
 
 from __future__ import annotations
@@ -10,22 +15,20 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
+
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
 
-    from ledger.storage.port import StoragePort
-    from ledger.storage.store import SqlStore
-
-#: The default of ``lease_margin_s`` (seconds): processes whose clocks differ by less than this
-#: never both believe they may use one capacity slot (``docs/operations.md``).
-DEFAULT_LEASE_MARGIN_S = 0.5
+    from ledger.storage.postgres import PostgresContext
+    from ledger.storage.sqlite import SqliteContext
+    from ledger.storage.store import Store
 
 
 def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
-               migrate_schema: bool = True) -> StoragePort:
-    """The storage port on the database at ``url`` (a SQLite file path or URL, or a
-    ``postgresql+psycopg://`` URL): :class:`~ledger.storage.sqlite.SqliteStore` or
-    :class:`~ledger.storage.postgres.PostgresStore`, picked by :func:`store_class`.
+               migrate_schema: bool = True) -> Store:
+    """The store on the database at ``url`` (a SQLite file path or URL, or a
+    ``postgresql+psycopg://`` URL), on the context :func:`context_class` picks.
 
     ``migrate_schema`` creates or upgrades the schema first (safe from many processes at
     once); without it nothing is touched until the first call. ``lease_margin_s``: how long
@@ -41,10 +44,10 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     from ledger.storage import engine, migrate
 
     norm, parsed = engine.parse(url)
-    store = store_class(parsed).connect(norm, parsed, lease_margin_s=lease_margin_s)
+    store = context_class(parsed).open(norm, parsed, lease_margin_s=lease_margin_s)
     if migrate_schema:
         try:
-            migrate.upgrade(store.migration_lock(), norm)
+            migrate.upgrade(store.context, norm)
         except BaseException:
             with contextlib.suppress(Exception):  # the migration's error is the one to tell
                 store.close()
@@ -52,14 +55,15 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     return store
 
 
-def store_class(parsed: URL) -> type[SqlStore]:
-    """The store implementation of the parsed URL ``parsed`` (checked by
+def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
+    """The context of the parsed URL ``parsed`` (checked by
     :func:`ledger.storage.engine.parse`): the one place that tells the backends apart."""
-    from ledger.storage.postgres import PostgresStore
-    from ledger.storage.sqlite import SqliteStore
+    from ledger.storage.postgres import PostgresContext
+    from ledger.storage.sqlite import SqliteContext
 
-    kinds: dict[str, type[SqlStore]] = {"sqlite": SqliteStore, "postgresql": PostgresStore}
+    kinds: dict[str, type[SqliteContext] | type[PostgresContext]] = {
+        "sqlite": SqliteContext, "postgresql": PostgresContext}
     return kinds[parsed.get_backend_name()]
 
 
-__all__ = ["DEFAULT_LEASE_MARGIN_S", "open_store", "store_class"]
+__all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "open_store"]

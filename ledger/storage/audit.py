@@ -1,11 +1,11 @@
 """The audit queries' SQL: read-only statements over the ledger's tables.
 
-Every function takes the store (:class:`~ledger.storage.store.SqlStore`; callers reach them as
-the ``audit_*`` methods of the storage port) and runs one read transaction; none of them writes, so
-they work through a read-only PostgreSQL role. Rows come back as plain mappings; the typed results
-are built by :mod:`ledger.ops.audit`. Pagination is keyset on ``(created_at, id)`` newest first,
-so a page costs the same at any depth; aggregates (small result sets, sorted by cost) page by
-offset.
+:class:`AuditQueries` is built on a :class:`~ledger.storage.context.SqlContext` (by
+:class:`ledger.ops.audit.Audit`); each of its methods runs one read transaction and none of them
+writes, so they work through a read-only PostgreSQL role. Rows come back as plain mappings;
+the typed results are built by :mod:`ledger.ops.audit`. Pagination is keyset on
+``(created_at, id)`` newest first, so a page costs the same at any depth; aggregates (small
+result sets, sorted by cost) page by offset.
 
 Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.py``):
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
@@ -36,11 +36,11 @@ from sqlalchemy import (
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
+from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
-from ledger.storage.port import TOTALS_KEYS, RowMap
 
-if TYPE_CHECKING:
-    from ledger.storage.store import SqlStore as Store
+#: What :meth:`AuditQueries.totals` can group by.
+TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
 
 # Columns of ``runs`` an audit needs; the frozen plan/policy JSON stays out of list queries.
 _RUN_COLS = (
@@ -110,113 +110,6 @@ def _maps(rows: Sequence[Any]) -> list[RowMap]:
     return [dict(r._mapping) for r in rows]
 
 
-# -- runs -----------------------------------------------------------------------------------
-
-
-def runs_page(store: Store, *, status: str | None, tenant: str | None, since: float | None,
-              until: float | None, limit: int, cursor: str | None
-              ) -> tuple[list[RowMap], str | None]:
-    _check_limit(limit)
-    r = s.runs.c
-    conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
-    if status is not None:
-        conds.append(r.status == status)
-    if tenant is not None:
-        conds.append(r.tenant == tenant)
-    q = (select(*(r[c] for c in _RUN_COLS)).where(*conds)
-         .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
-    with store.reading() as conn:
-        rows = _maps(conn.execute(q).all())
-    nxt = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        nxt = make_cursor(rows[-1]["created_at"], rows[-1]["run_id"])
-    return rows, nxt
-
-
-# -- one run's timeline ---------------------------------------------------------------------
-
-
-def timeline(store: Store, run_id: str) -> tuple[RowMap | None, list[RowMap], list[RowMap]]:
-    """(run, attempts with their debit, events) for one run; run is None when unknown."""
-    r = s.runs.c
-    a = s.attempts.c
-    d = s.debits.c
-    e = s.events.c
-    with store.reading() as conn:
-        run = conn.execute(select(*(r[c] for c in _RUN_COLS)).where(r.run_id == run_id)).first()
-        if run is None:
-            return None, [], []
-        atts = conn.execute(
-            select(s.attempts, d.state.label("debit_state"),
-                   d.posted_micros.label("debit_posted_micros"))
-            .join(s.debits, d.debit_id == a.debit_id)
-            .where(a.run_id == run_id).order_by(a.seq)
-        ).all()
-        evs = conn.execute(
-            select(e.event_id, e.attempt_id, e.kind, e.data, e.created_at)
-            .where(e.run_id == run_id).order_by(e.event_id)
-        ).all()
-    return dict(run._mapping), _maps(atts), _maps(evs)
-
-
-# -- failover history -----------------------------------------------------------------------
-
-
-def failover_page(store: Store, *, since: float | None, until: float | None, limit: int,
-                  cursor: str | None
-                  ) -> tuple[list[RowMap], list[RowMap], list[RowMap], str | None]:
-    """Runs (admitted in the range) that failed over: served by a route other than the selected
-    one, or with a recorded ``move``. Returns (runs, their attempts, their move events, cursor).
-
-    The walk goes newest-first over ``runs.created_at`` and probes each run's attempts and events
-    through their per-run indexes, so a page stops as soon as it has ``limit`` failovers.
-    """
-    _check_limit(limit)
-    r = s.runs.c
-    a = s.attempts.c
-    e = s.events.c
-    served_elsewhere = (select(a.attempt_id)
-                        .where(a.run_id == r.run_id, a.state == "succeeded",
-                               a.route_id != r.selected_route).exists())
-    moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
-    conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
-    q = (select(*(r[c] for c in _RUN_COLS))
-         .where(*conds, or_(served_elsewhere, moved))
-         .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
-    with store.reading() as conn:
-        runs = _maps(conn.execute(q).all())
-        nxt = None
-        if len(runs) > limit:
-            runs = runs[:limit]
-            nxt = make_cursor(runs[-1]["created_at"], runs[-1]["run_id"])
-        ids = [x["run_id"] for x in runs]
-        if not ids:
-            return [], [], [], None
-        atts = _maps(conn.execute(
-            select(a.run_id, a.attempt_id, a.seq, a.kind, a.route_id, a.profile_id, a.state,
-                   a.category, a.http_status, a.fact, a.created_at)
-            .where(a.run_id.in_(ids)).order_by(a.run_id, a.seq)
-        ).all())
-        moves = _maps(conn.execute(
-            select(e.run_id, e.attempt_id, e.data, e.created_at)
-            .where(e.run_id.in_(ids), e.kind == "move").order_by(e.run_id, e.event_id)
-        ).all())
-    return runs, atts, moves, nxt
-
-
-# -- totals ---------------------------------------------------------------------------------
-
-
-def _label_expr(store: Store, key: str) -> ColumnElement[Any]:
-    if not _LABEL_KEY.match(key):
-        raise InvalidArgument(
-            f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
-        )
-    expr: ColumnElement[Any] = store.label(key)
-    return expr
-
-
 def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
     """Sums of what the attempts' debits did, in micros: what the budget was charged (the
     posted amounts) and what is held now (the holds still reserved): the runs' own counters.
@@ -246,201 +139,277 @@ def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
     return charged, func.coalesce(func.sum(held), 0)
 
 
-def totals(store: Store, *, by: str, since: float | None, until: float | None,
-           label: str | None, limit: int, cursor: str | None
-           ) -> tuple[list[RowMap], str | None]:
-    """Attempt counts, tokens and cost grouped by ``by``, most expensive first."""
-    _check_limit(limit)
-    if by not in TOTALS_KEYS:
-        raise InvalidArgument(f"cannot total by {by!r}; choose one of {', '.join(TOTALS_KEYS)}",
-                              field="by")
-    a = s.attempts.c
-    offset = _offset(cursor)
-    joined = False
-    key: ColumnElement[Any]
-    if by == "route":
-        key = a.route_id
-    elif by == "group":
-        key = a.group_id
-    elif by == "provider":
-        key = a.provider
-    elif by == "run":
-        key = a.run_id
-    elif by == "tenant":
-        key = a.tenant  # copied from the run at begin: no join over a day of attempts
-    else:
-        if not label:
-            raise InvalidArgument("totals by label need the label key (label='team')",
-                                  field="label")
-        key, joined = _label_expr(store, label), True
+class AuditQueries:
+    """The audit's read-only queries, on one database (a read-only role serves)."""
 
-    def n(state: str) -> ColumnElement[Any]:
-        return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
+    def __init__(self, ctx: SqlContext) -> None:
+        self.ctx = ctx
 
-    cost, held = charged_and_held()
-    q = select(
-        key.label("key"),
-        func.count().label("attempts"),
-        n("succeeded").label("succeeded"),
-        n("failed").label("failed"),
-        n("unknown").label("unknown"),
-        func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
-        func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
-        cost.label("cost_micros"),
-        held.label("held_micros"),
-    )
-    q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
-                      else s.attempts)
-    q = (q.where(*_range(a.created_at, since, until)).group_by(key)
-         .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
-    with store.reading() as conn:
-        rows = _maps(conn.execute(q).all())
-    nxt = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        nxt = f"o:{offset + limit}"
-    return rows, nxt
+    def runs(self, *, status: str | None, tenant: str | None, since: float | None,
+             until: float | None, limit: int, cursor: str | None
+             ) -> tuple[list[RowMap], str | None]:
+        """Runs newest first (by status, tenant, admission time), with the next cursor.
+        Raises :class:`~ledger.errors.InvalidArgument` (limit, malformed cursor)."""
+        _check_limit(limit)
+        r = s.runs.c
+        conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
+        if status is not None:
+            conds.append(r.status == status)
+        if tenant is not None:
+            conds.append(r.tenant == tenant)
+        q = (select(*(r[c] for c in _RUN_COLS)).where(*conds)
+             .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
+        with self.ctx.reading() as conn:
+            rows = _maps(conn.execute(q).all())
+        nxt = None
+        if len(rows) > limit:
+            rows = rows[:limit]
+            nxt = make_cursor(rows[-1]["created_at"], rows[-1]["run_id"])
+        return rows, nxt
+
+    def timeline(self, run_id: str) -> tuple[RowMap | None, list[RowMap], list[RowMap]]:
+        """(run, its attempts with their debits, its events); the run is None when unknown."""
+        r = s.runs.c
+        a = s.attempts.c
+        d = s.debits.c
+        e = s.events.c
+        with self.ctx.reading() as conn:
+            run = conn.execute(select(*(r[c] for c in _RUN_COLS)).where(r.run_id == run_id)).first()
+            if run is None:
+                return None, [], []
+            atts = conn.execute(
+                select(s.attempts, d.state.label("debit_state"),
+                       d.posted_micros.label("debit_posted_micros"))
+                .join(s.debits, d.debit_id == a.debit_id)
+                .where(a.run_id == run_id).order_by(a.seq)
+            ).all()
+            evs = conn.execute(
+                select(e.event_id, e.attempt_id, e.kind, e.data, e.created_at)
+                .where(e.run_id == run_id).order_by(e.event_id)
+            ).all()
+        return dict(run._mapping), _maps(atts), _maps(evs)
+
+    def failovers(self, *, since: float | None, until: float | None, limit: int,
+                  cursor: str | None
+                  ) -> tuple[list[RowMap], list[RowMap], list[RowMap], str | None]:
+        """Runs admitted in the range that failed over, their attempts, their ``move``
+        events, and the next cursor. Raises :class:`~ledger.errors.InvalidArgument`."""
+        _check_limit(limit)
+        r = s.runs.c
+        a = s.attempts.c
+        e = s.events.c
+        served_elsewhere = (select(a.attempt_id)
+                            .where(a.run_id == r.run_id, a.state == "succeeded",
+                                   a.route_id != r.selected_route).exists())
+        moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
+        conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
+        q = (select(*(r[c] for c in _RUN_COLS))
+             .where(*conds, or_(served_elsewhere, moved))
+             .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
+        with self.ctx.reading() as conn:
+            runs = _maps(conn.execute(q).all())
+            nxt = None
+            if len(runs) > limit:
+                runs = runs[:limit]
+                nxt = make_cursor(runs[-1]["created_at"], runs[-1]["run_id"])
+            ids = [x["run_id"] for x in runs]
+            if not ids:
+                return [], [], [], None
+            atts = _maps(conn.execute(
+                select(a.run_id, a.attempt_id, a.seq, a.kind, a.route_id, a.profile_id, a.state,
+                       a.category, a.http_status, a.fact, a.created_at)
+                .where(a.run_id.in_(ids)).order_by(a.run_id, a.seq)
+            ).all())
+            moves = _maps(conn.execute(
+                select(e.run_id, e.attempt_id, e.data, e.created_at)
+                .where(e.run_id.in_(ids), e.kind == "move").order_by(e.run_id, e.event_id)
+            ).all())
+        return runs, atts, moves, nxt
+
+    def _label_expr(self, key: str) -> ColumnElement[Any]:
+        if not _LABEL_KEY.match(key):
+            raise InvalidArgument(
+                f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
+            )
+        expr: ColumnElement[Any] = self.ctx.label(key)
+        return expr
+
+    def totals(self, *, by: str, since: float | None, until: float | None,
+               label: str | None, limit: int, cursor: str | None
+               ) -> tuple[list[RowMap], str | None]:
+        """Attempt counts, tokens and cost grouped by ``by`` (route, group, run, tenant,
+        label with ``label`` the key, provider), most expensive first. Raises
+        :class:`~ledger.errors.InvalidArgument` (an unknown ``by``, a bad label key)."""
+        _check_limit(limit)
+        if by not in TOTALS_KEYS:
+            raise InvalidArgument(f"cannot total by {by!r}; choose one of {', '.join(TOTALS_KEYS)}",
+                                  field="by")
+        a = s.attempts.c
+        offset = _offset(cursor)
+        joined = False
+        key: ColumnElement[Any]
+        if by == "route":
+            key = a.route_id
+        elif by == "group":
+            key = a.group_id
+        elif by == "provider":
+            key = a.provider
+        elif by == "run":
+            key = a.run_id
+        elif by == "tenant":
+            key = a.tenant  # copied from the run at begin: no join over a day of attempts
+        else:
+            if not label:
+                raise InvalidArgument("totals by label need the label key (label='team')",
+                                      field="label")
+            key, joined = self._label_expr(label), True
+
+        def n(state: str) -> ColumnElement[Any]:
+            return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
+
+        cost, held = charged_and_held()
+        q = select(
+            key.label("key"),
+            func.count().label("attempts"),
+            n("succeeded").label("succeeded"),
+            n("failed").label("failed"),
+            n("unknown").label("unknown"),
+            func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
+            func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
+            cost.label("cost_micros"),
+            held.label("held_micros"),
+        )
+        q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
+                          else s.attempts)
+        q = (q.where(*_range(a.created_at, since, until)).group_by(key)
+             .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
+        with self.ctx.reading() as conn:
+            rows = _maps(conn.execute(q).all())
+        nxt = None
+        if len(rows) > limit:
+            rows = rows[:limit]
+            nxt = f"o:{offset + limit}"
+        return rows, nxt
+
+    def open_attempts(self, *, states: Sequence[str], since: float | None,
+                      until: float | None, limit: int, cursor: str | None
+                      ) -> tuple[list[RowMap], str | None]:
+        """Attempts in ``states`` with their run's lease, newest first."""
+        _check_limit(limit)
+        a = s.attempts.c
+        r = s.runs.c
+        conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
+        d = s.debits.c
+        q = (select(s.attempts, r.lease_holder.label("lease_holder"),
+                    r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"),
+                    d.state.label("debit_state"))
+             .join(s.runs, r.run_id == a.run_id)
+             .outerjoin(s.debits, d.debit_id == a.debit_id)
+             .where(a.state.in_(list(states)), *conds)
+             .order_by(a.created_at.desc(), a.attempt_id.desc()).limit(limit + 1))
+        with self.ctx.reading() as conn:
+            rows = _maps(conn.execute(q).all())
+        nxt = None
+        if len(rows) > limit:
+            rows = rows[:limit]
+            nxt = make_cursor(rows[-1]["created_at"], rows[-1]["attempt_id"])
+        return rows, nxt
+
+    def health(self, now: float) -> tuple[list[RowMap], list[RowMap]]:
+        """(every health row, every capacity group with its live in-flight count at ``now``)."""
+        h = s.health.c
+        g = s.capacity_groups.c
+        gs = s.group_slots.c
+        r = s.runs.c
+        # A slot counts only while its executor still holds the run (the same rule as admission).
+        live = (select(gs.group_id, func.count().label("in_flight"))
+                .select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
+                .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
+                       r.lease_expires_at > now)
+                .group_by(gs.group_id).subquery())
+        w = s.group_waiters.c
+        # A place in a full group's queue counts the same way, while its own bound has not passed.
+        queued = (select(w.group_id, func.count().label("waiting"))
+                  .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
+                  .where(w.fence == r.fence, w.expires_at > now, r.lease_expires_at.is_not(None),
+                         r.lease_expires_at > now)
+                  .group_by(w.group_id).subquery())
+        with self.ctx.reading() as conn:
+            hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())
+            grows = _maps(conn.execute(
+                select(s.capacity_groups, func.coalesce(live.c.in_flight, 0).label("in_flight"),
+                       func.coalesce(queued.c.waiting, 0).label("waiting"))
+                .select_from(s.capacity_groups.outerjoin(live, live.c.group_id == g.group_id)
+                             .outerjoin(queued, queued.c.group_id == g.group_id))
+                .order_by(g.group_id)
+            ).all())
+        return hrows, grows
+
+    def unusable(self, since: float) -> list[RowMap]:
+        """Routes (per profile) skipped as unusable since ``since`` and not served since their
+        last skip: skips, first and last time, the last skip's attempt, run and fact."""
+        a = s.attempts.c
+        grouped = (select(a.route_id, a.profile_id, func.count().label("skips"),
+                          func.min(a.created_at).label("first_at"),
+                          func.max(a.created_at).label("last_at"))
+                   .where(a.category == "unusable", a.created_at >= since)
+                   .group_by(a.route_id, a.profile_id).order_by(a.route_id))
+        out: list[RowMap] = []
+        with self.ctx.reading() as conn:
+            for g in _maps(conn.execute(grouped).all()):
+                same = (a.profile_id.is_(None) if g["profile_id"] is None
+                        else a.profile_id == g["profile_id"])
+                served = conn.execute(
+                    select(a.attempt_id).where(a.route_id == g["route_id"], same,
+                                               a.state == "succeeded", a.created_at > g["last_at"])
+                    .limit(1)).first()
+                if served is not None:
+                    continue  # served since: whatever was missing is there again
+                last = conn.execute(
+                    select(a.attempt_id, a.run_id, a.provider, a.group_id, a.fact)
+                    .where(a.category == "unusable", a.created_at == g["last_at"],
+                           a.route_id == g["route_id"], same)
+                    .order_by(a.attempt_id.desc()).limit(1)).one()
+                out.append({**g, **last._mapping})
+        return out
+
+    def activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
+        """Attempts per ``bucket_s`` bucket of [since, until): total, failed, unknown.
+        Raises :class:`~ledger.errors.InvalidArgument` (``bucket_s`` not > 0)."""
+        if bucket_s <= 0:
+            raise InvalidArgument("bucket_s must be > 0", field="bucket_s")
+        a = s.attempts.c
+        bucket: ColumnElement[Any] = self.ctx.bucket(a.created_at, since, bucket_s)
+        q = (select(bucket.label("bucket"), func.count().label("attempts"),
+                    func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
+                    func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"))
+             .where(a.created_at >= since, a.created_at < until)
+             .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
+        with self.ctx.reading() as conn:
+            return _maps(conn.execute(q).all())
+
+    def schema_present(self) -> bool:
+        """Whether the ledger's tables exist (a reader never creates them)."""
+        from sqlalchemy import inspect
+
+        with self.ctx.reading() as conn:
+            return bool(inspect(conn).has_table("runs"))
+
+    def first_run_other_than(self, *, policy_hash: str | None = None,
+                             tenant: str | None = None) -> str | None:
+        """The id of one run not carrying ``policy_hash`` (or ``tenant``), else None."""
+        r = s.runs.c
+        conds: list[Any] = []
+        if policy_hash is not None:
+            conds.append(r.policy_hash != policy_hash)
+        if tenant is not None:
+            conds.append(or_(r.tenant.is_(None), r.tenant != tenant))
+        q = select(r.run_id)
+        if conds:
+            q = q.where(or_(*conds))
+        with self.ctx.reading() as conn:
+            row = conn.execute(q.limit(1)).first()
+        return None if row is None else str(row.run_id)
 
 
-# -- unknown and unsettled attempts ---------------------------------------------------------
-
-
-def open_attempts(store: Store, *, states: Sequence[str], since: float | None,
-                  until: float | None, limit: int, cursor: str | None
-                  ) -> tuple[list[RowMap], str | None]:
-    """Attempts in ``states`` (unknown, dispatching) with their run's lease, newest first."""
-    _check_limit(limit)
-    a = s.attempts.c
-    r = s.runs.c
-    conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
-    d = s.debits.c
-    q = (select(s.attempts, r.lease_holder.label("lease_holder"),
-                r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"),
-                d.state.label("debit_state"))
-         .join(s.runs, r.run_id == a.run_id)
-         .outerjoin(s.debits, d.debit_id == a.debit_id)
-         .where(a.state.in_(list(states)), *conds)
-         .order_by(a.created_at.desc(), a.attempt_id.desc()).limit(limit + 1))
-    with store.reading() as conn:
-        rows = _maps(conn.execute(q).all())
-    nxt = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        nxt = make_cursor(rows[-1]["created_at"], rows[-1]["attempt_id"])
-    return rows, nxt
-
-
-# -- health ---------------------------------------------------------------------------------
-
-
-def health(store: Store, now: float) -> tuple[list[RowMap], list[RowMap]]:
-    """(health rows of routes and profiles, capacity groups with their live in-flight count)."""
-    h = s.health.c
-    g = s.capacity_groups.c
-    gs = s.group_slots.c
-    r = s.runs.c
-    # A slot counts only while its executor still holds the run (the same rule as admission).
-    live = (select(gs.group_id, func.count().label("in_flight"))
-            .select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
-            .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
-                   r.lease_expires_at > now)
-            .group_by(gs.group_id).subquery())
-    w = s.group_waiters.c
-    # A place in a full group's queue counts the same way, while its own bound has not passed.
-    queued = (select(w.group_id, func.count().label("waiting"))
-              .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
-              .where(w.fence == r.fence, w.expires_at > now, r.lease_expires_at.is_not(None),
-                     r.lease_expires_at > now)
-              .group_by(w.group_id).subquery())
-    with store.reading() as conn:
-        hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())
-        grows = _maps(conn.execute(
-            select(s.capacity_groups, func.coalesce(live.c.in_flight, 0).label("in_flight"),
-                   func.coalesce(queued.c.waiting, 0).label("waiting"))
-            .select_from(s.capacity_groups.outerjoin(live, live.c.group_id == g.group_id)
-                         .outerjoin(queued, queued.c.group_id == g.group_id))
-            .order_by(g.group_id)
-        ).all())
-    return hrows, grows
-
-
-def unusable(store: Store, since: float) -> list[RowMap]:
-    """Routes (per credential profile) skipped as unusable since ``since`` and not served on
-    since their last skip: how many skips, the first and the last, and the last one's attempt,
-    run and fact (its message names the missing variable and the fix).
-
-    Read through the attempts' (category, created_at) and (route_id, created_at) indexes: the
-    unusable skips of the window, then one probe per route for the last skip and a later
-    success.
-    """
-    a = s.attempts.c
-    grouped = (select(a.route_id, a.profile_id, func.count().label("skips"),
-                      func.min(a.created_at).label("first_at"),
-                      func.max(a.created_at).label("last_at"))
-               .where(a.category == "unusable", a.created_at >= since)
-               .group_by(a.route_id, a.profile_id).order_by(a.route_id))
-    out: list[RowMap] = []
-    with store.reading() as conn:
-        for g in _maps(conn.execute(grouped).all()):
-            same = (a.profile_id.is_(None) if g["profile_id"] is None
-                    else a.profile_id == g["profile_id"])
-            served = conn.execute(
-                select(a.attempt_id).where(a.route_id == g["route_id"], same,
-                                           a.state == "succeeded", a.created_at > g["last_at"])
-                .limit(1)).first()
-            if served is not None:
-                continue  # served since: whatever was missing is there again
-            last = conn.execute(
-                select(a.attempt_id, a.run_id, a.provider, a.group_id, a.fact)
-                .where(a.category == "unusable", a.created_at == g["last_at"],
-                       a.route_id == g["route_id"], same)
-                .order_by(a.attempt_id.desc()).limit(1)).one()
-            out.append({**g, **last._mapping})
-    return out
-
-
-# -- activity over time (the dashboard's chart) ---------------------------------------------
-
-
-def activity(store: Store, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
-    """Attempts per time bucket: total, failed, unknown. Buckets without attempts are absent."""
-    if bucket_s <= 0:
-        raise InvalidArgument("bucket_s must be > 0", field="bucket_s")
-    a = s.attempts.c
-    bucket: ColumnElement[Any] = store.bucket(a.created_at, since, bucket_s)
-    q = (select(bucket.label("bucket"), func.count().label("attempts"),
-                func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
-                func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"))
-         .where(a.created_at >= since, a.created_at < until)
-         .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
-    with store.reading() as conn:
-        return _maps(conn.execute(q).all())
-
-
-def schema_present(store: Store) -> bool:
-    """Whether the ledger tables exist (a reader never creates them)."""
-    from sqlalchemy import inspect
-
-    with store.reading() as conn:
-        return bool(inspect(conn).has_table("runs"))
-
-
-def first_run_other_than(store: Store, *, policy_hash: str | None = None,
-                         tenant: str | None = None) -> str | None:
-    """The id of one run that does not carry ``policy_hash`` (or ``tenant``), else ``None``.
-
-    ``generate`` and the demo ask this before writing, so that synthetic history never lands
-    beside real runs unnoticed. One indexed-or-short scan: it stops at the first such run.
-    """
-    r = s.runs.c
-    conds: list[Any] = []
-    if policy_hash is not None:
-        conds.append(r.policy_hash != policy_hash)
-    if tenant is not None:
-        conds.append(or_(r.tenant.is_(None), r.tenant != tenant))
-    q = select(r.run_id)
-    if conds:
-        q = q.where(or_(*conds))
-    with store.reading() as conn:
-        row = conn.execute(q.limit(1)).first()
-    return None if row is None else str(row.run_id)
+__all__ = ["TOTALS_KEYS", "AuditQueries", "charged_and_held"]

@@ -34,8 +34,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import exc as sa_exc
-
 from ledger.errors import (
     Conflict,
     DatabaseSetupError,
@@ -103,10 +101,11 @@ def _duplicate(text: str, where: str) -> Conflict:
 def _names(where: str) -> tuple[str | None, str | None, str]:
     """(database, role, "host:port") of the URL ``where``, as far as it says."""
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
     try:
         url = make_url(where)
-    except sa_exc.ArgumentError:
+    except ArgumentError:
         return None, None, where
     host = f"{url.host or 'localhost'}:{url.port or 5432}"
     return url.database, url.username, host
@@ -239,7 +238,9 @@ def ledger_error(e: BaseException, where: str) -> LedgerError | None:
     cancellation: the caller lets it through)."""
     if isinstance(e, LedgerError):
         return e
-    if isinstance(e, sa_exc.DBAPIError):
+    # Only a loaded library can have raised: the hot path runs without SQLAlchemy.
+    sa_exc = sys.modules.get("sqlalchemy.exc")
+    if sa_exc is not None and isinstance(e, sa_exc.DBAPIError):
         orig = e.orig
         psycopg = sys.modules.get("psycopg")
         if psycopg is not None and isinstance(orig, psycopg.Error):
@@ -257,9 +258,9 @@ def ledger_error(e: BaseException, where: str) -> LedgerError | None:
         if isinstance(e, sa_exc.OperationalError):
             return _unavailable(_first_line(e), where)
         return StorageError(f"database error: {_first_line(e)}", url=where)
-    if isinstance(e, sa_exc.TimeoutError):  # every pooled connection stayed busy
+    if sa_exc is not None and isinstance(e, sa_exc.TimeoutError):  # every pooled one busy
         return _unavailable(_first_line(e), where)
-    if isinstance(e, sa_exc.SQLAlchemyError):
+    if sa_exc is not None and isinstance(e, sa_exc.SQLAlchemyError):
         return StorageError(f"database error: {_first_line(e)}", url=where)
     if isinstance(e, sqlite3.Error):
         return _sqlite(e, where)

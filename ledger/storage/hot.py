@@ -52,8 +52,7 @@ from ledger.errors import (
 from ledger.redaction import redact
 from ledger.storage.driver import Flush, Q, Tx
 from ledger.storage.encode import event_json, fact_json, health_values
-from ledger.storage.port import SnapshotRows
-from ledger.storage.rows import attempt_record, health_record, written_attempt
+from ledger.storage.rows import SnapshotRows, attempt_record, health_record, written_attempt
 
 ClockFn = Callable[[], float]
 #: The PostgreSQL channel told (payload: the group id) when a slot of a group with waiters is
@@ -450,7 +449,7 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
 
 def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float
              ) -> Tx[AttemptRecord | Queued]:
-    """Record an Attempt before it is sent (see ``StoragePort.begin_attempt``).
+    """Record an Attempt before it is sent (see ``Store.begin_attempt``).
 
     With ``spec.queue_until`` a full group queues the begin instead (:class:`Queued`, nothing
     recorded as an Attempt); the same begin again, once its place comes up, records it.
@@ -748,7 +747,7 @@ _SETTLE_COLS = (*ATTEMPT_COLS, "debit_state", "debit_reserved_micros",
 
 
 def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[AttemptRecord]:
-    """Record an Attempt's outcome (see ``StoragePort.settle_attempt``)."""
+    """Record an Attempt's outcome (see ``Store.settle_attempt``)."""
     keys = list(spec.health)
     locked, read = yield Flush((
         Q(sql.lock_run_fence, {"run_id": run_id}),

@@ -4,26 +4,36 @@ Concurrent openers serialize on the database's own lock (a PostgreSQL advisory l
 the write lock of the migrating transaction, taken up front with ``BEGIN IMMEDIATE``), then each
 one re-reads the revision under it, so all converge on ``head`` and only the first does the
 work. Nothing is left behind: no lock file, no lock held after the call.
+
+A database already at head (every open but the first) is recognised from one read of its
+revision, without the lock and without importing Alembic: the revisions are read from the
+scripts' text (:func:`script_revisions`), and the revision of a database only moves forward.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, inspect, text
 
 from ledger.errors import SchemaTooNew, StorageError
 from ledger.storage.engine import mapped_errors, redact_url
 from ledger.storage.failure import setup_error
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+    from ledger.storage.context import SqlContext
+
 # Any constant works; it only has to be the same for every ledger process.
 _PG_MIGRATION_LOCK = 0x1ED6E5
+_REVISION = re.compile(r"""^revision\s*=\s*['"]([^'"]+)['"]""", re.M)
+_DOWN = re.compile(r"""^down_revision\s*=\s*(?:['"]([^'"]+)['"]|None)""", re.M)
 
 
 def script_location() -> str:
@@ -38,52 +48,81 @@ def script_location() -> str:
 
 
 def alembic_config() -> Config:
+    """Alembic's configuration of the ledger's scripts (imports Alembic)."""
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", script_location())
     return cfg
 
 
+@functools.cache
+def script_revisions() -> tuple[str, frozenset[str]]:
+    """(the head revision, every revision) of the scripts, read from their text: a script
+    names its ``revision`` and ``down_revision``, and the head is the one nobody follows.
+    ``tests/storage/test_schema.py`` checks this against Alembic's own reading."""
+    revisions: set[str] = set()
+    followed: set[str] = set()
+    for script in (Path(script_location()) / "versions").glob("*.py"):
+        body = script.read_text(encoding="utf-8")
+        rev, down = _REVISION.search(body), _DOWN.search(body)
+        if rev is None or down is None:
+            raise FileNotFoundError(f"{script} names no revision: reinstall the package")
+        revisions.add(rev.group(1))
+        if down.group(1):
+            followed.add(down.group(1))
+    heads = revisions - followed
+    if len(heads) != 1:
+        raise FileNotFoundError(f"the ledger's Alembic scripts have heads {sorted(heads)}, "
+                                "not one: reinstall the package")
+    return heads.pop(), frozenset(revisions)
+
+
 def head_revision() -> str:
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    assert head is not None
-    return head
+    """The revision this ledger's schema is at once migrated."""
+    return script_revisions()[0]
 
 
 def current_revision(conn: Connection) -> str | None:
-    return MigrationContext.configure(conn).get_current_revision()
+    """The database's schema revision (``None``: no schema yet)."""
+    if not inspect(conn).has_table("alembic_version"):
+        return None
+    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
-def check_not_newer(conn: Connection, url: str) -> None:
+def check_not_newer(rev: str | None, url: str) -> None:
     """Refuse a database migrated by a newer ledger (a revision our scripts do not know)."""
-    rev = current_revision(conn)
-    if rev is None:
-        return
-    scripts = ScriptDirectory.from_config(alembic_config())
-    known = {s.revision for s in scripts.walk_revisions()}
-    if rev not in known:
+    head, known = script_revisions()
+    if rev is not None and rev not in known:
         raise SchemaTooNew(
             f"database {redact_url(url)} is at schema revision {rev!r}, newer than this ledger "
-            f"understands (head {scripts.get_current_head()!r}); upgrade the ledger package",
+            f"understands (head {head!r}); upgrade the ledger package",
             revision=rev,
         )
 
 
-def upgrade(lock: AbstractContextManager[Connection], url: str) -> str | None:
-    """Bring the schema to head; safe when many processes call it at once. ``lock`` is the
-    backend's (:func:`postgres_lock` or :func:`sqlite_lock` of its engine). Returns the
-    revision found before (``None``: no schema); it equals :func:`head_revision` when there
-    was nothing to do.
+def upgrade(ctx: SqlContext, url: str) -> str | None:
+    """Bring the schema of ``ctx``'s database to head; safe when many processes call it at
+    once. Returns the revision found before (``None``: no schema); it equals
+    :func:`head_revision` when there was nothing to do.
 
     A role that may read and write the ledger's rows but not create or alter its tables opens
     a database already at head (it only reads the revision); anywhere else the refusal is a
     :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_privilege"``) naming the fix.
     """
     head = head_revision()
-    found: str | None = None
+    with mapped_errors(url), ctx.engine.connect() as conn:
+        found = current_revision(conn)
+        conn.rollback()
+    check_not_newer(found, url)
+    if found == head:
+        return found
+    from alembic import command
+
     try:
-        with mapped_errors(url), lock as conn:
-            check_not_newer(conn, url)
-            found = current_revision(conn)
+        with mapped_errors(url), ctx.migration_lock() as conn:
+            found = current_revision(conn)  # again, under the lock: another may have migrated
+            check_not_newer(found, url)
             if found == head:
                 conn.rollback()
                 return found

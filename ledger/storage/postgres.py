@@ -1,4 +1,4 @@
-"""The storage port on PostgreSQL: :class:`PostgresStore`.
+"""PostgreSQL: :class:`PostgresContext`, and the store it opens.
 
 The hot path runs on psycopg 3 directly (a small pool of blocking and of asyncio connections,
 autocommit with ``BEGIN`` and ``COMMIT`` pipelined with the statements, prepared statements on
@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, Select, cast, create_engine, func, text
@@ -21,45 +22,37 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseSetupError, InvalidArgument
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate
 from ledger.storage import engine as eng
+from ledger.storage import hot, migrate
 from ledger.storage import schema as s
+from ledger.storage.context import SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
-from ledger.storage.store import SqlStore
+from ledger.storage.store import Store
 
 
-class PostgresStore(SqlStore):
-    """The storage port over one PostgreSQL database."""
+class PostgresContext(SqlContext):
+    """One PostgreSQL database, for the queries built on it."""
 
     backend = "postgresql"
-    SQL = hot.POSTGRES_SQL
 
     #: Notifications wake waiters at once; polling only finds slots of leases that expired.
     QUEUE_POLL_S = 1.0
 
     @classmethod
-    def connect(cls, norm: str, parsed: URL, *,
-                lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> PostgresStore:
-        """A store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL)."""
+    def open(cls, norm: str, parsed: URL, *,
+             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Store:
+        """The store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL), without
+        touching it yet (the first transaction connects)."""
         engine = eng.postgres_engine(norm, parsed)
         conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         where = redact_url(norm)
-        return cls(engine, where, PgDriver(conninfo, where=where), lease_margin_s=lease_margin_s)
-
-    def _listen(self, told: Callable[[str], None], stop: threading.Event) -> None:
-        """LISTEN on the queue channel until ``stop``; ``told("")`` once listening."""
-        import psycopg
-
-        conninfo = self.driver.conninfo  # type: ignore[attr-defined]
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(f"LISTEN {hot.QUEUE_CHANNEL}")
-            told("")
-            while not stop.is_set():
-                for note in conn.notifies(timeout=0.5):
-                    told(note.payload)
+        ctx = cls(engine, where, lease_margin_s=lease_margin_s)
+        return Store(ctx, PgDriver(conninfo, where=where), hot.POSTGRES_SQL,
+                     queue_poll_s=cls.QUEUE_POLL_S, listen=partial(_listen, conninfo))
 
     @classmethod
     def prepare_database(cls, norm: str, parsed: URL) -> bool:
@@ -126,6 +119,18 @@ class PostgresStore(SqlStore):
         return cast(s.runs.c.labels, JSONB).op("->>")(key)
 
 
+def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -> None:
+    """LISTEN on the queue channel until ``stop``; ``told("")`` once listening."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"LISTEN {hot.QUEUE_CHANNEL}")
+        told("")
+        while not stop.is_set():
+            for note in conn.notifies(timeout=0.5):
+                told(note.payload)
+
+
 @contextmanager
 def _maintenance(parsed: URL, where: str) -> Iterator[Connection]:
     """An autocommit connection to the server's maintenance database, with the URL's
@@ -155,4 +160,4 @@ def _maintenance(parsed: URL, where: str) -> Iterator[Connection]:
         f"{last.fields.get('problem')}")) from last
 
 
-__all__ = ["PostgresStore"]
+__all__ = ["PostgresContext"]

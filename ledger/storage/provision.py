@@ -59,17 +59,17 @@ def init_database(url: str) -> InitReport:
     was created), :class:`~ledger.errors.DatabaseUnavailable` for a server that cannot be
     reached.
     """
-    from ledger.storage import DEFAULT_LEASE_MARGIN_S, engine, migrate, store_class
+    from ledger.storage import DEFAULT_LEASE_MARGIN_S, context_class, engine, migrate
 
     if not isinstance(url, str):
         raise InvalidArgument(f"url must be a string (a SQLite path or a database URL), not "
                               f"{type(url).__name__}", field="url")
     norm, parsed = engine.parse(url)
-    cls = store_class(parsed)
+    cls = context_class(parsed)
     created = cls.prepare_database(norm, parsed)
-    store = cls.connect(norm, parsed, lease_margin_s=DEFAULT_LEASE_MARGIN_S)
+    store = cls.open(norm, parsed, lease_margin_s=DEFAULT_LEASE_MARGIN_S)
     try:
-        before = migrate.upgrade(store.migration_lock(), norm)
+        before = migrate.upgrade(store.context, norm)
     finally:
         store.close()
     return InitReport(backend=store.backend, url=engine.redact_url(norm),

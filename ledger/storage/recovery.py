@@ -1,5 +1,6 @@
 """SQL of restart-time recovery and of the reconciliation (see ``ledger.ops.recovery`` and
-``ledger.ops.reconcile``). Each public function is one transaction on the store's engine.
+``ledger.ops.reconcile``): :class:`RecoveryQueries`, built on a
+:class:`~ledger.storage.context.SqlContext`. Each method is one transaction on its engine.
 
 Claiming: candidates are listed without locks; each run is then taken over in its own
 transaction that locks the run row and re-checks that the lease is still expired. On PostgreSQL
@@ -12,7 +13,8 @@ SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffic
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, func, or_, select
 
@@ -31,15 +33,47 @@ from ledger.domain.records import (
 )
 from ledger.errors import InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
+from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
-from ledger.storage.port import ClockFn, Figures, Takeover
 from ledger.storage.rows import attempt_record, run_record
-
-if TYPE_CHECKING:
-    from ledger.storage.store import SqlStore as Store
 
 UNFINISHED = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 UNKNOWN_REASON = "recovery: dispatched without a receipt (executor lease expired)"
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What one takeover transaction did to one run (:meth:`RecoveryQueries.take_over`)."""
+
+    run_id: str
+    previous_executor: str | None
+    previous_fence: int
+    lease: Lease | None  # None when the lease was released after takeover
+    fence: int
+    newly_unknown: list[str]
+    voided: list[str]
+    slots_released: int
+    attempts: list[AttemptRecord]  # the run's whole timeline after the takeover
+    selected_route: str
+    current_route: str | None
+    status: str
+    adopted: bool = False  # already taken over by this executor (a retried, committed takeover)
+
+
+@dataclass
+class Figures:
+    """Whole-ledger figures and the violations found by
+    :meth:`RecoveryQueries.reconcile_figures`."""
+
+    runs: int = 0
+    attempts: int = 0
+    by_state: dict[str, int] = field(default_factory=dict)
+    debits: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    # Attempts whose reported cost exceeded their hold: posted at the hold (the invariant holds)
+    # but the Run really cost more than it reserved; an operator needs to know.
+    cost_over_hold: list[str] = field(default_factory=list)
+
 
 
 def _expired_cond(now: float) -> Any:
@@ -64,197 +98,15 @@ def _chunks(items: Sequence[str], n: int = 500) -> Iterator[list[str]]:
         yield list(items[i:i + n])
 
 
-def expired_runs(store: Store, now: float, limit: int,
-                 run_ids: list[str] | None = None) -> list[str]:
-    """Runs whose executor lease expired and that are not finished (or still have attempts in
-    flight), oldest expiry first.
-
-    Both halves are driven by unsettled work: unfinished runs by ``(status,
-    lease_expires_at)``, finished ones only through their dispatching attempts; one ``OR``
-    over both would scan every run the ledger ever held.
-    """
-    r = s.runs.c
-    with store.reading() as conn:
-        q = select(r.run_id, r.lease_expires_at).where(r.status.in_(UNFINISHED),
-                                                      _expired_cond(now))
-        if run_ids is not None:
-            q = q.where(r.run_id.in_(run_ids))
-        found = {row[0]: row[1] for row in conn.execute(q)}
-        busy = sorted({rid for rid, _ in _dispatching(conn, run_ids)} - found.keys())
-        for chunk in _chunks(busy):
-            found.update((row[0], row[1]) for row in conn.execute(
-                select(r.run_id, r.lease_expires_at)
-                .where(r.run_id.in_(chunk), _expired_cond(now))))
-    return sorted(found, key=lambda rid: (found[rid], rid))[:limit]
-
-
 def _expired(row: Any, now: float) -> bool:
     return (row.lease_holder is not None and row.lease_expires_at is not None
             and row.lease_expires_at <= now)
-
-
-def take_over(store: Store, run_ids: Sequence[str], executor: str, ttl_s: float, now: float,
-              *, release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
-    """Take expired runs over under new fences, all in one transaction; returns the takeovers
-    and the runs that were not (or no longer) ours to take (lease live again, recovered by
-    someone else, or locked right now).
-
-    Every write is one statement for the whole batch (an ``executemany`` where values differ
-    per run), so a takeover costs a few statements and one commit per batch, not per run.
-    """
-    r = s.runs.c
-    a = s.attempts.c
-    d = s.debits.c
-    gs = s.group_slots.c
-    with store.writing() as conn:
-        q = store.claiming(select(s.runs).where(r.run_id.in_(list(run_ids))))
-        rows = {row.run_id: row for row in conn.execute(q)}
-        take = [rows[i] for i in run_ids if i in rows and _expired(rows[i], now)]
-        # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
-        adopted = [rows[i] for i in run_ids if adopt and i in rows and not _expired(rows[i], now)
-                   and rows[i].lease_holder == executor and (rows[i].lease_expires_at or 0) > now]
-        ids = [row.run_id for row in take]
-        fence = {row.run_id: int(row.fence) + 1 for row in take}
-        in_flight: dict[str, list[str]] = {i: [] for i in ids}
-        voided: dict[str, list[str]] = {i: [] for i in ids}
-        release_micros: dict[str, int] = dict.fromkeys(ids, 0)
-        slots: dict[str, int] = dict.fromkeys(ids, 0)
-        if ids:
-            for att_id, rid in conn.execute(
-                select(a.attempt_id, a.run_id)
-                .where(a.run_id.in_(ids), a.state == AttemptState.DISPATCHING.value)
-                .order_by(a.run_id, a.seq)
-            ):
-                in_flight[rid].append(att_id)
-            # Every dispatching attempt was recorded before its request could leave the
-            # process, and the ledger records nothing between begin and send: it may have been
-            # sent. Unknown, keeping its hold (invariant 6). Never re-sent by recovery.
-            marks = [{"k_id": att_id, "k_fence": fence[rid]}
-                     for rid, atts in in_flight.items() for att_id in atts]
-            if marks:
-                conn.execute(
-                    s.attempts.update().where(a.attempt_id == bindparam("k_id"))
-                    .values(state=AttemptState.UNKNOWN.value, settled_at=now,
-                            settle_fence=bindparam("k_fence")), marks)
-            # Holds the ledger can prove were never sent: attempts refused at begin (rejected)
-            # or settled as not sent, whose debit is somehow still reserved. The write path
-            # voids these itself, so this only repairs; it never touches a dispatching attempt.
-            for debit_id, rid, micros in conn.execute(
-                select(d.debit_id, d.run_id, d.reserved_micros)
-                .select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
-                .where(d.run_id.in_(ids), d.state == DebitState.RESERVED.value,
-                       a.state.in_([AttemptState.REJECTED.value, AttemptState.NOT_SENT.value]))
-            ):
-                voided[rid].append(debit_id)
-                release_micros[rid] += int(micros)
-            unsent = [x for v in voided.values() for x in v]
-            if unsent:
-                conn.execute(s.debits.update().where(d.debit_id.in_(unsent))
-                             .values(state=DebitState.VOIDED.value, settled_at=now))
-            # Capacity slots of the dead executor: all of the run's (the new fence has none).
-            for rid, n in conn.execute(select(gs.run_id, func.count()).where(gs.run_id.in_(ids))
-                                       .group_by(gs.run_id)):
-                slots[rid] = int(n)
-            if any(slots.values()):
-                conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids)))
-            holder, expires = (None, None) if release else (executor, now + ttl_s)
-            conn.execute(
-                s.runs.update().where(r.run_id == bindparam("k_run")).values(
-                    fence=bindparam("k_fence"), updated_at=now, lease_holder=holder,
-                    lease_expires_at=expires,
-                    reserved_micros=r.reserved_micros - bindparam("k_release")),
-                [{"k_run": i, "k_fence": fence[i], "k_release": release_micros[i]} for i in ids])
-            events = [_event_row(rid, att_id, "unknown",
-                                 {"reason": UNKNOWN_REASON, "fence": fence[rid]}, now)
-                      for rid, atts in in_flight.items() for att_id in atts]
-            events += [_event_row(row.run_id, None, "recover", {
-                "executor": executor, "previous": row.lease_holder,
-                "previous_fence": int(row.fence), "fence": fence[row.run_id],
-                "unknown": in_flight[row.run_id], "voided": voided[row.run_id],
-                "slots_released": slots[row.run_id], "released": release,
-            }, now) for row in take]
-            conn.execute(s.events.insert(), events)
-        reported = ids + [row.run_id for row in adopted]
-        timelines: dict[str, list[AttemptRecord]] = {i: [] for i in reported}
-        after: dict[str, Any] = {}
-        if reported:
-            for row in conn.execute(select(s.runs).where(r.run_id.in_(reported))):
-                after[row.run_id] = row
-            for x in conn.execute(
-                select(s.attempts, d.state.label("debit_state"))
-                .join(s.debits, d.debit_id == a.debit_id)
-                .where(a.run_id.in_(reported)).order_by(a.run_id, a.seq)
-            ):
-                timelines[x.run_id].append(attempt_record(x, x.debit_state))
-        out = [Takeover(
-            run_id=row.run_id, previous_executor=row.lease_holder,
-            previous_fence=int(row.fence),
-            lease=None if release else Lease(row.run_id, executor, fence[row.run_id],
-                                             now + ttl_s),
-            fence=fence[row.run_id], newly_unknown=in_flight[row.run_id],
-            voided=voided[row.run_id], slots_released=slots[row.run_id],
-            attempts=timelines[row.run_id], selected_route=after[row.run_id].selected_route,
-            current_route=after[row.run_id].current_route, status=after[row.run_id].status,
-        ) for row in take]
-        out += [Takeover(
-            run_id=row.run_id, previous_executor=row.lease_holder, previous_fence=int(row.fence),
-            lease=Lease(row.run_id, executor, int(row.fence), row.lease_expires_at),
-            fence=int(row.fence), newly_unknown=[], voided=[], slots_released=0,
-            attempts=timelines[row.run_id], selected_route=row.selected_route,
-            current_route=row.current_route, status=row.status, adopted=True,
-        ) for row in adopted]
-        faults.point("recover.before_commit")
-    faults.point("recover.after_commit")
-    taken = {t.run_id for t in out}
-    return out, [i for i in run_ids if i not in taken]
 
 
 def _event_row(run_id: str, attempt_id: str | None, kind: str, data: Mapping[str, Any],
                now: float) -> dict[str, Any]:
     return {"run_id": run_id, "attempt_id": attempt_id, "kind": kind, "data": event_json(data),
             "created_at": now}
-
-
-def orphaned_runs(store: Store, limit: int, run_ids: list[str] | None = None) -> list[str]:
-    """Runs held under a newer fence that still have Attempts dispatching under an older one:
-    their executor was fenced out (e.g. another executor acquired the expired lease directly,
-    without recovery) and can never settle them. Driven by the dispatching attempts."""
-    r = s.runs.c
-    with store.reading() as conn:
-        oldest: dict[str, int] = {}
-        for rid, fence in _dispatching(conn, run_ids):
-            oldest[rid] = min(fence, oldest.get(rid, fence))
-        orphaned: list[str] = []
-        for chunk in _chunks(sorted(oldest)):
-            orphaned += [row[0] for row in conn.execute(
-                select(r.run_id, r.fence).where(r.run_id.in_(chunk))) if oldest[row[0]] < row[1]]
-    return sorted(orphaned)[:limit]
-
-
-def mark_orphans(store: Store, run_id: str, now: float) -> list[str]:
-    """Mark a run's orphaned dispatching Attempts unknown (hold kept, slot freed), under the
-    run's current fence, without taking the run from its current executor."""
-    r = s.runs.c
-    a = s.attempts.c
-    gs = s.group_slots.c
-    with store.writing() as conn:
-        row = conn.execute(store.claiming(
-            select(r.run_id, r.fence).where(r.run_id == run_id))).first()
-        if row is None:
-            return []
-        ids = [x[0] for x in conn.execute(
-            select(a.attempt_id).where(a.run_id == run_id, a.fence < row.fence,
-                                       a.state == AttemptState.DISPATCHING.value)
-            .order_by(a.seq))]
-        if ids:
-            conn.execute(s.attempts.update().where(a.attempt_id.in_(ids)).values(
-                state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=row.fence))
-            conn.execute(s.group_slots.delete().where(gs.attempt_id.in_(ids)))
-            for att_id in ids:
-                store.add_event(conn, run_id, att_id, "unknown", {
-                    "reason": "recovery: dispatched under a fence that was taken over, "
-                              "without a receipt", "fence": int(row.fence)}, now)
-        return ids
 
 
 def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
@@ -277,248 +129,7 @@ def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
     )
 
 
-# -- closing a Run nobody will resume ------------------------------------------------------
-
 CLOSE_UNKNOWN_REASON = "closed: dispatched without a receipt (the Run was closed)"
-
-
-def close_run(store: Store, run_id: str, executor: str, status: RunStatus, reason: str,
-              clock: ClockFn) -> tuple[RunRecord, bool]:
-    """End a Run under a fresh fence, in one transaction; returns (the Run, whether it changed).
-
-    The run row is locked; a live lease of another executor refuses (``LeaseHeld``), one of
-    ``executor``'s own (recovery's) is taken over as well. A Run already ended with ``status``
-    is returned unchanged; with another status it is ``InvalidState``, as ``succeeded`` is
-    when its last turn was not served. Otherwise the fence moves on (an old executor can write
-    nothing more), Attempts still dispatching become unknown keeping their holds (as recovery
-    marks them), their capacity slots are released, the status is set, the lease released, and
-    a ``close`` event records who closed it, why, and which unknown Attempts keep holds.
-    """
-    r = s.runs.c
-    a = s.attempts.c
-    d = s.debits.c
-    e = s.events.c
-    gs = s.group_slots.c
-    with store.writing() as conn:
-        row = conn.execute(select(s.runs).where(r.run_id == run_id).with_for_update()).first()
-        if row is None:
-            raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
-                           run_id=run_id)
-        now = clock()
-        live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
-        if live and row.lease_holder != executor:
-            raise LeaseHeld(
-                f"run {run_id!r} is held by the live executor {row.lease_holder!r} until "
-                f"{row.lease_expires_at}; it is still being worked on: let it finish, or stop "
-                "that executor and close the run once its lease has expired",
-                run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at)
-        if row.status in {x.value for x in ENDED}:
-            if row.status == status.value:
-                return run_record(row), False
-            raise InvalidState(
-                f"run {run_id!r} already ended {row.status}; a closed Run is not closed again "
-                f"with another status (close it with --status {row.status}, which changes "
-                "nothing)", run_id=run_id, status=row.status, requested=status.value)
-        atts = [attempt_record(x, x.debit_state) for x in conn.execute(
-            select(s.attempts, d.state.label("debit_state"))
-            .join(s.debits, d.debit_id == a.debit_id)
-            .where(a.run_id == run_id).order_by(a.seq))]
-        if status is RunStatus.SUCCEEDED:
-            stops = [t for (t,) in conn.execute(
-                select(e.created_at).where(e.run_id == run_id, e.kind == "stop"))]
-            if not last_turn_served(atts, stops):
-                raise InvalidState(
-                    f"run {run_id!r} cannot be closed succeeded: its last turn was not served "
-                    "(or it made no Attempt); close it failed, stopped or cancelled",
-                    run_id=run_id, status=row.status, requested=status.value)
-        fence = int(row.fence) + 1
-        dispatching = [x.attempt_id for x in atts if x.state is AttemptState.DISPATCHING]
-        if dispatching:
-            # Sent, for all the ledger knows (invariant 6): unknown, the hold kept, never resent.
-            conn.execute(s.attempts.update().where(a.attempt_id.in_(dispatching)).values(
-                state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence))
-        slots = conn.execute(s.group_slots.delete().where(gs.run_id == run_id)).rowcount
-        conn.execute(s.runs.update().where(r.run_id == run_id).values(
-            status=status.value, fence=fence, lease_holder=None, lease_expires_at=None,
-            updated_at=now))
-        held = [x.attempt_id for x in atts
-                if x.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)]
-        events = [_event_row(run_id, att_id, "unknown",
-                             {"reason": CLOSE_UNKNOWN_REASON, "fence": fence}, now)
-                  for att_id in dispatching]
-        events.append(_event_row(run_id, None, "close", {
-            "status": status.value, "reason": reason, "executor": executor,
-            "previous": row.lease_holder, "previous_status": row.status,
-            "previous_fence": int(row.fence), "fence": fence, "unknown": dispatching,
-            "holds_kept": held, "slots_released": int(slots or 0)}, now))
-        conn.execute(s.events.insert(), events)
-        after = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
-    return run_record(after), True
-
-
-def past_deadline_runs(store: Store, now: float, limit: int, run_ids: list[str] | None = None,
-                       executor: str | None = None) -> list[str]:
-    """Unfinished Runs whose deadline passed and that no live executor (other than
-    ``executor``) holds, oldest deadline first (found through the runs' status index:
-    unfinished Runs are the few)."""
-    r = s.runs.c
-    free = or_(r.lease_holder.is_(None), r.lease_expires_at.is_(None), r.lease_expires_at <= now)
-    if executor is not None:
-        free = or_(free, r.lease_holder == executor)
-    q = (select(r.run_id).where(r.status.in_(UNFINISHED), r.deadline.is_not(None),
-                                r.deadline <= now, free)
-         .order_by(r.deadline, r.run_id).limit(limit))
-    if run_ids is not None:
-        q = q.where(r.run_id.in_(run_ids))
-    with store.reading() as conn:
-        return [row[0] for row in conn.execute(q)]
-
-
-# -- reconciliation -------------------------------------------------------------------------
-
-
-def reconcile_rows(store: Store, now: float) -> Figures:
-    """Check the ledger-wide invariants in one read transaction (a consistent snapshot on
-    PostgreSQL under REPEATABLE READ; SQLite reads are snapshots already)."""
-    g = s.capacity_groups.c
-    fig = Figures()
-    v = fig.violations
-    with store.reading() as conn:
-        store.consistent(conn)
-        runs = conn.execute(select(s.runs)).all()
-        fig.runs = len(runs)
-        by_run_att: dict[str, list[Any]] = {}
-        for row in conn.execute(select(s.attempts)):
-            by_run_att.setdefault(row.run_id, []).append(row)
-        debits = {row.debit_id: row for row in conn.execute(select(s.debits))}
-        slots = conn.execute(select(s.group_slots)).all()
-        limits = {row.group_id: row.max_in_flight for row in conn.execute(
-            select(g.group_id, g.max_in_flight))}
-        fig.attempts = sum(len(x) for x in by_run_att.values())
-        for x in by_run_att.values():
-            for att in x:
-                fig.by_state[att.state] = fig.by_state.get(att.state, 0) + 1
-        for drow in debits.values():
-            fig.debits[drow.state] = fig.debits.get(drow.state, 0) + 1
-        attempt_ids = {att.attempt_id for x in by_run_att.values() for att in x}
-        for drow in debits.values():
-            if drow.attempt_id not in attempt_ids:
-                v.append(f"debit {drow.debit_id} has no attempt")
-        run_by_id = {row.run_id: row for row in runs}
-        for run in runs:
-            atts = by_run_att.get(run.run_id, [])
-            reserved = posted = calls = held_tokens = 0
-            seqs = sorted(att.seq for att in atts)
-            if seqs != list(range(1, len(seqs) + 1)):
-                v.append(f"run {run.run_id}: attempt seqs not 1..n: {seqs}")
-            for att in atts:
-                deb = debits.get(att.debit_id)
-                where = f"run {run.run_id} attempt {att.attempt_id}"
-                if deb is None:
-                    v.append(f"{where}: no debit")
-                    continue
-                if deb.attempt_id != att.attempt_id or deb.run_id != run.run_id:
-                    v.append(f"{where}: debit {deb.debit_id} belongs elsewhere")
-                if deb.reserved_micros != att.reserved_micros:
-                    v.append(f"{where}: debit hold {deb.reserved_micros} != attempt's "
-                             f"{att.reserved_micros}")
-                st = att.state
-                expected = {
-                    AttemptState.DISPATCHING.value: {DebitState.RESERVED.value},
-                    AttemptState.UNKNOWN.value: {DebitState.RESERVED.value},
-                    AttemptState.REJECTED.value: {DebitState.VOIDED.value},
-                    AttemptState.SUCCEEDED.value: {DebitState.POSTED.value},
-                    AttemptState.FAILED.value: {DebitState.POSTED.value, DebitState.VOIDED.value},
-                    AttemptState.NOT_SENT.value: {DebitState.VOIDED.value},
-                }.get(st)
-                if expected is None:
-                    v.append(f"{where}: unknown state {st!r}")
-                elif deb.state not in expected:
-                    v.append(f"{where}: {st} attempt with a {deb.state} debit")
-                if st != AttemptState.DISPATCHING.value and att.settled_at is None:
-                    v.append(f"{where}: {st} without settled_at")
-                if st not in (AttemptState.REJECTED.value, AttemptState.NOT_SENT.value):
-                    calls += 1
-                if att.cost_micros is not None and att.cost_micros > att.reserved_micros:
-                    fig.cost_over_hold.append(
-                        f"{where}: reported cost {att.cost_micros} above its hold "
-                        f"{att.reserved_micros} (posted at the hold)")
-                if deb.state == DebitState.RESERVED.value:
-                    reserved += deb.reserved_micros
-                    held_tokens += att.reserved_tokens
-                elif deb.state == DebitState.POSTED.value:
-                    if deb.posted_micros > deb.reserved_micros:
-                        v.append(f"{where}: posted {deb.posted_micros} above its hold")
-                    posted += deb.posted_micros
-                    if deb.posted_micros != _expected_post(att, deb.reserved_micros,
-                                                           run.max_tokens is not None):
-                        v.append(f"{where}: posted {deb.posted_micros} != the settled cost")
-                elif deb.posted_micros:
-                    v.append(f"{where}: a {deb.state} debit posted {deb.posted_micros}")
-                if att.fence > run.fence or (att.settle_fence or 0) > run.fence:
-                    v.append(f"{where}: written under a fence above the run's")
-            if reserved != run.reserved_micros:
-                v.append(f"run {run.run_id}: reserved counter {run.reserved_micros} != sum of "
-                         f"reserved debits {reserved}")
-            if posted != run.posted_micros:
-                v.append(f"run {run.run_id}: posted counter {run.posted_micros} != sum of posted "
-                         f"debits {posted}")
-            if calls != run.calls_used:
-                v.append(f"run {run.run_id}: calls_used {run.calls_used} != {calls} attempts")
-            if held_tokens != run.tokens_reserved:
-                v.append(f"run {run.run_id}: tokens_reserved {run.tokens_reserved} != sum of "
-                         f"held token reserves {held_tokens}")
-            if run.max_tokens is not None and (run.tokens_reserved + run.tokens_used
-                                               + run.carved_tokens > run.max_tokens):
-                v.append(f"run {run.run_id}: held+used tokens above the token budget")
-            if run.calls_used + run.carved_calls > run.max_calls:
-                v.append(f"run {run.run_id}: calls {run.calls_used} above allowance")
-            if run.retries_used + run.carved_retries > run.max_retries:
-                v.append(f"run {run.run_id}: retries {run.retries_used} above allowance")
-            if run.reserved_micros + run.posted_micros + run.carved_micros > run.max_cost_micros:
-                v.append(f"run {run.run_id}: reserved+posted above the cost budget")
-            if run.parent_run_id is not None and run.parent_run_id not in run_by_id:
-                v.append(f"run {run.run_id}: parent {run.parent_run_id} missing")
-        # Children's budgets come out of the parent's carve.
-        carved: dict[str, list[int]] = {}
-        for run in runs:
-            if run.parent_run_id is not None:
-                c = carved.setdefault(run.parent_run_id, [0, 0, 0])
-                c[0] += run.max_calls
-                c[1] += run.max_retries
-                c[2] += run.max_cost_micros
-        for pid, (calls, retries, micros) in carved.items():
-            par = run_by_id.get(pid)
-            if par is not None and (par.carved_calls, par.carved_retries, par.carved_micros) != (
-                    calls, retries, micros):
-                v.append(f"run {pid}: carved ({par.carved_calls}, {par.carved_retries}, "
-                         f"{par.carved_micros}) != its children's budgets ({calls}, {retries}, "
-                         f"{micros})")
-        # Slots: only dispatching attempts hold one; live ones never exceed a group's limit.
-        states = {att.attempt_id: att.state for x in by_run_att.values() for att in x}
-        live: dict[str, int] = {}
-        for slot in slots:
-            st = states.get(slot.attempt_id)
-            if st != AttemptState.DISPATCHING.value:
-                v.append(f"slot of attempt {slot.attempt_id} held by a {st} attempt")
-            holder = run_by_id.get(slot.run_id)
-            if (holder is not None and holder.fence == slot.fence
-                    and holder.lease_expires_at is not None and holder.lease_expires_at > now):
-                live[slot.group_id] = live.get(slot.group_id, 0) + 1
-        for grp, n in live.items():
-            lim = limits.get(grp)
-            if lim is not None and n > lim:
-                v.append(f"group {grp}: {n} live slots above its limit {lim}")
-        # Events: every recovered unknown attempt has its event (audit trail).
-        ev = s.events.c
-        unknown_events = {row[0] for row in conn.execute(
-            select(ev.attempt_id).where(ev.kind == "unknown"))}
-        for x in by_run_att.values():
-            for att in x:
-                if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None \
-                        and att.attempt_id not in unknown_events:
-                    v.append(f"attempt {att.attempt_id}: unknown without an 'unknown' event")
-    return fig
 
 
 def _expected_post(att: Any, reserved_micros: int, token_budget: bool) -> int:
@@ -531,15 +142,430 @@ def _expected_post(att: Any, reserved_micros: int, token_budget: bool) -> int:
                         token_budget=token_budget).posted_micros
 
 
-def event_counts(store: Store, kinds: list[str]) -> dict[str, int]:
-    ev = s.events.c
-    with store.reading() as conn:
-        rows = conn.execute(select(ev.kind, func.count()).where(ev.kind.in_(kinds))
-                            .group_by(ev.kind)).all()
-    out = {k: 0 for k in kinds}
-    out.update({k: int(n) for k, n in rows})
-    return out
+class RecoveryQueries:
+    """Restart-time recovery and the reconciliation, on one database."""
 
+    def __init__(self, ctx: SqlContext) -> None:
+        self.ctx = ctx
 
-__all__ = ["event_counts", "expired_runs", "mark_orphans", "orphaned_runs", "reconcile_rows",
-           "take_over"]
+    def expired_runs(self, now: float, limit: int,
+                     run_ids: list[str] | None = None) -> list[str]:
+        """Up to ``limit`` runs (of ``run_ids``, or all) whose executor lease expired by
+        ``now`` and that are unfinished or still have an Attempt dispatching, oldest expiry
+        first."""
+        r = s.runs.c
+        with self.ctx.reading() as conn:
+            q = select(r.run_id, r.lease_expires_at).where(r.status.in_(UNFINISHED),
+                                                          _expired_cond(now))
+            if run_ids is not None:
+                q = q.where(r.run_id.in_(run_ids))
+            found = {row[0]: row[1] for row in conn.execute(q)}
+            busy = sorted({rid for rid, _ in _dispatching(conn, run_ids)} - found.keys())
+            for chunk in _chunks(busy):
+                found.update((row[0], row[1]) for row in conn.execute(
+                    select(r.run_id, r.lease_expires_at)
+                    .where(r.run_id.in_(chunk), _expired_cond(now))))
+        return sorted(found, key=lambda rid: (found[rid], rid))[:limit]
+
+    def take_over(self, run_ids: Sequence[str], executor: str, ttl_s: float, now: float,
+                  *, release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
+        """Take the expired runs of ``run_ids`` over for ``executor`` in one transaction: new
+        fences, dispatching Attempts unknown (holds kept), unsent holds voided, slots freed;
+        the new lease lasts ``ttl_s`` (or is released at once with ``release``). ``adopt``
+        also reports runs this executor already took over (a retried takeover whose commit
+        landed). Returns the takeovers and the runs not (or no longer) to take."""
+        r = s.runs.c
+        a = s.attempts.c
+        d = s.debits.c
+        gs = s.group_slots.c
+        with self.ctx.writing() as conn:
+            q = self.ctx.claiming(select(s.runs).where(r.run_id.in_(list(run_ids))))
+            rows = {row.run_id: row for row in conn.execute(q)}
+            take = [rows[i] for i in run_ids if i in rows and _expired(rows[i], now)]
+            # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
+            adopted = [rows[i] for i in run_ids
+                       if adopt and i in rows and not _expired(rows[i], now)
+                       and rows[i].lease_holder == executor
+                       and (rows[i].lease_expires_at or 0) > now]
+            ids = [row.run_id for row in take]
+            fence = {row.run_id: int(row.fence) + 1 for row in take}
+            in_flight: dict[str, list[str]] = {i: [] for i in ids}
+            voided: dict[str, list[str]] = {i: [] for i in ids}
+            release_micros: dict[str, int] = dict.fromkeys(ids, 0)
+            slots: dict[str, int] = dict.fromkeys(ids, 0)
+            if ids:
+                for att_id, rid in conn.execute(
+                    select(a.attempt_id, a.run_id)
+                    .where(a.run_id.in_(ids), a.state == AttemptState.DISPATCHING.value)
+                    .order_by(a.run_id, a.seq)
+                ):
+                    in_flight[rid].append(att_id)
+                # Every dispatching attempt was recorded before its request could leave the
+                # process, and the ledger records nothing between begin and send: it may have been
+                # sent. Unknown, keeping its hold (invariant 6). Never re-sent by recovery.
+                marks = [{"k_id": att_id, "k_fence": fence[rid]}
+                         for rid, atts in in_flight.items() for att_id in atts]
+                if marks:
+                    conn.execute(
+                        s.attempts.update().where(a.attempt_id == bindparam("k_id"))
+                        .values(state=AttemptState.UNKNOWN.value, settled_at=now,
+                                settle_fence=bindparam("k_fence")), marks)
+                # Holds the ledger can prove were never sent: attempts refused at begin (rejected)
+                # or settled as not sent, whose debit is somehow still reserved. The write path
+                # voids these itself, so this only repairs; it never touches a dispatching attempt.
+                for debit_id, rid, micros in conn.execute(
+                    select(d.debit_id, d.run_id, d.reserved_micros)
+                    .select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
+                    .where(d.run_id.in_(ids), d.state == DebitState.RESERVED.value,
+                           a.state.in_([AttemptState.REJECTED.value, AttemptState.NOT_SENT.value]))
+                ):
+                    voided[rid].append(debit_id)
+                    release_micros[rid] += int(micros)
+                unsent = [x for v in voided.values() for x in v]
+                if unsent:
+                    conn.execute(s.debits.update().where(d.debit_id.in_(unsent))
+                                 .values(state=DebitState.VOIDED.value, settled_at=now))
+                # Capacity slots of the dead executor: all of the run's (the new fence has none).
+                for rid, n in conn.execute(select(gs.run_id, func.count()).where(gs.run_id.in_(ids))
+                                           .group_by(gs.run_id)):
+                    slots[rid] = int(n)
+                if any(slots.values()):
+                    conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids)))
+                holder, expires = (None, None) if release else (executor, now + ttl_s)
+                conn.execute(
+                    s.runs.update().where(r.run_id == bindparam("k_run")).values(
+                        fence=bindparam("k_fence"), updated_at=now, lease_holder=holder,
+                        lease_expires_at=expires,
+                        reserved_micros=r.reserved_micros - bindparam("k_release")),
+                    [{"k_run": i, "k_fence": fence[i], "k_release": release_micros[i]}
+                     for i in ids])
+                events = [_event_row(rid, att_id, "unknown",
+                                     {"reason": UNKNOWN_REASON, "fence": fence[rid]}, now)
+                          for rid, atts in in_flight.items() for att_id in atts]
+                events += [_event_row(row.run_id, None, "recover", {
+                    "executor": executor, "previous": row.lease_holder,
+                    "previous_fence": int(row.fence), "fence": fence[row.run_id],
+                    "unknown": in_flight[row.run_id], "voided": voided[row.run_id],
+                    "slots_released": slots[row.run_id], "released": release,
+                }, now) for row in take]
+                conn.execute(s.events.insert(), events)
+            reported = ids + [row.run_id for row in adopted]
+            timelines: dict[str, list[AttemptRecord]] = {i: [] for i in reported}
+            after: dict[str, Any] = {}
+            if reported:
+                for row in conn.execute(select(s.runs).where(r.run_id.in_(reported))):
+                    after[row.run_id] = row
+                for x in conn.execute(
+                    select(s.attempts, d.state.label("debit_state"))
+                    .join(s.debits, d.debit_id == a.debit_id)
+                    .where(a.run_id.in_(reported)).order_by(a.run_id, a.seq)
+                ):
+                    timelines[x.run_id].append(attempt_record(x, x.debit_state))
+            out = [Takeover(
+                run_id=row.run_id, previous_executor=row.lease_holder,
+                previous_fence=int(row.fence),
+                lease=None if release else Lease(row.run_id, executor, fence[row.run_id],
+                                                 now + ttl_s),
+                fence=fence[row.run_id], newly_unknown=in_flight[row.run_id],
+                voided=voided[row.run_id], slots_released=slots[row.run_id],
+                attempts=timelines[row.run_id], selected_route=after[row.run_id].selected_route,
+                current_route=after[row.run_id].current_route, status=after[row.run_id].status,
+            ) for row in take]
+            out += [Takeover(
+                run_id=row.run_id, previous_executor=row.lease_holder,
+                previous_fence=int(row.fence),
+                lease=Lease(row.run_id, executor, int(row.fence), row.lease_expires_at),
+                fence=int(row.fence), newly_unknown=[], voided=[], slots_released=0,
+                attempts=timelines[row.run_id], selected_route=row.selected_route,
+                current_route=row.current_route, status=row.status, adopted=True,
+            ) for row in adopted]
+            faults.point("recover.before_commit")
+        faults.point("recover.after_commit")
+        taken = {t.run_id for t in out}
+        return out, [i for i in run_ids if i not in taken]
+
+    def orphaned_runs(self, limit: int, run_ids: list[str] | None = None) -> list[str]:
+        """Up to ``limit`` runs (of ``run_ids``, or all) that have Attempts dispatching under
+        a fence older than the run's."""
+        r = s.runs.c
+        with self.ctx.reading() as conn:
+            oldest: dict[str, int] = {}
+            for rid, fence in _dispatching(conn, run_ids):
+                oldest[rid] = min(fence, oldest.get(rid, fence))
+            orphaned: list[str] = []
+            for chunk in _chunks(sorted(oldest)):
+                orphaned += [row[0] for row in conn.execute(
+                    select(r.run_id, r.fence).where(r.run_id.in_(chunk)))
+                    if oldest[row[0]] < row[1]]
+        return sorted(orphaned)[:limit]
+
+    def mark_orphans(self, run_id: str, now: float) -> list[str]:
+        """Mark ``run_id``'s orphaned Attempts unknown (holds kept, slots freed) without
+        taking the run from its executor; returns their ids."""
+        r = s.runs.c
+        a = s.attempts.c
+        gs = s.group_slots.c
+        with self.ctx.writing() as conn:
+            row = conn.execute(self.ctx.claiming(
+                select(r.run_id, r.fence).where(r.run_id == run_id))).first()
+            if row is None:
+                return []
+            ids = [x[0] for x in conn.execute(
+                select(a.attempt_id).where(a.run_id == run_id, a.fence < row.fence,
+                                           a.state == AttemptState.DISPATCHING.value)
+                .order_by(a.seq))]
+            if ids:
+                conn.execute(s.attempts.update().where(a.attempt_id.in_(ids)).values(
+                    state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=row.fence))
+                conn.execute(s.group_slots.delete().where(gs.attempt_id.in_(ids)))
+                for att_id in ids:
+                    self.ctx.add_event(conn, run_id, att_id, "unknown", {
+                        "reason": "recovery: dispatched under a fence that was taken over, "
+                                  "without a receipt", "fence": int(row.fence)}, now)
+            return ids
+
+    def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
+                  clock: ClockFn) -> tuple[RunRecord, bool]:
+        """End ``run_id`` with ``status`` under a fresh fence, in one transaction: dispatching
+        Attempts unknown (holds kept), slots freed, the lease released, a ``close`` event with
+        ``reason``. Returns the Run and whether it changed (``False``: it had already ended
+        with ``status``). Raises :class:`~ledger.errors.NotFound`,
+        :class:`~ledger.errors.LeaseHeld` (a live executor other than ``executor`` holds it)
+        and :class:`~ledger.errors.InvalidState` (it ended with another status, or
+        ``succeeded`` asked of a Run whose last turn was not served)."""
+        r = s.runs.c
+        a = s.attempts.c
+        d = s.debits.c
+        e = s.events.c
+        gs = s.group_slots.c
+        with self.ctx.writing() as conn:
+            row = conn.execute(select(s.runs).where(r.run_id == run_id).with_for_update()).first()
+            if row is None:
+                raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
+                               run_id=run_id)
+            now = clock()
+            live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
+            if live and row.lease_holder != executor:
+                raise LeaseHeld(
+                    f"run {run_id!r} is held by the live executor {row.lease_holder!r} until "
+                    f"{row.lease_expires_at}; it is still being worked on: let it finish, or stop "
+                    "that executor and close the run once its lease has expired",
+                    run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at)
+            if row.status in {x.value for x in ENDED}:
+                if row.status == status.value:
+                    return run_record(row), False
+                raise InvalidState(
+                    f"run {run_id!r} already ended {row.status}; a closed Run is not closed again "
+                    f"with another status (close it with --status {row.status}, which changes "
+                    "nothing)", run_id=run_id, status=row.status, requested=status.value)
+            atts = [attempt_record(x, x.debit_state) for x in conn.execute(
+                select(s.attempts, d.state.label("debit_state"))
+                .join(s.debits, d.debit_id == a.debit_id)
+                .where(a.run_id == run_id).order_by(a.seq))]
+            if status is RunStatus.SUCCEEDED:
+                stops = [t for (t,) in conn.execute(
+                    select(e.created_at).where(e.run_id == run_id, e.kind == "stop"))]
+                if not last_turn_served(atts, stops):
+                    raise InvalidState(
+                        f"run {run_id!r} cannot be closed succeeded: its last turn was not served "
+                        "(or it made no Attempt); close it failed, stopped or cancelled",
+                        run_id=run_id, status=row.status, requested=status.value)
+            fence = int(row.fence) + 1
+            dispatching = [x.attempt_id for x in atts if x.state is AttemptState.DISPATCHING]
+            if dispatching:
+                # Sent, for all the ledger knows (invariant 6): unknown, the hold kept, never
+                # resent.
+                conn.execute(s.attempts.update().where(a.attempt_id.in_(dispatching)).values(
+                    state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence))
+            slots = conn.execute(s.group_slots.delete().where(gs.run_id == run_id)).rowcount
+            conn.execute(s.runs.update().where(r.run_id == run_id).values(
+                status=status.value, fence=fence, lease_holder=None, lease_expires_at=None,
+                updated_at=now))
+            held = [x.attempt_id for x in atts
+                    if x.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)]
+            events = [_event_row(run_id, att_id, "unknown",
+                                 {"reason": CLOSE_UNKNOWN_REASON, "fence": fence}, now)
+                      for att_id in dispatching]
+            events.append(_event_row(run_id, None, "close", {
+                "status": status.value, "reason": reason, "executor": executor,
+                "previous": row.lease_holder, "previous_status": row.status,
+                "previous_fence": int(row.fence), "fence": fence, "unknown": dispatching,
+                "holds_kept": held, "slots_released": int(slots or 0)}, now))
+            conn.execute(s.events.insert(), events)
+            after = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
+        return run_record(after), True
+
+    def past_deadline_runs(self, now: float, limit: int, run_ids: list[str] | None = None,
+                           executor: str | None = None) -> list[str]:
+        """Up to ``limit`` unfinished runs (of ``run_ids``, or all) whose deadline is past at
+        ``now`` and that no live executor other than ``executor`` holds, oldest deadline
+        first."""
+        r = s.runs.c
+        free = or_(r.lease_holder.is_(None), r.lease_expires_at.is_(None),
+                   r.lease_expires_at <= now)
+        if executor is not None:
+            free = or_(free, r.lease_holder == executor)
+        q = (select(r.run_id).where(r.status.in_(UNFINISHED), r.deadline.is_not(None),
+                                    r.deadline <= now, free)
+             .order_by(r.deadline, r.run_id).limit(limit))
+        if run_ids is not None:
+            q = q.where(r.run_id.in_(run_ids))
+        with self.ctx.reading() as conn:
+            return [row[0] for row in conn.execute(q)]
+
+    def reconcile_figures(self, now: float) -> Figures:
+        """Check every ledger-wide invariant on one consistent snapshot; writes nothing."""
+        g = s.capacity_groups.c
+        fig = Figures()
+        v = fig.violations
+        with self.ctx.reading() as conn:
+            self.ctx.consistent(conn)
+            runs = conn.execute(select(s.runs)).all()
+            fig.runs = len(runs)
+            by_run_att: dict[str, list[Any]] = {}
+            for row in conn.execute(select(s.attempts)):
+                by_run_att.setdefault(row.run_id, []).append(row)
+            debits = {row.debit_id: row for row in conn.execute(select(s.debits))}
+            slots = conn.execute(select(s.group_slots)).all()
+            limits = {row.group_id: row.max_in_flight for row in conn.execute(
+                select(g.group_id, g.max_in_flight))}
+            fig.attempts = sum(len(x) for x in by_run_att.values())
+            for x in by_run_att.values():
+                for att in x:
+                    fig.by_state[att.state] = fig.by_state.get(att.state, 0) + 1
+            for drow in debits.values():
+                fig.debits[drow.state] = fig.debits.get(drow.state, 0) + 1
+            attempt_ids = {att.attempt_id for x in by_run_att.values() for att in x}
+            for drow in debits.values():
+                if drow.attempt_id not in attempt_ids:
+                    v.append(f"debit {drow.debit_id} has no attempt")
+            run_by_id = {row.run_id: row for row in runs}
+            for run in runs:
+                atts = by_run_att.get(run.run_id, [])
+                reserved = posted = calls = held_tokens = 0
+                seqs = sorted(att.seq for att in atts)
+                if seqs != list(range(1, len(seqs) + 1)):
+                    v.append(f"run {run.run_id}: attempt seqs not 1..n: {seqs}")
+                for att in atts:
+                    deb = debits.get(att.debit_id)
+                    where = f"run {run.run_id} attempt {att.attempt_id}"
+                    if deb is None:
+                        v.append(f"{where}: no debit")
+                        continue
+                    if deb.attempt_id != att.attempt_id or deb.run_id != run.run_id:
+                        v.append(f"{where}: debit {deb.debit_id} belongs elsewhere")
+                    if deb.reserved_micros != att.reserved_micros:
+                        v.append(f"{where}: debit hold {deb.reserved_micros} != attempt's "
+                                 f"{att.reserved_micros}")
+                    st = att.state
+                    expected = {
+                        AttemptState.DISPATCHING.value: {DebitState.RESERVED.value},
+                        AttemptState.UNKNOWN.value: {DebitState.RESERVED.value},
+                        AttemptState.REJECTED.value: {DebitState.VOIDED.value},
+                        AttemptState.SUCCEEDED.value: {DebitState.POSTED.value},
+                        AttemptState.FAILED.value: {DebitState.POSTED.value,
+                                                    DebitState.VOIDED.value},
+                        AttemptState.NOT_SENT.value: {DebitState.VOIDED.value},
+                    }.get(st)
+                    if expected is None:
+                        v.append(f"{where}: unknown state {st!r}")
+                    elif deb.state not in expected:
+                        v.append(f"{where}: {st} attempt with a {deb.state} debit")
+                    if st != AttemptState.DISPATCHING.value and att.settled_at is None:
+                        v.append(f"{where}: {st} without settled_at")
+                    if st not in (AttemptState.REJECTED.value, AttemptState.NOT_SENT.value):
+                        calls += 1
+                    if att.cost_micros is not None and att.cost_micros > att.reserved_micros:
+                        fig.cost_over_hold.append(
+                            f"{where}: reported cost {att.cost_micros} above its hold "
+                            f"{att.reserved_micros} (posted at the hold)")
+                    if deb.state == DebitState.RESERVED.value:
+                        reserved += deb.reserved_micros
+                        held_tokens += att.reserved_tokens
+                    elif deb.state == DebitState.POSTED.value:
+                        if deb.posted_micros > deb.reserved_micros:
+                            v.append(f"{where}: posted {deb.posted_micros} above its hold")
+                        posted += deb.posted_micros
+                        if deb.posted_micros != _expected_post(att, deb.reserved_micros,
+                                                               run.max_tokens is not None):
+                            v.append(f"{where}: posted {deb.posted_micros} != the settled cost")
+                    elif deb.posted_micros:
+                        v.append(f"{where}: a {deb.state} debit posted {deb.posted_micros}")
+                    if att.fence > run.fence or (att.settle_fence or 0) > run.fence:
+                        v.append(f"{where}: written under a fence above the run's")
+                if reserved != run.reserved_micros:
+                    v.append(f"run {run.run_id}: reserved counter {run.reserved_micros} != sum of "
+                             f"reserved debits {reserved}")
+                if posted != run.posted_micros:
+                    v.append(f"run {run.run_id}: posted counter {run.posted_micros} != sum of "
+                             f"posted debits {posted}")
+                if calls != run.calls_used:
+                    v.append(f"run {run.run_id}: calls_used {run.calls_used} != {calls} attempts")
+                if held_tokens != run.tokens_reserved:
+                    v.append(f"run {run.run_id}: tokens_reserved {run.tokens_reserved} != sum of "
+                             f"held token reserves {held_tokens}")
+                if run.max_tokens is not None and (run.tokens_reserved + run.tokens_used
+                                                   + run.carved_tokens > run.max_tokens):
+                    v.append(f"run {run.run_id}: held+used tokens above the token budget")
+                if run.calls_used + run.carved_calls > run.max_calls:
+                    v.append(f"run {run.run_id}: calls {run.calls_used} above allowance")
+                if run.retries_used + run.carved_retries > run.max_retries:
+                    v.append(f"run {run.run_id}: retries {run.retries_used} above allowance")
+                held = run.reserved_micros + run.posted_micros + run.carved_micros
+                if held > run.max_cost_micros:
+                    v.append(f"run {run.run_id}: reserved+posted above the cost budget")
+                if run.parent_run_id is not None and run.parent_run_id not in run_by_id:
+                    v.append(f"run {run.run_id}: parent {run.parent_run_id} missing")
+            # Children's budgets come out of the parent's carve.
+            carved: dict[str, list[int]] = {}
+            for run in runs:
+                if run.parent_run_id is not None:
+                    c = carved.setdefault(run.parent_run_id, [0, 0, 0])
+                    c[0] += run.max_calls
+                    c[1] += run.max_retries
+                    c[2] += run.max_cost_micros
+            for pid, (calls, retries, micros) in carved.items():
+                par = run_by_id.get(pid)
+                carved_now = (None if par is None else
+                              (par.carved_calls, par.carved_retries, par.carved_micros))
+                if par is not None and carved_now != (calls, retries, micros):
+                    v.append(f"run {pid}: carved ({par.carved_calls}, {par.carved_retries}, "
+                             f"{par.carved_micros}) != its children's budgets ({calls}, {retries}, "
+                             f"{micros})")
+            # Slots: only dispatching attempts hold one; live ones never exceed a group's limit.
+            states = {att.attempt_id: att.state for x in by_run_att.values() for att in x}
+            live: dict[str, int] = {}
+            for slot in slots:
+                st = states.get(slot.attempt_id)
+                if st != AttemptState.DISPATCHING.value:
+                    v.append(f"slot of attempt {slot.attempt_id} held by a {st} attempt")
+                holder = run_by_id.get(slot.run_id)
+                if (holder is not None and holder.fence == slot.fence
+                        and holder.lease_expires_at is not None and holder.lease_expires_at > now):
+                    live[slot.group_id] = live.get(slot.group_id, 0) + 1
+            for grp, n in live.items():
+                lim = limits.get(grp)
+                if lim is not None and n > lim:
+                    v.append(f"group {grp}: {n} live slots above its limit {lim}")
+            # Events: every recovered unknown attempt has its event (audit trail).
+            ev = s.events.c
+            unknown_events = {row[0] for row in conn.execute(
+                select(ev.attempt_id).where(ev.kind == "unknown"))}
+            for x in by_run_att.values():
+                for att in x:
+                    if att.state == AttemptState.UNKNOWN.value and att.settle_hash is None \
+                            and att.attempt_id not in unknown_events:
+                        v.append(f"attempt {att.attempt_id}: unknown without an 'unknown' event")
+        return fig
+
+    def event_counts(self, kinds: list[str]) -> dict[str, int]:
+        """How many events of each of ``kinds`` the ledger holds."""
+        ev = s.events.c
+        with self.ctx.reading() as conn:
+            rows = conn.execute(select(ev.kind, func.count()).where(ev.kind.in_(kinds))
+                                .group_by(ev.kind)).all()
+        out = {k: 0 for k in kinds}
+        out.update({k: int(n) for k, n in rows})
+        return out
+
+__all__ = ["Figures", "RecoveryQueries", "Takeover"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,18 +12,33 @@ from sqlalchemy import Row
 
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
-    FROZEN_RUN_FIELDS,
     AttemptKind,
     AttemptRecord,
     AttemptState,
     DebitState,
-    FrozenRun,
     RunRecord,
     RunStatus,
     from_micros,
 )
-from ledger.domain.values import Budget, Grant, Health, Route
+from ledger.domain.values import Budget, Grant, GroupProjection, Health, Route
 from ledger.storage import schema as s
+
+
+@dataclass(frozen=True)
+class SnapshotRows:
+    """What one routing decision reads, in one read transaction
+    (:meth:`ledger.storage.store.Store.turn_snapshot`).
+
+    ``run`` holds the Run's live columns by name (counters, current route and profile, lease,
+    compactions), not its frozen snapshots; ``now`` is the clock as read after the rows.
+    """
+
+    run: SimpleNamespace
+    groups: dict[str, GroupProjection]
+    health: dict[str, Health]
+    provenance: dict[str, frozenset[str]]
+    now: float
+
 
 # Every attempts column, for building a record from the values a transaction just wrote.
 ATTEMPT_NULLS: dict[str, Any] = {c.name: None for c in s.attempts.c}
@@ -128,20 +144,3 @@ def health_record(row: Any) -> Health:
         recent_failures=tuple(float(t) for t in json.loads(row.recent_failures))
         if row.recent_failures else (),
     )
-
-
-LIVE_RUN_FIELDS = (
-    "status", "calls_used", "retries_used", "tokens_used", "tokens_reserved", "carved_calls",
-    "carved_retries", "carved_tokens", "current_route", "current_profile", "lease_holder",
-    "fence", "lease_expires_at", "updated_at", "compactions", "profile_compactions",
-)
-
-
-def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
-    """The Run as it stands: its frozen parts (read once per Run) with a live row's state."""
-    live: dict[str, Any] = {f: getattr(row, f) for f in LIVE_RUN_FIELDS}
-    live["status"] = RunStatus(live["status"])
-    live["reserved"] = from_micros(row.reserved_micros)
-    live["posted"] = from_micros(row.posted_micros)
-    live["carved"] = from_micros(row.carved_micros)
-    return RunRecord(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS}, **live)

@@ -1,4 +1,4 @@
-"""The storage port on SQLite: :class:`SqliteStore`.
+"""SQLite: :class:`SqliteContext`, and the store it opens.
 
 One file shared by every process on the host: the hot path runs on :mod:`sqlite3` directly (one
 connection per thread, ``BEGIN IMMEDIATE`` for writes, WAL with ``synchronous=FULL``), the cold
@@ -18,28 +18,36 @@ from sqlalchemy import Connection, Integer, Select, cast, func
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
 
-from ledger.storage import DEFAULT_LEASE_MARGIN_S, hot, migrate
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.storage import engine as eng
+from ledger.storage import hot, migrate
 from ledger.storage import schema as s
+from ledger.storage.context import SqlContext
 from ledger.storage.driver import SqliteDriver
 from ledger.storage.engine import redact_url
-from ledger.storage.store import SqlStore
+from ledger.storage.store import Store
 
 
-class SqliteStore(SqlStore):
-    """The storage port over one SQLite file."""
+class SqliteContext(SqlContext):
+    """One SQLite file, for the queries built on it."""
 
     backend = "sqlite"
-    SQL = hot.SQLITE_SQL
+
+    #: The longest a queued begin waits without a signal before it begins again: another
+    #: process's settle signals nothing on SQLite.
+    QUEUE_POLL_S = 0.1
 
     @classmethod
-    def connect(cls, norm: str, parsed: URL, *,
-                lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> SqliteStore:
-        """A store on the SQLite file of ``parsed`` (its folder must exist)."""
+    def open(cls, norm: str, parsed: URL, *,
+             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Store:
+        """The store on the SQLite file of ``parsed`` (its folder must exist), without
+        touching it yet (the first transaction connects)."""
         path = eng.sqlite_file(norm, parsed)
         timeout = eng.sqlite_busy_timeout(parsed)
-        return cls(eng.sqlite_engine(parsed, timeout), redact_url(norm),
-                   SqliteDriver(path, busy_timeout_s=timeout), lease_margin_s=lease_margin_s)
+        ctx = cls(eng.sqlite_engine(parsed, timeout), redact_url(norm),
+                  lease_margin_s=lease_margin_s)
+        return Store(ctx, SqliteDriver(path, busy_timeout_s=timeout), hot.SQLITE_SQL,
+                     queue_poll_s=cls.QUEUE_POLL_S)
 
     @classmethod
     def prepare_database(cls, norm: str, parsed: URL) -> bool:
@@ -71,4 +79,4 @@ class SqliteStore(SqlStore):
         return func.json_extract(s.runs.c.labels, f'$."{key}"')
 
 
-__all__ = ["SqliteStore"]
+__all__ = ["SqliteContext"]

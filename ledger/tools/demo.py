@@ -119,6 +119,7 @@ def fresh_ledger(db_url: str) -> str | None:
     :class:`InvalidArgument` naming ``--db``: the demo never writes next to other history.
     """
     from ledger.api.facade import storage_of
+    from ledger.storage.audit import AuditQueries
     from ledger.storage.engine import normalize_url, redact_url
 
     norm = normalize_url(db_url)
@@ -134,7 +135,7 @@ def fresh_ledger(db_url: str) -> str | None:
         raise InvalidArgument(f"{where} cannot be opened as a ledger ({e}); the demo needs a "
                               f"fresh ledger: {fix}", field="db") from e
     try:
-        store = storage_of(led)
+        store = AuditQueries(storage_of(led).context)
         if not store.schema_present():
             if path is None:
                 return None  # an empty PostgreSQL database: the demo migrates it

@@ -38,7 +38,7 @@ from ledger.testing import FakeProvider, Fault
 from ledger.testing.pgserver import free_port
 from ledger.tools.generate import generate, generated_policy, generated_policy_hash
 from tests.fakeplan import PRICE, _clear, fake
-from tests.storage.helpers import REPO, sql_store
+from tests.storage.helpers import REPO, sql_context
 
 # Enough Runs for a page of 40 that failed over in the audit (about one Run in twelve fails
 # over: some 60 here). Generating costs a few transactions per Attempt, so N stays small.
@@ -83,7 +83,7 @@ def test_generated_history_reconciles_with_no_violation(generated: Ledger) -> No
 
 
 def _per_run(led: Ledger, sql: str) -> list[Any]:
-    with sql_store(led).engine.connect() as conn:
+    with sql_context(led).engine.connect() as conn:
         return list(conn.execute(text(sql)))
 
 
@@ -213,7 +213,7 @@ def _shapes(led: Ledger, where: str) -> tuple[dict[str, set[str]], dict[str, set
     for kind, data in _per_run(led, f"SELECT kind, data FROM events WHERE {where}"):
         keys.setdefault(kind, set()).update(json.loads(data))
     nulls: dict[str, set[str]] = {}
-    with sql_store(led).engine.connect() as conn:
+    with sql_context(led).engine.connect() as conn:
         res = conn.execute(text(f"SELECT * FROM attempts WHERE {where}"))
         cols = list(res.keys())
         for row in res:

@@ -20,7 +20,7 @@ from benchmarks.generate import generate
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.ops.audit import Audit
-from tests.storage.helpers import sql_store
+from tests.storage.helpers import sql_context
 
 pytestmark = pytest.mark.postgres
 
@@ -49,7 +49,7 @@ def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def _plans_of(audit: Audit, call: Any) -> list[tuple[str, list[tuple[str, str | None]]]]:
     """Run ``call``; EXPLAIN every SELECT it sent; [(sql, [(node type, relation), ...])]."""
     sent: list[tuple[str, Any]] = []
-    engine = sql_store(audit.ledger).engine
+    engine = sql_context(audit.ledger).engine
 
     def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
                 executemany: bool) -> None:

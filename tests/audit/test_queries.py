@@ -229,9 +229,10 @@ def test_reader_never_migrates(tmp_path: object) -> None:
     # An audit opened without migration on an empty database finds no tables instead of
     # creating them (the read-only contract of the CLI and dashboard).
     from ledger.api.facade import storage_of
+    from ledger.storage.audit import AuditQueries
 
     led = Ledger.open(f"{tmp_path}/empty.db", clock=ManualClock(T0), migrate_schema=False)
     try:
-        assert storage_of(led).schema_present() is False
+        assert AuditQueries(storage_of(led).context).schema_present() is False
     finally:
         led.close()

@@ -26,13 +26,13 @@ from ledger.errors import FencedOut, InvalidArgument, InvalidState, LeaseHeld, N
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage import schema as s
-from tests.storage.helpers import budget, grant, routes, sql_store
+from tests.storage.helpers import budget, grant, routes, sql_context
 
 T0 = 1_700_000_000.0
 
 
 def _rows(led: Ledger) -> dict[str, int]:
-    with sql_store(led).engine.connect() as conn:
+    with sql_context(led).engine.connect() as conn:
         return {t: conn.execute(select(func.count()).select_from(getattr(s, t))).scalar_one()
                 for t in ("runs", "attempts", "debits", "events", "group_slots")}
 

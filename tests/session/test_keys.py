@@ -39,7 +39,7 @@ from ledger.storage import schema as s
 from ledger.testing import FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
-from tests.storage.helpers import sql_store
+from tests.storage.helpers import sql_context
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -55,7 +55,7 @@ TABLES = ("runs", "attempts", "debits", "events", "group_slots", "health", "prov
 
 def rows(led: Ledger) -> dict[str, int]:
     """Every table's row count: what 'nothing was recorded' is checked against."""
-    with sql_store(led).engine.connect() as conn:
+    with sql_context(led).engine.connect() as conn:
         return {t: conn.execute(select(func.count()).select_from(getattr(s, t))).scalar_one()
                 for t in TABLES}
 

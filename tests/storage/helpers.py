@@ -10,19 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from ledger.domain.values import Budget, Grant, Price, Route
-from ledger.storage.store import SqlStore
+from ledger.storage.context import SqlContext
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def sql_store(led: Any) -> SqlStore:
-    """The SQL implementation under a ledger, for white-box tests that reach its engine or
-    its transactions (reached, as ops and tools reach the port, through ``storage_of``)."""
+def sql_context(led: Any) -> SqlContext:
+    """The SQL context under a ledger, for white-box tests that reach its engine or its
+    transactions (reached, as ops and tools reach it, through ``storage_of``)."""
     from ledger.api.facade import storage_of
 
-    store = storage_of(led)
-    assert isinstance(store, SqlStore)
-    return store
+    return storage_of(led).context
 
 
 def routes() -> list[Route]:

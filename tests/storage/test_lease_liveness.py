@@ -18,7 +18,7 @@ from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.errors import CapacityUnavailable, FencedOut, LeaseHeld, LeaseLost
 from ledger.ops.recovery import recover
 
-from .helpers import budget, grant, routes, sql_store
+from .helpers import budget, grant, routes, sql_context
 
 ENV = "sha256:env"
 
@@ -159,7 +159,7 @@ def test_invariant3_reacquired_run_refuses_settles_of_the_older_fence(
 def _hold_run_lock(led: Ledger, run_id: str, locked: threading.Event,
                    release: threading.Event) -> None:
     """Another transaction holding the run's write lock (SQLite: the database's)."""
-    with sql_store(led).writing() as conn:  # BEGIN IMMEDIATE on SQLite: the database's write lock
+    with sql_context(led).writing() as conn:  # BEGIN IMMEDIATE on SQLite: the database's write lock
         if led.backend == "postgresql":
             conn.execute(text("SELECT run_id FROM runs WHERE run_id = :r FOR UPDATE"),
                          {"r": run_id})

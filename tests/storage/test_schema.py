@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -12,7 +14,7 @@ from sqlalchemy import create_engine, inspect, text
 from ledger.api.facade import Ledger
 from ledger.errors import DatabaseSetupError, DatabaseUnavailable, InvalidArgument, SchemaTooNew
 from ledger.storage.engine import normalize_url
-from ledger.storage.migrate import head_revision
+from ledger.storage.migrate import alembic_config, head_revision, script_revisions
 from ledger.storage.schema import metadata
 
 from .helpers import collect, spawn
@@ -42,6 +44,27 @@ def test_reopen_is_a_no_op_and_records_head(db_url: str) -> None:
         assert {"runs", "attempts", "debits", "capacity_groups", "group_slots", "health",
                 "events", "provenance"} <= set(inspect(conn).get_table_names())
     eng.dispose()
+
+
+def test_the_revisions_read_from_the_scripts_are_alembics_own() -> None:
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(alembic_config())
+    assert script_revisions() == (scripts.get_current_head(),
+                                  frozenset(s.revision for s in scripts.walk_revisions()))
+
+
+def test_opening_a_ledger_at_head_neither_locks_nor_loads_alembic(db_url: str) -> None:
+    # Every open after the first: one read of the revision, no migration lock (on SQLite that
+    # is the database's write lock) and no Alembic import (most of a command's start-up).
+    Ledger.open(db_url).close()
+    code = ("import sys; from ledger import Ledger\n"
+            f"Ledger.open({db_url!r}).close()\n"
+            "print('alembic' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
 
 
 def test_newer_schema_is_refused_and_left_untouched(db_url: str) -> None:

@@ -1,0 +1,109 @@
+"""The SQL context: one database's engine, its transactions and what differs between databases.
+
+Every query object of storage (:class:`~ledger.storage.runs.RunQueries`,
+:class:`~ledger.storage.recovery.RecoveryQueries`, :class:`~ledger.storage.audit.AuditQueries`,
+:class:`~ledger.storage.series.SeriesQueries`) is built on a :class:`SqlContext` and asks it for
+a read or a write transaction and for the few statements each database spells its own way
+(an ``INSERT ... ON CONFLICT``, a claim that skips locked rows, a time bucket, a label). The
+hot path's store (:class:`~ledger.storage.store.Store`) holds one as ``store.context``, which is
+how the facade, ops, the dashboard and the tools reach it.
+
+The two implementations are :class:`~ledger.storage.sqlite.SqliteContext` and
+:class:`~ledger.storage.postgres.PostgresContext`; :func:`ledger.storage.open_store` picks one.
+No query asks which database it runs on.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ClassVar
+
+from sqlalchemy import Connection, Engine, Select
+
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
+from ledger.storage import schema as s
+from ledger.storage.encode import event_json
+from ledger.storage.failure import mapped
+
+#: A clock read inside a transaction, once it holds its locks.
+ClockFn = Callable[[], float]
+#: One row of a read query, by column name.
+RowMap = Mapping[str, Any]
+
+
+class SqlContext(abc.ABC):
+    """One database for the queries built on it: an engine, its transactions and the hooks
+    where the databases differ. Errors of the driver leave as :class:`~ledger.errors.LedgerError`
+    (:mod:`ledger.storage.failure`)."""
+
+    #: ``"sqlite"`` or ``"postgresql"``.
+    backend: ClassVar[str]
+
+    def __init__(self, engine: Engine, where: str, *,
+                 lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> None:
+        self.engine = engine
+        #: The database's URL without its password, for messages.
+        self.where = where
+        #: How long before its end a lease stops starting work (seconds).
+        self.lease_margin_s = lease_margin_s
+
+    # -- what differs between the databases ------------------------------------------------
+
+    @abc.abstractmethod
+    def migration_lock(self) -> AbstractContextManager[Connection]:
+        """A connection whose work is serialized against every other migrating process."""
+
+    @abc.abstractmethod
+    def insert_for(self, table: Any) -> Any:
+        """The database's INSERT (with ON CONFLICT support) for ``table``."""
+
+    @abc.abstractmethod
+    def claiming(self, query: Select[Any]) -> Select[Any]:
+        """``query`` as a claim of work items: rows another transaction holds are skipped
+        (PostgreSQL), not waited for; budget and capacity checks never use it."""
+
+    @abc.abstractmethod
+    def consistent(self, conn: Connection) -> None:
+        """Make the read transaction just begun on ``conn`` one snapshot of the whole ledger."""
+
+    @abc.abstractmethod
+    def bucket(self, col: Any, since: float, width: float) -> Any:
+        """The 0-based index of the ``width``-wide time bucket from ``since`` of ``col``."""
+
+    @abc.abstractmethod
+    def label(self, key: str) -> Any:
+        """The value of label ``key`` (checked) of a run, as SQL."""
+
+    # -- transactions ---------------------------------------------------------------------
+
+    @contextmanager
+    def writing(self) -> Iterator[Connection]:
+        """One write transaction (``BEGIN IMMEDIATE`` on SQLite)."""
+        with mapped(self.where), self.engine.connect() as conn:
+            conn = conn.execution_options(ledger_write=True)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """One read transaction."""
+        with mapped(self.where), self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    def add_event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
+                  data: Mapping[str, Any], now: float) -> None:
+        """Insert one event on ``conn``, inside a write transaction of this context."""
+        conn.execute(s.events.insert().values(
+            run_id=run_id, attempt_id=attempt_id, kind=kind, data=event_json(data),
+            created_at=now,
+        ))
+
+    def close(self) -> None:
+        """Close the engine's connections."""
+        with mapped(self.where):
+            self.engine.dispose()
+
+
+__all__ = ["ClockFn", "RowMap", "SqlContext"]

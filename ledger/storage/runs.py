@@ -1,0 +1,457 @@
+"""Runs, groups and what happened to them: the queries of the face's cold operations.
+
+:class:`RunQueries` is built on a :class:`~ledger.storage.context.SqlContext` by the facade
+(``Ledger.admit_run``, ``get_run``, ``timeline``, ``attempts``, the group administration) and by
+the operator's tools. Each method is one transaction on the context's engine (SQLAlchemy Core):
+admission, the reads of Runs, Attempts, debits, health, provenance and events, the capacity
+groups' settings, and the settle of an unknown Attempt with an operator's evidence. The hot path
+(begin, settle, leases) is :class:`~ledger.storage.store.Store`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, func, or_, select
+
+from ledger.decide.settle import settle_holds
+from ledger.domain.facts import FailureFact
+from ledger.domain.records import (
+    AttemptRecord,
+    AttemptState,
+    DebitRecord,
+    DebitState,
+    EventRecord,
+    Page,
+    RunRecord,
+    RunStatus,
+    budget_left,
+    from_micros,
+)
+from ledger.domain.specs import (
+    ADMISSION_FIELDS,
+    AdmitSpec,
+    GroupUpdate,
+    ReceiptSpec,
+    normal_admission_field,
+)
+from ledger.domain.values import GroupMode, GroupProjection, Health
+from ledger.errors import (
+    AdmissionConflict,
+    AllowanceExhausted,
+    BudgetExceeded,
+    Conflict,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+)
+from ledger.storage import schema as s
+from ledger.storage.context import ClockFn, SqlContext
+from ledger.storage.hot import check_live
+from ledger.storage.rows import attempt_record, health_record, run_record
+
+SEL_ATTEMPT_WITH_DEBIT = (
+    select(s.attempts, s.debits.c.state.label("debit_state"))
+    .outerjoin(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
+    .where(s.attempts.c.attempt_id == bindparam("k_attempt_id"))
+)
+
+
+class RunQueries:
+    """Admission, the reads of the face and the groups' settings, on one database."""
+
+    def __init__(self, ctx: SqlContext) -> None:
+        self.ctx = ctx
+
+    def admit(self, spec: AdmitSpec, clock: ClockFn) -> tuple[RunRecord, bool]:
+        """Record the Run of ``spec``; returns ``(record, created)``.
+
+        The same id with the same (normalised) content returns the first record with
+        ``created=False``. A child (``spec.parent_run_id``) is carved from its parent under
+        ``spec.parent_lease``. Raises :class:`~ledger.errors.AdmissionConflict` (same id,
+        other content), :class:`~ledger.errors.NotFound` (no such parent),
+        :class:`~ledger.errors.InvalidArgument` (a child without the parent's lease),
+        :class:`~ledger.errors.BudgetExceeded` / :class:`~ledger.errors.AllowanceExhausted`
+        (the parent has not that much left), ``FencedOut`` / ``LeaseLost`` (the parent's lease).
+        """
+        try:
+            return self._admit(spec, clock)
+        except Conflict as e:
+            if isinstance(e, AdmissionConflict):
+                raise
+            # Another process admitted the same id between this one's read and its insert
+            # (PostgreSQL: the row did not exist to be locked): compare with what it recorded.
+            return self._admit(spec, clock)
+
+    def _admit(self, spec: AdmitSpec, clock: ClockFn) -> tuple[RunRecord, bool]:
+        with self.ctx.writing() as conn:
+            existing = conn.execute(
+                select(s.runs).where(s.runs.c.run_id == spec.run_id).with_for_update()
+            ).first()
+            if existing is not None:
+                differing = [f for f in ADMISSION_FIELDS
+                             if normal_admission_field(f, getattr(existing, f))
+                             != normal_admission_field(f, getattr(spec, f))]
+                if differing:
+                    raise AdmissionConflict(
+                        f"run {spec.run_id!r} was admitted before with different frozen content "
+                        f"(differs in: {', '.join(differing)}); use a new run id",
+                        run_id=spec.run_id,
+                        differing=differing,
+                    )
+                return run_record(existing), False
+            now = clock()
+            if spec.parent_run_id is not None:
+                now = self._carve_from_parent(conn, spec, clock)
+            values = {
+                f: getattr(spec, f)
+                for f in (
+                    "run_id", "parent_run_id", "role", "tenant", "labels", "plan", "run_grant",
+                    "budget", "policy", "policy_hash", "selected_route", "content_hash",
+                    "deadline", "max_calls", "max_retries", "max_cost_micros", "max_tokens",
+                )
+            }
+            conn.execute(
+                s.runs.insert().values(
+                    **values,
+                    status=RunStatus.ADMITTED.value,
+                    calls_used=0, retries_used=0, reserved_micros=0, posted_micros=0,
+                    tokens_used=0, tokens_reserved=0, carved_calls=0, carved_retries=0,
+                    carved_micros=0, carved_tokens=0, fence=0, created_at=now, updated_at=now,
+                )
+            )
+            self.ctx.add_event(conn, spec.run_id, None, "admit",
+                           {"policy_hash": spec.policy_hash, "parent": spec.parent_run_id}, now)
+            row = conn.execute(select(s.runs).where(s.runs.c.run_id == spec.run_id)).one()
+            return run_record(row), True
+
+    def _carve_from_parent(self, conn: Connection, spec: AdmitSpec, clock: ClockFn) -> float:
+        """Carve the child's budget out of the parent's, under the parent's live lease."""
+        r = s.runs.c
+        assert spec.parent_run_id is not None
+        if spec.parent_lease is None:
+            raise InvalidArgument(
+                f"admitting a child of {spec.parent_run_id!r} needs the parent's lease; pass "
+                "parent_lease= (the lease the parent's executor holds)", field="parent_lease")
+        parent = conn.execute(
+            select(s.runs).where(r.run_id == spec.parent_run_id).with_for_update()).first()
+        if parent is None:
+            raise NotFound(f"parent run {spec.parent_run_id!r} does not exist; admit it first",
+                           run_id=spec.parent_run_id)
+        now = clock()
+        check_live(parent, spec.parent_lease, now, self.ctx.lease_margin_s)
+        left = budget_left(parent)
+        cost_left, calls_left, retries_left = left.micros, left.calls, left.retries
+        if spec.max_cost_micros > cost_left:
+            raise BudgetExceeded(
+                f"child budget {from_micros(spec.max_cost_micros)} exceeds what parent "
+                f"{spec.parent_run_id!r} has left ({from_micros(cost_left)}); ask for less",
+                run_id=spec.run_id, field="budget.max_cost",
+            )
+        if spec.max_calls > calls_left or spec.max_retries > retries_left:
+            raise AllowanceExhausted(
+                f"child allowance (calls {spec.max_calls}, retries {spec.max_retries}) exceeds "
+                f"what parent {spec.parent_run_id!r} has left (calls {calls_left}, retries "
+                f"{retries_left}); ask for less",
+                run_id=spec.run_id, field="budget.max_calls",
+            )
+        carved_tokens = 0
+        if left.tokens is not None:
+            tokens_left = left.tokens
+            if spec.max_tokens is None or spec.max_tokens > tokens_left:
+                raise BudgetExceeded(
+                    f"the child needs a token budget within what parent {spec.parent_run_id!r} "
+                    f"has left ({tokens_left} tokens); pass budget.max_tokens <= {tokens_left}",
+                    run_id=spec.run_id, field="budget.max_tokens",
+                )
+            carved_tokens = spec.max_tokens
+        conn.execute(
+            s.runs.update().where(r.run_id == spec.parent_run_id).values(
+                carved_micros=r.carved_micros + spec.max_cost_micros,
+                carved_calls=r.carved_calls + spec.max_calls,
+                carved_retries=r.carved_retries + spec.max_retries,
+                carved_tokens=r.carved_tokens + carved_tokens,
+            )
+        )
+        return now
+
+    def get_run(self, run_id: str) -> RunRecord:
+        """The Run as it stands. Raises :class:`~ledger.errors.NotFound`."""
+        with self.ctx.reading() as conn:
+            row = conn.execute(select(s.runs).where(s.runs.c.run_id == run_id)).first()
+        if row is None:
+            raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
+                           run_id=run_id)
+        return run_record(row)
+
+    def children(self, run_id: str) -> list[RunRecord]:
+        """The Child Runs admitted under ``run_id``, oldest first (none: an empty list)."""
+        with self.ctx.reading() as conn:
+            rows = conn.execute(
+                select(s.runs).where(s.runs.c.parent_run_id == run_id)
+                .order_by(s.runs.c.created_at, s.runs.c.run_id)
+            ).all()
+        return [run_record(r) for r in rows]
+
+    # -- settling an unknown Attempt with evidence ------------------------------------------
+
+    def settle_unknown(self, spec: ReceiptSpec, clock: ClockFn) -> AttemptRecord:
+        """Settle an ``unknown`` Attempt with an operator's evidence, in one transaction under
+        its Run's row lock (no lease: the Run may be closed or held by nobody): the state moves
+        from ``unknown`` to ``spec.outcome`` once, the hold is posted or voided by
+        :func:`ledger.decide.settle.settle_holds`, the Run's counters follow, and an applied
+        ``late_receipt`` event records who, what and the previous state. Raises
+        :class:`~ledger.errors.NotFound` (no such attempt) and
+        :class:`~ledger.errors.InvalidState` (it is not ``unknown``); nothing is written
+        then."""
+        # It cannot race a live executor: only an unknown Attempt is settled here, an executor
+        # never writes to one again (its repeated settle is the same write, recognised by its
+        # hash), and the Run's row lock serializes this with every other write to its counters.
+        a, d, r = s.attempts.c, s.debits.c, s.runs.c
+        with self.ctx.writing() as conn:
+            found = conn.execute(select(a.run_id).where(a.attempt_id == spec.attempt_id)).first()
+            if found is None:
+                raise NotFound(f"unknown attempt id {spec.attempt_id!r}; list unknown attempts "
+                               "with `failover-ledger attempts --open`",
+                               attempt_id=spec.attempt_id)
+            run = conn.execute(select(r.run_id, r.max_tokens).where(r.run_id == found.run_id)
+                               .with_for_update()).one()
+            now = clock()
+            att = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
+            if att.state != AttemptState.UNKNOWN.value or att.debit_state != "reserved":
+                raise InvalidState(
+                    f"attempt {spec.attempt_id!r} is {att.state}, not unknown: only an unknown "
+                    "attempt is settled with evidence, once (a settled one is never rewritten)",
+                    attempt_id=spec.attempt_id, state=att.state)
+            fact = FailureFact.model_validate_json(att.fact) if att.fact else None
+            tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
+                      else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
+            holds = settle_holds(spec.outcome, fact, cost_micros=spec.cost_micros,
+                                 tokens=tokens, reserved_micros=att.reserved_micros,
+                                 reserved_tokens=att.reserved_tokens or 0,
+                                 token_budget=run.max_tokens is not None)
+            changed = conn.execute(
+                s.attempts.update()
+                .where(a.attempt_id == spec.attempt_id, a.state == AttemptState.UNKNOWN.value)
+                .values(state=spec.outcome.value, prompt_tokens=spec.prompt_tokens,
+                        completion_tokens=spec.completion_tokens,
+                        cost_micros=spec.cost_micros)).rowcount
+            if changed != 1:  # pragma: no cover - the run row lock makes this unreachable
+                raise Conflict(f"attempt {spec.attempt_id!r} changed while it was settled",
+                               attempt_id=spec.attempt_id)
+            conn.execute(s.debits.update().where(d.debit_id == att.debit_id).values(
+                state=holds.debit.value, posted_micros=holds.posted_micros, settled_at=now))
+            conn.execute(s.runs.update().where(r.run_id == run.run_id).values(
+                reserved_micros=r.reserved_micros - holds.release_micros,
+                posted_micros=r.posted_micros + holds.posted_micros,
+                tokens_reserved=r.tokens_reserved - holds.release_tokens,
+                tokens_used=r.tokens_used + holds.tokens_used,
+                calls_used=r.calls_used - (1 if holds.uncount_call else 0), updated_at=now))
+            self.ctx.add_event(conn, run.run_id, spec.attempt_id, "late_receipt", {
+                "applied": True, "by": spec.by, "note": spec.note,
+                "previous_state": AttemptState.UNKNOWN.value, "outcome": spec.outcome.value,
+                "prompt_tokens": spec.prompt_tokens,
+                "completion_tokens": spec.completion_tokens,
+                "cost": None if spec.cost_micros is None else str(from_micros(spec.cost_micros)),
+                "posted": str(from_micros(holds.posted_micros)),
+                "released": str(from_micros(holds.release_micros - holds.posted_micros)),
+            }, now)
+            row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
+        return attempt_record(row, row.debit_state)
+
+    # -- groups, health, provenance, events ----------------------------------------------
+
+    def configure_group(self, group: str, max_in_flight: int | None, now: float) -> None:
+        """Create or update capacity group ``group`` with its concurrency limit (None:
+        unlimited); its mode is left as it is."""
+        g = s.capacity_groups.c
+        with self.ctx.writing() as conn:
+            stmt = self.ctx.insert_for(s.capacity_groups).values(
+                group_id=group, max_in_flight=max_in_flight, mode=GroupMode.OPEN.value,
+                updated_at=now,
+            )
+            conn.execute(stmt.on_conflict_do_update(
+                index_elements=[g.group_id],
+                set_={"max_in_flight": max_in_flight, "updated_at": now},
+            ))
+
+    def set_group_mode(self, group: str, upd: GroupUpdate, now: float) -> None:
+        """Set ``group``'s mode, waiting floor and reason to ``upd`` (created when unknown)."""
+        with self.ctx.writing() as conn:
+            g = s.capacity_groups.c
+            row = conn.execute(select(s.capacity_groups).where(g.group_id == group)).first()
+            if row is None:
+                conn.execute(self.ctx.insert_for(s.capacity_groups).values(
+                    group_id=group, mode=GroupMode.OPEN.value, updated_at=now,
+                ).on_conflict_do_nothing())
+            conn.execute(s.capacity_groups.update().where(g.group_id == group).values(
+                mode=upd.mode.value, until=upd.until, reason=upd.reason, sampled_at=now,
+                updated_at=now,
+            ))
+
+    def group_projections(self, groups: Iterable[str] | None, now: float
+                          ) -> dict[str, GroupProjection]:
+        """Admission's view at ``now`` of ``groups`` (None: every known group); unknown
+        groups are absent."""
+        with self.ctx.reading() as conn:
+            return self._projections(conn, groups, now)
+
+    def _projections(self, conn: Connection, groups: Iterable[str] | None, now: float
+                     ) -> dict[str, GroupProjection]:
+        g = s.capacity_groups.c
+        q = select(s.capacity_groups)
+        if groups is not None:
+            q = q.where(g.group_id.in_(list(groups)))
+        out: dict[str, GroupProjection] = {}
+        for row in conn.execute(q).all():
+            mode = GroupMode(row.mode)
+            if mode is not GroupMode.OPEN and row.until is not None and row.until <= now:
+                mode = GroupMode.OPEN  # the waiting floor has passed
+            # Only a limited group's live slots matter to anyone; counting them is a scan.
+            limited = row.max_in_flight is not None
+            out[row.group_id] = GroupProjection(
+                group=row.group_id, mode=mode, until=row.until,
+                sampled_at=row.sampled_at if row.sampled_at is not None else now,
+                in_flight=self._live_slots(conn, row.group_id, now) if limited else 0,
+                limit=row.max_in_flight,
+                waiting=self._live_places(conn, row.group_id, now) if limited else 0,
+            )
+        return out
+
+    def _live_places(self, conn: Connection, group: str, now: float) -> int:
+        # A place counts like a slot: while its own bound has not passed and its executor
+        # still holds the run (same fence, lease alive).
+        w = s.group_waiters.c
+        r = s.runs.c
+        return int(conn.execute(
+            select(func.count()).select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
+            .where(w.group_id == group, w.fence == r.fence, w.expires_at > now,
+                   r.lease_expires_at.is_not(None), r.lease_expires_at > now)).scalar_one())
+
+    def _live_slots(self, conn: Connection, group: str, now: float) -> int:
+        # A slot counts only while its executor still holds the run (same fence, lease alive):
+        # slots of dead executors come back when their lease expires, before any recovery.
+        gs = s.group_slots.c
+        r = s.runs.c
+        return int(conn.execute(
+            select(func.count()).select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
+            .where(gs.group_id == group, gs.fence == r.fence, r.lease_expires_at.is_not(None),
+                   r.lease_expires_at > now)).scalar_one())
+
+    def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
+        """The stored health rows of ``keys`` (None: all), as stored (not read at a time)."""
+        h = s.health.c
+        with self.ctx.reading() as conn:
+            q = select(s.health)
+            if keys is not None:
+                q = q.where(h.key.in_(list(keys)))
+            return {row.key: health_record(row) for row in conn.execute(q).all()}
+
+    def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:
+        """Provenance recorded by ``run_ids``: ref -> content hashes."""
+        p = s.provenance.c
+        with self.ctx.reading() as conn:
+            rows = conn.execute(select(p.ref, p.content_hash).where(p.run_id.in_(list(run_ids))))
+            out: dict[str, set[str]] = {}
+            for ref, h in rows:
+                out.setdefault(ref, set()).add(h)
+            return out
+
+    def events(self, run_id: str, kinds: Sequence[str] | None = None) -> list[EventRecord]:
+        """The Run's events in order, optionally only of ``kinds``."""
+        e = s.events.c
+        with self.ctx.reading() as conn:
+            q = select(s.events).where(e.run_id == run_id)
+            if kinds:
+                q = q.where(e.kind.in_(list(kinds)))
+            rows = conn.execute(q.order_by(e.event_id)).all()
+        return [EventRecord(r.event_id, r.run_id, r.attempt_id, r.kind, json.loads(r.data),
+                            r.created_at) for r in rows]
+
+    def timeline(self, run_id: str) -> list[AttemptRecord]:
+        """The Run's Attempts in sequence. Raises :class:`~ledger.errors.NotFound` for an
+        unknown run."""
+        a = s.attempts.c
+        d = s.debits.c
+        with self.ctx.reading() as conn:
+            known = conn.execute(select(s.runs.c.run_id).where(s.runs.c.run_id == run_id))
+            if known.first() is None:
+                raise NotFound(f"unknown run id {run_id!r}", run_id=run_id)
+            rows = conn.execute(
+                select(s.attempts, d.state.label("debit_state"))
+                .join(s.debits, d.debit_id == a.debit_id)
+                .where(a.run_id == run_id).order_by(a.seq)
+            ).all()
+        return [attempt_record(row, row.debit_state) for row in rows]
+
+    def attempts(
+        self,
+        *,
+        route: str | None = None,
+        group: str | None = None,
+        state: str | None = None,
+        category: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        run_ids: Sequence[str] | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[AttemptRecord]:
+        """Attempts newest first, filtered, ``limit`` per page (keyset pagination on
+        ``(created_at, attempt_id)``; pass ``next_cursor`` back). Raises
+        :class:`~ledger.errors.InvalidArgument` (limit out of 1..10000, malformed cursor)."""
+        if limit <= 0 or limit > 10_000:
+            raise InvalidArgument("limit must be between 1 and 10000", field="limit")
+        a = s.attempts.c
+        conds: list[Any] = []
+        if route is not None:
+            conds.append(a.route_id == route)
+        if group is not None:
+            conds.append(a.group_id == group)
+        if state is not None:
+            conds.append(a.state == state)
+        if category is not None:
+            conds.append(a.category == category)
+        if since is not None:
+            conds.append(a.created_at >= since)
+        if until is not None:
+            conds.append(a.created_at < until)
+        if run_ids is not None:
+            conds.append(a.run_id.in_(list(run_ids)))
+        if cursor:
+            try:
+                ts_text, last_id = cursor.split("|", 1)
+                ts = float(ts_text)
+            except ValueError as e:
+                raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
+                                      field="cursor") from e
+            conds.append(or_(a.created_at < ts, and_(a.created_at == ts, a.attempt_id < last_id)))
+        d = s.debits.c
+        # The debit by its primary key, per attempt of the page (an outer join: an attempt
+        # without its debit row still lists, with debit_state None).
+        q = (select(s.attempts, d.state.label("debit_state"))
+             .outerjoin(s.debits, d.debit_id == a.debit_id)
+             .where(*conds).order_by(a.created_at.desc(), a.attempt_id.desc()))
+        with self.ctx.reading() as conn:
+            rows = conn.execute(q.limit(limit + 1)).all()
+        items = [attempt_record(r, r.debit_state) for r in rows[:limit]]
+        nxt = None
+        if len(rows) > limit:
+            last = rows[limit - 1]
+            nxt = f"{last.created_at!r}|{last.attempt_id}"
+        return Page(items, nxt)
+
+    def debit(self, debit_id: str) -> DebitRecord:
+        """One debit (an Attempt's hold). Raises :class:`~ledger.errors.NotFound`."""
+        with self.ctx.reading() as conn:
+            row = conn.execute(select(s.debits).where(s.debits.c.debit_id == debit_id)).first()
+        if row is None:
+            raise NotFound(f"unknown debit id {debit_id!r}", debit_id=debit_id)
+        return DebitRecord(row.debit_id, row.run_id, row.attempt_id, DebitState(row.state),
+                           from_micros(row.reserved_micros), from_micros(row.posted_micros),
+                           row.created_at, row.settled_at)
+
+
+__all__ = ["RunQueries"]
