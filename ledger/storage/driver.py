@@ -17,7 +17,9 @@ generator, and commit — on PostgreSQL the last writes and the ``COMMIT`` go as
 a begin or a settle costs two round trips. A driver's error leaves as the ledger error that
 :mod:`ledger.storage.failure` names for it (a lost or refused connection is
 :class:`~ledger.errors.DatabaseUnavailable`: retry-safe, the transaction was rolled back, or its
-commit outcome is unknown and every write is idempotent per id). Statements are plain SQL
+commit outcome is unknown and every write is idempotent per id; a connection lost once its
+``COMMIT`` may have reached the server is told with ``fields["commit"] = "unknown"``, for the
+store to resolve under the Run's row lock). Statements are plain SQL
 strings executed through each driver's public API; psycopg prepares the repeated ones on the
 server. What differs between the databases is the driver object itself: how it opens a
 transaction, how it spells a parameter (:class:`Statements`), how it sends statements.
@@ -39,6 +41,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from ledger.errors import DatabaseUnavailable, LedgerError
 from ledger.storage.failure import driver_error
 
 T = TypeVar("T")
@@ -313,14 +316,16 @@ class PgDriver:
     def run(self, tx: Tx[T], *, write: bool) -> T:
         import psycopg
 
+        committing = _Committing(write)
         with self._connection() as conn:
             try:
-                return self._feed(conn, tx)
+                return self._feed(conn, tx, committing)
             except BaseException as e:
+                lost = conn.closed
                 _abort(conn)
                 if isinstance(e, psycopg.Error):
                     self._after_error(conn)
-                    raise driver_error(e, self.where) from e
+                    raise committing.told(driver_error(e, self.where), lost) from e
                 raise
 
     def _after_error(self, conn: Any) -> None:
@@ -335,7 +340,7 @@ class PgDriver:
         # Async connections belong to their loops; they are dropped the same way.
         self._aidle = weakref.WeakKeyDictionary()
 
-    def _feed(self, conn: Any, tx: Tx[T]) -> T:
+    def _feed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
         stmts = self.stmts
         value: Any = None
         first = True
@@ -345,10 +350,12 @@ class PgDriver:
                 step = tx.send(value)
             except StopIteration as stop:
                 if not first and not committed:
+                    committing.sent = True
                     conn.execute("COMMIT")
                 return stop.value  # type: ignore[no-any-return]
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
+            committing.sent = commit
             with conn.pipeline():
                 cursors = []
                 if first:
@@ -399,17 +406,19 @@ class PgDriver:
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
         import psycopg
 
+        committing = _Committing(write)
         async with self._aconnection() as conn:
             try:
-                return await self._afeed(conn, tx)
+                return await self._afeed(conn, tx, committing)
             except BaseException as e:
+                lost = conn.closed
                 await _aabort(conn)
                 if isinstance(e, psycopg.Error):
                     self._after_error(conn)
-                    raise driver_error(e, self.where) from e
+                    raise committing.told(driver_error(e, self.where), lost) from e
                 raise
 
-    async def _afeed(self, conn: Any, tx: Tx[T]) -> T:
+    async def _afeed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
         stmts = self.stmts
         value: Any = None
         first = True
@@ -419,10 +428,12 @@ class PgDriver:
                 step = tx.send(value)
             except StopIteration as stop:
                 if not first and not committed:
+                    committing.sent = True
                     await conn.execute("COMMIT")
                 return stop.value  # type: ignore[no-any-return]
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
+            committing.sent = commit
             async with conn.pipeline():
                 cursors = []
                 if first:
@@ -450,6 +461,28 @@ class PgDriver:
         # Async connections belong to the loop that made them; dropping them lets the loop's
         # shutdown close their sockets.
         self._aidle = weakref.WeakKeyDictionary()
+
+
+class _Committing:
+    """Whether a writing transaction's ``COMMIT`` was handed to the connection (``sent``).
+
+    A connection lost after that leaves the outcome unknown: the server may have received the
+    ``COMMIT`` and made it durable, or not, and only a read under the Run's row lock, once the
+    server has finished with the old connection, can tell (:mod:`ledger.storage.store`). A
+    read's outcome needs no telling.
+    """
+
+    __slots__ = ("sent", "write")
+
+    def __init__(self, write: bool) -> None:
+        self.write = write
+        self.sent = False
+
+    def told(self, err: LedgerError, lost: bool) -> LedgerError:
+        """``err``, marked ``commit="unknown"`` when the connection was lost mid-COMMIT."""
+        if self.write and self.sent and lost and isinstance(err, DatabaseUnavailable):
+            err.fields["commit"] = "unknown"
+        return err
 
 
 # A connection idle longer than this is checked (one round trip) before it is used again: a
