@@ -105,10 +105,17 @@ class PgServer:
         return res.stdout
 
     def cleanup(self) -> None:
-        """Stop the server and remove its data directory when this module created it."""
+        """Stop the server and remove its data directory when this module created it.
+
+        The removal runs in a detached ``rm -rf``: a session's server holds one database per
+        test (gigabytes, hundreds of thousands of files), and on a busy disk deleting them
+        inline outlasted the test timeout of the teardown that called this.
+        """
         self.stop("immediate")
         if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            subprocess.Popen(["rm", "-rf", self._tmp], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
 
 
 def start_server(*, durable: bool = False, max_connections: int = 200) -> PgServer:
