@@ -7,7 +7,7 @@ write path on purpose: generated history is synthetic and internally consistent 
 and loading a million attempts through per-attempt transactions would take hours.
 
 It works on the SQLAlchemy engine of an open ledger, reached the one deliberate way
-(:func:`ledger.api.facade.storage_of`), with the ledger's tables (:mod:`ledger.storage.schema`)
+(:func:`ledger.api.face.storage_of`), with the ledger's tables (:mod:`ledger.storage.schema`)
 and its mapping of driver errors to ledger errors (:func:`ledger.storage.failure.mapped`): a key
 recorded already is a :class:`~ledger.errors.Conflict`, as everywhere in the ledger.
 """
@@ -21,7 +21,8 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import Connection, Engine
 
-from ledger.api.facade import Ledger, storage_of
+from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.failure import mapped

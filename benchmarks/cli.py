@@ -344,7 +344,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from benchmarks.generate import POLICY_HASH, generate
-    from ledger.api.facade import Ledger, storage_of
+    from ledger.api.facade import Ledger
+    from ledger.api.face import storage_of
     from ledger.domain.timefmt import iso
     from ledger.storage.audit import AuditQueries
 

@@ -29,6 +29,16 @@ _._get_event_iterator  # StreamedResponse's event source, iterated by pydantic-a
 _.close_stream  # StreamedResponse.close_stream, called when the agent stops early
 _.provider_url  # StreamedResponse.provider_url, read by pydantic-ai
 _.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-ai.md)
+# integrations/langchain.py: LangChain's BaseChatModel and AgentMiddleware interface
+_._llm_type, _._identifying_params  # read by LangChain for tracing and caching keys
+_.bind_tools, _._agenerate  # called by create_agent and by ainvoke
+_.wrap_model_call, _.awrap_model_call  # called by create_agent's model node
+_.is_retryable  # ModelError.is_retryable, read by ModelRetryMiddleware
+_.temperature, _.top_p  # LedgerChatModel fields, read by name into each request
+# integrations/openai_agents.py: the Agents SDK's Model / ModelProvider interface
+_.get_response, _.stream_response, _.get_model  # called by the SDK's runner
+_.get_retry_advice  # called by the SDK's runner after a failed model call
+_.tracing  # Model.get_response's parameter, passed by the runner (the ledger has its own)
 
 # -- fields of public records, read by their users --------------------------------------------
 _.provider_code  # FailureFact.provider_code: the provider's error code, kept as evidence
@@ -42,6 +52,8 @@ _.received_at  # ReceivedRequest.received_at, in the fake provider's request log
 _.filename  # ReceivedMedia.filename: the file name a request sent (docs/adapters.md)
 
 # -- documented public API the library itself does not call -----------------------------------
+_.LedgerMiddleware  # integrations/langchain.py (docs/integrations/langchain.md)
+_.LedgerModelProvider  # integrations/openai_agents.py (docs/integrations/openai-agents.md)
 _.compacted  # RunSession.compacted (docs/policies.md, docs/presets/fased.md)
 _.require  # PreflightResult.require raises PreflightRefused (docs/disclosure.md)
 _.checks  # PreflightResult.checks: the checks that failed (docs/disclosure.md)

@@ -10,7 +10,7 @@ import pytest
 
 from ledger import Price, Route
 from ledger.domain.facts import WireProtocol
-from ledger.testing import FakeProvider
+from ledger.testing import FakeProvider, ReceivedRequest
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
 
@@ -34,3 +34,28 @@ def plan(fake: FakeProvider, protocol: str = "openai") -> list[Route]:
             Route(id="backup", provider="fake-b", model="backup-model", group="gb",
                   recipient="fake", protocol=proto, endpoint=fake.endpoint(protocol),
                   price=PRICE)]
+
+
+def tool_call_ids(request: ReceivedRequest) -> list[str]:
+    """The tool-call ids a request carried, calls and results in order, whatever its protocol.
+
+    Gemini's wire has no ids (a ``functionResponse`` is matched by name): its requests give none.
+    """
+    body = request.json
+    ids: list[str] = []
+    if request.protocol == "openai":
+        for m in body["messages"]:
+            ids += [c["id"] for c in m.get("tool_calls") or []]
+            if m["role"] == "tool":
+                ids.append(m["tool_call_id"])
+    elif request.protocol == "openai_responses":
+        ids += [i["call_id"] for i in body["input"]
+                if i.get("type") in ("function_call", "function_call_output")]
+    elif request.protocol == "anthropic":
+        for m in body["messages"]:
+            for b in m["content"] if isinstance(m["content"], list) else []:
+                if b["type"] == "tool_use":
+                    ids.append(b["id"])
+                elif b["type"] == "tool_result":
+                    ids.append(b["tool_use_id"])
+    return ids

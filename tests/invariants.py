@@ -92,6 +92,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_concurrency.py::test_group_limit_never_exceeded_across_processes",
         "tests/storage/test_write_path.py::test_dead_executor_slot_comes_back_after_lease_expiry",
         "tests/storage/test_lease_liveness.py::test_invariant8_acquiring_ones_own_live_lease_keeps_its_fence_and_slot",
+        "tests/storage/test_lease_liveness.py::test_invariant8_every_reader_counts_in_flight_alike_and_a_taken_over_slot_counts_for_none",
         "tests/storage/test_lease_lapse_processes.py::test_invariant8_group_limit_holds_while_workers_pause_past_their_lease",
     ),
     # 9. No re-run after a started tool; effective output moves on only where policy discards it.

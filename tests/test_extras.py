@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -81,4 +83,27 @@ def test_the_pydantic_ai_integration_without_its_extra_names_it() -> None:
     err = json.loads(res.stdout)
     assert err["extra"] == "pydantic-ai"
     assert "pip install 'failover-ledger[pydantic-ai]'" in err["msg"]
+    assert err["cause"] in ("ImportError", "ModuleNotFoundError")
+
+
+@pytest.mark.parametrize(("module", "blocked", "extra"), [
+    ("langchain", ["langchain"], "langchain"),
+    ("langchain", ["langgraph"], "langchain"),
+    ("langchain", ["langchain_core"], "langchain"),
+    ("openai_agents", ["agents"], "openai-agents"),
+])
+def test_a_framework_integration_without_its_extra_names_it(
+        module: str, blocked: list[str], extra: str) -> None:
+    res = _without(blocked, (
+        "import json\n"
+        "from ledger import InvalidArgument\n"
+        "try:\n"
+        f"    import ledger.integrations.{module}\n"
+        "except InvalidArgument as e:\n"
+        "    print(json.dumps({'extra': e.fields['extra'], 'field': e.field, 'msg': str(e),\n"
+        "                      'cause': type(e.__cause__).__name__}))\n"))
+    assert res.returncode == 0, res.stderr
+    err = json.loads(res.stdout)
+    assert err["extra"] == extra and err["field"] == f"ledger.integrations.{module}"
+    assert f"pip install 'failover-ledger[{extra}]'" in err["msg"]
     assert err["cause"] in ("ImportError", "ModuleNotFoundError")

@@ -181,3 +181,71 @@ def test_the_pure_core_imports_without_the_storage_or_http_stack(module: str) ->
                          cwd=PKG.parent, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", f"{module} loads {res.stdout.strip()}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the ledger modules it imports, ``from pkg import mod`` read as the submodule.
+
+    The lazy root is left out: it names every public class without importing any of them, and
+    ``__version__`` is the one name it defines.
+    """
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if name == "ledger":
+            continue
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else node.module)
+        graph[name] = targets - {name, "ledger"}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_two_modules_import_each_other_even_through_others() -> None:
+    # Every import counts, lazy and TYPE_CHECKING ones too: a circle hidden in a function is
+    # still two modules that cannot be read, typed or moved apart.
+    cycles = import_cycles(_module_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_an_import_circle_through_a_third_module_is_reported() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

@@ -617,3 +617,43 @@ def test_a_call_that_fits_no_signature_is_also_a_type_error() -> None:
     with pytest.raises(ValueError) as ev:
         Budget.model_validate({"max_calls": 1})
     assert isinstance(ev.value, InvalidArgument) and not isinstance(ev.value, TypeError)
+
+
+def _validated(fn: Any) -> bool:
+    return bool(getattr(fn, "__ledger_checked__", False))
+
+
+def test_every_public_entry_point_validates_with_the_one_mechanism() -> None:
+    # Every public method that takes arguments, and every public function, has its arguments
+    # validated by ledger.domain.validation.checked (pydantic.validate_call and the one error
+    # mapper), directly or through op/query: none checks them by hand, and a new one cannot
+    # skip validation unnoticed.
+    from ledger.api.calls import op, query
+    from ledger.api.face import storage_of
+    from ledger.api.session import AsyncRunSession, RunSession
+
+    exempt = {
+        # Made by Ledger.run / AsyncLedger.run, which validated the same arguments.
+        "RunSession.__init__", "AsyncRunSession.__init__",
+        # A predicate: False for anything that is no proposed call id.
+        "RunSession.proposed", "AsyncRunSession.proposed",
+    }
+    unchecked = []
+    for cls in (Ledger, AsyncLedger, RunSession, AsyncRunSession, Audit, AsyncAudit,
+                LeaseKeeper, AsyncLeaseKeeper, HttpAdapter, SyncAdapter):
+        for name in dir(cls):
+            if name.startswith("_") and name != "__init__":
+                continue
+            raw = inspect.getattr_static(cls, name)
+            raw = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
+            fn = (raw._builder if isinstance(raw, op) else raw._fn if isinstance(raw, query)
+                  else raw if inspect.isfunction(raw) else None)
+            if fn is None or f"{cls.__name__}.{name}" in exempt:
+                continue
+            takes = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+            if takes and not _validated(fn):
+                unchecked.append(f"{cls.__name__}.{name}")
+    unchecked += [fn.__name__ for fn in (execute, aexecute, recover, arecover, reconcile,
+                                         storage_of, sync_sender, async_sender)
+                  if not _validated(fn)]
+    assert not unchecked, unchecked

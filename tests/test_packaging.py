@@ -57,6 +57,12 @@ def test_distribution_is_failover_ledger_with_extras(wheel: Path) -> None:
     assert not any("pydantic-ai" in r for r in core), "pydantic-ai must be an extra"
     assert any(r.startswith("Requires-Dist: pydantic-ai-slim") and "extra == 'pydantic-ai'" in r
                for r in requires)
+    # The agent frameworks are extras too, pinned to the tested lines.
+    for dist, extra in (("langchain", "langchain"), ("langchain-core", "langchain"),
+                        ("langgraph", "langchain"), ("openai-agents", "openai-agents")):
+        assert not any(r.startswith(f"Requires-Dist: {dist}") for r in core), dist
+        assert any(r.startswith(f"Requires-Dist: {dist}<") or r.startswith(
+            f"Requires-Dist: {dist}>") for r in requires if f"extra == '{extra}'" in r), dist
     entry = zf.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
     scripts = re.findall(r"^(\S+) = (\S+)$", entry.split("[console_scripts]", 1)[1], re.M)
     assert scripts == [("failover-ledger", "ledger.cli.main:main")]

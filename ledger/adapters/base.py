@@ -92,10 +92,11 @@ import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any, Unpack
 from urllib.parse import urlsplit
 
 import httpx
+from typing_extensions import TypedDict
 
 from ledger.adapters.contract import (
     AdapterResult,
@@ -130,16 +131,19 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.decide.effects import SendProgress, attempt_headers
-from ledger.domain.bounds import (
-    amount_in_range,
-    check_count,
-    check_optional_id,
-    tokens_in_range,
-)
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import Observation, Phase, Source, Transport
 from ledger.domain.media import MediaKind
-from ledger.domain.validation import check_secret_provider, checked_calls
+from ledger.domain.validation import (
+    Id,
+    Secrets,
+    amount_in_range,
+    checked,
+    function,
+    instance,
+    integers,
+    tokens_in_range,
+)
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
@@ -270,27 +274,47 @@ MAX_BYTES_OPTION = 2**40  # a terabyte: beyond any body or stream a process shou
 MAX_EVENT_BYTES = 32 * 1024 * 1024
 
 
-def check_adapter_options(*, secrets: Any, limits: Any, verify: Any, max_body_bytes: Any,
-                          evidence_cap_bytes: Any, max_stream_bytes: Any,
-                          max_event_bytes: Any = MAX_EVENT_BYTES) -> None:
-    """The constructor options shared by :class:`HttpAdapter` and the sync facade."""
-    check_secret_provider(secrets)
-    if limits is not None and not isinstance(limits, StreamingPolicy):
-        raise InvalidArgument("limits must be a ledger.policy.model.StreamingPolicy",
-                              field="limits")
-    if not isinstance(verify, bool | ssl.SSLContext):
-        raise InvalidArgument("verify must be True, False or an ssl.SSLContext", field="verify")
-    for name, value in (("max_body_bytes", max_body_bytes),
-                        ("evidence_cap_bytes", evidence_cap_bytes),
-                        ("max_stream_bytes", max_stream_bytes),
-                        ("max_event_bytes", max_event_bytes)):
-        check_count(value, name, maximum=MAX_BYTES_OPTION)
-        if value < 1:
-            raise InvalidArgument(f"{name} must be at least 1; pass a byte count",
-                                  field=name)
+# The arguments of an adapter and its send(), checked before anything is sent or started.
+Bytes = Annotated[int, integers(1, MAX_BYTES_OPTION, f"pass a byte count of at least 1 (and at "
+                                f"most {MAX_BYTES_OPTION})")]
+Limits = Annotated[StreamingPolicy, instance(StreamingPolicy, "a StreamingPolicy", "pass e.g. "
+                                             "the Run's frozen policy.streaming")]
+Verify = Annotated[ssl.SSLContext | bool, instance((bool, ssl.SSLContext), "a TLS setting",
+                                                   "pass True, False or an ssl.SSLContext")]
+Target = Annotated[Route, instance(Route, "a ledger.Route", "pass a ledger.Route")]
+Request = Annotated[Envelope, instance(Envelope, "a ledger.Envelope", "pass a ledger.Envelope")]
+OnEvent = Annotated[EventCallback, function("a function of a StreamEvent (sync or async)")]
+Progress = Annotated[SendProgress, instance(SendProgress, "a SendProgress",
+                                            "pass the Dispatch's progress")]
 
 
-@checked_calls
+class AdapterOptions(TypedDict, total=False):
+    """The options of :class:`HttpAdapter` and :class:`~ledger.adapters.sync.SyncAdapter`.
+
+    Attributes:
+        secrets: Where each profile's secret comes from (default:
+            :class:`~ledger.adapters.secrets.EnvSecretProvider`).
+        limits: The default time limits (:class:`~ledger.policy.model.StreamingPolicy`); a
+            call may pass its own (the Run's frozen ``policy.streaming``).
+        verify: TLS verification of the adapter's own client registry (``True``, ``False`` or
+            an ``ssl.SSLContext``; default ``True``).
+        max_body_bytes: Largest whole (non-streamed) body read (default 16 MiB).
+        evidence_cap_bytes: Largest error excerpt kept as evidence (default 2 KiB).
+        max_stream_bytes: Most bytes read from one stream (default 64 MiB).
+        max_event_bytes: Largest stream event (and line) parsed: an event carrying an image is
+            as large as its base64 (default 32 MiB).
+    """
+
+    secrets: Secrets | None
+    limits: Limits | None
+    verify: Verify
+    max_body_bytes: Bytes
+    evidence_cap_bytes: Bytes
+    max_stream_bytes: Bytes
+    max_event_bytes: Bytes
+
+
+@checked
 class HttpAdapter:
     """Sends an Envelope on a Route over httpx, for every registered protocol (async).
 
@@ -300,19 +324,10 @@ class HttpAdapter:
     is its blocking facade.
 
     Args:
-        secrets: Where each profile's secret comes from (default:
-            :class:`~ledger.adapters.secrets.EnvSecretProvider`).
-        limits: The default time limits
-            (:class:`~ledger.policy.model.StreamingPolicy`); a call may pass its own (the Run's
-            frozen ``policy.streaming``).
         clients: The pooled httpx clients (default: a private :class:`ClientRegistry`).
-        verify: TLS verification of that private registry (``True``, ``False`` or an
-            ``ssl.SSLContext``).
-        max_body_bytes: Largest whole (non-streamed) body read.
-        evidence_cap_bytes: Largest error excerpt kept as evidence.
-        max_stream_bytes: Most bytes read from one stream.
-        max_event_bytes: Largest stream event (and line) parsed: an event carrying an image is
-            as large as its base64 (default 32 MiB).
+        **options: ``secrets``, ``limits``, ``verify``, ``max_body_bytes``,
+            ``evidence_cap_bytes``, ``max_stream_bytes``, ``max_event_bytes``
+            (:class:`AdapterOptions`).
 
     Raises:
         InvalidArgument: an option of the wrong type, or a byte count below 1 or above 2**40.
@@ -324,33 +339,18 @@ class HttpAdapter:
         ...     print(result.ok, result.text or result.observation)
     """
 
-    def __init__(
-        self,
-        *,
-        secrets: SecretProvider | None = None,
-        limits: StreamingPolicy | None = None,
-        clients: ClientRegistry | None = None,
-        verify: ssl.SSLContext | bool = True,
-        max_body_bytes: int = 16 * 1024 * 1024,
-        evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
-        max_stream_bytes: int = 64 * 1024 * 1024,
-        max_event_bytes: int = MAX_EVENT_BYTES,
-    ) -> None:
-        check_adapter_options(secrets=secrets, limits=limits, verify=verify,
-                              max_body_bytes=max_body_bytes,
-                              evidence_cap_bytes=evidence_cap_bytes,
-                              max_stream_bytes=max_stream_bytes,
-                              max_event_bytes=max_event_bytes)
-        if clients is not None and not isinstance(clients, ClientRegistry):
-            raise InvalidArgument("clients must be a ledger.adapters.ClientRegistry",
-                                  field="clients")
+    def __init__(self, *, clients: Annotated[ClientRegistry, instance(
+            ClientRegistry, "a ClientRegistry", "pass a ledger.adapters.ClientRegistry")]
+                 | None = None, **options: Unpack[AdapterOptions]) -> None:
+        secrets, limits = options.get("secrets"), options.get("limits")
         self.secrets: SecretProvider = secrets if secrets is not None else EnvSecretProvider()
         self.limits = limits if limits is not None else StreamingPolicy()
-        self.clients = clients if clients is not None else ClientRegistry(verify=verify)
-        self.max_body_bytes = max_body_bytes
-        self.evidence_cap_bytes = evidence_cap_bytes
-        self.max_stream_bytes = max_stream_bytes
-        self.max_event_bytes = max_event_bytes
+        self.clients = (clients if clients is not None
+                        else ClientRegistry(verify=options.get("verify", True)))
+        self.max_body_bytes = options.get("max_body_bytes", 16 * 1024 * 1024)
+        self.evidence_cap_bytes = options.get("evidence_cap_bytes", EVIDENCE_CAP_BYTES)
+        self.max_stream_bytes = options.get("max_stream_bytes", 64 * 1024 * 1024)
+        self.max_event_bytes = options.get("max_event_bytes", MAX_EVENT_BYTES)
 
     async def __aenter__(self) -> HttpAdapter:
         return self
@@ -371,21 +371,7 @@ class HttpAdapter:
     # exception: the Run can skip that route and go on, and it knows nothing was sent.
 
     @staticmethod
-    def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None,
-                      on_event: Any = None, limits: Any = None,
-                      attempt_id: Any = None) -> None:
-        if not isinstance(route, Route):
-            raise InvalidArgument("route must be a ledger.Route", field="route")
-        if not isinstance(envelope, Envelope):
-            raise InvalidArgument("envelope must be a ledger.Envelope", field="envelope")
-        check_optional_id(profile_id, "profile_id")
-        check_optional_id(attempt_id, "attempt_id")
-        if on_event is not None and not callable(on_event):
-            raise InvalidArgument("on_event must be a function of a StreamEvent (sync or async)",
-                                  field="on_event")
-        if limits is not None and not isinstance(limits, StreamingPolicy):
-            raise InvalidArgument("limits must be a StreamingPolicy (e.g. the Run's frozen "
-                                  "policy.streaming)", field="limits")
+    def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None) -> None:
         if profile_id is None and route.profiles:
             raise InvalidArgument(
                 f"route {route.id!r} has credential profiles "
@@ -553,14 +539,14 @@ class HttpAdapter:
 
     async def send(
         self,
-        route: Route,
-        envelope: Envelope,
+        route: Target,
+        envelope: Request,
         *,
-        profile_id: str | None,
-        on_event: EventCallback | None = None,
-        limits: StreamingPolicy | None = None,
-        progress: SendProgress | None = None,
-        attempt_id: str | None = None,
+        profile_id: Id | None,
+        on_event: OnEvent | None = None,
+        limits: Limits | None = None,
+        progress: Progress | None = None,
+        attempt_id: Id | None = None,
     ) -> AdapterResult:
         """Send ``envelope`` on ``route`` with the secret of ``profile_id``; report the outcome.
 
@@ -597,11 +583,8 @@ class HttpAdapter:
                 parts, streaming, tools or prefill the route's capabilities refuse, parts or
                 parameters the codec cannot map.
         """
-        if progress is not None and not isinstance(progress, SendProgress):
-            raise InvalidArgument("progress must be a SendProgress (Dispatch.progress)",
-                                  field="progress")
         tracker = _Progress(progress)  # tells `progress` nothing is sent yet
-        self._check_misuse(route, envelope, profile_id, on_event, limits, attempt_id)
+        self._check_misuse(route, envelope, profile_id)
         install_log_redaction()
         lim = limits if limits is not None else self.limits
         loop = asyncio.get_running_loop()

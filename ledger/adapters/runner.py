@@ -14,21 +14,18 @@ failed attempt.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated
 
-from ledger.adapters.base import HttpAdapter
+from ledger.adapters.base import HttpAdapter, Limits, OnEvent
 from ledger.adapters.contract import (
     AdapterResult,
-    EventCallback,
 )
 from ledger.adapters.sync import SyncAdapter
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.domain.envelope import MODEL_DERIVED, Part
 from ledger.domain.facts import Observation
 from ledger.domain.media import REASONING_MEDIA_TYPE
-from ledger.domain.validation import checked_call
-from ledger.errors import InvalidArgument
-from ledger.policy.model import StreamingPolicy
+from ledger.domain.validation import checked, instance
 
 
 def output_part(result: AdapterResult, attempt_id: str) -> Part:
@@ -85,24 +82,13 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     )
 
 
-def _check(adapter: Any, kind: type[Any], on_event: Any, limits: Any) -> None:
-    if not isinstance(adapter, kind):
-        other = "sync_sender" if kind is HttpAdapter else "async_sender"
-        raise InvalidArgument(f"adapter must be a {kind.__name__} (use {other} for the "
-                              "other kind)", field="adapter")
-    if on_event is not None and not callable(on_event):
-        raise InvalidArgument("on_event must be a function of a StreamEvent", field="on_event")
-    if limits is not None and not isinstance(limits, StreamingPolicy):
-        raise InvalidArgument("limits must be a StreamingPolicy (the Run's policy.streaming)",
-                              field="limits")
-
-
-@checked_call
+@checked
 def async_sender(
-    adapter: HttpAdapter,
+    adapter: Annotated[HttpAdapter, instance(HttpAdapter, "an HttpAdapter",
+                                             "use sync_sender for a SyncAdapter")],
     *,
-    on_event: EventCallback | None = None,
-    limits: StreamingPolicy | None = None,
+    on_event: OnEvent | None = None,
+    limits: Limits | None = None,
 ) -> Callable[[Dispatch], Awaitable[SendResult]]:
     """The send function of :func:`ledger.api.turn.aexecute` over an :class:`HttpAdapter`.
 
@@ -123,7 +109,6 @@ def async_sender(
         >>> send = async_sender(adapter, limits=policy.streaming)  # doctest: +SKIP
         >>> result = await aexecute(led, lease, envelope, send)  # doctest: +SKIP
     """
-    _check(adapter, HttpAdapter, on_event, limits)
     async def send(d: Dispatch) -> SendResult:
         res = await adapter.send(d.route, d.envelope, profile_id=d.profile_id,
                                  on_event=on_event, limits=limits, progress=d.progress,
@@ -133,12 +118,13 @@ def async_sender(
     return send
 
 
-@checked_call
+@checked
 def sync_sender(
-    adapter: SyncAdapter,
+    adapter: Annotated[SyncAdapter, instance(SyncAdapter, "a SyncAdapter",
+                                             "use async_sender for an HttpAdapter")],
     *,
-    on_event: EventCallback | None = None,
-    limits: StreamingPolicy | None = None,
+    on_event: OnEvent | None = None,
+    limits: Limits | None = None,
 ) -> Callable[[Dispatch], SendResult]:
     """The send function of :func:`ledger.api.turn.execute` over a :class:`SyncAdapter`.
 
@@ -156,7 +142,6 @@ def sync_sender(
         InvalidArgument: ``adapter`` is not a :class:`SyncAdapter`, or ``on_event``/``limits``
             are of the wrong type.
     """
-    _check(adapter, SyncAdapter, on_event, limits)
     def send(d: Dispatch) -> SendResult:
         res = adapter.send(d.route, d.envelope, profile_id=d.profile_id, on_event=on_event,
                            limits=limits, progress=d.progress, attempt_id=d.attempt_id)

@@ -4,33 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ssl
 import threading
+from typing import Unpack
 
 from ledger.adapters.base import (
-    MAX_EVENT_BYTES,
+    AdapterOptions,
     HttpAdapter,
-    check_adapter_options,
+    Limits,
+    OnEvent,
+    Progress,
+    Request,
+    Target,
 )
-from ledger.adapters.contract import (
-    AdapterResult,
-    EventCallback,
-)
-from ledger.adapters.secrets import (
-    EVIDENCE_CAP_BYTES,
-    SecretProvider,
-)
-from ledger.decide.effects import SendProgress
-from ledger.domain.envelope import Envelope
-from ledger.domain.validation import checked_calls
-from ledger.domain.values import Route
+from ledger.adapters.contract import AdapterResult
+from ledger.domain.validation import Id, checked
 from ledger.errors import InvalidArgument
-from ledger.policy.model import StreamingPolicy
 
 _WAIT_SLICE_S = 0.2
 
 
-@checked_calls
+@checked
 class SyncAdapter:
     """The blocking facade: the same :class:`HttpAdapter`, run on a private event loop thread.
 
@@ -40,36 +33,15 @@ class SyncAdapter:
     registry lives on the private loop).
 
     Args:
-        secrets: Where each profile's secret comes from (default: the environment).
-        limits: The default time limits (a ``StreamingPolicy``).
-        verify: TLS verification (``True``, ``False`` or an ``ssl.SSLContext``).
-        max_body_bytes: Largest whole body read.
-        evidence_cap_bytes: Largest error excerpt kept as evidence.
-        max_stream_bytes: Most bytes read from one stream.
-        max_event_bytes: Largest stream event (and line) parsed.
+        **options: :class:`~ledger.adapters.base.AdapterOptions`.
 
     Raises:
         InvalidArgument: an option of the wrong type or out of range (checked before the loop
             thread starts, so a refused option leaves nothing running).
     """
 
-    def __init__(
-        self,
-        *,
-        secrets: SecretProvider | None = None,
-        limits: StreamingPolicy | None = None,
-        verify: ssl.SSLContext | bool = True,
-        max_body_bytes: int = 16 * 1024 * 1024,
-        evidence_cap_bytes: int = EVIDENCE_CAP_BYTES,
-        max_stream_bytes: int = 64 * 1024 * 1024,
-        max_event_bytes: int = MAX_EVENT_BYTES,
-    ) -> None:
-        # Checked before the loop thread starts: a refused option leaves nothing running.
-        check_adapter_options(secrets=secrets, limits=limits, verify=verify,
-                              max_body_bytes=max_body_bytes,
-                              evidence_cap_bytes=evidence_cap_bytes,
-                              max_stream_bytes=max_stream_bytes,
-                              max_event_bytes=max_event_bytes)
+    def __init__(self, **options: Unpack[AdapterOptions]) -> None:
+        # Validated before the loop thread starts: a refused option leaves nothing running.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="ledger-adapter-loop", daemon=True
@@ -77,27 +49,19 @@ class SyncAdapter:
         self._thread.start()
         # The registry is created here but its clients are created on the loop thread, which
         # is the only place they are ever used.
-        self.adapter = HttpAdapter(
-            secrets=secrets,
-            limits=limits,
-            verify=verify,
-            max_body_bytes=max_body_bytes,
-            evidence_cap_bytes=evidence_cap_bytes,
-            max_stream_bytes=max_stream_bytes,
-            max_event_bytes=max_event_bytes,
-        )
+        self.adapter = HttpAdapter(**options)
         self._closed = False
 
     def send(
         self,
-        route: Route,
-        envelope: Envelope,
+        route: Target,
+        envelope: Request,
         *,
-        profile_id: str | None,
-        on_event: EventCallback | None = None,
-        limits: StreamingPolicy | None = None,
-        progress: SendProgress | None = None,
-        attempt_id: str | None = None,
+        profile_id: Id | None,
+        on_event: OnEvent | None = None,
+        limits: Limits | None = None,
+        progress: Progress | None = None,
+        attempt_id: Id | None = None,
     ) -> AdapterResult:
         """:meth:`HttpAdapter.send`, waited for on the calling thread (same arguments).
 

@@ -1,205 +1,172 @@
-"""Checks at the facade's boundary: every public argument, before anything is read or written.
+"""The facade's argument types: what a public method's annotations say it accepts.
 
-Each check returns the value as the ledger uses it or raises
-:class:`~ledger.errors.InvalidArgument` (an :class:`~ledger.errors.ArgumentMismatch` for a
-misspelt keyword) naming the field and the fix, so both backends refuse the same inputs the
-same way. The rules that decide what a write *means* live in :mod:`ledger.decide`.
+Each is a type of :mod:`ledger.domain.validation`'s kind, read by :func:`~ledger.domain
+.validation.checked` like every other: the value as the ledger uses it, or
+:class:`~ledger.errors.InvalidArgument` naming the field and the fix. The rules that decide what
+a write *means* live in :mod:`ledger.decide`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from enum import Enum
+from typing import Annotated, Any
 
-from pydantic import BaseModel
+from typing_extensions import TypedDict
 
-from ledger.domain.bounds import (
-    MAX_FENCE,
-    check_choice,
-    check_optional_id,
-    check_optional_time,
-    check_text,
-    check_tokens,
-    id_problem,
-)
+from ledger.clock import Clock
+from ledger.decide.admission import Admission
+from ledger.domain.bounds import MAX_LEASE_TTL_S
 from ledger.domain.facts import Category
-from ledger.domain.records import AttemptState, Lease
-from ledger.domain.validation import check_known_keys, validate_as
-from ledger.errors import InvalidArgument
+from ledger.domain.records import AttemptState
+from ledger.domain.validation import (
+    Id,
+    Problem,
+    Secrets,
+    Time,
+    as_id,
+    duration,
+    instance,
+    integers,
+    listing,
+    methods,
+    one_of,
+    rule,
+    text,
+)
+from ledger.domain.values import Route
 
 MAX_EVENT_KIND = 32
-
-
 MAX_HASH = 80
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def as_model(cls: type[M], value: Any, field: str) -> M:
-    """``value`` (an instance or a mapping of its fields) as ``cls``.
-
-    A problem is InvalidArgument naming the field path under ``field`` (``budget.max_cost``,
-    ``plan[0].group``).
-    """
-    return validate_as(cls, dict(value) if isinstance(value, Mapping) else value, field)
-
-
-def audit_data(value: Any, field: str) -> dict[str, Any]:
-    """Audit data: a mapping with string keys (its values are stored as JSON, redacted)."""
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise InvalidArgument(f"{field} must be a mapping with string keys (got "
-                              f"{type(value).__name__}); pass a dict such as {{'why': '...'}}",
-                              field=field)
-    return dict(value)
-
-
-def event_kind(value: Any, field: str, maximum: int) -> str:
-    """An audit event's kind: a non-empty short text of at most ``maximum`` characters."""
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidArgument(f"{field} must be a non-empty string; pass a short name such as "
-                              "'note'", field=field)
-    return check_text(value, field, maximum=maximum)
-
-
-def events_arg(events: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """A list of ``(kind, data)`` audit events, each checked as :func:`event_kind` and data."""
-    if isinstance(events, str | bytes | Mapping) or not isinstance(events, Sequence):
-        raise InvalidArgument("events must be a list of (kind, data) pairs", field="events")
-    out = []
-    for i, item in enumerate(events):
-        try:
-            kind, data = item
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"events[{i}] must be a (kind, data) pair; pass "
-                                  "('note', {...})", field=f"events[{i}]") from None
-        out.append((event_kind(kind, f"events[{i}]", MAX_EVENT_KIND),
-                    audit_data(data, f"events[{i}]")))
-    return out
-
-
-def hash_arg(value: Any, field: str, *, optional: bool = False) -> str | None:
-    """A content hash string (``None`` allowed with ``optional``), else InvalidArgument."""
-    if value is None and optional:
-        return None
-    if (not isinstance(value, str) or not 0 < len(value) <= MAX_HASH
-            or not value.isprintable()):
-        raise InvalidArgument(f"{field} must be a content hash string of at most {MAX_HASH} "
-                              "printable characters; pass e.g. Envelope.hash", field=field)
-    return value
-
-
-ATTEMPT_FILTERS = ("route", "group", "state", "category", "since", "until", "limit", "cursor")
-
-
 MAX_CURSOR = 300
 
 
-def attempt_filters(filters: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked filters of an attempt listing (see :meth:`Ledger.attempts`)."""
-    check_known_keys(filters, ATTEMPT_FILTERS, "an attempt filter")
-    out = dict(filters)
-    for name in ("route", "group"):
-        out[name] = check_optional_id(out.get(name), name)
-    if out.get("state") is not None:
-        out["state"] = check_choice(out["state"], AttemptState, "state").value
-    if out.get("category") is not None:
-        out["category"] = check_choice(out["category"], Category, "category").value
-    for name in ("since", "until"):
-        out[name] = check_optional_time(out.get(name), name)
-    if "limit" in out:
-        out["limit"] = limit_arg(out["limit"])
-    if out.get("cursor") is not None:
-        out["cursor"] = check_text(out["cursor"], "cursor", maximum=MAX_CURSOR)
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def limit_arg(value: Any, field: str = "limit") -> int:
-    """A page size: an integer from 1 to 10 000, else InvalidArgument."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000:
-        raise InvalidArgument(f"{field} must be an integer from 1 to 10000 (got {value!r}); "
-                              "pass e.g. 100 and page on with next_cursor", field=field)
+@rule
+def content_hash(value: Any) -> str:
+    """A content hash (``Envelope.hash``, ``Part.content_hash``)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_HASH or not value.isprintable():
+        raise Problem("is not a content hash", f"pass a content hash string of at most "
+                      f"{MAX_HASH} printable characters, e.g. Envelope.hash")
     return value
 
 
-def optional_tokens(value: Any, field: str) -> int | None:
-    """A token count, or ``None``."""
-    return None if value is None else check_tokens(value, field)
+@rule
+def audit_data(value: Any) -> dict[str, Any]:
+    """An audit event's data: a mapping with string keys (stored as JSON, redacted)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise Problem("is not a mapping with string keys", "pass a dict such as {'why': '...'}")
+    return dict(value)
 
 
-def check_opening(url: Any, clock: Any, executor_id: Any) -> None:
-    """Refuse (InvalidArgument) what :meth:`~ledger.Ledger.open` cannot open with."""
-    if not isinstance(url, str):
-        raise InvalidArgument("url must be a SQLite file path or a database URL string; pass "
-                              "e.g. 'ledger.db' or 'postgresql://host/db'", field="url")
-    if clock is not None and not callable(getattr(clock, "now", None)):
-        raise InvalidArgument("clock must have a now() method returning epoch seconds; pass "
-                              "ledger.SystemClock() or ledger.ManualClock(t)", field="clock")
-    check_optional_id(executor_id, "executor_id")
+event_kind = text(MAX_EVENT_KIND, empty=False, fix="pass a non-empty short name such as 'note'")
 
 
-def lease_arg(lease: Any, field: str = "lease") -> Lease:
-    """``lease`` if it is a Lease as :meth:`~ledger.Ledger.acquire_lease` returns it.
+@rule
+def _event(item: Any) -> tuple[str, dict[str, Any]]:
+    try:
+        kind, data = item
+    except (TypeError, ValueError):
+        raise Problem("is not a (kind, data) pair", "pass ('note', {...})") from None
+    return event_kind(kind), audit_data(data)
 
-    A hand-built one must still fit the columns it is compared with (so both backends refuse the
-    same leases).
+
+@rule
+def _route(value: Any) -> str | Route:
+    if isinstance(value, Route):
+        return value
+    if not isinstance(value, str):
+        raise Problem("is not a route id or a ledger.Route",
+                      "pass a route id or a ledger.Route of the Run's plan")
+    return as_id(value)
+
+
+Hash = Annotated[str, content_hash]
+"""A content hash (``Envelope.hash``, ``Part.content_hash``)."""
+Hashes = Annotated[Sequence[str], listing(content_hash, "content hashes",
+                                          "pass e.g. [part.content_hash for part in parts]")]
+"""A list of content hashes."""
+AuditData = Annotated[Mapping[str, Any], audit_data]
+"""An audit event's data: a mapping with string keys (stored as JSON, redacted)."""
+EventKind = Annotated[str, event_kind]
+"""An audit event's kind: a short name such as ``note``."""
+Events = Annotated[Sequence[tuple[str, Mapping[str, Any]]],
+                   listing(_event, "(kind, data) pairs", "pass e.g. [('note', {...})]")]
+"""Audit events written with a begin or settle: ``(kind, data)`` pairs."""
+RouteRef = Annotated[str | Route, _route]
+"""A route of a Run's plan: its id, or the frozen :class:`~ledger.Route` itself."""
+LeaseTtl = Annotated[float, duration(MAX_LEASE_TTL_S, positive=True)]
+"""How long a lease lasts: above 0, at most 86 400 s (and above the lease margin)."""
+Limit = Annotated[int, integers(1, 10_000, "pass an integer from 1 to 10000, e.g. 100, and "
+                                "page on with next_cursor")]
+"""A page size."""
+Cursor = Annotated[str, text(MAX_CURSOR)]
+"""A page's ``next_cursor``."""
+
+
+ClockArg = Annotated[Clock, methods("now", fix="pass ledger.SystemClock() or "
+                                     "ledger.ManualClock(t)")]
+"""Where a ledger reads time: an object with ``now()`` returning epoch seconds."""
+Url = Annotated[str, instance(str, "a database URL string", "pass a SQLite file path or a "
+                              "database URL string, e.g. 'ledger.db' or 'postgresql://host/db'")]
+"""A SQLite file path or a database URL."""
+
+
+class SessionOptions(Admission, total=False):
+    """What :meth:`~ledger.Ledger.run` takes: the Run's terms and the session's own options.
+
+    The terms are :class:`~ledger.decide.admission.Admission`'s.
+
+    Attributes:
+        lease_ttl_s: The lease the session takes and keeps renewed (above the lease margin, at
+            most 86 400 s; default 30).
+        adapter: A :class:`~ledger.adapters.SyncAdapter` (an
+            :class:`~ledger.adapters.HttpAdapter` for an :class:`~ledger.AsyncLedger`) to send
+            with (default: one of the session's own, closed with it).
+        secrets: The secret provider of that default adapter (not with ``adapter``).
     """
-    if not isinstance(lease, Lease):
-        raise InvalidArgument(f"{field} must be a ledger.Lease; pass what acquire_lease "
-                              "returned", field=field)
-    if (id_problem(lease.run_id) or id_problem(lease.executor)
-            or isinstance(lease.fence, bool) or not isinstance(lease.fence, int)
-            or not 0 <= lease.fence <= MAX_FENCE
-            or isinstance(lease.expires_at, bool)
-            or not isinstance(lease.expires_at, int | float)):
-        raise InvalidArgument(f"{field} is not a lease the ledger granted (run id, executor, "
-                              "fence or expiry out of range); pass what acquire_lease returned",
-                              field=field)
-    return lease
+
+    lease_ttl_s: LeaseTtl
+    adapter: Any
+    secrets: Secrets | None
 
 
-def keyless_arg(value: Any, plan: Sequence[Any]) -> frozenset[str]:
-    """``keyless_ok``: the route and profile ids of ``plan`` allowed to lack a key.
+def attempt_query(filters: AttemptFilters) -> dict[str, Any]:
+    """Validated attempt filters as the storage query takes them (choices as their values)."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in filters.items() if v is not None}
 
-    ``True`` allows every route; ``False`` or an empty collection none. An id that is neither a
-    route nor a credential profile of the plan is refused (a typo would silently check the key
-    it meant to excuse).
-    """
-    if value is True:
-        return frozenset(r.id for r in plan)
-    if value is False:
-        return frozenset()
-    if (isinstance(value, str | bytes | Mapping)
-            or not isinstance(value, Sequence | set | frozenset)
-            or not all(isinstance(v, str) for v in value)):
-        raise InvalidArgument("keyless_ok must be a set of route ids (or credential profile "
-                              "ids) of the plan, or True for every route; pass e.g. "
-                              "{'local-llama'}", field="keyless_ok")
-    known = {r.id for r in plan} | {p.id for r in plan for p in r.profiles}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise InvalidArgument(
-            f"keyless_ok names {', '.join(repr(u) for u in unknown)}, which is no route or "
-            f"credential profile of the plan ({', '.join(repr(r.id) for r in plan)}); pass ids "
-            "of the plan's routes", field="keyless_ok", unknown=unknown)
-    return frozenset(value)
+
+class AttemptFilters(TypedDict, total=False):
+    """The filters of an attempt listing (:meth:`~ledger.Ledger.attempts`)."""
+
+    route: Id | None
+    group: Id | None
+    state: Annotated[AttemptState | str, one_of(AttemptState)] | None
+    category: Annotated[Category | str, one_of(Category)] | None
+    since: Time | None
+    until: Time | None
+    limit: Limit
+    cursor: Cursor | None
 
 
 __all__ = [
-    "ATTEMPT_FILTERS",
     "MAX_CURSOR",
     "MAX_EVENT_KIND",
     "MAX_HASH",
-    "as_model",
-    "attempt_filters",
+    "AttemptFilters",
+    "AuditData",
+    "ClockArg",
+    "Cursor",
+    "EventKind",
+    "Events",
+    "Hash",
+    "Hashes",
+    "LeaseTtl",
+    "Limit",
+    "RouteRef",
+    "SessionOptions",
+    "Url",
+    "attempt_query",
     "audit_data",
-    "check_opening",
+    "content_hash",
     "event_kind",
-    "events_arg",
-    "hash_arg",
-    "keyless_arg",
-    "lease_arg",
-    "limit_arg",
-    "optional_tokens",
 ]
-

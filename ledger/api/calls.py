@@ -14,19 +14,17 @@ import asyncio
 import inspect
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-from ledger.domain.validation import checked_call
+from ledger.domain.validation import checked
 
 if TYPE_CHECKING:
-    from ledger.api.facade import AsyncLedger, Ledger, _Face
     from ledger.storage.runner import Flow
 
 K = TypeVar("K")
 V = TypeVar("V")
 R = TypeVar("R")
-S = TypeVar("S")
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -66,11 +64,13 @@ class op(Generic[P, T]):
     ``Ledger().name(...)`` runs the flow and returns ``T``; ``AsyncLedger().name(...)`` returns
     an awaitable of ``T``; ``Face.name.flow(ledger, ...)`` is the flow itself, for code that
     composes operations (a lease keeper's renewal, a session's entry). A call that does not
-    fit the signature is :class:`~ledger.errors.ArgumentMismatch` before anything runs.
+    fit the signature is :class:`~ledger.errors.ArgumentMismatch` before anything runs, and its
+    arguments are validated against the builder's annotations
+    (:func:`~ledger.domain.validation.checked`): the flow gets them as validated.
     """
 
     def __init__(self, builder: Callable[Concatenate[Any, P], Flow[T]]) -> None:
-        self._builder = checked_call(builder)
+        self._builder = checked(builder)
         self.__doc__ = builder.__doc__
         self.__name__ = builder.__name__
         self.__qualname__ = builder.__qualname__
@@ -81,9 +81,9 @@ class op(Generic[P, T]):
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> op[P, T]: ...
     @overload
-    def __get__(self, obj: AsyncLedger, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+    def __get__(self, obj: Awaiting, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
     @overload
-    def __get__(self, obj: Ledger, owner: type[Any]) -> Callable[P, T]: ...
+    def __get__(self, obj: Blocking, owner: type[Any]) -> Callable[P, T]: ...
 
     def __get__(self, obj: Any, owner: type[Any]) -> Any:
         if obj is None:
@@ -103,31 +103,64 @@ class op(Generic[P, T]):
         bound.__signature__ = self._signature
         return bound
 
-    def flow(self, face: _Face, /, *args: P.args, **kwargs: P.kwargs) -> Flow[T]:
+    def flow(self, face: Blocking | Awaiting, /, *args: P.args, **kwargs: P.kwargs) -> Flow[T]:
         """The operation's flow for ``face`` (either kind), unrun."""
         return self._builder(face, *args, **kwargs)
 
 
-def in_thread(fn: Callable[Concatenate[S, P], R], owner: str
-              ) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]:
-    """The async twin, on class ``owner``, of the blocking method ``fn``.
+class Blocking:
+    """The mark of a face that blocks on its operations: an :class:`op` returns its result."""
+
+    awaiting = False
+
+
+class Awaiting:
+    """The mark of a face that awaits its operations: an op or a query returns an awaitable."""
+
+    awaiting = True
+
+
+class query(Generic[P, T]):
+    """A blocking read, public on a blocking face and (in a worker thread) on an awaiting one.
 
     For the operator's read-only queries (the audit), which are SQLAlchemy queries with only a
-    blocking form: the twin holds the blocking object as ``.sync`` and runs the same call in a
-    worker thread, so the database call does not block the event loop. The signature (for the
-    misuse checks) and the docstring are ``fn``'s.
+    blocking form: on a face marked :class:`Awaiting` the method is a coroutine that runs the
+    same call in a worker thread, so the database call does not block the event loop. One
+    definition, one docstring and one signature serve both; the arguments are validated
+    (:func:`~ledger.domain.validation.checked`) before anything runs.
     """
 
-    async def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await asyncio.to_thread(fn, self.sync, *args, **kwargs)
+    def __init__(self, fn: Callable[Concatenate[Any, P], T]) -> None:
+        self._fn = checked(fn)
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+        sig = inspect.signature(fn)
+        self._signature = sig.replace(parameters=list(sig.parameters.values())[1:])
 
-    method.__name__ = fn.__name__
-    method.__qualname__ = f"{owner}.{fn.__name__}"
-    method.__doc__ = (None if fn.__doc__ is None else f"{inspect.cleandoc(fn.__doc__)}\n\n"
-                      f"On :class:`{owner}` a coroutine: awaited, in a worker thread (the "
-                      "database call blocks).")
-    method.__wrapped__ = fn  # type: ignore[attr-defined]
-    return method
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> query[P, T]: ...
+    @overload
+    def __get__(self, obj: Awaiting, owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
+    @overload
+    def __get__(self, obj: object, owner: type[Any]) -> Callable[P, T]: ...
+
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        fn = self._fn
+        if obj.awaiting:
+            async def awaited(*args: Any, **kwargs: Any) -> Any:
+                return await asyncio.to_thread(fn, obj, *args, **kwargs)
+            bound: Any = awaited
+        else:
+            def blocking(*args: Any, **kwargs: Any) -> Any:
+                return fn(obj, *args, **kwargs)
+            bound = blocking
+        bound.__name__ = self.__name__
+        bound.__qualname__ = f"{type(obj).__name__}.{self.__name__}"
+        bound.__doc__ = self.__doc__
+        bound.__signature__ = self._signature
+        return bound
 
 
-__all__ = ["Lru", "in_thread", "op"]
+__all__ = ["Awaiting", "Blocking", "Lru", "op", "query"]

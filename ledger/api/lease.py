@@ -23,19 +23,18 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
-from ledger.api.facade import _Face
+from ledger.api.arguments import ClockArg, LeaseTtl
+from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.clock import Clock, Sleeper
-from ledger.domain.bounds import MAX_LEASE_TTL_S, check_seconds
 from ledger.domain.facts import Category, FailureFact, Phase, Source
-from ledger.domain.records import Lease
-from ledger.domain.validation import checked_calls
+from ledger.domain.records import Lease, LeaseArg
+from ledger.domain.validation import Flag, Id, checked, duration, instance, methods
 from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument, LeaseLost
 from ledger.storage.runner import Flow
 
-if TYPE_CHECKING:
-    from ledger.api.facade import AsyncLedger, Ledger
+Interval = Annotated[float, duration(positive=True)]
 
 
 SHUTDOWN_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.BEFORE_SEND,
@@ -56,23 +55,16 @@ class KeeperCore:
         in_flight: The Attempts :meth:`track` registered: attempt id -> sent?
     """
 
-    def __init__(self, ledger: Ledger | AsyncLedger, lease: Lease, *, ttl_s: float,
-                 interval_s: float | None = None, clock: Clock | None = None) -> None:
-        from ledger.api.arguments import lease_arg
-
-        lease_arg(lease)
-        ttl_s = check_seconds(ttl_s, "ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+    def __init__(self, ledger: SyncFace[Any, Any] | AsyncFace[Any, Any], lease: Lease, *,
+                 ttl_s: float, interval_s: float | None = None, clock: Clock | None = None) -> None:
+        # The arguments as a keeper validated them; the one rule between two of them:
         limit = ttl_s / 3
         if interval_s is None:
             interval_s = limit
-        interval_s = check_seconds(interval_s, "interval_s", positive=True)
-        if not 0 < interval_s <= limit:
+        if not interval_s <= limit:
             raise InvalidArgument(
                 f"interval_s must be in (0, ttl_s/3 = {limit:g}]: renewal every third of the "
                 "lease or more often; pass a smaller interval_s or None", field="interval_s")
-        if clock is not None and not callable(getattr(clock, "now", None)):
-            raise InvalidArgument("clock must have a now() method; pass e.g. ManualClock(t)",
-                                  field="clock")
         self.ledger = ledger
         self.ttl_s = ttl_s
         self.interval_s = interval_s
@@ -99,16 +91,19 @@ class KeeperCore:
         if self.error is not None:
             raise self.error
 
-    def track(self, attempt_id: str, *, sent: bool = False) -> None:
+    @checked
+    def track(self, attempt_id: Id, *, sent: Flag = False) -> None:
         """Tell the keeper an Attempt is in flight (begun; ``sent`` once the request left)."""
         with self._lock:
             self.in_flight[attempt_id] = sent
 
-    def mark_sent(self, attempt_id: str) -> None:
+    @checked
+    def mark_sent(self, attempt_id: Id) -> None:
         """The tracked Attempt's request left: on shutdown it is marked unknown, not voided."""
         self.track(attempt_id, sent=True)
 
-    def untrack(self, attempt_id: str) -> None:
+    @checked
+    def untrack(self, attempt_id: Id) -> None:
         """The Attempt was settled."""
         with self._lock:
             self.in_flight.pop(attempt_id, None)
@@ -138,7 +133,7 @@ class KeeperCore:
             return self._next - now
         lease = self.lease
         try:
-            new = yield from _Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
+            new = yield from Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
         except FencedOut as e:
             self._lose(e)
             return math.inf
@@ -186,16 +181,16 @@ class KeeperCore:
             pending = dict(self.in_flight)
         for attempt_id, was_sent in pending.items():
             if was_sent:
-                yield from _Face.mark_unknown.flow(
+                yield from Face.mark_unknown.flow(
                     led, lease, attempt_id, "executor shut down: sent without a receipt")
             else:
-                yield from _Face.settle_attempt.flow(led, lease, attempt_id,
+                yield from Face.settle_attempt.flow(led, lease, attempt_id,
                                                      outcome="not_sent", fact=SHUTDOWN_FACT)
             self.untrack(attempt_id)
-        yield from _Face.release_lease.flow(led, lease)
+        yield from Face.release_lease.flow(led, lease)
 
 
-@checked_calls
+@checked
 class LeaseKeeper(KeeperCore):
     """Renews a Run's lease in a daemon thread, so a blocking model call cannot starve it.
 
@@ -225,14 +220,12 @@ class LeaseKeeper(KeeperCore):
         ...         step(keeper.lease)
     """
 
-    def __init__(self, ledger: Ledger, lease: Lease, *, ttl_s: float,
-                 interval_s: float | None = None, clock: Clock | None = None,
-                 sleeper: Sleeper | None = None) -> None:
-        from ledger.api.facade import Ledger
-
-        if not isinstance(ledger, Ledger):
-            raise InvalidArgument("ledger must be a ledger.Ledger (AsyncLeaseKeeper takes an "
-                                  "AsyncLedger)", field="ledger")
+    def __init__(self, ledger: Annotated[SyncFace[Any, Any], instance(
+            SyncFace, "a ledger.Ledger", "pass a ledger.Ledger (AsyncLeaseKeeper takes an "
+            "AsyncLedger)")], lease: LeaseArg, *, ttl_s: LeaseTtl,
+            interval_s: Interval | None = None, clock: ClockArg | None = None,
+            sleeper: Annotated[Sleeper, methods("sleep", fix="pass e.g. ManualClock(t)")]
+            | None = None) -> None:
         super().__init__(ledger, lease, ttl_s=ttl_s, interval_s=interval_s, clock=clock)
         self._sleeper = sleeper
         self._stop = threading.Event()
@@ -283,9 +276,9 @@ class LeaseKeeper(KeeperCore):
         self.close()
 
 
-@checked_calls
+@checked
 class AsyncLeaseKeeper:
-    """The asyncio twin of :class:`LeaseKeeper`: renews in a task, on an AsyncLedger.
+    """The asyncio twin of :class:`LeaseKeeper`: renews in a task, on an AsyncFace.
 
     Each renewal runs on the ledger's asyncio driver, so the event loop never blocks on the
     database (no worker thread). It
@@ -302,17 +295,15 @@ class AsyncLeaseKeeper:
         sleeper: What waits between ticks (its ``asleep``).
 
     Raises:
-        InvalidArgument: as :class:`LeaseKeeper`, or ``ledger`` is not an AsyncLedger.
+        InvalidArgument: as :class:`LeaseKeeper`, or ``ledger`` is not an AsyncFace.
     """
 
-    def __init__(self, ledger: AsyncLedger, lease: Lease, *, ttl_s: float,
-                 interval_s: float | None = None, clock: Clock | None = None,
-                 sleeper: Sleeper | None = None) -> None:
-        from ledger.api.facade import AsyncLedger
-
-        if not isinstance(ledger, AsyncLedger):
-            raise InvalidArgument("ledger must be a ledger.AsyncLedger (LeaseKeeper takes a "
-                                  "Ledger)", field="ledger")
+    def __init__(self, ledger: Annotated[AsyncFace[Any, Any], instance(
+            AsyncFace, "a ledger.AsyncLedger", "pass a ledger.AsyncLedger (LeaseKeeper takes "
+            "a Ledger)")], lease: LeaseArg, *, ttl_s: LeaseTtl,
+                 interval_s: Interval | None = None, clock: ClockArg | None = None,
+                 sleeper: Annotated[Sleeper, methods("asleep", fix="pass e.g. ManualClock(t)")]
+                 | None = None) -> None:
         self.core = KeeperCore(ledger, lease, ttl_s=ttl_s, interval_s=interval_s,
                                clock=clock)
         self._sleeper = sleeper

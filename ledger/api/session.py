@@ -31,16 +31,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any, Self, Unpack, cast
 
-from ledger.api.arguments import as_model
+from ledger.api.arguments import SessionOptions
+from ledger.api.face import AsyncFace, SyncFace
+from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
-from ledger.domain.bounds import MAX_LEASE_TTL_S, check_bool, check_id, check_seconds
+from ledger.decide.turn import RunResult
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.records import AttemptRecord, EventRecord, FrozenRun, Lease, RunRecord, RunStatus
-from ledger.domain.validation import check_known_keys, check_secret_provider, checked_calls
-from ledger.domain.values import Budget, Grant, Route
+from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
+from ledger.domain.validation import Id, checked, function, instance
+from ledger.domain.values import Route
 from ledger.errors import InvalidArgument, InvalidState, LedgerError
 
 # Logger names are part of the interface operators filter on: they stay as they were named.
@@ -54,25 +56,13 @@ _ENDED = ("this Run session has ended (its block was left); open a new one with 
           "ledger.run(...) to continue the Run")
 
 
-# What Ledger.admit_run takes besides the run id: a session's admission arguments.
-ADMIT_ARGUMENTS = ("plan", "budget", "grant", "policy", "role", "parent", "tenant", "labels",
-                   "deadline", "selected_route", "keyless_ok")
-
-
-def _check_adapter(adapter: Any, kind: type[Any], secrets: Any, owns: Any) -> None:
-    """A session's sender options, checked before anything is admitted."""
-    if adapter is not None and not isinstance(adapter, kind):
-        other = "AsyncLedger.run" if kind.__name__ == "SyncAdapter" else "Ledger.run"
-        raise InvalidArgument(f"adapter must be a ledger.adapters.{kind.__name__} (got "
-                              f"{type(adapter).__name__}); the other kind is for {other}",
-                              field="adapter")
-    if secrets is not None and adapter is not None:
-        raise InvalidArgument("secrets is for the session's own adapter; pass the secret "
-                              "provider to your adapter instead, or pass no adapter",
-                              field="secrets")
-    check_secret_provider(secrets)
-    if owns is not None:
-        check_bool(owns, "owns_adapter")
+# A turn's callbacks, checked before anything is read or written.
+OnText = Annotated[TextCallback, function("a function of the text (str)")]
+OnEvent = Annotated[EventCallback, function("a function of a StreamEvent")]
+_SENDS = function("a function of a Dispatch returning a SendResult")
+Send = Annotated[Callable[[Dispatch], SendResult], _SENDS]
+AwaitedSend = Annotated[Callable[[Dispatch], Awaitable[SendResult]], _SENDS]
+ToolResult = Annotated[str, instance(str, "text", "serialise it, e.g. json.dumps(result)")]
 
 
 def _idle_status(run: RunRecord, attempts: Sequence[AttemptRecord],
@@ -94,40 +84,46 @@ def _key_source(adapter: Any, secrets: Any) -> Any:
     return EnvSecretProvider()
 
 
-@checked_calls
 class _SessionCore:
     """What both sessions share (everything that is not I/O).
 
     The admission arguments, the calls a turn proposed, the Part a tool result becomes, and the
-    callbacks a turn's stream goes to. The constructor's arguments are those of
-    :meth:`ledger.Ledger.run` (which builds the session), checked before anything is admitted.
+    callbacks a turn's stream goes to. The constructor's arguments are those
+    :meth:`ledger.Ledger.run` validated (``options``: :class:`SessionOptions`).
     """
 
-    def __init__(self, ledger: Any, run_id: str, admit: Mapping[str, Any], *,
-                 lease_ttl_s: float = DEFAULT_SESSION_TTL_S, adapter: Any = None,
-                 secrets: Any = None, owns_adapter: bool | None = None) -> None:
+    def __init__(self, ledger: Any, run_id: str, options: SessionOptions, *,
+                 owns_adapter: bool = False) -> None:
         # Checked here, before the block admits anything: a session refused on entering after
         # admission would leave a Run admitted and nobody holding it. The admission arguments
         # themselves are admit_run's, which checks them all before it writes.
         lease_margin_s, adapter_kind = self._ledger_kind(ledger)
-        check_id(run_id, "run_id")
-        ttl = check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
+        terms: dict[str, Any] = dict(options)
+        ttl: float = terms.pop("lease_ttl_s", DEFAULT_SESSION_TTL_S)
+        adapter, secrets = terms.pop("adapter", None), terms.pop("secrets", None)
         if ttl <= lease_margin_s:
             raise InvalidArgument(
                 f"lease_ttl_s={ttl:g} is not above the lease margin ({lease_margin_s:g}s): such "
                 "a lease could start nothing; pass a longer lease_ttl_s (e.g. 30)",
                 field="lease_ttl_s")
-        check_known_keys(admit, ADMIT_ARGUMENTS, "an admission argument")
-        _check_adapter(adapter, adapter_kind, secrets, owns_adapter)
+        if adapter is not None and not isinstance(adapter, adapter_kind):
+            other = "AsyncLedger.run" if adapter_kind.__name__ == "SyncAdapter" else "Ledger.run"
+            raise InvalidArgument(f"adapter must be a ledger.adapters.{adapter_kind.__name__} "
+                                  f"(got {type(adapter).__name__}); the other kind is for "
+                                  f"{other}", field="adapter")
+        if secrets is not None and adapter is not None:
+            raise InvalidArgument("secrets is for the session's own adapter; pass the secret "
+                                  "provider to your adapter instead, or pass no adapter",
+                                  field="secrets")
         self.ledger = ledger
-        self._adapter = adapter
+        self._adapter: Any = adapter
         self._secrets = secrets
         # A session closes the adapter it made itself, never one it was given (or a child's).
-        self._owns_adapter = adapter is None if owns_adapter is None else owns_adapter
+        self._owns_adapter = adapter is None or owns_adapter
         self._keeper: Any = None
         self.run_id = run_id
-        self.admit = dict(admit)
-        self.lease_ttl_s = lease_ttl_s
+        self.admission = cast(Admission, terms)
+        self.lease_ttl_s = ttl
         self.record: RunRecord | None = None
         self._state = "new"  # new -> open -> ended
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
@@ -191,53 +187,70 @@ class _SessionCore:
         if self._state == "ended":
             raise InvalidState(_ENDED, run_id=self.run_id)
 
+    @property
+    def lease(self) -> Lease:
+        """The Run's lease as the session holds it now (renewed in the background)."""
+        self._check_open()
+        return self._keeper.lease  # type: ignore[no-any-return]
+
     def _enter(self) -> None:
         if self._state != "new":
             raise InvalidState("a Run session is entered once; open a new one with "
                                "ledger.run(...)", run_id=self.run_id)
 
     @staticmethod
-    def _check_turn(on_text: Any, on_event: Any, send: Any, options: Mapping[str, Any]) -> None:
+    def _check_turn(options: Mapping[str, Any]) -> None:
         if "part_hashes" in options:
             raise InvalidArgument("a session computes part_hashes itself; do not pass it to "
                                   "turn()", field="part_hashes")
-        for name, fn, what in (("on_text", on_text, "a function of the text (str)"),
-                               ("on_event", on_event, "a function of a StreamEvent"),
-                               ("send", send, "a function of a Dispatch returning a "
-                                              "SendResult")):
-            if fn is not None and not callable(fn):
-                raise InvalidArgument(f"{name} must be {what} (got {type(fn).__name__})",
-                                      field=name)
 
-    def _child_args(self, frozen: FrozenRun, child_id: Any, budget: Any, plan: Any,
-                    grant: Any, role: Any, admit: Mapping[str, Any], lease: Lease
-                    ) -> dict[str, Any]:
-        """The admission arguments of a Child Run (checked by admit_run when it is entered)."""
-        check_id(child_id, "child_id")
-        if plan is not None and (isinstance(plan, str | bytes | Mapping)
-                                 or not isinstance(plan, Sequence)):
-            raise InvalidArgument("plan must be a list of ledger.Route (a subset of the "
-                                  "parent's); pass None to inherit the parent's plan",
-                                  field="plan")
-        if role is not None:
-            check_id(role, "role")
-        if "parent" in admit:
+    @checked
+    def child(self, child_id: Id, *, budget: BudgetArg, plan: Sequence[Route] | None = None,
+              grant: GrantArg | None = None, role: Role | None = None,
+              **terms: Unpack[Terms]) -> Self:
+        """A session for a Child Run, to use in its own ``with`` block inside this one.
+
+        The Child's plan, grant and role may only narrow this Run's; its policy is this Run's;
+        its budget is carved from this Run's when it is entered. It sends with this session's
+        adapter (``async with`` for an :class:`AsyncRunSession`'s).
+
+        Args:
+            child_id: The Child Run's id.
+            budget: Its budget (a :class:`~ledger.Budget` or a mapping of its fields).
+            plan: A subset of this Run's frozen routes (default: all of them).
+            grant: A grant inside this Run's (default: inherited for the Child's recipients).
+            role: Its role (default: this Run's).
+            **terms: Other terms of :meth:`Ledger.admit_run` (``tenant``, ``labels``,
+                ``deadline``, ``selected_route``, ``policy``, ``keyless_ok``: by default what
+                this Run may lack of the Child's routes); not ``parent``.
+
+        Raises:
+            InvalidArgument: a malformed ``child_id``, ``plan`` or ``role``, or ``parent``
+                passed; on entering, a Child broader than this Run (see
+                :meth:`Ledger.admit_run`).
+            InvalidState: this session is not open.
+            BudgetExceeded: (entering) the Child asks for more than this Run has left
+                (``AllowanceExhausted`` for calls and retries).
+        """
+        self._check_open()
+        if "parent" in terms:
             raise InvalidArgument("a child session's parent is this Run; do not pass parent",
                                   field="parent")
-        routes = list(plan) if plan is not None else frozen.plan
-        if "keyless_ok" not in admit:
+        led = self.ledger.sync if self.ledger.awaiting else self.ledger
+        frozen = led.frozen_run(self.run_id)  # cached since the block was entered
+        options = cast(SessionOptions, {
+            **terms, "budget": budget, "plan": frozen.plan if plan is None else plan,
+            "grant": grant, "role": frozen.role if role is None else role,
+            "parent": self.lease, "lease_ttl_s": self.lease_ttl_s, "adapter": self._adapter})
+        mine = self.admission.get("keyless_ok", ())
+        if "keyless_ok" not in terms and mine:
             # The Child sends on routes of this Run: what this Run may lack, it may lack too.
-            mine = self.admit.get("keyless_ok", ())
-            if mine is True:
-                admit = {**admit, "keyless_ok": True}
-            elif isinstance(mine, Sequence | set | frozenset) and not isinstance(mine, str):
-                checked = [r if isinstance(r, Route) else as_model(Route, r, "plan")
-                           for r in routes]
-                ids = {r.id for r in checked} | {p.id for r in checked for p in r.profiles}
-                admit = {**admit, "keyless_ok": {k for k in mine if k in ids}}
-        return {"plan": routes, "budget": budget,
-                "grant": grant, "role": frozen.role if role is None else role,
-                "parent": lease, **admit}
+            routes = options["plan"]
+            ids = {r.id for r in routes} | {p.id for r in routes for p in r.profiles}
+            options["keyless_ok"] = True if mine is True else {k for k in mine if k in ids}
+        child = type(self)(self.ledger, child_id, options, owns_adapter=False)
+        child._parent = self
+        return child
 
     def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None
                  ) -> Callable[[Any], Any] | None:
@@ -297,21 +310,14 @@ class _SessionCore:
         return isinstance(call_id, str) and call_id in self._calls
 
     def _call(self, call_id: str) -> tuple[str, str]:
-        check_id(call_id, "call_id")
         if call_id not in self._calls:
             raise InvalidArgument(
                 f"tool call {call_id!r} was not proposed in this Run session; pass the "
                 "tool_call_id of one of a turn's result.tool_calls", field="call_id")
         return self._calls[call_id]
 
-    def _tool_part(self, call_id: str, content: Any, data_class: str) -> Part:
+    def _tool_part(self, call_id: str, content: str, data_class: str) -> Part:
         _attempt, name = self._call(call_id)
-        if not isinstance(content, str):
-            raise InvalidArgument("a tool result's content is text; serialise it (e.g. "
-                                  "json.dumps(result))", field="content")
-        if not isinstance(data_class, str):
-            raise InvalidArgument("data_class must be a string such as 'tool_result'",
-                                  field="data_class")
         return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
                     tool_call_id=call_id, name=name or None)
 
@@ -336,7 +342,7 @@ class _SessionCore:
         return attempt_id
 
 
-@checked_calls
+@checked
 class RunSession(_SessionCore):
     """A Run held in a ``with`` block (see the module docstring); made by :meth:`Ledger.run`.
 
@@ -384,12 +390,13 @@ class RunSession(_SessionCore):
         ...     print(result.text, result.route.id)
     """
 
+    ledger: SyncFace[Any, Any]
+
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import SyncAdapter
-        from ledger.api.facade import Ledger
 
-        if not isinstance(ledger, Ledger):
+        if not isinstance(ledger, SyncFace):
             raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
                                   "come from AsyncLedger.run)", field="ledger")
         return ledger.lease_margin_s, SyncAdapter
@@ -402,7 +409,7 @@ class RunSession(_SessionCore):
         self._enter()
         # Admission checks every route's key first, with the provider this session sends with.
         self.record = self.ledger.admit_run(
-            self.run_id, **self.admit, secrets=_key_source(self._adapter, self._secrets))
+            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
         lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
         self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
         if self._adapter is None:
@@ -436,17 +443,11 @@ class RunSession(_SessionCore):
         except LedgerError as e:
             self._unfinished(exc, e)
 
-    @property
-    def lease(self) -> Lease:
-        """The Run's lease as the session holds it now (renewed in the background)."""
-        self._check_open()
-        return self._keeper.lease  # type: ignore[no-any-return]
-
     # -- turns -----------------------------------------------------------------------------
 
-    def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
-             on_event: EventCallback | None = None, turn_id: str | None = None,
-             send: Callable[[Dispatch], SendResult] | None = None, **options: Any) -> Any:
+    def turn(self, envelope: Envelope, *,
+             on_text: OnText | None = None, on_event: OnEvent | None = None,
+             turn_id: Id | None = None, send: Send | None = None, **options: Any) -> RunResult:
         """Serve one logical turn of the Run, through the retry owner.
 
         Args:
@@ -477,7 +478,7 @@ class RunSession(_SessionCore):
         from ledger.api.turn import execute
 
         self._check_open()
-        self._check_turn(on_text, on_event, send, options)
+        self._check_turn(options)
         inner = send or sync_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
             limits=self.ledger.run_policy(self.run_id).streaming)
@@ -499,7 +500,7 @@ class RunSession(_SessionCore):
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
-    def tool_result(self, call_id: str, content: str, *, data_class: str = "tool_result"
+    def tool_result(self, call_id: Id, content: ToolResult, *, data_class: str = "tool_result"
                     ) -> Part:
         """Record provenance for a tool's result and return it as a Part for the next turn.
 
@@ -543,7 +544,7 @@ class RunSession(_SessionCore):
         self._check_open()
         return self._adopt(parts, self.ledger.provenance(self.run_id))
 
-    def tool_started(self, call_id: str) -> None:
+    def tool_started(self, call_id: Id) -> None:
         """Record durably that the host started the tool of ``call_id``.
 
         From now on a failure of its turn never moves to another route (invariant 9). Callable
@@ -573,44 +574,10 @@ class RunSession(_SessionCore):
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
         """
         self._check_open()
-        return self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
-
-    def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
-              plan: Sequence[Route] | None = None, grant: Grant | None = None,
-              role: str | None = None, **admit: Any) -> RunSession:
-        """A session for a Child Run, to use in its own ``with`` block inside this one.
-
-        The Child's plan, grant and role may only narrow this Run's; its policy is this Run's;
-        its budget is carved from this Run's when it is entered. It sends with this session's
-        adapter.
-
-        Args:
-            child_id: The Child Run's id.
-            budget: Its budget (a :class:`~ledger.Budget` or a mapping of its fields).
-            plan: A subset of this Run's frozen routes (default: all of them).
-            grant: A grant inside this Run's (default: inherited for the Child's recipients).
-            role: Its role (default: this Run's).
-            **admit: Other arguments of :meth:`Ledger.admit_run` (``tenant``, ``labels``,
-                ``deadline``, ``selected_route``, ``policy``); not ``parent``.
-
-        Raises:
-            InvalidArgument: a malformed ``child_id``, ``plan`` or ``role``, or ``parent``
-                passed; on entering, a Child broader than this Run (see
-                :meth:`Ledger.admit_run`).
-            InvalidState: this session is not open.
-            BudgetExceeded: (entering) the Child asks for more than this Run has left
-                (``AllowanceExhausted`` for calls and retries).
-        """
-        self._check_open()
-        frozen = self.ledger.frozen_run(self.run_id)
-        args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
-        child = RunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
-                           adapter=self._adapter, owns_adapter=False)
-        child._parent = self
-        return child
+        return self.ledger.record_compaction(self.lease)
 
 
-@checked_calls
+@checked
 class AsyncRunSession(_SessionCore):
     """The asyncio twin of :class:`RunSession` (``async with``); from :meth:`AsyncLedger.run`.
 
@@ -619,12 +586,13 @@ class AsyncRunSession(_SessionCore):
     even when the block is cancelled.
     """
 
+    ledger: AsyncFace[Any, Any]
+
     @staticmethod
     def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
         from ledger.adapters import HttpAdapter
-        from ledger.api.facade import AsyncLedger
 
-        if not isinstance(ledger, AsyncLedger):
+        if not isinstance(ledger, AsyncFace):
             raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
                                   "come from Ledger.run)", field="ledger")
         return ledger.lease_margin_s, HttpAdapter
@@ -634,7 +602,7 @@ class AsyncRunSession(_SessionCore):
 
         self._enter()
         self.record = await self.ledger.admit_run(
-            self.run_id, **self.admit, secrets=_key_source(self._adapter, self._secrets))
+            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
         # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
         # before the lease is taken: an entry that fails holds nothing (no exit will run).
         await self.ledger.frozen_run(self.run_id)
@@ -677,16 +645,10 @@ class AsyncRunSession(_SessionCore):
         except LedgerError as e:
             self._unfinished(exc, e)
 
-    @property
-    def lease(self) -> Lease:
-        """The Run's lease as the session holds it now (renewed in the background)."""
-        self._check_open()
-        return self._keeper.lease  # type: ignore[no-any-return]
-
-    async def turn(self, envelope: Envelope, *, on_text: TextCallback | None = None,
-                   on_event: EventCallback | None = None, turn_id: str | None = None,
-                   send: Callable[[Dispatch], Awaitable[SendResult]] | None = None,
-                   **options: Any) -> Any:
+    async def turn(self, envelope: Envelope, *,
+                   on_text: OnText | None = None, on_event: OnEvent | None = None,
+                   turn_id: Id | None = None, send: AwaitedSend | None = None,
+                   **options: Any) -> RunResult:
         """Serve one logical turn (see :meth:`RunSession.turn`).
 
         The same arguments, errors and result, awaited; ``on_text``, ``on_event`` and ``send``
@@ -696,7 +658,7 @@ class AsyncRunSession(_SessionCore):
         from ledger.api.turn import aexecute
 
         self._check_open()
-        self._check_turn(on_text, on_event, send, options)
+        self._check_turn(options)
         inner = send or async_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
             limits=(await self.ledger.run_policy(self.run_id)).streaming)
@@ -718,7 +680,7 @@ class AsyncRunSession(_SessionCore):
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
-    async def tool_result(self, call_id: str, content: str, *,
+    async def tool_result(self, call_id: Id, content: ToolResult, *,
                           data_class: str = "tool_result") -> Part:
         """Record provenance for a tool's result (see :meth:`RunSession.tool_result`)."""
         self._check_open()
@@ -732,7 +694,7 @@ class AsyncRunSession(_SessionCore):
         self._check_open()
         return self._adopt(parts, await self.ledger.provenance(self.run_id))
 
-    async def tool_started(self, call_id: str) -> None:
+    async def tool_started(self, call_id: Id) -> None:
         """Record durably that the host started a tool (see :meth:`RunSession.tool_started`).
 
         Await it from an async ``on_event``.
@@ -745,19 +707,7 @@ class AsyncRunSession(_SessionCore):
     async def compacted(self) -> int:
         """Record a compaction of the context; the count (see :meth:`RunSession.compacted`)."""
         self._check_open()
-        return await self.ledger.record_compaction(self.lease)  # type: ignore[no-any-return]
-
-    def child(self, child_id: str, *, budget: Budget | Mapping[str, Any],
-              plan: Sequence[Route] | None = None, grant: Grant | None = None,
-              role: str | None = None, **admit: Any) -> AsyncRunSession:
-        """A session for a Child Run (see :meth:`RunSession.child`); use it with ``async with``."""
-        self._check_open()
-        frozen = self.ledger.sync.frozen_run(self.run_id)  # cached since the block was entered
-        args = self._child_args(frozen, child_id, budget, plan, grant, role, admit, self.lease)
-        child = AsyncRunSession(self.ledger, child_id, args, lease_ttl_s=self.lease_ttl_s,
-                                adapter=self._adapter, owns_adapter=False)
-        child._parent = self
-        return child
+        return await self.ledger.record_compaction(self.lease)
 
 
 __all__ = ["AsyncRunSession", "RunSession"]

@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any, cast
 
 from ledger import telemetry as _telemetry
-from ledger.api.arguments import as_model, lease_arg
-from ledger.api.facade import AsyncLedger, Ledger, _Face
+from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.clock import Sleeper, SystemSleeper
 from ledger.decide.effects import (
     AwaitSlot,
@@ -49,14 +48,19 @@ from ledger.decide.turn import (
     Steps,
     TurnLoop,
 )
-from ledger.domain.bounds import (
-    check_amount,
-    check_choice,
-    check_id,
-)
 from ledger.domain.envelope import Envelope
-from ledger.domain.records import Lease
-from ledger.domain.validation import checked_call
+from ledger.domain.records import Lease, LeaseArg
+from ledger.domain.validation import (
+    As,
+    Id,
+    checked,
+    function,
+    instance,
+    methods,
+    money,
+    one_of,
+    rule,
+)
 from ledger.domain.values import Route
 from ledger.errors import (
     InvalidArgument,
@@ -64,57 +68,43 @@ from ledger.errors import (
 from ledger.storage.runner import Flow
 
 
-def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
-          send: Any, turn_id: str | None, pin: Pin | str | None, denials: Denials | None,
-          reserve: Reserve | None, sleeper: Any, on_notice: Any, rng: random.Random | None,
-          token_counter: TokenCounter | None, part_hashes: Sequence[str] | None = None
-          ) -> TurnLoop:
-    """The checked arguments of :func:`execute` / :func:`aexecute`.
+@rule
+def _reserve(value: Any) -> Decimal | Callable[[Route], Decimal]:
+    # The same amounts begin_attempt accepts (a Decimal, an int, a float or a string), or a
+    # function of the route.
+    return value if callable(value) else money(value)
+
+
+Hold = Annotated[Reserve, _reserve]
+Pins = Annotated[Pin | str, one_of(Pin)]
+DenialsArg = Annotated[Denials, instance(Denials, "a Denials",
+                                         "pass a ledger.decide.preflight.Denials")]
+Sleeps = Annotated[Sleeper, methods("sleep", "asleep", fix="pass e.g. ledger.SystemSleeper()")]
+Notices = Annotated[NoticeFn, function("a function of a Notice")]
+Rng = Annotated[random.Random, instance(random.Random, "a random.Random",
+                                        "pass e.g. random.Random(7)")]
+Counter = Annotated[TokenCounter, methods("count_tokens", fix="pass e.g. "
+                                          "ledger.decide.preflight.CharEstimator()")]
+Request = Annotated[Envelope | Mapping[str, Any], As(Envelope)]
+_SENDS = function("a function of a Dispatch returning a SendResult")
+
+
+def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str | None,
+          denials: Denials | None, reserve: Reserve | None, rng: random.Random | None,
+          token_counter: TokenCounter | None, part_hashes: Sequence[str] | None) -> TurnLoop:
+    """The turn loop of :func:`execute`'s / :func:`aexecute`'s validated arguments.
 
     Nothing is read or written before they pass.
     """
-    if not isinstance(ledger, ledger_type):
-        raise InvalidArgument(f"ledger must be a ledger.{ledger_type.__name__}"
-                              + ("; use aexecute with an AsyncLedger" if ledger_type is Ledger
-                                 else "; use execute with a Ledger"), field="ledger")
-    lease_arg(lease)
-    envelope = as_model(Envelope, envelope, "envelope")
-    if not callable(send):
-        raise InvalidArgument("send must be a function of a Dispatch returning a SendResult",
-                              field="send")
-    if turn_id is not None:
-        check_id(turn_id, "turn_id")
-    if pin is not None:
-        pin = check_choice(pin, Pin, "pin")
-    if denials is not None and not isinstance(denials, Denials):
-        raise InvalidArgument("denials must be a ledger.decide.preflight.Denials", field="denials")
-    hold: Decimal | Callable[[Route], Decimal] | None = None
-    if callable(reserve):
-        hold = reserve
-    elif reserve is not None:
-        # The same amounts begin_attempt accepts: a Decimal, an int, a float or a string.
-        hold = check_amount(reserve, "reserve")
-    for name, obj, methods in (("sleeper", sleeper, ("sleep", "asleep")),
-                               ("token_counter", token_counter, ("count_tokens",))):
-        if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
-            raise InvalidArgument(f"{name} must have {' and '.join(methods)}() methods",
-                                  field=name)
-    if on_notice is not None and not callable(on_notice):
-        raise InvalidArgument("on_notice must be a function of a Notice", field="on_notice")
-    if rng is not None and not isinstance(rng, random.Random):
-        raise InvalidArgument("rng must be a random.Random; pass e.g. random.Random(7)",
-                              field="rng")
-    if part_hashes is not None and (
-        isinstance(part_hashes, str | bytes) or not isinstance(part_hashes, Sequence)
-        or len(part_hashes) != len(envelope.parts)
-        or not all(isinstance(h, str) for h in part_hashes)
-    ):
+    envelope = cast(Envelope, envelope)
+    if part_hashes is not None and len(part_hashes) != len(envelope.parts):
         raise InvalidArgument("part_hashes must be one content hash per envelope part, in "
                               "order (Part.content_hash); leave it None to have them computed",
                               field="part_hashes")
     return TurnLoop(
         lease, envelope, turn_id=turn_id,
-        pin=pin, denials=denials or NO_DENIALS, reserve=hold,
+        pin=None if pin is None else Pin(pin), denials=denials or NO_DENIALS,
+        reserve=cast(Decimal | Callable[[Route], Decimal] | None, reserve),
         rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
         part_hashes=part_hashes,
     )
@@ -123,21 +113,22 @@ def _loop(ledger: Any, ledger_type: type[Any], lease: Lease, envelope: Envelope,
 # -- the drivers ----------------------------------------------------------------------------------
 
 
-@checked_call
+@checked
 def execute(
-    ledger: Ledger,
-    lease: Lease,
-    envelope: Envelope,
-    send: Callable[[Dispatch], SendResult],
+    ledger: Annotated[SyncFace[Any, Any], instance(SyncFace, "a ledger.Ledger",
+                                       "use aexecute with an AsyncLedger")],
+    lease: LeaseArg,
+    envelope: Request,
+    send: Annotated[Callable[[Dispatch], SendResult], _SENDS],
     *,
-    turn_id: str | None = None,
-    pin: Pin | str | None = None,
-    denials: Denials | None = None,
-    reserve: Reserve | None = None,
-    sleeper: Sleeper | None = None,
-    on_notice: NoticeFn | None = None,
-    rng: random.Random | None = None,
-    token_counter: TokenCounter | None = None,
+    turn_id: Id | None = None,
+    pin: Pins | None = None,
+    denials: DenialsArg | None = None,
+    reserve: Hold | None = None,
+    sleeper: Sleeps | None = None,
+    on_notice: Notices | None = None,
+    rng: Rng | None = None,
+    token_counter: Counter | None = None,
     part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (sync): the retry owner.
@@ -202,28 +193,28 @@ def execute(
         ...                      sync_sender(adapter))
         >>> result.text, result.route.id, len(result.attempts)  # doctest: +SKIP
     """
-    loop = _loop(ledger, Ledger, lease, envelope, send, turn_id, pin, denials, reserve, sleeper,
-                 on_notice, rng, token_counter, part_hashes)
-    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
 
 
-@checked_call
+@checked
 async def aexecute(
-    ledger: AsyncLedger,
-    lease: Lease,
-    envelope: Envelope,
-    send: SendFn,
+    ledger: Annotated[AsyncFace[Any, Any], instance(AsyncFace, "a ledger.AsyncLedger",
+                                            "use execute with a Ledger")],
+    lease: LeaseArg,
+    envelope: Request,
+    send: Annotated[SendFn, _SENDS],
     *,
-    turn_id: str | None = None,
-    pin: Pin | str | None = None,
-    denials: Denials | None = None,
-    reserve: Reserve | None = None,
-    sleeper: Sleeper | None = None,
-    on_notice: NoticeFn | None = None,
-    rng: random.Random | None = None,
-    token_counter: TokenCounter | None = None,
+    turn_id: Id | None = None,
+    pin: Pins | None = None,
+    denials: DenialsArg | None = None,
+    reserve: Hold | None = None,
+    sleeper: Sleeps | None = None,
+    on_notice: Notices | None = None,
+    rng: Rng | None = None,
+    token_counter: Counter | None = None,
     part_hashes: Sequence[str] | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (async): the retry owner on the asyncio driver.
@@ -258,9 +249,8 @@ async def aexecute(
         FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
         DatabaseUnavailable: the database could not be reached.
     """
-    loop = _loop(ledger, AsyncLedger, lease, envelope, send, turn_id, pin, denials, reserve,
-                 sleeper, on_notice, rng, token_counter, part_hashes)
-    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, envelope)
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)
 
@@ -308,7 +298,7 @@ def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunRes
     return item  # type: ignore[no-any-return]
 
 
-async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: Sleeper,
+async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sleeper: Sleeper,
                        on_notice: NoticeFn | None) -> RunResult:
     done, item = _advance(gen, None, None)
     pending: BaseException | None = None
@@ -348,7 +338,7 @@ async def _drive_async(gen: Steps, ledger: AsyncLedger, send: SendFn, sleeper: S
     return item  # type: ignore[no-any-return]
 
 
-def _flow_of(ledger: _Face, eff: Effect[Any]) -> Flow[Any]:
+def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
     """The storage flow a database effect asks for: one mapping for both drivers.
 
     The loop decided every write with the pure rules (its specs), so nothing is checked again.
@@ -372,8 +362,9 @@ def _flow_of(ledger: _Face, eff: Effect[Any]) -> Flow[Any]:
     raise TypeError(f"not a database effect: {eff!r}")  # pragma: no cover
 
 
-def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], SendResult],
-                  sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
+                  send: Callable[[Dispatch], SendResult], sleeper: Sleeper,
+                  on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
             dispatch.progress.handed_over = True
@@ -403,7 +394,7 @@ def _perform_sync(ledger: Ledger, eff: Effect[Any], send: Callable[[Dispatch], S
     return ledger._runner.run(_flow_of(ledger, eff))
 
 
-async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
+async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: SendFn,
                          sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
@@ -438,7 +429,7 @@ async def _perform_async(ledger: AsyncLedger, eff: Effect[Any], send: SendFn,
     return await ledger._runner.arun(_flow_of(ledger, eff))
 
 
-def _sleeper_of(ledger: _Face) -> Sleeper:
+def _sleeper_of(ledger: Face[Any, Any]) -> Sleeper:
     # A ManualClock is also a sleeper that advances it: tests never really wait.
     clock: Any = ledger.clock
     if callable(getattr(clock, "sleep", None)) and callable(getattr(clock, "asleep", None)):

@@ -105,7 +105,8 @@ def _emit_json(value: Any) -> None:
 
 def open_reader(url: str) -> Any:
     """Open a ledger for reading: no migration, no new database, a clear error when absent."""
-    from ledger.api.facade import Ledger, storage_of
+    from ledger.api.facade import Ledger
+    from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
     from ledger.storage.engine import normalize_url, redact_url
 
@@ -470,7 +471,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _refuse_foreign_runs(led: Any) -> None:
     """Synthetic history next to real runs would mix into every audit answer: ask first."""
-    from ledger.api.facade import storage_of
+    from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
     from ledger.tools.generate import generated_policy_hash
 

@@ -10,16 +10,117 @@ grant allows, and the parent's frozen policy itself (``docs/disclosure.md``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Annotated, Any, Required, cast
 
-from ledger.domain.records import FrozenRun, Lease, to_micros
+from pydantic import Field, SkipValidation
+from typing_extensions import TypedDict
+
+from ledger.domain.records import FrozenRun, LeaseArg, to_micros
 from ledger.domain.specs import AdmitSpec
+from ledger.domain.validation import As, Id, Problem, Text, Time, rule
 from ledger.domain.values import Budget, Grant, Route, content_hash
 from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
 
 # Classes a run may send to every recipient of its plan when the caller passes no grant.
 DEFAULT_GRANT_CLASSES = ("user_input", "system", "tool_description")
+DEFAULT_ROLE = "research"
+
+
+@rule
+def _keyless(value: Any) -> frozenset[str] | bool:
+    if isinstance(value, bool):
+        return value
+    if (isinstance(value, str | bytes | Mapping)
+            or not isinstance(value, Sequence | set | frozenset)
+            or not all(isinstance(v, str) for v in value)):
+        raise Problem("is not a set of route ids (or credential profile ids) of the plan",
+                      "pass e.g. {'local-llama'}, or True for every route")
+    return frozenset(value)
+
+
+BudgetArg = Annotated[Budget | Mapping[str, Any], As(Budget)]
+"""A :class:`~ledger.Budget`, or a mapping of its fields."""
+GrantArg = Annotated[Grant | Mapping[str, Any], As(Grant)]
+"""A :class:`~ledger.Grant`, or a mapping of its fields."""
+Role = Annotated[Id, Field(max_length=64)]
+"""A Run's role: an id of at most 64 characters."""
+
+
+class Terms(TypedDict, total=False):
+    """A Run's terms besides its plan, budget, grant and role (see :class:`Admission`).
+
+    A Child session takes these as they are (``RunSession.child``); the others it derives from
+    its parent's.
+    """
+
+    policy: SkipValidation[Policy | str | Mapping[str, Any] | None]
+    parent: LeaseArg | None
+    tenant: Id | None
+    labels: Mapping[Id, Text] | None
+    deadline: Time | None
+    selected_route: Id | None
+    keyless_ok: Annotated[Collection[str] | bool, _keyless]
+
+
+class Admission(Terms, total=False):
+    """The terms of a Run's admission: the keyword arguments of :meth:`~ledger.Ledger.admit_run`.
+
+    :meth:`~ledger.Ledger.run` and :meth:`~ledger.Ledger.admit_run` take them as keyword
+    arguments (``led.run("task-1", plan=routes, budget=budget)``), validated as typed here;
+    ``plan`` and ``budget`` are required.
+
+    Attributes:
+        plan: The candidate routes in preference order (:class:`~ledger.Route` or mappings of
+            their fields; unique ids). A route without a price gets the price table's, frozen
+            with the plan.
+        budget: The Run's bounds (a :class:`~ledger.Budget` or a mapping of its fields): model
+            calls, retries, cost and optionally tokens.
+        grant: Which recipients may receive which data classes, and which roles the Run may
+            use (default: every recipient of the plan for the caller's own input, system text
+            and tool descriptions; a Child inherits its parent's).
+        policy: A :class:`~ledger.Policy`, a preset name (``"goclaw"``, ``"fased"``,
+            ``"failure-domain"``), a policy file path, or a mapping of its fields (default:
+            ``failure-domain``; a Child inherits its parent's).
+        role: The role the Run works in (default ``research``; at most 64 characters); routes
+            and grants may restrict roles.
+        parent: The parent's live lease, to admit a Child Run: its budget is carved from the
+            parent's under that lease, and its plan, grant, role and policy may only narrow
+            the parent's.
+        tenant: Whose Run it is (for the audit's totals and ``/metrics``).
+        labels: Free labels, string to string (the audit totals by a label).
+        deadline: When the Run must be done by (epoch seconds); capacity waits stop short of
+            it.
+        selected_route: The route the first turn starts on (default: the plan's first).
+        keyless_ok: Route ids (or credential profile ids) of the plan allowed to lack a key,
+            e.g. ``{"local-llama"}``; ``True`` for every route. Their keys are not checked at
+            admission; a turn that reaches one without a key skips it as unusable.
+    """
+
+    plan: Required[Sequence[Route]]
+    budget: Required[BudgetArg]
+    grant: GrantArg | None
+    role: Role
+
+
+def keyless_ids(value: Collection[str] | bool, plan: Sequence[Route]) -> frozenset[str]:
+    """``keyless_ok`` as the route and profile ids of ``plan`` allowed to lack a key.
+
+    ``True`` allows every route; ``False`` or an empty collection none. An id that is neither a
+    route nor a credential profile of the plan is refused (a typo would silently check the key
+    it meant to excuse).
+    """
+    if isinstance(value, bool):
+        return frozenset(r.id for r in plan) if value else frozenset()
+    known = {r.id for r in plan} | {p.id for r in plan for p in r.profiles}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidArgument(
+            f"keyless_ok names {', '.join(repr(u) for u in unknown)}, which is no route or "
+            f"credential profile of the plan ({', '.join(repr(r.id) for r in plan)}); pass ids "
+            "of the plan's routes", field="keyless_ok", unknown=unknown)
+    return frozenset(value)
 
 
 def validate_plan(plan: Sequence[Route]) -> None:
@@ -130,25 +231,28 @@ def admission_terms(plan: Sequence[Route], grant: Grant | None, role: str,
     return policy, child_grant(parent.plan, parent.grant, plan, grant, role)
 
 
-def admission_spec(run_id: str, *, plan: Sequence[Route], budget: Budget, grant: Grant,
-                   policy: Policy, policy_hash: str, role: str, parent: Lease | None,
-                   tenant: str | None, labels: Mapping[str, str], selected_route: str | None,
-                   deadline: float | None) -> AdmitSpec:
-    """What admitting ``run_id`` writes.
+def admission_spec(run_id: str, terms: Admission, *, plan: Sequence[Route], grant: Grant,
+                   policy: Policy, policy_hash: str) -> AdmitSpec:
+    """What admitting ``run_id`` on ``terms`` (validated) writes.
 
-    The frozen plan, grant, budget and policy as canonical JSON, and the content hash that makes
-    a repeated admission of the same content idempotent (and a different content under the same
-    id an :class:`~ledger.errors.AdmissionConflict`).
+    ``plan``, ``grant`` and ``policy`` are the terms' own as resolved (prices, the default or
+    inherited grant, the policy the Run runs under). The frozen plan, grant, budget and policy
+    become canonical JSON, beside the content hash that makes a repeated admission of the same
+    content idempotent (and a different content under the same id an
+    :class:`~ledger.errors.AdmissionConflict`).
 
     ``selected_route`` (default: the plan's first) must be one of the plan's routes, else
     :class:`~ledger.errors.InvalidArgument`.
     """
-    selected = selected_route or plan[0].id
+    selected = terms.get("selected_route") or plan[0].id
     if selected not in {r.id for r in plan}:
         raise InvalidArgument(f"selected_route {selected!r} is not in the plan; pass "
                               "the id of one of the plan's routes (or None for the first)",
                               field="selected_route")
-    label_map = dict(labels)
+    budget = cast(Budget, terms["budget"])
+    parent, tenant = terms.get("parent"), terms.get("tenant")
+    label_map = dict(terms.get("labels") or {})
+    role, deadline = terms.get("role", DEFAULT_ROLE), terms.get("deadline")
     frozen = {
         "plan": [r.model_dump(mode="json") for r in plan],
         "grant": grant.model_dump(mode="json"),
@@ -185,10 +289,17 @@ def admission_spec(run_id: str, *, plan: Sequence[Route], budget: Budget, grant:
 
 __all__ = [
     "DEFAULT_GRANT_CLASSES",
+    "DEFAULT_ROLE",
+    "Admission",
+    "BudgetArg",
+    "GrantArg",
+    "Role",
+    "Terms",
     "admission_spec",
     "admission_terms",
     "check_child_policy",
     "child_grant",
     "default_grant",
+    "keyless_ids",
     "validate_plan",
 ]

@@ -16,10 +16,9 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 from urllib.parse import quote
 
-from ledger.domain.bounds import check_choice, check_id
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import (
     AttemptKind,
@@ -31,6 +30,7 @@ from ledger.domain.records import (
     from_micros,
 )
 from ledger.domain.specs import BeginSpec, SettleSpec
+from ledger.domain.validation import Id, checked, instance, one_of
 from ledger.domain.values import GroupProjection, Health, Route
 from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
@@ -117,8 +117,14 @@ PROVIDER_REQUEST_ID_HEADERS: Mapping[WireProtocol, tuple[str, int]] = MappingPro
 _VERBATIM = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 
 
-def attempt_headers(attempt_id: str, protocol: WireProtocol | str, *,
-                    onto: Mapping[str, str] | None = None) -> dict[str, str]:
+Protocol = Annotated[WireProtocol | str, one_of(WireProtocol)]
+Headers = Annotated[Mapping[str, str], instance(Mapping, "a mapping of header names to values",
+                                                "pass a dict such as {'x-trace': 't1'}")]
+
+
+@checked
+def attempt_headers(attempt_id: Id, protocol: Protocol, *,
+                    onto: Headers | None = None) -> dict[str, str]:
     """The request headers that name the Attempt ``attempt_id`` on a route of ``protocol``.
 
     :data:`ATTEMPT_HEADER` on every protocol and, where the provider documents a client request
@@ -149,9 +155,9 @@ def attempt_headers(attempt_id: str, protocol: WireProtocol | str, *,
         >>> attempt_headers("att-1", "anthropic")
         {'X-Ledger-Attempt': 'att-1'}
     """
-    value = quote(check_id(attempt_id, "attempt_id"), safe=_VERBATIM)
+    value = quote(attempt_id, safe=_VERBATIM)
     ours = {ATTEMPT_HEADER: value}
-    provider = PROVIDER_REQUEST_ID_HEADERS.get(check_choice(protocol, WireProtocol, "protocol"))
+    provider = PROVIDER_REQUEST_ID_HEADERS.get(WireProtocol(protocol))
     if provider is not None and len(value) <= provider[1]:
         ours[provider[0]] = value
     if onto is None:

@@ -67,10 +67,6 @@ from ledger.decide.select import (
     select,
 )
 from ledger.decide.settle import failure_outcome, settle_spec
-from ledger.domain.bounds import (
-    amount_in_range,
-    tokens_in_range,
-)
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.domain.records import (
@@ -83,6 +79,7 @@ from ledger.domain.records import (
     to_micros,
 )
 from ledger.domain.timefmt import duration, iso, relative
+from ledger.domain.validation import amount_in_range, tokens_in_range
 from ledger.domain.values import GroupMode, GroupProjection, Route, new_id
 from ledger.errors import (
     AllowanceExhausted,

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from enum import StrEnum
 from types import SimpleNamespace
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
+from ledger.domain.bounds import MAX_FENCE
 from ledger.domain.facts import FailureFact
+from ledger.domain.validation import Problem, is_id, rule
 from ledger.domain.values import Budget, Grant, Route
 
 MICROS = Decimal(1_000_000)
@@ -97,6 +99,27 @@ class Lease:
     executor: str
     fence: int
     expires_at: float
+
+
+@rule
+def granted(value: Any) -> Lease:
+    """``value`` if it is a :class:`Lease` as :meth:`~ledger.Ledger.acquire_lease` grants one."""
+    fix = "pass what acquire_lease returned"
+    if not isinstance(value, Lease):
+        raise Problem("is not a ledger.Lease", fix)
+    # A hand-built one must still fit the columns it is compared with (so both backends refuse
+    # the same leases).
+    if not (is_id(value.run_id) and is_id(value.executor)
+            and not isinstance(value.fence, bool) and isinstance(value.fence, int)
+            and 0 <= value.fence <= MAX_FENCE and not isinstance(value.expires_at, bool)
+            and isinstance(value.expires_at, int | float)):
+        raise Problem("is not a lease the ledger granted (run id, executor, fence or expiry out "
+                      "of range)", fix)
+    return value
+
+
+LeaseArg = Annotated[Lease, granted]
+"""A :class:`Lease` argument: one :meth:`~ledger.Ledger.acquire_lease` granted."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,6 +440,7 @@ __all__ = [
     "EventRecord",
     "FrozenRun",
     "Lease",
+    "LeaseArg",
     "Left",
     "Outcome",
     "Page",
@@ -426,6 +450,7 @@ __all__ = [
     "RunStatus",
     "budget_left",
     "from_micros",
+    "granted",
     "run_live",
     "to_micros",
 ]

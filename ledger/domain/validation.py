@@ -1,37 +1,56 @@
-"""The one place pydantic's ``ValidationError`` becomes :class:`~ledger.errors.InvalidArgument`.
+"""One way to validate: pydantic, for values and for calls, and one error mapper.
 
 Every public value model (routes, budgets, grants, envelopes, facts, ...) derives from
-:class:`StrictModel`. Building one (``Route(...)``), validating data into one
-(``Route.model_validate(...)``, ``model_validate_json``, ``model_validate_strings``) or assigning
-to one (they are frozen) raises ``InvalidArgument`` and never pydantic's error:
+:class:`StrictModel`, and every public function and method is decorated with :func:`checked`
+(:func:`pydantic.validate_call`, its validator built once per signature, on the first call).
+Both read the same annotated types (:data:`Id`, :data:`Money`, :data:`Time`, :func:`integers`,
+:func:`duration`, :func:`one_of`, ...), whose ranges are :mod:`ledger.domain.bounds`, so a
+model and an argument accept exactly the same values. A problem is
+:class:`~ledger.errors.InvalidArgument` and never pydantic's error:
 
-- ``field`` is the dotted path of the first problem (``group``, ``profiles[1].id``,
-  ``recipients['r1'][0]``); the facade prefixes where it validated the value
-  (``plan[0].group``, ``budget.max_cost``);
+- ``field`` is the argument or the dotted path inside it (``budget.max_cost``,
+  ``plan[0].group``, ``profiles[1].id``, ``labels['team']``);
 - ``errors`` lists every problem as ``(path, problem, fix)``, like ``PolicyError.errors``;
 - the message says what was wrong and what to pass instead.
+
+A call that does not fit the signature (an unknown keyword, a missing argument, one too many)
+is :class:`~ledger.errors.ArgumentMismatch` naming the argument and its likely spelling.
 
 A nested model validated as part of an outer one reports the outer path: pydantic validates the
 whole value in one pass (the nested model's ``__init__`` is not called), and the path is read
 from its error. ``model_construct`` and ``model_copy(update=...)`` skip validation, as pydantic
 documents; build a new model to have a changed value checked.
-
-The annotated field types here (:data:`Id`, :data:`Count`, :data:`Seconds`, ...) carry the ranges
-of :mod:`ledger.domain.bounds`, so a model and an API argument accept exactly the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
+import math
 import reprlib
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Annotated, Any, Self, TypeVar, Union, cast, get_args, get_origin
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from enum import Enum
+from typing import (
+    Annotated,
+    Any,
+    Generic,
+    NotRequired,
+    Required,
+    Self,
+    TypeVar,
+    Union,
+    Unpack,
+    cast,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -39,21 +58,19 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    validate_call,
 )
+from pydantic_core import core_schema
 
-from ledger.domain.bounds import (
-    MAX_COUNT,
-    MAX_ID_LENGTH,
-    id_problem,
-    text_problem,
-)
+from ledger.domain.bounds import MAX_AMOUNT, MAX_COUNT, MAX_ID_LENGTH, MAX_TIME, MAX_TOKENS
 from ledger.errors import ArgumentMismatch, InvalidArgument
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 MAX_REPORTED = 5
-_SEE_DOCS = "pass a value as the field's documentation says (docs/concepts.md)"
 MAX_TEXT = 200
+_SEE_DOCS = "pass a value as the field's documentation says (docs/concepts.md)"
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = 40
@@ -63,46 +80,293 @@ _SHORT.maxdict = 4
 
 
 class Problem(ValueError):
-    """Raised by a field validator: what is wrong with the value, and what to pass instead.
+    """Raised by a validator: what is wrong with the value, and what to pass instead.
 
-    A plain ``ValueError`` works too (its text becomes the problem); this one also says the fix.
+    A plain ``ValueError`` works too (its text becomes the problem); this one also says the fix,
+    ``at`` where inside the value the problem sits (``[2]`` of a list), and ``fields`` what the
+    :class:`~ledger.errors.InvalidArgument` carries besides (``choices=[...]``).
     """
 
-    def __init__(self, problem: str, fix: str) -> None:
+    def __init__(self, problem: str, fix: str, at: str = "", **fields: Any) -> None:
         super().__init__(f"{problem}; {fix}")
-        self.problem = problem
-        self.fix = fix
+        self.problem, self.fix, self.at, self.fields = problem, fix, at, fields
 
 
-def _id(value: str) -> str:
-    found = id_problem(value)
-    if found is not None:
-        raise Problem(*found)
-    return value
+# -- the rules ----------------------------------------------------------------------------------
+#
+# A rule is a function of a value that returns it as the ledger uses it or raises a Problem. It is
+# called directly, and it is an annotation: ``Annotated[float, duration(60)]`` has pydantic run it,
+# for a model's field and for a call's argument alike.
+
+R = TypeVar("R")
 
 
-def _text(value: str) -> str:
-    found = text_problem(value, MAX_TEXT)
-    if found is not None:
-        raise Problem(*found)
-    return value
+class Rule(Generic[R]):
+    """A validator: call it on a value, or put it in ``Annotated[...]`` for pydantic to run.
+
+    ``before``: the rule runs first and pydantic's own validation of the annotated type after
+    it (so a model field keeps its JSON schema); otherwise the rule is the whole validation.
+    """
+
+    def __init__(self, check: Callable[[Any], R], *, before: bool = False) -> None:
+        self.check = check
+        self.before = before
+
+    def __call__(self, value: Any) -> R:
+        """``value`` as the rule accepts it, else :class:`Problem`."""
+        return self.check(value)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        if self.before:
+            return core_schema.no_info_before_validator_function(self.check, handler(source))
+        return core_schema.no_info_plain_validator_function(self.check)
 
 
-# -- field types with the documented ranges (ledger.domain.bounds) -----------------------------
+def rule(check: Callable[[Any], R]) -> Rule[R]:
+    """``check`` as a :class:`Rule` (a decorator)."""
+    return Rule(check)
 
-Id = Annotated[StrictStr, AfterValidator(_id)]
-"""An identifier: 1 to 200 printable characters, not only whitespace (``bounds.check_id``)."""
-Text = Annotated[StrictStr, AfterValidator(_text)]
+
+def that(test: Callable[[Any], bool], problem: str, fix: str) -> Rule[Any]:
+    """A value ``test`` accepts, as it is; else ``problem``, and ``fix`` says what to pass."""
+
+    def check(value: Any) -> Any:
+        if not test(value):
+            raise Problem(problem, fix)
+        return value
+
+    return Rule(check)
+
+
+def instance(cls: type[Any] | tuple[type[Any], ...], what: str, fix: str) -> Rule[Any]:
+    """An instance of ``cls`` (``what`` names it in the message)."""
+    return that(lambda v: isinstance(v, cls), f"is not {what}", fix)
+
+
+def function(what: str) -> Rule[Any]:
+    """A callable: ``what`` says what it is called with."""
+    return that(callable, "is not callable", f"pass {what}")
+
+
+def methods(*names: str, fix: str) -> Rule[Any]:
+    """An object with the methods ``names`` (a clock, a sleeper, ...)."""
+    return that(lambda v: all(callable(getattr(v, n, None)) for n in names),
+                f"has no {'() and '.join(names)}() method", fix)
+
+
+flag = that(lambda v: isinstance(v, bool), "is not True or False", "pass True or False")
+"""``True`` or ``False`` (not 0/1, not a string)."""
+
+
+def text(maximum: int = MAX_TEXT, *, empty: bool = True, fix: str = "pass a string"
+         ) -> Rule[str]:
+    """A printable text of at most ``maximum`` characters (not blank unless ``empty``)."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise Problem("is not a string", fix)
+        if not empty and not value.strip():
+            raise Problem("is empty", fix)
+        if len(value) > maximum:
+            raise Problem(f"is {len(value)} characters long",
+                          f"pass a shorter one, of at most {maximum} characters")
+        if not value.isprintable():
+            # str.isprintable: no NUL, newline, other control or format characters, no lone
+            # surrogates: what both backends store and compare alike.
+            raise Problem("contains control characters (NUL, newline, ...)",
+                          "use printable text only")
+        return value
+
+    return Rule(check, before=True)
+
+
+as_id = text(MAX_ID_LENGTH, empty=False, fix="pass a non-empty string such as 'run-1'")
+"""An identifier: 1 to 200 printable characters, not only whitespace (the rule of :data:`Id`)."""
+
+
+def is_id(value: Any) -> bool:
+    """Whether ``value`` is an identifier (:data:`Id`)."""
+    try:
+        as_id(value)
+    except Problem:
+        return False
+    return True
+
+
+def integers(low: int = 0, high: int = MAX_COUNT, fix: str | None = None) -> Rule[int]:
+    """An integer in ``[low, high]``; ``True``/``False`` are not integers here."""
+    said = fix or f"pass an integer between {low} and {high}"
+
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Problem("is not an integer", said)
+        if not low <= value <= high:
+            raise Problem("is out of range", said)
+        return value
+
+    return Rule(check)
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond a float's range
+        return None
+    return v if math.isfinite(v) else None
+
+
+def duration(maximum: float = math.inf, *, positive: bool = False) -> Rule[float]:
+    """Finite seconds in ``[0, maximum]`` (``(0, maximum]`` with ``positive``), as a float."""
+    fix = f"pass a finite number of seconds {'above 0' if positive else 'from 0'}" + (
+        f" up to {maximum:g}" if math.isfinite(maximum) else "")
+
+    def check(value: Any) -> float:
+        v = _finite(value)
+        if v is None or v < 0 or (positive and v == 0) or v > maximum:
+            raise Problem("is not a usable duration", fix)
+        return v
+
+    return Rule(check)
+
+
+@rule
+def epoch(value: Any) -> float:
+    """A time an argument names: finite epoch seconds in ``[0, MAX_TIME)``, as a float."""
+    v = _finite(value)
+    if v is None or not 0 <= v < MAX_TIME:
+        raise Problem("is not a usable time", "pass finite epoch seconds (a float such as "
+                      f"clock.now() + 60) between 0 and {MAX_TIME:g}")
+    return v
+
+
+@rule
+def money(value: Any) -> Decimal:
+    """Money: a finite decimal in ``[0, MAX_AMOUNT]`` from a Decimal, int, float or string."""
+    fix = f"pass a decimal amount between 0 and {MAX_AMOUNT} such as Decimal('0.25') or '0.25'"
+    if isinstance(value, bool) or not isinstance(value, Decimal | int | float | str):
+        raise Problem("is not an amount", fix)
+    try:
+        d = value if isinstance(value, Decimal) else Decimal(str(value).strip())
+    except (InvalidOperation, ValueError):
+        raise Problem("is not an amount", fix) from None
+    if not d.is_finite():
+        raise Problem("is not finite", fix)
+    if not 0 <= d <= MAX_AMOUNT:
+        raise Problem("is out of range", fix)
+    return d
+
+
+def amount_in_range(value: Any) -> bool:
+    """Whether a provider-reported cost can be stored (never raises)."""
+    try:
+        money(value)
+    except Problem:
+        return False
+    return True
+
+
+def tokens_in_range(value: Any) -> bool:
+    """Whether a provider-reported token count can be stored (never raises)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def one_of(choices: type[E], among: Iterable[E] | None = None) -> Rule[E]:
+    """A member of ``choices`` (or its value), narrowed to ``among``; the message lists them."""
+    options = list(among) if among is not None else list(choices)
+    by_value = {m.value: m for m in options}
+    fix = f"pass one of {', '.join(repr(m.value) for m in options)}"
+
+    def check(value: Any) -> E:
+        member = value if isinstance(value, choices) else (
+            by_value.get(value) if isinstance(value, str) else None)
+        if member is None or member not in options:
+            raise Problem("is not one of the choices", fix, choices=list(by_value))
+        return member
+
+    return Rule(check)
+
+
+def listing(each: Callable[[Any], R], what: str, fix: str, maximum: int = 10_000
+            ) -> Rule[list[R]]:
+    """A list (tuple, set) of at most ``maximum`` items, each ``each``'s; not a lone string."""
+
+    def check(value: Any) -> list[R]:
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple | set | frozenset):
+            raise Problem(f"is not a list of {what}", fix)
+        if len(value) > maximum:
+            raise Problem(f"has {len(value)} items", f"pass at most {maximum}")
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(each(v))
+            except Problem as p:
+                raise Problem(p.problem, p.fix, at=f"[{i}]") from None
+        return out
+
+    return Rule(check)
+
+
+# -- the types ----------------------------------------------------------------------------------
+
+Id = Annotated[StrictStr, as_id]
+"""An identifier: 1 to 200 printable characters, not only whitespace."""
+Text = Annotated[StrictStr, text()]
 """A short printable text (a name, a reason): at most 200 characters."""
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
-"""An integer in [0, 10^9]; ``True``/``False`` are not counts."""
+"""A model's count: an integer in [0, 10^9]; ``True``/``False`` are not counts."""
+Tokens = Annotated[int, integers(0, MAX_TOKENS)]
+"""A token count: an integer in [0, 10^15]."""
 Instant = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 """A finite time in the clock's unit (epoch seconds), as the ledger computes and reads it."""
-Seconds = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]
-"""A finite, non-negative duration in seconds."""
+Time = Annotated[float, epoch]
+"""A time an argument names (a deadline, a range's end): finite epoch seconds in [0, 10^11)."""
 HttpStatus = Annotated[StrictInt, Field(ge=0, le=999)]
 """An HTTP status: the three digits of a status line, 0 to 999. Every one is kept as evidence
 (a hostile server may send 042 or 999); each fits the status column on both backends."""
+Money = Annotated[Decimal | int | float | str, money]
+"""An amount (:func:`money`); a Decimal once validated."""
+Flag = Annotated[bool, flag]
+"""``True`` or ``False`` (not 0/1, not a string)."""
+IdList = Annotated[Sequence[str], listing(as_id, "ids", "pass a list of ids such as ['r1']")]
+"""A list (tuple, set) of at most 10 000 ids; a lone string is refused (not its characters)."""
+# A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
+Secrets = Annotated[Any, that(
+    lambda v: not isinstance(v, Mapping) and callable(getattr(v, "get", None)),
+    "is not a SecretProvider (with get(profile_id, protocol=...))", "pass e.g. "
+    "EnvSecretProvider(), or StaticSecretProvider(...) for keys held in memory")]
+"""A :class:`~ledger.adapters.SecretProvider` (``get(profile_id, protocol=...)``), not a dict."""
+
+
+class As:
+    """``Annotated[Budget | Mapping[str, Any], As(Budget)]``: validate the value as ``target``.
+
+    The annotation says what a caller may pass (a model or a mapping of its fields); pydantic
+    validates it into ``target``, with the paths of the model's own errors.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __get_pydantic_core_schema__(self, _source: Any, handler: Any) -> core_schema.CoreSchema:
+        schema: core_schema.CoreSchema = handler.generate_schema(self.target)
+        return schema
+
+
+@contextlib.contextmanager
+def _mapped(model: type[BaseModel]) -> Iterator[None]:
+    """Raise pydantic's error in ``model``'s data as :class:`InvalidArgument`."""
+    try:
+        yield
+    except ValidationError as e:
+        # ``from None``: the pydantic error repeats the input, which may be private envelope
+        # content; everything it says is in the InvalidArgument's ``errors``.
+        raise _invalid([dict(x) for x in e.errors(include_url=False)], model,
+                       model.__name__) from None
 
 
 class StrictModel(BaseModel):
@@ -115,12 +379,8 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def __init__(self, /, **data: Any) -> None:
-        try:
+        with _mapped(type(self)):
             super().__init__(**data)
-        except ValidationError as e:
-            # ``from None``: the pydantic error repeats the input, which may be private
-            # envelope content; everything it says is in the InvalidArgument's ``errors``.
-            raise invalid_argument(e, type(self)) from None
 
     # Not a "custom" __init__ for pydantic: nested models keep being validated in the outer
     # model's single pass, so their errors carry the outer path.
@@ -129,76 +389,165 @@ class StrictModel(BaseModel):
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
         """Validate ``obj`` into this model; problems raise :class:`InvalidArgument`."""
-        try:
+        with _mapped(cls):
             return super().model_validate(obj, **kwargs)
-        except ValidationError as e:
-            raise invalid_argument(e, cls) from None
 
     @classmethod
     def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
         """Validate JSON text into this model; problems raise :class:`InvalidArgument`."""
-        try:
+        with _mapped(cls):
             return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as e:
-            raise invalid_argument(e, cls) from None
 
     @classmethod
     def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Self:
         """Validate string data into this model; problems raise :class:`InvalidArgument`."""
-        try:
+        with _mapped(cls):
             return super().model_validate_strings(obj, **kwargs)
-        except ValidationError as e:
-            raise invalid_argument(e, cls) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        try:
+        with _mapped(type(self)):
             super().__setattr__(name, value)
-        except ValidationError as e:
-            raise invalid_argument(e, type(self)) from None
 
     def __delattr__(self, name: str) -> None:
-        try:
+        with _mapped(type(self)):
             super().__delattr__(name)
-        except ValidationError as e:
-            raise invalid_argument(e, type(self)) from None
 
 
-def validate_as(cls: type[M], value: Any, field: str) -> M:
-    """``value`` (an instance, or a mapping of its fields) as ``cls``.
+# -- calls --------------------------------------------------------------------------------------
 
-    Problems raise :class:`InvalidArgument` with paths under ``field`` (``budget.max_cost``).
+_CALLS = ConfigDict(arbitrary_types_allowed=True, defer_build=True, extra="forbid")
+
+
+def checked(target: T) -> T:
+    """``target`` (a function, or each public method and ``__init__`` of a class) validated.
+
+    The arguments are validated against the annotations by :func:`pydantic.validate_call`
+    (built on the first call) and the function receives them as validated (a mapping given for
+    a model is the model). A problem is :class:`InvalidArgument` or, for a call that does not
+    fit the signature, :class:`ArgumentMismatch`; nothing of the body runs then. A coroutine
+    function raises them when awaited.
     """
-    if isinstance(value, cls):
-        return value
-    try:
-        # The validator itself (not cls.model_validate, which reports paths from the model's
-        # root): the error's paths are then prefixed with where the value sat.
-        out: M = cls.__pydantic_validator__.validate_python(value)
-        return out
-    except ValidationError as e:
-        raise invalid_argument(e, cls, field) from None
+    if isinstance(target, type):
+        for name, member in list(vars(target).items()):
+            if name.startswith("_") and name != "__init__":
+                continue
+            if isinstance(member, classmethod | staticmethod):
+                setattr(target, name, type(member)(checked(member.__func__)))
+            elif inspect.isfunction(member):
+                setattr(target, name, checked(member))
+        return target
+    fn = cast(Callable[..., Any], target)
+    if getattr(fn, "__ledger_checked__", False):
+        return target
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    # pydantic reads the signature (through __wrapped__) and the annotations of the arguments;
+    # the return annotation may name what only a type checker imports.
+    body.__wrapped__ = fn  # type: ignore[attr-defined]
+    body.__module__, body.__name__, body.__qualname__ = fn.__module__, fn.__name__, fn.__qualname__
+    body.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != "return"}
+    validated = validate_call(config=_CALLS)(body)
+
+    def refused(e: ValidationError) -> Exception:
+        # An error of the validation itself, not one the body raised.
+        return _call_error(e, fn, body) if e.title == fn.__qualname__ else e
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def awaited(*args: Any, **kwargs: Any) -> Any:
+            try:
+                coro = validated(*args, **kwargs)
+            except ValidationError as e:
+                raise refused(e) from None
+            return await coro
+
+        wrapper: Any = awaited
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return validated(*args, **kwargs)
+            except ValidationError as e:
+                raise refused(e) from None
+
+    wrapper.__ledger_checked__ = True
+    return cast(T, wrapper)
 
 
-# -- turning a ValidationError into InvalidArgument ---------------------------------------------
+# Errors that say the call does not fit the signature (a keyword of a **kwargs TypedDict is
+# ``missing`` or ``extra_forbidden`` at the top level).
+_MISFITS = {"unexpected_keyword_argument": 0, "extra_forbidden": 0,
+            "unexpected_positional_argument": 1, "multiple_argument_values": 2,
+            "missing_argument": 3, "missing_keyword_only_argument": 3,
+            "missing_positional_only_argument": 3, "missing": 3}
 
 
-def invalid_argument(error: ValidationError, model: type[BaseModel] | None,
-                     prefix: str = "") -> InvalidArgument:
-    """One :class:`InvalidArgument` for every problem pydantic found in ``model``'s data.
+def _call_error(error: ValidationError, fn: Callable[..., Any], body: Any) -> InvalidArgument:
+    """The InvalidArgument (or ArgumentMismatch) of a call of ``fn`` that did not validate."""
+    sig = inspect.signature(fn)
+    P = inspect.Parameter
+    positional = [n for n, p in sig.parameters.items()
+                  if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    roots: dict[str, Any] = {}
+    for n, tp in get_type_hints(body, include_extras=True).items():
+        if get_origin(tp) is Unpack:  # **kwargs: Unpack[SomeTypedDict]: its keys are arguments
+            roots.update(get_type_hints(get_args(tp)[0], include_extras=True))
+        else:
+            roots[n] = tp
+    errors: list[dict[str, Any]] = []
+    for found in error.errors(include_url=False):
+        loc = tuple(found.get("loc", ()))
+        if loc and isinstance(loc[0], int) and loc[0] < len(positional):
+            loc = (positional[loc[0]], *loc[1:])
+        errors.append({**found, "loc": loc})
+    misfits = sorted((e for e in errors if _MISFITS.get(e["type"], -1) >= 0
+                      and (len(e["loc"]) == 1 or e["type"] not in ("missing", "extra_forbidden"))),
+                     key=lambda e: _MISFITS[e["type"]])
+    if not misfits:
+        return _invalid(errors, roots)
+    first, name = misfits[0], fn.__name__
+    key = str(first["loc"][0]) if first["loc"] else "args"
+    keywords = [n for n, p in sig.parameters.items() if n not in ("self", "cls")
+                and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    keywords += [k for k in roots if k not in keywords and k not in sig.parameters]
+    kind = first["type"]
+    if _MISFITS[kind] == 0:
+        close = difflib.get_close_matches(key, keywords, n=1)
+        fix = (f"did you mean {close[0]!r}?" if close
+               else f"its arguments are {', '.join(keywords) or 'none'}")
+        message = f"{name}() has no argument {key!r}; {fix}"
+    elif _MISFITS[kind] == 3:
+        message = f"{name}() needs the argument {key!r}; pass it"
+    elif _MISFITS[kind] == 2:
+        message = f"{name}() got the argument {key!r} twice; pass it once"
+    else:
+        key = "args"
+        message = (f"{name}() got too many positional arguments; pass the arguments its "
+                   f"signature lists ({', '.join(keywords)})")
+    return ArgumentMismatch(message, field=key, function=name)
 
-    ``prefix`` is where the data sat in the caller's arguments (``plan[0]``).
+
+# -- turning pydantic's errors into InvalidArgument ---------------------------------------------
+
+
+def _invalid(errors: list[dict[str, Any]], root: Any, name: str = "value") -> InvalidArgument:
+    """The InvalidArgument of pydantic ``errors``, read against ``root``.
+
+    ``root`` is a model class, or a call's parameter annotations by name.
     """
     problems: list[tuple[str, str, str]] = []
-    seen: set[str] = set()
-    root = prefix or (model.__name__ if model is not None else "value")
-    for err in error.errors(include_url=False):
-        path, owner = _path(model, tuple(err.get("loc", ())), prefix)
+    fields: dict[str, dict[str, Any]] = {}
+    for err in errors:
+        path, owner = _path(root, tuple(err.get("loc", ())))
         problem, fix = _describe(err, owner)
-        path = path or root
-        if path in seen and len(problems) >= 1:
+        cause = (err.get("ctx") or {}).get("error")
+        path = (path or name) + (cause.at if isinstance(cause, Problem) else "")
+        if path in fields:
             # A union reports one error per member: the first one says enough.
             continue
-        seen.add(path)
+        fields[path] = cause.fields if isinstance(cause, Problem) else {}
         problems.append((path, problem, fix))
     # A misspelt field is reported as missing under its name and unknown under the typo: the
     # typo comes first, with its likely spelling (the "missing" one is its consequence).
@@ -210,14 +559,21 @@ def invalid_argument(error: ValidationError, model: type[BaseModel] | None,
         rest = "; ".join(f"{p}: {problem}" for p, problem, _ in shown[1:])
         more = len(problems) - len(shown)
         message += f" (also {rest}" + (f", and {more} more)" if more else ")")
-    return InvalidArgument(message, field=head_path, errors=shown)
+    return InvalidArgument(message, field=head_path, errors=shown, **fields[head_path])
 
 
 def _unwrap(tp: Any) -> Any:
-    """Strip ``Annotated`` and ``Optional`` (pydantic adds no path item for either)."""
+    """Strip ``Annotated`` (or read its :class:`As`), ``Required`` and ``Optional``.
+
+    pydantic adds no path item for any of them.
+    """
     while True:
         origin = get_origin(tp)
         if origin is Annotated:
+            target = next((m.target for m in tp.__metadata__ if isinstance(m, As)), None)
+            tp = target if target is not None else get_args(tp)[0]
+            continue
+        if origin in (Required, NotRequired):
             tp = get_args(tp)[0]
             continue
         if origin in (Union, types.UnionType):
@@ -228,17 +584,19 @@ def _unwrap(tp: Any) -> Any:
         return tp
 
 
-def _path(model: type[BaseModel] | None, loc: tuple[int | str, ...],
-          prefix: str) -> tuple[str, type[BaseModel] | None]:
-    """The dotted path of ``loc`` in ``model``'s data, and the model that owns the last item.
+def _path(root: Any, loc: tuple[int | str, ...]) -> tuple[str, type[BaseModel] | None]:
+    """The dotted path of ``loc`` in ``root``'s data, and the model that owns the last item.
 
     Walking the field types tells a field name from a union member's tag (which pydantic puts
     in ``loc`` too, and which is no part of where the value sits).
     """
-    out = prefix
-    tp: Any = model
+    out = ""
+    tp: Any = root
     owner: type[BaseModel] | None = None
     for item in loc:
+        if isinstance(tp, dict):  # a call's parameters
+            out, tp = str(item), tp.get(str(item))
+            continue
         tp = _unwrap(tp)
         origin = get_origin(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
@@ -329,13 +687,16 @@ def _describe(err: Mapping[str, Any], owner: type[BaseModel] | None) -> tuple[st
         return f"is not a string{got}", "pass a string"
     if kind.startswith("bytes_"):
         return f"is not text{got}", "pass a string or bytes"
-    if kind in ("list_type", "tuple_type", "set_type", "frozen_set_type", "iterable_type"):
+    if kind in ("list_type", "tuple_type", "set_type", "frozen_set_type", "iterable_type",
+                "sequence_str"):
         return f"is not a list{got}", "pass a list"
     if kind in ("dict_type", "mapping_type"):
         return f"is not a mapping{got}", "pass a mapping (a dict)"
     if kind in ("model_type", "model_attributes_type", "dataclass_type"):
         name = ctx.get("class_name") or (owner.__name__ if owner else "model")
         return f"is not a {name}{got}", f"pass a ledger.{name} or a mapping of its fields"
+    if kind == "callable_type":
+        return f"is not callable{got}", "pass a function"
     if kind == "is_instance_of":
         return f"is not a {ctx.get('class')}{got}", f"pass a {ctx.get('class')}"
     if kind in ("frozen_instance", "frozen_field"):
@@ -353,156 +714,41 @@ def _num(value: Any) -> str:
     return str(int(f)) if f.is_integer() and abs(f) < 1e16 else f"{f:g}"
 
 
-# -- calls that fit no signature ----------------------------------------------------------------
-#
-# Python refuses an unknown keyword with a TypeError that names no field and suggests nothing.
-# The public entry points are wrapped once (per class, or per function) so that such a call
-# raises ArgumentMismatch naming the argument and its likely spelling. The check costs nothing
-# on a call that fits: the signature is bound only after a TypeError, to tell a call that does
-# not fit from a TypeError raised inside the body (which is re-raised unchanged).
-
-F = TypeVar("F", bound=Callable[..., Any])
-C = TypeVar("C", bound=type)
-
-
-def _mismatch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-              ) -> ArgumentMismatch | None:
-    """The ArgumentMismatch of calling ``fn`` so, or ``None`` when the call fits."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        return _describe_mismatch(fn, sig, args, kwargs, e)
-    return None
-
-
-def _describe_mismatch(fn: Callable[..., Any], sig: inspect.Signature, args: tuple[Any, ...],
-                       kwargs: dict[str, Any], error: TypeError) -> ArgumentMismatch:
-    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "function"))
-    params = sig.parameters
-    P = inspect.Parameter
-    by_keyword = [n for n, p in params.items()
-                  if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and n != "self"]
-    open_keywords = any(p.kind is P.VAR_KEYWORD for p in params.values())
-    for key in kwargs:
-        if not open_keywords and key not in by_keyword:
-            close = difflib.get_close_matches(key, by_keyword, n=1)
-            fix = (f"did you mean {close[0]!r}?" if close
-                   else f"its arguments are {', '.join(by_keyword) or 'none'}")
-            return ArgumentMismatch(f"{name}() has no argument {key!r}; {fix}", field=key,
-                                    function=name)
-    given = set(kwargs)
-    positional = [n for n, p in params.items() if p.kind in (P.POSITIONAL_ONLY,
-                                                           P.POSITIONAL_OR_KEYWORD)]
-    given.update(positional[:len(args)])
-    for n, p in params.items():
-        if (p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
-                and n not in given):
-            return ArgumentMismatch(f"{name}() needs the argument {n!r}; pass it", field=n,
-                                    function=name)
-    return ArgumentMismatch(f"{name}(): {error}; pass the arguments its signature lists "
-                            f"({', '.join(by_keyword)})", field="args", function=name)
-
-
-def checked_call(fn: F) -> F:
-    """``fn``, raising :class:`ArgumentMismatch` for a call that does not fit its signature."""
-    if getattr(fn, "__ledger_checked__", False):
-        return fn
-    if inspect.iscoroutinefunction(fn):
-        @functools.wraps(fn)
-        async def acall(*args: Any, **kwargs: Any) -> Any:
-            try:
-                coro = fn(*args, **kwargs)
-            except TypeError:
-                found = _mismatch(fn, args, kwargs)
-                if found is not None:
-                    raise found from None
-                raise
-            try:
-                return await coro
-            except TypeError:
-                # A wrapper that forwards (*args, **kwargs) fails only when it calls through.
-                found = _mismatch(fn, args, kwargs)
-                if found is not None:
-                    raise found from None
-                raise
-
-        acall.__ledger_checked__ = True  # type: ignore[attr-defined]
-        return cast(F, acall)
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except TypeError:
-            found = _mismatch(fn, args, kwargs)
-            if found is not None:
-                raise found from None
-            raise
-
-    call.__ledger_checked__ = True  # type: ignore[attr-defined]
-    return cast(F, call)
-
-
-def checked_calls(cls: C) -> C:
-    """``cls`` with every public method (and ``__init__``) wrapped by :func:`checked_call`."""
-    for name, member in list(vars(cls).items()):
-        if name.startswith("_") and name != "__init__":
-            continue
-        if isinstance(member, classmethod):
-            setattr(cls, name, classmethod(checked_call(member.__func__)))
-        elif isinstance(member, staticmethod):
-            setattr(cls, name, staticmethod(checked_call(member.__func__)))
-        elif inspect.isfunction(member):
-            setattr(cls, name, checked_call(member))
-    return cls
-
-
-
-def check_known_keys(given: Iterable[str], known: Sequence[str], what: str) -> None:
-    """Refuse any key of ``given`` that is not one of ``known``.
-
-    The :class:`~ledger.errors.ArgumentMismatch` names the key, its likely spelling and the
-    valid keys; ``what`` names one key in the message, e.g. ``"an attempt filter"``.
-    """
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        raise ArgumentMismatch(
-            f"{unknown[0]!r} is not {what}; "
-            + (f"did you mean {close[0]!r}? " if close else "")
-            + f"pass only {', '.join(known)}", field=unknown[0])
-
-
-def check_secret_provider(secrets: Any) -> None:
-    """``secrets`` must be a SecretProvider (``get(profile_id, protocol=...)``), not a dict."""
-    if secrets is not None and (isinstance(secrets, Mapping)
-                                or not callable(getattr(secrets, "get", None))):
-        # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
-        raise InvalidArgument("secrets must be a SecretProvider (with get(profile_id, "
-                              "protocol=...)); pass e.g. EnvSecretProvider(), or "
-                              "StaticSecretProvider(...) for keys held in memory",
-                              field="secrets")
 
 
 __all__ = [
-    "MAX_ID_LENGTH",
     "MAX_TEXT",
+    "As",
     "Count",
+    "Flag",
     "HttpStatus",
     "Id",
+    "IdList",
     "Instant",
+    "Money",
     "Problem",
-    "Seconds",
+    "Rule",
+    "Secrets",
     "StrictModel",
     "Text",
-    "check_known_keys",
-    "check_secret_provider",
-    "checked_call",
-    "checked_calls",
-    "invalid_argument",
-    "validate_as",
+    "Time",
+    "Tokens",
+    "amount_in_range",
+    "as_id",
+    "checked",
+    "duration",
+    "epoch",
+    "flag",
+    "function",
+    "instance",
+    "integers",
+    "is_id",
+    "listing",
+    "methods",
+    "money",
+    "one_of",
+    "rule",
+    "text",
+    "that",
+    "tokens_in_range",
 ]

@@ -44,13 +44,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
+
+from pydantic import SkipValidation
 
 from ledger.api.session import AsyncRunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
 from ledger.domain.envelope import ToolSpec as _ToolSpec
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
 from ledger.domain.records import AttemptRecord, RunStatus
+from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
 
 try:
@@ -344,6 +347,11 @@ class _Answer:
             finish_reason=self.finish_reason, failed_attempts=self.failed)
 
 
+# A data class name (e.g. tool_result, user_input or private_document).
+_DataClass = Annotated[str, text(empty=False, fix="pass a non-empty data class name such as "
+                                  "tool_result")]
+
+
 class LedgerModel(Model):
     """A pydantic-ai model whose every request is one turn of a ledger Run.
 
@@ -382,19 +390,13 @@ class LedgerModel(Model):
     # No wire of its own to tell what pydantic-ai's frame tags mean: the routes behind it vary.
     _announces_lookalike_notes = False
 
-    def __init__(self, run: AsyncRunSession, *, model_name: str | None = None,
-                 tool_data_class: str = TOOL_RESULT, document_data_class: str = USER_INPUT,
-                 settings: ModelSettings | None = None) -> None:
-        if not isinstance(run, AsyncRunSession):
-            raise InvalidArgument(
-                "LedgerModel takes the async Run session of `async with led.run(...) as run` "
-                "(an AsyncLedger's)", field="run")
-        if not isinstance(tool_data_class, str) or not tool_data_class:
-            raise InvalidArgument("tool_data_class is a data class name (e.g. tool_result)",
-                                  field="tool_data_class")
-        if not isinstance(document_data_class, str) or not document_data_class:
-            raise InvalidArgument("document_data_class is a data class name (e.g. user_input "
-                                  "or private_document)", field="document_data_class")
+    @checked
+    def __init__(self, run: Annotated[AsyncRunSession, instance(
+            AsyncRunSession, "an async Run session", "pass the run of `async with "
+            "led.run(...) as run` (an AsyncLedger's)")], *, model_name: str | None = None,
+                 tool_data_class: _DataClass = TOOL_RESULT,
+                 document_data_class: _DataClass = USER_INPUT,
+                 settings: SkipValidation[ModelSettings | None] = None) -> None:
         super().__init__(settings=settings)
         self.run = run
         self.tool_data_class = tool_data_class

@@ -19,24 +19,26 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from enum import Enum
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any, Unpack
 
-from ledger.api.arguments import MAX_CURSOR, attempt_filters, limit_arg
-from ledger.api.calls import in_thread
-from ledger.api.facade import Ledger, storage_of
-from ledger.domain.bounds import (
-    check_choice,
-    check_count,
-    check_id,
-    check_optional_id,
-    check_optional_time,
-    check_seconds,
-    check_text,
-    check_time,
-)
+from ledger.api.arguments import AttemptFilters, Cursor, Limit, attempt_query
+from ledger.api.calls import Awaiting, query
+from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
-from ledger.domain.validation import checked_calls
+from ledger.domain.validation import (
+    Id,
+    Problem,
+    Time,
+    checked,
+    duration,
+    instance,
+    integers,
+    listing,
+    one_of,
+    rule,
+)
 from ledger.errors import InvalidArgument, NotFound
 from ledger.storage.audit import TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
@@ -548,33 +550,34 @@ def to_jsonable(value: Any) -> Any:
 # -- argument checks (the same for every query; nothing reaches SQL unchecked) ------------------
 
 
-def _window(since: Any, until: Any) -> tuple[float | None, float | None]:
-    start = check_optional_time(since, "since")
-    end = check_optional_time(until, "until")
+def _window(start: float | None, end: float | None) -> None:
     if start is not None and end is not None and end < start:
         raise InvalidArgument("until is before since; pass since <= until", field="until")
-    return start, end
 
 
-def _span(since: Any, until: Any, buckets: Any, most: int = 1000) -> tuple[float, float, int]:
-    start, end = check_time(since, "since"), check_time(until, "until")
+def _span(start: float, end: float) -> None:
     if end <= start:
         raise InvalidArgument("until must be after since; pass since < until", field="until")
-    n = check_count(buckets, "buckets", maximum=most)
-    if n < 1:
-        raise InvalidArgument(f"buckets must be 1 to {most}; pass e.g. 24", field="buckets")
-    return start, end, n
 
 
-def _page(limit: Any, cursor: Any) -> tuple[int, str | None]:
-    return limit_arg(limit), (None if cursor is None
-                           else check_text(cursor, "cursor", maximum=MAX_CURSOR))
+@rule
+def _totals_key(value: Any) -> str:
+    if not isinstance(value, str) or value not in TOTALS_KEYS:
+        raise Problem("cannot total by this key", f"pass by= one of {', '.join(TOTALS_KEYS)}")
+    return value
+
+
+_OPENED = [AttemptState(v) for v in OPEN_STATES]
+Buckets = Annotated[int, integers(1, 1000, "pass an integer from 1 to 1000, e.g. 24")]
+Status = Annotated[RunStatus | str, one_of(RunStatus)]
+OpenStates = Annotated[Sequence[str], listing(one_of(AttemptState, _OPENED), "states",
+                                              f"pass a list among {list(OPEN_STATES)}, e.g. "
+                                              "['unknown']")]
 
 
 # -- the API --------------------------------------------------------------------------------
 
 
-@checked_calls
 class Audit:
     """Read-only audit queries over one ledger; see the module docstring.
 
@@ -596,10 +599,12 @@ class Audit:
         >>> story.served_route, [a.state for a in story.attempts]  # doctest: +SKIP
     """
 
-    def __init__(self, ledger: Ledger) -> None:
-        if not isinstance(ledger, Ledger):
-            raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
-                                  field="ledger")
+    awaiting = False
+
+    @checked
+    def __init__(self, ledger: Annotated[Ledger, instance(
+            Ledger, "a ledger.Ledger", "pass a ledger.Ledger (an AsyncLedger's is .sync)")]
+                 ) -> None:
         self.ledger = ledger
         # The port's read-only queries; nothing here writes.
         ctx = storage_of(ledger).context
@@ -611,9 +616,10 @@ class Audit:
         """The ledger clock's time, in epoch seconds."""
         return self.ledger.now()
 
-    def runs(self, *, status: str | None = None, tenant: str | None = None,
-             since: float | None = None, until: float | None = None, limit: int = 50,
-             cursor: str | None = None) -> Page[RunSummary]:
+    @query
+    def runs(self, *, status: Status | None = None, tenant: Id | None = None,
+             since: Time | None = None, until: Time | None = None, limit: Limit = 50,
+             cursor: Cursor | None = None) -> Page[RunSummary]:
         """Runs newest first, optionally filtered.
 
         Args:
@@ -631,16 +637,14 @@ class Audit:
             InvalidArgument: an unknown status, a malformed tenant or cursor, ``until`` before
                 ``since``, a limit out of range.
         """
-        if status is not None:
-            status = check_choice(status, RunStatus, "status").value
-        check_optional_id(tenant, "tenant")
-        since, until = _window(since, until)
-        limit, cursor = _page(limit, cursor)
-        rows, nxt = self._audit.runs(status=status, tenant=tenant, since=since,
-                                until=until, limit=limit, cursor=cursor)
+        _window(since, until)
+        rows, nxt = self._audit.runs(status=None if status is None else RunStatus(status).value,
+                                     tenant=tenant, since=since, until=until, limit=limit,
+                                     cursor=cursor)
         return Page([_run(r) for r in rows], nxt)
 
-    def timeline(self, run_id: str) -> RunTimeline:
+    @query
+    def timeline(self, run_id: Id) -> RunTimeline:
         """A run's attempts in order, with debit, outcome, fact, cost and the selector's reasons.
 
         Args:
@@ -652,7 +656,7 @@ class Audit:
         Raises:
             NotFound: no Run has this id.
         """
-        run_row, att_rows, ev_rows = self._audit.timeline(check_id(run_id, "run_id"))
+        run_row, att_rows, ev_rows = self._audit.timeline(run_id)
         if run_row is None:
             raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                            run_id=run_id)
@@ -703,8 +707,9 @@ class Audit:
                            total_cost=from_micros(charged), stops=stops, waits=waits,
                            held=from_micros(held))
 
-    def failovers(self, *, since: float | None = None, until: float | None = None,
-                  limit: int = 50, cursor: str | None = None) -> Page[Failover]:
+    @query
+    def failovers(self, *, since: Time | None = None, until: Time | None = None,
+                  limit: Limit = 50, cursor: Cursor | None = None) -> Page[Failover]:
         """Runs admitted in [since, until) that failed over, newest first, with their causes.
 
         Args:
@@ -716,10 +721,9 @@ class Audit:
         Returns:
             A :class:`~ledger.Page` of :class:`Failover`.
         """
-        since, until = _window(since, until)
-        limit, cursor = _page(limit, cursor)
-        runs, atts, moves, nxt = self._audit.failovers(since=since, until=until,
-                                                 limit=limit, cursor=cursor)
+        _window(since, until)
+        runs, atts, moves, nxt = self._audit.failovers(since=since, until=until, limit=limit,
+                                                       cursor=cursor)
         atts_by: dict[str, list[Mapping[str, Any]]] = {}
         for a in atts:
             atts_by.setdefault(a["run_id"], []).append(a)
@@ -754,33 +758,26 @@ class Audit:
             ))
         return Page(out, nxt)
 
-    def attempts(self, *, route: str | None = None, group: str | None = None,
-                 state: str | None = None, category: str | None = None,
-                 since: float | None = None, until: float | None = None, limit: int = 100,
-                 cursor: str | None = None) -> Page[AttemptRecord]:
+    @query
+    def attempts(self, **filters: Unpack[AttemptFilters]) -> Page[AttemptRecord]:
         """Attempts newest first, filtered as :meth:`ledger.Ledger.attempts` filters them.
 
         Args:
-            route: Only this route's.
-            group: Only this capacity group's.
-            state: Only in this state (the outcome; an :class:`~ledger.AttemptState`).
-            category: Only failures of this :class:`~ledger.Category`.
-            since: Begun at or after this time.
-            until: Begun before this time.
-            limit: Page size, 1 to 10 000.
-            cursor: A page's ``next_cursor``.
+            **filters: Any of ``route`` and ``group`` (ids), ``state`` (an
+                :class:`~ledger.AttemptState`), ``category`` (a :class:`~ledger.Category`),
+                ``since`` and ``until`` (begun at or after, and before), ``limit`` (1 to
+                10 000, default 100) and ``cursor`` (a page's ``next_cursor``).
 
         Returns:
             A :class:`~ledger.Page` of :class:`~ledger.AttemptRecord`.
         """
-        _window(since, until)
-        return self._runs.attempts(**attempt_filters(dict(
-            route=route, group=group, state=state, category=category, since=since, until=until,
-            limit=limit, cursor=cursor)))
+        _window(filters.get("since"), filters.get("until"))
+        return self._runs.attempts(**attempt_query(filters))
 
-    def costs(self, *, by: str = "route", since: float | None = None,
-              until: float | None = None, label: str | None = None, limit: int = 100,
-              cursor: str | None = None) -> Page[Totals]:
+    @query
+    def costs(self, *, by: Annotated[str, _totals_key] = "route", since: Time | None = None,
+              until: Time | None = None, label: Id | None = None, limit: Limit = 100,
+              cursor: Cursor | None = None) -> Page[Totals]:
         """Money and token totals of attempts made in [since, until), costliest first.
 
         Each :class:`Totals` says what the budget was charged (``cost``: posted debits) and
@@ -806,15 +803,9 @@ class Audit:
             >>> for t in audit.costs(by="label", label="team").items:  # doctest: +SKIP
             ...     print(t.key, t.cost, t.attempts)
         """
-        if not isinstance(by, str) or by not in TOTALS_KEYS:
-            raise InvalidArgument(f"cannot total by {by!r}; pass by= one of "
-                                  f"{', '.join(TOTALS_KEYS)}", field="by")
-        if label is not None:
-            check_id(label, "label")
-        since, until = _window(since, until)
-        limit, cursor = _page(limit, cursor)
+        _window(since, until)
         rows, nxt = self._audit.totals(by=by, since=since, until=until, label=label,
-                             limit=limit, cursor=cursor)
+                                       limit=limit, cursor=cursor)
         return Page([Totals(key=r["key"], attempts=int(r["attempts"]),
                             succeeded=int(r["succeeded"]), failed=int(r["failed"]),
                             unknown=int(r["unknown"]), prompt_tokens=int(r["prompt_tokens"]),
@@ -823,9 +814,10 @@ class Audit:
                             held=from_micros(int(r["held_micros"])))
                      for r in rows], nxt)
 
-    def open_attempts(self, *, states: Sequence[str] = OPEN_STATES, since: float | None = None,
-                      until: float | None = None, limit: int = 100,
-                      cursor: str | None = None) -> Page[OpenAttempt]:
+    @query
+    def open_attempts(self, *, states: OpenStates = OPEN_STATES, since: Time | None = None,
+                      until: Time | None = None, limit: Limit = 100,
+                      cursor: Cursor | None = None) -> Page[OpenAttempt]:
         """Unknown and unsettled (dispatching) attempts, newest first.
 
         Each says whether its executor still holds the Run (``lease_live``): one that does not
@@ -844,30 +836,25 @@ class Audit:
         Raises:
             InvalidArgument: ``states`` empty, or naming another state.
         """
-        if isinstance(states, str | bytes) or not isinstance(states, Sequence | set | frozenset):
-            raise InvalidArgument(f"states must be a list among {list(OPEN_STATES)}; pass e.g. "
-                                  "['unknown']", field="states")
-        opened = [AttemptState(v) for v in OPEN_STATES]
-        states = [check_choice(v, AttemptState, f"states[{i}]", opened).value
-                  for i, v in enumerate(states)]
         if not states:
             raise InvalidArgument(f"states is empty; pass some of {list(OPEN_STATES)}",
                                   field="states")
-        since, until = _window(since, until)
-        limit, cursor = _page(limit, cursor)
-        rows, nxt = self._audit.open_attempts(states=list(states), since=since, until=until,
-                                    limit=limit, cursor=cursor)
+        _window(since, until)
+        rows, nxt = self._audit.open_attempts(states=[AttemptState(v).value for v in states],
+                                              since=since, until=until, limit=limit,
+                                              cursor=cursor)
         now = self.now()
         out = []
         for r in rows:
-            live = (r["lease_expires_at"] is not None and r["lease_expires_at"] > now
-                    and r["run_fence"] == r["fence"])
+            live = r["held_until"] is not None and r["held_until"] > now
             out.append(OpenAttempt(attempt_record(SimpleNamespace(**r), r["debit_state"]),
                                    r["lease_holder"], r["lease_expires_at"], live))
         return Page(out, nxt)
 
-    def health(self, now: float | None = None, *,
-               unusable_window_s: float = UNUSABLE_WINDOW_S) -> HealthReport:
+    @query
+    def health(self, now: Time | None = None, *,
+               unusable_window_s: Annotated[float, duration(30 * 86400.0, positive=True)]
+               = UNUSABLE_WINDOW_S) -> HealthReport:
         """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes.
 
         Also the routes skipped as unusable (a missing key, an unusable endpoint) in the last
@@ -879,9 +866,7 @@ class Audit:
             unusable_window_s: How far back unusable skips are looked for (default one day;
                 above 0, at most 30 days).
         """
-        t = self.now() if now is None else check_time(now, "now")
-        window = check_seconds(unusable_window_s, "unusable_window_s", positive=True,
-                               maximum=30 * 86400.0)
+        t, window = self.now() if now is None else now, unusable_window_s
         hrows, grows = self._audit.health(t)
         keys = [_key_health(h, t) for h in hrows]
         return HealthReport(now=t, routes=[k for k in keys if k.kind != "profile"],
@@ -890,7 +875,9 @@ class Audit:
                             unusable=[_unusable(u) for u in self._audit.unusable(t - window)
                                       if u["last_at"] <= t])
 
-    def activity(self, *, since: float, until: float, buckets: int = 24) -> list[ActivityBucket]:
+    @query
+    def activity(self, *, since: Time, until: Time, buckets: Buckets = 24
+                 ) -> list[ActivityBucket]:
         """Attempts, failures and unknowns in ``buckets`` equal slices of [since, until).
 
         Args:
@@ -901,7 +888,7 @@ class Audit:
         Returns:
             One :class:`ActivityBucket` per slice, in time order (empty slices included).
         """
-        since, until, buckets = _span(since, until, buckets)
+        _span(since, until)
         width = (until - since) / buckets
         rows = {int(r["bucket"]): r for r in self._audit.activity(since=since, until=until,
                                                          bucket_s=width)}
@@ -915,8 +902,10 @@ class Audit:
         return out
 
 
-    def route_series(self, *, since: float, until: float, buckets: int = 24,
-                     routes: int = 8) -> list[RouteSeries]:
+    @query
+    def route_series(self, *, since: Time, until: Time, buckets: Buckets = 24,
+                     routes: Annotated[int, integers(1, 1000, "pass an integer from 1 to 1000, "
+                                                     "e.g. 8")] = 8) -> list[RouteSeries]:
         """Success rate and latency per route in ``buckets`` equal slices of [since, until).
 
         Args:
@@ -928,10 +917,7 @@ class Audit:
         Returns:
             One :class:`RouteSeries` per route, busiest first.
         """
-        since, until, buckets = _span(since, until, buckets)
-        routes = check_count(routes, "routes", maximum=1000)
-        if routes < 1:
-            raise InvalidArgument("routes must be 1 to 1000; pass e.g. 8", field="routes")
+        _span(since, until)
         width = (until - since) / buckets
         by_route: dict[str, dict[int, Mapping[str, Any]]] = {}
         for row in self._series.route_series(since=since, until=until, bucket_s=width):
@@ -956,7 +942,10 @@ class Audit:
                                    points=points))
         return out
 
-    def costs_by_day(self, *, days: int = 7, now: float | None = None) -> list[DayCost]:
+    @query
+    def costs_by_day(self, *, days: Annotated[int, integers(1, 366, "pass an integer from 1 to "
+                                                            "366, e.g. 7")] = 7,
+                     now: Time | None = None) -> list[DayCost]:
         """Cost per UTC day and tenant for the last ``days`` days (today included).
 
         Oldest first, no tenant before the named ones; days and tenants without attempts are
@@ -966,10 +955,7 @@ class Audit:
             days: How many days, 1 to 366.
             now: What "today" is (default: the ledger clock's now).
         """
-        if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 366:
-            raise InvalidArgument(f"days must be an integer from 1 to 366 (got {days!r}); pass "
-                                  "e.g. 7", field="days")
-        t = self.now() if now is None else check_time(now, "now")
+        t = self.now() if now is None else now
         today = t - t % 86400.0
         since = today - (days - 1) * 86400.0
         out = [DayCost(day=since + int(r["day"]) * 86400.0, tenant=r["tenant"],
@@ -979,7 +965,8 @@ class Audit:
         # The same order on every backend (they sort NULL differently): no tenant first.
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
-    def metrics(self, now: float | None = None) -> MetricsSnapshot:
+    @query
+    def metrics(self, now: Time | None = None) -> MetricsSnapshot:
         """Totals for the dashboard's ``/metrics``.
 
         Attempts by route and outcome, failovers, cooldowns active now, and the budget used
@@ -988,7 +975,7 @@ class Audit:
         Args:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
-        t = self.now() if now is None else check_time(now, "now")
+        t = self.now() if now is None else now
         m = self._series.metrics_totals(t)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
         for r in m["cooling"]:
@@ -1005,8 +992,7 @@ class Audit:
         )
 
 
-@checked_calls
-class AsyncAudit:
+class AsyncAudit(Awaiting, Audit):
     """The async twin of :class:`Audit`: the same methods, awaited in a worker thread.
 
     Each method is :class:`Audit`'s, with its arguments, result, errors and docstring, run in a
@@ -1016,22 +1002,11 @@ class AsyncAudit:
         audit: The :class:`Audit` to run.
     """
 
-    def __init__(self, audit: Audit) -> None:
-        if not isinstance(audit, Audit):
-            raise InvalidArgument("audit must be a ledger.ops.audit.Audit", field="audit")
+    @checked
+    def __init__(self, audit: Annotated[Audit, instance(
+            Audit, "a ledger.ops.audit.Audit", "pass Audit(ledger)")]) -> None:
+        self.__dict__.update(vars(audit))  # one ledger, one store
         self.sync = audit
-
-    runs = in_thread(Audit.runs, "AsyncAudit")
-    timeline = in_thread(Audit.timeline, "AsyncAudit")
-    failovers = in_thread(Audit.failovers, "AsyncAudit")
-    attempts = in_thread(Audit.attempts, "AsyncAudit")
-    costs = in_thread(Audit.costs, "AsyncAudit")
-    open_attempts = in_thread(Audit.open_attempts, "AsyncAudit")
-    health = in_thread(Audit.health, "AsyncAudit")
-    activity = in_thread(Audit.activity, "AsyncAudit")
-    route_series = in_thread(Audit.route_series, "AsyncAudit")
-    costs_by_day = in_thread(Audit.costs_by_day, "AsyncAudit")
-    metrics = in_thread(Audit.metrics, "AsyncAudit")
 
 
 __all__ = [

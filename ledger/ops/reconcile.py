@@ -20,10 +20,12 @@ second one) and reports figures and violations; it writes nothing. Checks:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
-if TYPE_CHECKING:
-    from ledger.api.facade import Ledger
+from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
+from ledger.domain.validation import checked, instance
+from ledger.storage.recovery import RecoveryQueries
 
 
 @dataclass
@@ -71,7 +73,10 @@ class Reconciliation:
                 f"violations: {len(self.violations)}, cost_over_hold: {len(self.cost_over_hold)}")
 
 
-def reconcile(ledger: Ledger) -> Reconciliation:
+@checked
+def reconcile(ledger: Annotated[Ledger, instance(
+        Ledger, "a ledger.Ledger", "pass a ledger.Ledger (an AsyncLedger's is .sync)")]
+              ) -> Reconciliation:
     """The ledger's books: runs, attempts by state, debits, recoveries and any violation.
 
     Args:
@@ -88,14 +93,6 @@ def reconcile(ledger: Ledger) -> Reconciliation:
         >>> books = reconcile(led)  # doctest: +SKIP
         >>> assert books.ok, books.violations  # doctest: +SKIP
     """
-    from ledger.api.facade import Ledger as _Ledger
-    from ledger.api.facade import storage_of
-    from ledger.errors import InvalidArgument
-    from ledger.storage.recovery import RecoveryQueries
-
-    if not isinstance(ledger, _Ledger):
-        raise InvalidArgument("ledger must be a ledger.Ledger (an AsyncLedger's is .sync)",
-                              field="ledger")
     store = RecoveryQueries(storage_of(ledger).context)
     fig = store.reconcile_figures(ledger.now())
     ev = store.event_counts(["recover", "unknown"])

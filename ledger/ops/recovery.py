@@ -38,25 +38,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
+from ledger.api.arguments import LeaseTtl
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.face import storage_of
 from ledger.clock import Sleeper, SystemSleeper
-from ledger.domain.bounds import (
-    MAX_LEASE_TTL_S,
-    check_bool,
-    check_count,
-    check_ids,
-    check_optional_id,
-    check_seconds,
-)
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, RunStatus
-from ledger.domain.validation import checked_call
+from ledger.domain.validation import (
+    Flag,
+    Id,
+    IdList,
+    checked,
+    function,
+    instance,
+    integers,
+    methods,
+)
 from ledger.domain.values import new_id
-from ledger.errors import DatabaseUnavailable, InvalidArgument, InvalidState, LeaseHeld
+from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld
 from ledger.storage.recovery import RecoveryQueries, Takeover
-
-if TYPE_CHECKING:
-    from ledger.api.facade import AsyncLedger, Ledger
 
 DEFAULT_RECOVERY_TTL_S = 30.0
 DEFAULT_LIMIT = 1000
@@ -184,19 +185,23 @@ def _to_run(t: Takeover) -> RunRecovery:
     )
 
 
-@checked_call
+@checked
 def recover(
-    ledger: Ledger,
+    ledger: Annotated[Ledger, instance(Ledger, "a ledger.Ledger", "pass a ledger.Ledger "
+                                       "(arecover takes an AsyncLedger)")],
     *,
-    executor_id: str | None = None,
-    lease_ttl_s: float = DEFAULT_RECOVERY_TTL_S,
-    limit: int = DEFAULT_LIMIT,
-    batch: int = DEFAULT_BATCH,
-    release: bool = False,
-    run_ids: list[str] | None = None,
-    sleeper: Sleeper | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    close_past_deadline: bool = False,
+    executor_id: Id | None = None,
+    lease_ttl_s: LeaseTtl = DEFAULT_RECOVERY_TTL_S,
+    limit: Annotated[int, integers(1, fix="pass an integer of at least 1, e.g. 1000")]
+    = DEFAULT_LIMIT,
+    batch: Annotated[int, integers(1, MAX_BATCH, f"pass e.g. {DEFAULT_BATCH} (an integer from 1 "
+                                   f"to {MAX_BATCH})")] = DEFAULT_BATCH,
+    release: Flag = False,
+    run_ids: IdList | None = None,
+    sleeper: Annotated[Sleeper, methods("sleep", fix="pass e.g. SystemSleeper()")] | None = None,
+    progress: Annotated[Callable[[int, int], None], function("a function of (done, total)")]
+    | None = None,
+    close_past_deadline: Flag = False,
 ) -> RecoveryReport:
     """Take over every Run whose executor lease expired; see the module docstring.
 
@@ -238,27 +243,7 @@ def recover(
         >>> for run in report.runs:  # doctest: +SKIP
         ...     print(run.run_id, run.route, [a.attempt_id for a in run.unknown])
     """
-    from ledger.api.facade import Ledger, storage_of
-
-    if not isinstance(ledger, Ledger):
-        raise InvalidArgument("ledger must be a ledger.Ledger (arecover takes an AsyncLedger)",
-                              field="ledger")
-    check_seconds(lease_ttl_s, "lease_ttl_s", maximum=MAX_LEASE_TTL_S, positive=True)
-    check_count(limit, "limit")
-    if limit < 1:
-        raise InvalidArgument("limit must be at least 1; pass e.g. 1000", field="limit")
-    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
-        raise InvalidArgument(f"batch must be an integer from 1 to {MAX_BATCH} (got "
-                              f"{batch!r}); pass e.g. {DEFAULT_BATCH}", field="batch")
-    check_bool(release, "release")
-    check_bool(close_past_deadline, "close_past_deadline")
-    if run_ids is not None:
-        run_ids = check_ids(run_ids, "run_ids")
-    check_optional_id(executor_id, "executor_id")
-    if sleeper is not None and not callable(getattr(sleeper, "sleep", None)):
-        raise InvalidArgument("sleeper must have a sleep(seconds) method", field="sleeper")
-    if progress is not None and not callable(progress):
-        raise InvalidArgument("progress must be a function of (done, total)", field="progress")
+    run_ids = None if run_ids is None else list(run_ids)
     executor = executor_id or new_id("recover")
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
@@ -322,8 +307,10 @@ def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-@checked_call
-async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
+@checked
+async def arecover(ledger: Annotated[AsyncLedger, instance(
+        AsyncLedger, "a ledger.AsyncLedger", "pass a ledger.AsyncLedger (recover takes a "
+        "Ledger)")], **kwargs: Any) -> RecoveryReport:
     """The async twin of :func:`recover` (the same implementation, in a worker thread).
 
     Args:
@@ -338,11 +325,6 @@ async def arecover(ledger: AsyncLedger, **kwargs: Any) -> RecoveryReport:
             is wrong.
         DatabaseUnavailable: the database stayed unreachable through every retry.
     """
-    from ledger.api.facade import AsyncLedger
-
-    if not isinstance(ledger, AsyncLedger):
-        raise InvalidArgument("ledger must be a ledger.AsyncLedger (recover takes a Ledger)",
-                              field="ledger")
     return await asyncio.to_thread(recover, ledger.sync, **kwargs)
 
 

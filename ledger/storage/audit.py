@@ -294,14 +294,16 @@ class AuditQueries:
     def open_attempts(self, *, states: Sequence[str], since: float | None,
                       until: float | None, limit: int, cursor: str | None
                       ) -> tuple[list[RowMap], str | None]:
-        """Attempts in ``states`` with their run's lease, newest first."""
+        """Attempts in ``states`` with their run's lease and until when their executor holds
+        it (:func:`~ledger.storage.schema.held_until`), newest first."""
         _check_limit(limit)
         a = s.attempts.c
         r = s.runs.c
         conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
         d = s.debits.c
         q = (select(s.attempts, r.lease_holder.label("lease_holder"),
-                    r.lease_expires_at.label("lease_expires_at"), r.fence.label("run_fence"),
+                    r.lease_expires_at.label("lease_expires_at"),
+                    s.held_until(a.fence).label("held_until"),
                     d.state.label("debit_state"))
              .join(s.runs, r.run_id == a.run_id)
              .outerjoin(s.debits, d.debit_id == a.debit_id)
@@ -321,18 +323,16 @@ class AuditQueries:
         g = s.capacity_groups.c
         gs = s.group_slots.c
         r = s.runs.c
-        # A slot counts only while its executor still holds the run (the same rule as admission).
+        # A slot counts while its executor still holds the run (the same rule as admission).
         live = (select(gs.group_id, func.count().label("in_flight"))
                 .select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
-                .where(gs.fence == r.fence, r.lease_expires_at.is_not(None),
-                       r.lease_expires_at > now)
+                .where(s.held_until(gs.fence) > now)
                 .group_by(gs.group_id).subquery())
         w = s.group_waiters.c
         # A place in a full group's queue counts the same way, while its own bound has not passed.
         queued = (select(w.group_id, func.count().label("waiting"))
                   .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
-                  .where(w.fence == r.fence, w.expires_at > now, r.lease_expires_at.is_not(None),
-                         r.lease_expires_at > now)
+                  .where(w.expires_at > now, s.held_until(w.fence) > now)
                   .group_by(w.group_id).subquery())
         with self.ctx.reading() as conn:
             hrows = _maps(conn.execute(select(s.health).order_by(h.kind.desc(), h.key)).all())

@@ -50,6 +50,7 @@ from ledger.errors import (
     StorageError,
 )
 from ledger.redaction import redact
+from ledger.storage import schema
 from ledger.storage.driver import Flush, Q, Tx
 from ledger.storage.encode import event_json, fact_json, health_values
 from ledger.storage.rows import SnapshotRows, attempt_record, health_record, written_attempt
@@ -108,6 +109,11 @@ class Sql(abc.ABC):
     def __init__(self) -> None:
         lock = self.LOCK
         inlist = self.IN_LIST
+        # Until when a slot or a queue place counts (schema.held_until), in these statements'
+        # aliases; compared with the clock read after the statement.
+        r = schema.runs.alias("r")
+        slot_held = str(schema.held_until(schema.group_slots.alias("gs").c.fence, r).compile())
+        place_held = str(schema.held_until(schema.group_waiters.alias("w").c.fence, r).compile())
         self.run_live = (f"SELECT {', '.join(RUN_LIVE_COLS)} FROM runs WHERE run_id = :run_id")
         self.lock_run = (f"SELECT {', '.join(BEGIN_RUN_COLS)} FROM runs WHERE run_id = :run_id"
                          + lock)
@@ -119,9 +125,8 @@ class Sql(abc.ABC):
         self.groups = (f"SELECT {', '.join(GROUP_COLS)} FROM capacity_groups "
                        f"WHERE group_id {inlist.format('groups')}")
         self.group_slots = (
-            "SELECT gs.group_id, r.lease_expires_at FROM group_slots gs JOIN runs r "
-            "ON r.run_id = gs.run_id WHERE gs.group_id " + inlist.format("groups")
-            + " AND gs.fence = r.fence AND r.lease_expires_at IS NOT NULL")
+            f"SELECT gs.group_id, {slot_held} FROM group_slots gs JOIN runs r "
+            "ON r.run_id = gs.run_id WHERE gs.group_id " + inlist.format("groups"))
         self.health = (f"SELECT {', '.join(HEALTH_COLS)} FROM health "
                        f"WHERE key {inlist.format('keys')}")
         self.provenance = ("SELECT ref, content_hash FROM provenance "
@@ -136,8 +141,8 @@ class Sql(abc.ABC):
         self.lock_group = ("SELECT mode, until, max_in_flight FROM capacity_groups "
                            "WHERE group_id = :group" + lock)
         self.waiters = (
-            "SELECT w.ticket, w.waiter_id, w.enqueued_at, w.expires_at, w.fence, r.fence, "
-            "r.lease_expires_at FROM group_waiters w LEFT JOIN runs r ON r.run_id = w.run_id "
+            f"SELECT w.ticket, w.waiter_id, w.enqueued_at, w.expires_at, {place_held} "
+            "FROM group_waiters w LEFT JOIN runs r ON r.run_id = w.run_id "
             "WHERE w.group_id = :group ORDER BY w.ticket")
         self.insert_waiter = (
             "INSERT INTO group_waiters (group_id, waiter_id, run_id, fence, enqueued_at, "
@@ -147,9 +152,8 @@ class Sql(abc.ABC):
                              + inlist.format("tickets"))
         self.leave_queue = "DELETE FROM group_waiters WHERE waiter_id = :waiter_id"
         self.slot_expiries = (
-            "SELECT r.lease_expires_at FROM group_slots gs JOIN runs r ON r.run_id = gs.run_id "
-            "WHERE gs.group_id = :group AND gs.fence = r.fence "
-            "AND r.lease_expires_at IS NOT NULL")
+            f"SELECT {slot_held} FROM group_slots gs JOIN runs r ON r.run_id = gs.run_id "
+            "WHERE gs.group_id = :group")
         self.attempt = (
             f"SELECT {', '.join('a.' + c for c in ATTEMPT_COLS)}, d.state, d.reserved_micros "
             "FROM attempts a LEFT JOIN debits d ON d.debit_id = a.debit_id "
@@ -426,7 +430,8 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
     run = _locked(res[0], RUN_LIVE_COLS, run_id)
     expiries: dict[str, list[float]] = {}
     for gid, exp in res[2]:
-        expiries.setdefault(gid, []).append(float(exp))
+        if exp is not None:
+            expiries.setdefault(gid, []).append(float(exp))
     projections: dict[str, GroupProjection] = {}
     for gid, limit, mode_text, until, sampled in res[1]:
         mode = GroupMode(mode_text)
@@ -631,16 +636,16 @@ def _admit(sql: Sql, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], now: fl
     slots, waiting = yield Flush((Q(sql.slot_expiries, {"group": group}),
                                   Q(sql.waiters, {"group": group})))
     now = max(now, clock())
-    places = [_Place(int(t), w, float(at), float(exp) > now and fence == run_fence
-                     and lease is not None and float(lease) > now)
-              for t, w, at, exp, fence, run_fence, lease in waiting]
+    places = [_Place(int(t), w, float(at), float(exp) > now
+                     and held is not None and float(held) > now)
+              for t, w, at, exp, held in waiting]
     mine = next((p for p in places if p.waiter_id == spec.attempt_id), None)
     dead = tuple(p.ticket for p in places if not p.live)
     leaving = tuple(sorted({*dead, *((mine.ticket,) if mine is not None else ())}))
     if mode != GroupMode.OPEN.value and (until is None or until > now):
         return _Admission(now, rejected=("group_" + mode, until), place=mine, leaving=leaving,
                           limit=limit)
-    in_flight = sum(1 for (e,) in slots if float(e) > now)
+    in_flight = sum(1 for (e,) in slots if e is not None and float(e) > now)
     live = [p for p in places if p.live]
     ahead = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None and mine.live
              else len(live))

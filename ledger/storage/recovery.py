@@ -426,7 +426,10 @@ class RecoveryQueries:
             for row in conn.execute(select(s.attempts)):
                 by_run_att.setdefault(row.run_id, []).append(row)
             debits = {row.debit_id: row for row in conn.execute(select(s.debits))}
-            slots = conn.execute(select(s.group_slots)).all()
+            gs = s.group_slots.c
+            slots = conn.execute(
+                select(s.group_slots, s.held_until(gs.fence).label("held_until"))
+                .select_from(s.group_slots.outerjoin(s.runs, s.runs.c.run_id == gs.run_id))).all()
             limits = {row.group_id: row.max_in_flight for row in conn.execute(
                 select(g.group_id, g.max_in_flight))}
             fig.attempts = sum(len(x) for x in by_run_att.values())
@@ -539,9 +542,7 @@ class RecoveryQueries:
                 st = states.get(slot.attempt_id)
                 if st != AttemptState.DISPATCHING.value:
                     v.append(f"slot of attempt {slot.attempt_id} held by a {st} attempt")
-                holder = run_by_id.get(slot.run_id)
-                if (holder is not None and holder.fence == slot.fence
-                        and holder.lease_expires_at is not None and holder.lease_expires_at > now):
+                if slot.held_until is not None and slot.held_until > now:
                     live[slot.group_id] = live.get(slot.group_id, 0) + 1
             for grp, n in live.items():
                 lim = limits.get(grp)

@@ -321,24 +321,21 @@ class RunQueries:
         return out
 
     def _live_places(self, conn: Connection, group: str, now: float) -> int:
-        # A place counts like a slot: while its own bound has not passed and its executor
-        # still holds the run (same fence, lease alive).
+        # A place counts like a slot (schema.held_until), while its own bound has not passed.
         w = s.group_waiters.c
         r = s.runs.c
         return int(conn.execute(
             select(func.count()).select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
-            .where(w.group_id == group, w.fence == r.fence, w.expires_at > now,
-                   r.lease_expires_at.is_not(None), r.lease_expires_at > now)).scalar_one())
+            .where(w.group_id == group, w.expires_at > now, s.held_until(w.fence) > now)
+        ).scalar_one())
 
     def _live_slots(self, conn: Connection, group: str, now: float) -> int:
-        # A slot counts only while its executor still holds the run (same fence, lease alive):
-        # slots of dead executors come back when their lease expires, before any recovery.
+        # A slot counts while its executor still holds the run (schema.held_until).
         gs = s.group_slots.c
         r = s.runs.c
         return int(conn.execute(
             select(func.count()).select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
-            .where(gs.group_id == group, gs.fence == r.fence, r.lease_expires_at.is_not(None),
-                   r.lease_expires_at > now)).scalar_one())
+            .where(gs.group_id == group, s.held_until(gs.fence) > now)).scalar_one())
 
     def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
         """The stored health rows of ``keys`` (None: all), as stored (not read at a time)."""

@@ -7,6 +7,8 @@ exact on both backends; frozen snapshots are JSON text written once at admission
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -21,7 +23,9 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    case,
 )
+from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 metadata = MetaData(
     naming_convention={
@@ -241,6 +245,20 @@ provenance = Table(
     PrimaryKeyConstraint("run_id", "ref", "content_hash"),
 )
 
+def held_until(fence: ColumnElement[Any], run: FromClause = runs) -> ColumnElement[Any]:
+    """Until when a capacity slot (or a place in a group's queue) taken under ``fence`` is in
+    flight: the one definition admission, the projections, the audit and reconciliation count.
+
+    It counts while the executor that took it still holds the Run ``run`` (this table, or an
+    alias of it, joined on ``run_id``): the place's fence is the Run's, until the Run's lease
+    lapses. ``NULL`` when it no longer counts (another executor took the Run over, or the lease
+    was released): a dead executor's slots come back when its lease expires, before any
+    recovery. Compare it with the time of the decision (``held_until(...) > now``).
+    """
+    r = run.c
+    return case((fence == r.fence, r.lease_expires_at))
+
+
 __all__ = [
     "attempts",
     "capacity_groups",
@@ -249,6 +267,7 @@ __all__ = [
     "group_slots",
     "group_waiters",
     "health",
+    "held_until",
     "metadata",
     "provenance",
     "runs",

@@ -12,7 +12,7 @@ nothing.
 Everything else (admission and reads, recovery, the audit) is a query object built on the
 store's :class:`~ledger.storage.context.SqlContext` (``store.context``). Open a store with
 :func:`ledger.storage.open_store`; ops and tools reach the store of an open ledger through
-:func:`ledger.api.facade.storage_of`.
+:func:`ledger.api.face.storage_of`.
 
 What every flow promises:
 

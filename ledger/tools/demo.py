@@ -118,7 +118,7 @@ def fresh_ledger(db_url: str) -> str | None:
     ledger at all), or a PostgreSQL database holding any run, is refused with
     :class:`InvalidArgument` naming ``--db``: the demo never writes next to other history.
     """
-    from ledger.api.facade import storage_of
+    from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
     from ledger.storage.engine import normalize_url, redact_url
 

@@ -228,7 +228,7 @@ def test_results_are_json_ready(audit: Audit) -> None:
 def test_reader_never_migrates(tmp_path: object) -> None:
     # An audit opened without migration on an empty database finds no tables instead of
     # creating them (the read-only contract of the CLI and dashboard).
-    from ledger.api.facade import storage_of
+    from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
 
     led = Ledger.open(f"{tmp_path}/empty.db", clock=ManualClock(T0), migrate_schema=False)

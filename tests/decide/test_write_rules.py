@@ -8,11 +8,11 @@ of the store (``tests/storage``) check that the specs are applied.
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from ledger.decide.admission import admission_spec, admission_terms
+from ledger.decide.admission import Admission, admission_spec, admission_terms
 from ledger.decide.begin import begin_spec
 from ledger.decide.settle import settle_holds, settle_spec
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Scope, Source
@@ -44,12 +44,12 @@ def frozen(plan: list[Route], grant: Grant | None = None, run_id: str = "run-1",
 # -- admission -------------------------------------------------------------------------------
 
 def spec_of(**kw: Any) -> AdmitSpec:
-    args: dict[str, Any] = dict(
-        plan=[A, B], budget=BUDGET, grant=Grant(recipients={"r1": ["user_input"]}),
-        policy=POLICY, policy_hash=policy_hash(POLICY), role="research", parent=None,
-        tenant=None, labels={"team": "x"}, selected_route=None, deadline=None)
-    args.update(kw)
-    return admission_spec("run-1", **args)
+    terms: dict[str, Any] = dict(plan=[A, B], budget=BUDGET, role="research",
+                                 labels={"team": "x"})
+    terms.update(kw)
+    return admission_spec("run-1", cast(Admission, terms), plan=terms["plan"],
+                          grant=Grant(recipients={"r1": ["user_input"]}), policy=POLICY,
+                          policy_hash=policy_hash(POLICY))
 
 
 def test_the_same_admission_content_hashes_the_same_and_any_change_differs() -> None:

@@ -183,7 +183,8 @@ def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixtur
         led.acquire_lease("held", ttl_s=86400, executor_id="worker-2")
     assert main(["--db", db_url, "run", "close", "r1", "--status", "running"]) == 2
     err = capsys.readouterr().err
-    assert "status 'running' is not one of the choices" in err and "'failed'" in err
+    assert "invalid status: is not one of the choices (got 'running')" in err
+    assert "'failed'" in err
     assert main(["--db", db_url, "run", "close", "nope", "--status", "failed"]) == 1
     assert "unknown run id 'nope'" in capsys.readouterr().err
     assert main(["--db", db_url, "run", "close", "held", "--status", "failed"]) == 1

@@ -39,7 +39,7 @@ from ledger import (
     Part,
     Route,
 )
-from ledger.api.facade import storage_of
+from ledger.api.face import storage_of
 from ledger.domain.records import AttemptState
 from ledger.ops.audit import Audit
 from ledger.testing import FakeProvider

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def sql_context(led: Any) -> SqlContext:
     """The SQL context under a ledger, for white-box tests that reach its engine or its
     transactions (reached, as ops and tools reach it, through ``storage_of``)."""
-    from ledger.api.facade import storage_of
+    from ledger.api.face import storage_of
 
     return storage_of(led).context
 

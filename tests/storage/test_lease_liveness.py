@@ -16,6 +16,8 @@ from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.errors import CapacityUnavailable, FencedOut, LeaseHeld, LeaseLost
+from ledger.ops.audit import Audit
+from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 
 from .helpers import budget, grant, routes, sql_context
@@ -57,6 +59,32 @@ def test_invariant3_expired_lease_begins_nothing_and_the_group_limit_holds(
     proj = led.group_projections(["g"])["g"]
     assert proj.in_flight == 1 and proj.limit == 1
     assert [a.state for a in led.timeline("r1")] == [AttemptState.DISPATCHING]
+
+
+def test_invariant8_every_reader_counts_in_flight_alike_and_a_taken_over_slot_counts_for_none(
+        led: Ledger, clock: ManualClock) -> None:
+    # One rule (schema.held_until): a slot or an open attempt is held while the executor that
+    # took it still holds the Run under the same fence. After a takeover the Run's new lease is
+    # live, but the old slot is not held: counting "the Run's lease is live" would see two
+    # slots in a group of one.
+    l1 = led.acquire_lease("r1", ttl_s=10)
+    old = led.begin_attempt(l1, route="a", envelope_hash=ENV, reserve="0.01")
+    audit = Audit(led)
+
+    def counted() -> tuple[int, int, dict[str, bool]]:
+        group = next(g for g in audit.health().groups if g.group == "g")
+        opened = {o.attempt.attempt_id: o.lease_live for o in audit.open_attempts().items}
+        return led.group_projections(["g"])["g"].in_flight, group.in_flight, opened
+
+    assert counted() == (1, 1, {old.attempt_id: True})
+    clock.advance(11)
+    l2 = led.acquire_lease("r1", ttl_s=30, executor_id="w2")  # takes r1 over: the fence moves
+    assert l2.fence == l1.fence + 1
+    assert counted() == (0, 0, {old.attempt_id: False})
+    new = led.begin_attempt(l2, route="a", envelope_hash=ENV, reserve="0.01")  # admitted
+    assert counted() == (1, 1, {old.attempt_id: False, new.attempt_id: True})
+    books = reconcile(led)
+    assert not [v for v in books.violations if "live slots" in v], books.violations
 
 
 def test_invariant3_a_lease_ending_within_the_margin_starts_nothing(

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ledger.api.facade import AsyncLedger, Ledger, storage_of
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.face import storage_of
 from ledger.errors import InvalidArgument
 from ledger.storage import open_store
 from ledger.storage.audit import AuditQueries

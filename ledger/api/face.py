@@ -1,0 +1,1121 @@
+"""The ledger's operations, written once: :class:`Face`, the base of both public faces.
+
+A method checks its arguments (:mod:`ledger.domain.validation`), asks the pure core what the
+write means (:mod:`ledger.decide`: what an admission freezes, what a begin may use, what a settle
+records and does to holds, health and groups, all under the Run's *frozen* policy), and hands
+the resulting spec to storage: the hot path's store (:class:`~ledger.storage.store.Store`) or,
+for admission, reads and administration, :class:`~ledger.storage.runs.RunQueries`. Each applies
+it in one transaction. The store is private to the ledger; ops and tools reach it with
+:func:`storage_of`.
+
+Every operation is a flow (:mod:`ledger.storage.runner`) decorated with
+:class:`~ledger.api.calls.op`: :class:`SyncFace` (:class:`~ledger.Ledger`'s base) performs it on
+the blocking runner, :class:`AsyncFace` (:class:`~ledger.AsyncLedger`'s) awaits it on the asyncio
+one (on SQLite, the database's own thread), with the same checks and the same transactions. The
+cold path's SQLAlchemy reads and writes (admission, reads for people) have only a blocking form:
+an AsyncLedger runs those steps in a worker thread.
+
+This module knows no Run session, lease keeper or turn: those build on it
+(:mod:`ledger.api.session`, :mod:`ledger.api.lease`, :mod:`ledger.api.turn`), and the public
+classes that tie them together live in :mod:`ledger.api.facade`. The two base classes exist so
+that those modules can name "a blocking ledger" and "an awaiting one" in their signatures
+without importing the module that imports them.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, Unpack, cast
+
+from pydantic import SkipValidation, StrictStr
+
+from ledger.api.arguments import (
+    AttemptFilters,
+    AuditData,
+    ClockArg,
+    EventKind,
+    Events,
+    Hash,
+    Hashes,
+    LeaseTtl,
+    RouteRef,
+    SessionOptions,
+    Url,
+    attempt_query,
+)
+from ledger.api.calls import Awaiting, Blocking, Lru, op
+from ledger.clock import Clock, SystemClock
+from ledger.decide.admission import (
+    DEFAULT_ROLE,
+    Admission,
+    admission_spec,
+    admission_terms,
+    keyless_ids,
+    validate_plan,
+)
+from ledger.decide.begin import begin_spec
+from ledger.decide.effects import TurnSnapshot
+from ledger.decide.ending import ENDED
+from ledger.decide.health import as_read, probe_key_kind, route_key
+from ledger.decide.pricing import resolve_prices
+from ledger.decide.settle import settle_spec
+from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
+from ledger.domain.facts import FailureFact, Observation
+from ledger.domain.records import (
+    AttemptKind,
+    AttemptRecord,
+    DebitRecord,
+    EventRecord,
+    FrozenRun,
+    Lease,
+    LeaseArg,
+    Outcome,
+    Page,
+    RunRecord,
+    RunStatus,
+    run_live,
+    to_micros,
+)
+from ledger.domain.specs import GroupUpdate, ReceiptSpec
+from ledger.domain.validation import (
+    As,
+    Flag,
+    Id,
+    IdList,
+    Money,
+    Secrets,
+    Text,
+    Time,
+    Tokens,
+    amount_in_range,
+    checked,
+    duration,
+    instance,
+    integers,
+    one_of,
+    text,
+)
+from ledger.domain.values import (
+    Budget,
+    Grant,
+    GroupMode,
+    GroupProjection,
+    Health,
+    Route,
+    new_id,
+)
+from ledger.errors import InvalidArgument, NotFound
+from ledger.policy.model import Policy
+from ledger.storage.runner import Flow, blocking
+
+if TYPE_CHECKING:
+    from ledger.storage.store import Store
+
+SessionT = TypeVar("SessionT")  # a Run session: RunSession or AsyncRunSession
+OpenedT = TypeVar("OpenedT")  # an opened ledger: Ledger, or an _Opening of an AsyncLedger
+
+DEFAULT_LEASE_TTL_S = 30.0
+# What an operator's evidence may settle an unknown Attempt as.
+_FINAL = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
+
+
+def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
+    from ledger.policy.load import default_policy, load_policy, validate_policy
+
+    if policy is None:
+        return default_policy()
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str | os.PathLike):
+        return load_policy(policy)
+    # A mapping, or anything else: the loader's validation names the field path and the fix.
+    return validate_policy(policy)
+
+
+def _policy_hash(policy: Policy) -> str:
+    from ledger.policy.load import policy_hash
+
+    return policy_hash(policy)
+
+
+class Face(Generic[SessionT, OpenedT]):
+    """What :class:`Ledger` and :class:`AsyncLedger` share: every operation, written once.
+
+    Each public operation is a flow (:mod:`ledger.storage.runner`) decorated with :class:`op`:
+    the two faces differ only in how they perform it (``awaiting``), blocking or awaited, and
+    in what :meth:`run` and :meth:`open` give (``SessionT``, ``OpenedT``).
+    """
+
+    #: Whether this face awaits its operations (AsyncLedger) or blocks on them (Ledger).
+    awaiting: ClassVar[bool]
+
+    # Private: applications use the ledger's methods; ops and tools reach the store
+    # deliberately, through storage_of().
+    _store: Store
+
+    # ``store`` is not validated: its class is SQLAlchemy's side of the ledger, which a type
+    # checker imports and ``import ledger`` does not.
+    @checked
+    def __init__(self, store: SkipValidation[Any], clock: ClockArg | None = None,
+                 executor_id: Id | None = None) -> None:
+        self._store = store
+        self._runner = self._store.runner
+        # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
+        from ledger.storage.recovery import RecoveryQueries
+        from ledger.storage.runs import RunQueries
+
+        self._runs = RunQueries(store.context)
+        self._recovery = RecoveryQueries(store.context)
+        self.clock: Clock = clock or SystemClock()
+        self.executor_id = executor_id or new_id("exec")
+        self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
+        self._policies: Lru[str, Policy] = Lru(1024)
+        # What a Run's decisions read besides its live row: its ancestors (for provenance),
+        # its groups and its health keys, all fixed by its frozen plan and policy.
+        self._reads: Lru[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = Lru(1024)
+
+    @property
+    def backend(self) -> str:
+        """The database backend: ``"sqlite"`` or ``"postgresql"``."""
+        return self._store.backend
+
+    @property
+    def lease_margin_s(self) -> float:
+        """How long before its end a lease stops starting work, in seconds.
+
+        Set by :meth:`open` (``lease_margin_s=``): a lease's ``ttl_s`` must be longer, and a
+        keeper renews before it.
+        """
+        return self._store.lease_margin_s
+
+    def now(self) -> float:
+        """The ledger clock's time, in epoch seconds."""
+        return self.clock.now()
+
+    # -- opening, and Run sessions ---------------------------------------------------------
+
+    @classmethod
+    @checked
+    def open(cls, url: Url, *, clock: ClockArg | None = None, executor_id: Id | None = None,
+             migrate_schema: Flag = True,
+             lease_margin_s: Annotated[float, duration(60.0)] = DEFAULT_LEASE_MARGIN_S
+             ) -> OpenedT:
+        """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
+
+        ``Ledger.open(url)`` returns the open :class:`Ledger`; ``await AsyncLedger.open(url)``
+        (or ``async with AsyncLedger.open(url) as led:``, which closes it when the block ends)
+        the :class:`AsyncLedger`, opened (and migrated) in a worker thread.
+
+        Args:
+            url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
+                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
+            clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
+                pass a :class:`~ledger.ManualClock`).
+            executor_id: This process's name as a lease holder (default: a new unique id).
+            migrate_schema: Create or upgrade the schema first (``False`` for a read-only
+                role, or when migrations run separately).
+            lease_margin_s: How long before its end a lease stops starting work, from 0 to
+                60 s: the clock skew between hosts the ledger tolerates
+                (``docs/operations.md``).
+
+        Returns:
+            The open ledger; :meth:`close` it (or use it as a ``with`` block).
+
+        Raises:
+            InvalidArgument: a URL that is not a string, cannot be parsed or names another
+                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
+                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
+            DatabaseSetupError: the database is not set up for this URL, which no retry
+                fixes: the database or role does not exist, the server refused the
+                credentials, the role may not connect or migrate, a missing SQLite folder (the
+                message names the fix; ``docs/postgresql.md``).
+            DatabaseUnavailable: the database cannot be reached (a server that is down or
+                went away, a file another process keeps busy): retry once it is back.
+            SchemaTooNew: the database was migrated by a newer ledger.
+
+        Example:
+            >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP
+            ...     print(led.backend)
+            sqlite
+        """
+        return cls._open(url, clock=clock, executor_id=executor_id,
+                         migrate_schema=migrate_schema, lease_margin_s=lease_margin_s)
+
+    @classmethod
+    def _open(cls, url: str, *, clock: Clock | None, executor_id: str | None,
+              migrate_schema: bool, lease_margin_s: float) -> OpenedT:
+        """Open this kind of ledger on validated arguments (each public class says how)."""
+        raise NotImplementedError
+
+    @checked
+    def run(self, run_id: Id, **options: Unpack[SessionOptions]) -> SessionT:
+        """A Run held in a ``with`` block: a :class:`~ledger.RunSession`.
+
+        On an :class:`AsyncLedger`, an ``async with`` block: an
+        :class:`~ledger.AsyncRunSession`. Entering checks that every route's key can be
+        resolved (its ``api_key_env``, or each credential profile through the adapter's secret
+        provider), then admits the Run (or resumes it, for the same id and content) and takes
+        its lease, kept renewed in the background; leaving finishes it and releases the lease.
+        See :mod:`ledger.api.session`. Nothing is written until the block is entered, nor when
+        a key is missing.
+
+        Args:
+            run_id: The Run's id.
+            **options: The Run's terms, as :meth:`admit_run` takes them (``plan``, ``budget``,
+                ``grant``, ``policy``, ``role``, ``parent``, ``tenant``, ``labels``,
+                ``deadline``, ``selected_route``, ``keyless_ok``: a Run session's
+                :meth:`~ledger.RunSession.child` passes ``parent`` for you), and the session's
+                ``lease_ttl_s``, ``adapter`` and ``secrets``
+                (:class:`~ledger.api.arguments.SessionOptions`). ``keyless_ok=True`` suits a
+                host whose turns all pass their own ``send``.
+
+        Returns:
+            The session, to use as ``with led.run(...) as run:`` (``async with`` on an
+            AsyncLedger).
+
+        Raises:
+            InvalidArgument: a malformed ``run_id`` or admission argument, a ``lease_ttl_s``
+                out of range, an ``adapter`` of the other kind, ``secrets`` with ``adapter``;
+                on entering, a route whose key cannot be resolved (nothing is recorded), and
+                the errors of :meth:`admit_run` and :meth:`acquire_lease`.
+
+        Example:
+            >>> with led.run("task-1", plan=routes, budget=budget) as run:  # doctest: +SKIP
+            ...     answer = run.turn(Envelope(parts=[Part(content="Hello")]))
+        """
+        return self._session(run_id, options)
+
+    def _session(self, run_id: str, options: SessionOptions) -> SessionT:
+        """This kind's Run session on validated arguments (each public class says which)."""
+        raise NotImplementedError
+
+    # -- runs -----------------------------------------------------------------------------
+
+    @op
+    def admit_run(self, run_id: Id, *, secrets: Secrets | None = None,
+                  **admission: Unpack[Admission]) -> Flow[RunRecord]:
+        """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
+
+        Admitting the same id again with the same content returns the first record (content
+        is compared normalised: ``1`` and ``"1.00"`` are one budget). Nothing is sent: a Run
+        starts when an Attempt is begun under its lease.
+
+        Keys are checked before anything is recorded, where the routes name their key source:
+        a route without credential profiles whose ``api_key_env`` is not set in this process's
+        environment is refused, and with ``secrets`` every credential profile's secret is looked
+        up through it too (a Run session passes its adapter's provider). A host that sends with
+        its own secrets names no ``api_key_env`` and passes no ``secrets``, and nothing is
+        checked for it.
+
+        Args:
+            run_id: The Run's id (1 to 200 printable characters).
+            secrets: The :class:`~ledger.adapters.SecretProvider` the Run's sender resolves
+                credential profiles with; when given, every profile's key is checked too.
+            **admission: The Run's terms (:class:`~ledger.decide.admission.Admission`):
+                ``plan`` and ``budget``, and optionally ``grant``, ``policy``, ``role``,
+                ``parent`` (a parent's live lease, for a Child Run), ``tenant``, ``labels``,
+                ``deadline``, ``selected_route``, ``keyless_ok``.
+
+        Returns:
+            The :class:`~ledger.RunRecord` as admitted (or as first admitted).
+
+        Raises:
+            InvalidArgument: an argument is wrong (an empty plan, duplicate route ids, a
+                ``selected_route`` not in the plan, a Child broader than its parent in route,
+                recipient, data class, role or policy, ...), naming the field; or a route's
+                key cannot be resolved (the route, the variable or profile, and the fixes:
+                provide the key, or name the route in ``keyless_ok``); nothing is recorded.
+            PolicyError: ``policy`` does not validate (a file, a name or a mapping).
+            AdmissionConflict: ``run_id`` was admitted before with different content
+                (``differing`` names the fields).
+            NotFound: ``parent`` names a Run that does not exist.
+            BudgetExceeded: a Child asks for more cost or tokens than its parent has left
+                (:class:`~ledger.errors.AllowanceExhausted` for calls and retries).
+            LeaseLost: the parent's lease lapsed (``FencedOut``: the parent was taken over).
+
+        Example:
+            >>> rec = led.admit_run("task-1", plan=[primary, backup],  # doctest: +SKIP
+            ...                     budget={"max_calls": 6, "max_retries": 4, "max_cost": "0.50"},
+            ...                     policy="goclaw", tenant="acme")
+            >>> rec.selected_route, rec.policy_hash  # doctest: +SKIP
+        """
+        plan = list(admission["plan"])
+        validate_plan(plan)
+        keyless = keyless_ids(admission.get("keyless_ok", ()), plan)
+        parent, policy = admission.get("parent"), admission.get("policy")
+        prec = (yield from self._frozen(parent.run_id)) if parent is not None else None
+        # Unpriced routes get the price table's price, frozen with the plan (ledger.decide.pricing);
+        # a child's take its parent's frozen price.
+        plan = resolve_prices(plan, cast(Budget, admission["budget"]), at=self.now(),
+                              inherited=prec.plan if prec is not None else ())
+        # A Child given no policy inherits its parent's; a root Run's None is the default preset.
+        inherit = policy is None and prec is not None
+        parent_policy = (yield from self._policy(prec.run_id)) if prec is not None else None
+        pol, grant = admission_terms(
+            plan, cast(Grant | None, admission.get("grant")), admission.get("role", DEFAULT_ROLE),
+            None if inherit else _resolve_policy(policy), policy_hash=_policy_hash, parent=prec,
+            parent_policy=parent_policy)
+        spec = admission_spec(run_id, admission, plan=plan, grant=grant, policy=pol,
+                              policy_hash=_policy_hash(pol))
+        # The last check before the write: every argument is known good, so a missing key is
+        # the one thing this refusal is about. (The adapters, and httpx with them, are loaded
+        # only for a plan that names a key source.)
+        if secrets is not None or any(r.api_key_env for r in plan):
+            from ledger.adapters.secrets import check_keys
+
+            check_keys(plan, secrets, keyless_ok=keyless)
+        rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
+        return rec
+
+    @op
+    def get_run(self, run_id: Id) -> Flow[RunRecord]:
+        """The Run as it stands now (frozen parts and live counters).
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from blocking(lambda: self._runs.get_run(run_id)))
+
+    @op
+    def children(self, run_id: Id) -> Flow[list[RunRecord]]:
+        """The Child Runs admitted under ``run_id``, oldest first (none for an unknown id)."""
+        return (yield from blocking(lambda: self._runs.children(run_id)))
+
+    @op
+    def frozen_run(self, run_id: Id) -> Flow[FrozenRun]:
+        """What the Run froze at admission, read once and cached: it never changes.
+
+        Plan, grant, budget, policy, role, parent, deadline: a
+        :class:`~ledger.domain.records.FrozenRun`.
+        Its live counters are :meth:`get_run`'s.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from self._frozen(run_id))
+
+    def _frozen(self, run_id: str) -> Flow[FrozenRun]:
+        """:meth:`frozen_run`, for a ``run_id`` already checked."""
+        frozen = self._frozen_runs.get(run_id)
+        if frozen is None:
+            rec = yield from blocking(lambda: self._runs.get_run(run_id))
+            frozen = rec.frozen
+            self._frozen_runs.put(run_id, frozen)
+        return frozen
+
+    @op
+    def run_policy(self, run_id: Id) -> Flow[Policy]:
+        """The policy snapshot the run froze at admission (parsed once per Run).
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from self._policy(run_id))
+
+    def _policy(self, run_id: str) -> Flow[Policy]:
+        """:meth:`run_policy`, for a ``run_id`` already checked."""
+        pol = self._policies.get(run_id)
+        if pol is None:
+            pol = Policy.model_validate((yield from self._frozen(run_id)).policy)
+            self._policies.put(run_id, pol)
+        return pol
+
+    @op
+    def close_run(self, run_id: Id, *, status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)],
+                  reason: Text = "closed by an operator: nobody will resume it"
+                  ) -> Flow[RunRecord]:
+        """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
+
+        It takes the Run over itself, under a fresh fence (so an executor that wakes up later
+        can write nothing more), ends it with ``status``, records a ``close`` event (who, why,
+        the fence, the unknown Attempts that keep their holds) and releases the lease, in one
+        transaction. Attempts still ``dispatching`` become ``unknown``, as recovery marks them;
+        every ``unknown`` Attempt keeps its hold until it is settled. Closing a Run that
+        already ended with the same status changes nothing (the same call again is safe).
+
+        Args:
+            run_id: The Run.
+            status: ``failed``, ``cancelled``, ``stopped`` or ``succeeded`` (a
+                :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
+                last turn was served.
+            reason: Why, kept in the ``close`` event (at most 200 printable characters).
+
+        Returns:
+            The Run as closed (:class:`~ledger.RunRecord`).
+
+        Raises:
+            InvalidArgument: ``status`` is not a status a Run ends in (``field="status"``,
+                the choices listed), or ``reason`` is not a short text.
+            NotFound: no Run has this id.
+            LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
+            InvalidState: the Run already ended with another status, or ``succeeded`` was
+                asked of a Run whose last turn was not served (nothing changed).
+
+        Example:
+            >>> led.close_run("task-7", status="failed",  # doctest: +SKIP
+            ...               reason="host crashed; the user retried as task-8")
+        """
+        st = RunStatus(status)
+        rec, _changed = yield from blocking(
+            lambda: self._recovery.close_run(run_id, new_id("close"), st, reason, self.clock.now))
+        return rec
+
+    @op
+    def finish_run(self, lease: LeaseArg,
+                   status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)]) -> Flow[None]:
+        """Record the Run's end; its lease stays until :meth:`release_lease`.
+
+        Args:
+            lease: The Run's live lease.
+            status: ``succeeded``, ``failed``, ``stopped`` or ``cancelled`` (a
+                :class:`~ledger.RunStatus` or its value).
+
+        Raises:
+            InvalidArgument: ``status`` is not one a Run ends in.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
+        """
+        yield from self._store.finish_run(lease, RunStatus(status), self.clock.now)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    @op
+    def acquire_lease(self, run_id: Id, *, ttl_s: LeaseTtl = DEFAULT_LEASE_TTL_S,
+                      executor_id: Id | None = None) -> Flow[Lease]:
+        """Take the Run's lease for ``ttl_s`` seconds: the right to write for it.
+
+        One's own unexpired lease is renewed under the same fence; otherwise the fence moves
+        on, so every write of an earlier holder is refused from now on. Keep it with
+        :meth:`renew_lease` or a :class:`~ledger.api.lease.LeaseKeeper`.
+
+        Args:
+            run_id: The Run.
+            ttl_s: How long the lease lasts unless renewed (above the lease margin, at most
+                86 400 s).
+            executor_id: Who takes it (default: this ledger's ``executor_id``).
+
+        Returns:
+            The :class:`~ledger.Lease` (run id, executor, fence, expiry).
+
+        Raises:
+            LeaseHeld: another executor holds an unexpired lease on the Run.
+            NotFound: no Run has this id.
+            InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s.
+
+        Example:
+            >>> lease = led.acquire_lease("task-1", ttl_s=30)  # doctest: +SKIP
+            >>> lease.fence, lease.expires_at - led.now()  # doctest: +SKIP
+            (1, 30.0)
+        """
+        if ttl_s <= self._store.lease_margin_s:
+            raise InvalidArgument(
+                f"ttl_s={ttl_s:g} is not above the lease margin ({self._store.lease_margin_s:g}s):"
+                " such a lease could start nothing; use a longer ttl_s", field="ttl_s")
+        executor = self.executor_id if executor_id is None else executor_id
+        return (yield from self._store.acquire_lease(run_id, executor, ttl_s, self.clock.now))
+
+    @op
+    def renew_lease(self, lease: LeaseArg, *, ttl_s: LeaseTtl = DEFAULT_LEASE_TTL_S
+                    ) -> Flow[Lease]:
+        """Extend a live lease by ``ttl_s`` from now, under the same fence.
+
+        Args:
+            lease: The lease as last granted or renewed.
+            ttl_s: The new time left (above 0, at most 86 400 s).
+
+        Returns:
+            The renewed :class:`~ledger.Lease`.
+
+        Raises:
+            LeaseLost: the lease lapsed (expired or released): acquire it again.
+            FencedOut: another executor took the Run over.
+        """
+        return (yield from self._store.renew_lease(lease, ttl_s, self.clock.now))
+
+    @op
+    def release_lease(self, lease: LeaseArg) -> Flow[None]:
+        """Give the lease up. Releasing an already released lease does nothing.
+
+        Args:
+            lease: The Run's lease.
+
+        Raises:
+            InvalidState: Attempts of the Run are still in flight: settle them (or
+                :meth:`mark_unknown`) first.
+            LeaseLost: the lease is no longer live; there is nothing of it to release.
+            FencedOut: another executor took the Run over.
+        """
+        yield from self._store.release_lease(lease, self.clock.now)
+
+    @op
+    def reserve_retry(self, lease: LeaseArg, data: AuditData | None = None) -> Flow[int]:
+        """Take one bounded retry permission from the run; returns how many are left.
+
+        The retry owner takes them inside :meth:`begin_attempt` (``take_retry``) instead; this
+        is for a host that drives retries itself.
+
+        Args:
+            lease: The Run's live lease.
+            data: Recorded with the permission as a ``retry_permission`` audit event (e.g. the
+                route and cause); a mapping with string keys.
+
+        Raises:
+            AllowanceExhausted: the Run has no retry permission left.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        return (yield from self._store.reserve_retry(lease, self.clock.now, data))
+
+    # -- attempts -------------------------------------------------------------------------
+
+    @op
+    def begin_attempt(
+        self,
+        lease: LeaseArg,
+        *,
+        route: RouteRef,
+        envelope_hash: Hash,
+        reserve: Money,
+        reserve_tokens: Tokens = 0,
+        turn_id: Id = "turn-1",
+        profile_id: Id | None = None,
+        kind: Annotated[AttemptKind | str, one_of(AttemptKind)] = AttemptKind.FIRST,
+        attempt_id: Id | None = None,
+        events: Events = (),
+        take_retry: Flag = False,
+    ) -> Flow[AttemptRecord]:
+        """Record an Attempt (debit held, capacity slot taken) before its request is sent.
+
+        One transaction checks the live lease, the Run's allowances and budget, and the
+        capacity group's admission; a refusal by the group is recorded (a ``rejected``
+        Attempt, its hold voided) and then raised. Retrying with the same ``attempt_id`` and
+        arguments, also after acquiring the lease again, is the same write. The retry owner
+        (:func:`ledger.execute`) calls this for every Attempt it makes.
+
+        Args:
+            lease: The Run's live lease.
+            route: The route to use: an id of the Run's frozen plan, or the frozen
+                :class:`~ledger.Route` itself.
+            envelope_hash: The request's hash (``Envelope.hash``), recorded with the Attempt.
+            reserve: The cost hold (a Decimal, an int or a decimal string), posted or voided
+                at settle.
+            reserve_tokens: The token hold, checked against the Run's ``max_tokens``.
+            turn_id: The logical turn the Attempt serves.
+            profile_id: The credential profile it uses (one of the route's), if any.
+            kind: Why it is made: ``first``, ``retry``, ``failover`` or ``probe``.
+            attempt_id: Its id (default: a new one); pass one to make a retried begin the
+                same write.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs
+                (the retry owner writes the selector's decision this way).
+            take_retry: Take one retry permission in the same transaction (every further
+                Attempt of a turn does).
+
+        Returns:
+            The :class:`~ledger.AttemptRecord`, ``dispatching``.
+
+        Raises:
+            InvalidArgument: a route not in the Run's frozen plan (or differing from its
+                snapshot), a profile that is not the route's, or another wrong argument.
+            AllowanceExhausted: no model call (or, with ``take_retry``, no retry permission)
+                is left.
+            BudgetExceeded: the hold would overdraw the Run's cost or token budget.
+            CapacityUnavailable: the capacity group refused it (the rejection is recorded).
+            Conflict: ``attempt_id`` is already recorded with different content.
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+            NotFound: the lease's Run does not exist.
+        """
+        run = yield from self._frozen(lease.run_id)
+        spec = begin_spec(
+            run, lease, route=route, profile_id=profile_id, envelope_hash=envelope_hash,
+            reserve_micros=to_micros(reserve), reserve_tokens=reserve_tokens, turn_id=turn_id,
+            kind=AttemptKind(kind), attempt_id=attempt_id or new_id("att"),
+            events=cast(list[tuple[str, dict[str, Any]]], events), take_retry=take_retry)
+        rec = yield from self._store.begin_attempt(spec, self.clock.now)
+        assert isinstance(rec, AttemptRecord)  # a begin without queue_until never queues
+        return rec
+
+    @op
+    def settle_attempt(
+        self,
+        lease: LeaseArg,
+        attempt_id: Id,
+        *,
+        outcome: Annotated[Outcome | str, one_of(Outcome)],
+        fact: Annotated[FailureFact | Mapping[str, Any] | None, As(FailureFact | None)] = None,
+        observation: Annotated[Observation | Mapping[str, Any] | None,
+                               As(Observation | None)] = None,
+        prompt_tokens: Tokens | None = None,
+        completion_tokens: Tokens | None = None,
+        cost: Money | None = None,
+        effective_output: Flag | None = None,
+        tool_started: Flag | None = None,
+        model_reported: Text | None = None,
+        output_hash: Hash | None = None,
+        events: Events = (),
+        provenance_hashes: Hashes = (),
+        repeat: Flag = False,
+    ) -> Flow[AttemptRecord]:
+        """Record an Attempt's outcome; health and group facts update in the same transaction.
+
+        A settled Attempt is never rewritten: the same settle again returns it, a different one
+        is refused. The settle is accepted under the fence the Attempt was begun with even after
+        the lease expired (the outcome is the truth); once the Run was taken over it is refused
+        and kept as a ``late_receipt`` event.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            outcome: ``succeeded``, ``failed`` (with a ``fact`` or an ``observation`` to
+                classify), ``unknown`` (sent, no receipt: the hold stays) or ``not_sent``
+                (provably never left: the hold is voided and the call given back; a failure
+                whose phase is ``before_send`` is recorded as not sent).
+            fact: The classified failure (a :class:`~ledger.FailureFact`).
+            observation: Raw evidence to classify under the Run's policy instead of a fact.
+            prompt_tokens: Usage the provider reported (``None``: not reported).
+            completion_tokens: Likewise.
+            cost: The cost the provider reported; when no usage was reported, the whole hold
+                is posted.
+            effective_output: Whether output reached the caller (default: the fact's).
+            tool_started: Whether the host started a tool it proposed (default: the fact's).
+            model_reported: The model the provider says served it.
+            output_hash: The answer's content hash.
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
+            provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
+                provenance (so the next turn may carry them).
+            repeat: The Attempt was a same-route retry of a failure this request already
+                counted in health, so its failure restarts the key's window without counting
+                again (unless the policy's ``health.count_same_route_retries`` says every try
+                counts).
+
+        Returns:
+            The settled :class:`~ledger.AttemptRecord`.
+
+        Raises:
+            InvalidArgument: ``failed`` without a fact or observation, ``succeeded`` with
+                one, or another wrong argument.
+            NotFound: the Attempt does not exist, or is not one of the lease's Run.
+            SettleConflict: it was settled before with different content.
+            InvalidState: it was rejected before dispatch: there is nothing to settle.
+            FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
+                a late receipt).
+        """
+        # The Attempt's route and profile decide which health rows its outcome touches.
+        att = yield from self._store.attempt(attempt_id)
+        if att.run_id != lease.run_id:
+            raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
+                           attempt_id=attempt_id, run_id=lease.run_id)
+        run = yield from self._frozen(lease.run_id)
+        policy = yield from self._policy(lease.run_id)
+        spec = settle_spec(
+            policy, run.route(att.route_id), att.profile_id, lease, attempt_id,
+            outcome=Outcome(outcome), fact=cast(FailureFact | None, fact),
+            observation=cast(Observation | None, observation), now=self.now(),
+            effective_output=effective_output, tool_started=tool_started,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            cost_micros=None if cost is None else to_micros(cost),
+            model_reported=model_reported, output_hash=output_hash,
+            events=cast(list[tuple[str, dict[str, Any]]], events),
+            provenance=tuple(provenance_hashes), repeat=repeat)
+        return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
+
+    @op
+    def mark_unknown(self, lease: LeaseArg, attempt_id: Id,
+                     reason: StrictStr) -> Flow[AttemptRecord]:
+        """Settle a dispatched Attempt as unknown (sent, no receipt): its hold stays.
+
+        For a graceful shutdown with a call still out. An Attempt already settled is returned
+        as it is. Unknown Attempts are never sent again, by anyone.
+
+        Args:
+            lease: The lease the Attempt was begun under.
+            attempt_id: The Attempt.
+            reason: Why no receipt came (kept in the ``unknown`` event, at most 200
+                characters).
+
+        Returns:
+            The Attempt as recorded.
+
+        Raises:
+            NotFound: the Attempt is not one of the lease's Run.
+            FencedOut: the Run was taken over, or the Attempt was begun under another fence
+                (recovery marks it).
+        """
+        return (yield from self._store.mark_unknown(lease, attempt_id, self.clock.now,
+                                                    reason[:200]))
+
+    @op
+    def settle_unknown(self, attempt_id: Id, *,
+                       outcome: Annotated[Outcome | str, one_of(Outcome, _FINAL)],
+                       prompt_tokens: Tokens | None = None, completion_tokens: Tokens | None = None,
+                       cost: Money | None = None, note: Annotated[str, text(500)] | None = None,
+                       by: Id | None = None) -> Flow[AttemptRecord]:
+        """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
+
+        An unknown Attempt (sent, no receipt) keeps its hold until someone knows better, e.g.
+        from the provider's usage console or billing export. This records that evidence: the
+        Attempt's state moves from ``unknown`` to ``outcome`` exactly once, its hold is posted
+        (``succeeded``/``failed``: the evidenced cost, at most the hold, the rest released;
+        without a cost or usage the whole hold) or voided (``not_sent``: it never ran, and the
+        model call is given back), the Run's counters follow, and a ``late_receipt`` event
+        (``applied``) keeps who, what, why and the previous state beside the Attempt. Its
+        recorded fact, output flags and route health are left as observed.
+
+        No lease is needed: the Run may be closed, or held by nobody. It cannot race a live
+        executor, because only an ``unknown`` Attempt is accepted (an executor never writes
+        to one again) and the write runs under the Run's row lock.
+
+        Args:
+            attempt_id: The unknown Attempt (``failover-ledger attempts --open`` lists them).
+            outcome: What the evidence shows: ``succeeded``, ``failed`` or ``not_sent``.
+            prompt_tokens: The prompt tokens the provider billed, if known.
+            completion_tokens: The completion tokens it billed, if known.
+            cost: What it cost (a Decimal, int or decimal string); default: the usage at the
+                Attempt's frozen route price, or the whole hold when no usage is given.
+            note: Why, for the audit (the evidence: a console link, a ticket), at most 500
+                characters.
+            by: Who records it (default: this ledger's ``executor_id``).
+
+        Returns:
+            The Attempt as settled now.
+
+        Raises:
+            InvalidArgument: ``outcome`` is not one of the three; a count or cost that is
+                negative or absurd (over 10^15 tokens, over 10^12), or usage with
+                ``not_sent``; a ``note`` or ``by`` that is not short printable text.
+            NotFound: no Attempt has this id.
+            InvalidState: the Attempt is not ``unknown`` (its state is named): settled
+                Attempts are never rewritten, and one still dispatching is its executor's.
+
+        Example:
+            >>> led.settle_unknown("att-9f2c", outcome="succeeded", prompt_tokens=812,
+            ...     completion_tokens=240, note="provider console, req 7a1")  # doctest: +SKIP
+        """
+        amount = None if cost is None else Decimal(cost)
+        who = self.executor_id if by is None else by
+        if outcome is Outcome.NOT_SENT:
+            for name, value in (("prompt_tokens", prompt_tokens),
+                                ("completion_tokens", completion_tokens), ("cost", amount)):
+                if value is not None:
+                    raise InvalidArgument(
+                        f"{name} given with outcome not_sent: a request that never ran used and "
+                        "cost nothing; drop it, or settle as succeeded or failed", field=name)
+        if amount is None and (prompt_tokens is not None or completion_tokens is not None):
+            att = yield from self._store.attempt(attempt_id)
+            route = (yield from self._frozen(att.run_id)).route(att.route_id)
+            priced = route.cost(prompt_tokens or 0, completion_tokens or 0)
+            if not amount_in_range(priced):
+                raise InvalidArgument(
+                    f"the usage costs {priced} at route {route.id!r}'s price, beyond any "
+                    "amount the ledger records; check the token counts, or pass cost=",
+                    field="completion_tokens" if completion_tokens else "prompt_tokens")
+            amount = priced
+        spec = ReceiptSpec(attempt_id=attempt_id, outcome=Outcome(outcome),
+                           prompt_tokens=prompt_tokens,
+                           completion_tokens=completion_tokens,
+                           cost_micros=None if amount is None else to_micros(amount),
+                           by=who, note=note)
+        return (yield from blocking(lambda: self._runs.settle_unknown(spec, self.clock.now)))
+
+    @op
+    def turn_snapshot(self, run_id: Id, refs: IdList = ()) -> Flow[TurnSnapshot]:
+        """Everything one routing decision reads, in one read transaction.
+
+        The Run as it stands, its frozen policy, its groups' projections, its routes' and
+        profiles' health, and the provenance of ``refs`` recorded by the Run or its ancestors.
+
+        Args:
+            run_id: The Run.
+            refs: The producer references (``Part.provenance``) whose recorded hashes the
+                decision's disclosure check needs.
+
+        Returns:
+            A :class:`~ledger.decide.effects.TurnSnapshot`.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from self._snapshot(run_id, tuple(refs)))
+
+    def _snapshot(self, run_id: str, refs: tuple[str, ...]) -> Flow[TurnSnapshot]:
+        """:meth:`turn_snapshot` of arguments the turn loop made itself (not checked again)."""
+        frozen = yield from self._frozen(run_id)
+        policy = yield from self._policy(run_id)
+        reads = self._reads.get(run_id)
+        if reads is None:
+            chain = [run_id]
+            anc = frozen
+            while anc.parent_run_id is not None:
+                chain.append(anc.parent_run_id)
+                anc = yield from self._frozen(anc.parent_run_id)
+            groups = sorted({r.group for r in frozen.plan})
+            keys = sorted({route_key(r, policy) for r in frozen.plan}
+                          | {p.id for r in frozen.plan for p in r.profiles})
+            reads = (tuple(chain), tuple(groups), tuple(keys))
+            self._reads.put(run_id, reads)
+        chain_, groups_, keys_ = reads
+        snap = yield from self._store.turn_snapshot(run_id, groups_, keys_, chain_, refs,
+                                                    self.clock.now)
+        health = {k: as_read(h, snap.now) for k, h in snap.health.items()}
+        return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy, groups=snap.groups,
+                            health=health, provenance=snap.provenance, now=snap.now)
+
+    # -- groups, health, provenance, events -------------------------------------------------
+
+    @op
+    def configure_group(self, group: Id, *, max_in_flight: Annotated[int, integers(1)] | None
+                        ) -> Flow[None]:
+        """Set a capacity group's concurrency limit, creating the group if it is new.
+
+        Args:
+            group: The group id (``Route.group``).
+            max_in_flight: How many Attempts of live leases may be in flight at once in the
+                group, across every process (``None``: unlimited).
+
+        Raises:
+            InvalidArgument: ``max_in_flight`` below 1 (or not an integer).
+        """
+        now = self.now()
+        yield from blocking(lambda: self._runs.configure_group(group, max_in_flight, now))
+
+    @op
+    def set_group_state(self, group: Id, mode: Annotated[GroupMode | str, one_of(GroupMode)], *,
+                        until: Time | None, reason: Text = "operator") -> Flow[None]:
+        """Set a group's mode by hand (an operator's cooldown or outage notice).
+
+        Args:
+            group: The group id.
+            mode: ``open``, ``cooldown`` or ``unavailable`` (a :class:`~ledger.GroupMode`).
+            until: When the mode ends (epoch seconds; ``None``: until changed again).
+            reason: Why, for the audit and the dashboard.
+
+        Raises:
+            InvalidArgument: an unknown ``mode``, an ``until`` that is not a usable time.
+        """
+        upd, now = GroupUpdate(GroupMode(mode), until, reason), self.now()
+        yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
+
+    @op
+    def group_projections(self, groups: IdList | None = None
+                          ) -> Flow[dict[str, GroupProjection]]:
+        """Admission's view of the named capacity groups (``None``: every known group).
+
+        A group nobody configured or reported on is absent (it is open and unlimited).
+        """
+        wanted, now = None if groups is None else list(groups), self.now()
+        return (yield from blocking(lambda: self._runs.group_projections(wanted, now)))
+
+    @op
+    def health(self, keys: IdList | None = None) -> Flow[dict[str, Health]]:
+        """Health rows as they stand now: counters past their reset time read as reset.
+
+        Args:
+            keys: The keys to read (route ids, profile ids, ``provider:<name>``); ``None``:
+                every row. A key with no row (never failed) is absent.
+        """
+        wanted, now = None if keys is None else list(keys), self.now()
+        rows = yield from blocking(lambda: self._runs.health(wanted))
+        return {k: as_read(h, now) for k, h in rows.items()}
+
+    @op
+    def claim_probe(self, route: Annotated[Route, instance(Route, "a ledger.Route",
+                                                           "pass a ledger.Route")],
+                    interval_s: Annotated[float, duration()], *, key: Id | None = None,
+                    ttl_s: Annotated[float, duration(positive=True)] | None = None,
+                    max_keys: Annotated[int, integers(1)] | None = None) -> Flow[bool]:
+        """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
+
+        A claim taken also bounds the probe state: times ``ttl_s`` old are forgotten and at
+        most ``max_keys`` keys keep one (GoClaw's probe state TTL and key limit).
+
+        Args:
+            route: The cooling route to probe.
+            interval_s: The least time between two probes of the key.
+            key: The health key the probe state lives under (default: the route id; the
+                retry owner passes the policy's key, e.g. ``provider:<name>``).
+            ttl_s: Probe times at least this old are forgotten (``None``: kept).
+            max_keys: At most this many keys keep a probe time (``None``: no limit).
+
+        Returns:
+            Whether this caller got the slot (and so may send the probe).
+        """
+        k = key if key is not None else route.id
+        return (yield from self._store.claim_probe(k, route.provider, self.now(), interval_s,
+                                                   kind=probe_key_kind(route, k), ttl_s=ttl_s,
+                                                   max_keys=max_keys))
+
+    @op
+    def record_compaction(self, lease: LeaseArg) -> Flow[int]:
+        """Record that the host compacted the Run's session (its context was summarised).
+
+        Under a policy with ``profiles.sticky`` the auto-pinned credential profile is dropped:
+        the next turn chooses again (Fased: the pinned profile is reused until "a compaction
+        completes (compaction count increments)"). A user pin is kept.
+
+        Args:
+            lease: The Run's live lease.
+
+        Returns:
+            The Run's compaction count.
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        return (yield from self._store.record_compaction(lease, self.clock.now))
+
+    @op
+    def record_provenance(self, lease: LeaseArg, ref: Id, content_hash: Hash,
+                          kind: Annotated[str, text(16, empty=False, fix="pass a non-empty "
+                                                    "kind such as 'memory'")] = "tool_result"
+                          ) -> Flow[None]:
+        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
+
+        A later part with ``provenance=ref`` and this exact content is then covered for
+        disclosure preflight, in this Run and its Children.
+
+        Args:
+            lease: The Run's live lease.
+            ref: The producer reference (a tool-call id, a memory or document id).
+            content_hash: The content's ``Part.content_hash``.
+            kind: What produced it (``tool_result``, ``memory``, ...; at most 16 characters).
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        yield from self._store.record_provenance(lease, ref, content_hash, kind, self.clock.now)
+
+    @op
+    def provenance(self, run_id: Id) -> Flow[dict[str, set[str]]]:
+        """Recorded outputs of this run and its ancestors: ref -> content hashes.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        ids = [run_id]
+        run = yield from self._frozen(run_id)
+        while run.parent_run_id is not None:
+            ids.append(run.parent_run_id)
+            run = yield from self._frozen(run.parent_run_id)
+        return (yield from blocking(lambda: self._runs.provenance(ids)))
+
+    @op
+    def append_event(self, lease: LeaseArg, kind: EventKind, data: AuditData,
+                     attempt_id: Id | None = None) -> Flow[None]:
+        """Append an audit event to the Run.
+
+        Args:
+            lease: The Run's live lease.
+            kind: The event's kind (a short name such as ``note``, at most 32 characters).
+            data: Its data: a mapping with string keys, stored as JSON (redacted).
+            attempt_id: The Attempt it is about, if any.
+
+        Raises:
+            LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
+        """
+        yield from self._store.append_event(lease, attempt_id, kind, dict(data), self.clock.now)
+
+    @op
+    def events(self, run_id: Id, kinds: list[EventKind] | None = None
+               ) -> Flow[list[EventRecord]]:
+        """The Run's audit events in order, optionally only those of the given kinds.
+
+        Args:
+            run_id: The Run (an unknown id has none).
+            kinds: Only events of these kinds (e.g. ``["stop", "move"]``); ``None``: all.
+        """
+        return (yield from blocking(lambda: self._runs.events(run_id, kinds)))
+
+    # -- reads ----------------------------------------------------------------------------
+
+    @op
+    def get_attempt(self, attempt_id: Id) -> Flow[AttemptRecord]:
+        """One Attempt, under its original route.
+
+        Raises:
+            NotFound: no Attempt has this id.
+        """
+        return (yield from self._store.attempt(attempt_id))
+
+    @op
+    def timeline(self, run_id: Id) -> Flow[list[AttemptRecord]]:
+        """The run's Attempts in order, each under its original route.
+
+        Raises:
+            NotFound: no Run has this id.
+        """
+        return (yield from blocking(lambda: self._runs.timeline(run_id)))
+
+    @op
+    def attempts(self, /, **filters: Unpack[AttemptFilters]) -> Flow[Page[AttemptRecord]]:
+        """Attempts across Runs, newest first, one page at a time.
+
+        Args:
+            **filters: Any of ``route`` and ``group`` (ids), ``state`` (an
+                :class:`~ledger.AttemptState`), ``category`` (a :class:`~ledger.Category`),
+                ``since`` and ``until`` (epoch seconds: created at or after, and before),
+                ``limit`` (1 to 10 000, default 100) and ``cursor`` (a page's
+                ``next_cursor``).
+
+        Returns:
+            A :class:`~ledger.Page`; pass its ``next_cursor`` back for the next one.
+
+        Raises:
+            ArgumentMismatch: an unknown filter (the message names the closest one).
+            InvalidArgument: a filter's value is wrong, or the cursor is not one a page gave.
+
+        Example:
+            >>> page = led.attempts(state="unknown", limit=50)  # doctest: +SKIP
+            >>> while page.next_cursor:  # doctest: +SKIP
+            ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
+        """
+        return (yield from blocking(lambda: self._runs.attempts(**attempt_query(filters))))
+
+    @op
+    def debit(self, debit_id: Id) -> Flow[DebitRecord]:
+        """One debit (an Attempt's budget hold; its id is ``AttemptRecord.debit_id``).
+
+        Raises:
+            NotFound: no debit has this id.
+        """
+        return (yield from blocking(lambda: self._runs.debit(debit_id)))
+
+
+class SyncFace(Blocking, Face[SessionT, OpenedT]):
+    """A face that blocks on its operations: :class:`~ledger.Ledger`'s base.
+
+    What a blocking Run session, lease keeper or :func:`~ledger.execute` takes.
+    """
+
+
+class AsyncFace(Awaiting, Face[SessionT, OpenedT]):
+    """A face that awaits its operations: :class:`~ledger.AsyncLedger`'s base.
+
+    What an awaiting Run session, lease keeper or :func:`~ledger.aexecute` takes.
+    """
+
+
+@checked
+def storage_of(ledger: Annotated[Face[Any, Any], instance(
+        Face, "a Ledger or an AsyncLedger", "pass a ledger.Ledger or a ledger.AsyncLedger")]
+               ) -> Store:
+    """The store under ``ledger`` (:class:`~ledger.storage.store.Store`).
+
+    The one deliberate way for the ledger's own operations and tools (recovery,
+    reconciliation, the audit, ``generate``, the benchmarks, the command line) to reach the
+    database: its flows, and its ``context``, on which they build the query objects they need
+    (:class:`~ledger.storage.recovery.RecoveryQueries`,
+    :class:`~ledger.storage.audit.AuditQueries`, ...). Applications use the ledger's methods:
+    the store takes its arguments as already checked and writes without the facade's rules.
+
+    Args:
+        ledger: A :class:`Ledger` or an :class:`AsyncLedger` (the store of its ``sync``).
+
+    Returns:
+        The store the ledger was opened on.
+
+    Raises:
+        InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.
+    """
+    return ledger._store
+
+
+__all__ = ["AsyncFace", "Face", "SyncFace", "storage_of"]

@@ -1,0 +1,351 @@
+"""What the framework integrations share: a Run session seen the same way, sync or async.
+
+Both integrations (LangChain/LangGraph, the OpenAI Agents SDK) turn a framework's model call
+into one turn of the Run a ``with led.run(...)`` block holds. Around that turn they need the
+same few things, written once here:
+
+- the session checked open, with an error that names the fix when it is not (a middleware or
+  a model used outside its Run's block);
+- a route name the framework asks for (``LedgerChatModel(run, route=...)``, an Agents SDK
+  ``Agent(model=...)``) checked against the Run's frozen plan and turned into the turn's
+  ``denials`` (the routes before it in the plan are not used for that request);
+- tool results recorded through the session the first time they are sent (adopting the calls
+  an earlier session proposed, for a host resuming after a crash), and images or documents of a
+  class other than ``user_input`` recorded as uploads;
+- stable tool-call ids: an id a provider did not give (the adapters number such calls
+  ``call_0``, ``call_1`` ...) or one the Run used already is replaced by one derived from the
+  Attempt, whose part the integration records as that Attempt's provenance (and an audit
+  event ``tool_call_id`` says which provider id it stands for);
+- two guards that keep the Run the only retry owner: a request the Run stopped is not sent
+  again in the same session (a retry the framework makes around the ledger), and a request an
+  earlier executor of the Run sent without a receipt (``unknown``, or still ``dispatching``
+  when its executor died) is not sent again after a resume (LangGraph re-runs an interrupted
+  node).
+
+A sync :class:`~ledger.RunSession` never suspends, so the shared code is written once as
+coroutines and :func:`drive` runs it to completion for the blocking paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import weakref
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ledger.api.session import AsyncRunSession, RunSession
+from ledger.decide.preflight import Denials
+from ledger.domain.envelope import USER_INPUT, Envelope, Part
+from ledger.domain.media import bytes_digest
+from ledger.domain.records import AttemptState
+from ledger.errors import FailoverExhausted, InvalidArgument, InvalidState, LedgerError
+
+T = TypeVar("T")
+
+# The ids the adapters give a tool call whose provider sent none (Gemini's functionCall has no
+# id; a Responses item without call_id): positional, so the next answer reuses them.
+_PLACEHOLDER = re.compile(r"call_\d+")
+
+
+def drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (the shared code over a blocking session)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a blocking Run session's call suspended")  # pragma: no cover
+
+
+def turn_id_of(envelope: Envelope) -> str:
+    """The turn id a session gives ``envelope`` by default (named here to look it up)."""
+    return f"turn-{envelope.hash[7:19]}"
+
+
+@dataclass
+class _Memory:
+    """What the integrations remember per Run session (shared by every model of it)."""
+
+    results: dict[str, Part] = field(default_factory=dict)  # call id -> its result, recorded
+    documents: set[str] = field(default_factory=set)  # hashes of uploads recorded
+    stopped: dict[str, FailoverExhausted] = field(default_factory=dict)  # envelope hash -> stop
+    orphans: dict[str, list[str]] | None = None  # turn id -> attempts sent without a receipt
+    mine: set[str] = field(default_factory=set)  # turn ids this session sent
+    # Tool-call ids the Run used: recorded refs (read once), sent, or handed out by this session.
+    call_ids: set[str] | None = None
+
+
+_MEMORY: weakref.WeakKeyDictionary[Any, _Memory] = weakref.WeakKeyDictionary()
+
+
+class RunLink:
+    """A Run session as the integrations use it: checked, awaited alike, remembered.
+
+    Args:
+        run: The session (``with led.run(...) as run`` or ``async with``).
+        who: The integration's name, for messages (``LedgerMiddleware``, ...).
+        route: A route of the Run's plan the requests start at (``None``: the plan as it is).
+        tool_data_class: The data class tool results are recorded under.
+        document_data_class: The data class of the images and documents of user messages.
+        need_async: ``True`` when only an :class:`~ledger.AsyncRunSession` will do.
+
+    Raises:
+        InvalidArgument: ``run`` is not a Run session (of the kind needed), a data class is
+            empty, or ``route`` is not a route of the Run's frozen plan.
+        InvalidState: the session is not open (``route`` needs its plan).
+    """
+
+    def __init__(self, run: Any, *, who: str, route: str | None = None,
+                 tool_data_class: str = "tool_result", document_data_class: str = USER_INPUT,
+                 need_async: bool = False) -> None:
+        kinds: tuple[type[Any], ...] = (AsyncRunSession,) if need_async else (
+            AsyncRunSession, RunSession)
+        if not isinstance(run, kinds):
+            want = ("the async Run session of `async with led.run(...) as run` (an "
+                    "AsyncLedger's)" if need_async else
+                    "the Run session of `with led.run(...) as run` (a Ledger's) or of "
+                    "`async with` (an AsyncLedger's)")
+            raise InvalidArgument(f"{who} takes {want}; got {type(run).__name__}",
+                                  field="run")
+        for name, value, example in (("tool_data_class", tool_data_class, "tool_result"),
+                                     ("document_data_class", document_data_class,
+                                      "user_input or private_document")):
+            if not isinstance(value, str) or not value:
+                raise InvalidArgument(f"{name} is a data class name (e.g. {example})",
+                                      field=name)
+        self.run = run
+        self.who = who
+        self.is_async = isinstance(run, AsyncRunSession)
+        self.tool_data_class = tool_data_class
+        self.document_data_class = document_data_class
+        self.route = route
+        self.denials: Denials | None = None
+        if route is not None:
+            self.denials = self._denials(route)
+
+    # -- the session ---------------------------------------------------------------------
+
+    @property
+    def memory(self) -> _Memory:
+        """What the integrations remember of this session."""
+        found = _MEMORY.get(self.run)
+        if found is None:
+            found = _MEMORY[self.run] = _Memory()
+        return found
+
+    def check_open(self) -> None:
+        """Refuse a call outside the Run's block, before anything is recorded.
+
+        Raises:
+            InvalidState: the session was never entered, or its block was left.
+        """
+        try:
+            self.run.lease  # noqa: B018 - the session's own open check
+        except InvalidState as e:
+            state = "has not been entered yet" if self.run.record is None else "has ended"
+            raise InvalidState(
+                f"{self.who} was used outside its Run: the session of Run "
+                f"{self.run.run_id!r} {state}. Build and call the agent inside the block "
+                "(`with led.run(...) as run:` or `async with`), or open the Run again with "
+                "the same id and content to resume it", run_id=self.run.run_id) from e
+
+    def check_async(self) -> None:
+        """Refuse a blocking call (``invoke``, ``stream``) on an async session.
+
+        Raises:
+            InvalidArgument: the session is an :class:`~ledger.AsyncRunSession`.
+        """
+        if self.is_async:
+            raise InvalidArgument(
+                f"{self.who} holds an async Run session (AsyncLedger.run): call it with "
+                "ainvoke/astream (agent.ainvoke, graph.astream, ...), or hold the Run with "
+                "Ledger.run to call it with invoke/stream", field="run")
+
+    def _denials(self, route: str) -> Denials:
+        if not isinstance(route, str) or not route:
+            raise InvalidArgument("route is the id of a route of the Run's plan",
+                                  field="route")
+        self.check_open()
+        plan = [r.id for r in self.run.record.plan]
+        if route not in plan:
+            raise InvalidArgument(
+                f"route {route!r} is not in the frozen plan of Run {self.run.run_id!r} "
+                f"(its routes: {', '.join(plan)}); ask for one of them, or for none to use "
+                "the plan as it is", field="route", route=route, plan=plan)
+        return Denials(routes=frozenset(plan[:plan.index(route)]))
+
+    async def _call(self, value: Any) -> Any:
+        return await value if self.is_async else value
+
+    # -- before a turn -------------------------------------------------------------------
+
+    async def guard(self, envelope: Envelope) -> str:
+        """The turn id of ``envelope``, after checking the Run may send it.
+
+        Raises:
+            InvalidArgument: the Run stopped this very request in this session before (a
+                retry made around the ledger).
+            FailoverExhausted: (reason ``execution_unknown``) an earlier executor of the Run
+                sent this request and no receipt came: the ledger never sends it again.
+        """
+        memory = self.memory
+        digest = envelope.hash
+        stop = memory.stopped.get(digest)
+        if stop is not None:
+            raise InvalidArgument(
+                f"{self.who}: the Run stopped this request ({stop.reason}) and it is being "
+                "sent again. The Run is the retry owner and already retried and failed over "
+                "as its policy allows: remove the retry around it (ModelRetryMiddleware, "
+                "ModelFallbackMiddleware, .with_retry(), a LangGraph RetryPolicy, "
+                "ModelSettings(retry=...)), or continue the conversation with another request",
+                field="retry", reason=stop.reason) from stop
+        turn_id = turn_id_of(envelope)
+        if turn_id in memory.mine:
+            return turn_id
+        if memory.orphans is None:
+            # Read once per session: while it holds the lease no other executor sends.
+            # This session sent nothing yet (its turns are in ``mine``).
+            orphans: dict[str, list[str]] = {}
+            for a in await self._call(self.run.ledger.timeline(self.run.run_id)):
+                if a.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING):
+                    orphans.setdefault(a.turn_id, []).append(a.attempt_id)
+            memory.orphans = orphans
+        sent = memory.orphans.get(turn_id)
+        if sent:
+            raise FailoverExhausted(
+                f"{self.who}: this request was sent before by an earlier executor of Run "
+                f"{self.run.run_id!r} (attempt {', '.join(sent)}) and no receipt came; the "
+                "ledger never sends a request whose execution is unknown again. Settle the "
+                "attempt with evidence (Ledger.settle_unknown) or go on with another request",
+                [LedgerError(f"attempt {a} of turn {turn_id}: sent, outcome unknown")
+                 for a in sent],
+                reason="execution_unknown", attempts=sent,
+                detail="sent by an earlier executor of the Run; outcome unknown")
+        return turn_id
+
+    def sent(self, envelope: Envelope, turn_id: str, error: BaseException | None) -> None:
+        """Remember a turn this session made (and its stop, which is not retried)."""
+        self.memory.mine.add(turn_id)
+        if isinstance(error, FailoverExhausted):
+            self.memory.stopped[envelope.hash] = error
+
+    # -- parts that need recording --------------------------------------------------------
+
+    async def document(self, part: Part) -> Part:
+        """A user's image or document of a class that needs provenance, with it recorded.
+
+        Recorded once, the first time it is sent, as ``upload-<sha256 prefix>``.
+        """
+        if part.media_type is None or part.data_class == USER_INPUT:
+            return part
+        payload = part.payload
+        ref = "upload-" + bytes_digest(payload if payload is not None
+                                       else (part.url or "").encode())[:32]
+        made = Part.model_validate({**part.model_dump(), "provenance": ref})
+        digest = made.content_hash
+        if digest not in self.memory.documents:
+            await self._call(self.run.ledger.record_provenance(self.run.lease, ref, digest,
+                                                               "document"))
+            self.memory.documents.add(digest)
+        return made
+
+    async def tool_part(self, call_id: str, name: str | None, content: str,
+                        calls: Sequence[Part]) -> Part:
+        """A tool's result as the part the ledger recorded (recorded now, the first time).
+
+        A result for a call no Attempt of the Run proposed, or with other content than was
+        first sent for that call, stays unrecorded: preflight refuses it.
+        """
+        memory = self.memory
+        unrecorded = Part(role="tool", content=content, data_class=self.tool_data_class,
+                          provenance=call_id, tool_call_id=call_id, name=name or None)
+        if call_id in memory.results:
+            first = memory.results[call_id]
+            return first if first.content == content else unrecorded
+        if not self.run.proposed(call_id):
+            # Proposed by an earlier session of the Run (a host resuming with the history it
+            # kept): its result counts as that session recorded it, and a call no Attempt of
+            # the Run proposed is never adopted.
+            recorded = await self._call(self.run.ledger.provenance(self.run.run_id))
+            if call_id in recorded:
+                return unrecorded
+            if call_id not in await self._call(self.run.adopt_tool_calls(list(calls))):
+                return unrecorded
+        made: Part
+        if name:
+            # Named as the conversation's call, which the request carries beside it (Gemini
+            # pairs a functionResponse with its functionCall by name): the session names a
+            # call id by the latest Attempt that proposed it, and a provider that reuses ids
+            # (another conversation of the Run got the same one) would make that another tool.
+            made = Part(role="tool", content=content, data_class=self.tool_data_class,
+                        provenance=call_id, tool_call_id=call_id, name=name)
+            await self._call(self.run.ledger.record_provenance(
+                self.run.lease, call_id, made.content_hash, "tool_result"))
+        else:
+            made = await self._call(self.run.tool_result(call_id, content,
+                                                         data_class=self.tool_data_class))
+        memory.results[call_id] = made
+        return made
+
+    # -- after a turn ---------------------------------------------------------------------
+
+    async def stable_calls(self, result: Any, used: Iterable[str]) -> list[Part]:
+        """The turn's parts, each tool call with an id that is stable and unique in the Run.
+
+        A call whose id the provider did not give (a positional ``call_<n>``), or that the Run
+        used already (in this conversation, ``used``; in another conversation of the Run, such
+        as a subagent's; a ref the ledger recorded; or an earlier call of the same answer),
+        gets ``call_<24 hex>`` derived from its Attempt and position; that part is recorded as
+        the Attempt's provenance, an event ``tool_call_id`` names the id it stands for, and
+        the session adopts it so that its result can be recorded.
+        """
+        attempt_id: str = result.attempt.attempt_id
+        memory = self.memory
+        if memory.call_ids is None:
+            if not any(p.tool_call_id is not None for p in result.parts):
+                return list(result.parts)
+            # Read once per session: while it holds the lease no other executor records.
+            recorded = await self._call(self.run.ledger.provenance(self.run.run_id))
+            memory.call_ids = set(recorded)
+        memory.call_ids.update(used)
+        taken = set(memory.call_ids)
+        out: list[Part] = []
+        renamed: list[Part] = []
+        index = 0
+        for part in result.parts:
+            call_id = part.tool_call_id
+            if call_id is None:
+                out.append(part)
+                continue
+            if _PLACEHOLDER.fullmatch(call_id) or call_id in taken:
+                new_id = "call_" + hashlib.sha256(f"{attempt_id}/{index}".encode()) \
+                    .hexdigest()[:24]
+                fresh = Part.model_validate({**part.model_dump(), "tool_call_id": new_id})
+                await self._call(self.run.ledger.record_provenance(
+                    self.run.lease, attempt_id, fresh.content_hash, "tool_call"))
+                await self._call(self.run.ledger.append_event(
+                    self.run.lease, "tool_call_id",
+                    {"provider_id": call_id, "call_id": new_id}, attempt_id=attempt_id))
+                renamed.append(fresh)
+                part = fresh
+            taken.add(part.tool_call_id or "")
+            memory.call_ids.add(part.tool_call_id or "")
+            out.append(part)
+            index += 1
+        if renamed:
+            await self._call(self.run.adopt_tool_calls(renamed))
+        return out
+
+
+def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
+    """What the ledger recorded for a served turn, as the frameworks' metadata carries it."""
+    att = result.attempt
+    return {"run_id": run_id, "turn_id": att.turn_id, "attempt_id": att.attempt_id,
+            "attempts": [a.attempt_id for a in result.attempts], "route": result.route.id,
+            "switched": bool(result.switched),
+            "cost": None if att.cost is None else str(att.cost)}
+
+
+__all__ = ["RunLink", "attempts_detail", "drive", "turn_id_of"]

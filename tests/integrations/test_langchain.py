@@ -1,0 +1,815 @@
+"""LangChain v1 and LangGraph on a ledger Run (``LedgerMiddleware``, ``LedgerChatModel``): a real
+``create_agent`` agent with a tool and real LangGraph graphs against the shipped fake provider
+over loopback, on both backends. Each model call is one turn; failover (across protocols),
+budget and disclosure are the Run's; the history the agent keeps (a checkpoint included) passes
+preflight because the ledger recorded it, and a history the Run did not produce is refused
+before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langchain.agents import create_agent
+from langchain.agents.middleware import (
+    ModelCallLimitMiddleware,
+    ModelFallbackMiddleware,
+    ModelRetryMiddleware,
+)
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel
+
+from ledger import (
+    AsyncLedger,
+    Budget,
+    FailoverExhausted,
+    Grant,
+    InvalidArgument,
+    InvalidState,
+    Ledger,
+    Price,
+    Route,
+    RunStatus,
+)
+from ledger.clock import ManualClock
+from ledger.domain.facts import WireProtocol
+from ledger.domain.records import AttemptState
+from ledger.integrations.langchain import LedgerChatModel, LedgerMiddleware, LedgerStop
+from ledger.testing import Behavior, FakeProvider, Fault
+from tests import fakeplan
+from tests.fakeplan import PRICE, tool_call_ids
+
+fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
+_clear = fakeplan._clear
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+ALLOWED = ["user_input", "model_derived", "tool_result", "tool_description", "system"]
+GRANT = Grant(recipients={"fake": ALLOWED})
+FULL_TEXT = Behavior().text
+
+searched: list[str] = []
+
+
+@tool
+def search(query: str) -> str:
+    """Search the company filings."""
+    searched.append(query)
+    return json.dumps({"hits": 3, "query": query})
+
+
+def routes(fake: FakeProvider, first: str = "openai", second: str | None = None,
+           price: Price = PRICE) -> list[Route]:
+    """The primary and the backup (another capacity group), each on its own protocol."""
+    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
+                  recipient="fake", protocol=WireProtocol(first), endpoint=fake.endpoint(first),
+                  price=price),
+            Route(id="backup", provider="fake-b", model="backup-model", group="gb",
+                  recipient="fake", protocol=WireProtocol(second or first),
+                  endpoint=fake.endpoint(second or first), price=price)]
+
+
+def agent_for(run: Any, **kw: Any) -> Any:
+    middleware = [*kw.pop("before", []), LedgerMiddleware(run, **kw)]
+    return create_agent(LedgerChatModel(run), tools=[search], middleware=middleware,
+                        system_prompt="You are a careful analyst.")
+
+
+def ais(state: dict[str, Any]) -> list[AIMessage]:
+    return [m for m in state["messages"] if isinstance(m, AIMessage)]
+
+
+# -- create_agent with a tool ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("first", "second"), [("openai", "gemini"),
+                                               ("anthropic", "openai_responses"),
+                                               ("gemini", "anthropic")])
+def test_an_agent_with_a_tool_fails_over_from_a_503_across_protocols(
+        db_url: str, fake: FakeProvider, first: str, second: str) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the primary answers 503 once
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="backup-model")
+    searched.clear()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("agent", plan=routes(fake, first, second), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = agent_for(run)
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].content == FULL_TEXT and searched == ["10-K"]
+            # The conversation goes on with the history the agent kept: it passes preflight.
+            state = await agent.ainvoke(
+                {"messages": [*state["messages"], ("user", "And the risks?")]})
+            timeline = await led.timeline("agent")
+            # Three model calls, four Attempts: the 503, then the backup for every call.
+            assert [(a.route_id, a.state) for a in timeline] == [
+                ("primary", AttemptState.FAILED), ("backup", AttemptState.SUCCEEDED),
+                ("backup", AttemptState.SUCCEEDED), ("backup", AttemptState.SUCCEEDED)]
+            assert timeline[0].http_status == 503
+            answers = ais(state)
+            assert len(answers) == 3
+            for message, att in zip(answers, timeline[1:], strict=True):
+                ours = message.response_metadata["ledger"]
+                assert ours["attempt_id"] == att.attempt_id and ours["route"] == "backup"
+                assert message.response_metadata["model_name"] == att.model_reported \
+                    == "backup-model-fake-001"
+                assert message.response_metadata["model_provider"] == "fake-b"
+                assert message.usage_metadata is not None
+                assert (message.usage_metadata["input_tokens"],
+                        message.usage_metadata["output_tokens"]) == (11, 7)
+            first_answer = answers[0]
+            assert first_answer.response_metadata["ledger"]["attempts"] == [
+                timeline[0].attempt_id, timeline[1].attempt_id]
+            assert first_answer.response_metadata["ledger"]["switched"] is True
+            [call] = first_answer.tool_calls
+            assert call["name"] == "search" and call["args"] == {"query": "10-K"}
+            if second == "gemini":
+                # Gemini gives no call id: one is made from the Attempt, and recorded.
+                assert call["id"].startswith("call_") and len(call["id"]) == 29
+                [ev] = await led.events("agent", ["tool_call_id"])
+                assert ev.data == {"provider_id": "call_0", "call_id": call["id"]}
+            [result] = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+            assert result.tool_call_id == call["id"]
+
+    asyncio.run(main())
+    # The tool's result went to the model after the call; the system prompt went along.
+    body = json.dumps(fake.requests[2].json)
+    assert '\\"hits\\": 3' in body or '"hits": 3' in body
+    assert "You are a careful analyst." in body
+    with Ledger.open(db_url) as led:
+        assert led.get_run("agent").status is RunStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize(("first", "second"), [("gemini", "anthropic"),
+                                               ("openai", "openai_responses"),
+                                               ("anthropic", "openai")])
+def test_a_tool_call_keeps_its_id_when_the_next_call_fails_over_to_another_protocol(
+        db_url: str, fake: FakeProvider, first: str, second: str) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="primary-model")
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")  # the call with the tool's result
+    searched.clear()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("ids", plan=routes(fake, first, second), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = agent_for(run)
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            [call] = ais(state)[0].tool_calls
+            [result] = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+            assert result.tool_call_id == call["id"]
+            timeline = await led.timeline("ids")
+            assert [(a.route_id, a.state) for a in timeline] == [
+                ("primary", AttemptState.SUCCEEDED), ("primary", AttemptState.FAILED),
+                ("backup", AttemptState.SUCCEEDED)]
+            # The conversation goes on, on the backup, with the id the agent holds.
+            state = await agent.ainvoke(
+                {"messages": [*state["messages"], ("user", "And the risks?")]})
+            assert state["messages"][-1].text == FULL_TEXT
+
+    asyncio.run(main())
+    first_req, failed, backup, later = fake.requests
+    assert (first_req.protocol, failed.protocol, backup.protocol) == (first, first, second)
+    call_id = tool_call_ids(backup)[0]
+    # The id the primary's protocol gave (or the ledger made, for Gemini) is the one the
+    # backup's protocol was sent, for the call and for its result, on every later call too.
+    assert tool_call_ids(backup) == tool_call_ids(later) == [call_id, call_id]
+    if first == "gemini":
+        assert call_id.startswith("call_") and len(call_id) == 29
+    else:
+        assert call_id == ("toolu_fake_1" if first == "anthropic" else "call_fake_1")
+    if first != "gemini":
+        assert tool_call_ids(failed) == [call_id, call_id]
+
+
+def test_a_streamed_model_call_ends_with_its_tool_call_chunks_and_usage(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="backup-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("chunks", plan=routes(fake, "openai_responses", "anthropic"),
+                        budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run).bind_tools([search])
+            chunks = [c async for c in model.astream("Compare the two filings.")]
+            *pieces, last = chunks
+            # Text as it arrived; nothing else before the end.
+            assert "".join(c.text for c in pieces) == FULL_TEXT and len(pieces) > 2
+            assert not any(c.tool_call_chunks or c.usage_metadata for c in pieces)
+            # The last chunk: the tool call, the usage, the ledger's record.
+            assert last.chunk_position == "last"
+            [piece] = last.tool_call_chunks
+            assert piece["name"] == "search" and json.loads(piece["args"] or "") == {
+                "query": "10-K"}
+            assert last.usage_metadata is not None and last.usage_metadata["output_tokens"] == 7
+            [backup, failed] = list(reversed(await led.timeline("chunks")))
+            assert last.response_metadata["ledger"]["attempt_id"] == backup.attempt_id
+            assert last.response_metadata["ledger"]["attempts"] == [failed.attempt_id,
+                                                                    backup.attempt_id]
+            # The chunks add up to the answer the ledger recorded: it goes on as history.
+            answer = chunks[0]
+            for c in chunks[1:]:
+                answer = answer + c
+            assert answer.tool_calls[0]["args"] == {"query": "10-K"}
+            [call] = answer.tool_calls
+            again = await model.ainvoke([HumanMessage("Compare the two filings."), answer,
+                                         ToolMessage("3 hits", tool_call_id=call["id"])])
+            assert again.text == FULL_TEXT
+
+    asyncio.run(main())
+
+
+def test_a_streamed_agent_gets_the_text_as_it_arrives_and_the_recorded_answer(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "risks"})), model="backup-model")
+    searched.clear()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("s", plan=routes(fake, "anthropic", "openai"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = agent_for(run)
+            pieces: list[str] = []
+            final: dict[str, Any] = {}
+            async for mode, data in agent.astream(
+                    {"messages": [("user", "What are the risks?")]},
+                    stream_mode=["messages", "values"]):
+                if mode == "messages" and isinstance(data[0], AIMessageChunk):
+                    pieces.append(data[0].text)
+                elif mode == "values":
+                    final = data
+            assert searched == ["risks"]
+            assert "".join(pieces) == FULL_TEXT * 2 and len([p for p in pieces if p]) > 2
+            answers = ais(final)
+            assert [m.text for m in answers] == [FULL_TEXT, FULL_TEXT]
+            assert answers[0].tool_calls[0]["args"] == {"query": "risks"}
+            assert answers[0].usage_metadata is not None
+            assert answers[0].usage_metadata["output_tokens"] == 7
+            # The streamed answers are what the ledger recorded: a further turn passes.
+            again = await agent.ainvoke({"messages": [*final["messages"], ("user", "Thanks.")]})
+            assert again["messages"][-1].text == FULL_TEXT
+            timeline = await led.timeline("s")
+            assert [a.state for a in timeline] == [AttemptState.FAILED] + \
+                [AttemptState.SUCCEEDED] * 3
+
+    asyncio.run(main())
+
+
+def test_a_blocking_agent_on_a_blocking_run_invokes_and_streams(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "q"})), model="backup-model")
+    searched.clear()
+    with Ledger.open(db_url) as led, \
+            led.run("sync", plan=routes(fake, "gemini", "openai_responses"), budget=BUDGET,
+                    grant=GRANT) as run:
+        agent = agent_for(run)
+        state = agent.invoke({"messages": [("user", "Go.")]})
+        assert state["messages"][-1].content == FULL_TEXT and searched == ["q"]
+        pieces = [chunk.text for chunk, _meta in agent.stream(
+            {"messages": [*state["messages"], ("user", "Again.")]}, stream_mode="messages")
+            if isinstance(chunk, AIMessageChunk)]
+        assert "".join(pieces) == FULL_TEXT and len([p for p in pieces if p]) > 1
+        assert [a.state for a in led.timeline("sync")] == [AttemptState.FAILED] + \
+            [AttemptState.SUCCEEDED] * 3
+
+
+class Verdict(BaseModel):
+    """A verdict on the filings."""
+
+    risky: bool
+    reason: str
+
+
+def test_structured_output_comes_through_a_tool_call_on_any_route(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.set_default(Behavior(tool_call=("Verdict", {"risky": True, "reason": "debt"})))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("so", plan=routes(fake, "openai", "anthropic"), budget=BUDGET,
+                        grant=GRANT) as run:
+            verdict = await LedgerChatModel(run).with_structured_output(Verdict).ainvoke(
+                "Are the filings risky?")
+            assert verdict == Verdict(risky=True, reason="debt")
+            agent = create_agent(LedgerChatModel(run), tools=[], response_format=Verdict,
+                                 middleware=[LedgerMiddleware(run)])
+            state = await agent.ainvoke({"messages": [("user", "Risky?")]})
+            assert state["structured_response"] == Verdict(risky=True, reason="debt")
+            with pytest.raises(InvalidArgument) as ei:
+                LedgerChatModel(run).with_structured_output(Verdict, method="json_schema")
+            assert ei.value.field == "method"
+
+    asyncio.run(main())
+    # The schema went to the Anthropic backup as a tool.
+    assert fake.requests[-1].json["tools"][0]["name"] == "Verdict"
+
+
+def test_a_deep_agent_and_its_subagent_draw_on_the_one_run(
+        db_url: str, fake: FakeProvider) -> None:
+    from deepagents import create_deep_agent
+
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    fake.enqueue(Behavior(tool_call=("task", {"description": "Search the 10-K filings",
+                                              "subagent_type": "general-purpose"})),
+                 model="backup-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="backup-model")
+    searched.clear()
+
+    async def main() -> str:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("deep", plan=routes(fake, "openai", "anthropic"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = create_deep_agent(LedgerChatModel(run), tools=[search],
+                                      middleware=[LedgerMiddleware(run)],
+                                      system_prompt="You are a careful analyst.")
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            [task] = ais(state)[0].tool_calls
+            assert task["name"] == "task" and task["id"] == "toolu_fake_1"
+            # The subagent's call got the same id from the provider: in the Run it has its own.
+            [ev] = await led.events("deep", ["tool_call_id"])
+            assert ev.data["provider_id"] == "toolu_fake_1"
+            sub_id: str = ev.data["call_id"]
+            # The main agent's three model calls and the subagent's two: one Run, one budget.
+            timeline = await led.timeline("deep")
+            assert [(a.route_id, a.state) for a in timeline] == [
+                ("primary", AttemptState.FAILED)] + [("backup", AttemptState.SUCCEEDED)] * 4
+            assert (await led.get_run("deep")).calls_used == 5
+            state = await agent.ainvoke(
+                {"messages": [*state["messages"], ("user", "And the risks?")]})
+            assert state["messages"][-1].text == FULL_TEXT
+            return sub_id
+
+    sub_id = asyncio.run(main())
+    _503, main_call, sub_call, sub_result, main_result, later = fake.requests
+    assert "task" in [t["name"] for t in main_call.json["tools"]]
+    assert "task" not in [t["name"] for t in sub_call.json["tools"]]
+    assert tool_call_ids(sub_call) == [] and tool_call_ids(sub_result) == [sub_id] * 2
+    assert tool_call_ids(main_result) == tool_call_ids(later) == ["toolu_fake_1"] * 2
+
+
+def test_a_tool_result_is_named_as_its_call_when_a_subagent_got_the_same_provider_id(
+        db_url: str, fake: FakeProvider) -> None:
+    from deepagents import create_deep_agent
+
+    # The primary (Anthropic) gives every call the id toolu_fake_1: the main agent's task call
+    # and the subagent's search call. The main agent's next call fails over to Gemini, which
+    # pairs a functionResponse with its functionCall by name.
+    fake.enqueue(Behavior(tool_call=("task", {"description": "Search the 10-K filings",
+                                              "subagent_type": "general-purpose"})),
+                 model="primary-model")
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="primary-model")
+    fake.enqueue(Behavior(), model="primary-model")
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("names", plan=routes(fake, "anthropic", "gemini"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = create_deep_agent(LedgerChatModel(run), tools=[search],
+                                      middleware=[LedgerMiddleware(run)])
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT
+
+    asyncio.run(main())
+    last = fake.requests[-1]
+    assert last.protocol == "gemini"
+    pairs = [(k, p[k]["name"]) for c in last.json["contents"] for p in c["parts"]
+             for k in ("functionCall", "functionResponse") if k in p]
+    assert pairs == [("functionCall", "task"), ("functionResponse", "task")]
+
+
+# -- stops -------------------------------------------------------------------------------------
+
+# A unit of cost per output token: each answer posts 7 (its reported usage), and each call's
+# hold is its max_tokens (16). Two calls post 14; the third's hold would overdraw 29.
+COSTLY = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1_000_000))
+
+
+@pytest.mark.parametrize(("budget", "reason"), [
+    (Budget(max_calls=2, max_retries=1, max_cost=Decimal(1000)), "call_allowance"),
+    (Budget(max_calls=10, max_retries=5, max_cost=Decimal(29)), "budget"),
+])
+def test_a_run_whose_budget_runs_out_stops_the_agent_and_is_not_retried(
+        db_url: str, fake: FakeProvider, budget: Budget, reason: str) -> None:
+    fake.set_default(Behavior(tool_call=("search", {"query": "again"})))  # never stops asking
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            with pytest.raises(FailoverExhausted) as ei:
+                async with led.run("tight", plan=routes(fake, price=COSTLY), budget=budget,
+                                   grant=GRANT) as run:
+                    agent = create_agent(LedgerChatModel(run, max_tokens=16), tools=[search],
+                                         middleware=[LedgerMiddleware(run)])
+                    await agent.ainvoke({"messages": [("user", "Search until done.")]})
+            stop = ei.value
+            # A LangChain model error that retrying cannot fix, and the ledger's stop.
+            assert isinstance(stop, LedgerStop) and not stop.is_retryable
+            assert stop.reason == reason and isinstance(stop, ExceptionGroup)
+            rec = await led.get_run("tight")
+            assert rec.status is RunStatus.STOPPED and rec.calls_used == 2
+            if reason == "budget":
+                assert rec.posted == Decimal(14)  # within the budget: nothing overdrawn
+
+    asyncio.run(main())
+    assert len(fake.requests) == 2  # the third request was never sent
+    # Every call got a tool call id of its own (the fake reuses one: the Run renamed it).
+    assert fake.requests[1].json["max_tokens"] == 16
+
+
+def test_a_stop_with_exit_behavior_end_ends_the_agent_and_the_run_stopped(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.set_default(Behavior(tool_call=("search", {"query": "q"})))
+    once = Budget(max_calls=1, max_retries=0, max_cost=Decimal(1))
+
+    async def main() -> RunStatus:
+        async with AsyncLedger.open(db_url) as led:
+            async with led.run("end", plan=routes(fake), budget=once, grant=GRANT) as run:
+                agent = agent_for(run, exit_behavior="end")
+                state = await agent.ainvoke({"messages": [("user", "Search.")]})
+                last = state["messages"][-1]
+                assert isinstance(last, AIMessage) and not last.tool_calls
+                assert last.response_metadata["ledger"]["stop"] == "call_allowance"
+                assert "call_allowance" in last.text
+                # The notice is not model output: it is never sent to a model.
+                model = LedgerChatModel(run)
+                envelope = await model.envelope(state["messages"], stop=None, stream=False)
+                assert [p.role for p in envelope.parts] == ["user", "assistant", "assistant",
+                                                            "tool"]
+            return (await led.get_run("end")).status
+
+    assert asyncio.run(main()) is RunStatus.STOPPED
+    assert len(fake.requests) == 1
+
+
+def test_a_retry_around_the_ledger_never_sends_a_stopped_request_again(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.set_default(Fault.UNAVAILABLE)
+    # retry_on=(Exception,): a retry policy that ignores LangChain's is_retryable.
+    retry = ModelRetryMiddleware(max_retries=2, retry_on=(Exception,), on_failure="error",
+                                 initial_delay=0, jitter=False)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("twice", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            with pytest.raises(InvalidArgument) as ei:
+                await agent_for(run, before=[retry]).ainvoke({"messages": [("user", "Hi")]})
+            assert ei.value.field == "retry" and "ModelRetryMiddleware" in str(ei.value)
+            assert isinstance(ei.value.__cause__, FailoverExhausted)
+            # With LangChain's default retry_on the stop is not retried at all.
+            default = ModelRetryMiddleware(max_retries=2, on_failure="error", initial_delay=0)
+            with pytest.raises(LedgerStop):
+                await agent_for(run, before=[default]).ainvoke({"messages": [("user", "Yo")]})
+            # ModelFallbackMiddleware before the ledger: its fallback call comes back through
+            # LedgerMiddleware as the same request, and is refused the same way.
+            other = GenericFakeChatModel(messages=iter([AIMessage("from the fallback")]))
+            with pytest.raises(InvalidArgument) as ei:
+                await agent_for(run, before=[ModelFallbackMiddleware(other)]).ainvoke(
+                    {"messages": [("user", "Again?")]})
+            assert ei.value.field == "retry" and "ModelFallbackMiddleware" in str(ei.value)
+            assert len(await led.timeline("twice")) == 6  # three turns, two Attempts each
+
+    asyncio.run(main())
+    assert len(fake.requests) == 6
+
+
+def test_the_middleware_serves_the_agents_calls_whatever_model_the_agent_was_built_with(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+    searched.clear()
+    never = GenericFakeChatModel(messages=iter([AIMessage("not the ledger's")]))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("other", plan=routes(fake, "anthropic"), budget=BUDGET,
+                        grant=GRANT) as run:
+            agent = create_agent(never, tools=[search], middleware=[LedgerMiddleware(run)])
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            assert [m.response_metadata["ledger"]["route"] for m in ais(state)] == [
+                "primary", "primary"]
+            assert len(await led.timeline("other")) == 2
+
+    asyncio.run(main())
+    # The tools create_agent bound for the call went to the provider.
+    assert [t["name"] for t in fake.requests[0].json["tools"]] == ["search"]
+
+
+def test_model_call_limit_and_the_run_budget_the_first_to_run_out_stops(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.set_default(Behavior(tool_call=("search", {"query": "again"})))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            # LangChain's limit counts model calls: it ends the agent first, nothing recorded
+            # for the call it refuses.
+            async with led.run("limit", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+                agent = agent_for(run, before=[ModelCallLimitMiddleware(run_limit=2)])
+                state = await agent.ainvoke({"messages": [("user", "Go.")]})
+                assert "limit" in state["messages"][-1].text.lower()
+                assert len(await led.timeline("limit")) == 2
+            # The Run counts physical calls: with a failover in each model call its allowance
+            # (4 calls) runs out at the third model call, before ModelCallLimit's 5.
+            fake.clear()
+            fake.set_default(Behavior(tool_call=("search", {"query": "again"})))
+            for _ in range(3):
+                fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+            tight = Budget(max_calls=4, max_retries=4, max_cost=Decimal(1))
+            with pytest.raises(LedgerStop) as ei:
+                async with led.run("budget", plan=routes(fake), budget=tight,
+                                   grant=GRANT) as run:
+                    agent = agent_for(run, before=[ModelCallLimitMiddleware(run_limit=5)])
+                    await agent.ainvoke({"messages": [("user", "Go.")]})
+            assert ei.value.reason in ("call_allowance", "retry_allowance")
+            assert len(await led.timeline("budget")) == 4
+
+    asyncio.run(main())
+
+
+# -- history the Run did not produce -------------------------------------------------------
+
+
+def test_history_the_run_did_not_produce_is_refused_before_sending(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("edit", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            agent = agent_for(run)
+            state = await agent.ainvoke({"messages": [("user", "Compare the two filings.")]})
+            history = state["messages"]
+            sent = len(fake.requests)
+            last = history[-1]
+            assert isinstance(last, AIMessage)
+            call_msg = history[1]
+            assert isinstance(call_msg, AIMessage) and call_msg.tool_calls
+            # 1. The model's answer, edited by the host (its ledger details kept).
+            edited = [*history[:-1], last.model_copy(update={"content": "Identical."})]
+            # 2. A tool result the tool never returned.
+            forged_result = [m.model_copy(update={"content": '{"hits": 1000}'})
+                             if isinstance(m, ToolMessage) else m for m in history]
+            # 3. Edited arguments of a recorded tool call.
+            bad_args = dict(call_msg.tool_calls[0], args={"query": "everything"})
+            edited_call = [call_msg.model_copy(update={"tool_calls": [bad_args]})
+                           if m is call_msg else m for m in history]
+            # 4. A whole exchange the Run never had, with the ledger's details copied over.
+            invented = [HumanMessage("Earlier question"),
+                        AIMessage("", tool_calls=[{"name": "search", "args": {"query": "x"},
+                                                   "id": "call_invented"}],
+                                  response_metadata=call_msg.response_metadata),
+                        ToolMessage("secret", tool_call_id="call_invented"),
+                        AIMessage("ok")]
+            for case, bad in (("edited", edited), ("forged", forged_result),
+                              ("args", edited_call), ("invented", invented)):
+                with pytest.raises(FailoverExhausted) as ei:
+                    await agent.ainvoke({"messages": [*bad, ("user", "Go on.")]})
+                assert ei.value.reason == "no_candidate", case
+                assert "provenance" in json.dumps(ei.value.skipped, default=str), case
+            assert len(fake.requests) == sent  # nothing was sent
+            # The history as the Run produced it still passes.
+            state = await agent.ainvoke({"messages": [*history, ("user", "Go on.")]})
+            assert state["messages"][-1].text == FULL_TEXT
+
+    asyncio.run(main())
+
+
+# -- misuse: typed errors, nothing recorded -----------------------------------------------------
+
+
+def test_misuse_is_refused_with_the_fix_and_records_nothing(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            session = led.run("misuse", plan=routes(fake), budget=BUDGET, grant=GRANT)
+            # Before the block: the middleware is built, and used outside the Run.
+            early = LedgerMiddleware(session)
+            agent = create_agent(LedgerChatModel(session), tools=[search], middleware=[early])
+            with pytest.raises(InvalidState, match="outside its Run"):
+                await agent.ainvoke({"messages": [("user", "Hi")]})
+            async with session as run:
+                with pytest.raises(InvalidArgument) as ei:
+                    LedgerChatModel(run, route="nowhere")
+                assert ei.value.field == "route" and "primary, backup" in str(ei.value)
+                with pytest.raises(InvalidArgument) as ei:
+                    LedgerMiddleware(run, exit_behavior="retry")  # type: ignore[arg-type]
+                assert ei.value.field == "exit_behavior"
+                model = LedgerChatModel(run)
+                for kwargs, field in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                                      ({"store": True}, "store"),
+                                      ({"timeout": 3}, "timeout")):
+                    with pytest.raises(InvalidArgument) as ei:
+                        await model.bind(**kwargs).ainvoke("Hi")
+                    assert ei.value.field == field
+                with pytest.raises(InvalidArgument) as ei:
+                    await model.ainvoke("Hi", stop=["END"])
+                assert ei.value.field == "stop"
+                with pytest.raises(InvalidArgument) as ei:
+                    model.invoke("Hi")  # an async session's model, called blocking
+                assert ei.value.field == "run" and "ainvoke" in str(ei.value)
+                with pytest.raises(InvalidArgument) as ei:
+                    await model.ainvoke([HumanMessage(content=[
+                        {"type": "audio", "base64": "AAAA", "mime_type": "audio/wav"}])])
+                assert ei.value.field == "messages"
+            # After the block.
+            with pytest.raises(InvalidState, match="has ended"):
+                await agent.ainvoke({"messages": [("user", "Hi")]})
+            assert await led.timeline("misuse") == []
+        with pytest.raises(InvalidArgument) as ei:
+            LedgerMiddleware(object())  # type: ignore[arg-type]
+        assert ei.value.field == "run"
+
+    asyncio.run(main())
+    assert fake.requests == []
+
+
+def test_a_human_image_and_document_go_as_binary_parts(db_url: str, fake: FakeProvider) -> None:
+    from tests.media import pdf, png
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("media", plan=routes(fake, "anthropic"), budget=BUDGET,
+                        grant=GRANT) as run:
+            import base64
+
+            message = HumanMessage(content=[
+                {"type": "text", "text": "What is in these?"},
+                {"type": "image", "base64": base64.b64encode(png()).decode(),
+                 "mime_type": "image/png"},
+                {"type": "file", "base64": base64.b64encode(pdf()).decode(),
+                 "mime_type": "application/pdf", "filename": "10-K.pdf"}])
+            answer = await LedgerChatModel(run).ainvoke([message])
+            assert answer.text == FULL_TEXT
+
+    asyncio.run(main())
+    [req] = fake.requests
+    assert [m.media_type for m in req.media] == ["image/png", "application/pdf"]
+
+
+# -- LangGraph: a graph resumed from its checkpoint in another process --------------------------
+
+GRAPH = r"""
+import json, os, sqlite3, sys
+from langchain_core.tools import tool
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+from ledger.integrations.langchain import LedgerChatModel
+
+def build(run, search, checkpoints):
+    model = LedgerChatModel(run).bind_tools([search])
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+    graph.add_node("tools", ToolNode([search]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    saver = SqliteSaver(sqlite3.connect(checkpoints, check_same_thread=False))
+    return graph.compile(checkpointer=saver)
+"""
+
+CHILD = GRAPH + r"""
+from ledger import Budget, Grant, Ledger, Route
+url, checkpoints = sys.argv[1:3]
+
+@tool
+def search(query: str) -> str:
+    '''Search the company filings.'''
+    os._exit(17)  # the process dies while the tool runs: after the model's checkpoint
+
+routes = [Route.model_validate(r) for r in json.loads(os.environ["PLAN"])]
+led = Ledger.open(url)
+run = led.run("graph", plan=routes, budget=Budget.model_validate_json(os.environ["BUDGET"]),
+              grant=Grant.model_validate_json(os.environ["GRANT"])).__enter__()
+build(run, search, checkpoints).invoke(
+    {"messages": [("user", "Compare the two filings.")]},
+    {"configurable": {"thread_id": "t1"}}, durability="sync")
+"""
+
+
+def _graph_module() -> Any:
+    namespace: dict[str, Any] = {}
+    exec(GRAPH, namespace)  # the graph the child builds, built the same way here
+    return namespace["build"]
+
+
+def _child(db_url: str, checkpoints: Path, plan: list[Route], faults: str = ""
+           ) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO),
+               PLAN=json.dumps([r.model_dump(mode="json") for r in plan]),
+               BUDGET=BUDGET.model_dump_json(), GRANT=GRANT.model_dump_json())
+    env.pop("LEDGER_FAULTS", None)
+    if faults:
+        env["LEDGER_FAULTS"] = faults
+    return subprocess.run([sys.executable, "-c", CHILD, db_url, str(checkpoints)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_graph_resumes_from_its_checkpoint_in_another_process(
+        db_url: str, fake: FakeProvider, tmp_path: Path) -> None:
+    fake.set_default(Behavior(tool_call=("search", {"query": "10-K"})))
+    plan = routes(fake, "openai", "gemini")
+    checkpoints = tmp_path / "checkpoints.db"
+    child = _child(db_url, checkpoints, plan)
+    assert child.returncode == 17, child.stderr
+    fake.set_default(Behavior())
+    searched.clear()
+    build = _graph_module()
+    config = {"configurable": {"thread_id": "t1"}}
+    # The crashed executor's lease lapses (no sleeping: this process's clock is past it).
+    clock = ManualClock(start=time.time() + 3600)
+    with Ledger.open(db_url, clock=clock) as led:
+        assert led.get_run("graph").status is RunStatus.RUNNING
+        with led.run("graph", plan=plan, budget=BUDGET, grant=GRANT) as run:
+            graph = build(run, search, str(checkpoints))
+            assert graph.get_state(config).next == ("tools",)  # the checkpoint holds the call
+            state = graph.invoke(None, config)  # runs the pending tool, then the model
+            assert state["messages"][-1].text == FULL_TEXT and searched == ["10-K"]
+            # An answer the Run never produced, slipped into the thread, is refused.
+            sent = len(fake.requests)
+            with pytest.raises(LedgerStop) as ei:
+                graph.invoke({"messages": [AIMessage("The filings are identical."),
+                                           HumanMessage("Go on.")]}, config)
+            assert ei.value.reason == "no_candidate" and len(fake.requests) == sent
+        timeline = led.timeline("graph")
+        assert [a.state for a in timeline] == [AttemptState.SUCCEEDED] * 2
+    # The resumed request carried the crashed process's tool call and this one's result.
+    messages = fake.requests[-1].json["messages"]
+    assert [m["role"] for m in messages][-2:] == ["assistant", "tool"]
+
+
+def test_an_interrupted_model_node_is_not_sent_again_on_resume(
+        db_url: str, fake: FakeProvider, tmp_path: Path) -> None:
+    plan = routes(fake)
+    checkpoints = tmp_path / "checkpoints.db"
+    # The child dies after its request was answered and before the ledger settled it: the
+    # checkpoint has no model output, the ledger has an Attempt sent without a receipt.
+    child = _child(db_url, checkpoints, plan, faults="dispatch.after_send")
+    assert child.returncode == -9, child.stderr
+    assert len(fake.requests) == 1
+    build = _graph_module()
+    config = {"configurable": {"thread_id": "t1"}}
+    clock = ManualClock(start=time.time() + 3600)
+    with Ledger.open(db_url, clock=clock) as led:
+        with pytest.raises(LedgerStop) as ei, \
+                led.run("graph", plan=plan, budget=BUDGET, grant=GRANT) as run:
+            graph = build(run, search, str(checkpoints))
+            assert graph.get_state(config).next == ("agent",)  # LangGraph re-runs the node
+            graph.invoke(None, config)
+        assert ei.value.reason == "execution_unknown"
+        [att] = led.timeline("graph")
+        assert ei.value.attempts == [att.attempt_id]
+        assert att.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)
+        assert led.get_run("graph").status is RunStatus.FAILED
+    assert len(fake.requests) == 1  # never sent again
+
+
+def test_an_image_the_model_returned_is_a_content_block_the_next_call_carries(
+        db_url: str, fake: FakeProvider) -> None:
+    from tests.media import png
+
+    image = png()
+    fake.enqueue(Behavior(image_out=("image/png", image)))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("image", plan=routes(fake, "gemini"), budget=BUDGET,
+                        grant=GRANT) as run:
+            model = LedgerChatModel(run)
+            answer = await model.ainvoke("Draw the revenue chart.")
+            blocks = answer.content_blocks
+            assert [b["type"] for b in blocks] == ["text", "image"]
+            assert blocks[1]["mime_type"] == "image/png"
+            again = await model.ainvoke([HumanMessage("Draw the revenue chart."), answer,
+                                         HumanMessage("Now in blue.")])
+            assert again.text == FULL_TEXT
+            # An edited image is not what the model returned: refused, nothing sent.
+            import base64
+
+            edited = answer.model_copy(update={"content": [
+                blocks[0], {**blocks[1], "base64": base64.b64encode(png(8, 8)).decode()}]})
+            with pytest.raises(FailoverExhausted) as ei:
+                await model.ainvoke([HumanMessage("Draw the revenue chart."), edited,
+                                     HumanMessage("Now in blue.")])
+            assert ei.value.reason == "no_candidate"
+
+    asyncio.run(main())
+    assert len(fake.requests) == 2
+    assert [m.role for m in fake.requests[1].media] == ["model"]
