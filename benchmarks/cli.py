@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--into-existing", action="store_true",
                    help="write into a ledger that already holds runs generate did not write "
                    "(refused without this flag)")
+    g.add_argument("--frozen-policy", action="store_true",
+                   help="freeze the goclaw preset itself in every Run (4 KB a Run) instead of "
+                   "a small marker, so failover-ledger replay can replay the history")
     g.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     g.set_defaults(func=_generate)
     return parser
@@ -368,7 +371,7 @@ def _generate(args: argparse.Namespace) -> int:
         bar = Progress("generate", wanted(args.progress))
         t0 = time.monotonic()
         st = generate(led, attempts=args.attempts, days=args.days, end=end, seed=args.seed,
-                      progress=bar)
+                      progress=bar, frozen_policy=args.frozen_policy)
         bar.close()
         took = time.monotonic() - t0
     finally:

@@ -23,14 +23,16 @@ Attempt's begin and settle are specified by :func:`ledger.decide.begin.begin_spe
 move the Run's counters exactly as the begin and settle transactions do. So a timeout after the
 request left is ``unknown`` and keeps its hold, a refused connection is ``not_sent`` (hold
 voided, model call given back), every Attempt after a turn's first takes a retry permission
-(``retries_used``), and the events are the retry owner's (``select`` with the decision, ``retry``
-and ``move`` written with the Attempt they led to, ``stop``, ``finish``); ``failover-ledger
-reconcile`` finds nothing to report.
+(``retries_used``), and the events are the retry owner's (``select`` with the decision and
+the inputs it was made from (:mod:`ledger.decide.inputs`), ``retry`` and ``move`` written with
+the Attempt they led to, ``stop`` with its decision and inputs, ``finish``);
+``failover-ledger reconcile`` finds nothing to report.
 
 The rows are written with :func:`benchmarks.bulk.bulk_insert`, not through the fenced write
 path (a million Attempts in per-Attempt transactions would take hours), so generated Runs carry
 a small policy marker instead of the full frozen policy: they are finished history for reading,
-not Runs to resume.
+not Runs to resume. With ``frozen_policy=True`` (``--frozen-policy``) they carry the preset
+itself, still under the marker hash, so that ``failover-ledger replay`` can replay them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import json
 import random
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -48,9 +50,17 @@ from ledger.api.facade import Ledger
 from ledger.decide.begin import begin_spec
 from ledger.decide.classify import classify
 from ledger.decide.health import as_read, route_key
+from ledger.decide.inputs import record_inputs
 from ledger.decide.profiles import marks_profile_tried
 from ledger.decide.retry import retry_decision
-from ledger.decide.select import Decision, DecisionKind, RunPermissions, SelectionInput, select
+from ledger.decide.select import (
+    Decision,
+    DecisionKind,
+    RunPermissions,
+    SelectionInput,
+    preflight_verdicts,
+    select,
+)
 from ledger.decide.settle import failure_outcome, settle_holds, settle_spec
 from ledger.decide.turn import candidate_lines
 from ledger.domain.facts import Category, FailureFact, Observation, Transport, WireProtocol
@@ -99,6 +109,8 @@ _LATENCY = {"ok": (0.4, 12.0), "status": (0.1, 2.0), "timeout": (30.0, 120.0),
 POLICY_HASH = "generated"
 _PRESET = "goclaw"
 _POLICY_MARKER = json.dumps({"generated": True, "preset": _PRESET})
+# With frozen_policy=True: the preset itself, as admission freezes a policy (what a replay reads).
+_POLICY_FROZEN = json.dumps(preset(_PRESET).model_dump(mode="json"), sort_keys=True)
 _BUDGET = Budget(max_calls=12, max_retries=4, max_cost=Decimal(1))
 _GRANT = Grant()
 _MAX_COMPLETION = 1500  # the completion tokens a turn reserves for
@@ -173,10 +185,12 @@ class _Rows:
 class _Generator:
     """Simulates Runs, one at a time, with the ledger's own rules (see the module docstring)."""
 
-    def __init__(self, rng: random.Random, end: float, tag: str) -> None:
+    def __init__(self, rng: random.Random, end: float, tag: str,
+                 frozen_policy: bool = False) -> None:
         self.rng = rng
         self.end = end
         self.tag = tag
+        self.policy_text = _POLICY_FROZEN if frozen_policy else _POLICY_MARKER
         self.policy: Policy = preset(_PRESET)
         self.routes = catalog()
         self.fail_rate = {r.id: _PROVIDERS[r.provider][2] * rng.uniform(0.6, 1.4)
@@ -242,7 +256,7 @@ class _Generator:
             "plan": self.plan_json[pi], "run_grant": json.dumps({"recipients": {}, "roles": None}),
             "budget": json.dumps({"max_calls": _BUDGET.max_calls, "max_cost": "1",
                                   "max_retries": _BUDGET.max_retries, "max_tokens": None}),
-            "policy": _POLICY_MARKER, "policy_hash": POLICY_HASH,
+            "policy": self.policy_text, "policy_hash": POLICY_HASH,
             "selected_route": plan[0].id, "content_hash": frozen.content_hash,
             "deadline": None, "max_calls": _BUDGET.max_calls, "max_retries": _BUDGET.max_retries,
             "max_cost_micros": to_micros(_BUDGET.max_cost), "max_tokens": None,
@@ -282,25 +296,38 @@ class _Generator:
         failures: dict[str, list[str]] = {}  # by route, for the stop's candidate lines
         pending: list[tuple[str, dict[str, Any]]] = []
 
-        def decide(failure: FailureFact | None, current: str | None,
-                   current_profile: str | None) -> Decision:
-            return select(SelectionInput(
+        # The inputs of the current decision, recorded with it as the retry owner records them.
+        inputs: dict[str, Any] = {}
+
+        def selection(failure: FailureFact | None, current: str | None,
+                      current_profile: str | None) -> SelectionInput:
+            inp = SelectionInput(
                 plan=plan, policy=policy, now=t,
                 permissions=RunPermissions(
                     retries_left=_BUDGET.max_retries - c.retries,
                     calls_left=_BUDGET.max_calls - c.calls, tried=frozenset(tried),
                     tried_profiles=frozenset(tried_profiles), tried_pairs=frozenset(tried_pairs)),
                 health={k: as_read(h, t) for k, h in health.items()}, current=current,
-                current_profile=current_profile, failure=failure))
+                current_profile=current_profile, failure=failure)
+            return replace(inp, verdicts=preflight_verdicts(inp))
 
-        decision = decide(None, c.current[0] if c.current else None, None)
+        def decide(failure: FailureFact | None, current: str | None,
+                   current_profile: str | None, failed: str | None) -> Decision:
+            inp = selection(failure, current, current_profile)
+            inputs.clear()
+            inputs.update(record_inputs(inp, by="select",
+                                        on="failure" if failure else "new_turn",
+                                        turn=turn_id, failed=failed))
+            return select(inp)
+
+        decision = decide(None, c.current[0] if c.current else None, None, None)
         kind = AttemptKind.FIRST
         same_route_retries = 0
         while True:
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 reason = decision.reason.value if decision.reason else "no_candidate"
                 return self._stop(run.run_id, reason, decision, attempts, errors, t,
-                                  plan, failures), t
+                                  plan, failures, inputs), t
             route, profile = decision.route, decision.profile
             attempt_kind = AttemptKind.PROBE if decision.kind is DecisionKind.PROBE else kind
             if attempt_kind is AttemptKind.PROBE:
@@ -315,11 +342,13 @@ class _Generator:
                 errors.append(refusal[1])
                 failures.setdefault(route.id, []).append(refusal[1])
                 return self._stop(run.run_id, refusal[0], None, attempts, errors, t,
-                                  plan, failures), t
+                                  plan, failures, inputs,
+                                  begun={**decision.to_json(), "attempt_kind": kind.value}), t
             c.seq += 1
             attempt_id = f"att-{self.tag}-{run.run_id[-8:]}-{c.seq}"
             events = [*pending, ("select", {**decision.to_json(),
-                                            "attempt_kind": attempt_kind.value})]
+                                            "attempt_kind": attempt_kind.value,
+                                            "inputs": dict(inputs)})]
             pending = []
             spec = begin_spec(run, lease, route=route.id, profile_id=profile,
                               envelope_hash=envelope_hash, reserve_micros=reserve,
@@ -378,13 +407,27 @@ class _Generator:
                 t += rd.delay_s
                 kind = AttemptKind.RETRY
                 decision = Decision(DecisionKind.ROUTE, route, profile)
+                # What the selector would have read, had the route not been retried.
+                inp = selection(fact, route.id, profile)
+                perm = inp.permissions
+                pairs, ruled = set(perm.tried_pairs), set(perm.tried_profiles)
+                if profile:
+                    pairs.add((route.id, profile))
+                    if marks_profile_tried(fact, route.provider, policy):
+                        ruled.add(profile)
+                inp = replace(inp, permissions=replace(
+                    perm, tried=perm.tried | {route.id}, tried_pairs=frozenset(pairs),
+                    tried_profiles=frozenset(ruled)))
+                inputs.clear()
+                inputs.update(record_inputs(inp, by="retry", on="failure", turn=turn_id,
+                                            failed=attempt_id))
                 continue
             tried.add(route.id)
             if profile:
                 tried_pairs.add((route.id, profile))
                 if marks_profile_tried(fact, route.provider, policy):
                     tried_profiles.add(profile)
-            decision = decide(fact, route.id, profile)
+            decision = decide(fact, route.id, profile, attempt_id)
             if decision.kind is DecisionKind.STOP or decision.route is None:
                 continue  # the stop is recorded at the top of the loop
             nxt = decision.route
@@ -483,14 +526,21 @@ class _Generator:
 
     def _stop(self, run_id: str, reason: str, decision: Decision | None,
               attempts: list[str], errors: list[str], t: float, plan: Sequence[Route],
-              failures: Mapping[str, Sequence[str]]) -> str:
-        """The retry owner's ``stop`` event; the Run then ends ``failed``."""
+              failures: Mapping[str, Sequence[str]], inputs: Mapping[str, Any],
+              begun: Mapping[str, Any] | None = None) -> str:
+        """The retry owner's ``stop`` event, with the decision it stopped on and its inputs
+        (the selector's stop, or the decision whose begin was refused); the Run then ends
+        ``failed``."""
         skips = {s.route: s for s in decision.skipped} if decision is not None else {}
+        made = ({"kind": decision.kind.value,
+                 "reason": decision.reason.value if decision.reason else None,
+                 "detail": decision.detail} if decision is not None else dict(begun or {}))
         self._event(run_id, None, "stop", {
             "reason": reason, "detail": decision.detail if decision is not None else "",
             "skipped": [s.to_json() for s in decision.skipped] if decision is not None else [],
             "attempts": list(attempts), "errors": list(errors),
-            "candidates": candidate_lines(plan, failures, skips)}, t)
+            "candidates": candidate_lines(plan, failures, skips),
+            **({"decision": made, "inputs": dict(inputs)} if made else {})}, t)
         return "failed"
 
     def _event(self, run_id: str, attempt_id: str | None, kind: str, data: dict[str, Any],
@@ -520,12 +570,18 @@ class _Generator:
 
 
 def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
-             batch_attempts: int = 5000, progress: Progress | None = None) -> GenStats:
-    """Write ``attempts`` attempts of history spread over ``days`` days before ``end``."""
+             batch_attempts: int = 5000, progress: Progress | None = None,
+             frozen_policy: bool = False) -> GenStats:
+    """Write ``attempts`` attempts of history spread over ``days`` days before ``end``.
+
+    With ``frozen_policy`` each Run carries the ``goclaw`` preset as its frozen policy (still
+    under the marker hash), as admission freezes one, so ``failover-ledger replay`` can replay
+    the history; without it (the default) a small marker, which keeps a million Runs' rows small.
+    """
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
     rng = random.Random(seed)
-    gen = _Generator(rng, end, uuid.UUID(int=rng.getrandbits(128)).hex[:8])
+    gen = _Generator(rng, end, uuid.UUID(int=rng.getrandbits(128)).hex[:8], frozen_policy)
     stats = gen.stats
     stats.since, stats.until = end - days * 86400.0, end
     stats.routes = [r.id for r in gen.routes]

@@ -155,6 +155,8 @@ class DatabaseUnavailable(StorageError):
     a lost acknowledgement is resolved under the Run's row lock before this is raised) and
     ``landed`` (``True``/``False`` when known; a resolved begin that landed was settled
     ``not_sent``), with ``run_id`` and ``attempt_id`` where they apply.
+    ``fields["standby"]`` is ``True`` when the server reached was a standby that refused a
+    write (a failover under way): nothing was written and the connection was dropped.
     """
 
 

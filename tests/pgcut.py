@@ -22,6 +22,7 @@ Everything is on 127.0.0.1. Threads, not asyncio: the sync and the async ledger 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import struct
 import threading
@@ -47,12 +48,12 @@ class Commit:
 # status, so the attempts insert is looked for first).
 _KINDS = (
     ("INSERT INTO attempts", "begin"),
-    ("UPDATE attempts SET state", "settle"),
+    ("UPDATE attempts SET state=", "settle"),
     ("INSERT INTO runs", "admit"),
-    ("UPDATE runs SET status", "finish"),
-    ("lease_holder = NULL", "release"),
-    ("SET lease_holder =", "acquire"),
-    ("UPDATE runs SET lease_expires_at", "renew"),
+    ("UPDATE runs SET status=", "finish"),
+    ("lease_holder=NULL", "release"),
+    ("SET lease_holder=", "acquire"),
+    ("UPDATE runs SET lease_expires_at=", "renew"),
     ("INSERT INTO events", "event"),
     ("INSERT INTO group_waiters", "queue"),
     ("UPDATE health", "probe"),
@@ -60,7 +61,8 @@ _KINDS = (
 
 
 def _kind(statements: list[str]) -> str:
-    text = "\n".join(statements)
+    # Spelled as compiled or as written by hand: ``a=b`` and ``a = b`` are one marker.
+    text = re.sub(r"\s*=\s*", "=", "\n".join(statements))
     for marker, kind in _KINDS:
         if marker in text:
             return kind

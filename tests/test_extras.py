@@ -23,8 +23,9 @@ def _without(modules: list[str], code: str) -> subprocess.CompletedProcess[str]:
                           env=env, timeout=60)
 
 
-def test_postgres_url_without_psycopg_names_the_extra() -> None:
-    res = _without(["psycopg"], (
+@pytest.mark.parametrize("missing", ["psycopg", "psycopg_pool"])
+def test_postgres_url_without_psycopg_names_the_extra(missing: str) -> None:
+    res = _without([missing], (
         "import json\n"
         "from ledger import InvalidArgument, Ledger\n"
         "try:\n"

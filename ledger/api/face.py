@@ -80,10 +80,12 @@ from ledger.domain.records import (
 from ledger.domain.specs import GroupUpdate, ReceiptSpec
 from ledger.domain.validation import (
     As,
+    Evidence,
     Flag,
     Id,
     IdList,
     Money,
+    Reason,
     Secrets,
     Text,
     Time,
@@ -423,8 +425,8 @@ class Face(Generic[SessionT, OpenedT]):
 
     @op
     def close_run(self, run_id: Id, *, status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)],
-                  reason: Text = "closed by an operator: nobody will resume it"
-                  ) -> Flow[RunRecord]:
+                  reason: Reason = "closed by an operator: nobody will resume it",
+                  by: Id | None = None) -> Flow[RunRecord]:
         """End a Run nobody will resume (e.g. recovered after a crash and left ``running``).
 
         It takes the Run over itself, under a fresh fence (so an executor that wakes up later
@@ -439,14 +441,18 @@ class Face(Generic[SessionT, OpenedT]):
             status: ``failed``, ``cancelled``, ``stopped`` or ``succeeded`` (a
                 :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
                 last turn was served.
-            reason: Why, kept in the ``close`` event (at most 200 printable characters).
+            reason: Why, kept in the ``close`` event (at most 200 printable characters, not
+                blank).
+            by: Who closes it, kept in the ``close`` event as ``by`` (default: this ledger's
+                ``executor_id``).
 
         Returns:
             The Run as closed (:class:`~ledger.RunRecord`).
 
         Raises:
             InvalidArgument: ``status`` is not a status a Run ends in (``field="status"``,
-                the choices listed), or ``reason`` is not a short text.
+                the choices listed), ``reason`` is blank or not a short text, or ``by`` is
+                not an identifier.
             NotFound: no Run has this id.
             LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
             InvalidState: the Run already ended with another status, or ``succeeded`` was
@@ -457,8 +463,10 @@ class Face(Generic[SessionT, OpenedT]):
             ...               reason="host crashed; the user retried as task-8")
         """
         st = RunStatus(status)
+        who = self.executor_id if by is None else by
         rec, _changed = yield from blocking(
-            lambda: self._recovery.close_run(run_id, new_id("close"), st, reason, self.clock.now))
+            lambda: self._recovery.close_run(run_id, new_id("close"), st, reason, self.clock.now,
+                                             by=who))
         return rec
 
     @op
@@ -747,7 +755,7 @@ class Face(Generic[SessionT, OpenedT]):
     def settle_unknown(self, attempt_id: Id, *,
                        outcome: Annotated[Outcome | str, one_of(Outcome, _FINAL)],
                        prompt_tokens: Tokens | None = None, completion_tokens: Tokens | None = None,
-                       cost: Money | None = None, note: Annotated[str, text(500)] | None = None,
+                       cost: Money | None = None, note: Evidence | None = None,
                        by: Id | None = None) -> Flow[AttemptRecord]:
         """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
 
@@ -772,7 +780,7 @@ class Face(Generic[SessionT, OpenedT]):
             cost: What it cost (a Decimal, int or decimal string); default: the usage at the
                 Attempt's frozen route price, or the whole hold when no usage is given.
             note: Why, for the audit (the evidence: a console link, a ticket), at most 500
-                characters.
+                characters, not blank.
             by: Who records it (default: this ledger's ``executor_id``).
 
         Returns:
@@ -893,6 +901,48 @@ class Face(Generic[SessionT, OpenedT]):
         """
         upd, now = GroupUpdate(GroupMode(mode), until, reason), self.now()
         yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
+
+    @op
+    def clear_cooldown(self, key: Id, *, reason: Reason, by: Id | None = None,
+                       group: Flag = False) -> Flow[EventRecord]:
+        """Clear a cooldown at an operator's word: the key is available again at once.
+
+        A route, credential profile or ``provider:<name>`` health key (``group=False``) is
+        made available and its counters start again from zero (cooldown, disable, error and
+        failure counts, failures below the cooling threshold; when it was last used, failed
+        and probed stays). A capacity group (``group=True``) is opened: its mode ``open``, its
+        waiting floor and reason gone. In the same transaction a ``clear_cooldown`` event (of
+        no Run) records who, why and what was cleared; ``Audit.actions`` lists it. Runs
+        already admitted read the cleared state at their next turn; the next failure counts
+        from one again.
+
+        Args:
+            key: The health key (``failover-ledger health`` lists them), or the group id with
+                ``group=True``.
+            reason: Why (kept in the event; at most 200 printable characters, not blank).
+            by: Who clears it (default: this ledger's ``executor_id``).
+            group: ``key`` names a capacity group.
+
+        Returns:
+            The ``clear_cooldown`` event as recorded (its ``data``: ``key``, ``kind``,
+            ``by``, ``reason`` and ``previous``, what was cleared).
+
+        Raises:
+            InvalidArgument: ``key`` or ``by`` is not an identifier, ``reason`` is blank or
+                not a short text, ``group`` is not a bool.
+            NotFound: no health is recorded for ``key`` (it never failed), or no such group.
+            InvalidState: there is nothing to clear: the key is available and counts no
+                failure, or the group is open (nothing recorded).
+
+        Example:
+            >>> led.clear_cooldown("openai-gpt", reason="provider says the incident is over",
+            ...                    by="alice")  # doctest: +SKIP
+        """
+        who = self.executor_id if by is None else by
+        clock = self.clock.now
+        if group:
+            return (yield from blocking(lambda: self._runs.clear_group(key, who, reason, clock)))
+        return (yield from blocking(lambda: self._runs.clear_health(key, who, reason, clock)))
 
     @op
     def group_projections(self, groups: IdList | None = None

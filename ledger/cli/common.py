@@ -2,6 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # The command's name. Not "ledger": Debian's ledger-cli installs a command of that name.
 PROG = "failover-ledger"
 
+
+
+def operator_name() -> str:
+    """Who acts, for an operator's command that records it: ``user@host``."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no user name in this environment (a bare container)
+        user = "operator"
+    return f"{user}@{socket.gethostname()}"
+
+
+def add_who_and_why(p: Any, why: str, *aliases: str) -> None:
+    """``--by`` (default ``user@host``) and a required ``--reason`` (also spelled
+    ``aliases``) for a command that acts."""
+    p.add_argument("--reason", *aliases, dest="reason", required=True, metavar="TEXT",
+                   help=f"why (required, kept with the action for the audit): {why}")
+    p.add_argument("--by", default=None, metavar="WHO",
+                   help="who acts, kept with the action (default: the operating-system "
+                   "user@host)")

@@ -30,6 +30,7 @@ COMMAND_MODULES: list[str] = [
     "ledger.cli.ops_cmd",
     "ledger.cli.recover_cmd",
     "ledger.cli.db_cmd",
+    "ledger.cli.replay_cmd",
 ]
 
 

@@ -1,6 +1,7 @@
 """Operator commands over the audit API: ``runs``, ``run show``, ``attempts``, ``failovers``,
-``costs``, ``health``, ``generate`` and ``dashboard``; and ``run close``, the
-one that writes (it ends a Run nobody will resume).
+``costs``, ``health``, ``actions``, ``generate`` and ``dashboard``; and the two that write, an
+operator's deliberate actions: ``run close`` (it ends a Run nobody will resume) and ``health
+clear`` (it clears a cooldown), each recorded with who (``--by``) and why (``--reason``).
 
 Reading commands open the ledger without migrating it (they never write, so they work through a
 read-only role and never create a database by accident). Tables are aligned text by default and
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from ledger.cli.common import PROG
+from ledger.cli.common import PROG, add_who_and_why, operator_name
 from ledger.cli.progress import Progress, wanted
 from ledger.domain.timefmt import data_text, iso, relative, when
 from ledger.errors import DatabaseUnavailable, InvalidArgument
@@ -251,6 +252,11 @@ def _run_show(args: argparse.Namespace) -> int:
                   + f"  {fmt_until(w.at, now)}")
     for line in stop_lines(tl.stops, now):
         print(line)
+    for e in tl.run_events:
+        if e.kind == "close":  # an operator's (or recovery's) close: who and why
+            d = e.data
+            print(f"\nclosed {fmt_until(e.created_at, now)} by {d.get('by') or d.get('executor')}"
+                  f": {d.get('reason')} ({d.get('previous_status')} -> {d.get('status')})")
     return 0
 
 
@@ -266,7 +272,8 @@ def _run_close(args: argparse.Namespace) -> int:
     led = _open_writer(args.db)
     try:
         before = led.get_run(args.run_id)
-        rec = led.close_run(args.run_id, status=args.status, reason=args.reason)
+        rec = led.close_run(args.run_id, status=args.status, reason=args.reason,
+                            by=operator_name() if args.by is None else args.by)
         closes = led.events(args.run_id, ["close"])
     finally:
         led.close()
@@ -281,7 +288,8 @@ def _run_close(args: argparse.Namespace) -> int:
         print(f"run {rec.run_id} already ended {rec.status.value}; nothing changed")
         return 0
     print(f"closed run {rec.run_id}: {before.status.value} -> {rec.status.value} "
-          f"(fence {data.get('previous_fence')} -> {data.get('fence')}, lease released)")
+          f"(fence {data.get('previous_fence')} -> {data.get('fence')}, lease released) "
+          f"by {data.get('by')}: {data.get('reason')}")
     unknown = data.get("unknown") or []
     if unknown:
         print(f"  {len(unknown)} attempt(s) still dispatching marked unknown: "
@@ -376,16 +384,49 @@ def _failovers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _span(text: str, field: str) -> float:
+    """A duration such as ``1d``, ``6h``, ``30m`` or ``3600`` (seconds)."""
+    m = _REL.match(text.strip())
+    if m:
+        return float(m.group(1)) * _UNIT[m.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidArgument(f"--{field} {text!r} is not a span of time: use 1d, 6h, 30m, 1w "
+                              "or seconds", field=field) from None
+
+
+def _used(s: Any) -> str:
+    """The share of a budget charged or held, as a percentage."""
+    if not s.budget:
+        return "-"
+    return f"{100 * (s.posted + s.held) / s.budget:.1f}%"
+
+
 def _costs(args: argparse.Namespace) -> int:
+    budgets_wanted = args.by in ("tenant", "label")
+    if args.every is not None and not budgets_wanted:
+        raise InvalidArgument("--every splits the budgets of --by tenant or --by label; pass "
+                              "one of those", field="every")
+    every = None if args.every is None else _span(args.every, "every")
     audit = _audit(args)
     try:
         since, until = _range(args, audit.now())
         page = audit.costs(by=args.by, label=args.label, since=since, until=until,
                            limit=args.limit, cursor=args.cursor)
+        budgets = None
+        if budgets_wanted:
+            budgets = audit.spend(by=args.by, label=args.label, since=since, until=until,
+                                  every=every, limit=args.limit, cursor=args.budget_cursor)
     finally:
         audit.ledger.close()
     if args.json:
-        _emit_json(page)
+        from ledger.ops.audit import to_jsonable
+
+        doc = to_jsonable(page)
+        if budgets is not None:
+            doc["budgets"] = to_jsonable(budgets)
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return 0
     key = args.label if args.by == "label" else args.by
     print(table([key.upper(), "ATTEMPTS", "OK", "FAILED", "UNKNOWN", "PROMPT_TOK",
@@ -393,7 +434,28 @@ def _costs(args: argparse.Namespace) -> int:
                 [[t.key, t.attempts, t.succeeded, t.failed, t.unknown, t.prompt_tokens,
                   t.completion_tokens, _money(t.cost), _money(t.held)] for t in page.items]))
     _footer(page)
+    if budgets is not None:
+        _budget_tables(budgets, key, args.every)
     return 0
+
+
+def _budget_tables(budgets: Any, key: str, every: str | None) -> None:
+    """Spend against budgets: per key, then (with --every) per key and time bucket."""
+    print(f"\nspend against budgets: the runs admitted in the window, by {key} (charged and "
+          "held now)")
+    print(table([key.upper(), "RUNS", "BUDGET", "CHARGED", "HELD", "LEFT", "USED"],
+                [[s.key, s.runs, _money(s.budget), _money(s.posted), _money(s.held),
+                  _money(s.left), _used(s)] for s in budgets.items]))
+    if budgets.next_cursor:
+        print(f"\nmore: --budget-cursor '{budgets.next_cursor}'")
+    if every is None:
+        return
+    rows = [[fmt_time(p.start), s.key, p.runs, _money(p.budget), _money(p.posted),
+             _money(p.held), _used(p)]
+            for s in budgets.items for p in s.points if p.runs]
+    rows.sort(key=lambda r: r[0])
+    print(f"\nby when the runs were admitted (every {every}; empty buckets left out)")
+    print(table(["FROM", key.upper(), "RUNS", "BUDGET", "CHARGED", "HELD", "USED"], rows))
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -431,6 +493,62 @@ def _health(args: argparse.Namespace) -> int:
             print(f"  {u.route}" + (f" ({u.profile})" if u.profile else "")
                   + f": {u.why or '-'}")
     return 0
+
+
+def _health_clear(args: argparse.Namespace) -> int:
+    led = _open_writer(args.db)
+    try:
+        ev = led.clear_cooldown(args.key, reason=args.reason, group=args.group,
+                                by=operator_name() if args.by is None else args.by)
+    finally:
+        led.close()
+    if args.json:
+        _emit_json(ev)
+        return 0
+    d = ev.data
+    prev = d.get("previous") or {}
+    if d.get("kind") == "group":
+        was = f"{prev.get('mode')}" + (f" until {fmt_time(prev.get('until'))}"
+                                       if prev.get("until") is not None else "")
+    else:
+        until = prev.get("disabled_until") or prev.get("cooldown_until")
+        was = f"{prev.get('status')}" + (f" until {fmt_time(until)}" if until else "") + (
+            f", {prev.get('error_count')} error(s), {prev.get('recent_failures')} recent "
+            "failure(s)")
+    print(f"cleared {d.get('kind')} {d.get('key')} (was {was}) by {d.get('by')}: "
+          f"{d.get('reason')}")
+    return 0
+
+
+def _actions(args: argparse.Namespace) -> int:
+    from ledger.ops.audit import ACTION_KINDS
+
+    audit = _audit(args)
+    try:
+        since, until = _range(args, audit.now())
+        page = audit.actions(since=since, until=until, kinds=args.kinds or ACTION_KINDS,
+                             limit=args.limit, cursor=args.cursor)
+    finally:
+        audit.ledger.close()
+    if args.json:
+        _emit_json(page)
+        return 0
+    print(table(["AT", "ACTION", "ON", "BY", "WHY"],
+                [[fmt_time(a.at), a.kind, action_target(a), a.by, a.reason]
+                 for a in page.items]))
+    _footer(page)
+    return 0
+
+
+def action_target(a: Any) -> str:
+    """What an operator's action was about, in a few words."""
+    d = a.data
+    if a.kind == "clear_cooldown":
+        return f"{d.get('kind')} {a.key}"
+    if a.kind == "close":
+        return f"run {a.run_id} {d.get('previous_status')} -> {d.get('status')}"
+    return (f"attempt {a.attempt_id} (run {a.run_id}) {d.get('previous_state')} -> "
+            f"{d.get('outcome')}")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -496,10 +614,39 @@ def _dashboard(args: argparse.Namespace) -> int:
     if args.refresh < 0:
         raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
                               field="refresh")
+    token = _action_token(args)
     led = open_reader(args.db)  # fail fast, with the clear message, before binding a port
     led.close()
-    serve(args.db, host=args.host, port=args.port, refresh_s=args.refresh)
+    serve(args.db, host=args.host, port=args.port, refresh_s=args.refresh,
+          actions=args.allow_actions, token=token)
     return 0
+
+
+def _action_token(args: argparse.Namespace) -> str | None:
+    """The token the dashboard's actions need: only with --allow-actions, from --token-file
+    or $LEDGER_DASHBOARD_TOKEN, checked before anything is served."""
+    if not args.allow_actions:
+        if args.token_file is not None:
+            raise InvalidArgument("--token-file enables nothing without --allow-actions; pass "
+                                  "both to serve the operator's actions", field="token_file")
+        return None
+    if args.token_file is not None:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise InvalidArgument(f"--token-file {args.token_file!r} cannot be read ({e}); "
+                                  "pass a file holding the token", field="token_file") from e
+    else:
+        token = os.environ.get("LEDGER_DASHBOARD_TOKEN", "").strip()
+        if not token:
+            raise InvalidArgument(
+                "--allow-actions needs a token: --token-file FILE or $LEDGER_DASHBOARD_TOKEN "
+                "(make one with `python -c \"import secrets; print(secrets.token_urlsafe(32))\"`)"
+                "; every action must carry it", field="token")
+    from ledger.dashboard.actions import check_token
+
+    return check_token(token)
 
 
 # -- registration ---------------------------------------------------------------------------
@@ -531,8 +678,7 @@ def register(subparsers: Any) -> None:
     close.add_argument("--status", required=True, metavar="STATUS",
                        help="failed, cancelled, stopped, or succeeded (only when its last "
                        "turn was served)")
-    close.add_argument("--reason", default="closed by an operator: nobody will resume it",
-                       help="why, kept in the close event")
+    add_who_and_why(close, "e.g. 'host crashed; the user retried as task-8'")
     _add_db(close)
     close.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     close.set_defaults(func=_run_close)
@@ -559,13 +705,47 @@ def register(subparsers: Any) -> None:
     p.add_argument("--by", default="route",
                    choices=["route", "group", "provider", "run", "tenant", "label"])
     p.add_argument("--label", help="label key for --by label (e.g. team)")
+    p.add_argument("--every", metavar="SPAN", default=None,
+                   help="with --by tenant or label: also the budgets by when their runs were "
+                   "admitted, in buckets of SPAN (1d: UTC days, 6h, 1w; at least 1m)")
+    p.add_argument("--budget-cursor", default=None,
+                   help="next cursor of the budgets table (shown under it)")
     _add_range(p, "24h")
     _add_common(p)
     p.set_defaults(func=_costs)
 
-    p = subparsers.add_parser("health", help="route, profile and group health now")
+    p = subparsers.add_parser("health", help="route, profile and group health now; "
+                              f"{PROG} health clear KEY clears a cooldown")
     _add_common(p, paged=False)
     p.set_defaults(func=_health)
+    health_sub = p.add_subparsers(dest="health_command", metavar="SUBCOMMAND")
+    clear = health_sub.add_parser(
+        "clear", help="clear a route's, profile's, provider's or group's cooldown now",
+        description="Make KEY available at once, at an operator's word: a route, credential "
+        "profile or provider:<name> health key counts from zero again (its cooldown, disable, "
+        "error and failure counts cleared); with --group, KEY is a capacity group, opened "
+        "(its waiting floor gone). A clear_cooldown event keeps who, why and what was "
+        "cleared (`actions` lists it). Refused, recording nothing, for a key the ledger does "
+        "not know or one with nothing to clear.")
+    clear.add_argument("key", metavar="KEY")
+    clear.add_argument("--group", action="store_true", help="KEY is a capacity group")
+    add_who_and_why(clear, "e.g. 'provider confirmed the incident is over'")
+    _add_db(clear)
+    clear.add_argument("--json", action="store_true", help="print the recorded event as JSON")
+    clear.set_defaults(func=_health_clear)
+
+    p = subparsers.add_parser(
+        "actions", help="what operators did: cooldowns cleared, runs closed, attempts settled",
+        description="Operators' actions newest first, each with who and why: cooldowns "
+        "cleared (health clear), runs closed (run close, recover --close-past-deadline) and "
+        "unknown attempts settled with evidence (attempt settle), from the command line, the "
+        "API or the dashboard.")
+    p.add_argument("--kind", action="append", dest="kinds",
+                   choices=["clear_cooldown", "close", "late_receipt"],
+                   help="only this kind (repeatable)")
+    _add_range(p, None)
+    _add_common(p)
+    p.set_defaults(func=_actions)
 
     p = subparsers.add_parser(
         "generate", help="fill a database with a realistic history, run through the ledger",
@@ -587,11 +767,22 @@ def register(subparsers: Any) -> None:
     _add_common(p, paged=False)
     p.set_defaults(func=_generate)
 
-    p = subparsers.add_parser("dashboard", help="serve the read-only health dashboard")
+    p = subparsers.add_parser(
+        "dashboard", help="serve the health dashboard (read-only unless --allow-actions)",
+        description="Serve the dashboard: read-only pages, JSON and /metrics. With "
+        "--allow-actions and a token (--token-file, or $LEDGER_DASHBOARD_TOKEN) it also "
+        "serves the operator's actions (clear a cooldown, close a run, settle an unknown "
+        "attempt) as POST forms that must carry the token; each is recorded with who and why.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     p.add_argument("--refresh", type=int, default=30, metavar="SECONDS",
                    help="pages reload themselves this often (default 30; 0: never)")
+    p.add_argument("--allow-actions", action="store_true",
+                   help="serve the operator's actions (POST, with the token); default: "
+                   "read-only, no route writes")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="with --allow-actions: the file holding the token every action must "
+                   "carry (default: $LEDGER_DASHBOARD_TOKEN); at least 16 characters")
     _add_db(p)
     p.set_defaults(func=_dashboard)
 

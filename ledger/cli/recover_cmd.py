@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from ledger.cli.common import PROG
+from ledger.cli.common import PROG, add_who_and_why, operator_name
 from ledger.cli.progress import Progress, wanted
 
 # Shown in --help; tests/recovery/test_cli.py holds them equal to ledger.ops.recovery's defaults.
@@ -55,8 +55,8 @@ def register(subparsers: Any) -> None:
         description="Record what is known of an attempt whose outcome is unknown (sent, no "
         "receipt), e.g. from the provider's usage console: its state moves from unknown to "
         "--outcome once, its hold is posted (the evidenced cost, the rest released) or voided "
-        "(not_sent), and a late_receipt event keeps who, what and why. Only an unknown "
-        "attempt is accepted; no lease is needed.")
+        "(not_sent), and a late_receipt event keeps who (--by), what and why (--reason, "
+        "required). Only an unknown attempt is accepted; no lease is needed.")
     st.add_argument("attempt_id", metavar="ID")
     st.add_argument("--outcome", required=True, choices=["succeeded", "failed", "not_sent"],
                     help="what the evidence shows")
@@ -68,9 +68,8 @@ def register(subparsers: Any) -> None:
     st.add_argument("--cost", default=None,
                     help="what it cost (default: the usage at the route's frozen price; with "
                     "no usage either, the whole hold)")
-    st.add_argument("--note", default=None, help="why: the evidence (a console link, a ticket)")
-    st.add_argument("--by", default=None,
-                    help="who records it (default: the operating-system user @ host)")
+    add_who_and_why(st, "the evidence (a console link, a ticket); --note is the same option",
+                    "--note")
     st.add_argument("--json", action="store_true", help="print the settled attempt as JSON")
     st.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
     st.set_defaults(func=_attempt_settle)
@@ -146,25 +145,16 @@ def _usage(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 
 def _attempt_settle(args: argparse.Namespace) -> int:
-    import getpass
-    import socket
-
     from ledger.cli.ops_cmd import open_reader
     from ledger.ops.audit import to_jsonable
 
     prompt, completion = _usage(args)
-    by = args.by
-    if by is None:
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):  # no user name in this environment (a bare container)
-            user = "operator"
-        by = f"{user}@{socket.gethostname()}"
+    by = operator_name() if args.by is None else args.by
     led = open_reader(args.db)  # an existing ledger: nothing is created or migrated
     try:
         before = led.get_attempt(args.attempt_id)
         att = led.settle_unknown(args.attempt_id, outcome=args.outcome, prompt_tokens=prompt,
-                                 completion_tokens=completion, cost=args.cost, note=args.note,
+                                 completion_tokens=completion, cost=args.cost, note=args.reason,
                                  by=by)
         run = led.get_run(att.run_id)
         debit = led.debit(att.debit_id)

@@ -3,9 +3,20 @@ audit API.
 
 Pages: ``/`` (what is cooling now at a glance; attempts, per-route success rate and latency over
 the window as charts; route, profile and group health; costs by tenant, route and day; recent
-failovers and runs) and ``/runs/{id}`` (a run's attempt timeline and why it stopped). Both
-refresh themselves (``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds,
-``?refresh=N`` per page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``,
+failovers and runs; spend against budgets by tenant; recent operator actions), ``/runs/{id}``
+(a run's attempt timeline, why it stopped, who closed it) and ``/budgets`` (spend against
+budgets by tenant or label, :mod:`ledger.dashboard.spend`). They refresh themselves
+(``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds, ``?refresh=N`` per
+page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``, ``/api/runs/{id}``,
+``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``, ``/api/budgets``,
+``/api/actions``. ``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
+Started with actions and a token, it also serves the operator's actions as POST routes
+(:mod:`ledger.dashboard.actions`); otherwise nothing it serves writes.
+failovers and runs), ``/runs/{id}`` (a run's attempt timeline and why it stopped) and
+``/replay`` (what another policy would have done over the window: :mod:`ledger.dashboard.replay`,
+computed on request, ``/api/replay`` its JSON). The first two refresh themselves
+(``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds, ``?refresh=N`` per
+page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``,
 ``/api/runs/{id}``, ``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``.
 ``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
 
@@ -32,8 +43,17 @@ from starlette.routing import Route
 
 from ledger.api.facade import Ledger
 from ledger.clock import Clock
+from ledger.dashboard.actions import (
+    action_routes,
+    actions_html,
+    check_token,
+    clear_forms_html,
+    run_actions_html,
+)
 from ledger.dashboard.charts import chart_svg, cost_days_svg, latency_top, sparkline_svg
 from ledger.dashboard.metrics import CONTENT_TYPE, exposition
+from ledger.dashboard.replay import replay_form, replay_html
+from ledger.dashboard.spend import spend_section
 from ledger.domain.timefmt import data_text, iso, relative
 from ledger.errors import InvalidArgument, LedgerError, NotFound
 from ledger.ops.audit import (
@@ -45,6 +65,7 @@ from ledger.ops.audit import (
     Totals,
     to_jsonable,
 )
+from ledger.policy import PRESETS
 
 DAY = 86400.0
 DEFAULT_REFRESH_S = 30
@@ -125,7 +146,8 @@ def _link(run_id: str) -> str:
     return f'<a href="/runs/{html.escape(run_id, quote=True)}">{_e(run_id)}</a>'
 
 
-def _page(title: str, body: str, refresh_s: int = 0) -> HTMLResponse:
+def _document(title: str, body: str, refresh_s: int = 0, mode: str = "read-only"
+              ) -> HTMLResponse:
     refresh = (f'<meta http-equiv="refresh" content="{int(refresh_s)}">' if refresh_s > 0
                else "")
     note = (f"auto-refresh every {int(refresh_s)} s" if refresh_s > 0 else "auto-refresh off")
@@ -133,7 +155,8 @@ def _page(title: str, body: str, refresh_s: int = 0) -> HTMLResponse:
            f'<meta name="viewport" content="width=device-width, initial-scale=1">{refresh}'
            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
            f'<header><h1><a href="/">failover-ledger</a></h1><span>provider health '
-           f'(read-only)</span><span class="muted" id="refresh-note">{note}</span>'
+           f'(<span id="mode">{html.escape(mode)}</span>)</span><a href="/replay">replay</a>'
+           f'<span class="muted" id="refresh-note">{note}</span>'
            f'<form action="/runs" method="get"><input name="id" placeholder="run id" size="32">'
            f' <button>show run</button></form></header><main>{body}</main></body></html>')
     return HTMLResponse(doc, headers={"Content-Security-Policy": _CSP,
@@ -336,19 +359,38 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
 
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                clock: Clock | None = None, refresh_s: int = DEFAULT_REFRESH_S,
-               metrics_ttl_s: float = DEFAULT_METRICS_TTL_S) -> Starlette:
+               metrics_ttl_s: float = DEFAULT_METRICS_TTL_S, actions: bool = False,
+               token: str | None = None) -> Starlette:
     """The dashboard over ``ledger`` (or a ledger opened on ``url`` without migrating it).
 
     Pages refresh themselves every ``refresh_s`` seconds (0: never; ``?refresh=N`` per page).
     ``/metrics`` reads the whole history (counters are totals), so one answer is reused for
     ``metrics_ttl_s`` seconds of this process's monotonic time: several scrapers (an HA pair of
     Prometheus servers) cost one read.
+
+    Read-only unless ``actions`` is true and ``token`` given (both, deliberately): then the
+    operator's actions (clear a cooldown, close a Run, settle an unknown Attempt) are served
+    as POST routes that need the token (:mod:`ledger.dashboard.actions`); otherwise no route
+    writes anything.
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
     if refresh_s < 0:
         raise InvalidArgument("refresh_s must be >= 0 (0 turns auto-refresh off)",
                               field="refresh_s")
+    if actions and token is None:
+        raise InvalidArgument("actions=True needs token=: every action must carry it",
+                              field="token")
+    if token is not None and not actions:
+        raise InvalidArgument("token= without actions=True enables nothing; pass actions=True "
+                              "to serve the operator's actions, or no token", field="actions")
+    if actions:
+        check_token(token)
+    mode = "operator actions enabled" if actions else "read-only"
+
+    def _page(title: str, body: str, refresh_s: int = 0) -> HTMLResponse:
+        return _document(title, body, refresh_s, mode)
+
     state: dict[str, Any] = {}
     metrics_cache: list[tuple[float, str]] = []  # (monotonic time computed, body)
     metrics_lock = threading.Lock()
@@ -451,10 +493,14 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                      ["id", "", "id", "id", "", "", "", "nowrap"])
             + '</section><section><h2>Recent runs <a class="muted" href="/runs">(all runs)</a>'
             "</h2>" + _runs_table(runs.items, now) + "</section>"
+            + spend_section(au, now, days)
+            + (clear_forms_html(rep) if actions else "")
+            + actions_html(au.actions(limit=10).items, now, title="Recent operator actions")
             + f'<p class="muted">as of {_t(now)} &middot; JSON: <a href="/api/health">'
             "health</a>, <a href=\"/api/failovers\">failovers</a>, <a href=\"/api/activity\">"
             "activity</a>, <a href=\"/api/routes\">routes</a>, <a href=\"/api/costs\">costs</a>"
-            ", <a href=\"/api/costs/days\">costs by day</a> &middot; "
+            ", <a href=\"/api/costs/days\">costs by day</a>, <a href=\"/api/budgets\">"
+            "budgets</a>, <a href=\"/api/actions\">actions</a> &middot; "
             "<a href=\"/metrics\">Prometheus metrics</a></p>")
         return _page("failover-ledger dashboard", body, _refresh(request))
 
@@ -486,7 +532,52 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     def run_page_for(rid: str, refresh: int) -> Response:
         au = audit()
         tl = au.timeline(rid)
-        return _page(f"run {tl.run.run_id}", _timeline_html(tl, au.now()), refresh)
+        now = au.now()
+        return _page(f"run {tl.run.run_id}", _timeline_html(tl, now)
+                     + run_actions_html(tl, now, forms=actions), refresh)
+
+    def budgets_page(request: Request) -> Response:
+        """Spend against budgets by tenant or label (``?by=label&label=team``, ``?days=N``)."""
+        au = audit()
+        now = au.now()
+        p = request.query_params
+        days = int(_num(request, "days", 30))
+        if not 1 <= days <= 366:
+            raise InvalidArgument("days must be 1 to 366", field="days")
+        by = p.get("by", "tenant")
+        label = p.get("label") or None
+        if by == "label" and label is None:
+            label = "team"  # the label most ledgers carry; ?label= picks another
+        form = ('<form id="budgets-form" method="get" action="/budgets">by <select name="by">'
+                + "".join(f'<option{" selected" if by == v else ""}>{v}</option>'
+                          for v in ("tenant", "label"))
+                + f'</select> label <input name="label" size="12" value="'
+                f'{html.escape(label or "", quote=True)}"> days <input name="days" size="4" '
+                f'value="{days}"> <button>show</button></form>')
+        body = (f"<section>{form}</section>"
+                + spend_section(au, now, days, by=by, label=label, limit=200, link=False))
+        return _page("spend against budgets", body, _refresh(request))
+
+    def api_budgets(request: Request) -> Response:
+        au = audit()
+        now = au.now()
+        p = request.query_params
+        every = p.get("every")
+        return JSONResponse(to_jsonable(au.spend(
+            by=p.get("by", "tenant"), label=p.get("label"),
+            since=_num(request, "since", now - 7 * DAY), until=_num(request, "until", now),
+            every=None if every is None else _num(request, "every", DAY),
+            limit=int(_num(request, "limit", 100)), cursor=p.get("cursor"))))
+
+    def api_actions(request: Request) -> Response:
+        au = audit()
+        p = request.query_params
+        since = p.get("since")
+        until = p.get("until")
+        return JSONResponse(to_jsonable(au.actions(
+            since=None if since is None else _num(request, "since", 0),
+            until=None if until is None else _num(request, "until", 0),
+            limit=int(_num(request, "limit", 50)), cursor=p.get("cursor"))))
 
     def metrics(request: Request) -> Response:
         with metrics_lock:
@@ -536,6 +627,37 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
             buckets=int(_num(request, "buckets", 48)))))
 
+    def _replay_args(request: Request) -> dict[str, Any]:
+        """The replay a request asks for: a preset (never a file), a window, a tenant, a run."""
+        au = audit()
+        now = au.now()
+        p = request.query_params
+        policy = p.get("policy") or ""
+        if policy not in PRESETS:
+            raise InvalidArgument(f"policy must be one of {', '.join(PRESETS)} (the dashboard "
+                                  "replays presets; the command line also takes a file)",
+                                  field="policy")
+        hours = _num(request, "hours", 24)
+        if hours <= 0:
+            raise InvalidArgument("hours must be > 0", field="hours")
+        until = _num(request, "until", now)
+        return {"policy": policy, "since": _num(request, "since", until - hours * 3600),
+                "until": until, "tenant": p.get("tenant") or None, "run": p.get("run") or None}
+
+    def replay_page(request: Request) -> Response:
+        p = request.query_params
+        hours = _num(request, "hours", 24)
+        body = replay_form(p.get("policy"), hours, p.get("tenant"), p.get("run"))
+        if p.get("policy"):
+            body += replay_html(audit().replay(**_replay_args(request)))
+        refresh = int(_num(request, "refresh", 0))  # a replay reads a whole window: on demand
+        if refresh < 0:
+            raise InvalidArgument("refresh must be >= 0 (0 turns it off)", field="refresh")
+        return _page("replay", body, refresh)
+
+    def api_replay(request: Request) -> Response:
+        return JSONResponse(to_jsonable(audit().replay(**_replay_args(request))))
+
     def api_routes(request: Request) -> Response:
         au = audit()
         now = au.now()
@@ -556,8 +678,16 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         Route("/api/costs/days", handled(api_costs_days)),
         Route("/api/activity", handled(api_activity)),
         Route("/api/routes", handled(api_routes)),
+        Route("/budgets", handled(budgets_page)),
+        Route("/api/budgets", handled(api_budgets)),
+        Route("/api/actions", handled(api_actions)),
+        Route("/replay", handled(replay_page)),
+        Route("/api/replay", handled(api_replay)),
     ]
-    # Only GET is routed: the dashboard has no way to change anything.
+    if actions:
+        assert token is not None
+        routes += action_routes(audit, token, _page)
+    # Without actions only GET is routed: the dashboard has no way to change anything.
     return Starlette(routes=routes, lifespan=lifespan)
 
 
@@ -567,13 +697,19 @@ def _with_status(resp: Response, status: int) -> Response:
 
 
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
-          refresh_s: int = DEFAULT_REFRESH_S) -> None:
-    """Serve the dashboard until interrupted (``failover-ledger dashboard``)."""
+          refresh_s: int = DEFAULT_REFRESH_S, actions: bool = False,
+          token: str | None = None) -> None:
+    """Serve the dashboard until interrupted (``failover-ledger dashboard``).
+
+    Read-only unless ``actions`` and ``token`` are both given (see :func:`create_app`).
+    """
     import uvicorn
 
-    print(f"failover-ledger dashboard on http://{host}:{port}/ (read-only; metrics at /metrics;"
+    app = create_app(url, refresh_s=refresh_s, actions=actions, token=token)
+    mode = ("OPERATOR ACTIONS ENABLED: POST with the token" if actions else "read-only")
+    print(f"failover-ledger dashboard on http://{host}:{port}/ ({mode}; metrics at /metrics;"
           " Ctrl-C to stop)", flush=True)
-    uvicorn.run(create_app(url, refresh_s=refresh_s), host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 __all__ = ["DEFAULT_REFRESH_S", "chart_svg", "create_app", "serve"]

@@ -10,5 +10,7 @@
   :mod:`~ledger.decide.settle`: what an admission freezes, what a begin may use, what a settle
   records and does to holds, health and groups;
 - :mod:`~ledger.decide.effects` and :mod:`~ledger.decide.turn`: the turn itself, a generator of
-  typed effects that the drivers in :mod:`ledger.api.turn` perform.
+  typed effects that the drivers in :mod:`ledger.api.turn` perform;
+- :mod:`~ledger.decide.inputs` and :mod:`~ledger.decide.replay`: what a decision records of its
+  inputs, and what another policy would have done over recorded history.
 """

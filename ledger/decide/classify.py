@@ -297,4 +297,25 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
     )
 
 
-__all__ = ["classify", "resubmittable"]
+def refile(fact: FailureFact, policy: Policy) -> FailureFact:
+    """``fact`` with its policy-dependent verdict as ``policy`` gives it, its category kept.
+
+    The scope (which candidates a move may go to), whether it may be resubmitted or moved on,
+    and what it does to its health key are the policy's; the category, status, phase and the
+    evidence are what was observed. A replay uses it where the observation cannot be
+    classified again (:mod:`ledger.decide.replay`).
+    """
+    obs = Observation(status=fact.status, transport=fact.transport, phase=fact.phase,
+                      source=fact.source, provider=fact.provider,
+                      effective_output=fact.effective_output, tool_started=fact.tool_started)
+    scope = _move(policy, fact.category, fact.phase, fact.transport)
+    if fact.category is Category.UNUSABLE:
+        scope = Scope.ROUTE
+    resubmit = resubmittable(obs, fact.phase, policy.failover)
+    return fact.model_copy(update={
+        "scope": scope if scope is not None else Scope.REQUEST, "resubmit": resubmit,
+        "moves_on": scope is not None and resubmit,
+        "cooldown": cooldown_effect(fact.category, fact.provider, fact.source, policy)})
+
+
+__all__ = ["classify", "refile", "resubmittable"]

@@ -211,6 +211,41 @@ def as_read(health: Health, now: float) -> Health:
     return health.model_copy(update=_cleared())
 
 
+def operator_clear(health: Health, now: float) -> tuple[Health, dict[str, object]] | None:
+    """An operator's clear of ``health`` at ``now``: the row it writes and what it cleared.
+
+    The key is made available at once and its counters start again from zero (cooldown,
+    disable, error and failure counts, failures below the cooling threshold); when it was last
+    used, failed and probed stays as history. ``None`` when there is nothing to clear: the key
+    is available and counts nothing at ``now`` (counters past their reset time read as reset,
+    as :func:`as_read` reads them).
+    """
+    seen = as_read(health, now)
+    cooling = seen.cooldown_until is not None and now < seen.cooldown_until
+    disabled = seen.disabled_until is not None and now < seen.disabled_until
+    if not (cooling or disabled or seen.error_count or seen.failure_counts
+            or seen.recent_failures):
+        return None
+    before: dict[str, object] = {
+        "status": "disabled" if disabled else "cooling" if cooling else "ok",
+        "cooldown_until": seen.cooldown_until if cooling else None,
+        "disabled_until": seen.disabled_until if disabled else None,
+        "disabled_reason": seen.disabled_reason if disabled else None,
+        "error_count": seen.error_count,
+        "failure_counts": dict(seen.failure_counts),
+        "recent_failures": len(seen.recent_failures),
+    }
+    return seen.model_copy(update=_cleared()), before
+
+
+def group_closed(mode: str, until: float | None, now: float) -> bool:
+    """Whether a capacity group stored as ``mode``, floor ``until``, is closed at ``now``.
+
+    Admission's projection: a waiting floor that has passed reads as open.
+    """
+    return mode != "open" and (until is None or now < until)
+
+
 def _with_reset(health: Health, policy: Policy) -> Health:
     return health.model_copy(update={"reset_at": reset_at(health, policy)})
 
@@ -394,9 +429,11 @@ __all__ = [
     "cooldown_effect",
     "cooldown_seconds",
     "disable_seconds",
+    "group_closed",
     "health_key",
     "is_available",
     "key_kind",
+    "operator_clear",
     "probe_eligible",
     "probe_key_kind",
     "record_failure",

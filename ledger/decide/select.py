@@ -34,6 +34,7 @@ from ledger.decide.preflight import (
     DEFAULT_TOKEN_COUNTER,
     NO_DENIALS,
     Denials,
+    PreflightFailure,
     RequestNeeds,
     TokenCounter,
     envelope_needs,
@@ -172,7 +173,10 @@ class SelectionInput:
     ``current``/``current_profile`` are what just failed; without one (a new turn), what the Run
     used last. ``denials`` are switch-offs and revocations in the *current* configuration.
     ``no_probe``: routes whose probe another process claimed during this turn; they are not
-    offered as a probe again (the Run decides without them).
+    offered as a probe again (the Run decides without them). ``verdicts``: the first failed
+    preflight check of each plan route for this request (absent or ``None``: it passes), decided
+    beforehand (:func:`preflight_verdicts`; a replay passes the recorded ones); ``None``
+    (the default): each candidate is checked from ``request`` as the walk reaches it.
     """
 
     plan: Sequence[Route]
@@ -193,6 +197,7 @@ class SelectionInput:
     token_counter: TokenCounter = DEFAULT_TOKEN_COUNTER
     part_hashes: Sequence[str] | None = None
     no_probe: frozenset[str] = frozenset()
+    verdicts: Mapping[str, PreflightFailure | None] | None = None
 
 
 def _sharing_key(counter: TokenCounter, route: Route) -> Any:
@@ -446,6 +451,15 @@ class _Walk:
 
     # -- one candidate -------------------------------------------------------------------------
 
+    def verdict(self, route: Route) -> PreflightFailure | None:
+        """The first failed preflight check of ``route`` for the request (``None``: passes)."""
+        inp = self.inp
+        if inp.verdicts is not None:
+            return inp.verdicts.get(route.id)
+        return preflight(
+            route, self.needs(route), grant=inp.grant, role=inp.role, denials=inp.denials
+        ).first
+
     def evaluate(self, cand: _Candidate) -> _Verdict:
         route = cand.route
         grp = self.group(route)
@@ -454,10 +468,7 @@ class _Walk:
         profile, health_skip, probe = self.health(cand)
         if health_skip is not None and health_skip[0] is Reason.ALREADY_TRIED:
             return _Verdict(reason=health_skip[0], detail=health_skip[1])
-        inp = self.inp
-        pf = preflight(
-            route, self.needs(route), grant=inp.grant, role=inp.role, denials=inp.denials
-        ).first
+        pf = self.verdict(route)
         if health_skip is not None:
             return _Verdict(
                 reason=health_skip[0],
@@ -552,6 +563,18 @@ def _validate(inp: SelectionInput) -> None:
             "a failure needs the route it happened on; pass current=<failed route id>",
             field="current",
         )
+
+
+def preflight_verdicts(inp: SelectionInput) -> dict[str, PreflightFailure | None]:
+    """The first failed preflight check of every plan route for ``inp``'s request.
+
+    ``None`` for a route that passes. Preflight reads the request, the grant, the role and the
+    current denials, never the policy or the time, so these verdicts hold for any policy the
+    same request is decided under: the turn decides with them
+    (:attr:`SelectionInput.verdicts`) and records the failed ones with the decision.
+    """
+    walk = _Walk(replace(inp, verdicts=None))
+    return {r.id: walk.verdict(r) for r in inp.plan}
 
 
 def select(inp: SelectionInput) -> Decision:
@@ -684,6 +707,7 @@ __all__ = [
     "SelectionInput",
     "Skip",
     "first_reopening",
+    "preflight_verdicts",
     "reopening_wait",
     "reopenings",
     "role_excluded",

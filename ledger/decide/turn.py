@@ -52,6 +52,7 @@ from ledger.decide.effects import (
     perform,
 )
 from ledger.decide.health import route_key
+from ledger.decide.inputs import record_inputs
 from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits
 from ledger.decide.profiles import Pin, marks_profile_tried
 from ledger.decide.retry import retry_decision
@@ -63,6 +64,7 @@ from ledger.decide.select import (
     SelectionInput,
     Skip,
     first_reopening,
+    preflight_verdicts,
     reopening_wait,
     select,
 )
@@ -182,8 +184,16 @@ class _Turn:
     skips: dict[str, Skip] = field(default_factory=dict)
     # A route chosen after waiting for its cooldown to end: its Attempt is a probe.
     reopened: str | None = None
-    # What the current decision was made from (a refused probe claim decides again from it).
+    # What the current decision was made from (a refused probe claim decides again from it):
+    # the selector's arguments, what it decides (``on``: new_turn, failure, rejection) and the
+    # Attempt whose failure it follows.
     basis: dict[str, Any] = field(default_factory=dict)
+    on: str = "new_turn"
+    failed: str | None = None
+    # The recorded inputs of the current decision (written with the Attempt it leads to, or
+    # with the stop), and the snapshot it was made on.
+    inputs: dict[str, Any] | None = None
+    snap: TurnSnapshot | None = None
     # When the first candidate would reopen, for a decision that found none, and the time and
     # wait bound that decision was made with.
     reopens_at: float | None = None
@@ -316,7 +326,7 @@ class TurnLoop:
             for g, until in turn.refused_groups.items():
                 groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
                                             sampled_at=snap.now)
-        return SelectionInput(
+        inp = SelectionInput(
             plan=run.plan,
             permissions=RunPermissions(
                 retries_left=run.retries_left, calls_left=run.calls_left,
@@ -329,6 +339,14 @@ class TurnLoop:
             denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
             part_hashes=self.part_hashes, no_probe=frozenset(turn.refused_probes),
         )
+        # Every plan route's preflight verdict, decided once: the selector uses them and the
+        # decision's record keeps them, so it can be recomputed under any policy.
+        return replace(inp, verdicts=preflight_verdicts(inp))
+
+    def _record(self, inp: SelectionInput, turn: _Turn, by: str) -> dict[str, Any]:
+        """The recorded inputs of a decision made (``by``) from ``inp`` in ``turn``."""
+        return record_inputs(inp, by=by, on=turn.on, turn=self.turn_id, failed=turn.failed,
+                             refused=sorted(turn.refused_groups))
 
     def steps(self) -> Steps:
         """The turn: yields each effect, receives its result, returns the :class:`RunResult`.
@@ -389,10 +407,10 @@ class TurnLoop:
         reserve, reserve_tokens = self._holds(route)
         attempt_id = new_id("att")
         # The headers that will name this Attempt on the wire, recorded before it is sent.
-        events = [*turn.pending, ("select", {**decision.to_json(),
-                                             "attempt_kind": attempt_kind.value,
-                                             "headers": attempt_headers(attempt_id,
-                                                                        route.protocol)})]
+        events = [*turn.pending, ("select", {
+            **decision.to_json(), "attempt_kind": attempt_kind.value,
+            "headers": attempt_headers(attempt_id, route.protocol),
+            **({"inputs": turn.inputs} if turn.inputs is not None else {})})]
         turn.pending = []
         begin = Begin(replace(begin_spec(
             snap.run, self.lease, route=route, profile_id=profile,
@@ -410,7 +428,8 @@ class TurnLoop:
             return _Refused(route, e)
         except (BudgetExceeded, AllowanceExhausted) as e:
             turn.errors.append(e)
-            raise (yield from self._stopped(turn, None, e)) from e
+            raise (yield from self._stopped(turn, None, e, begun=(decision, attempt_kind))
+                   ) from e
         except DatabaseUnavailable as e:
             yield from self._resolve_begin(route, profile, attempt_id, e)
             raise
@@ -497,12 +516,17 @@ class TurnLoop:
                      route.model, e.fields.get("reason"))
             cause = next((x for x in reversed(turn.errors) if isinstance(x, ProviderError)),
                          None)
+            turn.basis = {"failure": None, "current": None, "current_profile": None}
+            turn.on, turn.failed = "rejection", None
             if cause is not None and policy.failover.after_rejection == "stop":
-                # Seed 003: "Rejected before dispatch -> Return to original recovery".
+                # Seed 003: "Rejected before dispatch -> Return to original recovery". What the
+                # selector would have read instead is recorded with the stop.
+                if turn.snap is not None:
+                    turn.inputs = self._record(self._input(turn.snap, turn, **turn.basis),
+                                               turn, "after_rejection")
                 raise (yield from self._stopped(turn, None, e, reason=REJECTED,
                                                 cause=cause)) from cause
             snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
-            turn.basis = {"failure": None, "current": None, "current_profile": None}
             decision, snap = yield from self._decide(snap, turn, turn.basis)
             return _Try(decision, AttemptKind.FAILOVER, 0), snap
         route, profile, fact = ended.route, ended.profile, ended.fact
@@ -516,6 +540,21 @@ class TurnLoop:
                                            "from_attempt": ended.attempt_id}))
             yield from perform(Sleep(rd.delay_s))
             snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            # The policy's retry rule decided, not the selector: what the selector would have
+            # read, had the route not been retried, is recorded with the retry.
+            turn.on, turn.failed = "failure", ended.attempt_id
+            inp = self._input(snap, turn, failure=fact, current=route.id,
+                              current_profile=profile)
+            perm = inp.permissions
+            pairs, ruled_out = set(perm.tried_pairs), set(perm.tried_profiles)
+            if profile:
+                pairs.add((route.id, profile))
+                if marks_profile_tried(fact, route.provider, policy):
+                    ruled_out.add(profile)
+            inp = replace(inp, permissions=replace(
+                perm, tried=perm.tried | {route.id}, tried_pairs=frozenset(pairs),
+                tried_profiles=frozenset(ruled_out)))
+            turn.inputs, turn.snap = self._record(inp, turn, "retry"), snap
             return _Try(Decision(DecisionKind.ROUTE, route, profile), AttemptKind.RETRY, n), snap
         turn.tried.add(route.id)
         if profile:
@@ -524,6 +563,7 @@ class TurnLoop:
                 turn.tried_profiles.add(profile)
         snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
         turn.basis = {"failure": fact, "current": route.id, "current_profile": profile}
+        turn.on, turn.failed = "failure", ended.attempt_id
         decision, snap = yield from self._decide(snap, turn, turn.basis)
         if decision.kind is DecisionKind.STOP or decision.route is None:
             over_budget = fact.category is Category.BUDGET_EXCEEDED
@@ -581,6 +621,7 @@ class TurnLoop:
                     turn.reopened = decision.route_id
         for skip in decision.skipped:
             turn.skips[skip.route] = skip
+        turn.inputs, turn.snap = self._record(inp, turn, "select"), snap
         turn.reopens_at = first_reopening(inp, decision)
         turn.now, turn.bound = snap.now, self._wait_left(snap.policy, turn)
         return decision, snap
@@ -760,21 +801,35 @@ class TurnLoop:
     # -- stopping ----------------------------------------------------------------------------
 
     def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
-                 reason: str | None = None, cause: Exception | None = None
+                 reason: str | None = None, cause: Exception | None = None,
+                 begun: tuple[Decision, AttemptKind] | None = None
                  ) -> Generator[Effect[Any], Any, FailoverExhausted]:
         """Record the stop with its reasons (an audit event), then build the error to raise.
 
         ``reason`` overrides the stop reason (the token budget, a rejection before dispatch);
         ``cause`` is the original failure a stop returns to, kept in the event and the error.
+        ``begun``: the decision (and the kind of its Attempt) whose begin was refused (a budget
+        or an allowance). The event keeps the decision the turn stopped on (the selector's
+        stop, or ``begun``) with the inputs it was made from.
         """
         exc = self._stop(turn, decision, error, reason=reason, cause=cause)
+        made: dict[str, Any] = {}
+        if decision is not None:
+            made = {"kind": decision.kind.value,
+                    "reason": decision.reason.value if decision.reason else None,
+                    "detail": decision.detail}
+        elif begun is not None:
+            made = {**begun[0].to_json(), "attempt_kind": begun[1].value}
         try:
             yield from perform(Record(self.lease, "stop", {
                 "reason": exc.reason, "detail": exc.fields.get("detail", ""),
                 "skipped": exc.fields.get("skipped", []), "attempts": exc.attempts,
                 "errors": [str(e) for e in turn.errors],
                 "candidates": exc.fields.get("candidates", []),
-                **({"cause": str(cause)} if cause is not None else {})}))
+                **({"cause": str(cause)} if cause is not None else {}),
+                **({"decision": made} if made else {}),
+                **({"inputs": turn.inputs} if turn.inputs is not None and (
+                    made or reason == REJECTED) else {})}))
         except FencedOut as e:  # the lease is gone: the stop itself is the news
             log.info("stop of run %s not recorded: %s", self.lease.run_id, e)
         return exc

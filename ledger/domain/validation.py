@@ -317,6 +317,13 @@ Id = Annotated[StrictStr, as_id]
 """An identifier: 1 to 200 printable characters, not only whitespace."""
 Text = Annotated[StrictStr, text()]
 """A short printable text (a name, a reason): at most 200 characters."""
+_WHY = ("say why, e.g. 'provider confirmed the incident is over' (kept with the action for the "
+        "audit)")
+Reason = Annotated[StrictStr, text(empty=False, fix=_WHY)]
+"""Why an operator acts: a short printable text (at most 200 characters), not blank."""
+Evidence = Annotated[StrictStr, text(500, empty=False, fix=_WHY)]
+"""The evidence an operator acts on (a console link, a ticket): at most 500 characters, not
+blank."""
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 """A model's count: an integer in [0, 10^9]; ``True``/``False`` are not counts."""
 Tokens = Annotated[int, integers(0, MAX_TOKENS)]
@@ -720,6 +727,7 @@ __all__ = [
     "MAX_TEXT",
     "As",
     "Count",
+    "Evidence",
     "Flag",
     "HttpStatus",
     "Id",
@@ -727,6 +735,7 @@ __all__ = [
     "Instant",
     "Money",
     "Problem",
+    "Reason",
     "Rule",
     "Secrets",
     "StrictModel",

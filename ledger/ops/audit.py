@@ -7,6 +7,9 @@ with ``Ledger.open(url, migrate_schema=False)``).
 Questions it answers: which route served a Run and why (:meth:`Audit.timeline`); which Runs failed
 over and for what cause (:meth:`Audit.failovers`); Attempts by route, group, outcome, category and
 time (:meth:`Audit.attempts`); what each route, Run, tenant or label cost (:meth:`Audit.costs`);
+what each tenant or label spent against the budgets of its Runs, over time (:meth:`Audit.spend`);
+which cooldowns operators cleared and which Runs and Attempts they closed or settled
+(:meth:`Audit.actions`);
 which Attempts are unknown or still dispatching (:meth:`Audit.open_attempts`); which routes,
 profiles and groups are cooling now (:meth:`Audit.health`).
 """
@@ -14,6 +17,7 @@ profiles and groups are cooling now (:meth:`Audit.health`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
@@ -40,6 +44,9 @@ from ledger.domain.validation import (
     rule,
 )
 from ledger.errors import InvalidArgument, NotFound
+from ledger.ops.replay import ReplayReport
+from ledger.ops.replay import replay as replay_window
+from ledger.policy.model import Policy
 from ledger.storage.audit import TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
@@ -50,6 +57,8 @@ OPEN_STATES = ("unknown", "dispatching")
 # route that cannot be used, a connection that never carried the request), not a cancellation
 # before the send.
 CAUSE_STATES = ("failed", "unknown", "rejected", "not_sent")
+#: The events :meth:`Audit.actions` lists: an operator's clear, close and evidence.
+ACTION_KINDS = ("clear_cooldown", "close", "late_receipt")
 #: How far back :meth:`Audit.health` looks for routes skipped as unusable, by default.
 UNUSABLE_WINDOW_S = 86400.0
 
@@ -281,6 +290,64 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class SpendPoint:
+    """The Runs of one key admitted in one time bucket (starting at ``start``).
+
+    How many, their budgets, and what they have posted and hold now (see :class:`Spend`).
+    """
+
+    start: float
+    runs: int
+    budget: Decimal
+    posted: Decimal
+    held: Decimal
+
+
+@dataclass(frozen=True)
+class Spend:
+    """A tenant's (or a label value's) spend against the budgets of its Runs.
+
+    Over the Runs admitted in the window (``key`` ``None``: those without a tenant, or without
+    the label): ``budget`` is the sum of their cost budgets as admitted (each less what it
+    carved for its Children, which count under their own key, so nothing counts twice),
+    ``posted`` what they were charged and ``held`` what their holds still reserve, now (the
+    Runs' own counters, the figures ``runs`` lists); ``left`` is ``budget - posted - held``,
+    never negative (a Run never overdraws its budget). With ``every=``, ``points`` splits the
+    same Runs by when they were admitted, one :class:`SpendPoint` per bucket, empty ones
+    included.
+    """
+
+    key: str | None
+    runs: int
+    budget: Decimal
+    posted: Decimal
+    held: Decimal
+    left: Decimal
+    points: list[SpendPoint] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class OperatorAction:
+    """One operator's action as recorded: who, why, when, and on what.
+
+    ``kind`` is ``clear_cooldown`` (``key`` the health key or group cleared), ``close`` (a
+    Run closed by hand, or by recovery past its deadline) or ``late_receipt`` (an unknown
+    Attempt settled with evidence); ``data`` is the event's whole record (what was cleared,
+    the statuses and fences, the evidence and the money).
+    """
+
+    event_id: int
+    kind: str
+    by: str | None
+    reason: str | None
+    run_id: str | None
+    attempt_id: str | None
+    key: str | None
+    at: float
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class OpenAttempt:
     """An unknown or still-dispatching attempt, and whether its executor still holds the run."""
 
@@ -461,6 +528,18 @@ def _selection(data: Mapping[str, Any]) -> Selection:
                      cause=data.get("cause"))
 
 
+def _action(row: Mapping[str, Any]) -> OperatorAction:
+    data = json.loads(row["data"])
+    kind = row["kind"]
+    # The receipt's why is its note; a close before `by` was recorded names its executor.
+    why = data.get("note") if kind == "late_receipt" else data.get("reason")
+    who = data.get("by") or data.get("executor")
+    return OperatorAction(event_id=int(row["event_id"]), kind=kind, by=who, reason=why,
+                          run_id=row["run_id"], attempt_id=row["attempt_id"],
+                          key=data.get("key") if kind == "clear_cooldown" else None,
+                          at=row["created_at"], data=data)
+
+
 def _stop(ev: AuditEvent) -> Stop:
     d = ev.data
     return Stop(reason=str(d.get("reason") or "unknown"), detail=d.get("detail") or None,
@@ -567,6 +646,24 @@ def _totals_key(value: Any) -> str:
     return value
 
 
+@rule
+def _spend_key(value: Any) -> str:
+    if value not in ("tenant", "label"):
+        raise Problem("cannot total spend by this key", "pass by='tenant' or by='label' (with "
+                      "label=)")
+    return str(value)
+
+
+@rule
+def _action_kind(value: Any) -> str:
+    if value not in ACTION_KINDS:
+        raise Problem("is not an operator's action", f"pass some of {list(ACTION_KINDS)}")
+    return str(value)
+
+
+ActionKinds = Annotated[Sequence[str], listing(_action_kind, "kinds",
+                                               f"pass a list among {list(ACTION_KINDS)}, e.g. "
+                                               "['close']")]
 _OPENED = [AttemptState(v) for v in OPEN_STATES]
 Buckets = Annotated[int, integers(1, 1000, "pass an integer from 1 to 1000, e.g. 24")]
 Status = Annotated[RunStatus | str, one_of(RunStatus)]
@@ -815,6 +912,123 @@ class Audit:
                      for r in rows], nxt)
 
     @query
+    def spend(self, *, by: Annotated[str, _spend_key] = "tenant", label: Id | None = None,
+              since: Time | None = None, until: Time | None = None,
+              every: Annotated[float, duration(positive=True)] | None = None,
+              limit: Limit = 100, cursor: Cursor | None = None) -> Page[Spend]:
+        """Spend against budgets per tenant or label: the Runs admitted in [since, until).
+
+        For each key, the sum of the budgets its Runs were admitted with, what they posted
+        (charged) and what they hold now, and what is left (:class:`Spend`); most posted
+        first, Runs without the key as ``None``. Money is exact (integer micro-units summed in
+        the database). A Run counts where it was admitted, so no bucket's posted and held
+        exceed its budget.
+
+        Args:
+            by: ``tenant`` or ``label`` (with ``label=``).
+            since: Runs admitted at or after this time (required with ``every``).
+            until: Runs admitted before this time (default with ``every``: now).
+            label: The Run label to group by, with ``by="label"`` (e.g. ``"team"``).
+            every: Also split each key over time, in buckets this many seconds wide (at least
+                60), aligned to multiples of it since the epoch (``86400``: UTC days); the first
+                and last may be partial; at most 1000 buckets.
+            limit: Keys per page, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`Spend`.
+
+        Raises:
+            InvalidArgument: ``by`` not ``tenant`` or ``label``, a malformed ``label``, a bad
+                range, ``every`` without ``since``, below 60 s or over 1000 buckets.
+
+        Example:
+            >>> for s in audit.spend(by="tenant", since=t0, every=86400).items:  # doctest: +SKIP
+            ...     print(s.key, s.budget, s.posted, s.held, s.left)
+        """
+        if by == "label" and label is None:
+            raise InvalidArgument("spend by label needs the label key; pass label='team'",
+                                  field="label")
+        _window(since, until)
+        bucket: tuple[float, float] | None = None
+        starts: list[float] = []
+        if every is not None:
+            width = every
+            if width < 60:
+                raise InvalidArgument(f"every={width:g} s is too fine; pass at least 60 "
+                                      "(86400: UTC days)", field="every")
+            if since is None:
+                raise InvalidArgument("every= needs since=: the window to split",
+                                      field="since")
+            end = self.now() if until is None else until
+            if end <= since:
+                raise InvalidArgument("until must be after since to split the window; pass "
+                                      "since < until", field="until")
+            origin = since - since % width
+            n = math.ceil((end - origin) / width)
+            if n > 1000:
+                raise InvalidArgument(f"every={width:g} s splits the window into {n} buckets; "
+                                      "pass a wider every or a shorter window (at most 1000)",
+                                      field="every")
+            bucket = (origin, width)
+            starts = [origin + i * width for i in range(n)]
+            until = end
+        rows, prows, nxt = self._audit.spend(by=by, label=label, since=since, until=until,
+                                             bucket=bucket, limit=limit, cursor=cursor)
+        by_key: dict[str | None, dict[int, Mapping[str, Any]]] = {}
+        for prow in prows:
+            by_key.setdefault(prow["key"], {})[int(prow["bucket"])] = prow
+        out = []
+        for r in rows:
+            budget, posted, held = (int(r["budget_micros"]), int(r["posted_micros"]),
+                                    int(r["held_micros"]))
+            got = by_key.get(r["key"], {})
+            points = []
+            for i, start in enumerate(starts):
+                p: Mapping[str, Any] | None = got.get(i)
+                points.append(SpendPoint(
+                    start=start, runs=int(p["runs"]) if p else 0,
+                    budget=from_micros(int(p["budget_micros"]) if p else 0),
+                    posted=from_micros(int(p["posted_micros"]) if p else 0),
+                    held=from_micros(int(p["held_micros"]) if p else 0)))
+            out.append(Spend(key=r["key"], runs=int(r["runs"]), budget=from_micros(budget),
+                             posted=from_micros(posted), held=from_micros(held),
+                             left=from_micros(budget - posted - held), points=points))
+        return Page(out, nxt)
+
+    @query
+    def actions(self, *, since: Time | None = None, until: Time | None = None,
+                kinds: ActionKinds = ACTION_KINDS, limit: Limit = 50,
+                cursor: Cursor | None = None) -> Page[OperatorAction]:
+        """Operators' actions newest first, each with who and why.
+
+        Cooldowns cleared (:meth:`ledger.Ledger.clear_cooldown`), Runs closed
+        (:meth:`ledger.Ledger.close_run`, and recovery past a deadline) and unknown Attempts
+        settled with evidence (:meth:`ledger.Ledger.settle_unknown`).
+
+        Args:
+            since: Recorded at or after this time.
+            until: Recorded before this time.
+            kinds: Which of ``clear_cooldown``, ``close`` and ``late_receipt`` (default all).
+            limit: Page size, 1 to 10 000.
+            cursor: A page's ``next_cursor``.
+
+        Returns:
+            A :class:`~ledger.Page` of :class:`OperatorAction`.
+
+        Raises:
+            InvalidArgument: ``kinds`` empty or naming another kind; a bad range or page.
+        """
+        wanted = list(kinds)
+        if not wanted:
+            raise InvalidArgument(f"kinds is empty; pass some of {list(ACTION_KINDS)}",
+                                  field="kinds")
+        _window(since, until)
+        rows, nxt = self._audit.actions(kinds=wanted, since=since, until=until, limit=limit,
+                                        cursor=cursor)
+        return Page([_action(r) for r in rows], nxt)
+
+    @query
     def open_attempts(self, *, states: OpenStates = OPEN_STATES, since: Time | None = None,
                       until: Time | None = None, limit: Limit = 100,
                       cursor: Cursor | None = None) -> Page[OpenAttempt]:
@@ -966,6 +1180,46 @@ class Audit:
         return sorted(out, key=lambda d: (d.day, d.tenant is not None, d.tenant or ""))
 
     @query
+    def replay(self, policy: Annotated[Policy | str, instance(
+            (Policy, str), "a Policy, a preset name or a policy file's path",
+            "pass e.g. 'failure-domain'")], *, since: Time | None = None,
+               until: Time | None = None, run: Id | None = None,
+               tenant: Id | None = None) -> ReplayReport:
+        """What another policy would have done over recorded history, against what was done.
+
+        For every decision recorded in the window (the first route of a turn, each retry,
+        each move and each stop of the Runs admitted in [since, until)), the other policy
+        decides again on the recorded facts: whether to move on, which route, which stop, which
+        candidates it skips and why. Where it differs, the report groups the differences with
+        examples; where it picks a route not tried at that moment, it estimates the outcome
+        from other Runs' Attempts on that route in the window and says how much rests on such
+        estimates; and it totals attempts, cost, latency and stops under both. No provider is
+        called and nothing is written (``docs/audit.md``, "Should we change policy?").
+
+        Args:
+            policy: The policy to replay: a :class:`~ledger.Policy`, a preset name
+                (``goclaw``, ``fased``, ``failure-domain``) or a policy file's path.
+            since: Runs admitted at or after this time (default: a day before ``until``; with
+                ``run``, any time).
+            until: Runs admitted before this time (default: now).
+            run: Only this Run.
+            tenant: Only this tenant's Runs.
+
+        Returns:
+            The :class:`~ledger.ops.replay.ReplayReport`.
+
+        Raises:
+            InvalidArgument: a policy that does not load (``field="policy"``), a bad range.
+
+        Example:
+            >>> rep = audit.replay("failure-domain", since=t0)  # doctest: +SKIP
+            >>> [f.text for f in rep.findings][:2]  # doctest: +SKIP
+            ['would have stopped (execution_unknown) after 41 read timeout failures', ...]
+        """
+        return replay_window(self.ledger, policy, since=since, until=until, run=run,
+                             tenant=tenant)
+
+    @query
     def metrics(self, now: Time | None = None) -> MetricsSnapshot:
         """Totals for the dashboard's ``/metrics``.
 
@@ -1010,8 +1264,9 @@ class AsyncAudit(Awaiting, Audit):
 
 
 __all__ = [
-    "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "DayCost", "Failover",
-    "FailoverCause", "GroupHealth", "HealthReport", "KeyHealth", "MetricsSnapshot", "Move",
-    "OpenAttempt", "RoutePoint", "RouteSeries", "RunSummary", "RunTimeline", "Selection",
-    "Skipped", "Stop", "TimelineEntry", "Totals", "UnusableRoute", "to_jsonable",
+    "ACTION_KINDS", "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "DayCost",
+    "Failover", "FailoverCause", "GroupHealth", "HealthReport", "KeyHealth", "MetricsSnapshot",
+    "Move", "OpenAttempt", "OperatorAction", "RoutePoint", "RouteSeries", "RunSummary",
+    "RunTimeline", "Selection", "Skipped", "Spend", "SpendPoint", "Stop", "TimelineEntry",
+    "Totals", "UnusableRoute", "to_jsonable",
 ]

@@ -291,6 +291,96 @@ class AuditQueries:
             nxt = f"o:{offset + limit}"
         return rows, nxt
 
+    def spend(self, *, by: str, label: str | None, since: float | None, until: float | None,
+              bucket: tuple[float, float] | None, limit: int, cursor: str | None
+              ) -> tuple[list[RowMap], list[RowMap], str | None]:
+        """Runs admitted in the range grouped by tenant (``by="tenant"``) or by the value of
+        label ``label``: how many, their own budgets (``max_cost`` less what they carved for
+        children) and what they have posted and hold now, in micros; most posted first.
+        Returns (a page of keys with their totals, the same keys' rows per time bucket when
+        ``bucket`` is ``(origin, width)``, the next cursor). Raises
+        :class:`~ledger.errors.InvalidArgument` (``by``, a bad label key, limit, cursor)."""
+        _check_limit(limit)
+        r = s.runs.c
+        key: ColumnElement[Any]
+        if by == "tenant":
+            key = r.tenant
+        elif by == "label":
+            if not label:
+                raise InvalidArgument("spend by label needs the label key (label='team')",
+                                      field="label")
+            key = self._label_expr(label)
+        else:
+            raise InvalidArgument(f"cannot total spend by {by!r}; choose tenant or label",
+                                  field="by")
+        offset = _offset(cursor)
+        conds = _range(r.created_at, since, until)
+        sums = (func.count().label("runs"),
+                func.coalesce(func.sum(r.max_cost_micros - r.carved_micros), 0)
+                .label("budget_micros"),
+                func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
+                func.coalesce(func.sum(r.reserved_micros), 0).label("held_micros"))
+        # Runs without the key (no tenant, no such label) form one group, ordered the same
+        # on both databases (they sort NULL apart).
+        q = (select(key.label("key"), *sums).where(*conds).group_by(key)
+             .order_by(sums[2].desc(), key.is_(None).desc(), key.asc())
+             .offset(offset).limit(limit + 1))
+        with self.ctx.reading() as conn:
+            rows = _maps(conn.execute(q).all())
+            nxt = None
+            if len(rows) > limit:
+                rows = rows[:limit]
+                nxt = f"o:{offset + limit}"
+            points: list[RowMap] = []
+            if bucket is not None and rows:
+                named = [x["key"] for x in rows if x["key"] is not None]
+                wanted = [key.in_(named)] if named else []
+                if any(x["key"] is None for x in rows):
+                    wanted.append(key.is_(None))
+                origin, width = bucket
+                b: ColumnElement[Any] = self.ctx.bucket(r.created_at, origin, width)
+                points = _maps(conn.execute(
+                    select(key.label("key"), b.label("bucket"), *sums)
+                    .where(*conds, or_(*wanted))
+                    .group_by(key, literal_column("bucket")).order_by(literal_column("bucket"))
+                ).all())
+        return rows, points, nxt
+
+    def actions(self, *, kinds: Sequence[str], since: float | None, until: float | None,
+                limit: int, cursor: str | None) -> tuple[list[RowMap], str | None]:
+        """Operators' actions newest first: the events of ``kinds`` (``late_receipt`` only
+        where an operator's evidence was applied, not an executor's refused settle), keyset
+        on ``(created_at, event_id)``. Raises :class:`~ledger.errors.InvalidArgument`."""
+        _check_limit(limit)
+        e = s.events.c
+        conds: list[ColumnElement[bool]] = _range(e.created_at, since, until)
+        cur = parse_cursor(cursor)
+        if cur is not None:
+            ts, last = cur
+            try:
+                last_id = int(last)
+            except ValueError as err:
+                raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
+                                      field="cursor") from err
+            conds.append(or_(e.created_at < ts, and_(e.created_at == ts, e.event_id < last_id)))
+        # The stored data is JSON with sorted keys (ledger.storage.encode.event_json): an
+        # applied receipt reads '"applied": true' in it.
+        kind_ok: list[ColumnElement[bool]] = [
+            e.kind.in_([k for k in kinds if k != "late_receipt"])]
+        if "late_receipt" in kinds:
+            kind_ok.append(and_(e.kind == "late_receipt",
+                                e.data.contains('"applied": true', autoescape=True)))
+        q = (select(e.event_id, e.run_id, e.attempt_id, e.kind, e.data, e.created_at)
+             .where(*conds, or_(*kind_ok))
+             .order_by(e.created_at.desc(), e.event_id.desc()).limit(limit + 1))
+        with self.ctx.reading() as conn:
+            rows = _maps(conn.execute(q).all())
+        nxt = None
+        if len(rows) > limit:
+            rows = rows[:limit]
+            nxt = make_cursor(rows[-1]["created_at"], str(rows[-1]["event_id"]))
+        return rows, nxt
+
     def open_attempts(self, *, states: Sequence[str], since: float | None,
                       until: float | None, limit: int, cursor: str | None
                       ) -> tuple[list[RowMap], str | None]:

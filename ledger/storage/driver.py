@@ -5,10 +5,10 @@ A hot-path transaction is a generator (sans-I/O) that yields what it needs execu
 a connection, so the same function runs on SQLite (:mod:`sqlite3`), on PostgreSQL through a
 blocking :mod:`psycopg` connection, and on PostgreSQL through an asyncio one::
 
-    def begin_tx(...) -> Tx[AttemptRecord]:
-        [run] = yield Q(LOCK_RUN, {"run_id": ...})
+    def begin_tx(sql, ...) -> Tx[AttemptRecord]:
+        [run] = yield Q(sql.lock_run, {"run_id": ...})
         ...
-        yield Flush((Q(INSERT_ATTEMPT, values), Q(UPDATE_RUN, params)), commit=True)
+        yield Flush((Q(sql.insert_attempt, values), Q(sql.begin_run, params)), commit=True)
         return record
 
 The drivers open the transaction (``BEGIN IMMEDIATE`` on SQLite, so writers serialize up front;
@@ -17,12 +17,13 @@ generator, and commit — on PostgreSQL the last writes and the ``COMMIT`` go as
 a begin or a settle costs two round trips. A driver's error leaves as the ledger error that
 :mod:`ledger.storage.failure` names for it (a lost or refused connection is
 :class:`~ledger.errors.DatabaseUnavailable`: retry-safe, the transaction was rolled back, or its
-commit outcome is unknown and every write is idempotent per id; a connection lost once its
-``COMMIT`` may have reached the server is told with ``fields["commit"] = "unknown"``, for the
-store to resolve under the Run's row lock). Statements are plain SQL
-strings executed through each driver's public API; psycopg prepares the repeated ones on the
-server. What differs between the databases is the driver object itself: how it opens a
-transaction, how it spells a parameter (:class:`Statements`), how it sends statements.
+commit outcome is unknown and every write is idempotent per id; a connection lost once a
+write's ``COMMIT`` may have reached the server is told with ``fields["commit"] = "unknown"``,
+for the store to resolve under the Run's row lock). Statements are compiled once
+per database from the schema (:mod:`ledger.storage.statements`) and executed through each
+driver's public API, with named parameters on SQLite and positional ones on psycopg, which
+prepares the repeated ones on the server. What differs between the databases is the driver
+object itself: how it gets a connection, how it opens a transaction, how it sends statements.
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import select
 import sqlite3
 import threading
-import time
-import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ledger.errors import DatabaseUnavailable, LedgerError
-from ledger.storage.failure import driver_error
+from ledger.storage.failure import driver_error, standby_error
+
+if TYPE_CHECKING:
+    from ledger.storage.pgpool import PgPool
+    from ledger.storage.statements import Stmt
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -50,21 +51,13 @@ Row = tuple[Any, ...]
 
 @dataclass(frozen=True, slots=True)
 class Q:
-    """One statement and its parameters; ``many``: run once per parameter set (no rows)."""
+    """One statement and its parameters by name (a mapping); ``many``: a sequence of them,
+    the statement run once per mapping (no rows). A fused statement
+    (:class:`~ledger.storage.statements.Fused`) takes the writes it fuses instead."""
 
-    sql: str
-    params: Mapping[str, Any] | Sequence[Mapping[str, Any]] = ()
+    stmt: Stmt
+    params: Any = ()
     many: bool = False
-
-    @property
-    def mapping(self) -> Mapping[str, Any]:
-        """The parameters of a single execution."""
-        return self.params  # type: ignore[return-value]
-
-    @property
-    def batch(self) -> Sequence[Mapping[str, Any]]:
-        """The parameter sets of a ``many`` execution."""
-        return self.params  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,61 +89,6 @@ class Driver(Protocol):
         ...
 
 
-def named(sql: str) -> tuple[str, tuple[str, ...]]:
-    """``:name`` placeholders as :mod:`sqlite3` takes them: unchanged, with a mapping."""
-    return sql, ()
-
-
-def positional(sql: str) -> tuple[str, tuple[str, ...]]:
-    """``:name`` placeholders as positional ``%s`` for psycopg (a sequence of values costs the
-    driver less than a mapping to reorder), and the names in order."""
-    out = []
-    names: list[str] = []
-    i = 0
-    while i < len(sql):
-        ch = sql[i]
-        if ch == ":" and i + 1 < len(sql) and (sql[i + 1].isalpha() or sql[i + 1] == "_") and (
-                i == 0 or sql[i - 1] != ":"):
-            j = i + 1
-            while j < len(sql) and (sql[j].isalnum() or sql[j] == "_"):
-                j += 1
-            names.append(sql[i + 1:j])
-            out.append("%s")
-            i = j
-            continue
-        out.append("%%" if ch == "%" else ch)
-        i += 1
-    return "".join(out), tuple(names)
-
-
-class Statements:
-    """The SQL of one driver, converted once by ``convert`` (:func:`named` or
-    :func:`positional`): ``stmts.get(sql)`` is what the driver executes, the parameter names in
-    order (positional drivers), and whether it returns rows (only those are fetched: describing
-    a result costs the client work)."""
-
-    def __init__(self, convert: Callable[[str], tuple[str, tuple[str, ...]]]) -> None:
-        self._convert = convert
-        self._cache: dict[str, tuple[str, tuple[str, ...], bool]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, sql: str) -> tuple[str, tuple[str, ...], bool]:
-        """The driver's text of ``sql``, its parameter names in order, whether it has rows."""
-        out = self._cache.get(sql)
-        if out is None:
-            head = sql.lstrip()[:6].upper().rstrip()
-            text, names = self._convert(sql)
-            out = (text, names, head in ("SELECT", "WITH") or head.startswith("WITH ")
-                   or " RETURNING " in sql.upper())
-            with self._lock:
-                if len(self._cache) < 4096:  # a bound: shapes are few, but never unbounded
-                    self._cache[sql] = out
-        return out
-
-    def __getitem__(self, sql: str) -> str:
-        return self.get(sql)[0]
-
-
 # -- SQLite ------------------------------------------------------------------------------------
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -173,7 +111,6 @@ class SqliteDriver:
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
-        self.stmts = Statements(named)
 
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -215,7 +152,6 @@ class SqliteDriver:
             raise driver_error(e, self.path) from e
 
     def _feed(self, conn: sqlite3.Connection, tx: Tx[T]) -> T:
-        stmts = self.stmts
         value: Any = None
         while True:
             try:
@@ -223,9 +159,9 @@ class SqliteDriver:
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
             if isinstance(step, Q):
-                value = _sqlite_exec(conn, stmts[step.sql], step)
+                value = _sqlite_exec(conn, step)
             else:
-                value = [_sqlite_exec(conn, stmts[q.sql], q) for q in step.items]
+                value = [_sqlite_exec(conn, q) for q in step.items]
                 if step.commit:
                     conn.execute("COMMIT")
 
@@ -251,11 +187,12 @@ class SqliteDriver:
         self._local = threading.local()
 
 
-def _sqlite_exec(conn: sqlite3.Connection, sql: str, q: Q) -> list[Row]:
+def _sqlite_exec(conn: sqlite3.Connection, q: Q) -> list[Row]:
+    # Named parameters: sqlite3 reads them from the transaction's own mapping.
     if q.many:
-        conn.executemany(sql, q.params)
+        conn.executemany(q.stmt.text, q.params)
         return []
-    return conn.execute(sql, q.params).fetchall()
+    return conn.execute(q.stmt.text, q.params).fetchall()
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -270,78 +207,44 @@ def _rollback(conn: sqlite3.Connection) -> None:
 
 
 class PgDriver:
-    """psycopg 3 connections from a small pool, blocking and asyncio, in autocommit mode with
-    the transaction's ``BEGIN`` and ``COMMIT`` pipelined with its statements."""
+    """psycopg 3 connections of the store's pool (:class:`~ledger.storage.pgpool.PgPool`),
+    blocking and asyncio, in autocommit mode with the transaction's ``BEGIN`` and ``COMMIT``
+    pipelined with its statements."""
 
-    def __init__(self, conninfo: str, *, where: str, max_size: int = 10) -> None:
-        self.conninfo = conninfo
-        self.where = where
-        self.max_size = max_size
-        self.stmts = Statements(positional)
-        self._idle: list[Any] = []
-        self._aidle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Any]] = (
-            weakref.WeakKeyDictionary())
-        self._lock = threading.Lock()
-
-    # -- blocking
-
-    @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        import psycopg
-
-        conn = None
-        while conn is None:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                try:
-                    conn = psycopg.connect(self.conninfo, autocommit=True)
-                except psycopg.Error as e:
-                    raise driver_error(e, self.where) from e
-            elif not _alive(conn):
-                conn = None  # the server dropped it while it was idle: take another
-        try:
-            yield conn
-        finally:
-            # Only a connection outside any transaction goes back (errors were rolled back).
-            if not conn.closed and conn.info.transaction_status == 0:
-                with self._lock:
-                    if len(self._idle) < self.max_size:
-                        conn._ledger_idle_since = time.monotonic()
-                        self._idle.append(conn)
-                        conn = None
-            if conn is not None and not conn.closed:
-                conn.close()
+    def __init__(self, pool: PgPool) -> None:
+        self.pool = pool
+        self.where = pool.where
 
     def run(self, tx: Tx[T], *, write: bool) -> T:
         import psycopg
 
-        committing = _Committing(write)
-        with self._connection() as conn:
-            try:
-                return self._feed(conn, tx, committing)
-            except BaseException as e:
-                lost = conn.closed
-                _abort(conn)
-                if isinstance(e, psycopg.Error):
-                    self._after_error(conn)
-                    raise committing.told(driver_error(e, self.where), lost) from e
-                raise
+        from ledger.storage.pgpool import release
 
-    def _after_error(self, conn: Any) -> None:
-        """A connection the server dropped: the idle ones are as suspect, so they go too."""
-        if not conn.closed:
-            return
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            with contextlib.suppress(Exception):  # closing a dead connection is best effort
-                c.close()
-        # Async connections belong to their loops; they are dropped the same way.
-        self._aidle = weakref.WeakKeyDictionary()
+        try:
+            conn = self.pool.checkout()
+        except psycopg.Error as e:
+            raise driver_error(e, self.where) from e
+        dropped = False
+        committing = _Committing(write)
+        try:
+            return self._feed(conn, tx, committing)
+        except BaseException as e:
+            # The server (or the network) ended it, not the abort; or it is a standby's.
+            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+            dropped = conn.closed or standby
+            _abort(conn)
+            if standby:
+                raise standby_error(e, self.where) from e
+            if isinstance(e, psycopg.Error):
+                raise committing.told(driver_error(e, self.where), dropped) from e
+            raise
+        finally:
+            if dropped:
+                self.pool.lost(conn)  # the idle ones beside it are as suspect
+            else:
+                release(conn)
 
     def _feed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
-        stmts = self.stmts
         value: Any = None
         first = True
         committed = False
@@ -362,12 +265,12 @@ class PgDriver:
                     conn.execute("BEGIN")
                 for q in items:
                     cur = conn.cursor()
-                    text, names, fetch = stmts.get(q.sql)
+                    stmt = q.stmt
                     if q.many:
-                        cur.executemany(text, [[r[n] for n in names] for r in q.batch])
+                        cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
                     else:
-                        cur.execute(text, [q.mapping[n] for n in names])
-                    cursors.append((cur, fetch and not q.many))
+                        cur.execute(stmt.text, stmt.args(q.params))
+                    cursors.append((cur, stmt.rows and not q.many))
                 if commit:
                     conn.execute("COMMIT")
             first = False
@@ -377,49 +280,36 @@ class PgDriver:
 
     # -- asyncio
 
-    @asynccontextmanager
-    async def _aconnection(self) -> AsyncIterator[Any]:
-        import psycopg
-
-        # Async connections belong to the event loop that made them.
-        idle = self._aidle.setdefault(asyncio.get_running_loop(), [])
-        conn = None
-        while conn is None:
-            conn = idle.pop() if idle else None
-            if conn is None:
-                try:
-                    conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
-                except psycopg.Error as e:
-                    raise driver_error(e, self.where) from e
-            elif not await _aalive(conn):
-                conn = None  # the server dropped it while it was idle: take another
-        try:
-            yield conn
-        finally:
-            if not conn.closed and conn.info.transaction_status == 0 and \
-                    len(idle) < self.max_size:
-                conn._ledger_idle_since = time.monotonic()
-                idle.append(conn)
-            elif not conn.closed:
-                await conn.close()
-
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
         import psycopg
 
+        from ledger.storage.pgpool import arelease
+
+        try:
+            conn = await self.pool.acheckout()
+        except psycopg.Error as e:
+            raise driver_error(e, self.where) from e
+        dropped = False
         committing = _Committing(write)
-        async with self._aconnection() as conn:
-            try:
-                return await self._afeed(conn, tx, committing)
-            except BaseException as e:
-                lost = conn.closed
-                await _aabort(conn)
-                if isinstance(e, psycopg.Error):
-                    self._after_error(conn)
-                    raise committing.told(driver_error(e, self.where), lost) from e
-                raise
+        try:
+            return await self._afeed(conn, tx, committing)
+        except BaseException as e:
+            # The server (or the network) ended it, not the abort; or it is a standby's.
+            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+            dropped = conn.closed or standby
+            await _aabort(conn)
+            if standby:
+                raise standby_error(e, self.where) from e
+            if isinstance(e, psycopg.Error):
+                raise committing.told(driver_error(e, self.where), dropped) from e
+            raise
+        finally:
+            if dropped:
+                await self.pool.alost(conn)
+            else:
+                await arelease(conn)
 
     async def _afeed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
-        stmts = self.stmts
         value: Any = None
         first = True
         committed = False
@@ -440,12 +330,12 @@ class PgDriver:
                     await conn.execute("BEGIN")
                 for q in items:
                     cur = conn.cursor()
-                    text, names, fetch = stmts.get(q.sql)
+                    stmt = q.stmt
                     if q.many:
-                        await cur.executemany(text, [[r[n] for n in names] for r in q.batch])
+                        await cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
                     else:
-                        await cur.execute(text, [q.mapping[n] for n in names])
-                    cursors.append((cur, fetch and not q.many))
+                        await cur.execute(stmt.text, stmt.args(q.params))
+                    cursors.append((cur, stmt.rows and not q.many))
                 if commit:
                     await conn.execute("COMMIT")
             first = False
@@ -454,13 +344,7 @@ class PgDriver:
             value = rows[0] if isinstance(step, Q) else rows
 
     def close(self) -> None:
-        with self._lock:
-            conns, self._idle = self._idle, []
-        for c in conns:
-            c.close()
-        # Async connections belong to the loop that made them; dropping them lets the loop's
-        # shutdown close their sockets.
-        self._aidle = weakref.WeakKeyDictionary()
+        self.pool.close()
 
 
 class _Committing:
@@ -485,64 +369,20 @@ class _Committing:
         return err
 
 
-# A connection idle longer than this is checked (one round trip) before it is used again: a
-# dropped socket shows up there, not as a failed transaction. One used more recently (a busy
-# worker's) costs one poll of its socket: an idle connection has nothing to read, so anything
-# there (a server's goodbye, an end of file) means it is gone.
-IDLE_CHECK_S = 1.0
+def _standby_refusal(e: Any, conn: Any) -> bool:
+    """Whether ``e`` is a write refused because ``conn``'s server is a standby (SQLSTATE
+    25006 on a server in recovery), not because the database or the role is read-only."""
+    from ledger.storage.pgpool import on_standby
 
-
-def _told_goodbye(conn: Any) -> bool:
-    """Whether the server wrote to, or closed, a connection nobody is using."""
-    try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
-
-
-def _alive(conn: Any) -> bool:
-    """Whether a pooled connection still works (checked only after it idled a while)."""
-    import psycopg
-
-    if conn.closed or _told_goodbye(conn):
-        with contextlib.suppress(Exception):
-            conn.close()
-        return False
-    if time.monotonic() - getattr(conn, "_ledger_idle_since", 0.0) < IDLE_CHECK_S:
-        return True
-    try:
-        conn.execute("SELECT 1")
-        return True
-    except psycopg.Error:
-        with contextlib.suppress(Exception):
-            conn.close()
-        return False
-
-
-async def _aalive(conn: Any) -> bool:
-    """:func:`_alive` for an asyncio connection."""
-    import psycopg
-
-    if conn.closed or _told_goodbye(conn):
-        with contextlib.suppress(Exception):
-            await conn.close()
-        return False
-    if time.monotonic() - getattr(conn, "_ledger_idle_since", 0.0) < IDLE_CHECK_S:
-        return True
-    try:
-        await conn.execute("SELECT 1")
-        return True
-    except psycopg.Error:
-        with contextlib.suppress(Exception):
-            await conn.close()
-        return False
+    return getattr(e, "sqlstate", None) == "25006" and not conn.closed and on_standby(conn)
 
 
 def _abort(conn: Any) -> None:
     """Leave no transaction open on a connection going back to the pool (or close it)."""
     import psycopg
     from psycopg.pq import TransactionStatus
+
+    from ledger.storage.pgpool import hard_close
 
     if conn.closed:
         return
@@ -555,12 +395,14 @@ def _abort(conn: Any) -> None:
             return
         except psycopg.Error:
             pass
-    conn.close()
+    hard_close(conn)
 
 
 async def _aabort(conn: Any) -> None:
     import psycopg
     from psycopg.pq import TransactionStatus
+
+    from ledger.storage.pgpool import ahard_close
 
     if conn.closed:
         return
@@ -573,8 +415,7 @@ async def _aabort(conn: Any) -> None:
             return
         except psycopg.Error:
             pass
-    await conn.close()
+    await ahard_close(conn)
 
 
-__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Statements", "Tx", "named",
-           "positional"]
+__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Tx"]

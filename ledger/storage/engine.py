@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import NullPool
 
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage.failure import mapped
@@ -42,18 +43,22 @@ def normalize_url(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+    """The URL without its password (in its user part or as ``password=``), for messages
+    and logs."""
+    url = re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
 
 def parse(url: str) -> tuple[str, URL]:
     """``url`` normalized (:func:`normalize_url`) and parsed; names the backend's problems."""
-    norm = normalize_url(url)
+    from ledger.storage.pgurl import hosts_to_query
+
+    norm = hosts_to_query(normalize_url(url), redact_url(url))
     try:
         parsed = make_url(norm)
-    except ArgumentError as e:
+    except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
         raise InvalidArgument(
-            f"cannot parse database URL {redact_url(url)!r}: use a SQLite file path or "
+            f"cannot parse database URL {redact_url(url)!r} ({e}): use a SQLite file path or "
             "postgresql+psycopg://user:pass@host:port/dbname",
             field="url",
         ) from e
@@ -116,8 +121,8 @@ def sqlite_engine(parsed: URL, busy_timeout_s: float) -> Engine:
     return engine
 
 
-def postgres_engine(norm: str, parsed: URL) -> Engine:
-    """An engine for a PostgreSQL URL (psycopg 3 only)."""
+def postgres_driver(norm: str, parsed: URL) -> None:
+    """Check that a PostgreSQL URL names psycopg 3 and that it is installed."""
     if parsed.get_driver_name() != "psycopg":
         raise InvalidArgument(
             f"unsupported PostgreSQL driver {parsed.get_driver_name()!r}; "
@@ -125,24 +130,56 @@ def postgres_engine(norm: str, parsed: URL) -> Engine:
             field="url",
         )
     _require_psycopg(norm)
-    # No pre-ping: it costs a round trip per transaction. A connection that died (server
-    # restart) fails its next statement with DatabaseUnavailable, the pool drops it, and the
-    # caller's retry gets a fresh one; every write is idempotent per id, so that is safe.
-    return create_engine(norm, pool_pre_ping=False, pool_size=5, max_overflow=10)
+
+
+def postgres_conninfo(norm: str, parsed: URL) -> str:
+    """The libpq connection string of a PostgreSQL URL (psycopg 3 only; every spelling of
+    several hosts: :mod:`ledger.storage.pgurl`), checked without any name lookup."""
+    from ledger.storage.pgurl import conninfo
+
+    postgres_driver(norm, parsed)
+    return conninfo(parsed, redact_url(norm))
+
+
+def postgres_engine(parsed: URL, creator: Callable[[], Any], **options: Any) -> Engine:
+    """An engine for a PostgreSQL URL that keeps no connection of its own: each one comes from
+    ``creator`` (a store's pool, which takes it back when SQLAlchemy closes it; or a
+    connection opened for one use). The engine's own URL carries no host: SQLAlchemy never
+    connects by itself, so the hosts are read once, by :func:`postgres_conninfo`."""
+    url = URL.create(parsed.drivername, username=parsed.username, database=parsed.database)
+    engine = create_engine(url, poolclass=NullPool, creator=creator, **options)
+    event.listen(engine, "handle_error", _standby_drops)
+    return engine
+
+
+def _standby_drops(context: Any) -> None:
+    """A write a standby refused drops its connection (SQLAlchemy invalidates it, as it does
+    a lost one), so that no later statement runs on it; the error says why
+    (:func:`ledger.storage.failure.standby_error`)."""
+    from ledger.storage.pgpool import on_standby
+
+    if getattr(context.original_exception, "sqlstate", None) != "25006":
+        return
+    conn = context.connection
+    raw = conn.connection.driver_connection if conn is not None and not conn.invalidated \
+        else None
+    if raw is not None and not raw.closed and on_standby(raw):
+        context.is_disconnect = True
 
 
 POSTGRES_EXTRA_HINT = "pip install 'failover-ledger[postgres]'"
 
 
 def _require_psycopg(url: str) -> None:
-    """PostgreSQL needs the optional ``postgres`` extra (psycopg 3); say so before SQLAlchemy
-    fails on the missing module with a bare ImportError."""
+    """PostgreSQL needs the optional ``postgres`` extra (psycopg 3 and its pool); say so
+    before SQLAlchemy or the pool fails on the missing module with a bare ImportError."""
     try:
         import psycopg  # noqa: F401
+        import psycopg_pool  # noqa: F401
     except ImportError as e:
         raise InvalidArgument(
-            f"{redact_url(url)} is a PostgreSQL ledger, but the PostgreSQL driver (psycopg 3) "
-            f"is not installed; install the extra: {POSTGRES_EXTRA_HINT}",
+            f"{redact_url(url)} is a PostgreSQL ledger, but the PostgreSQL driver (psycopg 3 "
+            f"with psycopg_pool) is not installed; install the extra: {POSTGRES_EXTRA_HINT}",
             field="url", extra="postgres",
         ) from e
 

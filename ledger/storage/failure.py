@@ -17,7 +17,9 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   its commit outcome is unknown; every write is idempotent per id, so retrying is safe;
 * a write the database refuses to make at all (a read-only file or transaction, a role without
   the privilege): :class:`~ledger.errors.StorageError` with ``read_only=True``. Retrying will
-  not help; the message says so;
+  not help; the message says so. A write refused because the server is a standby (in
+  recovery: SQLSTATE 25006 there) is :class:`~ledger.errors.DatabaseUnavailable` with
+  ``standby=True`` instead: the connection is dropped, and the retry reaches the primary;
 * a row whose key is already recorded (a unique or primary key): :class:`~ledger.errors.Conflict`;
 * anything else the database said: :class:`~ledger.errors.StorageError`.
 
@@ -85,6 +87,14 @@ def _unavailable(text: str, where: str) -> DatabaseUnavailable:
         url=where)
 
 
+def _standby(text: str, where: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"database {where} did not take the write ({text}): the server is a standby (in "
+        "recovery), not the primary; nothing was written and the connection was dropped, so "
+        "the call is safe to retry once the primary answers (a URL that names every server "
+        "reconnects to it: docs/high-availability.md)", url=where, standby=True)
+
+
 def _refused(text: str, where: str) -> StorageError:
     return StorageError(
         f"database {where} refused the write ({text}): it is read-only to this connection; "
@@ -105,9 +115,12 @@ def _names(where: str) -> tuple[str | None, str | None, str]:
 
     try:
         url = make_url(where)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return None, None, where
-    host = f"{url.host or 'localhost'}:{url.port or 5432}"
+    # Several hosts are in the query as libpq's lists (ledger.storage.pgurl): told as such.
+    listed = {k: v if isinstance(v, str) else ",".join(v) for k, v in url.query.items()}
+    hosts = url.host or listed.get("host") or "localhost"
+    host = f"{hosts}:{url.port or listed.get('port') or 5432}"
     return url.database, url.username, host
 
 
@@ -250,7 +263,10 @@ def ledger_error(e: BaseException, where: str) -> LedgerError | None:
             if setup is not None:
                 return setup
         if e.connection_invalidated:
-            return _unavailable(_first_line(orig if orig is not None else e), where)
+            text = _first_line(orig if orig is not None else e)
+            if getattr(orig, "sqlstate", None) == "25006":  # dropped as a standby's (engine.py)
+                return _standby(text, where)
+            return _unavailable(text, where)
         if orig is not None:
             inner = ledger_error(orig, where)
             if inner is not None:
@@ -279,6 +295,12 @@ def driver_error(e: BaseException, where: str) -> LedgerError:
                                                   url=where)
 
 
+def standby_error(e: BaseException, where: str) -> DatabaseUnavailable:
+    """The error of a write a standby refused (``e``: SQLSTATE 25006 on a connection whose
+    server is in recovery): retry-safe, unlike a read-only database's refusal."""
+    return _standby(_first_line(e), where)
+
+
 @contextmanager
 def mapped(where: str) -> Iterator[None]:
     """Raise the ledger error of any driver or SQLAlchemy exception leaving the block, with
@@ -292,4 +314,4 @@ def mapped(where: str) -> Iterator[None]:
         raise err from e
 
 
-__all__ = ["driver_error", "ledger_error", "mapped", "setup_error"]
+__all__ = ["driver_error", "ledger_error", "mapped", "setup_error", "standby_error"]

@@ -1,9 +1,9 @@
 """The hot path's transactions, written once for every driver (see :mod:`ledger.storage.driver`).
 
 A turn touches the database exactly here: one :func:`snapshot_tx` read, then per Attempt one
-:func:`begin_tx` and one :func:`settle_tx`. Each is a generator yielding plain SQL; only a few
-statements differ between the databases (row locks, ``GREATEST``/``MAX``, list parameters), and
-they are said once, by :class:`SqliteSql` and :class:`PostgresSql`. The rules these
+:func:`begin_tx` and one :func:`settle_tx`. Each is a generator yielding the statements of
+:mod:`ledger.storage.statements` (``sql``: compiled once for the store's database) with their
+parameters by name; it never asks which database it runs on. The rules these
 transactions apply — is the lease live, what a settle does to a hold, a health row, a group —
 are pure functions (``ledger.decide.settle``); here they meet the rows, under the run row's
 lock (PostgreSQL ``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE`` already serializes writers), and
@@ -13,9 +13,6 @@ group's slots, so a decision is recorded at the time it was taken.
 
 from __future__ import annotations
 
-import abc
-import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -50,311 +47,23 @@ from ledger.errors import (
     StorageError,
 )
 from ledger.redaction import redact
-from ledger.storage import schema
+from ledger.storage import schema as s
 from ledger.storage.driver import Flush, Q, Tx
 from ledger.storage.encode import event_json, fact_json, health_values
 from ledger.storage.rows import SnapshotRows, attempt_record, health_record, written_attempt
+from ledger.storage.statements import HEALTH_READ, QUEUE_CHANNEL, Statements, Stmt
 
 ClockFn = Callable[[], float]
-#: The PostgreSQL channel told (payload: the group id) when a slot of a group with waiters is
-#: freed (a trigger, migration 0006) or a waiter leaves its queue.
-QUEUE_CHANNEL = "ledger_slots"
 
-ATTEMPT_COLS = (
-    "attempt_id", "run_id", "tenant", "turn_id", "seq", "kind", "route_id", "provider", "model",
-    "group_id", "profile_id", "debit_id", "envelope_hash", "state", "reject_reason", "fact",
-    "category", "http_status", "effective_output", "tool_started", "prompt_tokens",
-    "completion_tokens", "cost_micros", "reserved_micros", "reserved_tokens", "model_reported",
-    "output_hash", "settle_hash", "begin_hash", "fence", "settle_fence", "executor",
-    "created_at", "settled_at",
-)
-HEALTH_COLS = ("key", "cooldown_until", "disabled_until", "disabled_reason", "error_count",
-               "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at",
-               "recent_failures")
-RUN_LIVE_COLS = (
-    "status", "calls_used", "retries_used", "reserved_micros", "posted_micros", "tokens_used",
-    "tokens_reserved", "carved_calls", "carved_retries", "carved_micros", "carved_tokens",
-    "current_route", "current_profile", "lease_holder", "fence", "lease_expires_at",
-    "updated_at", "compactions", "profile_compactions",
-)
-BEGIN_RUN_COLS = (
-    "fence", "lease_holder", "lease_expires_at", "max_calls", "carved_calls", "calls_used",
-    "max_cost_micros", "carved_micros", "reserved_micros", "posted_micros", "max_retries",
-    "carved_retries", "retries_used", "max_tokens", "carved_tokens", "tokens_reserved",
-    "tokens_used",
-)
-GROUP_COLS = ("group_id", "max_in_flight", "mode", "until", "sampled_at")
+# The attempt's columns, in the schema's order (a settle's record is built from them).
+ATTEMPT_COLS = tuple(s.attempts.c.keys())
+# The health record's columns, as the settle's read carries them (prefixed ``h_``).
+HEALTH_COLS = tuple(c.name for c in HEALTH_READ)
 
 
-def _ns(cols: Sequence[str], row: Sequence[Any]) -> SimpleNamespace:
-    return SimpleNamespace(**dict(zip(cols, row, strict=True)))
-
-
-class Sql(abc.ABC):
-    """The hot path's encode. What differs between the databases is said once, by
-    :class:`SqliteSql` and :class:`PostgresSql`: a few spellings (class attributes), how a list
-    parameter is passed and how the writes that end a transaction are sent (methods)."""
-
-    # A locking read's suffix (SQLite's BEGIN IMMEDIATE already holds the write lock).
-    LOCK: str
-    # ``column IN <list parameter>``, with one SQL text whatever the list's length.
-    IN_LIST: str
-    GREATEST: str
-    # How the probe state's eviction treats rows another transaction holds.
-    SKIP_LOCKED: str
-    # Tells other processes that a group's queue changed (PostgreSQL's NOTIFY); None: there is
-    # no channel, and waiters in other processes find out by polling.
-    NOTIFY_QUEUE: str | None = None
-
-    def __init__(self) -> None:
-        lock = self.LOCK
-        inlist = self.IN_LIST
-        # Until when a slot or a queue place counts (schema.held_until), in these statements'
-        # aliases; compared with the clock read after the statement.
-        r = schema.runs.alias("r")
-        slot_held = str(schema.held_until(schema.group_slots.alias("gs").c.fence, r).compile())
-        place_held = str(schema.held_until(schema.group_waiters.alias("w").c.fence, r).compile())
-        self.run_live = (f"SELECT {', '.join(RUN_LIVE_COLS)} FROM runs WHERE run_id = :run_id")
-        self.lock_run = (f"SELECT {', '.join(BEGIN_RUN_COLS)} FROM runs WHERE run_id = :run_id"
-                         + lock)
-        self.lock_run_full = ("SELECT fence, lease_holder, lease_expires_at, max_retries, "
-                              "carved_retries, retries_used FROM runs WHERE run_id = :run_id"
-                              + lock)
-        self.lock_run_fence = ("SELECT fence, lease_holder, lease_expires_at, max_tokens FROM runs "
-                               "WHERE run_id = :run_id" + lock)
-        self.groups = (f"SELECT {', '.join(GROUP_COLS)} FROM capacity_groups "
-                       f"WHERE group_id {inlist.format('groups')}")
-        self.group_slots = (
-            f"SELECT gs.group_id, {slot_held} FROM group_slots gs JOIN runs r "
-            "ON r.run_id = gs.run_id WHERE gs.group_id " + inlist.format("groups"))
-        self.health = (f"SELECT {', '.join(HEALTH_COLS)} FROM health "
-                       f"WHERE key {inlist.format('keys')}")
-        self.provenance = ("SELECT ref, content_hash FROM provenance "
-                           f"WHERE run_id {inlist.format('runs')} AND ref {inlist.format('refs')}")
-        self.begin_lookup = (
-            "SELECT (SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE run_id = :run_id), "
-            "(SELECT attempt_id FROM attempts WHERE attempt_id = :attempt_id), "
-            "g.group_id, g.max_in_flight, g.mode, g.until "
-            "FROM (SELECT 1 AS one) o LEFT JOIN capacity_groups g ON g.group_id = :group")
-        self.ensure_group = ("INSERT INTO capacity_groups (group_id, mode, updated_at) "
-                             "VALUES (:group, 'open', :now) ON CONFLICT DO NOTHING")
-        self.lock_group = ("SELECT mode, until, max_in_flight FROM capacity_groups "
-                           "WHERE group_id = :group" + lock)
-        self.waiters = (
-            f"SELECT w.ticket, w.waiter_id, w.enqueued_at, w.expires_at, {place_held} "
-            "FROM group_waiters w LEFT JOIN runs r ON r.run_id = w.run_id "
-            "WHERE w.group_id = :group ORDER BY w.ticket")
-        self.insert_waiter = (
-            "INSERT INTO group_waiters (group_id, waiter_id, run_id, fence, enqueued_at, "
-            "expires_at) VALUES (:group_id, :waiter_id, :run_id, :fence, :enqueued_at, "
-            ":expires_at) RETURNING ticket")
-        self.drop_waiters = ("DELETE FROM group_waiters WHERE group_id = :group AND ticket "
-                             + inlist.format("tickets"))
-        self.leave_queue = "DELETE FROM group_waiters WHERE waiter_id = :waiter_id"
-        self.slot_expiries = (
-            f"SELECT {slot_held} FROM group_slots gs JOIN runs r ON r.run_id = gs.run_id "
-            "WHERE gs.group_id = :group")
-        self.attempt = (
-            f"SELECT {', '.join('a.' + c for c in ATTEMPT_COLS)}, d.state, d.reserved_micros "
-            "FROM attempts a LEFT JOIN debits d ON d.debit_id = a.debit_id "
-            "WHERE a.attempt_id = :attempt_id")
-        self.settle_read = (
-            f"SELECT {', '.join('a.' + c for c in ATTEMPT_COLS)}, d.state, d.reserved_micros, "
-            f"{', '.join('h.' + c for c in HEALTH_COLS)} "
-            "FROM attempts a LEFT JOIN debits d ON d.debit_id = a.debit_id "
-            "LEFT JOIN health h ON h.key = :key "
-            "WHERE a.attempt_id = :attempt_id AND a.run_id = :run_id")
-        self.insert_debit = (
-            "INSERT INTO debits (debit_id, run_id, attempt_id, state, reserved_micros, "
-            "posted_micros, created_at, settled_at) VALUES (:debit_id, :run_id, :attempt_id, "
-            ":state, :reserved_micros, 0, :created_at, :settled_at)")
-        cols = [c for c in ATTEMPT_COLS if c not in (
-            "fact", "category", "http_status", "prompt_tokens", "completion_tokens",
-            "cost_micros", "model_reported", "output_hash", "settle_hash", "settle_fence")]
-        self.insert_attempt = (f"INSERT INTO attempts ({', '.join(cols)}) VALUES "
-                               f"({', '.join(':' + c for c in cols)})")
-        self.insert_slot = ("INSERT INTO group_slots (attempt_id, group_id, run_id, fence, "
-                            "acquired_at) VALUES (:attempt_id, :group_id, :run_id, :fence, "
-                            ":acquired_at)")
-        self.insert_event = ("INSERT INTO events (run_id, attempt_id, kind, data, created_at) "
-                             "VALUES (:run_id, :attempt_id, :kind, :data, :created_at)")
-        self.begin_run = (
-            "UPDATE runs SET calls_used = calls_used + :calls, retries_used = retries_used + "
-            ":retries, reserved_micros = reserved_micros + :reserve, tokens_reserved = "
-            "tokens_reserved + :reserve_tokens, status = :status, updated_at = :now "
-            "WHERE run_id = :run_id")
-        self.adopt_attempt = "UPDATE attempts SET fence = :fence WHERE attempt_id = :attempt_id"
-        self.adopt_slot = "UPDATE group_slots SET fence = :fence WHERE attempt_id = :attempt_id"
-        self.void_attempt = (
-            "UPDATE attempts SET state = 'not_sent', reject_reason = :reason, settled_at = :now, "
-            "settle_fence = :fence WHERE attempt_id = :attempt_id")
-        self.void_debit = ("UPDATE debits SET state = 'voided', settled_at = :now "
-                           "WHERE debit_id = :debit_id")
-        self.void_run = (
-            "UPDATE runs SET reserved_micros = reserved_micros - :reserve, tokens_reserved = "
-            "tokens_reserved - :reserve_tokens, calls_used = calls_used - 1, updated_at = :now "
-            "WHERE run_id = :run_id")
-        self.settle_attempt = (
-            "UPDATE attempts SET state = :state, fact = :fact, category = :category, "
-            "http_status = :http_status, effective_output = :effective_output, tool_started = "
-            ":tool_started, prompt_tokens = :prompt_tokens, completion_tokens = "
-            ":completion_tokens, cost_micros = :cost_micros, model_reported = :model_reported, "
-            "output_hash = :output_hash, settle_hash = :settle_hash, settle_fence = "
-            ":settle_fence, settled_at = :settled_at WHERE attempt_id = :attempt_id")
-        self.settle_debit = ("UPDATE debits SET state = :state, posted_micros = :posted, "
-                             "settled_at = :now WHERE debit_id = :debit_id")
-        self.delete_slot = "DELETE FROM group_slots WHERE attempt_id = :attempt_id"
-        self.settle_run = (
-            "UPDATE runs SET reserved_micros = reserved_micros - :release, posted_micros = "
-            "posted_micros + :posted, tokens_reserved = tokens_reserved - :release_tokens, "
-            "tokens_used = tokens_used + :tokens, calls_used = calls_used - :uncount, "
-            "updated_at = :now WHERE run_id = :run_id")
-        self.settle_run_succeeded = (
-            "UPDATE runs SET reserved_micros = reserved_micros - :release, posted_micros = "
-            "posted_micros + :posted, tokens_reserved = tokens_reserved - :release_tokens, "
-            "tokens_used = tokens_used + :tokens, calls_used = calls_used - :uncount, "
-            "current_route = :route, current_profile = :profile, "
-            "profile_compactions = compactions, updated_at = :now WHERE run_id = :run_id")
-        self.lock_health = (f"SELECT {', '.join(HEALTH_COLS)} FROM health WHERE key = :key"
-                            + lock)
-        hcols = ("cooldown_until", "disabled_until", "disabled_reason", "error_count",
-                 "failure_counts", "last_failure_at", "last_used", "last_probe_at", "reset_at",
-                 "recent_failures", "updated_at")
-        self.insert_health = (
-            f"INSERT INTO health (key, kind, provider, {', '.join(hcols)}) VALUES (:key, :kind, "
-            f":provider, {', '.join(':' + c for c in hcols)}) ON CONFLICT DO NOTHING "
-            "RETURNING key")
-        self.update_health = (f"UPDATE health SET {', '.join(f'{c} = :{c}' for c in hcols)} "
-                              "WHERE key = :key")
-        greatest = self.GREATEST
-        self.group_fact = (
-            "INSERT INTO capacity_groups (group_id, mode, until, reason, sampled_at, updated_at) "
-            "VALUES (:group, :mode, :until, :reason, :now, :now) ON CONFLICT (group_id) DO "
-            "UPDATE SET mode = excluded.mode, reason = excluded.reason, sampled_at = "
-            "excluded.sampled_at, updated_at = excluded.updated_at, until = CASE WHEN "
-            "capacity_groups.mode <> 'open' AND capacity_groups.until IS NOT NULL AND "
-            f"excluded.until IS NOT NULL THEN {greatest}(capacity_groups.until, excluded.until) "
-            "ELSE excluded.until END")
-        self.insert_provenance = (
-            "INSERT INTO provenance (run_id, ref, content_hash, kind, created_at) VALUES "
-            "(:run_id, :ref, :content_hash, :kind, :now) ON CONFLICT DO NOTHING")
-        self.renew = ("UPDATE runs SET lease_expires_at = :expires, updated_at = :now "
-                      "WHERE run_id = :run_id")
-        self.acquire = ("UPDATE runs SET lease_holder = :holder, fence = :fence, "
-                        "lease_expires_at = :expires, updated_at = :now WHERE run_id = :run_id")
-        self.release = ("UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL, "
-                        "updated_at = :now WHERE run_id = :run_id")
-        self.count_slots = ("SELECT count(*) FROM group_slots WHERE run_id = :run_id "
-                            "AND fence = :fence")
-        self.finish = "UPDATE runs SET status = :status, updated_at = :now WHERE run_id = :run_id"
-        self.take_retry = ("UPDATE runs SET retries_used = retries_used + 1, updated_at = :now "
-                           "WHERE run_id = :run_id")
-        self.mark_unknown = (
-            "UPDATE attempts SET state = 'unknown', settled_at = :now, settle_fence = :fence "
-            "WHERE attempt_id = :attempt_id")
-        self.ensure_health = (
-            "INSERT INTO health (key, kind, provider, error_count, failure_counts, updated_at) "
-            "VALUES (:key, :kind, :provider, 0, '{}', :now) ON CONFLICT DO NOTHING")
-        self.claim_probe = (
-            "UPDATE health SET last_probe_at = :now, updated_at = :now WHERE key = :key AND "
-            "(last_probe_at IS NULL OR last_probe_at <= :since) RETURNING key")
-        # Probe state is bounded like GoClaw's throttle map: times past the TTL are forgotten,
-        # and of the others only the newest `keep` stay besides the key just claimed. Rows
-        # another transaction holds are skipped (PostgreSQL), so concurrent claims never wait
-        # on each other's evictions; the bound is exact when claims do not overlap.
-        self.forget_probes = (
-            "UPDATE health SET last_probe_at = NULL WHERE key IN (SELECT key FROM health "
-            "WHERE last_probe_at IS NOT NULL AND key <> :key AND (last_probe_at <= :expired "
-            "OR key NOT IN (SELECT key FROM health WHERE last_probe_at IS NOT NULL AND "
-            "key <> :key ORDER BY last_probe_at DESC, key DESC LIMIT :keep))"
-            + self.SKIP_LOCKED + ")")
-        self.compaction = (
-            "UPDATE runs SET compactions = compactions + 1, updated_at = :now "
-            "WHERE run_id = :run_id RETURNING compactions")
-
-    @abc.abstractmethod
-    def list_param(self, values: Sequence[str] | Sequence[int]) -> Any:
-        """A list parameter as :attr:`IN_LIST` takes it."""
-
-    @abc.abstractmethod
-    def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
-        """The writes that end a transaction, as this database takes them best."""
-
-
-class SqliteSql(Sql):
-    """The hot path's statements on SQLite: no row locks, JSON arrays, ``MAX``."""
-
-    LOCK = ""
-    IN_LIST = "IN (SELECT value FROM json_each(:{0}))"
-    GREATEST = "MAX"
-    SKIP_LOCKED = ""
-
-    def list_param(self, values: Sequence[str] | Sequence[int]) -> Any:
-        """A list parameter as a JSON array (read by ``json_each``)."""
-        return json.dumps(list(values))
-
-    def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
-        """The writes as they are: there are no round trips to save."""
-        return tuple(items)
-
-
-class PostgresSql(Sql):
-    """The hot path's statements on PostgreSQL: row locks, arrays, ``GREATEST``, and the
-    writes that end a transaction sent as one statement."""
-
-    LOCK = " FOR UPDATE"
-    IN_LIST = "= ANY(:{0})"
-    GREATEST = "GREATEST"
-    SKIP_LOCKED = " FOR UPDATE SKIP LOCKED"
-    NOTIFY_QUEUE = f"SELECT pg_notify('{QUEUE_CHANNEL}', :group)"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._combined: dict[tuple[tuple[str, int], ...], str] = {}
-
-    def list_param(self, values: Sequence[str] | Sequence[int]) -> Any:
-        """A list parameter as an array."""
-        return list(values)
-
-    def writes(self, items: Sequence[Q]) -> tuple[Q, ...]:
-        """One statement of data-modifying CTEs (every statement costs the client a round of
-        work in the driver, and they touch distinct rows, none reading another's writes, so
-        one snapshot serves them all)."""
-        if len(items) < 2:
-            return tuple(items)
-        shape = tuple((q.sql, len(q.batch) if q.many else -1) for q in items)
-        sql = self._combined.get(shape)
-        if sql is None:
-            ctes = []
-            for i, (text, n) in enumerate(shape):
-                if n == 0:
-                    continue
-                if n > 0:
-                    head, _, values = text.partition(" VALUES ")
-                    rows = ", ".join(_prefixed(values, f"p{i}_{j}_") for j in range(n))
-                    ctes.append(f"w{i} AS ({head} VALUES {rows})")
-                else:
-                    ctes.append(f"w{i} AS ({_prefixed(text, f'p{i}_')})")
-            sql = self._combined[shape] = "WITH " + ", ".join(ctes) + " SELECT 1"
-        params: dict[str, Any] = {}
-        for i, q in enumerate(items):
-            if q.many:
-                for j, row in enumerate(q.batch):
-                    params.update({f"p{i}_{j}_{k}": v for k, v in row.items()})
-            else:
-                params.update({f"p{i}_{k}": v for k, v in q.mapping.items()})
-        return (Q(sql, params),)
-
-
-# A ``:name`` parameter (not a ``::`` cast).
-_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def _prefixed(sql: str, prefix: str) -> str:
-    return _PARAM.sub(lambda m: ":" + prefix + m.group(1), sql)
-
-SQLITE_SQL = SqliteSql()
-POSTGRES_SQL = PostgresSql()
+def _ns(stmt: Stmt, row: Sequence[Any]) -> SimpleNamespace:
+    """A row of ``stmt`` with its columns as attributes."""
+    return SimpleNamespace(**dict(zip(stmt.columns, row, strict=True)))
 
 
 # -- the lease rule ----------------------------------------------------------------------------
@@ -392,30 +101,25 @@ def check_live(row: Any, lease: Lease, now: float, margin_s: float) -> None:
             run_id=lease.run_id, fence=lease.fence, current=row.fence)
 
 
-def _locked(rows: list[Any], cols: Sequence[str], run_id: str) -> SimpleNamespace:
+def _locked(rows: list[Any], stmt: Stmt, run_id: str) -> SimpleNamespace:
     if not rows:
         raise NotFound(f"unknown run id {run_id!r}; check the id or admit the run first",
                        run_id=run_id)
-    return _ns(cols, rows[0])
+    return _ns(stmt, rows[0])
 
 
-def _lock_live(sql: Sql, stmt: str, cols: Sequence[str], lease: Lease, clock: ClockFn,
+def _lock_live(stmt: Stmt, lease: Lease, clock: ClockFn,
                margin: float) -> Tx[tuple[SimpleNamespace, float]]:
-    row = _locked((yield Q(stmt, {"run_id": lease.run_id})), cols, lease.run_id)
+    row = _locked((yield Q(stmt, {"run_id": lease.run_id})), stmt, lease.run_id)
     now = clock()
     check_live(row, lease, now, margin)
     return row, now
 
 
-FENCE_COLS = ("fence", "lease_holder", "lease_expires_at", "max_tokens")
-RETRY_COLS = ("fence", "lease_holder", "lease_expires_at", "max_retries", "carved_retries",
-              "retries_used")
-
-
 # -- the read of a decision --------------------------------------------------------------------
 
 
-def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str],
+def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Sequence[str],
                 runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Tx[SnapshotRows]:
     listed = sql.list_param(groups)
     items = [Q(sql.run_live, {"run_id": run_id}),
@@ -427,7 +131,7 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
                                         "refs": sql.list_param(refs)}))
     res = yield Flush(tuple(items))
     now = clock()
-    run = _locked(res[0], RUN_LIVE_COLS, run_id)
+    run = _locked(res[0], sql.run_live, run_id)
     expiries: dict[str, list[float]] = {}
     for gid, exp in res[2]:
         if exp is not None:
@@ -442,7 +146,7 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
             sampled_at=sampled if sampled is not None else now,
             in_flight=sum(1 for e in expiries.get(gid, ()) if e > now) if limit is not None
             else 0, limit=limit)
-    health = {row[0]: health_record(_ns(HEALTH_COLS, row)) for row in res[3]}
+    health = {row[0]: health_record(_ns(sql.health, row)) for row in res[3]}
     prov: dict[str, set[str]] = {}
     for ref, digest in (res[4] if refs else ()):
         prov.setdefault(ref, set()).add(digest)
@@ -452,7 +156,7 @@ def snapshot_tx(sql: Sql, run_id: str, groups: Sequence[str], keys: Sequence[str
 # -- begin -------------------------------------------------------------------------------------
 
 
-def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float
+def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
              ) -> Tx[AttemptRecord | Queued]:
     """Record an Attempt before it is sent (see ``Store.begin_attempt``).
 
@@ -467,7 +171,7 @@ def begin_tx(sql: Sql, spec: BeginSpec, clock: ClockFn, margin: float
         Q(sql.begin_lookup, {"run_id": spec.run_id, "attempt_id": spec.attempt_id,
                              "group": spec.route.group}),
     ))
-    run = _locked(locked, BEGIN_RUN_COLS, spec.run_id)
+    run = _locked(locked, sql.lock_run, spec.run_id)
     now = clock()
     check_live(run, lease, now, margin)
     next_seq, prior, g_id, g_limit, g_mode, g_until = looked[0]
@@ -608,7 +312,7 @@ class _Admission:
     limit: int | None = None
 
 
-def _admit(sql: Sql, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], now: float,
+def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], now: float,
            clock: ClockFn) -> Tx[_Admission]:
     """Whether the group admits one more attempt, refuses it, or queues it.
 
@@ -660,7 +364,7 @@ def _admit(sql: Sql, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], now: fl
                       in_flight=in_flight, limit=limit)
 
 
-def _enqueue(sql: Sql, spec: BeginSpec, adm: _Admission) -> Tx[Queued]:
+def _enqueue(sql: Statements, spec: BeginSpec, adm: _Admission) -> Tx[Queued]:
     """Keep (or take) the begin's place in its full group's queue; nothing else is written."""
     group, place = spec.route.group, adm.place
     assert adm.limit is not None and spec.queue_until is not None
@@ -682,7 +386,7 @@ def _enqueue(sql: Sql, spec: BeginSpec, adm: _Admission) -> Tx[Queued]:
                   limit=adm.limit, since=place.enqueued_at, now=adm.now)
 
 
-def leave_queue_tx(sql: Sql, waiter_id: str, group: str) -> Tx[bool]:
+def leave_queue_tx(sql: Statements, waiter_id: str, group: str) -> Tx[bool]:
     """Give up a place in ``group``'s queue (a waiter cancelled or past its bound).
 
     The waiters behind it are told (PostgreSQL), since the place may have held a slot back.
@@ -694,13 +398,13 @@ def leave_queue_tx(sql: Sql, waiter_id: str, group: str) -> Tx[bool]:
     return True
 
 
-def _begin_again(sql: Sql, spec: BeginSpec, run: Any, lease: Lease, now: float,
+def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: float,
                  clock: ClockFn, margin: float, looked: tuple[Any, Any, Any, Any]
                  ) -> Tx[AttemptRecord]:
     """A begin whose attempt id is already recorded: the same write again (its record), or,
     retried under a lease acquired again after a lost acknowledgement, its adoption."""
     [row] = yield Q(sql.attempt, {"attempt_id": spec.attempt_id})
-    prior = _ns((*ATTEMPT_COLS, "debit_state", "debit_reserved_micros"), row)
+    prior = _ns(sql.attempt, row)
     if prior.begin_hash != spec.begin_hash or prior.run_id != spec.run_id:
         raise Conflict(
             f"attempt id {spec.attempt_id!r} is already recorded with different "
@@ -747,11 +451,7 @@ def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[
 
 # -- settle ------------------------------------------------------------------------------------
 
-_SETTLE_COLS = (*ATTEMPT_COLS, "debit_state", "debit_reserved_micros",
-                *("h_" + c for c in HEALTH_COLS))
-
-
-def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[AttemptRecord]:
+def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[AttemptRecord]:
     """Record an Attempt's outcome (see ``Store.settle_attempt``)."""
     keys = list(spec.health)
     locked, read = yield Flush((
@@ -759,13 +459,13 @@ def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[Att
         Q(sql.settle_read, {"attempt_id": spec.attempt_id, "run_id": run_id,
                             "key": keys[0] if keys else None}),
     ))
-    run = _locked(locked, FENCE_COLS, run_id)
+    run = _locked(locked, sql.lock_run_fence, run_id)
     check_fence(run, run_id, spec.fence)
     now = clock()
     if not read:
         raise NotFound(f"unknown attempt id {spec.attempt_id!r} in run {run_id!r}",
                        attempt_id=spec.attempt_id, run_id=run_id)
-    att = _ns(_SETTLE_COLS, read[0])
+    att = _ns(sql.settle_read, read[0])
     if att.state == AttemptState.REJECTED.value:
         raise InvalidState(
             f"attempt {spec.attempt_id!r} was rejected before dispatch; nothing to settle",
@@ -856,7 +556,7 @@ def settle_tx(sql: Sql, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[Att
                            holds.debit.value if settle_debit else att.debit_state)
 
 
-def _health_write(sql: Sql, key: str, kind: str, provider: str | None, update: HealthUpdate,
+def _health_write(sql: Statements, key: str, kind: str, provider: str | None, update: HealthUpdate,
                   now: float, exists: bool) -> Tx[list[Q]]:
     """The statements that apply ``update`` to a health row, computed on the row as locked."""
     if not exists:
@@ -866,17 +566,18 @@ def _health_write(sql: Sql, key: str, kind: str, provider: str | None, update: H
         if inserted:
             return []
     rows = yield Q(sql.lock_health, {"key": key})
-    current = health_record(_ns(HEALTH_COLS, rows[0]))
+    current = health_record(_ns(sql.lock_health, rows[0]))
     return [Q(sql.update_health, {"key": key, **health_values(update(current), now)})]
 
 
-def _group_fact(sql: Sql, group: str, upd: GroupUpdate, now: float) -> Q:
+def _group_fact(sql: Statements, group: str, upd: GroupUpdate, now: float) -> Q:
     # One upsert; a later fact never shortens a known waiting floor.
     return Q(sql.group_fact, {"group": group, "mode": upd.mode.value, "until": upd.until,
                               "reason": upd.reason, "now": now})
 
 
-def late_receipt_tx(sql: Sql, run_id: str, spec: SettleSpec, now: float, why: str) -> Tx[None]:
+def late_receipt_tx(sql: Statements, run_id: str, spec: SettleSpec, now: float,
+                    why: str) -> Tx[None]:
     """Keep a refused settle's observation beside the Attempt (append-only, no fence)."""
     yield Flush((Q(sql.insert_event, [_event(run_id, spec.attempt_id, "late_receipt", {
         "outcome": spec.outcome.value, "fact": spec.fact.to_json() if spec.fact else None,
@@ -889,9 +590,10 @@ def late_receipt_tx(sql: Sql, run_id: str, spec: SettleSpec, now: float, why: st
 # -- leases and the smaller writes -------------------------------------------------------------
 
 
-def acquire_tx(sql: Sql, run_id: str, executor: str, ttl_s: float, clock: ClockFn,
+def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock: ClockFn,
                margin: float) -> Tx[Lease]:
-    row = _locked((yield Q(sql.lock_run_fence, {"run_id": run_id})), FENCE_COLS, run_id)
+    row = _locked((yield Q(sql.lock_run_fence, {"run_id": run_id})), sql.lock_run_fence,
+                  run_id)
     now = clock()
     live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
     if live and row.lease_holder != executor:
@@ -919,17 +621,19 @@ def acquire_tx(sql: Sql, run_id: str, executor: str, ttl_s: float, clock: ClockF
     return Lease(run_id, executor, fence, now + ttl_s)
 
 
-def renew_tx(sql: Sql, lease: Lease, ttl_s: float, clock: ClockFn, margin: float) -> Tx[Lease]:
-    _row, now = yield from _lock_live(sql, sql.lock_run_fence, FENCE_COLS, lease, clock, margin)
+def renew_tx(sql: Statements, lease: Lease, ttl_s: float, clock: ClockFn,
+             margin: float) -> Tx[Lease]:
+    _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
     yield Flush((Q(sql.renew, {"expires": now + ttl_s, "now": now, "run_id": lease.run_id}),),
                 commit=True)
     return Lease(lease.run_id, lease.executor, lease.fence, now + ttl_s)
 
 
-def release_tx(sql: Sql, lease: Lease, clock: ClockFn, *, again: bool = False) -> Tx[None]:
+def release_tx(sql: Statements, lease: Lease, clock: ClockFn, *, again: bool = False
+               ) -> Tx[None]:
     """Give the lease up; ``again``: resolving a release whose acknowledgement was lost, so a
     Run that moved on to another fence was released (by it) and is not ours to refuse."""
-    row = _locked((yield Q(sql.lock_run_fence, {"run_id": lease.run_id})), FENCE_COLS,
+    row = _locked((yield Q(sql.lock_run_fence, {"run_id": lease.run_id})), sql.lock_run_fence,
                   lease.run_id)
     if again and row.fence != lease.fence:
         return  # released, then acquired by another executor
@@ -952,15 +656,15 @@ def release_tx(sql: Sql, lease: Lease, clock: ClockFn, *, again: bool = False) -
     yield Flush((Q(sql.release, {"now": now, "run_id": lease.run_id}),), commit=True)
 
 
-def finish_tx(sql: Sql, lease: Lease, status: RunStatus, clock: ClockFn,
+def finish_tx(sql: Statements, lease: Lease, status: RunStatus, clock: ClockFn,
               margin: float, *, again: bool = False) -> Tx[None]:
     """Record the Run's end; ``again``: resolving a finish whose acknowledgement was lost,
     so a Run already ended with ``status`` is left as it is (one ``finish`` event)."""
-    _row, now = yield from _lock_live(sql, sql.lock_run_fence, FENCE_COLS, lease, clock, margin)
+    _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
     if again:
         # Its own statement, after the lock: it sees the finish that committed meanwhile.
         [live] = yield Q(sql.run_live, {"run_id": lease.run_id})
-        if _ns(RUN_LIVE_COLS, live).status == status.value:
+        if _ns(sql.run_live, live).status == status.value:
             return
     yield Flush((
         Q(sql.finish, {"status": status.value, "now": now, "run_id": lease.run_id}),
@@ -969,9 +673,9 @@ def finish_tx(sql: Sql, lease: Lease, status: RunStatus, clock: ClockFn,
     ), commit=True)
 
 
-def reserve_retry_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float,
+def reserve_retry_tx(sql: Statements, lease: Lease, clock: ClockFn, margin: float,
                      data: Mapping[str, Any]) -> Tx[int]:
-    row, now = yield from _lock_live(sql, sql.lock_run_full, RETRY_COLS, lease, clock, margin)
+    row, now = yield from _lock_live(sql.lock_run_full, lease, clock, margin)
     left = row.max_retries - row.carved_retries - row.retries_used
     if left <= 0:
         raise AllowanceExhausted(
@@ -987,24 +691,24 @@ def reserve_retry_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float,
     return int(left) - 1
 
 
-def provenance_tx(sql: Sql, lease: Lease, ref: str, content_hash: str, kind: str,
+def provenance_tx(sql: Statements, lease: Lease, ref: str, content_hash: str, kind: str,
                   clock: ClockFn, margin: float) -> Tx[None]:
-    _row, now = yield from _lock_live(sql, sql.lock_run_fence, FENCE_COLS, lease, clock, margin)
+    _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
     yield Flush((Q(sql.insert_provenance, {"run_id": lease.run_id, "ref": ref,
                                            "content_hash": content_hash, "kind": kind,
                                            "now": now}),), commit=True)
 
 
-def event_tx(sql: Sql, lease: Lease, attempt_id: str | None, kind: str,
+def event_tx(sql: Statements, lease: Lease, attempt_id: str | None, kind: str,
              data: Mapping[str, Any], clock: ClockFn, margin: float) -> Tx[None]:
-    _row, now = yield from _lock_live(sql, sql.lock_run_fence, FENCE_COLS, lease, clock, margin)
+    _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
     yield Flush((Q(sql.insert_event, [_event(lease.run_id, attempt_id, kind, data, now)],
                    many=True),), commit=True)
 
 
-def mark_unknown_tx(sql: Sql, lease: Lease, attempt_id: str, clock: ClockFn,
+def mark_unknown_tx(sql: Statements, lease: Lease, attempt_id: str, clock: ClockFn,
                     reason: str) -> Tx[AttemptRecord]:
-    row = _locked((yield Q(sql.lock_run_fence, {"run_id": lease.run_id})), FENCE_COLS,
+    row = _locked((yield Q(sql.lock_run_fence, {"run_id": lease.run_id})), sql.lock_run_fence,
                   lease.run_id)
     check_fence(row, lease.run_id, lease.fence)
     now = clock()
@@ -1012,7 +716,7 @@ def mark_unknown_tx(sql: Sql, lease: Lease, attempt_id: str, clock: ClockFn,
     if not rows or rows[0][1] != lease.run_id:
         raise NotFound(f"unknown attempt id {attempt_id!r} in run {lease.run_id!r}",
                        attempt_id=attempt_id, run_id=lease.run_id)
-    att = _ns((*ATTEMPT_COLS, "debit_state", "debit_reserved_micros"), rows[0])
+    att = _ns(sql.attempt, rows[0])
     if att.state == AttemptState.DISPATCHING.value:
         if att.fence != lease.fence:
             raise FencedOut(
@@ -1031,17 +735,17 @@ def mark_unknown_tx(sql: Sql, lease: Lease, attempt_id: str, clock: ClockFn,
     return attempt_record(att, att.debit_state)
 
 
-def attempt_tx(sql: Sql, attempt_id: str) -> Tx[AttemptRecord]:
+def attempt_tx(sql: Statements, attempt_id: str) -> Tx[AttemptRecord]:
     """One Attempt with its debit's state (:class:`~ledger.errors.NotFound` for an unknown id)."""
     rows = yield Q(sql.attempt, {"attempt_id": attempt_id})
     if not rows:
         raise NotFound(f"unknown attempt id {attempt_id!r}; list a run's attempts with "
                        "`failover-ledger run show RUN_ID`", attempt_id=attempt_id)
-    att = _ns((*ATTEMPT_COLS, "debit_state", "debit_reserved_micros"), rows[0])
+    att = _ns(sql.attempt, rows[0])
     return attempt_record(att, att.debit_state)
 
 
-def claim_probe_tx(sql: Sql, key: str, provider: str | None, now: float, interval_s: float,
+def claim_probe_tx(sql: Statements, key: str, provider: str | None, now: float, interval_s: float,
                    *, kind: str = "route", ttl_s: float | None = None,
                    max_keys: int | None = None) -> Tx[bool]:
     """Take the probe slot of ``key`` (one caller per interval); a claim taken also bounds the
@@ -1064,9 +768,9 @@ def _bounded(ttl_s: float | None, max_keys: int | None) -> bool:
     return ttl_s is not None or max_keys is not None
 
 
-def compaction_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float) -> Tx[int]:
+def compaction_tx(sql: Statements, lease: Lease, clock: ClockFn, margin: float) -> Tx[int]:
     """Count one compaction of the Run's session (needs a live lease), with its event."""
-    _row, now = yield from _lock_live(sql, sql.lock_run_fence, FENCE_COLS, lease, clock, margin)
+    _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
     [(count,)] = yield Q(sql.compaction, {"run_id": lease.run_id, "now": now})
     yield Flush((Q(sql.insert_event, [_event(lease.run_id, None, "compaction",
                                              {"compactions": int(count)}, now)], many=True),),
@@ -1075,13 +779,8 @@ def compaction_tx(sql: Sql, lease: Lease, clock: ClockFn, margin: float) -> Tx[i
 
 
 __all__ = [
-    "POSTGRES_SQL",
     "QUEUE_CHANNEL",
-    "SQLITE_SQL",
-    "PostgresSql",
     "SnapshotRows",
-    "Sql",
-    "SqliteSql",
     "acquire_tx",
     "attempt_tx",
     "begin_tx",

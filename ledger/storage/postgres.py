@@ -1,10 +1,10 @@
 """PostgreSQL: :class:`PostgresContext`, and the store it opens.
 
-The hot path runs on psycopg 3 directly (a small pool of blocking and of asyncio connections,
-autocommit with ``BEGIN`` and ``COMMIT`` pipelined with the statements, prepared statements on
-the server), the cold path on a SQLAlchemy engine over the same database. Writes that carry a
-fence lock the run row (``SELECT ... FOR UPDATE``); claims of work items skip rows another
-transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
+The hot path runs on psycopg 3 directly (autocommit with ``BEGIN`` and ``COMMIT`` pipelined with
+the statements, prepared statements on the server), the cold path on a SQLAlchemy engine; both
+take their connections from the store's one pool (:class:`~ledger.storage.pgpool.PgPool`).
+Writes that carry a fence lock the run row (``SELECT ... FOR UPDATE``); claims of work items
+skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on an advisory lock.
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Select, cast, create_engine, func, text
+from sqlalchemy import Connection, Select, cast, func, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
-from sqlalchemy.pool import NullPool
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage import engine as eng
-from ledger.storage import hot, migrate
+from ledger.storage import migrate, statements
 from ledger.storage import schema as s
 from ledger.storage.context import SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
+from ledger.storage.pgpool import PgPool
 from ledger.storage.store import Store
 
 
@@ -47,11 +47,17 @@ class PostgresContext(SqlContext):
              lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Store:
         """The store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL), without
         touching it yet (the first transaction connects)."""
-        engine = eng.postgres_engine(norm, parsed)
-        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        conninfo = eng.postgres_conninfo(norm, parsed)
         where = redact_url(norm)
+        pool = PgPool(conninfo, where=where)
+        # One pool to the database: the engine keeps no connection of its own (NullPool); each
+        # one SQLAlchemy uses is lent by the store's pool and goes back to it when SQLAlchemy
+        # closes it, so the hot and the cold path share one bound, one health check and one
+        # close. (A pool of SQLAlchemy's beside it would double the connections held, check
+        # them another way, and find a dead one only by failing a statement on it.)
+        engine = eng.postgres_engine(parsed, pool.lend)
         ctx = cls(engine, where, lease_margin_s=lease_margin_s)
-        return Store(ctx, PgDriver(conninfo, where=where), hot.POSTGRES_SQL,
+        return Store(ctx, PgDriver(pool), statements.POSTGRES,
                      queue_poll_s=cls.QUEUE_POLL_S, listen=partial(_listen, conninfo))
 
     @classmethod
@@ -65,17 +71,15 @@ class PostgresContext(SqlContext):
             raise InvalidArgument(
                 f"{where} names no database; add it to the URL: "
                 "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
-        probe = eng.postgres_engine(norm, parsed)  # checks the driver is installed
+        conninfo = eng.postgres_conninfo(norm, parsed)  # checks the driver is installed
         try:
-            with mapped(where), probe.connect():
+            with mapped(where), _connected(conninfo):
                 return False  # it exists (and this role may connect to it)
         except DatabaseSetupError as e:
             if e.fields.get("problem") != "database_missing":
                 raise
             missing = e
-        finally:
-            probe.dispose()
-        with _maintenance(parsed, where) as conn:
+        with _maintenance(parsed, conninfo, where) as conn:
             may = conn.execute(text(
                 "SELECT rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user"
             )).scalar()
@@ -124,7 +128,7 @@ def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -
     import psycopg
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(f"LISTEN {hot.QUEUE_CHANNEL}")
+        conn.execute(f"LISTEN {statements.QUEUE_CHANNEL}")
         told("")
         while not stop.is_set():
             for note in conn.notifies(timeout=0.5):
@@ -132,13 +136,27 @@ def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -
 
 
 @contextmanager
-def _maintenance(parsed: URL, where: str) -> Iterator[Connection]:
-    """An autocommit connection to the server's maintenance database, with the URL's
-    credentials; a database missing or closed to the role is passed over for the next."""
+def _connected(conninfo: str) -> Iterator[Any]:
+    """A connection of ``conninfo``, closed at the end of the block."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        yield conn
+
+
+@contextmanager
+def _maintenance(parsed: URL, conninfo: str, where: str) -> Iterator[Connection]:
+    """An autocommit connection to the server's maintenance database, with the URL's hosts
+    and credentials; a database missing or closed to the role is passed over for the next."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
     last: DatabaseSetupError | None = None
     for name in ("postgres", "template1"):
-        engine = create_engine(parsed.set(database=name), isolation_level="AUTOCOMMIT",
-                               poolclass=NullPool)
+        maintenance = make_conninfo(conninfo, dbname=name)
+        engine = eng.postgres_engine(parsed.set(database=name),
+                                     partial(psycopg.connect, maintenance),
+                                     isolation_level="AUTOCOMMIT")
         try:
             try:
                 with mapped(where):

@@ -325,10 +325,11 @@ class RecoveryQueries:
             return ids
 
     def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
-                  clock: ClockFn) -> tuple[RunRecord, bool]:
+                  clock: ClockFn, by: str | None = None) -> tuple[RunRecord, bool]:
         """End ``run_id`` with ``status`` under a fresh fence, in one transaction: dispatching
         Attempts unknown (holds kept), slots freed, the lease released, a ``close`` event with
-        ``reason``. Returns the Run and whether it changed (``False``: it had already ended
+        ``reason`` and who closed it (``by``, default ``executor``). Returns the Run and
+        whether it changed (``False``: it had already ended
         with ``status``). Raises :class:`~ledger.errors.NotFound`,
         :class:`~ledger.errors.LeaseHeld` (a live executor other than ``executor`` holds it)
         and :class:`~ledger.errors.InvalidState` (it ended with another status, or
@@ -387,7 +388,8 @@ class RecoveryQueries:
                                  {"reason": CLOSE_UNKNOWN_REASON, "fence": fence}, now)
                       for att_id in dispatching]
             events.append(_event_row(run_id, None, "close", {
-                "status": status.value, "reason": reason, "executor": executor,
+                "status": status.value, "reason": reason, "by": by or executor,
+                "executor": executor,
                 "previous": row.lease_holder, "previous_status": row.status,
                 "previous_fence": int(row.fence), "fence": fence, "unknown": dispatching,
                 "holds_kept": held, "slots_released": int(slots or 0)}, now))

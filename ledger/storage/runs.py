@@ -4,7 +4,8 @@
 (``Ledger.admit_run``, ``get_run``, ``timeline``, ``attempts``, the group administration) and by
 the operator's tools. Each method is one transaction on the context's engine (SQLAlchemy Core):
 admission, the reads of Runs, Attempts, debits, health, provenance and events, the capacity
-groups' settings, and the settle of an unknown Attempt with an operator's evidence. The hot path
+groups' settings, and the operator's writes: the settle of an unknown Attempt with evidence and
+the clear of a cooldown (of a health key or a group). The hot path
 (begin, settle, leases) is :class:`~ledger.storage.store.Store`'s.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, func, or_, select
 
+from ledger.decide.health import group_closed, operator_clear
 from ledger.decide.settle import settle_holds
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
@@ -49,6 +51,7 @@ from ledger.errors import (
 )
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
+from ledger.storage.encode import event_json, health_values
 from ledger.storage.hot import check_live
 from ledger.storage.rows import attempt_record, health_record, run_record
 
@@ -260,6 +263,76 @@ class RunQueries:
             }, now)
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
         return attempt_record(row, row.debit_state)
+
+    # -- an operator's clear of a cooldown -------------------------------------------------
+
+    def clear_health(self, key: str, by: str, reason: str, clock: ClockFn) -> EventRecord:
+        """Clear health key ``key`` (a route, profile or ``provider:<name>``) at an operator's
+        word, in one transaction under the row's lock: it is available at once and counts
+        from zero (:func:`ledger.decide.health.operator_clear`), and a ``clear_cooldown``
+        event (no run) records who, why and what was cleared; returns that event. Raises
+        :class:`~ledger.errors.NotFound` (no row: the key never failed) and
+        :class:`~ledger.errors.InvalidState` (nothing to clear); nothing is written then."""
+        h = s.health.c
+        with self.ctx.writing() as conn:
+            row = conn.execute(select(s.health).where(h.key == key).with_for_update()).first()
+            if row is None:
+                group = conn.execute(select(s.capacity_groups.c.group_id).where(
+                    s.capacity_groups.c.group_id == key)).first()
+                hint = (f"; {key!r} is a capacity group: clear it as a group (group=True; "
+                        "on the command line --group)" if group is not None else
+                        "; `failover-ledger health` lists the keys (route ids, profile ids, "
+                        "provider:<name>)")
+                raise NotFound(f"no health is recorded for key {key!r}{hint}", key=key)
+            now = clock()
+            found = operator_clear(health_record(row), now)
+            if found is None:
+                raise InvalidState(
+                    f"{row.kind} {key!r} is not cooling or disabled and counts no failures: "
+                    "there is nothing to clear (nothing was recorded)", key=key, state="ok")
+            after, before = found
+            conn.execute(s.health.update().where(h.key == key)
+                         .values(**health_values(after, now)))
+            return self._insert_event(conn, "clear_cooldown", {
+                "key": key, "kind": row.kind, "provider": row.provider, "by": by,
+                "reason": reason, "previous": before}, now)
+
+    def clear_group(self, group: str, by: str, reason: str, clock: ClockFn) -> EventRecord:
+        """Open capacity group ``group`` at an operator's word (its mode ``open``, its waiting
+        floor and reason gone), with a ``clear_cooldown`` event as :meth:`clear_health`
+        records one; returns the event. Raises :class:`~ledger.errors.NotFound` (no such
+        group) and :class:`~ledger.errors.InvalidState` (it is open at ``now``)."""
+        g = s.capacity_groups.c
+        with self.ctx.writing() as conn:
+            row = conn.execute(select(s.capacity_groups).where(g.group_id == group)
+                               .with_for_update()).first()
+            if row is None:
+                raise NotFound(f"no capacity group {group!r}; `failover-ledger health` lists "
+                               "the groups", group=group)
+            now = clock()
+            if not group_closed(row.mode, row.until, now):
+                raise InvalidState(
+                    f"capacity group {group!r} is open (no cooldown or waiting floor in force): "
+                    "there is nothing to clear (nothing was recorded)", group=group,
+                    state="open")
+            conn.execute(s.capacity_groups.update().where(g.group_id == group).values(
+                mode=GroupMode.OPEN.value, until=None, reason=None, sampled_at=now,
+                updated_at=now))
+            return self._insert_event(conn, "clear_cooldown", {
+                "key": group, "kind": "group", "by": by, "reason": reason,
+                "previous": {"mode": row.mode, "until": row.until, "reason": row.reason}}, now)
+
+    def _insert_event(self, conn: Connection, kind: str, data: dict[str, Any],
+                      now: float) -> EventRecord:
+        """One event of no Run, written on ``conn``; returned as recorded."""
+        key = conn.execute(s.events.insert().values(
+            run_id=None, attempt_id=None, kind=kind, data=event_json(data), created_at=now,
+        )).inserted_primary_key
+        assert key is not None  # an INSERT of one row always has its key
+        event_id = key[0]
+        stored = conn.execute(select(s.events.c.data).where(s.events.c.event_id == event_id)
+                              ).scalar_one()
+        return EventRecord(int(event_id), None, None, kind, json.loads(stored), now)
 
     # -- groups, health, provenance, events ----------------------------------------------
 

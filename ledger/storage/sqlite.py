@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.storage import engine as eng
-from ledger.storage import hot, migrate
+from ledger.storage import migrate, statements
 from ledger.storage import schema as s
 from ledger.storage.context import SqlContext
 from ledger.storage.driver import SqliteDriver
@@ -46,7 +46,7 @@ class SqliteContext(SqlContext):
         timeout = eng.sqlite_busy_timeout(parsed)
         ctx = cls(eng.sqlite_engine(parsed, timeout), redact_url(norm),
                   lease_margin_s=lease_margin_s)
-        return Store(ctx, SqliteDriver(path, busy_timeout_s=timeout), hot.SQLITE_SQL,
+        return Store(ctx, SqliteDriver(path, busy_timeout_s=timeout), statements.SQLITE,
                      queue_poll_s=cls.QUEUE_POLL_S)
 
     @classmethod

@@ -56,6 +56,7 @@ from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver, Tx
 from ledger.storage.rows import SnapshotRows
 from ledger.storage.runner import Flow, Runner, txn
+from ledger.storage.statements import Statements
 from ledger.storage.wake import SlotWaker
 
 #: Listens for the database's queue notifications until its event is set, telling each one.
@@ -112,7 +113,7 @@ class Store:
     and how its queued begins learn that a slot came free (``queue_poll_s``, ``listen``).
     """
 
-    def __init__(self, context: SqlContext, driver: Driver, sql: hot.Sql, *,
+    def __init__(self, context: SqlContext, driver: Driver, sql: Statements, *,
                  queue_poll_s: float, listen: Listener | None = None) -> None:
         #: The cold path: what query objects are built on.
         self.context = context

@@ -10,9 +10,10 @@ Signals come from two places:
 * this process: every settle, ``mark_unknown`` and queue departure of a ledger on the same
   database wakes the waiters of that group at once (:meth:`SlotWaker.poke`);
 * other processes, on PostgreSQL: a trigger (migration 0006) notifies channel
-  :data:`~ledger.storage.hot.QUEUE_CHANNEL` when a slot of a group with waiters is freed, and a
-  queue departure notifies it too; one listening connection per store, opened while someone
-  waits, pokes the local waiters. SQLite has no such channel: waiters in other processes poll.
+  :data:`~ledger.storage.statements.QUEUE_CHANNEL` when a slot of a group with waiters is
+  freed, and a queue departure notifies it too; one listening connection per store, opened
+  while someone waits, pokes the local waiters. SQLite has no such channel: waiters in other
+  processes poll.
 
 A slot held by a dead executor comes back when its lease expires, which nothing announces: the
 polling interval bounds how long a waiter takes to notice.

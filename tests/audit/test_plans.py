@@ -100,3 +100,20 @@ def test_failovers_attempts_open_and_activity_use_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.open_attempts(limit=100))
     _assert_indexed(big, lambda: big.activity(buckets=48, **window))
     _assert_indexed(big, lambda: big.runs(status="failed", limit=50))
+
+
+def test_spend_and_operator_actions_use_indexes(big: Audit) -> None:
+    # Spend reads runs admitted in the window: through ix_runs_created_at, not every run.
+    for kwargs in ({"by": "tenant"}, {"by": "label", "label": "team"},
+                   {"by": "tenant", "every": 3600.0}):
+        plans = _plans_of(big, lambda kw=kwargs: big.spend(since=END - DAY, until=END, **kw))
+        assert plans
+        for sql, nodes in plans:
+            assert not [rel for kind, rel in nodes if kind == "Seq Scan"], (sql, nodes)
+            assert any("Index" in kind for kind, _ in nodes), (sql, nodes)
+    _assert_indexed(big, lambda: big.actions(limit=50))
+    _assert_indexed(big, lambda: big.actions(since=END - DAY, kinds=["close"], limit=50))
+def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
+    _assert_indexed(big, lambda: big.replay("failure-domain", since=END - DAY, until=END))
+    run_id = big.runs(limit=1, since=END - DAY).items[0].run_id
+    _assert_indexed(big, lambda: big.replay("failure-domain", run=run_id))

@@ -181,19 +181,21 @@ def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixtur
         _, _ok, lost = _crashed(led, clock)
         led.admit_run("held", plan=routes(), budget=budget(), grant=grant())
         led.acquire_lease("held", ttl_s=86400, executor_id="worker-2")
-    assert main(["--db", db_url, "run", "close", "r1", "--status", "running"]) == 2
+    why = ["--reason", "nobody resumes it"]
+    assert main(["--db", db_url, "run", "close", "r1", "--status", "running", *why]) == 2
     err = capsys.readouterr().err
     assert "invalid status: is not one of the choices (got 'running')" in err
     assert "'failed'" in err
-    assert main(["--db", db_url, "run", "close", "nope", "--status", "failed"]) == 1
+    assert main(["--db", db_url, "run", "close", "nope", "--status", "failed", *why]) == 1
     assert "unknown run id 'nope'" in capsys.readouterr().err
-    assert main(["--db", db_url, "run", "close", "held", "--status", "failed"]) == 1
+    assert main(["--db", db_url, "run", "close", "held", "--status", "failed", *why]) == 1
     assert "worker-2" in capsys.readouterr().err
     assert main(["--db", db_url, "run", "close", "r1", "--status", "failed",
                  "--reason", "crashed, nobody resumes"]) == 0
     out = capsys.readouterr().out
     assert "closed run r1: running -> failed" in out and lost in out
-    assert main(["--db", db_url, "run", "close", "r1", "--status", "failed", "--json"]) == 0
+    assert main(["--db", db_url, "run", "close", "r1", "--status", "failed", "--json",
+                 *why]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["changed"] is False and doc["status"] == "failed"
     assert main(["--db", db_url, "runs", "--status", "failed", "--json"]) == 0

@@ -276,7 +276,8 @@ def test_cli_settles_with_usage_and_says_what_it_did(db_url: str) -> None:
     _agree(led)
     # Settled once: again is the state's error, one line, exit 1, nothing changed.
     books = _books(led)
-    res = cli("--db", db_url, "attempt", "settle", attempt_id, "--outcome", "failed")
+    res = cli("--db", db_url, "attempt", "settle", attempt_id, "--outcome", "failed",
+              "--reason", "a second look")
     assert res.returncode == 1 and len(res.stderr.splitlines()) == 1
     assert "is succeeded, not unknown" in res.stderr
     assert _books(led) == books
@@ -287,7 +288,8 @@ def test_cli_json_and_separate_token_options(db_url: str) -> None:
     led = Ledger.open(db_url)
     attempt_id, _ = _unknown(led)
     res = cli("--db", db_url, "attempt", "settle", attempt_id, "--outcome", "failed",
-              "--prompt-tokens", "1000", "--completion-tokens", "0", "--json")
+              "--prompt-tokens", "1000", "--completion-tokens", "0", "--json",
+              "--reason", "billing export")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert (doc["state"], doc["cost"], doc["prompt_tokens"]) == ("failed", "0.001", 1000)
@@ -310,11 +312,12 @@ def test_cli_bad_input_is_one_line_and_changes_nothing(db_url: str, args: list[s
     led = Ledger.open(db_url)
     attempt_id, _ = _unknown(led)
     books = _books(led)
-    res = cli("--db", db_url, "attempt", "settle", attempt_id, *args)
+    res = cli("--db", db_url, "attempt", "settle", attempt_id, *args, "--reason", "evidence")
     assert res.returncode == code and len(res.stderr.splitlines()) == 1, res.stderr
     assert says in res.stderr
     assert _books(led) == books
-    res = cli("--db", db_url, "attempt", "settle", "att-nope", "--outcome", "failed")
+    res = cli("--db", db_url, "attempt", "settle", "att-nope", "--outcome", "failed",
+              "--reason", "evidence")
     assert res.returncode == 1 and "unknown attempt id 'att-nope'" in res.stderr
     assert _books(led) == books
     led.close()

@@ -196,13 +196,13 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
     aled = AsyncLedger(led)
     try:
         lease, att = _seed(led)
-        # Between calls: every pooled connection of both paths is dead. SQLAlchemy's pool
-        # finds out on first use (DatabaseUnavailable; the same call again connects afresh);
-        # the hot path's driver sees the server's goodbye on an idle connection before it uses
-        # it, and connects afresh at once.
+        # Between calls: every pooled connection is dead. Both paths take their connections
+        # from the store's one pool, which sees the server's goodbye on an idle connection
+        # before it lends it, and connects afresh at once: no call fails.
         _kill_sessions(pg_server, pg_url)
-        mapped(lambda: led.get_run("r1"), DatabaseUnavailable)  # SQLAlchemy's pool
-        assert led.get_attempt(att).state is AttemptState.DISPATCHING  # the driver's
+        assert led.get_run("r1").run_id == "r1"  # the cold path's SQLAlchemy
+        _kill_sessions(pg_server, pg_url)
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING  # the hot path's
         _kill_sessions(pg_server, pg_url)
         assert led.settle_attempt(lease, att, outcome="succeeded").state is \
             AttemptState.SUCCEEDED
@@ -254,10 +254,13 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
         assert err.fields["operation"] == "settle" and err.fields["resolved"] is False
         assert err.fields["commit"] == "unknown"
 
-        # Recovery retries through a dropped connection instead of failing.
-        _kill_sessions(pg_server, pg_url)
+        # Recovery retries through a connection dropped inside its takeover instead of failing.
         clock.advance(60)
-        report = recover(led, sleeper=ManualClock(T0))
+        faults.arm("recover.before_commit", lambda _name: _kill_sessions(pg_server, pg_url))
+        try:
+            report = recover(led, sleeper=ManualClock(T0))
+        finally:
+            faults.disarm("recover.before_commit")
         assert report.retries >= 1 and [r.run_id for r in report.runs] == ["r1"]
         assert [a.state for a in led.timeline("r1")] == [AttemptState.SUCCEEDED] * 3
         assert reconcile(led).violations == []

@@ -1,0 +1,439 @@
+"""PostgreSQL connections for both paths of a store: one :mod:`psycopg_pool` pool per database.
+
+The hot path's transactions (:class:`~ledger.storage.driver.PgDriver`) and the cold path's
+SQLAlchemy engine (admission, reads, audit, recovery, migrations: see
+:mod:`ledger.storage.postgres`) take their connections from the same :class:`PgPool`, so one
+pool bounds, checks and closes every connection a store holds to its database:
+
+* **bounded**: at most :data:`MAX_SIZE` connections are out at once (blocking callers share
+  one :class:`psycopg_pool.ConnectionPool`; asyncio callers one
+  :class:`psycopg_pool.AsyncConnectionPool` per event loop, whose connections belong to that
+  loop); a checkout past the bound waits up to :data:`CHECKOUT_TIMEOUT_S` for a return, then
+  fails as :class:`~ledger.errors.DatabaseUnavailable`;
+* **checked before use, cheaply**: a connection used moments ago costs one poll of its socket
+  (an idle connection has nothing to read: anything there, a server's goodbye or an end of
+  file, means it is gone); one idle longer than :data:`IDLE_CHECK_S` is asked (one round
+  trip). A connection found dead (the server was restarted, failed over, or terminated the
+  session) is never used: it is closed, the idle ones beside it go too (the server that
+  dropped one dropped them all), and the pool opens new ones;
+* **errors told at once**: psycopg_pool opens connections in its own workers, and a caller
+  waiting for one only learns of a timeout. So until a connection has been seen working (at
+  the first checkout; after one was found dead or failed, or the pool's worker failed to
+  connect; after the pool sat unused for :data:`MAX_IDLE_S`, when it may hold none), a
+  checkout connects by itself, in the caller: a server that is away or refuses the URL's
+  credentials is the caller's typed error at once (:class:`~ledger.errors.DatabaseUnavailable`,
+  :class:`~ledger.errors.DatabaseSetupError`), and a server that answers serves that caller's
+  transaction on the connection just made (closed afterwards, outside the pool) while the pool
+  takes over for the next ones. Callers already waiting in the pool's queue when the server
+  goes away are the one case left to the timeout;
+* **closed with what owns them**: :meth:`PgPool.close` closes every pool; an event loop's
+  pool is also closed when that loop shuts down (``asyncio.run`` ending), so a ledger used
+  from one ``asyncio.run`` after another keeps no sessions of loops that are gone.
+
+A pooled connection goes back to its pool when it is released (:func:`release`), which is also
+what closing it does: that is how SQLAlchemy gives back what it was lent. psycopg and
+psycopg_pool are imported on first use: they are the optional ``postgres`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import select
+import threading
+import time
+import weakref
+from typing import Any
+
+#: Connections out at once, per pool (blocking callers; and per event loop, asyncio ones).
+MAX_SIZE = 20
+#: How long a checkout waits for a connection when all of them are out.
+CHECKOUT_TIMEOUT_S = 30.0
+#: A connection idle longer than this is asked (one round trip) before it is used again.
+IDLE_CHECK_S = 1.0
+#: An idle connection unused this long is closed (one per period, by the pool's worker).
+MAX_IDLE_S = 600.0
+
+
+@functools.cache
+def _connection_classes() -> tuple[type[Any], type[Any]]:
+    """psycopg's connection classes as the pools serve them (made on first use: psycopg is an
+    optional extra). A pooled connection knows its pool (``_ledger_pool``; None: one made by
+    a checkout itself) and goes back to it when closed, which is how SQLAlchemy lets go of the
+    connections it was lent."""
+    import psycopg
+
+    class Conn(psycopg.Connection[Any]):
+        _ledger_pool: Any = None
+        _ledger_idle_since = 0.0
+
+        def close(self) -> None:
+            if self._ledger_pool is None:
+                super().close()
+            else:
+                release(self)
+
+        def add_notice_handler(self, callback: Any) -> None:
+            # SQLAlchemy adds its notice logger each time it takes a connection (to it every
+            # one it is lent is new): once is enough, or they would pile up on a pooled one.
+            seen: set[Any] = self.__dict__.setdefault("_ledger_notices", set())
+            if callback not in seen:
+                seen.add(callback)
+                super().add_notice_handler(callback)
+
+    class AConn(psycopg.AsyncConnection[Any]):
+        _ledger_pool: Any = None
+        _ledger_idle_since = 0.0
+
+        async def close(self) -> None:
+            if self._ledger_pool is None:
+                await super().close()
+            else:
+                await arelease(self)
+
+    return Conn, AConn
+
+
+def _told_goodbye(conn: Any) -> bool:
+    """Whether the server wrote to, or closed, a connection nobody is using. ``poll`` where
+    there is one: ``select`` refuses descriptors past 1024, which a busy process has."""
+    try:
+        fd = conn.fileno()
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+def on_standby(conn: Any) -> bool:
+    """Whether ``conn``'s server is a hot standby (in recovery: it refuses every write), as
+    the server last reported (``in_hot_standby``, PostgreSQL 14 and later; no round trip).
+    Such a connection is never lent: the primary is what the ledger writes to."""
+    return bool(conn.info.parameter_status("in_hot_standby") == "on")
+
+
+def _fresh(conn: Any) -> None:
+    """Made just now by the pool: as good as just used."""
+    conn._ledger_idle_since = time.monotonic()
+
+
+def hard_close(conn: Any) -> None:
+    """Close ``conn`` itself rather than give it back (given back closed, it is dropped by its
+    pool, which opens another in its place)."""
+    import psycopg
+
+    with contextlib.suppress(Exception):  # closing a dead connection is best effort
+        psycopg.Connection.close(conn)
+
+
+async def ahard_close(conn: Any) -> None:
+    import psycopg
+
+    with contextlib.suppress(Exception):
+        await psycopg.AsyncConnection.close(conn)
+
+
+def release(conn: Any) -> None:
+    """Give back a connection of :meth:`PgPool.checkout` or :meth:`PgPool.lend` (one the
+    checkout made by itself is closed)."""
+    pool, conn._ledger_pool = conn._ledger_pool, None
+    if pool is None or (not conn.closed and on_standby(conn)):
+        hard_close(conn)  # given back closed, it is dropped by its pool
+    if pool is None:
+        return
+    if not conn.closed and not conn.autocommit:
+        try:
+            conn.autocommit = True  # as the hot path takes it; SQLAlchemy ended its own
+        except Exception:
+            hard_close(conn)  # still in a transaction: not fit to go back as it is
+    conn._ledger_idle_since = time.monotonic()
+    pool.putconn(conn)  # a closed pool closes it
+
+
+async def arelease(conn: Any) -> None:
+    """:func:`release` for a connection of :meth:`PgPool.acheckout`."""
+    pool, conn._ledger_pool = conn._ledger_pool, None
+    if pool is None or (not conn.closed and on_standby(conn)):
+        await ahard_close(conn)
+    if pool is None:
+        return
+    conn._ledger_idle_since = time.monotonic()
+    await pool.putconn(conn)
+
+
+class _Loop:
+    """The asyncio side of a :class:`PgPool` on one event loop."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.proven = False
+        self.used_at = 0.0
+        self.lock: asyncio.Lock | None = None
+        # Tasks the loop must not lose (it holds tasks weakly): the one that closes the pool
+        # when the loop shuts down, and those closing pools replaced meanwhile.
+        self.guard: asyncio.Task[None] | None = None
+        self.closing: set[asyncio.Task[None]] = set()
+        # Every connection its pools made, to close the idle ones when the loop shuts down.
+        self.made: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def configure(self, conn: Any) -> None:
+        """Each new connection of this loop's pools: as good as just used, and known."""
+        _fresh(conn)
+        self.made.add(conn)
+
+    def unprove(self, pool: Any) -> None:
+        """:meth:`PgPool._replace` for this loop's pool (called by its worker, on the loop)."""
+        self.proven = False
+        if self.pool is pool:
+            self.pool = None
+            task = asyncio.get_running_loop().create_task(pool.close())
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
+
+
+class PgPool:
+    """The connections of one store to its PostgreSQL database (see the module docstring)."""
+
+    def __init__(self, conninfo: str, *, where: str, max_size: int = MAX_SIZE,
+                 timeout: float = CHECKOUT_TIMEOUT_S) -> None:
+        self.conninfo = conninfo
+        self.where = where
+        self.max_size = max_size
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._probing = threading.Lock()
+        self._pool: Any = None
+        self._proven = False
+        self._used_at = 0.0
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Loop] = (
+            weakref.WeakKeyDictionary())
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "kwargs": {"autocommit": True}, "min_size": 0, "max_size": self.max_size,
+            "timeout": self.timeout, "open": False,
+            "max_idle": MAX_IDLE_S, "name": "ledger-postgres", "num_workers": 1,
+            # A connection that cannot be made is the checkout's to tell (it connects by
+            # itself until one works): the pool's workers do not keep retrying in the dark.
+            "reconnect_timeout": 0.0,
+        }
+
+    @staticmethod
+    def _doubted(used_at: float, now: float) -> bool:
+        """Whether the pool may hold no connection, so that a checkout would wait for one its
+        worker cannot make: it closes one connection per :data:`MAX_IDLE_S` left unused."""
+        return now - used_at > MAX_IDLE_S
+
+    # -- blocking --------------------------------------------------------------------------
+
+    def _sync_pool(self) -> Any:
+        pool = self._pool
+        if pool is None:
+            from psycopg_pool import ConnectionPool
+
+            with self._lock:
+                if self._pool is None:
+                    pool = ConnectionPool(self.conninfo, connection_class=_connection_classes()[0],
+                                          reconnect_failed=self._replace, configure=_fresh,
+                                          **self._settings())
+                    pool.open()
+                    self._pool = pool
+                pool = self._pool
+        return pool
+
+    def _replace(self, pool: Any) -> None:
+        """The pool's worker could not connect. Checkouts connect by themselves again, and the
+        callers waiting in the pool's queue are told at once: the pool is replaced, and
+        closing it (on a thread of its own: this is its worker) fails their wait with
+        ``PoolClosed``, on which they check out again."""
+        self._proven = False
+        with self._lock:
+            if self._pool is not pool:
+                return
+            self._pool = None
+        threading.Thread(target=pool.close, name="ledger-postgres-replaced",
+                         daemon=True).start()
+
+    def checkout(self) -> Any:
+        """A working connection in autocommit mode, for one transaction; give it back with
+        :func:`release`."""
+        from psycopg_pool import PoolClosed
+
+        while True:
+            now = time.monotonic()
+            if not self._proven or self._doubted(self._used_at, now):
+                with self._probing:
+                    if not self._proven or self._doubted(self._used_at, now):
+                        conn = _connection_classes()[0].connect(self.conninfo, autocommit=True)
+                        self._proven, self._used_at = True, time.monotonic()
+                        return conn  # a connection of its own, closed after its transaction
+            self._used_at = now
+            pool = self._sync_pool()
+            try:
+                conn = pool.getconn()
+            except PoolClosed:
+                continue  # replaced while this caller waited (or the store closed): again
+            conn._ledger_pool = pool
+            if self._usable(conn, now):
+                return conn
+            self.lost(conn)
+
+    def lend(self) -> Any:
+        """A connection for SQLAlchemy (the engine's ``creator``): as :meth:`checkout`, out of
+        autocommit mode, for SQLAlchemy begins and ends its transactions itself. Closing it
+        gives it back."""
+        conn = self.checkout()
+        conn.autocommit = False
+        return conn
+
+    def _usable(self, conn: Any, now: float) -> bool:
+        if conn.closed or on_standby(conn) or _told_goodbye(conn):
+            return False
+        if now - conn._ledger_idle_since < IDLE_CHECK_S:
+            return True
+        try:
+            conn.execute("")  # an empty query: one round trip, no work on the server
+        except Exception:  # any failure to answer: the connection is not used
+            return False
+        return True
+
+    def lost(self, conn: Any) -> None:
+        """``conn`` was found dead, or failed: it goes, the idle ones beside it go too (the
+        server that dropped one dropped them all), and the next checkout connects by itself
+        until a connection is seen working again."""
+        self._proven = False
+        pool = conn._ledger_pool
+        if pool is not None and not pool.closed:
+            pool.drain()  # the idle ones now, this one when it is given back (made before)
+        release(conn)
+
+    # -- asyncio ---------------------------------------------------------------------------
+
+    async def _loop(self) -> _Loop:
+        loop = asyncio.get_running_loop()
+        side = self._loops.get(loop)
+        if side is None:
+            with self._lock:
+                side = self._loops.setdefault(loop, _Loop())
+        if side.guard is None:
+            side.guard = loop.create_task(self._close_with(loop, side))
+        if side.pool is None:
+            from psycopg_pool import AsyncConnectionPool
+
+            pool = AsyncConnectionPool(self.conninfo, connection_class=_connection_classes()[1],
+                                       reconnect_failed=side.unprove, configure=side.configure,
+                                       **self._settings())
+            await pool.open()
+            if side.pool is None:
+                side.pool = pool
+            else:  # another task of the loop opened one meanwhile
+                await pool.close()
+        return side
+
+    async def _close_with(self, loop: asyncio.AbstractEventLoop, side: _Loop) -> None:
+        """Wait until the loop shuts down (``asyncio.run`` cancels what is left at its end)
+        or :meth:`close`, then close the loop's pool: connections of a loop that ended are of
+        no use to anyone, and the server would keep their sessions."""
+        try:
+            await loop.create_future()
+        finally:
+            with self._lock:
+                if self._loops.get(loop) is side:
+                    del self._loops[loop]
+            pool, side.pool = side.pool, None
+            if pool is not None:
+                # When the loop is shutting down, the pool's workers were cancelled beside
+                # this task, and its close stops short of the idle connections: those (made
+                # by the pool, lent to no one: see release) are closed here.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pool.close()
+            for conn in list(side.made):
+                if conn._ledger_pool is None and not conn.closed:
+                    await ahard_close(conn)
+
+    async def acheckout(self) -> Any:
+        """:meth:`checkout` for an asyncio caller (a connection of the running loop)."""
+        from psycopg_pool import PoolClosed
+
+        while True:
+            side = await self._loop()
+            now = time.monotonic()
+            if not side.proven or self._doubted(side.used_at, now):
+                if side.lock is None:
+                    side.lock = asyncio.Lock()
+                async with side.lock:
+                    if not side.proven or self._doubted(side.used_at, now):
+                        conn = await _connection_classes()[1].connect(self.conninfo,
+                                                                      autocommit=True)
+                        side.proven, side.used_at = True, time.monotonic()
+                        return conn
+            side.used_at = now
+            pool = side.pool
+            try:
+                conn = await pool.getconn()
+            except PoolClosed:
+                continue
+            conn._ledger_pool = pool
+            if await self._ausable(conn, now):
+                return conn
+            await self.alost(conn)
+
+    async def _ausable(self, conn: Any, now: float) -> bool:
+        if conn.closed or on_standby(conn) or _told_goodbye(conn):
+            return False
+        if now - conn._ledger_idle_since < IDLE_CHECK_S:
+            return True
+        try:
+            await conn.execute("")
+        except Exception:
+            return False
+        return True
+
+    async def alost(self, conn: Any) -> None:
+        """:meth:`lost` for a connection of :meth:`acheckout`."""
+        side = await self._loop()
+        side.proven = False
+        pool = conn._ledger_pool
+        if pool is not None and not pool.closed:
+            await pool.drain()
+        await arelease(conn)
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every pool (their workers end; the connections still out are closed when
+        they come back). A store used again afterwards opens new ones."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            loops, self._loops = list(self._loops.items()), weakref.WeakKeyDictionary()
+            self._proven = False
+        if pool is not None:
+            pool.close()
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for loop, side in loops:
+            if side.guard is None or loop.is_closed():
+                continue  # a loop that ended took its pool's tasks with it
+            if loop is current:
+                side.guard.cancel()  # it closes the pool once this coroutine yields
+            elif loop.is_running():
+                closed = asyncio.run_coroutine_threadsafe(_cancelled(side.guard), loop)
+                with contextlib.suppress(Exception):  # a loop that does not answer in time
+                    closed.result(10)
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait until it has finished (its ``finally`` included)."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+__all__ = ["CHECKOUT_TIMEOUT_S", "IDLE_CHECK_S", "MAX_IDLE_S", "MAX_SIZE", "PgPool",
+           "ahard_close", "arelease", "hard_close", "on_standby", "release"]

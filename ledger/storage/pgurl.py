@@ -1,0 +1,176 @@
+"""A PostgreSQL URL as libpq takes it: every spelling of several hosts, one connection string.
+
+A ledger on a highly available PostgreSQL names all of its servers, and libpq tries them in
+order until one answers (and, with ``target_session_attrs=read-write``, until one takes
+writes). Three spellings of that URL are in common use, and each means the same here:
+
+* libpq's lists in the query: ``postgresql+psycopg://u@/db?host=a,b&port=5432,5433``;
+* repeated ``host=`` parameters, each with its port (SQLAlchemy's spelling):
+  ``postgresql+psycopg://u@/db?host=a:5432&host=b:5433``;
+* the hosts in the URL's authority: ``postgresql+psycopg://u@a:5432,b:5433/db``.
+
+:func:`hosts_to_query` rewrites the last one into the first before SQLAlchemy parses the URL
+(its parser takes one host there), and :func:`conninfo` turns the parsed URL into the libpq
+connection string that every connection of the store is made with — the hot path's and the
+cold path's alike (:mod:`ledger.storage.pgpool`), blocking and asyncio. The other query
+parameters (``target_session_attrs``, ``connect_timeout``, ``keepalives_idle``, ``sslmode``,
+...) pass through to libpq; a URL with more than one host gets ``target_session_attrs=
+read-write`` unless it says otherwise, so a connection never lands on a standby.
+
+Nothing here resolves a name or opens a socket: a URL that cannot be read (a port that is not
+a number, a host that is not a host name, an address or a socket directory, a count of ports
+that fits no count of hosts, an option libpq does not know) is refused with
+:class:`~ledger.errors.InvalidArgument` naming what is wrong, before any lookup — a mis-split
+``host=127.0.0.1:5432`` is never looked up as a host name.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import TYPE_CHECKING
+
+from ledger.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
+
+_SCHEME = "postgresql+psycopg://"
+# A host name (RFC 1123 letters, digits, hyphens and dots; underscores, which container
+# networks use); addresses and socket directories are told apart before it is tried.
+_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_.])?")
+_AUTHORITY = re.compile(r"(?P<user>[^/?#@]*@)?(?P<hosts>[^/?#]*)(?P<tail>.*)", re.S)
+_BRACKETED = re.compile(r"\[(?P<host>[^\]]*)\](?::(?P<port>.*))?")
+EXAMPLE = ("postgresql+psycopg://USER@/DBNAME?host=HOST1,HOST2&port=PORT1,PORT2 "
+           "(or USER@HOST1:PORT1,HOST2:PORT2/DBNAME)")
+
+
+def _refuse(where: str, fault: str, *, hosts: bool = True) -> InvalidArgument:
+    hint = f"; write several hosts as {EXAMPLE}" if hosts else ""
+    return InvalidArgument(f"database URL {where}: {fault}{hint}", field="url")
+
+
+def _split_hosts(text: str) -> list[str]:
+    """``text`` split at its commas, except inside ``[...]`` (an IPv6 address)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return out
+
+
+def _port(text: str, where: str) -> str:
+    if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
+        raise _refuse(where, f"port {text!r} is not a number from 1 to 65535")
+    return str(int(text))
+
+
+def _host(text: str, where: str) -> tuple[str, str | None]:
+    """One entry of a host list: ``(host, port or None)``, both checked."""
+    if text.startswith("/"):
+        return text, None  # a Unix socket directory
+    bracketed = _BRACKETED.fullmatch(text)
+    if bracketed is not None:
+        host, port = bracketed["host"], bracketed["port"]
+    elif text.count(":") >= 2:
+        host, port = text, None  # an IPv6 address without a port
+    else:
+        host, _, port_text = text.partition(":")
+        port = port_text if ":" in text else None
+    if not host:
+        raise _refuse(where, f"an empty host in {text!r}" if text else "an empty host")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise _refuse(where, f"host {host!r} is not an IPv6 address") from None
+    elif not _HOSTNAME.fullmatch(host):
+        raise _refuse(where, f"host {host!r} is not a host name, an IP address or a socket "
+                             "directory")
+    return host, None if port is None else _port(port, where)
+
+
+def hosts_to_query(norm: str, where: str) -> str:
+    """``norm`` (a ``postgresql+psycopg://`` URL) with several hosts in its authority
+    rewritten as libpq's ``?host=...&port=...`` lists; any other URL as it is."""
+    if not norm.startswith(_SCHEME):
+        return norm
+    # RFC 3986: the user part ends at '@' and holds no '/', '?' or '#' (encode them).
+    parts = _AUTHORITY.match(norm[len(_SCHEME):])
+    assert parts is not None  # every part is optional
+    user, hostlist, tail = parts["user"] or "", parts["hosts"], parts["tail"]
+    if "," not in hostlist:
+        return norm
+    hosts, ports = [], []
+    for entry in _split_hosts(hostlist):
+        host, port = _host(entry, where)
+        hosts.append(host)
+        ports.append(port or "")
+    path, _, query = tail.partition("?")
+    if re.search(r"(?:^|&)(?:host|port)=", query):
+        raise _refuse(where, "the hosts are named twice: in the URL's authority and as host= "
+                             "or port=")
+    lists = "host=" + ",".join(hosts)
+    if any(ports):
+        lists += "&port=" + ",".join(ports)
+    return f"{_SCHEME}{user}{path or '/'}?{lists}" + (f"&{query}" if query else "")
+
+
+def conninfo(parsed: URL, where: str) -> str:
+    """The libpq connection string of the parsed ``postgresql+psycopg://`` URL ``parsed``
+    (``where``: the URL without its password, for messages). Refuses what libpq would
+    misread, with :class:`~ledger.errors.InvalidArgument` (``field="url"``)."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    query = dict(parsed.query)
+    raw_hosts, raw_ports = query.pop("host", None), query.pop("port", None)
+    entries: list[tuple[str, str | None]] = []
+    if parsed.host:
+        if raw_hosts is not None:
+            raise _refuse(where, "the host is named twice: in the URL's authority and as host=")
+        entries.append(_host(f"[{parsed.host}]" if ":" in parsed.host else parsed.host, where))
+    for value in (raw_hosts,) if isinstance(raw_hosts, str) else raw_hosts or ():
+        entries += [_host(entry, where) for entry in _split_hosts(value)]
+    listed = [p for value in ((raw_ports,) if isinstance(raw_ports, str) else raw_ports or ())
+              for p in value.split(",")]
+    if parsed.port is not None:
+        if listed:
+            raise _refuse(where, "the port is named twice: in the URL's authority and as port=")
+        listed = [str(parsed.port)]
+    inline = [port for _, port in entries if port is not None]
+    if inline and listed:
+        raise _refuse(where, "the ports are named twice: as host=HOST:PORT and as port=")
+    if listed:
+        ports = [_port(p, where) if p else "" for p in listed]
+        if len(ports) != 1 and len(ports) != len(entries):
+            raise _refuse(where, f"{len(entries)} host(s) but {len(ports)} ports: give one port "
+                                 "for every host, or one for all")
+    else:
+        ports = [port or "" for _, port in entries] if inline else []
+    params: dict[str, str] = {}
+    for key, given in query.items():
+        if not isinstance(given, str):
+            raise _refuse(where, f"parameter {key!r} is given {len(given)} times; give it once",
+                          hosts=False)
+        params[key] = given
+    if len(entries) > 1:
+        # libpq takes the first server that answers; only the primary takes writes.
+        params.setdefault("target_session_attrs", "read-write")
+    kwargs = {"dbname": parsed.database, "user": parsed.username, "password": parsed.password,
+              "host": ",".join(h for h, _ in entries) or None, "port": ",".join(ports) or None,
+              **params}
+    try:
+        return make_conninfo(**{k: v for k, v in kwargs.items() if v is not None})
+    except psycopg.ProgrammingError as e:  # libpq's own parser: an option it does not know
+        raise _refuse(where, f"{str(e).strip().splitlines()[0]} (the query parameters are "
+                             "libpq's connection options)", hosts=False) from e
+
+
+__all__ = ["EXAMPLE", "conninfo", "hosts_to_query"]

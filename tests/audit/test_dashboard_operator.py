@@ -1,0 +1,389 @@
+"""The dashboard's operator views (issue 27, items 5 and 6), on SQLite and PostgreSQL: spend
+against budgets (the index and ``/budgets``, the same figures as ``Audit.spend``), and the
+operator's actions, served only when the dashboard is started with actions *and* a token.
+
+What each test protects: without the flag no route writes (a POST is refused by routing, and
+nothing is recorded); with it, an action needs the token in a header or a form field (never a
+cookie alone), from the dashboard's own origin, else 403 and nothing recorded; bad input is the
+ledger's typed error (400 naming the field, 404, 409) and records nothing; each action is
+recorded with who and why. The pages are checked in headless chromium, which also plays the
+attacker: a page of another origin that posts the form, token included, is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from ledger.api.facade import Ledger
+from ledger.cli.main import main
+from ledger.clock import ManualClock
+from ledger.errors import InvalidArgument
+from ledger.ops.audit import Audit, to_jsonable
+from ledger.storage import schema as s
+from tests.storage.helpers import sql_context
+
+from .seed import T0, seed
+
+starlette = pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from ledger.dashboard.app import create_app  # noqa: E402
+
+from .test_dashboard import REQUIRE, _browse, _chromium, _serving  # noqa: E402
+
+NOW = T0 + 600
+TOKEN = "op-token-7c1e0b5d2f9a4e36"
+HEADER = {"X-Ledger-Token": TOKEN}
+ACTION_PATHS = ["/actions/clear-cooldown", "/actions/runs/r4/close",
+                "/actions/attempts/r4-a1/settle", "/api/actions/clear-cooldown",
+                "/api/actions/runs/r4/close", "/api/actions/attempts/r4-a1/settle"]
+
+
+def _client(url: str, **kw: Any) -> TestClient:
+    return TestClient(create_app(url, clock=ManualClock(NOW), **kw))
+
+
+@pytest.fixture
+def written(db_url: str) -> str:
+    """A fresh copy of the seed history (these tests write), once per backend."""
+    seed(db_url)
+    return db_url
+
+
+def _recorded(url: str) -> tuple[Any, ...]:
+    """Everything an action could change: events, runs, attempts, debits, health, groups."""
+    led = Ledger.open(url, clock=ManualClock(NOW), migrate_schema=False)
+    try:
+        with sql_context(led).engine.connect() as conn:
+            return tuple(
+                sorted(tuple(map(str, row)) for row in conn.execute(select(table)).all())
+                for table in (s.events, s.runs, s.attempts, s.debits, s.health,
+                              s.capacity_groups))
+    finally:
+        led.close()
+
+
+# -- spend against budgets -----------------------------------------------------------------------
+
+
+def test_spend_against_budgets_on_the_index_and_the_budgets_page(seeded_url: str) -> None:
+    led = Ledger.open(seeded_url, clock=ManualClock(NOW), migrate_schema=False)
+    try:
+        audit = Audit(led)
+        by_tenant = audit.spend(by="tenant", since=NOW - NOW % 86400 - 6 * 86400, until=NOW,
+                                every=86400.0)
+        by_team = audit.spend(by="label", label="team", since=T0 - 1, until=NOW)
+    finally:
+        led.close()
+    with _client(seeded_url) as c:
+        index = c.get("/").text
+        page = c.get("/budgets", params={"by": "label", "label": "team", "days": 2}).text
+        api = c.get("/api/budgets", params={"by": "tenant", "since": NOW - NOW % 86400
+                                            - 6 * 86400, "until": NOW, "every": 86400}).json()
+        labels = c.get("/api/budgets", params={"by": "label", "label": "team",
+                                               "since": T0 - 1, "until": NOW}).json()
+        assert c.get("/api/budgets", params={"by": "route"}).status_code == 400
+        assert c.get("/budgets", params={"days": 0}).status_code == 400
+    assert api == to_jsonable(by_tenant) and labels == to_jsonable(by_team)
+    section = index.split('id="spend"', 1)[1].split("</section>", 1)[0]
+    rows = section.split("<tbody>", 1)[1].split("<tr>")[1:]
+    cells = [[c.split(">", 1)[1] for c in r.split("</td>")[:7]] for r in rows]
+    assert cells == [[(t.key or "(none)"), str(t.runs), f"{t.budget:.6f}", f"{t.posted:.6f}",
+                      f"{t.held:.6f}", f"{t.left:.6f}",
+                      f"{100 * (t.posted + t.held) / t.budget:.1f}%"] for t in by_tenant.items]
+    assert [c[0] for c in cells] == ["(none)", "t1", "t2"]
+    assert section.count('<svg id="spend-table-bars-') == 3
+    # The unknown attempt's hold shows as held in its day's bar, with the exact figures.
+    assert "2023-11-14 t2: 2 runs admitted, budget 2, charged 0.003, held 0.02" in section
+    team = page.split('id="spend"', 1)[1].split("</section>", 1)[0]
+    assert "Spend against budgets by team" in team
+    assert [r.split("</td>", 1)[0].split(">", 1)[1] for r in
+            team.split("<tbody>", 1)[1].split("<tr>")[1:]] == ["search", "(none)", "eval"]
+    assert "<script" not in index + page
+
+
+# -- actions: off unless deliberately on -----------------------------------------------------------
+
+
+def test_without_the_flag_no_route_writes(written: str) -> None:
+    before = _recorded(written)
+    with _client(written) as c:
+        assert 'id="mode">read-only<' in c.get("/").text
+        for path in ACTION_PATHS:
+            res = c.post(path, data={"key": "g3", "group": "1", "by": "x", "reason": "y",
+                                     "token": TOKEN, "status": "failed",
+                                     "outcome": "failed"}, headers=HEADER)
+            assert res.status_code in (404, 405), path
+        assert "<form" not in c.get("/runs/r4").text.split("</header>", 1)[1]
+        assert 'id="clear-cooldown"' not in c.get("/").text
+    assert _recorded(written) == before
+
+
+def test_actions_need_both_the_flag_and_a_good_token(seeded_url: str) -> None:
+    for kwargs, field in (({"actions": True}, "token"), ({"token": TOKEN}, "actions"),
+                          ({"actions": True, "token": "short"}, "token"),
+                          ({"actions": True, "token": "has a space in it!!"}, "token")):
+        with pytest.raises(InvalidArgument) as ei:
+            create_app(seeded_url, **kwargs)
+        assert ei.value.field == field
+
+
+def test_the_command_line_refuses_actions_without_a_token(
+        seeded_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LEDGER_DASHBOARD_TOKEN", raising=False)
+    assert main(["--db", seeded_url, "dashboard", "--allow-actions"]) == 2
+    assert "--allow-actions needs a token" in capsys.readouterr().err
+    short = tmp_path / "token"
+    short.write_text("abc\n")
+    assert main(["--db", seeded_url, "dashboard", "--allow-actions", "--token-file",
+                 str(short)]) == 2
+    assert "16 to 1024 printable characters" in capsys.readouterr().err
+    assert main(["--db", seeded_url, "dashboard", "--token-file", str(short)]) == 2
+    assert "without --allow-actions" in capsys.readouterr().err
+    assert main(["--db", seeded_url, "dashboard", "--allow-actions", "--token-file",
+                 str(tmp_path / "absent")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    monkeypatch.setenv("LEDGER_DASHBOARD_TOKEN", "tiny")
+    assert main(["--db", seeded_url, "dashboard", "--allow-actions"]) == 2
+
+
+@pytest.mark.parametrize("how", ["missing", "wrong", "cookie-only", "other-origin",
+                                 "cross-site-fetch", "null-origin"])
+def test_a_request_without_the_token_from_this_origin_is_forbidden_and_changes_nothing(
+        written: str, how: str) -> None:
+    before = _recorded(written)
+    form: dict[str, str] = {"key": "g3", "group": "1", "by": "mallory", "reason": "csrf"}
+    headers: dict[str, str] = {}
+    cookies: dict[str, str] = {}
+    if how == "wrong":
+        form["token"] = TOKEN[:-1] + "x"
+    elif how == "cookie-only":
+        cookies["token"] = TOKEN
+        cookies["X-Ledger-Token"] = TOKEN
+    elif how == "other-origin":
+        form["token"] = TOKEN
+        headers["Origin"] = "http://evil.example"
+    elif how == "cross-site-fetch":
+        headers.update(HEADER)
+        headers["Sec-Fetch-Site"] = "cross-site"
+    elif how == "null-origin":
+        form["token"] = TOKEN
+        headers["Origin"] = "null"
+    with _client(written, actions=True, token=TOKEN) as c:
+        c.cookies.update(cookies)
+        res = c.post("/actions/clear-cooldown", data=form, headers=headers)
+        assert res.status_code == 403 and "nothing was changed" in res.text
+        api = c.post("/api/actions/runs/r4/close", data={**form, "status": "failed"},
+                     headers=headers)
+        assert api.status_code == 403 and api.json()["ok"] is False
+    assert _recorded(written) == before
+
+
+def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -> None:
+    with _client(written, actions=True, token=TOKEN) as c:
+        index = c.get("/").text
+        assert 'id="mode">operator actions enabled<' in index
+        assert 'id="clear-group-form"' in index and 'type="password"' in index
+        run = c.get("/runs/r4").text
+        assert 'id="close-form"' in run and 'action="/actions/attempts/r4-a1/settle"' in run
+        # A form, as the browser sends it (the token in a field, from this origin).
+        res = c.post("/actions/clear-cooldown", data={
+            "key": "g3", "group": "1", "by": "alice", "reason": "provider confirmed",
+            "token": TOKEN}, headers={"Origin": "http://testserver"})
+        assert res.status_code == 200, res.text
+        assert "cleared group g3 by alice: provider confirmed" in res.text
+        # JSON with the token in the header; and with a bearer token.
+        res = c.post("/api/actions/runs/r4/close", json={
+            "status": "failed", "by": "bob", "reason": "nobody resumes"}, headers=HEADER)
+        assert res.status_code == 200 and res.json()["previous_status"] == "running"
+        res = c.post("/api/actions/attempts/r4-a1/settle", json={
+            "outcome": "succeeded", "prompt_tokens": 100, "completion_tokens": 50,
+            "by": "carol", "reason": "console req 7a1"},
+            headers={"Authorization": f"Bearer {TOKEN}"})
+        assert res.status_code == 200, res.text
+        assert res.json()["state"] == "succeeded" and res.json()["debit_state"] == "posted"
+        actions = c.get("/api/actions").json()["items"]
+        page = c.get("/").text
+        r4 = c.get("/runs/r4").text
+    assert [(a["kind"], a["by"], a["reason"]) for a in actions] == [
+        ("late_receipt", "carol", "console req 7a1"), ("close", "bob", "nobody resumes"),
+        ("clear_cooldown", "alice", "provider confirmed")]
+    recent = page.split('id="actions-table"', 1)[1].split("</table>", 1)[0]
+    assert recent.count("<tr>") == 4 and "alice" in recent and "provider confirmed" in recent
+    assert "by <b>bob</b>: nobody resumes" in r4 and 'id="close-form"' not in r4
+    led = Ledger.open(written, clock=ManualClock(NOW), migrate_schema=False)
+    try:
+        assert led.group_projections(["g3"])["g3"].mode.value == "open"
+        assert led.get_run("r4").status.value == "failed"
+        # Priced at the route's frozen price (C is free): posted 0, the hold released.
+        assert led.get_run("r4").reserved == Decimal(0)
+    finally:
+        led.close()
+
+
+@pytest.mark.parametrize(("path", "form", "status", "says"), [
+    ("/api/actions/clear-cooldown", {"key": "g3", "group": "1", "reason": "x"}, 400, "by"),
+    ("/api/actions/clear-cooldown", {"key": "g3", "group": "1", "by": "a", "reason": " "},
+     400, "reason"),
+    ("/api/actions/clear-cooldown", {"key": "nope", "by": "a", "reason": "x"}, 404,
+     "no health is recorded"),
+    ("/api/actions/clear-cooldown", {"key": "A", "by": "a", "reason": "x"}, 409,
+     "nothing to clear"),
+    ("/api/actions/runs/r4/close", {"status": "running", "by": "a", "reason": "x"}, 400,
+     "status"),
+    ("/api/actions/runs/r2/close", {"status": "failed", "by": "a", "reason": "x"}, 409,
+     "already ended"),
+    ("/api/actions/runs/nope/close", {"status": "failed", "by": "a", "reason": "x"}, 404,
+     "unknown run id"),
+    ("/api/actions/attempts/r2-a1/settle", {"outcome": "failed", "by": "a", "reason": "x"},
+     409, "not unknown"),
+    ("/api/actions/attempts/r4-a1/settle", {"outcome": "failed", "prompt_tokens": "many",
+                                             "by": "a", "reason": "x"}, 400, "prompt_tokens"),
+    ("/api/actions/attempts/r4-a1/settle", {"outcome": "maybe", "by": "a", "reason": "x"},
+     400, "outcome"),
+], ids=["no-by", "blank-reason", "unknown-key", "nothing-to-clear", "bad-status",
+        "ended-run", "unknown-run", "settled-attempt", "bad-tokens", "bad-outcome"])
+def test_bad_input_is_the_ledgers_typed_error_and_records_nothing(
+        written: str, path: str, form: dict[str, str], status: int, says: str) -> None:
+    before = _recorded(written)
+    with _client(written, actions=True, token=TOKEN) as c:
+        res = c.post(path, data=form, headers=HEADER)
+        html = c.post(path.removeprefix("/api"), data={**form, "token": TOKEN})
+    assert res.status_code == status and says in res.json()["error"] + res.json().get(
+        "field", "")
+    assert html.status_code == status and "refused" in html.text
+    assert _recorded(written) == before
+
+
+# -- a real browser ----------------------------------------------------------------------------
+
+
+def _need_chromium() -> str:
+    chromium = _chromium()
+    if chromium is None:
+        msg = "chromium is not installed (apt-get install chromium); browser test cannot run"
+        if REQUIRE:
+            pytest.fail(msg + " and LEDGER_REQUIRE_POSTGRES=1")
+        pytest.skip(msg)
+    return chromium
+
+
+def _artifacts() -> Path:
+    path = Path(os.environ.get("LEDGER_ARTIFACTS", "test-artifacts")).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.mark.browser
+def test_budgets_in_headless_chromium(seeded_url: str) -> None:
+    chromium = _need_chromium()
+    backend = "postgres" if seeded_url.startswith("postgresql") else "sqlite"
+    with _serving(seeded_url, ManualClock(NOW)) as base:
+        dom = _browse(chromium, "--dump-dom", base + "/")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        spend = dom.stdout.split('id="spend"', 1)[1].split("</section>", 1)[0]
+        assert "<td>t2</td>" in spend and "1.977000" in spend  # 2 - 0.003 - 0.02
+        assert 'id="mode">read-only<' in dom.stdout and 'id="clear-cooldown"' not in dom.stdout
+        dom = _browse(chromium, "--dump-dom", base + "/budgets?by=label&label=team&days=2")
+        assert dom.returncode == 0 and 'id="spend-table"' in dom.stdout
+        shot = _artifacts() / f"dashboard-budgets-{backend}.png"
+        shot.unlink(missing_ok=True)
+        res = _browse(chromium, f"--screenshot={shot}", "--window-size=1400,700",
+                      base + "/budgets?days=3")
+        assert res.returncode == 0 and shot.stat().st_size > 10_000
+
+
+@pytest.mark.browser
+def test_actions_in_headless_chromium_and_a_forged_form_is_refused(written: str) -> None:
+    chromium = _need_chromium()
+    with _serving_actions(written) as base:
+        dom = _browse(chromium, "--dump-dom", base + "/runs/r4")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        assert 'id="close-form"' in dom.stdout and 'name="token"' in dom.stdout
+        assert 'type="password"' in dom.stdout
+        before = _recorded(written)
+        # Another site's page posts the dashboard's form, token and all: refused.
+        with tempfile.TemporaryDirectory() as tmp:
+            evil = Path(tmp) / "evil.html"
+            evil.write_text(
+                '<html><body onload="document.forms[0].submit()"><form method="post" '
+                f'action="{base}/actions/clear-cooldown"><input name="key" value="g3">'
+                '<input name="group" value="1"><input name="by" value="mallory">'
+                f'<input name="reason" value="csrf"><input name="token" value="{TOKEN}">'
+                "</form></body></html>")
+            res = _browse(chromium, "--virtual-time-budget=5000", "--dump-dom",
+                          evil.as_uri())
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "<title>refused</title>" in res.stdout and "nothing was changed" in res.stdout
+        assert _recorded(written) == before
+        # The same form from the dashboard's own origin (as its page submits it) acts.
+        body = urllib.parse.urlencode({"key": "g3", "group": "1", "by": "alice",
+                                       "reason": "provider confirmed", "token": TOKEN})
+        req = urllib.request.Request(base + "/actions/clear-cooldown", data=body.encode(),
+                                     headers={"Origin": base, "Sec-Fetch-Site": "same-origin",
+                                              "Content-Type":
+                                              "application/x-www-form-urlencoded"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        dom = _browse(chromium, "--dump-dom", base + "/")
+        recent = dom.stdout.split('id="actions-table"', 1)[1].split("</table>", 1)[0]
+        assert "alice" in recent and "provider confirmed" in recent and "mallory" not in recent
+        groups = dom.stdout.split('id="groups-table"', 1)[1].split("</table>", 1)[0]
+        assert '<span class="unavailable">' not in groups  # g3 is open now
+        shot = _artifacts() / "dashboard-actions.png"
+        shot.unlink(missing_ok=True)
+        res = _browse(chromium, f"--screenshot={shot}", "--window-size=1400,900",
+                      base + "/runs/r4")
+        assert res.returncode == 0 and shot.stat().st_size > 10_000
+
+
+def _serving_actions(url: str) -> Any:
+    """The dashboard with actions on, on a free loopback port (as :func:`_serving`)."""
+    import contextlib
+    import threading
+
+    import uvicorn
+
+    from ledger.testing.pgserver import free_port
+
+    @contextlib.contextmanager
+    def serving() -> Iterator[str]:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(url, clock=ManualClock(NOW), actions=True, token=TOKEN),
+            host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        base = f"http://127.0.0.1:{port}"
+        ready = threading.Event()
+        for _ in range(500):  # bounded readiness poll, no fixed sleep
+            if not thread.is_alive():
+                break
+            try:
+                with urllib.request.urlopen(base + "/api/health", timeout=2) as r:
+                    if r.status == 200:
+                        ready.set()
+                        break
+            except (OSError, urllib.error.URLError):
+                ready.wait(0.02)
+        assert ready.is_set(), "dashboard did not start"
+        try:
+            yield base
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+    return serving()

@@ -1,0 +1,213 @@
+"""The inputs a decision records (``ledger.decide.inputs``): read back from the stored JSON, they
+give the selector exactly what it read, so it decides exactly as recorded, under every preset;
+the record keeps only what can change a decision; a malformed record is a typed error."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ledger.decide.classify import classify
+from ledger.decide.inputs import parse_inputs, record_inputs, selection_input
+from ledger.decide.preflight import Denials
+from ledger.decide.profiles import Pin
+from ledger.decide.select import (
+    RunPermissions,
+    SelectionInput,
+    preflight_verdicts,
+    select,
+)
+from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT, Envelope, Part
+from ledger.domain.facts import Observation, Transport
+from ledger.domain.values import (
+    Capabilities,
+    Grant,
+    GroupMode,
+    GroupProjection,
+    Health,
+    Profile,
+    ProfileType,
+    Route,
+)
+from ledger.errors import InvalidArgument
+from ledger.policy.load import PRESETS, preset
+from ledger.redaction import redact_data
+from ledger.storage.encode import event_json
+
+NOW = 1_000_000.0
+POLICIES = {n: preset(n) for n in PRESETS}
+ROUTES = [
+    Route(id="go-deepseek", provider="go", model="deepseek-v4", group="go",
+          recipient="go-gateway", capabilities=Capabilities(tools=True, context_window=4000)),
+    Route(id="go-glm", provider="go", model="glm-5", group="go", recipient="go-gateway",
+          profiles=[Profile(id="go:oauth", type=ProfileType.OAUTH),
+                    Profile(id="go:key", type=ProfileType.API_KEY)]),
+    Route(id="official", provider="deepseek", model="deepseek-v4", group="official",
+          recipient="deepseek", roles=["research"]),
+    Route(id="other", provider="other", model="m", group="other", recipient="other",
+          capabilities=Capabilities(tools=False),
+          profiles=[Profile(id="other:a"), Profile(id="other:b")]),
+]
+KEYS = ["go-deepseek", "go-glm", "official", "other", "provider:go", "provider:deepseek",
+        "provider:other", "go:oauth", "go:key", "other:a", "other:b"]
+OBSERVATIONS = [
+    Observation(status=503), Observation(status=429, headers={"Retry-After": "20"}),
+    Observation(status=401), Observation(status=500), Observation(status=400),
+    Observation(transport=Transport.CONNECT_REFUSED),
+    Observation(transport=Transport.READ_TIMEOUT), Observation(transport=Transport.DNS_FAILURE),
+    Observation(status=503, effective_output=True), Observation(status=402),
+]
+
+offsets = st.one_of(st.none(), st.floats(min_value=-900, max_value=900, allow_nan=False))
+
+
+def _at(off: float | None) -> float | None:
+    return None if off is None else NOW + off
+
+
+@st.composite
+def inputs(draw: Any) -> tuple[str, SelectionInput]:
+    """A selection input under a preset: a plan of 2-4 routes, cooling and disabled keys, probe
+    state, group projections fresh and stale, a failure or a new turn, tried routes and profiles,
+    a request some routes cannot serve or may not receive."""
+    name = draw(st.sampled_from(sorted(POLICIES)))
+    policy = POLICIES[name]
+    plan = draw(st.permutations(ROUTES))[:draw(st.integers(2, 4))]
+    health = {}
+    for key in draw(st.lists(st.sampled_from(KEYS), unique=True, max_size=6)):
+        health[key] = Health(key=key, cooldown_until=_at(draw(offsets)),
+                             disabled_until=_at(draw(offsets)),
+                             last_probe_at=_at(draw(st.one_of(st.none(), st.floats(-900, 0)))),
+                             last_used=_at(draw(st.one_of(st.none(), st.floats(-900, 0)))),
+                             error_count=draw(st.integers(0, 3)))
+    groups = {}
+    for g in draw(st.lists(st.sampled_from(["go", "official", "other"]), unique=True)):
+        groups[g] = GroupProjection(group=g, mode=draw(st.sampled_from(list(GroupMode))),
+                                    until=_at(draw(offsets)),
+                                    sampled_at=NOW - draw(st.floats(0, 60)))
+    failure = current = profile = None
+    if draw(st.booleans()):
+        failed = draw(st.sampled_from(plan))
+        current = failed.id
+        failure = classify(draw(st.sampled_from(OBSERVATIONS)).model_copy(
+            update={"provider": failed.provider}), policy, now=NOW)
+        profile = draw(st.sampled_from([None, *(p.id for p in failed.profiles)]))
+    elif draw(st.booleans()):
+        current = draw(st.sampled_from(plan)).id
+    ids = [r.id for r in plan]
+    tried = frozenset(draw(st.lists(st.sampled_from(ids), unique=True, max_size=1)))
+    pids = [p.id for r in plan for p in r.profiles]
+    request = Envelope(
+        parts=[Part(content="x" * draw(st.sampled_from([10, 10, 10, 20_000]))),
+               *([Part(role="assistant", content="an earlier answer", data_class=MODEL_DERIVED,
+                       provenance="att-1")] if draw(st.booleans()) else [])],
+        tools=[] if draw(st.booleans()) else [{"name": "search", "description": "find"}],
+        max_output_tokens=100)
+    inp = SelectionInput(
+        plan=plan, policy=policy, now=NOW,
+        permissions=RunPermissions(
+            retries_left=draw(st.sampled_from([0, 2, 2, 3, 3, 3, 3])),
+            calls_left=draw(st.sampled_from([0, 2, 3, 3, 3, 3, 3])),
+            tried=tried,
+            tried_profiles=frozenset(draw(st.lists(st.sampled_from(pids), unique=True))
+                                     if pids else []),
+            tried_pairs=frozenset((r.id, p.id) for r in plan for p in r.profiles
+                                  if r.id in tried)),
+        request=request, role=draw(st.sampled_from(["research"] * 5 + ["evaluation"])),
+        grant=draw(st.sampled_from([None, Grant(recipients={
+            "go-gateway": [USER_INPUT, MODEL_DERIVED, "tool_description"],
+            "deepseek": [USER_INPUT], "other": [USER_INPUT, MODEL_DERIVED]})])),
+        groups=groups, health=health, current=current, current_profile=profile,
+        pin=draw(st.sampled_from([None, Pin.AUTO, Pin.USER])), failure=failure,
+        denials=Denials(routes=frozenset(draw(st.lists(st.sampled_from(ids), max_size=1)))),
+        provenance={"att-1": frozenset({Part(role="assistant", content="an earlier answer",
+                                             data_class=MODEL_DERIVED,
+                                             provenance="att-1").content_hash})}
+        if draw(st.booleans()) else {},
+        no_probe=frozenset(draw(st.lists(st.sampled_from(ids), max_size=1))))
+    return name, replace(inp, verdicts=preflight_verdicts(inp))
+
+
+def _stored(record: dict[str, Any]) -> Any:
+    """The record as an event stores it and a reader gets it back: redacted JSON text."""
+    return json.loads(event_json({"inputs": record}))["inputs"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inputs())
+def test_a_recorded_decision_is_recomputed_exactly_from_its_stored_inputs(
+        case: tuple[str, SelectionInput]) -> None:
+    name, inp = case
+    decision = select(inp)
+    event(f"{decision.kind.value} {decision.reason or ''}; skips "
+          + ",".join(sorted({s.reason.value for s in decision.skipped})))
+    stored = _stored(record_inputs(inp, by="select",
+                                   on="failure" if inp.failure else "new_turn", turn="t1",
+                                   failed="att-9" if inp.failure else None))
+    rec = parse_inputs(stored)
+    again = select(selection_input(rec, plan=inp.plan, policy=POLICIES[name], role=inp.role,
+                                   grant=inp.grant, failure=inp.failure))
+    assert redact_data(again.to_json()) == redact_data(decision.to_json())
+    assert again == decision
+
+
+def test_the_selector_decides_alike_with_its_verdicts_decided_beforehand() -> None:
+    # The turn decides with every plan route's preflight verdict computed once; a selection
+    # that checks each candidate as it reaches it decides the same.
+    inp = SelectionInput(
+        plan=ROUTES, policy=POLICIES["failure-domain"], now=NOW,
+        permissions=RunPermissions(retries_left=2, calls_left=2),
+        request=Envelope(parts=[Part(content="x" * 20_000)],
+                         tools=[{"name": "search", "description": "find"}]),
+        grant=Grant(recipients={"deepseek": [USER_INPUT, "tool_description"]}))
+    verdicts = preflight_verdicts(inp)
+    assert verdicts["go-deepseek"] is not None and verdicts["go-deepseek"].check == "capability"
+    assert verdicts["go-glm"] is not None and verdicts["go-glm"].check == "disclosure"
+    assert verdicts["official"] is None
+    assert select(replace(inp, verdicts=verdicts)) == select(inp)
+
+
+def test_the_record_keeps_only_what_can_change_a_decision() -> None:
+    inp = SelectionInput(
+        plan=ROUTES[:2], policy=POLICIES["failure-domain"], now=NOW,
+        permissions=RunPermissions(retries_left=1, calls_left=2),
+        groups={"go": GroupProjection(group="go", mode=GroupMode.OPEN, sampled_at=NOW),
+                "official": GroupProjection(group="official", mode=GroupMode.COOLDOWN,
+                                            until=NOW + 30, sampled_at=NOW - 2)},
+        health={"go-deepseek": Health(key="go-deepseek", error_count=2),
+                "go-glm": Health(key="go-glm", cooldown_until=NOW + 60)})
+    rec = record_inputs(replace(inp, verdicts=preflight_verdicts(inp)), by="select",
+                        on="new_turn", turn="t1")
+    assert rec == {"v": 1, "by": "select", "on": "new_turn", "turn": "t1", "at": NOW,
+                   "left": [1, 2], "groups": {"official": ["cooldown", NOW + 30, NOW - 2]},
+                   "health": {"go-glm": [NOW + 60, None, None, None]}}
+    with pytest.raises(InvalidArgument) as e:
+        record_inputs(inp, by="select", on="new_turn", turn="t1")
+    assert e.value.fields["field"] == "verdicts"
+
+
+@pytest.mark.parametrize(("record", "field"), [
+    ({"v": 2}, "v"),
+    ("not a record", "v"),
+    ({"v": 1, "by": "guess", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1, 1]}, "by"),
+    ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": "soon", "left": [1, 1]},
+     "at"),
+    ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1]}, "left"),
+    ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1, 1],
+      "groups": {"go": ["shut", None, 1.0]}}, "inputs"),
+    ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1, 1],
+      "health": {"go": [1.0]}}, "inputs"),
+    ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1, 1],
+      "tried": "go"}, "tried"),
+    ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1, 1],
+      "preflight": {"go": ["taste", "", ""]}}, "inputs"),
+])
+def test_a_malformed_record_is_a_typed_error_naming_the_field(record: Any, field: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        parse_inputs(record)
+    assert e.value.fields["field"] == field

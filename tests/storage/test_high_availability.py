@@ -1,0 +1,305 @@
+"""High availability on PostgreSQL's own terms (issue 24, item 1).
+
+Every spelling of a URL that names several servers means the same on both paths (the hot
+path's psycopg connections and SQLAlchemy's cold path share one pool, made with one
+connection string), blocking and asyncio; a URL that cannot be read is refused before any name
+is looked up; a write that lands on a standby is a retry-safe ``DatabaseUnavailable`` and its
+connection is dropped; and across a failover to a promoted synchronous standby nothing
+acknowledged is lost and the same ledger writes again. Servers run on loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.clock import ManualClock
+from ledger.domain.records import AttemptState
+from ledger.errors import DatabaseUnavailable, InvalidArgument, NotFound
+from ledger.storage import engine as eng
+from ledger.testing.pgserver import PgServer, free_port, start_server
+
+from ._readonly import driver_cause
+from ._standby import caught_up, make_synchronous, promote, start_standby
+from .helpers import budget, grant, routes
+
+T0 = 1_700_000_000.0
+ENV = "sha256:env"
+
+
+def _conninfo(url: str) -> dict[str, str]:
+    norm, parsed = eng.parse(url)
+    return conninfo_to_dict(eng.postgres_conninfo(norm, parsed))
+
+
+# -- the spellings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql+psycopg://u:pw@/db?host=10.0.0.1,10.0.0.2&port=5432,5433",
+    "postgresql+psycopg://u:pw@/db?host=10.0.0.1:5432&host=10.0.0.2:5433",
+    "postgresql+psycopg://u:pw@10.0.0.1:5432,10.0.0.2:5433/db",
+    "postgresql://u:pw@10.0.0.1:5432,10.0.0.2:5433/db",
+])
+def test_every_spelling_of_several_hosts_makes_the_same_connection_string(url: str) -> None:
+    assert _conninfo(url) == {
+        "host": "10.0.0.1,10.0.0.2", "port": "5432,5433", "user": "u", "password": "pw",
+        "dbname": "db", "target_session_attrs": "read-write"}
+
+
+def test_libpq_options_pass_through_and_a_chosen_target_is_kept() -> None:
+    info = _conninfo("postgresql+psycopg://u@[::1]:5432,db-2.internal/db?connect_timeout=3"
+                     "&keepalives_idle=30&keepalives_interval=5&target_session_attrs=primary"
+                     "&application_name=worker")
+    assert info == {"host": "::1,db-2.internal", "port": "5432,", "user": "u", "dbname": "db",
+                    "connect_timeout": "3", "keepalives_idle": "30",
+                    "keepalives_interval": "5", "target_session_attrs": "primary",
+                    "application_name": "worker"}
+    # One host: libpq's own default target (any), as before.
+    assert "target_session_attrs" not in _conninfo("postgresql+psycopg://u@10.0.0.1/db")
+    assert _conninfo("postgresql+psycopg://u@/db?host=10.0.0.1,10.0.0.2&port=6432") == {
+        "host": "10.0.0.1,10.0.0.2", "port": "6432", "user": "u", "dbname": "db",
+        "target_session_attrs": "read-write"}
+
+
+@pytest.fixture
+def no_name_lookup(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every name lookup (Python's, as asyncio connections make them) and every connection
+    attempt (libpq resolves names itself, inside psycopg's connect) this process makes,
+    refused and recorded."""
+    import psycopg
+
+    asked: list[Any] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        asked.append(args)
+        raise socket.gaierror(socket.EAI_NONAME, "the test forbids name lookups")
+
+    async def arefuse(*args: Any, **kwargs: Any) -> Any:
+        refuse(*args)
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(psycopg.Connection, "connect", classmethod(refuse))
+    monkeypatch.setattr(psycopg.AsyncConnection, "connect", classmethod(arefuse))
+    return asked
+
+
+@pytest.mark.parametrize(("url", "fault"), [
+    ("postgresql+psycopg://u@/db?host=127.0.0.1:5432&port=5433", "named twice"),
+    ("postgresql+psycopg://u@127.0.0.1:5432,127.0.0.1:54x2/db", "port '54x2'"),
+    ("postgresql+psycopg://u@127.0.0.1:notaport/db", "notaport"),
+    ("postgresql+psycopg://u@/db?host=127.0.0.1:0", "port '0'"),
+    ("postgresql+psycopg://u@/db?host=a,b,c&port=1,2", "3 host(s) but 2 ports"),
+    ("postgresql+psycopg://u@/db?host=bad host", "host 'bad host'"),
+    ("postgresql+psycopg://u@127.0.0.1,,127.0.0.2/db", "an empty host"),
+    ("postgresql+psycopg://u@[::zz]:5432,127.0.0.1/db", "'::zz' is not an IPv6 address"),
+    ("postgresql+psycopg://u@127.0.0.1:5432/db?host=127.0.0.2", "named twice"),
+    ("postgresql+psycopg://u@/db?host=127.0.0.1&sslmode=require&sslmode=disable",
+     "'sslmode' is given 2 times"),
+    ("postgresql+psycopg://u@/db?host=127.0.0.1&keepalive=1", 'option "keepalive"'),
+])
+def test_an_unreadable_url_is_invalid_argument_naming_its_fault_before_any_lookup(
+        url: str, fault: str, no_name_lookup: list[Any]) -> None:
+    async def opened() -> None:
+        await AsyncLedger.open(url)
+
+    for open_it in (lambda: Ledger.open(url), lambda: asyncio.run(opened())):
+        with pytest.raises(InvalidArgument) as caught:
+            open_it()
+        assert caught.value.fields["field"] == "url" and fault in str(caught.value), \
+            str(caught.value)
+    assert no_name_lookup == []
+
+
+def test_the_password_stays_out_of_the_message() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        Ledger.open("postgresql+psycopg://u@/db?host=a,b,c&port=1,2&password=hunter2")
+    assert "hunter2" not in str(caught.value)
+    with pytest.raises(InvalidArgument) as caught:
+        Ledger.open("postgresql+psycopg://u:hunter2@a:1,b:x/db")
+    assert "hunter2" not in str(caught.value)
+
+
+# -- a real server behind a host that is down ----------------------------------------------------
+
+
+def _spellings(server: PgServer, db: str) -> list[str]:
+    dead = free_port()  # nothing listens: libpq goes on to the next host
+    up = server.port
+    return [
+        f"postgresql+psycopg://postgres@/{db}?host=127.0.0.1,127.0.0.1&port={dead},{up}",
+        f"postgresql+psycopg://postgres@/{db}?host=127.0.0.1:{dead}&host=127.0.0.1:{up}",
+        f"postgresql+psycopg://postgres@127.0.0.1:{dead},127.0.0.1:{up}/{db}",
+    ]
+
+
+def _sessions(server: PgServer, db: str, name: str | None = None) -> int:
+    """Sessions on database ``db`` named ``name`` (None: any but psql's own)."""
+    which = "application_name <> 'psql'" if name is None else f"application_name = '{name}'"
+    return int(server.psql(f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' "
+                           f"AND {which}"))
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("spelling", [0, 1, 2], ids=["lists", "repeated", "authority"])
+def test_every_spelling_reaches_the_server_on_both_paths_blocking_and_asyncio(
+        pg_server: PgServer, pg_url: str, spelling: int) -> None:
+    db = pg_url.rsplit("/", 1)[1]
+    url = _spellings(pg_server, db)[spelling] + f"&application_name=ha{spelling}"
+    url = url.replace(f"/{db}&", f"/{db}?")  # the authority spelling has no query yet
+    led = Ledger.open(url, clock=ManualClock(T0))  # migrations: the cold path
+    try:
+        led.configure_group("g", max_in_flight=None)
+        led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r1", ttl_s=30)
+        att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+
+        async def asyncio_side() -> list[AttemptState]:
+            aled = AsyncLedger(led)
+            second = await aled.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                              reserve="0.01")
+            await aled.settle_attempt(lease, second.attempt_id, outcome="succeeded")
+            # The URL's own options reached every connection, this loop's too.
+            assert _sessions(pg_server, db, f"ha{spelling}") >= 2
+            return [a.state for a in await aled.timeline("r1")]
+
+        assert asyncio.run(asyncio_side()) == [AttemptState.SUCCEEDED] * 2
+        assert led.get_run("r1").calls_used == 2
+    finally:
+        led.close()
+
+
+# -- a primary and its synchronous standby -------------------------------------------------------
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[PgServer, PgServer]]:
+    """A primary with a synchronous hot standby (``synchronous_commit=on``,
+    ``synchronous_standby_names=s1``): a commit is acknowledged once the standby has it."""
+    primary = start_server()
+    standby = None
+    try:
+        primary.psql("CREATE DATABASE ha")
+        Ledger.open(primary.url("ha")).close()  # the schema, before the copy
+        standby = start_standby(primary, name="s1")
+        make_synchronous(primary, "s1")
+        assert primary.psql("SHOW synchronous_commit").strip() == "on"
+        yield primary, standby
+    finally:
+        primary.cleanup()
+        if standby is not None:
+            standby.cleanup()
+
+
+def _typed_while_down(call: Any) -> DatabaseUnavailable:
+    with pytest.raises(DatabaseUnavailable) as caught:
+        call()
+    assert driver_cause(caught.value) is not None
+    return caught.value
+
+
+@pytest.mark.postgres
+def test_a_failover_to_the_promoted_standby_loses_nothing_acknowledged_and_reconnects(
+        cluster: tuple[PgServer, PgServer]) -> None:
+    primary, standby = cluster
+    # The standby first: a connection must never land on it while it is one.
+    url = (f"postgresql+psycopg://postgres@/ha?host=127.0.0.1,127.0.0.1"
+           f"&port={standby.port},{primary.port}&connect_timeout=5")
+    led = Ledger.open(url, clock=ManualClock(T0))
+    aled = AsyncLedger(led)
+    try:
+        led.configure_group("g", max_in_flight=None)
+        led.admit_run("r1", plan=routes(), budget=budget(calls=20), grant=grant())
+        lease = led.acquire_lease("r1", ttl_s=300)
+        acknowledged = []
+        for _ in range(2):
+            att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01")
+            acknowledged.append(led.settle_attempt(lease, att.attempt_id,
+                                                   outcome="succeeded").attempt_id)
+
+        async def before() -> str:
+            att = await aled.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                           reserve="0.01")
+            return (await aled.settle_attempt(lease, att.attempt_id,
+                                              outcome="succeeded")).attempt_id
+
+        acknowledged.append(asyncio.run(before()))
+        assert _sessions(standby, "ha") == 0  # nothing of the ledger's on the standby
+
+        primary.stop("immediate")  # the primary dies; the standby is still one
+        # Every face fails typed while no server takes writes: the standby is refused by
+        # the URL's target (read-write), the primary is gone.
+        _typed_while_down(lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                                    reserve="0.01"))
+        _typed_while_down(lambda: led.admit_run("r2", plan=routes(), budget=budget(),
+                                                grant=grant()))
+        _typed_while_down(lambda: asyncio.run(_renew(aled, lease)))
+
+        promote(standby)
+        # The same ledger, no reopening: every path reconnects to the new primary.
+        att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01")
+        acknowledged.append(led.settle_attempt(lease, att.attempt_id,
+                                               outcome="succeeded").attempt_id)
+        acknowledged.append(asyncio.run(before()))
+        led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
+        timeline = led.timeline("r1")
+        assert [a.attempt_id for a in timeline] == acknowledged
+        assert all(a.state is AttemptState.SUCCEEDED for a in timeline)
+        assert led.get_run("r1").calls_used == len(acknowledged)
+    finally:
+        led.close()
+
+
+async def _renew(aled: AsyncLedger, lease: Any) -> None:
+    await aled.renew_lease(lease, ttl_s=300)
+
+
+@pytest.mark.postgres
+def test_a_write_that_lands_on_a_standby_is_retry_safe_and_drops_its_connection(
+        cluster: tuple[PgServer, PgServer]) -> None:
+    primary, standby = cluster
+    # target_session_attrs=any, the standby first: connections land on it.
+    url = (f"postgresql+psycopg://postgres@/ha?host=127.0.0.1,127.0.0.1"
+           f"&port={standby.port},{primary.port}&target_session_attrs=any"
+           "&application_name=lands")
+    with Ledger.open(primary.url("ha"), clock=ManualClock(T0)) as writer:
+        writer.configure_group("g", max_in_flight=None)
+        writer.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    caught_up(primary, standby)
+    led = Ledger.open(url, clock=ManualClock(T0), migrate_schema=False)
+    aled = AsyncLedger(led)
+    try:
+        assert led.get_run("r1").run_id == "r1"  # reads are served where it landed
+
+        def refused(call: Any) -> None:
+            err = _typed_while_down(call)
+            assert err.fields["standby"] is True, err
+            cause = driver_cause(err)  # psycopg's error, or SQLAlchemy's around it
+            assert getattr(getattr(cause, "orig", cause), "sqlstate", None) == "25006"
+
+        refused(lambda: led.acquire_lease("r1", ttl_s=30))  # the hot path, blocking
+        refused(lambda: asyncio.run(aled.acquire_lease("r1", ttl_s=30)))  # asyncio
+        refused(lambda: led.admit_run("r2", plan=routes(), budget=budget(),
+                                      grant=grant()))  # the cold path (SQLAlchemy)
+        # Nothing was written.
+        with Ledger.open(primary.url("ha"), migrate_schema=False) as check, \
+                pytest.raises(NotFound):
+            check.get_run("r2")
+        assert primary.psql("SELECT lease_holder IS NULL FROM runs WHERE run_id = 'r1'",
+                            db="ha").strip() == "t"
+
+        primary.stop("immediate")
+        promote(standby)
+        lease = led.acquire_lease("r1", ttl_s=30)  # the same ledger writes to it now
+        att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01")
+        assert led.settle_attempt(lease, att.attempt_id, outcome="succeeded").state is \
+            AttemptState.SUCCEEDED
+    finally:
+        led.close()

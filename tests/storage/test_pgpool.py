@@ -1,0 +1,201 @@
+"""One pool to a PostgreSQL database: the hot path and the cold path (SQLAlchemy) take their
+connections from the store's psycopg_pool, checkouts are bounded, a server that went away is
+the caller's error at once (not a wait for the checkout timeout), an event loop that ends
+takes its connections with it, and closing the store leaves no pool thread and no connection
+behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from ledger.api.facade import AsyncLedger, Ledger
+from ledger.api.face import storage_of
+from ledger.clock import ManualClock
+from ledger.errors import DatabaseUnavailable
+from ledger.storage.pgpool import PgPool, release
+from ledger.testing.pgserver import PgServer, start_server
+
+from ._readonly import driver_cause
+from .helpers import budget, grant, routes
+
+pytestmark = pytest.mark.postgres
+
+T0 = 1_700_000_000.0
+
+
+def _backends(server: PgServer, url: str) -> int:
+    """The server's sessions on ``url``'s database (the psql asking is on another one)."""
+    db = url.rsplit("/", 1)[1]
+    return int(server.psql(f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}'"))
+
+
+def _settled(server: PgServer, url: str, expected: int) -> int:
+    """:func:`_backends`, once the sessions just closed have left the server (a closed
+    connection's server process takes a moment to exit; waited for, up to 10 s)."""
+    deadline = time.monotonic() + 10
+    while (n := _backends(server, url)) != expected and time.monotonic() < deadline:
+        pass
+    return n
+
+
+def _pool_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ledger-postgres")]
+
+
+def _pid_cold(store: Any) -> int:
+    with store.context.engine.connect() as conn:
+        return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def _pid_hot(pool: PgPool) -> int:
+    conn = pool.checkout()
+    try:
+        return int(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
+    finally:
+        release(conn)
+
+
+def test_the_cold_path_and_the_hot_path_share_one_pool_and_close_leaves_nothing(
+        pg_server: PgServer, pg_url: str) -> None:
+    assert _pool_threads() == []
+    led = Ledger.open(pg_url, clock=ManualClock(T0), migrate_schema=False)
+    store = storage_of(led)
+    pool = store.driver.pool
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())  # cold
+    lease = led.acquire_lease("r1", ttl_s=30)  # hot
+    led.get_run("r1")
+    # One connection idle in the one pool: SQLAlchemy is lent the hot path's connection.
+    assert _pid_hot(pool) == _pid_cold(store) == _pid_hot(pool)
+    assert _backends(pg_server, pg_url) == 1
+    assert _pool_threads()  # the pool's worker runs while the store is open
+
+    async def asyncio_side() -> None:
+        aled = AsyncLedger(led)
+        att = await aled.begin_attempt(lease, route="a", envelope_hash="sha256:e",
+                                       reserve="0.01")
+        await aled.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        await aled.renew_lease(lease, ttl_s=30)
+        assert _backends(pg_server, pg_url) == 2  # and one of this event loop's own
+        await aled.close()  # closes both pools, this loop's included
+
+    asyncio.run(asyncio_side())
+    assert _pool_threads() == []
+    assert _backends(pg_server, pg_url) == 0
+    led.close()  # twice is harmless
+
+
+def test_checkouts_are_bounded(pg_url: str) -> None:
+    led = Ledger.open(pg_url, clock=ManualClock(T0), migrate_schema=False)
+    store = storage_of(led)
+    small = PgPool(store.driver.pool.conninfo, where="small", max_size=2, timeout=0.2)
+    try:
+        held = [small.checkout() for _ in range(3)]  # the first is its own; two are pooled
+        with pytest.raises(Exception) as caught:
+            small.checkout()
+        assert "couldn't get a connection" in str(caught.value)
+        release(held.pop())
+        held.append(small.checkout())  # a connection given back serves the next caller
+        for conn in held:
+            release(conn)
+        # Through the driver, a pool that stays exhausted is a typed, retry-safe error.
+        store.driver.pool, original = small, store.driver.pool
+        held = [small.checkout() for _ in range(2)]
+        try:
+            with pytest.raises(DatabaseUnavailable, match="couldn't get a connection"):
+                led.acquire_lease("r-none")
+        finally:
+            for conn in held:
+                release(conn)
+            store.driver.pool = original
+    finally:
+        small.close()
+        led.close()
+
+
+def test_an_event_loop_that_ends_takes_its_connections_with_it(pg_server: PgServer,
+                                                               pg_url: str) -> None:
+    """A ledger used from one ``asyncio.run`` after another keeps no sessions of the loops
+    that are gone (each loop has its own pool: asyncio connections belong to their loop)."""
+    led = Ledger.open(pg_url, clock=ManualClock(T0), migrate_schema=False)
+    try:
+        led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r1", ttl_s=30)
+        blocking = _backends(pg_server, pg_url)
+        aled = AsyncLedger(led)
+
+        async def burst() -> int:
+            await asyncio.gather(*[aled.renew_lease(lease, ttl_s=30) for _ in range(4)])
+            await asyncio.gather(*[aled.renew_lease(lease, ttl_s=30) for _ in range(4)])
+            return _backends(pg_server, pg_url)
+
+        for _ in range(3):
+            assert asyncio.run(burst()) > blocking  # the loop's own connections, in use
+            assert _settled(pg_server, pg_url, blocking) == blocking
+    finally:
+        led.close()
+    assert _settled(pg_server, pg_url, 0) == 0
+
+
+@pytest.fixture
+def own_server() -> Iterator[PgServer]:
+    """A server of this test's own, to stop without disturbing the others."""
+    srv = start_server()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+def _told_at_once(err: DatabaseUnavailable) -> None:
+    """The caller learnt of the server's absence from a connection attempt of its own, not
+    from a wait for a connection the pool's worker could not make (``PoolTimeout``)."""
+    from psycopg_pool import PoolTimeout
+
+    cause = driver_cause(err)
+    assert cause is not None and not isinstance(cause, PoolTimeout), repr(cause)
+    assert "couldn't get a connection" not in str(err)
+
+
+def test_a_server_gone_while_the_pool_holds_no_connection_is_told_at_once(
+        own_server: PgServer) -> None:
+    """After a checkout proved the server, the pool may hold no connection (the first one is
+    the checkout's own; the pool's worker closes idle ones): a server gone then must not leave
+    the next caller waiting for the checkout timeout, on the hot or the cold path, blocking
+    or asyncio."""
+    own_server.psql("CREATE DATABASE gone")
+    led = Ledger.open(own_server.url("gone"), clock=ManualClock(T0))
+    try:
+        led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r1", ttl_s=30)
+        pool = storage_of(led).driver.pool
+        aled = AsyncLedger(led)
+
+        async def asyncio_side() -> DatabaseUnavailable:
+            await aled.renew_lease(lease, ttl_s=30)  # the loop's pool proven, empty
+            pool.close()  # the blocking side anew: proven next, empty too
+            led.renew_lease(lease, ttl_s=30)
+            own_server.stop()
+            with pytest.raises(DatabaseUnavailable) as caught:
+                await aled.renew_lease(lease, ttl_s=30)
+            return caught.value
+
+        _told_at_once(asyncio.run(asyncio_side()))
+        with pytest.raises(DatabaseUnavailable) as cold:
+            led.get_run("r1")  # SQLAlchemy, lent a connection by the same pool
+        _told_at_once(cold.value)
+        with pytest.raises(DatabaseUnavailable) as hot:
+            led.renew_lease(lease, ttl_s=30)
+        _told_at_once(hot.value)
+
+        own_server.start()  # back: the same ledger answers again, on both paths
+        assert led.renew_lease(lease, ttl_s=30).run_id == "r1"
+        assert led.get_run("r1").run_id == "r1"
+    finally:
+        led.close()
