@@ -14,6 +14,7 @@ _ = Whitelist()
 _.__getattr__  # ledger/__init__.py: PEP 562, the lazy package root
 _.__dir__  # ledger/__init__.py: PEP 562, dir(ledger) lists the lazy names
 _.__wrapped__  # facade.py: inspect.signature follows it to the sync method's signature
+_.is_disconnect  # storage/engine.py: read by SQLAlchemy's handle_error hook
 _.__signature__  # api/calls.py: inspect.signature reads a bound operation's signature there
 _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits the group
 

@@ -43,10 +43,25 @@ from ledger.storage.failure import driver_error, standby_error
 
 if TYPE_CHECKING:
     from ledger.storage.pgpool import PgPool
-    from ledger.storage.statements import Stmt
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+
+
+class Statement(Protocol):
+    """What a driver needs of a statement (:class:`~ledger.storage.statements.Stmt` is one):
+    said here, so that the statements depend on the driver's steps and not the other way."""
+
+    @property
+    def text(self) -> str:
+        """The SQL, in the driver's parameter style."""
+
+    @property
+    def rows(self) -> bool:
+        """Whether it returns rows (only those are fetched)."""
+
+    def args(self, params: Any) -> list[Any]:
+        """The positional values of ``params``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +70,7 @@ class Q:
     the statement run once per mapping (no rows). A fused statement
     (:class:`~ledger.storage.statements.Fused`) takes the writes it fuses instead."""
 
-    stmt: Stmt
+    stmt: Statement
     params: Any = ()
     many: bool = False
 
@@ -418,4 +433,4 @@ async def _aabort(conn: Any) -> None:
     await ahard_close(conn)
 
 
-__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Tx"]
+__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Statement", "Tx"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from sqlalchemy import (
     Table,
@@ -339,7 +339,9 @@ class Statements:
         another's writes, so one snapshot serves them all."""
         if not self.spelling.fuse_writes or len(items) < 2:
             return tuple(items)
-        shape = tuple((q.stmt, len(q.params) if q.many else -1) for q in items)
+        # The writes a transaction ends with are this module's statements (a Q only needs
+        # the driver's narrower Statement).
+        shape = tuple((cast(Stmt, q.stmt), len(q.params) if q.many else -1) for q in items)
         fused = self._fused.get(shape)
         if fused is None:
             fused = self._fuse(shape)
