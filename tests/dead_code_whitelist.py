@@ -14,6 +14,7 @@ _ = Whitelist()
 _.__getattr__  # ledger/__init__.py: PEP 562, the lazy package root
 _.__dir__  # ledger/__init__.py: PEP 562, dir(ledger) lists the lazy names
 _.__wrapped__  # facade.py: inspect.signature follows it to the sync method's signature
+_.is_disconnect  # storage/engine.py: read by SQLAlchemy's handle_error hook
 _.__signature__  # api/calls.py: inspect.signature reads a bound operation's signature there
 _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits the group
 
@@ -22,7 +23,6 @@ _.__pydantic_base_init__  # domain/validation.py: pydantic reads it off a model'
 _.maxstring, _.maxother, _.maxlist, _.maxdict  # reprlib.Repr limits, read by reprlib
 _.maxset, _.maxtuple, _.maxlevel  # (policy/load.py sets these too)
 _.inherit_cache  # storage/statements.py: SQLAlchemy reads it to cache our constructs' SQL
-_.is_disconnect  # storage/engine.py: SQLAlchemy's handle_error reads it to drop a connection
 # integrations/pydantic_ai.py: the pydantic-ai Model / StreamedResponse interface
 _.unsupported_settings  # read by pydantic-ai to warn about settings the model ignores
 _.request_stream  # Model.request_stream, called by the agent for a streamed request

@@ -339,8 +339,8 @@ class Statements:
         another's writes, so one snapshot serves them all."""
         if not self.spelling.fuse_writes or len(items) < 2:
             return tuple(items)
-        # Every statement a transaction yields is one of these (a Stmt); the driver's Q only
-        # says what a driver needs of it.
+        # The writes a transaction ends with are this module's statements (a Q only needs
+        # the driver's narrower Statement).
         shape = tuple((cast(Stmt, q.stmt), len(q.params) if q.many else -1) for q in items)
         fused = self._fused.get(shape)
         if fused is None:
