@@ -148,6 +148,13 @@ class StorageError(LedgerError):
 class DatabaseUnavailable(StorageError):
     """The database could not be reached or opened. Safe to retry once it is back.
 
+    ``fields``: ``url`` (without its password); ``commit="unknown"`` when the connection was
+    lost after a write's ``COMMIT`` was sent (it may have landed). A write of the hot path also
+    says which it was and what became of it: ``operation`` (``begin``, ``settle``, ``finish``,
+    ``release``, ``renew``, ``acquire``), ``resolved`` (whether its outcome is now certain:
+    a lost acknowledgement is resolved under the Run's row lock before this is raised) and
+    ``landed`` (``True``/``False`` when known; a resolved begin that landed was settled
+    ``not_sent``), with ``run_id`` and ``attempt_id`` where they apply.
     ``fields["standby"]`` is ``True`` when the server reached was a standby that refused a
     write (a failover under way): nothing was written and the connection was dropped.
     """

@@ -13,6 +13,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
     1: (
         "tests/run/test_attempt_before_send.py::test_invariant1_every_attempt_is_committed_before_its_request_is_sent",
         "tests/recovery/test_crash.py::test_kill_at_every_fault_point_then_recover",
+        "tests/storage/test_lost_acknowledgement.py::test_every_commit_of_a_session_whose_acknowledgement_is_lost_is_resolved_truthfully",
     ),
     # 2. Settled Attempts are immutable; duplicate settles/submissions are the same write.
     2: (

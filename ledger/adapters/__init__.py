@@ -2,8 +2,9 @@
 
 One engine (:class:`HttpAdapter`, and its blocking facade :class:`SyncAdapter`) sends on any route
 whose protocol has a registered codec; the four shipped codecs register themselves on import.
-``register_secret`` and ``install_log_redaction`` are :mod:`ledger.redaction`'s, for hosts that
-send requests themselves.
+``register_secret`` and ``install_log_redaction`` are :mod:`ledger.redaction`'s, and
+``attempt_headers`` (with ``ATTEMPT_HEADER``) :mod:`ledger.decide.effects`', for hosts that send
+requests themselves.
 See ``docs/adapters.md``.
 """
 
@@ -39,9 +40,11 @@ from ledger.adapters.transport import (
     ClientRegistry,
     map_transport_error,
 )
+from ledger.decide.effects import ATTEMPT_HEADER, attempt_headers
 from ledger.redaction import install_log_redaction, register_secret
 
 __all__ = [
+    "ATTEMPT_HEADER",
     "AdapterResult",
     "ClientRegistry",
     "Codec",
@@ -60,6 +63,7 @@ __all__ = [
     "Usage",
     "anthropic",
     "async_sender",
+    "attempt_headers",
     "codec_for",
     "env_var_name",
     "gemini",

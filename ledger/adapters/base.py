@@ -13,8 +13,9 @@ whether any byte of the request was handed to the socket, and an
 :class:`~ledger.domain.facts.Observation` (transport kind, phase, status, effective output, redacted
 evidence). A route that cannot build a request (no endpoint or not a usable http(s) URL, no codec
 for its protocol, no secret for its profile or one that cannot go in a header, a body that cannot
-be JSON-encoded) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a
-message naming the problem and the fix. Only caller misuse (a profile id that is not the route's,
+be JSON-encoded, a codec header named like one of the headers that carry the Attempt's id) is
+transport ``cannot_build``, phase ``before_send``, source ``local``, with a message naming the
+problem and the fix. Only caller misuse (a profile id that is not the route's,
 an envelope without parts, streaming, tools or prefill the route's capabilities refuse, envelope
 parts or parameters the codec cannot map) raises :class:`~ledger.errors.InvalidArgument`, always
 before anything is sent. Cancellation by the caller (``asyncio.CancelledError``) and exceptions
@@ -129,7 +130,7 @@ from ledger.adapters.transport import (
     describe_exception,
     map_transport_error,
 )
-from ledger.decide.effects import SendProgress
+from ledger.decide.effects import SendProgress, attempt_headers
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import Observation, Phase, Source, Transport
 from ledger.domain.media import MediaKind
@@ -499,7 +500,7 @@ class HttpAdapter:
             ) from None
 
     def _prepare(
-        self, route: Route, envelope: Envelope, profile_id: str | None
+        self, route: Route, envelope: Envelope, profile_id: str | None, attempt_id: str | None
     ) -> tuple[Codec, str | None, WireRequest, bytes, dict[str, str]]:
         """Codec, secret, request, body and headers; raises _CannotBuild or InvalidArgument."""
         self._check_endpoint(route)
@@ -513,6 +514,17 @@ class HttpAdapter:
         headers = dict(wire.headers)
         if secret is not None:
             headers.update(codec.auth_headers(secret))
+        if attempt_id is not None:
+            # Last, and refused rather than merged when a codec's own header has the same
+            # name: the value the ledger recorded with the Attempt is the one that is sent.
+            try:
+                headers = attempt_headers(attempt_id, route.protocol, onto=headers)
+            except InvalidArgument as exc:
+                raise _CannotBuild(
+                    f"route {route.id!r}: the {route.protocol.value!r} codec sets its own "
+                    f"{exc.fields.get('header')!r} header, which carries the Attempt's id (the "
+                    "value recorded with it); remove that header from the codec's request or "
+                    "credential headers") from None
         return codec, secret, wire, content, headers
 
     def _cannot_build(
@@ -545,6 +557,7 @@ class HttpAdapter:
         on_event: OnEvent | None = None,
         limits: Limits | None = None,
         progress: Progress | None = None,
+        attempt_id: Id | None = None,
     ) -> AdapterResult:
         """Send ``envelope`` on ``route`` with the secret of ``profile_id``; report the outcome.
 
@@ -565,14 +578,21 @@ class HttpAdapter:
             limits: This call's time limits (default: the adapter's).
             progress: Told when the first request byte is written, so a cancelled call is
                 known to have been sent, or not (the retry owner's ``Dispatch.progress``).
+            attempt_id: The Attempt this call is (the retry owner's ``Dispatch.attempt_id``):
+                the request carries it in the headers
+                :func:`~ledger.decide.effects.attempt_headers` names (``X-Ledger-Attempt``,
+                and the provider's own client-request-id header where it documents one),
+                after the codec's and the credential's; a codec header of the same name makes
+                the call ``cannot_build``. ``None``: no Attempt, no such header.
 
         Returns:
             The :class:`AdapterResult` of the one physical call.
 
         Raises:
             InvalidArgument: caller misuse, before anything is sent: a ``profile_id`` that is
-                not the route's, an envelope without parts, streaming, tools or prefill the
-                route's capabilities refuse, parts or parameters the codec cannot map.
+                not the route's, an ``attempt_id`` that is not an id, an envelope without
+                parts, streaming, tools or prefill the route's capabilities refuse, parts or
+                parameters the codec cannot map.
         """
         tracker = _Progress(progress)  # tells `progress` nothing is sent yet
         self._check_misuse(route, envelope, profile_id)
@@ -581,7 +601,8 @@ class HttpAdapter:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            codec, secret, wire, content, headers = self._prepare(route, envelope, profile_id)
+            codec, secret, wire, content, headers = self._prepare(route, envelope, profile_id,
+                                                                  attempt_id)
         except _CannotBuild as cb:
             result = self._cannot_build(route, cb.message, t0)
         else:

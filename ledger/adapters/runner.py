@@ -3,7 +3,9 @@
 :func:`async_sender` turns an :class:`HttpAdapter` into the send function of
 :func:`ledger.api.turn.aexecute`, :func:`sync_sender` a :class:`SyncAdapter` into that of
 :func:`ledger.api.turn.execute` (the Run sessions of :mod:`ledger.api.session` use them too).
-Each answer becomes parts (:func:`output_parts`) whose hashes the ledger records as provenance, so
+Each request carries its Attempt's id (``Dispatch.attempt_id``, sent in the headers
+``Dispatch.headers`` names and the retry owner recorded with the Attempt before the send). Each
+answer becomes parts (:func:`output_parts`) whose hashes the ledger records as provenance, so
 a later model-derived part is covered only if it matches, hash for hash. Streamed events go to
 ``on_event`` as they arrive; the retry owner separately tells the caller to discard text of a
 failed attempt.
@@ -111,7 +113,8 @@ def async_sender(
     """
     async def send(d: Dispatch) -> SendResult:
         res = await adapter.send(d.route, d.envelope, profile_id=d.profile_id,
-                                 on_event=on_event, limits=limits, progress=d.progress)
+                                 on_event=on_event, limits=limits, progress=d.progress,
+                                 attempt_id=d.attempt_id)
         return to_send_result(res, d.attempt_id)
 
     return send
@@ -143,7 +146,7 @@ def sync_sender(
     """
     def send(d: Dispatch) -> SendResult:
         res = adapter.send(d.route, d.envelope, profile_id=d.profile_id, on_event=on_event,
-                           limits=limits, progress=d.progress)
+                           limits=limits, progress=d.progress, attempt_id=d.attempt_id)
         return to_send_result(res, d.attempt_id)
 
     return send

@@ -61,6 +61,7 @@ class SyncAdapter:
         on_event: OnEvent | None = None,
         limits: Limits | None = None,
         progress: Progress | None = None,
+        attempt_id: Id | None = None,
     ) -> AdapterResult:
         """:meth:`HttpAdapter.send`, waited for on the calling thread (same arguments).
 
@@ -79,7 +80,7 @@ class SyncAdapter:
         fut = asyncio.run_coroutine_threadsafe(
             self.adapter.send(
                 route, envelope, profile_id=profile_id, on_event=on_event, limits=limits,
-                progress=progress,
+                progress=progress, attempt_id=attempt_id,
             ),
             self._loop,
         )

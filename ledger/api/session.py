@@ -43,7 +43,7 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, checked, function, instance
 from ledger.domain.values import Route
-from ledger.errors import FencedOut, InvalidArgument, InvalidState
+from ledger.errors import InvalidArgument, InvalidState, LedgerError
 
 # Logger names are part of the interface operators filter on: they stay as they were named.
 log = logging.getLogger("ledger.session")
@@ -152,6 +152,19 @@ class _SessionCore:
         if exc is not None:
             return turn_end(exc)
         return self._outcome
+
+    def _unfinished(self, exc: BaseException | None, error: LedgerError) -> None:
+        """The block's exit could not finish the Run or release its lease (``error``).
+
+        After a block that succeeded that is the news, and ``error`` is raised. After one that
+        raised, the block's own exception stays the one the caller sees (``error`` is logged
+        and added to it as a note), never replaced by what its exit ran into.
+        """
+        if exc is None:
+            raise error
+        log.warning("run %s: could not finish after %r: %s", self.run_id, exc, error)
+        exc.add_note(f"leaving the Run session, finishing run {self.run_id!r} or releasing its "
+                     f"lease failed too: {type(error).__name__}: {error}")
 
     def _ended(self, status: RunStatus) -> None:
         self.ended = status
@@ -362,7 +375,13 @@ class RunSession(_SessionCore):
         LeaseHeld: (entering) another live executor holds the Run.
         InvalidState: (entering) the session was entered before.
         FencedOut: (leaving) the block succeeded but the Run was taken over, so it could not
-            be finished (after a failed block this is only logged).
+            be finished.
+        DatabaseUnavailable: (entering or leaving) the database could not be reached; its
+            ``fields["operation"]`` names the write. A finish or release whose acknowledgement
+            was lost is resolved first (run again under the Run's row lock), so after a block
+            that succeeded this is raised only when the database stayed away. After a block
+            that raised, an error of leaving is only logged and added to the block's exception
+            as a note: the block's exception is the one raised.
 
     Example:
         >>> with led.run("task-42", plan=routes, budget={"max_calls": 6, "max_retries": 4,
@@ -421,10 +440,8 @@ class RunSession(_SessionCore):
                 self.ledger.finish_run(keeper.lease, status)
                 self._ended(status)
             keeper.shutdown_writes()  # releases the lease (a fenced-out keeper writes nothing)
-        except FencedOut as e:
-            if exc is None:
-                raise  # the block succeeded, but the Run could not be finished: say so
-            log.warning("run %s: could not finish after %r: %s", self.run_id, exc, e)
+        except LedgerError as e:
+            self._unfinished(exc, e)
 
     # -- turns -----------------------------------------------------------------------------
 
@@ -586,10 +603,11 @@ class AsyncRunSession(_SessionCore):
         self._enter()
         self.record = await self.ledger.admit_run(
             self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
+        # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
+        # before the lease is taken: an entry that fails holds nothing (no exit will run).
+        await self.ledger.frozen_run(self.run_id)
         lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
         self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
-        # Read now, awaited: child() and the turns then find the frozen Run in the cache.
-        await self.ledger.frozen_run(self.run_id)
         if self._adapter is None:
             from ledger.adapters import HttpAdapter
 
@@ -624,10 +642,8 @@ class AsyncRunSession(_SessionCore):
                 await self.ledger.finish_run(keeper.lease, status)
                 self._ended(status)
             await self.ledger._runner.arun(keeper.core._shutdown())  # releases the lease
-        except FencedOut as e:
-            if exc is None:
-                raise
-            log.warning("run %s: could not finish after %r: %s", self.run_id, exc, e)
+        except LedgerError as e:
+            self._unfinished(exc, e)
 
     async def turn(self, envelope: Envelope, *,
                    on_text: OnText | None = None, on_event: OnEvent | None = None,

@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Generic, TypeVar
+from types import MappingProxyType
+from typing import Annotated, Any, Generic, TypeVar
+from urllib.parse import quote
 
-from ledger.domain.facts import Observation
+from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import (
     AttemptKind,
     AttemptRecord,
@@ -28,7 +30,9 @@ from ledger.domain.records import (
     from_micros,
 )
 from ledger.domain.specs import BeginSpec, SettleSpec
+from ledger.domain.validation import Id, checked, instance, one_of
 from ledger.domain.values import GroupProjection, Health, Route
+from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
 
 T = TypeVar("T")
@@ -122,15 +126,96 @@ class SendProgress:
         return after(self.first_byte_at), after(self.first_token_at)
 
 
+#: The request header that names the Attempt a request is, on every protocol: its value is the
+#: Attempt's id, so a provider's or a proxy's request log joins the ledger's ``attempts`` rows.
+ATTEMPT_HEADER = "X-Ledger-Attempt"
+
+#: The client-request-id header each provider documents for the protocol, with the longest value
+#: it accepts. Only OpenAI documents one (``X-Client-Request-Id``, ASCII, at most 512
+#: characters; a longer one is answered with a 400: OpenAI API reference, "Debugging requests").
+#: Anthropic documents only its response header ``request-id``, Google's APIs (Gemini) only the
+#: system parameters, neither a client request id; no provider documents an idempotency key for
+#: these endpoints. See docs/adapters.md, "The Attempt on the wire".
+PROVIDER_REQUEST_ID_HEADERS: Mapping[WireProtocol, tuple[str, int]] = MappingProxyType({
+    WireProtocol.OPENAI: ("X-Client-Request-Id", 512),
+    WireProtocol.OPENAI_RESPONSES: ("X-Client-Request-Id", 512),
+})
+
+# Visible ASCII but "%": what an id may keep as it is in a header value. Everything else (a
+# space, "%", any non-ASCII character) is percent-encoded as UTF-8, so every printable id has
+# exactly one header value and no two ids share one.
+_VERBATIM = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+Protocol = Annotated[WireProtocol | str, one_of(WireProtocol)]
+Headers = Annotated[Mapping[str, str], instance(Mapping, "a mapping of header names to values",
+                                                "pass a dict such as {'x-trace': 't1'}")]
+
+
+@checked
+def attempt_headers(attempt_id: Id, protocol: Protocol, *,
+                    onto: Headers | None = None) -> dict[str, str]:
+    """The request headers that name the Attempt ``attempt_id`` on a route of ``protocol``.
+
+    :data:`ATTEMPT_HEADER` on every protocol and, where the provider documents a client request
+    id (:data:`PROVIDER_REQUEST_ID_HEADERS`), that header too, both with the Attempt's id as
+    their value (percent-encoded when the id holds anything but visible ASCII; the provider's
+    header is left out when the value is longer than the provider accepts). The retry owner
+    records exactly these with the Attempt (the ``headers`` of its ``select`` event) before the
+    request is sent, the built-in adapters send them, and a host's own send function sends
+    :attr:`Dispatch.headers`, which are these.
+
+    Args:
+        attempt_id: The Attempt's id.
+        protocol: The route's :class:`~ledger.domain.facts.WireProtocol` (or its value).
+        onto: The request's other headers, to add these to. Neither side silently overrides
+            the other: a header of ``onto`` with one of these names, in any letter case, is
+            refused.
+
+    Returns:
+        The headers (``onto``'s first, then these), as a new dict.
+
+    Raises:
+        InvalidArgument: ``attempt_id`` is not an id, ``protocol`` not a protocol, or ``onto``
+            already carries one of these headers (``field`` is ``headers``).
+
+    Example:
+        >>> attempt_headers("att-1", "openai")
+        {'X-Ledger-Attempt': 'att-1', 'X-Client-Request-Id': 'att-1'}
+        >>> attempt_headers("att-1", "anthropic")
+        {'X-Ledger-Attempt': 'att-1'}
+    """
+    value = quote(attempt_id, safe=_VERBATIM)
+    ours = {ATTEMPT_HEADER: value}
+    provider = PROVIDER_REQUEST_ID_HEADERS.get(WireProtocol(protocol))
+    if provider is not None and len(value) <= provider[1]:
+        ours[provider[0]] = value
+    if onto is None:
+        return ours
+    taken = {name.lower(): name for name in onto}
+    for name in ours:
+        if name.lower() in taken:
+            raise InvalidArgument(
+                f"the request already carries a {taken[name.lower()]!r} header, which the ledger "
+                f"sets to the Attempt's id ({name}); remove it from the request's own headers "
+                "(the ledger's value is the one recorded with the Attempt)",
+                field="headers", header=taken[name.lower()])
+    return {**onto, **ours}
+
+
 @dataclass(frozen=True)
 class Dispatch:
     """What the send function is asked to do: send ``envelope`` on ``route``.
 
     The Attempt is already recorded (begun) when the send function sees it.
 
+    A request it sends carries :attr:`headers` (the Attempt's id, as the built-in adapters
+    send it), so the provider's request log joins the ledger's rows.
+
     Attributes:
         run_id: The Run.
-        attempt_id: The Attempt this physical call is (its hold is taken).
+        attempt_id: The Attempt this physical call is (its hold is taken); the value of the
+            request's ``X-Ledger-Attempt`` header.
         turn_id: The logical turn it serves.
         route: The frozen route to send on.
         profile_id: The credential profile to use (``None``: the route has none).
@@ -148,6 +233,16 @@ class Dispatch:
     envelope: Any  # ledger.domain.envelope.Envelope (Any keeps this module import-light)
     kind: AttemptKind
     progress: SendProgress = field(default_factory=SendProgress, compare=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers that name this Attempt on the wire (:func:`attempt_headers`).
+
+        The ones the retry owner recorded with the Attempt before handing it over; send them
+        as they are (merge your own with ``attempt_headers(d.attempt_id, d.route.protocol,
+        onto=yours)``, which refuses a header of yours that would take their place).
+        """
+        return attempt_headers(self.attempt_id, self.route.protocol)
 
 
 @dataclass(frozen=True)
@@ -391,6 +486,8 @@ class Now(Effect[float]):
 
 
 __all__ = [
+    "ATTEMPT_HEADER",
+    "PROVIDER_REQUEST_ID_HEADERS",
     "AwaitSlot",
     "Begin",
     "ClaimProbe",
@@ -408,5 +505,6 @@ __all__ = [
     "Sleep",
     "Snapshot",
     "TurnSnapshot",
+    "attempt_headers",
     "perform",
 ]

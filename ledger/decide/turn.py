@@ -48,6 +48,7 @@ from ledger.decide.effects import (
     Sleep,
     Snapshot,
     TurnSnapshot,
+    attempt_headers,
     perform,
 )
 from ledger.decide.health import route_key
@@ -87,13 +88,14 @@ from ledger.errors import (
     BudgetExceeded,
     CandidateSkipped,
     CapacityUnavailable,
+    DatabaseUnavailable,
     FailoverExhausted,
     FencedOut,
+    InvalidState,
     LedgerError,
     NotFound,
     PartialOutput,
     ProviderError,
-    SettleConflict,
 )
 from ledger.policy.model import Policy
 
@@ -411,8 +413,10 @@ class TurnLoop:
                                           "waited_s": round(wait, 6)}))
         reserve, reserve_tokens = self._holds(route)
         attempt_id = new_id("att")
+        # The headers that will name this Attempt on the wire, recorded before it is sent.
         events = [*turn.pending, ("select", {
             **decision.to_json(), "attempt_kind": attempt_kind.value,
+            "headers": attempt_headers(attempt_id, route.protocol),
             **({"inputs": turn.inputs} if turn.inputs is not None else {})})]
         turn.pending = []
         begin = Begin(replace(begin_spec(
@@ -433,6 +437,9 @@ class TurnLoop:
             turn.errors.append(e)
             raise (yield from self._stopped(turn, None, e, begun=(decision, attempt_kind))
                    ) from e
+        except DatabaseUnavailable as e:
+            yield from self._resolve_begin(route, profile, attempt_id, e)
+            raise
         except GeneratorExit:
             raise  # closed with no driver left: nothing can be written any more
         except BaseException:
@@ -767,16 +774,57 @@ class TurnLoop:
                         ) -> Generator[Effect[Any], Any, None]:
         """A settle on the way out of an interruption.
 
-        What cannot be written is left to recovery (an attempt that does not exist, was settled,
-        or whose run was taken over).
+        What cannot be written is left to recovery (an attempt whose run was taken over, or a
+        database that went away); an attempt that was never recorded has nothing to settle.
         """
         try:
             yield from self._settle(route, profile, attempt_id, outcome, fact=fact, times=times)
-        except (NotFound, SettleConflict, FencedOut) as e:
-            log.debug("settle of %s on interruption not written: %s", attempt_id, e)
+        except NotFound:
+            log.info("attempt %s was never recorded (its begin did not commit): nothing to "
+                     "settle on interruption", attempt_id)
         except LedgerError as e:
-            log.warning("settle of %s on interruption failed (recovery will mark it): %s",
+            log.warning("settle of %s on interruption not written (recovery settles it): %s",
                         attempt_id, e)
+
+    def _resolve_begin(self, route: Route, profile: str | None, attempt_id: str,
+                       error: DatabaseUnavailable) -> Generator[Effect[Any], Any, None]:
+        """A begin the database failed: make its outcome certain, then let ``error`` go.
+
+        Nothing was sent: sending waits for the begin's acknowledgement. When the connection
+        was lost after its ``COMMIT`` was sent, the begin may have landed, so it is settled
+        ``not_sent`` (hold voided, slot freed, the call given back, a ``commit_unknown`` event
+        saying why). A settle locks the Run's row before it reads the Attempt, so it waits for
+        the server to finish the old transaction and then sees its outcome: the Attempt, or
+        nothing (``NotFound``: the begin did not land). ``error``'s fields say what happened
+        (``operation``, ``attempt_id``, ``resolved``, ``landed``); nothing is hidden.
+        """
+        error.fields.update(operation="begin", attempt_id=attempt_id)
+        if error.fields.get("commit") != "unknown":
+            error.fields.update(resolved=True, landed=False)  # rolled back: nothing to undo
+            return
+        landed: bool
+        try:
+            yield from self._settle(route, profile, attempt_id, Outcome.NOT_SENT, events=[
+                ("commit_unknown", {"operation": "begin", "resolution": "not_sent"})])
+            landed = True
+        except NotFound:
+            landed = False
+        except InvalidState:
+            landed = True  # recorded as rejected by its group: settled, nothing held
+        except LedgerError as e:
+            error.fields.update(resolved=False, landed=None)
+            error.add_note(f"the begin of attempt {attempt_id} could not be resolved ({e}); "
+                           "if it was recorded, recovery settles it once the lease lapses")
+            log.warning("begin of %s: its COMMIT's outcome is unknown and could not be "
+                        "resolved: %s", attempt_id, e)
+            return
+        error.fields.update(resolved=True, landed=landed)
+        what = ("it had been recorded and is now settled not_sent (hold voided)" if landed
+                else "it had not been recorded")
+        error.add_note(f"the begin of attempt {attempt_id} lost its acknowledgement; nothing "
+                       f"was sent: {what}")
+        log.warning("begin of %s: the connection was lost after its COMMIT; nothing was sent, "
+                    "%s", attempt_id, what)
 
     # -- stopping ----------------------------------------------------------------------------
 

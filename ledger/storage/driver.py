@@ -17,7 +17,9 @@ generator, and commit — on PostgreSQL the last writes and the ``COMMIT`` go as
 a begin or a settle costs two round trips. A driver's error leaves as the ledger error that
 :mod:`ledger.storage.failure` names for it (a lost or refused connection is
 :class:`~ledger.errors.DatabaseUnavailable`: retry-safe, the transaction was rolled back, or its
-commit outcome is unknown and every write is idempotent per id). Statements are compiled once
+commit outcome is unknown and every write is idempotent per id; a connection lost once a
+write's ``COMMIT`` may have reached the server is told with ``fields["commit"] = "unknown"``,
+for the store to resolve under the Run's row lock). Statements are compiled once
 per database from the schema (:mod:`ledger.storage.statements`) and executed through each
 driver's public API, with named parameters on SQLite and positional ones on psycopg, which
 prepares the repeated ones on the server. What differs between the databases is the driver
@@ -36,6 +38,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from ledger.errors import DatabaseUnavailable, LedgerError
 from ledger.storage.failure import driver_error, standby_error
 
 if TYPE_CHECKING:
@@ -237,8 +240,9 @@ class PgDriver:
         except psycopg.Error as e:
             raise driver_error(e, self.where) from e
         dropped = False
+        committing = _Committing(write)
         try:
-            return self._feed(conn, tx)
+            return self._feed(conn, tx, committing)
         except BaseException as e:
             # The server (or the network) ended it, not the abort; or it is a standby's.
             standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
@@ -247,7 +251,7 @@ class PgDriver:
             if standby:
                 raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
-                raise driver_error(e, self.where) from e
+                raise committing.told(driver_error(e, self.where), dropped) from e
             raise
         finally:
             if dropped:
@@ -255,7 +259,7 @@ class PgDriver:
             else:
                 release(conn)
 
-    def _feed(self, conn: Any, tx: Tx[T]) -> T:
+    def _feed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
         value: Any = None
         first = True
         committed = False
@@ -264,10 +268,12 @@ class PgDriver:
                 step = tx.send(value)
             except StopIteration as stop:
                 if not first and not committed:
+                    committing.sent = True
                     conn.execute("COMMIT")
                 return stop.value  # type: ignore[no-any-return]
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
+            committing.sent = commit
             with conn.pipeline():
                 cursors = []
                 if first:
@@ -299,8 +305,9 @@ class PgDriver:
         except psycopg.Error as e:
             raise driver_error(e, self.where) from e
         dropped = False
+        committing = _Committing(write)
         try:
-            return await self._afeed(conn, tx)
+            return await self._afeed(conn, tx, committing)
         except BaseException as e:
             # The server (or the network) ended it, not the abort; or it is a standby's.
             standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
@@ -309,7 +316,7 @@ class PgDriver:
             if standby:
                 raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
-                raise driver_error(e, self.where) from e
+                raise committing.told(driver_error(e, self.where), dropped) from e
             raise
         finally:
             if dropped:
@@ -317,7 +324,7 @@ class PgDriver:
             else:
                 await arelease(conn)
 
-    async def _afeed(self, conn: Any, tx: Tx[T]) -> T:
+    async def _afeed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
         value: Any = None
         first = True
         committed = False
@@ -326,10 +333,12 @@ class PgDriver:
                 step = tx.send(value)
             except StopIteration as stop:
                 if not first and not committed:
+                    committing.sent = True
                     await conn.execute("COMMIT")
                 return stop.value  # type: ignore[no-any-return]
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
+            committing.sent = commit
             async with conn.pipeline():
                 cursors = []
                 if first:
@@ -351,6 +360,28 @@ class PgDriver:
 
     def close(self) -> None:
         self.pool.close()
+
+
+class _Committing:
+    """Whether a writing transaction's ``COMMIT`` was handed to the connection (``sent``).
+
+    A connection lost after that leaves the outcome unknown: the server may have received the
+    ``COMMIT`` and made it durable, or not, and only a read under the Run's row lock, once the
+    server has finished with the old connection, can tell (:mod:`ledger.storage.store`). A
+    read's outcome needs no telling.
+    """
+
+    __slots__ = ("sent", "write")
+
+    def __init__(self, write: bool) -> None:
+        self.write = write
+        self.sent = False
+
+    def told(self, err: LedgerError, lost: bool) -> LedgerError:
+        """``err``, marked ``commit="unknown"`` when the connection was lost mid-COMMIT."""
+        if self.write and self.sent and lost and isinstance(err, DatabaseUnavailable):
+            err.fields["commit"] = "unknown"
+        return err
 
 
 def _standby_refusal(e: Any, conn: Any) -> bool:

@@ -645,9 +645,14 @@ def renew_tx(sql: Statements, lease: Lease, ttl_s: float, clock: ClockFn,
     return Lease(lease.run_id, lease.executor, lease.fence, now + ttl_s)
 
 
-def release_tx(sql: Statements, lease: Lease, clock: ClockFn) -> Tx[None]:
+def release_tx(sql: Statements, lease: Lease, clock: ClockFn, *, again: bool = False
+               ) -> Tx[None]:
+    """Give the lease up; ``again``: resolving a release whose acknowledgement was lost, so a
+    Run that moved on to another fence was released (by it) and is not ours to refuse."""
     row = _locked((yield Q(sql.lock_run_fence, {"run_id": lease.run_id})), sql.lock_run_fence,
                   lease.run_id)
+    if again and row.fence != lease.fence:
+        return  # released, then acquired by another executor
     check_fence(row, lease.run_id, lease.fence)
     if row.lease_holder is None:
         return  # released already: the same write again
@@ -668,8 +673,15 @@ def release_tx(sql: Statements, lease: Lease, clock: ClockFn) -> Tx[None]:
 
 
 def finish_tx(sql: Statements, lease: Lease, status: RunStatus, clock: ClockFn,
-              margin: float) -> Tx[None]:
+              margin: float, *, again: bool = False) -> Tx[None]:
+    """Record the Run's end; ``again``: resolving a finish whose acknowledgement was lost,
+    so a Run already ended with ``status`` is left as it is (one ``finish`` event)."""
     _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
+    if again:
+        # Its own statement, after the lock: it sees the finish that committed meanwhile.
+        [live] = yield Q(sql.run_live, {"run_id": lease.run_id})
+        if _ns(sql.run_live, live).status == status.value:
+            return
     yield Flush((
         Q(sql.finish, {"status": status.value, "now": now, "run_id": lease.run_id}),
         Q(sql.insert_event, [_event(lease.run_id, None, "finish", {"status": status.value},

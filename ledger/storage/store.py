@@ -26,22 +26,34 @@ What every flow promises:
   :class:`~ledger.errors.StorageError` for the rest;
 * arguments are taken as already checked (ids, amounts, leases); the store checks only what
   only the database knows (a live lease, a budget left, a row that exists). ``clock`` is read
-  once the transaction holds its locks, so a decision is recorded at the time it was taken.
+  once the transaction holds its locks, so a decision is recorded at the time it was taken;
+* a write whose ``COMMIT`` outcome is unknown (the connection was lost after the ``COMMIT``
+  was sent: ``DatabaseUnavailable`` with ``fields["commit"] == "unknown"``) is resolved before
+  the flow returns or raises. A settle, finish, release, renew or acquire is run once more, on a
+  new connection: each locks the Run's row before it reads anything, so it waits until the
+  server has finished with the old transaction (committed or rolled back) and then finds the
+  write done (the same write again is the same record) or does it. Only when that fails too
+  does the original :class:`~ledger.errors.DatabaseUnavailable` leave, with
+  ``fields["operation"]`` and ``fields["resolved"] = False``. A begin is not run again here (a
+  host retries it with the same attempt id, or the retry owner settles it ``not_sent``:
+  :mod:`ledger.decide.turn`); its error says ``operation="begin"``. An error raised before the
+  ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ledger import faults
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, Queued, RunStatus
 from ledger.domain.specs import BeginSpec, SettleSpec
-from ledger.errors import FencedOut, SettleConflict
+from ledger.errors import DatabaseUnavailable, FencedOut, SettleConflict
 from ledger.storage import hot
 from ledger.storage.context import ClockFn, SqlContext
-from ledger.storage.driver import Driver
+from ledger.storage.driver import Driver, Tx
 from ledger.storage.rows import SnapshotRows
 from ledger.storage.runner import Flow, Runner, txn
 from ledger.storage.statements import Statements
@@ -49,6 +61,48 @@ from ledger.storage.wake import SlotWaker
 
 #: Listens for the database's queue notifications until its event is set, telling each one.
 Listener = Callable[[Callable[[str], None], threading.Event], None]
+
+T = TypeVar("T")
+log = logging.getLogger("ledger.storage")
+
+
+def commit_unknown(error: DatabaseUnavailable) -> bool:
+    """Whether ``error`` lost the connection after its transaction's ``COMMIT`` was sent."""
+    return error.fields.get("commit") == "unknown"
+
+
+def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = True,
+              **about: Any) -> Flow[T]:
+    """Perform the write ``write(False)``; when its ``COMMIT``'s outcome is unknown, resolve it.
+
+    ``write(True)`` is the same write again, run on a new connection: it locks the Run's row
+    before reading, so it waits for the old transaction to end on the server and then finds it
+    done, or does it (the caller makes it idempotent). ``again=False``: told, not resolved
+    (the caller resolves it). The error that leaves is always the first one, with
+    ``operation``, ``resolved`` and ``landed`` (and ``about``) in its fields.
+    """
+    try:
+        return (yield from txn(write(False)))
+    except DatabaseUnavailable as e:
+        e.fields.update(operation=operation, **about)
+        if not commit_unknown(e):
+            e.fields.update(resolved=True, landed=False)  # rolled back: nothing was written
+            raise
+        e.fields.update(resolved=False, landed=None)
+        if not again:
+            raise
+        first = e
+    log.warning("%s: the connection was lost after its COMMIT was sent; resolving it under "
+                "the Run's row lock on a new connection (%s)", operation, first)
+    try:
+        out = yield from txn(write(True))
+    except DatabaseUnavailable as second:
+        first.add_note(f"resolving the {operation} failed too: {second}")
+        log.warning("%s: not resolved (%s); it is safe to retry once the database is back",
+                    operation, second)
+        raise first from first.__cause__  # the original error, with its own cause
+    log.warning("%s: resolved: the write is recorded", operation)
+    return out
 
 
 class Store:
@@ -103,7 +157,9 @@ class Store:
         :class:`~ledger.domain.records.Queued` place (first come, first served across
         processes), nothing is recorded as an Attempt, and the same begin again records it
         once its place comes up (with a ``capacity_wait`` event)."""
-        return (yield from txn(hot.begin_tx(self.sql, spec, clock, self.lease_margin_s)))
+        return (yield from resolving(
+            "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
+            again=False, run_id=spec.run_id, attempt_id=spec.attempt_id))
 
     def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in
@@ -122,7 +178,9 @@ class Store:
         observation as a ``late_receipt`` event when the Run moved on or the Attempt was
         settled unknown), :class:`~ledger.errors.NotFound` (no such attempt in the run)."""
         try:
-            rec = yield from txn(hot.settle_tx(self.sql, run_id, spec, clock))
+            rec = yield from resolving(
+                "settle", lambda _again: hot.settle_tx(self.sql, run_id, spec, clock),
+                run_id=run_id, attempt_id=spec.attempt_id)
         except (FencedOut, SettleConflict) as e:
             if _late(e):
                 yield from txn(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
@@ -150,25 +208,31 @@ class Store:
         renewed under the same fence, otherwise the fence moves on. Raises
         :class:`~ledger.errors.LeaseHeld` (another holder's unexpired lease),
         :class:`~ledger.errors.NotFound` (unknown run)."""
-        return (yield from txn(hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
-                                              self.lease_margin_s)))
+        return (yield from resolving(
+            "acquire", lambda _again: hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
+                                                     self.lease_margin_s), run_id=run_id))
 
     def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Flow[Lease]:
         """Extend a live lease to ``ttl_s`` from now. Raises :class:`~ledger.errors.LeaseLost`
         (expired or released) or :class:`~ledger.errors.FencedOut` (taken over)."""
-        return (yield from txn(hot.renew_tx(self.sql, lease, ttl_s, clock,
-                                            self.lease_margin_s)))
+        return (yield from resolving(
+            "renew", lambda _again: hot.renew_tx(self.sql, lease, ttl_s, clock,
+                                                 self.lease_margin_s), run_id=lease.run_id))
 
     def release_lease(self, lease: Lease, clock: ClockFn) -> Flow[None]:
         """Give the lease up (again: the same write). Raises
         :class:`~ledger.errors.InvalidState` (attempts still in flight),
         :class:`~ledger.errors.LeaseLost` / :class:`~ledger.errors.FencedOut`."""
-        yield from txn(hot.release_tx(self.sql, lease, clock))
+        yield from resolving("release", lambda again: hot.release_tx(self.sql, lease, clock,
+                                                                     again=again),
+                             run_id=lease.run_id)
 
     def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> Flow[None]:
         """Record the Run's end ``status`` under a live lease (with a ``finish`` event).
         Raises :class:`~ledger.errors.LeaseLost` / :class:`~ledger.errors.FencedOut`."""
-        yield from txn(hot.finish_tx(self.sql, lease, status, clock, self.lease_margin_s))
+        yield from resolving("finish", lambda again: hot.finish_tx(
+            self.sql, lease, status, clock, self.lease_margin_s, again=again),
+            run_id=lease.run_id)
 
     def reserve_retry(self, lease: Lease, clock: ClockFn,
                       data: Mapping[str, Any] | None = None) -> Flow[int]:
@@ -214,4 +278,4 @@ def _late(e: FencedOut | SettleConflict) -> bool:
     return isinstance(e, FencedOut) or e.fields.get("state") == AttemptState.UNKNOWN.value
 
 
-__all__ = ["Listener", "Store"]
+__all__ = ["Listener", "Store", "commit_unknown", "resolving"]

@@ -210,33 +210,39 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
             _kill_sessions(pg_server, pg_url)
             _again(call)  # typed, or (when the pool noticed first) answered
 
-        # Inside a transaction, just before its commit: nothing of the settle is written.
+        # Inside a transaction, just before its commit: the connection dies as the COMMIT is
+        # sent, so its outcome is unknown to the client. The settle is resolved (run again
+        # under the Run's row lock, on a new connection) and the call returns its record.
         second = _again(lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV,
                                                   reserve="0.01"))
         faults.arm("settle.before_commit", lambda _name: _kill_sessions(pg_server, pg_url))
         try:
-            mapped(lambda: led.settle_attempt(lease, second.attempt_id, outcome="succeeded"),
-                   DatabaseUnavailable)
+            assert led.settle_attempt(lease, second.attempt_id, outcome="succeeded").state \
+                is AttemptState.SUCCEEDED
         finally:
             faults.disarm("settle.before_commit")
-        assert _again(lambda: led.get_attempt(second.attempt_id)).state is \
-            AttemptState.DISPATCHING
-        led.settle_attempt(lease, second.attempt_id, outcome="succeeded")
+
+        def kill_twice(name: str) -> None:  # the settle's connection, then its resolution's
+            _kill_sessions(pg_server, pg_url)
+            faults.arm(name, lambda _name: _kill_sessions(pg_server, pg_url))
 
         # The asyncio driver: its own idle connection dies the same way and is replaced before
-        # use; one that dies inside a transaction is DatabaseUnavailable, nothing written.
+        # use; when a settle's connection and its resolution's both die inside the
+        # transaction, the first DatabaseUnavailable leaves (not resolved) and nothing is
+        # written.
         async def go() -> BaseException | None:
             third = await aled.begin_attempt(lease, route="a", envelope_hash=ENV,
                                              reserve="0.01")
             _kill_sessions(pg_server, pg_url)
             assert (await aled.get_attempt(third.attempt_id)).state is \
                 AttemptState.DISPATCHING
-            faults.arm("settle.before_commit",
-                       lambda _name: _kill_sessions(pg_server, pg_url))
+            faults.arm("settle.before_commit", kill_twice)
             try:
                 await aled.settle_attempt(lease, third.attempt_id, outcome="succeeded")
             except Exception as e:
                 faults.disarm("settle.before_commit")
+                assert (await aled.get_attempt(third.attempt_id)).state is \
+                    AttemptState.DISPATCHING
                 await aled.settle_attempt(lease, third.attempt_id, outcome="succeeded")
                 return e
             finally:
@@ -245,6 +251,8 @@ def test_a_server_that_drops_the_connections_is_database_unavailable_and_loses_n
 
         err = asyncio.run(go())
         assert isinstance(err, DatabaseUnavailable) and driver_cause(err) is not None
+        assert err.fields["operation"] == "settle" and err.fields["resolved"] is False
+        assert err.fields["commit"] == "unknown"
 
         # Recovery retries through a connection dropped inside its takeover instead of failing.
         clock.advance(60)

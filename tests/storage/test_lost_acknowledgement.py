@@ -1,0 +1,350 @@
+"""A COMMIT whose acknowledgement is lost is resolved truthfully, under the Run's row lock.
+
+A real loopback proxy (:mod:`tests.pgcut`) stands between the ledger (hot and cold path) and a
+real PostgreSQL server, and loses the connection of the n-th COMMIT, either right after
+forwarding it (the commit lands, its acknowledgement is lost) or instead of forwarding it (it
+never lands; the ledger cannot tell the two apart). For every n — every commit of a Run
+session's entry, of a plain and of a failover turn, and of the session's exit — on the sync and
+the async ledger, the books are checked against what the fake provider received:
+
+* every request that reached the provider has its Attempt row (joined by ``X-Ledger-Attempt``),
+  and none was sent twice;
+* every error is typed (:class:`DatabaseUnavailable`, naming the operation; a lost begin says
+  whether it had landed), never another error hiding it;
+* every Attempt that was never sent ends ``not_sent`` (or ``rejected``) with its hold voided
+  and its slot freed; nothing stays reserved, the lease is released;
+* a settle, finish, release or acquire whose acknowledgement was lost is resolved (run again
+  under the Run's row lock): the block goes on as if nothing happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+
+import pytest
+
+from ledger import (
+    AsyncLedger,
+    Budget,
+    Envelope,
+    Grant,
+    Ledger,
+    Part,
+    Price,
+    Route,
+    RunStatus,
+    faults,
+)
+from ledger.adapters import ATTEMPT_HEADER
+from ledger.domain.records import AttemptRecord, AttemptState, DebitState
+from ledger.errors import DatabaseUnavailable, NotFound
+from ledger.ops.reconcile import reconcile
+from ledger.testing import FakeProvider, Fault
+from ledger.testing.pgserver import PgServer
+from tests import fakeplan
+from tests.fakeplan import plan
+from tests.pgcut import CommitCutter
+
+fake = fakeplan.fake
+_clear = fakeplan._clear
+
+BUDGET = Budget(max_calls=6, max_retries=4, max_cost=Decimal("1"))
+GRANT = Grant(recipients={"fake": ["user_input"]})
+# Long enough that the keeper never renews during a test: its commits would shift the count.
+TTL_S = 600.0
+_names = itertools.count()
+
+# The writes that are run again under the Run's row lock when their acknowledgement is lost:
+# the block goes on as if nothing had happened.
+RESOLVED_TRANSPARENTLY = {"acquire", "settle", "finish", "release", "renew"}
+
+
+@dataclass
+class Outcome:
+    """One session run with one lost COMMIT, as seen from outside."""
+
+    error: BaseException | None
+    cut: str | None  # the kind of the commit whose connection was lost (None: no cut)
+    attempts: list[AttemptRecord]
+    status: RunStatus
+    lease_holder: str | None
+    reserved: Decimal
+    tokens_reserved: int
+    slots: int
+    reserved_debits: int
+    unknown_events: list[str]
+    requests: list[str]  # the X-Ledger-Attempt of every request the provider received
+
+
+def _plan(fake: FakeProvider, n: int) -> list[Route]:
+    """The two-route plan, under names of its own: health and groups start afresh."""
+    return [r.model_copy(update={"id": f"{r.id}-{n}", "provider": f"{r.provider}-{n}",
+                                 "group": f"{r.group}-{n}"}) for r in plan(fake)]
+
+
+def _session(mode: str, url: str, fake: FakeProvider, n: int) -> BaseException | None:
+    """Run ``r-<n>``'s session (entry, one turn, exit) on ``url``; the error it raised."""
+    env = Envelope(parts=[Part(content="Compare the filings.")])
+    run_id, routes = f"r-{n}", _plan(fake, n)
+    if mode == "sync":
+        with Ledger.open(url) as led:
+            try:
+                with led.run(run_id, plan=routes, budget=BUDGET, grant=GRANT,
+                             lease_ttl_s=TTL_S) as run:
+                    run.turn(env)
+            except Exception as e:
+                return e
+            return None
+
+    async def main() -> BaseException | None:
+        async with AsyncLedger.open(url) as led:
+            try:
+                async with led.run(run_id, plan=routes, budget=BUDGET, grant=GRANT,
+                                   lease_ttl_s=TTL_S) as run:
+                    await run.turn(env)
+            except Exception as e:
+                return e
+            return None
+
+    return asyncio.run(main())
+
+
+@dataclass
+class Books:
+    """One test's database, behind the proxy and read directly."""
+
+    pg_server: PgServer
+    cutter: CommitCutter
+    fake: FakeProvider
+    db: str
+    led: Ledger
+
+    def count(self, sql: str, run_id: str) -> int:
+        return int(self.pg_server.psql(sql.replace(":run", f"'{run_id}'"), db=self.db))
+
+    def run_cut(self, n: int, mode: str, failover: bool,
+                cuts: tuple[int | tuple[int, str], ...], how: str,
+                kind: tuple[str, tuple[str, ...]] | None = None) -> Outcome:
+        """Run session ``n`` with ``cuts`` armed (or the first commit of ``kind[0]``, and
+        those right after it the ways ``kind[1]`` says); what it left in the books."""
+        self.fake.clear()
+        if failover:
+            self.fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+        if kind is not None:
+            self.cutter.arm_kind(kind[0], how, then=kind[1])
+        else:
+            self.cutter.arm(*cuts, mode=how)
+        try:
+            error = _session(mode, self.cutter.url(self.db), self.fake, n)
+        finally:
+            made = self.cutter.cuts
+            self.cutter.arm()
+        led, run_id = self.led, f"r-{n}"
+        try:
+            run = led.get_run(run_id)
+        except NotFound:
+            run = None  # the admission itself never landed
+        return Outcome(
+            error=error, cut=made[0].kind if made else None,
+            attempts=led.timeline(run_id) if run is not None else [],
+            status=run.status if run is not None else RunStatus.ADMITTED,
+            lease_holder=run.lease_holder if run is not None else None,
+            reserved=run.reserved if run is not None else Decimal(0),
+            tokens_reserved=run.tokens_reserved if run is not None else 0,
+            slots=self.count("SELECT count(*) FROM group_slots WHERE run_id = :run", run_id),
+            reserved_debits=self.count(
+                "SELECT count(*) FROM debits WHERE state = 'reserved' AND run_id = :run",
+                run_id),
+            unknown_events=[e.attempt_id or "" for e in led.events(run_id, ["commit_unknown"])]
+            if run is not None else [],
+            requests=[r.headers.get(ATTEMPT_HEADER.lower(), "") for r in self.fake.requests])
+
+
+@pytest.fixture
+def books(pg_server: PgServer, fake: FakeProvider) -> Iterator[Books]:
+    name = f"cut_{os.getpid()}_{next(_names)}"
+    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+    with CommitCutter(pg_server.port) as cutter, Ledger.open(pg_server.url(name)) as led:
+        yield Books(pg_server, cutter, fake, name, led)
+        assert reconcile(led).violations == []
+
+
+def _check_books(out: Outcome, how: str) -> None:
+    """What must hold after every lost acknowledgement."""
+    by_id = {a.attempt_id: a for a in out.attempts}
+    # Every request that reached the provider has its Attempt row; none was sent twice.
+    assert all(rid in by_id for rid in out.requests), (out.requests, list(by_id))
+    assert len(out.requests) == len(set(out.requests)), "an Attempt was sent twice"
+    # Every Attempt never sent ends not_sent (or rejected) with its hold voided.
+    for att in out.attempts:
+        if att.attempt_id not in out.requests:
+            assert att.state in (AttemptState.NOT_SENT, AttemptState.REJECTED), att
+            assert att.debit_state is DebitState.VOIDED, att
+    # Nothing is held: no hold, no slot, no lease.
+    assert out.reserved == 0 and out.tokens_reserved == 0
+    assert out.slots == 0 and out.reserved_debits == 0
+    assert out.lease_holder is None
+    # Every error is typed, and names the write whose acknowledgement was lost.
+    if out.error is not None:
+        assert isinstance(out.error, DatabaseUnavailable), repr(out.error)
+    if out.cut in RESOLVED_TRANSPARENTLY:
+        assert out.error is None, f"a lost {out.cut} was not resolved: {out.error!r}"
+        assert out.status is RunStatus.SUCCEEDED
+    if out.cut == "begin":
+        assert isinstance(out.error, DatabaseUnavailable)
+        fields = out.error.fields
+        assert fields["operation"] == "begin" and fields["resolved"] is True
+        assert fields["landed"] is (how == "after")
+        landed = [a.state for a in out.attempts if a.attempt_id == fields["attempt_id"]]
+        assert landed == ([AttemptState.NOT_SENT] if how == "after" else [])
+        assert out.unknown_events == ([fields["attempt_id"]] if how == "after" else [])
+        assert fields["attempt_id"] not in out.requests
+        assert out.status is RunStatus.FAILED
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("how", ["after", "instead"],
+                         ids=["commit-lands-ack-lost", "commit-never-lands"])
+@pytest.mark.parametrize("failover", [False, True], ids=["plain", "failover"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_commit_of_a_session_whose_acknowledgement_is_lost_is_resolved_truthfully(
+    books: Books, mode: str, failover: bool, how: str
+) -> None:
+    cut_kinds: list[str] = []
+    for n in itertools.count(1):
+        out = books.run_cut(n, mode, failover, (n,), how)
+        if out.cut is None:
+            break  # n is past the session's last commit: every one of them was cut
+        _check_books(out, how)
+        cut_kinds.append(out.cut)
+        assert n < 40, "the session never ended without a cut"
+    # The uncut session served the turn (after a failover when there was one to make).
+    assert out.error is None and out.status is RunStatus.SUCCEEDED
+    assert [a.state for a in out.attempts] == (
+        [AttemptState.FAILED, AttemptState.SUCCEEDED] if failover
+        else [AttemptState.SUCCEEDED])
+    # Every commit of the session's entry, its turn and its exit was cut once.
+    turn = ["begin", "settle"] * (2 if failover else 1)
+    writes = [k for k in cut_kinds if k != "read"]
+    assert writes == ["admit", "acquire", *turn, "finish", "release"], cut_kinds
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lost_begin_that_cannot_be_resolved_says_so_and_stays_the_error_raised(
+    books: Books, mode: str
+) -> None:
+    """The begin lands, its acknowledgement is lost, and so is its resolution's: the caller sees
+    the begin's DatabaseUnavailable (``resolved=False``), not what the exit then ran into (the
+    Attempt is still in flight, so the lease cannot be released: recovery's business)."""
+    # The begin lands; its resolving settle and that settle's own resolution do not.
+    out = books.run_cut(1, mode, False, (), "after",
+                        kind=("begin", ("instead", "instead")))
+    assert out.cut == "begin"
+    assert isinstance(out.error, DatabaseUnavailable)
+    fields = out.error.fields
+    assert fields["operation"] == "begin" and fields["resolved"] is False
+    assert fields["commit"] == "unknown" and fields["landed"] is None
+    assert out.requests == []  # nothing was sent
+    notes = "\n".join(getattr(out.error, "__notes__", []))
+    assert "could not be resolved" in notes
+    # The exit's own failure (an Attempt in flight) is a note on it, not the error raised.
+    assert "releasing its lease failed too" in notes
+    [att] = out.attempts  # recorded, never sent; in flight until recovery settles it
+    assert att.attempt_id == fields["attempt_id"] and att.state is AttemptState.DISPATCHING
+
+
+@pytest.mark.postgres
+def test_a_lost_settle_whose_resolution_is_lost_too_is_retried_by_the_caller_idempotently(
+    books: Books
+) -> None:
+    cutter = books.cutter
+    with Ledger.open(cutter.url(books.db)) as led:
+        led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+        lease = led.acquire_lease("r", ttl_s=TTL_S)
+        att = led.begin_attempt(lease, route="primary", envelope_hash="sha256:e",
+                                reserve="0.1")
+        # Commit 1 reads the Attempt (settle_attempt's own check); 2 is the settle, 3 its
+        # resolution (which finds the settle landed: it writes nothing).
+        cutter.arm(2, 3, mode="after")
+        with pytest.raises(DatabaseUnavailable) as err:
+            led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.05")
+        assert [(c.n, c.kind) for c in cutter.cuts] == [(2, "settle"), (3, "read")]
+        cutter.arm()
+        assert err.value.fields["operation"] == "settle"
+        assert err.value.fields["resolved"] is False
+        # The same settle again is the same write: recorded once.
+        done = led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.05")
+        assert done.state is AttemptState.SUCCEEDED
+        assert led.get_run("r").posted == Decimal("0.05")
+        assert led.get_run("r").reserved == 0
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("how", ["after", "instead"])
+def test_a_lost_renew_is_resolved_and_a_hosts_lost_begin_is_told_for_it_to_retry(
+    books: Books, how: str
+) -> None:
+    cutter = books.cutter
+    with Ledger.open(cutter.url(books.db)) as led:
+        led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+        lease = led.acquire_lease("r", ttl_s=60)
+        cutter.arm_kind("renew", mode=how)
+        renewed = led.renew_lease(lease, ttl_s=TTL_S)
+        assert [c.kind for c in cutter.cuts] == ["renew"]
+        assert renewed.fence == lease.fence
+        assert led.get_run("r").lease_expires_at == renewed.expires_at
+        # A host's own begin is not undone by the store: it is told, and retries it with the
+        # same attempt id (the same write), then sends.
+        cutter.arm_kind("begin", mode=how)
+        with pytest.raises(DatabaseUnavailable) as err:
+            led.begin_attempt(renewed, route="primary", envelope_hash="sha256:e",
+                              reserve="0.1", attempt_id="att-host")
+        cutter.arm()
+        assert err.value.fields["operation"] == "begin"
+        assert err.value.fields["commit"] == "unknown"
+        assert err.value.fields["resolved"] is False
+        att = led.begin_attempt(renewed, route="primary", envelope_hash="sha256:e",
+                                reserve="0.1", attempt_id="att-host")
+        assert att.state is AttemptState.DISPATCHING
+        assert led.get_run("r").calls_used == 1
+
+
+def plan_routes() -> list[Route]:
+    """A plan whose endpoint is never called (the tests here send nothing)."""
+    price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
+    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
+                  recipient="fake", protocol="openai", endpoint="http://127.0.0.1:9/v1",
+                  price=price)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_begin_that_failed_before_its_commit_was_sent_is_told_as_not_landed(
+    db_url: str, fake: FakeProvider, mode: str
+) -> None:
+    """On both backends: a begin the database failed before its COMMIT left wrote nothing,
+    and the turn's error says so (no resolution is needed, and none is made)."""
+
+    def unavailable(_name: str) -> None:
+        raise DatabaseUnavailable("the server went away before the commit")
+
+    faults.arm("begin.before_commit", unavailable)
+    try:
+        error = _session(mode, db_url, fake, 1)
+    finally:
+        faults.disarm()
+    assert isinstance(error, DatabaseUnavailable)
+    assert error.fields["operation"] == "begin" and error.fields["resolved"] is True
+    assert error.fields["landed"] is False and "commit" not in error.fields
+    assert fake.requests == []
+    with Ledger.open(db_url) as led:
+        assert led.timeline("r-1") == []
+        run = led.get_run("r-1")
+        assert run.reserved == 0 and run.lease_holder is None
+        assert run.status is RunStatus.FAILED
+        assert led.events("r-1", ["commit_unknown"]) == []
