@@ -468,6 +468,8 @@ class _Generator:
             "model_reported": None, "output_hash": None, "settle_hash": None,
             "begin_hash": spec.begin_hash, "fence": spec.fence, "settle_fence": None,
             "executor": spec.executor, "created_at": t, "settled_at": None,
+            "latency_s": None, "first_byte_s": None, "first_token_s": None,
+            "cached_tokens": None, "reasoning_tokens": None,
         })
         debit = self.rows.add("debits", {
             "debit_id": "d-" + spec.attempt_id, "run_id": spec.run_id,
@@ -508,7 +510,9 @@ class _Generator:
                    prompt_tokens=spec.prompt_tokens, completion_tokens=spec.completion_tokens,
                    cost_micros=spec.cost_micros, model_reported=spec.model_reported,
                    output_hash=spec.output_hash, settle_hash=spec.settle_hash,
-                   settle_fence=spec.fence, settled_at=t)
+                   settle_fence=spec.fence, settled_at=t,
+                   latency_s=max(0.0, t - row["created_at"]),
+                   cached_tokens=spec.cached_tokens, reasoning_tokens=spec.reasoning_tokens)
         if holds.debit.value != "reserved":
             debit.update(state=holds.debit.value, posted_micros=holds.posted_micros,
                          settled_at=t)

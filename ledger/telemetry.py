@@ -67,9 +67,11 @@ INSTRUMENTATION_NAME = "ledger"
 #: The process's telemetry, or ``None`` (off). Read by the turn drivers once per turn.
 active: Telemetry | None = None
 
-# Semconv's advised buckets: seconds for durations, powers of 4 for token counts.
-_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+#: Semconv's advised bucket boundaries for durations, in seconds (also those of the
+#: dashboard's ``/metrics`` histograms).
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                      40.96, 81.92)
+# Semconv's advised buckets for token counts: powers of 4.
 _TOKEN_BUCKETS = tuple(float(4 ** i) for i in range(14))
 
 # Provider labels as routes (and genai-prices) spell them -> semconv's well-known values;
@@ -157,15 +159,26 @@ class _Instruments:
         self.attempt_duration: Histogram = meter.create_histogram(
             "ledger.attempt.duration", unit="s",
             description="Attempt latency: from its begin to its settle, by the ledger's clock.",
-            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
         self.operation_duration: Histogram = meter.create_histogram(
             "gen_ai.client.operation.duration", unit="s",
             description="GenAI operation duration: the send of an Attempt.",
-            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
         self.token_usage: Histogram = meter.create_histogram(
             "gen_ai.client.token.usage", unit="{token}",
             description="Number of input and output tokens used.",
             explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS)
+        # Semconv v1.41's name (the release that added it); streamed attempts only.
+        self.first_chunk: Histogram = meter.create_histogram(
+            "gen_ai.client.operation.time_to_first_chunk", unit="s",
+            description="Time to a streamed answer's first content, from the Attempt's begin, "
+            "by the ledger's clock.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
+        self.first_byte: Histogram = meter.create_histogram(
+            "ledger.attempt.time_to_first_byte", unit="s",
+            description="Time to the response's first byte, from the Attempt's begin, by the "
+            "ledger's clock.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS)
 
 
 class Telemetry:
@@ -500,6 +513,15 @@ class _TurnObserver:
                 attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
             if record.completion_tokens is not None:
                 attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+            # Semconv v1.41's names for the parts of those totals.
+            if record.cached_tokens is not None:
+                attrs["gen_ai.usage.cache_read.input_tokens"] = record.cached_tokens
+            if record.reasoning_tokens is not None:
+                attrs["gen_ai.usage.reasoning.output_tokens"] = record.reasoning_tokens
+            if record.first_token_s is not None:
+                attrs["gen_ai.response.time_to_first_chunk"] = record.first_token_s
+            if record.first_byte_s is not None:
+                attrs["ledger.attempt.time_to_first_byte"] = record.first_byte_s
             if record.debit_state is not None:
                 attrs["ledger.debit.state"] = record.debit_state.value
             if record.cost is not None:
@@ -532,9 +554,16 @@ class _TurnObserver:
             if record.category:
                 metric["ledger.failure.category"] = record.category
             inst.attempts.add(1, metric)
-            if record.settled_at is not None:
+            if record.latency_s is not None:
+                inst.attempt_duration.record(record.latency_s, metric)
+            elif record.settled_at is not None:
                 inst.attempt_duration.record(max(0.0, record.settled_at - record.created_at),
                                              metric)
+            if record.first_token_s is not None:
+                inst.first_chunk.record(record.first_token_s, {
+                    **{k: v for k, v in metric.items() if k in _OPERATION_KEYS}, **att.server})
+            if record.first_byte_s is not None:
+                inst.first_byte.record(record.first_byte_s, metric)
             _record_usage(inst, att, record, metric)
         else:
             # The settle was refused or never came: the row stays as it was (dispatching, for

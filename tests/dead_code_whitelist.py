@@ -31,6 +31,7 @@ _._get_event_iterator  # StreamedResponse's event source, iterated by pydantic-a
 _.close_stream  # StreamedResponse.close_stream, called when the agent stops early
 _.provider_url  # StreamedResponse.provider_url, read by pydantic-ai
 _.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-ai.md)
+_.collect  # dashboard/metrics.py: prometheus-client's registry calls a Collector's collect
 # integrations/langchain.py: LangChain's BaseChatModel and AgentMiddleware interface
 _._llm_type, _._identifying_params  # read by LangChain for tracing and caching keys
 _.bind_tools, _._agenerate  # called by create_agent and by ainvoke

@@ -51,6 +51,9 @@ def test_distribution_is_failover_ledger_with_extras(wheel: Path) -> None:
     assert any("psycopg[binary]" in r and "extra == 'postgres'" in r for r in requires)
     assert any(r.startswith("Requires-Dist: starlette") and "extra == 'dashboard'" in r
                for r in requires)
+    assert not any("prometheus" in r for r in core), "prometheus-client is the dashboard's"
+    assert any(r.startswith("Requires-Dist: prometheus-client") and "extra == 'dashboard'" in r
+               for r in requires)
     assert not any("opentelemetry" in r for r in core), "OpenTelemetry must be an extra"
     assert any(r.startswith("Requires-Dist: opentelemetry-api") and "extra == 'otel'" in r
                for r in requires)

@@ -50,6 +50,7 @@ from ledger.adapters.contract import (
     WireRequest,
     assistant_media_note,
     check_params,
+    detail_count,
     document_text,
     dropped_reasoning,
     join_url,
@@ -83,13 +84,16 @@ def _usage(value: Any, previous: Usage | None = None) -> Usage | None:
     has_prompt = any(u.get(k) is not None for k in prompt_keys)
     prompt = sum(token_count(u.get(k), f"usage.{k}") for k in prompt_keys)
     completion = token_count(u.get("output_tokens"), "usage.output_tokens")
+    # The prompt tokens read from the cache (cache_creation ones were written to it).
+    cached = detail_count(u, "cache_read_input_tokens", "usage.cache_read_input_tokens")
     if previous is not None:
         # message_delta usage is cumulative and may omit the prompt side.
         if not has_prompt:
             prompt = previous.prompt_tokens
+            cached = previous.cached_tokens
         if u.get("output_tokens") is None:
             completion = previous.completion_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
 
 def _error(data: dict[str, Any]) -> ProviderErrorPayload:

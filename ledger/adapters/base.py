@@ -194,13 +194,24 @@ class _Progress:
         if self.report is not None:
             self.report.delivered = True
 
+    def headers(self) -> None:
+        """The response's status line and headers arrived: its first byte, for the report."""
+        self.headers_received = True
+        if self.report is not None:
+            self.report.first_byte()
+
+    def content(self) -> None:
+        """A stream's first content (text or a tool-call fragment) arrived."""
+        if self.report is not None and self.report.first_token_at is None:
+            self.report.first_token()
+
     async def trace(self, name: str, info: Mapping[str, Any]) -> None:
         if name.endswith("send_request_headers.started"):
             self.request_sent = True
             if self.report is not None:
                 self.report.sent = True
         elif name.endswith("receive_response_headers.complete"):
-            self.headers_received = True
+            self.headers()
 
 
 _KEEP_HEADER_VALUE = 256
@@ -687,7 +698,7 @@ class HttpAdapter:
             )
         except httpx.HTTPError as exc:
             return await self._transport_failure(call, exc)
-        call.progress.headers_received = True
+        call.progress.headers()
         call.status = response.status_code
         call.headers = _response_headers(response.headers, call.secrets)
         call.request_id = _request_id(response.headers)
@@ -1000,6 +1011,8 @@ class HttpAdapter:
                         message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     )
+                if state.content_seen:
+                    call.progress.content()
                 for item in out:
                     await self._deliver(call, item)
             return None

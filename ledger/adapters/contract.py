@@ -36,14 +36,15 @@ class Usage:
     """The tokens the provider reported for one call (prompt and completion).
 
     ``cached_tokens`` (prompt tokens served from the provider's cache) and
-    ``reasoning_tokens`` (completion tokens spent reasoning) are included in the two totals
-    and reported where the protocol says them (the Responses API does).
+    ``reasoning_tokens`` (completion tokens spent reasoning) are included in the two totals;
+    ``None`` where the answer does not say them (each protocol's fields are in
+    ``docs/adapters.md``).
     """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +237,13 @@ def token_count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise MalformedPayload(f"{what} is not a token count")
     return value
+
+
+def detail_count(obj: Mapping[str, Any] | None, key: str, what: str) -> int | None:
+    """A usage detail (cached or reasoning tokens) as a count, ``None`` when not reported."""
+    if not obj or obj.get(key) is None:
+        return None
+    return token_count(obj[key], what)
 
 
 class StreamState(ABC):

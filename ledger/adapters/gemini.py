@@ -52,6 +52,7 @@ from ledger.adapters.contract import (
     Usage,
     WireRequest,
     check_params,
+    detail_count,
     dropped_reasoning,
     join_url,
     media_of,
@@ -96,6 +97,8 @@ def _usage(value: Any) -> Usage | None:
     return Usage(
         prompt_tokens=token_count(u.get("promptTokenCount"), "promptTokenCount"),
         completion_tokens=completion,
+        cached_tokens=detail_count(u, "cachedContentTokenCount", "cachedContentTokenCount"),
+        reasoning_tokens=detail_count(u, "thoughtsTokenCount", "thoughtsTokenCount"),
     )
 
 

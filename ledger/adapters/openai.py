@@ -54,6 +54,7 @@ from ledger.adapters.contract import (
     WireRequest,
     assistant_media_note,
     check_params,
+    detail_count,
     document_text,
     dropped_reasoning,
     join_url,
@@ -90,9 +91,17 @@ def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
     u = require_object(value, "usage")
+    inp = u.get("prompt_tokens_details")
+    out = u.get("completion_tokens_details")
     return Usage(
         prompt_tokens=token_count(u.get("prompt_tokens"), "usage.prompt_tokens"),
         completion_tokens=token_count(u.get("completion_tokens"), "usage.completion_tokens"),
+        cached_tokens=detail_count(
+            None if inp is None else require_object(inp, "usage.prompt_tokens_details"),
+            "cached_tokens", "usage.prompt_tokens_details.cached_tokens"),
+        reasoning_tokens=detail_count(
+            None if out is None else require_object(out, "usage.completion_tokens_details"),
+            "reasoning_tokens", "usage.completion_tokens_details.reasoning_tokens"),
     )
 
 

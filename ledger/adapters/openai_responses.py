@@ -76,6 +76,7 @@ from ledger.adapters.contract import (
     WireRequest,
     assistant_media_note,
     check_params,
+    detail_count,
     document_text,
     dropped_reasoning,
     join_url,
@@ -123,8 +124,8 @@ def _usage(value: Any) -> Usage | None:
     return Usage(
         prompt_tokens=token_count(u.get("input_tokens"), "usage.input_tokens"),
         completion_tokens=token_count(u.get("output_tokens"), "usage.output_tokens"),
-        cached_tokens=token_count(inp.get("cached_tokens"), "cached_tokens"),
-        reasoning_tokens=token_count(out.get("reasoning_tokens"), "reasoning_tokens"),
+        cached_tokens=detail_count(inp, "cached_tokens", "cached_tokens"),
+        reasoning_tokens=detail_count(out, "reasoning_tokens", "reasoning_tokens"),
     )
 
 

@@ -75,6 +75,8 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
         output=result,
         prompt_tokens=usage.prompt_tokens if usage else None,
         completion_tokens=usage.completion_tokens if usage else None,
+        cached_tokens=usage.cached_tokens if usage else None,
+        reasoning_tokens=usage.reasoning_tokens if usage else None,
         cost=result.cost,
         model_reported=result.model_reported,
         output_hash=output_part(result, attempt_id).content_hash,

@@ -94,6 +94,10 @@ Events = Annotated[Sequence[tuple[str, Mapping[str, Any]]],
 """Audit events written with a begin or settle: ``(kind, data)`` pairs."""
 RouteRef = Annotated[str | Route, _route]
 """A route of a Run's plan: its id, or the frozen :class:`~ledger.Route` itself."""
+#: The longest time to a first byte or token a settle accepts (a day: no call waits longer).
+MAX_SEND_S = 86_400.0
+SendTime = Annotated[float, duration(MAX_SEND_S)]
+"""Seconds from an Attempt's begin to its first byte or token: finite, from 0 to a day."""
 LeaseTtl = Annotated[float, duration(MAX_LEASE_TTL_S, positive=True)]
 """How long a lease lasts: above 0, at most 86 400 s (and above the lease margin)."""
 Limit = Annotated[int, integers(1, 10_000, "pass an integer from 1 to 10000, e.g. 100, and "
@@ -152,6 +156,7 @@ __all__ = [
     "MAX_CURSOR",
     "MAX_EVENT_KIND",
     "MAX_HASH",
+    "MAX_SEND_S",
     "AttemptFilters",
     "AuditData",
     "ClockArg",
@@ -163,6 +168,7 @@ __all__ = [
     "LeaseTtl",
     "Limit",
     "RouteRef",
+    "SendTime",
     "SessionOptions",
     "Url",
     "attempt_query",

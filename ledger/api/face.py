@@ -40,6 +40,7 @@ from ledger.api.arguments import (
     Hashes,
     LeaseTtl,
     RouteRef,
+    SendTime,
     SessionOptions,
     Url,
     attempt_query,
@@ -120,6 +121,16 @@ OpenedT = TypeVar("OpenedT")  # an opened ledger: Ledger, or an _Opening of an A
 DEFAULT_LEASE_TTL_S = 30.0
 # What an operator's evidence may settle an unknown Attempt as.
 _FINAL = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
+
+
+def _within(part: int | None, field: str, total: int | None, of: str) -> None:
+    """Refuse a part of a token total that exceeds the total (when both are given).
+
+    Cached tokens are a part of the prompt's, reasoning tokens of the completion's.
+    """
+    if part is not None and total is not None and part > total:
+        raise InvalidArgument(f"{field} ({part}) exceeds {of} ({total}); it counts a part of "
+                              f"{of}, so pass at most {total}", field=field)
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
@@ -662,6 +673,10 @@ class Face(Generic[SessionT, OpenedT]):
         events: Events = (),
         provenance_hashes: Hashes = (),
         repeat: Flag = False,
+        cached_tokens: Tokens | None = None,
+        reasoning_tokens: Tokens | None = None,
+        first_byte_s: SendTime | None = None,
+        first_token_s: SendTime | None = None,
     ) -> Flow[AttemptRecord]:
         """Record an Attempt's outcome; health and group facts update in the same transaction.
 
@@ -694,6 +709,18 @@ class Face(Generic[SessionT, OpenedT]):
                 counted in health, so its failure restarts the key's window without counting
                 again (unless the policy's ``health.count_same_route_retries`` says every try
                 counts).
+            cached_tokens: The part of ``prompt_tokens`` the provider served from its cache,
+                where it reports it (at most ``prompt_tokens``).
+            reasoning_tokens: The part of ``completion_tokens`` spent reasoning, where the
+                provider reports it (at most ``completion_tokens``).
+            first_byte_s: Seconds from the begin to the response's first byte, by the
+                ledger's clock (a send's ``progress.first_byte_at`` minus the Attempt's
+                ``created_at``); kept within the latency the settle records.
+            first_token_s: Seconds from the begin to a stream's first content (not before
+                ``first_byte_s``).
+
+        The settle records the Attempt's ``latency_s``: from its begin to this settle, by the
+        ledger's clock.
 
         Returns:
             The settled :class:`~ledger.AttemptRecord`.
@@ -707,6 +734,13 @@ class Face(Generic[SessionT, OpenedT]):
             FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
                 a late receipt).
         """
+        _within(cached_tokens, "cached_tokens", prompt_tokens, "prompt_tokens")
+        _within(reasoning_tokens, "reasoning_tokens", completion_tokens, "completion_tokens")
+        if first_byte_s is not None and first_token_s is not None and first_token_s < first_byte_s:
+            raise InvalidArgument(
+                f"first_token_s ({first_token_s:g}) is before first_byte_s ({first_byte_s:g}); "
+                "content comes after the response's first byte: pass times measured from the "
+                "begin", field="first_token_s")
         # The Attempt's route and profile decide which health rows its outcome touches.
         att = yield from self._store.attempt(attempt_id)
         if att.run_id != lease.run_id:
@@ -723,7 +757,9 @@ class Face(Generic[SessionT, OpenedT]):
             cost_micros=None if cost is None else to_micros(cost),
             model_reported=model_reported, output_hash=output_hash,
             events=cast(list[tuple[str, dict[str, Any]]], events),
-            provenance=tuple(provenance_hashes), repeat=repeat)
+            provenance=tuple(provenance_hashes), repeat=repeat, cached_tokens=cached_tokens,
+            reasoning_tokens=reasoning_tokens, first_byte_s=first_byte_s,
+            first_token_s=first_token_s)
         return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
 
     @op

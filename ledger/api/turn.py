@@ -367,6 +367,7 @@ def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
                   on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
+            dispatch.progress.clock = ledger.clock.now  # the send's marks, on the ledger's time
             dispatch.progress.handed_over = True
             return send(dispatch)
         case Sleep(seconds=seconds):
@@ -398,6 +399,7 @@ async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: Se
                          sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
     match eff:
         case Send(dispatch=dispatch):
+            dispatch.progress.clock = ledger.clock.now  # the send's marks, on the ledger's time
             dispatch.progress.handed_over = True
             out = send(dispatch)
             return await out if inspect.isawaitable(out) else out

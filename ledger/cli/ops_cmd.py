@@ -142,6 +142,23 @@ def _money(d: Decimal | None) -> str:
     return "-" if d is None else f"{d:.6f}"
 
 
+def fmt_secs(v: float | None) -> str:
+    """A duration in seconds, to the millisecond (``1.204s``); ``-`` when not recorded."""
+    return "-" if v is None else f"{v:.3f}s"
+
+
+def fmt_tokens(a: Any) -> str:
+    """An Attempt's tokens in and out, with the cached and reasoning parts where reported
+    (``1200/340 (1024 cached, 128 reasoning)``); ``-`` when no usage was recorded."""
+    if a.prompt_tokens is None and a.completion_tokens is None:
+        return "-"
+    text = f"{a.prompt_tokens if a.prompt_tokens is not None else '-'}/" + (
+        f"{a.completion_tokens if a.completion_tokens is not None else '-'}")
+    parts = [f"{n} {what}" for n, what in ((a.cached_tokens, "cached"),
+                                            (a.reasoning_tokens, "reasoning")) if n]
+    return text + (f" ({', '.join(parts)})" if parts else "")
+
+
 def _add_db(p: argparse.ArgumentParser) -> None:
     # Also accepted after the command; SUPPRESS leaves the global --db / LEDGER_URL alone
     # unless it is given here.
@@ -233,9 +250,10 @@ def _run_show(args: argparse.Namespace) -> int:
         held = a.posted if a.debit_state == "posted" else a.reserved
         rows.append([a.seq, a.kind, a.route_id, a.profile_id, outcome,
                      f"{a.debit_state} {_money(held)}",
-                     _money(a.cost), why, fmt_time(a.created_at)])
-    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "REPORTED", "WHY", "AT"],
-                rows))
+                     _money(a.cost), fmt_secs(a.latency_s), fmt_secs(a.first_byte_s),
+                     fmt_secs(a.first_token_s), fmt_tokens(a), why, fmt_time(a.created_at)])
+    print(table(["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT", "REPORTED", "LATENCY",
+                 "TTFB", "TTFT", "TOKENS IN/OUT", "WHY", "AT"], rows))
     # Waits have their own lines below.
     notes = [(a.seq, e) for a in tl.attempts for e in a.events
              if e.kind not in ("capacity_wait", "wait")]
@@ -366,7 +384,8 @@ def _failovers(args: argparse.Namespace) -> int:
     rows = []
     unusable: dict[tuple[str, str], str] = {}  # (run, route) -> why the route could not be used
     for f in page.items:
-        causes = ", ".join(f"{c.route}: {c.category or c.state}"
+        causes = ", ".join(f"{c.route}: " + (f"skipped ({c.category})" if c.state == "skipped"
+                                             else c.category or c.state)
                            + (f" {c.http_status}" if c.http_status else "") for c in f.causes)
         rows.append([f.run_id, f.tenant, f.selected_route, f.served_route or "(none)",
                      " > ".join(f.routes), causes or "-", f.status, fmt_time(f.created_at)])
@@ -459,9 +478,15 @@ def _budget_tables(budgets: Any, key: str, every: str | None) -> None:
 
 
 def _health(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     audit = _audit(args)
     try:
-        rep = audit.health()
+        rep = audit.health(latency_window_s=None)
+        since, until = _range(args, rep.now)
+        rep = replace(rep, latency=audit.latency(
+            since=since, until=until if until is not None else rep.now, route=args.route,
+            group=args.group, category=args.category, tenant=args.tenant, state=args.state))
     finally:
         audit.ledger.close()
     if args.json:
@@ -492,9 +517,40 @@ def _health(args: argparse.Namespace) -> int:
         for u in rep.unusable:
             print(f"  {u.route}" + (f" ({u.profile})" if u.profile else "")
                   + f": {u.why or '-'}")
+    if rep.latency is not None:
+        print()
+        print(latency_title(rep.latency, now))
+        for what, stats in (("ROUTE", rep.latency.routes), ("GROUP", rep.latency.groups)):
+            print()
+            print(table(latency_headers(what), [latency_row(x) for x in stats])
+                  if stats else f"no {what.lower()} has attempts with a latency in the window")
     return 0
 
 
+def latency_title(lat: Any, now: float) -> str:
+    """What a latency report covers: the window and the filters given."""
+    filters = ", ".join(f"{k} {v}" for k, v in (
+        ("route", lat.route), ("group", lat.group), ("category", lat.category),
+        ("tenant", lat.tenant), ("state", lat.state)) if v is not None)
+    since = fmt_time(lat.since) if lat.since is not None else "the first attempt"
+    return (f"latency by the ledger's clock, seconds (attempts begun from {since} to "
+            f"{fmt_time(lat.until if lat.until is not None else now)}"
+            + (f"; {filters}" if filters else "; every outcome") + ")")
+
+
+def latency_headers(what: str) -> list[str]:
+    return [what, "N", "P50", "P95", "P99", "TTFT N", "TTFT P50", "TTFT P95", "TTFT P99",
+            "TTFB P50", "TTFB P95"]
+
+
+def latency_row(x: Any) -> list[Any]:
+    def p(v: Any, q: str) -> str:
+        return "-" if v is None else f"{getattr(v, q):.3f}"
+
+    lat, ttft, ttfb = x.latency, x.first_token, x.first_byte
+    return [x.key, lat.count if lat else 0, p(lat, "p50"), p(lat, "p95"), p(lat, "p99"),
+            ttft.count if ttft else 0, p(ttft, "p50"), p(ttft, "p95"), p(ttft, "p99"),
+            p(ttfb, "p50"), p(ttfb, "p95")]
 def _health_clear(args: argparse.Namespace) -> int:
     led = _open_writer(args.db)
     try:
@@ -714,8 +770,21 @@ def register(subparsers: Any) -> None:
     _add_common(p)
     p.set_defaults(func=_costs)
 
-    p = subparsers.add_parser("health", help="route, profile and group health now; "
-                              f"{PROG} health clear KEY clears a cooldown")
+    p = subparsers.add_parser(
+        "health", help="route, profile and group health now, and their latency percentiles; "
+        f"{PROG} health clear KEY clears a cooldown",
+        description="What cools now (routes, profiles, capacity groups, unusable routes), and "
+        "p50/p95/p99 of the attempts' latency, time to first token and time to first byte "
+        "per route and per group over --since..--until (default the last 24 h), filtered by "
+        "--route, --group, --category, --tenant and --state.")
+    p.add_argument("--route", help="latency of this route's attempts only")
+    p.add_argument("--group", help="latency of this capacity group's attempts only")
+    p.add_argument("--category", help="latency of failures of this category only, e.g. timeout")
+    p.add_argument("--tenant", help="latency of this tenant's attempts only")
+    p.add_argument("--state", "--outcome", dest="state",
+                   choices=["succeeded", "failed", "unknown", "not_sent"],
+                   help="latency of attempts with this outcome only (default: every outcome)")
+    _add_range(p, "24h")
     _add_common(p, paged=False)
     p.set_defaults(func=_health)
     health_sub = p.add_subparsers(dest="health_command", metavar="SUBCOMMAND")

@@ -2,23 +2,21 @@
 audit API.
 
 Pages: ``/`` (what is cooling now at a glance; attempts, per-route success rate and latency over
-the window as charts; route, profile and group health; costs by tenant, route and day; recent
-failovers and runs; spend against budgets by tenant; recent operator actions), ``/runs/{id}``
-(a run's attempt timeline, why it stopped, who closed it) and ``/budgets`` (spend against
-budgets by tenant or label, :mod:`ledger.dashboard.spend`). They refresh themselves
+the window as charts; route, profile and group health; latency percentiles per route and group;
+costs by tenant, route and day; recent failovers and runs; spend against budgets by tenant;
+recent operator actions), ``/latency`` (p50/p95/p99 of latency, time to first token and first
+byte, filtered by route, group, category, tenant and outcome), ``/runs/{id}`` (a run's attempt
+timeline, with each attempt's times and tokens, why it stopped, who closed it), ``/budgets``
+(spend against budgets by tenant or label, :mod:`ledger.dashboard.spend`) and ``/replay`` (what
+another policy would have done over the window: :mod:`ledger.dashboard.replay`, computed on
+request, ``/api/replay`` its JSON). All but ``/replay`` refresh themselves
 (``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds, ``?refresh=N`` per
 page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``, ``/api/runs/{id}``,
-``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``, ``/api/budgets``,
-``/api/actions``. ``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
-Started with actions and a token, it also serves the operator's actions as POST routes
-(:mod:`ledger.dashboard.actions`); otherwise nothing it serves writes.
-failovers and runs), ``/runs/{id}`` (a run's attempt timeline and why it stopped) and
-``/replay`` (what another policy would have done over the window: :mod:`ledger.dashboard.replay`,
-computed on request, ``/api/replay`` its JSON). The first two refresh themselves
-(``<meta http-equiv="refresh">``, no script) every ``refresh_s`` seconds, ``?refresh=N`` per
-page, 0 to stop. JSON: ``/api/health``, ``/api/failovers``, ``/api/runs``,
-``/api/runs/{id}``, ``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``.
-``/metrics``: the Prometheus text format (:mod:`ledger.dashboard.metrics`).
+``/api/costs``, ``/api/costs/days``, ``/api/activity``, ``/api/routes``, ``/api/latency``,
+``/api/budgets``, ``/api/actions``. ``/metrics``: Prometheus metrics
+(:mod:`ledger.dashboard.metrics`). Started with actions and a token, it also serves the
+operator's actions as POST routes (:mod:`ledger.dashboard.actions`); otherwise nothing it
+serves writes.
 
 Every endpoint is a plain function: Starlette runs it in its thread pool, so the blocking
 database reads never stall the event loop. Every value printed into HTML is escaped, and times
@@ -38,7 +36,7 @@ from urllib.parse import urlencode
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ledger.api.facade import Ledger
@@ -50,8 +48,14 @@ from ledger.dashboard.actions import (
     clear_forms_html,
     run_actions_html,
 )
-from ledger.dashboard.charts import chart_svg, cost_days_svg, latency_top, sparkline_svg
-from ledger.dashboard.metrics import CONTENT_TYPE, exposition
+from ledger.dashboard.charts import (
+    axis_number,
+    chart_svg,
+    cost_days_svg,
+    latency_top,
+    sparkline_svg,
+)
+from ledger.dashboard.metrics import encode
 from ledger.dashboard.replay import replay_form, replay_html
 from ledger.dashboard.spend import spend_section
 from ledger.domain.timefmt import data_text, iso, relative
@@ -59,9 +63,14 @@ from ledger.errors import InvalidArgument, LedgerError, NotFound
 from ledger.ops.audit import (
     Audit,
     HealthReport,
+    LatencyReport,
+    LatencyStats,
+    MetricsSnapshot,
+    Percentiles,
     RouteSeries,
     RunSummary,
     RunTimeline,
+    TimelineEntry,
     Totals,
     to_jsonable,
 )
@@ -83,7 +92,7 @@ header form{margin-left:auto}
 main{padding:16px 20px;max-width:1400px}
 section{background:#fff;border:1px solid #dde1e7;border-radius:6px;padding:12px 16px;
 margin-bottom:16px;min-width:0}
-h1{font-size:18px;margin:0}h2{font-size:15px;margin:0 0 8px}
+h1{font-size:18px;margin:0}h2{font-size:15px;margin:0 0 8px}h3{font-size:13px;margin:10px 0 4px}
 table{border-collapse:collapse;width:100%;font-size:13px}
 th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceff3;vertical-align:top}
 th{background:#f0f2f5;font-weight:600;white-space:nowrap}
@@ -97,7 +106,10 @@ svg.spark{display:block}
 .disabled,.unavailable,.failed,.unknown,.stopped{color:#c0262d;font-weight:600}
 .succeeded{color:#17803d}.dispatching,.running{color:#2459c4}.muted{color:#6b7280}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:16px}
-.tiles{display:grid;grid-template-columns:repeat(4,1fr);gap:12px;margin:0}
+.tiles{display:grid;grid-template-columns:repeat(5,1fr);gap:12px;margin:0}
+.tile small{font-size:13px;font-weight:400;color:#6b7280}
+form.filters{display:flex;gap:10px;flex-wrap:wrap;align-items:end;margin:0 0 10px}
+form.filters label{display:flex;flex-direction:column;font-size:12px;color:#6b7280}
 .tile{border:1px solid #eceff3;border-radius:6px;padding:8px 12px}
 .tile b{display:block;font-size:22px;font-variant-numeric:tabular-nums}
 .glance{margin:8px 0 0;padding-left:18px}.glance li{margin:2px 0}
@@ -155,7 +167,8 @@ def _document(title: str, body: str, refresh_s: int = 0, mode: str = "read-only"
            f'<meta name="viewport" content="width=device-width, initial-scale=1">{refresh}'
            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
            f'<header><h1><a href="/">failover-ledger</a></h1><span>provider health '
-           f'(<span id="mode">{html.escape(mode)}</span>)</span><a href="/replay">replay</a>'
+           f'(<span id="mode">{html.escape(mode)}</span>)</span><a href="/latency">latency</a>'
+           f'<a href="/replay">replay</a><a href="/runs">runs</a>'
            f'<span class="muted" id="refresh-note">{note}</span>'
            f'<form action="/runs" method="get"><input name="id" placeholder="run id" size="32">'
            f' <button>show run</button></form></header><main>{body}</main></body></html>')
@@ -198,14 +211,19 @@ def _glance_html(rep: HealthReport, attempts: int, bad: int, failovers: int, cos
     listing = (f'<ul class="glance" id="glance-list">{"".join(items)}</ul>' if items else
                '<p class="muted" id="glance-list">every route, profile and group is open</p>')
     rate = f"{100 * (attempts - bad) / attempts:.1f}%" if attempts else "-"
+    # Each figure in its own tile, with its unit: runs, and money in the ledger's currency
+    # unit (whatever the routes' prices are in).
     return (
         '<section id="glance"><h2>Now</h2><div class="tiles">'
         f'<div class="tile">cooling or disabled<b id="glance-cooling">{len(cooling)}</b></div>'
         f'<div class="tile">groups not open<b id="glance-groups">{len(floors)}</b></div>'
         f'<div class="tile">attempts, last {hours:g} h<b>{attempts}</b>'
         f'<span class="muted">{rate} without failure</span></div>'
-        f'<div class="tile">failovers / charged, last {hours:g} h<b>{failovers} &middot; '
-        f'<span id="glance-charged">{_money(cost)}</span></b>'
+        f'<div class="tile">runs failed over, last {hours:g} h<b><span id="glance-failovers">'
+        f'{failovers}</span> <small>runs</small></b>'
+        '<span class="muted">served elsewhere than selected</span></div>'
+        f'<div class="tile">charged, last {hours:g} h<b><span id="glance-charged">'
+        f'{_money(cost)}</span> <small>currency units</small></b>'
         f'<span class="muted">held <span id="glance-held">{_money(held)}</span></span></div>'
         f"</div>{listing}</section>")
 
@@ -235,34 +253,80 @@ def _health_html(rep: HealthReport) -> str:
         + "</section>")
 
 
-def _routes_html(series: list[RouteSeries], hours: float) -> str:
+def _secs(v: float | None) -> str:
+    return _e(None) if v is None else _e(f"{v:.3f} s")
+
+
+def _pcts(p: Percentiles | None) -> str:
+    """``p50 / p95 / p99`` in seconds, with how many Attempts they are of on hover."""
+    if p is None:
+        return _e(None)
+    return (f'<span title="{p.count} attempts">{p.p50:.3f} / {p.p95:.3f} / {p.p99:.3f}'
+            "</span>")
+
+
+def _routes_html(series: list[RouteSeries], hours: float, until: float,
+                 succeeded: LatencyReport) -> str:
     """Small multiples: per route, its success rate and latency over the window, side by side
-    on shared axes (0-100 %, 0 to the busiest route's latency top) so rows compare."""
+    on shared axes (0-100 %, 0 to the busiest route's latency top) so rows compare; beside
+    them the p50/p95/p99 latency of the route's answers over the whole window."""
     if not series:
         return ('<section><h2>Routes over time</h2><p class="muted" id="routes-table-empty">'
                 f"no attempts in the last {hours:g} h</p></section>")
     top = latency_top(series)
+    pcts = {x.key: x.latency for x in succeeded.routes}
     rows = []
     for i, r in enumerate(series):
         ok = sum(p.succeeded for p in r.points)
         sent = sum(p.succeeded + p.failed + p.unknown for p in r.points)
-        lat = [p.latency_s * p.succeeded for p in r.points if p.latency_s is not None]
         rows.append([
             _e(r.route), str(r.attempts), _e(f"{100 * ok / sent:.1f}%" if sent else None),
             sparkline_svg(r, metric="success_rate", top=1.0, css_id=f"success-{i}"),
-            _e(f"{sum(lat) / ok:.2f} s" if ok else None),
+            _pcts(pcts.get(r.route)),
             sparkline_svg(r, metric="latency_s", top=top, css_id=f"latency-{i}",
                           stroke="#e69f00"),
         ])
-    start, end = series[0].points[0].start, series[0].points[-1].start
+    # The window's end, not its last bucket's start.
+    start = series[0].points[0].start
     return (f'<section id="routes-over-time"><h2>Routes over time, last {hours:g} h '
-            f'<span class="muted">({_t(start)} to {_t(end)}, {len(series[0].points)} '
-            f"buckets; success = succeeded of sent; latency = mean begin-to-settle of the "
-            f"succeeded, axis 0-{top:g} s)</span></h2>"
-            + _table(["route", "attempts", "success", "success rate over time", "latency",
-                      "latency over time"], rows, "routes-table", "",
+            f'<span class="muted" id="routes-window">({_t(start)} to {_t(until)}, '
+            f"{len(series[0].points)} buckets; success = succeeded of sent; latency p50 / p95 "
+            f"/ p99 of the succeeded, seconds; the chart their mean per bucket, axis "
+            f"0-{axis_number(top)} s)</span></h2>"
+            + _table(["route", "attempts", "success", "success rate over time",
+                      "latency p50 / p95 / p99", "latency over time"], rows, "routes-table", "",
                      ["id", "num", "num", "", "num", ""])
             + "</section>")
+
+
+def _latency_rows(stats: list[LatencyStats]) -> list[list[str]]:
+    return [[_e(x.key), str(x.latency.count if x.latency else 0), _pcts(x.latency),
+             str(x.first_token.count if x.first_token else 0), _pcts(x.first_token),
+             _pcts(x.first_byte)] for x in stats]
+
+
+def _latency_tables(rep: LatencyReport, ident: str) -> str:
+    head = ["attempts", "latency p50 / p95 / p99", "streamed", "first token p50 / p95 / p99",
+            "first byte p50 / p95 / p99"]
+    cls = ["num", "num", "num", "num", "num"]
+    # One above the other: side by side, ten columns each do not fit a laptop's width.
+    return (
+        "<h3>By route</h3>"
+        + _table(["route", *head], _latency_rows(rep.routes), f"{ident}-routes-table",
+                 "no attempt with a latency matches", ["id", *cls])
+        + "<h3>By capacity group</h3>"
+        + _table(["group", *head], _latency_rows(rep.groups), f"{ident}-groups-table",
+                 "no attempt with a latency matches", ["id", *cls]))
+
+
+def _latency_html(rep: LatencyReport | None, hours: float) -> str:
+    if rep is None:
+        return ""
+    return (f'<section id="latency"><h2>Latency, last {hours:g} h <span class="muted">'
+            "(seconds from an attempt's begin, by the ledger's clock: to its settle, to a "
+            "stream's first token, to the response's first byte; every outcome; "
+            '<a href="/latency">filter by route, group, category, tenant, outcome</a>)'
+            "</span></h2>" + _latency_tables(rep, "latency") + "</section>")
 
 
 def _runs_table(runs: list[RunSummary], now: float) -> str:
@@ -320,6 +384,18 @@ def _stops_html(tl: RunTimeline, now: float) -> str:
     return "".join(out)
 
 
+def _tokens(a: TimelineEntry) -> str:
+    """Tokens in / out, with the parts reported as cached and reasoning under them."""
+    if a.prompt_tokens is None and a.completion_tokens is None:
+        return _e(None)
+    text = (f"{a.prompt_tokens if a.prompt_tokens is not None else '-'} / "
+            f"{a.completion_tokens if a.completion_tokens is not None else '-'}")
+    parts = [f"{n} {what}" for n, what in ((a.cached_tokens, "cached"),
+                                            (a.reasoning_tokens, "reasoning")) if n]
+    return _e(text) + (f'<br><span class="muted">{_e(", ".join(parts))}</span>' if parts
+                       else "")
+
+
 def _timeline_html(tl: RunTimeline, now: float) -> str:
     r = tl.run
     rows = []
@@ -339,7 +415,9 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
                      fact,
                      _e(a.debit_state) + " " + _money(a.posted if a.debit_state == "posted"
                                                       else a.reserved),
-                     _money(a.cost), why, notes or _e(None), _t(a.created_at)])
+                     _money(a.cost), _secs(a.latency_s),
+                     _secs(a.first_byte_s) + " / " + _secs(a.first_token_s), _tokens(a), why,
+                     notes or _e(None), _t(a.created_at)])
     head = (f"<section><h2>Run <code>{_e(r.run_id)}</code></h2>"
             f'<p id="run-summary">status {_tag(r.status)} &middot; tenant {_e(r.tenant)} '
             f"&middot; selected <b>{_e(r.selected_route)}</b> &middot; served by "
@@ -350,10 +428,12 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
             f"{_money(r.max_cost)} &middot; admitted {_t(r.created_at)} "
             f'({_e(relative(r.created_at, now))})</p>')
     return (head + _table(["#", "kind", "route", "profile", "outcome", "fact", "debit",
-                           "reported cost", "why (selector)", "events", "at"], rows,
+                           "reported cost", "latency", "first byte / token", "tokens in / out",
+                           "why (selector)", "events", "at"], rows,
                           "timeline-table",
                           "no attempts yet",
-                          ["num", "", "id", "id", "", "", "nowrap", "num", "", "", "nowrap"])
+                          ["num", "", "id", "id", "", "", "nowrap", "num", "num", "nowrap",
+                           "nowrap", "", "", "nowrap"])
             + "</section>" + _waits_html(tl, now) + _stops_html(tl, now))
 
 
@@ -392,7 +472,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         return _document(title, body, refresh_s, mode)
 
     state: dict[str, Any] = {}
-    metrics_cache: list[tuple[float, str]] = []  # (monotonic time computed, body)
+    metrics_cache: list[tuple[float, MetricsSnapshot]] = []  # (monotonic time read, it)
     metrics_lock = threading.Lock()
 
     @contextlib.asynccontextmanager
@@ -449,10 +529,12 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             raise InvalidArgument("hours must be > 0", field="hours")
         days = int(_num(request, "days", 7))
         since = now - hours * 3600
-        rep = au.health(now)
+        rep = au.health(now, latency_window_s=hours * 3600)
         buckets = au.activity(since=since, until=now, buckets=48)
         series = au.route_series(since=since, until=now, buckets=24, routes=8)
+        answered = au.latency(since=since, until=now, state="succeeded")
         fos = au.failovers(since=since, until=now, limit=20)
+        failed_over = au.count_failovers(since=since, until=now)  # the page shows 20 at most
         runs = au.runs(limit=15)
         by_tenant = au.costs(by="tenant", since=since, until=now, limit=1000)
         by_route = au.costs(by="route", since=since, until=now, limit=10)
@@ -461,7 +543,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         day_starts = [today - (days - 1 - i) * DAY for i in range(days)]
         fo_rows = [[_link(f.run_id), _e(f.tenant), _e(f.selected_route), _e(f.served_route),
                     _e(" > ".join(f.routes)),
-                    _e(", ".join(f"{c.route}: {c.category or c.state}"
+                    _e(", ".join(f"{c.route}: " + (f"skipped ({c.category})"
+                                                   if c.state == "skipped"
+                                                   else c.category or c.state)
                                  + (f" {c.http_status}" if c.http_status else "")
                                  for c in f.causes)),
                     _tag(f.status), _ago(f.created_at, now)] for f in fos.items]
@@ -470,12 +554,13 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         cost = sum((t.cost for t in by_tenant.items), Decimal(0))
         held = sum((t.held for t in by_tenant.items), Decimal(0))
         body = (
-            _glance_html(rep, total, bad, len(fos.items), cost, held, hours)
+            _glance_html(rep, total, bad, failed_over, cost, held, hours)
             + f'<section><h2>Attempts and failures, last {hours:g} h '
             f'<span class="muted">({total} attempts, {bad} failed or unknown; UTC)</span></h2>'
             + chart_svg(buckets) + "</section>"
-            + _routes_html(series, hours)
+            + _routes_html(series, hours, now, answered)
             + _health_html(rep)
+            + _latency_html(rep.latency, hours)
             + f'<div class="grid"><section><h2>Cost by tenant, last {hours:g} h</h2>'
             + _table(["tenant", *_TOTALS_HEAD], _totals_rows(by_tenant.items[:10]),
                      "costs-tenant-table", "no attempts in the window", ["", *_TOTALS_CLS])
@@ -498,7 +583,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             + actions_html(au.actions(limit=10).items, now, title="Recent operator actions")
             + f'<p class="muted">as of {_t(now)} &middot; JSON: <a href="/api/health">'
             "health</a>, <a href=\"/api/failovers\">failovers</a>, <a href=\"/api/activity\">"
-            "activity</a>, <a href=\"/api/routes\">routes</a>, <a href=\"/api/costs\">costs</a>"
+            "activity</a>, <a href=\"/api/routes\">routes</a>, <a href=\"/api/latency\">"
+            "latency</a>, <a href=\"/api/costs\">costs</a>"
             ", <a href=\"/api/costs/days\">costs by day</a>, <a href=\"/api/budgets\">"
             "budgets</a>, <a href=\"/api/actions\">actions</a> &middot; "
             "<a href=\"/metrics\">Prometheus metrics</a></p>")
@@ -582,9 +668,57 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     def metrics(request: Request) -> Response:
         with metrics_lock:
             if not metrics_cache or time.monotonic() - metrics_cache[0][0] >= metrics_ttl_s:
-                metrics_cache[:] = [(time.monotonic(), exposition(audit().metrics()))]
-            body = metrics_cache[0][1]
-        return PlainTextResponse(body, media_type=CONTENT_TYPE)
+                metrics_cache[:] = [(time.monotonic(), audit().metrics())]
+            snapshot = metrics_cache[0][1]
+        # The format the scraper asks for (OpenMetrics or the text format), from one read.
+        body, content_type = encode(snapshot, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
+    def _latency_args(request: Request) -> dict[str, Any]:
+        au = audit()
+        now = au.now()
+        p = request.query_params
+        hours = _num(request, "hours", 24)
+        if hours <= 0:
+            raise InvalidArgument("hours must be > 0", field="hours")
+        return {"since": _num(request, "since", now - hours * 3600),
+                "until": _num(request, "until", now),
+                **{k: (p.get(k) or None) for k in ("route", "group", "category", "tenant",
+                                                   "state")}}
+
+    def latency_page(request: Request) -> Response:
+        """p50/p95/p99 per route and group, filtered by the form's fields."""
+        args = _latency_args(request)
+        rep = audit().latency(**args)
+        p = request.query_params
+
+        def field(name: str, hint: str) -> str:
+            return (f'<label>{name}<input name="{name}" size="18" placeholder="{hint}" '
+                    f'value="{html.escape(p.get(name) or "", quote=True)}"></label>')
+
+        states = "".join(
+            f'<option value="{v}"{" selected" if (p.get("state") or "") == v else ""}>'
+            f"{v or 'every outcome'}</option>"
+            for v in ("", "succeeded", "failed", "unknown", "not_sent"))
+        hours = p.get("hours") or "24"
+        form = (
+            '<form class="filters" id="latency-filters" action="/latency" method="get">'
+            f'<label>hours<input name="hours" size="5" value="{html.escape(hours, quote=True)}">'
+            "</label>" + field("route", "any route") + field("group", "any group")
+            + field("category", "e.g. timeout") + field("tenant", "any tenant")
+            + f'<label>outcome<select name="state">{states}</select></label>'
+            "<button>show</button></form>")
+        shown = ", ".join(f"{k} {v}" for k, v in (
+            ("route", rep.route), ("group", rep.group), ("category", rep.category),
+            ("tenant", rep.tenant), ("outcome", rep.state)) if v is not None) or "every attempt"
+        body = (f'<section id="latency"><h2>Latency <span class="muted">({_t(rep.since)} to '
+                f"{_t(rep.until)}; {_e(shown)}; seconds from an attempt's begin by the "
+                "ledger's clock, to its settle, a stream's first token, the response's first "
+                "byte)</span></h2>" + form + _latency_tables(rep, "latency") + "</section>")
+        return _page("latency", body, _refresh(request))
+
+    def api_latency(request: Request) -> Response:
+        return JSONResponse(to_jsonable(audit().latency(**_latency_args(request))))
 
     def api_health(request: Request) -> Response:
         return JSONResponse(to_jsonable(audit().health()))
@@ -669,7 +803,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         Route("/", handled(index)),
         Route("/runs", handled(run_lookup)),
         Route("/runs/{run_id:path}", handled(run_page)),
+        Route("/latency", handled(latency_page)),
         Route("/metrics", handled(metrics)),
+        Route("/api/latency", handled(api_latency)),
         Route("/api/health", handled(api_health)),
         Route("/api/runs", handled(api_runs)),
         Route("/api/runs/{run_id:path}", handled(api_run)),

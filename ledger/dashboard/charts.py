@@ -38,6 +38,11 @@ def _nice_max(v: float) -> float:
     return float(10 * mag)  # pragma: no cover
 
 
+def axis_number(v: float) -> str:
+    """An axis label as people write it: ``0.00005``, ``20``, ``1.5`` (never ``5e-05``)."""
+    return format(Decimal(repr(float(v))).normalize(), "f")
+
+
 def chart_svg(buckets: list[ActivityBucket], width: int = 900, height: int = 170) -> str:
     """Bars of attempts per bucket (grey) with their failures and unknowns (red) in front."""
     pad_l, pad_b, pad_t = 44, 22, 10
@@ -142,7 +147,7 @@ def cost_days_svg(days: list[DayCost], day_starts: list[float], *, width: int = 
     parts = [f'<svg id="cost-days-chart" xmlns="http://www.w3.org/2000/svg" width="100%" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="cost per day by tenant">',
              f'<text x="{pad_l - 4}" y="{pad_t + 8}" font-size="11" text-anchor="end" '
-             f'fill="{_AXIS}">{top:g}</text>',
+             f'fill="{_AXIS}" id="cost-axis-top">{axis_number(top)}</text>',
              f'<text x="{pad_l - 4}" y="{height - pad_b}" font-size="11" text-anchor="end" '
              f'fill="{_AXIS}">0</text>',
              f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width}" y2="{height - pad_b}" '
@@ -170,4 +175,5 @@ def cost_days_svg(days: list[DayCost], day_starts: list[float], *, width: int = 
     return "".join(parts) + f'<p class="legend">{legend}</p>'
 
 
-__all__ = ["PALETTE", "chart_svg", "color", "cost_days_svg", "latency_top", "sparkline_svg"]
+__all__ = ["PALETTE", "axis_number", "chart_svg", "color", "cost_days_svg", "latency_top",
+           "sparkline_svg"]

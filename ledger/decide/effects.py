@@ -12,7 +12,7 @@ reads the database, sends, sleeps or talks to the caller.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import MappingProxyType
@@ -81,6 +81,11 @@ class SendProgress:
     ``delivered``: the sender handed streamed text or a tool-call proposal to the caller (its
     callback saw it): effective output, recorded as such even when the send is then cancelled.
     The adapters set it; a host's own send function sets it when it shows output.
+    ``first_byte_at`` and ``first_token_at``: when the response's first byte (its status line
+    and headers) and a stream's first content (text or a tool-call fragment) arrived, by the
+    ledger's clock, which the driver hands over as ``clock``; the sender marks them with
+    :meth:`first_byte` and :meth:`first_token` (the adapters do), and the Attempt's settle
+    records them as seconds from its begin.
     """
 
     handed_over: bool = False
@@ -89,11 +94,36 @@ class SendProgress:
     # The host started a tool this Attempt proposed: a failure of the turn may no longer move
     # to another route (invariant 9).
     tool_started: bool = False
+    first_byte_at: float | None = None
+    first_token_at: float | None = None
+    # The ledger's clock (set by the driver as it hands the send over; None: not timed).
+    clock: Callable[[], float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def provably_unsent(self) -> bool:
         """Whether the request certainly never left: not handed over, or reported unsent."""
         return not self.handed_over or self.sent is False
+
+    def first_byte(self) -> None:
+        """Mark the response's first byte now (the first mark stays; without a clock, none)."""
+        if self.first_byte_at is None and self.clock is not None:
+            self.first_byte_at = self.clock()
+
+    def first_token(self) -> None:
+        """Mark a stream's first content now (the first mark stays; without a clock, none).
+
+        Content implies the response began: its first byte is marked too if it was not.
+        """
+        if self.first_token_at is None and self.clock is not None:
+            self.first_byte()
+            self.first_token_at = self.clock()
+
+    def since(self, begun_at: float) -> tuple[float | None, float | None]:
+        """``(first_byte_s, first_token_s)``: the marks as seconds after ``begun_at``."""
+        def after(t: float | None) -> float | None:
+            return None if t is None else max(0.0, t - begun_at)
+
+        return after(self.first_byte_at), after(self.first_token_at)
 
 
 #: The request header that names the Attempt a request is, on every protocol: its value is the
@@ -225,6 +255,10 @@ class SendResult:
         prompt_tokens: Usage the provider reported (``None``: not reported, and then the
             whole hold is posted).
         completion_tokens: Likewise.
+        cached_tokens: The part of ``prompt_tokens`` served from the provider's cache, where
+            it reports it.
+        reasoning_tokens: The part of ``completion_tokens`` spent reasoning, where the
+            provider reports it.
         cost: The cost the provider reported, if any.
         model_reported: The model the provider says served it.
         output_hash: The answer's content hash, recorded with the Attempt.
@@ -251,6 +285,8 @@ class SendResult:
     parts: tuple[Any, ...] = ()
     # On a failure: text the caller was shown before the failure (effective output).
     partial_text: str = ""
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
     @property
     def provenance(self) -> tuple[str, ...]:

@@ -144,7 +144,9 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
                 prompt_tokens: int | None, completion_tokens: int | None,
                 cost_micros: int | None, model_reported: str | None, output_hash: str | None,
                 events: Sequence[tuple[str, dict[str, Any]]], provenance: tuple[str, ...],
-                repeat: bool) -> SettleSpec:
+                repeat: bool, cached_tokens: int | None = None,
+                reasoning_tokens: int | None = None, first_byte_s: float | None = None,
+                first_token_s: float | None = None) -> SettleSpec:
     """Everything one settle of an Attempt on ``route`` (with ``profile_id``) writes.
 
     * a failed outcome needs a ``fact``, or an ``observation`` that is classified under the
@@ -154,7 +156,9 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
       ``not_sent``, and a bare ``not_sent`` (no fact) says nothing about the route's health;
     * ``effective_output`` and ``tool_started`` default to the fact's;
     * the settle hash covers what was reported, so a repeated settle of the same receipt is the
-      same write and a different one a :class:`~ledger.errors.SettleConflict`;
+      same write and a different one a :class:`~ledger.errors.SettleConflict`; the times to the
+      first byte and first token are measurements of the send, not part of the receipt, and
+      stay out of it;
     * health changes come from :func:`health_updates` and a failed outcome's group fact from
       :func:`group_update`.
     """
@@ -180,6 +184,8 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
     }
     if provenance:  # only then: settles recorded before output parts existed hash as they did
         settled["parts"] = list(provenance)
+    if cached_tokens is not None or reasoning_tokens is not None:  # likewise
+        settled["token_details"] = [cached_tokens, reasoning_tokens]
     health = ({} if outcome is Outcome.NOT_SENT and fact is None
               else health_updates(policy, route, profile_id, outcome, fact, now, repeat=repeat))
     return SettleSpec(
@@ -189,7 +195,9 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
         model_reported=model_reported, output_hash=output_hash,
         settle_hash=content_hash(settled), health=health,
         group_update=group_update(policy, fact, now) if outcome is Outcome.FAILED else None,
-        events=events, provenance=provenance,
+        events=events, provenance=provenance, cached_tokens=cached_tokens,
+        reasoning_tokens=reasoning_tokens, first_byte_s=first_byte_s,
+        first_token_s=first_token_s,
     )
 
 

@@ -270,6 +270,13 @@ def _usage_ok(result: SendResult) -> bool:
             and (result.cost is None or amount_in_range(result.cost)))
 
 
+def _details_ok(result: SendResult) -> bool:
+    """Whether the cached and reasoning counts are counts within their totals."""
+    return all(part is None or (tokens_in_range(part) and (total is None or part <= total))
+               for part, total in ((result.cached_tokens, result.prompt_tokens),
+                                   (result.reasoning_tokens, result.completion_tokens)))
+
+
 class TurnLoop:
     """One turn of a Run under ``lease``, as a generator of typed effects.
 
@@ -456,7 +463,7 @@ class TurnLoop:
         faults.point("dispatch.after_send")
         if result.ok:
             done = yield from self._settle_success(route, profile, att, result,
-                                                   dispatch.progress.tool_started)
+                                                   dispatch.progress)
             turn.attempts.append(done)
             return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
                              list(result.parts))
@@ -476,7 +483,8 @@ class TurnLoop:
         discarded = bool(result.partial_text) and not fact.effective_output
         # A same-route retry's failure was counted with the request's first: not again.
         settled = yield from self._settle_failure(route, profile, att, fact, result.sent,
-                                                  discarded, now, repeat=attempt.retries > 0)
+                                                  discarded, now, repeat=attempt.retries > 0,
+                                                  times=dispatch.progress.since(att.created_at))
         if fact.effective_output and result.partial_text:
             turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
         turn.attempts.append(settled)
@@ -681,8 +689,14 @@ class TurnLoop:
                 cost: Decimal | None = None, model_reported: str | None = None,
                 output_hash: str | None = None, tool_started: bool | None = None,
                 provenance: tuple[str, ...] = (), events: Sequence[tuple[str, Any]] = (),
-                repeat: bool = False) -> Generator[Effect[Any], Any, AttemptRecord]:
-        """Settle ``attempt_id`` (on ``route`` with ``profile``) as the pure rules say."""
+                repeat: bool = False, cached_tokens: int | None = None,
+                reasoning_tokens: int | None = None,
+                times: tuple[float | None, float | None] = (None, None),
+                ) -> Generator[Effect[Any], Any, AttemptRecord]:
+        """Settle ``attempt_id`` (on ``route`` with ``profile``) as the pure rules say.
+
+        ``times``: the send's first byte and first token, in seconds from the begin.
+        """
         if now is None:
             now = yield from perform(Now())
         spec = settle_spec(
@@ -691,38 +705,50 @@ class TurnLoop:
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             cost_micros=None if cost is None else to_micros(cost),
             model_reported=model_reported, output_hash=output_hash,
-            events=[(k, dict(d)) for k, d in events], provenance=provenance, repeat=repeat)
+            events=[(k, dict(d)) for k, d in events], provenance=provenance, repeat=repeat,
+            cached_tokens=cached_tokens, reasoning_tokens=reasoning_tokens,
+            first_byte_s=times[0], first_token_s=times[1])
         return (yield from perform(Settle(self.lease.run_id, spec)))
 
     def _settle_success(self, route: Route, profile: str | None, att: AttemptRecord,
-                        result: SendResult, tool_started: bool
+                        result: SendResult, progress: SendProgress
                         ) -> Generator[Effect[Any], Any, AttemptRecord]:
         events: list[tuple[str, dict[str, Any]]] = []
         pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
+        cached, reasoning = result.cached_tokens, result.reasoning_tokens
         if not _usage_ok(result):
             # A hostile or buggy provider must not turn a finished answer into a crash: the
             # answer is recorded, the usage is marked invalid (kept as evidence), and the whole
             # hold is posted.
             events.append(("usage_invalid", {"prompt_tokens": str(pt), "completion_tokens":
-                                             str(ct), "cost": str(cost)}))
-            pt = ct = None
+                                             str(ct), "cost": str(cost), "cached_tokens":
+                                             str(cached), "reasoning_tokens": str(reasoning)}))
+            pt = ct = cached = reasoning = None
             cost = None
+        elif not _details_ok(result):
+            # The totals stand; parts that do not fit in them are kept as evidence only.
+            events.append(("usage_invalid", {"cached_tokens": str(cached),
+                                             "reasoning_tokens": str(reasoning)}))
+            cached = reasoning = None
         return (yield from self._settle(
             route, profile, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
             completion_tokens=ct, cost=cost, model_reported=_short(result.model_reported),
-            output_hash=result.output_hash, tool_started=tool_started or None,
-            provenance=result.provenance, events=events))
+            output_hash=result.output_hash, tool_started=progress.tool_started or None,
+            provenance=result.provenance, events=events, cached_tokens=cached,
+            reasoning_tokens=reasoning, times=progress.since(att.created_at)))
 
     def _settle_failure(self, route: Route, profile: str | None, att: AttemptRecord,
                         fact: FailureFact, sent: bool, discarded: bool, now: float, *,
-                        repeat: bool = False) -> Generator[Effect[Any], Any, AttemptRecord]:
+                        repeat: bool = False,
+                        times: tuple[float | None, float | None] = (None, None),
+                        ) -> Generator[Effect[Any], Any, AttemptRecord]:
         outcome = failure_outcome(fact, sent)
         # Streamed text nobody was shown (the caller buffered) is no effective output: it is
         # discarded, and that is recorded; the policy may then move on.
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
                                  "never delivered"})] if discarded else []
         return (yield from self._settle(route, profile, att.attempt_id, outcome, now=now,
-                                        fact=fact, events=events, repeat=repeat))
+                                        fact=fact, events=events, repeat=repeat, times=times))
 
     def _settle_interrupted(self, route: Route, profile: str | None, att: AttemptRecord,
                             dispatch: Dispatch) -> Generator[Effect[Any], Any, None]:
@@ -739,10 +765,12 @@ class TurnLoop:
             fact = fact.model_copy(update={"phase": Phase.MID_STREAM,
                                            "effective_output": True,
                                            "tool_started": progress.tool_started})
-        yield from self._settle_quietly(route, profile, att.attempt_id, Outcome.UNKNOWN, fact)
+        yield from self._settle_quietly(route, profile, att.attempt_id, Outcome.UNKNOWN, fact,
+                                        times=progress.since(att.created_at))
 
     def _settle_quietly(self, route: Route, profile: str | None, attempt_id: str,
-                        outcome: Outcome, fact: FailureFact | None = None
+                        outcome: Outcome, fact: FailureFact | None = None, *,
+                        times: tuple[float | None, float | None] = (None, None),
                         ) -> Generator[Effect[Any], Any, None]:
         """A settle on the way out of an interruption.
 
@@ -750,7 +778,7 @@ class TurnLoop:
         database that went away); an attempt that was never recorded has nothing to settle.
         """
         try:
-            yield from self._settle(route, profile, attempt_id, outcome, fact=fact)
+            yield from self._settle(route, profile, attempt_id, outcome, fact=fact, times=times)
         except NotFound:
             log.info("attempt %s was never recorded (its begin did not commit): nothing to "
                      "settle on interruption", attempt_id)

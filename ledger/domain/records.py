@@ -321,6 +321,14 @@ class AttemptRecord:
     ``model_reported`` and the ``output_hash`` of its answer. ``reserved`` and
     ``reserved_tokens`` are its holds and ``debit_state`` what became of them; ``fence`` and
     ``executor`` who began it; ``reject_reason`` why admission refused it (``rejected``).
+
+    Measured by the ledger's clock, in seconds from its begin (``created_at``): ``latency_s``
+    to its settle by the executor (``None`` for an Attempt still in flight, rejected, or
+    resolved by recovery), ``first_byte_s`` to the response's first byte and
+    ``first_token_s`` to a stream's first content (``None`` when the send did not report
+    them). ``cached_tokens`` and ``reasoning_tokens`` are the parts of ``prompt_tokens`` served
+    from the provider's cache and of ``completion_tokens`` spent reasoning, where the provider
+    reports them.
     """
 
     attempt_id: str
@@ -354,6 +362,11 @@ class AttemptRecord:
     created_at: float
     settled_at: float | None
     debit_state: DebitState | None = None
+    latency_s: float | None = None
+    first_byte_s: float | None = None
+    first_token_s: float | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
 
 @dataclass(frozen=True)

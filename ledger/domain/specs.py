@@ -131,6 +131,14 @@ class SettleSpec:
     # Content hashes of every output part (text, tool calls) recorded as the Attempt's
     # provenance, beside ``output_hash``.
     provenance: tuple[str, ...] = ()
+    # The parts of the prompt tokens served from the provider's cache and of the completion
+    # tokens spent reasoning, where the provider reported them.
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    # Seconds from the begin to the response's first byte and to a stream's first content,
+    # by the ledger's clock (a measurement: not part of the settle hash).
+    first_byte_s: float | None = None
+    first_token_s: float | None = None
 
 
 @dataclass(frozen=True)

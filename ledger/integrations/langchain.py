@@ -216,11 +216,11 @@ def _usage(result: Any) -> UsageMetadata:
     prompt, completion = att.prompt_tokens or 0, att.completion_tokens or 0
     usage = UsageMetadata(input_tokens=prompt, output_tokens=completion,
                           total_tokens=prompt + completion)
-    reported = getattr(result.output, "usage", None)
-    if reported is not None and reported.cached_tokens:
-        usage["input_token_details"] = {"cache_read": reported.cached_tokens}
-    if reported is not None and reported.reasoning_tokens:
-        usage["output_token_details"] = {"reasoning": reported.reasoning_tokens}
+    # The parts the Attempt recorded, where the provider reported them.
+    if att.cached_tokens:
+        usage["input_token_details"] = {"cache_read": att.cached_tokens}
+    if att.reasoning_tokens:
+        usage["output_token_details"] = {"reasoning": att.reasoning_tokens}
     return usage
 
 

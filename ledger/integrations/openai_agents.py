@@ -278,9 +278,9 @@ def _answer(result: Any, parts: Sequence[Part], run_id: str) -> _Answer:
                 name=p.name or "", arguments=p.content or "{}", status="completed"))
             n += 1
     detail = attempts_detail(result, run_id)
-    reported = getattr(result.output, "usage", None)
-    cached = reported.cached_tokens if reported is not None else 0
-    reasoning = reported.reasoning_tokens if reported is not None else 0
+    # The usage as the Attempt recorded it (the cached and reasoning parts are None where the
+    # provider did not report them).
+    cached, reasoning = att.cached_tokens or 0, att.reasoning_tokens or 0
     prompt, completion = att.prompt_tokens or 0, att.completion_tokens or 0
     usage = Usage(requests=1, input_tokens=prompt, output_tokens=completion,
                   total_tokens=prompt + completion,

@@ -29,7 +29,7 @@ from ledger.api.arguments import AttemptFilters, Cursor, Limit, attempt_query
 from ledger.api.calls import Awaiting, query
 from ledger.api.facade import Ledger
 from ledger.api.face import storage_of
-from ledger.domain.facts import FailureFact
+from ledger.domain.facts import Category, FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.domain.validation import (
     Id,
@@ -47,10 +47,11 @@ from ledger.errors import InvalidArgument, NotFound
 from ledger.ops.replay import ReplayReport
 from ledger.ops.replay import replay as replay_window
 from ledger.policy.model import Policy
-from ledger.storage.audit import TOTALS_KEYS, AuditQueries
+from ledger.storage.audit import LATENCY_MEASURES, TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
 from ledger.storage.series import SeriesQueries
+from ledger.telemetry import DURATION_BUCKETS
 
 OPEN_STATES = ("unknown", "dispatching")
 # The attempts that can cause a failover; a not_sent one only with a failure category (a
@@ -61,6 +62,8 @@ CAUSE_STATES = ("failed", "unknown", "rejected", "not_sent")
 ACTION_KINDS = ("clear_cooldown", "close", "late_receipt")
 #: How far back :meth:`Audit.health` looks for routes skipped as unusable, by default.
 UNUSABLE_WINDOW_S = 86400.0
+#: How far back :meth:`Audit.health` takes its latency percentiles, by default.
+LATENCY_WINDOW_S = 86400.0
 
 
 # -- result types ---------------------------------------------------------------------------
@@ -79,7 +82,7 @@ class RunSummary:
     role: str
     tenant: str | None
     labels: dict[str, str]
-    status: str
+    status: RunStatus
     selected_route: str
     current_route: str | None
     current_profile: str | None
@@ -130,7 +133,13 @@ class AuditEvent:
 
 @dataclass(frozen=True)
 class TimelineEntry:
-    """One attempt of a run's timeline, with its debit and the reasons it was made."""
+    """One attempt of a run's timeline, with its debit and the reasons it was made.
+
+    Its times are the ledger clock's, in seconds from its begin: ``latency_s`` to its settle,
+    ``first_byte_s`` to the response's first byte, ``first_token_s`` to a stream's first
+    content (each ``None`` when not recorded); ``cached_tokens`` and ``reasoning_tokens`` the
+    parts of its prompt and completion tokens the provider reported as cached and reasoning.
+    """
 
     seq: int
     attempt_id: str
@@ -157,6 +166,11 @@ class TimelineEntry:
     settled_at: float | None
     selection: Selection | None
     events: list[AuditEvent] = field(default_factory=list)
+    latency_s: float | None = None
+    first_byte_s: float | None = None
+    first_token_s: float | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -231,7 +245,11 @@ class FailoverCause:
     """An attempt that preceded the failover: failed, unknown, rejected, or not sent.
 
     A route skipped as ``unusable`` (its key missing, its endpoint unusable; never sent) is
-    one, with ``detail`` saying what is missing (the variable or profile) and the fix.
+    one, with ``detail`` saying what is missing (the variable or profile) and the fix. A Run
+    served elsewhere without any such attempt had its selected route passed over by the
+    selector before its first Attempt (cooling, disabled): then the cause has ``state``
+    ``skipped``, ``category`` the selector's reason (``route_cooldown``, ...), ``detail`` its
+    words, and ``attempt_id`` the Attempt made instead; no retry permission was taken.
     """
 
     attempt_id: str
@@ -260,7 +278,7 @@ class Failover:
     run_id: str
     tenant: str | None
     labels: dict[str, str]
-    status: str
+    status: RunStatus
     created_at: float
     selected_route: str
     served_route: str | None
@@ -418,10 +436,61 @@ class UnusableRoute:
 
 
 @dataclass(frozen=True)
+class Percentiles:
+    """One time of the Attempts of a key: how many have it, and its p50, p95 and p99 (seconds).
+
+    Continuous percentiles (linear interpolation between the nearest ranks, as PostgreSQL's
+    ``percentile_cont``), the same on every backend.
+    """
+
+    count: int
+    p50: float
+    p95: float
+    p99: float
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """The times of one route's (or group's) Attempts.
+
+    ``latency`` from begin to settle, ``first_token`` to a stream's first content,
+    ``first_byte`` to the response's first byte; each ``None`` when none of its Attempts has it.
+    """
+
+    key: str
+    latency: Percentiles | None
+    first_token: Percentiles | None = None
+    first_byte: Percentiles | None = None
+
+
+@dataclass(frozen=True)
+class LatencyReport:
+    """Latency percentiles per route and per group over [since, until), as filtered.
+
+    The filters are the ones asked for (``None``: any): the Attempts' ``route``, ``group``,
+    failure ``category``, Run ``tenant`` and outcome ``state``. Only Attempts settled by their
+    executor have a latency (not one still in flight, rejected, or resolved by recovery);
+    times to the first byte and token only where the send reported them.
+    """
+
+    since: float | None
+    until: float | None
+    routes: list[LatencyStats]
+    groups: list[LatencyStats]
+    route: str | None = None
+    group: str | None = None
+    category: str | None = None
+    tenant: str | None = None
+    state: str | None = None
+
+
+@dataclass(frozen=True)
 class HealthReport:
     """Every route (and provider), profile and group health row, as of ``now``.
 
-    ``unusable`` lists the routes skipped as unusable in the window and not served since.
+    ``unusable`` lists the routes skipped as unusable in the window and not served since;
+    ``latency`` the percentiles of the routes' and groups' Attempt times over the last
+    ``latency_window_s`` (:meth:`Audit.health`).
     """
 
     now: float
@@ -429,6 +498,7 @@ class HealthReport:
     profiles: list[KeyHealth]
     groups: list[GroupHealth]
     unusable: list[UnusableRoute] = field(default_factory=list)
+    latency: LatencyReport | None = None
 
 
 @dataclass(frozen=True)
@@ -446,8 +516,8 @@ class RoutePoint:
     """One route in one time bucket.
 
     ``success_rate`` is succeeded / (succeeded + failed + unknown), ``None`` when nothing was sent;
-    ``latency_s`` is the mean time from begin to settle of the succeeded attempts, ``None`` when
-    none succeeded.
+    ``latency_s`` is the mean latency (begin to settle, by the ledger's clock) of the succeeded
+    attempts, ``None`` when none succeeded.
     """
 
     start: float
@@ -483,8 +553,26 @@ class DayCost:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """Observations counted into buckets, as Prometheus histograms count them.
+
+    ``counts`` holds, per bound of ``bounds``, how many are at most that bound (cumulative);
+    ``count`` how many there are in all, ``sum`` their sum.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    count: int
+    sum: float
+
+
+@dataclass(frozen=True)
 class MetricsSnapshot:
-    """Totals for the Prometheus endpoint: counters over the whole history, gauges now."""
+    """Totals for the Prometheus endpoint: counters over the whole history, gauges now.
+
+    Histograms count seconds into :data:`DURATION_BUCKETS` (the OpenTelemetry GenAI
+    conventions' advised boundaries).
+    """
 
     now: float
     attempts: dict[tuple[str, str], int]  # (route, outcome) -> attempts
@@ -493,6 +581,18 @@ class MetricsSnapshot:
     posted: dict[str | None, Decimal]  # tenant -> posted cost of its runs
     reserved: dict[str | None, Decimal]  # tenant -> holds still outstanding
     runs: dict[str | None, int]  # tenant -> runs admitted
+    # (from route, to route, cause category) -> moves; their sum is ``failovers``.
+    failovers_by: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # (route, outcome) -> the Attempts' latency, time to first token, time to first byte.
+    latency: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    first_token: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    first_byte: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    # (route, token type: input, output, cache_read, reasoning) -> tokens reported.
+    tokens: dict[tuple[str, str], int] = field(default_factory=dict)
+    cost: dict[str, Decimal] = field(default_factory=dict)  # route -> charged (posted)
+    # (group, outcome: admitted, rejected, timed_out) -> waits in a full group's queue.
+    queue_waits: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)  # group -> places in its queue now
 
 
 # -- conversions ----------------------------------------------------------------------------
@@ -501,7 +601,8 @@ class MetricsSnapshot:
 def _run(row: Mapping[str, Any]) -> RunSummary:
     return RunSummary(
         run_id=row["run_id"], parent_run_id=row["parent_run_id"], role=row["role"],
-        tenant=row["tenant"], labels=json.loads(row["labels"] or "{}"), status=row["status"],
+        tenant=row["tenant"], labels=json.loads(row["labels"] or "{}"),
+        status=RunStatus(row["status"]),
         selected_route=row["selected_route"], current_route=row["current_route"],
         current_profile=row["current_profile"], calls_used=int(row["calls_used"]),
         retries_used=int(row["retries_used"]), reserved=from_micros(row["reserved_micros"]),
@@ -596,6 +697,20 @@ def _unusable(row: Mapping[str, Any]) -> UnusableRoute:
         why=_fact_message(row["fact"]))
 
 
+def _skip_causes(selected: str, selects: Sequence[tuple[str | None, Mapping[str, Any]]]
+                 ) -> list[FailoverCause]:
+    """The selector's skips of ``selected`` (the first per Attempt), as failover causes."""
+    out: list[FailoverCause] = []
+    for attempt_id, data in selects:
+        skip = next((x for x in data.get("skipped") or []
+                     if isinstance(x, Mapping) and x.get("route") == selected), None)
+        if skip is not None and attempt_id is not None:
+            out.append(FailoverCause(attempt_id, selected, "skipped",
+                                     str(skip.get("reason") or "skipped"), None,
+                                     skip.get("detail") or None))
+    return out[:1]
+
+
 def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
     mode = row["mode"]
     if mode != "open" and row["until"] is not None and row["until"] <= now:
@@ -604,6 +719,17 @@ def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
                        until=row["until"], reason=row["reason"], sampled_at=row["sampled_at"],
                        in_flight=int(row["in_flight"]), limit=row["max_in_flight"],
                        waiting=int(row.get("waiting") or 0))
+
+
+def _histogram(row: Mapping[str, Any], name: str) -> Histogram | None:
+    """The histogram of ``name`` in a metrics row (``None`` when it counted nothing)."""
+    n = int(row[f"{name}_n"] or 0)
+    if not n:
+        return None
+    return Histogram(bounds=DURATION_BUCKETS,
+                     counts=tuple(int(row[f"{name}_le{i}"] or 0)
+                                  for i in range(len(DURATION_BUCKETS))),
+                     count=n, sum=float(row[f"{name}_sum"] or 0.0))
 
 
 def to_jsonable(value: Any) -> Any:
@@ -793,6 +919,9 @@ class Audit:
                 reject_reason=a["reject_reason"], created_at=a["created_at"],
                 settled_at=a["settled_at"], selection=sel,
                 events=[e for e in evs if e.kind != "select"],
+                latency_s=a["latency_s"], first_byte_s=a["first_byte_s"],
+                first_token_s=a["first_token_s"], cached_tokens=a["cached_tokens"],
+                reasoning_tokens=a["reasoning_tokens"],
             ))
         run = _run(run_row)
         failed_over = (served is not None and served != run.selected_route) or any(
@@ -825,8 +954,12 @@ class Audit:
         for a in atts:
             atts_by.setdefault(a["run_id"], []).append(a)
         moves_by: dict[str, list[Move]] = {}
+        selects_by: dict[str, list[tuple[str | None, Mapping[str, Any]]]] = {}
         for m in moves:
             data = json.loads(m["data"])
+            if m["kind"] == "select":
+                selects_by.setdefault(m["run_id"], []).append((m["attempt_id"], data))
+                continue
             cause = data.get("cause") if isinstance(data.get("cause"), Mapping) else {}
             moves_by.setdefault(m["run_id"], []).append(Move(
                 from_route=data.get("from_route"), to_route=data.get("to_route"),
@@ -847,9 +980,14 @@ class Audit:
                                     else None)
                       for a in ra if a["state"] in CAUSE_STATES and (
                           a["state"] != "not_sent" or a["category"] not in (None, "cancelled"))]
+            if not causes:
+                # Served elsewhere without a failure: the selector passed over the selected
+                # route (cooling, disabled, unusable) before its first Attempt, so no retry
+                # permission was taken; the skip is the cause.
+                causes = _skip_causes(r["selected_route"], selects_by.get(r["run_id"], []))
             out.append(Failover(
                 run_id=r["run_id"], tenant=r["tenant"], labels=json.loads(r["labels"] or "{}"),
-                status=r["status"], created_at=r["created_at"],
+                status=RunStatus(r["status"]), created_at=r["created_at"],
                 selected_route=r["selected_route"], served_route=served, routes=routes,
                 causes=causes, moves=moves_by.get(r["run_id"], []),
             ))
@@ -1068,17 +1206,24 @@ class Audit:
     @query
     def health(self, now: Time | None = None, *,
                unusable_window_s: Annotated[float, duration(30 * 86400.0, positive=True)]
-               = UNUSABLE_WINDOW_S) -> HealthReport:
+               = UNUSABLE_WINDOW_S,
+               latency_window_s: Annotated[float, duration(366 * 86400.0, positive=True)]
+               | None = LATENCY_WINDOW_S) -> HealthReport:
         """Routes, profiles and groups now: cooldowns, disables, waiting floors, last probes.
 
         Also the routes skipped as unusable (a missing key, an unusable endpoint) in the last
         ``unusable_window_s`` and not served since: a configuration problem, so no cooldown
-        shows it, yet every turn that reaches such a route skips it.
+        shows it, yet every turn that reaches such a route skips it. And the latency
+        percentiles of every route's and group's Attempts begun in the last
+        ``latency_window_s`` (:meth:`latency`, unfiltered).
 
         Args:
             now: The time to read them at (default: the ledger clock's now).
             unusable_window_s: How far back unusable skips are looked for (default one day;
                 above 0, at most 30 days).
+            latency_window_s: How far back the latency percentiles look (default one day;
+                above 0, at most 366 days); ``None`` leaves them out (``latency`` is then
+                ``None``).
         """
         t, window = self.now() if now is None else now, unusable_window_s
         hrows, grows = self._audit.health(t)
@@ -1087,7 +1232,87 @@ class Audit:
                             profiles=[k for k in keys if k.kind == "profile"],
                             groups=[_group_health(g, t) for g in grows],
                             unusable=[_unusable(u) for u in self._audit.unusable(t - window)
-                                      if u["last_at"] <= t])
+                                      if u["last_at"] <= t],
+                            latency=None if latency_window_s is None
+                            else self._latency(since=t - latency_window_s, until=t))
+
+    @query
+    def latency(self, *, since: Time | None = None, until: Time | None = None,
+                route: Id | None = None, group: Id | None = None,
+                category: Annotated[Category | str, one_of(Category)] | None = None,
+                tenant: Id | None = None,
+                state: Annotated[AttemptState | str, one_of(AttemptState)] | None = None,
+                ) -> LatencyReport:
+        """p50, p95 and p99 of the Attempts' times, per route and per capacity group.
+
+        The latency from begin to settle, the time to a stream's first token and to the
+        response's first byte, all by the ledger's clock, of the Attempts begun in
+        [since, until) that match the filters. Computed by the database (the same answers on
+        SQLite and PostgreSQL).
+
+        Args:
+            since: Begun at or after this time (default: from the first).
+            until: Begun before this time (default: up to now).
+            route: Only this route's Attempts.
+            group: Only this capacity group's.
+            category: Only failures of this :class:`~ledger.Category` (``timeout``, ...).
+            tenant: Only the Attempts of this tenant's Runs.
+            state: Only Attempts in this outcome (an :class:`~ledger.AttemptState`:
+                ``succeeded`` for the latency of answers; default: every outcome).
+
+        Returns:
+            A :class:`LatencyReport`: a :class:`LatencyStats` per route and per group with
+            Attempts that have a latency, each busiest first.
+
+        Raises:
+            InvalidArgument: a malformed filter, an unknown category or state, ``until``
+                before ``since``.
+
+        Example:
+            >>> rep = audit.latency(since=now - 3600, state="succeeded")  # doctest: +SKIP
+            >>> [(r.key, r.latency.p95) for r in rep.routes]  # doctest: +SKIP
+        """
+        _window(since, until)
+        return self._latency(
+            since=since, until=until, route=route, group=group, tenant=tenant,
+            category=None if category is None else Category(category).value,
+            state=None if state is None else AttemptState(state).value)
+
+    def _latency(self, *, since: float | None, until: float | None, route: str | None = None,
+                 group: str | None = None, category: str | None = None,
+                 tenant: str | None = None, state: str | None = None) -> LatencyReport:
+        """:meth:`latency` with its arguments checked (what :meth:`health` asks too)."""
+        rows = self._audit.latency(route=route, group=group, category=category, tenant=tenant,
+                                   state=state, since=since, until=until)
+
+        def stats(by: str) -> list[LatencyStats]:
+            found: dict[str, dict[str, Percentiles]] = {}
+            for measure in LATENCY_MEASURES:
+                for r in rows[(by, measure)]:
+                    if int(r["n"]):
+                        found.setdefault(str(r["key"]), {})[measure] = Percentiles(
+                            count=int(r["n"]), p50=float(r["p0"]), p95=float(r["p1"]),
+                            p99=float(r["p2"]))
+            out = [LatencyStats(key=k, latency=m.get("latency_s"),
+                                first_token=m.get("first_token_s"),
+                                first_byte=m.get("first_byte_s"))
+                   for k, m in found.items() if "latency_s" in m]
+            return sorted(out, key=lambda x: (-(x.latency.count if x.latency else 0), x.key))
+
+        return LatencyReport(since=since, until=until, routes=stats("route"),
+                             groups=stats("group"), route=route, group=group,
+                             category=category, tenant=tenant, state=state)
+
+    @query
+    def count_failovers(self, *, since: Time | None = None, until: Time | None = None) -> int:
+        """How many Runs admitted in [since, until) failed over (as :meth:`failovers` lists).
+
+        Args:
+            since: Admitted at or after this time.
+            until: Admitted before this time.
+        """
+        _window(since, until)
+        return self._audit.count_failovers(since=since, until=until)
 
     @query
     def activity(self, *, since: Time, until: Time, buckets: Buckets = 24
@@ -1151,7 +1376,8 @@ class Audit:
                     start=since + i * width, attempts=int(r["attempts"]) if r else 0,
                     succeeded=ok, failed=bad, unknown=unk,
                     success_rate=ok / sent if sent else None,
-                    latency_s=float(r["latency_sum"]) / ok if r and ok else None))
+                    latency_s=(float(r["latency_sum"]) / int(r["latency_n"])
+                               if r and r["latency_n"] else None)))
             out.append(RouteSeries(route=route, attempts=sum(p.attempts for p in points),
                                    points=points))
         return out
@@ -1223,26 +1449,49 @@ class Audit:
     def metrics(self, now: Time | None = None) -> MetricsSnapshot:
         """Totals for the dashboard's ``/metrics``.
 
-        Attempts by route and outcome, failovers, cooldowns active now, and the budget used
-        (posted and held cost) per tenant.
+        Attempts by route and outcome with their latency, time to first token and time to
+        first byte as histograms; tokens and cost charged per route; failovers by their routes
+        and cause; waits in full groups' queues by group and outcome, and the places waiting
+        now; cooldowns active now; and the budget used (posted and held cost) per tenant.
 
         Args:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
         t = self.now() if now is None else now
-        m = self._series.metrics_totals(t)
+        m = self._series.metrics_totals(t, DURATION_BUCKETS)
         cooldowns = {"route": 0, "profile": 0, "group": 0}
         for r in m["cooling"]:
             cooldowns[str(r["kind"])] = int(r["n"])
         cooldowns["group"] = sum(int(r["n"]) for r in m["groups"])
+        hists: dict[str, dict[tuple[str, str], Histogram]] = {
+            measure: {} for measure in LATENCY_MEASURES}
+        tokens: dict[tuple[str, str], int] = {}
+        cost: dict[str, int] = {}
+        for r in m["attempts"]:
+            key = (str(r["route"]), str(r["outcome"]))
+            for measure in LATENCY_MEASURES:
+                h = _histogram(r, measure)
+                if h is not None:
+                    hists[measure][key] = h
+            for kind in ("input", "output", "cache_read", "reasoning"):
+                tokens[(key[0], kind)] = tokens.get((key[0], kind), 0) + int(r[kind])
+            cost[key[0]] = cost.get(key[0], 0) + int(r["charged_micros"])
+        failovers_by = {(str(r["from_route"]), str(r["to_route"]), str(r["category"] or "")):
+                        int(r["n"]) for r in m["moves"]}
+        waits = {(str(r["group"]), str(r["outcome"] or "admitted")): h for r in m["waits"]
+                 if (h := _histogram(r, "waited_s")) is not None}
         return MetricsSnapshot(
             now=t,
             attempts={(str(r["route"]), str(r["outcome"])): int(r["n"]) for r in m["attempts"]},
-            failovers=int(m["moves"][0]["n"]) if m["moves"] else 0,
+            failovers=sum(failovers_by.values()),
             cooldowns=cooldowns,
             posted={r["tenant"]: from_micros(int(r["posted_micros"])) for r in m["money"]},
             reserved={r["tenant"]: from_micros(int(r["reserved_micros"])) for r in m["money"]},
             runs={r["tenant"]: int(r["runs"]) for r in m["money"]},
+            failovers_by=failovers_by, latency=hists["latency_s"],
+            first_token=hists["first_token_s"], first_byte=hists["first_byte_s"],
+            tokens=tokens, cost={k: from_micros(v) for k, v in cost.items()},
+            queue_waits=waits, waiting={str(r["group"]): int(r["n"]) for r in m["waiting"]},
         )
 
 
@@ -1265,8 +1514,9 @@ class AsyncAudit(Awaiting, Audit):
 
 __all__ = [
     "ACTION_KINDS", "ActivityBucket", "AsyncAudit", "Audit", "AuditEvent", "DayCost",
-    "Failover", "FailoverCause", "GroupHealth", "HealthReport", "KeyHealth", "MetricsSnapshot",
-    "Move", "OpenAttempt", "OperatorAction", "RoutePoint", "RouteSeries", "RunSummary",
-    "RunTimeline", "Selection", "Skipped", "Spend", "SpendPoint", "Stop", "TimelineEntry",
-    "Totals", "UnusableRoute", "to_jsonable",
+    "Failover", "FailoverCause", "GroupHealth", "HealthReport", "Histogram", "KeyHealth",
+    "LatencyReport", "LatencyStats", "MetricsSnapshot", "Move", "OpenAttempt", "OperatorAction",
+    "Percentiles", "RoutePoint", "RouteSeries", "RunSummary", "RunTimeline", "Selection",
+    "Skipped", "Spend", "SpendPoint", "Stop", "TimelineEntry", "Totals", "UnusableRoute",
+    "to_jsonable",
 ]

@@ -41,6 +41,11 @@ from ledger.storage.encode import fact_member
 
 #: What :meth:`AuditQueries.totals` can group by.
 TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
+#: What :meth:`AuditQueries.latency` can group by, and the times it takes percentiles of.
+LATENCY_KEYS = ("route", "group")
+LATENCY_MEASURES = ("latency_s", "first_token_s", "first_byte_s")
+#: The percentiles the audit reports (p50, p95, p99).
+FRACTIONS = (0.5, 0.95, 0.99)
 
 # Columns of ``runs`` an audit needs; the frozen plan/policy JSON stays out of list queries.
 _RUN_COLS = (
@@ -108,6 +113,18 @@ def _keyset(ts_col: Any, id_col: Any, cursor: str | None) -> list[ColumnElement[
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
     return [dict(r._mapping) for r in rows]
+
+
+def _failed_over() -> ColumnElement[bool]:
+    """A Run failed over: a success on another route than its selected one, or a move."""
+    r = s.runs.c
+    a = s.attempts.c
+    e = s.events.c
+    served_elsewhere = (select(a.attempt_id)
+                        .where(a.run_id == r.run_id, a.state == "succeeded",
+                               a.route_id != r.selected_route).exists())
+    moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
+    return or_(served_elsewhere, moved)
 
 
 def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
@@ -198,13 +215,9 @@ class AuditQueries:
         r = s.runs.c
         a = s.attempts.c
         e = s.events.c
-        served_elsewhere = (select(a.attempt_id)
-                            .where(a.run_id == r.run_id, a.state == "succeeded",
-                                   a.route_id != r.selected_route).exists())
-        moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
         conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
         q = (select(*(r[c] for c in _RUN_COLS))
-             .where(*conds, or_(served_elsewhere, moved))
+             .where(*conds, _failed_over())
              .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
         with self.ctx.reading() as conn:
             runs = _maps(conn.execute(q).all())
@@ -220,9 +233,12 @@ class AuditQueries:
                        a.category, a.http_status, a.fact, a.created_at)
                 .where(a.run_id.in_(ids)).order_by(a.run_id, a.seq)
             ).all())
+            # The selector's decisions and moves: a Run served elsewhere without a failure had
+            # its selected route skipped (cooling, unusable), which only a select event says.
             moves = _maps(conn.execute(
-                select(e.run_id, e.attempt_id, e.data, e.created_at)
-                .where(e.run_id.in_(ids), e.kind == "move").order_by(e.run_id, e.event_id)
+                select(e.run_id, e.attempt_id, e.kind, e.data, e.created_at)
+                .where(e.run_id.in_(ids), e.kind.in_(("move", "select")))
+                .order_by(e.run_id, e.event_id)
             ).all())
         return runs, atts, moves, nxt
 
@@ -291,6 +307,35 @@ class AuditQueries:
             nxt = f"o:{offset + limit}"
         return rows, nxt
 
+    def latency(self, *, route: str | None, group: str | None, category: str | None,
+                tenant: str | None, state: str | None, since: float | None,
+                until: float | None) -> dict[tuple[str, str], list[RowMap]]:
+        """Per route and per group (:data:`LATENCY_KEYS`), for each time of
+        :data:`LATENCY_MEASURES`: its count and percentiles (:data:`FRACTIONS`) over the
+        attempts begun in [since, until) that match the filters, in one read."""
+        a = s.attempts.c
+        where: list[ColumnElement[bool]] = _range(a.created_at, since, until)
+        for col, value in ((a.route_id, route), (a.group_id, group), (a.category, category),
+                           (a.tenant, tenant), (a.state, state)):
+            if value is not None:
+                where.append(col == value)
+        keys = {"route": a.route_id, "group": a.group_id}
+        out: dict[tuple[str, str], list[RowMap]] = {}
+        with self.ctx.reading() as conn:
+            self.ctx.consistent(conn)
+            for by in LATENCY_KEYS:
+                for measure in LATENCY_MEASURES:
+                    q = self.ctx.percentiles(a[measure], keys[by], where, FRACTIONS)
+                    out[(by, measure)] = _maps(conn.execute(q).all())
+        return out
+
+    def count_failovers(self, *, since: float | None, until: float | None) -> int:
+        """How many Runs admitted in the range failed over (:meth:`failovers`' rule)."""
+        r = s.runs.c
+        q = (select(func.count()).select_from(s.runs)
+             .where(*_range(r.created_at, since, until), _failed_over()))
+        with self.ctx.reading() as conn:
+            return int(conn.execute(q).scalar_one())
     def spend(self, *, by: str, label: str | None, since: float | None, until: float | None,
               bucket: tuple[float, float] | None, limit: int, cursor: str | None
               ) -> tuple[list[RowMap], list[RowMap], str | None]:
@@ -502,4 +547,5 @@ class AuditQueries:
         return None if row is None else str(row.run_id)
 
 
-__all__ = ["TOTALS_KEYS", "AuditQueries", "charged_and_held"]
+__all__ = ["FRACTIONS", "LATENCY_KEYS", "LATENCY_MEASURES", "TOTALS_KEYS", "AuditQueries",
+           "charged_and_held"]

@@ -16,7 +16,7 @@ No query asks which database it runs on.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
@@ -75,6 +75,23 @@ class SqlContext(abc.ABC):
     @abc.abstractmethod
     def label(self, key: str) -> Any:
         """The value of label ``key`` (checked) of a run, as SQL."""
+
+    @abc.abstractmethod
+    def json_text(self, col: Any, *path: str) -> Any:
+        """The member at ``path`` (object keys) of the JSON text in ``col``, as text (NULL
+        where it is absent)."""
+
+    @abc.abstractmethod
+    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+                    fractions: Sequence[float]) -> Select[Any]:
+        """Per ``key``: how many rows have a ``value`` (column ``n``) and the continuous
+        percentiles of it at ``fractions`` (columns ``p0``, ``p1``, ...), over the rows of
+        ``attempts`` where every condition of ``where`` holds.
+
+        Both databases give the same answers: ``percentile_cont`` (linear interpolation
+        between the two nearest ranks, at ``fraction * (n - 1)``) on PostgreSQL, and the same
+        rule spelled with window functions on SQLite, which has no such aggregate.
+        """
 
     # -- transactions ---------------------------------------------------------------------
 

@@ -507,6 +507,7 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
         "model_reported": redact(spec.model_reported) if spec.model_reported else None,
         "output_hash": spec.output_hash, "settle_hash": spec.settle_hash,
         "settle_fence": spec.fence, "settled_at": now,
+        **settle_measures(spec, float(att.created_at), now),
     }
     settle_debit = (att.debit_state == DebitState.RESERVED.value
                     and holds.debit is not DebitState.RESERVED)
@@ -576,12 +577,27 @@ def _group_fact(sql: Statements, group: str, upd: GroupUpdate, now: float) -> Q:
                               "reason": upd.reason, "now": now})
 
 
+def settle_measures(spec: SettleSpec, created_at: float, now: float) -> dict[str, Any]:
+    """The latency columns a settle writes (seconds from the begin, by the ledger's clock) and
+    the token details. The send's first-byte and first-token times lie within the latency: a
+    clock that stepped back between them is not taken for a negative or longer wait."""
+    latency = max(0.0, now - created_at)
+
+    def within(t: float | None) -> float | None:
+        return None if t is None else min(max(0.0, t), latency)
+
+    return {"latency_s": latency, "first_byte_s": within(spec.first_byte_s),
+            "first_token_s": within(spec.first_token_s), "cached_tokens": spec.cached_tokens,
+            "reasoning_tokens": spec.reasoning_tokens}
+
+
 def late_receipt_tx(sql: Statements, run_id: str, spec: SettleSpec, now: float,
                     why: str) -> Tx[None]:
     """Keep a refused settle's observation beside the Attempt (append-only, no fence)."""
     yield Flush((Q(sql.insert_event, [_event(run_id, spec.attempt_id, "late_receipt", {
         "outcome": spec.outcome.value, "fact": spec.fact.to_json() if spec.fact else None,
         "prompt_tokens": spec.prompt_tokens, "completion_tokens": spec.completion_tokens,
+        "cached_tokens": spec.cached_tokens, "reasoning_tokens": spec.reasoning_tokens,
         "cost_micros": spec.cost_micros, "model_reported": spec.model_reported,
         "output_hash": spec.output_hash, "fence": spec.fence, "refused": why,
     }, now)], many=True),), commit=True)

@@ -10,12 +10,12 @@ skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Select, cast, func, text
+from sqlalchemy import Connection, Select, cast, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects.postgresql import JSONB
@@ -121,6 +121,21 @@ class PostgresContext(SqlContext):
     def label(self, key: str) -> Any:
         """The labels as ``jsonb``, ``->> key``."""
         return cast(s.runs.c.labels, JSONB).op("->>")(key)
+
+    def json_text(self, col: Any, *path: str) -> Any:
+        """The text as ``jsonb``: ``->`` down to the last key, ``->>`` at it."""
+        expr: Any = cast(col, JSONB)
+        for key in path[:-1]:
+            expr = expr.op("->")(key)
+        return expr.op("->>")(path[-1])
+
+    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+                    fractions: Sequence[float]) -> Select[Any]:
+        """``percentile_cont(f) WITHIN GROUP (ORDER BY value)``, an ordered-set aggregate."""
+        return (select(key.label("key"), func.count(value).label("n"),
+                       *(func.percentile_cont(f).within_group(value.asc()).label(f"p{i}")
+                         for i, f in enumerate(fractions)))
+                .select_from(s.attempts).where(value.is_not(None), *where).group_by(key))
 
 
 def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -> None:

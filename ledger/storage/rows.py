@@ -116,14 +116,23 @@ def attempt_record(row: Any, debit_state: str | None) -> AttemptRecord:
         created_at=row.created_at,
         settled_at=row.settled_at,
         debit_state=DebitState(debit_state) if debit_state else None,
+        latency_s=_float(getattr(row, "latency_s", None)),
+        first_byte_s=_float(getattr(row, "first_byte_s", None)),
+        first_token_s=_float(getattr(row, "first_token_s", None)),
+        cached_tokens=getattr(row, "cached_tokens", None),
+        reasoning_tokens=getattr(row, "reasoning_tokens", None),
     )
+
+
+def _float(v: Any) -> float | None:
+    return None if v is None else float(v)
 
 
 def written_attempt(values: Mapping[str, Any], debit_state: str | None) -> AttemptRecord:
     """An AttemptRecord from column values this transaction wrote, converted exactly as a row
     read back would be (times are stored as double precision)."""
     cols = {**ATTEMPT_NULLS, **values}
-    for name in ("created_at", "settled_at"):
+    for name in ("created_at", "settled_at", "latency_s", "first_byte_s", "first_token_s"):
         if cols[name] is not None:
             cols[name] = float(cols[name])
     return attempt_record(SimpleNamespace(**cols), debit_state)

@@ -131,6 +131,16 @@ attempts = Table(
     Column("executor", String(200), nullable=True),
     Column("created_at", _T, nullable=False),
     Column("settled_at", _T, nullable=True),
+    # Latency by the ledger's clock, in seconds from the begin (created_at): to its settle by
+    # the executor (``latency_s``; not for an Attempt recovery or an operator resolved), to the
+    # response's first byte and to a stream's first content, as the send reported them.
+    Column("latency_s", _T, nullable=True),
+    Column("first_byte_s", _T, nullable=True),
+    Column("first_token_s", _T, nullable=True),
+    # The parts of prompt_tokens served from the provider's cache and of completion_tokens
+    # spent reasoning, where the provider reports them (None: not reported).
+    Column("cached_tokens", BigInteger, nullable=True),
+    Column("reasoning_tokens", BigInteger, nullable=True),
     UniqueConstraint("run_id", "seq"),
     Index("ix_attempts_route_id_created_at", "route_id", "created_at"),
     Index("ix_attempts_group_id_created_at", "group_id", "created_at"),

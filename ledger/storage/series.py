@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func, literal_column, select
+from sqlalchemy import ColumnElement, Float, case, cast, func, literal_column, or_, select
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
@@ -52,8 +52,8 @@ class SeriesQueries:
                     func.sum(case((ok, 1), else_=0)).label("succeeded"),
                     func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
                     func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"),
-                    func.sum(case((ok, a.settled_at - a.created_at), else_=0.0))
-                    .label("latency_sum"))
+                    func.sum(case((ok, a.latency_s), else_=None)).label("latency_sum"),
+                    func.count(case((ok, a.latency_s), else_=None)).label("latency_n"))
              .where(a.created_at >= since, a.created_at < until)
              .group_by(a.route_id, literal_column("bucket"))
              .order_by(a.route_id, literal_column("bucket")))
@@ -73,20 +73,58 @@ class SeriesQueries:
         with self.ctx.reading() as conn:
             return _maps(conn.execute(q).all())
 
-    def metrics_totals(self, now: float) -> dict[str, list[RowMap]]:
-        """The whole-history counters ``/metrics`` exposes, in one read."""
+    def metrics_totals(self, now: float, bounds: Sequence[float]) -> dict[str, list[RowMap]]:
+        """The whole-history counters ``/metrics`` exposes, in one read.
+
+        Per route and outcome: attempts, tokens, money charged, and for each time of an
+        Attempt (``latency_s``, ``first_token_s``, ``first_byte_s``) its count, sum and how
+        many are at most each of ``bounds`` (a histogram's cumulative buckets). Moves to
+        another route by their routes and cause; capacity waits by group and outcome (with
+        the same buckets); the places waiting in each group's queue now.
+        """
         a = s.attempts.c
         e = s.events.c
         r = s.runs.c
         h = s.health.c
         g = s.capacity_groups.c
+        charged, _held = charged_and_held()
+        measures: list[Any] = []
+        for m in ("latency_s", "first_token_s", "first_byte_s"):
+            measures += _histogram(a[m], m, bounds)
+        waited = cast(self.ctx.json_text(e.data, "waited_s"), Float)
+        w = s.group_waiters.c
         with self.ctx.reading() as conn:
+            self.ctx.consistent(conn)
             attempts = _maps(conn.execute(
                 select(a.route_id.label("route"), a.state.label("outcome"),
-                       func.count().label("n"))
+                       func.count().label("n"),
+                       func.coalesce(func.sum(a.prompt_tokens), 0).label("input"),
+                       func.coalesce(func.sum(a.completion_tokens), 0).label("output"),
+                       func.coalesce(func.sum(a.cached_tokens), 0).label("cache_read"),
+                       func.coalesce(func.sum(a.reasoning_tokens), 0).label("reasoning"),
+                       charged.label("charged_micros"), *measures)
                 .group_by(a.route_id, a.state).order_by(a.route_id, a.state)).all())
+            # Moves to another route, by cause (a credential rotated on one route is a retry).
+            src = self.ctx.json_text(e.data, "from_route")
+            dst = self.ctx.json_text(e.data, "to_route")
+            cat = self.ctx.json_text(e.data, "cause", "category")
             moves = _maps(conn.execute(
-                select(func.count().label("n")).where(e.kind == "move")).all())
+                select(src.label("from_route"), dst.label("to_route"), cat.label("category"),
+                       func.count().label("n"))
+                .where(e.kind == "move", or_(src.is_(None), dst.is_(None), src != dst))
+                .group_by(src, dst, cat)).all())
+            grp = self.ctx.json_text(e.data, "group")
+            out = self.ctx.json_text(e.data, "outcome")
+            waits = _maps(conn.execute(
+                select(grp.label("group"), out.label("outcome"),
+                       *_histogram(waited, "waited_s", bounds))
+                .where(e.kind == "capacity_wait").group_by(grp, out)).all())
+            # A place counts as admission counts it (schema.held_until), within its own bound.
+            waiting = _maps(conn.execute(
+                select(w.group_id.label("group"), func.count().label("n"))
+                .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
+                .where(w.expires_at > now, s.held_until(w.fence) > now)
+                .group_by(w.group_id).order_by(w.group_id)).all())
             money = _maps(conn.execute(
                 select(r.tenant.label("tenant"),
                        func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
@@ -102,6 +140,16 @@ class SeriesQueries:
                 .where(g.mode != "open", (g.until.is_(None)) | (g.until > now))
                 .group_by(g.mode).order_by(g.mode)).all())
         return {"attempts": attempts, "moves": moves, "money": money, "cooling": cooling,
-                "groups": groups}
+                "groups": groups, "waits": waits, "waiting": waiting}
+
+
+def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
+    """``{name}_n``, ``{name}_sum`` and ``{name}_le{i}`` (how many are at most
+    ``bounds[i]``) of ``col``'s non-NULL values."""
+    cols: list[Any] = [func.count(col).label(f"{name}_n"),
+                       func.coalesce(func.sum(col), 0.0).label(f"{name}_sum")]
+    cols += [func.coalesce(func.sum(case((col <= b, 1), else_=0)), 0).label(f"{name}_le{i}")
+             for i, b in enumerate(bounds)]
+    return cols
 
 __all__ = ["SeriesQueries"]

@@ -11,10 +11,11 @@ timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import Connection, Integer, Select, cast, func
+from sqlalchemy import Connection, Float, Integer, Select, Text, case, cast, func, literal, select
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
 
@@ -77,6 +78,35 @@ class SqliteContext(SqlContext):
     def label(self, key: str) -> Any:
         """``json_extract`` of the labels' JSON text."""
         return func.json_extract(s.runs.c.labels, f'$."{key}"')
+
+    def json_text(self, col: Any, *path: str) -> Any:
+        """``json_extract`` at the quoted path, as text."""
+        where = "$" + "".join(f'."{k}"' for k in path)
+        return cast(func.json_extract(col, where), Text)
+
+    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+                    fractions: Sequence[float]) -> Select[Any]:
+        """PostgreSQL's ``percentile_cont`` with window functions: each row's 0-based rank
+        ``i`` in its key's order and the key's count ``n``; at ``pos = fraction * (n - 1)`` the
+        values of ranks ``floor(pos)`` and ``ceil(pos)``, interpolated as PostgreSQL does
+        (``lo + (hi - lo) * (pos - floor(pos))``, in double precision)."""
+        ranked = (select(key.label("key"), value.label("v"),
+                         (func.row_number().over(partition_by=key, order_by=value) - 1)
+                         .label("i"),
+                         func.count().over(partition_by=key).label("n"))
+                  .select_from(s.attempts).where(value.is_not(None), *where).subquery())
+        n = func.max(ranked.c.n)
+        cols: list[Any] = [ranked.c.key.label("key"), n.label("n")]
+        for i, f in enumerate(fractions):
+            frac = literal(float(f), Float(precision=53))
+            pos = (ranked.c.n - 1) * frac  # per row: the same for every row of a key
+            low = cast(pos, Integer)  # floor: pos >= 0
+            high = low + case((pos > low, 1), else_=0)
+            lo = func.max(case((ranked.c.i == low, ranked.c.v)))
+            hi = func.max(case((ranked.c.i == high, ranked.c.v)))
+            at = (n - 1) * frac
+            cols.append((lo + (hi - lo) * (at - cast(at, Integer))).label(f"p{i}"))
+        return select(*cols).group_by(ranked.c.key)
 
 
 __all__ = ["SqliteContext"]

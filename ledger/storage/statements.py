@@ -235,7 +235,9 @@ HEALTH_READ = tuple(c for c in _health.c if c.name not in ("kind", "provider", "
 HEALTH_WRITE = tuple(c for c in _health.c if c.name not in ("key", "kind", "provider"))
 #: The attempt columns a begin writes (the rest are the settle's).
 _SETTLED = ("fact", "category", "http_status", "prompt_tokens", "completion_tokens",
-            "cost_micros", "model_reported", "output_hash", "settle_hash", "settle_fence")
+            "cost_micros", "model_reported", "output_hash", "settle_hash", "settle_fence",
+            # what the settle measured: times from the begin, the token details
+            "latency_s", "first_byte_s", "first_token_s", "cached_tokens", "reasoning_tokens")
 _BEGUN = tuple(c for c in _att.c if c.name not in _SETTLED)
 _SETTLE_SET = (*(c for c in _att.c if c.name in _SETTLED or c.name in (
     "state", "effective_output", "tool_started")), _att.c.settled_at)

@@ -48,7 +48,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -126,13 +126,23 @@ class Behavior:
     # The Responses API: answer with a reasoning item whose summary is this text, "encrypted"
     # for the requested model (only that model's requests may carry it back).
     reasoning: str | None = None
-    cached_tokens: int = 0  # reported as usage.input_tokens_details.cached_tokens
-    reasoning_tokens: int = 0  # reported as usage.output_tokens_details.reasoning_tokens
+    # The parts of the prompt read from the cache and of the completion spent reasoning, as each
+    # protocol reports them (the Responses API's input_tokens_details.cached_tokens and
+    # output_tokens_details.reasoning_tokens, chat completions' prompt_tokens_details and
+    # completion_tokens_details, Anthropic's cache_read_input_tokens, Gemini's
+    # cachedContentTokenCount and thoughtsTokenCount); the totals include them.
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
     # Answer with this image too, (media type, bytes), as each protocol that has image output
     # frames it: Gemini an inlineData part (its own chunk in a stream), the Responses API an
     # image_generation_call item, chat completions message.images (delta.images in a stream:
     # the gateways' extension). Anthropic's Messages API returns no images: ignored there.
     image_out: tuple[str, bytes] | None = None
+    # Called on the fake's loop just before the response's head is written, and before a
+    # stream's first content event: a test moves its ManualClock there, so the times the
+    # client marks (first byte, first token) are exact without waiting.
+    before_head: Callable[[], None] | None = field(default=None, compare=False)
+    before_content: Callable[[], None] | None = field(default=None, compare=False)
 
 
 def _behavior(item: Fault | str | Behavior) -> Behavior:
@@ -495,6 +505,8 @@ class FakeProvider:
         status_body = _error_response(req, behavior)
         if status_body is not None:
             status, obj, extra = status_body
+            if behavior.before_head is not None:
+                behavior.before_head()
             await _write(writer, _json_response(status, obj, extra))
             return True
         if req.problem is not None:
@@ -518,6 +530,8 @@ class FakeProvider:
         body = json.dumps(answer.whole(req.protocol or "")).encode()
         if f is Fault.SLOW_FIRST_TOKEN:
             await asyncio.sleep(behavior.delay_s)
+        if behavior.before_head is not None:
+            behavior.before_head()
         if f is Fault.MALFORMED_EVENT:
             await _write(
                 writer, _raw_response(200, b'{"id": "broken", "choices": [', "application/json")
@@ -570,6 +584,8 @@ class FakeProvider:
         f = behavior.fault
         protocol = req.protocol or ""
         events = answer.events(protocol, include_usage=_wants_usage(req))
+        if behavior.before_head is not None:
+            behavior.before_head()
         await _write(
             writer,
             _head(
@@ -590,6 +606,8 @@ class FakeProvider:
                 prelude_done = True
                 if f is Fault.SLOW_FIRST_TOKEN:
                     await asyncio.sleep(behavior.delay_s)
+                if behavior.before_content is not None:
+                    behavior.before_content()
                 if f is Fault.TRICKLE:
                     while True:
                         await _write(writer, _chunk(data))
@@ -1042,6 +1060,39 @@ class _Answer:
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": pt + ct}
 
+    # The other protocols report the cached and reasoning parts only when there are some, as
+    # their usage objects are written without them otherwise.
+    def _chat_usage(self) -> dict[str, Any]:
+        pt, ct = self.usage
+        out: dict[str, Any] = {"prompt_tokens": pt, "completion_tokens": ct,
+                               "total_tokens": pt + ct}
+        if self.cached_tokens:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.reasoning_tokens:
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return out
+
+    def _anthropic_usage(self, output_tokens: int) -> dict[str, Any]:
+        # Anthropic counts the prompt tokens read from its cache apart from input_tokens.
+        pt, _ct = self.usage
+        out: dict[str, Any] = {"input_tokens": pt - self.cached_tokens,
+                               "output_tokens": output_tokens}
+        if self.cached_tokens:
+            out["cache_read_input_tokens"] = self.cached_tokens
+        return out
+
+    def _gemini_usage(self) -> dict[str, Any]:
+        # Gemini counts thinking tokens apart from the candidates' tokens.
+        pt, ct = self.usage
+        out: dict[str, Any] = {"promptTokenCount": pt,
+                               "candidatesTokenCount": ct - self.reasoning_tokens,
+                               "totalTokenCount": pt + ct}
+        if self.cached_tokens:
+            out["cachedContentTokenCount"] = self.cached_tokens
+        if self.reasoning_tokens:
+            out["thoughtsTokenCount"] = self.reasoning_tokens
+        return out
+
     def _responses_items(self) -> list[dict[str, Any]]:
         """The answer's output items (reasoning, message, function call)."""
         items: list[dict[str, Any]] = []
@@ -1080,7 +1131,7 @@ class _Answer:
         return "".join(self.pieces)
 
     def whole(self, protocol: str) -> dict[str, Any]:
-        pt, ct = self.usage
+        _pt, ct = self.usage
         if protocol == "openai_responses":
             return self._response("incomplete" if self.incomplete else "completed",
                                   self._responses_items())
@@ -1102,7 +1153,7 @@ class _Answer:
                 "model": self.model,
                 "content": content,
                 "stop_reason": self.finish(protocol),
-                "usage": {"input_tokens": pt, "output_tokens": ct},
+                "usage": self._anthropic_usage(ct),
             }
         if protocol == "gemini":
             parts: list[dict[str, Any]] = [{"text": self.text}]
@@ -1118,11 +1169,7 @@ class _Answer:
                         "index": 0,
                     }
                 ],
-                "usageMetadata": {
-                    "promptTokenCount": pt,
-                    "candidatesTokenCount": ct,
-                    "totalTokenCount": pt + ct,
-                },
+                "usageMetadata": self._gemini_usage(),
                 "modelVersion": self.model,
             }
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
@@ -1148,7 +1195,7 @@ class _Answer:
                     "finish_reason": self.finish(protocol),
                 }
             ],
-            "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+            "usage": self._chat_usage(),
         }
 
     def _responses_events(self) -> list[tuple[bytes, bool, bool]]:
@@ -1222,7 +1269,7 @@ class _Answer:
             head = f"event: {name}\n" if name else ""
             return (head + "data: " + json.dumps(obj) + "\n\n").encode()
 
-        pt, ct = self.usage
+        _pt, ct = self.usage
         out: list[tuple[bytes, bool, bool]] = []
         if protocol == "openai_responses":
             return self._responses_events()
@@ -1239,7 +1286,7 @@ class _Answer:
                                 "model": self.model,
                                 "content": [],
                                 "stop_reason": None,
-                                "usage": {"input_tokens": pt, "output_tokens": 1},
+                                "usage": self._anthropic_usage(1),
                             },
                         },
                         "message_start",
@@ -1368,11 +1415,7 @@ class _Answer:
                     )
                 if last:
                     chunk["candidates"][0]["finishReason"] = self.finish(protocol)
-                    chunk["usageMetadata"] = {
-                        "promptTokenCount": pt,
-                        "candidatesTokenCount": ct,
-                        "totalTokenCount": pt + ct,
-                    }
+                    chunk["usageMetadata"] = self._gemini_usage()
                 out.append((sse(chunk), True, False))
             return out
 
@@ -1436,11 +1479,7 @@ class _Answer:
                             "created": 0,
                             "model": self.model,
                             "choices": [],
-                            "usage": {
-                                "prompt_tokens": pt,
-                                "completion_tokens": ct,
-                                "total_tokens": pt + ct,
-                            },
+                            "usage": self._chat_usage(),
                         }
                     ),
                     False,

@@ -63,6 +63,8 @@ _PROVIDERS = {
     "together": (["llama-70b", "qwen-72b"], ["together-shared"], 0.22, (0.9, 0.9)),
 }
 _PROTOCOL = {"anthropic": WireProtocol.ANTHROPIC, "gemini": WireProtocol.GEMINI}
+# The providers whose usage reports the prompt's cached part.
+_CACHING = frozenset({"openai", "anthropic", "gemini"})
 _TENANTS = ["acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "wonka"]
 _TEAMS = ["search", "research", "support", "eval"]
 _ENVS = ["prod", "prod", "prod", "staging"]
@@ -187,26 +189,42 @@ class _Provider:
         self.stats.attempts += 1
         last = self.stats.attempts >= self.target
         if last or rng.random() >= self.fail_rate[route.id]:
-            self.clock.advance(rng.uniform(*_LATENCY["ok"]))
+            # The answer streams: its headers after a tenth of the call, its first token after
+            # a quarter (marked on the ledger's clock, as the adapters mark them), the rest after.
+            took = rng.uniform(*_LATENCY["ok"])
+            self.clock.advance(took * 0.1)
+            d.progress.first_byte()
+            self.clock.advance(took * 0.15)
+            d.progress.first_token()
+            self.clock.advance(took * 0.75)
             # Usage as a provider reports it: the prompt within the counter's estimate (which
             # the hold was taken for), the completion within the asked maximum; its cost at the
-            # route's price, as the adapters compute it.
+            # route's price, as the adapters compute it. The providers that say so report the
+            # prompt's cached part (a prefix, in blocks of 128), the o-series its reasoning.
             estimate = self.counter.count_tokens(d.envelope, route)
             prompt = max(1, int(estimate * rng.uniform(0.7, 1.0)))
             completion = rng.randint(50, d.envelope.max_output_tokens or _MAX_COMPLETION)
             answer = Part(role="assistant", content=_text(f"[{d.attempt_id}] ", completion),
                           data_class=MODEL_DERIVED, provenance=d.attempt_id)
+            cached = (prompt // 2) // 128 * 128 if route.provider in _CACHING else None
+            reasoning = completion // 3 if route.model.startswith("o") else None
             return SendResult(ok=True, output=answer.content, prompt_tokens=prompt,
                               completion_tokens=completion,
                               cost=route.cost(prompt, completion), model_reported=route.model,
-                              output_hash=answer.content_hash, parts=(answer,))
+                              output_hash=answer.content_hash, parts=(answer,),
+                              cached_tokens=cached, reasoning_tokens=reasoning)
         obs = rng.choices(_FAILURES, self.weights)[0][1](route, rng)
         if obs.transport is Transport.CONNECT_REFUSED:
             self.clock.advance(rng.uniform(*_LATENCY["refused"]))
             d.progress.sent = False
             return SendResult.failed(obs, sent=False)  # no byte left: never sent
         kind = "timeout" if obs.transport is Transport.READ_TIMEOUT else "status"
-        self.clock.advance(rng.uniform(*_LATENCY[kind]))
+        took = rng.uniform(*_LATENCY[kind])
+        if kind == "status":  # an error answer: its first byte is most of the call
+            self.clock.advance(took * 0.9)
+            d.progress.first_byte()
+            took *= 0.1
+        self.clock.advance(took)
         return SendResult.failed(obs)
 
 

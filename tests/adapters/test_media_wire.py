@@ -209,6 +209,30 @@ async def test_responses_usage_reports_cached_and_reasoning_tokens(
     assert result.cost == (Decimal(120) * 3 + Decimal(40) * 15) / 1_000_000
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_protocol_reports_cached_and_reasoning_tokens_where_it_says_them(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    # Each in its own words (chat completions' *_tokens_details, Anthropic's
+    # cache_read_input_tokens beside input_tokens, Gemini's cachedContentTokenCount and
+    # thoughtsTokenCount beside candidatesTokenCount); the totals include the parts.
+    fake.enqueue(Behavior(usage=(120, 40), cached_tokens=100, reasoning_tokens=25))
+    result, _ = await send(adapter, fake, protocol, Envelope(parts=[Part(content="Hi.")],
+                                                              stream=stream))
+    assert result.ok and result.usage is not None
+    u = result.usage
+    reasoning = None if protocol == "anthropic" else 25  # Anthropic's usage does not say it
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens) == (
+        120, 40, 100, reasoning)
+    # Where the answer says nothing of them, they are not reported (None, not 0).
+    fake.enqueue(Behavior(usage=(12, 4)))
+    plain, _ = await send(adapter, fake, protocol, Envelope(parts=[Part(content="Hi.")],
+                                                            stream=stream))
+    assert plain.usage is not None
+    assert (plain.usage.cached_tokens, plain.usage.reasoning_tokens) == (
+        (0, 0) if protocol == "openai_responses" else (None, None))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_reasoning_items_are_carried_back_to_the_route_that_wrote_them_only(
         adapter: HttpAdapter, fake: FakeProvider, stream: bool,

@@ -3,15 +3,17 @@
 Six runs, run ``rN`` admitted at ``T0 + 100*(N-1)`` (every write of a run happens within its
 100-second slot, so the activity buckets are exact):
 
-- r1 (t1, team=search) plan A,B,C: A fails rate_limit 429, ``move`` to B (C skipped as cooling),
-  B succeeds 0.002 (100/50 tokens). A failover.
-- r2 (t1, team=eval) plan A,B: A succeeds 0.001 (10/5).
-- r3 (t2, team=search) plan B,A: B fails server_error 500, same-route ``retry``, B succeeds
-  0.003 (20/10). Not a failover (served by the selected route).
-- r4 (t2, no labels) plan C,A: C sent, outcome unknown; lease released.
+- r1 (t1, team=search) plan A,B,C: A fails rate_limit 429 (1 s), ``move`` to B (C skipped as
+  cooling), B succeeds 0.002 in 2 s (100/50 tokens, 40 of them cached and 10 reasoning; first
+  byte 0.5 s, first token 1.5 s). A failover.
+- r2 (t1, team=eval) plan A,B: A succeeds 0.001 (10/5) in 2 s (first byte 1 s, not streamed).
+- r3 (t2, team=search) plan B,A: B fails server_error 500 (1 s), same-route ``retry``, B
+  succeeds 0.003 (20/10) in 1 s (first byte 0.25 s, first token 0.5 s). Not a failover (served
+  by the selected route).
+- r4 (t2, no labels) plan C,A: C sent, outcome unknown after 2 s; lease released.
 - r5 (no tenant) plan A: A still dispatching under a live lease.
 - r6 (no tenant) plan A,C: the host called C directly (no ``move`` event); C succeeds 0.004
-  (30/20). A failover by the served-route rule alone.
+  (30/20) in 1 s. A failover by the served-route rule alone.
 
 Group g3 is set unavailable by an operator until ``T0 + 10000``.
 """
@@ -86,7 +88,8 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
                                            "cause": CAUSE_429})])
     _at(clock, 1, 12)
     led.settle_attempt(lease, a2.attempt_id, outcome="succeeded", prompt_tokens=100,
-                       completion_tokens=50, cost="0.002")
+                       completion_tokens=50, cost="0.002", cached_tokens=40,
+                       reasoning_tokens=10, first_byte_s=0.5, first_token_s=1.5)
     led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 
@@ -99,7 +102,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
                             profile_id="pa2", attempt_id="r2-a1")
     _at(clock, 2, 3)
     led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=10,
-                       completion_tokens=5, cost="0.001")
+                       completion_tokens=5, cost="0.001", first_byte_s=1.0)
     led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 
@@ -120,7 +123,7 @@ def _seed(led: Ledger, clock: ManualClock) -> None:
                             attempt_id="r3-a2")
     _at(clock, 3, 6)
     led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=20,
-                       completion_tokens=10, cost="0.003")
+                       completion_tokens=10, cost="0.003", first_byte_s=0.25, first_token_s=0.5)
     led.finish_run(lease, "succeeded")
     led.release_lease(lease)
 

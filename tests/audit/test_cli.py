@@ -48,9 +48,16 @@ def test_run_show_table_and_json(sqlite_url: str) -> None:
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("#"))
     assert lines[header].split() == ["#", "KIND", "ROUTE", "PROFILE", "OUTCOME", "DEBIT",
-                                     "REPORTED", "WHY", "AT"]
-    assert lines[header + 2].split()[:9] == ["1", "first", "A", "pa1", "failed", "rate_limit",
-                                             "429", "posted", "0.000000"]
+                                     "REPORTED", "LATENCY", "TTFB", "TTFT", "TOKENS", "IN/OUT",
+                                     "WHY", "AT"]
+    # Each attempt's latency (begin to settle, by the ledger's clock) and its tokens in/out.
+    assert lines[header + 2].split()[:14] == ["1", "first", "A", "pa1", "failed", "rate_limit",
+                                              "429", "posted", "0.000000", "-", "1.000s", "-",
+                                              "-", "-"]
+    # The answer's first byte and token, and the cached and reasoning parts of its tokens.
+    assert lines[header + 3].split()[5:16] == [
+        "posted", "0.002000", "0.002000", "2.000s", "0.500s", "1.500s", "100/50", "(40",
+        "cached,", "10", "reasoning)"]
     assert "next_candidate (skipped C: cooling)" in lines[header + 3]
     assert "#1 move:" in out
     doc = json.loads(ok("run", "show", "r1", "--json", "--db", sqlite_url))  # --db after, too
@@ -83,6 +90,8 @@ def test_lists_and_filters(sqlite_url: str) -> None:
     opened = json.loads(ok("--db", sqlite_url, "attempts", "--open", "--json"))
     assert [(o["attempt"]["attempt_id"], o["lease_live"]) for o in opened["items"]] == [
         ("r5-a1", False), ("r4-a1", False)]  # the CLI's clock is real: every lease has expired
+    # An open attempt's debit is reserved (its hold kept), and says so (issue 27: it was null).
+    assert [o["attempt"]["debit_state"] for o in opened["items"]] == ["reserved", "reserved"]
 
     fo = ok("--db", sqlite_url, "failovers", *SINCE)
     rows = [line.split() for line in fo.splitlines()[2:]]

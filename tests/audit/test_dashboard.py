@@ -100,6 +100,67 @@ def test_index_shows_charts_costs_and_what_cools_now(seeded_url: str) -> None:
     assert 'href="/metrics"' in body
 
 
+def test_glitches_of_issue_27_are_gone(seeded_url: str) -> None:
+    from ledger.domain.timefmt import iso
+
+    with _client(seeded_url) as c:
+        body = c.get("/", params={"hours": 1}).text
+    # "Routes over time" runs to the window's end (now), not to its last bucket's start.
+    window = body.split('id="routes-window">', 1)[1].split("</span>", 1)[0]
+    assert f"{iso(NOW - 3600)}" in window and f"to {iso(NOW)}," in window
+    assert iso(NOW - 3600 / 24) not in window  # the last bucket's start
+    # Failovers and money each in a tile of its own, with its unit.
+    glance = body.split('id="glance"', 1)[1].split("</section>", 1)[0]
+    assert 'runs failed over, last 1 h<b><span id="glance-failovers">2</span> <small>runs' in (
+        glance)
+    assert '<span id="glance-charged">0.010000</span> <small>currency units</small>' in glance
+    assert "&middot;" not in glance.split('id="glance-list"', 1)[0]
+    # The cost axis reads as money, never in exponent notation.
+    assert 'id="cost-axis-top">0.01<' in body
+
+
+def test_cost_axis_never_reads_in_exponent_notation() -> None:
+    from decimal import Decimal
+
+    from ledger.dashboard.charts import axis_number, cost_days_svg
+    from ledger.ops.audit import DayCost
+
+    day = T0 - T0 % 86400
+    svg = cost_days_svg([DayCost(day=day, tenant="t1", attempts=1, cost=Decimal("0.00004"))],
+                        [day])
+    assert 'id="cost-axis-top">0.00005<' in svg and "e-0" not in svg
+    assert [axis_number(v) for v in (5e-05, 20.0, 1.5, 1e6)] == ["0.00005", "20", "1.5",
+                                                                 "1000000"]
+
+
+def test_latency_page_and_json_filter_by_route_group_category_tenant_outcome(
+        seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        index = c.get("/", params={"hours": 1}).text
+        page = c.get("/latency", params={"hours": 1}).text
+        b_only = c.get("/latency", params={"hours": 1, "route": "B"}).text
+        answers = c.get("/api/latency", params={"since": T0, "state": "succeeded",
+                                                "tenant": "t1"}).json()
+        failures = c.get("/api/latency", params={"since": T0, "category": "rate_limit"}).json()
+        bad = c.get("/api/latency", params={"category": "slow"})
+    # The index: p50 / p95 / p99 per route and group, and of each route's answers.
+    latency = index.split('id="latency"', 1)[1].split("</section>", 1)[0]
+    assert 'id="latency-routes-table"' in latency and 'id="latency-groups-table"' in latency
+    assert '<td class="num"><span title="3 attempts">1.000 / 1.900 / 1.980</span>' in latency
+    routes = index.split('id="routes-table"', 1)[1].split("</table>", 1)[0]
+    assert "latency p50 / p95 / p99" in index and '<span title="2 attempts">' in routes  # B
+    # The page: a form of filters, then the tables.
+    assert 'id="latency-filters"' in page and 'name="category"' in page
+    assert 'name="tenant"' in page and '<select name="state">' in page
+    rows = b_only.split('id="latency-routes-table"', 1)[1].split("</table>", 1)[0]
+    assert rows.count("<tr>") == 2 and '<td class="id">B</td>' in rows  # head + B
+    assert "route B" in b_only
+    assert [(r["key"], r["latency"]["count"]) for r in answers["routes"]] == [("A", 1), ("B", 1)]
+    assert answers["state"] == "succeeded" and answers["tenant"] == "t1"
+    assert [r["key"] for r in failures["routes"]] == ["A"]
+    assert bad.status_code == 400 and "category" in bad.json()["error"]
+
+
 def test_pages_refresh_themselves_as_configured(seeded_url: str) -> None:
     with _client(seeded_url) as c:
         assert '<meta http-equiv="refresh" content="30">' in c.get("/").text
@@ -134,39 +195,94 @@ def test_route_series_and_costs_by_day(seeded_url: str) -> None:
     assert {d["day"] for d in days} == {T0 - T0 % 86400}
 
 
-def test_metrics_endpoint_is_prometheus_text(seeded_url: str) -> None:
+def _families(text: str) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    with _client(seeded_url) as c:
-        res = c.get("/metrics")
-        health = c.get("/api/health").json()
-    assert res.status_code == 200
-    assert res.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    text = res.text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     # Every sample line belongs to a family with HELP and TYPE (the strict parser's view).
     for line in text.splitlines():
         assert line.startswith(("# HELP ", "# TYPE ")) or line.split("{")[0].split(" ")[0] in {
             s.name for f in families.values() for s in f.samples}, line
-    attempts = {(s.labels["route"], s.labels["outcome"]): s.value
-                for s in families["ledger_attempts"].samples if s.name.endswith("_total")}
+    return families
+
+
+def _by(family: Any, suffix: str, *labels: str) -> dict[tuple[str, ...], float]:
+    return {tuple(s.labels[k] for k in labels): s.value for s in family.samples
+            if s.name.endswith(suffix)}
+
+
+def test_metrics_endpoint_is_prometheus_text(seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        res = c.get("/metrics")
+        health = c.get("/api/health").json()
+    assert res.status_code == 200
+    assert res.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    families = _families(res.text)
     assert families["ledger_attempts"].type == "counter"
-    assert attempts == {("A", "dispatching"): 1, ("A", "failed"): 1, ("A", "succeeded"): 1,
-                        ("B", "failed"): 1, ("B", "succeeded"): 2, ("C", "succeeded"): 1,
-                        ("C", "unknown"): 1}
-    assert families["ledger_failovers"].samples[0].value == 1  # r1's move
-    cooling = {s.labels["kind"]: s.value for s in families["ledger_cooldowns_active"].samples}
+    route_outcome = ("ledger_route", "ledger_outcome")
+    assert _by(families["ledger_attempts"], "_total", *route_outcome) == {
+        ("A", "dispatching"): 1, ("A", "failed"): 1, ("A", "succeeded"): 1, ("B", "failed"): 1,
+        ("B", "succeeded"): 2, ("C", "succeeded"): 1, ("C", "unknown"): 1}
+    assert [s.labels for s in families["ledger_failovers"].samples
+            if s.name.endswith("_total")] == [{"ledger_route_from": "A", "ledger_route_to": "B",
+                                               "ledger_failure_category": "rate_limit"}]
+    cooling = _by(families["ledger_cooldowns_active"], "active", "ledger_kind")
     keys = health["routes"] + health["profiles"]
     assert cooling == {
-        "route": sum(k["status"] != "ok" for k in health["routes"]),
-        "profile": sum(k["status"] != "ok" for k in health["profiles"]),
-        "group": sum(g["mode"] != "open" for g in health["groups"])}
-    assert cooling["group"] == 1 and keys  # g3, held by the operator
-    posted = {s.labels["tenant"]: s.value for s in families["ledger_budget_posted"].samples
-              if s.name.endswith("_total")}
-    assert posted == {"": 0.004, "t1": 0.003, "t2": 0.003}
-    held = {s.labels["tenant"]: s.value for s in families["ledger_budget_reserved"].samples}
-    assert held == {"": 0.03, "t1": 0.0, "t2": 0.02}  # r5 dispatching, r4 unknown
+        ("route",): sum(k["status"] != "ok" for k in health["routes"]),
+        ("profile",): sum(k["status"] != "ok" for k in health["profiles"]),
+        ("group",): sum(g["mode"] != "open" for g in health["groups"])}
+    assert cooling[("group",)] == 1 and keys  # g3, held by the operator
+    posted = _by(families["ledger_budget_posted"], "_total", "ledger_tenant")
+    assert posted == {("",): 0.004, ("t1",): 0.003, ("t2",): 0.003}
+    held = _by(families["ledger_budget_held"], "held", "ledger_tenant")
+    assert held == {("",): 0.03, ("t1",): 0.0, ("t2",): 0.02}  # r5 dispatching, r4 unknown
+
+
+def test_metrics_have_latency_histograms_and_token_and_cost_counters(seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        families = _families(c.get("/metrics").text)
+    route_outcome = ("ledger_route", "ledger_outcome")
+    duration = families["ledger_attempt_duration_seconds"]
+    assert duration.type == "histogram"
+    # Begin to settle by the ledger's clock (the seed's times); r5 still dispatching has none.
+    assert _by(duration, "_count", *route_outcome) == {
+        ("A", "failed"): 1, ("A", "succeeded"): 1, ("B", "failed"): 1, ("B", "succeeded"): 2,
+        ("C", "succeeded"): 1, ("C", "unknown"): 1}
+    assert _by(duration, "_sum", *route_outcome)[("B", "succeeded")] == 3.0
+    buckets = {s.labels["le"]: s.value for s in duration.samples if s.name.endswith("_bucket")
+               and s.labels["ledger_route"] == "B" and s.labels["ledger_outcome"] == "succeeded"}
+    assert (buckets["0.64"], buckets["1.28"], buckets["2.56"], buckets["+Inf"]) == (0, 1, 2, 2)
+    # The GenAI conventions' time to first chunk: the streamed answers only (r1 and r3 on B).
+    ttft = families["gen_ai_client_operation_time_to_first_chunk_seconds"]
+    assert _by(ttft, "_count", *route_outcome) == {("B", "succeeded"): 2}
+    assert _by(ttft, "_sum", *route_outcome) == {("B", "succeeded"): 2.0}
+    ttfb = families["ledger_attempt_time_to_first_byte_seconds"]
+    assert _by(ttfb, "_sum", *route_outcome) == {("A", "succeeded"): 1.0,
+                                                 ("B", "succeeded"): 0.75}
+    tokens = _by(families["ledger_tokens"], "_total", "ledger_route", "gen_ai_token_type")
+    assert {k: v for k, v in tokens.items() if k[0] == "B"} == {
+        ("B", "input"): 120, ("B", "output"): 60, ("B", "cache_read"): 40,
+        ("B", "reasoning"): 10}
+    assert tokens[("A", "input")] == 10 and tokens[("C", "output")] == 20
+    # Charged per route: the same figures as `costs` (posted debits).
+    assert _by(families["ledger_cost"], "_total", "ledger_route") == {
+        ("A",): 0.001, ("B",): 0.005, ("C",): 0.004}
+    assert families["ledger_capacity_wait_duration_seconds"].samples == []  # no queue waits
+
+
+def test_metrics_speak_openmetrics_when_asked(seeded_url: str) -> None:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    with _client(seeded_url) as c:
+        res = c.get("/metrics", headers={"Accept": "application/openmetrics-text; "
+                                                   "version=1.0.0"})
+    assert res.status_code == 200
+    assert res.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert res.text.endswith("# EOF\n")
+    families = {f.name: f for f in text_string_to_metric_families(res.text)}
+    assert families["ledger_attempt_duration_seconds"].unit == "seconds"
+    assert families["ledger_attempts"].type == "counter"
 
 
 def test_run_page_says_why_the_run_stopped(demo_url: tuple[str, str]) -> None:
@@ -299,15 +415,28 @@ def test_dashboard_in_headless_chromium(served: str, seeded_url: str) -> None:
     assert "primary" in rows[0]
     assert '<td class="id">B</td>' in rows[1] and "next_candidate" in rows[1]
     assert "C (cooling)" in rows[1]
-    assert '<svg id="success-0"' in _browse(chromium, "--dump-dom", served + "/").stdout
+    # Each attempt's latency, first byte / first token, tokens with their cached and reasoning
+    # parts (r1's answer on B).
+    assert "1.000 s" in rows[0] and "2.000 s" in rows[1]
+    assert "0.500 s / 1.500 s" in rows[1] and "100 / 50" in rows[1]
+    assert "40 cached, 10 reasoning" in rows[1]
+    index = _browse(chromium, "--dump-dom", served + "/").stdout
+    assert '<svg id="success-0"' in index
+    assert 'id="latency-routes-table"' in index and 'id="glance-failovers">2<' in index
+    dom = _browse(chromium, "--dump-dom", served + "/latency?hours=1&state=succeeded")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    table = dom.stdout.split('id="latency-routes-table"', 1)[1].split("</table>", 1)[0]
+    assert [r.split("</td>", 1)[0] for r in table.split('<td class="id">')[1:]] == [
+        "B", "A", "C"]
 
     artifacts = Path(os.environ.get("LEDGER_ARTIFACTS", "test-artifacts"))
     artifacts.mkdir(parents=True, exist_ok=True)
     backend = "postgres" if seeded_url.startswith("postgresql") else "sqlite"
     # 1,400 px: the width the recent-runs table must read well at (the screenshots are kept).
-    for name, path, height in ((f"dashboard-{backend}.png", "/", 3600),
+    for name, path, height in ((f"dashboard-{backend}.png", "/", 4200),
                                (f"dashboard-run-{backend}.png", "/runs/r1", 900),
-                               (f"dashboard-runs-{backend}.png", "/runs", 900)):
+                               (f"dashboard-runs-{backend}.png", "/runs", 900),
+                               (f"dashboard-latency-{backend}.png", "/latency?hours=1", 900)):
         shot = artifacts.resolve() / name
         shot.unlink(missing_ok=True)
         res = _browse(chromium, f"--screenshot={shot}", f"--window-size=1400,{height}",

@@ -34,7 +34,7 @@ from ledger.clock import ManualClock
 from ledger.domain.facts import WireProtocol
 from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
-from ledger.testing import FakeProvider, Fault
+from ledger.testing import Behavior, FakeProvider, Fault
 from ledger.testing.pgserver import free_port
 from ledger.tools.generate import generate, generated_policy, generated_policy_hash
 from tests.fakeplan import PRICE, _clear, fake
@@ -192,13 +192,15 @@ def _real_run(led: Ledger, fake: FakeProvider) -> str:
                   price=PRICE)]
     fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
     fake.enqueue(Fault.UNAUTHORIZED, model="primary-model")
+    # The answer streams and reports its cached and reasoning tokens, as generated ones do.
+    fake.enqueue(Behavior(cached_tokens=4, reasoning_tokens=2), model="backup-model")
     clock = led.clock
     assert isinstance(clock, ManualClock)
     with pytest.raises(FailoverExhausted), led.run(
             "real", plan=plan, policy="goclaw", tenant="acme", labels={"team": "eval"},
             budget=Budget(max_calls=12, max_retries=6, max_cost="1"),
             grant=Grant(recipients={"fake": ["user_input", "model_derived"]})) as run:
-        first = run.turn(Envelope(parts=[Part(content="hello")]), sleeper=clock)
+        first = run.turn(Envelope(parts=[Part(content="hello")], stream=True), sleeper=clock)
         for model in ("primary-model", "backup-model"):
             for _ in range(4):
                 fake.enqueue(Fault.CONTEXT_LENGTH, model=model)
@@ -240,3 +242,58 @@ def test_generated_records_have_the_shape_the_retry_owner_writes(generated: Ledg
     run = generated.get_run("real")
     attempts = generated.timeline("real")
     assert run.retries_used == len(attempts) - len({a.turn_id for a in attempts})
+
+
+def test_failovers_are_all_counted_and_each_says_why(generated: Ledger) -> None:
+    audit = Audit(generated)
+    window = {"since": END - 3 * DAY, "until": END + 1}
+    items: list[Any] = []
+    cursor = None
+    while True:
+        page = audit.failovers(limit=25, cursor=cursor, **window)
+        items += page.items
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert audit.count_failovers(**window) == len(items) > 20
+    assert all(f.causes for f in items)  # every failover has a cause (a failure, or a skip)
+    # The dashboard's tile counts them all, not the 20 its "recent failovers" table lists.
+    from starlette.testclient import TestClient
+
+    from ledger.dashboard.app import create_app
+
+    with TestClient(create_app(ledger=generated)) as c:
+        page_html = c.get("/", params={"hours": 72}).text
+    shown = page_html.split('id="glance-failovers">', 1)[1].split("<", 1)[0]
+    now = audit.now()  # the page's (another test of this module may have moved the clock)
+    assert int(shown) == audit.count_failovers(since=now - 72 * 3600, until=now) > 20
+
+
+def test_a_run_that_skipped_its_cooling_selected_route_names_the_skip_as_its_cause(
+        db_url: str, fake: FakeProvider) -> None:
+    # One Run's trusted 429 (Retry-After 7 s) closes group ga; the next Run, selected on the
+    # same route, is served by the backup without a failure of its own and without a retry:
+    # it failed over, and the skip is why (issue 27: such runs showed "retries 0" and no cause).
+    plan = [Route(id="primary", provider="fake", model="primary-model", group="ga",
+                  recipient="fake", endpoint=fake.endpoint("openai"), price=PRICE),
+            Route(id="backup", provider="fake-b", model="backup-model", group="gb",
+                  recipient="fake", endpoint=fake.endpoint("openai"), price=PRICE)]
+    grant = Grant(recipients={"fake": ["user_input"]})
+    budget = Budget(max_calls=4, max_retries=2, max_cost="1")
+    fake.enqueue(Fault.RATE_LIMIT_RETRY_AFTER, model="primary-model")
+    with Ledger.open(db_url, clock=ManualClock(END)) as led:
+        for run_id in ("first", "second"):
+            with led.run(run_id, plan=plan, budget=budget, grant=grant) as run:
+                assert run.turn(Envelope(parts=[Part(content="hi")])).route.id == "backup"
+        audit = Audit(led)
+        second = led.get_run("second")
+        assert second.retries_used == 0 and [a.route_id for a in led.timeline("second")] == [
+            "backup"]
+        failovers = {f.run_id: f for f in audit.failovers().items}
+        assert [(c.state, c.route) for c in failovers["first"].causes] == [("failed",
+                                                                             "primary")]
+        [cause] = failovers["second"].causes
+        assert (cause.state, cause.route) == ("skipped", "primary")
+        assert cause.attempt_id == led.timeline("second")[0].attempt_id
+        assert cause.category  # the selector's reason, e.g. the group's cooldown
+        assert audit.timeline("second").failed_over is True

@@ -102,6 +102,15 @@ def test_failovers_attempts_open_and_activity_use_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.runs(status="failed", limit=50))
 
 
+def test_latency_percentiles_and_the_failover_count_use_indexes(big: Audit) -> None:
+    window = {"since": END - DAY, "until": END}
+    _assert_indexed(big, lambda: big.latency(**window))
+    route = big.attempts(limit=1).items[0].route_id
+    _assert_indexed(big, lambda: big.latency(route=route, state="succeeded", **window))
+    _assert_indexed(big, lambda: big.latency(category="timeout", tenant="acme", **window))
+    _assert_indexed(big, lambda: big.count_failovers(**window))
+
+
 def test_spend_and_operator_actions_use_indexes(big: Audit) -> None:
     # Spend reads runs admitted in the window: through ix_runs_created_at, not every run.
     for kwargs in ({"by": "tenant"}, {"by": "label", "label": "team"},
@@ -113,6 +122,8 @@ def test_spend_and_operator_actions_use_indexes(big: Audit) -> None:
             assert any("Index" in kind for kind, _ in nodes), (sql, nodes)
     _assert_indexed(big, lambda: big.actions(limit=50))
     _assert_indexed(big, lambda: big.actions(since=END - DAY, kinds=["close"], limit=50))
+
+
 def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.replay("failure-domain", since=END - DAY, until=END))
     run_id = big.runs(limit=1, since=END - DAY).items[0].run_id

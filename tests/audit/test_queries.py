@@ -10,6 +10,7 @@ import pytest
 
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
+from ledger.domain.records import RunStatus
 from ledger.errors import InvalidArgument, NotFound
 from ledger.ops.audit import AsyncAudit, Audit, Skipped, Totals, to_jsonable
 
@@ -90,6 +91,49 @@ def test_failover_history_with_causes_and_pages(audit: Audit) -> None:
     assert [f.run_id for f in second.items] == ["r1"] and second.next_cursor is None
     assert [f.run_id for f in audit.failovers(since=T0 + 1).items] == ["r6"]
     assert [f.run_id for f in audit.failovers(until=T0 + 500).items] == ["r1"]
+
+
+def test_failovers_are_counted_as_they_are_listed(audit: Audit) -> None:
+    # The dashboard's tile counts them all; a page holds at most its limit.
+    assert audit.count_failovers() == len(audit.failovers().items) == 2
+    assert audit.count_failovers(since=T0 + 1) == 1  # r6 only
+    assert audit.count_failovers(until=T0) == 0
+
+
+def test_run_status_is_a_run_status_wherever_the_audit_lists_it(audit: Audit) -> None:
+    # audit.runs() said "succeeded" as a str where get_run() says RunStatus.SUCCEEDED (issue 27).
+    for r in audit.runs().items:
+        assert type(r.status) is RunStatus and r.status == audit.ledger.get_run(r.run_id).status
+    for f in audit.failovers().items:
+        assert type(f.status) is RunStatus
+    assert type(audit.timeline("r1").run.status) is RunStatus
+    assert to_jsonable(audit.runs(limit=1))["items"][0]["status"] == "succeeded"
+
+
+def test_latency_percentiles_of_the_seed(audit: Audit) -> None:
+    rep = audit.latency()
+    routes = {s.key: s for s in rep.routes}
+    # B: r3's 500 (1 s), r3's retry (1 s), r1's answer (2 s): ranks 0..2, p95 at rank 1.9.
+    b = routes["B"].latency
+    assert b is not None and b.count == 3
+    assert (b.p50, b.p95, b.p99) == (1.0, pytest.approx(1.9), pytest.approx(1.98))
+    ttft = routes["B"].first_token  # r1's 1.5 s and r3's 0.5 s, streamed
+    assert ttft is not None and ttft.count == 2
+    assert (ttft.p50, ttft.p95, ttft.p99) == (1.0, pytest.approx(1.45), pytest.approx(1.49))
+    first_byte = routes["A"].first_byte  # r2's 1 s (its 429 reported none)
+    assert first_byte is not None and (first_byte.count, first_byte.p99) == (1, 1.0)
+    assert routes["A"].first_token is None
+    # r5's attempt is still dispatching: no latency, so A counts r1's 429 and r2's answer.
+    assert routes["A"].latency is not None and routes["A"].latency.count == 2
+    assert [s.key for s in rep.routes] == ["B", "A", "C"]  # busiest first
+    groups = {s.key: s.latency for s in rep.groups}
+    assert groups["g2"] == b  # B is g2's only route
+    answers = audit.latency(state="succeeded", tenant="t1")
+    assert [(s.key, s.latency.count if s.latency else 0) for s in answers.routes] == [
+        ("A", 1), ("B", 1)]
+    assert audit.latency(category="rate_limit").routes == audit.latency(
+        route="A", state="failed").routes  # r1's 429, A's only failure
+    assert audit.latency(since=T0 + 550).routes == []
 
 
 def test_attempts_by_route_group_outcome_category_time(audit: Audit) -> None:
@@ -214,6 +258,8 @@ def test_async_twin_gives_the_same_answers(audit: Audit) -> None:
         assert (await aa.attempts(route="A")).items == audit.attempts(route="A").items
         assert await aa.activity(since=T0, until=T0 + 600, buckets=3) == audit.activity(
             since=T0, until=T0 + 600, buckets=3)
+        assert await aa.latency(route="B") == audit.latency(route="B")
+        assert await aa.count_failovers() == audit.count_failovers()
 
     asyncio.run(go())
 

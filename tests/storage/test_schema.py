@@ -122,3 +122,49 @@ def test_unreachable_postgres_is_database_unavailable() -> None:
     with pytest.raises(DatabaseUnavailable) as ei:
         Ledger.open(url)
     assert "secret" not in str(ei.value)
+
+
+def test_migration_0007_keeps_the_latency_of_settled_attempts(db_url: str) -> None:
+    """A ledger from before 0007 gets, from its settled and begin times, the latency of its
+    succeeded, failed and not-sent Attempts: not of an unknown one (its settle time may be
+    recovery's) nor of one an operator settled with evidence (it was unknown)."""
+    from alembic import command
+
+    from ledger import Budget, Price, Route
+    from ledger.clock import ManualClock
+    from ledger.domain.facts import Category, FailureFact, Phase
+
+    clock = ManualClock(1_800_000_000.0)
+    route = Route(id="a", provider="p", model="m", group="g", recipient="p", price=Price())
+    fact = FailureFact(category=Category.SERVER_ERROR, status=500, phase=Phase.AFTER_HEADERS)
+    outcomes = {"ok": ("succeeded", None), "bad": ("failed", fact),
+                "never": ("not_sent", None), "lost": ("unknown", None),
+                "receipt": ("unknown", None)}
+    with Ledger.open(db_url, clock=clock) as led:
+        led.admit_run("r", plan=[route], budget=Budget(max_calls=9, max_retries=0, max_cost=1))
+        lease = led.acquire_lease("r", ttl_s=3600)
+        for n, (name, (outcome, f)) in enumerate(outcomes.items(), start=1):
+            att = led.begin_attempt(lease, route="a", envelope_hash="sha256:" + "d" * 64,
+                                    reserve="0.01", attempt_id=name)
+            clock.advance(float(n))  # each takes n seconds
+            led.settle_attempt(lease, att.attempt_id, outcome=outcome, fact=f)
+        led.settle_unknown("receipt", outcome="succeeded", by="ops", note="billing export")
+        led.begin_attempt(lease, route="a", envelope_hash="sha256:" + "d" * 64, reserve="0.01",
+                          attempt_id="flying")
+    # Back to the schema before 0007 (its columns dropped), then open: migrated again.
+    engine = create_engine(normalize_url(db_url))
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0006")
+            assert "latency_s" not in {c["name"] for c in inspect(conn).get_columns("attempts")}
+    finally:
+        engine.dispose()
+    with Ledger.open(db_url, clock=clock) as led:
+        got = {a.attempt_id: a.latency_s for a in led.timeline("r")}
+        assert got == {"ok": 1.0, "bad": 2.0, "never": 3.0, "lost": None, "receipt": None,
+                       "flying": None}
+        assert all(a.first_byte_s is None and a.cached_tokens is None
+                   for a in led.timeline("r"))
+    assert _diff(db_url) == []

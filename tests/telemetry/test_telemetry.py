@@ -239,6 +239,8 @@ def test_healthy_turn_is_one_turn_span_over_one_attempt_span_with_genai_names(
         "ledger.debit.state": "posted",
         "ledger.cost": float(att.cost or 0),
         "ledger.outcome": "succeeded",
+        # The response's first byte, on the ledger's clock (the send moved it SEND_S first).
+        "ledger.attempt.time_to_first_byte": SEND_S,
     }
     assert att.model_reported == attrs["gen_ai.response.model"]
     assert dict(turn.attributes or {}) == {
@@ -259,6 +261,9 @@ def test_healthy_turn_is_one_turn_span_over_one_attempt_span_with_genai_names(
     assert op.count == 1 and op.sum > 0
     tokens = {x["gen_ai.token.type"]: p.sum for x, p in otel.points("gen_ai.client.token.usage")}
     assert tokens == {"input": 11, "output": 7}
+    [(_, first_byte)] = otel.points("ledger.attempt.time_to_first_byte")
+    assert first_byte.sum == pytest.approx(SEND_S)
+    assert otel.points("gen_ai.client.operation.time_to_first_chunk") == []  # not streamed
 
 
 def test_failover_turn_has_a_failed_and_a_serving_attempt_under_one_turn_and_counts_the_move(
@@ -766,3 +771,32 @@ def test_captured_input_of_a_session_turn_carries_its_tool_call_and_result(
             "arguments": TOOL_ARGS} in messages[1]["parts"]
     assert messages[2]["parts"] == [{"type": "tool_call_response", "id": call.tool_call_id,
                                      "response": TOOL_ANSWER}]
+
+
+def test_a_streamed_attempt_reports_time_to_first_chunk_and_token_details(
+        db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider],
+        adapter: SyncAdapter) -> None:
+    a, b = clean_fakes
+    clock = ManualClock(1_000.0)
+    # The head after 0.5 s of the ledger's time, the first content 1 s later.
+    a.enqueue(Behavior(text=ANSWER, usage=(40, 12), cached_tokens=32, reasoning_tokens=5,
+                       before_head=lambda: clock.advance(0.5),
+                       before_content=lambda: clock.advance(1.0)))
+    with Ledger.open(db_url, clock=clock) as led:
+        lease = admit(led, routes(a, b))
+        env = ENVELOPE.model_copy(update={"stream": True})
+        execute(led, lease, env, sync_sender(adapter, limits=PATIENT), turn_id="t")
+        [att] = led.timeline("r")
+    assert att.first_token_s == pytest.approx(1.5, abs=1e-9)
+    assert (att.cached_tokens, att.reasoning_tokens) == (32, 5)
+    _turn, [span] = by_name(otel.finished())
+    attrs = dict(span.attributes or {})
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == 32
+    assert attrs["gen_ai.usage.reasoning.output_tokens"] == 5
+    assert attrs["gen_ai.response.time_to_first_chunk"] == att.first_token_s
+    assert attrs["ledger.attempt.time_to_first_byte"] == att.first_byte_s
+    [(chunk_attrs, chunk)] = otel.points("gen_ai.client.operation.time_to_first_chunk")
+    assert chunk.count == 1 and chunk.sum == att.first_token_s
+    assert chunk_attrs["gen_ai.provider.name"] == "openai"
+    assert chunk_attrs["ledger.route"] == "primary" and "server.port" in chunk_attrs
+    assert_no_content_or_secret(otel)
