@@ -22,13 +22,17 @@ What a request gets is chosen per request, first match wins:
 Every request is recorded (:attr:`FakeProvider.requests`) with its headers and body, so a test can
 assert what was, or was not, sent. The fake checks what it receives as a provider would: an
 image or a document that is not valid base64 or not what its media type says, a file without
-its name, a Responses-API reasoning item another model wrote, a ``previous_response_id`` it never
+its name, a Responses-API reasoning item another model wrote, an Anthropic thinking block or a
+Gemini thought signature it did not write (or, where the API requires them, their absence:
+see :mod:`ledger.testing.fakewire`), a ``previous_response_id`` it never
 stored get a 400 in the protocol's error shape (``ReceivedRequest.problem`` says why), and the
 images and documents a request carried are decoded into ``ReceivedRequest.media`` (with the
 role of the message that carried them). ``Behavior(image_out=(media_type, bytes))`` answers
 with an image as each protocol with image output frames it (Gemini ``inlineData``, the Responses
 API's ``image_generation_call``, the chat-completions gateways' ``message.images``), streamed or
-not; Anthropic's answers carry none, as the Messages API's do not.
+not; Anthropic's answers carry none, as the Messages API's do not. ``Behavior(reasoning=...)``
+answers with reasoning to carry back, each protocol's way (a Responses reasoning item, an
+Anthropic thinking block, a Gemini thought signature).
 Connection-level faults that act before any request is read (``reset_next_connections``) are
 separate because they cannot be chosen by request content.
 
