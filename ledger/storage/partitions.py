@@ -107,10 +107,15 @@ def is_partitioned(conn: Connection, table: str) -> bool:
     return kind == "p"
 
 
-def wanted_months(now: float, ahead: int = MONTHS_AHEAD) -> list[tuple[int, int]]:
-    """The current month of ``now`` and ``ahead`` more."""
+def wanted_months(now: float, ahead: int = MONTHS_AHEAD,
+                  since: float | None = None) -> list[tuple[int, int]]:
+    """The month of ``now`` and ``ahead`` more, and the months from ``since``'s to it."""
     y, m = month_of(now)
-    return [month_after(y, m, k) for k in range(ahead + 1)]
+    back = 0
+    if since is not None and since < now:
+        sy, sm = month_of(since)
+        back = (y * 12 + m) - (sy * 12 + sm)
+    return [month_after(y, m, k) for k in range(-back, ahead + 1)]
 
 
 def missing(conn: Connection, months: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
@@ -148,9 +153,11 @@ def create_partition(conn: Connection, table: str, year: int, month: int) -> str
     return name
 
 
-def ensure_partitions(engine: Engine, now: float, ahead: int = MONTHS_AHEAD) -> list[str]:
-    """Create the partitions of the month of ``now`` and ``ahead`` more that are missing;
-    returns their names (empty when nothing was missing, or on a database with no
+def ensure_partitions(engine: Engine, now: float, ahead: int = MONTHS_AHEAD, *,
+                      since: float | None = None) -> list[str]:
+    """Create the partitions of the month of ``now`` and ``ahead`` more (and of the months
+    back to ``since``'s, for a bulk load of history) that are missing; returns their
+    names (empty when nothing was missing, or on a database with no
     partitioned table: SQLite, or PostgreSQL before migration 0008).
 
     One catalog read when nothing is missing. Otherwise, under an advisory lock (other
@@ -159,7 +166,7 @@ def ensure_partitions(engine: Engine, now: float, ahead: int = MONTHS_AHEAD) -> 
     :data:`LOCK_TIMEOUT`, leaves the months to the default partition, with a warning: an open
     never fails for it, and the next open or retention run tries again.
     """
-    months = wanted_months(now, ahead)
+    months = wanted_months(now, ahead, since)
     with engine.connect() as conn:
         if engine.dialect.name != "postgresql" or not missing(conn, months):
             conn.rollback()
@@ -176,8 +183,8 @@ def ensure_partitions(engine: Engine, now: float, ahead: int = MONTHS_AHEAD) -> 
             if code not in ("42501", "55P03"):  # insufficient privilege, lock not available
                 raise
             log.warning("the ledger could not create the partitions of the coming months "
-                        "(%s); rows land in the default partitions until it can: run "
-                        "`failover-ledger retention --dry-run` as the schema's owner",
+                        "(%s); rows land in the default partitions until it can: open the "
+                        "ledger, or run `failover-ledger retention`, as the schema's owner",
                         str(e.orig).strip().splitlines()[0])
             return []
 
