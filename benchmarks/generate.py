@@ -604,7 +604,7 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
 
     # On PostgreSQL, the months of the history get their partitions before the load (the
     # ledger makes only the coming months'), as a ledger that lived through them has.
-    ensure_partitions(storage_of(led).context.engine, end, since=stats.since)
+    ensure_partitions(storage_of(led).context, end, since=stats.since)
     i = 0
     while stats.attempts < attempts:
         # Runs arrive in time order, spread evenly over the span by the attempts written so far

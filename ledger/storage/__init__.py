@@ -53,7 +53,7 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
         try:
             migrate.upgrade(store.context, norm)
             with engine.mapped_errors(norm):
-                partitions.ensure_partitions(store.context.engine,
+                partitions.ensure_partitions(store.context,
                                              time.time() if now is None else now)
         except BaseException:
             with contextlib.suppress(Exception):  # the migration's error is the one to tell

@@ -20,9 +20,13 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
+
+if TYPE_CHECKING:
+    from ledger.storage.context import SqlContext
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +157,12 @@ def create_partition(conn: Connection, table: str, year: int, month: int) -> str
     return name
 
 
-def ensure_partitions(engine: Engine, now: float, ahead: int = MONTHS_AHEAD, *,
+def ensure_partitions(ctx: SqlContext, now: float, ahead: int = MONTHS_AHEAD, *,
                       since: float | None = None) -> list[str]:
     """Create the partitions of the month of ``now`` and ``ahead`` more (and of the months
     back to ``since``'s, for a bulk load of history) that are missing; returns their
-    names (empty when nothing was missing, or on a database with no
-    partitioned table: SQLite, or PostgreSQL before migration 0008).
+    names (empty when nothing was missing, or on a database whose history is not
+    partitioned: SQLite, or PostgreSQL before migration 0008).
 
     One catalog read when nothing is missing. Otherwise, under an advisory lock (other
     processes wait, then find the partitions made) and with a short lock timeout, in one
@@ -166,9 +170,11 @@ def ensure_partitions(engine: Engine, now: float, ahead: int = MONTHS_AHEAD, *,
     :data:`LOCK_TIMEOUT`, leaves the months to the default partition, with a warning: an open
     never fails for it, and the next open or retention run tries again.
     """
+    if not ctx.partitioned:
+        return []
     months = wanted_months(now, ahead, since)
-    with engine.connect() as conn:
-        if engine.dialect.name != "postgresql" or not missing(conn, months):
+    with ctx.engine.connect() as conn:
+        if not missing(conn, months):
             conn.rollback()
             return []
         conn.rollback()

@@ -65,10 +65,9 @@ class RetentionQueries:
         """Drop (``dry_run``: only find) the history older than ``older_than_s`` before the
         ledger clock's now, and record a ``retention`` event in the same transaction. On
         PostgreSQL the coming months' partitions are made first (not in a dry run)."""
-        # The one place retention asks which database it runs on: the two do different work.
-        if self.ctx.backend == "postgresql":
+        if self.ctx.partitioned:
             if not dry_run:
-                parts.ensure_partitions(self.ctx.engine, clock())
+                parts.ensure_partitions(self.ctx, clock())
             return self._partitions(older_than_s, clock, by, reason, dry_run)
         return self._rows(older_than_s, clock, by, reason, dry_run)
 

@@ -360,7 +360,7 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     stats = GenStats(since=end - span, until=end)
     # On PostgreSQL, the history's months get their partitions first, as a ledger that lived
     # through them has (an open makes only the coming months').
-    ensure_partitions(storage_of(led).context.engine, end, since=stats.since)
+    ensure_partitions(storage_of(led).context, end, since=stats.since)
     # Runs start over the span but the last minutes, so that the last ones end by ``end``.
     starts = span - min(_TAIL_S, span / 10)
     gen = _Generator(led, clock, rng, attempts=attempts, stats=stats,
