@@ -341,3 +341,31 @@ def test_retention_command_shows_then_drops_and_records(db_url: str, capsys: Any
         assert rec.by == "bob"
     assert main(["--db", db_url, "actions", "--kind", "retention"]) == 0
     assert "history before" in capsys.readouterr().out
+
+
+@pytest.mark.postgres
+def test_retention_behind_a_long_lock_fails_typed_and_changes_nothing(
+        pg_url: str, monkeypatch: Any) -> None:
+    from ledger.errors import DatabaseUnavailable
+    from ledger.storage import retention
+
+    monkeypatch.setattr(retention, "LOCK_TIMEOUT", "300ms")  # the test's patience, not 10 s
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(pg_url, clock=clock) as led:
+        _history(led, clock)
+    before = _dump(pg_url)
+    clock.set(_t(2026, 8, 5))
+    reader = create_engine(normalize_url(pg_url))
+    try:
+        with reader.connect() as conn:  # a long audit read holds the table
+            conn.execute(text("SELECT count(*) FROM attempts")).scalar_one()
+            with Ledger.open(pg_url, clock=clock) as led:
+                with pytest.raises(DatabaseUnavailable):
+                    led.drop_history(90 * 86400, by="alice")
+                assert Audit(led).actions(kinds=["retention"]).items == []
+            assert _dump(pg_url) == before
+            conn.rollback()
+        with Ledger.open(pg_url, clock=clock) as led:  # the read ended: it goes through
+            assert led.drop_history(90 * 86400, by="alice").rows("attempts") == 3
+    finally:
+        reader.dispose()
