@@ -112,6 +112,12 @@ class RetentionQueries:
                 conn.execute(text(f'DROP TABLE "{part.partition}"'))
             event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
                                                     kept, actions), now)
+        if dropped:
+            # Autovacuum analyzes the partitions, never a partitioned table itself: its
+            # statistics (what the planner estimates joins with) would go on counting the
+            # dropped months. ANALYZE does not block the ledger's writes.
+            with self.ctx.writing() as conn:
+                conn.execute(text("ANALYZE attempts, events"))
         return Retention(cutoff, older_than_s, False, dropped, kept, actions, event)
 
     # -- SQLite: rows ---------------------------------------------------------------------
