@@ -20,6 +20,7 @@ from ledger.domain.facts import Category, FailureFact, Phase
 from ledger.domain.values import new_id
 from ledger.errors import InvalidArgument
 from ledger.ops.audit import Audit, to_jsonable
+from ledger.ops.reconcile import reconcile
 from ledger.storage import partitions
 from ledger.storage.engine import normalize_url
 from ledger.storage.migrate import alembic_config
@@ -260,7 +261,12 @@ def test_retention_drops_old_finished_history_and_keeps_unknown_and_live_runs(
                                      "feb-unknown-1", "mar-live-0", "jul-0"}
         assert _count(db_url, "SELECT count(*) FROM events") == events_before
 
+        assert reconcile(led).ok and reconcile(led).trimmed_runs == 0
         rep = led.drop_history(90 * 86400, by="alice", reason="keep 90 days")
+        # The books still hold: the trimmed Runs' sums are not held against what is left.
+        books = reconcile(led)
+        assert books.ok, books.violations
+        assert books.trimmed_runs == 2  # jan, jan-closed (feb-unknown holds an open attempt)
         assert rep.dropped == dry.dropped and rep.kept == dry.kept
         # January's finished Runs went; the unknown Attempt's Run, the live Run and July stay.
         assert _attempt_ids(led) == {"feb-unknown-0", "feb-unknown-1", "mar-live-0", "jul-0"}
