@@ -173,26 +173,31 @@ def ensure_partitions(ctx: SqlContext, now: float, ahead: int = MONTHS_AHEAD, *,
     if not ctx.partitioned:
         return []
     months = wanted_months(now, ahead, since)
+    made: list[str] = []
     with ctx.engine.connect() as conn:
-        if not missing(conn, months):
-            conn.rollback()
-            return []
+        todo = missing(conn, months)
         conn.rollback()
-        try:
-            with conn.begin():
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"),
-                             {"k": _PG_PARTITION_LOCK})
-                conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-                return [create_partition(conn, t, y, m) for t, y, m in missing(conn, months)]
-        except DBAPIError as e:
-            code = getattr(e.orig, "sqlstate", None)
-            if code not in ("42501", "55P03"):  # insufficient privilege, lock not available
-                raise
-            log.warning("the ledger could not create the partitions of the coming months "
-                        "(%s); rows land in the default partitions until it can: open the "
-                        "ledger, or run `failover-ledger retention`, as the schema's owner",
-                        str(e.orig).strip().splitlines()[0])
-            return []
+        # One transaction per partition: it never holds one table's lock while it waits for
+        # the other's (a ledger write holding the other could then deadlock with it).
+        for table, y, m in todo:
+            try:
+                with conn.begin():
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"),
+                                 {"k": _PG_PARTITION_LOCK})
+                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+                    if partition_name(table, y, m) in {p.name for p in partitions(conn, table)}:
+                        continue  # another process made it while this one waited
+                    made.append(create_partition(conn, table, y, m))
+            except DBAPIError as e:
+                code = getattr(e.orig, "sqlstate", None)
+                if code not in ("42501", "55P03"):  # insufficient privilege, lock not available
+                    raise
+                log.warning("the ledger could not create the partitions of the coming "
+                            "months (%s); rows land in the default partitions until it can: "
+                            "open the ledger, or run `failover-ledger retention`, as the "
+                            "schema's owner", str(e.orig).strip().splitlines()[0])
+                break
+    return made
 
 
 __all__ = [

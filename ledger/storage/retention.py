@@ -103,6 +103,8 @@ class RetentionQueries:
             if dry_run:
                 conn.rollback()
                 return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
+            if dropped:  # both at once, in the order the ledger's writes take them
+                conn.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
             for part in dropped:
                 conn.execute(text(f'ALTER TABLE "{part.table}" DETACH PARTITION '
                                   f'"{part.partition}"'))
