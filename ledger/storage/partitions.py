@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
+from ledger.storage.schema import PARTITIONED_KEYS
+
 if TYPE_CHECKING:
     from ledger.storage.context import SqlContext
 
 log = logging.getLogger(__name__)
 
-#: The tables partitioned by ``created_at`` on PostgreSQL.
-PARTITIONED = ("attempts", "events")
+#: The tables partitioned by ``created_at`` on PostgreSQL (their keys: the schema's).
+PARTITIONED = tuple(PARTITIONED_KEYS)
 #: Months created ahead of the current one.
 MONTHS_AHEAD = 2
 #: How long creating a partition waits for the table's lock before giving up (it must not

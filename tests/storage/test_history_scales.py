@@ -375,3 +375,23 @@ def test_retention_behind_a_long_lock_fails_typed_and_changes_nothing(
             assert led.drop_history(90 * 86400, by="alice").rows("attempts") == 3
     finally:
         reader.dispose()
+
+
+def test_primary_keys_are_the_declared_ones_on_each_backend(db_url: str) -> None:
+    """Alembic's comparison skips primary keys: the schema declares PostgreSQL's partitioned
+    keys (``PARTITIONED_KEYS``), SQLite keeps the tables' own."""
+    from sqlalchemy import inspect
+
+    from ledger.storage.schema import PARTITIONED_KEYS, metadata
+
+    Ledger.open(db_url).close()
+    eng = create_engine(normalize_url(db_url))
+    try:
+        with eng.connect() as conn:
+            pg = conn.dialect.name == "postgresql"
+            for table in ("attempts", "events"):
+                got = tuple(inspect(conn).get_pk_constraint(table)["constrained_columns"])
+                declared = tuple(c.name for c in metadata.tables[table].primary_key.columns)
+                assert got == (PARTITIONED_KEYS[table] if pg else declared)
+    finally:
+        eng.dispose()
