@@ -168,8 +168,8 @@ def ensure_partitions(ctx: SqlContext, now: float, ahead: int = MONTHS_AHEAD, *,
 
     One catalog read when nothing is missing. Otherwise, under an advisory lock (other
     processes wait, then find the partitions made) and with a short lock timeout, in one
-    transaction. A role that may not create tables, or a table locked for longer than
-    :data:`LOCK_TIMEOUT`, leaves the months to the default partition, with a warning: an open
+    transaction. A role that may not create tables, a read-only server, or a table locked
+    for longer than :data:`LOCK_TIMEOUT`, leaves the months to the default partition, with a warning: an open
     never fails for it, and the next open or retention run tries again.
     """
     if not ctx.partitioned:
@@ -192,7 +192,9 @@ def ensure_partitions(ctx: SqlContext, now: float, ahead: int = MONTHS_AHEAD, *,
                     made.append(create_partition(conn, table, y, m))
             except DBAPIError as e:
                 code = getattr(e.orig, "sqlstate", None)
-                if code not in ("42501", "55P03"):  # insufficient privilege, lock not available
+                # Insufficient privilege, a lock not available, a read-only server (a
+                # standby): the months are left to the default partitions.
+                if code not in ("42501", "55P03", "25006"):
                     raise
                 log.warning("the ledger could not create the partitions of the coming "
                             "months (%s); rows land in the default partitions until it can: "
