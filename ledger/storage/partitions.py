@@ -166,11 +166,12 @@ def ensure_partitions(ctx: SqlContext, now: float, ahead: int = MONTHS_AHEAD, *,
     names (empty when nothing was missing, or on a database whose history is not
     partitioned: SQLite, or PostgreSQL before migration 0008).
 
-    One catalog read when nothing is missing. Otherwise, under an advisory lock (other
-    processes wait, then find the partitions made) and with a short lock timeout, in one
-    transaction. A role that may not create tables, a read-only server, or a table locked
-    for longer than :data:`LOCK_TIMEOUT`, leaves the months to the default partition, with a warning: an open
-    never fails for it, and the next open or retention run tries again.
+    One catalog read when nothing is missing. Otherwise one transaction per partition,
+    under an advisory lock (other processes wait, then find the partitions made) and with a
+    short lock timeout. A role that may not create tables, a read-only server, or a table
+    locked for longer than :data:`LOCK_TIMEOUT`, leaves the months to the default partition,
+    with a warning: an open never fails for it, and the next open or retention run tries
+    again.
     """
     if not ctx.partitioned:
         return []
