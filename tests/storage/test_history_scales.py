@@ -395,3 +395,21 @@ def test_primary_keys_are_the_declared_ones_on_each_backend(db_url: str) -> None
                 assert got == (PARTITIONED_KEYS[table] if pg else declared)
     finally:
         eng.dispose()
+
+
+@pytest.mark.postgres
+def test_ledgers_opening_at_once_make_each_missing_partition_once(pg_url: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ledger.storage.partitions import ensure_partitions
+    from tests.storage.helpers import sql_context
+
+    with Ledger.open(pg_url) as led:
+        ctx = sql_context(led)
+        when = _t(2031, 3)
+        with ThreadPoolExecutor(8) as pool:
+            made = list(pool.map(lambda _: ensure_partitions(ctx, when), range(8)))
+    # Three months (March to May) for each table, each made by exactly one of the callers.
+    every = sorted(n for m in made for n in m)
+    assert every == sorted(f"{t}_p2031{m:02d}" for t in ("attempts", "events")
+                           for m in (3, 4, 5))
