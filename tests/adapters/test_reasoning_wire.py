@@ -95,21 +95,31 @@ async def test_the_fake_refuses_an_anthropic_tool_turn_without_its_thinking_bloc
     assert "must start with a thinking block" in (fake.requests[-1].problem or "")
 
 
-@pytest.mark.parametrize("change", ["thinking", "signature"])
+@pytest.mark.parametrize("change", ["thinking", "signature", "redacted data"])
 async def test_a_tampered_anthropic_thinking_block_is_refused_by_the_fake(
         adapter: HttpAdapter, fake: FakeProvider, change: str) -> None:
-    fake.enqueue(Behavior(tool_call=("lookup", {"ticker": "XOM"}), reasoning=THINK))
+    fake.enqueue(Behavior(tool_call=("lookup", {"ticker": "XOM"}), reasoning=THINK,
+                          redacted_thinking=True))
     env = Envelope(parts=[ASK], tools=TOOLS, params=ANTHROPIC_THINKING)
     first, _ = await send(adapter, fake, "anthropic", env)
-    (block,) = items(first)
-    block[change] = reasoning_secret("m2", THINK) if change == "signature" else THINK + "!"
+    block, redacted = items(first)
+    if change == "redacted data":
+        redacted["data"] = reasoning_secret("m2", "redacted")  # another model's
+    elif change == "signature":
+        block["signature"] = reasoning_secret("m2", THINK)
+    else:
+        block["thinking"] = THINK + "!"
     route = make_route(fake.endpoint("anthropic"), "anthropic")
-    forged = Part(role="assistant", data=reasoning_data(route, block),
-                  media_type=REASONING_MEDIA_TYPE, data_class="model_derived")
-    parts = [forged if p.media_type == REASONING_MEDIA_TYPE else p for p in tool_turn(first)]
+    forged = [Part(role="assistant", data=reasoning_data(route, item),
+                   media_type=REASONING_MEDIA_TYPE, data_class="model_derived")
+              for item in (block, redacted)]
+    ask, *rest = [p for p in tool_turn(first) if p.media_type != REASONING_MEDIA_TYPE]
+    parts = [ask, *forged, *rest]
     refused, _ = await send(adapter, fake, "anthropic", env.model_copy(update={"parts": parts}))
     assert not refused.ok and refused.http_status == 400
-    assert "Invalid `signature` in `thinking` block" in (fake.requests[-1].problem or "")
+    expected = ("Invalid `data` in `redacted_thinking` block" if change == "redacted data"
+                else "Invalid `signature` in `thinking` block")
+    assert expected in (fake.requests[-1].problem or "")
 
 
 @pytest.mark.parametrize("protocol", ["openai", "openai_responses", "gemini"])
