@@ -67,7 +67,8 @@ class Ledger(SyncFace[RunSession, "Ledger"]):
               migrate_schema: bool, lease_margin_s: float) -> Ledger:
         from ledger.storage import open_store
 
-        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema)
+        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema,
+                           now=None if clock is None else clock.now())
         return Ledger(store, clock=clock, executor_id=executor_id)
 
     def _session(self, run_id: str, options: SessionOptions) -> RunSession:

@@ -10,7 +10,7 @@ Existing ledgers: slots already in flight keep NULL; while a live one is left, b
 group take the group's row lock as before (they count it), and number their own slots.
 
 Revision ID: 0009
-Revises: 0007 (written beside another branch's 0008; re-chain ``down_revision`` when both land)
+Revises: 0008
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0007"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
