@@ -225,8 +225,7 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
     elif not adm.numbered:
         writes.append(Q(sql.insert_slot, {"attempt_id": spec.attempt_id,
                                           "group_id": spec.route.group, "run_id": spec.run_id,
-                                          "fence": spec.fence, "acquired_at": now,
-                                          "slot_no": None}))
+                                          "fence": spec.fence, "acquired_at": now}))
     if events:
         writes.append(Q(sql.insert_event, events, many=True))
     writes.append(Q(sql.begin_run, {
@@ -514,9 +513,8 @@ def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: 
     if rejected is None:
         slot = (() if adm.numbered else (Q(sql.insert_slot, {
             "attempt_id": spec.attempt_id, "group_id": spec.route.group,
-            "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now,
-            "slot_no": None}),) if renumber else (Q(sql.adopt_slot, {
-                "fence": spec.fence, "attempt_id": spec.attempt_id}),))
+            "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}),) if renumber
+            else (Q(sql.adopt_slot, {"fence": spec.fence, "attempt_id": spec.attempt_id}),))
         yield Flush((
             Q(sql.adopt_attempt, {"fence": spec.fence, "attempt_id": spec.attempt_id}),
             *slot,

@@ -462,8 +462,9 @@ class Statements:
         created_at=p("created_at"), settled_at=p("settled_at")))
     insert_attempt = _stmt(lambda k, p=bindparam: k.insert(_att).values(
         {c.name: p(c.name) for c in _BEGUN}))
+    # An unnumbered slot (SQLite, unlimited groups): the number is left NULL, unnamed.
     insert_slot = _stmt(lambda k, p=bindparam: k.insert(_slots).values(
-        {c.name: p(c.name) for c in _slots.c}))
+        {c.name: p(c.name) for c in _slots.c if c.name != "slot_no"}))
     insert_event = _stmt(_event_rows)
     begin_run = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(
