@@ -42,29 +42,29 @@ def _conninfo(url: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("url", [
-    "postgresql+psycopg://u:pw@/db?host=10.0.0.1,10.0.0.2&port=5432,5433",
-    "postgresql+psycopg://u:pw@/db?host=10.0.0.1:5432&host=10.0.0.2:5433",
-    "postgresql+psycopg://u:pw@10.0.0.1:5432,10.0.0.2:5433/db",
-    "postgresql://u:pw@10.0.0.1:5432,10.0.0.2:5433/db",
+    "postgresql+psycopg://u:pw@/db?host=127.0.0.1,127.0.0.2&port=5432,5433",
+    "postgresql+psycopg://u:pw@/db?host=127.0.0.1:5432&host=127.0.0.2:5433",
+    "postgresql+psycopg://u:pw@127.0.0.1:5432,127.0.0.2:5433/db",
+    "postgresql://u:pw@127.0.0.1:5432,127.0.0.2:5433/db",
 ])
 def test_every_spelling_of_several_hosts_makes_the_same_connection_string(url: str) -> None:
     assert _conninfo(url) == {
-        "host": "10.0.0.1,10.0.0.2", "port": "5432,5433", "user": "u", "password": "pw",
+        "host": "127.0.0.1,127.0.0.2", "port": "5432,5433", "user": "u", "password": "pw",
         "dbname": "db", "target_session_attrs": "read-write"}
 
 
 def test_libpq_options_pass_through_and_a_chosen_target_is_kept() -> None:
-    info = _conninfo("postgresql+psycopg://u@[::1]:5432,db-2.internal/db?connect_timeout=3"
+    info = _conninfo("postgresql+psycopg://u@[::1]:5432,localhost/db?connect_timeout=3"
                      "&keepalives_idle=30&keepalives_interval=5&target_session_attrs=primary"
                      "&application_name=worker")
-    assert info == {"host": "::1,db-2.internal", "port": "5432,", "user": "u", "dbname": "db",
+    assert info == {"host": "::1,localhost", "port": "5432,", "user": "u", "dbname": "db",
                     "connect_timeout": "3", "keepalives_idle": "30",
                     "keepalives_interval": "5", "target_session_attrs": "primary",
                     "application_name": "worker"}
     # One host: libpq's own default target (any), as before.
-    assert "target_session_attrs" not in _conninfo("postgresql+psycopg://u@10.0.0.1/db")
-    assert _conninfo("postgresql+psycopg://u@/db?host=10.0.0.1,10.0.0.2&port=6432") == {
-        "host": "10.0.0.1,10.0.0.2", "port": "6432", "user": "u", "dbname": "db",
+    assert "target_session_attrs" not in _conninfo("postgresql+psycopg://u@127.0.0.1/db")
+    assert _conninfo("postgresql+psycopg://u@/db?host=127.0.0.1,127.0.0.2&port=6432") == {
+        "host": "127.0.0.1,127.0.0.2", "port": "6432", "user": "u", "dbname": "db",
         "target_session_attrs": "read-write"}
 
 
