@@ -28,7 +28,7 @@ from typing import Annotated, Any, Unpack
 from ledger.api.arguments import AttemptFilters, Cursor, Limit, attempt_query
 from ledger.api.calls import Awaiting, query
 from ledger.api.facade import Ledger
-from ledger.api.face import storage_of
+from ledger.api.face import reads_of
 from ledger.domain.facts import Category, FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
 from ledger.domain.validation import (
@@ -829,8 +829,9 @@ class Audit:
             Ledger, "a ledger.Ledger", "pass a ledger.Ledger (an AsyncLedger's is .sync)")]
                  ) -> None:
         self.ledger = ledger
-        # The port's read-only queries; nothing here writes.
-        ctx = storage_of(ledger).context
+        # The port's read-only queries; nothing here writes. On the ledger's read replica
+        # when it has one (read_url=).
+        ctx = reads_of(ledger).context
         self._audit = AuditQueries(ctx)
         self._series = SeriesQueries(ctx)
         self._runs = RunQueries(ctx)
