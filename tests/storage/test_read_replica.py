@@ -233,3 +233,23 @@ def test_the_dashboard_reads_the_replica(replica: tuple[PgServer, PgServer],
             Ledger.open(url, migrate_schema=False) as led:
         create_app(ledger=led, read_url=read_url)
     assert caught.value.field == "read_url"
+
+
+def _reads_conninfo(url: str) -> dict[str, str]:
+    from psycopg.conninfo import conninfo_to_dict
+
+    from ledger.storage import engine as eng
+
+    norm, parsed = eng.parse(url)
+    return conninfo_to_dict(eng.postgres_conninfo(norm, parsed, reads=True))
+
+
+def test_a_replica_connection_is_read_only_and_prefers_a_standby_unless_told_otherwise() -> None:
+    many = _reads_conninfo("postgresql+psycopg://u@127.0.0.1:5432,127.0.0.2:5433/db")
+    assert many["target_session_attrs"] == "prefer-standby"
+    assert many["options"] == "-c default_transaction_read_only=on"
+    chosen = _reads_conninfo("postgresql+psycopg://u@127.0.0.1:5432,127.0.0.2:5433/db"
+                             "?target_session_attrs=standby&options=-c%20work_mem%3D64MB")
+    assert chosen["target_session_attrs"] == "standby"
+    assert chosen["options"] == "-c work_mem=64MB -c default_transaction_read_only=on"
+    assert "target_session_attrs" not in _reads_conninfo("postgresql+psycopg://u@127.0.0.1/db")
