@@ -807,8 +807,8 @@ class Audit:
     Every listing is newest first and paginated: pass a page's ``next_cursor`` back as
     ``cursor``. Times are epoch seconds and ranges are ``[since, until)``. A ledger opened with
     ``read_url=`` is read on that replica (its writes and its own reads stay on the primary).
-    Every method checks its arguments first (:class:`~ledger.errors.InvalidArgument` naming the field) and may
-    raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable`` from the database.
+    Every method checks its arguments first (:class:`~ledger.errors.InvalidArgument` naming
+    the field) and may raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable`` from the database.
 
     Args:
         ledger: The :class:`~ledger.Ledger` to read (for an :class:`~ledger.AsyncLedger`,

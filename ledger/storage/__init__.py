@@ -70,13 +70,13 @@ def open_reads(url: str, read_url: str) -> Store:
     from ledger.storage.postgres import PostgresContext
 
     _, main = engine.parse(url)
-    if main.get_backend_name() != "postgresql":
+    if context_class(main) is not PostgresContext:
         raise InvalidArgument(
             "read_url is for a ledger on PostgreSQL; a SQLite ledger has no read replica (its "
             "readers open the same file): drop read_url", field="read_url")
     try:
         norm, parsed = engine.parse(read_url)
-        if parsed.get_backend_name() != "postgresql":
+        if context_class(parsed) is not PostgresContext:
             raise InvalidArgument(
                 "read_url must be the postgresql+psycopg:// URL of a replica of the ledger's "
                 f"database, not {engine.redact_url(engine.normalize_url(read_url))!r}",

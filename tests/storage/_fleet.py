@@ -35,7 +35,7 @@ from ledger.adapters import HttpAdapter, SyncAdapter, async_sender, sync_sender
 from ledger.api.turn import aexecute, execute
 from ledger.domain.facts import WireProtocol
 from ledger.domain.records import Lease
-from ledger.errors import DatabaseUnavailable, LedgerError, NotFound
+from ledger.errors import DatabaseUnavailable, InvalidState, LedgerError, NotFound
 from ledger.policy.model import StreamingPolicy
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
@@ -108,6 +108,8 @@ def run_sync(url: str, endpoint: str, name: str, rep: Report) -> None:
                         rep.write(resolved=attempt_id, landed=True)
                     except NotFound:
                         rep.write(resolved=attempt_id, landed=False)
+                    except InvalidState:  # recorded, and settled already (rejected)
+                        rep.write(resolved=attempt_id, landed=True)
                     rep.pending.pop(0)
                 n += 1
                 run_id = f"{name}-{n}"
@@ -140,6 +142,8 @@ async def run_async(url: str, endpoint: str, name: str, rep: Report) -> None:
                         rep.write(resolved=attempt_id, landed=True)
                     except NotFound:
                         rep.write(resolved=attempt_id, landed=False)
+                    except InvalidState:  # recorded, and settled already (rejected)
+                        rep.write(resolved=attempt_id, landed=True)
                     rep.pending.pop(0)
                 n += 1
                 run_id = f"{name}-{n}"
