@@ -808,7 +808,8 @@ class Audit:
     ``cursor``. Times are epoch seconds and ranges are ``[since, until)``. A ledger opened with
     ``read_url=`` is read on that replica (its writes and its own reads stay on the primary).
     Every method checks its arguments first (:class:`~ledger.errors.InvalidArgument` naming
-    the field) and may raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable`` from the database.
+    the field) and may raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable``
+    from the database.
 
     Args:
         ledger: The :class:`~ledger.Ledger` to read (for an :class:`~ledger.AsyncLedger`,
