@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async (aexecute, tasks) and/or sync (execute, threads); default both")
     t.add_argument("--scenarios", default="healthy,failover", metavar="LIST",
                    help="healthy and/or failover; default both")
+    t.add_argument("--no-litellm", action="store_true",
+                   help="leave out LiteLLM Router's calls/s at the highest concurrency (measured "
+                   "beside the healthy async rows when litellm is installed)")
     t.set_defaults(func=_turn)
 
     f = bench.add_parser(
@@ -272,7 +275,8 @@ def _turn(args: argparse.Namespace) -> int:
     _positive(args.count_calls, "count-calls")
     return _on_targets(args, "turn", lambda ts, progress: turn.run(
         ts, drivers=drivers, scenarios=scenarios, concurrency=conc, calls=args.calls,
-        count_calls=args.count_calls, count_tx=not args.no_tx_count, progress=progress))
+        count_calls=args.count_calls, count_tx=not args.no_tx_count,
+        litellm=not args.no_litellm, progress=progress))
 
 
 def _flat(args: argparse.Namespace) -> int:

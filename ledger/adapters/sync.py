@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import threading
+from collections.abc import Awaitable
 from typing import Unpack
 
 from ledger.adapters.base import (
@@ -16,11 +18,45 @@ from ledger.adapters.base import (
     Request,
     Target,
 )
-from ledger.adapters.contract import AdapterResult
+from ledger.adapters.contract import AdapterResult, StreamEvent
 from ledger.domain.validation import Id, checked
 from ledger.errors import InvalidArgument
 
 _WAIT_SLICE_S = 0.2
+
+
+class _Interrupted(Exception):
+    """A callback's ``KeyboardInterrupt`` or ``SystemExit``, carried out of the loop thread.
+
+    Raised as itself inside a task, asyncio lets it stop the loop (and the thread) instead of
+    finishing the task, so the waiting caller would wait forever; as an ordinary exception it
+    ends the send like any callback error, and the caller re-raises the original.
+    """
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(repr(exc))
+        self.exc = exc
+
+
+def _relayed(on_event: OnEvent | None) -> OnEvent | None:
+    if on_event is None:
+        return None
+    callback = on_event
+
+    async def finish(ret: Awaitable[object]) -> None:
+        try:
+            await ret
+        except (KeyboardInterrupt, SystemExit) as exc:
+            raise _Interrupted(exc) from exc
+
+    def relay(event: StreamEvent) -> Awaitable[None] | None:
+        try:
+            ret = callback(event)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            raise _Interrupted(exc) from exc
+        return finish(ret) if inspect.isawaitable(ret) else None
+
+    return relay
 
 
 @checked
@@ -79,8 +115,8 @@ class SyncAdapter:
             )
         fut = asyncio.run_coroutine_threadsafe(
             self.adapter.send(
-                route, envelope, profile_id=profile_id, on_event=on_event, limits=limits,
-                progress=progress, attempt_id=attempt_id,
+                route, envelope, profile_id=profile_id, on_event=_relayed(on_event),
+                limits=limits, progress=progress, attempt_id=attempt_id,
             ),
             self._loop,
         )
@@ -93,6 +129,8 @@ class SyncAdapter:
                 except concurrent.futures.TimeoutError:
                     if fut.done():
                         raise
+                except _Interrupted as carried:
+                    raise carried.exc from None
         except BaseException:
             fut.cancel()
             raise
@@ -102,9 +140,12 @@ class SyncAdapter:
         if self._closed:
             return
         self._closed = True
-        asyncio.run_coroutine_threadsafe(self.adapter.aclose(), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.adapter.aclose(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        # else the loop was stopped under it (a BaseException escaped a task): nothing there
+        # would ever run a close, and waiting for one would hang.
         self._loop.close()
 
     def __enter__(self) -> SyncAdapter:

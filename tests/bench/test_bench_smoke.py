@@ -192,7 +192,7 @@ def _check_turn_rows(report: Report, name: str, drivers: list[str], conc: list[i
 def test_turn_on_sqlite_every_driver_scenario_and_concurrency(tmp_path: Path) -> None:
     url = str(tmp_path / "turn.db")
     report = turn.run([("sqlite", url)], concurrency=[1, 3], calls=6, count_calls=6, warmup=1,
-                      floor_attempts=20)
+                      floor_attempts=20, litellm=False)
     _check_turn_rows(report, "sqlite", ["async", "sync"], [1, 3], counted=True)
     for r in report.rows:
         assert r.tx_reads_per_call is not None and r.tx_writes_per_call is not None
@@ -205,15 +205,41 @@ def test_turn_on_postgres_counts_server_transactions(pg_url: str) -> None:
     # One driver and one concurrency: each counted measurement waits ~11 s for the server's
     # statistics.
     report = turn.run([("postgresql", pg_url)], drivers=["async"], concurrency=[1], calls=4,
-                      count_calls=4, warmup=1, floor_attempts=20)
+                      count_calls=4, warmup=1, floor_attempts=20, litellm=False)
     _check_turn_rows(report, "postgresql", ["async"], [1], counted=True)
 
 
 @pytest.mark.postgres
 def test_turn_on_postgres_both_drivers_uncounted(pg_url: str) -> None:
     report = turn.run([("postgresql", pg_url)], concurrency=[1, 2], calls=4, warmup=1,
-                      count_tx=False, floor_attempts=20)
+                      count_tx=False, floor_attempts=20, litellm=False)
     _check_turn_rows(report, "postgresql", ["async", "sync"], [1, 2], counted=False)
+
+
+def test_turn_reads_the_highest_concurrency_against_litellm_measured_in_the_same_run(
+        tmp_path: Path) -> None:
+    pytest.importorskip("litellm", reason="LiteLLM is optional: pip install litellm")
+    report = turn.run([("sqlite", str(tmp_path / "turn.db"))], drivers=["async"],
+                      scenarios=["healthy"], concurrency=[1, 2], calls=4, warmup=1,
+                      count_tx=False, floor_attempts=20)
+    ref = report.extra["litellm"]
+    assert ref.concurrency == 2 and ref.calls == 4 and ref.calls_per_s > 0
+    by_c = {r.concurrency: r for r in report.rows}
+    assert "throughput" not in by_c[1].checks  # only the concurrency LiteLLM ran at
+    assert by_c[2].checks["throughput"] == (by_c[2].calls_per_s >= 2 * ref.calls_per_s)
+    assert any("LiteLLM Router's" in n and "c=2" in n for n in report.notes)
+    assert _json(report)["litellm"]["calls_per_s"] == ref.calls_per_s
+
+
+def test_turn_without_litellm_says_so_and_checks_no_throughput(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "litellm", None)  # as if it were not installed
+    report = turn.run([("sqlite", str(tmp_path / "turn.db"))], drivers=["async"],
+                      scenarios=["healthy"], concurrency=[2], calls=2, warmup=1,
+                      count_tx=False, floor_attempts=20)
+    assert "litellm" not in report.extra
+    assert not any("throughput" in r.checks for r in report.rows)
+    assert any("litellm is not installed" in n for n in report.notes)
 
 
 def test_turn_failover_policy_moves_every_turn() -> None:

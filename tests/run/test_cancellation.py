@@ -263,6 +263,42 @@ def test_interrupt_mid_stream_is_unknown(db_url: str, fake: FakeProvider) -> Non
     led.close()
 
 
+def test_a_callback_that_raises_keyboard_interrupt_ends_the_send_and_keeps_the_adapter(
+        db_url: str, fake: FakeProvider) -> None:
+    """Raised inside the adapter's loop thread, a KeyboardInterrupt would stop that loop and
+    leave the caller waiting forever; it reaches the caller as itself, the Attempt is recorded
+    truthfully and the adapter still sends."""
+    def on_event(ev: StreamEvent) -> None:
+        if isinstance(ev, TextDelta):
+            raise KeyboardInterrupt
+
+    led = Ledger.open(db_url)
+    lease = _admit(led, fake)
+    fake.set_default(Behavior(fault=Fault.TRICKLE, delay_s=0.02))
+    adapter = SyncAdapter(secrets=SECRETS)
+    outcome: dict[str, BaseException] = {}
+
+    def turn() -> None:
+        try:
+            execute(led, lease, _envelope(True), sync_sender(adapter, on_event=on_event))
+        except BaseException as e:
+            outcome["err"] = e
+
+    try:
+        waiter = threading.Thread(target=turn, daemon=True)
+        waiter.start()
+        waiter.join(60)  # a bound on a hang, not a wait for time to pass
+        assert not waiter.is_alive(), "the caller still waits for a loop that stopped"
+        assert isinstance(outcome.get("err"), KeyboardInterrupt)
+        _assert_truthful(led, lease, AttemptState.UNKNOWN, shown=True)
+        fake.set_default(Behavior())
+        lease2 = _admit(led, fake)
+        execute(led, lease2, _envelope(False), sync_sender(adapter))
+    finally:
+        adapter.close()
+        led.close()
+
+
 class _ReaderGone(Exception):
     pass
 
