@@ -47,6 +47,7 @@ from typing import Any
 
 from benchmarks.bulk import analyze, bulk_insert
 from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.decide.begin import begin_spec
 from ledger.decide.classify import classify
 from ledger.decide.health import as_read, route_key
@@ -69,6 +70,7 @@ from ledger.domain.specs import BeginSpec, SettleSpec
 from ledger.domain.values import Budget, Grant, Health, Price, Profile, Route, content_hash
 from ledger.policy.load import preset
 from ledger.policy.model import Policy
+from ledger.storage.partitions import ensure_partitions
 
 Progress = Callable[[int, int], None]
 
@@ -600,6 +602,9 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
             if progress:
                 progress(min(stats.attempts, attempts), attempts)
 
+    # On PostgreSQL, the months of the history get their partitions before the load (the
+    # ledger makes only the coming months'), as a ledger that lived through them has.
+    ensure_partitions(storage_of(led).context, end, since=stats.since)
     i = 0
     while stats.attempts < attempts:
         # Runs arrive in time order, spread evenly over the span by the attempts written so far

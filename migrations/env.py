@@ -11,6 +11,7 @@ from alembic import context
 from sqlalchemy import create_engine
 
 from ledger.storage.engine import normalize_url
+from ledger.storage.migrate import comparison_options
 from ledger.storage.schema import metadata
 
 config = context.config
@@ -21,7 +22,7 @@ def _run(connection) -> None:  # type: ignore[no-untyped-def]
         connection=connection,
         target_metadata=metadata,
         render_as_batch=connection.dialect.name == "sqlite",
-        compare_type=True,
+        **comparison_options(connection.dialect.name),
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -23,6 +23,8 @@ _.__pydantic_base_init__  # domain/validation.py: pydantic reads it off a model'
 _.maxstring, _.maxother, _.maxlist, _.maxdict  # reprlib.Repr limits, read by reprlib
 _.maxset, _.maxtuple, _.maxlevel  # (policy/load.py sets these too)
 _.inherit_cache  # storage/statements.py: SQLAlchemy reads it to cache our constructs' SQL
+_.comparison_options  # storage/migrate.py: migrations/env.py configures Alembic with it
+_.parent_names, _.compare_to  # its include_name / include_object hooks' parameters (Alembic's)
 # integrations/pydantic_ai.py: the pydantic-ai Model / StreamedResponse interface
 _.unsupported_settings  # read by pydantic-ai to warn about settings the model ignores
 _.request_stream  # Model.request_stream, called by the agent for a streamed request

@@ -19,8 +19,16 @@ Images and documents (binary parts) are content blocks of the user message: an i
 ``text`` source (no link). A part's ``name`` is the document's ``title``. An image or a
 document a model returned (an assistant binary part) cannot be in an assistant message: it is
 sent in the user message that follows, after the text
-:data:`~ledger.adapters.contract.ASSISTANT_MEDIA_TEXT`, with a note. Reasoning items another
-protocol produced are left out, with a note.
+:data:`~ledger.adapters.contract.ASSISTANT_MEDIA_TEXT`, with a note.
+
+Extended thinking (``params={"thinking": {"type": "enabled", "budget_tokens": ...}}``): an
+answer's ``thinking`` blocks (with their ``signature``) and ``redacted_thinking`` blocks are its
+reasoning (``AdapterResult.reasoning``), never its text. With thinking enabled and tool use, the
+API requires them back, unchanged and before the ``tool_use`` blocks, in the assistant message
+of the next request: a reasoning part this very route produced goes back as the block the
+provider returned, at its place (a turn's reasoning parts come first, so its blocks open the
+assistant message, as they did in the answer). A reasoning part of another route or protocol is
+left out, with a note: a signature is verified by the provider that wrote it.
 
 Answers are text, ``tool_use`` and thinking blocks: the Messages API returns no images or
 documents, so an Anthropic answer's ``AdapterResult.media`` is always empty.
@@ -58,6 +66,7 @@ from ledger.adapters.contract import (
     optional_str,
     parse_json_event,
     provider_message,
+    reasoning_item,
     register_codec,
     require_object,
     token_count,
@@ -73,6 +82,26 @@ from ledger.errors import InvalidArgument
 ANTHROPIC_VERSION = "2023-06-01"
 
 _RESERVED = {"model", "messages", "system", "tools", "stream", "max_tokens"}
+# The blocks of an answer that are its reasoning, and the keys each keeps when carried back
+# (the API verifies them unchanged: nothing is added).
+_THINKING_KEYS = {"thinking": ("type", "thinking", "signature"),
+                  "redacted_thinking": ("type", "data")}
+
+
+def _thinking(into: Reply | StreamState, block: dict[str, Any], where: str) -> None:
+    """A ``thinking`` or ``redacted_thinking`` block, as the reasoning item carried back.
+
+    A block without its signature (or redacted data) cannot be verified by the provider, so
+    it could not go back: it is left out with a note (some compatible servers send none).
+    """
+    kind = block["type"]
+    for key in _THINKING_KEYS[kind][1:]:
+        if not isinstance(block.get(key), str) or not block[key]:
+            into.notes.append(f"{where}: a {kind} block without its {key} is left out of the "
+                              "reasoning carried to the next turn (the provider could not "
+                              "verify it)")
+            return
+    into.reasoning.append({k: block[k] for k in _THINKING_KEYS[kind]})
 
 
 def _usage(value: Any, previous: Usage | None = None) -> Usage | None:
@@ -195,7 +224,13 @@ class AnthropicCodec(Codec):
                     },
                 )
             elif part.kind is MediaKind.REASONING:
-                notes.append(dropped_reasoning(route, part, i))
+                found = reasoning_item(part)
+                if (found is not None and found[0] == route.id and found[1] == self.protocol
+                        and found[2].get("type") in _THINKING_KEYS):
+                    # This route's thinking block, as it returned it, at its place in the turn.
+                    add("assistant", found[2])
+                else:
+                    notes.append(dropped_reasoning(route, part, i))
             elif part.media_type is not None and part.role == "assistant":
                 # Image and document blocks belong in user messages: a file a model returned
                 # goes back there, after a line that says whose it is.
@@ -257,6 +292,7 @@ class AnthropicCodec(Codec):
             raise MalformedPayload("content is not a list")
         text: list[str] = []
         calls: list[ToolCall] = []
+        reply = Reply()
         for j, raw in enumerate(content):
             block = require_object(raw, f"content[{j}]")
             kind = block.get("type")
@@ -273,14 +309,16 @@ class AnthropicCodec(Codec):
                         arguments_json=json.dumps(block.get("input") or {}),
                     )
                 )
-            # thinking and other block types are not part of the answer text
-        return Reply(
-            text="".join(text),
-            tool_calls=calls,
-            usage=_usage(obj.get("usage")),
-            model=optional_str(obj.get("model"), "model"),
-            finish_reason=optional_str(obj.get("stop_reason"), "stop_reason"),
-        )
+            elif kind in _THINKING_KEYS:
+                # Reasoning, not answer text: carried back to this route on the next turn.
+                _thinking(reply, block, f"content[{j}]")
+            # other block types (server tools' results, ...) are not the host's answer
+        reply.text = "".join(text)
+        reply.tool_calls = calls
+        reply.usage = _usage(obj.get("usage"))
+        reply.model = optional_str(obj.get("model"), "model")
+        reply.finish_reason = optional_str(obj.get("stop_reason"), "stop_reason")
+        return reply
 
     def new_stream(self) -> StreamState:
         """An accumulator of Messages stream events, ended by ``message_stop``."""
@@ -291,6 +329,8 @@ class _AnthropicStream(StreamState):
     def __init__(self) -> None:
         super().__init__()
         self._tools: dict[int, list[Any]] = {}  # index -> [id, name, json pieces]
+        # index -> [block type, thinking pieces, signature pieces, redacted data]
+        self._thinking: dict[int, list[Any]] = {}
 
     def feed(self, event: SSEEvent) -> list[StreamEvent]:
         data = parse_json_event(event)
@@ -312,6 +352,12 @@ class _AnthropicStream(StreamState):
                 tid = optional_str(block.get("id"), "tool_use.id") or f"toolu_{index}"
                 self._tools[index] = [tid, name, []]
                 self.content_seen = True
+            elif block.get("type") in _THINKING_KEYS:
+                kind0 = block["type"]
+                self._thinking[index] = [
+                    kind0, [optional_str(block.get("thinking"), "thinking.thinking") or ""],
+                    [optional_str(block.get("signature"), "thinking.signature") or ""],
+                    optional_str(block.get("data"), "redacted_thinking.data")]
             elif block.get("type") == "text":
                 text = optional_str(block.get("text"), "text") or ""
                 if text:
@@ -334,11 +380,24 @@ class _AnthropicStream(StreamState):
                 piece = optional_str(delta.get("partial_json"), "partial_json") or ""
                 self._tools[index][2].append(piece)
                 self.content_seen = True
+            elif dkind in ("thinking_delta", "signature_delta"):
+                if index not in self._thinking:
+                    raise MalformedPayload(f"{dkind} for block {index} without thinking")
+                key = "thinking" if dkind == "thinking_delta" else "signature"
+                piece = optional_str(delta.get(key), f"{dkind}.{key}") or ""
+                self._thinking[index][1 if key == "thinking" else 2].append(piece)
         elif kind == "content_block_stop":
             index = self._index(data)
             slot = self._tools.pop(index, None)
             if slot is not None:
                 out.append(self._proposal(slot))
+            thought = self._thinking.pop(index, None)
+            if thought is not None:
+                kind0, pieces, signature, redacted = thought
+                block = ({"type": kind0, "data": redacted} if kind0 == "redacted_thinking"
+                         else {"type": kind0, "thinking": "".join(pieces),
+                               "signature": "".join(signature)})
+                _thinking(self, block, f"content block {index}")
         elif kind == "message_delta":
             delta = require_object(data.get("delta") or {}, "message_delta.delta")
             stop = optional_str(delta.get("stop_reason"), "stop_reason")

@@ -139,8 +139,9 @@ class AdapterResult:
     request_id: str | None = None
     elapsed_s: float = 0.0
     sent: bool = True
-    # Opaque reasoning items of the answer (a Responses-API route's), as the data of the parts
-    # that carry them back to this route (see reasoning_data).
+    # Opaque reasoning items of the answer (a Responses-API route's reasoning items, Anthropic's
+    # thinking blocks, Gemini's thought signatures), as the data of the parts that carry them
+    # back to this route (see reasoning_data).
     reasoning: tuple[bytes, ...] = ()
     # What the codec left out of the request and why (e.g. another route's reasoning items),
     # or of the answer (an image of a media type the ledger does not carry).
@@ -172,8 +173,9 @@ class WireRequest:
 class Reply:
     """What a codec parsed from an answer: text, tool calls, usage, served model, finish.
 
-    ``reasoning`` holds the answer's opaque reasoning items (JSON objects, as the provider
-    sent them), for protocols that carry them between turns; ``media`` its images and
+    ``reasoning`` holds the answer's opaque reasoning items (JSON objects: what the provider
+    sent, or for Gemini a thought signature and the part it belongs to), for protocols that
+    carry them between turns; ``media`` its images and
     documents; ``notes`` what of the answer was left out, and why.
     """
 

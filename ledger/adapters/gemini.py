@@ -19,7 +19,21 @@ Images and documents (binary parts) are parts of the user turn: ``inline_data`` 
 base64 ``data``) for bytes, ``file_data`` (``mime_type``, ``file_uri``) for an ``https://``
 link; a plain-text document's media type is sent as ``text/plain``. An image or a document a
 model returned (an assistant binary part) goes back the same way in the ``model`` turn.
-Reasoning items another protocol produced are left out, with a note.
+
+Thought signatures: a thinking model (Gemini 2.5, 3) puts an opaque ``thoughtSignature`` on
+parts of its answer: on the first ``functionCall`` part of a step, on a text part (in a stream
+possibly an empty one at the end), on an image it generated. Each is the answer's reasoning
+(``AdapterResult.reasoning``), as an item that says which part it belongs to
+(``{"part": "functionCall", "index": k, "name": ..., "thoughtSignature": ...}``, ``k`` the
+call's place among the answer's calls; ``{"part": "text", ...}``; ``{"part": "media", "index":
+k, ...}``). Gemini 3 requires the signature back on the same ``functionCall`` part of the
+``model`` turn in the next request (a 400 otherwise). A reasoning part this very route produced
+is put back on the matching part of its turn (a turn's reasoning parts come before its text,
+files and calls): the ``k``-th call of that turn if it has the same name, its text part, its
+``k``-th file. A signature whose part the turn does not hold (the text of an answer that had
+none, a call that is not there) is left out with a note: it is never moved to another part.
+Reasoning parts of another route or protocol are left out, with a note: a signature is
+verified by the model that wrote it.
 
 Answers: the first candidate's ``text`` parts (thought parts left out), ``functionCall`` parts
 as tool calls, and ``inlineData`` / ``fileData`` parts (an image model's output) as the answer's
@@ -59,6 +73,7 @@ from ledger.adapters.contract import (
     optional_str,
     parse_json_event,
     provider_message,
+    reasoning_item,
     register_codec,
     require_object,
     take_output_media,
@@ -66,7 +81,7 @@ from ledger.adapters.contract import (
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.envelope import Envelope
+from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, b64, wire_media_type
 from ledger.domain.values import Route
@@ -84,6 +99,76 @@ _RENAME = {
     "seed": "seed",
 }
 _VERSIONED = re.compile(r"/v1(beta\d*|alpha\d*)?$")
+_SIGNATURE = "thoughtSignature"
+
+
+class _Turn:
+    """The thought signatures of one ``model`` turn being built, put on its parts.
+
+    A turn's reasoning parts come first; each later part of the turn takes the signature that
+    names it. What is left when the turn ends is noted, never moved to another part.
+    """
+
+    def __init__(self, route: Route, notes: list[str]) -> None:
+        self.route = route
+        self.notes = notes
+        self.pending: list[tuple[int, dict[str, Any]]] = []  # (part index, item)
+        self.calls = 0
+        self.media = 0
+        self.started = False  # a part other than reasoning was added to the turn
+
+    def signature(self, index: int, item: dict[str, Any]) -> None:
+        if self.started:  # another answer's reasoning: the turn before has ended
+            self.end()
+        self.pending.append((index, item))
+
+    def _take(self, part: dict[str, Any], kind: str, index: int | None = None,
+              name: str | None = None) -> None:
+        self.started = True
+        for n, (_i, item) in enumerate(self.pending):
+            if item.get("part") == kind and (index is None or item.get("index") == index) and (
+                    name is None or item.get("name") == name):
+                part[_SIGNATURE] = item[_SIGNATURE]
+                del self.pending[n]
+                return
+
+    def text(self, part: dict[str, Any]) -> None:
+        self._take(part, "text")
+
+    def call(self, part: dict[str, Any], name: str) -> None:
+        self._take(part, "functionCall", self.calls, name)
+        self.calls += 1
+
+    def file(self, part: dict[str, Any]) -> None:
+        self._take(part, "media", self.media)
+        self.media += 1
+
+    def end(self) -> None:
+        for i, item in self.pending:
+            what = item.get("part")
+            if what == "functionCall":
+                what = f"function call {item.get('index')} ({item.get('name')!r})"
+            elif what == "media":
+                what = f"file {item.get('index')}"
+            self.notes.append(
+                f"envelope.parts[{i}]: a thought signature of route {self.route.id!r} for the "
+                f"answer's {what} is left out of the request: its turn holds no such part (a "
+                "signature goes back on the part it was written for, or not at all)")
+        self.pending.clear()
+        self.calls = self.media = 0
+        self.started = False
+
+
+def _signature_item(route: Route, part: Part, protocol: str) -> dict[str, Any] | None:
+    """The thought-signature item of a reasoning part ``route`` produced, else ``None``."""
+    found = reasoning_item(part)
+    if found is None or found[0] != route.id or found[1] != protocol:
+        return None
+    item = found[2]
+    if not isinstance(item.get(_SIGNATURE), str) or item.get("part") not in (
+            "functionCall", "text", "media"):
+        return None
+    return item
 
 
 def _usage(value: Any) -> Usage | None:
@@ -133,8 +218,11 @@ class GeminiCodec(Codec):
         system: list[str] = []
         contents: list[dict[str, Any]] = []
         notes: list[str] = []
+        turn = _Turn(route, notes)
 
         def add(role: str, part: dict[str, Any]) -> None:
+            if role != "model":
+                turn.end()
             if contents and contents[-1]["role"] == role:
                 contents[-1]["parts"].append(part)
             else:
@@ -162,24 +250,33 @@ class GeminiCodec(Codec):
                     raise InvalidArgument(
                         "an assistant tool-call part needs name= (the tool's name)", field=where
                     )
-                add(
-                    "model",
-                    {"functionCall": {"name": p.name, "args": tool_arguments(p.content, where)}},
-                )
+                call = {"functionCall": {"name": p.name, "args": tool_arguments(p.content, where)}}
+                turn.call(call, p.name)
+                add("model", call)
             elif p.kind is MediaKind.REASONING:
-                notes.append(dropped_reasoning(route, p, i))
+                item = _signature_item(route, p, self.protocol)
+                if item is not None:
+                    turn.signature(i, item)
+                else:
+                    notes.append(dropped_reasoning(route, p, i))
             elif p.media_type is not None:
                 _kind, payload, link = media_of(p, i, route)
                 mime = wire_media_type(p.media_type)
                 # A file the model returned goes back in its own (model) turn, as Gemini's
                 # multi-turn image editing sends it.
                 role = "model" if p.role == "assistant" else "user"
-                if link is not None:
-                    add(role, {"file_data": {"mime_type": mime, "file_uri": link}})
-                else:
-                    add(role, {"inline_data": {"mime_type": mime, "data": b64(payload or b"")}})
+                blob = ({"file_data": {"mime_type": mime, "file_uri": link}} if link is not None
+                        else {"inline_data": {"mime_type": mime, "data": b64(payload or b"")}})
+                if role == "model":
+                    turn.file(blob)
+                add(role, blob)
+            elif p.role == "assistant":
+                text = {"text": p.content}
+                turn.text(text)
+                add("model", text)
             else:
-                add("model" if p.role == "assistant" else "user", {"text": p.content})
+                add("user", {"text": p.content})
+        turn.end()
         if not contents:
             raise InvalidArgument(
                 "a Gemini request needs at least one user or assistant part besides system",
@@ -275,7 +372,14 @@ class _Chunk:
             raise MalformedPayload("content.parts is not a list")
         for j, raw in enumerate(parts):
             part = require_object(raw, f"parts[{j}]")
+            where = f"candidates[0].content.parts[{j}]"
+            signature = part.get(_SIGNATURE, part.get("thought_signature"))
+            if signature is not None and (not isinstance(signature, str) or not signature):
+                raise MalformedPayload(f"{where}.thoughtSignature is not a signature text")
             if part.get("thought"):
+                if signature:
+                    reply.notes.append(f"{where}: the thought signature of a thought summary is "
+                                       "left out (the ledger carries no thought summaries)")
                 continue  # thinking summaries are not answer text
             if "text" in part:
                 text = optional_str(part.get("text"), "part.text") or ""
@@ -283,9 +387,13 @@ class _Chunk:
                     content_seen = True
                     reply.text += text
                     out.append(TextDelta(text))
+                if signature:
+                    reply.reasoning.append({"part": "text", _SIGNATURE: signature})
             elif _MEDIA_KEYS & part.keys():
                 content_seen = True
-                _take_media(reply, part, f"candidates[0].content.parts[{j}]")
+                if _take_media(reply, part, where) and signature:
+                    reply.reasoning.append({"part": "media", "index": len(reply.media) - 1,
+                                            _SIGNATURE: signature})
             elif "functionCall" in part:
                 fc = require_object(part.get("functionCall"), "functionCall")
                 name = optional_str(fc.get("name"), "functionCall.name")
@@ -298,6 +406,10 @@ class _Chunk:
                     arguments_json=json.dumps(fc.get("args") or {}),
                 )
                 content_seen = True
+                if signature:
+                    reply.reasoning.append({"part": "functionCall",
+                                            "index": len(reply.tool_calls), "name": name,
+                                            _SIGNATURE: signature})
                 reply.tool_calls.append(call)
                 out.append(ToolCallProposal(call))
         finish = optional_str(cand.get("finishReason"), "finishReason")
@@ -309,24 +421,24 @@ class _Chunk:
 _MEDIA_KEYS = frozenset({"inlineData", "inline_data", "fileData", "file_data"})
 
 
-def _take_media(reply: Reply, part: dict[str, Any], where: str) -> None:
+def _take_media(reply: Reply, part: dict[str, Any], where: str) -> bool:
     """An ``inlineData`` (bytes) or ``fileData`` (link) part of the answer, into ``reply``.
 
     Responses name the fields in camelCase; the snake_case the requests use is read too.
+    True if it was added (else it is left out with a note).
     """
     inline = part.get("inlineData", part.get("inline_data"))
     if inline is not None:
         blob = require_object(inline, f"{where}.inlineData")
-        take_output_media(reply, f"{where}.inlineData",
-                          blob.get("mimeType", blob.get("mime_type")),
-                          b64data=blob.get("data"))
-        return
+        return take_output_media(reply, f"{where}.inlineData",
+                                 blob.get("mimeType", blob.get("mime_type")),
+                                 b64data=blob.get("data"))
     ref = require_object(part.get("fileData", part.get("file_data")), f"{where}.fileData")
     uri = ref.get("fileUri", ref.get("file_uri"))
     if not isinstance(uri, str) or not uri:
         raise MalformedPayload(f"{where}.fileData has no fileUri")
-    take_output_media(reply, f"{where}.fileData", ref.get("mimeType", ref.get("mime_type")),
-                      url=uri)
+    return take_output_media(reply, f"{where}.fileData",
+                             ref.get("mimeType", ref.get("mime_type")), url=uri)
 
 
 class _GeminiStream(StreamState):
@@ -347,6 +459,7 @@ class _GeminiStream(StreamState):
         self.tool_calls = list(r.tool_calls)
         # A streamed image or document arrives whole, in one chunk's part.
         self.media = list(r.media)
+        self.reasoning = list(r.reasoning)
         self.notes = list(r.notes)
         return out
 

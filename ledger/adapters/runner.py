@@ -37,7 +37,8 @@ def output_part(result: AdapterResult, attempt_id: str) -> Part:
 def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
     """The whole answer as parts, each with the Attempt as its provenance.
 
-    Its reasoning items (a Responses-API route's, carried back to that route only), its text
+    Its reasoning items (a Responses-API route's, Anthropic's thinking blocks, Gemini's thought
+    signatures: carried back to that route only), its text
     (left out when the answer is only images or tool calls: an empty text block is what some
     providers refuse), its images and documents (assistant binary parts, in the order the
     provider sent them), then one part per tool call (``tool_call_id``, ``name``, the

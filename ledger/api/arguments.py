@@ -50,6 +50,21 @@ def content_hash(value: Any) -> str:
     return value
 
 
+#: The least age :meth:`ledger.Ledger.drop_history` takes: one day, so a slip of the unit
+#: (``90`` meant as days) cannot drop a month that just ended.
+MIN_RETENTION_S = 86400.0
+
+
+@rule
+def retention_age(value: Any) -> float:
+    """How old history must be to go: finite seconds of at least :data:`MIN_RETENTION_S`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not MIN_RETENTION_S <= float(value) < float("inf"):
+        raise Problem("is not a retention age", "pass seconds of at least 86400 (one day), "
+                      "e.g. 90 * 86400 for 90 days")
+    return float(value)
+
+
 @rule
 def audit_data(value: Any) -> dict[str, Any]:
     """An audit event's data: a mapping with string keys (stored as JSON, redacted)."""
@@ -157,6 +172,7 @@ __all__ = [
     "MAX_EVENT_KIND",
     "MAX_HASH",
     "MAX_SEND_S",
+    "MIN_RETENTION_S",
     "AttemptFilters",
     "AuditData",
     "ClockArg",

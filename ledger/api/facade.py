@@ -77,7 +77,8 @@ class Ledger(SyncFace[RunSession, "Ledger"]):
             reads = open_reads(url, read_url)  # touches nothing until the first read
         try:
             store = open_store(url, lease_margin_s=lease_margin_s,
-                               migrate_schema=migrate_schema)
+                               migrate_schema=migrate_schema,
+                               now=None if clock is None else clock.now())
         except BaseException:
             if reads is not None:
                 reads.close()

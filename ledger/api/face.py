@@ -44,6 +44,7 @@ from ledger.api.arguments import (
     SessionOptions,
     Url,
     attempt_query,
+    retention_age,
 )
 from ledger.api.calls import Awaiting, Blocking, Lru, op
 from ledger.clock import Clock, SystemClock
@@ -73,6 +74,7 @@ from ledger.domain.records import (
     LeaseArg,
     Outcome,
     Page,
+    Retention,
     RunRecord,
     RunStatus,
     run_live,
@@ -177,10 +179,12 @@ class Face(Generic[SessionT, OpenedT]):
         self._runner = self._store.runner
         # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
         from ledger.storage.recovery import RecoveryQueries
+        from ledger.storage.retention import RetentionQueries
         from ledger.storage.runs import RunQueries
 
         self._runs = RunQueries(store.context)
         self._recovery = RecoveryQueries(store.context)
+        self._retention = RetentionQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
@@ -990,6 +994,47 @@ class Face(Generic[SessionT, OpenedT]):
         if group:
             return (yield from blocking(lambda: self._runs.clear_group(key, who, reason, clock)))
         return (yield from blocking(lambda: self._runs.clear_health(key, who, reason, clock)))
+
+    @op
+    def drop_history(self, older_than: Annotated[float, retention_age], *,
+                     reason: Reason = "retention", by: Id | None = None,
+                     dry_run: Flag = False) -> Flow[Retention]:
+        """Drop the history of finished Runs older than ``older_than`` seconds (retention).
+
+        On PostgreSQL, whose history is partitioned by month, each partition of ``attempts``
+        and ``events`` whose month ended at least ``older_than`` ago is detached and dropped
+        whole; on SQLite the same rows are deleted one by one. Never the rows of a *held*
+        Run: one still live (``admitted`` or ``running``) or with an Attempt still
+        ``unknown`` or ``dispatching`` (on PostgreSQL a partition holding any such row stays
+        whole, and the report says why). Operators' action events are never dropped. Runs,
+        debits and provenance stay. In the same transaction a ``retention`` event (of no
+        Run) records who, why, the cut-off and what went (partitions and rows);
+        ``Audit.actions`` lists it. On PostgreSQL the coming months' partitions are created
+        first. A run with nothing to drop still records its event.
+
+        Args:
+            older_than: Age in seconds, at least 86 400 (one day): history from before the
+                ledger clock's now less this goes.
+            reason: Why, kept in the event (at most 200 printable characters, not blank).
+            by: Who runs it, kept in the event (default: this ledger's ``executor_id``).
+            dry_run: Only report what would go; nothing is dropped or recorded.
+
+        Returns:
+            The :class:`~ledger.domain.records.Retention` report (``dropped``, ``kept``, the
+            ``event`` recorded).
+
+        Raises:
+            InvalidArgument: ``older_than`` is not a number of seconds of at least a day
+                (``field="older_than"``), ``reason`` or ``by`` is not a short text.
+            DatabaseUnavailable: a table stayed locked longer than the retention's lock
+                timeout; nothing was dropped (run it again).
+
+        Example:
+            >>> led.drop_history(90 * 86400, by="alice", dry_run=True)  # doctest: +SKIP
+        """
+        who = self.executor_id if by is None else by
+        return (yield from blocking(lambda: self._retention.run(
+            older_than, self.clock.now, by=who, reason=reason, dry_run=dry_run)))
 
     @op
     def group_projections(self, groups: IdList | None = None

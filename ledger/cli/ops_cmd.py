@@ -1,7 +1,8 @@
 """Operator commands over the audit API: ``runs``, ``run show``, ``attempts``, ``failovers``,
-``costs``, ``health``, ``actions``, ``generate`` and ``dashboard``; and the two that write, an
-operator's deliberate actions: ``run close`` (it ends a Run nobody will resume) and ``health
-clear`` (it clears a cooldown), each recorded with who (``--by``) and why (``--reason``).
+``costs``, ``health``, ``actions``, ``generate`` and ``dashboard``; and the ones that write, an
+operator's deliberate actions: ``run close`` (it ends a Run nobody will resume), ``health
+clear`` (it clears a cooldown) and ``retention`` (it drops old history), each recorded with
+who (``--by``) and why (``--reason``).
 
 Reading commands open the ledger without migrating it (they never write, so they work through a
 read-only role and never create a database by accident). Tables are aligned text by default and
@@ -611,8 +612,50 @@ def action_target(a: Any) -> str:
         return f"{d.get('kind')} {a.key}"
     if a.kind == "close":
         return f"run {a.run_id} {d.get('previous_status')} -> {d.get('status')}"
+    if a.kind == "retention":
+        rows = d.get("rows") or {}
+        return (f"history before {fmt_time(d.get('cutoff'))}: {rows.get('attempts', 0)} "
+                f"attempt(s), {rows.get('events', 0)} event(s)")
     return (f"attempt {a.attempt_id} (run {a.run_id}) {d.get('previous_state')} -> "
             f"{d.get('outcome')}")
+
+
+def parse_age(text: str) -> float:
+    """``--older-than``: an age such as ``90d``, ``12w`` or ``2160h`` (at least one day), in
+    seconds."""
+    from ledger.api.arguments import MIN_RETENTION_S
+
+    m = _REL.match(text.strip())
+    if m is None or float(m.group(1)) * _UNIT[m.group(2)] < MIN_RETENTION_S:
+        raise InvalidArgument(
+            f"--older-than {text!r} is not an age of at least one day: pass a number and a "
+            "unit, e.g. --older-than 90d (days; also h, w; 24h at least)", field="older_than")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def _retention(args: argparse.Namespace) -> int:
+    age = parse_age(args.older_than)
+    led = _open_writer(args.db)
+    try:
+        rep = led.drop_history(age, reason=args.reason, dry_run=args.dry_run,
+                               by=operator_name() if args.by is None else args.by)
+    finally:
+        led.close()
+    if args.json:
+        _emit_json(rep)
+        return 0
+    verb = "would drop" if rep.dry_run else "dropped"
+    print(f"history before {fmt_time(rep.cutoff)} (older than {args.older_than}): {verb} "
+          f"{rep.rows('attempts')} attempt(s) and {rep.rows('events')} event(s)")
+    rows = [[p.table, p.partition or "(rows)", fmt_time(p.since) if p.since else "-",
+             fmt_time(p.until), p.rows, "drop" if p.held is None else f"keep: {p.held}"]
+            for p in [*rep.dropped, *rep.kept]]
+    if rows:
+        print(table(["TABLE", "PARTITION", "SINCE", "UNTIL", "ROWS", "ACTION"], rows))
+    print(f"{rep.actions_kept} operator action(s) older than the cut-off kept")
+    if rep.event is not None:
+        print(f"recorded as retention event {rep.event.event_id} by {rep.event.data.get('by')}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -815,15 +858,37 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "actions", help="what operators did: cooldowns cleared, runs closed, attempts settled",
         description="Operators' actions newest first, each with who and why: cooldowns "
-        "cleared (health clear), runs closed (run close, recover --close-past-deadline) and "
-        "unknown attempts settled with evidence (attempt settle), from the command line, the "
-        "API or the dashboard.")
+        "cleared (health clear), runs closed (run close, recover --close-past-deadline), "
+        "unknown attempts settled with evidence (attempt settle) and history dropped "
+        "(retention), from the command line, the API or the dashboard.")
     p.add_argument("--kind", action="append", dest="kinds",
-                   choices=["clear_cooldown", "close", "late_receipt"],
+                   choices=["clear_cooldown", "close", "late_receipt", "retention"],
                    help="only this kind (repeatable)")
     _add_range(p, None)
     _add_common(p)
     p.set_defaults(func=_actions)
+
+    p = subparsers.add_parser(
+        "retention", help="drop the history of finished runs older than an age "
+        "(--older-than 90d)",
+        description="Drop the attempts and events older than --older-than (by the ledger's "
+        "clock), except those of runs still live or with an unknown or dispatching attempt, "
+        "and record a retention event (who, why, the cut-off, what went; `actions` lists "
+        "it). PostgreSQL drops whole monthly partitions (a partition holding any kept row "
+        "stays whole) and first creates the coming months' partitions; SQLite deletes the "
+        "rows. Operators' action events, runs, debits and provenance stay. --dry-run shows "
+        "what would go and changes nothing. See docs/operations.md.")
+    p.add_argument("--older-than", required=True, metavar="AGE",
+                   help="age of the history to drop: 90d, 12w, 2160h (at least one day)")
+    p.add_argument("--dry-run", action="store_true", help="show what would go; drop nothing")
+    p.add_argument("--reason", default="retention", metavar="TEXT",
+                   help="why, kept with the record (default: retention)")
+    p.add_argument("--by", default=None, metavar="WHO",
+                   help="who acts, kept with the record (default: the operating-system "
+                   "user@host)")
+    _add_db(p)
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    p.set_defaults(func=_retention)
 
     p = subparsers.add_parser(
         "generate", help="fill a database with a realistic history, run through the ledger",

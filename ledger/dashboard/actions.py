@@ -378,6 +378,10 @@ def _target(a: OperatorAction) -> str:
         run = a.run_id or ""
         return (f'run <a href="/runs/{_attr(run)}">{_e(run)}</a> '
                 f"{_e(d.get('previous_status'))} &rarr; {_e(d.get('status'))}")
+    if a.kind == "retention":
+        rows = d.get("rows") or {}
+        return (f"history before {_e(iso(d.get('cutoff')))}: {_e(rows.get('attempts', 0))} "
+                f"attempt(s), {_e(rows.get('events', 0))} event(s) dropped")
     run = a.run_id or ""
     return (f'attempt <code>{_e(a.attempt_id)}</code> of <a href="/runs/{_attr(run)}">'
             f"{_e(run)}</a> {_e(d.get('previous_state'))} &rarr; {_e(d.get('outcome'))}")

@@ -21,7 +21,8 @@ media type             kind            wire (see docs/adapters.md)
 =====================  ==============  ===============================================
 
 :data:`REASONING_MEDIA_TYPE` is the ledger's own: an opaque reasoning item a provider returned
-(the OpenAI Responses API's encrypted reasoning), carried back to the route that produced it.
+(the OpenAI Responses API's encrypted reasoning, an Anthropic thinking block, a Gemini thought
+signature), carried back to the route that produced it.
 """
 
 from __future__ import annotations

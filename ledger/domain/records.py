@@ -395,6 +395,53 @@ class EventRecord:
     created_at: float
 
 
+#: The events of operators' actions: a retention run keeps them whatever their age (a dropped
+#: partition's are copied back first), so the record of who did what outlives the history.
+OPERATOR_ACTION_KINDS = ("clear_cooldown", "close", "late_receipt", "retention")
+
+
+@dataclass(frozen=True)
+class HistoryPart:
+    """Rows of history a retention run dropped or kept, for its report and its record.
+
+    On PostgreSQL one partition (``partition`` its name, ``since``/``until`` its month); on
+    SQLite, which has none, the rows of one table older than the cut-off (``partition``
+    ``None``, ``since`` ``None``, ``until`` the cut-off). ``rows``: how many; ``held``: why a
+    kept one was kept (``None`` for a dropped one), e.g. ``"1 unknown attempt(s)"``.
+    """
+
+    table: str
+    partition: str | None
+    since: float | None
+    until: float | None
+    rows: int
+    held: str | None = None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What a retention run (:meth:`~ledger.Ledger.drop_history`) dropped, or would drop.
+
+    ``cutoff`` is the ledger clock's time less ``older_than_s``; ``dropped`` the history that
+    went (or, with ``dry_run``, would go), ``kept`` the old partitions kept because an open
+    (unknown or dispatching) Attempt or a live Run is inside; ``actions_kept`` the operators'
+    action events older than the cut-off that stay; ``event`` the ``retention`` event that
+    records the run (``None`` for a dry run).
+    """
+
+    cutoff: float
+    older_than_s: float
+    dry_run: bool
+    dropped: list[HistoryPart]
+    kept: list[HistoryPart]
+    actions_kept: int
+    event: EventRecord | None
+
+    def rows(self, table: str) -> int:
+        """How many rows of ``table`` went (or would go)."""
+        return sum(p.rows for p in self.dropped if p.table == table)
+
+
 @dataclass(frozen=True)
 class Queued:
     """A begin that found its capacity group full: it holds a place in the group's queue.
@@ -444,6 +491,7 @@ def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
 __all__ = [
     "FROZEN_RUN_FIELDS",
     "LIVE_RUN_FIELDS",
+    "OPERATOR_ACTION_KINDS",
     "RUN_STATE_FIELDS",
     "AttemptKind",
     "AttemptRecord",
@@ -452,12 +500,14 @@ __all__ = [
     "DebitState",
     "EventRecord",
     "FrozenRun",
+    "HistoryPart",
     "Lease",
     "LeaseArg",
     "Left",
     "Outcome",
     "Page",
     "Queued",
+    "Retention",
     "RunRecord",
     "RunState",
     "RunStatus",

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
+import os
+import secrets
+import threading
+import time
 from decimal import Decimal
 from enum import StrEnum
 from typing import Any
@@ -279,9 +282,60 @@ def canonical_json(value: Any) -> str:
     return _CANONICAL.encode(value)
 
 
+class _Uuid7:
+    """UUIDv7 (RFC 9562) values, strictly increasing within a process.
+
+    The first 48 bits are the wall clock's Unix milliseconds, so ids made later sort later
+    (as text too: 32 lower-case hex digits) and a PostgreSQL ledger's Attempts, partitioned
+    by time, keep ids whose order is their partitions' order; the other 74 bits are random, so
+    ids stay unique across hosts. Within one millisecond, or when the clock steps back, the
+    next value is the last plus a random step (RFC 9562's monotonic random, method 2), so the
+    order within a process holds whatever the clock does. A forked child starts afresh: it
+    must not continue its parent's sequence, or both could make the same next value.
+    """
+
+    _RAND_BITS = 74
+    _STEP = 1 << 32
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0  # (ms << 74) | random: the value before the version and variant bits
+
+    def reset(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def next_hex(self) -> str:
+        ms = time.time_ns() // 1_000_000
+        with self._lock:
+            value = (ms << self._RAND_BITS) | secrets.randbits(self._RAND_BITS)
+            if value <= self._last:
+                value = self._last + 1 + secrets.randbelow(self._STEP)
+            self._last = value
+        ts = value >> self._RAND_BITS
+        rand_a = (value >> 62) & 0xFFF
+        rand_b = value & ((1 << 62) - 1)
+        whole = (ts & ((1 << 48) - 1)) << 80 | 0x7 << 76 | rand_a << 64 | 0b10 << 62 | rand_b
+        return f"{whole:032x}"
+
+
+_UUID7 = _Uuid7()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_UUID7.reset)
+
+
+def uuid7_hex() -> str:
+    """A fresh UUIDv7 as 32 hex digits: later ids sort later, within a process strictly."""
+    return _UUID7.next_hex()
+
+
 def new_id(prefix: str) -> str:
-    """A fresh identifier such as ``att-<32 hex digits>`` (a random UUID: unique across hosts)."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A fresh identifier such as ``att-<32 hex digits>``, unique across hosts.
+
+    The digits are a UUIDv7 (:func:`uuid7_hex`), so ids of one prefix sort by when they
+    were made.
+    """
+    return f"{prefix}-{uuid7_hex()}"
 
 
 def content_hash(value: Any) -> str:

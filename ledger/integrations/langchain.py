@@ -23,9 +23,11 @@ preflight, and an edited or invented ``AIMessage`` does not.
 Messages become envelope parts: system messages ``system``, human text ``user_input``, human
 images and documents (LangChain's content blocks: ``image``, ``file``, ``text-plain``) binary
 parts of class ``user_input`` (or ``document_data_class``), the model's answers (text, tool
-calls with their arguments as the model wrote them, reasoning a Responses-API route returned,
-images a model returned) ``model_derived`` with their Attempt, and tool messages
-``tool_result``, recorded through the session the first time they are sent.
+calls with their arguments as the model wrote them, the reasoning a route returned to be
+carried back — a Responses-API route's items, Anthropic's thinking blocks, Gemini's thought
+signatures, kept in ``response_metadata["ledger"]["reasoning"]`` — and images a model
+returned) ``model_derived`` with their Attempt, and tool messages ``tool_result``, recorded
+through the session the first time they are sent.
 
 A stop raises :class:`~ledger.errors.FailoverExhausted` out of the model call (and out of
 ``invoke``), or, with ``LedgerMiddleware(run, exit_behavior="end")``, ends the agent with an

@@ -19,9 +19,10 @@ Items both ways (the Responses format the SDK speaks): the instructions and ``sy
 output ``model_derived`` with the Attempt that produced it as provenance (its item ids name the
 Attempt: ``msg_<attempt>``, ``fc_<attempt>_<n>``, ``rs_<attempt>_<n>``), and
 ``function_call_output`` items ``tool_result``, recorded through the session the first time
-they are sent. A Responses-API route's reasoning comes back as a ``reasoning`` item whose
-``encrypted_content`` carries the ledger's opaque reasoning part, and goes back to that route
-only. Tool calls keep their ids across failover between protocols; a provider that gives none
+they are sent. A route's reasoning to carry back (a Responses-API route's encrypted items,
+Anthropic's thinking blocks, Gemini's thought signatures) comes back as a ``reasoning`` item
+whose ``encrypted_content`` carries the ledger's opaque reasoning part, and goes back to that
+route only. Tool calls keep their ids across failover between protocols; a provider that gives none
 (Gemini) gets one made from the Attempt, recorded.
 
 The SDK's runner and the ledger never both retry: ``ModelSettings(retry=...)`` with retries is
@@ -311,6 +312,9 @@ def _summary(data: bytes) -> str:
         item = json.loads(data).get("item", {})
     except (ValueError, AttributeError):
         return ""
+    if isinstance(item, dict) and item.get("type") == "thinking" and isinstance(
+            item.get("thinking"), str):
+        return str(item["thinking"])  # an Anthropic thinking block shows its text
     summary = item.get("summary") if isinstance(item, dict) else None
     return "".join(s.get("text", "") for s in summary if isinstance(s, dict)) \
         if isinstance(summary, list) else ""

@@ -17,8 +17,10 @@ data classes the ledger's disclosure preflight checks: system prompts and instru
 ``ModelResponse.provider_details["ledger"]``), and tool returns ``tool_result``, recorded through
 the session the first time they are sent. Images and documents in a user prompt
 (``BinaryContent``, ``ImageUrl``, ``DocumentUrl``) become binary parts of class ``user_input``
-(or the model's ``document_data_class``); a Responses-API route's reasoning comes back as a
-``ThinkingPart`` that carries it to that route on the next request; an image or a document the
+(or the model's ``document_data_class``); the reasoning a route returns to be carried back
+(a Responses-API route's encrypted items, Anthropic's thinking blocks, Gemini's thought
+signatures) comes back as a ``ThinkingPart`` (an Anthropic block's thinking as its content)
+that carries it to that route on the next request; an image or a document the
 model returned comes back as a ``FilePart`` (``BinaryImage`` for an image), ``model_derived``
 with its Attempt's provenance, and goes back as that assistant part (a file the provider
 returned as a link, which a ``FilePart`` cannot hold, is kept in the provider details). A
@@ -260,7 +262,12 @@ def _is_file(part: Part) -> bool:
 
 
 def _thinking(data: bytes) -> ThinkingPart:
-    """A carried reasoning item as a ``ThinkingPart`` (its summary as the content)."""
+    """A carried reasoning item as a ``ThinkingPart``.
+
+    Its content is what the item shows of the reasoning: a Responses item's summary, an
+    Anthropic thinking block's text; nothing for a redacted block or a Gemini thought
+    signature (which hold none).
+    """
     try:
         item = json.loads(data).get("item", {})
     except (ValueError, AttributeError):
@@ -268,6 +275,9 @@ def _thinking(data: bytes) -> ThinkingPart:
     summary = item.get("summary") if isinstance(item, dict) else None
     text = "".join(s.get("text", "") for s in summary if isinstance(s, dict)) \
         if isinstance(summary, list) else ""
+    if isinstance(item, dict) and item.get("type") == "thinking" and isinstance(
+            item.get("thinking"), str):
+        text = item["thinking"]
     return ThinkingPart(content=text, id=item.get("id") if isinstance(item, dict) else None,
                         provider_name="failover-ledger",
                         provider_details={DETAILS_KEY: {"reasoning": base64.b64encode(data)

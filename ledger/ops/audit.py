@@ -30,7 +30,14 @@ from ledger.api.calls import Awaiting, query
 from ledger.api.facade import Ledger
 from ledger.api.face import reads_of
 from ledger.domain.facts import Category, FailureFact
-from ledger.domain.records import AttemptRecord, AttemptState, Page, RunStatus, from_micros
+from ledger.domain.records import (
+    OPERATOR_ACTION_KINDS,
+    AttemptRecord,
+    AttemptState,
+    Page,
+    RunStatus,
+    from_micros,
+)
 from ledger.domain.validation import (
     Id,
     Problem,
@@ -58,8 +65,8 @@ OPEN_STATES = ("unknown", "dispatching")
 # route that cannot be used, a connection that never carried the request), not a cancellation
 # before the send.
 CAUSE_STATES = ("failed", "unknown", "rejected", "not_sent")
-#: The events :meth:`Audit.actions` lists: an operator's clear, close and evidence.
-ACTION_KINDS = ("clear_cooldown", "close", "late_receipt")
+#: The events :meth:`Audit.actions` lists: an operator's clear, close, evidence and retention.
+ACTION_KINDS = OPERATOR_ACTION_KINDS
 #: How far back :meth:`Audit.health` looks for routes skipped as unusable, by default.
 UNUSABLE_WINDOW_S = 86400.0
 #: How far back :meth:`Audit.health` takes its latency percentiles, by default.
@@ -349,8 +356,9 @@ class OperatorAction:
     """One operator's action as recorded: who, why, when, and on what.
 
     ``kind`` is ``clear_cooldown`` (``key`` the health key or group cleared), ``close`` (a
-    Run closed by hand, or by recovery past its deadline) or ``late_receipt`` (an unknown
-    Attempt settled with evidence); ``data`` is the event's whole record (what was cleared,
+    Run closed by hand, or by recovery past its deadline), ``late_receipt`` (an unknown
+    Attempt settled with evidence) or ``retention`` (history dropped: the cut-off, the
+    partitions and rows); ``data`` is the event's whole record (what was cleared,
     the statuses and fences, the evidence and the money).
     """
 
@@ -1144,13 +1152,15 @@ class Audit:
         """Operators' actions newest first, each with who and why.
 
         Cooldowns cleared (:meth:`ledger.Ledger.clear_cooldown`), Runs closed
-        (:meth:`ledger.Ledger.close_run`, and recovery past a deadline) and unknown Attempts
-        settled with evidence (:meth:`ledger.Ledger.settle_unknown`).
+        (:meth:`ledger.Ledger.close_run`, and recovery past a deadline), unknown Attempts
+        settled with evidence (:meth:`ledger.Ledger.settle_unknown`) and history dropped by
+        retention (:meth:`ledger.Ledger.drop_history`).
 
         Args:
             since: Recorded at or after this time.
             until: Recorded before this time.
-            kinds: Which of ``clear_cooldown``, ``close`` and ``late_receipt`` (default all).
+            kinds: Which of ``clear_cooldown``, ``close``, ``late_receipt`` and ``retention``
+                (default all).
             limit: Page size, 1 to 10 000.
             cursor: A page's ``next_cursor``.
 

@@ -15,6 +15,10 @@ second one) and reports figures and violations; it writes nothing. Checks:
 * capacity slots are held only by dispatching Attempts, and live slots never exceed a group's
   limit;
 * every Attempt recovery marked unknown carries its audit event.
+
+Runs that retention may have trimmed (ended, admitted before the latest ``retention`` event's
+cut-off, no open Attempt) are counted as ``trimmed_runs``: their sums and sequence numbers are
+not checked against the Attempts and debits that remain.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class Reconciliation:
         violations: Every broken invariant, one sentence each (empty when the books hold).
         cost_over_hold: Attempts whose reported cost exceeded their hold (the provider
             charged more than was reserved: worth a look, though no invariant broke).
+        trimmed_runs: Ended Runs admitted before the latest retention's cut-off
+            (:meth:`ledger.Ledger.drop_history`), some of whose Attempts may be gone: their
+            counters are not summed against their Attempts and debits, nor their sequence
+            numbers checked (every other check still holds them).
     """
 
     runs: int
@@ -52,6 +60,7 @@ class Reconciliation:
     unknown_events: int
     violations: list[str] = field(default_factory=list)
     cost_over_hold: list[str] = field(default_factory=list)
+    trimmed_runs: int = 0
 
     @property
     def ok(self) -> bool:
@@ -63,7 +72,7 @@ class Reconciliation:
         return {"runs": self.runs, "attempts": self.attempts, "by_state": self.by_state,
                 "debits": self.debits, "recoveries": self.recoveries,
                 "unknown_events": self.unknown_events, "violations": self.violations,
-                "cost_over_hold": self.cost_over_hold}
+                "cost_over_hold": self.cost_over_hold, "trimmed_runs": self.trimmed_runs}
 
     def summary(self) -> str:
         """The figures on one line, for a log or a terminal."""
@@ -99,7 +108,7 @@ def reconcile(ledger: Annotated[Ledger, instance(
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,
                           debits=fig.debits, recoveries=ev["recover"],
                           unknown_events=ev["unknown"], violations=fig.violations,
-                          cost_over_hold=fig.cost_over_hold)
+                          cost_over_hold=fig.cost_over_hold, trimmed_runs=fig.trimmed)
 
 
 __all__ = ["Reconciliation", "reconcile"]

@@ -13,6 +13,7 @@ their driver and their hot-path statements.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
@@ -26,12 +27,15 @@ if TYPE_CHECKING:
 
 
 def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
-               migrate_schema: bool = True) -> Store:
+               migrate_schema: bool = True, now: float | None = None) -> Store:
     """The store on the database at ``url`` (a SQLite file path or URL, or a
     ``postgresql+psycopg://`` URL), on the context :func:`context_class` picks.
 
     ``migrate_schema`` creates or upgrades the schema first (safe from many processes at
-    once); without it nothing is touched until the first call. ``lease_margin_s``: how long
+    once) and, on PostgreSQL, the partitions of the history for the month of ``now`` (the
+    ledger clock's time; default the system's) and the next ones
+    (:func:`ledger.storage.partitions.ensure_partitions`); without it nothing is touched until
+    the first call. ``lease_margin_s``: how long
     before its end a lease stops starting work (the clock skew between hosts the ledger
     tolerates). Arguments are checked by the caller (:meth:`ledger.Ledger.open`).
 
@@ -41,13 +45,16 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     no privilege to migrate), :class:`~ledger.errors.DatabaseUnavailable` (the database cannot
     be reached), :class:`~ledger.errors.SchemaTooNew` (migrated by a newer ledger).
     """
-    from ledger.storage import engine, migrate
+    from ledger.storage import engine, migrate, partitions
 
     norm, parsed = engine.parse(url)
     store = context_class(parsed).open(norm, parsed, lease_margin_s=lease_margin_s)
     if migrate_schema:
         try:
             migrate.upgrade(store.context, norm)
+            with engine.mapped_errors(norm):
+                partitions.ensure_partitions(store.context,
+                                             time.time() if now is None else now)
         except BaseException:
             with contextlib.suppress(Exception):  # the migration's error is the one to tell
                 store.close()

@@ -40,6 +40,9 @@ class SqlContext(abc.ABC):
 
     #: ``"sqlite"`` or ``"postgresql"``.
     backend: ClassVar[str]
+    #: Whether the history (``attempts``, ``events``) is partitioned by month
+    #: (:mod:`ledger.storage.partitions`): retention drops partitions, not rows.
+    partitioned: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, where: str, *,
                  lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> None:

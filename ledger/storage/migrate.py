@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, inspect, text
 
@@ -76,6 +76,25 @@ def script_revisions() -> tuple[str, frozenset[str]]:
         raise FileNotFoundError(f"the ledger's Alembic scripts have heads {sorted(heads)}, "
                                 "not one: reinstall the package")
     return heads.pop(), frozenset(revisions)
+
+
+def comparison_options(dialect: str) -> dict[str, Any]:
+    """Alembic's options for comparing a ``dialect`` database with the declared schema
+    (autogenerate, the schema test): types compared; the partitions of partitioned tables
+    (PostgreSQL, :mod:`ledger.storage.partitions`) are not declared tables, and a constraint
+    declared for another database only is not expected here."""
+    from ledger.storage.partitions import is_partition_name
+    from ledger.storage.schema import declared_for
+
+    def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+        return not (type_ == "table" and name is not None and is_partition_name(name))
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool,
+                       compare_to: Any) -> bool:
+        return reflected or declared_for(obj, dialect)
+
+    return {"compare_type": True, "include_name": include_name,
+            "include_object": include_object}
 
 
 def head_revision() -> str:

@@ -38,6 +38,7 @@ class PostgresContext(SqlContext):
     """One PostgreSQL database, for the queries built on it."""
 
     backend = "postgresql"
+    partitioned = True
 
     #: Notifications wake waiters at once; polling only finds slots of leases that expired.
     QUEUE_POLL_S = 1.0

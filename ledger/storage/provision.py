@@ -9,6 +9,7 @@ changes nothing; its :class:`InitReport` says what it did either way.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,7 @@ def init_database(url: str) -> InitReport:
     was created), :class:`~ledger.errors.DatabaseUnavailable` for a server that cannot be
     reached.
     """
-    from ledger.storage import DEFAULT_LEASE_MARGIN_S, context_class, engine, migrate
+    from ledger.storage import DEFAULT_LEASE_MARGIN_S, context_class, engine, migrate, partitions
 
     if not isinstance(url, str):
         raise InvalidArgument(f"url must be a string (a SQLite path or a database URL), not "
@@ -70,6 +71,8 @@ def init_database(url: str) -> InitReport:
     store = cls.open(norm, parsed, lease_margin_s=DEFAULT_LEASE_MARGIN_S)
     try:
         before = migrate.upgrade(store.context, norm)
+        with engine.mapped_errors(norm):  # the owner makes the coming months' partitions
+            partitions.ensure_partitions(store.context, time.time())
     finally:
         store.close()
     return InitReport(backend=store.backend, url=engine.redact_url(norm),

@@ -12,6 +12,7 @@ SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffic
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,8 @@ class Figures:
     # Attempts whose reported cost exceeded their hold: posted at the hold (the invariant holds)
     # but the Run really cost more than it reserved; an operator needs to know.
     cost_over_hold: list[str] = field(default_factory=list)
+    # Runs part of whose history retention dropped: their sums and sequences are not checked.
+    trimmed: int = 0
 
 
 
@@ -415,6 +418,23 @@ class RecoveryQueries:
         with self.ctx.reading() as conn:
             return [row[0] for row in conn.execute(q)]
 
+    @staticmethod
+    def _trimmed(conn: Connection, runs: Sequence[Any],
+                 by_run_att: Mapping[str, Sequence[Any]]) -> set[str]:
+        """The Runs retention may have dropped history of: admitted before the latest
+        ``retention`` event's cut-off, ended, and with no open Attempt (retention keeps every
+        row of the others, and drops no row newer than its cut-off)."""
+        e = s.events.c
+        cutoffs = [json.loads(d).get("cutoff") for d in conn.execute(
+            select(e.data).where(e.kind == "retention")).scalars()]
+        cut = max((c for c in cutoffs if isinstance(c, int | float)), default=None)
+        if cut is None:
+            return set()
+        live = {RunStatus.ADMITTED.value, RunStatus.RUNNING.value}
+        open_ = {AttemptState.UNKNOWN.value, AttemptState.DISPATCHING.value}
+        return {run.run_id for run in runs if run.created_at < cut and run.status not in live
+                and not any(a.state in open_ for a in by_run_att.get(run.run_id, ()))}
+
     def reconcile_figures(self, now: float) -> Figures:
         """Check every ledger-wide invariant on one consistent snapshot; writes nothing."""
         g = s.capacity_groups.c
@@ -441,15 +461,18 @@ class RecoveryQueries:
             for drow in debits.values():
                 fig.debits[drow.state] = fig.debits.get(drow.state, 0) + 1
             attempt_ids = {att.attempt_id for x in by_run_att.values() for att in x}
+            trimmed = self._trimmed(conn, runs, by_run_att)
+            fig.trimmed = len(trimmed)
             for drow in debits.values():
-                if drow.attempt_id not in attempt_ids:
+                if drow.attempt_id not in attempt_ids and drow.run_id not in trimmed:
                     v.append(f"debit {drow.debit_id} has no attempt")
             run_by_id = {row.run_id: row for row in runs}
             for run in runs:
                 atts = by_run_att.get(run.run_id, [])
                 reserved = posted = calls = held_tokens = 0
                 seqs = sorted(att.seq for att in atts)
-                if seqs != list(range(1, len(seqs) + 1)):
+                whole = run.run_id not in trimmed
+                if whole and seqs != list(range(1, len(seqs) + 1)):
                     v.append(f"run {run.run_id}: attempt seqs not 1..n: {seqs}")
                 for att in atts:
                     deb = debits.get(att.debit_id)
@@ -498,13 +521,14 @@ class RecoveryQueries:
                         v.append(f"{where}: a {deb.state} debit posted {deb.posted_micros}")
                     if att.fence > run.fence or (att.settle_fence or 0) > run.fence:
                         v.append(f"{where}: written under a fence above the run's")
-                if reserved != run.reserved_micros:
+                # A trimmed Run (some Attempts dropped by retention) has no sums to check.
+                if whole and reserved != run.reserved_micros:
                     v.append(f"run {run.run_id}: reserved counter {run.reserved_micros} != sum of "
                              f"reserved debits {reserved}")
-                if posted != run.posted_micros:
+                if whole and posted != run.posted_micros:
                     v.append(f"run {run.run_id}: posted counter {run.posted_micros} != sum of "
                              f"posted debits {posted}")
-                if calls != run.calls_used:
+                if whole and calls != run.calls_used:
                     v.append(f"run {run.run_id}: calls_used {run.calls_used} != {calls} attempts")
                 if held_tokens != run.tokens_reserved:
                     v.append(f"run {run.run_id}: tokens_reserved {run.tokens_reserved} != sum of "

@@ -141,7 +141,12 @@ attempts = Table(
     # spent reasoning, where the provider reports them (None: not reported).
     Column("cached_tokens", BigInteger, nullable=True),
     Column("reasoning_tokens", BigInteger, nullable=True),
-    UniqueConstraint("run_id", "seq"),
+    # On PostgreSQL the table is partitioned by created_at (migration 0008), and PostgreSQL
+    # requires the partition key in every unique key: the primary key is (attempt_id,
+    # created_at) there (PARTITIONED_KEYS) and this one (run_id, seq, created_at). A Run's seq
+    # is taken under its row lock, so it stays unique per Run all the same.
+    UniqueConstraint("run_id", "seq").ddl_if(dialect="sqlite"),
+    UniqueConstraint("run_id", "seq", "created_at").ddl_if(dialect="postgresql"),
     Index("ix_attempts_route_id_created_at", "route_id", "created_at"),
     Index("ix_attempts_group_id_created_at", "group_id", "created_at"),
     Index("ix_attempts_state_created_at", "state", "created_at"),
@@ -255,6 +260,26 @@ provenance = Table(
     PrimaryKeyConstraint("run_id", "ref", "content_hash"),
 )
 
+#: On PostgreSQL (migration 0008): the tables range-partitioned by ``created_at``, one partition
+#: per month (:mod:`ledger.storage.partitions`), with their primary keys there. The key of the
+#: declared tables above is the one SQLite has.
+PARTITIONED_KEYS: dict[str, tuple[str, ...]] = {
+    "attempts": ("attempt_id", "created_at"),
+    "events": ("event_id", "created_at"),
+}
+
+
+def declared_for(obj: Any, dialect: str) -> bool:
+    """Whether schema item ``obj`` (a constraint or index) exists on ``dialect``'s databases:
+    false for one declared for another database only (``.ddl_if(dialect=...)``). Schema
+    comparisons (Alembic's ``include_object``) skip the others."""
+    cond = getattr(obj, "_ddl_if", None)
+    wanted = getattr(cond, "dialect", None)
+    if wanted is None:
+        return True
+    return dialect == wanted if isinstance(wanted, str) else dialect in wanted
+
+
 def held_until(fence: ColumnElement[Any], run: FromClause = runs) -> ColumnElement[Any]:
     """Until when a capacity slot (or a place in a group's queue) taken under ``fence`` is in
     flight: the one definition admission, the projections, the audit and reconciliation count.
@@ -270,9 +295,11 @@ def held_until(fence: ColumnElement[Any], run: FromClause = runs) -> ColumnEleme
 
 
 __all__ = [
+    "PARTITIONED_KEYS",
     "attempts",
     "capacity_groups",
     "debits",
+    "declared_for",
     "events",
     "group_slots",
     "group_waiters",

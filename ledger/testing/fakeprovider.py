@@ -22,13 +22,17 @@ What a request gets is chosen per request, first match wins:
 Every request is recorded (:attr:`FakeProvider.requests`) with its headers and body, so a test can
 assert what was, or was not, sent. The fake checks what it receives as a provider would: an
 image or a document that is not valid base64 or not what its media type says, a file without
-its name, a Responses-API reasoning item another model wrote, a ``previous_response_id`` it never
+its name, a Responses-API reasoning item another model wrote, an Anthropic thinking block or a
+Gemini thought signature it did not write (or, where the API requires them, their absence:
+see :mod:`ledger.testing.fakewire`), a ``previous_response_id`` it never
 stored get a 400 in the protocol's error shape (``ReceivedRequest.problem`` says why), and the
 images and documents a request carried are decoded into ``ReceivedRequest.media`` (with the
 role of the message that carried them). ``Behavior(image_out=(media_type, bytes))`` answers
 with an image as each protocol with image output frames it (Gemini ``inlineData``, the Responses
 API's ``image_generation_call``, the chat-completions gateways' ``message.images``), streamed or
-not; Anthropic's answers carry none, as the Messages API's do not.
+not; Anthropic's answers carry none, as the Messages API's do not. ``Behavior(reasoning=...)``
+answers with reasoning to carry back, each protocol's way (a Responses reasoning item, an
+Anthropic thinking block, a Gemini thought signature).
 Connection-level faults that act before any request is read (``reset_next_connections``) are
 separate because they cannot be chosen by request content.
 
@@ -54,7 +58,13 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import quote, quote_plus, unquote, urlsplit
 
-from ledger.testing.fakewire import BadRequest, ReceivedMedia, check, reasoning_secret
+from ledger.testing.fakewire import (
+    BadRequest,
+    ReceivedMedia,
+    check,
+    reasoning_secret,
+    thought_signature,
+)
 
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 32 * 1024 * 1024
@@ -123,9 +133,15 @@ class Behavior:
     tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
     raw: tuple[bytes, ...] = ()  # RAW: the bytes to write, one write per item
     raw_hold: bool = False  # RAW: keep the connection open (sending nothing) after writing
-    # The Responses API: answer with a reasoning item whose summary is this text, "encrypted"
-    # for the requested model (only that model's requests may carry it back).
+    # Answer with reasoning, "encrypted" or signed for the requested model (only that model's
+    # requests may carry it back): the Responses API a reasoning item whose summary is this
+    # text; Anthropic a thinking block of this text, signed, before the text (and before the
+    # tool_use); Gemini a thoughtSignature on the first functionCall part (on the last text
+    # part without a call; in a stream, on an empty text part of the last chunk). Chat
+    # completions: ignored.
     reasoning: str | None = None
+    # Anthropic, with reasoning: a redacted_thinking block too, after the thinking block.
+    redacted_thinking: bool = False
     # The parts of the prompt read from the cache and of the completion spent reasoning, as each
     # protocol reports them (the Responses API's input_tokens_details.cached_tokens and
     # output_tokens_details.reasoning_tokens, chat completions' prompt_tokens_details and
@@ -1007,6 +1023,8 @@ class _Answer:
     incomplete: bool = False  # stopped at the output limit (Fault.INCOMPLETE)
     reasoning: str | None = None  # a Responses reasoning item's summary
     secret: str = ""  # its "encrypted" content, readable by the requested model only
+    requested: str | None = None  # the model the request named (signatures are for it)
+    redacted: bool = False  # Anthropic: a redacted_thinking block after the thinking block
     cached_tokens: int = 0
     reasoning_tokens: int = 0
     image: tuple[str, bytes] | None = None  # (media type, bytes) of an image in the answer
@@ -1027,10 +1045,29 @@ class _Answer:
             incomplete=b.fault is Fault.INCOMPLETE,
             reasoning=b.reasoning,
             secret=reasoning_secret(req.model, b.reasoning) if b.reasoning else "",
+            requested=req.model,
+            redacted=b.redacted_thinking,
             cached_tokens=b.cached_tokens,
             reasoning_tokens=b.reasoning_tokens,
             image=b.image_out,
         )
+
+    def _thinking_blocks(self) -> list[dict[str, Any]]:
+        """Anthropic: the answer's thinking block (signed: its text is checked unchanged)."""
+        if not self.reasoning:
+            return []
+        blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": self.reasoning,
+                                         "signature": self.secret}]
+        if self.redacted:
+            blocks.append({"type": "redacted_thinking",
+                           "data": reasoning_secret(self.requested, "redacted")})
+        return blocks
+
+    def _signature(self, part: str) -> dict[str, str]:
+        """Gemini: the thoughtSignature of the answer's ``part`` (a function name, ``text``)."""
+        if not self.reasoning:
+            return {}
+        return {"thoughtSignature": thought_signature(self.requested, part, self.reasoning)}
 
     @property
     def image_b64(self) -> str:
@@ -1136,7 +1173,8 @@ class _Answer:
             return self._response("incomplete" if self.incomplete else "completed",
                                   self._responses_items())
         if protocol == "anthropic":
-            content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
+            content: list[dict[str, Any]] = [*self._thinking_blocks(),
+                                             {"type": "text", "text": self.text}]
             if self.tool:
                 content.append(
                     {
@@ -1156,11 +1194,13 @@ class _Answer:
                 "usage": self._anthropic_usage(ct),
             }
         if protocol == "gemini":
-            parts: list[dict[str, Any]] = [{"text": self.text}]
+            parts: list[dict[str, Any]] = [
+                {"text": self.text, **({} if self.tool else self._signature("text"))}]
             if self.image:
                 parts.append(self._gemini_image())
             if self.tool:
-                parts.append({"functionCall": {"name": self.tool[0], "args": self.tool[1]}})
+                parts.append({"functionCall": {"name": self.tool[0], "args": self.tool[1]},
+                              **self._signature(self.tool[0])})
             return {
                 "candidates": [
                     {
@@ -1295,12 +1335,36 @@ class _Answer:
                     False,
                 )
             )
+            # Thinking blocks first, as the Messages API streams them: the thinking text in
+            # deltas, then its signature in a signature_delta (not content: not answer text).
+            thinking = self._thinking_blocks()
+            for n, block in enumerate(thinking):
+                if block["type"] == "redacted_thinking":
+                    out.append((sse({"type": "content_block_start", "index": n,
+                                     "content_block": block}, "content_block_start"),
+                                False, False))
+                else:
+                    text = block["thinking"]
+                    out.append((sse({"type": "content_block_start", "index": n,
+                                     "content_block": {"type": "thinking", "thinking": ""}},
+                                    "content_block_start"), False, False))
+                    for frag in (text[: len(text) // 2], text[len(text) // 2:]):
+                        out.append((sse({"type": "content_block_delta", "index": n,
+                                         "delta": {"type": "thinking_delta", "thinking": frag}},
+                                        "content_block_delta"), False, False))
+                    out.append((sse({"type": "content_block_delta", "index": n,
+                                     "delta": {"type": "signature_delta",
+                                               "signature": block["signature"]}},
+                                    "content_block_delta"), False, False))
+                out.append((sse({"type": "content_block_stop", "index": n},
+                                "content_block_stop"), False, False))
+            k = len(thinking)
             out.append(
                 (
                     sse(
                         {
                             "type": "content_block_start",
-                            "index": 0,
+                            "index": k,
                             "content_block": {"type": "text", "text": ""},
                         },
                         "content_block_start",
@@ -1316,7 +1380,7 @@ class _Answer:
                         sse(
                             {
                                 "type": "content_block_delta",
-                                "index": 0,
+                                "index": k,
                                 "delta": {"type": "text_delta", "text": piece},
                             },
                             "content_block_delta",
@@ -1327,7 +1391,7 @@ class _Answer:
                 )
             out.append(
                 (
-                    sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+                    sse({"type": "content_block_stop", "index": k}, "content_block_stop"),
                     False,
                     False,
                 )
@@ -1339,7 +1403,7 @@ class _Answer:
                         sse(
                             {
                                 "type": "content_block_start",
-                                "index": 1,
+                                "index": k + 1,
                                 "content_block": {
                                     "type": "tool_use",
                                     "id": "toolu_fake_1",
@@ -1360,7 +1424,7 @@ class _Answer:
                             sse(
                                 {
                                     "type": "content_block_delta",
-                                    "index": 1,
+                                    "index": k + 1,
                                     "delta": {"type": "input_json_delta", "partial_json": frag},
                                 },
                                 "content_block_delta",
@@ -1371,7 +1435,7 @@ class _Answer:
                     )
                 out.append(
                     (
-                        sse({"type": "content_block_stop", "index": 1}, "content_block_stop"),
+                        sse({"type": "content_block_stop", "index": k + 1}, "content_block_stop"),
                         False,
                         False,
                     )
@@ -1411,8 +1475,13 @@ class _Answer:
                 last = i == len(self.pieces) - 1
                 if last and self.tool:
                     chunk["candidates"][0]["content"]["parts"].append(
-                        {"functionCall": {"name": self.tool[0], "args": self.tool[1]}}
+                        {"functionCall": {"name": self.tool[0], "args": self.tool[1]},
+                         **self._signature(self.tool[0])}
                     )
+                elif last and self.reasoning:
+                    # Without a call, the signature comes on an empty text part at the end.
+                    chunk["candidates"][0]["content"]["parts"].append(
+                        {"text": "", **self._signature("text")})
                 if last:
                     chunk["candidates"][0]["finishReason"] = self.finish(protocol)
                     chunk["usageMetadata"] = self._gemini_usage()

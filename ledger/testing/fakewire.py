@@ -3,7 +3,14 @@
 A real provider refuses a request whose image is not base64, whose document has no file name,
 or whose reasoning item another account wrote; so does the fake, with a 400 in the protocol's
 own error shape, so a codec that sends something a provider would refuse fails its tests.
-Standard library only, like the fake itself.
+Reasoning it checks as each provider does: a Responses-API reasoning item, an Anthropic
+``thinking`` block (its ``signature``) or ``redacted_thinking`` block, a Gemini
+``thoughtSignature`` must be one the fake wrote for the requested model (and, for a thinking
+block, its text unchanged; for a signature, on the part it was written for); with Anthropic's
+``thinking`` enabled, the last assistant message that holds ``tool_use`` must start with its
+thinking block; for a Gemini thinking model (a request with ``generationConfig.thinkingConfig``,
+or a ``gemini-3`` model), each ``model`` turn of the current turn that calls functions must
+carry the signature on its first ``functionCall`` part. Standard library only, like the fake.
 """
 
 from __future__ import annotations
@@ -43,6 +50,26 @@ class BadRequest(ValueError):
 def reasoning_secret(model: str | None, text: str) -> str:
     """The fake's "encrypted" reasoning: readable back only by the same model."""
     return f"enc:{model}:" + base64.b64encode(text.encode()).decode()
+
+
+def thought_signature(model: str | None, part: str, text: str) -> str:
+    """The fake's Gemini thought signature for the answer's ``part``.
+
+    ``part`` is a function's name or ``text``: the signature is readable back only by the
+    same model, on a part of that name.
+    """
+    return reasoning_secret(model, f"{part}|{text}")
+
+
+def _signed_for(signature: Any, model: str | None) -> str | None:
+    """What the fake signed in ``signature`` for ``model``, or ``None``: not its own."""
+    prefix = f"enc:{model}:"
+    if not isinstance(signature, str) or not signature.startswith(prefix):
+        return None
+    try:
+        return base64.b64decode(signature[len(prefix):], validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
 
 
 def _b64(value: Any, where: str) -> bytes:
@@ -114,9 +141,9 @@ def check(protocol: str | None, body: bytes, model: str | None) -> list[Received
     if protocol == "openai_responses":
         return _responses(obj, model)
     if protocol == "anthropic":
-        return _anthropic(obj)
+        return _anthropic(obj, model)
     if protocol == "gemini":
-        return _gemini(obj)
+        return _gemini(obj, model)
     return []
 
 
@@ -226,9 +253,48 @@ def _responses_content(item: dict[str, Any], where: str, role: str) -> list[Rece
     raise BadRequest(f"{where}: unknown content type {kind!r}")
 
 
-def _anthropic(obj: dict[str, Any]) -> list[ReceivedMedia]:
+def _anthropic_thinking(block: dict[str, Any], where: str, role: Any,
+                        model: str | None) -> None:
+    """A ``thinking`` / ``redacted_thinking`` block must be one the fake wrote, unchanged."""
+    kind = block.get("type")
+    if role != "assistant":
+        raise BadRequest(f"{where}: {kind} blocks belong in assistant messages")
+    if kind == "thinking":
+        text = block.get("thinking")
+        if not isinstance(text, str) or block.get("signature") != reasoning_secret(model, text):
+            raise BadRequest(f"{where}: Invalid `signature` in `thinking` block")
+    elif _signed_for(block.get("data"), model) is None:
+        raise BadRequest(f"{where}: Invalid `data` in `redacted_thinking` block")
+
+
+def _anthropic_tool_turn(messages: list[Any], obj: dict[str, Any]) -> None:
+    """With thinking enabled, the last assistant message that uses tools opens with thinking."""
+    thinking = obj.get("thinking")
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return
+    for i in range(len(messages) - 1, -1, -1):
+        msg = messages[i]
+        if not isinstance(msg, dict) or msg.get("role") != "assistant":
+            continue
+        content = msg.get("content")
+        if not isinstance(content, list) or not any(
+                isinstance(b, dict) and b.get("type") == "tool_use" for b in content):
+            return
+        first = content[0].get("type") if isinstance(content[0], dict) else None
+        if first not in ("thinking", "redacted_thinking"):
+            raise BadRequest(
+                f"messages.{i}.content.0.type: Expected `thinking` or `redacted_thinking`, but "
+                f"found `{first}`. When `thinking` is enabled, a final `assistant` message must "
+                "start with a thinking block (preceeding the lastmost set of `tool_use` and "
+                "`tool_result` blocks). We recommend you include thinking blocks from previous "
+                "turns. To avoid this requirement, disable `thinking`.")
+        return
+
+
+def _anthropic(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
-    for i, raw in enumerate(_list(obj.get("messages"), "messages")):
+    messages = _list(obj.get("messages"), "messages")
+    for i, raw in enumerate(messages):
         msg = _obj(raw, f"messages[{i}]")
         content = msg.get("content")
         if not isinstance(content, list):
@@ -237,6 +303,9 @@ def _anthropic(obj: dict[str, Any]) -> list[ReceivedMedia]:
             where = f"messages.{i}.content.{j}"
             block = _obj(rb, where)
             kind = block.get("type")
+            if kind in ("thinking", "redacted_thinking"):
+                _anthropic_thinking(block, where, msg.get("role"), model)
+                continue
             if kind not in ("image", "document"):
                 continue
             if msg.get("role") != "user":
@@ -265,12 +334,61 @@ def _anthropic(obj: dict[str, Any]) -> list[ReceivedMedia]:
                                            block.get("title"), "user"))
             else:
                 raise BadRequest(f"{where}.source.type: {stype!r} is not valid here")
+    _anthropic_tool_turn(messages, obj)
     return media
 
 
-def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
+def _gemini_signature(part: dict[str, Any], where: str, role: str,
+                      model: str | None) -> None:
+    """A ``thoughtSignature`` must be one the fake wrote for this model and this part."""
+    signature = part.get("thoughtSignature", part.get("thought_signature"))
+    if signature is None:
+        return
+    call = part.get("functionCall", part.get("function_call"))
+    name = call.get("name") if isinstance(call, dict) else "text" if "text" in part else None
+    signed = _signed_for(signature, model)
+    if role != "model" or name is None or signed is None or not signed.startswith(
+            f"{name}|"):
+        raise BadRequest(f"{where}: Unable to verify thought signature (it was not written "
+                         "for this model and this part)")
+
+
+def _gemini_thinking(obj: dict[str, Any], model: str | None) -> bool:
+    config = obj.get("generationConfig")
+    return (isinstance(config, dict) and config.get("thinkingConfig") is not None) or (
+        (model or "").removeprefix("models/").startswith("gemini-3"))
+
+
+def _gemini_current_turn(contents: list[Any]) -> None:
+    """Each model turn since the last user text calls functions with its signature first."""
+    start = 0
+    for i, content in enumerate(contents):
+        parts = content.get("parts") if isinstance(content, dict) else None
+        if isinstance(content, dict) and content.get("role", "user") == "user" and isinstance(
+                parts, list) and any(isinstance(p, dict) and "functionResponse" not in p
+                                     and "function_response" not in p for p in parts):
+            start = i
+    for i in range(start, len(contents)):
+        content = contents[i]
+        if content.get("role") != "model":
+            continue
+        for j, part in enumerate(content.get("parts") or []):
+            call = part.get("functionCall", part.get("function_call"))
+            if not isinstance(call, dict):
+                continue
+            if "thoughtSignature" not in part and "thought_signature" not in part:
+                raise BadRequest(
+                    "Function call is missing a thought_signature in functionCall parts. This "
+                    "is required for tools to work correctly. Additional data, function call "
+                    f"`default_api:{call.get('name')}` , position {j + 1} of contents[{i}]. "
+                    "Please refer to https://ai.google.dev/gemini-api/docs/thought-signatures")
+            break  # only the first call of a step carries it
+
+
+def _gemini(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
-    for i, raw in enumerate(_list(obj.get("contents"), "contents")):
+    contents = _list(obj.get("contents"), "contents")
+    for i, raw in enumerate(contents):
         content = _obj(raw, f"contents[{i}]")
         role = content.get("role", "user")
         if role not in ("user", "model"):
@@ -278,6 +396,7 @@ def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
         for j, rp in enumerate(_list(content.get("parts"), f"contents[{i}].parts")):
             where = f"contents[{i}].parts[{j}]"
             part = _obj(rp, where)
+            _gemini_signature(part, where, role, model)
             inline = part.get("inline_data", part.get("inlineData"))
             if inline is not None:
                 inline = _obj(inline, f"{where}.inline_data")
@@ -297,7 +416,9 @@ def _gemini(obj: dict[str, Any]) -> list[ReceivedMedia]:
                 if mt not in _IMAGES + _DOCUMENTS:
                     raise BadRequest(f"{where}.file_data.mime_type: unsupported {mt!r}")
                 media.append(ReceivedMedia(mt, None, uri, role=role))
+    if _gemini_thinking(obj, model):
+        _gemini_current_turn(contents)
     return media
 
 
-__all__ = ["BadRequest", "ReceivedMedia", "check", "reasoning_secret"]
+__all__ = ["BadRequest", "ReceivedMedia", "check", "reasoning_secret", "thought_signature"]

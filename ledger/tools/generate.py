@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.api.turn import execute
 from ledger.clock import ManualClock
 from ledger.decide.effects import Dispatch, SendResult
@@ -51,6 +52,7 @@ from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted, InvalidArgument
 from ledger.policy.load import policy_hash, preset
 from ledger.policy.model import Policy
+from ledger.storage.partitions import ensure_partitions
 
 Progress = Callable[[int, int], None]
 
@@ -356,6 +358,9 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     rng = random.Random(seed)
     span = days * 86400.0
     stats = GenStats(since=end - span, until=end)
+    # On PostgreSQL, the history's months get their partitions first, as a ledger that lived
+    # through them has (an open makes only the coming months').
+    ensure_partitions(storage_of(led).context, end, since=stats.since)
     # Runs start over the span but the last minutes, so that the last ones end by ``end``.
     starts = span - min(_TAIL_S, span / 10)
     gen = _Generator(led, clock, rng, attempts=attempts, stats=stats,

@@ -14,7 +14,12 @@ from sqlalchemy import create_engine, inspect, text
 from ledger.api.facade import Ledger
 from ledger.errors import DatabaseSetupError, DatabaseUnavailable, InvalidArgument, SchemaTooNew
 from ledger.storage.engine import normalize_url
-from ledger.storage.migrate import alembic_config, head_revision, script_revisions
+from ledger.storage.migrate import (
+    alembic_config,
+    comparison_options,
+    head_revision,
+    script_revisions,
+)
 from ledger.storage.schema import metadata
 
 from .helpers import collect, spawn
@@ -24,7 +29,8 @@ def _diff(url: str) -> list[object]:
     eng = create_engine(normalize_url(url))
     try:
         with eng.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+            ctx = MigrationContext.configure(
+                conn, opts=comparison_options(conn.dialect.name))
             return list(compare_metadata(ctx, metadata))
     finally:
         eng.dispose()

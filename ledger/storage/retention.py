@@ -1,0 +1,241 @@
+"""Retention: dropping the history of finished Runs older than a cut-off.
+
+On PostgreSQL the history (``attempts``, ``events``) is partitioned by month
+(:mod:`ledger.storage.partitions`) and retention drops whole partitions: each one whose month
+ends at or before the cut-off is detached and dropped, unless a row of a *held* Run is inside.
+Rows of such old months that sit in a default partition (written while their month had no
+partition) are first moved into a partition of their own.
+On SQLite, which has no partitions, it deletes the same rows one by one: those older than the
+cut-off whose Run is not held. Either way, in one transaction with a ``retention`` event that
+records who, why, the cut-off and what went.
+
+A Run is held while it is live (``admitted`` or ``running``: its executor may still write to
+it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an operator may still
+settle it with evidence, and its story must be whole for that). The events of operators'
+actions (:data:`~ledger.domain.records.OPERATOR_ACTION_KINDS`) are never dropped: on
+PostgreSQL those of a dropped partition are copied back first, into the default partition (no
+month partition covers their time any more). Runs, debits and provenance are not touched.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, select, text
+
+from ledger.domain.records import (
+    OPERATOR_ACTION_KINDS,
+    AttemptState,
+    EventRecord,
+    HistoryPart,
+    Retention,
+    RunStatus,
+)
+from ledger.storage import partitions as parts
+from ledger.storage import schema as s
+from ledger.storage.context import ClockFn, SqlContext
+from ledger.storage.encode import event_json
+
+#: How long a retention run waits for a table's lock before it gives up (and changes nothing).
+LOCK_TIMEOUT = "10s"
+
+_OPEN = tuple(v.value for v in (AttemptState.UNKNOWN, AttemptState.DISPATCHING))
+_LIVE = tuple(v.value for v in (RunStatus.ADMITTED, RunStatus.RUNNING))
+_SETS = {"open": list(_OPEN), "live": list(_LIVE), "actions": list(OPERATOR_ACTION_KINDS)}
+# The runs a retention run keeps whole: live, or with an open Attempt (sql, on any backend).
+_HELD_RUNS = ("SELECT run_id FROM runs WHERE status = ANY(:live) "
+              "UNION SELECT run_id FROM attempts WHERE state = ANY(:open)")
+
+
+def _in(sql: str) -> str:
+    """``sql`` with ``= ANY(:name)`` spelled for SQLite (``IN`` over an expanding list)."""
+    return sql.replace("= ANY(:live)", "IN :live").replace("= ANY(:open)", "IN :open") \
+        .replace("= ANY(:actions)", "IN :actions")
+
+
+class RetentionQueries:
+    """Retention on one ledger database (see the module docstring)."""
+
+    def __init__(self, ctx: SqlContext) -> None:
+        self.ctx = ctx
+
+    def run(self, older_than_s: float, clock: ClockFn, *, by: str, reason: str,
+            dry_run: bool) -> Retention:
+        """Drop (``dry_run``: only find) the history older than ``older_than_s`` before the
+        ledger clock's now, and record a ``retention`` event in the same transaction. On
+        PostgreSQL the coming months' partitions are made first (not in a dry run)."""
+        if self.ctx.partitioned:
+            if not dry_run:
+                parts.ensure_partitions(self.ctx, clock())
+            return self._partitions(older_than_s, clock, by, reason, dry_run)
+        return self._rows(older_than_s, clock, by, reason, dry_run)
+
+    # -- PostgreSQL: whole partitions -----------------------------------------------------
+
+    def _partitions(self, older_than_s: float, clock: ClockFn, by: str, reason: str,
+                    dry_run: bool) -> Retention:
+        with self.ctx.writing() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            now = clock()
+            cutoff = now - older_than_s
+            _split_default(conn, cutoff)
+            dropped: list[HistoryPart] = []
+            kept: list[HistoryPart] = []
+            # First every check, each old partition locked against inserts (only a write
+            # with a back-dated clock goes there); then the detaches, which lock the whole
+            # table until commit: the writes of the ledger wait only for the drops.
+            for table in parts.PARTITIONED:
+                for p in parts.partitions(conn, table):
+                    if p.until is None or p.until > cutoff:
+                        continue
+                    conn.execute(text(f'LOCK TABLE "{p.name}" IN SHARE MODE'))
+                    # An events partition's operator actions are kept: not counted as gone.
+                    gone = " WHERE kind <> ALL(:actions)" if table == "events" else ""
+                    rows = int(conn.execute(text(f'SELECT count(*) FROM "{p.name}"{gone}'),
+                                            _SETS).scalar_one())
+                    held = _held(conn, table, p.name)
+                    part = HistoryPart(table, p.name, p.since, p.until, rows, held)
+                    (kept if held else dropped).append(part)
+            actions = int(conn.execute(text(
+                "SELECT count(*) FROM events WHERE created_at < :cut AND kind = ANY(:actions)"),
+                {"cut": cutoff, **_SETS}).scalar_one())
+            if dry_run:
+                conn.rollback()
+                return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
+            if dropped:  # both at once, in the order the ledger's writes take them
+                conn.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
+            for part in dropped:
+                conn.execute(text(f'ALTER TABLE "{part.table}" DETACH PARTITION '
+                                  f'"{part.partition}"'))
+                if part.table == "events":
+                    conn.execute(text(f'INSERT INTO events SELECT * FROM "{part.partition}" '
+                                      "WHERE kind = ANY(:actions)"), _SETS)
+                conn.execute(text(f'DROP TABLE "{part.partition}"'))
+            event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
+                                                    kept, actions), now)
+        if dropped:
+            # Autovacuum analyzes the partitions, never a partitioned table itself: its
+            # statistics (what the planner estimates joins with) would go on counting the
+            # dropped months. ANALYZE does not block the ledger's writes.
+            with self.ctx.writing() as conn:
+                conn.execute(text("ANALYZE attempts, events"))
+        return Retention(cutoff, older_than_s, False, dropped, kept, actions, event)
+
+    # -- SQLite: rows ---------------------------------------------------------------------
+
+    def _rows(self, older_than_s: float, clock: ClockFn, by: str, reason: str,
+              dry_run: bool) -> Retention:
+        where = {
+            "attempts": f"created_at < :cut AND run_id NOT IN ({_HELD_RUNS})",
+            "events": f"created_at < :cut AND kind NOT IN :actions "
+                      f"AND (run_id IS NULL OR run_id NOT IN ({_HELD_RUNS}))",
+        }
+        held_where = {
+            "attempts": f"created_at < :cut AND run_id IN ({_HELD_RUNS})",
+            "events": f"created_at < :cut AND kind NOT IN :actions AND run_id IN ({_HELD_RUNS})",
+        }
+        with self.ctx.writing() as conn:
+            now = clock()
+            cutoff = now - older_than_s
+            args = {"cut": cutoff, **_SETS}
+            dropped: list[HistoryPart] = []
+            kept: list[HistoryPart] = []
+            for table in parts.PARTITIONED:
+                n = _count(conn, table, where[table], args)
+                if n:
+                    dropped.append(HistoryPart(table, None, None, cutoff, n))
+                h = _count(conn, table, held_where[table], args)
+                if h:
+                    kept.append(HistoryPart(table, None, None, cutoff, h,
+                                            "rows of live runs or of runs with an open attempt"))
+            actions = _count(conn, "events", "created_at < :cut AND kind IN :actions", args)
+            if dry_run:
+                conn.rollback()
+                return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
+            for table in parts.PARTITIONED:
+                conn.execute(_expanding(f"DELETE FROM {table} WHERE {where[table]}"), args)
+            event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
+                                                    kept, actions), now)
+        return Retention(cutoff, older_than_s, False, dropped, kept, actions, event)
+
+
+def _split_default(conn: Connection, cutoff: float) -> None:
+    """Give each month that ended by ``cutoff`` and has rows in a default partition (written
+    while no partition of its month existed) its own partition, so retention can drop it
+    like any other: rows never stay in a default partition for ever."""
+    for table in parts.PARTITIONED:
+        have = {p.name: p for p in parts.partitions(conn, table)}
+        if f"{table}_default" not in have:
+            continue
+        # Operators' actions a dropped partition left in the default one stay there.
+        actions = " AND kind <> ALL(:actions)" if table == "events" else ""
+        months = conn.execute(text(
+            "SELECT DISTINCT extract(year FROM t)::int, extract(month FROM t)::int FROM ("
+            "SELECT to_timestamp(created_at) AT TIME ZONE 'UTC' AS t "
+            f'FROM "{table}_default" WHERE created_at < :cut{actions}) AS m'),
+            {"cut": cutoff, **_SETS}).all()
+        for y, m in months:
+            if parts.month_range(y, m)[1] <= cutoff and \
+                    parts.partition_name(table, y, m) not in have:
+                parts.create_partition(conn, table, y, m)
+
+
+def _held(conn: Connection, table: str, name: str) -> str | None:
+    """Why partition ``name`` of ``table`` must stay (``None``: it may go). Each probe starts
+    from the few held Runs and open Attempts and uses the partition's indexes."""
+    reasons = []
+    if table == "attempts":
+        n = conn.execute(text(f'SELECT count(*) FROM "{name}" WHERE state = ANY(:open)'),
+                         _SETS).scalar_one()
+        if n:
+            reasons.append(f"{n} open (unknown or dispatching) attempt(s)")
+    n = conn.execute(text(
+        f'SELECT count(DISTINCT r.run_id) FROM runs r WHERE r.status = ANY(:live) '
+        f'AND EXISTS (SELECT 1 FROM "{name}" x WHERE x.run_id = r.run_id)'), _SETS).scalar_one()
+    if n:
+        reasons.append(f"rows of {n} live run(s)")
+    n = conn.execute(text(
+        f'SELECT count(DISTINCT o.run_id) FROM attempts o WHERE o.state = ANY(:open) '
+        f'AND EXISTS (SELECT 1 FROM "{name}" x WHERE x.run_id = o.run_id)'), _SETS).scalar_one()
+    if n:
+        reasons.append(f"rows of {n} run(s) with an open attempt")
+    return "; ".join(reasons) or None
+
+
+def _record(conn: Connection, data: dict[str, Any], now: float) -> EventRecord:
+    """The ``retention`` event (of no Run), written on ``conn``; returned as recorded."""
+    key = conn.execute(s.events.insert().values(
+        run_id=None, attempt_id=None, kind="retention", data=event_json(data), created_at=now,
+    )).inserted_primary_key
+    assert key is not None  # an INSERT of one row always has its key
+    stored = conn.execute(select(s.events.c.data).where(s.events.c.event_id == key[0])
+                          ).scalar_one()
+    return EventRecord(int(key[0]), None, None, "retention", json.loads(stored), now)
+
+
+def _expanding(sql: str) -> Any:
+    sql = _in(sql)
+    return text(sql).bindparams(*(bindparam(k, expanding=True) for k in _SETS
+                                  if f":{k}" in sql))
+
+
+def _count(conn: Connection, table: str, where: str, args: dict[str, Any]) -> int:
+    return int(conn.execute(_expanding(f"SELECT count(*) FROM {table} WHERE {where}"),
+                            args).scalar_one())
+
+
+def _data(by: str, reason: str, older_than_s: float, cutoff: float,
+          dropped: list[HistoryPart], kept: list[HistoryPart], actions: int) -> dict[str, Any]:
+    def part(p: HistoryPart) -> dict[str, Any]:
+        out = {"table": p.table, "partition": p.partition, "since": p.since,
+               "until": p.until, "rows": p.rows}
+        return out if p.held is None else {**out, "held": p.held}
+
+    return {"by": by, "reason": reason, "older_than_s": older_than_s, "cutoff": cutoff,
+            "dropped": [part(p) for p in dropped], "kept": [part(p) for p in kept],
+            "rows": {t: sum(p.rows for p in dropped if p.table == t) for t in parts.PARTITIONED},
+            "actions_kept": actions}
+
+
+__all__ = ["LOCK_TIMEOUT", "RetentionQueries"]

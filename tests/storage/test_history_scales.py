@@ -1,0 +1,415 @@
+"""History that scales: time-ordered attempt ids, PostgreSQL's monthly partitions of the
+history (migration 0008, converting an existing ledger), and retention on both backends."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from ledger import Budget, Price, Route
+from ledger.api.facade import Ledger
+from ledger.cli.main import main
+from ledger.clock import ManualClock
+from ledger.domain import values
+from ledger.domain.facts import Category, FailureFact, Phase
+from ledger.domain.values import new_id
+from ledger.errors import InvalidArgument
+from ledger.ops.audit import Audit, to_jsonable
+from ledger.ops.reconcile import reconcile
+from ledger.storage import partitions
+from ledger.storage.engine import normalize_url
+from ledger.storage.migrate import alembic_config
+
+from .test_schema import _diff
+
+ROUTE = Route(id="a", provider="p", model="m", group="g", recipient="p", price=Price())
+HASH = "sha256:" + "d" * 64
+FACT = FailureFact(category=Category.SERVER_ERROR, status=500, phase=Phase.AFTER_HEADERS)
+
+
+def _t(y: int, m: int, d: int = 10) -> float:
+    return datetime(y, m, d, 12, tzinfo=UTC).timestamp()
+
+
+# -- ids that sort by time ------------------------------------------------------------------
+
+
+def test_attempt_ids_made_in_time_order_sort_in_time_order(monkeypatch: Any) -> None:
+    made = [new_id("att") for _ in range(20_000)]
+    assert made == sorted(made) and len(set(made)) == len(made)
+    u = uuid.UUID(made[-1].removeprefix("att-"))
+    assert u.version == 7 and u.variant == uuid.RFC_4122
+    # Its first 48 bits are the wall clock's milliseconds.
+    assert abs((u.int >> 80) / 1000 - datetime.now(UTC).timestamp()) < 60
+    # A clock that steps back, or stands still, does not break the order within a process.
+    steps = iter([2_000_000_000_000_000_000, 1_000_000_000_000_000_000,
+                  1_000_000_000_000_000_000, 3_000_000_000_000_000_000])
+    monkeypatch.setattr(values.time, "time_ns", lambda: next(steps))
+    stepped = [new_id("att") for _ in range(4)]
+    assert stepped == sorted(stepped) and len(set(stepped)) == 4
+    assert made[-1] < stepped[0]
+
+
+def test_attempts_the_ledger_names_sort_in_the_order_they_began(db_url: str) -> None:
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(db_url, clock=clock) as led:
+        led.admit_run("r", plan=[ROUTE], budget=Budget(max_calls=50, max_retries=0, max_cost=1))
+        lease = led.acquire_lease("r", ttl_s=3600)
+        for _ in range(30):
+            att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.001")
+            led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        ids = [a.attempt_id for a in sorted(led.timeline("r"), key=lambda a: a.seq)]
+    assert ids == sorted(ids) and all(i.startswith("att-") and len(i) == 36 for i in ids)
+
+
+# -- a history to keep, convert and drop ---------------------------------------------------
+
+
+def _history(led: Ledger, clock: ManualClock) -> None:
+    """Runs in January (finished), February (finished, one Attempt unknown), March (still
+    live) and July (finished); a January Run closed by an operator; a cooldown cleared."""
+    budget = Budget(max_calls=9, max_retries=0, max_cost=1)
+
+    def run(name: str, when: float, outcomes: list[str], finish: bool) -> Any:
+        clock.set(when)
+        led.admit_run(name, plan=[ROUTE], budget=budget)
+        lease = led.acquire_lease(name, ttl_s=3600)
+        for k, outcome in enumerate(outcomes):
+            att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01",
+                                    attempt_id=f"{name}-{k}")
+            clock.advance(2.0)
+            led.settle_attempt(lease, att.attempt_id, outcome=outcome,
+                               fact=FACT if outcome == "failed" else None)
+        if finish:
+            led.finish_run(lease, "succeeded" if outcome == "succeeded" else "failed")
+            led.release_lease(lease)
+        return lease
+
+    run("jan", _t(2026, 1), ["failed", "succeeded"], True)
+    led.release_lease(run("jan-closed", _t(2026, 1, 12), ["failed"], False))  # left running
+    clock.set(_t(2026, 1, 20))
+    led.close_run("jan-closed", status="failed", reason="host gone", by="ops")
+    run("feb-unknown", _t(2026, 2), ["failed", "unknown"], True)
+    run("mar-live", _t(2026, 3), ["succeeded"], False)
+    run("jul", _t(2026, 7), ["succeeded"], True)
+
+
+def _count(url: str, sql: str) -> int:
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.connect() as conn:
+            return int(conn.execute(text(sql)).scalar_one())
+    finally:
+        eng.dispose()
+
+
+def _dump(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.connect() as conn:
+            return {t: [tuple(r) for r in conn.execute(text(
+                f"SELECT * FROM {t} ORDER BY {k}")).all()]
+                for t, k in (("attempts", "attempt_id"), ("events", "event_id"))}
+    finally:
+        eng.dispose()
+
+
+def _answers(led: Ledger) -> dict[str, Any]:
+    audit = Audit(led)
+    runs = ["jan", "jan-closed", "feb-unknown", "mar-live", "jul"]
+    return to_jsonable({
+        "timelines": {r: audit.timeline(r) for r in runs},
+        "attempts": audit.attempts(limit=1000),
+        "costs": audit.costs(by="route", since=0.0),
+        "actions": audit.actions(),
+        "open": audit.open_attempts(),
+        "latency": audit.latency(since=0.0),
+        "runs": audit.runs(),
+    })
+
+
+def _alembic(url: str, verb: str, rev: str) -> None:
+    from alembic import command
+
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            getattr(command, verb)(cfg, rev)
+    finally:
+        eng.dispose()
+
+
+def _relkind(url: str, table: str) -> str:
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.connect() as conn:
+            return str(conn.execute(text("SELECT relkind FROM pg_class WHERE relname = :t"),
+                                    {"t": table}).scalar_one())
+    finally:
+        eng.dispose()
+
+
+def _partition_of(url: str, table: str, key: str, value: Any) -> str:
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.connect() as conn:
+            return str(conn.execute(text(
+                f"SELECT tableoid::regclass::text FROM {table} WHERE {key} = :v"),
+                {"v": value}).scalar_one())
+    finally:
+        eng.dispose()
+
+
+# -- migration 0008 on PostgreSQL ------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_migration_0008_converts_a_ledger_with_history_keeping_every_row_and_answer(
+        pg_empty_url: str) -> None:
+    url = pg_empty_url
+    _alembic(url, "upgrade", "0007")
+    assert _relkind(url, "attempts") == "r"
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(url, clock=clock, migrate_schema=False) as led:  # a ledger at 0007
+        _history(led, clock)
+        before = _answers(led)
+    rows = _dump(url)
+    assert len(rows["attempts"]) == 7 and len(rows["events"]) > 7
+
+    with Ledger.open(url, clock=clock) as led:  # migrates to 0008
+        after = _answers(led)
+    assert (_relkind(url, "attempts"), _relkind(url, "events")) == ("p", "p")
+    assert _dump(url) == rows
+    assert after == before
+    assert _diff(url) == []
+    # Each row sits in its month's partition.
+    assert _partition_of(url, "attempts", "attempt_id", "jan-0") == "attempts_p202601"
+    assert _partition_of(url, "attempts", "attempt_id", "jul-0") == "attempts_p202607"
+    assert _count(url, "SELECT count(*) FROM events_p202602") > 0
+    assert _count(url, "SELECT count(*) FROM attempts_default") == 0
+
+    # Back to 0007 (plain tables, the old keys), rows unchanged, and up again.
+    _alembic(url, "downgrade", "0007")
+    assert _relkind(url, "attempts") == "r"
+    assert _dump(url) == rows
+    _alembic(url, "upgrade", "head")
+    assert _dump(url) == rows and _diff(url) == []
+    with Ledger.open(url, clock=clock) as led:
+        assert _answers(led) == before
+
+
+@pytest.mark.postgres
+def test_inserts_land_in_their_months_partition_and_never_fail_without_one(
+        pg_url: str) -> None:
+    clock = ManualClock(_t(2030, 5))
+    with Ledger.open(pg_url, clock=clock) as led:  # makes May, June and July 2030
+        engine = create_engine(normalize_url(pg_url))
+        try:
+            with engine.connect() as conn:  # the library's own view of the partitions
+                have = {p.name for p in partitions.partitions(conn, "attempts")}
+        finally:
+            engine.dispose()
+        assert {"attempts_p203005", "attempts_p203006", "attempts_p203007",
+                "attempts_default"} <= have
+        for name, when in (("may", _t(2030, 5)), ("july", _t(2030, 7, 31)),
+                           # no partition made for November yet: the default one takes it
+                           ("november", _t(2030, 11))):
+            clock.set(when)
+            led.admit_run(name, plan=[ROUTE],
+                          budget=Budget(max_calls=9, max_retries=0, max_cost=1))
+            lease = led.acquire_lease(name, ttl_s=3600)
+            led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01",
+                              attempt_id=name)
+    assert _partition_of(pg_url, "attempts", "attempt_id", "may") == "attempts_p203005"
+    assert _partition_of(pg_url, "attempts", "attempt_id", "july") == "attempts_p203007"
+    assert _partition_of(pg_url, "attempts", "attempt_id", "november") == "attempts_default"
+    # Opening in November makes its partition and moves the row out of the default one.
+    with Ledger.open(pg_url, clock=clock) as led:
+        assert [a.attempt_id for r in ("may", "july", "november")
+                for a in led.timeline(r)] == ["may", "july", "november"]
+    assert _partition_of(pg_url, "attempts", "attempt_id", "november") == "attempts_p203011"
+    assert _count(pg_url, "SELECT count(*) FROM attempts_default") == 0
+
+
+# -- retention --------------------------------------------------------------------------------
+
+
+def _attempt_ids(led: Ledger) -> set[str]:
+    return {a.attempt_id for r in ("jan", "jan-closed", "feb-unknown", "mar-live", "jul")
+            for a in led.timeline(r)}
+
+
+def test_retention_drops_old_finished_history_and_keeps_unknown_and_live_runs(
+        db_url: str) -> None:
+    clock = ManualClock(_t(2026, 1))
+    pg = not db_url.endswith(".db")
+    with Ledger.open(db_url, clock=clock) as led:
+        _history(led, clock)
+        events_before = _count(db_url, "SELECT count(*) FROM events")
+    clock.set(_t(2026, 8, 5))  # 90 days back: 2026-05-07, after the ends of Jan..Apr
+    with Ledger.open(db_url, clock=clock) as led:
+        dry = led.drop_history(90 * 86400, by="alice", dry_run=True)
+        assert dry.event is None and dry.dry_run
+        assert _attempt_ids(led) == {"jan-0", "jan-1", "jan-closed-0", "feb-unknown-0",
+                                     "feb-unknown-1", "mar-live-0", "jul-0"}
+        assert _count(db_url, "SELECT count(*) FROM events") == events_before
+
+        assert reconcile(led).ok and reconcile(led).trimmed_runs == 0
+        rep = led.drop_history(90 * 86400, by="alice", reason="keep 90 days")
+        # The books still hold: the trimmed Runs' sums are not held against what is left.
+        books = reconcile(led)
+        assert books.ok, books.violations
+        assert books.trimmed_runs == 2  # jan, jan-closed (feb-unknown holds an open attempt)
+        assert rep.dropped == dry.dropped and rep.kept == dry.kept
+        # January's finished Runs went; the unknown Attempt's Run, the live Run and July stay.
+        assert _attempt_ids(led) == {"feb-unknown-0", "feb-unknown-1", "mar-live-0", "jul-0"}
+        assert rep.rows("attempts") == 3
+        assert led.timeline("jan") == [] and led.get_run("jan").status.value == "succeeded"
+        assert led.events("jan") == []
+        assert len(led.events("feb-unknown")) > 0 and len(led.events("mar-live")) > 0
+        if pg:
+            assert [p.partition for p in rep.dropped] == ["attempts_p202601", "events_p202601"]
+            kept = {p.partition: p.held for p in rep.kept}
+            assert "open (unknown or dispatching) attempt" in kept["attempts_p202602"]
+            assert "live run" in kept["attempts_p202603"]
+            assert "open attempt" in kept["events_p202602"]
+            assert "live run" in kept["events_p202603"]
+            assert _relkind(db_url, "attempts_p202602") == "r"
+            eng = create_engine(normalize_url(db_url))
+            try:
+                with eng.connect() as conn:
+                    names = {p.name for p in partitions.partitions(conn, "attempts")}
+            finally:
+                eng.dispose()
+            assert "attempts_p202601" not in names and "attempts_p202602" in names
+            # The coming months were made first: August's row will land in its partition.
+            assert "attempts_p202608" in names
+        else:
+            assert (rep.kept[0].table, rep.kept[0].rows) == ("attempts", 3)
+            assert [p.table for p in rep.kept] == ["attempts", "events"]
+        # The operator's close of a January Run outlives its history; the run is recorded.
+        actions = Audit(led).actions().items
+        assert [a.kind for a in actions] == ["retention", "close"]
+        record = actions[0]
+        assert record.by == "alice" and record.reason == "keep 90 days"
+        assert record.data["cutoff"] == rep.cutoff == _t(2026, 8, 5) - 90 * 86400
+        assert record.data["rows"]["attempts"] == 3
+        assert record.data["rows"]["events"] == rep.rows("events") > 0
+        assert record.data["actions_kept"] == 1
+        # Again: nothing more goes, and the second run is recorded too.
+        again = led.drop_history(90 * 86400, by="alice")
+        assert again.dropped == [] and _attempt_ids(led) == {
+            "feb-unknown-0", "feb-unknown-1", "mar-live-0", "jul-0"}
+        assert [a.kind for a in Audit(led).actions().items] == ["retention", "retention",
+                                                                  "close"]
+
+
+def test_retention_refuses_an_age_that_is_not_one_clearly_typed(db_url: str,
+                                                                capsys: Any) -> None:
+    with Ledger.open(db_url) as led:
+        for bad in (3600, -1, float("nan"), "90d", True):
+            with pytest.raises(InvalidArgument) as ei:
+                led.drop_history(bad)  # type: ignore[arg-type]
+            assert ei.value.field == "older_than"
+        assert Audit(led).actions().items == []
+    for bad in ("90", "3h", "0d", "ninety days", "12x"):
+        assert main(["--db", db_url, "retention", "--older-than", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--older-than" in err and "90d" in err
+    with Ledger.open(db_url) as led:
+        assert Audit(led).actions().items == []
+
+
+def test_retention_command_shows_then_drops_and_records(db_url: str, capsys: Any) -> None:
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(db_url, clock=clock) as led:
+        _history(led, clock)
+    # The command's clock is the system's (after July 2026): a 90-day cut-off is past July.
+    assert main(["--db", db_url, "retention", "--older-than", "90d", "--dry-run",
+                 "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["dry_run"] is True and dry["event"] is None
+    with Ledger.open(db_url) as led:
+        assert Audit(led).actions(kinds=["retention"]).items == []
+    assert main(["--db", db_url, "retention", "--older-than", "90d", "--by", "bob"]) == 0
+    out = capsys.readouterr().out
+    assert "dropped 4 attempt(s)" in out and "recorded as retention event" in out
+    with Ledger.open(db_url) as led:
+        assert _attempt_ids(led) == {"feb-unknown-0", "feb-unknown-1", "mar-live-0"}
+        [rec] = Audit(led).actions(kinds=["retention"]).items
+        assert rec.by == "bob"
+    assert main(["--db", db_url, "actions", "--kind", "retention"]) == 0
+    assert "history before" in capsys.readouterr().out
+
+
+@pytest.mark.postgres
+def test_retention_behind_a_long_lock_fails_typed_and_changes_nothing(
+        pg_url: str, monkeypatch: Any) -> None:
+    from ledger.errors import DatabaseUnavailable
+    from ledger.storage import retention
+
+    monkeypatch.setattr(retention, "LOCK_TIMEOUT", "300ms")  # the test's patience, not 10 s
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(pg_url, clock=clock) as led:
+        _history(led, clock)
+    before = _dump(pg_url)
+    clock.set(_t(2026, 8, 5))
+    reader = create_engine(normalize_url(pg_url))
+    try:
+        with reader.connect() as conn:  # a long audit read holds the table
+            conn.execute(text("SELECT count(*) FROM attempts")).scalar_one()
+            with Ledger.open(pg_url, clock=clock) as led:
+                with pytest.raises(DatabaseUnavailable):
+                    led.drop_history(90 * 86400, by="alice")
+                assert Audit(led).actions(kinds=["retention"]).items == []
+            assert _dump(pg_url) == before
+            conn.rollback()
+        with Ledger.open(pg_url, clock=clock) as led:  # the read ended: it goes through
+            assert led.drop_history(90 * 86400, by="alice").rows("attempts") == 3
+    finally:
+        reader.dispose()
+
+
+def test_primary_keys_are_the_declared_ones_on_each_backend(db_url: str) -> None:
+    """Alembic's comparison skips primary keys: the schema declares PostgreSQL's partitioned
+    keys (``PARTITIONED_KEYS``), SQLite keeps the tables' own."""
+    from sqlalchemy import inspect
+
+    from ledger.storage.schema import PARTITIONED_KEYS, metadata
+
+    Ledger.open(db_url).close()
+    eng = create_engine(normalize_url(db_url))
+    try:
+        with eng.connect() as conn:
+            pg = conn.dialect.name == "postgresql"
+            for table in ("attempts", "events"):
+                got = tuple(inspect(conn).get_pk_constraint(table)["constrained_columns"])
+                declared = tuple(c.name for c in metadata.tables[table].primary_key.columns)
+                assert got == (PARTITIONED_KEYS[table] if pg else declared)
+    finally:
+        eng.dispose()
+
+
+@pytest.mark.postgres
+def test_ledgers_opening_at_once_make_each_missing_partition_once(pg_url: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ledger.storage.partitions import ensure_partitions
+    from tests.storage.helpers import sql_context
+
+    with Ledger.open(pg_url) as led:
+        ctx = sql_context(led)
+        when = _t(2031, 3)
+        with ThreadPoolExecutor(8) as pool:
+            made = list(pool.map(lambda _: ensure_partitions(ctx, when), range(8)))
+    # Three months (March to May) for each table, each made by exactly one of the callers.
+    every = sorted(n for m in made for n in m)
+    assert every == sorted(f"{t}_p2031{m:02d}" for t in ("attempts", "events")
+                           for m in (3, 4, 5))
