@@ -886,7 +886,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--by", default=None, metavar="WHO",
                    help="who acts, kept with the record (default: the operating-system "
                    "user@host)")
-    _add_db(p)
+    _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_retention)
 
