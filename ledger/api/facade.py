@@ -54,7 +54,11 @@ class Ledger(SyncFace[RunSession, "Ledger"]):
 
     def close(self) -> None:
         """Close the database connections (the ledger cannot be used afterwards)."""
-        self._store.close()
+        try:
+            self._store.close()
+        finally:
+            if self._replica is not None:
+                self._replica.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -64,12 +68,24 @@ class Ledger(SyncFace[RunSession, "Ledger"]):
 
     @classmethod
     def _open(cls, url: str, *, clock: Clock | None, executor_id: str | None,
-              migrate_schema: bool, lease_margin_s: float) -> Ledger:
-        from ledger.storage import open_store
+              migrate_schema: bool, lease_margin_s: float, read_url: str | None) -> Ledger:
+        from ledger.storage import engine, open_reads, open_store
 
-        store = open_store(url, lease_margin_s=lease_margin_s, migrate_schema=migrate_schema,
-                           now=None if clock is None else clock.now())
-        return Ledger(store, clock=clock, executor_id=executor_id)
+        reads = None
+        if read_url is not None:
+            engine.parse(url)  # the URL's own faults first, named as its own
+            reads = open_reads(url, read_url)  # touches nothing until the first read
+        try:
+            store = open_store(url, lease_margin_s=lease_margin_s,
+                               migrate_schema=migrate_schema,
+                               now=None if clock is None else clock.now())
+        except BaseException:
+            if reads is not None:
+                reads.close()
+            raise
+        led = Ledger(store, clock=clock, executor_id=executor_id)
+        led._replica = reads
+        return led
 
     def _session(self, run_id: str, options: SessionOptions) -> RunSession:
         return RunSession(self, run_id, options)
@@ -123,10 +139,10 @@ class AsyncLedger(AsyncFace[AsyncRunSession, _Opening]):
 
     @classmethod
     def _open(cls, url: str, *, clock: Clock | None, executor_id: str | None,
-              migrate_schema: bool, lease_margin_s: float) -> _Opening:
+              migrate_schema: bool, lease_margin_s: float, read_url: str | None) -> _Opening:
         return _Opening(lambda: AsyncLedger(Ledger._open(
             url, clock=clock, executor_id=executor_id, migrate_schema=migrate_schema,
-            lease_margin_s=lease_margin_s)))
+            lease_margin_s=lease_margin_s, read_url=read_url)))
 
     def _session(self, run_id: str, options: SessionOptions) -> AsyncRunSession:
         return AsyncRunSession(self, run_id, options)

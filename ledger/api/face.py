@@ -166,8 +166,9 @@ class Face(Generic[SessionT, OpenedT]):
     awaiting: ClassVar[bool]
 
     # Private: applications use the ledger's methods; ops and tools reach the store
-    # deliberately, through storage_of().
+    # deliberately, through storage_of(), and the audit its reads through reads_of().
     _store: Store
+    _replica: Store | None = None  # a read replica's (read_url=), for the audit's reads
 
     # ``store`` is not validated: its class is SQLAlchemy's side of the ledger, which a type
     # checker imports and ``import ledger`` does not.
@@ -216,8 +217,8 @@ class Face(Generic[SessionT, OpenedT]):
     @checked
     def open(cls, url: Url, *, clock: ClockArg | None = None, executor_id: Id | None = None,
              migrate_schema: Flag = True,
-             lease_margin_s: Annotated[float, duration(60.0)] = DEFAULT_LEASE_MARGIN_S
-             ) -> OpenedT:
+             lease_margin_s: Annotated[float, duration(60.0)] = DEFAULT_LEASE_MARGIN_S,
+             read_url: Url | None = None) -> OpenedT:
         """Open (creating or upgrading the schema) a ledger at a SQLite path or a URL.
 
         ``Ledger.open(url)`` returns the open :class:`Ledger`; ``await AsyncLedger.open(url)``
@@ -235,6 +236,13 @@ class Face(Generic[SessionT, OpenedT]):
             lease_margin_s: How long before its end a lease stops starting work, from 0 to
                 60 s: the clock skew between hosts the ledger tolerates
                 (``docs/operations.md``).
+            read_url: A PostgreSQL URL of a read replica of the same database (a hot standby;
+                several servers may be named, a standby is preferred): the audit
+                (:class:`~ledger.ops.audit.Audit`, the dashboard, the command line's reports)
+                reads there, in read-only sessions. Every write and every read of the ledger's
+                own methods (a turn's, a Run session's, recovery's) stays on ``url``
+                (``docs/high-availability.md``). Nothing connects to it until the first audit
+                read.
 
         Returns:
             The open ledger; :meth:`close` it (or use it as a ``with`` block).
@@ -242,7 +250,9 @@ class Face(Generic[SessionT, OpenedT]):
         Raises:
             InvalidArgument: a URL that is not a string, cannot be parsed or names another
                 backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
-                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range.
+                ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range; a
+                ``read_url`` (``field="read_url"``) that cannot be parsed or is not
+                PostgreSQL's, or given with a SQLite ledger.
             DatabaseSetupError: the database is not set up for this URL, which no retry
                 fixes: the database or role does not exist, the server refused the
                 credentials, the role may not connect or migrate, a missing SQLite folder (the
@@ -257,11 +267,12 @@ class Face(Generic[SessionT, OpenedT]):
             sqlite
         """
         return cls._open(url, clock=clock, executor_id=executor_id,
-                         migrate_schema=migrate_schema, lease_margin_s=lease_margin_s)
+                         migrate_schema=migrate_schema, lease_margin_s=lease_margin_s,
+                         read_url=read_url)
 
     @classmethod
     def _open(cls, url: str, *, clock: Clock | None, executor_id: str | None,
-              migrate_schema: bool, lease_margin_s: float) -> OpenedT:
+              migrate_schema: bool, lease_margin_s: float, read_url: str | None) -> OpenedT:
         """Open this kind of ledger on validated arguments (each public class says how)."""
         raise NotImplementedError
 
@@ -1249,4 +1260,29 @@ def storage_of(ledger: Annotated[Face[Any, Any], instance(
     return ledger._store
 
 
-__all__ = ["AsyncFace", "Face", "SyncFace", "storage_of"]
+@checked
+def reads_of(ledger: Annotated[Face[Any, Any], instance(
+        Face, "a Ledger or an AsyncLedger", "pass a ledger.Ledger or a ledger.AsyncLedger")]
+             ) -> Store:
+    """The store the audit reads ``ledger`` from (its read replica's, or its own).
+
+    Its read replica's when it was opened with ``read_url=``, else its own
+    (:func:`storage_of`).
+
+    Only reads for people go there (the audit, the dashboard, the command line's reports): a
+    replica may lag the primary, and its sessions are read-only. The ledger's own methods,
+    every write and a turn's reads, use :func:`storage_of`'s store.
+
+    Args:
+        ledger: A :class:`Ledger` or an :class:`AsyncLedger`.
+
+    Returns:
+        The store to read from.
+
+    Raises:
+        InvalidArgument: ``ledger`` is neither a :class:`Ledger` nor an :class:`AsyncLedger`.
+    """
+    return ledger._replica if ledger._replica is not None else ledger._store
+
+
+__all__ = ["AsyncFace", "Face", "SyncFace", "reads_of", "storage_of"]

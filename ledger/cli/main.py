@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"database URL or SQLite path (default: $LEDGER_URL or ./{DEFAULT_DB})",
     )
+    parser.add_argument(
+        "--read-url",
+        default=None,
+        help="a read replica of the database (PostgreSQL) for the reports and the dashboard: "
+        "they read there, every write goes to --db (default: $LEDGER_READ_URL, else --db)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -62,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "db", None) is None:
         args.db = default_db_url()
+    if getattr(args, "read_url", None) is None:
+        args.read_url = os.environ.get("LEDGER_READ_URL") or None
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

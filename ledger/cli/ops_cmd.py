@@ -105,10 +105,13 @@ def _emit_json(value: Any) -> None:
     sys.stdout.write(json.dumps(to_jsonable(value), indent=2, sort_keys=True) + "\n")
 
 
-def open_reader(url: str) -> Any:
-    """Open a ledger for reading: no migration, no new database, a clear error when absent."""
+def open_reader(url: str, read_url: str | None = None) -> Any:
+    """Open a ledger for reading: no migration, no new database, a clear error when absent.
+
+    ``read_url`` (``--read-url``, ``$LEDGER_READ_URL``): a read replica the audit reads from
+    (:meth:`ledger.Ledger.open`); it must hold the ledger too."""
     from ledger.api.facade import Ledger
-    from ledger.api.face import storage_of
+    from ledger.api.face import reads_of
     from ledger.storage.audit import AuditQueries
     from ledger.storage.engine import normalize_url, redact_url
 
@@ -119,24 +122,25 @@ def open_reader(url: str) -> Any:
             raise DatabaseUnavailable(
                 f"no ledger at {path}: the file does not exist; pass --db URL, set LEDGER_URL, "
                 f"or create one ({PROG} demo / {PROG} generate)", url=norm)
-    led = Ledger.open(url, migrate_schema=False)
+    led = Ledger.open(url, migrate_schema=False, read_url=read_url)
     try:
-        present = AuditQueries(storage_of(led).context).schema_present()
+        present = AuditQueries(reads_of(led).context).schema_present()
     except BaseException:
         led.close()
         raise
     if not present:
         led.close()
+        where = redact_url(norm if read_url is None else normalize_url(read_url))
+        flag = "--db" if read_url is None else "--read-url"
         raise DatabaseUnavailable(
-            f"{redact_url(norm)} holds no ledger tables; point --db at a ledger database",
-            url=redact_url(norm))
+            f"{where} holds no ledger tables; point {flag} at a ledger database", url=where)
     return led
 
 
 def _audit(args: argparse.Namespace) -> Any:
     from ledger.ops.audit import Audit
 
-    return Audit(open_reader(args.db))
+    return Audit(open_reader(args.db, getattr(args, "read_url", None)))
 
 
 def _money(d: Decimal | None) -> str:
@@ -160,10 +164,14 @@ def fmt_tokens(a: Any) -> str:
     return text + (f" ({', '.join(parts)})" if parts else "")
 
 
-def _add_db(p: argparse.ArgumentParser) -> None:
+def _add_db(p: argparse.ArgumentParser, *, reads: bool = True) -> None:
     # Also accepted after the command; SUPPRESS leaves the global --db / LEDGER_URL alone
     # unless it is given here.
     p.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
+    if reads:
+        p.add_argument("--read-url", default=argparse.SUPPRESS,
+                       help="a read replica to read from (PostgreSQL; default: "
+                       "$LEDGER_READ_URL, else --db)")
 
 
 def _add_common(p: argparse.ArgumentParser, *, paged: bool = True) -> None:
@@ -714,9 +722,10 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
                               field="refresh")
     token = _action_token(args)
-    led = open_reader(args.db)  # fail fast, with the clear message, before binding a port
+    read_url = getattr(args, "read_url", None)
+    led = open_reader(args.db, read_url)  # fail fast, with the clear message, before binding
     led.close()
-    serve(args.db, host=args.host, port=args.port, refresh_s=args.refresh,
+    serve(args.db, read_url=read_url, host=args.host, port=args.port, refresh_s=args.refresh,
           actions=args.allow_actions, token=token)
     return 0
 
@@ -778,7 +787,7 @@ def register(subparsers: Any) -> None:
                        help="failed, cancelled, stopped, or succeeded (only when its last "
                        "turn was served)")
     add_who_and_why(close, "e.g. 'host crashed; the user retried as task-8'")
-    _add_db(close)
+    _add_db(close, reads=False)
     close.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     close.set_defaults(func=_run_close)
 
@@ -842,7 +851,7 @@ def register(subparsers: Any) -> None:
     clear.add_argument("key", metavar="KEY")
     clear.add_argument("--group", action="store_true", help="KEY is a capacity group")
     add_who_and_why(clear, "e.g. 'provider confirmed the incident is over'")
-    _add_db(clear)
+    _add_db(clear, reads=False)
     clear.add_argument("--json", action="store_true", help="print the recorded event as JSON")
     clear.set_defaults(func=_health_clear)
 
@@ -877,7 +886,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--by", default=None, metavar="WHO",
                    help="who acts, kept with the record (default: the operating-system "
                    "user@host)")
-    _add_db(p)
+    _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_retention)
 
@@ -898,7 +907,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--into-existing", action="store_true",
                    help="write into a ledger that already holds runs generate did not write "
                    "(refused without this flag)")
-    _add_common(p, paged=False)
+    _add_db(p, reads=False)
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_generate)
 
     p = subparsers.add_parser(

@@ -87,7 +87,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     if args.examples < 0:
         raise InvalidArgument("--examples must be >= 0", field="examples")
-    led = open_reader(args.db)
+    led = open_reader(args.db, getattr(args, "read_url", None))
     try:
         audit = Audit(led)
         now = audit.now()
@@ -113,6 +113,9 @@ def register(subparsers: Any) -> None:
         "and reports where it decides differently, grouped with examples, and the attempts, "
         f"cost, latency and stops under both. See docs/audit.md ({PROG} replay).")
     p.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
+    p.add_argument("--read-url", default=argparse.SUPPRESS,
+                   help="a read replica to read from (PostgreSQL; default: $LEDGER_READ_URL, "
+                   "else --db)")
     p.add_argument("--policy", required=True,
                    help="the policy to replay: a preset (goclaw, fased, failure-domain) or a "
                    "policy file")

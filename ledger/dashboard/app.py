@@ -440,8 +440,12 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                clock: Clock | None = None, refresh_s: int = DEFAULT_REFRESH_S,
                metrics_ttl_s: float = DEFAULT_METRICS_TTL_S, actions: bool = False,
-               token: str | None = None) -> Starlette:
+               token: str | None = None, read_url: str | None = None) -> Starlette:
     """The dashboard over ``ledger`` (or a ledger opened on ``url`` without migrating it).
+
+    ``read_url`` (with ``url``): a read replica the pages, the JSON and ``/metrics`` read from
+    (:meth:`ledger.Ledger.open`); the actions write to ``url``. A ``ledger`` passed in reads
+    where it was opened to read.
 
     Pages refresh themselves every ``refresh_s`` seconds (0: never; ``?refresh=N`` per page).
     ``/metrics`` reads the whole history (counters are totals), so one answer is reused for
@@ -455,6 +459,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
+    if read_url is not None and ledger is not None:
+        raise InvalidArgument("read_url= goes with url=; a ledger passed in reads where it was "
+                              "opened to (Ledger.open(url, read_url=...))", field="read_url")
     if refresh_s < 0:
         raise InvalidArgument("refresh_s must be >= 0 (0 turns auto-refresh off)",
                               field="refresh_s")
@@ -478,7 +485,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         led = ledger if ledger is not None else Ledger.open(url or "", clock=clock,
-                                                            migrate_schema=False)
+                                                            migrate_schema=False,
+                                                            read_url=read_url)
         state["audit"] = Audit(led)
         try:
             yield
@@ -834,14 +842,16 @@ def _with_status(resp: Response, status: int) -> Response:
 
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
           refresh_s: int = DEFAULT_REFRESH_S, actions: bool = False,
-          token: str | None = None) -> None:
+          token: str | None = None, read_url: str | None = None) -> None:
     """Serve the dashboard until interrupted (``failover-ledger dashboard``).
 
-    Read-only unless ``actions`` and ``token`` are both given (see :func:`create_app`).
+    Read-only unless ``actions`` and ``token`` are both given (see :func:`create_app`);
+    ``read_url``: a read replica to read from.
     """
     import uvicorn
 
-    app = create_app(url, refresh_s=refresh_s, actions=actions, token=token)
+    app = create_app(url, refresh_s=refresh_s, actions=actions, token=token,
+                     read_url=read_url)
     mode = ("OPERATOR ACTIONS ENABLED: POST with the token" if actions else "read-only")
     print(f"failover-ledger dashboard on http://{host}:{port}/ ({mode}; metrics at /metrics;"
           " Ctrl-C to stop)", flush=True)

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Unpack
 from ledger.api.arguments import AttemptFilters, Cursor, Limit, attempt_query
 from ledger.api.calls import Awaiting, query
 from ledger.api.facade import Ledger
-from ledger.api.face import storage_of
+from ledger.api.face import reads_of
 from ledger.domain.facts import Category, FailureFact
 from ledger.domain.records import (
     OPERATOR_ACTION_KINDS,
@@ -813,9 +813,11 @@ class Audit:
     """Read-only audit queries over one ledger; see the module docstring.
 
     Every listing is newest first and paginated: pass a page's ``next_cursor`` back as
-    ``cursor``. Times are epoch seconds and ranges are ``[since, until)``. Every method checks
-    its arguments first (:class:`~ledger.errors.InvalidArgument` naming the field) and may
-    raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable`` from the database.
+    ``cursor``. Times are epoch seconds and ranges are ``[since, until)``. A ledger opened with
+    ``read_url=`` is read on that replica (its writes and its own reads stay on the primary).
+    Every method checks its arguments first (:class:`~ledger.errors.InvalidArgument` naming
+    the field) and may raise :class:`~ledger.errors.StorageError` / ``DatabaseUnavailable``
+    from the database.
 
     Args:
         ledger: The :class:`~ledger.Ledger` to read (for an :class:`~ledger.AsyncLedger`,
@@ -837,8 +839,9 @@ class Audit:
             Ledger, "a ledger.Ledger", "pass a ledger.Ledger (an AsyncLedger's is .sync)")]
                  ) -> None:
         self.ledger = ledger
-        # The port's read-only queries; nothing here writes.
-        ctx = storage_of(ledger).context
+        # The port's read-only queries; nothing here writes. On the ledger's read replica
+        # when it has one (read_url=).
+        ctx = reads_of(ledger).context
         self._audit = AuditQueries(ctx)
         self._series = SeriesQueries(ctx)
         self._runs = RunQueries(ctx)

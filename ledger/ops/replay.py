@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from ledger.api.facade import Ledger
-from ledger.api.face import storage_of
+from ledger.api.face import reads_of
 from ledger.decide.replay import (
     AttemptFacts,
     Check,
@@ -140,7 +140,7 @@ def replay(ledger: Ledger, policy: Policy | str, *, since: float | None = None,
         since = until - 86400.0 if run is None else 0.0
     if since >= until:
         raise InvalidArgument(f"since ({since}) must be before until ({until})", field="since")
-    rows = ReplayQueries(storage_of(ledger).context).window(
+    rows = ReplayQueries(reads_of(ledger).context).window(
         since=since, until=until, run_id=run, tenant=tenant, lead_s=lead_in(pol))
     return replay_history(history_of(rows, since=since, until=until), pol)
 

@@ -62,6 +62,40 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     return store
 
 
+def open_reads(url: str, read_url: str) -> Store:
+    """The store of a read replica of the PostgreSQL database at ``url``, for audit and
+    dashboard reads (``read_url=`` of :meth:`ledger.Ledger.open`): read-only sessions, a
+    standby preferred when ``read_url`` names several servers, nothing touched until the first
+    read, never migrated.
+
+    Raises :class:`~ledger.errors.InvalidArgument` (``field="read_url"``, before any name is
+    looked up) when ``read_url`` cannot be read or is not a PostgreSQL URL, or ``url`` is a
+    SQLite ledger's (a file has no replica: its readers read the file).
+    """
+    from ledger.errors import InvalidArgument
+    from ledger.storage import engine
+    from ledger.storage.postgres import PostgresContext
+
+    _, main = engine.parse(url)
+    if context_class(main) is not PostgresContext:
+        raise InvalidArgument(
+            "read_url is for a ledger on PostgreSQL; a SQLite ledger has no read replica (its "
+            "readers open the same file): drop read_url", field="read_url")
+    try:
+        norm, parsed = engine.parse(read_url)
+        if context_class(parsed) is not PostgresContext:
+            raise InvalidArgument(
+                "read_url must be the postgresql+psycopg:// URL of a replica of the ledger's "
+                f"database, not {engine.redact_url(engine.normalize_url(read_url))!r}",
+                field="read_url")
+        engine.postgres_conninfo(norm, parsed, reads=True)  # every fault, before any lookup
+    except InvalidArgument as e:
+        if e.field == "read_url":
+            raise
+        raise InvalidArgument(f"read_url: {e}", field="read_url") from e
+    return PostgresContext.open(norm, parsed, reads=True)
+
+
 def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
     """The context of the parsed URL ``parsed`` (checked by
     :func:`ledger.storage.engine.parse`): the one place that tells the backends apart."""
@@ -73,4 +107,4 @@ def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
     return kinds[parsed.get_backend_name()]
 
 
-__all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "open_store"]
+__all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "open_reads", "open_store"]

@@ -132,13 +132,14 @@ def postgres_driver(norm: str, parsed: URL) -> None:
     _require_psycopg(norm)
 
 
-def postgres_conninfo(norm: str, parsed: URL) -> str:
+def postgres_conninfo(norm: str, parsed: URL, *, reads: bool = False) -> str:
     """The libpq connection string of a PostgreSQL URL (psycopg 3 only; every spelling of
-    several hosts: :mod:`ledger.storage.pgurl`), checked without any name lookup."""
+    several hosts: :mod:`ledger.storage.pgurl`), checked without any name lookup; ``reads``:
+    of a read replica (read-only sessions, a standby preferred)."""
     from ledger.storage.pgurl import conninfo
 
     postgres_driver(norm, parsed)
-    return conninfo(parsed, redact_url(norm))
+    return conninfo(parsed, redact_url(norm), reads=reads)
 
 
 def postgres_engine(parsed: URL, creator: Callable[[], Any], **options: Any) -> Engine:

@@ -67,6 +67,7 @@ def _connection_classes() -> tuple[type[Any], type[Any]]:
     class Conn(psycopg.Connection[Any]):
         _ledger_pool: Any = None
         _ledger_idle_since = 0.0
+        _ledger_reads = False  # a read replica's: read-only, and a standby will do
 
         def close(self) -> None:
             if self._ledger_pool is None:
@@ -85,6 +86,7 @@ def _connection_classes() -> tuple[type[Any], type[Any]]:
     class AConn(psycopg.AsyncConnection[Any]):
         _ledger_pool: Any = None
         _ledger_idle_since = 0.0
+        _ledger_reads = False
 
         async def close(self) -> None:
             if self._ledger_pool is None:
@@ -112,8 +114,10 @@ def _told_goodbye(conn: Any) -> bool:
 def on_standby(conn: Any) -> bool:
     """Whether ``conn``'s server is a hot standby (in recovery: it refuses every write), as
     the server last reported (``in_hot_standby``, PostgreSQL 14 and later; no round trip).
-    Such a connection is never lent: the primary is what the ledger writes to."""
-    return bool(conn.info.parameter_status("in_hot_standby") == "on")
+    Such a connection is never lent, but by a read replica's pool (``read_url=``): the
+    primary is what the ledger writes to."""
+    return not getattr(conn, "_ledger_reads", False) and bool(
+        conn.info.parameter_status("in_hot_standby") == "on")
 
 
 def _fresh(conn: Any) -> None:
@@ -168,7 +172,8 @@ async def arelease(conn: Any) -> None:
 class _Loop:
     """The asyncio side of a :class:`PgPool` on one event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads: bool) -> None:
+        self.reads = reads
         self.pool: Any = None
         self.proven = False
         self.used_at = 0.0
@@ -183,6 +188,7 @@ class _Loop:
     async def configure(self, conn: Any) -> None:
         """Each new connection of this loop's pools: as good as just used, and known."""
         _fresh(conn)
+        conn._ledger_reads = self.reads
         self.made.add(conn)
 
     def unprove(self, pool: Any) -> None:
@@ -199,8 +205,9 @@ class PgPool:
     """The connections of one store to its PostgreSQL database (see the module docstring)."""
 
     def __init__(self, conninfo: str, *, where: str, max_size: int = MAX_SIZE,
-                 timeout: float = CHECKOUT_TIMEOUT_S) -> None:
+                 timeout: float = CHECKOUT_TIMEOUT_S, reads: bool = False) -> None:
         self.conninfo = conninfo
+        self.reads = reads  # a read replica's pool: its connections may be on a standby
         self.where = where
         self.max_size = max_size
         self.timeout = timeout
@@ -222,6 +229,11 @@ class PgPool:
             "reconnect_timeout": 0.0,
         }
 
+    def _configure(self, conn: Any) -> None:
+        """Each new connection of the blocking pool: as good as just used, and whose."""
+        _fresh(conn)
+        conn._ledger_reads = self.reads
+
     @staticmethod
     def _doubted(used_at: float, now: float) -> bool:
         """Whether the pool may hold no connection, so that a checkout would wait for one its
@@ -238,7 +250,8 @@ class PgPool:
             with self._lock:
                 if self._pool is None:
                     pool = ConnectionPool(self.conninfo, connection_class=_connection_classes()[0],
-                                          reconnect_failed=self._replace, configure=_fresh,
+                                          reconnect_failed=self._replace,
+                                          configure=self._configure,
                                           **self._settings())
                     pool.open()
                     self._pool = pool
@@ -269,6 +282,7 @@ class PgPool:
                 with self._probing:
                     if not self._proven or self._doubted(self._used_at, now):
                         conn = _connection_classes()[0].connect(self.conninfo, autocommit=True)
+                        conn._ledger_reads = self.reads
                         self._proven, self._used_at = True, time.monotonic()
                         return conn  # a connection of its own, closed after its transaction
             self._used_at = now
@@ -318,7 +332,7 @@ class PgPool:
         side = self._loops.get(loop)
         if side is None:
             with self._lock:
-                side = self._loops.setdefault(loop, _Loop())
+                side = self._loops.setdefault(loop, _Loop(self.reads))
         if side.guard is None:
             side.guard = loop.create_task(self._close_with(loop, side))
         if side.pool is None:
@@ -369,6 +383,7 @@ class PgPool:
                     if not side.proven or self._doubted(side.used_at, now):
                         conn = await _connection_classes()[1].connect(self.conninfo,
                                                                       autocommit=True)
+                        conn._ledger_reads = self.reads
                         side.proven, side.used_at = True, time.monotonic()
                         return conn
             side.used_at = now

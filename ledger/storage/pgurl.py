@@ -122,10 +122,15 @@ def hosts_to_query(norm: str, where: str) -> str:
     return f"{_SCHEME}{user}{path or '/'}?{lists}" + (f"&{query}" if query else "")
 
 
-def conninfo(parsed: URL, where: str) -> str:
+def conninfo(parsed: URL, where: str, *, reads: bool = False) -> str:
     """The libpq connection string of the parsed ``postgresql+psycopg://`` URL ``parsed``
     (``where``: the URL without its password, for messages). Refuses what libpq would
-    misread, with :class:`~ledger.errors.InvalidArgument` (``field="url"``)."""
+    misread, with :class:`~ledger.errors.InvalidArgument` (``field="url"``).
+
+    ``reads``: the URL of a read replica (``read_url=``): several hosts default to
+    ``target_session_attrs=prefer-standby`` (a standby when one answers, else the primary),
+    and every session is read-only (``default_transaction_read_only``), so that nothing is
+    ever written through it, whichever server it reached."""
     import psycopg
     from psycopg.conninfo import make_conninfo
 
@@ -161,8 +166,12 @@ def conninfo(parsed: URL, where: str) -> str:
                           hosts=False)
         params[key] = given
     if len(entries) > 1:
-        # libpq takes the first server that answers; only the primary takes writes.
-        params.setdefault("target_session_attrs", "read-write")
+        # libpq takes the first server that answers; only the primary takes writes, and
+        # reads for people go to a standby when there is one.
+        params.setdefault("target_session_attrs", "prefer-standby" if reads else "read-write")
+    if reads:
+        params["options"] = " ".join(
+            filter(None, (params.get("options"), "-c default_transaction_read_only=on")))
     kwargs = {"dbname": parsed.database, "user": parsed.username, "password": parsed.password,
               "host": ",".join(h for h, _ in entries) or None, "port": ",".join(ports) or None,
               **params}

@@ -45,12 +45,13 @@ class PostgresContext(SqlContext):
 
     @classmethod
     def open(cls, norm: str, parsed: URL, *,
-             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S) -> Store:
+             lease_margin_s: float = DEFAULT_LEASE_MARGIN_S, reads: bool = False) -> Store:
         """The store on the database of ``parsed`` (a ``postgresql+psycopg://`` URL), without
-        touching it yet (the first transaction connects)."""
-        conninfo = eng.postgres_conninfo(norm, parsed)
+        touching it yet (the first transaction connects). ``reads``: a read replica's, for
+        the audit's reads only: read-only sessions, which may be on a standby."""
+        conninfo = eng.postgres_conninfo(norm, parsed, reads=reads)
         where = redact_url(norm)
-        pool = PgPool(conninfo, where=where)
+        pool = PgPool(conninfo, where=where, reads=reads)
         # One pool to the database: the engine keeps no connection of its own (NullPool); each
         # one SQLAlchemy uses is lent by the store's pool and goes back to it when SQLAlchemy
         # closes it, so the hot and the cold path share one bound, one health check and one

@@ -9,8 +9,10 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from ledger.testing.pgserver import PgServer, free_port
+from ledger.testing.pgserver import PgServer, free_port, start_server
 
 
 def start_standby(primary: PgServer, *, name: str = "s1") -> PgServer:
@@ -77,3 +79,25 @@ def promote(standby: PgServer) -> None:
     """Make ``standby`` the primary (``pg_ctl promote``, waiting until it takes writes)."""
     standby._run([os.path.join(standby.bindir, "pg_ctl"), "-D", standby.datadir, "-w",
                   "promote"])
+
+
+@contextmanager
+def synchronous_pair(db: str = "ha") -> Iterator[tuple[PgServer, PgServer]]:
+    """A primary with a synchronous hot standby ``s1`` (``synchronous_commit=on``): a commit
+    is acknowledged once the standby has it. Database ``db`` holds the ledger's schema on both.
+    Both servers are removed at the end."""
+    from ledger import Ledger
+
+    primary = start_server()
+    standby = None
+    try:
+        primary.psql(f"CREATE DATABASE {db}")
+        Ledger.open(primary.url(db)).close()  # the schema, before the copy
+        standby = start_standby(primary, name="s1")
+        make_synchronous(primary, "s1")
+        assert primary.psql("SHOW synchronous_commit").strip() == "on"
+        yield primary, standby
+    finally:
+        primary.cleanup()
+        if standby is not None:
+            standby.cleanup()

@@ -23,10 +23,10 @@ from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState
 from ledger.errors import DatabaseUnavailable, InvalidArgument, NotFound
 from ledger.storage import engine as eng
-from ledger.testing.pgserver import PgServer, free_port, start_server
+from ledger.testing.pgserver import PgServer, free_port
 
 from ._readonly import driver_cause
-from ._standby import caught_up, make_synchronous, promote, start_standby
+from ._standby import caught_up, promote, synchronous_pair
 from .helpers import budget, grant, routes
 
 T0 = 1_700_000_000.0
@@ -183,19 +183,8 @@ def test_every_spelling_reaches_the_server_on_both_paths_blocking_and_asyncio(
 def cluster() -> Iterator[tuple[PgServer, PgServer]]:
     """A primary with a synchronous hot standby (``synchronous_commit=on``,
     ``synchronous_standby_names=s1``): a commit is acknowledged once the standby has it."""
-    primary = start_server()
-    standby = None
-    try:
-        primary.psql("CREATE DATABASE ha")
-        Ledger.open(primary.url("ha")).close()  # the schema, before the copy
-        standby = start_standby(primary, name="s1")
-        make_synchronous(primary, "s1")
-        assert primary.psql("SHOW synchronous_commit").strip() == "on"
-        yield primary, standby
-    finally:
-        primary.cleanup()
-        if standby is not None:
-            standby.cleanup()
+    with synchronous_pair("ha") as pair:
+        yield pair
 
 
 def _typed_while_down(call: Any) -> DatabaseUnavailable:
