@@ -1,11 +1,12 @@
 """``python -m benchmarks COMMAND``: the benchmark suite's command line (run from the repository
 root; the benchmarks are not part of the installed package).
 
-``write``, ``turn``, ``turns-flat``, ``recover`` and ``select`` measure; ``generate`` fills a
-database with a large synthetic history, fast (the bulk generator), and ``audit`` times each
-audit query on it. Every database benchmark measures a temporary SQLite file by default;
-``--postgres`` adds a throwaway PostgreSQL server started with production durability (fsync
-on), ``--no-sqlite`` leaves the SQLite file out, and ``--db URL`` measures that database instead.
+``write``, ``group-ceiling``, ``turn``, ``turns-flat``, ``recover`` and ``select`` measure;
+``generate`` fills a database with a large synthetic history, fast (the bulk generator), and
+``audit`` times each audit query on it. Every database benchmark measures a temporary SQLite
+file by default; ``--postgres`` adds a throwaway PostgreSQL server started with production
+durability (fsync on), ``--no-sqlite`` leaves the SQLite file out, and ``--db URL`` measures
+that database instead.
 Tables go to stdout, ``--json`` prints the report as JSON, progress goes to stderr (on a
 terminal, or with ``--progress``). The exit code is non-zero only when a benchmark itself fails
 (1) or an argument is wrong (2), never because a target was missed (that is reported).
@@ -137,6 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async (aexecute) and/or sync (execute); default async")
     f.set_defaults(func=_flat)
 
+    c = bench.add_parser(
+        "group-ceiling", help="begins/s of one limited capacity group beside N groups",
+        description="begin+settle pairs per second when every worker's route is in one "
+        "limited capacity group, beside the same with each worker in a group of its own (the "
+        "floor, same run, same server), at each worker count; the limit is never reached. "
+        "Client CPU per pair beside each. Workers are OS processes.")
+    _add_where(c)
+    c.add_argument("--pairs", type=int, default=d.CEILING_PAIRS, metavar="N",
+                   help=f"begin+settle pairs per measurement, split over the workers "
+                   f"(default {d.CEILING_PAIRS})")
+    c.add_argument("--workers", default="1,2,4,8,16,32", metavar="LIST",
+                   help="comma-separated worker counts (default 1,2,4,8,16,32)")
+    c.add_argument("--no-raw", action="store_true",
+                   help="leave out the raw driver's locked and numbered rows (PostgreSQL)")
+    c.set_defaults(func=_ceiling)
+
     r = bench.add_parser(
         "recover", help="recovery of 10k unknown attempts over 1M attempts of history",
         description="Writes synthetic history (the bulk generator), then a dead "
@@ -262,6 +279,18 @@ def _write(args: argparse.Namespace) -> int:
     return _on_targets(args, "write", lambda ts, progress: write.run(
         ts, workers=workers, attempts=args.attempts, modes=paths, progress=progress),
         stages_per_target=len(workers) * (1 + len(paths)))
+
+
+def _ceiling(args: argparse.Namespace) -> int:
+    from benchmarks import ceiling
+
+    workers = parse_workers(args.workers)
+    if args.pairs < max(workers):
+        raise InvalidArgument(f"--pairs must be at least the largest worker count "
+                              f"({max(workers)})", field="pairs")
+    return _on_targets(args, "group-ceiling", lambda ts, progress: ceiling.run(
+        ts, workers=workers, pairs=args.pairs, progress=progress, raw=not args.no_raw),
+        stages_per_target=2 * len(workers) * (1 if args.no_raw else 3))
 
 
 def _turn(args: argparse.Namespace) -> int:

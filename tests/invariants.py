@@ -94,6 +94,10 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_lease_liveness.py::test_invariant8_acquiring_ones_own_live_lease_keeps_its_fence_and_slot",
         "tests/storage/test_lease_liveness.py::test_invariant8_every_reader_counts_in_flight_alike_and_a_taken_over_slot_counts_for_none",
         "tests/storage/test_lease_lapse_processes.py::test_invariant8_group_limit_holds_while_workers_pause_past_their_lease",
+        "tests/storage/test_group_ceiling.py::test_invariant8_group_limit_exact_when_many_processes_hammer_one_group",
+        "tests/storage/test_group_ceiling.py::test_invariant8_slot_numbers_stay_within_the_limit_and_unique",
+        "tests/storage/test_group_ceiling.py::test_invariant8_a_lapsed_slot_number_is_taken_over_and_counted_once",
+        "tests/storage/test_group_ceiling.py::test_invariant8_a_lowered_limit_admits_nothing_until_in_flight_is_below_it",
     ),
     # 9. No re-run after a started tool; effective output moves on only where policy discards it.
     9: (

@@ -13,6 +13,7 @@ group's slots, so a decision is recorded at the time it was taken.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -221,7 +222,7 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
     if rejected:
         events.append(_event(spec.run_id, spec.attempt_id, "reject", {
             "reason": rejected[0], "until": rejected[1], "group": spec.route.group}, now))
-    else:
+    elif not adm.numbered:
         writes.append(Q(sql.insert_slot, {"attempt_id": spec.attempt_id,
                                           "group_id": spec.route.group, "run_id": spec.run_id,
                                           "fence": spec.fence, "acquired_at": now}))
@@ -310,6 +311,7 @@ class _Admission:
     ahead: int = 0
     in_flight: int = 0
     limit: int | None = None
+    numbered: bool = False  # the begin's slot row is written already, with its number
 
 
 def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], now: float,
@@ -328,6 +330,10 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
             Q(sql.ensure_group, {"group": group, "now": now}),
             Q(sql.lock_group, {"group": group})))
     elif limit is not None:
+        if sql.spelling.numbers_slots:
+            fast = yield from _admit_numbered(sql, spec, int(limit), mode, until, now, clock)
+            if fast is not None:
+                return fast
         # Only a limited group's row is locked: its slot count must be serialized; reading the
         # mode of an unlimited group without it keeps busy groups from serializing begins.
         [(mode, until, limit)] = yield Q(sql.lock_group, {"group": group})
@@ -349,12 +355,20 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
     if mode != GroupMode.OPEN.value and (until is None or until > now):
         return _Admission(now, rejected=("group_" + mode, until), place=mine, leaving=leaving,
                           limit=limit)
-    in_flight = sum(1 for (e,) in slots if e is not None and float(e) > now)
+    in_flight = sum(1 for _a, _n, e in slots if e is not None and float(e) > now)
     live = [p for p in places if p.live]
     ahead = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None and mine.live
              else len(live))
     if in_flight + ahead < limit:
-        return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight, limit=limit)
+        if not sql.spelling.numbers_slots:
+            return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
+                              limit=limit)
+        # A begin that took no lock may have taken a number since the read: the claim finds
+        # out (the group is then full after all, and this begin waits or is refused).
+        if (yield from _claim_number(sql, spec, slots, limit, now, tries=limit)):
+            return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
+                              limit=limit, numbered=True)
+        in_flight = limit - ahead
     if spec.queue_until is None:
         return _Admission(now, rejected=("capacity_full", None), place=mine, leaving=leaving,
                           ahead=ahead, in_flight=in_flight, limit=limit)
@@ -362,6 +376,79 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
         leaving = dead
     return _Admission(now, queued=True, place=mine, leaving=leaving, ahead=ahead,
                       in_flight=in_flight, limit=limit)
+
+
+#: Numbers a begin tries without the group's lock before it takes the lock (each failure
+#: means another begin took that number in the meantime).
+FAST_CLAIMS = 8
+
+
+def _admit_numbered(sql: Statements, spec: BeginSpec, limit: int, mode: Any, until: Any,
+                    now: float, clock: ClockFn) -> Tx[_Admission | None]:
+    """Admit a begin into a limited group without the group's row lock, by numbered slots
+    (PostgreSQL); None: the begin must be decided under the lock.
+
+    The lock would be held until the begin's COMMIT, so every begin of the group would wait
+    for the one before it to be flushed to disk; here a begin takes a free slot number in
+    ``[0, limit)`` instead, and the unique index on (group, number) is what keeps the group's
+    in-flight count within its limit, across processes: two begins that pick one number are
+    ordered by the index, and the second tries another. Only the plain case is decided here —
+    the group open, nobody queued (first come, first served stays the locked path's), every live
+    slot numbered below the limit (none left from before numbering, none above a lowered
+    limit), and room.
+    """
+    if mode != GroupMode.OPEN.value and (until is None or until > now):
+        return None
+    group = spec.route.group
+    slots, waiting = yield Flush((Q(sql.slot_expiries, {"group": group}),
+                                  Q(sql.waiters, {"group": group})))
+    now = max(now, clock())
+    if waiting:
+        return None
+    live = [n for _a, n, e in slots if e is not None and float(e) > now]
+    if len(live) >= limit or any(n is None or n >= limit for n in live):
+        return None
+    if not (yield from _claim_number(sql, spec, slots, limit, now, tries=FAST_CLAIMS)):
+        return None
+    return _Admission(now, in_flight=len(live), limit=limit, numbered=True)
+
+
+def _claim_number(sql: Statements, spec: BeginSpec, slots: Sequence[Any], limit: int,
+                  now: float, *, tries: int) -> Tx[bool]:
+    """Write the begin's slot with a number of ``[0, limit)`` no live slot holds (a lapsed
+    slot's number is taken over); False when ``tries`` numbers were all taken meanwhile or
+    none is free.
+
+    The first number tried follows from the attempt id, so concurrent begins spread over the
+    numbers instead of all trying the lowest free one.
+    """
+    held: set[int] = set()
+    lapsed: dict[int, str] = {}
+    for attempt_id, n, until in slots:
+        if n is None:
+            continue
+        if until is not None and float(until) > now:
+            held.add(int(n))
+        else:
+            lapsed[int(n)] = attempt_id
+    start = zlib.crc32(spec.attempt_id.encode()) % limit
+    for _ in range(tries):
+        n = next(((start + i) % limit for i in range(limit)
+                  if (start + i) % limit not in held), None)
+        if n is None:
+            return False
+        items = []
+        if n in lapsed:
+            items.append(Q(sql.free_slot_no, {"attempt_id": lapsed.pop(n), "slot_no": n}))
+        items.append(Q(sql.claim_slot, {
+            "attempt_id": spec.attempt_id, "group_id": spec.route.group,
+            "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now, "slot_no": n}))
+        res = yield Flush(tuple(items))
+        if res[-1]:
+            return True
+        held.add(n)
+        start = n
+    return False
 
 
 def _enqueue(sql: Statements, spec: BeginSpec, adm: _Admission) -> Tx[Queued]:
@@ -415,14 +502,22 @@ def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: 
             or prior.executor != spec.executor):
         return attempt_record(prior, prior.debit_state)
     # Never sent (its begin was retried): adopted under the new fence if its group admits it
-    # now (it does not queue: the turn that began it is gone).
+    # now (it does not queue: the turn that began it is gone). With numbered slots its old
+    # slot (lapsed with the old fence) goes first, and admission numbers a new one.
+    renumber = sql.spelling.numbers_slots and looked[1] is not None
+    if renumber:
+        yield Q(sql.delete_slot, {"attempt_id": spec.attempt_id})
     adm = yield from _admit(sql, replace(spec, queue_until=None), looked, now, clock)
     rejected, now = adm.rejected, adm.now
     check_live(run, lease, now, margin)
     if rejected is None:
+        slot = (() if adm.numbered else (Q(sql.insert_slot, {
+            "attempt_id": spec.attempt_id, "group_id": spec.route.group,
+            "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now}),) if renumber
+            else (Q(sql.adopt_slot, {"fence": spec.fence, "attempt_id": spec.attempt_id}),))
         yield Flush((
             Q(sql.adopt_attempt, {"fence": spec.fence, "attempt_id": spec.attempt_id}),
-            Q(sql.adopt_slot, {"fence": spec.fence, "attempt_id": spec.attempt_id}),
+            *slot,
             Q(sql.insert_event, [_event(spec.run_id, spec.attempt_id, "adopt", {
                 "from_fence": int(prior.fence), "fence": spec.fence}, now)], many=True),
         ), commit=True)

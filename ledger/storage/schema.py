@@ -191,8 +191,14 @@ group_slots = Table(
     Column("run_id", _ID, nullable=False),
     Column("fence", BigInteger, nullable=False),
     Column("acquired_at", _T, nullable=False),
+    # PostgreSQL: the slot's number in [0, limit) of its limited group, unique per group, so
+    # the database itself holds a group's in-flight count to its limit and begins of one group
+    # need no lock held through their commit. NULL on SQLite (whose writers are serialized),
+    # for unlimited groups, and for a lapsed slot whose number was taken over.
+    Column("slot_no", Integer, nullable=True),
     Index("ix_group_slots_group_id", "group_id"),
     Index("ix_group_slots_run_id", "run_id"),
+    Index("ux_group_slots_group_id_slot_no", "group_id", "slot_no", unique=True),
 )
 
 # A full limited group's queue: one place per waiting Attempt (not yet recorded as one).

@@ -121,6 +121,10 @@ class Spelling:
     list_param: Callable[[Sequence[Any]], Any]
     fuse_writes: bool
     notifies: bool
+    #: Whether a limited group's slots are numbered (a unique slot number per group, taken
+    #: without the group's lock; :func:`ledger.storage.hot.begin_tx`), or counted under the
+    #: group's lock (SQLite, whose writers are serialized anyway).
+    numbers_slots: bool
 
 
 SQLITE_SPELLING = Spelling(
@@ -130,6 +134,7 @@ SQLITE_SPELLING = Spelling(
     list_param=lambda values: json.dumps(list(values)),
     fuse_writes=False,  # no round trips to save
     notifies=False,  # no channel: waiters in other processes poll
+    numbers_slots=False,  # BEGIN IMMEDIATE serializes every writer anyway
 )
 POSTGRES_SPELLING = Spelling(
     # psycopg is given a sequence of values (it costs the driver less than a mapping); the
@@ -139,6 +144,7 @@ POSTGRES_SPELLING = Spelling(
     list_param=list,
     fuse_writes=True,
     notifies=True,
+    numbers_slots=True,
 )
 
 
@@ -421,8 +427,23 @@ class Statements:
         _groups, _groups.c.group_id == p("group"))))
     ensure_group = _stmt(lambda k, p=bindparam: k.insert(_groups).values(
         group_id=p("group"), mode=lit("open"), updated_at=p("now")).on_conflict_do_nothing())
-    slot_expiries = _stmt(lambda k, p=bindparam: select(_SLOT_HELD_UNTIL).select_from(
-        _SLOT_RUNS).where(_slots.c.group_id == p("group")))
+    slot_expiries = _stmt(lambda k, p=bindparam: select(
+        _slots.c.attempt_id, _slots.c.slot_no, _SLOT_HELD_UNTIL,
+    ).select_from(_SLOT_RUNS).where(_slots.c.group_id == p("group")))
+    # A numbered slot, taken only while its number is below the group's limit as committed
+    # when the statement starts; nothing when another slot holds the number (the unique
+    # index waits for that slot's transaction, then refuses it).
+    claim_slot = _stmt(lambda k, p=bindparam: k.insert(_slots).from_select(
+        [c.name for c in _slots.c],
+        select(*(p(c.name) for c in _slots.c)).where(
+            select(lit(1)).where(_groups.c.group_id == p("group_id"),
+                                 _groups.c.max_in_flight > p("slot_no")).exists()),
+    ).on_conflict_do_nothing().returning(_slots.c.attempt_id))
+    # A lapsed slot gives its number up (its row stays until its attempt is settled or
+    # recovered); only while it still holds that number.
+    free_slot_no = _stmt(lambda k, p=bindparam: update(_slots).where(
+        _slots.c.attempt_id == p("attempt_id"), _slots.c.slot_no == p("slot_no"),
+    ).values(slot_no=null()))
     waiters = _stmt(lambda k, p=bindparam: select(
         _waiters.c.ticket, _waiters.c.waiter_id, _waiters.c.enqueued_at, _waiters.c.expires_at,
         s.held_until(_waiters.c.fence).label("held_until"),
@@ -441,8 +462,9 @@ class Statements:
         created_at=p("created_at"), settled_at=p("settled_at")))
     insert_attempt = _stmt(lambda k, p=bindparam: k.insert(_att).values(
         {c.name: p(c.name) for c in _BEGUN}))
+    # An unnumbered slot (SQLite, unlimited groups): the number is left NULL, unnamed.
     insert_slot = _stmt(lambda k, p=bindparam: k.insert(_slots).values(
-        {c.name: p(c.name) for c in _slots.c}))
+        {c.name: p(c.name) for c in _slots.c if c.name != "slot_no"}))
     insert_event = _stmt(_event_rows)
     begin_run = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(

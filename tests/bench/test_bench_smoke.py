@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import flat, recover, selector, turn, write
+from benchmarks import ceiling, flat, recover, selector, turn, write
 from benchmarks import floor as baseline
 from benchmarks.cli import build_parser, main, parse_workers
 from benchmarks.common import BenchError, Report, percentile
@@ -78,6 +78,44 @@ def test_write_reports_each_path_beside_the_floor(backend: str, tmp_path: Path,
     assert len(page.items) == 2 * ((4 + 1) + (4 + 2))  # 2 paths x (measured + warm-ups)
     assert {a.state.value for a in page.items} == {"succeeded"}
     assert len({a.run_id for a in page.items}) == 2 * (1 + 2)
+
+
+# -- group-ceiling ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_ceiling_reports_one_group_beside_n_groups(backend: str, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    report = ceiling.run([(name, url)], workers=[1, 2], pairs=4, warmup=1)
+    # The raw driver's rows beside the ledger's on PostgreSQL only (SQLite serializes writers).
+    paths = ["ledger", *(ceiling.RAW_PATHS if name == "postgresql" else ())]
+    assert [(r.backend, r.workers, r.path) for r in report.rows] == [
+        (name, w, p) for w in (1, 2) for p in paths]
+    for r in report.rows:
+        assert r.pairs == 4 and r.one_per_s > 0 and r.many_per_s > 0
+        assert r.ratio == pytest.approx(r.one_per_s / r.many_per_s, rel=0.02, abs=0.002)
+        assert r.meets_target == (r.one_per_s >= ceiling.TARGET_PER_S)
+        assert r.one_cpu_us > 0 and r.many_cpu_us > 0
+    assert len(_table_lines(report)) == 1 + len(report.rows) + 1 + 2 + 1  # target, notes, machine
+    if name == "postgresql":
+        import psycopg
+
+        with psycopg.connect(**baseline.pg_connect_args(url)) as pg:  # the raw tables are gone
+            assert pg.execute("SELECT to_regclass(%s)", (ceiling.RAW_SLOTS,)).fetchone() == (
+                None,)
+    assert _json(report)["rows"][0]["workers"] == 1  # type: ignore[index]
+    with Ledger.open(url) as led:
+        groups = led.group_projections(None)
+        atts = led.attempts(limit=1000).items
+    # Each measurement's groups were limited, far above the workers, and left empty; the one
+    # group took every worker of its measurement, the N groups one worker each.
+    limited = {g: p for g, p in groups.items() if g.startswith("ceil-")}
+    assert {p.limit for p in limited.values()} == {ceiling.LIMIT}
+    assert all(p.in_flight == 0 for p in limited.values())
+    assert sorted(g.rsplit("-", 1)[1] for g in limited) == ["g0", "g0", "g1", "one", "one"]
+    # Every pair was a begin admitted by its group and settled: nothing refused or queued.
+    assert len(atts) == 2 * ((4 + 1) + (4 + 2))  # 2 shapes x (measured + warm-ups)
+    assert {a.state.value for a in atts} == {"succeeded"}
 
 
 def test_write_measure_counts_every_attempt_of_every_worker(tmp_path: Path) -> None:
@@ -364,6 +402,9 @@ def test_cli_every_bench_prints_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     data = _cli_json(capsys, ["recover", "--db", str(tmp_path / "r.db"), "--history",
                               "50", "--unknown", "2", "--json"])
     assert data["rows"][0]["unknown_attempts"] == 2  # type: ignore[index]
+    data = _cli_json(capsys, ["group-ceiling", "--db", str(tmp_path / "c.db"), "--pairs",
+                              "2", "--workers", "1", "--json"])
+    assert data["bench"] == "group-ceiling" and len(data["rows"]) == 1  # type: ignore[arg-type]
     data = _cli_json(capsys, ["select", "--iterations", "5", "--json"])
     assert data["bench"] == "select" and data["targets"]
 
@@ -388,6 +429,7 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
         (["turn", "--drivers", "threads"], "--drivers"),
         (["turns-flat", "--turns", "10", "--window", "6"], "--turns"),
         (["recover", "--scale", "0"], "--scale"),
+        (["group-ceiling", "--db", db, "--pairs", "1", "--workers", "2"], "--pairs"),
         (["select", "--iterations", "0"], "--iterations"),
         (["generate", "--db", db, "--attempts", "0"], "--attempts"),
         (["generate", "--db", db, "--days", "0"], "--days"),
@@ -403,7 +445,8 @@ def test_parser_has_every_bench() -> None:
     p = build_parser()
     args = p.parse_args(["write", "--workers", "1,8", "--postgres"])
     assert args.workers == "1,8" and args.postgres and args.bench_db is None
-    for name in ("turn", "turns-flat", "recover", "select", "audit", "generate"):
+    for name in ("group-ceiling", "turn", "turns-flat", "recover", "select", "audit",
+                 "generate"):
         assert p.parse_args([name]).bench_command == name
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import sys
+import time
 from decimal import Decimal
 
 from ledger.api.facade import Ledger
@@ -83,6 +84,38 @@ def group_worker(url: str, run_id: str, n: int, counter: str) -> dict[str, int]:
         _count(counter, -1)
         led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0")
     led.close()
+    return out
+
+
+def hammer_worker(url: str, run_id: str, n: int, group: str) -> dict[str, object]:
+    """Own a run; begin attempts in limited group ``group`` as fast as it can, each settled at
+    once. After every begin it reads the group's durable in-flight count (the slots the
+    database holds, every process's); it also returns the interval during which it knew it held
+    each slot (after its begin returned, before its settle started: inside the real hold), on
+    the system-wide monotonic clock, so the test can count overlaps across processes.
+    """
+    led = Ledger.open(url, migrate_schema=False)
+    lease = led.acquire_lease(run_id, ttl_s=600)
+    out: dict[str, object] = {"begun": 0, "rejected": 0}
+    seen: list[int] = []
+    held: list[tuple[float, float]] = []
+    for _ in range(n):
+        try:
+            att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0")
+        except CapacityUnavailable:
+            out["rejected"] = int(out["rejected"]) + 1  # type: ignore[call-overload]
+            continue
+        t0 = time.monotonic()
+        out["begun"] = int(out["begun"]) + 1  # type: ignore[call-overload]
+        seen.append(led.group_projections([group])[group].in_flight)
+        t1 = time.monotonic()
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0")
+        held.append((t0, t1))
+    led.finish_run(lease, "succeeded")
+    led.release_lease(lease)
+    led.close()
+    out["seen"] = seen
+    out["held"] = held
     return out
 
 
