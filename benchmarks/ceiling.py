@@ -30,9 +30,7 @@ the measured loop: the client CPU per pair (on PostgreSQL the server's work is e
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
-import traceback
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -43,13 +41,17 @@ from typing import Any, Literal
 
 from benchmarks import defaults
 from benchmarks.common import (
+    WORKER_TIMEOUT_S,
     BenchError,
     Column,
     MachineProbe,
     Progress,
     Report,
+    Worker,
     fmt,
     quiet,
+    run_together,
+    shares,
 )
 from ledger.api.facade import Ledger
 from ledger.domain.values import Budget, Price, Route
@@ -57,7 +59,6 @@ from ledger.domain.values import Budget, Price, Route
 DEFAULT_WORKERS = (1, 2, 4, 8, 16, 32)
 DEFAULT_PAIRS = defaults.CEILING_PAIRS
 WARMUP_PAIRS = 5
-WORKER_TIMEOUT_S = 1800.0
 #: The one group's limit: far above any worker count, so a begin is never refused.
 LIMIT = 100_000
 #: Begins per second that one limited group should reach on a 2-core machine with fsync on
@@ -218,20 +219,6 @@ def _raw_worker(url: str, path: Path, tag: str, group: str, n: int, warmup: int,
         conn.close()
 
 
-def _worker_main(url: str, path: Path, tag: str, group: str, n: int, warmup: int,
-                 barrier: Barrier, results: Any) -> None:
-    try:
-        if path == "ledger":
-            t0, t1, cpu = _worker(url, tag, group, n, warmup, barrier)
-        else:
-            t0, t1, cpu = _raw_worker(url, path, tag, group, n, warmup, barrier)
-        results.put((tag, "ok", t0, t1, n, cpu))
-    except BaseException as e:  # reported to the parent, which raises BenchError
-        barrier.abort()
-        results.put((tag, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
-                     0.0, 0, 0.0))
-
-
 def groups_for(shape: Shape, prefix: str, workers: int) -> list[str]:
     """Each worker's capacity group: one shared group, or one group per worker."""
     if shape == "one":
@@ -274,34 +261,17 @@ def measure(url: str, shape: Shape, workers: int, pairs: int, warmup: int = WARM
         with psycopg.connect(autocommit=True, **pg_connect_args(url)) as pg:
             for g in dict.fromkeys(groups):
                 pg.execute(f"INSERT INTO {RAW_GROUPS} (id) VALUES (%s)", (g,))
-    ctx = mp.get_context("spawn")  # no inherited connections or locks
-    barrier = ctx.Barrier(workers)
-    results = ctx.Queue()
-    share = [pairs // workers + (1 if i < pairs % workers else 0) for i in range(workers)]
-    procs = [ctx.Process(target=_worker_main,
-                         args=(url, path, f"{prefix}-w{i}", groups[i], share[i], warmup,
-                               barrier, results), daemon=True)
-             for i in range(workers)]
-    for p in procs:
-        p.start()
-    got: list[tuple[str, str, Any, float, int, float]] = []
-    try:
-        for _ in procs:
-            got.append(results.get(timeout=WORKER_TIMEOUT_S))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    errors = [g for g in got if g[1] != "ok"]
-    if errors:
-        first = sorted(errors, key=lambda g: "BrokenBarrierError" in str(g[2]))[0]
-        raise BenchError(f"group-ceiling worker {first[0]} failed: {first[2]}")
-    start = min(float(g[2]) for g in got)
-    end = max(float(g[3]) for g in got)
-    return Measurement(shape, workers, sum(g[4] for g in got), end - start,
-                       sum(g[5] for g in got), path)
+    share = shares(pairs, workers)
+    jobs: list[tuple[str, int, Worker, tuple[Any, ...]]] = []
+    for i in range(workers):
+        tag = f"{prefix}-w{i}"
+        if path == "ledger":
+            jobs.append((tag, share[i], _worker, (url, tag, groups[i], share[i], warmup)))
+        else:
+            jobs.append((tag, share[i], _raw_worker,
+                         (url, path, tag, groups[i], share[i], warmup)))
+    done = run_together(f"group-ceiling {path}", jobs)
+    return Measurement(shape, workers, done.count, done.seconds, done.cpu_s, path)
 
 
 def bench_database(url: str, *, backend: str, workers: Sequence[int] = DEFAULT_WORKERS,

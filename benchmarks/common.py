@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -262,7 +264,80 @@ def parse_choices(text: str, what: str, allowed: Sequence[str]) -> list[str]:
     return got
 
 
+
+
+# -- worker processes that start together -----------------------------------------------------
+
+WORKER_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Together:
+    """What worker processes did together: their operations, from the first one's start to
+    the last one's end, and the process CPU they spent in their measured loops."""
+
+    count: int
+    seconds: float
+    cpu_s: float
+
+
+# A worker: a module-level function (spawned processes import it by name) called with its
+# arguments and then the barrier behind which every worker starts; it returns the monotonic
+# start and end of its measured loop and the process CPU the loop took.
+Worker = Callable[..., tuple[float, float, float]]
+
+
+def _run_one(work: Worker, args: tuple[Any, ...], tag: str, n: int, barrier: Any,
+             results: Any) -> None:
+    try:
+        t0, t1, cpu = work(*args, barrier)
+        results.put((tag, "ok", t0, t1, n, cpu))
+    except BaseException as e:  # reported to the parent, which raises BenchError
+        barrier.abort()
+        results.put((tag, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                     0.0, 0, 0.0))
+
+
+def run_together(label: str, jobs: Sequence[tuple[str, int, Worker, tuple[Any, ...]]]
+                 ) -> Together:
+    """Run each ``(tag, operations, worker, args)`` in a spawned process of its own (no
+    inherited connections or locks), all starting behind one barrier; a failed worker is a
+    :class:`BenchError` naming ``label`` and its tag (the first that did not merely see the
+    barrier broken by another)."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(len(jobs))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_run_one, args=(work, args, tag, n, barrier, results),
+                         daemon=True)
+             for tag, n, work, args in jobs]
+    for p in procs:
+        p.start()
+    got: list[tuple[str, str, Any, float, int, float]] = []
+    try:
+        for _ in procs:
+            got.append(results.get(timeout=WORKER_TIMEOUT_S))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    errors = [g for g in got if g[1] != "ok"]
+    if errors:
+        first = sorted(errors, key=lambda g: "BrokenBarrierError" in str(g[2]))[0]
+        raise BenchError(f"{label} worker {first[0]} failed: {first[2]}")
+    return Together(count=sum(g[4] for g in got),
+                    seconds=max(float(g[3]) for g in got) - min(float(g[2]) for g in got),
+                    cpu_s=sum(g[5] for g in got))
+
+
+def shares(total: int, workers: int) -> list[int]:
+    """``total`` split over ``workers`` as evenly as it goes."""
+    return [total // workers + (1 if i < total % workers else 0) for i in range(workers)]
+
+
 __all__ = [
+    "WORKER_TIMEOUT_S",
     "BenchError",
     "Column",
     "Machine",
@@ -270,6 +345,8 @@ __all__ = [
     "Progress",
     "Report",
     "Target",
+    "Together",
+    "Worker",
     "cpu_now",
     "fmt",
     "mean",
@@ -277,5 +354,7 @@ __all__ = [
     "parse_counts",
     "percentile",
     "quiet",
+    "run_together",
+    "shares",
     "targets",
 ]

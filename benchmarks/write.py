@@ -22,9 +22,7 @@ enforced.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
-import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,13 +33,17 @@ from typing import Any, Literal
 
 from benchmarks import defaults, floor
 from benchmarks.common import (
+    WORKER_TIMEOUT_S,
     BenchError,
     Column,
     MachineProbe,
     Progress,
     Report,
+    Worker,
     fmt,
     quiet,
+    run_together,
+    shares,
 )
 from ledger.api.facade import Ledger
 from ledger.domain.values import Budget, Price, Route
@@ -50,7 +52,6 @@ TARGET_RATIO = 0.8
 DEFAULT_WORKERS = (1, 8)
 DEFAULT_ATTEMPTS = defaults.WRITE_ATTEMPTS
 WARMUP_ATTEMPTS = 10
-WORKER_TIMEOUT_S = 1800.0
 
 Mode = Literal["floor", "ledger", "ledger+event"]
 LEDGER_MODES: tuple[Mode, ...] = ("ledger", "ledger+event")
@@ -121,7 +122,7 @@ COLUMNS = (
 
 # -- workers (each its own OS process) ---------------------------------------------------------
 
-def _ledger_worker(url: str, tag: str, n: int, warmup: int, barrier: Barrier, event: bool
+def _ledger_worker(url: str, tag: str, n: int, warmup: int, event: bool, barrier: Barrier
                    ) -> tuple[float, float, float]:
     led = Ledger.open(url, migrate_schema=False, executor_id=tag)
     try:
@@ -168,55 +169,24 @@ def _floor_worker(url: str, tag: str, n: int, warmup: int, barrier: Barrier
         writer.close()
 
 
-def _worker_main(mode: Mode, url: str, tag: str, n: int, warmup: int, barrier: Barrier,
-                 results: Any) -> None:
-    try:
-        if mode == "floor":
-            t0, t1, cpu = _floor_worker(url, tag, n, warmup, barrier)
-        else:
-            t0, t1, cpu = _ledger_worker(url, tag, n, warmup, barrier, mode == "ledger+event")
-        results.put((tag, "ok", t0, t1, n, cpu))
-    except BaseException as e:  # reported to the parent, which raises BenchError
-        barrier.abort()
-        results.put((tag, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
-                     0.0, 0, 0.0))
-
-
 def measure(url: str, mode: Mode, workers: int, attempts: int,
             warmup: int = WARMUP_ATTEMPTS) -> Measurement:
     """Run ``attempts`` attempts split over ``workers`` processes. The database must be ready:
     the ledger schema migrated and, for the floor, its table created (see :func:`prepared`)."""
     if workers < 1 or attempts < workers:
         raise BenchError("need workers >= 1 and attempts >= workers")
-    ctx = mp.get_context("spawn")  # no inherited connections or locks
-    barrier = ctx.Barrier(workers)
-    results = ctx.Queue()
-    share = [attempts // workers + (1 if i < attempts % workers else 0) for i in range(workers)]
+    share = shares(attempts, workers)
     prefix = f"bench-{mode.replace('+', '-')}-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_worker_main,
-                         args=(mode, url, f"{prefix}-w{i}", share[i], warmup, barrier, results),
-                         daemon=True)
-             for i in range(workers)]
-    for p in procs:
-        p.start()
-    got: list[tuple[str, str, Any, float, int, float]] = []
-    try:
-        for _ in procs:
-            got.append(results.get(timeout=WORKER_TIMEOUT_S))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    errors = [g for g in got if g[1] != "ok"]
-    if errors:
-        first = sorted(errors, key=lambda g: "BrokenBarrierError" in str(g[2]))[0]
-        raise BenchError(f"{mode} worker {first[0]} failed: {first[2]}")
-    start = min(float(g[2]) for g in got)
-    end = max(float(g[3]) for g in got)
-    return Measurement(mode, workers, sum(g[4] for g in got), end - start,
-                       sum(g[5] for g in got))
+    jobs: list[tuple[str, int, Worker, tuple[Any, ...]]] = []
+    for i in range(workers):
+        tag = f"{prefix}-w{i}"
+        if mode == "floor":
+            jobs.append((tag, share[i], _floor_worker, (url, tag, share[i], warmup)))
+        else:
+            jobs.append((tag, share[i], _ledger_worker,
+                         (url, tag, share[i], warmup, mode == "ledger+event")))
+    done = run_together(mode, jobs)
+    return Measurement(mode, workers, done.count, done.seconds, done.cpu_s)
 
 
 @contextmanager
