@@ -21,11 +21,16 @@ def operator_name() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def add_who_and_why(p: Any, why: str, *aliases: str) -> None:
-    """``--by`` (default ``user@host``) and a required ``--reason`` (also spelled
-    ``aliases``) for a command that acts."""
-    p.add_argument("--reason", *aliases, dest="reason", required=True, metavar="TEXT",
-                   help=f"why (required, kept with the action for the audit): {why}")
+def add_who_and_why(p: Any, why: str, *aliases: str, default: str | None = None) -> None:
+    """``--by`` (default ``user@host``) and ``--reason`` (also spelled ``aliases``) for a
+    command that acts; the reason is required unless the command has a ``default`` one."""
+    if default is None:
+        p.add_argument("--reason", *aliases, dest="reason", required=True, metavar="TEXT",
+                       help=f"why (required, kept with the action for the audit): {why}")
+    else:
+        p.add_argument("--reason", *aliases, dest="reason", default=default, metavar="TEXT",
+                       help=f"why, kept with the action for the audit (default: {default}): "
+                       f"{why}")
     p.add_argument("--by", default=None, metavar="WHO",
                    help="who acts, kept with the action (default: the operating-system "
                    "user@host)")

@@ -881,11 +881,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--older-than", required=True, metavar="AGE",
                    help="age of the history to drop: 90d, 12w, 2160h (at least one day)")
     p.add_argument("--dry-run", action="store_true", help="show what would go; drop nothing")
-    p.add_argument("--reason", default="retention", metavar="TEXT",
-                   help="why, kept with the record (default: retention)")
-    p.add_argument("--by", default=None, metavar="WHO",
-                   help="who acts, kept with the record (default: the operating-system "
-                   "user@host)")
+    add_who_and_why(p, "e.g. 'the 90-day policy of ticket OPS-12'", default="retention")
     _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_retention)
