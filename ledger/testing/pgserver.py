@@ -86,6 +86,16 @@ class PgServer:
         if res.returncode != 0:
             text = Path(log).read_text() if Path(log).exists() else ""
             raise RuntimeError(f"pg_ctl start failed: {res.stderr}\n{text[-2000:]}")
+        # pg_ctl -w returns once the server accepts connections; double-check over TCP.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server with ``pg_ctl``'s shutdown ``mode`` (smart, fast, immediate)."""
@@ -147,14 +157,4 @@ def start_server(*, durable: bool = False, max_connections: int = 200) -> PgServ
         conf.update({"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"})
     srv.extra_conf = conf
     srv.start()
-    # pg_ctl -w returns once the server accepts connections; double-check over TCP.
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
     return srv

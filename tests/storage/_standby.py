@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,13 +35,6 @@ def start_standby(primary: PgServer, *, name: str = "s1") -> PgServer:
         raise RuntimeError(f"pg_basebackup failed: {res.stderr}")
     srv.start()
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", srv.port), timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
     # Streaming once the primary lists it (its WAL sender), so what the primary commits next
     # reaches it.
     while primary.psql(f"SELECT count(*) FROM pg_stat_replication "
