@@ -113,3 +113,22 @@ def test_version() -> None:
     res = subprocess.run([sys.executable, "-m", "ledger", "--version"], capture_output=True,
                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
     assert res.returncode == 0 and res.stdout == f"failover-ledger {ledger.__version__}\n"
+
+
+def test_reporting_commands_never_load_the_turn_loop(tmp_path: Path) -> None:
+    """A reporting command reads: it opens the ledger and queries it, and never loads the
+    turn loop, the sessions, the replay or the policy loader (issue 23: each command under
+    0.5 s; these are about a tenth of its start-up)."""
+    db = tmp_path / "l.db"
+    code = ("import sys\n"
+            "from ledger import Ledger\n"
+            f"Ledger.open({str(db)!r}).close()\n"
+            "from ledger.cli.main import main\n"
+            "for argv in (['runs'], ['health'], ['costs'], ['failovers'], ['attempts']):\n"
+            f"    assert main(argv + ['--db', {str(db)!r}]) == 0, argv\n"
+            "turn = ('ledger.decide.turn', 'ledger.api.session', 'ledger.ops.replay',\n"
+            "        'ledger.decide.replay', 'ledger.policy.load', 'yaml')\n"
+            "print('LOADED', sorted(m for m in turn if m in sys.modules))\n")
+    res = _py(code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == "LOADED []"

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Generator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from ledger.api.arguments import SessionOptions
 from ledger.api.face import AsyncFace, SyncFace
-from ledger.api.session import AsyncRunSession, RunSession
 from ledger.clock import Clock
 from ledger.domain.validation import checked, instance
 
+if TYPE_CHECKING:
+    # The sessions bring the turn loop; a ledger opened only to read (the audit, the CLI's
+    # reporting commands) never loads it.
+    from ledger.api.session import AsyncRunSession, RunSession
 
-class Ledger(SyncFace[RunSession, "Ledger"]):
+
+class Ledger(SyncFace["RunSession", "Ledger"]):
     """A ledger over one database (SQLite file or PostgreSQL). Open with :meth:`open`.
 
     It records Runs (admitted with a frozen plan, grant, budget and policy), their leases, and
@@ -88,6 +92,8 @@ class Ledger(SyncFace[RunSession, "Ledger"]):
         return led
 
     def _session(self, run_id: str, options: SessionOptions) -> RunSession:
+        from ledger.api.session import RunSession
+
         return RunSession(self, run_id, options)
 
 
@@ -110,7 +116,7 @@ class _Opening:
             await self._led.close()
 
 
-class AsyncLedger(AsyncFace[AsyncRunSession, _Opening]):
+class AsyncLedger(AsyncFace["AsyncRunSession", _Opening]):
     """The async twin of :class:`Ledger`: the same operations, awaited; one implementation.
 
     Every operation is :class:`Ledger`'s own (the same checks, docstring and transactions),
@@ -145,6 +151,8 @@ class AsyncLedger(AsyncFace[AsyncRunSession, _Opening]):
             lease_margin_s=lease_margin_s, read_url=read_url)))
 
     def _session(self, run_id: str, options: SessionOptions) -> AsyncRunSession:
+        from ledger.api.session import AsyncRunSession
+
         return AsyncRunSession(self, run_id, options)
 
     async def close(self) -> None:

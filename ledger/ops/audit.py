@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from enum import Enum
 from types import SimpleNamespace
-from typing import Annotated, Any, Unpack
+from typing import TYPE_CHECKING, Annotated, Any, Unpack
 
 from ledger.api.arguments import AttemptFilters, Cursor, Limit, attempt_query
 from ledger.api.calls import Awaiting, query
@@ -51,14 +51,15 @@ from ledger.domain.validation import (
     rule,
 )
 from ledger.errors import InvalidArgument, NotFound
-from ledger.ops.replay import ReplayReport
-from ledger.ops.replay import replay as replay_window
 from ledger.policy.model import Policy
 from ledger.storage.audit import LATENCY_MEASURES, TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
 from ledger.storage.series import SeriesQueries
 from ledger.telemetry import DURATION_BUCKETS
+
+if TYPE_CHECKING:
+    from ledger.ops.replay import ReplayReport
 
 OPEN_STATES = ("unknown", "dispatching")
 # The attempts that can cause a failover; a not_sent one only with a failure category (a
@@ -1455,6 +1456,10 @@ class Audit:
             >>> [f.text for f in rep.findings][:2]  # doctest: +SKIP
             ['would have stopped (execution_unknown) after 41 read timeout failures', ...]
         """
+        # Imported here: replay brings the decision core and the policy loader, which the
+        # reporting commands otherwise never need (issue 23: each CLI command under 0.5 s).
+        from ledger.ops.replay import replay as replay_window
+
         return replay_window(self.ledger, policy, since=since, until=until, run=run,
                              tenant=tenant)
 
