@@ -434,6 +434,7 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
         (["generate", "--db", db, "--attempts", "0"], "--attempts"),
         (["generate", "--db", db, "--days", "0"], "--days"),
         (["audit", "--db", db, "--repeat", "0"], "--repeat"),
+        (["deepen", "--db", db, "--copies", "0"], "--copies"),
     ]
     for argv, word in cases:
         assert main(argv) == 2, argv
@@ -448,6 +449,7 @@ def test_parser_has_every_bench() -> None:
     for name in ("group-ceiling", "turn", "turns-flat", "recover", "select", "audit",
                  "generate"):
         assert p.parse_args([name]).bench_command == name
+    assert p.parse_args(["deepen", "--copies", "9"]).copies == 9
 
 
 # -- python -m benchmarks, from the repository root (the documented command) -------------------
@@ -510,3 +512,45 @@ def test_the_cli_defaults_are_the_benchmarks_own() -> None:
             recover.DEFAULT_PER_RUN, selector.DEFAULT_ITERATIONS) == (
         defaults.WRITE_ATTEMPTS, defaults.TURN_CALLS, defaults.FLAT_TURNS,
         defaults.RECOVER_PER_RUN, defaults.SELECT_ITERATIONS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepened_history_is_whole_copies_that_reconcile(backend: str,
+                                                         request: pytest.FixtureRequest,
+                                                         tmp_path: Path) -> None:
+    """``bench deepen`` adds exact copies of the finished Runs, one span further back each:
+    every copy reconciles, tells the same story as its original (routes, states, costs, events
+    in order), and the newest day the audit benchmark reads is left as it was."""
+    from benchmarks.deepen import FINISHED, deepen
+    from benchmarks.generate import generate
+
+    db = (str(tmp_path / "deep.db") if backend == "sqlite"
+          else str(request.getfixturevalue("pg_url")))
+    with Ledger.open(db) as led:
+        generate(led, attempts=300, days=1, end=END, seed=3)
+        audit = Audit(led)
+        day = audit.costs(by="route", since=END - 86_400, until=END + 1)
+        before = audit.runs(limit=1000).items
+        rep = deepen(led, 2)
+        assert rep.span_s == 86_400.0 and rep.copies == 2
+        finished = [r for r in before if r.status in FINISHED]
+        assert 0 < len(finished) < len(before) or len(finished) == len(before)
+        assert rep.rows["runs"] == 2 * len(finished)
+        assert rep.rows["attempts"] > 0 and rep.rows["events"] > 0
+        assert reconcile(led).violations == []
+        # The newest day reads as before.
+        assert audit.costs(by="route", since=END - 86_400, until=END + 1) == day
+        # Each copy is its original, moved back: same attempts and events, in order.
+        orig = next(r for r in finished if r.calls_used > 1) if any(
+            r.calls_used > 1 for r in finished) else finished[0]
+        a = audit.timeline(orig.run_id)
+        for k in (1, 2):
+            c = audit.timeline(f"{orig.run_id}~d{k}")
+            assert c.run.created_at == pytest.approx(a.run.created_at - k * 86_400.0)
+            assert [(x.route_id, x.state, x.cost, x.posted, x.seq) for x in c.attempts] == \
+                [(x.route_id, x.state, x.cost, x.posted, x.seq) for x in a.attempts]
+            assert [x.attempt_id for x in c.attempts] == \
+                [f"{x.attempt_id}~d{k}" for x in a.attempts]
+            assert [e.kind for e in c.run_events] == [e.kind for e in a.run_events]
+            assert (c.failed_over, c.total_cost, c.served_route) == \
+                (a.failed_over, a.total_cost, a.served_route)
