@@ -31,6 +31,7 @@ from ledger.decide.effects import (
     Notify,
     Now,
     Record,
+    ResolveBegin,
     Send,
     SendResult,
     Settle,
@@ -264,7 +265,7 @@ def _advance(gen: Steps, value: Any, error: BaseException | None) -> tuple[bool,
 
 
 def _writes(eff: Effect[Any]) -> bool:
-    return isinstance(eff, Begin | Settle | LeaveQueue)
+    return isinstance(eff, Begin | Settle | LeaveQueue | ResolveBegin)
 
 
 def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunResult:
@@ -351,6 +352,8 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
             return store.begin_attempt(spec, clock)
         case Settle(run_id=run_id, spec=spec):
             return store.settle_attempt(run_id, spec, clock)
+        case ResolveBegin(item=item):
+            return store.resolve_begin(item, clock)
         case LeaveQueue(group=group, waiter=waiter):
             return store.leave_queue(waiter, group)
         case ClaimProbe(route=route, interval_s=interval, key=key):
