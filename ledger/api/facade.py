@@ -62,7 +62,7 @@ class Ledger(SyncFace[RunSession, "Ledger"]):
         WARNING and left to recovery.
         """
         try:
-            self._store.settle_pending(self.clock.now)
+            self._runner.run(self._store.settle_pending(self.clock.now))
         finally:
             try:
                 self._store.close()

@@ -12,6 +12,10 @@ whose request never left the process (``track(..., sent=False)``) is settled as 
 *before send*, which voids its hold; one that was sent without a receipt is marked unknown and
 keeps its hold; then the lease is released. A fenced-out keeper writes nothing.
 
+Each tick first settles what the process left unresolved for the Run (a begin of the retry owner
+whose ``COMMIT``'s outcome was unknown and that was never sent: ``not_sent``), as soon as the
+database answers again (:mod:`ledger.decide.resolve`).
+
 Both twins share one implementation of the schedule (:class:`KeeperCore.tick`); time comes from
 an injectable clock and the waits from an injectable sleeper, so tests never sleep.
 """

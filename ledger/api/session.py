@@ -12,7 +12,8 @@
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
 renewed in the background; leaving finishes the Run and releases the lease, on every path,
-cancellation included. The status says what happened (:mod:`ledger.decide.ending`):
+cancellation included (when the database does not answer, as soon as it does:
+:mod:`ledger.decide.resolve`). The status says what happened (:mod:`ledger.decide.ending`):
 ``succeeded`` only when the last turn was served, ``cancelled`` after a cancelled turn (even one
 the host caught), ``stopped`` or ``failed`` after a stop, ``failed`` or ``cancelled`` when the
 block raised.
@@ -429,9 +430,12 @@ class RunSession(_SessionCore):
         DatabaseUnavailable: (entering or leaving) the database could not be reached; its
             ``fields["operation"]`` names the write. A finish or release whose acknowledgement
             was lost is resolved first (run again under the Run's row lock), so after a block
-            that succeeded this is raised only when the database stayed away. After a block
-            that raised, an error of leaving is only logged and added to the block's exception
-            as a note: the block's exception is the one raised.
+            that succeeded this is raised only when the database stayed away; then the exit is
+            remembered (``fields["deferred"]``) and written as soon as the database answers
+            again (the process's next write for the Run, or the ledger's ``close()``), after a
+            turn's begin that was never sent is settled ``not_sent``. After a block that
+            raised, an error of leaving is only logged and added to the block's exception as a
+            note: the block's exception is the one raised.
 
     Example:
         >>> with led.run("task-42", plan=routes, budget={"max_calls": 6, "max_retries": 4,

@@ -181,8 +181,11 @@ def execute(
             keyword is :class:`~ledger.errors.ArgumentMismatch`.
         FencedOut: the Run was taken over by another executor; :class:`~ledger.errors.LeaseLost`
             when the lease lapsed (acquire it again).
-        DatabaseUnavailable: the database could not be reached; an Attempt it left in flight
-            is settled by recovery.
+        DatabaseUnavailable: the database could not be reached. A begin whose ``COMMIT``'s
+            outcome is unknown was never sent: it is settled ``not_sent`` at once, or, when the
+            database stays away (``fields["deferred"]``), by this process as soon as it answers
+            again (its next write for the Run, the lease keeper, ``close()``); recovery settles
+            what the process leaves behind.
 
     An interruption (``KeyboardInterrupt``, a timeout) propagates unchanged after the Attempt
     in flight is recorded truthfully (not sent, or unknown with its hold kept).

@@ -95,10 +95,12 @@ class UnresolvedExit:
     Attributes:
         lease: The session's lease, as last renewed.
         status: What the Run ends in; ``None`` when it is finished and only the release is left.
+        tried: A try may have landed (its outcome is unknown): the next one finds it done.
     """
 
     lease: Lease
     status: RunStatus | None
+    tried: bool = False
 
     @property
     def run_id(self) -> str:

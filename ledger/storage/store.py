@@ -37,7 +37,13 @@ What every flow promises:
   ``fields["operation"]`` and ``fields["resolved"] = False``. A begin is not run again here (a
   host retries it with the same attempt id, or the retry owner settles it ``not_sent``:
   :mod:`ledger.decide.turn`); its error says ``operation="begin"``. An error raised before the
-  ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written.
+  ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written;
+* what stays unresolved because the database did not answer (the retry owner's begin that was
+  never sent, a Run session's exit: :mod:`ledger.decide.resolve`) is remembered in
+  :attr:`Store.pending`, and every write for its Run (and the turn's snapshot) resolves it
+  first: nothing else is written for that Run until it is, and while the database stays away
+  that write fails with the same :class:`~ledger.errors.DatabaseUnavailable`. The lease keeper
+  resolves it too, and :meth:`Store.settle_pending` when the ledger closes.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from ledger import faults
@@ -201,8 +208,8 @@ class Store:
 
     # -- writes whose outcome is still unknown ---------------------------------------------
 
-    def settle_pending(self, clock: ClockFn) -> None:
-        """Resolve every Run's unresolved writes once, blocking (the ledger's ``close()``).
+    def settle_pending(self, clock: ClockFn) -> Flow[None]:
+        """Resolve every Run's unresolved writes once (the ledger's ``close()``).
 
         Bounded: one try each, and none once the database did not answer. What is left is
         logged at WARNING: recovery settles it once the lease lapses.
@@ -211,7 +218,7 @@ class Store:
         for run_id in self.pending.runs():
             if away is None:
                 try:
-                    self.runner.run(self.resolve_run(run_id, clock))
+                    yield from self.resolve_run(run_id, clock)
                     continue
                 except LedgerError as e:
                     away = e
@@ -230,7 +237,7 @@ class Store:
         """
         for item in self.pending.of(run_id):
             try:
-                yield from self.resolve(item, clock)
+                yield from self._resolve(item, clock)
             except LedgerError as e:
                 if stays(e) or (raising and isinstance(item, UnresolvedExit)):
                     raise
@@ -244,9 +251,9 @@ class Store:
         remembered: the next write for its Run, the lease keeper or ``close()`` resolves it.
         """
         self.pending.add(item)
-        return (yield from self.resolve(item, clock))
+        return (yield from self._resolve(item, clock))
 
-    def resolve(self, item: Unresolved, clock: ClockFn) -> Flow[Resolution]:
+    def _resolve(self, item: Unresolved, clock: ClockFn) -> Flow[Resolution]:
         """Resolve one remembered write; forget it unless the database did not answer.
 
         Raises what the database answered when it is no resolution (a lapsed lease for an
@@ -292,18 +299,28 @@ class Store:
         return Resolution.LATE
 
     def _exit(self, item: UnresolvedExit, clock: ClockFn) -> Flow[Resolution]:
-        """Finish the Run as the session ended it, then release its lease (each once)."""
-        lease, status = item.lease, item.status
-        if status is not None:
-            yield from resolving("finish", lambda _again: hot.finish_tx(
-                self.sql, lease, status, clock, self.lease_margin_s, again=True),
-                run_id=lease.run_id)
-            self.pending.add(UnresolvedExit(lease, None))  # finished: the release is left
+        """Finish the Run as the session ended it, then release its lease (each once).
+
+        A first try writes each as :meth:`finish_run` and :meth:`release_lease` do; once a try
+        may have landed (``item.tried``), a Run already ended so, or a lease already given up,
+        is the same write.
+        """
+        lease, status, tried = item.lease, item.status, item.tried
         try:
-            yield from resolving("release", lambda _again: hot.release_tx(
-                self.sql, lease, clock, again=True), run_id=lease.run_id)
+            if status is not None:
+                ending = status
+                yield from resolving("finish", lambda again: hot.finish_tx(
+                    self.sql, lease, ending, clock, self.lease_margin_s, again=again or tried),
+                    run_id=lease.run_id)
+                item, status, tried = UnresolvedExit(lease, None), None, False
+                self.pending.add(item)  # finished: the release is left
+            yield from resolving("release", lambda again: hot.release_tx(
+                self.sql, lease, clock, again=again or tried), run_id=lease.run_id)
         except LedgerError as e:
-            e.fields.setdefault("finished", True)  # the Run is finished; its lease is not free
+            if stays(e):
+                self.pending.add(replace(item, tried=True))
+            if status is None:
+                e.fields.setdefault("finished", True)  # the Run is finished; its lease is not free
             raise
         return Resolution.FINISHED
 

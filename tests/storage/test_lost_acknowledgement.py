@@ -15,6 +15,12 @@ the async ledger, the books are checked against what the fake provider received:
   and its slot freed; nothing stays reserved, the lease is released;
 * a settle, finish, release or acquire whose acknowledgement was lost is resolved (run again
   under the Run's row lock): the block goes on as if nothing happened.
+
+And when the database goes away right after a begin's acknowledgement is lost (the proxy then
+refuses every connection, so the resolution cannot be made either), the caller is told so
+(``resolved=False``), nothing is sent, and the Attempt ends ``not_sent`` with nothing held as soon
+as the database answers again: at the session's next turn, at its exit, or at the ledger's
+``close()``; the session's finish and release are written too.
 """
 
 from __future__ import annotations
