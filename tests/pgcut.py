@@ -16,6 +16,10 @@ Armed with ``arm(n)``, the n-th ``COMMIT`` loses its connection:
 * ``mode="instead"``: the ``COMMIT`` is never forwarded; both sides are closed. The server
   rolls the transaction back; the client cannot tell the two apart.
 
+``arm_kind(..., down=True)`` then takes the database away right after the cut, as a primary that
+died with no standby promoted yet: every connection is closed, and every new one is closed as
+soon as it is accepted, until :meth:`CommitCutter.up`.
+
 Everything is on 127.0.0.1. Threads, not asyncio: the sync and the async ledger both talk to it.
 """
 
@@ -104,6 +108,8 @@ class CommitCutter:
         self._cuts: dict[int, str] = {}
         self._kinds: dict[str, str] = {}
         self._then: list[str] = []
+        self._down_after = False
+        self.down = False
         self.commits: list[Commit] = []
         self._conns: list[_Conn] = []
         self._closed = False
@@ -122,15 +128,25 @@ class CommitCutter:
         assert set(modes.values()) <= {"after", "instead"}
         with self._lock:
             self._cuts, self._kinds, self._then = modes, {}, []
+            self._down_after = False
             self.commits = []
 
-    def arm_kind(self, kind: str, mode: str = "after", *, then: tuple[str, ...] = ()) -> None:
+    def arm_kind(self, kind: str, mode: str = "after", *, then: tuple[str, ...] = (),
+                 down: bool = False) -> None:
         """Count COMMITs from zero; lose the connection of the first one of ``kind``, and of
-        the ``len(then)`` COMMITs right after it, the ways ``then`` says."""
+        the ``len(then)`` COMMITs right after it, the ways ``then`` says; with ``down``, the
+        database is away from the first cut on (until :meth:`up`)."""
         assert {mode, *then} <= {"after", "instead"}
         with self._lock:
             self._cuts, self._kinds, self._then = {}, {kind: mode}, list(then)
+            self._down_after = down
             self.commits = []
+
+    def up(self) -> None:
+        """The database answers again (after ``arm_kind(..., down=True)``); nothing is armed."""
+        with self._lock:
+            self.down, self._down_after = False, False
+            self._cuts, self._kinds, self._then = {}, {}, []
 
     @property
     def cuts(self) -> list[Commit]:
@@ -160,6 +176,11 @@ class CommitCutter:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.down:  # the database is away: the connection ends before a word
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_RDWR)
+                client.close()
+                continue
             try:
                 server = socket.create_connection(("127.0.0.1", self.target_port))
             except OSError:
@@ -207,6 +228,8 @@ class CommitCutter:
             out, cut = self._messages(conn)
             if cut is not None:
                 self._cut_off(conn, out)
+                if self._down_after:
+                    self._go_down()
                 return
             try:
                 if out:
@@ -304,6 +327,14 @@ class CommitCutter:
         with contextlib.suppress(OSError):
             conn.server.shutdown(socket.SHUT_WR)  # after the data: FIN, never a reset
         # The downstream thread drains the server's answers until it closes its side.
+
+    def _go_down(self) -> None:
+        """The database goes away: every other connection ends, new ones are refused."""
+        with self._lock:
+            self.down = True
+            conns = [c for c in self._conns if not c.dead]
+        for c in conns:
+            self._kill(c)
 
     def _kill(self, conn: _Conn) -> None:
         conn.dead = True

@@ -57,12 +57,22 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
 
 
     def close(self) -> None:
-        """Close the database connections (the ledger cannot be used afterwards)."""
+        """Close the database connections (the ledger cannot be used afterwards).
+
+        Writes whose outcome the database could not tell when they were made are resolved
+        first, one try each (:meth:`ledger.storage.store.Store.settle_pending`): a begin of the
+        retry owner that was never sent is settled ``not_sent``, a Run session's exit finishes
+        the Run and releases its lease. What the database still does not take is logged at
+        WARNING and left to recovery.
+        """
         try:
-            self._store.close()
+            self._runner.run(self._store.settle_pending(self.clock.now))
         finally:
-            if self._replica is not None:
-                self._replica.close()
+            try:
+                self._store.close()
+            finally:
+                if self._replica is not None:
+                    self._replica.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -156,7 +166,10 @@ class AsyncLedger(AsyncFace["AsyncRunSession", _Opening]):
         return AsyncRunSession(self, run_id, options)
 
     async def close(self) -> None:
-        """Close the database connections."""
+        """Close the database connections; what is unresolved is resolved first.
+
+        See :meth:`Ledger.close`.
+        """
         await asyncio.to_thread(self.sync.close)
 
     async def __aenter__(self) -> AsyncLedger:

@@ -12,6 +12,10 @@ whose request never left the process (``track(..., sent=False)``) is settled as 
 *before send*, which voids its hold; one that was sent without a receipt is marked unknown and
 keeps its hold; then the lease is released. A fenced-out keeper writes nothing.
 
+Each tick first settles what the process left unresolved for the Run (a begin of the retry owner
+whose ``COMMIT``'s outcome was unknown and that was never sent: ``not_sent``), as soon as the
+database answers again (:mod:`ledger.decide.resolve`).
+
 Both twins share one implementation of the schedule (:class:`KeeperCore.tick`); time comes from
 an injectable clock and the waits from an injectable sleeper, so tests never sleep.
 """
@@ -120,7 +124,10 @@ class KeeperCore:
         A renewal refused with :class:`FencedOut` loses the Run. An unreachable database
         (:class:`DatabaseUnavailable`) is retried every quarter interval until the lease's own
         end, and then it is lost with :class:`LeaseLost`. Nothing is raised: :meth:`check`
-        raises afterwards.
+        raises afterwards. Each tick first resolves what the process left unresolved for the
+        Run (a begin of the retry owner whose ``COMMIT``'s outcome was unknown and that was
+        never sent: settled ``not_sent``), every quarter interval while the database does not
+        answer.
         """
         return self.ledger._runner.run(self._tick())
 
@@ -128,10 +135,12 @@ class KeeperCore:
         """:meth:`tick` as a flow, for either kind of ledger."""
         if self.error is not None:
             return math.inf
+        lease = self.lease
+        pending = yield from self._resolve(lease)
         now = self.clock.now()
         if now < self._next:
-            return self._next - now
-        lease = self.lease
+            # An unresolved write is tried again every quarter interval until it is resolved.
+            return min(self._next - now, self.retry_s) if pending else self._next - now
         try:
             new = yield from Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
         except FencedOut as e:
@@ -156,6 +165,21 @@ class KeeperCore:
         now = self.clock.now()
         self._next = now + self.interval_s
         return self.interval_s
+
+    def _resolve(self, lease: Lease) -> Flow[bool]:
+        """Resolve what this process left unresolved for the Run; whether some of it stays.
+
+        That is a begin never sent whose ``COMMIT``'s outcome was unknown
+        (:mod:`ledger.decide.resolve`); it stays while the database does not answer.
+        """
+        store = self.ledger._store
+        if not store.pending or not store.pending.of(lease.run_id):
+            return False
+        try:
+            yield from store.resolve_run(lease.run_id, self.ledger.clock.now)
+        except DatabaseUnavailable:
+            return True
+        return False
 
     def shutdown_writes(self) -> None:
         """Settle or mark unknown what is in flight, then release the lease.

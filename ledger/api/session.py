@@ -12,7 +12,8 @@
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
 renewed in the background; leaving finishes the Run and releases the lease, on every path,
-cancellation included. The status says what happened (:mod:`ledger.decide.ending`):
+cancellation included (when the database does not answer, as soon as it does:
+:mod:`ledger.decide.resolve`). The status says what happened (:mod:`ledger.decide.ending`):
 ``succeeded`` only when the last turn was served, ``cancelled`` after a cancelled turn (even one
 the host caught), ``stopped`` or ``failed`` after a stop, ``failed`` or ``cancelled`` when the
 block raised.
@@ -31,19 +32,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Annotated, Any, Self, Unpack, cast
+from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
 from ledger.api.face import AsyncFace, SyncFace
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
+from ledger.decide.resolve import UnresolvedExit, stays
 from ledger.decide.turn import RunResult
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, checked, function, instance
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument, InvalidState, LedgerError
+from ledger.storage.runner import Flow
+
+if TYPE_CHECKING:
+    from ledger.api.lease import KeeperCore
 
 # Logger names are part of the interface operators filter on: they stay as they were named.
 log = logging.getLogger("ledger.session")
@@ -153,18 +159,63 @@ class _SessionCore:
             return turn_end(exc)
         return self._outcome
 
+    def _exit(self, exc: BaseException | None, keeper: KeeperCore) -> Flow[None]:
+        """Leaving the block, for both sessions: the Run's end, then its lease given up.
+
+        The exit is remembered as an :class:`~ledger.decide.resolve.UnresolvedExit` before it is
+        written, behind what the turns left unresolved (a begin never sent, settled
+        ``not_sent`` first: a release needs nothing in flight). When the database does not
+        answer, it stays remembered and the process writes it as soon as the database answers
+        again (the Run's next write here, or the ledger's ``close()``). A keeper that lost the
+        Run writes nothing under the lease; a begin of its own that was never sent is still
+        settled, under its own fence.
+        """
+        from ledger.api.face import Face
+
+        led, run_id = self.ledger, self.run_id
+        store, clock = led._store, led.clock.now
+        if keeper.error is not None:
+            try:
+                yield from store.resolve_run(run_id, clock)
+            except LedgerError as e:
+                log.warning("run %s: leaving a lost Run, its unresolved begin stays for the "
+                            "ledger's close() or recovery: %s", run_id, e)
+            return
+        status = self._end_status(exc)
+        if status is None:
+            status = _idle_status((yield from Face.get_run.flow(led, run_id)),
+                                  (yield from Face.timeline.flow(led, run_id)),
+                                  (yield from Face.events.flow(led, run_id, ["stop"])))
+        store.pending.add(UnresolvedExit(keeper.lease, status))
+        try:
+            yield from store.resolve_run(run_id, clock, raising=True)
+        except LedgerError as e:
+            if e.fields.get("finished"):
+                self._ended(status)  # finished; only its lease was not given up
+            if stays(e):
+                e.fields["deferred"] = True  # remembered: written once the database answers
+            raise
+        self._ended(status)
+
     def _unfinished(self, exc: BaseException | None, error: LedgerError) -> None:
         """The block's exit could not finish the Run or release its lease (``error``).
 
         After a block that succeeded that is the news, and ``error`` is raised. After one that
         raised, the block's own exception stays the one the caller sees (``error`` is logged
-        and added to it as a note), never replaced by what its exit ran into.
+        and added to it as a note), never replaced by what its exit ran into. Either says when
+        the exit stays remembered (``error.fields["deferred"]``: the database did not answer).
         """
+        later = ("; this process finishes the Run and releases its lease as soon as the "
+                 "database answers again (its next write for the Run, or the ledger's close())"
+                 if error.fields.get("deferred") else "")
         if exc is None:
+            if later:
+                error.add_note(f"leaving the Run session, run {self.run_id!r} was not finished"
+                               + later)
             raise error
         log.warning("run %s: could not finish after %r: %s", self.run_id, exc, error)
         exc.add_note(f"leaving the Run session, finishing run {self.run_id!r} or releasing its "
-                     f"lease failed too: {type(error).__name__}: {error}")
+                     f"lease failed too: {type(error).__name__}: {error}{later}")
 
     def _ended(self, status: RunStatus) -> None:
         self.ended = status
@@ -379,9 +430,12 @@ class RunSession(_SessionCore):
         DatabaseUnavailable: (entering or leaving) the database could not be reached; its
             ``fields["operation"]`` names the write. A finish or release whose acknowledgement
             was lost is resolved first (run again under the Run's row lock), so after a block
-            that succeeded this is raised only when the database stayed away. After a block
-            that raised, an error of leaving is only logged and added to the block's exception
-            as a note: the block's exception is the one raised.
+            that succeeded this is raised only when the database stayed away; then the exit is
+            remembered (``fields["deferred"]``) and written as soon as the database answers
+            again (the process's next write for the Run, or the ledger's ``close()``), after a
+            turn's begin that was never sent is settled ``not_sent``. After a block that
+            raised, an error of leaving is only logged and added to the block's exception as a
+            note: the block's exception is the one raised.
 
     Example:
         >>> with led.run("task-42", plan=routes, budget={"max_calls": 6, "max_retries": 4,
@@ -431,15 +485,7 @@ class RunSession(_SessionCore):
         keeper = self._keeper
         keeper.stop()
         try:
-            if keeper.error is None:
-                status = self._end_status(exc)
-                if status is None:
-                    led = self.ledger
-                    status = _idle_status(led.get_run(self.run_id), led.timeline(self.run_id),
-                                          led.events(self.run_id, ["stop"]))
-                self.ledger.finish_run(keeper.lease, status)
-                self._ended(status)
-            keeper.shutdown_writes()  # releases the lease (a fenced-out keeper writes nothing)
+            self.ledger._runner.run(self._exit(exc, keeper))
         except LedgerError as e:
             self._unfinished(exc, e)
 
@@ -632,16 +678,7 @@ class AsyncRunSession(_SessionCore):
         keeper = self._keeper
         await keeper.stop()
         try:
-            if keeper.core.error is None:
-                status = self._end_status(exc)
-                if status is None:
-                    led = self.ledger
-                    status = _idle_status(await led.get_run(self.run_id),
-                                          await led.timeline(self.run_id),
-                                          await led.events(self.run_id, ["stop"]))
-                await self.ledger.finish_run(keeper.lease, status)
-                self._ended(status)
-            await self.ledger._runner.arun(keeper.core._shutdown())  # releases the lease
+            await self.ledger._runner.arun(self._exit(exc, keeper.core))
         except LedgerError as e:
             self._unfinished(exc, e)
 

@@ -31,6 +31,7 @@ from ledger.decide.effects import (
     Notify,
     Now,
     Record,
+    ResolveBegin,
     Send,
     SendResult,
     Settle,
@@ -180,8 +181,11 @@ def execute(
             keyword is :class:`~ledger.errors.ArgumentMismatch`.
         FencedOut: the Run was taken over by another executor; :class:`~ledger.errors.LeaseLost`
             when the lease lapsed (acquire it again).
-        DatabaseUnavailable: the database could not be reached; an Attempt it left in flight
-            is settled by recovery.
+        DatabaseUnavailable: the database could not be reached. A begin whose ``COMMIT``'s
+            outcome is unknown was never sent: it is settled ``not_sent`` at once, or, when the
+            database stays away (``fields["deferred"]``), by this process as soon as it answers
+            again (its next write for the Run, the lease keeper, ``close()``); recovery settles
+            what the process leaves behind.
 
     An interruption (``KeyboardInterrupt``, a timeout) propagates unchanged after the Attempt
     in flight is recorded truthfully (not sent, or unknown with its hold kept).
@@ -264,7 +268,7 @@ def _advance(gen: Steps, value: Any, error: BaseException | None) -> tuple[bool,
 
 
 def _writes(eff: Effect[Any]) -> bool:
-    return isinstance(eff, Begin | Settle | LeaveQueue)
+    return isinstance(eff, Begin | Settle | LeaveQueue | ResolveBegin)
 
 
 def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunResult:
@@ -351,6 +355,8 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
             return store.begin_attempt(spec, clock)
         case Settle(run_id=run_id, spec=spec):
             return store.settle_attempt(run_id, spec, clock)
+        case ResolveBegin(item=item):
+            return store.resolve_begin(item, clock)
         case LeaveQueue(group=group, waiter=waiter):
             return store.leave_queue(waiter, group)
         case ClaimProbe(route=route, interval_s=interval, key=key):

@@ -11,6 +11,8 @@
   records and does to holds, health and groups;
 - :mod:`~ledger.decide.effects` and :mod:`~ledger.decide.turn`: the turn itself, a generator of
   typed effects that the drivers in :mod:`ledger.api.turn` perform;
+- :mod:`~ledger.decide.resolve`: what settles a write whose outcome the database could not
+  tell (a begin never sent, a session's exit) once it answers again;
 - :mod:`~ledger.decide.inputs` and :mod:`~ledger.decide.replay`: what a decision records of its
   inputs, and what another policy would have done over recorded history.
 """

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Annotated, Any, Generic, TypeVar
 from urllib.parse import quote
 
+from ledger.decide.resolve import Resolution, UnresolvedBegin
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import (
     AttemptKind,
@@ -409,6 +410,18 @@ class Settle(Effect[AttemptRecord]):
 
 
 @dataclass(frozen=True)
+class ResolveBegin(Effect[Resolution]):
+    """Settle a begin that will never be sent ``not_sent`` (its ``COMMIT``'s outcome is unknown).
+
+    The driver remembers ``item`` first: when the database does not answer, its error comes
+    back and the store resolves the begin before the Run's next write, from the lease keeper,
+    or when the ledger closes (:mod:`ledger.decide.resolve`).
+    """
+
+    item: UnresolvedBegin
+
+
+@dataclass(frozen=True)
 class AwaitSlot(Effect[None]):
     """Wait for a slot of ``group`` to come free, at most ``seconds``, for queued ``waiter``.
 
@@ -498,6 +511,7 @@ __all__ = [
     "Notify",
     "Now",
     "Record",
+    "ResolveBegin",
     "Send",
     "SendProgress",
     "SendResult",

@@ -41,6 +41,7 @@ from ledger.decide.effects import (
     Notify,
     Now,
     Record,
+    ResolveBegin,
     Send,
     SendProgress,
     SendResult,
@@ -55,6 +56,7 @@ from ledger.decide.health import route_key
 from ledger.decide.inputs import record_inputs
 from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits
 from ledger.decide.profiles import Pin, marks_profile_tried
+from ledger.decide.resolve import Resolution, stays, unresolved_begin
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import (
     Decision,
@@ -91,7 +93,6 @@ from ledger.errors import (
     DatabaseUnavailable,
     FailoverExhausted,
     FencedOut,
-    InvalidState,
     LedgerError,
     NotFound,
     PartialOutput,
@@ -795,32 +796,40 @@ class TurnLoop:
         ``not_sent`` (hold voided, slot freed, the call given back, a ``commit_unknown`` event
         saying why). A settle locks the Run's row before it reads the Attempt, so it waits for
         the server to finish the old transaction and then sees its outcome: the Attempt, or
-        nothing (``NotFound``: the begin did not land). ``error``'s fields say what happened
-        (``operation``, ``attempt_id``, ``resolved``, ``landed``); nothing is hidden.
+        nothing (the begin did not land). When the database does not answer that either, the
+        begin stays remembered by the process (:mod:`ledger.decide.resolve`), which settles it
+        the same way before anything else is written for the Run: at its next write (the next
+        turn, the session's exit), from the lease keeper, or when the ledger closes.
+        ``error``'s fields say what happened (``operation``, ``attempt_id``, ``resolved``,
+        ``landed``, and ``deferred`` when the process will resolve it later); nothing is
+        hidden.
         """
         error.fields.update(operation="begin", attempt_id=attempt_id)
         if error.fields.get("commit") != "unknown":
             error.fields.update(resolved=True, landed=False)  # rolled back: nothing to undo
             return
-        landed: bool
+        item = unresolved_begin(self._policy, route, profile, self.lease, attempt_id,
+                                by="the retry owner")
         try:
-            yield from self._settle(route, profile, attempt_id, Outcome.NOT_SENT, events=[
-                ("commit_unknown", {"operation": "begin", "resolution": "not_sent"})])
-            landed = True
-        except NotFound:
-            landed = False
-        except InvalidState:
-            landed = True  # recorded as rejected by its group: settled, nothing held
+            verdict = yield from perform(ResolveBegin(item))
         except LedgerError as e:
-            error.fields.update(resolved=False, landed=None)
+            deferred = stays(e)
+            error.fields.update(resolved=False, landed=None, deferred=deferred)
+            later = ("it was never sent, and this process settles it not_sent as soon as the "
+                     "database answers again (before the Run's next write, from the lease "
+                     "keeper, or when the ledger is closed); if the process ends first, "
+                     "recovery settles it once the lease lapses" if deferred else
+                     "if it was recorded, recovery settles it once the lease lapses")
             error.add_note(f"the begin of attempt {attempt_id} could not be resolved ({e}); "
-                           "if it was recorded, recovery settles it once the lease lapses")
+                           + later)
             log.warning("begin of %s: its COMMIT's outcome is unknown and could not be "
-                        "resolved: %s", attempt_id, e)
+                        "resolved (%s): %s", attempt_id, e,
+                        "kept for later" if deferred else "left to recovery")
             return
-        error.fields.update(resolved=True, landed=landed)
-        what = ("it had been recorded and is now settled not_sent (hold voided)" if landed
-                else "it had not been recorded")
+        landed = verdict is not Resolution.ABSENT
+        error.fields.update(resolved=verdict is not Resolution.LEFT, landed=landed)
+        what = ("it had been recorded and is now settled not_sent (hold voided)"
+                if landed else "it had not been recorded")
         error.add_note(f"the begin of attempt {attempt_id} lost its acknowledgement; nothing "
                        f"was sent: {what}")
         log.warning("begin of %s: the connection was lost after its COMMIT; nothing was sent, "

@@ -158,3 +158,8 @@ class ReceiptSpec:
     cost_micros: int | None
     by: str
     note: str | None
+    # Only an Attempt begun under this fence is settled (``None``: any): the retry owner's own
+    # late resolution of a begin it never sent (:mod:`ledger.decide.resolve`) names its fence.
+    fence: int | None = None
+    # Audit events written in the same transaction, beside the ``late_receipt`` event.
+    events: Sequence[tuple[str, dict[str, Any]]] = ()

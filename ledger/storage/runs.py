@@ -205,10 +205,11 @@ class RunQueries:
         its Run's row lock (no lease: the Run may be closed or held by nobody): the state moves
         from ``unknown`` to ``spec.outcome`` once, the hold is posted or voided by
         :func:`ledger.decide.settle.settle_holds`, the Run's counters follow, and an applied
-        ``late_receipt`` event records who, what and the previous state. Raises
+        ``late_receipt`` event records who, what and the previous state (``spec.events`` are
+        written beside it). Raises
         :class:`~ledger.errors.NotFound` (no such attempt) and
-        :class:`~ledger.errors.InvalidState` (it is not ``unknown``); nothing is written
-        then."""
+        :class:`~ledger.errors.InvalidState` (it is not ``unknown``, or was begun under another
+        fence than ``spec.fence``); nothing is written then."""
         # It cannot race a live executor: only an unknown Attempt is settled here, an executor
         # never writes to one again (its repeated settle is the same write, recognised by its
         # hash), and the Run's row lock serializes this with every other write to its counters.
@@ -228,6 +229,11 @@ class RunQueries:
                     f"attempt {spec.attempt_id!r} is {att.state}, not unknown: only an unknown "
                     "attempt is settled with evidence, once (a settled one is never rewritten)",
                     attempt_id=spec.attempt_id, state=att.state)
+            if spec.fence is not None and int(att.fence) != spec.fence:
+                raise InvalidState(
+                    f"attempt {spec.attempt_id!r} was begun under fence {att.fence}, not "
+                    f"{spec.fence}: it is not the Attempt this receipt is about",
+                    attempt_id=spec.attempt_id, state=att.state, fence=int(att.fence))
             fact = FailureFact.model_validate_json(att.fact) if att.fact else None
             tokens = (None if spec.prompt_tokens is None and spec.completion_tokens is None
                       else (spec.prompt_tokens or 0) + (spec.completion_tokens or 0))
@@ -261,6 +267,8 @@ class RunQueries:
                 "posted": str(from_micros(holds.posted_micros)),
                 "released": str(from_micros(holds.release_micros - holds.posted_micros)),
             }, now)
+            for kind, data in spec.events:
+                self.ctx.add_event(conn, run.run_id, spec.attempt_id, kind, data, now)
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
         return attempt_record(row, row.debit_state)
 

@@ -37,7 +37,13 @@ What every flow promises:
   ``fields["operation"]`` and ``fields["resolved"] = False``. A begin is not run again here (a
   host retries it with the same attempt id, or the retry owner settles it ``not_sent``:
   :mod:`ledger.decide.turn`); its error says ``operation="begin"``. An error raised before the
-  ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written.
+  ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written;
+* what stays unresolved because the database did not answer (the retry owner's begin that was
+  never sent, a Run session's exit: :mod:`ledger.decide.resolve`) is remembered in
+  :attr:`Store.pending`, and every write for its Run (and the turn's snapshot) resolves it
+  first: nothing else is written for that Run until it is, and while the database stays away
+  that write fails with the same :class:`~ledger.errors.DatabaseUnavailable`. The lease keeper
+  resolves it too, and :meth:`Store.settle_pending` when the ledger closes.
 """
 
 from __future__ import annotations
@@ -45,17 +51,35 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from ledger import faults
+from ledger.decide.resolve import (
+    Resolution,
+    Unresolved,
+    UnresolvedBegin,
+    UnresolvedExit,
+    attempt_verdict,
+    settle_verdict,
+    stays,
+)
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, Queued, RunStatus
-from ledger.domain.specs import BeginSpec, SettleSpec
-from ledger.errors import DatabaseUnavailable, FencedOut, SettleConflict
+from ledger.domain.specs import BeginSpec, ReceiptSpec, SettleSpec
+from ledger.errors import (
+    DatabaseUnavailable,
+    FencedOut,
+    InvalidState,
+    LedgerError,
+    NotFound,
+    SettleConflict,
+)
 from ledger.storage import hot
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver, Tx
 from ledger.storage.rows import SnapshotRows
-from ledger.storage.runner import Flow, Runner, txn
+from ledger.storage.runner import Flow, Runner, blocking, txn
+from ledger.storage.runs import RunQueries
 from ledger.storage.statements import Statements
 from ledger.storage.wake import SlotWaker
 
@@ -105,6 +129,49 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
     return out
 
 
+class Pending:
+    """This process's unresolved writes (:mod:`ledger.decide.resolve`), by Run.
+
+    Shared by every thread of the ledger (a turn's, the lease keeper's) and by its sync and async
+    faces; each Run's begins come before its exit (a release needs nothing in flight).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, dict[str, Unresolved]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)  # read without the lock: a hint for the hot path's fast check
+
+    @staticmethod
+    def _key(item: Unresolved) -> str:
+        return item.attempt_id if isinstance(item, UnresolvedBegin) else ""
+
+    def add(self, item: Unresolved) -> None:
+        """Remember ``item`` (an exit replaces the Run's earlier exit)."""
+        with self._lock:
+            self._runs.setdefault(item.run_id, {})[self._key(item)] = item
+
+    def drop(self, item: Unresolved) -> None:
+        """Forget ``item``: it is resolved, or decided by someone else."""
+        with self._lock:
+            items = self._runs.get(item.run_id, {})
+            items.pop(self._key(item), None)
+            if not items:
+                self._runs.pop(item.run_id, None)
+
+    def of(self, run_id: str) -> list[Unresolved]:
+        """The Run's unresolved writes, begins first."""
+        with self._lock:
+            items = list(self._runs.get(run_id, {}).values())
+        return sorted(items, key=lambda i: isinstance(i, UnresolvedExit))
+
+    def runs(self) -> list[str]:
+        """The Runs with an unresolved write."""
+        with self._lock:
+            return list(self._runs)
+
+
 class Store:
     """The hot path on one database: about fifteen flows, a runner and a waker.
 
@@ -126,6 +193,10 @@ class Store:
         self.sql = sql
         #: Wakes this process's waiters of a full capacity group (:mod:`ledger.storage.wake`).
         self.waker = SlotWaker(context.where, queue_poll_s, listen)
+        #: Writes whose outcome the database could not tell yet; each Run's are resolved
+        #: before anything else is written for it (:meth:`resolve_run`).
+        self.pending = Pending()
+        self._runs = RunQueries(context)
 
     def close(self) -> None:
         """Close every connection. The store is not used afterwards."""
@@ -135,12 +206,136 @@ class Store:
         finally:
             self.context.close()
 
+    # -- writes whose outcome is still unknown ---------------------------------------------
+
+    def settle_pending(self, clock: ClockFn) -> Flow[None]:
+        """Resolve every Run's unresolved writes once (the ledger's ``close()``).
+
+        Bounded: one try each, and none once the database did not answer. What is left is
+        logged at WARNING: recovery settles it once the lease lapses.
+        """
+        away: LedgerError | None = None
+        for run_id in self.pending.runs():
+            if away is None:
+                try:
+                    yield from self.resolve_run(run_id, clock)
+                    continue
+                except LedgerError as e:
+                    away = e
+            for item in self.pending.of(run_id):
+                log.warning("closing the ledger with %s unresolved (%s): recovery settles it "
+                            "once the lease lapses", _what(item), away)
+
+    def resolve_run(self, run_id: str, clock: ClockFn, *, raising: bool = False
+                    ) -> Flow[None]:
+        """Resolve ``run_id``'s unresolved writes, in order, before anything else is written.
+
+        A write someone else decided first is left to them (logged at WARNING; ``raising``:
+        an exit's is raised, for the session leaving its block). Raises the first
+        :class:`~ledger.errors.DatabaseUnavailable`: that write and the ones after it stay,
+        and nothing else may be written for the Run meanwhile.
+        """
+        for item in self.pending.of(run_id):
+            try:
+                yield from self._resolve(item, clock)
+            except LedgerError as e:
+                if stays(e) or (raising and isinstance(item, UnresolvedExit)):
+                    raise
+                log.warning("%s: not resolved here (%s); recovery or an operator settles it",
+                            _what(item), e)
+
+    def resolve_begin(self, item: UnresolvedBegin, clock: ClockFn) -> Flow[Resolution]:
+        """Remember the retry owner's begin of ``item``, then resolve it at once.
+
+        When the database does not answer, the begin's error leaves and the begin stays
+        remembered: the next write for its Run, the lease keeper or ``close()`` resolves it.
+        """
+        self.pending.add(item)
+        return (yield from self._resolve(item, clock))
+
+    def _resolve(self, item: Unresolved, clock: ClockFn) -> Flow[Resolution]:
+        """Resolve one remembered write; forget it unless the database did not answer.
+
+        Raises what the database answered when it is no resolution (a lapsed lease for an
+        exit, ...), and :class:`~ledger.errors.DatabaseUnavailable` (it stays).
+        """
+        try:
+            if isinstance(item, UnresolvedBegin):
+                out = yield from self._unsent(item, clock)
+            else:
+                out = yield from self._exit(item, clock)
+        except LedgerError as e:
+            if not stays(e):
+                self.pending.drop(item)
+            raise
+        self.pending.drop(item)
+        log.warning("%s: resolved (%s)", _what(item), out.value)
+        return out
+
+    def _unsent(self, item: UnresolvedBegin, clock: ClockFn) -> Flow[Resolution]:
+        """Settle a begin that was never sent ``not_sent``, or learn it never landed."""
+        error: LedgerError | None = None
+        try:
+            rec = yield from resolving(
+                "settle", lambda _again: hot.settle_tx(self.sql, item.run_id, item.settle,
+                                                       clock),
+                run_id=item.run_id, attempt_id=item.attempt_id)
+            self.waker.poke(rec.group_id)  # its slot is free: a waiter may go
+        except (NotFound, InvalidState, FencedOut, SettleConflict) as e:
+            error = e
+        verdict = settle_verdict(error)
+        if verdict is not None:
+            return verdict
+        att = yield from txn(hot.attempt_tx(self.sql, item.attempt_id), write=False)
+        step = attempt_verdict(att, item)
+        if not isinstance(step, ReceiptSpec):
+            return step
+        try:
+            yield from blocking(lambda: self._runs.settle_unknown(step, clock))
+        except InvalidState:  # someone else settled it first: as they recorded it
+            att = yield from txn(hot.attempt_tx(self.sql, item.attempt_id), write=False)
+            again = attempt_verdict(att, item)
+            return again if isinstance(again, Resolution) else Resolution.LEFT
+        return Resolution.LATE
+
+    def _exit(self, item: UnresolvedExit, clock: ClockFn) -> Flow[Resolution]:
+        """Finish the Run as the session ended it, then release its lease (each once).
+
+        A first try writes each as :meth:`finish_run` and :meth:`release_lease` do; once a try
+        may have landed (``item.tried``), a Run already ended so, or a lease already given up,
+        is the same write.
+        """
+        lease, status, tried = item.lease, item.status, item.tried
+        try:
+            if status is not None:
+                ending = status
+                yield from resolving("finish", lambda again: hot.finish_tx(
+                    self.sql, lease, ending, clock, self.lease_margin_s, again=again or tried),
+                    run_id=lease.run_id)
+                item, status, tried = UnresolvedExit(lease, None), None, False
+                self.pending.add(item)  # finished: the release is left
+            yield from resolving("release", lambda again: hot.release_tx(
+                self.sql, lease, clock, again=again or tried), run_id=lease.run_id)
+        except LedgerError as e:
+            if stays(e):
+                self.pending.add(replace(item, tried=True))
+            if status is None:
+                e.fields.setdefault("finished", True)  # the Run is finished; its lease is not free
+            raise
+        return Resolution.FINISHED
+
+    def _first(self, run_id: str, clock: ClockFn) -> Flow[None]:
+        """What every write for ``run_id`` does first: its unresolved writes."""
+        if self.pending:
+            yield from self.resolve_run(run_id, clock)
+
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
                       runs: Sequence[str], refs: Sequence[str], clock: ClockFn
                       ) -> Flow[SnapshotRows]:
         """One read: the live row of ``run_id``, the projections of ``groups``, the health
         rows of ``keys`` and the provenance of ``refs`` recorded by ``runs`` (the Run and its
         ancestors). Raises :class:`~ledger.errors.NotFound` for an unknown run."""
+        yield from self._first(run_id, clock)
         return (yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
                                                clock), write=False))
 
@@ -157,6 +352,7 @@ class Store:
         :class:`~ledger.domain.records.Queued` place (first come, first served across
         processes), nothing is recorded as an Attempt, and the same begin again records it
         once its place comes up (with a ``capacity_wait`` event)."""
+        yield from self._first(spec.run_id, clock)
         return (yield from resolving(
             "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
             again=False, run_id=spec.run_id, attempt_id=spec.attempt_id))
@@ -177,6 +373,7 @@ class Store:
         :class:`~ledger.errors.SettleConflict` for other content (both keep the refused
         observation as a ``late_receipt`` event when the Run moved on or the Attempt was
         settled unknown), :class:`~ledger.errors.NotFound` (no such attempt in the run)."""
+        yield from self._first(run_id, clock)
         try:
             rec = yield from resolving(
                 "settle", lambda _again: hot.settle_tx(self.sql, run_id, spec, clock),
@@ -194,6 +391,7 @@ class Store:
         is freed); an Attempt already settled is returned as it is. Raises
         :class:`~ledger.errors.NotFound` (no such attempt in the lease's run),
         :class:`~ledger.errors.FencedOut` (a stale lease, or an Attempt of another fence)."""
+        yield from self._first(lease.run_id, clock)
         rec = yield from txn(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason))
         self.waker.poke(rec.group_id)  # its slot is free: a waiter may go
         return rec
@@ -208,6 +406,7 @@ class Store:
         renewed under the same fence, otherwise the fence moves on. Raises
         :class:`~ledger.errors.LeaseHeld` (another holder's unexpired lease),
         :class:`~ledger.errors.NotFound` (unknown run)."""
+        yield from self._first(run_id, clock)
         return (yield from resolving(
             "acquire", lambda _again: hot.acquire_tx(self.sql, run_id, executor, ttl_s, clock,
                                                      self.lease_margin_s), run_id=run_id))
@@ -215,6 +414,7 @@ class Store:
     def renew_lease(self, lease: Lease, ttl_s: float, clock: ClockFn) -> Flow[Lease]:
         """Extend a live lease to ``ttl_s`` from now. Raises :class:`~ledger.errors.LeaseLost`
         (expired or released) or :class:`~ledger.errors.FencedOut` (taken over)."""
+        yield from self._first(lease.run_id, clock)
         return (yield from resolving(
             "renew", lambda _again: hot.renew_tx(self.sql, lease, ttl_s, clock,
                                                  self.lease_margin_s), run_id=lease.run_id))
@@ -223,6 +423,7 @@ class Store:
         """Give the lease up (again: the same write). Raises
         :class:`~ledger.errors.InvalidState` (attempts still in flight),
         :class:`~ledger.errors.LeaseLost` / :class:`~ledger.errors.FencedOut`."""
+        yield from self._first(lease.run_id, clock)
         yield from resolving("release", lambda again: hot.release_tx(self.sql, lease, clock,
                                                                      again=again),
                              run_id=lease.run_id)
@@ -230,6 +431,7 @@ class Store:
     def finish_run(self, lease: Lease, status: RunStatus, clock: ClockFn) -> Flow[None]:
         """Record the Run's end ``status`` under a live lease (with a ``finish`` event).
         Raises :class:`~ledger.errors.LeaseLost` / :class:`~ledger.errors.FencedOut`."""
+        yield from self._first(lease.run_id, clock)
         yield from resolving("finish", lambda again: hot.finish_tx(
             self.sql, lease, status, clock, self.lease_margin_s, again=again),
             run_id=lease.run_id)
@@ -239,6 +441,7 @@ class Store:
         """Take one retry permission (``data`` is recorded with it as an event); returns how
         many are left. Raises :class:`~ledger.errors.AllowanceExhausted`, ``LeaseLost`` /
         ``FencedOut``."""
+        yield from self._first(lease.run_id, clock)
         return (yield from txn(hot.reserve_retry_tx(self.sql, lease, clock,
                                                     self.lease_margin_s, dict(data or {}))))
 
@@ -246,6 +449,7 @@ class Store:
                           clock: ClockFn) -> Flow[None]:
         """Record that ``ref`` produced content with ``content_hash`` (the same again is the
         same write). Raises ``LeaseLost`` / ``FencedOut``."""
+        yield from self._first(lease.run_id, clock)
         yield from txn(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
                                          self.lease_margin_s))
 
@@ -253,6 +457,7 @@ class Store:
                      data: Mapping[str, Any], clock: ClockFn) -> Flow[None]:
         """Append an audit event (``data`` stored as redacted JSON) under a live lease.
         Raises ``LeaseLost`` / ``FencedOut``."""
+        yield from self._first(lease.run_id, clock)
         yield from txn(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
                                     self.lease_margin_s))
 
@@ -269,7 +474,15 @@ class Store:
     def record_compaction(self, lease: Lease, clock: ClockFn) -> Flow[int]:
         """Count one compaction of the Run's session; returns the new count. Raises
         ``LeaseLost`` / ``FencedOut``."""
+        yield from self._first(lease.run_id, clock)
         return (yield from txn(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s)))
+
+
+def _what(item: Unresolved) -> str:
+    """An unresolved write, as a log line names it."""
+    if isinstance(item, UnresolvedBegin):
+        return f"the begin of attempt {item.attempt_id} (run {item.run_id}), never sent"
+    return f"the exit of run {item.run_id}'s session (finish and release)"
 
 
 def _late(e: FencedOut | SettleConflict) -> bool:
@@ -278,4 +491,4 @@ def _late(e: FencedOut | SettleConflict) -> bool:
     return isinstance(e, FencedOut) or e.fields.get("state") == AttemptState.UNKNOWN.value
 
 
-__all__ = ["Listener", "Store", "commit_unknown", "resolving"]
+__all__ = ["Listener", "Pending", "Store", "commit_unknown", "resolving"]

@@ -15,6 +15,12 @@ the async ledger, the books are checked against what the fake provider received:
   and its slot freed; nothing stays reserved, the lease is released;
 * a settle, finish, release or acquire whose acknowledgement was lost is resolved (run again
   under the Run's row lock): the block goes on as if nothing happened.
+
+And when the database goes away right after a begin's acknowledgement is lost (the proxy then
+refuses every connection, so the resolution cannot be made either), the caller is told so
+(``resolved=False``), nothing is sent, and the Attempt ends ``not_sent`` with nothing held as soon
+as the database answers again: at the session's next turn, at its exit, or at the ledger's
+``close()``; the session's finish and release are written too.
 """
 
 from __future__ import annotations
@@ -234,29 +240,123 @@ def test_every_commit_of_a_session_whose_acknowledgement_is_lost_is_resolved_tru
     assert writes == ["admit", "acquire", *turn, "finish", "release"], cut_kinds
 
 
+# When the database answers again, in each case: the session's next turn, its exit, the
+# ledger's close() after an exit that failed too.
+AGAIN = ("next_turn", "exit", "close")
+
+
+def _session_down(cutter: CommitCutter, db: str, fake: FakeProvider, n: int, mode: str,
+                  again: str) -> tuple[DatabaseUnavailable, BaseException | None]:
+    """Run ``r-<n>``'s session: its first begin lands, its acknowledgement is lost and the
+    database goes away (the resolution cannot connect); it answers again at ``again``.
+
+    Returns the turn's error and what the session's block raised to its caller.
+    """
+    env = Envelope(parts=[Part(content="Compare the filings.")])
+    run_id, routes = f"r-{n}", _plan(fake, n)
+    lost: list[DatabaseUnavailable] = []
+
+    def failed(e: DatabaseUnavailable) -> None:
+        lost.append(e)
+        if again != "close":
+            cutter.up()
+
+    cutter.arm_kind("begin", "after", down=True)
+    if mode == "sync":
+        led = Ledger.open(cutter.url(db))
+        raised: BaseException | None = None
+        try:
+            with led.run(run_id, plan=routes, budget=BUDGET, grant=GRANT,
+                         lease_ttl_s=TTL_S) as run:
+                try:
+                    run.turn(env)
+                except DatabaseUnavailable as e:
+                    failed(e)
+                    if again != "next_turn":
+                        raise
+                    run.turn(env)
+        except DatabaseUnavailable as e:
+            raised = e
+        finally:
+            cutter.up()
+            led.close()
+        return lost[0], raised
+
+    async def main() -> BaseException | None:
+        led = await AsyncLedger.open(cutter.url(db))
+        try:
+            async with led.run(run_id, plan=routes, budget=BUDGET, grant=GRANT,
+                               lease_ttl_s=TTL_S) as run:
+                try:
+                    await run.turn(env)
+                except DatabaseUnavailable as e:
+                    failed(e)
+                    if again != "next_turn":
+                        raise
+                    await run.turn(env)
+        except DatabaseUnavailable as e:
+            return e
+        finally:
+            cutter.up()
+            await led.close()
+        return None
+
+    raised = asyncio.run(main())
+    return lost[0], raised
+
+
 @pytest.mark.postgres
+@pytest.mark.parametrize("again", AGAIN)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_lost_begin_that_cannot_be_resolved_says_so_and_stays_the_error_raised(
-    books: Books, mode: str
+def test_a_never_sent_begin_left_unresolved_while_the_database_is_away_ends_not_sent(
+    books: Books, mode: str, again: str
 ) -> None:
-    """The begin lands, its acknowledgement is lost, and so is its resolution's: the caller sees
-    the begin's DatabaseUnavailable (``resolved=False``), not what the exit then ran into (the
-    Attempt is still in flight, so the lease cannot be released: recovery's business)."""
-    # The begin lands; its resolving settle and that settle's own resolution do not.
-    out = books.run_cut(1, mode, False, (), "after",
-                        kind=("begin", ("instead", "instead")))
-    assert out.cut == "begin"
-    assert isinstance(out.error, DatabaseUnavailable)
-    fields = out.error.fields
-    assert fields["operation"] == "begin" and fields["resolved"] is False
-    assert fields["commit"] == "unknown" and fields["landed"] is None
-    assert out.requests == []  # nothing was sent
-    notes = "\n".join(getattr(out.error, "__notes__", []))
-    assert "could not be resolved" in notes
-    # The exit's own failure (an Attempt in flight) is a note on it, not the error raised.
-    assert "releasing its lease failed too" in notes
-    [att] = out.attempts  # recorded, never sent; in flight until recovery settles it
-    assert att.attempt_id == fields["attempt_id"] and att.state is AttemptState.DISPATCHING
+    """The begin lands, its acknowledgement is lost, and the database stays away for its
+    resolution: the caller is told the begin is unresolved (``resolved=False``), nothing is sent,
+    and as soon as the database answers again (the next turn, the session's exit, or the
+    ledger's close() after an exit that failed too) the Attempt ends ``not_sent`` with nothing
+    held, before anything else is written for the Run; the session's finish and release are
+    written too."""
+    n = 1
+    lost, raised = _session_down(books.cutter, books.db, books.fake, n, mode, again)
+    assert [c.kind for c in books.cutter.cuts] == ["begin"]
+    fields = lost.fields
+    assert fields["operation"] == "begin" and fields["commit"] == "unknown"
+    assert fields["resolved"] is False and fields["landed"] is None
+    assert fields["deferred"] is True
+    notes = "\n".join(getattr(lost, "__notes__", []))
+    assert "could not be resolved" in notes and "as soon as the database answers" in notes
+    # The caller sees the begin's error itself, never what the exit ran into.
+    assert raised is (None if again == "next_turn" else lost)
+    if again == "close":
+        assert "finishes the Run and releases its lease as soon as" in notes
+    attempt_id = fields["attempt_id"]
+    led, run_id = books.led, f"r-{n}"
+    requests = [r.headers.get(ATTEMPT_HEADER.lower(), "") for r in books.fake.requests]
+    assert attempt_id not in requests  # nothing was sent
+    [att, *rest] = led.timeline(run_id)
+    assert att.attempt_id == attempt_id
+    assert att.state is AttemptState.NOT_SENT and att.debit_state is DebitState.VOIDED
+    run = led.get_run(run_id)
+    assert run.reserved == 0 and run.tokens_reserved == 0
+    assert run.calls_used == len(rest)  # the never-sent Attempt gave its call back
+    assert books.count("SELECT count(*) FROM group_slots WHERE run_id = :run", run_id) == 0
+    assert books.count("SELECT count(*) FROM debits WHERE state = 'reserved' "
+                       "AND run_id = :run", run_id) == 0
+    assert run.lease_holder is None
+    [event] = led.events(run_id, ["commit_unknown"])
+    assert event.attempt_id == attempt_id
+    assert event.data == {"operation": "begin", "resolution": "not_sent"}
+    if again == "next_turn":
+        # Resolved before the next turn wrote anything: its Attempt's events come after.
+        assert [a.state for a in rest] == [AttemptState.SUCCEEDED]
+        assert requests == [rest[0].attempt_id]
+        later = [e.event_id for e in led.events(run_id) if e.attempt_id == rest[0].attempt_id]
+        assert later and event.event_id < min(later)
+        assert run.status is RunStatus.SUCCEEDED
+    else:
+        assert rest == [] and requests == []
+        assert run.status is RunStatus.FAILED
 
 
 @pytest.mark.postgres

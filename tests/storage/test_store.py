@@ -36,6 +36,9 @@ STORE_FLOWS = {
     "turn_snapshot", "begin_attempt", "leave_queue", "settle_attempt", "mark_unknown",
     "attempt", "acquire_lease", "renew_lease", "release_lease", "finish_run", "reserve_retry",
     "record_provenance", "append_event", "claim_probe", "record_compaction",
+    # What the process left unresolved (ledger.decide.resolve), resolved before the Run's next
+    # write, by the lease keeper and on close().
+    "resolve_begin", "resolve_run", "settle_pending",
 }
 QUERY_OBJECTS = [RunQueries, RecoveryQueries, AuditQueries, SeriesQueries]
 
