@@ -190,7 +190,14 @@ class CommitCutter:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(client, server)
             with self._lock:
-                self._conns.append(conn)
+                # Checked again under the lock: a connection accepted while the database went
+                # away (_go_down) must not outlive it.
+                away = self.down
+                if not away:
+                    self._conns.append(conn)
+            if away:
+                self._kill(conn)
+                continue
             threading.Thread(target=self._upstream, args=(conn,), daemon=True).start()
             threading.Thread(target=self._downstream, args=(conn,), daemon=True).start()
 
