@@ -115,15 +115,24 @@ def _maps(rows: Sequence[Any]) -> list[RowMap]:
     return [dict(r._mapping) for r in rows]
 
 
-def _failed_over() -> ColumnElement[bool]:
-    """A Run failed over: a success on another route than its selected one, or a move."""
+def _failed_over(*, probed: bool = False) -> ColumnElement[bool]:
+    """A Run failed over: a success on another route than its selected one, or a move.
+
+    ``probed``: for a page, which stops after its first runs. Each Run's ``move`` is then
+    looked up by its own index probe (``ix_events_run_id_kind``) instead of PostgreSQL's
+    default for a day of Runs, one pass collecting every ``move`` event of the history into a
+    hash table (hundreds of milliseconds at a million attempts, for a page that needs a few
+    hundred Runs). ``OFFSET 0`` is what says so: an EXISTS with an OFFSET is never turned into
+    that hash (on SQLite it changes nothing). A count of the whole range wants the hash.
+    """
     r = s.runs.c
     a = s.attempts.c
     e = s.events.c
     served_elsewhere = (select(a.attempt_id)
                         .where(a.run_id == r.run_id, a.state == "succeeded",
                                a.route_id != r.selected_route).exists())
-    moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
+    moves = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move")
+    moved = (moves.offset(0) if probed else moves).exists()
     return or_(served_elsewhere, moved)
 
 
@@ -217,7 +226,7 @@ class AuditQueries:
         e = s.events.c
         conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
         q = (select(*(r[c] for c in _RUN_COLS))
-             .where(*conds, _failed_over())
+             .where(*conds, _failed_over(probed=True))
              .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
         with self.ctx.reading() as conn:
             runs = _maps(conn.execute(q).all())
@@ -300,6 +309,7 @@ class AuditQueries:
         q = (q.where(*_range(a.created_at, since, until)).group_by(key)
              .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             rows = _maps(conn.execute(q).all())
         nxt = None
         if len(rows) > limit:
@@ -323,10 +333,18 @@ class AuditQueries:
         out: dict[tuple[str, str], list[RowMap]] = {}
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
+            self.ctx.aggregating(conn)
             for by in LATENCY_KEYS:
-                for measure in LATENCY_MEASURES:
-                    q = self.ctx.percentiles(a[measure], keys[by], where, FRACTIONS)
-                    out[(by, measure)] = _maps(conn.execute(q).all())
+                # One pass over the window per key for all three times (six passes cost
+                # six times as much: docs/benchmarks.md), split back per time here.
+                q = self.ctx.percentiles([a[m] for m in LATENCY_MEASURES], keys[by], where,
+                                         FRACTIONS)
+                rows = _maps(conn.execute(q).all())
+                for j, measure in enumerate(LATENCY_MEASURES):
+                    out[(by, measure)] = [
+                        {"key": x["key"], "n": x[f"n{j}"],
+                         **{f"p{i}": x[f"p{j}_{i}"] for i in range(len(FRACTIONS))}}
+                        for x in rows if x[f"n{j}"]]
         return out
 
     def count_failovers(self, *, since: float | None, until: float | None) -> int:
@@ -335,6 +353,7 @@ class AuditQueries:
         q = (select(func.count()).select_from(s.runs)
              .where(*_range(r.created_at, since, until), _failed_over()))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             return int(conn.execute(q).scalar_one())
     def spend(self, *, by: str, label: str | None, since: float | None, until: float | None,
               bucket: tuple[float, float] | None, limit: int, cursor: str | None
@@ -371,6 +390,7 @@ class AuditQueries:
              .order_by(sums[2].desc(), key.is_(None).desc(), key.asc())
              .offset(offset).limit(limit + 1))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             rows = _maps(conn.execute(q).all())
             nxt = None
             if len(rows) > limit:
@@ -521,6 +541,7 @@ class AuditQueries:
              .where(a.created_at >= since, a.created_at < until)
              .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             return _maps(conn.execute(q).all())
 
     def schema_present(self) -> bool:

@@ -71,6 +71,9 @@ class SqliteContext(SqlContext):
     def consistent(self, conn: Connection) -> None:
         """Nothing to do: a SQLite read transaction is one snapshot already."""
 
+    def aggregating(self, conn: Connection) -> None:
+        """Nothing: SQLite sizes its sorts by its page cache, per connection, not per query."""
+
     def bucket(self, col: Any, since: float, width: float) -> Any:
         """Truncation: SQLite lacks ``floor()`` before 3.35, and ``col >= since``."""
         return cast((col - since) / width, Integer)
@@ -84,12 +87,28 @@ class SqliteContext(SqlContext):
         where = "$" + "".join(f'."{k}"' for k in path)
         return cast(func.json_extract(col, where), Text)
 
-    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+    def percentiles(self, values: Sequence[Any], key: Any, where: Sequence[Any],
                     fractions: Sequence[float]) -> Select[Any]:
-        """PostgreSQL's ``percentile_cont`` with window functions: each row's 0-based rank
-        ``i`` in its key's order and the key's count ``n``; at ``pos = fraction * (n - 1)`` the
-        values of ranks ``floor(pos)`` and ``ceil(pos)``, interpolated as PostgreSQL does
-        (``lo + (hi - lo) * (pos - floor(pos))``, in double precision)."""
+        """PostgreSQL's ``percentile_cont`` with window functions, per value: each row's
+        0-based rank ``i`` in its key's order and the key's count ``n``; at
+        ``pos = fraction * (n - 1)`` the values of ranks ``floor(pos)`` and ``ceil(pos)``,
+        interpolated as PostgreSQL does (``lo + (hi - lo) * (pos - floor(pos))``, in double
+        precision). The keys come from one more pass, so a key none of whose rows has a value
+        is there with a count of 0, as on PostgreSQL."""
+        keys = select(key.label("key")).select_from(s.attempts).where(*where).distinct().subquery()
+        cols: list[Any] = [keys.c.key]
+        joined: Any = keys
+        for j, value in enumerate(values):
+            one = self._percentiles_of(value, key, where, fractions).subquery(f"m{j}")
+            joined = joined.outerjoin(one, one.c.key == keys.c.key)
+            cols.append(func.coalesce(one.c.n, 0).label(f"n{j}"))
+            cols.extend(one.c[f"p{i}"].label(f"p{j}_{i}") for i in range(len(fractions)))
+        return select(*cols).select_from(joined)
+
+    @staticmethod
+    def _percentiles_of(value: Any, key: Any, where: Sequence[Any],
+                        fractions: Sequence[float]) -> Select[Any]:
+        """Per key with a ``value``: ``n`` and ``p0``, ``p1``, ... of it."""
         ranked = (select(key.label("key"), value.label("v"),
                          (func.row_number().over(partition_by=key, order_by=value) - 1)
                          .label("i"),
