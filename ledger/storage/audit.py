@@ -251,12 +251,12 @@ class AuditQueries:
             ).all())
         return runs, atts, moves, nxt
 
-    def _label_expr(self, key: str) -> ColumnElement[Any]:
+    def _label_expr(self, key: str, labels: Any = None) -> ColumnElement[Any]:
         if not _LABEL_KEY.match(key):
             raise InvalidArgument(
                 f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
             )
-        expr: ColumnElement[Any] = self.ctx.label(key)
+        expr: ColumnElement[Any] = self.ctx.label(key, labels)
         return expr
 
     def totals(self, *, by: str, since: float | None, until: float | None,
@@ -271,7 +271,6 @@ class AuditQueries:
                                   field="by")
         a = s.attempts.c
         offset = _offset(cursor)
-        joined = False
         key: ColumnElement[Any]
         if by == "route":
             key = a.route_id
@@ -287,7 +286,8 @@ class AuditQueries:
             if not label:
                 raise InvalidArgument("totals by label need the label key (label='team')",
                                       field="label")
-            key, joined = self._label_expr(label), True
+            self._label_expr(label)  # checks the key before any read
+            key = s.runs.c.labels
 
         def n(state: str) -> ColumnElement[Any]:
             return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
@@ -304,10 +304,23 @@ class AuditQueries:
             cost.label("cost_micros"),
             held.label("held_micros"),
         )
-        q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
+        q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if by == "label"
                           else s.attempts)
-        q = (q.where(*_range(a.created_at, since, until)).group_by(key)
-             .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
+        q = q.where(*_range(a.created_at, since, until)).group_by(key)
+        if by == "label":
+            # Grouped by the Runs' labels as stored first, then by the label's value: a day's
+            # attempts carry a few sets of labels, so the JSON is parsed once per set, not once
+            # per attempt. Every column is a sum (a count is one too), so summing the sets'
+            # sums is exact.
+            sets = q.subquery("label_sets")
+            key = self._label_expr(label or "", sets.c.key)
+            total = func.sum(sets.c.cost_micros)
+            q = select(key.label("key"), *(func.sum(sets.c[c]).label(c) for c in (
+                "attempts", "succeeded", "failed", "unknown", "prompt_tokens",
+                "completion_tokens")), total.label("cost_micros"),
+                func.sum(sets.c.held_micros).label("held_micros")).group_by(key)
+            cost = total
+        q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
         with self.ctx.reading() as conn:
             self.ctx.aggregating(conn)
             rows = _maps(conn.execute(q).all())
@@ -334,17 +347,16 @@ class AuditQueries:
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
-            for by in LATENCY_KEYS:
-                # One pass over the window per key for all three times (six passes cost
-                # six times as much: docs/benchmarks.md), split back per time here.
-                q = self.ctx.percentiles([a[m] for m in LATENCY_MEASURES], keys[by], where,
-                                         FRACTIONS)
-                rows = _maps(conn.execute(q).all())
-                for j, measure in enumerate(LATENCY_MEASURES):
-                    out[(by, measure)] = [
-                        {"key": x["key"], "n": x[f"n{j}"],
-                         **{f"p{i}": x[f"p{j}_{i}"] for i in range(len(FRACTIONS))}}
-                        for x in rows if x[f"n{j}"]]
+            # One statement for both keys and all three times (on PostgreSQL one pass over
+            # the window, where six statements made six: docs/benchmarks.md), split back here.
+            q = self.ctx.percentiles([a[m] for m in LATENCY_MEASURES], keys, where, FRACTIONS)
+            rows = _maps(conn.execute(q).all())
+        for by in LATENCY_KEYS:
+            for j, measure in enumerate(LATENCY_MEASURES):
+                out[(by, measure)] = [
+                    {"key": x["key"], "n": x[f"n{j}"],
+                     **{f"p{i}": x[f"p{j}_{i}"] for i in range(len(FRACTIONS))}}
+                    for x in rows if x["by"] == by and x[f"n{j}"]]
         return out
 
     def count_failovers(self, *, since: float | None, until: float | None) -> int:

@@ -81,8 +81,9 @@ class SqlContext(abc.ABC):
         """The 0-based index of the ``width``-wide time bucket from ``since`` of ``col``."""
 
     @abc.abstractmethod
-    def label(self, key: str) -> Any:
-        """The value of label ``key`` (checked) of a run, as SQL."""
+    def label(self, key: str, labels: Any = None) -> Any:
+        """The value of label ``key`` (checked) of a run, as SQL: in ``runs.labels``, or in
+        ``labels`` (a column of the same JSON text) when given."""
 
     @abc.abstractmethod
     def json_text(self, col: Any, *path: str) -> Any:
@@ -90,12 +91,13 @@ class SqlContext(abc.ABC):
         where it is absent)."""
 
     @abc.abstractmethod
-    def percentiles(self, values: Sequence[Any], key: Any, where: Sequence[Any],
+    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
                     fractions: Sequence[float]) -> Select[Any]:
-        """Per ``key`` (column ``key``) of the rows of ``attempts`` where every condition of
-        ``where`` holds, for the ``j``-th of ``values``: how many of them have it (column
-        ``n<j>``, 0 where none has) and its continuous percentiles at ``fractions`` (columns
-        ``p<j>_0``, ``p<j>_1``, ...; NULL where none has it), in one statement.
+        """For each of ``keys`` (by name): per value of it (column ``key``, its name in column
+        ``by``) over the rows of ``attempts`` where every condition of ``where`` holds, for the
+        ``j``-th of ``values``: how many of them have it (column ``n<j>``, 0 where none has)
+        and its continuous percentiles at ``fractions`` (columns ``p<j>_0``, ``p<j>_1``, ...;
+        NULL where none has it). One statement; the keys must not be NULL.
 
         Both databases give the same answers: ``percentile_cont`` (linear interpolation
         between the two nearest ranks, at ``fraction * (n - 1)``) on PostgreSQL, and the same

@@ -10,12 +10,12 @@ skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Select, cast, func, select, text
+from sqlalchemy import Connection, Select, case, cast, func, literal, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects.postgresql import JSONB
@@ -131,9 +131,9 @@ class PostgresContext(SqlContext):
         """``floor`` of the offset in widths."""
         return func.floor((col - since) / width)
 
-    def label(self, key: str) -> Any:
+    def label(self, key: str, labels: Any = None) -> Any:
         """The labels as ``jsonb``, ``->> key``."""
-        return cast(s.runs.c.labels, JSONB).op("->>")(key)
+        return cast(s.runs.c.labels if labels is None else labels, JSONB).op("->>")(key)
 
     def json_text(self, col: Any, *path: str) -> Any:
         """The text as ``jsonb``: ``->`` down to the last key, ``->>`` at it."""
@@ -142,17 +142,22 @@ class PostgresContext(SqlContext):
             expr = expr.op("->")(key)
         return expr.op("->>")(path[-1])
 
-    def percentiles(self, values: Sequence[Any], key: Any, where: Sequence[Any],
+    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
                     fractions: Sequence[float]) -> Select[Any]:
         """``percentile_cont(f) WITHIN GROUP (ORDER BY value)``, an ordered-set aggregate
-        (which skips NULLs), for every value in one pass over the rows: the fractions of one
-        value share its sort."""
-        cols: list[Any] = [key.label("key")]
+        (which skips NULLs), for every value and every key in one pass over the rows
+        (``GROUPING SETS``, one set per key); the fractions of one value share its sort."""
+        names = list(keys)
+        # GROUPING(k) is 0 in the rows of k's own set.
+        by = case(*((func.grouping(keys[name]) == 0, literal(name)) for name in names))
+        key = case(*((func.grouping(keys[name]) == 0, keys[name]) for name in names))
+        cols: list[Any] = [by.label("by"), key.label("key")]
         for j, value in enumerate(values):
             cols.append(func.count(value).label(f"n{j}"))
             cols.extend(func.percentile_cont(f).within_group(value.asc()).label(f"p{j}_{i}")
                         for i, f in enumerate(fractions))
-        return select(*cols).select_from(s.attempts).where(*where).group_by(key)
+        return (select(*cols).select_from(s.attempts).where(*where)
+                .group_by(func.grouping_sets(*(keys[name] for name in names))))
 
 
 def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -> None:
