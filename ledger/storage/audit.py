@@ -11,8 +11,8 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 
 - timeline: ``uq_attempts_run_id_seq``, ``ix_events_run_id_event_id``, ``pk_debits``;
 - runs page: ``ix_runs_created_at`` / ``ix_runs_status_created_at`` / ``ix_runs_tenant_created_at``;
-- failovers: ``ix_runs_created_at`` walk with per-run probes on ``uq_attempts_run_id_seq`` and
-  ``ix_events_run_id_event_id``;
+- failovers: ``ix_runs_created_at`` walk with per-run probes on ``ix_attempts_run_id_state``
+  and ``ix_events_run_id_kind`` (the page's probes are forced: :func:`_failed_over`);
 - totals and activity over a time range: ``ix_attempts_created_at`` (the money each debit
   moved is read off its attempt's row: :func:`charged_and_held`);
 - unknown/unsettled attempts: ``ix_attempts_state_created_at``.
