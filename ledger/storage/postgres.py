@@ -116,10 +116,10 @@ class PostgresContext(SqlContext):
         """``REPEATABLE READ``: every statement of the transaction sees one snapshot."""
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
 
-    #: ``work_mem`` of an audit's aggregate (per sort or hash table of its plan): a day of a
-    #: busy ledger's attempts (150,000) sorted for percentiles, or grouped by run, needs about
-    #: 20 MB; at the server's default of 4 MB the sorts went to disk and cost two to three
-    #: times as much (docs/benchmarks.md).
+    #: ``work_mem`` of an audit's aggregate (per sort or hash table of its plan): at the
+    #: server's default of 4 MB, a busy day's attempts (140,000) sorted for the latency
+    #: percentiles or the activity chart's buckets went to disk (an external merge of 4 to
+    #: 9 MB), and its 87,000 Runs' totals did not fit one hash (docs/benchmarks.md).
     AGGREGATE_WORK_MEM = "64MB"
 
     def aggregating(self, conn: Connection) -> None:
