@@ -2,8 +2,10 @@
 
 Each query runs ``repeat`` times over the newest day of history (the aggregates' target window)
 after one untimed warm-up; the report gives the median, p95 and worst wall time in milliseconds.
-Targets from issue 8 (on PostgreSQL): a Run's timeline under 10 ms, each one-day aggregate under
-500 ms.
+Health is read at the end of that day (not at the clock's now), so its one-day latency
+percentiles cover the same day however long after the generation the benchmark runs.
+Targets from issue 24 (on PostgreSQL): a Run's timeline under 5 ms, every one-day aggregate and
+every page under 100 ms (issue 8's were 10 and 500 ms).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from ledger.errors import NotFound
 from ledger.ops.audit import Audit
 
 DAY = 86400.0
-TIMELINE_TARGET_MS = 10.0
-AGGREGATE_TARGET_MS = 500.0
+TIMELINE_TARGET_MS = 5.0
+AGGREGATE_TARGET_MS = 100.0
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,14 @@ def bench_audit(audit: Audit, *, repeat: int = 5,
     cases: list[tuple[str, float | None, Callable[[int], Any]]] = [
         ("timeline (one run)", TIMELINE_TARGET_MS,
          lambda i: audit.timeline(run_ids[i % len(run_ids)])),
-        ("runs (newest page of 50)", None, lambda i: audit.runs(limit=50)),
-        ("failovers (1 day, page of 50)", None,
+        ("runs (newest page of 50)", AGGREGATE_TARGET_MS, lambda i: audit.runs(limit=50)),
+        ("failovers (1 day, page of 50)", AGGREGATE_TARGET_MS,
          lambda i: audit.failovers(limit=50, since=since, until=until)),
-        ("attempts by route (1 day, page of 100)", None,
+        ("attempts by route (1 day, page of 100)", AGGREGATE_TARGET_MS,
          lambda i: audit.attempts(route=route, limit=100, since=since, until=until)),
-        ("unknown+dispatching (page of 100)", None, lambda i: audit.open_attempts(limit=100)),
-        ("health", None, lambda i: audit.health()),
+        ("unknown+dispatching (page of 100)", AGGREGATE_TARGET_MS,
+         lambda i: audit.open_attempts(limit=100)),
+        ("health", AGGREGATE_TARGET_MS, lambda i: audit.health(until)),
     ]
 
     def costs(by: str) -> Callable[[int], Any]:

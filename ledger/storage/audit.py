@@ -11,8 +11,8 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 
 - timeline: ``uq_attempts_run_id_seq``, ``ix_events_run_id_event_id``, ``pk_debits``;
 - runs page: ``ix_runs_created_at`` / ``ix_runs_status_created_at`` / ``ix_runs_tenant_created_at``;
-- failovers: ``ix_runs_created_at`` walk with per-run probes on ``uq_attempts_run_id_seq`` and
-  ``ix_events_run_id_event_id``;
+- failovers: ``ix_runs_created_at`` walk with per-run probes on ``ix_attempts_run_id_state``
+  and ``ix_events_run_id_kind`` (the page's probes are forced: :func:`_failed_over`);
 - totals and activity over a time range: ``ix_attempts_created_at`` (the money each debit
   moved is read off its attempt's row: :func:`charged_and_held`);
 - unknown/unsettled attempts: ``ix_attempts_state_created_at``.
@@ -115,15 +115,24 @@ def _maps(rows: Sequence[Any]) -> list[RowMap]:
     return [dict(r._mapping) for r in rows]
 
 
-def _failed_over() -> ColumnElement[bool]:
-    """A Run failed over: a success on another route than its selected one, or a move."""
+def _failed_over(*, probed: bool = False) -> ColumnElement[bool]:
+    """A Run failed over: a success on another route than its selected one, or a move.
+
+    ``probed``: for a page, which stops after its first runs. Each Run's ``move`` is then
+    looked up by its own index probe (``ix_events_run_id_kind``) instead of PostgreSQL's
+    default for a day of Runs, one pass collecting every ``move`` event of the history into a
+    hash table (hundreds of milliseconds at a million attempts, for a page that needs a few
+    hundred Runs). ``OFFSET 0`` is what says so: an EXISTS with an OFFSET is never turned into
+    that hash (on SQLite it changes nothing). A count of the whole range wants the hash.
+    """
     r = s.runs.c
     a = s.attempts.c
     e = s.events.c
     served_elsewhere = (select(a.attempt_id)
                         .where(a.run_id == r.run_id, a.state == "succeeded",
                                a.route_id != r.selected_route).exists())
-    moved = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move").exists()
+    moves = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move")
+    moved = (moves.offset(0) if probed else moves).exists()
     return or_(served_elsewhere, moved)
 
 
@@ -217,7 +226,7 @@ class AuditQueries:
         e = s.events.c
         conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
         q = (select(*(r[c] for c in _RUN_COLS))
-             .where(*conds, _failed_over())
+             .where(*conds, _failed_over(probed=True))
              .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
         with self.ctx.reading() as conn:
             runs = _maps(conn.execute(q).all())
@@ -242,12 +251,12 @@ class AuditQueries:
             ).all())
         return runs, atts, moves, nxt
 
-    def _label_expr(self, key: str) -> ColumnElement[Any]:
+    def _label_expr(self, key: str, labels: Any = None) -> ColumnElement[Any]:
         if not _LABEL_KEY.match(key):
             raise InvalidArgument(
                 f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
             )
-        expr: ColumnElement[Any] = self.ctx.label(key)
+        expr: ColumnElement[Any] = self.ctx.label(key, labels)
         return expr
 
     def totals(self, *, by: str, since: float | None, until: float | None,
@@ -262,7 +271,6 @@ class AuditQueries:
                                   field="by")
         a = s.attempts.c
         offset = _offset(cursor)
-        joined = False
         key: ColumnElement[Any]
         if by == "route":
             key = a.route_id
@@ -278,7 +286,8 @@ class AuditQueries:
             if not label:
                 raise InvalidArgument("totals by label need the label key (label='team')",
                                       field="label")
-            key, joined = self._label_expr(label), True
+            self._label_expr(label)  # checks the key before any read
+            key = s.runs.c.labels
 
         def n(state: str) -> ColumnElement[Any]:
             return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
@@ -295,11 +304,25 @@ class AuditQueries:
             cost.label("cost_micros"),
             held.label("held_micros"),
         )
-        q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if joined
+        q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if by == "label"
                           else s.attempts)
-        q = (q.where(*_range(a.created_at, since, until)).group_by(key)
-             .order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1))
+        q = q.where(*_range(a.created_at, since, until)).group_by(key)
+        if by == "label":
+            # Grouped by the Runs' labels as stored first, then by the label's value: a day's
+            # attempts carry a few sets of labels, so the JSON is parsed once per set, not once
+            # per attempt. Every column is a sum (a count is one too), so summing the sets'
+            # sums is exact.
+            sets = q.subquery("label_sets")
+            key = self._label_expr(label or "", sets.c.key)
+            total = func.sum(sets.c.cost_micros)
+            q = select(key.label("key"), *(func.sum(sets.c[c]).label(c) for c in (
+                "attempts", "succeeded", "failed", "unknown", "prompt_tokens",
+                "completion_tokens")), total.label("cost_micros"),
+                func.sum(sets.c.held_micros).label("held_micros")).group_by(key)
+            cost = total
+        q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             rows = _maps(conn.execute(q).all())
         nxt = None
         if len(rows) > limit:
@@ -323,10 +346,17 @@ class AuditQueries:
         out: dict[tuple[str, str], list[RowMap]] = {}
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
-            for by in LATENCY_KEYS:
-                for measure in LATENCY_MEASURES:
-                    q = self.ctx.percentiles(a[measure], keys[by], where, FRACTIONS)
-                    out[(by, measure)] = _maps(conn.execute(q).all())
+            self.ctx.aggregating(conn)
+            # One statement for both keys and all three times (on PostgreSQL one pass over
+            # the window, where six statements made six: docs/benchmarks.md), split back here.
+            q = self.ctx.percentiles([a[m] for m in LATENCY_MEASURES], keys, where, FRACTIONS)
+            rows = _maps(conn.execute(q).all())
+        for by in LATENCY_KEYS:
+            for j, measure in enumerate(LATENCY_MEASURES):
+                out[(by, measure)] = [
+                    {"key": x["key"], "n": x[f"n{j}"],
+                     **{f"p{i}": x[f"p{j}_{i}"] for i in range(len(FRACTIONS))}}
+                    for x in rows if x["by"] == by and x[f"n{j}"]]
         return out
 
     def count_failovers(self, *, since: float | None, until: float | None) -> int:
@@ -335,6 +365,7 @@ class AuditQueries:
         q = (select(func.count()).select_from(s.runs)
              .where(*_range(r.created_at, since, until), _failed_over()))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             return int(conn.execute(q).scalar_one())
     def spend(self, *, by: str, label: str | None, since: float | None, until: float | None,
               bucket: tuple[float, float] | None, limit: int, cursor: str | None
@@ -371,6 +402,7 @@ class AuditQueries:
              .order_by(sums[2].desc(), key.is_(None).desc(), key.asc())
              .offset(offset).limit(limit + 1))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             rows = _maps(conn.execute(q).all())
             nxt = None
             if len(rows) > limit:
@@ -521,6 +553,7 @@ class AuditQueries:
              .where(a.created_at >= since, a.created_at < until)
              .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
         with self.ctx.reading() as conn:
+            self.ctx.aggregating(conn)
             return _maps(conn.execute(q).all())
 
     def schema_present(self) -> bool:

@@ -72,12 +72,18 @@ class SqlContext(abc.ABC):
         """Make the read transaction just begun on ``conn`` one snapshot of the whole ledger."""
 
     @abc.abstractmethod
+    def aggregating(self, conn: Connection) -> None:
+        """Give the read transaction just begun on ``conn`` the memory for an aggregate over a
+        day of history (its sorts and hash tables), where the database has such a setting."""
+
+    @abc.abstractmethod
     def bucket(self, col: Any, since: float, width: float) -> Any:
         """The 0-based index of the ``width``-wide time bucket from ``since`` of ``col``."""
 
     @abc.abstractmethod
-    def label(self, key: str) -> Any:
-        """The value of label ``key`` (checked) of a run, as SQL."""
+    def label(self, key: str, labels: Any = None) -> Any:
+        """The value of label ``key`` (checked) of a run, as SQL: in ``runs.labels``, or in
+        ``labels`` (a column of the same JSON text) when given."""
 
     @abc.abstractmethod
     def json_text(self, col: Any, *path: str) -> Any:
@@ -85,11 +91,13 @@ class SqlContext(abc.ABC):
         where it is absent)."""
 
     @abc.abstractmethod
-    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
                     fractions: Sequence[float]) -> Select[Any]:
-        """Per ``key``: how many rows have a ``value`` (column ``n``) and the continuous
-        percentiles of it at ``fractions`` (columns ``p0``, ``p1``, ...), over the rows of
-        ``attempts`` where every condition of ``where`` holds.
+        """For each of ``keys`` (by name): per value of it (column ``key``, its name in column
+        ``by``) over the rows of ``attempts`` where every condition of ``where`` holds, for the
+        ``j``-th of ``values``: how many of them have it (column ``n<j>``, 0 where none has)
+        and its continuous percentiles at ``fractions`` (columns ``p<j>_0``, ``p<j>_1``, ...;
+        NULL where none has it). One statement; the keys must not be NULL.
 
         Both databases give the same answers: ``percentile_cont`` (linear interpolation
         between the two nearest ranks, at ``fraction * (n - 1)``) on PostgreSQL, and the same

@@ -10,12 +10,12 @@ skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Select, cast, func, select, text
+from sqlalchemy import Connection, Select, case, cast, func, literal, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects.postgresql import JSONB
@@ -116,13 +116,24 @@ class PostgresContext(SqlContext):
         """``REPEATABLE READ``: every statement of the transaction sees one snapshot."""
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
 
+    #: ``work_mem`` of an audit's aggregate (per sort or hash table of its plan): at the
+    #: server's default of 4 MB, a busy day's attempts (140,000) sorted for the latency
+    #: percentiles or the activity chart's buckets went to disk (an external merge of 4 to
+    #: 9 MB), and its 87,000 Runs' totals did not fit one hash (docs/benchmarks.md).
+    AGGREGATE_WORK_MEM = "64MB"
+
+    def aggregating(self, conn: Connection) -> None:
+        """``SET LOCAL work_mem`` (:attr:`AGGREGATE_WORK_MEM`), for this transaction only: a
+        setting any role may change, so a read-only role and a replica's sessions take it."""
+        conn.exec_driver_sql(f"SET LOCAL work_mem = '{self.AGGREGATE_WORK_MEM}'")
+
     def bucket(self, col: Any, since: float, width: float) -> Any:
         """``floor`` of the offset in widths."""
         return func.floor((col - since) / width)
 
-    def label(self, key: str) -> Any:
+    def label(self, key: str, labels: Any = None) -> Any:
         """The labels as ``jsonb``, ``->> key``."""
-        return cast(s.runs.c.labels, JSONB).op("->>")(key)
+        return cast(s.runs.c.labels if labels is None else labels, JSONB).op("->>")(key)
 
     def json_text(self, col: Any, *path: str) -> Any:
         """The text as ``jsonb``: ``->`` down to the last key, ``->>`` at it."""
@@ -131,13 +142,22 @@ class PostgresContext(SqlContext):
             expr = expr.op("->")(key)
         return expr.op("->>")(path[-1])
 
-    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
                     fractions: Sequence[float]) -> Select[Any]:
-        """``percentile_cont(f) WITHIN GROUP (ORDER BY value)``, an ordered-set aggregate."""
-        return (select(key.label("key"), func.count(value).label("n"),
-                       *(func.percentile_cont(f).within_group(value.asc()).label(f"p{i}")
-                         for i, f in enumerate(fractions)))
-                .select_from(s.attempts).where(value.is_not(None), *where).group_by(key))
+        """``percentile_cont(f) WITHIN GROUP (ORDER BY value)``, an ordered-set aggregate
+        (which skips NULLs), for every value and every key in one pass over the rows
+        (``GROUPING SETS``, one set per key); the fractions of one value share its sort."""
+        names = list(keys)
+        # GROUPING(k) is 0 in the rows of k's own set.
+        by = case(*((func.grouping(keys[name]) == 0, literal(name)) for name in names))
+        key = case(*((func.grouping(keys[name]) == 0, keys[name]) for name in names))
+        cols: list[Any] = [by.label("by"), key.label("key")]
+        for j, value in enumerate(values):
+            cols.append(func.count(value).label(f"n{j}"))
+            cols.extend(func.percentile_cont(f).within_group(value.asc()).label(f"p{j}_{i}")
+                        for i, f in enumerate(fractions))
+        return (select(*cols).select_from(s.attempts).where(*where)
+                .group_by(func.grouping_sets(*(keys[name] for name in names))))
 
 
 def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -> None:

@@ -11,11 +11,23 @@ timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import Connection, Float, Integer, Select, Text, case, cast, func, literal, select
+from sqlalchemy import (
+    Connection,
+    Float,
+    Integer,
+    Select,
+    Text,
+    case,
+    cast,
+    func,
+    literal,
+    select,
+    union_all,
+)
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
 
@@ -71,25 +83,48 @@ class SqliteContext(SqlContext):
     def consistent(self, conn: Connection) -> None:
         """Nothing to do: a SQLite read transaction is one snapshot already."""
 
+    def aggregating(self, conn: Connection) -> None:
+        """Nothing: SQLite sizes its sorts by its page cache, per connection, not per query."""
+
     def bucket(self, col: Any, since: float, width: float) -> Any:
         """Truncation: SQLite lacks ``floor()`` before 3.35, and ``col >= since``."""
         return cast((col - since) / width, Integer)
 
-    def label(self, key: str) -> Any:
+    def label(self, key: str, labels: Any = None) -> Any:
         """``json_extract`` of the labels' JSON text."""
-        return func.json_extract(s.runs.c.labels, f'$."{key}"')
+        return func.json_extract(s.runs.c.labels if labels is None else labels, f'$."{key}"')
 
     def json_text(self, col: Any, *path: str) -> Any:
         """``json_extract`` at the quoted path, as text."""
         where = "$" + "".join(f'."{k}"' for k in path)
         return cast(func.json_extract(col, where), Text)
 
-    def percentiles(self, value: Any, key: Any, where: Sequence[Any],
+    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
                     fractions: Sequence[float]) -> Select[Any]:
-        """PostgreSQL's ``percentile_cont`` with window functions: each row's 0-based rank
-        ``i`` in its key's order and the key's count ``n``; at ``pos = fraction * (n - 1)`` the
-        values of ranks ``floor(pos)`` and ``ceil(pos)``, interpolated as PostgreSQL does
-        (``lo + (hi - lo) * (pos - floor(pos))``, in double precision)."""
+        """PostgreSQL's ``percentile_cont`` with window functions, per key and value: each
+        row's 0-based rank ``i`` in its key's order and the key's count ``n``; at
+        ``pos = fraction * (n - 1)`` the values of ranks ``floor(pos)`` and ``ceil(pos)``,
+        interpolated as PostgreSQL does (``lo + (hi - lo) * (pos - floor(pos))``, in double
+        precision). The keys come from one more pass each, so a key none of whose rows has a
+        value is there with a count of 0, as on PostgreSQL; the keys' rows in one UNION ALL."""
+        parts: list[Select[Any]] = []
+        for name, key in keys.items():
+            found = (select(key.label("key")).select_from(s.attempts).where(*where).distinct()
+                     .subquery())
+            cols: list[Any] = [literal(name).label("by"), found.c.key]
+            joined: Any = found
+            for j, value in enumerate(values):
+                one = self._percentiles_of(value, key, where, fractions).subquery()
+                joined = joined.outerjoin(one, one.c.key == found.c.key)
+                cols.append(func.coalesce(one.c.n, 0).label(f"n{j}"))
+                cols.extend(one.c[f"p{i}"].label(f"p{j}_{i}") for i in range(len(fractions)))
+            parts.append(select(*cols).select_from(joined))
+        return parts[0] if len(parts) == 1 else select(union_all(*parts).subquery())
+
+    @staticmethod
+    def _percentiles_of(value: Any, key: Any, where: Sequence[Any],
+                        fractions: Sequence[float]) -> Select[Any]:
+        """Per key with a ``value``: ``n`` and ``p0``, ``p1``, ... of it."""
         ranked = (select(key.label("key"), value.label("v"),
                          (func.row_number().over(partition_by=key, order_by=value) - 1)
                          .label("i"),

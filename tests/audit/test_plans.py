@@ -48,8 +48,8 @@ def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
-def _plans_of(audit: Audit, call: Any) -> list[tuple[str, list[tuple[str, str | None]]]]:
-    """Run ``call``; EXPLAIN every SELECT it sent; [(sql, [(node type, relation), ...])]."""
+def _sent(audit: Audit, call: Any) -> list[tuple[str, Any]]:
+    """Run ``call``; every SELECT it sent, with its parameters."""
     sent: list[tuple[str, Any]] = []
     engine = sql_context(audit.ledger).engine
 
@@ -63,6 +63,13 @@ def _plans_of(audit: Audit, call: Any) -> list[tuple[str, list[tuple[str, str | 
         call()
     finally:
         event.remove(engine, "before_cursor_execute", capture)
+    return sent
+
+
+def _plans_of(audit: Audit, call: Any) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    """Run ``call``; EXPLAIN every SELECT it sent; [(sql, [(node type, relation), ...])]."""
+    sent = _sent(audit, call)
+    engine = sql_context(audit.ledger).engine
     out = []
     with engine.connect() as conn:
         held = {str(r[0]) for r in conn.exec_driver_sql(
@@ -143,3 +150,16 @@ def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.replay("failure-domain", since=END - DAY, until=END))
     run_id = big.runs(limit=1, since=END - DAY).items[0].run_id
     _assert_indexed(big, lambda: big.replay("failure-domain", run=run_id))
+
+
+def test_the_aggregates_memory_lasts_their_transaction_only(big: Audit) -> None:
+    # The audit's reads share the pool with the hot path: their work_mem must not stay set
+    # on a connection after their transaction.
+    ctx = sql_context(big.ledger)
+    with ctx.engine.connect() as conn:
+        default = conn.exec_driver_sql("SHOW work_mem").scalar()
+        conn.rollback()
+        with conn.begin():
+            ctx.aggregating(conn)
+            assert conn.exec_driver_sql("SHOW work_mem").scalar() == "64MB" != default
+        assert conn.exec_driver_sql("SHOW work_mem").scalar() == default
