@@ -192,6 +192,10 @@ class Face(Generic[SessionT, OpenedT]):
         # What a Run's decisions read besides its live row: its ancestors (for provenance),
         # its groups and its health keys, all fixed by its frozen plan and policy.
         self._reads: Lru[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = Lru(1024)
+        # What a settle must know of an Attempt before its transaction (its Run, route and
+        # profile choose the health rows it reads), as this ledger's begin recorded it: fixed
+        # once the Attempt exists, so a settle of an Attempt begun here reads nothing first.
+        self._begun: Lru[str, tuple[str, str, str | None]] = Lru(4096)
 
     @property
     def backend(self) -> str:
@@ -666,6 +670,7 @@ class Face(Generic[SessionT, OpenedT]):
             events=cast(list[tuple[str, dict[str, Any]]], events), take_retry=take_retry)
         rec = yield from self._store.begin_attempt(spec, self.clock.now)
         assert isinstance(rec, AttemptRecord)  # a begin without queue_until never queues
+        self._begun.put(rec.attempt_id, (rec.run_id, rec.route_id, rec.profile_id))
         return rec
 
     @op
@@ -756,15 +761,20 @@ class Face(Generic[SessionT, OpenedT]):
                 f"first_token_s ({first_token_s:g}) is before first_byte_s ({first_byte_s:g}); "
                 "content comes after the response's first byte: pass times measured from the "
                 "begin", field="first_token_s")
-        # The Attempt's route and profile decide which health rows its outcome touches.
-        att = yield from self._store.attempt(attempt_id)
-        if att.run_id != lease.run_id:
+        # The Attempt's route and profile decide which health rows its outcome touches: as
+        # this ledger began it, or read (an Attempt begun by another process or ledger).
+        begun = self._begun.get(attempt_id)
+        if begun is None:
+            att = yield from self._store.attempt(attempt_id)
+            begun = (att.run_id, att.route_id, att.profile_id)
+        run_id, route_id, profile_id = begun
+        if run_id != lease.run_id:
             raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
                            attempt_id=attempt_id, run_id=lease.run_id)
         run = yield from self._frozen(lease.run_id)
         policy = yield from self._policy(lease.run_id)
         spec = settle_spec(
-            policy, run.route(att.route_id), att.profile_id, lease, attempt_id,
+            policy, run.route(route_id), profile_id, lease, attempt_id,
             outcome=Outcome(outcome), fact=cast(FailureFact | None, fact),
             observation=cast(Observation | None, observation), now=self.now(),
             effective_output=effective_output, tool_started=tool_started,

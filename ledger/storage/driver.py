@@ -274,20 +274,21 @@ class PgDriver:
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
             committing.sent = commit
+            kept = _kept_cursors(conn)
             with conn.pipeline():
-                cursors = []
+                cursors: list[tuple[Any, bool]] = []
                 if first:
-                    conn.execute("BEGIN")
+                    _cursor(conn, kept, _BEGIN, cursors).execute(_BEGIN)
                 for q in items:
-                    cur = conn.cursor()
                     stmt = q.stmt
+                    cur = _cursor(conn, kept, stmt, cursors)
                     if q.many:
                         cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
                     else:
                         cur.execute(stmt.text, stmt.args(q.params))
                     cursors.append((cur, stmt.rows and not q.many))
                 if commit:
-                    conn.execute("COMMIT")
+                    _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
             first = False
             committed = committed or commit
             rows = [cur.fetchall() if fetch else [] for cur, fetch in cursors]
@@ -339,20 +340,21 @@ class PgDriver:
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
             committing.sent = commit
+            kept = _kept_cursors(conn)
             async with conn.pipeline():
-                cursors = []
+                cursors: list[tuple[Any, bool]] = []
                 if first:
-                    await conn.execute("BEGIN")
+                    await _cursor(conn, kept, _BEGIN, cursors).execute(_BEGIN)
                 for q in items:
-                    cur = conn.cursor()
                     stmt = q.stmt
+                    cur = _cursor(conn, kept, stmt, cursors)
                     if q.many:
                         await cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
                     else:
                         await cur.execute(stmt.text, stmt.args(q.params))
                     cursors.append((cur, stmt.rows and not q.many))
                 if commit:
-                    await conn.execute("COMMIT")
+                    await _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
             first = False
             committed = committed or commit
             rows = [await cur.fetchall() if fetch else [] for cur, fetch in cursors]
@@ -360,6 +362,33 @@ class PgDriver:
 
     def close(self) -> None:
         self.pool.close()
+
+
+_BEGIN = "BEGIN"
+_COMMIT = "COMMIT"
+
+
+def _kept_cursors(conn: Any) -> dict[Any, Any]:
+    """The cursors kept on ``conn`` for the hot path, one per statement (and for ``BEGIN``
+    and ``COMMIT``): making a cursor, and the adaptation state psycopg builds for it, costs
+    the client more than executing a prepared statement on one that ran it before (psycopg
+    keeps that state while a cursor runs the same query). They live and die with the
+    connection."""
+    kept: dict[Any, Any] | None = getattr(conn, "_ledger_cursors", None)
+    if kept is None:
+        kept = conn._ledger_cursors = {}
+    return kept
+
+
+def _cursor(conn: Any, kept: dict[Any, Any], key: Any, busy: list[tuple[Any, bool]]) -> Any:
+    """The kept cursor of ``key`` on ``conn``; a new one when this flush already uses it (a
+    cursor holds one statement's result until the flush's rows are read)."""
+    cur = kept.get(key)
+    if cur is None:
+        cur = kept[key] = conn.cursor()
+    elif any(c is cur for c, _fetch in busy):
+        return conn.cursor()
+    return cur
 
 
 class _Committing:

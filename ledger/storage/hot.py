@@ -130,7 +130,9 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
     if refs:
         items.append(Q(sql.provenance, {"runs": sql.list_param(runs),
                                         "refs": sql.list_param(refs)}))
-    res = yield Flush(tuple(items))
+    # The read is the whole transaction: its COMMIT goes with it (one round trip on
+    # PostgreSQL instead of a second one for the COMMIT alone).
+    res = yield Flush(tuple(items), commit=True)
     now = clock()
     run = _locked(res[0], sql.run_live, run_id)
     expiries: dict[str, list[float]] = {}
@@ -848,7 +850,7 @@ def mark_unknown_tx(sql: Statements, lease: Lease, attempt_id: str, clock: Clock
 
 def attempt_tx(sql: Statements, attempt_id: str) -> Tx[AttemptRecord]:
     """One Attempt with its debit's state (:class:`~ledger.errors.NotFound` for an unknown id)."""
-    rows = yield Q(sql.attempt, {"attempt_id": attempt_id})
+    [rows] = yield Flush((Q(sql.attempt, {"attempt_id": attempt_id}),), commit=True)
     if not rows:
         raise NotFound(f"unknown attempt id {attempt_id!r}; list a run's attempts with "
                        "`failover-ledger run show RUN_ID`", attempt_id=attempt_id)

@@ -126,6 +126,26 @@ def test_begin_settle_success_posts_and_releases(led: Ledger) -> None:
     assert led.get_run("r1").posted == Decimal("0.12")
 
 
+def test_a_settle_finds_the_attempts_run_and_route_whoever_began_it(
+        led: Ledger, db_url: str, clock: ManualClock) -> None:
+    # The ledger that began an Attempt settles it from what its begin recorded; another
+    # ledger (another process, a restart) reads it first. Both refuse another Run's lease and
+    # settle the route the Attempt used (its health row), not the lease Run's first route.
+    led.admit_run("r1", plan=routes(), budget=budget(cost="1.00"))
+    led.admit_run("r2", plan=routes(), budget=budget(cost="1.00"))
+    l1, l2 = led.acquire_lease("r1"), led.acquire_lease("r2")
+    mine = led.begin_attempt(l1, route="b", envelope_hash="sha256:e", reserve="0.1")
+    theirs = led.begin_attempt(l1, route="c", envelope_hash="sha256:e", reserve="0.1")
+    with Ledger.open(db_url, clock=clock, executor_id="w1") as other:
+        for settler, att in ((led, mine), (other, theirs)):
+            with pytest.raises(NotFound):
+                settler.settle_attempt(l2, att.attempt_id, outcome="succeeded", cost="0.1")
+            done = settler.settle_attempt(l1, att.attempt_id, outcome="failed", fact=_fail())
+            assert done.state is AttemptState.FAILED and done.route_id == att.route_id
+            assert led.health()[att.route_id].last_failure_at == clock.now()
+    assert "a" not in led.health()  # the lease Run's first route was never touched
+
+
 def test_cost_above_the_hold_posts_at_most_the_hold(led: Ledger) -> None:
     led.admit_run("r1", plan=routes(), budget=budget(cost="1.00"))
     lease = led.acquire_lease("r1")
