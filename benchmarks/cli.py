@@ -253,14 +253,11 @@ def _deepen(args: argparse.Namespace) -> int:
         led.close()
     summary = {"copies": rep.copies, "span_days": rep.span_s / 86_400.0, "rows": rep.rows,
                "since": rep.since, "until": rep.until, "seconds": round(rep.seconds, 2)}
-    if args.json:
-        sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    else:
-        print(f"copied {rep.rows['attempts']} attempts in {rep.rows['runs']} runs "
-              f"({rep.rows['events']} events) in {rep.copies} copies of "
-              f"{rep.span_s / 86_400.0:g} days; history from {iso(rep.since)} to "
-              f"{iso(rep.until)}; {rep.seconds:.1f} s")
-    return 0
+    return _told(summary, args.json,
+                 f"copied {rep.rows['attempts']} attempts in {rep.rows['runs']} runs "
+                 f"({rep.rows['events']} events) in {rep.copies} copies of "
+                 f"{rep.span_s / 86_400.0:g} days; history from {iso(rep.since)} to "
+                 f"{iso(rep.until)}; {rep.seconds:.1f} s")
 
 
 def _add_ledger_db(p: argparse.ArgumentParser) -> None:
@@ -287,6 +284,15 @@ def _positive(value: int, name: str) -> None:
 
 def _print(report: Any, as_json: bool) -> int:
     print(report.to_json() if as_json else report.format_table())
+    return 0
+
+
+def _told(summary: dict[str, Any], as_json: bool, text: str) -> int:
+    """A command's summary: the mapping as JSON (for scripts) or one line for a reader."""
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    else:
+        print(text)
     return 0
 
 
@@ -456,14 +462,11 @@ def _generate(args: argparse.Namespace) -> int:
                "unknown": st.unknown, "not_sent": st.not_sent, "dispatching": st.dispatching,
                "failovers": st.failovers, "events": st.events, "since": st.since,
                "until": st.until, "seconds": round(took, 2)}
-    if args.json:
-        sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    else:
-        print(f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
-              f"{st.unknown} unknown, {st.not_sent} not sent, {st.dispatching} dispatching; "
-              f"{st.failovers} runs failed over; {st.events} events) from "
-              f"{iso(st.since)} to {iso(st.until)} in {took:.1f} s")
-    return 0
+    return _told(summary, args.json,
+                 f"generated {st.attempts} attempts in {st.runs} runs ({st.failed} failed, "
+                 f"{st.unknown} unknown, {st.not_sent} not sent, {st.dispatching} dispatching; "
+                 f"{st.failovers} runs failed over; {st.events} events) from "
+                 f"{iso(st.since)} to {iso(st.until)} in {took:.1f} s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
