@@ -105,13 +105,13 @@ def _count(conn: Connection, name: str, since: float) -> int:
 
 def _copy_table(conn: Connection, name: str, k: int, shift: float, since: float) -> None:
     table = s.metadata.tables[name]
-    cols = [c.name for c in table.columns if not (name == "events" and c.name == "event_id")]
-    src = select(*_copy_of(table, k, shift)).where(_source(table, since))
+    copied = _copy_of(table, k, shift)
+    src = select(*copied).where(_source(table, since))
     if name == "events":
         src = src.order_by(table.c.event_id)
     # The driver's row count of an INSERT ... SELECT is not reliable everywhere (-1 on some):
     # the counts come from _count instead.
-    conn.execute(table.insert().from_select(cols, src))
+    conn.execute(table.insert().from_select([c.name for c in copied], src))
 
 
 def deepen(led: Ledger, copies: int, *, span_s: float | None = None,

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
-from ledger.api.face import AsyncFace, SyncFace
+from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
@@ -170,8 +170,6 @@ class _SessionCore:
         Run writes nothing under the lease; a begin of its own that was never sent is still
         settled, under its own fence.
         """
-        from ledger.api.face import Face
-
         led, run_id = self.ledger, self.run_id
         store, clock = led._store, led.clock.now
         if keeper.error is not None:
