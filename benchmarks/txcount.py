@@ -40,6 +40,9 @@ from typing import Any, Protocol
 from benchmarks.common import BenchError
 
 PG_IDLE_FLUSH_S = 10.5  # PGSTAT_IDLE_INTERVAL (10 s) plus a margin
+#: How long the counters must stay unchanged before a count starts (an exiting backend's last
+#: counters land within a second).
+STILL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -232,10 +235,24 @@ class PgTxCounter:
             time.sleep(0.1)
 
     def start(self) -> None:
-        """Wait until every client backend published its counters, then snapshot them."""
+        """Wait until every client backend published its counters, then snapshot them once
+        they stop moving: a backend that exited just before (a connection closed by the
+        caller, an autovacuum worker) publishes its last counters on its way out, which may
+        land after the first look."""
         self._wait(lambda bs: all(state == "idle" and age >= self.idle_flush_s
                                   for state, age in bs), "go idle")
-        self._s0 = self._snapshot()
+        deadline = time.monotonic() + self.timeout_s
+        seen = self._snapshot()
+        while True:
+            time.sleep(STILL_S)
+            now = self._snapshot()
+            if now == seen:
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"PostgreSQL's counters of {self.dbname!r} kept moving for "
+                                 f"{self.timeout_s:.0f}s; is something else using it?")
+            seen = now
+        self._s0 = seen
 
     def finish(self) -> TxCount:
         """Wait until the (closed) clients' backends exited, then read the difference."""
