@@ -208,6 +208,7 @@ class _Generator:
         self.failure_weights = [w for w, _ in _FAILURES]
         self.stats = GenStats()
         self.rows = _Rows()
+        self.labels_json = "{}"  # the labels of the Run being simulated, as stored
 
     # -- one Run ---------------------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class _Generator:
         run_id = f"run-{self.tag}-{i:08d}"
         tenant = rng.choice(_TENANTS)
         labels = {"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)}
+        self.labels_json = json.dumps(labels, sort_keys=True)  # the Run's and its attempts'
         frozen = FrozenRun(
             run_id=run_id, parent_run_id=None, role="research", tenant=tenant, labels=labels,
             plan=plan, grant=_GRANT, budget=_BUDGET, policy={"generated": True},
@@ -254,7 +256,7 @@ class _Generator:
             self._event(run_id, None, "finish", {"status": status}, t)
         self.rows.add("runs", {
             "run_id": run_id, "parent_run_id": None, "role": "research", "tenant": tenant,
-            "labels": json.dumps(labels, sort_keys=True), "status": status,
+            "labels": self.labels_json, "status": status,
             "plan": self.plan_json[pi], "run_grant": json.dumps({"recipients": {}, "roles": None}),
             "budget": json.dumps({"max_calls": _BUDGET.max_calls, "max_cost": "1",
                                   "max_retries": _BUDGET.max_retries, "max_tokens": None}),
@@ -459,8 +461,9 @@ class _Generator:
         route = spec.route
         row = self.rows.add("attempts", {
             "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
-            "turn_id": spec.turn_id, "seq": c.seq, "kind": spec.kind.value,
-            "route_id": route.id, "provider": route.provider, "model": route.model,
+            "labels": self.labels_json, "turn_id": spec.turn_id, "seq": c.seq,
+            "kind": spec.kind.value, "route_id": route.id, "provider": route.provider,
+            "model": route.model,
             "group_id": route.group, "profile_id": spec.profile_id,
             "debit_id": "d-" + spec.attempt_id, "envelope_hash": spec.envelope_hash,
             "state": "dispatching", "reject_reason": None, "fact": None, "category": None,

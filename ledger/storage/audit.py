@@ -287,7 +287,11 @@ class AuditQueries:
                 raise InvalidArgument("totals by label need the label key (label='team')",
                                       field="label")
             self._label_expr(label)  # checks the key before any read
-            key = s.runs.c.labels
+            # Copied from the run at begin (0010), so no join; an attempt written without them
+            # (by a process still on the code before 0010 while it migrated) looks its Run's
+            # up: COALESCE evaluates that subquery for such rows only.
+            key = func.coalesce(a.labels, select(s.runs.c.labels)
+                                .where(s.runs.c.run_id == a.run_id).scalar_subquery())
 
         def n(state: str) -> ColumnElement[Any]:
             return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
@@ -304,11 +308,9 @@ class AuditQueries:
             cost.label("cost_micros"),
             held.label("held_micros"),
         )
-        q = q.select_from(s.attempts.join(s.runs, s.runs.c.run_id == a.run_id) if by == "label"
-                          else s.attempts)
-        q = q.where(*_range(a.created_at, since, until)).group_by(key)
+        q = q.select_from(s.attempts).where(*_range(a.created_at, since, until)).group_by(key)
         if by == "label":
-            # Grouped by the Runs' labels as stored first, then by the label's value: a day's
+            # Grouped by the labels as stored first, then by the label's value: a day's
             # attempts carry a few sets of labels, so the JSON is parsed once per set, not once
             # per attempt. Every column is a sum (a count is one too), so summing the sets'
             # sums is exact.

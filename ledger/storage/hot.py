@@ -193,7 +193,7 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
     debit_id = "d-" + spec.attempt_id
     values = {
         "attempt_id": spec.attempt_id, "run_id": spec.run_id, "tenant": spec.tenant,
-        "turn_id": spec.turn_id, "seq": next_seq, "kind": spec.kind.value,
+        "labels": run.labels, "turn_id": spec.turn_id, "seq": next_seq, "kind": spec.kind.value,
         "route_id": spec.route.id, "provider": spec.route.provider, "model": spec.route.model,
         "group_id": spec.route.group, "profile_id": spec.profile_id, "debit_id": debit_id,
         "envelope_hash": spec.envelope_hash, "state": state.value,

@@ -97,8 +97,10 @@ attempts = Table(
     metadata,
     Column("attempt_id", _ID, primary_key=True),
     Column("run_id", _ID, ForeignKey("runs.run_id"), nullable=False),
-    # The run's frozen tenant, copied at begin so per-tenant totals need no join.
+    # The run's frozen tenant and labels (its JSON text as stored), copied at begin so per-tenant
+    # and per-label totals read a day's attempts without a join to every Run behind them.
     Column("tenant", String(200), nullable=True),
+    Column("labels", Text, nullable=True),
     Column("turn_id", _ID, nullable=False),
     Column("seq", Integer, nullable=False),
     Column("kind", String(16), nullable=False),  # first | retry | failover | probe

@@ -404,7 +404,7 @@ class Statements:
         "fence", "lease_holder", "lease_expires_at", "max_calls", "carved_calls", "calls_used",
         "max_cost_micros", "carved_micros", "reserved_micros", "posted_micros", "max_retries",
         "carved_retries", "retries_used", "max_tokens", "carved_tokens", "tokens_reserved",
-        "tokens_used"))
+        "tokens_used", "labels"))
     lock_run_full = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_retries",
                                     "carved_retries", "retries_used"))
     lock_run_fence = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_tokens"))

@@ -174,3 +174,59 @@ def test_migration_0007_keeps_the_latency_of_settled_attempts(db_url: str) -> No
         assert all(a.first_byte_s is None and a.cached_tokens is None
                    for a in led.timeline("r"))
     assert _diff(db_url) == []
+
+
+def test_migration_0010_counts_attempts_under_their_runs_labels_before_and_after(
+        db_url: str) -> None:
+    """Totals by label read the attempts' own copy of their Run's labels since 0010; the
+    attempts written before it (the migration leaves them NULL: no rewrite of the history) are
+    counted under their Run's labels all the same, and a begin after it copies them."""
+    from alembic import command
+
+    from ledger import Budget, Price, Route
+    from ledger.clock import ManualClock
+    from ledger.ops.audit import Audit
+
+    clock = ManualClock(1_800_000_000.0)
+    route = Route(id="a", provider="p", model="m", group="g", recipient="p",
+                  price=Price(input_per_mtok=1))
+    runs = {"r1": {"team": "red"}, "r2": {"team": "blue", "env": "prod"}, "r3": {}}
+    leases = {}
+    with Ledger.open(db_url, clock=clock) as led:
+        for run_id, labels in runs.items():
+            led.admit_run(run_id, plan=[route], labels=labels,
+                          budget=Budget(max_calls=9, max_retries=0, max_cost=1))
+            lease = leases[run_id] = led.acquire_lease(run_id, ttl_s=3600)
+            att = led.begin_attempt(lease, route="a", envelope_hash="sha256:" + "d" * 64,
+                                    reserve="0.01")
+            led.settle_attempt(lease, att.attempt_id, outcome="succeeded",
+                               prompt_tokens=1000 * len(labels) + 7, completion_tokens=1)
+        before = Audit(led).costs(by="label", label="team").items
+    assert {(t.key, t.attempts) for t in before} == {("red", 1), ("blue", 1), (None, 1)}
+    copied = ("SELECT a.run_id, a.labels, r.labels FROM attempts a "
+              "JOIN runs r ON r.run_id = a.run_id ORDER BY a.run_id, a.seq")
+    engine = create_engine(normalize_url(db_url))
+    try:
+        with engine.begin() as conn:
+            assert all(a is not None and a == r for _, a, r in conn.execute(text(copied)))
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0009")
+            assert "labels" not in {c["name"] for c in inspect(conn).get_columns("attempts")}
+    finally:
+        engine.dispose()
+    with Ledger.open(db_url, clock=clock) as led:  # migrates to head again
+        assert Audit(led).costs(by="label", label="team").items == before
+        led.begin_attempt(leases["r2"], route="a", envelope_hash="sha256:" + "d" * 64,
+                          reserve="0.01")
+        got = {t.key: t.attempts for t in Audit(led).costs(by="label", label="env").items}
+        assert got == {"prod": 2, None: 2}
+    engine = create_engine(normalize_url(db_url))
+    try:
+        with engine.connect() as conn:
+            rows = [(run, a, r) for run, a, r in conn.execute(text(copied))]
+    finally:
+        engine.dispose()
+    assert [(run, a) for run, a, _ in rows] == [("r1", None), ("r2", None),
+                                                ("r2", rows[2][2]), ("r3", None)]
+    assert _diff(db_url) == []
