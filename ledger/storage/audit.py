@@ -28,10 +28,12 @@ from sqlalchemy import (
     ColumnElement,
     and_,
     case,
+    exists,
     func,
     literal_column,
     or_,
     select,
+    union_all,
 )
 
 from ledger.errors import InvalidArgument
@@ -287,18 +289,13 @@ class AuditQueries:
                 raise InvalidArgument("totals by label need the label key (label='team')",
                                       field="label")
             self._label_expr(label)  # checks the key before any read
-            # Copied from the run at begin (0010), so no join; an attempt written without them
-            # (by a process still on the code before 0010 while it migrated) looks its Run's
-            # up: COALESCE evaluates that subquery for such rows only.
-            key = func.coalesce(a.labels, select(s.runs.c.labels)
-                                .where(s.runs.c.run_id == a.run_id).scalar_subquery())
+            key = a.labels  # copied from the run at begin (0010): no join either
 
         def n(state: str) -> ColumnElement[Any]:
             return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
 
         cost, held = charged_and_held()
-        q = select(
-            key.label("key"),
+        sums = (
             func.count().label("attempts"),
             n("succeeded").label("succeeded"),
             n("failed").label("failed"),
@@ -308,19 +305,35 @@ class AuditQueries:
             cost.label("cost_micros"),
             held.label("held_micros"),
         )
-        q = q.select_from(s.attempts).where(*_range(a.created_at, since, until)).group_by(key)
-        if by == "label":
+        window = _range(a.created_at, since, until)
+        if by != "label":
+            q = select(key.label("key"), *sums).where(*window).group_by(key)
+        else:
             # Grouped by the labels as stored first, then by the label's value: a day's
             # attempts carry a few sets of labels, so the JSON is parsed once per set, not once
             # per attempt. Every column is a sum (a count is one too), so summing the sets'
-            # sums is exact.
-            sets = q.subquery("label_sets")
-            key = self._label_expr(label or "", sets.c.key)
-            total = func.sum(sets.c.cost_micros)
-            q = select(key.label("key"), *(func.sum(sets.c[c]).label(c) for c in (
+            # sums is exact. Attempts without their copy (written before 0010, or by a process
+            # still on older code while it migrated) form the NULL set; only when it exists
+            # (a one-time filter on the sets already summed) are they read again and summed by
+            # their Runs' labels. Grouping by the column alone keeps the day's read a parallel
+            # hash aggregate: an expression in its key (a per-row subquery, a fallback to the
+            # run id) made PostgreSQL expect tens of thousands of groups and read it serially.
+            sets = (select(key.label("key"), *sums).where(*window).group_by(key)
+                    .cte("label_sets"))
+            r = s.runs.c
+            unfilled = (select(r.labels.label("key"), *sums)
+                        .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
+                        .where(*window, a.labels.is_(None),
+                               exists().where(sets.c.key.is_(None)))
+                        .group_by(r.labels))
+            both = union_all(select(sets).where(sets.c.key.is_not(None)),
+                             unfilled).subquery("label_sums")
+            key = self._label_expr(label or "", both.c.key)
+            total = func.sum(both.c.cost_micros)
+            q = select(key.label("key"), *(func.sum(both.c[c]).label(c) for c in (
                 "attempts", "succeeded", "failed", "unknown", "prompt_tokens",
                 "completion_tokens")), total.label("cost_micros"),
-                func.sum(sets.c.held_micros).label("held_micros")).group_by(key)
+                func.sum(both.c.held_micros).label("held_micros")).group_by(key)
             cost = total
         q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
         with self.ctx.reading() as conn:

@@ -123,9 +123,15 @@ class PostgresContext(SqlContext):
     AGGREGATE_WORK_MEM = "64MB"
 
     def aggregating(self, conn: Connection) -> None:
-        """``SET LOCAL work_mem`` (:attr:`AGGREGATE_WORK_MEM`), for this transaction only: a
-        setting any role may change, so a read-only role and a replica's sessions take it."""
+        """``SET LOCAL work_mem`` (:attr:`AGGREGATE_WORK_MEM`) and ``jit = off``, for this
+        transaction only: settings any role may change, so a read-only role and a replica's
+        sessions take them.
+
+        JIT because its compile cost is paid on every run of these plans, which are never
+        cached, and it outgrew the work: on a day of 140,000 attempts the totals by label spent
+        about 550 ms compiling for 300 ms of execution (docs/benchmarks.md)."""
         conn.exec_driver_sql(f"SET LOCAL work_mem = '{self.AGGREGATE_WORK_MEM}'")
+        conn.exec_driver_sql("SET LOCAL jit = off")
 
     def bucket(self, col: Any, since: float, width: float) -> Any:
         """``floor`` of the offset in widths."""

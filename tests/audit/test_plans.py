@@ -152,14 +152,16 @@ def test_replay_reads_its_window_through_indexes(big: Audit) -> None:
     _assert_indexed(big, lambda: big.replay("failure-domain", run=run_id))
 
 
-def test_the_aggregates_memory_lasts_their_transaction_only(big: Audit) -> None:
-    # The audit's reads share the pool with the hot path: their work_mem must not stay set
-    # on a connection after their transaction.
+def test_the_aggregates_settings_last_their_transaction_only(big: Audit) -> None:
+    # The audit's reads share the pool with the hot path: their work_mem and jit must not
+    # stay set on a connection after their transaction.
     ctx = sql_context(big.ledger)
     with ctx.engine.connect() as conn:
-        default = conn.exec_driver_sql("SHOW work_mem").scalar()
+        default = [conn.exec_driver_sql(f"SHOW {s}").scalar() for s in ("work_mem", "jit")]
         conn.rollback()
         with conn.begin():
             ctx.aggregating(conn)
-            assert conn.exec_driver_sql("SHOW work_mem").scalar() == "64MB" != default
-        assert conn.exec_driver_sql("SHOW work_mem").scalar() == default
+            got = [conn.exec_driver_sql(f"SHOW {s}").scalar() for s in ("work_mem", "jit")]
+            assert got == ["64MB", "off"] != default
+        assert [conn.exec_driver_sql(f"SHOW {s}").scalar()
+                for s in ("work_mem", "jit")] == default
