@@ -49,13 +49,13 @@ def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _sent(audit: Audit, call: Any) -> list[tuple[str, Any]]:
-    """Run ``call``; every SELECT it sent, with its parameters."""
+    """Run ``call``; every SELECT it sent (a WITH ... SELECT too), with its parameters."""
     sent: list[tuple[str, Any]] = []
     engine = sql_context(audit.ledger).engine
 
     def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
                 executemany: bool) -> None:
-        if statement.lstrip().upper().startswith("SELECT"):
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")):  # WITH: a CTE's read
             sent.append((statement, params))
 
     event.listen(engine, "before_cursor_execute", capture)
