@@ -9,12 +9,12 @@ admission), written by the begin from the Run's locked row.
 
 Existing ledgers: the column is added empty (NULL), which takes no rewrite on either database
 (on PostgreSQL a change of the catalog only). The attempts written before it keep NULL and the
-query looks their Run's labels up, for such rows only, as before this migration; an ``UPDATE``
-filling them was tried and not kept: it wrote a new version of every attempt row, doubling the
-table until vacuumed, and in the order of its join, not of time, so a day's attempts no longer
-lay together on disk (the correlation of ``created_at`` with the row order fell from 0.96 to
-0.06 on a million attempts) and every one-day total took seven times as long. Retention
-ages the unfilled rows out. The downgrade drops the column.
+query sums them by their Runs' labels through a join, as before this migration, when a window
+holds any. An ``UPDATE`` filling them was tried and not kept: it wrote a new version of every
+attempt row, doubling the table until vacuumed, and in the order of its join, not of time, so a
+day's attempts no longer lay together on disk (the correlation of ``created_at`` with the row
+order fell from 0.96 to 0.06 on a million attempts) and every one-day total took four to seven
+times as long. Retention ages the unfilled rows out. The downgrade drops the column.
 
 Revision ID: 0010
 Revises: 0009
