@@ -36,6 +36,30 @@ def _diff(url: str) -> list[object]:
         eng.dispose()
 
 
+def _downgrade(url: str, revision: str) -> set[str]:
+    """Take the schema back to ``revision``; the columns ``attempts`` has there."""
+    from alembic import command
+
+    engine = create_engine(normalize_url(url))
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, revision)
+            return {c["name"] for c in inspect(conn).get_columns("attempts")}
+    finally:
+        engine.dispose()
+
+
+def _query(url: str, sql: str) -> list[tuple[object, ...]]:
+    engine = create_engine(normalize_url(url))
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_head_equals_declared_schema(db_url: str) -> None:
     Ledger.open(db_url).close()
     assert _diff(db_url) == []
@@ -134,8 +158,6 @@ def test_migration_0007_keeps_the_latency_of_settled_attempts(db_url: str) -> No
     """A ledger from before 0007 gets, from its settled and begin times, the latency of its
     succeeded, failed and not-sent Attempts: not of an unknown one (its settle time may be
     recovery's) nor of one an operator settled with evidence (it was unknown)."""
-    from alembic import command
-
     from ledger import Budget, Price, Route
     from ledger.clock import ManualClock
     from ledger.domain.facts import Category, FailureFact, Phase
@@ -158,15 +180,7 @@ def test_migration_0007_keeps_the_latency_of_settled_attempts(db_url: str) -> No
         led.begin_attempt(lease, route="a", envelope_hash="sha256:" + "d" * 64, reserve="0.01",
                           attempt_id="flying")
     # Back to the schema before 0007 (its columns dropped), then open: migrated again.
-    engine = create_engine(normalize_url(db_url))
-    try:
-        with engine.begin() as conn:
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0006")
-            assert "latency_s" not in {c["name"] for c in inspect(conn).get_columns("attempts")}
-    finally:
-        engine.dispose()
+    assert "latency_s" not in _downgrade(db_url, "0006")
     with Ledger.open(db_url, clock=clock) as led:
         got = {a.attempt_id: a.latency_s for a in led.timeline("r")}
         assert got == {"ok": 1.0, "bad": 2.0, "never": 3.0, "lost": None, "receipt": None,
@@ -181,8 +195,6 @@ def test_migration_0010_counts_attempts_under_their_runs_labels_before_and_after
     """Totals by label read the attempts' own copy of their Run's labels since 0010; the
     attempts written before it (the migration leaves them NULL: no rewrite of the history) are
     counted under their Run's labels all the same, and a begin after it copies them."""
-    from alembic import command
-
     from ledger import Budget, Price, Route
     from ledger.clock import ManualClock
     from ledger.ops.audit import Audit
@@ -205,28 +217,15 @@ def test_migration_0010_counts_attempts_under_their_runs_labels_before_and_after
     assert {(t.key, t.attempts) for t in before} == {("red", 1), ("blue", 1), (None, 1)}
     copied = ("SELECT a.run_id, a.labels, r.labels FROM attempts a "
               "JOIN runs r ON r.run_id = a.run_id ORDER BY a.run_id, a.seq")
-    engine = create_engine(normalize_url(db_url))
-    try:
-        with engine.begin() as conn:
-            assert all(a is not None and a == r for _, a, r in conn.execute(text(copied)))
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0009")
-            assert "labels" not in {c["name"] for c in inspect(conn).get_columns("attempts")}
-    finally:
-        engine.dispose()
+    assert all(a is not None and a == r for _, a, r in _query(db_url, copied))
+    assert "labels" not in _downgrade(db_url, "0009")
     with Ledger.open(db_url, clock=clock) as led:  # migrates to head again
         assert Audit(led).costs(by="label", label="team").items == before
         led.begin_attempt(leases["r2"], route="a", envelope_hash="sha256:" + "d" * 64,
                           reserve="0.01")
         got = {t.key: t.attempts for t in Audit(led).costs(by="label", label="env").items}
         assert got == {"prod": 2, None: 2}
-    engine = create_engine(normalize_url(db_url))
-    try:
-        with engine.connect() as conn:
-            rows = [(run, a, r) for run, a, r in conn.execute(text(copied))]
-    finally:
-        engine.dispose()
+    rows = _query(db_url, copied)
     assert [(run, a) for run, a, _ in rows] == [("r1", None), ("r2", None),
                                                 ("r2", rows[2][2]), ("r3", None)]
     assert _diff(db_url) == []
