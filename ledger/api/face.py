@@ -57,7 +57,6 @@ from ledger.decide.admission import (
     validate_plan,
 )
 from ledger.decide.begin import begin_spec
-from ledger.decide.effects import TurnSnapshot
 from ledger.decide.ending import ENDED
 from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
@@ -115,6 +114,7 @@ from ledger.policy.model import Policy
 from ledger.storage.runner import Flow, blocking
 
 if TYPE_CHECKING:
+    from ledger.decide.effects import TurnSnapshot
     from ledger.storage.store import Store
 
 SessionT = TypeVar("SessionT")  # a Run session: RunSession or AsyncRunSession
@@ -177,14 +177,11 @@ class Face(Generic[SessionT, OpenedT]):
                  executor_id: Id | None = None) -> None:
         self._store = store
         self._runner = self._store.runner
-        # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported.
-        from ledger.storage.recovery import RecoveryQueries
-        from ledger.storage.retention import RetentionQueries
+        # The cold path's queries (SQLAlchemy), loaded when a ledger is made, not imported;
+        # recovery's and retention's when an operator closes a Run or drops history.
         from ledger.storage.runs import RunQueries
 
         self._runs = RunQueries(store.context)
-        self._recovery = RecoveryQueries(store.context)
-        self._retention = RetentionQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
@@ -492,11 +489,14 @@ class Face(Generic[SessionT, OpenedT]):
             >>> led.close_run("task-7", status="failed",  # doctest: +SKIP
             ...               reason="host crashed; the user retried as task-8")
         """
+        from ledger.storage.recovery import RecoveryQueries
+
         st = RunStatus(status)
         who = self.executor_id if by is None else by
+        queries = RecoveryQueries(self._store.context)
         rec, _changed = yield from blocking(
-            lambda: self._recovery.close_run(run_id, new_id("close"), st, reason, self.clock.now,
-                                             by=who))
+            lambda: queries.close_run(run_id, new_id("close"), st, reason, self.clock.now,
+                                      by=who))
         return rec
 
     @op
@@ -924,6 +924,9 @@ class Face(Generic[SessionT, OpenedT]):
         chain_, groups_, keys_ = reads
         snap = yield from self._store.turn_snapshot(run_id, groups_, keys_, chain_, refs,
                                                     self.clock.now)
+        # Imported here: the turn's effects are no part of a ledger opened only to read.
+        from ledger.decide.effects import TurnSnapshot
+
         health = {k: as_read(h, snap.now) for k, h in snap.health.items()}
         return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy, groups=snap.groups,
                             health=health, provenance=snap.provenance, now=snap.now)
@@ -1042,8 +1045,10 @@ class Face(Generic[SessionT, OpenedT]):
         Example:
             >>> led.drop_history(90 * 86400, by="alice", dry_run=True)  # doctest: +SKIP
         """
+        from ledger.storage.retention import RetentionQueries
+
         who = self.executor_id if by is None else by
-        return (yield from blocking(lambda: self._retention.run(
+        return (yield from blocking(lambda: RetentionQueries(self._store.context).run(
             older_than, self.clock.now, by=who, reason=reason, dry_run=dry_run)))
 
     @op

@@ -56,7 +56,6 @@ from ledger.storage.audit import LATENCY_MEASURES, TOTALS_KEYS, AuditQueries
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
 from ledger.storage.series import SeriesQueries
-from ledger.telemetry import DURATION_BUCKETS
 
 if TYPE_CHECKING:
     from ledger.ops.replay import ReplayReport
@@ -579,8 +578,8 @@ class Histogram:
 class MetricsSnapshot:
     """Totals for the Prometheus endpoint: counters over the whole history, gauges now.
 
-    Histograms count seconds into :data:`DURATION_BUCKETS` (the OpenTelemetry GenAI
-    conventions' advised boundaries).
+    Histograms count seconds into :data:`~ledger.telemetry.DURATION_BUCKETS` (the
+    OpenTelemetry GenAI conventions' advised boundaries).
     """
 
     now: float
@@ -732,6 +731,8 @@ def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
 
 def _histogram(row: Mapping[str, Any], name: str) -> Histogram | None:
     """The histogram of ``name`` in a metrics row (``None`` when it counted nothing)."""
+    from ledger.telemetry import DURATION_BUCKETS
+
     n = int(row[f"{name}_n"] or 0)
     if not n:
         return None
@@ -1475,6 +1476,9 @@ class Audit:
         Args:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
+        # The OpenTelemetry side (and the turn's effects it watches) only when metrics are read.
+        from ledger.telemetry import DURATION_BUCKETS
+
         t = self.now() if now is None else now
         m = self._series.metrics_totals(t, DURATION_BUCKETS)
         cooldowns = {"route": 0, "profile": 0, "group": 0}

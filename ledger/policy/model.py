@@ -48,8 +48,10 @@ SEED_EXCLUDED_ROLES: tuple[str, ...] = (
 )
 
 
+# defer_build: a model's validator is built when it first validates a policy, so a process
+# that only names the Policy type (a reporting command, ``import ledger``) never builds them.
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 # --------------------------------------------------------------------------- failover
@@ -601,7 +603,7 @@ class EnvelopePolicy(_Section):
 class Policy(BaseModel):
     """A whole policy (one preset file)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     name: str = Field(min_length=1)
     description: str = ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
@@ -99,12 +100,25 @@ def open_reads(url: str, read_url: str) -> Store:
 def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
     """The context of the parsed URL ``parsed`` (checked by
     :func:`ledger.storage.engine.parse`): the one place that tells the backends apart."""
-    from ledger.storage.postgres import PostgresContext
+    # Only the picked backend is imported: a SQLite ledger never loads PostgreSQL's side
+    # (nor SQLAlchemy's PostgreSQL dialect).
+    return _CONTEXTS[parsed.get_backend_name()]()
+
+
+def _sqlite() -> type[SqliteContext]:
     from ledger.storage.sqlite import SqliteContext
 
-    kinds: dict[str, type[SqliteContext] | type[PostgresContext]] = {
-        "sqlite": SqliteContext, "postgresql": PostgresContext}
-    return kinds[parsed.get_backend_name()]
+    return SqliteContext
+
+
+def _postgres() -> type[PostgresContext]:
+    from ledger.storage.postgres import PostgresContext
+
+    return PostgresContext
+
+
+_CONTEXTS: dict[str, Callable[[], type[SqliteContext] | type[PostgresContext]]] = {
+    "sqlite": _sqlite, "postgresql": _postgres}
 
 
 __all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "open_reads", "open_store"]

@@ -22,9 +22,10 @@ added to one ``SELECT`` as a CTE, compiled once per shape of writes.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from sqlalchemy import (
     Table,
@@ -39,8 +40,6 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.postgresql.base import PGDialect
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.dialects.sqlite.base import SQLiteDialect
 from sqlalchemy.engine.interfaces import Dialect
@@ -136,16 +135,24 @@ SQLITE_SPELLING = Spelling(
     notifies=False,  # no channel: waiters in other processes poll
     numbers_slots=False,  # BEGIN IMMEDIATE serializes every writer anyway
 )
-POSTGRES_SPELLING = Spelling(
-    # psycopg is given a sequence of values (it costs the driver less than a mapping); the
-    # base dialect renders no casts on the parameters.
-    target=PGDialect(paramstyle="format"),  # type: ignore[no-untyped-call]
-    insert=pg_insert,
-    list_param=list,
-    fuse_writes=True,
-    notifies=True,
-    numbers_slots=True,
-)
+
+
+def _postgres_spelling() -> Spelling:
+    # Made on first use (see __getattr__): SQLAlchemy's PostgreSQL dialect is a large import
+    # that a process on a SQLite ledger never needs.
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+    from sqlalchemy.dialects.postgresql.base import PGDialect
+
+    return Spelling(
+        # psycopg is given a sequence of values (it costs the driver less than a mapping); the
+        # base dialect renders no casts on the parameters.
+        target=PGDialect(paramstyle="format"),  # type: ignore[no-untyped-call]
+        insert=pg_insert,
+        list_param=list,
+        fuse_writes=True,
+        notifies=True,
+        numbers_slots=True,
+    )
 
 
 # -- a compiled statement ---------------------------------------------------------------------
@@ -568,7 +575,25 @@ class Statements:
 
 #: The hot path's statements on SQLite and on PostgreSQL (compiled once per process).
 SQLITE = Statements(SQLITE_SPELLING)
-POSTGRES = Statements(POSTGRES_SPELLING)
+
+if TYPE_CHECKING:
+    POSTGRES_SPELLING: Spelling
+    POSTGRES: Statements
+
+_LAZY_LOCK = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    """``POSTGRES_SPELLING`` and ``POSTGRES``, made on first use (PEP 562) and kept, once per
+    process (every PostgreSQL store shares them, as it shares :data:`SQLITE`)."""
+    global POSTGRES_SPELLING, POSTGRES
+    if name not in ("POSTGRES_SPELLING", "POSTGRES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _LAZY_LOCK:
+        if "POSTGRES" not in globals():
+            POSTGRES_SPELLING = _postgres_spelling()
+            POSTGRES = Statements(POSTGRES_SPELLING)
+    return globals()[name]
 
 
 __all__ = [
