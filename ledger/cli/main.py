@@ -12,6 +12,7 @@ Each command module exposes ``register(subparsers)``, adding its sub-commands wi
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -63,7 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns its exit code (2 for bad input, 1 for other ledger errors)."""
+    """Run one command; returns its exit code (2 for bad input, 1 for other ledger errors).
+
+    Without ``argv`` it is the program (``failover-ledger``, ``python -m ledger``): the
+    process ends when it returns, so what the command loaded is left for the operating
+    system to reclaim (:func:`_program_exit`) rather than freed object by object.
+    """
+    if argv is None:
+        try:
+            return _command(None)
+        finally:
+            _program_exit()
+    return _command(argv)
+
+
+def _program_exit() -> None:
+    # gc.freeze() puts every object the collector tracks out of its reach: the interpreter's
+    # exit then neither walks nor frees the ~60,000 objects a command loads (classes,
+    # functions, SQLAlchemy's and pydantic's tables), about 0.2 s of a 0.5 s reporting
+    # command. Nothing runs after this but the exit; what a command opens it closes itself.
+    gc.freeze()
+
+
+def _command(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "db", None) is None:
