@@ -75,7 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _command(None)
         finally:
             _program_exit()
-    return _command(argv)
+    frozen = gc.get_freeze_count()
+    try:
+        return _command(argv)
+    finally:
+        if not frozen:
+            # A reporting command freezes what it loads (ledger.cli.ops_cmd._loading): the
+            # caller's collector gets it back.
+            gc.unfreeze()
 
 
 def _program_exit() -> None:

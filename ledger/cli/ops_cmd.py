@@ -15,12 +15,14 @@ output stays clean.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -137,10 +139,33 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     return led
 
 
-def _audit(args: argparse.Namespace) -> Any:
-    from ledger.ops.audit import Audit
+@contextlib.contextmanager
+def _loading() -> Iterator[None]:
+    """No garbage collection while the audit loads and the ledger opens; what they made is
+    frozen after (:func:`gc.freeze`), out of the collector's reach.
 
-    return Audit(open_reader(args.db, getattr(args, "read_url", None)))
+    Loading makes some 60,000 objects (classes, functions, SQLAlchemy's and pydantic's
+    tables) that live as long as the command, and almost no garbage; the collector, started
+    by allocation counts, would walk them again and again, and once more after loading (about
+    a tenth of a reporting command). :func:`ledger.cli.main.main` unfreezes them when it was
+    called in-process, so a caller's collector gets everything back.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def _audit(args: argparse.Namespace) -> Any:
+    with _loading():
+        from ledger.ops.audit import Audit
+
+        return Audit(open_reader(args.db, getattr(args, "read_url", None)))
 
 
 def _money(d: Decimal | None) -> str:
