@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
@@ -102,23 +101,13 @@ def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
     :func:`ledger.storage.engine.parse`): the one place that tells the backends apart."""
     # Only the picked backend is imported: a SQLite ledger never loads PostgreSQL's side
     # (nor SQLAlchemy's PostgreSQL dialect).
-    return _CONTEXTS[parsed.get_backend_name()]()
+    if parsed.get_backend_name() == "sqlite":
+        from ledger.storage.sqlite import SqliteContext
 
-
-def _sqlite() -> type[SqliteContext]:
-    from ledger.storage.sqlite import SqliteContext
-
-    return SqliteContext
-
-
-def _postgres() -> type[PostgresContext]:
+        return SqliteContext
     from ledger.storage.postgres import PostgresContext
 
     return PostgresContext
-
-
-_CONTEXTS: dict[str, Callable[[], type[SqliteContext] | type[PostgresContext]]] = {
-    "sqlite": _sqlite, "postgresql": _postgres}
 
 
 __all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "open_reads", "open_store"]

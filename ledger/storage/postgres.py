@@ -59,7 +59,7 @@ class PostgresContext(SqlContext):
         # them another way, and find a dead one only by failing a statement on it.)
         engine = eng.postgres_engine(parsed, pool.lend)
         ctx = cls(engine, where, lease_margin_s=lease_margin_s)
-        return Store(ctx, PgDriver(pool), statements.POSTGRES,
+        return Store(ctx, PgDriver(pool), statements.postgres(),
                      queue_poll_s=cls.QUEUE_POLL_S, listen=partial(_listen, conninfo))
 
     @classmethod

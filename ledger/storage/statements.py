@@ -21,11 +21,11 @@ added to one ``SELECT`` as a CTE, compiled once per shape of writes.
 
 from __future__ import annotations
 
+import functools
 import json
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, cast
 
 from sqlalchemy import (
     Table,
@@ -137,9 +137,10 @@ SQLITE_SPELLING = Spelling(
 )
 
 
-def _postgres_spelling() -> Spelling:
-    # Made on first use (see __getattr__): SQLAlchemy's PostgreSQL dialect is a large import
-    # that a process on a SQLite ledger never needs.
+@functools.cache
+def postgres_spelling() -> Spelling:
+    """The spelling for PostgreSQL, made on first use and kept: SQLAlchemy's PostgreSQL
+    dialect is a large import that a process on a SQLite ledger never needs."""
     from sqlalchemy.dialects.postgresql import insert as pg_insert
     from sqlalchemy.dialects.postgresql.base import PGDialect
 
@@ -576,29 +577,14 @@ class Statements:
 #: The hot path's statements on SQLite and on PostgreSQL (compiled once per process).
 SQLITE = Statements(SQLITE_SPELLING)
 
-if TYPE_CHECKING:
-    POSTGRES_SPELLING: Spelling
-    POSTGRES: Statements
-
-_LAZY_LOCK = threading.Lock()
-
-
-def __getattr__(name: str) -> Any:
-    """``POSTGRES_SPELLING`` and ``POSTGRES``, made on first use (PEP 562) and kept, once per
-    process (every PostgreSQL store shares them, as it shares :data:`SQLITE`)."""
-    global POSTGRES_SPELLING, POSTGRES
-    if name not in ("POSTGRES_SPELLING", "POSTGRES"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with _LAZY_LOCK:
-        if "POSTGRES" not in globals():
-            POSTGRES_SPELLING = _postgres_spelling()
-            POSTGRES = Statements(POSTGRES_SPELLING)
-    return globals()[name]
+@functools.cache
+def postgres() -> Statements:
+    """The hot path's statements on PostgreSQL, compiled on first use, once per process (every
+    PostgreSQL store shares them, as every SQLite one shares :data:`SQLITE`)."""
+    return Statements(postgres_spelling())
 
 
 __all__ = [
-    "POSTGRES",
-    "POSTGRES_SPELLING",
     "QUEUE_CHANNEL",
     "SQLITE",
     "SQLITE_SPELLING",
@@ -610,4 +596,6 @@ __all__ = [
     "greatest",
     "in_list",
     "lit",
+    "postgres",
+    "postgres_spelling",
 ]

@@ -24,14 +24,14 @@ T0 = 1_700_000_000.0
 NAMES = sorted(n for n, v in vars(st.Statements).items() if isinstance(v, st._stmt))
 
 
-@pytest.mark.parametrize("sql", [st.SQLITE, st.POSTGRES], ids=["sqlite", "postgres"])
+@pytest.mark.parametrize("sql", [st.SQLITE, st.postgres()], ids=["sqlite", "postgres"])
 def test_every_statement_compiles_with_only_the_parameters_the_transactions_pass(
         sql: st.Statements) -> None:
     for name in NAMES:
         stmt = getattr(sql, name)
         assert stmt.text and stmt is getattr(sql, name), name  # compiled once, then kept
     # Positional on psycopg (the order the text takes them), named on sqlite3.
-    assert (st.POSTGRES.begin_run.names == ("status", "calls", "retries", "reserve",
+    assert (st.postgres().begin_run.names == ("status", "calls", "retries", "reserve",
                                             "reserve_tokens", "now", "run_id"))
     assert st.SQLITE.begin_run.names == () and ":reserve_tokens" in st.SQLITE.begin_run.text
     # The columns a statement returns are the schema's, by name.
@@ -45,17 +45,17 @@ def test_a_constant_that_would_become_a_parameter_is_refused_when_compiled() -> 
         st.compile_stmt("stray", stray, st.SQLITE_SPELLING.target)
     ok = select(s.runs.c.run_id).where(s.runs.c.status == st.lit("running"),
                                        s.runs.c.run_id == bindparam("run_id"))
-    assert "'running'" in st.compile_stmt("ok", ok, st.POSTGRES_SPELLING.target).text
+    assert "'running'" in st.compile_stmt("ok", ok, st.postgres_spelling().target).text
 
 
 def test_the_databases_differ_only_where_their_dialects_do() -> None:
-    assert st.POSTGRES.lock_run.text.endswith("FOR UPDATE")
+    assert st.postgres().lock_run.text.endswith("FOR UPDATE")
     assert "FOR UPDATE" not in st.SQLITE.lock_run.text  # BEGIN IMMEDIATE serializes writers
-    assert "= ANY(%s)" in st.POSTGRES.health.text
+    assert "= ANY(%s)" in st.postgres().health.text
     assert "IN (SELECT value FROM json_each(:keys))" in st.SQLITE.health.text
-    assert "greatest(" in st.POSTGRES.group_fact.text and "MAX(" in st.SQLITE.group_fact.text
-    assert "SKIP LOCKED" in st.POSTGRES.forget_probes.text
-    assert st.SQLITE.NOTIFY_QUEUE is None and st.POSTGRES.NOTIFY_QUEUE is not None
+    assert "greatest(" in st.postgres().group_fact.text and "MAX(" in st.SQLITE.group_fact.text
+    assert "SKIP LOCKED" in st.postgres().forget_probes.text
+    assert st.SQLITE.NOTIFY_QUEUE is None and st.postgres().NOTIFY_QUEUE is not None
     items = [Q(st.SQLITE.renew, {}), Q(st.SQLITE.finish, {})]
     assert st.SQLITE.writes(items) == tuple(items)  # no round trips to save on SQLite
 
@@ -92,7 +92,7 @@ def test_the_hot_path_compiles_nothing_after_a_statements_first_use(db_url: str,
 def test_fused_writes_keep_each_writes_own_parameters_and_row_order(pg_url: str) -> None:
     import psycopg
 
-    sql = st.POSTGRES
+    sql = st.postgres()
     event = {"run_id": "r1", "attempt_id": None, "kind": "k", "data": "{}"}
     items = [
         Q(sql.insert_event, [{**event, "kind": "first", "created_at": 1.0},
