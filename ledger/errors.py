@@ -10,8 +10,9 @@ The tree::
     │   │   └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
     │   │                               missing or extra argument (also a TypeError)
     │   └── DatabaseSetupError          the database is not set up for this URL: no such database
-    │                                   or role, credentials or pg_hba refused, no privilege
-    │                                   (names the fix; retrying will not help)
+    │                                   or role, credentials or pg_hba refused, no privilege, a
+    │                                   schema older than the code (names the fix; retrying
+    │                                   will not help)
     ├── StorageError                    the database could not do what was asked
     │   ├── DatabaseUnavailable         the server is down or went away, the file is busy
     │   │                               (retry-safe)
@@ -135,8 +136,11 @@ class DatabaseSetupError(ConfigError):
     Nothing was written. ``fields``: ``url`` (without its password), ``problem`` (one of
     ``database_missing``, ``role_missing``, ``login_refused``, ``auth_failed``,
     ``password_missing``, ``hba_rejected``, ``connect_privilege``, ``connections_disabled``,
-    ``createdb_privilege``, ``schema_privilege``, ``folder_missing``) and ``database`` /
-    ``role`` where known. The message names the fix (``docs/postgresql.md``).
+    ``createdb_privilege``, ``schema_privilege``, ``schema_outdated``, ``folder_missing``) and
+    ``database`` / ``role`` where known. ``schema_outdated``: a table or column this ledger
+    uses is missing, because the database was opened with ``migrate_schema=False`` before
+    a process of this version migrated it (``failover-ledger db init URL`` is the fix).
+    The message names the fix (``docs/postgresql.md``).
     A server that is down or unreachable is :class:`DatabaseUnavailable` instead.
     """
 

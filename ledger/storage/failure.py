@@ -20,6 +20,12 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   not help; the message says so. A write refused because the server is a standby (in
   recovery: SQLSTATE 25006 there) is :class:`~ledger.errors.DatabaseUnavailable` with
   ``standby=True`` instead: the connection is dropped, and the retry reaches the primary;
+* a table or column the ledger uses is missing (SQLSTATE 42P01 and 42703; SQLite's ``no such
+  table``/``no such column``): the schema is older than this code, because the ledger was
+  opened with ``migrate_schema=False`` (a reporting command, the dashboard, a read-only role)
+  before any process of this version migrated it.
+  :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_outdated"``) naming
+  ``failover-ledger db init``; the statement's transaction was rolled back;
 * a row whose key is already recorded (a unique or primary key): :class:`~ledger.errors.Conflict`;
 * anything else the database said: :class:`~ledger.errors.StorageError`.
 
@@ -70,6 +76,10 @@ _PG_SETUP: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (r'database "(?P<database>[^"]*)" is not currently accepting connections',
      "connections_disabled"),
 ))
+# A table or column the statement names is not there: the schema is older than the code.
+_PG_SCHEMA_MISSING = ("42P01", "42703")
+_SQLITE_SCHEMA_MISSING = re.compile(r"(?:no such (?:table|column)|table \S+ has no column "
+                                    r"named)\b")
 # SQLSTATEs of the same answers when a statement carries one: invalid authorization (class
 # 28) and invalid catalog name (the database does not exist).
 _PG_SETUP_STATES = {"3D000": "database_missing", "28P01": "auth_failed"}
@@ -180,6 +190,13 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
             "run `failover-ledger db init URL` once as the role that owns the database and "
             f"its tables (`createdb -O OWNER {database or 'DBNAME'}` makes one), then open it "
             "with this role"),
+        "schema_outdated": (
+            f"the ledger's schema in {_shown(database, where)} lacks a table or column this "
+            f"ledger uses{said}: it is older than this ledger (or was never created), as when "
+            "the ledger is opened with migrate_schema=False (a reporting command, the "
+            "dashboard, a role that may not migrate) before a process of this version "
+            f"migrated it; run `failover-ledger db init {where}` as the role that owns its "
+            "tables (or open it once with migrate_schema=True); nothing was written"),
         "connections_disabled": (
             f"database {db} does not accept connections: as its owner, ALTER DATABASE {db} "
             "ALLOW_CONNECTIONS true;"),
@@ -188,6 +205,11 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
     return DatabaseSetupError(
         f"{message.rstrip(';')}; retrying will not help (docs/postgresql.md)", url=where,
         problem=problem, database=database, role=role)
+
+
+def _shown(database: str | None, where: str) -> str:
+    """How a message names the database: PostgreSQL's by name, a SQLite file by its path."""
+    return f"database {_quoted(database, 'DBNAME')}" if where.startswith("postgresql") else where
 
 
 def _pg_setup(e: BaseException, state: str | None, where: str) -> DatabaseSetupError | None:
@@ -222,6 +244,8 @@ def _sqlite(e: sqlite3.Error, where: str) -> LedgerError:
         return _unavailable(text, where)
     if name in _SQLITE_DUPLICATE:
         return _duplicate(text, where)
+    if isinstance(e, sqlite3.OperationalError) and _SQLITE_SCHEMA_MISSING.match(text):
+        return setup_error("schema_outdated", where, text=text)
     if not name and isinstance(e, sqlite3.OperationalError) and any(
             w in text for w in ("locked", "busy", "unable to open", "disk")):
         return _unavailable(text, where)  # raised by the module itself, without a code
@@ -238,6 +262,8 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
         return _refused(text, where)
     if state == _PG_DUPLICATE:
         return _duplicate(text, where)
+    if state in _PG_SCHEMA_MISSING:
+        return setup_error("schema_outdated", where, text=text)
     # OperationalError covers a refused or lost connection, a server shutting down, a killed
     # session, a serialization failure or deadlock; InterfaceError a connection already closed.
     if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):

@@ -23,6 +23,26 @@ def sql_context(led: Any) -> SqlContext:
     return storage_of(led).context
 
 
+def downgrade_schema(url: str, revision: str) -> set[str]:
+    """Take the ledger's schema at ``url`` back to ``revision`` (an older package's); the
+    columns ``attempts`` has there."""
+    from alembic import command
+    from sqlalchemy import create_engine, inspect
+
+    from ledger.storage.engine import normalize_url
+    from ledger.storage.migrate import alembic_config
+
+    engine = create_engine(normalize_url(url))
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, revision)
+            return {c["name"] for c in inspect(conn).get_columns("attempts")}
+    finally:
+        engine.dispose()
+
+
 def routes() -> list[Route]:
     return [
         # Made-up providers the price table cannot know: priced explicitly (free).

@@ -503,3 +503,55 @@ def test_a_newer_schema_is_schema_too_new_and_its_records_stay(db_url: str,
     finally:
         eng.dispose()
     _still_there(db_url, att, AttemptState.DISPATCHING)
+
+
+def test_an_older_schema_opened_without_migration_is_a_setup_error_that_writes_nothing(
+        db_url: str, clock: ManualClock) -> None:
+    """A process on this package that opens a database still at an older package's schema
+    without migrating (``migrate_schema=False``: the reporting commands, the dashboard, an
+    application that never migrates) fails at its first statement that needs what the older
+    schema lacks with :class:`DatabaseSetupError` naming ``db init``, sync, async and in the
+    audit; that transaction leaves nothing, and once ``db init`` ran the same call works."""
+    from ledger.storage.provision import init_database
+
+    from .helpers import downgrade_schema
+
+    with Ledger.open(db_url, clock=clock) as led:
+        _lease, att = _seed(led)
+    assert "labels" not in downgrade_schema(db_url, "0009")  # the package before the 0010
+
+    def outdated(err: LedgerError) -> None:
+        assert err.fields["problem"] == "schema_outdated", err.fields
+        assert "failover-ledger db init" in str(err) and "labels" in str(err), str(err)
+
+    with Ledger.open(db_url, clock=clock, migrate_schema=False) as led:
+        led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r2", ttl_s=30, executor_id="w2")
+        outdated(mapped(lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV,
+                                                  reserve="0.01"), DatabaseSetupError))
+        outdated(mapped(lambda: Audit(led).costs(by="label", label="team"), DatabaseSetupError))
+
+    async def async_begin() -> None:
+        async with AsyncLedger.open(db_url, clock=clock, migrate_schema=False) as aled:
+            alease = await aled.acquire_lease("r2", ttl_s=30, executor_id="w3")
+            await aled.begin_attempt(alease, route="a", envelope_hash=ENV, reserve="0.01")
+
+    clock.advance(31)  # w2's lease lapsed
+    outdated(mapped(async_begin, DatabaseSetupError))
+    eng = create_engine(normalize_url(db_url))
+    try:
+        with eng.connect() as conn:  # the begins' transactions left nothing, holds included
+            assert conn.execute(text("SELECT count(*) FROM attempts WHERE run_id = 'r2'")
+                                ).scalar() == 0
+            assert conn.execute(text("SELECT calls_used, reserved_micros FROM runs "
+                                     "WHERE run_id = 'r2'")).one() == (0, 0)
+    finally:
+        eng.dispose()
+
+    assert init_database(db_url).schema == "upgraded"
+    clock.advance(31)  # w3's lease lapsed
+    with Ledger.open(db_url, clock=clock, migrate_schema=False) as led:
+        lease = led.acquire_lease("r2", ttl_s=30, executor_id="w4")
+        begun = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01")
+        assert [a.attempt_id for a in led.timeline("r2")] == [begun.attempt_id]
+    _still_there(db_url, att, AttemptState.DISPATCHING)

@@ -22,7 +22,7 @@ from ledger.storage.migrate import (
 )
 from ledger.storage.schema import metadata
 
-from .helpers import collect, spawn
+from .helpers import collect, downgrade_schema, spawn
 
 
 def _diff(url: str) -> list[object]:
@@ -34,21 +34,6 @@ def _diff(url: str) -> list[object]:
             return list(compare_metadata(ctx, metadata))
     finally:
         eng.dispose()
-
-
-def _downgrade(url: str, revision: str) -> set[str]:
-    """Take the schema back to ``revision``; the columns ``attempts`` has there."""
-    from alembic import command
-
-    engine = create_engine(normalize_url(url))
-    try:
-        with engine.begin() as conn:
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, revision)
-            return {c["name"] for c in inspect(conn).get_columns("attempts")}
-    finally:
-        engine.dispose()
 
 
 def _query(url: str, sql: str) -> list[tuple[object, ...]]:
@@ -180,7 +165,7 @@ def test_migration_0007_keeps_the_latency_of_settled_attempts(db_url: str) -> No
         led.begin_attempt(lease, route="a", envelope_hash="sha256:" + "d" * 64, reserve="0.01",
                           attempt_id="flying")
     # Back to the schema before 0007 (its columns dropped), then open: migrated again.
-    assert "latency_s" not in _downgrade(db_url, "0006")
+    assert "latency_s" not in downgrade_schema(db_url, "0006")
     with Ledger.open(db_url, clock=clock) as led:
         got = {a.attempt_id: a.latency_s for a in led.timeline("r")}
         assert got == {"ok": 1.0, "bad": 2.0, "never": 3.0, "lost": None, "receipt": None,
@@ -218,7 +203,7 @@ def test_migration_0010_counts_attempts_under_their_runs_labels_before_and_after
     copied = ("SELECT a.run_id, a.labels, r.labels FROM attempts a "
               "JOIN runs r ON r.run_id = a.run_id ORDER BY a.run_id, a.seq")
     assert all(a is not None and a == r for _, a, r in _query(db_url, copied))
-    assert "labels" not in _downgrade(db_url, "0009")
+    assert "labels" not in downgrade_schema(db_url, "0009")
     with Ledger.open(db_url, clock=clock) as led:  # migrates to head again
         assert Audit(led).costs(by="label", label="team").items == before
         led.begin_attempt(leases["r2"], route="a", envelope_hash="sha256:" + "d" * 64,
