@@ -140,10 +140,11 @@ def _spellings(server: PgServer, db: str) -> list[str]:
 
 
 def _sessions(server: PgServer, db: str, name: str | None = None) -> int:
-    """Sessions on database ``db`` named ``name`` (None: any but psql's own)."""
+    """Client sessions on database ``db`` named ``name`` (None: any but psql's own; an
+    autovacuum worker visiting the database is not one)."""
     which = "application_name <> 'psql'" if name is None else f"application_name = '{name}'"
     return int(server.psql(f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' "
-                           f"AND {which}"))
+                           f"AND {which} AND backend_type = 'client backend'"))
 
 
 @pytest.mark.postgres
