@@ -14,10 +14,11 @@ reads it while the worker runs:
   returned; ``promoted``: ``DIR/promoted`` existed when the turn began);
 * ``{"error": CLASS, "typed": BOOL, "fields": {...}, "promoted": BOOL}``: an error a call raised
   (``typed``: one of the ledger's, under ``LedgerError``);
-* ``{"resolved": ATTEMPT_ID, "landed": BOOL}``: a begin the ledger could not resolve (its
-  ``COMMIT``'s outcome unknown, no primary to ask), resolved by this worker once the database
-  was back: it was never sent (sending waits for the begin's acknowledgement), so it is
-  settled ``not_sent`` under the worker's lease (``landed``: whether it had been recorded).
+* ``{"done": true, "deferred": [ATTEMPT_ID, ...]}``, last: the begins whose ``COMMIT``'s
+  outcome was unknown while no primary answered, which the ledger kept to resolve itself
+  (``fields["deferred"]``). The worker does nothing about them: the ledger settles each
+  ``not_sent`` (it was never sent: sending waits for the begin's acknowledgement) once the
+  database answers, at the latest when the worker closes it, and the test checks that it did.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from ledger import AsyncLedger, Budget, Envelope, Grant, Ledger, Part, Price, Ro
 from ledger.adapters import HttpAdapter, SyncAdapter, async_sender, sync_sender
 from ledger.api.turn import aexecute, execute
 from ledger.domain.facts import WireProtocol
-from ledger.domain.records import Lease
-from ledger.errors import DatabaseUnavailable, InvalidState, LedgerError, NotFound
+from ledger.errors import DatabaseUnavailable, LedgerError
 from ledger.policy.model import StreamingPolicy
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
@@ -67,12 +67,12 @@ class _NoWait:
 
 
 class Report:
-    """The worker's log, and the begins it still has to resolve."""
+    """The worker's log, and the begins the ledger kept to resolve itself."""
 
     def __init__(self, path: str, flags: str) -> None:
         self.out = open(path, "a")  # noqa: SIM115 - open for the worker's life
         self.flags = flags
-        self.pending: list[tuple[Lease, str]] = []
+        self.deferred: list[str] = []
 
     def flag(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.flags, name))
@@ -81,13 +81,13 @@ class Report:
         self.out.write(json.dumps(entry, default=str) + "\n")
         self.out.flush()
 
-    def error(self, e: BaseException, promoted: bool, lease: Lease | None) -> None:
+    def error(self, e: BaseException, promoted: bool) -> None:
         fields = dict(getattr(e, "fields", {}) or {})
         self.write(error=type(e).__name__, typed=isinstance(e, LedgerError), fields=fields,
                    promoted=promoted, text=str(e)[:300])
         if (isinstance(e, DatabaseUnavailable) and fields.get("operation") == "begin"
-                and fields.get("resolved") is False and lease is not None):
-            self.pending.append((lease, str(fields["attempt_id"])))
+                and fields.get("deferred")):
+            self.deferred.append(str(fields["attempt_id"]))
 
 
 def run_sync(url: str, endpoint: str, name: str, rep: Report) -> None:
@@ -99,18 +99,7 @@ def run_sync(url: str, endpoint: str, name: str, rep: Report) -> None:
         n = 0
         while not rep.flag("stop"):
             promoted = rep.flag("promoted")
-            lease: Lease | None = None
             try:
-                while rep.pending:
-                    held, attempt_id = rep.pending[0]
-                    try:
-                        led.settle_attempt(held, attempt_id, outcome="not_sent")
-                        rep.write(resolved=attempt_id, landed=True)
-                    except NotFound:
-                        rep.write(resolved=attempt_id, landed=False)
-                    except InvalidState:  # recorded, and settled already (rejected)
-                        rep.write(resolved=attempt_id, landed=True)
-                    rep.pending.pop(0)
                 n += 1
                 run_id = f"{name}-{n}"
                 led.admit_run(run_id, plan=routes, budget=BUDGET, grant=GRANT)
@@ -119,7 +108,7 @@ def run_sync(url: str, endpoint: str, name: str, rep: Report) -> None:
                 rep.write(ack=result.attempt.attempt_id, promoted=promoted)
                 led.release_lease(lease)
             except Exception as e:  # every error is recorded; the test says which are allowed
-                rep.error(e, promoted, lease)
+                rep.error(e, promoted)
                 time.sleep(PAUSE_S)
     led.close()
 
@@ -133,18 +122,7 @@ async def run_async(url: str, endpoint: str, name: str, rep: Report) -> None:
         n = 0
         while not rep.flag("stop"):
             promoted = rep.flag("promoted")
-            lease: Lease | None = None
             try:
-                while rep.pending:
-                    held, attempt_id = rep.pending[0]
-                    try:
-                        await led.settle_attempt(held, attempt_id, outcome="not_sent")
-                        rep.write(resolved=attempt_id, landed=True)
-                    except NotFound:
-                        rep.write(resolved=attempt_id, landed=False)
-                    except InvalidState:  # recorded, and settled already (rejected)
-                        rep.write(resolved=attempt_id, landed=True)
-                    rep.pending.pop(0)
                 n += 1
                 run_id = f"{name}-{n}"
                 await led.admit_run(run_id, plan=routes, budget=BUDGET, grant=GRANT)
@@ -153,7 +131,7 @@ async def run_async(url: str, endpoint: str, name: str, rep: Report) -> None:
                 rep.write(ack=result.attempt.attempt_id, promoted=promoted)
                 await led.release_lease(lease)
             except Exception as e:
-                rep.error(e, promoted, lease)
+                rep.error(e, promoted)
                 await asyncio.sleep(PAUSE_S)
 
 
@@ -164,7 +142,7 @@ def main(argv: list[str]) -> int:
         run_sync(url, endpoint, name, rep)
     else:
         asyncio.run(run_async(url, endpoint, name, rep))
-    rep.write(done=True, unresolved=[a for _, a in rep.pending])
+    rep.write(done=True, deferred=rep.deferred)
     return 0
 
 
