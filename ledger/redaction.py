@@ -300,7 +300,7 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
         text = str(text)
     if len(text) < MIN_SECRET_CHARS:
         return text  # too short to hold a known secret in any encoding, or any key shape
-    extra = _extra(secrets)
+    extra = _extra(secrets) if secrets else ()
     patterns = _REGISTRY.patterns
     if not extra and _CLEAN.get(text) is patterns:
         return text  # found clean before, under the very same registered secrets
@@ -337,22 +337,28 @@ def redact_data(value: Any, *, _depth: int = 0) -> Any:
     Mappings become dicts, sequences lists; any other object is turned into its ``str`` (as
     ``json.dumps(default=str)`` would) and redacted.
     """
-    if value is None or isinstance(value, bool | int | float):
-        return value
+    # Strings first: they are most of what an event holds; ids and reasons recur, and a text
+    # found clean before costs a dictionary look-up in redact().
     if isinstance(value, str):
         return redact(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
     if _depth > 64:
         return redact(str(value))
     if isinstance(value, Mapping):
-        return {
-            (redact(k) if isinstance(k, str) else k)
-            if k is None or isinstance(k, str | bool | int | float)
-            else redact(str(k)): redact_data(v, _depth=_depth + 1)
-            for k, v in value.items()
-        }
+        return {redact(k) if isinstance(k, str) else _other_key(k):
+                redact_data(v, _depth=_depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact_data(v, _depth=_depth + 1) for v in value]
     return redact(str(value))
+
+
+def _other_key(k: Any) -> Any:
+    """A mapping's non-string key as :func:`redact_data` keeps it.
+
+    A JSON scalar stays as it is; anything else becomes its redacted ``str``.
+    """
+    return k if k is None or isinstance(k, bool | int | float) else redact(str(k))
 
 
 # --------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str |
         lease, envelope, turn_id=turn_id,
         pin=None if pin is None else Pin(pin), denials=denials or NO_DENIALS,
         reserve=cast(Decimal | Callable[[Route], Decimal] | None, reserve),
-        rng=rng or random.Random(), token_counter=token_counter or CharEstimator(),
+        rng=rng, token_counter=token_counter or CharEstimator(),
         part_hashes=part_hashes,
     )
 

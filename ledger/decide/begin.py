@@ -45,8 +45,12 @@ def frozen_route(run: FrozenRun, route: str | Route) -> Route:
 def begin_spec(run: FrozenRun, lease: Lease, *, route: str | Route, profile_id: str | None,
                envelope_hash: str, reserve_micros: int, reserve_tokens: int, turn_id: str,
                kind: AttemptKind, attempt_id: str,
-               events: Sequence[tuple[str, dict[str, Any]]], take_retry: bool) -> BeginSpec:
+               events: Sequence[tuple[str, dict[str, Any]]], take_retry: bool,
+               queue_until: float | None = None) -> BeginSpec:
     """The begin of one Attempt of ``run`` under ``lease``.
+
+    ``queue_until`` is how long it may wait in its full capacity group's queue
+    (:attr:`~ledger.domain.specs.BeginSpec.queue_until`).
 
     ``profile_id`` must be one of the route's credential profiles (or ``None``), else
     :class:`~ledger.errors.InvalidArgument` (field ``profile_id``). The begin hash leaves the
@@ -70,6 +74,7 @@ def begin_spec(run: FrozenRun, lease: Lease, *, route: str | Route, profile_id: 
         kind=kind, route=snap, profile_id=profile_id, envelope_hash=envelope_hash,
         reserve_micros=reserve_micros, executor=lease.executor, begin_hash=begin_hash,
         events=events, tenant=run.tenant, take_retry=take_retry, reserve_tokens=reserve_tokens,
+        queue_until=queue_until,
     )
 
 

@@ -573,7 +573,7 @@ def preflight_verdicts(inp: SelectionInput) -> dict[str, PreflightFailure | None
     same request is decided under: the turn decides with them
     (:attr:`SelectionInput.verdicts`) and records the failed ones with the decision.
     """
-    walk = _Walk(replace(inp, verdicts=None))
+    walk = _Walk(inp if inp.verdicts is None else replace(inp, verdicts=None))
     return {r.id: walk.verdict(r) for r in inp.plan}
 
 

@@ -296,7 +296,7 @@ class TurnLoop:
         pin: Pin | None,
         denials: Denials,
         reserve: Decimal | Callable[[Route], Decimal] | None,
-        rng: random.Random,
+        rng: random.Random | None,
         token_counter: TokenCounter,
         part_hashes: Sequence[str] | None = None,
     ) -> None:
@@ -305,7 +305,7 @@ class TurnLoop:
         self.pin = pin
         self.denials = denials
         self.reserve = reserve
-        self.rng = rng
+        self._rng = rng
         self.counter = token_counter
         # Every part hashed once per turn: the envelope's hash and each decision's coverage
         # check use these (a long conversation's parts dominate a turn's CPU otherwise).
@@ -334,7 +334,7 @@ class TurnLoop:
             for g, until in turn.refused_groups.items():
                 groups[g] = GroupProjection(group=g, mode=GroupMode.UNAVAILABLE, until=until,
                                             sampled_at=snap.now)
-        inp = SelectionInput(
+        given: dict[str, Any] = dict(
             plan=run.plan,
             permissions=RunPermissions(
                 retries_left=run.retries_left, calls_left=run.calls_left,
@@ -349,12 +349,24 @@ class TurnLoop:
         )
         # Every plan route's preflight verdict, decided once: the selector uses them and the
         # decision's record keeps them, so it can be recomputed under any policy.
-        return replace(inp, verdicts=preflight_verdicts(inp))
+        return SelectionInput(**given,
+                              verdicts=preflight_verdicts(SelectionInput(**given)))
 
     def _record(self, inp: SelectionInput, turn: _Turn, by: str) -> dict[str, Any]:
         """The recorded inputs of a decision made (``by``) from ``inp`` in ``turn``."""
         return record_inputs(inp, by=by, on=turn.on, turn=self.turn_id, failed=turn.failed,
                              refused=sorted(turn.refused_groups))
+
+    @property
+    def rng(self) -> random.Random:
+        """The jitter of this turn's retry waits.
+
+        The one given, else one seeded from the system on first use: a healthy turn never
+        waits, so it never pays for the seeding.
+        """
+        if self._rng is None:
+            self._rng = random.Random()
+        return self._rng
 
     def steps(self) -> Steps:
         """The turn: yields each effect, receives its result, returns the :class:`RunResult`.
@@ -420,12 +432,12 @@ class TurnLoop:
             "headers": attempt_headers(attempt_id, route.protocol),
             **({"inputs": turn.inputs} if turn.inputs is not None else {})})]
         turn.pending = []
-        begin = Begin(replace(begin_spec(
+        begin = Begin(begin_spec(
             snap.run, self.lease, route=route, profile_id=profile,
             envelope_hash=self.envelope_hash, reserve_micros=to_micros(reserve),
             reserve_tokens=reserve_tokens, turn_id=self.turn_id, kind=attempt_kind,
             attempt_id=attempt_id, events=events,
-            take_retry=attempt.kind is not AttemptKind.FIRST),
+            take_retry=attempt.kind is not AttemptKind.FIRST,
             queue_until=self._queue_until(snap, turn, waited=wait)))
         try:
             att = yield from self._admitted(begin, turn, policy)
