@@ -74,6 +74,7 @@ from ledger.domain.records import (
     Outcome,
     Page,
     Retention,
+    Rollup,
     RunRecord,
     RunStatus,
     run_live,
@@ -1050,6 +1051,45 @@ class Face(Generic[SessionT, OpenedT]):
         who = self.executor_id if by is None else by
         return (yield from blocking(lambda: RetentionQueries(self._store.context).run(
             older_than, self.clock.now, by=who, reason=reason, dry_run=dry_run)))
+
+    @op
+    def roll_up(self, *, lag: Annotated[float, duration()] = 300.0,
+                max_hours: Annotated[int, integers(1)] | None = None) -> Flow[Rollup]:
+        """Roll up the history's finished hours, for the audit's totals (a job: cron it).
+
+        Run it every few minutes (``failover-ledger rollup`` from cron, or a scheduler).
+
+        For each hour (``[3600*h, 3600*(h+1))`` of the attempts' ``created_at``) that ended
+        at least ``lag`` seconds before the ledger clock's now and is not rolled up, writes
+        the sums over its settled attempts by route, group, provider, tenant and labels, in
+        one transaction per hour, oldest first. ``Audit.costs`` (but by run) then reads those
+        sums for the rolled hours inside its window instead of their attempts, and reads the
+        rest (the window's edges, hours not rolled, attempts still ``dispatching`` or
+        ``unknown``) as before: the answers are the same, cheaper. Any later write to an
+        attempt of a rolled hour (a late settle or begin, an operator's resolution, retention)
+        undoes that hour's roll-up in the same transaction, and the next roll-up redoes it.
+
+        Args:
+            lag: How long after its end an hour is rolled up, in seconds (default 300: an
+                hour still being settled would be rolled and undone again).
+            max_hours: Roll up at most this many hours in this call (the oldest; the rest
+                are ``pending`` in the report). Default: every hour due.
+
+        Returns:
+            The :class:`~ledger.domain.records.Rollup` report.
+
+        Raises:
+            InvalidArgument: ``lag`` is not finite seconds from 0, ``max_hours`` is not an
+                integer of at least 1.
+
+        Example:
+            >>> led.roll_up()  # doctest: +SKIP
+            Rollup(hours=24, rows=13968, pending=0, until=1796000400.0)
+        """
+        from ledger.storage.rollups import RollupQueries
+
+        return (yield from blocking(lambda: RollupQueries(self._store.context).roll(
+            self.clock.now, lag_s=lag, max_hours=max_hours)))
 
     @op
     def group_projections(self, groups: IdList | None = None

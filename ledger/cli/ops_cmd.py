@@ -683,6 +683,21 @@ def _retention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollup(args: argparse.Namespace) -> int:
+    lag = _span(args.lag, "lag")
+    led = _open_writer(args.db)
+    try:
+        rep = led.roll_up(lag=lag, max_hours=args.max_hours)
+    finally:
+        led.close()
+    if args.json:
+        _emit_json(rep)
+        return 0
+    print(f"rolled up {rep.hours} hour(s) ending by {fmt_time(rep.until)} into {rep.rows} "
+          f"row(s); {rep.pending} hour(s) left for the next run")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from ledger.api.facade import Ledger
     from ledger.clock import ManualClock
@@ -910,6 +925,23 @@ def register(subparsers: Any) -> None:
     _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_retention)
+
+    p = subparsers.add_parser(
+        "rollup", help="roll up the finished hours of history for the cost totals (cron it)",
+        description="Write, for each hour that ended at least --lag ago and is not rolled "
+        "up, the sums of its settled attempts by route, group, provider, tenant and labels, "
+        "one transaction per hour, oldest first. `costs` (but --by run) then reads those "
+        "sums instead of the hours' attempts: the same answers, cheaper over long windows. "
+        "A later write to an attempt of a rolled hour undoes its roll-up; the next run redoes "
+        "it. Run it every few minutes from cron. See docs/operations.md.")
+    p.add_argument("--lag", default="5m", metavar="SPAN",
+                   help="how long after its end an hour is rolled up: 5m (default), 1h, "
+                        "seconds")
+    p.add_argument("--max-hours", type=int, default=None, metavar="N",
+                   help="roll up at most N hours in this run (the oldest first)")
+    _add_db(p, reads=False)
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    p.set_defaults(func=_rollup)
 
     p = subparsers.add_parser(
         "generate", help="fill a database with a realistic history, run through the ledger",

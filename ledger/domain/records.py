@@ -443,6 +443,22 @@ class Retention:
 
 
 @dataclass(frozen=True)
+class Rollup:
+    """What a roll-up (:meth:`~ledger.Ledger.roll_up`) did.
+
+    ``hours``: the hours it rolled up (each one transaction); ``rows``: the roll-up rows it
+    wrote for them (one per route, group, provider, tenant and set of labels that had settled
+    attempts in the hour); ``pending``: the hours due but left for a later call
+    (``max_hours``); ``until``: the hours ending by this time were due.
+    """
+
+    hours: int
+    rows: int
+    pending: int
+    until: float
+
+
+@dataclass(frozen=True)
 class Queued:
     """A begin that found its capacity group full: it holds a place in the group's queue.
 
@@ -508,6 +524,7 @@ __all__ = [
     "Page",
     "Queued",
     "Retention",
+    "Rollup",
     "RunRecord",
     "RunState",
     "RunStatus",

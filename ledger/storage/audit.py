@@ -14,7 +14,9 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 - failovers: ``ix_runs_created_at`` walk with per-run probes on ``ix_attempts_run_id_state``
   and ``ix_events_run_id_kind`` (the page's probes are forced: :func:`_failed_over`);
 - totals and activity over a time range: ``ix_attempts_created_at`` (the money each debit
-  moved is read off its attempt's row: :func:`charged_and_held`);
+  moved is read off its attempt's row: :func:`charged_and_held`); the totals of rolled hours
+  (:mod:`ledger.storage.rollups`) ``ix_attempt_rollups_hour``, and their open attempts
+  ``ix_attempts_state_created_at``;
 - unknown/unsettled attempts: ``ix_attempts_state_created_at``.
 """
 
@@ -26,10 +28,12 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    Select,
     and_,
     case,
     exists,
     func,
+    literal,
     literal_column,
     or_,
     select,
@@ -40,6 +44,7 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
+from ledger.storage.hours import Split, split
 
 #: What :meth:`AuditQueries.totals` can group by.
 TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
@@ -136,6 +141,11 @@ def _failed_over(*, probed: bool = False) -> ColumnElement[bool]:
     moves = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move")
     moved = (moves.offset(0) if probed else moves).exists()
     return or_(served_elsewhere, moved)
+
+
+def in_state(state: str) -> ColumnElement[Any]:
+    """How many of the attempts summed are in ``state``."""
+    return func.coalesce(func.sum(case((s.attempts.c.state == state, 1), else_=0)), 0)
 
 
 def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
@@ -291,59 +301,89 @@ class AuditQueries:
             self._label_expr(label)  # checks the key before any read
             key = a.labels  # copied from the run at begin (0010): no join either
 
-        def n(state: str) -> ColumnElement[Any]:
-            return func.coalesce(func.sum(case((a.state == state, 1), else_=0)), 0)
-
-        cost, held = charged_and_held()
-        sums = (
-            func.count().label("attempts"),
-            n("succeeded").label("succeeded"),
-            n("failed").label("failed"),
-            n("unknown").label("unknown"),
-            func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
-            func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
-            cost.label("cost_micros"),
-            held.label("held_micros"),
-        )
-        window = _range(a.created_at, since, until)
-        if by != "label":
-            q = select(key.label("key"), *sums).where(*window).group_by(key)
-        else:
-            # Grouped by the labels as stored first, then by the label's value: a day's
-            # attempts carry a few sets of labels, so the JSON is parsed once per set, not once
-            # per attempt. Every column is a sum (a count is one too), so summing the sets'
-            # sums is exact. Attempts without their copy (written before 0010, or by a process
-            # still on older code while it migrated) form the NULL set; only when it exists
-            # (a one-time filter on the sets already summed) are they read again and summed by
-            # their Runs' labels. Grouping by the column alone keeps the day's read a parallel
-            # hash aggregate: an expression in its key (a per-row subquery, a fallback to the
-            # run id) made PostgreSQL expect tens of thousands of groups and read it serially.
-            sets = (select(key.label("key"), *sums).where(*window).group_by(key)
-                    .cte("label_sets"))
-            r = s.runs.c
-            unfilled = (select(r.labels.label("key"), *sums)
-                        .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
-                        .where(*window, a.labels.is_(None),
-                               exists().where(sets.c.key.is_(None)))
-                        .group_by(r.labels))
-            both = union_all(select(sets).where(sets.c.key.is_not(None)),
-                             unfilled).subquery("label_sums")
-            key = self._label_expr(label or "", both.c.key)
-            total = func.sum(both.c.cost_micros)
-            q = select(key.label("key"), *(func.sum(both.c[c]).label(c) for c in (
-                "attempts", "succeeded", "failed", "unknown", "prompt_tokens",
-                "completion_tokens")), total.label("cost_micros"),
-                func.sum(both.c.held_micros).label("held_micros")).group_by(key)
-            cost = total
-        q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
         with self.ctx.reading() as conn:
+            self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
+            # By run, a day holds as many keys as attempts nearly: roll-ups would not help.
+            hours = None if by == "run" else split(conn, since, until)
+            q, cost, key = self._totals_query(by, key, label, since, until, hours)
+            q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
             rows = _maps(conn.execute(q).all())
         nxt = None
         if len(rows) > limit:
             rows = rows[:limit]
             nxt = f"o:{offset + limit}"
         return rows, nxt
+
+    def _totals_query(self, by: str, key: ColumnElement[Any], label: str | None,
+                      since: float | None, until: float | None, hours: Split | None
+                      ) -> tuple[Select[Any], ColumnElement[Any], ColumnElement[Any]]:
+        """(the totals' statement without order or page, its cost column, its key column).
+
+        The window's attempts are read from ``attempts`` except the settled ones of rolled
+        hours (``hours``), whose sums come from ``attempt_rollups``; every column is a sum
+        (a count is one too), so summing the parts' sums is exact.
+        """
+        a = s.attempts.c
+        window = _range(a.created_at, since, until)
+        rolled: Select[Any] | None = None
+        if hours is not None and hours.hours:
+            window = [hours.attempts_where()]
+            t = s.attempt_rollups.c
+            rkey = {"route": t.route_id, "group": t.group_id, "provider": t.provider,
+                    "tenant": t.tenant, "label": t.labels}[by]
+            rolled = (select(rkey.label("key"), *(func.sum(t[c]).label(c) for c in (
+                "attempts", "succeeded", "failed")), literal(0).label("unknown"),
+                *(func.sum(t[c]).label(c) for c in (
+                    "prompt_tokens", "completion_tokens", "cost_micros")),
+                literal(0).label("held_micros"))
+                .where(hours.rollups_where())
+                .group_by(rkey))
+
+        cost, held = charged_and_held()
+        sums = (
+            func.count().label("attempts"),
+            in_state("succeeded").label("succeeded"),
+            in_state("failed").label("failed"),
+            in_state("unknown").label("unknown"),
+            func.coalesce(func.sum(a.prompt_tokens), 0).label("prompt_tokens"),
+            func.coalesce(func.sum(a.completion_tokens), 0).label("completion_tokens"),
+            cost.label("cost_micros"),
+            held.label("held_micros"),
+        )
+        read = select(key.label("key"), *sums).where(*window).group_by(key)
+        if by != "label":
+            if rolled is None:
+                return read, cost, key
+            parts = [read, rolled]
+        else:
+            # Grouped by the labels as stored first, then by the label's value: a day's
+            # attempts carry a few sets of labels, so the JSON is parsed once per set, not once
+            # per attempt. Attempts without their copy (written before 0010, or by a process
+            # still on older code while it migrated) form the NULL set; only when it exists
+            # (a one-time filter on the sets already summed) are they read again and summed by
+            # their Runs' labels (a roll-up summed them so already). Grouping by the column
+            # alone keeps the day's read a parallel hash aggregate: an expression in its key
+            # (a per-row subquery, a fallback to the run id) made PostgreSQL expect tens of
+            # thousands of groups and read it serially.
+            sets = read.cte("label_sets")
+            r = s.runs.c
+            unfilled = (select(r.labels.label("key"), *sums)
+                        .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))
+                        .where(*window, a.labels.is_(None),
+                               exists().where(sets.c.key.is_(None)))
+                        .group_by(r.labels))
+            parts = [select(sets).where(sets.c.key.is_not(None)), unfilled]
+            if rolled is not None:
+                parts.append(rolled)
+        both = union_all(*parts).subquery("parts")
+        out = self._label_expr(label or "", both.c.key) if by == "label" else both.c.key
+        total = func.sum(both.c.cost_micros)
+        q = select(out.label("key"), *(func.sum(both.c[c]).label(c) for c in (
+            "attempts", "succeeded", "failed", "unknown", "prompt_tokens",
+            "completion_tokens")), total.label("cost_micros"),
+            func.sum(both.c.held_micros).label("held_micros")).group_by(out)
+        return q, total, out
 
     def latency(self, *, route: str | None, group: str | None, category: str | None,
                 tenant: str | None, state: str | None, since: float | None,
@@ -596,4 +636,4 @@ class AuditQueries:
 
 
 __all__ = ["FRACTIONS", "LATENCY_KEYS", "LATENCY_MEASURES", "TOTALS_KEYS", "AuditQueries",
-           "charged_and_held"]
+           "charged_and_held", "in_state"]

@@ -68,6 +68,12 @@ class SqlContext(abc.ABC):
         (PostgreSQL), not waited for; budget and capacity checks never use it."""
 
     @abc.abstractmethod
+    def lock_hour(self, conn: Connection, hour: int, *, wait: bool = True) -> bool:
+        """Hold hour ``hour`` of the history against writes to its attempts until the write
+        transaction on ``conn`` ends (a roll-up's, :mod:`ledger.storage.rollups`); without
+        ``wait``, only if no writer holds it now. Returns whether it is held."""
+
+    @abc.abstractmethod
     def consistent(self, conn: Connection) -> None:
         """Make the read transaction just begun on ``conn`` one snapshot of the whole ledger."""
 

@@ -112,6 +112,20 @@ class PostgresContext(SqlContext):
         """``FOR UPDATE SKIP LOCKED``: a run another process holds is left to it."""
         return query.with_for_update(skip_locked=True)
 
+    #: The first key of the hour locks (``pg_advisory_xact_lock(7894, hour)``) the trigger of
+    #: migration 0011 takes shared for each attempt it sees written.
+    HOUR_LOCK = 7894
+
+    def lock_hour(self, conn: Connection, hour: int, *, wait: bool = True) -> bool:
+        """The hour's advisory lock, exclusive: writes to its attempts wait (their trigger
+        takes it shared), and those in flight are committed before the roll-up reads."""
+        if wait:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k, :h)"),
+                         {"k": self.HOUR_LOCK, "h": hour})
+            return True
+        return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k, :h)"),
+                                 {"k": self.HOUR_LOCK, "h": hour}).scalar_one())
+
     def consistent(self, conn: Connection) -> None:
         """``REPEATABLE READ``: every statement of the transaction sees one snapshot."""
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")

@@ -14,7 +14,9 @@ it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an ope
 settle it with evidence, and its story must be whole for that). The events of operators'
 actions (:data:`~ledger.domain.records.OPERATOR_ACTION_KINDS`) are never dropped: on
 PostgreSQL those of a dropped partition are copied back first, into the default partition (no
-month partition covers their time any more). Runs, debits and provenance are not touched.
+month partition covers their time any more). Runs, debits and provenance are not touched; the
+roll-ups of the hours that lost attempts (:mod:`ledger.storage.rollups`) go with them, so the
+totals over those hours read what is left.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ledger.storage import partitions as parts
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
+from ledger.storage.hours import hour_of
 
 #: How long a retention run waits for a table's lock before it gives up (and changes nothing).
 LOCK_TIMEOUT = "10s"
@@ -112,6 +115,8 @@ class RetentionQueries:
                     conn.execute(text(f'INSERT INTO events SELECT * FROM "{part.partition}" '
                                       "WHERE kind = ANY(:actions)"), _SETS)
                 conn.execute(text(f'DROP TABLE "{part.partition}"'))
+                if part.table == "attempts":
+                    _unroll(conn, part.since, part.until)
             event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
                                                     kept, actions), now)
         if dropped:
@@ -179,6 +184,16 @@ def _split_default(conn: Connection, cutoff: float) -> None:
             if parts.month_range(y, m)[1] <= cutoff and \
                     parts.partition_name(table, y, m) not in have:
                 parts.create_partition(conn, table, y, m)
+
+
+def _unroll(conn: Connection, since: float | None, until: float | None) -> None:
+    """Delete the roll-ups of the hours of ``[since, until)`` (a dropped partition's, whose
+    rows went without a row trigger; on SQLite each deleted attempt's trigger does it)."""
+    for table in (s.rollup_hours, s.attempt_rollups):
+        hour = table.c.hour
+        conn.execute(table.delete().where(
+            *([hour >= hour_of(since)] if since is not None else []),
+            *([hour <= hour_of(until)] if until is not None else [])))
 
 
 def _held(conn: Connection, table: str, name: str) -> str | None:

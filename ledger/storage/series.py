@@ -17,12 +17,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Float, case, cast, func, literal_column, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    case,
+    cast,
+    func,
+    literal,
+    literal_column,
+    or_,
+    select,
+    union_all,
+)
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
+from ledger.storage.hours import HOUR, split
 
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
@@ -61,17 +73,36 @@ class SeriesQueries:
             return _maps(conn.execute(q).all())
 
     def cost_by_day(self, *, since: float, until: float) -> list[RowMap]:
-        """Per UTC day from ``since`` (a midnight) and tenant: attempts and cost in micros."""
+        """Per UTC day from ``since`` (a midnight) and tenant: attempts and cost in micros.
+
+        The settled attempts of rolled hours (:mod:`ledger.storage.rollups`) are summed from
+        their roll-ups when ``since`` starts an hour (so no hour straddles two days)."""
         a = s.attempts.c
         charged, held = charged_and_held()
-        q = (select(self._bucket(a.created_at, since, 86400.0).label("day"),
-                    a.tenant.label("tenant"), func.count().label("attempts"),
-                    charged.label("cost_micros"), held.label("held_micros"))
-             .where(a.created_at >= since, a.created_at < until)
-             .group_by(literal_column("day"), a.tenant)
-             .order_by(literal_column("day"), a.tenant))
+        day = self._bucket(a.created_at, since, 86400.0).label("day")
         with self.ctx.reading() as conn:
-            return _maps(conn.execute(q).all())
+            self.ctx.consistent(conn)
+            hours = split(conn, since, until) if since % HOUR == 0 else None
+            rolled = hours is not None and bool(hours.hours)
+            window = ([hours.attempts_where()] if hours is not None and rolled
+                      else [a.created_at >= since, a.created_at < until])
+            q = (select(day, a.tenant.label("tenant"), func.count().label("attempts"),
+                        charged.label("cost_micros"), held.label("held_micros"))
+                 .where(*window).group_by(literal_column("day"), a.tenant))
+            if hours is not None and rolled:
+                t = s.attempt_rollups.c
+                sums = (select(self._bucket(t.hour * HOUR, since, 86400.0).label("day"),
+                               t.tenant.label("tenant"), func.sum(t.attempts).label("attempts"),
+                               func.sum(t.cost_micros).label("cost_micros"),
+                               literal(0).label("held_micros"))
+                        .where(hours.rollups_where()).group_by(literal_column("day"), t.tenant))
+                both = union_all(q, sums).subquery("parts")
+                q = (select(both.c.day, both.c.tenant,
+                            *(func.sum(both.c[c]).label(c) for c in (
+                                "attempts", "cost_micros", "held_micros")))
+                     .group_by(both.c.day, both.c.tenant))
+            return _maps(conn.execute(q.order_by(literal_column("day"), literal_column("tenant"))
+                                      ).all())
 
     def metrics_totals(self, now: float, bounds: Sequence[float]) -> dict[str, list[RowMap]]:
         """The whole-history counters ``/metrics`` exposes, in one read.

@@ -80,6 +80,11 @@ class SqliteContext(SqlContext):
         """As it is: ``BEGIN IMMEDIATE`` serializes writers, so the re-check suffices."""
         return query
 
+    def lock_hour(self, conn: Connection, hour: int, *, wait: bool = True) -> bool:
+        """Nothing to take: the write transaction (``BEGIN IMMEDIATE``) holds every writer
+        off."""
+        return True
+
     def consistent(self, conn: Connection) -> None:
         """Nothing to do: a SQLite read transaction is one snapshot already."""
 

@@ -165,3 +165,12 @@ def test_the_aggregates_settings_last_their_transaction_only(big: Audit) -> None
             assert got == ["64MB", "off"] != default
         assert [conn.exec_driver_sql(f"SHOW {s}").scalar()
                 for s in ("work_mem", "jit")] == default
+
+
+@pytest.mark.parametrize("by", ["route", "group", "provider", "tenant", "label"])
+def test_one_day_totals_over_rolled_hours_use_indexes(big: Audit, by: str) -> None:
+    # Last in the module: the roll-up changes only what the totals read (docs/history.md).
+    if not big.ledger.roll_up(lag=0).hours and by == "route":
+        pytest.fail("nothing was rolled up: the test would check the plain totals again")
+    window = {"since": END - DAY - 1800.5, "until": END - 900.25}  # ragged at both ends
+    _assert_indexed(big, lambda: big.costs(by=by, label="team", **window))

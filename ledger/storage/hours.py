@@ -1,0 +1,103 @@
+"""Hours of history: how a time window splits into hours the roll-ups hold and the rest.
+
+Hour ``h`` is ``[3600*h, 3600*(h+1))`` of ``attempts.created_at``; the roll-ups
+(:mod:`ledger.storage.rollups`) hold the settled attempts of the hours marked in
+``rollup_hours``, and the audit's totals read everything else from ``attempts``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, false, literal, or_, select
+
+from ledger.domain.records import AttemptState
+from ledger.storage import schema as s
+
+#: The width of one roll-up, in seconds.
+HOUR = 3600
+#: The attempts a roll-up leaves to the audit's own read: they may still change.
+OPEN_STATES = (AttemptState.DISPATCHING.value, AttemptState.UNKNOWN.value)
+
+
+def hour_of(t: float) -> int:
+    """The hour holding time ``t``: ``3600*h <= t < 3600*(h+1)``, in floating point too."""
+    h = math.floor(t / HOUR)
+    return h - 1 if h * HOUR > t else h
+
+
+def first_hour_from(t: float) -> int:
+    """The first hour that starts at or after ``t``."""
+    h = hour_of(t)
+    return h if h * HOUR >= t else h + 1
+
+
+def _within(col: Any, lo: float | None, hi: float | None) -> ColumnElement[bool]:
+    conds = [c for c in (None if lo is None else col >= lo, None if hi is None else col < hi)
+             if c is not None]
+    return and_(*conds) if conds else literal(True)
+
+
+def hours_in(col: Any, lo: int | None, hi: int | None) -> ColumnElement[bool]:
+    """``col`` (a time) within hours ``[lo, hi)``; ``None``: unbounded on that side."""
+    return _within(col, None if lo is None else lo * HOUR, None if hi is None else hi * HOUR)
+
+
+class Split:
+    """A time window split into what the roll-ups hold and what is read from ``attempts``.
+
+    ``raw``: conditions on ``created_at``, one per stretch of the window not rolled (OR them);
+    ``rolled``: one per stretch of consecutive rolled hours (OR them), whose settled attempts
+    are in ``attempt_rollups`` and whose open ones are read from ``attempts``.
+    """
+
+    def __init__(self, since: float | None, until: float | None,
+                 rolled: Sequence[int]) -> None:
+        col = s.attempts.c.created_at
+        stretches: list[tuple[int, int]] = []
+        for h in rolled:
+            if stretches and stretches[-1][1] == h:
+                stretches[-1] = (stretches[-1][0], h + 1)
+            else:
+                stretches.append((h, h + 1))
+        self.hours = list(rolled)
+        self.rolled = [hours_in(col, lo, hi) for lo, hi in stretches]
+        # The gaps: before the first stretch, between two, after the last (none if empty).
+        starts: list[float | None] = [since, *(float(hi * HOUR) for _, hi in stretches)]
+        ends: list[float | None] = [*(float(lo * HOUR) for lo, _ in stretches), until]
+        self.raw = [_within(col, lo, hi) for lo, hi in zip(starts, ends, strict=True)
+                    if lo is None or hi is None or lo < hi]
+
+    def attempts_where(self) -> ColumnElement[bool]:
+        """The attempts still read from ``attempts``: those outside the rolled hours, and
+        the open ones (``dispatching``, ``unknown``) inside them."""
+        a = s.attempts.c
+        if not self.hours:
+            return or_(false(), *self.raw)  # false() when the window is empty
+        return or_(false(), *self.raw, and_(a.state.in_(OPEN_STATES), or_(*self.rolled)))
+
+    def rollups_where(self) -> ColumnElement[bool]:
+        """The ``attempt_rollups`` rows of the window (only rolled hours have rows)."""
+        return s.attempt_rollups.c.hour.between(self.hours[0], self.hours[-1])
+
+
+def rolled_hours(conn: Any, since: float | None, until: float | None) -> list[int]:
+    """The rolled hours wholly inside ``[since, until)``, in order."""
+    h = s.rollup_hours.c.hour
+    q = select(h).order_by(h)
+    if since is not None:
+        q = q.where(h >= first_hour_from(since))
+    if until is not None:
+        q = q.where(h < hour_of(until))  # the hours before until's own end by it
+    return [int(x) for x in conn.execute(q).scalars()]
+
+
+def split(conn: Any, since: float | None, until: float | None) -> Split:
+    """:class:`Split` of ``[since, until)`` by the hours rolled now (read on ``conn``)."""
+    return Split(since, until, rolled_hours(conn, since, until))
+
+
+__all__ = ["HOUR", "OPEN_STATES", "Split", "first_hour_from", "hour_of", "hours_in",
+           "rolled_hours", "split"]

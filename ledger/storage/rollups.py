@@ -1,0 +1,133 @@
+"""Hourly roll-ups of the settled attempts, for the audit's totals over long windows.
+
+Hour ``h`` is ``[3600*h, 3600*(h+1))`` of ``attempts.created_at``. :meth:`RollupQueries.roll`
+writes, for each hour that ended at least ``lag_s`` ago and is not rolled yet, the sums over
+its *settled* attempts (every state but ``dispatching`` and ``unknown``) by route, group,
+provider, tenant and labels into ``attempt_rollups``, and marks the hour in ``rollup_hours``,
+in one transaction per hour. :meth:`~ledger.storage.audit.AuditQueries.totals` then adds a
+rolled hour's rows to what it still reads from ``attempts``: the window's ragged edges, the
+hours not rolled, and the attempts of rolled hours still ``dispatching`` or ``unknown``
+(:func:`split`).
+
+Why this stays exact: the rows of a settled attempt never change again (only ``dispatching``
+and ``unknown`` attempts are settled, resolved or marked), and a trigger on ``attempts``
+(migration 0011) deletes an hour's mark and rows whenever any attempt of that hour is written:
+inserted late (a clock behind the others', a begin whose commit took long), settled after the
+roll-up, resolved by an operator, or deleted by retention. Such an hour is read from
+``attempts`` again until the next roll-up. On PostgreSQL the trigger holds a shared advisory
+lock of the hour until its transaction ends and a roll-up takes the exclusive one before it
+reads (:meth:`~ledger.storage.context.SqlContext.lock_hour`), so a write committed while a
+roll-up read is never missed; SQLite's single writer serializes them.
+
+The roll-up is a job: ``failover-ledger rollup`` or :meth:`ledger.Ledger.roll_up`, run from
+cron or a scheduler every few minutes (docs/operations.md). Without it nothing reads
+differently; it only makes the totals cheaper.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, literal, select
+
+from ledger.domain.records import Rollup
+from ledger.storage import schema as s
+from ledger.storage.audit import charged_and_held, in_state
+from ledger.storage.context import ClockFn, SqlContext
+from ledger.storage.hours import HOUR, OPEN_STATES, hour_of, hours_in
+
+# Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
+# commit, in the server's shared lock table).
+_EMPTY_BATCH = 256
+
+
+class RollupQueries:
+    """Writing the roll-ups (see the module docstring)."""
+
+    def __init__(self, ctx: SqlContext) -> None:
+        self.ctx = ctx
+
+    def roll(self, clock: ClockFn, *, lag_s: float, max_hours: int | None = None) -> Rollup:
+        """Roll up every hour that ended at least ``lag_s`` before the ledger clock's now
+        and is not rolled, oldest first (at most ``max_hours`` of them): the hours without
+        an attempt are marked many to a transaction, the others rolled one to a transaction.
+        """
+        a = s.attempts.c
+        now = clock()
+        last = hour_of(now - lag_s)  # hours below it ended at least lag_s ago
+        with self.ctx.reading() as conn:
+            first = conn.execute(select(func.min(a.created_at))).scalar()
+            done = set() if first is None else {int(x) for x in conn.execute(
+                select(s.rollup_hours.c.hour).where(s.rollup_hours.c.hour >= hour_of(first)))
+                .scalars()}
+        missing = [] if first is None else [
+            h for h in range(hour_of(first), last) if h not in done]
+        todo = missing if max_hours is None else missing[:max_hours]
+        rolled, busy = self._mark_empty(todo, now)
+        rows = 0
+        for h in busy:
+            with self.ctx.writing() as conn:
+                self.ctx.lock_hour(conn, h)
+                if self._marked(conn, [h]):
+                    continue  # another roll-up did it while this one waited
+                rows += self._roll_hour(conn, h, now)
+                rolled += 1
+        return Rollup(hours=rolled, rows=rows, pending=len(missing) - len(todo),
+                      until=float(last * HOUR))
+
+    @staticmethod
+    def _marked(conn: Any, hours: list[int]) -> set[int]:
+        h = s.rollup_hours.c.hour
+        return {int(x) for x in conn.execute(select(h).where(h.in_(hours))).scalars()}
+
+    def _mark_empty(self, hours: list[int], now: float) -> tuple[int, list[int]]:
+        """Mark the hours without any attempt, many to a transaction (a ledger idle for a
+        month has 720 of them); return how many, and the hours left to roll one by one.
+
+        Each is locked without waiting: one held by a writer (or by another roll-up) is left
+        to the one-by-one pass, which waits for it; waiting here, holding the locks taken
+        so far, could deadlock with a writer touching two hours.
+        """
+        marked = 0
+        busy: list[int] = []
+        a = s.attempts.c
+        for i in range(0, len(hours), _EMPTY_BATCH):
+            chunk = hours[i:i + _EMPTY_BATCH]
+            with self.ctx.writing() as conn:
+                taken = [h for h in chunk if self.ctx.lock_hour(conn, h, wait=False)]
+                done = self._marked(conn, taken)
+                empty = [h for h in taken if h not in done and conn.execute(
+                    select(a.attempt_id).where(hours_in(a.created_at, h, h + 1)).limit(1)
+                ).first() is None]
+                if empty:
+                    conn.execute(s.rollup_hours.insert(),
+                                 [{"hour": h, "rolled_at": now} for h in empty])
+                marked += len(empty)
+                skip = done.union(empty)
+                busy.extend(h for h in chunk if h not in skip)
+        return marked, busy
+
+    def _roll_hour(self, conn: Any, h: int, now: float) -> int:
+        a = s.attempts.c
+        r = s.runs.c
+        labels = func.coalesce(a.labels, select(r.labels).where(r.run_id == a.run_id)
+                               .scalar_subquery())
+        charged, _held = charged_and_held()
+        keys = (a.route_id, a.group_id, a.provider, a.tenant, labels)
+
+        q = (select(literal(h), *keys, func.count(), in_state("succeeded"), in_state("failed"),
+                    func.coalesce(func.sum(a.prompt_tokens), 0),
+                    func.coalesce(func.sum(a.completion_tokens), 0), charged)
+             .where(hours_in(a.created_at, h, h + 1), a.state.not_in(OPEN_STATES))
+             .group_by(*keys))
+        t = s.attempt_rollups.c
+        conn.execute(s.attempt_rollups.insert().from_select(
+            [t.hour, t.route_id, t.group_id, t.provider, t.tenant, t.labels, t.attempts,
+             t.succeeded, t.failed, t.prompt_tokens, t.completion_tokens, t.cost_micros], q))
+        conn.execute(s.rollup_hours.insert().values(hour=h, rolled_at=now))
+        # Counted, not the INSERT's rowcount, which not every driver reports for a SELECT.
+        return int(conn.execute(select(func.count()).select_from(s.attempt_rollups)
+                                .where(t.hour == h)).scalar_one())
+
+
+__all__ = ["RollupQueries"]

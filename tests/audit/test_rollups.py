@@ -1,0 +1,272 @@
+"""Hourly roll-ups (``Ledger.roll_up``, ``failover-ledger rollup``): the totals read from them
+are the totals read from the attempts, whatever is written afterwards, on both databases."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from ledger import Budget, InvalidArgument, Ledger
+from ledger.cli.main import main
+from ledger.clock import ManualClock
+from ledger.ops.audit import Audit, to_jsonable
+from ledger.storage.engine import normalize_url
+from ledger.storage.hours import hour_of
+from ledger.tools.generate import generate
+from tests.storage.test_history_scales import HASH, ROUTE, _alembic, _history, _t
+
+END = 1_700_000_000.0  # 22:13:20 UTC: the newest hour is not whole
+HOUR = 3600.0
+SPAN = 10 * HOUR
+WINDOWS = [
+    (None, None),
+    (END - SPAN + 1234.5, END - 77.25),  # ragged at both ends
+    (hour_of(END - 5 * HOUR) * HOUR, hour_of(END - 2 * HOUR) * HOUR),  # whole hours
+    (END - 4 * HOUR - 0.5, None),
+    (None, END - 6 * HOUR + 0.5),
+    (hour_of(END - 3 * HOUR) * HOUR + 60, hour_of(END - 3 * HOUR) * HOUR + 1800),  # in one hour
+]
+KEYS = ("route", "group", "provider", "tenant", "label", "run")
+
+
+def _generated(url: str, attempts: int = 400) -> Ledger:
+    led = Ledger.open(url, clock=ManualClock(END - SPAN))
+    generate(led, attempts=attempts, days=SPAN / 86400, end=END, seed=7)
+    return led
+
+
+def _answers(led: Ledger) -> dict[str, Any]:
+    audit = Audit(led)
+    out = {f"{by} {since} {until}": to_jsonable(audit.costs(
+        by=by, label="team" if by == "label" else None, since=since, until=until,
+        limit=10_000).items) for by in KEYS for since, until in WINDOWS}
+    out["by day"] = to_jsonable(audit.costs_by_day(days=2, now=END))
+    return out
+
+
+def _sql(url: str, sql: str, args: dict[str, Any] | None = None) -> list[Any]:
+    eng = create_engine(normalize_url(url))
+    try:
+        with eng.begin() as conn:
+            res = conn.execute(text(sql), args or {})
+            return list(res) if res.returns_rows else []
+    finally:
+        eng.dispose()
+
+
+def _rolled(url: str) -> set[int]:
+    return {int(r[0]) for r in _sql(url, "SELECT hour FROM rollup_hours")}
+
+
+def _read_from_attempts(led: Ledger, url: str) -> dict[str, Any]:
+    """The answers with every roll-up gone: what the attempts alone say."""
+    _sql(url, "DELETE FROM attempt_rollups")
+    _sql(url, "DELETE FROM rollup_hours")
+    return _answers(led)
+
+
+def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str) -> None:
+    led = _generated(db_url)
+    try:
+        before = _answers(led)
+        rep = led.roll_up(lag=0)
+        # Every whole hour behind the clock, none of the one still going.
+        assert rep.hours == 10 and rep.pending == 0 and rep.rows > 10
+        assert rep.until == hour_of(END) * HOUR
+        rolled = _rolled(db_url)
+        assert hour_of(END) not in rolled and hour_of(END) - 1 in rolled
+        # The rolled hours hold attempts still unknown or dispatching: read from attempts.
+        open_in_rolled = [r for r in _sql(db_url, "SELECT created_at FROM attempts WHERE "
+                                                  "state IN ('unknown', 'dispatching')")
+                          if hour_of(r[0]) in rolled]
+        assert open_in_rolled
+        assert _answers(led) == before
+        # And the totals do read the roll-ups: a roll-up row changed shows in them.
+        _sql(db_url, "UPDATE attempt_rollups SET attempts = attempts + 1000")
+        assert _answers(led) != before
+    finally:
+        led.close()
+
+
+def test_a_late_write_to_a_rolled_hour_undoes_that_hours_rollup_only(db_url: str) -> None:
+    led = _generated(db_url)
+    try:
+        led.roll_up(lag=0)
+        rolled = _rolled(db_url)
+        unknown = sorted((r[1], r[0]) for r in _sql(
+            db_url, "SELECT attempt_id, created_at FROM attempts WHERE state = 'unknown'")
+            if hour_of(r[1]) in rolled)
+        when, attempt_id = unknown[0]
+        # An operator's late receipt for an unknown attempt of a rolled hour.
+        led.settle_unknown(attempt_id, outcome="succeeded", cost="0.001", note="billing export",
+                           by="ops")
+        # A begin whose clock is behind the others', into another rolled hour.
+        late = hour_of(END - 8 * HOUR)
+        assert late != hour_of(when) and late in rolled
+        clock = led.clock
+        assert isinstance(clock, ManualClock)
+        clock.set(late * HOUR + 600)
+        led.admit_run("late", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
+                                                          max_cost=1))
+        lease = led.acquire_lease("late", ttl_s=3600)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        assert _rolled(db_url) == rolled - {hour_of(when), late}
+        assert not _sql(db_url, "SELECT 1 FROM attempt_rollups WHERE hour IN (:a, :b)",
+                        {"a": hour_of(when), "b": late})
+        with_rollups = _answers(led)
+        clock.set(END)
+        assert led.roll_up(lag=0).hours == 2  # the next roll-up redoes just those two
+        redone = _answers(led)
+        assert with_rollups == redone == _read_from_attempts(led, db_url)
+    finally:
+        led.close()
+
+
+def test_retention_takes_the_rollups_of_the_history_it_drops(db_url: str) -> None:
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(db_url, clock=clock) as led:
+        _history(led, clock)
+        clock.set(_t(2026, 8, 5))
+        led.roll_up(lag=0)
+        jan = {hour_of(r[0]) for r in _sql(db_url, "SELECT created_at FROM attempts WHERE "
+                                                   "run_id IN ('jan', 'jan-closed')")}
+        jul = {hour_of(r[0]) for r in _sql(db_url, "SELECT created_at FROM attempts WHERE "
+                                                   "run_id = 'jul'")}
+        assert jan | jul <= _rolled(db_url)
+        audit = Audit(led)
+        led.drop_history(90 * 86400, by="alice")
+        left = _rolled(db_url)
+        assert not jan & left and jul <= left
+        costs = to_jsonable(audit.costs(by="route", since=0.0).items)
+        _sql(db_url, "DELETE FROM attempt_rollups")
+        _sql(db_url, "DELETE FROM rollup_hours")
+        assert costs == to_jsonable(audit.costs(by="route", since=0.0).items)
+        assert costs[0]["attempts"] == 4  # feb-unknown's two, mar-live's, jul's
+
+
+@pytest.mark.postgres
+def test_a_rollup_waits_for_a_write_in_flight_to_its_hour_and_counts_it(pg_url: str) -> None:
+    led = _generated(pg_url, attempts=120)
+    eng = create_engine(normalize_url(pg_url))
+    try:
+        hour = hour_of(END - 3 * HOUR)
+        # A writer's transaction, open: it changes a settled attempt of that hour.
+        writer = eng.connect()
+        tx = writer.begin()
+        changed = writer.execute(text(
+            "UPDATE attempts SET prompt_tokens = prompt_tokens + 1000 WHERE attempt_id = ("
+            "SELECT attempt_id FROM attempts WHERE created_at >= :lo AND created_at < :hi "
+            "AND state = 'succeeded' AND prompt_tokens IS NOT NULL ORDER BY attempt_id "
+            "LIMIT 1)"), {"lo": hour * HOUR, "hi": hour * HOUR + HOUR}).rowcount
+        assert changed == 1
+        done: list[Any] = []
+        job = threading.Thread(target=lambda: done.append(led.roll_up(lag=0)))
+        job.start()
+        with eng.connect() as watch:
+            for _ in range(600):  # until the roll-up waits on that hour's lock
+                waiting = watch.execute(text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                    "AND classid = 7894 AND objid = :h"), {"h": hour}).scalar_one()
+                if waiting:
+                    break
+                job.join(0.05)
+            assert waiting and not done
+        tx.commit()
+        writer.close()
+        job.join(60)
+        assert done and done[0].hours == 10
+        assert hour in _rolled(pg_url)
+        # The roll-up read the hour after the write committed: it counts the change.
+        counted = _sql(pg_url, "SELECT sum(prompt_tokens) FROM attempt_rollups WHERE "
+                               "hour = :h", {"h": hour})[0][0]
+        settled = _sql(pg_url, "SELECT sum(prompt_tokens) FROM attempts WHERE created_at >= "
+                               ":lo AND created_at < :hi AND state NOT IN ('unknown', "
+                               "'dispatching')", {"lo": hour * HOUR, "hi": hour * HOUR + HOUR}
+                       )[0][0]
+        assert counted == settled
+    finally:
+        eng.dispose()
+        led.close()
+
+
+def test_a_rollup_of_an_empty_ledger_or_one_rolled_already_does_nothing(
+        tmp_path: Any) -> None:
+    with Ledger.open(str(tmp_path / "l.db"), clock=ManualClock(END)) as led:
+        assert led.roll_up().hours == 0
+    led = _generated(str(tmp_path / "g.db"), attempts=60)
+    try:
+        first = led.roll_up(lag=0, max_hours=3)
+        assert first.hours == 3 and first.pending >= 6
+        rest = led.roll_up(lag=0)
+        assert (rest.hours, rest.pending) == (first.pending, 0)
+        assert led.roll_up(lag=0).hours == 0
+    finally:
+        led.close()
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"lag": -1}, "lag"),
+                                               ({"lag": float("nan")}, "lag"),
+                                               ({"max_hours": 0}, "max_hours"),
+                                               ({"max_hours": 1.5}, "max_hours")])
+def test_a_rollup_refuses_bad_arguments_by_name(tmp_path: Any, kwargs: dict[str, Any],
+                                                field: str) -> None:
+    with Ledger.open(str(tmp_path / "l.db"), clock=ManualClock(END)) as led:
+        with pytest.raises(InvalidArgument) as err:
+            led.roll_up(**kwargs)
+        assert err.value.fields.get("field") == field
+
+
+def test_the_rollup_command_reports_what_it_did(tmp_path: Any, capsys: Any) -> None:
+    db = str(tmp_path / "g.db")
+    _generated(db, attempts=60).close()
+    assert main(["rollup", "--db", db, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["hours"] >= 10 and rep["pending"] == 0 and rep["rows"] > 0
+    assert main(["rollup", "--db", db]) == 0
+    # Nothing more is due (one hour at most, had the clock's hour ended in between).
+    assert re.match(r"rolled up [01] hour\(s\)", capsys.readouterr().out)
+    assert main(["rollup", "--db", db, "--lag", "soon"]) == 2
+    assert "--lag 'soon' is not a span of time" in capsys.readouterr().err
+
+
+def test_migration_0011_downgrade_leaves_no_trigger_behind(db_url: str) -> None:
+    led = _generated(db_url, attempts=40)
+    led.roll_up(lag=0)
+    led.close()
+    _alembic(db_url, "downgrade", "0010")
+    # Writes work on the older schema: no trigger is left to find its dropped tables.
+    with Ledger.open(db_url, clock=ManualClock(END), migrate_schema=False) as led:
+        led.admit_run("after", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
+                                                           max_cost=1))
+        lease = led.acquire_lease("after", ttl_s=3600)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+    _alembic(db_url, "upgrade", "head")
+    assert _rolled(db_url) == set()
+
+
+def test_the_async_ledger_rolls_up_the_same_hours(db_url: str) -> None:
+    import asyncio
+
+    from ledger import AsyncLedger
+
+    led = _generated(db_url, attempts=60)
+    before = _answers(led)
+
+    async def roll() -> Any:
+        async with AsyncLedger.open(db_url, clock=ManualClock(END),
+                                    migrate_schema=False) as aled:
+            return await aled.roll_up(lag=0, max_hours=4)
+
+    try:
+        rep = asyncio.run(roll())
+        assert rep.hours == 4 and len(_rolled(db_url)) == 4
+        assert _answers(led) == before
+    finally:
+        led.close()
