@@ -270,3 +270,19 @@ def test_the_async_ledger_rolls_up_the_same_hours(db_url: str) -> None:
         assert _answers(led) == before
     finally:
         led.close()
+
+
+def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None:
+    # Alembic compares tables, not triggers: a later migration that rebuilt `attempts` (SQLite's
+    # batch mode copies a table and drops its triggers) would leave the roll-ups stale, silently.
+    Ledger.open(db_url, clock=ManualClock(END)).close()
+    if db_url.endswith(".db"):
+        names = {r[0] for r in _sql(db_url, "SELECT name FROM sqlite_master WHERE "
+                                            "type = 'trigger' AND tbl_name = 'attempts'")}
+        assert names == {"attempts_unroll_insert", "attempts_unroll_update",
+                         "attempts_unroll_moved", "attempts_unroll_delete"}
+    else:
+        rows = _sql(db_url, "SELECT tgname, tgtype FROM pg_trigger WHERE NOT tgisinternal AND "
+                            "tgrelid = 'attempts'::regclass")
+        # One row trigger for INSERT, UPDATE and DELETE (tgtype bits 1, 4, 8, 16).
+        assert [(name, tgtype & 29) for name, tgtype in rows] == [("attempts_unroll", 29)]
