@@ -9,6 +9,7 @@ skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on a
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -112,19 +113,20 @@ class PostgresContext(SqlContext):
         """``FOR UPDATE SKIP LOCKED``: a run another process holds is left to it."""
         return query.with_for_update(skip_locked=True)
 
-    #: The first key of the hour locks (``pg_advisory_xact_lock(7894, hour)``) the trigger of
-    #: migration 0011 takes shared for each attempt it sees written.
+    #: The first key of the hour locks (``pg_advisory_xact_lock(7894, hour % 2^31)``) the
+    #: trigger of migration 0011 takes shared for each attempt it sees written.
     HOUR_LOCK = 7894
 
     def lock_hour(self, conn: Connection, hour: int, *, wait: bool = True) -> bool:
         """The hour's advisory lock, exclusive: writes to its attempts wait (their trigger
         takes it shared), and those in flight are committed before the roll-up reads."""
+        # The trigger's key: the hour modulo 2^31 with its sign (PostgreSQL's %), as an int4.
+        key = {"k": self.HOUR_LOCK, "h": int(math.fmod(hour, 2**31))}
         if wait:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k, :h)"),
-                         {"k": self.HOUR_LOCK, "h": hour})
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k, :h)"), key)
             return True
         return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k, :h)"),
-                                 {"k": self.HOUR_LOCK, "h": hour}).scalar_one())
+                                 key).scalar_one())
 
     def consistent(self, conn: Connection) -> None:
         """``REPEATABLE READ``: every statement of the transaction sees one snapshot."""

@@ -11,7 +11,8 @@ A trigger on ``attempts`` keeps that exact: any insert, update or delete of an a
 deletes its hour's mark and roll-up rows in the same transaction (an attempt settled, resolved
 or written late, by a clock behind the others', into an hour already rolled), and the hour is
 read from ``attempts`` again until the next roll-up. On PostgreSQL the trigger takes a shared
-advisory lock of the hour (``pg_advisory_xact_lock_shared(7894, hour)``) and a roll-up the
+advisory lock of the hour (``pg_advisory_xact_lock_shared(7894, hour % 2^31)``, the
+hour as a key of four bytes whatever the clock said) and a roll-up the
 exclusive one, so a roll-up never misses a write committed while it read.
 
 Existing ledgers: the tables are created empty and the trigger added; no row is rewritten and
@@ -53,7 +54,7 @@ BEGIN
         IF h * 3600 > t THEN
             h := h - 1;
         END IF;
-        PERFORM pg_advisory_xact_lock_shared(7894, h::integer);
+        PERFORM pg_advisory_xact_lock_shared(7894, (h % 2147483648)::integer);
         DELETE FROM rollup_hours WHERE hour = h;
         IF FOUND THEN
             DELETE FROM attempt_rollups WHERE hour = h;
