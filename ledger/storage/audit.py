@@ -33,7 +33,6 @@ from sqlalchemy import (
     case,
     exists,
     func,
-    literal,
     literal_column,
     or_,
     select,
@@ -44,13 +43,16 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
-from ledger.storage.hours import Split, split
+from ledger.storage.hours import Split, rollup_sums, split, time_range
 
 #: What :meth:`AuditQueries.totals` can group by.
 TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
 #: What :meth:`AuditQueries.latency` can group by, and the times it takes percentiles of.
 LATENCY_KEYS = ("route", "group")
 LATENCY_MEASURES = ("latency_s", "first_token_s", "first_byte_s")
+# The columns of a row of totals, after its key.
+_TOTALS = ("attempts", "succeeded", "failed", "unknown", "prompt_tokens", "completion_tokens",
+           "cost_micros", "held_micros")
 #: The percentiles the audit reports (p50, p95, p99).
 FRACTIONS = (0.5, 0.95, 0.99)
 
@@ -99,15 +101,6 @@ def _offset(cursor: str | None) -> int:
 def _check_limit(limit: int) -> None:
     if limit <= 0 or limit > 10_000:
         raise InvalidArgument("limit must be between 1 and 10000", field="limit")
-
-
-def _range(col: Any, since: float | None, until: float | None) -> list[ColumnElement[bool]]:
-    conds: list[ColumnElement[bool]] = []
-    if since is not None:
-        conds.append(col >= since)
-    if until is not None:
-        conds.append(col < until)
-    return conds
 
 
 def _keyset(ts_col: Any, id_col: Any, cursor: str | None) -> list[ColumnElement[bool]]:
@@ -190,7 +183,7 @@ class AuditQueries:
         Raises :class:`~ledger.errors.InvalidArgument` (limit, malformed cursor)."""
         _check_limit(limit)
         r = s.runs.c
-        conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
+        conds = time_range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
         if status is not None:
             conds.append(r.status == status)
         if tenant is not None:
@@ -236,7 +229,7 @@ class AuditQueries:
         r = s.runs.c
         a = s.attempts.c
         e = s.events.c
-        conds = _range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
+        conds = time_range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
         q = (select(*(r[c] for c in _RUN_COLS))
              .where(*conds, _failed_over(probed=True))
              .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
@@ -325,20 +318,15 @@ class AuditQueries:
         (a count is one too), so summing the parts' sums is exact.
         """
         a = s.attempts.c
-        window = _range(a.created_at, since, until)
+        window = time_range(a.created_at, since, until)
         rolled: Select[Any] | None = None
         if hours is not None and hours.hours:
             window = [hours.attempts_where()]
             t = s.attempt_rollups.c
             rkey = {"route": t.route_id, "group": t.group_id, "provider": t.provider,
                     "tenant": t.tenant, "label": t.labels}[by]
-            rolled = (select(rkey.label("key"), *(func.sum(t[c]).label(c) for c in (
-                "attempts", "succeeded", "failed")), literal(0).label("unknown"),
-                *(func.sum(t[c]).label(c) for c in (
-                    "prompt_tokens", "completion_tokens", "cost_micros")),
-                literal(0).label("held_micros"))
-                .where(hours.rollups_where())
-                .group_by(rkey))
+            rolled = (select(rkey.label("key"), *rollup_sums(*_TOTALS))
+                      .where(hours.rollups_where()).group_by(rkey))
 
         cost, held = charged_and_held()
         sums = (
@@ -379,10 +367,9 @@ class AuditQueries:
         both = union_all(*parts).subquery("parts")
         out = self._label_expr(label or "", both.c.key) if by == "label" else both.c.key
         total = func.sum(both.c.cost_micros)
-        q = select(out.label("key"), *(func.sum(both.c[c]).label(c) for c in (
-            "attempts", "succeeded", "failed", "unknown", "prompt_tokens",
-            "completion_tokens")), total.label("cost_micros"),
-            func.sum(both.c.held_micros).label("held_micros")).group_by(out)
+        q = select(out.label("key"), *(total.label(c) if c == "cost_micros"
+                                       else func.sum(both.c[c]).label(c) for c in _TOTALS)
+                   ).group_by(out)
         return q, total, out
 
     def latency(self, *, route: str | None, group: str | None, category: str | None,
@@ -392,7 +379,7 @@ class AuditQueries:
         :data:`LATENCY_MEASURES`: its count and percentiles (:data:`FRACTIONS`) over the
         attempts begun in [since, until) that match the filters, in one read."""
         a = s.attempts.c
-        where: list[ColumnElement[bool]] = _range(a.created_at, since, until)
+        where: list[ColumnElement[bool]] = time_range(a.created_at, since, until)
         for col, value in ((a.route_id, route), (a.group_id, group), (a.category, category),
                            (a.tenant, tenant), (a.state, state)):
             if value is not None:
@@ -418,7 +405,7 @@ class AuditQueries:
         """How many Runs admitted in the range failed over (:meth:`failovers`' rule)."""
         r = s.runs.c
         q = (select(func.count()).select_from(s.runs)
-             .where(*_range(r.created_at, since, until), _failed_over()))
+             .where(*time_range(r.created_at, since, until), _failed_over()))
         with self.ctx.reading() as conn:
             self.ctx.aggregating(conn)
             return int(conn.execute(q).scalar_one())
@@ -445,7 +432,7 @@ class AuditQueries:
             raise InvalidArgument(f"cannot total spend by {by!r}; choose tenant or label",
                                   field="by")
         offset = _offset(cursor)
-        conds = _range(r.created_at, since, until)
+        conds = time_range(r.created_at, since, until)
         sums = (func.count().label("runs"),
                 func.coalesce(func.sum(r.max_cost_micros - r.carved_micros), 0)
                 .label("budget_micros"),
@@ -485,7 +472,7 @@ class AuditQueries:
         on ``(created_at, event_id)``. Raises :class:`~ledger.errors.InvalidArgument`."""
         _check_limit(limit)
         e = s.events.c
-        conds: list[ColumnElement[bool]] = _range(e.created_at, since, until)
+        conds: list[ColumnElement[bool]] = time_range(e.created_at, since, until)
         cur = parse_cursor(cursor)
         if cur is not None:
             ts, last = cur
@@ -521,7 +508,8 @@ class AuditQueries:
         _check_limit(limit)
         a = s.attempts.c
         r = s.runs.c
-        conds = (_range(a.created_at, since, until) + _keyset(a.created_at, a.attempt_id, cursor))
+        conds = (time_range(a.created_at, since, until)
+                 + _keyset(a.created_at, a.attempt_id, cursor))
         d = s.debits.c
         q = (select(s.attempts, r.lease_holder.label("lease_holder"),
                     r.lease_expires_at.label("lease_expires_at"),

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, false, literal, or_, select
+from sqlalchemy import ColumnElement, and_, false, func, literal, or_, select, true
 
 from ledger.domain.records import AttemptState
 from ledger.storage import schema as s
@@ -34,10 +34,18 @@ def first_hour_from(t: float) -> int:
     return h if h * HOUR >= t else h + 1
 
 
+def time_range(col: Any, since: float | None, until: float | None) -> list[ColumnElement[bool]]:
+    """``since <= col < until`` as conditions (none for a side that is ``None``)."""
+    conds: list[ColumnElement[bool]] = []
+    if since is not None:
+        conds.append(col >= since)
+    if until is not None:
+        conds.append(col < until)
+    return conds
+
+
 def _within(col: Any, lo: float | None, hi: float | None) -> ColumnElement[bool]:
-    conds = [c for c in (None if lo is None else col >= lo, None if hi is None else col < hi)
-             if c is not None]
-    return and_(*conds) if conds else literal(True)
+    return and_(true(), *time_range(col, lo, hi))
 
 
 def hours_in(col: Any, lo: int | None, hi: int | None) -> ColumnElement[bool]:
@@ -83,6 +91,13 @@ class Split:
         return s.attempt_rollups.c.hour.between(self.hours[0], self.hours[-1])
 
 
+def rollup_sums(*names: str) -> list[ColumnElement[Any]]:
+    """The sums of ``attempt_rollups``' columns ``names``, each labelled with its name; a name
+    the roll-ups do not keep (``unknown``, ``held_micros``: open attempts only) is 0."""
+    t = s.attempt_rollups.c
+    return [func.sum(t[n]).label(n) if n in t else literal(0).label(n) for n in names]
+
+
 def rolled_hours(conn: Any, since: float | None, until: float | None) -> list[int]:
     """The rolled hours wholly inside ``[since, until)``, in order."""
     h = s.rollup_hours.c.hour
@@ -100,4 +115,4 @@ def split(conn: Any, since: float | None, until: float | None) -> Split:
 
 
 __all__ = ["HOUR", "OPEN_STATES", "Split", "first_hour_from", "hour_of", "hours_in",
-           "rolled_hours", "split"]
+           "rolled_hours", "rollup_sums", "split", "time_range"]

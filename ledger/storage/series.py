@@ -23,7 +23,6 @@ from sqlalchemy import (
     case,
     cast,
     func,
-    literal,
     literal_column,
     or_,
     select,
@@ -34,7 +33,7 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
-from ledger.storage.hours import HOUR, split
+from ledger.storage.hours import HOUR, rollup_sums, split
 
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
@@ -83,23 +82,21 @@ class SeriesQueries:
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
             hours = split(conn, since, until) if since % HOUR == 0 else None
-            rolled = hours is not None and bool(hours.hours)
-            window = ([hours.attempts_where()] if hours is not None and rolled
+            rolled = hours if hours is not None and hours.hours else None
+            window = ([rolled.attempts_where()] if rolled is not None
                       else [a.created_at >= since, a.created_at < until])
             q = (select(day, a.tenant.label("tenant"), func.count().label("attempts"),
                         charged.label("cost_micros"), held.label("held_micros"))
                  .where(*window).group_by(literal_column("day"), a.tenant))
-            if hours is not None and rolled:
+            if rolled is not None:
                 t = s.attempt_rollups.c
+                cols = ("attempts", "cost_micros", "held_micros")
                 sums = (select(self._bucket(t.hour * HOUR, since, 86400.0).label("day"),
-                               t.tenant.label("tenant"), func.sum(t.attempts).label("attempts"),
-                               func.sum(t.cost_micros).label("cost_micros"),
-                               literal(0).label("held_micros"))
-                        .where(hours.rollups_where()).group_by(literal_column("day"), t.tenant))
+                               t.tenant.label("tenant"), *rollup_sums(*cols))
+                        .where(rolled.rollups_where()).group_by(literal_column("day"), t.tenant))
                 both = union_all(q, sums).subquery("parts")
                 q = (select(both.c.day, both.c.tenant,
-                            *(func.sum(both.c[c]).label(c) for c in (
-                                "attempts", "cost_micros", "held_micros")))
+                            *(func.sum(both.c[c]).label(c) for c in cols))
                      .group_by(both.c.day, both.c.tenant))
             return _maps(conn.execute(q.order_by(literal_column("day"), literal_column("tenant"))
                                       ).all())
