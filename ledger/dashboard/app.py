@@ -51,6 +51,7 @@ from ledger.dashboard.actions import (
 from ledger.dashboard.charts import (
     axis_number,
     chart_svg,
+    chart_window,
     cost_days_svg,
     latency_top,
     sparkline_svg,
@@ -538,7 +539,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         days = int(_num(request, "days", 7))
         since = now - hours * 3600
         rep = au.health(now, latency_window_s=hours * 3600)
-        buckets = au.activity(since=since, until=now, buckets=48)
+        chart_since, chart_until, n = chart_window(now, hours)
+        buckets = au.activity(since=chart_since, until=chart_until, buckets=n)
         series = au.route_series(since=since, until=now, buckets=24, routes=8)
         answered = au.latency(since=since, until=now, state="succeeded")
         fos = au.failovers(since=since, until=now, limit=20)
@@ -557,14 +559,20 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                  + (f" {c.http_status}" if c.http_status else "")
                                  for c in f.causes)),
                     _tag(f.status), _ago(f.created_at, now)] for f in fos.items]
-        total = sum(b.attempts for b in buckets)
-        bad = sum(b.failed + b.unknown for b in buckets)
+        # The tiles count the page's window, like the money beside them; the chart its hours.
+        total = sum(t.attempts for t in by_tenant.items)
+        bad = sum(t.failed + t.unknown for t in by_tenant.items)
         cost = sum((t.cost for t in by_tenant.items), Decimal(0))
         held = sum((t.held for t in by_tenant.items), Decimal(0))
+        charted = sum(b.attempts for b in buckets)
+        charted_bad = sum(b.failed + b.unknown for b in buckets)
+        width = (chart_until - chart_since) / n
         body = (
             _glance_html(rep, total, bad, failed_over, cost, held, hours)
             + f'<section><h2>Attempts and failures, last {hours:g} h '
-            f'<span class="muted">({total} attempts, {bad} failed or unknown; UTC)</span></h2>'
+            f'<span class="muted" id="activity-window">({_t(chart_since)} to {_t(now)}, '
+            f"{n} buckets of {width / 60:g} min, UTC; {charted} attempts, {charted_bad} "
+            f"failed or unknown)</span></h2>"
             + chart_svg(buckets) + "</section>"
             + _routes_html(series, hours, now, answered)
             + _health_html(rep)

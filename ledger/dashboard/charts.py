@@ -43,6 +43,23 @@ def axis_number(v: float) -> str:
     return format(Decimal(repr(float(v))).normalize(), "f")
 
 
+def chart_window(now: float, hours: float) -> tuple[float, float, int]:
+    """The activity chart's (since, until, buckets) for the last ``hours`` hours at ``now``.
+
+    A whole number of hours, a day or more, is charted in buckets of whole hours (24 to 48)
+    that start on the hour and end with the hour ``now`` is in: their counts come from the
+    hourly roll-ups (:meth:`ledger.ops.audit.Audit.activity`), and the chart covers ``hours``
+    hours at least, less than one bucket more. A shorter or fractional span, whose attempts
+    are few enough to count one by one, keeps 48 equal slices of exactly
+    ``[now - hours h, now)``."""
+    if hours < 24 or hours != int(hours):
+        return now - hours * 3600, now, 48
+    width = math.ceil(hours / 48)
+    n = math.ceil(hours / width)
+    until = (math.floor(now / 3600) + 1) * 3600.0
+    return until - n * width * 3600.0, until, n
+
+
 def chart_svg(buckets: list[ActivityBucket], width: int = 900, height: int = 170) -> str:
     """Bars of attempts per bucket (grey) with their failures and unknowns (red) in front."""
     pad_l, pad_b, pad_t = 44, 22, 10
@@ -175,5 +192,5 @@ def cost_days_svg(days: list[DayCost], day_starts: list[float], *, width: int = 
     return "".join(parts) + f'<p class="legend">{legend}</p>'
 
 
-__all__ = ["PALETTE", "axis_number", "chart_svg", "color", "cost_days_svg", "latency_top",
-           "sparkline_svg"]
+__all__ = ["PALETTE", "axis_number", "chart_svg", "chart_window", "color", "cost_days_svg",
+           "latency_top", "sparkline_svg"]

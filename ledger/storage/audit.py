@@ -43,7 +43,7 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
-from ledger.storage.hours import Split, rollup_sums, split, time_range
+from ledger.storage.hours import HOUR, Split, rollup_sums, split, time_range
 
 #: What :meth:`AuditQueries.totals` can group by.
 TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
@@ -585,19 +585,35 @@ class AuditQueries:
 
     def activity(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
         """Attempts per ``bucket_s`` bucket of [since, until): total, failed, unknown.
-        Raises :class:`~ledger.errors.InvalidArgument` (``bucket_s`` not > 0)."""
+
+        When ``since`` starts an hour and ``bucket_s`` is a whole number of hours (so no hour
+        straddles two buckets), the settled attempts of rolled hours
+        (:mod:`ledger.storage.rollups`) are counted from their roll-ups. Raises
+        :class:`~ledger.errors.InvalidArgument` (``bucket_s`` not > 0)."""
         if bucket_s <= 0:
             raise InvalidArgument("bucket_s must be > 0", field="bucket_s")
         a = s.attempts.c
+        cols = ("attempts", "failed", "unknown")
         bucket: ColumnElement[Any] = self.ctx.bucket(a.created_at, since, bucket_s)
-        q = (select(bucket.label("bucket"), func.count().label("attempts"),
-                    func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
-                    func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"))
-             .where(a.created_at >= since, a.created_at < until)
-             .group_by(literal_column("bucket")).order_by(literal_column("bucket")))
         with self.ctx.reading() as conn:
+            self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
-            return _maps(conn.execute(q).all())
+            aligned = since % HOUR == 0 and bucket_s % HOUR == 0
+            hours = split(conn, since, until) if aligned else None
+            window = ([hours.attempts_where()] if hours is not None and hours.hours
+                      else [a.created_at >= since, a.created_at < until])
+            q = (select(bucket.label("bucket"), func.count().label("attempts"),
+                        in_state("failed").label("failed"), in_state("unknown").label("unknown"))
+                 .where(*window).group_by(literal_column("bucket")))
+            if hours is not None and hours.hours:
+                t = s.attempt_rollups.c
+                sums = (select(self.ctx.bucket(t.hour * HOUR, since, bucket_s).label("bucket"),
+                               *rollup_sums(*cols))
+                        .where(hours.rollups_where()).group_by(literal_column("bucket")))
+                both = union_all(q, sums).subquery("parts")
+                q = (select(both.c.bucket, *(func.sum(both.c[c]).label(c) for c in cols))
+                     .group_by(both.c.bucket))
+            return _maps(conn.execute(q.order_by(literal_column("bucket"))).all())
 
     def schema_present(self) -> bool:
         """Whether the ledger's tables exist (a reader never creates them)."""

@@ -465,3 +465,36 @@ def test_stopped_run_in_headless_chromium(demo_url: tuple[str, str]) -> None:
         res = _browse(chromium, f"--screenshot={shot}", "--window-size=1400,900",
                       f"{base}/runs/{stopped}")
         assert res.returncode == 0 and shot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("now", [NOW, 1_700_000_000.0, 1_699_999_200.0])
+def test_a_chart_of_whole_days_is_cut_on_the_hour_so_the_rollups_count_it(now: float) -> None:
+    from ledger.dashboard.charts import chart_window
+
+    for hours in range(24, 24 * 40):
+        since, until, n = chart_window(now, hours)
+        width = (until - since) / n
+        assert since % 3600 == 0 and width % 3600 == 0 and 24 <= n <= 48, hours
+        assert until - 3600 <= now < until  # ends with the hour now is in
+        assert hours * 3600 <= until - since < hours * 3600 + width  # the span, less a bucket
+    # A shorter or fractional span keeps exactly its window, in 48 slices.
+    for hours in (1, 0.5, 23, 24.5):
+        assert chart_window(now, hours) == (now - hours * 3600, now, 48)
+
+
+def test_the_days_chart_says_its_hours_and_the_tiles_count_the_pages_window(
+        seeded_url: str) -> None:
+    from ledger.dashboard.charts import chart_window
+    from ledger.domain.timefmt import iso
+
+    with _client(seeded_url) as c:
+        day = c.get("/", params={"hours": 24}).text
+        hour = c.get("/", params={"hours": 1}).text
+    since = chart_window(NOW, 24)[0]
+    window = day.split('id="activity-window">', 1)[1].split("</span>", 1)[0]
+    assert f"({iso(since)} to {iso(NOW)}, 24 buckets of 60 min, UTC; 8 attempts" in window
+    window = hour.split('id="activity-window">', 1)[1].split("</span>", 1)[0]
+    assert f"({iso(NOW - 3600)} to {iso(NOW)}, 48 buckets of 1.25 min, UTC; 8 attempts" in window
+    for page in (day, hour):
+        glance = page.split('id="glance"', 1)[1].split("</section>", 1)[0]
+        assert "h<b>8</b>" in glance

@@ -10,6 +10,7 @@ checks the real queries, not copies of them.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -174,3 +175,12 @@ def test_one_day_totals_over_rolled_hours_use_indexes(big: Audit, by: str) -> No
         pytest.fail("nothing was rolled up: the test would check the plain totals again")
     window = {"since": END - DAY - 1800.5, "until": END - 900.25}  # ragged at both ends
     _assert_indexed(big, lambda: big.costs(by=by, label="team", **window))
+
+
+def test_the_dashboards_chart_over_rolled_hours_uses_indexes(big: Audit) -> None:
+    # After the totals' roll-up above (or its own): the hours of the day's chart are rolled.
+    big.ledger.roll_up(lag=0)
+    until = (math.floor(END / 3600) + 1) * 3600.0
+    chart = lambda: big.activity(since=until - DAY, until=until, buckets=24)  # noqa: E731
+    _assert_indexed(big, chart)
+    assert any("attempt_rollups" in sql for sql, _ in _plans_of(big, chart))

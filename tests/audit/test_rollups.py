@@ -32,6 +32,14 @@ WINDOWS = [
     (hour_of(END - 3 * HOUR) * HOUR + 60, hour_of(END - 3 * HOUR) * HOUR + 1800),  # in one hour
 ]
 KEYS = ("route", "group", "provider", "tenant", "label", "run")
+_START = hour_of(END - SPAN) * HOUR
+CHARTS = [  # (since, until, buckets, counted from the roll-ups)
+    (_START, _START + 11 * HOUR, 11, True),  # the dashboard's: an hour a bucket
+    (_START + HOUR, _START + 11 * HOUR, 5, True),  # two hours a bucket
+    (_START, _START + 11 * HOUR, 22, False),  # half an hour a bucket
+    (_START, _START + 11 * HOUR, 12, False),  # 55 minutes
+    (END - SPAN + 1234.5, END - SPAN + 1234.5 + 11 * HOUR, 11, False),  # not on the hour
+]
 
 
 def _generated(url: str, attempts: int = 400) -> Ledger:
@@ -46,7 +54,15 @@ def _answers(led: Ledger) -> dict[str, Any]:
         by=by, label="team" if by == "label" else None, since=since, until=until,
         limit=10_000).items) for by in KEYS for since, until in WINDOWS}
     out["by day"] = to_jsonable(audit.costs_by_day(days=2, now=END))
+    out.update(_activity(audit))
     return out
+
+
+def _activity(audit: Audit) -> dict[str, Any]:
+    """The activity chart over windows on the hour in buckets of whole hours (``rolled``: the
+    roll-ups count them), and over a ragged window or in parts of hours (they cannot)."""
+    return {f"activity {since} {until} {n} {rolled}": to_jsonable(audit.activity(
+        since=since, until=until, buckets=n)) for since, until, n, rolled in CHARTS}
 
 
 def _sql(url: str, sql: str, args: dict[str, Any] | None = None) -> list[Any]:
@@ -86,9 +102,14 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
                           if hour_of(r[0]) in rolled]
         assert open_in_rolled
         assert _answers(led) == before
-        # And the totals do read the roll-ups: a roll-up row changed shows in them.
+        # And the totals and the chart do read the roll-ups: a roll-up row changed shows in
+        # them, the chart's buckets of whole hours only.
         _sql(db_url, "UPDATE attempt_rollups SET attempts = attempts + 1000")
-        assert _answers(led) != before
+        after = _answers(led)
+        changed = {k for k in before if after[k] != before[k]}
+        assert {k for k in changed if k.startswith("activity")} == {
+            k for k in before if k.startswith("activity") and k.endswith("True")}
+        assert any(k.startswith("route") for k in changed)
     finally:
         led.close()
 
