@@ -254,6 +254,11 @@ class _Generator:
         running = status == "running"
         if not running:
             self._event(run_id, None, "finish", {"status": status}, t)
+        # The audit's rule, as the ledger's writes mark it: a move, or a success elsewhere.
+        failed_over = (
+            any(e["kind"] == "move" for e in self.rows.tables["events"][first_row[0]:])
+            or any(a["state"] == "succeeded" and a["route_id"] != plan[0].id
+                   for a in self.rows.tables["attempts"][first_row[1]:]))
         self.rows.add("runs", {
             "run_id": run_id, "parent_run_id": None, "role": "research", "tenant": tenant,
             "labels": self.labels_json, "status": status,
@@ -273,14 +278,13 @@ class _Generator:
             # A finished Run's lease was released; one in flight is kept renewed.
             "lease_holder": _EXECUTOR if running else None, "fence": 1,
             "lease_expires_at": self.end + _LEASE_TTL_S if running else None,
-            "created_at": t0, "updated_at": t,
+            "failed_over": failed_over, "created_at": t0, "updated_at": t,
         })
         if t > self.end - 1:
             # The Run ran past the end of the history: it happened that much earlier.
             self._shift(first_row, t - (self.end - 1))
         self.stats.runs += 1
-        moved = any(e["kind"] == "move" for e in self.rows.tables["events"][first_row[0]:])
-        if moved or (c.current is not None and c.current[0] != plan[0].id):
+        if failed_over:
             self.stats.failovers += 1
 
     def _turn(self, run: FrozenRun, lease: Lease, turn_id: str, health: dict[str, Health],

@@ -11,8 +11,8 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 
 - timeline: ``uq_attempts_run_id_seq``, ``ix_events_run_id_event_id``, ``pk_debits``;
 - runs page: ``ix_runs_created_at`` / ``ix_runs_status_created_at`` / ``ix_runs_tenant_created_at``;
-- failovers: ``ix_runs_created_at`` walk with per-run probes on ``ix_attempts_run_id_state``
-  and ``ix_events_run_id_kind`` (the page's probes are forced: :func:`_failed_over`);
+- failovers, their page and their count: ``ix_runs_failed_over_created_at`` (a Run is marked
+  when it fails over, by the write that makes it so: migration 0012);
 - totals and activity over a time range: ``ix_attempts_created_at`` (the money each debit
   moved is read off its attempt's row: :func:`charged_and_held`); the totals of rolled hours
   (:mod:`ledger.storage.rollups`) ``ix_attempt_rollups_hour``, and their open attempts
@@ -115,27 +115,6 @@ def _maps(rows: Sequence[Any]) -> list[RowMap]:
     return [dict(r._mapping) for r in rows]
 
 
-def _failed_over(*, probed: bool = False) -> ColumnElement[bool]:
-    """A Run failed over: a success on another route than its selected one, or a move.
-
-    ``probed``: for a page, which stops after its first runs. Each Run's ``move`` is then
-    looked up by its own index probe (``ix_events_run_id_kind``) instead of PostgreSQL's
-    default for a day of Runs, one pass collecting every ``move`` event of the history into a
-    hash table (hundreds of milliseconds at a million attempts, for a page that needs a few
-    hundred Runs). ``OFFSET 0`` is what says so: an EXISTS with an OFFSET is never turned into
-    that hash (on SQLite it changes nothing). A count of the whole range wants the hash.
-    """
-    r = s.runs.c
-    a = s.attempts.c
-    e = s.events.c
-    served_elsewhere = (select(a.attempt_id)
-                        .where(a.run_id == r.run_id, a.state == "succeeded",
-                               a.route_id != r.selected_route).exists())
-    moves = select(e.event_id).where(e.run_id == r.run_id, e.kind == "move")
-    moved = (moves.offset(0) if probed else moves).exists()
-    return or_(served_elsewhere, moved)
-
-
 def in_state(state: str) -> ColumnElement[Any]:
     """How many of the attempts summed are in ``state``."""
     return func.coalesce(func.sum(case((s.attempts.c.state == state, 1), else_=0)), 0)
@@ -231,7 +210,7 @@ class AuditQueries:
         e = s.events.c
         conds = time_range(r.created_at, since, until) + _keyset(r.created_at, r.run_id, cursor)
         q = (select(*(r[c] for c in _RUN_COLS))
-             .where(*conds, _failed_over(probed=True))
+             .where(*conds, r.failed_over)
              .order_by(r.created_at.desc(), r.run_id.desc()).limit(limit + 1))
         with self.ctx.reading() as conn:
             runs = _maps(conn.execute(q).all())
@@ -405,7 +384,7 @@ class AuditQueries:
         """How many Runs admitted in the range failed over (:meth:`failovers`' rule)."""
         r = s.runs.c
         q = (select(func.count()).select_from(s.runs)
-             .where(*time_range(r.created_at, since, until), _failed_over()))
+             .where(*time_range(r.created_at, since, until), r.failed_over))
         with self.ctx.reading() as conn:
             self.ctx.aggregating(conn)
             return int(conn.execute(q).scalar_one())

@@ -235,7 +235,7 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
         "retries": 1 if spec.take_retry else 0,
         "reserve": 0 if rejected else spec.reserve_micros,
         "reserve_tokens": 0 if rejected else spec.reserve_tokens,
-        "status": RunStatus.RUNNING.value, "now": now}))
+        "status": RunStatus.RUNNING.value, "now": now, "moved": _moves(events)}))
     faults.point("begin.before_commit")
     yield Flush(sql.writes(writes), commit=True)
     faults.point("begin.after_commit")
@@ -546,6 +546,11 @@ def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[
             "data": event_json(data), "created_at": now}
 
 
+def _moves(events: list[dict[str, Any]]) -> bool:
+    """Whether ``events`` hold a ``move``: their Run failed over (the audit's rule)."""
+    return any(e["kind"] == "move" for e in events)
+
+
 # -- settle ------------------------------------------------------------------------------------
 
 def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) -> Tx[AttemptRecord]:
@@ -620,6 +625,7 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
         "posted": holds.posted_micros if settle_debit else 0,
         "release_tokens": holds.release_tokens if settle_debit else 0,
         "tokens": holds.tokens_used, "uncount": 1 if holds.uncount_call else 0, "now": now,
+        "moved": any(k == "move" for k, _ in spec.events),
     }
     if succeeded:
         run_params.update(route=att.route_id, profile=att.profile_id)
@@ -815,8 +821,11 @@ def provenance_tx(sql: Statements, lease: Lease, ref: str, content_hash: str, ki
 def event_tx(sql: Statements, lease: Lease, attempt_id: str | None, kind: str,
              data: Mapping[str, Any], clock: ClockFn, margin: float) -> Tx[None]:
     _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
-    yield Flush((Q(sql.insert_event, [_event(lease.run_id, attempt_id, kind, data, now)],
-                   many=True),), commit=True)
+    writes = [Q(sql.insert_event, [_event(lease.run_id, attempt_id, kind, data, now)],
+                many=True)]
+    if kind == "move":  # a host's own move counts as the turn loop's (the audit's rule)
+        writes.append(Q(sql.mark_failed_over, {"run_id": lease.run_id}))
+    yield Flush(sql.writes(writes), commit=True)
 
 
 def mark_unknown_tx(sql: Statements, lease: Lease, attempt_id: str, clock: ClockFn,

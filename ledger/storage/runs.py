@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, or_, select
+from sqlalchemy import Connection, and_, bindparam, func, literal, or_, select
 
 from ledger.decide.health import group_closed, operator_clear
 from ledger.decide.settle import settle_holds
@@ -26,6 +26,7 @@ from ledger.domain.records import (
     DebitRecord,
     DebitState,
     EventRecord,
+    Outcome,
     Page,
     RunRecord,
     RunStatus,
@@ -220,8 +221,8 @@ class RunQueries:
                 raise NotFound(f"unknown attempt id {spec.attempt_id!r}; list unknown attempts "
                                "with `failover-ledger attempts --open`",
                                attempt_id=spec.attempt_id)
-            run = conn.execute(select(r.run_id, r.max_tokens).where(r.run_id == found.run_id)
-                               .with_for_update()).one()
+            run = conn.execute(select(r.run_id, r.max_tokens, r.selected_route)
+                               .where(r.run_id == found.run_id).with_for_update()).one()
             now = clock()
             att = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
             if att.state != AttemptState.UNKNOWN.value or att.debit_state != "reserved":
@@ -257,7 +258,12 @@ class RunQueries:
                 posted_micros=r.posted_micros + holds.posted_micros,
                 tokens_reserved=r.tokens_reserved - holds.release_tokens,
                 tokens_used=r.tokens_used + holds.tokens_used,
-                calls_used=r.calls_used - (1 if holds.uncount_call else 0), updated_at=now))
+                calls_used=r.calls_used - (1 if holds.uncount_call else 0), updated_at=now,
+                # A success elsewhere, or a move recorded with it: failed over (0012's rule).
+                failed_over=or_(r.failed_over, literal(
+                    any(k == "move" for k, _ in spec.events)
+                    or (spec.outcome is Outcome.SUCCEEDED
+                        and att.route_id != run.selected_route)))))
             self.ctx.add_event(conn, run.run_id, spec.attempt_id, "late_receipt", {
                 "applied": True, "by": spec.by, "note": spec.note,
                 "previous_state": AttemptState.UNKNOWN.value, "outcome": spec.outcome.value,

@@ -33,11 +33,13 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
+    false,
     func,
     literal_column,
     null,
     or_,
     select,
+    true,
     update,
 )
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -288,7 +290,9 @@ def _run_counters(p: Namer) -> dict[str, Any]:
             "posted_micros": r.posted_micros + p("posted"),
             "tokens_reserved": r.tokens_reserved - p("release_tokens"),
             "tokens_used": r.tokens_used + p("tokens"),
-            "calls_used": r.calls_used - p("uncount"), "updated_at": p("now")}
+            "calls_used": r.calls_used - p("uncount"), "updated_at": p("now"),
+            # ``moved``: the transaction writes a ``move`` event (the audit's rule, 0012).
+            "failed_over": or_(r.failed_over, p("moved"))}
 
 
 def _group_fact(k: Spelling, p: Namer = bindparam) -> Any:
@@ -474,13 +478,18 @@ class Statements:
     insert_slot = _stmt(lambda k, p=bindparam: k.insert(_slots).values(
         {c.name: p(c.name) for c in _slots.c if c.name != "slot_no"}))
     insert_event = _stmt(_event_rows)
+    # A ``move`` written makes its Run one that failed over (the audit's rule, 0012).
+    mark_failed_over = _stmt(lambda k, p=bindparam: update(_runs).where(
+        _runs.c.run_id == p("run_id"), _runs.c.failed_over.is_(false())).values(
+        failed_over=true()))
     begin_run = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(
         calls_used=_runs.c.calls_used + p("calls"),
         retries_used=_runs.c.retries_used + p("retries"),
         reserved_micros=_runs.c.reserved_micros + p("reserve"),
         tokens_reserved=_runs.c.tokens_reserved + p("reserve_tokens"),
-        status=p("status"), updated_at=p("now")))
+        status=p("status"), updated_at=p("now"),
+        failed_over=or_(_runs.c.failed_over, p("moved"))))
     adopt_attempt = _stmt(lambda k, p=bindparam: update(_att).where(
         _att.c.attempt_id == p("attempt_id")).values(fence=p("fence")))
     adopt_slot = _stmt(lambda k, p=bindparam: update(_slots).where(
@@ -524,7 +533,9 @@ class Statements:
     settle_run_succeeded = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(
         {**_run_counters(p), "current_route": p("route"), "current_profile": p("profile"),
-         "profile_compactions": _runs.c.compactions}))
+         "profile_compactions": _runs.c.compactions,
+         "failed_over": or_(_runs.c.failed_over, p("moved"),
+                            _runs.c.selected_route != p("route"))}))
     insert_health = _stmt(lambda k, p=bindparam: k.insert(_health).values(
         key=p("key"), kind=p("kind"), provider=p("provider"),
         **{c.name: p(c.name) for c in HEALTH_WRITE}).on_conflict_do_nothing()

@@ -114,6 +114,16 @@ def test_one_day_totals_use_indexes(big: Audit, by: str) -> None:
     _assert_indexed(big, lambda: big.costs(by=by, label="team", since=END - DAY, until=END))
 
 
+def test_the_failovers_count_reads_only_the_marked_runs_index(big: Audit) -> None:
+    # A day's count touches neither attempts nor events (nor every Run of the day): 0012.
+    for since in (END - DAY, None):
+        plans = _plans_of(big, lambda: big.count_failovers(since=since, until=END))  # noqa: B023
+        [(sql, nodes)] = plans
+        assert "attempts" not in sql and "events" not in sql, sql
+        kinds = [kind for kind, rel in nodes if rel == "runs"]
+        assert kinds and "Seq Scan" not in kinds, nodes  # the partial index, not every Run
+
+
 def test_failovers_attempts_open_and_activity_use_indexes(big: Audit) -> None:
     window = {"since": END - DAY, "until": END}
     _assert_indexed(big, lambda: big.failovers(limit=50, **window))

@@ -518,15 +518,18 @@ def test_an_older_schema_opened_without_migration_is_a_setup_error_that_writes_n
 
     with Ledger.open(db_url, clock=clock) as led:
         _lease, att = _seed(led)
+        led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r2", ttl_s=30, executor_id="w2")
     assert "labels" not in downgrade_schema(db_url, "0009")  # the package before the 0010
 
-    def outdated(err: LedgerError, lacks: str = "labels") -> None:
+    def outdated(err: LedgerError, lacks: str = "failed_over") -> None:
         assert err.fields["problem"] == "schema_outdated", err.fields
         assert "failover-ledger db init" in str(err) and lacks in str(err), str(err)
 
     with Ledger.open(db_url, clock=clock, migrate_schema=False) as led:
-        led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
-        lease = led.acquire_lease("r2", ttl_s=30, executor_id="w2")
+        # The Run's mark of a failover (0012) is read with the Run, by admission and begin.
+        outdated(mapped(lambda: led.admit_run("r3", plan=routes(), budget=budget(),
+                                              grant=grant()), DatabaseSetupError))
         outdated(mapped(lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV,
                                                   reserve="0.01"), DatabaseSetupError))
         # The totals look for the hours rolled up (0011) first.
@@ -547,6 +550,8 @@ def test_an_older_schema_opened_without_migration_is_a_setup_error_that_writes_n
                                 ).scalar() == 0
             assert conn.execute(text("SELECT calls_used, reserved_micros FROM runs "
                                      "WHERE run_id = 'r2'")).one() == (0, 0)
+            assert conn.execute(text("SELECT count(*) FROM runs WHERE run_id = 'r3'")
+                                ).scalar() == 0
     finally:
         eng.dispose()
 

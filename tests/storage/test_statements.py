@@ -32,7 +32,7 @@ def test_every_statement_compiles_with_only_the_parameters_the_transactions_pass
         assert stmt.text and stmt is getattr(sql, name), name  # compiled once, then kept
     # Positional on psycopg (the order the text takes them), named on sqlite3.
     assert (st.postgres().begin_run.names == ("status", "calls", "retries", "reserve",
-                                            "reserve_tokens", "now", "run_id"))
+                                            "reserve_tokens", "moved", "now", "run_id"))
     assert st.SQLITE.begin_run.names == () and ":reserve_tokens" in st.SQLITE.begin_run.text
     # The columns a statement returns are the schema's, by name.
     assert st.SQLITE.attempt.columns[:len(s.attempts.c)] == tuple(s.attempts.c.keys())
