@@ -14,7 +14,7 @@ group's slots, so a decision is recorded at the time it was taken.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -235,7 +235,7 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
         "retries": 1 if spec.take_retry else 0,
         "reserve": 0 if rejected else spec.reserve_micros,
         "reserve_tokens": 0 if rejected else spec.reserve_tokens,
-        "status": RunStatus.RUNNING.value, "now": now, "moved": _moves(events)}))
+        "status": RunStatus.RUNNING.value, "now": now, "moved": moved(spec.events)}))
     faults.point("begin.before_commit")
     yield Flush(sql.writes(writes), commit=True)
     faults.point("begin.after_commit")
@@ -546,9 +546,10 @@ def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[
             "data": event_json(data), "created_at": now}
 
 
-def _moves(events: list[dict[str, Any]]) -> bool:
-    """Whether ``events`` hold a ``move``: their Run failed over (the audit's rule)."""
-    return any(e["kind"] == "move" for e in events)
+def moved(events: Iterable[tuple[str, Any]]) -> bool:
+    """Whether ``events`` (kind, data) hold a ``move``: their Run failed over (the audit's
+    rule, kept on the Run since migration 0012)."""
+    return any(kind == "move" for kind, _ in events)
 
 
 # -- settle ------------------------------------------------------------------------------------
@@ -625,7 +626,7 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
         "posted": holds.posted_micros if settle_debit else 0,
         "release_tokens": holds.release_tokens if settle_debit else 0,
         "tokens": holds.tokens_used, "uncount": 1 if holds.uncount_call else 0, "now": now,
-        "moved": any(k == "move" for k, _ in spec.events),
+        "moved": moved(spec.events),
     }
     if succeeded:
         run_params.update(route=att.route_id, profile=att.profile_id)
@@ -914,6 +915,7 @@ __all__ = [
     "late_receipt_tx",
     "leave_queue_tx",
     "mark_unknown_tx",
+    "moved",
     "provenance_tx",
     "release_tx",
     "renew_tx",

@@ -53,7 +53,7 @@ from ledger.errors import (
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json, health_values
-from ledger.storage.hot import check_live
+from ledger.storage.hot import check_live, moved
 from ledger.storage.rows import attempt_record, health_record, run_record
 
 SEL_ATTEMPT_WITH_DEBIT = (
@@ -261,9 +261,8 @@ class RunQueries:
                 calls_used=r.calls_used - (1 if holds.uncount_call else 0), updated_at=now,
                 # A success elsewhere, or a move recorded with it: failed over (0012's rule).
                 failed_over=or_(r.failed_over, literal(
-                    any(k == "move" for k, _ in spec.events)
-                    or (spec.outcome is Outcome.SUCCEEDED
-                        and att.route_id != run.selected_route)))))
+                    moved(spec.events) or (spec.outcome is Outcome.SUCCEEDED
+                                           and att.route_id != run.selected_route)))))
             self.ctx.add_event(conn, run.run_id, spec.attempt_id, "late_receipt", {
                 "applied": True, "by": spec.by, "note": spec.note,
                 "previous_state": AttemptState.UNKNOWN.value, "outcome": spec.outcome.value,

@@ -380,12 +380,21 @@ def _serving(url: str, clock: ManualClock | None) -> Iterator[str]:
 
 
 def _browse(chromium: str, *args: str) -> subprocess.CompletedProcess[str]:
-    with tempfile.TemporaryDirectory(prefix="ledger-chromium-") as profile:
-        return subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args],
-            capture_output=True, text=True, timeout=90)
+    """Chromium's answer for ``args``. A DOM dump that comes back empty with success is asked
+    again (twice at most): with the machine's cores busy, headless Chromium has exited 0
+    having printed nothing, and no page of the dashboard is empty, so an empty dump is never
+    the answer under test."""
+    for _ in range(3):
+        with tempfile.TemporaryDirectory(prefix="ledger-chromium-") as profile:
+            res = subprocess.run(
+                [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                 f"--user-data-dir={profile}", *args],
+                capture_output=True, text=True, timeout=90)
+        if "--dump-dom" not in args or res.returncode != 0 or res.stdout.strip():
+            return res
+    return res
 
 
 @pytest.mark.browser
