@@ -43,7 +43,7 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
-from ledger.storage.hours import HOUR, Split, rollup_sums, split, time_range
+from ledger.storage.hours import HOUR, Split, bucketed_split, rollup_sums, split, time_range
 
 #: What :meth:`AuditQueries.totals` can group by.
 TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
@@ -577,14 +577,13 @@ class AuditQueries:
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
-            aligned = since % HOUR == 0 and bucket_s % HOUR == 0
-            hours = split(conn, since, until) if aligned else None
-            window = ([hours.attempts_where()] if hours is not None and hours.hours
-                      else [a.created_at >= since, a.created_at < until])
+            hours = bucketed_split(conn, since, until, bucket_s)
+            window = ([hours.attempts_where()] if hours is not None
+                      else time_range(a.created_at, since, until))
             q = (select(bucket.label("bucket"), func.count().label("attempts"),
                         in_state("failed").label("failed"), in_state("unknown").label("unknown"))
                  .where(*window).group_by(literal_column("bucket")))
-            if hours is not None and hours.hours:
+            if hours is not None:
                 t = s.attempt_rollups.c
                 sums = (select(self.ctx.bucket(t.hour * HOUR, since, bucket_s).label("bucket"),
                                *rollup_sums(*cols))

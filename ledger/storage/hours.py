@@ -114,5 +114,15 @@ def split(conn: Any, since: float | None, until: float | None) -> Split:
     return Split(since, until, rolled_hours(conn, since, until))
 
 
-__all__ = ["HOUR", "OPEN_STATES", "Split", "first_hour_from", "hour_of", "hours_in",
-           "rolled_hours", "rollup_sums", "split", "time_range"]
+def bucketed_split(conn: Any, since: float, until: float, width: float) -> Split | None:
+    """:func:`split` for buckets ``width`` wide from ``since``, when each holds whole hours
+    (``since`` starts an hour, ``width`` is whole hours: no hour straddles two buckets) and
+    some hour inside is rolled; else ``None``: read the window from ``attempts``."""
+    if since % HOUR or width % HOUR:
+        return None
+    hours = split(conn, since, until)
+    return hours if hours.hours else None
+
+
+__all__ = ["HOUR", "OPEN_STATES", "Split", "bucketed_split", "first_hour_from", "hour_of",
+           "hours_in", "rolled_hours", "rollup_sums", "split", "time_range"]

@@ -33,7 +33,7 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
-from ledger.storage.hours import HOUR, rollup_sums, split
+from ledger.storage.hours import HOUR, bucketed_split, rollup_sums, time_range
 
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
@@ -81,10 +81,9 @@ class SeriesQueries:
         day = self._bucket(a.created_at, since, 86400.0).label("day")
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
-            hours = split(conn, since, until) if since % HOUR == 0 else None
-            rolled = hours if hours is not None and hours.hours else None
+            rolled = bucketed_split(conn, since, until, 86400.0)
             window = ([rolled.attempts_where()] if rolled is not None
-                      else [a.created_at >= since, a.created_at < until])
+                      else time_range(a.created_at, since, until))
             q = (select(day, a.tenant.label("tenant"), func.count().label("attempts"),
                         charged.label("cost_micros"), held.label("held_micros"))
                  .where(*window).group_by(literal_column("day"), a.tenant))

@@ -283,8 +283,9 @@ def _event_rows(k: Spelling, *rows: Namer) -> Any:
         "data": p("data"), "created_at": p("created_at")} for p in rows or (bindparam,)])
 
 
-def _run_counters(p: Namer) -> dict[str, Any]:
-    """A settle's (or a voided begin's) release of the run's holds."""
+def _run_counters(p: Namer, *failed_over: ColumnElement[bool]) -> dict[str, Any]:
+    """A settle's (or a voided begin's) release of the run's holds; ``failed_over``: more
+    that makes the Run one that failed over, beside a ``move`` written with it."""
     r = _runs.c
     return {"reserved_micros": r.reserved_micros - p("release"),
             "posted_micros": r.posted_micros + p("posted"),
@@ -292,7 +293,7 @@ def _run_counters(p: Namer) -> dict[str, Any]:
             "tokens_used": r.tokens_used + p("tokens"),
             "calls_used": r.calls_used - p("uncount"), "updated_at": p("now"),
             # ``moved``: the transaction writes a ``move`` event (the audit's rule, 0012).
-            "failed_over": or_(r.failed_over, p("moved"))}
+            "failed_over": or_(r.failed_over, p("moved"), *failed_over)}
 
 
 def _group_fact(k: Spelling, p: Namer = bindparam) -> Any:
@@ -532,10 +533,9 @@ class Statements:
         _runs.c.run_id == p("run_id")).values(_run_counters(p)))
     settle_run_succeeded = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(
-        {**_run_counters(p), "current_route": p("route"), "current_profile": p("profile"),
-         "profile_compactions": _runs.c.compactions,
-         "failed_over": or_(_runs.c.failed_over, p("moved"),
-                            _runs.c.selected_route != p("route"))}))
+        {**_run_counters(p, _runs.c.selected_route != p("route")),  # served elsewhere
+         "current_route": p("route"), "current_profile": p("profile"),
+         "profile_compactions": _runs.c.compactions}))
     insert_health = _stmt(lambda k, p=bindparam: k.insert(_health).values(
         key=p("key"), kind=p("kind"), provider=p("provider"),
         **{c.name: p(c.name) for c in HEALTH_WRITE}).on_conflict_do_nothing()
