@@ -6,6 +6,11 @@ The contract it keeps (results, stream events, what a codec provides) is
 :mod:`~ledger.adapters.gemini`, the transport mapping is
 :mod:`ledger.adapters.transport` and the blocking facade :mod:`ledger.adapters.sync`.
 
+The engine is written once, as a generator of I/O steps (:mod:`ledger.adapters.exchange`):
+:class:`HttpAdapter` awaits its steps on the running loop with ``httpx.AsyncClient``, and
+:class:`~ledger.adapters.sync.SyncAdapter` performs them on the calling thread with
+``httpx.Client``. Everything below holds for both.
+
 An adapter call sends one request on one route and reports exactly what happened. It never raises
 for a provider or transport failure, nor for a route whose configuration cannot make a request:
 every such failure comes back as an :class:`AdapterResult` with ``ok=False``, ``sent`` saying
@@ -84,12 +89,10 @@ between received bytes; ``total_timeout_s`` bounds the whole call. No call is un
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Annotated, Any, Unpack
@@ -114,6 +117,17 @@ from ledger.adapters.contract import (
     WireRequest,
     codec_for,
     reasoning_data,
+)
+from ledger.adapters.exchange import (
+    Close,
+    Deliver,
+    Drain,
+    Driver,
+    Exchange,
+    Open,
+    Read,
+    arun,
+    async_driver,
 )
 from ledger.adapters.secrets import (
     EVIDENCE_CAP_BYTES,
@@ -206,6 +220,11 @@ class _Progress:
             self.report.first_token()
 
     async def trace(self, name: str, info: Mapping[str, Any]) -> None:
+        """The ``trace`` extension of an async client (httpcore awaits it)."""
+        self.trace_sync(name, info)
+
+    def trace_sync(self, name: str, info: Mapping[str, Any]) -> None:
+        """The ``trace`` extension of a blocking client."""
         if name.endswith("send_request_headers.started"):
             self.request_sent = True
             if self.report is not None:
@@ -256,8 +275,12 @@ class _Call:
     on_event: EventCallback | None
     limits: StreamingPolicy
     stream: bool
+    now: Callable[[], float]  # the driver's monotonic clock, which the deadlines are on
     t0: float
     progress: _Progress
+    url: str
+    content: bytes  # the encoded body
+    request_headers: dict[str, str]
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     request_id: str | None = None
@@ -273,7 +296,7 @@ class _Call:
         return [self.secret]
 
     def elapsed(self) -> float:
-        return asyncio.get_running_loop().time() - self.t0
+        return self.now() - self.t0
 
 
 MAX_BYTES_OPTION = 2**40  # a terabyte: beyond any body or stream a process should buffer
@@ -527,8 +550,9 @@ class HttpAdapter:
                     "credential headers") from None
         return codec, secret, wire, content, headers
 
+    @staticmethod
     def _cannot_build(
-        self, route: Route, message: str, t0: float, secret: str | None = None
+        route: Route, message: str, elapsed_s: float, secret: str | None = None
     ) -> AdapterResult:
         obs = Observation(
             protocol=route.protocol,
@@ -543,7 +567,7 @@ class HttpAdapter:
             route_id=route.id,
             observation=obs,
             sent=False,
-            elapsed_s=asyncio.get_running_loop().time() - t0,
+            elapsed_s=elapsed_s,
         )
 
     # -- the call ----------------------------------------------------------------------------
@@ -594,63 +618,85 @@ class HttpAdapter:
                 parts, streaming, tools or prefill the route's capabilities refuse, parts or
                 parameters the codec cannot map.
         """
+        driver = async_driver()
+        call = self._start(route, envelope, profile_id, on_event, limits, progress, attempt_id,
+                           driver)
+        if isinstance(call, AdapterResult):
+            return call
+        return await arun(self._exchange(call, self.clients.get(call.url),
+                                         call.progress.trace))
+
+    def _start(self, route: Route, envelope: Envelope, profile_id: str | None,
+               on_event: EventCallback | None, limits: StreamingPolicy | None,
+               progress: SendProgress | None, attempt_id: str | None, driver: Driver
+               ) -> _Call | AdapterResult:
+        """The call, prepared, or its ``cannot_build`` result (logged).
+
+        Raises InvalidArgument on misuse. Both drivers share it: nothing here does I/O.
+        """
         tracker = _Progress(progress)  # tells `progress` nothing is sent yet
         self._check_misuse(route, envelope, profile_id)
         install_log_redaction()
-        lim = limits if limits is not None else self.limits
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = driver.now()
         try:
             codec, secret, wire, content, headers = self._prepare(route, envelope, profile_id,
                                                                   attempt_id)
         except _CannotBuild as cb:
-            result = self._cannot_build(route, cb.message, t0)
-        else:
-            for note in wire.notes:
-                log.info("route %s: %s", route.id, note)
-            call = _Call(
-                route=route,
-                codec=codec,
-                secret=secret,
-                on_event=on_event,
-                limits=lim,
-                stream=envelope.stream,
-                t0=t0,
-                progress=tracker,
-                notes=wire.notes,
-            )
-            result = await self._call(call, wire.url, content, headers)
-        self._log(route, result)
+            result = self._cannot_build(route, cb.message, driver.now() - t0)
+            self._log(route, result)
+            return result
+        for note in wire.notes:
+            log.info("route %s: %s", route.id, note)
+        return _Call(
+            route=route,
+            codec=codec,
+            secret=secret,
+            on_event=on_event,
+            limits=limits if limits is not None else self.limits,
+            stream=envelope.stream,
+            now=driver.now,
+            t0=t0,
+            progress=tracker,
+            notes=wire.notes,
+            url=wire.url,
+            content=content,
+            request_headers=headers,
+        )
+
+    def _exchange(self, call: _Call, client: httpx.Client | httpx.AsyncClient,
+                  trace: Callable[..., Any]) -> Exchange[AdapterResult]:
+        """The whole call as steps (:mod:`ledger.adapters.exchange`), logged at its end."""
+        result = yield from self._steps(call, client, trace)
+        self._log(call.route, result)
         return result
 
-    async def _call(
-        self, call: _Call, url: str, content: bytes, headers: dict[str, str]
-    ) -> AdapterResult:
+    def _steps(self, call: _Call, client: httpx.Client | httpx.AsyncClient,
+               trace: Callable[..., Any]) -> Exchange[AdapterResult]:
         lim = call.limits
         try:
-            client = self.clients.get(url)
             request = client.build_request(
                 "POST",
-                url,
-                content=content,
-                headers=headers,
+                call.url,
+                content=call.content,
+                headers=call.request_headers,
                 timeout=httpx.Timeout(
                     connect=lim.connect_timeout_s,
                     read=lim.read_timeout_s,
                     write=lim.read_timeout_s,
                     pool=lim.connect_timeout_s,
                 ),
-                extensions={"trace": call.progress.trace},
+                extensions={"trace": trace},
             )
         except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as exc:
             return self._cannot_build(
                 call.route,
                 f"route {call.route.id!r} endpoint is not a usable URL ({exc}); set "
                 "Route.endpoint to the provider's base URL",
-                call.t0,
+                call.elapsed(),
                 call.secret,
             )
-        return await self._run(call, client, request)
+        return (yield from self._run(call, client, request))
+
 
     @staticmethod
     def _log(route: Route, result: AdapterResult) -> None:
@@ -675,44 +721,43 @@ class HttpAdapter:
             obs.message if obs else None,
         )
 
-    async def _run(
-        self, call: _Call, client: httpx.AsyncClient, request: httpx.Request
-    ) -> AdapterResult:
+    def _run(
+        self, call: _Call, client: httpx.Client | httpx.AsyncClient, request: httpx.Request
+    ) -> Exchange[AdapterResult]:
         # All deadlines are absolute times on the running loop's monotonic clock.
         total_at = call.t0 + call.limits.total_timeout_s
         first_token_at = call.t0 + call.limits.first_token_timeout_s
         head_at = min(total_at, first_token_at) if call.stream else total_at
         try:
-            async with asyncio.timeout_at(head_at):
-                response = await client.send(request, stream=True)
+            response = yield Open(client, request, head_at)
         except TimeoutError:
             first = call.stream and first_token_at < total_at
-            return await self._deadline_failure(call, first_token=first)
+            return (yield from self._deadline_failure(call, first_token=first))
         except httpx.UnsupportedProtocol as exc:
             return self._cannot_build(
                 call.route,
                 f"route {call.route.id!r} endpoint uses an unsupported scheme ({exc}); use an "
                 "http:// or https:// URL",
-                call.t0,
+                call.elapsed(),
                 call.secret,
             )
         except httpx.HTTPError as exc:
-            return await self._transport_failure(call, exc)
+            return (yield from self._transport_failure(call, exc))
         call.progress.headers()
         call.status = response.status_code
         call.headers = _response_headers(response.headers, call.secrets)
         call.request_id = _request_id(response.headers)
         try:
             if not 200 <= response.status_code < 300:
-                return await self._status_failure(call, response, total_at)
+                return (yield from self._status_failure(call, response, total_at))
             ctype = response.headers.get("content-type", "")
             if call.stream and "text/event-stream" in ctype:
-                return await self._stream(call, response, total_at, first_token_at)
-            return await self._body(call, response, total_at)
+                return (yield from self._stream(call, response, total_at, first_token_at))
+            return (yield from self._body(call, response, total_at))
         finally:
             # Closing a response we did not read to the end drops its connection instead of
             # returning it to the pool, so a half-read stream can never leak into the next call.
-            await response.aclose()
+            yield Close(response)
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -759,7 +804,7 @@ class HttpAdapter:
                     usage.prompt_tokens, usage.completion_tokens)
         return None, None, usage
 
-    async def _fail(
+    def _fail(
         self,
         call: _Call,
         *,
@@ -768,10 +813,10 @@ class HttpAdapter:
         message: str,
         body: str | None = None,
         evidence: str | None = None,
-    ) -> AdapterResult:
+    ) -> Exchange[AdapterResult]:
         if call.delivered_any and call.on_event is not None:
             # Tell the caller that what it showed is not an answer; the Run decides what's next.
-            await self._deliver(
+            yield from self._deliver(
                 call, Reset(reason=transport.value if transport else "provider_error")
             )
         obs = self._observation(call, transport=transport, phase=phase, message=message, body=body)
@@ -817,7 +862,7 @@ class HttpAdapter:
             media=tuple(reply.media),
         )
 
-    async def _transport_failure(self, call: _Call, exc: BaseException) -> AdapterResult:
+    def _transport_failure(self, call: _Call, exc: BaseException) -> Exchange[AdapterResult]:
         kind, phase = map_transport_error(
             exc,
             request_sent=call.progress.request_sent,
@@ -832,9 +877,9 @@ class HttpAdapter:
                 else f"read_timeout_s={lim.read_timeout_s}"
             )
             message = f"{message} (limit {limit})"
-        return await self._fail(call, transport=kind, phase=phase, message=message)
+        return (yield from self._fail(call, transport=kind, phase=phase, message=message))
 
-    async def _deadline_failure(self, call: _Call, *, first_token: bool) -> AdapterResult:
+    def _deadline_failure(self, call: _Call, *, first_token: bool) -> Exchange[AdapterResult]:
         p = call.progress
         if p.headers_received:
             phase = Phase.AFTER_HEADERS if first_token else Phase.MID_STREAM
@@ -843,38 +888,38 @@ class HttpAdapter:
         if first_token:
             lim = call.limits.first_token_timeout_s
             msg = f"no content within first_token_timeout_s={lim}"
-            return await self._fail(
+            return (yield from self._fail(
                 call, transport=Transport.FIRST_TOKEN_TIMEOUT, phase=phase, message=msg
-            )
+            ))
         lim = call.limits.total_timeout_s
         if p.headers_received and not call.stream:
             phase = Phase.MID_STREAM  # the body was being received
-        return await self._fail(
+        return (yield from self._fail(
             call,
             transport=Transport.TOTAL_TIMEOUT,
             phase=phase,
             message=f"the call exceeded total_timeout_s={lim}",
-        )
+        ))
 
-    async def _read_capped(
-        self, response: httpx.Response, deadline: float, cap: int
-    ) -> tuple[bytes, bool]:
+    @staticmethod
+    def _read_capped(
+        response: httpx.Response, deadline: float, cap: int
+    ) -> Exchange[tuple[bytes, bool]]:
         """Up to ``cap`` bytes of the body, and whether the body was longer."""
         buf = bytearray()
-        async with asyncio.timeout_at(deadline):
-            async for chunk in response.aiter_bytes():
-                buf.extend(chunk)
-                if len(buf) > cap:
-                    return bytes(buf[:cap]), True
+        while (chunk := (yield Read(response, deadline))) is not None:
+            buf.extend(chunk)
+            if len(buf) > cap:
+                return bytes(buf[:cap]), True
         return bytes(buf), False
 
-    async def _status_failure(
+    def _status_failure(
         self, call: _Call, response: httpx.Response, total_at: float
-    ) -> AdapterResult:
+    ) -> Exchange[AdapterResult]:
         note = f"HTTP {response.status_code}"
         raw: bytes | None
         try:
-            raw, _more = await self._read_capped(response, total_at, _ERROR_BODY_READ_CAP)
+            raw, _more = yield from self._read_capped(response, total_at, _ERROR_BODY_READ_CAP)
         except TimeoutError:
             raw, note = None, note + " (error body not read: total deadline)"
         except httpx.HTTPError as exc:
@@ -882,75 +927,76 @@ class HttpAdapter:
             # different failure.
             raw, note = None, note + f" (error body not read: {describe_exception(exc)})"
         excerpt = evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes) if raw else None
-        return await self._fail(
+        return (yield from self._fail(
             call, transport=None, phase=Phase.AFTER_HEADERS, message=note, body=excerpt
-        )
+        ))
 
-    async def _body(self, call: _Call, response: httpx.Response, total_at: float) -> AdapterResult:
+    def _body(self, call: _Call, response: httpx.Response, total_at: float
+              ) -> Exchange[AdapterResult]:
         try:
-            raw, more = await self._read_capped(response, total_at, self.max_body_bytes)
+            raw, more = yield from self._read_capped(response, total_at, self.max_body_bytes)
         except TimeoutError:
-            return await self._deadline_failure(call, first_token=False)
+            return (yield from self._deadline_failure(call, first_token=False))
         except httpx.HTTPError as exc:
-            return await self._transport_failure(call, exc)
+            return (yield from self._transport_failure(call, exc))
         if more:
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=Transport.PROTOCOL_ERROR,
                 phase=Phase.AFTER_HEADERS,
                 message=f"response body larger than max_body_bytes={self.max_body_bytes}",
-            )
+            ))
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as exc:
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
                 phase=Phase.AFTER_HEADERS,
                 message=f"response body is not JSON: {exc}",
                 evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
-            )
-        return await self._parsed_reply(call, data, raw)
+            ))
+        return (yield from self._parsed_reply(call, data, raw))
 
-    async def _parsed_reply(self, call: _Call, data: Any, raw: bytes) -> AdapterResult:
+    def _parsed_reply(self, call: _Call, data: Any, raw: bytes) -> Exchange[AdapterResult]:
         try:
             reply = call.codec.parse_reply(data)
         except ProviderErrorPayload as exc:
             call.usage, call.model = exc.usage or call.usage, exc.model or call.model
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=None,
                 phase=Phase.AFTER_HEADERS,
                 message=str(exc),
                 body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
-            )
+            ))
         except _BAD_PAYLOAD as exc:
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
                 phase=Phase.AFTER_HEADERS,
                 message=f"response body has not the protocol's shape: {_what(exc)}",
                 evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
-            )
-        return await self._complete(call, reply, Phase.AFTER_HEADERS)
+            ))
+        return (yield from self._complete(call, reply, Phase.AFTER_HEADERS))
 
-    async def _complete(self, call: _Call, reply: Reply, phase: Phase) -> AdapterResult:
+    def _complete(self, call: _Call, reply: Reply, phase: Phase) -> Exchange[AdapterResult]:
         """The success, unless the answer holds text no caller could store or send on."""
         parts = [reply.text] + [f"{c.id}{c.name}{c.arguments_json}" for c in reply.tool_calls]
         try:
             for text in parts:
                 text.encode("utf-8")
         except UnicodeEncodeError:
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
                 phase=phase,
                 message="the answer holds unpaired surrogate escapes (\\ud800-\\udfff), which "
                 "are not text",
-            )
+            ))
         return self._success(call, reply)
 
-    async def _deliver(self, call: _Call, event: StreamEvent) -> None:
+    def _deliver(self, call: _Call, event: StreamEvent) -> Exchange[None]:
         # Output is *effective* once a caller was handed it: text streamed into a buffer that
         # nobody saw can still be discarded, and the turn may move on (seed 003 section 7).
         watched = call.on_event is not None
@@ -967,27 +1013,23 @@ class HttpAdapter:
             # Told before the callback runs: a caller that cancels from inside it was shown it.
             call.progress.delivered()
         if call.on_event is not None:
-            ret = call.on_event(event)
-            if inspect.isawaitable(ret):
-                await ret
+            yield Deliver(call.on_event, event)
 
-    async def _stream(
+    def _stream(
         self,
         call: _Call,
         response: httpx.Response,
         total_at: float,
         first_token_at: float,
-    ) -> AdapterResult:
-        loop = asyncio.get_running_loop()
+    ) -> Exchange[AdapterResult]:
         parser = SSEParser(max_line_bytes=self.max_event_bytes,
                            max_event_bytes=self.max_event_bytes)
         state = call.codec.new_stream()
-        chunks: AsyncIterator[bytes] = response.aiter_bytes().__aiter__()
-        last_byte = loop.time()
+        last_byte = call.now()
         received = 0
         idle = call.limits.idle_timeout_s
 
-        async def handle(events: list[SSEEvent]) -> AdapterResult | None:
+        def handle(events: list[SSEEvent]) -> Exchange[AdapterResult | None]:
             for ev in events:
                 if state.terminated:
                     return None  # anything after the terminator is not part of the answer
@@ -995,26 +1037,26 @@ class HttpAdapter:
                     out = state.feed(ev)
                 except ProviderErrorPayload as exc:
                     self._absorb(call, state)
-                    return await self._fail(
+                    return (yield from self._fail(
                         call,
                         transport=None,
                         phase=Phase.MID_STREAM,
                         message=str(exc),
                         body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
-                    )
+                    ))
                 except _BAD_PAYLOAD as exc:
                     self._absorb(call, state)
-                    return await self._fail(
+                    return (yield from self._fail(
                         call,
                         transport=Transport.MALFORMED_EVENT,
                         phase=Phase.MID_STREAM,
                         message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
-                    )
+                    ))
                 if state.content_seen:
                     call.progress.content()
                 for item in out:
-                    await self._deliver(call, item)
+                    yield from self._deliver(call, item)
             return None
 
         eof = False
@@ -1027,91 +1069,80 @@ class HttpAdapter:
             else:
                 deadline = min(total_at, first_token_at)
             try:
-                async with asyncio.timeout_at(deadline):
-                    chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                eof = True
-                break
+                chunk = yield Read(response, deadline)
             except TimeoutError:
                 self._absorb(call, state)
                 if waiting_first:
-                    return await self._deadline_failure(call, first_token=True)
+                    return (yield from self._deadline_failure(call, first_token=True))
                 if deadline >= total_at:
-                    return await self._deadline_failure(call, first_token=False)
-                return await self._fail(
+                    return (yield from self._deadline_failure(call, first_token=False))
+                return (yield from self._fail(
                     call,
                     transport=Transport.STREAM_STALL,
                     phase=Phase.MID_STREAM,
                     message=f"no data for idle_timeout_s={idle}",
-                )
+                ))
             except httpx.HTTPError as exc:
                 self._absorb(call, state)
-                return await self._transport_failure(call, exc)
-            last_byte = loop.time()
+                return (yield from self._transport_failure(call, exc))
+            if chunk is None:
+                eof = True
+                break
+            last_byte = call.now()
             received += len(chunk)
             if received > self.max_stream_bytes:
                 self._absorb(call, state)
-                return await self._fail(
+                return (yield from self._fail(
                     call,
                     transport=Transport.PROTOCOL_ERROR,
                     phase=Phase.MID_STREAM,
                     message=f"the stream exceeded max_stream_bytes={self.max_stream_bytes}",
-                )
+                ))
             try:
                 events = parser.feed(chunk)
             except SSEError as exc:
                 self._absorb(call, state)
-                return await self._fail(
+                return (yield from self._fail(
                     call,
                     transport=Transport.MALFORMED_EVENT,
                     phase=Phase.MID_STREAM,
                     message=str(exc),
                     evidence=evidence_excerpt(chunk, call.secrets, self.evidence_cap_bytes),
-                )
-            failed = await handle(events)
+                ))
+            failed = yield from handle(events)
             if failed is not None:
                 return failed
         if eof:
-            failed = await handle(parser.close())
+            failed = yield from handle(parser.close())
             if failed is not None:
                 return failed
         else:
-            await self._drain(chunks, min(total_at, loop.time() + _DRAIN_AFTER_TERMINATOR_S))
+            yield Drain(response, min(total_at, call.now() + _DRAIN_AFTER_TERMINATOR_S))
         if not (state.terminated or state.completed):
             self._absorb(call, state)
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=Transport.STREAM_CUT,
                 phase=Phase.MID_STREAM,
                 message="the stream ended before the protocol's completion signal",
-            )
+            ))
         try:
             final = state.end()
             reply = state.reply()
         except _BAD_PAYLOAD as exc:
             self._absorb(call, state)
-            return await self._fail(
+            return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
                 phase=Phase.MID_STREAM,
                 message=f"the stream's last events do not complete the answer: {_what(exc)}",
-            )
+            ))
         for item in final:
-            await self._deliver(call, item)
-        return await self._complete(call, reply, Phase.MID_STREAM)
+            yield from self._deliver(call, item)
+        return (yield from self._complete(call, reply, Phase.MID_STREAM))
 
     @staticmethod
     def _absorb(call: _Call, state: StreamState) -> None:
         # A failed stream still reports the usage and model it saw: they may be billed.
         call.usage = state.usage
         call.model = state.model
-
-    @staticmethod
-    async def _drain(chunks: AsyncIterator[bytes], deadline: float) -> None:
-        """Read what follows a terminator (normally just the chunked-encoding end) briefly."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                async for _ in chunks:
-                    pass
-        except (TimeoutError, httpx.HTTPError):
-            pass  # the answer is complete; the connection is simply not reused

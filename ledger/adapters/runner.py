@@ -135,7 +135,7 @@ def sync_sender(
 
     Args:
         adapter: The blocking adapter every Attempt of the turn sends with.
-        on_event: Receives the stream events of every Attempt (on the adapter's loop thread).
+        on_event: Receives the stream events of every Attempt (on the calling thread).
         limits: The time limits of each call.
 
     Returns:

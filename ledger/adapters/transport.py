@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import threading
+import time
 import weakref
+from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 
+from ledger.adapters.exchange import DEADLINE
 from ledger.domain.facts import Phase, Transport
 
 # --------------------------------------------------------------------------------------------
@@ -144,12 +150,76 @@ def describe_exception(exc: BaseException) -> str:
 # Pooled clients
 
 
-class ClientRegistry:
-    """One pooled ``httpx.AsyncClient`` per endpoint origin (scheme, host, port).
+def _cut(timeout: float | None) -> float | None:
+    """``timeout`` cut to what is left before the step's deadline.
 
-    httpx clients belong to the event loop they were first used on, so the registry keeps one set
-    per running loop. Transports have ``retries=0``: no request is ever sent twice by us, and
-    redirects are not followed.
+    Never zero: a zero timeout would make the socket non-blocking instead of timing out.
+    """
+    deadline = DEADLINE.get()
+    if deadline is None:
+        return timeout
+    left = max(deadline - time.monotonic(), 1e-4)
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose every wait ends by the deadline of the blocking step in progress.
+
+    httpcore reads a response body with the one read limit it took when the body began; a
+    stream's idle and total limits move with every chunk, so they are applied here, per wait.
+    """
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _cut(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _cut(timeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname,
+                                                     _cut(timeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's blocking sockets, each wrapped in a :class:`_DeadlineStream`."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_tcp(host, port, _cut(timeout),
+                                                       local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None
+                            ) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_unix_socket(path, _cut(timeout),
+                                                               socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+class ClientRegistry:
+    """One pooled httpx client per endpoint origin (scheme, host, port) and kind.
+
+    Async clients (:meth:`get`) belong to the event loop they were first used on, so the
+    registry keeps one set per running loop; blocking clients (:meth:`get_sync`, for
+    :class:`~ledger.adapters.sync.SyncAdapter`) are one set shared by every thread, and each of
+    their socket waits ends by the deadline of the call's step in progress. Transports have
+    ``retries=0``: no request is ever sent twice by us, and redirects are not followed.
 
     Args:
         verify: TLS verification of every client (``True``, ``False`` or an ``SSLContext``).
@@ -171,6 +241,8 @@ class ClientRegistry:
         self._by_loop: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, dict[str, httpx.AsyncClient]
         ] = weakref.WeakKeyDictionary()
+        self._sync: dict[str, httpx.Client] = {}
+        self._sync_lock = threading.Lock()
 
     @staticmethod
     def origin(url: str) -> str:
@@ -193,6 +265,43 @@ class ClientRegistry:
             client = httpx.AsyncClient(transport=transport, follow_redirects=False)
             clients[key] = client
         return client
+
+    def get_sync(self, url: str) -> httpx.Client:
+        """The blocking client for ``url``'s origin, created on first use (thread-safe)."""
+        key = self.origin(url)
+        client = self._sync.get(key)
+        if client is not None:
+            return client
+        with self._sync_lock:
+            client = self._sync.get(key)
+            if client is None:
+                client = httpx.Client(transport=self._sync_transport(), follow_redirects=False)
+                self._sync[key] = client
+        return client
+
+    def _sync_transport(self) -> httpx.HTTPTransport:
+        transport = httpx.HTTPTransport(retries=0, verify=self._verify, limits=self._limits)
+        # httpx offers no public way to give its transport a network backend, and httpcore
+        # reads a body with the one read limit it took when the body began; a stream's idle
+        # and total limits move with every chunk. The pool is rebuilt as httpx builds it, on
+        # sockets that cut every wait to the step's deadline (tests/adapters hold the limits).
+        limits = self._limits
+        transport._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=self._verify),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            retries=0,
+            network_backend=_DeadlineBackend(),
+        )
+        return transport
+
+    def close(self) -> None:
+        """Close the blocking clients."""
+        with self._sync_lock:
+            clients, self._sync = list(self._sync.values()), {}
+        for client in clients:
+            client.close()
 
     async def aclose(self) -> None:
         """Close the clients of the running loop."""

@@ -15,9 +15,10 @@ import pytest
 from ledger.adapters import HttpAdapter, Reset, StreamEvent, TextDelta, ToolCallProposal
 from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Phase, Transport
+from ledger.policy.model import StreamingPolicy
 from ledger.testing import Behavior, FakeProvider, Fault
 
-from .conftest import FAST, PROFILE, PROTOCOLS, make_route
+from .conftest import DRIVERS, FAST, PROFILE, PROTOCOLS, adapter_for, make_route
 
 pytestmark = pytest.mark.anyio
 
@@ -387,13 +388,13 @@ async def test_200_with_error_object_is_a_failure(
     assert "error" in json.loads(obs.body)
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("stream", [False, True])
-async def test_total_deadline_bounds_an_endless_answer(fake: FakeProvider, stream: bool) -> None:
-    from ledger.adapters import StaticSecretProvider
-
+async def test_total_deadline_bounds_an_endless_answer(fake: FakeProvider, stream: bool,
+                                                       driver: str) -> None:
     limits = FAST.model_copy(update={"total_timeout_s": 0.6, "read_timeout_s": 1.0})
     fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
-    async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: "k" * 20}), limits=limits) as a:
+    async for a in adapter_for(driver, limits):
         t0 = time.monotonic()
         result, _ = await send(a, fake, "anthropic", stream)
         elapsed = time.monotonic() - t0
@@ -401,3 +402,44 @@ async def test_total_deadline_bounds_an_endless_answer(fake: FakeProvider, strea
     assert (obs.transport, obs.phase) == (Transport.TOTAL_TIMEOUT, Phase.MID_STREAM)
     assert obs.effective_output is stream
     assert 0.55 <= elapsed < 1.6
+
+
+# Every limit but the one under test far beyond it: a driver that waited by another limit
+# (httpcore reads a whole body with the one read limit it took when the body began) would
+# take ten seconds, not a fraction of one.
+PATIENT_BUT_IDLE = StreamingPolicy(connect_timeout_s=10.0, read_timeout_s=10.0,
+                                   first_token_timeout_s=10.0, idle_timeout_s=0.3,
+                                   total_timeout_s=20.0)
+PATIENT_BUT_FIRST = PATIENT_BUT_IDLE.model_copy(update={"idle_timeout_s": 10.0,
+                                                        "first_token_timeout_s": 0.3})
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_stall_after_content_ends_by_the_idle_limit_not_a_longer_read_limit(
+        fake: FakeProvider, driver: str, protocol: str) -> None:
+    fake.enqueue(Fault.STALL)
+    async for a in adapter_for(driver, PATIENT_BUT_IDLE):
+        t0 = time.monotonic()
+        result, events = await send(a, fake, protocol, True)
+        elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.STREAM_STALL, Phase.MID_STREAM)
+    assert obs.effective_output and any(isinstance(e, TextDelta) for e in events)
+    assert 0.27 <= elapsed < 3.0
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("fault", [Fault.NO_RESPONSE, Fault.SLOW_FIRST_TOKEN])
+async def test_a_silent_model_ends_by_the_first_token_limit_not_a_longer_read_limit(
+        fake: FakeProvider, driver: str, fault: Fault) -> None:
+    fake.enqueue(Behavior(fault=fault, delay_s=30.0))
+    async for a in adapter_for(driver, PATIENT_BUT_FIRST):
+        t0 = time.monotonic()
+        result, events = await send(a, fake, "openai", True)
+        elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert obs.transport is Transport.FIRST_TOKEN_TIMEOUT
+    assert obs.phase is (Phase.AFTER_SEND if fault is Fault.NO_RESPONSE else Phase.AFTER_HEADERS)
+    assert not obs.effective_output and events == []
+    assert 0.27 <= elapsed < 3.0

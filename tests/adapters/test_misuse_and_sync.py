@@ -7,6 +7,8 @@ Route-configuration problems are not misuse: they are ``cannot_build`` results
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -24,7 +26,7 @@ from ledger.domain.values import Capabilities
 from ledger.errors import InvalidArgument
 from ledger.testing import FakeProvider, Fault
 
-from .conftest import FAST, PROFILE, SECRET, make_route
+from .conftest import FAST, PATIENT, PROFILE, PROTOCOLS, SECRET, make_route
 
 pytestmark = pytest.mark.anyio
 
@@ -163,3 +165,55 @@ async def test_fake_provider_header_fault_and_per_model_script(
         )
     assert resp.status_code == 529
     assert resp.json()["error"]["type"] == "overloaded_error"
+
+
+def test_one_sync_adapter_serves_many_threads_at_once() -> None:
+    """Its blocking clients are shared by every thread: 8 threads, every protocol, streamed
+    and whole, all at once; each answer is whole and each callback ran on its caller's
+    thread."""
+    with (
+        FakeProvider().in_thread() as fake,
+        SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as adapter,
+    ):
+        start = threading.Barrier(8)
+
+        def worker(w: int) -> int:
+            start.wait(timeout=30)
+            me = threading.get_ident()
+            for j in range(6):
+                protocol = PROTOCOLS[(w + j) % len(PROTOCOLS)]
+                events: list[tuple[int, StreamEvent]] = []
+                result = adapter.send(
+                    make_route(fake.endpoint(protocol), protocol),
+                    Envelope(parts=[Part(content=f"w{w}-{j}")], stream=j % 2 == 1),
+                    profile_id=PROFILE,
+                    on_event=lambda ev, seen=events: seen.append((threading.get_ident(), ev)),
+                )
+                assert result.ok, result.observation
+                if j % 2 == 1:
+                    shown = "".join(e.text for _, e in events if isinstance(e, TextDelta))
+                    assert shown == result.text
+                    assert {t for t, _ in events} == {me}
+            return w
+
+        with ThreadPoolExecutor(8) as pool:
+            assert sorted(pool.map(worker, range(8))) == list(range(8))
+        assert len(fake.requests) == 48
+
+
+def test_a_sync_callback_may_send_again_on_the_same_adapter() -> None:
+    with (
+        FakeProvider().in_thread() as fake,
+        SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as adapter,
+    ):
+        route = make_route(fake.endpoint("openai"), "openai")
+        inner = []
+
+        def on_event(ev: StreamEvent) -> None:
+            if isinstance(ev, TextDelta) and not inner:
+                inner.append(adapter.send(route, ENV, profile_id=PROFILE))
+
+        outer = adapter.send(route, Envelope(parts=[Part(content="hi")], stream=True),
+                             profile_id=PROFILE, on_event=on_event)
+        assert outer.ok and len(inner) == 1 and inner[0].ok
+        assert len(fake.requests) == 2

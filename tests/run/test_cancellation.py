@@ -265,9 +265,9 @@ def test_interrupt_mid_stream_is_unknown(db_url: str, fake: FakeProvider) -> Non
 
 def test_a_callback_that_raises_keyboard_interrupt_ends_the_send_and_keeps_the_adapter(
         db_url: str, fake: FakeProvider) -> None:
-    """Raised inside the adapter's loop thread, a KeyboardInterrupt would stop that loop and
-    leave the caller waiting forever; it reaches the caller as itself, the Attempt is recorded
-    truthfully and the adapter still sends."""
+    """A KeyboardInterrupt raised by a callback (on the calling thread) ends the send and
+    reaches the caller as itself; the Attempt is recorded truthfully and the adapter, shared
+    with other threads, still sends."""
     def on_event(ev: StreamEvent) -> None:
         if isinstance(ev, TextDelta):
             raise KeyboardInterrupt

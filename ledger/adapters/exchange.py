@@ -1,0 +1,244 @@
+"""One HTTP exchange as a generator of typed I/O steps, and the two drivers that run it.
+
+The engine (:mod:`ledger.adapters.base`) decides everything about a call (what to send, what a
+byte, a status or a timeout means, what to hand the caller) in a generator that *yields* the
+I/O it needs, as the values below, and is *sent* the outcome: a response, a chunk, ``None`` at
+the end of a body, or an exception thrown in at the ``yield`` (``TimeoutError`` when the step's
+deadline passed, an ``httpx.HTTPError``, or whatever the caller's callback raised). Only the
+drivers touch a socket or a clock:
+
+- :func:`arun` awaits each step on the running event loop with ``httpx.AsyncClient``, each
+  bounded by ``asyncio.timeout_at`` (:class:`~ledger.adapters.base.HttpAdapter`);
+- :func:`run` performs each step on the calling thread with ``httpx.Client``
+  (:class:`~ledger.adapters.sync.SyncAdapter`): no event loop, no thread hop. Its deadlines are
+  kept by the blocking clients of :class:`~ledger.adapters.transport.ClientRegistry`, whose every
+  socket wait is cut to the deadline of the step in progress (:data:`DEADLINE`).
+
+Deadlines are absolute times on the driver's monotonic clock (:attr:`Driver.now`), which is the
+loop's ``time()`` for :func:`arun` and ``time.monotonic`` for :func:`run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+
+from ledger.adapters.contract import EventCallback, StreamEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Send ``request`` and wait for its status line and headers; sent the response."""
+
+    client: httpx.Client | httpx.AsyncClient
+    request: httpx.Request
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """The next chunk of ``response``'s body; sent ``None`` at its end."""
+
+    response: httpx.Response
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Read and drop the rest of ``response``'s body until its end or ``deadline``.
+
+    A transport error or the deadline ends it quietly; sent ``None``.
+    """
+
+    response: httpx.Response
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close ``response`` (a body not read to its end drops its connection); sent ``None``."""
+
+    response: httpx.Response
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Hand ``event`` to the caller's ``callback`` (awaited when it returns an awaitable)."""
+
+    callback: EventCallback
+    event: StreamEvent
+
+
+Step = Open | Read | Drain | Close | Deliver
+R = TypeVar("R")
+#: An exchange: yields steps, is sent their outcomes, returns its result.
+Exchange = Generator[Step, Any, R]
+
+#: The deadline of the blocking step in progress on this thread (``None``: none), read by the
+#: sockets of the blocking clients to cut every wait short of it.
+DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "ledger_adapter_deadline", default=None)
+
+
+class Driver:
+    """What an exchange needs of its driver: the clock its deadlines are on."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+
+
+# -- asyncio ------------------------------------------------------------------------------------
+
+
+async def _aperform(step: Step, chunks: dict[int, AsyncIterator[bytes]]) -> Any:
+    if isinstance(step, Open):
+        assert isinstance(step.client, httpx.AsyncClient)
+        async with asyncio.timeout_at(step.deadline):
+            return await step.client.send(step.request, stream=True)
+    if isinstance(step, Read):
+        it = chunks.setdefault(id(step.response), step.response.aiter_bytes().__aiter__())
+        try:
+            async with asyncio.timeout_at(step.deadline):
+                return await it.__anext__()
+        except StopAsyncIteration:
+            return None
+    if isinstance(step, Drain):
+        it = chunks.setdefault(id(step.response), step.response.aiter_bytes().__aiter__())
+        try:
+            async with asyncio.timeout_at(step.deadline):
+                async for _ in it:
+                    pass
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the answer is complete; the connection is simply not reused
+        return None
+    if isinstance(step, Close):
+        await step.response.aclose()
+        return None
+    ret = step.callback(step.event)
+    if inspect.isawaitable(ret):
+        await ret
+    return None
+
+
+async def arun(exchange: Exchange[R]) -> R:
+    """Run ``exchange`` on the running event loop (its clock: the loop's ``time()``)."""
+    chunks: dict[int, AsyncIterator[bytes]] = {}
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = exchange.send(value) if error is None else exchange.throw(error)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        value, error = None, None
+        try:
+            value = await _aperform(step, chunks)
+        except BaseException as exc:  # thrown into the exchange, which decides
+            error = exc
+
+
+def async_driver() -> Driver:
+    """The clock of :func:`arun` on the running loop."""
+    return Driver(asyncio.get_running_loop().time)
+
+
+# -- blocking -------------------------------------------------------------------------------------
+
+
+def _timed_out(exc: httpx.TimeoutException, deadline: float) -> BaseException:
+    """A socket wait cut at the step's deadline, as the deadline's ``TimeoutError``.
+
+    One that ran out first by its own limit (``read_timeout_s``, ...) stays the transport's.
+    """
+    return TimeoutError() if time.monotonic() >= deadline else exc
+
+
+def _capped(request: httpx.Request, deadline: float) -> None:
+    """Every limit of ``request`` (connect, write, read, pool) cut to the time left.
+
+    The pool's wait is not a socket wait, so the blocking clients cannot cut it themselves.
+    """
+    left = max(deadline - time.monotonic(), 1e-3)
+    limits = request.extensions.get("timeout") or {}
+    request.extensions["timeout"] = {
+        k: (left if v is None else min(v, left)) for k, v in limits.items()
+    } or {"connect": left, "read": left, "write": left, "pool": left}
+
+
+def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
+    if isinstance(step, Deliver):
+        ret = step.callback(step.event)
+        if inspect.isawaitable(ret):
+            _await(ret)
+        return None
+    if isinstance(step, Close):
+        step.response.close()
+        return None
+    if time.monotonic() >= step.deadline:
+        if isinstance(step, Drain):
+            return None
+        raise TimeoutError
+    token = DEADLINE.set(step.deadline)
+    try:
+        if isinstance(step, Open):
+            assert isinstance(step.client, httpx.Client)
+            _capped(step.request, step.deadline)
+            return step.client.send(step.request, stream=True)
+        it = chunks.setdefault(id(step.response), step.response.iter_bytes())
+        if isinstance(step, Read):
+            return next(it, None)
+        try:
+            for _ in it:
+                if time.monotonic() >= step.deadline:
+                    break
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the answer is complete; the connection is simply not reused
+        return None
+    except httpx.TimeoutException as exc:
+        converted = _timed_out(exc, step.deadline)
+        if converted is exc:
+            raise
+        raise converted from exc
+    finally:
+        DEADLINE.reset(token)
+
+
+def _await(awaitable: Any) -> None:
+    """An async ``on_event`` callback under the blocking driver, run to its end here."""
+    async def wait() -> None:
+        await awaitable
+
+    asyncio.run(wait())
+
+
+def run(exchange: Exchange[R]) -> R:
+    """Run ``exchange`` on the calling thread (its clock: ``time.monotonic``)."""
+    chunks: dict[int, Iterator[bytes]] = {}
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = exchange.send(value) if error is None else exchange.throw(error)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        value, error = None, None
+        try:
+            value = _perform(step, chunks)
+        except BaseException as exc:  # thrown into the exchange, which decides
+            error = exc
+
+
+def blocking_driver() -> Driver:
+    """The clock of :func:`run`."""
+    return Driver(time.monotonic)
+
+
+__all__ = ["DEADLINE", "Close", "Deliver", "Drain", "Driver", "Exchange", "Open", "Read", "Step",
+           "arun", "async_driver", "blocking_driver", "run"]
