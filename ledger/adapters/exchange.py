@@ -26,7 +26,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -94,6 +94,25 @@ class Driver:
         self.now = now
 
 
+class _Resumed(Generic[R]):
+    """An exchange and the outcome of its last step: a value to send or an error to throw."""
+
+    def __init__(self, exchange: Exchange[R]) -> None:
+        self.exchange = exchange
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.result: R
+
+    def next(self) -> Step | None:
+        """The next step, or ``None`` when the exchange returned (:attr:`result`)."""
+        value, error, self.value, self.error = self.value, self.error, None, None
+        try:
+            return self.exchange.send(value) if error is None else self.exchange.throw(error)
+        except StopIteration as done:
+            self.result = done.value
+            return None
+
+
 # -- asyncio ------------------------------------------------------------------------------------
 
 
@@ -129,19 +148,14 @@ async def _aperform(step: Step, chunks: dict[int, AsyncIterator[bytes]]) -> Any:
 
 async def arun(exchange: Exchange[R]) -> R:
     """Run ``exchange`` on the running event loop (its clock: the loop's ``time()``)."""
+    run_ = _Resumed(exchange)
     chunks: dict[int, AsyncIterator[bytes]] = {}
-    value: Any = None
-    error: BaseException | None = None
-    while True:
+    while (step := run_.next()) is not None:
         try:
-            step = exchange.send(value) if error is None else exchange.throw(error)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        value, error = None, None
-        try:
-            value = await _aperform(step, chunks)
+            run_.value = await _aperform(step, chunks)
         except BaseException as exc:  # thrown into the exchange, which decides
-            error = exc
+            run_.error = exc
+    return run_.result
 
 
 def async_driver() -> Driver:
@@ -220,19 +234,14 @@ def _await(awaitable: Any) -> None:
 
 def run(exchange: Exchange[R]) -> R:
     """Run ``exchange`` on the calling thread (its clock: ``time.monotonic``)."""
+    run_ = _Resumed(exchange)
     chunks: dict[int, Iterator[bytes]] = {}
-    value: Any = None
-    error: BaseException | None = None
-    while True:
+    while (step := run_.next()) is not None:
         try:
-            step = exchange.send(value) if error is None else exchange.throw(error)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        value, error = None, None
-        try:
-            value = _perform(step, chunks)
+            run_.value = _perform(step, chunks)
         except BaseException as exc:  # thrown into the exchange, which decides
-            error = exc
+            run_.error = exc
+    return run_.result
 
 
 def blocking_driver() -> Driver:
