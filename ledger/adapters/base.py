@@ -697,7 +697,6 @@ class HttpAdapter:
             )
         return (yield from self._run(call, client, request))
 
-
     @staticmethod
     def _log(route: Route, result: AdapterResult) -> None:
         if result.ok:
@@ -724,7 +723,7 @@ class HttpAdapter:
     def _run(
         self, call: _Call, client: httpx.Client | httpx.AsyncClient, request: httpx.Request
     ) -> Exchange[AdapterResult]:
-        # All deadlines are absolute times on the running loop's monotonic clock.
+        # All deadlines are absolute times on the driver's monotonic clock (call.now).
         total_at = call.t0 + call.limits.total_timeout_s
         first_token_at = call.t0 + call.limits.first_token_timeout_s
         head_at = min(total_at, first_token_at) if call.stream else total_at

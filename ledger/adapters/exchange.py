@@ -116,20 +116,29 @@ class _Resumed(Generic[R]):
 # -- asyncio ------------------------------------------------------------------------------------
 
 
+def _achunks(response: httpx.Response, chunks: dict[int, AsyncIterator[bytes]]
+             ) -> AsyncIterator[bytes]:
+    """The one iterator over ``response``'s body that every step of the exchange reads."""
+    it = chunks.get(id(response))
+    if it is None:
+        it = chunks[id(response)] = response.aiter_bytes().__aiter__()
+    return it
+
+
 async def _aperform(step: Step, chunks: dict[int, AsyncIterator[bytes]]) -> Any:
     if isinstance(step, Open):
         assert isinstance(step.client, httpx.AsyncClient)
         async with asyncio.timeout_at(step.deadline):
             return await step.client.send(step.request, stream=True)
     if isinstance(step, Read):
-        it = chunks.setdefault(id(step.response), step.response.aiter_bytes().__aiter__())
+        it = _achunks(step.response, chunks)
         try:
             async with asyncio.timeout_at(step.deadline):
                 return await it.__anext__()
         except StopAsyncIteration:
             return None
     if isinstance(step, Drain):
-        it = chunks.setdefault(id(step.response), step.response.aiter_bytes().__aiter__())
+        it = _achunks(step.response, chunks)
         try:
             async with asyncio.timeout_at(step.deadline):
                 async for _ in it:
@@ -205,7 +214,9 @@ def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
             assert isinstance(step.client, httpx.Client)
             _capped(step.request, step.deadline)
             return step.client.send(step.request, stream=True)
-        it = chunks.setdefault(id(step.response), step.response.iter_bytes())
+        it = chunks.get(id(step.response))
+        if it is None:
+            it = chunks[id(step.response)] = step.response.iter_bytes()
         if isinstance(step, Read):
             return next(it, None)
         try:
