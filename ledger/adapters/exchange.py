@@ -25,6 +25,7 @@ import contextvars
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -236,11 +237,22 @@ def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
 
 
 def _await(awaitable: Any) -> None:
-    """An async ``on_event`` callback under the blocking driver, run to its end here."""
+    """An async ``on_event`` callback under the blocking driver, run to its end.
+
+    On this thread; or, when this thread already runs an event loop (a blocking send made
+    from async code, as in a notebook), on a fresh loop of a helper thread, since a running
+    loop cannot be entered again.
+    """
     async def wait() -> None:
         await awaitable
 
-    asyncio.run(wait())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(wait())
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="ledger-callback") as helper:
+        helper.submit(asyncio.run, wait()).result()
 
 
 def run(exchange: Exchange[R]) -> R:

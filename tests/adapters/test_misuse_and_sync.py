@@ -217,3 +217,25 @@ def test_a_sync_callback_may_send_again_on_the_same_adapter() -> None:
                              profile_id=PROFILE, on_event=on_event)
         assert outer.ok and len(inner) == 1 and inner[0].ok
         assert len(fake.requests) == 2
+
+
+async def test_a_blocking_send_inside_a_running_loop_runs_an_async_callback() -> None:
+    """A notebook cell: a blocking send on a thread that runs an event loop, with an async
+    callback, which cannot enter that running loop again (it runs on a loop of its own)."""
+    seen: list[str] = []
+
+    async def collect(ev: StreamEvent) -> None:
+        await asyncio.sleep(0)
+        if isinstance(ev, TextDelta):
+            seen.append(ev.text)
+
+    asyncio.get_running_loop()  # the case under test: this thread runs a loop
+    with (
+        FakeProvider().in_thread() as fake,
+        SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT) as adapter,
+    ):
+        result = adapter.send(make_route(fake.endpoint("anthropic"), "anthropic"),
+                              Envelope(parts=[Part(content="hi")], stream=True),
+                              profile_id=PROFILE, on_event=collect)
+    assert result.ok, result.observation
+    assert seen and "".join(seen) == result.text
