@@ -280,14 +280,16 @@ class ClientRegistry:
         return client
 
     def _sync_transport(self) -> httpx.HTTPTransport:
-        transport = httpx.HTTPTransport(retries=0, verify=self._verify, limits=self._limits)
+        # One TLS context for the transport and the pool that replaces its own.
+        ssl_context = httpx.create_ssl_context(verify=self._verify)
+        limits = self._limits
+        transport = httpx.HTTPTransport(retries=0, verify=ssl_context, limits=limits)
         # httpx offers no public way to give its transport a network backend, and httpcore
         # reads a body with the one read limit it took when the body began; a stream's idle
         # and total limits move with every chunk. The pool is rebuilt as httpx builds it, on
         # sockets that cut every wait to the step's deadline (tests/adapters hold the limits).
-        limits = self._limits
         transport._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=self._verify),
+            ssl_context=ssl_context,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,

@@ -97,13 +97,19 @@ DRIVERS = ["async", "blocking"]
 
 
 @pytest.fixture(params=DRIVERS)
-async def adapter(request: pytest.FixtureRequest) -> AsyncIterator[HttpAdapter]:
-    async for a in adapter_for(request.param, PATIENT):
+def driver(request: pytest.FixtureRequest) -> str:
+    """The driver of a test's adapters: one for every adapter fixture the test takes."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def adapter(driver: str) -> AsyncIterator[HttpAdapter]:
+    async for a in adapter_for(driver, PATIENT):
         yield a
 
 
-@pytest.fixture(params=DRIVERS)
-async def fast_adapter(request: pytest.FixtureRequest) -> AsyncIterator[HttpAdapter]:
+@pytest.fixture
+async def fast_adapter(driver: str) -> AsyncIterator[HttpAdapter]:
     """An adapter with :data:`FAST` limits, for the tests of those limits."""
-    async for a in adapter_for(request.param, FAST):
+    async for a in adapter_for(driver, FAST):
         yield a
