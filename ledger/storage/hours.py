@@ -75,8 +75,14 @@ class Split:
         # The gaps: before the first stretch, between two, after the last (none if empty).
         starts: list[float | None] = [since, *(float(hi * HOUR) for _, hi in stretches)]
         ends: list[float | None] = [*(float(lo * HOUR) for lo, _ in stretches), until]
-        self.raw = [_within(col, lo, hi) for lo, hi in zip(starts, ends, strict=True)
-                    if lo is None or hi is None or lo < hi]
+        self._gaps = [(lo, hi) for lo, hi in zip(starts, ends, strict=True)
+                      if lo is None or hi is None or lo < hi]
+        self.raw = self.gaps(col)
+
+    def gaps(self, col: Any) -> list[ColumnElement[bool]]:
+        """The window's stretches outside the rolled hours, as conditions on the time
+        ``col`` (``raw`` for another table: ``events.created_at``)."""
+        return [_within(col, lo, hi) for lo, hi in self._gaps]
 
     def attempts_where(self) -> ColumnElement[bool]:
         """The attempts still read from ``attempts``: those outside the rolled hours, and
@@ -86,9 +92,10 @@ class Split:
             return or_(false(), *self.raw)  # false() when the window is empty
         return or_(false(), *self.raw, and_(a.state.in_(OPEN_STATES), or_(*self.rolled)))
 
-    def rollups_where(self) -> ColumnElement[bool]:
-        """The ``attempt_rollups`` rows of the window (only rolled hours have rows)."""
-        return s.attempt_rollups.c.hour.between(self.hours[0], self.hours[-1])
+    def rollups_where(self, table: Any = s.attempt_rollups) -> ColumnElement[bool]:
+        """The rows of roll-up ``table`` in the window (only rolled hours have rows)."""
+        hour: ColumnElement[bool] = table.c.hour.between(self.hours[0], self.hours[-1])
+        return hour
 
 
 def rollup_sums(*names: str) -> list[ColumnElement[Any]]:

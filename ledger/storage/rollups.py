@@ -7,7 +7,11 @@ provider, tenant and labels into ``attempt_rollups``, and marks the hour in ``ro
 in one transaction per hour. :meth:`~ledger.storage.audit.AuditQueries.totals` then adds a
 rolled hour's rows to what it still reads from ``attempts``: the window's ragged edges, the
 hours not rolled, and the attempts of rolled hours still ``dispatching`` or ``unknown``
-(:func:`split`).
+(:func:`split`). The same transaction writes the hour's rows of ``metric_rollups`` (per route
+and state: what ``/metrics`` counts, histograms included) and of ``move_rollups`` (its
+``move`` events by routes and cause), which
+:meth:`~ledger.storage.series.SeriesQueries.metrics_totals` adds up the same way (migration
+0013).
 
 Why this stays exact: the rows of a settled attempt never change again (only ``dispatching``
 and ``unknown`` attempts are settled, resolved or marked), and a trigger on ``attempts``
@@ -17,11 +21,13 @@ roll-up, resolved by an operator, or deleted by retention. Such an hour is read 
 ``attempts`` again until the next roll-up. On PostgreSQL the trigger holds a shared advisory
 lock of the hour until its transaction ends and a roll-up takes the exclusive one before it
 reads (:meth:`~ledger.storage.context.SqlContext.lock_hour`), so a write committed while a
-roll-up read is never missed; SQLite's single writer serializes them.
+roll-up read is never missed; SQLite's single writer serializes them. A ``move`` event may be
+written without an attempt (a host's own ``append_event``): a trigger on ``events`` does the
+same for moves (0013), and an hour holding only moves is rolled, not marked empty.
 
 The roll-up is a job: ``failover-ledger rollup`` or :meth:`ledger.Ledger.roll_up`, run from
 cron or a scheduler every few minutes (docs/operations.md). Without it nothing reads
-differently; it only makes the totals cheaper.
+differently; it only makes the totals and ``/metrics`` cheaper.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.hours import HOUR, OPEN_STATES, hour_of, hours_in
+from ledger.storage.series import attempt_sums, move_keys
 
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
@@ -56,7 +63,11 @@ class RollupQueries:
         now = clock()
         last = hour_of(now - lag_s)  # hours below it ended at least lag_s ago
         with self.ctx.reading() as conn:
-            first = conn.execute(select(func.min(a.created_at))).scalar()
+            # The first hour of the history: of its attempts or of a host's own moves.
+            firsts = [t for t in (conn.execute(select(func.min(a.created_at))).scalar(),
+                                  conn.execute(select(func.min(s.events.c.created_at)).where(
+                                      s.events.c.kind == "move")).scalar()) if t is not None]
+            first = min(firsts) if firsts else None
             done = set() if first is None else {int(x) for x in conn.execute(
                 select(s.rollup_hours.c.hour).where(s.rollup_hours.c.hour >= hour_of(first)))
                 .scalars()}
@@ -90,15 +101,12 @@ class RollupQueries:
         """
         marked = 0
         busy: list[int] = []
-        a = s.attempts.c
         for i in range(0, len(hours), _EMPTY_BATCH):
             chunk = hours[i:i + _EMPTY_BATCH]
             with self.ctx.writing() as conn:
                 taken = [h for h in chunk if self.ctx.lock_hour(conn, h, wait=False)]
                 done = self._marked(conn, taken)
-                empty = [h for h in taken if h not in done and conn.execute(
-                    select(a.attempt_id).where(hours_in(a.created_at, h, h + 1)).limit(1)
-                ).first() is None]
+                empty = [h for h in taken if h not in done and self._empty(conn, h)]
                 if empty:
                     conn.execute(s.rollup_hours.insert(),
                                  [{"hour": h, "rolled_at": now} for h in empty])
@@ -106,6 +114,16 @@ class RollupQueries:
                 skip = done.union(empty)
                 busy.extend(h for h in chunk if h not in skip)
         return marked, busy
+
+    def _empty(self, conn: Any, h: int) -> bool:
+        """Whether hour ``h`` holds neither an attempt nor a ``move`` (a host's own is
+        written without an attempt)."""
+        a = s.attempts.c
+        e = s.events.c
+        return conn.execute(select(a.attempt_id).where(hours_in(a.created_at, h, h + 1))
+                            .limit(1)).first() is None and conn.execute(
+            select(e.event_id).where(e.kind == "move", hours_in(e.created_at, h, h + 1))
+            .limit(1)).first() is None
 
     def _roll_hour(self, conn: Any, h: int, now: float) -> int:
         a = s.attempts.c
@@ -124,10 +142,28 @@ class RollupQueries:
         conn.execute(s.attempt_rollups.insert().from_select(
             [t.hour, t.route_id, t.group_id, t.provider, t.tenant, t.labels, t.attempts,
              t.succeeded, t.failed, t.prompt_tokens, t.completion_tokens, t.cost_micros], q))
+        self._roll_metrics(conn, h)
         conn.execute(s.rollup_hours.insert().values(hour=h, rolled_at=now))
         # Counted, not the INSERT's rowcount, which not every driver reports for a SELECT.
         return int(conn.execute(select(func.count()).select_from(s.attempt_rollups)
                                 .where(t.hour == h)).scalar_one())
+
+    def _roll_metrics(self, conn: Any, h: int) -> None:
+        """Hour ``h``'s rows of ``metric_rollups`` and ``move_rollups``: what ``/metrics``
+        counts (:mod:`ledger.storage.series`) over its settled attempts and its moves."""
+        a = s.attempts.c
+        sums = attempt_sums(s.METRIC_BOUNDS)
+        conn.execute(s.metric_rollups.insert().from_select(
+            ["hour", "route_id", "state", *(c.name for c in sums)],
+            select(literal(h), a.route_id, a.state, *sums)
+            .where(hours_in(a.created_at, h, h + 1), a.state.not_in(OPEN_STATES))
+            .group_by(a.route_id, a.state)))
+        e = s.events.c
+        src, dst, cat, where = move_keys(self.ctx)
+        conn.execute(s.move_rollups.insert().from_select(
+            ["hour", "from_route", "to_route", "category", "n"],
+            select(literal(h), src, dst, cat, func.count())
+            .where(*where, hours_in(e.created_at, h, h + 1)).group_by(src, dst, cat)))
 
 
 __all__ = ["RollupQueries"]

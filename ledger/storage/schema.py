@@ -332,6 +332,59 @@ attempt_rollups = Table(
     Index("ix_attempt_rollups_hour", "hour"),
 )
 
+#: The times of an Attempt that ``/metrics`` exposes as histograms, and their buckets' upper
+#: bounds (``ledger.telemetry.DURATION_BUCKETS``): the roll-ups below keep ``{time}_le{i}``,
+#: how many are at most ``METRIC_BOUNDS[i]``. Other bounds are read from ``attempts``.
+METRIC_TIMES = ("latency_s", "first_token_s", "first_byte_s")
+METRIC_BOUNDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                 40.96, 81.92)
+
+
+def _metric_columns() -> list[Column[Any]]:
+    cols: list[Column[Any]] = []
+    for m in METRIC_TIMES:
+        cols += [Column(f"{m}_n", BigInteger, nullable=False),
+                 Column(f"{m}_sum", _T, nullable=False)]
+        cols += [Column(f"{m}_le{i}", BigInteger, nullable=False)
+                 for i in range(len(METRIC_BOUNDS))]
+    return cols
+
+
+#: Per rolled hour, route and state, the sums ``/metrics`` counts over its settled attempts
+#: (:meth:`ledger.storage.series.SeriesQueries.metrics_totals`): attempts, tokens, money
+#: charged, and each time's histogram over :data:`METRIC_BOUNDS` (migration
+#: 0013). Kept exact with ``attempt_rollups``, by the same marks and triggers.
+metric_rollups = Table(
+    "metric_rollups",
+    metadata,
+    Column("hour", BigInteger, nullable=False),
+    Column("route_id", _ID, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Column("input", BigInteger, nullable=False),
+    Column("output", BigInteger, nullable=False),
+    Column("cache_read", BigInteger, nullable=False),
+    Column("reasoning", BigInteger, nullable=False),
+    Column("charged_micros", BigInteger, nullable=False),
+    *_metric_columns(),
+    Index("ix_metric_rollups_hour", "hour"),
+)
+
+#: Per rolled hour, the ``move`` events to another route by their routes and cause (as
+#: ``/metrics`` counts them), whoever wrote them: a trigger on ``events`` undoes the hour when
+#: a ``move`` of it is written or deleted after the roll-up (migration 0013).
+move_rollups = Table(
+    "move_rollups",
+    metadata,
+    Column("hour", BigInteger, nullable=False),
+    # Text: a host's own ``move`` may carry any JSON (``Ledger.append_event``).
+    Column("from_route", Text, nullable=True),
+    Column("to_route", Text, nullable=True),
+    Column("category", Text, nullable=True),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_move_rollups_hour", "hour"),
+)
+
 
 def held_until(fence: ColumnElement[Any], run: FromClause = runs) -> ColumnElement[Any]:
     """Until when a capacity slot (or a place in a group's queue) taken under ``fence`` is in
@@ -348,6 +401,8 @@ def held_until(fence: ColumnElement[Any], run: FromClause = runs) -> ColumnEleme
 
 
 __all__ = [
+    "METRIC_BOUNDS",
+    "METRIC_TIMES",
     "PARTITIONED_KEYS",
     "attempt_rollups",
     "attempts",
@@ -360,6 +415,8 @@ __all__ = [
     "health",
     "held_until",
     "metadata",
+    "metric_rollups",
+    "move_rollups",
     "provenance",
     "rollup_hours",
     "runs",

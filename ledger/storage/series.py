@@ -22,18 +22,20 @@ from sqlalchemy import (
     Float,
     case,
     cast,
+    false,
     func,
     literal_column,
     or_,
     select,
     union_all,
 )
+from sqlalchemy.sql import Select
 
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
-from ledger.storage.hours import HOUR, bucketed_split, rollup_sums, time_range
+from ledger.storage.hours import HOUR, Split, bucketed_split, rollup_sums, split, time_range
 
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
@@ -109,37 +111,19 @@ class SeriesQueries:
         another route by their routes and cause; capacity waits by group and outcome (with
         the same buckets); the places waiting in each group's queue now.
         """
-        a = s.attempts.c
         e = s.events.c
         r = s.runs.c
         h = s.health.c
         g = s.capacity_groups.c
-        charged, _held = charged_and_held()
-        measures: list[Any] = []
-        for m in ("latency_s", "first_token_s", "first_byte_s"):
-            measures += _histogram(a[m], m, bounds)
         waited = cast(self.ctx.json_text(e.data, "waited_s"), Float)
         w = s.group_waiters.c
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
-            attempts = _maps(conn.execute(
-                select(a.route_id.label("route"), a.state.label("outcome"),
-                       func.count().label("n"),
-                       func.coalesce(func.sum(a.prompt_tokens), 0).label("input"),
-                       func.coalesce(func.sum(a.completion_tokens), 0).label("output"),
-                       func.coalesce(func.sum(a.cached_tokens), 0).label("cache_read"),
-                       func.coalesce(func.sum(a.reasoning_tokens), 0).label("reasoning"),
-                       charged.label("charged_micros"), *measures)
-                .group_by(a.route_id, a.state).order_by(a.route_id, a.state)).all())
-            # Moves to another route, by cause (a credential rotated on one route is a retry).
-            src = self.ctx.json_text(e.data, "from_route")
-            dst = self.ctx.json_text(e.data, "to_route")
-            cat = self.ctx.json_text(e.data, "cause", "category")
-            moves = _maps(conn.execute(
-                select(src.label("from_route"), dst.label("to_route"), cat.label("category"),
-                       func.count().label("n"))
-                .where(e.kind == "move", or_(src.is_(None), dst.is_(None), src != dst))
-                .group_by(src, dst, cat)).all())
+            # Settled attempts and moves of rolled hours come from the roll-ups (the job writes
+            # them over METRIC_BOUNDS only); the rest from the tables.
+            hours = split(conn, None, None) if tuple(bounds) == s.METRIC_BOUNDS else None
+            attempts = _maps(conn.execute(self._attempt_counts(bounds, hours)).all())
+            moves = _maps(conn.execute(self._move_counts(hours)).all())
             grp = self.ctx.json_text(e.data, "group")
             out = self.ctx.json_text(e.data, "outcome")
             waits = _maps(conn.execute(
@@ -170,6 +154,74 @@ class SeriesQueries:
                 "groups": groups, "waits": waits, "waiting": waiting}
 
 
+    def _attempt_counts(self, bounds: Sequence[float], hours: Split | None) -> Select[Any]:
+        """Per route and state: :func:`attempt_sums` over the attempts ``hours`` leaves to
+        ``attempts`` (all without it) plus the sums of its rolled hours' ``metric_rollups``."""
+        a = s.attempts.c
+        sums = attempt_sums(bounds)
+        raw = select(a.route_id.label("route"), a.state.label("outcome"), *sums)
+        if hours is None or not hours.hours:
+            return raw.group_by(a.route_id, a.state).order_by(a.route_id, a.state)
+        t = s.metric_rollups.c
+        names = [c.name for c in sums]
+        rolled = (select(t.route_id.label("route"), t.state.label("outcome"),
+                         *(func.sum(t[n]).label(n) for n in names))
+                  .where(hours.rollups_where(s.metric_rollups)).group_by(t.route_id, t.state))
+        both = union_all(raw.where(hours.attempts_where()).group_by(a.route_id, a.state),
+                         rolled).subquery("parts")
+        p = both.c
+        return (select(p.route, p.outcome, *(func.sum(p[n]).label(n) for n in names))
+                .group_by(p.route, p.outcome).order_by(p.route, p.outcome))
+
+    def _move_counts(self, hours: Split | None) -> Select[Any]:
+        """Moves to another route by their routes and cause: the ``move`` events outside the
+        rolled hours of ``hours`` (all without it) plus those hours' ``move_rollups``."""
+        e = s.events.c
+        src, dst, cat, where = move_keys(self.ctx)
+        raw = select(src.label("from_route"), dst.label("to_route"), cat.label("category"),
+                     func.count().label("n")).where(*where)
+        if hours is None or not hours.hours:
+            return raw.group_by(src, dst, cat)
+        t = s.move_rollups.c
+        rolled = (select(t.from_route, t.to_route, t.category, func.sum(t.n).label("n"))
+                  .where(hours.rollups_where(s.move_rollups))
+                  .group_by(t.from_route, t.to_route, t.category))
+        both = union_all(raw.where(or_(false(), *hours.gaps(e.created_at)))
+                         .group_by(src, dst, cat), rolled).subquery("parts")
+        p = both.c
+        return (select(p.from_route, p.to_route, p.category, func.sum(p.n).label("n"))
+                .group_by(p.from_route, p.to_route, p.category))
+
+
+def attempt_sums(bounds: Sequence[float]) -> list[Any]:
+    """What ``/metrics`` sums per route and state over ``attempts`` (``GROUP BY`` them), each
+    labelled with its ``metric_rollups`` column: ``n``, tokens by kind, money charged, and
+    :func:`_histogram` of each of ``schema.METRIC_TIMES`` over ``bounds``."""
+    a = s.attempts.c
+    charged, _held = charged_and_held()
+    sums: list[Any] = [
+        func.count().label("n"),
+        func.coalesce(func.sum(a.prompt_tokens), 0).label("input"),
+        func.coalesce(func.sum(a.completion_tokens), 0).label("output"),
+        func.coalesce(func.sum(a.cached_tokens), 0).label("cache_read"),
+        func.coalesce(func.sum(a.reasoning_tokens), 0).label("reasoning"),
+        charged.label("charged_micros")]
+    for m in s.METRIC_TIMES:
+        sums += _histogram(a[m], m, bounds)
+    return sums
+
+
+def move_keys(ctx: SqlContext) -> tuple[Any, Any, Any, list[ColumnElement[bool]]]:
+    """(from route, to route, cause's category, the conditions) of the ``move`` events
+    ``/metrics`` counts: those to another route (a credential rotated on one route is a
+    retry)."""
+    e = s.events.c
+    src = ctx.json_text(e.data, "from_route")
+    dst = ctx.json_text(e.data, "to_route")
+    cat = ctx.json_text(e.data, "cause", "category")
+    return src, dst, cat, [e.kind == "move", or_(src.is_(None), dst.is_(None), src != dst)]
+
+
 def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
     """``{name}_n``, ``{name}_sum`` and ``{name}_le{i}`` (how many are at most
     ``bounds[i]``) of ``col``'s non-NULL values."""
@@ -179,4 +231,4 @@ def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
              for i, b in enumerate(bounds)]
     return cols
 
-__all__ = ["SeriesQueries"]
+__all__ = ["SeriesQueries", "attempt_sums", "move_keys"]

@@ -55,7 +55,18 @@ def _answers(led: Ledger) -> dict[str, Any]:
         limit=10_000).items) for by in KEYS for since, until in WINDOWS}
     out["by day"] = to_jsonable(audit.costs_by_day(days=2, now=END))
     out.update(_activity(audit))
+    out.update(_metrics(audit))
     return out
+
+
+def _metrics(audit: Audit) -> dict[str, Any]:
+    """``/metrics``' counters, each histogram's sum rounded: a sum of the hours' sums may
+    differ from the sum of the attempts' times in the last bits of a float."""
+    snap = to_jsonable(audit.metrics(now=END))
+    for name in ("latency", "first_token", "first_byte"):
+        for h in snap[name].values():
+            h["sum"] = round(h["sum"], 6)
+    return {f"metrics {k}": v for k, v in snap.items()}
 
 
 def _activity(audit: Audit) -> dict[str, Any]:
@@ -81,9 +92,13 @@ def _rolled(url: str) -> set[int]:
 
 def _read_from_attempts(led: Ledger, url: str) -> dict[str, Any]:
     """The answers with every roll-up gone: what the attempts alone say."""
-    _sql(url, "DELETE FROM attempt_rollups")
-    _sql(url, "DELETE FROM rollup_hours")
+    _unroll_all(url)
     return _answers(led)
+
+
+def _unroll_all(url: str) -> None:
+    for table in ("attempt_rollups", "metric_rollups", "move_rollups", "rollup_hours"):
+        _sql(url, f"DELETE FROM {table}")
 
 
 def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str) -> None:
@@ -110,6 +125,14 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
         assert {k for k in changed if k.startswith("activity")} == {
             k for k in before if k.startswith("activity") and k.endswith("True")}
         assert any(k.startswith("route") for k in changed)
+        assert not any(k.startswith("metrics") for k in changed)
+        # So do the metrics: the counts of attempts, and of failovers, changed in their
+        # roll-ups show in them.
+        _sql(db_url, "UPDATE metric_rollups SET n = n + 1000")
+        _sql(db_url, "UPDATE move_rollups SET n = n + 1000")
+        metrics = _metrics(Audit(led))
+        assert metrics["metrics attempts"] != before["metrics attempts"]
+        assert metrics["metrics failovers"] > before["metrics failovers"] + 999
     finally:
         led.close()
 
@@ -165,9 +188,10 @@ def test_retention_takes_the_rollups_of_the_history_it_drops(db_url: str) -> Non
         left = _rolled(db_url)
         assert not jan & left and jul <= left
         costs = to_jsonable(audit.costs(by="route", since=0.0).items)
-        _sql(db_url, "DELETE FROM attempt_rollups")
-        _sql(db_url, "DELETE FROM rollup_hours")
+        metrics = to_jsonable(audit.metrics())
+        _unroll_all(db_url)
         assert costs == to_jsonable(audit.costs(by="route", since=0.0).items)
+        assert metrics == to_jsonable(audit.metrics())
         assert costs[0]["attempts"] == 4  # feb-unknown's two, mar-live's, jul's
 
 
@@ -295,12 +319,99 @@ def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None
     # batch mode copies a table and drops its triggers) would leave the roll-ups stale, silently.
     Ledger.open(db_url, clock=ManualClock(END)).close()
     if db_url.endswith(".db"):
-        names = {r[0] for r in _sql(db_url, "SELECT name FROM sqlite_master WHERE "
-                                            "type = 'trigger' AND tbl_name = 'attempts'")}
-        assert names == {"attempts_unroll_insert", "attempts_unroll_update",
-                         "attempts_unroll_moved", "attempts_unroll_delete"}
+        names = {(r[0], r[1]) for r in _sql(db_url, "SELECT tbl_name, name FROM sqlite_master "
+                                                    "WHERE type = 'trigger' AND tbl_name IN "
+                                                    "('attempts', 'events')")}
+        assert names == {("attempts", "attempts_unroll_insert"),
+                         ("attempts", "attempts_unroll_update"),
+                         ("attempts", "attempts_unroll_moved"),
+                         ("attempts", "attempts_unroll_delete"),
+                         ("events", "events_unroll_insert"), ("events", "events_unroll_delete")}
+        # Each clears every roll-up of its hour (0013 added two tables).
+        bodies = [r[0] for r in _sql(db_url, "SELECT sql FROM sqlite_master WHERE "
+                                             "type = 'trigger' AND name LIKE '%unroll%'")]
+        assert all("metric_rollups" in b and "move_rollups" in b for b in bodies)
     else:
-        rows = _sql(db_url, "SELECT tgname, tgtype FROM pg_trigger WHERE NOT tgisinternal AND "
-                            "tgrelid = 'attempts'::regclass")
-        # One row trigger for INSERT, UPDATE and DELETE (tgtype bits 1, 4, 8, 16).
-        assert [(name, tgtype & 29) for name, tgtype in rows] == [("attempts_unroll", 29)]
+        rows = _sql(db_url, "SELECT tgrelid::regclass::text, tgname, tgtype FROM pg_trigger "
+                            "WHERE NOT tgisinternal AND tgparentid = 0 AND tgrelid IN "
+                            "('attempts'::regclass, 'events'::regclass) ORDER BY 1, 2")
+        # A row trigger for INSERT, UPDATE and DELETE (tgtype bits 1, 4, 8, 16); on events one
+        # for INSERT and one for DELETE, of moves only.
+        assert [(table, name, tgtype & 29) for table, name, tgtype in rows] == [
+            ("attempts", "attempts_unroll", 29), ("events", "events_unroll_delete", 9),
+            ("events", "events_unroll_insert", 5)]
+        body = _sql(db_url, "SELECT prosrc FROM pg_proc WHERE proname = "
+                            "'ledger_attempts_unroll'")[0][0]
+        assert "metric_rollups" in body and "move_rollups" in body
+
+
+def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> None:
+    # A host records a move by itself (no attempt written with it): into an hour rolled
+    # already, and into an hour that held nothing else.
+    led = _generated(db_url, attempts=120)
+    try:
+        clock = led.clock
+        assert isinstance(clock, ManualClock)
+        clock.set(END - 12 * HOUR)  # before the generated history: an hour of its own
+        led.admit_run("host", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
+                                                          max_cost=1))
+        lease = led.acquire_lease("host", ttl_s=86400)
+        clock.set(END - 12 * HOUR + 100)
+        led.append_event(lease, "move", {"from_route": "a", "to_route": "elsewhere",
+                                         "cause": {"category": "overloaded"}})
+        clock.set(END)
+        led.roll_up(lag=0)
+        lone = hour_of(END - 12 * HOUR + 100)
+        assert lone in _rolled(db_url)  # its move is rolled up, not the hour marked empty
+        assert _sql(db_url, "SELECT n FROM move_rollups WHERE hour = :h", {"h": lone}) == [(1,)]
+        before = _answers(led)
+        rolled = _rolled(db_url)
+        late = hour_of(END - 4 * HOUR)
+        assert late in rolled
+        clock.set(late * HOUR + 60)
+        led.append_event(lease, "move", {"from_route": "a", "to_route": "elsewhere",
+                                         "cause": {"category": "overloaded"}})
+        led.append_event(lease, "note", {"text": "not a move: leaves the roll-ups"})
+        assert _rolled(db_url) == rolled - {late}
+        after = _metrics(Audit(led))
+        key = str(("a", "elsewhere", "overloaded"))
+        assert after["metrics failovers_by"][key] == before["metrics failovers_by"][key] + 1
+        clock.set(END)
+        assert led.roll_up(lag=0).hours == 1
+        assert _answers(led) == _read_from_attempts(led, db_url)
+    finally:
+        led.close()
+
+
+def test_migration_0013_redoes_the_rolled_hours_and_its_downgrade_keeps_0011s(
+        db_url: str) -> None:
+    led = _generated(db_url, attempts=40)
+    led.roll_up(lag=0)
+    before = _answers(led)
+    led.close()
+    _alembic(db_url, "downgrade", "0012")
+    # 0011's roll-ups still work under 0011's trigger: a late write undoes its hour.
+    assert _rolled(db_url)
+    _sql(db_url, "UPDATE attempts SET settled_at = created_at + 1 WHERE state = 'succeeded'")
+    assert not _rolled(db_url)
+    _sql(db_url, "INSERT INTO rollup_hours (hour, rolled_at) VALUES (1, 0)")
+    _alembic(db_url, "upgrade", "head")
+    # The upgrade unmarks what was rolled (the new tables have no rows of it).
+    assert _rolled(db_url) == set()
+    led = Ledger.open(db_url, clock=ManualClock(END))
+    try:
+        led.roll_up(lag=0)
+        assert _answers(led) == before
+    finally:
+        led.close()
+
+
+def test_the_metric_rollups_keep_the_buckets_metrics_exposes() -> None:
+    # The roll-ups count each time into METRIC_BOUNDS; /metrics reads them only when its
+    # buckets are those, so buckets changed in one place alone would silently read every
+    # scrape from the attempts again.
+    from ledger.storage.schema import METRIC_BOUNDS, METRIC_TIMES, metric_rollups
+    from ledger.telemetry import DURATION_BUCKETS
+
+    assert DURATION_BUCKETS == METRIC_BOUNDS
+    assert {f"{m}_le{len(METRIC_BOUNDS) - 1}" for m in METRIC_TIMES} <= set(metric_rollups.c.keys())
