@@ -541,7 +541,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         rep = au.health(now, latency_window_s=hours * 3600)
         chart_since, chart_until, n = chart_window(now, hours)
         buckets = au.activity(since=chart_since, until=chart_until, buckets=n)
-        series = au.route_series(since=since, until=now, buckets=24, routes=8)
+        # The routes' small multiples share the chart's buckets: whole hours from a day on,
+        # which the roll-ups count.
+        series = au.route_series(since=chart_since, until=chart_until, buckets=n, routes=8)
         answered = au.latency(since=since, until=now, state="succeeded")
         fos = au.failovers(since=since, until=now, limit=20)
         failed_over = au.count_failovers(since=since, until=now)  # the page shows 20 at most

@@ -1366,6 +1366,11 @@ class Audit:
                                                      "e.g. 8")] = 8) -> list[RouteSeries]:
         """Success rate and latency per route in ``buckets`` equal slices of [since, until).
 
+        When ``since`` starts an hour and each slice is a whole number of hours, the settled
+        attempts of hours already rolled up (:meth:`ledger.Ledger.roll_up`) are counted from
+        their roll-ups, as :meth:`activity` counts them (the dashboard asks that way); a
+        slice's mean latency may then differ in a float's last bits.
+
         Args:
             since: The range's start.
             until: Its end, after ``since``.

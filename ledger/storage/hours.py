@@ -71,13 +71,19 @@ class Split:
             else:
                 stretches.append((h, h + 1))
         self.hours = list(rolled)
-        self.rolled = [hours_in(col, lo, hi) for lo, hi in stretches]
+        self._stretches = stretches
+        self.rolled = self.inside(col)
         # The gaps: before the first stretch, between two, after the last (none if empty).
         starts: list[float | None] = [since, *(float(hi * HOUR) for _, hi in stretches)]
         ends: list[float | None] = [*(float(lo * HOUR) for lo, _ in stretches), until]
         self._gaps = [(lo, hi) for lo, hi in zip(starts, ends, strict=True)
                       if lo is None or hi is None or lo < hi]
         self.raw = self.gaps(col)
+
+    def inside(self, col: Any) -> list[ColumnElement[bool]]:
+        """The stretches of rolled hours, as conditions on the time ``col`` (``rolled`` for
+        another table: ``runs.created_at``)."""
+        return [hours_in(col, lo, hi) for lo, hi in self._stretches]
 
     def gaps(self, col: Any) -> list[ColumnElement[bool]]:
         """The window's stretches outside the rolled hours, as conditions on the time

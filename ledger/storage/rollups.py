@@ -9,7 +9,8 @@ rolled hour's rows to what it still reads from ``attempts``: the window's ragged
 hours not rolled, and the attempts of rolled hours still ``dispatching`` or ``unknown``
 (:func:`split`). The same transaction writes the hour's rows of ``metric_rollups`` (per route
 and state: what ``/metrics`` counts, histograms included) and of ``move_rollups`` (its
-``move`` events by routes and cause), which
+``move`` events by routes and cause) and of ``run_rollups`` (per tenant, the Runs admitted in
+it that have ended, with their money), which
 :meth:`~ledger.storage.series.SeriesQueries.metrics_totals` adds up the same way (migration
 0013).
 
@@ -23,7 +24,9 @@ lock of the hour until its transaction ends and a roll-up takes the exclusive on
 reads (:meth:`~ledger.storage.context.SqlContext.lock_hour`), so a write committed while a
 roll-up read is never missed; SQLite's single writer serializes them. A ``move`` event may be
 written without an attempt (a host's own ``append_event``): a trigger on ``events`` does the
-same for moves (0013), and an hour holding only moves is rolled, not marked empty.
+same for moves (0013), and an hour holding only moves is rolled, not marked empty. A Run's
+row keeps changing while it lives; it is rolled up once it has ended, and a trigger on ``runs``
+undoes its hour of admission when it ends or its money moves after (an operator's receipt).
 
 The roll-up is a job: ``failover-ledger rollup`` or :meth:`ledger.Ledger.roll_up`, run from
 cron or a scheduler every few minutes (docs/operations.md). Without it nothing reads
@@ -41,7 +44,7 @@ from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.hours import HOUR, OPEN_STATES, hour_of, hours_in
-from ledger.storage.series import attempt_sums, move_keys
+from ledger.storage.series import LIVE_STATUSES, attempt_sums, move_keys, run_money
 
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
@@ -63,8 +66,9 @@ class RollupQueries:
         now = clock()
         last = hour_of(now - lag_s)  # hours below it ended at least lag_s ago
         with self.ctx.reading() as conn:
-            # The first hour of the history: of its attempts or of a host's own moves.
+            # The first hour of the history: of its attempts, Runs, or a host's own moves.
             firsts = [t for t in (conn.execute(select(func.min(a.created_at))).scalar(),
+                                  conn.execute(select(func.min(s.runs.c.created_at))).scalar(),
                                   conn.execute(select(func.min(s.events.c.created_at)).where(
                                       s.events.c.kind == "move")).scalar()) if t is not None]
             first = min(firsts) if firsts else None
@@ -116,14 +120,15 @@ class RollupQueries:
         return marked, busy
 
     def _empty(self, conn: Any, h: int) -> bool:
-        """Whether hour ``h`` holds neither an attempt nor a ``move`` (a host's own is
-        written without an attempt)."""
+        """Whether hour ``h`` holds no attempt, no Run admitted, and no ``move`` (a host's
+        own is written without an attempt)."""
         a = s.attempts.c
         e = s.events.c
-        return conn.execute(select(a.attempt_id).where(hours_in(a.created_at, h, h + 1))
-                            .limit(1)).first() is None and conn.execute(
-            select(e.event_id).where(e.kind == "move", hours_in(e.created_at, h, h + 1))
-            .limit(1)).first() is None
+        r = s.runs.c
+        return all(conn.execute(q.limit(1)).first() is None for q in (
+            select(a.attempt_id).where(hours_in(a.created_at, h, h + 1)),
+            select(r.run_id).where(hours_in(r.created_at, h, h + 1)),
+            select(e.event_id).where(e.kind == "move", hours_in(e.created_at, h, h + 1))))
 
     def _roll_hour(self, conn: Any, h: int, now: float) -> int:
         a = s.attempts.c
@@ -149,8 +154,9 @@ class RollupQueries:
                                 .where(t.hour == h)).scalar_one())
 
     def _roll_metrics(self, conn: Any, h: int) -> None:
-        """Hour ``h``'s rows of ``metric_rollups`` and ``move_rollups``: what ``/metrics``
-        counts (:mod:`ledger.storage.series`) over its settled attempts and its moves."""
+        """Hour ``h``'s rows of ``metric_rollups``, ``move_rollups`` and ``run_rollups``:
+        what ``/metrics`` counts (:mod:`ledger.storage.series`) over its settled attempts, its
+        moves and the Runs admitted in it that have ended."""
         a = s.attempts.c
         sums = attempt_sums(s.METRIC_BOUNDS)
         conn.execute(s.metric_rollups.insert().from_select(
@@ -164,6 +170,12 @@ class RollupQueries:
             ["hour", "from_route", "to_route", "category", "n"],
             select(literal(h), src, dst, cat, func.count())
             .where(*where, hours_in(e.created_at, h, h + 1)).group_by(src, dst, cat)))
+        r = s.runs.c
+        conn.execute(s.run_rollups.insert().from_select(
+            ["hour", "tenant", "runs", "posted_micros", "reserved_micros"],
+            select(literal(h), *run_money())
+            .where(hours_in(r.created_at, h, h + 1), r.status.not_in(LIVE_STATUSES))
+            .group_by(r.tenant)))
 
 
 __all__ = ["RollupQueries"]

@@ -370,6 +370,21 @@ metric_rollups = Table(
     Index("ix_metric_rollups_hour", "hour"),
 )
 
+#: Per rolled hour and tenant, the Runs admitted in it that have ended (any status but
+#: ``admitted`` and ``running``): how many, and their money posted and held, as ``/metrics``
+#: counts them. A trigger on ``runs`` undoes the hour when such a Run is written: one ends, or
+#: an operator settles an unknown attempt of one that had (migration 0013).
+run_rollups = Table(
+    "run_rollups",
+    metadata,
+    Column("hour", BigInteger, nullable=False),
+    Column("tenant", String(200), nullable=True),
+    Column("runs", BigInteger, nullable=False),
+    Column("posted_micros", BigInteger, nullable=False),
+    Column("reserved_micros", BigInteger, nullable=False),
+    Index("ix_run_rollups_hour", "hour"),
+)
+
 #: Per rolled hour, the ``move`` events to another route by their routes and cause (as
 #: ``/metrics`` counts them), whoever wrote them: a trigger on ``events`` undoes the hour when
 #: a ``move`` of it is written or deleted after the roll-up (migration 0013).
@@ -419,5 +434,6 @@ __all__ = [
     "move_rollups",
     "provenance",
     "rollup_hours",
+    "run_rollups",
     "runs",
 ]

@@ -7,9 +7,11 @@ typed results.
 - per-route series and costs by day scan one time range of ``attempts`` through
   ``ix_attempts_created_at`` (as the activity chart does);
 - the metrics totals are counters over the whole history (Prometheus computes rates from
-  them): attempts grouped by route and state, ``move`` events through ``ix_events_kind_created_at``,
-  money per tenant from ``runs``, and the current cooldowns from ``health`` and
-  ``capacity_groups`` (small tables).
+  them): attempts grouped by route and state, ``move`` events through
+  ``ix_events_kind_created_at``, money per tenant from ``runs``, each from the hourly roll-ups
+  for the hours rolled (:mod:`ledger.storage.rollups`) and from the table for the rest; the
+  capacity waits, and the current cooldowns from ``health`` and ``capacity_groups`` (small
+  tables), from the tables.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Float,
+    and_,
     case,
     cast,
     false,
     func,
+    literal,
     literal_column,
     or_,
     select,
@@ -31,6 +35,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
+from ledger.domain.records import RunStatus
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
@@ -54,24 +59,49 @@ class SeriesQueries:
 
     def route_series(self, *, since: float, until: float, bucket_s: float) -> list[RowMap]:
         """Per route and bucket: attempts, outcomes and the succeeded ones' summed latency.
-        Raises :class:`~ledger.errors.InvalidArgument` (``bucket_s`` not > 0)."""
+
+        When ``since`` starts an hour and ``bucket_s`` is a whole number of hours, the settled
+        attempts of rolled hours are counted from ``metric_rollups`` (as the activity chart
+        counts them from ``attempt_rollups``). Raises :class:`~ledger.errors.InvalidArgument`
+        (``bucket_s`` not > 0)."""
         if bucket_s <= 0:
             raise InvalidArgument("bucket_s must be > 0", field="bucket_s")
         a = s.attempts.c
         ok = a.state == "succeeded"
-        q = (select(a.route_id.label("route"),
-                    self._bucket(a.created_at, since, bucket_s).label("bucket"),
-                    func.count().label("attempts"),
-                    func.sum(case((ok, 1), else_=0)).label("succeeded"),
-                    func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
-                    func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"),
-                    func.sum(case((ok, a.latency_s), else_=None)).label("latency_sum"),
-                    func.count(case((ok, a.latency_s), else_=None)).label("latency_n"))
-             .where(a.created_at >= since, a.created_at < until)
-             .group_by(a.route_id, literal_column("bucket"))
-             .order_by(a.route_id, literal_column("bucket")))
+        cols = ("attempts", "succeeded", "failed", "unknown", "latency_sum", "latency_n")
         with self.ctx.reading() as conn:
-            return _maps(conn.execute(q).all())
+            self.ctx.consistent(conn)
+            hours = bucketed_split(conn, since, until, bucket_s)
+            window = ([hours.attempts_where()] if hours is not None
+                      else time_range(a.created_at, since, until))
+            q = (select(a.route_id.label("route"),
+                        self._bucket(a.created_at, since, bucket_s).label("bucket"),
+                        func.count().label("attempts"),
+                        func.sum(case((ok, 1), else_=0)).label("succeeded"),
+                        func.sum(case((a.state == "failed", 1), else_=0)).label("failed"),
+                        func.sum(case((a.state == "unknown", 1), else_=0)).label("unknown"),
+                        func.sum(case((ok, a.latency_s), else_=None)).label("latency_sum"),
+                        func.count(case((ok, a.latency_s), else_=None)).label("latency_n"))
+                 .where(*window).group_by(a.route_id, literal_column("bucket")))
+            if hours is not None:
+                t = s.metric_rollups.c
+                won = t.state == "succeeded"
+                sums = (select(t.route_id.label("route"),
+                               self._bucket(t.hour * HOUR, since, bucket_s).label("bucket"),
+                               func.sum(t.n).label("attempts"),
+                               func.sum(case((won, t.n), else_=0)).label("succeeded"),
+                               func.sum(case((t.state == "failed", t.n), else_=0)).label("failed"),
+                               literal(0).label("unknown"),  # open: read from attempts
+                               func.sum(case((won, t.latency_s_sum), else_=None))
+                               .label("latency_sum"),
+                               func.sum(case((won, t.latency_s_n), else_=0)).label("latency_n"))
+                        .where(hours.rollups_where(s.metric_rollups))
+                        .group_by(t.route_id, literal_column("bucket")))
+                p = union_all(q, sums).subquery("parts").c
+                q = (select(p.route, p.bucket, *(func.sum(p[c]).label(c) for c in cols))
+                     .group_by(p.route, p.bucket))
+            return _maps(conn.execute(q.order_by(literal_column("route"),
+                                                 literal_column("bucket"))).all())
 
     def cost_by_day(self, *, since: float, until: float) -> list[RowMap]:
         """Per UTC day from ``since`` (a midnight) and tenant: attempts and cost in micros.
@@ -136,12 +166,7 @@ class SeriesQueries:
                 .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
                 .where(w.expires_at > now, s.held_until(w.fence) > now)
                 .group_by(w.group_id).order_by(w.group_id)).all())
-            money = _maps(conn.execute(
-                select(r.tenant.label("tenant"),
-                       func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
-                       func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros"),
-                       func.count().label("runs"))
-                .group_by(r.tenant).order_by(r.tenant)).all())
+            money = _maps(conn.execute(self._money(hours)).all())
             cooling = _maps(conn.execute(
                 select(h.kind.label("kind"), func.count().label("n"))
                 .where((h.cooldown_until > now) | (h.disabled_until > now))
@@ -193,6 +218,41 @@ class SeriesQueries:
                 .group_by(p.from_route, p.to_route, p.category))
 
 
+    def _money(self, hours: Split | None) -> Select[Any]:
+        """Per tenant: :func:`run_money` over the Runs ``hours`` leaves to ``runs`` (admitted
+        outside its rolled hours, or still live) plus those hours' ``run_rollups``."""
+        r = s.runs.c
+        raw = select(*run_money())
+        if hours is None or not hours.hours:
+            return raw.group_by(r.tenant).order_by(r.tenant)
+        t = s.run_rollups.c
+        rolled = (select(t.tenant, func.sum(t.runs).label("runs"),
+                         func.sum(t.posted_micros).label("posted_micros"),
+                         func.sum(t.reserved_micros).label("reserved_micros"))
+                  .where(hours.rollups_where(s.run_rollups)).group_by(t.tenant))
+        live = and_(r.status.in_(LIVE_STATUSES), or_(*hours.inside(r.created_at)))
+        both = union_all(raw.where(or_(live, *hours.gaps(r.created_at))).group_by(r.tenant),
+                         rolled).subquery("parts")
+        p = both.c
+        return (select(p.tenant, func.sum(p.runs).label("runs"),
+                       func.sum(p.posted_micros).label("posted_micros"),
+                       func.sum(p.reserved_micros).label("reserved_micros"))
+                .group_by(p.tenant).order_by(p.tenant))
+
+
+#: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
+LIVE_STATUSES = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
+
+
+def run_money() -> list[Any]:
+    """What ``/metrics`` counts per tenant over ``runs`` (``GROUP BY`` the tenant), labelled
+    as ``run_rollups``' columns: the tenant, how many Runs, their money posted and held."""
+    r = s.runs.c
+    return [r.tenant.label("tenant"), func.count().label("runs"),
+            func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
+            func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros")]
+
+
 def attempt_sums(bounds: Sequence[float]) -> list[Any]:
     """What ``/metrics`` sums per route and state over ``attempts`` (``GROUP BY`` them), each
     labelled with its ``metric_rollups`` column: ``n``, tokens by kind, money charged, and
@@ -231,4 +291,4 @@ def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
              for i, b in enumerate(bounds)]
     return cols
 
-__all__ = ["SeriesQueries", "attempt_sums", "move_keys"]
+__all__ = ["LIVE_STATUSES", "SeriesQueries", "attempt_sums", "move_keys", "run_money"]

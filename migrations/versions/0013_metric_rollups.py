@@ -1,4 +1,4 @@
-"""metric_rollups and move_rollups: ``/metrics``' whole-history counters from the hourly roll-ups
+"""metric_rollups, move_rollups, run_rollups: ``/metrics``' counters from the hourly roll-ups
 
 ``/metrics`` counted the whole history at every scrape: attempts by route and state with three
 histograms, and every ``move`` event by its routes and cause. At a million attempts that took
@@ -13,10 +13,13 @@ trigger now deletes the new tables' rows of an hour with its mark, and a new tri
 ``events`` does the same when a ``move`` of a rolled hour is written or deleted (a host's own
 ``append_event(kind="move")`` writes no attempt). On PostgreSQL it takes the same shared
 advisory lock of the hour as the attempts' trigger, so a roll-up never misses a move committed
-while it read.
+while it read. ``run_rollups`` keeps, per hour of admission and tenant, the Runs that have
+ended (how many, their money posted and held), for ``/metrics``' money by tenant, which read
+every Run: a trigger on ``runs`` undoes the hour when a Run of it ends or an ended Run's money
+moves (an operator's receipt for an unknown attempt); a live Run's writes do not fire it.
 
 Existing ledgers: the tables are created empty, the hours already rolled are unmarked (their
-``attempt_rollups`` rows deleted with them) so that the next roll-up writes all three tables,
+``attempt_rollups`` rows deleted with them) so that the next roll-up writes all four tables,
 and the triggers are replaced. The downgrade restores 0011's triggers and drops the tables.
 
 Revision ID: 0013
@@ -69,10 +72,19 @@ END
 $$
 """
 _MORE = ("DELETE FROM metric_rollups WHERE hour = h;\n"
-         "            DELETE FROM move_rollups WHERE hour = h;")
+         "            DELETE FROM move_rollups WHERE hour = h;\n"
+         "            DELETE FROM run_rollups WHERE hour = h;")
 
 _SQLITE_HOUR = "(CAST({t} / 3600 AS INTEGER) - (CAST({t} / 3600 AS INTEGER) * 3600 > {t}))"
-_ROLLUPS = ("attempt_rollups", "metric_rollups", "move_rollups")
+_ROLLUPS = ("attempt_rollups", "metric_rollups", "move_rollups", "run_rollups")
+# A Run counts in its hour's roll-up once it has ended; it changes what that counts when it
+# ends, or when its money moves after (an operator's receipt for an unknown attempt).
+_ENDED = "{row}.status NOT IN ('admitted', 'running')"
+_CHANGED = " OR ".join(f"OLD.{c} IS DISTINCT FROM NEW.{c}" for c in (
+    "status", "posted_micros", "reserved_micros", "tenant", "created_at"))
+_PG_RUN_WHEN = {"INSERT": _ENDED.format(row="NEW"), "DELETE": _ENDED.format(row="OLD"),
+                "UPDATE": f"({_ENDED.format(row='OLD')} OR {_ENDED.format(row='NEW')}) "
+                          f"AND ({_CHANGED})"}
 
 
 def _sqlite_trigger(table: str, event: str, row: str, tables: tuple[str, ...]) -> str:
@@ -84,6 +96,9 @@ def _sqlite_trigger(table: str, event: str, row: str, tables: tuple[str, ...]) -
         when = f"NEW.created_at IS NOT OLD.created_at AND {when}"
     if table == "events":  # only a move is rolled up
         when = f"{row}.kind = 'move' AND {when}"
+    elif table == "runs":  # only a Run that has ended
+        cond = _PG_RUN_WHEN[event.split(" OF ")[0]].replace("IS DISTINCT FROM", "IS NOT")
+        when = f"{cond} AND {when}"
     name = f"{table}_unroll_" + ("moved" if event.startswith("UPDATE OF") else event.lower())
     deletes = " ".join(f"DELETE FROM {t} WHERE hour = {hour};" for t in tables)
     return (f"CREATE TRIGGER {name} AFTER {event} ON {table} FOR EACH ROW WHEN {when} "
@@ -93,6 +108,8 @@ def _sqlite_trigger(table: str, event: str, row: str, tables: tuple[str, ...]) -
 _ATTEMPT_TRIGGERS = (("INSERT", "NEW"), ("UPDATE", "OLD"), ("UPDATE OF created_at", "NEW"),
                      ("DELETE", "OLD"))
 _EVENT_TRIGGERS = (("INSERT", "NEW"), ("DELETE", "OLD"))
+_RUN_TRIGGERS = (("INSERT", "NEW"), ("UPDATE", "OLD"), ("UPDATE OF created_at", "NEW"),
+                 ("DELETE", "OLD"))
 
 
 def _metric_columns() -> list[sa.Column[object]]:
@@ -136,6 +153,15 @@ def upgrade() -> None:
         sa.Column("n", sa.BigInteger(), nullable=False),
     )
     op.create_index("ix_move_rollups_hour", "move_rollups", ["hour"])
+    op.create_table(
+        "run_rollups",
+        sa.Column("hour", sa.BigInteger(), nullable=False),
+        sa.Column("tenant", sa.String(length=200), nullable=True),
+        sa.Column("runs", sa.BigInteger(), nullable=False),
+        sa.Column("posted_micros", sa.BigInteger(), nullable=False),
+        sa.Column("reserved_micros", sa.BigInteger(), nullable=False),
+    )
+    op.create_index("ix_run_rollups_hour", "run_rollups", ["hour"])
     # The hours rolled so far have no rows in the new tables: the next roll-up redoes them.
     op.execute("DELETE FROM attempt_rollups")
     op.execute("DELETE FROM rollup_hours")
@@ -145,21 +171,32 @@ def upgrade() -> None:
             op.execute(f"CREATE TRIGGER events_unroll_{event.lower()} AFTER {event} ON events "
                        f"FOR EACH ROW WHEN ({row}.kind = 'move') "
                        "EXECUTE FUNCTION ledger_attempts_unroll()")
+        for event, when in _PG_RUN_WHEN.items():  # one function: it unrolls both hours
+            op.execute(f"CREATE TRIGGER runs_unroll_{event.lower()} AFTER {event} ON runs "
+                       f"FOR EACH ROW WHEN ({when}) EXECUTE FUNCTION ledger_attempts_unroll()")
     else:
         _sqlite_attempt_triggers(_ROLLUPS)
         for event, row in _EVENT_TRIGGERS:
             op.execute(_sqlite_trigger("events", event, row, _ROLLUPS))
+        for event, row in _RUN_TRIGGERS:
+            op.execute(_sqlite_trigger("runs", event, row, _ROLLUPS))
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         for event, _row in _EVENT_TRIGGERS:
             op.execute(f"DROP TRIGGER events_unroll_{event.lower()} ON events")
+        for event in _PG_RUN_WHEN:
+            op.execute(f"DROP TRIGGER runs_unroll_{event.lower()} ON runs")
         op.execute(_PG_FUNCTION.replace("{more}", ""))
     else:
         for event, _row in _EVENT_TRIGGERS:
             op.execute(f"DROP TRIGGER events_unroll_{event.lower()}")
+        for name in ("insert", "update", "moved", "delete"):
+            op.execute(f"DROP TRIGGER runs_unroll_{name}")
         _sqlite_attempt_triggers(_ROLLUPS[:1])
+    op.drop_index("ix_run_rollups_hour", table_name="run_rollups")
+    op.drop_table("run_rollups")
     op.drop_index("ix_move_rollups_hour", table_name="move_rollups")
     op.drop_table("move_rollups")
     op.drop_index("ix_metric_rollups_hour", table_name="metric_rollups")

@@ -194,3 +194,20 @@ def test_the_dashboards_chart_over_rolled_hours_uses_indexes(big: Audit) -> None
     chart = lambda: big.activity(since=until - DAY, until=until, buckets=24)  # noqa: E731
     _assert_indexed(big, chart)
     assert any("attempt_rollups" in sql for sql, _ in _plans_of(big, chart))
+
+
+def test_metrics_and_the_routes_series_over_rolled_hours_use_indexes(big: Audit) -> None:
+    # /metrics over a rolled-up history reads the attempts, moves and Runs the roll-ups do not
+    # hold (hours not rolled, open attempts, live Runs) through indexes, never whole tables.
+    big.ledger.roll_up(lag=0)
+    plans = _plans_of(big, big.metrics)
+    assert any("metric_rollups" in sql for sql, _ in plans)
+    assert any("run_rollups" in sql for sql, _ in plans)
+    for sql, nodes in plans:
+        seq = [rel for kind, rel in nodes if kind == "Seq Scan"
+               and rel in ("attempts", "events", "runs")]
+        assert not seq, f"Seq Scan on {seq} in:\n{sql}\nplan: {nodes}"
+    until = (math.floor(END / 3600) + 1) * 3600.0
+    series = lambda: big.route_series(since=until - DAY, until=until, buckets=24)  # noqa: E731
+    _assert_indexed(big, series)
+    assert any("metric_rollups" in sql for sql, _ in _plans_of(big, series))

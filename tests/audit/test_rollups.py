@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -72,8 +73,15 @@ def _metrics(audit: Audit) -> dict[str, Any]:
 def _activity(audit: Audit) -> dict[str, Any]:
     """The activity chart over windows on the hour in buckets of whole hours (``rolled``: the
     roll-ups count them), and over a ragged window or in parts of hours (they cannot)."""
-    return {f"activity {since} {until} {n} {rolled}": to_jsonable(audit.activity(
+    out = {f"activity {since} {until} {n} {rolled}": to_jsonable(audit.activity(
         since=since, until=until, buckets=n)) for since, until, n, rolled in CHARTS}
+    for since, until, n, rolled in CHARTS:
+        series = to_jsonable(audit.route_series(since=since, until=until, buckets=n))
+        for route in series:  # a mean of hourly sums: the last bits of a float may differ
+            for p in route["points"]:
+                p["latency_s"] = None if p["latency_s"] is None else round(p["latency_s"], 9)
+        out[f"activity routes {since} {until} {n} {rolled}"] = series
+    return out
 
 
 def _sql(url: str, sql: str, args: dict[str, Any] | None = None) -> list[Any]:
@@ -97,7 +105,8 @@ def _read_from_attempts(led: Ledger, url: str) -> dict[str, Any]:
 
 
 def _unroll_all(url: str) -> None:
-    for table in ("attempt_rollups", "metric_rollups", "move_rollups", "rollup_hours"):
+    for table in ("attempt_rollups", "metric_rollups", "move_rollups", "run_rollups",
+                  "rollup_hours"):
         _sql(url, f"DELETE FROM {table}")
 
 
@@ -122,17 +131,20 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
         _sql(db_url, "UPDATE attempt_rollups SET attempts = attempts + 1000")
         after = _answers(led)
         changed = {k for k in before if after[k] != before[k]}
-        assert {k for k in changed if k.startswith("activity")} == {
-            k for k in before if k.startswith("activity") and k.endswith("True")}
+        charts = {k for k in before if k.startswith("activity ") and k.endswith("True")
+                  and not k.startswith("activity routes")}
+        assert {k for k in changed if k.startswith("activity")} == charts
         assert any(k.startswith("route") for k in changed)
         assert not any(k.startswith("metrics") for k in changed)
-        # So do the metrics: the counts of attempts, and of failovers, changed in their
-        # roll-ups show in them.
+        # So do the metrics and the routes' series (off metric_rollups, its buckets of whole
+        # hours only): counts of attempts, and of failovers, changed in their roll-ups show.
         _sql(db_url, "UPDATE metric_rollups SET n = n + 1000")
         _sql(db_url, "UPDATE move_rollups SET n = n + 1000")
-        metrics = _metrics(Audit(led))
-        assert metrics["metrics attempts"] != before["metrics attempts"]
-        assert metrics["metrics failovers"] > before["metrics failovers"] + 999
+        again = _answers(led)
+        assert {k for k in again if k.startswith("activity routes") and again[k] != after[k]} \
+            == {k for k in before if k.startswith("activity routes") and k.endswith("True")}
+        assert again["metrics attempts"] != before["metrics attempts"]
+        assert again["metrics failovers"] > before["metrics failovers"] + 999
     finally:
         led.close()
 
@@ -321,28 +333,32 @@ def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None
     if db_url.endswith(".db"):
         names = {(r[0], r[1]) for r in _sql(db_url, "SELECT tbl_name, name FROM sqlite_master "
                                                     "WHERE type = 'trigger' AND tbl_name IN "
-                                                    "('attempts', 'events')")}
+                                                    "('attempts', 'events', 'runs')")}
         assert names == {("attempts", "attempts_unroll_insert"),
                          ("attempts", "attempts_unroll_update"),
                          ("attempts", "attempts_unroll_moved"),
                          ("attempts", "attempts_unroll_delete"),
-                         ("events", "events_unroll_insert"), ("events", "events_unroll_delete")}
+                         ("events", "events_unroll_insert"), ("events", "events_unroll_delete"),
+                         ("runs", "runs_unroll_insert"), ("runs", "runs_unroll_update"),
+                         ("runs", "runs_unroll_moved"), ("runs", "runs_unroll_delete")}
         # Each clears every roll-up of its hour (0013 added two tables).
         bodies = [r[0] for r in _sql(db_url, "SELECT sql FROM sqlite_master WHERE "
                                              "type = 'trigger' AND name LIKE '%unroll%'")]
-        assert all("metric_rollups" in b and "move_rollups" in b for b in bodies)
+        assert all("metric_rollups" in b and "run_rollups" in b for b in bodies)
     else:
         rows = _sql(db_url, "SELECT tgrelid::regclass::text, tgname, tgtype FROM pg_trigger "
                             "WHERE NOT tgisinternal AND tgparentid = 0 AND tgrelid IN "
-                            "('attempts'::regclass, 'events'::regclass) ORDER BY 1, 2")
+                            "('attempts'::regclass, 'events'::regclass, 'runs'::regclass) "
+                            "ORDER BY 1, 2")
         # A row trigger for INSERT, UPDATE and DELETE (tgtype bits 1, 4, 8, 16); on events one
         # for INSERT and one for DELETE, of moves only.
         assert [(table, name, tgtype & 29) for table, name, tgtype in rows] == [
             ("attempts", "attempts_unroll", 29), ("events", "events_unroll_delete", 9),
-            ("events", "events_unroll_insert", 5)]
+            ("events", "events_unroll_insert", 5), ("runs", "runs_unroll_delete", 9),
+            ("runs", "runs_unroll_insert", 5), ("runs", "runs_unroll_update", 17)]
         body = _sql(db_url, "SELECT prosrc FROM pg_proc WHERE proname = "
                             "'ledger_attempts_unroll'")[0][0]
-        assert "metric_rollups" in body and "move_rollups" in body
+        assert all(t in body for t in ("metric_rollups", "move_rollups", "run_rollups"))
 
 
 def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> None:
@@ -378,6 +394,46 @@ def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> 
         assert after["metrics failovers_by"][key] == before["metrics failovers_by"][key] + 1
         clock.set(END)
         assert led.roll_up(lag=0).hours == 1
+        assert _answers(led) == _read_from_attempts(led, db_url)
+    finally:
+        led.close()
+
+
+def test_a_run_ending_after_its_hour_was_rolled_undoes_that_hour_its_live_writes_do_not(
+        db_url: str) -> None:
+    led = _generated(db_url, attempts=120)
+    try:
+        clock = led.clock
+        assert isinstance(clock, ManualClock)
+        admitted = hour_of(END - 6 * HOUR)
+        clock.set(admitted * HOUR + 120)
+        led.admit_run("long", plan=[ROUTE], tenant="acme",
+                      budget=Budget(max_calls=3, max_retries=0, max_cost=1))
+        clock.set(END)
+        led.roll_up(lag=0)
+        rolled = _rolled(db_url)
+        assert admitted in rolled
+        # Its calls, in the hour still going: they change its money, and it is still live.
+        lease = led.acquire_lease("long", ttl_s=600)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.05")
+        led.settle_attempt(lease, att.attempt_id, outcome="unknown")
+        assert _rolled(db_url) == rolled
+        live = _metrics(Audit(led))
+        assert live["metrics reserved"]["acme"] == "0.05"
+        # It ends: its hour now counts it differently, so it is read from the Runs again.
+        led.finish_run(lease, "failed")
+        led.release_lease(lease)
+        assert _rolled(db_url) == rolled - {admitted}
+        assert led.roll_up(lag=0).hours == 1
+        assert _rolled(db_url) == rolled
+        # An operator's receipt moves an ended Run's money: its hour is undone again.
+        led.settle_unknown(att.attempt_id, outcome="succeeded", cost="0.02", note="invoice",
+                           by="ops")
+        assert admitted not in _rolled(db_url)
+        after = _metrics(Audit(led))
+        assert (after["metrics posted"]["acme"], after["metrics reserved"]["acme"]) == (
+            str(Decimal(live["metrics posted"]["acme"]) + Decimal("0.02")), "0")
+        led.roll_up(lag=0)
         assert _answers(led) == _read_from_attempts(led, db_url)
     finally:
         led.close()
