@@ -190,7 +190,7 @@ def _unroll(conn: Connection, since: float | None, until: float | None) -> None:
     """Delete the roll-ups of the hours of ``[since, until)`` (a dropped partition's, whose
     rows went without a row trigger; on SQLite each deleted attempt's trigger does it)."""
     for table in (s.rollup_hours, s.attempt_rollups, s.metric_rollups, s.move_rollups,
-                  s.run_rollups):
+                  s.wait_rollups, s.run_rollups):
         hour = table.c.hour
         conn.execute(table.delete().where(
             *([hour >= hour_of(since)] if since is not None else []),

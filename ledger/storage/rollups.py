@@ -44,7 +44,7 @@ from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.hours import HOUR, OPEN_STATES, hour_of, hours_in
-from ledger.storage.series import LIVE_STATUSES, attempt_sums, move_keys, run_money
+from ledger.storage.series import LIVE_STATUSES, attempt_sums, move_keys, run_money, wait_sums
 
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
@@ -70,7 +70,8 @@ class RollupQueries:
             firsts = [t for t in (conn.execute(select(func.min(a.created_at))).scalar(),
                                   conn.execute(select(func.min(s.runs.c.created_at))).scalar(),
                                   conn.execute(select(func.min(s.events.c.created_at)).where(
-                                      s.events.c.kind == "move")).scalar()) if t is not None]
+                                      s.events.c.kind.in_(s.ROLLED_EVENTS))).scalar())
+                      if t is not None]
             first = min(firsts) if firsts else None
             done = set() if first is None else {int(x) for x in conn.execute(
                 select(s.rollup_hours.c.hour).where(s.rollup_hours.c.hour >= hour_of(first)))
@@ -128,7 +129,8 @@ class RollupQueries:
         return all(conn.execute(q.limit(1)).first() is None for q in (
             select(a.attempt_id).where(hours_in(a.created_at, h, h + 1)),
             select(r.run_id).where(hours_in(r.created_at, h, h + 1)),
-            select(e.event_id).where(e.kind == "move", hours_in(e.created_at, h, h + 1))))
+            select(e.event_id).where(e.kind.in_(s.ROLLED_EVENTS),
+                                     hours_in(e.created_at, h, h + 1))))
 
     def _roll_hour(self, conn: Any, h: int, now: float) -> int:
         a = s.attempts.c
@@ -170,6 +172,11 @@ class RollupQueries:
             ["hour", "from_route", "to_route", "category", "n"],
             select(literal(h), src, dst, cat, func.count())
             .where(*where, hours_in(e.created_at, h, h + 1)).group_by(src, dst, cat)))
+        grp, out, waits, when = wait_sums(self.ctx, s.METRIC_BOUNDS)
+        conn.execute(s.wait_rollups.insert().from_select(
+            ["hour", "group_id", "outcome", *(c.name for c in waits)],
+            select(literal(h), grp, out, *waits)
+            .where(*when, hours_in(e.created_at, h, h + 1)).group_by(grp, out)))
         r = s.runs.c
         conn.execute(s.run_rollups.insert().from_select(
             ["hour", "tenant", "runs", "posted_micros", "reserved_micros"],

@@ -340,9 +340,9 @@ METRIC_BOUNDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.
                  40.96, 81.92)
 
 
-def _metric_columns() -> list[Column[Any]]:
+def _metric_columns(*times: str) -> list[Column[Any]]:
     cols: list[Column[Any]] = []
-    for m in METRIC_TIMES:
+    for m in times:
         cols += [Column(f"{m}_n", BigInteger, nullable=False),
                  Column(f"{m}_sum", _T, nullable=False)]
         cols += [Column(f"{m}_le{i}", BigInteger, nullable=False)
@@ -366,9 +366,25 @@ metric_rollups = Table(
     Column("cache_read", BigInteger, nullable=False),
     Column("reasoning", BigInteger, nullable=False),
     Column("charged_micros", BigInteger, nullable=False),
-    *_metric_columns(),
+    *_metric_columns(*METRIC_TIMES),
     Index("ix_metric_rollups_hour", "hour"),
 )
+
+#: Per rolled hour, the ``capacity_wait`` events (a turn's wait in a full group's queue) by
+#: group and outcome, with the histogram of ``waited_s`` over :data:`METRIC_BOUNDS`, as
+#: ``/metrics`` counts them; the trigger on ``events`` undoes the hour for these too (0013).
+wait_rollups = Table(
+    "wait_rollups",
+    metadata,
+    Column("hour", BigInteger, nullable=False),
+    Column("group_id", Text, nullable=True),  # from the event's JSON, like move_rollups'
+    Column("outcome", Text, nullable=True),
+    *_metric_columns("waited_s"),
+    Index("ix_wait_rollups_hour", "hour"),
+)
+
+#: The kinds of events the roll-ups count (``move_rollups``, ``wait_rollups``).
+ROLLED_EVENTS = ("move", "capacity_wait")
 
 #: Per rolled hour and tenant, the Runs admitted in it that have ended (any status but
 #: ``admitted`` and ``running``): how many, and their money posted and held, as ``/metrics``
@@ -419,6 +435,7 @@ __all__ = [
     "METRIC_BOUNDS",
     "METRIC_TIMES",
     "PARTITIONED_KEYS",
+    "ROLLED_EVENTS",
     "attempt_rollups",
     "attempts",
     "capacity_groups",
@@ -436,4 +453,5 @@ __all__ = [
     "rollup_hours",
     "run_rollups",
     "runs",
+    "wait_rollups",
 ]

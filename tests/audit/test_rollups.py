@@ -64,7 +64,7 @@ def _metrics(audit: Audit) -> dict[str, Any]:
     """``/metrics``' counters, each histogram's sum rounded: a sum of the hours' sums may
     differ from the sum of the attempts' times in the last bits of a float."""
     snap = to_jsonable(audit.metrics(now=END))
-    for name in ("latency", "first_token", "first_byte"):
+    for name in ("latency", "first_token", "first_byte", "queue_waits"):
         for h in snap[name].values():
             h["sum"] = round(h["sum"], 6)
     return {f"metrics {k}": v for k, v in snap.items()}
@@ -105,8 +105,8 @@ def _read_from_attempts(led: Ledger, url: str) -> dict[str, Any]:
 
 
 def _unroll_all(url: str) -> None:
-    for table in ("attempt_rollups", "metric_rollups", "move_rollups", "run_rollups",
-                  "rollup_hours"):
+    for table in ("attempt_rollups", "metric_rollups", "move_rollups", "wait_rollups",
+                  "run_rollups", "rollup_hours"):
         _sql(url, f"DELETE FROM {table}")
 
 
@@ -344,7 +344,7 @@ def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None
         # Each clears every roll-up of its hour (0013 added two tables).
         bodies = [r[0] for r in _sql(db_url, "SELECT sql FROM sqlite_master WHERE "
                                              "type = 'trigger' AND name LIKE '%unroll%'")]
-        assert all("metric_rollups" in b and "run_rollups" in b for b in bodies)
+        assert all("wait_rollups" in b and "run_rollups" in b for b in bodies)
     else:
         rows = _sql(db_url, "SELECT tgrelid::regclass::text, tgname, tgtype FROM pg_trigger "
                             "WHERE NOT tgisinternal AND tgparentid = 0 AND tgrelid IN "
@@ -358,7 +358,8 @@ def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None
             ("runs", "runs_unroll_insert", 5), ("runs", "runs_unroll_update", 17)]
         body = _sql(db_url, "SELECT prosrc FROM pg_proc WHERE proname = "
                             "'ledger_attempts_unroll'")[0][0]
-        assert all(t in body for t in ("metric_rollups", "move_rollups", "run_rollups"))
+        assert all(t in body for t in ("metric_rollups", "move_rollups", "wait_rollups",
+                                       "run_rollups"))
 
 
 def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> None:
@@ -375,11 +376,16 @@ def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> 
         clock.set(END - 12 * HOUR + 100)
         led.append_event(lease, "move", {"from_route": "a", "to_route": "elsewhere",
                                          "cause": {"category": "overloaded"}})
+        led.append_event(lease, "capacity_wait", {"group": "g", "outcome": "timed_out",
+                                                  "waited_s": 2.5})
         clock.set(END)
         led.roll_up(lag=0)
         lone = hour_of(END - 12 * HOUR + 100)
         assert lone in _rolled(db_url)  # its move is rolled up, not the hour marked empty
         assert _sql(db_url, "SELECT n FROM move_rollups WHERE hour = :h", {"h": lone}) == [(1,)]
+        assert _sql(db_url, "SELECT group_id, outcome, waited_s_n, waited_s_sum FROM "
+                            "wait_rollups WHERE hour = :h", {"h": lone}) == [
+            ("g", "timed_out", 1, 2.5)]
         before = _answers(led)
         rolled = _rolled(db_url)
         late = hour_of(END - 4 * HOUR)
@@ -392,6 +398,16 @@ def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> 
         after = _metrics(Audit(led))
         key = str(("a", "elsewhere", "overloaded"))
         assert after["metrics failovers_by"][key] == before["metrics failovers_by"][key] + 1
+        clock.set(END)
+        assert led.roll_up(lag=0).hours == 1
+        # A turn's wait in a full group's queue, recorded into another rolled hour, too.
+        other = hour_of(END - 3 * HOUR)
+        clock.set(other * HOUR + 60)
+        led.append_event(lease, "capacity_wait", {"group": "g", "outcome": "admitted",
+                                                  "waited_s": 0.3})
+        assert other not in _rolled(db_url)
+        waits = _metrics(Audit(led))["metrics queue_waits"]
+        assert waits[str(("g", "admitted"))]["count"] == 1
         clock.set(END)
         assert led.roll_up(lag=0).hours == 1
         assert _answers(led) == _read_from_attempts(led, db_url)
