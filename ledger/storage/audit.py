@@ -43,7 +43,15 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
-from ledger.storage.hours import HOUR, Split, bucketed_split, rollup_sums, split, time_range
+from ledger.storage.hours import (
+    HOUR,
+    Split,
+    bucketed_split,
+    rollup_sums,
+    split,
+    summed,
+    time_range,
+)
 
 #: What :meth:`AuditQueries.totals` can group by.
 TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
@@ -588,9 +596,7 @@ class AuditQueries:
                 sums = (select(self.ctx.bucket(t.hour * HOUR, since, bucket_s).label("bucket"),
                                *rollup_sums(*cols))
                         .where(hours.rollups_where()).group_by(literal_column("bucket")))
-                both = union_all(q, sums).subquery("parts")
-                q = (select(both.c.bucket, *(func.sum(both.c[c]).label(c) for c in cols))
-                     .group_by(both.c.bucket))
+                q = summed([q, sums], ["bucket"], cols)
             return _maps(conn.execute(q.order_by(literal_column("bucket"))).all())
 
     def schema_present(self) -> bool:

@@ -11,7 +11,18 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, false, func, literal, or_, select, true
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    and_,
+    false,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+    union_all,
+)
 
 from ledger.domain.records import AttemptState
 from ledger.storage import schema as s
@@ -111,6 +122,14 @@ def rollup_sums(*names: str) -> list[ColumnElement[Any]]:
     return [func.sum(t[n]).label(n) if n in t else literal(0).label(n) for n in names]
 
 
+def summed(parts: Sequence[Any], keys: Sequence[str], sums: Sequence[str]) -> Select[Any]:
+    """The rows of ``parts`` (selects with columns ``keys`` and ``sums``: a read of the tables
+    and a read of the roll-ups) added up per key, as one select."""
+    p = union_all(*parts).subquery("parts").c
+    by = [p[k] for k in keys]
+    return select(*by, *(func.sum(p[n]).label(n) for n in sums)).group_by(*by)
+
+
 def rolled_hours(conn: Any, since: float | None, until: float | None) -> list[int]:
     """The rolled hours wholly inside ``[since, until)``, in order."""
     h = s.rollup_hours.c.hour
@@ -138,4 +157,4 @@ def bucketed_split(conn: Any, since: float, until: float, width: float) -> Split
 
 
 __all__ = ["HOUR", "OPEN_STATES", "Split", "bucketed_split", "first_hour_from", "hour_of",
-           "hours_in", "rolled_hours", "rollup_sums", "split", "time_range"]
+           "hours_in", "rolled_hours", "rollup_sums", "split", "summed", "time_range"]

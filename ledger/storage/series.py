@@ -30,7 +30,6 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
-    union_all,
 )
 from sqlalchemy.sql import Select
 
@@ -39,7 +38,15 @@ from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
-from ledger.storage.hours import HOUR, Split, bucketed_split, rollup_sums, split, time_range
+from ledger.storage.hours import (
+    HOUR,
+    Split,
+    bucketed_split,
+    rollup_sums,
+    split,
+    summed,
+    time_range,
+)
 
 
 def _maps(rows: Sequence[Any]) -> list[RowMap]:
@@ -96,9 +103,7 @@ class SeriesQueries:
                                func.sum(case((won, t.latency_s_n), else_=0)).label("latency_n"))
                         .where(hours.rollups_where(s.metric_rollups))
                         .group_by(t.route_id, literal_column("bucket")))
-                p = union_all(q, sums).subquery("parts").c
-                q = (select(p.route, p.bucket, *(func.sum(p[c]).label(c) for c in cols))
-                     .group_by(p.route, p.bucket))
+                q = summed([q, sums], ["route", "bucket"], cols)
             return _maps(conn.execute(q.order_by(literal_column("route"),
                                                  literal_column("bucket"))).all())
 
@@ -124,10 +129,7 @@ class SeriesQueries:
                 sums = (select(self._bucket(t.hour * HOUR, since, 86400.0).label("day"),
                                t.tenant.label("tenant"), *rollup_sums(*cols))
                         .where(rolled.rollups_where()).group_by(literal_column("day"), t.tenant))
-                both = union_all(q, sums).subquery("parts")
-                q = (select(both.c.day, both.c.tenant,
-                            *(func.sum(both.c[c]).label(c) for c in cols))
-                     .group_by(both.c.day, both.c.tenant))
+                q = summed([q, sums], ["day", "tenant"], cols)
             return _maps(conn.execute(q.order_by(literal_column("day"), literal_column("tenant"))
                                       ).all())
 
@@ -184,11 +186,9 @@ class SeriesQueries:
         rolled = (select(t.route_id.label("route"), t.state.label("outcome"),
                          *(func.sum(t[n]).label(n) for n in names))
                   .where(hours.rollups_where(s.metric_rollups)).group_by(t.route_id, t.state))
-        both = union_all(raw.where(hours.attempts_where()).group_by(a.route_id, a.state),
-                         rolled).subquery("parts")
-        p = both.c
-        return (select(p.route, p.outcome, *(func.sum(p[n]).label(n) for n in names))
-                .group_by(p.route, p.outcome).order_by(p.route, p.outcome))
+        both = summed([raw.where(hours.attempts_where()).group_by(a.route_id, a.state),
+                       rolled], ["route", "outcome"], names)
+        return both.order_by(literal_column("route"), literal_column("outcome"))
 
     def _move_counts(self, hours: Split | None) -> Select[Any]:
         """Moves to another route by their routes and cause: the ``move`` events outside the
@@ -203,11 +203,9 @@ class SeriesQueries:
         rolled = (select(t.from_route, t.to_route, t.category, func.sum(t.n).label("n"))
                   .where(hours.rollups_where(s.move_rollups))
                   .group_by(t.from_route, t.to_route, t.category))
-        both = union_all(raw.where(or_(false(), *hours.gaps(e.created_at)))
-                         .group_by(src, dst, cat), rolled).subquery("parts")
-        p = both.c
-        return (select(p.from_route, p.to_route, p.category, func.sum(p.n).label("n"))
-                .group_by(p.from_route, p.to_route, p.category))
+        return summed([raw.where(or_(false(), *hours.gaps(e.created_at)))
+                       .group_by(src, dst, cat), rolled],
+                      ["from_route", "to_route", "category"], ["n"])
 
 
     def _wait_counts(self, bounds: Sequence[float], hours: Split | None) -> Select[Any]:
@@ -224,11 +222,8 @@ class SeriesQueries:
         rolled = (select(t.group_id.label("group"), t.outcome.label("outcome"),
                          *(func.sum(t[n]).label(n) for n in names))
                   .where(hours.rollups_where(s.wait_rollups)).group_by(t.group_id, t.outcome))
-        both = union_all(raw.where(or_(false(), *hours.gaps(e.created_at))).group_by(grp, out),
-                         rolled).subquery("parts")
-        p = both.c
-        return (select(p.group, p.outcome, *(func.sum(p[n]).label(n) for n in names))
-                .group_by(p.group, p.outcome))
+        return summed([raw.where(or_(false(), *hours.gaps(e.created_at))).group_by(grp, out),
+                       rolled], ["group", "outcome"], names)
 
     def _money(self, hours: Split | None) -> Select[Any]:
         """Per tenant: :func:`run_money` over the Runs ``hours`` leaves to ``runs`` (admitted
@@ -243,13 +238,9 @@ class SeriesQueries:
                          func.sum(t.reserved_micros).label("reserved_micros"))
                   .where(hours.rollups_where(s.run_rollups)).group_by(t.tenant))
         live = and_(r.status.in_(LIVE_STATUSES), or_(*hours.inside(r.created_at)))
-        both = union_all(raw.where(or_(live, *hours.gaps(r.created_at))).group_by(r.tenant),
-                         rolled).subquery("parts")
-        p = both.c
-        return (select(p.tenant, func.sum(p.runs).label("runs"),
-                       func.sum(p.posted_micros).label("posted_micros"),
-                       func.sum(p.reserved_micros).label("reserved_micros"))
-                .group_by(p.tenant).order_by(p.tenant))
+        both = summed([raw.where(or_(live, *hours.gaps(r.created_at))).group_by(r.tenant),
+                       rolled], ["tenant"], ["runs", "posted_micros", "reserved_micros"])
+        return both.order_by(literal_column("tenant"))
 
 
 #: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
