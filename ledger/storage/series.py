@@ -172,7 +172,6 @@ class SeriesQueries:
         return {"attempts": attempts, "moves": moves, "money": money, "cooling": cooling,
                 "groups": groups, "waits": waits, "waiting": waiting}
 
-
     def _attempt_counts(self, bounds: Sequence[float], hours: Split | None) -> Select[Any]:
         """Per route and state: :func:`attempt_sums` over the attempts ``hours`` leaves to
         ``attempts`` (all without it) plus the sums of its rolled hours' ``metric_rollups``."""
@@ -206,7 +205,6 @@ class SeriesQueries:
         return summed([raw.where(or_(false(), *hours.gaps(e.created_at)))
                        .group_by(src, dst, cat), rolled],
                       ["from_route", "to_route", "category"], ["n"])
-
 
     def _wait_counts(self, bounds: Sequence[float], hours: Split | None) -> Select[Any]:
         """Capacity waits by group and outcome with :func:`wait_sums`' histogram: the
