@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 from ledger.decide.effects import Begin, Effect, Record, Send, SendResult, Settle
 from ledger.domain.media import kind_of
-from ledger.domain.records import AttemptRecord, AttemptState
+from ledger.domain.records import DURATION_BUCKETS, AttemptRecord, AttemptState
 from ledger.errors import CapacityUnavailable, InvalidArgument
 from ledger.redaction import redact, redact_data
 
@@ -67,10 +67,6 @@ INSTRUMENTATION_NAME = "ledger"
 #: The process's telemetry, or ``None`` (off). Read by the turn drivers once per turn.
 active: Telemetry | None = None
 
-#: Semconv's advised bucket boundaries for durations, in seconds (also those of the
-#: dashboard's ``/metrics`` histograms).
-DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                     40.96, 81.92)
 # Semconv's advised buckets for token counts: powers of 4.
 _TOKEN_BUCKETS = tuple(float(4 ** i) for i in range(14))
 

@@ -395,6 +395,12 @@ class EventRecord:
     created_at: float
 
 
+#: The upper bounds, in seconds, of the buckets an Attempt's times are counted into: semconv's
+#: advised boundaries for durations, used by the OpenTelemetry histograms
+#: (:mod:`ledger.telemetry`), ``/metrics`` and the hourly roll-ups that keep its counts.
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92)
+
 #: The events of operators' actions: a retention run keeps them whatever their age (a dropped
 #: partition's are copied back first), so the record of who did what outlives the history.
 OPERATOR_ACTION_KINDS = ("clear_cooldown", "close", "late_receipt", "retention")
@@ -505,6 +511,7 @@ def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
 
 
 __all__ = [
+    "DURATION_BUCKETS",
     "FROZEN_RUN_FIELDS",
     "LIVE_RUN_FIELDS",
     "OPERATOR_ACTION_KINDS",

@@ -31,6 +31,7 @@ from ledger.api.facade import Ledger
 from ledger.api.face import reads_of
 from ledger.domain.facts import Category, FailureFact
 from ledger.domain.records import (
+    DURATION_BUCKETS,
     OPERATOR_ACTION_KINDS,
     AttemptRecord,
     AttemptState,
@@ -578,7 +579,7 @@ class Histogram:
 class MetricsSnapshot:
     """Totals for the Prometheus endpoint: counters over the whole history, gauges now.
 
-    Histograms count seconds into :data:`~ledger.telemetry.DURATION_BUCKETS` (the
+    Histograms count seconds into :data:`~ledger.domain.records.DURATION_BUCKETS` (the
     OpenTelemetry GenAI conventions' advised boundaries).
     """
 
@@ -731,8 +732,6 @@ def _group_health(row: Mapping[str, Any], now: float) -> GroupHealth:
 
 def _histogram(row: Mapping[str, Any], name: str) -> Histogram | None:
     """The histogram of ``name`` in a metrics row (``None`` when it counted nothing)."""
-    from ledger.telemetry import DURATION_BUCKETS
-
     n = int(row[f"{name}_n"] or 0)
     if not n:
         return None
@@ -1485,9 +1484,6 @@ class Audit:
         Args:
             now: The time the gauges are read at (default: the ledger clock's now).
         """
-        # The OpenTelemetry side (and the turn's effects it watches) only when metrics are read.
-        from ledger.telemetry import DURATION_BUCKETS
-
         t = self.now() if now is None else now
         m = self._series.metrics_totals(t, DURATION_BUCKETS)
         cooldowns = {"route": 0, "profile": 0, "group": 0}

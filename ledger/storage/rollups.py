@@ -44,7 +44,7 @@ from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.hours import HOUR, OPEN_STATES, hour_of, hours_in
-from ledger.storage.series import LIVE_STATUSES, attempt_sums, move_keys, run_money, wait_sums
+from ledger.storage.series import metric_counts
 
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
@@ -156,33 +156,16 @@ class RollupQueries:
                                 .where(t.hour == h)).scalar_one())
 
     def _roll_metrics(self, conn: Any, h: int) -> None:
-        """Hour ``h``'s rows of ``metric_rollups``, ``move_rollups`` and ``run_rollups``:
-        what ``/metrics`` counts (:mod:`ledger.storage.series`) over its settled attempts, its
-        moves and the Runs admitted in it that have ended."""
-        a = s.attempts.c
-        sums = attempt_sums(s.METRIC_BOUNDS)
-        conn.execute(s.metric_rollups.insert().from_select(
-            ["hour", "route_id", "state", *(c.name for c in sums)],
-            select(literal(h), a.route_id, a.state, *sums)
-            .where(hours_in(a.created_at, h, h + 1), a.state.not_in(OPEN_STATES))
-            .group_by(a.route_id, a.state)))
-        e = s.events.c
-        src, dst, cat, where = move_keys(self.ctx)
-        conn.execute(s.move_rollups.insert().from_select(
-            ["hour", "from_route", "to_route", "category", "n"],
-            select(literal(h), src, dst, cat, func.count())
-            .where(*where, hours_in(e.created_at, h, h + 1)).group_by(src, dst, cat)))
-        grp, out, waits, when = wait_sums(self.ctx, s.METRIC_BOUNDS)
-        conn.execute(s.wait_rollups.insert().from_select(
-            ["hour", "group_id", "outcome", *(c.name for c in waits)],
-            select(literal(h), grp, out, *waits)
-            .where(*when, hours_in(e.created_at, h, h + 1)).group_by(grp, out)))
-        r = s.runs.c
-        conn.execute(s.run_rollups.insert().from_select(
-            ["hour", "tenant", "runs", "posted_micros", "reserved_micros"],
-            select(literal(h), *run_money())
-            .where(hours_in(r.created_at, h, h + 1), r.status.not_in(LIVE_STATUSES))
-            .group_by(r.tenant)))
+        """Hour ``h``'s rows of the roll-ups of what ``/metrics`` counts
+        (:func:`~ledger.storage.series.metric_counts`): each over the hour's rows but the open
+        ones (attempts not settled, Runs not ended)."""
+        for c in metric_counts(self.ctx, s.METRIC_BOUNDS):
+            keys = list(c.keys.values())
+            kept = [] if c.open is None else [~c.open]
+            conn.execute(c.table.insert().from_select(
+                ["hour", *c.columns, *(x.name for x in c.sums)],
+                select(literal(h), *keys, *c.sums)
+                .where(*c.where, hours_in(c.time, h, h + 1), *kept).group_by(*keys)))
 
 
 __all__ = ["RollupQueries"]

@@ -28,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
+from ledger.domain.records import DURATION_BUCKETS
+
 metadata = MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -333,11 +335,11 @@ attempt_rollups = Table(
 )
 
 #: The times of an Attempt that ``/metrics`` exposes as histograms, and their buckets' upper
-#: bounds (``ledger.telemetry.DURATION_BUCKETS``): the roll-ups below keep ``{time}_le{i}``,
-#: how many are at most ``METRIC_BOUNDS[i]``. Other bounds are read from ``attempts``.
+#: bounds (:data:`~ledger.domain.records.DURATION_BUCKETS`): the roll-ups below keep
+#: ``{time}_le{i}``, how many are at most ``METRIC_BOUNDS[i]``. Other bounds are read from
+#: ``attempts``.
 METRIC_TIMES = ("latency_s", "first_token_s", "first_byte_s")
-METRIC_BOUNDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                 40.96, 81.92)
+METRIC_BOUNDS = DURATION_BUCKETS
 
 
 def _metric_columns(*times: str) -> list[Column[Any]]:

@@ -16,14 +16,17 @@ typed results.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
     Float,
+    Table,
     and_,
     case,
     cast,
+    column,
     false,
     func,
     literal,
@@ -40,6 +43,7 @@ from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.hours import (
     HOUR,
+    OPEN_STATES,
     Split,
     bucketed_split,
     rollup_sums,
@@ -151,16 +155,15 @@ class SeriesQueries:
             # The settled attempts, moves, waits and ended Runs of rolled hours come from the
             # roll-ups (whose histograms count into METRIC_BOUNDS only); the rest from tables.
             hours = split(conn, None, None) if tuple(bounds) == s.METRIC_BOUNDS else None
-            attempts = _maps(conn.execute(self._attempt_counts(bounds, hours)).all())
-            moves = _maps(conn.execute(self._move_counts(hours)).all())
-            waits = _maps(conn.execute(self._wait_counts(bounds, hours)).all())
+            attempts, moves, waits, money = (
+                _maps(conn.execute(self._counted(c, hours)).all())
+                for c in metric_counts(self.ctx, bounds))
             # A place counts as admission counts it (schema.held_until), within its own bound.
             waiting = _maps(conn.execute(
                 select(w.group_id.label("group"), func.count().label("n"))
                 .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
                 .where(w.expires_at > now, s.held_until(w.fence) > now)
                 .group_by(w.group_id).order_by(w.group_id)).all())
-            money = _maps(conn.execute(self._money(hours)).all())
             cooling = _maps(conn.execute(
                 select(h.kind.label("kind"), func.count().label("n"))
                 .where((h.cooldown_until > now) | (h.disabled_until > now))
@@ -172,99 +175,66 @@ class SeriesQueries:
         return {"attempts": attempts, "moves": moves, "money": money, "cooling": cooling,
                 "groups": groups, "waits": waits, "waiting": waiting}
 
-    def _attempt_counts(self, bounds: Sequence[float], hours: Split | None) -> Select[Any]:
-        """Per route and state: :func:`attempt_sums` over the attempts ``hours`` leaves to
-        ``attempts`` (all without it) plus the sums of its rolled hours' ``metric_rollups``."""
-        a = s.attempts.c
-        sums = attempt_sums(bounds)
-        raw = select(a.route_id.label("route"), a.state.label("outcome"), *sums)
+    def _counted(self, c: Counted, hours: Split | None) -> Select[Any]:
+        """``c``'s sums per key over its table: every row without rolled ``hours``; else the
+        rows the roll-ups leave (outside the rolled hours, or still open inside them) plus
+        the rolled hours' rows of ``c.table``."""
+        group = list(c.keys.values())
+        raw = select(*(k.label(n) for n, k in c.keys.items()), *c.sums).where(*c.where)
+        order: list[Any] = [column(n) for n in c.keys]
         if hours is None or not hours.hours:
-            return raw.group_by(a.route_id, a.state).order_by(a.route_id, a.state)
-        t = s.metric_rollups.c
-        names = [c.name for c in sums]
-        rolled = (select(t.route_id.label("route"), t.state.label("outcome"),
+            return raw.group_by(*group).order_by(*order)
+        left = [*hours.gaps(c.time)]
+        if c.open is not None:
+            left.append(and_(c.open, or_(*hours.inside(c.time))))
+        t = c.table.c
+        names = [x.name for x in c.sums]
+        rolled = (select(*(t[col].label(n) for n, col in zip(c.keys, c.columns, strict=True)),
                          *(func.sum(t[n]).label(n) for n in names))
-                  .where(hours.rollups_where(s.metric_rollups)).group_by(t.route_id, t.state))
-        both = summed([raw.where(hours.attempts_where()).group_by(a.route_id, a.state),
-                       rolled], ["route", "outcome"], names)
-        return both.order_by(literal_column("route"), literal_column("outcome"))
+                  .where(hours.rollups_where(c.table)).group_by(*(t[col] for col in c.columns)))
+        return summed([raw.where(or_(false(), *left)).group_by(*group), rolled],
+                      list(c.keys), names).order_by(*order)
 
-    def _move_counts(self, hours: Split | None) -> Select[Any]:
-        """Moves to another route by their routes and cause: the ``move`` events outside the
-        rolled hours of ``hours`` (all without it) plus those hours' ``move_rollups``."""
-        e = s.events.c
-        src, dst, cat, where = move_keys(self.ctx)
-        raw = select(src.label("from_route"), dst.label("to_route"), cat.label("category"),
-                     func.count().label("n")).where(*where)
-        if hours is None or not hours.hours:
-            return raw.group_by(src, dst, cat)
-        t = s.move_rollups.c
-        rolled = (select(t.from_route, t.to_route, t.category, func.sum(t.n).label("n"))
-                  .where(hours.rollups_where(s.move_rollups))
-                  .group_by(t.from_route, t.to_route, t.category))
-        return summed([raw.where(or_(false(), *hours.gaps(e.created_at)))
-                       .group_by(src, dst, cat), rolled],
-                      ["from_route", "to_route", "category"], ["n"])
 
-    def _wait_counts(self, bounds: Sequence[float], hours: Split | None) -> Select[Any]:
-        """Capacity waits by group and outcome with :func:`wait_sums`' histogram: the
-        ``capacity_wait`` events outside the rolled hours of ``hours`` (all without it) plus
-        those hours' ``wait_rollups``."""
-        e = s.events.c
-        grp, out, sums, where = wait_sums(self.ctx, bounds)
-        raw = select(grp.label("group"), out.label("outcome"), *sums).where(*where)
-        if hours is None or not hours.hours:
-            return raw.group_by(grp, out)
-        t = s.wait_rollups.c
-        names = [c.name for c in sums]
-        rolled = (select(t.group_id.label("group"), t.outcome.label("outcome"),
-                         *(func.sum(t[n]).label(n) for n in names))
-                  .where(hours.rollups_where(s.wait_rollups)).group_by(t.group_id, t.outcome))
-        return summed([raw.where(or_(false(), *hours.gaps(e.created_at))).group_by(grp, out),
-                       rolled], ["group", "outcome"], names)
+@dataclass(frozen=True)
+class Counted:
+    """One of ``/metrics``' counts over a history table, as its roll-up keeps it: ``sums``
+    (each labelled with its column of ``table``) per ``keys`` (label: expression; the roll-up's
+    key ``columns`` in the same order) over the rows ``where`` holds, by the time ``time``.
+    The roll-up holds a rolled hour's rows but those ``open`` says may still change (``None``:
+    none), which are read from the table (:meth:`SeriesQueries._counted`) and never rolled
+    (:class:`~ledger.storage.rollups.RollupQueries`)."""
 
-    def _money(self, hours: Split | None) -> Select[Any]:
-        """Per tenant: :func:`run_money` over the Runs ``hours`` leaves to ``runs`` (admitted
-        outside its rolled hours, or still live) plus those hours' ``run_rollups``."""
-        r = s.runs.c
-        raw = select(*run_money())
-        if hours is None or not hours.hours:
-            return raw.group_by(r.tenant).order_by(r.tenant)
-        t = s.run_rollups.c
-        rolled = (select(t.tenant, func.sum(t.runs).label("runs"),
-                         func.sum(t.posted_micros).label("posted_micros"),
-                         func.sum(t.reserved_micros).label("reserved_micros"))
-                  .where(hours.rollups_where(s.run_rollups)).group_by(t.tenant))
-        live = and_(r.status.in_(LIVE_STATUSES), or_(*hours.inside(r.created_at)))
-        both = summed([raw.where(or_(live, *hours.gaps(r.created_at))).group_by(r.tenant),
-                       rolled], ["tenant"], ["runs", "posted_micros", "reserved_micros"])
-        return both.order_by(literal_column("tenant"))
+    keys: dict[str, Any]
+    sums: list[Any]
+    where: list[ColumnElement[bool]]
+    table: Table
+    columns: tuple[str, ...]
+    time: Any
+    open: ColumnElement[bool] | None = None
 
 
 #: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
 LIVE_STATUSES = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 
 
-def run_money() -> list[Any]:
-    """What ``/metrics`` counts per tenant over ``runs`` (``GROUP BY`` the tenant), labelled
-    as ``run_rollups``' columns: the tenant, how many Runs, their money posted and held.
+def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
+    """What ``/metrics`` counts over the history, each as its roll-up keeps it:
 
-    The trigger that keeps ``run_rollups`` exact (migration 0013) watches exactly these columns
-    (and ``status``, ``created_at``): one more counted here needs a migration that watches it.
+    - per route and state over ``attempts``: the attempts, tokens by kind, money charged, and
+      :func:`_histogram` of each of ``schema.METRIC_TIMES`` over ``bounds``
+      (``metric_rollups``; the ``dispatching`` and ``unknown`` ones stay open);
+    - the ``move`` events to another route (a credential rotated on one route is a retry) by
+      their routes and cause (``move_rollups``);
+    - the ``capacity_wait`` events by group and outcome, with the histogram of ``waited_s``
+      (``wait_rollups``);
+    - per tenant over ``runs``: how many, their money posted and held (``run_rollups``; live
+      Runs stay open). The trigger that keeps it exact (migration 0013) watches these columns
+      (and ``status``, ``created_at``): one more counted here needs a migration watching it.
     """
-    r = s.runs.c
-    return [r.tenant.label("tenant"), func.count().label("runs"),
-            func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
-            func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros")]
-
-
-def attempt_sums(bounds: Sequence[float]) -> list[Any]:
-    """What ``/metrics`` sums per route and state over ``attempts`` (``GROUP BY`` them), each
-    labelled with its ``metric_rollups`` column: ``n``, tokens by kind, money charged, and
-    :func:`_histogram` of each of ``schema.METRIC_TIMES`` over ``bounds``."""
-    a = s.attempts.c
+    a, e, r = s.attempts.c, s.events.c, s.runs.c
     charged, _held = charged_and_held()
-    sums: list[Any] = [
+    attempts: list[Any] = [
         func.count().label("n"),
         func.coalesce(func.sum(a.prompt_tokens), 0).label("input"),
         func.coalesce(func.sum(a.completion_tokens), 0).label("output"),
@@ -272,29 +242,28 @@ def attempt_sums(bounds: Sequence[float]) -> list[Any]:
         func.coalesce(func.sum(a.reasoning_tokens), 0).label("reasoning"),
         charged.label("charged_micros")]
     for m in s.METRIC_TIMES:
-        sums += _histogram(a[m], m, bounds)
-    return sums
-
-
-def move_keys(ctx: SqlContext) -> tuple[Any, Any, Any, list[ColumnElement[bool]]]:
-    """(from route, to route, cause's category, the conditions) of the ``move`` events
-    ``/metrics`` counts: those to another route (a credential rotated on one route is a
-    retry)."""
-    e = s.events.c
+        attempts += _histogram(a[m], m, bounds)
     src = ctx.json_text(e.data, "from_route")
     dst = ctx.json_text(e.data, "to_route")
-    cat = ctx.json_text(e.data, "cause", "category")
-    return src, dst, cat, [e.kind == "move", or_(src.is_(None), dst.is_(None), src != dst)]
-
-
-def wait_sums(ctx: SqlContext, bounds: Sequence[float]
-              ) -> tuple[Any, Any, list[Any], list[ColumnElement[bool]]]:
-    """(group, outcome, the histogram of ``waited_s`` over ``bounds``, the conditions) of the
-    ``capacity_wait`` events ``/metrics`` counts, labelled as ``wait_rollups``' columns."""
-    e = s.events.c
     waited = cast(ctx.json_text(e.data, "waited_s"), Float)
-    return (ctx.json_text(e.data, "group"), ctx.json_text(e.data, "outcome"),
-            _histogram(waited, "waited_s", bounds), [e.kind == "capacity_wait"])
+    return [
+        Counted({"route": a.route_id, "outcome": a.state}, attempts, [], s.metric_rollups,
+                ("route_id", "state"), a.created_at, a.state.in_(OPEN_STATES)),
+        Counted({"from_route": src, "to_route": dst,
+                 "category": ctx.json_text(e.data, "cause", "category")},
+                [func.count().label("n")],
+                [e.kind == "move", or_(src.is_(None), dst.is_(None), src != dst)],
+                s.move_rollups, ("from_route", "to_route", "category"), e.created_at),
+        Counted({"group": ctx.json_text(e.data, "group"),
+                 "outcome": ctx.json_text(e.data, "outcome")},
+                _histogram(waited, "waited_s", bounds), [e.kind == "capacity_wait"],
+                s.wait_rollups, ("group_id", "outcome"), e.created_at),
+        Counted({"tenant": r.tenant},
+                [func.count().label("runs"),
+                 func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
+                 func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros")],
+                [], s.run_rollups, ("tenant",), r.created_at, r.status.in_(LIVE_STATUSES)),
+    ]
 
 
 def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
@@ -306,5 +275,4 @@ def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
              for i, b in enumerate(bounds)]
     return cols
 
-__all__ = ["LIVE_STATUSES", "SeriesQueries", "attempt_sums", "move_keys", "run_money",
-           "wait_sums"]
+__all__ = ["LIVE_STATUSES", "Counted", "SeriesQueries", "metric_counts"]

@@ -82,7 +82,7 @@ _ROLLUPS = ("attempt_rollups", "metric_rollups", "move_rollups", "wait_rollups",
 _EVENTS = "kind IN ('move', 'capacity_wait')"  # the events rolled up
 # A Run counts in its hour's roll-up once it has ended; it changes what that counts when it
 # ends, or when its money moves after (an operator's receipt for an unknown attempt). The
-# columns watched are those run_rollups sums or groups by (ledger.storage.series.run_money):
+# columns watched are those run_rollups sums or groups by (ledger.storage.series.metric_counts):
 # one counted there later needs a migration that adds it here.
 _ENDED = "{row}.status NOT IN ('admitted', 'running')"
 _CHANGED = " OR ".join(f"OLD.{c} IS DISTINCT FROM NEW.{c}" for c in (
