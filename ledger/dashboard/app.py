@@ -267,7 +267,7 @@ def _pcts(p: Percentiles | None) -> str:
 
 
 def _routes_html(series: list[RouteSeries], hours: float, until: float,
-                 succeeded: LatencyReport) -> str:
+                 latency: LatencyReport | None) -> str:
     """Small multiples: per route, its success rate and latency over the window, side by side
     on shared axes (0-100 %, 0 to the busiest route's latency top) so rows compare; beside
     them the p50/p95/p99 latency of the route's answers over the whole window."""
@@ -275,7 +275,7 @@ def _routes_html(series: list[RouteSeries], hours: float, until: float,
         return ('<section><h2>Routes over time</h2><p class="muted" id="routes-table-empty">'
                 f"no attempts in the last {hours:g} h</p></section>")
     top = latency_top(series)
-    pcts = {x.key: x.latency for x in succeeded.routes}
+    pcts = {x.key: x.succeeded_latency for x in latency.routes} if latency else {}
     rows = []
     for i, r in enumerate(series):
         ok = sum(p.succeeded for p in r.points)
@@ -544,7 +544,6 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         # The routes' small multiples share the chart's buckets: whole hours from a day on,
         # which the roll-ups count.
         series = au.route_series(since=chart_since, until=chart_until, buckets=n, routes=8)
-        answered = au.latency(since=since, until=now, state="succeeded")
         fos = au.failovers(since=since, until=now, limit=20)
         failed_over = au.count_failovers(since=since, until=now)  # the page shows 20 at most
         runs = au.runs(limit=15)
@@ -576,7 +575,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             f"{n} buckets of {width / 60:g} min, UTC; {charted} attempts, {charted_bad} "
             f"failed or unknown)</span></h2>"
             + chart_svg(buckets) + "</section>"
-            + _routes_html(series, hours, now, answered)
+            + _routes_html(series, hours, now, rep.latency)
             + _health_html(rep)
             + _latency_html(rep.latency, hours)
             + f'<div class="grid"><section><h2>Cost by tenant, last {hours:g} h</h2>'

@@ -53,7 +53,12 @@ from ledger.domain.validation import (
 )
 from ledger.errors import InvalidArgument, NotFound
 from ledger.policy.model import Policy
-from ledger.storage.audit import LATENCY_MEASURES, TOTALS_KEYS, AuditQueries
+from ledger.storage.audit import (
+    LATENCY_MEASURES,
+    SUCCEEDED_LATENCY,
+    TOTALS_KEYS,
+    AuditQueries,
+)
 from ledger.storage.rows import attempt_record
 from ledger.storage.runs import RunQueries
 from ledger.storage.series import SeriesQueries
@@ -463,13 +468,16 @@ class LatencyStats:
     """The times of one route's (or group's) Attempts.
 
     ``latency`` from begin to settle, ``first_token`` to a stream's first content,
-    ``first_byte`` to the response's first byte; each ``None`` when none of its Attempts has it.
+    ``first_byte`` to the response's first byte, and ``succeeded_latency`` the latency of the
+    succeeded ones alone (how long an answer took); each ``None`` when none of its Attempts
+    has it.
     """
 
     key: str
     latency: Percentiles | None
     first_token: Percentiles | None = None
     first_byte: Percentiles | None = None
+    succeeded_latency: Percentiles | None = None
 
 
 @dataclass(frozen=True)
@@ -1301,7 +1309,7 @@ class Audit:
 
         def stats(by: str) -> list[LatencyStats]:
             found: dict[str, dict[str, Percentiles]] = {}
-            for measure in LATENCY_MEASURES:
+            for measure in (*LATENCY_MEASURES, SUCCEEDED_LATENCY):
                 for r in rows[(by, measure)]:
                     if int(r["n"]):
                         found.setdefault(str(r["key"]), {})[measure] = Percentiles(
@@ -1309,7 +1317,8 @@ class Audit:
                             p99=float(r["p2"]))
             out = [LatencyStats(key=k, latency=m.get("latency_s"),
                                 first_token=m.get("first_token_s"),
-                                first_byte=m.get("first_byte_s"))
+                                first_byte=m.get("first_byte_s"),
+                                succeeded_latency=m.get(SUCCEEDED_LATENCY))
                    for k, m in found.items() if "latency_s" in m]
             return sorted(out, key=lambda x: (-(x.latency.count if x.latency else 0), x.key))
 

@@ -58,6 +58,9 @@ TOTALS_KEYS = ("route", "group", "run", "tenant", "label", "provider")
 #: What :meth:`AuditQueries.latency` can group by, and the times it takes percentiles of.
 LATENCY_KEYS = ("route", "group")
 LATENCY_MEASURES = ("latency_s", "first_token_s", "first_byte_s")
+#: What :meth:`AuditQueries.latency` reports beside them: the latency of the succeeded
+#: attempts alone, in the same pass (the dashboard's routes show it beside their health).
+SUCCEEDED_LATENCY = "succeeded_latency_s"
 # The columns of a row of totals, after its key.
 _TOTALS = ("attempts", "succeeded", "failed", "unknown", "prompt_tokens", "completion_tokens",
            "cost_micros", "held_micros")
@@ -363,8 +366,9 @@ class AuditQueries:
                 tenant: str | None, state: str | None, since: float | None,
                 until: float | None) -> dict[tuple[str, str], list[RowMap]]:
         """Per route and per group (:data:`LATENCY_KEYS`), for each time of
-        :data:`LATENCY_MEASURES`: its count and percentiles (:data:`FRACTIONS`) over the
-        attempts begun in [since, until) that match the filters, in one read."""
+        :data:`LATENCY_MEASURES` and for :data:`SUCCEEDED_LATENCY`: its count and percentiles
+        (:data:`FRACTIONS`) over the attempts begun in [since, until) that match the
+        filters, in one read."""
         a = s.attempts.c
         where: list[ColumnElement[bool]] = time_range(a.created_at, since, until)
         for col, value in ((a.route_id, route), (a.group_id, group), (a.category, category),
@@ -378,10 +382,14 @@ class AuditQueries:
             self.ctx.aggregating(conn)
             # One statement for both keys and all three times (on PostgreSQL one pass over
             # the window, where six statements made six: docs/benchmarks.md), split back here.
-            q = self.ctx.percentiles([a[m] for m in LATENCY_MEASURES], keys, where, FRACTIONS)
+            # The succeeded attempts' latency rides along as a fourth value, since a
+            # second statement for it would read the window again (docs/benchmarks.md).
+            values = [*(a[m] for m in LATENCY_MEASURES),
+                      case((a.state == "succeeded", a.latency_s))]
+            q = self.ctx.percentiles(values, keys, where, FRACTIONS)
             rows = _maps(conn.execute(q).all())
         for by in LATENCY_KEYS:
-            for j, measure in enumerate(LATENCY_MEASURES):
+            for j, measure in enumerate((*LATENCY_MEASURES, SUCCEEDED_LATENCY)):
                 out[(by, measure)] = [
                     {"key": x["key"], "n": x[f"n{j}"],
                      **{f"p{i}": x[f"p{j}_{i}"] for i in range(len(FRACTIONS))}}
@@ -623,5 +631,5 @@ class AuditQueries:
         return None if row is None else str(row.run_id)
 
 
-__all__ = ["FRACTIONS", "LATENCY_KEYS", "LATENCY_MEASURES", "TOTALS_KEYS", "AuditQueries",
-           "charged_and_held", "in_state"]
+__all__ = ["FRACTIONS", "LATENCY_KEYS", "LATENCY_MEASURES", "SUCCEEDED_LATENCY", "TOTALS_KEYS",
+           "AuditQueries", "charged_and_held", "in_state"]

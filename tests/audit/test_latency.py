@@ -312,11 +312,17 @@ FILTERS: list[dict[str, str]] = [
 def _check(report: LatencyReport, records: list[Any], filters: dict[str, str]) -> None:
     for by, stats in (("route", report.routes), ("group", report.groups)):
         want = _expected(records, by, **filters)
+        # The answers' latency beside it: the same filters, the succeeded attempts alone.
+        answered = (_expected(records, by, **{**filters, "state": "succeeded"})
+                    if filters.get("state", "succeeded") == "succeeded" else {})
         assert {s.key for s in stats} == set(want), (by, filters)
         for s in stats:
             lat, ttft = want[s.key]
             assert _close(s.latency, lat), (by, s.key, filters, s.latency, lat)
             assert _close(s.first_token, ttft), (by, s.key, filters, s.first_token, ttft)
+            ok = answered.get(s.key, (None, None))[0]
+            assert _close(s.succeeded_latency, ok), (by, s.key, filters, s.succeeded_latency)
+        assert any(s.succeeded_latency for s in stats) == bool(answered), filters
         counts = [s.latency.count for s in stats if s.latency]
         assert counts == sorted(counts, reverse=True)  # busiest first
 
