@@ -32,6 +32,7 @@ from sqlalchemy import (
     and_,
     case,
     exists,
+    false,
     func,
     literal_column,
     or_,
@@ -45,6 +46,7 @@ from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.encode import fact_member
 from ledger.storage.hours import (
     HOUR,
+    LIVE_STATUSES,
     Split,
     bucketed_split,
     rollup_sums,
@@ -158,6 +160,15 @@ def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
     held = case((a.state.in_(("dispatching", "unknown")), a.reserved_micros), else_=0)
     charged = func.coalesce(func.sum(posted), 0) - func.coalesce(func.sum(nothing), 0)
     return charged, func.coalesce(func.sum(held), 0)
+
+
+def _keys_in(col: Any, keys: Sequence[Any]) -> ColumnElement[bool]:
+    """``col`` is one of ``keys``, ``None`` among them matching NULL."""
+    named = [k for k in keys if k is not None]
+    conds = [col.in_(named)] if named else []
+    if len(named) < len(keys):
+        conds.append(col.is_(None))
+    return or_(false(), *conds)
 
 
 class AuditQueries:
@@ -427,19 +438,21 @@ class AuditQueries:
             raise InvalidArgument(f"cannot total spend by {by!r}; choose tenant or label",
                                   field="by")
         offset = _offset(cursor)
-        conds = time_range(r.created_at, since, until)
-        sums = (func.count().label("runs"),
-                func.coalesce(func.sum(r.max_cost_micros - r.carved_micros), 0)
-                .label("budget_micros"),
-                func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
-                func.coalesce(func.sum(r.reserved_micros), 0).label("held_micros"))
-        # Runs without the key (no tenant, no such label) form one group, ordered the same
-        # on both databases (they sort NULL apart).
-        q = (select(key.label("key"), *sums).where(*conds).group_by(key)
-             .order_by(sums[2].desc(), key.is_(None).desc(), key.asc())
-             .offset(offset).limit(limit + 1))
         with self.ctx.reading() as conn:
+            self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
+            # By tenant, the ended Runs of rolled hours are counted in run_rollups; labels are
+            # not rolled up.
+            hours = split(conn, since, until) if by == "tenant" else None
+            if hours is not None and not hours.hours:
+                hours = None
+            q = self._spend_query(key, since, until, hours, None)
+            total = q.selected_columns
+            # Runs without the key (no tenant, no such label) form one group, ordered the
+            # same on both databases (they sort NULL apart).
+            q = (q.order_by(total.posted_micros.desc(), total.key.is_(None).desc(),
+                            total.key.asc())
+                 .offset(offset).limit(limit + 1))
             rows = _maps(conn.execute(q).all())
             nxt = None
             if len(rows) > limit:
@@ -447,18 +460,55 @@ class AuditQueries:
                 nxt = f"o:{offset + limit}"
             points: list[RowMap] = []
             if bucket is not None and rows:
-                named = [x["key"] for x in rows if x["key"] is not None]
-                wanted = [key.in_(named)] if named else []
-                if any(x["key"] is None for x in rows):
-                    wanted.append(key.is_(None))
+                wanted = [x["key"] for x in rows]
                 origin, width = bucket
-                b: ColumnElement[Any] = self.ctx.bucket(r.created_at, origin, width)
-                points = _maps(conn.execute(
-                    select(key.label("key"), b.label("bucket"), *sums)
-                    .where(*conds, or_(*wanted))
-                    .group_by(key, literal_column("bucket")).order_by(literal_column("bucket"))
-                ).all())
+                # An hour of the roll-ups must fall in one bucket.
+                whole = hours if hours is not None and not origin % HOUR and not width % HOUR \
+                    else None
+                q = self._spend_query(key, since, until, whole, bucket, wanted)
+                points = _maps(conn.execute(q.order_by(q.selected_columns.bucket)).all())
         return rows, points, nxt
+
+    def _spend_query(self, key: ColumnElement[Any], since: float | None, until: float | None,
+                     hours: Split | None, bucket: tuple[float, float] | None,
+                     wanted: Sequence[Any] | None = None) -> Select[Any]:
+        """Per ``key`` (and per bucket ``(origin, width)``): the Runs admitted in
+        [since, until), their budgets, money posted and held; the ended Runs of ``hours``'
+        rolled hours from ``run_rollups`` (``key`` is then the tenant), the rest from
+        ``runs``. ``wanted``: only these keys (``None`` among them: the Runs without one)."""
+        r = s.runs.c
+        names = ("runs", "budget_micros", "posted_micros", "held_micros")
+        sums = (func.count(), func.sum(r.max_cost_micros - r.carved_micros),
+                func.sum(r.posted_micros), func.sum(r.reserved_micros))
+        keys: list[Any] = [key.label("key")]
+        if bucket is not None:
+            keys.append(self.ctx.bucket(r.created_at, *bucket).label("bucket"))
+        where = [] if wanted is None else [_keys_in(key, wanted)]
+        if hours is None:
+            where += time_range(r.created_at, since, until)
+        else:
+            live = r.status.in_(LIVE_STATUSES)
+            where.append(or_(false(), *hours.gaps(r.created_at),
+                             and_(live, or_(*hours.inside(r.created_at)))))
+        group: list[Any] = [literal_column(k.name) for k in keys[1:]]
+        q = (select(*keys, *(func.coalesce(x, 0).label(n) for x, n in zip(sums, names,
+                                                                           strict=True)))
+             .where(*where).group_by(key, *group))
+        if hours is None:
+            return q
+        t = s.run_rollups.c
+        rkeys: list[Any] = [t.tenant.label("key")]
+        if bucket is not None:
+            rkeys.append(self.ctx.bucket(t.hour * HOUR, *bucket).label("bucket"))
+        rolled = [hours.rollups_where(s.run_rollups)]
+        if wanted is not None:
+            rolled.append(_keys_in(t.tenant, wanted))
+        r_q = (select(*rkeys, func.sum(t.runs).label("runs"),
+                      func.sum(t.budget_micros).label("budget_micros"),
+                      func.sum(t.posted_micros).label("posted_micros"),
+                      func.sum(t.reserved_micros).label("held_micros"))
+               .where(*rolled).group_by(t.tenant, *group))
+        return summed([q, r_q], [k.name for k in keys], names)
 
     def actions(self, *, kinds: Sequence[str], since: float | None, until: float | None,
                 limit: int, cursor: str | None) -> tuple[list[RowMap], str | None]:

@@ -24,13 +24,15 @@ from sqlalchemy import (
     union_all,
 )
 
-from ledger.domain.records import AttemptState
+from ledger.domain.records import AttemptState, RunStatus
 from ledger.storage import schema as s
 
 #: The width of one roll-up, in seconds.
 HOUR = 3600
 #: The attempts a roll-up leaves to the audit's own read: they may still change.
 OPEN_STATES = (AttemptState.DISPATCHING.value, AttemptState.UNKNOWN.value)
+#: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
+LIVE_STATUSES = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 
 
 def hour_of(t: float) -> int:
@@ -156,5 +158,5 @@ def bucketed_split(conn: Any, since: float, until: float, width: float) -> Split
     return hours if hours.hours else None
 
 
-__all__ = ["HOUR", "OPEN_STATES", "Split", "bucketed_split", "first_hour_from", "hour_of",
-           "hours_in", "rolled_hours", "rollup_sums", "split", "summed", "time_range"]
+__all__ = ["HOUR", "LIVE_STATUSES", "OPEN_STATES", "Split", "bucketed_split", "first_hour_from",
+           "hour_of", "hours_in", "rolled_hours", "rollup_sums", "split", "summed", "time_range"]

@@ -400,6 +400,8 @@ run_rollups = Table(
     Column("runs", BigInteger, nullable=False),
     Column("posted_micros", BigInteger, nullable=False),
     Column("reserved_micros", BigInteger, nullable=False),
+    # Their budgets: what they were admitted with, less what they carved (0014).
+    Column("budget_micros", BigInteger, nullable=False, default=0, server_default="0"),
     Index("ix_run_rollups_hour", "hour"),
 )
 

@@ -36,13 +36,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
-from ledger.domain.records import RunStatus
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.hours import (
     HOUR,
+    LIVE_STATUSES,
     OPEN_STATES,
     Split,
     bucketed_split,
@@ -214,10 +214,6 @@ class Counted:
     open: ColumnElement[bool] | None = None
 
 
-#: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
-LIVE_STATUSES = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
-
-
 def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
     """What ``/metrics`` counts over the history, each as its roll-up keeps it:
 
@@ -228,9 +224,11 @@ def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
       their routes and cause (``move_rollups``);
     - the ``capacity_wait`` events by group and outcome, with the histogram of ``waited_s``
       (``wait_rollups``);
-    - per tenant over ``runs``: how many, their money posted and held (``run_rollups``; live
-      Runs stay open). The trigger that keeps it exact (migration 0013) watches these columns
-      (and ``status``, ``created_at``): one more counted here needs a migration watching it.
+    - per tenant over ``runs``: how many, their money posted and held, and their budgets
+      (``run_rollups``, which :meth:`~ledger.storage.audit.AuditQueries.spend` reads too; live
+      Runs stay open). The trigger that keeps it exact (migrations 0013, 0014) watches the
+      columns these are made of (and ``status``, ``created_at``): one more counted here needs
+      a migration watching it.
     """
     a, e, r = s.attempts.c, s.events.c, s.runs.c
     charged, _held = charged_and_held()
@@ -261,7 +259,9 @@ def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
         Counted({"tenant": r.tenant},
                 [func.count().label("runs"),
                  func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
-                 func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros")],
+                 func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros"),
+                 func.coalesce(func.sum(r.max_cost_micros - r.carved_micros), 0)
+                 .label("budget_micros")],
                 [], s.run_rollups, ("tenant",), r.created_at, r.status.in_(LIVE_STATUSES)),
     ]
 
@@ -275,4 +275,4 @@ def _histogram(col: Any, name: str, bounds: Sequence[float]) -> list[Any]:
              for i, b in enumerate(bounds)]
     return cols
 
-__all__ = ["LIVE_STATUSES", "Counted", "SeriesQueries", "metric_counts"]
+__all__ = ["Counted", "SeriesQueries", "metric_counts"]

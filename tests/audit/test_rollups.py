@@ -56,6 +56,7 @@ def _answers(led: Ledger) -> dict[str, Any]:
         limit=10_000).items) for by in KEYS for since, until in WINDOWS}
     out["by day"] = to_jsonable(audit.costs_by_day(days=2, now=END))
     out.update(_activity(audit))
+    out.update(_spend(audit))
     out.update(_metrics(audit))
     return out
 
@@ -81,6 +82,20 @@ def _activity(audit: Audit) -> dict[str, Any]:
             for p in route["points"]:
                 p["latency_s"] = None if p["latency_s"] is None else round(p["latency_s"], 9)
         out[f"activity routes {since} {until} {n} {rolled}"] = series
+    return out
+
+
+def _spend(audit: Audit) -> dict[str, Any]:
+    """Spend against budgets by tenant (the roll-ups count it) and by label (they cannot),
+    over every window, and split in buckets of whole hours (counted from the roll-ups) and
+    of half hours (not), from a window on the hour and a ragged one."""
+    out = {f"spend {by} {since} {until}": to_jsonable(audit.spend(
+        by=by, label="team" if by == "label" else None, since=since, until=until,
+        limit=10_000).items) for by in ("tenant", "label") for since, until in WINDOWS}
+    for since, every in ((_START, 3600.0), (_START, 7200.0), (_START, 1800.0),
+                         (_START, 86400.0), (END - SPAN + 1234.5, 3600.0)):
+        out[f"spend every {since} {every}"] = to_jsonable(audit.spend(
+            by="tenant", since=since, until=END, every=every, limit=10_000).items)
     return out
 
 
@@ -145,6 +160,20 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
             == {k for k in before if k.startswith("activity routes") and k.endswith("True")}
         assert again["metrics attempts"] != before["metrics attempts"]
         assert again["metrics failovers"] > before["metrics failovers"] + 999
+        # And spend by tenant reads run_rollups (by label it cannot), its buckets of whole
+        # hours only.
+        _sql(db_url, "UPDATE run_rollups SET budget_micros = budget_micros + 1000")
+        third = _answers(led)
+        spent = {k for k in before if k.startswith("spend") and third[k] != again[k]}
+        assert {k for k in spent if not k.startswith("spend every")} == {
+            f"spend tenant {since} {until}" for since, until in WINDOWS
+            if until is None or until - (since or 0) > 2 * HOUR}
+        assert {k for k in spent if k.startswith("spend every")} == {
+            k for k in before if k.startswith("spend every")}  # the totals of each key
+        points = {k for k in spent if k.startswith("spend every")
+                  and [x["points"] for x in third[k]] != [x["points"] for x in again[k]]}
+        assert points == {k for k in spent if k.startswith("spend every")
+                          and not k.endswith(" 1800.0")}
     finally:
         led.close()
 
@@ -442,6 +471,13 @@ def test_a_run_ending_after_its_hour_was_rolled_undoes_that_hour_its_live_writes
         assert _rolled(db_url) == rolled - {admitted}
         assert led.roll_up(lag=0).hours == 1
         assert _rolled(db_url) == rolled
+        # Its budget moves (what it carved): its hour is undone, it counts in spend.
+        _sql(db_url, "UPDATE runs SET carved_micros = carved_micros + 1 WHERE run_id = 'long'")
+        assert _rolled(db_url) == rolled - {admitted}
+        assert _answers(led) == _read_from_attempts(led, db_url)
+        led.roll_up(lag=0)
+        _sql(db_url, "UPDATE runs SET carved_micros = carved_micros - 1 WHERE run_id = 'long'")
+        led.roll_up(lag=0)
         # An operator's receipt moves an ended Run's money: its hour is undone again.
         led.settle_unknown(att.attempt_id, outcome="succeeded", cost="0.02", note="invoice",
                            by="ops")
