@@ -425,15 +425,16 @@ class AuditQueries:
         ``bucket`` is ``(origin, width)``, the next cursor). Raises
         :class:`~ledger.errors.InvalidArgument` (``by``, a bad label key, limit, cursor)."""
         _check_limit(limit)
-        r = s.runs.c
+        r, t = s.runs.c, s.run_rollups.c
         key: ColumnElement[Any]
+        rkey: ColumnElement[Any]  # the same key over run_rollups
         if by == "tenant":
-            key = r.tenant
+            key, rkey = r.tenant, t.tenant
         elif by == "label":
             if not label:
                 raise InvalidArgument("spend by label needs the label key (label='team')",
                                       field="label")
-            key = self._label_expr(label)
+            key, rkey = self._label_expr(label), self._label_expr(label, t.labels)
         else:
             raise InvalidArgument(f"cannot total spend by {by!r}; choose tenant or label",
                                   field="by")
@@ -441,12 +442,11 @@ class AuditQueries:
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
-            # By tenant, the ended Runs of rolled hours are counted in run_rollups; labels are
-            # not rolled up.
-            hours = split(conn, since, until) if by == "tenant" else None
+            # The ended Runs of rolled hours are counted in run_rollups.
+            hours: Split | None = split(conn, since, until)
             if hours is not None and not hours.hours:
                 hours = None
-            q = self._spend_query(key, since, until, hours, None)
+            q = self._spend_query((key, rkey), since, until, hours, None)
             total = q.selected_columns
             # Runs without the key (no tenant, no such label) form one group, ordered the
             # same on both databases (they sort NULL apart).
@@ -465,17 +465,20 @@ class AuditQueries:
                 # An hour of the roll-ups must fall in one bucket.
                 whole = hours if hours is not None and not origin % HOUR and not width % HOUR \
                     else None
-                q = self._spend_query(key, since, until, whole, bucket, wanted)
+                q = self._spend_query((key, rkey), since, until, whole, bucket, wanted)
                 points = _maps(conn.execute(q.order_by(q.selected_columns.bucket)).all())
         return rows, points, nxt
 
-    def _spend_query(self, key: ColumnElement[Any], since: float | None, until: float | None,
-                     hours: Split | None, bucket: tuple[float, float] | None,
+    def _spend_query(self, keyed: tuple[ColumnElement[Any], ColumnElement[Any]],
+                     since: float | None, until: float | None, hours: Split | None,
+                     bucket: tuple[float, float] | None,
                      wanted: Sequence[Any] | None = None) -> Select[Any]:
-        """Per ``key`` (and per bucket ``(origin, width)``): the Runs admitted in
-        [since, until), their budgets, money posted and held; the ended Runs of ``hours``'
-        rolled hours from ``run_rollups`` (``key`` is then the tenant), the rest from
-        ``runs``. ``wanted``: only these keys (``None`` among them: the Runs without one)."""
+        """Per key (and per bucket ``(origin, width)``): the Runs admitted in [since, until),
+        their budgets, money posted and held; the ended Runs of ``hours``' rolled hours from
+        ``run_rollups``, the rest from ``runs``. ``keyed``: the key over ``runs`` and over
+        ``run_rollups``; ``wanted``: only these keys (``None`` among them: the Runs without
+        one)."""
+        key, rkey = keyed
         r = s.runs.c
         names = ("runs", "budget_micros", "posted_micros", "held_micros")
         sums = (func.count(), func.sum(r.max_cost_micros - r.carved_micros),
@@ -497,17 +500,17 @@ class AuditQueries:
         if hours is None:
             return q
         t = s.run_rollups.c
-        rkeys: list[Any] = [t.tenant.label("key")]
+        rkeys: list[Any] = [rkey.label("key")]
         if bucket is not None:
             rkeys.append(self.ctx.bucket(t.hour * HOUR, *bucket).label("bucket"))
         rolled = [hours.rollups_where(s.run_rollups)]
         if wanted is not None:
-            rolled.append(_keys_in(t.tenant, wanted))
+            rolled.append(_keys_in(rkey, wanted))
         r_q = (select(*rkeys, func.sum(t.runs).label("runs"),
                       func.sum(t.budget_micros).label("budget_micros"),
                       func.sum(t.posted_micros).label("posted_micros"),
                       func.sum(t.reserved_micros).label("held_micros"))
-               .where(*rolled).group_by(t.tenant, *group))
+               .where(*rolled).group_by(rkey, *group))
         return summed([q, r_q], [k.name for k in keys], names)
 
     def actions(self, *, kinds: Sequence[str], since: float | None, until: float | None,

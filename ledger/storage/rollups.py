@@ -160,10 +160,10 @@ class RollupQueries:
         (:func:`~ledger.storage.series.metric_counts`): each over the hour's rows but the open
         ones (attempts not settled, Runs not ended)."""
         for c in metric_counts(self.ctx, s.METRIC_BOUNDS):
-            keys = list(c.keys.values())
+            keys = [*c.keys.values(), *c.detail.values()]
             kept = [] if c.open is None else [~c.open]
             conn.execute(c.table.insert().from_select(
-                ["hour", *c.columns, *(x.name for x in c.sums)],
+                ["hour", *c.columns, *c.detail, *(x.name for x in c.sums)],
                 select(literal(h), *keys, *c.sums)
                 .where(*c.where, hours_in(c.time, h, h + 1), *kept).group_by(*keys)))
 

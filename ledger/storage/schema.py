@@ -388,10 +388,11 @@ wait_rollups = Table(
 #: The kinds of events the roll-ups count (``move_rollups``, ``wait_rollups``).
 ROLLED_EVENTS = ("move", "capacity_wait")
 
-#: Per rolled hour and tenant, the Runs admitted in it that have ended (any status but
-#: ``admitted`` and ``running``): how many, and their money posted and held, as ``/metrics``
-#: counts them. A trigger on ``runs`` undoes the hour when such a Run is written: one ends, or
-#: an operator settles an unknown attempt of one that had (migration 0013).
+#: Per rolled hour, tenant and labels, the Runs admitted in it that have ended (any status but
+#: ``admitted`` and ``running``): how many, their money posted and held, as ``/metrics``
+#: counts them, and their budgets, as spend against budgets counts them. A trigger on ``runs``
+#: undoes the hour when such a Run is written: one ends, an operator settles an unknown attempt
+#: of one that had, its budget or labels change (migrations 0013, 0014).
 run_rollups = Table(
     "run_rollups",
     metadata,
@@ -402,6 +403,8 @@ run_rollups = Table(
     Column("reserved_micros", BigInteger, nullable=False),
     # Their budgets: what they were admitted with, less what they carved (0014).
     Column("budget_micros", BigInteger, nullable=False, default=0, server_default="0"),
+    # And their labels (the JSON text, as attempt_rollups keeps it), for spend by label (0014).
+    Column("labels", Text, nullable=True),
     Index("ix_run_rollups_hour", "hour"),
 )
 

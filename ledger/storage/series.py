@@ -16,7 +16,7 @@ typed results.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -203,7 +203,8 @@ class Counted:
     key ``columns`` in the same order) over the rows ``where`` holds, by the time ``time``.
     The roll-up holds a rolled hour's rows but those ``open`` says may still change (``None``:
     none), which are read from the table (:meth:`SeriesQueries._counted`) and never rolled
-    (:class:`~ledger.storage.rollups.RollupQueries`)."""
+    (:class:`~ledger.storage.rollups.RollupQueries`). ``detail``: more keys the roll-up
+    keeps (its column: expression) for other readers, which ``/metrics`` sums over."""
 
     keys: dict[str, Any]
     sums: list[Any]
@@ -212,6 +213,7 @@ class Counted:
     columns: tuple[str, ...]
     time: Any
     open: ColumnElement[bool] | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
@@ -225,8 +227,8 @@ def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
     - the ``capacity_wait`` events by group and outcome, with the histogram of ``waited_s``
       (``wait_rollups``);
     - per tenant over ``runs``: how many, their money posted and held, and their budgets
-      (``run_rollups``, which :meth:`~ledger.storage.audit.AuditQueries.spend` reads too; live
-      Runs stay open). The trigger that keeps it exact (migrations 0013, 0014) watches the
+      (``run_rollups``, kept by labels too for :meth:`~ledger.storage.audit.AuditQueries.spend`;
+      live Runs stay open). The trigger that keeps it exact (migrations 0013, 0014) watches the
       columns these are made of (and ``status``, ``created_at``): one more counted here needs
       a migration watching it.
     """
@@ -262,7 +264,8 @@ def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
                  func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros"),
                  func.coalesce(func.sum(r.max_cost_micros - r.carved_micros), 0)
                  .label("budget_micros")],
-                [], s.run_rollups, ("tenant",), r.created_at, r.status.in_(LIVE_STATUSES)),
+                [], s.run_rollups, ("tenant",), r.created_at, r.status.in_(LIVE_STATUSES),
+                {"labels": r.labels}),
     ]
 
 

@@ -213,13 +213,15 @@ def test_metrics_and_the_routes_series_over_rolled_hours_use_indexes(big: Audit)
     assert any("metric_rollups" in sql for sql, _ in _plans_of(big, series))
 
 
-def test_spend_by_tenant_over_rolled_hours_uses_indexes(big: Audit) -> None:
-    # Spend by tenant over a rolled-up window reads the Runs the roll-ups do not hold (hours
-    # not rolled, live Runs) through ix_runs_created_at, and run_rollups for the rest.
+def test_spend_over_rolled_hours_uses_indexes(big: Audit) -> None:
+    # Spend by tenant or label over a rolled-up window reads the Runs the roll-ups do not
+    # hold (hours not rolled, live Runs) through ix_runs_created_at, and run_rollups for the
+    # rest.
     big.ledger.roll_up(lag=0)
-    for kwargs in ({}, {"every": 3600.0}, {"every": 86400.0}):
+    for kwargs in ({"by": "tenant"}, {"by": "tenant", "every": 3600.0},
+                   {"by": "tenant", "every": 86400.0}, {"by": "label", "label": "team"}):
         spend = lambda kw=kwargs: big.spend(  # noqa: E731
-            by="tenant", since=END - DAY - 1800.5, until=END, **kw)
+            since=END - DAY - 1800.5, until=END, **kw)
         plans = _plans_of(big, spend)
         assert any("run_rollups" in sql for sql, _ in plans), kwargs
         for sql, nodes in plans:

@@ -86,9 +86,9 @@ def _activity(audit: Audit) -> dict[str, Any]:
 
 
 def _spend(audit: Audit) -> dict[str, Any]:
-    """Spend against budgets by tenant (the roll-ups count it) and by label (they cannot),
-    over every window, and split in buckets of whole hours (counted from the roll-ups) and
-    of half hours (not), from a window on the hour and a ragged one."""
+    """Spend against budgets by tenant and by label over every window, and split in buckets
+    of whole hours (counted from the roll-ups) and of half hours (not), from a window on the
+    hour and a ragged one."""
     out = {f"spend {by} {since} {until}": to_jsonable(audit.spend(
         by=by, label="team" if by == "label" else None, since=since, until=until,
         limit=10_000).items) for by in ("tenant", "label") for since, until in WINDOWS}
@@ -160,14 +160,13 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
             == {k for k in before if k.startswith("activity routes") and k.endswith("True")}
         assert again["metrics attempts"] != before["metrics attempts"]
         assert again["metrics failovers"] > before["metrics failovers"] + 999
-        # And spend by tenant reads run_rollups (by label it cannot), its buckets of whole
-        # hours only.
+        # And spend by tenant and by label reads run_rollups, its buckets of whole hours only.
         _sql(db_url, "UPDATE run_rollups SET budget_micros = budget_micros + 1000")
         third = _answers(led)
         spent = {k for k in before if k.startswith("spend") and third[k] != again[k]}
         assert {k for k in spent if not k.startswith("spend every")} == {
-            f"spend tenant {since} {until}" for since, until in WINDOWS
-            if until is None or until - (since or 0) > 2 * HOUR}
+            f"spend {by} {since} {until}" for by in ("tenant", "label")
+            for since, until in WINDOWS if until is None or until - (since or 0) > 2 * HOUR}
         assert {k for k in spent if k.startswith("spend every")} == {
             k for k in before if k.startswith("spend every")}  # the totals of each key
         points = {k for k in spent if k.startswith("spend every")
@@ -471,11 +470,13 @@ def test_a_run_ending_after_its_hour_was_rolled_undoes_that_hour_its_live_writes
         assert _rolled(db_url) == rolled - {admitted}
         assert led.roll_up(lag=0).hours == 1
         assert _rolled(db_url) == rolled
-        # Its budget moves (what it carved): its hour is undone, it counts in spend.
-        _sql(db_url, "UPDATE runs SET carved_micros = carved_micros + 1 WHERE run_id = 'long'")
-        assert _rolled(db_url) == rolled - {admitted}
-        assert _answers(led) == _read_from_attempts(led, db_url)
-        led.roll_up(lag=0)
+        # Its budget (what it carved) or its labels change: its hour is undone, each counts
+        # in spend.
+        for change in ("carved_micros = carved_micros + 1", """labels = '{"team": "late"}'"""):
+            _sql(db_url, f"UPDATE runs SET {change} WHERE run_id = 'long'")
+            assert _rolled(db_url) == rolled - {admitted}
+            assert _answers(led) == _read_from_attempts(led, db_url)
+            led.roll_up(lag=0)
         _sql(db_url, "UPDATE runs SET carved_micros = carved_micros - 1 WHERE run_id = 'long'")
         led.roll_up(lag=0)
         # An operator's receipt moves an ended Run's money: its hour is undone again.
