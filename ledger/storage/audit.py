@@ -443,9 +443,8 @@ class AuditQueries:
             self.ctx.consistent(conn)
             self.ctx.aggregating(conn)
             # The ended Runs of rolled hours are counted in run_rollups.
-            hours: Split | None = split(conn, since, until)
-            if hours is not None and not hours.hours:
-                hours = None
+            window = split(conn, since, until)
+            hours = window if window.hours else None
             q = self._spend_query((key, rkey), since, until, hours, None)
             total = q.selected_columns
             # Runs without the key (no tenant, no such label) form one group, ordered the
