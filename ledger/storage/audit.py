@@ -489,9 +489,7 @@ class AuditQueries:
         if hours is None:
             where += time_range(r.created_at, since, until)
         else:
-            live = r.status.in_(LIVE_STATUSES)
-            where.append(or_(false(), *hours.gaps(r.created_at),
-                             and_(live, or_(*hours.inside(r.created_at)))))
+            where.append(hours.unrolled(r.created_at, r.status.in_(LIVE_STATUSES)))
         group: list[Any] = [literal_column(k.name) for k in keys[1:]]
         q = (select(*keys, *(func.coalesce(x, 0).label(n) for x, n in zip(sums, names,
                                                                            strict=True)))

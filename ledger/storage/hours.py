@@ -103,13 +103,21 @@ class Split:
         ``col`` (``raw`` for another table: ``events.created_at``)."""
         return [_within(col, lo, hi) for lo, hi in self._gaps]
 
+    def unrolled(self, col: Any, still_open: ColumnElement[bool] | None
+                 ) -> ColumnElement[bool]:
+        """The rows a read still takes from their own table, by their time ``col``: those
+        outside the rolled hours, and inside them those ``still_open`` holds for (rows that
+        may still change, which no roll-up keeps; ``None``: none)."""
+        left = self.gaps(col)
+        if still_open is not None and self.hours:
+            left.append(and_(still_open, or_(*self.inside(col))))
+        return or_(false(), *left)  # false() when the window is empty
+
     def attempts_where(self) -> ColumnElement[bool]:
         """The attempts still read from ``attempts``: those outside the rolled hours, and
         the open ones (``dispatching``, ``unknown``) inside them."""
         a = s.attempts.c
-        if not self.hours:
-            return or_(false(), *self.raw)  # false() when the window is empty
-        return or_(false(), *self.raw, and_(a.state.in_(OPEN_STATES), or_(*self.rolled)))
+        return self.unrolled(a.created_at, a.state.in_(OPEN_STATES))
 
     def rollups_where(self, table: Any = s.attempt_rollups) -> ColumnElement[bool]:
         """The rows of roll-up ``table`` in the window (only rolled hours have rows)."""

@@ -23,11 +23,9 @@ from sqlalchemy import (
     ColumnElement,
     Float,
     Table,
-    and_,
     case,
     cast,
     column,
-    false,
     func,
     literal,
     literal_column,
@@ -184,15 +182,12 @@ class SeriesQueries:
         order: list[Any] = [column(n) for n in c.keys]
         if hours is None or not hours.hours:
             return raw.group_by(*group).order_by(*order)
-        left = [*hours.gaps(c.time)]
-        if c.open is not None:
-            left.append(and_(c.open, or_(*hours.inside(c.time))))
         t = c.table.c
         names = [x.name for x in c.sums]
         rolled = (select(*(t[col].label(n) for n, col in zip(c.keys, c.columns, strict=True)),
                          *(func.sum(t[n]).label(n) for n in names))
                   .where(hours.rollups_where(c.table)).group_by(*(t[col] for col in c.columns)))
-        return summed([raw.where(or_(false(), *left)).group_by(*group), rolled],
+        return summed([raw.where(hours.unrolled(c.time, c.open)).group_by(*group), rolled],
                       list(c.keys), names).order_by(*order)
 
 

@@ -196,6 +196,13 @@ def test_the_dashboards_chart_over_rolled_hours_uses_indexes(big: Audit) -> None
     assert any("attempt_rollups" in sql for sql, _ in _plans_of(big, chart))
 
 
+def _assert_no_seq_scan_of(plans: Any, tables: tuple[str, ...]) -> None:
+    """No plan of ``plans`` (``_plans_of``) reads one of ``tables`` whole."""
+    for sql, nodes in plans:
+        seq = [rel for kind, rel in nodes if kind == "Seq Scan" and rel in tables]
+        assert not seq, f"Seq Scan on {seq} in:\n{sql}\nplan: {nodes}"
+
+
 def test_metrics_and_the_routes_series_over_rolled_hours_use_indexes(big: Audit) -> None:
     # /metrics over a rolled-up history reads the attempts, moves and Runs the roll-ups do not
     # hold (hours not rolled, open attempts, live Runs) through indexes, never whole tables.
@@ -203,10 +210,7 @@ def test_metrics_and_the_routes_series_over_rolled_hours_use_indexes(big: Audit)
     plans = _plans_of(big, big.metrics)
     assert any("metric_rollups" in sql for sql, _ in plans)
     assert any("run_rollups" in sql for sql, _ in plans)
-    for sql, nodes in plans:
-        seq = [rel for kind, rel in nodes if kind == "Seq Scan"
-               and rel in ("attempts", "events", "runs")]
-        assert not seq, f"Seq Scan on {seq} in:\n{sql}\nplan: {nodes}"
+    _assert_no_seq_scan_of(plans, ("attempts", "events", "runs"))
     until = (math.floor(END / 3600) + 1) * 3600.0
     series = lambda: big.route_series(since=until - DAY, until=until, buckets=24)  # noqa: E731
     _assert_indexed(big, series)
@@ -224,6 +228,4 @@ def test_spend_over_rolled_hours_uses_indexes(big: Audit) -> None:
             since=END - DAY - 1800.5, until=END, **kw)
         plans = _plans_of(big, spend)
         assert any("run_rollups" in sql for sql, _ in plans), kwargs
-        for sql, nodes in plans:
-            seq = [rel for kind, rel in nodes if kind == "Seq Scan" and rel == "runs"]
-            assert not seq, f"Seq Scan on {seq} in:\n{sql}\nplan: {nodes}"
+        _assert_no_seq_scan_of(plans, ("runs",))
