@@ -399,7 +399,10 @@ def _select(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from benchmarks.audit import bench_audit
+    from benchmarks.common import MachineProbe
     from ledger.cli.ops_cmd import open_reader, table
     from ledger.ops.audit import Audit
 
@@ -408,22 +411,36 @@ def _audit(args: argparse.Namespace) -> int:
     audit = Audit(open_reader(_ledger_db(args)))
     try:
         bar = Progress("bench audit", wanted(args.progress))
+        probe = MachineProbe()
         rows = bench_audit(audit, repeat=args.repeat, progress=bar)
+        machine = probe.done()
         bar.close()
         backend = audit.ledger.backend
     finally:
         audit.ledger.close()
     if args.json:
-        sys.stdout.write(json.dumps({"backend": backend, "results": [
+        sys.stdout.write(json.dumps({"backend": backend, "machine": asdict(machine),
+                                     "results": [
             {"query": r.query, "p50_ms": round(r.p50_ms, 3), "p95_ms": round(r.p95_ms, 3),
              "max_ms": round(r.max_ms, 3), "rows": r.rows, "target_ms": r.target_ms,
-             "ok": r.ok} for r in rows]}, indent=2) + "\n")
+             "ok": r.ok, "floor_p50_ms": round(r.floor_p50_ms, 3),
+             "x_floor": None if r.ratio is None else round(r.ratio, 2),
+             "cpu_ms": round(r.cpu_ms, 3),
+             "floor_cpu_ms": round(r.floor_cpu_ms, 3), "statements": r.statements,
+             "floor_rows": r.floor_rows}
+            for r in rows]}, indent=2) + "\n")
         return 0
-    print(f"audit query latency on {backend} (ms over {args.repeat} runs; newest day)")
-    print(table(["QUERY", "P50", "P95", "MAX", "ROWS", "TARGET"],
+    print(f"audit query latency on {backend} (ms over {args.repeat} runs; newest day), beside "
+          "the raw driver's replay of the same statements (the floor) and client CPU per read")
+    print(table(["QUERY", "P50", "P95", "MAX", "ROWS", "TARGET", "FLOOR", "x FLOOR", "CPU",
+                 "FLOOR CPU", "STMTS"],
                 [[r.query, f"{r.p50_ms:.2f}", f"{r.p95_ms:.2f}", f"{r.max_ms:.2f}", r.rows,
                   "-" if r.target_ms is None else
-                  f"<{r.target_ms:.0f} {'ok' if r.ok else 'MISSED'}"] for r in rows]))
+                  f"<{r.target_ms:.0f} {'ok' if r.ok else 'MISSED'}",
+                  f"{r.floor_p50_ms:.2f}", "-" if r.ratio is None else f"{r.ratio:.2f}",
+                  f"{r.cpu_ms:.2f}",
+                  f"{r.floor_cpu_ms:.2f}", r.statements] for r in rows]))
+    print(machine.describe())
     return 0
 
 

@@ -482,8 +482,40 @@ def test_bulk_generate_then_audit_through_python_dash_m(tmp_path: Path) -> None:
     assert doc["backend"] == "sqlite"
     assert names[0] == "timeline (one run)" and "costs by tenant (1 day)" in names
     assert all(r["rows"] >= 0 and r["p50_ms"] >= 0 for r in doc["results"])
+    assert all(r["floor_p50_ms"] > 0 and r["x_floor"] > 0 and r["statements"] >= 2
+               for r in doc["results"])
+    assert doc["machine"]["cpus"] >= 1
     with Ledger.open(db) as led:
         assert reconcile(led).violations == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_audit_floor_replays_what_each_read_sent(backend: str,
+                                                      request: pytest.FixtureRequest,
+                                                      tmp_path: Path) -> None:
+    """Each audit read is reported beside its floor: the same statements replayed through the
+    raw driver (prepared on PostgreSQL), which fetch the rows the read's SQL answers, with the
+    client CPU of both."""
+    from benchmarks.audit import bench_audit
+    from benchmarks.generate import generate
+
+    db = (str(tmp_path / "floor.db") if backend == "sqlite"
+          else str(request.getfixturevalue("pg_url")))
+    with Ledger.open(db) as led:
+        generate(led, attempts=400, days=1, end=END, seed=5)
+        rows = bench_audit(Audit(led), repeat=2)
+        # The replay ended its transactions: the ledger still writes.
+        led.admit_run("after-the-bench", plan=[write.BENCH_ROUTE], budget=Budget(
+            max_calls=1, max_retries=0, max_cost=Decimal(1)))
+    names = [r.query for r in rows]
+    assert "spend by tenant (7 days by day, the dashboard's)" in names
+    assert "spend by label (1 day)" in names
+    for r in rows:
+        assert r.statements >= 2, r  # at least the transaction's start and one SELECT
+        assert r.floor_p50_ms > 0 and r.ratio is not None and r.floor_cpu_ms >= 0, r
+        assert r.cpu_ms > 0, r
+        # What the read found, its statements found again (a page may fetch one row more).
+        assert r.floor_rows >= r.rows, r
 
 
 def test_bulk_generate_refuses_a_ledger_with_other_runs(tmp_path: Path) -> None:
