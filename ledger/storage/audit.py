@@ -30,6 +30,7 @@ from sqlalchemy import (
     ColumnElement,
     Select,
     and_,
+    bindparam,
     case,
     exists,
     false,
@@ -76,6 +77,19 @@ _RUN_COLS = (
     "posted_micros", "tokens_used", "max_cost_micros", "max_calls", "max_retries",
     "lease_holder", "lease_expires_at", "fence", "created_at", "updated_at",
 )
+
+# A Run's timeline, the audit's most frequent read, built once: building a statement and its
+# cache key each call cost a third of the read's client CPU.
+_TIMELINE_RUN = select(*(s.runs.c[c] for c in _RUN_COLS)).where(
+    s.runs.c.run_id == bindparam("run_id"))
+_TIMELINE_ATTEMPTS = (
+    select(s.attempts, s.debits.c.state.label("debit_state"),
+           s.debits.c.posted_micros.label("debit_posted_micros"))
+    .join(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
+    .where(s.attempts.c.run_id == bindparam("run_id")).order_by(s.attempts.c.seq))
+_TIMELINE_EVENTS = (
+    select(*(s.events.c[c] for c in ("event_id", "attempt_id", "kind", "data", "created_at")))
+    .where(s.events.c.run_id == bindparam("run_id")).order_by(s.events.c.event_id))
 
 # Event kinds the timeline shows; lease renewals and admission bookkeeping are included too
 # because an auditor reading one run wants the whole story, and one run has few events.
@@ -201,24 +215,13 @@ class AuditQueries:
 
     def timeline(self, run_id: str) -> tuple[RowMap | None, list[RowMap], list[RowMap]]:
         """(run, its attempts with their debits, its events); the run is None when unknown."""
-        r = s.runs.c
-        a = s.attempts.c
-        d = s.debits.c
-        e = s.events.c
+        key = {"run_id": run_id}
         with self.ctx.reading() as conn:
-            run = conn.execute(select(*(r[c] for c in _RUN_COLS)).where(r.run_id == run_id)).first()
+            run = conn.execute(_TIMELINE_RUN, key).first()
             if run is None:
                 return None, [], []
-            atts = conn.execute(
-                select(s.attempts, d.state.label("debit_state"),
-                       d.posted_micros.label("debit_posted_micros"))
-                .join(s.debits, d.debit_id == a.debit_id)
-                .where(a.run_id == run_id).order_by(a.seq)
-            ).all()
-            evs = conn.execute(
-                select(e.event_id, e.attempt_id, e.kind, e.data, e.created_at)
-                .where(e.run_id == run_id).order_by(e.event_id)
-            ).all()
+            atts = conn.execute(_TIMELINE_ATTEMPTS, key).all()
+            evs = conn.execute(_TIMELINE_EVENTS, key).all()
         return dict(run._mapping), _maps(atts), _maps(evs)
 
     def failovers(self, *, since: float | None, until: float | None, limit: int,
