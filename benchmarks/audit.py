@@ -194,6 +194,9 @@ def bench_audit(audit: Audit, *, repeat: int = 5,
     cases.append(("activity chart (the dashboard's day, 24 hours)", AGGREGATE_TARGET_MS,
                   lambda i: audit.activity(buckets=c_n, since=c_since, until=c_until)))
     engine = reads_of(led).context.engine  # where the audit reads (a replica, with read_url=)
+    # What a scrape of the dashboard's /metrics reads (the whole history's totals, at ``until``).
+    cases.append(("metrics (a /metrics scrape)", AGGREGATE_TARGET_MS,
+                  lambda i: audit.metrics(until)))
     out: list[BenchRow] = []
     for n, (name, target, fn) in enumerate(cases):
         with _recorded(engine) as sent:

@@ -93,6 +93,13 @@ class Split:
                       if lo is None or hi is None or lo < hi]
         self.raw = self.gaps(col)
 
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What the split's conditions are made of (its stretches of rolled hours and its
+        gaps): two splits with the same key read alike, so statements built on one serve
+        the other."""
+        return (tuple(self._stretches), tuple(self._gaps))
+
     def inside(self, col: Any) -> list[ColumnElement[bool]]:
         """The stretches of rolled hours, as conditions on the time ``col`` (``rolled`` for
         another table: ``runs.created_at``)."""

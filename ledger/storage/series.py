@@ -23,6 +23,7 @@ from sqlalchemy import (
     ColumnElement,
     Float,
     Table,
+    bindparam,
     case,
     cast,
     column,
@@ -60,6 +61,11 @@ class SeriesQueries:
 
     def __init__(self, ctx: SqlContext) -> None:
         self.ctx = ctx
+        # /metrics' four history statements, for one (bounds, split): a scrape builds none
+        # until an hour more is rolled. Building them (a histogram is a sum per bucket) and
+        # their cache keys was most of a scrape's client CPU. Replaced whole, so threads that
+        # race only build twice.
+        self._metric_statements: tuple[Any, list[Select[Any]]] | None = None
 
     def _bucket(self, col: Any, since: float, width: float) -> ColumnElement[Any]:
         bucket: ColumnElement[Any] = self.ctx.bucket(col, since, width)
@@ -144,34 +150,29 @@ class SeriesQueries:
         another route by their routes and cause; capacity waits by group and outcome (with
         the same buckets); the places waiting in each group's queue now.
         """
-        r = s.runs.c
-        h = s.health.c
-        g = s.capacity_groups.c
-        w = s.group_waiters.c
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
             # The settled attempts, moves, waits and ended Runs of rolled hours come from the
             # roll-ups (whose histograms count into METRIC_BOUNDS only); the rest from tables.
             hours = split(conn, None, None) if tuple(bounds) == s.METRIC_BOUNDS else None
             attempts, moves, waits, money = (
-                _maps(conn.execute(self._counted(c, hours)).all())
-                for c in metric_counts(self.ctx, bounds))
-            # A place counts as admission counts it (schema.held_until), within its own bound.
-            waiting = _maps(conn.execute(
-                select(w.group_id.label("group"), func.count().label("n"))
-                .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
-                .where(w.expires_at > now, s.held_until(w.fence) > now)
-                .group_by(w.group_id).order_by(w.group_id)).all())
-            cooling = _maps(conn.execute(
-                select(h.kind.label("kind"), func.count().label("n"))
-                .where((h.cooldown_until > now) | (h.disabled_until > now))
-                .group_by(h.kind).order_by(h.kind)).all())
-            groups = _maps(conn.execute(
-                select(g.mode.label("mode"), func.count().label("n"))
-                .where(g.mode != "open", (g.until.is_(None)) | (g.until > now))
-                .group_by(g.mode).order_by(g.mode)).all())
+                _maps(conn.execute(q).all()) for q in self._metric_history(bounds, hours))
+            at = {"now": now}
+            waiting = _maps(conn.execute(_WAITING, at).all())
+            cooling = _maps(conn.execute(_COOLING, at).all())
+            groups = _maps(conn.execute(_GROUPS_CLOSED, at).all())
         return {"attempts": attempts, "moves": moves, "money": money, "cooling": cooling,
                 "groups": groups, "waits": waits, "waiting": waiting}
+
+    def _metric_history(self, bounds: Sequence[float], hours: Split | None
+                        ) -> list[Select[Any]]:
+        """The statements of :func:`metric_counts` over ``hours``, built once per both."""
+        key = (tuple(bounds), None if hours is None else hours.key)
+        made = self._metric_statements
+        if made is None or made[0] != key:
+            made = (key, [self._counted(c, hours) for c in metric_counts(self.ctx, bounds)])
+            self._metric_statements = made
+        return made[1]
 
     def _counted(self, c: Counted, hours: Split | None) -> Select[Any]:
         """``c``'s sums per key over its table: every row without rolled ``hours``; else the
@@ -189,6 +190,28 @@ class SeriesQueries:
                   .where(hours.rollups_where(c.table)).group_by(*(t[col] for col in c.columns)))
         return summed([raw.where(hours.unrolled(c.time, c.open)).group_by(*group), rolled],
                       list(c.keys), names).order_by(*order)
+
+
+def _now_counts() -> tuple[Select[Any], Select[Any], Select[Any]]:
+    """/metrics' gauges at the bound time ``now``: the places waiting in each group's queue
+    (counted as admission counts them, :func:`~ledger.storage.schema.held_until`, within
+    their own bound), the cooldowns active by kind, and the groups closed or limited by mode."""
+    r, h, g, w = s.runs.c, s.health.c, s.capacity_groups.c, s.group_waiters.c
+    now = bindparam("now", type_=Float)
+    waiting = (select(w.group_id.label("group"), func.count().label("n"))
+               .select_from(s.group_waiters.join(s.runs, r.run_id == w.run_id))
+               .where(w.expires_at > now, s.held_until(w.fence) > now)
+               .group_by(w.group_id).order_by(w.group_id))
+    cooling = (select(h.kind.label("kind"), func.count().label("n"))
+               .where((h.cooldown_until > now) | (h.disabled_until > now))
+               .group_by(h.kind).order_by(h.kind))
+    groups = (select(g.mode.label("mode"), func.count().label("n"))
+              .where(g.mode != "open", (g.until.is_(None)) | (g.until > now))
+              .group_by(g.mode).order_by(g.mode))
+    return waiting, cooling, groups
+
+
+_WAITING, _COOLING, _GROUPS_CLOSED = _now_counts()
 
 
 @dataclass(frozen=True)

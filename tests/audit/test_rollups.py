@@ -212,6 +212,40 @@ def test_a_late_write_to_a_rolled_hour_undoes_that_hours_rollup_only(db_url: str
         led.close()
 
 
+def test_one_audit_scrapes_metrics_by_the_hours_rolled_now_not_when_it_first_scraped(
+        db_url: str) -> None:
+    """An Audit keeps /metrics' statements for the rolled hours it read them for; a scrape
+    after a late write undid a rolled hour (and after the next roll-up) counts that hour as
+    it is now, as a fresh Audit and the attempts alone do."""
+    led = _generated(db_url)
+    try:
+        audit = Audit(led)  # one object, as the dashboard keeps one
+        led.roll_up(lag=0)
+        rolled = _rolled(db_url)
+        first = _metrics(audit)
+        late = hour_of(END - 8 * HOUR)
+        assert late in rolled
+        clock = led.clock
+        assert isinstance(clock, ManualClock)
+        clock.set(late * HOUR + 600)
+        led.admit_run("late", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
+                                                          max_cost=1))
+        lease = led.acquire_lease("late", ttl_s=3600)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        assert late not in _rolled(db_url)
+        undone = _metrics(audit)
+        assert undone != first  # the late attempt is counted
+        assert undone == _metrics(Audit(led))
+        clock.set(END)
+        assert led.roll_up(lag=0).hours == 1
+        assert _metrics(audit) == undone  # the hour rolled again
+        _unroll_all(db_url)
+        assert _metrics(audit) == undone  # every hour read from the tables again
+    finally:
+        led.close()
+
+
 def test_retention_takes_the_rollups_of_the_history_it_drops(db_url: str) -> None:
     clock = ManualClock(_t(2026, 1))
     with Ledger.open(db_url, clock=clock) as led:
