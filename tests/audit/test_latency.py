@@ -402,6 +402,24 @@ def test_health_carries_the_latency_of_its_window(db_url: str) -> None:
         route_rows = text.split("ROUTE", 1)[1].split("GROUP", 1)[0].splitlines()[2:]
         timeouts = _expected(records, "route", category="timeout")
         assert sorted(r.split()[0] for r in route_rows if r.strip()) == sorted(timeouts)
+        # The table shows the succeeded attempts' latency beside every outcome's, as the JSON.
+        both = subprocess.run(
+            [sys.executable, "-m", "ledger.cli.main", "--db", db_url, "health", "--since",
+             str(T), "--until", str(end)], capture_output=True, text=True, env=env,
+            timeout=120).stdout
+        head, _, rest = both.split("ROUTE", 1)[1].partition("\n")
+        cols = ["ROUTE", *head.replace("OK ", "OK_").replace("TTFT ", "TTFT_")
+                .replace("TTFB ", "TTFB_").split()]
+        rows = {r.split()[0]: dict(zip(cols, r.split(), strict=True))
+                for r in rest.split("GROUP", 1)[0].splitlines()[1:] if r.strip()}
+        succeeded = _expected(records, "route", state="succeeded")
+        assert set(rows) == set(_expected(records, "route")) and set(succeeded) <= set(rows)
+        assert any(row["OK_N"] != "0" for row in rows.values())
+        for key, row in rows.items():
+            lat = succeeded.get(key, (None, None))[0]
+            assert row["OK_N"] == str(lat.count if lat else 0)
+            assert row["OK_P50"] == ("-" if lat is None else f"{lat.p50:.3f}")
+            assert row["OK_P95"] == ("-" if lat is None else f"{lat.p95:.3f}")
 
 
 # -- the same figures in /metrics -------------------------------------------------------------
