@@ -30,6 +30,7 @@ import html
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
@@ -489,9 +490,14 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                                             migrate_schema=False,
                                                             read_url=read_url)
         state["audit"] = Audit(led)
+        # The index's slowest read (health, with the window's exact latency percentiles) runs
+        # here while the request's thread reads the rest: the page takes about as long as
+        # that read instead of the sum of all. Two at once, whatever the number of requests.
+        state["aside"] = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ledger-dashboard")
         try:
             yield
         finally:
+            state["aside"].shutdown(wait=True, cancel_futures=True)
             if ledger is None:
                 led.close()
 
@@ -538,7 +544,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             raise InvalidArgument("hours must be > 0", field="hours")
         days = int(_num(request, "days", 7))
         since = now - hours * 3600
-        rep = au.health(now, latency_window_s=hours * 3600)
+        aside: ThreadPoolExecutor = state["aside"]
+        health = aside.submit(au.health, now, latency_window_s=hours * 3600)
         chart_since, chart_until, n = chart_window(now, hours)
         buckets = au.activity(since=chart_since, until=chart_until, buckets=n)
         # The routes' small multiples share the chart's buckets: whole hours from a day on,
@@ -550,6 +557,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         by_tenant = au.costs(by="tenant", since=since, until=now, limit=1000)
         by_route = au.costs(by="route", since=since, until=now, limit=10)
         per_day = au.costs_by_day(days=days, now=now)
+        spend_html = spend_section(au, now, days)
+        recent_actions = au.actions(limit=10).items
+        rep = health.result()
         today = now - now % DAY
         day_starts = [today - (days - 1 - i) * DAY for i in range(days)]
         fo_rows = [[_link(f.run_id), _e(f.tenant), _e(f.selected_route), _e(f.served_route),
@@ -595,9 +605,9 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                      ["id", "", "id", "id", "", "", "", "nowrap"])
             + '</section><section><h2>Recent runs <a class="muted" href="/runs">(all runs)</a>'
             "</h2>" + _runs_table(runs.items, now) + "</section>"
-            + spend_section(au, now, days)
+            + spend_html
             + (clear_forms_html(rep) if actions else "")
-            + actions_html(au.actions(limit=10).items, now, title="Recent operator actions")
+            + actions_html(recent_actions, now, title="Recent operator actions")
             + f'<p class="muted">as of {_t(now)} &middot; JSON: <a href="/api/health">'
             "health</a>, <a href=\"/api/failovers\">failovers</a>, <a href=\"/api/activity\">"
             "activity</a>, <a href=\"/api/routes\">routes</a>, <a href=\"/api/latency\">"

@@ -100,6 +100,31 @@ def test_index_shows_charts_costs_and_what_cools_now(seeded_url: str) -> None:
     assert 'href="/metrics"' in body
 
 
+def test_the_index_reads_health_aside_answers_the_same_and_leaves_no_thread(
+        seeded_url: str) -> None:
+    """The index reads health on the app's own two threads while the request reads the rest:
+    its page is the same whether requests come one at a time or at once, a failure of the
+    read surfaces as the page's error, and closing the app stops those threads."""
+    def aside() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("ledger-dashboard")]
+
+    with _client(seeded_url) as c:
+        one = c.get("/", params={"hours": 1, "refresh": 0}).text
+        pages: list[str] = []
+        readers = [threading.Thread(target=lambda: pages.append(
+            c.get("/", params={"hours": 1, "refresh": 0}).text)) for _ in range(4)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        assert pages == [one] * 4
+        assert 0 < len(aside()) <= 2
+        # Over a year: health's own check refuses the latency window, on its thread.
+        bad = c.get("/", params={"hours": 9000, "refresh": 0})
+        assert bad.status_code == 400 and "invalid latency_window_s" in bad.text
+    assert aside() == []
+
+
 def test_glitches_of_issue_27_are_gone(seeded_url: str) -> None:
     from ledger.domain.timefmt import iso
 
