@@ -177,6 +177,25 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
         led.close()
 
 
+def _clock(led: Ledger) -> ManualClock:
+    clock = led.clock
+    assert isinstance(clock, ManualClock)
+    return clock
+
+
+def _late_attempt(led: Ledger) -> int:
+    """A succeeded attempt begun by a clock behind the others' (8 hours before the end, in
+    an hour rolled already); the hour it went into."""
+    late = hour_of(END - 8 * HOUR)
+    _clock(led).set(late * HOUR + 600)
+    led.admit_run("late", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
+                                                      max_cost=1))
+    lease = led.acquire_lease("late", ttl_s=3600)
+    att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+    led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+    return late
+
+
 def test_a_late_write_to_a_rolled_hour_undoes_that_hours_rollup_only(db_url: str) -> None:
     led = _generated(db_url)
     try:
@@ -190,21 +209,13 @@ def test_a_late_write_to_a_rolled_hour_undoes_that_hours_rollup_only(db_url: str
         led.settle_unknown(attempt_id, outcome="succeeded", cost="0.001", note="billing export",
                            by="ops")
         # A begin whose clock is behind the others', into another rolled hour.
-        late = hour_of(END - 8 * HOUR)
+        late = _late_attempt(led)
         assert late != hour_of(when) and late in rolled
-        clock = led.clock
-        assert isinstance(clock, ManualClock)
-        clock.set(late * HOUR + 600)
-        led.admit_run("late", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
-                                                          max_cost=1))
-        lease = led.acquire_lease("late", ttl_s=3600)
-        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
-        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
         assert _rolled(db_url) == rolled - {hour_of(when), late}
         assert not _sql(db_url, "SELECT 1 FROM attempt_rollups WHERE hour IN (:a, :b)",
                         {"a": hour_of(when), "b": late})
         with_rollups = _answers(led)
-        clock.set(END)
+        _clock(led).set(END)
         assert led.roll_up(lag=0).hours == 2  # the next roll-up redoes just those two
         redone = _answers(led)
         assert with_rollups == redone == _read_from_attempts(led, db_url)
@@ -223,21 +234,12 @@ def test_one_audit_scrapes_metrics_by_the_hours_rolled_now_not_when_it_first_scr
         led.roll_up(lag=0)
         rolled = _rolled(db_url)
         first = _metrics(audit)
-        late = hour_of(END - 8 * HOUR)
-        assert late in rolled
-        clock = led.clock
-        assert isinstance(clock, ManualClock)
-        clock.set(late * HOUR + 600)
-        led.admit_run("late", plan=[ROUTE], budget=Budget(max_calls=2, max_retries=0,
-                                                          max_cost=1))
-        lease = led.acquire_lease("late", ttl_s=3600)
-        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
-        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
-        assert late not in _rolled(db_url)
+        late = _late_attempt(led)
+        assert late in rolled and late not in _rolled(db_url)
         undone = _metrics(audit)
         assert undone != first  # the late attempt is counted
         assert undone == _metrics(Audit(led))
-        clock.set(END)
+        _clock(led).set(END)
         assert led.roll_up(lag=0).hours == 1
         assert _metrics(audit) == undone  # the hour rolled again
         _unroll_all(db_url)
