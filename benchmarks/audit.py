@@ -9,7 +9,10 @@ every page under 100 ms (issue 8's were 10 and 500 ms).
 
 **The floor.** The warm-up records the statements the read sends, exactly as its driver
 receives them (SQLAlchemy's ``before_cursor_execute``: the SQL text and the bound values, the
-transaction's ``BEGIN`` and settings included). Each repetition then also replays them on a
+transaction's settings included, and its ``BEGIN`` on SQLite, where the ledger sends it; psycopg
+opens PostgreSQL's itself, on both sides alike), and the transaction's ends. Only reads are
+replayed: a recorded statement that is not one stops the benchmark. Each repetition then also
+replays them on a
 connection of the same pool through the raw driver (psycopg with ``prepare=True``; sqlite3,
 whose statement cache prepares), fetching every row and ending the transaction, interleaved
 with the read itself. That is what the database's answer costs with nothing of the library
@@ -21,6 +24,7 @@ was answered then.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +35,7 @@ from typing import Any
 from sqlalchemy import Engine, event
 
 from benchmarks.bulk import history_bounds, sample_route, sample_runs
-from benchmarks.common import cpu_now
+from benchmarks.common import BenchError, cpu_now
 from ledger.api.face import reads_of
 from ledger.dashboard.charts import chart_window
 from ledger.dashboard.spend import window
@@ -58,7 +62,8 @@ class BenchRow:
     #: Client CPU per read (median, ms): the ledger's, and the raw replay's.
     cpu_ms: float = 0.0
     floor_cpu_ms: float = 0.0
-    #: How many statements the read sent (its transaction's ``BEGIN`` and settings included).
+    #: How many statements the read sent (its transaction's settings included, and on SQLite
+    #: its ``BEGIN``; not the driver's commits).
     statements: int = 0
     #: The rows the floor's replay fetched (what the read's statements answered).
     floor_rows: int = 0
@@ -107,8 +112,20 @@ def _recorded(engine: Engine) -> Iterator[list[_Sent]]:
             event.remove(engine, name, fn)
 
 
+# What a read sends; the floor replays nothing else, so a case that wrote could not write
+# again through it.
+_READ = re.compile(r"\s*(SELECT|WITH|BEGIN|SET|SHOW)\b", re.IGNORECASE)
+
+
 def _replay(engine: Engine, sent: list[_Sent]) -> int:
-    """``sent`` again on a pooled connection through the raw driver; the rows it fetched."""
+    """``sent`` again on a pooled connection through the raw driver; the rows it fetched.
+
+    Raises:
+        BenchError: ``sent`` holds a statement that is not a read.
+    """
+    wrote = next((q.sql for q in sent if q.end is None and not _READ.match(q.sql)), None)
+    if wrote is not None:
+        raise BenchError(f"the floor replays reads only; the read sent {wrote[:80]!r}")
     fetched = 0
     pooled = engine.raw_connection()
     try:
@@ -219,7 +236,8 @@ def bench_audit(audit: Audit, *, repeat: int = 5,
         out.append(BenchRow(name, statistics.median(times), p95, times[-1], rows, target,
                             floor_p50_ms=statistics.median(floors),
                             cpu_ms=statistics.median(cpus),
-                            floor_cpu_ms=statistics.median(floor_cpus), statements=len(sent),
+                            floor_cpu_ms=statistics.median(floor_cpus),
+                            statements=sum(q.end is None for q in sent),
                             floor_rows=floor_rows))
         if progress:
             progress(n + 1, len(cases))

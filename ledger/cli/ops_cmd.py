@@ -589,6 +589,8 @@ def latency_row(x: Any) -> list[Any]:
             ok.count if ok else 0, p(ok, "p50"), p(ok, "p95"),
             ttft.count if ttft else 0, p(ttft, "p50"), p(ttft, "p95"), p(ttft, "p99"),
             p(ttfb, "p50"), p(ttfb, "p95")]
+
+
 def _health_clear(args: argparse.Namespace) -> int:
     led = _open_writer(args.db)
     try:

@@ -160,13 +160,14 @@ class SeriesQueries:
             at = {"now": now}
             waiting = _maps(conn.execute(_WAITING, at).all())
             cooling = _maps(conn.execute(_COOLING, at).all())
-            groups = _maps(conn.execute(_GROUPS_CLOSED, at).all())
+            groups = _maps(conn.execute(_GROUPS_NOT_OPEN, at).all())
         return {"attempts": attempts, "moves": moves, "money": money, "cooling": cooling,
                 "groups": groups, "waits": waits, "waiting": waiting}
 
     def _metric_history(self, bounds: Sequence[float], hours: Split | None
                         ) -> list[Select[Any]]:
-        """The statements of :func:`metric_counts` over ``hours``, built once per both."""
+        """The statements of :func:`metric_counts` over ``hours``, built once for those
+        bounds and that split."""
         key = (tuple(bounds), None if hours is None else hours.key)
         made = self._metric_statements
         if made is None or made[0] != key:
@@ -195,7 +196,8 @@ class SeriesQueries:
 def _now_counts() -> tuple[Select[Any], Select[Any], Select[Any]]:
     """/metrics' gauges at the bound time ``now``: the places waiting in each group's queue
     (counted as admission counts them, :func:`~ledger.storage.schema.held_until`, within
-    their own bound), the cooldowns active by kind, and the groups closed or limited by mode."""
+    their own bound), the cooldowns active by kind, and the groups not open (closed or
+    limited) by mode."""
     r, h, g, w = s.runs.c, s.health.c, s.capacity_groups.c, s.group_waiters.c
     now = bindparam("now", type_=Float)
     waiting = (select(w.group_id.label("group"), func.count().label("n"))
@@ -211,7 +213,7 @@ def _now_counts() -> tuple[Select[Any], Select[Any], Select[Any]]:
     return waiting, cooling, groups
 
 
-_WAITING, _COOLING, _GROUPS_CLOSED = _now_counts()
+_WAITING, _COOLING, _GROUPS_NOT_OPEN = _now_counts()
 
 
 @dataclass(frozen=True)
