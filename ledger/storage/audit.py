@@ -400,8 +400,7 @@ class AuditQueries:
             # second statement for it would read the window again (docs/benchmarks.md).
             values = [*(a[m] for m in LATENCY_MEASURES),
                       case((a.state == "succeeded", a.latency_s))]
-            q = self.ctx.percentiles(values, keys, where, FRACTIONS)
-            rows = _maps(conn.execute(q).all())
+            rows = self.ctx.percentiles(conn, values, keys, where, FRACTIONS)
         for by in LATENCY_KEYS:
             for j, measure in enumerate((*LATENCY_MEASURES, SUCCEEDED_LATENCY)):
                 out[(by, measure)] = [

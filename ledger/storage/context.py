@@ -16,6 +16,7 @@ No query asks which database it runs on.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
@@ -97,17 +98,17 @@ class SqlContext(abc.ABC):
         where it is absent)."""
 
     @abc.abstractmethod
-    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
-                    fractions: Sequence[float]) -> Select[Any]:
-        """For each of ``keys`` (by name): per value of it (column ``key``, its name in column
-        ``by``) over the rows of ``attempts`` where every condition of ``where`` holds, for the
-        ``j``-th of ``values``: how many of them have it (column ``n<j>``, 0 where none has)
-        and its continuous percentiles at ``fractions`` (columns ``p<j>_0``, ``p<j>_1``, ...;
-        NULL where none has it). One statement; the keys must not be NULL.
+    def percentiles(self, conn: Connection, values: Sequence[Any], keys: Mapping[str, Any],
+                    where: Sequence[Any], fractions: Sequence[float]) -> list[RowMap]:
+        """Read on ``conn``, for each of ``keys`` (by name): per value of it (column ``key``,
+        its name in column ``by``) over the rows of ``attempts`` where every condition of
+        ``where`` holds, for the ``j``-th of ``values``: how many of them have it (column
+        ``n<j>``, 0 where none has) and its continuous percentiles at ``fractions`` (columns
+        ``p<j>_0``, ``p<j>_1``, ...; NULL where none has it). One pass over the rows; the keys
+        must not be NULL.
 
-        Both databases give the same answers: ``percentile_cont`` (linear interpolation
-        between the two nearest ranks, at ``fraction * (n - 1)``) on PostgreSQL, and the same
-        rule spelled with window functions on SQLite, which has no such aggregate.
+        Both databases give the same answers, :func:`percentile_cont`'s: PostgreSQL's
+        aggregate of that name, and on SQLite, which has none, the rows' values sorted here.
         """
 
     # -- transactions ---------------------------------------------------------------------
@@ -140,4 +141,15 @@ class SqlContext(abc.ABC):
             self.engine.dispose()
 
 
-__all__ = ["ClockFn", "RowMap", "SqlContext"]
+
+def percentile_cont(ordered: Sequence[float], fraction: float) -> float:
+    """PostgreSQL's ``percentile_cont(fraction)`` of the non-empty ``ordered`` (ascending):
+    the values at ranks ``floor(pos)`` and ``ceil(pos)`` for ``pos = fraction * (n - 1)``,
+    interpolated as ``lo + (hi - lo) * (pos - floor(pos))`` in double precision, the very
+    arithmetic of its ``float8`` implementation, so both databases answer the same bits."""
+    pos = fraction * (len(ordered) - 1)
+    low = math.floor(pos)
+    lo, hi = ordered[low], ordered[math.ceil(pos)]
+    return lo + (hi - lo) * (pos - low)
+
+__all__ = ["ClockFn", "RowMap", "SqlContext", "percentile_cont"]

@@ -27,7 +27,7 @@ from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage import engine as eng
 from ledger.storage import migrate, statements
 from ledger.storage import schema as s
-from ledger.storage.context import SqlContext
+from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
@@ -164,8 +164,8 @@ class PostgresContext(SqlContext):
             expr = expr.op("->")(key)
         return expr.op("->>")(path[-1])
 
-    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
-                    fractions: Sequence[float]) -> Select[Any]:
+    def percentiles(self, conn: Connection, values: Sequence[Any], keys: Mapping[str, Any],
+                    where: Sequence[Any], fractions: Sequence[float]) -> list[RowMap]:
         """``percentile_cont(f) WITHIN GROUP (ORDER BY value)``, an ordered-set aggregate
         (which skips NULLs), for every value and every key in one pass over the rows
         (``GROUPING SETS``, one set per key); the fractions of one value share its sort."""
@@ -178,8 +178,9 @@ class PostgresContext(SqlContext):
             cols.append(func.count(value).label(f"n{j}"))
             cols.extend(func.percentile_cont(f).within_group(value.asc()).label(f"p{j}_{i}")
                         for i, f in enumerate(fractions))
-        return (select(*cols).select_from(s.attempts).where(*where)
-                .group_by(func.grouping_sets(*(keys[name] for name in names))))
+        q = (select(*cols).select_from(s.attempts).where(*where)
+             .group_by(func.grouping_sets(*(keys[name] for name in names))))
+        return [dict(r._mapping) for r in conn.execute(q)]
 
 
 def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -> None:

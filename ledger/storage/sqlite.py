@@ -17,16 +17,12 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    Float,
     Integer,
     Select,
     Text,
-    case,
     cast,
     func,
-    literal,
     select,
-    union_all,
 )
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
@@ -35,7 +31,7 @@ from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.storage import engine as eng
 from ledger.storage import migrate, statements
 from ledger.storage import schema as s
-from ledger.storage.context import SqlContext
+from ledger.storage.context import RowMap, SqlContext, percentile_cont
 from ledger.storage.driver import SqliteDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.store import Store
@@ -104,49 +100,35 @@ class SqliteContext(SqlContext):
         where = "$" + "".join(f'."{k}"' for k in path)
         return cast(func.json_extract(col, where), Text)
 
-    def percentiles(self, values: Sequence[Any], keys: Mapping[str, Any], where: Sequence[Any],
-                    fractions: Sequence[float]) -> Select[Any]:
-        """PostgreSQL's ``percentile_cont`` with window functions, per key and value: each
-        row's 0-based rank ``i`` in its key's order and the key's count ``n``; at
-        ``pos = fraction * (n - 1)`` the values of ranks ``floor(pos)`` and ``ceil(pos)``,
-        interpolated as PostgreSQL does (``lo + (hi - lo) * (pos - floor(pos))``, in double
-        precision). The keys come from one more pass each, so a key none of whose rows has a
-        value is there with a count of 0, as on PostgreSQL; the keys' rows in one UNION ALL."""
-        parts: list[Select[Any]] = []
-        for name, key in keys.items():
-            found = (select(key.label("key")).select_from(s.attempts).where(*where).distinct()
-                     .subquery())
-            cols: list[Any] = [literal(name).label("by"), found.c.key]
-            joined: Any = found
-            for j, value in enumerate(values):
-                one = self._percentiles_of(value, key, where, fractions).subquery()
-                joined = joined.outerjoin(one, one.c.key == found.c.key)
-                cols.append(func.coalesce(one.c.n, 0).label(f"n{j}"))
-                cols.extend(one.c[f"p{i}"].label(f"p{j}_{i}") for i in range(len(fractions)))
-            parts.append(select(*cols).select_from(joined))
-        return parts[0] if len(parts) == 1 else select(union_all(*parts).subquery())
-
-    @staticmethod
-    def _percentiles_of(value: Any, key: Any, where: Sequence[Any],
-                        fractions: Sequence[float]) -> Select[Any]:
-        """Per key with a ``value``: ``n`` and ``p0``, ``p1``, ... of it."""
-        ranked = (select(key.label("key"), value.label("v"),
-                         (func.row_number().over(partition_by=key, order_by=value) - 1)
-                         .label("i"),
-                         func.count().over(partition_by=key).label("n"))
-                  .select_from(s.attempts).where(value.is_not(None), *where).subquery())
-        n = func.max(ranked.c.n)
-        cols: list[Any] = [ranked.c.key.label("key"), n.label("n")]
-        for i, f in enumerate(fractions):
-            frac = literal(float(f), Float(precision=53))
-            pos = (ranked.c.n - 1) * frac  # per row: the same for every row of a key
-            low = cast(pos, Integer)  # floor: pos >= 0
-            high = low + case((pos > low, 1), else_=0)
-            lo = func.max(case((ranked.c.i == low, ranked.c.v)))
-            hi = func.max(case((ranked.c.i == high, ranked.c.v)))
-            at = (n - 1) * frac
-            cols.append((lo + (hi - lo) * (at - cast(at, Integer))).label(f"p{i}"))
-        return select(*cols).group_by(ranked.c.key)
-
+    def percentiles(self, conn: Connection, values: Sequence[Any], keys: Mapping[str, Any],
+                    where: Sequence[Any], fractions: Sequence[float]) -> list[RowMap]:
+        """SQLite has no ordered-set aggregate, and spelling one with window functions took a
+        pass and a sort of the rows per key and value (ten for the latency's two keys and
+        four values: docs/benchmarks.md). So the rows' keys and values are read once, and
+        each key's values sorted here; a key none of whose rows has a value is there with a
+        count of 0, as on PostgreSQL."""
+        names = list(keys)
+        width = len(names)
+        q = select(*(keys[n] for n in names), *values).select_from(s.attempts).where(*where)
+        found: dict[tuple[str, Any], list[list[float]]] = {}
+        for row in conn.execute(q).all():
+            for i, name in enumerate(names):
+                lists = found.get((name, row[i]))
+                if lists is None:
+                    lists = found[(name, row[i])] = [[] for _ in values]
+                for j, lst in enumerate(lists):
+                    v = row[width + j]
+                    if v is not None:
+                        lst.append(v)
+        out: list[RowMap] = []
+        for (name, key), lists in found.items():
+            got: dict[str, Any] = {"by": name, "key": key}
+            for j, lst in enumerate(lists):
+                lst.sort()
+                got[f"n{j}"] = len(lst)
+                for i, f in enumerate(fractions):
+                    got[f"p{j}_{i}"] = percentile_cont(lst, f) if lst else None
+            out.append(got)
+        return out
 
 __all__ = ["SqliteContext"]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy
 
 from ledger import (
     AttemptState,
@@ -45,6 +46,7 @@ from ledger.adapters import SyncAdapter, sync_sender
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.domain.facts import Category, FailureFact, Phase, Scope
 from ledger.ops.audit import Audit, LatencyReport, Percentiles
+from ledger.storage.context import percentile_cont
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import PRICE
@@ -353,6 +355,29 @@ def test_latency_percentiles_are_the_same_on_sqlite_and_postgresql(
         for filters in FILTERS:
             lite, pg = Audit(a).latency(**filters), Audit(b).latency(**filters)
             assert lite == pg, filters  # the very same numbers
+
+
+@pytest.mark.postgres
+def test_sqlite_percentiles_are_postgresqls_percentile_cont_to_the_bit(pg_url: str) -> None:
+    # SQLite's percentiles are computed in Python (ledger.storage.context.percentile_cont):
+    # they must be PostgreSQL's own aggregate, bit for bit, ties and one value included.
+    rng = random.Random(61)
+    cases = [[7.25], [1.0, 2.0], [0.5, 0.5, 0.5, 3.0]]
+    cases += [sorted(round(rng.uniform(0.001, 40.0), rng.choice((1, 3, 9)))
+                     for _ in range(rng.randint(2, 400))) for _ in range(40)]
+    fractions = (0.0, 0.5, 0.95, 0.99, 1.0, 0.333)
+    engine = sqlalchemy.create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            for values in cases:
+                want = conn.execute(sqlalchemy.text(
+                    "SELECT " + ", ".join(
+                        f"percentile_cont({f}) WITHIN GROUP (ORDER BY v)" for f in fractions)
+                    + " FROM unnest(CAST(:vs AS float8[])) AS v"), {"vs": values}).one()
+                got = tuple(percentile_cont(values, f) for f in fractions)
+                assert got == tuple(want), values
+    finally:
+        engine.dispose()
 
 
 def test_latency_filters_refuse_bad_input_naming_the_field(db_url: str) -> None:
