@@ -581,9 +581,10 @@ class AuditQueries:
         gs = s.group_slots.c
         r = s.runs.c
         # A slot counts while its executor still holds the run (the same rule as admission).
+        # Its Run is looked up from the slot (EXISTS): joined, SQLite's planner may walk every
+        # Run to find the few slots (docs/benchmarks.md).
         live = (select(gs.group_id, func.count().label("in_flight"))
-                .select_from(s.group_slots.join(s.runs, r.run_id == gs.run_id))
-                .where(s.held_until(gs.fence) > now)
+                .where(exists().where(r.run_id == gs.run_id, s.held_until(gs.fence) > now))
                 .group_by(gs.group_id).subquery())
         w = s.group_waiters.c
         # A place in a full group's queue counts the same way, while its own bound has not passed.

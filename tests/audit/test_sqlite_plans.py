@@ -1,0 +1,87 @@
+"""On SQLite, health never walks a whole table to find a few rows: EXPLAIN QUERY PLAN of every
+SELECT that :meth:`Audit.health` sends shows no SCAN of ``runs``, ``attempts`` or ``events``
+(a walk of a whole index in its order included).
+
+SQLite's planner has no statistics for a table that was empty when the ledger was last
+ANALYZEd (``group_slots`` between bursts): health once walked every Run to look up each one's
+capacity slots (docs/benchmarks.md). It is read with and without statistics.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from benchmarks.generate import generate
+from ledger.api.facade import Ledger
+from ledger.clock import ManualClock
+from ledger.ops.audit import Audit
+from tests.storage.helpers import sql_context
+
+END = 1_700_000_000.0
+#: The tables no read of health or /metrics may walk whole.
+WHOLE = ("runs", "attempts", "events")
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plans") / "ledger.db"
+    with Ledger.open(f"sqlite:///{path}", clock=ManualClock(END)) as led:
+        generate(led, attempts=3_000, days=2, end=END, seed=11)  # ends with ANALYZE
+        led.roll_up()  # as cron would: /metrics reads the rolled hours' totals
+    return path
+
+
+@pytest.fixture(params=["analyzed_with_no_slot_held", "never_analyzed"])
+def audit(request: pytest.FixtureRequest, history: Path, tmp_path: Path) -> Iterator[Audit]:
+    path = tmp_path / "ledger.db"
+    shutil.copyfile(history, path)
+    with sqlite3.connect(path) as conn:  # statistics are read when a connection opens
+        if request.param == "never_analyzed":
+            conn.execute("DROP TABLE sqlite_stat1")
+        else:
+            conn.execute("DELETE FROM sqlite_stat1 WHERE tbl = 'group_slots'")
+    led = Ledger.open(f"sqlite:///{path}", clock=ManualClock(END), migrate_schema=False)
+    try:
+        yield Audit(led)
+    finally:
+        led.close()
+
+
+def _scans(audit: Audit, call: Any) -> list[tuple[str, str]]:
+    """Run ``call``; EXPLAIN QUERY PLAN every SELECT it sent; its full scans of the history
+    and the Runs, as (statement, plan line)."""
+    sent: list[tuple[str, Any]] = []
+    engine = sql_context(audit.ledger).engine
+
+    def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
+                executemany: bool) -> None:
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
+            sent.append((statement, params))
+
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        call()
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    assert sent, "the call sent no SELECT"
+    out = []
+    with engine.connect() as conn:
+        for sql, params in sent:
+            for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params):
+                detail = str(row[-1])
+                if detail.startswith("SCAN ") and detail.split()[1] in WHOLE:
+                    out.append((sql, detail))
+    return out
+
+
+def test_health_on_sqlite_never_walks_every_run_or_attempt(audit: Audit) -> None:
+    assert _scans(audit, lambda: audit.health(now=END)) == []
+
+
