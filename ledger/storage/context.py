@@ -97,6 +97,13 @@ class SqlContext(abc.ABC):
         """The member at ``path`` (object keys) of the JSON text in ``col``, as text (NULL
         where it is absent)."""
 
+    def group_key(self, col: Any) -> Any:
+        """``col`` as a GROUP BY key of a read whose rows come from ranges ORed together (the
+        rows the roll-ups leave, :meth:`~ledger.storage.hours.Split.unrolled`): the same
+        groups; a database whose planner would rather walk an index in the key's order than
+        read those ranges (SQLite) is told not to."""
+        return col
+
     @abc.abstractmethod
     def percentiles(self, conn: Connection, values: Sequence[Any], keys: Mapping[str, Any],
                     where: Sequence[Any], fractions: Sequence[float]) -> list[RowMap]:

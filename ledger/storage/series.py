@@ -189,7 +189,9 @@ class SeriesQueries:
         rolled = (select(*(t[col].label(n) for n, col in zip(c.keys, c.columns, strict=True)),
                          *(func.sum(t[n]).label(n) for n in names))
                   .where(hours.rollups_where(c.table)).group_by(*(t[col] for col in c.columns)))
-        return summed([raw.where(hours.unrolled(c.time, c.open)).group_by(*group), rolled],
+        left = raw.where(hours.unrolled(c.time, c.open)).group_by(
+            *(self.ctx.group_key(k) for k in group))
+        return summed([left, rolled],
                       list(c.keys), names).order_by(*order)
 
 
