@@ -116,29 +116,39 @@ class SqliteContext(SqlContext):
         pass and a sort of the rows per key and value (ten for the latency's two keys and
         four values: docs/benchmarks.md). So the rows' keys and values are read once, and
         each key's values sorted here; a key none of whose rows has a value is there with a
-        count of 0, as on PostgreSQL."""
+        count of 0, as on PostgreSQL. The rows are first gathered per combination of all the
+        keys (a route and its group), so each row is looked at once; each key's lists are
+        then those combinations' sorted lists joined, which sorting merges as runs."""
         names = list(keys)
         width = len(names)
         q = select(*(keys[n] for n in names), *values).select_from(s.attempts).where(*where)
-        found: dict[tuple[str, Any], list[list[float]]] = {}
+        combos: dict[tuple[Any, ...], list[list[float]]] = {}
         for row in conn.execute(q).all():
-            for i, name in enumerate(names):
-                lists = found.get((name, row[i]))
-                if lists is None:
-                    lists = found[(name, row[i])] = [[] for _ in values]
-                for j, lst in enumerate(lists):
-                    v = row[width + j]
-                    if v is not None:
-                        lst.append(v)
-        out: list[RowMap] = []
-        for (name, key), lists in found.items():
-            got: dict[str, Any] = {"by": name, "key": key}
+            lists = combos.get(row[:width])
+            if lists is None:
+                lists = combos[row[:width]] = [[] for _ in values]
             for j, lst in enumerate(lists):
+                v = row[width + j]
+                if v is not None:
+                    lst.append(v)
+        for lists in combos.values():
+            for lst in lists:
                 lst.sort()
-                got[f"n{j}"] = len(lst)
-                for i, f in enumerate(fractions):
-                    got[f"p{j}_{i}"] = percentile_cont(lst, f) if lst else None
-            out.append(got)
+        out: list[RowMap] = []
+        for i, name in enumerate(names):
+            per_key: dict[Any, list[list[float]]] = {}
+            for combo, lists in combos.items():
+                into = per_key.setdefault(combo[i], [[] for _ in values])
+                for acc, lst in zip(into, lists, strict=True):
+                    acc.extend(lst)
+            for key, lists in per_key.items():
+                got: dict[str, Any] = {"by": name, "key": key}
+                for j, lst in enumerate(lists):
+                    lst.sort()
+                    got[f"n{j}"] = len(lst)
+                    for f_i, f in enumerate(fractions):
+                        got[f"p{j}_{f_i}"] = percentile_cont(lst, f) if lst else None
+                out.append(got)
         return out
 
 
