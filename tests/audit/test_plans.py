@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import event
 
 from benchmarks.generate import generate
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.ops.audit import Audit
 from ledger.storage.partitions import is_partition_name
+from tests.audit.sent import sent_selects
 from tests.storage.helpers import sql_context
 
 pytestmark = pytest.mark.postgres
@@ -49,27 +49,9 @@ def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
-def _sent(audit: Audit, call: Any) -> list[tuple[str, Any]]:
-    """Run ``call``; every SELECT it sent (a WITH ... SELECT too), with its parameters."""
-    sent: list[tuple[str, Any]] = []
-    engine = sql_context(audit.ledger).engine
-
-    def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
-                executemany: bool) -> None:
-        if statement.lstrip().upper().startswith(("SELECT", "WITH")):  # WITH: a CTE's read
-            sent.append((statement, params))
-
-    event.listen(engine, "before_cursor_execute", capture)
-    try:
-        call()
-    finally:
-        event.remove(engine, "before_cursor_execute", capture)
-    return sent
-
-
 def _plans_of(audit: Audit, call: Any) -> list[tuple[str, list[tuple[str, str | None]]]]:
     """Run ``call``; EXPLAIN every SELECT it sent; [(sql, [(node type, relation), ...])]."""
-    sent = _sent(audit, call)
+    sent = sent_selects(audit, call)
     engine = sql_context(audit.ledger).engine
     out = []
     with engine.connect() as conn:

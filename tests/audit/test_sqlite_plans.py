@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
 
 from benchmarks.generate import generate
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.ops.audit import Audit
+from tests.audit.sent import sent_selects
 from tests.storage.helpers import sql_context
 
 END = 1_700_000_000.0
@@ -59,22 +59,10 @@ def audit(request: pytest.FixtureRequest, history: Path, tmp_path: Path) -> Iter
 def _scans(audit: Audit, call: Any) -> list[tuple[str, str]]:
     """Run ``call``; EXPLAIN QUERY PLAN every SELECT it sent; its full scans of the history
     and the Runs, as (statement, plan line)."""
-    sent: list[tuple[str, Any]] = []
-    engine = sql_context(audit.ledger).engine
-
-    def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any,
-                executemany: bool) -> None:
-        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
-            sent.append((statement, params))
-
-    event.listen(engine, "before_cursor_execute", capture)
-    try:
-        call()
-    finally:
-        event.remove(engine, "before_cursor_execute", capture)
+    sent = sent_selects(audit, call)
     assert sent, "the call sent no SELECT"
     out = []
-    with engine.connect() as conn:
+    with sql_context(audit.ledger).engine.connect() as conn:
         for sql, params in sent:
             for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params):
                 detail = str(row[-1])
