@@ -148,7 +148,6 @@ class SqlContext(abc.ABC):
             self.engine.dispose()
 
 
-
 def percentile_cont(ordered: Sequence[float], fraction: float) -> float:
     """PostgreSQL's ``percentile_cont(fraction)`` of the non-empty ``ordered`` (ascending):
     the values at ranks ``floor(pos)`` and ``ceil(pos)`` for ``pos = fraction * (n - 1)``,
@@ -158,5 +157,6 @@ def percentile_cont(ordered: Sequence[float], fraction: float) -> float:
     low = math.floor(pos)
     lo, hi = ordered[low], ordered[math.ceil(pos)]
     return lo + (hi - lo) * (pos - low)
+
 
 __all__ = ["ClockFn", "RowMap", "SqlContext", "percentile_cont"]

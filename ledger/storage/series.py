@@ -191,8 +191,7 @@ class SeriesQueries:
                   .where(hours.rollups_where(c.table)).group_by(*(t[col] for col in c.columns)))
         left = raw.where(hours.unrolled(c.time, c.open)).group_by(
             *(self.ctx.group_key(k) for k in group))
-        return summed([left, rolled],
-                      list(c.keys), names).order_by(*order)
+        return summed([left, rolled], list(c.keys), names).order_by(*order)
 
 
 def _now_counts() -> tuple[Select[Any], Select[Any], Select[Any]]:
