@@ -343,7 +343,7 @@ class AuditQueries:
             cost.label("cost_micros"),
             held.label("held_micros"),
         )
-        read = select(key.label("key"), *sums).where(*window).group_by(key)
+        read = select(key.label("key"), *sums).where(*window).group_by(self.ctx.group_key(key))
         if by != "label":
             if rolled is None:
                 return read, cost, key
@@ -495,7 +495,7 @@ class AuditQueries:
         group: list[Any] = [literal_column(k.name) for k in keys[1:]]
         q = (select(*keys, *(func.coalesce(x, 0).label(n) for x, n in zip(sums, names,
                                                                            strict=True)))
-             .where(*where).group_by(key, *group))
+             .where(*where).group_by(self.ctx.group_key(key), *group))
         if hours is None:
             return q
         t = s.run_rollups.c

@@ -98,10 +98,11 @@ class SqlContext(abc.ABC):
         where it is absent)."""
 
     def group_key(self, col: Any) -> Any:
-        """``col`` as a GROUP BY key of a read whose rows come from ranges ORed together (the
-        rows the roll-ups leave, :meth:`~ledger.storage.hours.Split.unrolled`): the same
-        groups; a database whose planner would rather walk an index in the key's order than
-        read those ranges (SQLite) is told not to."""
+        """``col`` as the GROUP BY key of a read of a time window's rows (the totals, spend,
+        /metrics; with roll-ups, the rows they leave: ranges ORed together,
+        :meth:`~ledger.storage.hours.Split.unrolled`): the same groups; a database whose
+        planner would rather walk an index in the key's order than read those ranges
+        (SQLite) is told not to."""
         return col
 
     @abc.abstractmethod

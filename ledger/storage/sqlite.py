@@ -106,8 +106,8 @@ class SqliteContext(SqlContext):
         """``+col``: SQLite's unary ``+`` leaves the value as it is and keeps the planner from
         using an index for the key (as its documentation advises). Grouped by a column with an
         index, a read of the rows outside the rolled hours walked that whole index in the
-        group's order, ranges unused: a /metrics scrape of a 500,000-attempt ledger took
-        1.1 s (docs/benchmarks.md)."""
+        group's order, ranges unused: on a 500,000-attempt ledger a /metrics scrape took
+        1.1 s, the whole history's costs or spend 0.6 s (docs/benchmarks.md)."""
         return UnaryExpression(col, operator=operators.custom_op("+"), type_=col.type)
 
     def percentiles(self, conn: Connection, values: Sequence[Any], keys: Mapping[str, Any],
