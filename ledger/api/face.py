@@ -1061,11 +1061,11 @@ class Face(Generic[SessionT, OpenedT]):
 
         For each hour (``[3600*h, 3600*(h+1))`` of the attempts' ``created_at``) that ended
         at least ``lag`` seconds before the ledger clock's now and is not rolled up, writes
-        the sums over its settled attempts by route, group, provider, tenant and labels, in
+        the sums over its attempts not in flight by route, group, provider, tenant and labels, in
         one transaction per hour, oldest first (hours without attempts are marked in
         batches). ``Audit.costs`` (but by run) then reads those sums for the rolled hours
         inside its window instead of their attempts, and reads the rest (the window's
-        edges, hours not rolled, attempts still ``dispatching`` or ``unknown``) as before:
+        edges, hours not rolled, attempts still ``dispatching``) as before:
         the answers are the same, cheaper. Any later write to an
         attempt of a rolled hour (a late settle or begin, an operator's resolution, retention)
         undoes that hour's roll-up in the same transaction, and the next roll-up redoes it.

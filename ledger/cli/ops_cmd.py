@@ -935,7 +935,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "rollup", help="roll up the finished hours of history for the cost totals (cron it)",
         description="Write, for each hour that ended at least --lag ago and is not rolled "
-        "up, the sums of its settled attempts by route, group, provider, tenant and labels, "
+        "up, the sums of its attempts not in flight by route, group, provider, tenant and labels, "
         "one transaction per hour, oldest first. `costs` (but --by run) then reads those "
         "sums instead of the hours' attempts: the same answers, cheaper over long windows. "
         "A later write to an attempt of a rolled hour undoes its roll-up; the next run redoes "

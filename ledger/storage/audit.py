@@ -317,8 +317,8 @@ class AuditQueries:
                       ) -> tuple[Select[Any], ColumnElement[Any], ColumnElement[Any]]:
         """(the totals' statement without order or page, its cost column, its key column).
 
-        The window's attempts are read from ``attempts`` except the settled ones of rolled
-        hours (``hours``), whose sums come from ``attempt_rollups``; every column is a sum
+        The window's attempts are read from ``attempts`` except those of rolled hours
+        (``hours``) not in flight, whose sums come from ``attempt_rollups``; every column is a sum
         (a count is one too), so summing the parts' sums is exact.
         """
         a = s.attempts.c
@@ -635,7 +635,7 @@ class AuditQueries:
         """Attempts per ``bucket_s`` bucket of [since, until): total, failed, unknown.
 
         When ``since`` starts an hour and ``bucket_s`` is a whole number of hours (so no hour
-        straddles two buckets), the settled attempts of rolled hours
+        straddles two buckets), the attempts not in flight of rolled hours
         (:mod:`ledger.storage.rollups`) are counted from their roll-ups. Raises
         :class:`~ledger.errors.InvalidArgument` (``bucket_s`` not > 0)."""
         if bucket_s <= 0:

@@ -1,7 +1,7 @@
 """Hours of history: how a time window splits into hours the roll-ups hold and the rest.
 
 Hour ``h`` is ``[3600*h, 3600*(h+1))`` of ``attempts.created_at``; the roll-ups
-(:mod:`ledger.storage.rollups`) hold the settled attempts of the hours marked in
+(:mod:`ledger.storage.rollups`) hold the attempts not in flight of the hours marked in
 ``rollup_hours``, and the audit's totals read everything else from ``attempts``.
 """
 
@@ -17,7 +17,6 @@ from sqlalchemy import (
     and_,
     false,
     func,
-    literal,
     or_,
     select,
     true,
@@ -29,8 +28,12 @@ from ledger.storage import schema as s
 
 #: The width of one roll-up, in seconds.
 HOUR = 3600
-#: The attempts a roll-up leaves to the audit's own read: they may still change.
-OPEN_STATES = (AttemptState.DISPATCHING.value, AttemptState.UNKNOWN.value)
+#: The attempts a roll-up leaves to the audit's own read: those in flight, whose settle comes
+#: within seconds and would only undo their hour. ``unknown`` attempts are rolled (migration
+#: 0015): they can stay unknown for months, so reading them live made every whole-history read
+#: grow with them, and the one write that ends them (an operator's ``settle_unknown``, or
+#: retention) undoes their hour like any other.
+OPEN_STATES = (AttemptState.DISPATCHING.value,)
 #: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
 LIVE_STATUSES = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 
@@ -70,8 +73,8 @@ class Split:
     """A time window split into what the roll-ups hold and what is read from ``attempts``.
 
     ``raw``: conditions on ``created_at``, one per stretch of the window not rolled (OR them);
-    ``rolled``: one per stretch of consecutive rolled hours (OR them), whose settled attempts
-    are in ``attempt_rollups`` and whose open ones are read from ``attempts``.
+    ``rolled``: one per stretch of consecutive rolled hours (OR them), whose attempts are in
+    ``attempt_rollups`` but the ones in flight (:data:`OPEN_STATES`), read from ``attempts``.
     """
 
     def __init__(self, since: float | None, until: float | None,
@@ -122,7 +125,7 @@ class Split:
 
     def attempts_where(self) -> ColumnElement[bool]:
         """The attempts still read from ``attempts``: those outside the rolled hours, and
-        the open ones (``dispatching``, ``unknown``) inside them."""
+        the ones in flight (:data:`OPEN_STATES`) inside them."""
         a = s.attempts.c
         return self.unrolled(a.created_at, a.state.in_(OPEN_STATES))
 
@@ -133,10 +136,9 @@ class Split:
 
 
 def rollup_sums(*names: str) -> list[ColumnElement[Any]]:
-    """The sums of ``attempt_rollups``' columns ``names``, each labelled with its name; a name
-    the roll-ups do not keep (``unknown``, ``held_micros``: open attempts only) is 0."""
+    """The sums of ``attempt_rollups``' columns ``names``, each labelled with its name."""
     t = s.attempt_rollups.c
-    return [func.sum(t[n]).label(n) if n in t else literal(0).label(n) for n in names]
+    return [func.sum(t[n]).label(n) for n in names]
 
 
 def summed(parts: Sequence[Any], keys: Sequence[str], sums: Sequence[str]) -> Select[Any]:

@@ -1,21 +1,21 @@
-"""Hourly roll-ups of the settled attempts, for the audit's totals over long windows.
+"""Hourly roll-ups of the attempts, for the audit's totals over long windows.
 
 Hour ``h`` is ``[3600*h, 3600*(h+1))`` of ``attempts.created_at``. :meth:`RollupQueries.roll`
 writes, for each hour that ended at least ``lag_s`` ago and is not rolled yet, the sums over
-its *settled* attempts (every state but ``dispatching`` and ``unknown``) by route, group,
-provider, tenant and labels into ``attempt_rollups``, and marks the hour in ``rollup_hours``,
-in one transaction per hour. :meth:`~ledger.storage.audit.AuditQueries.totals` then adds a
-rolled hour's rows to what it still reads from ``attempts``: the window's ragged edges, the
-hours not rolled, and the attempts of rolled hours still ``dispatching`` or ``unknown``
-(:func:`split`). The same transaction writes the hour's rows of ``metric_rollups`` (per route
-and state: what ``/metrics`` counts, histograms included) and of ``move_rollups`` (its
-``move`` events by routes and cause) and of ``run_rollups`` (per tenant, the Runs admitted in
-it that have ended, with their money), which
+its attempts but those in flight (every state but ``dispatching``; ``unknown`` ones and their
+holds are counted, since 0015) by route, group, provider, tenant and labels into
+``attempt_rollups``, and marks the hour in ``rollup_hours``, in one transaction per hour.
+:meth:`~ledger.storage.audit.AuditQueries.totals` then adds a rolled hour's rows to what it
+still reads from ``attempts``: the window's ragged edges, the hours not rolled, and the
+attempts of rolled hours still ``dispatching`` (:func:`split`). The same transaction writes
+the hour's rows of ``metric_rollups`` (per route and state: what ``/metrics`` counts,
+histograms included) and of ``move_rollups`` (its ``move`` events by routes and cause) and of
+``run_rollups`` (per tenant, the Runs admitted in it that have ended, with their money), which
 :meth:`~ledger.storage.series.SeriesQueries.metrics_totals` adds up the same way (migration
 0013).
 
-Why this stays exact: the rows of a settled attempt never change again (only ``dispatching``
-and ``unknown`` attempts are settled, resolved or marked), and a trigger on ``attempts``
+Why this stays exact: an attempt's row changes only by a write of the ledger (one in flight
+settled or marked ``unknown``, an ``unknown`` one resolved), and a trigger on ``attempts``
 (migration 0011) deletes an hour's mark and rows whenever any attempt of that hour is written:
 inserted late (a clock behind the others', a begin whose commit took long), settled after the
 roll-up, resolved by an operator, or deleted by retention. Such an hour is read from
@@ -137,18 +137,20 @@ class RollupQueries:
         r = s.runs.c
         labels = func.coalesce(a.labels, select(r.labels).where(r.run_id == a.run_id)
                                .scalar_subquery())
-        charged, _held = charged_and_held()
+        charged, held = charged_and_held()
         keys = (a.route_id, a.group_id, a.provider, a.tenant, labels)
 
         q = (select(literal(h), *keys, func.count(), in_state("succeeded"), in_state("failed"),
                     func.coalesce(func.sum(a.prompt_tokens), 0),
-                    func.coalesce(func.sum(a.completion_tokens), 0), charged)
+                    func.coalesce(func.sum(a.completion_tokens), 0), charged,
+                    in_state("unknown"), held)
              .where(hours_in(a.created_at, h, h + 1), a.state.not_in(OPEN_STATES))
              .group_by(*keys))
         t = s.attempt_rollups.c
         conn.execute(s.attempt_rollups.insert().from_select(
             [t.hour, t.route_id, t.group_id, t.provider, t.tenant, t.labels, t.attempts,
-             t.succeeded, t.failed, t.prompt_tokens, t.completion_tokens, t.cost_micros], q))
+             t.succeeded, t.failed, t.prompt_tokens, t.completion_tokens, t.cost_micros,
+             t.unknown, t.held_micros], q))
         self._roll_metrics(conn, h)
         conn.execute(s.rollup_hours.insert().values(hour=h, rolled_at=now))
         # Counted, not the INSERT's rowcount, which not every driver reports for a SELECT.
@@ -158,7 +160,7 @@ class RollupQueries:
     def _roll_metrics(self, conn: Any, h: int) -> None:
         """Hour ``h``'s rows of the roll-ups of what ``/metrics`` counts
         (:func:`~ledger.storage.series.metric_counts`): each over the hour's rows but the open
-        ones (attempts not settled, Runs not ended)."""
+        ones (attempts in flight, Runs not ended)."""
         for c in metric_counts(self.ctx, s.METRIC_BOUNDS):
             keys = [*c.keys.values(), *c.detail.values()]
             kept = [] if c.open is None else [~c.open]

@@ -302,7 +302,7 @@ def declared_for(obj: Any, dialect: str) -> bool:
 
 #: The hours of ``attempts`` rolled up (:mod:`ledger.storage.rollups`): hour ``h`` is
 #: ``[3600*h, 3600*(h+1))`` of ``created_at``. A row here says ``attempt_rollups`` holds that
-#: hour's settled attempts exactly; any write to an attempt of the hour deletes it (a trigger,
+#: hour's attempts not in flight exactly; any write to an attempt of the hour deletes it (a trigger,
 #: migration 0011), and with it the hour's roll-up rows.
 rollup_hours = Table(
     "rollup_hours",
@@ -311,9 +311,9 @@ rollup_hours = Table(
     Column("rolled_at", _T, nullable=False),
 )
 
-#: Per rolled hour, the sums over its settled attempts (every state but ``dispatching`` and
-#: ``unknown``, which the audit reads from ``attempts`` itself) by route, group, provider,
-#: tenant and labels (the attempt's copy, else its Run's): what
+#: Per rolled hour, the sums over its attempts but those in flight (``dispatching``, which the
+#: audit reads from ``attempts`` itself) by route, group, provider, tenant and labels (the
+#: attempt's copy, else its Run's), ``unknown`` ones and what they hold included (0015): what
 #: :meth:`ledger.storage.audit.AuditQueries.totals` adds up, so a day's totals read some
 #: hundreds of rows instead of the day's attempts.
 attempt_rollups = Table(
@@ -331,6 +331,8 @@ attempt_rollups = Table(
     Column("prompt_tokens", BigInteger, nullable=False),
     Column("completion_tokens", BigInteger, nullable=False),
     Column("cost_micros", BigInteger, nullable=False),
+    Column("unknown", BigInteger, nullable=False, server_default="0"),
+    Column("held_micros", BigInteger, nullable=False, server_default="0"),
     Index("ix_attempt_rollups_hour", "hour"),
 )
 
@@ -352,7 +354,7 @@ def _metric_columns(*times: str) -> list[Column[Any]]:
     return cols
 
 
-#: Per rolled hour, route and state, the sums ``/metrics`` counts over its settled attempts
+#: Per rolled hour, route and state, the sums ``/metrics`` counts over its attempts not in flight
 #: (:meth:`ledger.storage.series.SeriesQueries.metrics_totals`): attempts, tokens, money
 #: charged, and each time's histogram over :data:`METRIC_BOUNDS` (migration
 #: 0013). Kept exact with ``attempt_rollups``, by the same marks and triggers.

@@ -28,7 +28,6 @@ from sqlalchemy import (
     cast,
     column,
     func,
-    literal,
     literal_column,
     or_,
     select,
@@ -105,7 +104,8 @@ class SeriesQueries:
                                func.sum(t.n).label("attempts"),
                                func.sum(case((won, t.n), else_=0)).label("succeeded"),
                                func.sum(case((t.state == "failed", t.n), else_=0)).label("failed"),
-                               literal(0).label("unknown"),  # open: read from attempts
+                               func.sum(case((t.state == "unknown", t.n), else_=0))
+                               .label("unknown"),
                                func.sum(case((won, t.latency_s_sum), else_=None))
                                .label("latency_sum"),
                                func.sum(case((won, t.latency_s_n), else_=0)).label("latency_n"))
@@ -118,7 +118,7 @@ class SeriesQueries:
     def cost_by_day(self, *, since: float, until: float) -> list[RowMap]:
         """Per UTC day from ``since`` (a midnight) and tenant: attempts and cost in micros.
 
-        The settled attempts of rolled hours (:mod:`ledger.storage.rollups`) are summed from
+        The attempts of rolled hours not in flight (:mod:`ledger.storage.rollups`) are summed from
         their roll-ups when ``since`` starts an hour (so no hour straddles two days)."""
         a = s.attempts.c
         charged, held = charged_and_held()
@@ -152,7 +152,7 @@ class SeriesQueries:
         """
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
-            # The settled attempts, moves, waits and ended Runs of rolled hours come from the
+            # The attempts not in flight, moves, waits and ended Runs of rolled hours come from the
             # roll-ups (whose histograms count into METRIC_BOUNDS only); the rest from tables.
             hours = split(conn, None, None) if tuple(bounds) == s.METRIC_BOUNDS else None
             attempts, moves, waits, money = (
@@ -242,7 +242,7 @@ def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
 
     - per route and state over ``attempts``: the attempts, tokens by kind, money charged, and
       :func:`_histogram` of each of ``schema.METRIC_TIMES`` over ``bounds``
-      (``metric_rollups``; the ``dispatching`` and ``unknown`` ones stay open);
+      (``metric_rollups``; the ``dispatching`` ones stay open);
     - the ``move`` events to another route (a credential rotated on one route is a retry) by
       their routes and cause (``move_rollups``);
     - the ``capacity_wait`` events by group and outcome, with the histogram of ``waited_s``

@@ -135,11 +135,14 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
         assert rep.until == hour_of(END) * HOUR
         rolled = _rolled(db_url)
         assert hour_of(END) not in rolled and hour_of(END) - 1 in rolled
-        # The rolled hours hold attempts still unknown or dispatching: read from attempts.
-        open_in_rolled = [r for r in _sql(db_url, "SELECT created_at FROM attempts WHERE "
-                                                  "state IN ('unknown', 'dispatching')")
-                          if hour_of(r[0]) in rolled]
-        assert open_in_rolled
+        # The rolled hours hold unknown attempts, which they count, with what they hold.
+        unknown = [r for r in _sql(db_url, "SELECT created_at, reserved_micros FROM attempts "
+                                           "WHERE state = 'unknown'") if hour_of(r[0]) in rolled]
+        assert unknown
+        assert _sql(db_url, "SELECT SUM(unknown), SUM(held_micros) FROM attempt_rollups")[0] \
+            == (len(unknown), sum(r[1] for r in unknown))
+        assert _sql(db_url, "SELECT SUM(n) FROM metric_rollups WHERE state = 'unknown'")[0][0] \
+            == len(unknown)
         assert _answers(led) == before
         # And the totals and the chart do read the roll-ups: a roll-up row changed shows in
         # them, the chart's buckets of whole hours only.
@@ -219,6 +222,38 @@ def test_a_late_write_to_a_rolled_hour_undoes_that_hours_rollup_only(db_url: str
         assert led.roll_up(lag=0).hours == 2  # the next roll-up redoes just those two
         redone = _answers(led)
         assert with_rollups == redone == _read_from_attempts(led, db_url)
+    finally:
+        led.close()
+
+
+def test_an_attempt_in_flight_in_a_rolled_hour_is_read_from_attempts_until_settled(
+        db_url: str) -> None:
+    led = _generated(db_url)
+    try:
+        led.roll_up(lag=0)
+        # A begin by a clock behind the others' into a rolled hour: the hour is undone, and
+        # rolled again while the attempt is still in flight, which the roll-up leaves out.
+        hour = hour_of(END - 7 * HOUR)
+        _clock(led).set(hour * HOUR + 300)
+        led.admit_run("slow", plan=[ROUTE], tenant="acme",
+                      budget=Budget(max_calls=2, max_retries=0, max_cost=1))
+        lease = led.acquire_lease("slow", ttl_s=86400)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.03")
+        assert hour not in _rolled(db_url)
+        _clock(led).set(END)
+        assert led.roll_up(lag=0).hours == 1 and hour in _rolled(db_url)
+        assert not _sql(db_url, "SELECT 1 FROM metric_rollups WHERE state = 'dispatching'")
+        in_flight = _answers(led)
+        assert in_flight["metrics reserved"]["acme"] != "0"
+        assert in_flight == _read_from_attempts(led, db_url)
+        led.roll_up(lag=0)
+        # Its settle, an unknown one, undoes the hour; rolled again, the hour counts it.
+        led.settle_attempt(lease, att.attempt_id, outcome="unknown")
+        assert hour not in _rolled(db_url)
+        led.roll_up(lag=0)
+        assert _sql(db_url, "SELECT SUM(unknown) FROM attempt_rollups WHERE hour = :h",
+                    {"h": hour})[0][0] >= 1
+        assert _answers(led) == _read_from_attempts(led, db_url)
     finally:
         led.close()
 
@@ -560,3 +595,31 @@ def test_the_metric_rollups_keep_the_buckets_metrics_exposes() -> None:
 
     assert DURATION_BUCKETS == METRIC_BOUNDS
     assert {f"{m}_le{len(METRIC_BOUNDS) - 1}" for m in METRIC_TIMES} <= set(metric_rollups.c.keys())
+
+
+def test_migration_0015_redoes_only_the_rolled_hours_holding_unknown_attempts(
+        db_url: str) -> None:
+    led = _generated(db_url)
+    led.roll_up(lag=0)
+    before = _answers(led)
+    led.close()
+    rolled = _rolled(db_url)
+    unknown = {hour_of(r[0]) for r in _sql(
+        db_url, "SELECT created_at FROM attempts WHERE state = 'unknown'")} & rolled
+    assert unknown and rolled - unknown
+    # 0014's readers take the unknown attempts from attempts: the hours counting them are
+    # unmarked, the others kept.
+    _alembic(db_url, "downgrade", "0014")
+    assert _rolled(db_url) == rolled - unknown
+    # An hour rolled by 0014 (its unknown attempts left out): the upgrade unmarks it.
+    redo = min(unknown)
+    _sql(db_url, "INSERT INTO rollup_hours (hour, rolled_at) VALUES (:h, 0)", {"h": redo})
+    _alembic(db_url, "upgrade", "head")
+    assert _rolled(db_url) == rolled - unknown
+    led = Ledger.open(db_url, clock=ManualClock(END))
+    try:
+        assert led.roll_up(lag=0).hours == len(unknown)
+        assert _rolled(db_url) == rolled
+        assert _answers(led) == before
+    finally:
+        led.close()
