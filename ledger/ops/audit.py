@@ -1342,9 +1342,9 @@ class Audit:
                  ) -> list[ActivityBucket]:
         """Attempts, failures and unknowns in ``buckets`` equal slices of [since, until).
 
-        When ``since`` starts an hour and each slice is a whole number of hours, the settled
-        attempts of hours already rolled up (:meth:`ledger.Ledger.roll_up`) are counted from
-        their roll-ups, and the answer is the same (the dashboard's chart asks that way).
+        When ``since`` starts an hour and each slice is a whole number of hours, the attempts
+        not in flight of hours already rolled up (:meth:`ledger.Ledger.roll_up`) are counted
+        from their roll-ups, and the answer is the same (the dashboard's chart asks that way).
 
         Args:
             since: The range's start (required).
