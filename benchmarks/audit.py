@@ -210,6 +210,16 @@ def bench_audit(audit: Audit, *, repeat: int = 5,
     c_since, c_until, c_n = chart_window(until, 24)
     cases.append(("activity chart (the dashboard's day, 24 hours)", AGGREGATE_TARGET_MS,
                   lambda i: audit.activity(buckets=c_n, since=c_since, until=c_until)))
+    # The whole history (no window): every rolled hour's roll-ups and the rest, so these are
+    # the reads that grow with the span of history, where the day's reads do not.
+    cases += [
+        ("costs by route (the whole history)", AGGREGATE_TARGET_MS,
+         lambda i: audit.costs(by="route", limit=1000)),
+        ("costs by tenant (the whole history)", AGGREGATE_TARGET_MS,
+         lambda i: audit.costs(by="tenant", limit=1000)),
+        ("spend by tenant (the whole history)", AGGREGATE_TARGET_MS,
+         lambda i: audit.spend(by="tenant")),
+    ]
     engine = reads_of(led).context.engine  # where the audit reads (a replica, with read_url=)
     # What a scrape of the dashboard's /metrics reads (the whole history's totals, at ``until``).
     cases.append(("metrics (a /metrics scrape)", AGGREGATE_TARGET_MS,

@@ -526,6 +526,8 @@ def test_the_audit_floor_replays_what_each_read_sent(backend: str,
     names = [r.query for r in rows]
     assert "spend by tenant (7 days by day, the dashboard's)" in names
     assert "spend by label (1 day)" in names and "metrics (a /metrics scrape)" in names
+    assert {"costs by route (the whole history)", "costs by tenant (the whole history)",
+            "spend by tenant (the whole history)"} <= set(names)
     for r in rows:
         assert r.statements >= 1, r
         assert r.floor_p50_ms > 0 and r.ratio is not None and r.floor_cpu_ms >= 0, r
