@@ -331,8 +331,9 @@ attempt_rollups = Table(
     Column("prompt_tokens", BigInteger, nullable=False),
     Column("completion_tokens", BigInteger, nullable=False),
     Column("cost_micros", BigInteger, nullable=False),
-    Column("unknown", BigInteger, nullable=False, server_default="0"),
-    Column("held_micros", BigInteger, nullable=False, server_default="0"),
+    # No default on PostgreSQL (0015): an older package's roll-up, naming neither, fails.
+    Column("unknown", BigInteger, nullable=False),
+    Column("held_micros", BigInteger, nullable=False),
     Index("ix_attempt_rollups_hour", "hour"),
 )
 

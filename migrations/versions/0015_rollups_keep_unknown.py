@@ -19,6 +19,9 @@ are read from the tables. The downgrade unmarks the hours whose roll-ups count a
 attempt (0014's readers take those from ``attempts``, and would count them twice) and drops the
 columns.
 
+On PostgreSQL the new columns keep no default, so that a roll-up written by an older package
+(whose INSERT names neither) fails rather than miscounts while a fleet is rolled out.
+
 Revision ID: 0015
 Revises: 0014
 """
@@ -63,6 +66,13 @@ def upgrade() -> None:
         batch.add_column(sa.Column("held_micros", sa.BigInteger(), nullable=False,
                                    server_default="0"))
     bind = op.get_bind()
+    if bind.dialect.name == "postgresql":
+        # No default once the rows there have theirs: an older package's roll-up, whose
+        # INSERT names neither column, then fails instead of writing an hour without its
+        # unknown attempts (a fleet shares PostgreSQL while its processes are rolled out).
+        # SQLite keeps the default: dropping it would rebuild the table.
+        for name in ("unknown", "held_micros"):
+            op.alter_column("attempt_rollups", name, server_default=None)
     rolled = {int(h) for h in bind.execute(sa.text("SELECT hour FROM rollup_hours")).scalars()}
     if rolled:
         times = bind.execute(sa.text("SELECT created_at FROM attempts WHERE state = 'unknown'"))

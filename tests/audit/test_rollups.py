@@ -623,3 +623,21 @@ def test_migration_0015_redoes_only_the_rolled_hours_holding_unknown_attempts(
         assert _answers(led) == before
     finally:
         led.close()
+
+
+def test_after_0015_an_older_packages_rollup_fails_on_postgresql_rather_than_miscounts(
+        pg_url: str) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    led = _generated(pg_url, attempts=40)
+    try:
+        led.roll_up(lag=0)
+    finally:
+        led.close()
+    # What a roll-up of 0014's package inserts: the hour's sums, without the unknown ones.
+    old = ("INSERT INTO attempt_rollups (hour, route_id, group_id, provider, tenant, labels, "
+           "attempts, succeeded, failed, prompt_tokens, completion_tokens, cost_micros) "
+           "VALUES (1, 'a', 'g', 'p', NULL, NULL, 1, 1, 0, 0, 0, 0)")
+    with pytest.raises(IntegrityError, match="unknown"):
+        _sql(pg_url, old)
+    assert not _sql(pg_url, "SELECT 1 FROM attempt_rollups WHERE hour = 1")
