@@ -1054,7 +1054,9 @@ class Face(Generic[SessionT, OpenedT]):
 
     @op
     def roll_up(self, *, lag: Annotated[float, duration()] = 300.0,
-                max_hours: Annotated[int, integers(1)] | None = None) -> Flow[Rollup]:
+                max_hours: Annotated[int, integers(1)] | None = None,
+                fold_after: Annotated[float, duration()] | None = 32 * 86400.0
+                ) -> Flow[Rollup]:
         """Roll up the history's finished hours, for the audit's totals (a job: cron it).
 
         Run it every few minutes (``failover-ledger rollup`` from cron, or a scheduler).
@@ -1070,27 +1072,37 @@ class Face(Generic[SessionT, OpenedT]):
         attempt of a rolled hour (a late settle or begin, an operator's resolution, retention)
         undoes that hour's roll-up in the same transaction, and the next roll-up redoes it.
 
+        Then each UTC day that ended at least ``fold_after`` ago and whose hours are all rolled
+        is folded: its hours' sums become one set of rows for the day, so that reads over the
+        whole history (``/metrics``, the totals since the start) read one set per old day
+        instead of 24 and stay nearly flat as the history grows. A window or bucket that
+        holds only part of a folded day reads that day from the attempts; a write to an
+        attempt of the day undoes the whole day, which the next roll-ups redo.
+
         Args:
             lag: How long after its end an hour is rolled up, in seconds (default 300: an
                 hour still being settled would be rolled and undone again).
             max_hours: Roll up at most this many hours in this call (the oldest; the rest
                 are ``pending`` in the report). Default: every hour due.
+            fold_after: How long after its end a day is folded, in seconds (default 32 days:
+                the dashboard's charts of up to 24 days count in buckets of hours); ``None``:
+                fold nothing.
 
         Returns:
             The :class:`~ledger.domain.records.Rollup` report.
 
         Raises:
-            InvalidArgument: ``lag`` is not finite seconds from 0, ``max_hours`` is not an
-                integer of at least 1.
+            InvalidArgument: ``lag`` or ``fold_after`` is not finite seconds from 0,
+                ``max_hours`` is not an integer of at least 1.
 
         Example:
             >>> led.roll_up()  # doctest: +SKIP
-            Rollup(hours=24, rows=13968, pending=0, until=1796000400.0)
+            Rollup(hours=24, rows=13968, pending=0, until=1796000400.0, days=1)
         """
         from ledger.storage.rollups import RollupQueries
 
         return (yield from blocking(lambda: RollupQueries(self._store.context).roll(
-            self.clock.now, lag_s=lag, max_hours=max_hours)))
+            self.clock.now, lag_s=lag, max_hours=max_hours, fold_after_s=fold_after)))
 
     @op
     def group_projections(self, groups: IdList | None = None

@@ -691,16 +691,17 @@ def _retention(args: argparse.Namespace) -> int:
 
 def _rollup(args: argparse.Namespace) -> int:
     lag = _span(args.lag, "lag")
+    fold = None if args.fold_after == "never" else _span(args.fold_after, "fold-after")
     led = _open_writer(args.db)
     try:
-        rep = led.roll_up(lag=lag, max_hours=args.max_hours)
+        rep = led.roll_up(lag=lag, max_hours=args.max_hours, fold_after=fold)
     finally:
         led.close()
     if args.json:
         _emit_json(rep)
         return 0
     print(f"rolled up {rep.hours} hour(s) ending by {fmt_time(rep.until)} into {rep.rows} "
-          f"row(s); {rep.pending} hour(s) left for the next run")
+          f"row(s); {rep.pending} hour(s) left for the next run; folded {rep.days} day(s)")
     return 0
 
 
@@ -939,12 +940,17 @@ def register(subparsers: Any) -> None:
         "one transaction per hour, oldest first. `costs` (but --by run) then reads those "
         "sums instead of the hours' attempts: the same answers, cheaper over long windows. "
         "A later write to an attempt of a rolled hour undoes its roll-up; the next run redoes "
-        "it. Run it every few minutes from cron. See docs/operations.md.")
+        "it. Then fold each UTC day older than --fold-after whose hours are all rolled into "
+        "one set of rows, so that whole-history reads stay nearly flat as history grows. Run "
+        "it every few minutes from cron. See docs/operations.md.")
     p.add_argument("--lag", default="5m", metavar="SPAN",
                    help="how long after its end an hour is rolled up: 5m (default), 1h, "
                         "seconds")
     p.add_argument("--max-hours", type=int, default=None, metavar="N",
                    help="roll up at most N hours in this run (the oldest first)")
+    p.add_argument("--fold-after", default="32d", metavar="SPAN",
+                   help="how long after its end a day whose hours are rolled is folded into "
+                        "one set of rows: 32d (default), 'never', seconds")
     _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_rollup)

@@ -51,10 +51,18 @@ def chart_window(now: float, hours: float) -> tuple[float, float, int]:
     hourly roll-ups (:meth:`ledger.ops.audit.Audit.activity`), and the chart covers ``hours``
     hours at least, less than one bucket more. A shorter or fractional span, whose attempts
     are few enough to count one by one, keeps 48 equal slices of exactly
-    ``[now - hours h, now)``."""
+    ``[now - hours h, now)``. A span whose buckets would be longer than 12 hours (more than 24
+    days) is charted in whole UTC days that end with the day ``now`` is in, so that the days
+    the roll-up folded (:data:`~ledger.storage.rollups.FOLD_AFTER`) are counted whole."""
     if hours < 24 or hours != int(hours):
         return now - hours * 3600, now, 48
     width = math.ceil(hours / 48)
+    if width > 12:
+        until = (math.floor(now / 86400) + 1) * 86400.0
+        span = hours + (until - now) / 3600  # to cover [now - hours h, now]
+        width = 24 * math.ceil(span / 48 / 24)
+        n = math.ceil(span / width)
+        return until - n * width * 3600.0, until, n
     n = math.ceil(hours / width)
     until = (math.floor(now / 3600) + 1) * 3600.0
     return until - n * width * 3600.0, until, n

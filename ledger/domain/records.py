@@ -455,13 +455,15 @@ class Rollup:
     ``hours``: the hours it rolled up (each one transaction); ``rows``: the roll-up rows it
     wrote for them (one per route, group, provider, tenant and set of labels that had settled
     attempts in the hour); ``pending``: the hours due but left for a later call
-    (``max_hours``); ``until``: the hours ending by this time were due.
+    (``max_hours``); ``until``: the hours ending by this time were due; ``days``: the old
+    UTC days it folded, each into one set of rows (``fold_after``).
     """
 
     hours: int
     rows: int
     pending: int
     until: float
+    days: int = 0
 
 
 @dataclass(frozen=True)

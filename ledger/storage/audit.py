@@ -50,6 +50,7 @@ from ledger.storage.hours import (
     LIVE_STATUSES,
     Split,
     bucketed_split,
+    rolled_hours,
     rollup_sums,
     split,
     summed,
@@ -463,9 +464,11 @@ class AuditQueries:
             if bucket is not None and rows:
                 wanted = [x["key"] for x in rows]
                 origin, width = bucket
-                # An hour of the roll-ups must fall in one bucket.
-                whole = hours if hours is not None and not origin % HOUR and not width % HOUR \
-                    else None
+                # An hour of the roll-ups (a folded day's too) must fall in one bucket.
+                whole = None
+                if hours is not None and not origin % HOUR and not width % HOUR:
+                    whole = Split(since, until, rolled_hours(conn, since, until, bucket))
+                    whole = whole if whole.hours else None
                 q = self._spend_query((key, rkey), since, until, whole, bucket, wanted)
                 points = _maps(conn.execute(q.order_by(q.selected_columns.bucket)).all())
         return rows, points, nxt

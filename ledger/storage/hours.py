@@ -2,7 +2,9 @@
 
 Hour ``h`` is ``[3600*h, 3600*(h+1))`` of ``attempts.created_at``; the roll-ups
 (:mod:`ledger.storage.rollups`) hold the attempts not in flight of the hours marked in
-``rollup_hours``, and the audit's totals read everything else from ``attempts``.
+``rollup_hours``, and the audit's totals read everything else from ``attempts``. An old day
+whose hours are all rolled may be folded (``rollup_days``): its rows are summed per key into
+rows at its first hour, which only a window holding the whole day can read.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from ledger.storage import schema as s
 
 #: The width of one roll-up, in seconds.
 HOUR = 3600
+#: The hours of a folded day (``rollup_days``): day ``d`` is hours ``[24*d, 24*(d+1))``.
+DAY_HOURS = 24
 #: The attempts a roll-up leaves to the audit's own read: those in flight, whose settle comes
 #: within seconds and would only undo their hour. ``unknown`` attempts are rolled (migration
 #: 0015): they can stay unknown for months, so reading them live made every whole-history read
@@ -130,9 +134,11 @@ class Split:
         return self.unrolled(a.created_at, a.state.in_(OPEN_STATES))
 
     def rollups_where(self, table: Any = s.attempt_rollups) -> ColumnElement[bool]:
-        """The rows of roll-up ``table`` in the window (only rolled hours have rows)."""
-        hour: ColumnElement[bool] = table.c.hour.between(self.hours[0], self.hours[-1])
-        return hour
+        """The rows of roll-up ``table`` in the window's stretches of rolled hours (a folded
+        day's rows sit at its first hour; one left out of the stretches, read from the
+        tables, has rows between two of them)."""
+        hour = table.c.hour
+        return or_(*(hour.between(lo, hi - 1) for lo, hi in self._stretches))
 
 
 def rollup_sums(*names: str) -> list[ColumnElement[Any]]:
@@ -149,15 +155,40 @@ def summed(parts: Sequence[Any], keys: Sequence[str], sums: Sequence[str]) -> Se
     return select(*by, *(func.sum(p[n]).label(n) for n in sums)).group_by(*by)
 
 
-def rolled_hours(conn: Any, since: float | None, until: float | None) -> list[int]:
-    """The rolled hours wholly inside ``[since, until)``, in order."""
+def rolled_hours(conn: Any, since: float | None, until: float | None,
+                 buckets: tuple[float, float] | None = None) -> list[int]:
+    """The rolled hours wholly inside ``[since, until)`` whose roll-up rows a read can add up, in
+    order. The hours of a folded day (:data:`~ledger.storage.schema.rollup_days`, whose rows sit
+    at its first hour) count only when the whole day is inside the window and, for
+    ``buckets`` ``(origin, width)`` of whole hours, inside one bucket; else the day is read from
+    the tables, like an hour not rolled."""
     h = s.rollup_hours.c.hour
     q = select(h).order_by(h)
     if since is not None:
         q = q.where(h >= first_hour_from(since))
     if until is not None:
         q = q.where(h < hour_of(until))  # the hours before until's own end by it
-    return [int(x) for x in conn.execute(q).scalars()]
+    hours = [int(x) for x in conn.execute(q).scalars()]
+    if not hours:
+        return hours
+    d = s.rollup_days.c.day
+    folded = {int(x) for x in conn.execute(select(d).where(
+        d.between(hours[0] // DAY_HOURS, hours[-1] // DAY_HOURS))).scalars()}
+    if not folded:
+        return hours
+    inside = set(hours)
+
+    def whole(day: int) -> bool:
+        lo, hi = day * DAY_HOURS, (day + 1) * DAY_HOURS - 1  # its first and last hour
+        if lo not in inside or hi not in inside:  # a folded day's hours are all marked
+            return False
+        if buckets is None:
+            return True
+        start, wide = buckets[0] / HOUR, buckets[1] / HOUR  # whole hours: see bucketed_split
+        return (lo - start) // wide == (hi - start) // wide
+
+    kept = {day for day in folded if whole(day)}
+    return [x for x in hours if x // DAY_HOURS not in folded or x // DAY_HOURS in kept]
 
 
 def split(conn: Any, since: float | None, until: float | None) -> Split:
@@ -168,12 +199,14 @@ def split(conn: Any, since: float | None, until: float | None) -> Split:
 def bucketed_split(conn: Any, since: float, until: float, width: float) -> Split | None:
     """:func:`split` for buckets ``width`` wide from ``since``, when each holds whole hours
     (``since`` starts an hour, ``width`` is whole hours: no hour straddles two buckets) and
-    some hour inside is rolled; else ``None``: read the window from ``attempts``."""
+    some hour inside is rolled; else ``None``: read the window from ``attempts``. A folded
+    day straddling two buckets is read from ``attempts``."""
     if since % HOUR or width % HOUR:
         return None
-    hours = split(conn, since, until)
+    hours = Split(since, until, rolled_hours(conn, since, until, (since, width)))
     return hours if hours.hours else None
 
 
-__all__ = ["HOUR", "LIVE_STATUSES", "OPEN_STATES", "Split", "bucketed_split", "first_hour_from",
-           "hour_of", "hours_in", "rolled_hours", "rollup_sums", "split", "summed", "time_range"]
+__all__ = ["DAY_HOURS", "HOUR", "LIVE_STATUSES", "OPEN_STATES", "Split", "bucketed_split",
+           "first_hour_from", "hour_of", "hours_in", "rolled_hours", "rollup_sums", "split",
+           "summed", "time_range"]

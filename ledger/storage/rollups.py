@@ -37,14 +37,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, literal, select
+from sqlalchemy import BigInteger, Table, func, literal, select
 
 from ledger.domain.records import Rollup
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
-from ledger.storage.hours import HOUR, OPEN_STATES, hour_of, hours_in
+from ledger.storage.hours import DAY_HOURS, HOUR, OPEN_STATES, hour_of, hours_in
 from ledger.storage.series import metric_counts
+
+#: How long after its end a UTC day whose hours are all rolled is folded into one set of rows
+#: (32 days): the dashboard's charts of up to 24 days, in buckets of whole hours that do not
+#: start at midnight, keep reading hours; a longer chart's buckets are whole days.
+FOLD_AFTER = 32 * 86400.0
+
+#: Each roll-up table and the columns its rows are kept per; a fold sums every other column
+#: (but ``hour``) over the day's rows of each key.
+FOLDED: tuple[tuple[Table, tuple[str, ...]], ...] = (
+    (s.attempt_rollups, ("route_id", "group_id", "provider", "tenant", "labels")),
+    (s.metric_rollups, ("route_id", "state")),
+    (s.move_rollups, ("from_route", "to_route", "category")),
+    (s.wait_rollups, ("group_id", "outcome")),
+    (s.run_rollups, ("tenant", "labels")),
+)
 
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
@@ -57,10 +72,13 @@ class RollupQueries:
     def __init__(self, ctx: SqlContext) -> None:
         self.ctx = ctx
 
-    def roll(self, clock: ClockFn, *, lag_s: float, max_hours: int | None = None) -> Rollup:
+    def roll(self, clock: ClockFn, *, lag_s: float, max_hours: int | None = None,
+             fold_after_s: float | None = FOLD_AFTER) -> Rollup:
         """Roll up every hour that ended at least ``lag_s`` before the ledger clock's now
         and is not rolled, oldest first (at most ``max_hours`` of them): the hours without
         an attempt are marked many to a transaction, the others rolled one to a transaction.
+        Then fold each UTC day that ended at least ``fold_after_s`` before now (``None``:
+        none) and whose hours are all rolled (:meth:`fold`).
         """
         a = s.attempts.c
         now = clock()
@@ -88,8 +106,60 @@ class RollupQueries:
                     continue  # another roll-up did it while this one waited
                 rows += self._roll_hour(conn, h, now)
                 rolled += 1
+        days = 0 if fold_after_s is None else self.fold(now - fold_after_s, now)
         return Rollup(hours=rolled, rows=rows, pending=len(missing) - len(todo),
-                      until=float(last * HOUR))
+                      until=float(last * HOUR), days=days)
+
+    def fold(self, before: float, now: float) -> int:
+        """Fold each UTC day ending by ``before`` whose 24 hours are all rolled and that is
+        not folded: every roll-up table's rows of the day summed per key into rows at its
+        first hour, the day marked in ``rollup_days``; one transaction per day. Returns how
+        many were folded.
+
+        A whole-history read then reads one set of rows per old day instead of 24. The day's
+        hours stay marked, and the trigger that undoes an hour undoes its whole day
+        (migration 0016). On PostgreSQL the day's 24 hour locks are taken without waiting: a
+        day whose hour a writer holds (or another fold) is left for the next run.
+        """
+        h = s.rollup_hours.c.hour
+        end = hour_of(before) // DAY_HOURS  # days below it ended by before
+        with self.ctx.reading() as conn:
+            day = (h // DAY_HOURS).label("day")  # floor for hours from 0; fold re-checks
+            whole = {int(d) for d in conn.execute(
+                select(day).where(h >= 0, h < end * DAY_HOURS).group_by(day)
+                .having(func.count() == DAY_HOURS)).scalars()}
+            whole -= {int(d) for d in conn.execute(select(s.rollup_days.c.day)).scalars()}
+        folded = 0
+        for d in sorted(whole):
+            with self.ctx.writing() as conn:
+                if self._fold_day(conn, d, now):
+                    folded += 1
+        return folded
+
+    def _fold_day(self, conn: Any, d: int, now: float) -> bool:
+        lo, hi = d * DAY_HOURS, (d + 1) * DAY_HOURS - 1
+        if not all(self.ctx.lock_hour(conn, x, wait=False) for x in range(lo, hi + 1)):
+            return False
+        h = s.rollup_hours.c.hour
+        marks = conn.execute(select(func.count()).where(h.between(lo, hi))).scalar_one()
+        if marks != DAY_HOURS or conn.execute(select(s.rollup_days.c.day).where(
+                s.rollup_days.c.day == d)).first() is not None:
+            return False  # undone, or folded by another run, since it was listed
+        for table, keys in FOLDED:
+            sums = [c for c in table.c if c.name != "hour" and c.name not in keys]
+            rows = conn.execute(
+                select(*(table.c[k] for k in keys), *(func.sum(c).label(c.name) for c in sums))
+                .where(table.c.hour.between(lo, hi)).group_by(*(table.c[k] for k in keys))
+            ).mappings().all()
+            conn.execute(table.delete().where(table.c.hour.between(lo, hi)))
+            if rows:
+                # PostgreSQL sums integers as numeric: back to the column's own type.
+                whole = {c.name for c in sums if isinstance(c.type, BigInteger)}
+                conn.execute(table.insert(), [
+                    {"hour": lo, **{k: int(v) if k in whole else v for k, v in r.items()}}
+                    for r in rows])
+        conn.execute(s.rollup_days.insert().values(day=d, folded_at=now))
+        return True
 
     @staticmethod
     def _marked(conn: Any, hours: list[int]) -> set[int]:
@@ -170,4 +240,4 @@ class RollupQueries:
                 .where(*c.where, hours_in(c.time, h, h + 1), *kept).group_by(*keys)))
 
 
-__all__ = ["RollupQueries"]
+__all__ = ["FOLDED", "FOLD_AFTER", "RollupQueries"]

@@ -311,6 +311,17 @@ rollup_hours = Table(
     Column("rolled_at", _T, nullable=False),
 )
 
+#: The UTC days folded (:meth:`ledger.storage.rollups.RollupQueries.fold`): day ``d`` is hours
+#: ``[24*d, 24*(d+1))``, all marked in ``rollup_hours``, whose roll-up rows were summed per key
+#: into rows at hour ``24*d`` (migration 0016). A write to any attempt of the day deletes this
+#: row, the day's rows and its hours' marks (the same trigger as ``rollup_hours``).
+rollup_days = Table(
+    "rollup_days",
+    metadata,
+    Column("day", BigInteger, primary_key=True, autoincrement=False),
+    Column("folded_at", _T, nullable=False),
+)
+
 #: Per rolled hour, the sums over its attempts but those in flight (``dispatching``, which the
 #: audit reads from ``attempts`` itself) by route, group, provider, tenant and labels (the
 #: attempt's copy, else its Run's), ``unknown`` ones and what they hold included (0015): what
@@ -460,6 +471,7 @@ __all__ = [
     "metric_rollups",
     "move_rollups",
     "provenance",
+    "rollup_days",
     "rollup_hours",
     "run_rollups",
     "runs",

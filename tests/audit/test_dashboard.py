@@ -502,15 +502,22 @@ def test_stopped_run_in_headless_chromium(demo_url: tuple[str, str]) -> None:
 
 
 @pytest.mark.parametrize("now", [NOW, 1_700_000_000.0, 1_699_999_200.0])
-def test_a_chart_of_whole_days_is_cut_on_the_hour_so_the_rollups_count_it(now: float) -> None:
+def test_a_chart_of_whole_days_is_cut_on_the_hour_or_the_day_so_the_rollups_count_it(
+        now: float) -> None:
     from ledger.dashboard.charts import chart_window
 
-    for hours in range(24, 24 * 40):
+    for hours in range(24, 24 * 80):
         since, until, n = chart_window(now, hours)
         width = (until - since) / n
-        assert since % 3600 == 0 and width % 3600 == 0 and 24 <= n <= 48, hours
-        assert until - 3600 <= now < until  # ends with the hour now is in
-        assert hours * 3600 <= until - since < hours * 3600 + width  # the span, less a bucket
+        if hours <= 48 * 12:  # buckets of at most 12 hours
+            assert since % 3600 == 0 and width % 3600 == 0 and 24 <= n <= 48, hours
+            assert until - 3600 <= now < until  # ends with the hour now is in
+            assert hours * 3600 <= until - since < hours * 3600 + width  # less a bucket more
+            continue
+        # Longer: whole UTC days (each a folded day's, or 24 rolled hours), up to 48 buckets.
+        assert since % 86400 == 0 and width % 86400 == 0 and 12 <= n <= 48, hours
+        assert until - 86400 <= now < until  # ends with the day now is in
+        assert since <= now - hours * 3600 < since + width  # the span, less a bucket more
     # A shorter or fractional span keeps exactly its window, in 48 slices.
     for hours in (1, 0.5, 23, 24.5):
         assert chart_window(now, hours) == (now - hours * 3600, now, 48)

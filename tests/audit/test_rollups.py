@@ -121,7 +121,7 @@ def _read_from_attempts(led: Ledger, url: str) -> dict[str, Any]:
 
 def _unroll_all(url: str) -> None:
     for table in ("attempt_rollups", "metric_rollups", "move_rollups", "wait_rollups",
-                  "run_rollups", "rollup_hours"):
+                  "run_rollups", "rollup_hours", "rollup_days"):
         _sql(url, f"DELETE FROM {table}")
 
 
@@ -369,7 +369,9 @@ def test_a_rollup_of_an_empty_ledger_or_one_rolled_already_does_nothing(
 @pytest.mark.parametrize(("kwargs", "field"), [({"lag": -1}, "lag"),
                                                ({"lag": float("nan")}, "lag"),
                                                ({"max_hours": 0}, "max_hours"),
-                                               ({"max_hours": 1.5}, "max_hours")])
+                                               ({"max_hours": 1.5}, "max_hours"),
+                                               ({"fold_after": -1}, "fold_after"),
+                                               ({"fold_after": "soon"}, "fold_after")])
 def test_a_rollup_refuses_bad_arguments_by_name(tmp_path: Any, kwargs: dict[str, Any],
                                                 field: str) -> None:
     with Ledger.open(str(tmp_path / "l.db"), clock=ManualClock(END)) as led:
@@ -440,10 +442,12 @@ def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None
                          ("events", "events_unroll_insert"), ("events", "events_unroll_delete"),
                          ("runs", "runs_unroll_insert"), ("runs", "runs_unroll_update"),
                          ("runs", "runs_unroll_moved"), ("runs", "runs_unroll_delete")}
-        # Each clears every roll-up of its hour (0013 added two tables).
+        # Each clears every roll-up of its hour (0013 added two tables), and of its day when
+        # the day is folded (0016).
         bodies = [r[0] for r in _sql(db_url, "SELECT sql FROM sqlite_master WHERE "
                                              "type = 'trigger' AND name LIKE '%unroll%'")]
-        assert all("wait_rollups" in b and "run_rollups" in b for b in bodies)
+        assert all("wait_rollups" in b and "run_rollups" in b and "rollup_days" in b
+                   for b in bodies)
     else:
         rows = _sql(db_url, "SELECT tgrelid::regclass::text, tgname, tgtype FROM pg_trigger "
                             "WHERE NOT tgisinternal AND tgparentid = 0 AND tgrelid IN "
@@ -458,7 +462,7 @@ def test_the_triggers_that_keep_rollups_exact_exist_at_head(db_url: str) -> None
         body = _sql(db_url, "SELECT prosrc FROM pg_proc WHERE proname = "
                             "'ledger_attempts_unroll'")[0][0]
         assert all(t in body for t in ("metric_rollups", "move_rollups", "wait_rollups",
-                                       "run_rollups"))
+                                       "run_rollups", "rollup_days"))
 
 
 def test_a_hosts_own_move_undoes_its_rolled_hour_and_is_counted(db_url: str) -> None:
