@@ -1055,7 +1055,7 @@ class Face(Generic[SessionT, OpenedT]):
     @op
     def roll_up(self, *, lag: Annotated[float, duration()] = 300.0,
                 max_hours: Annotated[int, integers(1)] | None = None,
-                fold_after: Annotated[float, duration()] | None = 32 * 86400.0
+                fold_after: Annotated[float, duration()] | None = 8 * 86400.0
                 ) -> Flow[Rollup]:
         """Roll up the history's finished hours, for the audit's totals (a job: cron it).
 
@@ -1084,8 +1084,8 @@ class Face(Generic[SessionT, OpenedT]):
                 hour still being settled would be rolled and undone again).
             max_hours: Roll up at most this many hours in this call (the oldest; the rest
                 are ``pending`` in the report). Default: every hour due.
-            fold_after: How long after its end a day is folded, in seconds (default 32 days:
-                the dashboard's charts of up to 24 days count in buckets of hours); ``None``:
+            fold_after: How long after its end a day is folded, in seconds (default 8 days:
+                the dashboard's charts of up to a week count in buckets of hours); ``None``:
                 fold nothing.
 
         Returns:

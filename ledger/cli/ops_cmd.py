@@ -948,9 +948,9 @@ def register(subparsers: Any) -> None:
                         "seconds")
     p.add_argument("--max-hours", type=int, default=None, metavar="N",
                    help="roll up at most N hours in this run (the oldest first)")
-    p.add_argument("--fold-after", default="32d", metavar="SPAN",
+    p.add_argument("--fold-after", default="8d", metavar="SPAN",
                    help="how long after its end a day whose hours are rolled is folded into "
-                        "one set of rows: 32d (default), 'never', seconds")
+                        "one set of rows: 8d (default), 'never', seconds")
     _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_rollup)

@@ -46,18 +46,18 @@ def axis_number(v: float) -> str:
 def chart_window(now: float, hours: float) -> tuple[float, float, int]:
     """The activity chart's (since, until, buckets) for the last ``hours`` hours at ``now``.
 
-    A whole number of hours, a day or more, is charted in buckets of whole hours (24 to 48)
+    A whole number of hours, a day to a week, is charted in buckets of whole hours (24 to 48)
     that start on the hour and end with the hour ``now`` is in: their counts come from the
     hourly roll-ups (:meth:`ledger.ops.audit.Audit.activity`), and the chart covers ``hours``
     hours at least, less than one bucket more. A shorter or fractional span, whose attempts
     are few enough to count one by one, keeps 48 equal slices of exactly
-    ``[now - hours h, now)``. A span whose buckets would be longer than 12 hours (more than 24
-    days) is charted in whole UTC days that end with the day ``now`` is in, so that the days
-    the roll-up folded (:data:`~ledger.storage.rollups.FOLD_AFTER`) are counted whole."""
+    ``[now - hours h, now)``. A span of more than a week is charted in whole UTC days that
+    end with the day ``now`` is in, so that the days the roll-up folded
+    (:data:`~ledger.storage.rollups.FOLD_AFTER`: 8 days) are counted whole."""
     if hours < 24 or hours != int(hours):
         return now - hours * 3600, now, 48
     width = math.ceil(hours / 48)
-    if width > 12:
+    if hours > 7 * 24:
         until = (math.floor(now / 86400) + 1) * 86400.0
         span = hours + (until - now) / 3600  # to cover [now - hours h, now]
         width = 24 * math.ceil(span / 48 / 24)

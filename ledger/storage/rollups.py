@@ -47,9 +47,11 @@ from ledger.storage.hours import DAY_HOURS, HOUR, OPEN_STATES, hour_of, hours_in
 from ledger.storage.series import metric_counts
 
 #: How long after its end a UTC day whose hours are all rolled is folded into one set of rows
-#: (32 days): the dashboard's charts of up to 24 days, in buckets of whole hours that do not
-#: start at midnight, keep reading hours; a longer chart's buckets are whole days.
-FOLD_AFTER = 32 * 86400.0
+#: (8 days): the dashboard's charts of up to a week, in buckets of whole hours that do not
+#: start at midnight, keep reading hours; a longer chart's buckets are whole days. At ten
+#: million attempts over 70 days this keeps every whole-history read under 100 ms
+#: (docs/benchmarks.md), where 32 days left the totals at 120-180 ms.
+FOLD_AFTER = 8 * 86400.0
 
 #: Each roll-up table and the columns its rows are kept per; a fold sums every other column
 #: (but ``hour``) over the day's rows of each key.

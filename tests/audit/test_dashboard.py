@@ -509,13 +509,13 @@ def test_a_chart_of_whole_days_is_cut_on_the_hour_or_the_day_so_the_rollups_coun
     for hours in range(24, 24 * 80):
         since, until, n = chart_window(now, hours)
         width = (until - since) / n
-        if hours <= 48 * 12:  # buckets of at most 12 hours
+        if hours <= 7 * 24:  # a week at most: buckets of whole hours
             assert since % 3600 == 0 and width % 3600 == 0 and 24 <= n <= 48, hours
             assert until - 3600 <= now < until  # ends with the hour now is in
             assert hours * 3600 <= until - since < hours * 3600 + width  # less a bucket more
             continue
         # Longer: whole UTC days (each a folded day's, or 24 rolled hours), up to 48 buckets.
-        assert since % 86400 == 0 and width % 86400 == 0 and 12 <= n <= 48, hours
+        assert since % 86400 == 0 and width % 86400 == 0 and 8 <= n <= 48, hours
         assert until - 86400 <= now < until  # ends with the day now is in
         assert since <= now - hours * 3600 < since + width  # the span, less a bucket more
     # A shorter or fractional span keeps exactly its window, in 48 slices.

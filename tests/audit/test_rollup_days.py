@@ -221,9 +221,9 @@ def test_migration_0016_downgrade_unfolds_the_days_and_the_upgrade_folds_again(
 
 
 def test_the_rollup_command_folds_after_its_span_or_never(tmp_path: Any, capsys: Any) -> None:
-    # The command's clock is the system's: a history that ended 40 days before it.
+    # The command's clock is the system's: a history that ended 16 days before it.
     db = str(tmp_path / "g.db")
-    end = (time.time() // DAY - 40) * DAY + 13 * HOUR
+    end = (time.time() // DAY - 16) * DAY + 13 * HOUR
     with Ledger.open(db, clock=ManualClock(end - 2 * DAY)) as led:
         generate(led, attempts=60, days=1.5, end=end, seed=3)
 
@@ -234,11 +234,11 @@ def test_the_rollup_command_folds_after_its_span_or_never(tmp_path: Any, capsys:
         return int(said.group(1))
 
     assert folded("--fold-after", "never") == 0 and not _folded(db)
-    # By default the days that ended 32 days ago: the history's last (its first began at
+    # By default the days that ended 8 days ago: the history's last (its first began at
     # 01:00), and the empty ones after it.
     first = folded()
     assert first == len(_folded(db)) >= 2 and min(_folded(db)) == end // DAY
-    assert max(_folded(db)) + 1 <= (time.time() - 32 * DAY) // DAY
+    assert max(_folded(db)) + 1 <= (time.time() - 8 * DAY) // DAY
     # Then every day that ended an hour ago.
     assert folded("--fold-after", "1h") > 0
     assert max(_folded(db)) == (time.time() - 3600) // DAY - 1
