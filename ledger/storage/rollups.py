@@ -28,6 +28,13 @@ same for moves (0013), and an hour holding only moves is rolled, not marked empt
 row keeps changing while it lives; it is rolled up once it has ended, and a trigger on ``runs``
 undoes its hour of admission when it ends or its money moves after (an operator's receipt).
 
+Old days are folded (migration 0016): after rolling, :meth:`RollupQueries.fold` sums each
+UTC day that ended at least :data:`FOLD_AFTER` ago and whose 24 hours are all rolled into one
+set of rows at its first hour, per key (:data:`FOLDED`), and marks it in ``rollup_days``; its
+hours stay marked. A read takes those rows only for a window (and bucket) holding the whole
+day (:func:`~ledger.storage.hours.rolled_hours`), and the trigger that undoes an hour undoes
+its folded day whole, so whole-history reads read one set per old day instead of 24.
+
 The roll-up is a job: ``failover-ledger rollup`` or :meth:`ledger.Ledger.roll_up`, run from
 cron or a scheduler every few minutes (docs/operations.md). Without it nothing reads
 differently; it only makes the totals and ``/metrics`` cheaper.

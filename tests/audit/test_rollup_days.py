@@ -244,3 +244,21 @@ def test_the_rollup_command_folds_after_its_span_or_never(tmp_path: Any, capsys:
     assert max(_folded(db)) == (time.time() - 3600) // DAY - 1
     assert main(["rollup", "--db", db, "--fold-after", "later"]) == 2
     assert "--fold-after 'later' is not a span of time" in capsys.readouterr().err
+
+
+def test_a_fold_keeps_every_roll_up_tables_keys_and_sums_every_other_column() -> None:
+    # A column added to a roll-up later must be a key of FOLDED or a number the fold can sum;
+    # a table added must be folded too, or a folded day would lose its rows.
+    from sqlalchemy import BigInteger, Float
+
+    from ledger.storage import schema as s
+    from ledger.storage.rollups import FOLDED
+
+    rollups = {t.name for t in s.metadata.sorted_tables if t.name.endswith("_rollups")}
+    assert {t.name for t, _ in FOLDED} == rollups
+    for table, keys in FOLDED:
+        assert set(keys) <= set(table.c.keys()), table.name
+        for col in table.c:
+            if col.name == "hour" or col.name in keys:
+                continue
+            assert isinstance(col.type, BigInteger | Float), (table.name, col.name)
