@@ -267,6 +267,14 @@ def _pcts(p: Percentiles | None) -> str:
             "</span>")
 
 
+def _span_text(seconds: float) -> str:
+    """A bucket's width as the chart's caption says it: whole days in days, else minutes."""
+    if seconds >= 86400 and not seconds % 86400:
+        days = seconds / 86400
+        return f"{days:g} day" + ("" if days == 1 else "s")
+    return f"{seconds / 60:g} min"
+
+
 def _routes_html(series: list[RouteSeries], hours: float, until: float,
                  latency: LatencyReport | None) -> str:
     """Small multiples: per route, its success rate and latency over the window, side by side
@@ -582,7 +590,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             _glance_html(rep, total, bad, failed_over, cost, held, hours)
             + f'<section><h2>Attempts and failures, last {hours:g} h '
             f'<span class="muted" id="activity-window">({_t(chart_since)} to {_t(now)}, '
-            f"{n} buckets of {width / 60:g} min, UTC; {charted} attempts, {charted_bad} "
+            f"{n} buckets of {_span_text(width)}, UTC; {charted} attempts, {charted_bad} "
             f"failed or unknown)</span></h2>"
             + chart_svg(buckets) + "</section>"
             + _routes_html(series, hours, now, rep.latency)

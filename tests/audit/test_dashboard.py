@@ -531,6 +531,10 @@ def test_the_days_chart_says_its_hours_and_the_tiles_count_the_pages_window(
     with _client(seeded_url) as c:
         day = c.get("/", params={"hours": 24}).text
         hour = c.get("/", params={"hours": 1}).text
+        month = c.get("/", params={"hours": 30 * 24}).text
+    since, _until, n = chart_window(NOW, 30 * 24)
+    window = month.split('id="activity-window">', 1)[1].split("</span>", 1)[0]
+    assert f"({iso(since)} to {iso(NOW)}, {n} buckets of 1 day, UTC; 8 attempts" in window
     since = chart_window(NOW, 24)[0]
     window = day.split('id="activity-window">', 1)[1].split("</span>", 1)[0]
     assert f"({iso(since)} to {iso(NOW)}, 24 buckets of 60 min, UTC; 8 attempts" in window
