@@ -50,7 +50,7 @@ from ledger.storage.hours import (
     LIVE_STATUSES,
     Split,
     bucketed_split,
-    rolled_hours,
+    rolled_stretches,
     rollup_sums,
     split,
     summed,
@@ -325,7 +325,7 @@ class AuditQueries:
         a = s.attempts.c
         window = time_range(a.created_at, since, until)
         rolled: Select[Any] | None = None
-        if hours is not None and hours.hours:
+        if hours is not None and hours.stretches:
             window = [hours.attempts_where()]
             t = s.attempt_rollups.c
             rkey = {"route": t.route_id, "group": t.group_id, "provider": t.provider,
@@ -447,7 +447,7 @@ class AuditQueries:
             self.ctx.aggregating(conn)
             # The ended Runs of rolled hours are counted in run_rollups.
             window = split(conn, since, until)
-            hours = window if window.hours else None
+            hours = window if window.stretches else None
             q = self._spend_query((key, rkey), since, until, hours, None)
             total = q.selected_columns
             # Runs without the key (no tenant, no such label) form one group, ordered the
@@ -467,8 +467,8 @@ class AuditQueries:
                 # An hour of the roll-ups (a folded day's too) must fall in one bucket.
                 whole = None
                 if hours is not None and not origin % HOUR and not width % HOUR:
-                    whole = Split(since, until, rolled_hours(conn, since, until, bucket))
-                    whole = whole if whole.hours else None
+                    whole = Split(since, until, rolled_stretches(conn, since, until, bucket))
+                    whole = whole if whole.stretches else None
                 q = self._spend_query((key, rkey), since, until, whole, bucket, wanted)
                 points = _maps(conn.execute(q.order_by(q.selected_columns.bucket)).all())
         return rows, points, nxt

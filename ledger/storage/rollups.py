@@ -32,7 +32,7 @@ Old days are folded (migration 0016): after rolling, :meth:`RollupQueries.fold` 
 UTC day that ended at least :data:`FOLD_AFTER` ago and whose 24 hours are all rolled into one
 set of rows at its first hour, per key (:data:`FOLDED`), and marks it in ``rollup_days``; its
 hours stay marked. A read takes those rows only for a window (and bucket) holding the whole
-day (:func:`~ledger.storage.hours.rolled_hours`), and the trigger that undoes an hour undoes
+day (:func:`~ledger.storage.hours.rolled_stretches`), and the trigger that undoes an hour undoes
 its folded day whole, so whole-history reads read one set per old day instead of 24.
 
 The roll-up is a job: ``failover-ledger rollup`` or :meth:`ledger.Ledger.roll_up`, run from

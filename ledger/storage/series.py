@@ -182,7 +182,7 @@ class SeriesQueries:
         group = list(c.keys.values())
         raw = select(*(k.label(n) for n, k in c.keys.items()), *c.sums).where(*c.where)
         order: list[Any] = [column(n) for n in c.keys]
-        if hours is None or not hours.hours:
+        if hours is None or not hours.stretches:
             return raw.group_by(*group).order_by(*order)
         t = c.table.c
         names = [x.name for x in c.sums]
