@@ -262,3 +262,29 @@ def test_a_fold_keeps_every_roll_up_tables_keys_and_sums_every_other_column() ->
             if col.name == "hour" or col.name in keys:
                 continue
             assert isinstance(col.type, BigInteger | Float), (table.name, col.name)
+
+
+def test_stretches_less_the_cut_days_are_the_hours_left() -> None:
+    # The folded days a read cannot take whole are cut out of its stretches of rolled hours:
+    # what is left is exactly the hours of the stretches outside every cut, as stretches.
+    import random
+    from itertools import pairwise
+
+    from ledger.storage.hours import _without
+
+    rng = random.Random(5)
+    for _ in range(500):
+        hours = sorted(rng.sample(range(24 * 12), rng.randint(0, 200)))
+        stretches: list[tuple[int, int]] = []
+        for x in hours:
+            if stretches and stretches[-1][1] == x:
+                stretches[-1] = (stretches[-1][0], x + 1)
+            else:
+                stretches.append((x, x + 1))
+        days = sorted(rng.sample(range(12), rng.randint(0, 6)))
+        cuts = [(d * 24, d * 24 + 24) for d in days]
+        left = _without(stretches, cuts)
+        assert {x for lo, hi in left for x in range(lo, hi)} == {
+            x for x in hours if x // 24 not in days}
+        assert all(lo < hi for lo, hi in left)
+        assert all(a[1] <= b[0] for a, b in pairwise(left))
