@@ -61,7 +61,7 @@ from ledger.decide.ending import ENDED
 from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import settle_spec
-from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
+from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, DEFAULT_LEASE_MARGIN_S
 from ledger.domain.facts import FailureFact, Observation
 from ledger.domain.records import (
     AttemptKind,
@@ -1055,7 +1055,7 @@ class Face(Generic[SessionT, OpenedT]):
     @op
     def roll_up(self, *, lag: Annotated[float, duration()] = 300.0,
                 max_hours: Annotated[int, integers(1)] | None = None,
-                fold_after: Annotated[float, duration()] | None = 8 * 86400.0
+                fold_after: Annotated[float, duration()] | None = DEFAULT_FOLD_AFTER_S
                 ) -> Flow[Rollup]:
         """Roll up the history's finished hours, for the audit's totals (a job: cron it).
 

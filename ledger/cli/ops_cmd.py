@@ -29,6 +29,7 @@ from typing import Any
 
 from ledger.cli.common import PROG, add_who_and_why, operator_name
 from ledger.cli.progress import Progress, wanted
+from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
 from ledger.domain.timefmt import data_text, iso, relative, when
 from ledger.errors import DatabaseUnavailable, InvalidArgument
 
@@ -948,9 +949,10 @@ def register(subparsers: Any) -> None:
                         "seconds")
     p.add_argument("--max-hours", type=int, default=None, metavar="N",
                    help="roll up at most N hours in this run (the oldest first)")
-    p.add_argument("--fold-after", default="8d", metavar="SPAN",
+    fold_days = f"{DEFAULT_FOLD_AFTER_S / 86_400:g}d"
+    p.add_argument("--fold-after", default=fold_days, metavar="SPAN",
                    help="how long after its end a day whose hours are rolled is folded into "
-                        "one set of rows: 8d (default), 'never', seconds")
+                        f"one set of rows: {fold_days} (default), 'never', seconds")
     _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_rollup)

@@ -53,7 +53,7 @@ def chart_window(now: float, hours: float) -> tuple[float, float, int]:
     are few enough to count one by one, keeps 48 equal slices of exactly
     ``[now - hours h, now)``. A span of more than a week is charted in whole UTC days that
     end with the day ``now`` is in, so that the days the roll-up folded
-    (:data:`~ledger.storage.rollups.FOLD_AFTER`: 8 days) are counted whole."""
+    (:data:`~ledger.domain.bounds.DEFAULT_FOLD_AFTER_S`: 8 days) are counted whole."""
     if hours < 24 or hours != int(hours):
         return now - hours * 3600, now, 48
     width = math.ceil(hours / 48)

@@ -50,7 +50,6 @@ from ledger.storage.hours import (
     LIVE_STATUSES,
     Split,
     bucketed_split,
-    rolled_stretches,
     rollup_sums,
     split,
     summed,
@@ -465,10 +464,8 @@ class AuditQueries:
                 wanted = [x["key"] for x in rows]
                 origin, width = bucket
                 # An hour of the roll-ups (a folded day's too) must fall in one bucket.
-                whole = None
-                if hours is not None and not origin % HOUR and not width % HOUR:
-                    whole = Split(since, until, rolled_stretches(conn, since, until, bucket))
-                    whole = whole if whole.stretches else None
+                whole = None if hours is None else bucketed_split(conn, since, until, width,
+                                                                   origin)
                 q = self._spend_query((key, rkey), since, until, whole, bucket, wanted)
                 points = _maps(conn.execute(q.order_by(q.selected_columns.bucket)).all())
         return rows, points, nxt

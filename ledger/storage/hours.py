@@ -219,14 +219,17 @@ def split(conn: Any, since: float | None, until: float | None) -> Split:
     return Split(since, until, rolled_stretches(conn, since, until))
 
 
-def bucketed_split(conn: Any, since: float, until: float, width: float) -> Split | None:
-    """:func:`split` for buckets ``width`` wide from ``since``, when each holds whole hours
-    (``since`` starts an hour, ``width`` is whole hours: no hour straddles two buckets) and
-    some hour inside is rolled; else ``None``: read the window from ``attempts``. A folded
-    day straddling two buckets is read from ``attempts``."""
-    if since % HOUR or width % HOUR:
+def bucketed_split(conn: Any, since: float | None, until: float | None, width: float,
+                   origin: float | None = None) -> Split | None:
+    """:func:`split` of ``[since, until)`` for buckets ``width`` wide from ``origin`` (default
+    ``since``), when each holds whole hours (``origin`` starts an hour, ``width`` is whole
+    hours: no hour straddles two buckets) and some hour inside is rolled; else ``None``: read
+    the window from ``attempts``. A folded day straddling two buckets is read from
+    ``attempts``."""
+    start = since if origin is None else origin
+    if start is None or start % HOUR or width % HOUR:
         return None
-    hours = Split(since, until, rolled_stretches(conn, since, until, (since, width)))
+    hours = Split(since, until, rolled_stretches(conn, since, until, (start, width)))
     return hours if hours.stretches else None
 
 

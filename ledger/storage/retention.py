@@ -38,7 +38,7 @@ from ledger.storage import partitions as parts
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
-from ledger.storage.hours import DAY_HOURS, hour_of
+from ledger.storage.hours import DAY_HOURS, hour_of, time_range
 
 #: How long a retention run waits for a table's lock before it gives up (and changes nothing).
 LOCK_TIMEOUT = "10s"
@@ -191,16 +191,13 @@ def _unroll(conn: Connection, since: float | None, until: float | None) -> None:
     rows went without a row trigger; on SQLite each deleted attempt's trigger does it): whole
     UTC days, since a folded day's rows (at its first hour) count all its hours."""
     lo = None if since is None else hour_of(since) // DAY_HOURS
-    hi = None if until is None else hour_of(until) // DAY_HOURS
-    day = s.rollup_days.c.day
-    conn.execute(s.rollup_days.delete().where(
-        *([day >= lo] if lo is not None else []), *([day <= hi] if hi is not None else [])))
+    hi = None if until is None else hour_of(until) // DAY_HOURS + 1  # the days [lo, hi)
+    conn.execute(s.rollup_days.delete().where(*time_range(s.rollup_days.c.day, lo, hi)))
+    first = None if lo is None else lo * DAY_HOURS
+    end = None if hi is None else hi * DAY_HOURS
     for table in (s.rollup_hours, s.attempt_rollups, s.metric_rollups, s.move_rollups,
                   s.wait_rollups, s.run_rollups):
-        hour = table.c.hour
-        conn.execute(table.delete().where(
-            *([hour >= lo * DAY_HOURS] if lo is not None else []),
-            *([hour < (hi + 1) * DAY_HOURS] if hi is not None else [])))
+        conn.execute(table.delete().where(*time_range(table.c.hour, first, end)))
 
 
 def _held(conn: Connection, table: str, name: str) -> str | None:

@@ -29,7 +29,8 @@ row keeps changing while it lives; it is rolled up once it has ended, and a trig
 undoes its hour of admission when it ends or its money moves after (an operator's receipt).
 
 Old days are folded (migration 0016): after rolling, :meth:`RollupQueries.fold` sums each
-UTC day that ended at least :data:`FOLD_AFTER` ago and whose 24 hours are all rolled into one
+UTC day that ended at least ``fold_after_s`` ago (by default
+:data:`~ledger.domain.bounds.DEFAULT_FOLD_AFTER_S`) and whose 24 hours are all rolled into one
 set of rows at its first hour, per key (:data:`FOLDED`), and marks it in ``rollup_days``; its
 hours stay marked. A read takes those rows only for a window (and bucket) holding the whole
 day (:func:`~ledger.storage.hours.rolled_stretches`), and the trigger that undoes an hour undoes
@@ -46,19 +47,13 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Table, func, literal, select
 
+from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
 from ledger.domain.records import Rollup
 from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.hours import DAY_HOURS, HOUR, OPEN_STATES, hour_of, hours_in
 from ledger.storage.series import metric_counts
-
-#: How long after its end a UTC day whose hours are all rolled is folded into one set of rows
-#: (8 days): the dashboard's charts of up to a week, in buckets of whole hours that do not
-#: start at midnight, keep reading hours; a longer chart's buckets are whole days. At ten
-#: million attempts over 70 days this keeps every whole-history read under 100 ms
-#: (docs/benchmarks.md), where 32 days left the totals at 120-180 ms.
-FOLD_AFTER = 8 * 86400.0
 
 #: Each roll-up table and the columns its rows are kept per; a fold sums every other column
 #: (but ``hour``) over the day's rows of each key.
@@ -82,7 +77,7 @@ class RollupQueries:
         self.ctx = ctx
 
     def roll(self, clock: ClockFn, *, lag_s: float, max_hours: int | None = None,
-             fold_after_s: float | None = FOLD_AFTER) -> Rollup:
+             fold_after_s: float | None = DEFAULT_FOLD_AFTER_S) -> Rollup:
         """Roll up every hour that ended at least ``lag_s`` before the ledger clock's now
         and is not rolled, oldest first (at most ``max_hours`` of them): the hours without
         an attempt are marked many to a transaction, the others rolled one to a transaction.
@@ -249,4 +244,4 @@ class RollupQueries:
                 .where(*c.where, hours_in(c.time, h, h + 1), *kept).group_by(*keys)))
 
 
-__all__ = ["FOLDED", "FOLD_AFTER", "RollupQueries"]
+__all__ = ["FOLDED", "RollupQueries"]

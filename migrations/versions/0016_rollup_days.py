@@ -4,11 +4,11 @@ The roll-ups keep one set of rows per hour, so every whole-history read (``/metr
 scrape, the totals since the start) read more roll-up rows the longer the ledger had run: at ten
 million attempts over seventy days a scrape read 69,000 ``metric_rollups`` rows, 90,000
 ``move_rollups`` rows and 108,000 ``run_rollups`` rows. The roll-up job now folds each UTC day
-whose 24 hours are all rolled, once it is old enough (``ledger.storage.rollups.FOLD_AFTER``),
+whose 24 hours are all rolled, once it is old enough (``--fold-after``, 8 days by default),
 into one set of rows per day: every roll-up table's rows of the day are summed per key into
 rows at the day's first hour, and the day is marked in ``rollup_days``. The day's 24 hours stay
 marked in ``rollup_hours``; a read whose window (or bucket) holds the whole day reads the day's
-rows, any other reads the day from the tables (``ledger.storage.hours.rolled_hours``).
+rows, any other reads the day from the tables (``ledger.storage.hours.rolled_stretches``).
 
 Why this stays exact: the trigger that undoes an hour when one of its rows is written (0011,
 0013) now also undoes the hour's day when the day is folded: the day's mark, its rows and the
