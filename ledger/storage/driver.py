@@ -29,9 +29,7 @@ object itself: how it gets a connection, how it opens a transaction, how it send
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import functools
 import sqlite3
 import threading
 from collections.abc import Generator
@@ -40,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ledger.errors import DatabaseUnavailable, LedgerError
 from ledger.storage.failure import driver_error, standby_error
+from ledger.storage.groupcommit import GroupWriter
 
 if TYPE_CHECKING:
     from ledger.storage.pgpool import PgPool
@@ -125,9 +124,10 @@ class SqliteDriver:
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer: GroupWriter | None = None
 
-    def _conn(self) -> sqlite3.Connection:
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection, opened on first use."""
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             try:
@@ -151,11 +151,11 @@ class SqliteDriver:
 
     def run(self, tx: Tx[T], *, write: bool) -> T:
         """Run ``tx`` in one transaction (``BEGIN IMMEDIATE`` when it writes)."""
-        conn = self._conn()
+        conn = self.connection()
         try:
             conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
-                result = self._feed(conn, tx)
+                result = _feed(conn, tx, None)
             except BaseException:
                 _rollback(conn)
                 raise
@@ -166,40 +166,76 @@ class SqliteDriver:
             _rollback(conn)
             raise driver_error(e, self.path) from e
 
-    def _feed(self, conn: sqlite3.Connection, tx: Tx[T]) -> T:
-        value: Any = None
-        while True:
-            try:
-                step = tx.send(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            if isinstance(step, Q):
-                value = _sqlite_exec(conn, step)
-            else:
-                value = [_sqlite_exec(conn, q) for q in step.items]
-                if step.commit:
-                    conn.execute("COMMIT")
+    def finish(self, conn: sqlite3.Connection, tx: Tx[T], value: Any) -> T:
+        """Feed ``tx`` from ``value`` to its end outside a transaction of this driver (a group
+        member past its commit point), its SQLite errors told as the ledger's."""
+        try:
+            return _feed(conn, tx, value)
+        except sqlite3.Error as e:
+            raise driver_error(e, self.path) from e
+
+    @staticmethod
+    def advance(conn: sqlite3.Connection, tx: Tx[Any], value: Any) -> tuple[bool, Any]:
+        """Feed ``tx`` from ``value`` until it ends, ``(True, its result)``, or has run a
+        committing flush, ``(False, that flush's rows)``: the commit is the caller's."""
+        return _advance(conn, tx, value)
+
+    @staticmethod
+    def rollback(conn: sqlite3.Connection) -> None:
+        """End a failed transaction, if one is open (the first error is the one told)."""
+        _rollback(conn)
+
+    def told(self, e: BaseException) -> BaseException:
+        """``e`` as a caller hears it: a SQLite error as the ledger error it means."""
+        if not isinstance(e, sqlite3.Error):
+            return e
+        err = driver_error(e, self.path)
+        err.__cause__ = e
+        return err
 
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
-        """Run ``tx`` on the database's own thread; the event loop waits without blocking."""
+        """Run ``tx`` on the database's own thread, grouped with the transactions queued with
+        it (:mod:`ledger.storage.groupcommit`); the event loop waits without blocking."""
         with self._lock:
             if self._writer is None:
-                self._writer = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="ledger-sqlite")
+                self._writer = GroupWriter(self)
             writer = self._writer
-        return await asyncio.get_running_loop().run_in_executor(
-            writer, functools.partial(self.run, tx, write=write))
+        result: T = await asyncio.wrap_future(writer.submit(tx, write),
+                                              loop=asyncio.get_running_loop())
+        return result
 
     def close(self) -> None:
         with self._lock:
             conns, self._all = self._all, []
             writer, self._writer = self._writer, None
         if writer is not None:
-            writer.shutdown(wait=True)
+            writer.close()
         for c in conns:
             with contextlib.suppress(sqlite3.Error):  # closing is best effort
                 c.close()
         self._local = threading.local()
+
+
+def _advance(conn: sqlite3.Connection, tx: Tx[Any], value: Any) -> tuple[bool, Any]:
+    while True:
+        try:
+            step = tx.send(value)
+        except StopIteration as stop:
+            return True, stop.value
+        if isinstance(step, Q):
+            value = _sqlite_exec(conn, step)
+        else:
+            value = [_sqlite_exec(conn, q) for q in step.items]
+            if step.commit:
+                return False, value
+
+
+def _feed(conn: sqlite3.Connection, tx: Tx[T], value: Any) -> T:
+    while True:
+        done, value = _advance(conn, tx, value)
+        if done:
+            return value  # type: ignore[no-any-return]
+        conn.execute("COMMIT")
 
 
 def _sqlite_exec(conn: sqlite3.Connection, q: Q) -> list[Row]:

@@ -1,0 +1,196 @@
+"""Group commit for SQLite's asyncio callers: the transactions that queued on the database's
+own thread while it was busy run as one SQLite transaction with one ``COMMIT``.
+
+Every asyncio transaction of a SQLite ledger runs on one thread of the database
+(:meth:`~ledger.storage.driver.SqliteDriver.arun`), one after another, since SQLite has one
+writer anyway. With many turns on one event loop, transactions queue behind the one running, and
+each of them then paid its own ``COMMIT``: the WAL frames of the pages it touched and an
+``fsync``, most of the database's CPU and wall time per transaction. Here the thread takes
+every transaction waiting when it gets free and runs them in one transaction:
+
+* each member runs inside its own ``SAVEPOINT``, in arrival order, so each sees the writes of
+  those before it, exactly as if they had run one after another; a member that fails before its
+  commit point is rolled back to its savepoint and told its error, and the others go on;
+* a member stops at its commit point (``Flush(commit=True)``, or its end) and waits; the group
+  commits once; only then is each member sent the rows of its last statements and finished, so
+  the code after a commit point (``begin.after_commit``, a refusal raised once the refused
+  Attempt is recorded) runs after a real commit, as it does alone, and no caller hears of a
+  write before it is durable;
+* if the ``COMMIT`` fails, or a failure ends SQLite's transaction under the group (a full disk,
+  an I/O error), the members it held are told that error and none of their writes stay;
+* a transaction whose caller was cancelled before the thread took it never runs (as with an
+  executor's work item), and one taken runs to its end: a commit is never cancelled.
+
+Alone in the queue, a transaction runs as it always did (no savepoints). Blocking callers
+(:meth:`~ledger.storage.driver.SqliteDriver.run`) are not grouped: each thread has its own
+connection and its own transactions.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import sqlite3
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+MAX_GROUP = 64  # bounds how long the first member of a group waits for the others
+
+Tx = Generator[Any, Any, Any]
+
+
+class Members(Protocol):
+    """What the group needs of the SQLite driver (:class:`~ledger.storage.driver.SqliteDriver`
+    is one): said here, so that the driver depends on the group and not the other way."""
+
+    def connection(self) -> sqlite3.Connection:
+        """The calling thread's connection."""
+        ...
+
+    def run(self, tx: Tx, *, write: bool) -> Any:
+        """Run ``tx`` alone, in its own transaction."""
+        ...
+
+    def advance(self, conn: sqlite3.Connection, tx: Tx, value: Any) -> tuple[bool, Any]:
+        """Feed ``tx`` to its end or its commit point, raw errors."""
+        ...
+
+    def finish(self, conn: sqlite3.Connection, tx: Tx, value: Any) -> Any:
+        """Feed ``tx`` from its commit point to its end, errors told."""
+        ...
+
+    def told(self, e: BaseException) -> BaseException:
+        """``e`` as the caller hears it."""
+        ...
+
+    def rollback(self, conn: sqlite3.Connection) -> None:
+        """End a failed transaction, if one is open."""
+        ...
+
+
+@dataclass(slots=True)
+class _Job:
+    tx: Tx
+    write: bool
+    future: concurrent.futures.Future[Any]
+    # Held at its commit point: its result (done) or the rows of its committing flush, sent to
+    # it once the group has committed.
+    carry: Any = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class GroupWriter:
+    """The database's own thread, running queued transactions in groups (see the module)."""
+
+    driver: Members
+    _queue: collections.deque[_Job] = field(default_factory=collections.deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _draining: bool = False
+    _thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ledger-sqlite"))
+
+    def submit(self, tx: Tx, write: bool) -> concurrent.futures.Future[Any]:
+        """Queue ``tx``; its future is done once it is committed (or failed)."""
+        job = _Job(tx, write, concurrent.futures.Future())
+        with self._lock:
+            self._queue.append(job)
+            start, self._draining = not self._draining, True
+        if start:
+            try:
+                self._thread.submit(self._drain)
+            except BaseException:
+                with self._lock:
+                    self._draining = False
+                    self._queue.remove(job)
+                raise
+        return job.future
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the thread."""
+        self._thread.shutdown(wait=True)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+                jobs = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_GROUP))]
+            live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+            try:
+                if len(live) == 1:
+                    _settle(live[0], functools.partial(self.driver.run, live[0].tx,
+                                                       write=live[0].write))
+                elif live:
+                    self._group(live)
+            except BaseException as e:  # no caller may be left waiting
+                _fail([j for j in live if not j.future.done()], self.driver.told(e))
+
+    def _group(self, jobs: list[_Job]) -> None:
+        conn = self.driver.connection()
+        try:
+            while jobs:
+                jobs = self._one_transaction(conn, jobs)
+        except BaseException:
+            self.driver.rollback(conn)
+            raise
+
+    def _one_transaction(self, conn: sqlite3.Connection, jobs: list[_Job]) -> list[_Job]:
+        """Run ``jobs`` in one transaction; returns those left for another one (SQLite ended
+        this one under them)."""
+        driver = self.driver
+        try:
+            conn.execute("BEGIN IMMEDIATE" if any(j.write for j in jobs) else "BEGIN")
+        except sqlite3.Error as e:
+            _fail(jobs, driver.told(e))
+            return []
+        held: list[_Job] = []
+        for n, job in enumerate(jobs):
+            conn.execute(f"SAVEPOINT m{n}")
+            try:
+                job.done, job.carry = driver.advance(conn, job.tx, None)
+            except BaseException as e:
+                if not conn.in_transaction:  # SQLite rolled back the whole transaction
+                    _fail([*held, job], driver.told(e))
+                    return jobs[n + 1:]
+                conn.execute(f"ROLLBACK TO m{n}")
+                conn.execute(f"RELEASE m{n}")
+                job.future.set_exception(driver.told(e))
+                continue
+            conn.execute(f"RELEASE m{n}")
+            held.append(job)
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            driver.rollback(conn)
+            _fail(held, driver.told(e))
+            return []
+        for job in held:
+            if job.done:
+                job.future.set_result(job.carry)
+            else:
+                # Past its commit point a member finishes as it does alone: anything it still
+                # runs runs outside the transaction.
+                _settle(job, functools.partial(driver.finish, conn, job.tx, job.carry))
+        return []
+
+
+def _settle(job: _Job, call: Callable[[], Any]) -> None:
+    try:
+        job.future.set_result(call())
+    except BaseException as e:  # the caller's, as an executor does
+        job.future.set_exception(e)
+
+
+def _fail(jobs: list[_Job], error: BaseException) -> None:
+    for j in jobs:
+        j.tx.close()
+        j.future.set_exception(error)
+
+
+__all__ = ["MAX_GROUP", "GroupWriter", "Members"]
