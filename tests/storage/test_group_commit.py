@@ -45,6 +45,7 @@ class _Sql:
 INSERT = _Sql("INSERT INTO t (k) VALUES (:k)", rows=False)
 COUNT = _Sql("SELECT count(*) FROM t")
 INSERT_CHILD = _Sql("INSERT INTO child (k, parent) VALUES (:k, :parent)", rows=False)
+INSERT_BOOM = _Sql("INSERT INTO boom (k) VALUES (:k)", rows=False)
 
 
 def _db(tmp_path: Path) -> str:
@@ -56,6 +57,11 @@ def _db(tmp_path: Path) -> str:
         CREATE TABLE parent (k TEXT PRIMARY KEY);
         CREATE TABLE child (k TEXT PRIMARY KEY,
                             parent TEXT REFERENCES parent (k) DEFERRABLE INITIALLY DEFERRED);
+        CREATE TABLE boom (k TEXT);
+        -- Ends the whole transaction from inside a statement, as a full disk or an I/O error
+        -- does.
+        CREATE TRIGGER boom_ends_it BEFORE INSERT ON boom
+            BEGIN SELECT RAISE(ROLLBACK, 'the transaction is gone'); END;
     """)
     conn.close()
     return path
@@ -112,6 +118,10 @@ def commit_then(k: str, path: str, *, fail: bool) -> Tx[bool]:
 
 def orphan(k: str) -> Tx[None]:
     yield Q(INSERT_CHILD, {"k": k, "parent": "nobody"})  # deferred: fails at COMMIT
+
+
+def boom() -> Tx[None]:
+    yield Q(INSERT_BOOM, {"k": "boom"})
 
 
 async def _grouped(driver: SqliteDriver, txs: list[Generator[Any, Any, Any]]
@@ -200,6 +210,28 @@ def test_a_failed_group_commit_tells_every_member_and_keeps_none_of_their_writes
     assert all(isinstance(g, LedgerError) and isinstance(g.__cause__, sqlite3.IntegrityError)
                for g in got), got
     assert after == 2 and _keys(path) == ["after", "gate"] and _keys(path, "child") == []
+
+
+def test_a_failure_that_ends_sqlite_s_transaction_fails_the_members_it_held_and_no_other(
+        tmp_path: Path) -> None:
+    path = _db(tmp_path)
+    driver = SqliteDriver(path)
+
+    async def main() -> list[Any]:
+        _, got = await _grouped(driver, [insert("a"), insert("b"), boom(), insert("c"),
+                                         insert("d")])
+        return got
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        driver.close()
+    # "a" and "b" were held in the transaction SQLite ended: told, and not kept; "c" and "d"
+    # ran in the next one (each saw the gate's row, committed alone before them).
+    assert all(isinstance(g, LedgerError) and "the transaction is gone" in str(g)
+               for g in got[:3]), got
+    assert got[3:] == [2, 3]
+    assert _keys(path) == ["c", "d", "gate"] and _keys(path, "boom") == []
 
 
 def test_a_transaction_whose_caller_was_cancelled_before_it_was_taken_never_runs(
