@@ -14,6 +14,18 @@ from ledger.storage.context import SqlContext
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A process that takes a SQLite database's write lock (argv[1]), says "locked", holds the lock
+# until a line arrives on its stdin, then commits and says "released".
+SQLITE_LOCK_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("COMMIT")
+print("released", flush=True)
+"""
+
 
 def sql_context(led: Any) -> SqlContext:
     """The SQL context under a ledger, for white-box tests that reach its engine or its

@@ -28,7 +28,7 @@ from ledger import AsyncLedger
 from ledger.errors import BudgetExceeded, LedgerError
 from ledger.storage.driver import Flush, Q, SqliteDriver, Tx
 
-from .helpers import budget, routes
+from .helpers import SQLITE_LOCK_HOLDER, budget, routes
 
 PATIENCE_S = 120
 
@@ -260,15 +260,7 @@ def test_a_transaction_whose_caller_was_cancelled_before_it_was_taken_never_runs
     assert _keys(path) == ["gate", "kept"]
 
 
-HOLDER = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-sys.stdin.readline()
-conn.execute("COMMIT")
-print("released", flush=True)
-"""
+HOLDER = SQLITE_LOCK_HOLDER
 
 
 def test_concurrent_begins_grouped_behind_another_process_s_lock_keep_the_budget_exact(

@@ -18,15 +18,9 @@ from pathlib import Path
 from ledger import AsyncLedger, Budget, Price, Route
 from ledger.domain.records import AttemptState
 
-HOLDER = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-sys.stdin.readline()
-conn.execute("COMMIT")
-print("released", flush=True)
-"""
+from .helpers import SQLITE_LOCK_HOLDER
+
+HOLDER = SQLITE_LOCK_HOLDER
 TICKS = 20
 PATIENCE_S = 120
 
