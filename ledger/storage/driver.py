@@ -114,8 +114,9 @@ class SqliteDriver:
 
     Async callers' transactions run on one dedicated thread of this database, never on the
     event loop: a write waits for another process's write lock for up to the busy timeout, and
-    the loop must keep running meanwhile. One thread is enough (SQLite serializes writers), and
-    its connection stays warm.
+    the loop must keep running meanwhile. One thread is enough (SQLite serializes writers), its
+    connection stays warm, and the transactions that queue on it while it is busy commit
+    together (:mod:`ledger.storage.groupcommit`).
     """
 
     def __init__(self, path: str, *, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> None:
