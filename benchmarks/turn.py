@@ -588,7 +588,9 @@ def new_report() -> Report:
                "aexecute: c async tasks on one event loop; execute: c OS threads; each worker "
                "drives its own Run",
                "tx/call counted in a separate pass after the timed one (SQLite: reads+writes); "
-               "conns = database connections opened during that pass"],
+               "conns = database connections opened during that pass; aexecute on SQLite at "
+               "c>1: the transactions queued together on the database's thread commit as one "
+               "(group commit) and count once"],
     )
 
 

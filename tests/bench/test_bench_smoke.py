@@ -225,10 +225,15 @@ def _check_turn_rows(report: Report, name: str, drivers: list[str], conc: list[i
                                                    abs=0.0005)
         assert (r.target_overhead_ms is not None) == (r.concurrency == 1)
         if counted:
-            # Whatever the ledger becomes, an attempt is at least its begin and settle commits.
-            floor = 2 if r.scenario == "healthy" else 4
-            assert r.tx_per_call is not None and r.tx_per_call >= floor
+            assert r.tx_per_call is not None
             assert r.checks["tx"] == (r.tx_per_call <= turn.TX_TARGET[r.scenario])
+            if r.backend == "sqlite" and r.driver == "async" and r.concurrency > 1:
+                # Concurrent turns' transactions that queue on SQLite's thread commit as one
+                # (ledger.storage.groupcommit): fewer transactions than attempts' commits.
+                assert 0 < r.tx_per_call <= turn.TX_TARGET[r.scenario]
+            else:
+                # Otherwise an attempt is at least its begin and settle commits.
+                assert r.tx_per_call >= (2 if r.scenario == "healthy" else 4)
         else:
             assert r.tx_per_call is None
     assert set(_json(report)["floor_two_commit_ms"]) == {name}  # type: ignore[arg-type]
@@ -241,7 +246,10 @@ def test_turn_on_sqlite_every_driver_scenario_and_concurrency(tmp_path: Path) ->
     _check_turn_rows(report, "sqlite", ["async", "sync"], [1, 3], counted=True)
     for r in report.rows:
         assert r.tx_reads_per_call is not None and r.tx_writes_per_call is not None
-        assert r.tx_writes_per_call >= (2 if r.scenario == "healthy" else 4)
+        if r.driver == "async" and r.concurrency > 1:  # grouped: see _check_turn_rows
+            assert 0 < r.tx_writes_per_call <= (2 if r.scenario == "healthy" else 4)
+        else:
+            assert r.tx_writes_per_call >= (2 if r.scenario == "healthy" else 4)
     _table_lines(report)
 
 
