@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import sqlite3
 import threading
@@ -129,7 +130,7 @@ class GroupWriter:
                 elif live:
                     self._group(live)
             except BaseException as e:  # no caller may be left waiting
-                _fail([j for j in live if not j.future.done()], self.driver.told(e))
+                _fail([j for j in live if not j.future.done()], e, self.driver.told)
 
     def _group(self, jobs: list[_Job]) -> None:
         conn = self.driver.connection()
@@ -147,7 +148,7 @@ class GroupWriter:
         try:
             conn.execute("BEGIN IMMEDIATE" if any(j.write for j in jobs) else "BEGIN")
         except sqlite3.Error as e:
-            _fail(jobs, driver.told(e))
+            _fail(jobs, e, driver.told)
             return []
         held: list[_Job] = []
         for n, job in enumerate(jobs):
@@ -156,7 +157,7 @@ class GroupWriter:
                 job.done, job.carry = driver.advance(conn, job.tx, None)
             except BaseException as e:
                 if not conn.in_transaction:  # SQLite rolled back the whole transaction
-                    _fail([*held, job], driver.told(e))
+                    _fail([*held, job], e, driver.told)
                     return jobs[n + 1:]
                 conn.execute(f"ROLLBACK TO m{n}")
                 conn.execute(f"RELEASE m{n}")
@@ -168,7 +169,7 @@ class GroupWriter:
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             driver.rollback(conn)
-            _fail(held, driver.told(e))
+            _fail(held, e, driver.told)
             return []
         for job in held:
             if job.done:
@@ -187,10 +188,14 @@ def _settle(job: _Job, call: Callable[[], Any]) -> None:
         job.future.set_exception(e)
 
 
-def _fail(jobs: list[_Job], error: BaseException) -> None:
+def _fail(jobs: list[_Job], error: BaseException, told: Callable[[BaseException], BaseException]
+          ) -> None:
+    """Tell each of ``jobs`` ``error`` (each its own ledger error) and close its
+    transaction."""
     for j in jobs:
-        j.tx.close()
-        j.future.set_exception(error)
+        j.future.set_exception(told(error))
+        with contextlib.suppress(Exception):  # the caller has been told; nothing more to do
+            j.tx.close()
 
 
 __all__ = ["MAX_GROUP", "GroupWriter", "Members"]

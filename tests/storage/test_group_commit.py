@@ -209,6 +209,7 @@ def test_a_failed_group_commit_tells_every_member_and_keeps_none_of_their_writes
         driver.close()
     assert all(isinstance(g, LedgerError) and isinstance(g.__cause__, sqlite3.IntegrityError)
                for g in got), got
+    assert len({id(g) for g in got}) == len(got)  # each caller its own error to raise
     assert after == 2 and _keys(path) == ["after", "gate"] and _keys(path, "child") == []
 
 
