@@ -23,6 +23,7 @@ ROOMS: dict[str, str] = {
     "ledger.redaction": "base",
     "ledger.faults": "base",
     "ledger.clock": "base",
+    "ledger.readiness": "base",
     "ledger.domain": "domain",
     "ledger.policy": "policy",
     "ledger.decide": "decide",

@@ -40,11 +40,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import select
 import threading
 import time
 import weakref
 from typing import Any
+
+from ledger.readiness import peer_spoke
 
 #: Connections out at once, per pool (blocking callers; and per event loop, asyncio ones).
 MAX_SIZE = 20
@@ -95,20 +96,6 @@ def _connection_classes() -> tuple[type[Any], type[Any]]:
                 await arelease(self)
 
     return Conn, AConn
-
-
-def _told_goodbye(conn: Any) -> bool:
-    """Whether the server wrote to, or closed, a connection nobody is using. ``poll`` where
-    there is one: ``select`` refuses descriptors past 1024, which a busy process has."""
-    try:
-        fd = conn.fileno()
-        if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            return bool(poller.poll(0))
-        return bool(select.select([fd], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
 
 
 def on_standby(conn: Any) -> bool:
@@ -305,7 +292,7 @@ class PgPool:
         return conn
 
     def _usable(self, conn: Any, now: float) -> bool:
-        if conn.closed or on_standby(conn) or _told_goodbye(conn):
+        if conn.closed or on_standby(conn) or peer_spoke(conn):
             return False
         if now - conn._ledger_idle_since < IDLE_CHECK_S:
             return True
@@ -398,7 +385,7 @@ class PgPool:
             await self.alost(conn)
 
     async def _ausable(self, conn: Any, now: float) -> bool:
-        if conn.closed or on_standby(conn) or _told_goodbye(conn):
+        if conn.closed or on_standby(conn) or peer_spoke(conn):
             return False
         if now - conn._ledger_idle_since < IDLE_CHECK_S:
             return True

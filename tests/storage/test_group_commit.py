@@ -137,18 +137,26 @@ async def _grouped(driver: SqliteDriver, txs: list[Generator[Any, Any, Any]]
     return gate, await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _run_grouped(path: str, txs: list[Generator[Any, Any, Any]],
+                 then: Generator[Any, Any, Any] | None = None) -> tuple[_Gate, list[Any], Any]:
+    """``txs`` run as one group behind a gate on a fresh driver, then ``then`` alone: the gate,
+    their results or errors in order, and ``then``'s result."""
+    driver = SqliteDriver(path)
+
+    async def main() -> tuple[_Gate, list[Any], Any]:
+        gate, got = await _grouped(driver, txs)
+        return gate, got, None if then is None else await driver.arun(then, write=True)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        driver.close()
+
+
 def test_transactions_queued_behind_a_busy_writer_commit_once_and_run_in_arrival_order(
         tmp_path: Path) -> None:
     path = _db(tmp_path)
-    driver = SqliteDriver(path)
-
-    async def main() -> tuple[_Gate, list[Any]]:
-        return await _grouped(driver, [insert(f"k{i}") for i in range(5)])
-
-    try:
-        gate, got = asyncio.run(main())
-    finally:
-        driver.close()
+    gate, got, _ = _run_grouped(path, [insert(f"k{i}") for i in range(5)])
     assert got == [2, 3, 4, 5, 6]  # each saw the gate's row and those queued before it
     assert gate.commits() == 2  # the gate alone, then the five together
     assert _keys(path) == sorted(["gate", *(f"k{i}" for i in range(5))])
@@ -156,17 +164,8 @@ def test_transactions_queued_behind_a_busy_writer_commit_once_and_run_in_arrival
 
 def test_a_member_failing_before_its_commit_point_is_rolled_back_alone(tmp_path: Path) -> None:
     path = _db(tmp_path)
-    driver = SqliteDriver(path)
-
-    async def main() -> list[Any]:
-        _, got = await _grouped(driver, [insert("a"), insert_then_fail("b"), insert("k"),
-                                         insert("a")])
-        return got
-
-    try:
-        got = asyncio.run(main())
-    finally:
-        driver.close()
+    _, got, _ = _run_grouped(path, [insert("a"), insert_then_fail("b"), insert("k"),
+                                    insert("a")])
     assert got[0] == 2 and got[2] == 3
     assert isinstance(got[1], ValueError) and str(got[1]) == "b refuses"
     # A SQLite error is told as the ledger's, as it is alone, with the driver's as its cause.
@@ -176,17 +175,8 @@ def test_a_member_failing_before_its_commit_point_is_rolled_back_alone(tmp_path:
 
 def test_code_after_a_commit_point_runs_once_the_group_is_durable(tmp_path: Path) -> None:
     path = _db(tmp_path)
-    driver = SqliteDriver(path)
-
-    async def main() -> list[Any]:
-        _, got = await _grouped(driver, [commit_then("a", path, fail=False),
-                                         commit_then("b", path, fail=True), insert("c")])
-        return got
-
-    try:
-        got = asyncio.run(main())
-    finally:
-        driver.close()
+    _, got, _ = _run_grouped(path, [commit_then("a", path, fail=False),
+                                    commit_then("b", path, fail=True), insert("c")])
     assert got[0] is True  # another connection already saw its row: it was committed
     # Failing after its commit point keeps what it committed (a refusal recorded, then raised).
     assert isinstance(got[1], ValueError) and got[2] == 4
@@ -196,17 +186,9 @@ def test_code_after_a_commit_point_runs_once_the_group_is_durable(tmp_path: Path
 def test_a_failed_group_commit_tells_every_member_and_keeps_none_of_their_writes(
         tmp_path: Path) -> None:
     path = _db(tmp_path)
-    driver = SqliteDriver(path)
-
-    async def main() -> tuple[list[Any], int]:
-        _, got = await _grouped(driver, [insert("a"), orphan("o"), insert("b")])
-        after = await driver.arun(insert("after"), write=True)  # the thread goes on
-        return got, after
-
-    try:
-        got, after = asyncio.run(main())
-    finally:
-        driver.close()
+    # Then another transaction alone: the thread goes on.
+    _, got, after = _run_grouped(path, [insert("a"), orphan("o"), insert("b")],
+                                 then=insert("after"))
     assert all(isinstance(g, LedgerError) and isinstance(g.__cause__, sqlite3.IntegrityError)
                for g in got), got
     assert len({id(g) for g in got}) == len(got)  # each caller its own error to raise
@@ -216,17 +198,7 @@ def test_a_failed_group_commit_tells_every_member_and_keeps_none_of_their_writes
 def test_a_failure_that_ends_sqlite_s_transaction_fails_the_members_it_held_and_no_other(
         tmp_path: Path) -> None:
     path = _db(tmp_path)
-    driver = SqliteDriver(path)
-
-    async def main() -> list[Any]:
-        _, got = await _grouped(driver, [insert("a"), insert("b"), boom(), insert("c"),
-                                         insert("d")])
-        return got
-
-    try:
-        got = asyncio.run(main())
-    finally:
-        driver.close()
+    _, got, _ = _run_grouped(path, [insert("a"), insert("b"), boom(), insert("c"), insert("d")])
     # "a" and "b" were held in the transaction SQLite ended: told, and not kept; "c" and "d"
     # ran in the next one (each saw the gate's row, committed alone before them).
     assert all(isinstance(g, LedgerError) and "the transaction is gone" in str(g)
