@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.cookiejar
 import socket
 import ssl
 import threading
@@ -269,6 +270,22 @@ class _PolledBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
+class _NoCookies(http.cookiejar.CookieJar):
+    """A cookie jar that keeps nothing.
+
+    One client per origin serves every Run and every tenant, so a cookie kept from one answer
+    (a CDN's bot or affinity cookie, as providers' edges set) would go out with every later
+    request to that origin, whoever made it. Provider APIs authenticate each request by its
+    credential; none needs a cookie back.
+    """
+
+    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
+        pass
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        pass
+
+
 class ClientRegistry:
     """One pooled httpx client per endpoint origin (scheme, host, port) and kind.
 
@@ -276,7 +293,8 @@ class ClientRegistry:
     registry keeps one set per running loop; blocking clients (:meth:`get_sync`, for
     :class:`~ledger.adapters.sync.SyncAdapter`) are one set shared by every thread, and each of
     their socket waits ends by the deadline of the call's step in progress. Transports have
-    ``retries=0``: no request is ever sent twice by us, and redirects are not followed.
+    ``retries=0``: no request is ever sent twice by us, and redirects are not followed. No
+    client keeps a cookie: what one answer sets never goes out with another request.
 
     Args:
         verify: TLS verification of every client (``True``, ``False`` or an ``SSLContext``).
@@ -321,7 +339,8 @@ class ClientRegistry:
                 **self._pool_args(ssl_context), network_backend=_PolledBackend())
             # follow_redirects stays off: a redirect is an answer we report, not one we chase
             # (following it could send the request, and its credential, somewhere else).
-            client = httpx.AsyncClient(transport=transport, follow_redirects=False)
+            client = httpx.AsyncClient(transport=transport, follow_redirects=False,
+                                       cookies=_NoCookies())
             clients[key] = client
         return client
 
@@ -334,7 +353,8 @@ class ClientRegistry:
         with self._sync_lock:
             client = self._sync.get(key)
             if client is None:
-                client = httpx.Client(transport=self._sync_transport(), follow_redirects=False)
+                client = httpx.Client(transport=self._sync_transport(), follow_redirects=False,
+                                      cookies=_NoCookies())
                 self._sync[key] = client
         return client
 

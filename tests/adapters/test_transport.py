@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import ssl
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 from ledger.adapters import ClientRegistry, HttpAdapter, StaticSecretProvider
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Phase, Transport
-from ledger.testing import FakeProvider, Fault
+from ledger.testing import Behavior, FakeProvider, Fault
 from tests.netfaults import closed_port
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
@@ -179,3 +180,30 @@ def test_client_registry_keys_by_origin() -> None:
         "https://api.example.com:8443"
     )
     assert ClientRegistry.origin("http://h/v1") != ClientRegistry.origin("https://h/v1")
+
+
+async def test_a_providers_cookie_never_rides_on_another_request(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    # One client per origin serves every Run and tenant: a cookie one answer set (a CDN's bot
+    # or affinity cookie, as OpenAI's edge sends) would otherwise go out with every later
+    # request to that origin, whoever made it.
+    body = json.dumps({
+        "id": "c1", "object": "chat.completion", "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }).encode()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"set-cookie: __cf_bm=tenant-a-session; path=/; HttpOnly\r\n"
+        b"set-cookie: affinity=backend-7; path=/v1; max-age=3600\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body,)))
+    route = make_route(fake.endpoint("openai"), "openai")
+    assert (await adapter.send(route, ENV, profile_id=PROFILE)).ok
+    for protocol in PROTOCOLS:
+        r = await adapter.send(make_route(fake.endpoint(protocol), protocol), ENV,
+                               profile_id=PROFILE)
+        assert r.ok
+    assert len(fake.requests) == 1 + len(PROTOCOLS)
+    assert [r.headers.get("cookie") for r in fake.requests] == [None] * len(fake.requests)
