@@ -19,6 +19,13 @@ from tests.invariants import INVARIANTS, invariants_of
 from tests.netfaults import full_backlog  # noqa: F401  (a fixture for every test)
 
 REQUIRE_PG = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
+
+# The adapters take proxies from the environment, as httpx does. The tests talk to loopback
+# only, directly; a machine's proxy settings (a CI runner's, for its package downloads) must
+# not route them elsewhere. The tests of proxies set their own. Processes the tests start
+# inherit this environment.
+for _name in [n for n in os.environ if n.lower().endswith("_proxy")]:
+    del os.environ[_name]
 _counter = itertools.count()
 
 

@@ -34,6 +34,7 @@ _.close_stream  # StreamedResponse.close_stream, called when the agent stops ear
 _.provider_url  # StreamedResponse.provider_url, read by pydantic-ai
 _.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-ai.md)
 _.collect  # dashboard/metrics.py: prometheus-client's registry calls a Collector's collect
+_.set_cookie, _.extract_cookies, _.cookie  # adapters/transport.py: httpx's Cookies call _NoCookies'
 # integrations/langchain.py: LangChain's BaseChatModel and AgentMiddleware interface
 _._llm_type, _._identifying_params  # read by LangChain for tracing and caching keys
 _.bind_tools, _._agenerate  # called by create_agent and by ainvoke

@@ -316,6 +316,8 @@ Limits = Annotated[StreamingPolicy, instance(StreamingPolicy, "a StreamingPolicy
 Verify = Annotated[ssl.SSLContext | bool, instance((bool, ssl.SSLContext), "a TLS setting",
                                                    "pass True, False or an ssl.SSLContext")]
 Target = Annotated[Route, instance(Route, "a ledger.Route", "pass a ledger.Route")]
+Clients = Annotated[ClientRegistry, instance(
+    ClientRegistry, "a ClientRegistry", "pass a ledger.adapters.ClientRegistry")]
 Request = Annotated[Envelope, instance(Envelope, "a ledger.Envelope", "pass a ledger.Envelope")]
 OnEvent = Annotated[EventCallback, function("a function of a StreamEvent (sync or async)")]
 Progress = Annotated[SendProgress, instance(SendProgress, "a SendProgress",
@@ -373,9 +375,8 @@ class HttpAdapter:
         ...     print(result.ok, result.text or result.observation)
     """
 
-    def __init__(self, *, clients: Annotated[ClientRegistry, instance(
-            ClientRegistry, "a ClientRegistry", "pass a ledger.adapters.ClientRegistry")]
-                 | None = None, **options: Unpack[AdapterOptions]) -> None:
+    def __init__(self, *, clients: Clients | None = None,
+                 **options: Unpack[AdapterOptions]) -> None:
         secrets, limits = options.get("secrets"), options.get("limits")
         self.secrets: SecretProvider = secrets if secrets is not None else EnvSecretProvider()
         self.limits = limits if limits is not None else StreamingPolicy()

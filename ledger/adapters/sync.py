@@ -6,6 +6,7 @@ from typing import Unpack
 
 from ledger.adapters.base import (
     AdapterOptions,
+    Clients,
     HttpAdapter,
     Limits,
     OnEvent,
@@ -29,17 +30,20 @@ class SyncAdapter:
     and no thread hop (:mod:`ledger.adapters.exchange`). ``on_event`` callbacks run on the
     calling thread; one that returns an awaitable is run to its end there. Use one
     ``SyncAdapter`` per process (or per configuration) and :meth:`close` it at exit (or use it
-    as a ``with`` block). The arguments are :class:`HttpAdapter`'s (without ``clients``).
+    as a ``with`` block). The arguments are :class:`HttpAdapter`'s.
 
     Args:
+        clients: The pooled httpx clients (default: a private :class:`ClientRegistry`; its
+            blocking clients are the ones used, and :meth:`close` closes them).
         **options: :class:`~ledger.adapters.base.AdapterOptions`.
 
     Raises:
         InvalidArgument: an option of the wrong type or out of range.
     """
 
-    def __init__(self, **options: Unpack[AdapterOptions]) -> None:
-        self.adapter = HttpAdapter(**options)
+    def __init__(self, *, clients: Clients | None = None,
+                 **options: Unpack[AdapterOptions]) -> None:
+        self.adapter = HttpAdapter(clients=clients, **options)
         self._closed = False
 
     def send(

@@ -8,6 +8,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.request
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -18,6 +19,7 @@ import httpx
 
 from ledger.adapters.exchange import DEADLINE
 from ledger.domain.facts import Phase, Transport
+from ledger.errors import InvalidArgument
 from ledger.readiness import peer_spoke
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +288,29 @@ class _NoCookies(http.cookiejar.CookieJar):
         pass
 
 
+def _proxy(url: str, field: str) -> httpx.Proxy:
+    """``url`` as an HTTP(S) proxy (``field``: where it came from, for the error)."""
+    fault = InvalidArgument(
+        f"proxy {url!r} is not an http:// or https:// URL with a host (SOCKS proxies are not "
+        f"supported); set {field} to one such as http://proxy.internal:3128", field=field)
+    try:
+        proxy = httpx.Proxy(url)
+    except (ValueError, TypeError, httpx.InvalidURL) as e:
+        raise fault from e
+    if proxy.url.scheme not in ("http", "https") or not proxy.url.host:
+        raise fault
+    return proxy
+
+
+def _via(proxy: httpx.Proxy) -> dict[str, Any]:
+    """The arguments of httpcore's pool through ``proxy``, as httpx gives them."""
+    url = proxy.url
+    return {"proxy_url": httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
+                                      target=url.raw_path),
+            "proxy_auth": proxy.raw_auth, "proxy_headers": proxy.headers.raw,
+            "proxy_ssl_context": proxy.ssl_context}
+
+
 class ClientRegistry:
     """One pooled httpx client per endpoint origin (scheme, host, port) and kind.
 
@@ -296,10 +321,21 @@ class ClientRegistry:
     ``retries=0``: no request is ever sent twice by us, and redirects are not followed. No
     client keeps a cookie: what one answer sets never goes out with another request.
 
+    Requests to an origin go through an HTTP(S) proxy when ``proxy`` names one, or else, with
+    ``trust_env``, when the environment does (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``,
+    less the hosts of ``NO_PROXY``, read when the origin's first client is made), as httpx and
+    the providers' own SDKs do; through a proxy every time limit holds as it does without one.
+
     Args:
         verify: TLS verification of every client (``True``, ``False`` or an ``SSLContext``).
         max_connections: httpx's pool limit, per origin and loop.
         max_keepalive_connections: Idle connections kept, per origin and loop.
+        proxy: An ``http://`` or ``https://`` proxy URL for every origin (credentials in it
+            go to the proxy only); ``None``: the environment's, with ``trust_env``.
+        trust_env: Take proxies from the environment when ``proxy`` is ``None``.
+
+    Raises:
+        InvalidArgument: ``proxy`` is not an ``http://`` or ``https://`` URL.
     """
 
     def __init__(
@@ -308,8 +344,12 @@ class ClientRegistry:
         verify: ssl.SSLContext | bool = True,
         max_connections: int = 100,
         max_keepalive_connections: int = 20,
+        proxy: str | None = None,
+        trust_env: bool = True,
     ) -> None:
         self._verify = verify
+        self._proxy = None if proxy is None else _proxy(proxy, "proxy")
+        self._trust_env = trust_env
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_keepalive_connections
         )
@@ -335,8 +375,10 @@ class ClientRegistry:
             ssl_context = httpx.create_ssl_context(verify=self._verify)
             transport = httpx.AsyncHTTPTransport(retries=0, verify=ssl_context,
                                                  limits=self._limits)
-            transport._pool = httpcore.AsyncConnectionPool(
-                **self._pool_args(ssl_context), network_backend=_PolledBackend())
+            args = self._pool_args(ssl_context, _PolledBackend())
+            proxy = self.proxy_for(url)
+            transport._pool = (httpcore.AsyncConnectionPool(**args) if proxy is None
+                               else httpcore.AsyncHTTPProxy(**_via(proxy), **args))
             # follow_redirects stays off: a redirect is an answer we report, not one we chase
             # (following it could send the request, and its credential, somewhere else).
             client = httpx.AsyncClient(transport=transport, follow_redirects=False,
@@ -353,29 +395,51 @@ class ClientRegistry:
         with self._sync_lock:
             client = self._sync.get(key)
             if client is None:
-                client = httpx.Client(transport=self._sync_transport(), follow_redirects=False,
-                                      cookies=_NoCookies())
+                client = httpx.Client(transport=self._sync_transport(url),
+                                      follow_redirects=False, cookies=_NoCookies())
                 self._sync[key] = client
         return client
 
-    def _sync_transport(self) -> httpx.HTTPTransport:
+    def proxy_for(self, url: str) -> httpx.Proxy | None:
+        """The proxy requests to ``url``'s origin go through, or ``None`` (see the class).
+
+        Raises:
+            InvalidArgument: the environment's proxy for it is not an ``http://`` or
+                ``https://`` URL (the field names the variable to fix).
+        """
+        if self._proxy is not None or not self._trust_env:
+            return self._proxy
+        parts = urlsplit(url)
+        found = urllib.request.getproxies()
+        if urllib.request.proxy_bypass(parts.netloc.rpartition("@")[2]):
+            return None
+        for name in (parts.scheme.lower(), "all"):
+            if found.get(name):
+                return _proxy(found[name], f"{name.upper()}_PROXY")
+        return None
+
+    def _sync_transport(self, url: str) -> httpx.HTTPTransport:
         # One TLS context for the transport and the pool that replaces its own.
         ssl_context = httpx.create_ssl_context(verify=self._verify)
         transport = httpx.HTTPTransport(retries=0, verify=ssl_context, limits=self._limits)
-        transport._pool = httpcore.ConnectionPool(**self._pool_args(ssl_context),
-                                                  network_backend=_DeadlineBackend())
+        args = self._pool_args(ssl_context, _DeadlineBackend())
+        proxy = self.proxy_for(url)
+        transport._pool = (httpcore.ConnectionPool(**args) if proxy is None
+                           else httpcore.HTTPProxy(**_via(proxy), **args))
         return transport
 
-    def _pool_args(self, ssl_context: ssl.SSLContext) -> dict[str, Any]:
+    def _pool_args(self, ssl_context: ssl.SSLContext, backend: Any) -> dict[str, Any]:
         # httpx offers no public way to give its transport a network backend, so the pool is
         # rebuilt as httpx builds it, on sockets of ours: blocking ones that cut every wait to
         # the step's deadline (httpcore reads a body with the one read limit it took when the
         # body began; a stream's idle and total limits move with every chunk), asyncio ones
-        # whose readiness check is cheap (tests/adapters hold both).
+        # whose readiness check is cheap (tests/adapters hold both). A proxy's pool is rebuilt
+        # the same way, so that every limit holds through it too.
         limits = self._limits
         return {"ssl_context": ssl_context, "max_connections": limits.max_connections,
                 "max_keepalive_connections": limits.max_keepalive_connections,
-                "keepalive_expiry": limits.keepalive_expiry, "retries": 0}
+                "keepalive_expiry": limits.keepalive_expiry, "retries": 0,
+                "network_backend": backend}
 
     def close(self) -> None:
         """Close the blocking clients."""

@@ -1,0 +1,222 @@
+"""The adapters through an HTTP proxy: the environment's (``HTTP_PROXY``, ``HTTPS_PROXY``,
+``ALL_PROXY``, less ``NO_PROXY``), as httpx and the providers' SDKs take it, or the registry's
+own ``proxy``; every request goes through it, credentials in its URL go to the proxy alone, and
+every time limit holds through it as it does without one.
+
+A real forwarding proxy on loopback (absolute-form requests, one per connection) records the
+request lines and headers it forwarded; the fake provider behind it records what arrived. Both
+drivers (asyncio and blocking) run every case. The session's own proxy variables are cleared by
+``tests/conftest.py``; each test sets its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+from ledger.adapters import ClientRegistry, HttpAdapter, StaticSecretProvider, SyncAdapter
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Phase, Transport
+from ledger.errors import InvalidArgument
+from ledger.policy.model import StreamingPolicy
+from ledger.testing import FakeProvider, Fault
+from tests.netfaults import closed_port
+
+from .conftest import PATIENT, PROFILE, SECRET, BlockingInLoop, make_route
+
+pytestmark = pytest.mark.anyio
+
+ENV = Envelope(parts=[Part(content="hello")])
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+
+
+class _Proxy:
+    """A forwarding HTTP proxy on loopback: each connection carries one absolute-form request,
+    sent on in origin form with ``Connection: close``; the answer is piped back as it comes."""
+
+    def __init__(self) -> None:
+        self.heads: list[tuple[str, dict[str, str]]] = []  # request line, lower-case headers
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            line, *fields = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip()
+                       for k, _, v in (f.partition(":") for f in fields)}
+            self.heads.append((line, headers))
+            method, target, version = line.split(" ")
+            dest = urlsplit(target)
+            kept = [f for f in fields
+                    if f.partition(":")[0].strip().lower() not in ("connection",
+                                                                    "proxy-authorization")]
+            out = "\r\n".join([f"{method} {dest.path or '/'}"
+                               + (f"?{dest.query}" if dest.query else "") + f" {version}",
+                               *kept, "Connection: close", "", ""]).encode("latin-1")
+            with socket.create_connection((dest.hostname or "", dest.port or 80)) as up:
+                up.sendall(out + rest)
+                threading.Thread(target=self._pipe, args=(conn, up), daemon=True).start()
+                self._pipe(up, conn)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def proxy() -> Iterator[_Proxy]:
+    p = _Proxy()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in PROXY_VARS:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    return monkeypatch
+
+
+def _adapter(driver: str, limits: StreamingPolicy = PATIENT,
+             clients: ClientRegistry | None = None) -> HttpAdapter:
+    secrets = StaticSecretProvider({PROFILE: SECRET})
+    if driver == "async":
+        return HttpAdapter(secrets=secrets, limits=limits, clients=clients)
+    return BlockingInLoop(SyncAdapter(secrets=secrets, limits=limits,  # type: ignore[return-value]
+                                      clients=clients))
+
+
+async def _close(adapter: HttpAdapter) -> None:
+    if isinstance(adapter, BlockingInLoop):
+        adapter.sync.close()
+    else:
+        await adapter.aclose()
+
+
+async def _send(adapter: HttpAdapter, fake: FakeProvider, *, stream: bool = False) -> object:
+    env = ENV.model_copy(update={"stream": stream})
+    try:
+        return await adapter.send(make_route(fake.endpoint("openai"), "openai"), env,
+                                  profile_id=PROFILE)
+    finally:
+        await _close(adapter)
+
+
+@pytest.mark.parametrize("variable", ["HTTP_PROXY", "http_proxy", "ALL_PROXY"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_request_goes_through_the_environments_proxy(
+        driver: str, fake: FakeProvider, proxy: _Proxy, no_proxy_env: pytest.MonkeyPatch,
+        variable: str, stream: bool) -> None:
+    no_proxy_env.setenv(variable, proxy.url)
+    result = await _send(_adapter(driver), fake, stream=stream)
+    assert result.ok, result.observation  # type: ignore[attr-defined]
+    (line, headers), = proxy.heads
+    assert line == f"POST {fake.endpoint('openai')}/chat/completions HTTP/1.1"
+    assert headers["authorization"] == f"Bearer {SECRET}"
+    assert len(fake.requests) == 1
+
+
+async def test_no_proxy_sends_straight_to_the_provider(
+        driver: str, fake: FakeProvider, no_proxy_env: pytest.MonkeyPatch) -> None:
+    no_proxy_env.setenv("HTTP_PROXY", f"http://127.0.0.1:{closed_port()}")
+    no_proxy_env.setenv("NO_PROXY", "localhost,127.0.0.1")
+    assert (await _send(_adapter(driver), fake)).ok  # type: ignore[attr-defined]
+    assert len(fake.requests) == 1
+
+
+async def test_an_unreachable_environment_proxy_is_a_refused_connection_before_send(
+        driver: str, fake: FakeProvider, no_proxy_env: pytest.MonkeyPatch) -> None:
+    no_proxy_env.setenv("HTTP_PROXY", f"http://127.0.0.1:{closed_port()}")
+    result = await _send(_adapter(driver), fake)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.CONNECT_REFUSED, Phase.BEFORE_SEND)
+    assert fake.requests == []
+
+
+async def test_trust_env_false_ignores_the_environments_proxy(
+        driver: str, fake: FakeProvider, no_proxy_env: pytest.MonkeyPatch) -> None:
+    no_proxy_env.setenv("HTTP_PROXY", f"http://127.0.0.1:{closed_port()}")
+    clients = ClientRegistry(trust_env=False)
+    assert (await _send(_adapter(driver, clients=clients), fake)).ok  # type: ignore[attr-defined]
+    assert len(fake.requests) == 1
+
+
+async def test_the_registrys_proxy_gets_its_credentials_and_the_provider_never_does(
+        driver: str, fake: FakeProvider, proxy: _Proxy, no_proxy_env: pytest.MonkeyPatch
+) -> None:
+    no_proxy_env.setenv("NO_PROXY", "127.0.0.1")  # the registry's own proxy wins over it
+    port = urlsplit(proxy.url).port
+    clients = ClientRegistry(proxy=f"http://egress:p%40ss@127.0.0.1:{port}")
+    assert (await _send(_adapter(driver, clients=clients), fake)).ok  # type: ignore[attr-defined]
+    (_, headers), = proxy.heads
+    assert headers["proxy-authorization"] == "Basic " + base64.b64encode(b"egress:p@ss").decode()
+    (arrived,) = fake.requests
+    assert "proxy-authorization" not in arrived.headers
+
+
+async def test_the_idle_limit_holds_through_a_proxy(
+        driver: str, fake: FakeProvider, proxy: _Proxy, no_proxy_env: pytest.MonkeyPatch
+) -> None:
+    # Every other limit is far: only the idle limit can end this stall in time. The blocking
+    # clients cut each socket wait to it themselves, through the proxy's connection too.
+    limits = StreamingPolicy(connect_timeout_s=10.0, read_timeout_s=10.0,
+                             first_token_timeout_s=10.0, idle_timeout_s=0.3,
+                             total_timeout_s=20.0)
+    no_proxy_env.setenv("HTTP_PROXY", proxy.url)
+    fake.enqueue(Fault.STALL)
+    t0 = time.monotonic()
+    result = await _send(_adapter(driver, limits), fake, stream=True)
+    elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.STREAM_STALL, Phase.MID_STREAM)
+    assert len(proxy.heads) == 1
+    assert 0.27 <= elapsed < 5.0
+
+
+@pytest.mark.parametrize("url", ["socks5://127.0.0.1:1080", "ftp://127.0.0.1:21", "http://",
+                                 "not a url"])
+def test_a_proxy_that_is_not_http_is_refused_by_name(url: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        ClientRegistry(proxy=url)
+    assert e.value.field == "proxy" and "http://" in str(e.value)
+
+
+async def test_an_environment_proxy_that_is_not_http_is_refused_before_anything_is_sent(
+        driver: str, fake: FakeProvider, no_proxy_env: pytest.MonkeyPatch) -> None:
+    no_proxy_env.setenv("HTTPS_PROXY", "socks5://127.0.0.1:1080")
+    no_proxy_env.setenv("HTTP_PROXY", "socks5://127.0.0.1:1080")
+    with pytest.raises(InvalidArgument) as e:
+        await _send(_adapter(driver), fake)
+    assert e.value.field == "HTTP_PROXY" and "socks" in str(e.value).lower()
+    assert fake.requests == []
