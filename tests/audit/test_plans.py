@@ -211,3 +211,16 @@ def test_spend_over_rolled_hours_uses_indexes(big: Audit) -> None:
         plans = _plans_of(big, spend)
         assert any("run_rollups" in sql for sql, _ in plans), kwargs
         _assert_no_seq_scan_of(plans, ("runs",))
+
+
+def test_the_activity_chart_in_any_buckets_reads_only_indexes(big: Audit) -> None:
+    # Buckets that are not whole hours cannot use the roll-ups: the chart counts the window's
+    # attempts from ix_attempts_created_at and the failed and unknown ones from
+    # ix_attempts_state_created_at, never from the table's rows (docs/audit.md). An
+    # index-only scan needs the visibility map, which VACUUM sets.
+    with sql_context(big.ledger).engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM attempts")
+    plans = _plans_of(big, lambda: big.activity(buckets=48, since=END - DAY, until=END))
+    scans = [kind for sql, nodes in plans if "FROM attempts" in sql
+             for kind, rel in nodes if rel == "attempts"]
+    assert scans and set(scans) == {"Index Only Scan"}, plans
