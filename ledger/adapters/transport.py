@@ -332,7 +332,9 @@ class ClientRegistry:
         max_keepalive_connections: Idle connections kept, per origin and loop.
         proxy: An ``http://`` or ``https://`` proxy URL for every origin (credentials in it
             go to the proxy only); ``None``: the environment's, with ``trust_env``.
-        trust_env: Take proxies from the environment when ``proxy`` is ``None``.
+        trust_env: Take proxies from the environment when ``proxy`` is ``None``, and with
+            ``verify=True`` the certificate authorities of ``SSL_CERT_FILE`` or
+            ``SSL_CERT_DIR`` (as httpx does) instead of certifi's.
 
     Raises:
         InvalidArgument: ``proxy`` is not an ``http://`` or ``https://`` URL.
@@ -372,7 +374,7 @@ class ClientRegistry:
         key = self.origin(url)
         client = clients.get(key)
         if client is None:
-            ssl_context = httpx.create_ssl_context(verify=self._verify)
+            ssl_context = self._tls()
             transport = httpx.AsyncHTTPTransport(retries=0, verify=ssl_context,
                                                  limits=self._limits)
             args = self._pool_args(ssl_context, _PolledBackend())
@@ -420,13 +422,16 @@ class ClientRegistry:
 
     def _sync_transport(self, url: str) -> httpx.HTTPTransport:
         # One TLS context for the transport and the pool that replaces its own.
-        ssl_context = httpx.create_ssl_context(verify=self._verify)
+        ssl_context = self._tls()
         transport = httpx.HTTPTransport(retries=0, verify=ssl_context, limits=self._limits)
         args = self._pool_args(ssl_context, _DeadlineBackend())
         proxy = self.proxy_for(url)
         transport._pool = (httpcore.ConnectionPool(**args) if proxy is None
                            else httpcore.HTTPProxy(**_via(proxy), **args))
         return transport
+
+    def _tls(self) -> ssl.SSLContext:
+        return httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env)
 
     def _pool_args(self, ssl_context: ssl.SSLContext, backend: Any) -> dict[str, Any]:
         # httpx offers no public way to give its transport a network backend, so the pool is

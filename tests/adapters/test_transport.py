@@ -138,6 +138,32 @@ async def test_self_signed_certificate_is_a_tls_error_and_trusted_ca_works(
         assert len(fake.requests) == 1
 
 
+@pytest.mark.parametrize("trust_env", [True, False])
+async def test_ssl_cert_file_is_trusted_only_with_the_environment(
+    self_signed: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, trust_env: bool
+) -> None:
+    # httpx's rule: with verify=True, SSL_CERT_FILE names the authorities to trust (a
+    # company's TLS-inspecting proxy); ClientRegistry(trust_env=False) ignores it with the
+    # proxy variables.
+    cert, key = self_signed
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    async with FakeProvider(ssl=server_ctx) as fake:
+        route = make_route(fake.endpoint("openai"), "openai")
+        async with HttpAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=FAST,
+                               clients=ClientRegistry(trust_env=trust_env)) as adapter:
+            result = await adapter.send(route, ENV, profile_id=PROFILE)
+    if trust_env:
+        assert result.ok and len(fake.requests) == 1
+    else:
+        obs = result.observation
+        assert obs is not None and (obs.transport, obs.phase) == (Transport.TLS_ERROR,
+                                                                  Phase.BEFORE_SEND)
+        assert fake.requests == []
+
+
 async def test_connections_are_pooled_per_endpoint(
     adapter: HttpAdapter, fake: FakeProvider
 ) -> None:
