@@ -7,8 +7,11 @@ Tests run on asyncio through anyio's pytest plugin (installed with httpx). Time 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,3 +116,37 @@ async def fast_adapter(driver: str) -> AsyncIterator[HttpAdapter]:
     """An adapter with :data:`FAST` limits, for the tests of those limits."""
     async for a in adapter_for(driver, FAST):
         yield a
+
+
+@pytest.fixture(scope="session")
+def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by itself, and its key (made by ``openssl``)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed; the self-signed TLS tests need it")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -38,7 +40,8 @@ PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 
 class _Proxy:
     """A forwarding HTTP proxy on loopback: each connection carries one absolute-form request,
-    sent on in origin form with ``Connection: close``; the answer is piped back as it comes."""
+    sent on in origin form with ``Connection: close``, the answer piped back as it comes; or a
+    ``CONNECT`` tunnel."""
 
     def __init__(self) -> None:
         self.heads: list[tuple[str, dict[str, str]]] = []  # request line, lower-case headers
@@ -68,6 +71,13 @@ class _Proxy:
                        for k, _, v in (f.partition(":") for f in fields)}
             self.heads.append((line, headers))
             method, target, version = line.split(" ")
+            if method == "CONNECT":  # a tunnel: what passes through is the client's TLS
+                host, _, port = target.rpartition(":")
+                with socket.create_connection((host, int(port))) as up:
+                    conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    threading.Thread(target=self._pipe, args=(conn, up), daemon=True).start()
+                    self._pipe(up, conn)
+                return
             dest = urlsplit(target)
             kept = [f for f in fields
                     if f.partition(":")[0].strip().lower() not in ("connection",
@@ -82,9 +92,11 @@ class _Proxy:
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        """Copy ``src`` to ``dst`` until ``src`` ends, then end ``dst``'s side too."""
         try:
             while chunk := src.recv(65536):
                 dst.sendall(chunk)
+            dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
 
@@ -144,6 +156,26 @@ async def test_every_request_goes_through_the_environments_proxy(
     assert line == f"POST {fake.endpoint('openai')}/chat/completions HTTP/1.1"
     assert headers["authorization"] == f"Bearer {SECRET}"
     assert len(fake.requests) == 1
+
+
+async def test_an_https_endpoint_is_tunnelled_through_the_proxy(
+        driver: str, proxy: _Proxy, no_proxy_env: pytest.MonkeyPatch,
+        self_signed: tuple[Path, Path]) -> None:
+    cert, key = self_signed
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    no_proxy_env.setenv("HTTPS_PROXY", proxy.url)
+    clients = ClientRegistry(verify=ssl.create_default_context(cafile=str(cert)))
+    async with FakeProvider(ssl=server) as fake:
+        assert fake.endpoint("openai").startswith("https://")
+        result = await _send(_adapter(driver, clients=clients), fake, stream=True)
+        assert result.ok, result.observation  # type: ignore[attr-defined]
+        (line, headers), = proxy.heads
+        port = urlsplit(fake.endpoint("openai")).port
+        assert line == f"CONNECT 127.0.0.1:{port} HTTP/1.1"
+        assert "authorization" not in headers  # the credential went inside the tunnel
+        (arrived,) = fake.requests
+        assert arrived.headers["authorization"] == f"Bearer {SECRET}"
 
 
 async def test_no_proxy_sends_straight_to_the_provider(

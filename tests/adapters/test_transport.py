@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import shutil
 import ssl
-import subprocess
 import time
 from pathlib import Path
 
@@ -80,39 +78,6 @@ async def test_reset_during_tls_handshake_is_a_reset_before_send(
     assert obs is not None
     assert (obs.transport, obs.phase) == (Transport.CONNECTION_RESET, Phase.BEFORE_SEND)
     assert fake.requests == []
-
-
-@pytest.fixture(scope="module")
-def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed; the self-signed TLS tests need it")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 async def test_self_signed_certificate_is_a_tls_error_and_trusted_ca_works(
