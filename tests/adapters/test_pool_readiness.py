@@ -19,42 +19,27 @@ import pytest
 
 from ledger.adapters import ClientRegistry
 
+from .loopback import LoopbackServer
+
 PATIENCE_S = 60
 CALLS = 5
 
 
-class _Server:
+class _Server(LoopbackServer):
     """HTTP/1.1 on loopback answering ``200 ok`` with keep-alive; with ``close_after``, it
     closes each connection after its answer (without saying so) and marks it closed."""
 
     def __init__(self, *, close_after: bool) -> None:
         self.close_after = close_after
-        self.accepted = 0
         self.closed = threading.Semaphore(0)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/"
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}/"
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         with conn:
             buf = b""
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                _, buf = buf.split(b"\r\n\r\n", 1)
+            while (got := self.read_head(conn, buf)) is not None:
+                _, buf = got
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                 if self.close_after:
                     conn.shutdown(socket.SHUT_RDWR)
@@ -62,22 +47,19 @@ class _Server:
                     self.closed.release()
                     return
 
-    def stop(self) -> None:
-        self.sock.close()
-
 
 @pytest.fixture
 def keeping() -> Iterator[_Server]:
     server = _Server(close_after=False)
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture
 def closing() -> Iterator[_Server]:
     server = _Server(close_after=True)
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.mark.anyio

@@ -31,6 +31,7 @@ from ledger.testing import FakeProvider, Fault
 from tests.netfaults import closed_port
 
 from .conftest import PATIENT, PROFILE, SECRET, BlockingInLoop, make_route
+from .loopback import LoopbackServer
 
 pytestmark = pytest.mark.anyio
 
@@ -38,34 +39,22 @@ ENV = Envelope(parts=[Part(content="hello")])
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 
 
-class _Proxy:
+class _Proxy(LoopbackServer):
     """A forwarding HTTP proxy on loopback: each connection carries one absolute-form request,
     sent on in origin form with ``Connection: close``, the answer piped back as it comes; or a
     ``CONNECT`` tunnel."""
 
     def __init__(self) -> None:
         self.heads: list[tuple[str, dict[str, str]]] = []  # request line, lower-case headers
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         with conn:
-            buf = b""
-            while b"\r\n\r\n" not in buf:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-            head, rest = buf.split(b"\r\n\r\n", 1)
+            got = self.read_head(conn)
+            if got is None:
+                return
+            head, rest = got
             line, *fields = head.decode("latin-1").split("\r\n")
             headers = {k.strip().lower(): v.strip()
                        for k, _, v in (f.partition(":") for f in fields)}
@@ -99,9 +88,6 @@ class _Proxy:
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
