@@ -236,10 +236,11 @@ class RunTimeline:
     """A Run's whole story: its attempts in order, its own events, where it was served.
 
     ``failed_over`` is true when it was served elsewhere than its selected route, or the
-    selector moved it; ``total_cost`` is what its budget was charged (its attempts' posted
-    debits, equal to ``run.posted``) and ``held`` what its holds still reserve (unknown and
-    in-flight attempts, equal to ``run.reserved``). An attempt's own ``cost`` is the cost the
-    provider reported, which may differ (none reported: the whole hold was posted).
+    selector moved it; ``total_cost`` is what its budget was charged (``run.posted``: its
+    attempts' posted debits) and ``held`` what its holds still reserve (``run.reserved``: its
+    unknown and in-flight attempts), also once retention has dropped its attempts. An
+    attempt's own ``cost`` is the cost the provider reported, which may differ (none
+    reported: the whole hold was posted).
     """
 
     run: RunSummary
@@ -913,17 +914,11 @@ class Audit:
             else:
                 by_attempt.setdefault(ev.attempt_id, []).append(ev)
         entries: list[TimelineEntry] = []
-        charged = held = 0
         served: str | None = None
         for a in att_rows:
             evs = by_attempt.get(a["attempt_id"], [])
             sel = next((_selection(e.data) for e in evs if e.kind == "select"), None)
             cost = from_micros(a["cost_micros"]) if a["cost_micros"] is not None else None
-            # The money is what the debits moved, as the run's counters count it.
-            if a["debit_state"] == "posted":
-                charged += int(a["debit_posted_micros"])
-            elif a["debit_state"] == "reserved":
-                held += int(a["reserved_micros"])
             if a["state"] == "succeeded":
                 served = a["route_id"]
             entries.append(TimelineEntry(
@@ -948,10 +943,12 @@ class Audit:
             e.kind == "move" for e in events)
         stops = [_stop(e) for e in events if e.kind == "stop"]
         waits = [_wait(e) for e in events if e.kind in ("capacity_wait", "wait")]
+        # The money is the Run's own counters (what its debits moved, reconcile checks them):
+        # retention drops old attempts but never the Run, so a sum of the attempts left
+        # would make an old Run look free.
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
                            served_route=served, failed_over=failed_over,
-                           total_cost=from_micros(charged), stops=stops, waits=waits,
-                           held=from_micros(held))
+                           total_cost=run.posted, stops=stops, waits=waits, held=run.reserved)
 
     @query
     def failovers(self, *, since: Time | None = None, until: Time | None = None,

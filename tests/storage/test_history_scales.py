@@ -270,6 +270,8 @@ def test_retention_drops_old_finished_history_and_keeps_unknown_and_live_runs(
         assert _count(db_url, "SELECT count(*) FROM events") == events_before
 
         assert reconcile(led).ok and reconcile(led).trimmed_runs == 0
+        jan = Audit(led).timeline("jan")
+        assert jan.attempts and jan.total_cost > 0
         rep = led.drop_history(90 * 86400, by="alice", reason="keep 90 days")
         # The books still hold: the trimmed Runs' sums are not held against what is left.
         books = reconcile(led)
@@ -280,6 +282,10 @@ def test_retention_drops_old_finished_history_and_keeps_unknown_and_live_runs(
         assert _attempt_ids(led) == {"feb-unknown-0", "feb-unknown-1", "mar-live-0", "jul-0"}
         assert rep.rows("attempts") == 3
         assert led.timeline("jan") == [] and led.get_run("jan").status.value == "succeeded"
+        # Its money stays with it (run show, the dashboard's run page): not the attempts left.
+        kept_jan = Audit(led).timeline("jan")
+        assert kept_jan.attempts == []
+        assert (kept_jan.total_cost, kept_jan.held) == (jan.total_cost, jan.held)
         assert led.events("jan") == []
         assert len(led.events("feb-unknown")) > 0 and len(led.events("mar-live")) > 0
         if pg:
