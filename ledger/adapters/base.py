@@ -1069,7 +1069,7 @@ class HttpAdapter:
             else:
                 deadline = min(total_at, first_token_at)
             try:
-                chunk = yield Read(response, deadline)
+                chunk = yield Read(response, deadline, read_limit=False)
             except TimeoutError:
                 self._absorb(call, state)
                 if waiting_first:

@@ -45,10 +45,17 @@ class Open:
 
 @dataclass(frozen=True, slots=True)
 class Read:
-    """The next chunk of ``response``'s body; sent ``None`` at its end."""
+    """The next chunk of ``response``'s body; sent ``None`` at its end.
+
+    ``read_limit``: whether the request's own read limit (``read_timeout_s``) bounds each
+    socket wait too. A stream's reads are bounded by their ``deadline`` alone (the first
+    token's, then the idle limit's), so a model that thinks silently longer than the read
+    limit is not cut by it.
+    """
 
     response: httpx.Response
     deadline: float
+    read_limit: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,10 @@ Exchange = Generator[Step, Any, R]
 #: sockets of the blocking clients to cut every wait short of it.
 DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "ledger_adapter_deadline", default=None)
+#: Whether the read in progress is bounded by the request's read limit as well as by its
+#: step's deadline (:attr:`Read.read_limit`), read by the sockets of both kinds of client.
+READ_LIMIT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ledger_adapter_read_limit", default=True)
 
 
 class Driver:
@@ -133,11 +144,14 @@ async def _aperform(step: Step, chunks: dict[int, AsyncIterator[bytes]]) -> Any:
             return await step.client.send(step.request, stream=True)
     if isinstance(step, Read):
         it = _achunks(step.response, chunks)
+        token = READ_LIMIT.set(step.read_limit)
         try:
             async with asyncio.timeout_at(step.deadline):
                 return await it.__anext__()
         except StopAsyncIteration:
             return None
+        finally:
+            READ_LIMIT.reset(token)
     if isinstance(step, Drain):
         it = _achunks(step.response, chunks)
         try:
@@ -219,7 +233,11 @@ def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
         if it is None:
             it = chunks[id(step.response)] = step.response.iter_bytes()
         if isinstance(step, Read):
-            return next(it, None)
+            limit = READ_LIMIT.set(step.read_limit)
+            try:
+                return next(it, None)
+            finally:
+                READ_LIMIT.reset(limit)
         try:
             for _ in it:
                 if time.monotonic() >= step.deadline:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
-from ledger.adapters.exchange import DEADLINE
+from ledger.adapters.exchange import DEADLINE, READ_LIMIT
 from ledger.domain.facts import Phase, Transport
 from ledger.errors import InvalidArgument
 from ledger.readiness import peer_spoke
@@ -171,13 +171,15 @@ class _DeadlineStream(httpcore.NetworkStream):
 
     httpcore reads a response body with the one read limit it took when the body began; a
     stream's idle and total limits move with every chunk, so they are applied here, per wait.
+    A stream's reads wait for that deadline alone (:attr:`~ledger.adapters.exchange.Read.
+    read_limit`).
     """
 
     def __init__(self, inner: httpcore.NetworkStream) -> None:
         self._inner = inner
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _cut(timeout))
+        return self._inner.read(max_bytes, _cut(timeout if READ_LIMIT.get() else None))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._inner.write(buffer, _cut(timeout))
@@ -231,7 +233,8 @@ class _PolledStream(httpcore.AsyncNetworkStream):
         self._sock: socket.socket | None = inner.get_extra_info("socket")
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._inner.read(max_bytes, timeout)
+        # A stream's reads wait for their step's deadline alone (exchange.Read.read_limit).
+        return await self._inner.read(max_bytes, timeout if READ_LIMIT.get() else None)
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         await self._inner.write(buffer, timeout)

@@ -443,3 +443,54 @@ async def test_a_silent_model_ends_by_the_first_token_limit_not_a_longer_read_li
     assert obs.phase is (Phase.AFTER_SEND if fault is Fault.NO_RESPONSE else Phase.AFTER_HEADERS)
     assert not obs.effective_output and events == []
     assert 0.27 <= elapsed < 3.0
+
+
+# The other way round: a read limit shorter than a stream's first-token and idle limits. A
+# model that thinks silently for longer than it, or streams with gaps longer than it, is
+# still within the limits the stream is held to (docs/adapters.md, "Streaming rules").
+SHORT_READ = StreamingPolicy(connect_timeout_s=10.0, read_timeout_s=0.3,
+                             first_token_timeout_s=10.0, idle_timeout_s=10.0,
+                             total_timeout_s=20.0)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_stream_waits_for_its_first_token_by_that_limit_not_a_shorter_read_limit(
+        fake: FakeProvider, driver: str, protocol: str) -> None:
+    fake.enqueue(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=0.9))
+    async for a in adapter_for(driver, SHORT_READ):
+        result, events = await send(a, fake, protocol, True)
+    assert result.ok, result.observation  # type: ignore[attr-defined]
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == FULL_TEXT
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_streams_gaps_are_held_to_the_idle_limit_not_a_shorter_read_limit(
+        fake: FakeProvider, driver: str) -> None:
+    # Content every 0.6 s, forever: only the total limit (2 s) may end it, never the read
+    # limit (0.3 s) as a stall.
+    limits = SHORT_READ.model_copy(update={"total_timeout_s": 2.0})
+    fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.6))
+    async for a in adapter_for(driver, limits):
+        t0 = time.monotonic()
+        result, events = await send(a, fake, "openai", True)
+        elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.TOTAL_TIMEOUT, Phase.MID_STREAM)
+    assert any(isinstance(e, TextDelta) for e in events)
+    assert elapsed >= 1.9
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_status_line_is_still_held_to_the_read_limit(
+        fake: FakeProvider, driver: str, stream: bool) -> None:
+    # Before any answer, a stream too waits at most read_timeout_s for the provider's status.
+    fake.enqueue(Behavior(fault=Fault.NO_RESPONSE, delay_s=30.0))
+    async for a in adapter_for(driver, SHORT_READ):
+        t0 = time.monotonic()
+        result, _ = await send(a, fake, "openai", stream)
+        elapsed = time.monotonic() - t0
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.READ_TIMEOUT, Phase.AFTER_SEND)
+    assert 0.27 <= elapsed < 3.0
