@@ -189,7 +189,10 @@ def _unknown(stop: FailoverExhausted) -> bool:
             continue
         if fact.phase is Phase.AFTER_SEND or fact.category is Category.CANCELLED:
             return True
-        if fact.phase is Phase.MID_STREAM and fact.transport is not None:
+        # After the headers, a transport failure (no first token in time, a cut or stalled
+        # stream, a body that is no answer) is no receipt: the provider took the request.
+        # An error status or error body is an answer, and a refusal.
+        if fact.phase in (Phase.AFTER_HEADERS, Phase.MID_STREAM) and fact.transport is not None:
             return True
     return False
 

@@ -369,6 +369,22 @@ def test_retry_advice_maps_the_ledgers_facts_and_sdk_retries_are_refused(
             assert advice is not None and advice.suggested is False
             assert advice.replay_safety == "unsafe" and not advice.response_started
             assert advice.normalized is not None and advice.normalized.is_network_error
+            # Answered 200, then no first token in time: the provider took the request and no
+            # answer came back, so it may have executed.
+            quick = {"name": "quick", "failover": {"enabled": False},
+                     "streaming": {"first_token_timeout_s": 0.3}}
+            fake.set_default(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=5.0))
+            async with led.run("silent", plan=routes(fake, "openai"), budget=BUDGET,
+                               grant=GRANT, policy=quick) as silent_run:
+                streamed = Runner.run_streamed(researcher, "Think.",
+                                               run_config=config(silent_run))
+                with pytest.raises(FailoverExhausted) as ei:
+                    async for _event in streamed.stream_events():
+                        pass
+            advice = retry_advice(ei.value)
+            assert advice is not None and advice.suggested is False
+            assert advice.replay_safety == "unsafe" and not advice.response_started
+            assert advice.normalized is not None and advice.normalized.is_timeout
             # A stream cut after text was shown: the outcome is unknown, the reader saw output.
             fake.set_default(Behavior(fault=Fault.STREAM_CUT, content_before_fault=2))
             streamed = Runner.run_streamed(researcher, "Go.", run_config=config(run))
