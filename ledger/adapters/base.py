@@ -234,7 +234,13 @@ class _Progress:
 
 
 _KEEP_HEADER_VALUE = 256
-_DROP_HEADERS = frozenset({"set-cookie", "authorization", "x-api-key", "x-goog-api-key"})
+# Response headers that carry a credential or a cookie, dropped from observations whatever
+# their value: the providers' own key headers (Azure OpenAI's api-key among them), cookies
+# both ways, a proxy's credential, and a cloud session token.
+_DROP_HEADERS = frozenset({
+    "set-cookie", "set-cookie2", "cookie", "authorization", "proxy-authorization",
+    "x-api-key", "x-goog-api-key", "api-key", "x-amz-security-token",
+})
 
 
 def _response_headers(headers: httpx.Headers, secrets: list[str | None]) -> dict[str, str]:

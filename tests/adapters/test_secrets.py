@@ -11,7 +11,7 @@ from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider
 from ledger.adapters.secrets import EVIDENCE_CAP_BYTES, REDACTED, evidence_excerpt, redact
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Transport, WireProtocol
-from ledger.testing import FakeProvider, Fault
+from ledger.testing import Behavior, FakeProvider, Fault
 
 from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
 
@@ -96,6 +96,29 @@ async def test_an_echoed_key_never_leaves_the_adapter(
     assert REDACTED in (result.evidence or "")
     assert SECRET not in caplog.text
     assert any("r-" + protocol in rec.getMessage() for rec in caplog.records)
+
+
+async def test_credential_and_cookie_headers_never_reach_an_observation(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    # Short values that look like no key (which redaction alone would keep), in every header
+    # a credential or a cookie travels in.
+    dropped = {"set-cookie": "s=1", "set-cookie2": "s2=1", "cookie": "c=1",
+               "authorization": "Bearer t0k", "proxy-authorization": "Basic cHJveHk=",
+               "x-api-key": "k1", "x-goog-api-key": "k2", "api-key": "azure1",
+               "x-amz-security-token": "tok"}
+    body = b'{"error": {"message": "slow down", "type": "rate_limit"}}'
+    head = "".join(f"{k}: {v}\r\n" for k, v in dropped.items()).encode()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(
+        b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+        b"x-request-id: req-7\r\n" + head
+        + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body,)))
+    result = await adapter.send(make_route(fake.endpoint("openai"), "openai"),
+                                Envelope(parts=[Part(content="hi")]), profile_id=PROFILE)
+    obs = result.observation
+    assert obs is not None and obs.status == 429
+    assert obs.headers["x-request-id"] == "req-7"  # the rest is kept
+    assert not set(dropped) & set(obs.headers), obs.headers
+    assert not any(v in obs.model_dump_json() for v in ("azure1", "t0k", "s2=1", "c=1"))
 
 
 async def test_huge_error_body_is_capped(adapter: HttpAdapter, fake: FakeProvider) -> None:
