@@ -313,7 +313,7 @@ def _run_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_writer(url: str) -> Any:
+def open_writer(url: str) -> Any:
     """Open an existing ledger to write to it (never a new database by accident)."""
     from ledger.api.facade import Ledger
 
@@ -322,7 +322,7 @@ def _open_writer(url: str) -> Any:
 
 
 def _run_close(args: argparse.Namespace) -> int:
-    led = _open_writer(args.db)
+    led = open_writer(args.db)
     try:
         before = led.get_run(args.run_id)
         rec = led.close_run(args.run_id, status=args.status, reason=args.reason,
@@ -593,7 +593,7 @@ def latency_row(x: Any) -> list[Any]:
 
 
 def _health_clear(args: argparse.Namespace) -> int:
-    led = _open_writer(args.db)
+    led = open_writer(args.db)
     try:
         ev = led.clear_cooldown(args.key, reason=args.reason, group=args.group,
                                 by=operator_name() if args.by is None else args.by)
@@ -667,7 +667,7 @@ def parse_age(text: str) -> float:
 
 def _retention(args: argparse.Namespace) -> int:
     age = parse_age(args.older_than)
-    led = _open_writer(args.db)
+    led = open_writer(args.db)
     try:
         rep = led.drop_history(age, reason=args.reason, dry_run=args.dry_run,
                                by=operator_name() if args.by is None else args.by)
@@ -693,7 +693,7 @@ def _retention(args: argparse.Namespace) -> int:
 def _rollup(args: argparse.Namespace) -> int:
     lag = _span(args.lag, "lag")
     fold = None if args.fold_after == "never" else _span(args.fold_after, "fold-after")
-    led = _open_writer(args.db)
+    led = open_writer(args.db)
     try:
         rep = led.roll_up(lag=lag, max_hours=args.max_hours, fold_after=fold)
     finally:

@@ -80,11 +80,12 @@ def register(subparsers: Any) -> None:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from ledger.api.facade import Ledger
+    from ledger.cli.ops_cmd import open_writer
     from ledger.ops.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S, recover
 
     bar = Progress("recover", wanted(args.progress))
-    with Ledger.open(args.db) as led:
+    # An existing ledger: a wrong --db must not make a new, empty one that "needs nothing".
+    with open_writer(args.db) as led:
         rep = recover(led, executor_id=args.executor,
                       lease_ttl_s=DEFAULT_RECOVERY_TTL_S if args.ttl is None else args.ttl,
                       limit=DEFAULT_LIMIT if args.limit is None else args.limit,
@@ -110,10 +111,11 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _reconcile(args: argparse.Namespace) -> int:
-    from ledger.api.facade import Ledger
+    from ledger.cli.ops_cmd import open_reader
     from ledger.ops.reconcile import reconcile
 
-    with Ledger.open(args.db) as led:
+    # An existing ledger, read as it is: a wrong --db must not pass as a clean, empty one.
+    with open_reader(args.db) as led:
         res = reconcile(led)
     if args.json:
         sys.stdout.write(json.dumps(res.to_json(), indent=2) + "\n")

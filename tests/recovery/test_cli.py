@@ -36,6 +36,18 @@ def test_recover_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert figs["violations"] == [] and figs["recoveries"] == 1 and figs["attempts"] == 1
 
 
+@pytest.mark.parametrize("command", [["recover"], ["recover", "--json"], ["reconcile"]])
+def test_recover_and_reconcile_never_make_a_ledger_where_there_is_none(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    # A mistyped --db (or LEDGER_URL) in a cron job must fail, not report a clean, empty
+    # ledger forever.
+    absent = tmp_path / "typo.db"
+    assert main(["--db", str(absent), *command]) == 1
+    err = capsys.readouterr().err
+    assert "no ledger at" in err and "does not exist" in err
+    assert not absent.exists()
+
+
 def test_recover_help_states_the_library_defaults() -> None:
     from ledger.cli import recover_cmd
     from ledger.ops.recovery import DEFAULT_BATCH, DEFAULT_LIMIT, DEFAULT_RECOVERY_TTL_S
