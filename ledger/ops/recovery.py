@@ -56,7 +56,7 @@ from ledger.domain.validation import (
     methods,
 )
 from ledger.domain.values import new_id
-from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld
+from ledger.errors import DatabaseUnavailable, InvalidArgument, InvalidState, LeaseHeld
 from ledger.storage.recovery import RecoveryQueries, Takeover
 
 DEFAULT_RECOVERY_TTL_S = 30.0
@@ -214,8 +214,9 @@ def recover(
         ledger: The :class:`~ledger.Ledger` (an :class:`~ledger.AsyncLedger` goes with
             :func:`arecover`).
         executor_id: Names the recovering executor (default: a fresh id).
-        lease_ttl_s: The lease the recovering executor takes on each Run (above 0, at most
-            86 400 s).
+        lease_ttl_s: The lease the recovering executor takes on each Run (at most 86 400 s;
+            above the ledger's lease margin unless ``release``, as for
+            :meth:`~ledger.Ledger.acquire_lease`).
         limit: At most this many Runs per pass (at least 1).
         batch: Runs taken over per transaction, 1 to 1000 (default 100): all or none of a
             batch, each Run under its own new fence.
@@ -243,6 +244,11 @@ def recover(
         >>> for run in report.runs:  # doctest: +SKIP
         ...     print(run.run_id, run.route, [a.attempt_id for a in run.unknown])
     """
+    if not release and lease_ttl_s <= ledger.lease_margin_s:
+        raise InvalidArgument(
+            f"lease_ttl_s={lease_ttl_s:g} is not above the lease margin "
+            f"({ledger.lease_margin_s:g}s): the kept lease could start nothing; use a longer "
+            "lease_ttl_s (or release the leases)", field="lease_ttl_s")
     run_ids = None if run_ids is None else list(run_ids)
     executor = executor_id or new_id("recover")
     sleeper = sleeper or SystemSleeper()

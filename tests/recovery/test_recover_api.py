@@ -121,6 +121,25 @@ def test_async_twin(db_url: str) -> None:
     led.close()
 
 
+def test_a_kept_recovery_lease_must_outlast_the_lease_margin(db_url: str) -> None:
+    # A lease no longer than the margin could start nothing: refused as acquire_lease refuses
+    # it, before anything is read or written. Released at once, its length does not matter.
+    clock = ManualClock()
+    led, run = _setup(db_url, clock)
+    lease = led.acquire_lease(run, ttl_s=5)
+    clock.advance(6)
+    for kwargs in ({"lease_ttl_s": led.lease_margin_s}, {"lease_ttl_s": 0.3}):
+        with pytest.raises(InvalidArgument) as e:
+            recover(led, **kwargs)
+        assert e.value.field == "lease_ttl_s" and "lease margin" in str(e.value)
+        with pytest.raises(InvalidArgument):
+            asyncio.run(arecover(AsyncLedger(led), **kwargs))
+    assert led.get_run(run).fence == lease.fence  # nothing was taken over
+    rep = recover(led, lease_ttl_s=0.3, release=True)
+    assert [r.run_id for r in rep.runs] == [run]
+    led.close()
+
+
 def test_orphans_of_a_directly_reacquired_run(db_url: str) -> None:
     """A host that re-acquires an expired lease without recovery leaves the old executor's
     dispatching Attempt behind; recovery marks it unknown without taking the run away."""
