@@ -577,7 +577,7 @@ def latency_headers(what: str) -> list[str]:
     """The columns of a latency table: every outcome's latency, the succeeded attempts'
     alone (``OK``), time to first token and to first byte."""
     return [what, "N", "P50", "P95", "P99", "OK N", "OK P50", "OK P95", "TTFT N", "TTFT P50",
-            "TTFT P95", "TTFT P99", "TTFB P50", "TTFB P95"]
+            "TTFT P95", "TTFT P99", "TTFB P50", "TTFB P95", "TTFB P99"]
 
 
 def latency_row(x: Any) -> list[Any]:
@@ -589,7 +589,7 @@ def latency_row(x: Any) -> list[Any]:
     return [x.key, lat.count if lat else 0, p(lat, "p50"), p(lat, "p95"), p(lat, "p99"),
             ok.count if ok else 0, p(ok, "p50"), p(ok, "p95"),
             ttft.count if ttft else 0, p(ttft, "p50"), p(ttft, "p95"), p(ttft, "p99"),
-            p(ttfb, "p50"), p(ttfb, "p95")]
+            p(ttfb, "p50"), p(ttfb, "p95"), p(ttfb, "p99")]
 
 
 def _health_clear(args: argparse.Namespace) -> int:

@@ -451,6 +451,13 @@ def test_health_carries_the_latency_of_its_window(db_url: str) -> None:
             assert row["OK_N"] == str(lat.count if lat else 0)
             assert row["OK_P50"] == ("-" if lat is None else f"{lat.p50:.3f}")
             assert row["OK_P95"] == ("-" if lat is None else f"{lat.p95:.3f}")
+        # And the time to first byte's three percentiles, as the API reports them.
+        by_route = {x.key: x.first_byte for x in Audit(led).latency(since=T, until=end).routes}
+        assert set(by_route) == set(rows)
+        for key, row in rows.items():
+            fb = by_route[key]
+            for q in ("p50", "p95", "p99"):
+                assert row[f"TTFB_{q.upper()}"] == ("-" if fb is None else f"{getattr(fb, q):.3f}")
 
 
 # -- the same figures in /metrics -------------------------------------------------------------
