@@ -388,16 +388,27 @@ async def test_200_with_error_object_is_a_failure(
     assert "error" in json.loads(obs.body)
 
 
+async def timed_send(fake: FakeProvider, driver: str, limits: StreamingPolicy,
+                     behavior: Behavior | Fault, protocol: str, stream: bool
+                     ) -> tuple[object, list[StreamEvent], float]:
+    """One call with ``behavior`` queued, through a fresh adapter of ``driver`` with
+    ``limits``: (its result, the events delivered, the seconds it took)."""
+    fake.enqueue(behavior)
+    async for a in adapter_for(driver, limits):
+        t0 = time.monotonic()
+        result, events = await send(a, fake, protocol, stream)
+        return result, events, time.monotonic() - t0
+    raise AssertionError("no adapter")  # pragma: no cover
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_total_deadline_bounds_an_endless_answer(fake: FakeProvider, stream: bool,
                                                        driver: str) -> None:
     limits = FAST.model_copy(update={"total_timeout_s": 0.6, "read_timeout_s": 1.0})
-    fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
-    async for a in adapter_for(driver, limits):
-        t0 = time.monotonic()
-        result, _ = await send(a, fake, "anthropic", stream)
-        elapsed = time.monotonic() - t0
+    result, _, elapsed = await timed_send(fake, driver, limits,
+                                          Behavior(fault=Fault.TRICKLE, delay_s=0.05),
+                                          "anthropic", stream)
     obs = result.observation  # type: ignore[attr-defined]
     assert (obs.transport, obs.phase) == (Transport.TOTAL_TIMEOUT, Phase.MID_STREAM)
     assert obs.effective_output is stream
@@ -418,11 +429,8 @@ PATIENT_BUT_FIRST = PATIENT_BUT_IDLE.model_copy(update={"idle_timeout_s": 10.0,
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_stall_after_content_ends_by_the_idle_limit_not_a_longer_read_limit(
         fake: FakeProvider, driver: str, protocol: str) -> None:
-    fake.enqueue(Fault.STALL)
-    async for a in adapter_for(driver, PATIENT_BUT_IDLE):
-        t0 = time.monotonic()
-        result, events = await send(a, fake, protocol, True)
-        elapsed = time.monotonic() - t0
+    result, events, elapsed = await timed_send(fake, driver, PATIENT_BUT_IDLE, Fault.STALL,
+                                               protocol, True)
     obs = result.observation  # type: ignore[attr-defined]
     assert (obs.transport, obs.phase) == (Transport.STREAM_STALL, Phase.MID_STREAM)
     assert obs.effective_output and any(isinstance(e, TextDelta) for e in events)
@@ -433,11 +441,9 @@ async def test_a_stall_after_content_ends_by_the_idle_limit_not_a_longer_read_li
 @pytest.mark.parametrize("fault", [Fault.NO_RESPONSE, Fault.SLOW_FIRST_TOKEN])
 async def test_a_silent_model_ends_by_the_first_token_limit_not_a_longer_read_limit(
         fake: FakeProvider, driver: str, fault: Fault) -> None:
-    fake.enqueue(Behavior(fault=fault, delay_s=30.0))
-    async for a in adapter_for(driver, PATIENT_BUT_FIRST):
-        t0 = time.monotonic()
-        result, events = await send(a, fake, "openai", True)
-        elapsed = time.monotonic() - t0
+    result, events, elapsed = await timed_send(fake, driver, PATIENT_BUT_FIRST,
+                                               Behavior(fault=fault, delay_s=30.0), "openai",
+                                               True)
     obs = result.observation  # type: ignore[attr-defined]
     assert obs.transport is Transport.FIRST_TOKEN_TIMEOUT
     assert obs.phase is (Phase.AFTER_SEND if fault is Fault.NO_RESPONSE else Phase.AFTER_HEADERS)
@@ -457,9 +463,9 @@ SHORT_READ = StreamingPolicy(connect_timeout_s=10.0, read_timeout_s=0.3,
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_stream_waits_for_its_first_token_by_that_limit_not_a_shorter_read_limit(
         fake: FakeProvider, driver: str, protocol: str) -> None:
-    fake.enqueue(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=0.9))
-    async for a in adapter_for(driver, SHORT_READ):
-        result, events = await send(a, fake, protocol, True)
+    result, events, _ = await timed_send(fake, driver, SHORT_READ,
+                                         Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=0.9),
+                                         protocol, True)
     assert result.ok, result.observation  # type: ignore[attr-defined]
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == FULL_TEXT
 
@@ -470,11 +476,9 @@ async def test_a_streams_gaps_are_held_to_the_idle_limit_not_a_shorter_read_limi
     # Content every 0.6 s, forever: only the total limit (2 s) may end it, never the read
     # limit (0.3 s) as a stall.
     limits = SHORT_READ.model_copy(update={"total_timeout_s": 2.0})
-    fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.6))
-    async for a in adapter_for(driver, limits):
-        t0 = time.monotonic()
-        result, events = await send(a, fake, "openai", True)
-        elapsed = time.monotonic() - t0
+    result, events, elapsed = await timed_send(fake, driver, limits,
+                                               Behavior(fault=Fault.TRICKLE, delay_s=0.6),
+                                               "openai", True)
     obs = result.observation  # type: ignore[attr-defined]
     assert (obs.transport, obs.phase) == (Transport.TOTAL_TIMEOUT, Phase.MID_STREAM)
     assert any(isinstance(e, TextDelta) for e in events)
@@ -486,11 +490,9 @@ async def test_a_streams_gaps_are_held_to_the_idle_limit_not_a_shorter_read_limi
 async def test_the_status_line_is_still_held_to_the_read_limit(
         fake: FakeProvider, driver: str, stream: bool) -> None:
     # Before any answer, a stream too waits at most read_timeout_s for the provider's status.
-    fake.enqueue(Behavior(fault=Fault.NO_RESPONSE, delay_s=30.0))
-    async for a in adapter_for(driver, SHORT_READ):
-        t0 = time.monotonic()
-        result, _ = await send(a, fake, "openai", stream)
-        elapsed = time.monotonic() - t0
+    result, _, elapsed = await timed_send(fake, driver, SHORT_READ,
+                                          Behavior(fault=Fault.NO_RESPONSE, delay_s=30.0),
+                                          "openai", stream)
     obs = result.observation  # type: ignore[attr-defined]
     assert (obs.transport, obs.phase) == (Transport.READ_TIMEOUT, Phase.AFTER_SEND)
     assert 0.27 <= elapsed < 3.0
