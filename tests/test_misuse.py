@@ -255,6 +255,15 @@ CASES: list[Case] = [
     C("admit plan entry without group", "plan[0].group", "pass it",
       lambda f: _admit(f, plan=[{"id": "x", "provider": "p", "model": "m",
                                  "recipient": "r1", "price": {}}])),
+    C("admit endpoint with user:password", "plan[1].endpoint", "credential profile",
+      lambda f: _admit(f, plan=[routes()[0], routes()[1].model_copy(update={
+          "endpoint": "https://egress:hunter2-pw@gw.example.com/v1"})])),
+    C("admit endpoint with a key parameter", "plan[0].endpoint", "api_key_env",
+      lambda f: _admit(f, plan=[routes()[0].model_copy(update={
+          "endpoint": "https://generativelanguage.googleapis.com/v1beta?key=AIzaSyA-abcdef"})])),
+    C("admit endpoint with a key-shaped token", "plan[0].endpoint", "api_key_env",
+      lambda f: _admit(f, plan=[routes()[0].model_copy(update={
+          "endpoint": "https://gw.example.com/sk-proj-abcdefghijklmnopqrstuvwx0123/v1"})])),
     C("admit grant typo", "grant.recipient", "recipients",
       lambda f: _admit(f, grant={"recipient": {}})),
     C("admit deadline NaN", "deadline", "finite", lambda f: _admit(f, deadline=NAN)),
@@ -571,6 +580,23 @@ def test_every_misuse_is_the_same_typed_error_naming_the_field_and_writes_nothin
             if problem:
                 failures.append(problem)
     assert not failures, "\n".join(failures)
+
+
+def test_a_credential_in_an_endpoint_is_refused_without_being_repeated_or_stored(
+        ledger: Ledger) -> None:
+    # The frozen plan is stored as given and read by every auditor (docs/auditor-role.md).
+    secret = "hunter2-pw-0123"
+    for endpoint in (f"https://egress:{secret}@gw.example.com/v1",
+                     f"https://gw.example.com/v1?api-version=1&api_key={secret}"):
+        route = routes()[0].model_copy(update={"endpoint": endpoint})
+        with pytest.raises(InvalidArgument) as e:
+            ledger.admit_run("leaky", plan=[route], budget=BUDGET, grant=GRANT)
+        assert secret not in str(e.value) and e.value.field == "plan[0].endpoint"
+        assert secret not in repr(_dump(ledger))
+    # A query without a credential is no credential (Azure OpenAI's api-version).
+    plain = routes()[0].model_copy(update={
+        "endpoint": "https://acct.openai.azure.com/openai/deployments/d?api-version=2024-10-21"})
+    ledger.admit_run("plain", plan=[plain], budget=BUDGET, grant=GRANT)
 
 
 def test_every_misuse_is_the_same_on_the_async_face(ledger: Ledger) -> None:

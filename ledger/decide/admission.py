@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Annotated, Any, Required, cast
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import Field, SkipValidation
 from typing_extensions import TypedDict
@@ -22,6 +23,7 @@ from ledger.domain.validation import As, Id, Problem, Text, Time, rule
 from ledger.domain.values import Budget, Grant, Route, content_hash
 from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
+from ledger.redaction import redact
 
 # Classes a run may send to every recipient of its plan when the caller passes no grant.
 DEFAULT_GRANT_CLASSES = ("user_input", "system", "tool_description")
@@ -123,8 +125,13 @@ def keyless_ids(value: Collection[str] | bool, plan: Sequence[Route]) -> frozens
     return frozenset(value)
 
 
+#: Query parameters that carry a credential in the URLs of LLM APIs and their gateways.
+_CREDENTIAL_PARAMS = frozenset({"key", "api_key", "apikey", "api-key", "access_token", "token",
+                                "password", "secret", "client_secret", "sig", "signature"})
+
+
 def validate_plan(plan: Sequence[Route]) -> None:
-    """A non-empty plan of Routes with unique ids."""
+    """A non-empty plan of Routes with unique ids, and no credential in an endpoint."""
     if not plan:
         raise InvalidArgument("the candidate plan is empty; pass at least one Route", field="plan")
     seen: set[str] = set()
@@ -136,6 +143,37 @@ def validate_plan(plan: Sequence[Route]) -> None:
             raise InvalidArgument(f"route id {r.id!r} appears twice in the plan; ids must be "
                                   "unique", field="plan")
         seen.add(r.id)
+        where = _credential_in(r.endpoint)
+        if where is not None:
+            # Refused before anything is written: the frozen plan is stored as given and read
+            # by every auditor. The message does not repeat the URL.
+            raise InvalidArgument(
+                f"route {r.id!r} endpoint carries a credential ({where}); it would be stored "
+                "with the Run's frozen plan: remove it from the URL and give the key through a "
+                "credential profile or api_key_env", field=f"plan[{i}].endpoint")
+
+
+def _credential_in(endpoint: str | None) -> str | None:
+    """Where ``endpoint`` carries a credential, or ``None``.
+
+    User info, a credential query parameter, or a key-shaped token anywhere in it.
+    """
+    if not endpoint:
+        return None
+    try:
+        parts = urlsplit(endpoint)
+        userinfo = parts.username is not None or parts.password is not None
+    except ValueError:
+        return None  # not a URL: the adapter refuses it (cannot_build), with nothing in it
+    if userinfo:
+        return "user:password@ in the URL"
+    named = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)
+                    if k.lower() in _CREDENTIAL_PARAMS})
+    if named:
+        return f"the query parameter {named[0]!r}"
+    if redact(endpoint) != endpoint:
+        return "a key-shaped token"
+    return None
 
 
 def default_grant(plan: Sequence[Route]) -> Grant:
