@@ -259,6 +259,10 @@ class Store:
         Raises what the database answered when it is no resolution (a lapsed lease for an
         exit, ...), and :class:`~ledger.errors.DatabaseUnavailable` (it stays).
         """
+        # A begin is remembered only when it was never sent; an exit, every time a session
+        # ends, so its first try succeeding is routine (a lost acknowledgement on the way is
+        # logged by resolving()).
+        news = isinstance(item, UnresolvedBegin) or item.tried
         try:
             if isinstance(item, UnresolvedBegin):
                 out = yield from self._unsent(item, clock)
@@ -269,7 +273,8 @@ class Store:
                 self.pending.drop(item)
             raise
         self.pending.drop(item)
-        log.warning("%s: resolved (%s)", _what(item), out.value)
+        log.log(logging.WARNING if news else logging.DEBUG, "%s: resolved (%s)", _what(item),
+                out.value)
         return out
 
     def _unsent(self, item: UnresolvedBegin, clock: ClockFn) -> Flow[Resolution]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from decimal import Decimal
 
 import pytest
@@ -62,6 +63,17 @@ def test_a_session_admits_leases_finishes_and_releases(db_url: str, fake: FakePr
                                                         budget=BUDGET, grant=GRANT):
             pass
         assert led.get_run("task-1").lease_holder is None
+
+
+def test_a_clean_session_logs_nothing_at_warning(db_url: str, fake: FakeProvider,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # A WARNING is news an operator may alert on (a lost acknowledgement and how it was
+    # resolved: docs/operations.md); a session that entered, turned and left is none.
+    caplog.set_level(logging.DEBUG, logger="ledger")
+    with Ledger.open(db_url) as led, led.run("quiet", plan=plan(fake), budget=BUDGET,
+                                             grant=GRANT) as run:
+        run.turn(Envelope(parts=[Part(content="hello")]))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_a_block_that_raises_finishes_the_run_failed(db_url: str, fake: FakeProvider) -> None:
