@@ -573,6 +573,11 @@ def latency_title(lat: Any, now: float) -> str:
             + (f"; {filters}" if filters else "; every outcome") + ")")
 
 
+#: Every AttemptState's value, spelled here so that parsing a command's arguments does not
+#: import the domain's records (tests/audit/test_cli.py holds them equal).
+ATTEMPT_STATES = ["dispatching", "succeeded", "failed", "unknown", "rejected", "not_sent"]
+
+
 def latency_headers(what: str) -> list[str]:
     """The columns of a latency table: every outcome's latency, the succeeded attempts'
     alone (``OK``), time to first token and to first byte."""
@@ -843,7 +848,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--route")
     p.add_argument("--group")
     p.add_argument("--state", "--outcome", dest="state",
-                   choices=["dispatching", "succeeded", "failed", "unknown", "rejected"])
+                   choices=ATTEMPT_STATES)
     p.add_argument("--category", help="failure category, e.g. rate_limit")
     p.add_argument("--open", action="store_true",
                    help="only unknown and still-dispatching attempts, with their lease")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -533,10 +534,13 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         if raw is None:
             return default
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
-            raise InvalidArgument(f"query parameter {name} must be a number",
-                                  field=name) from None
+            value = math.nan
+        if not math.isfinite(value):  # "inf" and 1e400 are floats too; int() of one raises
+            raise InvalidArgument(f"query parameter {name} must be a finite number",
+                                  field=name)
+        return value
 
     def _refresh(request: Request) -> int:
         value = int(_num(request, "refresh", refresh_s))

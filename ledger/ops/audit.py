@@ -1492,7 +1492,9 @@ class Audit:
         """
         t = self.now() if now is None else now
         m = self._series.metrics_totals(t, DURATION_BUCKETS)
-        cooldowns = {"route": 0, "profile": 0, "group": 0}
+        # Every kind always has its series (0 when nothing of it cools): an alert on one that
+        # appears only while something cools would see no data, not 0.
+        cooldowns = {"route": 0, "profile": 0, "provider": 0, "group": 0}
         for r in m["cooling"]:
             cooldowns[str(r["kind"])] = int(r["n"])
         cooldowns["group"] = sum(int(r["n"]) for r in m["groups"])

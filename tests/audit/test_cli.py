@@ -280,3 +280,10 @@ def test_cli_on_postgres(pg_url: str) -> None:
     assert (doc["served_route"], doc["failed_over"]) == ("C", True)
     fo = json.loads(ok("--db", pg_url, "failovers", "--json", *SINCE))
     assert [f["run_id"] for f in fo["items"]] == ["r6", "r1"]
+
+
+def test_attempts_can_be_listed_by_every_outcome() -> None:
+    from ledger.cli.ops_cmd import ATTEMPT_STATES
+    from ledger.domain.records import AttemptState
+
+    assert [s.value for s in AttemptState] == ATTEMPT_STATES

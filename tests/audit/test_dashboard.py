@@ -186,6 +186,17 @@ def test_latency_page_and_json_filter_by_route_group_category_tenant_outcome(
     assert bad.status_code == 400 and "category" in bad.json()["error"]
 
 
+def test_a_number_that_is_not_finite_is_a_bad_request_not_a_server_error(
+        seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        for path, name in (("/", "hours"), ("/", "refresh"), ("/api/activity", "buckets"),
+                           ("/api/runs", "limit"), ("/api/costs/days", "days")):
+            for value in ("inf", "-inf", "1e400", "nan", "ten"):
+                r = c.get(path, params={name: value})
+                assert r.status_code == 400, (path, name, value, r.status_code)
+                assert name in r.text
+
+
 def test_pages_refresh_themselves_as_configured(seeded_url: str) -> None:
     with _client(seeded_url) as c:
         assert '<meta http-equiv="refresh" content="30">' in c.get("/").text
@@ -254,7 +265,9 @@ def test_metrics_endpoint_is_prometheus_text(seeded_url: str) -> None:
     cooling = _by(families["ledger_cooldowns_active"], "active", "ledger_kind")
     keys = health["routes"] + health["profiles"]
     assert cooling == {
-        ("route",): sum(k["status"] != "ok" for k in health["routes"]),
+        ("route",): sum(k["status"] != "ok" for k in health["routes"] if k["kind"] == "route"),
+        ("provider",): sum(k["status"] != "ok" for k in health["routes"]
+                           if k["kind"] == "provider"),
         ("profile",): sum(k["status"] != "ok" for k in health["profiles"]),
         ("group",): sum(g["mode"] != "open" for g in health["groups"])}
     assert cooling[("group",)] == 1 and keys  # g3, held by the operator
