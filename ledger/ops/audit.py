@@ -235,12 +235,12 @@ class Wait:
 class RunTimeline:
     """A Run's whole story: its attempts in order, its own events, where it was served.
 
-    ``failed_over`` is true when it was served elsewhere than its selected route, or the
-    selector moved it; ``total_cost`` is what its budget was charged (``run.posted``: its
-    attempts' posted debits) and ``held`` what its holds still reserve (``run.reserved``: its
-    unknown and in-flight attempts), also once retention has dropped its attempts. An
-    attempt's own ``cost`` is the cost the provider reported, which may differ (none
-    reported: the whole hold was posted).
+    ``failed_over`` is true when it was served elsewhere than its selected route at any of its
+    turns, or the selector moved it (as :meth:`Audit.failovers` counts it); ``total_cost`` is
+    what its budget was charged (``run.posted``: its attempts' posted debits) and ``held``
+    what its holds still reserve (``run.reserved``: its unknown and in-flight attempts), also
+    once retention has dropped its attempts. An attempt's own ``cost`` is the cost the
+    provider reported, which may differ (none reported: the whole hold was posted).
     """
 
     run: RunSummary
@@ -939,7 +939,10 @@ class Audit:
                 reasoning_tokens=a["reasoning_tokens"],
             ))
         run = _run(run_row)
-        failed_over = (served is not None and served != run.selected_route) or any(
+        # The Run's own mark (set by the write that made it one, at any of its turns, and kept
+        # through retention), which the failover page and count read too.
+        failed_over = bool(run_row["failed_over"]) or (
+            served is not None and served != run.selected_route) or any(
             e.kind == "move" for e in events)
         stops = [_stop(e) for e in events if e.kind == "stop"]
         waits = [_wait(e) for e in events if e.kind in ("capacity_wait", "wait")]

@@ -81,7 +81,7 @@ _RUN_COLS = (
 
 # A Run's timeline, the audit's most frequent read, built once: building a statement and its
 # cache key each call cost a third of the read's client CPU.
-_TIMELINE_RUN = select(*(s.runs.c[c] for c in _RUN_COLS)).where(
+_TIMELINE_RUN = select(*(s.runs.c[c] for c in _RUN_COLS), s.runs.c.failed_over).where(
     s.runs.c.run_id == bindparam("run_id"))
 _TIMELINE_ATTEMPTS = (
     select(s.attempts, s.debits.c.state.label("debit_state"),

@@ -56,6 +56,26 @@ def test_timeline_tells_which_route_served_and_why(audit: Audit) -> None:
     assert first.created_at == T0 + 1 and first.settled_at == T0 + 2
 
 
+def test_the_timeline_and_the_failover_page_agree_on_a_run_served_elsewhere_once(
+        db_url: str) -> None:
+    # Its first turn served by another route than the selected one (as when the selected one
+    # is cooling: a skip, no move), its last by the selected one: a failover, on every view.
+    from tests.storage.helpers import budget, grant, routes
+
+    with Ledger.open(db_url) as led:
+        led.admit_run("once", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("once")
+        for route in ("b", "a"):
+            att = led.begin_attempt(lease, route=route, envelope_hash="sha256:e",
+                                    reserve="0.01")
+            led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        au = Audit(led)
+        tl = au.timeline("once")
+        assert tl.served_route == "a" and tl.failed_over is True
+        assert [f.run_id for f in au.failovers().items] == ["once"]
+        assert au.count_failovers() == 1
+
+
 def test_timeline_retry_unknown_and_dispatching(audit: Audit) -> None:
     r3 = audit.timeline("r3")
     assert [(a.route_id, a.kind, a.state) for a in r3.attempts] == [
