@@ -19,7 +19,7 @@ from typing_extensions import TypedDict
 
 from ledger.domain.records import FrozenRun, LeaseArg, to_micros
 from ledger.domain.specs import AdmitSpec
-from ledger.domain.validation import As, Id, Problem, Text, Time, rule
+from ledger.domain.validation import As, Id, LabelKey, Problem, Text, Time, rule
 from ledger.domain.values import Budget, Grant, Route, content_hash
 from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
@@ -60,7 +60,7 @@ class Terms(TypedDict, total=False):
     policy: SkipValidation[Policy | str | Mapping[str, Any] | None]
     parent: LeaseArg | None
     tenant: Id | None
-    labels: Mapping[Id, Text] | None
+    labels: Mapping[LabelKey, Text] | None
     deadline: Time | None
     selected_route: Id | None
     keyless_ok: Annotated[Collection[str] | bool, _keyless]

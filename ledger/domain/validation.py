@@ -184,6 +184,21 @@ as_id = text(MAX_ID_LENGTH, empty=False, fix="pass a non-empty string such as 'r
 """An identifier: 1 to 200 printable characters, not only whitespace (the rule of :data:`Id`)."""
 
 
+def _label_key(value: Any) -> str:
+    key: str = as_id(value)
+    if '"' in key or "\\" in key:
+        # SQLite reads a label as json_extract(labels, '$."key"'): a quote or a backslash in
+        # the key would end or escape that path, so no total by the label could read it.
+        raise Problem("contains a double quote or a backslash",
+                      "use a label key without them, e.g. 'team'")
+    return key
+
+
+label_key = Rule(_label_key, before=True)
+"""A Run label's key: an identifier (:data:`Id`) without ``"`` or ``\\``, so that the audit can
+total and split budgets by it on both databases (the rule of :data:`LabelKey`)."""
+
+
 def is_id(value: Any) -> bool:
     """Whether ``value`` is an identifier (:data:`Id`)."""
     try:
@@ -317,6 +332,8 @@ Id = Annotated[StrictStr, as_id]
 """An identifier: 1 to 200 printable characters, not only whitespace."""
 Text = Annotated[StrictStr, text()]
 """A short printable text (a name, a reason): at most 200 characters."""
+LabelKey = Annotated[StrictStr, label_key]
+"""A Run label's key (:data:`label_key`)."""
 _WHY = ("say why, e.g. 'provider confirmed the incident is over' (kept with the action for the "
         "audit)")
 Reason = Annotated[StrictStr, text(empty=False, fix=_WHY)]
@@ -733,6 +750,7 @@ __all__ = [
     "Id",
     "IdList",
     "Instant",
+    "LabelKey",
     "Money",
     "Problem",
     "Reason",
@@ -752,6 +770,7 @@ __all__ = [
     "instance",
     "integers",
     "is_id",
+    "label_key",
     "listing",
     "methods",
     "money",

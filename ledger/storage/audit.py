@@ -22,7 +22,6 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from sqlalchemy import (
     union_all,
 )
 
+from ledger.domain.validation import Problem, label_key
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
@@ -94,7 +94,6 @@ _TIMELINE_EVENTS = (
 
 # Event kinds the timeline shows; lease renewals and admission bookkeeping are included too
 # because an auditor reading one run wants the whole story, and one run has few events.
-_LABEL_KEY = re.compile(r"^[A-Za-z0-9_.:/-]{1,100}$")
 
 
 def parse_cursor(cursor: str | None) -> tuple[float, str] | None:
@@ -262,10 +261,11 @@ class AuditQueries:
         return runs, atts, moves, nxt
 
     def _label_expr(self, key: str, labels: Any = None) -> ColumnElement[Any]:
-        if not _LABEL_KEY.match(key):
-            raise InvalidArgument(
-                f"label key {key!r} is not valid; use letters, digits and _ . : / -", field="label"
-            )
+        try:
+            label_key(key)  # any key a Run may carry (admission holds it to the same rule)
+        except Problem as e:
+            raise InvalidArgument(f"label key {key!r} {e.problem}; {e.fix}",
+                                  field="label") from None
         expr: ColumnElement[Any] = self.ctx.label(key, labels)
         return expr
 

@@ -10,6 +10,7 @@ timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -94,8 +95,19 @@ class SqliteContext(SqlContext):
         return cast((col - since) / width, Integer)
 
     def label(self, key: str, labels: Any = None) -> Any:
-        """``json_extract`` of the labels' JSON text."""
-        return func.json_extract(s.runs.c.labels if labels is None else labels, f'$."{key}"')
+        """``json_extract`` of the labels' JSON text.
+
+        The labels are stored with non-ASCII characters escaped (``\\u00e9``), and SQLite
+        before 3.45 matches a path's key against the stored text as it is, later versions
+        against its meaning: a key beyond ASCII is looked up both ways (a Run's label values
+        are strings, never a JSON ``null``).
+        """
+        doc = s.runs.c.labels if labels is None else labels
+        escaped = json.dumps(key)[1:-1]
+        if escaped == key:
+            return func.json_extract(doc, f'$."{key}"')
+        return func.coalesce(func.json_extract(doc, f'$."{key}"'),
+                             func.json_extract(doc, f'$."{escaped}"'))
 
     def json_text(self, col: Any, *path: str) -> Any:
         """``json_extract`` at the quoted path, as text."""

@@ -207,9 +207,33 @@ def test_cost_and_token_totals(audit: Audit) -> None:
     rest = audit.costs(by="run", limit=4, cursor=page.next_cursor)
     assert [t.key for t in rest.items] == ["r4", "r5"] and rest.next_cursor is None
     with pytest.raises(InvalidArgument, match="label key"):
-        audit.costs(by="label", label="te'am")
+        audit.costs(by="label", label='te"am')
     with pytest.raises(InvalidArgument, match="cannot total by"):
         audit.costs(by="color")
+
+
+def test_every_label_key_a_run_may_carry_can_be_totalled(db_url: str) -> None:
+    # Admission and the audit hold label keys to one rule: spaces, quotes of one kind, other
+    # scripts and long keys are fine; a double quote or a backslash is refused at admission.
+    from tests.storage.helpers import budget, grant, routes
+
+    keys = ["cost center", "team's", "équipe", "k" * 200]
+    with Ledger.open(db_url) as led:
+        led.admit_run("lab", plan=routes(), budget=budget(), grant=grant(),
+                      labels={k: f"v{i}" for i, k in enumerate(keys)})
+        lease = led.acquire_lease("lab")
+        att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.002")
+        au = Audit(led)
+        for i, key in enumerate(keys):
+            assert [(t.key, t.cost) for t in au.costs(by="label", label=key).items] == [
+                (f"v{i}", _d("0.002"))]
+            assert [s.key for s in au.spend(by="label", label=key).items] == [f"v{i}"]
+        for bad in ('te"am', "a\\b"):
+            with pytest.raises(InvalidArgument) as e:
+                led.admit_run("bad", plan=routes(), budget=budget(), grant=grant(),
+                              labels={bad: "v"})
+            assert e.value.field == f"labels[{bad!r}]"
 
 
 def test_unknown_and_unsettled_attempts(audit: Audit) -> None:

@@ -202,7 +202,7 @@ def test_pages_of_keys_cover_every_key_once_in_the_same_order(ledger: Ledger) ->
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"by": "route"}, "by"),
     ({"by": "label"}, "label"),
-    ({"by": "label", "label": "bad key!"}, "label"),
+    ({"by": "label", "label": 'bad "key"'}, "label"),
     ({"since": T0 + 10, "until": T0}, "until"),
     ({"every": 86400.0}, "since"),
     ({"every": 30, "since": T0}, "every"),
