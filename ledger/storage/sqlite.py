@@ -98,9 +98,9 @@ class SqliteContext(SqlContext):
         """``json_extract`` of the labels' JSON text.
 
         The labels are stored with non-ASCII characters escaped (``\\u00e9``), and SQLite
-        before 3.45 matches a path's key against the stored text as it is, later versions
-        against its meaning: a key beyond ASCII is looked up both ways (a Run's label values
-        are strings, never a JSON ``null``).
+        3.40 matches a path's key against the stored text as it is (an escaped key is found
+        only by its escaped spelling): a key beyond ASCII is looked up both ways, so either
+        rule finds it (a Run's label values are strings, never a JSON ``null``).
         """
         doc = s.runs.c.labels if labels is None else labels
         escaped = json.dumps(key)[1:-1]
