@@ -57,6 +57,7 @@ from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
+from ledger.integrations._run import RunLink
 
 try:
     from pydantic_ai import RunContext
@@ -411,6 +412,12 @@ class LedgerModel(Model):
         self.run = run
         self.tool_data_class = tool_data_class
         self.document_data_class = document_data_class
+        # The check the integrations make before a turn (RunLink.guard): a request an earlier
+        # executor sent without a receipt is never sent again. A request the Run stopped may
+        # be asked again here (pydantic-ai retries no model call by itself), so its stop is
+        # not remembered as LangChain's and the Agents SDK's are.
+        self._link = RunLink(run, who="LedgerModel", tool_data_class=tool_data_class,
+                             document_data_class=document_data_class, need_async=True)
         self._model_name = model_name
         self._results: dict[str, Part] = {}  # tool-call id -> its result, as recorded
         self._documents: set[str] = set()  # content hashes of uploads recorded as provenance
@@ -442,7 +449,11 @@ class LedgerModel(Model):
         """Serve one request of the agent as one turn of the Run (buffered)."""
         settings, params = self.prepare_request(model_settings, model_request_parameters)
         envelope = await self.envelope(messages, settings, params, stream=False)
-        result = await self.run.turn(envelope)
+        turn_id = await self._link.guard(envelope)
+        try:
+            result = await self.run.turn(envelope, turn_id=turn_id)
+        finally:
+            self._link.sent(envelope, turn_id, None)
         return _Answer.of(self.run.run_id, result).response()
 
     @asynccontextmanager
@@ -458,12 +469,15 @@ class LedgerModel(Model):
         """
         settings, params = self.prepare_request(model_settings, model_request_parameters)
         envelope = await self.envelope(messages, settings, params, stream=True)
+        turn_id = await self._link.guard(envelope)
         events: asyncio.Queue[Any] = asyncio.Queue()
 
         async def drive() -> Any:
             try:
-                return await self.run.turn(envelope, on_event=events.put_nowait)
+                return await self.run.turn(envelope, on_event=events.put_nowait,
+                                           turn_id=turn_id)
             finally:
+                self._link.sent(envelope, turn_id, None)
                 events.put_nowait(_DONE)
 
         task = asyncio.ensure_future(drive())

@@ -476,3 +476,63 @@ def test_an_agent_resumes_a_crashed_run_from_the_history_it_kept(
     # The second request carried the crashed session's tool call and this one's result.
     messages = fake.requests[-1].json["messages"]
     assert [m["role"] for m in messages][-2:] == ["assistant", "tool"]
+
+
+CHILD_IN_CALL = r"""
+import asyncio, json, os, sys
+from pydantic_ai import Agent
+from ledger import AsyncLedger, Budget, Grant, Route
+from ledger.integrations.pydantic_ai import LedgerModel
+
+async def main():
+    routes = [Route.model_validate(r) for r in json.loads(os.environ["PLAN"])]
+    led = await AsyncLedger.open(sys.argv[1])
+    run = await led.run("in-call", plan=routes,
+                        budget=Budget.model_validate_json(os.environ["BUDGET"]),
+                        grant=Grant.model_validate_json(os.environ["GRANT"])).__aenter__()
+    agent = Agent(LedgerModel(run))
+    if sys.argv[3] == "stream":
+        async with agent.run_stream(sys.argv[2]) as streamed:
+            await streamed.get_output()
+    else:
+        await agent.run(sys.argv[2])
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_whose_executor_died_after_sending_is_never_sent_again(
+        db_url: str, fake: FakeProvider, stream: bool) -> None:
+    # The provider answered; the process died (the named crash point after the send) before
+    # the ledger settled the Attempt. The agent asks the same again, the same way, in a new
+    # process.
+    routes = plan(fake)
+    question = "Compare the two filings."
+    env = dict(os.environ, PYTHONPATH=str(REPO), LEDGER_FAULTS="dispatch.after_send",
+               PLAN=json.dumps([r.model_dump(mode="json") for r in routes]),
+               BUDGET=BUDGET.model_dump_json(), GRANT=GRANT.model_dump_json())
+    child = subprocess.run([sys.executable, "-c", CHILD_IN_CALL, db_url, question,
+                            "stream" if stream else "whole"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -9, child.stderr
+    assert len(fake.requests) == 1
+
+    async def main() -> None:
+        clock = ManualClock(start=time.time() + 3600)  # the crashed lease lapsed
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            with pytest.raises(FailoverExhausted) as ei:
+                async with led.run("in-call", plan=routes, budget=BUDGET, grant=GRANT) as run:
+                    agent = Agent(LedgerModel(run))
+                    if stream:
+                        async with agent.run_stream(question) as streamed:
+                            await streamed.get_output()
+                    else:
+                        await agent.run(question)
+            [att] = await led.timeline("in-call")
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [att.attempt_id]
+            assert att.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING)
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1  # never sent again
