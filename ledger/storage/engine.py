@@ -45,8 +45,10 @@ def normalize_url(url: str) -> str:
 def redact_url(url: str) -> str:
     """The URL without its password (in its user part or as ``password=``), for messages
     and logs."""
-    url = re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
+    # A user part may hold no user name (``://:secret@host``); libpq reads option names in any
+    # case, so ``Password=`` is one too.
+    url = re.sub(r"(://[^:/@?#]*):[^@/?#]*@", r"\1:***@", url)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
 
 
 def parse(url: str) -> tuple[str, URL]:

@@ -19,7 +19,8 @@ read-write`` unless it says otherwise, so a connection never lands on a standby.
 
 Nothing here resolves a name or opens a socket: a URL that cannot be read (a port that is not
 a number, a host that is not a host name, an address or a socket directory, a count of ports
-that fits no count of hosts, an option libpq does not know) is refused with
+that fits no count of hosts, an option libpq does not know or a value it would refuse when it
+connects, the database, user or password named twice) is refused with
 :class:`~ledger.errors.InvalidArgument` naming what is wrong, before any lookup — a mis-split
 ``host=127.0.0.1:5432`` is never looked up as a host name.
 """
@@ -78,6 +79,8 @@ def _host(text: str, where: str) -> tuple[str, str | None]:
     bracketed = _BRACKETED.fullmatch(text)
     if bracketed is not None:
         host, port = bracketed["host"], bracketed["port"]
+        if ":" not in host:  # brackets are for an IPv6 address; anything else is no host
+            raise _refuse(where, f"host {text!r} is in brackets but is not an IPv6 address")
     elif text.count(":") >= 2:
         host, port = text, None  # an IPv6 address without a port
     else:
@@ -96,6 +99,32 @@ def _host(text: str, where: str) -> tuple[str, str | None]:
     return host, None if port is None else _port(port, where)
 
 
+# The values libpq accepts for the connection options the ledger's users set most; libpq
+# itself checks them only when it connects, and its refusal then reads as an outage.
+_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby",
+                             "prefer-standby"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "load_balance_hosts": ("disable", "random"),
+}
+_WHOLE_NUMBERS = ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval",
+                  "keepalives_count", "tcp_user_timeout")
+
+
+def _option(key: str, value: str, where: str) -> str:
+    """``value`` of the connection option ``key``, checked where libpq would refuse it only
+    when it connects."""
+    choices = _CHOICES.get(key)
+    if choices is not None and value not in choices:
+        raise _refuse(where, f"{key}={value!r} is not one of {', '.join(choices)}", hosts=False)
+    if key in _WHOLE_NUMBERS and not (value.isascii() and value.isdigit()):
+        raise _refuse(where, f"{key}={value!r} is not a whole number of seconds (or a count)",
+                      hosts=False)
+    return value
+
+
 def hosts_to_query(norm: str, where: str) -> str:
     """``norm`` (a ``postgresql+psycopg://`` URL) with several hosts in its authority
     rewritten as libpq's ``?host=...&port=...`` lists; any other URL as it is."""
@@ -106,6 +135,8 @@ def hosts_to_query(norm: str, where: str) -> str:
     assert parts is not None  # every part is optional
     user, hostlist, tail = parts["user"] or "", parts["hosts"], parts["tail"]
     if "," not in hostlist:
+        if hostlist.startswith("["):
+            _host(hostlist, where)  # SQLAlchemy drops the brackets: check them while they show
         return norm
     hosts, ports = [], []
     for entry in _split_hosts(hostlist):
@@ -164,7 +195,12 @@ def conninfo(parsed: URL, where: str, *, reads: bool = False) -> str:
         if not isinstance(given, str):
             raise _refuse(where, f"parameter {key!r} is given {len(given)} times; give it once",
                           hosts=False)
-        params[key] = given
+        params[key] = _option(key, given, where)
+    for key, in_url in (("dbname", parsed.database), ("user", parsed.username),
+                        ("password", parsed.password)):
+        if in_url and key in params:
+            raise _refuse(where, f"the {key} is named twice: in the URL and as {key}=",
+                          hosts=False)
     if len(entries) > 1:
         # libpq takes the first server that answers; only the primary takes writes, and
         # reads for people go to a standby when there is one.

@@ -103,6 +103,19 @@ def no_name_lookup(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     ("postgresql+psycopg://u@/db?host=127.0.0.1&sslmode=require&sslmode=disable",
      "'sslmode' is given 2 times"),
     ("postgresql+psycopg://u@/db?host=127.0.0.1&keepalive=1", 'option "keepalive"'),
+    # Values libpq would refuse only when it connects (an outage, "safe to retry", forever).
+    ("postgresql+psycopg://u@/db?host=127.0.0.1&sslmode=bogus", "sslmode='bogus'"),
+    ("postgresql+psycopg://u@127.0.0.1:5432,127.0.0.1:5433/db?target_session_attrs=read_write",
+     "target_session_attrs='read_write'"),
+    ("postgresql+psycopg://u@/db?host=127.0.0.1&connect_timeout=abc", "connect_timeout='abc'"),
+    ("postgresql+psycopg://u@/db?host=127.0.0.1&keepalives_idle=x", "keepalives_idle='x'"),
+    # The URL's own database, user or password overridden by the query: refused, not chosen.
+    ("postgresql+psycopg://u@127.0.0.1/ledger_a?dbname=ledger_b", "dbname is named twice"),
+    ("postgresql+psycopg://u@127.0.0.1/db?user=root", "user is named twice"),
+    ("postgresql+psycopg://u:pw@127.0.0.1/db?password=other", "password is named twice"),
+    # Brackets are for an IPv6 address: a bracketed name is never looked up.
+    ("postgresql+psycopg://u@[zz]/db", "in brackets but is not an IPv6 address"),
+    ("postgresql+psycopg://u@[zz]:5432/db", "in brackets but is not an IPv6 address"),
 ])
 def test_an_unreadable_url_is_invalid_argument_naming_its_fault_before_any_lookup(
         url: str, fault: str, no_name_lookup: list[Any]) -> None:
@@ -124,6 +137,12 @@ def test_the_password_stays_out_of_the_message() -> None:
     with pytest.raises(InvalidArgument) as caught:
         Ledger.open("postgresql+psycopg://u:hunter2@a:1,b:x/db")
     assert "hunter2" not in str(caught.value)
+    # A password without a user name, and libpq's option names in any case.
+    for url in ("postgresql+psycopg://:hunter2@127.0.0.1:1,127.0.0.1:x/db",
+                "postgresql+psycopg://u@/db?host=127.0.0.1&Password=hunter2&keepalive=1"):
+        with pytest.raises(InvalidArgument) as caught:
+            Ledger.open(url)
+        assert "hunter2" not in str(caught.value), str(caught.value)
 
 
 # -- a real server behind a host that is down ----------------------------------------------------
