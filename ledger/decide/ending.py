@@ -35,10 +35,16 @@ _CANCELLATIONS = (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)
 
 
 def turn_end(exc: BaseException | None) -> RunStatus:
-    """The status a Run ends in when its last turn ended with ``exc`` (``None``: served)."""
+    """The status a Run ends in when its last turn ended with ``exc`` (``None``: served).
+
+    A ``TimeoutError`` raised from a ``CancelledError`` is asyncio's own time limit
+    (``asyncio.timeout``, ``wait_for``), which cancels what it bounds: a cancellation, wherever
+    the host catches it.
+    """
     if exc is None:
         return RunStatus.SUCCEEDED
-    if isinstance(exc, _CANCELLATIONS):
+    if isinstance(exc, _CANCELLATIONS) or (
+            isinstance(exc, TimeoutError) and isinstance(exc.__cause__, asyncio.CancelledError)):
         return RunStatus.CANCELLED
     if isinstance(exc, FailoverExhausted):
         return RunStatus.STOPPED if exc.reason in POLICY_STOPS else RunStatus.FAILED

@@ -7,6 +7,7 @@ delivered partial output; credentials on routes; children; misuse. Real HTTP ove
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from decimal import Decimal
@@ -82,6 +83,33 @@ def test_a_block_that_raises_finishes_the_run_failed(db_url: str, fake: FakeProv
             raise RuntimeError("the host's own error")
         rec = led.get_run("t")
         assert rec.status is RunStatus.FAILED and rec.lease_holder is None
+
+
+@pytest.mark.parametrize("limit", ["timeout_inside", "timeout_outside", "wait_for"])
+def test_an_asyncio_time_limit_ends_the_run_cancelled_wherever_the_host_catches_it(
+        db_url: str, fake: FakeProvider, limit: str) -> None:
+    # asyncio.timeout and wait_for cancel the turn, then raise TimeoutError from the
+    # cancellation: the same interruption, whether it leaves the block or not.
+    fake.set_default(Behavior(fault=Fault.NO_RESPONSE))
+    env = Envelope(parts=[Part(content="hi")])
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            with contextlib.suppress(TimeoutError):
+                async with led.run("t", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                    if limit == "wait_for":
+                        await asyncio.wait_for(run.turn(env), 0.3)
+                    elif limit == "timeout_outside":
+                        async with asyncio.timeout(0.3):
+                            await run.turn(env)
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(0.3):
+                                await run.turn(env)
+            rec = await led.get_run("t")
+            assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
+
+    asyncio.run(main())
 
 
 def test_a_cancelled_async_block_finishes_the_run_cancelled(db_url: str,
