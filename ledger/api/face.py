@@ -717,8 +717,10 @@ class Face(Generic[SessionT, OpenedT]):
             observation: Raw evidence to classify under the Run's policy instead of a fact.
             prompt_tokens: Usage the provider reported (``None``: not reported).
             completion_tokens: Likewise.
-            cost: The cost the provider reported; when no usage was reported, the whole hold
-                is posted.
+            cost: The cost of the call, posted (at most the hold); ``None``: the whole hold is
+                posted, even when tokens are given (this settle does not price them: pass
+                e.g. ``route.cost(prompt_tokens, completion_tokens)``; a Run session's turns
+                and ``settle_unknown`` price the usage themselves).
             effective_output: Whether output reached the caller (default: the fact's).
             tool_started: Whether the host started a tool it proposed (default: the fact's).
             model_reported: The model the provider says served it.
