@@ -585,18 +585,14 @@ def _approved_search() -> Any:
 
 
 CHILD_IN_CALL = r"""
-import asyncio, json, os, sys
+import asyncio
 from agents import Agent, RunConfig, Runner, set_tracing_disabled
-from ledger import AsyncLedger, Budget, Grant, Route
 from ledger.integrations.openai_agents import LedgerModelProvider
+from tests.integrations.crashchild import in_call_run
 set_tracing_disabled(True)
 
 async def main():
-    routes = [Route.model_validate(r) for r in json.loads(os.environ["PLAN"])]
-    led = await AsyncLedger.open(sys.argv[1])
-    run = await led.run("in-call", plan=routes,
-                        budget=Budget.model_validate_json(os.environ["BUDGET"]),
-                        grant=Grant.model_validate_json(os.environ["GRANT"])).__aenter__()
+    run = await in_call_run()
     await Runner.run(Agent(name="researcher", instructions="You research filings."),
                      "Compare the two filings.",
                      run_config=RunConfig(model_provider=LedgerModelProvider(run),

@@ -479,17 +479,13 @@ def test_an_agent_resumes_a_crashed_run_from_the_history_it_kept(
 
 
 CHILD_IN_CALL = r"""
-import asyncio, json, os, sys
+import asyncio, sys
 from pydantic_ai import Agent
-from ledger import AsyncLedger, Budget, Grant, Route
 from ledger.integrations.pydantic_ai import LedgerModel
+from tests.integrations.crashchild import in_call_run
 
 async def main():
-    routes = [Route.model_validate(r) for r in json.loads(os.environ["PLAN"])]
-    led = await AsyncLedger.open(sys.argv[1])
-    run = await led.run("in-call", plan=routes,
-                        budget=Budget.model_validate_json(os.environ["BUDGET"]),
-                        grant=Grant.model_validate_json(os.environ["GRANT"])).__aenter__()
+    run = await in_call_run()
     agent = Agent(LedgerModel(run))
     if sys.argv[3] == "stream":
         async with agent.run_stream(sys.argv[2]) as streamed:
