@@ -60,7 +60,7 @@ from ledger.decide.begin import begin_spec
 from ledger.decide.ending import ENDED
 from ledger.decide.health import as_read, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
-from ledger.decide.settle import settle_spec
+from ledger.decide.settle import check_lease_ttl, settle_spec
 from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, DEFAULT_LEASE_MARGIN_S
 from ledger.domain.facts import FailureFact, Observation
 from ledger.domain.records import (
@@ -547,10 +547,8 @@ class Face(Generic[SessionT, OpenedT]):
             >>> lease.fence, lease.expires_at - led.now()  # doctest: +SKIP
             (1, 30.0)
         """
-        if ttl_s <= self._store.lease_margin_s:
-            raise InvalidArgument(
-                f"ttl_s={ttl_s:g} is not above the lease margin ({self._store.lease_margin_s:g}s):"
-                " such a lease could start nothing; use a longer ttl_s", field="ttl_s")
+        check_lease_ttl(ttl_s, self._store.lease_margin_s, field="ttl_s",
+                        fix="use a longer ttl_s")
         executor = self.executor_id if executor_id is None else executor_id
         return (yield from self._store.acquire_lease(run_id, executor, ttl_s, self.clock.now))
 

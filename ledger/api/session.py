@@ -40,6 +40,7 @@ from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
 from ledger.decide.resolve import UnresolvedExit, stays
+from ledger.decide.settle import check_lease_ttl
 from ledger.decide.turn import RunResult
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
@@ -107,11 +108,8 @@ class _SessionCore:
         terms: dict[str, Any] = dict(options)
         ttl: float = terms.pop("lease_ttl_s", DEFAULT_SESSION_TTL_S)
         adapter, secrets = terms.pop("adapter", None), terms.pop("secrets", None)
-        if ttl <= lease_margin_s:
-            raise InvalidArgument(
-                f"lease_ttl_s={ttl:g} is not above the lease margin ({lease_margin_s:g}s): such "
-                "a lease could start nothing; pass a longer lease_ttl_s (e.g. 30)",
-                field="lease_ttl_s")
+        check_lease_ttl(ttl, lease_margin_s, field="lease_ttl_s",
+                        fix="pass a longer lease_ttl_s (e.g. 30)")
         if adapter is not None and not isinstance(adapter, adapter_kind):
             other = "AsyncLedger.run" if adapter_kind.__name__ == "SyncAdapter" else "Ledger.run"
             raise InvalidArgument(f"adapter must be a ledger.adapters.{adapter_kind.__name__} "

@@ -243,6 +243,21 @@ def settle_holds(outcome: Outcome, fact: FailureFact | None, *, cost_micros: int
                  tokens, reserved_tokens, False)
 
 
+def check_lease_ttl(ttl_s: float, margin_s: float, *, field: str, fix: str) -> None:
+    """Refuse a lease of ``ttl_s`` no longer than the lease margin.
+
+    Such a lease could start nothing (:func:`lease_problem` counts it expired at once).
+    ``field`` and ``fix`` name the argument and what to pass.
+
+    Raises:
+        InvalidArgument: ``ttl_s`` is not above ``margin_s``.
+    """
+    if ttl_s <= margin_s:
+        raise InvalidArgument(
+            f"{field}={ttl_s:g} is not above the lease margin ({margin_s:g}s): such a lease "
+            f"could start nothing; {fix}", field=field)
+
+
 def lease_problem(holder: str | None, expires_at: float | None, executor: str, now: float,
                   margin_s: float) -> str | None:
     """Why a lease (of the current fence, held by ``executor``) is not live, or ``None``.

@@ -939,11 +939,10 @@ class Audit:
                 reasoning_tokens=a["reasoning_tokens"],
             ))
         run = _run(run_row)
-        # The Run's own mark (set by the write that made it one, at any of its turns, and kept
-        # through retention), which the failover page and count read too.
-        failed_over = bool(run_row["failed_over"]) or (
-            served is not None and served != run.selected_route) or any(
-            e.kind == "move" for e in events)
+        # The Run's own mark (set by the write that made it one, at any of its turns, kept
+        # through retention; migration 0012 set it for the Runs before it), which the failover
+        # page and count read too.
+        failed_over = bool(run_row["failed_over"])
         stops = [_stop(e) for e in events if e.kind == "stop"]
         waits = [_wait(e) for e in events if e.kind in ("capacity_wait", "wait")]
         # The money is the Run's own counters (what its debits moved, reconcile checks them):

@@ -44,6 +44,7 @@ from ledger.api.arguments import LeaseTtl
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.api.face import storage_of
 from ledger.clock import Sleeper, SystemSleeper
+from ledger.decide.settle import check_lease_ttl
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, RunStatus
 from ledger.domain.validation import (
     Flag,
@@ -56,7 +57,7 @@ from ledger.domain.validation import (
     methods,
 )
 from ledger.domain.values import new_id
-from ledger.errors import DatabaseUnavailable, InvalidArgument, InvalidState, LeaseHeld
+from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld
 from ledger.storage.recovery import RecoveryQueries, Takeover
 
 DEFAULT_RECOVERY_TTL_S = 30.0
@@ -244,11 +245,9 @@ def recover(
         >>> for run in report.runs:  # doctest: +SKIP
         ...     print(run.run_id, run.route, [a.attempt_id for a in run.unknown])
     """
-    if not release and lease_ttl_s <= ledger.lease_margin_s:
-        raise InvalidArgument(
-            f"lease_ttl_s={lease_ttl_s:g} is not above the lease margin "
-            f"({ledger.lease_margin_s:g}s): the kept lease could start nothing; use a longer "
-            "lease_ttl_s (or release the leases)", field="lease_ttl_s")
+    if not release:
+        check_lease_ttl(lease_ttl_s, ledger.lease_margin_s, field="lease_ttl_s",
+                        fix="use a longer lease_ttl_s (or release the leases)")
     run_ids = None if run_ids is None else list(run_ids)
     executor = executor_id or new_id("recover")
     sleeper = sleeper or SystemSleeper()

@@ -88,12 +88,11 @@ _TIMELINE_ATTEMPTS = (
            s.debits.c.posted_micros.label("debit_posted_micros"))
     .join(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
     .where(s.attempts.c.run_id == bindparam("run_id")).order_by(s.attempts.c.seq))
+# Every event kind, lease renewals and admission bookkeeping too: an auditor reading one run
+# wants the whole story, and one run has few events.
 _TIMELINE_EVENTS = (
     select(*(s.events.c[c] for c in ("event_id", "attempt_id", "kind", "data", "created_at")))
     .where(s.events.c.run_id == bindparam("run_id")).order_by(s.events.c.event_id))
-
-# Event kinds the timeline shows; lease renewals and admission bookkeeping are included too
-# because an auditor reading one run wants the whole story, and one run has few events.
 
 
 def parse_cursor(cursor: str | None) -> tuple[float, str] | None:
