@@ -10,8 +10,9 @@ parts of one role are merged): an assistant part with ``tool_call_id`` is a ``to
 (``name``, JSON-object ``content`` as ``input``), a ``tool`` part a ``tool_result`` block in a user
 message. A trailing assistant part is Anthropic's native prefill: the answer continues it, and the
 result's text is the continuation only. ``max_tokens`` is required by the API:
-``max_output_tokens`` or ``default_max_tokens`` (4096). The ``stop`` parameter is sent as
-``stop_sequences``.
+``max_output_tokens`` or ``default_max_tokens`` (4096,
+:data:`~ledger.domain.envelope.DEFAULT_OUTPUT_TOKENS`, which the Run's hold also counts). The
+``stop`` parameter is sent as ``stop_sequences``.
 
 Images and documents (binary parts) are content blocks of the user message: an image is an
 ``image`` block, a PDF a ``document`` block, each with a ``base64`` source of its bytes or a
@@ -73,7 +74,7 @@ from ledger.adapters.contract import (
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.envelope import Envelope, Part
+from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, b64
 from ledger.domain.values import Route
@@ -166,7 +167,7 @@ class AnthropicCodec(Codec):
 
     protocol = WireProtocol.ANTHROPIC
 
-    def __init__(self, *, default_max_tokens: int = 4096) -> None:
+    def __init__(self, *, default_max_tokens: int = DEFAULT_OUTPUT_TOKENS) -> None:
         self.default_max_tokens = default_max_tokens
 
     @staticmethod

@@ -71,7 +71,7 @@ from ledger.decide.select import (
     select,
 )
 from ledger.decide.settle import failure_outcome, settle_spec
-from ledger.domain.envelope import Envelope, Part
+from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.domain.records import (
     AttemptKind,
@@ -245,7 +245,8 @@ _Ended = _Failed | _Refused | _Unclaimed
 
 
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
-    return counter.count_tokens(envelope, route), envelope.max_output_tokens or 1024
+    out = envelope.max_output_tokens or DEFAULT_OUTPUT_TOKENS
+    return counter.count_tokens(envelope, route), out
 
 
 def group_wait(group: GroupProjection | None, now: float, deadline: float | None,

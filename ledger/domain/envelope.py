@@ -316,6 +316,14 @@ class ToolSpec(StrictModel):
     _parameters_are_json = field_validator("parameters")(_json_data)
 
 
+#: The output tokens a request is taken to allow when its envelope sets no
+#: ``max_output_tokens``: what the Anthropic adapter sends as the ``max_tokens`` its protocol
+#: requires, and what the Run's hold counts, so that the hold covers what that request may be
+#: billed. A protocol that needs no limit is sent none, and its provider
+#: may write more; set ``max_output_tokens`` to make the budget a bound on every route.
+DEFAULT_OUTPUT_TOKENS = 4096
+
+
 class Envelope(StrictModel):
     """The complete request. Its :attr:`hash` is what an Attempt records.
 
@@ -364,7 +372,39 @@ class Envelope(StrictModel):
         )
 
 
+class PartHashes:
+    """The content hashes of a conversation's parts, each part hashed once.
+
+    A conversation re-sends every earlier part on every turn; hashing them all again makes a
+    turn's cost grow with the Run's length. Keep one ``PartHashes`` per conversation and pass
+    it to :func:`~ledger.execute` (a Run session keeps its own): a part is reused only when it
+    is the very same (frozen) object as in the previous turn, and only the latest envelope's
+    parts are kept, so the memo is as large as the conversation and never outlives it. A copy,
+    even an identical one, is hashed afresh, so an edited copy never inherits a recorded hash;
+    and the hashes are always computed here, never taken from the caller.
+    """
+
+    __slots__ = ("_memo",)
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
+
+    def of(self, envelope: Envelope) -> tuple[str, ...]:
+        """The envelope's part hashes, in order (:attr:`Part.content_hash` of each)."""
+        old: dict[int, tuple[Part, str]] = self._memo
+        new: dict[int, tuple[Part, str]] = {}
+        out = []
+        for p in envelope.parts:
+            hit = old.get(id(p))
+            digest = hit[1] if hit is not None and hit[0] is p else p.content_hash
+            new[id(p)] = (p, digest)
+            out.append(digest)
+        self._memo = new
+        return tuple(out)
+
+
 __all__ = [
+    "DEFAULT_OUTPUT_TOKENS",
     "MEMORY",
     "MODEL_DERIVED",
     "PRIVATE_DOCUMENT",
@@ -374,5 +414,6 @@ __all__ = [
     "USER_INPUT",
     "Envelope",
     "Part",
+    "PartHashes",
     "ToolSpec",
 ]

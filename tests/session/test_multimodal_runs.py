@@ -32,6 +32,7 @@ from ledger import (
     WireProtocol,
 )
 from ledger.decide.preflight import PDF_PAGE_TOKENS, image_tokens
+from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS
 from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.policy.load import preset
 from ledger.policy.model import EnvelopePolicy
@@ -79,7 +80,7 @@ def test_an_agent_reads_a_pdf_and_a_chart_on_every_protocol(
     # The hold counted the ten pages and the image by the protocol's rule, before sending.
     proto = WireProtocol(protocol)
     expected = (10 * PDF_PAGE_TOKENS[proto] + image_tokens(1024, 1024, proto)
-                + 10 + 1024)  # the question (39 characters) and the default output
+                + 10 + DEFAULT_OUTPUT_TOKENS)  # the question (39 characters), the default output
     assert result.attempt.reserved_tokens == expected
 
 
@@ -142,7 +143,7 @@ def test_the_budget_holds_a_documents_pages_before_anything_is_sent(
         db_url: str, fake: FakeProvider, protocol: str) -> None:
     # Room for the question and five of the document's ten pages, by the protocol's rule.
     pages = 5 * PDF_PAGE_TOKENS[WireProtocol(protocol)]
-    budget = Budget(max_calls=5, max_retries=2, max_cost=Decimal(1), max_tokens=1100 + pages)
+    budget = Budget(max_calls=5, max_retries=2, max_cost=Decimal(1), max_tokens=DEFAULT_OUTPUT_TOKENS + 76 + pages)
     with Ledger.open(db_url) as led, led.run("hold", plan=plan(fake, protocol),
                                               budget=budget, grant=GRANT) as run:
         run.turn(Envelope(parts=[QUESTION]))
