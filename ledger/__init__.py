@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ledger.decide.classify import classify as classify
     from ledger.domain.envelope import Envelope as Envelope
     from ledger.domain.envelope import Part as Part
+    from ledger.domain.envelope import PartHashes as PartHashes
     from ledger.domain.envelope import ToolSpec as ToolSpec
     from ledger.domain.facts import Category as Category
     from ledger.domain.facts import CooldownEffect as CooldownEffect
@@ -140,6 +141,7 @@ _LAZY: dict[str, str] = {
     "Outcome": "ledger.domain.records",
     "Page": "ledger.domain.records",
     "Part": "ledger.domain.envelope",
+    "PartHashes": "ledger.domain.envelope",
     "PartialOutput": "ledger.errors",
     "Phase": "ledger.domain.facts",
     "Policy": "ledger.policy.model",

@@ -42,7 +42,7 @@ from ledger.decide.ending import idle_end, last_turn_served, turn_end
 from ledger.decide.resolve import UnresolvedExit, stays
 from ledger.decide.settle import check_lease_ttl
 from ledger.decide.turn import RunResult
-from ledger.domain.envelope import Envelope, Part
+from ledger.domain.envelope import Envelope, Part, PartHashes
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, checked, function, instance
 from ledger.domain.values import Route
@@ -132,7 +132,7 @@ class _SessionCore:
         self._state = "new"  # new -> open -> ended
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
         self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
-        self._hashes: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
+        self._hashes = PartHashes()  # the conversation's parts, each hashed once
         # How the block's last piece of work ended (a turn, or a Child Run it held): the
         # status the Run ends in when the block is left normally. None: no turn was tried.
         self._outcome: RunStatus | None = None
@@ -322,26 +322,6 @@ class _SessionCore:
             return on_event(event) if on_event is not None else None
 
         return watch
-
-    def _part_hashes(self, envelope: Envelope) -> tuple[str, ...]:
-        """The envelope's part hashes, each part hashed once for the whole conversation.
-
-        A conversation re-sends every earlier part on every turn; hashing them all again made a
-        turn's cost grow with the Run's length. A part is reused only when it is the very same
-        (frozen) object as before, and the memo keeps just the latest envelope's parts, so it
-        is as large as the conversation and never outlives it. A copy, even an identical one,
-        is hashed afresh: an edited copy can never inherit a recorded hash.
-        """
-        if not isinstance(envelope, Envelope):
-            return ()  # execute names the bad argument
-        old, new, out = self._hashes, {}, []
-        for p in envelope.parts:
-            hit = old.get(id(p))
-            digest = hit[1] if hit is not None and hit[0] is p else p.content_hash
-            new[id(p)] = (p, digest)
-            out.append(digest)
-        self._hashes = new
-        return tuple(out)
 
     def _remember(self, parts: Sequence[Part], attempt_id: str) -> None:
         for p in parts:
@@ -534,7 +514,7 @@ class RunSession(_SessionCore):
 
         try:
             result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                             part_hashes=self._part_hashes(envelope) or None, **options)
+                             part_hashes=self._hashes, **options)
         except BaseException as e:
             self._turn_ended(turn_end(e))
             raise
@@ -705,7 +685,7 @@ class AsyncRunSession(_SessionCore):
 
         try:
             result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                                    part_hashes=self._part_hashes(envelope) or None, **options)
+                                    part_hashes=self._hashes, **options)
         except BaseException as e:
             self._turn_ended(turn_end(e))
             raise

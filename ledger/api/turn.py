@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Annotated, Any, cast
 
@@ -49,7 +49,7 @@ from ledger.decide.turn import (
     Steps,
     TurnLoop,
 )
-from ledger.domain.envelope import Envelope
+from ledger.domain.envelope import Envelope, PartHashes
 from ledger.domain.records import Lease, LeaseArg
 from ledger.domain.validation import (
     As,
@@ -63,9 +63,6 @@ from ledger.domain.validation import (
     rule,
 )
 from ledger.domain.values import Route
-from ledger.errors import (
-    InvalidArgument,
-)
 from ledger.storage.runner import Flow
 
 
@@ -87,27 +84,27 @@ Rng = Annotated[random.Random, instance(random.Random, "a random.Random",
 Counter = Annotated[TokenCounter, methods("count_tokens", fix="pass e.g. "
                                           "ledger.decide.preflight.CharEstimator()")]
 Request = Annotated[Envelope | Mapping[str, Any], As(Envelope)]
+Hashes = Annotated[PartHashes, instance(PartHashes, "a ledger.PartHashes",
+                                        "keep one ledger.PartHashes() per conversation, or "
+                                        "leave it out to have every part hashed")]
 _SENDS = function("a function of a Dispatch returning a SendResult")
 
 
 def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str | None,
           denials: Denials | None, reserve: Reserve | None, rng: random.Random | None,
-          token_counter: TokenCounter | None, part_hashes: Sequence[str] | None) -> TurnLoop:
+          token_counter: TokenCounter | None, part_hashes: PartHashes | None) -> TurnLoop:
     """The turn loop of :func:`execute`'s / :func:`aexecute`'s validated arguments.
 
     Nothing is read or written before they pass.
     """
     envelope = cast(Envelope, envelope)
-    if part_hashes is not None and len(part_hashes) != len(envelope.parts):
-        raise InvalidArgument("part_hashes must be one content hash per envelope part, in "
-                              "order (Part.content_hash); leave it None to have them computed",
-                              field="part_hashes")
     return TurnLoop(
         lease, envelope, turn_id=turn_id,
         pin=None if pin is None else Pin(pin), denials=denials or NO_DENIALS,
         reserve=cast(Decimal | Callable[[Route], Decimal] | None, reserve),
         rng=rng, token_counter=token_counter or CharEstimator(),
-        part_hashes=part_hashes,
+        # Computed here, never taken from the caller: coverage is judged by these hashes.
+        part_hashes=None if part_hashes is None else part_hashes.of(envelope),
     )
 
 
@@ -130,7 +127,7 @@ def execute(
     on_notice: Notices | None = None,
     rng: Rng | None = None,
     token_counter: Counter | None = None,
-    part_hashes: Sequence[str] | None = None,
+    part_hashes: Hashes | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (sync): the retry owner.
 
@@ -166,8 +163,10 @@ def execute(
         rng: Makes the retry jitter reproducible (a :class:`random.Random`).
         token_counter: Estimates prompt tokens for the holds and the context check
             (default: :class:`~ledger.decide.preflight.CharEstimator`).
-        part_hashes: The envelope's part hashes, in order, when the caller has them already
-            (a Run session keeps them across turns); else each part is hashed here.
+        part_hashes: A :class:`~ledger.PartHashes` kept across the conversation's turns, so
+            that a part sent again as the same object is not hashed again (a Run session keeps
+            its own); else each part is hashed here. The hashes are always computed, never
+            taken from the caller.
 
     Returns:
         The :class:`RunResult`: the answer, the route that served it, every Attempt.
@@ -219,7 +218,7 @@ async def aexecute(
     on_notice: Notices | None = None,
     rng: Rng | None = None,
     token_counter: Counter | None = None,
-    part_hashes: Sequence[str] | None = None,
+    part_hashes: Hashes | None = None,
 ) -> RunResult:
     """Serve one logical turn of the Run (async): the retry owner on the asyncio driver.
 

@@ -336,6 +336,35 @@ def test_model_derived_context_needs_recorded_provenance(led: Ledger) -> None:
     assert "disclosure" in reasons.values()
 
 
+def test_a_tampered_part_is_never_covered_by_hashes_the_caller_supplies(led: Ledger) -> None:
+    """Invariant 7 through ``execute``: coverage is judged by hashes the ledger computes. A
+    list of hashes from the caller (a stale cache, say) is refused before anything is written,
+    and a memo kept across turns hashes an edited copy afresh, so nothing is sent."""
+    from ledger.domain.envelope import MEMORY, PartHashes
+    from ledger.errors import InvalidArgument
+
+    lease = admit(led, grant=Grant(recipients={"go-gateway": ["user_input", MEMORY],
+                                               "deepseek": ["user_input", MEMORY]}))
+    mem = Part(content="Client holds 12,000 ACME.", data_class=MEMORY, provenance="mem-42")
+    led.record_provenance(lease, "mem-42", mem.content_hash, "memory")
+    hashes = PartHashes()
+    send = Script()
+    res = execute(led, lease, Envelope(parts=[*ENV.parts, mem]), send,  # type: ignore[arg-type]
+                  turn_id="t1", part_hashes=hashes)
+    assert res.route.id == "go-deepseek" and len(send.sent) == 1
+    tampered = mem.model_copy(update={"content": "Client holds 999,999 ACME."})
+    env = Envelope(parts=[*ENV.parts, tampered])
+    with pytest.raises(InvalidArgument) as bad:
+        execute(led, lease, env, send, turn_id="t2",  # type: ignore[arg-type]
+                part_hashes=[p.content_hash for p in ENV.parts] + [mem.content_hash])
+    assert bad.value.field == "part_hashes"
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, env, send, turn_id="t3", part_hashes=hashes)  # type: ignore[arg-type]
+    assert set(s["reason"] for s in ei.value.fields["skipped"]) == {"disclosure"}
+    assert len(send.sent) == 1  # the tampered request never left
+    assert [a.turn_id for a in led.timeline(lease.run_id)] == ["t1"]
+
+
 def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) -> None:
     parent = admit(led, run_id="p", calls=12, retries=6)
     led.admit_run("c1", plan=PLAN, budget=Budget(max_calls=3, max_retries=2,
