@@ -143,7 +143,8 @@ def test_the_budget_holds_a_documents_pages_before_anything_is_sent(
         db_url: str, fake: FakeProvider, protocol: str) -> None:
     # Room for the question and five of the document's ten pages, by the protocol's rule.
     pages = 5 * PDF_PAGE_TOKENS[WireProtocol(protocol)]
-    budget = Budget(max_calls=5, max_retries=2, max_cost=Decimal(1), max_tokens=DEFAULT_OUTPUT_TOKENS + 76 + pages)
+    budget = Budget(max_calls=5, max_retries=2, max_cost=Decimal(1),
+                    max_tokens=DEFAULT_OUTPUT_TOKENS + 76 + pages)
     with Ledger.open(db_url) as led, led.run("hold", plan=plan(fake, protocol),
                                               budget=budget, grant=GRANT) as run:
         run.turn(Envelope(parts=[QUESTION]))
