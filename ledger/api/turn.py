@@ -314,19 +314,34 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
             # A begin or settle runs to completion even when the caller cancels meanwhile; the
             # cancellation is delivered at the next effect, once the loop knows the outcome.
             task = asyncio.ensure_future(_perform_async(ledger, item, send, sleeper, on_notice))
+            again = True
             while True:
                 try:
                     value = await asyncio.shield(task)
                     break
                 except asyncio.CancelledError as e:
-                    if task.done() and not task.cancelled():
-                        pending = e
-                        try:
-                            value = task.result()
-                        except Exception as inner:
-                            error = inner
-                        break
-                    pending = e  # keep waiting for the write
+                    if not task.done():
+                        pending = e  # keep waiting for the write
+                        continue
+                    if task.cancelled():
+                        # The write's own task was cancelled (a teardown cancels every task),
+                        # so waiting on it again would return at once, forever. As after an
+                        # interrupt in the sync driver, the same write is done once more (it
+                        # is recognised) to learn its outcome; cancelled again, the loop hears
+                        # the cancellation at this write and settles what it can.
+                        if not again:
+                            error, pending = e, None
+                            break
+                        again, pending = False, e
+                        task = asyncio.ensure_future(
+                            _perform_async(ledger, item, send, sleeper, on_notice))
+                        continue
+                    pending = e
+                    try:
+                        value = task.result()
+                    except Exception as inner:
+                        error = inner
+                    break
                 except Exception as e:
                     error = e
                     break

@@ -199,6 +199,42 @@ def test_cancel_during_settle_completes_the_settle(db_url: str, fake: FakeProvid
     led.close()
 
 
+def test_a_write_whose_own_task_is_cancelled_ends_the_turn_and_frees_the_loop(
+        db_url: str, fake: FakeProvider) -> None:
+    """A teardown (``asyncio.run`` leaving, a task group failing) cancels every task, the
+    settle's own task among them: the turn ends with the cancellation, the loop is never held,
+    and the settle, which committed, stands. It ran in a thread with a deadline, because the
+    fault it guards against spun the event loop forever, so no timeout inside it could fire."""
+
+    def arm(loop: asyncio.AbstractEventLoop, _task: asyncio.Task[Any]) -> None:
+        main = asyncio.current_task()
+
+        def cancel_every_task() -> None:
+            for t in asyncio.all_tasks(loop):
+                if t is not main:
+                    t.cancel()
+
+        def act(_name: str) -> None:
+            loop.call_soon_threadsafe(cancel_every_task)
+            time.sleep(0.05)
+
+        faults.arm("settle.before_commit", act)
+
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        out["result"] = _run_async(db_url, fake, stream=False, behavior=Behavior(), setup=arm)
+
+    worker = threading.Thread(target=body, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the turn never ended: the event loop was held"
+    led, lease, err = out["result"]
+    assert isinstance(err, asyncio.CancelledError)
+    _assert_truthful(led, lease, AttemptState.SUCCEEDED)
+    led.close()
+
+
 # -- sync: KeyboardInterrupt ---------------------------------------------------------------------
 
 
