@@ -80,6 +80,16 @@ class Reason(StrEnum):
     DISCLOSURE = "disclosure"
 
 
+#: Skips by credential that no wait ends: never probed, never "the last candidate tried".
+_NO_CREDENTIAL = (Reason.ALREADY_TRIED, Reason.NOT_QUALIFIED)
+
+
+def _unlisted(route: Route) -> str:
+    ids = ", ".join(p.id for p in route.profiles)
+    return (f"profiles.auth_order[{route.provider!r}] lists none of its profiles ({ids}); "
+            "list one of them there, or remove the entry to use them all")
+
+
 class DecisionKind(StrEnum):
     """What the selector decided: a route to send on, a probe of the primary, or a stop."""
 
@@ -427,7 +437,12 @@ class _Walk:
                     route.profiles, route.provider, inp.health, self.now, pp, exclude=tried
                 )
             if profile is None:
-                left = [p for p in route.profiles if p.id not in tried]
+                order = rotation_order(route.profiles, route.provider, inp.health, self.now, pp)
+                if not order:
+                    # auth_order names none of this route's profiles: it has no credential the
+                    # policy lets it use.
+                    return None, (Reason.NOT_QUALIFIED, _unlisted(route)), False
+                left = [p for p in order if p.id not in tried]
                 if not left:
                     return None, (Reason.ALREADY_TRIED, "every profile already tried"), False
                 ends = [available_at(inp.health.get(p.id), self.now) for p in left]
@@ -466,7 +481,7 @@ class _Walk:
         if grp is not None:
             return _Verdict(reason=grp[0], detail=grp[1])
         profile, health_skip, probe = self.health(cand)
-        if health_skip is not None and health_skip[0] is Reason.ALREADY_TRIED:
+        if health_skip is not None and health_skip[0] in _NO_CREDENTIAL:
             return _Verdict(reason=health_skip[0], detail=health_skip[1])
         pf = self.verdict(route)
         if health_skip is not None:

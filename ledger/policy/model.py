@@ -543,6 +543,23 @@ class ProfilePolicy(_Section):
     # the profile). Fased rotates on timeouts and format errors without marking the credential.
     mark_tried: Literal["any_failure", "credential_failure"] = "any_failure"
 
+    @field_validator("auth_order")
+    @classmethod
+    def _orders_list_profiles(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for provider, ids in v.items():
+            if not ids:
+                raise PolicyValueError(
+                    f"auth_order[{provider!r}] is empty: every route of {provider!r} would be "
+                    "left without a credential",
+                    f"list the profile ids of {provider!r} to use, in order, or remove the entry "
+                    "to use them all", field=provider)
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            if twice:
+                raise PolicyValueError(
+                    f"auth_order[{provider!r}] names {', '.join(map(repr, twice))} more than once",
+                    "name each profile once, in the order to try them", field=provider)
+        return v
+
 
 class AdmissionPolicy(_Section):
     """Capacity-group admission facts written by settle."""

@@ -250,3 +250,13 @@ def test_the_default_preset_cools_after_three_failures_within_a_minute() -> None
     for name in ("goclaw", "fased"):  # the seeds cool on the first failure, and never wait
         assert preset(name).health.cooldown_after == 1
         assert not preset(name).failover.wait_for_reopening
+
+
+@pytest.mark.parametrize(("ids", "said"), [("[]", "is empty"),
+                                           ("[anthropic:a, anthropic:a]", "more than once")])
+def test_an_auth_order_that_leaves_a_provider_no_credential_is_refused(
+        tmp_path: Path, ids: str, said: str) -> None:
+    text = f"name: x\nprofiles:\n  auth_order:\n    anthropic: {ids}\n"
+    err = _error(_write(tmp_path, text))
+    _, problem, fix = _only(err, "profiles.auth_order.anthropic")
+    assert said in problem and "profile ids" in fix or "once" in fix

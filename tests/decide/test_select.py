@@ -713,6 +713,20 @@ def test_explicit_auth_order_drives_rotation() -> None:
     assert (d.route_id, d.profile) == ("claude", KEY.id)  # TOKEN is not listed
 
 
+def test_a_route_whose_profiles_auth_order_leaves_out_is_skipped_not_a_crash() -> None:
+    """An ``auth_order`` that names none of a route's profiles (a typo) leaves that route no
+    credential: it is skipped as not qualified, saying how to fix it, and the next model serves;
+    a new request is not sent on it either."""
+    policy = tune(FASED, "profiles", auth_order={"anthropic": ["anthropic:typo"]})
+    fresh = _fased(policy=policy, failure=None, current_profile=None, pin=None,
+                   permissions=RunPermissions(retries_left=4, calls_left=6))
+    assert fresh.route_id == "mini"
+    assert skipped(fresh)["claude"] is Reason.NOT_QUALIFIED
+    [skip] = [x for x in fresh.skipped if x.route == "claude"]
+    assert "auth_order['anthropic']" in skip.detail and "list one of them" in skip.detail
+    assert _fased(policy=policy).route_id == "mini"  # after a failure too
+
+
 def test_rotation_is_off_unless_the_policy_rotates() -> None:
     no_rotation = tune(FASED, "profiles", rotate_before_model=False)
     assert _fased(policy=no_rotation).route_id == "mini"
