@@ -259,4 +259,5 @@ def test_an_auth_order_that_leaves_a_provider_no_credential_is_refused(
     text = f"name: x\nprofiles:\n  auth_order:\n    anthropic: {ids}\n"
     err = _error(_write(tmp_path, text))
     _, problem, fix = _only(err, "profiles.auth_order.anthropic")
-    assert said in problem and "profile ids" in fix or "once" in fix
+    assert said in problem
+    assert "profile ids" in fix or "once" in fix
