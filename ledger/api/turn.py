@@ -92,7 +92,8 @@ _SENDS = function("a function of a Dispatch returning a SendResult")
 
 def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str | None,
           denials: Denials | None, reserve: Reserve | None, rng: random.Random | None,
-          token_counter: TokenCounter | None, part_hashes: PartHashes | None) -> TurnLoop:
+          token_counter: TokenCounter | None, part_hashes: PartHashes | None,
+          lease_margin_s: float) -> TurnLoop:
     """The turn loop of :func:`execute`'s / :func:`aexecute`'s validated arguments.
 
     Nothing is read or written before they pass.
@@ -105,6 +106,7 @@ def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str |
         rng=rng, token_counter=token_counter or CharEstimator(),
         # Computed here, never taken from the caller: coverage is judged by these hashes.
         part_hashes=None if part_hashes is None else part_hashes.of(envelope),
+        lease_margin_s=lease_margin_s,
     )
 
 
@@ -196,7 +198,8 @@ def execute(
         ...                      sync_sender(adapter))
         >>> result.text, result.route.id, len(result.attempts)  # doctest: +SKIP
     """
-    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes)
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes,
+                 ledger.lease_margin_s)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
@@ -252,7 +255,8 @@ async def aexecute(
         FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
         DatabaseUnavailable: the database could not be reached.
     """
-    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes)
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes,
+                 ledger.lease_margin_s)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
     sleeper = sleeper or _sleeper_of(ledger)
     return await _drive_async(gen, ledger, send, sleeper, on_notice)

@@ -93,6 +93,7 @@ from ledger.errors import (
     DatabaseUnavailable,
     FailoverExhausted,
     FencedOut,
+    LeaseLost,
     LedgerError,
     NotFound,
     PartialOutput,
@@ -300,8 +301,10 @@ class TurnLoop:
         rng: random.Random | None,
         token_counter: TokenCounter,
         part_hashes: Sequence[str] | None = None,
+        lease_margin_s: float = 0.0,
     ) -> None:
         self.lease = lease
+        self.lease_margin_s = lease_margin_s
         self.envelope = envelope
         self.pin = pin
         self.denials = denials
@@ -454,8 +457,11 @@ class TurnLoop:
         except DatabaseUnavailable as e:
             yield from self._resolve_begin(route, profile, attempt_id, e)
             raise
-        except GeneratorExit:
-            raise  # closed with no driver left: nothing can be written any more
+        except (GeneratorExit, FencedOut):
+            # Closed with no driver left, or refused for a stale fence or a lapsed lease (the
+            # begin rolled back): there is nothing to settle, and a settle would only be kept
+            # as the late receipt of an attempt that never existed.
+            raise
         except BaseException:
             # Interrupted: the begin may have committed; if it did, it was never sent.
             yield from self._settle_quietly(route, profile, attempt_id, Outcome.NOT_SENT)
@@ -468,6 +474,10 @@ class TurnLoop:
                             self.envelope, attempt_kind, SendProgress())
         try:
             faults.point("dispatch.before_send")
+            now = yield from perform(Now())
+            lapsed = self._lapsed_since_begin(att, now)
+            if lapsed is not None:
+                raise lapsed
             result = yield from perform(Send(dispatch))
         except GeneratorExit:
             raise  # closed with no driver left: recovery settles it
@@ -482,6 +492,24 @@ class TurnLoop:
             return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
                              list(result.parts))
         return (yield from self._failed(turn, attempt, route, profile, att, result, dispatch))
+
+    def _lapsed_since_begin(self, att: AttemptRecord, now: float) -> LeaseLost | None:
+        """Why the request may no longer leave, or ``None``.
+
+        The begin proved the lease live until ``lease_margin_s`` past its own time, and the
+        lease as granted until its ``expires_at``; past both (the process paused between begin
+        and send, or its loop was held that long) another executor may already hold the Run,
+        so the request is not sent: the attempt is settled ``not_sent`` on the way out.
+        """
+        until = max(att.created_at + self.lease_margin_s, self.lease.expires_at)
+        if now < until:
+            return None
+        return LeaseLost(
+            f"the lease on run {self.lease.run_id!r} may have lapsed between the begin of "
+            f"attempt {att.attempt_id} and its send ({now - att.created_at:.3f} s later; it was "
+            f"known live until {until - att.created_at:.3f} s after the begin): nothing was sent; "
+            "acquire the lease again before more work", run_id=self.lease.run_id,
+            attempt_id=att.attempt_id)
 
     def _failed(self, turn: _Turn, attempt: _Try, route: Route, profile: str | None,
                 att: AttemptRecord, result: SendResult, dispatch: Dispatch

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import pytest
+
+from ledger import faults
 from ledger.api.facade import Ledger
 from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
-from ledger.domain.records import AttemptState
+from ledger.domain.records import AttemptState, DebitState
 from ledger.domain.values import Budget, Grant, Price, Route
+from ledger.errors import FencedOut, LeaseLost
 
 PLAN = [Route(id=f"r{i}", provider=f"p{i}", model="m", group=f"g{i}", recipient="rcpt",
               price=Price()) for i in range(3)]
@@ -40,3 +44,73 @@ def test_invariant1_every_attempt_is_committed_before_its_request_is_sent(db_url
     assert [a for a, _ in seen] == [a.attempt_id for a in result.attempts]
     observer.close()
     led.close()
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["lapsed", "taken-over"])
+def test_invariant3_a_lease_lapsed_between_begin_and_send_sends_nothing(
+        db_url: str, taken_over: bool) -> None:
+    """An executor paused after its begin committed (the OS stopped it, its loop was held) until
+    its lease lapsed sends nothing when it wakes: another executor may hold the Run, and the
+    capacity slot stopped counting when the lease lapsed (invariant 8). The turn raises
+    ``LeaseLost``; the attempt is settled ``not_sent`` where the Run is still its own, and is
+    left to recovery (never sent) where another executor took it."""
+    clock = ManualClock(10_000.0)
+    led = Ledger.open(db_url, clock=clock, executor_id="a")
+    led.admit_run("run", plan=PLAN[:1], budget=Budget(max_calls=5, max_retries=4,
+                                                       max_cost=Decimal("1")),
+                  grant=Grant(recipients={"rcpt": ["user_input"]}))
+    lease = led.acquire_lease("run", ttl_s=30)
+    other = Ledger.open(db_url, clock=clock, executor_id="b", migrate_schema=False)
+
+    def pause(_point: str) -> None:
+        clock.advance(31.0)  # asleep past the lease's end
+        if taken_over:
+            other.acquire_lease("run", ttl_s=30)
+
+    sent: list[Dispatch] = []
+
+    def send(d: Dispatch) -> SendResult:
+        sent.append(d)
+        return SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
+
+    faults.arm("dispatch.before_send", pause)
+    try:
+        with pytest.raises(LeaseLost) as lost:
+            execute(led, lease, Envelope(parts=[Part(content="hi")]), send)
+    finally:
+        faults.disarm()
+    assert sent == []
+    [att] = led.timeline("run")
+    assert lost.value.fields["attempt_id"] == att.attempt_id
+    if taken_over:
+        assert att.state is AttemptState.DISPATCHING  # the new holder's recovery settles it
+    else:
+        assert att.state is AttemptState.NOT_SENT
+        assert att.debit_state is DebitState.VOIDED
+    led.close()
+    other.close()
+
+
+def test_invariant3_a_begin_refused_for_a_stale_fence_writes_nothing(db_url: str) -> None:
+    """A stale executor's begin is refused (``FencedOut``) and writes nothing at all: no
+    attempt, and no late receipt of a settle for an attempt that never existed."""
+    clock = ManualClock(10_000.0)
+    led = Ledger.open(db_url, clock=clock, executor_id="a")
+    led.admit_run("run", plan=PLAN[:1], budget=Budget(max_calls=5, max_retries=4,
+                                                       max_cost=Decimal("1")),
+                  grant=Grant(recipients={"rcpt": ["user_input"]}))
+    lease = led.acquire_lease("run", ttl_s=30)
+    other = Ledger.open(db_url, clock=clock, executor_id="b", migrate_schema=False)
+    clock.advance(31.0)
+    other.acquire_lease("run", ttl_s=30)
+    before = [e.kind for e in led.events("run")]
+
+    def send(d: Dispatch) -> SendResult:
+        raise AssertionError("a stale executor sent a request")
+
+    with pytest.raises(FencedOut):
+        execute(led, lease, Envelope(parts=[Part(content="hi")]), send)
+    assert led.timeline("run") == []
+    assert [e.kind for e in led.events("run")] == before
+    led.close()
+    other.close()
