@@ -165,8 +165,9 @@ class _SessionCore:
         ``not_sent`` first: a release needs nothing in flight). When the database does not
         answer, it stays remembered and the process writes it as soon as the database answers
         again (the Run's next write here, or the ledger's ``close()``). A keeper that lost the
-        Run writes nothing under the lease; a begin of its own that was never sent is still
-        settled, under its own fence.
+        Run writes nothing under the lease (a begin of its own that was never sent is still
+        settled, under its own fence), and the exit raises what lost it: the Run was not
+        finished.
         """
         led, run_id = self.ledger, self.run_id
         store, clock = led._store, led.clock.now
@@ -176,6 +177,10 @@ class _SessionCore:
             except LedgerError as e:
                 log.warning("run %s: leaving a lost Run, its unresolved begin stays for the "
                             "ledger's close() or recovery: %s", run_id, e)
+            if exc is not keeper.error:
+                # The Run was not finished here: a block that succeeded must not look as if it
+                # had (the Run stays running until its new holder or recovery ends it).
+                raise keeper.error
             return
         status = self._end_status(exc)
         if status is None:

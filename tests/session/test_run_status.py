@@ -23,6 +23,7 @@ from ledger import (
     Dispatch,
     Envelope,
     FailoverExhausted,
+    FencedOut,
     Grant,
     Ledger,
     Part,
@@ -219,3 +220,23 @@ def test_every_deliberate_stop_reason_is_stopped_and_any_other_is_failed() -> No
     for cancel in (asyncio.CancelledError(), KeyboardInterrupt(), GeneratorExit()):
         assert turn_end(cancel) is RunStatus.CANCELLED
     assert turn_end(RuntimeError("host")) is RunStatus.FAILED
+
+
+def test_a_block_whose_keeper_lost_the_run_raises_on_leaving_and_finishes_nothing(
+        db_url: str, fake: FakeProvider) -> None:
+    """A session whose lease keeper found the Run taken over (the process was paused past its
+    lease) did not finish the Run: leaving raises the keeper's ``FencedOut`` instead of ending
+    as if all went well, and the Run is left to its new holder."""
+    clock = ManualClock(50_000.0)
+    with Ledger.open(db_url, clock=clock, executor_id="a", lease_margin_s=0.05) as led, \
+            Ledger.open(db_url, clock=clock, executor_id="b", migrate_schema=False) as other:
+        session = led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=0.3)
+        with pytest.raises(FencedOut) as lost, session as run:
+            run.turn(HELLO)
+            clock.advance(1.0)  # asleep past the lease's end...
+            other.acquire_lease("r", ttl_s=60)  # ...while another executor took the Run
+            assert run._keeper.lost.wait(30)  # the keeper's next renewal is refused
+        assert lost.value is run._keeper.error
+        rec = led.get_run("r")
+        assert rec.status is RunStatus.RUNNING and rec.lease_holder == "b"
+        assert led.events("r", ["finish"]) == []
