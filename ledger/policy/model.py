@@ -11,15 +11,27 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from ledger.domain.facts import Category, Phase, Scope, Transport
 from ledger.domain.media import MAX_BINARY_BYTES
 from ledger.domain.values import ProfileType
 
+# Scalars are strict: a quoted "yes" or "60" in a policy file is a mistake to point out, not a
+# value to guess at (a whole number still passes for a float).
+Number = Annotated[float, Strict()]
 # Durations are seconds; infinities and NaN would make every comparison against them lie.
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 Pattern = Annotated[str, Field(min_length=1)]
 
 
@@ -60,7 +72,7 @@ class _Section(BaseModel):
 class FailoverPolicy(_Section):
     """The master switch and the rules about when a request may move to another route."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     # Roles that never fail over, compared case-insensitively. Seed 003's words ("independent
     # reviewers, fixed-model evaluations, diagnostic invocations, scheduled tasks, and context
     # compaction") and their common forms.
@@ -70,10 +82,10 @@ class FailoverPolicy(_Section):
     after_effective_output: Literal["stop", "discard"] = "stop"
     # Whether a request whose execution is unknown (timeout after send) may be sent again as a
     # new Attempt (goclaw and fased do, the default never does).
-    resubmit_unknown_execution: bool = False
-    last_candidate_always_tried: bool = False
+    resubmit_unknown_execution: StrictBool = False
+    last_candidate_always_tried: StrictBool = False
     new_turn: Literal["first_entry", "keep_current"] = "keep_current"
-    group_aware: bool = True
+    group_aware: StrictBool = True
     group_fact_max_age_s: Seconds = 30.0
     # When admission rejects, before dispatch, the Attempt that would continue after a failure:
     # "reselect" chooses again (another group may admit it); "stop" ends the turn with reason
@@ -84,7 +96,7 @@ class FailoverPolicy(_Section):
     # floor), wait for the earliest reopening within ``admission.max_capacity_wait_s`` and the
     # Run's deadline, then try it (recorded as a probe), instead of stopping with no attempt;
     # also after a failure. Without it only a new turn waits, and only for group floors.
-    wait_for_reopening: bool = False
+    wait_for_reopening: StrictBool = False
 
 
 class MoveRule(_Section):
@@ -145,10 +157,10 @@ class RetryRule(_Section):
 
     categories: list[Category] = Field(default_factory=list)
     transports: list[Transport] = Field(default_factory=list)
-    max: int = Field(default=0, ge=0)
+    max: StrictInt = Field(default=0, ge=0)
     delays_s: list[Seconds] = Field(default_factory=list)
-    jitter: float = Field(default=0.0, allow_inf_nan=False)
-    honor_retry_after: bool = False
+    jitter: Number = Field(default=0.0, allow_inf_nan=False)
+    honor_retry_after: StrictBool = False
     retry_after_cap_s: Seconds | None = None
 
     @field_validator("jitter")
@@ -225,7 +237,7 @@ class TextRule(_Section):
 class StatusTextRule(_Section):
     """A status whose text says otherwise: e.g. goclaw's 429 that says 'overloaded'."""
 
-    statuses: list[int]
+    statuses: list[StrictInt]
     patterns: list[Pattern]
     category: Category
 
@@ -348,8 +360,8 @@ class ClassificationPolicy(_Section):
     # response must not close a capacity group for a day.
     retry_after_limit_s: PositiveSeconds = 3_600.0
     # Only this much of a body is parsed or scanned; error bodies are small, hostile ones are not.
-    body_limit_bytes: int = Field(default=262_144, ge=1)
-    message_limit_chars: int = Field(default=300, ge=16)
+    body_limit_bytes: StrictInt = Field(default=262_144, ge=1)
+    message_limit_chars: StrictInt = Field(default=300, ge=16)
 
     @field_validator("status")
     @classmethod
@@ -370,8 +382,8 @@ class CooldownCurve(_Section):
     """``min(base_s * factor ** min(n - 1, max_exponent), cap_s)`` for the n-th counted failure."""
 
     base_s: PositiveSeconds = 60.0
-    factor: float = Field(default=5.0, ge=1.0, le=1000.0, allow_inf_nan=False)
-    max_exponent: int = Field(default=3, ge=0, le=64)
+    factor: Number = Field(default=5.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+    max_exponent: StrictInt = Field(default=3, ge=0, le=64)
     cap_s: PositiveSeconds = 3_600.0
 
     @model_validator(mode="after")
@@ -394,7 +406,7 @@ class DisableRule(_Section):
 
     categories: list[Category]
     base_s: PositiveSeconds = 18_000.0
-    factor: float = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+    factor: Number = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
     cap_s: PositiveSeconds = 86_400.0
     base_s_by_provider: dict[str, PositiveSeconds] = Field(default_factory=dict)
 
@@ -427,28 +439,28 @@ class HealthPolicy(_Section):
     disables: list[DisableRule] = Field(default_factory=list)
     # Counters reset before counting a failure this long after the previous one (null: never).
     failure_window_s: PositiveSeconds | None = 600.0
-    reset_on_success: bool = True
+    reset_on_success: StrictBool = True
     # Counters reset before counting a failure once every cooldown/disable window has expired.
-    reset_on_expiry: bool = True
+    reset_on_expiry: StrictBool = True
     # Routers that spread load over many upstreams: their keys are never cooled nor disabled.
     exempt_providers: list[str] = Field(default_factory=list)
     # Record each key's last successful use. Profile rotation orders by it (fased); where no
     # decision reads it, leaving it off lets a success on a healthy key write nothing, so the
     # settles of many workers on one route do not queue on its health row.
-    track_last_used: bool = True
+    track_last_used: StrictBool = True
     # ``last_used`` is rewritten by a success only once it is this old: a healthy key then costs
     # one health write per interval, not one per call (0: every success records it exactly).
     last_used_interval_s: Seconds = 0.0
     # One failed call is not an outage: a key cools only once this many failures that would
     # cool it fell within ``cooldown_window_s`` (1: the first one cools it, as GoClaw and Fased
     # do). The failures before that are remembered (``Health.recent_failures``), not counted.
-    cooldown_after: int = 1
-    cooldown_window_s: float | None = None
+    cooldown_after: StrictInt = 1
+    cooldown_window_s: Number | None = None
     # Whether each failed try of a same-route retry counts again. False: a route's failure is
     # counted once per request; a retry's failure restarts its window from the last try but does
     # not step the cooldown up (GoClaw: "when every try fails, the request fails, or moves on,
     # with the error it failed with before").
-    count_same_route_retries: bool = False
+    count_same_route_retries: StrictBool = False
 
     @field_validator("cooldown_after", mode="before")
     @classmethod
@@ -507,11 +519,11 @@ class HealthPolicy(_Section):
 class ProbePolicy(_Section):
     """Probing a cooling primary to learn that it is back (goclaw)."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     interval_s: Seconds = 30.0
     margin_s: Seconds = 120.0
     ttl_s: PositiveSeconds = 86_400.0
-    max_keys: int = Field(default=256, ge=1)
+    max_keys: StrictInt = Field(default=256, ge=1)
 
     @model_validator(mode="after")
     def _interval_within_ttl(self) -> ProbePolicy:
@@ -530,14 +542,14 @@ class ProbePolicy(_Section):
 class ProfilePolicy(_Section):
     """Credential-profile rotation inside a route before model fallback (fased)."""
 
-    rotate_before_model: bool = False
+    rotate_before_model: StrictBool = False
     type_order: list[ProfileType] = Field(
         default_factory=lambda: [ProfileType.OAUTH, ProfileType.TOKEN, ProfileType.API_KEY]
     )
     auth_order: dict[str, list[str]] = Field(default_factory=dict)
     # A new turn keeps the profile the Run used last while it is usable, as if the caller had
     # passed ``pin="auto"`` (Fased's session stickiness); a recorded compaction drops it.
-    sticky: bool = False
+    sticky: StrictBool = False
     # Which failures mark a credential profile tried for the rest of the turn, so no other
     # route uses it: "any_failure", or only a "credential_failure" (one that cools or disables
     # the profile). Fased rotates on timeouts and format errors without marking the credential.
@@ -564,7 +576,7 @@ class ProfilePolicy(_Section):
 class AdmissionPolicy(_Section):
     """Capacity-group admission facts written by settle."""
 
-    trust_provider_429: bool = True
+    trust_provider_429: StrictBool = True
     default_group_cooldown_s: Seconds = 30.0
     max_capacity_wait_s: Seconds = 30.0
 
@@ -596,8 +608,8 @@ class EnvelopePolicy(_Section):
     request limits (OpenAI 50 MB per request, Anthropic 32 MB, Gemini 20 MB inline).
     """
 
-    max_part_bytes: int = 20 * 1024 * 1024
-    max_envelope_bytes: int = 32 * 1024 * 1024
+    max_part_bytes: StrictInt = 20 * 1024 * 1024
+    max_envelope_bytes: StrictInt = 32 * 1024 * 1024
 
     @field_validator("max_part_bytes", "max_envelope_bytes", mode="before")
     @classmethod

@@ -261,3 +261,19 @@ def test_an_auth_order_that_leaves_a_provider_no_credential_is_refused(
     _, problem, fix = _only(err, "profiles.auth_order.anthropic")
     assert said in problem
     assert "profile ids" in fix or "once" in fix
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("failover:\n  enabled: 'yes'\n", "failover.enabled"),
+    ("failover:\n  enabled: 1\n", "failover.enabled"),
+    ("admission:\n  max_capacity_wait_s: '30'\n", "admission.max_capacity_wait_s"),
+    ("same_route_retry:\n  - categories: [overloaded]\n    max: '2'\n    delays_s: [1, 2]\n",
+     "same_route_retry[0].max"),
+    ("health:\n  cooldown_after: 3\n  cooldown_window_s: true\n", "health.cooldown_window_s"),
+])
+def test_a_quoted_or_mistyped_scalar_is_refused_not_guessed_at(tmp_path: Path, text: str,
+                                                               field: str) -> None:
+    """What the published schema refuses, loading refuses too: ``'yes'`` is no boolean and
+    ``'30'`` no number (a whole number still passes where seconds are asked for)."""
+    err = _error(_write(tmp_path, "name: x\n" + text))
+    _only(err, field)
