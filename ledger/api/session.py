@@ -183,6 +183,23 @@ class _SessionCore:
                 raise keeper.error
             return
         status = self._end_status(exc)
+        abandoned = self._sending
+        if abandoned is not None:
+            # A turn left in the middle of its send: an async generator the host stopped
+            # reading and has not closed yet, a thread still waiting on the provider. Its
+            # request may have left, so its Attempt is marked unknown (hold kept, never sent
+            # again) before the Run ends, cancelled like an interrupted turn; whatever the turn
+            # writes later is refused or kept as a late receipt.
+            if abandoned.progress.provably_unsent:
+                from ledger.api.lease import SHUTDOWN_FACT
+
+                yield from Face.settle_attempt.flow(led, keeper.lease, abandoned.attempt_id,
+                                                     outcome="not_sent", fact=SHUTDOWN_FACT)
+            else:
+                yield from Face.mark_unknown.flow(
+                    led, keeper.lease, abandoned.attempt_id,
+                    "the Run session was left while the request was in flight")
+            status = status if exc is not None else RunStatus.CANCELLED
         if status is None:
             status = _idle_status((yield from Face.get_run.flow(led, run_id)),
                                   (yield from Face.timeline.flow(led, run_id)),

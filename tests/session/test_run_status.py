@@ -97,6 +97,36 @@ def test_a_cancelled_async_turn_the_host_caught_ends_the_run_cancelled(
     assert asyncio.run(main()) == (RunStatus.CANCELLED, RunStatus.SUCCEEDED)
 
 
+def test_a_block_left_while_its_turn_is_still_sending_ends_the_run_cancelled_and_unknown(
+        db_url: str, fake: FakeProvider) -> None:
+    """Leaving the block while a turn is still in its send (an ``astream`` the host broke out
+    of and has not closed, a thread still waiting on the provider) finishes the Run cancelled
+    and releases its lease: the request may have left, so its Attempt is marked unknown, its
+    hold kept, never sent again. Leaving failed with ``InvalidState`` (an attempt in flight)
+    and left the Run running and leased."""
+    async def main() -> tuple[Any, Any]:
+        async with AsyncLedger.open(db_url) as led:
+            sending = asyncio.Event()
+
+            async def hangs(_d: Dispatch) -> SendResult:
+                sending.set()
+                await asyncio.Event().wait()  # still waiting when the block is left
+                raise AssertionError("unreachable")
+
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                task = asyncio.create_task(run.turn(HELLO, send=hangs))
+                await sending.wait()
+            rec, [att] = await led.get_run("r"), await led.timeline("r")
+            task.cancel()  # the abandoned turn, closed late: its own settle is refused
+            with contextlib.suppress(BaseException):
+                await task
+            return rec, att
+
+    rec, att = asyncio.run(main())
+    assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
+    assert att.state is AttemptState.UNKNOWN and att.debit_state.value == "reserved"
+
+
 # -- stops the host caught ------------------------------------------------------------------
 
 
