@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import unquote_plus
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -23,6 +24,7 @@ from sqlalchemy.pool import NullPool
 
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage.failure import mapped
+from ledger.storage.pgurl import PASSWORD_USER, conninfo, hosts_to_query
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -42,20 +44,42 @@ def normalize_url(url: str) -> str:
     return url
 
 
+# libpq's connection options that carry a secret: the password, the passphrase of the client's
+# key, and an OAuth client's secret.
+SECRET_OPTIONS = frozenset({"password", "sslpassword", "oauth_client_secret"})
+_QUERY_PAIR = re.compile(r"([?&])([^&=?]*)=([^&]*)")
+
+
 def redact_url(url: str) -> str:
-    """The URL without its password (in its user part or as ``password=``), for messages
-    and logs."""
-    # A user part may hold no user name (``://:secret@host``); libpq reads option names in any
-    # case, so ``Password=`` is one too.
-    url = re.sub(r"(://[^:/@?#]*):[^@/?#]*@", r"\1:***@", url)
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+    """The URL without its password (in its user part, or as ``password=``, ``sslpassword=``
+    or another of :data:`SECRET_OPTIONS`), for messages and logs."""
+    start = url.find("://") + 3
+    if start >= 3 and PASSWORD_USER.match(url, start):
+        # Up to the *last* '@': a password holding a raw '@' shows none of itself either.
+        url = url[:url.index(":", start)] + ":***" + url[url.rindex("@"):]
+
+    def pair(m: re.Match[str]) -> str:
+        # SQLAlchemy decodes a percent-escaped name; one in another case (which libpq refuses,
+        # in a message that shows the URL) is hidden too.
+        secret = unquote_plus(m[2]).strip().lower() in SECRET_OPTIONS
+        return f"{m[1]}{m[2]}=***" if secret else m[0]
+
+    return _QUERY_PAIR.sub(pair, url)
 
 
 def parse(url: str) -> tuple[str, URL]:
     """``url`` normalized (:func:`normalize_url`) and parsed; names the backend's problems."""
-    from ledger.storage.pgurl import hosts_to_query
-
-    norm = hosts_to_query(normalize_url(url), redact_url(url))
+    norm = normalize_url(url)
+    start = norm.find("://") + 3
+    user = PASSWORD_USER.match(norm, start) if start >= 3 else None
+    if user is not None and "@" in norm[user.end():]:
+        # SQLAlchemy ends the password at its first '@': the rest of a password holding a raw
+        # '@' would be read, and shown, as the host, port or database.
+        raise InvalidArgument(
+            f"database URL {redact_url(url)!r} holds an '@' after the one that ends its user "
+            "part (a raw '@' in the password, or in a query value): percent-encode it as %40",
+            field="url")
+    norm = hosts_to_query(norm, redact_url(url))
     try:
         parsed = make_url(norm)
     except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
@@ -138,8 +162,6 @@ def postgres_conninfo(norm: str, parsed: URL, *, reads: bool = False) -> str:
     """The libpq connection string of a PostgreSQL URL (psycopg 3 only; every spelling of
     several hosts: :mod:`ledger.storage.pgurl`), checked without any name lookup; ``reads``:
     of a read replica (read-only sessions, a standby preferred)."""
-    from ledger.storage.pgurl import conninfo
-
     postgres_driver(norm, parsed)
     return conninfo(parsed, redact_url(norm), reads=reads)
 

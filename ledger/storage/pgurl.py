@@ -41,6 +41,10 @@ _SCHEME = "postgresql+psycopg://"
 # networks use); addresses and socket directories are told apart before it is tried.
 _HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_.])?")
 _AUTHORITY = re.compile(r"(?P<user>[^/?#@]*@)?(?P<hosts>[^/?#]*)(?P<tail>.*)", re.S)
+_HOSTS = re.compile(r"(?P<hosts>[^/?#]*)(?P<tail>.*)", re.S)
+# SQLAlchemy's reading of a user part with a password: a user name without ':' or '/', then
+# everything up to the next '@' (a raw '/', '?' or '#' included).
+PASSWORD_USER = re.compile(r"[^:/]*:[^@]*@")
 _BRACKETED = re.compile(r"\[(?P<host>[^\]]*)\](?::(?P<port>.*))?")
 EXAMPLE = ("postgresql+psycopg://USER@/DBNAME?host=HOST1,HOST2&port=PORT1,PORT2 "
            "(or USER@HOST1:PORT1,HOST2:PORT2/DBNAME)")
@@ -130,10 +134,26 @@ def hosts_to_query(norm: str, where: str) -> str:
     rewritten as libpq's ``?host=...&port=...`` lists; any other URL as it is."""
     if not norm.startswith(_SCHEME):
         return norm
+    rest = norm[len(_SCHEME):]
     # RFC 3986: the user part ends at '@' and holds no '/', '?' or '#' (encode them).
-    parts = _AUTHORITY.match(norm[len(_SCHEME):])
+    parts = _AUTHORITY.match(rest)
     assert parts is not None  # every part is optional
-    user, hostlist, tail = parts["user"] or "", parts["hosts"], parts["tail"]
+    # SQLAlchemy reads a password up to its '@' whatever it holds, and so the ledger connects
+    # with one that holds a raw '/', '?' or '#': the hosts begin after it.
+    password = PASSWORD_USER.match(rest)
+    if password is not None and password.end() != len(parts["user"] or ""):
+        if ("," in parts["hosts"] or parts["user"] is not None) and "@" not in parts["hosts"]:
+            # Hosts (or a user part) before an '@' in a query value, or a password that holds
+            # a ',' too: which is meant cannot be told, and the message may quote neither.
+            raise _refuse(where, "cannot tell where its user part ends: percent-encode a '/', "
+                                 "'?', '#' or ',' in the password (%2F, %3F, %23, %2C) and an "
+                                 "'@' in a query value (%40)", hosts=False)
+        user_end = password.end()
+    else:
+        user_end = len(parts["user"] or "")
+    after = _HOSTS.match(rest, user_end)
+    assert after is not None  # both parts are optional
+    user, hostlist, tail = rest[:user_end], after["hosts"], after["tail"]
     if "," not in hostlist:
         if hostlist.startswith("["):
             _host(hostlist, where)  # SQLAlchemy drops the brackets: check them while they show
@@ -218,4 +238,4 @@ def conninfo(parsed: URL, where: str, *, reads: bool = False) -> str:
                              "libpq's connection options)", hosts=False) from e
 
 
-__all__ = ["EXAMPLE", "conninfo", "hosts_to_query"]
+__all__ = ["EXAMPLE", "PASSWORD_USER", "conninfo", "hosts_to_query"]

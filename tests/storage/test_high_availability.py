@@ -145,6 +145,75 @@ def test_the_password_stays_out_of_the_message() -> None:
         assert "hunter2" not in str(caught.value), str(caught.value)
 
 
+def _opened_both_ways(url: str) -> list[Exception]:
+    """What opening ``url`` raises, blocking and asyncio."""
+    async def opened() -> None:
+        await (await AsyncLedger.open(url)).close()
+
+    raised: list[Exception] = []
+    for open_it in (lambda: Ledger.open(url).close(), lambda: asyncio.run(opened())):
+        with pytest.raises(Exception) as caught:  # each is checked by the caller
+            open_it()
+        raised.append(caught.value)
+    return raised
+
+
+def _shown(error: Exception) -> str:
+    return f"{error} {getattr(error, 'fields', {})!r}"
+
+
+@pytest.mark.parametrize("option", ["sslpassword", "password", "pass%77ord",
+                                    "oauth_client_secret"])
+def test_no_secret_libpq_option_is_shown_in_a_message_or_its_fields(option: str) -> None:
+    closed = free_port()  # nothing listens on it: the connection is refused at once
+    url = f"postgresql+psycopg://u@127.0.0.1:{closed}/db?{option}=TOPSECRET"
+    for error in _opened_both_ways(url):
+        assert isinstance(error, DatabaseUnavailable), _shown(error)
+        assert "TOPSECRET" not in _shown(error) and f"{option}=***" in str(error), _shown(error)
+    for error in _opened_both_ways(url + "&sslmode=bogus"):  # refused before it connects
+        assert isinstance(error, InvalidArgument) and "sslmode='bogus'" in str(error)
+        assert "TOPSECRET" not in _shown(error), _shown(error)
+
+
+@pytest.mark.parametrize("password", ["TOP/SECRET", "TOP?SECRET", "TOP#SECRET",
+                                      "Zx9+/TOPSECRET=", "TOP:SE/CR?ET"])
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_password_holding_a_raw_slash_question_mark_or_hash_is_never_shown(
+        password: str, hosts: int) -> None:
+    ports = [free_port() for _ in range(hosts)]
+    authority = ",".join(f"127.0.0.1:{port}" for port in ports)
+    url = f"postgresql://u:{password}@{authority}/db"
+    # SQLAlchemy reads the password up to its '@', and so does the split of several hosts.
+    info = _conninfo(url)
+    assert info["password"] == password and info["dbname"] == "db", info
+    assert info["host"] == ",".join(["127.0.0.1"] * hosts), info
+    assert info["port"] == ",".join(map(str, ports)), info
+    assert eng.redact_url(url) == f"postgresql://u:***@{authority}/db"
+    for error in _opened_both_ways(url):
+        assert isinstance(error, DatabaseUnavailable), _shown(error)
+        assert "SECRET" not in _shown(error) and "u:***@" in str(error), _shown(error)
+
+
+@pytest.mark.parametrize("url", [
+    # A raw '@' in the password: SQLAlchemy would read its rest as the host, port or database.
+    "postgresql://u:TOP@SECRET@127.0.0.1:{0}/db",
+    "postgresql://u:TOP@SE:CRET@127.0.0.1:{0}/db",
+    "postgresql://u:TOP@SE/CRET@127.0.0.1:{0},127.0.0.1:{0}/db",
+    # Several hosts, or a user part, before an '@' in a query value read as a password's end.
+    "postgresql://u:TOP,SE/CRET@127.0.0.1:{0},127.0.0.1:{0}/db",
+    "postgresql://u@127.0.0.1:{0},127.0.0.1:{0}/db?application_name=TOPSECRET@x",
+    "postgresql://u@127.0.0.1:{0}/db?application_name=TOPSECRET@x",
+])
+def test_a_url_whose_user_part_cannot_be_told_is_refused_without_showing_the_password(
+        url: str, no_name_lookup: list[Any]) -> None:
+    url = url.format(free_port())
+    for error in _opened_both_ways(url):
+        assert isinstance(error, InvalidArgument) and error.fields["field"] == "url", \
+            _shown(error)
+        assert "%40" in str(error) and "SECRET" not in _shown(error), _shown(error)
+    assert no_name_lookup == []
+
+
 # -- a real server behind a host that is down ----------------------------------------------------
 
 
