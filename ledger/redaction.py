@@ -21,10 +21,12 @@ Two layers, applied by :func:`redact` in this order:
    pasted into a prompt) are caught by their shape: ``sk-...`` (OpenAI, Anthropic ``sk-ant-``,
    OpenRouter ``sk-or-``), ``gsk_``, ``xai-``, ``ghp_``..., ``hf_``, ``glpat-``, ``AKIA...``,
    ``AIza...`` (Google), ``Bearer <token>``, ``api_key=...`` style assignments and URL query
-   parameters, JWTs, and long opaque tokens: 32+ characters of the base64/base64url alphabet
-   (``A-Z a-z 0-9 + / _ - .``) that mix upper case, lower case and digits the way random keys do,
-   and 40+ hex digits not labelled as a hash (``sha256:...``). Identifiers the ledger itself makes
-   (``a-<32 hex>``), URLs, file paths and ordinary prose survive.
+   parameters (``?password=``, ``?secret=`` and signed URLs' signatures too, however short),
+   the password of a URL's user part (``https://user:password@host``), JWTs, and long opaque
+   tokens: 32+ characters of the base64/base64url alphabet (``A-Z a-z 0-9 + / _ - .``) that mix
+   upper case, lower case and digits the way random keys do, and 40+ hex digits not labelled as
+   a hash (``sha256:...``). Identifiers the ledger itself makes (``a-<32 hex>``), URLs (less
+   those credentials), file paths and ordinary prose survive.
 
 Secrets shorter than :data:`MIN_SECRET_CHARS` are not matched verbatim: replacing every short
 token would destroy evidence while protecting nothing a real provider issues.
@@ -209,6 +211,9 @@ _PREFIXED: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bAIza[0-9A-Za-z_\-]{20,}"),  # Google API keys
     re.compile(r"\beyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{5,}"),  # JWTs
 )
+# A password hidden already (``***``, as a database URL is shown) or the word in a hint's
+# example URL (``postgresql://user:PASSWORD@host/db``): kept as it is.
+_PLACEHOLDER = r"(?:\*\*\*|password|pass)"
 # (prefix kept) value
 _LABELLED: tuple[re.Pattern[str], ...] = (
     re.compile(r"(?i)(\b(?:bearer|basic|token)\s+)[A-Za-z0-9._~+/\-]{8,}=*"),
@@ -218,6 +223,15 @@ _LABELLED: tuple[re.Pattern[str], ...] = (
         r"[\"']?\s*[:=]\s*[\"']?)(?!\[REDACTED\])[^\s\"',;&}\]]{6,}"
     ),
     re.compile(r"(?i)([?&](?:key|api_key|apikey|token|access_token|sig|signature)=)[^&\s#\"']{6,}"),
+    # A password or secret in a URL's query, however short (``?password=``, ``db_password=``,
+    # ``client_secret=``, S3's and GCS's signed-URL signatures).
+    re.compile(r"(?i)([?&](?:[\w.\-]*password|passwd|pwd|pass|[\w.\-]*secret"
+               r"|x-(?:amz|goog)-(?:signature|security-token))=)"
+               r"(?!" + _PLACEHOLDER + r"(?:[&\s#\"']|$))[^&\s#\"']+"),
+    # The password of a URL's user part (``https://user:password@host``); the scheme is
+    # bounded, so a run of dotted words costs linear time.
+    re.compile(r"(?i)(\b[a-z][a-z0-9+.\-]{0,30}://[^\s:/?#@\"'<>]*:)(?!" + _PLACEHOLDER
+               + r"@)[^\s/?#@\"'<>]+(?=@)"),
 )
 # One pass for all prefixed shapes (none has a group).
 _PREFIXED_ONE = re.compile("|".join(f"(?:{p.pattern})" for p in _PREFIXED))

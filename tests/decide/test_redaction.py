@@ -137,6 +137,26 @@ def test_labelled_credentials_are_caught(text: str) -> None:
         assert leaked not in out
 
 
+@pytest.mark.parametrize(
+    ("text", "leaked"),
+    [
+        ("https://bob:LinkPassword99@files.example/doc.pdf", "LinkPassword99"),
+        ("fetch failed: ftp://:pw@10.0.0.1/x (timed out)", ":pw@"),
+        ("https://x.example/doc.pdf?password=abcdefghij", "abcdefghij"),
+        ("https://x.example/doc.pdf?a=1&pwd=hunter&b=2", "hunter"),
+        ("https://x.example/doc.pdf?passwd=p4", "p4"),
+        ("https://x.example/doc.pdf?db_password=s3cr&x=y", "s3cr"),
+        ("https://x.example/cb?client_secret=abc", "abc"),
+        ("https://bucket.s3.example/o?X-Amz-Signature=0a1b2c&X-Amz-Security-Token=Fw0gZX",
+         "0a1b2c"),
+    ],
+)
+def test_credentials_in_a_url_are_caught(text: str, leaked: str) -> None:
+    out = redact(text)
+    assert leaked not in out and REDACTED in out, out
+    assert redact(out) == out
+
+
 PROSE = [
     "Rate limit reached for gpt-4o-mini in organization org-abc123 on tokens per min (TPM): "
     "Limit 30000, Used 29876, Requested 512. Please try again in 20ms. Visit "
@@ -161,6 +181,13 @@ PROSE = [
     "the api key is missing; set OPENAI_API_KEY or LEDGER_SECRET_OPENAI_DEFAULT",
     "Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing.",
     "capacity group 'anthropic-prod' refused attempt 'a-1' (cooling until 1717171717.5)",
+    # URLs with a user name, a port, an '@' in the path, or a password word that is no label.
+    "cloning ssh://git@github.com:22/acme/agents.git failed; see http://localhost:8080/@alice",
+    "https://example.com/search?q=password&passwords_match=true&bypass=cache&page=2",
+    # A database URL as the storage shows it, its secrets hidden already, and a hint's example.
+    "database postgresql+psycopg://u:***@127.0.0.1/db?sslpassword=*** is unavailable",
+    "put it in the URL (postgresql+psycopg://app:PASSWORD@127.0.0.1:5432/postgres) or use "
+    "postgresql+psycopg://user:pass@host:port/dbname",
 ]
 
 

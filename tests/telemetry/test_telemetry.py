@@ -540,6 +540,34 @@ def test_captured_images_and_documents_are_described_never_their_bytes(
     assert "CONFIDENTIAL-FIGURES" not in text and "Link0Key" not in text
 
 
+def test_a_captured_links_credentials_are_redacted(
+        db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider],
+        adapter: SyncAdapter) -> None:
+    a, b = clean_fakes
+    link = "https://files.example/r.pdf?v=2&password=Link99Pass"
+    env = Envelope(parts=[Part(content=PROMPT), Part(url=link, media_type="application/pdf")],
+                   max_output_tokens=64)
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
+                     capture_content=True)
+    try:
+        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+            lease = admit(led, [r.model_copy(update={"protocol": WireProtocol.ANTHROPIC,
+                                                     "endpoint": f.endpoint("anthropic")})
+                                for r, f in zip(routes(a, b), (a, b), strict=True)])
+            execute(led, lease, env, sync_sender(adapter, limits=PATIENT))
+    finally:
+        telemetry.disable()
+    [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
+    [message] = json.loads(str(dict(span.attributes or {})["gen_ai.input.messages"]))
+    assert message["parts"][1] == {
+        "type": "uri", "modality": "pdf", "mime_type": "application/pdf",
+        "uri": "https://files.example/r.pdf?v=2&password=[REDACTED]"}
+    assert "Link99Pass" not in "\n".join(s.to_json() for s in spans.get_finished_spans())
+
+
 def test_a_captured_answers_image_is_described_never_its_bytes(
         db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider],
         adapter: SyncAdapter) -> None:
