@@ -480,7 +480,8 @@ class _TurnObserver:
         span.set_status(Status(StatusCode.ERROR, "rejected by admission: nothing was sent"))
         span.end()
         self.tel.instruments.attempts.add(1, {**self._metric_attrs(begin),
-                                              "ledger.outcome": AttemptState.REJECTED.value})
+                                              "ledger.outcome": AttemptState.REJECTED.value,
+                                              "error.type": "rejected"})
 
     def _sent(self, att: _AttemptSpan, result: SendResult) -> None:
         """What the send reported, before the settle: the answer's shape, and (opted in) text."""

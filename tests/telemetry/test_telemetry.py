@@ -406,6 +406,10 @@ def test_attempt_rejected_by_admission_is_a_span_of_its_own_and_no_failover(
     assert otel.points("ledger.failovers") == []
     assert metric_total(otel, "ledger.attempts") == {("primary", "rejected"): 1,
                                                      ("backup", "succeeded"): 1}
+    # The counter's point carries the span's error.type, so a dashboard can split errors by it.
+    assert {(a.get("ledger.route"), a.get("error.type"))
+            for a, _ in otel.points("ledger.attempts")} == {("primary", "rejected"),
+                                                            ("backup", None)}
     assert {a["ledger.route"] for a, _ in otel.points("ledger.attempt.duration")} == {"backup"}
 
 
