@@ -17,10 +17,11 @@ same few things, written once here:
   Attempt, whose part the integration records as that Attempt's provenance (and an audit
   event ``tool_call_id`` says which provider id it stands for);
 - two guards that keep the Run the only retry owner: a request the Run stopped is not sent
-  again in the same session (a retry the framework makes around the ledger), and a request an
-  earlier executor of the Run sent without a receipt (``unknown``, or still ``dispatching``
-  when its executor died) is not sent again after a resume (LangGraph re-runs an interrupted
-  node).
+  again in the same session (a retry the framework makes around the ledger), and a request
+  sent without a receipt (``unknown``, or still ``dispatching`` when its executor died) is not
+  sent again: not after a resume (LangGraph re-runs an interrupted node), not in the same
+  session (a cancelled or timed-out call asked again), and not while it is still in flight in
+  another thread or task of the session.
 
 A sync :class:`~ledger.RunSession` never suspends, so the shared code is written once as
 coroutines and :func:`drive` runs it to completion for the blocking paths.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import weakref
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -70,14 +72,17 @@ class _Memory:
 
     results: dict[str, Part] = field(default_factory=dict)  # call id -> its result, recorded
     documents: set[str] = field(default_factory=set)  # hashes of uploads recorded
-    stopped: dict[str, FailoverExhausted] = field(default_factory=dict)  # envelope hash -> stop
+    stopped: dict[str, FailoverExhausted] = field(default_factory=dict)  # turn id -> stop
     orphans: dict[str, list[str]] | None = None  # turn id -> attempts sent without a receipt
     mine: set[str] = field(default_factory=set)  # turn ids this session sent
+    running: set[str] = field(default_factory=set)  # turn ids in flight (any thread or task)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards ``running``
     # Tool-call ids the Run used: recorded refs (read once), sent, or handed out by this session.
     call_ids: set[str] | None = None
 
 
 _MEMORY: weakref.WeakKeyDictionary[Any, _Memory] = weakref.WeakKeyDictionary()
+_MEMORY_LOCK = threading.Lock()  # a blocking session's calls may start in several threads
 
 
 class RunLink:
@@ -130,10 +135,11 @@ class RunLink:
     @property
     def memory(self) -> _Memory:
         """What the integrations remember of this session."""
-        found = _MEMORY.get(self.run)
-        if found is None:
-            found = _MEMORY[self.run] = _Memory()
-        return found
+        with _MEMORY_LOCK:
+            found = _MEMORY.get(self.run)
+            if found is None:
+                found = _MEMORY[self.run] = _Memory()
+            return found
 
     def check_open(self) -> None:
         """Refuse a call outside the Run's block, before anything is recorded.
@@ -184,15 +190,20 @@ class RunLink:
     async def guard(self, envelope: Envelope) -> str:
         """The turn id of ``envelope``, after checking the Run may send it.
 
+        A turn id the guard lets through is in flight until :meth:`sent` is called for it,
+        which every caller does however the call ends.
+
         Raises:
             InvalidArgument: the Run stopped this very request in this session before (a
                 retry made around the ledger).
-            FailoverExhausted: (reason ``execution_unknown``) an earlier executor of the Run
-                sent this request and no receipt came: the ledger never sends it again.
+            FailoverExhausted: (reason ``execution_unknown``) this request was sent before
+                (by an earlier executor of the Run, or by this session: a cancelled or
+                timed-out call) and no receipt came, or it is in flight in another thread or
+                task of this session: the ledger never sends it again.
         """
         memory = self.memory
-        digest = envelope.hash
-        stop = memory.stopped.get(digest)
+        turn_id = turn_id_of(envelope)
+        stop = memory.stopped.get(turn_id)
         if stop is not None:
             raise InvalidArgument(
                 f"{self.who}: the Run stopped this request ({stop.reason}) and it is being "
@@ -201,35 +212,67 @@ class RunLink:
                 "ModelFallbackMiddleware, .with_retry(), a LangGraph RetryPolicy, "
                 "ModelSettings(retry=...)), or continue the conversation with another request",
                 field="retry", reason=stop.reason) from stop
-        turn_id = turn_id_of(envelope)
-        if turn_id in memory.mine:
-            return turn_id
-        if memory.orphans is None:
-            # Read once per session: while it holds the lease no other executor sends.
-            # This session sent nothing yet (its turns are in ``mine``).
-            orphans: dict[str, list[str]] = {}
-            for a in await self._call(self.run.ledger.timeline(self.run.run_id)):
-                if a.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING):
-                    orphans.setdefault(a.turn_id, []).append(a.attempt_id)
-            memory.orphans = orphans
-        sent = memory.orphans.get(turn_id)
+        with memory.lock:
+            # Taken before the first await: two tasks asking the same request at once must
+            # not both pass the checks below.
+            if turn_id in memory.running:
+                raise FailoverExhausted(
+                    f"{self.who}: this request is in flight in this session of Run "
+                    f"{self.run.run_id!r} (another thread or task is sending it, e.g. a call "
+                    "a timeout gave up on, which a blocking session cannot cancel) and its "
+                    "outcome is not known yet; the ledger never sends a request twice. Wait "
+                    "for that call to end, or go on with another request",
+                    [LedgerError(f"turn {turn_id}: in flight, outcome not known yet")],
+                    reason="execution_unknown", attempts=[],
+                    detail="in flight in this session; outcome not known yet")
+            memory.running.add(turn_id)
+        try:
+            sent, by = await self._unreceipted(turn_id)
+        except BaseException:
+            self._release(turn_id)
+            raise
         if sent:
+            self._release(turn_id)
             raise FailoverExhausted(
-                f"{self.who}: this request was sent before by an earlier executor of Run "
+                f"{self.who}: this request was sent before by {by} of Run "
                 f"{self.run.run_id!r} (attempt {', '.join(sent)}) and no receipt came; the "
                 "ledger never sends a request whose execution is unknown again. Settle the "
                 "attempt with evidence (Ledger.settle_unknown) or go on with another request",
                 [LedgerError(f"attempt {a} of turn {turn_id}: sent, outcome unknown")
                  for a in sent],
                 reason="execution_unknown", attempts=sent,
-                detail="sent by an earlier executor of the Run; outcome unknown")
+                detail=f"sent by {by} of the Run; outcome unknown")
+        memory.mine.add(turn_id)
         return turn_id
 
+    async def _unreceipted(self, turn_id: str) -> tuple[list[str], str]:
+        """The Attempts of this request sent without a receipt, and who sent them."""
+        memory = self.memory
+        unsettled = (AttemptState.UNKNOWN, AttemptState.DISPATCHING)
+        if turn_id in memory.mine:
+            # This session sent it before: read again, its Attempts settled since.
+            return [a.attempt_id
+                    for a in await self._call(self.run.ledger.timeline(self.run.run_id))
+                    if a.turn_id == turn_id and a.state in unsettled], "this session"
+        if memory.orphans is None:
+            # Read once per session: while it holds the lease no other executor sends, and
+            # the Attempts this session makes are of turns in ``mine``, read above.
+            orphans: dict[str, list[str]] = {}
+            for a in await self._call(self.run.ledger.timeline(self.run.run_id)):
+                if a.state in unsettled:
+                    orphans.setdefault(a.turn_id, []).append(a.attempt_id)
+            memory.orphans = orphans
+        return memory.orphans.get(turn_id, []), "an earlier executor"
+
+    def _release(self, turn_id: str) -> None:
+        with self.memory.lock:
+            self.memory.running.discard(turn_id)
+
     def sent(self, envelope: Envelope, turn_id: str, error: BaseException | None) -> None:
-        """Remember a turn this session made (and its stop, which is not retried)."""
-        self.memory.mine.add(turn_id)
+        """Remember a turn of this session ended (and its stop, which is not retried)."""
+        self._release(turn_id)
         if isinstance(error, FailoverExhausted):
-            self.memory.stopped[envelope.hash] = error
+            self.memory.stopped[turn_id] = error
 
     # -- parts that need recording --------------------------------------------------------
 

@@ -571,8 +571,8 @@ class LedgerChatModel(BaseChatModel):
                 events.put(_DONE)
 
         worker = threading.Thread(target=serve, name="ledger-langchain-turn", daemon=True)
-        worker.start()
         try:
+            worker.start()
             while (event := events.get()) is not _DONE:
                 piece = _text_chunk(event)
                 if piece is not None:
@@ -580,9 +580,12 @@ class LedgerChatModel(BaseChatModel):
                         run_manager.on_llm_new_token(piece.text, chunk=piece)
                     yield piece
         finally:
-            worker.join()
-        outcome = done[0]
-        link.sent(envelope, turn_id, outcome if isinstance(outcome, BaseException) else None)
+            # Also when the reader left early: the turn has ended only once its thread has.
+            if worker.ident is not None:
+                worker.join()
+            outcome = done[0] if done else None
+            link.sent(envelope, turn_id,
+                      outcome if isinstance(outcome, BaseException) else None)
         if isinstance(outcome, BaseException):
             _raise_stop(outcome)
             raise outcome
@@ -621,8 +624,8 @@ class LedgerChatModel(BaseChatModel):
                 # The reader left: the turn is cancelled, and settles truthfully.
                 task.cancel()
             await asyncio.wait([task])
-        error = None if task.cancelled() else task.exception()
-        link.sent(envelope, turn_id, error)
+            error = None if task.cancelled() else task.exception()
+            link.sent(envelope, turn_id, error)
         if error is not None:
             _raise_stop(error)
         result = await task  # the cancellation raises here

@@ -534,11 +534,12 @@ class LedgerAgentModel(Model):
         seq = _Seq()
         live = f"msg_{turn_id}"  # the streamed text's item, until the answer names its Attempt
         first = self.run.record.plan[0].model if self.run.record else ""
-        yield ResponseCreatedEvent(type="response.created", sequence_number=seq(),
-                                   response=_pending(turn_id, first))
-        task = asyncio.ensure_future(serve())
+        task: asyncio.Future[Any] | None = None
         text: list[str] = []
         try:
+            yield ResponseCreatedEvent(type="response.created", sequence_number=seq(),
+                                       response=_pending(turn_id, first))
+            task = asyncio.ensure_future(serve())
             while (event := await events.get()) is not _DONE:
                 if not (isinstance(event, TextDelta) and event.text):
                     continue
@@ -556,11 +557,14 @@ class LedgerAgentModel(Model):
                                              item_id=live, content_index=0, delta=event.text,
                                              logprobs=[])
         finally:
-            if not task.done():
-                task.cancel()  # the reader left: the turn is cancelled and settles truthfully
-            await asyncio.wait([task])
-        error = None if task.cancelled() else task.exception()
-        link.sent(envelope, turn_id, error)
+            error = None
+            if task is not None:
+                if not task.done():
+                    task.cancel()  # the reader left: the turn is cancelled, settles truthfully
+                await asyncio.wait([task])
+                error = None if task.cancelled() else task.exception()
+            link.sent(envelope, turn_id, error)
+        assert task is not None  # unset only when the reader left at response.created
         answer = await self._served(await task, envelope)
         if text:
             shown = "".join(text)

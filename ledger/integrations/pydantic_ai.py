@@ -477,20 +477,21 @@ class LedgerModel(Model):
                 return await self.run.turn(envelope, on_event=events.put_nowait,
                                            turn_id=turn_id)
             finally:
-                self._link.sent(envelope, turn_id, None)
                 events.put_nowait(_DONE)
 
         task = asyncio.ensure_future(drive())
-        response = LedgerStreamedResponse(model_request_parameters=params,
-                                          _name=self.model_name, _run_id=self.run.run_id,
-                                          _events=events, _turn=task)
         try:
+            response = LedgerStreamedResponse(model_request_parameters=params,
+                                              _name=self.model_name, _run_id=self.run.run_id,
+                                              _events=events, _turn=task)
             yield response
         finally:
             if not task.done():
                 # The agent stopped reading: the turn is cancelled, and settles truthfully.
                 task.cancel()
             await asyncio.wait([task])
+            # Here, not in drive(): a task cancelled before it started never runs its body.
+            self._link.sent(envelope, turn_id, None)
             served = not task.cancelled() and task.exception() is None  # (retrieved, too)
             if served and not response._complete:
                 # The answer arrived but the reader left before the end of it: the turn was not

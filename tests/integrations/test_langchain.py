@@ -490,6 +490,65 @@ def test_a_retry_around_the_ledger_never_sends_a_stopped_request_again(
     assert len(fake.requests) == 6
 
 
+def test_a_request_whose_outcome_is_unknown_is_never_sent_again_in_the_same_session(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("unknown", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run)
+            # A reader that leaves a stream early: the request was sent, its outcome unknown.
+            fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
+            stream = model.astream("Stream it.")
+            async for _chunk in stream:
+                break
+            await stream.aclose()
+            # A call a timeout gave up on.
+            fake.enqueue(Fault.NO_RESPONSE)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(model.ainvoke("Answer it."), 0.5)
+            attempts = await led.timeline("unknown")
+            assert [a.state for a in attempts] == [AttemptState.UNKNOWN] * 2
+            # Asked again: refused, nothing sent.
+            for again in (lambda: _drain(model.astream("Stream it.")),
+                          lambda: model.ainvoke("Answer it.")):
+                with pytest.raises(LedgerStop) as ei:
+                    await again()
+                assert ei.value.reason == "execution_unknown"
+                assert ei.value.attempts and set(ei.value.attempts) <= {
+                    a.attempt_id for a in attempts}
+            assert await led.timeline("unknown") == attempts
+
+    asyncio.run(main())
+    assert len(fake.requests) == 2
+
+
+async def _drain(stream: Any) -> list[Any]:
+    return [chunk async for chunk in stream]
+
+
+def test_a_request_in_flight_in_another_thread_is_not_sent_twice_at_once(
+        db_url: str, fake: FakeProvider) -> None:
+    # A blocking session's call runs in a thread a timeout cannot stop (ainvoke on a blocking
+    # Run); asked again meanwhile, it is refused, and the first call still ends served.
+    fake.enqueue(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=1.0))
+    with Ledger.open(db_url) as led, \
+            led.run("twice", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+        model = LedgerChatModel(run)
+
+        async def main() -> None:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(model.ainvoke("Answer it."), 0.2)
+            with pytest.raises(LedgerStop) as ei:
+                await model.ainvoke("Answer it.")
+            assert ei.value.reason == "execution_unknown" and "in flight" in str(ei.value)
+            while not [a for a in led.timeline("twice")
+                       if a.state is AttemptState.SUCCEEDED]:
+                await asyncio.sleep(0.05)  # the first call, still in its thread, ends
+
+        asyncio.run(main())
+    assert len(fake.requests) == 1
+
+
 def test_the_middleware_serves_the_agents_calls_whatever_model_the_agent_was_built_with(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))

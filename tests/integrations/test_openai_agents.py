@@ -415,6 +415,42 @@ def test_retry_advice_maps_the_ledgers_facts_and_sdk_retries_are_refused(
 # -- history the Run did not produce -------------------------------------------------------------
 
 
+def test_a_call_whose_outcome_is_unknown_is_never_sent_again_in_the_same_session(
+        db_url: str, fake: FakeProvider) -> None:
+    agent = Agent(name="researcher", instructions="You research filings.")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("unknown", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            # A reader that left a stream early, and a call a timeout gave up on.
+            fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
+            streamed = Runner.run_streamed(agent, "Stream it.", run_config=config(run))
+            async for event in streamed.stream_events():
+                if event.type == "raw_response_event" and \
+                        event.data.type == "response.output_text.delta":
+                    streamed.cancel()
+            fake.enqueue(Fault.NO_RESPONSE)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(Runner.run(agent, "Answer it.", run_config=config(run)),
+                                       0.5)
+            attempts = await led.timeline("unknown")
+            assert [a.state for a in attempts] == [AttemptState.UNKNOWN] * 2
+            with pytest.raises(FailoverExhausted) as ei:
+                async for _event in Runner.run_streamed(agent, "Stream it.",
+                                                        run_config=config(run)).stream_events():
+                    pass
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [attempts[0].attempt_id]
+            with pytest.raises(FailoverExhausted) as ei:
+                await Runner.run(agent, "Answer it.", run_config=config(run))
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [attempts[1].attempt_id]
+            assert await led.timeline("unknown") == attempts
+
+    asyncio.run(main())
+    assert len(fake.requests) == 2
+
+
 def test_items_the_run_did_not_produce_are_refused_before_sending(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))

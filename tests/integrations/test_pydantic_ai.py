@@ -339,6 +339,37 @@ def test_a_streamed_answer_that_arrived_but_was_not_read_to_its_end_ends_the_run
     assert asyncio.run(main()) is RunStatus.CANCELLED
 
 
+def test_a_request_whose_outcome_is_unknown_is_never_asked_again_in_the_same_session(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("unknown", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            agent = Agent(LedgerModel(run))
+            # A reader that left a stream early, and a call a timeout gave up on.
+            fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
+            async with agent.run_stream("Stream it.") as stream:
+                async for _text in stream.stream_text(delta=True, debounce_by=None):
+                    break
+            fake.enqueue(Fault.NO_RESPONSE)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(agent.run("Answer it."), 0.5)
+            attempts = await led.timeline("unknown")
+            assert [a.state for a in attempts] == [AttemptState.UNKNOWN] * 2
+            with pytest.raises(FailoverExhausted) as ei:
+                async with agent.run_stream("Stream it.") as stream:
+                    await stream.get_output()
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [attempts[0].attempt_id]
+            with pytest.raises(FailoverExhausted) as ei:
+                await agent.run("Answer it.")
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [attempts[1].attempt_id]
+            assert await led.timeline("unknown") == attempts
+
+    asyncio.run(main())
+    assert len(fake.requests) == 2
+
+
 @pytest.mark.parametrize(("policy", "reason", "status"), [
     (None, "no_candidate", RunStatus.FAILED),
     ({"name": "off", "failover": {"enabled": False}}, "failover_disabled", RunStatus.STOPPED),
