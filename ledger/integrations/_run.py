@@ -21,7 +21,7 @@ same few things, written once here:
   sent without a receipt (``unknown``, or still ``dispatching`` when its executor died) is not
   sent again: not after a resume (LangGraph re-runs an interrupted node), not in the same
   session (a cancelled or timed-out call asked again), and not while it is still in flight in
-  another thread or task of the session.
+  another thread or task of the session. Streamed or not, a request is the same one.
 
 A sync :class:`~ledger.RunSession` never suspends, so the shared code is written once as
 coroutines and :func:`drive` runs it to completion for the blocking paths.
@@ -61,9 +61,19 @@ def drive(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("a blocking Run session's call suspended")  # pragma: no cover
 
 
-def turn_id_of(envelope: Envelope) -> str:
-    """The turn id a session gives ``envelope`` by default (named here to look it up)."""
-    return f"turn-{envelope.hash[7:19]}"
+def turn_ids_of(envelope: Envelope) -> tuple[str, str]:
+    """The integrations' turn id of ``envelope``, and the other id the same request has had.
+
+    Streamed or not, it is one request (a LangGraph node's ``invoke`` streams under
+    ``stream_mode="messages"``): its id is that of the envelope sent unstreamed, so a graph
+    that crashed under one mode and resumes under the other finds its earlier Attempts. The
+    second id is the streamed envelope's, which the integrations gave a streamed request
+    before they named turns so; the guard looks for unreceipted Attempts under both.
+    """
+    part_hashes = [p.content_hash for p in envelope.parts]
+    plain, streamed = (envelope.model_copy(update={"stream": s}).hash_with(part_hashes)
+                       for s in (False, True))
+    return f"turn-{plain[7:19]}", f"turn-{streamed[7:19]}"
 
 
 @dataclass
@@ -202,7 +212,7 @@ class RunLink:
                 task of this session: the ledger never sends it again.
         """
         memory = self.memory
-        turn_id = turn_id_of(envelope)
+        turn_id, streamed = turn_ids_of(envelope)
         stop = memory.stopped.get(turn_id)
         if stop is not None:
             raise InvalidArgument(
@@ -227,7 +237,7 @@ class RunLink:
                     detail="in flight in this session; outcome not known yet")
             memory.running.add(turn_id)
         try:
-            sent, by = await self._unreceipted(turn_id)
+            sent, by = await self._unreceipted(turn_id, streamed)
         except BaseException:
             self._release(turn_id)
             raise
@@ -245,7 +255,7 @@ class RunLink:
         memory.mine.add(turn_id)
         return turn_id
 
-    async def _unreceipted(self, turn_id: str) -> tuple[list[str], str]:
+    async def _unreceipted(self, turn_id: str, streamed: str) -> tuple[list[str], str]:
         """The Attempts of this request sent without a receipt, and who sent them."""
         memory = self.memory
         unsettled = (AttemptState.UNKNOWN, AttemptState.DISPATCHING)
@@ -262,7 +272,8 @@ class RunLink:
                 if a.state in unsettled:
                     orphans.setdefault(a.turn_id, []).append(a.attempt_id)
             memory.orphans = orphans
-        return memory.orphans.get(turn_id, []), "an earlier executor"
+        return [*memory.orphans.get(turn_id, []),
+                *memory.orphans.get(streamed, [])], "an earlier executor"
 
     def _release(self, turn_id: str) -> None:
         with self.memory.lock:
@@ -391,4 +402,4 @@ def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
             "cost": None if att.cost is None else str(att.cost)}
 
 
-__all__ = ["RunLink", "attempts_detail", "drive", "turn_id_of"]
+__all__ = ["RunLink", "attempts_detail", "drive", "turn_ids_of"]

@@ -526,6 +526,64 @@ async def _drain(stream: Any) -> list[Any]:
     return [chunk async for chunk in stream]
 
 
+def test_a_request_is_the_same_request_streamed_or_not(db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("modes", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run)
+            fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
+            stream = model.astream("Stream it.")
+            async for _chunk in stream:
+                break
+            await stream.aclose()
+            fake.enqueue(Fault.NO_RESPONSE)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(model.ainvoke("Answer it."), 0.5)
+            # Outcome unknown: asked again the other way, refused.
+            for again in (lambda: model.ainvoke("Stream it."),
+                          lambda: _drain(model.astream("Answer it."))):
+                with pytest.raises(LedgerStop) as ei:
+                    await again()
+                assert ei.value.reason == "execution_unknown"
+            # Stopped: sent again the other way, refused as a retry.
+            fake.set_default(Fault.UNAVAILABLE)
+            with pytest.raises(LedgerStop):
+                await model.ainvoke("Anyone there?")
+            sent = len(fake.requests)
+            with pytest.raises(InvalidArgument) as ia:
+                await _drain(model.astream("Anyone there?"))
+            assert ia.value.field == "retry" and len(fake.requests) == sent
+
+    asyncio.run(main())
+
+
+def test_a_streamed_request_sent_under_its_former_turn_id_is_not_sent_again(
+        db_url: str, fake: FakeProvider) -> None:
+    # Before a request was one whether streamed or not, the integrations named a streamed
+    # request's turn by its envelope's hash: an Attempt an executor of that version left
+    # unknown is found under that id after an upgrade.
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("former", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run)
+            envelope = await model.envelope([HumanMessage("Stream it.")], stop=None,
+                                            stream=True)
+            fake.enqueue(Fault.NO_RESPONSE)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(run.turn(envelope, turn_id="turn-" + envelope.hash[7:19]),
+                                       0.5)
+            [att] = await led.timeline("former")
+            for again in (lambda: model.ainvoke("Stream it."),
+                          lambda: _drain(model.astream("Stream it."))):
+                with pytest.raises(LedgerStop) as ei:
+                    await again()
+                assert ei.value.reason == "execution_unknown"
+                assert ei.value.attempts == [att.attempt_id]
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
+
+
 def test_a_request_in_flight_in_another_thread_is_not_sent_twice_at_once(
         db_url: str, fake: FakeProvider) -> None:
     # A blocking session's call runs in a thread a timeout cannot stop (ainvoke on a blocking
@@ -757,9 +815,14 @@ routes = [Route.model_validate(r) for r in json.loads(os.environ["PLAN"])]
 led = Ledger.open(url)
 run = led.run("graph", plan=routes, budget=Budget.model_validate_json(os.environ["BUDGET"]),
               grant=Grant.model_validate_json(os.environ["GRANT"])).__enter__()
-build(run, search, checkpoints).invoke(
-    {"messages": [("user", "Compare the two filings.")]},
-    {"configurable": {"thread_id": "t1"}}, durability="sync")
+graph = build(run, search, checkpoints)
+question = {"messages": [("user", "Compare the two filings.")]}
+thread = {"configurable": {"thread_id": "t1"}}
+if os.environ.get("GRAPH_MODE") == "stream":  # the node's invoke streams its model call
+    for _ in graph.stream(question, thread, stream_mode="messages", durability="sync"):
+        pass
+else:
+    graph.invoke(question, thread, durability="sync")
 """
 
 
@@ -769,11 +832,11 @@ def _graph_module() -> Any:
     return namespace["build"]
 
 
-def _child(db_url: str, checkpoints: Path, plan: list[Route], faults: str = ""
-           ) -> subprocess.CompletedProcess[str]:
+def _child(db_url: str, checkpoints: Path, plan: list[Route], faults: str = "",
+           mode: str = "invoke") -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO),
                PLAN=json.dumps([r.model_dump(mode="json") for r in plan]),
-               BUDGET=BUDGET.model_dump_json(), GRANT=GRANT.model_dump_json())
+               BUDGET=BUDGET.model_dump_json(), GRANT=GRANT.model_dump_json(), GRAPH_MODE=mode)
     env.pop("LEDGER_FAULTS", None)
     if faults:
         env["LEDGER_FAULTS"] = faults
@@ -814,13 +877,16 @@ def test_a_graph_resumes_from_its_checkpoint_in_another_process(
     assert [m["role"] for m in messages][-2:] == ["assistant", "tool"]
 
 
+@pytest.mark.parametrize(("crashed", "resumed"), [("invoke", "invoke"), ("stream", "invoke"),
+                                                  ("invoke", "stream")])
 def test_an_interrupted_model_node_is_not_sent_again_on_resume(
-        db_url: str, fake: FakeProvider, tmp_path: Path) -> None:
+        db_url: str, fake: FakeProvider, tmp_path: Path, crashed: str, resumed: str) -> None:
     plan = routes(fake)
     checkpoints = tmp_path / "checkpoints.db"
     # The child dies after its request was answered and before the ledger settled it: the
-    # checkpoint has no model output, the ledger has an Attempt sent without a receipt.
-    child = _child(db_url, checkpoints, plan, faults="dispatch.after_send")
+    # checkpoint has no model output, the ledger has an Attempt sent without a receipt. The
+    # graph resumes streamed or not, whichever way the crashed one ran.
+    child = _child(db_url, checkpoints, plan, faults="dispatch.after_send", mode=crashed)
     assert child.returncode == -9, child.stderr
     assert len(fake.requests) == 1
     build = _graph_module()
@@ -831,7 +897,11 @@ def test_an_interrupted_model_node_is_not_sent_again_on_resume(
                 led.run("graph", plan=plan, budget=BUDGET, grant=GRANT) as run:
             graph = build(run, search, str(checkpoints))
             assert graph.get_state(config).next == ("agent",)  # LangGraph re-runs the node
-            graph.invoke(None, config)
+            if resumed == "stream":
+                for _ in graph.stream(None, config, stream_mode="messages"):
+                    pass
+            else:
+                graph.invoke(None, config)
         assert ei.value.reason == "execution_unknown"
         [att] = led.timeline("graph")
         assert ei.value.attempts == [att.attempt_id]

@@ -445,6 +445,15 @@ def test_a_call_whose_outcome_is_unknown_is_never_sent_again_in_the_same_session
                 await Runner.run(agent, "Answer it.", run_config=config(run))
             assert ei.value.reason == "execution_unknown"
             assert ei.value.attempts == [attempts[1].attempt_id]
+            # Streamed or not, it is the same request.
+            with pytest.raises(FailoverExhausted) as ei:
+                await Runner.run(agent, "Stream it.", run_config=config(run))
+            assert ei.value.attempts == [attempts[0].attempt_id]
+            with pytest.raises(FailoverExhausted) as ei:
+                async for _event in Runner.run_streamed(agent, "Answer it.",
+                                                        run_config=config(run)).stream_events():
+                    pass
+            assert ei.value.attempts == [attempts[1].attempt_id]
             assert await led.timeline("unknown") == attempts
 
     asyncio.run(main())

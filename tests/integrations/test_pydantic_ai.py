@@ -364,6 +364,14 @@ def test_a_request_whose_outcome_is_unknown_is_never_asked_again_in_the_same_ses
                 await agent.run("Answer it.")
             assert ei.value.reason == "execution_unknown"
             assert ei.value.attempts == [attempts[1].attempt_id]
+            # Streamed or not, it is the same request.
+            with pytest.raises(FailoverExhausted) as ei:
+                await agent.run("Stream it.")
+            assert ei.value.attempts == [attempts[0].attempt_id]
+            with pytest.raises(FailoverExhausted) as ei:
+                async with agent.run_stream("Answer it.") as stream:
+                    await stream.get_output()
+            assert ei.value.attempts == [attempts[1].attempt_id]
             assert await led.timeline("unknown") == attempts
 
     asyncio.run(main())
