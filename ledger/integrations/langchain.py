@@ -100,6 +100,29 @@ _IGNORED = frozenset({"tool_choice", "ls_structured_output_format", "stream",
 # Provider-side conversation state: a failover must resend the whole conversation.
 _STATEFUL = frozenset({"previous_response_id", "use_previous_response_id", "conversation",
                        "conversation_id", "store"})
+# What other chat models take that a Run owns, and where it is instead.
+_RUN_OWNS = {
+    "max_retries": "the Run is the retry owner: its policy retries and fails over, within the "
+                   "Budget's max_retries",
+    "timeout": "timeouts belong to the Run's policy (streaming.read_timeout_s, "
+               "total_timeout_s, ...)",
+    "streaming": "call stream/astream to stream (or run the graph with "
+                 "stream_mode=\"messages\")",
+}
+_RUN_OWNS["request_timeout"] = _RUN_OWNS["timeout"]
+
+
+def _stateful(name: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{name} asks the provider to hold the conversation; a ledger Run sends the whole "
+        "conversation on every request, so that a failover can send it to another route: "
+        "leave it out", field=name)
+
+
+def _not_taken(name: str, takes: str) -> InvalidArgument:
+    why = _RUN_OWNS.get(name, "timeouts, retries and the rest belong to the Run's policy")
+    return InvalidArgument(f"LedgerChatModel does not take {name!r} ({why}): leave it out; it "
+                           f"takes {takes}", field=name)
 
 
 def _details(message: BaseMessage) -> dict[str, Any]:
@@ -346,8 +369,9 @@ class LedgerChatModel(BaseChatModel):
             provenance recorded the first time it is sent).
 
     Raises:
-        InvalidArgument: ``run`` is not a Run session, a data class is empty, or ``route`` is
-            not a route of the Run's plan.
+        InvalidArgument: ``run`` is not a Run session, a data class is empty, ``route`` is
+            not a route of the Run's plan, or a keyword is none of the above nor LangChain's
+            own (``max_retries``, ``timeout``, ``streaming``: the Run owns them).
         InvalidState: ``route`` was given and the session is not open.
 
     A call takes ``max_tokens`` (the envelope's ``max_output_tokens``), ``temperature`` and
@@ -368,6 +392,15 @@ class LedgerChatModel(BaseChatModel):
     _link: RunLink = PrivateAttr()
 
     def __init__(self, run: RunSession | AsyncRunSession, **kwargs: Any) -> None:
+        for name in kwargs:
+            # Refused here as in a call: LangChain's models ignore a keyword they do not know,
+            # and a max_retries or timeout that did nothing would look obeyed.
+            if name in _STATEFUL:
+                raise _stateful(name)
+            if name not in type(self).model_fields:
+                raise _not_taken(name, "route, max_tokens, temperature, top_p, "
+                                       "tool_data_class, document_data_class and LangChain's "
+                                       "own fields (callbacks, tags, rate_limiter, ...)")
         super().__init__(run=run, **kwargs)
         self._link = RunLink(run, who="LedgerChatModel", route=self.route,
                              tool_data_class=self.tool_data_class,
@@ -435,16 +468,10 @@ class LedgerChatModel(BaseChatModel):
             if name in _IGNORED or value is None:
                 continue
             if name in _STATEFUL:
-                raise InvalidArgument(
-                    f"{name} asks the provider to hold the conversation; a ledger Run sends "
-                    "the whole conversation on every request, so that a failover can send it "
-                    "to another route: leave it out", field=name)
+                raise _stateful(name)
             target = _SETTINGS.get(name)
             if target is None:
-                raise InvalidArgument(
-                    f"LedgerChatModel does not take {name!r}; it takes max_tokens, temperature "
-                    "and top_p (timeouts, retries and the rest belong to the Run's policy)",
-                    field=name)
+                raise _not_taken(name, "max_tokens, temperature and top_p")
             if target == "params":
                 out.setdefault("params", {})[name] = value
             else:

@@ -728,6 +728,14 @@ def test_misuse_is_refused_with_the_fix_and_records_nothing(
                 with pytest.raises(InvalidArgument) as ei:
                     LedgerMiddleware(run, exit_behavior="retry")  # type: ignore[arg-type]
                 assert ei.value.field == "exit_behavior"
+                # A keyword another chat model takes is refused, as in a call, not ignored.
+                for kwargs, hint in (({"max_retries": 3}, "retry owner"),
+                                     ({"timeout": 5}, "policy"),
+                                     ({"streaming": True}, "astream"),
+                                     ({"store": True}, "conversation")):
+                    with pytest.raises(InvalidArgument) as ei:
+                        LedgerChatModel(run, **kwargs)
+                    assert ei.value.field == next(iter(kwargs)) and hint in str(ei.value)
                 model = LedgerChatModel(run)
                 for kwargs, field in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                                       ({"store": True}, "store"),
