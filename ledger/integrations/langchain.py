@@ -338,8 +338,9 @@ def _rebuild_stop(parts: Any) -> LedgerStop:
 def _stop_message(stop: FailoverExhausted) -> AIMessage:
     """How a stop ends an agent with ``exit_behavior="end"`` (never sent to a model)."""
     shown = stop.partial.text if stop.partial is not None else ""
+    detail = stop.detail[:1].upper() + stop.detail[1:]  # a sentence of its own here
     return AIMessage(
-        content=f"The ledger stopped this model request ({stop.reason}). {stop.detail}".strip(),
+        content=f"The ledger stopped this model request ({stop.reason}). {detail}".strip(),
         response_metadata={DETAILS_KEY: {"stop": stop.reason, "attempts": list(stop.attempts),
                                          "partial": shown}})
 

@@ -447,7 +447,9 @@ def test_a_stop_with_exit_behavior_end_ends_the_agent_and_the_run_stopped(
                 last = state["messages"][-1]
                 assert isinstance(last, AIMessage) and not last.tool_calls
                 assert last.response_metadata["ledger"]["stop"] == "call_allowance"
-                assert "call_allowance" in last.text
+                assert last.text.startswith("The ledger stopped this model request "
+                                            "(call_allowance). ")
+                assert last.text.split(". ", 1)[1][:1].isupper()  # the detail, a sentence
                 # The notice is not model output: it is never sent to a model.
                 model = LedgerChatModel(run)
                 envelope = await model.envelope(state["messages"], stop=None, stream=False)
