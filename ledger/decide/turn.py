@@ -98,6 +98,7 @@ from ledger.errors import (
     NotFound,
     PartialOutput,
     ProviderError,
+    SettleConflict,
 )
 from ledger.policy.model import Policy
 
@@ -824,6 +825,10 @@ class TurnLoop:
         except NotFound:
             log.info("attempt %s was never recorded (its begin did not commit): nothing to "
                      "settle on interruption", attempt_id)
+        except SettleConflict as e:
+            # Settled already (the session's exit marked an abandoned send unknown): the
+            # record stands, and there is nothing left for recovery.
+            log.info("attempt %s was settled before its interruption was: %s", attempt_id, e)
         except LedgerError as e:
             log.warning("settle of %s on interruption not written (recovery settles it): %s",
                         attempt_id, e)

@@ -98,7 +98,7 @@ def test_a_cancelled_async_turn_the_host_caught_ends_the_run_cancelled(
 
 
 def test_a_block_left_while_its_turn_is_still_sending_ends_the_run_cancelled_and_unknown(
-        db_url: str, fake: FakeProvider) -> None:
+        db_url: str, fake: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
     """Leaving the block while a turn is still in its send (an ``astream`` the host broke out
     of and has not closed, a thread still waiting on the provider) finishes the Run cancelled
     and releases its lease: the request may have left, so its Attempt is marked unknown, its
@@ -122,9 +122,14 @@ def test_a_block_left_while_its_turn_is_still_sending_ends_the_run_cancelled_and
                 await task
             return rec, att
 
-    rec, att = asyncio.run(main())
+    with caplog.at_level("INFO", logger="ledger"):
+        rec, att = asyncio.run(main())
     assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
     assert att.state is AttemptState.UNKNOWN and att.debit_state.value == "reserved"
+    # The abandoned turn's own settle, refused, is no news for an operator to chase.
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("was settled before its interruption" in r.getMessage()
+               for r in caplog.records)
 
 
 # -- stops the host caught ------------------------------------------------------------------
