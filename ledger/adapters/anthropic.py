@@ -69,8 +69,8 @@ from ledger.adapters.contract import (
     provider_message,
     reasoning_item,
     register_codec,
+    reported_usage,
     require_object,
-    token_count,
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
@@ -111,19 +111,20 @@ def _usage(value: Any, previous: Usage | None = None) -> Usage | None:
     u = require_object(value, "usage")
     # Cached prompt tokens are prompt tokens too; they are billed, at their own rates.
     prompt_keys = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    usage = reported_usage(
+        u, prompt_keys, ("output_tokens",),
+        # message_delta usage is cumulative and may omit either side (kept from before).
+        required=() if previous is not None else ("input_tokens", "output_tokens"),
+        # The prompt tokens read from the cache (cache_creation ones were written to it).
+        cached=detail_count(u, "cache_read_input_tokens"))
+    if usage is None or previous is None:
+        return usage
     has_prompt = any(u.get(k) is not None for k in prompt_keys)
-    prompt = sum(token_count(u.get(k), f"usage.{k}") for k in prompt_keys)
-    completion = token_count(u.get("output_tokens"), "usage.output_tokens")
-    # The prompt tokens read from the cache (cache_creation ones were written to it).
-    cached = detail_count(u, "cache_read_input_tokens", "usage.cache_read_input_tokens")
-    if previous is not None:
-        # message_delta usage is cumulative and may omit the prompt side.
-        if not has_prompt:
-            prompt = previous.prompt_tokens
-            cached = previous.cached_tokens
-        if u.get("output_tokens") is None:
-            completion = previous.completion_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    return Usage(
+        prompt_tokens=usage.prompt_tokens if has_prompt else previous.prompt_tokens,
+        completion_tokens=(previous.completion_tokens if u.get("output_tokens") is None
+                           else usage.completion_tokens),
+        cached_tokens=usage.cached_tokens if has_prompt else previous.cached_tokens)
 
 
 def _error(data: dict[str, Any]) -> ProviderErrorPayload:

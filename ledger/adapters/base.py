@@ -805,8 +805,8 @@ class HttpAdapter:
             cost = call.route.cost(usage.prompt_tokens, usage.completion_tokens)
             if amount_in_range(cost):
                 return usage, cost, None
-        log.warning("route %s: reported usage out of range (prompt_tokens=%s, "
-                    "completion_tokens=%s); recorded as not reported", call.route.id,
+        log.warning("route %s: reported usage out of range or not token counts (prompt_tokens=%r, "
+                    "completion_tokens=%r); recorded as not reported", call.route.id,
                     usage.prompt_tokens, usage.completion_tokens)
         return None, None, usage
 

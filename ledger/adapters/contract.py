@@ -6,7 +6,7 @@ import base64
 import binascii
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
@@ -115,8 +115,9 @@ class AdapterResult:
     On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
     whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
     ``usage`` and ``cost`` are ``None`` when the provider reported no usage, or usage the ledger
-    cannot store (a count above 10^15 tokens, a cost above 10^12): such a report is kept as
-    ``rejected_usage``, evidence for the record, and never handed on as a figure.
+    cannot store (a count above 10^15 tokens or not a count at all, a cost above 10^12): such
+    a report is kept as ``rejected_usage`` (a value that is not a count as the provider sent
+    it), evidence for the record, and never handed on as a figure.
 
     ``sent`` is ``False`` exactly when no byte of the request was handed to the socket (connect
     refused, DNS and TLS failures, connect timeout, a route that cannot build a request), and
@@ -232,20 +233,61 @@ def optional_str(value: Any, what: str) -> str | None:
     raise MalformedPayload(f"{what} is not a string")
 
 
-def token_count(value: Any, what: str) -> int:
-    """``value`` as a token count (``None`` is 0), else :class:`MalformedPayload`."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MalformedPayload(f"{what} is not a token count")
+def is_token_count(value: Any) -> bool:
+    """Whether ``value`` is a token count as JSON carries one (a non-negative integer)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _total(u: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    """The sum of the counts at ``keys`` (an absent one is 0).
+
+    Or the first value that is not a count, as the provider sent it.
+    """
+    total = 0
+    for key in keys:
+        value = u.get(key)
+        if value is None:
+            continue
+        if not is_token_count(value):
+            return value
+        total += value
+    return total
+
+
+def detail_count(obj: Any, key: str) -> int | None:
+    """A usage detail (cached or reasoning tokens): ``None`` when not reported.
+
+    A value that is not a count is returned as the provider sent it: the retry owner keeps
+    the totals and records the detail in a ``usage_invalid`` event.
+    """
+    if not isinstance(obj, Mapping) or obj.get(key) is None:
+        return None
+    value: int = obj[key]  # a count, or the provider's value for the usage_invalid event
     return value
 
 
-def detail_count(obj: Mapping[str, Any] | None, key: str, what: str) -> int | None:
-    """A usage detail (cached or reasoning tokens) as a count, ``None`` when not reported."""
-    if not obj or obj.get(key) is None:
+def reported_usage(u: Mapping[str, Any], prompt: Sequence[str], completion: Sequence[str], *,
+                   required: Sequence[str], cached: int | None = None,
+                   reasoning: int | None = None) -> Usage | None:
+    """The usage a protocol's usage object ``u`` reports.
+
+    The prompt and completion totals are the sums of the counts at the keys ``prompt`` and
+    ``completion`` name (an absent one is 0). A report without one of the ``required`` keys
+    is no report (``None``): the whole hold is posted, never a zero the provider did not say
+    (``"usage": {}``, or only ``total_tokens``).
+
+    A value that is not a token count (``2.0``, ``"10"``, ``-1``) does not make the answer
+    malformed: the provider ran the call. The total keeps the value as sent, so the adapter's
+    billing check rejects the report like one out of range (``rejected_usage``): the answer
+    is served with the whole hold posted and the report kept in a ``usage_invalid`` event.
+    """
+    if any(u.get(key) is None for key in required):
         return None
-    return token_count(obj[key], what)
+    # Either total may hold the provider's non-count value (see above).
+    prompt_total: int = _total(u, prompt)
+    completion_total: int = _total(u, completion)
+    return Usage(prompt_tokens=prompt_total, completion_tokens=completion_total,
+                 cached_tokens=cached, reasoning_tokens=reasoning)
 
 
 class StreamState(ABC):

@@ -75,9 +75,9 @@ from ledger.adapters.contract import (
     provider_message,
     reasoning_item,
     register_codec,
+    reported_usage,
     require_object,
     take_output_media,
-    token_count,
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
@@ -175,16 +175,13 @@ def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
     u = require_object(value, "usageMetadata")
-    # Thinking tokens are billed as output.
-    completion = token_count(u.get("candidatesTokenCount"), "candidatesTokenCount") + token_count(
-        u.get("thoughtsTokenCount"), "thoughtsTokenCount"
-    )
-    return Usage(
-        prompt_tokens=token_count(u.get("promptTokenCount"), "promptTokenCount"),
-        completion_tokens=completion,
-        cached_tokens=detail_count(u, "cachedContentTokenCount", "cachedContentTokenCount"),
-        reasoning_tokens=detail_count(u, "thoughtsTokenCount", "thoughtsTokenCount"),
-    )
+    # Thinking tokens are billed as output. Gemini's JSON leaves out a count that is 0 (an
+    # answer with no candidate tokens has no candidatesTokenCount); a prompt always has some.
+    return reported_usage(
+        u, ("promptTokenCount",), ("candidatesTokenCount", "thoughtsTokenCount"),
+        required=("promptTokenCount",),
+        cached=detail_count(u, "cachedContentTokenCount"),
+        reasoning=detail_count(u, "thoughtsTokenCount"))
 
 
 def _error(data: dict[str, Any]) -> ProviderErrorPayload:

@@ -63,9 +63,9 @@ from ledger.adapters.contract import (
     parse_json_event,
     provider_message,
     register_codec,
+    reported_usage,
     require_object,
     take_output_media,
-    token_count,
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
@@ -91,18 +91,11 @@ def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
     u = require_object(value, "usage")
-    inp = u.get("prompt_tokens_details")
-    out = u.get("completion_tokens_details")
-    return Usage(
-        prompt_tokens=token_count(u.get("prompt_tokens"), "usage.prompt_tokens"),
-        completion_tokens=token_count(u.get("completion_tokens"), "usage.completion_tokens"),
-        cached_tokens=detail_count(
-            None if inp is None else require_object(inp, "usage.prompt_tokens_details"),
-            "cached_tokens", "usage.prompt_tokens_details.cached_tokens"),
-        reasoning_tokens=detail_count(
-            None if out is None else require_object(out, "usage.completion_tokens_details"),
-            "reasoning_tokens", "usage.completion_tokens_details.reasoning_tokens"),
-    )
+    keys = ("prompt_tokens", "completion_tokens")
+    return reported_usage(
+        u, keys[:1], keys[1:], required=keys,
+        cached=detail_count(u.get("prompt_tokens_details"), "cached_tokens"),
+        reasoning=detail_count(u.get("completion_tokens_details"), "reasoning_tokens"))
 
 
 def _error(data: dict[str, Any]) -> ProviderErrorPayload:

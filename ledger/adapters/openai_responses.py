@@ -86,9 +86,9 @@ from ledger.adapters.contract import (
     provider_message,
     reasoning_item,
     register_codec,
+    reported_usage,
     require_object,
     take_output_media,
-    token_count,
     tool_arguments,
 )
 from ledger.adapters.sse import SSEEvent
@@ -117,16 +117,11 @@ def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
     u = require_object(value, "usage")
-    inp = u.get("input_tokens_details") or {}
-    out = u.get("output_tokens_details") or {}
-    inp = require_object(inp, "usage.input_tokens_details")
-    out = require_object(out, "usage.output_tokens_details")
-    return Usage(
-        prompt_tokens=token_count(u.get("input_tokens"), "usage.input_tokens"),
-        completion_tokens=token_count(u.get("output_tokens"), "usage.output_tokens"),
-        cached_tokens=detail_count(inp, "cached_tokens", "cached_tokens"),
-        reasoning_tokens=detail_count(out, "reasoning_tokens", "reasoning_tokens"),
-    )
+    keys = ("input_tokens", "output_tokens")
+    return reported_usage(
+        u, keys[:1], keys[1:], required=keys,
+        cached=detail_count(u.get("input_tokens_details"), "cached_tokens"),
+        reasoning=detail_count(u.get("output_tokens_details"), "reasoning_tokens"))
 
 
 def _error(err: Any, *, status: str | None = None) -> ProviderErrorPayload:

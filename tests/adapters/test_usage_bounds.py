@@ -10,16 +10,21 @@ HTTP over loopback through the fake provider, every protocol, streamed or not, b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
 from ledger.adapters import HttpAdapter, StaticSecretProvider, SyncAdapter, Usage
+from ledger.adapters.contract import codec_for
 from ledger.api.facade import Ledger
 from ledger.domain.bounds import MAX_TOKENS
 from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import WireProtocol
 from ledger.domain.records import AttemptState, DebitState
+from ledger.domain.validation import tokens_in_range
 from ledger.domain.values import Budget, Grant
 from ledger.ops.reconcile import reconcile
 from ledger.testing import Behavior, FakeProvider, Fault
@@ -109,4 +114,112 @@ def test_low_level_host_records_the_answer_with_the_whole_hold_posted(
     assert (run.posted, run.reserved) == (HOLD, 0)
     books = reconcile(led)
     assert books.ok, books.violations
+    led.close()
+
+
+# -- usage that is no report, and counts that are not counts ------------------------------------
+
+_TEXT = "hey"
+
+
+def _reply_with_usage(protocol: str, usage: Any) -> Any:
+    """A complete answer of ``protocol`` whose usage object is ``usage``, parsed."""
+    bodies: dict[str, dict[str, Any]] = {
+        "openai": {"model": "m1", "choices": [{"index": 0, "finish_reason": "stop",
+                   "message": {"role": "assistant", "content": _TEXT}}], "usage": usage},
+        "openai_responses": {"status": "completed", "model": "m1", "usage": usage, "output": [
+            {"type": "message", "content": [{"type": "output_text", "text": _TEXT}]}]},
+        "anthropic": {"type": "message", "model": "m1", "stop_reason": "end_turn",
+                      "content": [{"type": "text", "text": _TEXT}], "usage": usage},
+        "gemini": {"modelVersion": "m1", "usageMetadata": usage, "candidates": [
+            {"finishReason": "STOP", "content": {"parts": [{"text": _TEXT}]}}]},
+    }
+    return codec_for(WireProtocol(protocol)).parse_reply(bodies[protocol])
+
+
+# Per protocol: a usage object without its token counts (only a total, or nothing).
+_NO_COUNTS = {
+    "openai": [{}, {"total_tokens": 12}, {"prompt_tokens": 10}],
+    "openai_responses": [{}, {"total_tokens": 12}, {"output_tokens": 2}],
+    "anthropic": [{}, {"output_tokens": 2}],
+    "gemini": [{}, {"totalTokenCount": 12}, {"candidatesTokenCount": 2}],
+}
+
+
+@pytest.mark.parametrize(("protocol", "usage"),
+                         [(p, u) for p, us in _NO_COUNTS.items() for u in us])
+def test_usage_without_its_token_counts_is_not_reported_never_a_zero(protocol: str,
+                                                                    usage: Any) -> None:
+    reply = _reply_with_usage(protocol, usage)
+    assert reply.text == _TEXT and reply.usage is None
+
+
+_COUNT_KEYS = {"openai": ("prompt_tokens", "completion_tokens"),
+               "openai_responses": ("input_tokens", "output_tokens"),
+               "anthropic": ("input_tokens", "output_tokens"),
+               "gemini": ("promptTokenCount", "candidatesTokenCount")}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("bad", [2.0, "10", -1, True])
+def test_a_count_that_is_not_a_count_keeps_the_answer_and_is_rejected_usage(
+        protocol: str, bad: Any) -> None:
+    prompt_key, completion_key = _COUNT_KEYS[protocol]
+    reply = _reply_with_usage(protocol, {prompt_key: 10, completion_key: bad})
+    assert reply.text == _TEXT
+    assert reply.usage is not None and reply.usage.completion_tokens == bad
+    assert not tokens_in_range(reply.usage.completion_tokens)  # what the billing check rejects
+
+
+def test_gemini_usage_without_candidate_tokens_is_a_report_of_zero_output() -> None:
+    # Gemini's JSON leaves out a count that is 0; a prompt always has some tokens.
+    reply = _reply_with_usage("gemini", {"promptTokenCount": 5, "totalTokenCount": 5})
+    assert reply.usage == Usage(5, 0)
+
+
+def _raw_chat_answer(usage: str) -> Behavior:
+    head = json.dumps({"model": "m1", "choices": [{"index": 0, "finish_reason": "stop",
+                       "message": {"role": "assistant", "content": "hey"}}]})
+    body = head[:-1] + f', "usage": {usage}}}'  # the usage text verbatim, not re-encoded
+    return Behavior(fault=Fault.RAW, raw=((
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode(),))
+
+
+def _session_turn(db_url: str, provider: FakeProvider, usage: str) -> Ledger:
+    provider.clear()
+    provider.enqueue(_raw_chat_answer(usage))
+    route = make_route(provider.endpoint("openai"), "openai")
+    led = Ledger.open(db_url)
+    with led.run("r", plan=[route], budget=Budget(max_calls=2, max_retries=1,
+                                                  max_cost=Decimal("1")),
+                 grant=Grant(recipients={"fake": ["user_input"]}), secrets=StaticSecretProvider(
+                     {PROFILE: SECRET})) as run:
+        assert run.turn(_envelope(False), reserve=HOLD).text == "hey"
+    return led
+
+
+@pytest.mark.parametrize("usage", ['{"prompt_tokens":10,"completion_tokens":2.0}',
+                                   '{"prompt_tokens":"10","completion_tokens":2}'])
+def test_a_served_answer_with_malformed_usage_posts_the_whole_hold_with_usage_invalid(
+        db_url: str, provider: FakeProvider, usage: str) -> None:
+    led = _session_turn(db_url, provider, usage)
+    [att] = led.timeline("r")
+    assert (att.state, att.debit_state) == (AttemptState.SUCCEEDED, DebitState.POSTED)
+    assert (att.prompt_tokens, att.completion_tokens, att.cost) == (None, None, None)
+    [ev] = led.events("r", ["usage_invalid"])
+    assert ev.attempt_id == att.attempt_id
+    assert led.get_run("r").posted == HOLD
+    assert reconcile(led).ok
+    led.close()
+
+
+@pytest.mark.parametrize("usage", ['{}', '{"total_tokens":12}'])
+def test_a_served_answer_whose_usage_has_no_counts_posts_the_whole_hold(
+        db_url: str, provider: FakeProvider, usage: str) -> None:
+    led = _session_turn(db_url, provider, usage)
+    [att] = led.timeline("r")
+    assert (att.state, att.debit_state) == (AttemptState.SUCCEEDED, DebitState.POSTED)
+    assert (att.prompt_tokens, att.completion_tokens, att.cost) == (None, None, None)
+    assert led.get_run("r").posted == HOLD
     led.close()
