@@ -62,6 +62,7 @@ from ledger.adapters.contract import (
     detail_count,
     document_text,
     dropped_reasoning,
+    empty_text_note,
     join_url,
     media_of,
     optional_str,
@@ -241,6 +242,10 @@ class AnthropicCodec(Codec):
                 notes.append(assistant_media_note(route, part, i))
             elif part.media_type is not None:
                 add("user", _media_block(part, i, route))
+            elif not part.content:
+                # An empty answer (one that stopped while thinking) is an empty text part; the
+                # API refuses an empty text block, and the turn loses nothing without it.
+                notes.append(empty_text_note(route, i))
             else:
                 add(part.role, {"type": "text", "text": part.content})
         if not messages:

@@ -447,6 +447,13 @@ def dropped_reasoning(route: Route, part: Part, index: int) -> str:
             "tool calls go on")
 
 
+def empty_text_note(route: Route, index: int) -> str:
+    """The note of an empty text part left out of a request to ``route``."""
+    return (f"envelope.parts[{index}]: an empty text part is left out of the request to route "
+            f"{route.id!r}: {route.protocol.value} refuses an empty text block (an answer "
+            "that stopped while thinking has no text)")
+
+
 #: The text that goes before an image or a document a model returned earlier, where the
 #: protocol carries files in user messages only (see :func:`assistant_media_note`).
 ASSISTANT_MEDIA_TEXT = "[The next file is one the assistant returned in an earlier answer.]"

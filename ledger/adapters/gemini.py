@@ -68,6 +68,7 @@ from ledger.adapters.contract import (
     check_params,
     detail_count,
     dropped_reasoning,
+    empty_text_note,
     join_url,
     media_of,
     optional_str,
@@ -270,7 +271,14 @@ class GeminiCodec(Codec):
             elif p.role == "assistant":
                 text = {"text": p.content}
                 turn.text(text)
-                add("model", text)
+                # Gemini returns an empty text part to carry a thought signature, and takes it
+                # back; an empty text part without one it refuses (an empty text parameter).
+                if p.content or _SIGNATURE in text:
+                    add("model", text)
+                else:
+                    notes.append(empty_text_note(route, i))
+            elif not p.content:
+                notes.append(empty_text_note(route, i))
             else:
                 add("user", {"text": p.content})
         turn.end()

@@ -189,3 +189,43 @@ def test_a_gemini_signature_is_never_moved_to_a_part_it_was_not_written_for() ->
     other = make_route("https://generativelanguage.googleapis.com", "gemini", id="other")
     moved = gemini.CODEC.build_request(other, Envelope(parts=parts))
     assert all("reasoning item of route 'r-gemini' (gemini)" in n for n in moved.notes)
+
+
+def _thinking_only_answer(route: Any, item: dict[str, Any]) -> list[Part]:
+    # An answer that stopped at max_tokens while thinking: its reasoning, and no text.
+    return [Part(content="Q"), carried(route, item),
+            Part(role="assistant", content="", data_class="model_derived"),
+            Part(content="Go on.")]
+
+
+def test_anthropic_never_sends_an_empty_text_block() -> None:
+    thinking = {"type": "thinking", "thinking": "Long thought.", "signature": "sig"}
+    req = anthropic.CODEC.build_request(ANTHROPIC, Envelope(
+        parts=_thinking_only_answer(ANTHROPIC, thinking)))
+    assert req.body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Q"}]},
+        {"role": "assistant", "content": [thinking]},
+        {"role": "user", "content": [{"type": "text", "text": "Go on."}]}]
+    [note] = req.notes
+    assert note.startswith("envelope.parts[2]: an empty text part is left out")
+
+
+def test_anthropic_merges_the_user_messages_around_a_left_out_empty_answer() -> None:
+    req = anthropic.CODEC.build_request(ANTHROPIC, Envelope(parts=[
+        Part(content="Q"), Part(role="assistant", content="", data_class="model_derived"),
+        Part(content="Go on.")]))
+    assert req.body["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "Q"}, {"type": "text", "text": "Go on."}]}]
+
+
+def test_gemini_sends_an_empty_text_part_only_with_its_thought_signature() -> None:
+    signed = gemini.CODEC.build_request(GEMINI, Envelope(parts=_thinking_only_answer(
+        GEMINI, {"part": "text", "thoughtSignature": "st"})))
+    assert signed.body["contents"][1] == {"role": "model", "parts": [
+        {"text": "", "thoughtSignature": "st"}]}
+    unsigned = gemini.CODEC.build_request(GEMINI, Envelope(parts=[
+        Part(content="Q"), Part(role="assistant", content="", data_class="model_derived"),
+        Part(content="Go on.")]))
+    assert unsigned.body["contents"] == [{"role": "user", "parts": [
+        {"text": "Q"}, {"text": "Go on."}]}]
+    assert [n.split(":")[0] for n in unsigned.notes] == ["envelope.parts[1]"]
