@@ -64,6 +64,7 @@ from ledger.adapters.contract import (
     dropped_reasoning,
     empty_text_note,
     join_url,
+    made_up_call_id,
     media_of,
     optional_str,
     parse_json_event,
@@ -311,7 +312,7 @@ class AnthropicCodec(Codec):
                     raise MalformedPayload(f"content[{j}] tool_use has no name")
                 calls.append(
                     ToolCall(
-                        id=optional_str(block.get("id"), "tool_use.id") or f"toolu_{j}",
+                        id=optional_str(block.get("id"), "tool_use.id") or made_up_call_id(),
                         name=name,
                         arguments_json=json.dumps(block.get("input") or {}),
                     )
@@ -356,7 +357,7 @@ class _AnthropicStream(StreamState):
                 name = optional_str(block.get("name"), "tool_use.name")
                 if not name:
                     raise MalformedPayload("tool_use block has no name")
-                tid = optional_str(block.get("id"), "tool_use.id") or f"toolu_{index}"
+                tid = optional_str(block.get("id"), "tool_use.id") or made_up_call_id()
                 self._tools[index] = [tid, name, []]
                 self.content_seen = True
             elif block.get("type") in _THINKING_KEYS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -549,6 +550,16 @@ def media_of(part: Part, index: int, route: Route) -> tuple[MediaKind, bytes | N
 def document_text(payload: bytes) -> str:
     """A plain-text document's text (UTF-8, checked when its part was built)."""
     return payload.decode("utf-8")
+
+
+def made_up_call_id() -> str:
+    """An id for a tool call the provider gave none: ``call_`` and 24 random hex digits.
+
+    Random, not positional: a ``call_0`` would come back in every answer, so a conversation
+    would hold two calls of one id (Anthropic refuses a request whose ``tool_use`` ids repeat,
+    and a result would answer the wrong call).
+    """
+    return "call_" + os.urandom(12).hex()
 
 
 def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:

@@ -70,6 +70,7 @@ from ledger.adapters.contract import (
     dropped_reasoning,
     empty_text_note,
     join_url,
+    made_up_call_id,
     media_of,
     optional_str,
     parse_json_event,
@@ -406,7 +407,7 @@ class _Chunk:
                     raise MalformedPayload("functionCall has no name")
                 call = ToolCall(
                     id=optional_str(fc.get("id"), "functionCall.id")
-                    or f"call_{len(reply.tool_calls)}",
+                    or made_up_call_id(),
                     name=name,
                     arguments_json=json.dumps(fc.get("args") or {}),
                 )

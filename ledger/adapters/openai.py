@@ -58,6 +58,7 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     join_url,
+    made_up_call_id,
     media_of,
     optional_str,
     parse_json_event,
@@ -293,7 +294,7 @@ class OpenAICodec(Codec):
             args = fn.get("arguments")
             calls.append(
                 ToolCall(
-                    id=optional_str(c.get("id"), "tool_call.id") or f"call_{j}",
+                    id=optional_str(c.get("id"), "tool_call.id") or made_up_call_id(),
                     name=name,
                     arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
                 )
@@ -393,7 +394,7 @@ class _OpenAIStream(StreamState):
             cid, name, pieces = self._calls[ti]
             if not name:
                 raise MalformedPayload(f"tool call {ti} ended without a function name")
-            call = ToolCall(id=cid or f"call_{ti}", name=name, arguments_json="".join(pieces))
+            call = ToolCall(id=cid or made_up_call_id(), name=name, arguments_json="".join(pieces))
             self._emitted.add(ti)
             self.tool_calls.append(call)
             out.append(ToolCallProposal(call))

@@ -80,6 +80,7 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     join_url,
+    made_up_call_id,
     media_of,
     optional_str,
     parse_json_event,
@@ -223,7 +224,7 @@ def _call_of(item: dict[str, Any], j: int) -> ToolCall:
     args = item.get("arguments")
     return ToolCall(
         id=optional_str(item.get("call_id"), "function_call.call_id")
-        or optional_str(item.get("id"), "function_call.id") or f"call_{j}",
+        or optional_str(item.get("id"), "function_call.id") or made_up_call_id(),
         name=name,
         arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
     )

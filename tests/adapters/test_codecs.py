@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -378,3 +379,43 @@ def test_openai_responses_stream_proposes_calls_assembled_from_argument_deltas()
     done = openai_responses.CODEC.new_stream()
     _feed(done, "[DONE]")
     assert done.terminated
+
+
+# Per protocol: an answer whose tool call carries no id (Gemini's functionCall has none).
+_CALL_WITHOUT_ID = {
+    "openai": (openai.CODEC, {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": "{}"}}]}}]}),
+    "openai_responses": (openai_responses.CODEC, {"status": "completed", "output": [
+        {"type": "function_call", "name": "f", "arguments": "{}"}]}),
+    "anthropic": (anthropic.CODEC, {"type": "message", "stop_reason": "tool_use", "content": [
+        {"type": "tool_use", "name": "f", "input": {}}]}),
+    "gemini": (gemini.CODEC, {"candidates": [{"finishReason": "STOP", "content": {"parts": [
+        {"functionCall": {"name": "f", "args": {}}}]}}]}),
+}
+_MADE_UP = re.compile(r"call_[0-9a-f]{24}")
+
+
+@pytest.mark.parametrize("protocol", sorted(_CALL_WITHOUT_ID))
+def test_a_made_up_tool_call_id_is_unique_across_answers(protocol: str) -> None:
+    codec, body = _CALL_WITHOUT_ID[protocol]
+    ids = [call.id for _ in range(3) for call in codec.parse_reply(body).tool_calls]
+    assert len(set(ids)) == 3 and all(_MADE_UP.fullmatch(i) for i in ids)
+
+
+def test_a_made_up_streamed_tool_call_id_is_unique_across_answers() -> None:
+    chunks = (
+        json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"name": "f", "arguments": "{}"}}]}}]}),
+        json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+        "[DONE]")
+    ids = []
+    for _ in range(2):
+        s = openai.CODEC.new_stream()
+        _feed(s, *chunks)
+        s.end()
+        ids += [c.id for c in s.tool_calls]
+    gem = gemini.CODEC.new_stream()
+    _feed(gem, json.dumps(_CALL_WITHOUT_ID["gemini"][1]))
+    ids += [c.id for c in gem.tool_calls]
+    assert len(set(ids)) == 3 and all(_MADE_UP.fullmatch(i) for i in ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -136,10 +137,10 @@ def test_an_agent_with_a_tool_fails_over_from_a_503_across_protocols(
             [call] = first_answer.tool_calls
             assert call["name"] == "search" and call["args"] == {"query": "10-K"}
             if second == "gemini":
-                # Gemini gives no call id: one is made from the Attempt, and recorded.
-                assert call["id"].startswith("call_") and len(call["id"]) == 29
-                [ev] = await led.events("agent", ["tool_call_id"])
-                assert ev.data == {"provider_id": "call_0", "call_id": call["id"]}
+                # Gemini gives no call id: the adapter makes one up, unique in the Run, so the
+                # integration keeps it (nothing to rename).
+                assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+                assert await led.events("agent", ["tool_call_id"]) == []
             [result] = [m for m in state["messages"] if isinstance(m, ToolMessage)]
             assert result.tool_call_id == call["id"]
 

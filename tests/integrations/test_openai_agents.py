@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -187,17 +188,16 @@ def test_a_tool_call_keeps_its_id_when_the_next_call_fails_over_to_another_proto
             assert again.final_output == FULL_TEXT
             call_id = call["call_id"]
             if first == "gemini":
-                # Gemini gives no call id: one is made from the Attempt, and recorded.
-                [ev] = await led.events("ids", ["tool_call_id"])
-                assert ev.data == {"provider_id": "call_0", "call_id": call_id}
-                assert ev.attempt_id == timeline[0].attempt_id
+                # Gemini gives no call id: the adapter makes one up, unique in the Run, so the
+                # integration keeps it (nothing to rename).
+                assert await led.events("ids", ["tool_call_id"]) == []
 
         first_req, failed, backup, later = fake.requests
         assert (first_req.protocol, failed.protocol, backup.protocol) == (first, first, second)
         # The id the SDK holds is the one the backup's protocol was sent, call and output.
         assert tool_call_ids(backup) == tool_call_ids(later) == [call_id, call_id]
         if first == "gemini":
-            assert call_id.startswith("call_") and len(call_id) == 29
+            assert re.fullmatch(r"call_[0-9a-f]{24}", call_id)
         else:
             assert call_id == ("toolu_fake_1" if first == "anthropic" else "call_fake_1")
             assert tool_call_ids(failed) == [call_id, call_id]
