@@ -263,12 +263,18 @@ def _what(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, MalformedPayload) else f"{type(exc).__name__}: {exc}"
 
 
-def _request_id(headers: httpx.Headers) -> str | None:
+def _request_id(headers: httpx.Headers, secrets: list[str | None]) -> str | None:
+    # Redacted like the kept headers: a provider or a proxy may echo a secret in it.
     for name in ("x-request-id", "request-id", "x-goog-request-id", "cf-ray"):
         value = headers.get(name)
         if value:
-            return cap_text(value, 128)
+            return cap_text(redact(value, secrets), 128)
     return None
+
+
+def _reported(model: str | None, secrets: list[str | None]) -> str | None:
+    """The model a provider says served the call, redacted (it is the provider's text)."""
+    return redact(model, secrets) if model else None
 
 
 @dataclass
@@ -752,7 +758,7 @@ class HttpAdapter:
         call.progress.headers()
         call.status = response.status_code
         call.headers = _response_headers(response.headers, call.secrets)
-        call.request_id = _request_id(response.headers)
+        call.request_id = _request_id(response.headers, call.secrets)
         try:
             if not 200 <= response.status_code < 300:
                 return (yield from self._status_failure(call, response, total_at))
@@ -831,7 +837,7 @@ class HttpAdapter:
             ok=False,
             route_id=call.route.id,
             usage=usage,
-            model_reported=call.model,
+            model_reported=_reported(call.model, call.secrets),
             cost=cost,
             rejected_usage=rejected,
             observation=obs,
@@ -855,7 +861,7 @@ class HttpAdapter:
             text=reply.text,
             tool_calls=tuple(reply.tool_calls),
             usage=usage,
-            model_reported=reply.model,
+            model_reported=_reported(reply.model, call.secrets),
             cost=cost,
             rejected_usage=rejected,
             finish_reason=reply.finish_reason,

@@ -158,3 +158,21 @@ async def test_transport_messages_are_redacted(adapter: HttpAdapter) -> None:
     result = await adapter.send(route, Envelope(parts=[Part(content="hi")]), profile_id=PROFILE)
     assert result.observation is not None
     assert "sk-abcdefghijklmnop" not in (result.observation.message or "")
+
+
+@pytest.mark.parametrize("status", [200, 401])
+async def test_a_key_echoed_in_the_request_id_or_the_model_never_reaches_the_result(
+        adapter: HttpAdapter, fake: FakeProvider, status: int) -> None:
+    body = json.dumps({"model": f"gpt-x/{SECRET}", "choices": [{
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}
+        if status == 200 else {"error": {"message": "bad key"}}).encode()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(
+        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\nx-request-id: {SECRET}\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode() + body,)))
+    result = await adapter.send(make_route(fake.endpoint("openai"), "openai"),
+                                Envelope(parts=[Part(content="hi")]), profile_id=PROFILE)
+    assert result.ok is (status == 200)
+    assert result.request_id == REDACTED
+    if status == 200:
+        assert result.model_reported == f"gpt-x/{REDACTED}"
+    assert SECRET not in repr(result)
