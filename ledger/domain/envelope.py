@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -151,7 +152,9 @@ class Part(StrictModel):
         if len(v) > MAX_URL_LENGTH:
             raise Problem(f"url is {len(v)} characters long", f"pass at most {MAX_URL_LENGTH} "
                           "characters, or the bytes as data=")
-        if any(c.isspace() or not c.isprintable() for c in v) or not v[8:].split("/")[0]:
+        # The scheme alone passed above: "https:host/p" and "https:/host/p" have no "//".
+        if (any(c.isspace() or not c.isprintable() for c in v) or v[:8].lower() != "https://"
+                or not re.split(r"[/?#]", v[8:])[0]):
             raise Problem("url is not a usable https:// URL (no host, or spaces or control "
                           "characters)", "pass a full https://host/path link")
         return v

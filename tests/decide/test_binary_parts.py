@@ -114,6 +114,11 @@ def test_an_edited_copy_of_a_document_does_not_inherit_its_provenance(
     ({"url": "http://x.example/a.png", "media_type": "image/png"}, "url", "scheme 'http'"),
     ({"url": "file:///etc/passwd", "media_type": "image/png"}, "url", "scheme 'file'"),
     ({"url": "x.example/a.png", "media_type": "image/png"}, "url", "no scheme"),
+    # The scheme alone is not a link: the provider is given https://host/path or nothing.
+    ({"url": "https:x.example/a.png", "media_type": "image/png"}, "url", "https://host/path"),
+    ({"url": "https:/x.example/a.png", "media_type": "image/png"}, "url", "https://host/path"),
+    ({"url": "https:///a.png", "media_type": "image/png"}, "url", "https://host/path"),
+    ({"url": "https://?a.png", "media_type": "image/png"}, "url", "https://host/path"),
     ({"url": "data:image/png;base64,%%%"}, "url", "not valid base64"),
     ({"url": "data:image/png;base64," + base64.b64encode(PNG).decode(),
       "media_type": "image/gif"}, "media_type", "differs"),
