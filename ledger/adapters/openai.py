@@ -30,6 +30,10 @@ models (OpenRouter, Vercel's AI Gateway; ``modalities: ["image", "text"]`` in
 one whole image): ``image_url`` items whose ``data:`` URL becomes one of the answer's images
 (``AdapterResult.media``); a link, which names no media type, is left out with a note.
 
+Answers: ``message.content`` and ``message.refusal`` (what a model that declines says, with
+``content`` null) are the answer's text, in that order; in a stream ``delta.content`` and
+``delta.refusal`` are text deltas.
+
 Stream completion: ``data: [DONE]`` terminates. A body that ends cleanly without it is complete
 only if every choice seen carried a ``finish_reason``; otherwise it was cut.
 """
@@ -300,7 +304,10 @@ class OpenAICodec(Codec):
                 )
             )
         reply = Reply(
-            text=_content_text(message.get("content"), "message.content"),
+            # A refusal (content null, refusal the model's words) is the answer's text, as
+            # the Responses codec reads its refusal parts.
+            text=_content_text(message.get("content"), "message.content")
+            + (optional_str(message.get("refusal"), "message.refusal") or ""),
             tool_calls=calls,
             usage=_usage(obj.get("usage")),
             model=optional_str(obj.get("model"), "model"),
@@ -349,7 +356,8 @@ class _OpenAIStream(StreamState):
                 continue  # one answer per call; n > 1 is refused when building the request
             delta = choice.get("delta") or {}
             delta = require_object(delta, "choice.delta")
-            text = _content_text(delta.get("content"), "delta.content")
+            text = _content_text(delta.get("content"), "delta.content") + (
+                optional_str(delta.get("refusal"), "delta.refusal") or "")
             if text:
                 self.content_seen = True
                 self.text_parts.append(text)

@@ -11,6 +11,7 @@ from ledger.adapters import anthropic, gemini, openai, openai_responses
 from ledger.adapters.contract import (
     MalformedPayload,
     ProviderErrorPayload,
+    TextDelta,
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.envelope import Envelope, Part, ToolSpec
@@ -419,3 +420,19 @@ def test_a_made_up_streamed_tool_call_id_is_unique_across_answers() -> None:
     _feed(gem, json.dumps(_CALL_WITHOUT_ID["gemini"][1]))
     ids += [c.id for c in gem.tool_calls]
     assert len(set(ids)) == 3 and all(_MADE_UP.fullmatch(i) for i in ids)
+
+
+def test_a_chat_refusal_is_the_answers_text_whole_or_streamed() -> None:
+    r = openai.CODEC.parse_reply({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": None, "refusal": "I cannot help with that."}}]})
+    assert (r.text, r.finish_reason) == ("I cannot help with that.", "stop")
+    s = openai.CODEC.new_stream()
+    out = _feed(
+        s,
+        json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "refusal": ""}}]}),
+        json.dumps({"choices": [{"index": 0, "delta": {"refusal": "I cannot "}}]}),
+        json.dumps({"choices": [{"index": 0, "delta": {"refusal": "help."},
+                                 "finish_reason": "stop"}]}),
+        "[DONE]")
+    assert [e.text for e in out if isinstance(e, TextDelta)] == ["I cannot ", "help."]
+    assert s.reply().text == "I cannot help." and s.content_seen
