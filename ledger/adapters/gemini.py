@@ -11,9 +11,11 @@ Envelope mapping: ``system`` parts go, in order, into ``systemInstruction``; the
 assistant part with ``tool_call_id`` is a ``functionCall`` (``name``, JSON-object ``content`` as
 ``args``), a ``tool`` part a ``functionResponse`` (``name`` required; JSON content is passed as
 the response object, other text as ``{"result": text}``). A trailing assistant part is sent as a
-final ``model`` turn (prefill); models that refuse it answer with a 400. Generation parameters go
-into ``generationConfig``; ``max_output_tokens``, ``temperature``, ``top_p``, ``top_k`` and
-``stop`` are renamed to Gemini's names, other keys are passed as given.
+final ``model`` turn (prefill); models that refuse it answer with a 400. The request's own
+fields ``safetySettings``, ``toolConfig`` and ``cachedContent`` in ``Envelope.params`` are sent at
+the top level of the request; every other parameter goes into ``generationConfig``:
+``max_output_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``stop`` are renamed to Gemini's
+names, other keys are passed as given.
 
 Images and documents (binary parts) are parts of the user turn: ``inline_data`` (``mime_type``,
 base64 ``data``) for bytes, ``file_data`` (``mime_type``, ``file_uri``) for an ``https://``
@@ -90,6 +92,8 @@ from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
 _RESERVED = {"contents", "systemInstruction", "tools", "generationConfig", "model"}
+# The request's own fields beside generationConfig (GenerateContentRequest): sent at the top.
+_TOP_LEVEL = frozenset({"safetySettings", "toolConfig", "cachedContent"})
 _RENAME = {
     "temperature": "temperature",
     "top_p": "topP",
@@ -290,7 +294,11 @@ class GeminiCodec(Codec):
             )
         check_params(route, envelope.params, _RESERVED)
         config: dict[str, Any] = {}
+        top: dict[str, Any] = {}
         for key, value in envelope.params.items():
+            if key in _TOP_LEVEL:
+                top[key] = value
+                continue
             name = _RENAME.get(key, key)
             if name == "stopSequences" and isinstance(value, str):
                 value = [value]
@@ -302,6 +310,7 @@ class GeminiCodec(Codec):
             body["systemInstruction"] = {"parts": [{"text": s} for s in system]}
         if config:
             body["generationConfig"] = config
+        body.update(top)
         if envelope.tools:
             body["tools"] = [
                 {

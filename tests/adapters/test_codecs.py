@@ -436,3 +436,15 @@ def test_a_chat_refusal_is_the_answers_text_whole_or_streamed() -> None:
         "[DONE]")
     assert [e.text for e in out if isinstance(e, TextDelta)] == ["I cannot ", "help."]
     assert s.reply().text == "I cannot help." and s.content_seen
+
+
+def test_gemini_request_fields_go_at_the_top_and_generation_parameters_in_their_config() -> None:
+    safety = [{"category": "HARM_CATEGORY_HARASSMENT", "threshold": "BLOCK_NONE"}]
+    tool_config = {"functionCallingConfig": {"mode": "ANY"}}
+    body = gemini.CODEC.build_request(make_route("https://g", "gemini"), Envelope(
+        parts=[Part(content="Q")], params={
+            "safetySettings": safety, "toolConfig": tool_config,
+            "cachedContent": "cachedContents/c1", "temperature": 0.5})).body
+    assert (body["safetySettings"], body["toolConfig"], body["cachedContent"]) == (
+        safety, tool_config, "cachedContents/c1")
+    assert body["generationConfig"] == {"temperature": 0.5}
