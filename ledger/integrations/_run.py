@@ -46,8 +46,9 @@ from ledger.errors import FailoverExhausted, InvalidArgument, InvalidState, Ledg
 
 T = TypeVar("T")
 
-# The ids the adapters give a tool call whose provider sent none (Gemini's functionCall has no
-# id; a Responses item without call_id): positional, so the next answer reuses them.
+# Positional ids for a tool call whose provider sent none (Gemini's functionCall has no id),
+# as the built-in adapters gave them before they made random ones and a host's own adapter may
+# still: the next answer would reuse them.
 _PLACEHOLDER = re.compile(r"call_\d+")
 
 
@@ -348,7 +349,8 @@ class RunLink:
     async def stable_calls(self, result: Any, used: Iterable[str]) -> list[Part]:
         """The turn's parts, each tool call with an id that is stable and unique in the Run.
 
-        A call whose id the provider did not give (a positional ``call_<n>``), or that the Run
+        A call with a positional id (``call_<n>``, from an adapter that numbers the calls a
+        provider gave no id; the built-in ones make random ids), or one that the Run
         used already (in this conversation, ``used``; in another conversation of the Run, such
         as a subagent's; a ref the ledger recorded; or an earlier call of the same answer),
         gets ``call_<24 hex>`` derived from its Attempt and position; that part is recorded as
