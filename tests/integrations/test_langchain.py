@@ -493,22 +493,27 @@ def test_a_retry_around_the_ledger_never_sends_a_stopped_request_again(
     assert len(fake.requests) == 6
 
 
+async def _two_unknown_outcomes(run: Any, fake: FakeProvider) -> LedgerChatModel:
+    """A model whose two requests were sent and never answered: "Stream it." by a reader that
+    left the stream early, "Answer it." by a call a timeout gave up on."""
+    model = LedgerChatModel(run)
+    fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
+    stream = model.astream("Stream it.")
+    async for _chunk in stream:
+        break
+    await stream.aclose()
+    fake.enqueue(Fault.NO_RESPONSE)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(model.ainvoke("Answer it."), 0.5)
+    return model
+
+
 def test_a_request_whose_outcome_is_unknown_is_never_sent_again_in_the_same_session(
         db_url: str, fake: FakeProvider) -> None:
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led, \
                 led.run("unknown", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
-            model = LedgerChatModel(run)
-            # A reader that leaves a stream early: the request was sent, its outcome unknown.
-            fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
-            stream = model.astream("Stream it.")
-            async for _chunk in stream:
-                break
-            await stream.aclose()
-            # A call a timeout gave up on.
-            fake.enqueue(Fault.NO_RESPONSE)
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(model.ainvoke("Answer it."), 0.5)
+            model = await _two_unknown_outcomes(run, fake)
             attempts = await led.timeline("unknown")
             assert [a.state for a in attempts] == [AttemptState.UNKNOWN] * 2
             # Asked again: refused, nothing sent.
@@ -533,15 +538,7 @@ def test_a_request_is_the_same_request_streamed_or_not(db_url: str, fake: FakePr
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led, \
                 led.run("modes", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
-            model = LedgerChatModel(run)
-            fake.enqueue(Behavior(fault=Fault.TRICKLE, delay_s=0.05))
-            stream = model.astream("Stream it.")
-            async for _chunk in stream:
-                break
-            await stream.aclose()
-            fake.enqueue(Fault.NO_RESPONSE)
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(model.ainvoke("Answer it."), 0.5)
+            model = await _two_unknown_outcomes(run, fake)
             # Outcome unknown: asked again the other way, refused.
             for again in (lambda: model.ainvoke("Stream it."),
                           lambda: _drain(model.astream("Answer it."))):

@@ -13,7 +13,7 @@ from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
-from ledger.domain.records import AttemptState, DebitState
+from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import FencedOut, LeaseLost
 
@@ -46,6 +46,18 @@ def test_invariant1_every_attempt_is_committed_before_its_request_is_sent(db_url
     led.close()
 
 
+def _two_executors(db_url: str) -> tuple[ManualClock, Ledger, Lease, Ledger]:
+    """A Run leased for 30 s by executor ``a``, and executor ``b`` on the same ledger."""
+    clock = ManualClock(10_000.0)
+    led = Ledger.open(db_url, clock=clock, executor_id="a")
+    led.admit_run("run", plan=PLAN[:1], budget=Budget(max_calls=5, max_retries=4,
+                                                       max_cost=Decimal("1")),
+                  grant=Grant(recipients={"rcpt": ["user_input"]}))
+    lease = led.acquire_lease("run", ttl_s=30)
+    return clock, led, lease, Ledger.open(db_url, clock=clock, executor_id="b",
+                                          migrate_schema=False)
+
+
 @pytest.mark.parametrize("taken_over", [False, True], ids=["lapsed", "taken-over"])
 def test_invariant3_a_lease_lapsed_between_begin_and_send_sends_nothing(
         db_url: str, taken_over: bool) -> None:
@@ -54,13 +66,7 @@ def test_invariant3_a_lease_lapsed_between_begin_and_send_sends_nothing(
     capacity slot stopped counting when the lease lapsed (invariant 8). The turn raises
     ``LeaseLost``; the attempt is settled ``not_sent`` where the Run is still its own, and is
     left to recovery (never sent) where another executor took it."""
-    clock = ManualClock(10_000.0)
-    led = Ledger.open(db_url, clock=clock, executor_id="a")
-    led.admit_run("run", plan=PLAN[:1], budget=Budget(max_calls=5, max_retries=4,
-                                                       max_cost=Decimal("1")),
-                  grant=Grant(recipients={"rcpt": ["user_input"]}))
-    lease = led.acquire_lease("run", ttl_s=30)
-    other = Ledger.open(db_url, clock=clock, executor_id="b", migrate_schema=False)
+    clock, led, lease, other = _two_executors(db_url)
 
     def pause(_point: str) -> None:
         clock.advance(31.0)  # asleep past the lease's end
@@ -94,13 +100,7 @@ def test_invariant3_a_lease_lapsed_between_begin_and_send_sends_nothing(
 def test_invariant3_a_begin_refused_for_a_stale_fence_writes_nothing(db_url: str) -> None:
     """A stale executor's begin is refused (``FencedOut``) and writes nothing at all: no
     attempt, and no late receipt of a settle for an attempt that never existed."""
-    clock = ManualClock(10_000.0)
-    led = Ledger.open(db_url, clock=clock, executor_id="a")
-    led.admit_run("run", plan=PLAN[:1], budget=Budget(max_calls=5, max_retries=4,
-                                                       max_cost=Decimal("1")),
-                  grant=Grant(recipients={"rcpt": ["user_input"]}))
-    lease = led.acquire_lease("run", ttl_s=30)
-    other = Ledger.open(db_url, clock=clock, executor_id="b", migrate_schema=False)
+    clock, led, lease, other = _two_executors(db_url)
     clock.advance(31.0)
     other.acquire_lease("run", ttl_s=30)
     before = [e.kind for e in led.events("run")]

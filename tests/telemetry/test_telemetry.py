@@ -506,19 +506,12 @@ def test_content_is_captured_only_when_opted_in_and_then_redacted(
     assert pasted_key not in text and all(s not in text for s in SECRETS.values())
 
 
-def test_captured_images_and_documents_are_described_never_their_bytes(
-        db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider],
-        adapter: SyncAdapter) -> None:
-    from tests.media import pdf, png
-
-    a, b = clean_fakes
-    document = pdf(2, text="CONFIDENTIAL-FIGURES")
-    image = png(8, 8)
-    env = Envelope(parts=[Part(content=PROMPT), Part(data=image, media_type="image/png"),
-                          Part(data=document, media_type="application/pdf"),
-                          Part(url="https://files.example/r.pdf?token=sk-proj-Link0Key1Is2Here34",
-                               media_type="application/pdf")],
-                   max_output_tokens=64)
+def _captured_on_anthropic(db_url: str, fakes: tuple[FakeProvider, FakeProvider],
+                           adapter: SyncAdapter, env: Envelope
+                           ) -> tuple[InMemorySpanExporter, Any]:
+    """One turn of ``env`` on Anthropic routes with content captured: the spans, and the
+    attempt's one input message."""
+    a, b = fakes
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -534,6 +527,23 @@ def test_captured_images_and_documents_are_described_never_their_bytes(
         telemetry.disable()
     [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
     [message] = json.loads(str(dict(span.attributes or {})["gen_ai.input.messages"]))
+    return spans, message
+
+
+def test_captured_images_and_documents_are_described_never_their_bytes(
+        db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider],
+        adapter: SyncAdapter) -> None:
+    from tests.media import pdf, png
+
+    a, b = clean_fakes
+    document = pdf(2, text="CONFIDENTIAL-FIGURES")
+    image = png(8, 8)
+    env = Envelope(parts=[Part(content=PROMPT), Part(data=image, media_type="image/png"),
+                          Part(data=document, media_type="application/pdf"),
+                          Part(url="https://files.example/r.pdf?token=sk-proj-Link0Key1Is2Here34",
+                               media_type="application/pdf")],
+                   max_output_tokens=64)
+    spans, message = _captured_on_anthropic(db_url, (a, b), adapter, env)
     assert message["parts"][1:] == [
         {"type": "blob", "modality": "image", "mime_type": "image/png", "size": len(image)},
         {"type": "blob", "modality": "pdf", "mime_type": "application/pdf",
@@ -551,21 +561,7 @@ def test_a_captured_links_credentials_are_redacted(
     link = "https://files.example/r.pdf?v=2&password=Link99Pass"
     env = Envelope(parts=[Part(content=PROMPT), Part(url=link, media_type="application/pdf")],
                    max_output_tokens=64)
-    spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
-                     capture_content=True)
-    try:
-        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
-            lease = admit(led, [r.model_copy(update={"protocol": WireProtocol.ANTHROPIC,
-                                                     "endpoint": f.endpoint("anthropic")})
-                                for r, f in zip(routes(a, b), (a, b), strict=True)])
-            execute(led, lease, env, sync_sender(adapter, limits=PATIENT))
-    finally:
-        telemetry.disable()
-    [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
-    [message] = json.loads(str(dict(span.attributes or {})["gen_ai.input.messages"]))
+    spans, message = _captured_on_anthropic(db_url, (a, b), adapter, env)
     assert message["parts"][1] == {
         "type": "uri", "modality": "pdf", "mime_type": "application/pdf",
         "uri": "https://files.example/r.pdf?v=2&password=[REDACTED]"}
