@@ -64,8 +64,11 @@ class Reconciliation:
 
     @property
     def ok(self) -> bool:
-        """No violation. An Attempt that cost more than it held is a figure, not a fault: a
-        provider may bill past the hold, and the Run is posted at most the hold by design."""
+        """No violation.
+
+        An Attempt that cost more than it held is a figure, not a fault: a provider may bill
+        past the hold, and the Run is posted at most the hold by design.
+        """
         return not self.violations
 
     def to_json(self) -> dict[str, Any]:
