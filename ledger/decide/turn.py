@@ -93,6 +93,7 @@ from ledger.errors import (
     DatabaseUnavailable,
     FailoverExhausted,
     FencedOut,
+    InvalidArgument,
     LeaseLost,
     LedgerError,
     NotFound,
@@ -480,6 +481,13 @@ class TurnLoop:
             if lapsed is not None:
                 raise lapsed
             result = yield from perform(Send(dispatch))
+            if not isinstance(result, SendResult):
+                # The host's send may have sent the request: settled as interrupted (unknown
+                # unless provably unsent) on the way out, like a send that raised.
+                raise InvalidArgument(
+                    f"send returned {type(result).__name__}, not a SendResult: return "
+                    "SendResult(ok=True, ...) for an answer, SendResult.failed(Observation(...)) "
+                    "for a failure, or raise", field="send", attempt_id=att.attempt_id)
         except GeneratorExit:
             raise  # closed with no driver left: recovery settles it
         except BaseException:

@@ -371,6 +371,29 @@ def test_a_hosts_send_function_reports_shown_output_through_the_progress(
     led.close()
 
 
+@pytest.mark.parametrize("returned", [None, {"ok": True, "output": "hi"}], ids=["none", "dict"])
+def test_a_send_that_returns_no_send_result_leaves_a_truthful_record(
+        db_url: str, fake: FakeProvider, returned: Any) -> None:
+    """A host's send that returns something other than a ``SendResult`` may have sent the
+    request: the turn raises ``InvalidArgument`` naming ``send`` and the fix, and the Attempt
+    is settled unknown with its hold, never left ``dispatching`` (which kept the lease from
+    being released)."""
+    from ledger.errors import InvalidArgument
+
+    led = Ledger.open(db_url)
+    lease = _admit(led, fake)
+    with pytest.raises(InvalidArgument) as bad:
+        execute(led, lease, _envelope(), lambda d: returned)  # type: ignore[arg-type,return-value]
+    assert bad.value.field == "send" and "SendResult(ok=True" in str(bad.value)
+    [att] = led.timeline("r")
+    assert att.state is AttemptState.UNKNOWN and att.debit_state is DebitState.RESERVED
+    assert bad.value.fields["attempt_id"] == att.attempt_id
+    assert led.group_projections(["ga"])["ga"].in_flight == 0
+    assert reconcile(led).ok
+    led.release_lease(lease)
+    led.close()
+
+
 def test_interrupt_inside_settle_completes_the_settle(db_url: str, fake: FakeProvider) -> None:
     faults.arm("settle.before_commit", _interrupt)
     led, lease, err = _run_sync(db_url, fake, stream=False, behavior=Behavior())
