@@ -159,7 +159,8 @@ class RunQueries:
                 f"child allowance (calls {spec.max_calls}, retries {spec.max_retries}) exceeds "
                 f"what parent {spec.parent_run_id!r} has left (calls {calls_left}, retries "
                 f"{retries_left}); ask for less",
-                run_id=spec.run_id, field="budget.max_calls",
+                run_id=spec.run_id,
+                field="budget.max_calls" if spec.max_calls > calls_left else "budget.max_retries",
             )
         carved_tokens = 0
         if left.tokens is not None:

@@ -289,6 +289,13 @@ def test_child_budget_carved_and_broader_refused(led: Ledger) -> None:
     with pytest.raises(BudgetExceeded):
         led.admit_run("c2", plan=routes(), budget=budget(calls=1, retries=0, cost="0.5"),
                       grant=grant(), parent=pl)
+    # The refusal names the allowance that is short.
+    for calls, retries, short in ((7, 0, "budget.max_calls"), (1, 3, "budget.max_retries")):
+        with pytest.raises(AllowanceExhausted) as over:
+            led.admit_run("c2", plan=routes(), budget=budget(calls=calls, retries=retries,
+                                                             cost="0.1"),
+                          grant=grant(), parent=pl)
+        assert over.value.fields["field"] == short
     with pytest.raises(InvalidArgument, match="narrow"):
         led.admit_run("c3", plan=routes(), budget=budget(calls=1, retries=0, cost="0.1"),
                       grant=Grant(recipients={"r2": ["user_input", "memory"]}),
