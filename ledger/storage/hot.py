@@ -71,6 +71,13 @@ def _ns(stmt: Stmt, row: Sequence[Any]) -> SimpleNamespace:
 
 
 def check_fence(row: Any, run_id: str, fence: int) -> None:
+    if row.fence < fence:
+        # No grant made this fence: the lease was not one acquire_lease returned.
+        raise FencedOut(
+            f"run {run_id!r} is held under fence {row.fence}; fence {fence} was never granted: "
+            "pass the lease acquire_lease returned, not one built by hand",
+            run_id=run_id, fence=fence, current=row.fence,
+        )
     if row.fence != fence:
         raise FencedOut(
             f"run {run_id!r} is now held under fence {row.fence}; this executor's fence "

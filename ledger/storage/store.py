@@ -493,7 +493,11 @@ def _what(item: Unresolved) -> str:
 def _late(e: FencedOut | SettleConflict) -> bool:
     """A refused settle whose observation is kept: the run moved on, or the attempt was
     already settled unknown (the receipt came late)."""
-    return isinstance(e, FencedOut) or e.fields.get("state") == AttemptState.UNKNOWN.value
+    if isinstance(e, FencedOut):
+        # A fence above the Run's was never granted (a lease built by hand): no receipt.
+        fence, current = e.fields.get("fence"), e.fields.get("current")
+        return not (isinstance(fence, int) and isinstance(current, int) and fence > current)
+    return e.fields.get("state") == AttemptState.UNKNOWN.value
 
 
 __all__ = ["Listener", "Pending", "Store", "commit_unknown", "resolving"]

@@ -103,6 +103,22 @@ def test_lease_fence_and_stale_executor_refused_everywhere(led: Ledger, clock: M
     led.renew_lease(new)
 
 
+def test_a_fence_never_granted_is_refused_as_such_and_leaves_no_receipt(led: Ledger) -> None:
+    """A lease built by hand with a fence above the Run's is no stale executor's: the refusal
+    says the fence was never granted, and nothing of the settle is kept as a late receipt."""
+    led.admit_run("r1", plan=routes(), budget=budget())
+    lease = led.acquire_lease("r1", ttl_s=30)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.1")
+    forged = replace(lease, fence=lease.fence + 5)
+    before = [e.kind for e in led.events("r1")]
+    with pytest.raises(FencedOut, match="never granted"):
+        led.settle_attempt(forged, att.attempt_id, outcome="succeeded", cost="0.05")
+    with pytest.raises(FencedOut, match="never granted"):
+        led.begin_attempt(forged, route="a", envelope_hash="sha256:e", reserve="0.1")
+    assert [e.kind for e in led.events("r1")] == before
+    assert led.get_attempt(att.attempt_id).state is AttemptState.DISPATCHING
+
+
 def test_begin_settle_success_posts_and_releases(led: Ledger) -> None:
     led.admit_run("r1", plan=routes(), budget=budget(cost="1.00"))
     lease = led.acquire_lease("r1")
