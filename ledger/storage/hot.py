@@ -265,9 +265,12 @@ def _refused(spec: BeginSpec, rejected: tuple[str, float | None], seq: int | Non
 def _check_allowances(spec: BeginSpec, run: Any) -> None:
     left = budget_left(run)
     if left.calls <= 0:
+        carved = run.carved_calls
         raise AllowanceExhausted(
             f"run {spec.run_id!r} has used its model-call allowance "
-            f"({run.calls_used} of {run.max_calls}); nothing was sent",
+            f"({run.calls_used} of {run.max_calls}"
+            + (f", and {carved} carved for its children" if carved else "")
+            + "); nothing was sent",
             run_id=spec.run_id, route=spec.route.id, field="calls",
         )
     if spec.take_retry and left.retries <= 0:

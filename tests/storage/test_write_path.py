@@ -103,6 +103,16 @@ def test_lease_fence_and_stale_executor_refused_everywhere(led: Ledger, clock: M
     led.renew_lease(new)
 
 
+def test_a_parent_out_of_calls_by_its_childrens_carve_says_so(led: Ledger) -> None:
+    led.admit_run("p", plan=routes(), budget=budget(calls=5, retries=2, cost="1.00"),
+                  grant=grant())
+    pl = led.acquire_lease("p")
+    led.admit_run("c", plan=routes(), budget=budget(calls=5, retries=0, cost="0.1"),
+                  grant=grant(), parent=pl)
+    with pytest.raises(AllowanceExhausted, match=r"\(0 of 5, and 5 carved for its children\)"):
+        led.begin_attempt(pl, route="a", envelope_hash="sha256:e", reserve="0.01")
+
+
 def test_a_fence_never_granted_is_refused_as_such_and_leaves_no_receipt(led: Ledger) -> None:
     """A lease built by hand with a fence above the Run's is no stale executor's: the refusal
     says the fence was never granted, and nothing of the settle is kept as a late receipt."""
