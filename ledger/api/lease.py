@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from ledger.domain.records import Lease, LeaseArg
 from ledger.domain.validation import Flag, Id, checked, duration, instance, methods
 from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument, LeaseLost
 from ledger.storage.runner import Flow
+
+log = logging.getLogger(__name__)
 
 Interval = Annotated[float, duration(positive=True)]
 
@@ -146,17 +149,27 @@ class KeeperCore:
         except FencedOut as e:
             self._lose(e)
             return math.inf
-        except DatabaseUnavailable as e:
+        except Exception as e:
+            # An unreachable database, or any other fault of the renewal (a read-only or
+            # corrupt file, a database moved away): tried again every quarter interval until
+            # the lease's own end, then lost. A keeper that died of it would leave the Run
+            # looking kept while its lease ran out.
             self.failures += 1
             now = self.clock.now()
+            unreachable = isinstance(e, DatabaseUnavailable)
             if now >= lease.expires_at:
+                why = ("the database was unreachable" if unreachable else
+                       f"its renewal failed ({type(e).__name__}: {e})")
                 err = LeaseLost(
-                    f"the lease on run {lease.run_id!r} expired at {lease.expires_at} while the "
-                    "database was unreachable; another executor may hold it now: stop working "
-                    "on the run", run_id=lease.run_id, fence=lease.fence)
+                    f"the lease on run {lease.run_id!r} expired at {lease.expires_at} while "
+                    f"{why}; another executor may hold it now: stop working on the run",
+                    run_id=lease.run_id, fence=lease.fence)
                 err.__cause__ = e
                 self._lose(err)
                 return math.inf
+            if not unreachable:
+                log.warning("run %s: renewing its lease failed, tried again until it ends: %s",
+                            lease.run_id, e)
             self._next = min(now + self.retry_s, lease.expires_at)
             return self._next - now
         with self._lock:
@@ -177,7 +190,10 @@ class KeeperCore:
             return False
         try:
             yield from store.resolve_run(lease.run_id, self.ledger.clock.now)
-        except DatabaseUnavailable:
+        except Exception as e:  # it stays remembered, and is tried again at the next tick
+            if not isinstance(e, DatabaseUnavailable):
+                log.warning("run %s: resolving its unresolved writes failed: %s",
+                            lease.run_id, e)
             return True
         return False
 

@@ -62,6 +62,35 @@ def test_unreachable_database_retries_then_lease_lost() -> None:
     down.close()
 
 
+def test_a_renewal_that_fails_otherwise_is_retried_then_the_lease_lost_never_a_dead_keeper(
+        tmp_path: Path) -> None:
+    """A renewal refused by the database for another reason than an outage (here a trigger
+    that aborts it, as a read-only or corrupt file would) is tried again until the lease's
+    end, then the keeper reports ``LeaseLost``: it never dies with the error,
+    which left the Run looking kept while its lease ran out."""
+    import sqlite3
+
+    clock = ManualClock()
+    path = tmp_path / "l.db"
+    led = _ledger(f"sqlite:///{path}", clock)
+    lease = led.acquire_lease("r1", ttl_s=30)
+    fault = sqlite3.connect(path)
+    fault.execute("CREATE TRIGGER no_renewal BEFORE UPDATE OF lease_expires_at ON runs "
+                  "BEGIN SELECT RAISE(ABORT, 'the file refuses writes'); END")
+    fault.commit()
+    k = KeeperCore(led, lease, ttl_s=30)
+    clock.advance(10)
+    assert k.tick() == pytest.approx(2.5)  # tried again sooner than the interval
+    assert not k.lost.is_set() and k.failures == 1
+    while not k.lost.is_set():
+        clock.advance(k.tick())
+    with pytest.raises(LeaseLost):
+        k.check()
+    assert k.failures >= 2 and clock.now() >= lease.expires_at - led.lease_margin_s
+    fault.close()
+    led.close()
+
+
 def test_thread_keeper_renews_while_the_call_blocks(tmp_path: Path) -> None:
     clock = ManualClock()
     led = _ledger(str(tmp_path / "l.db"), clock)
