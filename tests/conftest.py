@@ -64,6 +64,11 @@ def pg_server() -> Iterator[PgServer]:
         from ledger.api.facade import Ledger
 
         Ledger.open(srv.url("ledger_template")).close()
+        # No connection to the template from now on, so that copying it never finds one: an
+        # autovacuum worker visiting it made a CREATE DATABASE ... TEMPLATE fail ("being
+        # accessed by other users"). A database that takes no connections is skipped by
+        # autovacuum, and is still copied, as template0 is.
+        srv.psql("ALTER DATABASE ledger_template WITH IS_TEMPLATE true ALLOW_CONNECTIONS false")
         yield srv
     finally:
         srv.cleanup()
