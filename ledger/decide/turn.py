@@ -20,6 +20,7 @@ voided); one that may have left is settled *unknown* with a ``cancelled`` fact (
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
@@ -484,10 +485,14 @@ class TurnLoop:
             if not isinstance(result, SendResult):
                 # The host's send may have sent the request: settled as interrupted (unknown
                 # unless provably unsent) on the way out, like a send that raised.
+                fix = ("return SendResult(ok=True, ...) for an answer, "
+                       "SendResult.failed(Observation(...)) for a failure, or raise")
+                if inspect.iscoroutine(result):
+                    result.close()  # never to be awaited here
+                    fix = "a coroutine function sends with aexecute and an AsyncLedger"
                 raise InvalidArgument(
-                    f"send returned {type(result).__name__}, not a SendResult: return "
-                    "SendResult(ok=True, ...) for an answer, SendResult.failed(Observation(...)) "
-                    "for a failure, or raise", field="send", attempt_id=att.attempt_id)
+                    f"send returned {type(result).__name__}, not a SendResult: {fix}",
+                    field="send", attempt_id=att.attempt_id)
         except GeneratorExit:
             raise  # closed with no driver left: recovery settles it
         except BaseException:
@@ -529,6 +534,10 @@ class TurnLoop:
         if dispatch.progress.tool_started:
             # The host started a tool this attempt proposed: the turn may not move on.
             obs = obs.model_copy(update={"tool_started": True, "effective_output": True})
+        if result.sent and obs.phase is None and obs.transport is None and obs.status is None:
+            # Evidence that says nothing of how far the request got defaults to "never left";
+            # the send said it left, so nothing is known after sending: it may have run.
+            obs = obs.model_copy(update={"phase": Phase.AFTER_SEND})
         now = yield from perform(Now())
         fact = classify(obs, self._policy, now=now)
         discarded = bool(result.partial_text) and not fact.effective_output

@@ -371,7 +371,12 @@ def test_a_hosts_send_function_reports_shown_output_through_the_progress(
     led.close()
 
 
-@pytest.mark.parametrize("returned", [None, {"ok": True, "output": "hi"}], ids=["none", "dict"])
+async def _answers(_d: Dispatch) -> SendResult:
+    return SendResult(ok=True, output="hi")
+
+
+@pytest.mark.parametrize("returned", [None, {"ok": True, "output": "hi"}, _answers],
+                         ids=["none", "dict", "coroutine"])
 def test_a_send_that_returns_no_send_result_leaves_a_truthful_record(
         db_url: str, fake: FakeProvider, returned: Any) -> None:
     """A host's send that returns something other than a ``SendResult`` may have sent the
@@ -382,9 +387,11 @@ def test_a_send_that_returns_no_send_result_leaves_a_truthful_record(
 
     led = Ledger.open(db_url)
     lease = _admit(led, fake)
+    send = returned if callable(returned) else lambda d: returned
     with pytest.raises(InvalidArgument) as bad:
-        execute(led, lease, _envelope(), lambda d: returned)  # type: ignore[arg-type,return-value]
-    assert bad.value.field == "send" and "SendResult(ok=True" in str(bad.value)
+        execute(led, lease, _envelope(), send)
+    assert bad.value.field == "send"
+    assert ("aexecute" if callable(returned) else "SendResult(ok=True") in str(bad.value)
     [att] = led.timeline("r")
     assert att.state is AttemptState.UNKNOWN and att.debit_state is DebitState.RESERVED
     assert bad.value.fields["attempt_id"] == att.attempt_id

@@ -365,6 +365,20 @@ def test_a_tampered_part_is_never_covered_by_hashes_the_caller_supplies(led: Led
     assert [a.turn_id for a in led.timeline(lease.run_id)] == ["t1"]
 
 
+def test_a_send_that_says_it_sent_is_never_recorded_not_sent(led: Ledger) -> None:
+    """A host's failure evidence that says nothing of how far the request got (no status,
+    phase or transport) defaulted to "never left", though the send said it left: the call was
+    voided and given back. It is unknown now, its hold kept, never sent again."""
+    lease = admit(led)
+    send = Script(go_deepseek=[SendResult.failed(Observation(message="the gateway said no"))])
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, send)  # type: ignore[arg-type]
+    assert ei.value.reason == "execution_unknown" and len(send.sent) == 1
+    [att] = led.timeline(lease.run_id)
+    assert att.state is AttemptState.UNKNOWN and att.debit_state is DebitState.RESERVED
+    assert led.get_run(lease.run_id).calls_used == 1
+
+
 def test_child_keeps_its_actual_route_and_siblings_are_not_rerun(led: Ledger) -> None:
     parent = admit(led, run_id="p", calls=12, retries=6)
     led.admit_run("c1", plan=PLAN, budget=Budget(max_calls=3, max_retries=2,
