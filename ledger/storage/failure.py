@@ -14,7 +14,8 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
 * the database cannot be reached, went away, or is busy (another connection holds the write
   lock past the busy timeout, the server shuts down or kills the session, a serialization
   failure): :class:`~ledger.errors.DatabaseUnavailable`. The transaction was rolled back, or
-  its commit outcome is unknown; every write is idempotent per id, so retrying is safe;
+  its commit outcome is unknown; every write is idempotent per id, so retrying is safe (a
+  full disk is one, ``disk_full=True``, its message naming the fix: free space);
 * a write the database refuses to make at all (a read-only file or transaction, a role without
   the privilege): :class:`~ledger.errors.StorageError` with ``read_only=True``. Retrying will
   not help; the message says so. A write refused because the server is a standby (in
@@ -59,6 +60,7 @@ _SQLITE_DUPLICATE = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
 # PostgreSQL SQLSTATEs of a refused write: read-only transaction, insufficient privilege.
 _PG_REFUSED = ("25006", "42501")
 _PG_DUPLICATE = "23505"
+_PG_DISK_FULL = "53100"
 # What a PostgreSQL server answers when the set-up is wrong, not the server away. A connection
 # that never opened carries no SQLSTATE to psycopg (libpq keeps only the server's text), so the
 # server's own messages are recognised; they are English unless the server's lc_messages says
@@ -95,6 +97,13 @@ def _unavailable(text: str, where: str) -> DatabaseUnavailable:
         f"database {where} is unavailable ({text}); the transaction was rolled back (or its "
         "commit outcome is unknown) and is safe to retry once the database is back",
         url=where)
+
+
+def _full(text: str, where: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"database {where} could not write: its disk is full ({text}); the transaction was "
+        "rolled back and is safe to retry once space is freed where the database keeps its "
+        "files", url=where, disk_full=True)
 
 
 def _standby(text: str, where: str) -> DatabaseUnavailable:
@@ -240,6 +249,8 @@ def _sqlite(e: sqlite3.Error, where: str) -> LedgerError:
     name = getattr(e, "sqlite_errorname", "") or ""
     if name.startswith(_SQLITE_REFUSED):
         return _refused(text, where)
+    if name.startswith("SQLITE_FULL"):
+        return _full(text, where)
     if name.startswith(_SQLITE_UNAVAILABLE):
         return _unavailable(text, where)
     if name in _SQLITE_DUPLICATE:
@@ -260,6 +271,8 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
         return setup
     if state in _PG_REFUSED:
         return _refused(text, where)
+    if state == _PG_DISK_FULL:
+        return _full(text, where)
     if state == _PG_DUPLICATE:
         return _duplicate(text, where)
     if state in _PG_SCHEMA_MISSING:

@@ -169,6 +169,27 @@ def test_a_sqlite_file_in_a_missing_folder_is_refused_before_the_driver(tmp_path
     assert not isinstance(err, DatabaseUnavailable)
 
 
+def test_a_full_disk_is_named_as_such_and_safe_to_retry(tmp_path: Path) -> None:
+    """A write the disk has no room for is ``DatabaseUnavailable`` (nothing was written, a retry
+    is safe) whose message names the fix, free space, and ``fields["disk_full"]`` says so: it
+    read as an outage ("unavailable, safe to retry once the database is back"). The errors are
+    the drivers' own: SQLite's from a file held to two pages, PostgreSQL's disk-full class."""
+    from ledger.storage.failure import ledger_error
+
+    conn = sqlite3.connect(tmp_path / "full.db")
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.execute("PRAGMA max_page_count = 2")
+    with pytest.raises(sqlite3.OperationalError) as full:
+        conn.execute("INSERT INTO t VALUES (randomblob(100000))")
+    conn.close()
+    psycopg = pytest.importorskip("psycopg")
+    for cause in (full.value, psycopg.errors.DiskFull("could not extend file: No space left")):
+        err = ledger_error(cause, "the-url")
+        assert isinstance(err, DatabaseUnavailable) and err.fields["disk_full"] is True
+        assert "disk is full" in str(err) and "free" in str(err)
+
+
 # -- the server goes away while in use (PostgreSQL) --------------------------------------------
 
 
