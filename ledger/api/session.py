@@ -30,6 +30,7 @@ not I/O in :class:`_SessionCore`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
@@ -46,7 +47,7 @@ from ledger.domain.envelope import Envelope, Part, PartHashes
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, checked, function, instance
 from ledger.domain.values import Route
-from ledger.errors import InvalidArgument, InvalidState, LedgerError
+from ledger.errors import InvalidArgument, InvalidState, LedgerError, SettleConflict
 from ledger.storage.runner import Flow
 
 if TYPE_CHECKING:
@@ -193,8 +194,10 @@ class _SessionCore:
             if abandoned.progress.provably_unsent:
                 from ledger.api.lease import SHUTDOWN_FACT
 
-                yield from Face.settle_attempt.flow(led, keeper.lease, abandoned.attempt_id,
-                                                     outcome="not_sent", fact=SHUTDOWN_FACT)
+                with contextlib.suppress(SettleConflict):  # the turn settled it meanwhile
+                    yield from Face.settle_attempt.flow(
+                        led, keeper.lease, abandoned.attempt_id, outcome="not_sent",
+                        fact=SHUTDOWN_FACT)
             else:
                 yield from Face.mark_unknown.flow(
                     led, keeper.lease, abandoned.attempt_id,
