@@ -115,6 +115,19 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             "create it (mkdir -p) or choose another path; retrying will not help",
             url=redact_url(norm), problem="folder_missing", database=db, role=None,
         )
+    # SQLite makes the file there, and in WAL mode its -wal and -shm files beside it (they go
+    # when the last connection closes): without the right to, it says only "unable to open
+    # database file", or blames the file.
+    made = [p for p in (db, db + "-wal", db + "-shm") if not os.path.exists(p)]
+    if made and not os.access(parent, os.W_OK | os.X_OK):
+        names = ", ".join(os.path.basename(p) for p in made)
+        raise DatabaseSetupError(
+            f"cannot open SQLite database {db!r}: folder {parent!r} is not writable by this "
+            f"process, and SQLite must create {names} there (a ledger keeps its -wal and -shm "
+            "files beside its file, even to read it); make the folder writable for this user "
+            "or choose another path; retrying will not help",
+            url=redact_url(norm), problem="folder_read_only", database=db, role=None,
+        )
     return db
 
 

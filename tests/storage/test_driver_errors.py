@@ -434,6 +434,48 @@ def test_a_read_only_sqlite_file_refuses_writes_and_still_answers_reads(
     _still_there(path, att, AttemptState.DISPATCHING)
 
 
+def test_a_sqlite_ledger_in_a_folder_it_cannot_write_is_a_setup_error_naming_the_folder(
+        tmp_path: Path, clock: ManualClock) -> None:
+    """SQLite must create the ledger's file, and its -wal and -shm files even to read it, in
+    the ledger's folder: in a folder this process may not write, a new ledger was
+    ``DatabaseUnavailable`` ("safe to retry") and an existing one a ``StorageError`` blaming
+    the file. Both are ``DatabaseSetupError`` naming the folder, with nothing created."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with Ledger.open(str(folder / "old.db"), clock=clock) as led:
+        _seed(led)
+    folder.chmod(0o555)
+    child = ("import json, sys\n"
+             "from ledger import Ledger, AsyncLedger\n"
+             "from ledger.errors import DatabaseSetupError\n"
+             "out = {}\n"
+             "for name in sys.argv[1:]:\n"
+             "    try:\n"
+             "        Ledger.open(name).close()\n"
+             "        out[name] = 'opened'\n"
+             "    except DatabaseSetupError as e:\n"
+             "        out[name] = [e.fields['problem'], str(e)]\n"
+             "print(json.dumps(out))\n")
+    cmd = [sys.executable, "-c", child, str(folder / "old.db"), str(folder / "new.db")]
+    if os.geteuid() == 0:  # folder modes do not bind root: the child runs without the right
+        cmd = ["setpriv", "--bounding-set=-dac_override", *cmd]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        folder.chmod(0o755)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    for name in ("old.db", "new.db"):
+        problem, message = got[str(folder / name)]
+        assert problem == "folder_read_only", got
+        assert str(folder) in message and "not writable" in message
+    assert sorted(p.name for p in folder.iterdir()) == ["old.db"]
+
+
 # -- a row that does not exist ---------------------------------------------------------------
 
 
