@@ -62,7 +62,8 @@ def drive(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("a blocking Run session's call suspended")  # pragma: no cover
 
 
-def turn_ids_of(envelope: Envelope) -> tuple[str, str]:
+def turn_ids_of(envelope: Envelope, part_hashes: Sequence[str] | None = None
+                ) -> tuple[str, str]:
     """The integrations' turn id of ``envelope``, and the other id the same request has had.
 
     Streamed or not, it is one request (a LangGraph node's ``invoke`` streams under
@@ -70,8 +71,10 @@ def turn_ids_of(envelope: Envelope) -> tuple[str, str]:
     that crashed under one mode and resumes under the other finds its earlier Attempts. The
     second id is the streamed envelope's, which the integrations gave a streamed request
     before they named turns so; the guard looks for unreceipted Attempts under both.
+    ``part_hashes``: the parts' hashes when computed already.
     """
-    part_hashes = [p.content_hash for p in envelope.parts]
+    if part_hashes is None:
+        part_hashes = [p.content_hash for p in envelope.parts]
     plain, streamed = (envelope.model_copy(update={"stream": s}).hash_with(part_hashes)
                        for s in (False, True))
     return f"turn-{plain[7:19]}", f"turn-{streamed[7:19]}"
@@ -213,7 +216,9 @@ class RunLink:
                 task of this session: the ledger never sends it again.
         """
         memory = self.memory
-        turn_id, streamed = turn_ids_of(envelope)
+        # Hashed through the session's own memo: the turn that follows finds these parts
+        # hashed (a conversation's documents and images were hashed twice a call).
+        turn_id, streamed = turn_ids_of(envelope, self.run._hashes.of(envelope))
         stop = memory.stopped.get(turn_id)
         if stop is not None:
             raise InvalidArgument(

@@ -23,7 +23,7 @@ from ledger.api.facade import Ledger
 from ledger.domain.bounds import MAX_TOKENS
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
-from ledger.domain.records import AttemptState, DebitState
+from ledger.domain.records import AttemptRecord, AttemptState, DebitState
 from ledger.domain.validation import tokens_in_range
 from ledger.domain.values import Budget, Grant
 from ledger.ops.reconcile import reconcile
@@ -199,17 +199,23 @@ def _session_turn(db_url: str, provider: FakeProvider, usage: str) -> Ledger:
     return led
 
 
+def _served_at_the_whole_hold(led: Ledger) -> AttemptRecord:
+    """The Run's one Attempt: served, no usage recorded, the whole hold posted."""
+    [att] = led.timeline("r")
+    assert (att.state, att.debit_state) == (AttemptState.SUCCEEDED, DebitState.POSTED)
+    assert (att.prompt_tokens, att.completion_tokens, att.cost) == (None, None, None)
+    assert led.get_run("r").posted == HOLD
+    return att
+
+
 @pytest.mark.parametrize("usage", ['{"prompt_tokens":10,"completion_tokens":2.0}',
                                    '{"prompt_tokens":"10","completion_tokens":2}'])
 def test_a_served_answer_with_malformed_usage_posts_the_whole_hold_with_usage_invalid(
         db_url: str, provider: FakeProvider, usage: str) -> None:
     led = _session_turn(db_url, provider, usage)
-    [att] = led.timeline("r")
-    assert (att.state, att.debit_state) == (AttemptState.SUCCEEDED, DebitState.POSTED)
-    assert (att.prompt_tokens, att.completion_tokens, att.cost) == (None, None, None)
+    att = _served_at_the_whole_hold(led)
     [ev] = led.events("r", ["usage_invalid"])
     assert ev.attempt_id == att.attempt_id
-    assert led.get_run("r").posted == HOLD
     assert reconcile(led).ok
     led.close()
 
@@ -218,8 +224,5 @@ def test_a_served_answer_with_malformed_usage_posts_the_whole_hold_with_usage_in
 def test_a_served_answer_whose_usage_has_no_counts_posts_the_whole_hold(
         db_url: str, provider: FakeProvider, usage: str) -> None:
     led = _session_turn(db_url, provider, usage)
-    [att] = led.timeline("r")
-    assert (att.state, att.debit_state) == (AttemptState.SUCCEEDED, DebitState.POSTED)
-    assert (att.prompt_tokens, att.completion_tokens, att.cost) == (None, None, None)
-    assert led.get_run("r").posted == HOLD
+    _served_at_the_whole_hold(led)
     led.close()

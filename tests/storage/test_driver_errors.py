@@ -398,6 +398,20 @@ def test_a_read_only_postgres_database_refuses_writes_and_still_answers_reads(
     _still_there(pg_url, att, AttemptState.DISPATCHING)
 
 
+def _unprivileged(args: list[str]) -> Any:
+    """The JSON a Python child with ``args`` prints last, run where file modes bind: as root,
+    without CAP_DAC_OVERRIDE (root reads and writes whatever the modes say otherwise)."""
+    cmd = [sys.executable, *args]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set=-dac_override", *cmd]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_a_read_only_sqlite_file_refuses_writes_and_still_answers_reads(
         tmp_path: Path, clock: ManualClock) -> None:
     path = str(tmp_path / "ledger.db")
@@ -407,21 +421,12 @@ def test_a_read_only_sqlite_file_refuses_writes_and_still_answers_reads(
     for p in files:
         p.chmod(0o444)
     # File modes do not bind root: then the reader runs without CAP_DAC_OVERRIDE.
-    cmd = [sys.executable, "-m", "tests.storage._readonly", path, "r1", lease.executor,
-           str(lease.fence), att]
-    if os.geteuid() == 0:
-        cmd = ["setpriv", "--bounding-set=-dac_override", *cmd]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=120)
+        got = _unprivileged(["-m", "tests.storage._readonly", path, "r1", lease.executor,
+                             str(lease.fence), att])
     finally:
         for p in files:
             p.chmod(0o644)
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
-    got = json.loads(res.stdout.strip().splitlines()[-1])
     writes = ("configure_group", "admit_run", "begin_attempt", "settle_attempt",
               "AsyncLedger.mark_unknown", "recover")
     for name in writes:
@@ -446,7 +451,7 @@ def test_a_sqlite_ledger_in_a_folder_it_cannot_write_is_a_setup_error_naming_the
         _seed(led)
     folder.chmod(0o555)
     child = ("import json, sys\n"
-             "from ledger import Ledger, AsyncLedger\n"
+             "from ledger import Ledger\n"
              "from ledger.errors import DatabaseSetupError\n"
              "out = {}\n"
              "for name in sys.argv[1:]:\n"
@@ -456,19 +461,10 @@ def test_a_sqlite_ledger_in_a_folder_it_cannot_write_is_a_setup_error_naming_the
              "    except DatabaseSetupError as e:\n"
              "        out[name] = [e.fields['problem'], str(e)]\n"
              "print(json.dumps(out))\n")
-    cmd = [sys.executable, "-c", child, str(folder / "old.db"), str(folder / "new.db")]
-    if os.geteuid() == 0:  # folder modes do not bind root: the child runs without the right
-        cmd = ["setpriv", "--bounding-set=-dac_override", *cmd]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=120)
+        got = _unprivileged(["-c", child, str(folder / "old.db"), str(folder / "new.db")])
     finally:
         folder.chmod(0o755)
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
-    got = json.loads(res.stdout.strip().splitlines()[-1])
     for name in ("old.db", "new.db"):
         problem, message = got[str(folder / name)]
         assert problem == "folder_read_only", got
