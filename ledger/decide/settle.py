@@ -224,15 +224,18 @@ def settle_holds(outcome: Outcome, fact: FailureFact | None, *, cost_micros: int
       most the hold (the budget invariant; the true cost and tokens stay on the Attempt; tokens
       are capped only where the Run has a token budget) — when nothing was reported, the whole
       hold is posted, never zero;
-    * failed with the provider's own error status (phase after_headers) and no usage: nothing
-      was generated, so nothing is posted.
+    * failed with the provider's own error status or error body (phase after_headers) and no
+      usage: nothing was generated, so nothing is posted. A whole 2xx body that is not the
+      protocol's (transport ``malformed_event``) is not such a verdict: the provider ran the
+      call and may bill it, so the whole hold is posted.
     """
     if outcome is Outcome.UNKNOWN:
         return Holds(DebitState.RESERVED, 0, 0, 0, 0, False)
     if outcome is Outcome.NOT_SENT:
         return Holds(DebitState.VOIDED, 0, reserved_micros, 0, reserved_tokens, True)
     answered_error = (outcome is Outcome.FAILED and fact is not None
-                      and fact.phase is Phase.AFTER_HEADERS)
+                      and fact.phase is Phase.AFTER_HEADERS
+                      and fact.transport is not Transport.MALFORMED_EVENT)
     if cost_micros is None:
         cost_micros = 0 if answered_error else reserved_micros
     if tokens is None:

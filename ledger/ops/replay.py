@@ -39,6 +39,7 @@ from ledger.storage.encode import fact_member
 from ledger.storage.replay import ReplayQueries, ReplayRows
 
 _ANSWERED = fact_member("phase", "after_headers")
+_UNREADABLE = fact_member("transport", "malformed_event")
 
 
 def replay_policy(policy: Policy | str) -> Policy:
@@ -70,7 +71,8 @@ def _money(state: str, reserved: int, cost: int | None, fact: str | None) -> int
     if state not in ("succeeded", "failed"):
         return 0
     if cost is None:
-        answered = state == "failed" and _ANSWERED in (fact or "")
+        answered = (state == "failed" and _ANSWERED in (fact or "")
+                    and _UNREADABLE not in (fact or ""))
         return 0 if answered else reserved
     return min(cost, reserved)
 

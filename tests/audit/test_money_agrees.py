@@ -168,3 +168,35 @@ def test_totals_read_off_the_attempts_equal_every_runs_counters(db_url: str) -> 
         days = audit.costs_by_day(days=3, now=end)
         assert sum(d.cost for d in days) == sum(p for p, _ in counters.values())
         assert sum(d.held for d in days) == sum(h for _, h in counters.values())
+
+
+def test_an_unreadable_whole_answer_posts_its_hold_in_every_report(
+        db_url: str, fake: FakeProvider) -> None:
+    """A whole (not streamed) 200 whose body is not the protocol's: the provider ran the call
+    and may bill it, so the whole hold is posted (it is not the provider's error verdict, which
+    posts nothing), and the audit, replay and reconcile read the row the same way."""
+    fake.clear()
+    route = Route(id="primary", provider="pa", model="m-a", group="ga", recipient="ra",
+                  endpoint=fake.endpoint("openai"), profiles=[Profile(id="p:a")],
+                  price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))
+    with Ledger.open(db_url) as led:
+        fake.enqueue(Behavior(fault=Fault.MALFORMED_EVENT))
+        with pytest.raises(FailoverExhausted), led.run(
+                "unreadable", plan=[route], secrets=SECRETS,
+                budget=Budget(max_calls=1, max_retries=0, max_cost=Decimal("1")),
+                grant=Grant(recipients={"ra": ["user_input"]})) as run:
+            run.turn(Envelope(parts=[Part(content="Summarise the filing.")],
+                              max_output_tokens=64), reserve=HOLD)
+        [att] = led.timeline("unreadable")
+        assert att.state is AttemptState.FAILED and att.fact is not None
+        assert (att.fact.status, att.fact.transport) == (200, "malformed_event")
+        r = led.get_run("unreadable")
+        assert (r.posted, r.reserved) == (HOLD, 0)
+        books = reconcile(led)
+        assert books.ok, books.violations
+        audit = Audit(led)
+        [total] = audit.costs(by="run").items
+        assert (total.cost, total.held) == (HOLD, 0)
+        tl = audit.timeline("unreadable")
+        assert (tl.total_cost, tl.held) == (HOLD, 0)
+        assert audit.replay("failure-domain", run="unreadable").baseline.cost == HOLD

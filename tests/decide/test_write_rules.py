@@ -15,7 +15,15 @@ import pytest
 from ledger.decide.admission import Admission, admission_spec, admission_terms
 from ledger.decide.begin import begin_spec
 from ledger.decide.settle import settle_holds, settle_spec
-from ledger.domain.facts import Category, FailureFact, Observation, Phase, Scope, Source
+from ledger.domain.facts import (
+    Category,
+    FailureFact,
+    Observation,
+    Phase,
+    Scope,
+    Source,
+    Transport,
+)
 from ledger.domain.records import AttemptKind, DebitState, FrozenRun, Lease, Outcome
 from ledger.domain.specs import AdmitSpec, BeginSpec, SettleSpec
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
@@ -208,3 +216,18 @@ def test_a_settle_never_posts_more_than_its_hold_and_posts_all_of_it_when_unrepo
     answered = settle_holds(Outcome.FAILED, FACT_429, cost_micros=None, tokens=None,
                             reserved_micros=100, reserved_tokens=50, token_budget=True)
     assert answered.posted_micros == 0
+
+
+def test_a_whole_2xx_body_that_is_not_the_protocols_posts_its_hold_as_an_answer_that_ran(
+) -> None:
+    # The provider ran the call (a 2xx came back) and may bill it; only its own error verdict
+    # (a status or an error body) says nothing was generated.
+    unreadable = FailureFact(category=Category.UNKNOWN, status=200, phase=Phase.AFTER_HEADERS,
+                             transport=Transport.MALFORMED_EVENT)
+    held = settle_holds(Outcome.FAILED, unreadable, cost_micros=None, tokens=None,
+                        reserved_micros=100, reserved_tokens=50, token_budget=True)
+    assert (held.debit, held.posted_micros, held.tokens_used) == (DebitState.POSTED, 100, 50)
+    refused = settle_holds(Outcome.FAILED, FACT_429.model_copy(update={"status": 200}),
+                           cost_micros=None, tokens=None, reserved_micros=100,
+                           reserved_tokens=50, token_budget=True)
+    assert (refused.posted_micros, refused.tokens_used) == (0, 0)
