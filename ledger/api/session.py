@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
 from ledger.api.face import AsyncFace, Face, SyncFace
+from ledger.api.turn import TurnOptions
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
@@ -270,12 +271,6 @@ class _SessionCore:
             raise InvalidState("a Run session is entered once; open a new one with "
                                "ledger.run(...)", run_id=self.run_id)
 
-    @staticmethod
-    def _check_turn(options: Mapping[str, Any]) -> None:
-        if "part_hashes" in options:
-            raise InvalidArgument("a session computes part_hashes itself; do not pass it to "
-                                  "turn()", field="part_hashes")
-
     @checked
     def child(self, child_id: Id, *, budget: BudgetArg, plan: Sequence[Route] | None = None,
               grant: GrantArg | None = None, role: Role | None = None,
@@ -494,7 +489,8 @@ class RunSession(_SessionCore):
 
     def turn(self, envelope: Envelope, *,
              on_text: OnText | None = None, on_event: OnEvent | None = None,
-             turn_id: Id | None = None, send: Send | None = None, **options: Any) -> RunResult:
+             turn_id: Id | None = None, send: Send | None = None,
+             **options: Unpack[TurnOptions]) -> RunResult:
         """Serve one logical turn of the Run, through the retry owner.
 
         Args:
@@ -518,14 +514,15 @@ class RunSession(_SessionCore):
             FailoverExhausted: the turn stopped without an answer (every error, the reason).
             InvalidState: the session is not open (before or after its block).
             InvalidArgument: a callback that is not callable, ``part_hashes`` passed, or
-                :func:`ledger.execute`'s misuse.
+                :func:`ledger.execute`'s misuse; an unknown keyword is
+                :class:`~ledger.errors.ArgumentMismatch`. Nothing is recorded then, and the
+                refused call does not count as the block's last turn.
             FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
         """
         from ledger.adapters import sync_sender
         from ledger.api.turn import execute
 
         self._check_open()
-        self._check_turn(options)
         inner = send or sync_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
             limits=self.ledger.run_policy(self.run_id).streaming)
@@ -539,7 +536,9 @@ class RunSession(_SessionCore):
 
         try:
             result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                             part_hashes=self._hashes, **options)
+                             part_hashes=self._hashes,
+                             # turn() refused a part_hashes of the caller's: none is in options
+                             **cast(dict[str, Any], options))
         except BaseException as e:
             self._turn_ended(turn_end(e))
             raise
@@ -686,7 +685,7 @@ class AsyncRunSession(_SessionCore):
     async def turn(self, envelope: Envelope, *,
                    on_text: OnText | None = None, on_event: OnEvent | None = None,
                    turn_id: Id | None = None, send: AwaitedSend | None = None,
-                   **options: Any) -> RunResult:
+                   **options: Unpack[TurnOptions]) -> RunResult:
         """Serve one logical turn (see :meth:`RunSession.turn`).
 
         The same arguments, errors and result, awaited; ``on_text``, ``on_event`` and ``send``
@@ -696,7 +695,6 @@ class AsyncRunSession(_SessionCore):
         from ledger.api.turn import aexecute
 
         self._check_open()
-        self._check_turn(options)
         inner = send or async_sender(
             self._adapter, on_event=self._watcher(on_text, on_event),
             limits=(await self.ledger.run_policy(self.run_id)).streaming)
@@ -710,7 +708,9 @@ class AsyncRunSession(_SessionCore):
 
         try:
             result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                                    part_hashes=self._hashes, **options)
+                                    part_hashes=self._hashes,
+                                    # none of the caller's (refused): see RunSession.turn
+                                    **cast(dict[str, Any], options))
         except BaseException as e:
             self._turn_ended(turn_end(e))
             raise

@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Annotated, Any, cast
 
+from typing_extensions import TypedDict
+
 from ledger import telemetry as _telemetry
 from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.clock import Sleeper, SystemSleeper
@@ -61,6 +63,7 @@ from ledger.domain.validation import (
     money,
     one_of,
     rule,
+    that,
 )
 from ledger.domain.values import Route
 from ledger.storage.runner import Flow
@@ -88,6 +91,27 @@ Hashes = Annotated[PartHashes, instance(PartHashes, "a ledger.PartHashes",
                                         "keep one ledger.PartHashes() per conversation, or "
                                         "leave it out to have every part hashed")]
 _SENDS = function("a function of a Dispatch returning a SendResult")
+
+
+class TurnOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`execute` a Run session's ``turn`` passes on.
+
+    Declared, so that the session checks them itself: a misspelt one is an
+    :class:`~ledger.errors.ArgumentMismatch` naming ``turn``'s own arguments, and a bad value
+    is refused before the turn starts (it then does not count as the block's last turn).
+    ``part_hashes`` is refused: the session keeps its own.
+    """
+
+    pin: Pins | None
+    denials: DenialsArg | None
+    reserve: Hold | None
+    sleeper: Sleeps | None
+    on_notice: Notices | None
+    rng: Rng | None
+    token_counter: Counter | None
+    part_hashes: Annotated[Any, that(
+        lambda _v: False, "is computed by the session itself",
+        "do not pass it to turn(); the session hashes each part of the conversation once")]
 
 
 def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str | None,

@@ -33,6 +33,7 @@ from ledger import (
 from ledger.clock import ManualClock
 from ledger.decide.ending import POLICY_STOPS, turn_end
 from ledger.domain.records import AttemptState
+from ledger.errors import ArgumentMismatch, InvalidArgument
 from ledger.testing import FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import plan
@@ -183,6 +184,43 @@ def test_a_served_turn_after_a_caught_stop_ends_the_run_succeeded(
             clock.advance(3600)  # past any cooldown the failures left
             run.turn(HELLO)  # the host tries again, and is served
         assert _finish(led, "r")[0] is RunStatus.SUCCEEDED
+
+
+REFUSED_TURNS = [{"on_txt": print}, {"pin": 5}, {"reserve": "lots"},
+                 {"part_hashes": object()}, {"on_text": 5}]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("bad", REFUSED_TURNS, ids=lambda b: next(iter(b)))
+def test_a_refused_turn_call_records_nothing_and_leaves_the_last_served_turn_the_runs_end(
+        db_url: str, fake: FakeProvider, kind: str, bad: dict[str, Any]) -> None:
+    # A call the session refuses (a misspelt or bad option) never started a turn: the Run
+    # ends by the turn that was served before it, and a typo names turn's own arguments.
+    if kind == "sync":
+        with Ledger.open(db_url) as led:
+            with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                run.turn(HELLO)
+                with pytest.raises(InvalidArgument) as refused:
+                    run.turn(HELLO, **bad)
+            assert len(led.timeline("r")) == 1
+            assert _finish(led, "r")[0] is RunStatus.SUCCEEDED
+        err = refused.value
+    else:
+        async def main() -> InvalidArgument:
+            async with await AsyncLedger.open(db_url) as led:
+                async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                    await run.turn(HELLO)
+                    with pytest.raises(InvalidArgument) as refused:
+                        await run.turn(HELLO, **bad)
+                assert len(await led.timeline("r")) == 1
+                assert (await led.get_run("r")).status is RunStatus.SUCCEEDED
+                return refused.value
+        err = asyncio.run(main())
+    if "on_txt" in bad:
+        assert isinstance(err, ArgumentMismatch)
+        assert str(err).startswith("turn() has no argument 'on_txt'; did you mean 'on_text'?")
+    else:
+        assert err.field == next(iter(bad))
 
 
 # -- blocks without a turn, and Children ----------------------------------------------------
