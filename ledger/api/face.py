@@ -906,7 +906,8 @@ class Face(Generic[SessionT, OpenedT]):
         """
         return (yield from self._snapshot(run_id, tuple(refs)))
 
-    def _snapshot(self, run_id: str, refs: tuple[str, ...]) -> Flow[TurnSnapshot]:
+    def _snapshot(self, run_id: str, refs: tuple[str, ...],
+                  turn_id: str | None = None) -> Flow[TurnSnapshot]:
         """:meth:`turn_snapshot` of arguments the turn loop made itself (not checked again)."""
         frozen = yield from self._frozen(run_id)
         policy = yield from self._policy(run_id)
@@ -924,13 +925,14 @@ class Face(Generic[SessionT, OpenedT]):
             self._reads.put(run_id, reads)
         chain_, groups_, keys_ = reads
         snap = yield from self._store.turn_snapshot(run_id, groups_, keys_, chain_, refs,
-                                                    self.clock.now)
+                                                    self.clock.now, turn_id)
         # Imported here: the turn's effects are no part of a ledger opened only to read.
         from ledger.decide.effects import TurnSnapshot
 
         health = {k: as_read(h, snap.now) for k, h in snap.health.items()}
         return TurnSnapshot(run=run_live(frozen, snap.run), policy=policy, groups=snap.groups,
-                            health=health, provenance=snap.provenance, now=snap.now)
+                            health=health, provenance=snap.provenance, now=snap.now,
+                            unreceipted=snap.unreceipted)
 
     # -- groups, health, provenance, events -------------------------------------------------
 

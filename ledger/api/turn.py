@@ -172,7 +172,9 @@ def execute(
             returning a :class:`~ledger.SendResult` (e.g.
             :func:`ledger.adapters.sync_sender`).
         turn_id: Names the logical turn (default: from the envelope's hash, so a repeated
-            turn is recognised).
+            turn is recognised: while an earlier Attempt of it has no receipt, the turn stops
+            with ``execution_unknown`` and sends nothing; pass another id to ask again on
+            purpose).
         pin: Keeps a credential profile: ``"user"`` (kept even while it cools, until a new
             session) or ``"auto"`` (kept while usable); see
             :class:`~ledger.decide.profiles.Pin`.
@@ -391,8 +393,8 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
     """
     store, clock = ledger._store, ledger.clock.now
     match eff:
-        case Snapshot(run_id=run_id, refs=refs):
-            return ledger._snapshot(run_id, refs)
+        case Snapshot(run_id=run_id, refs=refs, turn_id=turn_id):
+            return ledger._snapshot(run_id, refs, turn_id)
         case Begin(spec=spec):
             return store.begin_attempt(spec, clock)
         case Settle(run_id=run_id, spec=spec):

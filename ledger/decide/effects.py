@@ -69,6 +69,8 @@ class TurnSnapshot:
     health: Mapping[str, Health]
     provenance: Mapping[str, frozenset[str]]
     now: float
+    # A turn's first read only: its Attempts sent before it and still without a receipt.
+    unreceipted: tuple[str, ...] = ()
 
 
 @dataclass
@@ -319,10 +321,14 @@ Events = Sequence[tuple[str, Mapping[str, Any]]]
 
 @dataclass(frozen=True)
 class Snapshot(Effect[TurnSnapshot]):
-    """One read: the Run, its groups, health and the provenance of ``refs``."""
+    """One read: the Run, its groups, health and the provenance of ``refs``.
+
+    With ``turn_id`` (a turn's first read), also that turn's Attempts without a receipt.
+    """
 
     run_id: str
     refs: tuple[str, ...] = ()
+    turn_id: str | None = None
 
 
 @dataclass(frozen=True)

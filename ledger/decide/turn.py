@@ -95,6 +95,7 @@ from ledger.errors import (
     FailoverExhausted,
     FencedOut,
     InvalidArgument,
+    InvalidState,
     LeaseLost,
     LedgerError,
     NotFound,
@@ -160,6 +161,7 @@ Steps = Generator[Effect[Any], Any, RunResult]
 
 # The stop reason of a turn whose continuation admission refused (failover.after_rejection).
 REJECTED = "rejected_before_dispatch"
+EXECUTION_UNKNOWN = Reason.EXECUTION_UNKNOWN.value
 
 # What the caller did not ask for but the loop must survive: the caller's own cancellation.
 CANCELLED_FACT = FailureFact(category=Category.CANCELLED, phase=Phase.AFTER_SEND,
@@ -385,11 +387,13 @@ class TurnLoop:
         :class:`~ledger.errors.CandidateSkipped` for every candidate passed over.
         """
         turn = _Turn()
-        snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+        snap = yield from perform(Snapshot(self.lease.run_id, self.refs, self.turn_id))
         self._policy = snap.policy
         # Images and documents beyond the Run's frozen bounds: refused before anything is
         # recorded (the snapshot is a read).
         check_envelope_limits(self.envelope, snap.policy.envelope)
+        if snap.unreceipted:
+            raise (yield from self._sent_before(turn, snap.unreceipted))
         run = snap.run
         turn.plan = run.plan
         # A new turn keeps the session's profile (a user pin survives a compaction).
@@ -900,9 +904,28 @@ class TurnLoop:
 
     # -- stopping ----------------------------------------------------------------------------
 
+    def _sent_before(self, turn: _Turn, attempts: tuple[str, ...]
+                     ) -> Generator[Effect[Any], Any, FailoverExhausted]:
+        """The stop of a turn asked again while an earlier Attempt of it has no receipt.
+
+        That request may have run (a crash, a cut, a cancellation after it left): sending it
+        again could run it twice (invariant 6), under any policy. The host settles the Attempt
+        with evidence (``settle_unknown``) or asks under another turn id.
+        """
+        run_id = self.lease.run_id
+        turn.errors.extend(InvalidState(
+            f"attempt {a} of turn {self.turn_id} of run {run_id!r} was sent and has no "
+            "receipt", run_id=run_id, attempt_id=a, turn_id=self.turn_id) for a in attempts)
+        return (yield from self._stopped(turn, None, None, reason=EXECUTION_UNKNOWN, detail=(
+            f"this turn ({self.turn_id}) was sent before (attempt {', '.join(attempts)}) and "
+            "no receipt came; the ledger never sends a request whose execution is unknown "
+            "again: settle the attempt with evidence (Ledger.settle_unknown, failover-ledger "
+            "attempt settle), or ask with another turn_id"), sent_before=attempts))
+
     def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
                  reason: str | None = None, cause: Exception | None = None,
-                 begun: tuple[Decision, AttemptKind] | None = None
+                 begun: tuple[Decision, AttemptKind] | None = None, detail: str | None = None,
+                 sent_before: tuple[str, ...] = ()
                  ) -> Generator[Effect[Any], Any, FailoverExhausted]:
         """Record the stop with its reasons (an audit event), then build the error to raise.
 
@@ -910,9 +933,11 @@ class TurnLoop:
         ``cause`` is the original failure a stop returns to, kept in the event and the error.
         ``begun``: the decision (and the kind of its Attempt) whose begin was refused (a budget
         or an allowance). The event keeps the decision the turn stopped on (the selector's
-        stop, or ``begun``) with the inputs it was made from.
+        stop, or ``begun``) with the inputs it was made from. ``detail`` overrides the stop's
+        detail; ``sent_before`` are Attempts of earlier calls the stop is about.
         """
-        exc = self._stop(turn, decision, error, reason=reason, cause=cause)
+        exc = self._stop(turn, decision, error, reason=reason, cause=cause, detail=detail,
+                         sent_before=sent_before)
         made: dict[str, Any] = {}
         if decision is not None:
             made = {"kind": decision.kind.value,
@@ -935,19 +960,21 @@ class TurnLoop:
         return exc
 
     def _stop(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
-              reason: str | None = None, cause: Exception | None = None) -> FailoverExhausted:
+              reason: str | None = None, cause: Exception | None = None,
+              detail: str | None = None, sent_before: tuple[str, ...] = ()
+              ) -> FailoverExhausted:
         if decision is not None:
             why = decision.reason.value if decision.reason else "no_candidate"
-            detail = decision.detail
+            detail_ = decision.detail
             if decision.reason is Reason.NO_CANDIDATE:
-                detail += _reopening_note(turn.reopens_at, turn.bound, turn.now)
+                detail_ += _reopening_note(turn.reopens_at, turn.bound, turn.now)
         elif isinstance(error, BudgetExceeded):
-            why, detail = "budget", str(error)
+            why, detail_ = "budget", str(error)
         elif isinstance(error, CapacityUnavailable):
-            why, detail = "no_candidate", str(error)
+            why, detail_ = "no_candidate", str(error)
         else:
-            why, detail = "retry_allowance", str(error) if error else ""
-        why = reason or why
+            why, detail_ = "retry_allowance", str(error) if error else ""
+        why, detail = reason or why, detail or detail_
         errors = list(turn.errors)
         if decision is not None and decision.reason is Reason.CALL_ALLOWANCE and not errors:
             route = turn.plan[0].id if turn.plan else None
@@ -962,7 +989,8 @@ class TurnLoop:
         lines = candidate_lines(turn.plan, _failures_by_route(errors), turn.skips)
         exc = FailoverExhausted(
             f"the turn stopped ({why}): {detail}" + "".join(f"\n  {ln}" for ln in lines),
-            errors, reason=why, attempts=[a.attempt_id for a in turn.attempts], detail=detail,
+            errors, reason=why, attempts=[*sent_before, *(a.attempt_id for a in turn.attempts)],
+            detail=detail,
             skipped=[s.to_json() for s in decision.skipped] if decision else [],
             partial=turn.partial, candidates=lines,
             **({"cause": str(cause)} if cause is not None else {}),

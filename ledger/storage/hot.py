@@ -128,7 +128,10 @@ def _lock_live(stmt: Stmt, lease: Lease, clock: ClockFn,
 
 
 def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                runs: Sequence[str], refs: Sequence[str], clock: ClockFn) -> Tx[SnapshotRows]:
+                runs: Sequence[str], refs: Sequence[str], clock: ClockFn,
+                turn_id: str | None = None) -> Tx[SnapshotRows]:
+    """The read of a decision; with ``turn_id`` (a turn's first read) also that turn's
+    Attempts sent before it and still without a receipt."""
     listed = sql.list_param(groups)
     items = [Q(sql.run_live, {"run_id": run_id}),
              Q(sql.groups, {"groups": listed}),
@@ -137,6 +140,8 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
     if refs:
         items.append(Q(sql.provenance, {"runs": sql.list_param(runs),
                                         "refs": sql.list_param(refs)}))
+    if turn_id is not None:
+        items.append(Q(sql.unreceipted, {"run_id": run_id, "turn_id": turn_id}))
     # The read is the whole transaction: its COMMIT goes with it (one round trip on
     # PostgreSQL instead of a second one for the COMMIT alone).
     res = yield Flush(tuple(items), commit=True)
@@ -160,7 +165,9 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
     prov: dict[str, set[str]] = {}
     for ref, digest in (res[4] if refs else ()):
         prov.setdefault(ref, set()).add(digest)
-    return SnapshotRows(run, projections, health, {k: frozenset(v) for k, v in prov.items()}, now)
+    unreceipted = tuple(row[0] for row in res[-1]) if turn_id is not None else ()
+    return SnapshotRows(run, projections, health, {k: frozenset(v) for k, v in prov.items()}, now,
+                        unreceipted)
 
 
 # -- begin -------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class SnapshotRows:
     health: dict[str, Health]
     provenance: dict[str, frozenset[str]]
     now: float
+    unreceipted: tuple[str, ...] = ()  # the turn's Attempts sent before, without a receipt
 
 
 # Every attempts column, for building a record from the values a transaction just wrote.

@@ -410,6 +410,12 @@ class Statements:
         in_list(_health.c.key, p("keys"))))
     provenance = _stmt(lambda k, p=bindparam: select(_prov.c.ref, _prov.c.content_hash).where(
         in_list(_prov.c.run_id, p("runs")), in_list(_prov.c.ref, p("refs"))))
+    # A turn's Attempts sent before it started and still without a receipt: the turn must
+    # not send that request again (invariant 6).
+    unreceipted = _stmt(lambda k, p=bindparam: select(_att.c.attempt_id).where(
+        _att.c.run_id == p("run_id"), _att.c.turn_id == p("turn_id"),
+        or_(_att.c.state == lit("unknown"), _att.c.state == lit("dispatching")),
+    ).order_by(_att.c.seq))
 
     # -- locks ---------------------------------------------------------------------------------
 

@@ -335,14 +335,15 @@ class Store:
             yield from self.resolve_run(run_id, clock)
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
-                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn
-                      ) -> Flow[SnapshotRows]:
+                      runs: Sequence[str], refs: Sequence[str], clock: ClockFn,
+                      turn_id: str | None = None) -> Flow[SnapshotRows]:
         """One read: the live row of ``run_id``, the projections of ``groups``, the health
-        rows of ``keys`` and the provenance of ``refs`` recorded by ``runs`` (the Run and its
-        ancestors). Raises :class:`~ledger.errors.NotFound` for an unknown run."""
+        rows of ``keys``, the provenance of ``refs`` recorded by ``runs`` (the Run and its
+        ancestors) and, with ``turn_id``, that turn's Attempts without a receipt. Raises
+        :class:`~ledger.errors.NotFound` for an unknown run."""
         yield from self._first(run_id, clock)
         return (yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
-                                               clock), write=False))
+                                               clock, turn_id), write=False))
 
     def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> Flow[AttemptRecord | Queued]:
         """Record the Attempt of ``spec`` before it is sent, in one transaction: live lease,
