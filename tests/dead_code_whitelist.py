@@ -68,6 +68,8 @@ _.AsyncAudit  # ops/audit.py (docs/audit.md)
 _.LedgerModel  # integrations/pydantic_ai.py (docs/integrations/pydantic-ai.md)
 _.arecover  # ops/recovery.py (docs/operations.md)
 _.apply_overrides  # policy/load.py: the fixed override keys (docs/policies.md)
+_.default_policy  # policy/load.py: documented for hosts (docs/policies.md); admission reads the
+#                   shared parse instead, to freeze it without a copy
 _.forget_secret, _.is_registered  # redaction.py: the registry's other half (docs/adapters.md)
 _.enable, _.disable  # telemetry.py: the process-wide switch (docs/telemetry.md)
 _.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and their off switch

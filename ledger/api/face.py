@@ -137,10 +137,13 @@ def _within(part: int | None, field: str, total: int | None, of: str) -> None:
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
-    from ledger.policy.load import default_policy, load_policy, validate_policy
+    from ledger.policy import DEFAULT_PRESET, PRESETS
+    from ledger.policy.load import load_policy, shared_preset, validate_policy
 
-    if policy is None:
-        return default_policy()
+    if policy is None or (isinstance(policy, str) and policy in PRESETS):
+        # The one parse every admission shares: admission only freezes and hashes it, and no
+        # caller is handed it (preset() and load_policy() give copies).
+        return shared_preset(policy or DEFAULT_PRESET)
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str | os.PathLike):
@@ -438,10 +441,14 @@ class Face(Generic[SessionT, OpenedT]):
     def run_policy(self, run_id: Id) -> Flow[Policy]:
         """The policy snapshot the run froze at admission (parsed once per Run).
 
+        Each call returns a copy of its own: changing it changes nothing the Run decides by.
+
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from self._policy(run_id))
+        from ledger.policy.load import own_copy
+
+        return own_copy((yield from self._policy(run_id)))
 
     def _policy(self, run_id: str) -> Flow[Policy]:
         """:meth:`run_policy`, for a ``run_id`` already checked."""

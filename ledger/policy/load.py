@@ -22,7 +22,7 @@ import os
 import reprlib
 from collections.abc import Mapping, Set
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -84,12 +84,33 @@ def _preset_path(name: str) -> Path:
     )
 
 
-@functools.cache
 def preset(name: str) -> Policy:
-    """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``), parsed once.
+    """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``).
+
+    The file is parsed once; each call returns a policy of its own, so changing the lists
+    or mappings inside one changes nothing another caller, or a later admission, reads.
 
     Raises:
         PolicyError: ``name`` is not a preset (the message lists them).
+    """
+    return own_copy(shared_preset(name))
+
+
+def own_copy(policy: Policy) -> Policy:
+    """``policy`` again, sharing no list or mapping with it.
+
+    A frozen model still holds mutable containers; a caller handed the one every Run reads could
+    change what later Runs freeze. Re-validating its dump costs a seventh of a deep copy.
+    """
+    return cast(Policy, Policy.__pydantic_validator__.validate_python(policy.model_dump()))
+
+
+@functools.cache
+def shared_preset(name: str) -> Policy:
+    """The preset ``name``, parsed once and shared: for readers inside the ledger only.
+
+    Admission reads it to freeze and hash it; it is never handed to a caller (:func:`preset`
+    gives each its own copy).
     """
     if name not in PRESETS:
         valid = ", ".join(PRESETS)
@@ -142,7 +163,7 @@ def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
                      " (a mapping goes to validate_policy)")],
         )
     if isinstance(path_or_preset, str) and path_or_preset in PRESETS:
-        return preset(path_or_preset)
+        return preset(path_or_preset)  # a copy of its own
     try:
         path = Path(path_or_preset)
         is_file = path.is_file()
@@ -586,9 +607,11 @@ __all__ = [
     "apply_overrides",
     "default_policy",
     "load_policy",
+    "own_copy",
     "policy_hash",
     "policy_json_schema",
     "preset",
     "preset_dirs",
+    "shared_preset",
     "validate_policy",
 ]

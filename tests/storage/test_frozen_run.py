@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +18,11 @@ from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.domain.facts import Category, Phase, Source
 from ledger.domain.records import FrozenRun, RunRecord, RunState
+from ledger.policy.load import load_policy, policy_hash, preset
 
 from .helpers import routes
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -47,3 +51,20 @@ def test_invariant5_the_frozen_run_never_carries_counters_that_go_stale(led: Led
     assert live.calls_used == 1 and live.fence == lease.fence
     assert led.frozen_run("r") == before == live.frozen
     assert RunRecord.of(before, live.state) == live
+
+
+def test_invariant5_a_policy_changed_in_place_by_a_caller_changes_no_later_run(
+        led: Ledger) -> None:
+    # A frozen model still holds lists and dicts: the preset every caller was handed, or the
+    # Run's cached policy, changed in place, would change what later Runs freeze and decide by.
+    from_file = policy_hash(load_policy(REPO / "policies" / "goclaw.yaml"))
+    load_policy("goclaw").moves_on.clear()
+    preset("goclaw").classification.status.clear()
+    assert policy_hash(load_policy("goclaw")) == from_file
+    assert policy_hash(preset("goclaw")) == from_file
+    rec = led.admit_run("r", plan=routes(), policy="goclaw",
+                        budget={"max_calls": 3, "max_retries": 1, "max_cost": 1})
+    assert rec.policy_hash == from_file
+    led.run_policy("r").moves_on.clear()
+    assert policy_hash(led.run_policy("r")) == from_file
+    assert led.run_policy("r").moves_on
