@@ -38,6 +38,7 @@ from ledger import (
     ManualClock,
     NotFound,
     Part,
+    Policy,
     Price,
     Profile,
     Route,
@@ -52,6 +53,7 @@ from ledger.ops.audit import AsyncAudit, Audit
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import arecover, recover
 from ledger.policy.load import preset
+from ledger.policy.model import CooldownCurve
 from ledger.storage import schema
 from tests.storage.helpers import sql_context
 
@@ -242,6 +244,15 @@ CASES: list[Case] = [
     C("model_validate json", "max_calls", "integer",
       lambda f: Budget.model_validate_json('{"max_calls": "many", "max_retries": 0, '
                                            '"max_cost": 1}')),
+    C("policy name empty", "name", "at least 1", lambda f: Policy(name="")),
+    C("policy unknown field", "movs_on", "'moves_on'",
+      lambda f: Policy.model_validate({"name": "x", "movs_on": []})),
+    C("policy json rule matching nothing", "moves_on[0].categories", "at least one category",
+      lambda f: Policy.model_validate_json('{"name": "x", "moves_on": [{"categories": []}]}')),
+    C("policy section built in code", "cap_s", "raise cap_s",
+      lambda f: CooldownCurve(base_s=100, cap_s=10)),
+    C("policy assignment", "name", "build a new Policy",
+      lambda f: setattr(preset("fased"), "name", "y")),
     # -- admission ----------------------------------------------------------------------------
     C("admit run id too long", "run_id", "shorter", lambda f: _admit(f, ID_TOO_LONG)),
     C("admit run id with NUL", "run_id", "printable", lambda f: _admit(f, "r\x00")),

@@ -567,7 +567,10 @@ def _invalid(errors: list[dict[str, Any]], root: Any, name: str = "value") -> In
         path, owner = _path(root, tuple(err.get("loc", ())))
         problem, fix = _describe(err, owner)
         cause = (err.get("ctx") or {}).get("error")
-        path = (path or name) + (cause.at if isinstance(cause, Problem) else "")
+        at = cause.at if isinstance(cause, Problem) else ""
+        # A model validator's problem in one of the model's own fields names that field, not
+        # the model (the policy sections' validators say which field they refuse).
+        path = at[1:] if not path and at.startswith(".") else (path or name) + at
         if path in fields:
             # A union reports one error per member: the first one says enough.
             continue

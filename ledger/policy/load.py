@@ -352,7 +352,9 @@ def validate_policy(data: Mapping[str, Any] | object, *, file: str | None = None
     if problems:
         raise _error_from(problems, file)
     try:
-        return Policy.model_validate(dict(data))
+        # Past Policy.model_validate (which raises InvalidArgument): a file's or a mapping's
+        # problems are a PolicyError, with the loader's paths and fixes.
+        return cast(Policy, Policy.__pydantic_validator__.validate_python(dict(data)))
     except ValidationError as e:
         raise _policy_error(e, file) from e
     except (ValueError, TypeError, ArithmeticError, RecursionError) as e:

@@ -12,7 +12,6 @@ import math
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     Strict,
@@ -24,6 +23,7 @@ from pydantic import (
 
 from ledger.domain.facts import Category, Phase, Scope, Transport
 from ledger.domain.media import MAX_BINARY_BYTES
+from ledger.domain.validation import Problem, StrictModel
 from ledger.domain.values import ProfileType
 
 # Scalars are strict: a quoted "yes" or "60" in a policy file is a mistake to point out, not a
@@ -35,17 +35,18 @@ PositiveSeconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 Pattern = Annotated[str, Field(min_length=1)]
 
 
-class PolicyValueError(ValueError):
+class PolicyValueError(Problem):
     """A refused value: what is wrong, how to fix it, and optionally the sub-field it concerns.
 
     Raised inside validators; the loader reads ``problem``, ``fix`` and ``field`` back out of
-    pydantic's error context so the user sees the exact path and the fix.
+    pydantic's error context so the user sees the exact path and the fix. A :class:`Problem`,
+    so a model built in code (``Policy(...)``) names the same path and fix in its
+    :class:`~ledger.errors.InvalidArgument`.
     """
 
     def __init__(self, problem: str, fix: str, field: str | None = None) -> None:
-        super().__init__(f"{problem}; fix: {fix}")
-        self.problem = problem
-        self.fix = fix
+        at = "" if not field else field if field.startswith("[") else f".{field}"
+        super().__init__(problem, fix, at=at)
         self.field = field
 
 
@@ -62,7 +63,9 @@ SEED_EXCLUDED_ROLES: tuple[str, ...] = (
 
 # defer_build: a model's validator is built when it first validates a policy, so a process
 # that only names the Policy type (a reporting command, ``import ledger``) never builds them.
-class _Section(BaseModel):
+# StrictModel: a policy built in code fails as every public model does, with InvalidArgument;
+# the loader validates files and mappings past it, to report PolicyError with its own paths.
+class _Section(StrictModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
@@ -635,7 +638,7 @@ class EnvelopePolicy(_Section):
         return self
 
 
-class Policy(BaseModel):
+class Policy(StrictModel):
     """A whole policy (one preset file)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
