@@ -37,6 +37,7 @@ from ledger import (
     LedgerError,
     ManualClock,
     NotFound,
+    Observation,
     Part,
     Policy,
     Price,
@@ -52,7 +53,7 @@ from ledger.domain.records import Lease
 from ledger.ops.audit import AsyncAudit, Audit
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import arecover, recover
-from ledger.policy.load import preset
+from ledger.policy.load import load_policy, policy_hash, preset
 from ledger.policy.model import CooldownCurve
 from ledger.storage import schema
 from tests.storage.helpers import sql_context
@@ -71,6 +72,7 @@ def routes() -> list[Route]:
 BUDGET = Budget(max_calls=10, max_retries=3, max_cost=Decimal("1"))
 GRANT = Grant(recipients={"r1": ["user_input", "model_derived", "tool_result"]})
 ENV = Envelope(parts=[Part(content="hi")])
+DATED_429 = Observation(status=429, headers={"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"})
 
 
 def never_sent(_d: Any) -> SendResult:
@@ -508,6 +510,19 @@ CASES: list[Case] = [
       lambda f: ManualClock(T0).advance("1m")),
     C("classify not an observation", "obs", "Observation",
       lambda f: classify({"status": 500}, preset("goclaw"))),
+    C("classify a preset name for the policy", "policy", "preset('goclaw')",
+      lambda f: classify(Observation(status=503), "goclaw")),
+    C("classify unknown keyword", "nwo", "'now'",
+      lambda f: classify(Observation(status=503), preset("goclaw"), nwo=1), ArgumentMismatch),
+    C("classify now a string", "now", "finite epoch seconds",
+      lambda f: classify(DATED_429, preset("goclaw"), now="x")),
+    C("classify now NaN", "now", "finite", lambda f: classify(DATED_429, preset("goclaw"),
+                                                                now=NAN)),
+    C("policy hash of a name", "policy", "preset('goclaw')", lambda f: policy_hash("goclaw")),
+    C("policy hash of nothing", "policy", "ledger.Policy", lambda f: policy_hash(None)),
+    C("load policy unknown keyword", "path", "path_or_preset",
+      lambda f: load_policy(path="goclaw"), ArgumentMismatch),
+    C("preset name a list", "name", "goclaw", lambda f: preset(["x"])),
     C("reconcile not a ledger", "ledger", "Ledger", lambda f: reconcile(f.L if f.is_async
                                                                          else "led")),
 ]
@@ -691,6 +706,7 @@ def test_every_public_entry_point_validates_with_the_one_mechanism() -> None:
             if takes and not _validated(fn):
                 unchecked.append(f"{cls.__name__}.{name}")
     unchecked += [fn.__name__ for fn in (execute, aexecute, recover, arecover, reconcile,
-                                         storage_of, sync_sender, async_sender)
+                                         storage_of, sync_sender, async_sender, classify,
+                                         load_policy, policy_hash, preset)
                   if not _validated(fn)]
     assert not unchecked, unchecked

@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from ledger.decide.health import cooldown_effect
 from ledger.decide.hints import gemini_retry_delay, parse_retry_after
@@ -31,8 +31,8 @@ from ledger.domain.facts import (
     Transport,
     WireProtocol,
 )
-from ledger.errors import InvalidArgument
-from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy
+from ledger.domain.validation import Problem, Rule, checked, instance
+from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy, PolicyArg
 from ledger.redaction import redact
 
 # Which structured fields each protocol's error body carries; `generic` tries them all in order.
@@ -227,7 +227,24 @@ def _evidence(text: str | None, limit: int, body_limit: int) -> str | None:
     return short[:limit] or None
 
 
-def classify(obs: Observation, policy: Policy, now: float | None = None) -> FailureFact:
+ObservationArg = Annotated[Observation, instance(
+    Observation, "a ledger.Observation", "pass a ledger.Observation (what the adapter saw)")]
+
+
+def _finite_now(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise Problem("is not a finite time",
+                      "pass finite epoch seconds such as clock.now(), or None")
+    return float(value)
+
+
+FiniteTime = Annotated[float, Rule(_finite_now)]
+"""``classify``'s ``now``: finite epoch seconds (no range: a ManualClock may run anywhere)."""
+
+
+@checked
+def classify(obs: ObservationArg, policy: PolicyArg,
+             now: FiniteTime | None = None) -> FailureFact:
     """The failure fact for ``obs`` under ``policy``.
 
     Pure: the same observation and policy always give the same fact. Whether a retry is then
@@ -245,7 +262,9 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
         resubmitted or moved on, the cooldown effect, the retry hint, redacted evidence.
 
     Raises:
-        InvalidArgument: ``obs`` is not an Observation or ``policy`` not a Policy.
+        InvalidArgument: ``obs`` is not an Observation, ``policy`` not a Policy, or ``now``
+            not finite epoch seconds.
+        ArgumentMismatch: a misspelt keyword (named, with its likely spelling).
 
     Example:
         >>> from ledger import Observation, classify, preset
@@ -254,12 +273,6 @@ def classify(obs: Observation, policy: Policy, now: float | None = None) -> Fail
         >>> fact.category.value, fact.retry_after_s
         ('rate_limit', 7.0)
     """
-    if not isinstance(obs, Observation):
-        raise InvalidArgument("obs must be a ledger.Observation (what the adapter saw)",
-                              field="obs")
-    if not isinstance(policy, Policy):
-        raise InvalidArgument("policy must be a ledger.Policy; pass e.g. preset('goclaw') or "
-                              "the Run's ledger.run_policy(run_id)", field="policy")
     cls = policy.classification
     phase = obs.effective_phase()
     body = _body_text(obs.body, cls.body_limit_bytes)

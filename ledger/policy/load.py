@@ -22,16 +22,17 @@ import os
 import reprlib
 from collections.abc import Mapping, Set
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from ledger.domain.facts import Category
+from ledger.domain.validation import Rule, checked, that
 from ledger.domain.values import content_hash
 from ledger.errors import PolicyError
 from ledger.policy import DEFAULT_PRESET, PRESETS
-from ledger.policy.model import DisableRule, Policy, PolicyValueError
+from ledger.policy.model import DisableRule, Policy, PolicyArg, PolicyValueError
 
 # The override keys the conformance vectors use, each mapped onto this policy model.
 OVERRIDE_KEYS: tuple[str, ...] = (
@@ -84,7 +85,16 @@ def _preset_path(name: str) -> Path:
     )
 
 
-def preset(name: str) -> Policy:
+PresetName = Annotated[str, that(lambda v: isinstance(v, str), "is not a preset name",
+                                 f"pass one of {', '.join(PRESETS)}")]
+"""A preset's name; a string that names none is the PolicyError listing them."""
+# Any value reaches load_policy's body, which refuses a wrong one with the PolicyError its
+# documentation promises; checked() still makes a call that fits no signature ArgumentMismatch.
+PolicySource = Annotated[str | os.PathLike[str], Rule(lambda value: value)]
+
+
+@checked
+def preset(name: PresetName) -> Policy:
     """One of the shipped presets (``goclaw``, ``fased``, ``failure-domain``).
 
     The file is parsed once; each call returns a policy of its own, so changing the lists
@@ -92,6 +102,7 @@ def preset(name: str) -> Policy:
 
     Raises:
         PolicyError: ``name`` is not a preset (the message lists them).
+        InvalidArgument: ``name`` is not a string.
     """
     return own_copy(shared_preset(name))
 
@@ -132,7 +143,8 @@ def _shown(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
+@checked
+def load_policy(path_or_preset: PolicySource) -> Policy:
     """A policy from a YAML file path, or from a preset name.
 
     The file is bounded before it is parsed (size, depth, nodes, duplicate keys) and then
@@ -146,8 +158,9 @@ def load_policy(path_or_preset: str | os.PathLike[str]) -> Policy:
         The validated :class:`~ledger.Policy`.
 
     Raises:
-        PolicyError: the only error it raises: an unreadable or malformed file, or a policy
-            that does not validate; ``errors`` lists each ``(field path, problem, fix)``.
+        PolicyError: for any value: an unreadable or malformed file, or a policy that does
+            not validate; ``errors`` lists each ``(field path, problem, fix)``.
+        ArgumentMismatch: a call that fits no signature (``path=...``: a misspelt keyword).
 
     Example:
         >>> load_policy("failure-domain").failover.enabled  # doctest: +SKIP
@@ -588,10 +601,14 @@ def _apply_billing(health: dict[str, Any], billing: Mapping[str, Any]) -> None:
         ) from e
 
 
-def policy_hash(policy: Policy) -> str:
+@checked
+def policy_hash(policy: PolicyArg) -> str:
     """A stable content hash (``sha256:<hex>``) of the policy's canonical JSON.
 
     It is what a Run freezes as ``policy_hash``: two policies with the same hash decide alike.
+
+    Raises:
+        InvalidArgument: ``policy`` is not a :class:`Policy` (load a name or a path first).
     """
     return content_hash(policy.model_dump(mode="json"))
 
@@ -606,6 +623,8 @@ __all__ = [
     "DEFAULT_PRESET",
     "OVERRIDE_KEYS",
     "PRESETS",
+    "PolicySource",
+    "PresetName",
     "apply_overrides",
     "default_policy",
     "load_policy",

@@ -23,7 +23,7 @@ from pydantic import (
 
 from ledger.domain.facts import Category, Phase, Scope, Transport
 from ledger.domain.media import MAX_BINARY_BYTES
-from ledger.domain.validation import Problem, StrictModel
+from ledger.domain.validation import Problem, StrictModel, instance
 from ledger.domain.values import ProfileType
 
 # Scalars are strict: a quoted "yes" or "60" in a policy file is a mistake to point out, not a
@@ -657,6 +657,13 @@ class Policy(StrictModel):
     envelope: EnvelopePolicy = Field(default_factory=EnvelopePolicy)
 
 
+PolicyArg = Annotated[Policy, instance(
+    Policy, "a ledger.Policy",
+    "pass a ledger.Policy, e.g. preset('goclaw') or the Run's ledger.run_policy(run_id)")]
+"""A function's policy argument: a :class:`Policy` itself (a name or a path goes to
+``load_policy`` first)."""
+
+
 __all__ = [
     "SEED_EXCLUDED_ROLES",
     "AdmissionPolicy",
@@ -669,6 +676,7 @@ __all__ = [
     "MoveRule",
     "OverflowRule",
     "Policy",
+    "PolicyArg",
     "PolicyValueError",
     "ProbePolicy",
     "ProfilePolicy",
