@@ -132,11 +132,13 @@ class DatabaseSetupError(ConfigError):
     The database or the role the URL names does not exist, the server refused the credentials
     (a wrong password, no ``pg_hba.conf`` entry for this host), the role may not log in, may
     not connect to the database, may not create it (``failover-ledger db init``) or may not
-    create or change the ledger's tables; for SQLite, the file's folder does not exist.
-    Nothing was written. ``fields``: ``url`` (without its password), ``problem`` (one of
-    ``database_missing``, ``role_missing``, ``login_refused``, ``auth_failed``,
-    ``password_missing``, ``hba_rejected``, ``connect_privilege``, ``connections_disabled``,
-    ``createdb_privilege``, ``schema_privilege``, ``schema_outdated``, ``folder_missing``) and
+    create or change the ledger's tables; for SQLite, the file's folder does not exist, this
+    process may not write it, or the path is a directory. Nothing was written. ``fields``:
+    ``url`` (without its password), ``problem`` (one of ``database_missing``, ``role_missing``,
+    ``login_refused``, ``auth_failed``, ``password_missing``, ``hba_rejected``,
+    ``connect_privilege``, ``connections_disabled``, ``createdb_privilege``,
+    ``schema_privilege``, ``schema_outdated``, ``folder_missing``, ``folder_read_only``,
+    ``not_a_file``) and
     ``database`` / ``role`` where known. ``schema_outdated``: a table or column this ledger
     uses is missing, because the database was opened with ``migrate_schema=False`` before
     a process of this version migrated it (``failover-ledger db init URL`` is the fix).

@@ -115,6 +115,14 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             "create it (mkdir -p) or choose another path; retrying will not help",
             url=redact_url(norm), problem="folder_missing", database=db, role=None,
         )
+    if os.path.isdir(db):
+        # SQLite says only "unable to open database file", which read as an outage.
+        raise DatabaseSetupError(
+            f"cannot open SQLite database {db!r}: it is a directory, not a file; name a file "
+            f"inside it (e.g. {os.path.join(db, 'ledger.db')!r}) or another path; retrying will "
+            "not help",
+            url=redact_url(norm), problem="not_a_file", database=db, role=None,
+        )
     # SQLite makes the file there, and in WAL mode its -wal and -shm files beside it (they go
     # when the last connection closes): without the right to, it says only "unable to open
     # database file", or blames the file.

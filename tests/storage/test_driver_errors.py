@@ -120,7 +120,11 @@ def _still_there(url: str, attempt_id: str, state: AttemptState) -> None:
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def unreachable(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
-        return str(tmp_path)  # a folder: the driver cannot open it as a database file
+        # The file's storage is away (a link into a volume that is not there): the driver
+        # cannot open it, and it may come back. (A path that is a folder is a set-up error.)
+        link = tmp_path / "ledger.db"
+        link.symlink_to(tmp_path / "unmounted" / "ledger.db")
+        return str(link)
     return f"postgresql+psycopg://nobody:secret@127.0.0.1:{free_port()}/x"  # nothing listens
 
 

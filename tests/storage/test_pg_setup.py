@@ -309,6 +309,19 @@ def test_db_init_on_sqlite_creates_the_file_and_its_schema(
         assert led.get_run("r1").run_id == "r1"
 
 
+def test_a_sqlite_path_that_is_a_directory_is_a_setup_error_naming_it(tmp_path: Path) -> None:
+    # SQLite's "unable to open database file" read as an outage ("safe to retry"): no retry
+    # turns a directory into a file.
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    for call in (lambda: Ledger.open(str(folder)), lambda: AsyncLedger.open(str(folder)),
+                 lambda: _init_api(str(folder))):
+        err = _setup_error(call, "not_a_file", driver=False)
+        assert str(folder) in str(err) and "is a directory" in str(err), err
+        assert str(folder / "ledger.db") in str(err)
+    assert list(folder.iterdir()) == []
+
+
 def test_db_init_refuses_what_is_not_a_database_and_creates_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no" / "such" / "folder" / "x.db"
