@@ -16,6 +16,8 @@ _.__dir__  # ledger/__init__.py: PEP 562, dir(ledger) lists the lazy names
 _.__wrapped__  # facade.py: inspect.signature follows it to the sync method's signature
 _.is_disconnect  # storage/engine.py: read by SQLAlchemy's handle_error hook
 _.__signature__  # api/calls.py: inspect.signature reads a bound operation's signature there
+_.__call__  # api/calls.py: an op or query read on its class is callable as an unbound method is
+#            (Ledger.get_run(led, ...)), so inspect.signature and help() read its __signature__
 _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits the group
 
 # -- hooks of the libraries we build on -------------------------------------------------------

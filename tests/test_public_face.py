@@ -155,6 +155,31 @@ def test_every_async_ledger_method_says_it_is_the_async_form_of_the_sync_one() -
             assert "On :class:`AsyncLedger` a coroutine" in doc, name
 
 
+def test_every_public_method_read_on_its_class_has_its_signature_and_public_return_type(
+        ) -> None:
+    # help(Ledger) and inspect.signature(Ledger.admit_run) read the class attribute, which for
+    # an operation is a descriptor (ledger.api.calls.op): it showed admit_run(...) and raised.
+    from ledger.api.calls import op, query
+    from ledger.ops.audit import Audit
+
+    bad = []
+    for cls in (ledger.Ledger, ledger.AsyncLedger, Audit):
+        for name in dir(cls):
+            raw = inspect.getattr_static(cls, name)
+            if name.startswith("_") or not isinstance(raw, op | query):
+                continue
+            attr = getattr(cls, name)
+            try:
+                sig = inspect.signature(attr)
+            except (TypeError, ValueError) as e:
+                bad.append(f"{cls.__name__}.{name}: {e}")
+                continue
+            if str(sig.return_annotation).startswith("Flow["):
+                bad.append(f"{cls.__name__}.{name}: returns {sig.return_annotation}")
+    assert not bad, "\n".join(bad)
+    assert "-> 'RunRecord'" in str(inspect.signature(ledger.Ledger.admit_run))
+
+
 # ``:class:`~ledger.x.Y``` and ````ledger.x.y```` in a docstring: a path a reader will follow.
 _REFERENCE = re.compile(r"(?::[a-z]+:`~?|``)(ledger(?:\.\w+)+)`")
 

@@ -76,7 +76,18 @@ class op(Generic[P, T]):
         self.__qualname__ = builder.__qualname__
         self.__wrapped__ = builder
         sig = inspect.signature(builder)
+        # What a caller gets is the flow's result (awaited, on an AsyncLedger), not the flow.
+        ret = sig.return_annotation
+        if isinstance(ret, str) and ret.startswith("Flow[") and ret.endswith("]"):
+            sig = sig.replace(return_annotation=ret[len("Flow["):-1])
         self._signature = sig.replace(parameters=list(sig.parameters.values())[1:])
+        # Read on the class (help(Ledger), inspect.signature(Ledger.admit_run)), where an op
+        # is callable as an unbound method is.
+        self.__signature__ = sig
+
+    def __call__(self, face: Blocking | Awaiting, /, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """``Ledger.name(ledger, ...)``: the operation on ``face``, as ``ledger.name(...)``."""
+        return self.__get__(face, type(face))(*args, **kwargs)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> op[P, T]: ...
@@ -136,6 +147,11 @@ class query(Generic[P, T]):
         self.__name__ = fn.__name__
         sig = inspect.signature(fn)
         self._signature = sig.replace(parameters=list(sig.parameters.values())[1:])
+        self.__signature__ = sig  # as op's: for help() and inspect.signature on the class
+
+    def __call__(self, face: Any, /, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """``Audit.name(audit, ...)``: the query on ``face``, as ``audit.name(...)``."""
+        return self.__get__(face, type(face))(*args, **kwargs)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> query[P, T]: ...
