@@ -26,7 +26,7 @@ The tree::
     │   └── LeaseLost                   the lease lapsed (expired or released): acquire again
     ├── LeaseHeld                       another live executor holds the run's lease
     ├── Refused                         a bounded resource said no; nothing was sent
-    │   ├── BudgetExceeded              the debit hold would overdraw the run's cost budget
+    │   ├── BudgetExceeded              the hold would overdraw the run's cost or token budget
     │   ├── AllowanceExhausted          no model call or retry permission left
     │   ├── CapacityUnavailable         the capacity group had no slot within the wait bound
     │   └── CandidateSkipped            the selector passed a route over (reason, fix)

@@ -41,8 +41,13 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _report(e: PolicyError, source: str) -> None:
-    print(f"{PROG}: error: policy {e.file or source} is invalid", file=sys.stderr)
-    print(f"  file: {e.file or source}", file=sys.stderr)
+    if e.file is None:
+        # The loader read no file: the source named no preset and no file (or was empty).
+        print(f"{PROG}: error: {source!r} is neither a preset nor a policy file",
+              file=sys.stderr)
+    else:
+        print(f"{PROG}: error: policy {e.file} is invalid", file=sys.stderr)
+        print(f"  file: {e.file}", file=sys.stderr)
     for field, problem, fix in e.errors:
         print(f"  field: {field}", file=sys.stderr)
         print(f"    problem: {problem}", file=sys.stderr)

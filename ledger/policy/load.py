@@ -177,6 +177,14 @@ def load_policy(path_or_preset: PolicySource) -> Policy:
         )
     if isinstance(path_or_preset, str) and path_or_preset in PRESETS:
         return preset(path_or_preset)  # a copy of its own
+    if isinstance(path_or_preset, str) and not path_or_preset.strip():
+        # Path("") is the current directory: "it is a directory" would blame the wrong thing.
+        raise PolicyError(
+            f"load_policy was given an empty name {path_or_preset!r}",
+            file=None,
+            errors=[("<argument>", "the name is empty",
+                     f"name a preset ({', '.join(PRESETS)}) or a policy file path")],
+        )
     try:
         path = Path(path_or_preset)
         is_file = path.is_file()
@@ -299,7 +307,8 @@ def _load_file(path: Path) -> Policy:
                 f"{file}: the policy file is larger than {MAX_FILE_BYTES} bytes",
                 file=file,
                 errors=[("<file>", f"larger than {MAX_FILE_BYTES} bytes",
-                         "a policy is a few KiB: start from a preset (`ledger policy show`)")],
+                         "a policy is a few KiB: start from a preset "
+                         "(`failover-ledger policy show`)")],
             )
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -374,7 +383,7 @@ def validate_policy(data: Mapping[str, Any] | object, *, file: str | None = None
         raise PolicyError(
             f"{where}: the policy could not be validated: {_shown(e)}",
             file=file,
-            errors=[("<root>", _shown(e), "compare it with `ledger policy schema`")],
+            errors=[("<root>", _shown(e), "compare it with `failover-ledger policy schema`")],
         ) from e
 
 

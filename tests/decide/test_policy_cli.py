@@ -57,6 +57,13 @@ def test_check_unknown_preset() -> None:
     assert "failure-domain" in r.stderr
 
 
+def test_a_source_that_is_neither_a_preset_nor_a_file_is_not_called_a_file() -> None:
+    r = _ledger("policy", "show", "nope")
+    assert r.returncode == 2
+    assert "'nope' is neither a preset nor a policy file" in r.stderr
+    assert "file: nope" not in r.stderr
+
+
 def test_show_prints_hash_and_policy() -> None:
     r = _ledger("policy", "show", "failure-domain")
     assert r.returncode == 0, r.stderr

@@ -140,6 +140,15 @@ def test_unknown_preset_lists_valid_ones() -> None:
         preset("nope")
 
 
+def test_an_empty_policy_name_is_reported_as_empty_not_as_a_directory() -> None:
+    # Path("") is the current directory, which the loader then blamed.
+    for empty in ("", "  "):
+        with pytest.raises(PolicyError) as info:
+            load_policy(empty)
+        assert "empty" in str(info.value) and "directory" not in str(info.value)
+        assert info.value.errors[0][1] == "the name is empty"
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as info:
         load_policy(tmp_path / "absent.yaml")
