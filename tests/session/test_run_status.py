@@ -90,9 +90,10 @@ def test_a_cancelled_async_turn_the_host_caught_ends_the_run_cancelled(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             first = (await led.get_run("r")).status
-            # A later served turn is the last one again: succeeded.
+            # A later served turn is the last one again: succeeded. (Another question: the
+            # cancelled one has no receipt, and asked again it would stop, never be re-sent.)
             async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
-                await run.turn(HELLO)
+                await run.turn(Envelope(parts=[Part(content="hello again")]))
             return first, (await led.get_run("r")).status
 
     assert asyncio.run(main()) == (RunStatus.CANCELLED, RunStatus.SUCCEEDED)
