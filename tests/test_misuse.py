@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -710,3 +714,48 @@ def test_every_public_entry_point_validates_with_the_one_mechanism() -> None:
                                          load_policy, policy_hash, preset)
                   if not _validated(fn)]
     assert not unchecked, unchecked
+
+
+# Threads that make their first call of a checked method at the same moment, in a process that
+# has made none: the validator is built on the first call, and a build shared by threads raised
+# NameError for an annotation's name in all but one of them.
+_FIRST_CALLS = """
+import sys, threading
+from decimal import Decimal
+from ledger import Budget, Grant, Ledger, Price, Route
+
+N = 8
+plan = [Route(id="primary", provider="fake", model="m", group="ga", recipient="fake",
+              endpoint="http://127.0.0.1:9/v1", price=Price())]
+budget = Budget(max_calls=3, max_retries=1, max_cost=Decimal("1"))
+grant = Grant(recipients={"fake": ["user_input"]})
+failures = []
+with Ledger.open("sqlite:///" + sys.argv[1]) as led:
+    barrier = threading.Barrier(N)
+
+    def first_calls(i):
+        barrier.wait()
+        try:
+            led.admit_run(f"r{i}", plan=plan, budget=budget, grant=grant)
+            led.get_run(f"r{i}")
+            led.timeline(f"r{i}")
+            led.turn_snapshot(f"r{i}")
+            led.health()
+        except Exception as e:
+            failures.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=first_calls, args=(i,)) for i in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+print(sorted(set(failures)) or "ok")
+"""
+
+
+def test_first_calls_of_a_checked_method_from_many_threads_all_validate(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    res = subprocess.run([sys.executable, "-c", _FIRST_CALLS, str(tmp_path / "first.db")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok", res.stdout

@@ -30,6 +30,7 @@ import functools
 import inspect
 import math
 import reprlib
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
@@ -439,7 +440,20 @@ class StrictModel(BaseModel):
 
 # -- calls --------------------------------------------------------------------------------------
 
-_CALLS = ConfigDict(arbitrary_types_allowed=True, defer_build=True, extra="forbid")
+_CALLS = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+# pydantic's own deferred build (defer_build=True) is not safe from threads: concurrent first
+# calls of one function share its namespace stack, and all but one raised NameError for an
+# annotation's name. Each validator is built here instead, once, under this lock; a built one is
+# read without it. Reentrant: a build never calls a checked function, but a lock that could
+# deadlock its own thread is not worth the saving.
+_BUILDING = threading.RLock()
+
+
+def _build(body: Callable[..., Any]) -> Callable[..., Any]:
+    # validate_call reads the calling frame's locals as the lowest-priority namespace of the
+    # annotations: this frame's are only ``body``.
+    return validate_call(config=_CALLS)(body)
 
 
 def checked(target: T) -> T:
@@ -472,7 +486,13 @@ def checked(target: T) -> T:
     body.__wrapped__ = fn  # type: ignore[attr-defined]
     body.__module__, body.__name__, body.__qualname__ = fn.__module__, fn.__name__, fn.__qualname__
     body.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != "return"}
-    validated = validate_call(config=_CALLS)(body)
+    built: list[Callable[..., Any]] = []
+
+    def first() -> Callable[..., Any]:
+        with _BUILDING:
+            if not built:
+                built.append(_build(body))
+        return built[0]
 
     def refused(e: ValidationError) -> Exception:
         # An error of the validation itself, not one the body raised.
@@ -482,7 +502,7 @@ def checked(target: T) -> T:
         @functools.wraps(fn)
         async def awaited(*args: Any, **kwargs: Any) -> Any:
             try:
-                coro = validated(*args, **kwargs)
+                coro = (built[0] if built else first())(*args, **kwargs)
             except ValidationError as e:
                 raise refused(e) from None
             return await coro
@@ -492,7 +512,7 @@ def checked(target: T) -> T:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
-                return validated(*args, **kwargs)
+                return (built[0] if built else first())(*args, **kwargs)
             except ValidationError as e:
                 raise refused(e) from None
 
