@@ -497,12 +497,15 @@ class TurnLoop:
                 raise InvalidArgument(
                     f"send returned {type(result).__name__}, not a SendResult: {fix}",
                     field="send", attempt_id=att.attempt_id)
+            # Inside the try: an interruption raised here (a KeyboardInterrupt, a fault) is one
+            # after the request left and is settled unknown on the way out like any other; a
+            # process killed here leaves the Attempt dispatching for recovery.
+            faults.point("dispatch.after_send")
         except GeneratorExit:
             raise  # closed with no driver left: recovery settles it
         except BaseException:
             yield from self._settle_interrupted(route, profile, att, dispatch)
             raise
-        faults.point("dispatch.after_send")
         if result.ok:
             done = yield from self._settle_success(route, profile, att, result,
                                                    dispatch.progress)

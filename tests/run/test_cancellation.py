@@ -275,6 +275,18 @@ def test_interrupt_after_begin_voids_the_attempt(db_url: str, fake: FakeProvider
     led.close()
 
 
+def test_interrupt_after_the_request_left_is_unknown_with_its_hold(db_url: str,
+                                                                  fake: FakeProvider) -> None:
+    # Between the answer and its settle: the request left, so the Attempt is unknown (it was
+    # left dispatching, its hold and slot kept, and the lease could not be released).
+    faults.arm("dispatch.after_send", _interrupt)
+    led, lease, err = _run_sync(db_url, fake, stream=False, behavior=Behavior())
+    assert isinstance(err, KeyboardInterrupt)
+    assert len(fake.requests) == 1
+    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    led.close()
+
+
 def test_interrupt_mid_stream_is_unknown(db_url: str, fake: FakeProvider) -> None:
     main = threading.main_thread()
     assert threading.current_thread() is main
