@@ -222,6 +222,12 @@ def _sharing_key(counter: TokenCounter, route: Route) -> Any:
 # stop checks
 
 
+def _article(word: str) -> str:
+    # Every category that starts with a vowel letter starts with a vowel sound (auth,
+    # overloaded, unknown, unusable).
+    return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
+
+
 def _stop(reason: Reason, detail: str, skipped: Sequence[Skip] = ()) -> Decision:
     return Decision(kind=DecisionKind.STOP, reason=reason, detail=detail, skipped=tuple(skipped))
 
@@ -257,7 +263,8 @@ def _failure_stop(inp: SelectionInput, fact: FailureFact) -> Decision | None:
     if not fact.moves_on:
         return _stop(
             Reason.NOT_ELIGIBLE_FAILURE,
-            f"a {fact.category} failure does not allow another route",
+            f"{_article(fact.category.value)} {fact.category} failure does not allow another "
+            "route",
         )
     left = inp.permissions
     if left.retries_left <= 0 or left.calls_left <= 0:

@@ -262,6 +262,15 @@ def test_stop_decisions_have_details() -> None:
     assert d.to_json()["reason"] == "not_eligible_failure"
 
 
+@pytest.mark.parametrize(("category", "said"), [
+    (Category.UNKNOWN, "an unknown failure"), (Category.AUTH, "an auth failure"),
+    (Category.OVERLOADED, "an overloaded failure"), (Category.TIMEOUT, "a timeout failure")])
+def test_a_stop_detail_names_its_category_with_its_article(category: Category,
+                                                           said: str) -> None:
+    d = run(failure=fact(category, moves_on=False))
+    assert d.detail.startswith(f"{said} does not allow another route"), d.detail
+
+
 # -- the seed's three scenarios -------------------------------------------------------------------
 
 
