@@ -537,7 +537,9 @@ class _Walk:
             if r.id == failed.id:
                 skipped.append(Skip(r.id, Reason.ALREADY_TRIED, "the route that just failed"))
             elif r.id in inp.permissions.tried:
-                skipped.append(Skip(r.id, Reason.ALREADY_TRIED, "already failed in this turn"))
+                # Tried is all the selector knows: it failed, ended unknown, or was refused
+                # before it was sent; the stop's candidate line says which.
+                skipped.append(Skip(r.id, Reason.ALREADY_TRIED, "already tried in this turn"))
             else:
                 seq.append(_Candidate(r))
         return seq
@@ -557,7 +559,7 @@ class _Walk:
         seq: list[_Candidate] = []
         for r in order:
             if r.id in inp.permissions.tried:
-                skipped.append(Skip(r.id, Reason.ALREADY_TRIED, "already failed in this turn"))
+                skipped.append(Skip(r.id, Reason.ALREADY_TRIED, "already tried in this turn"))
             else:
                 seq.append(_Candidate(r))
         return seq

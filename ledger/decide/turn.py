@@ -989,7 +989,8 @@ class TurnLoop:
         for skip in turn.skips.values():
             if skip.route not in failed:
                 errors.append(_skipped_error(skip))
-        lines = candidate_lines(turn.plan, _failures_by_route(errors), turn.skips)
+        states = {a.attempt_id: a.state for a in turn.attempts}
+        lines = candidate_lines(turn.plan, _failures_by_route(errors, states), turn.skips)
         exc = FailoverExhausted(
             f"the turn stopped ({why}): {detail}" + "".join(f"\n  {ln}" for ln in lines),
             errors, reason=why, attempts=[*sent_before, *(a.attempt_id for a in turn.attempts)],
@@ -1023,31 +1024,48 @@ def _skipped_error(skip: Skip) -> CandidateSkipped:
         profile=skip.profile)
 
 
-def _failures_by_route(errors: Sequence[Exception]) -> dict[str, list[str]]:
-    """How each candidate failed, from the turn's errors (skips are not failures)."""
+def _failures_by_route(errors: Sequence[Exception], states: Mapping[str, AttemptState]
+                       ) -> dict[str, list[str]]:
+    """What became of each candidate's Attempts, each said as it ended (skips are not here).
+
+    ``errors`` are the turn's errors, ``states`` its Attempts' states by id.
+
+    An operator reads "failed" as "over, nothing owed": an unknown Attempt may have run and
+    keeps its hold, and a refusal at the begin (a full or closed group, the budget) or a
+    connection that never carried the request never left.
+    """
     out: dict[str, list[str]] = {}
     for e in errors:
         route = getattr(e, "route", None)
         if route is None or isinstance(e, CandidateSkipped):
             continue
         attempt = getattr(e, "attempt_id", None)
+        state = states.get(attempt or "")
+        if not isinstance(e, ProviderError) or state is AttemptState.NOT_SENT:
+            said = f"not sent: {e}"
+        elif state is AttemptState.UNKNOWN:
+            said = f"unknown (may have run; hold kept): {e}"
+        else:
+            said = f"failed: {e}"
         out.setdefault(route, []).append(
-            f"{e}" + (f" [attempt {attempt}]" if attempt and isinstance(e, ProviderError)
-                      else ""))
+            said + (f" [attempt {attempt}]" if attempt and isinstance(e, ProviderError)
+                    else ""))
     return out
 
 
 def candidate_lines(plan: Sequence[Route], failures: Mapping[str, Sequence[str]],
                     skips: Mapping[str, Skip]) -> list[str]:
-    """One line per candidate of the plan: how it failed, why it was skipped, or untried.
+    """One line per candidate of the plan: what became of it, why it was skipped, or untried.
 
-    ``failures`` gives each failed route's errors in order, ``skips`` each route's latest skip
-    (the stop's message, its ``stop`` event and ``run show`` say these lines).
+    ``failures`` gives each tried route's outcomes in order, each already saying how it ended
+    (``failed: ...``, ``unknown (may have run; hold kept): ...``, ``not sent: ...``), ``skips``
+    each route's latest skip (the stop's message, its ``stop`` event and ``run show`` say these
+    lines).
     """
     lines = []
     for r in plan:
         if failures.get(r.id):
-            lines.append(f"{r.id}: failed: " + "; then ".join(failures[r.id]))
+            lines.append(f"{r.id}: " + "; then ".join(failures[r.id]))
         elif r.id in skips and skips[r.id].reason is not Reason.ALREADY_TRIED:
             skip = skips[r.id]
             fix = f" — fix: {skip.fix}" if skip.fix else ""

@@ -154,6 +154,22 @@ def test_a_waiter_past_its_bound_leaves_nothing_behind_and_names_group_limit_and
                                  reserve="0").state is AttemptState.DISPATCHING
 
 
+def test_a_route_whose_queue_wait_timed_out_is_said_not_sent_never_failed(
+        db_url: str, fake: FakeProvider) -> None:
+    clock = ManualClock(1_800_000_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        route = _route(fake)
+        _hold(led, route)
+        with pytest.raises(FailoverExhausted) as ei, led.run(
+                "w", plan=[route], budget=BUDGET, grant=GRANT, lease_ttl_s=3600) as run:
+            run.turn(ENV)
+        [line] = ei.value.fields["candidates"]
+        assert line.startswith("a: not sent: capacity group 'ga' stayed full"), line
+        assert "failed" not in str(ei.value)
+        assert [(s["route"], s["detail"]) for s in ei.value.fields["skipped"]] == [
+            ("a", "already tried in this turn")]
+
+
 def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
         db_url: str, fake: FakeProvider) -> None:
     async def main() -> None:

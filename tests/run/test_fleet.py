@@ -296,6 +296,21 @@ def test_a_stop_after_a_failure_names_the_failure_and_the_skip(
     assert [type(e) for e in err.exceptions] == [ProviderError, CandidateSkipped]
 
 
+def test_a_stop_says_an_unknown_attempt_may_have_run_and_keeps_its_hold(
+        led: Ledger, fake: FakeProvider) -> None:
+    # Reset after the request left: not a failure an operator may forget, since the provider
+    # may have run it and its hold is kept.
+    fake.enqueue(Fault.RESET_BEFORE_HEADERS, model="a-model")
+    plan = [route("a", "ga", fake.endpoint("openai")), route("b", "gb", fake.endpoint("openai"))]
+    err = stopped(led, "r", plan)
+    assert err.reason == "execution_unknown"
+    [line, untried] = err.fields["candidates"]
+    assert line.startswith("a: unknown (may have run; hold kept): fake/a-model: network "
+                           "(connection_reset, after_send)"), line
+    assert untried == "b: not tried (the turn stopped first)"
+    assert led.events("r", ["stop"])[-1].data["candidates"] == err.fields["candidates"]
+
+
 def test_max_calls_zero_stops_on_the_call_allowance(led: Ledger, fake: FakeProvider) -> None:
     plan = [route("a", "ga", fake.endpoint("openai"))]
     err = stopped(led, "r", plan,
