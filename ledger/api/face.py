@@ -469,7 +469,9 @@ class Face(Generic[SessionT, OpenedT]):
         the fence, the unknown Attempts that keep their holds) and releases the lease, in one
         transaction. Attempts still ``dispatching`` become ``unknown``, as recovery marks them;
         every ``unknown`` Attempt keeps its hold until it is settled. Closing a Run that
-        already ended with the same status changes nothing (the same call again is safe).
+        already ended with the same status changes nothing (the same call again is safe). A
+        closed Run is never resumed: its lease is not taken again (``InvalidState``), so no
+        session, ``execute`` or ``begin_attempt`` starts an Attempt on it.
 
         Args:
             run_id: The Run.
@@ -546,6 +548,8 @@ class Face(Generic[SessionT, OpenedT]):
 
         Raises:
             LeaseHeld: another executor holds an unexpired lease on the Run.
+            InvalidState: the Run was closed (:meth:`close_run`, or recovery past its
+                deadline): a closed Run is never resumed (nothing changed).
             NotFound: no Run has this id.
             InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s.
 

@@ -420,7 +420,8 @@ class RunSession(_SessionCore):
             recorded), or an admission argument is wrong (see :meth:`Ledger.admit_run`).
         AdmissionConflict: (entering) the run id was admitted with other content.
         LeaseHeld: (entering) another live executor holds the Run.
-        InvalidState: (entering) the session was entered before.
+        InvalidState: (entering) the session was entered before, or the Run was closed
+            (:meth:`Ledger.close_run`): a closed Run is never resumed (nothing is written).
         FencedOut: (leaving) the block succeeded but the Run was taken over, so it could not
             be finished.
         DatabaseUnavailable: (entering or leaving) the database could not be reached; its

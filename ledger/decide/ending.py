@@ -18,7 +18,8 @@ import asyncio
 from collections.abc import Iterable, Sequence
 
 from ledger.domain.records import AttemptRecord, AttemptState, RunStatus
-from ledger.errors import FailoverExhausted
+from ledger.domain.timefmt import when
+from ledger.errors import FailoverExhausted, InvalidState
 
 #: The statuses a Run ends in.
 ENDED = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CANCELLED)
@@ -83,4 +84,21 @@ def idle_end(status: RunStatus, served: bool | None) -> RunStatus:
     return RunStatus.SUCCEEDED if served else RunStatus.FAILED
 
 
-__all__ = ["ENDED", "POLICY_STOPS", "idle_end", "last_turn_served", "turn_end"]
+def closed_refusal(run_id: str, close: dict[str, object], closed_at: float,
+                   now: float) -> InvalidState:
+    """Why a Run an operator (or recovery past its deadline) closed takes no new lease.
+
+    A close is a decision that nobody resumes the Run: its status, holds and ``close`` event
+    stand as the operator left them. A Run a block ended is different (the same id asked again
+    continues it); only a recorded ``close`` (``close``: its event data) makes an end final.
+    """
+    status, by, reason = close.get("status"), close.get("by"), close.get("reason")
+    return InvalidState(
+        f"run {run_id!r} was closed {status} by {by!r} {when(closed_at, now)}: {reason}; a "
+        "closed Run is not resumed and starts no new Attempt: admit the work as a new Run "
+        "(another run id)", run_id=run_id, status=status, closed_by=by, reason=reason,
+        closed_at=closed_at)
+
+
+__all__ = ["ENDED", "POLICY_STOPS", "closed_refusal", "idle_end", "last_turn_served",
+           "turn_end"]

@@ -13,6 +13,7 @@ group's slots, so a decision is recorded at the time it was taken.
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ledger import faults
+from ledger.decide.ending import ENDED, closed_refusal
 from ledger.decide.settle import lease_problem, settle_holds
 from ledger.domain.records import (
     AttemptRecord,
@@ -55,6 +57,7 @@ from ledger.storage.rows import SnapshotRows, attempt_record, health_record, wri
 from ledger.storage.statements import HEALTH_READ, QUEUE_CHANNEL, Statements, Stmt
 
 ClockFn = Callable[[], float]
+_ENDED = frozenset(x.value for x in ENDED)
 
 # The attempt's columns, in the schema's order (a settle's record is built from them).
 ATTEMPT_COLS = tuple(s.attempts.c.keys())
@@ -732,6 +735,11 @@ def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock:
     row = _locked((yield Q(sql.lock_run_fence, {"run_id": run_id})), sql.lock_run_fence,
                   run_id)
     now = clock()
+    if row.status in _ENDED:
+        # Only an ended Run can have been closed, so a running one costs no extra read.
+        closed = yield Q(sql.run_close, {"run_id": run_id})
+        if closed:
+            raise closed_refusal(run_id, json.loads(closed[0][0]), float(closed[0][1]), now)
     live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
     if live and row.lease_holder != executor:
         raise LeaseHeld(

@@ -426,7 +426,8 @@ class Statements:
         "tokens_used", "labels"))
     lock_run_full = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_retries",
                                     "carved_retries", "retries_used"))
-    lock_run_fence = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_tokens"))
+    lock_run_fence = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_tokens",
+                                     "status"))
     lock_group = _stmt(lambda k, p=bindparam: select(
         _groups.c.mode, _groups.c.until, _groups.c.max_in_flight,
     ).where(_groups.c.group_id == p("group")).with_for_update())
@@ -566,6 +567,10 @@ class Statements:
     release = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(
         lease_holder=null(), lease_expires_at=null(), updated_at=p("now")))
+    # The Run's close, if an operator (or recovery past a deadline) closed it: once closed, a
+    # Run is never closed again (nor resumed), so there is at most one.
+    run_close = _stmt(lambda k, p=bindparam: select(_events.c.data, _events.c.created_at).where(
+        _events.c.run_id == p("run_id"), _events.c.kind == lit("close")))
     count_slots = _stmt(lambda k, p=bindparam: select(func.count()).select_from(_slots).where(
         _slots.c.run_id == p("run_id"), _slots.c.fence == p("fence")))
     finish = _stmt(lambda k, p=bindparam: update(_runs).where(

@@ -18,6 +18,7 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import func, select
 
+from ledger import Budget, Envelope, Grant, Part
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.cli.main import main
 from ledger.clock import ManualClock
@@ -26,7 +27,12 @@ from ledger.errors import FencedOut, InvalidArgument, InvalidState, LeaseHeld, N
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage import schema as s
+from ledger.testing import FakeProvider
+from tests import fakeplan
 from tests.storage.helpers import budget, grant, routes, sql_context
+
+fake = fakeplan.fake
+_clear = fakeplan._clear
 
 T0 = 1_700_000_000.0
 
@@ -169,6 +175,65 @@ def test_the_async_twin_closes_the_same_way(db_url: str) -> None:
             return (await led.close_run("r1", status="failed")).status
 
     assert asyncio.run(main_()) is RunStatus.FAILED
+
+
+# -- a closed Run stays closed ---------------------------------------------------------------
+
+SESSION_BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+SESSION_GRANT = Grant(recipients={"fake": ["user_input", "model_derived"]})
+HELLO = Envelope(parts=[Part(content="hello")])
+
+
+def test_a_closed_run_is_never_resumed_by_a_session_or_a_lease_and_nothing_is_sent(
+        db_url: str, fake: FakeProvider) -> None:
+    with Ledger.open(db_url) as led:
+        terms = {"plan": fakeplan.plan(fake), "budget": SESSION_BUDGET, "grant": SESSION_GRANT}
+        # Served a turn, then its host went away without ending it; another was never started.
+        led.admit_run("r", **terms)  # type: ignore[arg-type]
+        lease = led.acquire_lease("r", ttl_s=30)
+        att = led.begin_attempt(lease, route="primary", envelope_hash=HELLO.hash,
+                                reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.001")
+        led.release_lease(lease)
+        led.admit_run("fresh", **terms)  # type: ignore[arg-type]
+        led.close_run("r", status="succeeded", reason="the user took the answer", by="ana")
+        led.close_run("fresh", status="cancelled", reason="ticket 8812 withdrawn", by="ana")
+        before, sent = _rows(led), len(fake.requests)
+        for rid, status in (("r", RunStatus.SUCCEEDED), ("fresh", RunStatus.CANCELLED)):
+            # The same terms again would continue a Run a block ended; a close is final.
+            with pytest.raises(InvalidState) as ei, \
+                    led.run(rid, **terms) as again:  # type: ignore[arg-type]
+                again.turn(Envelope(parts=[Part(content="once more")]))
+            msg = str(ei.value)
+            assert f"closed {status.value} by 'ana'" in msg and "new Run" in msg
+            assert ei.value.fields["closed_by"] == "ana"
+            with pytest.raises(InvalidState):  # the low-level API, which execute needs too
+                led.acquire_lease(rid, ttl_s=30)
+            assert led.get_run(rid).status is status
+        assert _rows(led) == before and len(fake.requests) == sent
+
+    async def main_() -> None:
+        async with AsyncLedger.open(db_url) as aled:
+            with pytest.raises(InvalidState):
+                async with aled.run("fresh", **terms):  # type: ignore[arg-type]
+                    pass
+
+    asyncio.run(main_())
+    with Ledger.open(db_url) as led:
+        assert _rows(led) == before and led.get_run("fresh").status is RunStatus.CANCELLED
+
+
+def test_a_run_recovery_closed_past_its_deadline_takes_no_new_lease(db_url: str) -> None:
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        _crashed(led, clock, "late", deadline=T0 + 5)
+        clock.advance(100)
+        assert recover(led, close_past_deadline=True).closed == ["late"]
+        before = _rows(led)
+        with pytest.raises(InvalidState) as ei:
+            led.acquire_lease("late", ttl_s=30, executor_id="worker-2")
+        assert "deadline" in ei.value.fields["reason"]
+        assert _rows(led) == before and led.get_run("late").status is RunStatus.FAILED
 
 
 # -- the command line -----------------------------------------------------------------------
