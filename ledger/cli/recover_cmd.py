@@ -104,6 +104,9 @@ def _recover(args: argparse.Namespace) -> int:
         for a in r.unknown:
             print(f"    unknown {a.attempt_id} turn {a.turn_id} route {a.route_id} "
                   f"hold {a.reserved}")
+    for run_id, ids in rep.orphans.items():
+        print(f"  {run_id}: {len(ids)} orphan(s) newly unknown, the run left to its current "
+              f"executor: {', '.join(ids)}")
     if args.close_past_deadline:
         print(f"closed {len(rep.closed)} run(s) past their deadline (failed)"
               + (": " + ", ".join(rep.closed) if rep.closed else ""))

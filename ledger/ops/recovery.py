@@ -162,8 +162,12 @@ class RecoveryReport:
 
     @property
     def unknown_attempts(self) -> int:
-        """How many Attempts this pass marked unknown, over every Run."""
-        return sum(len(r.newly_unknown) for r in self.runs)
+        """How many Attempts this pass marked unknown, each a possibly billed request.
+
+        Those of the Runs it took over and the orphans of Runs it left to their executors.
+        """
+        return (sum(len(r.newly_unknown) for r in self.runs)
+                + sum(len(ids) for ids in self.orphans.values()))
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON data (``failover-ledger recover --json``)."""

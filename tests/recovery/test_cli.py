@@ -54,3 +54,29 @@ def test_recover_help_states_the_library_defaults() -> None:
 
     assert (recover_cmd.HELP_TTL_S, recover_cmd.HELP_LIMIT, recover_cmd.HELP_BATCH) == (
         DEFAULT_RECOVERY_TTL_S, DEFAULT_LIMIT, DEFAULT_BATCH)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_recover_counts_and_lists_the_orphans_it_marked_unknown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+    db = str(tmp_path / "l.db")
+    # An hour ago a worker died mid-call; another re-acquired the Run directly and still holds
+    # it: its Attempt is an orphan, marked unknown without taking the Run over.
+    clock = ManualClock(time.time() - 3600)
+    led = Ledger.open(db, clock=clock)
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    old = led.acquire_lease("r1", ttl_s=5)
+    att = led.begin_attempt(old, route="a", envelope_hash="sha256:e", reserve="0.1")
+    clock.advance(6)
+    led.acquire_lease("r1", ttl_s=86400, executor_id="worker-2")
+    led.close()
+    assert main(["--db", db, "recover", *(["--json"] if as_json else [])]) == 0
+    out = capsys.readouterr().out
+    if as_json:
+        rep = json.loads(out)
+        assert rep["recovered"] == 0 and rep["newly_unknown"] == 1
+        assert rep["orphans"] == {"r1": [att.attempt_id]}
+    else:
+        assert "recovered 0 run(s), 1 attempt(s) newly unknown" in out
+        assert f"r1: 1 orphan(s) newly unknown, the run left to its current executor: " \
+               f"{att.attempt_id}" in out
