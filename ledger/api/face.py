@@ -479,7 +479,7 @@ class Face(Generic[SessionT, OpenedT]):
                 :class:`~ledger.RunStatus` or its value); ``succeeded`` only when the Run's
                 last turn was served.
             reason: Why, kept in the ``close`` event (at most 200 printable characters, not
-                blank).
+                blank; default: "closed by an operator: nobody will resume it").
             by: Who closes it, kept in the ``close`` event as ``by`` (default: this ledger's
                 ``executor_id``).
 
@@ -828,7 +828,7 @@ class Face(Generic[SessionT, OpenedT]):
     def settle_unknown(self, attempt_id: Id, *,
                        outcome: Annotated[Outcome | str, one_of(Outcome, _FINAL)],
                        prompt_tokens: Tokens | None = None, completion_tokens: Tokens | None = None,
-                       cost: Money | None = None, note: Evidence | None = None,
+                       cost: Money | None = None, note: Evidence,
                        by: Id | None = None) -> Flow[AttemptRecord]:
         """Settle an ``unknown`` Attempt with evidence: an operator's late receipt.
 
@@ -852,8 +852,8 @@ class Face(Generic[SessionT, OpenedT]):
             completion_tokens: The completion tokens it billed, if known.
             cost: What it cost (a Decimal, int or decimal string); default: the usage at the
                 Attempt's frozen route price, or the whole hold when no usage is given.
-            note: Why, for the audit (the evidence: a console link, a ticket), at most 500
-                characters, not blank.
+            note: Why, for the audit (the evidence: a console link, a ticket): required, at
+                most 500 characters, not blank.
             by: Who records it (default: this ledger's ``executor_id``).
 
         Returns:
@@ -862,7 +862,8 @@ class Face(Generic[SessionT, OpenedT]):
         Raises:
             InvalidArgument: ``outcome`` is not one of the three; a count or cost that is
                 negative or absurd (over 10^15 tokens, over 10^12), or usage with
-                ``not_sent``; a ``note`` or ``by`` that is not short printable text.
+                ``not_sent``; a ``note`` missing, blank or not short printable text; a ``by``
+                that is not an identifier.
             NotFound: no Attempt has this id.
             InvalidState: the Attempt is not ``unknown`` (its state is named): settled
                 Attempts are never rewritten, and one still dispatching is its executor's.

@@ -100,11 +100,11 @@ def test_settle_failed_with_a_cost_posts_it_and_without_one_posts_the_whole_hold
     led = Ledger.open(db_url)
     first, _ = _unknown(led, "r1")
     second, _ = _unknown(led, "r2")
-    att = led.settle_unknown(first, outcome="failed", cost="0.004")
+    att = led.settle_unknown(first, outcome="failed", cost="0.004", note="invoice 88")
     assert (att.state, att.cost) == (AttemptState.FAILED, Decimal("0.004"))
     assert (led.get_run("r1").posted, led.get_run("r1").reserved) == (Decimal("0.004"), 0)
     # Evidence of a failure without figures: it ran, the cost is unknown, so never zero.
-    att = led.settle_unknown(second, outcome="failed")
+    att = led.settle_unknown(second, outcome="failed", note="console: a 500")
     assert att.state is AttemptState.FAILED and led.debit(att.debit_id).posted == HOLD
     assert (led.get_run("r2").posted, led.get_run("r2").reserved) == (HOLD, 0)
     _agree(led, "r1")
@@ -130,11 +130,12 @@ def test_settle_not_sent_voids_the_hold_and_gives_the_call_back(db_url: str) -> 
 def test_an_attempt_moves_out_of_unknown_exactly_once(db_url: str) -> None:
     led = Ledger.open(db_url)
     attempt_id, _ = _unknown(led)
-    led.settle_unknown(attempt_id, outcome="succeeded", prompt_tokens=10, completion_tokens=5)
+    led.settle_unknown(attempt_id, outcome="succeeded", prompt_tokens=10, completion_tokens=5,
+                       note="console")
     books = _books(led)
     for outcome in ("succeeded", "failed", "not_sent"):
         with pytest.raises(InvalidState, match="is succeeded, not unknown") as err:
-            led.settle_unknown(attempt_id, outcome=outcome)
+            led.settle_unknown(attempt_id, outcome=outcome, note="console")
         assert err.value.fields["state"] == "succeeded"
     assert _books(led) == books
     led.close()
@@ -150,13 +151,13 @@ def test_a_live_executors_attempt_and_settled_ones_are_refused(db_url: str) -> N
     att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve=HOLD)
     books = _books(led)
     with pytest.raises(InvalidState, match="is dispatching, not unknown"):
-        led.settle_unknown(att.attempt_id, outcome="not_sent")
+        led.settle_unknown(att.attempt_id, outcome="not_sent", note="console")
     assert _books(led) == books
     led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=1,
                        completion_tokens=1)
     books = _books(led)
     with pytest.raises(InvalidState, match="is succeeded, not unknown"):
-        led.settle_unknown(att.attempt_id, outcome="failed")
+        led.settle_unknown(att.attempt_id, outcome="failed", note="console")
     assert _books(led) == books
     led.close()
 
@@ -167,7 +168,7 @@ def test_the_executors_repeated_unknown_settle_after_the_receipt_changes_nothing
     operator's receipt is recognised as the same write: the receipt stands."""
     led = Ledger.open(db_url)
     attempt_id, lease = _unknown(led, close=False)
-    led.settle_unknown(attempt_id, outcome="failed", cost="0.003")
+    led.settle_unknown(attempt_id, outcome="failed", cost="0.003", note="invoice")
     books = _books(led)
     again = led.settle_attempt(lease, attempt_id, outcome="unknown")
     assert again.state is AttemptState.FAILED
@@ -187,6 +188,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("infinite cost", {"outcome": "failed", "cost": "Infinity"}, "cost"),
     ("usage with not_sent", {"outcome": "not_sent", "prompt_tokens": 5}, "prompt_tokens"),
     ("cost with not_sent", {"outcome": "not_sent", "cost": "0"}, "cost"),
+    ("note missing", {"outcome": "not_sent"}, "note"),
+    ("note None", {"outcome": "not_sent", "note": None}, "note"),
+    ("note blank", {"outcome": "not_sent", "note": " \t"}, "note"),
     ("note too long", {"outcome": "failed", "note": "x" * 501}, "note"),
     ("note with control characters", {"outcome": "failed", "note": "a\x00b"}, "note"),
     ("by empty", {"outcome": "failed", "by": ""}, "by"),
@@ -199,8 +203,9 @@ def test_bad_evidence_is_a_typed_error_naming_the_field_and_changes_nothing(
     led = Ledger.open(db_url)
     attempt_id, _ = _unknown(led)
     books = _books(led)
+    evidence = {} if "note" in case else {"note": "console"}
     with pytest.raises(InvalidArgument) as err:
-        led.settle_unknown(attempt_id, **kwargs)
+        led.settle_unknown(attempt_id, **{**evidence, **kwargs})
     assert err.value.fields["field"] == field, case
     assert _books(led) == books
     led.close()
@@ -217,7 +222,8 @@ def test_usage_whose_price_is_beyond_any_amount_is_refused(db_url: str) -> None:
     led.settle_attempt(lease, att.attempt_id, outcome="unknown")
     books = _books(led)
     with pytest.raises(InvalidArgument, match="beyond any amount") as err:
-        led.settle_unknown(att.attempt_id, outcome="succeeded", completion_tokens=10**15)
+        led.settle_unknown(att.attempt_id, outcome="succeeded", completion_tokens=10**15,
+                           note="console")
     assert err.value.fields["field"] == "completion_tokens"
     assert _books(led) == books
     led.close()
@@ -228,9 +234,9 @@ def test_an_unknown_attempt_id_is_not_found(db_url: str) -> None:
     _unknown(led)
     books = _books(led)
     with pytest.raises(NotFound, match="unknown attempt id 'att-nope'"):
-        led.settle_unknown("att-nope", outcome="failed")
+        led.settle_unknown("att-nope", outcome="failed", note="console")
     with pytest.raises(NotFound):  # priced usage reads the attempt first: the same answer
-        led.settle_unknown("att-nope", outcome="succeeded", prompt_tokens=1)
+        led.settle_unknown("att-nope", outcome="succeeded", prompt_tokens=1, note="console")
     assert _books(led) == books
     led.close()
 
@@ -241,7 +247,7 @@ def test_the_async_twin_settles_the_same_way(db_url: str) -> None:
 
     async def main() -> Any:
         return await AsyncLedger(led).settle_unknown(attempt_id, outcome="succeeded",
-                                                     cost="0.001")
+                                                     cost="0.001", note="invoice")
 
     att = asyncio.run(main())
     assert att.state is AttemptState.SUCCEEDED and led.get_run("r").posted == Decimal("0.001")
@@ -320,4 +326,25 @@ def test_cli_bad_input_is_one_line_and_changes_nothing(db_url: str, args: list[s
               "--reason", "evidence")
     assert res.returncode == 1 and "unknown attempt id 'att-nope'" in res.stderr
     assert _books(led) == books
+    led.close()
+
+
+def test_an_operators_receipt_always_says_why_and_one_without_a_note_changes_nothing(
+        db_url: str) -> None:
+    led = Ledger.open(db_url)
+    attempt_id, _ = _unknown(led)
+    books = _books(led)
+
+    async def main() -> None:
+        for kwargs in ({}, {"note": None}, {"note": "  "}):
+            with pytest.raises(InvalidArgument) as err:
+                await AsyncLedger(led).settle_unknown(attempt_id, outcome="not_sent", **kwargs)
+            assert err.value.fields["field"] == "note"
+
+    asyncio.run(main())
+    with pytest.raises(InvalidArgument, match="'note'") as err:
+        led.settle_unknown(attempt_id, outcome="not_sent")  # type: ignore[call-arg]
+    assert err.value.fields["field"] == "note"
+    assert _books(led) == books and led.events("r", ["late_receipt"]) == []
+    assert led.get_attempt(attempt_id).state is AttemptState.UNKNOWN
     led.close()
