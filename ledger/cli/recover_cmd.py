@@ -86,6 +86,7 @@ def _recover(args: argparse.Namespace) -> int:
     bar = Progress("recover", wanted(args.progress))
     # An existing ledger: a wrong --db must not make a new, empty one that "needs nothing".
     with open_writer(args.db) as led:
+        _known(led, args.runs or [])
         rep = recover(led, executor_id=args.executor,
                       lease_ttl_s=DEFAULT_RECOVERY_TTL_S if args.ttl is None else args.ttl,
                       limit=DEFAULT_LIMIT if args.limit is None else args.limit,
@@ -111,6 +112,22 @@ def _recover(args: argparse.Namespace) -> int:
         print(f"closed {len(rep.closed)} run(s) past their deadline (failed)"
               + (": " + ", ".join(rep.closed) if rep.closed else ""))
     return 0
+
+
+def _known(led: Any, run_ids: list[str]) -> None:
+    """Refuse ``--run`` ids no Run has: a typo would read as a Run that needed nothing."""
+    from ledger.errors import NotFound
+
+    unknown = []
+    for run_id in dict.fromkeys(run_ids):
+        try:
+            led.get_run(run_id)
+        except NotFound:
+            unknown.append(run_id)
+    if unknown:
+        raise NotFound(f"unknown run id(s) {', '.join(map(repr, unknown))}; nothing was "
+                       f"recovered: check the --run ids (list runs with `{PROG} runs`)",
+                       run_ids=unknown)
 
 
 def _reconcile(args: argparse.Namespace) -> int:

@@ -80,3 +80,27 @@ def test_recover_counts_and_lists_the_orphans_it_marked_unknown(
         assert "recovered 0 run(s), 1 attempt(s) newly unknown" in out
         assert f"r1: 1 orphan(s) newly unknown, the run left to its current executor: " \
                f"{att.attempt_id}" in out
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_recover_refuses_run_ids_no_run_has_and_takes_nothing_over(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+    db = str(tmp_path / "l.db")
+    # r1's executor died an hour ago mid-call; r2 is admitted and needs nothing.
+    led = Ledger.open(db, clock=ManualClock(time.time() - 3600))
+    for run_id in ("r1", "r2"):
+        led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+    lease = led.acquire_lease("r1", ttl_s=30)
+    led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.1")
+    led.close()
+    flags = ["--json"] if as_json else []
+    assert main(["--db", db, "recover", "--run", "r1", "--run", "r-1", "--run", "nope",
+                 *flags]) == 1
+    captured = capsys.readouterr()
+    assert "unknown run id(s) 'r-1', 'nope'; nothing was recovered" in captured.err
+    assert captured.out == ""
+    with Ledger.open(db) as led:
+        assert led.get_run("r1").fence == lease.fence  # a typo beside it: r1 left as it was
+    assert main(["--db", db, "recover", "--run", "r2", *flags]) == 0  # known, needs nothing
+    out = capsys.readouterr().out
+    assert (json.loads(out)["recovered"] == 0) if as_json else ("recovered 0 run(s)" in out)
