@@ -24,6 +24,7 @@ _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits t
 _.__pydantic_base_init__  # domain/validation.py: pydantic reads it off a model's __init__
 _.maxstring, _.maxother, _.maxlist, _.maxdict  # reprlib.Repr limits, read by reprlib
 _.maxset, _.maxtuple, _.maxlevel  # (policy/load.py sets these too)
+_._negative_number_matcher  # cli/recover_cmd.py: argparse reads it to tell -1,2 from an option
 _.inherit_cache  # storage/statements.py: SQLAlchemy reads it to cache our constructs' SQL
 _.comparison_options  # storage/migrate.py: migrations/env.py configures Alembic with it
 _.parent_names, _.compare_to  # its include_name / include_object hooks' parameters (Alembic's)

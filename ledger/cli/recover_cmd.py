@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -57,6 +58,10 @@ def register(subparsers: Any) -> None:
         "--outcome once, its hold is posted (the evidenced cost, the rest released) or voided "
         "(not_sent), and a late_receipt event keeps who (--by), what and why (--reason, "
         "required). Only an unknown attempt is accepted; no lease is needed.")
+    # Python 3.13's rule for a value that only looks like an option: "-1,2" is a value, so
+    # --usage -1,2 reaches the check that says what is wrong with it (3.11 and 3.12 take it
+    # for an unknown option and say only "expected one argument").
+    st._negative_number_matcher = re.compile(r"^-\.?\d")
     st.add_argument("attempt_id", metavar="ID")
     st.add_argument("--outcome", required=True, choices=["succeeded", "failed", "not_sent"],
                     help="what the evidence shows")
@@ -160,10 +165,14 @@ def _usage(args: argparse.Namespace) -> tuple[int | None, int | None]:
     try:
         if len(parts) != 2:
             raise ValueError(args.usage)
-        return int(parts[0]), int(parts[1])
+        prompt, completion = int(parts[0]), int(parts[1])
     except ValueError:
         raise InvalidArgument(f"--usage {args.usage!r} is not PROMPT,COMPLETION; pass two "
                               "token counts such as 812,240", field="usage") from None
+    if prompt < 0 or completion < 0:
+        raise InvalidArgument(f"--usage {args.usage!r} has a negative token count; pass the "
+                              "counts the provider billed, such as 812,240", field="usage")
+    return prompt, completion
 
 
 def _attempt_settle(args: argparse.Namespace) -> int:

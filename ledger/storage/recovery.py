@@ -32,6 +32,7 @@ from ledger.domain.records import (
     RunRecord,
     RunStatus,
 )
+from ledger.domain.timefmt import when
 from ledger.errors import InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
@@ -351,9 +352,10 @@ class RecoveryQueries:
             live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
             if live and row.lease_holder != executor:
                 raise LeaseHeld(
-                    f"run {run_id!r} is held by the live executor {row.lease_holder!r} until "
-                    f"{row.lease_expires_at}; it is still being worked on: let it finish, or stop "
-                    "that executor and close the run once its lease has expired",
+                    f"run {run_id!r} is held by the live executor {row.lease_holder!r}, its "
+                    f"lease expiring {when(float(row.lease_expires_at), now)}; it is still being "
+                    "worked on: let it finish, or stop that executor and close the run once its "
+                    "lease has expired",
                     run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at)
             if row.status in {x.value for x in ENDED}:
                 if row.status == status.value:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from decimal import Decimal
 
@@ -254,7 +255,10 @@ def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixtur
     assert main(["--db", db_url, "run", "close", "nope", "--status", "failed", *why]) == 1
     assert "unknown run id 'nope'" in capsys.readouterr().err
     assert main(["--db", db_url, "run", "close", "held", "--status", "failed", *why]) == 1
-    assert "worker-2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # The expiry as a person reads it: how far off, and when (never an epoch float).
+    assert re.search(r"'worker-2', its lease expiring in 2[34] h "
+                     r"\(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\)", err), err
     assert main(["--db", db_url, "run", "close", "r1", "--status", "failed",
                  "--reason", "crashed, nobody resumes"]) == 0
     out = capsys.readouterr().out

@@ -309,10 +309,16 @@ def test_cli_json_and_separate_token_options(db_url: str) -> None:
     (["--outcome", "succeeded", "--usage", "12"], 2, "is not PROMPT,COMPLETION"),
     (["--outcome", "succeeded", "--usage", "a,b"], 2, "is not PROMPT,COMPLETION"),
     (["--outcome", "succeeded", "--usage", "1,2", "--prompt-tokens", "1"], 2, "not both"),
-    (["--outcome", "succeeded", "--usage=-5,2"], 2, "prompt_tokens"),
+    (["--outcome", "succeeded", "--usage=-5,2"], 2, "'-5,2' has a negative token count"),
+    (["--outcome", "succeeded", "--usage", "-5,2"], 2, "'-5,2' has a negative token count"),
+    (["--outcome", "succeeded", "--usage", "5,-2"], 2, "'5,-2' has a negative token count"),
+    (["--outcome", "succeeded", "--prompt-tokens", "-5"], 2, "prompt_tokens"),
     (["--outcome", "failed", "--cost=-1"], 2, "cost"),
+    (["--outcome", "failed", "--cost", "-1"], 2, "cost"),
     (["--outcome", "not_sent", "--usage", "1,1"], 2, "not_sent"),
-], ids=["one-count", "not-numbers", "both-forms", "negative", "negative-cost", "not-sent-usage"])
+], ids=["one-count", "not-numbers", "both-forms", "negative", "negative-spaced",
+        "negative-completion", "negative-prompt-tokens", "negative-cost", "negative-cost-spaced",
+        "not-sent-usage"])
 def test_cli_bad_input_is_one_line_and_changes_nothing(db_url: str, args: list[str], code: int,
                                                       says: str) -> None:
     led = Ledger.open(db_url)
