@@ -8,6 +8,12 @@ is ``"kill"`` (SIGKILL), ``"raise"`` (:class:`FaultInjected`), or any callable.
 ``name@N`` in ``LEDGER_FAULTS`` fires on the N-th time the point is reached (1-based), so a
 worker can be killed in the middle of a sequence of calls rather than at its first.
 
+A name that is not one of :data:`KNOWN_POINTS`, an ``@N`` that is not an integer of at least 1,
+or an action that is neither ``"kill"``, ``"raise"`` nor a callable is
+:class:`~ledger.errors.InvalidArgument` naming it and the fix (for ``LEDGER_FAULTS``, when the
+variable is read, with its name): a misspelt point would be armed and never reached, and a
+crash test would pass without crashing.
+
 Points in the ledger:
 
 ``begin.before_commit`` / ``begin.after_commit``
@@ -29,11 +35,17 @@ Points in the ledger:
 
 from __future__ import annotations
 
+import difflib
 import os
 import signal
 import threading
 from collections.abc import Callable
 from typing import Literal
+
+from ledger.errors import InvalidArgument
+
+#: The environment variable that arms points for a whole process (read once, at import).
+ENV = "LEDGER_FAULTS"
 
 Action = Literal["kill", "raise"] | Callable[[str], None]
 
@@ -99,11 +111,36 @@ def _fire(name: str) -> None:
         action(name)
 
 
+def _unknown_point(name: object) -> str | None:
+    """What is wrong with ``name`` as a point (``None``: it is one)."""
+    if name in KNOWN_POINTS:
+        return None
+    close = difflib.get_close_matches(str(name), KNOWN_POINTS, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"the points are {', '.join(KNOWN_POINTS)}"
+    # An unknown name would be armed and never reached: a crash test would pass uncrashed.
+    return f"{name!r} is not a fault point; {hint}"
+
+
 def arm(name: str, action: Action = "raise", *, on_hit: int = 1) -> None:
-    """Arm ``name`` in this process: fire ``action`` on the ``on_hit``-th time it is reached."""
+    """Arm ``name`` in this process: fire ``action`` on the ``on_hit``-th time it is reached.
+
+    Raises:
+        InvalidArgument: ``name`` is not one of :data:`KNOWN_POINTS` (``field="name"``),
+            ``action`` is neither ``"kill"``, ``"raise"`` nor a callable (``field="action"``),
+            or ``on_hit`` is not an integer of at least 1 (``field="on_hit"``).
+    """
     global _ARMED
-    if on_hit < 1:
-        raise ValueError("on_hit must be >= 1")
+    problem = _unknown_point(name)
+    if problem is not None:
+        raise InvalidArgument(problem, field="name", name=name)
+    if action not in ("kill", "raise") and not callable(action):
+        raise InvalidArgument(
+            f"fault action {action!r} does nothing; pass 'kill' (SIGKILL), 'raise' "
+            "(FaultInjected) or a callable of the point's name", field="action")
+    if isinstance(on_hit, bool) or not isinstance(on_hit, int) or on_hit < 1:
+        raise InvalidArgument(
+            f"on_hit {on_hit!r} is not a count of times the point is reached; pass an "
+            "integer of at least 1 (1: the first time)", field="on_hit")
     with _lock:
         new = dict(_ARMED or {})
         new[name] = _Armed(action, on_hit)
@@ -128,16 +165,26 @@ def armed() -> dict[str, int]:
 
 
 def _from_env(text: str | None) -> None:
+    """Arm the points ``LEDGER_FAULTS`` names; all of them, or (a bad item) none."""
     if not text:
         return
+    wanted: list[tuple[str, int]] = []
     for item in text.split(","):
         item = item.strip()
         if not item:
             continue
-        name, _, nth = item.partition("@")
-        arm(name, "kill", on_hit=int(nth) if nth else 1)
+        name, at, nth = item.partition("@")
+        problem = _unknown_point(name)
+        if problem is None and at and not (nth.isdigit() and int(nth) >= 1):
+            problem = (f"in {item!r}, '@{nth}' is not when the point fires; write name@N, "
+                       "N an integer of at least 1 (1: the first time it is reached)")
+        if problem is not None:
+            raise InvalidArgument(f"{ENV}={text!r}: {problem}", field=ENV, item=item)
+        wanted.append((name, int(nth) if at else 1))
+    for name, on_hit in wanted:
+        arm(name, "kill", on_hit=on_hit)
 
 
-_from_env(os.environ.get("LEDGER_FAULTS"))
+_from_env(os.environ.get(ENV))
 
 __all__ = ["KNOWN_POINTS", "FaultInjected", "arm", "armed", "disarm", "point"]
