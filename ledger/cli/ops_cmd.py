@@ -779,7 +779,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     led = open_reader(args.db, read_url)  # fail fast, with the clear message, before binding
     led.close()
     serve(args.db, read_url=read_url, host=args.host, port=args.port, refresh_s=args.refresh,
-          actions=args.allow_actions, token=token)
+          actions=args.allow_actions, token=token, allowed_hosts=args.allowed_hosts or ())
     return 0
 
 
@@ -991,6 +991,9 @@ def register(subparsers: Any) -> None:
         "attempt) as POST forms that must carry the token; each is recorded with who and why.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="NAME",
+                   help="also answer requests for this host name (repeatable; e.g. the name a "
+                   "proxy or browser reaches it by); loopback's names and --host always")
     p.add_argument("--refresh", type=int, default=30, metavar="SECONDS",
                    help="pages reload themselves this often (default 30; 0: never)")
     p.add_argument("--allow-actions", action="store_true",

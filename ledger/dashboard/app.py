@@ -27,19 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import html
+import ipaddress
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ledger.api.facade import Ledger
 from ledger.clock import Clock
@@ -80,6 +84,8 @@ from ledger.ops.audit import (
 from ledger.policy import PRESETS
 
 DAY = 86400.0
+#: The names a dashboard always answers to: loopback's (``allowed_hosts`` adds others).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_REFRESH_S = 30
 DEFAULT_METRICS_TTL_S = 10.0
 # No network at all: nothing but inline styles and same-origin links and forms.
@@ -448,10 +454,60 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
             + "</section>" + _waits_html(tl, now) + _stops_html(tl, now))
 
 
+def _host_name(header: str) -> str | None:
+    """The name a Host header asks for, without its port, as :func:`_served_name` writes it;
+    None when the header is malformed."""
+    if header.startswith("["):
+        name, sep, port = header[1:].partition("]")
+        if not sep or (port and not port.startswith(":")):
+            return None
+        port = port[1:]
+    else:
+        name, _, port = header.partition(":")
+    if port and not port.isdigit():
+        return None
+    return _served_name(name) if name else None
+
+
+def _served_name(name: str) -> str:
+    """A host name as the Host check compares it: lower case, an IP literal in its short form
+    (``[0:0::1]`` is ``::1``)."""
+    name = name.strip().strip("[]").rstrip(".").lower()
+    try:
+        return ipaddress.ip_address(name).compressed
+    except ValueError:
+        return name
+
+
+class _ServedNamesOnly:
+    """Refuses (400) a request whose Host header names another host than the dashboard is
+    served as. A page of another site that points its own name at 127.0.0.1 (DNS rebinding)
+    is same-origin to the browser, and could read every page and call every action; its
+    requests still carry its own name in Host, which is how they are told apart."""
+
+    def __init__(self, app: ASGIApp, names: frozenset[str]) -> None:
+        self.app = app
+        self.names = names
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = Headers(scope=scope).get("host", "")
+            if _host_name(host) not in self.names:
+                shown = ", ".join(sorted(self.names))
+                await PlainTextResponse(
+                    f"the Host header {host[:100]!r} is not a name this dashboard is served "
+                    f"as ({shown}); open it by one of those, or start it with --allowed-host "
+                    "NAME (create_app(allowed_hosts=...)) to answer to another",
+                    status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                clock: Clock | None = None, refresh_s: int = DEFAULT_REFRESH_S,
                metrics_ttl_s: float = DEFAULT_METRICS_TTL_S, actions: bool = False,
-               token: str | None = None, read_url: str | None = None) -> Starlette:
+               token: str | None = None, read_url: str | None = None,
+               allowed_hosts: Iterable[str] = ()) -> Starlette:
     """The dashboard over ``ledger`` (or a ledger opened on ``url`` without migrating it).
 
     ``read_url`` (with ``url``): a read replica the pages, the JSON and ``/metrics`` read from
@@ -467,6 +523,11 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     operator's actions (clear a cooldown, close a Run, settle an unknown Attempt) are served
     as POST routes that need the token (:mod:`ledger.dashboard.actions`); otherwise no route
     writes anything.
+
+    A request is answered only when its Host header names loopback (:data:`LOOPBACK_HOSTS`,
+    with any port) or one of ``allowed_hosts`` (the names it is reached by otherwise, e.g. the
+    address it is bound to); any other is 400, so a page that rebinds its own name to this
+    address cannot read it.
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
@@ -484,6 +545,10 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                               "to serve the operator's actions, or no token", field="actions")
     if actions:
         check_token(token)
+    if isinstance(allowed_hosts, str):
+        raise InvalidArgument("allowed_hosts is a list of host names, e.g. ['dash.internal']",
+                              field="allowed_hosts")
+    names = frozenset(_served_name(h) for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     mode = "operator actions enabled" if actions else "read-only"
 
     def _page(title: str, body: str, refresh_s: int = 0) -> HTMLResponse:
@@ -863,7 +928,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         assert token is not None
         routes += action_routes(audit, token, _page)
     # Without actions only GET is routed: the dashboard has no way to change anything.
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(_ServedNamesOnly, names=names)])
 
 
 def _with_status(resp: Response, status: int) -> Response:
@@ -871,22 +937,28 @@ def _with_status(resp: Response, status: int) -> Response:
     return resp
 
 
+_ANY_ADDRESS = ("0.0.0.0", "::")
+
+
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
           refresh_s: int = DEFAULT_REFRESH_S, actions: bool = False,
-          token: str | None = None, read_url: str | None = None) -> None:
+          token: str | None = None, read_url: str | None = None,
+          allowed_hosts: Iterable[str] = ()) -> None:
     """Serve the dashboard until interrupted (``failover-ledger dashboard``).
 
     Read-only unless ``actions`` and ``token`` are both given (see :func:`create_app`);
-    ``read_url``: a read replica to read from.
+    ``read_url``: a read replica to read from. It answers to loopback's names, ``host`` and
+    ``allowed_hosts`` (:func:`create_app`).
     """
     import uvicorn
 
+    served = [] if host in _ANY_ADDRESS else [host]
     app = create_app(url, refresh_s=refresh_s, actions=actions, token=token,
-                     read_url=read_url)
+                     read_url=read_url, allowed_hosts=[*served, *allowed_hosts])
     mode = ("OPERATOR ACTIONS ENABLED: POST with the token" if actions else "read-only")
     print(f"failover-ledger dashboard on http://{host}:{port}/ ({mode}; metrics at /metrics;"
           " Ctrl-C to stop)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-__all__ = ["DEFAULT_REFRESH_S", "chart_svg", "create_app", "serve"]
+__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "chart_svg", "create_app", "serve"]

@@ -35,7 +35,7 @@ REQUIRE = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
 
 
 def _client(url: str, **kw: Any) -> TestClient:
-    return TestClient(create_app(url, clock=ManualClock(NOW), **kw))
+    return TestClient(create_app(url, clock=ManualClock(NOW), **kw), base_url="http://127.0.0.1")
 
 
 @pytest.fixture(scope="module")

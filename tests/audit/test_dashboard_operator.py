@@ -52,7 +52,7 @@ ACTION_PATHS = ["/actions/clear-cooldown", "/actions/runs/r4/close",
 
 
 def _client(url: str, **kw: Any) -> TestClient:
-    return TestClient(create_app(url, clock=ManualClock(NOW), **kw))
+    return TestClient(create_app(url, clock=ManualClock(NOW), **kw), base_url="http://127.0.0.1")
 
 
 @pytest.fixture
@@ -192,6 +192,35 @@ def test_a_request_without_the_token_from_this_origin_is_forbidden_and_changes_n
     assert _recorded(written) == before
 
 
+@pytest.mark.parametrize("host", ["evil.example:8765", "evil.example", "127.0.0.1.evil.example",
+                                  "localhost.evil.example:8765", "[::2]:8765", "", "a:b:c"])
+def test_a_request_for_another_host_name_is_refused_so_a_rebound_name_reads_and_changes_nothing(
+        written: str, host: str) -> None:
+    """DNS rebinding: a page whose own name now points at 127.0.0.1 is same-origin to the
+    browser, and its requests carry that name in Host: none is answered, none acts."""
+    before = _recorded(written)
+    with _client(written, actions=True, token=TOKEN) as c:
+        for path in ("/", "/api/runs", "/api/health", "/runs/r4", "/metrics", "/budgets"):
+            res = c.get(path, headers={"Host": host})
+            assert res.status_code == 400, path
+            assert "is not a name this dashboard is served as" in res.text
+            assert "r4" not in res.text
+        for path in ACTION_PATHS:
+            res = c.post(path, data={"key": "g3", "group": "1", "by": "x", "reason": "y",
+                                     "token": TOKEN, "status": "failed", "outcome": "failed"},
+                         headers={**HEADER, "Host": host, "Origin": f"http://{host}"})
+            assert res.status_code == 400, path
+    assert _recorded(written) == before
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:8765", "localhost:8765",
+                                  "LOCALHOST", "[::1]:8765", "[0:0::1]", "dash.internal:80"])
+def test_the_names_it_is_served_as_are_answered(seeded_url: str, host: str) -> None:
+    with _client(seeded_url, allowed_hosts=["dash.internal"]) as c:
+        assert c.get("/api/runs", headers={"Host": host}).status_code == 200
+        assert c.get("/", headers={"Host": host}).status_code == 200
+
+
 def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -> None:
     with _client(written, actions=True, token=TOKEN) as c:
         index = c.get("/").text
@@ -202,7 +231,7 @@ def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -
         # A form, as the browser sends it (the token in a field, from this origin).
         res = c.post("/actions/clear-cooldown", data={
             "key": "g3", "group": "1", "by": "alice", "reason": "provider confirmed",
-            "token": TOKEN}, headers={"Origin": "http://testserver"})
+            "token": TOKEN}, headers={"Origin": "http://127.0.0.1"})
         assert res.status_code == 200, res.text
         assert "cleared group g3 by alice: provider confirmed" in res.text
         # JSON with the token in the header; and with a bearer token.

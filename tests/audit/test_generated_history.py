@@ -262,7 +262,7 @@ def test_failovers_are_all_counted_and_each_says_why(generated: Ledger) -> None:
 
     from ledger.dashboard.app import create_app
 
-    with TestClient(create_app(ledger=generated)) as c:
+    with TestClient(create_app(ledger=generated), base_url="http://127.0.0.1") as c:
         page_html = c.get("/", params={"hours": 72}).text
     shown = page_html.split('id="glance-failovers">', 1)[1].split("<", 1)[0]
     now = audit.now()  # the page's (another test of this module may have moved the clock)

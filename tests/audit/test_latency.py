@@ -182,7 +182,7 @@ def test_run_show_and_the_run_page_show_each_attempts_times_and_tokens(
 
     from ledger.dashboard.app import create_app
 
-    with TestClient(create_app(url)) as c:
+    with TestClient(create_app(url), base_url="http://127.0.0.1") as c:
         page = c.get("/runs/lat").text
     table = page.split('id="timeline-table"', 1)[1].split("</table>", 1)[0]
     head, rows = table.split("</thead>", 1)
@@ -497,7 +497,7 @@ def test_metrics_count_real_turns_times_tokens_failovers_and_queue_waits(
 
     from ledger.dashboard.app import create_app
 
-    with TestClient(create_app(url)) as c:
+    with TestClient(create_app(url), base_url="http://127.0.0.1") as c:
         text = c.get("/metrics").text
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}

@@ -124,7 +124,7 @@ def test_every_report_shows_what_the_budget_counted(db_url: str, fake: FakeProvi
 
     from ledger.dashboard.app import create_app
 
-    with TestClient(create_app(db_url)) as client:
+    with TestClient(create_app(db_url), base_url="http://127.0.0.1") as client:
         api_costs = {x["key"]: (Decimal(x["cost"]), Decimal(x["held"])) for x in client.get(
             "/api/costs", params={"by": "run"}).json()["items"]}
         for r in RUNS:

@@ -337,7 +337,8 @@ def test_the_dashboard_replays_a_preset_on_request(history: tuple[str, Any],
     from ledger.dashboard.app import create_app
 
     window = {"since": SINCE, "until": NOW, "tenant": "auth"}
-    with TestClient(create_app(history[0], clock=ManualClock(NOW))) as c:
+    with TestClient(create_app(history[0], clock=ManualClock(NOW)),
+                    base_url="http://127.0.0.1") as c:
         form = c.get("/replay")
         assert form.status_code == 200 and 'id="replay-form"' in form.text
         assert 'id="replay-summary"' not in form.text  # nothing is replayed unasked

@@ -345,7 +345,7 @@ def test_run_show_says_how_long_a_turn_waited_for_which_group(
 
     from ledger.dashboard.app import create_app
 
-    with TestClient(create_app(db_url)) as c:
+    with TestClient(create_app(db_url), base_url="http://127.0.0.1") as c:
         page = c.get("/runs/w").text
         api = c.get("/api/runs/w").json()
     waits = page.split('id="waits"', 1)[1].split("</section>", 1)[0]

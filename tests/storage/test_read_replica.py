@@ -224,10 +224,10 @@ def test_the_dashboard_reads_the_replica(replica: tuple[PgServer, PgServer],
     from ledger.dashboard.app import create_app
 
     url, read_url = _both(replica)
-    with TestClient(create_app(url, read_url=read_url)) as client:
+    with TestClient(create_app(url, read_url=read_url), base_url="http://127.0.0.1") as client:
         assert client.get(f"/runs/{paused}").status_code == 404
         assert client.get("/runs/both").status_code == 200
-    with TestClient(create_app(url)) as client:
+    with TestClient(create_app(url), base_url="http://127.0.0.1") as client:
         assert client.get(f"/runs/{paused}").status_code == 200
     with pytest.raises(InvalidArgument) as caught, \
             Ledger.open(url, migrate_schema=False) as led:
