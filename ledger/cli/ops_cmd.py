@@ -765,7 +765,7 @@ def _refuse_foreign_runs(led: Any) -> None:
 
 def _dashboard(args: argparse.Namespace) -> int:
     try:
-        from ledger.dashboard.app import serve
+        from ledger.dashboard.app import check_bind, serve
     except ImportError as e:
         raise InvalidArgument(
             "the dashboard needs the optional extra: "
@@ -774,6 +774,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     if args.refresh < 0:
         raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
                               field="refresh")
+    check_bind(args.host, args.port, host_name="--host", port_name="--port")
     token = _action_token(args)
     read_url = getattr(args, "read_url", None)
     led = open_reader(args.db, read_url)  # fail fast, with the clear message, before binding

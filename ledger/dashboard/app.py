@@ -26,9 +26,12 @@ are ISO-8601 UTC or relative ("in 4 m", "12 s ago").
 from __future__ import annotations
 
 import contextlib
+import errno
 import html
 import ipaddress
 import math
+import re
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -937,7 +940,57 @@ def _with_status(resp: Response, status: int) -> Response:
     return resp
 
 
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)\Z", re.IGNORECASE)
 _ANY_ADDRESS = ("0.0.0.0", "::")
+
+
+def check_bind(host: Any, port: Any, *, host_name: str = "host", port_name: str = "port"
+               ) -> None:
+    """Refuse an address the dashboard cannot listen on, before anything is resolved or bound:
+    ``host`` an IP address or a host name's syntax, ``port`` 0 (any free port) to 65535.
+    (A name is checked by its form only: it is resolved when the socket is bound.)"""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgument(f"{port_name} {port!r} is out of range; pass a port from 1 to "
+                              "65535 (0: any free one)", field=port_name.lstrip("-"))
+    if isinstance(host, str):
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_address(host)
+            return
+        labels = host.removesuffix(".").split(".")
+        # An all-digit last label is a mistyped IP address (127.0.0.999), never a name.
+        if len(host) <= 253 and all(_LABEL.match(x) for x in labels) \
+                and not labels[-1].isdigit():
+            return
+    raise InvalidArgument(f"{host_name} {host!r} is neither an IP address nor a host name; pass "
+                          "e.g. 127.0.0.1 (the default, loopback) or ::1",
+                          field=host_name.lstrip("-"))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port``, or the reason it cannot as one typed error."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(2048)
+        except BaseException:
+            sock.close()
+            raise
+    except socket.gaierror as e:
+        raise LedgerError(f"cannot listen on {where}: the host name does not resolve "
+                          f"({e.strerror}); pass --host an address of this machine",
+                          host=host, port=port) from None
+    except OSError as e:
+        fix = ("another process listens there: stop it, or pass --port a free port"
+               if e.errno == errno.EADDRINUSE else
+               "pass --host an address of this machine and --port a port you may bind")
+        raise LedgerError(f"cannot listen on {where}: {e.strerror or e}; {fix}", host=host,
+                          port=port) from None
+    return sock
 
 
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
@@ -949,16 +1002,30 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
     Read-only unless ``actions`` and ``token`` are both given (see :func:`create_app`);
     ``read_url``: a read replica to read from. It answers to loopback's names, ``host`` and
     ``allowed_hosts`` (:func:`create_app`).
+
+    Raises:
+        InvalidArgument: ``host`` not an IP address or host name, ``port`` not 0 to 65535.
+        LedgerError: the address cannot be listened on (in use, not this machine's); nothing
+            was served.
     """
     import uvicorn
 
+    check_bind(host, port)
     served = [] if host in _ANY_ADDRESS else [host]
     app = create_app(url, refresh_s=refresh_s, actions=actions, token=token,
                      read_url=read_url, allowed_hosts=[*served, *allowed_hosts])
+    sock = _listen(host, port)
+    # Said once the socket listens, so the line never announces an address not served.
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
     mode = ("OPERATOR ACTIONS ENABLED: POST with the token" if actions else "read-only")
-    print(f"failover-ledger dashboard on http://{host}:{port}/ ({mode}; metrics at /metrics;"
-          " Ctrl-C to stop)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    print(f"failover-ledger dashboard on http://{shown}:{bound}/ ({mode}; metrics at "
+          "/metrics; Ctrl-C to stop)", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
-__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "chart_svg", "create_app", "serve"]
+__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "chart_svg", "check_bind", "create_app",
+           "serve"]

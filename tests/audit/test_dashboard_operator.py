@@ -12,7 +12,11 @@ attacker: a page of another origin that posts the form, token included, is refus
 
 from __future__ import annotations
 
+import http.client
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import urllib.error
 import urllib.parse
@@ -158,6 +162,67 @@ def test_the_command_line_refuses_actions_without_a_token(
     assert "cannot be read" in capsys.readouterr().err
     monkeypatch.setenv("LEDGER_DASHBOARD_TOKEN", "tiny")
     assert main(["--db", seeded_url, "dashboard", "--allow-actions"]) == 2
+
+
+def test_a_port_out_of_range_is_a_bad_argument_in_one_line_and_nothing_is_announced(
+        seeded_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for port in ("99999", "-1"):
+        assert main(["--db", seeded_url, "dashboard", "--port", port]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err.count("\n") == 1 and "--port" in err and "65535" in err, err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.999", "no spaces.example", "-lead.example", ""])
+def test_a_host_that_is_neither_an_address_nor_a_name_is_refused_before_it_is_resolved(
+        seeded_url: str, capsys: pytest.CaptureFixture[str], host: str) -> None:
+    assert main(["--db", seeded_url, "dashboard", f"--host={host}", "--port", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "--host" in err and "neither an IP address" in err, err
+
+
+def test_a_port_in_use_is_one_line_naming_the_address_and_nothing_is_announced(
+        seeded_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["--db", seeded_url, "dashboard", "--port", str(port)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert f"127.0.0.1:{port}" in err and "--port" in err and "in use" in err
+
+
+def test_the_served_line_comes_once_it_listens_and_answers_its_names_only(
+        seeded_url: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ledger", "--db", seeded_url, "dashboard", "--port", "0",
+         "--allowed-host", "dash.internal"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("failover-ledger dashboard on http://127.0.0.1:"), line
+        port = int(line.split("127.0.0.1:", 1)[1].split("/", 1)[0])
+        assert port != 0
+
+        def status(host: str) -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                conn.request("GET", "/api/runs", headers={"Host": host})
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        # Listening when announced: the first request is answered, no retry.
+        assert status(f"127.0.0.1:{port}") == 200
+        assert status("dash.internal") == 200
+        assert status(f"evil.example:{port}") == 400
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
 
 
 @pytest.mark.parametrize("how", ["missing", "wrong", "cookie-only", "other-origin",
