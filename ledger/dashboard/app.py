@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
@@ -285,14 +286,28 @@ def _span_text(seconds: float) -> str:
     return f"{seconds / 60:g} min"
 
 
-def _routes_html(series: list[RouteSeries], hours: float, until: float,
-                 latency: LatencyReport | None) -> str:
+def _charted(what: str, hours: float, since: float, until: float, now: float, n: int) -> str:
+    """A chart's heading, saying its window as charted: "last N h" only when it is exactly
+    the page's rolling window (the tiles' and the tables'); whole hours or days otherwise,
+    from the first one's start, so the page never shows two different "last 24 h"."""
+    if until == now:
+        return f"{what}, last {hours:g} h"
+    width = (until - since) / n
+    unit, size = ("day", DAY) if width % DAY == 0 else ("hour", 3600.0)
+    per = unit if width == size else f"{width / size:g} {unit}s"
+    start = datetime.fromtimestamp(since, UTC)
+    shown = f"{start:%Y-%m-%d}" if unit == "day" else f"{start:%Y-%m-%d %H:%M}"
+    return f"{what} by {per}, from {shown} UTC to now (whole {unit}s)"
+
+
+def _routes_html(series: list[RouteSeries], until: float, latency: LatencyReport | None,
+                 heading: str) -> str:
     """Small multiples: per route, its success rate and latency over the window, side by side
     on shared axes (0-100 %, 0 to the busiest route's latency top) so rows compare; beside
     them the p50/p95/p99 latency of the route's answers over the whole window."""
     if not series:
-        return ('<section><h2>Routes over time</h2><p class="muted" id="routes-table-empty">'
-                f"no attempts in the last {hours:g} h</p></section>")
+        return (f'<section><h2>{_e(heading)}</h2><p class="muted" id="routes-table-empty">'
+                "no attempts in this window</p></section>")
     top = latency_top(series)
     pcts = {x.key: x.succeeded_latency for x in latency.routes} if latency else {}
     rows = []
@@ -308,7 +323,7 @@ def _routes_html(series: list[RouteSeries], hours: float, until: float,
         ])
     # The window's end, not its last bucket's start.
     start = series[0].points[0].start
-    return (f'<section id="routes-over-time"><h2>Routes over time, last {hours:g} h '
+    return (f'<section id="routes-over-time"><h2>{_e(heading)} '
             f'<span class="muted" id="routes-window">({_t(start)} to {_t(until)}, '
             f"{len(series[0].points)} buckets; success = succeeded of sent; latency p50 / p95 "
             f"/ p99 of the succeeded, seconds; the chart their mean per bucket, axis "
@@ -660,12 +675,15 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         width = (chart_until - chart_since) / n
         body = (
             _glance_html(rep, total, bad, failed_over, cost, held, hours)
-            + f'<section><h2>Attempts and failures, last {hours:g} h '
+            + f'<section><h2 id="activity-heading">'
+            f'{_e(_charted("Attempts and failures", hours, chart_since, chart_until, now, n))} '
             f'<span class="muted" id="activity-window">({_t(chart_since)} to {_t(now)}, '
             f"{n} buckets of {_span_text(width)}, UTC; {charted} attempts, {charted_bad} "
             f"failed or unknown)</span></h2>"
             + chart_svg(buckets) + "</section>"
-            + _routes_html(series, hours, now, rep.latency)
+            + _routes_html(series, now, rep.latency,
+                           _charted("Routes over time", hours, chart_since, chart_until, now,
+                                    n))
             + _health_html(rep)
             + _latency_html(rep.latency, hours)
             + f'<div class="grid"><section><h2>Cost by tenant, last {hours:g} h</h2>'

@@ -556,3 +556,33 @@ def test_the_days_chart_says_its_hours_and_the_tiles_count_the_pages_window(
     for page in (day, hour):
         glance = page.split('id="glance"', 1)[1].split("</section>", 1)[0]
         assert "h<b>8</b>" in glance
+
+
+def test_only_the_pages_rolling_window_is_called_last_n_hours_the_charts_say_their_whole_hours(
+        seeded_url: str) -> None:
+    """The tiles and cost tables count [now - N h, now); the charts whole hours (or days)
+    from the first one's start: each heading says which, so the page never shows two
+    different "last 24 h"."""
+    from datetime import UTC, datetime
+
+    from ledger.dashboard.charts import chart_window
+
+    def headings(page: str) -> list[str]:
+        return [page.split('id="activity-heading">', 1)[1].split(" <span", 1)[0],
+                page.split('id="routes-over-time"><h2>', 1)[1].split(" <span", 1)[0]]
+
+    with _client(seeded_url) as c:
+        day = c.get("/", params={"hours": 24}).text
+        hour = c.get("/", params={"hours": 1}).text
+        month = c.get("/", params={"hours": 30 * 24}).text
+    start = datetime.fromtimestamp(chart_window(NOW, 24)[0], UTC)
+    assert headings(day) == [
+        f"{what} by hour, from {start:%Y-%m-%d %H:%M} UTC to now (whole hours)"
+        for what in ("Attempts and failures", "Routes over time")]
+    glance = day.split('id="glance"', 1)[1].split("</section>", 1)[0]
+    assert "attempts, last 24 h<b>" in glance and "Cost by tenant, last 24 h" in day
+    start = datetime.fromtimestamp(chart_window(NOW, 30 * 24)[0], UTC)
+    assert headings(month)[0] == (f"Attempts and failures by day, from {start:%Y-%m-%d} UTC "
+                                  "to now (whole days)")
+    # An hour is charted over exactly the page's window: the same words for the same span.
+    assert headings(hour) == ["Attempts and failures, last 1 h", "Routes over time, last 1 h"]
