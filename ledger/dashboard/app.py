@@ -88,6 +88,8 @@ from ledger.ops.audit import (
 from ledger.policy import PRESETS
 
 DAY = 86400.0
+#: The longest ``?hours=`` window: 366 days.
+MAX_HOURS = 366 * 24.0
 #: The names a dashboard always answers to: loopback's (``allowed_hosts`` adds others).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_REFRESH_S = 30
@@ -602,15 +604,32 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             try:
                 return fn(request)
             except NotFound as e:
-                if request.url.path.startswith("/api/"):
-                    return JSONResponse({"error": str(e)}, status_code=404)
-                return _with_status(_page("not found", f"<section><p>{_e(str(e))}</p>"
-                                          "</section>"), 404)
+                return _refused(request, 404, "not found", e)
             except (InvalidArgument, ValueError) as e:
-                return JSONResponse({"error": str(e)}, status_code=400)
+                return _refused(request, 400, "bad request", e)
             except LedgerError as e:
-                return JSONResponse({"error": str(e)}, status_code=503)
+                return _refused(request, 503, "unavailable", e)
         return endpoint
+
+    def _refused(request: Request, status: int, title: str, e: Exception) -> Response:
+        """The error as the route speaks: JSON under /api and for /metrics, else a page."""
+        field = getattr(e, "field", None)
+        path = request.url.path
+        if path.startswith("/api/") or path == "/metrics":
+            doc = {"error": str(e)} | ({"field": field} if field else {})
+            return JSONResponse(doc, status_code=status)
+        return _with_status(_page(title, f'<section id="error"><h2>{html.escape(title)}</h2>'
+                                  f"<p>{_e(str(e))}</p></section>"), status)
+
+    def _hours(request: Request) -> float:
+        """``?hours=``: the window, more than 0 and at most a leap year (the longest the
+        health's latency reads), refused as itself before a time derived from it is."""
+        hours = _num(request, "hours", 24)
+        if not 0 < hours <= MAX_HOURS:
+            raise InvalidArgument(f"hours must be more than 0 and at most {MAX_HOURS:g} (366 "
+                                  f"days); got {request.query_params.get('hours')!r}",
+                                  field="hours")
+        return hours
 
     def _num(request: Request, name: str, default: float) -> float:
         raw = request.query_params.get(name)
@@ -634,9 +653,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     def index(request: Request) -> Response:
         au = audit()
         now = au.now()
-        hours = _num(request, "hours", 24)
-        if hours <= 0:
-            raise InvalidArgument("hours must be > 0", field="hours")
+        hours = _hours(request)
         days = int(_num(request, "days", 7))
         since = now - hours * 3600
         aside: ThreadPoolExecutor = state["aside"]
@@ -803,9 +820,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         au = audit()
         now = au.now()
         p = request.query_params
-        hours = _num(request, "hours", 24)
-        if hours <= 0:
-            raise InvalidArgument("hours must be > 0", field="hours")
+        hours = _hours(request)
         return {"since": _num(request, "since", now - hours * 3600),
                 "until": _num(request, "until", now),
                 **{k: (p.get(k) or None) for k in ("route", "group", "category", "tenant",
@@ -896,16 +911,14 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             raise InvalidArgument(f"policy must be one of {', '.join(PRESETS)} (the dashboard "
                                   "replays presets; the command line also takes a file)",
                                   field="policy")
-        hours = _num(request, "hours", 24)
-        if hours <= 0:
-            raise InvalidArgument("hours must be > 0", field="hours")
+        hours = _hours(request)
         until = _num(request, "until", now)
         return {"policy": policy, "since": _num(request, "since", until - hours * 3600),
                 "until": until, "tenant": p.get("tenant") or None, "run": p.get("run") or None}
 
     def replay_page(request: Request) -> Response:
         p = request.query_params
-        hours = _num(request, "hours", 24)
+        hours = _hours(request)
         body = replay_form(p.get("policy"), hours, p.get("tenant"), p.get("run"))
         if p.get("policy"):
             body += replay_html(audit().replay(**_replay_args(request)))

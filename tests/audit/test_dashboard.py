@@ -119,9 +119,9 @@ def test_the_index_reads_health_aside_answers_the_same_and_leaves_no_thread(
             t.join()
         assert pages == [one] * 4
         assert 0 < len(aside()) <= 2
-        # Over a year: health's own check refuses the latency window, on its thread.
+        # Over a year: refused as the page's own parameter, before health is asked.
         bad = c.get("/", params={"hours": 9000, "refresh": 0})
-        assert bad.status_code == 400 and "invalid latency_window_s" in bad.text
+        assert bad.status_code == 400 and "hours must be" in bad.text
     assert aside() == []
 
 
@@ -586,3 +586,25 @@ def test_only_the_pages_rolling_window_is_called_last_n_hours_the_charts_say_the
                                   "to now (whole days)")
     # An hour is charted over exactly the page's window: the same words for the same span.
     assert headings(hour) == ["Attempts and failures, last 1 h", "Routes over time, last 1 h"]
+
+
+@pytest.mark.parametrize("hours", ["100000", "1e308", "8784.5", "0", "-3"])
+def test_a_bad_window_is_refused_naming_hours_and_its_range_as_the_route_speaks(
+        seeded_url: str, hours: str) -> None:
+    """A window too long was refused as a parameter the request never sent
+    (latency_window_s, since = -inf); a page answered in JSON."""
+    with _client(seeded_url) as c:
+        for path, extra in (("/", {}), ("/latency", {}), ("/replay", {"policy": "goclaw"})):
+            res = c.get(path, params={"hours": hours, **extra})
+            assert res.status_code == 400, path
+            assert res.headers["content-type"].startswith("text/html"), path
+            assert "hours must be more than 0 and at most 8784 (366 days)" in res.text, path
+            assert "latency_window_s" not in res.text and "since" not in res.text, path
+        for path, extra in (("/api/latency", {}), ("/api/replay", {"policy": "goclaw"})):
+            res = c.get(path, params={"hours": hours, **extra})
+            assert res.status_code == 400 and res.json()["field"] == "hours", path
+            assert "at most 8784 (366 days)" in res.json()["error"], path
+        # The message is escaped into the page, never markup.
+        res = c.get("/latency", params={"hours": "1", "state": "<b>x</b>"})
+        assert res.status_code == 400 and "&lt;b&gt;x&lt;/b&gt;" in res.text
+        assert "<b>x</b>" not in res.text
