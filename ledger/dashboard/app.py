@@ -72,6 +72,7 @@ from ledger.dashboard.spend import spend_section
 from ledger.domain.timefmt import data_text, iso, relative
 from ledger.errors import InvalidArgument, LedgerError, NotFound
 from ledger.ops.audit import (
+    ACTION_KINDS,
     Audit,
     HealthReport,
     LatencyReport,
@@ -802,9 +803,16 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         p = request.query_params
         since = p.get("since")
         until = p.get("until")
+        # ?kind= is repeatable, as the command's --kind; unknown ones are refused, not
+        # filtered down to nothing.
+        kinds = p.getlist("kind") or list(ACTION_KINDS)
+        unknown = [k for k in kinds if k not in ACTION_KINDS]
+        if unknown:
+            raise InvalidArgument(f"kind {unknown[0][:40]!r} is not an action kind; pass one of "
+                                  f"{', '.join(ACTION_KINDS)} (repeatable)", field="kind")
         return JSONResponse(to_jsonable(au.actions(
             since=None if since is None else _num(request, "since", 0),
-            until=None if until is None else _num(request, "until", 0),
+            until=None if until is None else _num(request, "until", 0), kinds=kinds,
             limit=int(_num(request, "limit", 50)), cursor=p.get("cursor"))))
 
     def metrics(request: Request) -> Response:

@@ -286,6 +286,15 @@ def test_the_names_it_is_served_as_are_answered(seeded_url: str, host: str) -> N
         assert c.get("/", headers={"Host": host}).status_code == 200
 
 
+def test_an_unknown_action_kind_is_refused_naming_kind_and_its_choices_not_an_empty_list(
+        seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        for query in ({"kind": "bogus"}, [("kind", "close"), ("kind", "closed")]):
+            res = c.get("/api/actions", params=query)
+            assert res.status_code == 400 and res.json()["field"] == "kind"
+            assert "clear_cooldown, close, late_receipt, retention" in res.json()["error"]
+
+
 def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -> None:
     with _client(written, actions=True, token=TOKEN) as c:
         index = c.get("/").text
@@ -310,6 +319,9 @@ def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -
         assert res.status_code == 200, res.text
         assert res.json()["state"] == "succeeded" and res.json()["debit_state"] == "posted"
         actions = c.get("/api/actions").json()["items"]
+        # ?kind= filters as the command's --kind does (repeatable).
+        only = c.get("/api/actions", params=[("kind", "close"), ("kind", "late_receipt")])
+        assert [a["kind"] for a in only.json()["items"]] == ["late_receipt", "close"]
         page = c.get("/").text
         r4 = c.get("/runs/r4").text
     assert [(a["kind"], a["by"], a["reason"]) for a in actions] == [
