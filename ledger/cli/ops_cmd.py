@@ -458,6 +458,10 @@ def _used(s: Any) -> str:
 
 
 def _costs(args: argparse.Namespace) -> int:
+    if args.label is not None and args.by != "label":
+        raise InvalidArgument(f"--label {args.label!r} names the label to total by and goes with "
+                              f"--by label; add --by label (it has no effect with --by "
+                              f"{args.by})", field="label")
     budgets_wanted = args.by in ("tenant", "label")
     if args.every is not None and not budgets_wanted:
         raise InvalidArgument("--every splits the budgets of --by tenant or --by label; pass "

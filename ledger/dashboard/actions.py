@@ -3,8 +3,8 @@
 The dashboard is read-only unless it is started with actions enabled *and* a token
 (``failover-ledger dashboard --allow-actions`` with ``--token-file`` or
 ``$LEDGER_DASHBOARD_TOKEN``; ``create_app(actions=True, token=...)``). Without that no route
-here exists: a POST anywhere answers 405. With it, three POST routes, each a form (an HTML
-answer) and a JSON twin under ``/api``:
+here exists: a POST to one of them answers 404 (to a page, 405). With it, three POST routes,
+each a form (an HTML answer) and a JSON twin under ``/api``:
 
 - ``/actions/clear-cooldown`` (``key``, ``group``): :meth:`ledger.Ledger.clear_cooldown`;
 - ``/actions/runs/{id}/close`` (``status``): :meth:`ledger.Ledger.close_run`;

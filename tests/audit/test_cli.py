@@ -147,6 +147,17 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     assert res.returncode == 2 and "--refresh must be >= 0" in res.stderr
 
 
+def test_costs_label_without_by_label_is_refused_not_ignored(sqlite_url: str) -> None:
+    """--label names the label of --by label; with another --by it was silently dropped, and
+    the route totals read as if filtered by it."""
+    for by in ("route", "tenant"):
+        res = cli("--db", sqlite_url, "costs", "--by", by, "--label", "team", *SINCE)
+        assert res.returncode == 2 and res.stdout == "", by
+        assert len(res.stderr.splitlines()) == 1 and "add --by label" in res.stderr, by
+    res = cli("--db", sqlite_url, "costs", "--label", "team", *SINCE)
+    assert res.returncode == 2 and "--label 'team'" in res.stderr
+
+
 EPOCH = re.compile(r"\b1\d{9}(\.\d+)?\b")  # an epoch-seconds time (2001..2286)
 
 
