@@ -95,7 +95,19 @@ def parse(url: str) -> tuple[str, URL]:
             "postgresql+psycopg://",
             field="url",
         )
+    if name == "postgresql" and not database_name(parsed):
+        # libpq would connect to the database named after the user (often the server's own
+        # ``postgres``) and the ledger would make its schema there: refused on every path.
+        raise InvalidArgument(
+            f"{redact_url(norm)} names no database; add it to the URL: "
+            "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
     return norm, parsed
+
+
+def database_name(parsed: URL) -> str | None:
+    """The database a PostgreSQL URL names: in its path, or as libpq's ``dbname=``."""
+    given = parsed.database or parsed.query.get("dbname")
+    return given if isinstance(given, str) and given else None
 
 
 def sqlite_file(norm: str, parsed: URL) -> str:

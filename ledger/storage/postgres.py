@@ -23,7 +23,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
-from ledger.errors import DatabaseSetupError, InvalidArgument
+from ledger.errors import DatabaseSetupError
 from ledger.storage import engine as eng
 from ledger.storage import migrate, statements
 from ledger.storage import schema as s
@@ -70,11 +70,9 @@ class PostgresContext(SqlContext):
         database (``template1`` when that one is missing or closed to the role), as
         ``createdb`` does. The new database belongs to the role."""
         where = redact_url(norm)
-        if not parsed.database:
-            raise InvalidArgument(
-                f"{where} names no database; add it to the URL: "
-                "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
         conninfo = eng.postgres_conninfo(norm, parsed)  # checks the driver is installed
+        database = eng.database_name(parsed)
+        assert database is not None  # eng.parse refuses a URL that names none
         try:
             with mapped(where), _connected(conninfo):
                 return False  # it exists (and this role may connect to it)
@@ -88,7 +86,7 @@ class PostgresContext(SqlContext):
             )).scalar()
             if not may:
                 raise setup_error("createdb_privilege", where) from missing
-            name = '"' + parsed.database.replace('"', '""') + '"'
+            name = '"' + database.replace('"', '""') + '"'
             try:
                 conn.exec_driver_sql(f"CREATE DATABASE {name}")
             except sa_exc.DBAPIError as e:

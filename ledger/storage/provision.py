@@ -76,7 +76,7 @@ def init_database(url: str) -> InitReport:
     finally:
         store.close()
     return InitReport(backend=store.backend, url=engine.redact_url(norm),
-                      database=str(parsed.database), created_database=created,
+                      database=str(engine.database_name(parsed)), created_database=created,
                       revision_before=before, revision=migrate.head_revision())
 
 

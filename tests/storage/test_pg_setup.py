@@ -341,6 +341,30 @@ def test_db_init_refuses_what_is_not_a_database_and_creates_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.postgres
+def test_a_url_that_names_no_database_is_refused_on_every_path_and_touches_none(
+        pg_server: PgServer, pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    role = _name("nodb")
+    pg_server.psql(f"CREATE ROLE {role} LOGIN")
+    # Where libpq goes when the URL names no database: the one named after the user.
+    pg_server.psql(f"CREATE DATABASE {role} OWNER {role}")
+    base = f"postgresql+psycopg://{role}@127.0.0.1:{pg_server.port}"
+    for url in (base, base + "/", base + "/?dbname="):
+        for call in (lambda u=url: Ledger.open(u), lambda u=url: AsyncLedger.open(u)):
+            err = _failure(call)
+            assert isinstance(err, InvalidArgument) and err.field == "url", repr(err)
+            assert "names no database; add it to the URL" in str(err), str(err)
+        err = _failure(lambda u=url: Ledger.open(pg_url, read_url=u))
+        assert isinstance(err, InvalidArgument) and err.field == "read_url", repr(err)
+        assert "names no database" in str(err)
+        assert main(["--db", url, "actions"]) == 2
+        assert "names no database; add it to the URL" in capsys.readouterr().err
+    assert pg_server.psql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'",
+                          db=role).strip() == "0"
+    # libpq's own dbname= names it too.
+    Ledger.open(base + "/?dbname=" + role).close()
+
+
 # -- the least-privilege set-up of docs/postgresql.md, as written ---------------------------------
 
 
