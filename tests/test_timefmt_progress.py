@@ -16,6 +16,15 @@ def test_iso_is_utc_with_z() -> None:
     assert iso(None) == "-"
 
 
+def test_a_time_no_date_can_show_is_written_as_a_number_not_an_error() -> None:
+    # A stored time from a clock gone wrong (a retention cut-off of 9999999 days) must not
+    # break the listing that shows it.
+    assert iso(-315_537_897_600.0) == "-3.15538e+11 s since 1970"
+    assert iso(1e300) == "1e+300 s since 1970"
+    assert iso(float("nan")) == "nan s since 1970"
+    assert when(-1e300, T).endswith("(-1e+300 s since 1970)")
+
+
 def test_relative_in_the_future_and_the_past() -> None:
     assert relative(T + 4 * 60, T) == "in 4 m"
     assert relative(T - 12, T) == "12 s ago"

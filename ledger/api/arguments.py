@@ -53,15 +53,18 @@ def content_hash(value: Any) -> str:
 #: The least age :meth:`ledger.Ledger.drop_history` takes: one day, so a slip of the unit
 #: (``90`` meant as days) cannot drop a month that just ended.
 MIN_RETENTION_S = 86400.0
+#: The most: 36 500 days (100 years), older than any ledger's history. A larger age is a slip
+#: (``9999999d``), and its cut-off would be before any year a date can be written in.
+MAX_RETENTION_S = 36500 * 86400.0
 
 
 @rule
 def retention_age(value: Any) -> float:
-    """How old history must be to go: finite seconds of at least :data:`MIN_RETENTION_S`."""
+    """How old history must be to go: seconds from a day to 36 500 days (the bounds above)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or \
-            not MIN_RETENTION_S <= float(value) < float("inf"):
-        raise Problem("is not a retention age", "pass seconds of at least 86400 (one day), "
-                      "e.g. 90 * 86400 for 90 days")
+            not MIN_RETENTION_S <= float(value) <= MAX_RETENTION_S:
+        raise Problem("is not a retention age", "pass seconds from 86400 (one day) to "
+                      "3153600000 (36500 days), e.g. 90 * 86400 for 90 days")
     return float(value)
 
 

@@ -1041,8 +1041,8 @@ class Face(Generic[SessionT, OpenedT]):
         first. A run with nothing to drop still records its event.
 
         Args:
-            older_than: Age in seconds, at least 86 400 (one day): history from before the
-                ledger clock's now less this goes.
+            older_than: Age in seconds, from 86 400 (one day) to 3 153 600 000 (36 500 days):
+                history from before the ledger clock's now less this goes.
             reason: Why, kept in the event (at most 200 printable characters, not blank).
             by: Who runs it, kept in the event (default: this ledger's ``executor_id``).
             dry_run: Only report what would go; nothing is dropped or recorded.
@@ -1052,8 +1052,8 @@ class Face(Generic[SessionT, OpenedT]):
             ``event`` recorded).
 
         Raises:
-            InvalidArgument: ``older_than`` is not a number of seconds of at least a day
-                (``field="older_than"``), ``reason`` or ``by`` is not a short text.
+            InvalidArgument: ``older_than`` is not a number of seconds from a day to 36 500
+                days (``field="older_than"``), ``reason`` or ``by`` is not a short text.
             DatabaseUnavailable: a table stayed locked longer than the retention's lock
                 timeout; nothing was dropped (run it again).
 

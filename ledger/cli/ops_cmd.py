@@ -662,15 +662,17 @@ def action_target(a: Any) -> str:
 
 
 def parse_age(text: str) -> float:
-    """``--older-than``: an age such as ``90d``, ``12w`` or ``2160h`` (at least one day), in
-    seconds."""
-    from ledger.api.arguments import MIN_RETENTION_S
+    """``--older-than``: an age such as ``90d``, ``12w`` or ``2160h`` (from one day to
+    36 500 days), in seconds."""
+    from ledger.api.arguments import MAX_RETENTION_S, MIN_RETENTION_S
 
     m = _REL.match(text.strip())
-    if m is None or float(m.group(1)) * _UNIT[m.group(2)] < MIN_RETENTION_S:
+    if m is None or not MIN_RETENTION_S <= float(m.group(1)) * _UNIT[m.group(2)] \
+            <= MAX_RETENTION_S:
         raise InvalidArgument(
-            f"--older-than {text!r} is not an age of at least one day: pass a number and a "
-            "unit, e.g. --older-than 90d (days; also h, w; 24h at least)", field="older_than")
+            f"--older-than {text!r} is not an age from one day to 36500 days: pass a number "
+            "and a unit, e.g. --older-than 90d (days; also h, w; 24h at least)",
+            field="older_than")
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
@@ -937,7 +939,7 @@ def register(subparsers: Any) -> None:
         "rows. Operators' action events, runs, debits and provenance stay. --dry-run shows "
         "what would go and changes nothing. See docs/operations.md.")
     p.add_argument("--older-than", required=True, metavar="AGE",
-                   help="age of the history to drop: 90d, 12w, 2160h (at least one day)")
+                   help="age of the history to drop: 90d, 12w, 2160h (one day to 36500 days)")
     p.add_argument("--dry-run", action="store_true", help="show what would go; drop nothing")
     add_who_and_why(p, "e.g. 'the 90-day policy of ticket OPS-12'", default="retention")
     _add_db(p, reads=False)

@@ -17,7 +17,12 @@ def iso(ts: float | None) -> str:
     """``2026-01-31T18:00:05Z`` (UTC, whole seconds), or ``-`` for no time."""
     if ts is None:
         return "-"
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (ValueError, OverflowError, OSError):
+        # A stored time outside the years a date can show (a row written by a clock or an
+        # older ledger gone wrong): shown as it is, so one bad row never breaks a listing.
+        return f"{ts:.6g} s since 1970"
 
 
 def duration(seconds: float) -> str:

@@ -341,6 +341,41 @@ def test_retention_refuses_an_age_that_is_not_one_clearly_typed(db_url: str,
         assert Audit(led).actions().items == []
 
 
+def test_retention_refuses_an_age_over_36500_days_before_recording_anything(
+        db_url: str, capsys: Any) -> None:
+    with Ledger.open(db_url) as led:
+        for bad in (36501 * 86400, 1e300, float("inf")):
+            for dry_run in (True, False):
+                with pytest.raises(InvalidArgument) as ei:
+                    led.drop_history(bad, dry_run=dry_run)
+                assert ei.value.field == "older_than" and "36500 days" in str(ei.value)
+        assert led.drop_history(36500 * 86400, dry_run=True).dry_run
+    for bad in ("9999999d", "36501d", "5300w"):
+        assert main(["--db", db_url, "retention", "--older-than", bad, "--reason", "typo"]) == 2
+        err = capsys.readouterr().err
+        assert "--older-than" in err and "36500 days" in err
+    with Ledger.open(db_url) as led:
+        assert Audit(led).actions().items == []
+
+
+def test_a_recorded_cutoff_no_date_can_show_still_lists_in_actions(db_url: str,
+                                                                   capsys: Any) -> None:
+    with Ledger.open(db_url) as led:
+        led.drop_history(90 * 86400, reason="keep 90 days")
+    # What an older ledger recorded for --older-than 9999999d.
+    eng = create_engine(normalize_url(db_url))
+    try:
+        with eng.begin() as conn:
+            conn.execute(text(
+                "UPDATE events SET data = jsonb_set(data::jsonb, '{cutoff}', '-863999884800')::text"
+                if conn.dialect.name == "postgresql" else
+                "UPDATE events SET data = json_set(data, '$.cutoff', -863999884800)"))
+    finally:
+        eng.dispose()
+    assert main(["--db", db_url, "actions"]) == 0
+    assert "history before -8.64e+11 s since 1970" in capsys.readouterr().out
+
+
 def test_retention_command_shows_then_drops_and_records(db_url: str, capsys: Any) -> None:
     clock = ManualClock(_t(2026, 1))
     with Ledger.open(db_url, clock=clock) as led:
