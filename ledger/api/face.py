@@ -1056,6 +1056,9 @@ class Face(Generic[SessionT, OpenedT]):
                 days (``field="older_than"``), ``reason`` or ``by`` is not a short text.
             DatabaseUnavailable: a table stayed locked longer than the retention's lock
                 timeout; nothing was dropped (run it again).
+            DatabaseSetupError: on PostgreSQL, a role that does not own the ledger's tables
+                (``problem="schema_privilege"``; the message names the owner to run it as);
+                nothing was dropped or recorded.
 
         Example:
             >>> led.drop_history(90 * 86400, by="alice", dry_run=True)  # doctest: +SKIP

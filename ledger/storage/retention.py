@@ -21,6 +21,7 @@ totals over those hours read what is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -34,6 +35,7 @@ from ledger.domain.records import (
     Retention,
     RunStatus,
 )
+from ledger.errors import DatabaseSetupError, LedgerError, StorageError
 from ledger.storage import partitions as parts
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
@@ -69,10 +71,38 @@ class RetentionQueries:
         ledger clock's now, and record a ``retention`` event in the same transaction. On
         PostgreSQL the coming months' partitions are made first (not in a dry run)."""
         if self.ctx.partitioned:
-            if not dry_run:
-                parts.ensure_partitions(self.ctx, clock())
-            return self._partitions(older_than_s, clock, by, reason, dry_run)
+            try:
+                if not dry_run:
+                    parts.ensure_partitions(self.ctx, clock())
+                return self._partitions(older_than_s, clock, by, reason, dry_run)
+            except StorageError as e:
+                if _sqlstate(e) != "42501":
+                    raise
+                # Not a read-only ledger: this role may write rows but not make or drop
+                # tables (even a dry run splits the default partition, in a rolled-back
+                # transaction), and only the tables' owner may.
+                raise self._needs_owner(e) from e
         return self._rows(older_than_s, clock, by, reason, dry_run)
+
+    def _needs_owner(self, refused: StorageError) -> DatabaseSetupError:
+        """The error of a retention run the role may not make: it names the owner to run
+        it as (when the catalog says who owns the tables)."""
+        role = owner = database = None
+        with contextlib.suppress(LedgerError), self.ctx.reading() as conn:
+            role, owner, database = conn.execute(text(
+                "SELECT current_user, pg_get_userbyid(relowner), current_database() "
+                "FROM pg_class WHERE relname = 'attempts' "
+                "AND relnamespace = to_regnamespace(current_schema())::oid")).one()
+        said = str(getattr(refused.__cause__, "orig", None) or refused.__cause__ or refused)
+        return DatabaseSetupError(
+            f"role {_quoted(role, 'of this URL')} may not drop or create the history's "
+            f"partitions ({said.strip().splitlines()[0]}): retention (even --dry-run, which "
+            "splits the default partition in a transaction it rolls back) detaches, drops and "
+            "creates tables, which takes their owner; run `failover-ledger retention` (or "
+            f"drop_history) as {_quoted(owner, 'the role that owns the ledger tables')}, the "
+            "role that runs `failover-ledger db init`; nothing was dropped or recorded; "
+            "retrying will not help (docs/postgresql.md)",
+            url=self.ctx.where, problem="schema_privilege", database=database, role=role)
 
     # -- PostgreSQL: whole partitions -----------------------------------------------------
 
@@ -163,6 +193,16 @@ class RetentionQueries:
             event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
                                                     kept, actions), now)
         return Retention(cutoff, older_than_s, False, dropped, kept, actions, event)
+
+
+def _quoted(name: str | None, otherwise: str) -> str:
+    return f'"{name}"' if name else otherwise
+
+
+def _sqlstate(e: BaseException) -> str | None:
+    """The SQLSTATE of the driver error under the ledger error ``e``, if any."""
+    cause = e.__cause__
+    return getattr(getattr(cause, "orig", None) or cause, "sqlstate", None)
 
 
 def _split_default(conn: Connection, cutoff: float) -> None:

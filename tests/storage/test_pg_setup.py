@@ -30,6 +30,7 @@ from ledger import AsyncLedger, ConfigError, DatabaseSetupError, DatabaseUnavail
 from ledger.cli.main import main
 from ledger.clock import ManualClock
 from ledger.errors import InvalidArgument
+from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage.migrate import head_revision
@@ -376,9 +377,10 @@ def _documented_grants() -> str:
     return block
 
 
-@pytest.mark.postgres
-def test_a_runtime_role_with_the_documented_grants_runs_the_ledger_the_owner_migrated(
-        pg_server: PgServer, capsys: pytest.CaptureFixture[str]) -> None:
+def _documented_setup(pg_server: PgServer,
+                      capsys: pytest.CaptureFixture[str]) -> tuple[str, str, str, str]:
+    """A ledger made by ``db init`` as its owner, and the runtime role granted as the page
+    says: (owner, runtime role, database, the owner's part of the grants)."""
     owner, app, db = _name("owner"), _name("app"), _name("ledger")
     pg_server.psql(f"CREATE ROLE {owner} LOGIN CREATEDB")
     rc, rep, err = _init(capsys, _url(pg_server, owner, db))
@@ -389,6 +391,13 @@ def test_a_runtime_role_with_the_documented_grants_runs_the_ledger_the_owner_mig
         for part in _documented_grants().split("-- as ledger_owner, in the ledger database:"))
     pg_server.psql(superuser)
     pg_server.psql(f"SET ROLE {owner};\n{as_owner}", db=db)
+    return owner, app, db, as_owner
+
+
+@pytest.mark.postgres
+def test_a_runtime_role_with_the_documented_grants_runs_the_ledger_the_owner_migrated(
+        pg_server: PgServer, capsys: pytest.CaptureFixture[str]) -> None:
+    owner, app, db, as_owner = _documented_setup(pg_server, capsys)
 
     clock = ManualClock(T0)
     url = _url(pg_server, app, db)
@@ -422,3 +431,46 @@ def test_a_runtime_role_with_the_documented_grants_runs_the_ledger_the_owner_mig
     err = _setup_error(lambda: Ledger.open(_url(pg_server, app, older)), "schema_privilege")
     assert "0004" in str(err) and head_revision() in str(err)
     assert pg_server.psql("SELECT version_num FROM alembic_version", db=older).strip() == "0004"
+
+
+def _finished_run(led: Ledger, clock: ManualClock, run_id: str, at: float) -> None:
+    clock.set(at)
+    led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+    lease = led.acquire_lease(run_id, ttl_s=30)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e1", reserve="0.01")
+    led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=10,
+                       completion_tokens=5, cost=Decimal("0.004"))
+    led.finish_run(lease, "succeeded")
+    led.release_lease(lease)
+
+
+@pytest.mark.postgres
+def test_retention_as_the_runtime_role_is_a_setup_error_naming_the_owner(
+        pg_server: PgServer, capsys: pytest.CaptureFixture[str]) -> None:
+    owner, app, db, _ = _documented_setup(pg_server, capsys)
+    clock = ManualClock(T0)
+    # The owner's history lands in its month's partition (its open made it); the runtime
+    # role's, of a month without one, in the default partition, which retention splits.
+    with Ledger.open(_url(pg_server, owner, db), clock=clock) as led:
+        _finished_run(led, clock, "in-a-partition", T0)
+    with Ledger.open(_url(pg_server, app, db), clock=clock) as led:
+        _finished_run(led, clock, "in-the-default", T0 - 400 * 86400)
+    later = ManualClock(T0 + 400 * 86400)
+    with Ledger.open(_url(pg_server, app, db), clock=later) as led:
+        for dry_run in (True, False):
+            err = _setup_error(lambda d=dry_run: led.drop_history(90 * 86400, dry_run=d),
+                               "schema_privilege")
+            assert f'role "{app}"' in str(err) and f'"{owner}"' in str(err), str(err)
+            assert "failover-ledger retention" in str(err) and "read-only" not in str(err)
+        for dry in ([], ["--dry-run"]):
+            assert main(["--db", _url(pg_server, app, db), "retention", "--older-than", "90d",
+                         *dry]) == 2
+            assert "failover-ledger retention" in capsys.readouterr().err
+        # Without old rows in the default partition only dropping needs the owner.
+        pg_server.psql("DELETE FROM attempts_default; DELETE FROM events_default", db=db)
+        assert led.drop_history(90 * 86400, dry_run=True).dropped  # a dry run: no DDL
+        err = _setup_error(lambda: led.drop_history(90 * 86400), "schema_privilege")
+        assert f'"{owner}"' in str(err) and "read-only" not in str(err), str(err)
+    with Ledger.open(_url(pg_server, owner, db), clock=later) as led:
+        assert Audit(led).actions(kinds=["retention"]).items == []
+        assert led.drop_history(90 * 86400).dropped  # the owner may
