@@ -50,13 +50,29 @@ SECRET_OPTIONS = frozenset({"password", "sslpassword", "oauth_client_secret"})
 _QUERY_PAIR = re.compile(r"([?&])([^&=?]*)=([^&]*)")
 
 
+# What may follow the '@' that ends a URL's user part: hosts, a path and a query whose names
+# hold no '@' (a raw '@' there can only be in a query value).
+_AFTER_USER = re.compile(r"[^/?#@]*(?:/[^?#@]*)?"
+                         r"(?:\?[^&#=@]*(?:=[^&#]*)?(?:&[^&#=@]*(?:=[^&#]*)?)*)?(?:#.*)?", re.S)
+_AT_VALUE = re.compile(r"([?&][^&#=]*=)[^&#]*(?=@[^&#@]*(?:[&#]|$))")
+
+
 def redact_url(url: str) -> str:
     """The URL without its password (in its user part, or as ``password=``, ``sslpassword=``
     or another of :data:`SECRET_OPTIONS`), for messages and logs."""
     start = url.find("://") + 3
-    if start >= 3 and PASSWORD_USER.match(url, start):
-        # Up to the *last* '@': a password holding a raw '@' shows none of itself either.
-        url = url[:url.index(":", start)] + ":***" + url[url.rindex("@"):]
+    ats = [i for i, ch in enumerate(url) if ch == "@" and i >= start] if start >= 3 else []
+    if ats:
+        # Which '@' ends the user part cannot always be told (a raw '@' in the password, or in
+        # a query value): the first one the rest of the URL can follow, so that the host shown
+        # is the host; failing that, the last one, so a password shows none of itself.
+        end = next((at for at in ats if _AFTER_USER.fullmatch(url, at + 1)), ats[-1])
+        if PASSWORD_USER.match(url[:end + 1], start):
+            colon = url.index(":", start)
+            url, end = url[:colon] + ":***" + url[end:], colon + len(":***")
+        if "@" in url[end + 1:]:
+            # Read the other way, a query value up to its '@' would be the password's end.
+            url = url[:end + 1] + _AT_VALUE.sub(r"\1***", url[end + 1:])
 
     def pair(m: re.Match[str]) -> str:
         # SQLAlchemy decodes a percent-escaped name; one in another case (which libpq refuses,

@@ -52,7 +52,9 @@ EXAMPLE = ("postgresql+psycopg://USER@/DBNAME?host=HOST1,HOST2&port=PORT1,PORT2 
 
 def _refuse(where: str, fault: str, *, hosts: bool = True) -> InvalidArgument:
     hint = f"; write several hosts as {EXAMPLE}" if hosts else ""
-    return InvalidArgument(f"database URL {where}: {fault}{hint}", field="url")
+    # Quoted: the redaction of messages reads an option's ``***`` with a ':' after it as a
+    # value of its own, and would eat the ':'.
+    return InvalidArgument(f"database URL {where!r}: {fault}{hint}", field="url")
 
 
 def _split_hosts(text: str) -> list[str]:

@@ -175,6 +175,30 @@ def test_no_secret_libpq_option_is_shown_in_a_message_or_its_fields(option: str)
         assert "TOPSECRET" not in _shown(error), _shown(error)
 
 
+@pytest.mark.parametrize(("url", "shown"), [
+    # A raw '@' in a query value: the host stays the host, the value up to its '@' is hidden
+    # (read the other way it would be the end of a password).
+    ("postgresql://u:TOPSECRET@127.0.0.1:5432/db?application_name=x@y",
+     "postgresql://u:***@127.0.0.1:5432/db?application_name=***@y"),
+    ("postgresql://u:TOP@SECRET@127.0.0.1:5432/db?application_name=x@y",
+     "postgresql://u:***@127.0.0.1:5432/db?application_name=***@y"),
+    ("postgresql://u@127.0.0.1:5432/db?application_name=TOPSECRET@x",
+     "postgresql://u@127.0.0.1:5432/db?application_name=***@x"),
+    # A hidden option followed by the message's ':' keeps both.
+    ("postgresql://u@127.0.0.1:5432/db?PASSWORD=TOPSECRET",
+     "postgresql+psycopg://u@127.0.0.1:5432/db?PASSWORD=***"),
+    ("postgresql://u@127.0.0.1:5432/db?password=a&password=TOPSECRET",
+     "postgresql+psycopg://u@127.0.0.1:5432/db?password=***&password=***"),
+])
+def test_a_refused_url_is_shown_with_its_own_host_and_no_secret(
+        url: str, shown: str, no_name_lookup: list[Any]) -> None:
+    for error in _opened_both_ways(url):
+        assert isinstance(error, InvalidArgument), _shown(error)
+        assert f"database URL {shown!r}" in str(error), str(error)
+        assert "SECRET" not in _shown(error) and "[REDACTED]" not in str(error), str(error)
+    assert no_name_lookup == []
+
+
 @pytest.mark.parametrize("password", ["TOP/SECRET", "TOP?SECRET", "TOP#SECRET",
                                       "Zx9+/TOPSECRET=", "TOP:SE/CR?ET"])
 @pytest.mark.parametrize("hosts", [1, 2])
