@@ -169,13 +169,13 @@ def _media_part(block: dict[str, Any], role: str, data_class: str) -> Part:
     except InvalidArgument as e:
         if e.field == "messages":
             raise
-        raise InvalidArgument(f"a {kind} content block cannot be sent: {e.message}",
+        raise InvalidArgument(f"the {kind} content block cannot be sent: {e.message}",
                               field="messages", part_field=e.field) from e
     except ValueError as e:
-        raise InvalidArgument(f"a {kind} content block's base64 is not valid: {e}",
+        raise InvalidArgument(f"the {kind} content block's base64 is not valid: {e}",
                               field="messages") from e
     raise InvalidArgument(
-        f"a {kind} content block without base64 or url cannot be sent (a provider file id is "
+        f"the {kind} content block without base64 or url cannot be sent (a provider file id is "
         "one provider's; the ledger never fetches): pass the bytes as base64 or an https:// "
         "url", field="messages")
 

@@ -201,7 +201,7 @@ def _media_part(item: Any, data_class: str) -> Part:
     kind = getattr(item, "kind", type(item).__name__)
     if isinstance(item, ImageUrl | DocumentUrl) and item.force_download:
         raise InvalidArgument(
-            f"a {kind} with force_download=True asks for the file to be downloaded, and the "
+            f"this {kind} with force_download=True asks for the file to be downloaded, and the "
             "ledger never fetches a URL; download it and pass BinaryContent, or leave "
             "force_download False so the provider fetches the link", field="messages")
     try:

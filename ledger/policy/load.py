@@ -337,7 +337,7 @@ def _load_file(path: Path) -> Policy:
             errors=[("<yaml>", _shown(e), "write plain YAML: mappings, lists, names, numbers")],
         ) from e
     if not isinstance(data, dict):
-        kind = "empty" if data is None else f"a {type(data).__name__}"
+        kind = "empty" if data is None else f"a YAML {type(data).__name__}"
         raise PolicyError(
             f"{file}: a policy file must be a mapping of sections, but it is {kind}",
             file=file,

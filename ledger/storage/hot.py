@@ -35,6 +35,7 @@ from ledger.domain.records import (
     from_micros,
 )
 from ledger.domain.specs import BeginSpec, GroupUpdate, HealthUpdate, SettleSpec
+from ledger.domain.timefmt import when
 from ledger.domain.values import GroupMode, GroupProjection, Health
 from ledger.errors import (
     AllowanceExhausted,
@@ -743,8 +744,8 @@ def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock:
     live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
     if live and row.lease_holder != executor:
         raise LeaseHeld(
-            f"run {run_id!r} is leased by {row.lease_holder!r} until "
-            f"{row.lease_expires_at}; wait for it to expire or for recovery",
+            f"run {run_id!r} is leased by {row.lease_holder!r}, its lease expiring "
+            f"{when(float(row.lease_expires_at), now)}; wait for it to expire or for recovery",
             run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at,
         )
     if live and lease_problem(row.lease_holder, row.lease_expires_at, executor, now,

@@ -84,8 +84,10 @@ def test_lease_fence_and_stale_executor_refused_everywhere(led: Ledger, clock: M
     led.admit_run("r1", plan=routes(), budget=budget())
     old = led.acquire_lease("r1", ttl_s=30, executor_id="w1")
     att = led.begin_attempt(old, route="a", envelope_hash="sha256:e", reserve="0.1")
-    with pytest.raises(LeaseHeld):
+    with pytest.raises(LeaseHeld) as held:
         led.acquire_lease("r1", executor_id="w2")
+    # The expiry as a reader acts on it, not an epoch float.
+    assert "its lease expiring in 30 s (" in str(held.value) and "Z)" in str(held.value)
     clock.advance(31)
     new = led.acquire_lease("r1", executor_id="w2")
     assert new.fence == old.fence + 1
