@@ -42,10 +42,14 @@ def fake() -> Iterator[FakeProvider]:
         yield fp
 
 
+def _route(fake: FakeProvider) -> Route:
+    return Route(id="primary", provider="pa", model="m-a", group="ga", recipient="ra",
+                 endpoint=fake.endpoint("openai"), profiles=[Profile(id="p:a")],
+                 price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))
+
+
 def _fill(url: str, fake: FakeProvider) -> None:
-    route = Route(id="primary", provider="pa", model="m-a", group="ga", recipient="ra",
-                  endpoint=fake.endpoint("openai"), profiles=[Profile(id="p:a")],
-                  price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))
+    route = _route(fake)
     env = Envelope(parts=[Part(content="Summarise the filing.")], stream=True,
                    max_output_tokens=64)
     behaviours = {"cut": Behavior(fault=Fault.STREAM_CUT), "answered": Behavior(),
@@ -176,13 +180,10 @@ def test_an_unreadable_whole_answer_posts_its_hold_in_every_report(
     and may bill it, so the whole hold is posted (it is not the provider's error verdict, which
     posts nothing), and the audit, replay and reconcile read the row the same way."""
     fake.clear()
-    route = Route(id="primary", provider="pa", model="m-a", group="ga", recipient="ra",
-                  endpoint=fake.endpoint("openai"), profiles=[Profile(id="p:a")],
-                  price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))
     with Ledger.open(db_url) as led:
         fake.enqueue(Behavior(fault=Fault.MALFORMED_EVENT))
         with pytest.raises(FailoverExhausted), led.run(
-                "unreadable", plan=[route], secrets=SECRETS,
+                "unreadable", plan=[_route(fake)], secrets=SECRETS,
                 budget=Budget(max_calls=1, max_retries=0, max_cost=Decimal("1")),
                 grant=Grant(recipients={"ra": ["user_input"]})) as run:
             run.turn(Envelope(parts=[Part(content="Summarise the filing.")],

@@ -14,15 +14,15 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import create_engine, text
 
-from ledger.adapters import StaticSecretProvider
 from ledger.api.facade import Ledger
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.values import Budget, Grant, Price, Profile, Route
+from ledger.domain.values import Budget, Grant
 from ledger.errors import FailoverExhausted
 from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
 from ledger.storage.engine import normalize_url
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+from tests.fakeplan import plan
 
 from .helpers import downgrade_schema
 
@@ -38,15 +38,12 @@ def fake() -> Iterator[FakeProvider]:
 def _settled_the_old_way(url: str, fake: FakeProvider) -> str:
     """A Run whose one Attempt got an unreadable 200, with its money as the old rule left it:
     nothing posted on the debit or the Run (the package of 0016 did exactly that)."""
-    route = Route(id="primary", provider="pa", model="m-a", group="ga", recipient="ra",
-                  endpoint=fake.endpoint("openai"), profiles=[Profile(id="p:a")],
-                  price=Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2)))
     with Ledger.open(url) as led:
         fake.enqueue(Behavior(fault=Fault.MALFORMED_EVENT))
         with pytest.raises(FailoverExhausted), led.run(
-                "old", plan=[route], secrets=StaticSecretProvider({"p:a": "key-a"}),
+                "old", plan=plan(fake)[:1],
                 budget=Budget(max_calls=1, max_retries=0, max_cost=Decimal("1")),
-                grant=Grant(recipients={"ra": ["user_input"]})) as run:
+                grant=Grant(recipients={"fake": ["user_input"]})) as run:
             run.turn(Envelope(parts=[Part(content="Summarise.")], max_output_tokens=64),
                      reserve=HOLD)
         [att] = led.timeline("old")
