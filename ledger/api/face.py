@@ -23,6 +23,7 @@ without importing the module that imports them.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from decimal import Decimal
@@ -421,12 +422,15 @@ class Face(Generic[SessionT, OpenedT]):
 
         Plan, grant, budget, policy, role, parent, deadline: a
         :class:`~ledger.domain.records.FrozenRun`.
-        Its live counters are :meth:`get_run`'s.
+        Its live counters are :meth:`get_run`'s. Each call returns a copy of its own: changing
+        its lists or mappings (the policy's JSON, the labels, the plan) changes nothing the
+        Run decides by.
 
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from self._frozen(run_id))
+        # The cache is what the turns read (the policy is parsed from it): never handed out.
+        return copy.deepcopy((yield from self._frozen(run_id)))
 
     def _frozen(self, run_id: str) -> Flow[FrozenRun]:
         """:meth:`frozen_run`, for a ``run_id`` already checked."""

@@ -68,3 +68,18 @@ def test_invariant5_a_policy_changed_in_place_by_a_caller_changes_no_later_run(
     led.run_policy("r").moves_on.clear()
     assert policy_hash(led.run_policy("r")) == from_file
     assert led.run_policy("r").moves_on
+
+
+def test_invariant5_a_frozen_run_changed_in_place_by_a_caller_changes_nothing_the_run_reads(
+        led: Ledger) -> None:
+    # frozen_run hands out what the turns read; before the Run's policy is first parsed, its
+    # JSON changed in place would have become the policy the Run decides by.
+    rec = led.admit_run("r", plan=routes(), policy="goclaw", labels={"team": "a"},
+                        budget={"max_calls": 3, "max_retries": 1, "max_cost": 1})
+    mine = led.frozen_run("r")
+    mine.policy["moves_on"].clear()
+    mine.labels["team"] = "b"
+    mine.plan.clear()
+    again = led.frozen_run("r")
+    assert again.policy["moves_on"] and again.labels == {"team": "a"} and again.plan
+    assert policy_hash(led.run_policy("r")) == rec.policy_hash
