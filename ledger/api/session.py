@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
 
@@ -112,9 +114,12 @@ class _SessionCore:
         adapter, secrets = terms.pop("adapter", None), terms.pop("secrets", None)
         check_lease_ttl(ttl, lease_margin_s, field="lease_ttl_s",
                         fix="pass a longer lease_ttl_s (e.g. 30)")
-        if adapter is not None and not isinstance(adapter, adapter_kind):
-            other = "AsyncLedger.run" if adapter_kind.__name__ == "SyncAdapter" else "Ledger.run"
-            raise InvalidArgument(f"adapter must be a ledger.adapters.{adapter_kind.__name__} "
+        # The adapters' module is looked up only for an adapter given (its caller imported it
+        # already): the first import costs some 0.2 s, which an event loop must not wait.
+        if adapter is not None and not isinstance(
+                adapter, getattr(importlib.import_module("ledger.adapters"), adapter_kind)):
+            other = "AsyncLedger.run" if adapter_kind == "SyncAdapter" else "Ledger.run"
+            raise InvalidArgument(f"adapter must be a ledger.adapters.{adapter_kind} "
                                   f"(got {type(adapter).__name__}); the other kind is for "
                                   f"{other}", field="adapter")
         if secrets is not None and adapter is not None:
@@ -246,8 +251,10 @@ class _SessionCore:
             parent._outcome = status  # the parent's last piece of work was this Child Run
 
     @staticmethod
-    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
+    def _ledger_kind(ledger: Any) -> tuple[float, str]:
         """The ledger's lease margin and the adapter class a session of this kind sends with.
+
+        The class is named (in :mod:`ledger.adapters`), not imported: see ``__init__``.
 
         A ledger of the other kind (sync for async) is refused with InvalidArgument.
         """
@@ -444,13 +451,11 @@ class RunSession(_SessionCore):
     ledger: SyncFace[Any, Any]
 
     @staticmethod
-    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
-        from ledger.adapters import SyncAdapter
-
+    def _ledger_kind(ledger: Any) -> tuple[float, str]:
         if not isinstance(ledger, SyncFace):
             raise InvalidArgument("ledger must be a ledger.Ledger (the other kind's sessions "
                                   "come from AsyncLedger.run)", field="ledger")
-        return ledger.lease_margin_s, SyncAdapter
+        return ledger.lease_margin_s, "SyncAdapter"
 
     # -- the block -------------------------------------------------------------------------
 
@@ -636,17 +641,19 @@ class AsyncRunSession(_SessionCore):
     ledger: AsyncFace[Any, Any]
 
     @staticmethod
-    def _ledger_kind(ledger: Any) -> tuple[float, type[Any]]:
-        from ledger.adapters import HttpAdapter
-
+    def _ledger_kind(ledger: Any) -> tuple[float, str]:
         if not isinstance(ledger, AsyncFace):
             raise InvalidArgument("ledger must be a ledger.AsyncLedger (the other kind's sessions "
                                   "come from Ledger.run)", field="ledger")
-        return ledger.lease_margin_s, HttpAdapter
+        return ledger.lease_margin_s, "HttpAdapter"
 
     async def __aenter__(self) -> AsyncRunSession:
         from ledger.api.lease import AsyncLeaseKeeper
 
+        if "ledger.adapters" not in sys.modules:
+            # The first import of the adapters (httpx, the protocols) takes some 0.2 s: off the
+            # event loop, which the session must never hold up.
+            await asyncio.to_thread(importlib.import_module, "ledger.adapters")
         self._enter()
         self.record = await self.ledger.admit_run(
             self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
