@@ -34,7 +34,7 @@ import contextlib
 import importlib
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
@@ -138,7 +138,9 @@ class _SessionCore:
         self.record: RunRecord | None = None
         self._state = "new"  # new -> open -> ended
         self._calls: dict[str, tuple[str, str]] = {}  # tool-call id -> (attempt id, tool name)
-        self._sending: Dispatch | None = None  # the Attempt whose request is on the wire
+        # The Attempts whose requests are on the wire, by id: turns of one session may run at
+        # once (threads, tasks), and the exit must find every one.
+        self._sending: dict[str, Dispatch] = {}
         self._hashes = PartHashes()  # the conversation's parts, each hashed once
         # How the block's last piece of work ended (a turn, or a Child Run it held): the
         # status the Run ends in when the block is left normally. None: no turn was tried.
@@ -190,8 +192,7 @@ class _SessionCore:
                 raise keeper.error
             return
         status = self._end_status(exc)
-        abandoned = self._sending
-        if abandoned is not None:
+        for abandoned in list(self._sending.values()):
             # A turn left in the middle of its send: an async generator the host stopped
             # reading and has not closed yet, a thread still waiting on the provider. Its
             # request may have left, so its Attempt is marked unknown (hold kept, never sent
@@ -326,8 +327,22 @@ class _SessionCore:
         child._parent = self
         return child
 
-    def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None
-                 ) -> Callable[[Any], Any] | None:
+    @contextlib.contextmanager
+    def _on_wire(self, d: Dispatch, mine: list[Dispatch]) -> Iterator[None]:
+        """While a turn's send runs, its Attempt is in flight.
+
+        ``mine`` holds it for the turn's own stream callback, ``_sending`` for the exit.
+        """
+        mine[:] = [d]
+        self._sending[d.attempt_id] = d
+        try:
+            yield
+        finally:
+            self._sending.pop(d.attempt_id, None)
+            mine.clear()
+
+    def _watcher(self, on_text: TextCallback | None, on_event: EventCallback | None,
+                 mine: list[Dispatch]) -> Callable[[Any], Any] | None:
         """The stream callback of a turn, or ``None`` when the caller watches nothing.
 
         Text goes to ``on_text``, every event to ``on_event``, tool-call proposals are
@@ -340,8 +355,9 @@ class _SessionCore:
             return None
 
         def watch(event: Any) -> Any:
-            if isinstance(event, ToolCallProposal) and self._sending is not None:
-                self._calls[event.call.id] = (self._sending.attempt_id, event.call.name)
+            if isinstance(event, ToolCallProposal) and mine:
+                # This turn's Attempt: another turn of the session may be sending too.
+                self._calls[event.call.id] = (mine[0].attempt_id, event.call.name)
             if on_text is not None and isinstance(event, TextDelta):
                 out = on_text(event.text)
                 if on_event is None:
@@ -390,8 +406,8 @@ class _SessionCore:
 
     def _mark_started(self, call_id: str) -> str:
         attempt_id, _name = self._call(call_id)
-        d = self._sending
-        if d is not None and d.attempt_id == attempt_id:
+        d = self._sending.get(attempt_id)
+        if d is not None:
             d.progress.tool_started = True  # a failure of this Attempt may not move on now
         return attempt_id
 
@@ -529,16 +545,16 @@ class RunSession(_SessionCore):
         from ledger.api.turn import execute
 
         self._check_open()
+        mine: list[Dispatch] = []
+        led = self.ledger
         inner = send or sync_sender(
-            self._adapter, on_event=self._watcher(on_text, on_event),
-            limits=self.ledger.run_policy(self.run_id).streaming)
+            self._adapter, on_event=self._watcher(on_text, on_event, mine),
+            # The Run's cached policy, read only (run_policy hands out a copy).
+            limits=led._runner.run(led._policy(self.run_id)).streaming)
 
         def tracked(d: Dispatch) -> SendResult:
-            self._sending = d
-            try:
+            with self._on_wire(d, mine):
                 return inner(d)
-            finally:
-                self._sending = None
 
         try:
             result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
@@ -703,16 +719,15 @@ class AsyncRunSession(_SessionCore):
         from ledger.api.turn import aexecute
 
         self._check_open()
+        mine: list[Dispatch] = []
+        led = self.ledger
         inner = send or async_sender(
-            self._adapter, on_event=self._watcher(on_text, on_event),
-            limits=(await self.ledger.run_policy(self.run_id)).streaming)
+            self._adapter, on_event=self._watcher(on_text, on_event, mine),
+            limits=(await led._runner.arun(led._policy(self.run_id))).streaming)
 
         async def tracked(d: Dispatch) -> SendResult:
-            self._sending = d
-            try:
+            with self._on_wire(d, mine):
                 return await inner(d)
-            finally:
-                self._sending = None
 
         try:
             result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,

@@ -134,6 +134,42 @@ def test_a_block_left_while_its_turn_is_still_sending_ends_the_run_cancelled_and
                for r in caplog.records)
 
 
+def test_a_block_left_while_two_turns_are_sending_marks_both_unknown(
+        db_url: str, fake: FakeProvider) -> None:
+    """Two turns of one session in flight at once (two tasks): leaving the block marks each
+    one's Attempt unknown, its hold kept. The exit knew only the last one to start sending,
+    so the other stayed dispatching and the lease could not be released."""
+    async def main() -> tuple[Any, list[Any]]:
+        async with AsyncLedger.open(db_url) as led:
+            sending = [asyncio.Event(), asyncio.Event()]
+
+            def hangs(i: int) -> Any:
+                async def send(_d: Dispatch) -> SendResult:
+                    sending[i].set()
+                    await asyncio.Event().wait()
+                    raise AssertionError("unreachable")
+                return send
+
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                tasks = [asyncio.create_task(run.turn(
+                    Envelope(parts=[Part(content=f"question {i}")]), send=hangs(i)))
+                    for i in range(2)]
+                for ev in sending:
+                    await ev.wait()
+            rec, atts = await led.get_run("r"), await led.timeline("r")
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            return rec, atts
+
+    rec, atts = asyncio.run(main())
+    assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
+    assert len(atts) == 2
+    assert all(a.state is AttemptState.UNKNOWN and a.debit_state.value == "reserved"
+               for a in atts)
+
+
 # -- stops the host caught ------------------------------------------------------------------
 
 
