@@ -311,6 +311,15 @@ def test_a_stop_says_an_unknown_attempt_may_have_run_and_keeps_its_hold(
     assert led.events("r", ["stop"])[-1].data["candidates"] == err.fields["candidates"]
 
 
+def test_a_stop_says_a_refused_connection_was_not_sent(led: Ledger) -> None:
+    # Nothing left the process: no money owed, nothing that may have run.
+    plan = [route("a", "ga", f"http://127.0.0.1:{closed_port()}/v1")]
+    err = stopped(led, "r", plan)
+    [line] = err.fields["candidates"]
+    assert line.startswith("a: not sent: "), line
+    assert "connect_refused" in line, line
+
+
 def test_max_calls_zero_stops_on_the_call_allowance(led: Ledger, fake: FakeProvider) -> None:
     plan = [route("a", "ga", fake.endpoint("openai"))]
     err = stopped(led, "r", plan,
