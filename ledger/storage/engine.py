@@ -111,12 +111,6 @@ def parse(url: str) -> tuple[str, URL]:
             "postgresql+psycopg://",
             field="url",
         )
-    if name == "postgresql" and not database_name(parsed):
-        # libpq would connect to the database named after the user (often the server's own
-        # ``postgres``) and the ledger would make its schema there: refused on every path.
-        raise InvalidArgument(
-            f"{redact_url(norm)} names no database; add it to the URL: "
-            "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
     return norm, parsed
 
 
@@ -210,7 +204,16 @@ def postgres_driver(norm: str, parsed: URL) -> None:
 def postgres_conninfo(norm: str, parsed: URL, *, reads: bool = False) -> str:
     """The libpq connection string of a PostgreSQL URL (psycopg 3 only; every spelling of
     several hosts: :mod:`ledger.storage.pgurl`), checked without any name lookup; ``reads``:
-    of a read replica (read-only sessions, a standby preferred)."""
+    of a read replica (read-only sessions, a standby preferred).
+
+    Every PostgreSQL path goes through it (a store, a read replica, ``db init``), so a URL
+    that names no database is refused here: libpq would connect to the database named after
+    the user (often the server's own ``postgres``) and the ledger would make its schema there.
+    """
+    if not database_name(parsed):
+        raise InvalidArgument(
+            f"{redact_url(norm)} names no database; add it to the URL: "
+            "postgresql+psycopg://user:password@host:port/DBNAME", field="url")
     postgres_driver(norm, parsed)
     return conninfo(parsed, redact_url(norm), reads=reads)
 

@@ -72,7 +72,7 @@ class PostgresContext(SqlContext):
         where = redact_url(norm)
         conninfo = eng.postgres_conninfo(norm, parsed)  # checks the driver is installed
         database = eng.database_name(parsed)
-        assert database is not None  # eng.parse refuses a URL that names none
+        assert database is not None  # postgres_conninfo refused a URL that names none
         try:
             with mapped(where), _connected(conninfo):
                 return False  # it exists (and this role may connect to it)
