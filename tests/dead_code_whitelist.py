@@ -84,4 +84,5 @@ _.restart, _.psql, _.cleanup  # pgserver.PgServer (docs/reference.md, "The test 
 
 # -- public operations no library code calls (documented in docs/reference.md) --------------
 _.set_group_state  # Ledger.set_group_state: an operator's cooldown or outage notice
-_.run_policy  # Ledger.run_policy: a host reads its Run's policy (a copy; turns read the cache)
+_.run_policy, _.frozen_run  # a host reads its Run's policy or frozen terms (copies; the
+#                              turns and sessions read the caches)

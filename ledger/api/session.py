@@ -312,7 +312,8 @@ class _SessionCore:
             raise InvalidArgument("a child session's parent is this Run; do not pass parent",
                                   field="parent")
         led = self.ledger.sync if self.ledger.awaiting else self.ledger
-        frozen = led.frozen_run(self.run_id)  # cached since the block was entered
+        # Cached since the block was entered, and only read (frozen_run hands out a copy).
+        frozen = led._runner.run(led._frozen(self.run_id))
         options = cast(SessionOptions, {
             **terms, "budget": budget, "plan": frozen.plan if plan is None else plan,
             "grant": grant, "role": frozen.role if role is None else role,
@@ -675,7 +676,7 @@ class AsyncRunSession(_SessionCore):
             self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
         # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
         # before the lease is taken: an entry that fails holds nothing (no exit will run).
-        await self.ledger.frozen_run(self.run_id)
+        await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
         lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
         self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
         if self._adapter is None:

@@ -968,16 +968,16 @@ class TurnLoop:
               ) -> FailoverExhausted:
         if decision is not None:
             why = decision.reason.value if decision.reason else "no_candidate"
-            detail_ = decision.detail
+            said = decision.detail
             if decision.reason is Reason.NO_CANDIDATE:
-                detail_ += _reopening_note(turn.reopens_at, turn.bound, turn.now)
+                said += _reopening_note(turn.reopens_at, turn.bound, turn.now)
         elif isinstance(error, BudgetExceeded):
-            why, detail_ = "budget", str(error)
+            why, said = "budget", str(error)
         elif isinstance(error, CapacityUnavailable):
-            why, detail_ = "no_candidate", str(error)
+            why, said = "no_candidate", str(error)
         else:
-            why, detail_ = "retry_allowance", str(error) if error else ""
-        why, detail = reason or why, detail or detail_
+            why, said = "retry_allowance", str(error) if error else ""
+        why, detail = reason or why, detail or said
         errors = list(turn.errors)
         if decision is not None and decision.reason is Reason.CALL_ALLOWANCE and not errors:
             route = turn.plan[0].id if turn.plan else None

@@ -154,8 +154,8 @@ def test_a_waiter_past_its_bound_leaves_nothing_behind_and_names_group_limit_and
                                  reserve="0").state is AttemptState.DISPATCHING
 
 
-def test_a_route_whose_queue_wait_timed_out_is_said_not_sent_never_failed(
-        db_url: str, fake: FakeProvider) -> None:
+def _waited_out(db_url: str, fake: FakeProvider) -> FailoverExhausted:
+    """Run "w"'s turn, queued behind a held slot of its only group until its wait ran out."""
     clock = ManualClock(1_800_000_000.0)
     with Ledger.open(db_url, clock=clock) as led:
         route = _route(fake)
@@ -163,11 +163,17 @@ def test_a_route_whose_queue_wait_timed_out_is_said_not_sent_never_failed(
         with pytest.raises(FailoverExhausted) as ei, led.run(
                 "w", plan=[route], budget=BUDGET, grant=GRANT, lease_ttl_s=3600) as run:
             run.turn(ENV)
-        [line] = ei.value.fields["candidates"]
-        assert line.startswith("a: not sent: capacity group 'ga' stayed full"), line
-        assert "failed" not in str(ei.value)
-        assert [(s["route"], s["detail"]) for s in ei.value.fields["skipped"]] == [
-            ("a", "already tried in this turn")]
+    return ei.value
+
+
+def test_a_route_whose_queue_wait_timed_out_is_said_not_sent_never_failed(
+        db_url: str, fake: FakeProvider) -> None:
+    err = _waited_out(db_url, fake)
+    [line] = err.fields["candidates"]
+    assert line.startswith("a: not sent: capacity group 'ga' stayed full"), line
+    assert "failed" not in str(err)
+    assert [(s["route"], s["detail"]) for s in err.fields["skipped"]] == [
+        ("a", "already tried in this turn")]
 
 
 def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
@@ -324,13 +330,7 @@ def test_a_dead_waiters_place_is_reclaimed_when_its_lease_expires(
 
 def test_run_show_says_how_long_a_turn_waited_for_which_group(
         db_url: str, fake: FakeProvider) -> None:
-    clock = ManualClock(1_800_000_000.0)
-    with Ledger.open(db_url, clock=clock) as led:
-        route = _route(fake)
-        _hold(led, route)
-        with pytest.raises(FailoverExhausted), led.run(
-                "w", plan=[route], budget=BUDGET, grant=GRANT, lease_ttl_s=3600) as run:
-            run.turn(ENV)
+    _waited_out(db_url, fake)
     show = subprocess.run([sys.executable, "-m", "ledger.cli.main", "--db", db_url, "run",
                            "show", "w"], capture_output=True, text=True, cwd=REPO,
                           timeout=PATIENCE_S)
