@@ -7,7 +7,7 @@ kind's :meth:`~ledger.api.face.Face.run` gives (:mod:`ledger.api.session`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Annotated, Any
 
 from ledger.api.arguments import SessionOptions
@@ -107,18 +107,41 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         return RunSession(self, run_id, options)
 
 
-class _Opening:
-    """An AsyncLedger being opened: awaitable, or used as ``async with``."""
+class _Opening(Coroutine[Any, Any, "AsyncLedger"]):
+    """An AsyncLedger being opened: awaited, used as ``async with``, or run as a coroutine.
+
+    It is a real coroutine (``asyncio.run``, ``asyncio.create_task`` take it), started only
+    when awaited or run: ``async with`` never starts it, so no "never awaited" warning.
+    """
 
     def __init__(self, make: Callable[[], AsyncLedger]) -> None:
         self._make = make
         self._led: AsyncLedger | None = None
+        self._coro: Coroutine[Any, Any, AsyncLedger] | None = None
+
+    async def _opened(self) -> AsyncLedger:
+        return await asyncio.to_thread(self._make)
+
+    def _started(self) -> Coroutine[Any, Any, AsyncLedger]:
+        if self._coro is None:
+            self._coro = self._opened()
+        return self._coro
 
     def __await__(self) -> Generator[Any, None, AsyncLedger]:
-        return asyncio.to_thread(self._make).__await__()
+        return self._started().__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._started().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        return self._started().throw(typ, val, tb)
+
+    def close(self) -> None:
+        if self._coro is not None:
+            self._coro.close()
 
     async def __aenter__(self) -> AsyncLedger:
-        self._led = await asyncio.to_thread(self._make)
+        self._led = await self._opened()
         return self._led
 
     async def __aexit__(self, *exc: object) -> None:

@@ -229,7 +229,8 @@ class Face(Generic[SessionT, OpenedT]):
 
         ``Ledger.open(url)`` returns the open :class:`Ledger`; ``await AsyncLedger.open(url)``
         (or ``async with AsyncLedger.open(url) as led:``, which closes it when the block ends)
-        the :class:`AsyncLedger`, opened (and migrated) in a worker thread.
+        the :class:`AsyncLedger`, opened (and migrated) in a worker thread; it is a coroutine,
+        so ``asyncio.run(AsyncLedger.open(url))`` and ``asyncio.create_task`` take it too.
 
         Args:
             url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
