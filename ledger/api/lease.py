@@ -324,7 +324,10 @@ class AsyncLeaseKeeper:
     database (no worker thread). It
     can cancel the task doing the work the moment the Run is lost (:meth:`watch`). Use it as
     ``async with``, or :meth:`start` / :meth:`close`. The arguments and errors are
-    :class:`LeaseKeeper`'s, with an :class:`~ledger.AsyncLedger` for ``ledger``.
+    :class:`LeaseKeeper`'s, with an :class:`~ledger.AsyncLedger` for ``ledger``; so are its
+    members (:attr:`lost`, :attr:`error`, :attr:`renewals`, :attr:`failures`,
+    :attr:`in_flight`, :meth:`tick` and :meth:`shutdown_writes` awaited). :attr:`core` is the
+    shared :class:`KeeperCore`.
 
     Args:
         ledger: The :class:`~ledger.AsyncLedger` the lease is from.
@@ -362,9 +365,50 @@ class AsyncLeaseKeeper:
         """Set once the Run is lost."""
         return self.core.lost
 
+    @property
+    def error(self) -> FencedOut | None:
+        """The :class:`FencedOut` (or :class:`LeaseLost`) that ended it, else ``None``."""
+        return self.core.error
+
+    @property
+    def renewals(self) -> int:
+        """Renewals done so far."""
+        return self.core.renewals
+
+    @property
+    def failures(self) -> int:
+        """Renewals that failed because the database was unreachable (each retried)."""
+        return self.core.failures
+
+    @property
+    def in_flight(self) -> dict[str, bool]:
+        """The Attempts :meth:`track` registered: attempt id -> sent?"""
+        return self.core.in_flight
+
+    @property
+    def ttl_s(self) -> float:
+        """The lease time each renewal asks for."""
+        return self.core.ttl_s
+
+    @property
+    def interval_s(self) -> float:
+        """How often it renews."""
+        return self.core.interval_s
+
     def check(self) -> None:
         """Raise :class:`FencedOut` (or :class:`LeaseLost`) once the run was lost."""
         self.core.check()
+
+    async def tick(self) -> float:
+        """Renew when due; the seconds until the next tick (see :meth:`KeeperCore.tick`)."""
+        return await self.core.ledger._runner.arun(self.core._tick())
+
+    async def shutdown_writes(self) -> None:
+        """Settle or mark unknown what is in flight, then release the lease.
+
+        See :meth:`KeeperCore.shutdown_writes` (the same writes and errors, awaited).
+        """
+        await self.core.ledger._runner.arun(self.core._shutdown())
 
     def track(self, attempt_id: str, *, sent: bool = False) -> None:
         """Tell the keeper an Attempt is in flight (see :meth:`KeeperCore.track`)."""
@@ -396,7 +440,7 @@ class AsyncLeaseKeeper:
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
-            delay = await self.core.ledger._runner.arun(self.core._tick())
+            delay = await self.tick()
             if math.isinf(delay):
                 return
             if self._sleeper is not None:
@@ -424,7 +468,7 @@ class AsyncLeaseKeeper:
         """
         await self.stop()
         if graceful:
-            await self.core.ledger._runner.arun(self.core._shutdown())
+            await self.shutdown_writes()
 
     async def __aenter__(self) -> AsyncLeaseKeeper:
         return self.start()

@@ -161,3 +161,38 @@ def test_async_keeper_cancels_the_work_when_fenced(tmp_path: Path) -> None:
     asyncio.run(main())
     assert led.get_run("r1").lease_holder == "other"
     led.close()
+
+
+KEEPER_MEMBERS = ("lease", "lost", "error", "renewals", "failures", "in_flight", "ttl_s",
+                  "interval_s", "check", "track", "mark_sent", "untrack", "tick",
+                  "shutdown_writes", "start", "stop", "close")
+
+
+def test_the_async_keeper_offers_every_member_of_the_thread_keeper(db_url: str) -> None:
+    """What a host reads or calls on a LeaseKeeper it finds on an AsyncLeaseKeeper (awaited
+    where the sync one blocks), with the same values: a renewal and a graceful shutdown."""
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    lease = led.acquire_lease("r1", ttl_s=30)
+    sent = led.begin_attempt(lease, route="c", envelope_hash="sha256:2", reserve="0.2")
+
+    async def main() -> None:
+        keeper = AsyncLeaseKeeper(AsyncLedger(led), lease, ttl_s=30, sleeper=clock)
+        assert all(hasattr(keeper, m) for m in KEEPER_MEMBERS)
+        assert all(hasattr(LeaseKeeper, m) or m in vars(KeeperCore(led, lease, ttl_s=30))
+                   for m in KEEPER_MEMBERS)
+        assert (keeper.ttl_s, keeper.interval_s, keeper.renewals, keeper.error) == (
+            30, 10, 0, None)
+        clock.advance(10)
+        assert await keeper.tick() == 10
+        assert keeper.renewals == 1 and keeper.failures == 0
+        assert keeper.lease.expires_at == clock.now() + 30
+        keeper.track(sent.attempt_id, sent=True)
+        assert keeper.in_flight == {sent.attempt_id: True}
+        await keeper.shutdown_writes()
+        assert keeper.in_flight == {}
+
+    asyncio.run(main())
+    assert led.get_attempt(sent.attempt_id).state is AttemptState.UNKNOWN
+    assert led.get_run("r1").lease_holder is None
+    led.close()
