@@ -473,10 +473,12 @@ class Face(Generic[SessionT, OpenedT]):
         can write nothing more), ends it with ``status``, records a ``close`` event (who, why,
         the fence, the unknown Attempts that keep their holds) and releases the lease, in one
         transaction. Attempts still ``dispatching`` become ``unknown``, as recovery marks them;
-        every ``unknown`` Attempt keeps its hold until it is settled. Closing a Run that
-        already ended with the same status changes nothing (the same call again is safe). A
-        closed Run is never resumed: its lease is not taken again (``InvalidState``), so no
-        session, ``execute`` or ``begin_attempt`` starts an Attempt on it.
+        every ``unknown`` Attempt keeps its hold until it is settled. A Run its block ended is
+        not closed yet (the same id would continue it): closing it with the status it ended
+        with records the close. Closing a closed Run again with the same status changes
+        nothing (the same call again is safe). A closed Run is never resumed: its lease is not
+        taken again (``InvalidState``), so no session, ``execute`` or ``begin_attempt`` starts
+        an Attempt on it.
 
         Args:
             run_id: The Run.

@@ -841,7 +841,8 @@ def register(subparsers: Any) -> None:
         description="Take the run over under a fresh fence (refused while a live executor "
         "holds it), end it with --status, record a close event and release the lease. "
         "Attempts still dispatching become unknown; unknown attempts keep their holds until "
-        "settled. Closing a run that already ended with the same status changes nothing.")
+        "settled. A run its block ended is closed with the status it ended with (until "
+        "then it could be continued); closing a closed run again changes nothing.")
     close.add_argument("run_id", metavar="ID")
     close.add_argument("--status", required=True, metavar="STATUS",
                        help="failed, cancelled, stopped, or succeeded (only when its last "

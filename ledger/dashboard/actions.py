@@ -329,7 +329,7 @@ def clear_forms_html(rep: HealthReport) -> str:
 
 def run_actions_html(tl: RunTimeline, now: float, *, forms: bool) -> str:
     """The Run's closes (who, why), and with ``forms`` (a dashboard started with actions)
-    forms to close it while it has not ended and to settle each unknown Attempt with
+    forms to close it while it is not closed and to settle each unknown Attempt with
     evidence. (Settles with evidence show as ``late_receipt`` events on their Attempt.)"""
     out = []
     for e in tl.run_events:
@@ -340,9 +340,14 @@ def run_actions_html(tl: RunTimeline, now: float, *, forms: bool) -> str:
                        f"<b>{_e(d.get('by') or d.get('executor'))}</b>: {_e(d.get('reason'))} "
                        f"({_e(d.get('previous_status'))} &rarr; {_e(d.get('status'))})</p>")
     rid = tl.run.run_id
-    if forms and tl.run.status not in _ENDED:
+    closed = any(e.kind == "close" for e in tl.run_events)
+    if forms and not closed:
+        # A Run its block ended is not closed yet (the same id continues it); it is closed
+        # with the status it ended with.
+        ended = tl.run.status in _ENDED
         opts = "".join(f'<option value="{s}">{s}</option>' for s in
-                       ("failed", "cancelled", "stopped", "succeeded"))
+                       ((tl.run.status,) if ended else
+                        ("failed", "cancelled", "stopped", "succeeded")))
         out.append(f'<form id="close-form" method="post" action="/actions/runs/{_attr(rid)}/close">'
                    f'<b>Close this run</b> (nobody will resume it) <label>as <select '
                    f'name="status">{opts}</select></label> '

@@ -333,10 +333,11 @@ class RecoveryQueries:
         """End ``run_id`` with ``status`` under a fresh fence, in one transaction: dispatching
         Attempts unknown (holds kept), slots freed, the lease released, a ``close`` event with
         ``reason`` and who closed it (``by``, default ``executor``). Returns the Run and
-        whether it changed (``False``: it had already ended
-        with ``status``). Raises :class:`~ledger.errors.NotFound`,
-        :class:`~ledger.errors.LeaseHeld` (a live executor other than ``executor`` holds it)
-        and :class:`~ledger.errors.InvalidState` (it ended with another status, or
+        whether it changed (``False``: it had already been closed with ``status``; a Run its
+        block ended with ``status`` has no ``close`` yet and is closed). Raises
+        :class:`~ledger.errors.NotFound`, :class:`~ledger.errors.LeaseHeld` (a live executor
+        other than ``executor`` holds it) and :class:`~ledger.errors.InvalidState` (it ended
+        with another status, or
         ``succeeded`` asked of a Run whose last turn was not served)."""
         r = s.runs.c
         a = s.attempts.c
@@ -358,12 +359,21 @@ class RecoveryQueries:
                     "lease has expired",
                     run_id=run_id, holder=row.lease_holder, expires_at=row.lease_expires_at)
             if row.status in {x.value for x in ENDED}:
-                if row.status == status.value:
+                # A Run its block ended is not closed (the same id continues it); only a
+                # ``close`` event makes it final. Its status stays what its block said.
+                closed = conn.execute(select(e.event_id).where(
+                    e.run_id == run_id, e.kind == "close").limit(1)).first() is not None
+                if row.status != status.value:
+                    what = ("a closed Run is not closed again with another status (close it "
+                            f"with --status {row.status}, which changes nothing)" if closed else
+                            "a Run its block ended is closed with the status it ended with "
+                            f"(--status {row.status}), which records the close and keeps it "
+                            "from being resumed")
+                    raise InvalidState(f"run {run_id!r} already ended {row.status}; {what}",
+                                       run_id=run_id, status=row.status,
+                                       requested=status.value)
+                if closed:
                     return run_record(row), False
-                raise InvalidState(
-                    f"run {run_id!r} already ended {row.status}; a closed Run is not closed again "
-                    f"with another status (close it with --status {row.status}, which changes "
-                    "nothing)", run_id=run_id, status=row.status, requested=status.value)
             atts = [attempt_record(x, x.debit_state) for x in conn.execute(
                 select(s.attempts, d.state.label("debit_state"))
                 .join(s.debits, d.debit_id == a.debit_id)

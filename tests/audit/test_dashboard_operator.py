@@ -302,6 +302,9 @@ def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -
         assert 'id="clear-group-form"' in index and 'type="password"' in index
         run = c.get("/runs/r4").text
         assert 'id="close-form"' in run and 'action="/actions/attempts/r4-a1/settle"' in run
+        # A Run its block ended is not closed yet: closed with the status it ended with only.
+        ended = c.get("/runs/r2").text.split('id="close-form"', 1)[1].split("</form>", 1)[0]
+        assert '<option value="succeeded">' in ended and ended.count("<option") == 1
         # A form, as the browser sends it (the token in a field, from this origin).
         res = c.post("/actions/clear-cooldown", data={
             "key": "g3", "group": "1", "by": "alice", "reason": "provider confirmed",

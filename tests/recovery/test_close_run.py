@@ -150,6 +150,35 @@ def test_closing_an_ended_run_again_is_a_no_op_for_the_same_status_and_refused_f
         assert _rows(led) == before and led.get_run("r1") == run
 
 
+def test_a_run_its_block_ended_is_closed_for_good_with_the_status_it_ended_with(
+        db_url: str) -> None:
+    """A Run its block ended has no ``close`` and would be continued by the same id; the
+    operator's close with its status records one and it is never resumed. Another status is
+    refused: the status stays what its block said."""
+    clock = ManualClock(T0)
+    with Ledger.open(db_url, clock=clock) as led:
+        led.admit_run("r", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r", ttl_s=10)
+        att = led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.1")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.01")
+        led.finish_run(lease, RunStatus.FAILED)
+        led.release_lease(lease)
+        before = _rows(led)
+        with pytest.raises(InvalidState) as ei:
+            led.close_run("r", status="cancelled")
+        assert "--status failed" in str(ei.value) and _rows(led) == before
+        closed = led.close_run("r", status="failed", reason="withdrawn", by="ana")
+        assert closed.status is RunStatus.FAILED and closed.fence == lease.fence + 1
+        [event] = led.events("r", ["close"])
+        assert event.data["by"] == "ana" and event.data["previous_status"] == "failed"
+        with pytest.raises(InvalidState) as ei:
+            led.acquire_lease("r", ttl_s=10)
+        assert "closed failed by 'ana'" in str(ei.value)
+        before = _rows(led)
+        assert led.close_run("r", status="failed") == led.get_run("r")  # again: a no-op
+        assert _rows(led) == before
+
+
 def test_a_run_whose_last_turn_was_served_may_be_closed_succeeded(db_url: str) -> None:
     clock = ManualClock(T0)
     with Ledger.open(db_url, clock=clock) as led:
