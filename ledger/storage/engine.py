@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 
 from ledger.errors import DatabaseSetupError, InvalidArgument
 from ledger.storage.failure import mapped
-from ledger.storage.pgurl import PASSWORD_USER, conninfo, hosts_to_query
+from ledger.storage.pgurl import PASSWORD_USER, conninfo, hosts_to_query, refuse_blank_options
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -64,9 +64,12 @@ def redact_url(url: str) -> str:
     ats = [i for i, ch in enumerate(url) if ch == "@" and i >= start] if start >= 3 else []
     if ats:
         # Which '@' ends the user part cannot always be told (a raw '@' in the password, or in
-        # a query value): the first one the rest of the URL can follow, so that the host shown
-        # is the host; failing that, the last one, so a password shows none of itself.
-        end = next((at for at in ats if _AFTER_USER.fullmatch(url, at + 1)), ats[-1])
+        # a query value). With a password, the last one: whatever a raw '@' splits, none of
+        # the password shows (a query value's '@' costs the host in the message). Without,
+        # the first one the rest of the URL can follow, so that the host shown is the host.
+        with_password = PASSWORD_USER.match(url[:ats[0] + 1], start) is not None
+        end = ats[-1] if with_password else next(
+            (at for at in ats if _AFTER_USER.fullmatch(url, at + 1)), ats[-1])
         if PASSWORD_USER.match(url[:end + 1], start):
             colon = url.index(":", start)
             url, end = url[:colon] + ":***" + url[end:], colon + len(":***")
@@ -95,6 +98,7 @@ def parse(url: str) -> tuple[str, URL]:
             f"database URL {redact_url(url)!r} holds an '@' after the one that ends its user "
             "part (a raw '@' in the password, or in a query value): percent-encode it as %40",
             field="url")
+    refuse_blank_options(norm, redact_url(url))
     norm = hosts_to_query(norm, redact_url(url))
     try:
         parsed = make_url(norm)

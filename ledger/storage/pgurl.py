@@ -102,6 +102,12 @@ def _host(text: str, where: str) -> tuple[str, str | None]:
     elif not _HOSTNAME.fullmatch(host):
         raise _refuse(where, f"host {host!r} is not a host name, an IP address or a socket "
                              "directory")
+    elif re.fullmatch(r"[0-9.]+", host):
+        # No top-level domain is numeric: libpq would look a mistyped address up as a name.
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise _refuse(where, f"host {host!r} is not an IPv4 address") from None
     return host, None if port is None else _port(port, where)
 
 
@@ -128,7 +134,28 @@ def _option(key: str, value: str, where: str) -> str:
     if key in _WHOLE_NUMBERS and not (value.isascii() and value.isdigit()):
         raise _refuse(where, f"{key}={value!r} is not a whole number of seconds (or a count)",
                       hosts=False)
+    if key == "hostaddr":
+        for entry in value.split(","):
+            try:
+                ipaddress.ip_address(entry)
+            except ValueError:
+                raise _refuse(where, f"hostaddr {entry!r} is not an IP address (hostaddr= "
+                                     "takes addresses; names go in host=)", hosts=False) from None
     return value
+
+
+_BLANK = re.compile(r"[?&]([^&=#]+)=(?=&|#|$)")
+
+
+def refuse_blank_options(norm: str, where: str) -> None:
+    """Refuse a query parameter given without a value (``?host=``, ``sslmode=``): SQLAlchemy
+    drops it, so libpq would silently use its default (for ``host=``, the local socket)."""
+    if not norm.startswith(_SCHEME):
+        return
+    blank = _BLANK.search(norm.partition("?")[2] and "?" + norm.partition("?")[2])
+    if blank is not None:
+        raise _refuse(where, f"parameter {blank[1]!r} is given no value: give it one, or leave "
+                             "it out", hosts=False)
 
 
 def hosts_to_query(norm: str, where: str) -> str:
@@ -240,4 +267,4 @@ def conninfo(parsed: URL, where: str, *, reads: bool = False) -> str:
                              "libpq's connection options)", hosts=False) from e
 
 
-__all__ = ["EXAMPLE", "PASSWORD_USER", "conninfo", "hosts_to_query"]
+__all__ = ["EXAMPLE", "PASSWORD_USER", "conninfo", "hosts_to_query", "refuse_blank_options"]

@@ -113,6 +113,13 @@ def no_name_lookup(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     ("postgresql+psycopg://u@127.0.0.1/ledger_a?dbname=ledger_b", "dbname is named twice"),
     ("postgresql+psycopg://u@127.0.0.1/db?user=root", "user is named twice"),
     ("postgresql+psycopg://u:pw@127.0.0.1/db?password=other", "password is named twice"),
+    # A parameter without a value: dropped, libpq would use its default (host=: the socket).
+    ("postgresql+psycopg://u@/db?host=", "'host' is given no value"),
+    ("postgresql+psycopg://u@127.0.0.1/db?sslmode=&connect_timeout=2", "'sslmode' is given"),
+    # A mistyped address is never looked up as a name; hostaddr= takes addresses only.
+    ("postgresql+psycopg://u@/db?host=999.1.1.1", "'999.1.1.1' is not an IPv4 address"),
+    ("postgresql+psycopg://u@127.0.0.1,10.0.0.256/db", "'10.0.0.256' is not an IPv4"),
+    ("postgresql+psycopg://u@localhost/db?hostaddr=999.1.1.1", "hostaddr '999.1.1.1'"),
     # Brackets are for an IPv6 address: a bracketed name is never looked up.
     ("postgresql+psycopg://u@[zz]/db", "in brackets but is not an IPv6 address"),
     ("postgresql+psycopg://u@[zz]:5432/db", "in brackets but is not an IPv6 address"),
@@ -176,12 +183,13 @@ def test_no_secret_libpq_option_is_shown_in_a_message_or_its_fields(option: str)
 
 
 @pytest.mark.parametrize(("url", "shown"), [
-    # A raw '@' in a query value: the host stays the host, the value up to its '@' is hidden
-    # (read the other way it would be the end of a password).
+    # A raw '@' in a query value and a password: which '@' ends the password cannot be told,
+    # so all up to the last is hidden (a password may look like a host, a path and a query).
     ("postgresql://u:TOPSECRET@127.0.0.1:5432/db?application_name=x@y",
-     "postgresql://u:***@127.0.0.1:5432/db?application_name=***@y"),
+     "postgresql://u:***@y"),
     ("postgresql://u:TOP@SECRET@127.0.0.1:5432/db?application_name=x@y",
-     "postgresql://u:***@127.0.0.1:5432/db?application_name=***@y"),
+     "postgresql://u:***@y"),
+    # Without a password the host stays the host, the value up to its '@' is hidden.
     ("postgresql://u@127.0.0.1:5432/db?application_name=TOPSECRET@x",
      "postgresql://u@127.0.0.1:5432/db?application_name=***@x"),
     # A hidden option followed by the message's ':' keeps both.
@@ -223,6 +231,9 @@ def test_a_password_holding_a_raw_slash_question_mark_or_hash_is_never_shown(
     "postgresql://u:TOP@SECRET@127.0.0.1:{0}/db",
     "postgresql://u:TOP@SE:CRET@127.0.0.1:{0}/db",
     "postgresql://u:TOP@SE/CRET@127.0.0.1:{0},127.0.0.1:{0}/db",
+    # ... and what follows it read as a host with a query whose value holds the last '@'.
+    "postgresql://u:TOP@SECRET?x=SECRET@127.0.0.1:{0}/db",
+    "postgresql://u:TOP@SECRET?x=y&z=SECRET@127.0.0.1:{0}/db",
     # Several hosts, or a user part, before an '@' in a query value read as a password's end.
     "postgresql://u:TOP,SE/CRET@127.0.0.1:{0},127.0.0.1:{0}/db",
     "postgresql://u@127.0.0.1:{0},127.0.0.1:{0}/db?application_name=TOPSECRET@x",
