@@ -16,7 +16,8 @@ Decision order (``docs/selector.md`` walks through it with examples):
 3. Each candidate's checks, in order: group evidence, health (cooldown, probe), capability,
    role qualification, disclosure. The first candidate that passes every check is chosen.
 4. Nothing passed: ``no_candidate`` - unless the policy always tries the last candidate, in which
-   case the last candidate that failed on health alone is chosen anyway.
+   case the last candidate that failed on health alone is chosen anyway, provided it is still
+   ahead of the route that just failed in plan order (the walk never goes back).
 
 Every behaviour above is driven by fields of the failure fact and the policy; nothing here knows
 a preset by name.
@@ -309,6 +310,7 @@ class _Walk:
         self.policy = inp.policy
         self.now = inp.now
         self.by_id = {r.id: r for r in inp.plan}
+        self.index = {r.id: i for i, r in enumerate(inp.plan)}
         self.primary = inp.plan[0]
         self.failed = self.by_id[inp.current] if inp.failure is not None and inp.current else None
         # Without an explicit pin, a sticky policy keeps the session's profile as an auto pin.
@@ -470,6 +472,16 @@ class _Walk:
         )
         left = [p for p in order if p.id not in tried]
         return left[0] if left else None
+
+    def ahead(self, cand: _Candidate) -> bool:
+        """Whether ``cand`` is still ahead in the walk: after the failed route in plan order.
+
+        A new turn's whole walk is ahead; so is a rotation inside the failed route.
+        """
+        failed = self.failed
+        if failed is None or cand.rotation:
+            return True
+        return self.index[cand.route.id] > self.index[failed.id]
 
     # -- one candidate -------------------------------------------------------------------------
 
@@ -642,15 +654,27 @@ def select(inp: SelectionInput) -> Decision:
         )
 
     if inp.policy.failover.last_candidate_always_tried and last_cooling is not None:
-        # Every candidate left after the other checks is cooling: rather than failing without
-        # trying, send to the last of them (goclaw). Capability, role and disclosure still held.
         cand, v, idx = last_cooling
-        return Decision(
-            kind=DecisionKind.ROUTE,
-            route=cand.route,
-            profile=v.profile.id if v.profile is not None else None,
-            detail=f"last candidate always tried ({v.detail})",
-            skipped=tuple(skipped[:idx] + skipped[idx + 1 :]),
+        if walk.ahead(cand):
+            # Every candidate left after the other checks is cooling: rather than failing
+            # without trying, send to the last of them (goclaw). Capability, role and
+            # disclosure still held.
+            return Decision(
+                kind=DecisionKind.ROUTE,
+                route=cand.route,
+                profile=v.profile.id if v.profile is not None else None,
+                detail=f"last candidate always tried ({v.detail})",
+                skipped=tuple(skipped[:idx] + skipped[idx + 1 :]),
+            )
+        # GoClaw's chain only moves forward: an entry the walk passed for its cooldown is not
+        # "left" once a later entry failed, so the request ends instead of going back to it.
+        assert walk.failed is not None  # a new turn's walk is all ahead
+        return _stop(
+            Reason.NO_CANDIDATE,
+            "every remaining candidate was eliminated; the cooling entries left come before "
+            f"{walk.failed.id!r} in the plan and the walk has passed them (only an entry still "
+            "ahead is the last candidate always tried)",
+            skipped,
         )
     return _stop(Reason.NO_CANDIDATE, "every remaining candidate was eliminated", skipped)
 

@@ -477,6 +477,41 @@ def test_last_candidate_rule_never_overrides_the_other_checks() -> None:
     assert stopped(d) is Reason.NO_CANDIDATE
 
 
+def test_a_cooling_entry_the_walk_passed_is_not_the_last_candidate_once_a_later_entry_failed(
+) -> None:
+    # Seeds 000/001: the chain only moves forward. go-glm was skipped as cooling on the way to
+    # official-deepseek; once official-deepseek (the chain's last entry) failed, the request
+    # ends instead of going back to the cooling go-glm.
+    h = {"go-glm": Health(key="go-glm", cooldown_until=NOW + 30, error_count=1)}
+    tried = frozenset({"go-deepseek", "official-deepseek"})
+    d = run(policy=GOCLAW_ROUTES, health=h, current="official-deepseek",
+            permissions=RunPermissions(retries_left=3, calls_left=6, tried=tried))
+    assert stopped(d) is Reason.NO_CANDIDATE
+    assert skipped(d)["go-glm"] is Reason.ROUTE_COOLDOWN
+    assert "'official-deepseek'" in d.detail and "walk has passed them" in d.detail
+    # A cooling entry still ahead of the failure is tried as the last candidate.
+    ahead = {"official-deepseek": Health(key="official-deepseek", cooldown_until=NOW + 30)}
+    d = run(policy=GOCLAW_ROUTES, health={**h, **ahead})
+    assert d.kind is DecisionKind.ROUTE and d.route_id == "official-deepseek"
+    assert "last candidate always tried" in d.detail
+
+
+def test_a_cooling_primary_outside_the_probe_margin_is_not_sent_after_its_backup_failed() -> None:
+    # The primary cools far past the probe margin, so the new request went to its backup; when
+    # the backup fails, the primary is not sent as a failover either (it would be a probe that
+    # never claimed the probe slot, by every worker of the fleet).
+    plan = (GO_DEEPSEEK, OFFICIAL)
+    h = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 290, error_count=2,
+                               last_probe_at=NOW - 10)}
+    first = _new_request(GOCLAW_ROUTES, h, plan=plan)
+    assert chosen(first) == "official-deepseek"
+    d = run(policy=GOCLAW_ROUTES, health=h, plan=plan, current="official-deepseek",
+            permissions=RunPermissions(retries_left=3, calls_left=6,
+                                       tried=frozenset({"official-deepseek"})))
+    assert stopped(d) is Reason.NO_CANDIDATE
+    assert skipped(d)["go-deepseek"] is Reason.ROUTE_COOLDOWN
+
+
 # -- capability, qualification, disclosure ------------------------------------------------------
 
 

@@ -194,6 +194,43 @@ def test_a_fallback_without_a_key_is_logged_as_cannot_be_used_and_skipped_over_l
            "503 overloaded)" in caplog.messages
 
 
+def test_after_the_chains_last_entry_fails_a_cooling_fallback_it_passed_is_not_sent(
+        db_url: str) -> None:
+    # Seeds 000/001: own provider -> fallback 1 -> fallback 2 -> "every provider failed". A
+    # fallback in cooldown is skipped on the way; it is not "left" once the last entry failed.
+    clock = ManualClock(70_000.0)
+    secrets = StaticSecretProvider({"k": "sk-test-key-0001"})
+    with FakeProvider().in_thread() as fake, Ledger.open(db_url, clock=clock) as led, \
+            SyncAdapter(secrets=secrets) as adapter:
+        def real(route: Route) -> Route:
+            return route.model_copy(update={"protocol": WireProtocol.OPENAI,
+                                            "endpoint": fake.endpoint("openai"),
+                                            "profiles": [Profile(id="k")]})
+
+        flash, deepseek, mini = real(FLASH), real(DEEPSEEK), real(MINI)
+        # deepseek fails once (one minute of cooldown) on a request it served first.
+        fake.set_default(Fault.RATE_LIMIT, model="deepseek-v4-flash")
+        execute(led, admit(led, "cool", [deepseek, mini]), ENV, sync_sender(adapter))
+        assert led.health(["provider:deepseek"])["provider:deepseek"].error_count == 1
+        clock.advance(5)
+        fake.clear()
+        fake.set_default(Fault.OK, model="deepseek-v4-flash")
+        fake.set_default(Fault.RATE_LIMIT, model="gemini-3-flash")
+        fake.set_default(Fault.RATE_LIMIT, model="gpt-4o-mini")
+        with pytest.raises(FailoverExhausted) as ei:
+            execute(led, admit(led, "r", [flash, deepseek, mini]), ENV, sync_sender(adapter))
+        models = [r.model for r in fake.requests]
+        stop = led.events("r", ["stop"])[-1].data
+        health = led.health(["provider:deepseek"])["provider:deepseek"]
+        routes = [a.route_id for a in led.timeline("r")]
+    assert ei.value.reason == "no_candidate"
+    assert models == ["gemini-3-flash", "gpt-4o-mini"]  # the cooling deepseek never asked
+    assert routes == ["gemini-flash", "gpt-mini"]
+    [skip] = [s for s in stop["skipped"] if s["route"] == "deepseek"]
+    assert skip["reason"] == "route_cooldown" and "cooling until" in skip["detail"]
+    assert health.error_count == 1  # its cooldown did not step
+
+
 # -- 4. the token budget stops the request -----------------------------------------------------
 
 
