@@ -392,18 +392,20 @@ class _Walk:
 
     # -- health --------------------------------------------------------------------------------
 
-    def _probe_allowed(self, route: Route, until: float) -> tuple[Reason, str] | None:
-        """For a cooling route: ``None`` = probe it now, else the skip reason."""
+    def _probe_allowed(self, route: Route, until: float, why: str) -> tuple[Reason, str] | None:
+        """For a cooling or disabled route: ``None`` = probe it now, else the skip reason.
+
+        ``why`` says what keeps it unusable until then (:func:`_unusable`).
+        """
         pp = self.policy.probe
+        off = f"{why} until {_until(until, self.now)}"
         # Only the Run's own route is probed, and only when there is somewhere else to go.
         if not (pp.enabled and route.id == self.primary.id and len(self.inp.plan) > 1):
-            return (Reason.ROUTE_COOLDOWN, f"cooling until {_until(until, self.now)}")
+            return (Reason.ROUTE_COOLDOWN, off)
         if self.now < until - pp.margin_s:
-            return (Reason.ROUTE_COOLDOWN, f"cooling until {_until(until, self.now)}; "
-                    "too early to probe")
+            return (Reason.ROUTE_COOLDOWN, f"{off}; too early to probe")
         if route.id in self.inp.no_probe:
-            return (Reason.PROBE_THROTTLED, f"cooling until {_until(until, self.now)}; "
-                    "another process claimed its probe")
+            return (Reason.PROBE_THROTTLED, f"{off}; another process claimed its probe")
         h = self.inp.health.get(route_key(route, self.policy))
         last = h.last_probe_at if h is not None else None
         if last is not None and self.now - last >= pp.ttl_s:
@@ -416,7 +418,7 @@ class _Walk:
         assert last is not None  # inside the margin, so only the throttle can refuse
         return (
             Reason.PROBE_THROTTLED,
-            f"cooling until {_until(until, self.now)}; last probe {duration(self.now - last)} ago "
+            f"{off}; last probe {duration(self.now - last)} ago "
             f"(< {duration(pp.interval_s)})",
         )
 
@@ -424,9 +426,11 @@ class _Walk:
         """(profile to use, skip reason or None, probe?) for one candidate."""
         route = cand.route
         inp = self.inp
-        route_until = available_at(inp.health.get(route_key(route, self.policy)), self.now)
+        route_health = inp.health.get(route_key(route, self.policy))
+        route_until = available_at(route_health, self.now)
         profile = cand.profile
         profile_until: float | None = None
+        profile_health: Health | None = None
         if route.profiles and profile is None:
             tried = inp.permissions.tried_profiles
             pp = self.policy.profiles
@@ -454,12 +458,14 @@ class _Walk:
                 left = [p for p in order if p.id not in tried]
                 if not left:
                     return None, (Reason.ALREADY_TRIED, "every profile already tried"), False
-                ends = [available_at(inp.health.get(p.id), self.now) for p in left]
-                profile_until = min(e for e in ends if e is not None)
+                ends = [(available_at(inp.health.get(p.id), self.now), p.id) for p in left]
+                profile_until, soonest = min((e, k) for e, k in ends if e is not None)
+                profile_health = inp.health.get(soonest)
         if route_until is None and profile_until is None:
             return profile, None, False
         until = max(t for t in (route_until, profile_until) if t is not None)
-        skip = self._probe_allowed(route, until)
+        why = _unusable(route_health if until == route_until else profile_health, self.now)
+        skip = self._probe_allowed(route, until, why)
         if skip is None:
             return profile or self._forced_profile(route), None, True
         return profile, skip, False
@@ -534,12 +540,13 @@ class _Walk:
                         Skip(failed.id, Reason.ALREADY_TRIED, "profile already tried", p.id)
                     )
                 elif not usable(p.id, inp.health, self.now):
-                    until = available_at(inp.health.get(p.id), self.now)
+                    h = inp.health.get(p.id)
+                    until = available_at(h, self.now)
                     skipped.append(
                         Skip(
                             failed.id,
                             Reason.ROUTE_COOLDOWN,
-                            f"profile unusable until {_until(until, self.now)}",
+                            f"profile {_unusable(h, self.now)} until {_until(until, self.now)}",
                             p.id,
                         )
                     )
@@ -739,6 +746,20 @@ def reopening_wait(inp: SelectionInput, decision: Decision, *, max_wait_s: float
     if deadline is not None and until > deadline:
         return 0.0
     return until - inp.now
+
+
+def _unusable(health: Health | None, now: float) -> str:
+    """What keeps a key unusable until it is available again: ``cooling`` or ``disabled (…)``.
+
+    A disable (billing under fased, any disable rule) is not a cooldown: an operator reading
+    the skip needs to know which, so the state whose end is the later one names it.
+    """
+    d = health.disabled_until if health is not None else None
+    if health is None or d is None or now >= d:
+        return "cooling"
+    if health.cooldown_until is not None and health.cooldown_until > d:
+        return "cooling"
+    return f"disabled ({health.disabled_reason})" if health.disabled_reason else "disabled"
 
 
 def _until(ts: float | None, now: float) -> str:

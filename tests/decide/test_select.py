@@ -751,6 +751,30 @@ def test_next_model_whose_profiles_all_cool_is_route_cooldown() -> None:
     assert skipped(d)["mini"] is Reason.ROUTE_COOLDOWN
 
 
+def test_a_disabled_key_is_reported_as_disabled_not_cooling() -> None:
+    # Billing under fased disables a profile for hours; the skip must not call that a cooldown.
+    billed = Health(key=TOKEN.id, disabled_until=NOW + 5 * 3600, disabled_reason="billing",
+                    error_count=1)
+    d = _fased(health={TOKEN.id: billed})
+    [rot] = [s for s in d.skipped if s.profile == TOKEN.id]
+    assert rot.reason is Reason.ROUTE_COOLDOWN
+    assert rot.detail.startswith("profile disabled (billing) until ") and "in 5 h" in rot.detail
+    # Every profile of the next model disabled: the route skip says so too.
+    h = {p.id: Health(key=p.id, cooldown_until=NOW + 300) for p in (OAUTH, TOKEN, KEY)}
+    h["openai:default"] = Health(key="openai:default", disabled_until=NOW + 5 * 3600,
+                                 disabled_reason="billing")
+    [mini] = [s for s in _fased(health=h).skipped if s.route == "mini"]
+    assert mini.detail.startswith("disabled (billing) until ")
+    # A route key disabled by any rule; one still cooling past its disable reads as cooling.
+    off = {"go-glm": Health(key="go-glm", disabled_until=NOW + 60)}
+    [glm] = [s for s in run(health=off).skipped if s.route == "go-glm"]
+    assert glm.detail.startswith("disabled until ")
+    both = {"go-glm": Health(key="go-glm", disabled_until=NOW + 60, disabled_reason="auth",
+                             cooldown_until=NOW + 120)}
+    [glm] = [s for s in run(health=both).skipped if s.route == "go-glm"]
+    assert glm.detail.startswith("cooling until ")
+
+
 def test_explicit_auth_order_drives_rotation() -> None:
     policy = tune(FASED, "profiles", auth_order={"anthropic": [OAUTH.id, KEY.id]})
     d = _fased(policy=policy)
