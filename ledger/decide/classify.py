@@ -254,8 +254,9 @@ def classify(obs: ObservationArg, policy: PolicyArg,
         obs: What was observed about the failed call (status, headers, body, transport kind,
             phase, ...).
         policy: The policy to classify under (a Run's frozen one: ``Ledger.run_policy``).
-        now: Turns an HTTP-date ``Retry-After`` into seconds; without it the response's own
-            ``Date`` header is the reference, and with neither the date is not used.
+        now: Turns an HTTP-date ``Retry-After`` into seconds when the response has no usable
+            ``Date`` header (that header, from the provider's clock, is the reference when
+            present); with neither the date is not used.
 
     Returns:
         The :class:`~ledger.FailureFact`: category, scope, phase, whether the request may be

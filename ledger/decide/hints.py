@@ -38,10 +38,11 @@ def parse_retry_after(
 ) -> float | None:
     """Seconds to wait from a ``Retry-After`` value (delta-seconds or HTTP-date).
 
-    An HTTP-date is measured from ``now`` when given. Without ``now`` it is measured from the
-    response's own ``Date`` header (``date``): both come from the provider's clock, so skew
-    between our clock and theirs cancels out. With neither there is no reference, and the hint
-    is ``None`` rather than a guess. A date in the past means "retry now" (0).
+    An HTTP-date is measured from the response's own ``Date`` header (``date``) when it has a
+    usable one: both come from the provider's clock, so skew between our clock and theirs
+    cancels out. Otherwise it is measured from ``now`` (our clock). With neither there is no
+    reference, and the hint is ``None`` rather than a guess. A date in the past means "retry
+    now" (0).
     """
     if not isinstance(value, str):
         return None
@@ -54,10 +55,11 @@ def parse_retry_after(
     at = _http_date(text)
     if at is None:
         return None
-    if now is not None and math.isfinite(now):
-        ref: float | None = now
-    else:
-        ref = _http_date(date) if isinstance(date, str) and len(date) <= _MAX_HEADER else None
+    # The provider's Date first: measuring its date against our clock would turn any clock
+    # skew into a longer or shorter wait (or none at all).
+    ref = _http_date(date) if isinstance(date, str) and len(date) <= _MAX_HEADER else None
+    if ref is None and now is not None and math.isfinite(now):
+        ref = now
     if ref is None:
         return None
     return max(0.0, at - ref)

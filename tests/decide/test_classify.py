@@ -155,6 +155,21 @@ def test_retry_after_http_date_against_now_or_the_date_header() -> None:
     assert classify(bare, GOCLAW, now=now.timestamp() + 60).retry_after_s == 0
 
 
+def test_an_http_date_retry_after_is_measured_from_the_responses_date_whatever_our_clock(
+) -> None:
+    # Retry-After and Date come from the provider's clock; our clock's skew must not change the
+    # wait (30 s behind would hide the hint's last 15 s, 30 s ahead would make it 45 s).
+    date = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+    later = format_datetime(datetime(2026, 1, 1, 12, 0, 15, tzinfo=UTC), usegmt=True)
+    obs = _obs(status=503,
+               headers={"Retry-After": later, "Date": format_datetime(date, usegmt=True)})
+    for skew in (-30.0, 0.0, 30.0):
+        assert classify(obs, GOCLAW, now=date.timestamp() + skew).retry_after_s == 15
+    # A Date that cannot be read is no reference: our clock is.
+    garbled = _obs(status=503, headers={"Retry-After": later, "Date": "yesterday"})
+    assert classify(garbled, GOCLAW, now=date.timestamp() + 5).retry_after_s == 10
+
+
 def test_retry_after_values() -> None:
     assert parse_retry_after("  7 ") == 7
     assert parse_retry_after("1.5") == 1.5

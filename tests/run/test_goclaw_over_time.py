@@ -9,10 +9,13 @@ is bounded and a refused probe never loops, and usage stats read as an operator 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from email.utils import format_datetime
 from typing import Any
 
 import pytest
@@ -31,7 +34,7 @@ from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted, PolicyError
 from ledger.policy.load import preset, validate_policy
 from ledger.storage.engine import normalize_url
-from ledger.testing.fakeprovider import FakeProvider, Fault
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 FREE = Price()
 FLASH = Route(id="gemini-flash", provider="gemini", model="gemini-3-flash", group="gemini",
@@ -229,6 +232,38 @@ def test_after_the_chains_last_entry_fails_a_cooling_fallback_it_passed_is_not_s
     [skip] = [s for s in stop["skipped"] if s["route"] == "deepseek"]
     assert skip["reason"] == "route_cooldown" and "cooling until" in skip["detail"]
     assert health.error_count == 1  # its cooldown did not step
+
+
+def _raw_503(headers: dict[str, str]) -> bytes:
+    body = json.dumps({"error": {"message": "The engine is currently overloaded",
+                                 "type": "server_error", "code": None}}).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{head}\r\n").encode() + body
+
+
+@pytest.mark.parametrize("skew", [-30.0, 0.0, 30.0])
+def test_an_http_date_retry_after_is_waited_from_the_responses_date_whatever_the_clock_skew(
+        db_url: str, skew: float) -> None:
+    # A 503 whose Retry-After is 15 s after its own Date: the retries wait 15 s, whether our
+    # clock runs with the provider's, 30 s behind it or 30 s ahead (seed 001: a longer
+    # Retry-After is waited out exactly).
+    sent = datetime(2026, 3, 1, 9, 0, 0, tzinfo=UTC)
+    headers = {"Date": format_datetime(sent, usegmt=True),
+               "Retry-After": format_datetime(sent + timedelta(seconds=15), usegmt=True)}
+    clock = ManualClock(sent.timestamp() + skew)
+    with FakeProvider().in_thread() as fake, Ledger.open(db_url, clock=clock) as led, \
+            SyncAdapter(secrets=StaticSecretProvider({"k": "sk-test-key-0001"})) as adapter:
+        fake.set_default(Behavior(fault=Fault.RAW, raw=(_raw_503(headers),)),
+                         model="gemini-3-flash")
+        plan = [r.model_copy(update={"protocol": WireProtocol.OPENAI,
+                                     "endpoint": fake.endpoint("openai"),
+                                     "profiles": [Profile(id="k")]}) for r in (FLASH, DEEPSEEK)]
+        res = execute(led, admit(led, "r", plan), ENV, sync_sender(adapter))
+        models = [r.model for r in fake.requests]
+    assert res.route.id == "deepseek"
+    assert models == ["gemini-3-flash"] * 3 + ["deepseek-v4-flash"]
+    assert clock.slept == [15.0, 15.0]
 
 
 # -- 4. the token budget stops the request -----------------------------------------------------
