@@ -7,7 +7,7 @@
                           on_text=print)
         for call in result.tool_calls:
             answer = search(call.arguments)           # the host runs its tool
-            parts.append(run.tool_result(call.tool_call_id, answer))
+            parts.append(run.tool_result(call, answer))
 
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
@@ -380,8 +380,18 @@ class _SessionCore:
         """
         return isinstance(call_id, str) and call_id in self._calls
 
+    def _call_id(self, call: str | Part) -> str:
+        """The id of a tool call given by its id or as the call Part itself."""
+        if isinstance(call, Part):
+            if call.tool_call_id is None:
+                raise InvalidArgument(
+                    "this Part is not a tool call (it has no tool_call_id); pass one of a "
+                    "turn's result.tool_calls, or its tool_call_id", field="call_id")
+            return call.tool_call_id
+        return call
+
     def _call(self, call_id: str) -> tuple[str, str]:
-        if call_id not in self._calls:
+        if not isinstance(call_id, str) or call_id not in self._calls:
             raise InvalidArgument(
                 f"tool call {call_id!r} was not proposed in this Run session; pass the "
                 "tool_call_id of one of a turn's result.tool_calls", field="call_id")
@@ -569,13 +579,13 @@ class RunSession(_SessionCore):
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
-    def tool_result(self, call_id: Id, content: ToolResult, *, data_class: str = "tool_result"
-                    ) -> Part:
+    def tool_result(self, call_id: Id | Part, content: ToolResult, *,
+                    data_class: str = "tool_result") -> Part:
         """Record provenance for a tool's result and return it as a Part for the next turn.
 
         Args:
-            call_id: The ``tool_call_id`` of one of a turn's ``result.tool_calls`` (or of a
-                call adopted with :meth:`adopt_tool_calls`).
+            call_id: One of a turn's ``result.tool_calls`` (the Part), or its ``tool_call_id``
+                (or that of a call adopted with :meth:`adopt_tool_calls`).
             content: The tool's result, as text (serialise structured results).
             data_class: The data class of that text, which disclosure preflight checks
                 (``tool_result``; e.g. ``private_document`` for a tool that reads one).
@@ -590,6 +600,7 @@ class RunSession(_SessionCore):
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
         """
         self._check_open()
+        call_id = self._call_id(call_id)
         part = self._tool_part(call_id, content, data_class)
         self.ledger.record_provenance(self.lease, call_id, part.content_hash, kind="tool_result")
         return part
@@ -613,14 +624,14 @@ class RunSession(_SessionCore):
         self._check_open()
         return self._adopt(parts, self.ledger.provenance(self.run_id))
 
-    def tool_started(self, call_id: Id) -> None:
+    def tool_started(self, call_id: Id | Part) -> None:
         """Record durably that the host started the tool of ``call_id``.
 
         From now on a failure of its turn never moves to another route (invariant 9). Callable
         from ``on_event`` while the stream that proposed the call still runs.
 
         Args:
-            call_id: The tool call's id, as proposed in this session.
+            call_id: The tool call (its Part, or its id), as proposed in this session.
 
         Raises:
             InvalidArgument: ``call_id`` was not proposed in this session.
@@ -628,6 +639,7 @@ class RunSession(_SessionCore):
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
         """
         self._check_open()
+        call_id = self._call_id(call_id)
         attempt_id = self._mark_started(call_id)
         self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                  attempt_id=attempt_id)
@@ -742,10 +754,11 @@ class AsyncRunSession(_SessionCore):
         self._remember(result.parts, result.attempt.attempt_id)
         return result
 
-    async def tool_result(self, call_id: Id, content: ToolResult, *,
+    async def tool_result(self, call_id: Id | Part, content: ToolResult, *,
                           data_class: str = "tool_result") -> Part:
         """Record provenance for a tool's result (see :meth:`RunSession.tool_result`)."""
         self._check_open()
+        call_id = self._call_id(call_id)
         part = self._tool_part(call_id, content, data_class)
         await self.ledger.record_provenance(self.lease, call_id, part.content_hash,
                                             kind="tool_result")
@@ -756,12 +769,13 @@ class AsyncRunSession(_SessionCore):
         self._check_open()
         return self._adopt(parts, await self.ledger.provenance(self.run_id))
 
-    async def tool_started(self, call_id: Id) -> None:
+    async def tool_started(self, call_id: Id | Part) -> None:
         """Record durably that the host started a tool (see :meth:`RunSession.tool_started`).
 
         Await it from an async ``on_event``.
         """
         self._check_open()
+        call_id = self._call_id(call_id)
         attempt_id = self._mark_started(call_id)
         await self.ledger.append_event(self.lease, "tool_started", {"call_id": call_id},
                                        attempt_id=attempt_id)

@@ -210,7 +210,13 @@ def test_text_and_tool_calls_go_out_as_one_assistant_message(db_url: str,
     with Ledger.open(db_url) as led, led.run("r", plan=plan(fake), budget=BUDGET,
                                              grant=GRANT) as run:
         r1 = run.turn(Envelope(parts=[Part(content="look it up")], tools=TOOLS))
-        tool = run.tool_result(r1.tool_calls[0].tool_call_id or "", "42")
+        # The call Part itself answers it (its id is typed optional on Part).
+        tool = run.tool_result(r1.tool_calls[0], "42")
+        run.tool_started(r1.tool_calls[0])
+        assert tool.tool_call_id == r1.tool_calls[0].tool_call_id
+        with pytest.raises(InvalidArgument) as ei:
+            run.tool_result(Part(content="not a call"), "42")
+        assert ei.value.field == "call_id" and "not a tool call" in str(ei.value)
         fake.set_default(Behavior())
         run.turn(Envelope(parts=[Part(content="look it up"), *r1.parts, tool], tools=TOOLS))
     messages = fake.requests[-1].json["messages"]
