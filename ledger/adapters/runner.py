@@ -63,21 +63,30 @@ def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
 
 
 def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
-    """What the retry owner records for ``result`` (``sent`` is copied as reported)."""
+    """What the retry owner records for ``result`` (``sent`` is copied as reported).
+
+    A failure carries the usage it reported as an answer does: the provider may have billed it
+    (a Responses ``incomplete`` answer, a stream its error event ended), and the Run is posted
+    that cost rather than nothing or the whole hold.
+    """
+    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
+    # again, records the Attempt with no usage, and keeps the report in a usage_invalid event.
+    usage = result.usage or result.rejected_usage
+    pt, ct = (usage.prompt_tokens, usage.completion_tokens) if usage else (None, None)
+    cached, reasoning = (usage.cached_tokens, usage.reasoning_tokens) if usage else (None, None)
     if not result.ok:
         obs = result.observation or Observation(message="adapter failure without observation")
         return SendResult(ok=False, observation=obs, sent=result.sent,
-                          partial_text=result.partial_text)
-    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
-    # again, records the answer with no usage, and keeps the report in a usage_invalid event.
-    usage = result.usage or result.rejected_usage
+                          partial_text=result.partial_text, prompt_tokens=pt,
+                          completion_tokens=ct, cached_tokens=cached,
+                          reasoning_tokens=reasoning, cost=result.cost)
     return SendResult(
         ok=True,
         output=result,
-        prompt_tokens=usage.prompt_tokens if usage else None,
-        completion_tokens=usage.completion_tokens if usage else None,
-        cached_tokens=usage.cached_tokens if usage else None,
-        reasoning_tokens=usage.reasoning_tokens if usage else None,
+        prompt_tokens=pt,
+        completion_tokens=ct,
+        cached_tokens=cached,
+        reasoning_tokens=reasoning,
         cost=result.cost,
         model_reported=result.model_reported,
         output_hash=output_part(result, attempt_id).content_hash,

@@ -256,7 +256,8 @@ class SendResult:
         ok: Whether an answer came back.
         output: The answer, for the caller (the adapters put their ``AdapterResult``).
         prompt_tokens: Usage the provider reported (``None``: not reported, and then the
-            whole hold is posted).
+            whole hold is posted). A failure may report usage too (a billed partial answer):
+            a ``failed`` Attempt is then posted at ``cost``, at most the hold.
         completion_tokens: Likewise.
         cached_tokens: The part of ``prompt_tokens`` served from the provider's cache, where
             it reports it.

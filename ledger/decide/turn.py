@@ -272,6 +272,35 @@ def group_wait(group: GroupProjection | None, now: float, deadline: float | None
     return wait if wait <= max_wait_s else 0.0
 
 
+@dataclass(frozen=True)
+class _Usage:
+    """The usage a send reported, as the settle records it."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost: Decimal | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    events: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+    @classmethod
+    def of(cls, result: SendResult) -> _Usage:
+        pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
+        cached, reasoning = result.cached_tokens, result.reasoning_tokens
+        if not _usage_ok(result):
+            # A hostile or buggy provider must not turn a finished call into a crash: the
+            # Attempt is recorded, the usage is marked invalid (kept as evidence), and the
+            # settle posts as if none was reported.
+            return cls(events=(("usage_invalid", {
+                "prompt_tokens": str(pt), "completion_tokens": str(ct), "cost": str(cost),
+                "cached_tokens": str(cached), "reasoning_tokens": str(reasoning)}),))
+        if not _details_ok(result):
+            # The totals stand; parts that do not fit in them are kept as evidence only.
+            return cls(pt, ct, cost, events=(("usage_invalid", {
+                "cached_tokens": str(cached), "reasoning_tokens": str(reasoning)}),))
+        return cls(pt, ct, cost, cached, reasoning)
+
+
 def _usage_ok(result: SendResult) -> bool:
     return (all(v is None or tokens_in_range(v)
                 for v in (result.prompt_tokens, result.completion_tokens))
@@ -549,7 +578,7 @@ class TurnLoop:
         fact = classify(obs, self._policy, now=now)
         discarded = bool(result.partial_text) and not fact.effective_output
         # A same-route retry's failure was counted with the request's first: not again.
-        settled = yield from self._settle_failure(route, profile, att, fact, result.sent,
+        settled = yield from self._settle_failure(route, profile, att, fact, result,
                                                   discarded, now, repeat=attempt.retries > 0,
                                                   times=dispatch.progress.since(att.created_at))
         if fact.effective_output and result.partial_text:
@@ -780,42 +809,34 @@ class TurnLoop:
     def _settle_success(self, route: Route, profile: str | None, att: AttemptRecord,
                         result: SendResult, progress: SendProgress
                         ) -> Generator[Effect[Any], Any, AttemptRecord]:
-        events: list[tuple[str, dict[str, Any]]] = []
-        pt, ct, cost = result.prompt_tokens, result.completion_tokens, result.cost
-        cached, reasoning = result.cached_tokens, result.reasoning_tokens
-        if not _usage_ok(result):
-            # A hostile or buggy provider must not turn a finished answer into a crash: the
-            # answer is recorded, the usage is marked invalid (kept as evidence), and the whole
-            # hold is posted.
-            events.append(("usage_invalid", {"prompt_tokens": str(pt), "completion_tokens":
-                                             str(ct), "cost": str(cost), "cached_tokens":
-                                             str(cached), "reasoning_tokens": str(reasoning)}))
-            pt = ct = cached = reasoning = None
-            cost = None
-        elif not _details_ok(result):
-            # The totals stand; parts that do not fit in them are kept as evidence only.
-            events.append(("usage_invalid", {"cached_tokens": str(cached),
-                                             "reasoning_tokens": str(reasoning)}))
-            cached = reasoning = None
+        u = _Usage.of(result)
         return (yield from self._settle(
-            route, profile, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=pt,
-            completion_tokens=ct, cost=cost, model_reported=_short(result.model_reported),
-            output_hash=result.output_hash, tool_started=progress.tool_started or None,
-            provenance=result.provenance, events=events, cached_tokens=cached,
-            reasoning_tokens=reasoning, times=progress.since(att.created_at)))
+            route, profile, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens, cost=u.cost,
+            model_reported=_short(result.model_reported), output_hash=result.output_hash,
+            tool_started=progress.tool_started or None, provenance=result.provenance,
+            events=u.events, cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
+            times=progress.since(att.created_at)))
 
     def _settle_failure(self, route: Route, profile: str | None, att: AttemptRecord,
-                        fact: FailureFact, sent: bool, discarded: bool, now: float, *,
+                        fact: FailureFact, result: SendResult, discarded: bool, now: float, *,
                         repeat: bool = False,
                         times: tuple[float | None, float | None] = (None, None),
                         ) -> Generator[Effect[Any], Any, AttemptRecord]:
-        outcome = failure_outcome(fact, sent)
+        outcome = failure_outcome(fact, result.sent)
         # Streamed text nobody was shown (the caller buffered) is no effective output: it is
         # discarded, and that is recorded; the policy may then move on.
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
                                  "never delivered"})] if discarded else []
-        return (yield from self._settle(route, profile, att.attempt_id, outcome, now=now,
-                                        fact=fact, events=events, repeat=repeat, times=times))
+        # A failure the provider answered may have been billed (an incomplete answer, a stream
+        # its error event ended): the usage it reported is posted as an answer's is. An unknown
+        # outcome keeps its hold for the receipt, and a request never sent cost nothing.
+        u = _Usage.of(result) if outcome is Outcome.FAILED else _Usage()
+        return (yield from self._settle(
+            route, profile, att.attempt_id, outcome, now=now, fact=fact,
+            events=[*events, *u.events], repeat=repeat, times=times,
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cost=u.cost,
+            cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens))
 
     def _settle_interrupted(self, route: Route, profile: str | None, att: AttemptRecord,
                             dispatch: Dispatch) -> Generator[Effect[Any], Any, None]:
