@@ -12,14 +12,18 @@ import math
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     Strict,
     StrictBool,
     StrictInt,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from ledger.domain.facts import Category, Phase, Scope, Transport
 from ledger.domain.media import MAX_BINARY_BYTES
@@ -35,6 +39,11 @@ PositiveSeconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 Pattern = Annotated[str, Field(min_length=1)]
 
 
+#: Categories only the caller reports (``Observation.cancelled``, ``over_token_budget``): the
+#: request stops on them, whatever a rule says, so no rule about a route's failures may name them.
+CALLER_CATEGORIES: tuple[Category, ...] = (Category.CANCELLED, Category.BUDGET_EXCEEDED)
+
+
 class PolicyValueError(Problem):
     """A refused value: what is wrong, how to fix it, and optionally the sub-field it concerns.
 
@@ -48,6 +57,34 @@ class PolicyValueError(Problem):
         at = "" if not field else field if field.startswith("[") else f".{field}"
         super().__init__(problem, fix, at=at)
         self.field = field
+
+
+def _not_a_caller_fact(category: Category) -> Category:
+    if category in CALLER_CATEGORIES:
+        # The retry owner obeys its rules: a cancelled call would be retried, a request over its
+        # token budget served by a backup, against what the caller asked for.
+        why = ("the caller cancelled the call" if category is Category.CANCELLED
+               else "the request is over the Run's token budget")
+        raise PolicyValueError(
+            f"{category.value!r} is the caller's own fact ({why}), not a route's failure: the "
+            "request stops on it and never retries, moves on, cools or disables a key",
+            f"remove {category.value!r} from this list",
+        )
+    return category
+
+
+class _CallerFactsExcluded:
+    """The schema of a rule's category: any but :data:`CALLER_CATEGORIES`."""
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        out = handler(schema)
+        out["not"] = {"enum": [c.value for c in CALLER_CATEGORIES]}
+        return out
+
+
+#: A category a failure rule (moves_on, same_route_retry, cooldown, disables) may name.
+RuleCategory = Annotated[Category, AfterValidator(_not_a_caller_fact), _CallerFactsExcluded()]
 
 
 # Seed 003 section 8's roles that are "outside the scope of automatically broadening this
@@ -111,14 +148,14 @@ class MoveRule(_Section):
     carried nothing of the request.
     """
 
-    categories: list[Category]
+    categories: list[RuleCategory]
     phases: list[Phase] | None = None  # None = any phase
     transports: list[Transport] | None = None  # None = whatever the transport kind (or none)
     scope: Scope = Scope.ROUTE
 
     @field_validator("categories")
     @classmethod
-    def _some_categories(cls, v: list[Category]) -> list[Category]:
+    def _some_categories(cls, v: list[RuleCategory]) -> list[RuleCategory]:
         if not v:
             raise PolicyValueError(
                 "a move rule with no categories matches nothing",
@@ -158,7 +195,7 @@ class RetryRule(_Section):
     when ``honor_retry_after``; a hint above ``retry_after_cap_s`` means no retry at all.
     """
 
-    categories: list[Category] = Field(default_factory=list)
+    categories: list[RuleCategory] = Field(default_factory=list)
     transports: list[Transport] = Field(default_factory=list)
     max: StrictInt = Field(default=0, ge=0)
     delays_s: list[Seconds] = Field(default_factory=list)
@@ -407,7 +444,7 @@ class DisableRule(_Section):
     base for named providers.
     """
 
-    categories: list[Category]
+    categories: list[RuleCategory]
     base_s: PositiveSeconds = 18_000.0
     factor: Number = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
     cap_s: PositiveSeconds = 86_400.0
@@ -431,7 +468,7 @@ class HealthPolicy(_Section):
     # profiles, else per route; "provider": every route of one provider shares one row, keyed
     # ``provider:<name>`` (GoClaw's cooldowns and usage stats belong to the provider).
     key: Literal["route", "profile", "provider"] = "route"
-    cooldown_categories: list[Category] = Field(
+    cooldown_categories: list[RuleCategory] = Field(
         default_factory=lambda: [
             Category.OVERLOADED,
             Category.SERVER_ERROR,

@@ -286,3 +286,26 @@ def test_a_quoted_or_mistyped_scalar_is_refused_not_guessed_at(tmp_path: Path, t
     ``'30'`` no number (a whole number still passes where seconds are asked for)."""
     err = _error(_write(tmp_path, "name: x\n" + text))
     _only(err, field)
+
+
+# -- the caller's facts are no rule's to act on --------------------------------------------------
+
+
+@pytest.mark.parametrize("category", ["cancelled", "budget_exceeded"])
+@pytest.mark.parametrize(("text", "field"), [
+    ("moves_on:\n  - categories: [overloaded, {c}]\n", "moves_on[0].categories[1]"),
+    ("same_route_retry:\n  - categories: [{c}]\n    max: 1\n    delays_s: [1]\n",
+     "same_route_retry[0].categories[0]"),
+    ("health:\n  cooldown_categories: [{c}]\n", "health.cooldown_categories[0]"),
+    ("health:\n  cooldown_categories: []\n  disables:\n    - categories: [{c}]\n",
+     "health.disables[0].categories[0]"),
+], ids=["moves_on", "same_route_retry", "cooldown_categories", "disables"])
+def test_a_cancellation_or_the_token_budget_never_retries_moves_on_or_cools(
+        tmp_path: Path, category: str, text: str, field: str) -> None:
+    """Only the caller reports these, and the request stops on them (docs/presets/goclaw.md:
+    over its token budget it "never moves on"); a rule naming one is refused, not obeyed."""
+    err = _error(_write(tmp_path, "name: x\n" + text.format(c=category)))
+    _, problem, fix = _only(err, field)
+    assert "caller's own fact" in problem and f"remove {category!r}" in fix
+    items = policy_json_schema()["$defs"]["MoveRule"]["properties"]["categories"]["items"]
+    assert category in items["not"]["enum"]
