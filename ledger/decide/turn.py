@@ -1087,7 +1087,9 @@ def candidate_lines(plan: Sequence[Route], failures: Mapping[str, Sequence[str]]
     for r in plan:
         if failures.get(r.id):
             lines.append(f"{r.id}: " + "; then ".join(failures[r.id]))
-        elif r.id in skips and skips[r.id].reason is not Reason.ALREADY_TRIED:
+        elif r.id in skips:
+            # A route never sent to may still be ruled out as tried (its every profile failed
+            # on another route): "not tried" would hide why the turn could not use it.
             skip = skips[r.id]
             fix = f" — fix: {skip.fix}" if skip.fix else ""
             lines.append(f"{r.id}: skipped ({skip.reason.value}): {skip.detail}{fix}")

@@ -22,6 +22,7 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation, Transport, WireProtocol
 from ledger.domain.records import Lease
 from ledger.domain.values import Budget, Grant, Price, Profile, ProfileType, Route
+from ledger.errors import CandidateSkipped, FailoverExhausted
 from ledger.policy.load import preset
 from ledger.testing.fakeprovider import FakeProvider
 
@@ -99,6 +100,22 @@ def test_a_rate_limit_marks_the_credential_so_the_next_model_uses_another(led: L
     res = execute(led, admit(led, "r", [SONNET, HAIKU, GPT]), ENV, send)
     assert res.route.id == "gpt" and send.sent == [("sonnet", ME.id), ("gpt", "openai:default")]
     assert led.health([ME.id])[ME.id].cooldown_until is not None
+
+
+def test_a_stop_says_a_model_whose_credential_failed_elsewhere_was_skipped_not_untried(
+        led: Ledger) -> None:
+    # Haiku shares sonnet's only credential, which the 429 ruled out: the stop must say so.
+    send = Script({("sonnet", ME.id): [RATE_LIMITED]})
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, admit(led, "r", [SONNET, HAIKU]), ENV, send)
+    err = ei.value
+    assert err.reason == "no_candidate" and send.sent == [("sonnet", ME.id)]
+    skip = next(e for e in err.exceptions if isinstance(e, CandidateSkipped))
+    assert (skip.route, skip.reason) == ("haiku", "already_tried")
+    _, haiku = err.fields["candidates"]
+    assert haiku == "haiku: skipped (already_tried): every profile already tried", haiku
+    assert haiku in str(err)
+    assert led.events("r", ["stop"])[-1].data["candidates"] == err.fields["candidates"]
 
 
 def test_rotation_never_returns_to_a_credential_that_failed_on_that_route(led: Ledger) -> None:
