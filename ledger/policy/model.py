@@ -460,6 +460,26 @@ class DisableRule(_Section):
             )
         return v
 
+    @model_validator(mode="after")
+    def _bases_within_cap(self) -> DisableRule:
+        # The cap would silently win: a base above it never applies, however it was meant.
+        if self.cap_s < self.base_s:
+            raise PolicyValueError(
+                f"cap_s ({self.cap_s:g}) is below base_s ({self.base_s:g}), so even the first "
+                "disable would be cut to the cap",
+                "raise cap_s to at least base_s, or lower base_s",
+                field="cap_s",
+            )
+        for provider, base in self.base_s_by_provider.items():
+            if base > self.cap_s:
+                raise PolicyValueError(
+                    f"base_s_by_provider[{provider!r}] ({base:g}) is above cap_s "
+                    f"({self.cap_s:g}), so it would be cut to the cap",
+                    f"lower it to at most cap_s ({self.cap_s:g}), or raise cap_s",
+                    field=f"base_s_by_provider.{provider}",
+                )
+        return self
+
 
 class HealthPolicy(_Section):
     """Per-key health: which failures cool or disable a route (or profile), and when it resets."""

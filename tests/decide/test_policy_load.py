@@ -132,6 +132,18 @@ def test_cap_below_base(tmp_path: Path) -> None:
     _only(_error(_write(tmp_path, text)), "health.cooldown.cap_s")
 
 
+@pytest.mark.parametrize(("rule", "field"), [
+    ("{categories: [billing], base_s: 600, cap_s: 60}", "health.disables[0].cap_s"),
+    ("{categories: [billing], base_s: 600, cap_s: 3600, base_s_by_provider: {openai: 7200}}",
+     "health.disables[0].base_s_by_provider.openai"),
+], ids=["cap_below_base", "provider_base_above_cap"])
+def test_a_disable_rule_whose_cap_would_cut_its_base_is_refused(
+        tmp_path: Path, rule: str, field: str) -> None:
+    text = f"name: x\nhealth:\n  cooldown_categories: []\n  disables:\n    - {rule}\n"
+    _, problem, fix = _only(_error(_write(tmp_path, text)), field)
+    assert "cap_s" in problem and "cap_s" in fix
+
+
 def test_unknown_preset_lists_valid_ones() -> None:
     with pytest.raises(PolicyError) as info:
         load_policy("gocalw")
