@@ -60,6 +60,9 @@ MAX_NUMBER = 10**15
 #: Longest integer literal read from YAML.
 MAX_INT_DIGITS = 30
 _MAX_REPORTED = 50
+# No policy number is negative (durations, counts, factors, statuses): the fix names the range
+# a value can have, not the symmetric bound the check uses.
+_IN_RANGE = f"use a value from 0 to {MAX_NUMBER:g}"
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
@@ -187,8 +190,12 @@ def load_policy(path_or_preset: PolicySource) -> Policy:
         )
     try:
         path = Path(path_or_preset)
+        if "\x00" in str(path):
+            # pathlib answers "no such file" for it, which would send the user looking for one.
+            raise ValueError("the path contains a NUL byte")
         is_file = path.is_file()
         is_dir = not is_file and path.is_dir()
+        exists = is_file or is_dir or path.exists()
         shown = _shown(path)
     except (TypeError, ValueError, OSError) as e:  # NUL bytes, a path too long, bytes paths
         shown = _shown(repr(path_or_preset))
@@ -206,9 +213,14 @@ def load_policy(path_or_preset: PolicySource) -> Policy:
     )
     if looks_like_name and not is_dir:
         return preset(text)  # raises the unknown-preset error listing valid names
-    problem = "it is a directory" if is_dir else "the file does not exist"
+    if not exists:
+        problem, said = "the file does not exist", "no such policy file"
+    else:
+        said = "not a policy file"
+        problem = ("it is a directory" if is_dir
+                   else "it is a device, a pipe or a socket, not a regular file")
     raise PolicyError(
-        f"{shown}: no such policy file ({problem})",
+        f"{shown}: {said} ({problem})",
         file=shown,
         errors=[("<file>", problem, "check the path, or name a preset")],
     )
@@ -411,15 +423,13 @@ def _check_shape(
         return
     if isinstance(value, int):
         if abs(value) > MAX_NUMBER:
-            problems.append((_path(loc), "the number is too large",
-                             f"use a value between -{MAX_NUMBER:g} and {MAX_NUMBER:g}"))
+            problems.append((_path(loc), "the number is too large", _IN_RANGE))
         return
     if isinstance(value, float):
         if not math.isfinite(value):
             problems.append((_path(loc), f"{value!r} is not a finite number", "use a number"))
         elif abs(value) > MAX_NUMBER:
-            problems.append((_path(loc), "the number is too large",
-                             f"use a value between -{MAX_NUMBER:g} and {MAX_NUMBER:g}"))
+            problems.append((_path(loc), "the number is too large", _IN_RANGE))
         return
     if isinstance(value, str | bytes | bytearray):
         if len(value) > MAX_STRING_CHARS:

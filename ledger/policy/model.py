@@ -9,6 +9,7 @@ fix, which :mod:`ledger.policy.load` turns into a :class:`ledger.errors.PolicyEr
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -274,12 +275,27 @@ class TextRule(_Section):
         return v
 
 
+def _http_statuses(codes: Iterable[int]) -> None:
+    for code in codes:
+        if not 100 <= code <= 599:
+            raise PolicyValueError(
+                f"{code} is not an HTTP status",
+                "use status codes between 100 and 599",
+            )
+
+
 class StatusTextRule(_Section):
     """A status whose text says otherwise: e.g. goclaw's 429 that says 'overloaded'."""
 
     statuses: list[StrictInt]
     patterns: list[Pattern]
     category: Category
+
+    @field_validator("statuses")
+    @classmethod
+    def _status_range(cls, v: list[int]) -> list[int]:
+        _http_statuses(v)
+        return v
 
     @model_validator(mode="after")
     def _non_empty(self) -> StatusTextRule:
@@ -406,12 +422,7 @@ class ClassificationPolicy(_Section):
     @field_validator("status")
     @classmethod
     def _status_range(cls, v: dict[int, Category]) -> dict[int, Category]:
-        for code in v:
-            if not 100 <= code <= 599:
-                raise PolicyValueError(
-                    f"{code} is not an HTTP status",
-                    "use status codes between 100 and 599",
-                )
+        _http_statuses(v)
         return v
 
 

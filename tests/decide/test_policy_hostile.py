@@ -116,6 +116,19 @@ def test_hostile_paths_are_policy_errors(path: str) -> None:
     assert isinstance(err, PolicyError) and len(str(err)) < 2_000
 
 
+@pytest.mark.parametrize(("path", "says"), [
+    ("/dev/zero", "not a regular file"),
+    ("/dev/null", "not a regular file"),
+    ("bad\x00name.yaml", "NUL byte"),
+    ("bad\x00name", "NUL byte"),
+    ("/nonexistent-dir/p.yaml", "does not exist"),
+])
+def test_a_path_that_is_no_regular_file_is_not_reported_as_missing(path: str, says: str) -> None:
+    err = outcome(load_policy, path)
+    assert _field(err) == ["<file>"] and says in str(err), err
+    assert says == "does not exist" or "does not exist" not in str(err)
+
+
 def test_a_mapping_with_a_typo_names_the_field_and_the_fix() -> None:
     data = copy.deepcopy(PRESET_DATA["failure-domain"])
     data["failover"]["enabeld"] = data["failover"].pop("enabled")

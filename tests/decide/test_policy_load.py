@@ -321,3 +321,19 @@ def test_a_cancellation_or_the_token_budget_never_retries_moves_on_or_cools(
     assert "caller's own fact" in problem and f"remove {category!r}" in fix
     items = policy_json_schema()["$defs"]["MoveRule"]["properties"]["categories"]["items"]
     assert category in items["not"]["enum"]
+
+
+def test_a_status_text_rule_names_only_http_statuses(tmp_path: Path) -> None:
+    """As the ``status`` map does: a status outside 100..599 can never be observed."""
+    text = ("name: x\nclassification:\n  status_text:\n"
+            "    - {statuses: [429, 700], patterns: [busy], category: overloaded}\n")
+    err = _error(_write(tmp_path, text))
+    _, problem, fix = _only(err, "classification.status_text[0].statuses")
+    assert "700 is not an HTTP status" in problem and "100 and 599" in fix
+
+
+@pytest.mark.parametrize("value", ["1.0e+20", "-1.0e+20", "100000000000000000000"])
+def test_an_over_large_duration_is_told_its_real_range(tmp_path: Path, value: str) -> None:
+    err = _error(_write(tmp_path, f"name: x\nstreaming:\n  total_timeout_s: {value}\n"))
+    _, problem, fix = _only(err, "streaming.total_timeout_s")
+    assert "too large" in problem and fix == "use a value from 0 to 1e+15"
