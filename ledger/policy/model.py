@@ -667,6 +667,20 @@ class StreamingPolicy(_Section):
     idle_timeout_s: PositiveSeconds = 60.0
     total_timeout_s: PositiveSeconds = 600.0
 
+    @model_validator(mode="after")
+    def _total_holds_the_first_token(self) -> StreamingPolicy:
+        if self.total_timeout_s < self.first_token_timeout_s:
+            # The total limit would always end a silent stream first: the first-token limit
+            # (and its transport kind, first_token_timeout) could never apply.
+            raise PolicyValueError(
+                f"total_timeout_s ({self.total_timeout_s:g}) is below first_token_timeout_s "
+                f"({self.first_token_timeout_s:g}), so the first-token limit never applies",
+                "raise total_timeout_s to at least first_token_timeout_s, or lower "
+                "first_token_timeout_s",
+                field="total_timeout_s",
+            )
+        return self
+
 
 class EnvelopePolicy(_Section):
     """Bounds on the images and documents a request carries, checked before anything is recorded.
@@ -723,6 +737,17 @@ class Policy(StrictModel):
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
     streaming: StreamingPolicy = Field(default_factory=StreamingPolicy)
     envelope: EnvelopePolicy = Field(default_factory=EnvelopePolicy)
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, v: str) -> str:
+        if not v.strip():
+            # Snapshots and `policy check` name a Run's policy by it; blanks name nothing.
+            raise PolicyValueError(
+                f"the name {v!r} is blank",
+                "name the policy, e.g. after the preset it started from (my-goclaw)",
+            )
+        return v
 
 
 PolicyArg = Annotated[Policy, instance(

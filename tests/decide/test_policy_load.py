@@ -337,3 +337,18 @@ def test_an_over_large_duration_is_told_its_real_range(tmp_path: Path, value: st
     err = _error(_write(tmp_path, f"name: x\nstreaming:\n  total_timeout_s: {value}\n"))
     _, problem, fix = _only(err, "streaming.total_timeout_s")
     assert "too large" in problem and fix == "use a value from 0 to 1e+15"
+
+
+def test_a_total_limit_below_the_first_token_limit_is_refused(tmp_path: Path) -> None:
+    """The total limit would end every silent stream first: the first-token one never fires."""
+    text = "name: x\nstreaming:\n  first_token_timeout_s: 60\n  total_timeout_s: 5\n"
+    _, problem, fix = _only(_error(_write(tmp_path, text)), "streaming.total_timeout_s")
+    assert "never applies" in problem and "first_token_timeout_s" in fix
+    equal = "name: x\nstreaming:\n  first_token_timeout_s: 5\n  total_timeout_s: 5\n"
+    assert load_policy(_write(tmp_path, equal)).streaming.total_timeout_s == 5
+
+
+@pytest.mark.parametrize("name", ['"   "', '"\\t"'], ids=["spaces", "tab"])
+def test_a_policy_is_named_by_more_than_blanks(tmp_path: Path, name: str) -> None:
+    _, problem, fix = _only(_error(_write(tmp_path, f"name: {name}\n")), "name")
+    assert "blank" in problem and fix
