@@ -112,7 +112,7 @@ from ledger.domain.values import (
     new_id,
 )
 from ledger.errors import InvalidArgument, NotFound
-from ledger.policy.model import Policy
+from ledger.policy.model import FROZEN, Policy
 from ledger.storage.runner import Flow, blocking
 
 if TYPE_CHECKING:
@@ -459,7 +459,8 @@ class Face(Generic[SessionT, OpenedT]):
         """:meth:`run_policy`, for a ``run_id`` already checked."""
         pol = self._policies.get(run_id)
         if pol is None:
-            pol = Policy.model_validate((yield from self._frozen(run_id)).policy)
+            pol = Policy.model_validate((yield from self._frozen(run_id)).policy,
+                                       context=FROZEN)
             self._policies.put(run_id, pol)
         return pol
 

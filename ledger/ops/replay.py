@@ -34,7 +34,7 @@ from ledger.decide.replay import replay as replay_history
 from ledger.domain.values import Grant, Route
 from ledger.errors import InvalidArgument, LedgerError, PolicyError
 from ledger.policy.load import load_policy
-from ledger.policy.model import Policy
+from ledger.policy.model import FROZEN, Policy
 from ledger.storage.encode import fact_member
 from ledger.storage.replay import ReplayQueries, ReplayRows
 
@@ -86,7 +86,7 @@ def history_of(rows: ReplayRows, *, since: float, until: float) -> History:
     policies: dict[str, Policy | None] = {}
     for h, text in rows.policies.items():
         try:
-            policies[h] = Policy.model_validate(json.loads(text))
+            policies[h] = Policy.model_validate(json.loads(text), context=FROZEN)
         except (LedgerError, ValueError):
             policies[h] = None
     plans: dict[str, tuple[Route, ...]] = {}

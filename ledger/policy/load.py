@@ -32,7 +32,7 @@ from ledger.domain.validation import Rule, checked, that
 from ledger.domain.values import content_hash
 from ledger.errors import PolicyError
 from ledger.policy import DEFAULT_PRESET, PRESETS
-from ledger.policy.model import DisableRule, Policy, PolicyArg, PolicyValueError
+from ledger.policy.model import FROZEN, DisableRule, Policy, PolicyArg, PolicyValueError
 
 # The override keys the conformance vectors use, each mapped onto this policy model.
 OVERRIDE_KEYS: tuple[str, ...] = (
@@ -116,7 +116,9 @@ def own_copy(policy: Policy) -> Policy:
     A frozen model still holds mutable containers; a caller handed the one every Run reads could
     change what later Runs freeze. Re-validating its dump costs a seventh of a deep copy.
     """
-    return cast(Policy, Policy.__pydantic_validator__.validate_python(policy.model_dump()))
+    # A copy is of a policy already accepted (a frozen one may predate a rule of the loader).
+    return cast(Policy, Policy.__pydantic_validator__.validate_python(policy.model_dump(),
+                                                                        context=FROZEN))
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from pydantic import (
     Strict,
     StrictBool,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -60,8 +61,19 @@ class PolicyValueError(Problem):
         self.field = field
 
 
-def _not_a_caller_fact(category: Category) -> Category:
-    if category in CALLER_CATEGORIES:
+#: The validation context under which a Run's frozen policy is read back: the rules added to
+#: the loader after a Run was admitted are not applied to it (invariant 5: the policy a Run
+#: was admitted with is the one it is read and decided by, whatever the loader refuses since).
+FROZEN = {"frozen": True}
+
+
+def _admitting(info: ValidationInfo) -> bool:
+    """Whether a rule added since Runs were first admitted applies: not to a frozen read."""
+    return not (isinstance(info.context, dict) and info.context.get("frozen"))
+
+
+def _not_a_caller_fact(category: Category, info: ValidationInfo) -> Category:
+    if category in CALLER_CATEGORIES and _admitting(info):
         # The retry owner obeys its rules: a cancelled call would be retried, a request over its
         # token budget served by a backup, against what the caller asked for.
         why = ("the caller cancelled the call" if category is Category.CANCELLED
@@ -293,8 +305,9 @@ class StatusTextRule(_Section):
 
     @field_validator("statuses")
     @classmethod
-    def _status_range(cls, v: list[int]) -> list[int]:
-        _http_statuses(v)
+    def _status_range(cls, v: list[int], info: ValidationInfo) -> list[int]:
+        if _admitting(info):
+            _http_statuses(v)
         return v
 
     @model_validator(mode="after")
@@ -472,7 +485,9 @@ class DisableRule(_Section):
         return v
 
     @model_validator(mode="after")
-    def _bases_within_cap(self) -> DisableRule:
+    def _bases_within_cap(self, info: ValidationInfo) -> DisableRule:
+        if not _admitting(info):
+            return self
         # The cap would silently win: a base above it never applies, however it was meant.
         if self.cap_s < self.base_s:
             raise PolicyValueError(
@@ -668,8 +683,8 @@ class StreamingPolicy(_Section):
     total_timeout_s: PositiveSeconds = 600.0
 
     @model_validator(mode="after")
-    def _total_holds_the_first_token(self) -> StreamingPolicy:
-        if self.total_timeout_s < self.first_token_timeout_s:
+    def _total_holds_the_first_token(self, info: ValidationInfo) -> StreamingPolicy:
+        if self.total_timeout_s < self.first_token_timeout_s and _admitting(info):
             # The total limit would always end a silent stream first: the first-token limit
             # (and its transport kind, first_token_timeout) could never apply.
             raise PolicyValueError(
@@ -740,8 +755,8 @@ class Policy(StrictModel):
 
     @field_validator("name")
     @classmethod
-    def _named(cls, v: str) -> str:
-        if not v.strip():
+    def _named(cls, v: str, info: ValidationInfo) -> str:
+        if not v.strip() and _admitting(info):
             # Snapshots and `policy check` name a Run's policy by it; blanks name nothing.
             raise PolicyValueError(
                 f"the name {v!r} is blank",
