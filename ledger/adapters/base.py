@@ -46,6 +46,8 @@ ConnectError caused by ECONNREFUSED    connect_refused                 before_se
 ConnectError: reset / EOF in handshake connection_reset                before_send
 ConnectError, other OSError            connect_refused                 before_send
 ConnectTimeout, PoolTimeout            connect_timeout                 before_send
+ProxyError: the proxy refused the      connect_refused                 before_send
+  CONNECT tunnel (403, 502, 407...)
 ReadError before headers               connection_reset                after_send
 RemoteProtocolError before headers,    connection_reset                after_send
   server closed without a response
@@ -199,6 +201,7 @@ class _Progress:
     def __init__(self, report: SendProgress | None = None) -> None:
         self.request_sent = False
         self.headers_received = False
+        self.tunnelling = False  # a proxy's CONNECT is under way: its exchange is not ours
         self.report = report
         if report is not None:
             report.sent = False
@@ -226,10 +229,19 @@ class _Progress:
     def trace_sync(self, name: str, info: Mapping[str, Any]) -> None:
         """The ``trace`` extension of a blocking client."""
         if name.endswith("send_request_headers.started"):
+            # httpcore traces the CONNECT that opens a proxy's tunnel like a request: it goes
+            # to the proxy alone, so until the tunnel (and TLS through it) stands nothing of
+            # the request can have reached the provider, and the proxy's answer is no head.
+            if getattr(info.get("request"), "method", None) == b"CONNECT":
+                self.tunnelling = True
+                return
             self.request_sent = True
             if self.report is not None:
                 self.report.sent = True
         elif name.endswith("receive_response_headers.complete"):
+            if self.tunnelling:
+                self.tunnelling = False
+                return
             self.headers()
 
 
@@ -881,6 +893,9 @@ class HttpAdapter:
             headers_received=call.progress.headers_received,
         )
         message = describe_exception(exc)
+        if isinstance(exc, httpx.ProxyError) and phase is Phase.BEFORE_SEND:
+            message = (f"the proxy refused the tunnel (CONNECT) to the provider, so nothing was "
+                       f"sent to it: {message}")
         if isinstance(exc, httpx.TimeoutException):
             lim = call.limits
             limit = (

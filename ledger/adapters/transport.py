@@ -93,6 +93,10 @@ def map_transport_error(
     sent_phase = Phase.AFTER_SEND if request_sent else Phase.BEFORE_SEND
     if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
         return Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND
+    if isinstance(exc, httpx.ProxyError) and not request_sent:
+        # The proxy answered its CONNECT with a refusal: the tunnel to the provider was never
+        # opened, as when the provider refuses a connection.
+        return Transport.CONNECT_REFUSED, Phase.BEFORE_SEND
     if isinstance(exc, httpx.ConnectError):
         if _has(chain, socket.gaierror):
             return Transport.DNS_FAILURE, Phase.BEFORE_SEND

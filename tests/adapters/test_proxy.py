@@ -17,14 +17,19 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from ledger.adapters import ClientRegistry, HttpAdapter, StaticSecretProvider, SyncAdapter
+from ledger.api.facade import Ledger
+from ledger.decide.effects import SendProgress
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Phase, Transport
+from ledger.domain.records import AttemptState
+from ledger.domain.values import Budget, Grant
 from ledger.errors import InvalidArgument
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import FakeProvider, Fault
@@ -88,6 +93,39 @@ class _Proxy(LoopbackServer):
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+
+
+class _RefusingProxy(_Proxy):
+    r"""A proxy whose next ``CONNECT``\ s are answered as ``script`` says, each with a fixed
+    answer (a status line, or a 200 then bytes that are not TLS, or a 200 then a close);
+    later ones tunnel as :class:`_Proxy` does."""
+
+    # Each a series of writes, a pause after each: the client starts TLS once it has read
+    # the 200, so what is not TLS must come after it.
+    ANSWERS = {
+        "502": (b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n",),
+        "403": (b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n",),
+        "not_tls": (b"HTTP/1.1 200 Connection established\r\n\r\n",
+                    b"this is not TLS at all\r\n" * 20),
+        "close": (b"HTTP/1.1 200 Connection established\r\n\r\n",),
+    }
+
+    def __init__(self, *script: str) -> None:
+        self.script = list(script)
+        super().__init__()
+
+    def serve(self, conn: socket.socket) -> None:
+        if not self.script:
+            super().serve(conn)
+            return
+        with conn:
+            got = self.read_head(conn)
+            if got is None:
+                return
+            self.heads.append((got[0].decode("latin-1").split("\r\n")[0], {}))
+            for piece in self.ANSWERS[self.script.pop(0)]:
+                conn.sendall(piece)
+                time.sleep(0.1)
 
 
 @pytest.fixture
@@ -238,3 +276,57 @@ async def test_an_environment_proxy_that_is_not_http_is_refused_before_anything_
         await _send(_adapter(driver), fake)
     assert e.value.field == "HTTP_PROXY" and "socks" in str(e.value).lower()
     assert fake.requests == []
+
+
+TUNNEL_FAILURES = [("502", Transport.CONNECT_REFUSED), ("403", Transport.CONNECT_REFUSED),
+                   ("not_tls", Transport.TLS_ERROR), ("close", Transport.CONNECTION_RESET)]
+
+
+@pytest.mark.parametrize(("answer", "transport"), TUNNEL_FAILURES)
+async def test_nothing_before_the_tunnel_and_its_tls_stand_counts_as_sent(
+        driver: str, no_proxy_env: pytest.MonkeyPatch, answer: str, transport: Transport
+) -> None:
+    # The CONNECT is the proxy's exchange: its answer is no response of the provider's, and a
+    # tunnel that fails (refused, or no TLS through it) has carried nothing of the request.
+    proxy = _RefusingProxy(answer)
+    clients = ClientRegistry(proxy=proxy.url)
+    progress = SendProgress()
+    adapter = _adapter(driver, clients=clients)
+    try:
+        result = await adapter.send(
+            make_route(f"https://127.0.0.1:{closed_port()}/v1", "openai"), ENV,
+            profile_id=PROFILE, progress=progress)
+    finally:
+        await _close(adapter)
+        proxy.close()
+    obs = result.observation
+    assert not result.ok and obs is not None
+    assert (obs.transport, obs.phase, result.sent) == (transport, Phase.BEFORE_SEND, False)
+    assert (result.http_status, progress.sent, progress.first_byte_at) == (None, False, None)
+    assert [line.split(" ")[0] for line, _ in proxy.heads] == ["CONNECT"]
+
+
+def test_a_run_fails_over_when_the_proxy_refuses_the_tunnel(
+        db_url: str, no_proxy_env: pytest.MonkeyPatch, self_signed: tuple[Path, Path]) -> None:
+    cert, key = self_signed
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    proxy = _RefusingProxy("502")
+    clients = ClientRegistry(proxy=proxy.url,
+                             verify=ssl.create_default_context(cafile=str(cert)))
+    with FakeProvider(ssl=server).in_thread() as fake, Ledger.open(db_url) as led, \
+            SyncAdapter(secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT,
+                        clients=clients) as adapter:
+        first = make_route(fake.endpoint("openai"), "openai", id="first", group="a")
+        second = make_route(fake.endpoint("openai"), "openai", id="second", group="b")
+        with led.run("px", plan=[first, second], adapter=adapter,
+                     budget=Budget(max_calls=3, max_retries=2, max_cost=Decimal("1")),
+                     grant=Grant(recipients={"fake": ["user_input"]})) as run:
+            assert run.turn(ENV).text
+        refused, served = led.timeline("px")
+        assert (refused.route_id, refused.state, refused.first_byte_s) == (
+            "first", AttemptState.NOT_SENT, None)
+        assert refused.fact is not None and refused.fact.phase is Phase.BEFORE_SEND
+        assert (served.route_id, served.state) == ("second", AttemptState.SUCCEEDED)
+        assert len(fake.requests) == 1
+    proxy.close()
