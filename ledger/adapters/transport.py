@@ -21,6 +21,7 @@ from ledger.adapters.exchange import DEADLINE, READ_LIMIT
 from ledger.domain.facts import Phase, Transport
 from ledger.errors import InvalidArgument
 from ledger.readiness import peer_spoke
+from ledger.redaction import register_secret
 
 # --------------------------------------------------------------------------------------------
 # Transport-error mapping (pure)
@@ -306,6 +307,13 @@ def _proxy(url: str, field: str) -> httpx.Proxy:
         raise fault from e
     if proxy.url.scheme not in ("http", "https") or not proxy.url.host:
         raise fault
+    # A proxy refusing them may echo its credentials (a 407's body or Proxy-Authenticate):
+    # known, they are redacted from what the adapter reports, in every encoding.
+    # A user name alone is the credential of proxies that take a token there.
+    user, password = proxy.auth or ("", "")
+    register_secret(password or user)
+    if user and password:
+        register_secret(f"{user}:{password}")
     return proxy
 
 

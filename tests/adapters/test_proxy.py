@@ -12,6 +12,7 @@ drivers (asyncio and blocking) run every case. The session's own proxy variables
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import ssl
 import threading
@@ -30,13 +31,14 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Phase, Transport
 from ledger.domain.records import AttemptState
 from ledger.domain.values import Budget, Grant
-from ledger.errors import InvalidArgument
+from ledger.errors import InvalidArgument, LedgerError
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import FakeProvider, Fault
 from tests.netfaults import closed_port
 
 from .conftest import PATIENT, PROFILE, SECRET, BlockingInLoop, make_route
 from .loopback import LoopbackServer
+from .test_secrets_at_rest import _database_bytes, leaks
 
 pytestmark = pytest.mark.anyio
 
@@ -330,3 +332,70 @@ def test_a_run_fails_over_when_the_proxy_refuses_the_tunnel(
         assert (served.route_id, served.state) == ("second", AttemptState.SUCCEEDED)
         assert len(fake.requests) == 1
     proxy.close()
+
+
+class _EchoingProxy(LoopbackServer):
+    """A proxy that refuses every request with a 407 echoing the credentials it was sent."""
+
+    def serve(self, conn: socket.socket) -> None:
+        with conn:
+            got = self.read_head(conn)
+            if got is None:
+                return
+            fields = got[0].decode("latin-1").split("\r\n")[1:]
+            sent = next((v.strip().removeprefix("Basic ") for k, _, v in
+                         (f.partition(":") for f in fields)
+                         if k.strip().lower() == "proxy-authorization"), "")
+            said = base64.b64decode(sent).decode() if sent else "nothing"
+            body = json.dumps({"error": {"message": f"proxy authentication failed for {said}",
+                                         "code": "proxy_auth"}}).encode()
+            conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Proxy-Authenticate: Basic realm=\"" + said.encode() + b"\"\r\n"
+                         b"X-Request-Id: " + said.encode() + b"\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+                         b"Connection: close\r\n\r\n" + body)
+
+
+def test_a_proxys_credentials_it_echoes_reach_neither_the_ledger_nor_the_result(
+        db_url: str, no_proxy_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    password = "proxyPassw0rdXyz"
+    proxy = _EchoingProxy()
+    clients = ClientRegistry(proxy=f"http://egress:{password}@127.0.0.1:{proxy.port}")
+    route = make_route(f"http://127.0.0.1:{closed_port()}/v1", "openai")
+    with Ledger.open(db_url) as led, SyncAdapter(
+            secrets=StaticSecretProvider({PROFILE: SECRET}), limits=PATIENT,
+            clients=clients) as adapter:
+        result = adapter.send(route, ENV, profile_id=PROFILE)
+        with pytest.raises(LedgerError) as raised, led.run(
+                "p407", plan=[route], adapter=adapter,
+                budget=Budget(max_calls=2, max_retries=1, max_cost=Decimal("1")),
+                grant=Grant(recipients={"fake": ["user_input"]})) as run:
+            run.turn(ENV)
+        [att] = led.timeline("p407")
+        assert att.fact is not None and att.fact.status == 407
+        stored = _database_bytes(db_url, request)
+    proxy.close()
+    assert result.http_status == 407 and result.observation is not None
+    assert "proxy authentication failed" in (result.evidence or "")
+    assert leaks(repr(result), password, f"egress:{password}") == []
+    assert leaks(att.fact.model_dump_json(), password) == []
+    assert leaks(str(raised.value), password) == []
+    assert leaks(stored, password) == []
+
+
+@pytest.mark.parametrize("variable", ["HTTP_PROXY", "ALL_PROXY"])
+async def test_the_environments_proxy_credentials_it_echoes_are_redacted(
+        driver: str, no_proxy_env: pytest.MonkeyPatch, variable: str) -> None:
+    password = f"envPassw0rd{variable.split('_')[0].title()}Qrs"
+    proxy = _EchoingProxy()
+    no_proxy_env.setenv(variable, f"http://egress:{password}@127.0.0.1:{proxy.port}")
+    adapter = _adapter(driver)
+    try:
+        result = await adapter.send(make_route(f"http://127.0.0.1:{closed_port()}/v1",
+                                               "openai"), ENV, profile_id=PROFILE)
+    finally:
+        await _close(adapter)
+        proxy.close()
+    assert result.http_status == 407 and "proxy-authenticate" in result.observation.headers
+    assert leaks(repr(result), password) == []
