@@ -281,6 +281,9 @@ CASES: list[Case] = [
     C("admit endpoint with a key-shaped token", "plan[0].endpoint", "api_key_env",
       lambda f: _admit(f, plan=[routes()[0].model_copy(update={
           "endpoint": "https://gw.example.com/sk-proj-abcdefghijklmnopqrstuvwx0123/v1"})])),
+    C("admit endpoint with a fragment", "plan[0].endpoint", "#fragment",
+      lambda f: _admit(f, plan=[routes()[0].model_copy(update={
+          "endpoint": "https://gw.example.com/v1#section"})])),
     C("admit grant typo", "grant.recipient", "recipients",
       lambda f: _admit(f, grant={"recipient": {}})),
     C("admit deadline NaN", "deadline", "finite", lambda f: _admit(f, deadline=NAN)),

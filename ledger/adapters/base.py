@@ -514,6 +514,12 @@ class HttpAdapter:
                 f"route {route.id!r} endpoint {shown} has no host name; set the provider's "
                 f"base URL (e.g. {example})"
             )
+        if "#" in endpoint:
+            # Never sent, and it would cut off the path the protocol joins to the endpoint.
+            raise _CannotBuild(
+                f"route {route.id!r} endpoint {shown} has a #fragment, which no request "
+                "carries; remove it from Route.endpoint"
+            )
         if parts.username is not None or parts.password is not None:
             raise _CannotBuild(
                 f"route {route.id!r} endpoint {shown} carries credentials in the URL, where they "
@@ -556,7 +562,13 @@ class HttpAdapter:
             codec = codec_for(route.protocol)
         except InvalidArgument as exc:
             raise _CannotBuild(exc.message) from None
-        wire = codec.build_request(route, envelope)  # envelope misuse raises InvalidArgument
+        # A query (Azure OpenAI's ?api-version=) stays on the request URL, after the path the
+        # codec joins to the endpoint's, so the codec sees the endpoint without it.
+        base, _, query = (route.endpoint or "").partition("?")
+        at = route.model_copy(update={"endpoint": base}) if base != route.endpoint else route
+        wire = codec.build_request(at, envelope)  # envelope misuse raises InvalidArgument
+        if query:
+            wire = replace(wire, url=wire.url + ("&" if "?" in wire.url else "?") + query)
         secret = self._secret(route, profile_id)
         content = self._encode(route, wire.body)
         headers = dict(wire.headers)

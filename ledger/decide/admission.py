@@ -143,6 +143,11 @@ def validate_plan(plan: Sequence[Route]) -> None:
             raise InvalidArgument(f"route id {r.id!r} appears twice in the plan; ids must be "
                                   "unique", field="plan")
         seen.add(r.id)
+        if r.endpoint and "#" in r.endpoint:
+            # No request carries a fragment; joined to, it would cut off the protocol's path.
+            raise InvalidArgument(
+                f"route {r.id!r} endpoint has a #fragment, which no request carries; remove it "
+                "from the endpoint", field=f"plan[{i}].endpoint")
         where = _credential_in(r.endpoint)
         if where is not None:
             # Refused before anything is written: the frozen plan is stored as given and read

@@ -72,6 +72,8 @@ def _assert_cannot_build(result: object, *needles: str) -> None:
         ("http://", "gemini", ["no http:// or https:// scheme and host"]),
         ("http://u:pw@127.0.0.1:9/v1", "openai", ["credentials in the URL", "credential profile"]),
         ("http://127.0.0.1:99999/v1", "openai", ["invalid port"]),
+        ("http://127.0.0.1:9/v1#frag", "openai", ["http://127.0.0.1", "#fragment", "remove it"]),
+        ("http://127.0.0.1:9/v1?api-version=1#frag", "gemini", ["#fragment"]),
         ("http://exa mple.com/v1", "openai", ["invalid host name"]),
         ("http://[::1/v1", "anthropic", ["not a usable URL"]),
         ("ENDPOINT", "generic", ["no adapter for protocol 'generic'", "register_codec"]),

@@ -198,3 +198,20 @@ async def test_a_providers_cookie_never_rides_on_another_request(
         assert r.ok
     assert len(fake.requests) == 1 + len(PROTOCOLS)
     assert [r.headers.get("cookie") for r in fake.requests] == [None] * len(fake.requests)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_endpoints_query_stays_on_the_url_after_the_protocols_path(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    # Azure OpenAI's endpoints need ?api-version=: the path goes before it, not into it.
+    plain = await adapter.send(make_route(fake.endpoint(protocol), protocol),
+                               ENV.model_copy(update={"stream": stream}), profile_id=PROFILE)
+    queried = await adapter.send(
+        make_route(fake.endpoint(protocol) + "/?api-version=2024-10-21&x=a%2Fb", protocol),
+        ENV.model_copy(update={"stream": stream}), profile_id=PROFILE)
+    assert plain.ok and queried.ok, queried.observation
+    before, after = fake.requests
+    assert after.path == before.path
+    assert after.query == "&".join(q for q in (before.query, "api-version=2024-10-21&x=a%2Fb")
+                                   if q)
