@@ -379,7 +379,9 @@ class HttpAdapter:
     """Sends an Envelope on a Route over httpx, for every registered protocol (async).
 
     Memory is bounded by ``max_body_bytes``, ``max_stream_bytes`` and ``max_event_bytes``
-    (the SSE parser's line and event limit); time by ``limits`` (see the module docstring).
+    (the SSE parser's line and event limit), counted after decompression: a compressed answer
+    is inflated only as far as they read (:class:`~ledger.adapters.exchange.BodyDecoder`);
+    time by ``limits`` (see the module docstring).
     Use it as ``async with`` or :meth:`aclose` it; :class:`~ledger.adapters.sync.SyncAdapter`
     is its blocking facade.
 

@@ -24,7 +24,8 @@ import asyncio
 import contextvars
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+import zlib
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -125,6 +126,106 @@ class _Resumed(Generic[R]):
             return None
 
 
+# -- the body, decoded in bounded pieces --------------------------------------------------------
+
+#: The content codings a request accepts: those :class:`BodyDecoder` inflates piece by piece.
+ACCEPT_ENCODING = "gzip, deflate"
+#: The most bytes one piece of a decoded body holds.
+PIECE_BYTES = 64 * 1024
+
+
+class _Inflate:
+    """One ``gzip`` or ``deflate`` coding, inflated at most :data:`PIECE_BYTES` at a time."""
+
+    def __init__(self, coding: str) -> None:
+        self._obj = zlib.decompressobj(zlib.MAX_WBITS | 16 if coding == "gzip" else zlib.MAX_WBITS)
+        # "deflate" is meant to be zlib-wrapped, but some servers send it raw (as httpx allows).
+        self._raw_allowed = coding == "deflate"
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        while True:
+            try:
+                out = self._obj.decompress(data, PIECE_BYTES)
+            except zlib.error as exc:
+                if not self._raw_allowed:
+                    raise httpx.DecodingError(f"the response body is not valid: {exc}") from exc
+                self._raw_allowed = False
+                self._obj = zlib.decompressobj(-zlib.MAX_WBITS)
+                continue
+            self._raw_allowed = False
+            if out:
+                yield out
+            data = self._obj.unconsumed_tail
+            # A full piece may leave more output pending on input already taken.
+            if not data and len(out) < PIECE_BYTES:
+                return
+
+    def end(self) -> Iterator[bytes]:
+        if out := self._obj.flush():
+            yield out
+
+
+class BodyDecoder:
+    """A response body's content codings undone lazily, in pieces of :data:`PIECE_BYTES`.
+
+    httpx inflates each network read whole before the engine can count it: a few KiB of gzip
+    are megabytes, so the engine's byte limits (``max_body_bytes``, ``max_stream_bytes``)
+    would bound nothing. Here no piece is made before the engine asks for it, so an answer
+    is inflated only as far as those limits let it be read. Codings that were not asked for
+    (:data:`ACCEPT_ENCODING`) are refused: ``httpx.DecodingError``, a ``protocol_error``.
+    """
+
+    def __init__(self, content_encoding: str | None) -> None:
+        codings = [c.strip().lower() for c in (content_encoding or "").split(",")]
+        self._stages: list[_Inflate] = []
+        for coding in reversed([c for c in codings if c and c != "identity"]):
+            if coding not in ("gzip", "deflate"):
+                raise httpx.DecodingError(
+                    f"the response is {coding[:32]!r}-encoded, which the request did not "
+                    f"accept (accept-encoding: {ACCEPT_ENCODING})")
+            self._stages.append(_Inflate(coding))
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The decoded pieces of the next raw ``data``."""
+        pieces: Iterable[bytes] = (data,)
+        for stage in self._stages:
+            pieces = _through(stage, pieces)
+        return (p for p in pieces if p)
+
+    def end(self) -> Iterator[bytes]:
+        """What is left once the raw body ended."""
+        pieces: Iterator[bytes] = iter(())
+        for stage in self._stages:
+            pieces = _chained(_through(stage, pieces), stage.end())
+        return (p for p in pieces if p)
+
+
+def _through(stage: _Inflate, pieces: Iterable[bytes]) -> Iterator[bytes]:
+    for piece in pieces:
+        yield from stage.feed(piece)
+
+
+def _chained(first: Iterator[bytes], then: Iterator[bytes]) -> Iterator[bytes]:
+    yield from first
+    yield from then
+
+
+async def _adecoded(response: httpx.Response) -> AsyncIterator[bytes]:
+    decoder = BodyDecoder(response.headers.get("content-encoding"))
+    async for data in response.aiter_raw():
+        for piece in decoder.feed(data):
+            yield piece
+    for piece in decoder.end():
+        yield piece
+
+
+def _decoded(response: httpx.Response) -> Iterator[bytes]:
+    decoder = BodyDecoder(response.headers.get("content-encoding"))
+    for data in response.iter_raw():
+        yield from decoder.feed(data)
+    yield from decoder.end()
+
+
 # -- asyncio ------------------------------------------------------------------------------------
 
 
@@ -133,7 +234,7 @@ def _achunks(response: httpx.Response, chunks: dict[int, AsyncIterator[bytes]]
     """The one iterator over ``response``'s body that every step of the exchange reads."""
     it = chunks.get(id(response))
     if it is None:
-        it = chunks[id(response)] = response.aiter_bytes().__aiter__()
+        it = chunks[id(response)] = _adecoded(response).__aiter__()
     return it
 
 
@@ -231,7 +332,7 @@ def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
             return step.client.send(step.request, stream=True)
         it = chunks.get(id(step.response))
         if it is None:
-            it = chunks[id(step.response)] = step.response.iter_bytes()
+            it = chunks[id(step.response)] = _decoded(step.response)
         if isinstance(step, Read):
             limit = READ_LIMIT.set(step.read_limit)
             try:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
-from ledger.adapters.exchange import DEADLINE, READ_LIMIT
+from ledger.adapters.exchange import ACCEPT_ENCODING, DEADLINE, READ_LIMIT
 from ledger.domain.facts import Phase, Transport
 from ledger.errors import InvalidArgument
 from ledger.readiness import peer_spoke
@@ -326,6 +326,11 @@ def _via(proxy: httpx.Proxy) -> dict[str, Any]:
             "proxy_ssl_context": proxy.ssl_context}
 
 
+# Only the codings the engine inflates piece by piece (exchange.BodyDecoder), not httpx's
+# default list: with zstd a few KiB on the wire are gigabytes in memory.
+_HEADERS = {"Accept-Encoding": ACCEPT_ENCODING}
+
+
 class ClientRegistry:
     """One pooled httpx client per endpoint origin (scheme, host, port) and kind.
 
@@ -399,7 +404,7 @@ class ClientRegistry:
             # follow_redirects stays off: a redirect is an answer we report, not one we chase
             # (following it could send the request, and its credential, somewhere else).
             client = httpx.AsyncClient(transport=transport, follow_redirects=False,
-                                       cookies=_NoCookies())
+                                       cookies=_NoCookies(), headers=_HEADERS)
             clients[key] = client
         return client
 
@@ -413,7 +418,8 @@ class ClientRegistry:
             client = self._sync.get(key)
             if client is None:
                 client = httpx.Client(transport=self._sync_transport(url),
-                                      follow_redirects=False, cookies=_NoCookies())
+                                      follow_redirects=False, cookies=_NoCookies(),
+                                      headers=_HEADERS)
                 self._sync[key] = client
         return client
 

@@ -1,0 +1,136 @@
+"""Compressed answers are inflated only as far as the adapter's byte limits read them.
+
+A provider (or anything between) may gzip its answer; a few KiB of gzip are megabytes of text.
+The request accepts only the codings the adapter inflates piece by piece (gzip, deflate), so
+``max_body_bytes`` and ``max_stream_bytes`` bound the bytes held in memory after inflating, and
+an answer in a coding it did not accept is refused. Raw answers from the fake provider on
+loopback, both drivers.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import time
+import tracemalloc
+import zlib
+
+import pytest
+
+from ledger.adapters import HttpAdapter, StaticSecretProvider, SyncAdapter
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Phase, Transport
+from ledger.testing import Behavior, FakeProvider, Fault
+
+from .conftest import PATIENT, PROFILE, SECRET, BlockingInLoop, make_route
+
+pytestmark = pytest.mark.anyio
+
+MIB = 1 << 20
+LIMIT = MIB  # the adapter's max_body_bytes and max_stream_bytes here
+BOMB = 256 * MIB  # what the bomb inflates to, all of it zeros: about 256 KiB of gzip
+
+
+@functools.cache
+def _bomb() -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    block = bytes(MIB)
+    return b"".join([*(packer.compress(block) for _ in range(BOMB // MIB)), packer.flush()])
+
+
+def _answer(body: bytes, *, coding: str, stream: bool) -> Behavior:
+    ctype = "text/event-stream" if stream else "application/json"
+    head = (f"HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Encoding: {coding}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return Behavior(fault=Fault.RAW, raw=(head, body))
+
+
+def _adapter(driver: str) -> HttpAdapter:
+    options = {"secrets": StaticSecretProvider({PROFILE: SECRET}), "limits": PATIENT,
+               "max_body_bytes": LIMIT, "max_stream_bytes": LIMIT,
+               "max_event_bytes": 2 * LIMIT}  # the stream's limit is the one reached
+    if driver == "async":
+        return HttpAdapter(**options)  # type: ignore[arg-type]
+    return BlockingInLoop(SyncAdapter(**options))  # type: ignore[arg-type, return-value]
+
+
+async def _send(driver: str, fake: FakeProvider, behavior: Behavior, *, stream: bool) -> object:
+    fake.enqueue(behavior)
+    adapter = _adapter(driver)
+    try:
+        return await adapter.send(make_route(fake.endpoint("openai"), "openai"),
+                                  Envelope(parts=[Part(content="hi")], stream=stream),
+                                  profile_id=PROFILE)
+    finally:
+        if isinstance(adapter, BlockingInLoop):
+            adapter.sync.close()
+        else:
+            await adapter.aclose()
+
+
+@pytest.mark.parametrize(("stream", "limit"), [(False, "max_body_bytes"),
+                                               (True, "max_stream_bytes")])
+async def test_a_compressed_answer_is_held_in_memory_only_up_to_the_byte_limits(
+        driver: str, fake: FakeProvider, stream: bool, limit: str) -> None:
+    bomb = _bomb()
+    tracemalloc.start()
+    try:
+        t0 = time.monotonic()
+        result = await _send(driver, fake, _answer(bomb, coding="gzip", stream=stream),
+                             stream=stream)
+        elapsed = time.monotonic() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (
+        Transport.PROTOCOL_ERROR, Phase.MID_STREAM if stream else Phase.AFTER_HEADERS)
+    assert f"{limit}={LIMIT}" in obs.message
+    # Inflated whole per network read (64 KiB of this gzip is 64 MiB), or at all (256 MiB),
+    # it would hold far more than the limit.
+    assert peak < 16 * MIB, peak
+    assert elapsed < 10.0
+
+
+ANSWER = json.dumps({"model": "m1", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+    "role": "assistant", "content": "hey"}}], "usage": {"prompt_tokens": 3,
+                                                        "completion_tokens": 1}}).encode()
+EVENTS = (b'data: {"model":"m1","choices":[{"index":0,"delta":{"content":"hey"},'
+          b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("coding", "pack"), [
+    ("gzip", gzip.compress), ("deflate", zlib.compress), ("deflate", _raw_deflate),
+    ("GZIP", gzip.compress), ("gzip, gzip", lambda d: gzip.compress(gzip.compress(d))),
+    ("identity", bytes)])
+async def test_an_answer_in_an_accepted_coding_is_read_whole(
+        driver: str, fake: FakeProvider, stream: bool, coding: str, pack: object) -> None:
+    body = pack(EVENTS if stream else ANSWER)  # type: ignore[operator]
+    result = await _send(driver, fake, _answer(body, coding=coding, stream=stream),
+                         stream=stream)
+    assert result.ok and result.text == "hey", result.observation  # type: ignore[attr-defined]
+    assert fake.requests[0].headers["accept-encoding"] == "gzip, deflate"
+
+
+@pytest.mark.parametrize("coding", ["zstd", "br", "gzip, zstd"])
+async def test_an_answer_in_a_coding_the_request_did_not_accept_is_refused(
+        driver: str, fake: FakeProvider, coding: str) -> None:
+    result = await _send(driver, fake, _answer(b"\x28\xb5\x2f\xfd" + bytes(64), coding=coding,
+                                               stream=False), stream=False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and obs.transport is Transport.PROTOCOL_ERROR  # type: ignore[attr-defined]
+    assert "did not accept" in obs.message and "gzip, deflate" in obs.message
+
+
+async def test_a_corrupt_gzip_answer_is_a_protocol_error(driver: str, fake: FakeProvider) -> None:
+    result = await _send(driver, fake, _answer(b"\x1f\x8b\x08\x00garbage-garbage", coding="gzip",
+                                               stream=False), stream=False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and obs.transport is Transport.PROTOCOL_ERROR  # type: ignore[attr-defined]
