@@ -323,7 +323,8 @@ class _Answer:
     timestamp: datetime
 
     @classmethod
-    def of(cls, run_id: str, result: Any) -> _Answer:
+    def of(cls, run_id: str, result: Any, parts: Sequence[Part]) -> _Answer:
+        """The answer of ``result`` with ``parts``: its parts with stable tool-call ids."""
         att: AttemptRecord = result.attempt
         output = result.output
         raw_finish = getattr(output, "finish_reason", None)
@@ -336,12 +337,12 @@ class _Answer:
         notes = list(getattr(output, "notes", ()) or ())
         if notes:  # what the route's codec left out (another route's reasoning), and why
             details[DETAILS_KEY]["notes"] = notes
-        links = [{"url": p.link, "media_type": p.media_type} for p in result.parts
+        links = [{"url": p.link, "media_type": p.media_type} for p in parts
                  if _is_file(p) and p.link is not None]
         if links:  # files the model returned as links: a FilePart holds bytes only
             details[DETAILS_KEY]["links"] = links
         return cls(
-            parts=_answer_parts(result.parts),
+            parts=_answer_parts(parts),
             usage=RequestUsage(input_tokens=att.prompt_tokens or 0,
                                output_tokens=att.completion_tokens or 0),
             model_name=att.model_reported or att.model, provider_name=att.provider,
@@ -454,7 +455,13 @@ class LedgerModel(Model):
             result = await self.run.turn(envelope, turn_id=turn_id)
         finally:
             self._link.sent(envelope, turn_id, None)
-        return _Answer.of(self.run.run_id, result).response()
+        return (await self._served(result, envelope)).response()
+
+    async def _served(self, result: Any, envelope: Envelope) -> _Answer:
+        # A provider that reuses a call id (every call of the fake is call_fake_1) would pair
+        # the second tool's return with the first's recorded result: the id is made unique.
+        used = [p.tool_call_id for p in envelope.parts if p.tool_call_id]
+        return _Answer.of(self.run.run_id, result, await self._link.stable_calls(result, used))
 
     @asynccontextmanager
     async def request_stream(self, messages: list[ModelMessage],
@@ -472,17 +479,17 @@ class LedgerModel(Model):
         turn_id = await self._link.guard(envelope)
         events: asyncio.Queue[Any] = asyncio.Queue()
 
-        async def drive() -> Any:
+        async def drive() -> _Answer:
             try:
-                return await self.run.turn(envelope, on_event=events.put_nowait,
-                                           turn_id=turn_id)
+                return await self._served(await self.run.turn(
+                    envelope, on_event=events.put_nowait, turn_id=turn_id), envelope)
             finally:
                 events.put_nowait(_DONE)
 
         task = asyncio.ensure_future(drive())
         try:
             response = LedgerStreamedResponse(model_request_parameters=params,
-                                              _name=self.model_name, _run_id=self.run.run_id,
+                                              _name=self.model_name,
                                               _events=events, _turn=task)
             yield response
         finally:
@@ -611,7 +618,6 @@ class LedgerStreamedResponse(StreamedResponse):
     """
 
     _name: str = ""
-    _run_id: str = ""
     _events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     _turn: asyncio.Future[Any] | None = None
     _timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
@@ -627,7 +633,7 @@ class LedgerStreamedResponse(StreamedResponse):
                                                                 content=event.text):
                     yield ev
         assert self._turn is not None
-        answer = _Answer.of(self._run_id, await self._turn)  # a stop raises here
+        answer: _Answer = await self._turn  # a stop raises here
         self._answer = answer
         self._usage = answer.usage
         self.provider_details = answer.details

@@ -50,7 +50,7 @@ from ledger.domain.records import AttemptState
 from ledger.integrations.pydantic_ai import LedgerModel
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import plan
+from tests.fakeplan import plan, tool_call_ids
 
 fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
 _clear = fakeplan._clear
@@ -176,6 +176,47 @@ def test_a_streamed_agent_run_gets_the_text_and_the_recorded_answer(
                 [AttemptState.SUCCEEDED] * 4
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_tool_call_id_the_provider_reuses_gets_an_id_of_its_own_so_both_rounds_are_served(
+        db_url: str, fake: FakeProvider, protocol: str, streamed: bool) -> None:
+    # The fake gives every call the same id (call_fake_1, toolu_fake_1): the second round's
+    # return would be taken for another copy of the first's, and refused after the tool ran.
+    fake.enqueue(Behavior(tool_call=("search", {"query": "A"})),
+                 Behavior(tool_call=("search", {"query": "B"})), model="primary-model")
+    searched.clear()
+    provider_id = "toolu_fake_1" if protocol == "anthropic" else "call_fake_1"
+
+    async def main() -> list[str]:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("ids", plan=plan(fake, protocol), budget=BUDGET, grant=GRANT) as run:
+            agent = agent_for(run)
+            if streamed:
+                # agent.iter streams every model request (LedgerModel.request_stream).
+                async with agent.iter("Search twice.") as agent_run:
+                    async for node in agent_run:
+                        if Agent.is_model_request_node(node):
+                            async with node.stream(agent_run.ctx) as events:
+                                async for _event in events:
+                                    pass
+                assert agent_run.result is not None
+                result = agent_run.result
+            else:
+                result = await agent.run("Search twice.")
+            assert result.output == FULL_TEXT and searched == ["A", "B"]
+            calls = [p.tool_call_id for r in responses(result.all_messages())
+                     for p in r.parts if isinstance(p, ToolCallPart)]
+            assert calls[0] == provider_id and calls[1] != provider_id
+            [ev] = await led.events("ids", ["tool_call_id"])
+            assert ev.data == {"provider_id": provider_id, "call_id": calls[1]}
+            assert ev.attempt_id == (await led.timeline("ids"))[1].attempt_id
+            return calls
+
+    first, second = asyncio.run(main())
+    assert len(fake.requests) == 3
+    assert tool_call_ids(fake.requests[2]) == [first, first, second, second]
 
 
 def test_streamed_text_reaches_the_agent_while_the_attempt_is_still_on_the_wire(
