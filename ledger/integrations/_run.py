@@ -29,6 +29,7 @@ coroutines and :func:`drive` runs it to completion for the blocking paths.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import threading
@@ -60,6 +61,24 @@ def drive(coro: Coroutine[Any, Any, T]) -> T:
         return done.value  # type: ignore[no-any-return]
     coro.close()
     raise RuntimeError("a blocking Run session's call suspended")  # pragma: no cover
+
+
+async def wait_out(task: asyncio.Future[Any]) -> bool:
+    """Wait until ``task`` has ended, however often the waiting task is cancelled meanwhile.
+
+    Returns whether it was: the caller raises :class:`asyncio.CancelledError` once its
+    bookkeeping (:meth:`RunLink.sent`) ran. A second cancellation (the Agents SDK's and
+    pydantic-ai's timeouts cancel, then cancel the draining again) would otherwise skip it,
+    and the request would stay in flight for the rest of the session. ``task`` is not cancelled
+    again: it is settling its Attempt truthfully.
+    """
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 def turn_ids_of(envelope: Envelope, part_hashes: Sequence[str] | None = None
@@ -409,4 +428,4 @@ def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
             "cost": None if att.cost is None else str(att.cost)}
 
 
-__all__ = ["RunLink", "attempts_detail", "drive", "turn_ids_of"]
+__all__ = ["RunLink", "attempts_detail", "drive", "turn_ids_of", "wait_out"]

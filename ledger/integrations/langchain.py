@@ -52,7 +52,7 @@ from ledger.api.session import AsyncRunSession, RunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, Part, ToolSpec
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument
-from ledger.integrations._run import RunLink, attempts_detail, drive
+from ledger.integrations._run import RunLink, attempts_detail, drive, wait_out
 
 try:
     from langchain.agents.middleware import AgentMiddleware
@@ -651,9 +651,11 @@ class LedgerChatModel(BaseChatModel):
             if not task.done():
                 # The reader left: the turn is cancelled, and settles truthfully.
                 task.cancel()
-            await asyncio.wait([task])
+            interrupted = await wait_out(task)
             error = None if task.cancelled() else task.exception()
             link.sent(envelope, turn_id, error)
+            if interrupted:
+                raise asyncio.CancelledError
         if error is not None:
             _raise_stop(error)
         result = await task  # the cancellation raises here

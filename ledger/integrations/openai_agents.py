@@ -49,7 +49,7 @@ from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, 
 from ledger.domain.facts import Category, Phase
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError, ProviderError
-from ledger.integrations._run import RunLink, attempts_detail
+from ledger.integrations._run import RunLink, attempts_detail, wait_out
 
 try:
     from agents import FunctionTool, Handoff, Model, ModelProvider, ModelSettings, ModelTracing
@@ -558,12 +558,15 @@ class LedgerAgentModel(Model):
                                              logprobs=[])
         finally:
             error = None
+            interrupted = False
             if task is not None:
                 if not task.done():
                     task.cancel()  # the reader left: the turn is cancelled, settles truthfully
-                await asyncio.wait([task])
+                interrupted = await wait_out(task)
                 error = None if task.cancelled() else task.exception()
             link.sent(envelope, turn_id, error)
+            if interrupted:
+                raise asyncio.CancelledError
         assert task is not None  # unset only when the reader left at response.created
         answer = await self._served(await task, envelope)
         if text:

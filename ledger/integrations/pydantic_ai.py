@@ -57,7 +57,7 @@ from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
-from ledger.integrations._run import RunLink
+from ledger.integrations._run import RunLink, wait_out
 
 try:
     from pydantic_ai import RunContext
@@ -496,7 +496,7 @@ class LedgerModel(Model):
             if not task.done():
                 # The agent stopped reading: the turn is cancelled, and settles truthfully.
                 task.cancel()
-            await asyncio.wait([task])
+            interrupted = await wait_out(task)
             # Here, not in drive(): a task cancelled before it started never runs its body.
             self._link.sent(envelope, turn_id, None)
             served = not task.cancelled() and task.exception() is None  # (retrieved, too)
@@ -504,6 +504,8 @@ class LedgerModel(Model):
                 # The answer arrived but the reader left before the end of it: the turn was not
                 # served to the agent, so the Run does not end succeeded by it.
                 self.run._turn_ended(RunStatus.CANCELLED)
+            if interrupted:
+                raise asyncio.CancelledError
 
     # -- the envelope ----------------------------------------------------------------------
 

@@ -539,6 +539,37 @@ async def _drain(stream: Any) -> list[Any]:
     return [chunk async for chunk in stream]
 
 
+async def _cancelled_twice(call: Any, fake: FakeProvider) -> None:
+    """Run ``call`` until its request has left, then cancel it, and again a loop step later
+    (as the Agents SDK's and pydantic-ai's timeouts do while draining the call)."""
+    fake.enqueue(Fault.NO_RESPONSE)
+    task = asyncio.ensure_future(call())
+    assert await asyncio.to_thread(fake.wait_for_requests, 1)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_a_streamed_request_cancelled_twice_is_refused_as_unknown_not_left_in_flight(
+        db_url: str, fake: FakeProvider) -> None:
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("twice", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run)
+            await _cancelled_twice(lambda: _drain(model.astream("Stream it.")), fake)
+            [att] = await led.timeline("twice")
+            assert att.state is AttemptState.UNKNOWN
+            with pytest.raises(LedgerStop) as ei:
+                await _drain(model.astream("Stream it."))
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [att.attempt_id]
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
+
+
 def test_a_request_is_the_same_request_streamed_or_not(db_url: str, fake: FakeProvider) -> None:
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led, \

@@ -24,6 +24,7 @@ from agents import (
     Agent,
     MaxTurnsExceeded,
     ModelSettings,
+    ModelTracing,
     RunConfig,
     Runner,
     WebSearchTool,
@@ -458,6 +459,40 @@ def test_a_call_whose_outcome_is_unknown_is_never_sent_again_in_the_same_session
 
     asyncio.run(main())
     assert len(fake.requests) == 2
+
+
+def test_a_streamed_call_cancelled_twice_is_refused_as_unknown_not_left_in_flight(
+        db_url: str, fake: FakeProvider) -> None:
+    async def stream(model: Any) -> None:
+        async for _event in model.stream_response(
+                "You research filings.", "Stream it.", ModelSettings(), [], None, [],
+                ModelTracing.DISABLED, previous_response_id=None, conversation_id=None,
+                prompt=None):
+            pass
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("twice", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerModelProvider(run).get_model(None)
+            fake.enqueue(Fault.NO_RESPONSE)
+            call = asyncio.ensure_future(stream(model))
+            assert await asyncio.to_thread(fake.wait_for_requests, 1)
+            # Cancelled, and again a loop step later: the SDK's ModelSettings(timeout=...)
+            # cancels the call, then cancels the draining of it.
+            call.cancel()
+            await asyncio.sleep(0)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            [att] = await led.timeline("twice")
+            assert att.state is AttemptState.UNKNOWN
+            with pytest.raises(FailoverExhausted) as ei:
+                await stream(model)
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [att.attempt_id]
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
 
 
 def test_items_the_run_did_not_produce_are_refused_before_sending(

@@ -424,6 +424,37 @@ def test_a_request_whose_outcome_is_unknown_is_never_asked_again_in_the_same_ses
     assert len(fake.requests) == 2
 
 
+def test_a_streamed_request_cancelled_twice_is_refused_as_unknown_not_left_in_flight(
+        db_url: str, fake: FakeProvider) -> None:
+    async def stream(agent: Agent[None, str]) -> str:
+        async with agent.run_stream("Stream it.") as streamed:
+            return await streamed.get_output()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("twice", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            agent = Agent(LedgerModel(run))
+            fake.enqueue(Fault.NO_RESPONSE)
+            call = asyncio.ensure_future(stream(agent))
+            assert await asyncio.to_thread(fake.wait_for_requests, 1)
+            # Cancelled, and again a loop step later: pydantic-ai's request_timeout does so
+            # while it drains the call.
+            call.cancel()
+            await asyncio.sleep(0)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            [att] = await led.timeline("twice")
+            assert att.state is AttemptState.UNKNOWN
+            with pytest.raises(FailoverExhausted) as ei:
+                await stream(agent)
+            assert ei.value.reason == "execution_unknown"
+            assert ei.value.attempts == [att.attempt_id]
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
+
+
 @pytest.mark.parametrize(("policy", "reason", "status"), [
     (None, "no_candidate", RunStatus.FAILED),
     ({"name": "off", "failover": {"enabled": False}}, "failover_disabled", RunStatus.STOPPED),
