@@ -124,7 +124,8 @@ class RunLink:
     Args:
         run: The session (``with led.run(...) as run`` or ``async with``).
         who: The integration's name, for messages (``LedgerMiddleware``, ...).
-        route: A route of the Run's plan the requests start at (``None``: the plan as it is).
+        route: A route of the Run's plan whose predecessors the requests do not use
+            (``None``: every route of the plan).
         tool_data_class: The data class tool results are recorded under.
         document_data_class: The data class of the images and documents of user messages.
         need_async: ``True`` when only an :class:`~ledger.AsyncRunSession` will do.

@@ -358,8 +358,10 @@ class LedgerChatModel(BaseChatModel):
             for ``invoke``/``stream``; ``ainvoke``/``astream`` run its blocking turn in a
             worker thread, as LangChain does for any blocking model) or an
             :class:`~ledger.AsyncRunSession` (``async with``, for ``ainvoke``/``astream``).
-        route: A route of the Run's plan to start its requests at (the routes before it are
-            not used for them; failover goes on down the plan). ``None``: the plan as it is.
+        route: A route of the Run's plan whose predecessors its requests do not use (failover
+            goes on down the plan from it; where a request starts among the routes left is
+            the policy's ``failover.new_turn``, by default the route the Run used last).
+            ``None``: every route of the plan.
         max_tokens: The most output tokens of an answer (the envelope's ``max_output_tokens``,
             which also sizes each Attempt's hold); a call's own ``max_tokens`` wins.
         temperature: Sent with every request (a call's own wins).

@@ -10,8 +10,9 @@ A ``ModelProvider`` whose models serve every model call of the SDK's runner as o
 
 The Run's frozen plan, policy, budget and grant decide routes, retries and failover (across
 protocols: the Responses API, chat completions, Anthropic, Gemini); every physical call is an
-Attempt. An agent's ``model`` names a route of the Run's plan to start at (``None``: the plan
-as it is).
+Attempt. An agent's ``model`` names a route of the Run's plan whose predecessors its requests
+do not use (``None``: every route); where a request starts among the routes left is the
+policy's ``failover.new_turn`` (by default the route the Run used last).
 
 Items both ways (the Responses format the SDK speaks): the instructions and ``system`` /
 ``developer`` messages are ``system`` parts, user messages ``user_input`` (``input_text``,
@@ -330,8 +331,10 @@ class LedgerAgentModel(Model):
 
     Args:
         run: The :class:`~ledger.AsyncRunSession` (``async with led.run(...) as run``).
-        route: A route of the Run's plan to start the requests at (the routes before it are
-            not used for them; failover goes on down the plan). ``None``: the plan as it is.
+        route: A route of the Run's plan whose predecessors the requests do not use (failover
+            goes on down the plan from it; where a request starts among the routes left is
+            the policy's ``failover.new_turn``, by default the route the Run used last).
+            ``None``: every route of the plan.
         tool_data_class: The data class tool outputs are recorded under (``tool_result``).
         document_data_class: The data class of the images and files of user messages
             (``user_input``; another class has each file's provenance recorded).
@@ -626,8 +629,10 @@ def _pending(turn_id: str, model: str) -> Response:
 class LedgerModelProvider(ModelProvider):
     """The Agents SDK's ``ModelProvider`` for a ledger Run: ``RunConfig(model_provider=...)``.
 
-    ``get_model(None)`` (an agent without a ``model``) serves from the Run's plan as it is;
-    ``get_model("backup")`` starts at the plan's route ``backup``. Every agent of the run
+    ``get_model(None)`` (an agent without a ``model``) may use every route of the Run's plan;
+    ``get_model("backup")`` not the routes before ``backup``. Where a request starts among
+    those is the policy's ``failover.new_turn`` (by default the route the Run used last, which
+    may be one an earlier agent's ``model`` led to). Every agent of the run
     (handoffs included) draws on the one Run: its budget, its grant, its Attempts.
 
     Args:
