@@ -895,7 +895,7 @@ class Face(Generic[SessionT, OpenedT]):
             priced = route.cost(prompt_tokens or 0, completion_tokens or 0)
             if not amount_in_range(priced):
                 raise InvalidArgument(
-                    f"the usage costs {priced} at route {route.id!r}'s price, beyond any "
+                    f"the usage costs {priced} at the price of route {route.id!r}, beyond any "
                     "amount the ledger records; check the token counts, or pass cost=",
                     field="completion_tokens" if completion_tokens else "prompt_tokens")
             amount = priced

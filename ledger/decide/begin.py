@@ -30,7 +30,7 @@ def frozen_route(run: FrozenRun, route: str | Route) -> Route:
         snap = run.route(route_id)
     except KeyError:
         raise InvalidArgument(
-            f"route {route_id!r} is not in run {run.run_id!r}'s frozen plan "
+            f"route {route_id!r} is not in the frozen plan of run {run.run_id!r} "
             f"({[r.id for r in run.plan]}); a run can only use its admitted candidates",
             field="route",
         ) from None

@@ -108,8 +108,14 @@ _RUN_OWNS = {
                "total_timeout_s, ...)",
     "streaming": "call stream/astream to stream (or run the graph with "
                  "stream_mode=\"messages\")",
+    "stop": "stop sequences are not carried across the protocols of a Run's routes",
+    "model": "each route of the Run's plan names its model: pick a route with route=",
+    "api_key": "each route of the Run's plan has its credentials: Route.profiles or "
+               "Route.api_key_env",
+    "base_url": "each route of the Run's plan has its endpoint (Route.endpoint)",
 }
-_RUN_OWNS["request_timeout"] = _RUN_OWNS["timeout"]
+_RUN_OWNS.update(request_timeout=_RUN_OWNS["timeout"], stop_sequences=_RUN_OWNS["stop"],
+                 model_name=_RUN_OWNS["model"])
 
 
 def _stateful(name: str) -> InvalidArgument:
@@ -120,7 +126,8 @@ def _stateful(name: str) -> InvalidArgument:
 
 
 def _not_taken(name: str, takes: str) -> InvalidArgument:
-    why = _RUN_OWNS.get(name, "timeouts, retries and the rest belong to the Run's policy")
+    why = _RUN_OWNS.get(name, "a ledger Run sends only the settings every route's protocol "
+                              "carries alike")
     return InvalidArgument(f"LedgerChatModel does not take {name!r} ({why}): leave it out; it "
                            f"takes {takes}", field=name)
 

@@ -300,8 +300,8 @@ def _check_allowances(spec: BeginSpec, run: Any) -> None:
         )
     if left.tokens is not None and spec.reserve_tokens > left.tokens:
         raise BudgetExceeded(
-            f"a hold of {spec.reserve_tokens} tokens would overdraw run "
-            f"{spec.run_id!r}'s token budget (left: {left.tokens}); nothing was sent",
+            f"a hold of {spec.reserve_tokens} tokens would overdraw the token budget of run "
+            f"{spec.run_id!r} (left: {left.tokens}); nothing was sent",
             run_id=spec.run_id, route=spec.route.id, field="tokens",
             requested=spec.reserve_tokens, available=left.tokens,
         )

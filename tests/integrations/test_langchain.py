@@ -768,7 +768,10 @@ def test_misuse_is_refused_with_the_fix_and_records_nothing(
                 for kwargs, hint in (({"max_retries": 3}, "retry owner"),
                                      ({"timeout": 5}, "policy"),
                                      ({"streaming": True}, "astream"),
-                                     ({"store": True}, "conversation")):
+                                     ({"store": True}, "conversation"),
+                                     ({"stop": ["END"]}, "stop sequences are not carried"),
+                                     ({"model": "gpt-x"}, "pick a route with route="),
+                                     ({"seed": 7}, "every route's protocol")):
                     with pytest.raises(InvalidArgument) as ei:
                         LedgerChatModel(run, **kwargs)
                     assert ei.value.field == next(iter(kwargs)) and hint in str(ei.value)

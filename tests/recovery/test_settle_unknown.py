@@ -221,7 +221,8 @@ def test_usage_whose_price_is_beyond_any_amount_is_refused(db_url: str) -> None:
     att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve=HOLD)
     led.settle_attempt(lease, att.attempt_id, outcome="unknown")
     books = _books(led)
-    with pytest.raises(InvalidArgument, match="beyond any amount") as err:
+    with pytest.raises(InvalidArgument,
+                       match="at the price of route 'a', beyond any amount") as err:
         led.settle_unknown(att.attempt_id, outcome="succeeded", completion_tokens=10**15,
                            note="console")
     assert err.value.fields["field"] == "completion_tokens"

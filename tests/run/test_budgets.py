@@ -71,6 +71,16 @@ def test_invariant4_token_budget_is_held_posted_and_never_moves_on(led: Ledger) 
     assert stop["reason"] == "budget"
 
 
+def test_a_token_budget_refusal_names_the_run_without_a_possessive_after_its_quoted_id(
+        led: Ledger) -> None:
+    lease = _admit(led, tokens=150)
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, Sender())  # type: ignore[arg-type]
+    refusal = str(ei.value.exceptions[0])
+    assert "would overdraw the token budget of run 'r' (left: 150)" in refusal
+    assert "''s" not in str(ei.value)
+
+
 def test_invariant4_tokens_are_rechecked_before_a_retry_or_failover(led: Ledger) -> None:
     lease = _admit(led, tokens=300)  # room for one hold of ~200 tokens, not two
     # Sent, then no answer: the attempt is unknown and keeps its token hold.

@@ -283,7 +283,7 @@ def test_begin_is_idempotent_per_attempt_id(led: Ledger) -> None:
 def test_begin_bad_input(led: Ledger) -> None:
     led.admit_run("r1", plan=routes(), budget=budget())
     lease = led.acquire_lease("r1")
-    with pytest.raises(InvalidArgument, match="frozen plan"):
+    with pytest.raises(InvalidArgument, match="not in the frozen plan of run 'r1' "):
         led.begin_attempt(lease, route="zzz", envelope_hash="sha256:e", reserve="0")
     with pytest.raises(InvalidArgument, match="reserve"):
         led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="-1")
