@@ -408,6 +408,10 @@ CASES: list[Case] = [
     C("open clock not a clock", "clock", "now()",
       lambda f: Ledger.open(":memory:", clock="fast")),
     C("open url not a string", "url", "database URL", lambda f: Ledger.open(5)),
+    # SQLite's in-memory name is no file: never a file called ":memory:" in the working folder.
+    C("open in memory", "url", "SQLite *file*", lambda f: Ledger.open(":memory:")),
+    C("open in memory as a URL", "url", "SQLite *file*",
+      lambda f: Ledger.open("sqlite:///:memory:")),
     C("open unknown keyword", "migrate", "'migrate_schema'",
       lambda f: Ledger.open(":memory:", migrate=False), ArgumentMismatch),
     # -- execute / aexecute -------------------------------------------------------------------

@@ -38,6 +38,10 @@ def normalize_url(url: str) -> str:
         )
     url = url.strip()
     if "://" not in url:
+        if url == ":memory:":
+            # SQLite's name for a private in-memory database, not a file name: refused with
+            # the URL spelling of it (sqlite_file) rather than made a file called ":memory:".
+            return "sqlite:///:memory:"
         return "sqlite:///" + os.path.abspath(url)
     if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
@@ -128,9 +132,10 @@ def sqlite_file(norm: str, parsed: URL) -> str:
     """The database file of a SQLite URL, whose folder exists."""
     db = parsed.database
     if not db or db == ":memory:":
+        what = "an in-memory database" if db else "no file"
         raise InvalidArgument(
-            "the ledger needs a SQLite *file* (several connections share it); "
-            "pass a path such as ./ledger.db",
+            f"url {norm!r} names {what}: the ledger needs a SQLite *file* (several connections "
+            "share it); pass a path such as ./ledger.db",
             field="url",
         )
     parent = os.path.dirname(os.path.abspath(db))
