@@ -95,7 +95,7 @@ import json
 import logging
 import ssl
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Annotated, Any, Unpack
 from urllib.parse import urlsplit
