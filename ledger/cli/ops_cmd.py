@@ -330,7 +330,8 @@ def _run_close(args: argparse.Namespace) -> int:
         closes = led.events(args.run_id, ["close"])
     finally:
         led.close()
-    changed = before.status != rec.status
+    # A close always moves the fence on; a Run its block ended keeps its status.
+    changed = before.fence != rec.fence
     data = closes[-1].data if closes and changed else {}
     if args.json:
         _emit_json({"run_id": rec.run_id, "status": rec.status.value,
@@ -338,7 +339,7 @@ def _run_close(args: argparse.Namespace) -> int:
                     "close": data})
         return 0
     if not changed:
-        print(f"run {rec.run_id} already ended {rec.status.value}; nothing changed")
+        print(f"run {rec.run_id} was already closed {rec.status.value}; nothing changed")
         return 0
     print(f"closed run {rec.run_id}: {before.status.value} -> {rec.status.value} "
           f"(fence {data.get('previous_fence')} -> {data.get('fence')}, lease released) "

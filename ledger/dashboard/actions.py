@@ -198,10 +198,11 @@ def _close(led: Ledger, fields: Mapping[str, Any], path: Mapping[str, str]
     before = led.get_run(run_id)
     rec = led.close_run(run_id, status=fields.get("status"),  # type: ignore[arg-type]
                         reason=_why(fields), by=_who(fields))
-    changed = before.status != rec.status
+    # A close always moves the fence on; a Run its block ended keeps its status.
+    changed = before.fence != rec.fence
     text = (f"closed run {rec.run_id}: {before.status.value} -> {rec.status.value}"
-            if changed else f"run {rec.run_id} already ended {rec.status.value}; nothing "
-            "changed")
+            if changed else f"run {rec.run_id} was already closed {rec.status.value}; "
+            "nothing changed")
     return ({"run_id": rec.run_id, "status": rec.status.value,
              "previous_status": before.status.value, "changed": changed}, text,
             f"/runs/{rec.run_id}")

@@ -343,6 +343,16 @@ def test_each_action_with_the_token_is_recorded_with_who_and_why(written: str) -
         led.close()
 
 
+def test_closing_a_run_its_block_ended_is_reported_as_a_close(written: str) -> None:
+    with _client(written, actions=True, token=TOKEN) as c:
+        form = {"status": "succeeded", "by": "bob", "reason": "final"}
+        first = c.post("/api/actions/runs/r2/close", json=form, headers=HEADER).json()
+        again = c.post("/api/actions/runs/r2/close", json=form, headers=HEADER).json()
+        page = c.get("/runs/r2").text
+    assert first["changed"] is True and again["changed"] is False, (first, again)
+    assert "by <b>bob</b>: final" in page and 'id="close-form"' not in page
+
+
 @pytest.mark.parametrize(("path", "form", "status", "says"), [
     ("/api/actions/clear-cooldown", {"key": "g3", "group": "1", "reason": "x"}, 400, "by"),
     ("/api/actions/clear-cooldown", {"key": "g3", "group": "1", "by": "a", "reason": " "},

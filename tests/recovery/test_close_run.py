@@ -304,6 +304,23 @@ def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixtur
         assert led.get_run("held").status is RunStatus.ADMITTED
 
 
+def test_the_command_says_a_block_ended_run_was_closed_and_a_closed_one_was_not_again(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with Ledger.open(db_url) as led:
+        led.admit_run("r", plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease("r", ttl_s=10)
+        led.finish_run(lease, RunStatus.FAILED)
+        led.release_lease(lease)
+    args = ["--db", db_url, "run", "close", "r", "--status", "failed", "--reason", "withdrawn"]
+    assert main(args) == 0
+    assert "closed run r: failed -> failed" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["changed"] is False and doc["close"] == {}
+    assert main(args) == 0
+    assert "run r was already closed failed; nothing changed" in capsys.readouterr().out
+
+
 # -- recovery closes Runs past their deadline -----------------------------------------------
 
 
