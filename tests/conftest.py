@@ -8,9 +8,12 @@ tests. Without server binaries the PostgreSQL tests are skipped with a visible r
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
+import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -27,6 +30,25 @@ REQUIRE_PG = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
 for _name in [n for n in os.environ if n.lower().endswith("_proxy")]:
     del os.environ[_name]
 _counter = itertools.count()
+
+# The tests never make the system resolve a name but localhost (a lookup could leave the
+# machine): any other name fails here as a name that does not exist would, which is what the
+# tests of DNS failures need. IP literals and localhost go to the real resolver.
+_real_getaddrinfo = socket.getaddrinfo
+
+
+def _loopback_names_only(host: Any, *args: Any, **kwargs: Any) -> Any:
+    name = host.decode() if isinstance(host, bytes) else host
+    if name is not None and name.lower() not in ("localhost", "localhost.", ""):
+        try:
+            ipaddress.ip_address(name.split("%", 1)[0])
+        except ValueError:
+            raise socket.gaierror(socket.EAI_NONAME,
+                                  f"the tests resolve no name but localhost ({name!r})") from None
+    return _real_getaddrinfo(host, *args, **kwargs)
+
+
+socket.getaddrinfo = _loopback_names_only
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
