@@ -197,7 +197,7 @@ class Face(Generic[SessionT, OpenedT]):
         # What a settle must know of an Attempt before its transaction (its Run, route and
         # profile choose the health rows it reads), as this ledger's begin recorded it: fixed
         # once the Attempt exists, so a settle of an Attempt begun here reads nothing first.
-        self._begun: Lru[str, tuple[str, str, str | None]] = Lru(4096)
+        self._begun: Lru[str, tuple[str, str, str | None, float]] = Lru(4096)
 
     @property
     def backend(self) -> str:
@@ -688,7 +688,8 @@ class Face(Generic[SessionT, OpenedT]):
             events=cast(list[tuple[str, dict[str, Any]]], events), take_retry=take_retry)
         rec = yield from self._store.begin_attempt(spec, self.clock.now)
         assert isinstance(rec, AttemptRecord)  # a begin without queue_until never queues
-        self._begun.put(rec.attempt_id, (rec.run_id, rec.route_id, rec.profile_id))
+        self._begun.put(rec.attempt_id,
+                        (rec.run_id, rec.route_id, rec.profile_id, rec.created_at))
         return rec
 
     @op
@@ -781,13 +782,14 @@ class Face(Generic[SessionT, OpenedT]):
                 f"first_token_s ({first_token_s:g}) is before first_byte_s ({first_byte_s:g}); "
                 "content comes after the response's first byte: pass times measured from the "
                 "begin", field="first_token_s")
-        # The Attempt's route and profile decide which health rows its outcome touches: as
-        # this ledger began it, or read (an Attempt begun by another process or ledger).
+        # The Attempt's route and profile decide which health rows its outcome touches, and its
+        # begin's time whether its failure is one of an outage already counted: as this ledger
+        # began it, or read (an Attempt begun by another process or ledger).
         begun = self._begun.get(attempt_id)
         if begun is None:
             att = yield from self._store.attempt(attempt_id)
-            begun = (att.run_id, att.route_id, att.profile_id)
-        run_id, route_id, profile_id = begun
+            begun = (att.run_id, att.route_id, att.profile_id, att.created_at)
+        run_id, route_id, profile_id, began_at = begun
         if run_id != lease.run_id:
             raise NotFound(f"attempt {attempt_id!r} does not belong to run {lease.run_id!r}",
                            attempt_id=attempt_id, run_id=lease.run_id)
@@ -804,7 +806,7 @@ class Face(Generic[SessionT, OpenedT]):
             events=cast(list[tuple[str, dict[str, Any]]], events),
             provenance=tuple(provenance_hashes), repeat=repeat, cached_tokens=cached_tokens,
             reasoning_tokens=reasoning_tokens, first_byte_s=first_byte_s,
-            first_token_s=first_token_s)
+            first_token_s=first_token_s, began_at=began_at)
         return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
 
     @op

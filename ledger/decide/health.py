@@ -251,18 +251,30 @@ def _with_reset(health: Health, policy: Policy) -> Health:
 
 
 def record_failure(
-    health: Health, category: Category, *, provider: str | None, now: float, policy: Policy
+    health: Health, category: Category, *, provider: str | None, now: float, policy: Policy,
+    began_at: float | None = None,
 ) -> Health:
     """Count a failure and start the cooldown or disable it calls for.
 
     A failure that neither cools nor disables (e.g. a Fased timeout) is not counted at all, so
     it cannot lengthen the next real cooldown. A failure inside an active window raises the
-    count and recomputes the window from this failure.
+    count and recomputes the window from this failure — unless the policy does not count
+    overlapping failures and its Attempt began (``began_at``) before the key's last failure:
+    then it is the same outage, seen late by a request already in flight, and it restarts the
+    window with the count it has (as a same-route retry does). ``began_at`` ``None``: not known,
+    counted.
     """
     effect = cooldown_effect(category, provider, Source.PROVIDER, policy)
     if effect is CooldownEffect.NONE:
         return health
     h = refresh(health, now, policy)
+    if _overlapping(h, began_at, now, policy.health):
+        return _restart(h, category, provider=provider, now=now, policy=policy)
+    return _count(h, category, effect, provider=provider, now=now, policy=policy)
+
+
+def _count(h: Health, category: Category, effect: CooldownEffect, *, provider: str | None,
+           now: float, policy: Policy) -> Health:
     if effect is CooldownEffect.COOLDOWN and h.error_count == 0:
         below = _below_threshold(h, now, policy.health)
         if below is not None:
@@ -303,14 +315,16 @@ def _below_threshold(health: Health, now: float, hp: HealthPolicy) -> tuple[floa
 
 
 def record_repeat(
-    health: Health, category: Category, *, provider: str | None, now: float, policy: Policy
+    health: Health, category: Category, *, provider: str | None, now: float, policy: Policy,
+    began_at: float | None = None,
 ) -> Health:
     """A same-route retry failed again inside the request whose first failure was counted.
 
     Unless the policy counts every retry, the failure is not counted again: the window
     restarts from this (latest) failure with the count it has, so one request steps the
     cooldown once and the cooldown runs from its last try. A key whose counters are at zero
-    by now (the first failure did not count, or they reset meanwhile) counts it normally.
+    by now (the first failure did not count, or they reset meanwhile) counts it normally, as
+    :func:`record_failure` does (``began_at`` as there).
     """
     effect = cooldown_effect(category, provider, Source.PROVIDER, policy)
     if effect is CooldownEffect.NONE:
@@ -326,18 +340,42 @@ def record_repeat(
         return _with_reset(h.model_copy(update={"recent_failures": recent,
                                                 "last_failure_at": now}), policy)
     if hp.count_same_route_retries or h.error_count == 0:
-        return record_failure(h, category, provider=provider, now=now, policy=policy)
+        return record_failure(h, category, provider=provider, now=now, policy=policy,
+                              began_at=began_at)
+    return _restart(h, category, provider=provider, now=now, policy=policy)
+
+
+def _overlapping(health: Health, began_at: float | None, now: float, hp: HealthPolicy) -> bool:
+    """Whether a failure is one of an outage already counted, that its request was in flight for.
+
+    Its Attempt began before the key's last failure, and the window that failure set is still
+    running: every worker's request in flight when the route went dark would otherwise step
+    the curve once more, and one short burst would cool it for the cap.
+    """
+    return (not hp.count_overlapping_failures and began_at is not None
+            and health.error_count > 0 and health.last_failure_at is not None
+            and began_at < health.last_failure_at and not is_available(health, now))
+
+
+def _restart(health: Health, category: Category, *, provider: str | None, now: float,
+             policy: Policy) -> Health:
+    """The window restarts from this failure with the count the key has; nothing is counted.
+
+    A disable this category's rule has not counted yet is a different failure, not a repeat:
+    it is counted.
+    """
+    effect = cooldown_effect(category, provider, Source.PROVIDER, policy)
     update: dict[str, object] = {"last_failure_at": now}
     rule = _disable_rule(category, policy.health)
     if effect is CooldownEffect.DISABLE and rule is not None:
-        k = sum(h.failure_counts.get(c.value, 0) for c in rule.categories)
+        k = sum(health.failure_counts.get(c.value, 0) for c in rule.categories)
         if k == 0:
-            return record_failure(h, category, provider=provider, now=now, policy=policy)
+            return _count(health, category, effect, provider=provider, now=now, policy=policy)
         update["disabled_until"] = now + disable_seconds(k, rule, provider)
         update["disabled_reason"] = category.value
     else:
-        update["cooldown_until"] = now + cooldown_seconds(h.error_count, policy)
-    return _with_reset(h.model_copy(update=update), policy)
+        update["cooldown_until"] = now + cooldown_seconds(health.error_count, policy)
+    return _with_reset(health.model_copy(update=update), policy)
 
 
 def record_success(health: Health, now: float, policy: Policy) -> Health:

@@ -408,7 +408,7 @@ class _Fold:
             if not (outcome is Outcome.NOT_SENT and fact is None):
                 for key, (_kind, _prov, update) in health_updates(
                         policy, route, a.profile_id, outcome, fact, t,
-                        repeat=a.retry > 0).items():
+                        repeat=a.retry > 0, began_at=a.created_at).items():
                     h = current[key] = update(current.get(key) or Health(key=key))
                     times, states = self.health.setdefault(key, ([], []))
                     times.append(t)

@@ -56,14 +56,18 @@ def health_updates(
     now: float,
     *,
     repeat: bool = False,
+    began_at: float | None = None,
 ) -> Mapping[str, tuple[str, str | None, HealthUpdate]]:
     """Health updaters for the settle transaction, keyed by health key.
 
     ``repeat``: the Attempt was a same-route retry of a failure this request already counted;
     its failure restarts the key's window instead of counting again (``record_repeat``).
+    ``began_at``: when the Attempt began; a failure of one begun before the key's last failure
+    was in flight through that outage (``health.count_overlapping_failures``). ``None``: not
+    known, counted as every failure is.
     """
     out: dict[str, tuple[str, str | None, HealthUpdate]] = {}
-    update = _health_update(policy, route, outcome, fact, now, repeat)
+    update = _health_update(policy, route, outcome, fact, now, repeat, began_at)
     if update is None:
         return out
     for key, kind in health_keys(policy, route, profile_id):
@@ -77,14 +81,15 @@ _NOT_ABOUT_THE_ROUTE = frozenset({Category.CANCELLED, Category.UNUSABLE})
 
 
 def _health_update(policy: Policy, route: Route, outcome: Outcome, fact: FailureFact | None,
-                   now: float, repeat: bool) -> HealthUpdate | None:
+                   now: float, repeat: bool, began_at: float | None) -> HealthUpdate | None:
     if outcome is Outcome.SUCCEEDED:
         return lambda h: record_success(h, now=now, policy=policy)
     if fact is not None and fact.category not in _NOT_ABOUT_THE_ROUTE:
         # failed, or unknown with an observed fact (a timeout after send)
         category: Category = fact.category
         record = record_repeat if repeat else record_failure
-        return lambda h: record(h, category, provider=route.provider, now=now, policy=policy)
+        return lambda h: record(h, category, provider=route.provider, now=now, policy=policy,
+                                began_at=began_at)
     return None  # unknown without a fact: nothing was observed about the route's health
 
 
@@ -146,7 +151,8 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
                 events: Sequence[tuple[str, dict[str, Any]]], provenance: tuple[str, ...],
                 repeat: bool, cached_tokens: int | None = None,
                 reasoning_tokens: int | None = None, first_byte_s: float | None = None,
-                first_token_s: float | None = None) -> SettleSpec:
+                first_token_s: float | None = None,
+                began_at: float | None = None) -> SettleSpec:
     """Everything one settle of an Attempt on ``route`` (with ``profile_id``) writes.
 
     * a failed outcome needs a ``fact``, or an ``observation`` that is classified under the
@@ -159,8 +165,8 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
       same write and a different one a :class:`~ledger.errors.SettleConflict`; the times to the
       first byte and first token are measurements of the send, not part of the receipt, and
       stay out of it;
-    * health changes come from :func:`health_updates` and a failed outcome's group fact from
-      :func:`group_update`.
+    * health changes come from :func:`health_updates` (``began_at``: when the Attempt began, as
+      there) and a failed outcome's group fact from :func:`group_update`.
     """
     if outcome is Outcome.FAILED and fact is None:
         if observation is None:
@@ -187,7 +193,8 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
     if cached_tokens is not None or reasoning_tokens is not None:  # likewise
         settled["token_details"] = [cached_tokens, reasoning_tokens]
     health = ({} if outcome is Outcome.NOT_SENT and fact is None
-              else health_updates(policy, route, profile_id, outcome, fact, now, repeat=repeat))
+              else health_updates(policy, route, profile_id, outcome, fact, now, repeat=repeat,
+                                began_at=began_at))
     return SettleSpec(
         attempt_id=attempt_id, fence=lease.fence, outcome=outcome, fact=fact,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

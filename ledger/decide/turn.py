@@ -788,10 +788,12 @@ class TurnLoop:
                 repeat: bool = False, cached_tokens: int | None = None,
                 reasoning_tokens: int | None = None,
                 times: tuple[float | None, float | None] = (None, None),
+                began_at: float | None = None,
                 ) -> Generator[Effect[Any], Any, AttemptRecord]:
         """Settle ``attempt_id`` (on ``route`` with ``profile``) as the pure rules say.
 
-        ``times``: the send's first byte and first token, in seconds from the begin.
+        ``times``: the send's first byte and first token, in seconds from the begin;
+        ``began_at``: when the Attempt began (its failure's health update reads it).
         """
         if now is None:
             now = yield from perform(Now())
@@ -803,7 +805,7 @@ class TurnLoop:
             model_reported=model_reported, output_hash=output_hash,
             events=[(k, dict(d)) for k, d in events], provenance=provenance, repeat=repeat,
             cached_tokens=cached_tokens, reasoning_tokens=reasoning_tokens,
-            first_byte_s=times[0], first_token_s=times[1])
+            first_byte_s=times[0], first_token_s=times[1], began_at=began_at)
         return (yield from perform(Settle(self.lease.run_id, spec)))
 
     def _settle_success(self, route: Route, profile: str | None, att: AttemptRecord,
@@ -836,7 +838,8 @@ class TurnLoop:
             route, profile, att.attempt_id, outcome, now=now, fact=fact,
             events=[*events, *u.events], repeat=repeat, times=times,
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cost=u.cost,
-            cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens))
+            cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
+            began_at=att.created_at))
 
     def _settle_interrupted(self, route: Route, profile: str | None, att: AttemptRecord,
                             dispatch: Dispatch) -> Generator[Effect[Any], Any, None]:

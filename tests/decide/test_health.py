@@ -10,15 +10,18 @@ from ledger.decide.health import (
     is_available,
     probe_eligible,
     record_failure,
+    record_repeat,
     record_success,
     refresh,
 )
 from ledger.domain.facts import Category
 from ledger.domain.values import Health, Route
 from ledger.policy.load import apply_overrides, preset
+from ledger.policy.model import Policy
 
 GOCLAW = preset("goclaw")
 FASED = preset("fased")
+DOMAIN = preset("failure-domain")
 
 
 def test_goclaw_curve() -> None:
@@ -120,3 +123,68 @@ def test_probe_throttle_interval_ttl_and_bound() -> None:
         big = big.record(f"k{i}", float(i), small)
     assert sorted(big.last) == ["k2", "k3", "k4"]  # the oldest went first
     assert len(t) == 1  # values: recording never mutates
+
+
+def _cooling_from_100(policy: Policy) -> Health:
+    """A key whose third 503 within a minute, at t=100, cooled it (under ``policy``)."""
+    h = Health(key="a")
+    for t in (90.0, 95.0, 100.0):
+        h = record_failure(h, Category.OVERLOADED, provider="x", now=t, policy=policy,
+                           began_at=t - 1)
+    return h
+
+
+def test_a_failure_in_flight_when_the_key_started_cooling_restarts_its_window_unstepped() -> None:
+    h = _cooling_from_100(DOMAIN)
+    assert (h.error_count, h.cooldown_until) == (1, 160.0)
+    for now in (101.0, 102.0, 103.0):  # requests begun at 99, before the cooling failure
+        h = record_failure(h, Category.OVERLOADED, provider="x", now=now, policy=DOMAIN,
+                           began_at=99.0)
+    assert (h.error_count, h.last_failure_at, h.cooldown_until) == (1, 103.0, 163.0)
+    # A same-route retry begun before the last failure is no second step either.
+    h = record_repeat(h, Category.OVERLOADED, provider="x", now=104.0,
+                      policy=DOMAIN.model_copy(update={"health": DOMAIN.health.model_copy(
+                          update={"count_same_route_retries": True})}), began_at=99.0)
+    assert (h.error_count, h.cooldown_until) == (1, 164.0)
+
+
+def test_a_failure_begun_after_the_last_failure_still_steps_the_curve() -> None:
+    h = _cooling_from_100(DOMAIN)
+    h = record_failure(h, Category.OVERLOADED, provider="x", now=130.0, policy=DOMAIN,
+                       began_at=120.0)
+    assert (h.error_count, h.cooldown_until) == (2, 430.0)
+
+
+def test_a_failure_whose_begin_is_unknown_steps_the_curve() -> None:
+    h = _cooling_from_100(DOMAIN)
+    h = record_failure(h, Category.OVERLOADED, provider="x", now=101.0, policy=DOMAIN)
+    assert (h.error_count, h.cooldown_until) == (2, 401.0)
+
+
+def test_an_overlapping_failure_after_the_window_expired_counts_again() -> None:
+    h = _cooling_from_100(DOMAIN)
+    h = record_failure(h, Category.OVERLOADED, provider="x", now=170.0, policy=DOMAIN,
+                       began_at=99.0)  # the route reopened at 160: the curve starts over
+    assert h.error_count == 0 and h.recent_failures == (170.0,)
+
+
+def test_goclaw_and_fased_count_every_failure_of_a_burst_as_their_seeds_do() -> None:
+    assert GOCLAW.health.count_overlapping_failures
+    assert FASED.health.count_overlapping_failures
+    assert not DOMAIN.health.count_overlapping_failures
+    h = Health(key="provider:x")
+    for now in (100.0, 101.0, 102.0, 103.0):
+        h = record_failure(h, Category.OVERLOADED, provider="x", now=now, policy=GOCLAW,
+                           began_at=99.0)
+    assert (h.error_count, h.cooldown_until) == (4, 3703.0)
+
+
+def test_a_policy_frozen_before_the_overlap_rule_counts_every_failure() -> None:
+    frozen = DOMAIN.model_dump(mode="json")
+    del frozen["health"]["count_overlapping_failures"]
+    old = Policy.model_validate(frozen)
+    assert old.health.count_overlapping_failures
+    h = _cooling_from_100(old)
+    h = record_failure(h, Category.OVERLOADED, provider="x", now=101.0, policy=old,
+                       began_at=99.0)
+    assert (h.error_count, h.cooldown_until) == (2, 401.0)

@@ -37,9 +37,11 @@ from ledger import (
     Route,
     preset,
 )
+from ledger.adapters import SyncAdapter, sync_sender
+from ledger.api.turn import Dispatch, SendResult
 from ledger.domain.records import AttemptKind, AttemptState, DebitState
 from ledger.ops.audit import Audit
-from ledger.policy.model import StreamingPolicy
+from ledger.policy.model import Policy, StreamingPolicy
 from ledger.testing import FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import PRICE
@@ -52,6 +54,7 @@ BUDGET = Budget(max_calls=10, max_retries=6, max_cost=Decimal("1"))
 GRANT = Grant(recipients={"fake": ["user_input", "model_derived", "system"]})
 ENV = Envelope(parts=[Part(content="Compare the filings.")])
 START = 1_800_000_000.0
+HASH = "sha256:" + "e" * 64
 
 
 def route(rid: str, group: str, endpoint: str, model: str | None = None) -> Route:
@@ -189,6 +192,85 @@ def test_three_failures_within_a_minute_cool_the_route_for_every_worker(
     [select] = led.events("next", ["select"])
     assert select.data["skipped"][0]["route"] == "a"
     assert select.data["skipped"][0]["reason"] == "route_cooldown"
+
+
+def _burst(led: Ledger, fake: FakeProvider, clock: ManualClock, policy: Policy,
+           workers: int) -> str:
+    """``workers`` Runs send to ``a`` a second apart, all in flight before the first 503 returns.
+
+    Each worker's send begins the next worker's Run before its own request leaves, so every
+    Attempt is begun first; the 503s then come back two seconds apart, the last begun first.
+    Returns the health key of ``a``.
+    """
+    a = route("a", "ga", fake.endpoint("openai"))
+    fake.set_default(Fault.UNAVAILABLE, model="a-model")
+    real = sync_sender(SyncAdapter())
+
+    def worker(i: int) -> None:
+        nested = [i + 1 < workers]
+
+        def send(d: Dispatch) -> SendResult:
+            if nested.pop() if nested else False:
+                clock.advance(1)
+                worker(i + 1)  # begun while this worker's Attempt is in flight
+            clock.advance(1)
+            return real(d)
+
+        with pytest.raises(FailoverExhausted), led.run(
+                f"w{i}", plan=[a], budget=BUDGET, grant=GRANT, policy=policy,
+                lease_ttl_s=3600) as run:
+            run.turn(ENV, send=send)
+
+    worker(0)
+    return "a" if policy.health.key == "route" else "provider:fake"
+
+
+def test_requests_in_flight_when_the_route_starts_cooling_step_its_curve_once(
+        led: Ledger, fake: FakeProvider, clock: ManualClock) -> None:
+    key = _burst(led, fake, clock, preset("failure-domain"), workers=8)
+    h = led.health([key])[key]
+    last = max(att.settled_at or 0.0 for i in range(8) for att in led.timeline(f"w{i}"))
+    # The third 503 cooled the route for 60 s; the five requests already in flight restart
+    # that minute from the last of them, but do not make it 5 m, 25 m, then the hour.
+    assert h.error_count == 1
+    assert h.cooldown_until == pytest.approx(last + 60)
+
+
+def test_under_goclaw_every_worker_in_a_burst_steps_the_curve_as_its_seed_does(
+        led: Ledger, fake: FakeProvider, clock: ManualClock) -> None:
+    key = _burst(led, fake, clock, preset("goclaw"), workers=8)
+    h = led.health([key])[key]
+    last = max(att.settled_at or 0.0 for i in range(8) for att in led.timeline(f"w{i}"))
+    assert h.error_count == 8  # one per request (its same-route retries count once with it)
+    assert h.cooldown_until == pytest.approx(last + 3600)
+
+
+def test_a_hosts_own_settles_of_a_burst_step_the_curve_once_whichever_ledger_settles_them(
+        db_url: str, led: Ledger, fake: FakeProvider, clock: ManualClock) -> None:
+    a = route("a", "ga", fake.endpoint("openai"))
+    leases, attempts = [], []
+    for i in range(6):  # six requests begun before any of them failed
+        led.admit_run(f"h{i}", plan=[a], budget=BUDGET, grant=GRANT)
+        leases.append(led.acquire_lease(f"h{i}", ttl_s=3600))
+        attempts.append(led.begin_attempt(leases[-1], route="a", envelope_hash=HASH,
+                                          reserve="0.01").attempt_id)
+        clock.advance(1)
+    with Ledger.open(db_url, clock=clock) as other:  # it never saw the begins: it reads them
+        for i, (lease, att) in enumerate(zip(leases, attempts, strict=True)):
+            clock.advance(1)
+            (led if i % 2 else other).settle_attempt(lease, att, outcome="failed",
+                                                     observation={"status": 503})
+    h = led.health(["a"])["a"]
+    assert h.error_count == 1 and h.cooldown_until == pytest.approx(clock.now() + 60)
+    # A request begun after the route went dark is another outage: it steps the curve.
+    led.admit_run("late", plan=[a], budget=BUDGET, grant=GRANT)
+    lease = led.acquire_lease("late", ttl_s=3600)
+    att = led.begin_attempt(lease, route="a", envelope_hash=HASH,
+                            reserve="0.01").attempt_id
+    clock.advance(1)
+    led.settle_attempt(lease, att, outcome="failed", observation={"status": 503})
+    h = led.health(["a"])["a"]
+    assert h.error_count == 2 and h.cooldown_until == pytest.approx(clock.now() + 300)
 
 
 def test_when_every_candidate_cools_the_turn_waits_for_the_first_reopening_and_probes_it(
