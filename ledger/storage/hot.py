@@ -382,6 +382,10 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
     live = [p for p in places if p.live]
     ahead = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None and mine.live
              else len(live))
+    # A place past its own bound is no longer live, and admits as a newcomer would (behind
+    # everyone); the waiters ahead of it are still only those with an earlier ticket, and that
+    # is the count its stop reports, not the waiters behind it.
+    shown = sum(1 for p in live if p.ticket < mine.ticket) if mine is not None else len(live)
     if in_flight + ahead < limit:
         if not sql.spelling.numbers_slots:
             return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
@@ -394,10 +398,10 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
         in_flight = limit - ahead
     if spec.queue_until is None:
         return _Admission(now, rejected=("capacity_full", None), place=mine, leaving=leaving,
-                          ahead=ahead, in_flight=in_flight, limit=limit)
+                          ahead=shown, in_flight=in_flight, limit=limit)
     if mine is not None and mine.live:
         leaving = dead
-    return _Admission(now, queued=True, place=mine, leaving=leaving, ahead=ahead,
+    return _Admission(now, queued=True, place=mine, leaving=leaving, ahead=shown,
                       in_flight=in_flight, limit=limit)
 
 

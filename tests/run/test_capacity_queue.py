@@ -38,6 +38,7 @@ from ledger import (
     Notice,
     Part,
     Route,
+    preset,
 )
 from ledger.api.face import storage_of
 from ledger.domain.records import AttemptState
@@ -174,6 +175,82 @@ def test_a_route_whose_queue_wait_timed_out_is_said_not_sent_never_failed(
     assert "failed" not in str(err)
     assert [(s["route"], s["detail"]) for s in err.fields["skipped"]] == [
         ("a", "already tried in this turn")]
+
+
+class _Parked:
+    """A turn's sleeper that parks each wait for a slot until the test releases it.
+
+    The ledger's time is the test's ManualClock, set by the test while the waiter is parked;
+    the waiter then looks at the queue once more at that time.
+    """
+
+    def __init__(self) -> None:
+        self.parked = threading.Event()
+        self.release = threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        self.parked.set()
+        assert self.release.wait(PATIENCE_S)
+
+    async def asleep(self, seconds: float) -> None:  # pragma: no cover - a sync turn's
+        self.sleep(seconds)
+
+    def sleep_until_woken(self, seconds: float, woken: threading.Event, poll_s: float) -> None:
+        self.sleep(seconds)
+
+
+def test_a_waiter_past_its_bound_names_only_the_waiters_ahead_of_it(db_url: str,
+                                                                     fake: FakeProvider) -> None:
+    start = 1_800_000_000.0
+    clock = ManualClock(start)
+    patient = preset("failure-domain")
+    patient = patient.model_copy(update={"admission": patient.admission.model_copy(
+        update={"max_capacity_wait_s": 60.0})})
+    with Ledger.open(db_url, clock=clock) as led:
+        route = _route(fake)
+        _hold(led, route)
+        # w1 waits up to 60 s, w2 (queued behind it a second later) 30 s, w3 60 s.
+        waiters = {"w1": patient, "w2": preset("failure-domain"), "w3": patient}
+        sleepers = {w: _Parked() for w in waiters}
+        queued: dict[str, str] = {}
+        stops: dict[str, BaseException] = {}
+
+        def wait_in_queue(run_id: str) -> None:
+            try:
+                with led.run(run_id, plan=[route], budget=BUDGET, grant=GRANT,
+                             policy=waiters[run_id], lease_ttl_s=3600) as run:
+                    run.turn(ENV, sleeper=sleepers[run_id],
+                             on_notice=lambda n: queued.setdefault(run_id, n.detail))
+            except BaseException as e:
+                stops[run_id] = e
+
+        threads = {w: threading.Thread(target=wait_in_queue, args=(w,)) for w in waiters}
+        try:
+            for w, t in threads.items():
+                t.start()
+                assert sleepers[w].parked.wait(PATIENCE_S), stops
+                clock.advance(1)
+            assert [queued[w].split("; ")[0] for w in waiters] == [
+                f"capacity group 'ga' is full (limit 1: 1 in flight, {n} waiting ahead)"
+                for n in (0, 1, 2)]
+            # w2's bound (start + 31 s) has passed; w1's and w3's have not: at its last look
+            # one waiter is ahead of it (w1), and w3 is behind it.
+            clock.set(start + 31.5)
+            sleepers["w2"].release.set()
+            threads["w2"].join(PATIENCE_S)
+            stop = stops["w2"]
+            assert isinstance(stop, FailoverExhausted)
+            [err] = stop.exceptions
+            assert isinstance(err, CapacityUnavailable)
+            assert "(limit 1: 1 in flight, 1 waiting ahead)" in str(err), str(err)
+        finally:
+            clock.set(start + 100)  # past every bound: the others stop too
+            for w, t in threads.items():
+                sleepers[w].release.set()
+                if t.is_alive():
+                    t.join(PATIENCE_S)
+        assert {w: type(e) for w, e in stops.items()} == dict.fromkeys(waiters, FailoverExhausted)
+        assert _waiting(led) == 0
 
 
 def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
