@@ -111,7 +111,7 @@ from ledger.domain.values import (
     Route,
     new_id,
 )
-from ledger.errors import InvalidArgument, NotFound
+from ledger.errors import AdmissionConflict, InvalidArgument, NotFound
 from ledger.policy.model import FROZEN, Policy
 from ledger.storage.runner import Flow, blocking
 
@@ -333,8 +333,11 @@ class Face(Generic[SessionT, OpenedT]):
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
         Admitting the same id again with the same content returns the first record (content
-        is compared normalised: ``1`` and ``"1.00"`` are one budget). Nothing is sent: a Run
-        starts when an Attempt is begun under its lease.
+        is compared normalised: ``1`` and ``"1.00"`` are one budget). Admitted again without a
+        ``policy``, a Run keeps the policy it was frozen with, even one the default preset of
+        the library version that admitted it differed from (a later version may add a policy
+        field, which changes the preset's hash). Nothing is sent: a Run starts when an Attempt
+        is begun under its lease.
 
         Keys are checked before anything is recorded, where the routes name their key source:
         a route without credential profiles whose ``api_key_env`` is not set in this process's
@@ -400,7 +403,15 @@ class Face(Generic[SessionT, OpenedT]):
             from ledger.adapters.secrets import check_keys
 
             check_keys(plan, secrets, keyless_ok=keyless)
-        rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
+        try:
+            rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
+        except AdmissionConflict as e:
+            if policy is not None or inherit or e.differing != ["policy_hash"]:
+                raise
+            # No policy was asked for: a Run admitted before keeps the one it was frozen with
+            # (invariant 5). The default preset's hash moves when a version of the library
+            # adds a policy field, and a Run admitted by the version before is continued.
+            rec = yield from blocking(lambda: self._runs.get_run(run_id))
         return rec
 
     @op
