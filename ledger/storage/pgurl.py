@@ -152,7 +152,9 @@ def refuse_blank_options(norm: str, where: str) -> None:
     drops it, so libpq would silently use its default (for ``host=``, the local socket)."""
     if not norm.startswith(_SCHEME):
         return
-    blank = _BLANK.search(norm.partition("?")[2] and "?" + norm.partition("?")[2])
+    query = norm.partition("?")[2]
+    # An empty dbname= is the URL naming no database, which its own check names as such.
+    blank = next((m for m in _BLANK.finditer("?" + query) if m[1] != "dbname"), None)
     if blank is not None:
         raise _refuse(where, f"parameter {blank[1]!r} is given no value: give it one, or leave "
                              "it out", hosts=False)
