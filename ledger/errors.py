@@ -133,12 +133,14 @@ class DatabaseSetupError(ConfigError):
     (a wrong password, no ``pg_hba.conf`` entry for this host), the role may not log in, may
     not connect to the database, may not create it (``failover-ledger db init``) or may not
     create or change the ledger's tables; for SQLite, the file's folder does not exist, this
-    process may not write it, or the path is a directory. Nothing was written. ``fields``:
+    process may not write it, the path is a directory, or the file is another application's
+    database (tables, but not the ledger's) or no SQLite database at all, which the ledger
+    will not add its schema to. Nothing was written. ``fields``:
     ``url`` (without its password), ``problem`` (one of ``database_missing``, ``role_missing``,
     ``login_refused``, ``auth_failed``, ``password_missing``, ``hba_rejected``,
     ``connect_privilege``, ``connections_disabled``, ``createdb_privilege``,
     ``schema_privilege``, ``schema_outdated``, ``folder_missing``, ``folder_read_only``,
-    ``not_a_file``) and
+    ``not_a_file``, ``not_a_ledger``) and
     ``database`` / ``role`` where known. ``schema_outdated``: a table or column this ledger
     uses is missing, because the database was opened with ``migrate_schema=False`` before
     a process of this version migrated it (``failover-ledger db init URL`` is the fix).

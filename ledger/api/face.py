@@ -234,7 +234,11 @@ class Face(Generic[SessionT, OpenedT]):
 
         Args:
             url: A SQLite file path (``"ledger.db"``) or a PostgreSQL URL
-                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra).
+                (``postgresql+psycopg://user@host/db``; needs the ``postgres`` extra). A
+                SQLite file that does not exist, or holds no table, is made a ledger; one
+                that holds another application's tables is refused, untouched (a ledger
+                keeps a file of its own). A PostgreSQL database may hold other tables: the
+                ledger's go beside them (``docs/postgresql.md``).
             clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
                 pass a :class:`~ledger.ManualClock`).
             executor_id: This process's name as a lease holder (default: a new unique id).
@@ -262,8 +266,10 @@ class Face(Generic[SessionT, OpenedT]):
                 PostgreSQL's, or given with a SQLite ledger.
             DatabaseSetupError: the database is not set up for this URL, which no retry
                 fixes: the database or role does not exist, the server refused the
-                credentials, the role may not connect or migrate, a missing SQLite folder (the
-                message names the fix; ``docs/postgresql.md``).
+                credentials, the role may not connect or migrate, a missing SQLite folder, a
+                SQLite file that holds another application's tables or is not a SQLite
+                database (``problem="not_a_ledger"``; checked when migrating, before anything
+                is written) (the message names the fix; ``docs/postgresql.md``).
             DatabaseUnavailable: the database cannot be reached (a server that is down or
                 went away, a file another process keeps busy): retry once it is back.
             SchemaTooNew: the database was migrated by a newer ledger.

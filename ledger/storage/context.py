@@ -56,6 +56,12 @@ class SqlContext(abc.ABC):
     # -- what differs between the databases ------------------------------------------------
 
     @abc.abstractmethod
+    def refuse_foreign(self) -> None:
+        """Before the schema is created or upgraded, without writing: refuse a database that
+        belongs to another application (:class:`~ledger.errors.DatabaseSetupError`,
+        ``problem="not_a_ledger"``)."""
+
+    @abc.abstractmethod
     def migration_lock(self) -> AbstractContextManager[Connection]:
         """A connection whose work is serialized against every other migrating process."""
 

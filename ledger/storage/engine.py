@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 from urllib.parse import unquote_plus
 
 from sqlalchemy import Connection, Engine, create_engine, event
@@ -168,6 +170,56 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             url=redact_url(norm), problem="folder_read_only", database=db, role=None,
         )
     return db
+
+
+#: What a SQLite file holds (:func:`file_holds`).
+Holds = Literal["empty", "ledger", "foreign", "not_sqlite"]
+# Every revision of the ledger's schema has both; another application's file may have one.
+_LEDGER_TABLES = frozenset({"alembic_version", "runs"})
+
+
+def file_holds(path: str) -> Holds:
+    """What the SQLite file at ``path`` holds, read without writing a byte of it.
+
+    ``"empty"``: no file, an empty one, or a database without tables (the ledger may create
+    its schema there); ``"ledger"``: the ledger's schema (its ``alembic_version`` and ``runs``
+    tables); ``"foreign"``: tables, but not the ledger's (another application's database);
+    ``"not_sqlite"``: a file that is not a SQLite database. The one rule for "is this file a
+    ledger": migrating
+    (:meth:`ledger.storage.sqlite.SqliteContext.refuse_foreign`), the reporting commands and the
+    demo all ask it.
+    """
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty"
+    except FileNotFoundError:
+        return "empty"
+    # Read-only, and not through the engine: its connection switches the file to WAL first,
+    # which writes the file's header, and a file that is not a ledger must stay as it was.
+    uri = Path(path).resolve().as_uri() + "?mode=ro"
+    with mapped_errors("sqlite:///" + os.path.abspath(path)):
+        try:
+            conn = sqlite3.connect(uri, uri=True)
+            try:
+                names = {str(r[0]) for r in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            if getattr(e, "sqlite_errorname", "") == "SQLITE_NOTADB":
+                return "not_sqlite"
+            raise
+    names = {n for n in names if not n.startswith("sqlite_")}  # SQLite's own (sqlite_sequence)
+    if not names:
+        return "empty"
+    return "ledger" if names >= _LEDGER_TABLES else "foreign"
+
+
+def not_a_ledger(holds: Holds) -> str:
+    """Why a file holding ``holds`` (``"foreign"`` or ``"not_sqlite"``) is no ledger, for a
+    message."""
+    return ("it is not a SQLite database" if holds == "not_sqlite"
+            else "it holds another application's tables and no ledger schema")
 
 
 def sqlite_busy_timeout(parsed: URL) -> float:

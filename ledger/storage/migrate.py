@@ -125,11 +125,14 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
     once. Returns the revision found before (``None``: no schema); it equals
     :func:`head_revision` when there was nothing to do.
 
+    A SQLite file holding another application's tables is refused first, untouched
+    (:meth:`~ledger.storage.sqlite.SqliteContext.refuse_foreign`).
     A role that may read and write the ledger's rows but not create or alter its tables opens
     a database already at head (it only reads the revision); anywhere else the refusal is a
     :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_privilege"``) naming the fix.
     """
     head = head_revision()
+    ctx.refuse_foreign()  # before the first connection, which may write (SQLite's WAL switch)
     with mapped_errors(url), ctx.engine.connect() as conn:
         found = current_revision(conn)
         conn.rollback()

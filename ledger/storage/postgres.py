@@ -99,6 +99,11 @@ class PostgresContext(SqlContext):
                 raise driver_error(e, where) from e
         return True
 
+    def refuse_foreign(self) -> None:
+        """Nothing: a PostgreSQL database is shared by design (other applications' tables,
+        other schemas), and the ledger's tables go into the role's schema beside them; one of
+        the same name already there fails the migration, which rolls back whole."""
+
     def migration_lock(self) -> AbstractContextManager[Connection]:
         """:func:`ledger.storage.migrate.postgres_lock`."""
         return migrate.postgres_lock(self.engine)

@@ -31,6 +31,7 @@ from sqlalchemy.sql import operators
 from sqlalchemy.sql.expression import UnaryExpression
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
+from ledger.errors import DatabaseSetupError
 from ledger.storage import engine as eng
 from ledger.storage import migrate, statements
 from ledger.storage import schema as s
@@ -66,6 +67,21 @@ class SqliteContext(SqlContext):
         """Its folder must exist; the file itself is made by the first connection (the
         migration's), so ``True`` says it does not exist yet."""
         return not os.path.exists(eng.sqlite_file(norm, parsed))
+
+    def refuse_foreign(self) -> None:
+        """Refuse a file that holds tables but not the ledger's
+        (:func:`~ledger.storage.engine.file_holds`), before the first connection writes to it:
+        a SQLite file is one application's database, and the ledger's tables, indexes and
+        triggers beside another's would make it neither's (and the command line would take it
+        for a ledger from then on)."""
+        path = str(self.engine.url.database)
+        holds = eng.file_holds(path)
+        if holds in ("foreign", "not_sqlite"):
+            raise DatabaseSetupError(
+                f"cannot make {path!r} a ledger: {eng.not_a_ledger(holds)}, and a ledger keeps a "
+                "SQLite file of its own; pass the path of a new file (the ledger creates it); "
+                "nothing was written; retrying will not help",
+                url=self.where, problem="not_a_ledger", database=path, role=None)
 
     def migration_lock(self) -> AbstractContextManager[Connection]:
         """:func:`ledger.storage.migrate.sqlite_lock`."""

@@ -13,10 +13,12 @@ exactly as written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -321,6 +323,49 @@ def test_a_sqlite_path_that_is_a_directory_is_a_setup_error_naming_it(tmp_path: 
         assert str(folder) in str(err) and "is a directory" in str(err), err
         assert str(folder / "ledger.db") in str(err)
     assert list(folder.iterdir()) == []
+
+
+def _app_file(path: Path, *tables: str) -> bytes:
+    """Another application's SQLite file holding ``tables`` (its rollback journal, not WAL)."""
+    conn = sqlite3.connect(path)
+    for t in tables:
+        conn.execute(f"CREATE TABLE {t} (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+def test_a_sqlite_file_of_another_application_is_never_made_a_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A mistyped path to the application's own database must not gain the ledger's tables,
+    # indexes and triggers (after which every command would take it for a ledger), whether
+    # it has a table named like one of the ledger's or not; nor may a file that is not a
+    # database at all be touched.
+    files = {tmp_path / "app.db": _app_file(tmp_path / "app.db", "customers"),
+             tmp_path / "jobs.db": _app_file(tmp_path / "jobs.db", "runs", "alembic_x"),
+             tmp_path / "notes.db": b"not a database"}
+    (tmp_path / "notes.db").write_bytes(files[tmp_path / "notes.db"])
+    for path, before in files.items():
+        for call in (lambda p=path: Ledger.open(str(p)), lambda p=path: AsyncLedger.open(str(p)),
+                     lambda p=path: _init_api(str(p))):
+            err = _setup_error(call, "not_a_ledger", driver=False)
+            assert str(path) in str(err) and "pass the path of a new file" in str(err), err
+        assert main(["db", "init", str(path)]) == 2
+        assert "pass the path of a new file" in capsys.readouterr().err
+        assert path.read_bytes() == before, path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "jobs.db", "notes.db"]
+    # A file with no table yet (touched, or only SQLite's header) is still made a ledger.
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    header = tmp_path / "header.db"
+    _app_file(header, "dropped")
+    with contextlib.closing(sqlite3.connect(header)) as conn:
+        conn.execute("DROP TABLE dropped")
+        conn.commit()
+    assert header.stat().st_size > 0
+    for path in (empty, header):
+        with Ledger.open(str(path), clock=ManualClock(T0)) as led:
+            led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
 
 
 def test_db_init_refuses_what_is_not_a_database_and_creates_nothing(
