@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -109,22 +110,36 @@ def _emit_json(value: Any) -> None:
 
 
 def open_reader(url: str, read_url: str | None = None) -> Any:
-    """Open a ledger for reading: no migration, no new database, a clear error when absent.
+    """Open a ledger for reading: no migration, no new database, a clear error when absent
+    (naming ``db init`` where that is the fix), and not a byte written to a SQLite file that
+    holds no ledger.
 
     ``read_url`` (``--read-url``, ``$LEDGER_READ_URL``): a read replica the audit reads from
     (:meth:`ledger.Ledger.open`); it must hold the ledger too."""
     from ledger.api.facade import Ledger
     from ledger.api.face import reads_of
     from ledger.storage.audit import AuditQueries
-    from ledger.storage.engine import normalize_url, redact_url
+    from ledger.storage.engine import file_holds, normalize_url, not_a_ledger, redact_url
 
     norm = normalize_url(url)
     if norm.startswith("sqlite:///"):
         path = norm[len("sqlite:///"):]
+        init = f"{PROG} db init --db {shlex.quote(path)}"
         if not os.path.exists(path):
             raise DatabaseUnavailable(
-                f"no ledger at {path}: the file does not exist; pass --db URL, set LEDGER_URL, "
-                f"or create one ({PROG} demo / {PROG} generate)", url=norm)
+                f"no ledger at {path}: the file does not exist; create one with `{init}` (or "
+                f"`{PROG} demo` for a sample), or pass --db URL / set LEDGER_URL", url=norm)
+        # Before any connection: the engine's first one writes (the switch to WAL), and a
+        # file that is not a ledger must stay byte for byte as it was.
+        holds = file_holds(path)
+        if holds == "empty":
+            raise DatabaseUnavailable(
+                f"{path} holds no ledger tables (an empty database); create them with "
+                f"`{init}`, or point --db at a ledger database", url=norm)
+        if holds != "ledger":
+            raise DatabaseUnavailable(
+                f"{path} holds no ledger tables: {not_a_ledger(holds)}; point --db at a "
+                f"ledger database (`{PROG} db init --db NEW.db` creates one)", url=norm)
     led = Ledger.open(url, migrate_schema=False, read_url=read_url)
     try:
         present = AuditQueries(reads_of(led).context).schema_present()
@@ -133,10 +148,15 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
         raise
     if not present:
         led.close()
-        where = redact_url(norm if read_url is None else normalize_url(read_url))
-        flag = "--db" if read_url is None else "--read-url"
+        if read_url is not None:
+            where = redact_url(normalize_url(read_url))
+            raise DatabaseUnavailable(
+                f"{where} holds no ledger tables; point --read-url at a replica of the "
+                "ledger's database", url=where)
+        where = redact_url(norm)
         raise DatabaseUnavailable(
-            f"{where} holds no ledger tables; point {flag} at a ledger database", url=where)
+            f"{where} holds no ledger tables; create them with `{PROG} db init --db "
+            f"{shlex.quote(where)}`, or point --db at a ledger database", url=where)
     return led
 
 

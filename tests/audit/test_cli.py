@@ -3,15 +3,19 @@ module the ``failover-ledger`` console script runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ledger.cli.main import main
 
 from .seed import T0, seed
 
@@ -145,6 +149,54 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     assert res.returncode == 1 and "ledger.db" in res.stderr
     res = cli("--db", sqlite_url, "dashboard", "--refresh", "-1")
     assert res.returncode == 2 and "--refresh must be >= 0" in res.stderr
+
+
+# Every command that reads an existing ledger, and never creates one.
+_READERS = (["runs"], ["health"], ["run", "show", "r1"], ["replay", "--policy", "failure-domain"],
+            ["recover"], ["reconcile"])
+
+
+def test_a_missing_or_empty_ledger_names_db_init_and_is_left_byte_for_byte(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A newcomer's first command on a ledger not made yet: the error names the command that
+    # makes one (the README's), and reading never writes (not even SQLite's header) into a
+    # file it refuses.
+    missing = tmp_path / "ledger.db"
+    assert main(["--db", str(missing), "runs"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "does not exist" in err
+    assert f"`failover-ledger db init --db {missing}`" in err, err
+    assert not missing.exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    app = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    before = {p: p.read_bytes() for p in (empty, app)}
+    for command in _READERS:
+        assert main(["--db", str(empty), *command]) == 1, command
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "holds no ledger tables" in err, err
+        assert f"`failover-ledger db init --db {empty}`" in err, err
+        # Another application's file: db init would refuse it too, so it is not offered.
+        assert main(["--db", str(app), *command]) == 1, command
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "another application's tables" in err, err
+        assert f"db init --db {app}" not in err, err
+        assert {p: p.read_bytes() for p in before} == before, command
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "empty.db"]
+
+
+@pytest.mark.postgres
+def test_an_empty_postgresql_database_names_db_init(
+        pg_empty_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # What createdb makes: a database with no ledger tables yet.
+    for command in _READERS:
+        assert main(["--db", pg_empty_url, *command]) == 1, command
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "holds no ledger tables" in err, err
+        assert "`failover-ledger db init --db postgresql+psycopg://" in err, err
 
 
 def test_costs_label_without_by_label_is_refused_not_ignored(sqlite_url: str) -> None:
