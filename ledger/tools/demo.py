@@ -17,7 +17,8 @@ Each demo gets a fresh ledger of its own (:func:`fresh_ledger`): cooldowns and g
 durable, so a second demo on the first one's ledger would start with the gateway still cooling
 (and, as simulated time starts hours back again, with health "sampled in the future"), and
 would tell another story than its headings. A SQLite file that holds only an earlier demo's runs
-is replaced; anything else is refused, never overwritten.
+is replaced, and an empty file (or none) becomes one; anything else is refused, never written
+to.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.records import AttemptRecord
 from ledger.domain.values import Budget, Capabilities, Grant, Price, Profile, Route
-from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError
+from ledger.errors import DatabaseSetupError, FailoverExhausted, InvalidArgument
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 
@@ -113,45 +114,47 @@ DEMO_TENANT = "demo"
 def fresh_ledger(db_url: str) -> str | None:
     """Make ``db_url`` a fresh ledger for one demo; returns a note for the reader, or ``None``.
 
-    A SQLite file that does not exist is created by the demo; one that holds only earlier demo
-    runs (tenant ``demo``) is deleted first. A file holding anything else (other runs, or not a
-    ledger at all), or a PostgreSQL database holding any run, is refused with
-    :class:`InvalidArgument` naming ``--db``: the demo never writes next to other history.
+    A SQLite file that does not exist, or holds no tables, is made a ledger by the demo; one
+    that holds only earlier demo runs (tenant ``demo``) is deleted first. A file holding
+    anything else (other runs, another application's tables, or not a SQLite database at all:
+    :func:`ledger.storage.engine.file_holds`, read without writing), or a PostgreSQL database
+    holding any run, is refused with :class:`InvalidArgument` naming ``--db``: the demo never
+    writes next to other history.
     """
     from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
-    from ledger.storage.engine import normalize_url, redact_url
+    from ledger.storage.engine import file_holds, normalize_url, not_a_ledger, redact_url
 
     norm = normalize_url(db_url)
-    sqlite = norm.startswith("sqlite:///")
-    path = norm[len("sqlite:///"):] if sqlite else None
-    if path is not None and not os.path.exists(path):
-        return None
+    path = norm[len("sqlite:///"):] if norm.startswith("sqlite:///") else None
     where = path or redact_url(norm)
-    fix = "pass --db a new SQLite file (e.g. --db demo.db)"
-    try:
-        led = Ledger.open(db_url, migrate_schema=False)
-    except LedgerError as e:
-        raise InvalidArgument(f"{where} cannot be opened as a ledger ({e}); the demo needs a "
-                              f"fresh ledger: {fix}", field="db") from e
-    try:
+    fix = ("pass --db a new file, e.g. --db demo.db" if path is not None
+           else "pass --db an empty database, or a new SQLite file (e.g. --db demo.db)")
+    if path is not None:
+        holds = file_holds(path)
+        if holds == "empty":
+            return None
+        if holds != "ledger":
+            raise InvalidArgument(f"the demo will not write into {where}: "
+                                  f"{not_a_ledger(holds)}; {fix}", field="db")
+    # A database that cannot be opened or read says so itself, with its own fix.
+    with Ledger.open(db_url, migrate_schema=False) as led:
         store = AuditQueries(storage_of(led).context)
-        if not store.schema_present():
-            if path is None:
-                return None  # an empty PostgreSQL database: the demo migrates it
-            raise InvalidArgument(f"{where} exists and is not a ledger; the demo will not "
-                                  f"overwrite it: {fix}", field="db")
-        other = (store.first_run_other_than(tenant=DEMO_TENANT) if path is not None
-                 else store.first_run_other_than())
-    except LedgerError as e:
-        raise InvalidArgument(f"{where} cannot be read as a ledger ({e}): {fix}",
-                              field="db") from e
-    finally:
-        led.close()
+        if path is None and not store.schema_present():
+            return None  # an empty PostgreSQL database: the demo migrates it
+        try:
+            other = (store.first_run_other_than(tenant=DEMO_TENANT) if path is not None
+                     else store.first_run_other_than())
+        except DatabaseSetupError as e:
+            if e.fields.get("problem") != "schema_outdated":
+                raise
+            raise InvalidArgument(f"the demo will not write into {where}: it is a ledger of "
+                                  f"an older schema, which the demo leaves alone; {fix}",
+                                  field="db") from e
     if other is not None:
         held = "runs other than the demo's" if path is not None else "runs"
-        raise InvalidArgument(f"{where} holds {held} (e.g. {other!r}); the demo needs a fresh "
-                              f"ledger of its own: {fix}", field="db", run_id=other)
+        raise InvalidArgument(f"the demo will not write into {where}: it holds {held} (e.g. "
+                              f"{other!r}); {fix}", field="db", run_id=other)
     if path is None:
         return None
     for suffix in ("", "-wal", "-shm"):

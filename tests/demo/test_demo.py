@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ledger.api.facade import Ledger
+from ledger.cli.main import main
 from ledger.domain.records import AttemptState
 from ledger.domain.values import Budget, Price, Route
 
@@ -103,3 +108,32 @@ def test_demo_refuses_a_ledger_holding_other_runs(tmp_path: Path) -> None:
     other.write_text("not a database")
     res = _demo(tmp_path, "demo", "--db", str(other))
     assert res.returncode == 2 and other.read_text() == "not a database"
+
+
+def test_demo_refuses_what_is_not_its_ledger_in_one_sentence_with_the_right_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Another application's file (here with a table named like the ledger's), or no database
+    # at all: refused, untouched, once, with the one fix that works (not db init, which
+    # refuses such a file too).
+    app = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    notes = tmp_path / "notes.db"
+    notes.write_text("not a database")
+    for path, why in ((app, "it holds another application's tables and no ledger schema"),
+                      (notes, "it is not a SQLite database")):
+        before = path.read_bytes()
+        for argv in (["--db", str(path), "demo"], ["demo", "--db", str(path)]):
+            assert main(argv) == 2
+            assert capsys.readouterr().err == (
+                f"failover-ledger: error: the demo will not write into {path}: {why}; pass "
+                "--db a new file, e.g. --db demo.db\n")
+        assert path.read_bytes() == before
+    # An empty file is as good as a new one: the demo makes it its ledger.
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert main(["demo", "--db", str(empty)]) == 0
+    assert "answered by official-deepseek" in capsys.readouterr().out
+    with Ledger.open(str(empty), migrate_schema=False) as led:
+        assert len(led.attempts(limit=100).items) >= 6
