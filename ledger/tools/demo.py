@@ -69,6 +69,14 @@ def _envelope(derived: str | None, derived_ref: str | None) -> Envelope:
     return Envelope(parts=parts, max_output_tokens=300)
 
 
+def _short_id(id_: str) -> str:
+    """``d-att-0193...5e1f9a2c`` as ``d-att-..5e1f9a2c``: ids are time-ordered, so the head of
+    their digits is when they were made, the same for every id of one demo; the tail tells
+    them apart."""
+    head, _, digits = id_.rpartition("-")
+    return f"{head}-..{digits[-8:]}"
+
+
 def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
     run = led.get_run(run_id)
     selects = {e.attempt_id: e.data for e in led.events(run_id, ["select"])}
@@ -80,7 +88,8 @@ def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
     for a in rows:
         cause = f"{a.category} HTTP {a.http_status}" if a.category else ""
         print(f"  #{a.seq} {a.kind.value:<8} {a.route_id:<18} {a.state.value:<9} "
-              f"debit={a.debit_id[:14]}.. ({a.debit_state.value if a.debit_state else '?'}) "
+              f"debit={_short_id(a.debit_id)} "
+              f"({a.debit_state.value if a.debit_state else '?'}) "
               f"{cause}", file=out)
         sel = selects.get(a.attempt_id) or {}
         for s in sel.get("skipped", []):

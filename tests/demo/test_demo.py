@@ -32,6 +32,9 @@ def test_demo_runs_offline_and_writes_the_ledger(tmp_path: Path) -> None:
     assert "answered by official-deepseek" in out  # scenario 2: independent group
     assert "skipped go-glm: same_group_unavailable" in out
     assert "stopped: no_candidate" in out and "official-deepseek: disclosure" in out
+    # Each attempt line shows its own debit, as the operator commands will name it.
+    debits = re.findall(r"debit=(\S+)", out)
+    assert len(debits) >= 6 and len(set(debits)) == len(debits), debits
     with Ledger.open(str(tmp_path / "ledger.db")) as led:
         runs = sorted({a.run_id for a in led.attempts(limit=100).items})
         assert len(runs) == 3
@@ -50,7 +53,7 @@ def _demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _story(out: str) -> str:
     out = re.sub(r"demo-\d{8}-\d{6}-[0-9a-f]{4}", "RUN", out)
-    out = re.sub(r"d-att-[0-9a-f]+\.\.", "DEBIT", out)
+    out = re.sub(r"d-att-\.\.[0-9a-f]{8}", "DEBIT", out)
     out = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", "TIME", out)
     return "\n".join(line for line in out.splitlines() if not line.startswith("(replaced"))
 
