@@ -36,6 +36,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ledger.api.facade import Ledger
+from ledger.dashboard.links import run_href, segment
 from ledger.domain.timefmt import iso, relative
 from ledger.errors import (
     Conflict,
@@ -205,7 +206,7 @@ def _close(led: Ledger, fields: Mapping[str, Any], path: Mapping[str, str]
             "nothing changed")
     return ({"run_id": rec.run_id, "status": rec.status.value,
              "previous_status": before.status.value, "changed": changed}, text,
-            f"/runs/{rec.run_id}")
+            run_href(rec.run_id))
 
 
 def _settle(led: Ledger, fields: Mapping[str, Any], path: Mapping[str, str]
@@ -222,7 +223,7 @@ def _settle(led: Ledger, fields: Mapping[str, Any], path: Mapping[str, str]
              "reserved": str(debit.reserved)},
             f"attempt {att.attempt_id} of run {att.run_id}: unknown -> {att.state.value}; "
             f"debit {debit.state.value}, posted {debit.posted} of the hold {debit.reserved}",
-            f"/runs/{att.run_id}")
+            run_href(att.run_id))
 
 
 _Action = Callable[[Ledger, Mapping[str, Any], Mapping[str, str]],
@@ -349,7 +350,8 @@ def run_actions_html(tl: RunTimeline, now: float, *, forms: bool) -> str:
         opts = "".join(f'<option value="{s}">{s}</option>' for s in
                        ((tl.run.status,) if ended else
                         ("failed", "cancelled", "stopped", "succeeded")))
-        out.append(f'<form id="close-form" method="post" action="/actions/runs/{_attr(rid)}/close">'
+        out.append('<form id="close-form" method="post" '
+                   f'action="/actions/runs/{_attr(segment(rid))}/close">'
                    f'<b>Close this run</b> (nobody will resume it) <label>as <select '
                    f'name="status">{opts}</select></label> '
                    + _who_why_token("e.g. host crashed; the user retried as task-8")
@@ -359,7 +361,7 @@ def run_actions_html(tl: RunTimeline, now: float, *, forms: bool) -> str:
             continue
         out.append(
             f'<form class="settle-form" method="post" '
-            f'action="/actions/attempts/{_attr(a.attempt_id)}/settle">'
+            f'action="/actions/attempts/{_attr(segment(a.attempt_id))}/settle">'
             f"<b>Settle #{a.seq}</b> <code>{_e(a.attempt_id)}</code> with evidence: "
             '<label>outcome <select name="outcome"><option>succeeded</option><option>failed'
             "</option><option>not_sent</option></select></label> "
@@ -382,14 +384,14 @@ def _target(a: OperatorAction) -> str:
         return f"{_e(d.get('kind'))} <b>{_e(a.key)}</b>"
     if a.kind == "close":
         run = a.run_id or ""
-        return (f'run <a href="/runs/{_attr(run)}">{_e(run)}</a> '
+        return (f'run <a href="{_attr(run_href(run))}">{_e(run)}</a> '
                 f"{_e(d.get('previous_status'))} &rarr; {_e(d.get('status'))}")
     if a.kind == "retention":
         rows = d.get("rows") or {}
         return (f"history before {_e(iso(d.get('cutoff')))}: {_e(rows.get('attempts', 0))} "
                 f"attempt(s), {_e(rows.get('events', 0))} event(s) dropped")
     run = a.run_id or ""
-    return (f'attempt <code>{_e(a.attempt_id)}</code> of <a href="/runs/{_attr(run)}">'
+    return (f'attempt <code>{_e(a.attempt_id)}</code> of <a href="{_attr(run_href(run))}">'
             f"{_e(run)}</a> {_e(d.get('previous_state'))} &rarr; {_e(d.get('outcome'))}")
 
 

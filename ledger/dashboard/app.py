@@ -66,6 +66,7 @@ from ledger.dashboard.charts import (
     latency_top,
     sparkline_svg,
 )
+from ledger.dashboard.links import run_href
 from ledger.dashboard.metrics import encode
 from ledger.dashboard.replay import replay_form, replay_html
 from ledger.dashboard.spend import spend_section
@@ -171,7 +172,7 @@ def _tag(cls: str) -> str:
 
 
 def _link(run_id: str) -> str:
-    return f'<a href="/runs/{html.escape(run_id, quote=True)}">{_e(run_id)}</a>'
+    return f'<a href="{html.escape(run_href(run_id), quote=True)}">{_e(run_id)}</a>'
 
 
 def _document(title: str, body: str, refresh_s: int = 0, mode: str = "read-only"

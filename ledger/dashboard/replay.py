@@ -12,8 +12,8 @@ from __future__ import annotations
 import html
 from decimal import Decimal
 from typing import Any
-from urllib.parse import quote
 
+from ledger.dashboard.links import run_href
 from ledger.domain.timefmt import iso
 from ledger.ops.replay import ReplayReport, Totals
 from ledger.policy import PRESETS
@@ -95,7 +95,7 @@ def _findings(rep: ReplayReport) -> str:
     rows = []
     for f in rep.findings:
         examples = "<br>".join(
-            f'<a href="/runs/{quote(e.run_id, safe="")}">{_e(e.run_id)}</a> '
+            f'<a href="{html.escape(run_href(e.run_id), quote=True)}">{_e(e.run_id)}</a> '
             f'<span class="muted">{_e(e.turn_id)}, {_e(iso(e.at))}: {_e(e.recorded)} &rarr; '
             f"{_e(e.replayed)}</span>" for e in f.examples)
         rows.append(f'<tr><td class="num">{f.count}</td><td>{_e(f.text)}</td>'

@@ -387,6 +387,100 @@ def test_bad_input_is_the_ledgers_typed_error_and_records_nothing(
     assert _recorded(written) == before
 
 
+# -- ids in links and form actions ---------------------------------------------------------------
+
+# r1 is a seeded Run: "r%31" decoded once more is it. "?" and "#" end a path, "/" splits it.
+ODD_IDS = ["r%31", "a?b#c", "a/b c", "r%2531/close"]
+
+
+def _seed_odd_runs(url: str) -> None:
+    """One Run per odd id, each holding an unknown Attempt with an odd id of its own."""
+    from .seed import BUDGET, ENV, A, B
+
+    led = Ledger.open(url, clock=ManualClock(NOW), migrate_schema=False)
+    try:
+        for rid in [*ODD_IDS, ".."]:
+            led.admit_run(rid, plan=[B, A], budget=BUDGET)
+            lease = led.acquire_lease(rid, ttl_s=1000)
+            att = led.begin_attempt(lease, route="B", envelope_hash=ENV, reserve="0.01",
+                                    attempt_id=f"{rid} a%31?#/")
+            led.settle_attempt(lease, att.attempt_id, outcome="unknown")
+            led.release_lease(lease)
+    finally:
+        led.close()
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
+
+
+def _post_form(url: str, form: dict[str, str]) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=urllib.parse.urlencode(form).encode(),
+                                 headers={"Origin": url.split("/actions/", 1)[0]})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _hrefs(page: str, attr: str, text: str | None = None) -> list[str]:
+    import html
+    import re
+
+    after = f">{re.escape(html.escape(text))}</a>" if text is not None else ""
+    return [html.unescape(m) for m in re.findall(f'{attr}="([^"]*)"{after}', page)]
+
+
+def _is_page_of(page: str, rid: str) -> bool:
+    import html
+
+    return f"<h2>Run <code>{html.escape(rid)}</code></h2>" in page
+
+
+def test_links_and_forms_reach_the_run_and_attempt_whose_id_they_show(written: str) -> None:
+    """Served by uvicorn (the test client decodes a path twice, a server once): every link and
+    form action a page hands out reaches the Run or Attempt whose id it shows, whatever the
+    id holds, and an action posted from a Run's page acts on that Run alone."""
+    _seed_odd_runs(written)
+    with _serving_actions(written) as base:
+        runs = _get(base + "/runs")
+        for rid in [*ODD_IDS, ".."]:
+            [href] = _hrefs(runs, "href", rid)
+            assert _is_page_of(_get(base + href), rid), (rid, href)
+        for rid in ODD_IDS:
+            page = _get(base + _hrefs(runs, "href", rid)[0])
+            [settle] = _hrefs(page.split('class="settle-form"', 1)[1], "action")[:1]
+            status, done = _post_form(base + settle, {
+                "outcome": "not_sent", "by": "ops", "reason": f"console for {rid}",
+                "token": TOKEN})
+            assert status == 200, done
+            [back] = _hrefs(done, "href", "back")
+            page = _get(base + back)
+            assert _is_page_of(page, rid)
+            [close] = _hrefs(page.split('id="close-form"', 1)[1], "action")[:1]
+            status, done = _post_form(base + close, {
+                "status": "failed", "by": "ops", "reason": f"close {rid}", "token": TOKEN})
+            assert status == 200, done
+            assert _is_page_of(_get(base + _hrefs(done, "href", "back")[0]), rid)
+        recent = _get(base + "/").split('id="actions-table"', 1)[1].split("</table>", 1)[0]
+        targets = _hrefs(recent, "href")
+        assert [t for t in targets if _is_page_of(_get(base + t), "r1")] == []
+        assert len(targets) == 2 * len(ODD_IDS)
+    led = Ledger.open(written, clock=ManualClock(NOW), migrate_schema=False)
+    try:
+        done = Audit(led).actions(kinds=["close", "late_receipt"], limit=50).items
+        assert sorted((a.kind, a.run_id, a.attempt_id, a.reason) for a in done) == sorted(
+            [("close", rid, None, f"close {rid}") for rid in ODD_IDS]
+            + [("late_receipt", rid, f"{rid} a%31?#/", f"console for {rid}")
+               for rid in ODD_IDS])
+        assert led.get_run("r1").status.value == "succeeded"
+        assert {led.get_run(rid).status.value for rid in ODD_IDS} == {"failed"}
+    finally:
+        led.close()
+
+
 # -- a real browser ----------------------------------------------------------------------------
 
 
