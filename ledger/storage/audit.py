@@ -22,6 +22,7 @@ Indexes each query relies on (asserted with EXPLAIN by ``tests/audit/test_plans.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,16 +96,39 @@ _TIMELINE_EVENTS = (
     .where(s.events.c.run_id == bindparam("run_id")).order_by(s.events.c.event_id))
 
 
+def _bad_cursor(cursor: str) -> InvalidArgument:
+    return InvalidArgument(f"malformed cursor {cursor[:40]!r}; pass back next_cursor unchanged "
+                           "(none for the first page)", field="cursor")
+
+
+# The largest offset or event id a cursor may hold: 18 digits, below the 64-bit integer both
+# backends bind. A larger one is no page the listing handed out, and binding it fails
+# differently per backend (OverflowError on SQLite, "bigint out of range" on PostgreSQL).
+_MAX_DIGITS = 18
+
+
+def _whole(text: str) -> int | None:
+    """``text`` as a whole number the backends bind, or None: ASCII digits only (``int`` also
+    takes signs, spaces, ``_`` and other scripts' digits, none of which a cursor holds)."""
+    if not 0 < len(text) <= _MAX_DIGITS or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
 def parse_cursor(cursor: str | None) -> tuple[float, str] | None:
     """A keyset cursor ``"<created_at>|<id>"`` (as handed out by the previous page)."""
     if not cursor:
         return None
     try:
         ts_text, last_id = cursor.split("|", 1)
-        return float(ts_text), last_id
-    except ValueError as e:
-        raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
-                              field="cursor") from e
+        ts = float(ts_text)
+    except ValueError:
+        raise _bad_cursor(cursor) from None
+    # NaN and infinity are no row's time, and the backends order them differently (NaN
+    # after every number on PostgreSQL, as NULL on SQLite): refused, so both answer alike.
+    if not math.isfinite(ts):
+        raise _bad_cursor(cursor)
+    return ts, last_id
 
 
 def make_cursor(created_at: float, ident: str) -> str:
@@ -114,13 +138,9 @@ def make_cursor(created_at: float, ident: str) -> str:
 def _offset(cursor: str | None) -> int:
     if not cursor:
         return 0
-    try:
-        off = int(cursor.removeprefix("o:"))
-    except ValueError as e:
-        raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
-                              field="cursor") from e
-    if off < 0 or not cursor.startswith("o:"):
-        raise InvalidArgument("malformed cursor; pass back next_cursor unchanged", field="cursor")
+    off = _whole(cursor.removeprefix("o:")) if cursor.startswith("o:") else None
+    if off is None:
+        raise _bad_cursor(cursor)
     return off
 
 
@@ -526,11 +546,9 @@ class AuditQueries:
         cur = parse_cursor(cursor)
         if cur is not None:
             ts, last = cur
-            try:
-                last_id = int(last)
-            except ValueError as err:
-                raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
-                                      field="cursor") from err
+            last_id = _whole(last)
+            if last_id is None:
+                raise _bad_cursor(cursor or "")
             conds.append(or_(e.created_at < ts, and_(e.created_at == ts, e.event_id < last_id)))
         # The stored data is JSON with sorted keys (ledger.storage.encode.event_json): an
         # applied receipt reads '"applied": true' in it.

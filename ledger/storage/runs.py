@@ -51,6 +51,7 @@ from ledger.errors import (
     NotFound,
 )
 from ledger.storage import schema as s
+from ledger.storage.audit import parse_cursor
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json, health_values
 from ledger.storage.hot import check_live, moved
@@ -504,13 +505,9 @@ class RunQueries:
             conds.append(a.created_at < until)
         if run_ids is not None:
             conds.append(a.run_id.in_(list(run_ids)))
-        if cursor:
-            try:
-                ts_text, last_id = cursor.split("|", 1)
-                ts = float(ts_text)
-            except ValueError as e:
-                raise InvalidArgument("malformed cursor; pass back next_cursor unchanged",
-                                      field="cursor") from e
+        cur = parse_cursor(cursor)
+        if cur is not None:
+            ts, last_id = cur
             conds.append(or_(a.created_at < ts, and_(a.created_at == ts, a.attempt_id < last_id)))
         d = s.debits.c
         # The debit by its primary key, per attempt of the page (an outer join: an attempt

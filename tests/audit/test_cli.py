@@ -199,6 +199,15 @@ def test_an_empty_postgresql_database_names_db_init(
         assert "`failover-ledger db init --db postgresql+psycopg://" in err, err
 
 
+def test_a_cursor_past_what_the_backend_binds_is_one_line_exit_2(sqlite_url: str) -> None:
+    for args in (["costs", "--cursor", "o:99999999999999999999"],
+                 ["costs", "--by", "tenant", "--budget-cursor", "o:99999999999999999999"],
+                 ["actions", "--cursor", "1700000000.0|99999999999999999999"]):
+        res = cli("--db", sqlite_url, *args, *SINCE)
+        assert res.returncode == 2 and res.stdout == "", args
+        assert len(res.stderr.splitlines()) == 1 and "malformed cursor" in res.stderr, args
+
+
 def test_costs_label_without_by_label_is_refused_not_ignored(sqlite_url: str) -> None:
     """--label names the label of --by label; with another --by it was silently dropped, and
     the route totals read as if filtered by it."""

@@ -197,6 +197,20 @@ def test_a_number_that_is_not_finite_is_a_bad_request_not_a_server_error(
                 assert name in r.text
 
 
+def test_a_cursor_past_what_the_backend_binds_is_a_bad_request_naming_cursor(
+        seeded_url: str) -> None:
+    with _client(seeded_url) as c:
+        for path, cursor in (("/api/costs", "o:99999999999999999999"),
+                             ("/api/budgets", "o:99999999999999999999"),
+                             ("/api/actions", "1700000000.0|99999999999999999999"),
+                             ("/api/runs", "nan|r1"), ("/runs", "nan|r1")):
+            r = c.get(path, params={"cursor": cursor})
+            assert r.status_code == 400, (path, r.status_code)
+            assert "malformed cursor" in r.text
+            if path.startswith("/api/"):
+                assert r.json()["field"] == "cursor"
+
+
 def test_pages_refresh_themselves_as_configured(seeded_url: str) -> None:
     with _client(seeded_url) as c:
         assert '<meta http-equiv="refresh" content="30">' in c.get("/").text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -248,6 +249,34 @@ def test_unknown_and_unsettled_attempts(audit: Audit) -> None:
         "r4-a1"]
     with pytest.raises(InvalidArgument):
         audit.open_attempts(states=["failed"])
+
+
+# Cursors no listing hands out: offsets and event ids past a 64-bit integer (which SQLite
+# and PostgreSQL failed to bind, each its own way), and times that are no row's time.
+BAD_OFFSETS = ["o:99999999999999999999", "o:9223372036854775808", "o:+5", "o:1_0", "o: 5"]
+BAD_KEYSETS = ["nan|r1", "inf|r1", "-inf|r1", "1e400|r1"]
+
+
+def test_a_cursor_no_page_handed_out_is_refused_naming_cursor_on_either_backend(
+        audit: Audit) -> None:
+    window = {"since": T0 - 1, "until": T0 + 600}
+    listings: list[tuple[Any, list[str]]] = [
+        (lambda c: audit.costs(by="route", cursor=c, **window), BAD_OFFSETS),
+        (lambda c: audit.spend(by="tenant", cursor=c, **window), BAD_OFFSETS),
+        (lambda c: audit.runs(cursor=c), BAD_KEYSETS),
+        (lambda c: audit.failovers(cursor=c, **window), BAD_KEYSETS),
+        (lambda c: audit.open_attempts(cursor=c), BAD_KEYSETS),
+        (lambda c: audit.attempts(cursor=c), BAD_KEYSETS),
+        (lambda c: audit.actions(cursor=c), [*BAD_KEYSETS, "1700000000.0|99999999999999999999",
+                                             "1700000000.0|-1", "1700000000.0|1e3"]),
+    ]
+    for listing, cursors in listings:
+        for cursor in cursors:
+            with pytest.raises(InvalidArgument, match="pass back next_cursor") as e:
+                listing(cursor)
+            assert e.value.field == "cursor", cursor
+    # The largest offset a cursor holds is a page past the end, not an error.
+    assert audit.costs(by="route", cursor="o:" + "9" * 18, **window).items == []
 
 
 def test_health_of_routes_profiles_and_groups(audit: Audit) -> None:
