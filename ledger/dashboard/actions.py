@@ -12,6 +12,8 @@ each a form (an HTML answer) and a JSON twin under ``/api``:
   ``cost``): :meth:`ledger.Ledger.settle_unknown`;
 
 each with ``by`` (who) and ``reason`` (why), both required and recorded in the action's event.
+``{id}`` is the id percent-encoded (:mod:`ledger.dashboard.links`); in JSON, text fields must be
+strings (a list is not recorded as its repr), counts integers, ``cost`` a string or a number.
 The token travels in the ``X-Ledger-Token`` header (or ``Authorization: Bearer``) or in the
 form's ``token`` field, never in a cookie, so a page of another site cannot act on an
 operator's behalf: it cannot read the token, and a request from another origin (its
@@ -27,6 +29,7 @@ import hmac
 import html
 import json
 from collections.abc import Callable, Mapping
+from decimal import Decimal
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -105,7 +108,8 @@ async def _fields(request: Request) -> dict[str, Any]:
     kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if kind == "application/json":
         try:
-            doc = json.loads(body or b"{}")
+            # Numbers with a fraction as Decimal: a cost is money, exact as it was written.
+            doc = json.loads(body or b"{}", parse_float=Decimal)
         except ValueError:
             raise _Refused(400, "the body is not JSON (nothing was changed)") from None
         if not isinstance(doc, dict):
@@ -135,11 +139,27 @@ def _authorized(request: Request, fields: Mapping[str, Any], token: str) -> None
         raise _Refused(403, "the action token is missing or wrong (nothing was changed)")
 
 
+def _kind(v: Any) -> str:
+    """What a JSON value is, in JSON's words (for a message about a field of the wrong type)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float | Decimal):
+        return "a number"
+    if isinstance(v, list):
+        return "an array"
+    return "an object" if isinstance(v, dict) else type(v).__name__
+
+
 def _text(fields: Mapping[str, Any], name: str) -> str | None:
+    """A text field, None when absent or blank. Anything but a string is refused: its repr
+    recorded as who acted or why would be a record nobody wrote."""
     v = fields.get(name)
-    if v is None or (isinstance(v, str) and not v.strip()):
+    if v is None:
         return None
-    return v if isinstance(v, str) else str(v)
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{name} must be text (a JSON string), not {_kind(v)}",
+                              field=name)
+    return v if v.strip() else None
 
 
 def _who(fields: Mapping[str, Any]) -> str:
@@ -151,10 +171,11 @@ def _who(fields: Mapping[str, Any]) -> str:
 
 
 def _why(fields: Mapping[str, Any]) -> str:
-    why = fields.get("reason")
-    if not isinstance(why, str):
-        raise InvalidArgument("reason is missing; say why (it is kept with the action for the "
-                              "audit)", field="reason")
+    # Checked here, not left to the action: settling calls it "note", the form "reason".
+    why = _text(fields, "reason")
+    if why is None:
+        raise InvalidArgument("reason is missing or empty; say why (it is kept with the action "
+                              "for the audit)", field="reason")
     return why
 
 
@@ -162,22 +183,45 @@ def _count(fields: Mapping[str, Any], name: str) -> int | None:
     v = fields.get(name)
     if v is None or v == "":
         return None
-    if isinstance(v, bool):
-        raise InvalidArgument(f"{name} must be a whole number of tokens", field=name)
-    if isinstance(v, int):
+    if isinstance(v, int) and not isinstance(v, bool):
         return v
+    if not isinstance(v, str | Decimal):
+        raise InvalidArgument(f"{name} must be a whole number of tokens (a JSON integer or its "
+                              f"digits as text), not {_kind(v)}", field=name)
     try:
-        return int(str(v).strip())
+        return int(v.strip()) if isinstance(v, str) else int(str(v))
     except ValueError:
         raise InvalidArgument(f"{name} {str(v)[:40]!r} is not a whole number of tokens; pass "
                               "e.g. 812", field=name) from None
 
 
+def _amount(fields: Mapping[str, Any], name: str) -> str | None:
+    """Money as text: a string, or a JSON number read exactly (the body's floats are parsed as
+    :class:`~decimal.Decimal`, so 0.1 is 0.1)."""
+    v = fields.get(name)
+    if isinstance(v, int | Decimal) and not isinstance(v, bool):
+        return str(v)
+    if v is not None and not isinstance(v, str):
+        raise InvalidArgument(f"{name} must be an amount, e.g. \"0.0123\" (a JSON string or "
+                              f"number), not {_kind(v)}", field=name)
+    return _text(fields, name)
+
+
+_YES = ("1", "true", "on", "yes")
+_NO = ("", "0", "false", "off", "no")
+
+
 def _flag(fields: Mapping[str, Any], name: str) -> bool:
     v = fields.get(name)
-    if isinstance(v, bool):
-        return v
-    return v is not None and str(v).strip().lower() in ("1", "true", "on", "yes")
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _YES + _NO:
+        return v.strip().lower() in _YES
+    # Anything else read as "no" would clear the key of the same name instead of the group.
+    raise InvalidArgument(f"{name} must be true or false (or 1, 0), not {_kind(v)} "
+                          f"{str(v)[:40]!r}", field=name)
 
 
 # -- the actions --------------------------------------------------------------------------
@@ -216,7 +260,7 @@ def _settle(led: Ledger, fields: Mapping[str, Any], path: Mapping[str, str]
         attempt_id, outcome=fields.get("outcome"),  # type: ignore[arg-type]
         prompt_tokens=_count(fields, "prompt_tokens"),
         completion_tokens=_count(fields, "completion_tokens"),
-        cost=_text(fields, "cost"), note=_why(fields), by=_who(fields))
+        cost=_amount(fields, "cost"), note=_why(fields), by=_who(fields))
     debit = led.debit(att.debit_id)
     return ({"attempt_id": att.attempt_id, "run_id": att.run_id, "state": att.state.value,
              "debit_state": debit.state.value, "posted": str(debit.posted),

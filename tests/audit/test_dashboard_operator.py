@@ -387,6 +387,42 @@ def test_bad_input_is_the_ledgers_typed_error_and_records_nothing(
     assert _recorded(written) == before
 
 
+# Each JSON action with its good fields, and which of them take what but text.
+GOOD_JSON = {
+    "/api/actions/clear-cooldown": {"key": "g3", "group": True, "by": "ana", "reason": "ok"},
+    "/api/actions/runs/r4/close": {"status": "failed", "by": "ana", "reason": "ok"},
+    "/api/actions/attempts/r4-a1/settle": {"outcome": "succeeded", "prompt_tokens": 1,
+                                           "completion_tokens": 1, "cost": "0.1",
+                                           "by": "ana", "reason": "ok"},
+}
+NOT_TEXT: list[Any] = [["ana", {"x": 1}], {"name": "ana"}, 5, 1.5, True]
+# A count takes a whole number, an amount any number, a flag true or false.
+TYPED_RIGHT = [("prompt_tokens", 5), ("completion_tokens", 5), ("cost", 5), ("cost", 1.5),
+               ("group", True)]
+
+
+def test_a_json_field_of_the_wrong_type_is_refused_naming_it_and_never_recorded_as_its_repr(
+        written: str) -> None:
+    before = _recorded(written)
+    with _client(written, actions=True, token=TOKEN) as c:
+        for path, good in GOOD_JSON.items():
+            for name in good:
+                for value in NOT_TEXT:
+                    if (name, value) in TYPED_RIGHT:
+                        continue
+                    res = c.post(path, json={**good, name: value}, headers=HEADER)
+                    assert res.status_code == 400, (path, name, value, res.text)
+                    assert res.json()["field"] == name, (path, name, value)
+    assert _recorded(written) == before
+    # A JSON number is an amount, read exactly as written.
+    with _client(written, actions=True, token=TOKEN) as c:
+        res = c.post("/api/actions/attempts/r4-a1/settle", headers=HEADER, json={
+            **GOOD_JSON["/api/actions/attempts/r4-a1/settle"], "cost": 0.1})
+        assert res.status_code == 200, res.text
+        [settled] = c.get("/api/actions").json()["items"][:1]
+    assert (settled["by"], settled["reason"], settled["data"]["cost"]) == ("ana", "ok", "0.1")
+
+
 # -- ids in links and form actions ---------------------------------------------------------------
 
 # r1 is a seeded Run: "r%31" decoded once more is it. "?" and "#" end a path, "/" splits it.
