@@ -3,14 +3,16 @@ plan (primary and backup, in different capacity groups) on it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
 from ledger import Price, Route
 from ledger.domain.facts import WireProtocol
-from ledger.testing import FakeProvider, ReceivedRequest
+from ledger.testing import FakeProvider, Fault, ReceivedRequest
 
 PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
 
@@ -59,3 +61,16 @@ def tool_call_ids(request: ReceivedRequest) -> list[str]:
                 elif b["type"] == "tool_result":
                     ids.append(b["tool_use_id"])
     return ids
+
+
+async def cancelled_twice(call: Callable[[], Awaitable[Any]], fake: FakeProvider) -> None:
+    """Run ``call`` until its request has left, then cancel it, and again a loop step later
+    (as the Agents SDK's and pydantic-ai's timeouts do while draining the call)."""
+    fake.enqueue(Fault.NO_RESPONSE)
+    task = asyncio.ensure_future(call())
+    assert await asyncio.to_thread(fake.wait_for_requests, 1)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -49,7 +49,7 @@ from ledger.domain.records import AttemptState
 from ledger.integrations.langchain import LedgerChatModel, LedgerMiddleware, LedgerStop
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import PRICE, tool_call_ids
+from tests.fakeplan import PRICE, cancelled_twice, tool_call_ids
 
 fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
 _clear = fakeplan._clear
@@ -539,26 +539,13 @@ async def _drain(stream: Any) -> list[Any]:
     return [chunk async for chunk in stream]
 
 
-async def _cancelled_twice(call: Any, fake: FakeProvider) -> None:
-    """Run ``call`` until its request has left, then cancel it, and again a loop step later
-    (as the Agents SDK's and pydantic-ai's timeouts do while draining the call)."""
-    fake.enqueue(Fault.NO_RESPONSE)
-    task = asyncio.ensure_future(call())
-    assert await asyncio.to_thread(fake.wait_for_requests, 1)
-    task.cancel()
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
 def test_a_streamed_request_cancelled_twice_is_refused_as_unknown_not_left_in_flight(
         db_url: str, fake: FakeProvider) -> None:
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led, \
                 led.run("twice", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
             model = LedgerChatModel(run)
-            await _cancelled_twice(lambda: _drain(model.astream("Stream it.")), fake)
+            await cancelled_twice(lambda: _drain(model.astream("Stream it.")), fake)
             [att] = await led.timeline("twice")
             assert att.state is AttemptState.UNKNOWN
             with pytest.raises(LedgerStop) as ei:

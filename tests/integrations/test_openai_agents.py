@@ -55,7 +55,7 @@ from ledger.integrations.openai_agents import (
 )
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import PRICE, tool_call_ids
+from tests.fakeplan import PRICE, cancelled_twice, tool_call_ids
 
 set_tracing_disabled(True)  # the SDK's trace export would reach api.openai.com
 
@@ -474,16 +474,8 @@ def test_a_streamed_call_cancelled_twice_is_refused_as_unknown_not_left_in_fligh
         async with AsyncLedger.open(db_url) as led, \
                 led.run("twice", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
             model = LedgerModelProvider(run).get_model(None)
-            fake.enqueue(Fault.NO_RESPONSE)
-            call = asyncio.ensure_future(stream(model))
-            assert await asyncio.to_thread(fake.wait_for_requests, 1)
-            # Cancelled, and again a loop step later: the SDK's ModelSettings(timeout=...)
-            # cancels the call, then cancels the draining of it.
-            call.cancel()
-            await asyncio.sleep(0)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
+            # The SDK's ModelSettings(timeout=...) cancels the call, then its draining.
+            await cancelled_twice(lambda: stream(model), fake)
             [att] = await led.timeline("twice")
             assert att.state is AttemptState.UNKNOWN
             with pytest.raises(FailoverExhausted) as ei:

@@ -50,7 +50,7 @@ from ledger.domain.records import AttemptState
 from ledger.integrations.pydantic_ai import LedgerModel
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import plan, tool_call_ids
+from tests.fakeplan import cancelled_twice, plan, tool_call_ids
 
 fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
 _clear = fakeplan._clear
@@ -434,16 +434,8 @@ def test_a_streamed_request_cancelled_twice_is_refused_as_unknown_not_left_in_fl
         async with AsyncLedger.open(db_url) as led, \
                 led.run("twice", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
             agent = Agent(LedgerModel(run))
-            fake.enqueue(Fault.NO_RESPONSE)
-            call = asyncio.ensure_future(stream(agent))
-            assert await asyncio.to_thread(fake.wait_for_requests, 1)
-            # Cancelled, and again a loop step later: pydantic-ai's request_timeout does so
-            # while it drains the call.
-            call.cancel()
-            await asyncio.sleep(0)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
+            # pydantic-ai's request_timeout cancels the call, then its draining.
+            await cancelled_twice(lambda: stream(agent), fake)
             [att] = await led.timeline("twice")
             assert att.state is AttemptState.UNKNOWN
             with pytest.raises(FailoverExhausted) as ei:
