@@ -111,7 +111,7 @@ from ledger.domain.values import (
     Route,
     new_id,
 )
-from ledger.errors import AdmissionConflict, InvalidArgument, NotFound
+from ledger.errors import AdmissionConflict, DatabaseUnavailable, InvalidArgument, NotFound
 from ledger.policy.model import FROZEN, Policy
 from ledger.storage.runner import Flow, blocking
 
@@ -703,7 +703,16 @@ class Face(Generic[SessionT, OpenedT]):
             reserve_micros=to_micros(reserve), reserve_tokens=reserve_tokens, turn_id=turn_id,
             kind=AttemptKind(kind), attempt_id=attempt_id or new_id("att"),
             events=cast(list[tuple[str, dict[str, Any]]], events), take_retry=take_retry)
-        rec = yield from self._store.begin_attempt(spec, self.clock.now)
+        try:
+            rec = yield from self._store.begin_attempt(spec, self.clock.now)
+        except DatabaseUnavailable as e:
+            if e.fields.get("commit") == "unknown":
+                # "Safe to retry" holds for the same write only: a begin retried under a new
+                # id is another Attempt, and this one may have landed and stay dispatching.
+                e.add_note(f"retry the begin with attempt_id={spec.attempt_id!r} (the same "
+                           "write, idempotent); under a new id this one, if it landed, stays "
+                           "dispatching with its hold")
+            raise
         assert isinstance(rec, AttemptRecord)  # a begin without queue_until never queues
         self._begun.put(rec.attempt_id,
                         (rec.run_id, rec.route_id, rec.profile_id, rec.created_at))

@@ -409,6 +409,7 @@ def test_a_lost_renew_is_resolved_and_a_hosts_lost_begin_is_told_for_it_to_retry
         assert err.value.fields["operation"] == "begin"
         assert err.value.fields["commit"] == "unknown"
         assert err.value.fields["resolved"] is False
+        assert "retry the begin with attempt_id='att-host'" in "".join(err.value.__notes__)
         att = led.begin_attempt(renewed, route="primary", envelope_hash="sha256:e",
                                 reserve="0.1", attempt_id="att-host")
         assert att.state is AttemptState.DISPATCHING
