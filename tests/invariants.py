@@ -86,6 +86,8 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/decide/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
         "tests/session/test_multimodal_runs.py::test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance",
         "tests/session/test_media_out_runs.py::test_the_models_image_is_a_covered_part_the_next_turn_carries",
+        "tests/session/test_session.py::test_a_models_answer_rebuilt_by_hand_is_model_output_and_needs_its_provenance",
+        "tests/decide/test_preflight.py::test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

@@ -236,6 +236,11 @@ CASES: list[Case] = [
     C("profile bad type", "type", "one of", lambda f: Profile(id="p", type="password")),
     C("part bad role", "role", "one of", lambda f: Part(role="robot", content="x")),
     C("part content not text", "content", "string", lambda f: Part(content=3)),
+    # A model's answer or a tool's result labelled as the user's own would need no provenance.
+    C("part assistant labelled user_input", "data_class", "data_class='model_derived'",
+      lambda f: Part(role="assistant", content="x", data_class="user_input")),
+    C("part tool labelled system", "data_class", "data_class='tool_result'",
+      lambda f: Part(role="tool", content="x", data_class="system", tool_call_id="c1")),
     C("envelope params NaN", "params", "finite",
       lambda f: Envelope(parts=[Part(content="x")], params={"temperature": NAN})),
     C("envelope params a set", "params", "JSON",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from ledger.domain.envelope import SYSTEM, USER_INPUT, Envelope, Part
+from ledger.domain.envelope import DERIVED_ROLE_CLASS, EXEMPT_CLASSES, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import URL_KINDS, MediaKind, human_bytes, image_size, pdf_pages
 from ledger.domain.values import Grant, Route, canonical_json
@@ -44,8 +44,9 @@ from ledger.policy.model import EnvelopePolicy
 # Classes that need no provenance: the user's own current input and the host's own system
 # text are, by definition, what the Run's grant was confirmed against (the grant still decides
 # which recipients may receive them). Everything else (model output, tool results, memory,
-# private documents) must prove where it came from.
-PROVENANCE_EXEMPT: frozenset[str] = frozenset({USER_INPUT, SYSTEM})
+# private documents) must prove where it came from; so must an assistant's or a tool's part
+# whatever class it claims (Part refuses such a label, but model_copy skips validation).
+PROVENANCE_EXEMPT: frozenset[str] = EXEMPT_CLASSES
 
 
 class Check(StrEnum):
@@ -77,6 +78,7 @@ class PartNeed:
     data_class: str
     coverage: Coverage | None = None  # None: no provenance claimed at all
     ref: str | None = None  # the producer reference, for messages only
+    derived: bool = False  # an assistant's or a tool's part: never exempt from provenance
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +393,8 @@ def envelope_needs(
         parameters=frozenset(envelope.params),
         protocols=protocols,
         parts=tuple(
-            PartNeed(p.data_class, part_coverage(p, recorded, h), p.provenance)
+            PartNeed(p.data_class, part_coverage(p, recorded, h), p.provenance,
+                     p.role in DERIVED_ROLE_CLASS)
             for p, h in zip(envelope.parts, digests, strict=True)
         ),
         classes=frozenset(t.data_class for t in envelope.tools),
@@ -576,13 +579,15 @@ def _disclosure(
             out.append((f"recipient {recipient!r} is not approved for: {classes}",
                         f"add {classes} to Grant.recipients[{recipient!r}]"))
     for i, p in enumerate(needs.parts):
-        if p.data_class in PROVENANCE_EXEMPT or p.coverage is Coverage.OK:
+        if (p.data_class in PROVENANCE_EXEMPT and not p.derived) or p.coverage is Coverage.OK:
             continue
         verdict = p.coverage or Coverage.MISSING
         ref = f" (ref {p.ref!r})" if p.ref else ""
         fix = ("send the part exactly as the ledger returned it (a RunResult's parts, "
                "RunSession.tool_result): an edited copy is not covered"
                if verdict is Coverage.MISMATCH else
+               "carry the part as the ledger returned it (its provenance is recorded then)"
+               if p.derived else
                "carry the part as the ledger returned it (its provenance is recorded then), "
                "or give it data class user_input if it is the user's own")
         out.append((f"part {i} ({p.data_class}) has no covering provenance: {verdict}{ref}",

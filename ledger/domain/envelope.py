@@ -50,6 +50,13 @@ MEMORY = "memory"
 PRIVATE_DOCUMENT = "private_document"
 SYSTEM = "system"
 
+# The data class of an assistant or a tool part when none is given (any other part's is
+# user_input). The user's and the host's own text need no provenance
+# (decide.preflight.PROVENANCE_EXEMPT); a model's answer and a tool's result do, so they may
+# not be labelled with those classes (EXEMPT_CLASSES).
+DERIVED_ROLE_CLASS = {"assistant": MODEL_DERIVED, "tool": TOOL_RESULT}
+EXEMPT_CLASSES = frozenset({USER_INPUT, SYSTEM})
+
 
 def _json_data(value: Any) -> Any:
     """``value`` itself, when it is JSON data (finite numbers; a set, an object or NaN is not).
@@ -81,6 +88,13 @@ class Part(StrictModel):
     ``RunResult.parts`` hold it so, and a copy of it is covered only while its bytes are the
     ones recorded.
 
+    ``data_class`` follows ``role`` unless given: ``user_input`` for a user's or a system part,
+    ``model_derived`` for an assistant's, ``tool_result`` for a tool's. An assistant or a tool
+    part may not say ``user_input`` or ``system``, the classes that need no provenance: a
+    model's answer or a tool's result reaches a recipient only as what it is, with the
+    provenance the ledger recorded (the parts of ``RunResult.parts`` and of
+    ``run.tool_result(...)`` carry it; a copy rebuilt by hand has none).
+
     ``data_class``, ``provenance`` and ``tool_call_id`` are identifiers (1 to 200 printable
     characters); ``name`` a short printable text; ``content`` any text.
 
@@ -97,7 +111,8 @@ class Part(StrictModel):
     role: Literal["system", "user", "assistant", "tool"] = Field(default="user",
                                                                  validate_default=True)
     content: str = Field(default="", validate_default=True)
-    # Validated even when left out: an assistant's image or document must say model_derived.
+    # Left out, it follows the role (_something fills it in: DERIVED_ROLE_CLASS); validated either
+    # way, so an assistant or tool part never carries a class exempt from provenance.
     data_class: Id = Field(default=USER_INPUT, validate_default=True)
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
     provenance: Id | None = None
@@ -114,6 +129,13 @@ class Part(StrictModel):
             raise Problem("a part carries nothing",
                           "pass content= (text), or data= (bytes) or url= with media_type= "
                           "(an image or a document)")
+        if isinstance(data, dict) and "data_class" not in data:
+            # A static default of user_input would let a model's answer or a tool's result,
+            # rebuilt by hand, pass as the user's own text: exempt from provenance and sent
+            # to every recipient approved for user input.
+            role = data.get("role")
+            if isinstance(role, str) and role in DERIVED_ROLE_CLASS:
+                data = {**data, "data_class": DERIVED_ROLE_CLASS[role]}
         return data
 
     @field_validator("data", mode="before")
@@ -223,6 +245,15 @@ class Part(StrictModel):
     @field_validator("data_class")
     @classmethod
     def _model_derived(cls, v: str, info: ValidationInfo) -> str:
+        role = info.data.get("role")
+        if role in DERIVED_ROLE_CLASS and v in EXEMPT_CLASSES:
+            source = "a turn's result.parts" if role == "assistant" else "run.tool_result(...)"
+            fix = (f"pass data_class={DERIVED_ROLE_CLASS[role]!r} (the default for this role) "
+                   f"and the provenance the ledger recorded: carry the part {source} returned "
+                   "as it is; or role='user' if the text is the user's own")
+            raise Problem(f"a part of role {role!r} is not the user's input nor the host's "
+                          f"system text, so its data class cannot be {v!r} (a class that needs "
+                          "no provenance)", fix)
         kind = kind_of(info.data.get("media_type") or "")
         if (kind is not None and kind is not MediaKind.REASONING
                 and info.data.get("role") == "assistant" and v != MODEL_DERIVED):

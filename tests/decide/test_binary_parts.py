@@ -133,8 +133,8 @@ def test_an_edited_copy_of_a_document_does_not_inherit_its_provenance(
     ({"data": PNG, "media_type": "image/png", "role": "system"}, "role", "role='assistant'"),
     # The model's image is model output: its class says so (a user_input one would be exempt
     # from provenance, and pass disclosure as the user's own file).
-    ({"data": PNG, "media_type": "image/png", "role": "assistant"}, "data_class",
-     "data_class='model_derived'"),
+    ({"data": PNG, "media_type": "image/png", "role": "assistant",
+      "data_class": "user_input"}, "data_class", "data_class='model_derived'"),
     ({"data": PNG, "media_type": "image/png", "role": "assistant",
       "data_class": "private_document"}, "data_class", "not 'private_document'"),
     ({"data": PNG, "media_type": "image/png", "tool_call_id": "c1"}, "tool_call_id",

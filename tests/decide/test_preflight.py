@@ -106,14 +106,17 @@ def test_protocol_requirement() -> None:
 
 
 def test_envelope_capabilities_are_derived() -> None:
+    # A prefill is the model's text: covered here, so that only capability fails.
+    prefill = Part(role="assistant", content="{", provenance="attempt-p")
     env = Envelope(
-        parts=[USER, Part(role="assistant", content="{", data_class=USER_INPUT)],
+        parts=[USER, prefill],
         tools=[ToolSpec(name="search")],
         params={"top_k": 3},
         stream=True,
     )
     caps = {"tools": False, "prefill": False, "streaming": False, "parameters": ["temperature"]}
-    r = preflight(route(capabilities=caps), env, grant=None, role="research")
+    r = preflight(route(capabilities=caps), env, grant=None, role="research",
+                  provenance={"attempt-p": {prefill.content_hash}})
     details = " | ".join(f.detail for f in r.failures)
     assert r.checks == {Check.CAPABILITY}
     for word in ("tool", "prefill", "stream", "top_k"):
@@ -222,6 +225,21 @@ def test_copy_with_an_authorized_flag_is_not_covered() -> None:
         r = preflight(route(), Envelope(parts=[copy]), grant=BOTH, role="r", provenance=RECORDED)
         assert r.checks == {Check.DISCLOSURE}
     assert fresh_content_hash(flagged_name) != fresh_content_hash(ANALYSIS)
+
+
+def test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance() -> None:
+    # Part refuses an assistant or a tool part of class user_input or system; model_copy skips
+    # that check, so preflight judges such a part by its role, not by the class it claims.
+    user_only = Grant(recipients={"deepseek": [USER_INPUT, "system"]})
+    relabelled = [ANALYSIS.model_copy(update={"data_class": USER_INPUT}),
+                  Part(role="tool", content="42", provenance="call-1",
+                       tool_call_id="call-1").model_copy(update={"data_class": "system"})]
+    for copy in relabelled:
+        r = preflight(route(), Envelope(parts=[USER, copy]), grant=user_only, role="r",
+                      provenance=RECORDED)
+        assert r.checks == {Check.DISCLOSURE}
+        assert r.first is not None and "no covering provenance" in r.first.detail
+        assert "user_input if it is the user's own" not in r.first.fix
 
 
 def test_stale_cached_hash_on_an_edited_copy_does_not_cover() -> None:

@@ -204,6 +204,40 @@ def test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns(
         assert run.turn(Envelope(parts=msgs)).text == FULL_TEXT
 
 
+def test_a_models_answer_rebuilt_by_hand_is_model_output_and_needs_its_provenance(
+        db_url: str, fake: FakeProvider) -> None:
+    """Invariant 7: a Part of role 'assistant' is the model's whatever way it was built. Its
+    class defaults to model_derived (never the user's own input), so an answer copied out of
+    one Run into another by hand reaches no recipient approved for user input only, and none
+    at all without the provenance the ledger recorded; labelled user_input it is refused."""
+    trusted, outside = (r.model_copy(update={"recipient": name, "id": name})
+                        for r, name in zip(plan(fake), ("trusted", "outside"), strict=True))
+    grant = Grant(recipients={"trusted": ["user_input", "model_derived"],
+                              "outside": ["user_input"]})
+    with Ledger.open(db_url) as led:
+        with led.run("analysis", plan=[trusted], budget=BUDGET, grant=grant) as run:
+            answer = run.turn(Envelope(parts=[Part(content="secret analysis please")])).parts[0]
+        rebuilt = Part(role="assistant", content=answer.content)
+        assert rebuilt.data_class == "model_derived" and rebuilt.provenance is None
+        sent = len(fake.requests)
+        msgs = [Part(content="q"), rebuilt, Part(content="go on")]
+        with led.run("leak", plan=[outside], budget=BUDGET, grant=grant) as run, \
+                pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=msgs))
+        assert ei.value.reason == "no_candidate"
+        assert "not approved for: model_derived" in json.dumps(ei.value.skipped)
+        # Approved for the class, the recipient still gets no part the ledger never recorded.
+        wider = Grant(recipients={"outside": ["user_input", "model_derived"]})
+        with led.run("unrecorded", plan=[outside], budget=BUDGET, grant=wider) as run, \
+                pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=msgs))
+        assert "no covering provenance: missing" in json.dumps(ei.value.skipped)
+        assert len(fake.requests) == sent
+        with pytest.raises(InvalidArgument) as bad:
+            Part(role="assistant", content=answer.content, data_class="user_input")
+        assert bad.value.field == "data_class" and "model_derived" in str(bad.value)
+
+
 def test_text_and_tool_calls_go_out_as_one_assistant_message(db_url: str,
                                                             fake: FakeProvider) -> None:
     fake.set_default(Behavior(tool_call=("search", {"q": "x"})))
