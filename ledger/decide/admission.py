@@ -19,7 +19,7 @@ from typing_extensions import TypedDict
 
 from ledger.domain.records import FrozenRun, LeaseArg, to_micros
 from ledger.domain.specs import AdmitSpec
-from ledger.domain.validation import As, Id, LabelKey, Problem, Text, Time, rule
+from ledger.domain.validation import As, Id, Labels, Problem, Time, rule
 from ledger.domain.values import Budget, Grant, Route, content_hash
 from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
@@ -60,7 +60,7 @@ class Terms(TypedDict, total=False):
     policy: SkipValidation[Policy | str | Mapping[str, Any] | None]
     parent: LeaseArg | None
     tenant: Id | None
-    labels: Mapping[LabelKey, Text] | None
+    labels: Labels | None
     deadline: Time | None
     selected_route: Id | None
     keyless_ok: Annotated[Collection[str] | bool, _keyless]
@@ -91,7 +91,7 @@ class Admission(Terms, total=False):
             parent's under that lease, and its plan, grant, role and policy may only narrow
             the parent's.
         tenant: Whose Run it is (for the audit's totals and ``/metrics``).
-        labels: Free labels, string to string (the audit totals by a label).
+        labels: Free labels, string to string (the audit totals by a label); at most 64.
         deadline: When the Run must be done by (epoch seconds); capacity waits stop short of
             it.
         selected_route: The route the first turn starts on (default: the plan's first).

@@ -14,6 +14,7 @@ tokens                 integers 0 to 10^15
 money                  finite decimals 0 to 10^12 currency units (stored as micro-units)
 durations              finite seconds; a lease TTL is in (0, 86 400]
 times (deadlines, …)   finite epoch seconds in [0, 10^11)
+a Run's labels         at most 64 (keys ids, values texts of at most 200 characters)
 =====================  ==========================================================
 """
 
@@ -38,6 +39,11 @@ DEFAULT_LEASE_MARGIN_S = 0.5
 DEFAULT_FOLD_AFTER_S = 8 * 86_400.0
 MAX_FENCE = 2**62  # a lease's fence: a bigint on both backends, with room to grow
 MAX_TIME = 1e11
+#: The most labels a Run may carry. Every Attempt row copies the Run's labels (the audit totals
+#: and splits budgets by them without a join), so an unbounded map would make each begin and
+#: settle write its size again under the Run's lock; 64 leaves room for any grouping an audit
+#: needs.
+MAX_LABELS = 64
 
 
 def canonical_decimal(d: Decimal) -> Decimal:
@@ -51,6 +57,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_FENCE",
     "MAX_ID_LENGTH",
+    "MAX_LABELS",
     "MAX_LEASE_TTL_S",
     "MAX_TIME",
     "MAX_TOKENS",

@@ -63,7 +63,14 @@ from pydantic import (
 )
 from pydantic_core import core_schema
 
-from ledger.domain.bounds import MAX_AMOUNT, MAX_COUNT, MAX_ID_LENGTH, MAX_TIME, MAX_TOKENS
+from ledger.domain.bounds import (
+    MAX_AMOUNT,
+    MAX_COUNT,
+    MAX_ID_LENGTH,
+    MAX_LABELS,
+    MAX_TIME,
+    MAX_TOKENS,
+)
 from ledger.errors import ArgumentMismatch, InvalidArgument
 
 M = TypeVar("M", bound=BaseModel)
@@ -198,6 +205,15 @@ def _label_key(value: Any) -> str:
 label_key = Rule(_label_key, before=True)
 """A Run label's key: an identifier (:data:`Id`) without ``"`` or ``\\``, so that the audit can
 total and split budgets by it on both databases (the rule of :data:`LabelKey`)."""
+
+
+def _few_labels(value: Any) -> Any:
+    # Counted before the keys and values are checked one by one: a huge map is refused at once.
+    if isinstance(value, Mapping) and len(value) > MAX_LABELS:
+        raise Problem(f"has {len(value)} labels, over the limit of {MAX_LABELS}",
+                      f"pass at most {MAX_LABELS} labels (each Attempt copies them): keep the "
+                      "keys the audit totals by, e.g. team or feature")
+    return value
 
 
 def is_id(value: Any) -> bool:
@@ -335,6 +351,8 @@ Text = Annotated[StrictStr, text()]
 """A short printable text (a name, a reason): at most 200 characters."""
 LabelKey = Annotated[StrictStr, label_key]
 """A Run label's key (:data:`label_key`)."""
+Labels = Annotated[Mapping[LabelKey, Text], Rule(_few_labels, before=True)]
+"""A Run's labels: at most 64 (:data:`~ledger.domain.bounds.MAX_LABELS`), key to text."""
 _WHY = ("say why, e.g. 'provider confirmed the incident is over' (kept with the action for the "
         "audit)")
 Reason = Annotated[StrictStr, text(empty=False, fix=_WHY)]
@@ -774,6 +792,7 @@ __all__ = [
     "IdList",
     "Instant",
     "LabelKey",
+    "Labels",
     "Money",
     "Problem",
     "Reason",

@@ -23,7 +23,7 @@ from ledger.decide.classify import classify
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Scope, Source
 from ledger.domain.records import AttemptState, DebitState
-from ledger.errors import InvalidArgument
+from ledger.errors import InvalidArgument, NotFound
 from ledger.ops.reconcile import reconcile
 from ledger.policy.load import preset
 
@@ -59,6 +59,26 @@ def test_out_of_range_settle_values_are_refused_and_nothing_is_written(
     assert ei.value.field == field
     assert led.get_attempt(att.attempt_id).state is AttemptState.DISPATCHING
     assert led.get_run("r1") == before
+
+
+def test_a_runs_labels_are_bounded_at_admission_and_a_refusal_writes_nothing(
+        led: Ledger) -> None:
+    """Every Attempt row copies its Run's labels, so their number is bounded where they enter:
+    at most 64, for a Run and for a Child alike; more is refused before any row is written."""
+    most = {f"k{i}": "v" * 200 for i in range(64)}
+    led.admit_run("wide", plan=routes(), budget=budget(), grant=grant(), labels=most)
+    assert led.get_run("wide").labels == most
+    lease = led.acquire_lease("r1")
+    for run_id, parent in (("huge", None), ("huge-child", lease)):
+        before = led.get_run("r1")
+        with pytest.raises(InvalidArgument) as ei:
+            led.admit_run(run_id, plan=routes(), budget=budget(calls=1, retries=0,
+                                                               cost="0.01"),
+                          parent=parent, labels={f"k{i}": "v" for i in range(50_000)})
+        assert ei.value.field == "labels" and "at most 64" in str(ei.value)
+        with pytest.raises(NotFound):
+            led.get_run(run_id)
+        assert led.get_run("r1") == before  # nothing carved out of the parent
 
 
 def test_a_provider_reporting_absurd_usage_never_loses_the_success(led: Ledger) -> None:
