@@ -111,7 +111,7 @@ class Part(StrictModel):
     role: Literal["system", "user", "assistant", "tool"] = Field(default="user",
                                                                  validate_default=True)
     content: str = Field(default="", validate_default=True)
-    # Left out, it follows the role (_something fills it in: DERIVED_ROLE_CLASS); validated either
+    # Left out, it follows the role (the model validator fills it in from DERIVED_ROLE_CLASS);
     # way, so an assistant or tool part never carries a class exempt from provenance.
     data_class: Id = Field(default=USER_INPUT, validate_default=True)
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
