@@ -112,7 +112,8 @@ class Part(StrictModel):
                                                                  validate_default=True)
     content: str = Field(default="", validate_default=True)
     # Left out, it follows the role (the model validator fills it in from DERIVED_ROLE_CLASS);
-    # way, so an assistant or tool part never carries a class exempt from provenance.
+    # validated either way, so an assistant or tool part never carries a class exempt from
+    # provenance.
     data_class: Id = Field(default=USER_INPUT, validate_default=True)
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
     provenance: Id | None = None
