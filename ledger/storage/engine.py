@@ -95,22 +95,23 @@ def redact_url(url: str) -> str:
 def parse(url: str) -> tuple[str, URL]:
     """``url`` normalized (:func:`normalize_url`) and parsed; names the backend's problems."""
     norm = normalize_url(url)
+    where = redact_url(url)  # every message below shows the URL so
     start = norm.find("://") + 3
     user = PASSWORD_USER.match(norm, start) if start >= 3 else None
     if user is not None and "@" in norm[user.end():]:
         # SQLAlchemy ends the password at its first '@': the rest of a password holding a raw
         # '@' would be read, and shown, as the host, port or database.
         raise InvalidArgument(
-            f"database URL {redact_url(url)!r} holds an '@' after the one that ends its user "
+            f"database URL {where!r} holds an '@' after the one that ends its user "
             "part (a raw '@' in the password, or in a query value): percent-encode it as %40",
             field="url")
-    refuse_blank_options(norm, redact_url(url))
-    norm = hosts_to_query(norm, redact_url(url))
+    refuse_blank_options(norm, where)
+    norm = hosts_to_query(norm, where)
     try:
         parsed = make_url(norm)
     except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
         raise InvalidArgument(
-            f"cannot parse database URL {redact_url(url)!r} ({e}): use a SQLite file path or "
+            f"cannot parse database URL {where!r} ({e}): use a SQLite file path or "
             "postgresql+psycopg://user:pass@host:port/dbname",
             field="url",
         ) from e
