@@ -617,6 +617,20 @@ class ProbePolicy(_Section):
     max_keys: StrictInt = Field(default=256, ge=1)
 
     @model_validator(mode="after")
+    def _probes_spaced(self, info: ValidationInfo) -> ProbePolicy:
+        # Unused while probing is off, so 0 is left alone there.
+        if self.enabled and self.interval_s == 0 and _admitting(info):
+            # Every request to a cooling key would be its probe: the cooldown would hold
+            # nothing back.
+            raise PolicyValueError(
+                "interval_s is 0 while probing is enabled: every request to a cooling key "
+                "would be a probe, which defeats its cooldown",
+                "set a positive interval (e.g. 30), or probe.enabled: false",
+                field="interval_s",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _interval_within_ttl(self) -> ProbePolicy:
         if self.interval_s > self.ttl_s:
             # A probe time forgotten (TTL) while still inside its interval would let the

@@ -348,6 +348,16 @@ def test_a_total_limit_below_the_first_token_limit_is_refused(tmp_path: Path) ->
     assert load_policy(_write(tmp_path, equal)).streaming.total_timeout_s == 5
 
 
+def test_an_enabled_probe_is_spaced_by_a_positive_interval(tmp_path: Path) -> None:
+    """At interval 0 every request to a cooling key is its probe: the cooldown holds nothing."""
+    text = "name: x\nprobe:\n  enabled: true\n  interval_s: 0\n"
+    _, problem, fix = _only(_error(_write(tmp_path, text)), "probe.interval_s")
+    assert "defeats its cooldown" in problem
+    assert "positive interval" in fix and "probe.enabled: false" in fix
+    off = "name: x\nprobe:\n  enabled: false\n  interval_s: 0\n"  # unused, so left alone
+    assert load_policy(_write(tmp_path, off)).probe.interval_s == 0
+
+
 @pytest.mark.parametrize("name", ['"   "', '"\\t"'], ids=["spaces", "tab"])
 def test_a_policy_is_named_by_more_than_blanks(tmp_path: Path, name: str) -> None:
     _, problem, fix = _only(_error(_write(tmp_path, f"name: {name}\n")), "name")
