@@ -151,6 +151,19 @@ class FailoverPolicy(_Section):
     # also after a failure. Without it only a new turn waits, and only for group floors.
     wait_for_reopening: StrictBool = False
 
+    @model_validator(mode="after")
+    def _group_facts_can_be_fresh(self, info: ValidationInfo) -> FailoverPolicy:
+        if self.group_aware and self.group_fact_max_age_s == 0 and _admitting(info):
+            # A fact is always read some time after it was sampled: at a zero age limit every
+            # one is stale, so group_aware would silently eliminate nothing.
+            raise PolicyValueError(
+                "group_fact_max_age_s is 0 while group_aware is true: every capacity-group "
+                "fact would be stale when read, so no group evidence would ever count",
+                "set a positive age (e.g. 30), or group_aware: false to ignore group evidence",
+                field="group_fact_max_age_s",
+            )
+        return self
+
 
 class MoveRule(_Section):
     """A failure that makes the request eligible for another route.

@@ -358,6 +358,15 @@ def test_an_enabled_probe_is_spaced_by_a_positive_interval(tmp_path: Path) -> No
     assert load_policy(_write(tmp_path, off)).probe.interval_s == 0
 
 
+def test_group_evidence_is_not_stale_the_moment_it_is_read(tmp_path: Path) -> None:
+    """A zero age limit would make every group fact stale: group_aware would do nothing."""
+    text = "name: x\nfailover:\n  group_fact_max_age_s: 0\n"
+    _, problem, fix = _only(_error(_write(tmp_path, text)), "failover.group_fact_max_age_s")
+    assert "stale" in problem and "group_aware: false" in fix and "positive age" in fix
+    off = "name: x\nfailover:\n  group_aware: false\n  group_fact_max_age_s: 0\n"
+    assert load_policy(_write(tmp_path, off)).failover.group_fact_max_age_s == 0
+
+
 @pytest.mark.parametrize("name", ['"   "', '"\\t"'], ids=["spaces", "tab"])
 def test_a_policy_is_named_by_more_than_blanks(tmp_path: Path, name: str) -> None:
     _, problem, fix = _only(_error(_write(tmp_path, f"name: {name}\n")), "name")
