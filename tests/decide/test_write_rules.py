@@ -14,7 +14,7 @@ import pytest
 
 from ledger.decide.admission import Admission, admission_spec, admission_terms
 from ledger.decide.begin import begin_spec
-from ledger.decide.settle import settle_holds, settle_spec
+from ledger.decide.settle import group_update, settle_holds, settle_spec
 from ledger.domain.facts import (
     Category,
     FailureFact,
@@ -28,7 +28,7 @@ from ledger.domain.records import AttemptKind, DebitState, FrozenRun, Lease, Out
 from ledger.domain.specs import AdmitSpec, BeginSpec, SettleSpec
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import InvalidArgument
-from ledger.policy.load import policy_hash, preset
+from ledger.policy.load import policy_hash, preset, validate_policy
 
 POLICY = preset("failure-domain")
 OTHER = preset("goclaw")
@@ -187,6 +187,20 @@ def test_a_trusted_group_429_cools_the_group_for_its_hint() -> None:
     spec = settle(Outcome.FAILED, fact=FACT_429)
     assert spec.group_update is not None and spec.group_update.until == 57.0
     assert settle(Outcome.UNKNOWN, fact=FACT_429).group_update is None
+
+
+def test_a_zero_default_group_cooldown_floors_a_group_only_for_a_hinted_429() -> None:
+    """0 is a choice, not a degenerate value: only the provider's own Retry-After sets a floor
+    for later requests (``trust_provider_429: false`` would ignore the hinted 429 too)."""
+    data = POLICY.model_dump(mode="json")
+    data["admission"]["default_group_cooldown_s"] = 0
+    policy = validate_policy(data, file=None)
+    hinted = group_update(policy, FACT_429, 50.0)
+    assert hinted is not None and hinted.until == 57.0
+    bare = group_update(policy, FACT_429.model_copy(update={"retry_after_s": None}), 50.0)
+    assert bare is not None and bare.until == 50.0  # not after now: the selector's floor is open
+    data["admission"]["trust_provider_429"] = False
+    assert group_update(validate_policy(data, file=None), FACT_429, 50.0) is None
 
 
 def test_the_settle_hash_covers_the_receipt() -> None:
