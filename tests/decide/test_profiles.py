@@ -85,6 +85,19 @@ def test_custom_type_order_is_read_from_policy() -> None:
     ]
 
 
+def test_an_empty_type_order_is_no_preference_and_leaves_every_profile_usable() -> None:
+    """Unlike an empty ``auth_order`` entry, type order only ranks, never filters: empty, the
+    profiles rotate by last use alone (never-used first, then declared order)."""
+    policy = ProfilePolicy(type_order=[])
+    health = {KEY.id: h(KEY.id, last_used=9000), OAUTH.id: h(OAUTH.id, last_used=100)}
+    assert ids(rotation_order(PROFILES, "anthropic", health, NOW, policy)) == [
+        TOKEN.id,
+        OAUTH.id,
+        KEY.id,
+    ]
+    assert first_usable(PROFILES, "anthropic", health, NOW, policy) == TOKEN
+
+
 def test_usable_again_at_exactly_until() -> None:
     health = {"p": h("p", cooldown_until=NOW)}
     assert usable("p", health, NOW)
