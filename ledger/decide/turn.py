@@ -832,8 +832,15 @@ class TurnLoop:
                                  "never delivered"})] if discarded else []
         # A failure the provider answered may have been billed (an incomplete answer, a stream
         # its error event ended): the usage it reported is posted as an answer's is. An unknown
-        # outcome keeps its hold for the receipt, and a request never sent cost nothing.
-        u = _Usage.of(result) if outcome is Outcome.FAILED else _Usage()
+        # outcome keeps its hold for the receipt; the tokens it saw before the cut (Anthropic's
+        # message_start) are kept for audit only, and no cost, which the hold stands in for
+        # until a receipt says it. A request never sent cost nothing.
+        if outcome is Outcome.FAILED:
+            u = _Usage.of(result)
+        elif outcome is Outcome.UNKNOWN:
+            u = replace(_Usage.of(result), cost=None)
+        else:
+            u = _Usage()
         return (yield from self._settle(
             route, profile, att.attempt_id, outcome, now=now, fact=fact,
             events=[*events, *u.events], repeat=repeat, times=times,

@@ -127,3 +127,42 @@ def test_failed_attempt_with_out_of_range_usage_posts_as_if_none_was_reported(
         [ev] = led.events(RUN, ["usage_invalid"])
         assert ev.attempt_id == att.attempt_id and ev.data["prompt_tokens"] == str(2**63)
         assert (led.get_run(RUN).posted, led.get_run(RUN).reserved) == (HOLD, Decimal(0))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_unknown_attempt_records_the_usage_seen_before_the_cut_and_keeps_its_hold(
+        db_url: str, fake: FakeProvider, mode: str) -> None:
+    """Anthropic's ``message_start`` reports the prompt (and one output token); the stream is
+    then cut, so nobody knows whether the answer ran to the end. The Attempt is ``unknown``
+    and keeps its whole cost and token holds (invariant 6); the tokens it saw are recorded on
+    it for audit, with no cost (the hold stands in for it until a receipt says it)."""
+    fake.clear()
+    fake.enqueue(Behavior(fault=Fault.STREAM_CUT))
+    route = Route(id="r1", provider="p", model="m", group="g", recipient="p",
+                  protocol=WireProtocol.ANTHROPIC, endpoint=fake.endpoint("anthropic"),
+                  price=PRICE)
+    args = {"plan": [route], "budget": Budget(max_calls=1, max_retries=0, max_cost=Decimal(1),
+                                              max_tokens=10_000)}
+    envelope = Envelope(parts=[Part(content="hi")], stream=True, max_output_tokens=64)
+    if mode == "sync":
+        with Ledger.open(db_url) as led, led.run(RUN, **args) as run, \
+                pytest.raises(FailoverExhausted):
+            run.turn(envelope, reserve=HOLD)
+    else:
+        async def main() -> None:
+            async with AsyncLedger.open(db_url) as led, led.run(RUN, **args) as run:
+                with pytest.raises(FailoverExhausted):
+                    await run.turn(envelope, reserve=HOLD)
+        asyncio.run(main())
+    with Ledger.open(db_url) as led:
+        [att] = led.timeline(RUN)
+        assert (att.state, att.debit_state) == (AttemptState.UNKNOWN, DebitState.RESERVED)
+        assert (att.prompt_tokens, att.completion_tokens, att.cost) == (11, 1, None)
+        run = led.get_run(RUN)
+        assert (run.posted, run.reserved) == (Decimal(0), HOLD)
+        assert att.reserved_tokens > 0
+        assert (run.tokens_used, run.tokens_reserved) == (0, att.reserved_tokens)
+        tl = Audit(led).timeline(RUN)
+        assert (tl.total_cost, tl.held) == (Decimal(0), HOLD)
+        books = reconcile(led)
+        assert books.ok, books.violations
