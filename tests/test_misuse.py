@@ -60,7 +60,7 @@ from ledger.ops.recovery import arecover, recover
 from ledger.policy.load import load_policy, policy_hash, preset
 from ledger.policy.model import CooldownCurve
 from ledger.storage import schema
-from tests.storage.helpers import sql_context
+from tests.storage.helpers import as_an_earlier_version, sql_context
 
 T0 = 1_000_000.0
 NAN, INF = math.nan, math.inf
@@ -193,6 +193,7 @@ def _route(**kw: Any) -> Route:
 
 
 ID_TOO_LONG = "x" * 201
+DOT_FIX = "choose an id other than '.' or '..'"
 CASES: list[Case] = [
     # -- the models ---------------------------------------------------------------------------
     C("budget negative cost", "max_cost", ">= 0",
@@ -268,6 +269,9 @@ CASES: list[Case] = [
     C("admit run id too long", "run_id", "shorter", lambda f: _admit(f, ID_TOO_LONG)),
     C("admit run id with NUL", "run_id", "printable", lambda f: _admit(f, "r\x00")),
     C("admit run id not a string", "run_id", "non-empty string", lambda f: _admit(f, 42)),
+    # A browser resolves a "." or ".." path segment: the dashboard's forms could not reach it.
+    C("admit run id a dot", "run_id", DOT_FIX, lambda f: _admit(f, ".")),
+    C("admit run id two dots", "run_id", DOT_FIX, lambda f: _admit(f, "..")),
     C("admit budget mapping negative cost", "budget.max_cost", ">= 0",
       lambda f: _admit(f, budget={"max_calls": 1, "max_retries": 0, "max_cost": -1})),
     C("admit budget mapping typo", "budget.max_cals", "max_calls",
@@ -361,6 +365,8 @@ CASES: list[Case] = [
     C("begin route a number", "route", "route id", lambda f: _begin(f, route=3)),
     C("begin attempt id too long", "attempt_id", "shorter",
       lambda f: _begin(f, attempt_id=ID_TOO_LONG)),
+    C("begin attempt id a dot", "attempt_id", DOT_FIX, lambda f: _begin(f, attempt_id=".")),
+    C("begin attempt id two dots", "attempt_id", DOT_FIX, lambda f: _begin(f, attempt_id="..")),
     C("begin turn id with NUL", "turn_id", "printable", lambda f: _begin(f, turn_id="t\x00")),
     C("begin envelope hash empty", "envelope_hash", "Envelope.hash",
       lambda f: _begin(f, envelope_hash="")),
@@ -441,6 +447,8 @@ CASES: list[Case] = [
     # -- Run sessions -------------------------------------------------------------------------
     C("session run id too long", "run_id", "shorter",
       lambda f: f.L.run(ID_TOO_LONG, plan=routes(), budget=BUDGET)),
+    C("session run id two dots", "run_id", DOT_FIX,
+      lambda f: f.L.run("..", plan=routes(), budget=BUDGET)),
     C("session lease ttl NaN", "lease_ttl_s", "finite",
       lambda f: f.L.run("new", plan=routes(), budget=BUDGET, lease_ttl_s=NAN)),
     C("session lease ttl below margin", "lease_ttl_s", "longer lease_ttl_s",
@@ -476,6 +484,8 @@ CASES: list[Case] = [
       lambda f: f.session.tool_started("call-9")),
     C("session child id bad", "child_id", "printable",
       lambda f: f.session.child("c\x00", budget=BUDGET)),
+    C("session child id a dot", "child_id", DOT_FIX,
+      lambda f: f.session.child(".", budget=BUDGET)),
     C("session child plan a string", "plan", "list",
       lambda f: f.session.child("c1", budget=BUDGET, plan="a")),
     C("session child role empty", "role", "non-empty",
@@ -645,6 +655,25 @@ def test_a_credential_in_an_endpoint_is_refused_without_being_repeated_or_stored
     plain = routes()[0].model_copy(update={
         "endpoint": "https://acct.openai.azure.com/openai/deployments/d?api-version=2024-10-21"})
     ledger.admit_run("plain", plan=[plain], budget=BUDGET, grant=GRANT)
+
+
+def test_a_run_and_attempt_an_earlier_version_admitted_as_dot_ids_stay_readable_and_closable(
+        ledger: Ledger) -> None:
+    # Only a new Run's or Attempt's id is refused as "." or "..": the rows an earlier version
+    # wrote under them are still read, settled and closed through the API.
+    as_an_earlier_version(ledger, "admit_run", ".", plan=routes(), budget=BUDGET, grant=GRANT)
+    lease = ledger.acquire_lease(".")
+    as_an_earlier_version(ledger, "begin_attempt", lease, route="a", envelope_hash=HASH,
+                          reserve=Decimal("0.01"), attempt_id="..")
+    assert ledger.get_run(".").run_id == "."
+    assert [a.attempt_id for a in ledger.timeline(".")] == [".."]
+    settled = ledger.settle_attempt(lease, "..", outcome="succeeded")
+    assert (settled.run_id, settled.state.value) == (".", "succeeded")
+    ledger.release_lease(lease)
+    assert ledger.close_run(".", status="failed", by="ops").status.value == "failed"
+    with pytest.raises(InvalidArgument) as e:
+        ledger.admit_run(".", plan=routes(), budget=BUDGET, grant=GRANT)
+    assert e.value.field == "run_id"
 
 
 def test_every_misuse_is_the_same_on_the_async_face(ledger: Ledger) -> None:

@@ -89,6 +89,7 @@ from ledger.domain.validation import (
     Id,
     IdList,
     Money,
+    NewId,
     Reason,
     Secrets,
     Text,
@@ -290,7 +291,7 @@ class Face(Generic[SessionT, OpenedT]):
         raise NotImplementedError
 
     @checked
-    def run(self, run_id: Id, **options: Unpack[SessionOptions]) -> SessionT:
+    def run(self, run_id: NewId, **options: Unpack[SessionOptions]) -> SessionT:
         """A Run held in a ``with`` block: a :class:`~ledger.RunSession`.
 
         On an :class:`AsyncLedger`, an ``async with`` block: an
@@ -334,7 +335,7 @@ class Face(Generic[SessionT, OpenedT]):
     # -- runs -----------------------------------------------------------------------------
 
     @op
-    def admit_run(self, run_id: Id, *, secrets: Secrets | None = None,
+    def admit_run(self, run_id: NewId, *, secrets: Secrets | None = None,
                   **admission: Unpack[Admission]) -> Flow[RunRecord]:
         """Admit a Run, freezing plan, grant, budget and policy. Idempotent per content.
 
@@ -353,7 +354,7 @@ class Face(Generic[SessionT, OpenedT]):
         checked for it.
 
         Args:
-            run_id: The Run's id (1 to 200 printable characters).
+            run_id: The Run's id (1 to 200 printable characters, not ``.`` or ``..``).
             secrets: The :class:`~ledger.adapters.SecretProvider` the Run's sender resolves
                 credential profiles with; when given, every profile's key is checked too.
             **admission: The Run's terms (:class:`~ledger.decide.admission.Admission`):
@@ -653,7 +654,7 @@ class Face(Generic[SessionT, OpenedT]):
         turn_id: Id = "turn-1",
         profile_id: Id | None = None,
         kind: Annotated[AttemptKind | str, one_of(AttemptKind)] = AttemptKind.FIRST,
-        attempt_id: Id | None = None,
+        attempt_id: NewId | None = None,
         events: Events = (),
         take_retry: Flag = False,
     ) -> Flow[AttemptRecord]:

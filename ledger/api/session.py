@@ -48,7 +48,7 @@ from ledger.decide.settle import check_lease_ttl
 from ledger.decide.turn import RunResult
 from ledger.domain.envelope import Envelope, Part, PartHashes
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
-from ledger.domain.validation import Id, checked, function, instance
+from ledger.domain.validation import Id, NewId, checked, function, instance
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument, InvalidState, LedgerError, SettleConflict
 from ledger.storage.runner import Flow
@@ -280,7 +280,7 @@ class _SessionCore:
                                "ledger.run(...)", run_id=self.run_id)
 
     @checked
-    def child(self, child_id: Id, *, budget: BudgetArg, plan: Sequence[Route] | None = None,
+    def child(self, child_id: NewId, *, budget: BudgetArg, plan: Sequence[Route] | None = None,
               grant: GrantArg | None = None, role: Role | None = None,
               **terms: Unpack[Terms]) -> Self:
         """A session for a Child Run, to use in its own ``with`` block inside this one.

@@ -9,6 +9,7 @@ transaction would turn a recorded success into a crash.
 what                   range
 =====================  ==========================================================
 ids (run, attempt, …)  1 to 200 characters, printable, no NUL or control characters
+new run/attempt ids    also not ``.`` or ``..`` (a URL path cannot carry them)
 counts (calls, …)      integers 0 to 10^9 (``bool`` is not an integer here)
 tokens                 integers 0 to 10^15
 money                  finite decimals 0 to 10^12 currency units (stored as micro-units)

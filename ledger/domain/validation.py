@@ -192,6 +192,22 @@ as_id = text(MAX_ID_LENGTH, empty=False, fix="pass a non-empty string such as 'r
 """An identifier: 1 to 200 printable characters, not only whitespace (the rule of :data:`Id`)."""
 
 
+def _new_id(value: Any) -> str:
+    ident: str = as_id(value)
+    if ident in (".", ".."):
+        # A browser resolves a path segment "." or ".." before it sends a request, so the
+        # dashboard's close and settle forms could never reach such a Run or Attempt. Rows an
+        # earlier version admitted stay readable: only the id of a new row is refused.
+        raise Problem("is a dot segment", "choose an id other than '.' or '..', which URLs "
+                      "cannot carry as a path segment")
+    return ident
+
+
+as_new_id = Rule(_new_id, before=True)
+"""The id of a row a call creates (a Run, an Attempt): an identifier (:data:`Id`) other than
+``.`` and ``..`` (the rule of :data:`NewId`)."""
+
+
 def _label_key(value: Any) -> str:
     key: str = as_id(value)
     if '"' in key or "\\" in key:
@@ -347,6 +363,8 @@ def listing(each: Callable[[Any], R], what: str, fix: str, maximum: int = 10_000
 
 Id = Annotated[StrictStr, as_id]
 """An identifier: 1 to 200 printable characters, not only whitespace."""
+NewId = Annotated[StrictStr, as_new_id]
+"""The id of a Run or Attempt a call creates: an :data:`Id` other than ``.`` and ``..``."""
 Text = Annotated[StrictStr, text()]
 """A short printable text (a name, a reason): at most 200 characters."""
 LabelKey = Annotated[StrictStr, label_key]
@@ -794,6 +812,7 @@ __all__ = [
     "LabelKey",
     "Labels",
     "Money",
+    "NewId",
     "Problem",
     "Reason",
     "Rule",
@@ -804,6 +823,7 @@ __all__ = [
     "Tokens",
     "amount_in_range",
     "as_id",
+    "as_new_id",
     "checked",
     "duration",
     "epoch",

@@ -35,7 +35,7 @@ from ledger.clock import ManualClock
 from ledger.errors import InvalidArgument
 from ledger.ops.audit import Audit, to_jsonable
 from ledger.storage import schema as s
-from tests.storage.helpers import sql_context
+from tests.storage.helpers import as_an_earlier_version, sql_context
 
 from .seed import T0, seed
 
@@ -436,7 +436,9 @@ def _seed_odd_runs(url: str) -> None:
     led = Ledger.open(url, clock=ManualClock(NOW), migrate_schema=False)
     try:
         for rid in [*ODD_IDS, ".."]:
-            led.admit_run(rid, plan=[B, A], budget=BUDGET)
+            # A Run may no longer be admitted as "..": one an earlier version admitted is still
+            # shown.
+            as_an_earlier_version(led, "admit_run", rid, plan=[B, A], budget=BUDGET)
             lease = led.acquire_lease(rid, ttl_s=1000)
             att = led.begin_attempt(lease, route="B", envelope_hash=ENV, reserve="0.01",
                                     attempt_id=f"{rid} a%31?#/")
