@@ -180,7 +180,8 @@ _LEDGER_TABLES = frozenset({"alembic_version", "runs"})
 
 
 def file_holds(path: str) -> Holds:
-    """What the SQLite file at ``path`` holds, read without writing a byte of it.
+    """What the SQLite file at ``path`` holds, read without writing a byte of it, and leaving
+    no ``-wal`` or ``-shm`` file beside it that was not there.
 
     ``"empty"``: no file, an empty one, or a database without tables (the ledger may create
     its schema there); ``"ledger"``: the ledger's schema (its ``alembic_version`` and ``runs``
@@ -195,9 +196,9 @@ def file_holds(path: str) -> Holds:
             return "empty"
     except FileNotFoundError:
         return "empty"
-    # Read-only, and not through the engine: its connection switches the file to WAL first,
-    # which writes the file's header, and a file that is not a ledger must stay as it was.
-    uri = Path(path).resolve().as_uri() + "?mode=ro"
+    # Not through the engine: its connection switches the file to WAL first, which writes the
+    # file's header, and a file that is not a ledger must stay as it was.
+    uri = Path(path).resolve().as_uri() + ("?mode=rw" if _wal_unopened(path) else "?mode=ro")
     with mapped_errors("sqlite:///" + os.path.abspath(path)):
         try:
             conn = sqlite3.connect(uri, uri=True)
@@ -214,6 +215,29 @@ def file_holds(path: str) -> Holds:
     if not names:
         return "empty"
     return "ledger" if names >= _LEDGER_TABLES else "foreign"
+
+
+def _wal_unopened(path: str) -> bool:
+    """Whether ``path`` is a WAL-mode SQLite file that no connection has open (nor left a
+    journal of).
+
+    Reading such a file read-only creates its ``-wal`` and ``-shm`` files and leaves them:
+    only a writable connection removes them, when it closes as the last one. Such a connection
+    runs no statement that writes, and its checkpoint on closing copies only frames another
+    connection wrote meanwhile (none, when nothing else opened the file); SQLite removes the
+    files only when no other connection, of any process, has the file open. A file in use, a
+    rollback-journal file, or one with a journal to recover is read read-only: that creates
+    no file beside it, and recovers nothing.
+    """
+    if any(os.path.exists(path + side) for side in ("-wal", "-shm", "-journal")):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return False
+    # The header's write and read versions (bytes 18 and 19) are 2 in WAL mode.
+    return head[:16] == b"SQLite format 3\x00" and head[18:20] == b"\x02\x02"
 
 
 def not_a_ledger(holds: Holds) -> str:

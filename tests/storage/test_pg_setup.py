@@ -368,6 +368,43 @@ def test_a_sqlite_file_of_another_application_is_never_made_a_ledger(
             led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
 
 
+def test_a_wal_mode_file_of_another_application_is_refused_leaving_its_folder_as_it_was(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Reading it read-only made its -wal and -shm files and left them beside it.
+    path = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.execute("INSERT INTO customers (name) VALUES ('ana')")
+        conn.commit()
+    before = path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+    for call in (lambda: Ledger.open(str(path)), lambda: AsyncLedger.open(str(path)),
+                 lambda: _init_api(str(path))):
+        _setup_error(call, "not_a_ledger", driver=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+    assert main(["db", "init", str(path)]) == 2
+    assert "pass the path of a new file" in capsys.readouterr().err
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+    # While the application has it open, its -wal and -shm files are its own: the refusal
+    # leaves them, and the rows only its WAL holds, in place.
+    with contextlib.closing(sqlite3.connect(path)) as app:
+        app.execute("INSERT INTO customers (name) VALUES ('bo')")
+        app.commit()
+        sides = sorted(p.name for p in tmp_path.iterdir())
+        assert sides == ["app.db", "app.db-shm", "app.db-wal"]
+        _setup_error(lambda: Ledger.open(str(path)), "not_a_ledger", driver=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sides
+        app.execute("INSERT INTO customers (name) VALUES ('cy')")
+        app.commit()
+        assert [r[0] for r in app.execute("SELECT name FROM customers ORDER BY id")] == [
+            "ana", "bo", "cy"]
+    with contextlib.closing(sqlite3.connect(path)) as app:
+        assert [r[0] for r in app.execute("SELECT name FROM customers ORDER BY id")] == [
+            "ana", "bo", "cy"]
+
+
 def test_db_init_refuses_what_is_not_a_database_and_creates_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no" / "such" / "folder" / "x.db"
