@@ -85,6 +85,17 @@ def test_the_wheel_holds_the_library_and_no_benchmark_tooling(wheel: Path) -> No
             "ledger/testing/fakeprovider.py", "ledger/testing/pgserver.py"} <= set(files)
 
 
+def test_the_wheel_carries_the_apache_licence_its_metadata_names(wheel: Path) -> None:
+    zf = zipfile.ZipFile(wheel)
+    meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+    meta = zf.read(meta_name).decode()
+    assert "\nLicense-Expression: Apache-2.0\n" in meta
+    assert "\nLicense-File: LICENSE\n" in meta
+    shipped = zf.read(meta_name.replace("METADATA", "licenses/LICENSE"))
+    assert shipped == (REPO / "LICENSE").read_bytes()
+    assert b"Apache License\n                           Version 2.0, January 2004" in shipped
+
+
 def test_the_sdist_carries_the_benchmarks_its_tests_import(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o",
                           str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
@@ -93,7 +104,8 @@ def test_the_sdist_carries_the_benchmarks_its_tests_import(tmp_path: Path) -> No
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert {"benchmarks/__main__.py", "benchmarks/write.py", "benchmarks/floor.py",
-            "benchmarks/bulk.py", "tests/bench/test_bench_smoke.py", "ledger/__init__.py"} <= names
+            "benchmarks/bulk.py", "tests/bench/test_bench_smoke.py", "ledger/__init__.py",
+            "LICENSE"} <= names
 
 
 def test_wheel_creates_and_migrates_a_database(wheel: Path, tmp_path: Path) -> None:
