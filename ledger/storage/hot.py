@@ -364,38 +364,42 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
         if mode != GroupMode.OPEN.value and (until is None or until > now):
             return _Admission(now, rejected=("group_" + mode, until))
         return _Admission(now)
-    # The slots and places first, the clock after: a slot released (or a lease that lapsed)
-    # before this decision is then also before it in recorded time.
-    slots, waiting = yield Flush((Q(sql.slot_expiries, {"group": group}),
-                                  Q(sql.waiters, {"group": group})))
-    now = max(now, clock())
-    places = [_Place(int(t), w, float(at), float(exp) > now
-                     and held is not None and float(held) > now)
-              for t, w, at, exp, held in waiting]
-    mine = next((p for p in places if p.waiter_id == spec.attempt_id), None)
-    dead = tuple(p.ticket for p in places if not p.live)
-    leaving = tuple(sorted({*dead, *((mine.ticket,) if mine is not None else ())}))
-    if mode != GroupMode.OPEN.value and (until is None or until > now):
-        return _Admission(now, rejected=("group_" + mode, until), place=mine, leaving=leaving,
-                          limit=limit)
-    in_flight = sum(1 for _a, _n, e in slots if e is not None and float(e) > now)
-    live = [p for p in places if p.live]
-    ahead = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None and mine.live
-             else len(live))
-    # A place past its own bound is no longer live, and admits as a newcomer would (behind
-    # everyone); the waiters ahead of it are still only those with an earlier ticket, and that
-    # is the count its stop reports, not the waiters behind it.
-    shown = sum(1 for p in live if p.ticket < mine.ticket) if mine is not None else len(live)
-    if in_flight + ahead < limit:
+    while True:
+        # The slots and places first, the clock after: a slot released (or a lease that
+        # lapsed) before this decision is then also before it in recorded time.
+        slots, waiting = yield Flush((Q(sql.slot_expiries, {"group": group}),
+                                      Q(sql.waiters, {"group": group})))
+        now = max(now, clock())
+        places = [_Place(int(t), w, float(at), float(exp) > now
+                         and held is not None and float(held) > now)
+                  for t, w, at, exp, held in waiting]
+        mine = next((p for p in places if p.waiter_id == spec.attempt_id), None)
+        dead = tuple(p.ticket for p in places if not p.live)
+        leaving = tuple(sorted({*dead, *((mine.ticket,) if mine is not None else ())}))
+        if mode != GroupMode.OPEN.value and (until is None or until > now):
+            return _Admission(now, rejected=("group_" + mode, until), place=mine,
+                              leaving=leaving, limit=limit)
+        in_flight = sum(1 for _a, _n, e in slots if e is not None and float(e) > now)
+        live = [p for p in places if p.live]
+        ahead = (sum(1 for p in live if p.ticket < mine.ticket)
+                 if mine is not None and mine.live else len(live))
+        # A place past its own bound is no longer live, and admits as a newcomer would
+        # (behind everyone); the waiters ahead of it are still only those with an earlier
+        # ticket, and that is the count its stop reports, not the waiters behind it.
+        shown = (sum(1 for p in live if p.ticket < mine.ticket) if mine is not None
+                 else len(live))
+        if in_flight + ahead >= limit:
+            break
         if not sql.spelling.numbers_slots:
             return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
                               limit=limit)
-        # A begin that took no lock may have taken a number since the read: the claim finds
-        # out (the group is then full after all, and this begin waits or is refused).
         if (yield from _claim_number(sql, spec, slots, limit, now, tries=limit)):
             return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
                               limit=limit, numbered=True)
-        in_flight = limit - ahead
+        # Begins that took no lock took the numbers this read saw free; slots may have been
+        # freed since too, so a lost claim does not mean the group is full: only a fresh read
+        # tells. Each lost claim is another begin admitted, and the lock keeps out every begin
+        # but those, so this ends.
     if spec.queue_until is None:
         return _Admission(now, rejected=("capacity_full", None), place=mine, leaving=leaving,
                           ahead=shown, in_flight=in_flight, limit=limit)

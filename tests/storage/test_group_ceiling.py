@@ -11,10 +11,16 @@ over, a lowered limit, a begin adopted under a new fence.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import select
+import pytest
+from sqlalchemy import select, text
 
+from ledger import faults
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.errors import CapacityUnavailable
@@ -157,3 +163,94 @@ def test_invariant8_a_lowered_limit_admits_nothing_until_in_flight_is_below_it(d
         assert not refused()
         assert led.group_projections(["g"])["g"].in_flight == 0
 
+
+
+@pytest.mark.postgres
+def test_invariant8_a_begin_is_refused_only_when_the_group_is_full_not_when_its_numbers_moved(
+        pg_url: str) -> None:
+    """A begin whose slot numbers are taken from under it by lock-free begins, while other
+    slots are freed, is admitted into the room that is left, not refused ``capacity_full``.
+
+    Limit 2. Begin A reads slot 0 held, then waits on the index for number 1 (a begin T1 is
+    holding it uncommitted). Meanwhile slot 0 is settled and taken again by T2 (uncommitted):
+    T1 commits, A's number 1 is gone, so A takes the group's lock and reads again (1 held, 0
+    free: T2 is not committed), and waits for T2 on number 0. Then T1 settles and T2 commits: A
+    loses number 0 too, but number 1 is free and one slot is in flight. Every wait is a real
+    PostgreSQL lock wait, observed in ``pg_stat_activity``.
+    """
+    actors = ("x", "t1", "t2", "a")
+    leds = {k: Ledger.open(pg_url) for k in actors}
+    try:
+        leds["x"].configure_group("g", max_in_flight=2)
+        leases = {}
+        for k in actors:
+            leds[k].admit_run(f"run-{k}", plan=routes(), budget=budget(calls=10, cost="10"))
+            leases[k] = leds[k].acquire_lease(f"run-{k}", ttl_s=600)
+
+        def begin(k: str, attempt_id: str) -> Any:
+            return leds[k].begin_attempt(leases[k], route="a", envelope_hash="sha256:e",
+                                         reserve="0", attempt_id=attempt_id)
+
+        # The first number a begin tries follows from its attempt id (crc32 % limit).
+        x = begin("x", "x-4")
+        assert [(r.attempt_id, r.slot_no) for r in _slots(leds["x"])] == [("x-4", 0)]
+
+        held, go = {k: threading.Event() for k in ("t1", "t2")}, \
+            {k: threading.Event() for k in ("t1", "t2")}
+
+        def hold(k: str) -> Callable[[str], None]:
+            def at_commit(_name: str) -> None:
+                held[k].set()
+                assert go[k].wait(60), f"{k} was never let commit"
+            return at_commit
+
+        def blockers_of_waiting() -> dict[int, list[int]]:
+            with sql_context(leds["x"]).reading() as conn:
+                rows = conn.execute(text(
+                    "SELECT pid, pg_blocking_pids(pid) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"))
+                return {int(pid): list(b) for pid, b in rows}
+
+        def until(cond: Callable[[], Any], what: str) -> Any:
+            deadline = time.monotonic() + 60
+            while not (got := cond()):
+                assert time.monotonic() < deadline, what
+                time.sleep(0.01)  # polling another session's lock wait, not passing time
+            return got
+
+        pool = ThreadPoolExecutor(max_workers=3)
+        try:
+            faults.arm("begin.before_commit", hold("t1"))
+            t1 = pool.submit(begin, "t1", "t1-0")
+            until(lambda: held["t1"].is_set() or t1.done(), "t1 never reached its commit")
+            assert not t1.done(), t1.exception()
+            a = pool.submit(begin, "a", "a-0")
+            [(a_pid, first)] = until(lambda: list(blockers_of_waiting().items()),
+                                     "a never waited for t1's number").copy()
+            leds["x"].settle_attempt(leases["x"], x.attempt_id, outcome="succeeded", cost="0")
+            faults.disarm()
+            faults.arm("begin.before_commit", hold("t2"))
+            t2 = pool.submit(begin, "t2", "t2-0")  # takes number 0, freed by x
+            until(lambda: held["t2"].is_set() or t2.done(), "t2 never reached its commit")
+            assert not t2.done(), t2.exception()
+            go["t1"].set()
+            t1_att = t1.result(60)
+            until(lambda: (b := blockers_of_waiting().get(a_pid)) and b != first,
+                  "a never waited for t2's number under the group's lock")
+            leds["t1"].settle_attempt(leases["t1"], t1_att.attempt_id, outcome="succeeded",
+                                      cost="0")
+            go["t2"].set()
+            t2.result(60)
+            att = a.result(60)  # without the fix: CapacityUnavailable(capacity_full)
+        finally:
+            faults.disarm()
+            for e in go.values():
+                e.set()
+            pool.shutdown(wait=True)
+        assert att.state.value == "dispatching"
+        assert sorted((r.attempt_id, r.slot_no) for r in _slots(leds["x"])) == [
+            ("a-0", 1), ("t2-0", 0)]
+        assert leds["x"].group_projections(["g"])["g"].in_flight == 2
+    finally:
+        for led in leds.values():
+            led.close()
