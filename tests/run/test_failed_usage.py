@@ -50,8 +50,15 @@ def _turn(db_url: str, fake: FakeProvider, case: str, mode: str, hold: Decimal,
           ) -> tuple[Ledger, AttemptRecord]:
     """One turn that fails as ``case`` says; (the ledger, its only Attempt)."""
     proto, stream, _usage, _cost = CASES[case]
+    return _failing_turn(db_url, fake, proto, stream, FAULTS[proto], mode, hold)
+
+
+def _failing_turn(db_url: str, fake: FakeProvider, proto: str, stream: bool, fault: Fault,
+                  mode: str, hold: Decimal) -> tuple[Ledger, AttemptRecord]:
+    """One turn of one route of ``proto`` whose call fails with ``fault``; (the ledger, its
+    only Attempt)."""
     fake.clear()
-    fake.enqueue(Behavior(fault=FAULTS[proto]))
+    fake.enqueue(Behavior(fault=fault))
     route = Route(id="r1", provider="p", model="m", group="g", recipient="p",
                   protocol=WireProtocol(proto), endpoint=fake.endpoint(proto), price=PRICE)
     args = {"plan": [route], "budget": Budget(max_calls=1, max_retries=0, max_cost=Decimal(1),
@@ -136,26 +143,8 @@ def test_unknown_attempt_records_the_usage_seen_before_the_cut_and_keeps_its_hol
     then cut, so nobody knows whether the answer ran to the end. The Attempt is ``unknown``
     and keeps its whole cost and token holds (invariant 6); the tokens it saw are recorded on
     it for audit, with no cost (the hold stands in for it until a receipt says it)."""
-    fake.clear()
-    fake.enqueue(Behavior(fault=Fault.STREAM_CUT))
-    route = Route(id="r1", provider="p", model="m", group="g", recipient="p",
-                  protocol=WireProtocol.ANTHROPIC, endpoint=fake.endpoint("anthropic"),
-                  price=PRICE)
-    args = {"plan": [route], "budget": Budget(max_calls=1, max_retries=0, max_cost=Decimal(1),
-                                              max_tokens=10_000)}
-    envelope = Envelope(parts=[Part(content="hi")], stream=True, max_output_tokens=64)
-    if mode == "sync":
-        with Ledger.open(db_url) as led, led.run(RUN, **args) as run, \
-                pytest.raises(FailoverExhausted):
-            run.turn(envelope, reserve=HOLD)
-    else:
-        async def main() -> None:
-            async with AsyncLedger.open(db_url) as led, led.run(RUN, **args) as run:
-                with pytest.raises(FailoverExhausted):
-                    await run.turn(envelope, reserve=HOLD)
-        asyncio.run(main())
-    with Ledger.open(db_url) as led:
-        [att] = led.timeline(RUN)
+    led, att = _failing_turn(db_url, fake, "anthropic", True, Fault.STREAM_CUT, mode, HOLD)
+    with led:
         assert (att.state, att.debit_state) == (AttemptState.UNKNOWN, DebitState.RESERVED)
         assert (att.prompt_tokens, att.completion_tokens, att.cost) == (11, 1, None)
         run = led.get_run(RUN)
