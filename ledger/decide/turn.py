@@ -72,6 +72,7 @@ from ledger.decide.select import (
     select,
 )
 from ledger.decide.settle import failure_outcome, settle_spec
+from ledger.domain.bounds import MAX_TOKENS
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.domain.records import (
@@ -251,8 +252,14 @@ _Ended = _Failed | _Refused | _Unclaimed
 
 
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
+    """(prompt, completion) tokens to hold, their sum within the documented token range.
+
+    Clamped rather than refused: a hold of the most tokens a Run may hold still meets the
+    Run's token and cost budgets, which refuse it as an overdraw with nothing sent, where an
+    unbounded estimate (a counter's, or a document's) would overflow the ledger's columns.
+    """
     out = envelope.max_output_tokens or DEFAULT_OUTPUT_TOKENS
-    return counter.count_tokens(envelope, route), out
+    return min(counter.count_tokens(envelope, route), MAX_TOKENS - out), out
 
 
 def group_wait(group: GroupProjection | None, now: float, deadline: float | None,

@@ -258,9 +258,11 @@ def pdf_pages(data: bytes) -> int | None:
 
     The larger of the page tree's ``/Count`` and the number of ``/Type /Page`` objects. A PDF
     whose objects are all in compressed object streams declares neither here; callers then
-    estimate (see :class:`ledger.decide.preflight.CharEstimator`).
+    estimate (see :class:`ledger.decide.preflight.CharEstimator`). A ``/Count`` above the
+    file's byte length is not trusted: every page is an object of many bytes, so no true count
+    is that large, and a doctored one would otherwise hold an impossible number of tokens.
     """
-    counts = [int(a or b) for a, b in _COUNT.findall(data)]
+    counts = [n for n in (int(a or b) for a, b in _COUNT.findall(data)) if n <= len(data)]
     pages = max([*counts, len(_PAGE.findall(data))])
     return pages or None
 

@@ -28,10 +28,12 @@ from ledger import (
     InvalidArgument,
     Ledger,
     Part,
+    Price,
     Route,
     WireProtocol,
 )
 from ledger.decide.preflight import PDF_PAGE_TOKENS, image_tokens
+from ledger.domain.bounds import MAX_TOKENS
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS
 from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.policy.load import preset
@@ -155,6 +157,60 @@ def test_the_budget_holds_a_documents_pages_before_anything_is_sent(
         assert "token" in str(info.value)
         assert len(fake.requests) == sent  # the document was never sent
         assert [a.state.value for a in led.timeline("hold")] == ["succeeded"]
+
+
+def _doctored(count: int) -> bytes:
+    """A one-page PDF whose page tree claims ``count`` pages."""
+    return pdf(1).replace(b"/Count 1", b"/Count " + str(count).encode())
+
+
+def _free_and_priced(fake: FakeProvider) -> list[tuple[Route, Budget]]:
+    free = plan(fake)[0].model_copy(update={"price": Price()})
+    return [(free, Budget(max_calls=5, max_retries=2, max_cost=Decimal(0))),
+            (plan(fake)[0], BUDGET)]
+
+
+@pytest.mark.parametrize("count", [10**12, 10**16, 10**30])
+def test_a_page_count_larger_than_the_file_is_not_trusted(
+        db_url: str, fake: FakeProvider, count: int) -> None:
+    for i, (route, budget) in enumerate(_free_and_priced(fake)):
+        with Ledger.open(db_url) as led, led.run(f"doc{i}", plan=[route], budget=budget,
+                                                  grant=GRANT) as run:
+            result = run.turn(Envelope(parts=[QUESTION, Part(
+                data=_doctored(count), media_type="application/pdf")]))
+            # Held as the one page the file holds, not as the pages its /Count claims.
+            assert result.attempt.reserved_tokens == (
+                PDF_PAGE_TOKENS[WireProtocol.OPENAI] + 10 + DEFAULT_OUTPUT_TOKENS)
+    assert len(fake.requests) == 2
+
+
+class _Boundless:
+    """A host's token counter that answers more tokens than any Run may hold."""
+
+    route_independent = True
+
+    def count_tokens(self, envelope: Envelope, route: Route) -> int:
+        return 10**20
+
+
+def test_a_token_estimate_is_held_within_the_documented_token_bound(
+        db_url: str, fake: FakeProvider) -> None:
+    (free, no_cost), (priced, budget) = _free_and_priced(fake)
+    ask = Envelope(parts=[QUESTION])
+    with Ledger.open(db_url) as led:
+        with led.run("free", plan=[free], budget=no_cost, grant=GRANT) as run:
+            result = run.turn(ask, token_counter=_Boundless())
+            assert result.attempt.reserved_tokens == MAX_TOKENS  # held at the bound, not past it
+        for run_id, route, limit in [("priced", priced, budget),
+                                     ("tokens", free, no_cost.model_copy(
+                                         update={"max_tokens": 10**9}))]:
+            sent = len(fake.requests)
+            with led.run(run_id, plan=[route], budget=limit, grant=GRANT) as run:
+                with pytest.raises(FailoverExhausted) as info:
+                    run.turn(ask, token_counter=_Boundless())
+                assert info.value.reason == "budget"
+            assert len(fake.requests) == sent  # refused before anything was sent
+            assert [a.state.value for a in led.timeline(run_id)] == []
 
 
 # -- disclosure and provenance of a private document ------------------------------------------
