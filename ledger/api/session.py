@@ -73,7 +73,31 @@ OnEvent = Annotated[EventCallback, function("a function of a StreamEvent")]
 _SENDS = function("a function of a Dispatch returning a SendResult")
 Send = Annotated[Callable[[Dispatch], SendResult], _SENDS]
 AwaitedSend = Annotated[Callable[[Dispatch], Awaitable[SendResult]], _SENDS]
-ToolResult = Annotated[str, instance(str, "text", "serialise it, e.g. json.dumps(result)")]
+ToolResult = Annotated[str | Part, instance(
+    (str, Part), "text or a file Part",
+    "serialise it, e.g. json.dumps(result), or pass the tool's file as "
+    "Part(data=..., media_type=...)")]
+
+
+def _tool_file(call_id: str, file: Part, data_class: str) -> Part:
+    """A tool's file as a user part of the tool's data class, covered by ``call_id``.
+
+    Wires carry a tool result as text, so the file goes in a user part after it; left as
+    ``user_input`` it would need no provenance and reach recipients the grant approved for the
+    user's input only.
+    """
+    if file.media_type is None or file.role != "user":
+        raise InvalidArgument(
+            "content is a Part but not an image or document of the user's role; pass the "
+            "tool's text as a string, or its file as Part(data=..., media_type=...)",
+            field="content")
+    if "data_class" in file.model_fields_set and file.data_class != data_class:
+        raise InvalidArgument(
+            f"the file's data_class {file.data_class!r} is not the data_class argument "
+            f"{data_class!r}; pass the file's class as tool_result(..., data_class=...)",
+            field="data_class")
+    return Part.model_validate({**file.model_dump(), "data_class": data_class,
+                                "provenance": call_id})
 
 
 def _idle_status(run: RunRecord, attempts: Sequence[AttemptRecord],
@@ -397,8 +421,10 @@ class _SessionCore:
                 "tool_call_id of one of a turn's result.tool_calls", field="call_id")
         return self._calls[call_id]
 
-    def _tool_part(self, call_id: str, content: str, data_class: str) -> Part:
+    def _tool_part(self, call_id: str, content: str | Part, data_class: str) -> Part:
         _attempt, name = self._call(call_id)
+        if isinstance(content, Part):
+            return _tool_file(call_id, content, data_class)
         return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
                     tool_call_id=call_id, name=name or None)
 
@@ -586,16 +612,20 @@ class RunSession(_SessionCore):
         Args:
             call_id: One of a turn's ``result.tool_calls`` (the Part), or its ``tool_call_id``
                 (or that of a call adopted with :meth:`adopt_tool_calls`).
-            content: The tool's result, as text (serialise structured results).
-            data_class: The data class of that text, which disclosure preflight checks
-                (``tool_result``; e.g. ``private_document`` for a tool that reads one).
+            content: The tool's result, as text (serialise structured results); or a file
+                the tool returned, as a user ``Part(data=..., media_type=...)`` (call again
+                for each file, after the text result: wires carry tool results as text).
+            data_class: The data class of that text or file, which disclosure preflight
+                checks (``tool_result``; e.g. ``private_document`` for a tool that reads one).
 
         Returns:
-            A ``tool`` Part whose provenance is ``call_id``, covered by what was just recorded.
+            A ``tool`` Part whose provenance is ``call_id``, covered by what was just recorded;
+            for a file, the file as a ``user`` Part of ``data_class`` with that provenance.
 
         Raises:
-            InvalidArgument: ``call_id`` was not proposed in this session, or ``content`` is
-                not text.
+            InvalidArgument: ``call_id`` was not proposed in this session, ``content`` is
+                neither text nor an image or document of the user's role, or the file's own
+                data class differs from ``data_class``.
             InvalidState: the session is not open.
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
         """

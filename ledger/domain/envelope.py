@@ -238,9 +238,11 @@ class Part(StrictModel):
                                                                             "assistant"):
             raise Problem(f"an image or a document is the user's or the model's, not the "
                           f"{v}'s",
-                          "pass role='user' (the default; a tool's file goes in a user part "
-                          "after the tool result), or role='assistant' for one a model "
-                          "returned")
+                          "pass role='user' (the default), or role='assistant' for one a "
+                          "model returned; a tool's file is a user part after the tool "
+                          "result with data_class='tool_result' and the call's recorded "
+                          "provenance: run.tool_result(call, Part(data=..., media_type=...)) "
+                          "builds it and records that")
         return v
 
     @field_validator("data_class")

@@ -30,6 +30,7 @@ from ledger import (
     Part,
     Price,
     Route,
+    ToolSpec,
     WireProtocol,
 )
 from ledger.decide.preflight import PDF_PAGE_TOKENS, image_tokens
@@ -47,7 +48,8 @@ fake = fakeplan.fake
 _clear = fakeplan._clear
 
 BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
-CLASSES = ["user_input", "model_derived", "tool_result", "system", "private_document"]
+CLASSES = ["user_input", "model_derived", "tool_result", "system", "private_document",
+           "tool_description"]
 GRANT = Grant(recipients={"fake": CLASSES})
 PROTOCOLS = ["openai", "openai_responses", "anthropic", "gemini"]
 PDF = pdf(10)
@@ -241,6 +243,60 @@ def test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance(
                 run.turn(Envelope(parts=[QUESTION, edited]))
             assert "no covering provenance: mismatch (ref 'doc-10k')" in str(info.value)
     assert [len(r.media) for r in fake.requests] == [1]  # only the covered document went out
+
+
+def _narrow_first(fake: FakeProvider) -> list[Route]:
+    """The primary's recipient is approved for the user's input, not for tool results."""
+    primary, backup = plan(fake)
+    return [primary.model_copy(update={"recipient": "narrow"}), backup]
+
+
+FETCH = [ToolSpec(name="fetch")]
+NARROW = Grant(recipients={"narrow": ["user_input", "model_derived", "system", "tool_description"],
+                           "fake": CLASSES})
+
+
+def test_a_tools_file_reaches_only_recipients_approved_for_tool_results(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(tool_call=("fetch", {"url": "10-K"})), model="primary-model")
+    with Ledger.open(db_url) as led, led.run("tool-file", plan=_narrow_first(fake),
+                                              budget=BUDGET, grant=NARROW) as run:
+        (call,) = run.turn(Envelope(parts=[QUESTION], tools=FETCH)).tool_calls
+        file = run.tool_result(call, Part(data=PDF, media_type="application/pdf"))
+        assert (file.role, file.data_class, file.provenance) == (
+            "user", "tool_result", call.tool_call_id)
+        result = run.turn(Envelope(parts=[QUESTION, file]))
+        assert result.route.id == "backup"  # approved for tool_result, and covered
+        (select,) = [e.data for e in led.events("tool-file", ["select"])][-1:]
+        (skip,) = select["skipped"]
+        assert (skip["route"], skip["reason"]) == ("primary", "disclosure")
+        assert "not approved for: tool_result" in skip["detail"]
+    assert [(r.model, [m.data for m in r.media]) for r in fake.requests] == [
+        ("primary-model", []), ("backup-model", [PDF])]
+    # The refusal of a tool-role file points at this way.
+    with pytest.raises(InvalidArgument) as info:
+        Part(role="tool", data=PDF, media_type="application/pdf")
+    assert "data_class='tool_result'" in str(info.value) and "run.tool_result(" in str(info.value)
+
+
+def test_an_async_sessions_tool_file_is_covered_by_the_calls_provenance(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(tool_call=("fetch", {"url": "10-K"})), model="primary-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, led.run(
+                "tool-file", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            (call,) = (await run.turn(Envelope(parts=[QUESTION], tools=FETCH))).tool_calls
+            text = await run.tool_result(call, "fetched 10-K.pdf")
+            file = await run.tool_result(call, Part(data=PDF, media_type="application/pdf"))
+            assert (await run.turn(Envelope(parts=[QUESTION, text, file]))).text
+            with pytest.raises(InvalidArgument) as info:
+                await run.tool_result(call, Part(data=PDF, media_type="application/pdf",
+                                                 data_class="private_document"))
+            assert info.value.field == "data_class"
+
+    asyncio.run(main())
+    assert [len(r.media) for r in fake.requests] == [0, 1]
 
 
 # -- bad input: typed errors naming the part and the fix, nothing recorded --------------------
