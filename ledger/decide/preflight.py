@@ -583,16 +583,29 @@ def _disclosure(
             continue
         verdict = p.coverage or Coverage.MISSING
         ref = f" (ref {p.ref!r})" if p.ref else ""
-        fix = ("send the part exactly as the ledger returned it (a RunResult's parts, "
-               "RunSession.tool_result): an edited copy is not covered"
-               if verdict is Coverage.MISMATCH else
-               "carry the part as the ledger returned it (its provenance is recorded then)"
-               if p.derived else
-               "carry the part as the ledger returned it (its provenance is recorded then), "
-               "or give it data class user_input if it is the user's own")
+        fix = _coverage_fix(verdict, p.derived)
         out.append((f"part {i} ({p.data_class}) has no covering provenance: {verdict}{ref}",
                     fix))
     return [PreflightFailure(Check.DISCLOSURE, d, f) for d, f in out]
+
+
+def _coverage_fix(verdict: Coverage, derived: bool) -> str:
+    """How to cover a part; a model's or a tool's part is covered only as the ledger made it."""
+    if derived:
+        if verdict is Coverage.MISMATCH:
+            return ("send the part exactly as the ledger returned it (a RunResult's parts, "
+                    "RunSession.tool_result): an edited copy is not covered")
+        return "carry the part as the ledger returned it (its provenance is recorded then)"
+    # A document or memory the host brings is covered by what the host recorded for it, so the
+    # fix names led.record_provenance, not only the parts the ledger returns.
+    record = ("led.record_provenance(run.lease, ref, part.content_hash, kind) with the part "
+              "carrying provenance=ref")
+    if verdict is Coverage.MISMATCH:
+        return ("send the part exactly as its provenance was recorded (an edited copy is not "
+                f"covered), or record this version: {record}")
+    return (f"record its provenance before sending it: {record} (a RunResult's parts and "
+            "RunSession.tool_result's carry theirs already); or give it data class user_input "
+            "if it is the user's own")
 
 
 def preflight(

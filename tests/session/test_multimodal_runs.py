@@ -235,6 +235,8 @@ def test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance(
             with pytest.raises(FailoverExhausted) as info:
                 run.turn(ask)  # approved, but the ledger never recorded the document
             assert "no covering provenance: missing (ref 'doc-10k')" in str(info.value)
+            # The fix names the way a host covers its own document.
+            assert "led.record_provenance(" in str(info.value)
             led.record_provenance(run.lease, "doc-10k", doc.content_hash, "document")
             assert run.turn(ask).text
             # An edited copy (other bytes under the same reference) is not covered.
@@ -242,6 +244,8 @@ def test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance(
             with pytest.raises(FailoverExhausted) as info:
                 run.turn(Envelope(parts=[QUESTION, edited]))
             assert "no covering provenance: mismatch (ref 'doc-10k')" in str(info.value)
+            assert "led.record_provenance(" in str(info.value)
+            assert "a RunResult's parts" not in str(info.value)  # not the ledger's own part
     assert [len(r.media) for r in fake.requests] == [1]  # only the covered document went out
 
 
