@@ -736,8 +736,11 @@ class EnvelopePolicy(_Section):
     together larger than ``max_envelope_bytes``, is refused with
     :class:`~ledger.errors.InvalidArgument` naming the part, before any Attempt is begun.
     Counted are the bytes the ledger holds (``data=`` and ``data:`` URLs); an ``https://`` link
-    is fetched by the provider and weighs nothing here. The defaults fit the providers' own
-    request limits (OpenAI 50 MB per request, Anthropic 32 MB, Gemini 20 MB inline).
+    is fetched by the provider and weighs nothing here. These are raw bytes; the wire carries
+    them as base64, 4/3 larger, so a part at the default 20 MiB is a body of about 26.7 MiB and
+    an envelope at the default 32 MiB about 42.7 MiB: above Anthropic's 32 MB per request and
+    Gemini's 20 MB inline, within OpenAI's 50 MB. The defaults do not guarantee a provider
+    accepts the request; for a provider's own limit, set a bound of about 3/4 of it.
     """
 
     max_part_bytes: StrictInt = 20 * 1024 * 1024
