@@ -36,7 +36,13 @@ from typing import Protocol, runtime_checkable
 
 from ledger.domain.envelope import DERIVED_ROLE_CLASS, EXEMPT_CLASSES, Envelope, Part
 from ledger.domain.facts import WireProtocol
-from ledger.domain.media import URL_KINDS, MediaKind, human_bytes, image_size, pdf_pages
+from ledger.domain.media import (
+    URL_KINDS,
+    MediaKind,
+    bytes_over,
+    image_size,
+    pdf_pages,
+)
 from ledger.domain.values import Grant, Route, canonical_json
 from ledger.errors import InvalidArgument, PreflightRefused
 from ledger.policy.model import EnvelopePolicy
@@ -447,9 +453,10 @@ def _media_capability(route: Route, needs: RequestNeeds) -> list[tuple[str, str]
         big = [m for m in items if limit is not None and m.size > limit]
         if big and limit is not None:
             m = big[0]
+            shown, bound = bytes_over(m.size, limit)
             out.append((f"{what} input: part {m.index} ({m.media_type}) is "
-                        f"{human_bytes(m.size)}; route {route.id!r} takes {what}s up to "
-                        f"{human_bytes(limit)} (max_{what}_bytes)",
+                        f"{shown}; route {route.id!r} takes {what}s up to "
+                        f"{bound} (max_{what}_bytes)",
                         f"send a smaller {what}, or plan a route that takes larger ones"))
     links = [m for m in needs.media if m.link]
     if links and caps.url_input is False:
@@ -489,18 +496,20 @@ def check_envelope_limits(envelope: Envelope, limits: EnvelopePolicy,
         size = len(payload)
         total += size
         if size > limits.max_part_bytes:
+            shown, bound = bytes_over(size, limits.max_part_bytes)
             raise InvalidArgument(
                 f"part {i} ({p.media_type}{', ' + repr(p.name) if p.name else ''}) is "
-                f"{human_bytes(size)}, over the Run's policy limit envelope.max_part_bytes "
-                f"({human_bytes(limits.max_part_bytes)}); send a smaller file (fewer pages, a "
+                f"{shown}, over the Run's policy limit envelope.max_part_bytes "
+                f"({bound}); send a smaller file (fewer pages, a "
                 "scaled-down image), a link the provider fetches (url='https://...'), or "
                 "raise envelope.max_part_bytes in the policy of new Runs",
                 field=f"{field}.parts[{i}].data", size=size, limit=limits.max_part_bytes)
     if total > limits.max_envelope_bytes:
+        shown, bound = bytes_over(total, limits.max_envelope_bytes)
         raise InvalidArgument(
-            f"the envelope's images and documents are {human_bytes(total)} together, over the "
+            f"the envelope's images and documents are {shown} together, over the "
             f"Run's policy limit envelope.max_envelope_bytes "
-            f"({human_bytes(limits.max_envelope_bytes)}); send fewer or smaller files (drop "
+            f"({bound}); send fewer or smaller files (drop "
             "the ones earlier turns already answered), or raise envelope.max_envelope_bytes in "
             "the policy of new Runs",
             field=f"{field}.parts", size=total, limit=limits.max_envelope_bytes)

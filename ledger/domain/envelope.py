@@ -33,9 +33,9 @@ from ledger.domain.media import (
     DataUrlError,
     MediaKind,
     bytes_digest,
+    bytes_over,
     content_problem,
     decode_data_url,
-    human_bytes,
     kind_of,
 )
 from ledger.domain.validation import Id, Problem, StrictModel, Text
@@ -218,8 +218,8 @@ class Part(StrictModel):
             if not data:
                 raise Problem("data is empty", "pass the file's bytes, or leave the part out")
             if len(data) > MAX_BINARY_BYTES:
-                raise Problem(f"data is {human_bytes(len(data))}, over the ledger's ceiling of "
-                              f"{human_bytes(MAX_BINARY_BYTES)}",
+                shown, bound = bytes_over(len(data), MAX_BINARY_BYTES)
+                raise Problem(f"data is {shown}, over the ledger's ceiling of {bound}",
                               "send a smaller file (or a link as url=)")
             problem = content_problem(v, data)
             if problem is not None:

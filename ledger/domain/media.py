@@ -292,6 +292,18 @@ def human_bytes(n: int) -> str:
     return f"{n} B" if unit == "B" else f"{value:.1f}".removesuffix(".0") + f" {unit}"
 
 
+def bytes_over(size: int, limit: int) -> tuple[str, str]:
+    """``size`` and ``limit`` for a message saying the one exceeds the other.
+
+    Rounded as :func:`human_bytes`, with the exact byte counts added when the rounding makes
+    them read alike: "20 MiB, over 20 MiB" would look within the limit.
+    """
+    shown, bound = human_bytes(size), human_bytes(limit)
+    if shown != bound:
+        return shown, bound
+    return f"{shown} ({size} B)", f"{bound} ({limit} B)"
+
+
 __all__ = [
     "ACCEPTED_MEDIA_TYPES",
     "DOCUMENT_MEDIA_TYPES",
@@ -304,6 +316,7 @@ __all__ = [
     "MediaKind",
     "b64",
     "bytes_digest",
+    "bytes_over",
     "content_problem",
     "data_url",
     "decode_data_url",

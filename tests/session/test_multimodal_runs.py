@@ -354,6 +354,25 @@ def test_bytes_over_the_policys_limit_are_refused_before_anything_is_recorded(
     assert len(fake.requests) == 1
 
 
+@pytest.mark.parametrize(("limits", "field"), [
+    ({"max_part_bytes": len(PDF) - 1, "max_envelope_bytes": len(PDF) * 4},
+     "envelope.parts[1].data"),
+    ({"max_part_bytes": len(PDF), "max_envelope_bytes": 2 * len(PDF) - 1}, "envelope.parts"),
+])
+def test_a_size_refusal_never_reads_as_within_its_limit(
+        db_url: str, fake: FakeProvider, limits: dict[str, int], field: str) -> None:
+    tight = preset("failure-domain").model_copy(update={"envelope": EnvelopePolicy(**limits)})
+    with Ledger.open(db_url) as led, led.run("big", plan=plan(fake), budget=BUDGET,
+                                              grant=GRANT, policy=tight) as run:
+        with pytest.raises(InvalidArgument) as info:
+            run.turn(Envelope(parts=[QUESTION, filing(), filing(name="10-Q.pdf")]))
+        assert info.value.field == field
+        size, limit = info.value.fields["size"], info.value.fields["limit"]
+        # One byte over rounds to the limit's own figure: the exact counts tell them apart.
+        assert f"({size} B)" in str(info.value) and f"({limit} B)" in str(info.value)
+    assert fake.requests == []
+
+
 # -- the Responses API in a Run --------------------------------------------------------------
 
 
