@@ -31,6 +31,7 @@ from ledger.domain.records import (
     Outcome,
     RunRecord,
     RunStatus,
+    from_micros,
 )
 from ledger.domain.timefmt import when
 from ledger.errors import InvalidState, LeaseHeld, NotFound
@@ -134,6 +135,11 @@ def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
 
 
 CLOSE_UNKNOWN_REASON = "closed: dispatched without a receipt (the Run was closed)"
+
+
+def _money(micros: int) -> str:
+    """An amount the books store in micro-units, in currency units as every report shows it."""
+    return format(from_micros(micros), "f")
 
 
 def _expected_post(att: Any, reserved_micros: int, token_budget: bool) -> int:
@@ -495,8 +501,8 @@ class RecoveryQueries:
                     if deb.attempt_id != att.attempt_id or deb.run_id != run.run_id:
                         v.append(f"{where}: debit {deb.debit_id} belongs elsewhere")
                     if deb.reserved_micros != att.reserved_micros:
-                        v.append(f"{where}: debit hold {deb.reserved_micros} != attempt's "
-                                 f"{att.reserved_micros}")
+                        v.append(f"{where}: debit hold {_money(deb.reserved_micros)} != "
+                                 f"attempt's {_money(att.reserved_micros)}")
                     st = att.state
                     expected = {
                         AttemptState.DISPATCHING.value: {DebitState.RESERVED.value},
@@ -517,29 +523,32 @@ class RecoveryQueries:
                         calls += 1
                     if att.cost_micros is not None and att.cost_micros > att.reserved_micros:
                         fig.cost_over_hold.append(
-                            f"{where}: reported cost {att.cost_micros} above its hold "
-                            f"{att.reserved_micros} (posted at the hold)")
+                            f"{where}: reported cost {_money(att.cost_micros)} above its hold "
+                            f"{_money(att.reserved_micros)} (posted at the hold)")
                     if deb.state == DebitState.RESERVED.value:
                         reserved += deb.reserved_micros
                         held_tokens += att.reserved_tokens
                     elif deb.state == DebitState.POSTED.value:
                         if deb.posted_micros > deb.reserved_micros:
-                            v.append(f"{where}: posted {deb.posted_micros} above its hold")
+                            v.append(f"{where}: posted {_money(deb.posted_micros)} above its "
+                                     "hold")
                         posted += deb.posted_micros
                         if deb.posted_micros != _expected_post(att, deb.reserved_micros,
                                                                run.max_tokens is not None):
-                            v.append(f"{where}: posted {deb.posted_micros} != the settled cost")
+                            v.append(f"{where}: posted {_money(deb.posted_micros)} != the "
+                                     "settled cost")
                     elif deb.posted_micros:
-                        v.append(f"{where}: a {deb.state} debit posted {deb.posted_micros}")
+                        v.append(f"{where}: a {deb.state} debit posted "
+                                 f"{_money(deb.posted_micros)}")
                     if att.fence > run.fence or (att.settle_fence or 0) > run.fence:
                         v.append(f"{where}: written under a fence above the run's")
                 # A trimmed Run (some Attempts dropped by retention) has no sums to check.
                 if whole and reserved != run.reserved_micros:
-                    v.append(f"run {run.run_id}: reserved counter {run.reserved_micros} != sum of "
-                             f"reserved debits {reserved}")
+                    v.append(f"run {run.run_id}: reserved counter {_money(run.reserved_micros)} "
+                             f"!= sum of reserved debits {_money(reserved)}")
                 if whole and posted != run.posted_micros:
-                    v.append(f"run {run.run_id}: posted counter {run.posted_micros} != sum of "
-                             f"posted debits {posted}")
+                    v.append(f"run {run.run_id}: posted counter {_money(run.posted_micros)} "
+                             f"!= sum of posted debits {_money(posted)}")
                 if whole and calls != run.calls_used:
                     v.append(f"run {run.run_id}: calls_used {run.calls_used} != {calls} attempts")
                 if held_tokens != run.tokens_reserved:

@@ -133,6 +133,8 @@ def test_reported_cost_above_the_hold_is_posted_at_the_hold_and_reported(
     assert run.posted == Decimal("0.001")  # at the hold: the budget invariant
     check = reconcile(led)
     assert not check.violations and len(check.cost_over_hold) == 1
+    # In currency units, as every other amount: not the micro-units the books store.
+    assert "reported cost 0.5 above its hold 0.001 (posted at the hold)" in check.cost_over_hold[0]
     # Reported, not a fault: a monitor on reconcile's exit status must not alert for ever on
     # an estimate the provider's bill went past.
     assert check.ok
