@@ -141,9 +141,10 @@ class DatabaseSetupError(ConfigError):
     ``connect_privilege``, ``connections_disabled``, ``createdb_privilege``,
     ``schema_privilege``, ``schema_outdated``, ``folder_missing``, ``folder_read_only``,
     ``not_a_file``, ``not_a_ledger``) and
-    ``database`` / ``role`` where known. ``schema_outdated``: a table or column this ledger
-    uses is missing, because the database was opened with ``migrate_schema=False`` before
-    a process of this version migrated it (``failover-ledger db init URL`` is the fix).
+    ``database`` / ``role`` where known. ``schema_outdated``: the database was opened with
+    ``migrate_schema=False`` before a process of this version migrated it: its revision is
+    older (refused at open), or a table or column this ledger uses is missing (refused by the
+    statement) (``failover-ledger db init URL`` is the fix).
     The message names the fix (``docs/postgresql.md``).
     A server that is down or unreachable is :class:`DatabaseUnavailable` instead.
     """

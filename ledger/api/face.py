@@ -244,7 +244,8 @@ class Face(Generic[SessionT, OpenedT]):
                 pass a :class:`~ledger.ManualClock`).
             executor_id: This process's name as a lease holder (default: a new unique id).
             migrate_schema: Create or upgrade the schema first (``False`` for a read-only
-                role, or when migrations run separately).
+                role, or when migrations run separately: then a schema older or newer than
+                this package's is refused at open, see Raises).
             lease_margin_s: How long before its end a lease stops starting work, from 0 to
                 60 s: the clock skew between hosts the ledger tolerates
                 (``docs/operations.md``).
@@ -270,10 +271,13 @@ class Face(Generic[SessionT, OpenedT]):
                 credentials, the role may not connect or migrate, a missing SQLite folder, a
                 SQLite file that holds another application's tables or is not a SQLite
                 database (``problem="not_a_ledger"``; checked when migrating, before anything
-                is written) (the message names the fix; ``docs/postgresql.md``).
+                is written), opened with ``migrate_schema=False`` on a schema older than this
+                package's (``problem="schema_outdated"``: run ``failover-ledger db init URL``)
+                (the message names the fix; ``docs/postgresql.md``).
             DatabaseUnavailable: the database cannot be reached (a server that is down or
                 went away, a file another process keeps busy): retry once it is back.
-            SchemaTooNew: the database was migrated by a newer ledger.
+            SchemaTooNew: the database was migrated by a newer ledger (with or without
+                ``migrate_schema``).
 
         Example:
             >>> with Ledger.open("ledger.db") as led:  # doctest: +SKIP

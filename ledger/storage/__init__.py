@@ -34,8 +34,9 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     ``migrate_schema`` creates or upgrades the schema first (safe from many processes at
     once) and, on PostgreSQL, the partitions of the history for the month of ``now`` (the
     ledger clock's time; default the system's) and the next ones
-    (:func:`ledger.storage.partitions.ensure_partitions`); without it nothing is touched until
-    the first call. ``lease_margin_s``: how long
+    (:func:`ledger.storage.partitions.ensure_partitions`); without it the schema's revision is
+    read once and an older or newer one refused (:func:`ledger.storage.migrate.check_current`),
+    and nothing else is touched until the first call. ``lease_margin_s``: how long
     before its end a lease stops starting work (the clock skew between hosts the ledger
     tolerates). Arguments are checked by the caller (:meth:`ledger.Ledger.open`).
 
@@ -43,7 +44,9 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
     PostgreSQL without its driver installed), :class:`~ledger.errors.DatabaseSetupError` (the
     database is not set up for the URL: no such database, role or folder, credentials refused,
     no privilege to migrate), :class:`~ledger.errors.DatabaseUnavailable` (the database cannot
-    be reached), :class:`~ledger.errors.SchemaTooNew` (migrated by a newer ledger).
+    be reached), :class:`~ledger.errors.SchemaTooNew` (migrated by a newer ledger),
+    :class:`~ledger.errors.DatabaseSetupError` ``problem="schema_outdated"`` (opened without
+    migrating, an older schema).
     """
     from ledger.storage import engine, migrate, partitions
 
@@ -57,6 +60,13 @@ def open_store(url: str, *, lease_margin_s: float = DEFAULT_LEASE_MARGIN_S,
                                              time.time() if now is None else now)
         except BaseException:
             with contextlib.suppress(Exception):  # the migration's error is the one to tell
+                store.close()
+            raise
+    else:
+        try:
+            migrate.check_current(store.context, norm)
+        except BaseException:
+            with contextlib.suppress(Exception):
                 store.close()
             raise
     return store

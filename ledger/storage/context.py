@@ -55,6 +55,11 @@ class SqlContext(abc.ABC):
 
     # -- what differs between the databases ------------------------------------------------
 
+    def holds_schema(self) -> bool:
+        """Whether the schema's revision may be read here without writing: a server's
+        database may always be."""
+        return True
+
     @abc.abstractmethod
     def refuse_foreign(self) -> None:
         """Before the schema is created or upgraded, without writing: refuse a database that

@@ -23,8 +23,9 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   ``standby=True`` instead: the connection is dropped, and the retry reaches the primary;
 * a table or column the ledger uses is missing (SQLSTATE 42P01 and 42703; SQLite's ``no such
   table``/``no such column``): the schema is older than this code, because the ledger was
-  opened with ``migrate_schema=False`` (a reporting command, the dashboard, a read-only role)
-  before any process of this version migrated it.
+  opened with ``migrate_schema=False`` (a command other than ``db init``, the dashboard, a
+  read-only role) before any process of this version migrated it (an older revision is
+  refused at open already: :func:`ledger.storage.migrate.check_current`).
   :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_outdated"``) naming
   ``failover-ledger db init``; the statement's transaction was rolled back;
 * a row whose key is already recorded (a unique or primary key): :class:`~ledger.errors.Conflict`;
@@ -200,12 +201,12 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
             f"its tables (`createdb -O OWNER {database or 'DBNAME'}` makes one), then open it "
             "with this role"),
         "schema_outdated": (
-            f"the ledger's schema in {_shown(database, where)} lacks a table or column this "
-            f"ledger uses{said}: it is older than this ledger (or was never created), as when "
-            "the ledger is opened with migrate_schema=False (a reporting command, the "
-            "dashboard, a role that may not migrate) before a process of this version "
-            f"migrated it; run `failover-ledger db init {where}` as the role that owns its "
-            "tables (or open it once with migrate_schema=True); nothing was written"),
+            f"the ledger's schema in {_shown(database, where)} is older than this ledger, or "
+            f"was never created{said}: the ledger was opened with migrate_schema=False (any "
+            "command but db init, the dashboard, a role that may not migrate) before a "
+            f"process of this version migrated it; run `failover-ledger db init {where}` as "
+            "the role that owns its tables (or open it once with migrate_schema=True); "
+            "nothing was written"),
         "connections_disabled": (
             f"database {db} does not accept connections: as its owner, ALTER DATABASE {db} "
             "ALLOW_CONNECTIONS true;"),

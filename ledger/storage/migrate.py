@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from ledger.errors import SchemaTooNew, StorageError
+from ledger.errors import DatabaseSetupError, SchemaTooNew, StorageError
 from ledger.storage.engine import mapped_errors, redact_url
 from ledger.storage.failure import setup_error
 
@@ -118,6 +118,32 @@ def check_not_newer(rev: str | None, url: str) -> None:
             f"understands (head {head!r}); upgrade the ledger package",
             revision=rev,
         )
+
+
+def check_current(ctx: SqlContext, url: str) -> None:
+    """Refuse to open, without migrating, a database whose schema is not this ledger's head:
+    an older one is a :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_outdated"``)
+    naming ``db init``, a newer one :class:`~ledger.errors.SchemaTooNew`. One read, at open.
+
+    A missing table or column alone does not tell an older schema: a revision may change only
+    what a row means (0017: how an unreadable answer is settled), and a reader of the older
+    rows would report them the new way. A database without the ledger's schema, or one that
+    cannot be read now (away, credentials refused), is left to the first call, which names
+    its own fix as before (a process may open while its server is away); a SQLite file that
+    is not a ledger is not connected to (the engine's first connection writes)."""
+    if not ctx.holds_schema():
+        return
+    try:
+        with mapped_errors(url), ctx.engine.connect() as conn:
+            found = current_revision(conn)
+            conn.rollback()
+    except (StorageError, DatabaseSetupError):
+        return
+    check_not_newer(found, url)
+    head = head_revision()
+    if found is not None and found != head:
+        raise setup_error("schema_outdated", redact_url(url),
+                          text=f"it is at revision {found}, this ledger needs {head}")
 
 
 def upgrade(ctx: SqlContext, url: str) -> str | None:

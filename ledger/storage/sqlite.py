@@ -31,7 +31,7 @@ from sqlalchemy.sql import operators
 from sqlalchemy.sql.expression import UnaryExpression
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
-from ledger.errors import DatabaseSetupError
+from ledger.errors import DatabaseSetupError, StorageError
 from ledger.storage import engine as eng
 from ledger.storage import migrate, statements
 from ledger.storage import schema as s
@@ -67,6 +67,15 @@ class SqliteContext(SqlContext):
         """Its folder must exist; the file itself is made by the first connection (the
         migration's), so ``True`` says it does not exist yet."""
         return not os.path.exists(eng.sqlite_file(norm, parsed))
+
+    def holds_schema(self) -> bool:
+        """Only a file that holds the ledger's schema
+        (:func:`~ledger.storage.engine.file_holds`): the engine's first connection switches
+        a file to WAL, a write, and one that is not a ledger must stay as it was."""
+        try:
+            return eng.file_holds(str(self.engine.url.database)) == "ledger"
+        except StorageError:
+            return False  # the first call tells what is wrong with the file
 
     def refuse_foreign(self) -> None:
         """Refuse a file that holds tables but not the ledger's

@@ -147,19 +147,19 @@ def fresh_ledger(db_url: str) -> str | None:
             raise InvalidArgument(f"the demo will not write into {where}: "
                                   f"{not_a_ledger(holds)}; {fix}", field="db")
     # A database that cannot be opened or read says so itself, with its own fix.
-    with Ledger.open(db_url, migrate_schema=False) as led:
-        store = AuditQueries(storage_of(led).context)
-        if path is None and not store.schema_present():
-            return None  # an empty PostgreSQL database: the demo migrates it
-        try:
+    try:
+        with Ledger.open(db_url, migrate_schema=False) as led:
+            store = AuditQueries(storage_of(led).context)
+            if path is None and not store.schema_present():
+                return None  # an empty PostgreSQL database: the demo migrates it
             other = (store.first_run_other_than(tenant=DEMO_TENANT) if path is not None
                      else store.first_run_other_than())
-        except DatabaseSetupError as e:
-            if e.fields.get("problem") != "schema_outdated":
-                raise
-            raise InvalidArgument(f"the demo will not write into {where}: it is a ledger of "
-                                  f"an older schema, which the demo leaves alone; {fix}",
-                                  field="db") from e
+    except DatabaseSetupError as e:
+        if e.fields.get("problem") != "schema_outdated":
+            raise
+        raise InvalidArgument(f"the demo will not write into {where}: it is a ledger of "
+                              f"an older schema, which the demo leaves alone; {fix}",
+                              field="db") from e
     if other is not None:
         held = "runs other than the demo's" if path is not None else "runs"
         raise InvalidArgument(f"the demo will not write into {where}: it holds {held} (e.g. "

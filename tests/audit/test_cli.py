@@ -359,3 +359,104 @@ def test_attempts_can_be_listed_by_every_outcome() -> None:
     from ledger.domain.records import AttemptState
 
     assert [s.value for s in AttemptState] == ATTEMPT_STATES
+
+
+# Every command but the ones that make a ledger (db init; demo and generate fill a new one),
+# with what it needs to get past its arguments; the policy commands open no database.
+_ON_A_LEDGER = {
+    "runs": ["runs"], "run show": ["run", "show", "r1"],
+    "run close": ["run", "close", "r1", "--status", "failed", "--reason", "stuck"],
+    "attempts": ["attempts"], "failovers": ["failovers"], "costs": ["costs", "--by", "run"],
+    "health": ["health"], "health clear": ["health", "clear", "A", "--reason", "fixed"],
+    "actions": ["actions"], "retention": ["retention", "--older-than", "90d"],
+    "rollup": ["rollup"], "recover": ["recover"],
+    "attempt settle": ["attempt", "settle", "att-1", "--outcome", "failed", "--reason", "x"],
+    "reconcile": ["reconcile"], "replay": ["replay", "--policy", "failure-domain"],
+    "dashboard": ["dashboard", "--port", "0"],
+}
+_MAKE_A_LEDGER = {"db", "demo", "generate", "policy"}
+
+
+def _commands() -> set[str]:
+    import argparse
+
+    from ledger.cli.main import build_parser
+
+    def names(parser: argparse.ArgumentParser, prefix: str) -> set[str]:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return {prefix}
+        return {n for name, p in subs[0].choices.items()
+                if name not in _MAKE_A_LEDGER
+                for n in names(p, f"{prefix} {name}".strip())} | (
+                    {prefix} if prefix and parser.get_default("func") else set())
+
+    return names(build_parser(), "")
+
+
+def _written(url: str) -> dict[str, Any]:
+    """What a command could have changed: the revision and every table's row count."""
+    from sqlalchemy import create_engine, inspect, text
+
+    from ledger.storage.engine import normalize_url
+
+    engine = create_engine(normalize_url(url))
+    try:
+        with engine.connect() as conn:
+            state: dict[str, Any] = {
+                t: conn.execute(text(f'SELECT count(*) FROM "{t}"')).scalar()
+                for t in inspect(conn).get_table_names()}
+            state["revision"] = conn.execute(text("SELECT version_num FROM alembic_version")
+                                             ).scalar()
+            state["open runs"] = conn.execute(text(
+                "SELECT count(*) FROM runs WHERE status IN ('admitted', 'running')")).scalar()
+            return state
+    finally:
+        engine.dispose()
+
+
+def test_every_command_but_db_init_refuses_a_schema_older_or_newer_than_the_package(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A database at an older revision (0016: the same tables and columns, only the reading
+    of an unreadable answer differs) is refused by every command that opens an existing
+    ledger, naming ``db init``, exit 2, and nothing is written: no report read the old rows
+    the new way, no operator's command migrated it behind the owner's back. A database
+    stamped past the package's head is refused the same way, naming the package upgrade."""
+    from sqlalchemy import create_engine, text
+
+    from ledger.storage.engine import normalize_url
+    from ledger.storage.migrate import head_revision
+
+    from ..storage.helpers import downgrade_schema
+
+    assert set(_ON_A_LEDGER) == _commands()
+    seed(db_url)
+    downgrade_schema(db_url, "0016")
+    before = _written(db_url)
+    assert before["revision"] == "0016" and before["open runs"] > 0
+    file_before = Path(db_url).read_bytes() if "://" not in db_url else None
+    for name, command in _ON_A_LEDGER.items():
+        assert main(["--db", db_url, *command]) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1, err
+        assert "is older than this ledger" in err, (name, err)
+        assert f"it is at revision 0016, this ledger needs {head_revision()}" in err, err
+        assert "failover-ledger db init " in err, (name, err)
+        assert _written(db_url) == before, name
+    if file_before is not None:
+        assert Path(db_url).read_bytes() == file_before
+
+    engine = create_engine(normalize_url(db_url))
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfeed9999'"))
+    finally:
+        engine.dispose()
+    newer = _written(db_url)
+    for name, command in _ON_A_LEDGER.items():
+        assert main(["--db", db_url, *command]) == 1, name
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1, err
+        assert "'f00dfeed9999', newer than this ledger understands" in err, (name, err)
+        assert "upgrade the ledger package" in err, (name, err)
+        assert _written(db_url) == newer, name

@@ -561,6 +561,10 @@ def test_a_newer_schema_is_schema_too_new_and_its_records_stay(db_url: str,
             conn.execute(text("UPDATE alembic_version SET version_num = 'f00dfeed9999'"))
         mapped(lambda: Ledger.open(db_url), SchemaTooNew, driver=False)
         mapped(lambda: AsyncLedger.open(db_url), SchemaTooNew, driver=False)
+        # Without migrating too: a reader would read rows by rules it does not know.
+        mapped(lambda: Ledger.open(db_url, migrate_schema=False), SchemaTooNew, driver=False)
+        mapped(lambda: AsyncLedger.open(db_url, migrate_schema=False), SchemaTooNew,
+               driver=False)
         with eng.begin() as conn:
             conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": old})
     finally:
@@ -571,10 +575,14 @@ def test_a_newer_schema_is_schema_too_new_and_its_records_stay(db_url: str,
 def test_an_older_schema_opened_without_migration_is_a_setup_error_that_writes_nothing(
         db_url: str, clock: ManualClock) -> None:
     """A process on this package that opens a database still at an older package's schema
-    without migrating (``migrate_schema=False``: the reporting commands, the dashboard, an
-    application that never migrates) fails at its first statement that needs what the older
-    schema lacks with :class:`DatabaseSetupError` naming ``db init``, sync, async and in the
-    audit; that transaction leaves nothing, and once ``db init`` ran the same call works."""
+    without migrating (``migrate_schema=False``: every command but ``db init``, the
+    dashboard, an application that never migrates) is refused at open with
+    :class:`DatabaseSetupError` naming ``db init`` and the two revisions, sync and async. One
+    that opened before the schema went back (or while the server was away, so the revision
+    could not be read at open) fails at its first statement that needs what the older schema
+    lacks, sync, async and in the audit; that transaction leaves nothing, and once ``db init``
+    ran the same call works."""
+    from ledger.storage.migrate import head_revision
     from ledger.storage.provision import init_database
 
     from .helpers import downgrade_schema
@@ -583,13 +591,21 @@ def test_an_older_schema_opened_without_migration_is_a_setup_error_that_writes_n
         _lease, att = _seed(led)
         led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
         lease = led.acquire_lease("r2", ttl_s=30, executor_id="w2")
-    assert "labels" not in downgrade_schema(db_url, "0009")  # the package before the 0010
+    opened = Ledger.open(db_url, clock=clock, migrate_schema=False)
+    try:
+        assert "labels" not in downgrade_schema(db_url, "0009")  # the package before the 0010
 
-    def outdated(err: LedgerError, lacks: str = "failed_over") -> None:
-        assert err.fields["problem"] == "schema_outdated", err.fields
-        assert "failover-ledger db init" in str(err) and lacks in str(err), str(err)
+        def outdated(err: LedgerError, lacks: str = "failed_over") -> None:
+            assert err.fields["problem"] == "schema_outdated", err.fields
+            assert "failover-ledger db init" in str(err) and lacks in str(err), str(err)
 
-    with Ledger.open(db_url, clock=clock, migrate_schema=False) as led:
+        at_open = f"it is at revision 0009, this ledger needs {head_revision()}"
+        outdated(mapped(lambda: Ledger.open(db_url, clock=clock, migrate_schema=False),
+                        DatabaseSetupError, driver=False), at_open)
+        outdated(mapped(lambda: AsyncLedger.open(db_url, clock=clock, migrate_schema=False),
+                        DatabaseSetupError, driver=False), at_open)
+
+        led = opened
         # The Run's mark of a failover (0012) is read with the Run, by admission and begin.
         outdated(mapped(lambda: led.admit_run("r3", plan=routes(), budget=budget(),
                                               grant=grant()), DatabaseSetupError))
@@ -599,13 +615,15 @@ def test_an_older_schema_opened_without_migration_is_a_setup_error_that_writes_n
         outdated(mapped(lambda: Audit(led).costs(by="label", label="team"), DatabaseSetupError),
                  "rollup_hours")
 
-    async def async_begin() -> None:
-        async with AsyncLedger.open(db_url, clock=clock, migrate_schema=False) as aled:
+        async def async_begin() -> None:
+            aled = AsyncLedger(opened)
             alease = await aled.acquire_lease("r2", ttl_s=30, executor_id="w3")
             await aled.begin_attempt(alease, route="a", envelope_hash=ENV, reserve="0.01")
 
-    clock.advance(31)  # w2's lease lapsed
-    outdated(mapped(async_begin, DatabaseSetupError))
+        clock.advance(31)  # w2's lease lapsed
+        outdated(mapped(async_begin, DatabaseSetupError))
+    finally:
+        opened.close()
     eng = create_engine(normalize_url(db_url))
     try:
         with eng.connect() as conn:  # the begins' transactions left nothing, holds included
