@@ -166,6 +166,10 @@ class DatabaseUnavailable(StorageError):
     ``not_sent``), with ``run_id`` and ``attempt_id`` where they apply.
     ``fields["standby"]`` is ``True`` when the server reached was a standby that refused a
     write (a failover under way): nothing was written and the connection was dropped.
+    ``fields["contention"]`` is the SQLSTATE when the server was there and another
+    transaction was in the way (PostgreSQL: ``40P01`` a deadlock, ``40001`` a serialization
+    failure, ``55P03`` a lock not granted within the lock timeout): the transaction was rolled
+    back, nothing of it was recorded, and the message says so and when to retry.
     """
 
 

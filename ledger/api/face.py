@@ -1071,7 +1071,7 @@ class Face(Generic[SessionT, OpenedT]):
         """Drop the history of finished Runs older than ``older_than`` seconds (retention).
 
         On PostgreSQL, whose history is partitioned by month, each partition of ``attempts``
-        and ``events`` whose month ended at least ``older_than`` ago is detached and dropped
+        and ``events`` whose month ended at least ``older_than`` ago is dropped
         whole; on SQLite the same rows are deleted one by one. Never the rows of a *held*
         Run: one still live (``admitted`` or ``running``) or with an Attempt still
         ``unknown`` or ``dispatching`` (on PostgreSQL a partition holding any such row stays

@@ -12,10 +12,13 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   (a :class:`~ledger.errors.ConfigError`) naming the fix. Retrying cannot help, so it is never
   told as retry-safe (:func:`setup_error` builds it, also for ``db init`` and migrations);
 * the database cannot be reached, went away, or is busy (another connection holds the write
-  lock past the busy timeout, the server shuts down or kills the session, a serialization
-  failure): :class:`~ledger.errors.DatabaseUnavailable`. The transaction was rolled back, or
+  lock past the busy timeout, the server shuts down or kills the session):
+  :class:`~ledger.errors.DatabaseUnavailable`. The transaction was rolled back, or
   its commit outcome is unknown; every write is idempotent per id, so retrying is safe (a
-  full disk is one, ``disk_full=True``, its message naming the fix: free space);
+  full disk is one, ``disk_full=True``, its message naming the fix: free space). So is a
+  PostgreSQL transaction another one was in the way of (a deadlock, a serialization
+  failure, a lock not granted within the lock timeout): its message says which, and
+  ``contention`` holds the SQLSTATE (``40P01``, ``40001``, ``55P03``);
 * a write the database refuses to make at all (a read-only file or transaction, a role without
   the privilege): :class:`~ledger.errors.StorageError` with ``read_only=True``. Retrying will
   not help; the message says so. A write refused because the server is a standby (in
@@ -62,6 +65,16 @@ _SQLITE_DUPLICATE = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
 _PG_REFUSED = ("25006", "42501")
 _PG_DUPLICATE = "23505"
 _PG_DISK_FULL = "53100"
+# A transaction another one was in the way of: what happened, and when a retry can go through.
+_PG_CONTENTION = {
+    "40P01": ("deadlock detected: this transaction and another each waited for a lock the "
+              "other held, and the server rolled this one back", "now"),
+    "40001": ("serialization failure: a concurrent transaction changed what this one read",
+              "now"),
+    "55P03": ("a lock was not granted within the lock timeout: another session's transaction "
+              "held it (a long query, or a transaction left open: see pg_stat_activity)",
+              "once that transaction ends"),
+}
 # What a PostgreSQL server answers when the set-up is wrong, not the server away. A connection
 # that never opened carries no SQLSTATE to psycopg (libpq keeps only the server's text), so the
 # server's own messages are recognised; they are English unless the server's lc_messages says
@@ -98,6 +111,16 @@ def _unavailable(text: str, where: str) -> DatabaseUnavailable:
         f"database {where} is unavailable ({text}); the transaction was rolled back (or its "
         "commit outcome is unknown) and is safe to retry once the database is back",
         url=where)
+
+
+def _contention(state: str, text: str, where: str) -> DatabaseUnavailable:
+    # The server is there and well: another transaction was in the way. Still
+    # DatabaseUnavailable, the error every caller retries on, but told as what it was, since
+    # "once the database is back" would send an operator looking for an outage.
+    what, now = _PG_CONTENTION[state]
+    return DatabaseUnavailable(
+        f"database {where}: {what} ({text}); the transaction was rolled back and nothing of "
+        f"it was recorded; it is safe to retry {now}", url=where, contention=state)
 
 
 def _full(text: str, where: str) -> DatabaseUnavailable:
@@ -278,8 +301,10 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
         return _duplicate(text, where)
     if state in _PG_SCHEMA_MISSING:
         return setup_error("schema_outdated", where, text=text)
+    if state in _PG_CONTENTION:
+        return _contention(state, text, where)
     # OperationalError covers a refused or lost connection, a server shutting down, a killed
-    # session, a serialization failure or deadlock; InterfaceError a connection already closed.
+    # session; InterfaceError a connection already closed.
     if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
         return _unavailable(text, where)
     return StorageError(f"database error: {text}", url=where)

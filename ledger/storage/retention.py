@@ -2,7 +2,7 @@
 
 On PostgreSQL the history (``attempts``, ``events``) is partitioned by month
 (:mod:`ledger.storage.partitions`) and retention drops whole partitions: each one whose month
-ends at or before the cut-off is detached and dropped, unless a row of a *held* Run is inside.
+ends at or before the cut-off is dropped, unless a row of a *held* Run is inside.
 Rows of such old months that sit in a default partition (written while their month had no
 partition) are first moved into a partition of their own.
 On SQLite, which has no partitions, it deletes the same rows one by one: those older than the
@@ -116,8 +116,8 @@ class RetentionQueries:
             dropped: list[HistoryPart] = []
             kept: list[HistoryPart] = []
             # First every check, each old partition locked against inserts (only a write
-            # with a back-dated clock goes there); then the detaches, which lock the whole
-            # table until commit: the writes of the ledger wait only for the drops.
+            # with a back-dated clock goes there); then the drops, which lock the whole
+            # tables until commit: the writes of the ledger wait only for the drops.
             for table in parts.PARTITIONED:
                 for p in parts.partitions(conn, table):
                     if p.until is None or p.until > cutoff:
@@ -136,14 +136,17 @@ class RetentionQueries:
             if dry_run:
                 conn.rollback()
                 return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
-            if dropped:  # both at once, in the order the ledger's writes take them
-                conn.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
+            if dropped:
+                _lock_as_writers_do(conn)
             for part in dropped:
-                conn.execute(text(f'ALTER TABLE "{part.table}" DETACH PARTITION '
-                                  f'"{part.partition}"'))
                 if part.table == "events":
+                    conn.execute(text(f'ALTER TABLE events DETACH PARTITION "{part.partition}"'))
                     conn.execute(text(f'INSERT INTO events SELECT * FROM "{part.partition}" '
                                       "WHERE kind = ANY(:actions)"), _SETS)
+                # An attempts partition is dropped attached: detached, it would carry a
+                # foreign key of its own to runs, whose drop takes ACCESS EXCLUSIVE on runs
+                # (every read and write of the ledger waiting); attached, its key is the
+                # parent's and the drop locks attempts only.
                 conn.execute(text(f'DROP TABLE "{part.partition}"'))
                 if part.table == "attempts":
                     _unroll(conn, part.since, part.until)
@@ -205,10 +208,23 @@ def _sqlstate(e: BaseException) -> str | None:
     return getattr(getattr(cause, "orig", None) or cause, "sqlstate", None)
 
 
+def _lock_as_writers_do(conn: Connection) -> None:
+    """Lock ``runs``, ``attempts`` and ``events`` for dropping or making partitions, in the
+    order the ledger's writes take them: each write locks its Run's row first (``FOR
+    UPDATE``), then writes ``attempts`` and ``events``. Holding ``attempts`` while waiting
+    for ``runs`` (or the reverse of any pair) deadlocks with such a write in between.
+    ``EXCLUSIVE`` is the weakest mode of ``runs`` that a row lock waits for, so no write gets
+    past its Run's row while retention waits for ``attempts``; reads of ``runs`` go on. A
+    partition's ``DROP``/``DETACH``/``CREATE`` takes ``ACCESS EXCLUSIVE`` on its table."""
+    conn.execute(text("LOCK TABLE runs IN EXCLUSIVE MODE"))
+    conn.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
+
+
 def _split_default(conn: Connection, cutoff: float) -> None:
     """Give each month that ended by ``cutoff`` and has rows in a default partition (written
     while no partition of its month existed) its own partition, so retention can drop it
     like any other: rows never stay in a default partition for ever."""
+    todo: list[tuple[str, int, int]] = []
     for table in parts.PARTITIONED:
         have = {p.name: p for p in parts.partitions(conn, table)}
         if f"{table}_default" not in have:
@@ -220,10 +236,13 @@ def _split_default(conn: Connection, cutoff: float) -> None:
             "SELECT to_timestamp(created_at) AT TIME ZONE 'UTC' AS t "
             f'FROM "{table}_default" WHERE created_at < :cut{actions}) AS m'),
             {"cut": cutoff, **_SETS}).all()
-        for y, m in months:
-            if parts.month_range(y, m)[1] <= cutoff and \
-                    parts.partition_name(table, y, m) not in have:
-                parts.create_partition(conn, table, y, m)
+        todo += [(table, y, m) for y, m in months if parts.month_range(y, m)[1] <= cutoff
+                 and parts.partition_name(table, y, m) not in have]
+    if todo:
+        # A new partition of attempts locks runs too (its foreign key): all of them first.
+        _lock_as_writers_do(conn)
+    for table, y, m in todo:
+        parts.create_partition(conn, table, y, m)
 
 
 def _unroll(conn: Connection, since: float | None, until: float | None) -> None:

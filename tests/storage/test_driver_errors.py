@@ -21,6 +21,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,7 +51,7 @@ from ledger.storage.engine import normalize_url
 from ledger.testing.pgserver import PgServer, free_port
 
 from ._readonly import driver_cause
-from .helpers import REPO, budget, grant, routes
+from .helpers import REPO, budget, grant, routes, sql_context
 
 T0 = 1_700_000_000.0
 ENV = "sha256:env"
@@ -192,6 +193,67 @@ def test_a_full_disk_is_named_as_such_and_safe_to_retry(tmp_path: Path) -> None:
         err = ledger_error(cause, "the-url")
         assert isinstance(err, DatabaseUnavailable) and err.fields["disk_full"] is True
         assert "disk is full" in str(err) and "free" in str(err)
+
+
+@pytest.mark.postgres
+def test_a_deadlock_is_told_as_a_deadlock_rolled_back_and_retry_safe_not_an_outage(
+        pg_url: str) -> None:
+    """Two transactions locking two Runs' rows in opposite orders: the server rolls one back
+    (SQLSTATE 40P01). It is ``DatabaseUnavailable`` (what callers retry on), but its message
+    says what happened and that a retry can go at once: "unavailable ... once the database is
+    back" sent the operator looking for an outage that never was."""
+    led = Ledger.open(pg_url, clock=ManualClock(T0))
+    try:
+        for r in ("r1", "r2"):
+            led.admit_run(r, plan=routes(), budget=budget(), grant=grant())
+        ctx = sql_context(led)
+        first_locked, second_locked = threading.Event(), threading.Event()
+        lock = "SELECT 1 FROM runs WHERE run_id = :r FOR UPDATE"
+
+        def locking(mine: str, other: str, locked: threading.Event,
+                    then: threading.Event) -> None:
+            with ctx.writing() as conn:
+                conn.execute(text(lock), {"r": mine})
+                locked.set()
+                assert then.wait(30)
+                conn.execute(text(lock), {"r": other})
+
+        errors: list[BaseException] = []
+
+        def run(*args: Any) -> None:
+            try:
+                locking(*args)
+            except LedgerError as e:
+                errors.append(e)
+
+        one = threading.Thread(target=run, args=("r1", "r2", first_locked, second_locked))
+        two = threading.Thread(target=run, args=("r2", "r1", second_locked, first_locked))
+        one.start()
+        two.start()
+        one.join(60)
+        two.join(60)
+        [err] = errors  # the other went through once the victim let go
+        assert isinstance(err, DatabaseUnavailable) and err.fields["contention"] == "40P01"
+        said = str(err)
+        assert "deadlock detected" in said and "rolled back" in said
+        assert "safe to retry now" in said and "unavailable" not in said
+        assert driver_cause(err) is not None
+    finally:
+        led.close()
+
+
+def test_a_serialization_failure_and_a_lock_timeout_are_told_as_such() -> None:
+    psycopg = pytest.importorskip("psycopg")
+    from ledger.storage.failure import ledger_error
+
+    for cause, state, said in (
+            (psycopg.errors.SerializationFailure("could not serialize access"), "40001",
+             "serialization failure"),
+            (psycopg.errors.LockNotAvailable("canceling statement due to lock timeout"),
+             "55P03", "lock timeout")):
+        err = ledger_error(cause, "the-url")
+        assert isinstance(err, DatabaseUnavailable) and err.fields["contention"] == state
+        assert said in str(err) and "unavailable" not in str(err)
 
 
 # -- the server goes away while in use (PostgreSQL) --------------------------------------------

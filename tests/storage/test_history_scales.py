@@ -4,14 +4,17 @@ history (migration 0008, converting an existing ledger), and retention on both b
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
 
-from ledger import Budget, Price, Route
+from ledger import Budget, Price, Route, faults
 from ledger.api.facade import Ledger
 from ledger.cli.main import main
 from ledger.clock import ManualClock
@@ -415,8 +418,11 @@ def test_retention_behind_a_long_lock_fails_typed_and_changes_nothing(
         with reader.connect() as conn:  # a long audit read holds the table
             conn.execute(text("SELECT count(*) FROM attempts")).scalar_one()
             with Ledger.open(pg_url, clock=clock) as led:
-                with pytest.raises(DatabaseUnavailable):
+                with pytest.raises(DatabaseUnavailable) as ei:
                     led.drop_history(90 * 86400, by="alice")
+                # Told as what it was: the server is up, a transaction held the table.
+                assert ei.value.fields["contention"] == "55P03"
+                assert "lock timeout" in str(ei.value) and "pg_stat_activity" in str(ei.value)
                 assert Audit(led).actions(kinds=["retention"]).items == []
             assert _dump(pg_url) == before
             conn.rollback()
@@ -424,6 +430,88 @@ def test_retention_behind_a_long_lock_fails_typed_and_changes_nothing(
             assert led.drop_history(90 * 86400, by="alice").rows("attempts") == 3
     finally:
         reader.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("in_default", [False, True], ids=["own_partition", "default_partition"])
+def test_retention_and_writes_in_flight_wait_for_each_other_without_deadlock(
+        pg_url: str, in_default: bool) -> None:
+    """A write holding its Run's row (A, paused before its commit), retention waiting behind
+    it, a second write (B) arriving meanwhile: once A commits, retention and B each wait for
+    the other in turn; neither is a deadlock's victim. An old month kept in the default
+    partition is split off (a new partition of attempts, which locks runs) first."""
+    now = time.time()
+    old = now - 200 * 86400
+    clock = ManualClock(now if in_default else old)  # opened at ``old``: its months' partitions
+    budget = Budget(max_calls=9, max_retries=0, max_cost=1)
+    with Ledger.open(pg_url, clock=clock) as led:
+        clock.set(old)
+        led.admit_run("old", plan=[ROUTE], budget=budget)
+        lease = led.acquire_lease("old", ttl_s=3600)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        led.finish_run(lease, "succeeded")
+        led.release_lease(lease)
+    month = time.strftime("%Y%m", time.gmtime(old))
+    assert _partition_of(pg_url, "attempts", "run_id", "old") == (
+        "attempts_default" if in_default else f"attempts_p{month}")
+    leds = {k: Ledger.open(pg_url) for k in ("a", "b", "ret")}
+    leases = {}
+    for k in ("a", "b"):
+        leds[k].admit_run(k, plan=[ROUTE], budget=budget)
+        leases[k] = leds[k].acquire_lease(k, ttl_s=600)
+    held, go = threading.Event(), threading.Event()
+
+    def at_commit(_name: str) -> None:
+        held.set()
+        assert go.wait(60), "A was never let commit"
+
+    def write(k: str) -> str:
+        att = leds[k].begin_attempt(leases[k], route="a", envelope_hash=HASH, reserve="0.01")
+        leds[k].settle_attempt(leases[k], att.attempt_id, outcome="succeeded")
+        return att.attempt_id
+
+    watcher = create_engine(normalize_url(pg_url))
+
+    def waiting() -> int:
+        with watcher.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()")).scalar_one())
+
+    def until(cond: Any, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)  # polling other sessions' lock waits, not passing time
+
+    pool = ThreadPoolExecutor(max_workers=3)
+    try:
+        faults.arm("begin.before_commit", at_commit)  # the first begin only: A's
+        a = pool.submit(write, "a")
+        until(lambda: held.is_set() or a.done(), "A never reached its commit")
+        assert not a.done(), a.exception()
+        ret = pool.submit(leds["ret"].drop_history, 60 * 86400, by="ops", reason="60 days")
+        until(lambda: waiting() == 1 or ret.done(), "retention never waited for A")
+        assert not ret.done(), ret.exception()
+        b = pool.submit(write, "b")
+        until(lambda: waiting() == 2 or b.done(), "B never waited")
+        go.set()
+        rep, a_id, b_id = ret.result(60), a.result(60), b.result(60)
+    finally:
+        faults.disarm()
+        go.set()
+        pool.shutdown(wait=True)
+        watcher.dispose()
+    try:
+        assert rep.rows("attempts") == 1 and leds["ret"].timeline("old") == []
+        assert [x.attempt_id for x in leds["a"].timeline("a")] == [a_id]
+        assert [x.attempt_id for x in leds["b"].timeline("b")] == [b_id]
+        books = reconcile(leds["ret"])
+        assert books.ok, books.violations
+    finally:
+        for led in leds.values():
+            led.close()
 
 
 def test_primary_keys_are_the_declared_ones_on_each_backend(db_url: str) -> None:
