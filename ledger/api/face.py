@@ -524,6 +524,10 @@ class Face(Generic[SessionT, OpenedT]):
             LeaseHeld: a live executor holds the Run: it is being worked on (nothing changed).
             InvalidState: the Run already ended with another status, or ``succeeded`` was
                 asked of a Run whose last turn was not served (nothing changed).
+            DatabaseUnavailable: on PostgreSQL, the Run's row stayed locked for 10 s by
+                another session's transaction (an executor paused or stuck mid-write;
+                ``fields["run_id"]``, ``fields["contention"] == "55P03"``): nothing changed;
+                close it again once that transaction ends.
 
         Example:
             >>> led.close_run("task-7", status="failed",  # doctest: +SKIP

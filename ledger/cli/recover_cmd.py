@@ -103,7 +103,8 @@ def _recover(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(rep.to_json(), indent=2) + "\n")
         return 0
     print(f"recovered {len(rep.runs)} run(s), {rep.unknown_attempts} attempt(s) newly unknown"
-          + (f", skipped {len(rep.skipped)} (taken by another process)" if rep.skipped else ""))
+          + (f", skipped {len(rep.skipped)} (locked by another session's transaction, or "
+             "taken or renewed meanwhile; the next pass tries again)" if rep.skipped else ""))
     for r in rep.runs:
         print(f"  {r.run_id}: fence {r.previous_fence} -> {r.fence} (was {r.previous_executor})"
               f", continue on {r.route}, settled {len(r.settled)}, unknown {len(r.unknown)}")

@@ -142,7 +142,10 @@ class RecoveryReport:
         executor: The recovering executor's id.
         now: When the pass began (the ledger clock's time).
         runs: One :class:`RunRecovery` per Run taken over.
-        skipped: Runs another process took over first, or that were busy.
+        skipped: Runs not taken over (or, past their deadline, not closed): their row was
+            locked by another session's transaction (another recovery, or an executor in
+            the middle of a write, perhaps paused), or another process took them over or
+            renewed their lease first. The next pass tries them again.
         orphans: Runs held by a live executor that still had Attempts dispatching under an
             older fence: run id -> those Attempts, now unknown.
         retries: Takeovers retried after :class:`~ledger.errors.DatabaseUnavailable`.
@@ -153,7 +156,7 @@ class RecoveryReport:
     executor: str
     now: float
     runs: list[RunRecovery] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # taken by another process, or busy
+    skipped: list[str] = field(default_factory=list)  # locked, or taken meanwhile
     # Runs held by a live executor that still had Attempts dispatching under an older fence
     # (its lease was acquired directly after expiry): those Attempts, now unknown.
     orphans: dict[str, list[str]] = field(default_factory=dict)
@@ -297,19 +300,27 @@ def _close_past_deadline(store: RecoveryQueries, report: RecoveryReport, clock: 
             _rec, changed = _retrying(
                 lambda run_id=run_id: store.close_run(run_id, report.executor,
                                                       RunStatus.FAILED, why, clock),
-                sleeper, report)
+                sleeper, report, locked_run=run_id)
         except (LeaseHeld, InvalidState):
             continue  # resumed or ended meanwhile: no longer ours to close
+        except DatabaseUnavailable as e:
+            if e.fields.get("run_id") != run_id:
+                raise
+            report.skipped.append(run_id)  # its row stayed locked: left to the next pass
+            continue
         if changed:
             report.closed.append(run_id)
 
 
-def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport) -> Any:
+def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport,
+              locked_run: str | None = None) -> Any:
     for wait in (*RETRY_WAITS, None):
         try:
             return fn()
-        except DatabaseUnavailable:
-            if wait is None:
+        except DatabaseUnavailable as e:
+            # A Run whose row another session's transaction held through the lock timeout
+            # is not retried: each retry would wait the whole timeout again.
+            if wait is None or (locked_run is not None and e.fields.get("run_id") == locked_run):
                 raise
             report.retries += 1
             sleeper.sleep(wait)

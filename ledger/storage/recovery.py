@@ -17,7 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, or_, select
+from sqlalchemy import Connection, and_, bindparam, func, or_, select, text
+from sqlalchemy.exc import DBAPIError
 
 from ledger import faults
 from ledger.decide.ending import ENDED, last_turn_served
@@ -34,13 +35,15 @@ from ledger.domain.records import (
     from_micros,
 )
 from ledger.domain.timefmt import when
-from ledger.errors import InvalidState, LeaseHeld, NotFound
+from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
 from ledger.storage.rows import attempt_record, run_record
 
 UNFINISHED = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
+#: How long closing a Run waits for its row's lock (PostgreSQL) before it gives up.
+CLOSE_LOCK_TIMEOUT = "10s"
 UNKNOWN_REASON = "recovery: dispatched without a receipt (executor lease expired)"
 
 
@@ -351,7 +354,7 @@ class RecoveryQueries:
         e = s.events.c
         gs = s.group_slots.c
         with self.ctx.writing() as conn:
-            row = conn.execute(select(s.runs).where(r.run_id == run_id).with_for_update()).first()
+            row = self._lock_to_close(conn, run_id)
             if row is None:
                 raise NotFound(f"unknown run id {run_id!r}; list runs with `failover-ledger runs`",
                                run_id=run_id)
@@ -417,6 +420,30 @@ class RecoveryQueries:
             conn.execute(s.events.insert(), events)
             after = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
         return run_record(after), True
+
+    def _lock_to_close(self, conn: Connection, run_id: str) -> Any:
+        """The Run's row, locked; on PostgreSQL waiting at most :data:`CLOSE_LOCK_TIMEOUT`.
+        A transaction left open on it (an executor paused or stuck mid-write: ``idle in
+        transaction``) would otherwise keep an operator's close waiting for as long as it
+        lasts, with nothing said."""
+        query = select(s.runs).where(s.runs.c.run_id == run_id).with_for_update()
+        if self.ctx.backend != "postgresql":
+            return conn.execute(query).first()  # BEGIN IMMEDIATE's busy timeout bounds it
+        conn.execute(text(f"SET LOCAL lock_timeout = '{CLOSE_LOCK_TIMEOUT}'"))
+        try:
+            return conn.execute(query).first()
+        except DBAPIError as e:
+            if getattr(e.orig, "sqlstate", None) != "55P03":
+                raise
+            raise DatabaseUnavailable(
+                f"run {run_id!r} was not closed: its row stayed locked for "
+                f"{CLOSE_LOCK_TIMEOUT} by another session's transaction in progress (an "
+                "executor paused or stuck in the middle of a write); nothing changed. Close it "
+                "again once that transaction ends; to find the session, SELECT pid, state, "
+                "xact_start, query FROM pg_stat_activity WHERE state LIKE 'idle in "
+                "transaction%' (a paused process: resume or stop it; a stuck one: "
+                "pg_terminate_backend(pid))",
+                url=self.ctx.where, run_id=run_id, contention="55P03") from e
 
     def past_deadline_runs(self, now: float, limit: int, run_ids: list[str] | None = None,
                            executor: str | None = None) -> list[str]:

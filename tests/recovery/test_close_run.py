@@ -13,18 +13,28 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 
-from ledger import Budget, Envelope, Grant, Part
+from ledger import Budget, Envelope, Grant, Part, faults
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.cli.main import main
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, DebitState, RunStatus
-from ledger.errors import FencedOut, InvalidArgument, InvalidState, LeaseHeld, NotFound
+from ledger.errors import (
+    DatabaseUnavailable,
+    FencedOut,
+    InvalidArgument,
+    InvalidState,
+    LeaseHeld,
+    NotFound,
+)
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage import schema as s
@@ -360,3 +370,67 @@ def test_recovery_closes_runs_past_their_deadline_when_asked(
     assert json.loads(capsys.readouterr().out)["closed"] == ["late-2"]
     assert main(["--db", db_url, "recover", "--close-past-deadline"]) == 0
     assert "closed 0 run(s) past their deadline" in capsys.readouterr().out
+
+
+@pytest.mark.postgres
+def test_closing_a_run_whose_row_a_paused_executor_holds_waits_boundedly_and_says_why(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """An executor paused inside its write transaction (``idle in transaction``, its Run's
+    row locked): the operator's close (the call, the command) waits for the row at most the
+    lock timeout, then fails typed, naming the Run, the cause and where to look; nothing
+    changes. Recovery's report says the Run was locked, not "taken by another process"."""
+    from ledger.storage import recovery as queries
+
+    monkeypatch.setattr(queries, "CLOSE_LOCK_TIMEOUT", "300ms")  # the test's patience
+    clock = ManualClock(time.time() - 3600)  # the command's system clock: the lease expired
+    executor = Ledger.open(pg_url, clock=clock)
+    operator = Ledger.open(pg_url, clock=clock)
+    executor.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    lease = executor.acquire_lease("r1", ttl_s=10, executor_id="worker-1")
+    paused, go = threading.Event(), threading.Event()
+
+    def pause(_name: str) -> None:
+        paused.set()
+        assert go.wait(60), "the executor was never resumed"
+
+    def closing() -> Any:
+        return operator.close_run("r1", status="failed", reason="stuck", by="ops")
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        faults.arm("begin.before_commit", pause)
+        begin = pool.submit(executor.begin_attempt, lease, route="a",
+                            envelope_hash="sha256:1", reserve="0.10", turn_id="t1")
+        assert paused.wait(30), begin.exception(0)
+        clock.advance(11)
+        before = operator.get_run("r1")
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailable) as ei:
+            pool.submit(closing).result(20)  # without the bound: waits until the executor goes
+        assert time.monotonic() - started < 10
+        err = ei.value
+        assert err.fields["run_id"] == "r1" and err.fields["contention"] == "55P03"
+        said = str(err)
+        assert "'r1' was not closed" in said and "another session's transaction" in said
+        assert "pg_stat_activity" in said and "nothing changed" in said
+        assert operator.get_run("r1") == before and operator.events("r1", ["close"]) == []
+        assert main(["--db", pg_url, "run", "close", "r1", "--status", "failed",
+                     "--reason", "stuck"]) == 1
+        assert "its row stayed locked" in capsys.readouterr().err
+        rep = recover(operator)
+        assert rep.skipped == ["r1"] and rep.runs == []
+        assert main(["--db", pg_url, "recover"]) == 0
+        assert "skipped 1 (locked by another session's transaction" in capsys.readouterr().out
+        go.set()
+        begin.result(30)
+    finally:
+        faults.disarm()
+        go.set()
+        pool.shutdown(wait=True)
+    try:
+        rec = operator.close_run("r1", status="failed", reason="stuck", by="ops")
+        assert rec.status is RunStatus.FAILED
+    finally:
+        executor.close()
+        operator.close()
