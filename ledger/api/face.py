@@ -583,7 +583,9 @@ class Face(Generic[SessionT, OpenedT]):
         Raises:
             LeaseHeld: another executor holds an unexpired lease on the Run.
             InvalidState: the Run was closed (:meth:`close_run`, or recovery past its
-                deadline): a closed Run is never resumed (nothing changed).
+                deadline): a closed Run is never resumed; or it ended and was admitted before
+                a retention's cut-off (:meth:`drop_history`), so its history may be gone:
+                it is not continued (``fields["cutoff"]``; admit a new Run). Nothing changed.
             NotFound: no Run has this id.
             InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s.
 

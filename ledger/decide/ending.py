@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 
 from ledger.domain.records import AttemptRecord, AttemptState, RunStatus
-from ledger.domain.timefmt import when
+from ledger.domain.timefmt import iso, when
 from ledger.errors import FailoverExhausted, InvalidState
 
 #: The statuses a Run ends in.
@@ -100,5 +100,37 @@ def closed_refusal(run_id: str, close: dict[str, object], closed_at: float,
         closed_at=closed_at)
 
 
+def trimmed_refusal(run_id: str, status: str, admitted_at: float,
+                    retentions: Iterable[tuple[dict[str, object], float]], now: float,
+                    ) -> InvalidState | None:
+    """Why an ended Run whose history retention may have dropped takes no new lease.
+
+    ``None``: no retention reached it. ``retentions``: each ``retention`` event's data and
+    time.
+
+    Retention drops the rows older than its cut-off of every ended Run without an open
+    Attempt (the caller asks only of such a Run), so a Run admitted before a cut-off may
+    have lost Attempts and events. Continued, its next Attempt would be numbered from what is
+    left and its counters would no longer be the sum of its rows: its story can no longer be
+    told truthfully. The first retention whose cut-off passed its admission is named.
+    """
+    hits = sorted(((at, data) for data, at in retentions
+                   if isinstance(data.get("cutoff"), int | float)
+                   and admitted_at < float(data["cutoff"])),  # type: ignore[arg-type]
+                  key=lambda hit: hit[0])
+    if not hits:
+        return None
+    at, data = hits[0]
+    cutoff = float(data["cutoff"])  # type: ignore[arg-type]
+    return InvalidState(
+        f"run {run_id!r} ended {status} and its history may be gone: it was admitted "
+        f"{when(admitted_at, now)}, before the cut-off {iso(cutoff)} of the retention run by "
+        f"{data.get('by')!r} {when(at, now)}, which drops the old Attempts and events of ended "
+        "Runs; continued, its Attempts would be numbered and summed from what is left, so it "
+        "is not resumed and starts no new Attempt: admit the work as a new Run (another run "
+        "id)", run_id=run_id, status=status, cutoff=cutoff, retention_at=at,
+        retention_by=data.get("by"))
+
+
 __all__ = ["ENDED", "POLICY_STOPS", "closed_refusal", "idle_end", "last_turn_served",
-           "turn_end"]
+           "trimmed_refusal", "turn_end"]

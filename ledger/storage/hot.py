@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ledger import faults
-from ledger.decide.ending import ENDED, closed_refusal
+from ledger.decide.ending import ENDED, closed_refusal, trimmed_refusal
 from ledger.decide.settle import lease_problem, settle_holds
 from ledger.domain.records import (
     AttemptRecord,
@@ -749,6 +749,12 @@ def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock:
         closed = yield Q(sql.run_close, {"run_id": run_id})
         if closed:
             raise closed_refusal(run_id, json.loads(closed[0][0]), float(closed[0][1]), now)
+        retentions = yield Q(sql.retentions, {})
+        if retentions and not (yield Q(sql.open_attempt, {"run_id": run_id})):
+            trimmed = trimmed_refusal(run_id, row.status, float(row.created_at),
+                                      [(json.loads(d), float(t)) for d, t in retentions], now)
+            if trimmed is not None:
+                raise trimmed
     live = row.lease_holder is not None and (row.lease_expires_at or 0) > now
     if live and row.lease_holder != executor:
         raise LeaseHeld(

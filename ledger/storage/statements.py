@@ -427,7 +427,7 @@ class Statements:
     lock_run_full = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_retries",
                                     "carved_retries", "retries_used"))
     lock_run_fence = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_tokens",
-                                     "status"))
+                                     "status", "created_at"))
     lock_group = _stmt(lambda k, p=bindparam: select(
         _groups.c.mode, _groups.c.until, _groups.c.max_in_flight,
     ).where(_groups.c.group_id == p("group")).with_for_update())
@@ -571,6 +571,14 @@ class Statements:
     # Run is never closed again (nor resumed), so there is at most one.
     run_close = _stmt(lambda k, p=bindparam: select(_events.c.data, _events.c.created_at).where(
         _events.c.run_id == p("run_id"), _events.c.kind == lit("close")))
+    # Retention's records (each one's data holds its cut-off), and whether a Run has an
+    # Attempt still open (retention keeps every row of such a Run): whether an ended Run's
+    # history may be gone.
+    retentions = _stmt(lambda k, p=bindparam: select(_events.c.data, _events.c.created_at)
+                       .where(_events.c.kind == lit("retention")))
+    open_attempt = _stmt(lambda k, p=bindparam: select(_att.c.attempt_id).where(
+        _att.c.run_id == p("run_id"),
+        or_(_att.c.state == lit("unknown"), _att.c.state == lit("dispatching"))))
     count_slots = _stmt(lambda k, p=bindparam: select(func.count()).select_from(_slots).where(
         _slots.c.run_id == p("run_id"), _slots.c.fence == p("fence")))
     finish = _stmt(lambda k, p=bindparam: update(_runs).where(

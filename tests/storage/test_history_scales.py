@@ -328,6 +328,53 @@ def test_retention_drops_old_finished_history_and_keeps_unknown_and_live_runs(
                                                                   "close"]
 
 
+def test_an_ended_run_whose_history_retention_dropped_is_not_resumed_and_nothing_is_written(
+        db_url: str) -> None:
+    """Resumed, a Run whose old Attempts retention dropped would number its next Attempt from
+    what is left (seq 1 again) and reconcile would report its counters against the sum of
+    the rest. A lease on it (a Run session, ``acquire_lease``) is refused, naming the Run,
+    the retention and the fix; a Run admitted after the cut-off is resumed as before."""
+    from ledger.errors import InvalidState
+
+    clock = ManualClock(_t(2026, 1))
+    budget = Budget(max_calls=9, max_retries=0, max_cost=1)
+
+    def ended(name: str, when: float) -> None:
+        clock.set(when)
+        led.admit_run(name, plan=[ROUTE], budget=budget)
+        lease = led.acquire_lease(name, ttl_s=3600)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        led.finish_run(lease, "succeeded")  # ended by its block, not closed: resumable
+        led.release_lease(lease)
+
+    with Ledger.open(db_url, clock=clock) as led:
+        ended("jan", _t(2026, 1))
+        ended("jul", _t(2026, 7))
+    clock.set(_t(2026, 8, 5))
+    with Ledger.open(db_url, clock=clock) as led:
+        led.drop_history(90 * 86400, by="alice", reason="keep 90 days")
+        assert led.timeline("jan") == []
+        before, run = _dump(db_url), led.get_run("jan")
+        with pytest.raises(InvalidState) as ei, led.run("jan", plan=[ROUTE], budget=budget):
+            pass
+        with pytest.raises(InvalidState) as low:
+            led.acquire_lease("jan", ttl_s=60)
+        for err in (ei.value, low.value):
+            said = str(err)
+            assert "run 'jan' ended succeeded and its history may be gone" in said
+            assert "retention run by 'alice'" in said and "admit the work as a new Run" in said
+            assert err.fields["run_id"] == "jan"
+            assert err.fields["cutoff"] == _t(2026, 8, 5) - 90 * 86400
+        assert _dump(db_url) == before and led.get_run("jan") == run
+        books = reconcile(led)
+        assert books.ok, books.violations
+        # Admitted after the cut-off: its history is whole, and it is resumed as before.
+        lease = led.acquire_lease("jul", ttl_s=60)
+        assert led.begin_attempt(lease, route="a", envelope_hash=HASH,
+                                 reserve="0.01").seq == 2
+
+
 def test_retention_refuses_an_age_that_is_not_one_clearly_typed(db_url: str,
                                                                 capsys: Any) -> None:
     with Ledger.open(db_url) as led:
