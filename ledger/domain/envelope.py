@@ -364,8 +364,8 @@ DEFAULT_OUTPUT_TOKENS = 4096
 class Envelope(StrictModel):
     """The complete request. Its :attr:`hash` is what an Attempt records.
 
-    ``params`` (temperature, top_p, ...) must be JSON data; ``max_output_tokens`` an integer
-    from 1 to 10^15, or ``None``.
+    ``parts`` holds at least one part; ``params`` (temperature, top_p, ...) must be JSON data;
+    ``max_output_tokens`` an integer from 1 to 10^15, or ``None``.
     """
 
     parts: list[Part]
@@ -375,6 +375,15 @@ class Envelope(StrictModel):
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
 
     _params_are_json = field_validator("params")(_json_data)
+
+    @field_validator("parts")
+    @classmethod
+    def _something_to_send(cls, v: list[Part]) -> list[Part]:
+        # Refused here, not by the adapter: by then a turn has selected a route and begun an
+        # Attempt, and a caller's own send function would send it.
+        if not v:
+            raise Problem("the envelope has no parts", "add at least one user part")
+        return v
 
     @property
     def prefill(self) -> bool:
