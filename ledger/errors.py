@@ -38,10 +38,18 @@ The tree::
 Every error carries structured fields (``.fields``) and a message that says what to do; the
 message has passed :func:`ledger.redaction.redact`, so no known secret or key shape is in it.
 Causes are chained with ``raise ... from``.
+
+Every error pickles with its fields, its ``__cause__`` and its ``__notes__``. A cause that does
+not survive pickling (an exception holding a socket, or one whose class needs arguments its
+pickle does not carry, such as ``httpx.HTTPStatusError``) crosses as a stand-in: an exception
+of the same module and class name and the same (redacted) text, which is not an instance of
+the original class; the ledger error itself never becomes unpicklable because of its cause.
 """
 
 from __future__ import annotations
 
+import functools
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,15 +73,63 @@ class LedgerError(Exception):
     def __reduce__(self) -> Any:
         # Subclasses take keyword-only arguments, which Exception's default pickling (the
         # positional ``args`` only) cannot pass back: rebuild from the state instead, so every
-        # error crosses a process boundary (multiprocessing, a task queue) intact.
-        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+        # error crosses a process boundary (multiprocessing, a task queue) intact. The state
+        # holds the notes; the cause is not in it, and Exception's pickling drops it.
+        return (_rebuild, (type(self), self.message, dict(self.__dict__), _chain(self)))
 
 
-def _rebuild(cls: type[LedgerError], message: str, state: dict[str, Any]) -> LedgerError:
+def _rebuild(cls: type[LedgerError], message: str, state: dict[str, Any],
+             chain: tuple[BaseException | None, bool] | None = None) -> LedgerError:
     err = cls.__new__(cls, message)
     Exception.__init__(err, message)
     err.__dict__.update(state)
+    _relink(err, chain)
     return err
+
+
+class _StandIn(Exception):
+    """A cause that did not survive pickling, as its module, class name and text.
+
+    Its class is made per (module, name) by :func:`_stand_in_class`, so ``type(cause).__name__``
+    and ``__module__`` still say what the original was.
+    """
+
+    def __reduce__(self) -> Any:
+        return (_stand_in, (type(self).__module__, type(self).__qualname__, str(self)))
+
+
+@functools.lru_cache(maxsize=256)
+def _stand_in_class(module: str, name: str) -> type[_StandIn]:
+    return type(name, (_StandIn,), {"__module__": module, "__qualname__": name})
+
+
+def _stand_in(module: str, name: str, text: str) -> _StandIn:
+    return _stand_in_class(module, name)(text)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc``, if a pickle of it loads back; else its stand-in.
+
+    Only a round trip tells: some exceptions dump fine and fail on loading (a class whose
+    constructor requires arguments its pickle does not pass back).
+    """
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        # The text leaves the process now: it passes the one redaction step like a message.
+        return _stand_in(type(exc).__module__, type(exc).__qualname__, redact(str(exc)))
+    return exc
+
+
+def _chain(err: BaseException) -> tuple[BaseException | None, bool]:
+    """What an exception's pickle leaves out: its cause and whether it hides its context."""
+    cause = err.__cause__
+    return (None if cause is None else _portable(cause)), err.__suppress_context__
+
+
+def _relink(err: BaseException, chain: tuple[BaseException | None, bool] | None) -> None:
+    if chain is not None:  # None: pickled by a version that did not carry it
+        err.__cause__, err.__suppress_context__ = chain
 
 
 class ConfigError(LedgerError):
@@ -363,17 +419,30 @@ class FailoverExhausted(LedgerError, ExceptionGroup):
     def derive(self, excs: Sequence[Exception]) -> FailoverExhausted:  # type: ignore[override]
         """The same stop with only ``excs`` (``except*`` splits the group this way).
 
-        Each part keeps every fact about the stop: reason, attempts, detail, skipped, partial.
+        Each part keeps every fact about the stop: reason, attempts, detail, skipped, partial,
+        and its class (a subclass, such as the LangChain integration's ``LedgerStop``, keeps
+        its own attributes; one with another constructor overrides this).
         """
-        return FailoverExhausted(self.message, list(excs), **self._kwargs())
+        return type(self)(self.message, list(excs), **self._kwargs())
 
     def __reduce__(self) -> Any:
-        return (_rebuild_failover, (self.message, list(self.exceptions), self._kwargs()))
+        # Rebuilt through the constructor (an ExceptionGroup takes its members in __new__);
+        # the notes, the cause and the class go along, as the constructor takes none of them.
+        state = {"__notes__": list(self.__notes__)} if hasattr(self, "__notes__") else {}
+        return (_rebuild_failover, (self.message, [_portable(e) for e in self.exceptions],
+                                    self._kwargs(), type(self), state, _chain(self)))
 
 
-def _rebuild_failover(message: str, excs: list[Exception], kwargs: dict[str, Any]
+def _rebuild_failover(message: str, excs: list[Exception], kwargs: dict[str, Any],
+                      cls: type[FailoverExhausted] | None = None,
+                      state: dict[str, Any] | None = None,
+                      chain: tuple[BaseException | None, bool] | None = None
                       ) -> FailoverExhausted:
-    return FailoverExhausted(message, excs, **kwargs)
+    # The defaults read a pickle an earlier version wrote (message, members and kwargs only).
+    err = (cls or FailoverExhausted)(message, excs, **kwargs)
+    err.__dict__.update(state or {})
+    _relink(err, chain)
+    return err
 
 
 __all__ = [

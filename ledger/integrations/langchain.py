@@ -333,13 +333,6 @@ class LedgerStop(FailoverExhausted, ModelError):
                    attempts=stop.attempts, detail=stop.detail, skipped=stop.skipped,
                    partial=stop.partial, **extra)
 
-    def __reduce__(self) -> Any:
-        return (_rebuild_stop, (FailoverExhausted.__reduce__(self),))
-
-
-def _rebuild_stop(parts: Any) -> LedgerStop:
-    _fn, (message, excs, kwargs) = parts
-    return LedgerStop(message, excs, **kwargs)
 
 
 def _stop_message(stop: FailoverExhausted) -> AIMessage:

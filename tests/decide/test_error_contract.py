@@ -1,10 +1,15 @@
-"""Every ledger error pickles with its typed attributes, and sits in the drawn tree."""
+"""Every ledger error pickles with its typed attributes, cause and notes, and sits in the drawn
+tree."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 import re
+import socket
+import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +62,90 @@ def test_every_ledger_error_round_trips_through_pickle(cls: type[LedgerError]) -
         assert [str(e) for e in back.exceptions] == [str(e) for e in err.exceptions]
         assert (back.reason, back.skipped, back.partial) == (err.reason, err.skipped,
                                                              err.partial)
+
+
+def _sqlite_error() -> Exception:
+    try:
+        sqlite3.connect(":memory:").execute("select * from no_such_table")
+    except sqlite3.Error as e:
+        return e
+    raise AssertionError("sqlite3 raised nothing")
+
+
+@functools.cache
+def _psycopg_error() -> Exception:
+    import psycopg
+
+    with socket.socket() as s:  # a loopback port nobody listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        psycopg.connect(f"host=127.0.0.1 port={port} user=u dbname=d connect_timeout=5")
+    except psycopg.OperationalError as e:
+        return e
+    raise AssertionError("psycopg connected to a closed port")
+
+
+def _http_status_error() -> Exception:
+    # Dumps fine, but its class requires request= and response=, which its pickle omits.
+    import httpx
+
+    request = httpx.Request("GET", "http://127.0.0.1:1/v1/chat")
+    return httpx.HTTPStatusError("Server error '503 Service Unavailable'", request=request,
+                                 response=httpx.Response(503, request=request))
+
+
+CAUSES: dict[str, Callable[[], Exception]] = {
+    "ValueError": lambda: ValueError("root cause"),
+    "sqlite3": _sqlite_error,
+    "psycopg": _psycopg_error,
+}
+
+
+def _raised(err: LedgerError, cause: BaseException | None) -> LedgerError:
+    try:
+        raise err from cause
+    except LedgerError as e:
+        e.add_note("leaving the Run session, finishing run r failed too")
+        return e
+
+
+@pytest.mark.parametrize("cause_of", CAUSES.values(), ids=list(CAUSES))
+@pytest.mark.parametrize("cls", ERRORS, ids=lambda c: c.__name__)
+def test_every_ledger_error_pickles_with_its_cause_and_notes(
+        cls: type[LedgerError], cause_of: Callable[[], Exception]) -> None:
+    cause = cause_of()
+    err = _raised(_instance(cls), cause)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls and back.__notes__ == err.__notes__
+    assert type(back.__cause__) is type(cause) and str(back.__cause__) == str(cause)
+    assert back.__suppress_context__
+
+
+@pytest.mark.parametrize("cls", ERRORS, ids=lambda c: c.__name__)
+def test_a_cause_that_does_not_pickle_crosses_as_a_stand_in_with_its_name_and_text(
+        cls: type[LedgerError]) -> None:
+    cause = _http_status_error()
+    err = _raised(_instance(cls), cause)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls and back.__notes__ == err.__notes__
+    stand_in = back.__cause__
+    assert stand_in is not None and not isinstance(stand_in, type(cause))
+    assert (type(stand_in).__module__, type(stand_in).__name__) == ("httpx", "HTTPStatusError")
+    assert str(stand_in) == str(cause)
+    again = pickle.loads(pickle.dumps(back))  # the stand-in pickles in its turn
+    assert str(again.__cause__) == str(cause)
+    assert type(again.__cause__).__name__ == "HTTPStatusError"
+
+
+def test_a_stop_pickles_its_members_causes_and_what_it_hid() -> None:
+    member = _raised(ProviderError("503 from p1", route="a"), _http_status_error())
+    stop = _raised(FailoverExhausted("run r stopped", [member], reason="no_candidate"), None)
+    back = pickle.loads(pickle.dumps(stop))
+    assert back.__cause__ is None and back.__suppress_context__  # raised "from None"
+    (got,) = back.exceptions
+    assert type(got) is ProviderError and got.__notes__ == member.__notes__
+    assert type(got.__cause__).__name__ == "HTTPStatusError"
 
 
 @pytest.mark.parametrize("cls", ERRORS, ids=lambda c: c.__name__)

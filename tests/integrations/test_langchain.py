@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -34,12 +35,15 @@ from pydantic import BaseModel
 from ledger import (
     AsyncLedger,
     Budget,
+    CandidateSkipped,
+    Capabilities,
     FailoverExhausted,
     Grant,
     InvalidArgument,
     InvalidState,
     Ledger,
     Price,
+    ProviderError,
     Route,
     RunStatus,
 )
@@ -433,6 +437,40 @@ def test_a_run_whose_budget_runs_out_stops_the_agent_and_is_not_retried(
     assert len(fake.requests) == 2  # the third request was never sent
     # Every call got a tool call id of its own (the fake reuses one: the Run renamed it).
     assert fake.requests[1].json["max_tokens"] == 16
+
+
+def test_a_stop_split_by_except_star_or_pickled_stays_a_ledger_stop_that_is_not_retried(
+        db_url: str, fake: FakeProvider) -> None:
+    # The primary answers 503 and the backup cannot stream: the stop holds the primary's
+    # ProviderError and a CandidateSkipped for the backup, so except* splits the group.
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    primary, backup = routes(fake)
+    plan = [primary, backup.model_copy(update={"capabilities": Capabilities(streaming=False)})]
+
+    async def main() -> LedgerStop:
+        async with AsyncLedger.open(db_url) as led:
+            with pytest.raises(LedgerStop) as ei:
+                async with led.run("split", plan=plan, budget=BUDGET, grant=GRANT) as run:
+                    await _drain(LedgerChatModel(run).astream("Answer it."))
+            return ei.value
+
+    stop = asyncio.run(main())
+    assert {type(e) for e in stop.exceptions} == {ProviderError, CandidateSkipped}
+    parts: list[BaseException] = []
+    try:
+        raise stop
+    except* ProviderError as group:
+        parts.append(group)
+    except* CandidateSkipped as group:
+        parts.append(group)
+    assert len(parts) == 2
+    for part in parts:
+        assert type(part) is LedgerStop and part.is_retryable is False
+        assert (part.reason, part.attempts) == (stop.reason, stop.attempts)
+    stop.add_note("seen by the host")
+    back = pickle.loads(pickle.dumps(stop))
+    assert type(back) is LedgerStop and back.is_retryable is False
+    assert back.__notes__ == stop.__notes__ and str(back) == str(stop)
 
 
 def test_a_stop_with_exit_behavior_end_ends_the_agent_and_the_run_stopped(
