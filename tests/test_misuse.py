@@ -418,6 +418,9 @@ CASES: list[Case] = [
     C("attempts bad state", "state", "one of", lambda f: f.L.attempts(state="fine")),
     C("attempts limit zero", "limit", "1 to 10000", lambda f: f.L.attempts(limit=0)),
     C("attempts since NaN", "since", "finite", lambda f: f.L.attempts(since=NAN)),
+    # An empty window is a mistake, refused as by every audit query (not an empty page).
+    C("attempts until before since", "until", "since <= until",
+      lambda f: f.L.attempts(since=T0, until=T0 - 100)),
     C("attempts unknown filter", "routes", "'route'",
       lambda f: f.L.attempts(routes="a"), ArgumentMismatch),
     C("events kinds a string", "kinds", "list", lambda f: f.L.events("r1", kinds="stop")),

@@ -35,6 +35,7 @@ from ledger.domain.validation import (
     text,
 )
 from ledger.domain.values import Route
+from ledger.errors import InvalidArgument
 
 MAX_EVENT_KIND = 32
 MAX_HASH = 80
@@ -153,7 +154,14 @@ class SessionOptions(Admission, total=False):
 
 
 def attempt_query(filters: AttemptFilters) -> dict[str, Any]:
-    """Validated attempt filters as the storage query takes them (choices as their values)."""
+    """Validated attempt filters as the storage query takes them (choices as their values).
+
+    An empty window (``until`` before ``since``) is refused, as by every audit query: it is a
+    caller's mistake, not a question whose answer is "nothing".
+    """
+    since, until = filters.get("since"), filters.get("until")
+    if since is not None and until is not None and until < since:
+        raise InvalidArgument("until is before since; pass since <= until", field="until")
     return {k: v.value if isinstance(v, Enum) else v for k, v in filters.items() if v is not None}
 
 

@@ -1334,14 +1334,16 @@ class Face(Generic[SessionT, OpenedT]):
 
         Raises:
             ArgumentMismatch: an unknown filter (the message names the closest one).
-            InvalidArgument: a filter's value is wrong, or the cursor is not one a page gave.
+            InvalidArgument: a filter's value is wrong, ``until`` is before ``since``, or the
+                cursor is not one a page gave.
 
         Example:
             >>> page = led.attempts(state="unknown", limit=50)  # doctest: +SKIP
             >>> while page.next_cursor:  # doctest: +SKIP
             ...     page = led.attempts(state="unknown", limit=50, cursor=page.next_cursor)
         """
-        return (yield from blocking(lambda: self._runs.attempts(**attempt_query(filters))))
+        query = attempt_query(filters)  # refused here, before the read is scheduled
+        return (yield from blocking(lambda: self._runs.attempts(**query)))
 
     @op
     def debit(self, debit_id: Id) -> Flow[DebitRecord]:

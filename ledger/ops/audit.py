@@ -1025,7 +1025,6 @@ class Audit:
         Returns:
             A :class:`~ledger.Page` of :class:`~ledger.AttemptRecord`.
         """
-        _window(filters.get("since"), filters.get("until"))
         return self._runs.attempts(**attempt_query(filters))
 
     @query
