@@ -259,17 +259,24 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
     faults.point("begin.after_commit")
     record = written_attempt(values, debit_state.value)
     if rejected:
-        raise _refused(spec, rejected, record.seq)
+        raise _refused(spec, adm, rejected, record.seq)
     return record
 
 
-def _refused(spec: BeginSpec, rejected: tuple[str, float | None], seq: int | None
-             ) -> CapacityUnavailable:
+def _refused(spec: BeginSpec, adm: _Admission, rejected: tuple[str, float | None],
+             seq: int | None) -> CapacityUnavailable:
+    reason, until = rejected
+    # The limit, when the group has one: a host sizing its groups reads it here, as a turn
+    # reads it from its queue timeout. A refusal for fullness also says how many were in flight.
+    limit = {} if adm.limit is None else {"limit": int(adm.limit)}
+    full = reason == "capacity_full" and adm.limit is not None
+    said = f"{reason}: limit {adm.limit}, {adm.in_flight} in flight" if full else reason
     return CapacityUnavailable(
         f"capacity group {spec.route.group!r} refused attempt {spec.attempt_id!r} "
-        f"({rejected[0]}); it was recorded as rejected, its hold voided, nothing sent",
-        attempt_id=spec.attempt_id, group=spec.route.group, reason=rejected[0],
-        until=rejected[1], seq=seq, route=spec.route.id,
+        f"({said}); it was recorded as rejected, its hold voided, nothing sent",
+        attempt_id=spec.attempt_id, group=spec.route.group, reason=reason,
+        until=until, seq=seq, route=spec.route.id, **limit,
+        **({"in_flight": adm.in_flight} if full else {}),
     )
 
 
@@ -566,7 +573,7 @@ def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: 
             "reason": rejected[0], "group": spec.route.group, "adoption": True}, now)],
           many=True),
     ), commit=True)
-    raise _refused(spec, rejected, int(prior.seq))
+    raise _refused(spec, adm, rejected, int(prior.seq))
 
 
 def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[str, Any],

@@ -242,6 +242,23 @@ def test_capacity_rejection_is_recorded_and_hold_voided(led: Ledger, clock: Manu
     led.begin_attempt(l2, route="b", envelope_hash="sha256:e", reserve="0.1")
 
 
+def test_a_begin_refused_by_a_full_group_names_the_limit_and_what_was_in_flight(
+        led: Ledger) -> None:
+    # What a host sizing its groups reads (docs/reference.md): the refusal of its own begin
+    # says the limit, as a turn's queue timeout does.
+    led.configure_group("g", max_in_flight=2)
+    for run_id in ("r1", "r2"):
+        led.admit_run(run_id, plan=routes(), budget=budget())
+    l1, l2 = led.acquire_lease("r1"), led.acquire_lease("r2", executor_id="w2")
+    led.begin_attempt(l1, route="a", envelope_hash="sha256:e", reserve="0.1")
+    led.begin_attempt(l1, route="b", envelope_hash="sha256:e", reserve="0.1")
+    with pytest.raises(CapacityUnavailable) as ei:
+        led.begin_attempt(l2, route="a", envelope_hash="sha256:e", reserve="0.1")
+    fields = ei.value.fields
+    assert (fields["group"], fields["limit"], fields["in_flight"]) == ("g", 2, 2)
+    assert "limit 2, 2 in flight" in str(ei.value)
+
+
 def test_dead_executor_slot_comes_back_after_lease_expiry(led: Ledger, clock: ManualClock
                                                            ) -> None:
     led.configure_group("g", max_in_flight=1)
