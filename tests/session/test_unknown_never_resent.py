@@ -20,6 +20,7 @@ from ledger import (
     Envelope,
     FailoverExhausted,
     Grant,
+    InvalidState,
     Ledger,
     Part,
     RunStatus,
@@ -56,6 +57,11 @@ def _cut(led: Ledger, fake: FakeProvider, policy: str = "failure-domain") -> lis
 def _refused(err: FailoverExhausted, attempt_ids: list[str]) -> None:
     assert err.reason == "execution_unknown" and err.attempts == attempt_ids
     assert "settle_unknown" in str(err)
+    # What docs/retry-owner.md says a re-asked stop holds: an InvalidState per Attempt without
+    # a receipt, naming it and the turn, and no candidate lines.
+    assert all(type(e) is InvalidState for e in err.exceptions)
+    assert [e.fields["attempt_id"] for e in err.exceptions] == attempt_ids  # type: ignore[attr-defined]
+    assert err.fields["candidates"] == []
 
 
 @pytest.mark.parametrize("policy", ["failure-domain", "goclaw", "fased"])
