@@ -20,6 +20,10 @@ Armed with ``arm(n)``, the n-th ``COMMIT`` loses its connection:
 died with no standby promoted yet: every connection is closed, and every new one is closed as
 soon as it is accepted, until :meth:`CommitCutter.up`.
 
+``hold()`` makes the server slow to take new connections: each one accepted from then on waits,
+unforwarded, until :meth:`CommitCutter.unhold` (``held`` says when each was accepted); the
+connections already made keep working.
+
 Everything is on 127.0.0.1. Threads, not asyncio: the sync and the async ledger both talk to it.
 """
 
@@ -30,6 +34,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -113,6 +118,9 @@ class CommitCutter:
         self.commits: list[Commit] = []
         self._conns: list[_Conn] = []
         self._closed = False
+        self._admit = threading.Event()
+        self._admit.set()
+        self.held: list[float] = []  # time.monotonic() of each connection accepted while held
         self._accepter = threading.Thread(target=self._accept, daemon=True,
                                           name="commit-cutter")
         self._accepter.start()
@@ -148,6 +156,14 @@ class CommitCutter:
             self.down, self._down_after = False, False
             self._cuts, self._kinds, self._then = {}, {}, []
 
+    def hold(self) -> None:
+        """New connections wait, unanswered, until :meth:`unhold` (a server slow to accept)."""
+        self._admit.clear()
+
+    def unhold(self) -> None:
+        """The connections held are made, and new ones again at once."""
+        self._admit.set()
+
     @property
     def cuts(self) -> list[Commit]:
         """The COMMITs whose connection was lost."""
@@ -157,6 +173,7 @@ class CommitCutter:
     def close(self) -> None:
         """Stop accepting and close every connection."""
         self._closed = True
+        self._admit.set()
         with contextlib.suppress(OSError):
             self._listener.close()
         for c in list(self._conns):
@@ -176,6 +193,12 @@ class CommitCutter:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if not self._admit.is_set():
+                self.held.append(time.monotonic())
+                self._admit.wait()
+                if self._closed:
+                    client.close()
+                    return
             if self.down:  # the database is away: the connection ends before a word
                 with contextlib.suppress(OSError):
                     client.shutdown(socket.SHUT_RDWR)

@@ -466,7 +466,7 @@ async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: Se
             return ledger.now()
         case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
             waker = ledger._store.waker
-            if waker.join(group, waiter, aio=True):
+            if await waker.ajoin(group, waiter):
                 return None  # registered: begin once more before waiting (no wake is missed)
             await waker.await_(waiter, seconds, sleeper)
             return None

@@ -31,6 +31,11 @@ from typing import Any
 
 log = logging.getLogger("ledger.storage")
 
+#: How long the waiter that opens the listening connection waits for it to listen: the begin
+#: it makes next then misses no wake-up. A server that does not answer in time leaves the
+#: waiters to polling until it does.
+LISTEN_READY_S = 5.0
+
 
 @dataclass
 class _Signal:
@@ -114,19 +119,31 @@ class SlotWaker:
         """Wake this process's waiters of ``group`` (``None``: of every group)."""
         _REGISTRY.poke(self.key, group)
 
-    def join(self, group: str, waiter: str, *, aio: bool = False) -> bool:
+    def join(self, group: str, waiter: str) -> bool:
         """Register ``waiter`` for ``group``'s wake-ups; ``False`` when it already was.
 
-        With ``aio`` the signal is also an :class:`asyncio.Event` of the running loop.
+        Returns once the listening connection listens, or after :data:`LISTEN_READY_S`.
         """
         if _REGISTRY.get(self.key, waiter) is not None:
             return False
-        signal = _Signal(group)
-        if aio:
-            signal.loop = asyncio.get_running_loop()
-            signal.aevent = asyncio.Event()
+        _REGISTRY.add(self.key, waiter, _Signal(group))
+        ready = self._ensure_listener()
+        if ready is not None:
+            ready.wait(LISTEN_READY_S)
+        return True
+
+    async def ajoin(self, group: str, waiter: str) -> bool:
+        """:meth:`join` for a waiter on the running loop: its signal is also an
+        :class:`asyncio.Event`, and the wait for the listening connection is on a worker
+        thread, so the loop runs meanwhile (a server slow to accept a connection would
+        otherwise stop it for up to :data:`LISTEN_READY_S`)."""
+        if _REGISTRY.get(self.key, waiter) is not None:
+            return False
+        signal = _Signal(group, loop=asyncio.get_running_loop(), aevent=asyncio.Event())
         _REGISTRY.add(self.key, waiter, signal)
-        self._ensure_listener()
+        ready = self._ensure_listener()
+        if ready is not None:
+            await asyncio.to_thread(ready.wait, LISTEN_READY_S)
         return True
 
     def leave(self, waiter: str) -> None:
@@ -160,12 +177,15 @@ class SlotWaker:
 
     # -- the listening connection (PostgreSQL) ---------------------------------------------
 
-    def _ensure_listener(self) -> None:
+    def _ensure_listener(self) -> threading.Event | None:
+        """Start the listening connection unless it runs; the event it sets once it listens
+        (or gave up), for the waiter that started it. A slot freed after that wakes the
+        waiters; one freed before it is found by their next begin or poll."""
         if self._listen is None:
-            return
+            return None
         with self._lock:
             if self._listener is not None and self._listener.is_alive():
-                return
+                return None
             self._stop = threading.Event()
             ready = threading.Event()
             stop = self._stop
@@ -186,9 +206,7 @@ class SlotWaker:
             self._listener = threading.Thread(target=run, name="ledger-slot-listener",
                                               daemon=True)
             self._listener.start()
-        # The listener calls told("") once it listens: a slot freed after that wakes us. A
-        # server that does not answer leaves us to polling after a short while.
-        ready.wait(5.0)
+        return ready
 
     def _stop_listener(self) -> None:
         with self._lock:

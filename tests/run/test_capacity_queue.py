@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -43,9 +44,12 @@ from ledger import (
 from ledger.api.face import storage_of
 from ledger.domain.records import AttemptState
 from ledger.ops.audit import Audit
+from ledger.storage.wake import LISTEN_READY_S
 from ledger.testing import FakeProvider
+from ledger.testing.pgserver import PgServer
 from tests import fakeplan
 from tests.fakeplan import PRICE
+from tests.pgcut import CommitCutter
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -55,6 +59,7 @@ BUDGET = Budget(max_calls=4, max_retries=2, max_cost=Decimal("1"))
 GRANT = Grant(recipients={"fake": ["user_input"]})
 ENV = Envelope(parts=[Part(content="hello")])
 PATIENCE_S = 120  # how long a test waits for an event before it calls the run hung
+TICKS = 20  # heartbeats that show the event loop runs
 
 
 def _route(fake: FakeProvider) -> Route:
@@ -282,6 +287,51 @@ def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
             assert await led.timeline("w") == []  # nothing recorded for the cancelled wait
 
     asyncio.run(main())
+
+
+@pytest.mark.postgres
+def test_a_turn_joining_a_queue_keeps_the_event_loop_running_while_the_listener_connects(
+        pg_server: PgServer, pg_url: str, fake: FakeProvider) -> None:
+    # The waiter that opens the LISTEN connection waits for it to listen before it begins
+    # again; with the server slow to accept that connection, the loop must run meanwhile
+    # (it used to stop for up to LISTEN_READY_S).
+    with CommitCutter(pg_server.port) as proxy:
+        url = proxy.url(pg_url.rsplit("/", 1)[1], user=pg_server.user)
+
+        async def main() -> None:
+            async with AsyncLedger.open(url) as led:
+                route = _route(fake)
+                lease, held = _hold(led.sync, route)
+                ticks: list[float] = []
+                measured = asyncio.Event()
+
+                async def heartbeat() -> None:
+                    while True:
+                        ticks.append(time.monotonic())
+                        if proxy.held and sum(t > proxy.held[0] for t in ticks) >= TICKS:
+                            measured.set()
+                        await asyncio.sleep(0.005)
+
+                def on_notice(n: Notice) -> None:
+                    if n.kind == "queued":
+                        proxy.hold()  # the next new connection is the listener's
+
+                beat = asyncio.create_task(heartbeat())
+                async with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                    turn = asyncio.create_task(run.turn(ENV, on_notice=on_notice))
+                    try:
+                        await asyncio.wait_for(measured.wait(), PATIENCE_S)
+                    finally:
+                        proxy.unhold()
+                    first = min(t for t in ticks if t > proxy.held[0])
+                    assert first - proxy.held[0] < LISTEN_READY_S / 2
+                    await led.settle_attempt(lease, held, outcome="succeeded", cost="0")
+                    await asyncio.wait_for(turn, PATIENCE_S)
+                beat.cancel()
+                [att] = await led.timeline("w")
+                assert att.state is AttemptState.SUCCEEDED
+
+        asyncio.run(main())
 
 
 # -- across processes -----------------------------------------------------------------------
