@@ -51,6 +51,7 @@ from ledger.errors import (
     Conflict,
     DatabaseSetupError,
     DatabaseUnavailable,
+    InvalidState,
     LedgerError,
     StorageError,
 )
@@ -379,4 +380,14 @@ def mapped(where: str) -> Iterator[None]:
         raise err from e
 
 
-__all__ = ["driver_error", "ledger_error", "mapped", "setup_error", "standby_error"]
+def closed_error(where: str) -> InvalidState:
+    """A connection asked of a store whose ledger was closed (also a call in flight when it
+    closed): closing releases every connection for good, so nothing may quietly open new ones.
+    """
+    return InvalidState(f"the ledger of {where} is closed; open a new one with Ledger.open "
+                        f"(or AsyncLedger.open) to use the database again",
+                        problem="ledger_closed", database=where)
+
+
+__all__ = ["closed_error", "driver_error", "ledger_error", "mapped", "setup_error",
+           "standby_error"]

@@ -26,9 +26,11 @@ pool bounds, checks and closes every connection a store holds to its database:
   transaction on the connection just made (closed afterwards, outside the pool) while the pool
   takes over for the next ones. Callers already waiting in the pool's queue when the server
   goes away are the one case left to the timeout;
-* **closed with what owns them**: :meth:`PgPool.close` closes every pool; an event loop's
-  pool is also closed when that loop shuts down (``asyncio.run`` ending), so a ledger used
-  from one ``asyncio.run`` after another keeps no sessions of loops that are gone.
+* **closed with what owns them**: :meth:`PgPool.close` closes every pool, for good: a checkout
+  after it, or waiting when it came, is :class:`~ledger.errors.InvalidState` (the ledger is
+  closed); an event loop's pool is also closed when that loop shuts down (``asyncio.run``
+  ending), so a ledger used from one ``asyncio.run`` after another keeps no sessions of loops
+  that are gone.
 
 A pooled connection goes back to its pool when it is released (:func:`release`), which is also
 what closing it does: that is how SQLAlchemy gives back what it was lent. psycopg and
@@ -46,6 +48,7 @@ import weakref
 from typing import Any
 
 from ledger.readiness import peer_spoke
+from ledger.storage.failure import closed_error
 
 #: Connections out at once, per pool (blocking callers; and per event loop, asyncio ones).
 MAX_SIZE = 20
@@ -201,6 +204,7 @@ class PgPool:
         self._lock = threading.Lock()
         self._probing = threading.Lock()
         self._pool: Any = None
+        self._closed = False
         self._proven = False
         self._used_at = 0.0
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Loop] = (
@@ -229,12 +233,17 @@ class PgPool:
 
     # -- blocking --------------------------------------------------------------------------
 
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise closed_error(self.where)
+
     def _sync_pool(self) -> Any:
         pool = self._pool
         if pool is None:
             from psycopg_pool import ConnectionPool
 
             with self._lock:
+                self._refuse_closed()  # a pool made now would outlive the close
                 if self._pool is None:
                     pool = ConnectionPool(self.conninfo, connection_class=_connection_classes()[0],
                                           reconnect_failed=self._replace,
@@ -264,6 +273,7 @@ class PgPool:
         from psycopg_pool import PoolClosed
 
         while True:
+            self._refuse_closed()
             now = time.monotonic()
             if not self._proven or self._doubted(self._used_at, now):
                 with self._probing:
@@ -319,6 +329,7 @@ class PgPool:
         side = self._loops.get(loop)
         if side is None:
             with self._lock:
+                self._refuse_closed()
                 side = self._loops.setdefault(loop, _Loop(self.reads))
         if side.guard is None:
             side.guard = loop.create_task(self._close_with(loop, side))
@@ -329,9 +340,10 @@ class PgPool:
                                        reconnect_failed=side.unprove, configure=side.configure,
                                        **self._settings())
             await pool.open()
-            if side.pool is None:
+            if side.pool is None and not self._closed and side.guard is not None \
+                    and not side.guard.done():
                 side.pool = pool
-            else:  # another task of the loop opened one meanwhile
+            else:  # another task of the loop opened one meanwhile, or the store closed
                 await pool.close()
         return side
 
@@ -361,12 +373,14 @@ class PgPool:
         from psycopg_pool import PoolClosed
 
         while True:
+            self._refuse_closed()
             side = await self._loop()
             now = time.monotonic()
             if not side.proven or self._doubted(side.used_at, now):
                 if side.lock is None:
                     side.lock = asyncio.Lock()
                 async with side.lock:
+                    self._refuse_closed()  # it may have closed while this caller waited
                     if not side.proven or self._doubted(side.used_at, now):
                         conn = await _connection_classes()[1].connect(self.conninfo,
                                                                       autocommit=True)
@@ -375,6 +389,8 @@ class PgPool:
                         return conn
             side.used_at = now
             pool = side.pool
+            if pool is None:
+                continue  # closed or replaced since: refused above, or a new one
             try:
                 conn = await pool.getconn()
             except PoolClosed:
@@ -408,8 +424,9 @@ class PgPool:
 
     def close(self) -> None:
         """Close every pool (their workers end; the connections still out are closed when
-        they come back). A store used again afterwards opens new ones."""
+        they come back). A checkout afterwards is refused: nothing reopens what closed."""
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
             loops, self._loops = list(self._loops.items()), weakref.WeakKeyDictionary()
             self._proven = False

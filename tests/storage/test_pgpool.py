@@ -20,7 +20,7 @@ from sqlalchemy import text
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.api.face import storage_of
 from ledger.clock import ManualClock
-from ledger.errors import DatabaseUnavailable
+from ledger.errors import DatabaseUnavailable, InvalidState
 from ledger.storage.pgpool import PgPool, release
 from ledger.testing.pgserver import PgServer, start_server
 
@@ -194,8 +194,8 @@ def test_a_server_gone_while_the_pool_holds_no_connection_is_told_at_once(
 
         async def asyncio_side() -> DatabaseUnavailable:
             await aled.renew_lease(lease, ttl_s=30)  # the loop's pool proven, empty
-            pool.close()  # the blocking side anew: proven next, empty too
             led.renew_lease(lease, ttl_s=30)
+            pool._sync_pool().drain()  # as the worker closes idle ones: proven, empty too
             own_server.stop()
             with pytest.raises(DatabaseUnavailable) as caught:
                 await aled.renew_lease(lease, ttl_s=30)
@@ -214,3 +214,70 @@ def test_a_server_gone_while_the_pool_holds_no_connection_is_told_at_once(
         assert led.get_run("r1").run_id == "r1"
     finally:
         led.close()
+
+
+CALLS = 100  # each caller's calls at most: the close comes well before they are done
+
+
+def test_calls_in_flight_when_the_ledger_closes_fail_as_invalid_state_and_reopen_nothing(
+        pg_server: PgServer, pg_url: str) -> None:
+    """A checkout waiting when the pool closed (or asked after) is the ledger's typed error,
+    never psycopg_pool's or an AttributeError on the closed pool; nothing opens a new one."""
+    led = Ledger.open(pg_url, migrate_schema=False)
+    led.admit_run("r1", plan=routes(), budget=budget(), grant=grant())
+    started = threading.Event()
+
+    def outcome(call: Any) -> BaseException | None:
+        try:
+            for _ in range(CALLS):
+                call()
+                started.set()
+        except BaseException as e:  # what each caller ends with is asserted below
+            return e
+        return None
+
+    async def asyncio_side() -> list[BaseException | None]:
+        aled = AsyncLedger(led)
+
+        async def caller() -> BaseException | None:
+            try:
+                for _ in range(CALLS):
+                    await aled.acquire_lease("r1", ttl_s=60)
+                    started.set()
+            except BaseException as e:
+                return e
+            return None
+
+        callers = [asyncio.create_task(caller()) for _ in range(50)]
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        await aled.close()
+        return list(await asyncio.gather(*callers))
+
+    ends = asyncio.run(asyncio_side())
+    _closed_ledgers_refusals(ends, 50)
+    assert _pool_threads() == []
+    assert _settled(pg_server, pg_url, 0) == 0
+
+    led = Ledger.open(pg_url, migrate_schema=False)
+    led.admit_run("r2", plan=routes(), budget=budget(), grant=grant())
+    started.clear()
+    found: list[BaseException | None] = []
+    threads = [threading.Thread(target=lambda: found.append(
+        outcome(lambda: led.acquire_lease("r2", ttl_s=60)))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    led.close()
+    for t in threads:
+        t.join(60)
+    _closed_ledgers_refusals(found, 8)
+    assert _pool_threads() == []
+    assert _settled(pg_server, pg_url, 0) == 0
+
+
+def _closed_ledgers_refusals(ends: list[BaseException | None], callers: int) -> None:
+    assert len(ends) == callers
+    for e in ends:
+        assert isinstance(e, InvalidState), repr(e)
+        assert e.fields["problem"] == "ledger_closed" and "Ledger.open" in str(e)
