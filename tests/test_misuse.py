@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -819,3 +820,41 @@ def test_first_calls_of_a_checked_method_from_many_threads_all_validate(tmp_path
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok", res.stdout
+
+
+def _store_threads() -> list[str]:
+    """The threads a store starts for its connections: SQLite's writer, PostgreSQL's pools."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith(("ledger-sqlite", "ledger-postgres")))
+
+
+def test_a_closed_ledger_refuses_every_call_on_both_faces_and_reopens_nothing(
+        db_url: str) -> None:
+    def refused(call: Callable[[], Any]) -> None:
+        with pytest.raises(InvalidState, match="is closed; open a new one") as e:
+            call()
+        assert e.value.fields["problem"] == "ledger_closed"
+
+    before = _store_threads()
+    led = Ledger.open(db_url, clock=ManualClock(T0))
+    lease, _ = _prepare(led)
+    led.close()
+    refused(lambda: led.get_run("r1"))  # the cold path
+    refused(lambda: led.acquire_lease("r1"))  # the hot path
+    refused(lambda: led.timeline("r1"))
+    refused(lambda: led.renew_lease(lease))
+    led.close()  # again: nothing to do
+
+    async def asyncio_side() -> None:
+        aled = await AsyncLedger.open(db_url, clock=ManualClock(T0))
+        await aled.get_run("r1")
+        await aled.close()
+        for call in (lambda: aled.get_run("r1"), lambda: aled.acquire_lease("r1"),
+                     lambda: aled.timeline("r1"), lambda: aled.renew_lease(lease)):
+            with pytest.raises(InvalidState, match="is closed; open a new one") as e:
+                await call()
+            assert e.value.fields["problem"] == "ledger_closed"
+        await aled.close()
+
+    asyncio.run(asyncio_side())
+    assert _store_threads() == before

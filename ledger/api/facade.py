@@ -57,7 +57,11 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
 
 
     def close(self) -> None:
-        """Close the database connections (the ledger cannot be used afterwards).
+        """Close the database connections, for good (the ledger cannot be used afterwards).
+
+        Any call afterwards (and one in flight when the close came) raises
+        :class:`~ledger.errors.InvalidState` (``problem`` is ``"ledger_closed"``): open a new
+        ledger to go on. Closing again does nothing.
 
         Writes whose outcome the database could not tell when they were made are resolved
         first, one try each (:meth:`ledger.storage.store.Store.settle_pending`): a begin of the
@@ -65,6 +69,8 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         the Run and releases its lease. What the database still does not take is logged at
         WARNING and left to recovery.
         """
+        if self._store.closed:
+            return
         try:
             self._runner.run(self._store.settle_pending(self.clock.now))
         finally:

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, Engine, Select
+from sqlalchemy import Connection, Engine, Select, event
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.storage import schema as s
 from ledger.storage.encode import event_json
-from ledger.storage.failure import mapped
+from ledger.storage.failure import closed_error, mapped
 
 #: A clock read inside a transaction, once it holds its locks.
 ClockFn = Callable[[], float]
@@ -52,6 +52,10 @@ class SqlContext(abc.ABC):
         self.where = where
         #: How long before its end a lease stops starting work (seconds).
         self.lease_margin_s = lease_margin_s
+        self._closed = False
+        # Where the engine makes a connection of its own (a PostgreSQL engine's come from the
+        # store's pool, which refuses them itself once closed).
+        event.listen(engine, "do_connect", self._refuse_closed)
 
     # -- what differs between the databases ------------------------------------------------
 
@@ -155,9 +159,15 @@ class SqlContext(abc.ABC):
         ))
 
     def close(self) -> None:
-        """Close the engine's connections."""
+        """Close the engine's connections, for good: a connection asked of it afterwards is
+        :class:`~ledger.errors.InvalidState` (it would outlive the close)."""
+        self._closed = True
         with mapped(self.where):
             self.engine.dispose()
+
+    def _refuse_closed(self, *_connect: Any) -> None:
+        if self._closed:
+            raise closed_error(self.where)
 
 
 def percentile_cont(ordered: Sequence[float], fraction: float) -> float:

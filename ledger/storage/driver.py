@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ledger.errors import DatabaseUnavailable, LedgerError
-from ledger.storage.failure import driver_error, standby_error
+from ledger.storage.failure import closed_error, driver_error, standby_error
 from ledger.storage.groupcommit import GroupWriter
 
 if TYPE_CHECKING:
@@ -126,11 +126,14 @@ class SqliteDriver:
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._writer: GroupWriter | None = None
+        self._closed = False
 
     def connection(self) -> sqlite3.Connection:
-        """This thread's connection, opened on first use."""
+        """This thread's connection, opened on first use (never once the driver closed)."""
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
+            if self._closed:
+                raise closed_error(self.path)
             try:
                 conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
                                        isolation_level=None, check_same_thread=False,
@@ -198,15 +201,23 @@ class SqliteDriver:
         """Run ``tx`` on the database's own thread, grouped with the transactions queued with
         it (:mod:`ledger.storage.groupcommit`); the event loop waits without blocking."""
         with self._lock:
+            if self._closed:
+                raise closed_error(self.path)
             if self._writer is None:
                 self._writer = GroupWriter(self)
             writer = self._writer
-        result: T = await asyncio.wrap_future(writer.submit(tx, write),
-                                              loop=asyncio.get_running_loop())
+        try:
+            future = writer.submit(tx, write)
+        except RuntimeError:  # the writer's thread was shut down by a close meanwhile
+            if self._closed:
+                raise closed_error(self.path) from None
+            raise
+        result: T = await asyncio.wrap_future(future, loop=asyncio.get_running_loop())
         return result
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             conns, self._all = self._all, []
             writer, self._writer = self._writer, None
         if writer is not None:

@@ -197,9 +197,13 @@ class Store:
         #: before anything else is written for it (:meth:`resolve_run`).
         self.pending = Pending()
         self._runs = RunQueries(context)
+        #: Whether :meth:`close` was called: a connection asked of it since is refused.
+        self.closed = False
 
     def close(self) -> None:
-        """Close every connection. The store is not used afterwards."""
+        """Close every connection, for good: what asks for one afterwards (a call made after
+        the close, or one in flight when it came) is :class:`~ledger.errors.InvalidState`."""
+        self.closed = True
         self.waker.close()
         try:
             self.driver.close()
