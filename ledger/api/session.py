@@ -579,7 +579,7 @@ class RunSession(_SessionCore):
             FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
         """
         from ledger.adapters import sync_sender
-        from ledger.api.turn import execute
+        from ledger.api.turn import _turn_sync
 
         self._check_open()
         mine: list[Dispatch] = []
@@ -594,10 +594,13 @@ class RunSession(_SessionCore):
                 return inner(d)
 
         try:
-            result = execute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                             part_hashes=self._hashes,
-                             # turn() refused a part_hashes of the caller's: none is in options
-                             **cast(dict[str, Any], options))
+            # The arguments were checked as turn()'s. The keeper's lease as it renews it: a
+            # turn may outlive the lease it started with.
+            result = _turn_sync(self.ledger, self.lease, envelope, tracked,
+                                held=lambda: self._keeper.lease, turn_id=turn_id,
+                                part_hashes=self._hashes,
+                                # turn() refused a part_hashes of the caller's: none in options
+                                **cast(dict[str, Any], options))
         except BaseException as e:
             self._turn_ended(turn_end(e))
             raise
@@ -759,7 +762,7 @@ class AsyncRunSession(_SessionCore):
         may be coroutine functions.
         """
         from ledger.adapters import async_sender
-        from ledger.api.turn import aexecute
+        from ledger.api.turn import _turn_async
 
         self._check_open()
         mine: list[Dispatch] = []
@@ -773,10 +776,12 @@ class AsyncRunSession(_SessionCore):
                 return await inner(d)
 
         try:
-            result = await aexecute(self.ledger, self.lease, envelope, tracked, turn_id=turn_id,
-                                    part_hashes=self._hashes,
-                                    # none of the caller's (refused): see RunSession.turn
-                                    **cast(dict[str, Any], options))
+            # Checked as turn()'s, with the keeper's lease: see RunSession.turn.
+            result = await _turn_async(self.ledger, self.lease, envelope, tracked,
+                                       held=lambda: self._keeper.lease, turn_id=turn_id,
+                                       part_hashes=self._hashes,
+                                       # none of the caller's (refused): see RunSession.turn
+                                       **cast(dict[str, Any], options))
         except BaseException as e:
             self._turn_ended(turn_end(e))
             raise

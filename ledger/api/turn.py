@@ -28,6 +28,7 @@ from ledger.decide.effects import (
     ClaimProbe,
     Dispatch,
     Effect,
+    HeldLease,
     LeaveQueue,
     Notice,
     Notify,
@@ -224,11 +225,9 @@ def execute(
         ...                      sync_sender(adapter))
         >>> result.text, result.route.id, len(result.attempts)  # doctest: +SKIP
     """
-    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes,
-                 ledger.lease_margin_s)
-    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
-    sleeper = sleeper or _sleeper_of(ledger)
-    return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, sleeper, on_notice))
+    return _turn_sync(ledger, lease, envelope, send, turn_id=turn_id, pin=pin, denials=denials,
+                      reserve=reserve, sleeper=sleeper, on_notice=on_notice, rng=rng,
+                      token_counter=token_counter, part_hashes=part_hashes)
 
 
 @checked
@@ -281,11 +280,47 @@ async def aexecute(
         FencedOut: the Run was taken over (``LeaseLost``: its lease lapsed).
         DatabaseUnavailable: the database could not be reached.
     """
+    return await _turn_async(ledger, lease, envelope, send, turn_id=turn_id, pin=pin,
+                             denials=denials, reserve=reserve, sleeper=sleeper,
+                             on_notice=on_notice, rng=rng, token_counter=token_counter,
+                             part_hashes=part_hashes)
+
+
+def _turn_sync(ledger: SyncFace[Any, Any], lease: Lease, envelope: Request,
+               send: Callable[[Dispatch], SendResult], *, held: Callable[[], Lease] | None = None,
+               turn_id: str | None = None, pin: Pin | str | None = None,
+               denials: Denials | None = None, reserve: Reserve | None = None,
+               sleeper: Sleeper | None = None, on_notice: NoticeFn | None = None,
+               rng: random.Random | None = None, token_counter: TokenCounter | None = None,
+               part_hashes: PartHashes | None = None) -> RunResult:
+    """:func:`execute` on validated arguments.
+
+    ``held`` gives the lease as its holder holds it now (a Run session's keeper renews it
+    while the turn runs); without it the turn knows only ``lease``.
+    """
     loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes,
                  ledger.lease_margin_s)
     gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
-    sleeper = sleeper or _sleeper_of(ledger)
-    return await _drive_async(gen, ledger, send, sleeper, on_notice)
+    slept = sleeper or _sleeper_of(ledger)
+    current = held or (lambda: lease)
+    return _drive_sync(gen, lambda eff: _perform_sync(ledger, eff, send, slept, on_notice,
+                                                      current))
+
+
+async def _turn_async(ledger: AsyncFace[Any, Any], lease: Lease, envelope: Request,
+                      send: SendFn, *, held: Callable[[], Lease] | None = None,
+                      turn_id: str | None = None, pin: Pin | str | None = None,
+                      denials: Denials | None = None, reserve: Reserve | None = None,
+                      sleeper: Sleeper | None = None, on_notice: NoticeFn | None = None,
+                      rng: random.Random | None = None,
+                      token_counter: TokenCounter | None = None,
+                      part_hashes: PartHashes | None = None) -> RunResult:
+    """:func:`aexecute` on validated arguments (``held``: see :func:`_turn_sync`)."""
+    loop = _loop(lease, envelope, turn_id, pin, denials, reserve, rng, token_counter, part_hashes,
+                 ledger.lease_margin_s)
+    gen = _telemetry.observed(loop.steps(), lease.run_id, loop.turn_id, loop.envelope)
+    return await _drive_async(gen, ledger, send, sleeper or _sleeper_of(ledger), on_notice,
+                              held or (lambda: lease))
 
 
 def _advance(gen: Steps, value: Any, error: BaseException | None) -> tuple[bool, Any]:
@@ -332,7 +367,7 @@ def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunRes
 
 
 async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sleeper: Sleeper,
-                       on_notice: NoticeFn | None) -> RunResult:
+                       on_notice: NoticeFn | None, held: Callable[[], Lease]) -> RunResult:
     done, item = _advance(gen, None, None)
     pending: BaseException | None = None
     while not done:
@@ -343,7 +378,8 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
         elif _writes(item):
             # A begin or settle runs to completion even when the caller cancels meanwhile; the
             # cancellation is delivered at the next effect, once the loop knows the outcome.
-            task = asyncio.ensure_future(_perform_async(ledger, item, send, sleeper, on_notice))
+            task = asyncio.ensure_future(
+                _perform_async(ledger, item, send, sleeper, on_notice, held))
             again = True
             while True:
                 try:
@@ -364,7 +400,7 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
                             break
                         again, pending = False, e
                         task = asyncio.ensure_future(
-                            _perform_async(ledger, item, send, sleeper, on_notice))
+                            _perform_async(ledger, item, send, sleeper, on_notice, held))
                         continue
                     pending = e
                     try:
@@ -377,7 +413,7 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
                     break
         else:
             try:
-                value = await _perform_async(ledger, item, send, sleeper, on_notice)
+                value = await _perform_async(ledger, item, send, sleeper, on_notice, held)
             except BaseException as e:
                 error = e
         done, item = _advance(gen, value, error)
@@ -414,7 +450,7 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
 
 def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
                   send: Callable[[Dispatch], SendResult], sleeper: Sleeper,
-                  on_notice: NoticeFn | None) -> Any:
+                  on_notice: NoticeFn | None, held: Callable[[], Lease]) -> Any:
     match eff:
         case Send(dispatch=dispatch):
             dispatch.progress.clock = ledger.clock.now  # the send's marks, on the ledger's time
@@ -429,6 +465,8 @@ def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
             return None
         case Now():
             return ledger.now()
+        case HeldLease():
+            return held()
         case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
             waker = ledger._store.waker
             if waker.join(group, waiter):
@@ -446,7 +484,8 @@ def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
 
 
 async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: SendFn,
-                         sleeper: Sleeper, on_notice: NoticeFn | None) -> Any:
+                         sleeper: Sleeper, on_notice: NoticeFn | None,
+                         held: Callable[[], Lease]) -> Any:
     match eff:
         case Send(dispatch=dispatch):
             dispatch.progress.clock = ledger.clock.now  # the send's marks, on the ledger's time
@@ -464,6 +503,8 @@ async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: Se
             return None
         case Now():
             return ledger.now()
+        case HeldLease():
+            return held()
         case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
             waker = ledger._store.waker
             if await waker.ajoin(group, waiter):

@@ -505,6 +505,16 @@ class Now(Effect[float]):
     """The injectable clock's time."""
 
 
+@dataclass(frozen=True)
+class HeldLease(Effect[Lease]):
+    """The Run's lease as the driver holds it now.
+
+    A Run session's keeper renews the lease while a turn runs, so its ``expires_at`` may be
+    later than that of the lease the turn started with; a driver given a lease only answers
+    with that lease.
+    """
+
+
 __all__ = [
     "ATTEMPT_HEADER",
     "PROVIDER_REQUEST_ID_HEADERS",
@@ -513,6 +523,7 @@ __all__ = [
     "ClaimProbe",
     "Dispatch",
     "Effect",
+    "HeldLease",
     "LeaveQueue",
     "Notice",
     "Notify",

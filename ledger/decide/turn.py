@@ -37,6 +37,7 @@ from ledger.decide.effects import (
     ClaimProbe,
     Dispatch,
     Effect,
+    HeldLease,
     LeaveQueue,
     Notice,
     Notify,
@@ -518,7 +519,11 @@ class TurnLoop:
         try:
             faults.point("dispatch.before_send")
             now = yield from perform(Now())
-            lapsed = self._lapsed_since_begin(att, now)
+            lapsed = self._lapsed_since_begin(att, now, self.lease)
+            if lapsed is not None:
+                # The lease the turn started with is stale once the turn outlived it (a queue
+                # wait, backoffs): its holder's keeper may have renewed it since.
+                lapsed = self._lapsed_since_begin(att, now, (yield from perform(HeldLease())))
             if lapsed is not None:
                 raise lapsed
             result = yield from perform(Send(dispatch))
@@ -550,15 +555,17 @@ class TurnLoop:
                              list(result.parts))
         return (yield from self._failed(turn, attempt, route, profile, att, result, dispatch))
 
-    def _lapsed_since_begin(self, att: AttemptRecord, now: float) -> LeaseLost | None:
+    def _lapsed_since_begin(self, att: AttemptRecord, now: float, lease: Lease
+                            ) -> LeaseLost | None:
         """Why the request may no longer leave, or ``None``.
 
-        The begin proved the lease live until ``lease_margin_s`` past its own time, and the
-        lease as granted until its ``expires_at``; past both (the process paused between begin
-        and send, or its loop was held that long) another executor may already hold the Run,
-        so the request is not sent: the attempt is settled ``not_sent`` on the way out.
+        The begin proved the lease live until ``lease_margin_s`` past its own time, and
+        ``lease`` (as last renewed) until its ``expires_at``; past both (the process paused
+        between begin and send, or its loop was held that long) another executor may already
+        hold the Run, so the request is not sent: the attempt is settled ``not_sent`` on the
+        way out.
         """
-        until = max(att.created_at + self.lease_margin_s, self.lease.expires_at)
+        until = max(att.created_at + self.lease_margin_s, lease.expires_at)
         if now < until:
             return None
         return LeaseLost(
