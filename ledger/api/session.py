@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
 from ledger.api.face import AsyncFace, Face, SyncFace
-from ledger.api.turn import TurnOptions
+from ledger.api.turn import TurnOptions, outlast
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
@@ -722,7 +722,7 @@ class AsyncRunSession(_SessionCore):
         # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
         # before the lease is taken: an entry that fails holds nothing (no exit will run).
         await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
-        lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+        lease = await self._acquire()
         self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
         if self._adapter is None:
             from ledger.adapters import HttpAdapter
@@ -730,6 +730,27 @@ class AsyncRunSession(_SessionCore):
             self._adapter = HttpAdapter(secrets=self._secrets)
         self._state = "open"
         return self
+
+    async def _acquire(self) -> Lease:
+        """The Run's lease; a cancelled entry gives back one it took meanwhile.
+
+        The acquisition may commit although the entry was cancelled (the database finishes
+        what it was sent), and no exit runs for an entry that raised: the lease would stay
+        held, and the Run refused to everyone, until it lapsed.
+        """
+        acquiring = asyncio.ensure_future(
+            self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s))
+        cancelled = await outlast(acquiring)
+        if cancelled is None:
+            return acquiring.result()
+        if not acquiring.cancelled() and acquiring.exception() is None:
+            releasing = asyncio.ensure_future(self.ledger.release_lease(acquiring.result()))
+            await outlast(releasing)  # cancelled again: the release still ends first
+            if not releasing.cancelled() and releasing.exception() is not None:
+                log.warning("run %s: the lease taken by a cancelled entry was not released; "
+                            "it lapses in %g s: %s", self.run_id, self.lease_ttl_s,
+                            releasing.exception())
+        raise cancelled
 
     async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
         self._state = "ended"

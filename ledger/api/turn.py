@@ -382,35 +382,25 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
                 _perform_async(ledger, item, send, sleeper, on_notice, held))
             again = True
             while True:
+                cancelled = await outlast(task)
+                if task.cancelled():
+                    # The write's own task was cancelled (a teardown cancels every task). As
+                    # after an interrupt in the sync driver, the same write is done once more
+                    # (it is recognised) to learn its outcome; cancelled again, the loop hears
+                    # the cancellation at this write and settles what it can.
+                    if not again:
+                        error, pending = cancelled, None
+                        break
+                    again, pending = False, cancelled
+                    task = asyncio.ensure_future(
+                        _perform_async(ledger, item, send, sleeper, on_notice, held))
+                    continue
+                pending = cancelled or pending
                 try:
-                    value = await asyncio.shield(task)
-                    break
-                except asyncio.CancelledError as e:
-                    if not task.done():
-                        pending = e  # keep waiting for the write
-                        continue
-                    if task.cancelled():
-                        # The write's own task was cancelled (a teardown cancels every task),
-                        # so waiting on it again would return at once, forever. As after an
-                        # interrupt in the sync driver, the same write is done once more (it
-                        # is recognised) to learn its outcome; cancelled again, the loop hears
-                        # the cancellation at this write and settles what it can.
-                        if not again:
-                            error, pending = e, None
-                            break
-                        again, pending = False, e
-                        task = asyncio.ensure_future(
-                            _perform_async(ledger, item, send, sleeper, on_notice, held))
-                        continue
-                    pending = e
-                    try:
-                        value = task.result()
-                    except Exception as inner:
-                        error = inner
-                    break
-                except Exception as e:
-                    error = e
-                    break
+                    value = task.result()
+                except Exception as inner:
+                    error = inner
+                break
         else:
             try:
                 value = await _perform_async(ledger, item, send, sleeper, on_notice, held)
@@ -420,6 +410,28 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
     if pending is not None:
         raise pending  # the turn's last write completed; the cancellation still stands
     return item  # type: ignore[no-any-return]
+
+
+async def outlast(task: asyncio.Future[Any]) -> asyncio.CancelledError | None:
+    """Wait until ``task`` is done, however often the waiting task is cancelled meanwhile.
+
+    A write under way (a begin, a settle, a Run's finish, a lease taken) must end before its
+    caller may go: its outcome decides what the caller still owes. Returns the last
+    cancellation the waiting task received, for the caller to raise once it has used that
+    outcome (``task.result()``), else ``None``. A ``task`` that was itself cancelled returns
+    its ``CancelledError``.
+    """
+    pending: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+            return pending
+        except asyncio.CancelledError as e:
+            pending = e
+            if task.done():
+                return pending
+        except Exception:
+            return pending  # the task's own error: its caller reads it from the task
 
 
 def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:

@@ -1,8 +1,9 @@
-"""A Run session's lease: kept renewed for a turn however long it runs.
+"""A Run session's lease: kept renewed for a turn however long it runs, and never left held.
 
 A turn that outlives the lease it started with (a capacity queue, backoffs) sends with the
-lease as its keeper last renewed it, not as it was when the turn began. Real loopback HTTP is
-not needed for the send (the turns send with a function); both backends, sync and async.
+lease as its keeper last renewed it, not as it was when the turn began. An entry cancelled
+while it takes the lease gives the lease back. The turns send with a function (no provider
+is needed); both backends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ledger import (
 from ledger.clock import ManualClock
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import AttemptState
+from ledger.errors import NotFound
 from tests import fakeplan
 from tests.fakeplan import plan
 
@@ -105,3 +107,56 @@ def test_an_async_turn_that_outlives_its_starting_lease_sends_under_the_keepers_
             return [a.state for a in await led.timeline("r")]
 
     assert asyncio.run(main()) == [AttemptState.FAILED, AttemptState.SUCCEEDED]
+
+
+class _CancelsEntry(ManualClock):
+    """A clock whose ``at``-th reading (0: none) cancels ``task``, from whatever thread reads
+    it: a cancellation landing there, in the middle of the entry's writes."""
+
+    def __init__(self, t: float) -> None:
+        super().__init__(t)
+        self.at, self.reads = 0, 0
+        self.task: asyncio.Task[Any] | None = None
+
+    def now(self) -> float:
+        self.reads += 1
+        if self.task is not None and self.reads == self.at:
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+        return super().now()
+
+
+def test_a_cancelled_entry_leaves_the_run_without_a_held_lease(db_url: str, fake: Any) -> None:
+    # The cancellation lands at each clock reading of the entry in turn (admission, the lease's
+    # acquisition): wherever it lands, no lease stays held by an entry whose block never ran.
+    clock = _CancelsEntry(80_000.0)
+
+    async def main() -> list[int]:
+        fences = []
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            for at in range(1, 12):
+                run_id = f"r{at}"
+
+                async def enter(run_id: str = run_id) -> None:
+                    async with led.run(run_id, plan=plan(fake), budget=BUDGET, grant=GRANT):
+                        pass
+
+                clock.reads, clock.at = 0, at
+                clock.task = asyncio.ensure_future(enter())
+                try:
+                    await clock.task
+                except asyncio.CancelledError:
+                    pass
+                else:
+                    break  # the entry reads the clock fewer times: every reading was tried
+                finally:
+                    clock.task = None
+                try:
+                    rec = await led.get_run(run_id)
+                except NotFound:
+                    continue  # cancelled before the Run was admitted
+                assert rec.lease_holder is None, f"cancelled at reading {at}"
+                fences.append(rec.fence)
+        return fences
+
+    # The scene happened: a cancelled entry's acquisition committed (the fence moved on).
+    assert any(f > 0 for f in asyncio.run(main()))
