@@ -69,8 +69,13 @@ async def cancelled_twice(call: Callable[[], Awaitable[Any]], fake: FakeProvider
     fake.enqueue(Fault.NO_RESPONSE)
     task = asyncio.ensure_future(call())
     assert await asyncio.to_thread(fake.wait_for_requests, 1)
-    task.cancel()
-    await asyncio.sleep(0)
-    task.cancel()
+    await cancelled_often(task, 2, gap_s=0)
+
+
+async def cancelled_often(task: asyncio.Future[Any], times: int, *, gap_s: float) -> None:
+    """Cancel ``task`` ``times`` times, ``gap_s`` apart (0: a loop step); it ends cancelled."""
+    for _ in range(times):
+        task.cancel()
+        await asyncio.sleep(gap_s)
     with pytest.raises(asyncio.CancelledError):
         await task

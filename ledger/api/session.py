@@ -754,13 +754,15 @@ class AsyncRunSession(_SessionCore):
 
     async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
         self._state = "ended"
-        # The Run is finished and its lease released even when the block was cancelled.
+        # The Run is finished and its lease released even when the block was cancelled, as
+        # often as it is cancelled meanwhile.
         task = asyncio.ensure_future(self._finish(exc))
         try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await task
-            raise
+            cancelled = await outlast(task)
+            if not task.cancelled():
+                task.result()  # the finish's own error, if it raised
+            if cancelled is not None:
+                raise cancelled
         finally:
             if self._owns_adapter and self._adapter is not None:
                 await self._adapter.aclose()

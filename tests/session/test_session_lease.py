@@ -2,15 +2,20 @@
 
 A turn that outlives the lease it started with (a capacity queue, backoffs) sends with the
 lease as its keeper last renewed it, not as it was when the turn began. An entry cancelled
-while it takes the lease gives the lease back. The turns send with a function (no provider
-is needed); both backends.
+while it takes the lease gives the lease back; an exit cancelled again and again still
+finishes the Run and releases it. The turns send with a function (no provider is needed);
+both backends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from decimal import Decimal
 from typing import Any
+
+import pytest
+from sqlalchemy import text
 
 from ledger import (
     AsyncLedger,
@@ -20,6 +25,7 @@ from ledger import (
     Grant,
     Ledger,
     Part,
+    RunStatus,
     SendResult,
     faults,
 )
@@ -28,7 +34,8 @@ from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import AttemptState
 from ledger.errors import NotFound
 from tests import fakeplan
-from tests.fakeplan import plan
+from tests.fakeplan import cancelled_often, plan
+from tests.storage.helpers import sql_context
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -46,6 +53,10 @@ def _unavailable(d: Dispatch) -> SendResult:
 
 
 OK = SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
+
+
+async def _served(_d: Dispatch) -> SendResult:
+    return OK
 
 
 def _lag(clock: ManualClock) -> None:
@@ -160,3 +171,49 @@ def test_a_cancelled_entry_leaves_the_run_without_a_held_lease(db_url: str, fake
 
     # The scene happened: a cancelled entry's acquisition committed (the fence moved on).
     assert any(f > 0 for f in asyncio.run(main()))
+
+
+def _hold_run_lock(db_url: str, run_id: str, locked: threading.Event,
+                   release: threading.Event) -> None:
+    """Another transaction holding the Run's row lock (SQLite: the database's write lock)."""
+    with Ledger.open(db_url, migrate_schema=False) as other, \
+            sql_context(other).writing() as conn:
+        if other.backend == "postgresql":
+            conn.execute(text("SELECT run_id FROM runs WHERE run_id = :r FOR UPDATE"),
+                         {"r": run_id})
+        locked.set()
+        release.wait(60)
+
+
+@pytest.mark.parametrize("cancels", [3, 5])
+def test_a_block_cancelled_again_and_again_while_leaving_still_finishes_and_releases(
+        db_url: str, fake: Any, cancels: int) -> None:
+    # The first cancellation leaves the block; the others land while its exit waits for the
+    # database (another transaction holds the Run's lock): the exit still ends the Run.
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            served = asyncio.Event()
+
+            async def agent() -> None:
+                async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                    await run.turn(HELLO, send=_served)
+                    served.set()
+                    await asyncio.sleep(600)
+
+            task = asyncio.ensure_future(agent())
+            await served.wait()
+            locked, release = threading.Event(), threading.Event()
+            holder = threading.Thread(target=_hold_run_lock,
+                                      args=(db_url, "r", locked, release))
+            holder.start()
+            try:
+                assert await asyncio.to_thread(locked.wait, 30)
+                asyncio.get_running_loop().call_later(1.0, release.set)
+                await cancelled_often(task, cancels, gap_s=0.1)
+            finally:
+                release.set()
+                await asyncio.to_thread(holder.join)
+            rec = await led.get_run("r")
+            assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
+
+    asyncio.run(main())
