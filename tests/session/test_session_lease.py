@@ -68,26 +68,27 @@ def test_a_turn_that_outlives_its_starting_lease_sends_under_the_keepers_renewal
         db_url: str, fake: Any) -> None:
     clock = ManualClock(70_000.0)
     sent: list[str] = []
-    with Ledger.open(db_url, clock=clock) as led, \
-            led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL) as run:
+    with Ledger.open(db_url, clock=clock) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                     lease_ttl_s=TTL) as run:
 
-        def send(d: Dispatch) -> SendResult:
-            sent.append(d.route.id)
-            if len(sent) > 1:
-                return OK
-            for _ in range(2):  # 4 s of a 3 s lease, the keeper renewing it meanwhile
-                clock.advance(2.0)
-                run._keeper.tick()
-            return _unavailable(d)
+            def send(d: Dispatch) -> SendResult:
+                sent.append(d.route.id)
+                if len(sent) > 1:
+                    return OK
+                for _ in range(2):  # 4 s of a 3 s lease, the keeper renewing it meanwhile
+                    clock.advance(2.0)
+                    run._keeper.tick()
+                return _unavailable(d)
 
-        _lag(clock)
-        try:
-            result = run.turn(HELLO, send=send)
-        finally:
-            faults.disarm()
-        assert result.output == "ok" and len(sent) == 2
-    assert [a.state for a in led.timeline("r")] == [AttemptState.FAILED,
-                                                    AttemptState.SUCCEEDED]
+            _lag(clock)
+            try:
+                result = run.turn(HELLO, send=send)
+            finally:
+                faults.disarm()
+            assert result.output == "ok" and len(sent) == 2
+        assert [a.state for a in led.timeline("r")] == [AttemptState.FAILED,
+                                                        AttemptState.SUCCEEDED]
 
 
 def test_an_async_turn_that_outlives_its_starting_lease_sends_under_the_keepers_renewal(
