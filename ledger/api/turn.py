@@ -479,9 +479,9 @@ def _perform_sync(ledger: SyncFace[Any, Any], eff: Effect[Any],
             return ledger.now()
         case HeldLease():
             return held()
-        case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
+        case AwaitSlot(group=group, waiter=waiter, seconds=seconds, ticket=ticket):
             waker = ledger._store.waker
-            if waker.join(group, waiter):
+            if waker.join(group, waiter, ticket):
                 return None  # registered: begin once more before waiting (no wake is missed)
             waker.wait(waiter, seconds, sleeper)
             return None
@@ -517,9 +517,9 @@ async def _perform_async(ledger: AsyncFace[Any, Any], eff: Effect[Any], send: Se
             return ledger.now()
         case HeldLease():
             return held()
-        case AwaitSlot(group=group, waiter=waiter, seconds=seconds):
+        case AwaitSlot(group=group, waiter=waiter, seconds=seconds, ticket=ticket):
             waker = ledger._store.waker
-            if await waker.ajoin(group, waiter):
+            if await waker.ajoin(group, waiter, ticket):
                 return None  # registered: begin once more before waiting (no wake is missed)
             await waker.await_(waiter, seconds, sleeper)
             return None

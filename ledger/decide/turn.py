@@ -767,7 +767,7 @@ class TurnLoop:
                 left = (begin.queue_until or result.now) - result.now
                 if left <= 0:
                     raise _queue_timeout(begin, first, result, policy)
-                yield from perform(AwaitSlot(group, waiter, left))
+                yield from perform(AwaitSlot(group, waiter, left, result.ticket))
                 result = yield from perform(begin)
         except GeneratorExit:
             raise  # closed with no driver left: the place lapses with the lease

@@ -8,12 +8,17 @@ a grant, and a missed one costs at most one polling interval.
 Signals come from two places:
 
 * this process: every settle, ``mark_unknown`` and queue departure of a ledger on the same
-  database wakes the waiters of that group at once (:meth:`SlotWaker.poke`);
+  database wakes a waiter of that group at once (:meth:`SlotWaker.poke`);
 * other processes, on PostgreSQL: a trigger (migration 0006) notifies channel
   :data:`~ledger.storage.statements.QUEUE_CHANNEL` when a slot of a group with waiters is
   freed, and a queue departure notifies it too; one listening connection per store, opened
   while someone waits, pokes the local waiters. SQLite has no such channel: waiters in other
   processes poll.
+
+One freed slot wakes one waiter of this process: the earliest by ticket not woken yet, the one
+the queue serves first. Waking all of them cost one begin each, all serialized on the group's
+lock, for a single slot: with many waiters the queue crawled. A waiter that leaves with a wake
+it did not use (it was served by an earlier one, cancelled, or gave up) passes it on.
 
 A slot held by a dead executor comes back when its lease expires, which nothing announces: the
 polling interval bounds how long a waiter takes to notice.
@@ -42,6 +47,7 @@ class _Signal:
     """One waiter's wake-up: a thread event, and an asyncio one for a waiter on a loop."""
 
     group: str
+    ticket: int
     event: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     aevent: asyncio.Event | None = None
@@ -76,7 +82,11 @@ class _Registry:
     def remove(self, key: str, waiter: str) -> bool:
         with self.lock:
             waiters = self.by_key.get(key, {})
-            waiters.pop(waiter, None)
+            gone = waiters.pop(waiter, None)
+            if gone is not None and gone.event.is_set():
+                # Woken and never back at a begin with it: the slot it was woken for may be
+                # free still, and the waiters behind it would not hear of it until they poll.
+                self._wake_first(waiters, gone.group)
             if not waiters:
                 self.by_key.pop(key, None)
                 return True  # nobody of this database waits any more
@@ -84,11 +94,23 @@ class _Registry:
 
     def poke(self, key: str, group: str | None) -> int:
         with self.lock:
-            signals = [s for s in self.by_key.get(key, {}).values()
-                       if group is None or s.group == group]
+            waiters = self.by_key.get(key, {})
+            if group is not None:
+                return self._wake_first(waiters, group)
+            signals = list(waiters.values())
         for s in signals:
             s.set()
         return len(signals)
+
+    @staticmethod
+    def _wake_first(waiters: dict[str, _Signal], group: str) -> int:
+        """Wake the earliest waiter of ``group`` not woken yet (under :attr:`lock`): the one
+        the queue serves first; one woken already will begin again anyway."""
+        idle = [s for s in waiters.values() if s.group == group and not s.event.is_set()]
+        if not idle:
+            return 0
+        min(idle, key=lambda s: s.ticket).set()
+        return 1
 
 
 _REGISTRY = _Registry()
@@ -116,38 +138,49 @@ class SlotWaker:
         self._lock = threading.Lock()
 
     def poke(self, group: str | None) -> None:
-        """Wake this process's waiters of ``group`` (``None``: of every group)."""
+        """Wake this process's earliest waiter of ``group`` not woken yet: one slot came free
+        (``None``: every waiter of every group)."""
         _REGISTRY.poke(self.key, group)
 
-    def join(self, group: str, waiter: str) -> bool:
-        """Register ``waiter`` for ``group``'s wake-ups; ``False`` when it already was.
+    def join(self, group: str, waiter: str, ticket: int) -> bool:
+        """Register ``waiter``, at queue place ``ticket``, for ``group``'s wake-ups; ``False``
+        when it already was (its ticket is updated: a lapsed place is taken anew).
 
         Returns once the listening connection listens, or after :data:`LISTEN_READY_S`.
         """
-        if _REGISTRY.get(self.key, waiter) is not None:
+        if self._known(waiter, ticket):
             return False
-        _REGISTRY.add(self.key, waiter, _Signal(group))
+        _REGISTRY.add(self.key, waiter, _Signal(group, ticket))
         ready = self._ensure_listener()
         if ready is not None:
             ready.wait(LISTEN_READY_S)
         return True
 
-    async def ajoin(self, group: str, waiter: str) -> bool:
+    async def ajoin(self, group: str, waiter: str, ticket: int) -> bool:
         """:meth:`join` for a waiter on the running loop: its signal is also an
         :class:`asyncio.Event`, and the wait for the listening connection is on a worker
         thread, so the loop runs meanwhile (a server slow to accept a connection would
         otherwise stop it for up to :data:`LISTEN_READY_S`)."""
-        if _REGISTRY.get(self.key, waiter) is not None:
+        if self._known(waiter, ticket):
             return False
-        signal = _Signal(group, loop=asyncio.get_running_loop(), aevent=asyncio.Event())
+        signal = _Signal(group, ticket, loop=asyncio.get_running_loop(),
+                         aevent=asyncio.Event())
         _REGISTRY.add(self.key, waiter, signal)
         ready = self._ensure_listener()
         if ready is not None:
             await asyncio.to_thread(ready.wait, LISTEN_READY_S)
         return True
 
+    def _known(self, waiter: str, ticket: int) -> bool:
+        signal = _REGISTRY.get(self.key, waiter)
+        if signal is None:
+            return False
+        signal.ticket = ticket
+        return True
+
     def leave(self, waiter: str) -> None:
-        """Forget ``waiter`` (it was served, gave up or was cancelled)."""
+        """Forget ``waiter`` (it was served, gave up or was cancelled); a wake it did not use
+        goes to the next waiter of its group."""
         if _REGISTRY.remove(self.key, waiter):
             self._stop_listener()
 

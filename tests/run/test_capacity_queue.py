@@ -478,3 +478,141 @@ def test_run_show_says_how_long_a_turn_waited_for_which_group(
     waits = page.split('id="waits"', 1)[1].split("</section>", 1)[0]
     assert "30.0 s" in waits and "for a slot of full group ga" in waits and "timed_out" in waits
     assert api["waits"][0]["waited_s"] == pytest.approx(30.0)
+
+
+# -- one freed slot, one wake-up ------------------------------------------------------------
+
+
+class _WokenOnly:
+    """A turn's sleeper whose waits for a slot end only on a wake-up: never on the polling
+    interval, never on time (past PATIENCE_S the turn is called hung). It counts them: each
+    is one more begin of its waiter."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.parked = asyncio.Event()  # waits for a slot now
+        self.woken = asyncio.Event()
+
+    def sleep(self, seconds: float) -> None:  # pragma: no cover - nothing here backs off
+        raise AssertionError("a queued turn slept on time")
+
+    async def asleep(self, seconds: float) -> None:  # pragma: no cover - as sleep
+        self.sleep(seconds)
+
+    async def asleep_until_woken(self, seconds: float, woken: asyncio.Event,
+                                 poll_s: float) -> None:
+        self.waits += 1
+        self.parked.set()
+        await asyncio.wait_for(woken.wait(), PATIENCE_S)
+        self.parked.clear()
+        self.woken.set()
+
+
+async def _held(led: AsyncLedger, route: Route, slots: int) -> list[tuple[object, str]]:
+    """Other Runs take all ``slots`` of the group (long leases: they stay live)."""
+    await led.configure_group("ga", max_in_flight=slots)
+    held = []
+    for i in range(slots):
+        await led.admit_run(f"holder{i}", plan=[route], budget=BUDGET, grant=GRANT)
+        lease = await led.acquire_lease(f"holder{i}", ttl_s=3600)
+        att = await led.begin_attempt(lease, route="a", envelope_hash="sha256:held",
+                                      reserve="0")
+        held.append((lease, att.attempt_id))
+    return held
+
+
+async def _queue(led: AsyncLedger, route: Route, run_id: str, sleeper: _WokenOnly
+                 ) -> asyncio.Task[object]:
+    """Start ``run_id``'s turn and return once it waits in the queue (its ticket is then
+    behind every waiter queued before)."""
+    async def turn() -> object:
+        async with led.run(run_id, plan=[route], budget=BUDGET, grant=GRANT) as run:
+            return await run.turn(ENV, sleeper=sleeper)
+
+    task = asyncio.create_task(turn())
+    await asyncio.wait_for(sleeper.parked.wait(), PATIENCE_S)
+    return task
+
+
+def test_a_freed_slot_wakes_one_waiter_not_every_waiter_of_the_group(
+        db_url: str, fake: FakeProvider) -> None:
+    # Waking every waiter for each freed slot cost each of them a begin, all serialized on the
+    # group's lock: N waiters and K slots made O(N*K) begins, and a long queue crawled.
+    waiters, slots = 20, 2
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            _only_a_signal_wakes(led.sync)
+            route = _route(fake)
+            held = await _held(led, route, slots)
+            sleepers = [_WokenOnly() for _ in range(waiters)]
+            tasks = [await _queue(led, route, f"w{i}", s) for i, s in enumerate(sleepers)]
+            assert sum(s.waits for s in sleepers) == waiters
+            for lease, attempt_id in held:  # several slots in a row: as many waiters go
+                await led.settle_attempt(lease, attempt_id, outcome="succeeded", cost="0")
+            await asyncio.wait_for(asyncio.gather(*tasks), PATIENCE_S)
+            # Each served turn frees its slot for the next: waiters + slots freed in all. Each
+            # wakes one waiter, and on PostgreSQL the NOTIFY of this process's own settle one
+            # more; a wake-up is one more wait unless it admits, and every waiter's last one
+            # does. Waking every waiter instead made this grow with waiters * slots freed.
+            more = sum(s.waits for s in sleepers) - waiters
+            assert more <= 2 * (waiters + slots) - waiters, more
+            for i in range(waiters):
+                [att] = await led.timeline(f"w{i}")
+                assert att.state is AttemptState.SUCCEEDED
+
+    asyncio.run(main())
+
+
+def test_a_woken_waiter_cancelled_before_it_begins_again_passes_the_slot_on(
+        db_url: str, fake: FakeProvider) -> None:
+    class _Stuck(_WokenOnly):
+        """Woken, then stuck until cancelled: it never begins again."""
+
+        async def asleep_until_woken(self, seconds: float, woken: asyncio.Event,
+                                     poll_s: float) -> None:
+            await super().asleep_until_woken(seconds, woken, poll_s)
+            await asyncio.Event().wait()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            _only_a_signal_wakes(led.sync)
+            route = _route(fake)
+            [(lease, held)] = await _held(led, route, 1)
+            first, second = _Stuck(), _WokenOnly()
+            stuck = await _queue(led, route, "first", first)
+            nxt = await _queue(led, route, "second", second)
+            await led.settle_attempt(lease, held, outcome="succeeded", cost="0")
+            await asyncio.wait_for(first.woken.wait(), PATIENCE_S)  # the earliest is woken
+            stuck.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stuck
+            await asyncio.wait_for(nxt, PATIENCE_S)  # woken by a signal, not by polling
+            [att] = await led.timeline("second")
+            assert att.state is AttemptState.SUCCEEDED
+            assert await led.timeline("first") == [] and _waiting(led.sync) == 0
+
+    asyncio.run(main())
+
+
+def test_slots_freed_in_a_row_wake_as_many_waiters_in_ticket_order(led: Ledger) -> None:
+    waker = storage_of(led).waker
+    tickets = {"third": 3, "first": 1, "second": 2, "elsewhere": 0}
+    for w, t in tickets.items():  # joined out of ticket order
+        assert waker.join("gb" if w == "elsewhere" else "ga", w, t)
+
+    def woken() -> set[str]:
+        return {w for w in tickets if (s := waker.signal(w)) is not None and s.event.is_set()}
+
+    try:
+        waker.poke("ga")
+        waker.poke("ga")
+        assert woken() == {"first", "second"}  # two slots: two waiters, the earliest
+        waker.leave("first")  # woken, and gone before it began again: its wake passes on
+        assert woken() == {"second", "third"}
+        assert not waker.join("ga", "second", 5)  # begun again: a new place, same signal
+        waker.poke(None)  # every group
+        assert woken() == {"second", "third", "elsewhere"}
+    finally:
+        for w in tickets:
+            waker.leave(w)
