@@ -89,6 +89,12 @@ class SqlContext(abc.ABC):
         transaction on ``conn`` ends (a roll-up's, :mod:`ledger.storage.rollups`); without
         ``wait``, only if no writer holds it now. Returns whether it is held."""
 
+    def bounded_locks(self, conn: Connection, timeout: str) -> bool:
+        """Make the write transaction on ``conn`` wait at most ``timeout`` (``'10s'``) for a
+        lock another session holds, where the database waits per lock; ``False`` where it
+        does not (SQLite: ``BEGIN IMMEDIATE``'s busy timeout bounds the whole write)."""
+        return False
+
     @abc.abstractmethod
     def consistent(self, conn: Connection) -> None:
         """Make the read transaction just begun on ``conn`` one snapshot of the whole ledger."""

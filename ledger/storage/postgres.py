@@ -131,6 +131,11 @@ class PostgresContext(SqlContext):
         return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k, :h)"),
                                  key).scalar_one())
 
+    def bounded_locks(self, conn: Connection, timeout: str) -> bool:
+        """``SET LOCAL lock_timeout``: a lock not granted in time is SQLSTATE 55P03."""
+        conn.execute(text(f"SET LOCAL lock_timeout = '{timeout}'"))
+        return True
+
     def consistent(self, conn: Connection) -> None:
         """``REPEATABLE READ``: every statement of the transaction sees one snapshot."""
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")

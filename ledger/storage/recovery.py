@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, or_, select, text
+from sqlalchemy import Connection, and_, bindparam, func, or_, select
 from sqlalchemy.exc import DBAPIError
 
 from ledger import faults
@@ -427,9 +427,8 @@ class RecoveryQueries:
         transaction``) would otherwise keep an operator's close waiting for as long as it
         lasts, with nothing said."""
         query = select(s.runs).where(s.runs.c.run_id == run_id).with_for_update()
-        if self.ctx.backend != "postgresql":
+        if not self.ctx.bounded_locks(conn, CLOSE_LOCK_TIMEOUT):
             return conn.execute(query).first()  # BEGIN IMMEDIATE's busy timeout bounds it
-        conn.execute(text(f"SET LOCAL lock_timeout = '{CLOSE_LOCK_TIMEOUT}'"))
         try:
             return conn.execute(query).first()
         except DBAPIError as e:
