@@ -187,7 +187,7 @@ def ensure_partitions(ctx: SqlContext, now: float, ahead: int = MONTHS_AHEAD, *,
                 with conn.begin():
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"),
                                  {"k": _PG_PARTITION_LOCK})
-                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+                    ctx.bounded_locks(conn, LOCK_TIMEOUT)
                     if partition_name(table, y, m) in {p.name for p in partitions(conn, table)}:
                         continue  # another process made it while this one waited
                     made.append(create_partition(conn, table, y, m))

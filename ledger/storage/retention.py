@@ -109,7 +109,7 @@ class RetentionQueries:
     def _partitions(self, older_than_s: float, clock: ClockFn, by: str, reason: str,
                     dry_run: bool) -> Retention:
         with self.ctx.writing() as conn:
-            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            self.ctx.bounded_locks(conn, LOCK_TIMEOUT)
             now = clock()
             cutoff = now - older_than_s
             _split_default(conn, cutoff)
