@@ -1,7 +1,8 @@
 """``python -m benchmarks COMMAND``: the benchmark suite's command line (run from the repository
 root; the benchmarks are not part of the installed package).
 
-``write``, ``group-ceiling``, ``turn``, ``turns-flat``, ``recover`` and ``select`` measure;
+``write``, ``group-ceiling``, ``turn``, ``turns-flat``, ``queue``, ``recover`` and ``select``
+measure;
 ``generate`` fills a database with a large synthetic history, fast (the bulk generator), and
 ``audit`` times each audit query on it. Every database benchmark measures a temporary SQLite
 file by default; ``--postgres`` adds a throwaway PostgreSQL server started with production
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -218,6 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     g.set_defaults(func=_generate)
 
+    q = bench.add_parser(
+        "queue", help="a long queue on one capacity group: wall time, begins and CPU per turn",
+        description="One AsyncLedger, --sessions Run sessions each serving --turns turns "
+        "through one capacity group of limit --limit, the send answering after --delay-ms: "
+        "wall time beside the floor (delay x turns / limit), begin transactions per turn "
+        "(counted at the driver) and client CPU per turn.")
+    _add_where(q)
+    q.add_argument("--sessions", type=int, default=d.QUEUE_SESSIONS, metavar="N",
+                   help=f"sessions open at once (default {d.QUEUE_SESSIONS})")
+    q.add_argument("--turns", type=int, default=d.QUEUE_TURNS, metavar="N",
+                   help=f"turns per session, in a row (default {d.QUEUE_TURNS})")
+    q.add_argument("--limit", type=int, default=d.QUEUE_LIMIT, metavar="N",
+                   help=f"the capacity group's max_in_flight (default {d.QUEUE_LIMIT})")
+    q.add_argument("--delay-ms", type=float, default=d.QUEUE_DELAY_MS, metavar="MS",
+                   help=f"how long the send takes to answer (default {d.QUEUE_DELAY_MS:g})")
+    q.set_defaults(func=_queue)
+
     dp = bench.add_parser(
         "deepen", help="copy --db's generated history back in time, server-side",
         description="Copies the finished Runs of --db's history (filled by generate) --copies "
@@ -369,6 +388,20 @@ def _flat(args: argparse.Namespace) -> int:
     return _on_targets(args, "turns-flat", lambda ts, progress: flat.run(
         ts, turns=args.turns, window=args.window, drivers=drivers,
         count_tx=not args.no_tx_count, progress=progress))
+
+
+def _queue(args: argparse.Namespace) -> int:
+    from benchmarks import queue
+
+    _positive(args.sessions, "sessions")
+    _positive(args.turns, "turns")
+    _positive(args.limit, "limit")
+    if not math.isfinite(args.delay_ms) or args.delay_ms < 0:
+        raise InvalidArgument("--delay-ms must be a finite number of milliseconds >= 0",
+                              field="delay_ms")
+    return _on_targets(args, "queue", lambda ts, progress: queue.run(
+        ts, sessions=args.sessions, turns=args.turns, limit=args.limit,
+        delay_ms=args.delay_ms, progress=progress))
 
 
 def _recover(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import ceiling, flat, recover, selector, turn, write
+from benchmarks import ceiling, flat, queue, recover, selector, turn, write
 from benchmarks import floor as baseline
 from benchmarks.cli import build_parser, main, parse_workers
 from benchmarks.common import BenchError, Report, percentile
@@ -116,6 +116,34 @@ def test_group_ceiling_reports_one_group_beside_n_groups(backend: str, tmp_path:
     # Every pair was a begin admitted by its group and settled: nothing refused or queued.
     assert len(atts) == 2 * ((4 + 1) + (4 + 2))  # 2 shapes x (measured + warm-ups)
     assert {a.state.value for a in atts} == {"succeeded"}
+
+
+# -- queue -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_queue_serves_every_turn_and_counts_begins_and_cpu_per_turn(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    report = queue.run([(name, url)], sessions=5, turns=2, limit=2, delay_ms=5)
+    [r] = report.rows
+    assert (r.backend, r.sessions, r.turns, r.limit, r.served) == (name, 5, 2, 2, 10)
+    assert r.floor_s == pytest.approx(0.005 * 10 / 2)
+    assert r.x_floor == pytest.approx(r.wall_s / r.floor_s, rel=0.02)
+    # Every turn begins at least once; a turn that queued at least three times (it queues,
+    # registers for wake-ups, is admitted). More sessions than slots: some queued.
+    assert 0 < r.queued <= 10
+    assert r.begins >= 10 + 2 * r.queued
+    assert r.begins_per_turn == pytest.approx(r.begins / 10, abs=0.01)
+    assert r.tx_per_turn > r.begins_per_turn and r.cpu_ms_per_turn > 0
+    assert len(_table_lines(report)) == 1 + 1 + len(report.notes) + 1
+    assert _json(report)["rows"][0]["begins"] == r.begins  # type: ignore[index]
+    with Ledger.open(url) as led:
+        atts = led.attempts(route="bench-queue", limit=100).items
+        group = led.group_projections([queue.GROUP])[queue.GROUP]
+        rejected = led.attempts(state="rejected").items
+    assert rejected == []  # a wait is no refusal
+    assert len(atts) == 10 and {a.state.value for a in atts} == {"succeeded"}
+    assert (group.limit, group.in_flight, group.waiting) == (2, 0, 0)
 
 
 def test_write_measure_counts_every_attempt_of_every_worker(tmp_path: Path) -> None:
@@ -413,6 +441,9 @@ def test_cli_every_bench_prints_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     data = _cli_json(capsys, ["group-ceiling", "--db", str(tmp_path / "c.db"), "--pairs",
                               "2", "--workers", "1", "--json"])
     assert data["bench"] == "group-ceiling" and len(data["rows"]) == 1  # type: ignore[arg-type]
+    data = _cli_json(capsys, ["queue", "--db", str(tmp_path / "q.db"), "--sessions", "3",
+                              "--turns", "1", "--limit", "1", "--delay-ms", "1", "--json"])
+    assert data["bench"] == "queue" and data["rows"][0]["served"] == 3  # type: ignore[index]
     data = _cli_json(capsys, ["select", "--iterations", "5", "--json"])
     assert data["bench"] == "select" and data["targets"]
 
@@ -443,6 +474,9 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
         (["generate", "--db", db, "--days", "0"], "--days"),
         (["audit", "--db", db, "--repeat", "0"], "--repeat"),
         (["deepen", "--db", db, "--copies", "0"], "--copies"),
+        (["queue", "--db", db, "--sessions", "0"], "--sessions"),
+        (["queue", "--db", db, "--limit", "0"], "--limit"),
+        (["queue", "--db", db, "--delay-ms", "-1"], "--delay-ms"),
     ]
     for argv, word in cases:
         assert main(argv) == 2, argv
@@ -454,7 +488,7 @@ def test_parser_has_every_bench() -> None:
     p = build_parser()
     args = p.parse_args(["write", "--workers", "1,8", "--postgres"])
     assert args.workers == "1,8" and args.postgres and args.bench_db is None
-    for name in ("group-ceiling", "turn", "turns-flat", "recover", "select", "audit",
+    for name in ("group-ceiling", "turn", "turns-flat", "queue", "recover", "select", "audit",
                  "generate"):
         assert p.parse_args([name]).bench_command == name
     assert p.parse_args(["deepen", "--copies", "9"]).copies == 9
