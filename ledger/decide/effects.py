@@ -435,7 +435,8 @@ class AwaitSlot(Effect[None]):
     The first wait of a waiter only registers it for wake-ups and returns at once (the loop
     then begins again, so a slot freed meanwhile is not missed); later ones wait for a wake-up
     or the store's polling interval, through the sleeper. ``ticket`` is the waiter's place in
-    the queue: a freed slot wakes this process's earliest waiter only.
+    the queue: a freed slot wakes this process's earliest waiter only, and only the earliest of
+    the group here polls (the others wait for a signal, see :mod:`ledger.storage.wake`).
     """
 
     group: str

@@ -15,13 +15,29 @@ Signals come from two places:
   while someone waits, pokes the local waiters. SQLite has no such channel: waiters in other
   processes poll.
 
+On PostgreSQL a slot this process frees is heard twice: the poke, then the trigger's
+notification, which the listener hears too and which wakes one more waiter (one more begin).
+It is not skipped by the notifying backend's pid, because a slot freed here by recovery,
+``close_run`` or a begin whose adoption is refused fires the trigger without a poke.
+
 One freed slot wakes one waiter of this process: the earliest by ticket not woken yet, the one
 the queue serves first. Waking all of them cost one begin each, all serialized on the group's
 lock, for a single slot: with many waiters the queue crawled. A waiter that leaves with a wake
 it did not use (it was served by an earlier one, cancelled, or gave up) passes it on.
 
+Only the earliest waiter of a group in this process polls, every polling interval: the begin
+serves first come, first served by ticket, so a later one polling could only be told to wait
+again, at the cost of a write transaction under the group's lock (120 waiters on SQLite polled
+1,200 begins a second). The others wait for a signal, at most :data:`IDLE_POLLS` polling
+intervals (a signal lost is still bounded), and always within their own deadline. When the
+earliest leaves for any reason (served, cancelled, gave up, past its bound), or another one
+becomes the earliest (a lapsed place taken anew under a later ticket), the new earliest is
+woken: it begins once and takes over polling. A served waiter thus wakes the next one, which
+finds a second slot that a settle in another process may have freed. Waiters of other
+processes have their own earliest polling, so nothing across processes depends on this one.
+
 A slot held by a dead executor comes back when its lease expires, which nothing announces: the
-polling interval bounds how long a waiter takes to notice.
+earliest waiter's polling interval bounds how long the queue takes to notice.
 """
 
 from __future__ import annotations
@@ -40,6 +56,10 @@ log = logging.getLogger("ledger.storage")
 #: it makes next then misses no wake-up. A server that does not answer in time leaves the
 #: waiters to polling until it does.
 LISTEN_READY_S = 5.0
+
+#: A waiter that is not the earliest of its group in this process waits for a signal at most
+#: this many polling intervals: only a lost signal makes it wait that long.
+IDLE_POLLS = 20
 
 
 @dataclass
@@ -73,20 +93,47 @@ class _Registry:
 
     def add(self, key: str, waiter: str, signal: _Signal) -> None:
         with self.lock:
-            self.by_key.setdefault(key, {})[waiter] = signal
+            waiters = self.by_key.setdefault(key, {})
+            before = _earliest(waiters, signal.group)
+            waiters[waiter] = signal
+            _hand_over(waiters, signal.group, before, signal)
 
     def get(self, key: str, waiter: str) -> _Signal | None:
         with self.lock:
             return self.by_key.get(key, {}).get(waiter)
 
+    def retick(self, key: str, waiter: str, ticket: int) -> bool:
+        """Move ``waiter`` to its new place ``ticket``; ``False`` when it is not registered."""
+        with self.lock:
+            waiters = self.by_key.get(key, {})
+            signal = waiters.get(waiter)
+            if signal is None:
+                return False
+            before = _earliest(waiters, signal.group)
+            signal.ticket = ticket
+            _hand_over(waiters, signal.group, before, signal)
+            return True
+
+    def polls(self, key: str, waiter: str) -> bool:
+        """Whether ``waiter`` is the earliest of its group here: the one that polls."""
+        with self.lock:
+            waiters = self.by_key.get(key, {})
+            signal = waiters.get(waiter)
+            return signal is not None and _earliest(waiters, signal.group) is signal
+
     def remove(self, key: str, waiter: str) -> bool:
         with self.lock:
             waiters = self.by_key.get(key, {})
-            gone = waiters.pop(waiter, None)
-            if gone is not None and gone.event.is_set():
-                # Woken and never back at a begin with it: the slot it was woken for may be
-                # free still, and the waiters behind it would not hear of it until they poll.
-                self._wake_first(waiters, gone.group)
+            gone = waiters.get(waiter)
+            if gone is not None:
+                before = _earliest(waiters, gone.group)
+                del waiters[waiter]
+                if gone.event.is_set():
+                    # Woken and never back at a begin with it: the slot it was woken for may
+                    # be free still, and the waiters behind it would not hear of it until
+                    # they poll.
+                    self._wake_first(waiters, gone.group)
+                _hand_over(waiters, gone.group, before, gone)
             if not waiters:
                 self.by_key.pop(key, None)
                 return True  # nobody of this database waits any more
@@ -113,6 +160,20 @@ class _Registry:
         return 1
 
 
+def _earliest(waiters: dict[str, _Signal], group: str) -> _Signal | None:
+    mine = [s for s in waiters.values() if s.group == group]
+    return min(mine, key=lambda s: s.ticket) if mine else None
+
+
+def _hand_over(waiters: dict[str, _Signal], group: str, before: _Signal | None,
+               at_begin: _Signal) -> None:
+    """Wake the group's new earliest waiter when it changed: it takes over polling (it was
+    waiting out the long idle interval). ``at_begin`` is about to begin anyway."""
+    now = _earliest(waiters, group)
+    if now is not None and now is not before and now is not at_begin:
+        now.set()
+
+
 _REGISTRY = _Registry()
 
 
@@ -122,7 +183,8 @@ class SlotWaker:
     Args:
         key: Names the database (its URL without the password): ledgers of one process on one
             database share their waiters' wake-ups.
-        poll_s: The longest a waiter waits without a signal before it begins again.
+        poll_s: The longest the earliest waiter of a group (in this process) waits without a
+            signal before it begins again; the others wait :data:`IDLE_POLLS` times longer.
         listen: Opens a listening connection that calls its argument with a group id for each
             notification until the event it gets is set (PostgreSQL); ``None``: no channel.
     """
@@ -172,11 +234,24 @@ class SlotWaker:
         return True
 
     def _known(self, waiter: str, ticket: int) -> bool:
-        signal = _REGISTRY.get(self.key, waiter)
-        if signal is None:
-            return False
-        signal.ticket = ticket
-        return True
+        return _REGISTRY.retick(self.key, waiter, ticket)
+
+    @property
+    def idle_s(self) -> float:
+        """How long a waiter that is not the earliest of its group here waits without a
+        signal (:data:`IDLE_POLLS` polling intervals)."""
+        return self.poll_s * IDLE_POLLS
+
+    def polls(self, waiter: str) -> bool:
+        """Whether ``waiter`` is the earliest waiter of its group in this process: the one
+        that polls every :attr:`poll_s`; the others wait for a signal, at most
+        :attr:`idle_s`."""
+        return _REGISTRY.polls(self.key, waiter)
+
+    def interval(self, waiter: str) -> float:
+        """The longest ``waiter`` waits without a signal: :attr:`poll_s` for the group's
+        earliest here, :attr:`idle_s` for the others."""
+        return self.poll_s if self.polls(waiter) else self.idle_s
 
     def leave(self, waiter: str) -> None:
         """Forget ``waiter`` (it was served, gave up or was cancelled); a wake it did not use
@@ -189,13 +264,13 @@ class SlotWaker:
         return _REGISTRY.get(self.key, waiter)
 
     def wait(self, waiter: str, seconds: float, sleeper: Any) -> None:
-        """Wait for ``waiter``'s signal, at most ``seconds`` (and one polling interval)."""
+        """Wait for ``waiter``'s signal, at most ``seconds`` and its :meth:`interval`."""
         signal = self.signal(waiter)
         wait = getattr(sleeper, "sleep_until_woken", None)
         if signal is None or wait is None:
             sleeper.sleep(min(seconds, self.poll_s))
             return
-        wait(seconds, signal.event, self.poll_s)
+        wait(seconds, signal.event, self.interval(waiter))
         signal.clear()
 
     async def await_(self, waiter: str, seconds: float, sleeper: Any) -> None:
@@ -205,7 +280,7 @@ class SlotWaker:
         if signal is None or signal.aevent is None or wait is None:
             await sleeper.asleep(min(seconds, self.poll_s))
             return
-        await wait(seconds, signal.aevent, self.poll_s)
+        await wait(seconds, signal.aevent, self.interval(waiter))
         signal.clear()
 
     # -- the listening connection (PostgreSQL) ---------------------------------------------
@@ -251,4 +326,4 @@ class SlotWaker:
         self._stop_listener()
 
 
-__all__ = ["SlotWaker"]
+__all__ = ["IDLE_POLLS", "LISTEN_READY_S", "SlotWaker"]
