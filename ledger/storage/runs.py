@@ -205,7 +205,9 @@ class RunQueries:
 
     def settle_unknown(self, spec: ReceiptSpec, clock: ClockFn) -> AttemptRecord:
         """Settle an ``unknown`` Attempt with an operator's evidence, in one transaction under
-        its Run's row lock (no lease: the Run may be closed or held by nobody): the state moves
+        its Run's row lock (no lease: the Run may be closed or held by nobody), taken before
+        the Attempt is read, as every writer takes them (its Run's id is looked up in a read
+        of its own first): the state moves
         from ``unknown`` to ``spec.outcome`` once, the hold is posted or voided by
         :func:`ledger.decide.settle.settle_holds`, the Run's counters follow, and an applied
         ``late_receipt`` event records who, what and the previous state (``spec.events`` are
@@ -217,16 +219,23 @@ class RunQueries:
         # never writes to one again (its repeated settle is the same write, recognised by its
         # hash), and the Run's row lock serializes this with every other write to its counters.
         a, d, r = s.attempts.c, s.debits.c, s.runs.c
-        with self.ctx.writing() as conn:
+        # The Run's id is read in a transaction of its own, so that the write below takes the
+        # Run's row lock before it touches `attempts`, in the order every writer (and
+        # retention's `runs` EXCLUSIVE, then `attempts`) takes them: reading the Attempt first
+        # held `attempts` while waiting for `runs`, a deadlock on PostgreSQL with a retention
+        # run in between. An Attempt never changes Run, so the id read outside stays true.
+        with self.ctx.reading() as conn:
             found = conn.execute(select(a.run_id).where(a.attempt_id == spec.attempt_id)).first()
-            if found is None:
-                raise NotFound(f"unknown attempt id {spec.attempt_id!r}; list unknown attempts "
-                               "with `failover-ledger attempts --open`",
-                               attempt_id=spec.attempt_id)
+        if found is None:
+            raise self._no_attempt(spec.attempt_id)
+        with self.ctx.writing() as conn:
             run = conn.execute(select(r.run_id, r.max_tokens, r.selected_route)
                                .where(r.run_id == found.run_id).with_for_update()).one()
             now = clock()
-            att = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
+            # Re-read under the lock: what was read before it may have been settled since.
+            att = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).first()
+            if att is None:  # its history was dropped in between (a retention run)
+                raise self._no_attempt(spec.attempt_id)
             if att.state != AttemptState.UNKNOWN.value or att.debit_state != "reserved":
                 raise InvalidState(
                     f"attempt {spec.attempt_id!r} is {att.state}, not unknown: only an unknown "
@@ -278,6 +287,11 @@ class RunQueries:
                 self.ctx.add_event(conn, run.run_id, spec.attempt_id, kind, data, now)
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
         return attempt_record(row, row.debit_state)
+
+    @staticmethod
+    def _no_attempt(attempt_id: str) -> NotFound:
+        return NotFound(f"unknown attempt id {attempt_id!r}; list unknown attempts with "
+                        "`failover-ledger attempts --open`", attempt_id=attempt_id)
 
     # -- an operator's clear of a cooldown -------------------------------------------------
 

@@ -15,11 +15,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.clock import ManualClock
@@ -28,6 +30,7 @@ from ledger.domain.values import Budget, Price, Route
 from ledger.errors import InvalidArgument, InvalidState, NotFound
 from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
+from ledger.storage.engine import normalize_url
 from tests.storage.helpers import grant
 
 REPO = Path(__file__).resolve().parents[2]
@@ -240,6 +243,64 @@ def test_an_unknown_attempt_id_is_not_found(db_url: str) -> None:
         led.settle_unknown("att-nope", outcome="succeeded", prompt_tokens=1, note="console")
     assert _books(led) == books
     led.close()
+
+
+@pytest.mark.postgres
+def test_settle_unknown_locks_the_run_before_the_attempt_and_never_deadlocks_a_retention(
+        pg_url: str) -> None:
+    """Every writer locks `runs` before `attempts`; retention takes `runs` EXCLUSIVE, then
+    `attempts` ACCESS EXCLUSIVE (``_lock_as_writers_do``). A second connection takes the two in
+    that order around an operator's settle: the settle must hold nothing on `attempts` while
+    it waits for its Run's row, so the second connection's `attempts` lock is granted, and the
+    settle goes on once it commits (no deadlock reported as ``DatabaseUnavailable``)."""
+    led = Ledger.open(pg_url)
+    attempt_id, _ = _unknown(led)
+    eng = create_engine(normalize_url(pg_url))
+    retention = eng.connect()
+    done: list[Any] = []
+
+    def settle() -> None:
+        try:
+            done.append(led.settle_unknown(attempt_id, outcome="failed", cost="0.004",
+                                           note="console"))
+        except Exception as e:  # the deadlock, as the old order met it
+            done.append(e)
+
+    job = threading.Thread(target=settle, daemon=True)
+    try:
+        tx = retention.begin()
+        # Bounded: a lock that would deadlock gives up in 10 s rather than hang the test.
+        retention.execute(text("SET LOCAL lock_timeout = '10s'"))
+        retention.execute(text("LOCK TABLE runs IN EXCLUSIVE MODE"))
+        job.start()
+        with eng.connect() as watch:
+            for _ in range(600):  # until the settle waits for a lock on `runs`
+                waiting = watch.execute(text(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+                    "WHERE c.relname = 'runs' AND NOT l.granted")).scalar_one()
+                if waiting:
+                    break
+                job.join(0.05)
+            assert waiting and not done
+            held = watch.execute(text(
+                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+                "WHERE c.relname LIKE 'attempts%' AND l.pid <> :me AND l.granted"),
+                {"me": retention.execute(text("SELECT pg_backend_pid()")).scalar_one()}
+            ).scalar_one()
+        assert held == 0, "the waiting settle holds a lock on attempts"
+        retention.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
+        tx.commit()
+        job.join(60)
+        assert not job.is_alive()
+        [att] = done
+        assert not isinstance(att, Exception), att
+        assert att.state is AttemptState.FAILED and att.cost == Decimal("0.004")
+        _agree(led)
+    finally:
+        retention.close()
+        eng.dispose()
+        job.join(60)
+        led.close()
 
 
 def test_the_async_twin_settles_the_same_way(db_url: str) -> None:
