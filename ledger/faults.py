@@ -26,6 +26,10 @@ Points in the ledger:
     for the driver that sends the request (the retry owner, or a host using the low-level API):
     after begin returned and before the request leaves, and after the response arrived and
     before settle is called.
+``acquire.after_commit``
+    inside :meth:`ledger.storage.store.Store.acquire_lease`: right after the lease's commit,
+    before the lease is returned (an acquisition whose acknowledgement is lost, or which an
+    interruption cut short).
 ``recover.before_commit`` / ``recover.after_commit``
     inside the takeover of one run by :func:`ledger.ops.recovery.recover`.
 ``probe.before_claim``
@@ -56,6 +60,7 @@ KNOWN_POINTS = (
     "settle.after_commit",
     "dispatch.before_send",
     "dispatch.after_send",
+    "acquire.after_commit",
     "recover.before_commit",
     "recover.after_commit",
     "probe.before_claim",

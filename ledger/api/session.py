@@ -50,7 +50,14 @@ from ledger.domain.envelope import Envelope, Part, PartHashes
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, NewId, checked, function, instance
 from ledger.domain.values import Route
-from ledger.errors import InvalidArgument, InvalidState, LedgerError, SettleConflict
+from ledger.errors import (
+    InvalidArgument,
+    InvalidState,
+    LeaseHeld,
+    LedgerError,
+    NotFound,
+    SettleConflict,
+)
 from ledger.storage.runner import Flow
 
 if TYPE_CHECKING:
@@ -456,7 +463,11 @@ class RunSession(_SessionCore):
     Entering checks every route's key, admits the Run (or resumes it: the same id and
     content), takes its lease and starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving
     finishes the Run and releases the lease. A session is entered once; its methods work only
-    inside the block.
+    inside the block. An entry that raises once the Run is admitted (an interruption such as
+    ``KeyboardInterrupt`` included, even one landing right after the lease's commit) gives
+    back the lease it took before the exception propagates, as the async entry does when it
+    is cancelled: the Run stays admitted, and the next session (any executor) enters it at
+    once.
 
     The status the Run ends in: when the block raised, ``cancelled`` for a cancellation
     (``KeyboardInterrupt``, ``asyncio.CancelledError``), else as a stop or an error of a turn
@@ -519,14 +530,56 @@ class RunSession(_SessionCore):
         # Admission checks every route's key first, with the provider this session sends with.
         self.record = self.ledger.admit_run(
             self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
-        lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
-        self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
-        if self._adapter is None:
-            from ledger.adapters import SyncAdapter
+        # No exit runs for an entry that raised: whatever it took is given back here, or the
+        # lease would refuse the Run to every other executor until it lapsed.
+        lease: Lease | None = None
+        made = self._adapter is None
+        try:
+            lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+            self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+            if made:
+                from ledger.adapters import SyncAdapter
 
-            self._adapter = SyncAdapter(secrets=self._secrets)
+                self._adapter = SyncAdapter(secrets=self._secrets)
+        except BaseException as e:
+            self._give_back(lease, e, made)
+            raise
         self._state = "open"
         return self
+
+    def _give_back(self, lease: Lease | None, exc: BaseException, made: bool) -> None:
+        """Give back what an entry that raised ``exc`` took (keeper, lease, adapter ``made``).
+
+        ``lease`` is ``None`` when the acquisition itself raised. Its own errors
+        (``LeaseHeld``, a closed Run, a database that stayed away) took nothing; an
+        interruption (``KeyboardInterrupt``) may land after its commit, the lease taken but
+        never returned: that is resolved as a lost acknowledgement is, by acquiring it again
+        (one's own live lease comes back under its fence; one that never landed is taken now),
+        then released. A give-back that fails (or is interrupted in its turn) is logged and
+        noted on ``exc``: the lease then lapses after its ``lease_ttl_s``.
+        """
+        keeper, self._keeper = self._keeper, None
+        adapter = self._adapter if made else None
+        self._adapter = None if made else self._adapter
+        try:
+            if keeper is not None:
+                keeper.stop()
+                lease = keeper.lease
+            elif lease is None and not isinstance(exc, Exception):
+                # Held by another executor, or not to be taken: this entry took nothing.
+                with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
+                    lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+            if lease is not None:
+                self.ledger.release_lease(lease)
+        except BaseException as e:
+            log.warning("run %s: the lease taken by an entry that raised %r was not released; "
+                        "it lapses in %g s: %r", self.run_id, exc, self.lease_ttl_s, e)
+            exc.add_note(f"entering the Run session, giving back run {self.run_id!r}'s lease "
+                         f"failed too ({type(e).__name__}: {e}); it lapses in "
+                         f"{self.lease_ttl_s:g} s")
+        finally:
+            if adapter is not None:
+                adapter.close()
 
     def __exit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
         self._state = "ended"

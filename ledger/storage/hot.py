@@ -776,6 +776,7 @@ def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock:
         expires = max(float(row.lease_expires_at), now + ttl_s)
         yield Flush((Q(sql.renew, {"expires": expires, "now": now, "run_id": run_id}),),
                     commit=True)
+        faults.point("acquire.after_commit")
         return Lease(run_id, executor, int(row.fence), expires)
     fence = int(row.fence) + 1
     yield Flush((
@@ -785,6 +786,7 @@ def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock:
             "executor": executor, "fence": fence, "previous": row.lease_holder,
             "expires_at": now + ttl_s}, now)], many=True),
     ), commit=True)
+    faults.point("acquire.after_commit")
     return Lease(run_id, executor, fence, now + ttl_s)
 
 

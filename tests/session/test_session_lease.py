@@ -174,6 +174,85 @@ def test_a_cancelled_entry_leaves_the_run_without_a_held_lease(db_url: str, fake
     assert any(f > 0 for f in asyncio.run(main()))
 
 
+class _InterruptsEntry(ManualClock):
+    """A clock whose ``at``-th reading (0: none) on the entering thread raises
+    ``KeyboardInterrupt``: a Ctrl-C landing there, in the middle of a sync entry's writes (the
+    lease keeper's thread reads it too, and is left alone)."""
+
+    def __init__(self, t: float) -> None:
+        super().__init__(t)
+        self.at, self.reads = 0, 0
+        self.thread = threading.current_thread()
+
+    def now(self) -> float:
+        if threading.current_thread() is self.thread:
+            self.reads += 1
+            if self.reads == self.at:
+                raise KeyboardInterrupt
+        return super().now()
+
+
+def _enters_at_once(db_url: str, clock: ManualClock, run_id: str, fake: Any) -> None:
+    """Another executor enters the Run at once (the clock has not moved: a lease left held
+    would still be live, and refuse it with LeaseHeld)."""
+    with Ledger.open(db_url, clock=clock, executor_id="other-worker",
+                     migrate_schema=False) as other, \
+            other.run(run_id, plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        assert run.lease.executor == "other-worker"
+
+
+def test_an_interrupted_sync_entry_leaves_the_run_without_a_held_lease(
+        db_url: str, fake: Any) -> None:
+    # KeyboardInterrupt lands at each clock reading of the sync entry in turn (admission, the
+    # lease's acquisition, the keeper's start right after its commit): wherever it lands, no
+    # lease stays held by an entry whose block never ran.
+    clock = _InterruptsEntry(80_000.0)
+    fences = []
+    with Ledger.open(db_url, clock=clock) as led:
+        for at in range(1, 12):
+            run_id = f"r{at}"
+            clock.reads, clock.at = 0, at
+            try:
+                with led.run(run_id, plan=plan(fake), budget=BUDGET, grant=GRANT):
+                    clock.at = 0  # the entry is over; its exit is not what this tests
+            except KeyboardInterrupt:
+                pass
+            else:
+                break  # the entry reads the clock fewer times: every reading was tried
+            finally:
+                clock.at = 0
+            try:
+                rec = led.get_run(run_id)
+            except NotFound:
+                continue  # interrupted before the Run was admitted
+            assert rec.lease_holder is None, f"interrupted at reading {at}"
+            fences.append(rec.fence)
+            _enters_at_once(db_url, clock, run_id, fake)
+    # The scene happened: an interrupted entry's acquisition committed (the fence moved on).
+    assert any(f > 0 for f in fences)
+
+
+def test_a_sync_entry_interrupted_right_after_the_lease_commits_gives_it_back(
+        db_url: str, fake: Any) -> None:
+    # The acquisition committed, and the interruption lands before it returns the lease: the
+    # entry learns what it took by acquiring once more (the same write), then releases it.
+    def ctrl_c(_point: str) -> None:
+        raise KeyboardInterrupt
+
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        faults.arm("acquire.after_commit", ctrl_c)
+        try:
+            with pytest.raises(KeyboardInterrupt), \
+                    led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+                pass  # pragma: no cover - the entry raised
+        finally:
+            faults.disarm()
+        rec = led.get_run("r")
+        assert rec.fence == 1 and rec.lease_holder is None  # taken (once), released
+        _enters_at_once(db_url, clock, "r", fake)
+
+
 def _hold_run_lock(db_url: str, run_id: str, locked: threading.Event,
                    release: threading.Event) -> None:
     """Another transaction holding the Run's row lock (SQLite: the database's write lock)."""
