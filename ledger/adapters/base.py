@@ -147,7 +147,7 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.decide.effects import SendProgress, attempt_headers
-from ledger.domain.envelope import Envelope
+from ledger.domain.envelope import Envelope, require_parts
 from ledger.domain.facts import Observation, Phase, Source, Transport
 from ledger.domain.media import MediaKind
 from ledger.domain.validation import (
@@ -447,10 +447,7 @@ class HttpAdapter:
                 f"use one of {[p.id for p in route.profiles]} or add it to Route.profiles",
                 field="profile_id",
             )
-        if not envelope.parts:
-            raise InvalidArgument(
-                "the envelope has no parts; add at least one user part", field="envelope.parts"
-            )
+        require_parts(envelope)
         caps = route.capabilities
         if envelope.stream and caps.streaming is False:
             raise InvalidArgument(

@@ -46,7 +46,7 @@ from ledger.decide.ending import idle_end, last_turn_served, turn_end
 from ledger.decide.resolve import UnresolvedExit, stays
 from ledger.decide.settle import check_lease_ttl
 from ledger.decide.turn import RunResult
-from ledger.domain.envelope import Envelope, Part, PartHashes
+from ledger.domain.envelope import Envelope, Part, PartHashes, require_parts
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, NewId, checked, function, instance
 from ledger.domain.values import Route
@@ -635,6 +635,8 @@ class RunSession(_SessionCore):
         from ledger.api.turn import _turn_sync
 
         self._check_open()
+        # Before the try below: a refused call is not the block's last turn.
+        require_parts(envelope)
         mine: list[Dispatch] = []
         led = self.ledger
         inner = send or sync_sender(
@@ -841,6 +843,8 @@ class AsyncRunSession(_SessionCore):
         from ledger.api.turn import _turn_async
 
         self._check_open()
+        # Before the try below: a refused call is not the block's last turn.
+        require_parts(envelope)
         mine: list[Dispatch] = []
         led = self.ledger
         inner = send or async_sender(

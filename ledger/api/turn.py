@@ -52,7 +52,7 @@ from ledger.decide.turn import (
     Steps,
     TurnLoop,
 )
-from ledger.domain.envelope import Envelope, PartHashes
+from ledger.domain.envelope import Envelope, PartHashes, require_parts
 from ledger.domain.records import Lease, LeaseArg
 from ledger.domain.validation import (
     As,
@@ -124,6 +124,7 @@ def _loop(lease: Lease, envelope: Request, turn_id: str | None, pin: Pin | str |
     Nothing is read or written before they pass.
     """
     envelope = cast(Envelope, envelope)
+    require_parts(envelope)
     return TurnLoop(
         lease, envelope, turn_id=turn_id,
         pin=None if pin is None else Pin(pin), denials=denials or NO_DENIALS,
@@ -168,7 +169,8 @@ def execute(
             :func:`aexecute`).
         lease: The Run's live lease (:meth:`~ledger.Ledger.acquire_lease`).
         envelope: The whole request (an :class:`~ledger.Envelope`, or a mapping of its
-            fields).
+            fields). One with no parts is refused even when it was built without validation
+            (``model_construct``, ``model_copy(update=...)``), before any Attempt is begun.
         send: Performs one physical call: a function of a :class:`~ledger.Dispatch`
             returning a :class:`~ledger.SendResult` (e.g.
             :func:`ledger.adapters.sync_sender`).

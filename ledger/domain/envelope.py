@@ -40,6 +40,7 @@ from ledger.domain.media import (
 )
 from ledger.domain.validation import Id, Problem, StrictModel, Text
 from ledger.domain.values import content_hash
+from ledger.errors import InvalidArgument
 
 # Data classes the ledger knows; a host may use any other string for classes it registers.
 USER_INPUT = "user_input"
@@ -361,10 +362,14 @@ class ToolSpec(StrictModel):
 DEFAULT_OUTPUT_TOKENS = 4096
 
 
+_NO_PARTS = ("the envelope has no parts", "add at least one user part")
+
+
 class Envelope(StrictModel):
     """The complete request. Its :attr:`hash` is what an Attempt records.
 
-    ``parts`` holds at least one part; ``params`` (temperature, top_p, ...) must be JSON data;
+    ``parts`` holds at least one part (a turn checks it again, :func:`require_parts`, for one
+    built without validation); ``params`` (temperature, top_p, ...) must be JSON data;
     ``max_output_tokens`` an integer from 1 to 10^15, or ``None``.
     """
 
@@ -382,7 +387,7 @@ class Envelope(StrictModel):
         # Refused here, not by the adapter: by then a turn has selected a route and begun an
         # Attempt, and a caller's own send function would send it.
         if not v:
-            raise Problem("the envelope has no parts", "add at least one user part")
+            raise Problem(*_NO_PARTS)
         return v
 
     @property
@@ -449,6 +454,22 @@ class PartHashes:
         return tuple(out)
 
 
+def require_parts(envelope: Envelope, field: str = "envelope.parts") -> None:
+    """Refuse ``envelope`` if it has no parts, with the error ``Envelope(parts=[])`` gets.
+
+    Validation refuses such an envelope when it is built, but one built without it
+    (``Envelope.model_construct``, ``model_copy(update={"parts": []})``) arrives with none. A
+    turn checks here before it reads or writes anything: no request could be made of it, so
+    no Attempt may be begun for it. Raises :class:`~ledger.errors.InvalidArgument` naming
+    ``field`` (the argument's path to the parts) and the fix.
+    """
+    if not envelope.parts:
+        problem, fix = _NO_PARTS
+        problem += f" (got {envelope.parts!r})"
+        raise InvalidArgument(f"invalid {field}: {problem}; {fix}", field=field,
+                              errors=[(field, problem, fix)])
+
+
 __all__ = [
     "DEFAULT_OUTPUT_TOKENS",
     "MEMORY",
@@ -462,4 +483,5 @@ __all__ = [
     "Part",
     "PartHashes",
     "ToolSpec",
+    "require_parts",
 ]

@@ -15,7 +15,7 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.domain.values import Budget, Grant, Price, Route
-from ledger.errors import FencedOut, LeaseLost
+from ledger.errors import FencedOut, InvalidArgument, LeaseLost
 
 PLAN = [Route(id=f"r{i}", provider=f"p{i}", model="m", group=f"g{i}", recipient="rcpt",
               price=Price()) for i in range(3)]
@@ -114,3 +114,44 @@ def test_invariant3_a_begin_refused_for_a_stale_fence_writes_nothing(db_url: str
     assert [e.kind for e in led.events("run")] == before
     led.close()
     other.close()
+
+
+def _no_parts() -> list[Envelope]:
+    """Envelopes with no parts that skipped the model's validation (it refuses them)."""
+    whole = Envelope(parts=[Part(content="hi")])
+    return [Envelope.model_construct(parts=[]), whole.model_copy(update={"parts": []})]
+
+
+def test_an_envelope_with_no_parts_that_skipped_validation_begins_no_attempt(
+        db_url: str) -> None:
+    # No request can be made of it, so no Attempt row may say one was: the turn refuses it
+    # with Envelope(parts=[])'s error before it begins anything (before, the begin committed
+    # and the adapter refused it after).
+    led = Ledger.open(db_url, clock=ManualClock(10_000.0))
+    sent: list[Dispatch] = []
+
+    def send(d: Dispatch) -> SendResult:
+        sent.append(d)
+        return SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
+
+    with led.run("run", plan=PLAN, budget=Budget(max_calls=5, max_retries=4,
+                                                 max_cost=Decimal("1")),
+                 grant=Grant(recipients={"rcpt": ["user_input"]})) as run:
+        with pytest.raises(InvalidArgument) as validated:  # the error validation gives
+            execute(led, run.lease, {"parts": []}, send)
+        for envelope in _no_parts():
+            for turn in (lambda e: run.turn(e, send=send),
+                         lambda e: execute(led, run.lease, e, send)):
+                with pytest.raises(InvalidArgument, match="add at least one user part") as ei:
+                    turn(envelope)
+                assert ei.value.field == "envelope.parts"
+                assert (str(ei.value), ei.value.fields) == (str(validated.value),
+                                                            validated.value.fields)
+        assert led.timeline("run") == [] and not sent
+        rec = led.get_run("run")
+        assert (rec.calls_used, rec.reserved) == (0, 0)  # nothing held
+    # The refused calls were no turns: the block tried none, and the Run is cancelled as one
+    # that never made an Attempt; its lease is given back.
+    rec = led.get_run("run")
+    assert rec.status.value == "cancelled" and rec.lease_holder is None
+    led.close()
