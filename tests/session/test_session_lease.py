@@ -2,9 +2,10 @@
 
 A turn that outlives the lease it started with (a capacity queue, backoffs) sends with the
 lease as its keeper last renewed it, not as it was when the turn began. An entry cancelled
-while it takes the lease gives the lease back; an exit cancelled again and again still
-finishes the Run and releases it. The turns send with a function (no provider is needed);
-both backends.
+while it takes the lease (or a sync one interrupted, even right after the lease's commit) gives
+the lease back; a Run admitted by an entry cancelled before its lease is resumed by the next
+entry; an exit cancelled again and again still finishes the Run and releases it. The turns
+send with a function (no provider is needed); both backends.
 """
 
 from __future__ import annotations
@@ -172,6 +173,59 @@ def test_a_cancelled_entry_leaves_the_run_without_a_held_lease(db_url: str, fake
 
     # The scene happened: a cancelled entry's acquisition committed (the fence moved on).
     assert any(f > 0 for f in asyncio.run(main()))
+
+
+class _CancelsAdmission(ManualClock):
+    """A clock that cancels ``task`` when the admission's transaction reads it (the first
+    reading off the event loop's thread): the admission goes on to commit in its worker
+    thread, and the entry that waited for it is cancelled before it takes the lease."""
+
+    def __init__(self, t: float) -> None:
+        super().__init__(t)
+        self.task: asyncio.Task[Any] | None = None
+
+    def now(self) -> float:
+        task = self.task
+        if task is not None and threading.current_thread() is not threading.main_thread():
+            self.task = None
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        return super().now()
+
+
+def test_a_run_admitted_by_an_entry_cancelled_before_its_lease_is_resumed_by_the_next_entry(
+        db_url: str, fake: Any) -> None:
+    # The admission commits, the entry is cancelled before it takes the lease: the Run stays
+    # admitted with no lease (nothing to give back, no Attempt), and the next entry with the
+    # same id and content resumes it, the same Run: admitted once, leased for the first time.
+    clock = _CancelsAdmission(80_000.0)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            async def enter() -> None:
+                async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+                    raise AssertionError("the cancelled entry's block never runs")
+
+            clock.task = asyncio.ensure_future(enter())
+            with pytest.raises(asyncio.CancelledError):
+                await clock.task
+            assert clock.task is None  # the cancellation came from inside the admission
+            for _ in range(600):  # bounded: until the admission's thread has committed
+                try:
+                    left = await led.get_run("r")
+                    break
+                except NotFound:
+                    await asyncio.sleep(0.05)
+            assert (left.status, left.lease_holder, left.fence) == (RunStatus.ADMITTED, None, 0)
+            assert await led.timeline("r") == []
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                assert run.record is not None and run.record.created_at == left.created_at
+                assert run.lease.fence == 1
+                assert (await run.turn(HELLO, send=_served)).output == "ok"
+            done = await led.get_run("r")
+            assert (done.status, done.lease_holder) == (RunStatus.SUCCEEDED, None)
+            assert [e.kind for e in await led.events("r", ["admit"])] == ["admit"]
+
+    asyncio.run(main())
 
 
 class _InterruptsEntry(ManualClock):
