@@ -88,6 +88,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_media_out_runs.py::test_the_models_image_is_a_covered_part_the_next_turn_carries",
         "tests/session/test_session.py::test_a_models_answer_rebuilt_by_hand_is_model_output_and_needs_its_provenance",
         "tests/decide/test_preflight.py::test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance",
+        "tests/session/test_session.py::test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

@@ -192,8 +192,8 @@ class Face(Generic[SessionT, OpenedT]):
         self.executor_id = executor_id or new_id("exec")
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
         self._policies: Lru[str, Policy] = Lru(1024)
-        # What a Run's decisions read besides its live row: its ancestors (for provenance),
-        # its groups and its health keys, all fixed by its frozen plan and policy.
+        # What a Run's decisions read besides its live row: its ancestors up to its root (for
+        # provenance), its groups and its health keys, all fixed by its admission.
         self._reads: Lru[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = Lru(1024)
         # What a settle must know of an Attempt before its transaction (its Run, route and
         # profile choose the health rows it reads), as this ledger's begin recorded it: fixed
@@ -950,7 +950,9 @@ class Face(Generic[SessionT, OpenedT]):
         """Everything one routing decision reads, in one read transaction.
 
         The Run as it stands, its frozen policy, its groups' projections, its routes' and
-        profiles' health, and the provenance of ``refs`` recorded by the Run or its ancestors.
+        profiles' health, and the provenance of ``refs`` recorded anywhere in the Run's tree
+        (see :meth:`provenance`; a ref the Run and its ancestors did not record costs a second
+        read, of the rest of the tree).
 
         Args:
             run_id: The Run.
@@ -1244,7 +1246,8 @@ class Face(Generic[SessionT, OpenedT]):
         """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
 
         A later part with ``provenance=ref`` and this exact content is then covered for
-        disclosure preflight, in this Run and its Children.
+        disclosure preflight anywhere in this Run's tree (see :meth:`provenance`), for the
+        recipients each Run's grant approves for its class.
 
         Args:
             lease: The Run's live lease.
@@ -1258,18 +1261,46 @@ class Face(Generic[SessionT, OpenedT]):
         yield from self._store.record_provenance(lease, ref, content_hash, kind, self.clock.now)
 
     @op
-    def provenance(self, run_id: Id) -> Flow[dict[str, set[str]]]:
-        """Recorded outputs of this run and its ancestors: ref -> content hashes.
+    def provenance(self, run_id: Id, *, tree: Flag = True) -> Flow[dict[str, set[str]]]:
+        """The provenance a part carried in this Run's turns is judged by: ref -> content hashes.
+
+        By default that is what the ledger recorded anywhere in the Run's tree: its root Run
+        and every descendant of the root (the Run itself, its parent and ancestors, its
+        Children and their siblings). One agent task spans the tree, so a child's answer
+        (``result.parts``) is covered in its parent's next turn and, passed on by the parent,
+        in a sibling's. Coverage only says the ledger recorded that exact content; each turn's
+        grant still decides which recipients may receive its class. A Run of another tree
+        records nothing that covers this one.
+
+        Args:
+            run_id: The Run.
+            tree: ``False``: only what this Run and its ancestors recorded (the tool calls it
+                may adopt: :meth:`~ledger.api.session.RunSession.adopt_tool_calls`).
 
         Raises:
             NotFound: no Run has this id.
         """
+        if tree:
+            root = yield from self._root(run_id)
+            return (yield from blocking(lambda: self._runs.tree_provenance(root)))
         ids = [run_id]
         run = yield from self._frozen(run_id)
         while run.parent_run_id is not None:
             ids.append(run.parent_run_id)
             run = yield from self._frozen(run.parent_run_id)
         return (yield from blocking(lambda: self._runs.provenance(ids)))
+
+    def _root(self, run_id: str) -> Flow[str]:
+        """The root of ``run_id``'s tree (itself for a Run with no parent).
+
+        Read once per ancestor, then from the frozen Runs kept: a Run's parent never changes.
+        """
+        run = yield from self._frozen(run_id)
+        root = run_id
+        while run.parent_run_id is not None:
+            root = run.parent_run_id
+            run = yield from self._frozen(root)
+        return root
 
     @op
     def append_event(self, lease: LeaseArg, kind: EventKind, data: AuditData,

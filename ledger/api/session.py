@@ -442,7 +442,10 @@ class _SessionCore:
         for p in parts:
             if p.tool_call_id is None or p.provenance is None or p.tool_call_id in self._calls:
                 continue
-            # Only a call an Attempt of this Run proposed, exactly as recorded, is adopted.
+            # Only a call an Attempt of this Run (or of an ancestor) proposed, exactly as
+            # recorded, is adopted: ``recorded`` is not the whole tree's, since a call a child
+            # or sibling proposed is that Run's to answer (its tool_started names that Run's
+            # Attempt).
             if part_coverage(p, recorded) is Coverage.OK:
                 self._calls[p.tool_call_id] = (p.provenance, p.name or "")
                 adopted.append(p.tool_call_id)
@@ -710,7 +713,7 @@ class RunSession(_SessionCore):
             InvalidState: the session is not open.
         """
         self._check_open()
-        return self._adopt(parts, self.ledger.provenance(self.run_id))
+        return self._adopt(parts, self.ledger.provenance(self.run_id, tree=False))
 
     def tool_started(self, call_id: Id | Part) -> None:
         """Record durably that the host started the tool of ``call_id``.
@@ -882,7 +885,7 @@ class AsyncRunSession(_SessionCore):
     async def adopt_tool_calls(self, parts: Sequence[Part]) -> list[str]:
         """Adopt an earlier session's tool calls (see :meth:`RunSession.adopt_tool_calls`)."""
         self._check_open()
-        return self._adopt(parts, await self.ledger.provenance(self.run_id))
+        return self._adopt(parts, await self.ledger.provenance(self.run_id, tree=False))
 
     async def tool_started(self, call_id: Id | Part) -> None:
         """Record durably that the host started a tool (see :meth:`RunSession.tool_started`).

@@ -604,7 +604,11 @@ def _coverage_fix(verdict: Coverage, derived: bool) -> str:
         if verdict is Coverage.MISMATCH:
             return ("send the part exactly as the ledger returned it (a RunResult's parts, "
                     "RunSession.tool_result): an edited copy is not covered")
-        return "carry the part as the ledger returned it (its provenance is recorded then)"
+        # The ledger looks provenance up in the Run's tree only: a host that did carry a
+        # part as returned, but to a Run of another task, must learn that the tree is why.
+        return ("carry the part as a turn of this Run's tree returned it (of this Run, its "
+                "parent, a Child or a sibling: the ledger recorded its provenance then); a "
+                "part rebuilt by hand, or returned to a Run of another tree, is not covered")
     # A document or memory the host brings is covered by what the host recorded for it, so the
     # fix names led.record_provenance, not only the parts the ledger returns.
     record = ("led.record_provenance(run.lease, ref, part.content_hash, kind) with the part "

@@ -131,6 +131,17 @@ def _lock_live(stmt: Stmt, lease: Lease, clock: ClockFn,
 # -- the read of a decision --------------------------------------------------------------------
 
 
+def tree_provenance_tx(sql: Statements, root: str, refs: Sequence[str]
+                       ) -> Tx[dict[str, frozenset[str]]]:
+    """The provenance of ``refs`` recorded by the Run ``root`` or any of its descendants."""
+    rows = yield Flush((Q(sql.tree_provenance, {"root": root, "refs": sql.list_param(refs)}),),
+                       commit=True)
+    prov: dict[str, set[str]] = {}
+    for ref, digest in rows[0]:
+        prov.setdefault(ref, set()).add(digest)
+    return {k: frozenset(v) for k, v in prov.items()}
+
+
 def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Sequence[str],
                 runs: Sequence[str], refs: Sequence[str], clock: ClockFn,
                 turn_id: str | None = None) -> Tx[SnapshotRows]:
@@ -971,4 +982,5 @@ __all__ = [
     "reserve_retry_tx",
     "settle_tx",
     "snapshot_tx",
+    "tree_provenance_tx",
 ]

@@ -56,6 +56,7 @@ from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json, health_values
 from ledger.storage.hot import check_live, moved
 from ledger.storage.rows import attempt_record, health_record, run_record
+from ledger.storage.statements import run_tree
 
 SEL_ATTEMPT_WITH_DEBIT = (
     select(s.attempts, s.debits.c.state.label("debit_state"))
@@ -450,9 +451,16 @@ class RunQueries:
 
     def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:
         """Provenance recorded by ``run_ids``: ref -> content hashes."""
+        return self._provenance(s.provenance.c.run_id.in_(list(run_ids)))
+
+    def tree_provenance(self, root: str) -> dict[str, set[str]]:
+        """Provenance recorded by the Run ``root`` and all its descendants."""
+        return self._provenance(s.provenance.c.run_id.in_(run_tree(literal(root))))
+
+    def _provenance(self, which: Any) -> dict[str, set[str]]:
         p = s.provenance.c
         with self.ctx.reading() as conn:
-            rows = conn.execute(select(p.ref, p.content_hash).where(p.run_id.in_(list(run_ids))))
+            rows = conn.execute(select(p.ref, p.content_hash).where(which))
             out: dict[str, set[str]] = {}
             for ref, h in rows:
                 out.setdefault(ref, set()).add(h)

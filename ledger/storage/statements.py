@@ -245,6 +245,16 @@ _runs, _att, _deb, _groups, _slots, _waiters, _health, _events, _prov = (
     s.runs, s.attempts, s.debits, s.capacity_groups, s.group_slots, s.group_waiters, s.health,
     s.events, s.provenance)
 
+
+def run_tree(root: ColumnElement[Any]) -> Any:
+    """The ids of the Run ``root`` and of all its descendants: a recursive CTE down the
+    ``parent_run_id`` index (both databases take ``WITH RECURSIVE``)."""
+    anchor = select(_runs.c.run_id).where(_runs.c.run_id == root)
+    tree = anchor.cte("run_tree", recursive=True)
+    tree = tree.union_all(select(_runs.c.run_id).where(_runs.c.parent_run_id == tree.c.run_id))
+    return select(tree.c.run_id)
+
+
 #: The health row as the health record reads it (the rest is its identity and bookkeeping).
 HEALTH_READ = tuple(c for c in _health.c if c.name not in ("kind", "provider", "updated_at"))
 #: The health columns an update writes.
@@ -410,6 +420,12 @@ class Statements:
         in_list(_health.c.key, p("keys"))))
     provenance = _stmt(lambda k, p=bindparam: select(_prov.c.ref, _prov.c.content_hash).where(
         in_list(_prov.c.run_id, p("runs")), in_list(_prov.c.ref, p("refs"))))
+    # What the whole tree of the Run ``root`` recorded under ``refs``: read only for refs its
+    # own line (the Run and its ancestors, above) did not record, since the recursive walk
+    # costs SQLite several times that plain read.
+    tree_provenance = _stmt(lambda k, p=bindparam: select(
+        _prov.c.ref, _prov.c.content_hash,
+    ).where(_prov.c.run_id.in_(run_tree(p("root"))), in_list(_prov.c.ref, p("refs"))))
     # A turn's Attempts sent before it started and still without a receipt: the turn must
     # not send that request again (invariant 6).
     unreceipted = _stmt(lambda k, p=bindparam: select(_att.c.attempt_id).where(

@@ -343,11 +343,21 @@ class Store:
                       turn_id: str | None = None) -> Flow[SnapshotRows]:
         """One read: the live row of ``run_id``, the projections of ``groups``, the health
         rows of ``keys``, the provenance of ``refs`` recorded by ``runs`` (the Run and its
-        ancestors) and, with ``turn_id``, that turn's Attempts without a receipt. Raises
+        ancestors, the root last) and, with ``turn_id``, that turn's Attempts without a
+        receipt. A ref none of ``runs`` recorded is looked up in the root's whole tree by a
+        second read (a Child's answer its parent or a sibling carries). Raises
         :class:`~ledger.errors.NotFound` for an unknown run."""
         yield from self._first(run_id, clock)
-        return (yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
-                                               clock, turn_id), write=False))
+        rows = yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
+                                              clock, turn_id), write=False)
+        # Provenance rows are never rewritten nor deleted, so a later read of the rest of the
+        # tree agrees with the snapshot; a turn whose refs its own line covers never pays it.
+        others = [r for r in refs if r not in rows.provenance]
+        if others and runs:
+            more = yield from txn(hot.tree_provenance_tx(self.sql, runs[-1], others),
+                                  write=False)
+            rows = replace(rows, provenance={**rows.provenance, **more})
+        return rows
 
     def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> Flow[AttemptRecord | Queued]:
         """Record the Attempt of ``spec`` before it is sent, in one transaction: live lease,

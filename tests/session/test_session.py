@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
@@ -346,6 +347,92 @@ def test_a_child_session_narrows_and_carves(db_url: str, fake: FakeProvider) -> 
             assert res.route.id == "backup"
         assert led.get_run("c").status is RunStatus.SUCCEEDED
         assert led.get_run("p").carved == Decimal("0.1")
+
+
+def test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other(
+        db_url: str, fake: FakeProvider) -> None:
+    """A sub-agent's answer flows back: the parent carries its child's ``result.parts`` in its
+    next turn, and a sibling carries them when the parent passes them on, because provenance
+    is looked up in the whole tree of the Run (root and descendants). Coverage still means
+    the exact content the ledger recorded, and the grant still decides each recipient: a
+    tampered copy, the same parts in a Run of another tree, and a recipient not approved
+    for model_derived are all refused, and nothing of theirs is sent."""
+    trusted, outside = (r.model_copy(update={"recipient": name})
+                        for r, name in zip(plan(fake), ("trusted", "outside"), strict=True))
+    grant = Grant(recipients={"trusted": ["user_input", "model_derived"],
+                              "outside": ["user_input"]})
+    small = Budget(max_calls=2, max_retries=1, max_cost=Decimal("0.1"))
+    with Ledger.open(db_url) as led:
+        with led.run("p", plan=[outside, trusted], budget=BUDGET, grant=grant) as run:
+            with run.child("c1", plan=[trusted], budget=small) as c1:
+                answer = c1.turn(Envelope(parts=[Part(content="sub-question")])).parts
+            assert [p.data_class for p in answer] == ["model_derived"]
+            # The parent's next turn: 'outside' is skipped by the grant, 'trusted' serves.
+            back = run.turn(Envelope(parts=[Part(content="main question"), *answer]))
+            assert back.route.id == trusted.id
+            [skip] = led.events("p", ["select"])[-1].data["skipped"]
+            assert skip["route"] == outside.id and skip["reason"] == "disclosure"
+            assert "not approved for: model_derived" in json.dumps(skip)
+            with run.child("c2", plan=[trusted], budget=small) as c2:
+                assert c2.turn(Envelope(parts=[Part(content="q2"), *answer])).text
+            sent = len(fake.requests)
+            with run.child("c3", plan=[outside], budget=small) as c3, \
+                    pytest.raises(FailoverExhausted) as ei:
+                c3.turn(Envelope(parts=[Part(content="q3"), *answer]))
+            assert "not approved for: model_derived" in json.dumps(ei.value.skipped)
+            tampered = answer[0].model_copy(update={"content": "Nothing to report."})
+            with pytest.raises(FailoverExhausted) as ei:
+                run.turn(Envelope(parts=[Part(content="main question"), tampered]))
+            assert "no covering provenance: mismatch" in json.dumps(ei.value.skipped)
+        assert answer[0].provenance in led.provenance("c2")
+        assert answer[0].provenance not in led.provenance("p", tree=False)
+        with led.run("other", plan=[trusted], budget=BUDGET, grant=grant) as other, \
+                pytest.raises(FailoverExhausted) as ei:
+            other.turn(Envelope(parts=[Part(content="q"), *answer]))
+        assert "no covering provenance: missing" in json.dumps(ei.value.skipped)
+        assert "another tree" in json.dumps(ei.value.skipped)  # the fix names why
+        assert answer[0].provenance not in led.provenance("other")
+        assert len(fake.requests) == sent
+
+
+def test_only_a_part_its_own_line_did_not_record_costs_a_turn_a_read_of_the_runs_tree(
+        tmp_path: Path, fake: FakeProvider) -> None:
+    # The hot path stays one read and two writes per turn whose parts the Run or its
+    # ancestors recorded; a Child's answer costs that turn one more read, of the whole tree.
+    from benchmarks.txcount import SqliteTxCounter
+
+    url = f"{tmp_path}/ledger.db"
+    counter = SqliteTxCounter(url)  # before the ledger opens its connections
+    try:
+        with Ledger.open(url) as led, led.run("p", plan=plan(fake), budget=BUDGET,
+                                              grant=GRANT) as run:
+            msgs = [Part(content="q")]
+            msgs += run.turn(Envelope(parts=msgs)).parts
+            counter.start()
+            msgs += run.turn(Envelope(parts=[*msgs, Part(content="go on")])).parts
+            own = counter.finish()
+            with run.child("c", budget=Budget(max_calls=2, max_retries=0,
+                                              max_cost=Decimal("0.1"))) as child:
+                sub = child.turn(Envelope(parts=[Part(content="sub-task")])).parts
+            counter.start()
+            run.turn(Envelope(parts=[*msgs, Part(content="with the sub-agent's answer"), *sub]))
+            childs = counter.finish()
+    finally:
+        counter.close()
+    assert (own.reads, own.writes) == (1, 2)
+    assert (childs.reads, childs.writes) == (2, 2)
+
+
+def test_a_parent_does_not_adopt_its_childs_tool_calls(db_url: str, fake: FakeProvider
+                                                       ) -> None:
+    # The child's call is the child's to answer: its tool_started names the child's Attempt.
+    fake.set_default(Behavior(tool_call=("search", {"q": "x"})))
+    with Ledger.open(db_url) as led, led.run("p", plan=plan(fake), budget=BUDGET,
+                                             grant=GRANT) as run:
+        with run.child("c", budget=Budget(max_calls=2, max_retries=0,
+                                          max_cost=Decimal("0.1"))) as child:
+            [call] = child.turn(Envelope(parts=[Part(content="look")], tools=TOOLS)).tool_calls
+        assert run.adopt_tool_calls([call]) == [] and not run.proposed(call.tool_call_id or "")
 
 
 def test_misuse_of_a_session_is_typed_and_changes_nothing(db_url: str,
