@@ -33,6 +33,15 @@ from ledger.storage import schema as s
 HOUR = 3600
 #: The hours of a folded day (``rollup_days``): day ``d`` is hours ``[24*d, 24*(d+1))``.
 DAY_HOURS = 24
+#: The hour of the roll-up rows that carry what retention dropped (``metric_rollups``,
+#: ``move_rollups``, ``wait_rollups``): one row per key, what ``/metrics`` counted of the
+#: dropped attempts, moves and capacity waits, so its counters never go down when history is
+#: dropped (:mod:`ledger.storage.retention`). Some 125 million years before 1970: no row of the
+#: history is in it, so it is never marked in ``rollup_hours`` and no window's read (each reads
+#: the roll-ups of marked hours only, :func:`rolled_stretches`), roll-up, fold or trigger ever
+#: touches it; only the whole-history counters add it in
+#: (:meth:`~ledger.storage.series.SeriesQueries.metrics_totals`).
+CARRIED_HOUR = -(1 << 40)
 #: The attempts a roll-up leaves to the audit's own read: those in flight, whose settle comes
 #: within seconds and would only undo their hour. ``unknown`` attempts are rolled (migration
 #: 0015): they can stay unknown for months, so reading them live made every whole-history read
@@ -233,6 +242,6 @@ def bucketed_split(conn: Any, since: float | None, until: float | None, width: f
     return hours if hours.stretches else None
 
 
-__all__ = ["DAY_HOURS", "HOUR", "LIVE_STATUSES", "OPEN_STATES", "Split", "bucketed_split",
-           "first_hour_from", "hour_of", "hours_in", "rolled_stretches", "rollup_sums", "split",
-           "summed", "time_range"]
+__all__ = ["CARRIED_HOUR", "DAY_HOURS", "HOUR", "LIVE_STATUSES", "OPEN_STATES", "Split",
+           "bucketed_split", "first_hour_from", "hour_of", "hours_in", "rolled_stretches",
+           "rollup_sums", "split", "summed", "time_range"]

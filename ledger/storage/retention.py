@@ -15,8 +15,15 @@ settle it with evidence, and its story must be whole for that). The events of op
 actions (:data:`~ledger.domain.records.OPERATOR_ACTION_KINDS`) are never dropped: on
 PostgreSQL those of a dropped partition are copied back first, into the default partition (no
 month partition covers their time any more). Runs, debits and provenance are not touched; the
-roll-ups of the hours that lost attempts (:mod:`ledger.storage.rollups`) go with them, so the
+roll-ups of the hours that lost rows (:mod:`ledger.storage.rollups`) go with them, so the
 totals over those hours read what is left.
+
+What ``/metrics`` counted of the dropped rows (attempts by route and state with their tokens,
+money and histograms, moves, capacity waits) is first added, in the same transaction, to the
+roll-ups' carried rows (:data:`~ledger.storage.hours.CARRIED_HOUR`, one row per key of
+``metric_rollups``, ``move_rollups`` and ``wait_rollups``): its counters are totals over the
+whole history and never go down when history is dropped. Only they read those rows; the costs,
+charts, spend, health windows and Run pages read the retained history.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import contextlib
 import json
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, select, text
+from sqlalchemy import ColumnElement, Connection, and_, bindparam, select, text, true
 
 from ledger.domain.records import (
     OPERATOR_ACTION_KINDS,
@@ -40,7 +47,13 @@ from ledger.storage import partitions as parts
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
-from ledger.storage.hours import DAY_HOURS, hour_of, time_range
+from ledger.storage.hours import CARRIED_HOUR, DAY_HOURS, hour_of, time_range
+from ledger.storage.rollups import FOLDED, fold_rows, roll_counts
+from ledger.storage.series import metric_counts
+
+#: The roll-ups that keep what ``/metrics`` counted of the dropped history, and their keys
+#: (``run_rollups`` is not one: Runs are never dropped).
+_CARRIED = {t: k for t, k in FOLDED if t in (s.metric_rollups, s.move_rollups, s.wait_rollups)}
 
 #: How long a retention run waits for a table's lock before it gives up (and changes nothing).
 LOCK_TIMEOUT = "10s"
@@ -136,6 +149,14 @@ class RetentionQueries:
             if dry_run:
                 conn.rollback()
                 return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
+            for part in dropped:
+                # Summed while only its partition is locked (SHARE, since the check: nothing
+                # writes to it until the commit), not under the drops' locks, which stop
+                # every write of the ledger.
+                when = s.attempts.c.created_at if part.table == "attempts" \
+                    else s.events.c.created_at
+                _carry(self.ctx, conn, part.table,
+                       and_(true(), *time_range(when, part.since, part.until)))
             if dropped:
                 _lock_as_writers_do(conn)
             for part in dropped:
@@ -148,8 +169,9 @@ class RetentionQueries:
                 # (every read and write of the ledger waiting); attached, its key is the
                 # parent's and the drop locks attempts only.
                 conn.execute(text(f'DROP TABLE "{part.partition}"'))
-                if part.table == "attempts":
-                    _unroll(conn, part.since, part.until)
+                # An events partition's too: its moves and waits are carried now, and a
+                # month's move_rollups left behind would count them twice.
+                _unroll(conn, part.since, part.until)
             event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
                                                     kept, actions), now)
         if dropped:
@@ -192,6 +214,7 @@ class RetentionQueries:
                 conn.rollback()
                 return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
             for table in parts.PARTITIONED:
+                _carry(self.ctx, conn, table, _bound(where[table], args))
                 conn.execute(_expanding(f"DELETE FROM {table} WHERE {where[table]}"), args)
             event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
                                                     kept, actions), now)
@@ -245,10 +268,31 @@ def _split_default(conn: Connection, cutoff: float) -> None:
         parts.create_partition(conn, table, y, m)
 
 
+def _carry(ctx: SqlContext, conn: Connection, table: str, dropped: ColumnElement[bool]
+           ) -> None:
+    """Add what ``/metrics`` counts of history ``table``'s rows ``dropped`` (about to go) to
+    the roll-ups' carried rows (:data:`~ledger.storage.hours.CARRIED_HOUR`), kept to one per
+    key: its counters are totals over the whole history, and one that went down at a
+    retention run would read as a reset to Prometheus (a false spike in every ``rate()``).
+    Only those counters read them; every read over a window counts the retained history."""
+    for c in metric_counts(ctx, s.METRIC_BOUNDS):
+        if c.table in _CARRIED and c.time.table.name == table:
+            roll_counts(conn, c, CARRIED_HOUR, dropped)
+            fold_rows(conn, c.table, _CARRIED[c.table], CARRIED_HOUR, CARRIED_HOUR)
+
+
+def _bound(where: str, args: dict[str, Any]) -> ColumnElement[bool]:
+    """The SQL condition ``where`` with the values of its parameters in ``args`` bound."""
+    sql = _in(where)
+    return and_(true(), text(sql).bindparams(*(bindparam(k, value=v, expanding=k in _SETS)
+                                               for k, v in args.items() if f":{k}" in sql)))
+
+
 def _unroll(conn: Connection, since: float | None, until: float | None) -> None:
     """Delete the roll-ups of the days of ``[since, until)`` (a dropped partition's, whose
-    rows went without a row trigger; on SQLite each deleted attempt's trigger does it): whole
-    UTC days, since a folded day's rows (at its first hour) count all its hours."""
+    rows went without a row trigger; on SQLite each deleted row's trigger does it): whole
+    UTC days, since a folded day's rows (at its first hour) count all its hours. The rows
+    carried over from dropped history stay."""
     lo = None if since is None else hour_of(since) // DAY_HOURS
     hi = None if until is None else hour_of(until) // DAY_HOURS + 1  # the days [lo, hi)
     conn.execute(s.rollup_days.delete().where(*time_range(s.rollup_days.c.day, lo, hi)))
@@ -256,7 +300,8 @@ def _unroll(conn: Connection, since: float | None, until: float | None) -> None:
     end = None if hi is None else hi * DAY_HOURS
     for table in (s.rollup_hours, s.attempt_rollups, s.metric_rollups, s.move_rollups,
                   s.wait_rollups, s.run_rollups):
-        conn.execute(table.delete().where(*time_range(table.c.hour, first, end)))
+        conn.execute(table.delete().where(table.c.hour != CARRIED_HOUR,
+                                          *time_range(table.c.hour, first, end)))
 
 
 def _held(conn: Connection, table: str, name: str) -> str | None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Table, func, literal, select
+from sqlalchemy import BigInteger, ColumnElement, Table, func, literal, select
 
 from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
 from ledger.domain.records import Rollup
@@ -53,7 +53,7 @@ from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held, in_state
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.hours import DAY_HOURS, HOUR, OPEN_STATES, hour_of, hours_in
-from ledger.storage.series import metric_counts
+from ledger.storage.series import Counted, metric_counts
 
 #: Each roll-up table and the columns its rows are kept per; a fold sums every other column
 #: (but ``hour``) over the day's rows of each key.
@@ -68,6 +68,33 @@ FOLDED: tuple[tuple[Table, tuple[str, ...]], ...] = (
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
 _EMPTY_BATCH = 256
+
+
+def fold_rows(conn: Any, table: Table, keys: tuple[str, ...], lo: int, hi: int) -> None:
+    """Replace roll-up ``table``'s rows of hours ``[lo, hi]`` with their sums per ``keys``
+    (every other column but ``hour`` summed), at hour ``lo``: a day's fold, and retention's
+    carried rows (:data:`~ledger.storage.hours.CARRIED_HOUR`) kept to one per key."""
+    sums = [c for c in table.c if c.name != "hour" and c.name not in keys]
+    rows = conn.execute(
+        select(*(table.c[k] for k in keys), *(func.sum(c).label(c.name) for c in sums))
+        .where(table.c.hour.between(lo, hi)).group_by(*(table.c[k] for k in keys))
+    ).mappings().all()
+    conn.execute(table.delete().where(table.c.hour.between(lo, hi)))
+    if rows:
+        # PostgreSQL sums integers as numeric: back to the column's own type.
+        whole = {c.name for c in sums if isinstance(c.type, BigInteger)}
+        conn.execute(table.insert(), [
+            {"hour": lo, **{k: int(v) if k in whole else v for k, v in r.items()}}
+            for r in rows])
+
+
+def roll_counts(conn: Any, c: Counted, hour: int, *where: ColumnElement[bool]) -> None:
+    """Insert into ``c.table``, at ``hour``, ``c``'s sums per key over its rows ``where``
+    holds: an hour's roll-up, or what retention carries over of the rows it drops."""
+    keys = [*c.keys.values(), *c.detail.values()]
+    conn.execute(c.table.insert().from_select(
+        ["hour", *c.columns, *c.detail, *(x.name for x in c.sums)],
+        select(literal(hour), *keys, *c.sums).where(*c.where, *where).group_by(*keys)))
 
 
 class RollupQueries:
@@ -150,18 +177,7 @@ class RollupQueries:
                 s.rollup_days.c.day == d)).first() is not None:
             return False  # undone, or folded by another run, since it was listed
         for table, keys in FOLDED:
-            sums = [c for c in table.c if c.name != "hour" and c.name not in keys]
-            rows = conn.execute(
-                select(*(table.c[k] for k in keys), *(func.sum(c).label(c.name) for c in sums))
-                .where(table.c.hour.between(lo, hi)).group_by(*(table.c[k] for k in keys))
-            ).mappings().all()
-            conn.execute(table.delete().where(table.c.hour.between(lo, hi)))
-            if rows:
-                # PostgreSQL sums integers as numeric: back to the column's own type.
-                whole = {c.name for c in sums if isinstance(c.type, BigInteger)}
-                conn.execute(table.insert(), [
-                    {"hour": lo, **{k: int(v) if k in whole else v for k, v in r.items()}}
-                    for r in rows])
+            fold_rows(conn, table, keys, lo, hi)
         conn.execute(s.rollup_days.insert().values(day=d, folded_at=now))
         return True
 
@@ -236,12 +252,8 @@ class RollupQueries:
         (:func:`~ledger.storage.series.metric_counts`): each over the hour's rows but the open
         ones (attempts in flight, Runs not ended)."""
         for c in metric_counts(self.ctx, s.METRIC_BOUNDS):
-            keys = [*c.keys.values(), *c.detail.values()]
             kept = [] if c.open is None else [~c.open]
-            conn.execute(c.table.insert().from_select(
-                ["hour", *c.columns, *c.detail, *(x.name for x in c.sums)],
-                select(literal(h), *keys, *c.sums)
-                .where(*c.where, hours_in(c.time, h, h + 1), *kept).group_by(*keys)))
+            roll_counts(conn, c, h, hours_in(c.time, h, h + 1), *kept)
 
 
-__all__ = ["FOLDED", "RollupQueries"]
+__all__ = ["FOLDED", "RollupQueries", "fold_rows", "roll_counts"]

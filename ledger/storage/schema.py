@@ -370,6 +370,12 @@ def _metric_columns(*times: str) -> list[Column[Any]]:
 #: (:meth:`ledger.storage.series.SeriesQueries.metrics_totals`): attempts, tokens, money
 #: charged, and each time's histogram over :data:`METRIC_BOUNDS` (migration
 #: 0013). Kept exact with ``attempt_rollups``, by the same marks and triggers.
+#:
+#: This table, ``wait_rollups`` and ``move_rollups`` also hold, at hour
+#: :data:`~ledger.storage.hours.CARRIED_HOUR`, what ``/metrics`` counted of the history
+#: retention dropped (one row per key): counts no table holds any more, which a change that
+#: redoes the roll-ups (a migration emptying them, as 0013 did) must keep, or every counter
+#: goes down.
 metric_rollups = Table(
     "metric_rollups",
     metadata,

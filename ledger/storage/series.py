@@ -9,8 +9,11 @@ typed results.
 - the metrics totals are counters over the whole history (Prometheus computes rates from
   them): attempts grouped by route and state, ``move`` and ``capacity_wait`` events through
   ``ix_events_kind_created_at``, money per tenant from ``runs``, each from the hourly roll-ups
-  for the hours rolled (:mod:`ledger.storage.rollups`) and from the table for the rest; the
-  current cooldowns from ``health`` and ``capacity_groups`` (small tables).
+  for the hours rolled (:mod:`ledger.storage.rollups`) and from the table for the rest, plus
+  the roll-up rows retention carried over for the history it dropped
+  (:data:`~ledger.storage.hours.CARRIED_HOUR`: only these counters read them; every read over
+  a window, the series and costs above included, counts the retained history); the current
+  cooldowns from ``health`` and ``capacity_groups`` (small tables).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ledger.storage import schema as s
 from ledger.storage.audit import charged_and_held
 from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.hours import (
+    CARRIED_HOUR,
     HOUR,
     LIVE_STATUSES,
     OPEN_STATES,
@@ -149,11 +153,18 @@ class SeriesQueries:
         many are at most each of ``bounds`` (a histogram's cumulative buckets). Moves to
         another route by their routes and cause; capacity waits by group and outcome (with
         the same buckets); the places waiting in each group's queue now.
+
+        The attempts, moves and capacity waits retention dropped count too (the roll-ups'
+        rows it carried over, :data:`~ledger.storage.hours.CARRIED_HOUR`), so no counter goes
+        down when history is dropped; with ``bounds`` other than
+        :data:`~ledger.storage.schema.METRIC_BOUNDS` (whose buckets the roll-ups keep) the
+        counts are the retained history's only.
         """
         with self.ctx.reading() as conn:
             self.ctx.consistent(conn)
-            # The attempts not in flight, moves, waits and ended Runs of rolled hours come from the
-            # roll-ups (whose histograms count into METRIC_BOUNDS only); the rest from tables.
+            # The attempts not in flight, moves, waits and ended Runs of rolled hours, and what
+            # retention dropped, come from the roll-ups (whose histograms count into
+            # METRIC_BOUNDS only); the rest from tables.
             hours = split(conn, None, None) if tuple(bounds) == s.METRIC_BOUNDS else None
             attempts, moves, waits, money = (
                 _maps(conn.execute(q).all()) for q in self._metric_history(bounds, hours))
@@ -176,19 +187,24 @@ class SeriesQueries:
         return made[1]
 
     def _counted(self, c: Counted, hours: Split | None) -> Select[Any]:
-        """``c``'s sums per key over its table: every row without rolled ``hours``; else the
-        rows the roll-ups leave (outside the rolled hours, or still open inside them) plus
-        the rolled hours' rows of ``c.table``."""
+        """``c``'s sums per key over its table: every row when ``hours`` is ``None`` (bounds
+        the roll-ups do not keep); else the rows the roll-ups leave (outside the rolled hours,
+        or still open inside them) plus the rolled hours' rows of ``c.table`` and its rows
+        carried over from dropped history (:data:`~ledger.storage.hours.CARRIED_HOUR`)."""
         group = list(c.keys.values())
         raw = select(*(k.label(n) for n, k in c.keys.items()), *c.sums).where(*c.where)
         order: list[Any] = [column(n) for n in c.keys]
-        if hours is None or not hours.stretches:
+        if hours is None:
             return raw.group_by(*group).order_by(*order)
         t = c.table.c
         names = [x.name for x in c.sums]
+        # With what retention dropped (its carried rows), even when no hour is rolled: a
+        # counter that went down at a retention run would read as a reset to Prometheus.
+        carried = t.hour == CARRIED_HOUR
+        rows = or_(hours.rollups_where(c.table), carried) if hours.stretches else carried
         rolled = (select(*(t[col].label(n) for n, col in zip(c.keys, c.columns, strict=True)),
                          *(func.sum(t[n]).label(n) for n in names))
-                  .where(hours.rollups_where(c.table)).group_by(*(t[col] for col in c.columns)))
+                  .where(rows).group_by(*(t[col] for col in c.columns)))
         left = raw.where(hours.unrolled(c.time, c.open)).group_by(
             *(self.ctx.group_key(k) for k in group))
         return summed([left, rolled], list(c.keys), names).order_by(*order)
