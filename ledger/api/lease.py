@@ -2,10 +2,13 @@
 
 A :class:`LeaseKeeper` (thread) or :class:`AsyncLeaseKeeper` (asyncio task) renews a Run's
 lease every ``ttl/3`` (or more often) on its own schedule, independently of the work that holds
-the lease: a model call that blocks for minutes cannot delay a renewal. The moment a renewal
-learns that the run was taken over (:class:`FencedOut`), or the lease ran out while the database
-was unreachable (:class:`LeaseLost`), the keeper sets ``lost`` and every later :meth:`check`
-raises; the async keeper can also cancel the task doing the work (:meth:`watch`).
+the lease: a model call that blocks for minutes cannot delay a renewal. Each renewal is due by
+the lease's own end (once no more of it is left than ``ttl - interval``), so a lease handed over
+partly run out is renewed in time, at once when it is that close to its end already. The
+moment a renewal learns that the run was taken over (:class:`FencedOut`), or the lease ran out
+while the database was unreachable (:class:`LeaseLost`), the keeper sets ``lost`` and every
+later :meth:`check` raises; the async keeper can also cancel the task doing the work
+(:meth:`watch`).
 
 Graceful shutdown (:meth:`close`) settles what the keeper was told is in flight: an Attempt
 whose request never left the process (``track(..., sent=False)``) is settled as a failure
@@ -78,7 +81,7 @@ class KeeperCore:
         self.retry_s = max(interval_s / 4, 0.01)
         self.clock: Clock = clock or ledger.clock
         self._lease = lease
-        self._next = self.clock.now() + interval_s
+        self._next = self._due(lease, self.clock.now())
         self._lock = threading.Lock()
         self.lost = threading.Event()
         self.error: FencedOut | None = None
@@ -86,6 +89,18 @@ class KeeperCore:
         self.failures = 0
         self.in_flight: dict[str, bool] = {}  # attempt id -> sent?
         self._on_lost: list[Callable[[FencedOut], None]] = []
+
+    def _due(self, lease: Lease, now: float) -> float:
+        """When ``lease`` is next renewed (an interval on, or sooner by its own end).
+
+        Once no more of it is left than after an interval of the steady state
+        (``ttl_s - interval_s``), and at least every interval. Counted from the lease's own
+        end, not from ``now`` alone: a keeper handed a lease that is partly run out (acquired a
+        while ago, or for a shorter time than ``ttl_s``) would otherwise wait a whole interval
+        and could let it lapse while the database answered. A lease already within that
+        margin is due at once.
+        """
+        return min(now + self.interval_s, lease.expires_at - (self.ttl_s - self.interval_s))
 
     @property
     def lease(self) -> Lease:
@@ -124,6 +139,9 @@ class KeeperCore:
     def tick(self) -> float:
         """Renew when due; the seconds until the next tick (``math.inf`` once lost).
 
+        A renewal is due an interval after the last one, or sooner once no more of the lease is
+        left than ``ttl_s - interval_s`` (a lease the keeper was handed partly run out: at once
+        when it is that close to its end already).
         A renewal refused with :class:`FencedOut` loses the Run. An unreachable database
         (:class:`DatabaseUnavailable`) is retried every quarter interval until the lease's own
         end, and then it is lost with :class:`LeaseLost`. Nothing is raised: :meth:`check`
@@ -176,8 +194,10 @@ class KeeperCore:
             self._lease = new
         self.renewals += 1
         now = self.clock.now()
-        self._next = now + self.interval_s
-        return self.interval_s
+        # Never sooner than a retry: a keeper whose clock runs ahead of the ledger's would
+        # find each new lease due already, and renew without pause.
+        self._next = max(self._due(new, now), now + self.retry_s)
+        return self._next - now
 
     def _resolve(self, lease: Lease) -> Flow[bool]:
         """Resolve what this process left unresolved for the Run; whether some of it stays.
@@ -243,7 +263,9 @@ class LeaseKeeper(KeeperCore):
             :class:`~ledger.AsyncLedger` goes with :class:`AsyncLeaseKeeper`).
         lease: The lease to keep, as :meth:`~ledger.Ledger.acquire_lease` returned it.
         ttl_s: The lease time each renewal asks for (above 0, at most 86 400 s).
-        interval_s: How often to renew (default, and at most, ``ttl_s / 3``).
+        interval_s: How often to renew (default, and at most, ``ttl_s / 3``). The first
+            renewal comes sooner when ``lease`` has less than ``ttl_s - interval_s`` left
+            after an interval (at once when it has that little left already).
         clock: The clock due renewals are read from (default: the ledger's).
         sleeper: What waits between ticks (default: a stop-aware thread wait); a
             :class:`~ledger.ManualClock` makes a test's keeper advance without sleeping.

@@ -45,6 +45,47 @@ def test_schedule_renews_every_third_and_learns_takeover(db_url: str) -> None:
     led.close()
 
 
+def test_the_first_renewal_is_due_by_how_much_of_the_lease_is_left(db_url: str) -> None:
+    """A keeper handed a lease that is partly run out renews it by its own end, when as much of
+    it is left as after an interval of the steady state (here 20 of 30 s): one with 5 s left
+    is renewed at once, not a whole interval later, when it would have lapsed."""
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    lease = led.acquire_lease("r1", ttl_s=30)
+    clock.advance(5)  # 25 s left: due in 5 s, not 10
+    assert KeeperCore(led, lease, ttl_s=30).tick() == pytest.approx(5)
+    clock.advance(20)  # 5 s left: due at once
+    keeper = LeaseKeeper(led, lease, ttl_s=30, sleeper=clock)
+    assert keeper.tick() == pytest.approx(10) and keeper.renewals == 1
+    assert keeper.lease.expires_at == clock.now() + 30 and keeper.lease.fence == lease.fence
+    clock.advance(10)
+    assert keeper.tick() == pytest.approx(10) and keeper.renewals == 2
+    keeper.check()
+    keeper.close()
+    assert led.get_run("r1").lease_holder is None
+    led.close()
+
+
+def test_the_async_keeper_s_first_renewal_is_due_by_how_much_of_the_lease_is_left(
+        db_url: str) -> None:
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    lease = led.acquire_lease("r1", ttl_s=30)
+    clock.advance(25)
+
+    async def main() -> None:
+        keeper = AsyncLeaseKeeper(AsyncLedger(led), lease, ttl_s=30, sleeper=clock)
+        assert await keeper.tick() == pytest.approx(10) and keeper.renewals == 1
+        clock.advance(10)
+        assert await keeper.tick() == pytest.approx(10) and keeper.renewals == 2
+        keeper.check()
+        await keeper.close()
+
+    asyncio.run(main())
+    assert led.get_run("r1").lease_holder is None
+    led.close()
+
+
 def test_unreachable_database_retries_then_lease_lost() -> None:
     # A real ledger whose PostgreSQL server is not there (a closed loopback port).
     clock = ManualClock()
