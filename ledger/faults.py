@@ -30,6 +30,10 @@ Points in the ledger:
     inside :meth:`ledger.storage.store.Store.acquire_lease`: right after the lease's commit,
     before the lease is returned (an acquisition whose acknowledgement is lost, or which an
     interruption cut short).
+``finish.before_commit`` / ``finish.after_commit``
+    inside the transaction that finishes a Run (:meth:`ledger.Ledger.finish_run`, a Run
+    session's exit): before its statements are sent, and right after its commit (a finish
+    whose acknowledgement is lost, or which an interruption cut short).
 ``recover.before_commit`` / ``recover.after_commit``
     inside the takeover of one run by :func:`ledger.ops.recovery.recover`.
 ``probe.before_claim``
@@ -61,6 +65,8 @@ KNOWN_POINTS = (
     "dispatch.before_send",
     "dispatch.after_send",
     "acquire.after_commit",
+    "finish.before_commit",
+    "finish.after_commit",
     "recover.before_commit",
     "recover.after_commit",
     "probe.before_claim",

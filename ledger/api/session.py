@@ -12,11 +12,11 @@
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
 renewed in the background; leaving finishes the Run and releases the lease, on every path,
-cancellation included (when the database does not answer, as soon as it does:
-:mod:`ledger.decide.resolve`). The status says what happened (:mod:`ledger.decide.ending`):
-``succeeded`` only when the last turn was served, ``cancelled`` after a cancelled turn (even one
-the host caught), ``stopped`` or ``failed`` after a stop, ``failed`` or ``cancelled`` when the
-block raised.
+cancellation included, and an interruption of the exit's own writes (when the database does not
+answer, as soon as it does: :mod:`ledger.decide.resolve`). The status says what happened
+(:mod:`ledger.decide.ending`): ``succeeded`` only when the last turn was served, ``cancelled``
+after a cancelled turn (even one the host caught), ``stopped`` or ``failed`` after a stop,
+``failed`` or ``cancelled`` when the block raised.
 
 A turn is one logical turn through the retry owner (:func:`ledger.api.turn.execute`) with the
 route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
@@ -61,7 +61,7 @@ from ledger.errors import (
 from ledger.storage.runner import Flow
 
 if TYPE_CHECKING:
-    from ledger.api.lease import KeeperCore
+    from ledger.api.lease import KeeperCore, LeaseKeeper
 
 # Logger names are part of the interface operators filter on: they stay as they were named.
 log = logging.getLogger("ledger.session")
@@ -178,6 +178,9 @@ class _SessionCore:
         self._outcome: RunStatus | None = None
         self._parent: _SessionCore | None = None  # the session a Child session reports to
         self.ended: RunStatus | None = None  # the status the Run was finished with
+        # The status the exit decided on: a second try of an interrupted exit ends the Run
+        # with it, not with one read from a record the first try may have finished.
+        self._leaving: RunStatus | None = None
 
     def _turn_ended(self, status: RunStatus) -> None:
         """Record how the block's latest turn ended.
@@ -197,7 +200,8 @@ class _SessionCore:
             return turn_end(exc)
         return self._outcome
 
-    def _exit(self, exc: BaseException | None, keeper: KeeperCore) -> Flow[None]:
+    def _exit(self, exc: BaseException | None, keeper: KeeperCore, *,
+              again: bool = False) -> Flow[None]:
         """Leaving the block, for both sessions: the Run's end, then its lease given up.
 
         The exit is remembered as an :class:`~ledger.decide.resolve.UnresolvedExit` before it is
@@ -208,6 +212,10 @@ class _SessionCore:
         Run writes nothing under the lease (a begin of its own that was never sent is still
         settled, under its own fence), and the exit raises what lost it: the Run was not
         finished.
+
+        ``again``: the second try of an exit that an interruption cut short, anywhere (its
+        finish or release may have committed): it ends the Run with the status the first try
+        decided on, and a finish or release found done is the same write.
         """
         led, run_id = self.ledger, self.run_id
         store, clock = led._store, led.clock.now
@@ -221,6 +229,12 @@ class _SessionCore:
                 # The Run was not finished here: a block that succeeded must not look as if it
                 # had (the Run stays running until its new holder or recovery ends it).
                 raise keeper.error
+            return
+        status = self._leaving
+        if status is not None:
+            # The first try decided it, and settled what was abandoned on the wire.
+            store.pending.add(UnresolvedExit(keeper.lease, status, tried=True))
+            yield from self._write_exit(status)
             return
         status = self._end_status(exc)
         for abandoned in list(self._sending.values()):
@@ -245,9 +259,15 @@ class _SessionCore:
             status = _idle_status((yield from Face.get_run.flow(led, run_id)),
                                   (yield from Face.timeline.flow(led, run_id)),
                                   (yield from Face.events.flow(led, run_id, ["stop"])))
-        store.pending.add(UnresolvedExit(keeper.lease, status))
+        self._leaving = status
+        store.pending.add(UnresolvedExit(keeper.lease, status, tried=again))
+        yield from self._write_exit(status)
+
+    def _write_exit(self, status: RunStatus) -> Flow[None]:
+        """Write the Run's remembered exit (and what comes before it), ending it ``status``."""
         try:
-            yield from store.resolve_run(run_id, clock, raising=True)
+            yield from self.ledger._store.resolve_run(self.run_id, self.ledger.clock.now,
+                                                      raising=True)
         except LedgerError as e:
             if e.fields.get("finished"):
                 self._ended(status)  # finished; only its lease was not given up
@@ -470,7 +490,10 @@ class RunSession(_SessionCore):
     ``KeyboardInterrupt`` included, even one landing right after the lease's commit) gives
     back the lease it took before the exception propagates, as the async entry does when it
     is cancelled: the Run stays admitted, and the next session (any executor) enters it at
-    once.
+    once. Likewise an exit that an interruption cuts short (a ``KeyboardInterrupt`` landing
+    in its finish or release, even right after a commit) completes the finish and release
+    once more before the interruption propagates, as the async exit outlasts cancellations:
+    the Run ends as its block did, and the next session enters it at once.
 
     The status the Run ends in: when the block raised, ``cancelled`` for a cancellation
     (``KeyboardInterrupt``, ``asyncio.CancelledError``), else as a stop or an error of a turn
@@ -594,11 +617,46 @@ class RunSession(_SessionCore):
 
     def _finish(self, exc: BaseException | None) -> None:
         keeper = self._keeper
-        keeper.stop()
         try:
+            keeper.stop()
             self.ledger._runner.run(self._exit(exc, keeper))
         except LedgerError as e:
             self._unfinished(exc, e)
+        except BaseException as stop:
+            if isinstance(stop, Exception):
+                raise
+            self._finish_again(exc, keeper, stop)
+            raise
+
+    def _finish_again(self, exc: BaseException | None, keeper: LeaseKeeper,
+                      stop: BaseException) -> None:
+        """Complete an exit that the interruption ``stop`` cut short, before it propagates.
+
+        ``stop`` is a ``KeyboardInterrupt`` (any exception that is not an ``Exception``) landing
+        anywhere in the finish or the release, before or after either committed. The exit
+        stays remembered, but it would be written only at the ledger's next write for the Run
+        or its ``close()``: meanwhile the Run would stay unfinished and its lease held, refused
+        to every other executor (``LeaseHeld``). So it is tried once more here, as the async
+        exit outlasts a cancellation: with the status the first try decided on, a write found
+        done being the same write. What that try runs into (an error, or a second
+        interruption) is logged and noted on ``stop``; the exit then stays remembered, unless
+        it was cut short before it was (the lease then lapses after ``lease_ttl_s``).
+        """
+        try:
+            keeper.stop()
+            self.ledger._runner.run(self._exit(exc, keeper, again=True))
+        except LedgerError as e:
+            self._unfinished(stop, e)  # logged, and noted on the interruption
+        except BaseException as e:
+            store = self.ledger._store
+            later = ("this process writes it at its next write for the Run, or the ledger's "
+                     "close()" if any(isinstance(i, UnresolvedExit)
+                                      for i in store.pending.of(self.run_id))
+                     else f"its lease lapses in {self.lease_ttl_s:g} s")
+            log.warning("run %s: leaving after %r, finishing the Run or releasing its lease "
+                        "was interrupted again; %s: %r", self.run_id, stop, later, e)
+            stop.add_note(f"leaving the Run session, finishing run {self.run_id!r} or releasing "
+                          f"its lease was interrupted again ({type(e).__name__}: {e}); {later}")
 
     # -- turns -----------------------------------------------------------------------------
 

@@ -846,11 +846,13 @@ def finish_tx(sql: Statements, lease: Lease, status: RunStatus, clock: ClockFn,
         [live] = yield Q(sql.run_live, {"run_id": lease.run_id})
         if _ns(sql.run_live, live).status == status.value:
             return
+    faults.point("finish.before_commit")
     yield Flush((
         Q(sql.finish, {"status": status.value, "now": now, "run_id": lease.run_id}),
         Q(sql.insert_event, [_event(lease.run_id, None, "finish", {"status": status.value},
                                     now)], many=True),
     ), commit=True)
+    faults.point("finish.after_commit")
 
 
 def reserve_retry_tx(sql: Statements, lease: Lease, clock: ClockFn, margin: float,

@@ -4,8 +4,10 @@ A turn that outlives the lease it started with (a capacity queue, backoffs) send
 lease as its keeper last renewed it, not as it was when the turn began. An entry cancelled
 while it takes the lease (or a sync one interrupted, even right after the lease's commit) gives
 the lease back; a Run admitted by an entry cancelled before its lease is resumed by the next
-entry; an exit cancelled again and again still finishes the Run and releases it. The turns
-send with a function (no provider is needed); both backends.
+entry; an exit cancelled again and again still finishes the Run and releases it, and so does a
+sync exit interrupted in its finish or release (a second interruption is noted, and the exit is
+written at the ledger's close()). The turns send with a function (no provider is needed); both
+backends.
 """
 
 from __future__ import annotations
@@ -351,3 +353,87 @@ def test_a_block_cancelled_again_and_again_while_leaving_still_finishes_and_rele
             assert rec.status is RunStatus.CANCELLED and rec.lease_holder is None
 
     asyncio.run(main())
+
+
+def _ctrl_c(_point: str) -> None:
+    raise KeyboardInterrupt
+
+
+def _served_sync(_d: Dispatch) -> SendResult:
+    return OK
+
+
+def _finished_once(led: Ledger, run_id: str, status: RunStatus) -> None:
+    """The Run ended ``status`` by one finish, holds no lease, and nothing of it is left for
+    later (its exit was resolved before the interruption propagated)."""
+    rec = led.get_run(run_id)
+    assert rec.status is status and rec.lease_holder is None
+    assert [e.data["status"] for e in led.events(run_id, ["finish"])] == [status.value]
+    assert not led._store.pending.of(run_id)
+
+
+@pytest.mark.parametrize("point", ["finish.before_commit", "finish.after_commit"])
+def test_a_sync_exit_interrupted_in_its_finish_still_finishes_and_releases(
+        db_url: str, fake: Any, point: str) -> None:
+    # A Ctrl-C lands in the exit's finish, before its commit (rolled back) or right after it
+    # (committed, not returned): the exit completes its finish and release once more, then
+    # the interruption propagates. Another executor enters at once (the clock has not moved).
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        try:
+            with pytest.raises(KeyboardInterrupt), \
+                    led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                run.turn(HELLO, send=_served_sync)
+                faults.arm(point, _ctrl_c)
+        finally:
+            faults.disarm()
+        assert run.ended is RunStatus.SUCCEEDED
+        _finished_once(led, "r", RunStatus.SUCCEEDED)
+        _enters_at_once(db_url, clock, "r", fake)
+
+
+def test_a_sync_exit_interrupted_anywhere_still_finishes_and_releases(
+        db_url: str, fake: Any) -> None:
+    # KeyboardInterrupt lands at each clock reading of the sync exit in turn (the finish's,
+    # the release's): wherever it lands, the Run ends as its block did and no lease stays held.
+    clock = _InterruptsEntry(80_000.0)
+    landed = 0
+    with Ledger.open(db_url, clock=clock) as led:
+        for at in range(1, 12):
+            run_id = f"r{at}"
+            try:
+                with led.run(run_id, plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                    run.turn(HELLO, send=_served_sync)
+                    clock.reads, clock.at = 0, at
+            except KeyboardInterrupt:
+                landed += 1
+            else:
+                break  # the exit reads the clock fewer times: every reading was tried
+            finally:
+                clock.at = 0
+            _finished_once(led, run_id, RunStatus.SUCCEEDED)
+            _enters_at_once(db_url, clock, run_id, fake)
+    assert landed >= 2  # the scene happened: in the finish, and in the release
+
+
+def test_a_sync_exit_interrupted_twice_notes_it_and_writes_the_exit_at_close(
+        db_url: str, fake: Any) -> None:
+    # The second try is interrupted too (right after its finish commits): the interruption
+    # propagates with a note saying what is left, and the ledger's close() releases the lease.
+    clock = ManualClock(80_000.0)
+    led = Ledger.open(db_url, clock=clock)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught, \
+                led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            run.turn(HELLO, send=_served_sync)
+            faults.arm("finish.before_commit", _ctrl_c)  # the first try: rolled back
+            faults.arm("finish.after_commit", _ctrl_c)  # the second: committed, not returned
+    finally:
+        faults.disarm()
+    assert any("interrupted again" in n and "close()" in n
+               for n in getattr(caught.value, "__notes__", []))
+    assert led.get_run("r").lease_holder is not None  # the release is still to be written
+    led.close()
+    with Ledger.open(db_url, clock=clock, migrate_schema=False) as again:
+        _finished_once(again, "r", RunStatus.SUCCEEDED)
+    _enters_at_once(db_url, clock, "r", fake)
