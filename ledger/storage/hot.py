@@ -275,7 +275,7 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
 
 
 def _refused(spec: BeginSpec, adm: _Admission, rejected: tuple[str, float | None],
-             seq: int | None) -> CapacityUnavailable:
+             seq: int | None, *, adoption: bool = False) -> CapacityUnavailable:
     reason, until = rejected
     # The limit, when the group has one: a host sizing its groups reads it here, as a turn
     # reads it from its queue timeout. A refusal for fullness also says how many were in flight.
@@ -288,6 +288,8 @@ def _refused(spec: BeginSpec, adm: _Admission, rejected: tuple[str, float | None
         attempt_id=spec.attempt_id, group=spec.route.group, reason=reason,
         until=until, seq=seq, route=spec.route.id, **limit,
         **({"in_flight": adm.in_flight} if full else {}),
+        # A refused adoption freed the attempt's old slot: the store wakes a waiter for it.
+        **({"adoption": True} if adoption else {}),
     )
 
 
@@ -584,7 +586,7 @@ def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: 
             "reason": rejected[0], "group": spec.route.group, "adoption": True}, now)],
           many=True),
     ), commit=True)
-    raise _refused(spec, adm, rejected, int(prior.seq))
+    raise _refused(spec, adm, rejected, int(prior.seq), adoption=True)
 
 
 def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[str, Any],

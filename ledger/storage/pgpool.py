@@ -32,6 +32,10 @@ pool bounds, checks and closes every connection a store holds to its database:
   ending), so a ledger used from one ``asyncio.run`` after another keeps no sessions of loops
   that are gone.
 
+Every connection the pools (and checkouts) open is remembered by database, weakly, while it is
+open: :func:`own_pids` are their server backends' pids, whose queue notifications the store's
+listener skips (this process woke its waiters itself: :mod:`ledger.storage.wake`).
+
 A pooled connection goes back to its pool when it is released (:func:`release`), which is also
 what closing it does: that is how SQLAlchemy gives back what it was lent. psycopg and
 psycopg_pool are imported on first use: they are the optional ``postgres`` extra.
@@ -60,6 +64,37 @@ IDLE_CHECK_S = 1.0
 MAX_IDLE_S = 600.0
 
 
+class _Own:
+    """The open connections of this process's pools, by database (a store's ``where``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_where: dict[str, weakref.WeakSet[Any]] = {}
+
+    def add(self, where: str, conn: Any) -> None:
+        # Read once, now: the listener's thread must not touch a connection another is using.
+        conn._ledger_pid = conn.info.backend_pid
+        with self.lock:
+            self.by_where.setdefault(where, weakref.WeakSet()).add(conn)
+
+    def pids(self, where: str) -> frozenset[int]:
+        with self.lock:
+            conns = list(self.by_where.get(where, ()))
+        # A closed connection's pid is forgotten: once its backend exits, the server may give
+        # the pid to another process's connection, whose notifications must be heard.
+        return frozenset(c._ledger_pid for c in conns if not c.closed)
+
+
+_OWN = _Own()
+
+
+def own_pids(where: str) -> frozenset[int]:
+    """The backend pids of the open connections this process's pools (and checkouts) made to
+    the database ``where`` (:attr:`PgPool.where`, the store's waker key): a notification one
+    of them sent is this process's own."""
+    return _OWN.pids(where)
+
+
 @functools.cache
 def _connection_classes() -> tuple[type[Any], type[Any]]:
     """psycopg's connection classes as the pools serve them (made on first use: psycopg is an
@@ -72,6 +107,7 @@ def _connection_classes() -> tuple[type[Any], type[Any]]:
         _ledger_pool: Any = None
         _ledger_idle_since = 0.0
         _ledger_reads = False  # a read replica's: read-only, and a standby will do
+        _ledger_pid = 0  # its server backend's (own_pids)
 
         def close(self) -> None:
             if self._ledger_pool is None:
@@ -91,6 +127,7 @@ def _connection_classes() -> tuple[type[Any], type[Any]]:
         _ledger_pool: Any = None
         _ledger_idle_since = 0.0
         _ledger_reads = False
+        _ledger_pid = 0
 
         async def close(self) -> None:
             if self._ledger_pool is None:
@@ -162,8 +199,9 @@ async def arelease(conn: Any) -> None:
 class _Loop:
     """The asyncio side of a :class:`PgPool` on one event loop."""
 
-    def __init__(self, reads: bool) -> None:
+    def __init__(self, reads: bool, where: str) -> None:
         self.reads = reads
+        self.where = where
         self.pool: Any = None
         self.proven = False
         self.used_at = 0.0
@@ -180,6 +218,7 @@ class _Loop:
         _fresh(conn)
         conn._ledger_reads = self.reads
         self.made.add(conn)
+        _OWN.add(self.where, conn)
 
     def unprove(self, pool: Any) -> None:
         """:meth:`PgPool._replace` for this loop's pool (called by its worker, on the loop)."""
@@ -224,6 +263,7 @@ class PgPool:
         """Each new connection of the blocking pool: as good as just used, and whose."""
         _fresh(conn)
         conn._ledger_reads = self.reads
+        _OWN.add(self.where, conn)
 
     @staticmethod
     def _doubted(used_at: float, now: float) -> bool:
@@ -280,6 +320,7 @@ class PgPool:
                     if not self._proven or self._doubted(self._used_at, now):
                         conn = _connection_classes()[0].connect(self.conninfo, autocommit=True)
                         conn._ledger_reads = self.reads
+                        _OWN.add(self.where, conn)
                         self._proven, self._used_at = True, time.monotonic()
                         return conn  # a connection of its own, closed after its transaction
             self._used_at = now
@@ -330,7 +371,7 @@ class PgPool:
         if side is None:
             with self._lock:
                 self._refuse_closed()
-                side = self._loops.setdefault(loop, _Loop(self.reads))
+                side = self._loops.setdefault(loop, _Loop(self.reads, self.where))
         if side.guard is None:
             side.guard = loop.create_task(self._close_with(loop, side))
         if side.pool is None:
@@ -385,6 +426,7 @@ class PgPool:
                         conn = await _connection_classes()[1].connect(self.conninfo,
                                                                       autocommit=True)
                         conn._ledger_reads = self.reads
+                        _OWN.add(self.where, conn)
                         side.proven, side.used_at = True, time.monotonic()
                         return conn
             side.used_at = now
@@ -455,4 +497,4 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 
 
 __all__ = ["CHECKOUT_TIMEOUT_S", "IDLE_CHECK_S", "MAX_IDLE_S", "MAX_SIZE", "PgPool",
-           "ahard_close", "arelease", "hard_close", "on_standby", "release"]
+           "ahard_close", "arelease", "hard_close", "on_standby", "own_pids", "release"]

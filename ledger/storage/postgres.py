@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
@@ -31,7 +31,7 @@ from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
-from ledger.storage.pgpool import PgPool
+from ledger.storage.pgpool import PgPool, own_pids
 from ledger.storage.store import Store
 
 
@@ -61,7 +61,8 @@ class PostgresContext(SqlContext):
         engine = eng.postgres_engine(parsed, pool.lend)
         ctx = cls(engine, where, lease_margin_s=lease_margin_s)
         return Store(ctx, PgDriver(pool), statements.postgres(),
-                     queue_poll_s=cls.QUEUE_POLL_S, listen=partial(_listen, conninfo))
+                     queue_poll_s=cls.QUEUE_POLL_S,
+                     listen=partial(_listen, conninfo, partial(own_pids, where)))
 
     @classmethod
     def prepare_database(cls, norm: str, parsed: URL) -> bool:
@@ -191,8 +192,12 @@ class PostgresContext(SqlContext):
         return [dict(r._mapping) for r in conn.execute(q)]
 
 
-def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -> None:
-    """LISTEN on the queue channel until ``stop``; ``told("")`` once listening."""
+def _listen(conninfo: str, own: Callable[[], Collection[int]], told: Callable[[str], None],
+            stop: threading.Event) -> None:
+    """LISTEN on the queue channel until ``stop``; ``told("")`` once listening, then
+    ``told(group)`` for each notification but those of the backends ``own`` names (this
+    process's pooled connections: whatever freed a slot through them woke a waiter here
+    already, :mod:`ledger.storage.wake`)."""
     import psycopg
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -200,7 +205,8 @@ def _listen(conninfo: str, told: Callable[[str], None], stop: threading.Event) -
         told("")
         while not stop.is_set():
             for note in conn.notifies(timeout=0.5):
-                told(note.payload)
+                if note.pid not in own():
+                    told(note.payload)
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
 from ledger.storage.rows import attempt_record, run_record
+from ledger.storage.wake import poke
 
 UNFINISHED = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
 #: How long closing a Run waits for its row's lock (PostgreSQL) before it gives up.
@@ -109,6 +110,14 @@ def _chunks(items: Sequence[str], n: int = 500) -> Iterator[list[str]]:
 def _expired(row: Any, now: float) -> bool:
     return (row.lease_holder is not None and row.lease_expires_at is not None
             and row.lease_expires_at <= now)
+
+
+def _wake(ctx: SqlContext, groups: Sequence[str]) -> None:
+    """Wake a waiter of this process for each slot freed (of its group), once committed: the
+    waiters here hear of it at once, and a PostgreSQL listener skips this process's own
+    notifications (:mod:`ledger.storage.wake`)."""
+    for group in groups:
+        poke(ctx.where, group)
 
 
 def _event_row(run_id: str, attempt_id: str | None, kind: str, data: Mapping[str, Any],
@@ -183,10 +192,11 @@ class RecoveryQueries:
     def take_over(self, run_ids: Sequence[str], executor: str, ttl_s: float, now: float,
                   *, release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
         """Take the expired runs of ``run_ids`` over for ``executor`` in one transaction: new
-        fences, dispatching Attempts unknown (holds kept), unsent holds voided, slots freed;
-        the new lease lasts ``ttl_s`` (or is released at once with ``release``). ``adopt``
-        also reports runs this executor already took over (a retried takeover whose commit
-        landed). Returns the takeovers and the runs not (or no longer) to take."""
+        fences, dispatching Attempts unknown (holds kept), unsent holds voided, slots freed
+        (once committed, each wakes a waiter of its group in this process); the new lease
+        lasts ``ttl_s`` (or is released at once with ``release``). ``adopt`` also reports runs
+        this executor already took over (a retried takeover whose commit landed). Returns the
+        takeovers and the runs not (or no longer) to take."""
         r = s.runs.c
         a = s.attempts.c
         d = s.debits.c
@@ -206,6 +216,7 @@ class RecoveryQueries:
             voided: dict[str, list[str]] = {i: [] for i in ids}
             release_micros: dict[str, int] = dict.fromkeys(ids, 0)
             slots: dict[str, int] = dict.fromkeys(ids, 0)
+            freed: list[str] = []  # the group of each slot freed
             if ids:
                 for att_id, rid in conn.execute(
                     select(a.attempt_id, a.run_id)
@@ -239,11 +250,10 @@ class RecoveryQueries:
                     conn.execute(s.debits.update().where(d.debit_id.in_(unsent))
                                  .values(state=DebitState.VOIDED.value, settled_at=now))
                 # Capacity slots of the dead executor: all of the run's (the new fence has none).
-                for rid, n in conn.execute(select(gs.run_id, func.count()).where(gs.run_id.in_(ids))
-                                           .group_by(gs.run_id)):
-                    slots[rid] = int(n)
-                if any(slots.values()):
-                    conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids)))
+                for rid, group in conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids))
+                                               .returning(gs.run_id, gs.group_id)):
+                    slots[rid] += 1
+                    freed.append(group)
                 holder, expires = (None, None) if release else (executor, now + ttl_s)
                 conn.execute(
                     s.runs.update().where(r.run_id == bindparam("k_run")).values(
@@ -293,6 +303,7 @@ class RecoveryQueries:
                 current_route=row.current_route, status=row.status, adopted=True,
             ) for row in adopted]
             faults.point("recover.before_commit")
+        _wake(self.ctx, freed)
         faults.point("recover.after_commit")
         taken = {t.run_id for t in out}
         return out, [i for i in run_ids if i not in taken]
@@ -313,8 +324,9 @@ class RecoveryQueries:
         return sorted(orphaned)[:limit]
 
     def mark_orphans(self, run_id: str, now: float) -> list[str]:
-        """Mark ``run_id``'s orphaned Attempts unknown (holds kept, slots freed) without
-        taking the run from its executor; returns their ids."""
+        """Mark ``run_id``'s orphaned Attempts unknown (holds kept, slots freed, each waking a
+        waiter of its group in this process once committed) without taking the run from its
+        executor; returns their ids."""
         r = s.runs.c
         a = s.attempts.c
         gs = s.group_slots.c
@@ -327,21 +339,25 @@ class RecoveryQueries:
                 select(a.attempt_id).where(a.run_id == run_id, a.fence < row.fence,
                                            a.state == AttemptState.DISPATCHING.value)
                 .order_by(a.seq))]
+            freed: list[str] = []
             if ids:
                 conn.execute(s.attempts.update().where(a.attempt_id.in_(ids)).values(
                     state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=row.fence))
-                conn.execute(s.group_slots.delete().where(gs.attempt_id.in_(ids)))
+                freed = list(conn.execute(s.group_slots.delete().where(gs.attempt_id.in_(ids))
+                                          .returning(gs.group_id)).scalars())
                 for att_id in ids:
                     self.ctx.add_event(conn, run_id, att_id, "unknown", {
                         "reason": "recovery: dispatched under a fence that was taken over, "
                                   "without a receipt", "fence": int(row.fence)}, now)
-            return ids
+        _wake(self.ctx, freed)
+        return ids
 
     def close_run(self, run_id: str, executor: str, status: RunStatus, reason: str,
                   clock: ClockFn, by: str | None = None) -> tuple[RunRecord, bool]:
         """End ``run_id`` with ``status`` under a fresh fence, in one transaction: dispatching
-        Attempts unknown (holds kept), slots freed, the lease released, a ``close`` event with
-        ``reason`` and who closed it (``by``, default ``executor``). Returns the Run and
+        Attempts unknown (holds kept), slots freed (once committed, each wakes a waiter of its
+        group in this process), the lease released, a ``close`` event with ``reason`` and who
+        closed it (``by``, default ``executor``). Returns the Run and
         whether it changed (``False``: it had already been closed with ``status``; a Run its
         block ended with ``status`` has no ``close`` yet and is closed). Raises
         :class:`~ledger.errors.NotFound`, :class:`~ledger.errors.LeaseHeld` (a live executor
@@ -402,7 +418,8 @@ class RecoveryQueries:
                 # resent.
                 conn.execute(s.attempts.update().where(a.attempt_id.in_(dispatching)).values(
                     state=AttemptState.UNKNOWN.value, settled_at=now, settle_fence=fence))
-            slots = conn.execute(s.group_slots.delete().where(gs.run_id == run_id)).rowcount
+            freed = list(conn.execute(s.group_slots.delete().where(gs.run_id == run_id)
+                                      .returning(gs.group_id)).scalars())
             conn.execute(s.runs.update().where(r.run_id == run_id).values(
                 status=status.value, fence=fence, lease_holder=None, lease_expires_at=None,
                 updated_at=now))
@@ -416,9 +433,10 @@ class RecoveryQueries:
                 "executor": executor,
                 "previous": row.lease_holder, "previous_status": row.status,
                 "previous_fence": int(row.fence), "fence": fence, "unknown": dispatching,
-                "holds_kept": held, "slots_released": int(slots or 0)}, now))
+                "holds_kept": held, "slots_released": len(freed)}, now))
             conn.execute(s.events.insert(), events)
             after = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
+        _wake(self.ctx, freed)
         return run_record(after), True
 
     def _lock_to_close(self, conn: Connection, run_id: str) -> Any:

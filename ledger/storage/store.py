@@ -67,6 +67,7 @@ from ledger.decide.resolve import (
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, Queued, RunStatus
 from ledger.domain.specs import BeginSpec, ReceiptSpec, SettleSpec
 from ledger.errors import (
+    CapacityUnavailable,
     DatabaseUnavailable,
     FencedOut,
     InvalidState,
@@ -371,11 +372,19 @@ class Store:
         limited group queues the begin instead: the result is a
         :class:`~ledger.domain.records.Queued` place (first come, first served across
         processes), nothing is recorded as an Attempt, and the same begin again records it
-        once its place comes up (with a ``capacity_wait`` event)."""
+        once its place comes up (with a ``capacity_wait`` event). A begin retried under a lease
+        acquired again whose adoption the group refuses voids its record and frees its slot:
+        the error says ``adoption=True``, and a waiter of the group here is woken."""
         yield from self._first(spec.run_id, clock)
-        return (yield from resolving(
-            "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
-            again=False, run_id=spec.run_id, attempt_id=spec.attempt_id))
+        try:
+            return (yield from resolving(
+                "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
+                again=False, run_id=spec.run_id, attempt_id=spec.attempt_id))
+        except CapacityUnavailable as e:
+            if e.fields.get("adoption"):
+                # The refusal freed the attempt's old slot (committed): as a settle does.
+                self.waker.poke(spec.route.group)
+            raise
 
     def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in

@@ -7,18 +7,28 @@ a grant, and a missed one costs at most one polling interval.
 
 Signals come from two places:
 
-* this process: every settle, ``mark_unknown`` and queue departure of a ledger on the same
-  database wakes a waiter of that group at once (:meth:`SlotWaker.poke`);
+* this process: every slot freed and every queue departure, by any ledger on the same
+  database, wakes a waiter of that group at once (:meth:`SlotWaker.poke`, :func:`poke`);
 * other processes, on PostgreSQL: a trigger (migration 0006) notifies channel
   :data:`~ledger.storage.statements.QUEUE_CHANNEL` when a slot of a group with waiters is
   freed, and a queue departure notifies it too; one listening connection per store, opened
   while someone waits, pokes the local waiters. SQLite has no such channel: waiters in other
   processes poll.
 
-On PostgreSQL a slot this process frees is heard twice: the poke, then the trigger's
-notification, which the listener hears too and which wakes one more waiter (one more begin).
-It is not skipped by the notifying backend's pid, because a slot freed here by recovery,
-``close_run`` or a begin whose adoption is refused fires the trigger without a poke.
+Every path of this process that frees a slot wakes a waiter here itself, after its commit:
+the settle, ``mark_unknown`` and the queue departure of a ledger, and also recovery's takeover
+and its marking of orphans, ``close_run`` (the API, the CLI, the dashboard) and a begin whose
+adoption is refused (these call :func:`poke` with the store's key; on SQLite that is how the
+waiters here hear of them at once rather than at their next poll). So on PostgreSQL the
+listener skips the notifications sent by this process's own pooled connections, by their
+backend pids (:func:`ledger.storage.pgpool.own_pids`): the slot was heard here already, and
+hearing it again woke one more waiter for nothing (one more begin per freed slot).
+Notifications of every other connection, this process's outside its pools included, still
+wake a waiter. A pid is forgotten once its connection is closed (the server gives a pid to a
+new backend only after the old one exited, so a pid kept longer could only skip another
+process's notification); one of a connection closed right after its commit (a checkout's own
+connection, made while the pool is not proven yet) is then heard as another's: one spare
+wake-up, as before.
 
 One freed slot wakes one waiter of this process: the earliest by ticket not woken yet, the one
 the queue serves first. Waking all of them cost one begin each, all serialized on the group's
@@ -177,6 +187,15 @@ def _hand_over(waiters: dict[str, _Signal], group: str, before: _Signal | None,
 _REGISTRY = _Registry()
 
 
+def poke(key: str, group: str) -> int:
+    """Wake this process's earliest waiter of ``group`` not woken yet, on the database named
+    ``key`` (a store's :attr:`SlotWaker.key`, its context's ``where``): one slot of the group
+    came free. For the paths that free slots without the store's waker at hand (recovery,
+    ``close_run``); call it after the commit, or the waiter begins before the slot is free.
+    Returns how many were woken (0 or 1)."""
+    return _REGISTRY.poke(key, group)
+
+
 class SlotWaker:
     """The wake-ups of one store's database in this process.
 
@@ -186,7 +205,8 @@ class SlotWaker:
         poll_s: The longest the earliest waiter of a group (in this process) waits without a
             signal before it begins again; the others wait :data:`IDLE_POLLS` times longer.
         listen: Opens a listening connection that calls its argument with a group id for each
-            notification until the event it gets is set (PostgreSQL); ``None``: no channel.
+            notification of another process (or of a connection outside this process's
+            pools) until the event it gets is set (PostgreSQL); ``None``: no channel.
     """
 
     def __init__(self, key: str, poll_s: float,
@@ -326,4 +346,4 @@ class SlotWaker:
         self._stop_listener()
 
 
-__all__ = ["IDLE_POLLS", "LISTEN_READY_S", "SlotWaker"]
+__all__ = ["IDLE_POLLS", "LISTEN_READY_S", "SlotWaker", "poke"]
