@@ -18,9 +18,12 @@ The token travels in the ``X-Ledger-Token`` header (or ``Authorization: Bearer``
 form's ``token`` field, never in a cookie, so a page of another site cannot act on an
 operator's behalf: it cannot read the token, and a request from another origin (its
 ``Origin`` or ``Sec-Fetch-Site`` says so) is refused before the token is even looked at. A
-missing or wrong token is 403 and nothing is recorded. Bad input is the ledger's typed error:
-400 (``InvalidArgument``), 404 (``NotFound``), 409 (``InvalidState``, ``LeaseHeld``: a Run or
-key not in a state that allows it), each recording nothing.
+missing or wrong token is 403 and nothing is recorded. What the headers refuse (another
+origin, a wrong token in a header) is refused before the body is read; the body is read up
+to 64 KiB only (413 for a larger ``Content-Length`` at once, or as soon as a body without
+one passes it). Bad input is the ledger's typed error: 400 (``InvalidArgument``), 404
+(``NotFound``), 409 (``InvalidState``, ``LeaseHeld``: a Run or key not in a state that allows
+it), each recording nothing.
 """
 
 from __future__ import annotations
@@ -101,11 +104,37 @@ def _same_origin(request: Request) -> None:
                        "dashboard's own page (nothing was changed)")
 
 
-async def _fields(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > _MAX_BODY:
+def _header_token(request: Request) -> str | None:
+    given = request.headers.get(TOKEN_HEADER.lower())
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return given
+
+
+async def _body(request: Request) -> bytes:
+    """The body, at most :data:`_MAX_BODY` bytes read: a larger one is refused as soon as it
+    is known to be larger (its Content-Length, else the running total), so a large upload
+    never sits in memory whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > _MAX_BODY:
         raise _Refused(413, "the request body is too large (nothing was changed)")
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > _MAX_BODY:
+            raise _Refused(413, "the request body is too large (nothing was changed)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _fields(request: Request) -> dict[str, Any]:
     kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind not in ("application/json", "application/x-www-form-urlencoded", ""):
+        raise _Refused(415, "send the fields as a form (application/x-www-form-urlencoded) or "
+                       "as JSON (nothing was changed)")
+    body = await _body(request)
     if kind == "application/json":
         try:
             # Numbers with a fraction as Decimal: a cost is money, exact as it was written.
@@ -116,27 +145,22 @@ async def _fields(request: Request) -> dict[str, Any]:
             raise _Refused(400, "the JSON body must be an object of fields (nothing was "
                            "changed)")
         return doc
-    if kind in ("application/x-www-form-urlencoded", ""):
-        try:
-            return dict(parse_qsl(body.decode("utf-8"), keep_blank_values=True,
-                                  strict_parsing=False))
-        except UnicodeDecodeError:
-            raise _Refused(400, "the form is not UTF-8 (nothing was changed)") from None
-    raise _Refused(415, "send the fields as a form (application/x-www-form-urlencoded) or as "
-                   "JSON (nothing was changed)")
+    try:
+        return dict(parse_qsl(body.decode("utf-8"), keep_blank_values=True,
+                              strict_parsing=False))
+    except UnicodeDecodeError:
+        raise _Refused(400, "the form is not UTF-8 (nothing was changed)") from None
 
 
-def _authorized(request: Request, fields: Mapping[str, Any], token: str) -> None:
-    given = request.headers.get(TOKEN_HEADER.lower())
-    auth = request.headers.get("authorization", "")
-    if given is None and auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
-    if given is None:
-        value = fields.get("token")
-        given = value if isinstance(value, str) else None
+def _authorized(given: str | None, token: str) -> None:
     if not given or not hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
                                             token.encode("utf-8")):
         raise _Refused(403, "the action token is missing or wrong (nothing was changed)")
+
+
+def _form_token(fields: Mapping[str, Any]) -> str | None:
+    value = fields.get("token")
+    return value if isinstance(value, str) else None
 
 
 def _kind(v: Any) -> str:
@@ -285,9 +309,15 @@ def action_routes(audit: Callable[[], Audit], token: str,
     def endpoint(action: _Action, as_json: bool) -> Callable[[Request], Any]:
         async def handle(request: Request) -> Response:
             try:
+                # Everything the headers can refuse is refused before the body is read: a
+                # request that may not act never costs the body's bytes.
                 _same_origin(request)
+                given = _header_token(request)
+                if given is not None:
+                    _authorized(given, token)
                 fields = await _fields(request)
-                _authorized(request, fields, token)
+                if given is None:
+                    _authorized(_form_token(fields), token)
                 led = audit().ledger
                 doc, text, back = await run_in_threadpool(
                     action, led, fields, dict(request.path_params))

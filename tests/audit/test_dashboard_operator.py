@@ -638,3 +638,79 @@ def _serving_actions(url: str) -> Any:
             thread.join(timeout=10)
 
     return serving()
+
+
+# -- the body: bounded before it is read -----------------------------------------------------------
+
+
+def _post_asgi(url: str, headers: dict[str, str], chunks: int, size: int = 64 * 1024
+               ) -> tuple[int, int]:
+    """POST to an action route straight through ASGI, the body ``chunks`` pieces of ``size``
+    bytes: (the answer's status, how many pieces the app pulled). What the app pulls is what
+    it holds in memory, which no test client shows."""
+    import asyncio
+
+    app = create_app(url, clock=ManualClock(NOW), actions=True, token=TOKEN)
+    piece = b"a" * size
+    pulled = 0
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal pulled
+        if pulled == chunks:
+            return {"type": "http.disconnect"}
+        pulled += 1
+        return {"type": "http.request", "body": piece, "more_body": pulled < chunks}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/api/actions/clear-cooldown",
+             "raw_path": b"/api/actions/clear-cooldown", "query_string": b"", "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in
+                         {"host": "127.0.0.1:8765",
+                          "content-type": "application/x-www-form-urlencoded",
+                          **headers}.items()],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8765)}
+    asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+    return statuses[0], pulled
+
+
+def test_a_body_declared_over_the_limit_is_refused_before_a_byte_of_it_is_read(
+        seeded_url: str) -> None:
+    """A 200 MB POST was read whole into memory before the 64 KiB limit applied."""
+    status, pulled = _post_asgi(seeded_url, {"content-length": str(160 * 64 * 1024), **HEADER},
+                                chunks=160)
+    assert (status, pulled) == (413, 0)
+
+
+def test_a_body_without_a_length_is_read_only_up_to_the_limit(seeded_url: str) -> None:
+    status, pulled = _post_asgi(seeded_url, HEADER, chunks=160)
+    assert status == 413 and pulled <= 2, pulled  # 64 KiB is the limit: the 2nd piece passes it
+
+
+@pytest.mark.parametrize("headers", [{"X-Ledger-Token": "wrong-token-0123456789"},
+                                     {"Authorization": "Bearer wrong-token-0123456789"},
+                                     {**HEADER, "Origin": "http://evil.example"},
+                                     {**HEADER, "Sec-Fetch-Site": "cross-site"}])
+def test_what_the_headers_refuse_is_refused_before_the_body_is_read(
+        seeded_url: str, headers: dict[str, str]) -> None:
+    status, pulled = _post_asgi(seeded_url, {"content-length": "1024", **headers}, chunks=1,
+                                size=1024)
+    assert (status, pulled) == (403, 0)
+
+
+def test_a_large_upload_over_http_is_refused_at_once_without_a_token(written: str) -> None:
+    """Over real HTTP (uvicorn): a declared 200 MB body is answered 413 before it is sent;
+    the server never waits for, nor holds, the bytes."""
+    with _serving_actions(written) as base:
+        host, port = urllib.parse.urlsplit(base).hostname, urllib.parse.urlsplit(base).port
+        assert host is not None and port is not None
+        with socket.create_connection((host, port), timeout=30) as sock:
+            sock.sendall(b"POST /api/actions/clear-cooldown HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/x-www-form-urlencoded\r\n"
+                         b"Content-Length: 200000000\r\n\r\n")
+            head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 413"), head[:100]
