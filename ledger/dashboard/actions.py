@@ -21,9 +21,9 @@ operator's behalf: it cannot read the token, and a request from another origin (
 missing or wrong token is 403 and nothing is recorded. What the headers refuse (another
 origin, a wrong token in a header) is refused before the body is read; the body is read up
 to 64 KiB only (413 for a larger ``Content-Length`` at once, or as soon as a body without
-one passes it). Bad input is the ledger's typed error: 400 (``InvalidArgument``), 404
-(``NotFound``), 409 (``InvalidState``, ``LeaseHeld``: a Run or key not in a state that allows
-it), each recording nothing.
+one passes it), and JSON the parser cannot read, however deep, is 400. Bad input is the
+ledger's typed error: 400 (``InvalidArgument``), 404 (``NotFound``), 409 (``InvalidState``,
+``LeaseHeld``: a Run or key not in a state that allows it), each recording nothing.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ async def _fields(request: Request) -> dict[str, Any]:
         try:
             # Numbers with a fraction as Decimal: a cost is money, exact as it was written.
             doc = json.loads(body or b"{}", parse_float=Decimal)
-        except ValueError:
+        except (ValueError, RecursionError):
+            # RecursionError: nesting deeper than the parser's stack, in a body under the limit.
             raise _Refused(400, "the body is not JSON (nothing was changed)") from None
         if not isinstance(doc, dict):
             raise _Refused(400, "the JSON body must be an object of fields (nothing was "

@@ -714,3 +714,24 @@ def test_a_large_upload_over_http_is_refused_at_once_without_a_token(written: st
                          b"Content-Length: 200000000\r\n\r\n")
             head = sock.recv(4096)
         assert head.startswith(b"HTTP/1.1 413"), head[:100]
+
+
+# -- a body the parser cannot read -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["header", "none"])
+def test_json_nested_deeper_than_the_parser_reads_is_the_400_body_is_not_json(
+        written: str, token: str) -> None:
+    """60 KB of nested arrays (under the size limit) was a 500 with a RecursionError."""
+    before = _recorded(written)
+    deep = "[" * 30000 + "]" * 30000
+    with _client(written, actions=True, token=TOKEN) as c:
+        res = c.post("/api/actions/clear-cooldown", content=deep,
+                     headers={"Content-Type": "application/json",
+                              **(HEADER if token == "header" else {})})
+        assert res.status_code == 400, res.text
+        assert res.json() == {"ok": False, "error": "the body is not JSON (nothing was changed)"}
+        page = c.post("/actions/runs/r4/close", content='{"a":' * 10000 + "1" + "}" * 10000,
+                      headers={"Content-Type": "application/json", **HEADER})
+        assert page.status_code == 400 and "the body is not JSON" in page.text
+    assert _recorded(written) == before
