@@ -792,7 +792,7 @@ def _refuse_foreign_runs(led: Any) -> None:
 
 def _dashboard(args: argparse.Namespace) -> int:
     try:
-        from ledger.dashboard.app import check_bind, serve
+        from ledger.dashboard.app import check_bind, check_forwarded_allow_ips, serve
     except ImportError as e:
         raise InvalidArgument(
             "the dashboard needs the optional extra: "
@@ -802,12 +802,16 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
                               field="refresh")
     check_bind(args.host, args.port, host_name="--host", port_name="--port")
+    proxies = check_forwarded_allow_ips(
+        ",".join(args.forwarded_allow_ips) if args.forwarded_allow_ips else None,
+        name="--forwarded-allow-ips")
     token = _action_token(args)
     read_url = getattr(args, "read_url", None)
     led = open_reader(args.db, read_url)  # fail fast, with the clear message, before binding
     led.close()
     serve(args.db, read_url=read_url, host=args.host, port=args.port, refresh_s=args.refresh,
-          actions=args.allow_actions, token=token, allowed_hosts=args.allowed_hosts or ())
+          actions=args.allow_actions, token=token, allowed_hosts=args.allowed_hosts or (),
+          forwarded_allow_ips=proxies)
     return 0
 
 
@@ -1023,6 +1027,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="NAME",
                    help="also answer requests for this host name (repeatable; e.g. the name a "
                    "proxy or browser reaches it by); loopback's names and --host always")
+    p.add_argument("--forwarded-allow-ips", action="append", metavar="ADDRESSES",
+                   help="trust X-Forwarded-Proto (and -For) from these proxies: IP addresses "
+                   "or networks, comma-separated or repeated, or '*' for any (default: "
+                   "loopback alone). Behind a TLS proxy on another address, pass its address "
+                   "and have it send X-Forwarded-Proto, or every browser action is refused")
     p.add_argument("--refresh", type=int, default=30, metavar="SECONDS",
                    help="pages reload themselves this often (default 30; 0: never)")
     p.add_argument("--allow-actions", action="store_true",

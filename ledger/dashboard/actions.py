@@ -17,7 +17,10 @@ strings (a list is not recorded as its repr), counts integers, ``cost`` a string
 The token travels in the ``X-Ledger-Token`` header (or ``Authorization: Bearer``) or in the
 form's ``token`` field, never in a cookie, so a page of another site cannot act on an
 operator's behalf: it cannot read the token, and a request from another origin (its
-``Origin`` or ``Sec-Fetch-Site`` says so) is refused before the token is even looked at. A
+``Origin`` or ``Sec-Fetch-Site`` says so) is refused before the token is even looked at. An
+``Origin`` and the request's scheme and ``Host`` are compared with the scheme's default port
+implied (``https://name`` is ``name:443``); behind a TLS proxy the scheme is what the proxy's
+``X-Forwarded-Proto`` says, from a proxy the server trusts (``--forwarded-allow-ips``). A
 missing or wrong token is 403 and nothing is recorded. What the headers refuse (another
 origin, a wrong token in a header) is refused before the body is read; the body is read up
 to 64 KiB only (413 for a larger ``Content-Length`` at once, or as soon as a body without
@@ -94,14 +97,41 @@ class _Refused(Exception):
         self.message = message
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin_of(scheme: str, netloc: str) -> tuple[str, str, int | None] | None:
+    """(scheme, host, port) with the scheme's default port written out: ``https://name`` and
+    a Host of ``name:443`` are one origin (a proxy may send either). None when malformed."""
+    scheme = scheme.lower()
+    if netloc.startswith("["):
+        host, sep, rest = netloc[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            return None
+        port_text = rest[1:]
+        host = f"[{host}]"
+    else:
+        host, _, port_text = netloc.partition(":")
+    if port_text and not port_text.isdigit():
+        return None
+    port = int(port_text) if port_text else _DEFAULT_PORTS.get(scheme)
+    return scheme, host.rstrip(".").lower(), port
+
+
 def _same_origin(request: Request) -> None:
     if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
         raise _Refused(403, "a request from another site may not act; use the dashboard's own "
                        "page (nothing was changed)")
     origin = request.headers.get("origin")
-    if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
-        raise _Refused(403, f"a request from origin {origin!r} may not act; use the "
-                       "dashboard's own page (nothing was changed)")
+    if origin is None:
+        return
+    scheme, sep, netloc = origin.partition("://")
+    mine = _origin_of(request.url.scheme, request.url.netloc)
+    if not sep or "/" in netloc or _origin_of(scheme, netloc) != mine or mine is None:
+        raise _Refused(403, f"a request from origin {origin[:200]!r} may not act; use the "
+                       "dashboard's own page (nothing was changed); behind a TLS proxy, the "
+                       "proxy must send X-Forwarded-Proto and the dashboard trust it "
+                       "(--forwarded-allow-ips)")
 
 
 def _header_token(request: Request) -> str | None:

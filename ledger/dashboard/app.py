@@ -95,6 +95,8 @@ MAX_HOURS = 366 * 24.0
 #: The names a dashboard always answers to: loopback's (``allowed_hosts`` adds others).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_REFRESH_S = 30
+#: The proxies whose X-Forwarded-Proto is trusted unless ``forwarded_allow_ips`` says others.
+TRUSTED_PROXIES = ("127.0.0.1", "::1")
 DEFAULT_METRICS_TTL_S = 10.0
 # No network at all: nothing but inline styles and same-origin links and forms.
 _CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
@@ -984,6 +986,37 @@ _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)\Z", re.IGNORECASE)
 _ANY_ADDRESS = ("0.0.0.0", "::")
 
 
+def check_forwarded_allow_ips(value: Any, *, name: str = "forwarded_allow_ips"
+                              ) -> list[str] | None:
+    """The proxies whose ``X-Forwarded-Proto`` and ``X-Forwarded-For`` the server trusts:
+    IP addresses or networks (``10.0.0.0/8``), or ``*`` for any (only where nothing but the
+    proxy reaches the port). None (or empty): loopback alone (:data:`TRUSTED_PROXIES`). A
+    string may list several, comma-separated, as uvicorn's ``--forwarded-allow-ips``."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: list[str] = []
+    for item in items:
+        text = item.strip() if isinstance(item, str) else item
+        ok = text == "*"
+        if not ok and isinstance(text, str) and text:
+            # A network with host bits set (10.0.0.5/24) is strict's error: uvicorn would take
+            # it for a literal name that no client address ever equals.
+            with contextlib.suppress(ValueError):
+                if "/" in text:
+                    ipaddress.ip_network(text)
+                else:
+                    ipaddress.ip_address(text)
+                ok = True
+        if not ok:
+            raise InvalidArgument(
+                f"{name} {item!r} is not an IP address or network; pass the proxy's address "
+                "(e.g. 10.0.0.5), its network (10.0.0.0/24, no host bits), several "
+                "comma-separated, or '*' for any", field=name.lstrip("-").replace("-", "_"))
+        out.append(text)
+    return out or None
+
+
 def check_bind(host: Any, port: Any, *, host_name: str = "host", port_name: str = "port"
                ) -> None:
     """Refuse an address the dashboard cannot listen on, before anything is resolved or bound:
@@ -1036,21 +1069,30 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
           refresh_s: int = DEFAULT_REFRESH_S, actions: bool = False,
           token: str | None = None, read_url: str | None = None,
-          allowed_hosts: Iterable[str] = ()) -> None:
+          allowed_hosts: Iterable[str] = (),
+          forwarded_allow_ips: str | Iterable[str] | None = None) -> None:
     """Serve the dashboard until interrupted (``failover-ledger dashboard``).
 
     Read-only unless ``actions`` and ``token`` are both given (see :func:`create_app`);
     ``read_url``: a read replica to read from. It answers to loopback's names, ``host`` and
     ``allowed_hosts`` (:func:`create_app`).
 
+    ``forwarded_allow_ips``: the addresses (or networks, or ``*``) of the proxies whose
+    ``X-Forwarded-Proto`` is trusted (:func:`check_forwarded_allow_ips`); default loopback
+    alone (:data:`TRUSTED_PROXIES`; ``$FORWARDED_ALLOW_IPS`` is not read). Behind a TLS proxy
+    elsewhere, pass its address: otherwise the dashboard takes the request for plain http, and
+    every browser action is refused as from another origin.
+
     Raises:
-        InvalidArgument: ``host`` not an IP address or host name, ``port`` not 0 to 65535.
+        InvalidArgument: ``host`` not an IP address or host name, ``port`` not 0 to 65535,
+            a ``forwarded_allow_ips`` entry malformed.
         LedgerError: the address cannot be listened on (in use, not this machine's); nothing
             was served.
     """
     import uvicorn
 
     check_bind(host, port)
+    proxies = check_forwarded_allow_ips(forwarded_allow_ips)
     served = [] if host in _ANY_ADDRESS else [host]
     app = create_app(url, refresh_s=refresh_s, actions=actions, token=token,
                      read_url=read_url, allowed_hosts=[*served, *allowed_hosts])
@@ -1062,10 +1104,15 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
     print(f"failover-ledger dashboard on http://{shown}:{bound}/ ({mode}; metrics at "
           "/metrics; Ctrl-C to stop)", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        # Given explicitly (never None): uvicorn would otherwise read $FORWARDED_ALLOW_IPS,
+        # a setting from the environment nobody passed to this command.
+        uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                      forwarded_allow_ips=proxies or list(TRUSTED_PROXIES))
+                       ).run(sockets=[sock])
     finally:
         sock.close()
 
 
-__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "chart_svg", "check_bind", "create_app",
+__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "TRUSTED_PROXIES", "chart_svg",
+           "check_bind", "check_forwarded_allow_ips", "create_app",
            "serve"]

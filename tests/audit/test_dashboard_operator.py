@@ -735,3 +735,94 @@ def test_json_nested_deeper_than_the_parser_reads_is_the_400_body_is_not_json(
                       headers={"Content-Type": "application/json", **HEADER})
         assert page.status_code == 400 and "the body is not JSON" in page.text
     assert _recorded(written) == before
+
+
+# -- behind a TLS proxy ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("host", "origin", "status"), [
+    ("dash.internal:443", "https://dash.internal", 200),
+    ("dash.internal", "https://dash.internal:443", 200),
+    ("DASH.internal:443", "https://dash.internal", 200),
+    ("dash.internal:443", "http://dash.internal", 403),
+    ("dash.internal", "https://dash.internal:8443", 403),
+    ("dash.internal:443", "https://dash.internal:443/", 403)])
+def test_an_origin_and_a_host_differing_only_by_the_schemes_default_port_are_one_origin(
+        written: str, host: str, origin: str, status: int) -> None:
+    """A proxy that writes Host as name:443 made every browser action a 403."""
+    app = create_app(written, clock=ManualClock(NOW), actions=True, token=TOKEN,
+                     allowed_hosts=["dash.internal"])
+    with TestClient(app, base_url="https://dash.internal") as c:
+        res = c.post("/api/actions/clear-cooldown", headers={
+            **HEADER, "Host": host, "Origin": origin},
+            data={"key": "g3", "group": "1", "by": "alice", "reason": "proxy"})
+        assert res.status_code == status, res.text
+
+
+def _trusted_proxy_dashboard(url: str, tmp_path: Path, *extra: str) -> tuple[Any, int]:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ledger", "--db", url, "dashboard", "--port", "0",
+         "--allowed-host", "dash.internal", "--allow-actions", "--token-file", str(token_file),
+         *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("failover-ledger dashboard on http://127.0.0.1:"):
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the dashboard did not start: {line!r} {err!r}")
+    return proc, int(line.split("127.0.0.1:", 1)[1].split("/", 1)[0])
+
+
+def _browser_post_via_proxy(port: int, proxy: str) -> tuple[int, str]:
+    """What a TLS proxy at address ``proxy`` forwards of a browser's form POST to
+    https://dash.internal: its Host, its Origin, X-Forwarded-Proto https."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(proxy, 0))
+    try:
+        conn.request("POST", "/api/actions/runs/r4/close", body=urllib.parse.urlencode(
+            {"status": "failed", "by": "alice", "reason": "via proxy", "token": TOKEN}),
+            headers={"Host": "dash.internal", "Origin": "https://dash.internal",
+                     "X-Forwarded-Proto": "https",
+                     "Content-Type": "application/x-www-form-urlencoded"})
+        res = conn.getresponse()
+        return res.status, res.read().decode()
+    finally:
+        conn.close()
+
+
+def test_behind_a_tls_proxy_it_is_told_to_trust_a_browsers_action_is_same_origin(
+        written: str, tmp_path: Path) -> None:
+    """A proxy not on 127.0.0.1 (here 127.0.0.2): its X-Forwarded-Proto was never trusted, the
+    request stayed http, and the browser's https Origin was refused; nothing could say
+    otherwise. --forwarded-allow-ips names the proxy; another address is still not trusted."""
+    proc, port = _trusted_proxy_dashboard(written, tmp_path, "--forwarded-allow-ips",
+                                          "127.0.0.2")
+    try:
+        status, body = _browser_post_via_proxy(port, "127.0.0.2")
+        assert status == 200 and '"previous_status":"running"' in body, body
+        status, body = _browser_post_via_proxy(port, "127.0.0.3")
+        assert status == 403 and "X-Forwarded-Proto" in body, body
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("value", ["nope", "10.0.0.5/24", "", "10.0.0.1,", "dash.internal"])
+def test_forwarded_allow_ips_must_be_addresses_or_networks(
+        seeded_url: str, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    """uvicorn takes any word for a literal no client address ever equals: refused at start."""
+    assert main(["--db", seeded_url, "dashboard", "--port", "0",
+                 f"--forwarded-allow-ips={value}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "--forwarded-allow-ips" in err and "10.0.0.0/24" in err, err
+
+
+def test_forwarded_allow_ips_takes_addresses_networks_and_any() -> None:
+    from ledger.dashboard.app import check_forwarded_allow_ips
+
+    assert check_forwarded_allow_ips("10.0.0.5, 10.1.0.0/16,::1") == ["10.0.0.5", "10.1.0.0/16",
+                                                                      "::1"]
+    assert check_forwarded_allow_ips(["*"]) == ["*"]
+    assert check_forwarded_allow_ips(None) is None
