@@ -552,6 +552,10 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     with any port) or one of ``allowed_hosts`` (the names it is reached by otherwise, e.g. the
     address it is bound to); any other is 400, so a page that rebinds its own name to this
     address cannot read it.
+
+    Nothing but the actions is authenticated: whoever reaches the app reads every page, the
+    JSON and ``/metrics``. Put an authenticating proxy in front before serving it beyond
+    loopback.
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
