@@ -792,7 +792,12 @@ def _refuse_foreign_runs(led: Any) -> None:
 
 def _dashboard(args: argparse.Namespace) -> int:
     try:
-        from ledger.dashboard.app import check_bind, check_forwarded_allow_ips, serve
+        from ledger.dashboard.app import (
+            check_allowed_hosts,
+            check_bind,
+            check_forwarded_allow_ips,
+            serve,
+        )
     except ImportError as e:
         raise InvalidArgument(
             "the dashboard needs the optional extra: "
@@ -802,6 +807,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
                               field="refresh")
     check_bind(args.host, args.port, host_name="--host", port_name="--port")
+    allowed = check_allowed_hosts(args.allowed_hosts or (), name="--allowed-host")
     proxies = check_forwarded_allow_ips(
         ",".join(args.forwarded_allow_ips) if args.forwarded_allow_ips else None,
         name="--forwarded-allow-ips")
@@ -810,7 +816,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     led = open_reader(args.db, read_url)  # fail fast, with the clear message, before binding
     led.close()
     serve(args.db, read_url=read_url, host=args.host, port=args.port, refresh_s=args.refresh,
-          actions=args.allow_actions, token=token, allowed_hosts=args.allowed_hosts or (),
+          actions=args.allow_actions, token=token, allowed_hosts=allowed,
           forwarded_allow_ips=proxies)
     return 0
 
@@ -1026,7 +1032,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     p.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="NAME",
                    help="also answer requests for this host name (repeatable; e.g. the name a "
-                   "proxy or browser reaches it by); loopback's names and --host always")
+                   "proxy or browser reaches it by; the name alone, no scheme or port); "
+                   "loopback's names and --host always")
     p.add_argument("--forwarded-allow-ips", action="append", metavar="ADDRESSES",
                    help="trust X-Forwarded-Proto (and -For) from these proxies: IP addresses "
                    "or networks, comma-separated or repeated, or '*' for any (default: "

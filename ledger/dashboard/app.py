@@ -551,11 +551,17 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     A request is answered only when its Host header names loopback (:data:`LOOPBACK_HOSTS`,
     with any port) or one of ``allowed_hosts`` (the names it is reached by otherwise, e.g. the
     address it is bound to); any other is 400, so a page that rebinds its own name to this
-    address cannot read it.
+    address cannot read it. Each of ``allowed_hosts`` is a host name or an IP address alone
+    (:func:`check_allowed_hosts`).
 
     Nothing but the actions is authenticated: whoever reaches the app reads every page, the
     JSON and ``/metrics``. Put an authenticating proxy in front before serving it beyond
     loopback.
+
+    Raises:
+        InvalidArgument: not exactly one of ``url`` and ``ledger``; actions without a
+            usable token, or a token without actions; an ``allowed_hosts`` entry that is not a
+            host name or IP address alone.
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
@@ -573,9 +579,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                               "to serve the operator's actions, or no token", field="actions")
     if actions:
         check_token(token)
-    if isinstance(allowed_hosts, str):
-        raise InvalidArgument("allowed_hosts is a list of host names, e.g. ['dash.internal']",
-                              field="allowed_hosts")
+    allowed_hosts = check_allowed_hosts(allowed_hosts)
     names = frozenset(_served_name(h) for h in (*LOOPBACK_HOSTS, *allowed_hosts))
     mode = "operator actions enabled" if actions else "read-only"
 
@@ -990,6 +994,36 @@ _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)\Z", re.IGNORECASE)
 _ANY_ADDRESS = ("0.0.0.0", "::")
 
 
+def _is_host(host: str) -> bool:
+    """An IP address or a host name's syntax (by its form only; nothing is resolved)."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return True
+    labels = host.removesuffix(".").split(".")
+    # An all-digit last label is a mistyped IP address (127.0.0.999), never a name.
+    return len(host) <= 253 and all(_LABEL.match(x) for x in labels) \
+        and not labels[-1].isdigit()
+
+
+def check_allowed_hosts(hosts: Iterable[Any], *, name: str = "allowed_hosts") -> list[str]:
+    """The names the dashboard also answers to, each a host name or an IP address alone (an
+    IPv6 one with or without brackets). A port, a scheme, a wildcard or a blank could never
+    equal the name in a Host header: refused, naming the fix, instead of never matching."""
+    if isinstance(hosts, str):
+        raise InvalidArgument(f"{name} is a list of host names, e.g. ['dash.internal']",
+                              field=name.lstrip("-").replace("-", "_"))
+    out = []
+    for h in hosts:
+        bare = h[1:-1] if isinstance(h, str) and h.startswith("[") and h.endswith("]") else h
+        if not isinstance(h, str) or not _is_host(bare) or (bare is not h and ":" not in bare):
+            raise InvalidArgument(
+                f"{name} {h!r} is not a host name or an IP address; pass the name alone, e.g. "
+                "dash.internal: no scheme, no port (any port is answered), no wildcard",
+                field=name.lstrip("-").replace("-", "_"))
+        out.append(h)
+    return out
+
+
 def check_forwarded_allow_ips(value: Any, *, name: str = "forwarded_allow_ips"
                               ) -> list[str] | None:
     """The proxies whose ``X-Forwarded-Proto`` and ``X-Forwarded-For`` the server trusts:
@@ -1029,15 +1063,8 @@ def check_bind(host: Any, port: Any, *, host_name: str = "host", port_name: str 
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidArgument(f"{port_name} {port!r} is out of range; pass a port from 1 to "
                               "65535 (0: any free one)", field=port_name.lstrip("-"))
-    if isinstance(host, str):
-        with contextlib.suppress(ValueError):
-            ipaddress.ip_address(host)
-            return
-        labels = host.removesuffix(".").split(".")
-        # An all-digit last label is a mistyped IP address (127.0.0.999), never a name.
-        if len(host) <= 253 and all(_LABEL.match(x) for x in labels) \
-                and not labels[-1].isdigit():
-            return
+    if isinstance(host, str) and _is_host(host):
+        return
     raise InvalidArgument(f"{host_name} {host!r} is neither an IP address nor a host name; pass "
                           "e.g. 127.0.0.1 (the default, loopback) or ::1",
                           field=host_name.lstrip("-"))
@@ -1089,7 +1116,7 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
 
     Raises:
         InvalidArgument: ``host`` not an IP address or host name, ``port`` not 0 to 65535,
-            a ``forwarded_allow_ips`` entry malformed.
+            an ``allowed_hosts`` or ``forwarded_allow_ips`` entry malformed.
         LedgerError: the address cannot be listened on (in use, not this machine's); nothing
             was served.
     """
@@ -1118,5 +1145,5 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
 
 
 __all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "TRUSTED_PROXIES", "chart_svg",
-           "check_bind", "check_forwarded_allow_ips", "create_app",
+           "check_allowed_hosts", "check_bind", "check_forwarded_allow_ips", "create_app",
            "serve"]

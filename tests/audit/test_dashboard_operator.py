@@ -826,3 +826,31 @@ def test_forwarded_allow_ips_takes_addresses_networks_and_any() -> None:
                                                                       "::1"]
     assert check_forwarded_allow_ips(["*"]) == ["*"]
     assert check_forwarded_allow_ips(None) is None
+
+
+# -- the names it answers to -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dash.internal:443", "https://dash.internal", "*", "",
+                                  "a b", "*.internal", "dash.internal/"])
+def test_an_allowed_host_that_no_host_header_could_name_is_refused_at_start(
+        seeded_url: str, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """Each was accepted and silently never matched (every request by that name a 400)."""
+    with pytest.raises(InvalidArgument) as ei:
+        create_app(seeded_url, allowed_hosts=[name])
+    assert ei.value.field == "allowed_hosts" and "no scheme, no port" in str(ei.value)
+    assert main(["--db", seeded_url, "dashboard", "--port", "0",
+                 f"--allowed-host={name}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "--allowed-host" in err and "the name alone" in err, err
+
+
+@pytest.mark.parametrize(("name", "host"), [("dash.internal", "dash.internal:8765"),
+                                            ("DASH.internal.", "dash.internal"),
+                                            ("10.0.0.5", "10.0.0.5:80"), ("fd00::5", "[fd00::5]"),
+                                            ("[fd00::5]", "[fd00::5]:8765")])
+def test_an_allowed_host_name_or_address_is_answered(seeded_url: str, name: str,
+                                                      host: str) -> None:
+    with _client(seeded_url, allowed_hosts=[name]) as c:
+        assert c.get("/api/health", headers={"Host": host}).status_code == 200
