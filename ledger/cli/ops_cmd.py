@@ -793,6 +793,7 @@ def _refuse_foreign_runs(led: Any) -> None:
 def _dashboard(args: argparse.Namespace) -> int:
     try:
         from ledger.dashboard.app import (
+            MAX_REFRESH_S,
             check_allowed_hosts,
             check_bind,
             check_forwarded_allow_ips,
@@ -803,9 +804,9 @@ def _dashboard(args: argparse.Namespace) -> int:
             "the dashboard needs the optional extra: "
             f"pip install 'failover-ledger[dashboard]' ({e})",
             field="dashboard") from e
-    if args.refresh < 0:
-        raise InvalidArgument("--refresh must be >= 0 (0 turns auto-refresh off)",
-                              field="refresh")
+    if not 0 <= args.refresh <= MAX_REFRESH_S:
+        raise InvalidArgument(f"--refresh must be from 0 to {MAX_REFRESH_S} seconds (0 turns "
+                              "auto-refresh off)", field="refresh")
     check_bind(args.host, args.port, host_name="--host", port_name="--port")
     allowed = check_allowed_hosts(args.allowed_hosts or (), name="--allowed-host")
     proxies = check_forwarded_allow_ips(

@@ -97,6 +97,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_REFRESH_S = 30
 #: The proxies whose X-Forwarded-Proto is trusted unless ``forwarded_allow_ips`` says others.
 TRUSTED_PROXIES = ("127.0.0.1", "::1")
+#: The slowest auto-refresh a page takes (``?refresh=``, ``refresh_s``): a day.
+MAX_REFRESH_S = 86400
 DEFAULT_METRICS_TTL_S = 10.0
 # No network at all: nothing but inline styles and same-origin links and forms.
 _CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
@@ -559,18 +561,18 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     loopback.
 
     Raises:
-        InvalidArgument: not exactly one of ``url`` and ``ledger``; actions without a
-            usable token, or a token without actions; an ``allowed_hosts`` entry that is not a
-            host name or IP address alone.
+        InvalidArgument: not exactly one of ``url`` and ``ledger``; ``refresh_s`` not 0 to
+            :data:`MAX_REFRESH_S`; actions without a usable token, or a token without
+            actions; an ``allowed_hosts`` entry that is not a host name or IP address alone.
     """
     if (url is None) == (ledger is None):
         raise InvalidArgument("create_app needs exactly one of url or ledger", field="url")
     if read_url is not None and ledger is not None:
         raise InvalidArgument("read_url= goes with url=; a ledger passed in reads where it was "
                               "opened to (Ledger.open(url, read_url=...))", field="read_url")
-    if refresh_s < 0:
-        raise InvalidArgument("refresh_s must be >= 0 (0 turns auto-refresh off)",
-                              field="refresh_s")
+    if not 0 <= refresh_s <= MAX_REFRESH_S:
+        raise InvalidArgument(f"refresh_s must be from 0 to {MAX_REFRESH_S} seconds (0 turns "
+                              "auto-refresh off)", field="refresh_s")
     if actions and token is None:
         raise InvalidArgument("actions=True needs token=: every action must carry it",
                               field="token")
@@ -656,17 +658,34 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                   field=name)
         return value
 
-    def _refresh(request: Request) -> int:
-        value = int(_num(request, "refresh", refresh_s))
-        if value < 0:
-            raise InvalidArgument("refresh must be >= 0 (0 turns it off)", field="refresh")
+    def _int(request: Request, name: str, default: int, low: int | None = None,
+             high: int | None = None) -> int:
+        """A whole-number parameter: "2.5" or "1e3" is refused, not truncated to another
+        number than was asked for; ``low``..``high`` when given (else the API checks it)."""
+        raw = request.query_params.get(name)
+        if raw is None:
+            return default
+        text = raw.strip()
+        try:
+            value = int(text) if text.lstrip("+-").isdigit() else None
+        except ValueError:  # more digits than int() reads
+            value = None
+        span = f" from {low} to {high}" if low is not None and high is not None else ""
+        if value is None or (low is not None and value < low) \
+                or (high is not None and value > high):
+            raise InvalidArgument(f"query parameter {name} must be a whole number{span}; got "
+                                  f"{raw[:40]!r}", field=name)
         return value
+
+    def _refresh(request: Request, default: int | None = None) -> int:
+        return _int(request, "refresh", refresh_s if default is None else default, 0,
+                    MAX_REFRESH_S)
 
     def index(request: Request) -> Response:
         au = audit()
         now = au.now()
         hours = _hours(request)
-        days = int(_num(request, "days", 7))
+        days = _int(request, "days", 7, 1, 366)
         since = now - hours * 3600
         aside: ThreadPoolExecutor = state["aside"]
         health = aside.submit(au.health, now, latency_window_s=hours * 3600)
@@ -759,7 +778,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         now = au.now()
         p = request.query_params
         page = au.runs(status=p.get("status") or None, tenant=p.get("tenant") or None,
-                       limit=int(_num(request, "limit", 50)), cursor=p.get("cursor"))
+                       limit=_int(request, "limit", 50), cursor=p.get("cursor"))
         body = ('<section><h2>Runs <span class="muted">(newest first)</span></h2>'
                 + _runs_table(page.items, now))
         if page.next_cursor:
@@ -781,9 +800,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         au = audit()
         now = au.now()
         p = request.query_params
-        days = int(_num(request, "days", 30))
-        if not 1 <= days <= 366:
-            raise InvalidArgument("days must be 1 to 366", field="days")
+        days = _int(request, "days", 30, 1, 366)
         by = p.get("by", "tenant")
         label = p.get("label") or None
         if by == "label" and label is None:
@@ -807,7 +824,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
             by=p.get("by", "tenant"), label=p.get("label"),
             since=_num(request, "since", now - 7 * DAY), until=_num(request, "until", now),
             every=None if every is None else _num(request, "every", DAY),
-            limit=int(_num(request, "limit", 100)), cursor=p.get("cursor"))))
+            limit=_int(request, "limit", 100), cursor=p.get("cursor"))))
 
     def api_actions(request: Request) -> Response:
         au = audit()
@@ -824,7 +841,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         return JSONResponse(to_jsonable(au.actions(
             since=None if since is None else _num(request, "since", 0),
             until=None if until is None else _num(request, "until", 0), kinds=kinds,
-            limit=int(_num(request, "limit", 50)), cursor=p.get("cursor"))))
+            limit=_int(request, "limit", 50), cursor=p.get("cursor"))))
 
     def metrics(request: Request) -> Response:
         with metrics_lock:
@@ -889,7 +906,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         p = request.query_params
         return JSONResponse(to_jsonable(audit().runs(
             status=p.get("status"), tenant=p.get("tenant"),
-            limit=int(_num(request, "limit", 50)), cursor=p.get("cursor"))))
+            limit=_int(request, "limit", 50), cursor=p.get("cursor"))))
 
     def api_failovers(request: Request) -> Response:
         au = audit()
@@ -897,7 +914,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         since = _num(request, "since", now - DAY)
         until = _num(request, "until", now)
         return JSONResponse(to_jsonable(au.failovers(
-            since=since, until=until, limit=int(_num(request, "limit", 50)),
+            since=since, until=until, limit=_int(request, "limit", 50),
             cursor=request.query_params.get("cursor"))))
 
     def api_costs(request: Request) -> Response:
@@ -907,18 +924,17 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         return JSONResponse(to_jsonable(au.costs(
             by=p.get("by", "route"), label=p.get("label"),
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
-            limit=int(_num(request, "limit", 100)), cursor=p.get("cursor"))))
+            limit=_int(request, "limit", 100), cursor=p.get("cursor"))))
 
     def api_costs_days(request: Request) -> Response:
-        return JSONResponse(to_jsonable(audit().costs_by_day(days=int(_num(request, "days",
-                                                                            7)))))
+        return JSONResponse(to_jsonable(audit().costs_by_day(days=_int(request, "days", 7))))
 
     def api_activity(request: Request) -> Response:
         au = audit()
         now = au.now()
         return JSONResponse(to_jsonable(au.activity(
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
-            buckets=int(_num(request, "buckets", 48)))))
+            buckets=_int(request, "buckets", 48))))
 
     def _replay_args(request: Request) -> dict[str, Any]:
         """The replay a request asks for: a preset (never a file), a window, a tenant, a run."""
@@ -941,10 +957,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         body = replay_form(p.get("policy"), hours, p.get("tenant"), p.get("run"))
         if p.get("policy"):
             body += replay_html(audit().replay(**_replay_args(request)))
-        refresh = int(_num(request, "refresh", 0))  # a replay reads a whole window: on demand
-        if refresh < 0:
-            raise InvalidArgument("refresh must be >= 0 (0 turns it off)", field="refresh")
-        return _page("replay", body, refresh)
+        # A replay reads a whole window: on demand, unless the page asks to refresh.
+        return _page("replay", body, _refresh(request, 0))
 
     def api_replay(request: Request) -> Response:
         return JSONResponse(to_jsonable(audit().replay(**_replay_args(request))))
@@ -954,7 +968,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         now = au.now()
         return JSONResponse(to_jsonable(au.route_series(
             since=_num(request, "since", now - DAY), until=_num(request, "until", now),
-            buckets=int(_num(request, "buckets", 24)), routes=int(_num(request, "routes", 8)))))
+            buckets=_int(request, "buckets", 24), routes=_int(request, "routes", 8))))
 
     routes = [
         Route("/", handled(index)),
@@ -1144,6 +1158,6 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 8765,
         sock.close()
 
 
-__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "TRUSTED_PROXIES", "chart_svg",
+__all__ = ["DEFAULT_REFRESH_S", "LOOPBACK_HOSTS", "MAX_REFRESH_S", "TRUSTED_PROXIES", "chart_svg",
            "check_allowed_hosts", "check_bind", "check_forwarded_allow_ips", "create_app",
            "serve"]

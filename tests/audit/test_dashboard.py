@@ -622,3 +622,21 @@ def test_a_bad_window_is_refused_naming_hours_and_its_range_as_the_route_speaks(
         res = c.get("/latency", params={"hours": "1", "state": "<b>x</b>"})
         assert res.status_code == 400 and "&lt;b&gt;x&lt;/b&gt;" in res.text
         assert "<b>x</b>" not in res.text
+
+
+@pytest.mark.parametrize(("path", "name", "value"), [
+    ("/", "days", "2.5"), ("/", "days", "0"), ("/", "days", "367"), ("/", "refresh", "1e18"),
+    ("/", "refresh", "86401"), ("/", "refresh", "-1"), ("/", "refresh", "2.5"),
+    ("/runs", "refresh", "99999999999999999999"), ("/replay", "refresh", "1.5"),
+    ("/budgets", "days", "7.9"), ("/api/runs", "limit", "2.5"), ("/api/costs", "limit", "1e2"),
+    ("/api/costs/days", "days", "1.5"), ("/api/activity", "buckets", "4.5"),
+    ("/api/routes", "routes", "2.5"), ("/api/failovers", "limit", "0x10")])
+def test_a_count_that_is_not_a_whole_number_in_range_is_refused_naming_it_not_truncated(
+        seeded_url: str, path: str, name: str, value: str) -> None:
+    """?days=2.5 was read as 2 and ?refresh=1e18 served a page that never reloads."""
+    with _client(seeded_url) as c:
+        res = c.get(path, params={name: value})
+        assert res.status_code == 400, (path, name, value, res.status_code)
+        if path.startswith("/api/"):
+            assert res.json()["field"] == name
+        assert f"query parameter {name} must be a whole number" in res.text
