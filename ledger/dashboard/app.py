@@ -820,8 +820,15 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         now = au.now()
         p = request.query_params
         every = p.get("every")
+        by = p.get("by", "tenant")
+        label = p.get("label")
+        if label is not None and by != "label":
+            # As the command's --label: a label ignored would answer another question.
+            raise InvalidArgument(f"label {label[:40]!r} names the label to total by and goes "
+                                  f"with by=label; add by=label (it has no effect with by="
+                                  f"{by[:20]})", field="label")
         return JSONResponse(to_jsonable(au.spend(
-            by=p.get("by", "tenant"), label=p.get("label"),
+            by=by, label=label,
             since=_num(request, "since", now - 7 * DAY), until=_num(request, "until", now),
             every=None if every is None else _num(request, "every", DAY),
             limit=_int(request, "limit", 100), cursor=p.get("cursor"))))

@@ -640,3 +640,15 @@ def test_a_count_that_is_not_a_whole_number_in_range_is_refused_naming_it_not_tr
         if path.startswith("/api/"):
             assert res.json()["field"] == name
         assert f"query parameter {name} must be a whole number" in res.text
+
+
+def test_api_budgets_refuses_a_label_without_by_label_as_the_command_does(
+        seeded_url: str) -> None:
+    """?label=team without by=label was ignored: the answer was by tenant, silently."""
+    with _client(seeded_url) as c:
+        for query in ({"label": "team"}, {"by": "tenant", "label": "team"}):
+            res = c.get("/api/budgets", params={**query, "since": str(T0 - 1)})
+            assert res.status_code == 400 and res.json()["field"] == "label", res.text
+            assert "add by=label" in res.json()["error"]
+        ok = c.get("/api/budgets", params={"by": "label", "label": "team", "since": str(T0 - 1)})
+        assert ok.status_code == 200, ok.text
