@@ -955,8 +955,17 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                   field="policy")
         hours = _hours(request)
         until = _num(request, "until", now)
-        return {"policy": policy, "since": _num(request, "since", until - hours * 3600),
-                "until": until, "tenant": p.get("tenant") or None, "run": p.get("run") or None}
+        since = _num(request, "since", until - hours * 3600)
+        run = p.get("run") or None
+        # A replay reads its whole window at once (no pages): ?since= gets ?hours='s bound,
+        # except for one run, which is one run's rows whenever it was admitted.
+        if run is None and until - since > MAX_HOURS * 3600:
+            raise InvalidArgument(f"since..until spans {(until - since) / DAY:.1f} days; a "
+                                  f"replay reads at most {MAX_HOURS / 24:g} days at once: pass "
+                                  "a later since (or hours=), or run= for one run",
+                                  field="since")
+        return {"policy": policy, "since": since, "until": until,
+                "tenant": p.get("tenant") or None, "run": run}
 
     def replay_page(request: Request) -> Response:
         p = request.query_params

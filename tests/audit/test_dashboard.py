@@ -652,3 +652,19 @@ def test_api_budgets_refuses_a_label_without_by_label_as_the_command_does(
             assert "add by=label" in res.json()["error"]
         ok = c.get("/api/budgets", params={"by": "label", "label": "team", "since": str(T0 - 1)})
         assert ok.status_code == 200, ok.text
+
+
+def test_api_replay_reads_at_most_the_window_hours_may_ask_for(seeded_url: str) -> None:
+    """?since=0 replayed the whole history in one unpaged read; ?hours= stops at 366 days."""
+    with _client(seeded_url) as c:
+        for path in ("/api/replay", "/replay"):
+            res = c.get(path, params={"policy": "goclaw", "since": "0"})
+            assert res.status_code == 400, path
+            assert "at most 366 days" in res.text, path
+        assert c.get("/api/replay", params={"policy": "goclaw", "since": "0"}).json()["field"] \
+            == "since"
+        # Within the bound, and one run whenever it was admitted, are answered.
+        assert c.get("/api/replay", params={"policy": "goclaw", "since": str(T0 - 1)}
+                     ).status_code == 200
+        assert c.get("/api/replay", params={"policy": "goclaw", "since": "0", "run": "r1"}
+                     ).status_code == 200
