@@ -31,6 +31,7 @@ from ledger.decide.replay import (
     lead_in,
 )
 from ledger.decide.replay import replay as replay_history
+from ledger.domain.timefmt import iso
 from ledger.domain.values import Grant, Route
 from ledger.errors import InvalidArgument, LedgerError, PolicyError
 from ledger.policy.load import load_policy
@@ -141,7 +142,9 @@ def replay(ledger: Ledger, policy: Policy | str, *, since: float | None = None,
     if since is None:
         since = until - 86400.0 if run is None else 0.0
     if since >= until:
-        raise InvalidArgument(f"since ({since}) must be before until ({until})", field="since")
+        # Times as people read them (ISO, UTC), never as epoch seconds.
+        raise InvalidArgument(f"since ({iso(since)}) must be before until ({iso(until)}); "
+                              "pass an earlier since or a later until", field="since")
     rows = ReplayQueries(reads_of(ledger).context).window(
         since=since, until=until, run_id=run, tenant=tenant, lead_s=lead_in(pol))
     return replay_history(history_of(rows, since=since, until=until), pol)

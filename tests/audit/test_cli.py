@@ -460,3 +460,13 @@ def test_every_command_but_db_init_refuses_a_schema_older_or_newer_than_the_pack
         assert "'f00dfeed9999', newer than this ledger understands" in err, (name, err)
         assert "upgrade the ledger package" in err, (name, err)
         assert _written(db_url) == newer, name
+
+
+def test_replay_says_a_reversed_window_in_iso_times_never_epoch_seconds(
+        sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--db", sqlite_url, "replay", "--policy", "goclaw", "--since", "2d",
+                 "--until", "3d"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"since \(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\) must be before until "
+                     r"\(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\)", err), err
+    assert not re.search(r"\d{9,}", err), err
