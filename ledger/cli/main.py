@@ -15,6 +15,7 @@ import argparse
 import gc
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -93,9 +94,35 @@ def _program_exit() -> None:
     gc.freeze()
 
 
+#: The options whose value is an age, a span or a time: "-1d" after one is its (bad) value,
+#: which argparse would take for an unknown option and answer "expected one argument".
+SIGNED_VALUE_OPTIONS = ("--older-than", "--since", "--until", "--lag", "--fold-after",
+                        "--every")
+_SIGNED = re.compile(r"-[0-9.]")
+
+
+def _signed_values(argv: Sequence[str]) -> list[str]:
+    """``--older-than -1d`` as ``--older-than=-1d``: the value reaches the option's own check,
+    which says the range (argparse reads a bare ``-1`` as a number, not ``-1d``)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        if arg in SIGNED_VALUE_OPTIONS and i + 1 < len(argv) and _SIGNED.match(argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def _command(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_signed_values(sys.argv[1:] if argv is None else argv))
     if getattr(args, "db", None) is None:
         args.db = default_db_url()
     if getattr(args, "read_url", None) is None:

@@ -470,3 +470,17 @@ def test_replay_says_a_reversed_window_in_iso_times_never_epoch_seconds(
     assert re.search(r"since \(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\) must be before until "
                      r"\(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\)", err), err
     assert not re.search(r"\d{9,}", err), err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["retention", "--older-than", "-1d"], "--older-than '-1d' is not an age from one day"),
+    (["retention", "--older-than", "-.5w"], "--older-than '-.5w' is not an age from one day"),
+    (["rollup", "--lag", "-5m"], "--lag '-5m' is not a span of time"),
+    (["costs", "--since", "-2d"], "--since '-2d' is not a time")])
+def test_a_negative_age_or_span_gets_the_options_own_range_message(
+        sqlite_url: str, capsys: pytest.CaptureFixture[str], args: list[str],
+        says: str) -> None:
+    """--older-than -1d was argparse's "expected one argument", as if the value were missing."""
+    assert main(["--db", sqlite_url, *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "expected one argument" not in err, err
