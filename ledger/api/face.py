@@ -501,7 +501,8 @@ class Face(Generic[SessionT, OpenedT]):
         with records the close. Closing a closed Run again with the same status changes
         nothing (the same call again is safe). A closed Run is never resumed: its lease is not
         taken again (``InvalidState``), so no session, ``execute`` or ``begin_attempt`` starts
-        an Attempt on it.
+        an Attempt on it. A Child Run gives back what it has left to its parent, as
+        :meth:`finish_run` does.
 
         Args:
             run_id: The Run.
@@ -547,6 +548,10 @@ class Face(Generic[SessionT, OpenedT]):
     def finish_run(self, lease: LeaseArg,
                    status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)]) -> Flow[None]:
         """Record the Run's end; its lease stays until :meth:`release_lease`.
+
+        A Child Run gives back to its parent, in the same transaction, what it has left (its
+        budget less what it posted, what its Attempts still hold and what it carved for its
+        own Children): the parent may spend it, the Child never again (its ``returned_*``).
 
         Args:
             lease: The Run's live lease.

@@ -337,8 +337,11 @@ class _SessionCore:
         """A session for a Child Run, to use in its own ``with`` block inside this one.
 
         The Child's plan, grant and role may only narrow this Run's; its policy is this Run's;
-        its budget is carved from this Run's when it is entered. It sends with this session's
-        adapter (``async with`` for an :class:`AsyncRunSession`'s).
+        its budget is carved from this Run's when it is entered. When its block ends, whatever
+        its status, what the Child did not use goes back to this Run (its budget less what it
+        posted, what its ``unknown`` Attempts still hold and what it carved for its own
+        Children), which may spend it at once; the Child never uses it again. It sends with
+        this session's adapter (``async with`` for an :class:`AsyncRunSession`'s).
 
         Args:
             child_id: The Child Run's id.

@@ -122,7 +122,8 @@ def spend_section(audit: Audit, now: float, days: int, *, by: str = "tenant",
               f'<span class="swatch" style="background:{_HELD}"></span>held</span>'
               f'<span class="muted">Runs count on the day they were admitted (UTC), with what '
               f"they were charged and hold now; a budget is what a Run was admitted with, less "
-              f"what it carved for its children.</span></p>")
+              f"what it carved for its children and what it gave back to its parent.</span>"
+              f"</p>")
     return (f'<section id="spend"><h2>Spend against budgets by {_e(name)}, last {days} days '
             f'<span class="muted">(runs admitted since {first:%Y-%m-%d} UTC)</span>{more}'
             f"</h2>" + spend_table(page.items, name, table_id) + legend + "</section>")

@@ -89,7 +89,8 @@ class Admission(Terms, total=False):
             and grants may restrict roles.
         parent: The parent's live lease, to admit a Child Run: its budget is carved from the
             parent's under that lease, and its plan, grant, role and policy may only narrow
-            the parent's.
+            the parent's. What the Child has not used when it ends (``finish_run``,
+            ``close_run``, recovery past its deadline) goes back to the parent.
         tenant: Whose Run it is (for the audit's totals and ``/metrics``).
         labels: Free labels, string to string (the audit totals by a label); at most 64.
         deadline: When the Run must be done by (epoch seconds); capacity waits stop short of

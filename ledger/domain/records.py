@@ -176,9 +176,11 @@ class RunState:
     Its ``status``; what it used (``calls_used``, ``retries_used``, ``tokens_used``) and holds
     for Attempts in flight (``reserved`` cost, ``tokens_reserved``) and spent (``posted``), in
     currency units; what it carved out for its Children (``carved_calls``, ``carved_retries``,
-    ``carved``, ``carved_tokens``); ``current_route`` and ``current_profile``, those of its last
-    success; its lease (``lease_holder``, ``fence``, ``lease_expires_at``); the ``compactions``
-    recorded; ``updated_at``.
+    ``carved``, ``carved_tokens``); what it gave back of its own carve to its parent when it
+    ended, as a Child (``returned_calls``, ``returned_retries``, ``returned``,
+    ``returned_tokens``: never used again by it); ``current_route`` and ``current_profile``,
+    those of its last success; its lease (``lease_holder``, ``fence``, ``lease_expires_at``);
+    the ``compactions`` recorded; ``updated_at``.
     """
 
     status: RunStatus
@@ -202,6 +204,11 @@ class RunState:
     # was set: the profile is the session's pin only while no compaction came after it.
     compactions: int = 0
     profile_compactions: int = 0
+    # What it gave back to its parent when it ended, as a Child (0 for any other Run).
+    returned_calls: int = 0
+    returned_retries: int = 0
+    returned: Decimal = Decimal(0)
+    returned_tokens: int = 0
 
 
 FROZEN_RUN_FIELDS = tuple(f.name for f in fields(FrozenRun))
@@ -255,7 +262,9 @@ class RunRecord(FrozenRun, RunState):
             carved_micros=to_micros(self.carved), reserved_micros=to_micros(self.reserved),
             posted_micros=to_micros(self.posted), max_tokens=b.max_tokens,
             carved_tokens=self.carved_tokens, tokens_reserved=self.tokens_reserved,
-            tokens_used=self.tokens_used))
+            tokens_used=self.tokens_used, returned_calls=self.returned_calls,
+            returned_retries=self.returned_retries, returned_micros=to_micros(self.returned),
+            returned_tokens=self.returned_tokens))
 
     @property
     def calls_left(self) -> int:
@@ -280,7 +289,9 @@ class RunRecord(FrozenRun, RunState):
 
 @dataclass(frozen=True, slots=True)
 class Left:
-    """What is left of a Run's budget: neither used, held, nor carved out for its Children.
+    """What is left of a Run's budget: not used, held, carved, nor given back.
+
+    Carved: for its Children; given back: to its parent, by an ended Child.
 
     ``micros`` is money in millionths; ``tokens`` is ``None`` without a token budget.
     """
@@ -299,13 +310,30 @@ def budget_left(run: Any) -> Left:
     """
     tokens = None
     if run.max_tokens is not None:
-        tokens = run.max_tokens - run.carved_tokens - run.tokens_reserved - run.tokens_used
+        tokens = (run.max_tokens - run.carved_tokens - run.tokens_reserved - run.tokens_used
+                  - run.returned_tokens)
     return Left(
-        calls=run.max_calls - run.carved_calls - run.calls_used,
-        retries=run.max_retries - run.carved_retries - run.retries_used,
+        calls=run.max_calls - run.carved_calls - run.calls_used - run.returned_calls,
+        retries=run.max_retries - run.carved_retries - run.retries_used - run.returned_retries,
         micros=(run.max_cost_micros - run.carved_micros - run.reserved_micros
-                - run.posted_micros),
+                - run.posted_micros - run.returned_micros),
         tokens=tokens)
+
+
+def carve_return(child: Any, tokens_carved: bool) -> Left | None:
+    """What the ended Child ``child`` gives back to its parent now (``None``: nothing).
+
+    It is all it has left (:func:`budget_left`), which it never uses again.
+
+    What its Attempts still hold (an ``unknown`` one's hold, until it is settled), what they
+    spent and what it carved for its own Children stay carved; ``tokens_carved``: whether the
+    parent carved the Child's token budget (only a parent with a token budget does).
+    """
+    left = budget_left(child)
+    back = Left(calls=max(left.calls, 0), retries=max(left.retries, 0),
+                micros=max(left.micros, 0),
+                tokens=max(left.tokens or 0, 0) if tokens_carved else 0)
+    return None if back == Left(0, 0, 0, 0) else back
 
 
 @dataclass(frozen=True)
@@ -499,6 +527,7 @@ LIVE_RUN_FIELDS = (
     "status", "calls_used", "retries_used", "tokens_used", "tokens_reserved", "carved_calls",
     "carved_retries", "carved_tokens", "current_route", "current_profile", "lease_holder",
     "fence", "lease_expires_at", "updated_at", "compactions", "profile_compactions",
+    "returned_calls", "returned_retries", "returned_tokens",
 )
 
 
@@ -509,6 +538,7 @@ def run_live(frozen: FrozenRun, row: Any) -> RunRecord:
     live["reserved"] = from_micros(row.reserved_micros)
     live["posted"] = from_micros(row.posted_micros)
     live["carved"] = from_micros(row.carved_micros)
+    live["returned"] = from_micros(row.returned_micros)
     return RunRecord(**{f: getattr(frozen, f) for f in FROZEN_RUN_FIELDS}, **live)
 
 
@@ -538,6 +568,7 @@ __all__ = [
     "RunState",
     "RunStatus",
     "budget_left",
+    "carve_return",
     "from_micros",
     "granted",
     "run_live",

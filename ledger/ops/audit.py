@@ -341,7 +341,8 @@ class Spend:
 
     Over the Runs admitted in the window (``key`` ``None``: those without a tenant, or without
     the label): ``budget`` is the sum of their cost budgets as admitted (each less what it
-    carved for its Children, which count under their own key, so nothing counts twice),
+    carved for its Children, which count under their own key, and, an ended Child's, less
+    what it gave back to its parent, which counts it, so nothing counts twice),
     ``posted`` what they were charged and ``held`` what their holds still reserve, now (the
     Runs' own counters, the figures ``runs`` lists); ``left`` is ``budget - posted - held``,
     never negative (a Run never overdraws its budget). With ``every=``, ``points`` splits the

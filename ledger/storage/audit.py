@@ -445,7 +445,8 @@ class AuditQueries:
               ) -> tuple[list[RowMap], list[RowMap], str | None]:
         """Runs admitted in the range grouped by tenant (``by="tenant"``) or by the value of
         label ``label``: how many, their own budgets (``max_cost`` less what they carved for
-        children) and what they have posted and hold now, in micros; most posted first.
+        children and gave back to a parent) and what they have posted and hold now, in
+        micros; most posted first.
         Returns (a page of keys with their totals, the same keys' rows per time bucket when
         ``bucket`` is ``(origin, width)``, the next cursor). Raises
         :class:`~ledger.errors.InvalidArgument` (``by``, a bad label key, limit, cursor)."""
@@ -505,7 +506,7 @@ class AuditQueries:
         key, rkey = keyed
         r = s.runs.c
         names = ("runs", "budget_micros", "posted_micros", "held_micros")
-        sums = (func.count(), func.sum(r.max_cost_micros - r.carved_micros),
+        sums = (func.count(), func.sum(r.max_cost_micros - r.carved_micros - r.returned_micros),
                 func.sum(r.posted_micros), func.sum(r.reserved_micros))
         keys: list[Any] = [key.label("key")]
         if bucket is not None:

@@ -32,6 +32,7 @@ from ledger.domain.records import (
     Queued,
     RunStatus,
     budget_left,
+    carve_return,
     from_micros,
 )
 from ledger.domain.specs import BeginSpec, GroupUpdate, HealthUpdate, SettleSpec
@@ -691,6 +692,11 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
     if spec.events:
         writes.append(Q(sql.insert_event, [_event(run_id, spec.attempt_id, k, d, now)
                                            for k, d in spec.events], many=True))
+    gives_back = run.status in _ENDED and run.parent_run_id is not None
+    if gives_back:
+        # Every writer locks Runs before health and group rows: the parents this settle may
+        # give back to are locked now, not after the health rows below.
+        yield from _lock_ancestors(sql, run.parent_run_id)
     # Health: the first key's row came with the read; a row that a success leaves unchanged
     # (a healthy key) is neither locked nor written, so settles of many workers on one route
     # never queue on it. Changing rows are locked and the pure update re-applied as locked.
@@ -704,7 +710,12 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
         writes.extend((yield from _health_write(sql, key, kind, provider, update, now,
                                                 seen is not None)))
     faults.point("settle.before_commit")
-    yield Flush(sql.writes(writes), commit=True)
+    if gives_back:
+        # An ended Child's released hold is not its to use any more: it goes back with it.
+        yield Flush(sql.writes(writes))
+        yield from give_back_tx(sql, run_id, now)
+    else:
+        yield Flush(sql.writes(writes), commit=True)
     faults.point("settle.after_commit")
     return written_attempt({**{c: getattr(att, c) for c in ATTEMPT_COLS}, **values},
                            holds.debit.value if settle_debit else att.debit_state)
@@ -842,25 +853,84 @@ def finish_tx(sql: Statements, lease: Lease, status: RunStatus, clock: ClockFn,
               margin: float, *, again: bool = False) -> Tx[None]:
     """Record the Run's end; ``again``: resolving a finish whose acknowledgement was lost,
     so a Run already ended with ``status`` is left as it is (one ``finish`` event)."""
-    _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
+    row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
     if again:
         # Its own statement, after the lock: it sees the finish that committed meanwhile.
         [live] = yield Q(sql.run_live, {"run_id": lease.run_id})
         if _ns(sql.run_live, live).status == status.value:
             return
+    child = row.parent_run_id is not None
     faults.point("finish.before_commit")
     yield Flush((
         Q(sql.finish, {"status": status.value, "now": now, "run_id": lease.run_id}),
         Q(sql.insert_event, [_event(lease.run_id, None, "finish", {"status": status.value},
                                     now)], many=True),
-    ), commit=True)
+    ), commit=not child)
+    if child:
+        yield from give_back_tx(sql, lease.run_id, now)
     faults.point("finish.after_commit")
+
+
+def give_back_tx(sql: Statements, run_id: str, now: float) -> Tx[None]:
+    """Give what the ended Child ``run_id`` has left back to its parent, and commit.
+
+    Run in the transaction that ended it (or released a hold of it), which holds its row's
+    lock: the parent's row is locked after it, child before parent as admission carves, so
+    ends and admissions never wait on each other in a cycle. A parent that has ended itself
+    passes what came back on to its own parent, up the tree. What is given back is
+    :func:`~ledger.domain.records.carve_return`'s: the Child records it (``returned_*``) and
+    never uses it again; the parent's ``carved_*`` go down by it, so the parent may spend it.
+    """
+    [row] = yield Q(sql.lock_run_carve, {"run_id": run_id})
+    child = _ns(sql.lock_run_carve, row)
+    writes: list[Q] = []
+    while child.status in _ENDED and child.parent_run_id is not None:
+        found = yield Q(sql.lock_run_carve, {"run_id": child.parent_run_id})
+        if not found:
+            break  # the parent's rows are gone (retention): nobody to give it to
+        parent = _ns(sql.lock_run_carve, found[0])
+        back = carve_return(child, parent.max_tokens is not None)
+        if back is None:
+            break
+        amounts = {"calls": back.calls, "retries": back.retries, "micros": back.micros,
+                   "tokens": back.tokens}
+        writes += [
+            Q(sql.give_back, {"run_id": child.run_id, **amounts}),
+            Q(sql.take_back, {"run_id": parent.run_id, **amounts}),
+            Q(sql.insert_event, [_event(child.run_id, None, "give_back",
+                                        give_back_event(parent.run_id, back), now)],
+              many=True),
+        ]
+        for name, value in (("calls", back.calls), ("retries", back.retries),
+                            ("micros", back.micros), ("tokens", back.tokens)):
+            setattr(parent, f"carved_{name}", getattr(parent, f"carved_{name}") - value)
+        child = parent
+    # Not fused: an ended parent passing it on is written twice (its carve, its return).
+    yield Flush(tuple(writes), commit=True)
+
+
+def _lock_ancestors(sql: Statements, parent_id: str) -> Tx[None]:
+    """Lock ``parent_id``'s row and, while the locked one has ended and has a parent, that
+    parent's: every row :func:`give_back_tx` may write to, in its order."""
+    run_id: str | None = parent_id
+    while run_id is not None:
+        found = yield Q(sql.lock_run_carve, {"run_id": run_id})
+        if not found:
+            return
+        row = _ns(sql.lock_run_carve, found[0])
+        run_id = row.parent_run_id if row.status in _ENDED else None
+
+
+def give_back_event(parent_id: str, back: Any) -> dict[str, Any]:
+    """The ``give_back`` event's data: to whom, and how much of each."""
+    return {"parent": parent_id, "calls": back.calls, "retries": back.retries,
+            "cost": str(from_micros(back.micros)), "tokens": back.tokens}
 
 
 def reserve_retry_tx(sql: Statements, lease: Lease, clock: ClockFn, margin: float,
                      data: Mapping[str, Any]) -> Tx[int]:
     row, now = yield from _lock_live(sql.lock_run_full, lease, clock, margin)
-    left = row.max_retries - row.carved_retries - row.retries_used
+    left = row.max_retries - row.carved_retries - row.retries_used - row.returned_retries
     if left <= 0:
         raise AllowanceExhausted(
             f"run {lease.run_id!r} has no retry permission left "

@@ -32,11 +32,13 @@ from ledger.domain.records import (
     Outcome,
     RunRecord,
     RunStatus,
+    budget_left,
     from_micros,
 )
 from ledger.domain.timefmt import when
 from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
+from ledger.storage.carve import give_back
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
 from ledger.storage.rows import attempt_record, run_record
@@ -435,6 +437,8 @@ class RecoveryQueries:
                 "previous_fence": int(row.fence), "fence": fence, "unknown": dispatching,
                 "holds_kept": held, "slots_released": len(freed)}, now))
             conn.execute(s.events.insert(), events)
+            # A closed Child never uses what it has left again: its parent gets it back.
+            give_back(self.ctx, conn, run_id, now)
             after = conn.execute(select(s.runs).where(r.run_id == run_id)).one()
         _wake(self.ctx, freed)
         return run_record(after), True
@@ -598,34 +602,43 @@ class RecoveryQueries:
                 if held_tokens != run.tokens_reserved:
                     v.append(f"run {run.run_id}: tokens_reserved {run.tokens_reserved} != sum of "
                              f"held token reserves {held_tokens}")
-                if run.max_tokens is not None and (run.tokens_reserved + run.tokens_used
-                                                   + run.carved_tokens > run.max_tokens):
+                # What an ended Child gave back counts as used: it never uses it again.
+                left = budget_left(run)
+                if left.tokens is not None and left.tokens < 0:
                     v.append(f"run {run.run_id}: held+used tokens above the token budget")
-                if run.calls_used + run.carved_calls > run.max_calls:
+                if left.calls < 0:
                     v.append(f"run {run.run_id}: calls {run.calls_used} above allowance")
-                if run.retries_used + run.carved_retries > run.max_retries:
+                if left.retries < 0:
                     v.append(f"run {run.run_id}: retries {run.retries_used} above allowance")
-                held = run.reserved_micros + run.posted_micros + run.carved_micros
-                if held > run.max_cost_micros:
+                if left.micros < 0:
                     v.append(f"run {run.run_id}: reserved+posted above the cost budget")
+                if run.parent_run_id is None and (run.returned_calls or run.returned_retries
+                                                  or run.returned_micros or run.returned_tokens):
+                    v.append(f"run {run.run_id}: gave back a carve but has no parent")
                 if run.parent_run_id is not None and run.parent_run_id not in run_by_id:
                     v.append(f"run {run.run_id}: parent {run.parent_run_id} missing")
-            # Children's budgets come out of the parent's carve.
+            # Children's budgets come out of the parent's carve, less what they gave back
+            # (their token budgets only of a parent with a token budget).
             carved: dict[str, list[int]] = {}
             for run in runs:
                 if run.parent_run_id is not None:
-                    c = carved.setdefault(run.parent_run_id, [0, 0, 0])
-                    c[0] += run.max_calls
-                    c[1] += run.max_retries
-                    c[2] += run.max_cost_micros
-            for pid, (calls, retries, micros) in carved.items():
+                    par = run_by_id.get(run.parent_run_id)
+                    c = carved.setdefault(run.parent_run_id, [0, 0, 0, 0])
+                    c[0] += run.max_calls - run.returned_calls
+                    c[1] += run.max_retries - run.returned_retries
+                    c[2] += run.max_cost_micros - run.returned_micros
+                    if par is not None and par.max_tokens is not None:
+                        c[3] += (run.max_tokens or 0) - run.returned_tokens
+            for pid, (calls, retries, micros, tokens) in carved.items():
                 par = run_by_id.get(pid)
-                carved_now = (None if par is None else
-                              (par.carved_calls, par.carved_retries, par.carved_micros))
-                if par is not None and carved_now != (calls, retries, micros):
-                    v.append(f"run {pid}: carved ({par.carved_calls}, {par.carved_retries}, "
-                             f"{par.carved_micros}) != its children's budgets ({calls}, {retries}, "
-                             f"{micros})")
+                if par is None:
+                    continue
+                carved_now = (par.carved_calls, par.carved_retries, par.carved_micros,
+                              par.carved_tokens)
+                if carved_now != (calls, retries, micros, tokens):
+                    v.append(f"run {pid}: carved (calls, retries, micros, tokens) {carved_now} "
+                             f"!= its children's budgets less what they gave back "
+                             f"{(calls, retries, micros, tokens)}")
             # Slots: only dispatching attempts hold one; live ones never exceed a group's limit.
             states = {att.attempt_id: att.state for x in by_run_att.values() for att in x}
             live: dict[str, int] = {}

@@ -52,6 +52,7 @@ from ledger.errors import (
 )
 from ledger.storage import schema as s
 from ledger.storage.audit import parse_cursor
+from ledger.storage.carve import give_back
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json, health_values
 from ledger.storage.hot import check_live, moved
@@ -286,6 +287,8 @@ class RunQueries:
             }, now)
             for kind, data in spec.events:
                 self.ctx.add_event(conn, run.run_id, spec.attempt_id, kind, data, now)
+            # What the settle released of an ended Child's holds goes back to its parent.
+            give_back(self.ctx, conn, run.run_id, now)
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
         return attempt_record(row, row.debit_state)
 

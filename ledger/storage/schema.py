@@ -76,6 +76,13 @@ runs = Table(
     Column("carved_retries", Integer, nullable=False, default=0),
     Column("carved_micros", BigInteger, nullable=False, default=0),
     Column("carved_tokens", BigInteger, nullable=False, default=0, server_default="0"),
+    # What an ended Child gave back to its parent of its carve (the part it had not used and
+    # could no longer use): its budget stays as admitted (invariant 5), so what it may still
+    # use is its budget less this too (0018).
+    Column("returned_calls", Integer, nullable=False, default=0, server_default="0"),
+    Column("returned_retries", Integer, nullable=False, default=0, server_default="0"),
+    Column("returned_micros", BigInteger, nullable=False, default=0, server_default="0"),
+    Column("returned_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("current_route", _ID, nullable=True),
     Column("current_profile", _ID, nullable=True),
     # Compactions the host recorded, and their count when current_profile was last set: a
@@ -421,7 +428,8 @@ run_rollups = Table(
     Column("runs", BigInteger, nullable=False),
     Column("posted_micros", BigInteger, nullable=False),
     Column("reserved_micros", BigInteger, nullable=False),
-    # Their budgets: what they were admitted with, less what they carved (0014).
+    # Their budgets: what they were admitted with, less what they carved (0014) and gave
+    # back to their parent (0018).
     Column("budget_micros", BigInteger, nullable=False, default=0, server_default="0"),
     # And their labels (the JSON text, as attempt_rollups keeps it), for spend by label (0014).
     Column("labels", Text, nullable=True),

@@ -299,7 +299,7 @@ def metric_counts(ctx: SqlContext, bounds: Sequence[float]) -> list[Counted]:
                 [func.count().label("runs"),
                  func.coalesce(func.sum(r.posted_micros), 0).label("posted_micros"),
                  func.coalesce(func.sum(r.reserved_micros), 0).label("reserved_micros"),
-                 func.coalesce(func.sum(r.max_cost_micros - r.carved_micros), 0)
+                 func.coalesce(func.sum(r.max_cost_micros - r.carved_micros - r.returned_micros), 0)
                  .label("budget_micros")],
                 [], s.run_rollups, ("tenant",), r.created_at, r.status.in_(LIVE_STATUSES),
                 {"labels": r.labels}),

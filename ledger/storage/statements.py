@@ -273,6 +273,14 @@ def _cols(table: Table, *names: str) -> list[ColumnElement[Any]]:
     return [table.c[n] for n in names]
 
 
+#: What an ended Child gives back is worked out from (ledger.domain.records.carve_return).
+CARVE_COLS = ("run_id", "status", "parent_run_id", "max_calls", "max_retries",
+              "max_cost_micros", "max_tokens", "calls_used", "retries_used",
+              "reserved_micros", "posted_micros", "tokens_used", "tokens_reserved",
+              "carved_calls", "carved_retries", "carved_micros", "carved_tokens",
+              "returned_calls", "returned_retries", "returned_micros", "returned_tokens")
+
+
 def _run_lock(*names: str) -> Build:
     def build(k: Spelling, p: Namer = bindparam) -> Any:
         return (select(*_cols(_runs, *names)).where(_runs.c.run_id == p("run_id"))
@@ -409,6 +417,7 @@ class Statements:
         "tokens_used", "tokens_reserved", "carved_calls", "carved_retries", "carved_micros",
         "carved_tokens", "current_route", "current_profile", "lease_holder", "fence",
         "lease_expires_at", "updated_at", "compactions", "profile_compactions",
+        "returned_calls", "returned_retries", "returned_micros", "returned_tokens",
     )).where(_runs.c.run_id == p("run_id")))
     groups = _stmt(lambda k, p=bindparam: select(*_cols(
         _groups, "group_id", "max_in_flight", "mode", "until", "sampled_at",
@@ -439,11 +448,15 @@ class Statements:
         "fence", "lease_holder", "lease_expires_at", "max_calls", "carved_calls", "calls_used",
         "max_cost_micros", "carved_micros", "reserved_micros", "posted_micros", "max_retries",
         "carved_retries", "retries_used", "max_tokens", "carved_tokens", "tokens_reserved",
-        "tokens_used", "labels"))
+        "tokens_used", "labels", "returned_calls", "returned_retries", "returned_micros",
+        "returned_tokens"))
     lock_run_full = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_retries",
-                                    "carved_retries", "retries_used"))
+                                    "carved_retries", "retries_used", "returned_retries"))
     lock_run_fence = _stmt(_run_lock("fence", "lease_holder", "lease_expires_at", "max_tokens",
-                                     "status", "created_at"))
+                                     "status", "created_at", "parent_run_id"))
+    # A Run's budget and counters, locked: an ended Child's and its parent's, when the Child
+    # gives back what it has left (ledger.storage.hot.give_back_tx).
+    lock_run_carve = _stmt(_run_lock(*CARVE_COLS))
     lock_group = _stmt(lambda k, p=bindparam: select(
         _groups.c.mode, _groups.c.until, _groups.c.max_in_flight,
     ).where(_groups.c.group_id == p("group")).with_for_update())
@@ -597,6 +610,20 @@ class Statements:
         or_(_att.c.state == lit("unknown"), _att.c.state == lit("dispatching"))))
     count_slots = _stmt(lambda k, p=bindparam: select(func.count()).select_from(_slots).where(
         _slots.c.run_id == p("run_id"), _slots.c.fence == p("fence")))
+    # An ended Child gives back what it has left: it records it, and its parent's carve shrinks
+    # by it (carve_return's amounts, as parameters).
+    give_back = _stmt(lambda k, p=bindparam: update(_runs).where(
+        _runs.c.run_id == p("run_id")).values(
+        returned_calls=_runs.c.returned_calls + p("calls"),
+        returned_retries=_runs.c.returned_retries + p("retries"),
+        returned_micros=_runs.c.returned_micros + p("micros"),
+        returned_tokens=_runs.c.returned_tokens + p("tokens")))
+    take_back = _stmt(lambda k, p=bindparam: update(_runs).where(
+        _runs.c.run_id == p("run_id")).values(
+        carved_calls=_runs.c.carved_calls - p("calls"),
+        carved_retries=_runs.c.carved_retries - p("retries"),
+        carved_micros=_runs.c.carved_micros - p("micros"),
+        carved_tokens=_runs.c.carved_tokens - p("tokens")))
     finish = _stmt(lambda k, p=bindparam: update(_runs).where(
         _runs.c.run_id == p("run_id")).values(status=p("status"), updated_at=p("now")))
     take_retry = _stmt(lambda k, p=bindparam: update(_runs).where(

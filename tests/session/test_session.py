@@ -345,8 +345,12 @@ def test_a_child_session_narrows_and_carves(db_url: str, fake: FakeProvider) -> 
                        ) as child:
             res = child.turn(Envelope(parts=[Part(content="sub-task")]))
             assert res.route.id == "backup"
-        assert led.get_run("c").status is RunStatus.SUCCEEDED
-        assert led.get_run("p").carved == Decimal("0.1")
+        child_run = led.get_run("c")
+        assert child_run.status is RunStatus.SUCCEEDED
+        # The session's end gave back what the Child did not use: only its spend stays carved.
+        parent = led.get_run("p")
+        assert parent.carved == child_run.posted > 0 and parent.carved_calls == 1
+        assert child_run.returned == Decimal("0.1") - child_run.posted
 
 
 def test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other(

@@ -197,6 +197,61 @@ def lapse_worker(url: str, clock_path: str, run_id: str, log_path: str, n: int, 
     return out
 
 
+def carve_worker(url: str, run_id: str, fence: int, w: int, n: int) -> dict[str, int]:
+    """Carve Children of one shared parent, spend in each and end it (it gives back what it
+    did not use), or begin the parent's own calls, at random; counts what was done."""
+    import random
+
+    from ledger.domain.records import RunStatus
+    from ledger.domain.values import Budget, Grant, Price, Route
+
+    rnd = random.Random(w)
+    plan = [Route(id="a", provider="p1", model="m1", group="g", recipient="r1", price=Price())]
+    led = Ledger.open(url, migrate_schema=False)
+    pl = Lease(run_id, "shared", fence, 0.0)
+    out = {"parent_begun": 0, "children": 0, "refused": 0}
+    try:
+        for i in range(n):
+            try:
+                if rnd.random() < 0.5:
+                    cid = f"{run_id}-c{w}-{i}"
+                    led.admit_run(cid, plan=plan, grant=Grant(), parent=pl, budget=Budget(
+                        max_calls=3, max_retries=1, max_cost=Decimal("0.07")))
+                    out["children"] += 1
+                    cl = led.acquire_lease(cid, ttl_s=600)
+                    late = None
+                    for j in range(rnd.randint(0, 2)):
+                        a = led.begin_attempt(cl, route="a", envelope_hash="sha256:e",
+                                              reserve="0.03", turn_id="t", take_retry=j > 0,
+                                              kind="retry" if j else "first")
+                        if j == 0 and rnd.random() < 0.5:
+                            late = a  # settled once the Child has ended, below
+                            continue
+                        led.settle_attempt(cl, a.attempt_id, outcome="succeeded", cost="0.02")
+                    led.finish_run(cl, RunStatus.SUCCEEDED)
+                    if late is not None:
+                        # A failure settled after the end: its health row and the parent's
+                        # give-back in one transaction, while the parent's failures lock the
+                        # same health row.
+                        led.settle_attempt(cl, late.attempt_id, outcome="failed",
+                                           observation={"status": 503})
+                    led.release_lease(cl)
+                else:
+                    a = led.begin_attempt(pl, route="a", envelope_hash="sha256:e",
+                                          reserve="0.03", turn_id=f"pt-{w}-{i}")
+                    out["parent_begun"] += 1
+                    if rnd.random() < 0.5:
+                        led.settle_attempt(pl, a.attempt_id, outcome="failed",
+                                           observation={"status": 503})
+                    else:
+                        led.settle_attempt(pl, a.attempt_id, outcome="succeeded", cost="0.02")
+            except (BudgetExceeded, AllowanceExhausted):
+                out["refused"] += 1
+    finally:
+        led.close()
+    return out
+
+
 def migrate_worker(url: str) -> dict[str, int]:
     Ledger.open(url).close()
     return {"ok": 1}
