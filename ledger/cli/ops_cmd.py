@@ -272,6 +272,33 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def budget_lines(r: Any) -> list[str]:
+    """A Run's budget as ``run show`` prints it (``r`` a :class:`~ledger.ops.audit.RunSummary`):
+    per bound what it was admitted with, used, held, carved for its Children, gave back to
+    its parent, and what is left."""
+    def parts(carved: str, returned: str, carved_any: object, returned_any: object) -> str:
+        return ((f", carved {carved} for children" if carved_any else "")
+                + (f", gave back {returned} to its parent" if returned_any else ""))
+    lines = [
+        f"cost     {_money(r.max_cost)}: charged {_money(r.posted)}, held {_money(r.reserved)}"
+        + parts(_money(r.carved), _money(r.returned), r.carved, r.returned)
+        + f"; left {_money(r.cost_left)}",
+        f"calls    {r.max_calls}: used {r.calls_used}"
+        + parts(str(r.carved_calls), str(r.returned_calls), r.carved_calls, r.returned_calls)
+        + f"; left {r.calls_left}",
+        f"retries  {r.max_retries}: used {r.retries_used}"
+        + parts(str(r.carved_retries), str(r.returned_retries), r.carved_retries,
+                r.returned_retries)
+        + f"; left {r.retries_left}",
+    ]
+    if r.max_tokens is not None:
+        lines.append(f"tokens   {r.max_tokens}: used {r.tokens_used}, held {r.tokens_reserved}"
+                     + parts(str(r.carved_tokens), str(r.returned_tokens), r.carved_tokens,
+                             r.returned_tokens)
+                     + f"; left {r.tokens_left}")
+    return lines
+
+
 def _run_show(args: argparse.Namespace) -> int:
     audit = _audit(args)
     try:
@@ -284,12 +311,23 @@ def _run_show(args: argparse.Namespace) -> int:
         return 0
     r = tl.run
     print(f"run {r.run_id}  status {r.status}  tenant {r.tenant or '-'}  "
-          f"labels {json.dumps(r.labels, sort_keys=True)}")
+          f"labels {json.dumps(r.labels, sort_keys=True)}"
+          + (f"  child of {r.parent_run_id}" if r.parent_run_id else ""))
     print(f"selected {r.selected_route}  served {tl.served_route or '-'}  "
           f"failed over: {'yes' if tl.failed_over else 'no'}  "
-          f"charged {_money(tl.total_cost)}  held {_money(tl.held)} of {_money(r.max_cost)}  "
           f"tokens {r.tokens_used}  "
           f"admitted {fmt_until(r.created_at, now)}")
+    for line in budget_lines(r):
+        print(line)
+    if tl.children:
+        print()
+        print(table(["CHILD", "STATUS", "CHARGED", "HELD", "BUDGET", "GAVE BACK", "CALLS",
+                     "RETRIES"],
+                    [[c.run_id, c.status, _money(c.posted), _money(c.reserved),
+                      _money(c.max_cost), _money(c.returned),
+                      f"{c.calls_used}/{c.max_calls} (back {c.returned_calls})",
+                      f"{c.retries_used}/{c.max_retries} (back {c.returned_retries})"]
+                     for c in tl.children]))
     print()
     rows = []
     for a in tl.attempts:

@@ -469,7 +469,9 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
             f'<span id="run-charged">{_money(tl.total_cost)}</span> &middot; held '
             f'<span id="run-held">{_money(tl.held)}</span> of '
             f"{_money(r.max_cost)} &middot; admitted {_t(r.created_at)} "
-            f'({_e(relative(r.created_at, now))})</p>')
+            f'({_e(relative(r.created_at, now))})'
+            + (f" &middot; child of {_link(r.parent_run_id)}" if r.parent_run_id else "")
+            + "</p>" + _budget_html(r) + _children_html(tl))
     return (head + _table(["#", "kind", "route", "profile", "outcome", "fact", "debit",
                            "reported cost", "latency", "first byte / token", "tokens in / out",
                            "why (selector)", "events", "at"], rows,
@@ -478,6 +480,43 @@ def _timeline_html(tl: RunTimeline, now: float) -> str:
                           ["num", "", "id", "id", "", "", "nowrap", "num", "num", "nowrap",
                            "nowrap", "", "", "nowrap"])
             + "</section>" + _waits_html(tl, now) + _stops_html(tl, now))
+
+
+def _budget_html(r: Any) -> str:
+    """A Run's budget per bound: admitted, used, held, carved for its Children, given back to
+    its parent, and left (what it may still use)."""
+    def row(name: str, budget: str, used: str, held: str, carved: str, back: str,
+            left: str) -> list[str]:
+        return [_e(name), budget, used, held, carved, back, f"<b>{left}</b>"]
+    rows = [
+        row("cost", _money(r.max_cost), _money(r.posted), _money(r.reserved), _money(r.carved),
+            _money(r.returned), _money(r.cost_left)),
+        row("calls", str(r.max_calls), str(r.calls_used), "-", str(r.carved_calls),
+            str(r.returned_calls), str(r.calls_left)),
+        row("retries", str(r.max_retries), str(r.retries_used), "-", str(r.carved_retries),
+            str(r.returned_retries), str(r.retries_left)),
+    ]
+    if r.max_tokens is not None:
+        rows.append(row("tokens", str(r.max_tokens), str(r.tokens_used), str(r.tokens_reserved),
+                        str(r.carved_tokens), str(r.returned_tokens), str(r.tokens_left)))
+    return _table(["budget", "admitted", "used / charged", "held", "carved for children",
+                   "given back to parent", "left"], rows, "budget-table", "",
+                  ["", "num", "num", "num", "num", "num", "num"])
+
+
+def _children_html(tl: Any) -> str:
+    """The Run's Child Runs: each one's carve, what it charged and holds, what it gave back."""
+    if not tl.children:
+        return ""
+    rows = [[_link(c.run_id), _tag(c.status), _money(c.max_cost), _money(c.posted),
+             _money(c.reserved), _money(c.returned),
+             f"{c.calls_used} / {c.max_calls} (back {c.returned_calls})",
+             f"{c.retries_used} / {c.max_retries} (back {c.returned_retries})"]
+            for c in tl.children]
+    return ("<h3>Children</h3>"
+            + _table(["child", "status", "budget", "charged", "held", "gave back", "calls",
+                      "retries"], rows, "children-table", "",
+                     ["id", "", "num", "num", "num", "num", "nowrap", "nowrap"]))
 
 
 def _host_name(header: str) -> str | None:

@@ -37,6 +37,7 @@ from ledger.domain.records import (
     AttemptState,
     Page,
     RunStatus,
+    budget_left,
     from_micros,
 )
 from ledger.domain.validation import (
@@ -84,10 +85,15 @@ LATENCY_WINDOW_S = 86400.0
 
 @dataclass(frozen=True)
 class RunSummary:
-    """A Run as the audit lists it: ids, status, routes, counters, lease, times.
+    """A Run as the audit lists it: ids, status, routes, counters, budget, lease, times.
 
-    Money (``reserved``, ``posted``, ``max_cost``) is in currency units; ``current_route`` is
-    the route of the Run's last success.
+    Money (``reserved``, ``posted``, ``max_cost``, ``carved``, ``returned``, ``cost_left``) is
+    in currency units; ``current_route`` is the route of the Run's last success. Its budget
+    (``max_cost``, ``max_calls``, ``max_retries``, ``max_tokens``: ``None`` without a token
+    budget) is what it was admitted with; ``carved*`` is what it carved out for its Children
+    and still counts (less what they gave back when they ended), ``returned*`` what it gave
+    back to its parent when it ended, as a Child; ``*_left`` is what it may still use: its
+    budget less what it used, holds, carved and gave back.
     """
 
     run_id: str
@@ -109,6 +115,22 @@ class RunSummary:
     lease_expires_at: float | None
     created_at: float
     updated_at: float
+    max_calls: int = 0
+    max_retries: int = 0
+    max_tokens: int | None = None
+    tokens_reserved: int = 0
+    carved: Decimal = Decimal(0)
+    carved_calls: int = 0
+    carved_retries: int = 0
+    carved_tokens: int = 0
+    returned: Decimal = Decimal(0)
+    returned_calls: int = 0
+    returned_retries: int = 0
+    returned_tokens: int = 0
+    cost_left: Decimal = Decimal(0)
+    calls_left: int = 0
+    retries_left: int = 0
+    tokens_left: int | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +263,9 @@ class RunTimeline:
     what its holds still reserve (``run.reserved``: its unknown and in-flight attempts), also
     once retention has dropped its attempts. An attempt's own ``cost`` is the cost the
     provider reported, which may differ (none reported: the whole hold was posted).
+    ``run.parent_run_id`` names its parent (a Child's) and ``children`` lists its own Child
+    Runs, each with what it carved and gave back; ``run.cost_left`` (and the other
+    ``*_left``) is what the Run may still use.
     """
 
     run: RunSummary
@@ -252,6 +277,7 @@ class RunTimeline:
     stops: list[Stop] = field(default_factory=list)  # the run's stop events, oldest first
     waits: list[Wait] = field(default_factory=list)  # every wait of its turns, oldest first
     held: Decimal = Decimal(0)
+    children: list[RunSummary] = field(default_factory=list)  # its Child Runs, oldest first
 
 
 @dataclass(frozen=True)
@@ -618,7 +644,17 @@ class MetricsSnapshot:
 
 
 def _run(row: Mapping[str, Any]) -> RunSummary:
+    left = budget_left(SimpleNamespace(**row))
     return RunSummary(
+        max_calls=int(row["max_calls"]), max_retries=int(row["max_retries"]),
+        max_tokens=row["max_tokens"], tokens_reserved=int(row["tokens_reserved"]),
+        carved=from_micros(row["carved_micros"]), carved_calls=int(row["carved_calls"]),
+        carved_retries=int(row["carved_retries"]), carved_tokens=int(row["carved_tokens"]),
+        returned=from_micros(row["returned_micros"]),
+        returned_calls=int(row["returned_calls"]),
+        returned_retries=int(row["returned_retries"]),
+        returned_tokens=int(row["returned_tokens"]), cost_left=from_micros(left.micros),
+        calls_left=left.calls, retries_left=left.retries, tokens_left=left.tokens,
         run_id=row["run_id"], parent_run_id=row["parent_run_id"], role=row["role"],
         tenant=row["tenant"], labels=json.loads(row["labels"] or "{}"),
         status=RunStatus(row["status"]),
@@ -951,7 +987,8 @@ class Audit:
         # would make an old Run look free.
         return RunTimeline(run=run, attempts=entries, run_events=run_events,
                            served_route=served, failed_over=failed_over,
-                           total_cost=run.posted, stops=stops, waits=waits, held=run.reserved)
+                           total_cost=run.posted, stops=stops, waits=waits, held=run.reserved,
+                           children=[_run(c) for c in self._audit.children(run_id)])
 
     @query
     def failovers(self, *, since: Time | None = None, until: Time | None = None,

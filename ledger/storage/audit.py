@@ -78,6 +78,9 @@ _RUN_COLS = (
     "current_route", "current_profile", "calls_used", "retries_used", "reserved_micros",
     "posted_micros", "tokens_used", "max_cost_micros", "max_calls", "max_retries",
     "lease_holder", "lease_expires_at", "fence", "created_at", "updated_at",
+    # What is left of its budget is worked out from these too (budget_left).
+    "max_tokens", "tokens_reserved", "carved_calls", "carved_retries", "carved_micros",
+    "carved_tokens", "returned_calls", "returned_retries", "returned_micros", "returned_tokens",
 )
 
 # A Run's timeline, the audit's most frequent read, built once: building a statement and its
@@ -245,6 +248,14 @@ class AuditQueries:
             atts = conn.execute(_TIMELINE_ATTEMPTS, key).all()
             evs = conn.execute(_TIMELINE_EVENTS, key).all()
         return dict(run._mapping), _maps(atts), _maps(evs)
+
+    def children(self, run_id: str) -> list[RowMap]:
+        """The Child Runs of ``run_id``, oldest first (by the parent's index)."""
+        r = s.runs.c
+        with self.ctx.reading() as conn:
+            return _maps(conn.execute(select(*(r[c] for c in _RUN_COLS))
+                                      .where(r.parent_run_id == run_id)
+                                      .order_by(r.created_at, r.run_id)).all())
 
     def failovers(self, *, since: float | None, until: float | None, limit: int,
                   cursor: str | None
