@@ -10,7 +10,6 @@ docstring and one signature serve both (and a type checker sees each face's retu
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import threading
 from collections import OrderedDict
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 from ledger.domain.validation import checked
 
 if TYPE_CHECKING:
-    from ledger.storage.runner import Flow
+    from ledger.storage.runner import Flow, Workers
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -126,9 +125,16 @@ class Blocking:
 
 
 class Awaiting:
-    """The mark of a face that awaits its operations: an op or a query returns an awaitable."""
+    """The mark of a face that awaits its operations: an op or a query returns an awaitable.
+
+    A face so marked names the threads its queries run on (:meth:`_workers`).
+    """
 
     awaiting = True
+
+    def _workers(self) -> Workers:
+        """The ledger's own threads for this face's blocking queries (its store's)."""
+        raise NotImplementedError(f"{type(self).__name__} names no worker threads")
 
 
 class query(Generic[P, T]):
@@ -136,7 +142,8 @@ class query(Generic[P, T]):
 
     For the operator's read-only queries (the audit), which are SQLAlchemy queries with only a
     blocking form: on a face marked :class:`Awaiting` the method is a coroutine that runs the
-    same call in a worker thread, so the database call does not block the event loop. One
+    same call on the ledger's own threads (:meth:`Awaiting._workers`, never the loop's default
+    executor), so the database call blocks neither the event loop nor the host's own threads. One
     definition, one docstring and one signature serve both; the arguments are validated
     (:func:`~ledger.domain.validation.checked`) before anything runs.
     """
@@ -166,7 +173,7 @@ class query(Generic[P, T]):
         fn = self._fn
         if obj.awaiting:
             async def awaited(*args: Any, **kwargs: Any) -> Any:
-                return await asyncio.to_thread(fn, obj, *args, **kwargs)
+                return await obj._workers().call(fn, obj, *args, **kwargs)
             bound: Any = awaited
         else:
             def blocking(*args: Any, **kwargs: Any) -> Any:

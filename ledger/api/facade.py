@@ -6,7 +6,6 @@ kind's :meth:`~ledger.api.face.Face.run` gives (:mod:`ledger.api.session`).
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -14,6 +13,7 @@ from ledger.api.arguments import SessionOptions
 from ledger.api.face import AsyncFace, SyncFace
 from ledger.clock import Clock
 from ledger.domain.validation import checked, instance
+from ledger.storage.runner import in_own_thread
 
 if TYPE_CHECKING:
     # The sessions bring the turn loop; a ledger opened only to read (the audit, the CLI's
@@ -68,6 +68,11 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         retry owner that was never sent is settled ``not_sent``, a Run session's exit finishes
         the Run and releases its lease. What the database still does not take is logged at
         WARNING and left to recovery.
+
+        Last, the ledger's own threads (``ledger-cold``, where an :class:`AsyncLedger` runs
+        its blocking calls) end: a call already running on one is waited for (it may wait up
+        to SQLite's busy timeout for another process's write lock), the queued ones raise the
+        closed ledger's ``InvalidState``.
         """
         if self._store.closed:
             return
@@ -126,7 +131,10 @@ class _Opening(Coroutine[Any, Any, "AsyncLedger"]):
         self._coro: Coroutine[Any, Any, AsyncLedger] | None = None
 
     async def _opened(self) -> AsyncLedger:
-        return await asyncio.to_thread(self._make)
+        # Its own thread, not the loop's default executor: opening may wait up to the busy
+        # timeout for another process's write lock (a migration), and the host's work must not
+        # queue behind it. There are no ledger threads yet.
+        return await in_own_thread(self._make, "ledger-open")
 
     def _started(self) -> Coroutine[Any, Any, AsyncLedger]:
         if self._coro is None:
@@ -160,7 +168,12 @@ class AsyncLedger(AsyncFace["AsyncRunSession", _Opening]):
 
     Every operation is :class:`Ledger`'s own (the same checks, docstring and transactions),
     awaited: on PostgreSQL on psycopg's asyncio connections, on SQLite on the database's own
-    thread, so the event loop never blocks on the database. Open it with :meth:`open`.
+    thread, so the event loop never blocks on the database. What has only a blocking form
+    (admission, the cold path's reads and writes, recovery) runs on the ledger's own bounded
+    threads (``ledger-cold``), never on the event loop's default executor: one of those calls
+    may wait up to SQLite's busy timeout for another process's write lock, and the host's own
+    ``asyncio.to_thread`` / ``run_in_executor(None, ...)`` work does not queue behind it.
+    :meth:`close` ends them. Open it with :meth:`open`.
 
     Args:
         ledger: The :class:`Ledger` whose database, clock, executor id and caches it shares
@@ -197,9 +210,12 @@ class AsyncLedger(AsyncFace["AsyncRunSession", _Opening]):
     async def close(self) -> None:
         """Close the database connections; what is unresolved is resolved first.
 
-        See :meth:`Ledger.close`.
+        See :meth:`Ledger.close`. The ledger's own threads (``ledger-cold``, where its blocking
+        calls ran) have ended when this returns.
         """
-        await asyncio.to_thread(self.sync.close)
+        # Its own thread: closing waits for the ledger's threads, so it cannot run on one of
+        # them, nor hold up the loop's default executor meanwhile.
+        await in_own_thread(self.sync.close, "ledger-close")
 
     async def __aenter__(self) -> AsyncLedger:
         return self

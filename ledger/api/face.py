@@ -114,7 +114,7 @@ from ledger.domain.values import (
 )
 from ledger.errors import AdmissionConflict, DatabaseUnavailable, InvalidArgument, NotFound
 from ledger.policy.model import FROZEN, Policy
-from ledger.storage.runner import Flow, blocking
+from ledger.storage.runner import Flow, Workers, blocking
 
 if TYPE_CHECKING:
     from ledger.decide.effects import TurnSnapshot
@@ -1403,6 +1403,9 @@ class AsyncFace(Awaiting, Face[SessionT, OpenedT]):
 
     What an awaiting Run session, lease keeper or :func:`~ledger.aexecute` takes.
     """
+
+    def _workers(self) -> Workers:
+        return self._store.workers
 
 
 @checked

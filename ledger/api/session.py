@@ -834,7 +834,7 @@ class AsyncRunSession(_SessionCore):
         if "ledger.adapters" not in sys.modules:
             # The first import of the adapters (httpx, the protocols) takes some 0.2 s: off the
             # event loop, which the session must never hold up.
-            await asyncio.to_thread(importlib.import_module, "ledger.adapters")
+            await self.ledger._store.workers.call(importlib.import_module, "ledger.adapters")
         self._enter()
         self.record = await self.ledger.admit_run(
             self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))

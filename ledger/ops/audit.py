@@ -61,6 +61,7 @@ from ledger.storage.audit import (
     AuditQueries,
 )
 from ledger.storage.rows import attempt_record
+from ledger.storage.runner import Workers
 from ledger.storage.runs import RunQueries
 from ledger.storage.series import SeriesQueries
 
@@ -1570,10 +1571,11 @@ class Audit:
 
 
 class AsyncAudit(Awaiting, Audit):
-    """The async twin of :class:`Audit`: the same methods, awaited in a worker thread.
+    """The async twin of :class:`Audit`: the same methods, awaited on the ledger's threads.
 
-    Each method is :class:`Audit`'s, with its arguments, result, errors and docstring, run in a
-    worker thread.
+    Each method is :class:`Audit`'s, with its arguments, result, errors and docstring, run on
+    the threads of the store it reads (``ledger-cold``, its own; never the event loop's default
+    executor, which the host's work needs). Closing the ledger ends them.
 
     Args:
         audit: The :class:`Audit` to run.
@@ -1584,6 +1586,10 @@ class AsyncAudit(Awaiting, Audit):
             Audit, "a ledger.ops.audit.Audit", "pass Audit(ledger)")]) -> None:
         self.__dict__.update(vars(audit))  # one ledger, one store
         self.sync = audit
+
+    def _workers(self) -> Workers:
+        # The store the audit reads: a slow read replica then holds up only its own threads.
+        return reads_of(self.ledger).workers
 
 
 __all__ = [

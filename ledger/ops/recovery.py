@@ -35,7 +35,6 @@ transaction (of up to ``batch`` runs), and a run is taken only while its lease i
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -331,7 +330,10 @@ def _retrying(fn: Any, sleeper: Sleeper, report: RecoveryReport,
 async def arecover(ledger: Annotated[AsyncLedger, instance(
         AsyncLedger, "a ledger.AsyncLedger", "pass a ledger.AsyncLedger (recover takes a "
         "Ledger)")], **kwargs: Any) -> RecoveryReport:
-    """The async twin of :func:`recover` (the same implementation, in a worker thread).
+    """The async twin of :func:`recover`: the same implementation, on the ledger's threads.
+
+    It runs on one of the ledger's own threads (``ledger-cold``), never on the event loop's
+    default executor, which the host's own work needs.
 
     Args:
         ledger: The :class:`~ledger.AsyncLedger`.
@@ -345,7 +347,7 @@ async def arecover(ledger: Annotated[AsyncLedger, instance(
             is wrong.
         DatabaseUnavailable: the database stayed unreachable through every retry.
     """
-    return await asyncio.to_thread(recover, ledger.sync, **kwargs)
+    return await storage_of(ledger).workers.call(recover, ledger.sync, **kwargs)
 
 
 __all__ = ["RecoveryReport", "RunRecovery", "arecover", "recover"]

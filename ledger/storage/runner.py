@@ -13,20 +13,115 @@ for an asyncio caller (the database's asyncio driver; on SQLite the database's o
 in which of the two they call: sync and async are chosen once, here.
 
 A step may also be :class:`Blocking`: a call into code that only has a blocking form (the
-cold path's SQLAlchemy queries). The blocking runner calls it; the async one runs it in a worker
-thread, so the event loop never waits on it.
+cold path's SQLAlchemy queries). The blocking runner calls it; the async one runs it on the
+store's own :class:`Workers` (threads named ``ledger-cold``), so the event loop never waits on
+it, and neither does the host's work on the loop's default executor: such a call may wait up
+to SQLite's busy timeout for another process's write lock, and a few of them would otherwise
+fill that executor (``asyncio.to_thread``, ``run_in_executor(None, ...)``, LangChain's own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import os
+import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from ledger.storage.driver import Driver, Tx
+from ledger.storage.failure import closed_error
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+#: How many threads a store's :class:`Workers` may run at once: the bound asyncio gives its
+#: default executor, so moving off it does not lower the ledger's own concurrency.
+WORKERS_MAX = min(32, (os.cpu_count() or 1) + 4)
+
+# Which Workers (if any) the current thread belongs to: a close from one of its own threads
+# cannot wait for itself.
+_MINE = threading.local()
+
+
+class Workers:
+    """The threads a store runs its blocking calls on for asyncio callers (``ledger-cold``).
+
+    Created on the first call, at most :data:`WORKERS_MAX` threads, shut down by
+    :meth:`close` (the store's). Never the event loop's default executor: a cold-path call may
+    wait up to SQLite's busy timeout for another process's write lock, and the host's own
+    ``asyncio.to_thread`` / ``run_in_executor(None, ...)`` work must not queue behind it.
+
+    Args:
+        where: The database's URL without its password, for the closed ledger's error.
+        max_workers: The most threads at once.
+    """
+
+    def __init__(self, where: str, max_workers: int = WORKERS_MAX) -> None:
+        self.where = where
+        self.max_workers = max_workers
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    async def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` on one of these threads, in a copy of the caller's context
+        (as :func:`asyncio.to_thread`). Cancelling the awaiting task does not stop a call
+        already running: it finishes (its transaction commits or rolls back) unobserved.
+
+        Raises:
+            InvalidState: the store was closed (``problem="ledger_closed"``).
+        """
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.where)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix="ledger-cold", initializer=self._own)
+            # Submitted under the lock: a close cannot shut the pool between the check and it.
+            future = self._pool.submit(functools.partial(ctx.run, fn, *args, **kwargs))
+        return await asyncio.wrap_future(future, loop=loop)
+
+    def _own(self) -> None:
+        _MINE.workers = self
+
+    def close(self) -> None:
+        """Refuse new calls, let the queued ones run (each finds the store closed), and wait
+        for the threads to end; from one of these threads, do not wait (it would wait for
+        itself)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=getattr(_MINE, "workers", None) is not self)
+
+
+async def in_own_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` on a new thread named ``name``, awaited: for the one-off blocking work that
+    comes before a store's :class:`Workers` exist or after they are gone (opening and closing
+    a ledger), kept off the loop's default executor. Cancellation as with
+    :func:`asyncio.to_thread`: the thread finishes unobserved."""
+    ctx = contextvars.copy_context()
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def work() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = ctx.run(fn)
+        except BaseException as e:  # the awaiting task's, as an executor hands it over
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=work, name=name).start()
+    return await asyncio.wrap_future(future, loop=loop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +134,8 @@ class Txn(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class Blocking(Generic[T]):
-    """One step that only has a blocking form: ``call()`` (run in a thread for async callers)."""
+    """One step that only has a blocking form: ``call()`` (run on the store's
+    :class:`Workers` for async callers)."""
 
     call: Callable[[], T]
 
@@ -59,12 +155,14 @@ def blocking(call: Callable[[], T]) -> Generator[Step, Any, T]:
 
 
 class Runner:
-    """Performs flows on one database's driver, blocking or for asyncio."""
+    """Performs flows on one database's driver, blocking or for asyncio (its blocking steps
+    on ``workers``)."""
 
-    __slots__ = ("driver",)
+    __slots__ = ("driver", "workers")
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Driver, workers: Workers) -> None:
         self.driver = driver
+        self.workers = workers
 
     def run(self, flow: Flow[T]) -> T:
         """Perform ``flow`` on the calling thread; its result, or its error."""
@@ -98,9 +196,10 @@ class Runner:
                 if isinstance(step, Txn):
                     value = await self.driver.arun(step.tx, write=step.write)
                 else:
-                    value = await asyncio.to_thread(step.call)
+                    value = await self.workers.call(step.call)
             except Exception as e:
                 error = e
 
 
-__all__ = ["Blocking", "Flow", "Runner", "Step", "Txn", "blocking", "txn"]
+__all__ = ["WORKERS_MAX", "Blocking", "Flow", "Runner", "Step", "Txn", "Workers", "blocking",
+           "in_own_thread", "txn"]

@@ -79,7 +79,7 @@ from ledger.storage import hot
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver, Tx
 from ledger.storage.rows import SnapshotRows
-from ledger.storage.runner import Flow, Runner, blocking, txn
+from ledger.storage.runner import Flow, Runner, Workers, blocking, txn
 from ledger.storage.runs import RunQueries
 from ledger.storage.statements import Statements
 from ledger.storage.wake import SlotWaker
@@ -189,11 +189,14 @@ class Store:
         self.where = context.where
         self.lease_margin_s = context.lease_margin_s
         self.driver = driver
+        #: The threads the store's blocking calls run on for asyncio callers (never the event
+        #: loop's default executor, which the host's own work needs).
+        self.workers = Workers(context.where)
         #: Performs the store's flows on its database, blocking or for asyncio.
-        self.runner = Runner(driver)
+        self.runner = Runner(driver, self.workers)
         self.sql = sql
         #: Wakes this process's waiters of a full capacity group (:mod:`ledger.storage.wake`).
-        self.waker = SlotWaker(context.where, queue_poll_s, listen)
+        self.waker = SlotWaker(context.where, queue_poll_s, listen, offload=self.workers.call)
         #: Writes whose outcome the database could not tell yet; each Run's are resolved
         #: before anything else is written for it (:meth:`resolve_run`).
         self.pending = Pending()
@@ -203,13 +206,20 @@ class Store:
 
     def close(self) -> None:
         """Close every connection, for good: what asks for one afterwards (a call made after
-        the close, or one in flight when it came) is :class:`~ledger.errors.InvalidState`."""
+        the close, or one in flight when it came) is :class:`~ledger.errors.InvalidState`.
+
+        Then the :attr:`workers` end: a blocking call already running is waited for (up to
+        the database's busy or lock timeout), the queued ones find the store closed."""
         self.closed = True
         self.waker.close()
         try:
             self.driver.close()
         finally:
-            self.context.close()
+            try:
+                self.context.close()
+            finally:
+                # Last: the calls still queued then meet the closed context, not a live one.
+                self.workers.close()
 
     # -- writes whose outcome is still unknown ---------------------------------------------
 

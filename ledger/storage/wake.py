@@ -56,7 +56,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,12 +207,15 @@ class SlotWaker:
         listen: Opens a listening connection that calls its argument with a group id for each
             notification of another process (or of a connection outside this process's
             pools) until the event it gets is set (PostgreSQL); ``None``: no channel.
+        offload: Runs a blocking call for a waiter on the running loop, awaited (the store's
+            :class:`~ledger.storage.runner.Workers`); ``None``: :func:`asyncio.to_thread`.
     """
 
     def __init__(self, key: str, poll_s: float,
-                 listen: Callable[[Callable[[str], None], threading.Event], None] | None = None
-                 ) -> None:
+                 listen: Callable[[Callable[[str], None], threading.Event], None] | None = None,
+                 *, offload: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.key = key
+        self._offload = offload or asyncio.to_thread
         self.poll_s = poll_s
         self._listen = listen
         self._listener: threading.Thread | None = None
@@ -250,7 +253,7 @@ class SlotWaker:
         _REGISTRY.add(self.key, waiter, signal)
         ready = self._ensure_listener()
         if ready is not None:
-            await asyncio.to_thread(ready.wait, LISTEN_READY_S)
+            await self._offload(ready.wait, LISTEN_READY_S)
         return True
 
     def _known(self, waiter: str, ticket: int) -> bool:

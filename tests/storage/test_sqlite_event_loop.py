@@ -10,13 +10,20 @@ test waits for the heartbeat to have ticked, then releases the lock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import subprocess
 import sys
+import threading
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from ledger import AsyncLedger, Budget, Price, Route
 from ledger.domain.records import AttemptState
+from ledger.errors import InvalidState
 
 from .helpers import SQLITE_LOCK_HOLDER
 
@@ -55,5 +62,108 @@ def test_a_write_behind_another_process_s_lock_leaves_the_event_loop_running(
             finally:
                 holder.kill()
                 holder.communicate(timeout=PATIENCE_S)
+
+    asyncio.run(main())
+
+
+# The loop's default executor in the test below: fewer threads than admissions waiting.
+HOST_THREADS = 4
+ADMISSIONS = 2 * HOST_THREADS
+# How long the host's own executor call may take while the admissions wait: well under the
+# busy timeout (30 s) they wait for the lock.
+HOST_PROMPT_S = 5.0
+
+
+def _ledger_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ledger-cold")]
+
+
+def test_admissions_behind_another_process_s_lock_leave_the_default_executor_to_the_host(
+        tmp_path: Path) -> None:
+    """An AsyncLedger's blocking calls (admission is one) run on the ledger's own threads: while
+    more of them wait for another process's write lock than the loop's default executor has
+    threads, the host's ``run_in_executor(None, ...)`` still runs at once."""
+    url = str(tmp_path / "ledger.db")
+    route = Route(id="a", provider="p", model="m", group="g", recipient="r", price=Price())
+    budget = Budget(max_calls=2, max_retries=0, max_cost=Decimal(1))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        host_pool = concurrent.futures.ThreadPoolExecutor(HOST_THREADS)
+        loop.set_default_executor(host_pool)
+        async with AsyncLedger.open(url) as led:
+            runs = led._runs  # the admission's blocking call: counted on entry
+            admit, entered, lock = runs.admit, [0], threading.Lock()
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                with lock:
+                    entered[0] += 1
+                return admit(*args, **kwargs)
+
+            runs.admit = counted
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, url], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            assert holder.stdout is not None and holder.stdin is not None
+            try:
+                assert holder.stdout.readline().strip() == "locked"
+                admissions = [asyncio.create_task(led.admit_run(f"r{i}", plan=[route],
+                                                                budget=budget))
+                              for i in range(ADMISSIONS)]
+                # Every thread that could be the host's is taken by a waiting admission (if
+                # the admissions ran on the default executor), or the ledger's are.
+                want = HOST_THREADS  # the ledger's own threads are more (WORKERS_MAX)
+                for _ in range(int(PATIENCE_S / 0.005)):
+                    if entered[0] >= want:
+                        break
+                    await asyncio.sleep(0.005)  # the loop runs the admissions to their threads
+                assert entered[0] >= want
+                assert not any(a.done() for a in admissions), "they did not wait for the lock"
+                assert await asyncio.wait_for(
+                    loop.run_in_executor(None, lambda: "host"), HOST_PROMPT_S) == "host", \
+                    "the host's executor call waited behind the ledger's"
+                assert not any(a.done() for a in admissions)
+                holder.stdin.write("go\n")
+                holder.stdin.flush()
+                assert holder.stdout.readline().strip() == "released"
+                done = await asyncio.wait_for(asyncio.gather(*admissions), PATIENCE_S)
+                assert sorted(r.run_id for r in done) == sorted(f"r{i}" for i in range(ADMISSIONS))
+                assert entered[0] == ADMISSIONS
+            finally:
+                holder.kill()
+                holder.communicate(timeout=PATIENCE_S)
+        host_pool.shutdown(wait=True)
+
+    asyncio.run(main())
+
+
+def test_the_ledger_s_threads_end_when_it_closes(tmp_path: Path) -> None:
+    """The ledger's own threads run its blocking calls while it is open and are gone once
+    ``close()`` returns; a call afterwards is refused as a closed ledger's."""
+    url = str(tmp_path / "ledger.db")
+    route = Route(id="a", provider="p", model="m", group="g", recipient="r", price=Price())
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    async def main() -> None:
+        led = await AsyncLedger.open(url)
+        runs = led._runs
+        get_run, seen = runs.get_run, []
+
+        def traced(run_id: str) -> Any:
+            seen.append((threading.current_thread().name, var.get()))
+            return get_run(run_id)
+
+        runs.get_run = traced
+        await led.admit_run("r", plan=[route],
+                            budget=Budget(max_calls=2, max_retries=0, max_cost=Decimal(1)))
+        var.set("the caller's")
+        assert (await led.get_run("r")).run_id == "r"
+        assert seen == [(seen[0][0], "the caller's")] and seen[0][0].startswith("ledger-cold")
+        assert _ledger_threads()
+        await led.close()
+        assert not _ledger_threads()
+        with pytest.raises(InvalidState) as err:
+            await led.get_run("r")
+        assert err.value.fields["problem"] == "ledger_closed"
+        assert not _ledger_threads()
 
     asyncio.run(main())
