@@ -132,6 +132,10 @@ class _Resumed(Generic[R]):
 ACCEPT_ENCODING = "gzip, deflate"
 #: The most bytes one piece of a decoded body holds.
 PIECE_BYTES = 64 * 1024
+#: The most content codings one response may stack (``Content-Encoding: gzip, gzip``). Real
+#: servers send one, rarely two; each stage is an inflater and a generator nested in the next,
+#: so a header naming hundreds would exhaust the interpreter's recursion depth mid-read.
+MAX_CODINGS = 4
 
 
 class _Inflate:
@@ -172,13 +176,20 @@ class BodyDecoder:
     are megabytes, so the engine's byte limits (``max_body_bytes``, ``max_stream_bytes``)
     would bound nothing. Here no piece is made before the engine asks for it, so an answer
     is inflated only as far as those limits let it be read. Codings that were not asked for
-    (:data:`ACCEPT_ENCODING`) are refused: ``httpx.DecodingError``, a ``protocol_error``.
+    (:data:`ACCEPT_ENCODING`), more than :data:`MAX_CODINGS` of them, and a body that does not
+    decode are refused: ``httpx.DecodingError``, a ``protocol_error``. Nothing else is raised
+    by decoding, so a hostile body can never surface as an untyped exception out of ``send()``.
     """
 
     def __init__(self, content_encoding: str | None) -> None:
         codings = [c.strip().lower() for c in (content_encoding or "").split(",")]
+        codings = [c for c in codings if c and c != "identity"]
+        if len(codings) > MAX_CODINGS:
+            raise httpx.DecodingError(
+                f"the response names {len(codings)} content codings; at most {MAX_CODINGS} "
+                f"are decoded (accept-encoding: {ACCEPT_ENCODING})")
         self._stages: list[_Inflate] = []
-        for coding in reversed([c for c in codings if c and c != "identity"]):
+        for coding in reversed(codings):
             if coding not in ("gzip", "deflate"):
                 raise httpx.DecodingError(
                     f"the response is {coding[:32]!r}-encoded, which the request did not "
@@ -190,14 +201,33 @@ class BodyDecoder:
         pieces: Iterable[bytes] = (data,)
         for stage in self._stages:
             pieces = _through(stage, pieces)
-        return (p for p in pieces if p)
+        return _guarded(pieces)
 
     def end(self) -> Iterator[bytes]:
         """What is left once the raw body ended."""
         pieces: Iterator[bytes] = iter(())
         for stage in self._stages:
             pieces = _chained(_through(stage, pieces), stage.end())
-        return (p for p in pieces if p)
+        return _guarded(pieces)
+
+
+def _guarded(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The non-empty ``pieces``; whatever decoding them raises, as ``httpx.DecodingError``.
+
+    The engine turns transport errors into failures; any other exception thrown into it would
+    leave ``send()`` as itself (a ``RecursionError``, a ``zlib.error``), against the adapter's
+    promise never to raise for what a provider sent. Memory exhaustion is the process's, not
+    the answer's, and stays itself.
+    """
+    try:
+        for piece in pieces:
+            if piece:
+                yield piece
+    except (httpx.HTTPError, MemoryError):
+        raise
+    except Exception as exc:
+        raise httpx.DecodingError(
+            f"the response body does not decode: {type(exc).__name__}: {exc}"[:300]) from exc
 
 
 def _through(stage: _Inflate, pieces: Iterable[bytes]) -> Iterator[bytes]:

@@ -15,10 +15,12 @@ import json
 import time
 import tracemalloc
 import zlib
+from collections.abc import Iterator
 
 import pytest
 
 from ledger.adapters import HttpAdapter, StaticSecretProvider, SyncAdapter
+from ledger.adapters.exchange import MAX_CODINGS, _Inflate
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Phase, Transport
 from ledger.testing import Behavior, FakeProvider, Fault
@@ -134,3 +136,50 @@ async def test_a_corrupt_gzip_answer_is_a_protocol_error(driver: str, fake: Fake
                                                stream=False), stream=False)
     obs = result.observation  # type: ignore[attr-defined]
     assert not result.ok and obs.transport is Transport.PROTOCOL_ERROR  # type: ignore[attr-defined]
+
+
+def _stacked(data: bytes, stages: int) -> bytes:
+    for _ in range(stages):
+        data = gzip.compress(data, 1)
+    return data
+
+
+@pytest.mark.parametrize("stages", [MAX_CODINGS + 1, 600])
+async def test_an_answer_stacking_more_codings_than_max_codings_is_a_protocol_error(
+        driver: str, fake: FakeProvider, stages: int) -> None:
+    # One inflater and one generator per stage, nested: 600 of them used to exhaust the
+    # interpreter's recursion limit and raise RecursionError out of send().
+    body = _stacked(ANSWER, stages)
+    result = await _send(driver, fake, _answer(body, coding=", ".join(["gzip"] * stages),
+                                               stream=False), stream=False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and result.sent  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.PROTOCOL_ERROR, Phase.MID_STREAM)
+    assert f"{stages} content codings" in obs.message
+    assert f"at most {MAX_CODINGS}" in obs.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_stacking_max_codings_is_read_whole(
+        driver: str, fake: FakeProvider, stream: bool) -> None:
+    body = _stacked(EVENTS if stream else ANSWER, MAX_CODINGS)
+    result = await _send(driver, fake, _answer(body, coding=", ".join(["gzip"] * MAX_CODINGS),
+                                               stream=stream), stream=stream)
+    assert result.ok and result.text == "hey", result.observation  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("error", [RecursionError("deep"), zlib.error("odd"), ValueError("x")])
+async def test_whatever_decoding_raises_is_a_protocol_error_not_an_exception(
+        driver: str, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch, stream: bool,
+        error: Exception) -> None:
+    def broken(self: object, data: bytes) -> Iterator[bytes]:
+        raise error
+        yield b""
+
+    monkeypatch.setattr(_Inflate, "feed", broken)
+    result = await _send(driver, fake, _answer(gzip.compress(EVENTS if stream else ANSWER),
+                                               coding="gzip", stream=stream), stream=stream)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and obs.transport is Transport.PROTOCOL_ERROR  # type: ignore[attr-defined]
+    assert type(error).__name__ in obs.message
