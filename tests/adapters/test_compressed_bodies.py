@@ -9,6 +9,7 @@ loopback, both drivers.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gzip
 import json
@@ -183,3 +184,59 @@ async def test_whatever_decoding_raises_is_a_protocol_error_not_an_exception(
     obs = result.observation  # type: ignore[attr-defined]
     assert not result.ok and obs.transport is Transport.PROTOCOL_ERROR  # type: ignore[attr-defined]
     assert type(error).__name__ in obs.message
+
+
+@functools.cache
+def _comment_bomb() -> bytes:
+    """A gzip stream: one content event, then 60 MiB of SSE comment lines (about 60 KiB)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    out = [packer.compress(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')]
+    block = b":\n" * (MIB // 2)
+    out += [packer.compress(block) for _ in range(60)]
+    return b"".join([*out, packer.flush(zlib.Z_SYNC_FLUSH)])
+
+
+async def test_a_small_chunk_inflating_to_much_data_keeps_total_timeout_and_the_loop_running(
+        driver: str, fake: FakeProvider) -> None:
+    # Parsing 60 MiB of comment lines takes several seconds; every byte arrives at once, so no
+    # read waits on the socket. The asyncio driver used to hand out everything one network
+    # read inflated to without suspending: the loop stalled for the whole parse and the
+    # total limit was kept only after it (an 8 s limit at 24 s).
+    limits = PATIENT.model_copy(update={"total_timeout_s": 2.0})
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Content-Encoding: gzip\r\n\r\n")
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(head, _comment_bomb()), raw_hold=True))
+    options = {"secrets": StaticSecretProvider({PROFILE: SECRET}), "limits": limits}
+    adapter = (HttpAdapter(**options) if driver == "async"  # type: ignore[arg-type]
+               else BlockingInLoop(SyncAdapter(**options)))  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    longest_gap, last_tick = 0.0, loop.time()
+
+    async def ticker() -> None:
+        nonlocal longest_gap, last_tick
+        while True:
+            await asyncio.sleep(0.01)
+            longest_gap = max(longest_gap, loop.time() - last_tick)
+            last_tick = loop.time()
+
+    ticks = asyncio.create_task(ticker())
+    try:
+        t0 = time.monotonic()
+        result = await adapter.send(make_route(fake.endpoint("openai"), "openai"),
+                                    Envelope(parts=[Part(content="hi")], stream=True),
+                                    profile_id=PROFILE)
+        elapsed = time.monotonic() - t0
+        # A stall that lasted until send() returned ends without another tick.
+        longest_gap = max(longest_gap, loop.time() - last_tick)
+    finally:
+        ticks.cancel()
+        if isinstance(adapter, BlockingInLoop):
+            adapter.sync.close()
+        else:
+            await adapter.aclose()
+    obs = result.observation
+    assert obs is not None and obs.transport is Transport.TOTAL_TIMEOUT, obs
+    # Generous slack for a loaded machine: either bound is one 64 KiB piece's parse (a few
+    # hundredths of a second), and the loop stalled for the whole limit without the pacing.
+    assert elapsed < 2.0 + 2.0, elapsed
+    assert longest_gap < 0.5, longest_gap
