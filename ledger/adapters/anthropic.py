@@ -68,6 +68,7 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
+    proposed_call,
     provider_message,
     reasoning_item,
     register_codec,
@@ -310,13 +311,12 @@ class AnthropicCodec(Codec):
                 name = optional_str(block.get("name"), "tool_use.name")
                 if not name:
                     raise MalformedPayload(f"content[{j}] tool_use has no name")
-                calls.append(
+                calls.append(proposed_call(
                     ToolCall(
                         id=optional_str(block.get("id"), "tool_use.id") or made_up_call_id(),
                         name=name,
                         arguments_json=json.dumps(block.get("input") or {}),
-                    )
-                )
+                    ), calls, f"content[{j}]"))
             elif kind in _THINKING_KEYS:
                 # Reasoning, not answer text: carried back to this route on the next turn.
                 _thinking(reply, block, f"content[{j}]")
@@ -421,7 +421,8 @@ class _AnthropicStream(StreamState):
     def _proposal(self, slot: list[Any]) -> ToolCallProposal:
         tid, name, pieces = slot
         args = "".join(pieces) or "{}"
-        call = ToolCall(id=tid, name=name, arguments_json=args)
+        call = proposed_call(ToolCall(id=tid, name=name, arguments_json=args), self.tool_calls,
+                             f"tool_use {tid[:64]!r}")
         self.tool_calls.append(call)
         return ToolCallProposal(call)
 

@@ -50,7 +50,11 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """A tool call the model proposed. ``arguments_json`` is the model's text, verbatim."""
+    """A tool call the model proposed. ``arguments_json`` is the model's text, verbatim.
+
+    An adapter's answer holds only calls whose arguments are a JSON object
+    (:func:`proposed_call`); ``arguments`` is ``None`` only for one built by hand.
+    """
 
     id: str
     name: str
@@ -193,6 +197,29 @@ class Reply:
 
 class MalformedPayload(ValueError):
     """A body or event that does not have the protocol's shape."""
+
+
+#: The most tool calls one answer may propose; one more makes the answer ``malformed_event``.
+#: Providers propose a handful in parallel (OpenAI takes at most 128 tools in a request),
+#: while a hostile body of 16 MiB could otherwise propose 275,000, each held and recorded.
+MAX_TOOL_CALLS = 128
+
+
+def proposed_call(call: ToolCall, calls: Sequence[ToolCall], where: str) -> ToolCall:
+    """``call``, checked before it joins ``calls`` (the answer's proposals so far).
+
+    Its arguments must be a JSON object: the host sends a proposal back as an assistant part
+    in the next turn, where any other text is refused as caller misuse
+    (:func:`tool_arguments`), so it is the provider's malformed answer, not a success.
+    """
+    if len(calls) >= MAX_TOOL_CALLS:
+        raise MalformedPayload(
+            f"the answer proposes more than {MAX_TOOL_CALLS} tool calls (MAX_TOOL_CALLS)")
+    if call.arguments is None:
+        raise MalformedPayload(
+            f"{where}: the arguments of tool call {call.name[:64]!r} are not a JSON object: "
+            f"{call.arguments_json[:64]!r}")
+    return call
 
 
 class ProviderErrorPayload(Exception):

@@ -76,6 +76,7 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
+    proposed_call,
     provider_message,
     reasoning_item,
     register_codec,
@@ -414,12 +415,12 @@ class _Chunk:
                 name = optional_str(fc.get("name"), "functionCall.name")
                 if not name:
                     raise MalformedPayload("functionCall has no name")
-                call = ToolCall(
+                call = proposed_call(ToolCall(
                     id=optional_str(fc.get("id"), "functionCall.id")
                     or made_up_call_id(),
                     name=name,
                     arguments_json=json.dumps(fc.get("args") or {}),
-                )
+                ), reply.tool_calls, "functionCall")
                 content_seen = True
                 if signature:
                     reply.reasoning.append({"part": "functionCall",

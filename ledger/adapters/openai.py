@@ -45,6 +45,7 @@ from typing import Any
 
 from ledger.adapters.contract import (
     ASSISTANT_MEDIA_TEXT,
+    MAX_TOOL_CALLS,
     Codec,
     MalformedPayload,
     ProviderErrorPayload,
@@ -66,6 +67,7 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
+    proposed_call,
     provider_message,
     register_codec,
     reported_usage,
@@ -296,13 +298,12 @@ class OpenAICodec(Codec):
             if not name:
                 raise MalformedPayload(f"tool_calls[{j}] has no function name")
             args = fn.get("arguments")
-            calls.append(
+            calls.append(proposed_call(
                 ToolCall(
                     id=optional_str(c.get("id"), "tool_call.id") or made_up_call_id(),
                     name=name,
                     arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
-                )
-            )
+                ), calls, f"tool_calls[{j}]"))
         reply = Reply(
             # A refusal (content null, refusal the model's words) is the answer's text, as
             # the Responses codec reads its refusal parts.
@@ -374,6 +375,10 @@ class _OpenAIStream(StreamState):
                 ti = tc.get("index", 0)
                 if not isinstance(ti, int):
                     raise MalformedPayload("tool_call.index is not an integer")
+                if ti not in self._calls and len(self._calls) >= MAX_TOOL_CALLS:
+                    raise MalformedPayload(
+                        f"the answer proposes more than {MAX_TOOL_CALLS} tool calls "
+                        "(MAX_TOOL_CALLS)")
                 slot = self._calls.setdefault(ti, [None, None, []])
                 if tc.get("id"):
                     slot[0] = optional_str(tc.get("id"), "tool_call.id")
@@ -402,7 +407,9 @@ class _OpenAIStream(StreamState):
             cid, name, pieces = self._calls[ti]
             if not name:
                 raise MalformedPayload(f"tool call {ti} ended without a function name")
-            call = ToolCall(id=cid or made_up_call_id(), name=name, arguments_json="".join(pieces))
+            call = proposed_call(
+                ToolCall(id=cid or made_up_call_id(), name=name, arguments_json="".join(pieces)),
+                self.tool_calls, f"tool call {ti}")
             self._emitted.add(ti)
             self.tool_calls.append(call)
             out.append(ToolCallProposal(call))

@@ -84,6 +84,7 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
+    proposed_call,
     provider_message,
     reasoning_item,
     register_codec,
@@ -373,7 +374,8 @@ class OpenAIResponsesCodec(Codec):
             if kind == "message":
                 text.append(_message_text(item, j))
             elif kind == "function_call":
-                reply.tool_calls.append(_call_of(item, j))
+                reply.tool_calls.append(
+                    proposed_call(_call_of(item, j), reply.tool_calls, f"output[{j}]"))
             elif kind == "reasoning":
                 carried = _reasoning(item)
                 if carried is not None:
@@ -508,8 +510,10 @@ class _ResponsesStream(StreamState):
         call_id, name, pieces, final = self._calls[iid]
         if not name:
             raise MalformedPayload(f"function call {iid} ended without a name")
-        call = ToolCall(id=call_id or iid, name=name,
-                        arguments_json=final if final is not None else "".join(pieces))
+        call = proposed_call(
+            ToolCall(id=call_id or iid, name=name,
+                     arguments_json=final if final is not None else "".join(pieces)),
+            self.tool_calls, f"function call {iid}")
         self._done.add(iid)
         self.tool_calls.append(call)
         return [ToolCallProposal(call)]

@@ -1,0 +1,162 @@
+"""A tool call the host could not send back, or too many of them, is a malformed answer.
+
+The host carries an answer's tool calls into its next turn as assistant parts, which must hold
+a JSON object (anything else is refused there as caller misuse): a proposal whose arguments are
+not one is the provider's malformed answer, never a success. An answer may propose at most
+``MAX_TOOL_CALLS`` (128) calls: a 16 MiB body could otherwise propose 275,000, each held in
+memory and recorded. Over real HTTP on loopback, every protocol, both drivers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ledger.adapters import HttpAdapter, Reset, StreamEvent, TextDelta, ToolCallProposal
+from ledger.adapters.contract import MAX_TOOL_CALLS
+from ledger.domain.envelope import Envelope, Part, ToolSpec
+from ledger.domain.facts import Phase, Transport
+from ledger.testing import Behavior, FakeProvider, Fault
+
+from .conftest import PROFILE, PROTOCOLS, make_route
+
+pytestmark = pytest.mark.anyio
+
+TOOLS = [ToolSpec(name="search", parameters={"type": "object", "properties": {}})]
+
+
+async def _send(adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool
+                ) -> tuple[Any, list[StreamEvent]]:
+    events: list[StreamEvent] = []
+    result = await adapter.send(make_route(fake.endpoint(protocol), protocol),
+                                Envelope(parts=[Part(content="hi")], tools=TOOLS, stream=stream),
+                                profile_id=PROFILE, on_event=events.append)
+    return result, events
+
+
+def _raw(body: bytes, *, stream: bool) -> Behavior:
+    ctype = "text/event-stream" if stream else "application/json"
+    head = (f"HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    return Behavior(fault=Fault.RAW, raw=(head, body))
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def _body(protocol: str, n: int, args: str = "{}") -> bytes:
+    """A whole answer proposing ``n`` calls of ``search`` with ``args`` (a JSON text)."""
+    if protocol == "openai":
+        calls = [{"id": f"c{i}", "type": "function",
+                  "function": {"name": "search", "arguments": args}} for i in range(n)]
+        obj: dict[str, Any] = {"model": "m1", "choices": [{
+            "index": 0, "finish_reason": "tool_calls",
+            "message": {"role": "assistant", "content": None, "tool_calls": calls}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    elif protocol == "openai_responses":
+        obj = {"id": "resp_1", "object": "response", "status": "completed", "model": "m1",
+               "output": [{"type": "function_call", "id": f"fc_{i}", "call_id": f"c{i}",
+                           "name": "search", "arguments": args} for i in range(n)],
+               "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}}
+    elif protocol == "anthropic":
+        obj = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m1",
+               "content": [{"type": "tool_use", "id": f"t{i}", "name": "search",
+                            "input": json.loads(args)} for i in range(n)],
+               "stop_reason": "tool_use", "usage": {"input_tokens": 3, "output_tokens": 1}}
+    else:
+        obj = {"candidates": [{"content": {"role": "model", "parts": [
+            {"functionCall": {"name": "search", "args": json.loads(args)}} for _ in range(n)]},
+            "finishReason": "STOP"}],
+            "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1}}
+    return json.dumps(obj).encode()
+
+
+def _assert_malformed(result: Any, events: list[StreamEvent], *, stream: bool,
+                      after_text: bool) -> None:
+    obs = result.observation
+    assert not result.ok and result.tool_calls == (), obs
+    assert obs.transport is Transport.MALFORMED_EVENT
+    assert obs.phase is (Phase.MID_STREAM if stream else Phase.AFTER_HEADERS)
+    # As for any malformed answer: text the caller was shown is effective output, and it is
+    # told (Reset) that what it showed is not an answer.
+    assert result.effective_output is after_text
+    assert not any(isinstance(e, ToolCallProposal) for e in events)
+    if after_text:
+        assert isinstance(events[-1], Reset)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_call_whose_arguments_are_not_a_json_object_is_a_malformed_answer(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    # The fake streams its text first, then the call with these arguments (a JSON array).
+    fake.enqueue(Behavior(tool_call=("search", ["not", "an", "object"])))  # type: ignore[arg-type]
+    result, events = await _send(adapter, fake, protocol, stream)
+    _assert_malformed(result, events, stream=stream, after_text=stream)
+    assert "not a JSON object" in result.observation.message
+    if stream:
+        assert any(isinstance(e, TextDelta) for e in events)
+
+
+@pytest.mark.parametrize(("protocol", "stream", "raw"), [
+    ("openai", False, _body("openai", 1).replace(b'"{}"', b'"not json {"')),
+    ("openai_responses", False,
+     _body("openai_responses", 1).replace(b'"{}"', b'"not json {"')),
+    ("openai", True, _sse(
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c0", "function": {
+            "name": "search", "arguments": "not json {"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ) + b"data: [DONE]\n\n"),
+    ("anthropic", True, _sse(
+        {"type": "message_start", "message": {"model": "m1", "usage": {"input_tokens": 3}}},
+        {"type": "content_block_start", "index": 0,
+         "content_block": {"type": "tool_use", "id": "t0", "name": "search", "input": {}}},
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "input_json_delta", "partial_json": "not json {"}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}},
+        {"type": "message_stop"})),
+])
+async def test_tool_call_arguments_that_are_not_json_are_a_malformed_answer(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool,
+        raw: bytes) -> None:
+    fake.enqueue(_raw(raw, stream=stream))
+    result, events = await _send(adapter, fake, protocol, stream)
+    _assert_malformed(result, events, stream=stream, after_text=False)
+    assert "'not json {'" in result.observation.message
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_an_answer_proposing_more_than_max_tool_calls_is_a_malformed_answer(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    fake.enqueue(_raw(_body(protocol, MAX_TOOL_CALLS + 1), stream=False))
+    result, events = await _send(adapter, fake, protocol, False)
+    _assert_malformed(result, events, stream=False, after_text=False)
+    assert f"more than {MAX_TOOL_CALLS} tool calls" in result.observation.message
+
+
+async def test_a_stream_proposing_more_than_max_tool_calls_is_a_malformed_answer(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    # Chat completions assemble a stream's calls by index until the finish: the cap holds
+    # while they are still arriving, not only once they are proposed.
+    chunks = [{"choices": [{"index": 0, "delta": {"tool_calls": [{
+        "index": i, "id": f"c{i}", "function": {"name": "search", "arguments": "{}"}}]}}]}
+        for i in range(MAX_TOOL_CALLS + 1)]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    fake.enqueue(_raw(_sse(*chunks) + b"data: [DONE]\n\n", stream=True))
+    result, events = await _send(adapter, fake, "openai", True)
+    _assert_malformed(result, events, stream=True, after_text=False)
+    assert f"more than {MAX_TOOL_CALLS} tool calls" in result.observation.message
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_an_answer_proposing_max_tool_calls_is_a_success(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    fake.enqueue(_raw(_body(protocol, MAX_TOOL_CALLS, '{"q": 1}'), stream=False))
+    result, _ = await _send(adapter, fake, protocol, False)
+    assert result.ok, result.observation
+    assert len(result.tool_calls) == MAX_TOOL_CALLS
+    assert all(c.arguments == {"q": 1} for c in result.tool_calls)
