@@ -380,8 +380,10 @@ class HttpAdapter:
 
     Memory is bounded by ``max_body_bytes``, ``max_stream_bytes`` and ``max_event_bytes``
     (the SSE parser's line and event limit), counted after decompression: a compressed answer
-    is inflated only as far as they read (:class:`~ledger.adapters.exchange.BodyDecoder`);
-    time by ``limits`` (see the module docstring).
+    is inflated only as far as they read (:class:`~ledger.adapters.exchange.BodyDecoder`).
+    They count bytes: parsed, a body or an event of tiny JSON values takes about 25 times
+    more (16 MiB of ``{},`` about 390 MiB), so lower them to lower a call's worst case
+    (docs/adapters.md). Time is bounded by ``limits`` (see the module docstring).
     Use it as ``async with`` or :meth:`aclose` it; :class:`~ledger.adapters.sync.SyncAdapter`
     is its blocking facade.
 
