@@ -129,10 +129,12 @@ def test_queue_serves_every_turn_and_counts_begins_and_cpu_per_turn(
     assert (r.backend, r.sessions, r.turns, r.limit, r.served) == (name, 5, 2, 2, 10)
     assert r.floor_s == pytest.approx(0.005 * 10 / 2)
     assert r.x_floor == pytest.approx(r.wall_s / r.floor_s, rel=0.02)
-    # Every turn begins at least once; a turn that queued at least three times (it queues,
-    # registers for wake-ups, is admitted). More sessions than slots: some queued.
+    # Every turn begins at least once; a turn that queued at least twice (it queues, then is
+    # admitted: usually by a third begin after registering for wake-ups, but the begin that
+    # registers it is admitted itself when a slot came free in between). More sessions than
+    # slots: some queued.
     assert 0 < r.queued <= 10
-    assert r.begins >= 10 + 2 * r.queued
+    assert r.begins >= 10 + r.queued
     assert r.begins_per_turn == pytest.approx(r.begins / 10, abs=0.01)
     assert r.tx_per_turn > r.begins_per_turn and r.cpu_ms_per_turn > 0
     assert len(_table_lines(report)) == 1 + 1 + len(report.notes) + 1
