@@ -12,8 +12,9 @@ Reported per backend, for the turns only (every session is open before the clock
   allows at best; their ratio;
 * **begin transactions per turn**, counted at the driver (every transaction the store's
   driver runs, by the name of its flow: ``begin_tx``), and every hot-path transaction per
-  turn. A turn that queues makes at least three begins: one that queues, one that registers
-  for wake-ups and the one admitted; each wake-up or poll that is not admitted adds one;
+  turn. A turn that queues usually makes three begins: one that queues, one that registers
+  for wake-ups and the one admitted (two when a slot came free before it registered); each
+  wake-up or poll that is not admitted adds one;
 * client CPU per turn (``time.process_time`` of this process: the ledger alone, the fake
   send costs next to nothing).
 """
@@ -195,7 +196,8 @@ def new_report() -> Report:
                "turns in a row; the send answers after the delay, in process",
                "floor = delay x sessions x turns / limit; queued = turns that waited",
                "begins/turn and tx/turn: transactions the store's driver ran during the turns, "
-               "by flow (a queued turn makes at least 3 begins: queued, registered, admitted)",
+               "by flow (a queued turn makes 3 begins: queued, registered, admitted; 2 if a slot "
+               "came free before it registered)",
                "CPU ms/turn = this process's CPU (time.process_time) per turn"])
 
 
