@@ -817,6 +817,9 @@ class HttpAdapter:
             transport=transport,
             phase=phase,
             effective_output=call.effective_output,
+            # The provider took the request and ran it: whatever failed after a 2xx status
+            # may be billed, reported usage or not.
+            accepted=call.status is not None and 200 <= call.status < 300,
         )
 
     @staticmethod
@@ -1077,6 +1080,9 @@ class HttpAdapter:
                     out = state.feed(ev)
                 except ProviderErrorPayload as exc:
                     self._absorb(call, state)
+                    # What the error itself reported (Gemini's blocked prompt carries its
+                    # usage), as for a whole body.
+                    call.usage, call.model = exc.usage or call.usage, exc.model or call.model
                     return (yield from self._fail(
                         call,
                         transport=None,

@@ -45,7 +45,8 @@ left out with a note.
 
 Stream completion: Gemini has no terminator event; a stream whose body ends cleanly is complete
 only if a candidate carried a ``finishReason``. A response without candidates whose
-``promptFeedback`` has a ``blockReason`` is a provider refusal, reported as a failure.
+``promptFeedback`` has a ``blockReason`` is a provider refusal, reported as a failure with the
+usage (``usageMetadata``) it reports.
 """
 
 from __future__ import annotations
@@ -370,9 +371,10 @@ class _Chunk:
         if candidates is None or candidates == []:
             feedback = obj.get("promptFeedback")
             if isinstance(feedback, dict) and feedback.get("blockReason"):
+                # Its usageMetadata (the prompt's tokens) is what the refusal is billed at.
                 raise ProviderErrorPayload(
-                    f"prompt blocked: blockReason={feedback.get('blockReason')}", json.dumps(obj)
-                )
+                    f"prompt blocked: blockReason={feedback.get('blockReason')}", json.dumps(obj),
+                    usage=reply.usage, model=reply.model)
             if whole:
                 raise MalformedPayload("candidates is missing or empty")
             return False  # a usage-only chunk

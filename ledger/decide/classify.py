@@ -308,6 +308,7 @@ def classify(obs: ObservationArg, policy: PolicyArg,
         provider=obs.provider,
         message=_evidence(err.message or message or body, cls.message_limit_chars,
                           cls.body_limit_bytes),
+        accepted=obs.accepted,
     )
 
 

@@ -342,7 +342,7 @@ def _observation(fact: FailureFact) -> Observation:
         message=fact.message, transport=fact.transport, phase=fact.phase, source=fact.source,
         effective_output=fact.effective_output, tool_started=fact.tool_started,
         cancelled=fact.category is Category.CANCELLED,
-        over_token_budget=fact.category is Category.BUDGET_EXCEEDED)
+        over_token_budget=fact.category is Category.BUDGET_EXCEEDED, accepted=fact.accepted)
 
 
 def _verdict(fact: FailureFact) -> tuple[Any, ...]:

@@ -234,15 +234,21 @@ def settle_holds(outcome: Outcome, fact: FailureFact | None, *, cost_micros: int
     * failed with the provider's own error status or error body (phase after_headers) and no
       usage: nothing was generated, so nothing is posted. A whole 2xx body that is not the
       protocol's (transport ``malformed_event``) is not such a verdict: the provider ran the
-      call and may bill it, so the whole hold is posted.
+      call and may bill it, so the whole hold is posted. Nor is a failure the provider reported
+      inside a 2xx answer (the fact is ``accepted``: an ``incomplete`` Responses answer, an
+      error object in a 2xx body): it ran the call, so the whole hold is posted, as for the
+      same answer streamed (phase mid_stream).
     """
     if outcome is Outcome.UNKNOWN:
         return Holds(DebitState.RESERVED, 0, 0, 0, 0, False)
     if outcome is Outcome.NOT_SENT:
         return Holds(DebitState.VOIDED, 0, reserved_micros, 0, reserved_tokens, True)
+    # Keyed on ``accepted``, not on a 2xx status: facts settled before the field existed posted
+    # nothing for a 2xx answered failure, and the audit and reconcile read this rule off them.
     answered_error = (outcome is Outcome.FAILED and fact is not None
                       and fact.phase is Phase.AFTER_HEADERS
-                      and fact.transport is not Transport.MALFORMED_EVENT)
+                      and fact.transport is not Transport.MALFORMED_EVENT
+                      and not fact.accepted)
     if cost_micros is None:
         cost_micros = 0 if answered_error else reserved_micros
     if tokens is None:

@@ -845,7 +845,8 @@ class TurnLoop:
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
                                  "never delivered"})] if discarded else []
         # A failure the provider answered may have been billed (an incomplete answer, a stream
-        # its error event ended): the usage it reported is posted as an answer's is. An unknown
+        # its error event ended): the usage it reported is posted as an answer's is, and with
+        # none the fact decides (settle_holds: the whole hold after a 2xx). An unknown
         # outcome keeps its hold for the receipt; the tokens it saw before the cut (Anthropic's
         # message_start) are kept for audit only, and no cost, which the hold stands in for
         # until a receipt says it. A request never sent cost nothing.

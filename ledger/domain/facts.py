@@ -11,9 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field, StrictBool
+from pydantic import Field, StrictBool, ValidationInfo, field_validator
 
-from ledger.domain.validation import HttpStatus, StrictModel
+from ledger.domain.validation import HttpStatus, Problem, StrictModel
 
 
 class Category(StrEnum):
@@ -122,11 +122,25 @@ _DEFAULT_PHASE: dict[Transport, Phase] = {
 }
 
 
+def _accepted_status(accepted: bool, info: ValidationInfo) -> bool:
+    status = info.data.get("status")
+    if accepted and status is not None and not 200 <= status < 300:
+        raise Problem(f"accepted=True with status {status}: a provider that answered with an "
+                      "error status did not accept the request",
+                      "pass accepted=True only when the status was 2xx (or is not known)")
+    return accepted
+
+
 class Observation(StrictModel):
     """Raw evidence about one failed call. Every field is optional.
 
     ``status`` is an integer 0 to 999 (the three digits of a status line); the texts are evidence
-    only, unbounded here (the classifier caps and redacts what it keeps).
+    only, unbounded here (the classifier caps and redacts what it keeps). ``accepted``: the
+    provider accepted the request (a 2xx status) before the failure, which it then reported in
+    its answer (an ``incomplete`` Responses answer, an error object in a 2xx body or stream):
+    it ran the call, so a failure without reported usage posts the whole hold rather than
+    nothing (:func:`ledger.decide.settle.settle_holds`). The built-in adapters set it for every
+    failure after a 2xx status; a host that calls the provider itself sets it likewise.
     """
 
     status: HttpStatus | None = None
@@ -142,6 +156,9 @@ class Observation(StrictModel):
     tool_started: StrictBool = False
     cancelled: StrictBool = False
     over_token_budget: StrictBool = False
+    accepted: StrictBool = False
+
+    _accepted = field_validator("accepted")(_accepted_status)
 
     def effective_phase(self) -> Phase:
         """The phase, defaulted from the transport kind or the presence of a status."""
@@ -166,6 +183,8 @@ class FailureFact(StrictModel):
     """The structured classification of an observed failure.
 
     ``status`` is an integer 0 to 999; ``retry_after_s`` a finite number of seconds >= 0.
+    ``accepted`` is the observation's (the provider accepted the request before it reported
+    the failure): it decides what a failed Attempt without reported usage posts.
     """
 
     category: Category
@@ -184,10 +203,22 @@ class FailureFact(StrictModel):
     tool_started: StrictBool = False
     provider: str | None = None
     message: str | None = None  # short, redacted; evidence only, never used for decisions
+    accepted: StrictBool = False
+
+    _accepted = field_validator("accepted")(_accepted_status)
 
     def to_json(self) -> dict[str, Any]:
-        """The fact as JSON data (what the ledger stores with the Attempt)."""
-        return self.model_dump(mode="json")
+        """The fact as JSON data (what the ledger stores with the Attempt).
+
+        ``accepted`` is written only when it is true.
+        """
+        data = self.model_dump(mode="json")
+        if not self.accepted:
+            # Facts from before the field existed stay as they were stored and hashed: their
+            # settle hashes still match a repeated settle, and the settle rule, which the audit
+            # and reconcile read off the stored text, reads them as it did when they posted.
+            del data["accepted"]
+        return data
 
 
 __all__ = [

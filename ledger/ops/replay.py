@@ -41,6 +41,7 @@ from ledger.storage.replay import ReplayQueries, ReplayRows
 
 _ANSWERED = fact_member("phase", "after_headers")
 _UNREADABLE = fact_member("transport", "malformed_event")
+_ACCEPTED = fact_member("accepted", True)
 
 
 def replay_policy(policy: Policy | str) -> Policy:
@@ -73,7 +74,7 @@ def _money(state: str, reserved: int, cost: int | None, fact: str | None) -> int
         return 0
     if cost is None:
         answered = (state == "failed" and _ANSWERED in (fact or "")
-                    and _UNREADABLE not in (fact or ""))
+                    and _UNREADABLE not in (fact or "") and _ACCEPTED not in (fact or ""))
         return 0 if answered else reserved
     return min(cost, reserved)
 

@@ -182,9 +182,9 @@ def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
     * ``dispatching``, ``unknown``: the hold is reserved, nothing posted;
     * ``succeeded``, ``failed``: the reported cost, at most the hold; none reported, the whole
       hold — except a failure the provider answered with its status or error body (phase
-      ``after_headers``, not a body that failed to parse: transport ``malformed_event``),
-      which generated nothing and posted nothing (found in the stored fact's text, which is
-      cheaper than parsing it);
+      ``after_headers``, not a body that failed to parse: transport ``malformed_event``, nor
+      one reported inside a 2xx answer: ``accepted``), which generated nothing and posted
+      nothing (found in the stored fact's text, which is cheaper than parsing it);
     * ``not_sent``, ``rejected``: voided, nothing held or posted.
     """
     a = s.attempts.c
@@ -194,7 +194,8 @@ def charged_and_held() -> tuple[ColumnElement[Any], ColumnElement[Any]]:
     answered = and_(a.state == "failed", a.cost_micros.is_(None),
                     a.fact.contains(fact_member("phase", "after_headers"), autoescape=True),
                     ~a.fact.contains(fact_member("transport", "malformed_event"),
-                                     autoescape=True))
+                                     autoescape=True),
+                    ~a.fact.contains(fact_member("accepted", True), autoescape=True))
     nothing = case((answered, a.reserved_micros), else_=0)
     held = case((a.state.in_(("dispatching", "unknown")), a.reserved_micros), else_=0)
     charged = func.coalesce(func.sum(posted), 0) - func.coalesce(func.sum(nothing), 0)

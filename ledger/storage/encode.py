@@ -21,7 +21,7 @@ def fact_json(fact: FailureFact) -> str:
     return json.dumps(redact_data(fact.to_json()))
 
 
-def fact_member(key: str, value: str) -> str:
+def fact_member(key: str, value: str | bool) -> str:
     """The text one member of a stored fact reads as (``"phase": "after_headers"``).
 
     Spelled by the same encoder as :func:`fact_json`, so a query can find it in the stored

@@ -245,3 +245,22 @@ def test_a_whole_2xx_body_that_is_not_the_protocols_posts_its_hold_as_an_answer_
                            cost_micros=None, tokens=None, reserved_micros=100,
                            reserved_tokens=50, token_budget=True)
     assert (refused.posted_micros, refused.tokens_used) == (0, 0)
+
+
+def test_a_failure_reported_inside_a_2xx_answer_posts_its_hold_as_an_answer_that_ran() -> None:
+    # The provider accepted the request and ran it (an incomplete answer, an error object in a
+    # 2xx body): without usage the hold stands in for what it bills, as for the same answer
+    # streamed. A 2xx fact that does not say `accepted` (as stored before the field existed)
+    # keeps the rule it was posted under.
+    accepted = FailureFact(category=Category.UNKNOWN, status=200, phase=Phase.AFTER_HEADERS,
+                           accepted=True)
+    held = settle_holds(Outcome.FAILED, accepted, cost_micros=None, tokens=None,
+                        reserved_micros=100, reserved_tokens=50, token_budget=True)
+    assert (held.debit, held.posted_micros, held.tokens_used) == (DebitState.POSTED, 100, 50)
+    reported = settle_holds(Outcome.FAILED, accepted, cost_micros=30, tokens=20,
+                            reserved_micros=100, reserved_tokens=50, token_budget=True)
+    assert (reported.posted_micros, reported.tokens_used) == (30, 20)
+    before = settle_holds(Outcome.FAILED, accepted.model_copy(update={"accepted": False}),
+                          cost_micros=None, tokens=None, reserved_micros=100,
+                          reserved_tokens=50, token_budget=True)
+    assert (before.posted_micros, before.tokens_used) == (0, 0)
