@@ -116,7 +116,7 @@ def test_every_report_shows_what_the_budget_counted(db_url: str, fake: FakeProvi
         shown = json.loads(_cli(db_url, "run", "show", r, "--json"))
         assert (Decimal(shown["total_cost"]), Decimal(shown["held"])) == counters[r]
         text = _cli(db_url, "run", "show", r)
-        assert f"charged {charged:.6f}  held {held:.6f} of 1.000000" in text
+        assert f"cost     1.000000: charged {charged:.6f}, held {held:.6f}" in text
         row = next(line.split() for line in table[2:] if line.split()[0] == r)
         assert row[-2:] == [f"{charged:.6f}", f"{held:.6f}"]
         row = next(line.split() for line in runs_table[2:] if line.split()[0] == r)
