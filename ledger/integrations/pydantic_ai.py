@@ -344,7 +344,9 @@ class _Answer:
         return cls(
             parts=_answer_parts(parts),
             usage=RequestUsage(input_tokens=att.prompt_tokens or 0,
-                               output_tokens=att.completion_tokens or 0),
+                               output_tokens=att.completion_tokens or 0,
+                               cache_read_tokens=att.cached_tokens or 0,
+                               output_reasoning_tokens=att.reasoning_tokens or 0),
             model_name=att.model_reported or att.model, provider_name=att.provider,
             provider_response_id=getattr(output, "request_id", None),
             finish_reason=_FINISH.get(raw_finish) if isinstance(raw_finish, str) else None,

@@ -131,6 +131,33 @@ def test_a_three_request_agent_fails_over_once_and_its_history_passes_preflight(
         assert led.get_run("agent").status is RunStatus.SUCCEEDED
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_agent_sees_the_cached_and_reasoning_tokens_the_ledger_recorded(
+        db_url: str, fake: FakeProvider, stream: bool) -> None:
+    # The three integrations report the same usage: LangChain's input/output token details
+    # and the Agents SDK's usage details carry them; so must pydantic-ai's RequestUsage.
+    fake.enqueue(Behavior(usage=(120, 40), cached_tokens=100, reasoning_tokens=25),
+                 model="primary-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("agent", plan=plan(fake, "openai"), budget=BUDGET, grant=GRANT) as run:
+            agent = Agent(LedgerModel(run))
+            if stream:
+                async with agent.run_stream("Summarise the filing.") as result:
+                    await result.get_output()
+                    messages = result.all_messages()
+            else:
+                messages = (await agent.run("Summarise the filing.")).all_messages()
+            [att] = await led.timeline("agent")
+            assert (att.cached_tokens, att.reasoning_tokens) == (100, 25)
+            [r] = responses(messages)
+            assert (r.usage.input_tokens, r.usage.output_tokens) == (120, 40)
+            assert (r.usage.cache_read_tokens, r.usage.output_reasoning_tokens) == (100, 25)
+
+    asyncio.run(main())
+
+
 def test_a_streamed_agent_run_gets_the_text_and_the_recorded_answer(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
