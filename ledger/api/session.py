@@ -51,6 +51,7 @@ from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, 
 from ledger.domain.validation import Id, NewId, checked, function, instance
 from ledger.domain.values import Route
 from ledger.errors import (
+    FencedOut,
     InvalidArgument,
     InvalidState,
     LeaseHeld,
@@ -172,6 +173,8 @@ class _SessionCore:
         # The Attempts whose requests are on the wire, by id: turns of one session may run at
         # once (threads, tasks), and the exit must find every one.
         self._sending: dict[str, Dispatch] = {}
+        # Those the exit settled (unknown, or not sent) under a turn still running elsewhere.
+        self._abandoned: set[str] = set()
         self._hashes = PartHashes()  # the conversation's parts, each hashed once
         # How the block's last piece of work ended (a turn, or a Child Run it held): the
         # status the Run ends in when the block is left normally. None: no turn was tried.
@@ -190,6 +193,28 @@ class _SessionCore:
         had arrived).
         """
         self._outcome = status
+
+    def _left_under(self, error: BaseException, sent: list[str]) -> InvalidState | None:
+        """The error a turn's caller sees when the block was left under it.
+
+        The exit settled the Attempt the turn had on the wire, so the turn's own settle was
+        refused.
+
+        The refusal (:class:`~ledger.errors.SettleConflict` or
+        :class:`~ledger.errors.FencedOut`) names the storage rule, not the cause; this names
+        the cause and the fix, the refusal chained. ``None`` for any other error.
+        """
+        if not isinstance(error, SettleConflict | FencedOut):
+            return None
+        gone = [i for i in sent if i in self._abandoned]
+        if not gone:
+            return None
+        return InvalidState(
+            f"the session of Run {self.run_id!r} was left while this turn's request was in "
+            f"flight: its exit recorded Attempt {gone[-1]!r} as never answered (its hold kept, "
+            "never sent again) and ended the Run, so the answer that came was kept only as a "
+            "late receipt. Leave the block only after every thread's or task's turn has "
+            "returned", run_id=self.run_id, attempt_id=gone[-1])
 
     def _end_status(self, exc: BaseException | None) -> RunStatus | None:
         """How the block ends the Run: by its exception, else by its last turn or Child.
@@ -238,6 +263,7 @@ class _SessionCore:
             return
         status = self._end_status(exc)
         for abandoned in list(self._sending.values()):
+            self._abandoned.add(abandoned.attempt_id)
             # A turn left in the middle of its send: an async generator the host stopped
             # reading and has not closed yet, a thread still waiting on the provider. Its
             # request may have left, so its Attempt is marked unknown (hold kept, never sent
@@ -702,6 +728,7 @@ class RunSession(_SessionCore):
         # Before the try below: a refused call is not the block's last turn.
         require_parts(envelope)
         mine: list[Dispatch] = []
+        sent: list[str] = []  # this turn's Attempts, for _left_under
         led = self.ledger
         inner = send or sync_sender(
             self._adapter, on_event=self._watcher(on_text, on_event, mine),
@@ -709,6 +736,7 @@ class RunSession(_SessionCore):
             limits=led._runner.run(led._policy(self.run_id)).streaming)
 
         def tracked(d: Dispatch) -> SendResult:
+            sent.append(d.attempt_id)
             with self._on_wire(d, mine):
                 return inner(d)
 
@@ -722,6 +750,9 @@ class RunSession(_SessionCore):
                                 **cast(dict[str, Any], options))
         except BaseException as e:
             self._turn_ended(turn_end(e))
+            left = self._left_under(e, sent)
+            if left is not None:
+                raise left from e
             raise
         self._turn_ended(RunStatus.SUCCEEDED)
         self._remember(result.parts, result.attempt.attempt_id)
@@ -910,12 +941,14 @@ class AsyncRunSession(_SessionCore):
         # Before the try below: a refused call is not the block's last turn.
         require_parts(envelope)
         mine: list[Dispatch] = []
+        sent: list[str] = []  # this turn's Attempts, for _left_under
         led = self.ledger
         inner = send or async_sender(
             self._adapter, on_event=self._watcher(on_text, on_event, mine),
             limits=(await led._runner.arun(led._policy(self.run_id))).streaming)
 
         async def tracked(d: Dispatch) -> SendResult:
+            sent.append(d.attempt_id)
             with self._on_wire(d, mine):
                 return await inner(d)
 
@@ -928,6 +961,9 @@ class AsyncRunSession(_SessionCore):
                                        **cast(dict[str, Any], options))
         except BaseException as e:
             self._turn_ended(turn_end(e))
+            left = self._left_under(e, sent)
+            if left is not None:
+                raise left from e
             raise
         self._turn_ended(RunStatus.SUCCEEDED)
         self._remember(result.parts, result.attempt.attempt_id)

@@ -35,7 +35,7 @@ from ledger import (
 from ledger.clock import ManualClock
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import AttemptState
-from ledger.errors import NotFound
+from ledger.errors import InvalidState, NotFound, SettleConflict
 from tests import fakeplan
 from tests.fakeplan import cancelled_often, plan
 from tests.storage.helpers import sql_context
@@ -437,3 +437,65 @@ def test_a_sync_exit_interrupted_twice_notes_it_and_writes_the_exit_at_close(
     with Ledger.open(db_url, clock=clock, migrate_schema=False) as again:
         _finished_once(again, "r", RunStatus.SUCCEEDED)
     _enters_at_once(db_url, clock, "r", fake)
+
+
+def test_a_turn_its_block_left_under_is_told_why_its_answer_was_not_recorded(
+        db_url: str, fake: Any) -> None:
+    # A thread still waiting on the provider when the block is left: the exit records its
+    # Attempt unknown and ends the Run, so the turn's own settle is refused. The turn's caller
+    # hears that, and the fix, not a storage rule (SettleConflict) it did nothing to break.
+    on_wire, answer = threading.Event(), threading.Event()
+    caught: list[BaseException] = []
+
+    def send(_d: Dispatch) -> SendResult:
+        on_wire.set()
+        answer.wait(30)
+        return OK
+
+    with Ledger.open(db_url) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+
+            def work() -> None:
+                try:
+                    run.turn(HELLO, send=send)
+                except BaseException as e:  # what the turn raised, read below
+                    caught.append(e)
+
+            worker = threading.Thread(target=work)
+            worker.start()
+            assert on_wire.wait(30)
+        answer.set()
+        worker.join(30)
+        [err] = caught
+        assert isinstance(err, InvalidState), repr(err)
+        assert "was left while this turn's request was in flight" in str(err)
+        assert isinstance(err.__cause__, SettleConflict)
+        [att] = led.timeline("r")
+        assert att.state is AttemptState.UNKNOWN and err.fields["attempt_id"] == att.attempt_id
+        assert led.get_run("r").status is RunStatus.CANCELLED
+        assert [e.kind for e in led.events("r", ["late_receipt"])] == ["late_receipt"]
+
+
+def test_an_async_turn_its_block_left_under_is_told_why_its_answer_was_not_recorded(
+        db_url: str, fake: Any) -> None:
+    async def main() -> None:
+        on_wire, answer = asyncio.Event(), asyncio.Event()
+
+        async def send(_d: Dispatch) -> SendResult:
+            on_wire.set()
+            await answer.wait()
+            return OK
+
+        async with AsyncLedger.open(db_url) as led:
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                task = asyncio.ensure_future(run.turn(HELLO, send=send))
+                await on_wire.wait()
+            answer.set()
+            with pytest.raises(InvalidState, match="left while this turn's request") as got:
+                await task
+            assert isinstance(got.value.__cause__, SettleConflict)
+            [att] = await led.timeline("r")
+            assert att.state is AttemptState.UNKNOWN
+            assert (await led.get_run("r")).status is RunStatus.CANCELLED
+
+    asyncio.run(main())
