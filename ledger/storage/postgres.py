@@ -10,7 +10,6 @@ skip rows another transaction holds (``SKIP LOCKED``); migrations serialize on a
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
@@ -33,6 +32,7 @@ from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
 from ledger.storage.pgpool import PgPool, own_pids
 from ledger.storage.store import Store
+from ledger.storage.wake import LISTEN_CHECK_S, Stopping
 
 
 class PostgresContext(SqlContext):
@@ -193,7 +193,7 @@ class PostgresContext(SqlContext):
 
 
 def _listen(conninfo: str, own: Callable[[], Collection[int]], told: Callable[[str], None],
-            stop: threading.Event) -> None:
+            stop: Stopping) -> None:
     """LISTEN on the queue channel until ``stop``; ``told("")`` once listening, then
     ``told(group)`` for each notification but those of the backends ``own`` names (this
     process's pooled connections: whatever freed a slot through them woke a waiter here
@@ -204,7 +204,7 @@ def _listen(conninfo: str, own: Callable[[], Collection[int]], told: Callable[[s
         conn.execute(f"LISTEN {statements.QUEUE_CHANNEL}")
         told("")
         while not stop.is_set():
-            for note in conn.notifies(timeout=0.5):
+            for note in conn.notifies(timeout=LISTEN_CHECK_S):
                 if note.pid not in own():
                     told(note.payload)
 

@@ -82,10 +82,7 @@ from ledger.storage.rows import SnapshotRows
 from ledger.storage.runner import Flow, Runner, Workers, blocking, txn
 from ledger.storage.runs import RunQueries
 from ledger.storage.statements import Statements
-from ledger.storage.wake import SlotWaker
-
-#: Listens for the database's queue notifications until its event is set, telling each one.
-Listener = Callable[[Callable[[str], None], threading.Event], None]
+from ledger.storage.wake import Listener, SlotWaker
 
 T = TypeVar("T")
 log = logging.getLogger("ledger.storage")

@@ -11,9 +11,17 @@ Signals come from two places:
   database, wakes a waiter of that group at once (:meth:`SlotWaker.poke`, :func:`poke`);
 * other processes, on PostgreSQL: a trigger (migration 0006) notifies channel
   :data:`~ledger.storage.statements.QUEUE_CHANNEL` when a slot of a group with waiters is
-  freed, and a queue departure notifies it too; one listening connection per store, opened
-  while someone waits, pokes the local waiters. SQLite has no such channel: waiters in other
-  processes poll.
+  freed, and a queue departure notifies it too; one listening connection per database in this
+  process, opened while someone of this process waits on that database, pokes the local
+  waiters. SQLite has no such channel: waiters in other processes poll.
+
+The listening connection is the process's, not a store's: every ledger open on the database in
+this process shares it (:class:`_Channel`, counted by the stores open on it). One per store
+heard each notification once per ledger, and each hearing woke a waiter: two ledgers on one
+database woke two waiters for one slot another process freed (one begin for nothing, under the
+group's lock). The last store of the database to close stops it, and its close returns once
+the connection is closed; closing one of several leaves it to the others, whose waiters keep
+hearing other processes' slots.
 
 Every path of this process that frees a slot wakes a waiter here itself, after its commit:
 the settle, ``mark_unknown`` and the queue departure of a ledger, and also recovery's takeover
@@ -58,7 +66,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("ledger.storage")
 
@@ -66,6 +74,10 @@ log = logging.getLogger("ledger.storage")
 #: it makes next then misses no wake-up. A server that does not answer in time leaves the
 #: waiters to polling until it does.
 LISTEN_READY_S = 5.0
+
+#: How long the listening connection waits for a notification before it checks whether it
+#: should stop: the longest the last close of a database's stores waits for it to close.
+LISTEN_CHECK_S = 0.5
 
 #: A waiter that is not the earliest of its group in this process waits for a signal at most
 #: this many polling intervals: only a lost signal makes it wait that long.
@@ -149,6 +161,11 @@ class _Registry:
                 return True  # nobody of this database waits any more
             return False
 
+    def waiting(self, key: str) -> bool:
+        """Whether a waiter of the database ``key`` waits in this process."""
+        with self.lock:
+            return bool(self.by_key.get(key))
+
     def poke(self, key: str, group: str | None) -> int:
         with self.lock:
             waiters = self.by_key.get(key, {})
@@ -196,6 +213,17 @@ def poke(key: str, group: str) -> int:
     return _REGISTRY.poke(key, group)
 
 
+class Stopping(Protocol):
+    """What a listener checks between waits for notifications: told to stop, it returns."""
+
+    def is_set(self) -> bool: ...
+
+
+#: Listens for the database's queue notifications until its ``Stopping`` is set, telling each
+#: one (its group id; ``""`` once it listens).
+Listener = Callable[[Callable[[str], None], Stopping], None]
+
+
 class SlotWaker:
     """The wake-ups of one store's database in this process.
 
@@ -206,21 +234,24 @@ class SlotWaker:
             signal before it begins again; the others wait :data:`IDLE_POLLS` times longer.
         listen: Opens a listening connection that calls its argument with a group id for each
             notification of another process (or of a connection outside this process's
-            pools) until the event it gets is set (PostgreSQL); ``None``: no channel.
+            pools) until the :class:`Stopping` it gets is set (PostgreSQL); ``None``: no
+            channel. The connection is the process's for the database ``key``, shared by
+            every store open on it (the first one's ``listen`` opens it, the last one's
+            :meth:`close` stops it).
         offload: Runs a blocking call for a waiter on the running loop, awaited (the store's
             :class:`~ledger.storage.runner.Workers`); ``None``: :func:`asyncio.to_thread`.
     """
 
     def __init__(self, key: str, poll_s: float,
-                 listen: Callable[[Callable[[str], None], threading.Event], None] | None = None,
+                 listen: Listener | None = None,
                  *, offload: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.key = key
         self._offload = offload or asyncio.to_thread
         self.poll_s = poll_s
         self._listen = listen
-        self._listener: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
+        #: The database's listening connection in this process, shared with every other store
+        #: open on it (``None``: no channel, or this store is closed).
+        self._channel = None if listen is None else _CHANNELS.open(key, self)
 
     def poke(self, group: str | None) -> None:
         """Wake this process's earliest waiter of ``group`` not woken yet: one slot came free
@@ -236,7 +267,7 @@ class SlotWaker:
         if self._known(waiter, ticket):
             return False
         _REGISTRY.add(self.key, waiter, _Signal(group, ticket))
-        ready = self._ensure_listener()
+        ready = self._listening()
         if ready is not None:
             ready.wait(LISTEN_READY_S)
         return True
@@ -251,8 +282,8 @@ class SlotWaker:
         signal = _Signal(group, ticket, loop=asyncio.get_running_loop(),
                          aevent=asyncio.Event())
         _REGISTRY.add(self.key, waiter, signal)
-        ready = self._ensure_listener()
-        if ready is not None:
+        ready = self._listening()
+        if ready is not None and not ready.is_set():
             await self._offload(ready.wait, LISTEN_READY_S)
         return True
 
@@ -280,7 +311,8 @@ class SlotWaker:
         """Forget ``waiter`` (it was served, gave up or was cancelled); a wake it did not use
         goes to the next waiter of its group."""
         if _REGISTRY.remove(self.key, waiter):
-            self._stop_listener()
+            # By key, not this store's: a waiter of a store closed meanwhile may be the last.
+            _CHANNELS.idle(self.key)
 
     def signal(self, waiter: str) -> _Signal | None:
         """The registered signal of ``waiter``."""
@@ -308,45 +340,156 @@ class SlotWaker:
 
     # -- the listening connection (PostgreSQL) ---------------------------------------------
 
-    def _ensure_listener(self) -> threading.Event | None:
-        """Start the listening connection unless it runs; the event it sets once it listens
-        (or gave up), for the waiter that started it. A slot freed after that wakes the
-        waiters; one freed before it is found by their next begin or poll."""
-        if self._listen is None:
-            return None
-        with self._lock:
-            if self._listener is not None and self._listener.is_alive():
+    def _listening(self) -> threading.Event | None:
+        """Start the database's listening connection unless it runs: the event it sets once it
+        listens (or gave up), for the waiters that joined meanwhile to wait on."""
+        channel = self._channel
+        return None if channel is None else channel.ensure()
+
+    def close(self) -> None:
+        """Leave the database's listening connection to the other stores open on it; the last
+        one stops it, and returns once its connection is closed (waiters of this database in
+        this process, if any are left, keep polling). Closing again does nothing."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            _CHANNELS.close(channel, self)
+
+
+class _Stop:
+    """A listening thread's stop, which a waiter joining before the thread saw it takes back:
+    the connection goes on rather than a second one opening beside it (both listening for a
+    while, each notification heard twice) and the first closing."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.asked = False
+        self.final = False  # the thread saw it: it is on its way out, for good
+
+    def set(self) -> None:
+        with self.lock:
+            self.asked = True
+
+    def asked_to(self) -> bool:
+        """Whether it is asked to stop now (without ending it: a notification's check)."""
+        with self.lock:
+            return self.asked
+
+    def is_set(self) -> bool:
+        """The listener's check between waits; ``True`` ends it for good."""
+        with self.lock:
+            self.final = self.asked
+            return self.asked
+
+    def take_back(self) -> bool:
+        """Cancel the stop unless the thread saw it already; whether it goes on."""
+        with self.lock:
+            if self.final:
+                return False
+            self.asked = False
+            return True
+
+
+class _Channel:
+    """The listening connection of this process to one database (PostgreSQL), shared by every
+    store open on it: each notification is heard once, and wakes one waiter here.
+
+    It runs while a waiter of the database waits here and a store of it is open, with the
+    ``listen`` of the earliest store opened that has one (they differ only in the password a
+    URL carries, if at all: the key is the URL without it)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        #: The stores open on the database, in the order they opened: the count that keeps it.
+        self.wakers: list[SlotWaker] = []
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        #: Every thread started and maybe not ended yet (one stopped goes on until its next
+        #: :data:`LISTEN_CHECK_S`): the last close waits for all of them.
+        self.threads: list[threading.Thread] = []
+        self.stop = _Stop()
+        self.ready = threading.Event()
+
+    def ensure(self) -> threading.Event | None:
+        """Start listening unless it runs; the event set once it listens (or gave up). A slot
+        freed after that wakes the waiters; one freed before it is found by their next begin
+        or poll."""
+        with self.lock:
+            if self.thread is not None and self.thread.is_alive() and self.stop.take_back():
+                return self.ready
+            listen = next((w._listen for w in self.wakers if w._listen is not None), None)
+            if listen is None:
                 return None
-            self._stop = threading.Event()
-            ready = threading.Event()
-            stop = self._stop
-            listen = self._listen
+            stop, ready = _Stop(), threading.Event()
+            key = self.key
 
             def run() -> None:
                 def told(group: str) -> None:
                     ready.set()
-                    if group:
-                        _REGISTRY.poke(self.key, group)
+                    # Nobody waits here now; the next waiter begins once this connection (or
+                    # a new one) listens, and finds the slot then.
+                    if group and not stop.asked_to():
+                        _REGISTRY.poke(key, group)
                 try:
                     listen(told, stop)
                 except Exception as e:  # the waiters fall back to polling
-                    log.info("queue notifications from %s stopped: %s", self.key, e)
+                    log.info("queue notifications from %s stopped: %s", key, e)
                 finally:
                     ready.set()
 
-            self._listener = threading.Thread(target=run, name="ledger-slot-listener",
-                                              daemon=True)
-            self._listener.start()
-        return ready
+            self.stop, self.ready = stop, ready
+            self.thread = threading.Thread(target=run, name="ledger-slot-listener",
+                                           daemon=True)
+            self.threads = [t for t in self.threads if t.is_alive()] + [self.thread]
+            self.thread.start()
+            return ready
 
-    def _stop_listener(self) -> None:
-        with self._lock:
-            self._stop.set()
-            self._listener = None
+    def idle(self) -> None:
+        """Nobody of the database waits here any more: stop listening (the next waiter starts
+        it again, or takes the stop back while the connection has not seen it yet)."""
+        with self.lock:
+            # A waiter may have joined since the last one left, and found it listening.
+            if not _REGISTRY.waiting(self.key):
+                self.stop.set()
 
-    def close(self) -> None:
-        """Stop listening (waiters of this database in this process keep polling)."""
-        self._stop_listener()
+
+class _Channels:
+    """Every :class:`_Channel` of this process, by database (the stores' key)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_key: dict[str, _Channel] = {}
+
+    def open(self, key: str, waker: SlotWaker) -> _Channel:
+        with self.lock:
+            channel = self.by_key.setdefault(key, _Channel(key))
+            channel.wakers.append(waker)
+            return channel
+
+    def idle(self, key: str) -> None:
+        with self.lock:
+            channel = self.by_key.get(key)
+        if channel is not None:
+            channel.idle()
+
+    def close(self, channel: _Channel, waker: SlotWaker) -> None:
+        """``waker``'s store closed; the last store of the database stops the listening
+        connection and waits (up to a few :data:`LISTEN_CHECK_S`) until it is closed."""
+        with self.lock:
+            channel.wakers.remove(waker)
+            if channel.wakers:
+                return
+            if self.by_key.get(channel.key) is channel:
+                del self.by_key[channel.key]
+            with channel.lock:
+                channel.thread = None
+                channel.stop.set()
+                threads, channel.threads = channel.threads, []
+        for thread in threads:
+            thread.join(4 * LISTEN_CHECK_S)
 
 
-__all__ = ["IDLE_POLLS", "LISTEN_READY_S", "SlotWaker", "poke"]
+_CHANNELS = _Channels()
+
+
+__all__ = ["IDLE_POLLS", "LISTEN_CHECK_S", "LISTEN_READY_S", "Listener", "SlotWaker", "Stopping",
+           "poke"]

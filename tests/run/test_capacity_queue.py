@@ -955,3 +955,69 @@ def test_the_pids_of_this_processs_own_connections_are_forgotten_once_closed(
     finally:
         led.close()
     assert pid not in own_pids(where)
+
+
+def _listening(pg_server: PgServer, pg_url: str) -> int:
+    """The sessions listening on the queue channel in the test's database (this process's
+    listeners: no other process uses the database)."""
+    with _raw(pg_server, pg_url) as conn:
+        return int(conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query = %s", (f"LISTEN {QUEUE_CHANNEL}",)).fetchone()[0])
+
+
+def _gone(pg_server: PgServer, pg_url: str) -> bool:
+    """Whether the listening sessions are gone: closed by this process, they leave the
+    server's view once their backend has exited, which the server does right after."""
+    deadline = time.monotonic() + PATIENCE_S
+    while _listening(pg_server, pg_url):
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
+@pytest.mark.postgres
+def test_ledgers_on_one_database_share_one_listener_so_a_freed_slot_wakes_one_waiter(
+        pg_server: PgServer, pg_url: str, fake: FakeProvider) -> None:
+    # Each store opened a listening connection of its own: with two ledgers on one database
+    # in one process, a slot another process freed was heard twice, and woke two waiters
+    # here for one slot (one begin for nothing, under the group's lock).
+    async def main() -> None:
+        route = _route(fake)
+        one = await AsyncLedger.open(pg_url)
+        two = await AsyncLedger.open(pg_url)
+        try:
+            for led in (one, two):
+                _only_a_signal_wakes(led.sync)
+            [(_lease, held)] = await _held(one, route, 1)
+            first, second = _Gated(), _Gated()
+            tasks = [await _queue(one, route, "first", first),
+                     await _queue(two, route, "second", second)]
+            assert _listening(pg_server, pg_url) == 1
+            with _raw(pg_server, pg_url) as conn:  # as another process's settle does
+                conn.execute("DELETE FROM group_slots WHERE attempt_id = %s", (held,))
+            await _heard(one, pg_server, pg_url)
+            assert first.signal.is_set() and not second.signal.is_set()
+            first.gate.set()
+            second.gate.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), PATIENCE_S)
+
+            # The listener opened with the first ledger's connection settings; closing that
+            # ledger leaves it to the other one's waiters.
+            await two.admit_run("holder-two", plan=[route], budget=BUDGET, grant=GRANT)
+            lease = await two.acquire_lease("holder-two", ttl_s=3600)
+            held = (await two.begin_attempt(lease, route="a", envelope_hash="sha256:held",
+                                            reserve="0")).attempt_id
+            third = _WokenOnly()
+            task = await _queue(two, route, "third", third)
+            await one.close()
+            with _raw(pg_server, pg_url) as conn:
+                conn.execute("DELETE FROM group_slots WHERE attempt_id = %s", (held,))
+            await asyncio.wait_for(task, PATIENCE_S)  # woken by the NOTIFY alone
+            assert third.waits == 1
+        finally:
+            await one.close()
+            await two.close()
+        assert _gone(pg_server, pg_url)  # the last close stopped it
+
+    asyncio.run(main())
