@@ -834,22 +834,36 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         return _page(f"run {tl.run.run_id}", _timeline_html(tl, now)
                      + run_actions_html(tl, now, forms=actions), refresh)
 
+    def _spend_by(request: Request) -> tuple[str, str | None]:
+        """``?by=`` and ``?label=`` of ``/budgets`` and ``/api/budgets`` alike: a label without
+        ``by=label`` is refused, as the command's ``--label`` without ``--by label`` (a label
+        ignored would answer another question, by tenant, as if it were the one asked)."""
+        p = request.query_params
+        by = p.get("by", "tenant")
+        label = p.get("label")
+        if label is not None and by != "label":
+            raise InvalidArgument(f"label {label[:40]!r} names the label to total by and goes "
+                                  f"with by=label; add by=label (it has no effect with by="
+                                  f"{by[:20]})", field="label")
+        return by, label
+
     def budgets_page(request: Request) -> Response:
         """Spend against budgets by tenant or label (``?by=label&label=team``, ``?days=N``)."""
         au = audit()
         now = au.now()
-        p = request.query_params
         days = _int(request, "days", 30, 1, 366)
-        by = p.get("by", "tenant")
-        label = p.get("label") or None
-        if by == "label" and label is None:
+        by, label = _spend_by(request)
+        if by == "label" and not label:
             label = "team"  # the label most ledgers carry; ?label= picks another
-        form = ('<form id="budgets-form" method="get" action="/budgets">by <select name="by">'
-                + "".join(f'<option{" selected" if by == v else ""}>{v}</option>'
-                          for v in ("tenant", "label"))
-                + f'</select> label <input name="label" size="12" value="'
-                f'{html.escape(label or "", quote=True)}"> days <input name="days" size="4" '
-                f'value="{days}"> <button>show</button></form>')
+        # Two forms, one per grouping: one form with a label box sent the label with
+        # by=tenant too, which is refused (the page has no script to leave it out).
+        form = ('<form id="budgets-form" method="get" action="/budgets">'
+                '<input type="hidden" name="by" value="tenant">by tenant, days <input '
+                f'name="days" size="4" value="{days}"> <button>show</button></form>'
+                '<form id="budgets-label-form" method="get" action="/budgets">'
+                '<input type="hidden" name="by" value="label">by label <input name="label" '
+                f'required size="12" value="{html.escape(label or "team", quote=True)}"> days '
+                f'<input name="days" size="4" value="{days}"> <button>show</button></form>')
         body = (f"<section>{form}</section>"
                 + spend_section(au, now, days, by=by, label=label, limit=200, link=False))
         return _page("spend against budgets", body, _refresh(request))
@@ -859,13 +873,7 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         now = au.now()
         p = request.query_params
         every = p.get("every")
-        by = p.get("by", "tenant")
-        label = p.get("label")
-        if label is not None and by != "label":
-            # As the command's --label: a label ignored would answer another question.
-            raise InvalidArgument(f"label {label[:40]!r} names the label to total by and goes "
-                                  f"with by=label; add by=label (it has no effect with by="
-                                  f"{by[:20]})", field="label")
+        by, label = _spend_by(request)
         return JSONResponse(to_jsonable(au.spend(
             by=by, label=label,
             since=_num(request, "since", now - 7 * DAY), until=_num(request, "until", now),

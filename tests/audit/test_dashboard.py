@@ -5,6 +5,7 @@ runs list at 1,400 px, a stopped run's reasons; screenshots kept as artifacts)."
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import shutil
 import subprocess
@@ -652,6 +653,28 @@ def test_api_budgets_refuses_a_label_without_by_label_as_the_command_does(
             assert "add by=label" in res.json()["error"]
         ok = c.get("/api/budgets", params={"by": "label", "label": "team", "since": str(T0 - 1)})
         assert ok.status_code == 200, ok.text
+
+
+def test_budgets_page_refuses_a_label_without_by_label_as_the_api_does(
+        seeded_url: str) -> None:
+    """/budgets?by=tenant&label=team answered by tenant, the label ignored, where
+    /api/budgets refuses it; and the page's own form sent the label with by=tenant."""
+    with _client(seeded_url) as c:
+        for query in ({"label": "team"}, {"by": "tenant", "label": "team"},
+                      {"by": "tenant", "label": ""}):
+            page = c.get("/budgets", params=query)
+            api = c.get("/api/budgets", params={**query, "since": str(T0 - 1)})
+            assert page.status_code == api.status_code == 400, (page.text, api.text)
+            assert api.json()["field"] == "label"
+            assert api.json()["error"] in html.unescape(page.text)
+        for query in ({}, {"by": "tenant"}, {"by": "label", "label": "team"}):
+            assert c.get("/budgets", params=query).status_code == 200
+            assert c.get("/api/budgets", params=query).status_code == 200
+        page = c.get("/budgets").text
+        by_tenant = page.split('<form id="budgets-form"', 1)[1].split("</form>", 1)[0]
+        by_label = page.split('<form id="budgets-label-form"', 1)[1].split("</form>", 1)[0]
+        assert 'name="label"' not in by_tenant and 'name="by" value="tenant"' in by_tenant
+        assert 'name="label"' in by_label and 'name="by" value="label"' in by_label
 
 
 def test_api_replay_reads_at_most_the_window_hours_may_ask_for(seeded_url: str) -> None:
