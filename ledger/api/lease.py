@@ -5,8 +5,9 @@ lease every ``ttl/3`` (or more often) on its own schedule, independently of the 
 the lease: a model call that blocks for minutes cannot delay a renewal. Each renewal is due by
 the lease's own end (once no more of it is left than ``ttl - interval``), so a lease handed over
 partly run out is renewed in time, at once when it is that close to its end already. The
-moment a renewal learns that the run was taken over (:class:`FencedOut`), or the lease ran out
-while the database was unreachable (:class:`LeaseLost`), the keeper sets ``lost`` and every
+moment a renewal learns that the run was taken over (:class:`FencedOut`), or the lease can no
+longer be renewed while the database was unreachable (:class:`LeaseLost`: renewals are refused
+from the ledger's ``lease_margin_s`` before its end), the keeper sets ``lost`` and every
 later :meth:`check` raises; the async keeper can also cancel the task doing the work
 (:meth:`watch`).
 
@@ -89,6 +90,8 @@ class KeeperCore:
         self.failures = 0
         self.in_flight: dict[str, bool] = {}  # attempt id -> sent?
         self._on_lost: list[Callable[[FencedOut], None]] = []
+        #: Why the last renewal failed; ``None`` once one succeeded.
+        self._failed: Exception | None = None
 
     def _due(self, lease: Lease, now: float) -> float:
         """When ``lease`` is next renewed (an interval on, or sooner by its own end).
@@ -143,12 +146,13 @@ class KeeperCore:
         left than ``ttl_s - interval_s`` (a lease the keeper was handed partly run out: at once
         when it is that close to its end already).
         A renewal refused with :class:`FencedOut` loses the Run. An unreachable database
-        (:class:`DatabaseUnavailable`) is retried every quarter interval until the lease's own
-        end, and then it is lost with :class:`LeaseLost`. Nothing is raised: :meth:`check`
-        raises afterwards. Each tick first resolves what the process left unresolved for the
-        Run (a begin of the retry owner whose ``COMMIT``'s outcome was unknown and that was
-        never sent: settled ``not_sent``), every quarter interval while the database does not
-        answer.
+        (:class:`DatabaseUnavailable`) is retried every quarter interval while a renewal can
+        still be accepted, that is until the ledger's ``lease_margin_s`` before the lease's
+        end, and at that moment it is lost with :class:`LeaseLost`, without a last try the
+        database would refuse. Nothing is raised: :meth:`check` raises afterwards. Each tick
+        first resolves what the process left unresolved for the Run (a begin of the retry
+        owner whose ``COMMIT``'s outcome was unknown and that was never sent: settled
+        ``not_sent``), every quarter interval while the database does not answer.
         """
         return self.ledger._runner.run(self._tick())
 
@@ -159,6 +163,12 @@ class KeeperCore:
         lease = self.lease
         pending = yield from self._resolve(lease)
         now = self.clock.now()
+        # Past this, a renewal is refused as expired: one that failed is given up here rather
+        # than tried again to the lease's end, while another process may count it as ended.
+        deadline = lease.expires_at - self.ledger.lease_margin_s
+        if self._failed is not None and now >= deadline:
+            self._give_up(lease, self._failed)
+            return math.inf
         if now < self._next:
             # An unresolved write is tried again every quarter interval until it is resolved.
             return min(self._next - now, self.retry_s) if pending else self._next - now
@@ -169,35 +179,47 @@ class KeeperCore:
             return math.inf
         except Exception as e:
             # An unreachable database, or any other fault of the renewal (a read-only or
-            # corrupt file, a database moved away): tried again every quarter interval until
-            # the lease's own end, then lost. A keeper that died of it would leave the Run
-            # looking kept while its lease ran out.
+            # corrupt file, a database moved away): tried again every quarter interval while
+            # the lease may still be renewed, then lost. A keeper that died of it would leave
+            # the Run looking kept while its lease ran out.
             self.failures += 1
+            self._failed = e
             now = self.clock.now()
-            unreachable = isinstance(e, DatabaseUnavailable)
-            if now >= lease.expires_at:
-                why = ("the database was unreachable" if unreachable else
-                       f"its renewal failed ({type(e).__name__}: {e})")
-                err = LeaseLost(
-                    f"the lease on run {lease.run_id!r} expired at {lease.expires_at} while "
-                    f"{why}; another executor may hold it now: stop working on the run",
-                    run_id=lease.run_id, fence=lease.fence)
-                err.__cause__ = e
-                self._lose(err)
+            if now >= deadline:
+                self._give_up(lease, e)
                 return math.inf
-            if not unreachable:
-                log.warning("run %s: renewing its lease failed, tried again until it ends: %s",
-                            lease.run_id, e)
-            self._next = min(now + self.retry_s, lease.expires_at)
+            if not isinstance(e, DatabaseUnavailable):
+                log.warning("run %s: renewing its lease failed, tried again while it may be "
+                            "renewed: %s", lease.run_id, e)
+            # The last retry comes before the deadline; at the deadline the next tick gives up.
+            self._next = min(now + self.retry_s, deadline)
             return self._next - now
         with self._lock:
             self._lease = new
+        self._failed = None
         self.renewals += 1
         now = self.clock.now()
         # Never sooner than a retry: a keeper whose clock runs ahead of the ledger's would
         # find each new lease due already, and renew without pause.
         self._next = max(self._due(new, now), now + self.retry_s)
         return self._next - now
+
+    def _give_up(self, lease: Lease, e: Exception) -> None:
+        """Lose the Run with :class:`LeaseLost`.
+
+        Its renewals failed (``e`` the last one's error) until the lease could no longer be
+        renewed.
+        """
+        why = ("the database was unreachable" if isinstance(e, DatabaseUnavailable) else
+               f"its renewal failed ({type(e).__name__}: {e})")
+        margin = self.ledger.lease_margin_s
+        err = LeaseLost(
+            f"the lease on run {lease.run_id!r} can no longer be renewed (it ends at "
+            f"{lease.expires_at}, and renewals are refused from {margin:g}s before) while "
+            f"{why}; another executor may hold it soon: stop working on the run",
+            run_id=lease.run_id, fence=lease.fence, expires_at=lease.expires_at)
+        err.__cause__ = e
+        self._lose(err)
 
     def _resolve(self, lease: Lease) -> Flow[bool]:
         """Resolve what this process left unresolved for the Run; whether some of it stays.

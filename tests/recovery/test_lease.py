@@ -96,10 +96,45 @@ def test_unreachable_database_retries_then_lease_lost() -> None:
     clock.advance(10)
     assert k.tick() == pytest.approx(2.5)  # retried sooner than the interval
     while not k.lost.is_set():
-        clock.advance(k.tick())
-    assert clock.now() >= lease.expires_at and k.failures >= 2
+        delay = k.tick()
+        if not k.lost.is_set():
+            clock.advance(delay)
+    # Lost once a renewal could no longer be accepted, not at the lease's end.
+    assert clock.now() == pytest.approx(lease.expires_at - down.lease_margin_s, abs=1e-6)
+    assert k.failures >= 2
     with pytest.raises(LeaseLost):
         k.check()
+    down.close()
+
+
+def test_a_failing_keeper_retries_only_while_a_renewal_can_be_accepted_then_reports_it_lost(
+        ) -> None:
+    """Renewals are refused from ``lease_margin_s`` before the lease's end. The keeper whose
+    renewals failed went on trying until the end itself (tries the database would refuse,
+    had it answered) and reported the lease lost only then, while another process may
+    already count it as ended: now its last try comes before that point, and the loss is
+    reported at it."""
+    clock = ManualClock()
+    down = Ledger.open(f"postgresql+psycopg://ledger@127.0.0.1:{closed_port()}/ledger",
+                       clock=clock, migrate_schema=False, lease_margin_s=5)
+    lease = Lease("r1", "w1", 1, clock.now() + 30)
+    deadline = lease.expires_at - 5  # the last moment a renewal is accepted
+    keeper = LeaseKeeper(down, lease, ttl_s=30, sleeper=clock)
+    tries: list[float] = []
+    while not keeper.lost.is_set():
+        failures, now = keeper.failures, clock.now()
+        delay = keeper.tick()
+        if keeper.failures > failures:
+            tries.append(now)
+        if not keeper.lost.is_set():
+            clock.sleep(delay)  # as the keeper's own loop waits
+    assert len(tries) >= 2 and max(tries) < deadline, tries
+    assert clock.now() == pytest.approx(deadline, abs=1e-6)  # the tick that reported it lost
+    with pytest.raises(LeaseLost) as ei:
+        keeper.check()
+    assert ei.value.fields["expires_at"] == lease.expires_at
+    assert "can no longer be renewed" in str(ei.value)
+    assert keeper.tick() == float("inf") and keeper.failures == len(tries)  # no more tries
     down.close()
 
 
