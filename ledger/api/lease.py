@@ -101,9 +101,12 @@ class KeeperCore:
         end, not from ``now`` alone: a keeper handed a lease that is partly run out (acquired a
         while ago, or for a shorter time than ``ttl_s``) would otherwise wait a whole interval
         and could let it lapse while the database answered. A lease already within that
-        margin is due at once.
+        margin is due at once. Never later than a retry before the ledger's lease margin: from
+        there on a renewal is refused, so a short lease (``ttl_s`` under 1.5 margins) is
+        renewed sooner than the steady state would.
         """
-        return min(now + self.interval_s, lease.expires_at - (self.ttl_s - self.interval_s))
+        ahead = max(self.ttl_s - self.interval_s, self.ledger.lease_margin_s + self.retry_s)
+        return min(now + self.interval_s, lease.expires_at - ahead)
 
     @property
     def lease(self) -> Lease:

@@ -45,6 +45,26 @@ def test_schedule_renews_every_third_and_learns_takeover(db_url: str) -> None:
     led.close()
 
 
+def test_a_lease_shorter_than_one_and_a_half_margins_is_renewed_before_the_margin(
+        db_url: str) -> None:
+    """Renewals are refused from the lease margin before the lease's end. The steady state
+    renews with ``ttl - interval`` left (two thirds of the lease): for a lease of 0.6 s under
+    the default 0.5 s margin that is 0.4 s, inside the margin, so every renewal was refused
+    and a healthy keeper lost its Run. It renews a retry before the margin instead."""
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    assert led.lease_margin_s == 0.5
+    lease = led.acquire_lease("r1", ttl_s=0.6)
+    keeper = LeaseKeeper(led, lease, ttl_s=0.6, sleeper=clock)
+    end = clock.now() + 10
+    while clock.now() < end and not keeper.lost.is_set():
+        clock.sleep(keeper.tick())
+    assert not keeper.lost.is_set(), keeper.error
+    assert keeper.renewals >= 10
+    assert keeper.lease.expires_at - clock.now() > led.lease_margin_s
+    led.close()
+
+
 def test_the_first_renewal_is_due_by_how_much_of_the_lease_is_left(db_url: str) -> None:
     """A keeper handed a lease that is partly run out renews it by its own end, when as much of
     it is left as after an interval of the steady state (here 20 of 30 s): one with 5 s left
