@@ -11,7 +11,8 @@
 
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
-renewed in the background; leaving finishes the Run and releases the lease, on every path,
+renewed in the background (an entry that raises after that gives the lease back, whatever it
+raises); leaving finishes the Run and releases the lease, on every path,
 cancellation included, and an interruption of the exit's own writes (when the database does not
 answer, as soon as it does: :mod:`ledger.decide.resolve`). The status says what happened
 (:mod:`ledger.decide.ending`): ``succeeded`` only when the last turn was served, ``cancelled``
@@ -51,6 +52,7 @@ from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, 
 from ledger.domain.validation import Id, NewId, checked, function, instance
 from ledger.domain.values import Route
 from ledger.errors import (
+    DatabaseUnavailable,
     FencedOut,
     InvalidArgument,
     InvalidState,
@@ -62,7 +64,7 @@ from ledger.errors import (
 from ledger.storage.runner import Flow
 
 if TYPE_CHECKING:
-    from ledger.api.lease import KeeperCore, LeaseKeeper
+    from ledger.api.lease import AsyncLeaseKeeper, KeeperCore, LeaseKeeper
 
 # Logger names are part of the interface operators filter on: they stay as they were named.
 log = logging.getLogger("ledger.session")
@@ -112,6 +114,35 @@ def _idle_status(run: RunRecord, attempts: Sequence[AttemptRecord],
                  stops: Sequence[EventRecord]) -> RunStatus:
     """How a block that tried no turn (nor held a Child) ends the Run, from its record."""
     return idle_end(run.status, last_turn_served(attempts, [e.created_at for e in stops]))
+
+
+def _may_have_taken(error: BaseException | None) -> bool:
+    """Whether an acquisition of the lease that raised ``error`` may have taken it.
+
+    The ledger's own refusals (``LeaseHeld``, a closed or unknown Run, a bad ``ttl_s``) took
+    nothing, nor did a database that did not answer, unless the acquisition's commit was sent
+    and its outcome stayed unknown. Anything else (an interruption, a cancellation, a fault of
+    the driver) may have landed after the commit, the lease taken but never returned.
+    """
+    if isinstance(error, DatabaseUnavailable):
+        return error.fields.get("operation") == "acquire" and error.fields.get("resolved") is False
+    return not isinstance(error, LedgerError)
+
+
+def _error_of(future: asyncio.Future[Any]) -> BaseException | None:
+    """What a finished ``future`` raised (its cancellation included), else ``None``."""
+    if future.cancelled():
+        return asyncio.CancelledError()
+    return future.exception()
+
+
+def _note_kept(session: _SessionCore, exc: BaseException, error: BaseException) -> None:
+    """An entry that raised ``exc`` could not give its lease back (``error``): it lapses."""
+    log.warning("run %s: the lease taken by an entry that raised %r was not released; "
+                "it lapses in %g s: %r", session.run_id, exc, session.lease_ttl_s, error)
+    exc.add_note(f"entering the Run session, giving back run {session.run_id!r}'s lease "
+                 f"failed too ({type(error).__name__}: {error}); it lapses in "
+                 f"{session.lease_ttl_s:g} s")
 
 
 def _key_source(adapter: Any, secrets: Any) -> Any:
@@ -515,14 +546,15 @@ class RunSession(_SessionCore):
     Entering checks every route's key, admits the Run (or resumes it: the same id and
     content), takes its lease and starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving
     finishes the Run and releases the lease. A session is entered once; its methods work only
-    inside the block. An entry that raises once the Run is admitted (an interruption such as
-    ``KeyboardInterrupt`` included, even one landing right after the lease's commit) gives
-    back the lease it took before the exception propagates, as the async entry does when it
-    is cancelled: the Run stays admitted, and the next session (any executor) enters it at
-    once. Likewise an exit that an interruption cuts short (a ``KeyboardInterrupt`` landing
-    in its finish or release, even right after a commit) completes the finish and release
-    once more before the interruption propagates, as the async exit outlasts cancellations:
-    the Run ends as its block did, and the next session enters it at once.
+    inside the block. An entry that raises once the Run is admitted (an ordinary error, such
+    as an adapter that cannot be built, or an interruption such as ``KeyboardInterrupt``,
+    even one landing right after the lease's commit) gives back the lease it took before the
+    exception propagates unchanged, as the async entry does (a cancellation included): the
+    Run stays admitted, and the next session (any executor) enters it at once. Likewise an
+    exit that an interruption cuts short (a ``KeyboardInterrupt`` landing in its finish or
+    release, even right after a commit) completes the finish and release once more before
+    the interruption propagates, as the async exit outlasts cancellations: the Run ends as
+    its block did, and the next session enters it at once.
 
     The status the Run ends in: when the block raised, ``cancelled`` for a cancellation
     (``KeyboardInterrupt``, ``asyncio.CancelledError``), else as a stop or an error of a turn
@@ -606,12 +638,16 @@ class RunSession(_SessionCore):
         """Give back what an entry that raised ``exc`` took (keeper, lease, adapter ``made``).
 
         ``lease`` is ``None`` when the acquisition itself raised. Its own errors
-        (``LeaseHeld``, a closed Run, a database that stayed away) took nothing; an
-        interruption (``KeyboardInterrupt``) may land after its commit, the lease taken but
-        never returned: that is resolved as a lost acknowledgement is, by acquiring it again
-        (one's own live lease comes back under its fence; one that never landed is taken now),
-        then released. A give-back that fails (or is interrupted in its turn) is logged and
-        noted on ``exc``: the lease then lapses after its ``lease_ttl_s``.
+        (``LeaseHeld``, a closed Run, a database that stayed away) took nothing; anything
+        else (an interruption such as ``KeyboardInterrupt``, or an ordinary exception of the
+        driver) may land after its commit, the lease taken but never returned: that is
+        resolved as a lost acknowledgement is, by acquiring it again (one's own live lease
+        comes back under its fence; one that never landed is taken now), then released
+        (:func:`_may_have_taken`). Once the lease is taken, whatever raises (starting the
+        keeper, building the adapter) finds the keeper, which is stopped, and its lease
+        released. A give-back that fails (or is interrupted in its turn) is logged and
+        noted on ``exc``, which is raised unchanged: the lease then lapses after its
+        ``lease_ttl_s``.
         """
         keeper, self._keeper = self._keeper, None
         adapter = self._adapter if made else None
@@ -620,18 +656,13 @@ class RunSession(_SessionCore):
             if keeper is not None:
                 keeper.stop()
                 lease = keeper.lease
-            elif lease is None and not isinstance(exc, Exception):
-                # Held by another executor, or not to be taken: this entry took nothing.
+            elif lease is None and _may_have_taken(exc):
                 with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
                     lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
             if lease is not None:
                 self.ledger.release_lease(lease)
         except BaseException as e:
-            log.warning("run %s: the lease taken by an entry that raised %r was not released; "
-                        "it lapses in %g s: %r", self.run_id, exc, self.lease_ttl_s, e)
-            exc.add_note(f"entering the Run session, giving back run {self.run_id!r}'s lease "
-                         f"failed too ({type(e).__name__}: {e}); it lapses in "
-                         f"{self.lease_ttl_s:g} s")
+            _note_kept(self, exc, e)
         finally:
             if adapter is not None:
                 adapter.close()
@@ -847,7 +878,9 @@ class AsyncRunSession(_SessionCore):
 
     The same block, methods and errors, awaited; it sends with an
     :class:`~ledger.adapters.HttpAdapter`, and leaving finishes the Run and releases its lease
-    even when the block is cancelled.
+    even when the block is cancelled. An entry that raises once the Run is admitted (a
+    cancellation, or an ordinary error) gives back the lease it took, however often it is
+    cancelled meanwhile, before the exception propagates unchanged.
     """
 
     ledger: AsyncFace[Any, Any]
@@ -872,35 +905,63 @@ class AsyncRunSession(_SessionCore):
         # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
         # before the lease is taken: an entry that fails holds nothing (no exit will run).
         await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
-        lease = await self._acquire()
-        self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
-        if self._adapter is None:
-            from ledger.adapters import HttpAdapter
+        # No exit runs for an entry that raised: whatever it took is given back here, or the
+        # lease would refuse the Run to every other executor until it lapsed.
+        lease: Lease | None = None
+        refused: BaseException | None = None  # what the acquisition itself raised
+        made = self._adapter is None
+        try:
+            acquiring = asyncio.ensure_future(
+                self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s))
+            # The acquisition may commit although the entry was cancelled (the database
+            # finishes what it was sent): its outcome decides what is given back.
+            cancelled = await outlast(acquiring)
+            refused = _error_of(acquiring)
+            if refused is None:
+                lease = acquiring.result()
+            if cancelled is not None:
+                raise cancelled
+            lease = acquiring.result()
+            self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+            if made:
+                from ledger.adapters import HttpAdapter
 
-            self._adapter = HttpAdapter(secrets=self._secrets)
+                self._adapter = HttpAdapter(secrets=self._secrets)
+        except BaseException as e:
+            await self._give_back(lease, e, made, refused)
+            raise
         self._state = "open"
         return self
 
-    async def _acquire(self) -> Lease:
-        """The Run's lease; a cancelled entry gives back one it took meanwhile.
+    async def _give_back(self, lease: Lease | None, exc: BaseException, made: bool,
+                         refused: BaseException | None) -> None:
+        """Give back what an entry that raised ``exc`` took (keeper, lease, adapter ``made``).
 
-        The acquisition may commit although the entry was cancelled (the database finishes
-        what it was sent), and no exit runs for an entry that raised: the lease would stay
-        held, and the Run refused to everyone, until it lapsed.
+        As :meth:`RunSession._give_back`; ``refused`` is what the acquisition raised (then
+        ``lease`` is ``None``). The give-back outlasts cancellations of the entry (the
+        original ``exc`` is what the entry raises).
         """
-        acquiring = asyncio.ensure_future(
-            self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s))
-        cancelled = await outlast(acquiring)
-        if cancelled is None:
-            return acquiring.result()
-        if not acquiring.cancelled() and acquiring.exception() is None:
-            releasing = asyncio.ensure_future(self.ledger.release_lease(acquiring.result()))
-            await outlast(releasing)  # cancelled again: the release still ends first
-            if not releasing.cancelled() and releasing.exception() is not None:
-                log.warning("run %s: the lease taken by a cancelled entry was not released; "
-                            "it lapses in %g s: %s", self.run_id, self.lease_ttl_s,
-                            releasing.exception())
-        raise cancelled
+        keeper, self._keeper = self._keeper, None
+        adapter = self._adapter if made else None
+        self._adapter = None if made else self._adapter
+        giving = asyncio.ensure_future(self._return_lease(lease, keeper, refused))
+        await outlast(giving)  # cancelled meanwhile: the give-back still ends first
+        failed = _error_of(giving)
+        if failed is not None:
+            _note_kept(self, exc, failed)
+        if adapter is not None:
+            await adapter.aclose()
+
+    async def _return_lease(self, lease: Lease | None, keeper: AsyncLeaseKeeper | None,
+                            refused: BaseException | None) -> None:
+        if keeper is not None:
+            await keeper.stop()
+            lease = keeper.lease
+        elif lease is None and _may_have_taken(refused):
+            with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
+                lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+        if lease is not None:
+            await self.ledger.release_lease(lease)
 
     async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
         self._state = "ended"

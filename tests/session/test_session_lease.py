@@ -3,11 +3,12 @@
 A turn that outlives the lease it started with (a capacity queue, backoffs) sends with the
 lease as its keeper last renewed it, not as it was when the turn began. An entry cancelled
 while it takes the lease (or a sync one interrupted, even right after the lease's commit) gives
-the lease back; a Run admitted by an entry cancelled before its lease is resumed by the next
-entry; an exit cancelled again and again still finishes the Run and releases it, and so does a
-sync exit interrupted in its finish or release (a second interruption is noted, and the exit is
-written at the ledger's close()). The turns send with a function (no provider is needed); both
-backends.
+the lease back, and so does an entry of either kind failing with an ordinary error once the
+lease is taken (right after its commit, or building its adapter); a Run admitted by an entry
+cancelled before its lease is resumed by the next entry; an exit cancelled again and again still
+finishes the Run and releases it, and so does a sync exit interrupted in its finish or release
+(a second interruption is noted, and the exit is written at the ledger's close()). The turns
+send with a function (no provider is needed); both backends.
 """
 
 from __future__ import annotations
@@ -497,5 +498,120 @@ def test_an_async_turn_its_block_left_under_is_told_why_its_answer_was_not_recor
             [att] = await led.timeline("r")
             assert att.state is AttemptState.UNKNOWN
             assert (await led.get_run("r")).status is RunStatus.CANCELLED
+
+    asyncio.run(main())
+
+
+class _Misconfigured(RuntimeError):
+    """An ordinary error of an entry once its lease is taken (a driver fault, an adapter
+    that cannot be built)."""
+
+
+def _fails(_point: str) -> None:
+    raise _Misconfigured("the acquisition's driver failed after its commit")
+
+
+class _BrokenAdapter:
+    """An adapter whose construction raises: the entry has taken the lease and started its
+    keeper by then."""
+
+    def __init__(self, **_options: Any) -> None:
+        cause = ValueError("no such CA bundle")
+        raise _Misconfigured("the session's adapter cannot be built") from cause
+
+
+async def _enters_at_once_async(db_url: str, clock: ManualClock, run_id: str,
+                                fake: Any) -> None:
+    """:func:`_enters_at_once`, for an AsyncLedger of another executor."""
+    async with AsyncLedger.open(db_url, clock=clock, executor_id="other-worker",
+                                migrate_schema=False) as other, \
+            other.run(run_id, plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        assert run.lease.executor == "other-worker"
+
+
+def _given_back(rec: Any) -> None:
+    """The Run as it was before the entry (admitted, no Attempt), its lease taken once and
+    released."""
+    assert (rec.status, rec.lease_holder, rec.fence) == (RunStatus.ADMITTED, None, 1)
+
+
+def test_a_sync_entry_failing_right_after_the_lease_commits_gives_it_back(
+        db_url: str, fake: Any) -> None:
+    # An ordinary exception (not an interruption) lands after the acquisition's commit: the
+    # entry learns what it took by acquiring once more, releases it, and raises it unchanged.
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        faults.arm("acquire.after_commit", _fails)
+        try:
+            with pytest.raises(_Misconfigured) as caught, \
+                    led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+                pass  # pragma: no cover - the entry raised
+        finally:
+            faults.disarm()
+        assert not getattr(caught.value, "__notes__", None)  # given back: nothing to note
+        _given_back(led.get_run("r"))
+        assert led.timeline("r") == []
+        _enters_at_once(db_url, clock, "r", fake)
+
+
+def test_a_sync_entry_whose_adapter_cannot_be_built_gives_its_lease_back(
+        db_url: str, fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ledger.adapters
+
+    monkeypatch.setattr(ledger.adapters, "SyncAdapter", _BrokenAdapter)
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        with pytest.raises(_Misconfigured) as caught, \
+                led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+            pass  # pragma: no cover - the entry raised
+        assert isinstance(caught.value.__cause__, ValueError)  # its cause chain intact
+        _given_back(led.get_run("r"))
+        monkeypatch.undo()
+        _enters_at_once(db_url, clock, "r", fake)
+
+
+def test_an_async_entry_failing_right_after_the_lease_commits_gives_it_back(
+        db_url: str, fake: Any) -> None:
+    # The async twin of the sync test above: the acquisition committed, then raised an
+    # ordinary exception; the entry gives the lease back before raising it unchanged.
+    clock = ManualClock(80_000.0)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            faults.arm("acquire.after_commit", _fails)
+            try:
+                with pytest.raises(_Misconfigured) as caught:
+                    async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+                        pass  # pragma: no cover - the entry raised
+            finally:
+                faults.disarm()
+            assert not getattr(caught.value, "__notes__", None)
+            _given_back(await led.get_run("r"))
+            assert await led.timeline("r") == []
+            await _enters_at_once_async(db_url, clock, "r", fake)
+
+    asyncio.run(main())
+
+
+def test_an_async_entry_whose_adapter_cannot_be_built_gives_its_lease_back(
+        db_url: str, fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The lease is taken and its keeper started when the adapter's construction raises: the
+    # keeper is stopped, the lease released, and the adapter's error raised with its cause.
+    import ledger.adapters
+
+    clock = ManualClock(80_000.0)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            monkeypatch.setattr(ledger.adapters, "HttpAdapter", _BrokenAdapter)
+            try:
+                with pytest.raises(_Misconfigured) as caught:
+                    async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+                        pass  # pragma: no cover - the entry raised
+            finally:
+                monkeypatch.undo()
+            assert isinstance(caught.value.__cause__, ValueError)
+            _given_back(await led.get_run("r"))
+            await _enters_at_once_async(db_url, clock, "r", fake)
 
     asyncio.run(main())
