@@ -285,7 +285,7 @@ class AnthropicCodec(Codec):
         if envelope.stream:
             body["stream"] = True
         return WireRequest(url=self.url(route.endpoint), headers=headers, body=body,
-                           notes=tuple(notes))
+                           notes=tuple(notes), offers_tools=bool(envelope.tools))
 
     def auth_headers(self, secret: str) -> dict[str, str]:
         """``x-api-key: <secret>``."""

@@ -118,6 +118,7 @@ from ledger.adapters.contract import (
     Usage,
     WireRequest,
     codec_for,
+    offered_calls,
     reasoning_data,
 )
 from ledger.adapters.exchange import (
@@ -314,6 +315,7 @@ class _Call:
     usage: Usage | None = None
     model: str | None = None
     notes: tuple[str, ...] = ()  # what the codec left out of the request, and why
+    offers_tools: bool = True  # whether the request let the model propose tool calls
 
     @property
     def secrets(self) -> list[str | None]:
@@ -696,6 +698,7 @@ class HttpAdapter:
             t0=t0,
             progress=tracker,
             notes=wire.notes,
+            offers_tools=wire.offers_tools,
             url=wire.url,
             content=content,
             request_headers=headers,
@@ -1004,6 +1007,7 @@ class HttpAdapter:
     def _parsed_reply(self, call: _Call, data: Any, raw: bytes) -> Exchange[AdapterResult]:
         try:
             reply = call.codec.parse_reply(data)
+            offered_calls(reply.tool_calls, call.offers_tools)
         except ProviderErrorPayload as exc:
             call.usage, call.model = exc.usage or call.usage, exc.model or call.model
             return (yield from self._fail(
@@ -1078,6 +1082,9 @@ class HttpAdapter:
                     return None  # anything after the terminator is not part of the answer
                 try:
                     out = state.feed(ev)
+                    # Before any proposal is delivered: a refused one never reaches the caller.
+                    offered_calls([e.call for e in out if isinstance(e, ToolCallProposal)],
+                                  call.offers_tools)
                 except ProviderErrorPayload as exc:
                     self._absorb(call, state)
                     # What the error itself reported (Gemini's blocked prompt carries its
@@ -1175,6 +1182,7 @@ class HttpAdapter:
         try:
             final = state.end()
             reply = state.reply()
+            offered_calls(reply.tool_calls, call.offers_tools)
         except _BAD_PAYLOAD as exc:
             self._absorb(call, state)
             return (yield from self._fail(

@@ -166,13 +166,17 @@ class WireRequest:
     """What a codec builds: the URL, the non-secret headers and the JSON body.
 
     ``notes`` say what of the envelope was left out, and why (logged, and returned on the
-    result).
+    result). ``offers_tools`` says whether the request lets the model propose tool calls (it
+    carries tools: ``Envelope.tools``, or a parameter that brings its own, such as Gemini's
+    ``cachedContent``); an answer proposing any to a request that offers none is malformed
+    (:func:`offered_calls`). A codec that does not say is taken to offer them.
     """
 
     url: str
     headers: dict[str, str]
     body: dict[str, Any]
     notes: tuple[str, ...] = ()
+    offers_tools: bool = True
 
 
 @dataclass(slots=True)
@@ -220,6 +224,20 @@ def proposed_call(call: ToolCall, calls: Sequence[ToolCall], where: str) -> Tool
             f"{where}: the arguments of tool call {call.name[:64]!r} are not a JSON object: "
             f"{call.arguments_json[:64]!r}")
     return call
+
+
+def offered_calls(calls: Sequence[ToolCall], offers_tools: bool) -> None:
+    """Refuse (:class:`MalformedPayload`) tool calls proposed to a request that offered none.
+
+    The model could only have called a tool of its own invention, which the host has no way
+    to run: the provider's malformed answer, as a call whose arguments are not a JSON object
+    is (:func:`proposed_call`), never a success. Calls to tools other than those offered are
+    the host's to judge (it knows its tools), and not refused here.
+    """
+    if calls and not offers_tools:
+        raise MalformedPayload(
+            f"the answer proposes tool call {calls[0].name[:64]!r} but the request offered "
+            "no tools")
 
 
 class ProviderErrorPayload(Exception):

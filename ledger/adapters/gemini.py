@@ -333,6 +333,8 @@ class GeminiCodec(Codec):
         return WireRequest(
             url=self.url(route.endpoint, route.model, envelope.stream), headers=headers, body=body,
             notes=tuple(notes),
+            # A cached content may declare the tools itself (the request then may not).
+            offers_tools=bool(envelope.tools) or "cachedContent" in envelope.params,
         )
 
     def auth_headers(self, secret: str) -> dict[str, str]:

@@ -271,7 +271,10 @@ class OpenAICodec(Codec):
         headers = {"content-type": "application/json", "accept": "application/json"}
         if envelope.stream:
             headers["accept"] = "text/event-stream"
-        return WireRequest(url=url, headers=headers, body=body, notes=tuple(notes))
+        # The legacy params["functions"] offers tools too (a compatible server may answer
+        # them with tool_calls).
+        return WireRequest(url=url, headers=headers, body=body, notes=tuple(notes),
+                           offers_tools=bool(envelope.tools) or "functions" in envelope.params)
 
     def auth_headers(self, secret: str) -> dict[str, str]:
         """``Authorization: Bearer <secret>``."""

@@ -334,8 +334,10 @@ class OpenAIResponsesCodec(Codec):
         if envelope.stream:
             body["stream"] = True
             headers["accept"] = "text/event-stream"
+        # A stored prompt (params["prompt"]) may declare function tools of its own.
         return WireRequest(url=self.url(route.endpoint), headers=headers, body=body,
-                           notes=tuple(notes))
+                           notes=tuple(notes),
+                           offers_tools=bool(envelope.tools) or "prompt" in envelope.params)
 
     @staticmethod
     def _user(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

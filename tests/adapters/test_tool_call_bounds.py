@@ -4,7 +4,10 @@ The host carries an answer's tool calls into its next turn as assistant parts, w
 a JSON object (anything else is refused there as caller misuse): a proposal whose arguments are
 not one is the provider's malformed answer, never a success. An answer may propose at most
 ``MAX_TOOL_CALLS`` (128) calls: a 16 MiB body could otherwise propose 275,000, each held in
-memory and recorded. Over real HTTP on loopback, every protocol, both drivers.
+memory and recorded. An answer proposing calls to a request that offered no tools proposes
+tools of the model's own invention, which the host cannot run: malformed too (a parameter that
+brings its own tools, such as Gemini's ``cachedContent``, offers them). Over real HTTP on
+loopback, every protocol, both drivers.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ pytestmark = pytest.mark.anyio
 TOOLS = [ToolSpec(name="search", parameters={"type": "object", "properties": {}})]
 
 
-async def _send(adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool
+async def _send(adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool, *,
+                tools: list[ToolSpec] = TOOLS, params: dict[str, Any] | None = None
                 ) -> tuple[Any, list[StreamEvent]]:
     events: list[StreamEvent] = []
     result = await adapter.send(make_route(fake.endpoint(protocol), protocol),
-                                Envelope(parts=[Part(content="hi")], tools=TOOLS, stream=stream),
+                                Envelope(parts=[Part(content="hi")], tools=tools, stream=stream,
+                                         params=params or {}),
                                 profile_id=PROFILE, on_event=events.append)
     return result, events
 
@@ -160,3 +165,77 @@ async def test_an_answer_proposing_max_tool_calls_is_a_success(
     assert result.ok, result.observation
     assert len(result.tool_calls) == MAX_TOOL_CALLS
     assert all(c.arguments == {"q": 1} for c in result.tool_calls)
+
+
+def _streamed(protocol: str) -> bytes:
+    """A stream of text, then one call of ``search`` with ``{}``, then the protocol's end."""
+    if protocol == "openai":
+        return _sse(
+            {"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c0",
+             "function": {"name": "search", "arguments": "{}"}}]}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        ) + b"data: [DONE]\n\n"
+    if protocol == "openai_responses":
+        return _sse(
+            {"type": "response.output_text.delta", "delta": "Let me look."},
+            {"type": "response.output_item.done", "output_index": 1, "item": {
+                "type": "function_call", "id": "fc_0", "call_id": "c0", "name": "search",
+                "arguments": "{}"}},
+            {"type": "response.completed", "response": {
+                "status": "completed", "model": "m1",
+                "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}}})
+    if protocol == "anthropic":
+        return _sse(
+            {"type": "message_start", "message": {"model": "m1", "usage": {"input_tokens": 3}}},
+            {"type": "content_block_start", "index": 0,
+             "content_block": {"type": "text", "text": ""}},
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "text_delta", "text": "Let me look."}},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "content_block_start", "index": 1,
+             "content_block": {"type": "tool_use", "id": "t0", "name": "search", "input": {}}},
+            {"type": "content_block_delta", "index": 1,
+             "delta": {"type": "input_json_delta", "partial_json": "{}"}},
+            {"type": "content_block_stop", "index": 1},
+            {"type": "message_delta", "delta": {"stop_reason": "tool_use"}},
+            {"type": "message_stop"})
+    return _sse(
+        {"candidates": [{"content": {"role": "model", "parts": [{"text": "Let me look."}]}}]},
+        {"candidates": [{"content": {"role": "model", "parts": [
+            {"functionCall": {"name": "search", "args": {}}}]}, "finishReason": "STOP"}],
+         "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1}})
+
+
+def _answer(protocol: str, stream: bool) -> Behavior:
+    return _raw(_streamed(protocol) if stream else _body(protocol, 1), stream=stream)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_proposing_tool_calls_to_a_request_that_offered_no_tools_is_malformed(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    # The same answer is a success when the request offered a tool: only the offer differs.
+    fake.enqueue(_answer(protocol, stream))
+    offered, _ = await _send(adapter, fake, protocol, stream)
+    assert offered.ok and [c.name for c in offered.tool_calls] == ["search"], offered
+    fake.enqueue(_answer(protocol, stream))
+    result, events = await _send(adapter, fake, protocol, stream, tools=[])
+    _assert_malformed(result, events, stream=stream, after_text=stream)
+    assert "tool call 'search' but the request offered no tools" in result.observation.message
+
+
+@pytest.mark.parametrize(("protocol", "params"), [
+    ("gemini", {"cachedContent": "cachedContents/abc"}),
+    ("openai_responses", {"prompt": {"id": "pmpt_1"}}),
+    ("openai", {"functions": [{"name": "search", "parameters": {"type": "object"}}]}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_parameter_that_brings_its_own_tools_offers_them(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, params: dict[str, Any],
+        stream: bool) -> None:
+    # A cached content, a stored prompt or the legacy functions declare tools the envelope
+    # does not list: the calls they lead to are the answer.
+    fake.enqueue(_answer(protocol, stream))
+    result, _ = await _send(adapter, fake, protocol, stream, tools=[], params=params)
+    assert result.ok and [c.name for c in result.tool_calls] == ["search"], result.observation
