@@ -140,10 +140,19 @@ PIECE_BYTES = 64 * 1024
 MAX_CODINGS = 4
 
 
+class BodyCutShort(httpx.RemoteProtocolError):
+    """A compressed body ended before its coding did (a gzip stream without its trailer).
+
+    What arrived may still parse (a JSON answer cut after its last brace), but the answer is
+    incomplete, as a body shorter than its ``Content-Length`` is: a ``stream_cut``.
+    """
+
+
 class _Inflate:
     """One ``gzip`` or ``deflate`` coding, inflated at most :data:`PIECE_BYTES` at a time."""
 
     def __init__(self, coding: str) -> None:
+        self._coding = coding
         self._obj = zlib.decompressobj(zlib.MAX_WBITS | 16 if coding == "gzip" else zlib.MAX_WBITS)
         # "deflate" is meant to be zlib-wrapped, but some servers send it raw (as httpx allows).
         self._raw_allowed = coding == "deflate"
@@ -169,6 +178,12 @@ class _Inflate:
     def end(self) -> Iterator[bytes]:
         if out := self._obj.flush():
             yield out
+        if not self._obj.eof:
+            # Only the coding's own end (gzip's trailer, deflate's final block) proves that
+            # the server sent the whole body: the framing's end does not, when the server
+            # counted (or chunked) what it had compressed so far.
+            raise BodyCutShort(f"the response body ended before its {self._coding} stream "
+                               "did: the answer is incomplete")
 
 
 class BodyDecoder:
@@ -179,7 +194,8 @@ class BodyDecoder:
     would bound nothing. Here no piece is made before the engine asks for it, so an answer
     is inflated only as far as those limits let it be read. Codings that were not asked for
     (:data:`ACCEPT_ENCODING`), more than :data:`MAX_CODINGS` of them, and a body that does not
-    decode are refused: ``httpx.DecodingError``, a ``protocol_error``. Nothing else is raised
+    decode are refused: ``httpx.DecodingError``, a ``protocol_error``. A body whose coding did
+    not end (:class:`BodyCutShort`) is cut short: a ``stream_cut``. Nothing else is raised
     by decoding, so a hostile body can never surface as an untyped exception out of ``send()``.
     """
 
@@ -445,5 +461,5 @@ def blocking_driver() -> Driver:
     return Driver(time.monotonic)
 
 
-__all__ = ["DEADLINE", "Close", "Deliver", "Drain", "Driver", "Exchange", "Open", "Read", "Step",
-           "arun", "async_driver", "blocking_driver", "run"]
+__all__ = ["DEADLINE", "BodyCutShort", "Close", "Deliver", "Drain", "Driver", "Exchange", "Open",
+           "Read", "Step", "arun", "async_driver", "blocking_driver", "run"]

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
-from ledger.adapters.exchange import ACCEPT_ENCODING, DEADLINE, READ_LIMIT
+from ledger.adapters.exchange import ACCEPT_ENCODING, DEADLINE, READ_LIMIT, BodyCutShort
 from ledger.domain.facts import Phase, Transport
 from ledger.errors import InvalidArgument
 from ledger.readiness import peer_spoke
@@ -121,6 +121,8 @@ def map_transport_error(
         if headers_received:
             return Transport.STREAM_STALL, Phase.MID_STREAM
         return Transport.READ_TIMEOUT, sent_phase
+    if isinstance(exc, BodyCutShort):
+        return Transport.STREAM_CUT, Phase.MID_STREAM  # a body read, so its headers came
     if isinstance(exc, httpx.RemoteProtocolError):
         if headers_received:
             # h11 words an early close of a body as "peer closed connection without sending

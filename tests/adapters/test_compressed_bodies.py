@@ -3,8 +3,9 @@
 A provider (or anything between) may gzip its answer; a few KiB of gzip are megabytes of text.
 The request accepts only the codings the adapter inflates piece by piece (gzip, deflate), so
 ``max_body_bytes`` and ``max_stream_bytes`` bound the bytes held in memory after inflating, and
-an answer in a coding it did not accept is refused. Raw answers from the fake provider on
-loopback, both drivers.
+an answer in a coding it did not accept is refused. A compressed answer whose coding never
+ended (no gzip trailer, no final deflate block) is cut short, however well what arrived parses.
+Raw answers from the fake provider on loopback, both drivers.
 """
 
 from __future__ import annotations
@@ -240,3 +241,75 @@ async def test_a_small_chunk_inflating_to_much_data_keeps_total_timeout_and_the_
     # hundredths of a second), and the loop stalled for the whole limit without the pacing.
     assert elapsed < 2.0 + 2.0, elapsed
     assert longest_gap < 0.5, longest_gap
+
+
+def _sync_flushed(data: bytes, wbits: int) -> bytes:
+    """``data`` deflated and flushed, but never finished: no final block (nor trailer)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    return packer.compress(data) + packer.flush(zlib.Z_SYNC_FLUSH)
+
+
+# Each inflates to the whole answer (a valid JSON body, or every event): only the coding's
+# end is missing.
+TRUNCATED = {
+    "gzip-no-trailer": ("gzip", lambda d: gzip.compress(d)[:-8]),
+    "gzip-no-final-block": ("gzip", lambda d: _sync_flushed(d, zlib.MAX_WBITS | 16)),
+    "deflate-no-checksum": ("deflate", lambda d: zlib.compress(d)[:-4]),
+    "raw-deflate-no-final-block": ("deflate", lambda d: _sync_flushed(d, -zlib.MAX_WBITS)),
+    "gzip-gzip-inner-cut": ("gzip, gzip", lambda d: gzip.compress(gzip.compress(d)[:-8])),
+}
+
+
+def _cut_short(body: bytes, *, stream: bool) -> Behavior:
+    """``body`` uncompressed, its Content-Length promising more than is sent."""
+    ctype = "text/event-stream" if stream else "application/json"
+    head = (f"HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {len(body) + 10}"
+            "\r\nConnection: close\r\n\r\n").encode()
+    return Behavior(fault=Fault.RAW, raw=(head, body))
+
+
+@pytest.mark.parametrize("cut", list(TRUNCATED))
+async def test_a_compressed_body_cut_before_its_end_is_a_stream_cut_though_it_parses(
+        driver: str, fake: FakeProvider, cut: str) -> None:
+    # The framing is complete (Content-Length is what was sent) and what inflates is the whole
+    # JSON answer, but the server never finished the coding: the answer is incomplete, and it
+    # fails as a body shorter than its Content-Length does.
+    coding, pack = TRUNCATED[cut]
+    short = await _send(driver, fake, _cut_short(ANSWER, stream=False), stream=False)
+    expected = short.observation  # type: ignore[attr-defined]
+    assert (expected.transport, expected.phase) == (Transport.STREAM_CUT, Phase.MID_STREAM)
+    result = await _send(driver, fake, _answer(pack(ANSWER), coding=coding, stream=False),
+                         stream=False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok and result.text == "", obs  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase, obs.status) == (Transport.STREAM_CUT, Phase.MID_STREAM,
+                                                      200)
+    assert "ended before its" in obs.message and "incomplete" in obs.message
+    assert not obs.effective_output
+
+
+EVENTS_NO_DONE = EVENTS.replace(b"data: [DONE]\n\n", b"")
+
+
+@pytest.mark.parametrize("cut", ["gzip-no-trailer", "raw-deflate-no-final-block"])
+async def test_a_compressed_stream_cut_before_its_terminator_and_its_end_is_a_stream_cut(
+        driver: str, fake: FakeProvider, cut: str) -> None:
+    # Chat Completions' answer is complete at its finish_reason, and a clean end of the body
+    # then ends it (no [DONE] needed); an end the coding did not reach is no clean end.
+    coding, pack = TRUNCATED[cut]
+    whole = await _send(driver, fake, _answer(gzip.compress(EVENTS_NO_DONE), coding="gzip",
+                                              stream=True), stream=True)
+    assert whole.ok and whole.text == "hey", whole.observation  # type: ignore[attr-defined]
+    result = await _send(driver, fake, _answer(pack(EVENTS_NO_DONE), coding=coding,
+                                               stream=True), stream=True)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok, obs  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (Transport.STREAM_CUT, Phase.MID_STREAM)
+
+
+async def test_a_compressed_stream_whose_terminator_came_before_the_cut_is_complete(
+        driver: str, fake: FakeProvider) -> None:
+    # As for a stream cut after its terminator: nothing after [DONE] is part of the answer.
+    result = await _send(driver, fake, _answer(gzip.compress(EVENTS)[:-8], coding="gzip",
+                                               stream=True), stream=True)
+    assert result.ok and result.text == "hey", result.observation  # type: ignore[attr-defined]
