@@ -27,6 +27,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/decide/test_write_rules.py::test_the_settle_hash_covers_the_receipt",
         "tests/recovery/test_settle_unknown.py::test_an_attempt_moves_out_of_unknown_exactly_once",
         "tests/recovery/test_settle_unknown.py::test_the_executors_repeated_unknown_settle_after_the_receipt_changes_nothing",
+        "tests/run/test_failed_attempt_facts.py::test_invariant2_a_failed_attempts_reported_model_settles_again_as_the_same_write",
     ),
     # 3. A stale executor or a lapsed lease starts nothing; its late settle is a late receipt.
     3: (

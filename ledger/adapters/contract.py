@@ -255,6 +255,20 @@ class ProviderErrorPayload(Exception):
         self.model = model
 
 
+def error_extras(obj: Mapping[str, Any], usage_of: Callable[[Any], Usage | None],
+                 model_key: str = "model") -> tuple[Usage | None, str | None]:
+    """``(usage, model)`` an error object's answer still reports beside its error.
+
+    Read only where they have their shape (a usage object, a model name): the error is the
+    provider's verdict, and a stray field beside it must not turn that verdict into a malformed
+    answer (the evidence body keeps whatever was sent).
+    """
+    raw_usage = obj.get("usage")
+    model = obj.get(model_key)
+    return (usage_of(raw_usage) if isinstance(raw_usage, Mapping) else None,
+            model if isinstance(model, str) and model else None)
+
+
 def provider_message(value: Any, limit: int = 200) -> str:
     """A provider's error text for a message, at most ``limit`` characters.
 

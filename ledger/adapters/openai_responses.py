@@ -79,6 +79,7 @@ from ledger.adapters.contract import (
     detail_count,
     document_text,
     dropped_reasoning,
+    error_extras,
     join_url,
     made_up_call_id,
     media_of,
@@ -357,7 +358,10 @@ class OpenAIResponsesCodec(Codec):
         """A ``response`` object; an error object, or a failed or incomplete response, raises."""
         obj = require_object(data, "response body")
         if "error" in obj and obj.get("error") is not None and not obj.get("output"):
-            raise _error(obj["error"], status=optional_str(obj.get("status"), "status"))
+            err = _error(obj["error"], status=optional_str(obj.get("status"), "status"))
+            # A failed response is billed, and the model it names is the one that answered.
+            err.usage, err.model = error_extras(obj, _usage)
+            raise err
         bad = _ended_badly(obj)
         if bad is not None:
             # A failed or incomplete response is billed: its usage stays on the result.

@@ -67,7 +67,8 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
 
     A failure carries the usage it reported as an answer does: the provider may have billed it
     (a Responses ``incomplete`` answer, a stream its error event ended), and the Run is posted
-    that cost rather than nothing or the whole hold.
+    that cost rather than nothing or the whole hold. It carries the model the provider named
+    too (``model_reported``), which the failed or unknown Attempt records.
     """
     # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
     # again, records the Attempt with no usage, and keeps the report in a usage_invalid event.
@@ -79,7 +80,8 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
         return SendResult(ok=False, observation=obs, sent=result.sent,
                           partial_text=result.partial_text, prompt_tokens=pt,
                           completion_tokens=ct, cached_tokens=cached,
-                          reasoning_tokens=reasoning, cost=result.cost)
+                          reasoning_tokens=reasoning, cost=result.cost,
+                          model_reported=result.model_reported)
     return SendResult(
         ok=True,
         output=result,

@@ -783,7 +783,8 @@ class Face(Generic[SessionT, OpenedT]):
                 and ``settle_unknown`` price the usage themselves).
             effective_output: Whether output reached the caller (default: the fact's).
             tool_started: Whether the host started a tool it proposed (default: the fact's).
-            model_reported: The model the provider says served it.
+            model_reported: The model the provider says served it (on a failure, the one it
+                named before failing); covered by the settle hash like the rest of the receipt.
             output_hash: The answer's content hash.
             events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
             provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's

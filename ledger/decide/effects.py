@@ -265,7 +265,9 @@ class SendResult:
         reasoning_tokens: The part of ``completion_tokens`` spent reasoning, where the
             provider reports it.
         cost: The cost the provider reported, if any.
-        model_reported: The model the provider says served it.
+        model_reported: The model the provider says served it; on a failure, the model it
+            named before failing (an error answer's ``model``, a stream's ``message_start``),
+            recorded with a ``failed`` or ``unknown`` Attempt.
         output_hash: The answer's content hash, recorded with the Attempt.
         observation: The evidence of a failure; set exactly when ``ok`` is False.
         sent: ``False`` only when the request provably never left the process (nothing was

@@ -856,12 +856,16 @@ class TurnLoop:
             u = replace(_Usage.of(result), cost=None)
         else:
             u = _Usage()
+        # The model the provider named before it failed (an error answer's ``model``, the
+        # ``message_start`` of a stream it then ended) is which model answered, for the audit
+        # trail, kept as an answer's is; a request that never left was answered by none.
+        model = None if outcome is Outcome.NOT_SENT else _short(result.model_reported)
         return (yield from self._settle(
             route, profile, att.attempt_id, outcome, now=now, fact=fact,
             events=[*events, *u.events], repeat=repeat, times=times,
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cost=u.cost,
             cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
-            began_at=att.created_at))
+            model_reported=model, began_at=att.created_at))
 
     def _settle_interrupted(self, route: Route, profile: str | None, att: AttemptRecord,
                             dispatch: Dispatch) -> Generator[Effect[Any], Any, None]:

@@ -346,7 +346,8 @@ class AttemptRecord:
     failure ``fact`` (with ``category`` and ``http_status`` copied out for queries),
     ``effective_output`` and ``tool_started``, the usage the provider reported
     (``prompt_tokens``, ``completion_tokens``, ``cost``; ``None`` when not reported),
-    ``model_reported`` and the ``output_hash`` of its answer. ``reserved`` and
+    ``model_reported`` (the model the provider named: an answer's, or a failure's when the
+    provider named one before failing) and the ``output_hash`` of its answer. ``reserved`` and
     ``reserved_tokens`` are its holds and ``debit_state`` what became of them; ``fence`` and
     ``executor`` who began it; ``reject_reason`` why admission refused it (``rejected``).
 

@@ -1,0 +1,181 @@
+"""What a failed Attempt records of the provider's answer: the model that answered.
+
+A provider that answered, even with a failure (a failed or ``incomplete`` Responses answer, an
+error event that ended a stream after Anthropic's ``message_start``, Gemini's blocked prompt),
+named the model that served the call; the Attempt keeps it (``model_reported``), redacted and
+shortened as an answer's is, for the audit trail and telemetry's ``gen_ai.response.model``.
+Real HTTP over loopback (the fake provider's raw answers), through a Run session, on SQLite
+(the settle hash's duplicate rule on both backends).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger.adapters import SyncAdapter, sync_sender
+from ledger.api.facade import Ledger
+from ledger.api.turn import execute
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.records import AttemptRecord, AttemptState
+from ledger.domain.values import Budget, Price, Route, WireProtocol
+from ledger.errors import FailoverExhausted, SettleConflict
+from ledger.redaction import forget_secret, register_secret
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+
+RUN = "r"
+PRICE = Price(input_per_mtok=Decimal(100), output_per_mtok=Decimal(200))
+HOLD = Decimal("0.01")
+SERVED = "m-2025-06-01-served"  # not the route's model: only the provider can have said it
+
+
+def _http(body: bytes, content_type: str) -> bytes:
+    return (f"HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: "
+            f"{len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def _whole(obj: dict[str, Any]) -> bytes:
+    return _http(json.dumps(obj).encode(), "application/json")
+
+
+def _sse(*events: tuple[str | None, dict[str, Any]]) -> bytes:
+    body = b"".join((f"event: {name}\n" if name else "").encode()
+                    + b"data: " + json.dumps(data).encode() + b"\n\n" for name, data in events)
+    return _http(body, "text/event-stream")
+
+
+def _incomplete(model: str) -> dict[str, Any]:
+    return {"id": "resp_1", "object": "response", "status": "incomplete", "model": model,
+            "incomplete_details": {"reason": "max_output_tokens"}, "output": [],
+            "usage": {"input_tokens": 11, "output_tokens": 7}}
+
+
+_MESSAGE_START = ("message_start", {"type": "message_start", "message": {
+    "id": "msg_1", "type": "message", "role": "assistant", "model": SERVED, "content": [],
+    "usage": {"input_tokens": 11, "output_tokens": 1}}})
+_OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+
+# protocol, streamed, the provider's raw answer, the state the Attempt ends in
+ANSWERS = {
+    "responses_incomplete_body": ("openai_responses", False, _whole(_incomplete(SERVED)),
+                                  AttemptState.FAILED),
+    "responses_incomplete_stream": ("openai_responses", True, _sse(
+        ("response.created", {"type": "response.created",
+                              "response": {**_incomplete(SERVED), "status": "in_progress",
+                                           "usage": None}}),
+        ("response.incomplete", {"type": "response.incomplete",
+                                 "response": _incomplete(SERVED)})), AttemptState.FAILED),
+    "responses_failed_body": ("openai_responses", False, _whole({
+        "id": "resp_1", "object": "response", "status": "failed", "model": SERVED,
+        "output": [], "error": {"code": "server_error", "message": "upstream failed"}}),
+        AttemptState.FAILED),
+    "anthropic_error_event_after_message_start": ("anthropic", True, _sse(
+        _MESSAGE_START, ("error", _OVERLOADED)), AttemptState.FAILED),
+    "chat_error_chunk_after_a_chunk": ("openai", True, _sse(
+        (None, {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
+                "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+        (None, {"error": {"message": "upstream failed", "type": "server_error"}})),
+        AttemptState.FAILED),
+    "gemini_blocked_prompt": ("gemini", False, _whole({
+        "promptFeedback": {"blockReason": "SAFETY"}, "modelVersion": SERVED,
+        "usageMetadata": {"promptTokenCount": 11, "totalTokenCount": 11}}),
+        AttemptState.FAILED),
+    # Cut after message_start: no verdict, so unknown; the model it named is still known.
+    "anthropic_cut_after_message_start": ("anthropic", True, _sse(_MESSAGE_START),
+                                          AttemptState.UNKNOWN),
+}
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider().in_thread() as f:
+        yield f
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return str(tmp_path / "ledger.db")
+
+
+def _route(fake: FakeProvider, protocol: str) -> Route:
+    return Route(id="r1", provider="p", model="m", group="g", recipient="p",
+                 protocol=WireProtocol(protocol), endpoint=fake.endpoint(protocol), price=PRICE)
+
+
+def _budget() -> Budget:
+    return Budget(max_calls=1, max_retries=0, max_cost=Decimal(1))
+
+
+def _failing_turn(led: Ledger, fake: FakeProvider, protocol: str, stream: bool,
+                  raw: bytes) -> AttemptRecord:
+    """One turn of one route whose only call is answered with ``raw``; its Attempt."""
+    fake.clear()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(raw,)))
+    envelope = Envelope(parts=[Part(content="hi")], stream=stream, max_output_tokens=64)
+    with led.run(RUN, plan=[_route(fake, protocol)], budget=_budget()) as run, \
+            pytest.raises(FailoverExhausted):
+        run.turn(envelope, reserve=HOLD)
+    [att] = led.timeline(RUN)
+    return att
+
+
+@pytest.mark.parametrize("case", list(ANSWERS))
+def test_failed_attempt_records_the_model_the_provider_reported(
+        db: str, fake: FakeProvider, case: str) -> None:
+    protocol, stream, raw, state = ANSWERS[case]
+    with Ledger.open(db) as led:
+        att = _failing_turn(led, fake, protocol, stream, raw)
+        assert att.state is state
+        assert att.model_reported == SERVED
+
+
+def test_failed_attempt_model_is_redacted_and_shortened_as_an_answers_is(
+        db: str, fake: FakeProvider) -> None:
+    """A provider that echoes a key in its model name, with a control character, past the 200
+    characters kept: stored redacted, printable, at most 200 characters."""
+    key = "sk-live-9fQ2xZ7rT4mW8kP1vB6nD3hJ"
+    register_secret(key)
+    try:
+        model = f"gpt-x/{key}\x07" + "y" * 300
+        with Ledger.open(db) as led:
+            att = _failing_turn(led, fake, "openai_responses", False,
+                                _whole(_incomplete(model)))
+        assert att.state is AttemptState.FAILED and att.model_reported is not None
+        assert key not in att.model_reported
+        assert att.model_reported.startswith("gpt-x/[REDACTED]?yyy")
+        assert len(att.model_reported) == 200
+    finally:
+        forget_secret(key)
+
+
+def test_invariant2_a_failed_attempts_reported_model_settles_again_as_the_same_write(
+        db_url: str, fake: FakeProvider) -> None:
+    """Invariant 2: the settle hash covers the model a failure reported, so the same receipt
+    again is the same write and another model is refused; a failure that named none hashes as
+    it always did (``test_a_fact_without_accepted_is_stored_and_hashed_as_before``)."""
+    fake.clear()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(_whole(_incomplete(SERVED)),)))
+    route = _route(fake, "openai_responses")
+    with Ledger.open(db_url) as led, SyncAdapter() as adapter:
+        led.admit_run(RUN, plan=[route], budget=_budget())
+        lease = led.acquire_lease(RUN, ttl_s=60)
+        with pytest.raises(FailoverExhausted):
+            execute(led, lease, Envelope(parts=[Part(content="hi")], max_output_tokens=64),
+                    sync_sender(adapter), reserve=HOLD)
+        [att] = led.timeline(RUN)
+        assert (att.state, att.model_reported) == (AttemptState.FAILED, SERVED)
+        receipt: dict[str, Any] = {
+            "outcome": "failed", "fact": att.fact, "prompt_tokens": att.prompt_tokens,
+            "completion_tokens": att.completion_tokens, "cost": att.cost,
+            "cached_tokens": att.cached_tokens, "reasoning_tokens": att.reasoning_tokens}
+        again = led.settle_attempt(lease, att.attempt_id, model_reported=SERVED, **receipt)
+        assert again == att
+        with pytest.raises(SettleConflict):
+            led.settle_attempt(lease, att.attempt_id, model_reported="another-model", **receipt)
+        with pytest.raises(SettleConflict):
+            led.settle_attempt(lease, att.attempt_id, **receipt)
