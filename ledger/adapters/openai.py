@@ -62,6 +62,7 @@ from ledger.adapters.contract import (
     detail_count,
     document_text,
     dropped_reasoning,
+    error_extras,
     join_url,
     made_up_call_id,
     media_of,
@@ -106,11 +107,17 @@ def _usage(value: Any) -> Usage | None:
 
 
 def _error(data: dict[str, Any]) -> ProviderErrorPayload:
+    """An error object (a 2xx body, or a stream chunk) as the provider's failure.
+
+    The usage and model beside it are kept, in a body and in a chunk alike: the call may be
+    billed at that usage, and the model is the one that answered.
+    """
     err = data.get("error")
     msg = err.get("message") if isinstance(err, dict) else err
+    usage, model = error_extras(data, _usage)
     return ProviderErrorPayload(
         f"provider error: {provider_message(msg) if msg is not None else 'no message'}",
-        json.dumps(data),
+        json.dumps(data), usage=usage, model=model,
     )
 
 

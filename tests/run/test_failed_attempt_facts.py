@@ -179,3 +179,51 @@ def test_invariant2_a_failed_attempts_reported_model_settles_again_as_the_same_w
             led.settle_attempt(lease, att.attempt_id, model_reported="another-model", **receipt)
         with pytest.raises(SettleConflict):
             led.settle_attempt(lease, att.attempt_id, **receipt)
+
+
+# -- a chat completions error object that reports usage ---------------------------------------
+
+_CHAT_ERROR_WITH_USAGE = {"error": {"message": "upstream failed", "type": "server_error"},
+                          "model": SERVED,
+                          "usage": {"prompt_tokens": 11, "completion_tokens": 7,
+                                    "total_tokens": 18}}
+CHAT_COST = Decimal(11 * 100 + 7 * 200) / 10**6  # 0.0025 at PRICE
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+@pytest.mark.parametrize("hold", [HOLD, Decimal("0.001")], ids=["under_hold", "over_hold"])
+def test_chat_error_with_usage_posts_that_usage_whole_body_or_streamed(
+        db: str, fake: FakeProvider, stream: bool, hold: Decimal) -> None:
+    """A chat completions error object that reports usage, as a 2xx body or as a stream chunk
+    (after a first chunk), is posted at that usage's cost, at most the hold, the same both
+    ways; the tokens are the Attempt's and the Run's."""
+    raw = _sse((None, {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
+                       "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+               (None, _CHAT_ERROR_WITH_USAGE)) if stream else _whole(_CHAT_ERROR_WITH_USAGE)
+    fake.clear()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(raw,)))
+    envelope = Envelope(parts=[Part(content="hi")], stream=stream, max_output_tokens=64)
+    with Ledger.open(db) as led:
+        with led.run(RUN, plan=[_route(fake, "openai")], budget=_budget()) as run, \
+                pytest.raises(FailoverExhausted):
+            run.turn(envelope, reserve=hold)
+        [att] = led.timeline(RUN)
+        assert att.state is AttemptState.FAILED and att.fact is not None and att.fact.accepted
+        assert (att.prompt_tokens, att.completion_tokens, att.cost) == (11, 7, CHAT_COST)
+        assert att.model_reported == SERVED
+        r = led.get_run(RUN)
+        assert (r.posted, r.reserved) == (min(CHAT_COST, hold), Decimal(0))
+        assert r.tokens_used == 18
+
+
+def test_chat_error_with_a_stray_usage_stays_the_providers_error(
+        db: str, fake: FakeProvider) -> None:
+    """A usage or model beside the error that has not its shape is left out (the evidence
+    body keeps it): the provider's error is still the fact, not a malformed answer."""
+    raw = _sse((None, {"error": {"message": "slow down", "code": "rate_limit_exceeded"},
+                       "usage": "lots", "model": 5}))
+    with Ledger.open(db) as led:
+        att = _failing_turn(led, fake, "openai", True, raw)
+        assert att.fact is not None and att.fact.transport is None
+        assert att.category == "rate_limit"
+        assert (att.prompt_tokens, att.model_reported) == (None, None)
