@@ -66,6 +66,8 @@ clean end without completion signal    stream_cut                      mid_strea
 event not parsable / wrong shape       malformed_event                 mid_stream (stream),
                                                                        after_headers (body)
 error event inside a stream            (none; status 200, body)        mid_stream
+a stream's final status event          (none; status 200, body)        after_headers
+  (Responses response.failed/.incomplete)
 2xx body that is an error object       (none; status, body)            after_headers
 HTTP status >= 300                     (none; status, headers, body)   after_headers
 =====================================  ==============================  ======================
@@ -1090,10 +1092,13 @@ class HttpAdapter:
                     # What the error itself reported (Gemini's blocked prompt carries its
                     # usage), as for a whole body.
                     call.usage, call.model = exc.usage or call.usage, exc.model or call.model
+                    # An event that is the answer's final status is the provider's whole,
+                    # known verdict, decided as the same body would be; only an error that
+                    # broke the stream off leaves it mid-stream.
                     return (yield from self._fail(
                         call,
                         transport=None,
-                        phase=Phase.MID_STREAM,
+                        phase=Phase.AFTER_HEADERS if exc.final else Phase.MID_STREAM,
                         message=str(exc),
                         body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
                     ))

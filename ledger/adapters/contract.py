@@ -245,14 +245,22 @@ class ProviderErrorPayload(Exception):
 
     ``usage`` and ``model`` are what a whole failed answer still reported (a Responses-API
     response that failed or was incomplete is billed): the result keeps them.
+
+    ``final``: in a stream, the event is the answer's own final status, the very object a whole
+    body carries (the Responses API's ``response.failed`` and ``response.incomplete`` hold the
+    whole response). The provider's verdict is then complete and known, so the failure is
+    observed as the same whole body is (phase ``after_headers``), not as a stream that broke
+    off (``mid_stream``, which no policy resubmits unless it resubmits unknown executions).
+    Whether its text reached the caller is ``effective_output``'s to say, as for any failure.
     """
 
     def __init__(self, message: str, body: str, *, usage: Usage | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, final: bool = False) -> None:
         super().__init__(message)
         self.body = body
         self.usage = usage
         self.model = model
+        self.final = final
 
 
 def error_extras(obj: Mapping[str, Any], usage_of: Callable[[Any], Usage | None],

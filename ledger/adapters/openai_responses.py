@@ -50,8 +50,10 @@ Streams (no ``[DONE]``; each event's ``type`` says what it is): ``response.outpu
 ``response.function_call_arguments.delta`` / ``.done`` fill its arguments and
 ``response.output_item.done`` completes it (then it is proposed) or hands over a reasoning
 item or a generated image (whole: ``response.image_generation_call.partial_image`` previews
-are not the answer); ``response.completed`` terminates with the final usage; ``response.failed``,
-``response.incomplete`` and ``error`` events are provider failures in mid-stream. Other events
+are not the answer); ``response.completed`` terminates with the final usage; ``response.failed``
+and ``response.incomplete`` are provider failures holding the whole response, observed as the
+same whole body is (``ProviderErrorPayload.final``), and ``error`` events provider failures in
+mid-stream. Other events
 (``response.created``, ``response.in_progress``, content-part and reasoning-summary events,
 events added later) are read for the model name at most and otherwise ignored.
 """
@@ -443,6 +445,8 @@ class _ResponsesStream(StreamState):
             if kind in ("response.failed", "response.incomplete"):
                 bad = _ended_badly(response) or _error(
                     {"code": None, "message": f"{kind} without a status"}, status=kind[9:])
+                # The whole response with its final status: the same verdict as the body.
+                bad.final = True
                 raise bad
         elif kind in ("response.output_text.delta", "response.refusal.delta"):
             text = optional_str(data.get("delta"), f"{kind}.delta") or ""

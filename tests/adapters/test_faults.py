@@ -322,7 +322,10 @@ async def test_in_stream_error_event_is_a_provider_failure(
     fake.enqueue(Fault.ERROR_EVENT)
     result, events = await send(adapter, fake, protocol, True)
     obs = result.observation  # type: ignore[attr-defined]
-    assert obs.transport is None and obs.phase is Phase.MID_STREAM and obs.effective_output
+    # Responses' response.failed holds the whole response with its final status: the same
+    # verdict as the body, observed so; every other error event breaks the stream off.
+    phase = Phase.AFTER_HEADERS if protocol == "openai_responses" else Phase.MID_STREAM
+    assert obs.transport is None and obs.phase is phase and obs.effective_output
     body = json.loads(obs.body)
     if protocol == "anthropic":
         assert body["error"]["type"] == "overloaded_error"

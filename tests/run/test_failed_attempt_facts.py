@@ -1,9 +1,14 @@
-"""What a failed Attempt records of the provider's answer: the model that answered.
+"""What a failed Attempt records of the provider's answer, and how it is decided.
 
-A provider that answered, even with a failure (a failed or ``incomplete`` Responses answer, an
-error event that ended a stream after Anthropic's ``message_start``, Gemini's blocked prompt),
-named the model that served the call; the Attempt keeps it (``model_reported``), redacted and
-shortened as an answer's is, for the audit trail and telemetry's ``gen_ai.response.model``.
+* The model that answered: a provider that answered, even with a failure (a failed or
+  ``incomplete`` Responses answer, an error event that ended a stream after Anthropic's
+  ``message_start``, Gemini's blocked prompt), named the model that served the call; the
+  Attempt keeps it (``model_reported``), redacted and shortened as an answer's is, for the
+  audit trail and telemetry's ``gen_ai.response.model``.
+* The usage beside a chat completions error object, in a 2xx body or a stream chunk alike.
+* A Responses answer's final status (``response.failed``, ``response.incomplete``) is decided
+  streamed as it is whole: by its category, not as an execution whose outcome is unknown.
+
 Real HTTP over loopback (the fake provider's raw answers), through a Run session, on SQLite
 (the settle hash's duplicate rule on both backends).
 """
@@ -22,6 +27,7 @@ from ledger.adapters import SyncAdapter, sync_sender
 from ledger.api.facade import Ledger
 from ledger.api.turn import execute
 from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Phase
 from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.domain.values import Budget, Price, Route, WireProtocol
 from ledger.errors import FailoverExhausted, SettleConflict
@@ -227,3 +233,103 @@ def test_chat_error_with_a_stray_usage_stays_the_providers_error(
         assert att.fact is not None and att.fact.transport is None
         assert att.category == "rate_limit"
         assert (att.prompt_tokens, att.model_reported) == (None, None)
+
+
+# -- a Responses answer's final status, streamed or whole --------------------------------------
+
+def _failed_response(code: str) -> dict[str, Any]:
+    return {"id": "resp_1", "object": "response", "status": "failed", "model": SERVED,
+            "output": [], "error": {"code": code, "message": "the response failed"},
+            "usage": None}
+
+
+def _responses_answer(final: dict[str, Any], stream: bool, text: str = "") -> bytes:
+    """``final`` as a whole body, or streamed: created, ``text`` as deltas, then its event."""
+    if not stream:
+        return _whole(final)
+    events: list[tuple[str | None, dict[str, Any]]] = [
+        ("response.created", {"type": "response.created",
+                              "response": {**final, "status": "in_progress"}})]
+    if text:
+        events.append(("response.output_text.delta", {
+            "type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0,
+            "content_index": 0, "delta": text}))
+    kind = f"response.{final['status']}"
+    events.append((kind, {"type": kind, "response": final}))
+    return _sse(*events)
+
+
+def _two_route_turn(led: Ledger, fake: FakeProvider, raw: bytes, stream: bool,
+                    shown: list[str] | None = None) -> str:
+    """A turn whose primary is answered with ``raw`` and whose backup (another group) would
+    answer: the route that served it, or ``stop:<reason>``."""
+    fake.clear()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(raw,)), model="m-primary")
+    routes = [Route(id=rid, provider="p", model=f"m-{rid}", group=f"g-{rid}", recipient="p",
+                    protocol=WireProtocol.OPENAI_RESPONSES,
+                    endpoint=fake.endpoint("openai_responses"), price=PRICE)
+              for rid in ("primary", "backup")]
+    budget = Budget(max_calls=2, max_retries=1, max_cost=Decimal(1))
+    envelope = Envelope(parts=[Part(content="hi")], stream=stream, max_output_tokens=64)
+    with led.run(RUN, plan=routes, budget=budget) as run:
+        try:
+            return run.turn(envelope, reserve=HOLD,
+                            on_text=shown.append if shown is not None else None).route.id
+        except FailoverExhausted as e:
+            return f"stop:{e.reason}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_an_incomplete_responses_answer_is_decided_by_its_category_streamed_or_whole(
+        db: str, fake: FakeProvider, stream: bool) -> None:
+    """``response.incomplete`` holds the whole response with its final status, as the body
+    does: a known verdict (``max_output_tokens``: category ``unknown``, which moves on nowhere
+    under the default policy), not an execution whose outcome is unknown."""
+    with Ledger.open(db) as led:
+        outcome = _two_route_turn(led, fake, _responses_answer(_incomplete(SERVED), stream),
+                                  stream)
+        assert outcome == "stop:not_eligible_failure"
+        [att] = led.timeline(RUN)
+        assert att.state is AttemptState.FAILED and att.fact is not None
+        assert (att.fact.phase, att.category) == (Phase.AFTER_HEADERS, "unknown")
+        assert att.fact.accepted and att.fact.status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_a_failed_responses_answer_moves_on_by_its_category_streamed_or_whole(
+        db: str, fake: FakeProvider, stream: bool) -> None:
+    """A failed response whose error is ``rate_limit_exceeded`` moves on to another group under
+    the default policy, the same streamed (``response.failed``) as whole."""
+    with Ledger.open(db) as led:
+        raw = _responses_answer(_failed_response("rate_limit_exceeded"), stream)
+        assert _two_route_turn(led, fake, raw, stream) == "backup"
+        first = led.timeline(RUN)[0]
+        assert (first.route_id, first.state, first.category) == (
+            "primary", AttemptState.FAILED, "rate_limit")
+
+
+def test_a_streamed_final_status_after_text_was_shown_still_stops_on_the_output(
+        db: str, fake: FakeProvider) -> None:
+    """Invariant 9 stands: text the caller was shown before the final event is effective
+    output, and the turn stops there whatever the category."""
+    shown: list[str] = []
+    with Ledger.open(db) as led:
+        raw = _responses_answer(_failed_response("rate_limit_exceeded"), True, text="Half an")
+        assert _two_route_turn(led, fake, raw, True, shown) == "stop:output_exists"
+        assert shown == ["Half an"]
+        [att] = led.timeline(RUN)
+        assert att.effective_output and att.fact is not None
+        assert att.fact.phase is Phase.AFTER_HEADERS
+
+
+def test_a_streamed_final_status_after_buffered_text_discards_it_and_moves_on(
+        db: str, fake: FakeProvider) -> None:
+    """Nobody was shown the text before the final event (no callback: the ledger buffers the
+    stream and hands an answer over only after the settle): it is discarded, recorded so, and
+    the failure is decided as the whole body is."""
+    with Ledger.open(db) as led:
+        raw = _responses_answer(_failed_response("rate_limit_exceeded"), True, text="Half an")
+        assert _two_route_turn(led, fake, raw, True) == "backup"
+        first = led.timeline(RUN)[0]
+        assert not first.effective_output
+        assert [e.attempt_id for e in led.events(RUN, ["discarded"])] == [first.attempt_id]
