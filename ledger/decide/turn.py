@@ -106,6 +106,7 @@ from ledger.errors import (
     SettleConflict,
 )
 from ledger.policy.model import Policy
+from ledger.redaction import redact
 
 # The retry owner's log lines (the seeds' "[fallback] ..." lines) keep the logger name
 # operators filter on.
@@ -1157,9 +1158,10 @@ def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> Attemp
 
 def _short(text: str | None) -> str | None:
     # Provider text: what is stored is printable (both backends store it alike), at most 200.
+    # Redacted before it is cut: a secret straddling the cut would leave its head unmatched.
     if text is None:
         return None
-    return "".join(c if c.isprintable() else "?" for c in text[:200])
+    return "".join(c if c.isprintable() else "?" for c in redact(text)[:200])
 
 
 def _cause(fact: FailureFact) -> dict[str, Any]:

@@ -657,7 +657,8 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
         "effective_output": spec.effective_output, "tool_started": spec.tool_started,
         "prompt_tokens": spec.prompt_tokens, "completion_tokens": spec.completion_tokens,
         "cost_micros": spec.cost_micros,
-        "model_reported": redact(spec.model_reported) if spec.model_reported else None,
+        # Cut after redacting: a redaction may lengthen a host's 200 characters.
+        "model_reported": redact(spec.model_reported)[:200] if spec.model_reported else None,
         "output_hash": spec.output_hash, "settle_hash": spec.settle_hash,
         "settle_fence": spec.fence, "settled_at": now,
         **settle_measures(spec, float(att.created_at), now),

@@ -159,6 +159,51 @@ def test_failed_attempt_model_is_redacted_and_shortened_as_an_answers_is(
         forget_secret(key)
 
 
+def test_a_key_straddling_the_200th_character_of_a_reported_model_is_not_stored_in_part(
+        db: str, fake: FakeProvider) -> None:
+    """The model name was cut at 200 characters before it was redacted: a key beginning at
+    the 190th character lost its tail to the cut, and its head (10 characters of the key) no
+    longer matched the key, so it was stored. Redacted first, then cut, none of it is."""
+    key = "Zq8Lm2Xv7Bn4Kc1Rt6Yw3Hp"  # no credential shape: only its registration finds it
+    register_secret(key)
+    try:
+        model = "m" * 189 + "/" + key
+        with Ledger.open(db) as led:
+            att = _failing_turn(led, fake, "openai_responses", False,
+                                _whole(_incomplete(model)))
+        assert att.model_reported is not None and len(att.model_reported) <= 200
+        assert key[:10] not in att.model_reported
+        assert att.model_reported == "m" * 189 + "/[REDACTED]"
+    finally:
+        forget_secret(key)
+
+
+def test_a_hosts_reported_model_lengthened_by_redaction_is_stored_within_its_column(
+        db_url: str, fake: FakeProvider) -> None:
+    """A host's own settle may report 200 characters; a short key in them redacts to the
+    longer ``[REDACTED]``. PostgreSQL refused the write (its column holds 200); both backends
+    now store the redacted text cut to 200."""
+    key = "k3Y9q!"  # six characters: the shortest a registered secret may be
+    register_secret(key)
+    try:
+        model = (key + "-") * 28 + "m" * 4  # 200 characters
+        assert len(model) == 200
+        with Ledger.open(db_url) as led:
+            led.admit_run(RUN, plan=[_route(fake, "openai")], budget=_budget())
+            lease = led.acquire_lease(RUN, ttl_s=60)
+            att = led.begin_attempt(lease, route="r1", envelope_hash="e" * 64,
+                                    reserve=HOLD)
+            done = led.settle_attempt(lease, att.attempt_id, outcome="succeeded",
+                                      model_reported=model, cost=Decimal("0.001"))
+            assert done.model_reported is not None and key not in done.model_reported
+            [stored] = led.timeline(RUN)
+            assert stored.model_reported == done.model_reported
+            assert stored.model_reported.startswith("[REDACTED]-[REDACTED]-")
+            assert len(stored.model_reported) == 200
+    finally:
+        forget_secret(key)
+
+
 def test_invariant2_a_failed_attempts_reported_model_settles_again_as_the_same_write(
         db_url: str, fake: FakeProvider) -> None:
     """Invariant 2: the settle hash covers the model a failure reported, so the same receipt
