@@ -13,7 +13,7 @@ every transaction waiting when it gets free and runs them in one transaction:
   commit point is rolled back to its savepoint and told its error, and the others go on;
 * a member stops at its commit point (``Flush(commit=True)``, or its end) and waits; the group
   commits once; only then is each member sent the rows of its last statements and finished, so
-  the code after a commit point (``begin.after_commit``, a refusal raised once the refused
+  the code after a commit point (``begin.after_commit``, a refusal returned once the refused
   Attempt is recorded) runs after a real commit, as it does alone, and no caller hears of a
   write before it is durable;
 * if the ``COMMIT`` fails, or a failure ends SQLite's transaction under the group (a full disk,

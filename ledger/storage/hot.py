@@ -190,11 +190,13 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
 
 
 def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
-             ) -> Tx[AttemptRecord | Queued]:
+             ) -> Tx[AttemptRecord | Queued | Refusal]:
     """Record an Attempt before it is sent (see ``Store.begin_attempt``).
 
     With ``spec.queue_until`` a full group queues the begin instead (:class:`Queued`, nothing
-    recorded as an Attempt); the same begin again, once its place comes up, records it.
+    recorded as an Attempt); the same begin again, once its place comes up, records it. A
+    refusal by the group is committed, then returned as a :class:`Refusal` (its error is the
+    caller's to raise).
     """
     lease = Lease(spec.run_id, spec.executor or "", spec.fence, 0.0)
     locked, looked = yield Flush((
@@ -271,8 +273,18 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
     faults.point("begin.after_commit")
     record = written_attempt(values, debit_state.value)
     if rejected:
-        raise _refused(spec, adm, rejected, record.seq)
+        return Refusal(_refused(spec, adm, rejected, record.seq), freed_slot=False)
     return record
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A begin its capacity group refused, recorded and committed: ``error`` is what its
+    caller is told; ``freed_slot``: the refusal freed a slot of the group (a refused adoption
+    gives up the slot the Attempt held under its old fence), so a waiter may go."""
+
+    error: CapacityUnavailable
+    freed_slot: bool
 
 
 def _refused(spec: BeginSpec, adm: _Admission, rejected: tuple[str, float | None],
@@ -289,7 +301,7 @@ def _refused(spec: BeginSpec, adm: _Admission, rejected: tuple[str, float | None
         attempt_id=spec.attempt_id, group=spec.route.group, reason=reason,
         until=until, seq=seq, route=spec.route.id, **limit,
         **({"in_flight": adm.in_flight} if full else {}),
-        # A refused adoption freed the attempt's old slot: the store wakes a waiter for it.
+        # The caller learns the refusal voided an Attempt it had begun before.
         **({"adoption": True} if adoption else {}),
     )
 
@@ -539,7 +551,7 @@ def leave_queue_tx(sql: Statements, waiter_id: str, group: str) -> Tx[bool]:
 
 def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: float,
                  clock: ClockFn, margin: float, looked: tuple[Any, Any, Any, Any]
-                 ) -> Tx[AttemptRecord]:
+                 ) -> Tx[AttemptRecord | Refusal]:
     """A begin whose attempt id is already recorded: the same write again (its record), or,
     retried under a lease acquired again after a lost acknowledgement, its adoption."""
     [row] = yield Q(sql.attempt, {"attempt_id": spec.attempt_id})
@@ -587,7 +599,8 @@ def _begin_again(sql: Statements, spec: BeginSpec, run: Any, lease: Lease, now: 
             "reason": rejected[0], "group": spec.route.group, "adoption": True}, now)],
           many=True),
     ), commit=True)
-    raise _refused(spec, adm, rejected, int(prior.seq), adoption=True)
+    return Refusal(_refused(spec, adm, rejected, int(prior.seq), adoption=True),
+                   freed_slot=True)
 
 
 def _event(run_id: str | None, attempt_id: str | None, kind: str, data: Mapping[str, Any],
@@ -1038,6 +1051,7 @@ def compaction_tx(sql: Statements, lease: Lease, clock: ClockFn, margin: float) 
 
 __all__ = [
     "QUEUE_CHANNEL",
+    "Refusal",
     "SnapshotRows",
     "acquire_tx",
     "attempt_tx",

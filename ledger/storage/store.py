@@ -67,7 +67,6 @@ from ledger.decide.resolve import (
 from ledger.domain.records import AttemptRecord, AttemptState, Lease, Queued, RunStatus
 from ledger.domain.specs import BeginSpec, ReceiptSpec, SettleSpec
 from ledger.errors import (
-    CapacityUnavailable,
     DatabaseUnavailable,
     FencedOut,
     InvalidState,
@@ -383,15 +382,14 @@ class Store:
         acquired again whose adoption the group refuses voids its record and frees its slot:
         the error says ``adoption=True``, and a waiter of the group here is woken."""
         yield from self._first(spec.run_id, clock)
-        try:
-            return (yield from resolving(
-                "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
-                again=False, run_id=spec.run_id, attempt_id=spec.attempt_id))
-        except CapacityUnavailable as e:
-            if e.fields.get("adoption"):
-                # The refusal freed the attempt's old slot (committed): as a settle does.
-                self.waker.poke(spec.route.group)
-            raise
+        out = yield from resolving(
+            "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
+            again=False, run_id=spec.run_id, attempt_id=spec.attempt_id)
+        if isinstance(out, hot.Refusal):
+            if out.freed_slot:
+                self.waker.poke(spec.route.group)  # committed already: as a settle's slot
+            raise out.error
+        return out
 
     def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in
