@@ -301,6 +301,14 @@ class Left:
     micros: int
     tokens: int | None
 
+    def amounts(self) -> dict[str, int]:
+        """Each amount by its name, as the Run's ``carved_*`` and ``returned_*`` columns say.
+
+        Without a token budget ``tokens`` is 0.
+        """
+        return {"calls": self.calls, "retries": self.retries, "micros": self.micros,
+                "tokens": self.tokens or 0}
+
 
 def budget_left(run: Any) -> Left:
     """What is left of the budget of ``run``; the one place this is said.

@@ -43,8 +43,7 @@ def give_back(ctx: SqlContext, conn: Connection, run_id: str, now: float) -> Non
         back = carve_return(SimpleNamespace(**child), parent["max_tokens"] is not None)
         if back is None:
             return
-        amounts = {"calls": back.calls, "retries": back.retries, "micros": back.micros,
-                   "tokens": back.tokens}
+        amounts = back.amounts()
         conn.execute(s.runs.update().where(r.run_id == child["run_id"]).values(
             {f"returned_{k}": r[f"returned_{k}"] + v for k, v in amounts.items()}))
         conn.execute(s.runs.update().where(r.run_id == parent["run_id"]).values(

@@ -906,8 +906,7 @@ def give_back_tx(sql: Statements, run_id: str, now: float) -> Tx[None]:
         back = carve_return(child, parent.max_tokens is not None)
         if back is None:
             break
-        amounts = {"calls": back.calls, "retries": back.retries, "micros": back.micros,
-                   "tokens": back.tokens}
+        amounts = back.amounts()
         writes += [
             Q(sql.give_back, {"run_id": child.run_id, **amounts}),
             Q(sql.take_back, {"run_id": parent.run_id, **amounts}),
@@ -915,8 +914,7 @@ def give_back_tx(sql: Statements, run_id: str, now: float) -> Tx[None]:
                                         give_back_event(parent.run_id, back), now)],
               many=True),
         ]
-        for name, value in (("calls", back.calls), ("retries", back.retries),
-                            ("micros", back.micros), ("tokens", back.tokens)):
+        for name, value in amounts.items():  # as written: a parent passing it on reads it so
             setattr(parent, f"carved_{name}", getattr(parent, f"carved_{name}") - value)
         child = parent
     # Not fused: an ended parent passing it on is written twice (its carve, its return).
