@@ -61,7 +61,9 @@ earliest waiter's polling interval bounds how long the queue takes to notice.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -86,13 +88,18 @@ IDLE_POLLS = 20
 
 @dataclass
 class _Signal:
-    """One waiter's wake-up: a thread event, and an asyncio one for a waiter on a loop."""
+    """One waiter's wake-up: a thread event, and an asyncio one for a waiter on a loop.
+
+    ``arrival`` is set by the registry: among equal tickets, the one registered first is
+    served first.
+    """
 
     group: str
     ticket: int
     event: threading.Event = field(default_factory=threading.Event)
     loop: asyncio.AbstractEventLoop | None = None
     aevent: asyncio.Event | None = None
+    arrival: int = 0
 
     def set(self) -> None:
         self.event.set()
@@ -106,58 +113,116 @@ class _Signal:
             self.aevent.clear()
 
 
+class _Waiters:
+    """One database's waiters in this process: by id, and each group's in the order its queue
+    serves them (by ticket, then arrival), so the earliest is the first of its group's list
+    and a change finds its place by bisection instead of scanning every waiter."""
+
+    __slots__ = ("by_arrival", "by_id", "order")
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, _Signal] = {}
+        self.by_arrival: dict[int, _Signal] = {}
+        self.order: dict[str, list[tuple[int, int]]] = {}
+
+    def put(self, signal: _Signal) -> None:
+        self.by_arrival[signal.arrival] = signal
+        bisect.insort(self.order.setdefault(signal.group, []), (signal.ticket, signal.arrival))
+
+    def drop(self, signal: _Signal) -> None:
+        del self.by_arrival[signal.arrival]
+        places = self.order[signal.group]
+        del places[bisect.bisect_left(places, (signal.ticket, signal.arrival))]
+        if not places:
+            del self.order[signal.group]
+
+    def earliest(self, group: str) -> _Signal | None:
+        places = self.order.get(group)
+        return self.by_arrival[places[0][1]] if places else None
+
+    def wake_first(self, group: str) -> int:
+        """Wake the earliest waiter of ``group`` not woken yet: the one the queue serves first;
+        one woken already will begin again anyway (only those are passed over: a woken
+        waiter's signal is cleared once it is back at its wait)."""
+        for _, arrival in self.order.get(group, ()):
+            signal = self.by_arrival[arrival]
+            if not signal.event.is_set():
+                signal.set()
+                return 1
+        return 0
+
+    def hand_over(self, group: str, before: _Signal | None, at_begin: _Signal) -> None:
+        """Wake the group's new earliest waiter when it changed: it takes over polling (it was
+        waiting out the long idle interval). ``at_begin`` is about to begin anyway."""
+        now = self.earliest(group)
+        if now is not None and now is not before and now is not at_begin:
+            now.set()
+
+
 class _Registry:
     """Every waiter of this process, by database and group (shared by all stores)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.by_key: dict[str, dict[str, _Signal]] = {}
+        self.by_key: dict[str, _Waiters] = {}
+        self._arrivals = itertools.count()
 
     def add(self, key: str, waiter: str, signal: _Signal) -> None:
         with self.lock:
-            waiters = self.by_key.setdefault(key, {})
-            before = _earliest(waiters, signal.group)
-            waiters[waiter] = signal
-            _hand_over(waiters, signal.group, before, signal)
+            waiters = self.by_key.setdefault(key, _Waiters())
+            before = waiters.earliest(signal.group)
+            old = waiters.by_id.get(waiter)
+            if old is not None:  # registered again: it keeps its arrival
+                waiters.drop(old)
+            signal.arrival = old.arrival if old is not None else next(self._arrivals)
+            waiters.by_id[waiter] = signal
+            waiters.put(signal)
+            waiters.hand_over(signal.group, before, signal)
 
     def get(self, key: str, waiter: str) -> _Signal | None:
         with self.lock:
-            return self.by_key.get(key, {}).get(waiter)
+            waiters = self.by_key.get(key)
+            return None if waiters is None else waiters.by_id.get(waiter)
 
     def retick(self, key: str, waiter: str, ticket: int) -> bool:
         """Move ``waiter`` to its new place ``ticket``; ``False`` when it is not registered."""
         with self.lock:
-            waiters = self.by_key.get(key, {})
-            signal = waiters.get(waiter)
-            if signal is None:
+            waiters = self.by_key.get(key)
+            signal = None if waiters is None else waiters.by_id.get(waiter)
+            if waiters is None or signal is None:
                 return False
-            before = _earliest(waiters, signal.group)
+            before = waiters.earliest(signal.group)
+            waiters.drop(signal)
             signal.ticket = ticket
-            _hand_over(waiters, signal.group, before, signal)
+            waiters.put(signal)
+            waiters.hand_over(signal.group, before, signal)
             return True
 
     def polls(self, key: str, waiter: str) -> bool:
         """Whether ``waiter`` is the earliest of its group here: the one that polls."""
         with self.lock:
-            waiters = self.by_key.get(key, {})
-            signal = waiters.get(waiter)
-            return signal is not None and _earliest(waiters, signal.group) is signal
+            waiters = self.by_key.get(key)
+            signal = None if waiters is None else waiters.by_id.get(waiter)
+            return (waiters is not None and signal is not None
+                    and waiters.earliest(signal.group) is signal)
 
     def remove(self, key: str, waiter: str) -> bool:
         with self.lock:
-            waiters = self.by_key.get(key, {})
-            gone = waiters.get(waiter)
+            waiters = self.by_key.get(key)
+            if waiters is None:
+                return True  # nobody of this database waits any more
+            gone = waiters.by_id.pop(waiter, None)
             if gone is not None:
-                before = _earliest(waiters, gone.group)
-                del waiters[waiter]
+                before = waiters.earliest(gone.group)
+                waiters.drop(gone)
                 if gone.event.is_set():
                     # Woken and never back at a begin with it: the slot it was woken for may
                     # be free still, and the waiters behind it would not hear of it until
                     # they poll.
-                    self._wake_first(waiters, gone.group)
-                _hand_over(waiters, gone.group, before, gone)
-            if not waiters:
-                self.by_key.pop(key, None)
+                    waiters.wake_first(gone.group)
+                waiters.hand_over(gone.group, before, gone)
+            if not waiters.by_id:
+                del self.by_key[key]
                 return True  # nobody of this database waits any more
             return False
 
@@ -168,37 +233,15 @@ class _Registry:
 
     def poke(self, key: str, group: str | None) -> int:
         with self.lock:
-            waiters = self.by_key.get(key, {})
+            waiters = self.by_key.get(key)
+            if waiters is None:
+                return 0
             if group is not None:
-                return self._wake_first(waiters, group)
-            signals = list(waiters.values())
+                return waiters.wake_first(group)
+            signals = list(waiters.by_id.values())
         for s in signals:
             s.set()
         return len(signals)
-
-    @staticmethod
-    def _wake_first(waiters: dict[str, _Signal], group: str) -> int:
-        """Wake the earliest waiter of ``group`` not woken yet (under :attr:`lock`): the one
-        the queue serves first; one woken already will begin again anyway."""
-        idle = [s for s in waiters.values() if s.group == group and not s.event.is_set()]
-        if not idle:
-            return 0
-        min(idle, key=lambda s: s.ticket).set()
-        return 1
-
-
-def _earliest(waiters: dict[str, _Signal], group: str) -> _Signal | None:
-    mine = [s for s in waiters.values() if s.group == group]
-    return min(mine, key=lambda s: s.ticket) if mine else None
-
-
-def _hand_over(waiters: dict[str, _Signal], group: str, before: _Signal | None,
-               at_begin: _Signal) -> None:
-    """Wake the group's new earliest waiter when it changed: it takes over polling (it was
-    waiting out the long idle interval). ``at_begin`` is about to begin anyway."""
-    now = _earliest(waiters, group)
-    if now is not None and now is not before and now is not at_begin:
-        now.set()
 
 
 _REGISTRY = _Registry()
