@@ -247,12 +247,12 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def poke(key: str, group: str) -> int:
+def poke(key: str, group: str | None) -> int:
     """Wake this process's earliest waiter of ``group`` not woken yet, on the database named
     ``key`` (a store's :attr:`SlotWaker.key`, its context's ``where``): one slot of the group
-    came free. For the paths that free slots without the store's waker at hand (recovery,
-    ``close_run``); call it after the commit, or the waiter begins before the slot is free.
-    Returns how many were woken (0 or 1)."""
+    came free (``None``: every waiter of every group). For the paths that free slots without
+    the store's waker at hand (recovery, ``close_run``); call it after the commit, or the
+    waiter begins before the slot is free. Returns how many were woken (0 or 1 for a group)."""
     return _REGISTRY.poke(key, group)
 
 
@@ -299,7 +299,7 @@ class SlotWaker:
     def poke(self, group: str | None) -> None:
         """Wake this process's earliest waiter of ``group`` not woken yet: one slot came free
         (``None``: every waiter of every group)."""
-        _REGISTRY.poke(self.key, group)
+        poke(self.key, group)
 
     def join(self, group: str, waiter: str, ticket: int) -> bool:
         """Register ``waiter``, at queue place ``ticket``, for ``group``'s wake-ups; ``False``
