@@ -9,7 +9,7 @@ The parent may spend it; the Child never again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 
 import pytest
@@ -25,18 +25,6 @@ from ledger.ops.recovery import recover
 from ledger.storage import schema as s
 
 from .helpers import budget, collect, grant, routes, spawn, sql_context
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock(10_000.0)
-
-
-@pytest.fixture
-def led(db_url: str, clock: ManualClock) -> Iterator[Ledger]:
-    ledger = Ledger.open(db_url, clock=clock, executor_id="w1")
-    yield ledger
-    ledger.close()
 
 
 def _parent(led: Ledger, calls: int = 10, retries: int = 4, cost: str = "1.00",

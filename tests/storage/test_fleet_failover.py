@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from ledger.ops.recovery import recover
 from ledger.testing import FakeProvider
 from ledger.testing.pgserver import PgServer
 
-from ._standby import promote, synchronous_pair
+from ._standby import promote
 
 pytestmark = pytest.mark.postgres
 
@@ -53,12 +53,6 @@ WORKERS = 3
 # Turns each worker must have acknowledged before the kill, and after the promotion.
 BEFORE, AFTER = 3, 3
 DEADLINE_S = 90.0
-
-
-@pytest.fixture
-def cluster() -> Iterator[tuple[PgServer, PgServer]]:
-    with synchronous_pair("ha") as pair:
-        yield pair
 
 
 def _spawn(mode: str, url: str, endpoint: str, name: str, flags: Path) -> subprocess.Popen[str]:

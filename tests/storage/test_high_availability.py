@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from ledger.storage import engine as eng
 from ledger.testing.pgserver import PgServer, free_port
 
 from ._readonly import driver_cause
-from ._standby import caught_up, promote, synchronous_pair
+from ._standby import caught_up, promote
 from .helpers import budget, grant, routes
 
 T0 = 1_700_000_000.0
@@ -301,14 +300,6 @@ def test_every_spelling_reaches_the_server_on_both_paths_blocking_and_asyncio(
 
 
 # -- a primary and its synchronous standby -------------------------------------------------------
-
-
-@pytest.fixture
-def cluster() -> Iterator[tuple[PgServer, PgServer]]:
-    """A primary with a synchronous hot standby (``synchronous_commit=on``,
-    ``synchronous_standby_names=s1``): a commit is acknowledged once the standby has it."""
-    with synchronous_pair("ha") as pair:
-        yield pair
 
 
 def _typed_while_down(call: Any) -> DatabaseUnavailable:

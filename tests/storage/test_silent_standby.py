@@ -17,7 +17,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -40,7 +39,7 @@ from ledger.testing.pgserver import PgServer
 from tests.fakeplan import plan
 
 from ._fleet import LIMITS
-from ._standby import caught_up, synchronous_pair
+from ._standby import caught_up
 
 pytestmark = pytest.mark.postgres
 
@@ -55,12 +54,6 @@ class _NoWait:
 
     async def asleep(self, seconds: float) -> None:
         pass
-
-
-@pytest.fixture
-def cluster() -> Iterator[tuple[PgServer, PgServer]]:
-    with synchronous_pair("ha") as pair:
-        yield pair
 
 
 def _waiting_in_syncrep(primary: PgServer) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from decimal import Decimal
 
@@ -28,18 +27,6 @@ from ledger.errors import (
 )
 
 from .helpers import budget, grant, routes
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock(10_000.0)
-
-
-@pytest.fixture
-def led(db_url: str, clock: ManualClock) -> Iterator[Ledger]:
-    ledger = Ledger.open(db_url, clock=clock, executor_id="w1")
-    yield ledger
-    ledger.close()
 
 
 def _fail(status: int = 503, phase: Phase = Phase.AFTER_HEADERS) -> FailureFact:
