@@ -963,7 +963,8 @@ class Face(Generic[SessionT, OpenedT]):
         Args:
             run_id: The Run.
             refs: The producer references (``Part.provenance``) whose recorded hashes the
-                decision's disclosure check needs.
+                decision's disclosure check needs: those of parts that need provenance (a turn
+                passes no reference of an exempt part, the user's own input or system text).
 
         Returns:
             A :class:`~ledger.decide.effects.TurnSnapshot`.

@@ -55,6 +55,16 @@ from ledger.policy.model import EnvelopePolicy
 PROVENANCE_EXEMPT: frozenset[str] = EXEMPT_CLASSES
 
 
+def needs_cover(data_class: str, derived: bool) -> bool:
+    """Whether the disclosure check asks a part of ``data_class`` for covering provenance.
+
+    ``derived``: the part is a model's or a tool's (by its role), which always needs it. Only
+    these parts' references are worth looking up: an exempt part's coverage is never read,
+    whatever reference it carries.
+    """
+    return derived or data_class not in PROVENANCE_EXEMPT
+
+
 class Check(StrEnum):
     """The preflight checks, in the order the selector applies them.
 
@@ -588,7 +598,7 @@ def _disclosure(
             out.append((f"recipient {recipient!r} is not approved for: {classes}",
                         f"add {classes} to Grant.recipients[{recipient!r}]"))
     for i, p in enumerate(needs.parts):
-        if (p.data_class in PROVENANCE_EXEMPT and not p.derived) or p.coverage is Coverage.OK:
+        if not needs_cover(p.data_class, p.derived) or p.coverage is Coverage.OK:
             continue
         verdict = p.coverage or Coverage.MISSING
         ref = f" (ref {p.ref!r})" if p.ref else ""
@@ -719,6 +729,7 @@ __all__ = [
     "image_tokens",
     "media_needs",
     "narrow_grant",
+    "needs_cover",
     "needs_from_envelope",
     "part_coverage",
     "preflight",

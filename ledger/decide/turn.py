@@ -56,7 +56,7 @@ from ledger.decide.effects import (
 )
 from ledger.decide.health import route_key
 from ledger.decide.inputs import record_inputs
-from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits
+from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits, needs_cover
 from ledger.decide.profiles import Pin, marks_profile_tried
 from ledger.decide.resolve import Resolution, stays, unresolved_begin
 from ledger.decide.retry import retry_decision
@@ -74,7 +74,7 @@ from ledger.decide.select import (
 )
 from ledger.decide.settle import failure_outcome, settle_spec
 from ledger.domain.bounds import MAX_TOKENS
-from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
+from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, DERIVED_ROLE_CLASS, Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.domain.records import (
     AttemptKind,
@@ -360,7 +360,10 @@ class TurnLoop:
                             if part_hashes is None else tuple(part_hashes))
         self.envelope_hash = envelope.hash_with(self.part_hashes)
         self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
-        self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance}))
+        # Only the references the disclosure check reads: the user's own input needs none,
+        # and a reference it carries (recorded by nobody) cost a read of the whole tree.
+        self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance
+                                  and needs_cover(p.data_class, p.role in DERIVED_ROLE_CLASS)}))
 
     def _holds(self, route: Route) -> tuple[Decimal, int]:
         prompt, completion = _token_estimate(route, self.envelope, self.counter)
