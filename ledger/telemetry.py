@@ -93,7 +93,7 @@ def provider_name(route: Route) -> str:
     label = route.provider.lower()
     if label == "google" and route.endpoint and "aiplatform.googleapis.com" in route.endpoint:
         return "gcp.vertex_ai"
-    return _PROVIDER_NAMES.get(label, label)
+    return _PROVIDER_NAMES.get(label) or redact(label)
 
 
 def enable(*, tracer_provider: TracerProvider | None = None,
@@ -288,7 +288,7 @@ class _TurnObserver:
                 self._rejected(eff, error)
             elif error is not None and self.turn is not None:
                 self.turn.add_event("ledger.begin_refused", {
-                    "ledger.attempt_id": eff.attempt_id, "ledger.route": eff.route.id,
+                    "ledger.attempt_id": eff.attempt_id, "ledger.route": redact(eff.route.id),
                     "error.type": type(error).__name__})
         elif isinstance(eff, Send):
             att = self.open.get(eff.dispatch.attempt_id)
@@ -329,7 +329,7 @@ class _TurnObserver:
             attrs["ledger.outcome"] = "succeeded"
             served = getattr(result, "attempt", None)
             if isinstance(served, AttemptRecord):
-                attrs["ledger.route"] = served.route_id
+                attrs["ledger.route"] = redact(served.route_id)
                 attrs["ledger.attempt_id"] = served.attempt_id
             attrs["ledger.resets"] = int(getattr(result, "resets", 0) or 0)
             calls = getattr(result, "tool_calls", None)
@@ -392,8 +392,8 @@ class _TurnObserver:
                 continue
             self.failovers += 1
             cause = data.get("cause") or {}
-            attrs = {"ledger.route.from": str(data.get("from_route")),
-                     "ledger.route.to": str(data.get("to_route"))}
+            attrs = {"ledger.route.from": redact(str(data.get("from_route"))),
+                     "ledger.route.to": redact(str(data.get("to_route")))}
             if isinstance(cause, Mapping) and cause.get("category"):
                 attrs["ledger.failure.category"] = str(cause["category"])
             self.tel.instruments.failovers.add(1, attrs)
@@ -403,14 +403,14 @@ class _TurnObserver:
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": provider_name(route),
-            "gen_ai.request.model": route.model,
+            "gen_ai.request.model": redact(route.model),
             "ledger.run_id": self.run_id,
             "ledger.turn_id": begin.turn_id,
             "ledger.attempt_id": begin.attempt_id,
             "ledger.attempt.kind": begin.kind.value,
-            "ledger.route": route.id,
-            "ledger.capacity_group": route.group,
-            "ledger.recipient": route.recipient,
+            "ledger.route": redact(route.id),
+            "ledger.capacity_group": redact(route.group),
+            "ledger.recipient": redact(route.recipient),
             "ledger.protocol": route.protocol.value,
             "ledger.debit.reserved": float(begin.reserve),
         }
@@ -441,8 +441,9 @@ class _TurnObserver:
     def _metric_attrs(begin: Begin) -> dict[str, Any]:
         route = begin.route
         return {"gen_ai.operation.name": "chat", "gen_ai.provider.name": provider_name(route),
-                "gen_ai.request.model": route.model, "ledger.route": route.id,
-                "ledger.capacity_group": route.group, "ledger.attempt.kind": begin.kind.value}
+                "gen_ai.request.model": redact(route.model), "ledger.route": redact(route.id),
+                "ledger.capacity_group": redact(route.group),
+                "ledger.attempt.kind": begin.kind.value}
 
     def _open(self, begin: Begin, record: AttemptRecord) -> None:
         from opentelemetry import context, trace
@@ -452,7 +453,7 @@ class _TurnObserver:
         attrs["ledger.attempt.seq"] = record.seq
         attrs["ledger.debit_id"] = record.debit_id
         span = self.tel.tracer.start_span(
-            f"chat {begin.route.model}", context=self.turn_ctx, kind=trace.SpanKind.CLIENT,
+            f"chat {redact(begin.route.model)}", context=self.turn_ctx, kind=trace.SpanKind.CLIENT,
             attributes=attrs, start_time=self.begin_ns or None)
         # Current while it is sent: spans of the host's HTTP instrumentation nest under it.
         token = context.attach(trace.set_span_in_context(span, self.turn_ctx))
@@ -475,7 +476,7 @@ class _TurnObserver:
         if reason:
             attrs["ledger.reject_reason"] = redact(reason)
         span = self.tel.tracer.start_span(
-            f"chat {begin.route.model}", context=self.turn_ctx, kind=trace.SpanKind.CLIENT,
+            f"chat {redact(begin.route.model)}", context=self.turn_ctx, kind=trace.SpanKind.CLIENT,
             attributes=attrs, start_time=self.begin_ns or None)
         span.set_status(Status(StatusCode.ERROR, "rejected by admission: nothing was sent"))
         span.end()

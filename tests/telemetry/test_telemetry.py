@@ -828,3 +828,37 @@ def test_a_streamed_attempt_reports_time_to_first_chunk_and_token_details(
     assert chunk_attrs["gen_ai.provider.name"] == "openai"
     assert chunk_attrs["ledger.route"] == "primary" and "server.port" in chunk_attrs
     assert_no_content_or_secret(otel)
+
+
+def test_a_registered_secret_in_a_routes_names_is_redacted_in_spans_and_metrics(
+        db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider],
+        adapter: SyncAdapter) -> None:
+    """A route's model, id, group and recipient are the operator's names, but a registered
+    secret pasted into one (a fine-tuned model id carrying an org key) was exported as it is:
+    in span names, span attributes and metric attributes, where the ledger's own error message
+    for the same Attempt redacted it. Every exported name passes the redaction now."""
+    from ledger.redaction import forget_secret, register_secret
+
+    secret = "sk-TOPSECRET-abcdef0123456789XYZ"
+    register_secret(secret)
+    try:
+        a, b = clean_fakes
+        plain = routes(a, b)
+        leaky = [r.model_copy(update={"model": f"m-{secret}", "id": f"{r.id}-{secret}",
+                                      "group": f"{r.group}-{secret}",
+                                      "recipient": f"{r.recipient}-{secret}"})
+                 for r in plain]
+        a.enqueue(Fault.UNAVAILABLE, model=f"m-{secret}")
+        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+            led.admit_run("r", plan=leaky, policy="failure-domain",
+                          budget=Budget(max_calls=4, max_retries=2, max_cost=Decimal("1")),
+                          grant=Grant(recipients={r.recipient: ["user_input"] for r in leaky}))
+            lease = led.acquire_lease("r")
+            res = execute(led, lease, ENVELOPE, sync_sender(adapter, limits=PATIENT))
+        assert res.route.id == leaky[1].id  # failed over: both routes' names were exported
+        spans = otel.finished()
+        assert [s.name for s in spans if s.name != "ledger.turn"] == ["chat m-[REDACTED]"] * 2
+        assert secret not in otel.dump()
+        assert "[REDACTED]" in otel.dump()
+    finally:
+        forget_secret(secret)
