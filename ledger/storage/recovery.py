@@ -217,6 +217,7 @@ class RecoveryQueries:
             in_flight: dict[str, list[str]] = {i: [] for i in ids}
             voided: dict[str, list[str]] = {i: [] for i in ids}
             release_micros: dict[str, int] = dict.fromkeys(ids, 0)
+            release_tokens: dict[str, int] = dict.fromkeys(ids, 0)
             slots: dict[str, int] = dict.fromkeys(ids, 0)
             freed: list[str] = []  # the group of each slot freed
             if ids:
@@ -239,14 +240,15 @@ class RecoveryQueries:
                 # Holds the ledger can prove were never sent: attempts refused at begin (rejected)
                 # or settled as not sent, whose debit is somehow still reserved. The write path
                 # voids these itself, so this only repairs; it never touches a dispatching attempt.
-                for debit_id, rid, micros in conn.execute(
-                    select(d.debit_id, d.run_id, d.reserved_micros)
+                for debit_id, rid, micros, tokens in conn.execute(
+                    select(d.debit_id, d.run_id, d.reserved_micros, a.reserved_tokens)
                     .select_from(s.debits.join(s.attempts, a.attempt_id == d.attempt_id))
                     .where(d.run_id.in_(ids), d.state == DebitState.RESERVED.value,
                            a.state.in_([AttemptState.REJECTED.value, AttemptState.NOT_SENT.value]))
                 ):
                     voided[rid].append(debit_id)
                     release_micros[rid] += int(micros)
+                    release_tokens[rid] += int(tokens or 0)
                 unsent = [x for v in voided.values() for x in v]
                 if unsent:
                     conn.execute(s.debits.update().where(d.debit_id.in_(unsent))
@@ -261,9 +263,10 @@ class RecoveryQueries:
                     s.runs.update().where(r.run_id == bindparam("k_run")).values(
                         fence=bindparam("k_fence"), updated_at=now, lease_holder=holder,
                         lease_expires_at=expires,
-                        reserved_micros=r.reserved_micros - bindparam("k_release")),
-                    [{"k_run": i, "k_fence": fence[i], "k_release": release_micros[i]}
-                     for i in ids])
+                        reserved_micros=r.reserved_micros - bindparam("k_release"),
+                        tokens_reserved=r.tokens_reserved - bindparam("k_release_tokens")),
+                    [{"k_run": i, "k_fence": fence[i], "k_release": release_micros[i],
+                      "k_release_tokens": release_tokens[i]} for i in ids])
                 events = [_event_row(rid, att_id, "unknown",
                                      {"reason": UNKNOWN_REASON, "fence": fence[rid]}, now)
                           for rid, atts in in_flight.items() for att_id in atts]

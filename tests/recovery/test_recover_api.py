@@ -15,7 +15,7 @@ from ledger.errors import FencedOut, InvalidArgument
 from ledger.faults import FaultInjected
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import arecover, recover
-from tests.storage.helpers import budget, grant, routes
+from tests.storage.helpers import budget, grant, routes, stray_never_sent_hold
 
 
 def _setup(url: str, clock: ManualClock) -> tuple[Ledger, str]:
@@ -216,4 +216,24 @@ def test_batched_takeover_gives_each_run_its_own_fence_and_record(db_url: str) -
     with pytest.raises(InvalidArgument) as err:
         recover(led, batch=0)
     assert err.value.field == "batch"
+    led.close()
+
+
+@pytest.mark.parametrize("state", ["not_sent", "rejected"])
+def test_recovery_repair_of_a_never_sent_hold_releases_its_token_reserve_too(
+        db_url: str, state: str) -> None:
+    clock = ManualClock()
+    led, run = _setup(db_url, clock)
+    lease = led.acquire_lease(run, ttl_s=10)
+    stray_never_sent_hold(led, lease, state, tokens=40)
+    led.begin_attempt(lease, route="b", envelope_hash="sha256:e", reserve="0.05",
+                      reserve_tokens=20, turn_id="t")
+    clock.advance(11)
+    [rr] = recover(led, release=True).runs
+    assert len(rr.voided) == 1
+    r = led.get_run(run)
+    # Only the in-flight call's holds stay, money and tokens alike.
+    assert (r.reserved, r.tokens_reserved) == (Decimal("0.05"), 20)
+    books = reconcile(led)
+    assert books.ok, books.violations
     led.close()

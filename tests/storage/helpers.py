@@ -95,3 +95,30 @@ def as_an_earlier_version(led: Any, name: str, *args: Any, **kwargs: Any) -> Any
     library that lacked a later check wrote, through the same flow (a real write). The
     arguments must be as the checks would have given them (models, not mappings)."""
     return led._runner.run(getattr(type(led), name).__wrapped__(led, *args, **kwargs))
+
+
+def stray_never_sent_hold(led: Any, lease: Any, state: str, *, tokens: int = 40) -> str:
+    """A never-sent Attempt (``not_sent`` or ``rejected``) of ``lease``'s Run whose debit of
+    0.10 (and ``tokens`` token reserve) is still ``reserved`` and counted on the Run: what
+    recovery's takeover repairs. The write path voids such a hold in the transaction that
+    settles or refuses the Attempt, so no API reaches this state; it is made by rewriting a
+    settled ``not_sent`` Attempt's rows as an older version or a hand edit could have left
+    them. Returns the Attempt's id."""
+    from sqlalchemy import update
+
+    from ledger.domain.records import to_micros
+    from ledger.storage import schema as s
+
+    a = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.10",
+                          reserve_tokens=tokens, turn_id="stray")
+    led.settle_attempt(lease, a.attempt_id, outcome="not_sent")
+    att, deb, r = s.attempts.c, s.debits.c, s.runs.c
+    with sql_context(led).engine.begin() as conn:
+        conn.execute(update(s.attempts).where(att.attempt_id == a.attempt_id)
+                     .values(state=state))
+        conn.execute(update(s.debits).where(deb.attempt_id == a.attempt_id)
+                     .values(state="reserved", settled_at=None))
+        conn.execute(update(s.runs).where(r.run_id == lease.run_id).values(
+            reserved_micros=r.reserved_micros + to_micros(a.reserved),
+            tokens_reserved=r.tokens_reserved + tokens))
+    return str(a.attempt_id)
