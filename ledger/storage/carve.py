@@ -2,9 +2,10 @@
 
 :func:`ledger.storage.hot.give_back_tx` does it on the hot path (a session's ``finish``, a
 settle of an ended Child); :func:`give_back` does the same in the cold path's transactions:
-an operator's (or recovery's) close of a Run and an operator's settle of an unknown Attempt of
-an ended Child. Both give :func:`~ledger.domain.records.carve_return`'s amounts, lock the
-parent after the Child, and record the same ``give_back`` event.
+an operator's (or recovery's) close of a Run, an operator's settle of an unknown Attempt of
+an ended Child, and recovery's takeover voiding a never-sent hold of an ended Child. Both give
+:func:`~ledger.domain.records.carve_return`'s amounts, lock the parent after the Child, and
+record the same ``give_back`` event.
 """
 
 from __future__ import annotations

@@ -194,11 +194,12 @@ class RecoveryQueries:
     def take_over(self, run_ids: Sequence[str], executor: str, ttl_s: float, now: float,
                   *, release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
         """Take the expired runs of ``run_ids`` over for ``executor`` in one transaction: new
-        fences, dispatching Attempts unknown (holds kept), unsent holds voided, slots freed
-        (once committed, each wakes a waiter of its group in this process); the new lease
-        lasts ``ttl_s`` (or is released at once with ``release``). ``adopt`` also reports runs
-        this executor already took over (a retried takeover whose commit landed). Returns the
-        takeovers and the runs not (or no longer) to take."""
+        fences, dispatching Attempts unknown (holds kept), unsent holds voided (an ended Child
+        gives what that releases back to its parent), slots freed (once committed, each wakes
+        a waiter of its group in this process); the new lease lasts ``ttl_s`` (or is released
+        at once with ``release``). ``adopt`` also reports runs this executor already took over
+        (a retried takeover whose commit landed). Returns the takeovers and the runs not (or no
+        longer) to take."""
         r = s.runs.c
         a = s.attempts.c
         d = s.debits.c
@@ -253,11 +254,6 @@ class RecoveryQueries:
                 if unsent:
                     conn.execute(s.debits.update().where(d.debit_id.in_(unsent))
                                  .values(state=DebitState.VOIDED.value, settled_at=now))
-                # Capacity slots of the dead executor: all of the run's (the new fence has none).
-                for rid, group in conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids))
-                                               .returning(gs.run_id, gs.group_id)):
-                    slots[rid] += 1
-                    freed.append(group)
                 holder, expires = (None, None) if release else (executor, now + ttl_s)
                 conn.execute(
                     s.runs.update().where(r.run_id == bindparam("k_run")).values(
@@ -267,6 +263,18 @@ class RecoveryQueries:
                         tokens_reserved=r.tokens_reserved - bindparam("k_release_tokens")),
                     [{"k_run": i, "k_fence": fence[i], "k_release": release_micros[i],
                       "k_release_tokens": release_tokens[i]} for i in ids])
+                # An ended Child gave back what it had left when it ended, its stray holds
+                # kept carved as still held: what the repair released goes back now, as a
+                # later settle's release does. Before the slot rows below: every writer locks
+                # Runs (a Child, then its parent) before group rows.
+                for rid in ids:
+                    if voided[rid]:
+                        give_back(self.ctx, conn, rid, now)
+                # Capacity slots of the dead executor: all of the run's (the new fence has none).
+                for rid, group in conn.execute(s.group_slots.delete().where(gs.run_id.in_(ids))
+                                               .returning(gs.run_id, gs.group_id)):
+                    slots[rid] += 1
+                    freed.append(group)
                 events = [_event_row(rid, att_id, "unknown",
                                      {"reason": UNKNOWN_REASON, "fence": fence[rid]}, now)
                           for rid, atts in in_flight.items() for att_id in atts]

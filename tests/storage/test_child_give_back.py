@@ -17,14 +17,22 @@ from sqlalchemy import update
 
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.domain.records import Lease, RunRecord, RunStatus
+from ledger.domain.records import DebitState, Lease, RunRecord, RunStatus
 from ledger.domain.values import Budget
 from ledger.errors import AllowanceExhausted, BudgetExceeded
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage import schema as s
 
-from .helpers import budget, collect, grant, routes, spawn, sql_context
+from .helpers import (
+    budget,
+    collect,
+    grant,
+    routes,
+    spawn,
+    sql_context,
+    stray_never_sent_hold,
+)
 
 
 def _parent(led: Ledger, calls: int = 10, retries: int = 4, cost: str = "1.00",
@@ -304,3 +312,35 @@ def test_invariant4_children_ending_while_the_parent_and_siblings_carve_and_begi
         assert sum(r["refused"] for r in results) > 0  # the parent did run short
         books = reconcile(led)
         assert books.ok, books.violations
+
+
+@pytest.mark.parametrize("state", ["not_sent", "rejected"])
+def test_invariant4_a_hold_recovery_voids_in_an_ended_child_goes_back_to_its_parent(
+        led: Ledger, clock: ManualClock, state: str) -> None:
+    """Recovery's takeover voids a never-sent hold still reserved (a repair; the state is
+    made with SQL, no API reaches it). Of a Child that already ended, that hold stayed carved
+    when the Child gave back at its end: what the repair releases goes back to the parent in
+    the takeover's transaction, as a later settle's release does."""
+    pl = _parent(led, tokens=1000)
+    cl = _child(led, pl, tokens=400)
+    stray = stray_never_sent_hold(led, cl, state, tokens=40)
+    # In flight when the Child ended, so recovery takes it over once its lease expires.
+    led.begin_attempt(cl, route="b", envelope_hash="sha256:e", reserve="0.05",
+                      reserve_tokens=20, turn_id="t")
+    led.finish_run(cl, RunStatus.FAILED)  # then its executor died, the lease never released
+    assert _returned(led.get_run("c")) == (3, 2, Decimal("0.15"), 340)  # both holds carved
+    assert led.get_run("p").carved == Decimal("0.15")
+    clock.advance(3600)
+    [run] = recover(led, run_ids=["c"], release=True).runs
+    assert len(run.unknown) == 1 and len(run.voided) == 1
+    child, parent = led.get_run("c"), led.get_run("p")
+    # Only the unknown call's holds stay carved.
+    assert _returned(child) == (3, 2, Decimal("0.25"), 380)
+    assert (parent.carved_calls, parent.carved_retries, parent.carved,
+            parent.carved_tokens) == (1, 0, Decimal("0.05"), 20)
+    assert (parent.cost_left, parent.tokens_left) == (Decimal("0.95"), 980)
+    assert led.events("c", kinds=["give_back"])[-1].data == {
+        "parent": "p", "calls": 0, "retries": 0, "cost": "0.1", "tokens": 40}
+    assert led.get_attempt(stray).debit_state is DebitState.VOIDED
+    books = reconcile(led)
+    assert books.ok, books.violations
