@@ -957,8 +957,9 @@ class Face(Generic[SessionT, OpenedT]):
 
         The Run as it stands, its frozen policy, its groups' projections, its routes' and
         profiles' health, and the provenance of ``refs`` recorded anywhere in the Run's tree
-        (see :meth:`provenance`; a ref the Run and its ancestors did not record costs a second
-        read, of the rest of the tree).
+        (see :meth:`provenance`): every content hash any Run of the tree recorded for each
+        (a second read, of the whole tree, once ``refs`` is not empty; a turn reads it only
+        for a ref the Run and its ancestors did not record with the content it carries).
 
         Args:
             run_id: The Run.
@@ -974,9 +975,12 @@ class Face(Generic[SessionT, OpenedT]):
         """
         return (yield from self._snapshot(run_id, tuple(refs)))
 
-    def _snapshot(self, run_id: str, refs: tuple[str, ...],
-                  turn_id: str | None = None) -> Flow[TurnSnapshot]:
-        """:meth:`turn_snapshot` of arguments the turn loop made itself (not checked again)."""
+    def _snapshot(self, run_id: str, refs: tuple[str, ...], turn_id: str | None = None,
+                  carried: tuple[tuple[str, str], ...] | None = None) -> Flow[TurnSnapshot]:
+        """:meth:`turn_snapshot` of arguments the turn loop made itself (not checked again).
+
+        ``carried``: the turn's (ref, content hash) pairs (``None``: every ref's whole tree).
+        """
         frozen = yield from self._frozen(run_id)
         policy = yield from self._policy(run_id)
         reads = self._reads.get(run_id)
@@ -993,7 +997,7 @@ class Face(Generic[SessionT, OpenedT]):
             self._reads.put(run_id, reads)
         chain_, groups_, keys_ = reads
         snap = yield from self._store.turn_snapshot(run_id, groups_, keys_, chain_, refs,
-                                                    self.clock.now, turn_id)
+                                                    self.clock.now, turn_id, carried)
         # Imported here: the turn's effects are no part of a ledger opened only to read.
         from ledger.decide.effects import TurnSnapshot
 
@@ -1275,9 +1279,11 @@ class Face(Generic[SessionT, OpenedT]):
         and every descendant of the root (the Run itself, its parent and ancestors, its
         Children and their siblings). One agent task spans the tree, so a child's answer
         (``result.parts``) is covered in its parent's next turn and, passed on by the parent,
-        in a sibling's. Coverage only says the ledger recorded that exact content; each turn's
-        grant still decides which recipients may receive its class. A Run of another tree
-        records nothing that covers this one.
+        in a sibling's. A ref several Runs of the tree recorded with different content (a
+        tool-call id a provider reused) holds every one of those hashes, and a part with any
+        of them is covered in every Run of the tree. Coverage only says the ledger recorded
+        that exact content; each turn's grant still decides which recipients may receive its
+        class. A Run of another tree records nothing that covers this one.
 
         Args:
             run_id: The Run.

@@ -443,8 +443,8 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
     """
     store, clock = ledger._store, ledger.clock.now
     match eff:
-        case Snapshot(run_id=run_id, refs=refs, turn_id=turn_id):
-            return ledger._snapshot(run_id, refs, turn_id)
+        case Snapshot(run_id=run_id, refs=refs, turn_id=turn_id, carried=carried):
+            return ledger._snapshot(run_id, refs, turn_id, carried)
         case Begin(spec=spec):
             return store.begin_attempt(spec, clock)
         case Settle(run_id=run_id, spec=spec):

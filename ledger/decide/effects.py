@@ -328,11 +328,15 @@ class Snapshot(Effect[TurnSnapshot]):
     """One read: the Run, its groups, health and the provenance of ``refs``.
 
     With ``turn_id`` (a turn's first read), also that turn's Attempts without a receipt.
+    ``carried``: the (ref, content hash) of each part the turn carries; a ref the Run's own
+    line recorded with every hash carried under it needs no read of the rest of its tree
+    (``None``: every ref is read in the whole tree).
     """
 
     run_id: str
     refs: tuple[str, ...] = ()
     turn_id: str | None = None
+    carried: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)

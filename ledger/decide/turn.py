@@ -362,8 +362,13 @@ class TurnLoop:
         self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
         # Only the references the disclosure check reads: the user's own input needs none,
         # and a reference it carries (recorded by nobody) cost a read of the whole tree.
-        self.refs = tuple(sorted({p.provenance for p in envelope.parts if p.provenance
-                                  and needs_cover(p.data_class, p.role in DERIVED_ROLE_CLASS)}))
+        # Each with the content carried under it: a ref the Run's own line recorded with other
+        # content is looked up in the rest of its tree too.
+        pairs = zip(envelope.parts, self.part_hashes, strict=True)
+        self.carried = tuple(sorted({
+            (p.provenance, h) for p, h in pairs if p.provenance
+            and needs_cover(p.data_class, p.role in DERIVED_ROLE_CLASS)}))
+        self.refs = tuple(sorted({ref for ref, _ in self.carried}))
 
     def _holds(self, route: Route) -> tuple[Decimal, int]:
         prompt, completion = _token_estimate(route, self.envelope, self.counter)
@@ -428,7 +433,8 @@ class TurnLoop:
         :class:`~ledger.errors.CandidateSkipped` for every candidate passed over.
         """
         turn = _Turn()
-        snap = yield from perform(Snapshot(self.lease.run_id, self.refs, self.turn_id))
+        snap = yield from perform(Snapshot(self.lease.run_id, self.refs, self.turn_id,
+                                           self.carried))
         self._policy = snap.policy
         # Images and documents beyond the Run's frozen bounds: refused before anything is
         # recorded (the snapshot is a read).
@@ -627,7 +633,7 @@ class TurnLoop:
         if isinstance(ended, _Unclaimed):
             # Decide again, without the probe another process took.
             turn.refused_probes.add(ended.route.id)
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
             decision, snap = yield from self._decide(snap, turn, turn.basis)
             return _Try(decision, attempt.kind, attempt.retries), snap
         if isinstance(ended, _Refused):
@@ -648,7 +654,7 @@ class TurnLoop:
                                                turn, "after_rejection")
                 raise (yield from self._stopped(turn, None, e, reason=REJECTED,
                                                 cause=cause)) from cause
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
             decision, snap = yield from self._decide(snap, turn, turn.basis)
             return _Try(decision, AttemptKind.FAILOVER, 0), snap
         route, profile, fact = ended.route, ended.profile, ended.fact
@@ -661,7 +667,7 @@ class TurnLoop:
                                            "delay_s": rd.delay_s, "n": n,
                                            "from_attempt": ended.attempt_id}))
             yield from perform(Sleep(rd.delay_s))
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
             # The policy's retry rule decided, not the selector: what the selector would have
             # read, had the route not been retried, is recorded with the retry.
             turn.on, turn.failed = "failure", ended.attempt_id
@@ -683,7 +689,7 @@ class TurnLoop:
             turn.tried_pairs.add((route.id, profile))
             if marks_profile_tried(fact, route.provider, policy):
                 turn.tried_profiles.add(profile)
-        snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+        snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
         turn.basis = {"failure": fact, "current": route.id, "current_profile": profile}
         turn.on, turn.failed = "failure", ended.attempt_id
         decision, snap = yield from self._decide(snap, turn, turn.basis)
@@ -733,7 +739,7 @@ class TurnLoop:
                        if s.reason in (Reason.ROUTE_COOLDOWN, Reason.PROBE_THROTTLED)}
             yield from perform(Sleep(wait))
             turn.waited += wait
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs))
+            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
             inp = self._input(snap, turn, **basis)
             decision = select(inp)
             if decision.route_id is not None:

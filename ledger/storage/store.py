@@ -347,19 +347,28 @@ class Store:
 
     def turn_snapshot(self, run_id: str, groups: Sequence[str], keys: Sequence[str],
                       runs: Sequence[str], refs: Sequence[str], clock: ClockFn,
-                      turn_id: str | None = None) -> Flow[SnapshotRows]:
+                      turn_id: str | None = None,
+                      carried: Sequence[tuple[str, str]] | None = None) -> Flow[SnapshotRows]:
         """One read: the live row of ``run_id``, the projections of ``groups``, the health
         rows of ``keys``, the provenance of ``refs`` recorded by ``runs`` (the Run and its
         ancestors, the root last) and, with ``turn_id``, that turn's Attempts without a
-        receipt. A ref none of ``runs`` recorded is looked up in the root's whole tree by a
-        second read (a Child's answer its parent or a sibling carries). Raises
+        receipt. A ref is looked up in the root's whole tree by a second read unless ``runs``
+        recorded it with every content hash ``carried`` (the turn's (ref, hash) pairs) holds
+        for it: a Child's answer its parent or a sibling carries, or a ref several Runs of the
+        tree recorded with different content (``carried`` ``None``: every ref). Raises
         :class:`~ledger.errors.NotFound` for an unknown run."""
         yield from self._first(run_id, clock)
         rows = yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
                                               clock, turn_id), write=False)
         # Provenance rows are never rewritten nor deleted, so a later read of the rest of the
-        # tree agrees with the snapshot; a turn whose refs its own line covers never pays it.
-        others = [r for r in refs if r not in rows.provenance]
+        # tree agrees with the snapshot; a turn whose parts its own line covers never pays it.
+        # A ref the line recorded with other content is read in the tree too: another Run of
+        # the tree may have recorded it (a reused tool-call id) with the content carried.
+        wanted: dict[str, set[str]] = {}
+        for ref, digest in carried or ():
+            wanted.setdefault(ref, set()).add(digest)
+        others = [r for r in refs if r not in rows.provenance or carried is None
+                  or not wanted.get(r, set()) <= rows.provenance[r]]
         if others and runs:
             more = yield from txn(hot.tree_provenance_tx(self.sql, runs[-1], others),
                                   write=False)

@@ -399,6 +399,36 @@ def test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other(
         assert len(fake.requests) == sent
 
 
+def test_invariant7_a_ref_two_runs_of_a_tree_recorded_differently_covers_either_content(
+        db_url: str, fake: FakeProvider) -> None:
+    """A reference the parent and a Child both recorded with different content (a tool-call
+    id a provider reused): a part as either Run recorded it is covered in every Run of the
+    tree, though the Run's own line recorded the other content. Content no Run of the tree
+    recorded under it is still a mismatch, and nothing of it is sent."""
+    ref = "call_reused"
+    parents, childs, nobodys = (
+        Part(content=text, data_class="tool_result", provenance=ref)
+        for text in ("the parent's search result", "the child's search result", "forged"))
+    small = Budget(max_calls=2, max_retries=0, max_cost=Decimal("0.1"))
+    with Ledger.open(db_url) as led, led.run("p", plan=plan(fake), budget=BUDGET,
+                                             grant=GRANT) as run:
+        led.record_provenance(run.lease, ref, parents.content_hash)
+        with run.child("c", budget=small) as child:
+            led.record_provenance(child.lease, ref, childs.content_hash)
+            assert child.turn(Envelope(parts=[Part(content="q"), parents, childs])).text
+        # The parent's own record of the ref is the other content: the tree's is read too.
+        assert run.turn(Envelope(parts=[Part(content="q"), childs])).text
+        with run.child("c2", budget=small) as sibling:
+            assert sibling.turn(Envelope(parts=[Part(content="q"), childs])).text
+            assert sibling.turn(Envelope(parts=[Part(content="q2"), parents])).text
+        sent = len(fake.requests)
+        with pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=[Part(content="q"), nobodys]))
+        assert "no covering provenance: mismatch" in json.dumps(ei.value.skipped)
+        assert len(fake.requests) == sent
+        assert led.provenance("c2")[ref] == {parents.content_hash, childs.content_hash}
+
+
 def test_only_a_part_its_own_line_did_not_record_costs_a_turn_a_read_of_the_runs_tree(
         tmp_path: Path, fake: FakeProvider) -> None:
     # The hot path stays one read and two writes per turn whose parts the Run or its
