@@ -52,6 +52,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_child_give_back.py::test_invariant4_every_ending_of_a_child_gives_back_exactly_what_it_did_not_use",
         "tests/storage/test_child_give_back.py::test_invariant4_an_ended_child_never_spends_what_it_gave_back",
         "tests/storage/test_child_give_back.py::test_invariant4_children_ending_while_the_parent_and_siblings_carve_and_begin",
+        "tests/storage/test_child_give_back.py::test_invariant4_a_hold_recovery_voids_in_an_ended_child_goes_back_to_its_parent",
         "tests/run/test_budgets.py::test_invariant4_token_budget_is_held_posted_and_never_moves_on",
         "tests/run/test_budgets.py::test_invariant4_tokens_are_rechecked_before_a_retry_or_failover",
         "tests/run/test_budgets.py::test_invariant4_token_hold_posts_the_reported_usage",
@@ -93,6 +94,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_session.py::test_a_models_answer_rebuilt_by_hand_is_model_output_and_needs_its_provenance",
         "tests/decide/test_preflight.py::test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance",
         "tests/session/test_session.py::test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other",
+        "tests/session/test_session.py::test_invariant7_a_ref_two_runs_of_a_tree_recorded_differently_covers_either_content",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (
