@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from decimal import Decimal
-from typing import Any
 
 import pytest
 
@@ -32,6 +31,7 @@ from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
 from ledger.policy.load import preset
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+from tests.run.rawanswers import sse, whole
 
 RUN = "r"
 PRICE = Price(input_per_mtok=Decimal(100), output_per_mtok=Decimal(200))
@@ -40,21 +40,6 @@ MAX_COST = Decimal(1)
 MAX_TOKENS = 10_000
 # The settle hash of the fact below, as the package computed it before `accepted` existed.
 PRE_ACCEPTED_HASH = "sha256:a43ff0a6f655837f3e5fe58657d3f48caf2207a28db444f72aa6e99ca66db004"
-
-
-def _http(body: bytes, content_type: str, status: str = "200 OK") -> bytes:
-    return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: "
-            f"{len(body)}\r\nconnection: close\r\n\r\n").encode() + body
-
-
-def _whole(obj: dict[str, Any]) -> bytes:
-    return _http(json.dumps(obj).encode(), "application/json")
-
-
-def _sse(*events: tuple[str | None, dict[str, Any]]) -> bytes:
-    body = b"".join((f"event: {name}\n" if name else "").encode()
-                    + b"data: " + json.dumps(data).encode() + b"\n\n" for name, data in events)
-    return _http(body, "text/event-stream")
 
 
 _INCOMPLETE = {"id": "resp_1", "object": "response", "status": "incomplete", "model": "m",
@@ -66,19 +51,19 @@ _CHAT_ERROR = {"message": "upstream failed", "type": "server_error", "code": Non
 
 # protocol, streamed, the provider's raw 2xx answer: a failure reported without usage
 NO_USAGE = {
-    "responses_incomplete_body": ("openai_responses", False, _whole(_INCOMPLETE)),
-    "responses_incomplete_stream": ("openai_responses", True, _sse(
+    "responses_incomplete_body": ("openai_responses", False, whole(_INCOMPLETE)),
+    "responses_incomplete_stream": ("openai_responses", True, sse(
         ("response.created", {"type": "response.created",
                               "response": {**_INCOMPLETE, "status": "in_progress"}}),
         ("response.incomplete", {"type": "response.incomplete", "response": _INCOMPLETE}))),
-    "chat_error_body": ("openai", False, _whole({"error": _CHAT_ERROR})),
-    "chat_error_stream": ("openai", True, _sse((None, {"error": _CHAT_ERROR}))),
-    "anthropic_error_body": ("anthropic", False, _whole({"type": "error",
+    "chat_error_body": ("openai", False, whole({"error": _CHAT_ERROR})),
+    "chat_error_stream": ("openai", True, sse((None, {"error": _CHAT_ERROR}))),
+    "anthropic_error_body": ("anthropic", False, whole({"type": "error",
                                                          "error": _OVERLOADED})),
-    "anthropic_error_stream": ("anthropic", True, _sse(
+    "anthropic_error_stream": ("anthropic", True, sse(
         ("error", {"type": "error", "error": _OVERLOADED}))),
-    "gemini_error_body": ("gemini", False, _whole({"error": _GEMINI_ERROR})),
-    "gemini_error_stream": ("gemini", True, _sse((None, {"error": _GEMINI_ERROR}))),
+    "gemini_error_body": ("gemini", False, whole({"error": _GEMINI_ERROR})),
+    "gemini_error_stream": ("gemini", True, sse((None, {"error": _GEMINI_ERROR}))),
 }
 
 _BLOCKED = {"promptFeedback": {"blockReason": "SAFETY"}, "modelVersion": "m-001",
@@ -152,7 +137,7 @@ def test_a_failure_inside_a_2xx_answer_without_usage_posts_the_whole_hold(
 @pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
 def test_a_blocked_gemini_prompt_posts_the_usage_it_reports(
         db_url: str, fake: FakeProvider, stream: bool) -> None:
-    raw = _sse((None, _BLOCKED)) if stream else _whole(_BLOCKED)
+    raw = sse((None, _BLOCKED)) if stream else whole(_BLOCKED)
     with Ledger.open(db_url) as led:
         att = _failing_turn(led, fake, "gemini", stream, Behavior(fault=Fault.RAW, raw=(raw,)))
         assert (att.state, att.debit_state) == (AttemptState.FAILED, DebitState.POSTED)

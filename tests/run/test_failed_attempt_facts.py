@@ -15,7 +15,6 @@ Real HTTP over loopback (the fake provider's raw answers), through a Run session
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -33,26 +32,12 @@ from ledger.domain.values import Budget, Price, Route, WireProtocol
 from ledger.errors import FailoverExhausted, SettleConflict
 from ledger.redaction import forget_secret, register_secret
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+from tests.run.rawanswers import sse, whole
 
 RUN = "r"
 PRICE = Price(input_per_mtok=Decimal(100), output_per_mtok=Decimal(200))
 HOLD = Decimal("0.01")
 SERVED = "m-2025-06-01-served"  # not the route's model: only the provider can have said it
-
-
-def _http(body: bytes, content_type: str) -> bytes:
-    return (f"HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: "
-            f"{len(body)}\r\nconnection: close\r\n\r\n").encode() + body
-
-
-def _whole(obj: dict[str, Any]) -> bytes:
-    return _http(json.dumps(obj).encode(), "application/json")
-
-
-def _sse(*events: tuple[str | None, dict[str, Any]]) -> bytes:
-    body = b"".join((f"event: {name}\n" if name else "").encode()
-                    + b"data: " + json.dumps(data).encode() + b"\n\n" for name, data in events)
-    return _http(body, "text/event-stream")
 
 
 def _incomplete(model: str) -> dict[str, Any]:
@@ -68,31 +53,31 @@ _OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message":
 
 # protocol, streamed, the provider's raw answer, the state the Attempt ends in
 ANSWERS = {
-    "responses_incomplete_body": ("openai_responses", False, _whole(_incomplete(SERVED)),
+    "responses_incomplete_body": ("openai_responses", False, whole(_incomplete(SERVED)),
                                   AttemptState.FAILED),
-    "responses_incomplete_stream": ("openai_responses", True, _sse(
+    "responses_incomplete_stream": ("openai_responses", True, sse(
         ("response.created", {"type": "response.created",
                               "response": {**_incomplete(SERVED), "status": "in_progress",
                                            "usage": None}}),
         ("response.incomplete", {"type": "response.incomplete",
                                  "response": _incomplete(SERVED)})), AttemptState.FAILED),
-    "responses_failed_body": ("openai_responses", False, _whole({
+    "responses_failed_body": ("openai_responses", False, whole({
         "id": "resp_1", "object": "response", "status": "failed", "model": SERVED,
         "output": [], "error": {"code": "server_error", "message": "upstream failed"}}),
         AttemptState.FAILED),
-    "anthropic_error_event_after_message_start": ("anthropic", True, _sse(
+    "anthropic_error_event_after_message_start": ("anthropic", True, sse(
         _MESSAGE_START, ("error", _OVERLOADED)), AttemptState.FAILED),
-    "chat_error_chunk_after_a_chunk": ("openai", True, _sse(
+    "chat_error_chunk_after_a_chunk": ("openai", True, sse(
         (None, {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
                 "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
         (None, {"error": {"message": "upstream failed", "type": "server_error"}})),
         AttemptState.FAILED),
-    "gemini_blocked_prompt": ("gemini", False, _whole({
+    "gemini_blocked_prompt": ("gemini", False, whole({
         "promptFeedback": {"blockReason": "SAFETY"}, "modelVersion": SERVED,
         "usageMetadata": {"promptTokenCount": 11, "totalTokenCount": 11}}),
         AttemptState.FAILED),
     # Cut after message_start: no verdict, so unknown; the model it named is still known.
-    "anthropic_cut_after_message_start": ("anthropic", True, _sse(_MESSAGE_START),
+    "anthropic_cut_after_message_start": ("anthropic", True, sse(_MESSAGE_START),
                                           AttemptState.UNKNOWN),
 }
 
@@ -150,7 +135,7 @@ def test_failed_attempt_model_is_redacted_and_shortened_as_an_answers_is(
         model = f"gpt-x/{key}\x07" + "y" * 300
         with Ledger.open(db) as led:
             att = _failing_turn(led, fake, "openai_responses", False,
-                                _whole(_incomplete(model)))
+                                whole(_incomplete(model)))
         assert att.state is AttemptState.FAILED and att.model_reported is not None
         assert key not in att.model_reported
         assert att.model_reported.startswith("gpt-x/[REDACTED]?yyy")
@@ -170,7 +155,7 @@ def test_a_key_straddling_the_200th_character_of_a_reported_model_is_not_stored_
         model = "m" * 189 + "/" + key
         with Ledger.open(db) as led:
             att = _failing_turn(led, fake, "openai_responses", False,
-                                _whole(_incomplete(model)))
+                                whole(_incomplete(model)))
         assert att.model_reported is not None and len(att.model_reported) <= 200
         assert key[:10] not in att.model_reported
         assert att.model_reported == "m" * 189 + "/[REDACTED]"
@@ -210,7 +195,7 @@ def test_invariant2_a_failed_attempts_reported_model_settles_again_as_the_same_w
     again is the same write and another model is refused; a failure that named none hashes as
     it always did (``test_a_fact_without_accepted_is_stored_and_hashed_as_before``)."""
     fake.clear()
-    fake.enqueue(Behavior(fault=Fault.RAW, raw=(_whole(_incomplete(SERVED)),)))
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(whole(_incomplete(SERVED)),)))
     route = _route(fake, "openai_responses")
     with Ledger.open(db_url) as led, SyncAdapter() as adapter:
         led.admit_run(RUN, plan=[route], budget=_budget())
@@ -248,9 +233,9 @@ def test_chat_error_with_usage_posts_that_usage_whole_body_or_streamed(
     """A chat completions error object that reports usage, as a 2xx body or as a stream chunk
     (after a first chunk), is posted at that usage's cost, at most the hold, the same both
     ways; the tokens are the Attempt's and the Run's."""
-    raw = _sse((None, {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
+    raw = sse((None, {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
                        "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
-               (None, _CHAT_ERROR_WITH_USAGE)) if stream else _whole(_CHAT_ERROR_WITH_USAGE)
+               (None, _CHAT_ERROR_WITH_USAGE)) if stream else whole(_CHAT_ERROR_WITH_USAGE)
     fake.clear()
     fake.enqueue(Behavior(fault=Fault.RAW, raw=(raw,)))
     envelope = Envelope(parts=[Part(content="hi")], stream=stream, max_output_tokens=64)
@@ -271,7 +256,7 @@ def test_chat_error_with_a_stray_usage_stays_the_providers_error(
         db: str, fake: FakeProvider) -> None:
     """A usage or model beside the error that has not its shape is left out (the evidence
     body keeps it): the provider's error is still the fact, not a malformed answer."""
-    raw = _sse((None, {"error": {"message": "slow down", "code": "rate_limit_exceeded"},
+    raw = sse((None, {"error": {"message": "slow down", "code": "rate_limit_exceeded"},
                        "usage": "lots", "model": 5}))
     with Ledger.open(db) as led:
         att = _failing_turn(led, fake, "openai", True, raw)
@@ -291,7 +276,7 @@ def _failed_response(code: str) -> dict[str, Any]:
 def _responses_answer(final: dict[str, Any], stream: bool, text: str = "") -> bytes:
     """``final`` as a whole body, or streamed: created, ``text`` as deltas, then its event."""
     if not stream:
-        return _whole(final)
+        return whole(final)
     events: list[tuple[str | None, dict[str, Any]]] = [
         ("response.created", {"type": "response.created",
                               "response": {**final, "status": "in_progress"}})]
@@ -301,7 +286,7 @@ def _responses_answer(final: dict[str, Any], stream: bool, text: str = "") -> by
             "content_index": 0, "delta": text}))
     kind = f"response.{final['status']}"
     events.append((kind, {"type": kind, "response": final}))
-    return _sse(*events)
+    return sse(*events)
 
 
 def _two_route_turn(led: Ledger, fake: FakeProvider, raw: bytes, stream: bool,
@@ -325,7 +310,7 @@ def _two_route_turn(led: Ledger, fake: FakeProvider, raw: bytes, stream: bool,
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
-def test_an_incomplete_responses_answer_is_decided_by_its_category_streamed_or_whole(
+def test_an_incomplete_responses_answer_is_decided_by_its_category_streamed_orwhole(
         db: str, fake: FakeProvider, stream: bool) -> None:
     """``response.incomplete`` holds the whole response with its final status, as the body
     does: a known verdict (``max_output_tokens``: category ``unknown``, which moves on nowhere
@@ -341,7 +326,7 @@ def test_an_incomplete_responses_answer_is_decided_by_its_category_streamed_or_w
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
-def test_a_failed_responses_answer_moves_on_by_its_category_streamed_or_whole(
+def test_a_failed_responses_answer_moves_on_by_its_category_streamed_orwhole(
         db: str, fake: FakeProvider, stream: bool) -> None:
     """A failed response whose error is ``rate_limit_exceeded`` moves on to another group under
     the default policy, the same streamed (``response.failed``) as whole."""
