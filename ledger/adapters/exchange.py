@@ -138,6 +138,8 @@ PIECE_BYTES = 64 * 1024
 #: servers send one, rarely two; each stage is an inflater and a generator nested in the next,
 #: so a header naming hundreds would exhaust the interpreter's recursion depth mid-read.
 MAX_CODINGS = 4
+#: The two bytes every gzip member starts with.
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class BodyCutShort(httpx.RemoteProtocolError):
@@ -149,15 +151,43 @@ class BodyCutShort(httpx.RemoteProtocolError):
 
 
 class _Inflate:
-    """One ``gzip`` or ``deflate`` coding, inflated at most :data:`PIECE_BYTES` at a time."""
+    """One ``gzip`` or ``deflate`` coding, inflated at most :data:`PIECE_BYTES` at a time.
+
+    A gzip body may hold several members one after another (RFC 1952); each is inflated in
+    turn. Bytes after the coding's end that start no member are ignored, as decoders do.
+    """
 
     def __init__(self, coding: str) -> None:
         self._coding = coding
         self._obj = zlib.decompressobj(zlib.MAX_WBITS | 16 if coding == "gzip" else zlib.MAX_WBITS)
         # "deflate" is meant to be zlib-wrapped, but some servers send it raw (as httpx allows).
         self._raw_allowed = coding == "deflate"
+        self._fed = False  # an empty body has no coding to end: it is the empty body
+        self._left = b""  # after a member's end, a lone first byte of what may start another
+
+    def _next_member(self, data: bytes) -> bytes | None:
+        """What to inflate as the next gzip member, after a member's end.
+
+        ``data`` with what was left before it, or ``None`` when it starts no member (yet).
+        """
+        data, self._left = self._left + data, b""
+        if self._coding != "gzip" or not data:
+            return None
+        if len(data) < len(_GZIP_MAGIC):
+            self._left = data if _GZIP_MAGIC.startswith(data) else b""
+            return None
+        if not data.startswith(_GZIP_MAGIC):
+            return None
+        self._obj = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        return data
 
     def feed(self, data: bytes) -> Iterator[bytes]:
+        self._fed = self._fed or bool(data)
+        if self._obj.eof:
+            more = self._next_member(data)
+            if more is None:
+                return
+            data = more
         while True:
             try:
                 out = self._obj.decompress(data, PIECE_BYTES)
@@ -170,6 +200,12 @@ class _Inflate:
             self._raw_allowed = False
             if out:
                 yield out
+            if self._obj.eof:
+                more = self._next_member(self._obj.unused_data)
+                if more is None:
+                    return
+                data = more
+                continue
             data = self._obj.unconsumed_tail
             # A full piece may leave more output pending on input already taken.
             if not data and len(out) < PIECE_BYTES:
@@ -178,7 +214,7 @@ class _Inflate:
     def end(self) -> Iterator[bytes]:
         if out := self._obj.flush():
             yield out
-        if not self._obj.eof:
+        if self._fed and not self._obj.eof:
             # Only the coding's own end (gzip's trailer, deflate's final block) proves that
             # the server sent the whole body: the framing's end does not, when the server
             # counted (or chunked) what it had compressed so far.

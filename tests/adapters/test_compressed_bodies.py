@@ -313,3 +313,46 @@ async def test_a_compressed_stream_whose_terminator_came_before_the_cut_is_compl
     result = await _send(driver, fake, _answer(gzip.compress(EVENTS)[:-8], coding="gzip",
                                                stream=True), stream=True)
     assert result.ok and result.text == "hey", result.observation  # type: ignore[attr-defined]
+
+
+async def test_an_empty_body_marked_gzip_is_the_empty_body_not_a_cut(
+        driver: str, fake: FakeProvider) -> None:
+    # No byte of the coding came, so none is missing: the framing's end is the body's end,
+    # and the empty body fails as it does uncompressed (no answer in it), not as a cut whose
+    # request may have run.
+    plain = await _send(driver, fake, _answer(b"", coding="identity", stream=False),
+                        stream=False)
+    expected = plain.observation  # type: ignore[attr-defined]
+    result = await _send(driver, fake, _answer(b"", coding="gzip", stream=False), stream=False)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase) == (expected.transport, expected.phase)
+    assert obs.transport is not Transport.STREAM_CUT
+
+
+def _members(data: bytes, n: int) -> bytes:
+    """``data`` in ``n`` gzip members one after another (RFC 1952 allows it)."""
+    step = -(-len(data) // n)
+    return b"".join(gzip.compress(data[i:i + step]) for i in range(0, len(data), step))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("members", [2, 3])
+async def test_a_gzip_body_of_several_members_is_read_whole(
+        driver: str, fake: FakeProvider, stream: bool, members: int) -> None:
+    # Only the first member was inflated: the JSON answer came out cut in half (a format
+    # failure), a stream lost every event after the first member.
+    body = _members(EVENTS if stream else ANSWER, members)
+    result = await _send(driver, fake, _answer(body, coding="gzip", stream=stream),
+                         stream=stream)
+    assert result.ok and result.text == "hey", result.observation  # type: ignore[attr-defined]
+
+
+def test_a_member_boundary_split_across_reads_is_found() -> None:
+    # The next member's magic bytes may arrive one read apart; bytes after the end that start
+    # no member are ignored, as before.
+    first, second = gzip.compress(b'{"a":'), gzip.compress(b' 1}')
+    inflate = _Inflate("gzip")
+    out = b"".join([*inflate.feed(first + second[:1]), *inflate.feed(second[1:]),
+                    *inflate.feed(b"trailing bytes"), *inflate.end()])
+    assert out == b'{"a": 1}'
