@@ -2,7 +2,10 @@
 
 The values are read from the ledger at scrape time (:meth:`ledger.ops.audit.Audit.metrics`):
 nothing accumulates in this process, so counters (``_total``) are totals over the ledger's whole
-history and keep rising across dashboard restarts and hosts, and gauges are "now". That is a
+history and keep rising across dashboard restarts and hosts, and gauges are "now". An attempt's
+counters and histograms count it once it is settled for good, under the state it keeps; while
+it is dispatching or unknown it is in a gauge (``ledger_attempts_in_flight``,
+``ledger_attempts_unknown``), so no counter goes down when its state changes. That is a
 *custom collector* in ``prometheus_client``'s terms: :class:`LedgerCollector` turns one
 :class:`~ledger.ops.audit.MetricsSnapshot` into metric families, registered in a registry of its
 own (never the process's global one), and the client library writes the exposition, in the
@@ -62,11 +65,24 @@ def families(m: MetricsSnapshot) -> Iterator[Metric]:
     """The snapshot as metric families, in a stable order."""
     route_outcome = ["ledger_route", "ledger_outcome"]
     attempts = CounterMetricFamily(
-        "ledger_attempts", "Attempts recorded, by route and outcome (attempt state).",
-        labels=route_outcome)
+        "ledger_attempts", "Attempts settled for good, by route and outcome (attempt state: "
+        "every one but dispatching and unknown, which are the gauges ledger_attempts_in_flight "
+        "and ledger_attempts_unknown until they settle).", labels=route_outcome)
     for (route, outcome), n in sorted(m.attempts.items()):
         attempts.add_metric([route, outcome], n)
     yield attempts
+    in_flight = GaugeMetricFamily(
+        "ledger_attempts_in_flight", "Attempts dispatching now (begun, not settled), by route.",
+        labels=["ledger_route"])
+    for route, n in sorted(m.in_flight.items()):
+        in_flight.add_metric([route], n)
+    yield in_flight
+    unknown = GaugeMetricFamily(
+        "ledger_attempts_unknown", "Attempts of unknown outcome now (sent, no receipt; until "
+        "settled with evidence), by route.", labels=["ledger_route"])
+    for route, n in sorted(m.unknown.items()):
+        unknown.add_metric([route], n)
+    yield unknown
     yield _histogram(
         "ledger_attempt_duration",
         "Attempt latency: from its begin to its settle by its executor, by the ledger's clock.",

@@ -616,12 +616,17 @@ class Histogram:
 class MetricsSnapshot:
     """Totals for the Prometheus endpoint: counters over the whole history, gauges now.
 
+    The counters and histograms of attempts (``attempts``, ``latency``, ``first_token``,
+    ``first_byte``, ``tokens``, ``cost``) count only attempts settled for good: every state
+    but ``dispatching`` and ``unknown``, which may still change and are the gauges
+    ``in_flight`` and ``unknown`` instead. An attempt enters the counters once, under the
+    state it keeps, so none of them ever goes down (Prometheus reads a decrease as a reset).
     Histograms count seconds into :data:`~ledger.domain.records.DURATION_BUCKETS` (the
     OpenTelemetry GenAI conventions' advised boundaries).
     """
 
     now: float
-    attempts: dict[tuple[str, str], int]  # (route, outcome) -> attempts
+    attempts: dict[tuple[str, str], int]  # (route, settled outcome) -> attempts
     failovers: int  # the selector's moves to another route (``move`` events)
     cooldowns: dict[str, int]  # route / profile / group -> cooling or disabled now
     posted: dict[str | None, Decimal]  # tenant -> posted cost of its runs
@@ -639,6 +644,10 @@ class MetricsSnapshot:
     # (group, outcome: admitted, rejected, timed_out) -> waits in a full group's queue.
     queue_waits: dict[tuple[str, str], Histogram] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)  # group -> places in its queue now
+    # route -> its attempts dispatching now, and unknown now; every route the history holds
+    # has both (0 when none), so an alert on them sees 0 rather than no data.
+    in_flight: dict[str, int] = field(default_factory=dict)
+    unknown: dict[str, int] = field(default_factory=dict)
 
 
 # -- conversions ----------------------------------------------------------------------------
@@ -1522,10 +1531,12 @@ class Audit:
     def metrics(self, now: Time | None = None) -> MetricsSnapshot:
         """Totals for the dashboard's ``/metrics``.
 
-        Attempts by route and outcome with their latency, time to first token and time to
-        first byte as histograms; tokens and cost charged per route; failovers by their routes
-        and cause; waits in full groups' queues by group and outcome, and the places waiting
-        now; cooldowns active now; and the budget used (posted and held cost) per tenant.
+        Attempts settled for good by route and outcome with their latency, time to first
+        token and time to first byte as histograms, and their tokens and cost charged per
+        route; the attempts dispatching and unknown now per route (gauges: their state will
+        change, and a counter of them would go down); failovers by their routes and cause;
+        waits in full groups' queues by group and outcome, and the places waiting now;
+        cooldowns active now; and the budget used (posted and held cost) per tenant.
 
         Args:
             now: The time the gauges are read at (default: the ledger clock's now).
@@ -1542,8 +1553,23 @@ class Audit:
             measure: {} for measure in LATENCY_MEASURES}
         tokens: dict[tuple[str, str], int] = {}
         cost: dict[str, int] = {}
+        attempts: dict[tuple[str, str], int] = {}
+        in_flight: dict[str, int] = {}
+        unknown: dict[str, int] = {}
         for r in m["attempts"]:
             key = (str(r["route"]), str(r["outcome"]))
+            in_flight.setdefault(key[0], 0)
+            unknown.setdefault(key[0], 0)
+            # An attempt dispatching or unknown will change state (its settle, an operator's
+            # settle_unknown): counted under this state now, it would leave the counters and
+            # histograms then, which Prometheus reads as a reset. It enters them once settled.
+            if key[1] == AttemptState.DISPATCHING.value:
+                in_flight[key[0]] += int(r["n"])
+                continue
+            if key[1] == AttemptState.UNKNOWN.value:
+                unknown[key[0]] += int(r["n"])
+                continue
+            attempts[key] = int(r["n"])
             for measure in LATENCY_MEASURES:
                 h = _histogram(r, measure)
                 if h is not None:
@@ -1557,7 +1583,7 @@ class Audit:
                  if (h := _histogram(r, "waited_s")) is not None}
         return MetricsSnapshot(
             now=t,
-            attempts={(str(r["route"]), str(r["outcome"])): int(r["n"]) for r in m["attempts"]},
+            attempts=attempts, in_flight=in_flight, unknown=unknown,
             failovers=sum(failovers_by.values()),
             cooldowns=cooldowns,
             posted={r["tenant"]: from_micros(int(r["posted_micros"])) for r in m["money"]},

@@ -150,7 +150,9 @@ class SeriesQueries:
 
         Per route and outcome: attempts, tokens, money charged, and for each time of an
         Attempt (``latency_s``, ``first_token_s``, ``first_byte_s``) its count, sum and how
-        many are at most each of ``bounds`` (a histogram's cumulative buckets). Moves to
+        many are at most each of ``bounds`` (a histogram's cumulative buckets); every state,
+        ``dispatching`` and ``unknown`` too, which :meth:`~ledger.ops.audit.Audit.metrics`
+        turns into gauges (their state will change) and leaves out of the counters. Moves to
         another route by their routes and cause; capacity waits by group and outcome (with
         the same buckets); the places waiting in each group's queue now.
 
