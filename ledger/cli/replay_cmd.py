@@ -122,8 +122,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--since", default=None,
                    help="runs admitted from this time: 24h, 7d, ISO time or epoch (default: a "
                    "day before --until; with --run, any time)")
-    p.add_argument("--until", default=None, help="runs admitted before this time (default: now)")
-    p.add_argument("--run", default=None, help="only this run")
+    p.add_argument("--until", default=None,
+                   help="runs admitted before this time (default: now; with --run, any time)")
+    p.add_argument("--run", default=None,
+                   help="only this run, whenever it was admitted (an unknown id exits 1)")
     p.add_argument("--tenant", default=None, help="only this tenant's runs")
     p.add_argument("--examples", type=int, default=1,
                    help="examples printed per difference (default 1; the JSON holds 3)")

@@ -684,6 +684,12 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                   field="hours")
         return hours
 
+    def _opt(request: Request, name: str) -> float | None:
+        """``_num`` of a query parameter that may be absent (``None``)."""
+        if request.query_params.get(name) is None:
+            return None
+        return _num(request, name, math.nan)
+
     def _num(request: Request, name: str, default: float) -> float:
         raw = request.query_params.get(name)
         if raw is None:
@@ -1001,12 +1007,18 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                   "replays presets; the command line also takes a file)",
                                   field="policy")
         hours = _hours(request)
+        run = p.get("run") or None
+        if run is not None:
+            # One run whenever it was admitted: ?hours= (the form always sends it) bounded it
+            # by a day before this reader's clock, and a run outside read as "0 decisions".
+            # Only an explicit ?since=/?until= bounds it; an unknown run is a 404.
+            return {"policy": policy, "since": _opt(request, "since"),
+                    "until": _opt(request, "until"), "tenant": p.get("tenant") or None,
+                    "run": run}
         until = _num(request, "until", now)
         since = _num(request, "since", until - hours * 3600)
-        run = p.get("run") or None
-        # A replay reads its whole window at once (no pages): ?since= gets ?hours='s bound,
-        # except for one run, which is one run's rows whenever it was admitted.
-        if run is None and until - since > MAX_HOURS * 3600:
+        # A replay reads its whole window at once (no pages): ?since= gets ?hours='s bound.
+        if until - since > MAX_HOURS * 3600:
             raise InvalidArgument(f"since..until spans {(until - since) / DAY:.1f} days; a "
                                   f"replay reads at most {MAX_HOURS / 24:g} days at once: pass "
                                   "a later since (or hours=), or run= for one run",

@@ -1505,7 +1505,9 @@ class Audit:
                 (``goclaw``, ``fased``, ``failure-domain``) or a policy file's path.
             since: Runs admitted at or after this time (default: a day before ``until``; with
                 ``run``, any time).
-            until: Runs admitted before this time (default: now).
+            until: Runs admitted before this time (default: now; with ``run``, any time, so
+                a Run admitted after this reader's clock, another host's running ahead, is
+                replayed too).
             run: Only this Run.
             tenant: Only this tenant's Runs.
 
@@ -1514,6 +1516,8 @@ class Audit:
 
         Raises:
             InvalidArgument: a policy that does not load (``field="policy"``), a bad range.
+            NotFound: ``run`` is no Run of the ledger (as :meth:`run` says), rather than an
+                empty report that reads "0 decisions, all agree".
 
         Example:
             >>> rep = audit.replay("failure-domain", since=t0)  # doctest: +SKIP

@@ -12,6 +12,7 @@ pure functions. Nothing is written and no provider is called. The report's types
 from __future__ import annotations
 
 import json
+import math
 
 from ledger.api.facade import Ledger
 from ledger.api.face import reads_of
@@ -33,7 +34,7 @@ from ledger.decide.replay import (
 from ledger.decide.replay import replay as replay_history
 from ledger.domain.timefmt import iso
 from ledger.domain.values import Grant, Route
-from ledger.errors import InvalidArgument, LedgerError, PolicyError
+from ledger.errors import InvalidArgument, LedgerError, NotFound, PolicyError
 from ledger.policy.load import load_policy
 from ledger.policy.model import FROZEN, Policy
 from ledger.storage.encode import fact_member
@@ -134,21 +135,32 @@ def replay(ledger: Ledger, policy: Policy | str, *, since: float | None = None,
     """What ``policy`` would have done over the Runs admitted in [since, until).
 
     See :meth:`ledger.ops.audit.Audit.replay`, which this is, and which validated the
-    arguments (``since``, ``until``, ``run`` and ``tenant`` arrive checked).
+    arguments (``since``, ``until``, ``run`` and ``tenant`` arrive checked). With ``run``,
+    ``since`` and ``until`` default to unbounded, and a ``run`` the ledger does not have is
+    :class:`~ledger.errors.NotFound`.
     """
     pol = replay_policy(policy)
     now = ledger.now()
-    if until is None:
-        until = now
+    # One Run is replayed whenever it was admitted: bounding it by this reader's clock left
+    # out a Run admitted "after" it (another host's clock ahead), as if it were not there.
+    bound = until if until is not None or run is not None else now
     if since is None:
-        since = until - 86400.0 if run is None else 0.0
-    if since >= until:
+        since = bound - 86400.0 if bound is not None and run is None else 0.0
+    if bound is not None and since >= bound:
         # Times as people read them (ISO, UTC), never as epoch seconds.
-        raise InvalidArgument(f"since ({iso(since)}) must be before until ({iso(until)}); "
+        raise InvalidArgument(f"since ({iso(since)}) must be before until ({iso(bound)}); "
                               "pass an earlier since or a later until", field="since")
     rows = ReplayQueries(reads_of(ledger).context).window(
-        since=since, until=until, run_id=run, tenant=tenant, lead_s=lead_in(pol))
-    return replay_history(history_of(rows, since=since, until=until), pol)
+        since=since, until=bound, run_id=run, tenant=tenant, lead_s=lead_in(pol),
+        attempts_until=now)
+    if not rows.run_exists:
+        # An empty report would read "0 decisions, all agree": a mistyped id looked fine.
+        raise NotFound(f"unknown run id {run!r}; list runs with `failover-ledger runs`",
+                       run_id=run)
+    if bound is None:
+        # The report's window ends after every record read (the evidence is [since, until)).
+        bound = now if rows.end < now else math.nextafter(rows.end, math.inf)
+    return replay_history(history_of(rows, since=since, until=bound), pol)
 
 
 __all__ = [

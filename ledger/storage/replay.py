@@ -49,7 +49,8 @@ class ReplayRows:
     (their frozen plan and grant; not the policy); ``attempts``: every Attempt begun from
     ``lead_from`` until the end of the window's Runs, each with its Run's policy hash;
     ``events``: the window's Runs' ``select``, ``stop`` and ``retry`` events; ``policies``:
-    each policy hash's frozen policy (JSON text).
+    each policy hash's frozen policy (JSON text). ``run_exists``: for one Run asked by id,
+    whether the ledger has it at all (in the window or not).
     """
 
     runs: list[tuple[Any, ...]] = field(default_factory=list)
@@ -58,6 +59,7 @@ class ReplayRows:
     policies: dict[str, str] = field(default_factory=dict)
     lead_from: float = 0.0
     end: float = 0.0
+    run_exists: bool = True
 
 
 class ReplayQueries:
@@ -67,10 +69,13 @@ class ReplayQueries:
         self.ctx = ctx
 
     def window(self, *, since: float | None, until: float | None, run_id: str | None,
-               tenant: str | None, lead_s: float) -> ReplayRows:
+               tenant: str | None, lead_s: float,
+               attempts_until: float | None = None) -> ReplayRows:
         """The records of the Runs admitted in [since, until) (of ``tenant``; or the one Run
         ``run_id``), and every Attempt from ``lead_s`` before the first of them until the last
-        of them was written, in one read transaction on one snapshot."""
+        of them was written (and at least until ``until``, else ``attempts_until``), in one
+        read transaction on one snapshot. With ``run_id`` and no Run in the window, whether
+        the ledger has that Run at all (``run_exists``)."""
         r, a, e = s.runs.c, s.attempts.c, s.events.c
         conds = []
         if run_id is not None:
@@ -88,10 +93,14 @@ class ReplayQueries:
                 select(*(r[c] for c in RUN_COLS)).where(*conds).order_by(r.created_at,
                                                                          r.run_id)).all()]
             if not out.runs:
+                if run_id is not None:
+                    out.run_exists = conn.execute(
+                        select(r.run_id).where(r.run_id == run_id)).first() is not None
                 return out
             created, updated = RUN_COLS.index("created_at"), RUN_COLS.index("updated_at")
             first = min(x[created] for x in out.runs)
-            out.end = max(max(x[updated] for x in out.runs), until or 0.0)
+            last = until if until is not None else attempts_until
+            out.end = max(max(x[updated] for x in out.runs), last or 0.0)
             out.lead_from = first - lead_s
             att = (select(*(a[c] for c in ATTEMPT_COLS[:-1]), r.policy_hash)
                    .select_from(s.attempts.join(s.runs, r.run_id == a.run_id))

@@ -27,7 +27,7 @@ from ledger.clock import ManualClock
 from ledger.decide.inputs import parse_inputs, selection_input
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import select
-from ledger.errors import InvalidArgument
+from ledger.errors import InvalidArgument, NotFound
 from ledger.ops.audit import AsyncAudit, Audit, to_jsonable
 from ledger.ops.replay import ReplayReport
 from ledger.redaction import redact_data
@@ -214,6 +214,32 @@ def test_one_run_replays_alone(audit: Audit) -> None:
     assert [f.key for f in rep.findings] == ["stopped", "stopped_runs"]
 
 
+def test_replaying_an_unknown_run_is_not_found_as_run_show_says(audit: Audit) -> None:
+    """A mistyped run id read "0 decisions, all agree": it is the error ``run show`` gives
+    (``Audit.timeline``)."""
+    with pytest.raises(NotFound) as shown:
+        audit.timeline("auth-l")
+    with pytest.raises(NotFound) as replayed:
+        audit.replay("failure-domain", run="auth-l")
+    assert str(replayed.value) == str(shown.value) == (
+        "unknown run id 'auth-l'; list runs with `failover-ledger runs`")
+    assert replayed.value.fields["run_id"] == "auth-l"
+    with pytest.raises(NotFound):  # a window does not make it known
+        audit.replay("failure-domain", run="auth-l", since=SINCE, until=NOW)
+
+
+def test_one_run_replays_whenever_it_was_admitted_even_after_the_readers_clock(
+        history: tuple[str, Any]) -> None:
+    """A reader whose clock is behind the host that admitted the Run (clock skew) replays it
+    all the same: with ``run``, ``until`` is unbounded, as ``since`` is."""
+    with Ledger.open(history[0], clock=ManualClock(START - 3600.0),
+                     migrate_schema=False) as led:
+        rep = Audit(led).replay("failure-domain", run="auth-1")
+    assert rep.runs == 1 and rep.turns == 1 and rep.decisions == 2
+    assert [f.key for f in rep.findings] == ["stopped", "stopped_runs"]
+    assert rep.until > START  # the report's window holds the Run
+
+
 def test_async_audit_replays_the_same(audit: Audit) -> None:
     import asyncio
 
@@ -319,6 +345,17 @@ def test_the_replay_command_prints_the_report_and_its_json(history: tuple[str, A
     assert doc["findings"][0]["examples"][0]["run_id"].startswith("auth-")
 
 
+def test_the_replay_command_exits_1_on_an_unknown_run_as_run_show_does(
+        history: tuple[str, Any], capsys: Any) -> None:
+    shown, out = _cli(history[0], "run", "show", "auth-l")
+    shown_err = capsys.readouterr().err
+    rc, out = _cli(history[0], "replay", "--policy", "failure-domain", "--run", "auth-l")
+    err = capsys.readouterr().err
+    assert (rc, out) == (shown, "") == (1, "")
+    assert "unknown run id 'auth-l'; list runs with `failover-ledger runs`" in err
+    assert err == shown_err
+
+
 def test_the_replay_command_refuses_a_policy_it_cannot_load(history: tuple[str, Any],
                                                             capsys: Any) -> None:
     rc, out = _cli(history[0], "replay", "--policy", "nonesuch")
@@ -354,6 +391,21 @@ def test_the_dashboard_replays_a_preset_on_request(history: tuple[str, Any],
         api = c.get("/api/replay", params={"policy": "failure-domain", **window})
         assert api.json() == json.loads(json.dumps(to_jsonable(
             audit.replay("failure-domain", **window))))
+        # One run whenever it was admitted, though the form always sends ?hours=; an unknown
+        # run is a 404, as /runs/ID is.
+        one = c.get("/api/replay", params={"policy": "failure-domain", "run": "auth-1",
+                                           "hours": 1})
+        assert one.status_code == 200 and one.json() == json.loads(json.dumps(to_jsonable(
+            audit.replay("failure-domain", run="auth-1"))))
+        assert one.json()["runs"] == 1 and one.json()["decisions"] == 2
+        assert c.get("/api/replay", params={"policy": "failure-domain", "run": "auth-1",
+                                            "until": str(START)}).json()["runs"] == 0
+        typo = {"policy": "failure-domain", "run": "auth-l", "hours": 24}
+        missing = c.get("/api/replay", params=typo)
+        assert missing.status_code == 404 and missing.json() == {
+            "error": "unknown run id 'auth-l'; list runs with `failover-ledger runs`"}
+        page = c.get("/replay", params=typo)
+        assert page.status_code == 404 and "unknown run id &#x27;auth-l&#x27;" in page.text
         # Presets only: the dashboard never opens a file a request names.
         assert c.get("/replay", params={"policy": "policies/goclaw.yaml"}).status_code == 400
         assert c.get("/api/replay", params={"policy": "fased", "hours": -1}).status_code == 400
