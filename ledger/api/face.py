@@ -901,7 +901,9 @@ class Face(Generic[SessionT, OpenedT]):
         Args:
             attempt_id: The unknown Attempt (``failover-ledger attempts --open`` lists them).
             outcome: What the evidence shows: ``succeeded``, ``failed`` or ``not_sent``.
-            prompt_tokens: The prompt tokens the provider billed, if known.
+            prompt_tokens: The prompt tokens the provider billed, if known. The evidence
+                replaces the usage whole: what an unknown Attempt carried of a cut-off answer
+                (its tokens, cached and reasoning parts included) is not kept.
             completion_tokens: The completion tokens it billed, if known.
             cost: What it cost (a Decimal, int or decimal string); default: the usage at the
                 Attempt's frozen route price, or the whole hold when no usage is given.

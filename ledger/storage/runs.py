@@ -258,9 +258,11 @@ class RunQueries:
             changed = conn.execute(
                 s.attempts.update()
                 .where(a.attempt_id == spec.attempt_id, a.state == AttemptState.UNKNOWN.value)
+                # The evidence replaces the usage whole: the cached and reasoning parts of
+                # what arrived before the cut no longer describe it.
                 .values(state=spec.outcome.value, prompt_tokens=spec.prompt_tokens,
-                        completion_tokens=spec.completion_tokens,
-                        cost_micros=spec.cost_micros)).rowcount
+                        completion_tokens=spec.completion_tokens, cached_tokens=None,
+                        reasoning_tokens=None, cost_micros=spec.cost_micros)).rowcount
             if changed != 1:  # pragma: no cover - the run row lock makes this unreachable
                 raise Conflict(f"attempt {spec.attempt_id!r} changed while it was settled",
                                attempt_id=spec.attempt_id)

@@ -72,6 +72,28 @@ def _agree(led: Ledger, run_id: str = "r") -> None:
     assert books.ok, books.violations
 
 
+def test_an_operators_usage_replaces_the_cut_off_usage_whole(db_url: str) -> None:
+    """An Attempt settled unknown may carry the usage of what arrived before the cut, with its
+    cached and reasoning parts. The operator's evidence replaced the prompt and completion
+    tokens but kept those parts, which could then exceed them (400 cached of 100 prompt
+    tokens): the evidence now replaces the usage whole."""
+    led = Ledger.open(db_url, clock=ManualClock(1000.0))
+    led.admit_run("r", plan=[ROUTE], grant=grant(), budget=Budget(
+        max_calls=3, max_retries=1, max_cost=Decimal("1")))
+    lease = led.acquire_lease("r", ttl_s=60)
+    att = led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve=HOLD)
+    cut = led.settle_attempt(lease, att.attempt_id, outcome="unknown", prompt_tokens=500,
+                             completion_tokens=20, cached_tokens=400, reasoning_tokens=15)
+    assert (cut.cached_tokens, cut.reasoning_tokens) == (400, 15)
+    done = led.settle_unknown(att.attempt_id, outcome="succeeded", prompt_tokens=100,
+                              completion_tokens=10, note="invoice 12")
+    assert (done.prompt_tokens, done.completion_tokens) == (100, 10)
+    assert (done.cached_tokens, done.reasoning_tokens) == (None, None)
+    [stored] = led.timeline("r")
+    assert stored == done
+    led.close()
+
+
 def test_settle_with_usage_posts_the_priced_cost_and_releases_the_rest(db_url: str) -> None:
     led = Ledger.open(db_url, clock=ManualClock(1000.0))
     attempt_id, _ = _unknown(led, token_budget=True)
