@@ -1100,7 +1100,9 @@ class Face(Generic[SessionT, OpenedT]):
         debits and provenance stay. In the same transaction a ``retention`` event (of no
         Run) records who, why, the cut-off and what went (partitions and rows);
         ``Audit.actions`` lists it. On PostgreSQL the coming months' partitions are created
-        first. A run with nothing to drop still records its event.
+        first. A run with nothing to drop still records its event. Two runs at once take
+        turns (on PostgreSQL an advisory lock, on SQLite the write lock): the second plans from
+        what the first left, so it drops nothing more and carries nothing twice.
 
         Args:
             older_than: Age in seconds, from 86 400 (one day) to 3 153 600 000 (36 500 days):
@@ -1117,7 +1119,8 @@ class Face(Generic[SessionT, OpenedT]):
             InvalidArgument: ``older_than`` is not a number of seconds from a day to 36 500
                 days (``field="older_than"``), ``reason`` or ``by`` is not a short text.
             DatabaseUnavailable: a table stayed locked longer than the retention's lock
-                timeout; nothing was dropped (run it again).
+                timeout, or another retention run held the retention lock that long
+                (``fields["contention"] == "55P03"``); nothing was dropped (run it again).
             DatabaseSetupError: on PostgreSQL, a role that does not own the ledger's tables
                 (``problem="schema_privilege"``; the message names the owner to run it as);
                 nothing was dropped or recorded.

@@ -7,7 +7,9 @@ Rows of such old months that sit in a default partition (written while their mon
 partition) are first moved into a partition of their own.
 On SQLite, which has no partitions, it deletes the same rows one by one: those older than the
 cut-off whose Run is not held. Either way, in one transaction with a ``retention`` event that
-records who, why, the cut-off and what went.
+records who, why, the cut-off and what went. Retention runs take turns (on PostgreSQL an
+advisory lock each takes before it reads anything; on SQLite the write lock): a second run
+plans from what the first left.
 
 A Run is held while it is live (``admitted`` or ``running``: its executor may still write to
 it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an operator may still
@@ -33,6 +35,7 @@ import json
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, and_, bindparam, select, text, true
+from sqlalchemy.exc import DBAPIError
 
 from ledger.domain.records import (
     OPERATOR_ACTION_KINDS,
@@ -42,7 +45,7 @@ from ledger.domain.records import (
     Retention,
     RunStatus,
 )
-from ledger.errors import DatabaseSetupError, LedgerError, StorageError
+from ledger.errors import DatabaseSetupError, DatabaseUnavailable, LedgerError, StorageError
 from ledger.storage import partitions as parts
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
@@ -55,8 +58,12 @@ from ledger.storage.series import metric_counts
 #: (``run_rollups`` is not one: Runs are never dropped).
 _CARRIED = {t: k for t, k in FOLDED if t in (s.metric_rollups, s.move_rollups, s.wait_rollups)}
 
-#: How long a retention run waits for a table's lock before it gives up (and changes nothing).
+#: How long a retention run waits for a table's lock (or for another retention run to end)
+#: before it gives up (and changes nothing).
 LOCK_TIMEOUT = "10s"
+# The advisory lock that makes retention runs on PostgreSQL take turns (any constant; not the
+# migrations' 0x1ED6E5 nor the partitions' 0x1ED6E6).
+_PG_RETENTION_LOCK = 0x1ED6E7
 
 _OPEN = tuple(v.value for v in (AttemptState.UNKNOWN, AttemptState.DISPATCHING))
 _LIVE = tuple(v.value for v in (RunStatus.ADMITTED, RunStatus.RUNNING))
@@ -123,6 +130,7 @@ class RetentionQueries:
                     dry_run: bool) -> Retention:
         with self.ctx.writing() as conn:
             self.ctx.bounded_locks(conn, LOCK_TIMEOUT)
+            _one_at_a_time(conn, self.ctx.where)
             now = clock()
             cutoff = now - older_than_s
             _split_default(conn, cutoff)
@@ -241,6 +249,24 @@ def _lock_as_writers_do(conn: Connection) -> None:
     partition's ``DROP``/``DETACH``/``CREATE`` takes ``ACCESS EXCLUSIVE`` on its table."""
     conn.execute(text("LOCK TABLE runs IN EXCLUSIVE MODE"))
     conn.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
+
+
+def _one_at_a_time(conn: Connection, where: str) -> None:
+    """Wait, before reading anything, for a retention run in progress to commit (up to the
+    transaction's lock timeout): a second one started at the same moment then plans from what
+    the first left (the months it dropped are gone: it drops and carries nothing twice),
+    instead of locking the same partitions in another order (a deadlock the server breaks
+    only after holding every write of the ledger for a second)."""
+    try:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_RETENTION_LOCK})
+    except DBAPIError as e:
+        if getattr(e.orig, "sqlstate", None) != "55P03":
+            raise
+        raise DatabaseUnavailable(
+            f"database {where}: another retention run held the retention lock for longer "
+            f"than the lock timeout ({LOCK_TIMEOUT}); nothing was dropped or recorded; run it "
+            "again once that run is done (retention runs one at a time)",
+            url=where, contention="55P03") from e
 
 
 def _split_default(conn: Connection, cutoff: float) -> None:

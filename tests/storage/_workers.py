@@ -257,6 +257,32 @@ def migrate_worker(url: str) -> dict[str, int]:
     return {"ok": 1}
 
 
+def retention_worker(url: str, at: int, gate: str, ready: str) -> dict[str, object]:
+    """One retention run at ledger time ``at``, started when the test opens ``gate`` (it
+    holds an exclusive lock on the file; this process, its ledger open, writes ``ready``
+    and waits for a shared one): two such run at the same moment. Prints what it dropped,
+    or the typed error it got."""
+    from ledger.clock import ManualClock
+    from ledger.errors import LedgerError
+
+    led = Ledger.open(url, clock=ManualClock(float(at)), migrate_schema=False)
+    try:
+        led.health()  # its connection made before the gate opens
+        with open(gate) as g:
+            with open(ready, "w") as f:
+                f.write("ready")
+            fcntl.flock(g, fcntl.LOCK_SH)
+            try:
+                rep = led.drop_history(60 * 86400, by="ops", reason="keep 60 days")
+            except LedgerError as e:
+                return {"error": type(e).__name__, "message": str(e),
+                        "fields": {k: str(v) for k, v in e.fields.items()}}
+        return {"dropped": [[p.table, p.partition, p.rows] for p in rep.dropped],
+                "event": None if rep.event is None else rep.event.event_id}
+    finally:
+        led.close()
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     fn = globals()[name + "_worker"]
