@@ -1109,7 +1109,9 @@ class Face(Generic[SessionT, OpenedT]):
                 history from before the ledger clock's now less this goes.
             reason: Why, kept in the event (at most 200 printable characters, not blank).
             by: Who runs it, kept in the event (default: this ledger's ``executor_id``).
-            dry_run: Only report what would go; nothing is dropped or recorded.
+            dry_run: Only report what would go; nothing is dropped or recorded. It only
+                reads (on PostgreSQL plain ``SELECT`` statements): a role that may only read
+                the ledger's tables may run it.
 
         Returns:
             The :class:`~ledger.domain.records.Retention` report (``dropped``, ``kept``, the
@@ -1122,8 +1124,8 @@ class Face(Generic[SessionT, OpenedT]):
                 timeout, or another retention run held the retention lock that long
                 (``fields["contention"] == "55P03"``); nothing was dropped (run it again).
             DatabaseSetupError: on PostgreSQL, a role that does not own the ledger's tables
-                (``problem="schema_privilege"``; the message names the owner to run it as);
-                nothing was dropped or recorded.
+                (``problem="schema_privilege"``; the message names the owner to run it as),
+                unless ``dry_run``; nothing was dropped or recorded.
 
         Example:
             >>> led.drop_history(90 * 86400, by="alice", dry_run=True)  # doctest: +SKIP

@@ -1008,8 +1008,9 @@ def register(subparsers: Any) -> None:
         "it). PostgreSQL drops whole monthly partitions (a partition holding any kept row "
         "stays whole) and first creates the coming months' partitions; SQLite deletes the "
         "rows. Operators' action events, runs, debits and provenance stay. --dry-run shows "
-        "what would go and changes nothing. Two runs at once take turns: the second drops "
-        "nothing more. See docs/operations.md.")
+        "what would go and changes nothing (it only reads: a role that may SELECT the "
+        "tables may run it). Two runs at once take turns: the second drops nothing more. "
+        "See docs/operations.md.")
     p.add_argument("--older-than", required=True, metavar="AGE",
                    help="age of the history to drop: 90d, 12w, 2160h (one day to 36500 days)")
     p.add_argument("--dry-run", action="store_true", help="show what would go; drop nothing")

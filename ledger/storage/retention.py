@@ -9,7 +9,9 @@ On SQLite, which has no partitions, it deletes the same rows one by one: those o
 cut-off whose Run is not held. Either way, in one transaction with a ``retention`` event that
 records who, why, the cut-off and what went. Retention runs take turns (on PostgreSQL an
 advisory lock each takes before it reads anything; on SQLite the write lock): a second run
-plans from what the first left.
+plans from what the first left. A dry run only reads: on PostgreSQL plain ``SELECT``
+statements through the partitioned tables, an old month still in a default partition counted
+there as the partition a real run would first move it into.
 
 A Run is held while it is live (``admitted`` or ``running``: its executor may still write to
 it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an operator may still
@@ -91,16 +93,16 @@ class RetentionQueries:
         ledger clock's now, and record a ``retention`` event in the same transaction. On
         PostgreSQL the coming months' partitions are made first (not in a dry run)."""
         if self.ctx.partitioned:
+            if dry_run:
+                return self._partitions(older_than_s, clock, by, reason, dry_run)
             try:
-                if not dry_run:
-                    parts.ensure_partitions(self.ctx, clock())
+                parts.ensure_partitions(self.ctx, clock())
                 return self._partitions(older_than_s, clock, by, reason, dry_run)
             except StorageError as e:
                 if _sqlstate(e) != "42501":
                     raise
                 # Not a read-only ledger: this role may write rows but not make or drop
-                # tables (even a dry run splits the default partition, in a rolled-back
-                # transaction), and only the tables' owner may.
+                # tables, and only the tables' owner may.
                 raise self._needs_owner(e) from e
         return self._rows(older_than_s, clock, by, reason, dry_run)
 
@@ -116,9 +118,9 @@ class RetentionQueries:
         said = str(getattr(refused.__cause__, "orig", None) or refused.__cause__ or refused)
         return DatabaseSetupError(
             f"role {_quoted(role, 'of this URL')} may not drop or create the history's "
-            f"partitions ({said.strip().splitlines()[0]}): retention (even --dry-run, which "
-            "splits the default partition in a transaction it rolls back) detaches, drops and "
-            "creates tables, which takes their owner; run `failover-ledger retention` (or "
+            f"partitions ({said.strip().splitlines()[0]}): retention detaches, drops and "
+            "creates tables, which takes their owner (a --dry-run only reads: any role that "
+            "may SELECT the tables may run it); run `failover-ledger retention` (or "
             f"drop_history) as {_quoted(owner, 'the role that owns the ledger tables')}, the "
             "role that runs `failover-ledger db init`; nothing was dropped or recorded; "
             "retrying will not help (docs/postgresql.md)",
@@ -128,27 +130,31 @@ class RetentionQueries:
 
     def _partitions(self, older_than_s: float, clock: ClockFn, by: str, reason: str,
                     dry_run: bool) -> Retention:
-        with self.ctx.writing() as conn:
+        # A dry run only reads (plain SELECTs, no lock a reader may not take): any role that
+        # may SELECT the ledger's tables may run it.
+        with self.ctx.reading() if dry_run else self.ctx.writing() as conn:
             self.ctx.bounded_locks(conn, LOCK_TIMEOUT)
             _one_at_a_time(conn, self.ctx.where)
             now = clock()
             cutoff = now - older_than_s
-            _split_default(conn, cutoff)
+            months = _default_months(conn, cutoff)
+            if not dry_run:
+                _split_default(conn, months)
             dropped: list[HistoryPart] = []
             kept: list[HistoryPart] = []
             # First every check, each old partition locked against inserts (only a write
             # with a back-dated clock goes there); then the drops, which lock the whole
             # tables until commit: the writes of the ledger wait only for the drops.
             for table in parts.PARTITIONED:
-                for p in parts.partitions(conn, table):
-                    if p.until is None or p.until > cutoff:
-                        continue
-                    conn.execute(text(f'LOCK TABLE "{p.name}" IN SHARE MODE'))
+                for p, rel, args in _old_partitions(conn, table, cutoff,
+                                                    months if dry_run else None):
+                    if not dry_run:
+                        conn.execute(text(f'LOCK TABLE "{p.name}" IN SHARE MODE'))
                     # An events partition's operator actions are kept: not counted as gone.
                     gone = " WHERE kind <> ALL(:actions)" if table == "events" else ""
-                    rows = int(conn.execute(text(f'SELECT count(*) FROM "{p.name}"{gone}'),
-                                            _SETS).scalar_one())
-                    held = _held(conn, table, p.name)
+                    rows = int(conn.execute(text(f"SELECT count(*) FROM {rel} AS x{gone}"),
+                                            {**_SETS, **args}).scalar_one())
+                    held = _held(conn, table, rel, args)
                     part = HistoryPart(table, p.name, p.since, p.until, rows, held)
                     (kept if held else dropped).append(part)
             actions = int(conn.execute(text(
@@ -269,10 +275,9 @@ def _one_at_a_time(conn: Connection, where: str) -> None:
             url=where, contention="55P03") from e
 
 
-def _split_default(conn: Connection, cutoff: float) -> None:
-    """Give each month that ended by ``cutoff`` and has rows in a default partition (written
-    while no partition of its month existed) its own partition, so retention can drop it
-    like any other: rows never stay in a default partition for ever."""
+def _default_months(conn: Connection, cutoff: float) -> list[tuple[str, int, int]]:
+    """The months that ended by ``cutoff`` and have rows in a default partition (written
+    while no partition of their month existed), per table: (table, year, month)."""
     todo: list[tuple[str, int, int]] = []
     for table in parts.PARTITIONED:
         have = {p.name: p for p in parts.partitions(conn, table)}
@@ -287,11 +292,40 @@ def _split_default(conn: Connection, cutoff: float) -> None:
             {"cut": cutoff, **_SETS}).all()
         todo += [(table, y, m) for y, m in months if parts.month_range(y, m)[1] <= cutoff
                  and parts.partition_name(table, y, m) not in have]
-    if todo:
+    return todo
+
+
+def _split_default(conn: Connection, months: list[tuple[str, int, int]]) -> None:
+    """Give each of ``months`` (:func:`_default_months`) its own partition, so retention can
+    drop it like any other: rows never stay in a default partition for ever."""
+    if months:
         # A new partition of attempts locks runs too (its foreign key): all of them first.
         _lock_as_writers_do(conn)
-    for table, y, m in todo:
+    for table, y, m in months:
         parts.create_partition(conn, table, y, m)
+
+
+def _old_partitions(conn: Connection, table: str, cutoff: float,
+                    unsplit: list[tuple[str, int, int]] | None
+                    ) -> list[tuple[parts.Partition, str, dict[str, Any]]]:
+    """``table``'s partitions whose month ended by ``cutoff``, oldest first, each with the
+    relation to read its rows from (SQL) and that relation's parameters.
+
+    ``unsplit`` (a dry run's :func:`_default_months`, still in the default partition) adds
+    those months, as the partitions the real run first moves them into (their names, their
+    rows), and makes every month read through ``table`` by its range: no table made, no lock,
+    and no grant on a partition (a month's partition made after a reader's ``GRANT SELECT``
+    has none of its own; the parent's is what counts)."""
+    old = [p for p in parts.partitions(conn, table) if p.until is not None and p.until <= cutoff]
+    if unsplit is None:
+        return [(p, f'"{p.name}"', {}) for p in old]
+    for t, y, m in unsplit:
+        if t == table:
+            old.append(parts.Partition(table, parts.partition_name(table, y, m),
+                                       *parts.month_range(y, m)))
+    rel = f'(SELECT * FROM "{table}" WHERE created_at >= :since AND created_at < :until)'
+    return [(p, rel, {"since": p.since, "until": p.until})
+            for p in sorted(old, key=lambda p: p.since or 0.0)]
 
 
 def _carry(ctx: SqlContext, conn: Connection, table: str, dropped: ColumnElement[bool]
@@ -330,23 +364,25 @@ def _unroll(conn: Connection, since: float | None, until: float | None) -> None:
                                           *time_range(table.c.hour, first, end)))
 
 
-def _held(conn: Connection, table: str, name: str) -> str | None:
-    """Why partition ``name`` of ``table`` must stay (``None``: it may go). Each probe starts
-    from the few held Runs and open Attempts and uses the partition's indexes."""
+def _held(conn: Connection, table: str, rel: str, args: dict[str, Any]) -> str | None:
+    """Why the rows of ``rel`` (a partition of ``table``, or its rows of one month, with the
+    parameters ``args``) must stay (``None``: they may go). Each probe starts from the few
+    held Runs and open Attempts and uses the partition's indexes."""
     reasons = []
+    args = {**_SETS, **args}
     if table == "attempts":
-        n = conn.execute(text(f'SELECT count(*) FROM "{name}" WHERE state = ANY(:open)'),
-                         _SETS).scalar_one()
+        n = conn.execute(text(f"SELECT count(*) FROM {rel} AS x WHERE state = ANY(:open)"),
+                         args).scalar_one()
         if n:
             reasons.append(f"{n} open (unknown or dispatching) attempt(s)")
     n = conn.execute(text(
-        f'SELECT count(DISTINCT r.run_id) FROM runs r WHERE r.status = ANY(:live) '
-        f'AND EXISTS (SELECT 1 FROM "{name}" x WHERE x.run_id = r.run_id)'), _SETS).scalar_one()
+        f"SELECT count(DISTINCT r.run_id) FROM runs r WHERE r.status = ANY(:live) "
+        f"AND EXISTS (SELECT 1 FROM {rel} x WHERE x.run_id = r.run_id)"), args).scalar_one()
     if n:
         reasons.append(f"rows of {n} live run(s)")
     n = conn.execute(text(
-        f'SELECT count(DISTINCT o.run_id) FROM attempts o WHERE o.state = ANY(:open) '
-        f'AND EXISTS (SELECT 1 FROM "{name}" x WHERE x.run_id = o.run_id)'), _SETS).scalar_one()
+        f"SELECT count(DISTINCT o.run_id) FROM attempts o WHERE o.state = ANY(:open) "
+        f"AND EXISTS (SELECT 1 FROM {rel} x WHERE x.run_id = o.run_id)"), args).scalar_one()
     if n:
         reasons.append(f"rows of {n} run(s) with an open attempt")
     return "; ".join(reasons) or None

@@ -539,20 +539,72 @@ def test_retention_as_the_runtime_role_is_a_setup_error_naming_the_owner(
         _finished_run(led, clock, "in-the-default", T0 - 400 * 86400)
     later = ManualClock(T0 + 400 * 86400)
     with Ledger.open(_url(pg_server, app, db), clock=later) as led:
-        for dry_run in (True, False):
-            err = _setup_error(lambda d=dry_run: led.drop_history(90 * 86400, dry_run=d),
-                               "schema_privilege")
-            assert f'role "{app}"' in str(err) and f'"{owner}"' in str(err), str(err)
-            assert "failover-ledger retention" in str(err) and "read-only" not in str(err)
-        for dry in ([], ["--dry-run"]):
-            assert main(["--db", _url(pg_server, app, db), "retention", "--older-than", "90d",
-                         *dry]) == 2
-            assert "failover-ledger retention" in capsys.readouterr().err
-        # Without old rows in the default partition only dropping needs the owner.
+        err = _setup_error(lambda: led.drop_history(90 * 86400), "schema_privilege")
+        assert f'role "{app}"' in str(err) and f'"{owner}"' in str(err), str(err)
+        assert "failover-ledger retention" in str(err) and "read-only" not in str(err)
+        assert main(["--db", _url(pg_server, app, db), "retention", "--older-than",
+                     "90d"]) == 2
+        assert "failover-ledger retention" in capsys.readouterr().err
+        # A dry run only reads, old rows in the default partition or not: no DDL.
+        assert led.drop_history(90 * 86400, dry_run=True).dropped
+        assert main(["--db", _url(pg_server, app, db), "retention", "--older-than", "90d",
+                     "--dry-run"]) == 0
+        capsys.readouterr()
         pg_server.psql("DELETE FROM attempts_default; DELETE FROM events_default", db=db)
-        assert led.drop_history(90 * 86400, dry_run=True).dropped  # a dry run: no DDL
+        assert led.drop_history(90 * 86400, dry_run=True).dropped
         err = _setup_error(lambda: led.drop_history(90 * 86400), "schema_privilege")
         assert f'"{owner}"' in str(err) and "read-only" not in str(err), str(err)
     with Ledger.open(_url(pg_server, owner, db), clock=later) as led:
         assert Audit(led).actions(kinds=["retention"]).items == []
         assert led.drop_history(90 * 86400).dropped  # the owner may
+
+
+def _held_run(led: Ledger, clock: ManualClock, run_id: str, at: float) -> None:
+    """A Run whose Attempt is left dispatching (its executor "died"): held by retention."""
+    clock.set(at)
+    led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+    lease = led.acquire_lease(run_id, ttl_s=30)
+    led.begin_attempt(lease, route="a", envelope_hash="sha256:e1", reserve="0.01")
+
+
+@pytest.mark.postgres
+def test_a_retention_dry_run_needs_only_select_and_reports_what_the_owner_would_drop(
+        pg_server: PgServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """Old months whose rows sit in the default partition (written by the runtime role, which
+    may not make their partitions) are counted in place by a dry run, with plain SELECTs: a
+    role that may only read the tables gets the owner's report, and nothing is made."""
+    owner, app, db, _ = _documented_setup(pg_server, capsys)
+    reader = _name("reader")
+    pg_server.psql(f"CREATE ROLE {reader} LOGIN; GRANT CONNECT ON DATABASE {db} TO {reader}")
+    pg_server.psql(f"SET ROLE {owner}; GRANT USAGE ON SCHEMA public TO {reader}; "
+                   f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {reader}", db=db)
+    clock = ManualClock(T0)
+    with Ledger.open(_url(pg_server, owner, db), clock=clock) as led:
+        _finished_run(led, clock, "in-a-partition", T0)
+    with Ledger.open(_url(pg_server, app, db), clock=clock) as led:
+        _finished_run(led, clock, "in-the-default", T0 - 400 * 86400)
+        _held_run(led, clock, "held-in-the-default", T0 - 300 * 86400)
+    parts = ("SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+             "WHERE c.relname LIKE 'attempts_p%' OR c.relname LIKE 'events_p%'")
+    made = pg_server.psql(parts, db=db).strip()
+    later = ManualClock(T0 + 90 * 86400)
+    reports = {}
+    for role in (reader, app, owner):
+        with Ledger.open(_url(pg_server, role, db), clock=later,
+                         migrate_schema=False) as led:
+            reports[role] = led.drop_history(90 * 86400, dry_run=True)
+    assert reports[reader] == reports[app] == reports[owner]
+    dry = reports[reader]
+    month = {p.partition: p for p in dry.dropped + dry.kept}
+    assert month["attempts_p202210"].rows == 1 and month["attempts_p202210"] in dry.dropped
+    assert "open (unknown or dispatching) attempt" in (month["attempts_p202301"].held or "")
+    # Nothing made or moved: the old rows are still in the default partition.
+    assert pg_server.psql(parts, db=db).strip() == made
+    assert pg_server.psql("SELECT count(*) FROM attempts_default", db=db).strip() == "2"
+    assert main(["--db", _url(pg_server, reader, db), "retention", "--older-than", "90d",
+                 "--dry-run"]) == 0
+    assert "attempts_p202210" in capsys.readouterr().out
+    # The owner's run drops (and keeps) what the dry runs said, under the same names.
+    with Ledger.open(_url(pg_server, owner, db), clock=later) as led:
+        done = led.drop_history(90 * 86400, by="ops", reason="keep 90 days")
+    assert (done.dropped, done.kept) == (dry.dropped, dry.kept)
