@@ -12,6 +12,8 @@ figure).
   (``python -m benchmarks turns-flat``);
 * :mod:`~benchmarks.recover`: recovery of many unknown attempts over a long history
   (``python -m benchmarks recover``);
+* :mod:`~benchmarks.retention`: a dry run and a real retention over months of generated
+  history, and the share of the carried-counter read (``python -m benchmarks retention``);
 * :mod:`~benchmarks.selector`: the selector's deep walk and first fit
   (``python -m benchmarks select``);
 * :mod:`~benchmarks.audit`: the latency of each audit query on a large ledger

@@ -1,8 +1,8 @@
 """``python -m benchmarks COMMAND``: the benchmark suite's command line (run from the repository
 root; the benchmarks are not part of the installed package).
 
-``write``, ``group-ceiling``, ``turn``, ``turns-flat``, ``queue``, ``recover`` and ``select``
-measure;
+``write``, ``group-ceiling``, ``turn``, ``turns-flat``, ``queue``, ``recover``, ``retention``
+and ``select`` measure;
 ``generate`` fills a database with a large synthetic history, fast (the bulk generator), and
 ``audit`` times each audit query on it. Every database benchmark measures a temporary SQLite
 file by default; ``--postgres`` adds a throwaway PostgreSQL server started with production
@@ -176,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--setup-workers", type=int, default=4, metavar="N",
                    help="threads making the dead executor's runs (default 4)")
     r.set_defaults(func=_recover)
+
+    rt = bench.add_parser(
+        "retention", help="a dry run and a real retention over months of generated history",
+        description="Writes --attempts of synthetic history over --months whole months (the "
+        "bulk generator), its unknown attempts settled in bulk, then times "
+        "Ledger.drop_history as a dry run (median of --repeat) and for real, and the share "
+        "of the real run spent reading the dropped rows to carry /metrics' counters over. "
+        "It drops the history it wrote: point --db only at a throwaway database.")
+    _add_where(rt)
+    rt.add_argument("--attempts", type=int, default=d.RETENTION_ATTEMPTS, metavar="N",
+                    help=f"attempts of history (default {d.RETENTION_ATTEMPTS})")
+    rt.add_argument("--months", type=int, default=d.RETENTION_MONTHS, metavar="N",
+                    help="whole months of history, ending at this month's start (default "
+                    f"{d.RETENTION_MONTHS})")
+    rt.add_argument("--repeat", type=int, default=d.RETENTION_REPEAT, metavar="N",
+                    help=f"dry runs timed (default {d.RETENTION_REPEAT})")
+    rt.set_defaults(func=_retention)
 
     s = bench.add_parser(
         "select", help="the selector's deep walk and first fit, in microseconds",
@@ -419,6 +436,17 @@ def _recover(args: argparse.Namespace) -> int:
     return _on_targets(args, "recover", lambda ts, progress: recover.run(
         ts, history=history, unknown=unknown, per_run=args.per_run, limit=args.limit,
         setup_workers=args.setup_workers, progress=progress))
+
+
+def _retention(args: argparse.Namespace) -> int:
+    from benchmarks import retention
+
+    _positive(args.attempts, "attempts")
+    _positive(args.months, "months")
+    _positive(args.repeat, "repeat")
+    return _on_targets(args, "retention", lambda ts, progress: retention.run(
+        ts, attempts=args.attempts, months=args.months, repeat=args.repeat,
+        progress=progress))
 
 
 def _select(args: argparse.Namespace) -> int:

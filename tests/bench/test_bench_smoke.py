@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import ceiling, flat, queue, recover, selector, turn, write
+from benchmarks import ceiling, flat, queue, recover, retention, selector, turn, write
 from benchmarks import floor as baseline
 from benchmarks.cli import build_parser, main, parse_workers
 from benchmarks.common import BenchError, Report, percentile
@@ -386,6 +386,30 @@ def test_recover_scale_and_explicit_sizes() -> None:
     assert recover.scaled(0.01, 5, 7) == (5, 7)
 
 
+# -- retention -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retention_drops_the_generated_months_its_dry_run_planned(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    name, url = _url(backend, tmp_path, request)
+    report = retention.run([(name, url)], attempts=400, months=2, repeat=2)
+    (r,) = report.rows
+    assert (r.backend, r.history_attempts, r.months) == (name, 400, 2)
+    # Every attempt of the history went (its unknown ones settled first), and its events.
+    assert r.dropped_attempts == 400 and r.dropped_events > 0 and r.kept_parts == 0
+    assert r.dropped_parts == (4 if name == "postgresql" else 2)  # 2 months x 2 tables
+    assert 0 < r.carry_s <= r.retention_s and r.dry_run_s > 0
+    assert r.carry_share == pytest.approx(r.carry_s / r.retention_s, abs=0.002)
+    with Ledger.open(url, migrate_schema=False) as led:
+        assert led.attempts(limit=10).items == []
+    _table_lines(report)
+    assert _json(report)["rows"][0]["carry_share"] == r.carry_share  # type: ignore[index]
+
+
+def test_retention_month_start_is_the_first_instant_of_the_utc_month() -> None:
+    assert retention.month_start(1_780_000_000.0) == 1_777_593_600.0  # 2026-05-01T00:00:00Z
+
+
 # -- select ----------------------------------------------------------------------------------
 
 def test_select_cases_walk_what_they_claim() -> None:
@@ -446,6 +470,9 @@ def test_cli_every_bench_prints_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     data = _cli_json(capsys, ["queue", "--db", str(tmp_path / "q.db"), "--sessions", "3",
                               "--turns", "1", "--limit", "1", "--delay-ms", "1", "--json"])
     assert data["bench"] == "queue" and data["rows"][0]["served"] == 3  # type: ignore[index]
+    data = _cli_json(capsys, ["retention", "--db", str(tmp_path / "rt.db"), "--attempts",
+                              "50", "--months", "1", "--repeat", "1", "--json"])
+    assert data["bench"] == "retention" and data["rows"][0]["dropped_attempts"] == 50  # type: ignore[index]
     data = _cli_json(capsys, ["select", "--iterations", "5", "--json"])
     assert data["bench"] == "select" and data["targets"]
 
@@ -479,6 +506,8 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
         (["queue", "--db", db, "--sessions", "0"], "--sessions"),
         (["queue", "--db", db, "--limit", "0"], "--limit"),
         (["queue", "--db", db, "--delay-ms", "-1"], "--delay-ms"),
+        (["retention", "--db", db, "--months", "0"], "--months"),
+        (["retention", "--db", db, "--attempts", "0"], "--attempts"),
     ]
     for argv, word in cases:
         assert main(argv) == 2, argv
@@ -490,8 +519,8 @@ def test_parser_has_every_bench() -> None:
     p = build_parser()
     args = p.parse_args(["write", "--workers", "1,8", "--postgres"])
     assert args.workers == "1,8" and args.postgres and args.bench_db is None
-    for name in ("group-ceiling", "turn", "turns-flat", "queue", "recover", "select", "audit",
-                 "generate"):
+    for name in ("group-ceiling", "turn", "turns-flat", "queue", "recover", "retention",
+                 "select", "audit", "generate"):
         assert p.parse_args([name]).bench_command == name
     assert p.parse_args(["deepen", "--copies", "9"]).copies == 9
 
@@ -598,7 +627,7 @@ def test_bulk_generate_refuses_a_ledger_with_other_runs(tmp_path: Path) -> None:
 
 
 def test_the_cli_defaults_are_the_benchmarks_own() -> None:
-    from benchmarks import defaults, flat, recover, selector, turn, write
+    from benchmarks import defaults, flat, recover, retention, selector, turn, write
     from ledger.ops.recovery import DEFAULT_LIMIT
 
     assert defaults.RECOVER_LIMIT == DEFAULT_LIMIT
@@ -606,6 +635,8 @@ def test_the_cli_defaults_are_the_benchmarks_own() -> None:
             recover.DEFAULT_PER_RUN, selector.DEFAULT_ITERATIONS) == (
         defaults.WRITE_ATTEMPTS, defaults.TURN_CALLS, defaults.FLAT_TURNS,
         defaults.RECOVER_PER_RUN, defaults.SELECT_ITERATIONS)
+    assert (retention.DEFAULT_ATTEMPTS, retention.DEFAULT_MONTHS, retention.DEFAULT_REPEAT) \
+        == (300_000, 4, 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
