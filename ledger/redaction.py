@@ -336,9 +336,14 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
 # Only clean texts are kept, so the memo never holds a secret.
 _CLEAN: dict[str, tuple[_Known, ...]] = {}
 _CLEAN_MAX = 8192
+# Only short texts are remembered: the recurring ones are names and reasons, and a long text
+# (a provider's model string, an error body) kept 8,192 times would hold megabytes.
+_CLEAN_TEXT_MAX = 512
 
 
 def _remember_clean(text: str, patterns: tuple[_Known, ...]) -> None:
+    if len(text) > _CLEAN_TEXT_MAX:
+        return
     if len(_CLEAN) >= _CLEAN_MAX:
         with contextlib.suppress(KeyError, RuntimeError, StopIteration):
             del _CLEAN[next(iter(_CLEAN))]  # the oldest; a lost race only evicts less

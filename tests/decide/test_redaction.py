@@ -283,3 +283,15 @@ def test_a_text_found_clean_is_checked_again_once_a_secret_it_holds_is_registere
         assert secret not in redact(text)  # and not remembered as clean meanwhile
     finally:
         forget_secret(secret)
+
+
+def test_the_clean_text_memo_keeps_only_short_texts() -> None:
+    # Texts found clean are remembered so recurring names cost a look-up; a long one (a
+    # provider's 300,000-character model string) was kept too, each of up to 8,192 of them.
+    from ledger import redaction
+
+    long_text = "model-" + "x y " * 75_000
+    short_text = "route-a-primary-model-name"
+    assert redact(long_text) == long_text and redact(short_text) == short_text
+    assert long_text not in redaction._CLEAN
+    assert short_text in redaction._CLEAN
