@@ -1110,8 +1110,9 @@ class Face(Generic[SessionT, OpenedT]):
             reason: Why, kept in the event (at most 200 printable characters, not blank).
             by: Who runs it, kept in the event (default: this ledger's ``executor_id``).
             dry_run: Only report what would go; nothing is dropped or recorded. It only
-                reads (on PostgreSQL plain ``SELECT`` statements): a role that may only read
-                the ledger's tables may run it.
+                reads (on PostgreSQL plain ``SELECT`` statements, on SQLite a read
+                transaction that waits for no writer): a role that may only read the
+                ledger's tables, or a process that may only read the SQLite file, may run it.
 
         Returns:
             The :class:`~ledger.domain.records.Retention` report (``dropped``, ``kept``, the

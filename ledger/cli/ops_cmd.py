@@ -1009,7 +1009,8 @@ def register(subparsers: Any) -> None:
         "stays whole) and first creates the coming months' partitions; SQLite deletes the "
         "rows. Operators' action events, runs, debits and provenance stay. --dry-run shows "
         "what would go and changes nothing (it only reads: a role that may SELECT the "
-        "tables may run it). Two runs at once take turns: the second drops nothing more. "
+        "tables, or a process that may only read the SQLite file, may run it). Two runs at "
+        "once take turns: the second drops nothing more. "
         "See docs/operations.md.")
     p.add_argument("--older-than", required=True, metavar="AGE",
                    help="age of the history to drop: 90d, 12w, 2160h (one day to 36500 days)")

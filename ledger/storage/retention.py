@@ -11,7 +11,9 @@ records who, why, the cut-off and what went. Retention runs take turns (on Postg
 advisory lock each takes before it reads anything; on SQLite the write lock): a second run
 plans from what the first left. A dry run only reads: on PostgreSQL plain ``SELECT``
 statements through the partitioned tables, an old month still in a default partition counted
-there as the partition a real run would first move it into.
+there as the partition a real run would first move it into; on SQLite a read transaction
+(``BEGIN``, not ``BEGIN IMMEDIATE``), which neither waits for the write lock nor holds up the
+ledger's writers while it counts, and which a read-only file allows.
 
 A Run is held while it is live (``admitted`` or ``running``: its executor may still write to
 it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an operator may still
@@ -209,7 +211,10 @@ class RetentionQueries:
             "attempts": f"created_at < :cut AND run_id IN ({_HELD_RUNS})",
             "events": f"created_at < :cut AND kind NOT IN :actions AND run_id IN ({_HELD_RUNS})",
         }
-        with self.ctx.writing() as conn:
+        # A dry run reads in a read transaction (one snapshot), not under the write lock:
+        # it waits for no writer, holds none up while it counts, and takes its turn with no
+        # retention run (it changes nothing they could plan from).
+        with self.ctx.reading() if dry_run else self.ctx.writing() as conn:
             now = clock()
             cutoff = now - older_than_s
             args = {"cut": cutoff, **_SETS}
