@@ -226,6 +226,9 @@ class DatabaseUnavailable(StorageError):
     transaction was in the way (PostgreSQL: ``40P01`` a deadlock, ``40001`` a serialization
     failure, ``55P03`` a lock not granted within the lock timeout): the transaction was rolled
     back, nothing of it was recorded, and the message says so and when to retry.
+    ``fields["partition"]`` names a month's partition of the history (``attempts_p202601``)
+    that a statement named and found dropped (by a retention run) since it listed it: run it
+    again, it plans from what is left.
     """
 
 

@@ -30,7 +30,11 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   read-only role) before any process of this version migrated it (an older revision is
   refused at open already: :func:`ledger.storage.migrate.check_current`).
   :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_outdated"``) naming
-  ``failover-ledger db init``; the statement's transaction was rolled back;
+  ``failover-ledger db init``; the statement's transaction was rolled back. A month's
+  partition of the history (``attempts_p202601``, ``events_p202601``) missing is no such
+  thing: a statement that names one (retention's) found it dropped after it listed it (by
+  another retention run, or by hand), and a run again plans from what is left:
+  :class:`~ledger.errors.DatabaseUnavailable` (``partition`` its name) saying so;
 * a row whose key is already recorded (a unique or primary key): :class:`~ledger.errors.Conflict`;
 * anything else the database said: :class:`~ledger.errors.StorageError`.
 
@@ -95,6 +99,11 @@ _PG_SETUP: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 ))
 # A table or column the statement names is not there: the schema is older than the code.
 _PG_SCHEMA_MISSING = ("42P01", "42703")
+# ... unless it is a month's partition of the history (ledger.storage.partitions' names,
+# spelled here: this module runs without SQLAlchemy): no migration makes one, a retention run
+# drops it, and a statement naming one it had listed finds it gone.
+_PG_PARTITION_GONE = re.compile(
+    r'relation "(?:[^"]*\.)?(?P<name>(?:attempts|events)_p\d{6})" does not exist')
 _SQLITE_SCHEMA_MISSING = re.compile(r"(?:no such (?:table|column)|table \S+ has no column "
                                     r"named)\b")
 # SQLSTATEs of the same answers when a statement carries one: invalid authorization (class
@@ -137,6 +146,14 @@ def _standby(text: str, where: str) -> DatabaseUnavailable:
         "recovery), not the primary; nothing was written and the connection was dropped, so "
         "the call is safe to retry once the primary answers (a URL that names every server "
         "reconnects to it: docs/high-availability.md)", url=where, standby=True)
+
+
+def _partition_gone(name: str, text: str, where: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"database {where}: the history changed under this statement ({text}): partition "
+        f"{name} was dropped (by a retention run, or by hand) after the statement named it; "
+        "the transaction was rolled back and nothing of it was recorded; run it again: it "
+        "reads (or drops) what is left", url=where, partition=name)
 
 
 def _refused(text: str, where: str) -> StorageError:
@@ -300,6 +317,9 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
         return _full(text, where)
     if state == _PG_DUPLICATE:
         return _duplicate(text, where)
+    gone = _PG_PARTITION_GONE.search(text) if state == "42P01" else None
+    if gone is not None:
+        return _partition_gone(gone["name"], text, where)
     if state in _PG_SCHEMA_MISSING:
         return setup_error("schema_outdated", where, text=text)
     if state in _PG_CONTENTION:

@@ -125,3 +125,45 @@ def test_a_retention_behind_another_in_progress_fails_typed_and_changes_nothing(
         assert running.result(60).rows("attempts") == 3
         [record] = Audit(led).actions(kinds=["retention"]).items
         assert record.by == "alice"
+
+
+
+@pytest.mark.postgres
+def test_a_missing_history_partition_is_retryable_not_an_outdated_schema(
+        pg_url: str, pg_empty_url: str) -> None:
+    """A statement naming a month's partition that a retention run dropped (42P01 from the
+    server) is a retryable ``DatabaseUnavailable`` naming the partition, not the schema's
+    ``schema_outdated`` ("run db init", which would not help); a missing table of the schema
+    still is ``schema_outdated``. Reads through ``attempts``/``events`` never get it: they
+    lock the parent, so a drop waits for them (or they for it) and then they read what is
+    left."""
+    import psycopg
+
+    from ledger.errors import DatabaseSetupError
+    from ledger.storage.failure import ledger_error
+
+    def refused(url: str, sql: str) -> psycopg.Error:
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as c, \
+                pytest.raises(psycopg.Error) as ei:
+            c.execute(sql)
+        assert ei.value.sqlstate == "42P01"
+        return ei.value
+
+    clock = ManualClock(_t(2026, 1))
+    with Ledger.open(pg_url, clock=clock) as led:
+        _history(led, clock)
+        clock.set(_t(2026, 8, 5))
+        gone = led.drop_history(90 * DAY, by="ops", reason="90 days").dropped
+        assert {p.partition for p in gone} >= {"attempts_p202601", "events_p202601"}
+        for name in ("attempts_p202601", "events_p202601"):
+            told = ledger_error(refused(pg_url, f'SELECT count(*) FROM "{name}"'), "db")
+            assert isinstance(told, DatabaseUnavailable), told
+            assert not isinstance(told, DatabaseSetupError)
+            assert told.fields["partition"] == name
+            assert "history changed" in str(told) and "run it again" in str(told), str(told)
+        # The reads of the ledger go on, over what is left.
+        assert Audit(led).runs().items
+    for sql in ("SELECT count(*) FROM attempts", "SELECT count(*) FROM events"):
+        told = ledger_error(refused(pg_empty_url, sql), "db")
+        assert isinstance(told, DatabaseSetupError), told
+        assert told.fields["problem"] == "schema_outdated"
