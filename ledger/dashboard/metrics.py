@@ -46,6 +46,14 @@ def _buckets(h: Histogram) -> list[tuple[str, float]]:
     return out
 
 
+def _gauge(name: str, doc: str, label: str, values: Mapping[str, int]) -> GaugeMetricFamily:
+    """A gauge of one label, a sample per key of ``values`` (sorted, so scrapes read alike)."""
+    gauge = GaugeMetricFamily(name, doc, labels=[label])
+    for key, n in sorted(values.items()):
+        gauge.add_metric([key], n)
+    return gauge
+
+
 def _histogram(name: str, doc: str, labels: list[str],
                samples: Mapping[tuple[str, str], Histogram]) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(name, doc, labels=labels, unit="seconds")
@@ -71,18 +79,11 @@ def families(m: MetricsSnapshot) -> Iterator[Metric]:
     for (route, outcome), n in sorted(m.attempts.items()):
         attempts.add_metric([route, outcome], n)
     yield attempts
-    in_flight = GaugeMetricFamily(
-        "ledger_attempts_in_flight", "Attempts dispatching now (begun, not settled), by route.",
-        labels=["ledger_route"])
-    for route, n in sorted(m.in_flight.items()):
-        in_flight.add_metric([route], n)
-    yield in_flight
-    unknown = GaugeMetricFamily(
-        "ledger_attempts_unknown", "Attempts of unknown outcome now (sent, no receipt; until "
-        "settled with evidence), by route.", labels=["ledger_route"])
-    for route, n in sorted(m.unknown.items()):
-        unknown.add_metric([route], n)
-    yield unknown
+    yield _gauge("ledger_attempts_in_flight",
+                 "Attempts dispatching now (begun, not settled), by route.", "ledger_route",
+                 m.in_flight)
+    yield _gauge("ledger_attempts_unknown", "Attempts of unknown outcome now (sent, no receipt; "
+                 "until settled with evidence), by route.", "ledger_route", m.unknown)
     yield _histogram(
         "ledger_attempt_duration",
         "Attempt latency: from its begin to its settle by its executor, by the ledger's clock.",
@@ -122,18 +123,10 @@ def families(m: MetricsSnapshot) -> Iterator[Metric]:
         "Waits of a turn in a full capacity group's queue, by group and how the wait ended "
         "(admitted, rejected, timed_out).",
         ["ledger_capacity_group", "ledger_outcome"], m.queue_waits)
-    waiting = GaugeMetricFamily(
-        "ledger_capacity_waiting", "Turns waiting in a full capacity group's queue now.",
-        labels=["ledger_capacity_group"])
-    for group, n in sorted(m.waiting.items()):
-        waiting.add_metric([group], n)
-    yield waiting
-    cooling = GaugeMetricFamily(
-        "ledger_cooldowns_active", "Routes and credential profiles cooling or disabled, and "
-        "capacity groups not open, now.", labels=["ledger_kind"])
-    for kind, n in sorted(m.cooldowns.items()):
-        cooling.add_metric([kind], n)
-    yield cooling
+    yield _gauge("ledger_capacity_waiting", "Turns waiting in a full capacity group's queue now.",
+                 "ledger_capacity_group", m.waiting)
+    yield _gauge("ledger_cooldowns_active", "Routes and credential profiles cooling or "
+                 "disabled, and capacity groups not open, now.", "ledger_kind", m.cooldowns)
     yield _by_tenant(CounterMetricFamily(
         "ledger_budget_posted", "Cost posted by settled attempts, per tenant, in the ledger's "
         "currency unit.", labels=["ledger_tenant"]), m.posted)
