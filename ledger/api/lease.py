@@ -79,7 +79,9 @@ class KeeperCore:
         self.ledger = ledger
         self.ttl_s = ttl_s
         self.interval_s = interval_s
-        self.retry_s = max(interval_s / 4, 0.01)
+        # A quarter interval, but never so long that a lease renewed a retry later would be
+        # inside the ledger's margin (a ttl_s just above it could otherwise never be renewed).
+        self.retry_s = max(min(interval_s / 4, (ttl_s - ledger.lease_margin_s) / 2), 0.001)
         self.clock: Clock = clock or ledger.clock
         self._lease = lease
         self._next = self._due(lease, self.clock.now())

@@ -65,6 +65,22 @@ def test_a_lease_shorter_than_one_and_a_half_margins_is_renewed_before_the_margi
     led.close()
 
 
+def test_a_lease_just_above_the_margin_is_kept_renewed(db_url: str) -> None:
+    """No renewal comes sooner than a retry after the last one. A retry was a quarter interval
+    (ttl/12), so a lease of 0.52 s under a 0.5 s margin had 0.477 s left at its first chance
+    to renew, inside the margin: refused, and the Run lost. The retry is now short enough."""
+    clock = ManualClock()
+    led = _ledger(db_url, clock)
+    lease = led.acquire_lease("r1", ttl_s=0.52)
+    keeper = LeaseKeeper(led, lease, ttl_s=0.52, sleeper=clock)
+    end = clock.now() + 5
+    while clock.now() < end and not keeper.lost.is_set():
+        clock.sleep(keeper.tick())
+    assert not keeper.lost.is_set(), keeper.error
+    assert keeper.lease.expires_at - clock.now() > led.lease_margin_s
+    led.close()
+
+
 def test_the_first_renewal_is_due_by_how_much_of_the_lease_is_left(db_url: str) -> None:
     """A keeper handed a lease that is partly run out renews it by its own end, when as much of
     it is left as after an interval of the steady state (here 20 of 30 s): one with 5 s left
