@@ -370,6 +370,13 @@ class TurnLoop:
             and needs_cover(p.data_class, p.role in DERIVED_ROLE_CLASS)}))
         self.refs = tuple(sorted({ref for ref, _ in self.carried}))
 
+    def _read(self, turn_id: str | None = None) -> Snapshot:
+        """The turn's snapshot read.
+
+        With ``turn_id`` (the turn's first) it also finds the turn's Attempts without a receipt.
+        """
+        return Snapshot(self.lease.run_id, self.refs, turn_id, self.carried)
+
     def _holds(self, route: Route) -> tuple[Decimal, int]:
         prompt, completion = _token_estimate(route, self.envelope, self.counter)
         if self.reserve is None:
@@ -433,8 +440,7 @@ class TurnLoop:
         :class:`~ledger.errors.CandidateSkipped` for every candidate passed over.
         """
         turn = _Turn()
-        snap = yield from perform(Snapshot(self.lease.run_id, self.refs, self.turn_id,
-                                           self.carried))
+        snap = yield from perform(self._read(self.turn_id))
         self._policy = snap.policy
         # Images and documents beyond the Run's frozen bounds: refused before anything is
         # recorded (the snapshot is a read).
@@ -633,7 +639,7 @@ class TurnLoop:
         if isinstance(ended, _Unclaimed):
             # Decide again, without the probe another process took.
             turn.refused_probes.add(ended.route.id)
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
+            snap = yield from perform(self._read())
             decision, snap = yield from self._decide(snap, turn, turn.basis)
             return _Try(decision, attempt.kind, attempt.retries), snap
         if isinstance(ended, _Refused):
@@ -654,7 +660,7 @@ class TurnLoop:
                                                turn, "after_rejection")
                 raise (yield from self._stopped(turn, None, e, reason=REJECTED,
                                                 cause=cause)) from cause
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
+            snap = yield from perform(self._read())
             decision, snap = yield from self._decide(snap, turn, turn.basis)
             return _Try(decision, AttemptKind.FAILOVER, 0), snap
         route, profile, fact = ended.route, ended.profile, ended.fact
@@ -667,7 +673,7 @@ class TurnLoop:
                                            "delay_s": rd.delay_s, "n": n,
                                            "from_attempt": ended.attempt_id}))
             yield from perform(Sleep(rd.delay_s))
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
+            snap = yield from perform(self._read())
             # The policy's retry rule decided, not the selector: what the selector would have
             # read, had the route not been retried, is recorded with the retry.
             turn.on, turn.failed = "failure", ended.attempt_id
@@ -689,7 +695,7 @@ class TurnLoop:
             turn.tried_pairs.add((route.id, profile))
             if marks_profile_tried(fact, route.provider, policy):
                 turn.tried_profiles.add(profile)
-        snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
+        snap = yield from perform(self._read())
         turn.basis = {"failure": fact, "current": route.id, "current_profile": profile}
         turn.on, turn.failed = "failure", ended.attempt_id
         decision, snap = yield from self._decide(snap, turn, turn.basis)
@@ -739,7 +745,7 @@ class TurnLoop:
                        if s.reason in (Reason.ROUTE_COOLDOWN, Reason.PROBE_THROTTLED)}
             yield from perform(Sleep(wait))
             turn.waited += wait
-            snap = yield from perform(Snapshot(self.lease.run_id, self.refs, carried=self.carried))
+            snap = yield from perform(self._read())
             inp = self._input(snap, turn, **basis)
             decision = select(inp)
             if decision.route_id is not None:
