@@ -1099,7 +1099,11 @@ class Face(Generic[SessionT, OpenedT]):
         whole, and the report says why). Operators' action events are never dropped. Runs,
         debits and provenance stay. In the same transaction a ``retention`` event (of no
         Run) records who, why, the cut-off and what went (partitions and rows);
-        ``Audit.actions`` lists it. On PostgreSQL the coming months' partitions are created
+        ``Audit.actions`` lists it. On SQLite the rows go in slices of at most 5,000
+        attempts (with the events of their time), oldest first, each its own transaction
+        with its own event, and the write lock is let go between them, so the ledger's
+        writers wait for one slice, not the whole run; the report sums the slices and
+        ``event`` is the last slice's. On PostgreSQL the coming months' partitions are created
         first. A run with nothing to drop still records its event. Two runs at once take
         turns (on PostgreSQL an advisory lock, on SQLite the write lock): the second plans from
         what the first left, so it drops nothing more and carries nothing twice.

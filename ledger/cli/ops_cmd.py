@@ -756,7 +756,10 @@ def _retention(args: argparse.Namespace) -> int:
         print(table(["TABLE", "PARTITION", "SINCE", "UNTIL", "ROWS", "ACTION"], rows))
     print(f"{rep.actions_kept} operator action(s) older than the cut-off kept")
     if rep.event is not None:
-        print(f"recorded as retention event {rep.event.event_id} by {rep.event.data.get('by')}")
+        # SQLite drops in slices, each recording its own event: the report's is the last.
+        last = " (its last slice's)" if "slice" in rep.event.data else ""
+        print(f"recorded as retention event {rep.event.event_id}{last} by "
+              f"{rep.event.data.get('by')}")
     return 0
 
 

@@ -469,7 +469,8 @@ class Retention:
     went (or, with ``dry_run``, would go), ``kept`` the old partitions kept because an open
     (unknown or dispatching) Attempt or a live Run is inside; ``actions_kept`` the operators'
     action events older than the cut-off that stay; ``event`` the ``retention`` event that
-    records the run (``None`` for a dry run).
+    records the run (on SQLite, which drops in slices, the last slice's; ``None`` for a dry
+    run).
     """
 
     cutoff: float

@@ -7,13 +7,16 @@ Rows of such old months that sit in a default partition (written while their mon
 partition) are first moved into a partition of their own.
 On SQLite, which has no partitions, it deletes the same rows one by one: those older than the
 cut-off whose Run is not held. Either way, in one transaction with a ``retention`` event that
-records who, why, the cut-off and what went. Retention runs take turns (on PostgreSQL an
-advisory lock each takes before it reads anything; on SQLite the write lock): a second run
-plans from what the first left. A dry run only reads: on PostgreSQL plain ``SELECT``
-statements through the partitioned tables, an old month still in a default partition counted
-there as the partition a real run would first move it into; on SQLite a read transaction
-(``BEGIN``, not ``BEGIN IMMEDIATE``), which neither waits for the write lock nor holds up the
-ledger's writers while it counts, and which a read-only file allows.
+records who, why, the cut-off and what went; on SQLite in slices of the old history, oldest
+first, each its own transaction with its own event, letting go of the write lock between them
+(:data:`SQLITE_SLICE_ROWS`, :data:`SQLITE_SLICE_PAUSE_S`). Retention runs take turns (on
+PostgreSQL an advisory lock each takes before it reads anything; on SQLite the write lock, a
+slice at a time): a second run plans from what the first left. A dry run only reads: on
+PostgreSQL plain ``SELECT`` statements through the partitioned tables, an old month still in
+a default partition counted there as the partition a real run would first move it into; on
+SQLite a read transaction (``BEGIN``, not ``BEGIN IMMEDIATE``), which neither waits for the
+write lock nor holds up the ledger's writers while it counts, and which a read-only file
+allows.
 
 A Run is held while it is live (``admitted`` or ``running``: its executor may still write to
 it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an operator may still
@@ -36,9 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import time
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, and_, bindparam, select, text, true
+from sqlalchemy import ColumnElement, Connection, and_, bindparam, func, select, text, true
 from sqlalchemy.exc import DBAPIError
 
 from ledger.domain.records import (
@@ -202,42 +207,106 @@ class RetentionQueries:
 
     def _rows(self, older_than_s: float, clock: ClockFn, by: str, reason: str,
               dry_run: bool) -> Retention:
-        where = {
-            "attempts": f"created_at < :cut AND run_id NOT IN ({_HELD_RUNS})",
-            "events": f"created_at < :cut AND kind NOT IN :actions "
-                      f"AND (run_id IS NULL OR run_id NOT IN ({_HELD_RUNS}))",
-        }
-        held_where = {
-            "attempts": f"created_at < :cut AND run_id IN ({_HELD_RUNS})",
-            "events": f"created_at < :cut AND kind NOT IN :actions AND run_id IN ({_HELD_RUNS})",
-        }
-        # A dry run reads in a read transaction (one snapshot), not under the write lock:
-        # it waits for no writer, holds none up while it counts, and takes its turn with no
-        # retention run (it changes nothing they could plan from).
-        with self.ctx.reading() if dry_run else self.ctx.writing() as conn:
-            now = clock()
-            cutoff = now - older_than_s
-            args = {"cut": cutoff, **_SETS}
-            dropped: list[HistoryPart] = []
-            kept: list[HistoryPart] = []
-            for table in parts.PARTITIONED:
-                n = _count(conn, table, where[table], args)
-                if n:
-                    dropped.append(HistoryPart(table, None, None, cutoff, n))
-                h = _count(conn, table, held_where[table], args)
-                if h:
-                    kept.append(HistoryPart(table, None, None, cutoff, h,
-                                            "rows of live runs or of runs with an open attempt"))
-            actions = _count(conn, "events", "created_at < :cut AND kind IN :actions", args)
-            if dry_run:
-                conn.rollback()
-                return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
-            for table in parts.PARTITIONED:
-                _carry(self.ctx, conn, table, _bound(where[table], args))
-                conn.execute(_expanding(f"DELETE FROM {table} WHERE {where[table]}"), args)
-            event = _record(conn, _data(by, reason, older_than_s, cutoff, dropped,
-                                                    kept, actions), now)
-        return Retention(cutoff, older_than_s, False, dropped, kept, actions, event)
+        cutoff = clock() - older_than_s
+        args: dict[str, Any] = {"cut": cutoff, **_SETS}
+        if dry_run:
+            # A read transaction (one snapshot), not the write lock: it waits for no writer,
+            # holds none up while it counts, and takes its turn with no retention run (it
+            # changes nothing they could plan from).
+            with self.ctx.reading() as conn:
+                dropped = _doomed(conn, args, cutoff)
+                kept, actions = _spared(conn, args, cutoff)
+            return Retention(cutoff, older_than_s, True, dropped, kept, actions, None)
+        gone: dict[str, int] = {}
+        since: float | None = None
+        while True:
+            # One slice of the old history per write transaction, so the ledger's writers
+            # wait for one slice, never for the whole run (at 300,000 attempts a single
+            # transaction held the write lock for 11.6 s, and a larger history would pass
+            # their busy timeout: no call could be recorded, so none could leave).
+            with self.ctx.writing() as conn:
+                until = _slice_end(conn, since, cutoff, SQLITE_SLICE_ROWS)
+                last = until >= cutoff
+                part: dict[str, Any] = {**args, "cut": until}
+                dropped = _doomed(conn, part, until)
+                kept, actions = _spared(conn, args, cutoff) if last else ([], 0)
+                for table in parts.PARTITIONED:
+                    _carry(self.ctx, conn, table, _bound(_GOING[table], part))
+                    conn.execute(_expanding(f"DELETE FROM {table} WHERE {_GOING[table]}"),
+                                 part)
+                data = _data(by, reason, older_than_s, cutoff, dropped, kept, actions)
+                # Each slice's event says which slice it was: a run cut short (a crash, a
+                # busy timeout) has recorded every slice it dropped, and the next run takes
+                # up from what is left.
+                event = _record(conn, {**data, "slice": {"until": until, "last": last}},
+                                clock())
+            for p in dropped:
+                gone[p.table] = gone.get(p.table, 0) + p.rows
+            if last:
+                break
+            since = until
+            _pause()
+        total = [HistoryPart(t, None, None, cutoff, gone[t]) for t in parts.PARTITIONED
+                 if gone.get(t)]
+        return Retention(cutoff, older_than_s, False, total, kept, actions, event)
+
+
+#: On SQLite, the most attempts (with the events of their time) one retention transaction
+#: deletes: about 0.2 s of the write lock on a virtual disk (docs/benchmarks.md).
+SQLITE_SLICE_ROWS = 5000
+#: On SQLite, how long retention lets go of the write lock between two slices.
+SQLITE_SLICE_PAUSE_S = 0.1
+
+# SQLite's rows that go (older than :cut, not of a held Run) and that stay (of a held Run).
+_GOING = {
+    "attempts": f"created_at < :cut AND run_id NOT IN ({_HELD_RUNS})",
+    "events": f"created_at < :cut AND kind NOT IN :actions "
+              f"AND (run_id IS NULL OR run_id NOT IN ({_HELD_RUNS}))",
+}
+_STAYING = {
+    "attempts": f"created_at < :cut AND run_id IN ({_HELD_RUNS})",
+    "events": f"created_at < :cut AND kind NOT IN :actions AND run_id IN ({_HELD_RUNS})",
+}
+
+
+def _pause() -> None:
+    """Let go of SQLite's write lock between two slices: writers waiting for it poll every
+    100 ms once they have waited a while (SQLite's busy handler), so a pause that long lets
+    one in before the next slice takes it again."""
+    time.sleep(SQLITE_SLICE_PAUSE_S)
+
+
+def _doomed(conn: Connection, args: dict[str, Any], until: float) -> list[HistoryPart]:
+    """The SQLite rows that go at the cut-off ``args["cut"]`` (== ``until``), per table."""
+    counts = ((t, _count(conn, t, _GOING[t], args)) for t in parts.PARTITIONED)
+    return [HistoryPart(t, None, None, until, n) for t, n in counts if n]
+
+
+def _spared(conn: Connection, args: dict[str, Any], cutoff: float
+            ) -> tuple[list[HistoryPart], int]:
+    """The SQLite rows older than ``cutoff`` (``args["cut"]``) that stay because their Run
+    is held, per table, and the operators' actions older than it (which always stay)."""
+    kept = []
+    for table in parts.PARTITIONED:
+        n = _count(conn, table, _STAYING[table], args)
+        if n:
+            kept.append(HistoryPart(table, None, None, cutoff, n,
+                                    "rows of live runs or of runs with an open attempt"))
+    return kept, _count(conn, "events", "created_at < :cut AND kind IN :actions", args)
+
+
+def _slice_end(conn: Connection, since: float | None, cutoff: float, rows: int) -> float:
+    """Where the next slice of old history ends: the creation time of the ``rows``-th
+    attempt after ``since`` (the previous slice's end) or, with fewer left, ``cutoff``.
+    Always past ``since``, so every slice makes progress (attempts created at one instant
+    go in one slice, however many)."""
+    lo = -math.inf if since is None else since
+    a = s.attempts.c.created_at
+    end = conn.execute(select(a).where(a >= lo, a < cutoff).order_by(a)
+                       .offset(rows).limit(1)).scalar()
+    if end is not None and end <= lo:
+        end = conn.execute(select(func.min(a)).where(a > lo, a < cutoff)).scalar()
+    return cutoff if end is None else float(end)
 
 
 def _quoted(name: str | None, otherwise: str) -> str:
@@ -428,4 +497,4 @@ def _data(by: str, reason: str, older_than_s: float, cutoff: float,
             "actions_kept": actions}
 
 
-__all__ = ["LOCK_TIMEOUT", "RetentionQueries"]
+__all__ = ["LOCK_TIMEOUT", "SQLITE_SLICE_PAUSE_S", "SQLITE_SLICE_ROWS", "RetentionQueries"]
