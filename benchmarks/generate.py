@@ -65,7 +65,14 @@ from ledger.decide.select import (
 from ledger.decide.settle import failure_outcome, settle_holds, settle_spec
 from ledger.decide.turn import candidate_lines
 from ledger.domain.facts import Category, FailureFact, Observation, Transport, WireProtocol
-from ledger.domain.records import AttemptKind, FrozenRun, Lease, Outcome, to_micros
+from ledger.domain.records import (
+    AttemptKind,
+    FrozenRun,
+    Lease,
+    Outcome,
+    limit_micros,
+    to_micros,
+)
 from ledger.domain.specs import BeginSpec, SettleSpec
 from ledger.domain.values import Budget, Grant, Health, Price, Profile, Route, content_hash
 from ledger.policy.load import preset
@@ -268,7 +275,7 @@ class _Generator:
             "policy": self.policy_text, "policy_hash": POLICY_HASH,
             "selected_route": plan[0].id, "content_hash": frozen.content_hash,
             "deadline": None, "max_calls": _BUDGET.max_calls, "max_retries": _BUDGET.max_retries,
-            "max_cost_micros": to_micros(_BUDGET.max_cost), "max_tokens": None,
+            "max_cost_micros": limit_micros(_BUDGET.max_cost), "max_tokens": None,
             "calls_used": c.calls, "retries_used": c.retries, "reserved_micros": c.reserved,
             "posted_micros": c.posted, "tokens_used": c.tokens,
             "tokens_reserved": c.tokens_reserved,
@@ -455,7 +462,7 @@ class _Generator:
             return "retry_allowance", "the run has used its model-call allowance"
         if take_retry and _BUDGET.max_retries - c.retries <= 0:
             return "retry_allowance", "the run has no retry permission left"
-        if reserve > to_micros(_BUDGET.max_cost) - c.reserved - c.posted:
+        if reserve > limit_micros(_BUDGET.max_cost) - c.reserved - c.posted:
             return "budget", "a hold would overdraw the run's cost budget"
         return None
 

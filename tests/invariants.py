@@ -46,6 +46,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
     4: (
         "tests/storage/test_write_path.py::test_budget_and_allowance_refuse_without_overdraw",
         "tests/storage/test_write_path.py::test_child_budget_carved_and_broader_refused",
+        "tests/storage/test_write_path.py::test_invariant4_a_budget_finer_than_a_micro_is_rounded_down_and_never_overdrawn",
         "tests/storage/test_concurrency.py::test_budget_never_overdrawn_by_concurrent_processes",
         "tests/storage/test_concurrency.py::test_call_allowance_never_exceeded",
         "tests/storage/test_concurrency.py::test_child_carving_under_concurrency",

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import Field, SkipValidation
 from typing_extensions import TypedDict
 
-from ledger.domain.records import FrozenRun, LeaseArg, to_micros
+from ledger.domain.records import FrozenRun, LeaseArg, limit_micros
 from ledger.domain.specs import AdmitSpec
 from ledger.domain.validation import As, Id, Labels, Problem, Time, rule
 from ledger.domain.values import Budget, Grant, Route, content_hash
@@ -326,7 +326,7 @@ def admission_spec(run_id: str, terms: Admission, *, plan: Sequence[Route], gran
         deadline=deadline,
         max_calls=budget.max_calls,
         max_retries=budget.max_retries,
-        max_cost_micros=to_micros(budget.max_cost),
+        max_cost_micros=limit_micros(budget.max_cost),
         max_tokens=budget.max_tokens,
     )
 

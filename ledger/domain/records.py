@@ -17,13 +17,30 @@ MICROS = Decimal(1_000_000)
 
 
 def to_micros(amount: Decimal | int | float | str) -> int:
-    """Currency units -> integer micro-units, rounded up (a hold never under-reserves)."""
+    """A charge (a hold, a cost) in currency units -> integer micro-units, rounded up.
+
+    Rounded up so a hold never under-reserves and a cost is never under-counted. A budget
+    limit is converted with :func:`limit_micros` instead.
+    """
     d = Decimal(str(amount)) * MICROS
     return int(d.to_integral_value(rounding="ROUND_CEILING"))
 
 
+def limit_micros(amount: Decimal | int | float | str) -> int:
+    """A budget limit (``max_cost``) in currency units -> integer micro-units, rounded down.
+
+    Rounded down because holds and costs round up: a limit rounded up would let a Run reserve
+    and post more than the budget it was given (``max_cost="0.0000015"`` would allow 2 micros).
+    """
+    d = Decimal(str(amount)) * MICROS
+    return int(d.to_integral_value(rounding="ROUND_FLOOR"))
+
+
 def from_micros(micros: int) -> Decimal:
-    """Integer micro-units -> currency units (exact: the inverse of :func:`to_micros`)."""
+    """Integer micro-units -> currency units, exactly.
+
+    The inverse of :func:`to_micros` and :func:`limit_micros` on whole micro-units.
+    """
     return Decimal(micros) / MICROS
 
 
@@ -258,7 +275,7 @@ class RunRecord(FrozenRun, RunState):
         return budget_left(SimpleNamespace(
             max_calls=b.max_calls, carved_calls=self.carved_calls, calls_used=self.calls_used,
             max_retries=b.max_retries, carved_retries=self.carved_retries,
-            retries_used=self.retries_used, max_cost_micros=to_micros(b.max_cost),
+            retries_used=self.retries_used, max_cost_micros=limit_micros(b.max_cost),
             carved_micros=to_micros(self.carved), reserved_micros=to_micros(self.reserved),
             posted_micros=to_micros(self.posted), max_tokens=b.max_tokens,
             carved_tokens=self.carved_tokens, tokens_reserved=self.tokens_reserved,
@@ -581,6 +598,7 @@ __all__ = [
     "carve_return",
     "from_micros",
     "granted",
+    "limit_micros",
     "run_live",
     "to_micros",
 ]

@@ -202,6 +202,9 @@ class Budget(StrictModel):
     ``max_retries``: further Attempts of a turn after its first (same-route retries and
     failovers alike); ``max_cost``: reserved plus posted debits; ``max_tokens``: held plus used
     tokens (``None``: no token bound). Ranges are in :mod:`ledger.domain.bounds`.
+
+    ``max_cost`` is enforced in whole micro-units, rounded down (holds and costs round up), so
+    reserved plus posted never exceed it: ``"0.0000015"`` allows 0.000001.
     """
 
     max_calls: StrictInt = Field(ge=0, le=MAX_COUNT)

@@ -91,7 +91,8 @@ class RunSummary:
     Money (``reserved``, ``posted``, ``max_cost``, ``carved``, ``returned``, ``cost_left``) is
     in currency units; ``current_route`` is the route of the Run's last success. Its budget
     (``max_cost``, ``max_calls``, ``max_retries``, ``max_tokens``: ``None`` without a token
-    budget) is what it was admitted with; ``carved*`` is what it carved out for its Children
+    budget) is what it was admitted with (``max_cost`` in the whole micro-units it is enforced
+    at, rounded down: docs/concepts.md); ``carved*`` is what it carved out for its Children
     and still counts (less what they gave back when they ended), ``returned*`` what it gave
     back to its parent when it ended, as a Child; ``*_left`` is what it may still use: its
     budget less what it used, holds, carved and gave back.

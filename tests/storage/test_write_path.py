@@ -208,6 +208,42 @@ def test_budget_and_allowance_refuse_without_overdraw(led: Ledger) -> None:
     assert len(led.timeline("r1")) == 2
 
 
+def test_invariant4_a_budget_finer_than_a_micro_is_rounded_down_and_never_overdrawn(
+        led: Ledger) -> None:
+    # Holds and costs round up to whole micro-units; a limit rounded up as well would let a
+    # Run reserve and post more than its max_cost. 0.0000015 allows one micro, 0.0000001 none.
+    led.admit_run("r1", plan=routes(), budget=budget(cost="0.0000015"))
+    lease = led.acquire_lease("r1")
+    run = led.get_run("r1")
+    assert run.budget.max_cost == Decimal("0.0000015")
+    assert run.cost_left == Decimal("0.000001") <= run.budget.max_cost
+    with pytest.raises(BudgetExceeded, match="overdraw"):
+        led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.0000015")
+    held = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.000001")
+    led.settle_attempt(lease, held.attempt_id, outcome="succeeded", cost="0.0000015")
+    run = led.get_run("r1")
+    assert run.reserved + run.posted <= run.budget.max_cost and run.cost_left == 0
+    with pytest.raises(BudgetExceeded, match="overdraw"):
+        led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.0000001")
+
+    led.admit_run("r2", plan=routes(), budget=budget(cost="0.0000001"))
+    l2 = led.acquire_lease("r2")
+    assert led.get_run("r2").cost_left == 0
+    with pytest.raises(BudgetExceeded, match="overdraw"):
+        led.begin_attempt(l2, route="a", envelope_hash="sha256:e", reserve="0.0000001")
+    assert led.get_run("r2").reserved == 0
+
+    # A Child's carve is its limit, rounded down alike: it takes one micro of the parent's two.
+    led.admit_run("p", plan=routes(), budget=budget(cost="0.000002"), grant=grant())
+    pl = led.acquire_lease("p")
+    led.admit_run("c", plan=routes(), budget=budget(cost="0.0000019"), grant=grant(), parent=pl)
+    assert led.get_run("p").carved == Decimal("0.000001")
+    assert led.get_run("c").cost_left == Decimal("0.000001")
+    cl = led.acquire_lease("c")
+    with pytest.raises(BudgetExceeded, match="overdraw"):
+        led.begin_attempt(cl, route="a", envelope_hash="sha256:e", reserve="0.0000019")
+
+
 def test_capacity_rejection_is_recorded_and_hold_voided(led: Ledger, clock: ManualClock
                                                          ) -> None:
     led.configure_group("g", max_in_flight=1)
