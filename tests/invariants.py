@@ -20,6 +20,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_write_path.py::test_admit_freezes_and_duplicate_returns_first_identity",
         "tests/storage/test_write_path.py::test_admit_conflict_names_every_differing_field",
         "tests/storage/test_idempotency.py::test_invariant2_one_budget_spelled_three_ways_is_one_admission",
+        "tests/storage/test_idempotency.py::test_invariant2_minus_zero_and_zero_are_one_admission",
         "tests/storage/test_idempotency.py::test_invariant2_begin_retried_after_a_lost_ack_under_the_same_lease",
         "tests/storage/test_idempotency.py::test_invariant2_begin_retried_under_a_lease_acquired_again_is_adopted",
         "tests/storage/test_bounded_values.py::test_property_settle_stores_exactly_what_it_accepts",

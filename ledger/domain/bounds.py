@@ -48,7 +48,11 @@ MAX_LABELS = 64
 
 
 def canonical_decimal(d: Decimal) -> Decimal:
-    """``1``, ``1.0`` and ``1.00`` as one value (so equal amounts hash alike)."""
+    """``1``, ``1.0`` and ``1.00`` as one value, and ``-0`` as ``0``: equal amounts hash alike."""
+    # Decimal keeps the sign of a zero through normalize(), so "-0" would freeze (and hash) apart
+    # from the "0" it equals, and a retried admission would conflict with itself.
+    if d.is_zero():
+        return Decimal(0)
     n = d.normalize()
     return Decimal(format(n, "f"))
 

@@ -215,7 +215,8 @@ class Budget(StrictModel):
     @field_validator("max_cost")
     @classmethod
     def _canonical(cls, v: Decimal) -> Decimal:
-        # 1, "1.0" and "1.00" are one budget: a retried admission must not conflict.
+        # 1, "1.0" and "1.00" (and -0 and 0) are one budget: a retried admission must not
+        # conflict.
         return canonical_decimal(v)
 
 

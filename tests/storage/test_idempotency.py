@@ -16,7 +16,7 @@ from ledger import faults
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, DebitState
-from ledger.domain.values import Budget, Grant
+from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import AdmissionConflict, DatabaseUnavailable
 from ledger.ops.reconcile import reconcile
 
@@ -51,6 +51,23 @@ def test_invariant2_one_budget_spelled_three_ways_is_one_admission(led: Ledger) 
         led.admit_run("r", plan=routes(), grant=grant,
                       budget={"max_calls": 3, "max_retries": 1, "max_cost": "1.01"})
     assert ei.value.differing == ["budget"]
+
+
+def test_invariant2_minus_zero_and_zero_are_one_admission(led: Ledger) -> None:
+    # A budget or a price of -0 equals 0; frozen apart, a retried admission spelling it the
+    # other way would conflict with itself.
+    def plan(price: str) -> list[Route]:
+        return [r.model_copy(update={"price": Price(input_per_mtok=price, output_per_mtok="1")})
+                for r in routes()]
+
+    first = led.admit_run("z", plan=plan("0"),
+                          budget={"max_calls": 1, "max_retries": 0, "max_cost": "0"})
+    for price, cost in (("0", "-0"), ("-0", "0"), ("-0.00", "-0.0"), ("0.00", "0.00")):
+        again = led.admit_run("z", plan=plan(price),
+                              budget={"max_calls": 1, "max_retries": 0, "max_cost": cost})
+        assert again.content_hash == first.content_hash and again.created_at == first.created_at
+    run = led.get_run("z")
+    assert str(run.budget.max_cost) == "0" and str(run.plan[0].price.input_per_mtok) == "0"
 
 
 def _lose_ack(_name: str) -> None:
