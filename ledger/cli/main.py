@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from ledger import __version__
 from ledger.cli.common import PROG
-from ledger.errors import ConfigError, LedgerError
+from ledger.errors import ConfigError, LedgerError, SchemaTooNew
 
 DEFAULT_DB = "ledger.db"
 
@@ -135,7 +135,9 @@ def _command(argv: Sequence[str] | None) -> int:
         rc = int(func(args))
         sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
         return rc
-    except ConfigError as e:
+    except (ConfigError, SchemaTooNew) as e:
+        # A schema newer than the package is a set-up problem like an older one (exit 2, not
+        # 1 as for a server away): retrying will not help, upgrading the package will.
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except LedgerError as e:

@@ -12,6 +12,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from ledger.api.facade import Ledger
+from ledger.cli.main import main
 from ledger.errors import DatabaseSetupError, DatabaseUnavailable, InvalidArgument, SchemaTooNew
 from ledger.storage.engine import normalize_url
 from ledger.storage.migrate import (
@@ -90,6 +91,9 @@ def test_newer_schema_is_refused_and_left_untouched(db_url: str) -> None:
     eng.dispose()
     with pytest.raises(SchemaTooNew, match="upgrade the ledger package"):
         Ledger.open(db_url)
+    # A command's exit code: a set-up problem (2), like an older schema, not 1 (retry later).
+    for argv in (["--db", db_url, "runs"], ["db", "init", db_url]):
+        assert main(argv) == 2, argv
     eng = create_engine(normalize_url(db_url))
     with eng.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == \
