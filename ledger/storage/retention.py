@@ -102,6 +102,7 @@ class RetentionQueries:
         if self.ctx.partitioned:
             if dry_run:
                 return self._partitions(older_than_s, clock, by, reason, dry_run)
+            self._owner_only()
             try:
                 parts.ensure_partitions(self.ctx, clock())
                 return self._partitions(older_than_s, clock, by, reason, dry_run)
@@ -113,16 +114,30 @@ class RetentionQueries:
                 raise self._needs_owner(e) from e
         return self._rows(older_than_s, clock, by, reason, dry_run)
 
-    def _needs_owner(self, refused: StorageError) -> DatabaseSetupError:
-        """The error of a retention run the role may not make: it names the owner to run
-        it as (when the catalog says who owns the tables)."""
+    def _owner_only(self) -> None:
+        """Refuse a run by a role without the privileges of the tables' owner up front,
+        whether or not it has a month to drop or make yet: a retention job set up under the
+        runtime role fails its first run, not months later, at the first month it may not
+        drop (having recorded runs that dropped nothing until then)."""
+        with self.ctx.reading() as conn:
+            row = conn.execute(text(
+                "SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE relname = "
+                "'attempts' AND relnamespace = to_regnamespace(current_schema())::oid")).first()
+        if row is not None and not row[0]:
+            raise self._needs_owner(None)
+
+    def _needs_owner(self, refused: StorageError | None) -> DatabaseSetupError:
+        """The error of a retention run the role may not make (``refused``: the server's
+        refusal, if it came to one): it names the owner to run it as (when the catalog says
+        who owns the tables)."""
         role = owner = database = None
         with contextlib.suppress(LedgerError), self.ctx.reading() as conn:
             role, owner, database = conn.execute(text(
                 "SELECT current_user, pg_get_userbyid(relowner), current_database() "
                 "FROM pg_class WHERE relname = 'attempts' "
                 "AND relnamespace = to_regnamespace(current_schema())::oid")).one()
-        said = str(getattr(refused.__cause__, "orig", None) or refused.__cause__ or refused)
+        said = ("it does not own them" if refused is None else
+                str(getattr(refused.__cause__, "orig", None) or refused.__cause__ or refused))
         return DatabaseSetupError(
             f"role {_quoted(role, 'of this URL')} may not drop or create the history's "
             f"partitions ({said.strip().splitlines()[0]}): retention detaches, drops and "
