@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sqlite3
 import threading
 from collections.abc import Generator
@@ -106,6 +107,11 @@ class Driver(Protocol):
 # -- SQLite ------------------------------------------------------------------------------------
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
+# A transaction's wait for the write lock shortened by less than this waits the whole busy
+# timeout: on an uncontended database a queued transaction has lost a few milliseconds, and
+# setting the busy timeout around its BEGIN would cost two statements per group (each value
+# its own text, crowding the connection's statement cache) for nothing a caller could see.
+SQLITE_WAIT_SLACK_MS = 50
 
 
 class SqliteDriver:
@@ -116,12 +122,15 @@ class SqliteDriver:
     event loop: a write waits for another process's write lock for up to the busy timeout, and
     the loop must keep running meanwhile. One thread is enough (SQLite serializes writers), its
     connection stays warm, and the transactions that queue on it while it is busy commit
-    together (:mod:`ledger.storage.groupcommit`).
+    together (:mod:`ledger.storage.groupcommit`). The busy timeout there counts from when the
+    caller submitted its transaction, its time queued behind others included: one queued
+    behind a write stuck on the lock does not start a busy timeout of its own.
     """
 
     def __init__(self, path: str, *, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> None:
         self.path = path
         self.busy_timeout_s = busy_timeout_s
+        self._busy_ms = int(busy_timeout_s * 1000)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -141,7 +150,7 @@ class SqliteDriver:
             except sqlite3.Error as e:
                 raise driver_error(e, self.path) from e
             try:
-                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+                conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = FULL")
                 conn.execute("PRAGMA foreign_keys = ON")
@@ -153,11 +162,35 @@ class SqliteDriver:
                 self._all.append(conn)
         return conn
 
-    def run(self, tx: Tx[T], *, write: bool) -> T:
-        """Run ``tx`` in one transaction (``BEGIN IMMEDIATE`` when it writes)."""
+    def begin(self, conn: sqlite3.Connection, *, write: bool, wait_s: float | None = None
+              ) -> None:
+        """Open a transaction on ``conn`` (``BEGIN IMMEDIATE`` when it writes), waiting for
+        another connection's write lock at most ``wait_s`` seconds (the busy timeout when
+        ``None``, never longer; within :data:`SQLITE_WAIT_SLACK_MS` of it, the busy timeout);
+        raises :mod:`sqlite3`'s error, ``database is locked`` when the wait runs out."""
+        sql = "BEGIN IMMEDIATE" if write else "BEGIN"
+        # Rounded up: the wait ends at its deadline, not a millisecond before it.
+        ms = self._busy_ms if wait_s is None else min(self._busy_ms, math.ceil(wait_s * 1000))
+        # A deferred BEGIN takes no lock to wait for.
+        if not write or ms > self._busy_ms - SQLITE_WAIT_SLACK_MS:
+            conn.execute(sql)
+            return
+        conn.execute(f"PRAGMA busy_timeout = {ms}")
+        try:
+            conn.execute(sql)
+        finally:
+            # The shorter wait is the BEGIN's only: what the connection runs outside a
+            # transaction (past a commit point) waits the busy timeout as always. Failing here,
+            # the connection is broken and the BEGIN's own error (if any) is the one told.
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+
+    def run(self, tx: Tx[T], *, write: bool, wait_s: float | None = None) -> T:
+        """Run ``tx`` in one transaction (``BEGIN IMMEDIATE`` when it writes), waiting for
+        another connection's write lock at most ``wait_s`` (:meth:`begin`)."""
         conn = self.connection()
         try:
-            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            self.begin(conn, write=write, wait_s=wait_s)
             try:
                 result = _feed(conn, tx, None)
             except BaseException:

@@ -19,7 +19,14 @@ every transaction waiting when it gets free and runs them in one transaction:
 * if the ``COMMIT`` fails, or a failure ends SQLite's transaction under the group (a full disk,
   an I/O error), the members it held are told that error and none of their writes stay;
 * a transaction whose caller was cancelled before the thread took it never runs (as with an
-  executor's work item), and one taken runs to its end: a commit is never cancelled.
+  executor's work item), and one taken runs to its end: a commit is never cancelled;
+* a transaction waits for another process's write lock until the busy timeout has passed since
+  it was submitted, not since the thread took it: queued behind a group stuck on the lock, it
+  has already waited most of its time. So a group's ``BEGIN IMMEDIATE`` waits only as long as
+  its oldest member has left; when that runs out, the members whose time is up are told
+  SQLite's own ``database is locked`` (:class:`~ledger.errors.DatabaseUnavailable`, as alone)
+  and the others wait on for theirs. One whose time was up before the thread took it still
+  gets one try, without waiting: the lock may be free by then.
 
 Alone in the queue, a transaction runs as it always did (no savepoints). Blocking callers
 (:meth:`~ledger.storage.driver.SqliteDriver.run`) are not grouped: each thread has its own
@@ -34,6 +41,7 @@ import contextlib
 import functools
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -47,12 +55,23 @@ class Members(Protocol):
     """What the group needs of the SQLite driver (:class:`~ledger.storage.driver.SqliteDriver`
     is one): said here, so that the driver depends on the group and not the other way."""
 
+    @property
+    def busy_timeout_s(self) -> float:
+        """How long a transaction may wait for another connection's write lock."""
+        ...
+
     def connection(self) -> sqlite3.Connection:
         """The calling thread's connection."""
         ...
 
-    def run(self, tx: Tx, *, write: bool) -> Any:
-        """Run ``tx`` alone, in its own transaction."""
+    def begin(self, conn: sqlite3.Connection, *, write: bool, wait_s: float | None = None
+              ) -> None:
+        """Open a transaction, waiting for the write lock ``wait_s`` at most, raw errors."""
+        ...
+
+    def run(self, tx: Tx, *, write: bool, wait_s: float | None = None) -> Any:
+        """Run ``tx`` alone, in its own transaction, waiting for the write lock ``wait_s`` at
+        most."""
         ...
 
     def advance(self, conn: sqlite3.Connection, tx: Tx, value: Any) -> tuple[bool, Any]:
@@ -77,6 +96,7 @@ class _Job:
     tx: Tx
     write: bool
     future: concurrent.futures.Future[Any]
+    deadline: float  # on the writer's clock: its wait for the write lock ends then
     # Held at its commit point: its result (done) or the rows of its committing flush, sent to
     # it once the group has committed.
     carry: Any = None
@@ -94,10 +114,13 @@ class GroupWriter:
     _thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ledger-sqlite"))
+    clock: Callable[[], float] = time.monotonic  # seconds, for the members' deadlines
 
     def submit(self, tx: Tx, write: bool) -> concurrent.futures.Future[Any]:
-        """Queue ``tx``; its future is done once it is committed (or failed)."""
-        job = _Job(tx, write, concurrent.futures.Future())
+        """Queue ``tx``; its future is done once it is committed (or failed). Its wait for
+        another connection's write lock ends the busy timeout from now (see the module)."""
+        job = _Job(tx, write, concurrent.futures.Future(),
+                   self.clock() + self.driver.busy_timeout_s)
         with self._lock:
             self._queue.append(job)
             start, self._draining = not self._draining, True
@@ -126,7 +149,8 @@ class GroupWriter:
             try:
                 if len(live) == 1:
                     _settle(live[0], functools.partial(self.driver.run, live[0].tx,
-                                                       write=live[0].write))
+                                                       write=live[0].write,
+                                                       wait_s=self._left(live)))
                 elif live:
                     self._group(live)
             except BaseException as e:  # no caller may be left waiting
@@ -145,10 +169,8 @@ class GroupWriter:
         """Run ``jobs`` in one transaction; returns those left for another one (SQLite ended
         this one under them)."""
         driver = self.driver
-        try:
-            conn.execute("BEGIN IMMEDIATE" if any(j.write for j in jobs) else "BEGIN")
-        except sqlite3.Error as e:
-            _fail(jobs, e, driver.told)
+        jobs = self._begin(conn, jobs)
+        if not jobs:
             return []
         held: list[_Job] = []
         for n, job in enumerate(jobs):
@@ -179,6 +201,37 @@ class GroupWriter:
                 # runs runs outside the transaction.
                 _settle(job, functools.partial(driver.finish, conn, job.tx, job.carry))
         return []
+
+    def _left(self, jobs: list[_Job]) -> float:
+        """How long the oldest of ``jobs`` may still wait for the write lock (seconds)."""
+        return max(0.0, min(j.deadline for j in jobs) - self.clock())
+
+    def _begin(self, conn: sqlite3.Connection, jobs: list[_Job]) -> list[_Job]:
+        """Open the transaction of ``jobs``; returns those it is open for (none: no
+        transaction), the others told their error (see the module)."""
+        while jobs:
+            try:
+                self.driver.begin(conn, write=any(j.write for j in jobs),
+                                  wait_s=self._left(jobs))
+                return jobs
+            except sqlite3.Error as e:
+                if not _busy(e):
+                    _fail(jobs, e, self.driver.told)
+                    return []
+                # The oldest's time is up whatever the clock says (SQLite waited it): each
+                # wait ends at least one member, so this ends.
+                up = max(self.clock(), min(j.deadline for j in jobs))
+                _fail([j for j in jobs if j.deadline <= up], e, self.driver.told)
+                jobs = [j for j in jobs if j.deadline > up]
+        return []
+
+
+def _busy(e: sqlite3.Error) -> bool:
+    """Whether ``e`` is SQLite's ``SQLITE_BUSY`` (another connection holds the lock)."""
+    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY
+
+
+_SQLITE_BUSY = 5  # the primary result code, without its extended bits
 
 
 def _settle(job: _Job, call: Callable[[], Any]) -> None:

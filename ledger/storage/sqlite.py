@@ -5,7 +5,10 @@ connection per thread, ``BEGIN IMMEDIATE`` for writes, WAL with ``synchronous=FU
 path on a SQLAlchemy engine over the same file. Writers serialize on the database's write lock,
 so no statement takes a row lock; a connection waits for another's write lock up to the busy
 timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers
-:class:`~ledger.errors.DatabaseUnavailable`.
+:class:`~ledger.errors.DatabaseUnavailable`. An asyncio caller's transaction counts that
+timeout from its call, its time queued on the database's thread included
+(:mod:`ledger.storage.groupcommit`): behind a write stuck on another process's lock, it is
+answered one busy timeout after its call, not two.
 """
 
 from __future__ import annotations

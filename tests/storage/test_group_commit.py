@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from decimal import Decimal
@@ -25,8 +26,9 @@ from typing import Any
 import pytest
 
 from ledger import AsyncLedger
-from ledger.errors import BudgetExceeded, LedgerError
+from ledger.errors import BudgetExceeded, DatabaseUnavailable, LedgerError
 from ledger.storage.driver import Flush, Q, SqliteDriver, Tx
+from ledger.storage.groupcommit import GroupWriter
 
 from .helpers import SQLITE_LOCK_HOLDER, budget, routes
 
@@ -291,3 +293,152 @@ def test_concurrent_begins_grouped_behind_another_process_s_lock_keep_the_budget
             assert sorted(a.seq for a in tl) == list(range(1, 20))
 
     asyncio.run(check())
+
+
+# -- The busy timeout counts from the caller's submission ---------------------------------------
+
+BUSY_S = 1.0  # the driver's busy timeout in the tests below
+# A write told DatabaseUnavailable within this of its submission waited one busy timeout, not
+# two (a second would take it past 2 * BUSY_S); the margin is for a loaded machine.
+ONE_TIMEOUT_BOUND_S = 1.6 * BUSY_S
+BUSY_PRAGMA = _Sql("PRAGMA busy_timeout")
+
+
+def _lock(path: str) -> sqlite3.Connection:
+    """Another connection holding the database's write lock until it is closed."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    return holder
+
+
+def _busy_timeout() -> Tx[int]:
+    [(ms,)] = yield Q(BUSY_PRAGMA)
+    return int(ms)
+
+
+def _held_reading(started: threading.Event, go: threading.Event) -> Tx[str]:
+    """Holds the database's thread until ``go``; reads, so another's write lock is no bar."""
+    started.set()
+    assert go.wait(PATIENCE_S)
+    yield Q(COUNT)
+    return "gate"
+
+
+async def _timed(call: Any) -> tuple[Any, float]:
+    """``call``'s result or error, and how long after it was made it was told."""
+    t0 = time.perf_counter()
+    try:
+        got = await call
+    except LedgerError as e:
+        got = e
+    return got, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("queued", [1, 3])
+def test_a_write_queued_behind_one_waiting_for_the_lock_waits_one_busy_timeout_in_all(
+        tmp_path: Path, queued: int) -> None:
+    """Another connection holds the write lock past two busy timeouts. A write waits for it on
+    the database's thread; writes submitted meanwhile queue behind it (alone, or as a group),
+    and each is told DatabaseUnavailable one busy timeout after it was submitted: its time
+    queued counts, it does not start a busy timeout of its own once the first gives up."""
+    path = _db(tmp_path)
+    driver = SqliteDriver(path, busy_timeout_s=BUSY_S)
+    waiting = threading.Event()
+
+    def watch() -> Tx[None]:
+        driver.connection().set_trace_callback(
+            lambda s: waiting.set() if s == "BEGIN IMMEDIATE" else None)
+        yield Q(COUNT)
+
+    async def main() -> tuple[list[tuple[Any, float]], int, int]:
+        await driver.arun(watch(), write=False)  # on the database's thread, its connection
+        holder = _lock(path)
+        try:
+            first = asyncio.ensure_future(_timed(driver.arun(insert("first"), write=True)))
+            assert await asyncio.to_thread(waiting.wait, PATIENCE_S)  # in BEGIN, waiting
+            behind = [asyncio.ensure_future(_timed(driver.arun(insert(f"k{i}"), write=True)))
+                      for i in range(queued)]
+            got = await asyncio.wait_for(asyncio.gather(first, *behind), PATIENCE_S)
+        finally:
+            holder.close()
+        after = await driver.arun(insert("after"), write=True)
+        return got, after, await driver.arun(_busy_timeout(), write=False)
+
+    try:
+        got, after, busy_ms = asyncio.run(main())
+    finally:
+        driver.close()
+    told = [e for e, _ in got]
+    assert all(isinstance(e, DatabaseUnavailable) for e in told), told
+    # Each told SQLite's own busy error, as the first (which waited alone) was.
+    assert {(str(e), tuple(sorted(e.fields.items()))) for e in told} == {
+        (str(told[0]), tuple(sorted(told[0].fields.items())))}
+    waited = [round(s, 2) for _, s in got]
+    assert all(0.95 * BUSY_S <= s < ONE_TIMEOUT_BOUND_S for _, s in got), waited
+    # The lock gone, the thread writes again, and its connection waits the busy timeout again.
+    assert after == 1 and busy_ms == int(BUSY_S * 1000)
+    assert _keys(path) == ["after"]
+
+
+def _skewed_writer(driver: SqliteDriver, skew: list[float]) -> None:
+    """The driver's thread, its clock ``skew[0]`` seconds off: a transaction submitted with it
+    set to ``-BUSY_S`` is one whose busy timeout is already up."""
+    driver._writer = GroupWriter(driver, clock=lambda: time.monotonic() + skew[0])
+
+
+def _late_and_fresh(path: str, holder: bool) -> tuple[tuple[Any, float], tuple[Any, float]]:
+    """A group of two behind a reading gate: the first submitted a busy timeout ago, the second
+    now; with another connection holding the write lock or not. What each was told, and how
+    long after the gate let go (the first) or after it was submitted (the second)."""
+    driver = SqliteDriver(path, busy_timeout_s=BUSY_S)
+    skew = [0.0]
+    _skewed_writer(driver, skew)
+    started, go = threading.Event(), threading.Event()
+
+    async def main() -> tuple[tuple[Any, float], tuple[Any, float]]:
+        lock = _lock(path) if holder else None
+        try:
+            gate = asyncio.ensure_future(driver.arun(_held_reading(started, go), write=False))
+            assert await asyncio.to_thread(started.wait, PATIENCE_S)
+            skew[0] = -BUSY_S
+            late = asyncio.ensure_future(driver.arun(insert("late"), write=True))
+            await asyncio.sleep(0)  # submitted on the skewed clock: queued behind the gate
+            skew[0] = 0.0
+            fresh = asyncio.ensure_future(_timed(driver.arun(insert("fresh"), write=True)))
+            await asyncio.sleep(0)  # and this one now
+            go.set()
+            assert await gate == "gate"
+            return await _timed(late), await asyncio.wait_for(fresh, PATIENCE_S)
+        finally:
+            if lock is not None:
+                lock.close()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        driver.close()
+
+
+def test_a_member_whose_busy_timeout_is_up_is_told_at_once_and_the_others_wait_their_own(
+        tmp_path: Path) -> None:
+    """In a group behind another connection's write lock, a member whose busy timeout ran out
+    while it queued gets one try, without waiting, and is told DatabaseUnavailable; the
+    younger member is not told with it, but waits out its own busy timeout."""
+    path = _db(tmp_path)
+    (late, late_s), (fresh, fresh_s) = _late_and_fresh(path, holder=True)
+    assert isinstance(late, DatabaseUnavailable) and isinstance(fresh, DatabaseUnavailable)
+    assert str(late) == str(fresh)
+    assert late_s < 0.5 * BUSY_S, late_s
+    assert 0.95 * BUSY_S <= fresh_s < ONE_TIMEOUT_BOUND_S, fresh_s
+    assert _keys(path) == []
+
+
+def test_a_member_whose_busy_timeout_is_up_still_begins_when_the_lock_is_free(
+        tmp_path: Path) -> None:
+    """Its time up is no error by itself: with nobody holding the lock, the late member's one
+    try begins, and it commits with the group."""
+    path = _db(tmp_path)
+    (late, late_s), (fresh, fresh_s) = _late_and_fresh(path, holder=False)
+    assert (late, fresh) == (1, 2)
+    assert late_s < 0.5 * BUSY_S and fresh_s < 0.5 * BUSY_S
+    assert _keys(path) == ["fresh", "late"]
