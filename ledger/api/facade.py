@@ -65,9 +65,10 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
 
         Writes whose outcome the database could not tell when they were made are resolved
         first, one try each (:meth:`ledger.storage.store.Store.settle_pending`): a begin of the
-        retry owner that was never sent is settled ``not_sent``, a Run session's exit finishes
-        the Run and releases its lease. What the database still does not take is logged at
-        WARNING and left to recovery.
+        retry owner that was never sent is settled ``not_sent``, a settle of the retry owner the
+        database did not take is written as decided (freeing its capacity slot), a Run
+        session's exit finishes the Run and releases its lease. What the database still does
+        not take is logged at WARNING and left to recovery.
 
         Last, the ledger's own threads (``ledger-cold``, where an :class:`AsyncLedger` runs
         its blocking calls) end: a call already running on one is waited for (it may wait up

@@ -17,8 +17,9 @@ whose request never left the process (``track(..., sent=False)``) is settled as 
 keeps its hold; then the lease is released. A fenced-out keeper writes nothing.
 
 Each tick first settles what the process left unresolved for the Run (a begin of the retry owner
-whose ``COMMIT``'s outcome was unknown and that was never sent: ``not_sent``), as soon as the
-database answers again (:mod:`ledger.decide.resolve`).
+whose ``COMMIT``'s outcome was unknown and that was never sent: ``not_sent``; a settle of the
+retry owner the database did not take: as the turn decided it), as soon as the database answers
+again (:mod:`ledger.decide.resolve`).
 
 Both twins share one implementation of the schedule (:class:`KeeperCore.tick`); time comes from
 an injectable clock and the waits from an injectable sleeper, so tests never sleep.
@@ -157,7 +158,9 @@ class KeeperCore:
         database would refuse. Nothing is raised: :meth:`check` raises afterwards. Each tick
         first resolves what the process left unresolved for the Run (a begin of the retry
         owner whose ``COMMIT``'s outcome was unknown and that was never sent: settled
-        ``not_sent``), every quarter interval while the database does not answer.
+        ``not_sent``; a settle of the retry owner the database did not take: written as the
+        turn decided it, which frees its capacity slot), every quarter interval while the
+        database does not answer.
         """
         return self.ledger._runner.run(self._tick())
 
@@ -229,8 +232,9 @@ class KeeperCore:
     def _resolve(self, lease: Lease) -> Flow[bool]:
         """Resolve what this process left unresolved for the Run; whether some of it stays.
 
-        That is a begin never sent whose ``COMMIT``'s outcome was unknown
-        (:mod:`ledger.decide.resolve`); it stays while the database does not answer.
+        That is a begin never sent whose ``COMMIT``'s outcome was unknown, or a settle the
+        database did not take (:mod:`ledger.decide.resolve`); it stays while the database does
+        not answer.
         """
         store = self.ledger._store
         if not store.pending or not store.pending.of(lease.run_id):

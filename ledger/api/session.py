@@ -262,9 +262,10 @@ class _SessionCore:
 
         The exit is remembered as an :class:`~ledger.decide.resolve.UnresolvedExit` before it is
         written, behind what the turns left unresolved (a begin never sent, settled
-        ``not_sent`` first: a release needs nothing in flight). When the database does not
-        answer, it stays remembered and the process writes it as soon as the database answers
-        again (the Run's next write here, or the ledger's ``close()``). A keeper that lost the
+        ``not_sent``, and a settle the database did not take, written, first: a release needs
+        nothing in flight). When the database does not answer, it stays remembered and the
+        process writes it as soon as the database answers again (the Run's next write here, or
+        the ledger's ``close()``). A keeper that lost the
         Run writes nothing under the lease (a begin of its own that was never sent is still
         settled, under its own fence), and the exit raises what lost it: the Run was not
         finished.
@@ -588,7 +589,8 @@ class RunSession(_SessionCore):
             that succeeded this is raised only when the database stayed away; then the exit is
             remembered (``fields["deferred"]``) and written as soon as the database answers
             again (the process's next write for the Run, or the ledger's ``close()``), after a
-            turn's begin that was never sent is settled ``not_sent``. After a block that
+            turn's begin that was never sent is settled ``not_sent`` and a turn's settle the
+            database did not take is written (so nothing is in flight). After a block that
             raised, an error of leaving is only logged and added to the block's exception as a
             note: the block's exception is the one raised.
 

@@ -448,7 +448,9 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
         case Begin(spec=spec):
             return store.begin_attempt(spec, clock)
         case Settle(run_id=run_id, spec=spec):
-            return store.settle_attempt(run_id, spec, clock)
+            # The retry owner holds the receipt: one the database does not take now is written
+            # once it answers, so the Attempt's slot and hold are not held for the session.
+            return store.settle_attempt(run_id, spec, clock, remember=True)
         case ResolveBegin(item=item):
             return store.resolve_begin(item, clock)
         case LeaveQueue(group=group, waiter=waiter):

@@ -401,7 +401,10 @@ class Settle(Effect[AttemptRecord]):
     """Record an Attempt's outcome (one commit); never abandoned halfway by a cancellation.
 
     ``spec`` is what :func:`ledger.decide.settle.settle_spec` decided: the outcome, the fact,
-    the usage, and what the settle does to holds, health and the capacity group.
+    the usage, and what the settle does to holds, health and the capacity group. When the
+    database does not take it, the driver remembers it and its ``DatabaseUnavailable`` comes
+    back (``deferred=True``): the store writes it as it is before the Run's next write, from the
+    lease keeper, or when the ledger closes (:class:`ledger.decide.resolve.UnresolvedSettle`).
     """
 
     run_id: str

@@ -4,7 +4,9 @@ When the connection is lost after a ``COMMIT`` was sent, the write is resolved a
 connection (:func:`ledger.storage.store.resolving`). When that fails too (no primary takes
 writes yet), the process keeps what it needs to finish the job as one of these values, and the
 store resolves it before it writes anything else for that Run (:mod:`ledger.storage.store`), from
-the lease keeper's heartbeat, and when the ledger is closed:
+the lease keeper's heartbeat, and when the ledger is closed. A settle of the retry owner is
+remembered whatever stopped the database from taking it (an outage, another writer holding the
+lock past the busy or lock timeout, a lost acknowledgement):
 
 * :class:`UnresolvedBegin`: a begin of the retry owner that was never sent (sending waits for
   the begin's acknowledgement). If it landed it is settled ``not_sent`` under its own fence:
@@ -14,6 +16,13 @@ the lease keeper's heartbeat, and when the ledger is closed:
   ``not_sent`` through the late-receipt path (:meth:`ledger.Ledger.settle_unknown`'s), which
   accepts only an ``unknown`` Attempt, under the Run's row lock, once — and here only one begun
   under this process's own fence.
+* :class:`UnresolvedSettle`: a settle of the retry owner the database did not take (busy past
+  its timeout, away, or its acknowledgement lost and the resolution failed too). The process
+  holds the receipt, so it records it as it was decided (outcome, fact, usage, cost, events)
+  under the Attempt's own fence; the same settle again is the same write, so it lands once.
+  Until then the Attempt is ``dispatching``, its capacity slot and hold held. If the Run was
+  taken over meanwhile and recovery recorded the Attempt ``unknown``, the settle is refused and
+  kept as a ``late_receipt`` event beside it, as any late settle is.
 * :class:`UnresolvedExit`: a Run session's exit whose finish or release could not be written: it
   is finished with the status the block ended in, then its lease released, while that lease is
   still the Run's.
@@ -55,6 +64,8 @@ class Resolution(Enum):
     REJECTED = "rejected"
     #: Recovery had recorded it ``unknown`` (hold kept); it is settled ``not_sent`` now.
     LATE = "late"
+    #: The settle the database did not take is recorded now (or was, by the try it missed).
+    RECORDED = "recorded"
     #: The session's exit is written: the Run finished, the lease released.
     FINISHED = "finished"
     #: Someone else decided first (an operator's receipt, a takeover that has not marked it
@@ -89,6 +100,26 @@ class UnresolvedBegin:
 
 
 @dataclass(frozen=True)
+class UnresolvedSettle:
+    """A settle of the retry owner that the database did not take: the receipt is in hand.
+
+    Attributes:
+        run_id: The Run of the Attempt.
+        spec: The settle as the turn decided it (its outcome, fact, usage, cost and events,
+            under the Attempt's fence); written again as it is, so a try that landed unseen
+            makes the next one the same write.
+    """
+
+    run_id: str
+    spec: SettleSpec
+
+    @property
+    def attempt_id(self) -> str:
+        """The Attempt it settles."""
+        return self.spec.attempt_id
+
+
+@dataclass(frozen=True)
 class UnresolvedExit:
     """A Run session's exit whose finish or release the database did not take.
 
@@ -108,7 +139,7 @@ class UnresolvedExit:
         return self.lease.run_id
 
 
-Unresolved = UnresolvedBegin | UnresolvedExit
+Unresolved = UnresolvedBegin | UnresolvedSettle | UnresolvedExit
 
 
 def unresolved_begin(policy: Policy, route: Route, profile_id: str | None, lease: Lease,
@@ -187,6 +218,7 @@ __all__ = [
     "Unresolved",
     "UnresolvedBegin",
     "UnresolvedExit",
+    "UnresolvedSettle",
     "attempt_verdict",
     "settle_verdict",
     "stays",

@@ -824,6 +824,11 @@ class TurnLoop:
 
         ``times``: the send's first byte and first token, in seconds from the begin;
         ``began_at``: when the Attempt began (its failure's health update reads it).
+
+        A settle the database does not take raises its ``DatabaseUnavailable`` unchanged
+        (``operation="settle"``, ``resolved``, ``landed``), and ``deferred=True``: the driver
+        remembers it and writes it, as decided here, once the database answers
+        (:class:`ledger.decide.resolve.UnresolvedSettle`).
         """
         if now is None:
             now = yield from perform(Now())
@@ -920,8 +925,10 @@ class TurnLoop:
             # record stands, and there is nothing left for recovery.
             log.info("attempt %s was settled before its interruption was: %s", attempt_id, e)
         except LedgerError as e:
-            log.warning("settle of %s on interruption not written (recovery settles it): %s",
-                        attempt_id, e)
+            later = ("this process writes it once the database answers again, or recovery "
+                     "settles it" if e.fields.get("deferred") else "recovery settles it")
+            log.warning("settle of %s on interruption not written (%s): %s", attempt_id, later,
+                        e)
 
     def _resolve_begin(self, route: Route, profile: str | None, attempt_id: str,
                        error: DatabaseUnavailable) -> Generator[Effect[Any], Any, None]:

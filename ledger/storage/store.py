@@ -39,7 +39,8 @@ What every flow promises:
   :mod:`ledger.decide.turn`); its error says ``operation="begin"``. An error raised before the
   ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written;
 * what stays unresolved because the database did not answer (the retry owner's begin that was
-  never sent, a Run session's exit: :mod:`ledger.decide.resolve`) is remembered in
+  never sent, the retry owner's settle, a Run session's exit: :mod:`ledger.decide.resolve`) is
+  remembered in
   :attr:`Store.pending`, and every write for its Run (and the turn's snapshot) resolves it
   first: nothing else is written for that Run until it is, and while the database stays away
   that write fails with the same :class:`~ledger.errors.DatabaseUnavailable`. The lease keeper
@@ -60,6 +61,7 @@ from ledger.decide.resolve import (
     Unresolved,
     UnresolvedBegin,
     UnresolvedExit,
+    UnresolvedSettle,
     attempt_verdict,
     settle_verdict,
     stays,
@@ -130,7 +132,8 @@ class Pending:
     """This process's unresolved writes (:mod:`ledger.decide.resolve`), by Run.
 
     Shared by every thread of the ledger (a turn's, the lease keeper's) and by its sync and async
-    faces; each Run's begins come before its exit (a release needs nothing in flight).
+    faces; each Run's begins and settles come before its exit (a release needs nothing in
+    flight).
     """
 
     def __init__(self) -> None:
@@ -142,10 +145,15 @@ class Pending:
 
     @staticmethod
     def _key(item: Unresolved) -> str:
-        return item.attempt_id if isinstance(item, UnresolvedBegin) else ""
+        if isinstance(item, UnresolvedBegin):
+            return item.attempt_id
+        if isinstance(item, UnresolvedSettle):
+            return "settle " + item.attempt_id
+        return ""
 
     def add(self, item: Unresolved) -> None:
-        """Remember ``item`` (an exit replaces the Run's earlier exit)."""
+        """Remember ``item`` (an exit replaces the Run's earlier exit, a settle the same
+        Attempt's earlier settle)."""
         with self._lock:
             self._runs.setdefault(item.run_id, {})[self._key(item)] = item
 
@@ -270,13 +278,15 @@ class Store:
         Raises what the database answered when it is no resolution (a lapsed lease for an
         exit, ...), and :class:`~ledger.errors.DatabaseUnavailable` (it stays).
         """
-        # A begin is remembered only when it was never sent; an exit, every time a session
-        # ends, so its first try succeeding is routine (a lost acknowledgement on the way is
-        # logged by resolving()).
-        news = isinstance(item, UnresolvedBegin) or item.tried
+        # A begin or a settle is remembered only when the database did not take it; an exit,
+        # every time a session ends, so its first try succeeding is routine (a lost
+        # acknowledgement on the way is logged by resolving()).
+        news = not isinstance(item, UnresolvedExit) or item.tried
         try:
             if isinstance(item, UnresolvedBegin):
                 out = yield from self._unsent(item, clock)
+            elif isinstance(item, UnresolvedSettle):
+                out = yield from self._recorded(item, clock)
             else:
                 out = yield from self._exit(item, clock)
         except LedgerError as e:
@@ -313,6 +323,26 @@ class Store:
             again = attempt_verdict(att, item)
             return again if isinstance(again, Resolution) else Resolution.LEFT
         return Resolution.LATE
+
+    def _recorded(self, item: UnresolvedSettle, clock: ClockFn) -> Flow[Resolution]:
+        """Write the settle the database did not take, as the turn decided it.
+
+        The same content again is the same write, so a try that landed unseen is found done.
+        An answer that refuses it decides too: the Attempt was never recorded (its begin did
+        not land) or was rejected, or someone else settled it first (a takeover, an operator):
+        then it is kept as a ``late_receipt`` event where a late settle is.
+        """
+        try:
+            yield from self._settle(item.run_id, item.spec, clock)
+        except NotFound:
+            return Resolution.ABSENT
+        except InvalidState:
+            return Resolution.REJECTED
+        except (FencedOut, SettleConflict) as e:
+            log.warning("%s: refused (%s); what it observed is kept beside the Attempt",
+                        _what(item), e)
+            return Resolution.LEFT
+        return Resolution.RECORDED
 
     def _exit(self, item: UnresolvedExit, clock: ClockFn) -> Flow[Resolution]:
         """Finish the Run as the session ended it, then release its lease (each once).
@@ -406,8 +436,8 @@ class Store:
         yield from txn(hot.leave_queue_tx(self.sql, waiter_id, group))
         self.waker.poke(group)
 
-    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn
-                       ) -> Flow[AttemptRecord]:
+    def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn, *,
+                       remember: bool = False) -> Flow[AttemptRecord]:
         """Record the outcome of ``spec.attempt_id`` (of ``run_id``) in one transaction: the
         hold posted or voided, the slot freed, health and the group fact applied. Settling
         again with the same content returns the settled record. Accepted under the Attempt's
@@ -415,8 +445,33 @@ class Store:
         :class:`~ledger.errors.FencedOut` once the Run was taken over and
         :class:`~ledger.errors.SettleConflict` for other content (both keep the refused
         observation as a ``late_receipt`` event when the Run moved on or the Attempt was
-        settled unknown), :class:`~ledger.errors.NotFound` (no such attempt in the run)."""
-        yield from self._first(run_id, clock)
+        settled unknown), :class:`~ledger.errors.NotFound` (no such attempt in the run).
+
+        ``remember`` (the retry owner's settles): when the database does not take it
+        (:class:`~ledger.errors.DatabaseUnavailable`, raised with ``deferred=True``), the
+        settle is remembered (:class:`~ledger.decide.resolve.UnresolvedSettle`) and written
+        as it is before anything else for the Run, from the lease keeper, or on ``close()``:
+        the process holds the receipt, and until it is written the Attempt's slot and hold
+        stay taken."""
+        try:
+            yield from self._first(run_id, clock)
+            return (yield from self._settle(run_id, spec, clock))
+        except DatabaseUnavailable as e:
+            if remember:
+                self.pending.add(UnresolvedSettle(run_id, spec))
+                e.fields["deferred"] = True
+                e.add_note(
+                    f"the {spec.outcome.value} settle of attempt {spec.attempt_id} is not "
+                    "recorded yet; this process records it as soon as the database answers "
+                    "again (before the Run's next write, from the lease keeper, at the "
+                    "session's exit, or when the ledger is closed), and until then its capacity "
+                    "slot and hold stay taken; if the process ends first, recovery marks it "
+                    "unknown once the lease lapses")
+            raise
+
+    def _settle(self, run_id: str, spec: SettleSpec, clock: ClockFn) -> Flow[AttemptRecord]:
+        """The settle itself (see :meth:`settle_attempt`), once the Run's earlier unresolved
+        writes are done."""
         try:
             rec = yield from resolving(
                 "settle", lambda _again: hot.settle_tx(self.sql, run_id, spec, clock),
@@ -525,6 +580,12 @@ def _what(item: Unresolved) -> str:
     """An unresolved write, as a log line names it."""
     if isinstance(item, UnresolvedBegin):
         return f"the begin of attempt {item.attempt_id} (run {item.run_id}), never sent"
+    if isinstance(item, UnresolvedSettle):
+        # What the receipt said, for an operator settling it by hand if this process cannot.
+        spec = item.spec
+        return (f"the {spec.outcome.value} settle of attempt {item.attempt_id} (run "
+                f"{item.run_id}; prompt_tokens={spec.prompt_tokens}, completion_tokens="
+                f"{spec.completion_tokens}, cost_micros={spec.cost_micros})")
     return f"the exit of run {item.run_id}'s session (finish and release)"
 
 
