@@ -8,7 +8,10 @@ Envelope mapping: every ``system`` part goes, in order, into the top-level ``sys
 Other parts become content blocks of alternating ``user``/``assistant`` messages (consecutive
 parts of one role are merged): an assistant part with ``tool_call_id`` is a ``tool_use`` block
 (``name``, JSON-object ``content`` as ``input``), a ``tool`` part a ``tool_result`` block in a user
-message. A trailing assistant part is Anthropic's native prefill: the answer continues it, and the
+message; a turn's ``tool_result`` blocks open their user message, and the files the tools
+returned follow them (the API refuses a ``tool_result`` after another block;
+:func:`~ledger.adapters.contract.wire_order`). A trailing assistant part is Anthropic's native
+prefill: the answer continues it, and the
 result's text is the continuation only. ``max_tokens`` is required by the API:
 ``max_output_tokens`` or ``default_max_tokens`` (4096,
 :data:`~ledger.domain.envelope.DEFAULT_OUTPUT_TOKENS`, which the Run's hold also counts). The
@@ -75,6 +78,7 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     tool_arguments,
+    wire_order,
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
@@ -197,7 +201,7 @@ class AnthropicCodec(Codec):
             else:
                 messages.append({"role": role, "content": [block]})
 
-        for i, part in enumerate(envelope.parts):
+        for i, part in wire_order(envelope.parts):
             where = f"envelope.parts[{i}]"
             if part.role == "system":
                 system.append(part.content)

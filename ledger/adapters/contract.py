@@ -642,3 +642,39 @@ def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:
             field=field_name,
         )
     return value
+
+
+def _in_tool_results(part: Part) -> bool:
+    """A part a turn's tool results may hold: a ``tool`` part, or a user file (a tool's)."""
+    return part.role == "tool" or (part.role == "user" and part.media_type is not None)
+
+
+def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
+    """The envelope's parts, each with its index, in the order every codec sends them.
+
+    The order is the envelope's except within a turn's tool results: a run of consecutive
+    ``tool`` parts and user files that opens with a ``tool`` part or right after the
+    assistant's tool calls. There the ``tool`` parts come first, in their order, then the
+    files, in theirs. A tool's file is a user part next to its text result
+    (``run.tool_result(call, text)`` then ``run.tool_result(call, file)``, call after call),
+    and sent where it stands it would split the results: chat completions refuses anything
+    between an assistant message's ``tool_calls`` and a ``tool`` message for each of them,
+    Anthropic a user message whose ``tool_result`` blocks do not come first.
+    """
+    out: list[tuple[int, Part]] = []
+    i = 0
+    while i < len(parts):
+        end = i
+        while end < len(parts) and _in_tool_results(parts[end]):
+            end += 1
+        opens = parts[i].role == "tool" or (
+            i > 0 and parts[i - 1].role == "assistant" and parts[i - 1].tool_call_id is not None)
+        run = list(range(i, end))
+        if not opens or not any(parts[k].role == "tool" for k in run):
+            out.append((i, parts[i]))
+            i += 1
+            continue
+        out.extend((k, parts[k]) for k in run if parts[k].role == "tool")
+        out.extend((k, parts[k]) for k in run if parts[k].role != "tool")
+        i = end
+    return out

@@ -10,12 +10,14 @@ Envelope mapping: ``system`` parts go, in order, into ``systemInstruction``; the
 ``contents`` with roles ``user`` and ``model`` (consecutive parts of one role are merged). An
 assistant part with ``tool_call_id`` is a ``functionCall`` (``name``, JSON-object ``content`` as
 ``args``), a ``tool`` part a ``functionResponse`` (``name`` required; JSON content is passed as
-the response object, other text as ``{"result": text}``). A trailing assistant part is sent as a
-final ``model`` turn (prefill); models that refuse it answer with a 400. The request's own
-fields ``safetySettings``, ``toolConfig`` and ``cachedContent`` in ``Envelope.params`` are sent at
-the top level of the request; every other parameter goes into ``generationConfig``:
-``max_output_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``stop`` are renamed to Gemini's
-names, other keys are passed as given.
+the response object, other text as ``{"result": text}``); a turn's ``functionResponse`` parts
+open the user turn, and the files its tools returned follow them
+(:func:`~ledger.adapters.contract.wire_order`, as on every protocol). A trailing assistant part
+is sent as a final ``model`` turn (prefill); models that refuse it answer with a 400. The
+request's own fields ``safetySettings``, ``toolConfig`` and ``cachedContent`` in
+``Envelope.params`` are sent at the top level of the request; every other parameter goes into
+``generationConfig``: ``max_output_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``stop``
+are renamed to Gemini's names, other keys are passed as given.
 
 Images and documents (binary parts) are parts of the user turn: ``inline_data`` (``mime_type``,
 base64 ``data``) for bytes, ``file_data`` (``mime_type``, ``file_uri``) for an ``https://``
@@ -85,6 +87,7 @@ from ledger.adapters.contract import (
     require_object,
     take_output_media,
     tool_arguments,
+    wire_order,
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.envelope import Envelope, Part
@@ -233,7 +236,7 @@ class GeminiCodec(Codec):
             else:
                 contents.append({"role": role, "parts": [part]})
 
-        for i, p in enumerate(envelope.parts):
+        for i, p in wire_order(envelope.parts):
             where = f"envelope.parts[{i}]"
             if p.role == "system":
                 system.append(p.content)

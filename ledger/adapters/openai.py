@@ -10,6 +10,9 @@ An assistant part with ``tool_call_id`` is a tool call the model made earlier (`
 tool, ``content`` = its JSON arguments); consecutive ones form one assistant message. A ``tool``
 part is a tool result for ``tool_call_id``. A trailing assistant part (prefill) is sent as the last
 message: servers that continue it do, others answer with a 400 that is reported as observed.
+A turn's tool results are sent first, a ``tool`` message for each call right after the
+assistant's, then the files the tools returned, in a user message (the API refuses anything
+between the tool calls and their results; :func:`~ledger.adapters.contract.wire_order`).
 ``max_output_tokens`` is sent as ``max_tokens``, or as ``max_completion_tokens`` when the route's
 ``Capabilities.parameters`` lists that name and not ``max_tokens``. Streaming asks for
 ``stream_options.include_usage`` (so cost is known) unless the route's declared parameters omit
@@ -75,6 +78,7 @@ from ledger.adapters.contract import (
     require_object,
     take_output_media,
     tool_arguments,
+    wire_order,
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.envelope import Envelope, Part
@@ -192,7 +196,7 @@ class OpenAICodec(Codec):
         )
         messages: list[dict[str, Any]] = []
         notes: list[str] = []
-        for i, part in enumerate(envelope.parts):
+        for i, part in wire_order(envelope.parts):
             where = f"envelope.parts[{i}]"
             if part.role == "assistant" and part.tool_call_id:
                 if not part.name:

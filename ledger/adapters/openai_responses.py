@@ -10,22 +10,24 @@ the same input to any other route. ``previous_response_id`` and ``conversation``
 the provider hold the conversation, are refused with :class:`~ledger.errors.InvalidArgument`
 (another route could not continue it), and so is ``background`` (the adapter does not poll).
 
-Envelope mapping: ``system`` parts are joined into ``instructions``. Consecutive user parts
-form one ``message`` item whose content is ``input_text``, ``input_image`` (``image_url``: a
+Envelope mapping: ``system`` parts are joined into ``instructions``. Consecutive user parts form
+one ``message`` item whose content is ``input_text``, ``input_image`` (``image_url``: a
 ``data:`` URL of the bytes or the ``https://`` link, ``detail: auto``) and ``input_file``
 (``filename`` and ``file_data``, a ``data:`` URL, or ``file_url`` for a link) items; a
 plain-text document is an ``input_text`` item holding its text. An assistant part is an
 assistant ``message`` (its text); an assistant part with ``tool_call_id`` a ``function_call``
 item (``call_id``, ``name``, ``arguments`` as JSON text); a ``tool`` part a
-``function_call_output`` (``call_id``, ``output``). An image or a document a model returned (an
-assistant binary part) cannot go back as it came: an assistant message holds ``output_text``
-only, and an ``image_generation_call`` item is read back by its id from the provider's store,
-which ``store: false`` leaves empty (and another route's image has no such id); it is sent in a
-user message of its own, after the text
+``function_call_output`` (``call_id``, ``output``); a turn's ``function_call_output`` items come
+first, then the files its tools returned, in a user message
+(:func:`~ledger.adapters.contract.wire_order`, as on every protocol). An image or a document a
+model returned (an assistant binary part) cannot go back as it came: an assistant message holds
+``output_text`` only, and an ``image_generation_call`` item is read back by its id from the
+provider's store, which ``store: false`` leaves empty (and another route's image has no such
+id); it is sent in a user message of its own, after the text
 :data:`~ledger.adapters.contract.ASSISTANT_MEDIA_TEXT`, with a note. A reasoning item (an
 earlier answer's, as the ledger carried it back) is sent as the provider returned it when it
-came from this very route, and left out, with a note, otherwise: encrypted reasoning is
-readable only by the account and model that wrote it. Tools are ``{"type": "function",
+came from this very route, and left out, with a note, otherwise: encrypted reasoning is readable
+only by the account and model that wrote it. Tools are ``{"type": "function",
 "name", "description", "parameters"}``, followed by the provider's built-in tools a host names
 in ``params["tools"]`` (``[{"type": "image_generation"}]`` asks for images; a function tool
 there is refused: it belongs in ``Envelope.tools``); ``max_output_tokens`` is sent as is; other
@@ -95,6 +97,7 @@ from ledger.adapters.contract import (
     require_object,
     take_output_media,
     tool_arguments,
+    wire_order,
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.envelope import Envelope, Part
@@ -271,7 +274,7 @@ class OpenAIResponsesCodec(Codec):
         instructions: list[str] = []
         items: list[dict[str, Any]] = []
         notes: list[str] = []
-        for i, part in enumerate(envelope.parts):
+        for i, part in wire_order(envelope.parts):
             where = f"envelope.parts[{i}]"
             if part.role == "system":
                 instructions.append(part.content)

@@ -92,7 +92,8 @@ ToolResult = Annotated[str | Part, instance(
 def _tool_file(call_id: str, file: Part, data_class: str) -> Part:
     """A tool's file as a user part of the tool's data class, covered by ``call_id``.
 
-    Wires carry a tool result as text, so the file goes in a user part after it; left as
+    Wires carry a tool result as text, so the file goes in a user part next to it (sent
+    after all of the turn's results: ``contract.wire_order``); left as
     ``user_input`` it would need no provenance and reach recipients the grant approved for the
     user's input only.
     """
@@ -800,7 +801,10 @@ class RunSession(_SessionCore):
                 (or that of a call adopted with :meth:`adopt_tool_calls`).
             content: The tool's result, as text (serialise structured results); or a file
                 the tool returned, as a user ``Part(data=..., media_type=...)`` (call again
-                for each file, after the text result: wires carry tool results as text).
+                for each file: wires carry tool results as text). Append a turn's results
+                and files call by call, in either order: every codec sends all of the
+                turn's tool results first, then the files (the wires refuse a file between
+                them).
             data_class: The data class of that text or file, which disclosure preflight
                 checks (``tool_result``; e.g. ``private_document`` for a tool that reads one).
 

@@ -10,7 +10,11 @@ block, its text unchanged; for a signature, on the part it was written for); wit
 ``thinking`` enabled, the last assistant message that holds ``tool_use`` must start with its
 thinking block; for a Gemini thinking model (a request with ``generationConfig.thinkingConfig``,
 or a ``gemini-3`` model), each ``model`` turn of the current turn that calls functions must
-carry the signature on its first ``functionCall`` part. Standard library only, like the fake.
+carry the signature on its first ``functionCall`` part. Tool results as chat completions and
+Anthropic check them: an assistant message's ``tool_calls`` answered by a ``tool`` message each,
+with nothing between (a user message with a tool's file included); a ``tool_use`` answered by
+a ``tool_result`` in the next message, whose ``tool_result`` blocks come before any other.
+Standard library only, like the fake.
 """
 
 from __future__ import annotations
@@ -147,9 +151,45 @@ def check(protocol: str | None, body: bytes, model: str | None) -> list[Received
     return []
 
 
+def _openai_tool_answers(messages: list[Any]) -> None:
+    """Each assistant message's ``tool_calls`` answered by the ``tool`` messages right after it.
+
+    As chat completions checks it: nothing else may come between (a user message with a
+    tool's file included), and a ``tool`` message answers the calls before it.
+    """
+    pending: list[str] = []
+    answering = False
+    for i, msg in enumerate(messages):
+        role = msg.get("role")
+        if role == "tool":
+            if not answering:
+                raise BadRequest(f"Invalid parameter: messages with role 'tool' must be a "
+                                 f"response to a preceeding message with 'tool_calls' "
+                                 f"(messages[{i}]).")
+            if msg.get("tool_call_id") in pending:
+                pending.remove(msg["tool_call_id"])
+            continue
+        if pending:
+            raise BadRequest("An assistant message with 'tool_calls' must be followed by tool "
+                             "messages responding to each 'tool_call_id'. The following "
+                             f"tool_call_ids did not have response messages: "
+                             f"{', '.join(pending)} (messages[{i}] comes first)")
+        calls = msg.get("tool_calls") if role == "assistant" else None
+        answering = bool(calls)
+        pending = [str(c.get("id")) for c in calls or [] if isinstance(c, dict)]
+    if pending:
+        raise BadRequest("An assistant message with 'tool_calls' must be followed by tool "
+                         "messages responding to each 'tool_call_id'. The following "
+                         f"tool_call_ids did not have response messages: {', '.join(pending)}")
+
+
 def _openai(obj: dict[str, Any]) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
-    for i, raw in enumerate(_list(obj.get("messages"), "messages")):
+    messages = _list(obj.get("messages"), "messages")
+    for i, raw in enumerate(messages):
+        _obj(raw, f"messages[{i}]")
+    _openai_tool_answers(messages)
+    for i, raw in enumerate(messages):
         msg = _obj(raw, f"messages[{i}]")
         content = msg.get("content")
         if not isinstance(content, list):
@@ -291,9 +331,47 @@ def _anthropic_tool_turn(messages: list[Any], obj: dict[str, Any]) -> None:
         return
 
 
+def _anthropic_tool_results(messages: list[Any]) -> None:
+    """Each ``tool_use`` answered by the next message, whose ``tool_result`` blocks open it.
+
+    As the Messages API checks it: a ``tool_result`` block after any other block of its
+    message is refused (a tool's file included), and so is one that answers no ``tool_use``
+    of the message before.
+    """
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+        before = messages[i - 1].get("content") if i > 0 else None
+        asked = {b.get("id") for b in before if isinstance(b, dict)
+                 and b.get("type") == "tool_use"} if (
+            isinstance(before, list) and messages[i - 1].get("role") == "assistant") else set()
+        answered = set()
+        others = False
+        for j, block in enumerate(blocks):
+            if block.get("type") != "tool_result":
+                others = True
+                continue
+            if others:
+                raise BadRequest(f"messages.{i}.content.{j}: tool_result blocks must come "
+                                 "first in the user message, before any other block")
+            if block.get("tool_use_id") not in asked:
+                raise BadRequest(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in "
+                                 "`tool_result` blocks: each `tool_result` block must have a "
+                                 "corresponding `tool_use` block in the previous message.")
+            answered.add(block["tool_use_id"])
+        if asked and answered != asked:
+            missing = ", ".join(sorted(str(x) for x in asked - answered))
+            raise BadRequest(f"messages.{i}: `tool_use` ids were found without `tool_result` "
+                             f"blocks immediately after: {missing}. Each `tool_use` block must "
+                             "have a corresponding `tool_result` block in the next message.")
+
+
 def _anthropic(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
     messages = _list(obj.get("messages"), "messages")
+    for i, raw in enumerate(messages):
+        _obj(raw, f"messages[{i}]")
+    _anthropic_tool_results(messages)
     for i, raw in enumerate(messages):
         msg = _obj(raw, f"messages[{i}]")
         content = msg.get("content")

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ledger.adapters import HttpAdapter, TextDelta
+from ledger.adapters import HttpAdapter, TextDelta, openai
+from ledger.adapters.contract import wire_order
 from ledger.adapters.runner import output_parts
 from ledger.decide.classify import classify
 from ledger.domain.envelope import Envelope, Part, ToolSpec
@@ -100,6 +101,14 @@ async def test_links_are_sent_for_the_provider_to_fetch(
     assert result.ok and [m.url for m in fake.requests[-1].media] == [document.url]
 
 
+_CALL_A, _CALL_B = ({"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    for c in "ab")
+_TOOL_USE_AB = {"role": "assistant", "content": [
+    {"type": "tool_use", "id": c, "name": "f", "input": {}} for c in "ab"]}
+_RESULT_A, _RESULT_B = ({"type": "tool_result", "tool_use_id": c, "content": c.upper()}
+                        for c in "ab")
+
+
 @pytest.mark.parametrize(("protocol", "body", "says"), [
     ("openai", {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
@@ -125,6 +134,28 @@ async def test_links_are_sent_for_the_provider_to_fetch(
     ("gemini", {"contents": [{"role": "user", "parts": [
         {"file_data": {"mime_type": "application/pdf", "file_uri": "http://x/a.pdf"}}]}]},
      "https://"),
+    # Tool results: each call answered right after the calls, before anything else.
+    ("openai", {"model": "m", "messages": [
+        {"role": "user", "content": "Go."}, {"role": "assistant", "content": None,
+                                             "tool_calls": [_CALL_A, _CALL_B]},
+        {"role": "tool", "tool_call_id": "a", "content": "A"},
+        {"role": "user", "content": [{"type": "text", "text": "a file"}]},
+        {"role": "tool", "tool_call_id": "b", "content": "B"}]},
+     "The following tool_call_ids did not have response messages: b"),
+    ("openai", {"model": "m", "messages": [{"role": "user", "content": "Go."},
+                                           {"role": "tool", "tool_call_id": "a",
+                                            "content": "A"}]},
+     "must be a response to a preceeding message with 'tool_calls'"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Go."}, _TOOL_USE_AB,
+        {"role": "user", "content": [_RESULT_A, {"type": "text", "text": "a file"}, _RESULT_B]}]},
+     "tool_result blocks must come first"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Go."}, _TOOL_USE_AB,
+        {"role": "user", "content": [_RESULT_A]}]},
+     "`tool_use` ids were found without `tool_result` blocks immediately after: b"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [_RESULT_A]}]}, "unexpected `tool_use_id`"),
 ])
 async def test_the_fake_refuses_what_a_provider_would(
         fake: FakeProvider, protocol: str, body: dict[str, Any], says: str) -> None:
@@ -137,6 +168,92 @@ async def test_the_fake_refuses_what_a_provider_would(
     assert says in error["message"]
     assert fake.requests[-1].problem == error["message"]
 
+
+
+# -- a turn's tool results and the files the tools returned -----------------------------------
+
+
+def tool_files(file_first: bool) -> Envelope:
+    """Two parallel calls, each answered with its text and a file, as ``run.tool_result`` builds
+    them (a file is a user part of class ``tool_result`` with the call as provenance)."""
+    parts = [Part(content="Fetch both filings."),
+             *(Part(role="assistant", content=f'{{"q": "{c}"}}', tool_call_id=f"call_{c}",
+                    name="fetch", data_class="model_derived") for c in "ab")]
+    for c, file in (("a", {"data": PDF, "media_type": "application/pdf", "name": "a.pdf"}),
+                    ("b", {"data": PNG, "media_type": "image/png", "name": "b.png"})):
+        text = Part(role="tool", content=f"fetched {c}", tool_call_id=f"call_{c}", name="fetch",
+                    data_class="tool_result", provenance=f"call_{c}")
+        media = Part(**file, data_class="tool_result", provenance=f"call_{c}")
+        parts += [media, text] if file_first else [text, media]
+    return Envelope(parts=parts)
+
+
+def after_the_calls(protocol: str, body: dict[str, Any]) -> list[str]:
+    """What follows the assistant's tool calls on the wire: ``result:<call>`` and ``file:<type>``
+    items, in the order sent (and ``|`` where a new message or turn begins)."""
+    out: list[str] = []
+    if protocol == "openai":
+        for m in body["messages"][2:]:
+            out += ["|"] + ([f"result:{m['tool_call_id']}"] if m["role"] == "tool" else [
+                f"file:{c['type']}" for c in m["content"]])
+    elif protocol == "openai_responses":
+        for item in body["input"][3:]:
+            out += ["|"] + ([f"result:{item['call_id']}"] if item["type"] ==
+                            "function_call_output" else [f"file:{c['type']}"
+                                                         for c in item["content"]])
+    elif protocol == "anthropic":
+        (message,) = body["messages"][2:]
+        out += ["|"] + [f"result:{b['tool_use_id']}" if b["type"] == "tool_result" else
+                        f"file:{b['type']}" for b in message["content"]]
+    else:
+        (content,) = body["contents"][2:]
+        out += ["|"] + [f"result:{p['functionResponse']['name']}" if "functionResponse" in p
+                        else f"file:{p['inline_data']['mime_type']}" for p in content["parts"]]
+    return out
+
+
+WIRE_ORDER = {
+    "openai": ["|", "result:call_a", "|", "result:call_b", "|", "file:file", "file:image_url"],
+    "openai_responses": ["|", "result:call_a", "|", "result:call_b", "|", "file:input_file",
+                         "file:input_image"],
+    "anthropic": ["|", "result:call_a", "result:call_b", "file:document", "file:image"],
+    "gemini": ["|", "result:fetch", "result:fetch", "file:application/pdf", "file:image/png"],
+}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("file_first", [False, True], ids=["text-then-file", "file-then-text"])
+async def test_a_turns_tool_results_come_before_the_files_its_tools_returned(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, file_first: bool) -> None:
+    # Chat completions refuses anything between the assistant's tool_calls and a tool message
+    # for each; Anthropic a user message whose tool_result blocks do not open it. The fake
+    # refuses both, as they do.
+    result, _ = await send(adapter, fake, protocol, tool_files(file_first))
+    (req,) = fake.requests
+    assert req.problem is None and result.ok, (req.problem, result.observation)
+    assert [m.data for m in req.media] == [PDF, PNG]
+    assert after_the_calls(protocol, req.json) == WIRE_ORDER[protocol]
+
+
+def test_only_a_turns_tool_results_are_reordered_and_the_users_own_files_stay_in_place() -> None:
+    # A user's file stays with the question before it; the turn's tool results end where
+    # the user speaks again.
+    chart, own = (Part(data=PNG, media_type="image/png", name=n) for n in ("c.png", "own.png"))
+    env = Envelope(parts=[
+        Part(content="Look at this chart."), chart,
+        Part(role="assistant", content="{}", tool_call_id="call_a", name="fetch",
+             data_class="model_derived"),
+        Part(data=PDF, media_type="application/pdf", name="a.pdf", data_class="tool_result",
+             provenance="call_a"),
+        Part(role="tool", content="fetched a", tool_call_id="call_a", name="fetch",
+             data_class="tool_result", provenance="call_a"),
+        Part(content="And this one?"), own])
+    body = openai.CODEC.build_request(make_route("https://x/v1", "openai"), env).body
+    assert [(m["role"], [c.get("type") for c in m["content"]] if isinstance(
+        m["content"], list) else m["content"]) for m in body["messages"]] == [
+        ("user", ["text", "image_url"]), ("assistant", None), ("tool", "fetched a"),
+        ("user", ["file"]), ("user", ["text", "image_url"])]
+    assert [i for i, _ in wire_order(env.parts)] == [0, 1, 2, 4, 3, 5, 6]
 
 # -- the Responses API ---------------------------------------------------------------------
 

@@ -290,10 +290,13 @@ def test_an_async_sessions_tool_file_is_covered_by_the_calls_provenance(
     async def main() -> None:
         async with AsyncLedger.open(db_url) as led, led.run(
                 "tool-file", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
-            (call,) = (await run.turn(Envelope(parts=[QUESTION], tools=FETCH))).tool_calls
+            first = await run.turn(Envelope(parts=[QUESTION], tools=FETCH))
+            (call,) = first.tool_calls
             text = await run.tool_result(call, "fetched 10-K.pdf")
             file = await run.tool_result(call, Part(data=PDF, media_type="application/pdf"))
-            assert (await run.turn(Envelope(parts=[QUESTION, text, file]))).text
+            # The call goes back with its result: chat completions refuses a tool message
+            # that answers no tool_calls before it.
+            assert (await run.turn(Envelope(parts=[QUESTION, *first.parts, text, file]))).text
             with pytest.raises(InvalidArgument) as info:
                 await run.tool_result(call, Part(data=PDF, media_type="application/pdf",
                                                  data_class="private_document"))
