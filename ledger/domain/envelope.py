@@ -9,7 +9,6 @@ copied from.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Sequence
@@ -295,7 +294,7 @@ class Part(StrictModel):
         if self.data is not None:
             return self.data
         if self.url is not None and self.url[:5].lower() == "data:":
-            return _decoded(self.url)
+            return decode_data_url(self.url)[1]
         return None
 
     @property
@@ -333,11 +332,6 @@ class Part(StrictModel):
             else:
                 fields["url"] = self.url
         return content_hash(fields)
-
-
-@functools.lru_cache(maxsize=32)
-def _decoded(url: str) -> bytes:
-    return decode_data_url(url)[1]
 
 
 class ToolSpec(StrictModel):

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import re
 import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from enum import StrEnum
+from typing import TypeVar
 from urllib.parse import unquote_to_bytes
 
 from ledger.domain.facts import WireProtocol
@@ -96,9 +99,17 @@ class DataUrlError(ValueError):
 def decode_data_url(url: str) -> tuple[str, bytes]:
     """``(media type, bytes)`` of a ``data:`` URL (base64 or percent-encoded).
 
+    Memoised by the URL as :func:`bytes_digest` (the URL and its bytes both counted): a part's
+    bytes are read to build it, for its hash, its estimate and its request.
+
     Raises:
         DataUrlError: not a data URL, no media type, or a payload that is not valid base64.
     """
+    return _MEMO.get(("data_url", url), lambda: _decode_data_url(url),
+                     lambda decoded: (url, decoded[1]))
+
+
+def _decode_data_url(url: str) -> tuple[str, bytes]:
     m = _DATA_URL.match(url)
     if m is None:
         raise DataUrlError("is not a data: URL of the form data:<media type>;base64,<data>")
@@ -172,19 +183,101 @@ def sniff_image_type(data: bytes) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=128)
+# -- the memo of what the bytes say ----------------------------------------------------------
+
+#: The most bytes of payloads (files, ``data:`` URLs and their decoded bytes) the media memo
+#: keeps alive, all entries together: the most a process keeps of uploads its hosts dropped.
+#: The default policy's largest envelope (32 MiB) fits, even sent as ``data:`` URLs (their text
+#: and their bytes); a conversation carrying more reads its files again on every turn.
+MEDIA_MEMO_BYTES = 128 * 1024 * 1024
+
+_T = TypeVar("_T")
+
+
+class _PayloadMemo:
+    """What was computed from recent payloads, kept while those payloads fit in ``budget`` bytes.
+
+    A conversation re-sends the same documents every turn, and a host (an integration) may
+    rebuild its parts each turn, so the facts are keyed by the payload itself, not by a part:
+    an edited copy is other bytes, so never a hit. Keying by the payload keeps it alive, so the
+    memo is bounded by the bytes it holds, not by a number of entries: a count bound let a
+    server keep every recent 20 MiB upload alive long after its Run ended. A payload is
+    counted once however many entries hold it (a ``data:`` URL's decoded bytes are both a value
+    and a key); least recently used entries go first, and a payload larger than the budget is
+    never kept.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        # key -> (fact, the payloads it holds alive)
+        self._entries: OrderedDict[Hashable, tuple[object, tuple[bytes | str, ...]]] = (
+            OrderedDict())
+        self._held: dict[int, tuple[bytes | str, int]] = {}  # id -> (payload, entries holding)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Hashable, ...], compute: Callable[[], _T],
+            holds: Callable[[_T], tuple[bytes | str, ...]]) -> _T:
+        """The fact under ``key``, computed (outside the lock) and kept when it is missing.
+
+        ``key`` holds the payload it is computed from; ``holds(fact)`` names every payload the
+        entry keeps alive (the key's, and a value's that is a payload itself).
+        """
+        hash(key)  # a payload's hash is computed once and cached: not under the lock
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit[0]  # type: ignore[return-value]
+        fact = compute()
+        payloads = holds(fact)
+        if sum(len(p) for p in {id(p): p for p in payloads}.values()) > self.budget:
+            return fact
+        with self._lock:
+            if key in self._entries:
+                return fact
+            self._entries[key] = (fact, payloads)
+            for p in payloads:
+                held = self._held.get(id(p))
+                if held is None:
+                    self._bytes += len(p)
+                self._held[id(p)] = (p, 1 if held is None else held[1] + 1)
+            while self._bytes > self.budget:
+                _, (_, gone) = self._entries.popitem(last=False)
+                for p in gone:
+                    obj, count = self._held[id(p)]
+                    if count > 1:
+                        self._held[id(p)] = (obj, count - 1)
+                    else:
+                        del self._held[id(p)]
+                        self._bytes -= len(obj)
+        return fact
+
+
+_MEMO = _PayloadMemo(MEDIA_MEMO_BYTES)
+
+
 def bytes_digest(data: bytes) -> str:
     """The sha256 hex digest of ``data``.
 
-    Memoised by the bytes themselves (an edited copy is other bytes, so never a cache hit): a
-    conversation re-sends the same document every turn, and hashing 20 MB costs milliseconds.
+    Memoised by the bytes themselves, within :data:`MEDIA_MEMO_BYTES` (an edited copy is other
+    bytes, so never a hit): a conversation re-sends the same document every turn, and hashing
+    20 MB costs milliseconds.
     """
-    return hashlib.sha256(data).hexdigest()
+    return _MEMO.get(("sha256", data), lambda: hashlib.sha256(data).hexdigest(),
+                     lambda _: (data,))
 
 
-@functools.lru_cache(maxsize=128)
 def image_size(data: bytes, media_type: str) -> tuple[int, int] | None:
-    """``(width, height)`` in pixels from the image's header, or ``None`` when unreadable."""
+    """``(width, height)`` in pixels from the image's header, or ``None`` when unreadable.
+
+    Memoised as :func:`bytes_digest` (a JPEG's header may be read through many segments).
+    """
+    return _MEMO.get(("image_size", data, media_type), lambda: _image_size(data, media_type),
+                     lambda _: (data,))
+
+
+def _image_size(data: bytes, media_type: str) -> tuple[int, int] | None:
     try:
         if media_type == "image/png":
             if data[12:16] == b"IHDR":
@@ -252,7 +345,6 @@ _PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z])")
 _COUNT = re.compile(rb"/Type\s*/Pages\b[^>]*?/Count\s+(\d+)|/Count\s+(\d+)[^>]*?/Type\s*/Pages\b")
 
 
-@functools.lru_cache(maxsize=64)
 def pdf_pages(data: bytes) -> int | None:
     """The page count a PDF's uncompressed objects declare, or ``None`` when they hide it.
 
@@ -261,7 +353,12 @@ def pdf_pages(data: bytes) -> int | None:
     estimate (see :class:`ledger.decide.preflight.CharEstimator`). A ``/Count`` above the
     file's byte length is not trusted: every page is an object of many bytes, so no true count
     is that large, and a doctored one would otherwise hold an impossible number of tokens.
+    Memoised as :func:`bytes_digest`.
     """
+    return _MEMO.get(("pdf_pages", data), lambda: _pdf_pages(data), lambda _: (data,))
+
+
+def _pdf_pages(data: bytes) -> int | None:
     counts = [n for n in (int(a or b) for a, b in _COUNT.findall(data)) if n <= len(data)]
     pages = max([*counts, len(_PAGE.findall(data))])
     return pages or None
@@ -310,6 +407,7 @@ __all__ = [
     "IMAGE_MEDIA_TYPES",
     "MAX_BINARY_BYTES",
     "MAX_URL_LENGTH",
+    "MEDIA_MEMO_BYTES",
     "REASONING_MEDIA_TYPE",
     "URL_KINDS",
     "DataUrlError",
