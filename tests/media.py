@@ -66,3 +66,35 @@ def pdf(pages: int = 2, text: str = "Revenue grew 12%.") -> bytes:
 def opaque_pdf(size: int) -> bytes:
     """A PDF whose page tree is in compressed streams: only its size tells anything."""
     return b"%PDF-1.7\n" + b"\x00" * max(0, size - 9)
+
+
+def objstm_pdf(pages: int = 2, image_bytes: int = 0, *, inner: bytes | None = None,
+               filters: str = "/FlateDecode") -> bytes:
+    """A PDF 1.5 whose page tree is in a compressed object stream (as pdfTeX, Word, Chrome).
+
+    Each page carries an uncompressed image stream of ``image_bytes`` (a scan); ``inner``
+    replaces the object stream's inflated text (a deflate bomb, say).
+    """
+    page_ids = [4 + i for i in range(pages)]
+    objs = {3: f"<< /Type /Pages /Kids [{' '.join(f'{p} 0 R' for p in page_ids)}] "
+               f"/Count {pages} >>"}
+    for n, p in enumerate(page_ids):
+        resources = (f"/Resources << /XObject << /Im0 {4 + pages + n} 0 R >> >> "
+                     if image_bytes else "")
+        objs[p] = f"<< /Type /Page /Parent 3 0 R /MediaBox [0 0 612 792] {resources}>>"
+    offsets, body = [], ""
+    for n, text in objs.items():
+        offsets.append(f"{n} {len(body)}")
+        body += text + "\n"
+    header = " ".join(offsets) + "\n"
+    packed = zlib.compress((header + body).encode() if inner is None else inner)
+    out = bytearray(b"%PDF-1.5\n%\xe2\xe3\xcf\xd3\n"
+                    b"1 0 obj\n<< /Type /Catalog /Pages 3 0 R >>\nendobj\n")
+    out += (f"2 0 obj\n<< /Type /ObjStm /N {len(objs)} /First {len(header)} /Filter {filters} "
+            f"/Length {len(packed)} >>\nstream\r\n").encode() + packed + b"\nendstream\nendobj\n"
+    for n in range(pages if image_bytes else 0):
+        out += (f"{4 + pages + n} 0 obj\n<< /Type /XObject /Subtype /Image /Width 2550 "
+                f"/Height 3300 /BitsPerComponent 8 /ColorSpace /DeviceGray /Filter /DCTDecode "
+                f"/Length {image_bytes} >>\nstream\n").encode()
+        out += bytes(image_bytes) + b"\nendstream\nendobj\n"
+    return bytes(out + b"trailer\n<< /Root 1 0 R >>\n%%EOF\n")

@@ -205,10 +205,11 @@ class CharEstimator:
     Text (parts, plain-text documents, tool descriptions, carried reasoning items) is counted
     as characters divided by ``chars_per_token``, rounded up: model-agnostic and slightly
     pessimistic for English. Images and PDFs follow the route's protocol
-    (:func:`image_tokens`; :data:`PDF_PAGE_TOKENS` per page). A PDF whose page count its
-    uncompressed objects do not tell is taken to have one page per ``pdf_bytes_per_page``
-    bytes; a PDF link (the provider fetches it, the ledger never does) ``link_pdf_pages``
-    pages; an image link :data:`UNKNOWN_IMAGE_TOKENS`; a plain-text document link
+    (:func:`image_tokens`; :data:`PDF_PAGE_TOKENS` per page, the pages
+    :func:`~ledger.domain.media.pdf_pages` reads). A PDF whose page count its objects do not
+    tell (uncompressed or in object streams it can inflate) is taken to have one page per
+    ``pdf_bytes_per_page`` bytes; a PDF link (the provider fetches it, the ledger never does)
+    ``link_pdf_pages`` pages; an image link :data:`UNKNOWN_IMAGE_TOKENS`; a plain-text document link
     ``link_text_tokens``. A host with a real tokenizer plugs in its own counter.
     """
 

@@ -33,6 +33,7 @@ import hashlib
 import re
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from enum import StrEnum
@@ -371,22 +372,81 @@ def _tree_counts(text: bytes) -> list[int]:
     return counts + pending if tree else counts
 
 
-def pdf_pages(data: bytes) -> int | None:
-    """The page count a PDF's uncompressed objects declare, or ``None`` when they hide it.
+#: The most bytes a PDF's compressed object streams are inflated to, all together, to count
+#: its pages; past it (a deflate bomb) they are read as unreadable.
+PDF_INFLATE_BYTES = 16 * 1024 * 1024
+# The most object streams read in one PDF: far more than a document of thousands of pages
+# needs (each stream packs many objects), few enough to bound a file made of stream markers.
+_MAX_OBJECT_STREAMS = 4096
+# How far an object stream's dictionary may reach either side of its /Type /ObjStm.
+_DICT_REACH = 4096
+_OBJSTM = re.compile(rb"/Type\s*/ObjStm\b")
+_FLATE_ONLY = re.compile(rb"/Filter\s*(?:/FlateDecode|\[\s*/FlateDecode\s*\])")
 
-    The larger of the page tree's ``/Count`` and the number of ``/Type /Page`` objects. A PDF
-    whose objects are all in compressed object streams declares neither here; callers then
-    estimate (see :class:`ledger.decide.preflight.CharEstimator`). A ``/Count`` above the
-    file's byte length is not trusted: every page is an object of many bytes, so no true count
-    is that large, and a doctored one would otherwise hold an impossible number of tokens.
-    Memoised as :func:`bytes_digest`.
+
+def _object_streams(data: bytes) -> list[bytes] | None:
+    """The inflated text of ``data``'s ``/FlateDecode`` object streams (PDF 1.5).
+
+    ``None`` when they cannot all be read within bounds: more than :data:`PDF_INFLATE_BYTES`
+    inflated in all, or more than ``_MAX_OBJECT_STREAMS`` of them (each costs a look either
+    side of its marker). Streams never overlap (a marker inside the one before is skipped), so
+    no input byte is inflated twice; a stream with another filter, decode parameters or corrupt
+    (or encrypted) data is skipped.
+    """
+    out: list[bytes] = []
+    left = PDF_INFLATE_BYTES
+    read_to = 0
+    examined = 0
+    view = memoryview(data)
+    for m in _OBJSTM.finditer(data):
+        if m.start() < read_to:
+            continue
+        examined += 1
+        if examined > _MAX_OBJECT_STREAMS:
+            return None
+        begin = data.rfind(b"obj", max(read_to, m.start() - _DICT_REACH), m.start())
+        keyword = data.find(b"stream", m.end(), m.end() + _DICT_REACH)
+        if begin < 0 or keyword < 0:
+            continue
+        head = data[begin:keyword]
+        if b"endobj" in head or b"/DecodeParms" in head or _FLATE_ONLY.search(head) is None:
+            continue
+        start = keyword + len(b"stream")
+        start += 2 if data[start:start + 2] == b"\r\n" else 1  # EOL after the keyword
+        end = data.find(b"endstream", start)
+        read_to = end = len(data) if end < 0 else end
+        try:
+            text = zlib.decompressobj().decompress(view[start:end], left + 1)
+        except zlib.error:
+            continue
+        if len(text) > left:
+            return None
+        left -= len(text)
+        out.append(text)
+    return out
+
+
+def pdf_pages(data: bytes) -> int | None:
+    """The page count a PDF declares, or ``None`` when it hides it.
+
+    The larger of the page tree's ``/Count`` and the number of ``/Type /Page`` objects, read
+    from the uncompressed objects and from the object streams compressed with ``/FlateDecode``
+    (PDF 1.5, as pdfTeX, Word and Chrome write them), inflated up to :data:`PDF_INFLATE_BYTES`
+    in all. A PDF whose object streams are larger than that (a deflate bomb), otherwise
+    filtered, or encrypted is read from its uncompressed objects alone; where these declare
+    nothing, callers estimate (see :class:`ledger.decide.preflight.CharEstimator`). A count
+    above the file's byte length is not trusted: every page is an object of many bytes, so no
+    true count is that large, and a doctored one would otherwise hold an impossible number of
+    tokens. Memoised as :func:`bytes_digest`.
     """
     return _MEMO.get(("pdf_pages", data), lambda: _pdf_pages(data), lambda _: (data,))
 
 
 def _pdf_pages(data: bytes) -> int | None:
-    counts = [n for n in _tree_counts(data) if n <= len(data)]
-    pages = max([*counts, len(_PAGE.findall(data))])
+    texts = [data, *(_object_streams(data) or ())]
+    counts = [n for text in texts for n in _tree_counts(text) if n <= len(data)]
+    objects = sum(len(_PAGE.findall(text)) for text in texts)
+    pages = max([*counts, objects if objects <= len(data) else 0])
     return pages or None
 
 
@@ -434,6 +494,7 @@ __all__ = [
     "MAX_BINARY_BYTES",
     "MAX_URL_LENGTH",
     "MEDIA_MEMO_BYTES",
+    "PDF_INFLATE_BYTES",
     "REASONING_MEDIA_TYPE",
     "URL_KINDS",
     "DataUrlError",

@@ -10,7 +10,11 @@ size bounds refuse an envelope before anything is recorded.
 from __future__ import annotations
 
 import base64
+import math
+import os
 import time
+import tracemalloc
+import zlib
 from typing import Any
 
 import pytest
@@ -28,12 +32,12 @@ from ledger.decide.preflight import (
 from ledger.decide.select import DecisionKind, Reason, RunPermissions, SelectionInput, select
 from ledger.domain.envelope import PRIVATE_DOCUMENT, USER_INPUT, Envelope, Part
 from ledger.domain.facts import WireProtocol
-from ledger.domain.media import image_size, pdf_pages
+from ledger.domain.media import PDF_INFLATE_BYTES, image_size, pdf_pages
 from ledger.domain.values import Capabilities, Grant, Route, content_hash
 from ledger.errors import InvalidArgument, PolicyError
 from ledger.policy.load import preset, validate_policy
 from ledger.policy.model import EnvelopePolicy
-from tests.media import gif, jpeg, opaque_pdf, pdf, png, webp
+from tests.media import gif, jpeg, objstm_pdf, opaque_pdf, pdf, png, webp
 
 PNG = png(64, 32)
 PDF = pdf(3)
@@ -170,6 +174,50 @@ def test_a_pdf_page_count_is_read_from_its_page_tree() -> None:
     assert pdf_pages(pdf(1)) == 1 and pdf_pages(pdf(12)) == 12
     assert pdf_pages(opaque_pdf(1000)) is None
 
+
+
+def test_a_pdf_page_count_is_read_from_its_compressed_object_streams() -> None:
+    # pdfTeX, Word and Chrome put the page tree in /ObjStm streams: unread, a 30-page scan of
+    # 15 MiB was taken for 300 pages (903,003 tokens on Anthropic, over a 200k context), and a
+    # 200-page text PDF of a few KiB for one page.
+    assert pdf_pages(objstm_pdf(12)) == 12 and pdf_pages(objstm_pdf(200)) == 200
+    scan = objstm_pdf(30, image_bytes=500 * 1024)
+    assert pdf_pages(scan) == 30
+    env = Envelope(parts=[Part(content="Sum."), Part(data=scan, media_type="application/pdf")])
+    assert CharEstimator().count_tokens(env, route(WireProtocol.ANTHROPIC)) == 30 * 3000 + 1
+    assert preflight(route(WireProtocol.ANTHROPIC, context_window=200_000), env, grant=None,
+                     role="research").ok
+    # Real files: pdfTeX 1.40's (their page trees are only in object streams).
+    for path, pages in (("/usr/share/doc/libtasn1-doc/libtasn1.pdf", 36),
+                        ("/usr/share/doc/shared-mime-info/shared-mime-info-spec.pdf", 17)):
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                assert pdf_pages(f.read()) == pages
+
+
+def test_a_deflate_bomb_in_an_object_stream_is_not_inflated_past_its_bound() -> None:
+    # 256 MiB of inflated text in 256 KiB: read up to PDF_INFLATE_BYTES, then the object
+    # streams are unreadable and the size rule applies (the pages listed first do not count).
+    pages = b"<< /Type /Page >>\n" * 100
+    packer = zlib.compressobj(9)
+    packed = packer.compress(pages) + b"".join(packer.compress(bytes(1024 * 1024))
+                                               for _ in range(256)) + packer.flush()
+    bomb = objstm_pdf(1, inner=b"")
+    at = bomb.index(b"stream\r\n") + len(b"stream\r\n")
+    bomb = bomb[:at] + packed + bomb[bomb.index(b"\nendstream", at):]
+    tracemalloc.start()
+    try:
+        assert pdf_pages(bomb) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 2 * PDF_INFLATE_BYTES + 4 * 1024 * 1024, f"{peak >> 20} MiB"
+    # Within the bound, the same pages are counted; another filter is not read.
+    assert pdf_pages(objstm_pdf(1, inner=pages)) == 100
+    assert pdf_pages(objstm_pdf(7, filters="/LZWDecode")) is None
+    opaque = Envelope(parts=[Part(data=bomb, media_type="application/pdf")])
+    assert CharEstimator().count_tokens(opaque, route(WireProtocol.GEMINI)) == math.ceil(
+        len(bomb) / (50 * 1024)) * 258
 
 @pytest.mark.parametrize("filler", [b"/Count 1 ", b"/Type /Pages ", b"/Type /Pages /Count 1 "])
 def test_a_pdf_page_count_is_read_in_time_linear_in_the_file(filler: bytes) -> None:
