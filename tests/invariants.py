@@ -97,6 +97,9 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/decide/test_preflight.py::test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance",
         "tests/session/test_session.py::test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other",
         "tests/session/test_session.py::test_invariant7_a_ref_two_runs_of_a_tree_recorded_differently_covers_either_content",
+        "tests/decide/test_preflight.py::test_invariant7_a_link_a_model_or_a_tool_chose_is_refused_for_every_route",
+        "tests/session/test_media_out_runs.py::test_invariant7_a_link_the_model_chose_is_never_sent_for_a_provider_to_fetch",
+        "tests/session/test_multimodal_runs.py::test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

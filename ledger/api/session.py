@@ -102,6 +102,16 @@ def _tool_file(call_id: str, file: Part, data_class: str) -> Part:
             "content is a Part but not an image or document of the user's role; pass the "
             "tool's text as a string, or its file as Part(data=..., media_type=...)",
             field="content")
+    if file.link is not None:
+        # Refused whatever data_class the host gives it: preflight knows a tool's link only by
+        # its class (tool_result), and a tool's link is the tool's choice, or of whatever page
+        # or injected prompt the tool read, never the host's.
+        raise InvalidArgument(
+            "content is a link (url='https://...'): a provider would fetch it, and the link's "
+            "host, which no grant names, would receive whatever the URL carries; the ledger "
+            "never sends a link a tool returned. Fetch the file yourself, check it, and pass "
+            "its bytes as Part(data=..., media_type=...)",
+            field="content.url")
     if "data_class" in file.model_fields_set and file.data_class != data_class:
         raise InvalidArgument(
             f"the file's data_class {file.data_class!r} is not the data_class argument "
@@ -801,10 +811,11 @@ class RunSession(_SessionCore):
                 (or that of a call adopted with :meth:`adopt_tool_calls`).
             content: The tool's result, as text (serialise structured results); or a file
                 the tool returned, as a user ``Part(data=..., media_type=...)`` (call again
-                for each file: wires carry tool results as text). Append a turn's results
-                and files call by call, in either order: every codec sends all of the
-                turn's tool results first, then the files (the wires refuse a file between
-                them).
+                for each file: wires carry tool results as text). Its bytes, never a link:
+                a provider would fetch a link, sending its host what the URL carries.
+                Append a turn's results and files call by call, in either order: every
+                codec sends all of the turn's tool results first, then the files (the wires
+                refuse a file between them).
             data_class: The data class of that text or file, which disclosure preflight
                 checks (``tool_result``; e.g. ``private_document`` for a tool that reads one).
 
@@ -814,8 +825,9 @@ class RunSession(_SessionCore):
 
         Raises:
             InvalidArgument: ``call_id`` was not proposed in this session, ``content`` is
-                neither text nor an image or document of the user's role, or the file's own
-                data class differs from ``data_class``.
+                neither text nor an image or document of the user's role, is an ``https://``
+                link (``field="content.url"``), or the file's own data class differs from
+                ``data_class``.
             InvalidState: the session is not open.
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).
         """

@@ -16,7 +16,10 @@ Three independent claims must all hold before any Attempt is begun on a route:
    than ``user_input`` has provenance that is *covered*: its producer reference is recorded and
    the part's content hash is among the hashes recorded for it. A copied part whose content
    was edited, or which gained an extra field such as an "authorized" flag, hashes differently
-   and so does not inherit the original's provenance.
+   and so does not inherit the original's provenance. And no ``https://`` link a model or a
+   tool chose (a ``model_derived`` or ``tool_result`` part, or one of an assistant's or a
+   tool's role) is sent, covered or not: the provider would fetch it, and the link's host, whom
+   no grant names, would receive whatever the URL carries (:data:`OUTPUT_CLASSES`).
 
 The request is either a full :class:`~ledger.domain.envelope.Envelope` plus the ledger's record of
 provenance (``ref -> recorded content hashes``), or a lighter :class:`RequestNeeds` whose parts
@@ -34,7 +37,14 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from ledger.domain.envelope import DERIVED_ROLE_CLASS, EXEMPT_CLASSES, Envelope, Part
+from ledger.domain.envelope import (
+    DERIVED_ROLE_CLASS,
+    EXEMPT_CLASSES,
+    MODEL_DERIVED,
+    TOOL_RESULT,
+    Envelope,
+    Part,
+)
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import (
     URL_KINDS,
@@ -53,6 +63,13 @@ from ledger.policy.model import EnvelopePolicy
 # private documents) must prove where it came from; so must an assistant's or a tool's part
 # whatever class it claims (Part refuses such a label, but model_copy skips validation).
 PROVENANCE_EXEMPT: frozenset[str] = EXEMPT_CLASSES
+
+#: The classes of what a model or a tool produced. A link of one of these classes (or of an
+#: assistant's or a tool's part) is refused for every route: whoever chose it, a prompt
+#: injection included, chose where the provider's fetch goes, and the URL can carry the
+#: conversation's data (``?d=ACCOUNT-12000-ACME``) to a host no grant names. The host's own
+#: links (``user_input``, ``system``, its documents' and memories' classes) are its choice.
+OUTPUT_CLASSES: frozenset[str] = frozenset({MODEL_DERIVED, TOOL_RESULT})
 
 
 def needs_cover(data_class: str, derived: bool) -> bool:
@@ -99,10 +116,12 @@ class PartNeed:
 
 @dataclass(frozen=True, slots=True)
 class MediaNeed:
-    """One image or document of a request, reduced to what capability checks need.
+    """One image or document of a request, reduced to what capability and disclosure need.
 
     ``size`` is the bytes the ledger holds (0 for an ``https://`` link, which the provider
-    fetches); ``link`` whether it is such a link.
+    fetches); ``link`` whether it is such a link; ``output`` whether a model or a tool produced
+    the part (its role, or a class of :data:`OUTPUT_CLASSES`), so that a link of it was chosen
+    by one (refused by disclosure).
     """
 
     index: int
@@ -110,6 +129,7 @@ class MediaNeed:
     media_type: str
     size: int = 0
     link: bool = False
+    output: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,7 +448,8 @@ def media_needs(envelope: Envelope) -> tuple[MediaNeed, ...]:
             continue
         payload = p.payload
         out.append(MediaNeed(i, kind, p.media_type or "", len(payload) if payload else 0,
-                             payload is None))
+                             payload is None,
+                             p.role in DERIVED_ROLE_CLASS or p.data_class in OUTPUT_CLASSES))
     return tuple(out)
 
 
@@ -606,7 +627,25 @@ def _disclosure(
         fix = _coverage_fix(verdict, p.derived)
         out.append((f"part {i} ({p.data_class}) has no covering provenance: {verdict}{ref}",
                     fix))
+    out.extend(_output_links(needs))
     return [PreflightFailure(Check.DISCLOSURE, d, f) for d, f in out]
+
+
+def _output_links(needs: RequestNeeds) -> list[tuple[str, str]]:
+    """The links a model or a tool chose: none is sent to any route, grant or no grant.
+
+    A grant names who receives the request; a link makes the provider send a request of its
+    own, to the link's host, and the URL (its query, its path, even its host name) is what the
+    model wrote. The detail names neither the URL nor its host: they may carry the very data
+    the link would have sent, and the detail is recorded and logged.
+    """
+    return [(f"part {m.index} ({m.media_type}) is an https:// link a model or a tool chose; "
+             "the provider would fetch it, and the link's host, which no grant names, would "
+             "receive whatever the URL carries",
+             "fetch the file yourself, check it, and send its bytes as a user part "
+             "(Part(data=..., media_type=..., data_class=...) of the class you decide, with "
+             "recorded provenance unless it is user_input), or leave the part out")
+            for m in needs.media if m.link and m.output]
 
 
 def _coverage_fix(verdict: Coverage, derived: bool) -> str:
@@ -711,6 +750,7 @@ def narrow_grant(parent: Grant, requested: Grant) -> Grant:
 __all__ = [
     "DEFAULT_TOKEN_COUNTER",
     "NO_DENIALS",
+    "OUTPUT_CLASSES",
     "PDF_PAGE_TOKENS",
     "PROVENANCE_EXEMPT",
     "UNKNOWN_IMAGE_TOKENS",

