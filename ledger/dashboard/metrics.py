@@ -121,7 +121,7 @@ def families(m: MetricsSnapshot) -> Iterator[Metric]:
     yield _histogram(
         "ledger_capacity_wait_duration",
         "Waits of a turn in a full capacity group's queue, by group and how the wait ended "
-        "(admitted, rejected, timed_out).",
+        "(admitted, rejected, timed_out, redecided).",
         ["ledger_capacity_group", "ledger_outcome"], m.queue_waits)
     yield _gauge("ledger_capacity_waiting", "Turns waiting in a full capacity group's queue now.",
                  "ledger_capacity_group", m.waiting)

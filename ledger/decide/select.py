@@ -19,6 +19,9 @@ Decision order (``docs/selector.md`` walks through it with examples):
    case the last candidate that failed on health alone is chosen anyway, provided it is still
    ahead of the route that just failed in plan order (the walk never goes back).
 
+A decision acted on after a wait (a full group's queue) is looked at again with fresh facts by
+:func:`recheck`: the chosen route must still pass its checks, else the turn decides again.
+
 Every behaviour above is driven by fields of the failure fact and the policy; nothing here knows
 a preset by name.
 """
@@ -686,6 +689,44 @@ def select(inp: SelectionInput) -> Decision:
     return _stop(Reason.NO_CANDIDATE, "every remaining candidate was eliminated", skipped)
 
 
+def recheck(inp: SelectionInput, decision: Decision) -> Skip | None:
+    """Why the route ``decision`` chose no longer serves on fresher facts, or ``None``.
+
+    ``inp`` is the decision's input with a fresh read (health, groups, the time) after the
+    turn waited to act on it (a full group's queue): the chosen route (and its credential
+    profile) must still pass the checks the walk made of it (group evidence, health,
+    capability, role, disclosure). A route the selector would choose again as it stands (the
+    last candidate always tried) still serves. A probe is not looked at again: it was chosen
+    because the route cools. ``None`` also for a still eligible route that is no longer the
+    first choice (an earlier one reopened): the decision keeps the place it waited for.
+    """
+    route = decision.route
+    if decision.kind is not DecisionKind.ROUTE or route is None:
+        return None
+    _validate(inp)
+    walk = _Walk(inp)
+    # A profile rotation inside the failed route is checked with its profile, as the walk did.
+    rotation = inp.failure is not None and route.id == inp.current
+    fixed = next((p for p in route.profiles if p.id == decision.profile), None)
+    v = walk.evaluate(_Candidate(route, fixed if rotation else None, rotation=rotation))
+    skip: Skip | None = None
+    if not v.ok:
+        assert v.reason is not None
+        skip = Skip(route.id, v.reason, v.detail, decision.profile if rotation else None, v.fix)
+    elif decision.profile is not None and not usable(decision.profile, inp.health, inp.now):
+        h = inp.health.get(decision.profile)
+        skip = Skip(route.id, Reason.ROUTE_COOLDOWN,
+                    f"profile {_unusable(h, inp.now)} until "
+                    f"{_until(available_at(h, inp.now), inp.now)}", decision.profile)
+    if skip is None:
+        return None
+    again = select(inp)
+    if (again.kind is DecisionKind.ROUTE and again.route_id == route.id
+            and again.profile == decision.profile):
+        return None
+    return skip
+
+
 def reopenings(inp: SelectionInput) -> list[float]:
     """When the things that can eliminate a candidate of ``inp`` end, soonest first.
 
@@ -777,6 +818,7 @@ __all__ = [
     "Skip",
     "first_reopening",
     "preflight_verdicts",
+    "recheck",
     "reopening_wait",
     "reopenings",
     "role_excluded",

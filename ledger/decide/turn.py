@@ -69,6 +69,7 @@ from ledger.decide.select import (
     Skip,
     first_reopening,
     preflight_verdicts,
+    recheck,
     reopening_wait,
     select,
 )
@@ -250,7 +251,22 @@ class _Unclaimed:
     route: Route
 
 
-_Ended = _Failed | _Refused | _Unclaimed
+@dataclass(frozen=True)
+class _Outdated:
+    """A chosen route that stopped serving while the turn waited in its group's queue.
+
+    ``skip`` says why (read from ``snap``, the fresh snapshot the turn decides again on);
+    ``events`` are the ones that led to the queued begin (its ``move`` and ``select`` left
+    out): they go with the next Attempt.
+    """
+
+    route: Route
+    snap: TurnSnapshot
+    skip: Skip
+    events: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+
+_Ended = _Failed | _Refused | _Unclaimed | _Outdated
 
 
 def _token_estimate(route: Route, envelope: Envelope, counter: TokenCounter) -> tuple[int, int]:
@@ -504,7 +520,7 @@ class TurnLoop:
             take_retry=attempt.kind is not AttemptKind.FIRST,
             queue_until=self._queue_until(snap, turn, waited=wait)))
         try:
-            att = yield from self._admitted(begin, turn, policy)
+            att = yield from self._admitted(begin, turn, policy, attempt)
         except CapacityUnavailable as e:
             turn.errors.append(e)
             if not e.fields.get("queued"):  # a queue's wait wrote no Attempt
@@ -526,6 +542,10 @@ class TurnLoop:
             # Interrupted: the begin may have committed; if it did, it was never sent.
             yield from self._settle_quietly(route, profile, attempt_id, Outcome.NOT_SENT)
             raise
+        if isinstance(att, _Outdated):
+            # Nothing was begun: what led here goes with the Attempt decided instead, but the
+            # move to this route, which is not made.
+            return replace(att, events=tuple((k, d) for k, d in events[:-1] if k != "move"))
         if att.state is not AttemptState.DISPATCHING:
             raise LedgerError(
                 f"attempt {attempt_id!r} is already {att.state.value}; it is not sent again",
@@ -642,6 +662,8 @@ class TurnLoop:
             snap = yield from perform(self._read())
             decision, snap = yield from self._decide(snap, turn, turn.basis)
             return _Try(decision, attempt.kind, attempt.retries), snap
+        if isinstance(ended, _Outdated):
+            return (yield from self._decide_again(turn, attempt, ended))
         if isinstance(ended, _Refused):
             route, e = ended.route, ended.error
             turn.tried.add(route.id)
@@ -760,19 +782,28 @@ class TurnLoop:
         turn.now, turn.bound = snap.now, self._wait_left(snap.policy, turn)
         return decision, snap
 
-    def _admitted(self, begin: Begin, turn: _Turn, policy: Policy
-                  ) -> Generator[Effect[Any], Any, AttemptRecord]:
+    def _admitted(self, begin: Begin, turn: _Turn, policy: Policy, attempt: _Try
+                  ) -> Generator[Effect[Any], Any, AttemptRecord | _Outdated]:
         """Begin; while the group is full, wait in its queue (first come, first served).
 
         The wait is bounded by ``begin.queue_until``; past it the place is given up and
         :class:`~ledger.errors.CapacityUnavailable` raised (``queued=True``: no Attempt was
-        recorded). An interruption gives the place up too, then propagates.
+        recorded). An interruption gives the place up too, then propagates. Each time the wait
+        ends the selector's choice is looked at again on a fresh snapshot before the begin:
+        a route that stopped serving meanwhile (it started cooling: other workers' failures
+        tripped it) gives the place up and comes back as :class:`_Outdated`, with nothing
+        recorded but the wait (``capacity_wait``, outcome ``redecided``).
         """
         result = yield from perform(begin)
         if not isinstance(result, Queued):
             return result
         first = result
         group, waiter = begin.route.group, begin.attempt_id
+        # The policy's same-route retry was not the selector's choice, and a probe was chosen
+        # because the route cools: neither is looked at again.
+        rechecked = attempt.retries == 0 and attempt.decision.kind is DecisionKind.ROUTE
+        waits = 0
+        outdated: _Outdated | None = None
         try:
             yield from perform(Notify(Notice(
                 "queued", waiter, begin.route.id,
@@ -784,6 +815,15 @@ class TurnLoop:
                 if left <= 0:
                     raise _queue_timeout(begin, first, result, policy)
                 yield from perform(AwaitSlot(group, waiter, left, result.ticket))
+                waits += 1
+                # The first wait only registered the waiter (nothing changed since the
+                # decision); after a real one, a begin on the old snapshot's choice would send
+                # to a route that may have started cooling meanwhile, and its failure, begun
+                # after the route's last one, would step the cooldown as a new outage.
+                if rechecked and waits > 1:
+                    outdated = yield from self._outdated(turn, attempt.decision)
+                    if outdated is not None:
+                        break
                 result = yield from perform(begin)
         except GeneratorExit:
             raise  # closed with no driver left: the place lapses with the lease
@@ -796,9 +836,57 @@ class TurnLoop:
                     "group": group, "limit": first.limit, "outcome": "timed_out",
                     "waited_s": waited})
             raise
+        if outdated is not None:
+            yield from perform(LeaveQueue(group, waiter, drop=True))
+            waited = max(0.0, outdated.snap.now - first.since)
+            turn.waited += waited
+            yield from self._record_quietly("capacity_wait", {
+                "group": group, "limit": first.limit, "outcome": "redecided",
+                "waited_s": round(waited, 6), "route": begin.route.id,
+                "why": outdated.skip.to_json()})
+            return outdated
+        assert isinstance(result, AttemptRecord)
         yield from perform(LeaveQueue(group, waiter, drop=False))
         turn.waited += max(0.0, result.created_at - first.since)
         return result
+
+    def _outdated(self, turn: _Turn, decision: Decision
+                  ) -> Generator[Effect[Any], Any, _Outdated | None]:
+        """The decision as it stands on a fresh snapshot: ``None`` while its route serves."""
+        snap = yield from perform(self._read())
+        skip = recheck(self._input(snap, turn, **turn.basis), decision)
+        if skip is None:
+            return None
+        assert decision.route is not None
+        return _Outdated(decision.route, snap, skip)
+
+    def _decide_again(self, turn: _Turn, attempt: _Try, ended: _Outdated
+                      ) -> Generator[Effect[Any], Any, tuple[_Try, TurnSnapshot]]:
+        """Decide again on the same basis after the chosen route stopped serving in a queue.
+
+        Nothing was begun: no retry permission or model call was taken, so the next Attempt is
+        what the queued one would have been (the turn's first, or a further one taking its
+        one permission), now on the route the fresh facts choose.
+        """
+        route = ended.route
+        log.info("[admission] %s/%s stopped serving while the turn waited for a slot: %s; "
+                 "deciding again", route.provider, route.model, ended.skip.detail)
+        turn.pending.extend(ended.events)
+        decision, snap = yield from self._decide(ended.snap, turn, turn.basis)
+        fact: FailureFact | None = turn.basis.get("failure")
+        failed: str | None = turn.basis.get("current") if fact is not None else None
+        if attempt.kind is AttemptKind.FIRST:
+            kind = AttemptKind.FIRST
+        elif decision.route_id is not None and decision.route_id == failed:
+            kind = AttemptKind.RETRY
+        else:
+            kind = AttemptKind.FAILOVER
+        nxt = decision.route
+        if fact is not None and failed is not None and nxt is not None:
+            turn.pending.append(("move", {"from_route": failed, "to_route": nxt.id,
+                                          "profile": decision.profile, "cause": _cause(fact),
+                                          "from_attempt": turn.failed}))
+        return _Try(decision, kind, 0), snap
 
     def _record_quietly(self, kind: str, data: dict[str, Any]
                         ) -> Generator[Effect[Any], Any, None]:

@@ -234,7 +234,8 @@ class Wait:
 
     ``kind``: ``capacity`` (in a full group's queue), ``reopening`` (for a cooling route) or
     ``group_floor`` (a group's waiting floor); ``outcome``: ``admitted`` (the Attempt it ended
-    in is ``attempt_id``), ``rejected`` or ``timed_out`` (no Attempt).
+    in is ``attempt_id``), ``rejected``, ``timed_out`` or ``redecided`` (its route stopped
+    serving during the wait and the turn decided again; no Attempt).
     """
 
     kind: str
@@ -642,7 +643,8 @@ class MetricsSnapshot:
     # (route, token type: input, output, cache_read, reasoning) -> tokens reported.
     tokens: dict[tuple[str, str], int] = field(default_factory=dict)
     cost: dict[str, Decimal] = field(default_factory=dict)  # route -> charged (posted)
-    # (group, outcome: admitted, rejected, timed_out) -> waits in a full group's queue.
+    # (group, outcome: admitted, rejected, timed_out, redecided) -> waits in a full group's
+    # queue.
     queue_waits: dict[tuple[str, str], Histogram] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)  # group -> places in its queue now
     # route -> its attempts dispatching now, and unknown now; every route the history holds

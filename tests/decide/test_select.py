@@ -20,6 +20,7 @@ from ledger.decide.select import (
     Reason,
     RunPermissions,
     SelectionInput,
+    recheck,
     select,
 )
 from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT, Envelope, Part
@@ -936,3 +937,44 @@ def test_no_candidate_reports_every_plan_entry_after_a_failure(s: SelectionInput
         assert {sk.route for sk in d.skipped} == {r.id for r in s.plan}
     # A decision is a pure function of its input.
     assert select(s) == d
+
+
+# -- a decision looked at again after a wait ------------------------------------------------------
+
+
+def test_a_route_that_started_cooling_after_the_decision_no_longer_serves_it() -> None:
+    d = run()
+    assert chosen(d) == "go-glm"
+    assert recheck(inp(now=NOW + 5), d) is None  # nothing changed: it still serves
+    cooling = {"go-glm": Health(key="go-glm", cooldown_until=NOW + 65, error_count=1)}
+    skip = recheck(inp(now=NOW + 5, health=cooling), d)
+    assert skip is not None and skip.route == "go-glm"
+    assert skip.reason is Reason.ROUTE_COOLDOWN and "cooling until" in skip.detail
+    # So does a group that became unavailable meanwhile.
+    closed = {**OPEN, "go": GroupProjection(group="go", mode=GroupMode.UNAVAILABLE,
+                                            sampled_at=NOW + 4)}
+    skip = recheck(inp(now=NOW + 5, groups=closed), d)
+    assert skip is not None and skip.reason is Reason.SAME_GROUP_UNAVAILABLE
+
+
+def test_a_decision_still_eligible_keeps_its_place_when_an_earlier_route_reopens() -> None:
+    h = {"go-deepseek": Health(key="go-deepseek", cooldown_until=NOW + 3600)}
+    d = _new_request(FD, h)
+    assert chosen(d) == "go-glm"
+    fresh = inp(now=NOW + 5, failure=None, current=None,
+                permissions=RunPermissions(retries_left=3, calls_left=6))
+    assert chosen(select(fresh)) == "go-deepseek"  # the primary would be chosen now ...
+    assert recheck(fresh, d) is None  # ... but the route waited for still serves
+
+
+def test_the_last_candidate_always_tried_and_a_probe_are_not_ruled_out_by_their_cooldown(
+) -> None:
+    h = {r.id: Health(key=r.id, cooldown_until=NOW + 3600) for r in PLAN}
+    d = _new_request(GOCLAW_ROUTES, h)
+    assert d.route_id == "official-deepseek" and "last candidate" in d.detail
+    later = inp(policy=GOCLAW_ROUTES, health=h, now=NOW + 5, failure=None, current=None,
+                permissions=RunPermissions(retries_left=3, calls_left=6))
+    assert recheck(later, d) is None
+    probe = Decision(kind=DecisionKind.PROBE, route=GO_DEEPSEEK)
+    assert recheck(later, probe) is None
+

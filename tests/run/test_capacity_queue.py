@@ -52,7 +52,7 @@ from ledger.ops.recovery import recover
 from ledger.storage.pgpool import own_pids
 from ledger.storage.statements import QUEUE_CHANNEL
 from ledger.storage.wake import LISTEN_READY_S
-from ledger.testing import FakeProvider
+from ledger.testing import FakeProvider, Fault
 from ledger.testing.pgserver import PgServer
 from tests import fakeplan
 from tests.fakeplan import PRICE
@@ -263,6 +263,115 @@ def test_a_waiter_past_its_bound_names_only_the_waiters_ahead_of_it(db_url: str,
                     t.join(PATIENCE_S)
         assert {w: type(e) for w, e in stops.items()} == dict.fromkeys(waiters, FailoverExhausted)
         assert _waiting(led) == 0
+
+
+def _queued_through_a_burst(led: Ledger, clock: ManualClock, plan: list[Route],
+                            queued_on: Route) -> tuple[Any, float]:
+    """Run "w"'s turn on ``plan``; while it waits in ``queued_on``'s full group, the three
+    calls in flight there (another Run's) answer 503, which cools ``queued_on`` for 60 s.
+
+    Returns the turn's result and the time of the burst's last failure.
+    """
+    led.configure_group(queued_on.group, max_in_flight=3)
+    led.admit_run("holder", plan=[queued_on], budget=BUDGET, grant=GRANT)
+    lease = led.acquire_lease("holder", ttl_s=3600)
+    held = [led.begin_attempt(lease, route=queued_on.id, envelope_hash=f"sha256:held{i}",
+                              reserve="0", turn_id=f"t{i}").attempt_id for i in range(3)]
+    sleeper = _Parked()
+    out: dict[str, Any] = {}
+
+    def worker() -> None:
+        try:
+            with led.run("w", plan=plan, budget=BUDGET, grant=GRANT, lease_ttl_s=3600) as run:
+                out["result"] = run.turn(ENV, sleeper=sleeper)
+        except BaseException as e:  # pragma: no cover - reported below
+            out["error"] = e
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert sleeper.parked.wait(PATIENCE_S), out
+        group = queued_on.group
+        assert led.group_projections([group])[group].waiting == 1
+        for att in held:  # the burst: one 503 after another
+            clock.advance(0.1)
+            led.settle_attempt(lease, att, outcome="failed",  # type: ignore[arg-type]
+                               observation={"status": 503})
+        last = clock.now()
+        health = led.health([queued_on.id])[queued_on.id]
+        assert health.cooldown_until == pytest.approx(last + 60)
+        clock.advance(0.1)
+    finally:
+        sleeper.release.set()
+        t.join(PATIENCE_S)
+    assert not t.is_alive() and "error" not in out, out
+    assert led.group_projections([group])[group].waiting == 0
+    return out["result"], last
+
+
+def _acme(fake: FakeProvider) -> tuple[Route, Route, Route]:
+    endpoint = fake.endpoint("openai")
+    return tuple(Route(id=rid, provider=provider, model=f"{rid}-model", group=group,
+                       recipient="fake", endpoint=endpoint, price=PRICE)
+                 for rid, provider, group in (("a1", "acme", "ga"), ("a2", "acme", "ga2"),
+                                              ("b1", "beta", "gb")))  # type: ignore[return-value]
+
+
+def _stepped_once(led: Ledger, route: str, last: float) -> None:
+    """The burst stepped ``route``'s curve once: 60 s from its last failure, one error."""
+    health = led.health([route])[route]
+    assert health.error_count == 1 and health.last_failure_at == pytest.approx(last)
+    assert health.cooldown_until == pytest.approx(last + 60)
+
+
+def test_a_queued_turn_never_sends_to_a_route_that_started_cooling_while_it_waited(
+        db_url: str, fake: FakeProvider) -> None:
+    # A turn queues for a1 behind another Run's three calls in flight; while it waits they
+    # all answer 503, and the third failure within 60 s cools a1 for 60 s. Once woken, the
+    # turn must look at its choice again: a1 is cooling, so it gives its place up and serves
+    # on b1. Sent to a1 on the old choice, its 503 (begun after a1's last failure, so not the
+    # same outage) would step a1's cooldown to 5 min fleet-wide.
+    clock = ManualClock(1_800_000_000.0)
+    a1, _, b1 = _acme(fake)
+    fake.set_default(Fault.UNAVAILABLE, model="a1-model")  # a1 is down
+    with Ledger.open(db_url, clock=clock) as led:
+        result, last = _queued_through_a_burst(led, clock, [a1, b1], a1)
+        assert result.route.id == "b1"
+        assert [(a.route_id, a.kind.value, a.state) for a in result.attempts] == [
+            ("b1", "first", AttemptState.SUCCEEDED)]
+        assert [r.model for r in fake.requests] == ["b1-model"]  # nothing reached a1
+        assert led.get_run("w").retries_used == 0  # no permission taken for the change
+        _stepped_once(led, "a1", last)
+        [wait] = led.events("w", ["capacity_wait"])
+        assert wait.attempt_id is None and wait.data["outcome"] == "redecided"
+        assert wait.data["route"] == "a1" and wait.data["why"]["reason"] == "route_cooldown"
+        assert wait.data["waited_s"] == pytest.approx(0.4)
+        [select] = led.events("w", ["select"])
+        assert select.data["route"] == "b1"
+        assert ("a1", "route_cooldown") in [(s["route"], s["reason"])
+                                            for s in select.data["skipped"]]
+
+
+def test_a_failover_queued_for_a_route_that_started_cooling_moves_on_with_one_permission(
+        db_url: str, fake: FakeProvider) -> None:
+    # a1 fails; the failover to a2 queues in a2's full group, where a burst cools a2. The turn
+    # decides again from the same failure: b1, with the one retry permission of the failover
+    # and a move that says a1 -> b1 (the move to a2 was never made).
+    clock = ManualClock(1_800_000_000.0)
+    a1, a2, b1 = _acme(fake)
+    fake.set_default(Fault.UNAVAILABLE, model="a1-model")
+    fake.set_default(Fault.UNAVAILABLE, model="a2-model")
+    with Ledger.open(db_url, clock=clock) as led:
+        result, last = _queued_through_a_burst(led, clock, [a1, a2, b1], a2)
+        assert [(a.route_id, a.kind.value, a.state) for a in result.attempts] == [
+            ("a1", "first", AttemptState.FAILED), ("b1", "failover", AttemptState.SUCCEEDED)]
+        assert [r.model for r in fake.requests] == ["a1-model", "b1-model"]
+        assert led.get_run("w").retries_used == 1
+        _stepped_once(led, "a2", last)
+        moves = [(e.data["from_route"], e.data["to_route"]) for e in led.events("w", ["move"])]
+        assert moves == [("a1", "b1")]
+        [wait] = led.events("w", ["capacity_wait"])
+        assert wait.data["outcome"] == "redecided" and wait.data["route"] == "a2"
 
 
 def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
