@@ -179,7 +179,8 @@ def execute(
             with ``execution_unknown`` and sends nothing; pass another id to ask again on
             purpose).
         pin: Keeps a credential profile: ``"user"`` (kept even while it cools, until a new
-            session) or ``"auto"`` (kept while usable); see
+            session; a failover's answer on another profile does not replace it) or
+            ``"auto"`` (kept while usable); see
             :class:`~ledger.decide.profiles.Pin`.
         denials: Routes and recipients switched off in the current configuration
             (:class:`~ledger.decide.preflight.Denials`): a current denial always wins over

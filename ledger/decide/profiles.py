@@ -6,7 +6,8 @@ kept per profile id. This module answers three pure questions:
 * in which order are a route's profiles tried (:func:`rotation_order`);
 * may a profile be used right now (:func:`usable`);
 * which profile does a request use, given the session's pin (:func:`sticky_profile`,
-  :func:`first_usable`).
+  :func:`first_usable`), and which one the session keeps after a success
+  (:func:`keeps_pinned_profile`).
 
 Nothing here reads a clock or a store: ``now`` and the health map are arguments.
 """
@@ -26,7 +27,9 @@ class Pin(StrEnum):
     """How the session's current profile was chosen.
 
     ``auto``: the router chose it; it is a preference kept while it stays usable.
-    ``user``: the user chose it; it is kept until a new session, even when it cools.
+    ``user``: the user chose it; it is kept until a new session, even when it cools, and a
+    failover that served on another profile does not replace it
+    (:func:`keeps_pinned_profile`).
     """
 
     AUTO = "auto"
@@ -127,6 +130,18 @@ def sticky_profile(
     return first_usable(profiles, provider, health, now, policy, exclude)
 
 
+def keeps_pinned_profile(pin: Pin | None, pinned: str | None, served: str | None) -> bool:
+    """Whether a success on profile ``served`` leaves the Run's current profile ``pinned``.
+
+    Under a user pin the pinned profile is the session's until a new session starts (seed 002:
+    "User-pinned profiles stay locked to that profile"): a failover that served on another
+    profile, or on a route without profiles, does not move it, so the next turn goes back to
+    the pinned profile. With no profile pinned yet (the session's first success), the serving
+    profile becomes the pin. Auto pins and unpinned turns follow the profile that served.
+    """
+    return pin is Pin.USER and pinned is not None and served != pinned
+
+
 def marks_profile_tried(fact: FailureFact, provider: str, policy: Policy) -> bool:
     """Whether a failure on a credential profile rules it out for the rest of the turn.
 
@@ -153,6 +168,7 @@ __all__ = [
     "Pin",
     "available_at",
     "first_usable",
+    "keeps_pinned_profile",
     "marks_profile_tried",
     "rotation_order",
     "sticky_profile",

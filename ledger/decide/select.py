@@ -185,7 +185,9 @@ class SelectionInput:
     every class. ``health`` is keyed by health key (``ledger.decide.health.route_key``: route id or
     ``provider:<name>``) or by profile id. With a ``failure``,
     ``current``/``current_profile`` are what just failed; without one (a new turn), what the Run
-    used last. ``denials`` are switch-offs and revocations in the *current* configuration.
+    used last (under a user pin, ``current_profile`` is the pinned profile, which a failover to
+    another one does not replace). ``denials`` are switch-offs and revocations in the *current*
+    configuration.
     ``no_probe``: routes whose probe another process claimed during this turn; they are not
     offered as a probe again (the Run decides without them). ``verdicts``: the first failed
     preflight check of each plan route for this request (absent or ``None``: it passes), decided

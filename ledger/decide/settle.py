@@ -152,7 +152,7 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
                 repeat: bool, cached_tokens: int | None = None,
                 reasoning_tokens: int | None = None, first_byte_s: float | None = None,
                 first_token_s: float | None = None,
-                began_at: float | None = None) -> SettleSpec:
+                began_at: float | None = None, keep_profile: bool = False) -> SettleSpec:
     """Everything one settle of an Attempt on ``route`` (with ``profile_id``) writes.
 
     * a failed outcome needs a ``fact``, or an ``observation`` that is classified under the
@@ -166,7 +166,10 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
       first byte and first token are measurements of the send, not part of the receipt, and
       stay out of it;
     * health changes come from :func:`health_updates` (``began_at``: when the Attempt began, as
-      there) and a failed outcome's group fact from :func:`group_update`.
+      there) and a failed outcome's group fact from :func:`group_update`;
+    * ``keep_profile`` (a success only): the Run keeps its current profile, which is the session's
+      user pin (:func:`ledger.decide.profiles.keeps_pinned_profile`), and records only the route
+      that served.
     """
     if outcome is Outcome.FAILED and fact is None:
         if observation is None:
@@ -205,6 +208,7 @@ def settle_spec(policy: Policy, route: Route, profile_id: str | None, lease: Lea
         events=events, provenance=provenance, cached_tokens=cached_tokens,
         reasoning_tokens=reasoning_tokens, first_byte_s=first_byte_s,
         first_token_s=first_token_s,
+        keep_profile=keep_profile and outcome is Outcome.SUCCEEDED,
     )
 
 

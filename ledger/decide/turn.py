@@ -57,7 +57,7 @@ from ledger.decide.effects import (
 from ledger.decide.health import route_key
 from ledger.decide.inputs import record_inputs
 from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits, needs_cover
-from ledger.decide.profiles import Pin, marks_profile_tried
+from ledger.decide.profiles import Pin, keeps_pinned_profile, marks_profile_tried
 from ledger.decide.resolve import Resolution, stays, unresolved_begin
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import (
@@ -584,8 +584,10 @@ class TurnLoop:
             yield from self._settle_interrupted(route, profile, att, dispatch)
             raise
         if result.ok:
-            done = yield from self._settle_success(route, profile, att, result,
-                                                   dispatch.progress)
+            # A failover's success under a user pin leaves the session on its pinned profile.
+            done = yield from self._settle_success(
+                route, profile, att, result, dispatch.progress,
+                keep_profile=keeps_pinned_profile(self.pin, snap.run.current_profile, profile))
             turn.attempts.append(done)
             return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
                              list(result.parts))
@@ -906,12 +908,13 @@ class TurnLoop:
                 repeat: bool = False, cached_tokens: int | None = None,
                 reasoning_tokens: int | None = None,
                 times: tuple[float | None, float | None] = (None, None),
-                began_at: float | None = None,
+                began_at: float | None = None, keep_profile: bool = False,
                 ) -> Generator[Effect[Any], Any, AttemptRecord]:
         """Settle ``attempt_id`` (on ``route`` with ``profile``) as the pure rules say.
 
         ``times``: the send's first byte and first token, in seconds from the begin;
-        ``began_at``: when the Attempt began (its failure's health update reads it).
+        ``began_at``: when the Attempt began (its failure's health update reads it);
+        ``keep_profile``: a success leaves the Run's (user-pinned) profile as it is.
 
         A settle the database does not take raises its ``DatabaseUnavailable`` unchanged
         (``operation="settle"``, ``resolved``, ``landed``), and ``deferred=True``: the driver
@@ -928,11 +931,12 @@ class TurnLoop:
             model_reported=model_reported, output_hash=output_hash,
             events=[(k, dict(d)) for k, d in events], provenance=provenance, repeat=repeat,
             cached_tokens=cached_tokens, reasoning_tokens=reasoning_tokens,
-            first_byte_s=times[0], first_token_s=times[1], began_at=began_at)
+            first_byte_s=times[0], first_token_s=times[1], began_at=began_at,
+            keep_profile=keep_profile)
         return (yield from perform(Settle(self.lease.run_id, spec)))
 
     def _settle_success(self, route: Route, profile: str | None, att: AttemptRecord,
-                        result: SendResult, progress: SendProgress
+                        result: SendResult, progress: SendProgress, *, keep_profile: bool
                         ) -> Generator[Effect[Any], Any, AttemptRecord]:
         u = _Usage.of(result)
         return (yield from self._settle(
@@ -941,7 +945,7 @@ class TurnLoop:
             model_reported=_short(result.model_reported), output_hash=result.output_hash,
             tool_started=progress.tool_started or None, provenance=result.provenance,
             events=u.events, cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
-            times=progress.since(att.created_at)))
+            times=progress.since(att.created_at), keep_profile=keep_profile))
 
     def _settle_failure(self, route: Route, profile: str | None, att: AttemptRecord,
                         fact: FailureFact, result: SendResult, discarded: bool, now: float, *,

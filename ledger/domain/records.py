@@ -195,9 +195,10 @@ class RunState:
     currency units; what it carved out for its Children (``carved_calls``, ``carved_retries``,
     ``carved``, ``carved_tokens``); what it gave back of its own carve to its parent when it
     ended, as a Child (``returned_calls``, ``returned_retries``, ``returned``,
-    ``returned_tokens``: never used again by it); ``current_route`` and ``current_profile``,
-    those of its last success; its lease (``lease_holder``, ``fence``, ``lease_expires_at``);
-    the ``compactions`` recorded; ``updated_at``.
+    ``returned_tokens``: never used again by it); ``current_route`` and ``current_profile``, those
+    of its last success (except that a success under a user pin on another profile leaves
+    ``current_profile``, the session's pin, as it was); its lease (``lease_holder``, ``fence``,
+    ``lease_expires_at``); the ``compactions`` recorded; ``updated_at``.
     """
 
     status: RunStatus

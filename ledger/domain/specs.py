@@ -139,6 +139,11 @@ class SettleSpec:
     # by the ledger's clock (a measurement: not part of the settle hash).
     first_byte_s: float | None = None
     first_token_s: float | None = None
+    # A success leaves the Run's current profile as it is (only its current route moves):
+    # the session's user-pinned profile outlives a failover to another one (seed 002, "stay
+    # locked to that profile ... until a new session starts"). Not part of the settle hash:
+    # it is the session's state, not the receipt.
+    keep_profile: bool = False
 
 
 @dataclass(frozen=True)

@@ -692,9 +692,15 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
         "tokens": holds.tokens_used, "uncount": 1 if holds.uncount_call else 0, "now": now,
         "moved": moved(spec.events),
     }
-    if succeeded:
+    if not succeeded:
+        run_stmt = sql.settle_run
+    elif spec.keep_profile:
+        run_stmt = sql.settle_run_succeeded_pinned
+        run_params.update(route=att.route_id)
+    else:
+        run_stmt = sql.settle_run_succeeded
         run_params.update(route=att.route_id, profile=att.profile_id)
-    writes.append(Q(sql.settle_run_succeeded if succeeded else sql.settle_run, run_params))
+    writes.append(Q(run_stmt, run_params))
     if succeeded:
         for digest in dict.fromkeys((spec.output_hash, *spec.provenance)):
             if digest:

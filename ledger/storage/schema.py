@@ -84,6 +84,8 @@ runs = Table(
     Column("returned_micros", BigInteger, nullable=False, default=0, server_default="0"),
     Column("returned_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("current_route", _ID, nullable=True),
+    # The last success's profile, or under a user pin the pinned one (a failover's does not
+    # replace it).
     Column("current_profile", _ID, nullable=True),
     # Compactions the host recorded, and their count when current_profile was last set: a
     # compaction since then drops the session's auto-pinned profile.

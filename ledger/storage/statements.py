@@ -572,6 +572,13 @@ class Statements:
         {**_run_counters(p, _runs.c.selected_route != p("route")),  # served elsewhere
          "current_route": p("route"), "current_profile": p("profile"),
          "profile_compactions": _runs.c.compactions}))
+    # A success under a user pin on another profile than the pinned one (a failover's): the
+    # pin is the session's, so the Run keeps its profile (and the compaction count it was set
+    # at) and only records the route that served.
+    settle_run_succeeded_pinned = _stmt(lambda k, p=bindparam: update(_runs).where(
+        _runs.c.run_id == p("run_id")).values(
+        {**_run_counters(p, _runs.c.selected_route != p("route")),  # served elsewhere
+         "current_route": p("route")}))
     insert_health = _stmt(lambda k, p=bindparam: k.insert(_health).values(
         key=p("key"), kind=p("kind"), provider=p("provider"),
         **{c.name: p(c.name) for c in HEALTH_WRITE}).on_conflict_do_nothing()

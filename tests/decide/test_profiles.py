@@ -9,6 +9,7 @@ from ledger.decide.profiles import (
     Pin,
     available_at,
     first_usable,
+    keeps_pinned_profile,
     rotation_order,
     sticky_profile,
     usable,
@@ -134,6 +135,15 @@ def test_user_pin_kept_always_even_cooling() -> None:
     health = {KEY.id: h(KEY.id, cooldown_until=NOW + 600)}
     got = sticky_profile(PROFILES, "anthropic", health, NOW, POLICY, current=KEY.id, pin=Pin.USER)
     assert got == KEY
+
+
+def test_a_user_pinned_profile_is_kept_when_a_failover_served_on_another() -> None:
+    assert keeps_pinned_profile(Pin.USER, KEY.id, TOKEN.id)
+    assert keeps_pinned_profile(Pin.USER, KEY.id, None)  # a route without profiles served
+    assert not keeps_pinned_profile(Pin.USER, KEY.id, KEY.id)
+    assert not keeps_pinned_profile(Pin.USER, None, TOKEN.id)  # the first success pins it
+    assert not keeps_pinned_profile(Pin.AUTO, KEY.id, TOKEN.id)  # a preference follows
+    assert not keeps_pinned_profile(None, KEY.id, TOKEN.id)
 
 
 def test_no_pin_or_foreign_current_uses_rotation_order() -> None:

@@ -191,6 +191,42 @@ def test_a_user_pin_stays_locked_through_a_compaction_and_a_cooldown(
     assert send.sent == [("claude", A.id), ("gpt", "openai:default")] and res.route.id == "gpt"
 
 
+def test_a_user_pin_outlives_a_failover_that_served_on_another_profile(
+        led: Ledger, clock: ManualClock) -> None:
+    # Seed 002: "User-pinned profiles stay locked to that profile ... until a new session
+    # starts". A failover's answer on another profile (or provider) is that turn's only.
+    haiku = Route(id="haiku", provider="anthropic", model="claude-haiku-4-5", group="anthropic",
+                  recipient="anthropic", price=FREE, profiles=[A, B])
+    lease = admit(led, "s", [CLAUDE, haiku, GPT])
+    sent: list[tuple[str, str | None]] = []
+
+    def turn(n: int, send: Script) -> tuple[str, str | None]:
+        res = execute(led, lease, ENV, send, turn_id=f"t{n}", pin="user")
+        sent.extend(send.sent)
+        return res.route.id, res.profile_id
+
+    assert turn(1, Script()) == ("claude", A.id)
+    clock.advance(1)
+    # The pinned a is rate-limited: no rotation inside claude; the next model takes its first
+    # usable profile (a cools and failed this turn), b.
+    assert turn(2, Script({("claude", A.id): [RATE_LIMITED]})) == ("haiku", B.id)
+    clock.advance(1)
+    assert turn(3, Script()) == ("claude", A.id)  # back on the pin, though it still cools
+    clock.advance(61)
+    assert turn(4, Script()) == ("claude", A.id)  # and after its cooldown
+    # A failover to another provider (every anthropic profile fails) keeps it too.
+    clock.advance(400)
+    assert turn(5, Script({("claude", A.id): [RATE_LIMITED], ("haiku", B.id): [RATE_LIMITED]})
+                ) == ("gpt", "openai:default")
+    run = led.get_run("s")  # the Run records the route that served, and keeps the pin
+    assert (run.current_route, run.current_profile) == ("gpt", A.id)
+    clock.advance(1)
+    assert turn(6, Script()) == ("claude", A.id)
+    assert sent == [("claude", A.id), ("claude", A.id), ("haiku", B.id), ("claude", A.id),
+                    ("claude", A.id), ("claude", A.id), ("haiku", B.id),
+                    ("gpt", "openai:default"), ("claude", A.id)]
+
+
 def test_a_session_keeps_its_credential_over_loopback_until_the_host_records_a_compaction(
         db_url: str, clock: ManualClock) -> None:
     secrets = StaticSecretProvider({A.id: "sk-anthropic-a-test-0001",
