@@ -275,3 +275,17 @@ def test_an_async_session_drops_its_credential_when_the_host_records_a_compactio
 
     with FakeProvider().in_thread() as fake:
         assert asyncio.run(go(fake)) == [A.id, A.id, B.id]
+
+
+def test_a_huge_retry_after_on_a_429_closes_no_group_and_the_profile_cools_a_minute(
+        led: Ledger, clock: ManualClock) -> None:
+    # docs/presets/fased.md "Hints are capped": not group-aware, moves on at route scope, so
+    # only the profile's own cooldown follows, and the turn rotates at once.
+    lease = admit(led, "s", [CLAUDE, GPT])
+    huge = SendResult.failed(Observation(status=429, headers={"retry-after": "99999999"}))
+    send = Script({("claude", A.id): [huge]})
+    res = execute(led, lease, ENV, send)
+    assert send.sent == [("claude", A.id), ("claude", B.id)] and res.profile_id == B.id
+    assert led.group_projections(["anthropic"])["anthropic"].mode.value == "open"
+    assert led.health([A.id])[A.id].cooldown_until == clock.now() + 60
+

@@ -402,3 +402,20 @@ def test_last_used_is_recorded_per_provider_and_written_at_most_once_a_minute(
     clock.advance(50)
     execute(led, lease, ENV, Script(), turn_id="t3")
     assert gemini(led).last_used == clock.now()
+
+
+def test_a_huge_retry_after_on_a_429_closes_no_group_and_cools_on_the_usual_curve(
+        led: Ledger, clock: ManualClock) -> None:
+    # docs/presets/goclaw.md "Hints are capped": not group-aware, moves on at route scope, so
+    # only the provider's own cooldown follows, not the hint.
+    led.admit_run("r", plan=[FLASH, DEEPSEEK], grant=GRANT, policy="goclaw",
+                  budget=Budget(max_calls=10, max_retries=5, max_cost=Decimal(1)))
+    lease = led.acquire_lease("r", ttl_s=3600)
+    huge = SendResult.failed(Observation(status=429, body="Too Many Requests",
+                                         headers={"retry-after": "99999999"}))
+    res = execute(led, lease, ENV, Script({FLASH.id: [huge]}))
+    assert res.route.id == DEEPSEEK.id
+    assert res.attempts[0].fact is not None and res.attempts[0].fact.retry_after_s == 3600
+    assert led.group_projections([FLASH.group])[FLASH.group].mode.value == "open"
+    assert led.health([GEMINI])[GEMINI].cooldown_until == clock.now() + 60
+
