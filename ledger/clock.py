@@ -114,7 +114,10 @@ class ManualClock:
     """A clock that moves only when told to; also a :class:`Sleeper` that advances it.
 
     ``slept`` records every wait, so tests can assert the computed backoff. Pass it as the
-    ledger's clock and the retry owner waits through it too: no test really sleeps.
+    ledger's clock and the retry owner waits through it too: no test really sleeps. A lease then
+    lasts in this clock's time while its keeper renews on real time, so hold the Run with a
+    lease longer than all the time the test (and the turns' waits) move this clock while
+    holding it (``lease_ttl_s=3600``), or the next begin raises ``LeaseLost``.
 
     Args:
         start: The time it starts at, in epoch seconds (finite).

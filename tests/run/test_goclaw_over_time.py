@@ -31,7 +31,7 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation, Transport, WireProtocol
 from ledger.domain.records import AttemptKind, AttemptState, Lease
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
-from ledger.errors import FailoverExhausted, PolicyError
+from ledger.errors import FailoverExhausted, LeaseLost, PolicyError
 from ledger.policy.load import preset, validate_policy
 from ledger.storage.engine import normalize_url
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
@@ -418,4 +418,27 @@ def test_a_huge_retry_after_on_a_429_closes_no_group_and_cools_on_the_usual_curv
     assert res.attempts[0].fact is not None and res.attempts[0].fact.retry_after_s == 3600
     assert led.group_projections([FLASH.group])[FLASH.group].mode.value == "open"
     assert led.health([GEMINI])[GEMINI].cooldown_until == clock.now() + 60
+
+
+def test_a_manual_clocks_waits_past_the_session_lease_lapse_it_and_a_longer_lease_holds(
+        db_url: str, clock: ManualClock) -> None:
+    # docs/operations.md "A lease in a test's manual time": the turn's waits move a ManualClock
+    # at once, and the keeper (on the monotonic timer) never renews inside the jump: two
+    # 20 s Retry-After waits outlast the session's default 30 s lease.
+    secrets = StaticSecretProvider({"k": "sk-test-key-0001"})
+    budget = Budget(max_calls=10, max_retries=5, max_cost=Decimal(1))
+    with FakeProvider().in_thread() as fake, Ledger.open(db_url, clock=clock) as led:
+        fake.set_default(Behavior(fault=Fault.RAW, raw=(_raw_503({"Retry-After": "20"}),)),
+                         model="gemini-3-flash")
+        plan = [r.model_copy(update={"protocol": WireProtocol.OPENAI,
+                                     "endpoint": fake.endpoint("openai"),
+                                     "profiles": [Profile(id="k")]}) for r in (FLASH, DEEPSEEK)]
+        with pytest.raises(LeaseLost), led.run("default-ttl", plan=plan, grant=GRANT,
+                                                policy="goclaw", secrets=secrets,
+                                                budget=budget) as run:
+            run.turn(ENV)
+        assert clock.slept == [20.0, 20.0]
+        with led.run("long-ttl", plan=plan, grant=GRANT, policy="goclaw", secrets=secrets,
+                     budget=budget, lease_ttl_s=3600) as run:
+            assert run.turn(ENV).route.id == "deepseek"
 
