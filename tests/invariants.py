@@ -100,6 +100,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/decide/test_preflight.py::test_invariant7_a_link_a_model_or_a_tool_chose_is_refused_for_every_route",
         "tests/session/test_media_out_runs.py::test_invariant7_a_link_the_model_chose_is_never_sent_for_a_provider_to_fetch",
         "tests/session/test_multimodal_runs.py::test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class",
+        "tests/session/test_session.py::test_invariant7_a_host_cannot_record_provenance_for_a_models_output",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

@@ -128,6 +128,11 @@ DEFAULT_LEASE_TTL_S = 30.0
 _FINAL = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.NOT_SENT)
 
 
+#: Provenance kinds only the ledger writes: an Attempt's output at its settle, a tool call the
+#: integrations renamed. A host recording one would vouch for a model's output.
+LEDGER_PROVENANCE_KINDS = frozenset({"model_output", "tool_call"})
+
+
 def _within(part: int | None, field: str, total: int | None, of: str) -> None:
     """Refuse a part of a token total that exceeds the total (when both are given).
 
@@ -788,7 +793,9 @@ class Face(Generic[SessionT, OpenedT]):
             output_hash: The answer's content hash.
             events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
             provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
-                provenance (so the next turn may carry them).
+                provenance (so the next turn may carry them) by a ``succeeded`` settle. This
+                is the only way to record them: :meth:`record_provenance` refuses an Attempt's
+                id, so nothing is added once the Attempt is settled.
             repeat: The Attempt was a same-route retry of a failure this request already
                 counted in health, so its failure restarts the key's window without counting
                 again (unless the policy's ``health.count_same_route_retries`` says every try
@@ -1266,22 +1273,59 @@ class Face(Generic[SessionT, OpenedT]):
                           kind: Annotated[str, text(16, empty=False, fix="pass a non-empty "
                                                     "kind such as 'memory'")] = "tool_result"
                           ) -> Flow[None]:
-        """Record that ``ref`` (a tool-call id, ...) produced content with ``content_hash``.
+        """Record that ``ref`` (a tool-call id, a document's id, ...) produced ``content_hash``.
 
         A later part with ``provenance=ref`` and this exact content is then covered for
         disclosure preflight anywhere in this Run's tree (see :meth:`provenance`), for the
         recipients each Run's grant approves for its class.
 
+        This is how a host vouches for what it brings: a tool's result it ran itself, a
+        user's upload, a memory. A model's output is not among them: the ledger records
+        it when the Attempt settles (the retry owner's settle, or :meth:`settle_attempt`'s
+        ``provenance_hashes``, once), and a settled Attempt is never added to. So ``kind``
+        may not be ``model_output`` nor ``tool_call``, and ``ref`` may not be the id of any
+        Attempt, of this Run or another (checked in the write's transaction).
+
+        The ledger is given a hash, not the part, so it cannot tell an assistant part's hash
+        from a document's: a host that records the hash of a ``role="assistant"`` part under
+        a ref of its own covers that part, as it covers anything it records. The ledger's
+        guarantee for model output is that the parts a turn returned (``result.parts``) are
+        covered as they are, and an edited copy under their Attempt's id is not.
+
         Args:
             lease: The Run's live lease.
-            ref: The producer reference (a tool-call id, a memory or document id).
+            ref: The producer reference (a tool-call id, a memory or document id); not an
+                Attempt id.
             content_hash: The content's ``Part.content_hash``.
-            kind: What produced it (``tool_result``, ``memory``, ...; at most 16 characters).
+            kind: What produced it (``tool_result``, ``document``, ``memory``, or a kind of
+                the host's own; at most 16 characters; not ``model_output`` nor
+                ``tool_call``, which only the ledger records).
 
         Raises:
+            InvalidArgument: ``kind`` is one only the ledger records (``field="kind"``), or
+                ``ref`` is an Attempt id (``field="ref"``). Nothing was written.
             LeaseLost: the lease lapsed (``FencedOut``: the Run was taken over).
         """
+        if kind in LEDGER_PROVENANCE_KINDS:
+            raise InvalidArgument(
+                f"kind {kind!r} is recorded only by the ledger: a model's output is recorded "
+                "when its Attempt settles (the retry owner's settle, or settle_attempt("
+                "provenance_hashes=...)), never afterwards; carry the parts a turn returned "
+                "as they are, and record what the host brings with a kind of its own "
+                "('tool_result', 'document', 'memory')", field="kind")
         yield from self._store.record_provenance(lease, ref, content_hash, kind, self.clock.now)
+
+    @op
+    def _record_tool_call(self, lease: LeaseArg, attempt_id: Id, content_hash: Hash
+                          ) -> Flow[None]:
+        """Record a tool call the integrations renamed as its Attempt's output.
+
+        ``attempt_id`` must be an Attempt of the lease's Run. The renamed call is the model's
+        proposal under a Run-unique id: the output the settle recorded, as a part with
+        another hash. Not for hosts (:meth:`record_provenance` refuses Attempt ids).
+        """
+        yield from self._store.record_provenance(lease, attempt_id, content_hash, "tool_call",
+                                                 self.clock.now, own_attempt=True)
 
     @op
     def provenance(self, run_id: Id, *, tree: Flag = True) -> Flow[dict[str, set[str]]]:

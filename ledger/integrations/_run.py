@@ -404,8 +404,9 @@ class RunLink:
                 new_id = "call_" + hashlib.sha256(f"{attempt_id}/{index}".encode()) \
                     .hexdigest()[:24]
                 fresh = Part.model_validate({**part.model_dump(), "tool_call_id": new_id})
-                await self._call(self.run.ledger.record_provenance(
-                    self.run.lease, attempt_id, fresh.content_hash, "tool_call"))
+                # The ledger's own record under the Attempt: a host's may not name one.
+                await self._call(self.run.ledger._record_tool_call(
+                    self.run.lease, attempt_id, fresh.content_hash))
                 await self._call(self.run.ledger.append_event(
                     self.run.lease, "tool_call_id",
                     {"provider_id": call_id, "call_id": new_id}, attempt_id=attempt_id))

@@ -44,6 +44,7 @@ from ledger.errors import (
     CapacityUnavailable,
     Conflict,
     FencedOut,
+    InvalidArgument,
     InvalidState,
     LeaseHeld,
     LeaseLost,
@@ -964,8 +965,24 @@ def reserve_retry_tx(sql: Statements, lease: Lease, clock: ClockFn, margin: floa
 
 
 def provenance_tx(sql: Statements, lease: Lease, ref: str, content_hash: str, kind: str,
-                  clock: ClockFn, margin: float) -> Tx[None]:
+                  clock: ClockFn, margin: float, *, own_attempt: bool = False) -> Tx[None]:
     _row, now = yield from _lock_live(sql.lock_run_fence, lease, clock, margin)
+    owners = yield Q(sql.attempt_run, {"attempt_id": ref})
+    if own_attempt:
+        # The ledger's own record under an Attempt (a tool call it renamed): of this Run only.
+        if not owners or owners[0][0] != lease.run_id:
+            raise NotFound(f"unknown attempt id {ref!r} in run {lease.run_id!r}",
+                           attempt_id=ref, run_id=lease.run_id)
+    elif owners:
+        # What an Attempt produced is recorded by its settle, once (a settled Attempt is never
+        # rewritten): a hash a host adds under an Attempt id would pass an edited or invented
+        # answer for that model's output (invariant 7), in this tree or another.
+        raise InvalidArgument(
+            f"ref {ref!r} is an Attempt id: what an Attempt produced is recorded by its "
+            "settle only, and a host may not add to it; carry the model's parts as a turn "
+            "returned them (result.parts), and record a document, a memory or a tool result "
+            "under its own id (a tool-call id, 'doc-10k'), never an Attempt's",
+            field="ref", ref=ref)
     yield Flush((Q(sql.insert_provenance, {"run_id": lease.run_id, "ref": ref,
                                            "content_hash": content_hash, "kind": kind,
                                            "now": now}),), commit=True)

@@ -585,6 +585,10 @@ class Statements:
         .returning(_health.c.key))
     update_health = _stmt(lambda k, p=bindparam: update(_health).where(
         _health.c.key == p("key")).values({c.name: p(c.name) for c in HEALTH_WRITE}))
+    # Which Run an Attempt id belongs to: a ref a host records provenance under may not be one
+    # (only a settle records what an Attempt produced).
+    attempt_run = _stmt(lambda k, p=bindparam: select(_att.c.run_id).where(
+        _att.c.attempt_id == p("attempt_id")))
     insert_provenance = _stmt(lambda k, p=bindparam: k.insert(_prov).values(
         run_id=p("run_id"), ref=p("ref"), content_hash=p("content_hash"), kind=p("kind"),
         created_at=p("now")).on_conflict_do_nothing())

@@ -544,12 +544,15 @@ class Store:
                                                     self.lease_margin_s, dict(data or {}))))
 
     def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
-                          clock: ClockFn) -> Flow[None]:
+                          clock: ClockFn, *, own_attempt: bool = False) -> Flow[None]:
         """Record that ``ref`` produced content with ``content_hash`` (the same again is the
-        same write). Raises ``LeaseLost`` / ``FencedOut``."""
+        same write). ``ref`` may be no Attempt's id (:class:`~ledger.errors.InvalidArgument`,
+        ``field="ref"``: an Attempt's output is its settle's), checked in the write's
+        transaction; with ``own_attempt`` it must be an Attempt of the lease's Run instead
+        (:class:`~ledger.errors.NotFound`). Raises ``LeaseLost`` / ``FencedOut``."""
         yield from self._first(lease.run_id, clock)
         yield from txn(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
-                                         self.lease_margin_s))
+                                         self.lease_margin_s, own_attempt=own_attempt))
 
     def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
                      data: Mapping[str, Any], clock: ClockFn) -> Flow[None]:

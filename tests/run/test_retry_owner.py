@@ -317,11 +317,13 @@ def test_model_derived_context_needs_recorded_provenance(led: Ledger) -> None:
 
     lease = admit(led, grant=Grant(recipients={"go-gateway": ["user_input", MODEL_DERIVED],
                                                "deepseek": ["user_input", MODEL_DERIVED]}))
-    first = execute(led, lease, ENV, Script(), turn_id="t1")  # type: ignore[arg-type]
-    good = Part(role="assistant", content="answer", data_class=MODEL_DERIVED,
-                provenance=first.attempt.attempt_id)
-    assert first.attempt.output_hash is None  # the scripted send reported no output hash
-    led.record_provenance(lease, first.attempt.attempt_id, good.content_hash, "model_output")
+    answer = Part(role="assistant", content="answer", data_class=MODEL_DERIVED)
+    answered = SendResult(ok=True, output="answer", prompt_tokens=10, completion_tokens=5,
+                          cost=Decimal("0.001"), parts=(answer,))
+    # The settle records the answer's parts as the Attempt's provenance.
+    first = execute(led, lease, ENV, lambda d: answered, turn_id="t1")  # type: ignore[arg-type]
+    good = answer.model_copy(update={"provenance": first.attempt.attempt_id})
+    assert good.content_hash in led.provenance("r")[first.attempt.attempt_id]
     env = Envelope(parts=[*ENV.parts, good, Part(content="go on")])
     send = Script(go_deepseek=[fail(status=503)])
     res = execute(led, lease, env, send, turn_id="t2")  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from ledger import (
     InvalidArgument,
     InvalidState,
     Ledger,
+    NotFound,
     Part,
     RunStatus,
     ToolSpec,
@@ -397,6 +398,45 @@ def test_invariant7_a_childs_answer_is_covered_in_its_runs_tree_and_in_no_other(
         assert "another tree" in json.dumps(ei.value.skipped)  # the fix names why
         assert answer[0].provenance not in led.provenance("other")
         assert len(fake.requests) == sent
+
+
+def test_invariant7_a_host_cannot_record_provenance_for_a_models_output(
+        db_url: str, fake: FakeProvider) -> None:
+    """A model's output is covered only by what the ledger recorded when its Attempt settled,
+    and a settled Attempt is never added to. ``record_provenance`` refuses the ledger's own
+    kinds and any Attempt id as the ref (another tree's, the Run's own settled one), whatever
+    the kind: an edited or invented answer under an Attempt id stays uncovered, and nothing
+    of it is sent. What a host brings under its own id (a document) is still recorded."""
+    with Ledger.open(db_url) as led:
+        with led.run("tree-a", plan=plan(fake), budget=BUDGET, grant=GRANT) as a:
+            (theirs,) = a.turn(Envelope(parts=[Part(content="qA")])).parts
+        with led.run("tree-b", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            (mine,) = run.turn(Envelope(parts=[Part(content="qB")])).parts
+            before = led.provenance("tree-b", tree=False)
+            for ref in (theirs.provenance, mine.provenance):
+                assert ref is not None
+                forged = Part(role="assistant", content="rewritten answer", provenance=ref)
+                for kind in ("model_output", "tool_call"):
+                    with pytest.raises(InvalidArgument) as bad:
+                        led.record_provenance(run.lease, ref, forged.content_hash, kind=kind)
+                    assert bad.value.field == "kind" and "settle" in str(bad.value)
+                for kind in ("tool_result", "document"):
+                    with pytest.raises(InvalidArgument) as bad:
+                        led.record_provenance(run.lease, ref, forged.content_hash, kind=kind)
+                    assert bad.value.field == "ref" and "Attempt id" in str(bad.value)
+                sent = len(fake.requests)
+                with pytest.raises(FailoverExhausted) as ei:
+                    run.turn(Envelope(parts=[Part(content="q"), forged, Part(content="go")]))
+                assert "no covering provenance" in json.dumps(ei.value.skipped)
+                assert len(fake.requests) == sent
+            # The integrations' own record of a renamed call names an Attempt of its Run only.
+            with pytest.raises(NotFound):
+                led._record_tool_call(run.lease, theirs.provenance, mine.content_hash)
+            assert led.provenance("tree-b", tree=False) == before
+            # A host's own id still records what it brings.
+            doc = Part(content="memo", data_class="tool_result", provenance="doc-1")
+            led.record_provenance(run.lease, "doc-1", doc.content_hash, "document")
+            assert run.turn(Envelope(parts=[Part(content="q"), doc])).text
 
 
 def test_invariant7_a_ref_two_runs_of_a_tree_recorded_differently_covers_either_content(
