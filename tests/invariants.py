@@ -101,6 +101,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_media_out_runs.py::test_invariant7_a_link_the_model_chose_is_never_sent_for_a_provider_to_fetch",
         "tests/session/test_multimodal_runs.py::test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class",
         "tests/session/test_session.py::test_invariant7_a_host_cannot_record_provenance_for_a_models_output",
+        "tests/session/test_multimodal_runs.py::test_invariant7_a_tools_file_cannot_be_relabelled_as_the_users_input",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

@@ -47,7 +47,7 @@ from ledger.decide.ending import idle_end, last_turn_served, turn_end
 from ledger.decide.resolve import UnresolvedExit, stays
 from ledger.decide.settle import check_lease_ttl
 from ledger.decide.turn import RunResult
-from ledger.domain.envelope import Envelope, Part, PartHashes, require_parts
+from ledger.domain.envelope import EXEMPT_CLASSES, Envelope, Part, PartHashes, require_parts
 from ledger.domain.records import AttemptRecord, EventRecord, Lease, RunRecord, RunStatus
 from ledger.domain.validation import Id, NewId, checked, function, instance
 from ledger.domain.values import Route
@@ -112,6 +112,14 @@ def _tool_file(call_id: str, file: Part, data_class: str) -> Part:
             "never sends a link a tool returned. Fetch the file yourself, check it, and pass "
             "its bytes as Part(data=..., media_type=...)",
             field="content.url")
+    if data_class in EXEMPT_CLASSES:
+        # The part is the user's by role only (wires carry no tool file): its class is all
+        # that keeps it from recipients approved for the user's own input.
+        raise InvalidArgument(
+            f"a tool's file is not the user's input nor the host's system text, so its data "
+            f"class cannot be {data_class!r} (a class that needs no provenance); pass "
+            "data_class='tool_result' (the default), or the class of what the tool read "
+            "(e.g. 'private_document')", field="data_class")
     if "data_class" in file.model_fields_set and file.data_class != data_class:
         raise InvalidArgument(
             f"the file's data_class {file.data_class!r} is not the data_class argument "
@@ -817,7 +825,8 @@ class RunSession(_SessionCore):
                 codec sends all of the turn's tool results first, then the files (the wires
                 refuse a file between them).
             data_class: The data class of that text or file, which disclosure preflight
-                checks (``tool_result``; e.g. ``private_document`` for a tool that reads one).
+                checks (``tool_result``; e.g. ``private_document`` for a tool that reads one);
+                never ``user_input`` nor ``system``, the classes that need no provenance.
 
         Returns:
             A ``tool`` Part whose provenance is ``call_id``, covered by what was just recorded;
@@ -826,7 +835,8 @@ class RunSession(_SessionCore):
         Raises:
             InvalidArgument: ``call_id`` was not proposed in this session, ``content`` is
                 neither text nor an image or document of the user's role, is an ``https://``
-                link (``field="content.url"``), or the file's own data class differs from
+                link (``field="content.url"``), ``data_class`` is ``user_input`` or
+                ``system``, or the file's own data class differs from
                 ``data_class``.
             InvalidState: the session is not open.
             LeaseLost: the Run's lease lapsed (``FencedOut``: the Run was taken over).

@@ -318,6 +318,30 @@ def test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class(
     assert all("attacker" not in json.dumps(r.json) for r in fake.requests)
 
 
+def test_invariant7_a_tools_file_cannot_be_relabelled_as_the_users_input(
+        db_url: str, fake: FakeProvider) -> None:
+    """A tool's file goes on the wire as a user part, so its data class is all that keeps it
+    from recipients approved for the user's input only: ``tool_result`` refuses the classes
+    that need no provenance for a file as it does for text, records nothing, and the
+    user_input-only recipient receives nothing of it."""
+    fake.enqueue(Behavior(tool_call=("fetch", {"url": "10-K"})), model="primary-model")
+    narrow = Grant(recipients={"narrow": ["user_input", "model_derived", "tool_description"]})
+    with Ledger.open(db_url) as led, led.run("tool-file", plan=_narrow_first(fake)[:1],
+                                              budget=BUDGET, grant=narrow) as run:
+        (call,) = run.turn(Envelope(parts=[QUESTION], tools=FETCH)).tool_calls
+        sent = len(fake.requests)
+        for exempt in ("user_input", "system"):
+            for file in (Part(data=PDF, media_type="application/pdf"),
+                         Part(data=PDF, media_type="application/pdf", data_class=exempt)):
+                with pytest.raises(InvalidArgument) as info:
+                    run.tool_result(call, file, data_class=exempt)
+                assert info.value.field == "data_class"
+                assert f"cannot be {exempt!r}" in str(info.value)
+                assert "data_class='tool_result'" in str(info.value)
+        assert call.tool_call_id not in led.provenance("tool-file")
+        assert len(fake.requests) == sent
+
+
 def test_an_async_sessions_tool_file_is_covered_by_the_calls_provenance(
         db_url: str, fake: FakeProvider) -> None:
     fake.enqueue(Behavior(tool_call=("fetch", {"url": "10-K"})), model="primary-model")
