@@ -686,6 +686,13 @@ class Face(Generic[SessionT, OpenedT]):
         arguments, also after acquiring the lease again, is the same write. The retry owner
         (:func:`ledger.execute`) calls this for every Attempt it makes.
 
+        It sees the envelope's hash only, so it checks no disclosure (invariant 7): a host
+        that calls it directly runs preflight first and sends nothing it refuses,
+        ``preflight(route, envelope, grant=frozen.grant, role=frozen.role,
+        provenance=led.provenance(run_id)).require()``
+        (:func:`ledger.decide.preflight.preflight`, ``frozen`` from :meth:`frozen_run`),
+        as the retry owner does for every candidate.
+
         Args:
             lease: The Run's live lease.
             route: The route to use: an id of the Run's frozen plan, or the frozen
