@@ -102,6 +102,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_multimodal_runs.py::test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class",
         "tests/session/test_session.py::test_invariant7_a_host_cannot_record_provenance_for_a_models_output",
         "tests/session/test_multimodal_runs.py::test_invariant7_a_tools_file_cannot_be_relabelled_as_the_users_input",
+        "tests/session/test_params_disclosure.py::test_invariant7_tool_definitions_in_params_reach_no_recipient_unapproved_for_them",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

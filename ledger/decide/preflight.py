@@ -19,7 +19,10 @@ Three independent claims must all hold before any Attempt is begun on a route:
    and so does not inherit the original's provenance. And no ``https://`` link a model or a
    tool chose (a ``model_derived`` or ``tool_result`` part, or one of an assistant's or a
    tool's role) is sent, covered or not: the provider would fetch it, and the link's host, whom
-   no grant names, would receive whatever the URL carries (:data:`OUTPUT_CLASSES`).
+   no grant names, would receive whatever the URL carries (:data:`OUTPUT_CLASSES`). Tool
+   definitions a parameter carries (the legacy ``functions``, a ``custom`` tool in
+   ``params["tools"]``) are ``tool_description`` data, as ``Envelope.tools`` are
+   (:func:`param_disclosures`).
 
 The request is either a full :class:`~ledger.domain.envelope.Envelope` plus the ledger's record of
 provenance (``ref -> recorded content hashes``), or a lighter :class:`RequestNeeds` whose parts
@@ -35,12 +38,13 @@ import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ledger.domain.envelope import (
     DERIVED_ROLE_CLASS,
     EXEMPT_CLASSES,
     MODEL_DERIVED,
+    TOOL_DESCRIPTION,
     TOOL_RESULT,
     Envelope,
     Part,
@@ -137,7 +141,9 @@ class RequestNeeds:
     """What a request requires of a route, without its content.
 
     ``None`` / ``False`` / empty means "no requirement". ``classes`` lists data classes present
-    outside ``parts`` (e.g. tool descriptions) that the recipient must also be approved for.
+    outside ``parts`` (e.g. tool descriptions) that the recipient must also be approved for;
+    ``param_tools`` the parameters that carry tool definitions (their class is in
+    ``classes``).
     """
 
     tools: bool = False
@@ -149,6 +155,7 @@ class RequestNeeds:
     parts: tuple[PartNeed, ...] = ()
     classes: frozenset[str] = frozenset()
     media: tuple[MediaNeed, ...] = ()
+    param_tools: tuple[str, ...] = ()
 
     @property
     def data_classes(self) -> frozenset[str]:
@@ -423,8 +430,12 @@ def envelope_needs(
     digests: Sequence[str | None] = (
         part_hashes if part_hashes is not None else [None] * len(envelope.parts)
     )
+    param_tools = param_disclosures(envelope.params)
+    classes = {t.data_class for t in envelope.tools}
+    if param_tools:
+        classes.add(TOOL_DESCRIPTION)
     return RequestNeeds(
-        tools=bool(envelope.tools),
+        tools=bool(envelope.tools) or bool(param_tools),
         prefill=envelope.prefill,
         streaming=envelope.stream,
         parameters=frozenset(envelope.params),
@@ -434,9 +445,44 @@ def envelope_needs(
                      p.role in DERIVED_ROLE_CLASS)
             for p, h in zip(envelope.parts, digests, strict=True)
         ),
-        classes=frozenset(t.data_class for t in envelope.tools),
+        classes=frozenset(classes),
         media=media_needs(envelope),
+        param_tools=param_tools,
     )
+
+
+# Keys of a tool entry that say it is the host's own tool, described in its words: a function
+# (chat-style ``{"type": "function", "function": {...}}`` or flat) or a Responses custom tool.
+# A provider's built-in tool (web_search, file_search, code_interpreter, image_generation, ...)
+# has none of them: its description is the provider's, and it runs at the provider.
+_HOST_TOOL_TYPES = frozenset({"function", "custom"})
+_HOST_TOOL_KEYS = frozenset({"description", "function", "parameters", "input_schema"})
+
+
+def param_disclosures(params: Mapping[str, Any]) -> tuple[str, ...]:
+    """The parameters of ``params`` that carry tool definitions (class ``tool_description``).
+
+    Judged on the parameters whatever the route's protocol: a codec sends a parameter it does
+    not know as it is, so it reaches the recipient all the same. They are the legacy chat
+    ``functions``, and any entry of ``tools`` (on the Responses API, the parameter for
+    built-in tools) of type ``function`` or ``custom`` or carrying a description or a schema.
+    A stored prompt (Responses ``prompt``) or a cached content (Gemini ``cachedContent``) is
+    sent by reference: whatever tools it declares the provider holds already, and this request
+    discloses none.
+
+    Returns:
+        The parameters carrying tool definitions (``functions``, ``tools[2]``), in order.
+    """
+    defined: list[str] = []
+    if "functions" in params:
+        defined.append("functions")
+    tools = params.get("tools")
+    for k, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, Mapping):
+            continue
+        if tool.get("type") in _HOST_TOOL_TYPES or not _HOST_TOOL_KEYS.isdisjoint(tool):
+            defined.append(f"tools[{k}]")
+    return tuple(defined)
 
 
 def media_needs(envelope: Envelope) -> tuple[MediaNeed, ...]:
@@ -617,8 +663,12 @@ def _disclosure(
         unapproved = sorted(c for c in needs.data_classes if not grant.approves(recipient, c))
         if unapproved:
             classes = ", ".join(unapproved)
-            out.append((f"recipient {recipient!r} is not approved for: {classes}",
-                        f"add {classes} to Grant.recipients[{recipient!r}]"))
+            fix = f"add {classes} to Grant.recipients[{recipient!r}]"
+            if TOOL_DESCRIPTION in unapproved and needs.param_tools:
+                # The host may not know a parameter counts: name it, and the way without it.
+                fix += (f", or leave the tool definitions of Envelope.params "
+                        f"({', '.join(needs.param_tools)}) out of the request")
+            out.append((f"recipient {recipient!r} is not approved for: {classes}", fix))
     for i, p in enumerate(needs.parts):
         if not needs_cover(p.data_class, p.derived) or p.coverage is Coverage.OK:
             continue
@@ -772,6 +822,7 @@ __all__ = [
     "narrow_grant",
     "needs_cover",
     "needs_from_envelope",
+    "param_disclosures",
     "part_coverage",
     "preflight",
     "with_prompt",

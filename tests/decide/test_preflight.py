@@ -319,6 +319,39 @@ def test_tool_descriptions_need_approval_of_their_class() -> None:
     assert preflight(route(), env, grant=g2, role="r").ok
 
 
+@pytest.mark.parametrize(("params", "where"), [
+    ({"functions": [{"name": "search", "description": "SECRET"}]}, "functions"),
+    ({"tools": [{"type": "web_search"},
+                {"type": "custom", "name": "grep", "description": "SECRET"}]}, "tools[1]"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0]"),
+])
+def test_tool_definitions_in_params_are_tool_descriptions(params: dict[str, object],
+                                                          where: str) -> None:
+    env = Envelope(parts=[USER], params=params)
+    r = preflight(route(), env, grant=Grant(recipients={"deepseek": [USER_INPUT]}), role="r")
+    [failure] = r.failures
+    assert failure.check is Check.DISCLOSURE and "not approved for: tool_description" in (
+        failure.detail)
+    assert where in failure.fix  # the fix names the parameter, which a host may not suspect
+    g2 = Grant(recipients={"deepseek": [USER_INPUT, TOOL_DESCRIPTION]})
+    assert preflight(route(), env, grant=g2, role="r").ok
+    # They offer tools: a route without tool support cannot serve them.
+    no_tools = route(capabilities={"tools": False})
+    assert Check.CAPABILITY in preflight(no_tools, env, grant=g2, role="r").checks
+
+
+def test_provider_built_in_tools_and_references_disclose_nothing_more() -> None:
+    # web_search, file_search, ... run at the provider (the route's recipient); a stored prompt
+    # and a cached content are references to what the provider holds already.
+    for params in ({"tools": [{"type": "web_search"}, {"type": "file_search",
+                                                       "vector_store_ids": ["vs_1"]},
+                              {"type": "image_generation"}]},
+                   {"prompt": {"id": "pmpt_1"}}, {"cachedContent": "cachedContents/abc"}):
+        env = Envelope(parts=[USER], params=params)
+        assert preflight(route(), env, grant=Grant(recipients={"deepseek": [USER_INPUT]}),
+                         role="r").ok, params
+
+
 def test_revoked_recipient_fails_although_the_frozen_grant_allows_it() -> None:
     den = Denials(recipients=frozenset({"deepseek"}))
     g = Grant(recipients={"deepseek": [USER_INPUT]})

@@ -1,0 +1,50 @@
+"""Invariant 7 through ``Envelope.params``: what a parameter carries to a recipient (tool
+definitions) is disclosed as the parts and ``Envelope.tools`` are. Real HTTP over loopback,
+requests counted at the fake provider, on both backends.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part
+from ledger.testing import FakeProvider
+from tests import fakeplan
+from tests.fakeplan import plan
+
+fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
+_clear = fakeplan._clear
+
+BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+USER_ONLY = Grant(recipients={"fake": ["user_input"]})
+
+
+@pytest.mark.parametrize(("protocol", "params"), [
+    ("openai", {"functions": [{"name": "search", "description": "SECRET legacy description",
+                               "parameters": {"type": "object"}}]}),
+    ("openai_responses", {"tools": [{"type": "custom", "name": "grep",
+                                     "description": "SECRET custom description"}]}),
+])
+def test_invariant7_tool_definitions_in_params_reach_no_recipient_unapproved_for_them(
+        db_url: str, fake: FakeProvider, protocol: str, params: dict[str, Any]) -> None:
+    """The legacy ``functions`` (chat) and a ``custom`` tool (Responses) carry the host's tool
+    descriptions as ``Envelope.tools`` do: a recipient approved for ``user_input`` only
+    receives nothing, and the refusal names the parameter; approved for
+    ``tool_description``, the request is sent."""
+    env = Envelope(parts=[Part(content="question")], params=params)
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=plan(fake, protocol), budget=BUDGET, grant=USER_ONLY) as run, \
+                pytest.raises(FailoverExhausted) as ei:
+            run.turn(env)
+        skipped = json.dumps(ei.value.skipped)
+        assert "not approved for: tool_description" in skipped
+        assert next(iter(params)) in skipped  # the fix names the parameter
+        assert fake.requests == [] and led.timeline("t") == []
+        both = Grant(recipients={"fake": ["user_input", "tool_description"]})
+        with led.run("t2", plan=plan(fake, protocol), budget=BUDGET, grant=both) as run:
+            run.turn(env)
+        assert len(fake.requests) == 1 and "SECRET" in json.dumps(fake.requests[0].json)
