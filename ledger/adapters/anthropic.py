@@ -15,7 +15,9 @@ prefill: the answer continues it, and the
 result's text is the continuation only. ``max_tokens`` is required by the API:
 ``max_output_tokens`` or ``default_max_tokens`` (4096,
 :data:`~ledger.domain.envelope.DEFAULT_OUTPUT_TOKENS`, which the Run's hold also counts). The
-``stop`` parameter is sent as ``stop_sequences``.
+``stop`` parameter is sent as ``stop_sequences``; other parameters pass through, and disclosure
+preflight counts each ``mcp_servers`` entry's ``url`` as a recipient the grant must approve
+(:func:`~ledger.decide.preflight.param_disclosures`).
 
 Images and documents (binary parts) are content blocks of the user message: an image is an
 ``image`` block, a PDF a ``document`` block, each with a ``base64`` source of its bytes or a

@@ -30,7 +30,10 @@ came from this very route, and left out, with a note, otherwise: encrypted reaso
 only by the account and model that wrote it. Tools are ``{"type": "function",
 "name", "description", "parameters"}``, followed by the provider's built-in tools a host names
 in ``params["tools"]`` (``[{"type": "image_generation"}]`` asks for images; a function tool
-there is refused: it belongs in ``Envelope.tools``); ``max_output_tokens`` is sent as is; other
+there is refused: it belongs in ``Envelope.tools``; disclosure preflight counts a ``custom``
+tool's description as ``tool_description`` data and an ``mcp`` tool's server as a recipient the
+grant must approve, :func:`~ledger.decide.preflight.param_disclosures`); ``max_output_tokens``
+is sent as is; other
 parameters (``tool_choice``, ``reasoning``, ``temperature``, ``text``, ``include``, ...) pass
 through. With
 ``params["reasoning"]`` and no ``include``, the request asks for

@@ -19,10 +19,13 @@ Three independent claims must all hold before any Attempt is begun on a route:
    and so does not inherit the original's provenance. And no ``https://`` link a model or a
    tool chose (a ``model_derived`` or ``tool_result`` part, or one of an assistant's or a
    tool's role) is sent, covered or not: the provider would fetch it, and the link's host, whom
-   no grant names, would receive whatever the URL carries (:data:`OUTPUT_CLASSES`). Tool
-   definitions a parameter carries (the legacy ``functions``, a ``custom`` tool in
-   ``params["tools"]``) are ``tool_description`` data, as ``Envelope.tools`` are
-   (:func:`param_disclosures`).
+   no grant names, would receive whatever the URL carries (:data:`OUTPUT_CLASSES`). Two things
+   in ``Envelope.params`` count too (:func:`param_disclosures`): tool definitions a parameter
+   carries (the legacy ``functions``, a ``custom`` tool in ``params["tools"]``) are
+   ``tool_description`` data, as ``Envelope.tools`` are; and a server a parameter makes the
+   provider forward the conversation to (an ``mcp`` tool, Anthropic's ``mcp_servers``) is a
+   recipient of its own, which the grant must approve, by its URL, for every class in the
+   request.
 
 The request is either a full :class:`~ledger.domain.envelope.Envelope` plus the ledger's record of
 provenance (``ref -> recorded content hashes``), or a lighter :class:`RequestNeeds` whose parts
@@ -137,13 +140,27 @@ class MediaNeed:
 
 
 @dataclass(frozen=True, slots=True)
+class ForwardNeed:
+    """A server a request parameter makes the provider send the conversation to.
+
+    ``param`` names the parameter (``tools[0]``, ``mcp_servers[1]``); ``recipient`` is the
+    server as the grant names it (its URL, or an OpenAI connector's id), ``None`` when the
+    parameter does not say which server it is.
+    """
+
+    param: str
+    recipient: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestNeeds:
     """What a request requires of a route, without its content.
 
     ``None`` / ``False`` / empty means "no requirement". ``classes`` lists data classes present
     outside ``parts`` (e.g. tool descriptions) that the recipient must also be approved for;
     ``param_tools`` the parameters that carry tool definitions (their class is in
-    ``classes``).
+    ``classes``); ``forwards`` the third-party servers the provider would send the request's
+    content to, each of which the grant must approve for every class the request carries.
     """
 
     tools: bool = False
@@ -156,6 +173,7 @@ class RequestNeeds:
     classes: frozenset[str] = frozenset()
     media: tuple[MediaNeed, ...] = ()
     param_tools: tuple[str, ...] = ()
+    forwards: tuple[ForwardNeed, ...] = ()
 
     @property
     def data_classes(self) -> frozenset[str]:
@@ -430,7 +448,7 @@ def envelope_needs(
     digests: Sequence[str | None] = (
         part_hashes if part_hashes is not None else [None] * len(envelope.parts)
     )
-    param_tools = param_disclosures(envelope.params)
+    param_tools, forwards = param_disclosures(envelope.params)
     classes = {t.data_class for t in envelope.tools}
     if param_tools:
         classes.add(TOOL_DESCRIPTION)
@@ -448,6 +466,7 @@ def envelope_needs(
         classes=frozenset(classes),
         media=media_needs(envelope),
         param_tools=param_tools,
+        forwards=forwards,
     )
 
 
@@ -459,30 +478,57 @@ _HOST_TOOL_TYPES = frozenset({"function", "custom"})
 _HOST_TOOL_KEYS = frozenset({"description", "function", "parameters", "input_schema"})
 
 
-def param_disclosures(params: Mapping[str, Any]) -> tuple[str, ...]:
-    """The parameters of ``params`` that carry tool definitions (class ``tool_description``).
+def param_disclosures(params: Mapping[str, Any],
+                      ) -> tuple[tuple[str, ...], tuple[ForwardNeed, ...]]:
+    """What ``params`` disclose beyond the parts: tool definitions, and forwarding servers.
 
     Judged on the parameters whatever the route's protocol: a codec sends a parameter it does
-    not know as it is, so it reaches the recipient all the same. They are the legacy chat
-    ``functions``, and any entry of ``tools`` (on the Responses API, the parameter for
-    built-in tools) of type ``function`` or ``custom`` or carrying a description or a schema.
-    A stored prompt (Responses ``prompt``) or a cached content (Gemini ``cachedContent``) is
-    sent by reference: whatever tools it declares the provider holds already, and this request
-    discloses none.
+    not know as it is, so it reaches the recipient all the same.
+
+    Tool definitions (class ``tool_description``): the legacy chat ``functions``, and any entry
+    of ``tools`` (on the Responses API, the parameter for built-in tools) of type ``function``
+    or ``custom`` or carrying a description or a schema. Forwarding servers: a ``tools`` entry
+    of type ``mcp`` (its ``server_url``, or a connector's ``connector_id``) and every entry of
+    Anthropic's ``mcp_servers`` (its ``url``): the provider calls that server with what the
+    model takes from the conversation, so it receives the request's content. A stored prompt
+    (Responses ``prompt``) or a cached content (Gemini ``cachedContent``) is sent by reference:
+    whatever tools it declares the provider holds already, and this request discloses none.
 
     Returns:
-        The parameters carrying tool definitions (``functions``, ``tools[2]``), in order.
+        The parameters carrying tool definitions (``functions``, ``tools[2]``) and the
+        forwarding servers, in the order the parameters hold them.
     """
     defined: list[str] = []
+    forwards: list[ForwardNeed] = []
     if "functions" in params:
         defined.append("functions")
     tools = params.get("tools")
     for k, tool in enumerate(tools if isinstance(tools, list) else ()):
         if not isinstance(tool, Mapping):
             continue
-        if tool.get("type") in _HOST_TOOL_TYPES or not _HOST_TOOL_KEYS.isdisjoint(tool):
+        kind = tool.get("type")
+        if kind == "mcp":
+            forwards.append(ForwardNeed(f"tools[{k}]", _named(tool, "server_url",
+                                                              "connector_id")))
+        elif kind in _HOST_TOOL_TYPES or not _HOST_TOOL_KEYS.isdisjoint(tool):
             defined.append(f"tools[{k}]")
-    return tuple(defined)
+    servers = params.get("mcp_servers")
+    if servers is not None:
+        # Anything else in mcp_servers still names servers the provider would call: one the
+        # ledger cannot name is a recipient no grant approves.
+        entries = servers if isinstance(servers, list) else [servers]
+        for k, server in enumerate(entries):
+            url = _named(server, "url") if isinstance(server, Mapping) else None
+            forwards.append(ForwardNeed(f"mcp_servers[{k}]", url))
+    return tuple(defined), tuple(forwards)
+
+
+def _named(entry: Mapping[str, Any], *keys: str) -> str | None:
+    for key in keys:
+        value = entry.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def media_needs(envelope: Envelope) -> tuple[MediaNeed, ...]:
@@ -669,6 +715,7 @@ def _disclosure(
                 fix += (f", or leave the tool definitions of Envelope.params "
                         f"({', '.join(needs.param_tools)}) out of the request")
             out.append((f"recipient {recipient!r} is not approved for: {classes}", fix))
+    out.extend(_forwarded(needs, grant, denials))
     for i, p in enumerate(needs.parts):
         if not needs_cover(p.data_class, p.derived) or p.coverage is Coverage.OK:
             continue
@@ -696,6 +743,40 @@ def _output_links(needs: RequestNeeds) -> list[tuple[str, str]]:
              "(Part(data=..., media_type=..., data_class=...) of the class you decide, with "
              "recorded provenance unless it is user_input), or leave the part out")
             for m in needs.media if m.link and m.output]
+
+
+def _forwarded(needs: RequestNeeds, grant: Grant | None,
+               denials: Denials) -> list[tuple[str, str]]:
+    """The forwarding servers the request may not reach: each is a recipient of its own.
+
+    ``grant=None`` approves the plan's recipients only; a server named in a parameter is none.
+    """
+    out: list[tuple[str, str]] = []
+    wanted = sorted(needs.data_classes)
+    for f in needs.forwards:
+        where = f"Envelope.params {f.param}"
+        drop = (f"or drop {f.param} from Envelope.params (call the server yourself, as a tool "
+                "of Envelope.tools)")
+        if f.recipient is None:
+            out.append((f"{where} makes the provider send the conversation to a server it does "
+                        "not name by URL",
+                        f"name the server by its URL (server_url, url) and approve it in the "
+                        f"Run's Grant, {drop}"))
+            continue
+        if f.recipient in denials.recipients:
+            out.append((f"{where} sends the conversation to {f.recipient!r}, revoked in the "
+                        "current configuration", drop.removeprefix("or ")))
+            continue
+        unapproved = [c for c in wanted
+                      if grant is None or not grant.approves(f.recipient, c)]
+        if unapproved:
+            classes = ", ".join(unapproved)
+            whose = "the Run's grant" if grant is not None else "the Run (no grant: its plan's)"
+            out.append((f"{where} makes the provider send the conversation to "
+                        f"{f.recipient!r}, which {whose} does not approve for: {classes}",
+                        f"add {classes} to Grant.recipients[{f.recipient!r}] if that server may "
+                        f"receive them, {drop}"))
+    return out
 
 
 def _coverage_fix(verdict: Coverage, derived: bool) -> str:
@@ -808,6 +889,7 @@ __all__ = [
     "Check",
     "Coverage",
     "Denials",
+    "ForwardNeed",
     "MediaNeed",
     "PartNeed",
     "PreflightFailure",

@@ -352,6 +352,43 @@ def test_provider_built_in_tools_and_references_disclose_nothing_more() -> None:
                          role="r").ok, params
 
 
+MCP_URL = "https://third-party.example/mcp"
+
+
+@pytest.mark.parametrize("params", [
+    {"tools": [{"type": "mcp", "server_label": "x", "server_url": MCP_URL,
+                "require_approval": "never"}]},
+    {"mcp_servers": [{"type": "url", "url": MCP_URL, "name": "x"}]},
+])
+def test_a_server_params_make_the_provider_forward_to_is_a_recipient_the_grant_approves(
+        params: dict[str, object]) -> None:
+    env = Envelope(parts=[USER], params=params)
+    g = Grant(recipients={"deepseek": [USER_INPUT]})
+    [failure] = preflight(route(), env, grant=g, role="r").failures
+    assert failure.check is Check.DISCLOSURE
+    assert repr(MCP_URL) in failure.detail and "user_input" in failure.detail
+    assert f"Grant.recipients[{MCP_URL!r}]" in failure.fix and "drop" in failure.fix
+    # No grant approves only the plan's recipients, which the server is not.
+    assert preflight(route(), env, grant=None, role="r").checks == {Check.DISCLOSURE}
+    approved = Grant(recipients={"deepseek": [USER_INPUT], MCP_URL: [USER_INPUT]})
+    assert preflight(route(), env, grant=approved, role="r").ok
+    # The server needs every class the request carries, and a current denial revokes it.
+    derived = Envelope(parts=[USER, ANALYSIS], params=params)
+    both = Grant(recipients={"deepseek": [USER_INPUT, MODEL_DERIVED], MCP_URL: [USER_INPUT]})
+    [failure] = preflight(route(), derived, grant=both, role="r", provenance=RECORDED).failures
+    assert "does not approve for: model_derived" in failure.detail
+    den = Denials(recipients=frozenset({MCP_URL}))
+    assert not preflight(route(), env, grant=approved, role="r", denials=den).ok
+
+
+def test_a_forwarding_server_without_a_url_is_refused_whatever_the_grant() -> None:
+    for params in ({"tools": [{"type": "mcp", "server_label": "x"}]},
+                   {"mcp_servers": "https://third-party.example/mcp"}):
+        env = Envelope(parts=[USER], params=params)
+        [failure] = preflight(route(), env, grant=None, role="r").failures
+        assert "does not name by URL" in failure.detail, params
+
+
 def test_revoked_recipient_fails_although_the_frozen_grant_allows_it() -> None:
     den = Denials(recipients=frozenset({"deepseek"}))
     g = Grant(recipients={"deepseek": [USER_INPUT]})

@@ -1,6 +1,7 @@
 """Invariant 7 through ``Envelope.params``: what a parameter carries to a recipient (tool
-definitions) is disclosed as the parts and ``Envelope.tools`` are. Real HTTP over loopback,
-requests counted at the fake provider, on both backends.
+definitions) or makes the provider carry on (the conversation, to an MCP server) is disclosed
+as the parts and ``Envelope.tools`` are. Real HTTP over loopback, requests counted at the fake
+provider, on both backends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ _clear = fakeplan._clear
 
 BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
 USER_ONLY = Grant(recipients={"fake": ["user_input"]})
+MCP_URL = "https://third-party.example/mcp"
 
 
 @pytest.mark.parametrize(("protocol", "params"), [
@@ -48,3 +50,28 @@ def test_invariant7_tool_definitions_in_params_reach_no_recipient_unapproved_for
         with led.run("t2", plan=plan(fake, protocol), budget=BUDGET, grant=both) as run:
             run.turn(env)
         assert len(fake.requests) == 1 and "SECRET" in json.dumps(fake.requests[0].json)
+
+
+@pytest.mark.parametrize(("protocol", "params"), [
+    ("openai_responses", {"tools": [{"type": "mcp", "server_label": "x",
+                                     "server_url": MCP_URL, "require_approval": "never"}]}),
+    ("anthropic", {"mcp_servers": [{"type": "url", "url": MCP_URL, "name": "x"}]}),
+])
+def test_invariant7_no_request_makes_the_provider_forward_content_to_an_unapproved_server(
+        db_url: str, fake: FakeProvider, protocol: str, params: dict[str, Any]) -> None:
+    """An MCP server in the parameters receives the conversation from the provider: it is a
+    recipient of its own. Unless the grant approves its URL for every class the request
+    carries, nothing is sent (not even to the route's recipient, which is approved); once
+    approved, the request goes out with it."""
+    env = Envelope(parts=[Part(content="summarise my private data")], params=params)
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=plan(fake, protocol), budget=BUDGET, grant=USER_ONLY) as run, \
+                pytest.raises(FailoverExhausted) as ei:
+            run.turn(env)
+        skipped = json.dumps(ei.value.skipped)
+        assert MCP_URL in skipped and "does not approve for: user_input" in skipped
+        assert fake.requests == [] and led.timeline("t") == []
+        approved = Grant(recipients={"fake": ["user_input"], MCP_URL: ["user_input"]})
+        with led.run("t2", plan=plan(fake, protocol), budget=BUDGET, grant=approved) as run:
+            run.turn(env)
+        assert len(fake.requests) == 1 and MCP_URL in json.dumps(fake.requests[0].json)
