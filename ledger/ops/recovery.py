@@ -213,9 +213,12 @@ def recover(
     """Take over every Run whose executor lease expired; see the module docstring.
 
     A takeover interrupted by :class:`~ledger.errors.DatabaseUnavailable` is retried (it was
-    rolled back, or it committed and is then recognised as ours), waiting 0.1 s to 8 s
-    between tries; if the database stays away, the error is raised and a later pass resumes
-    where this one stopped. Several processes may recover at once.
+    rolled back, or it committed and is then recognised as this pass's by the Runs' latest
+    ``recover`` events, whose ``pass`` names the pass, whether the leases were kept or
+    released: those Runs are reported as recovered, with the Attempts that takeover marked
+    unknown, the holds it voided and the slots it freed), waiting 0.1 s to 8 s between tries;
+    if the database stays away, the error is raised and a later pass resumes where this one
+    stopped. Several processes may recover at once.
 
     Args:
         ledger: The :class:`~ledger.Ledger` (an :class:`~ledger.AsyncLedger` goes with
@@ -256,6 +259,9 @@ def recover(
                         fix="use a longer lease_ttl_s (or release the leases)")
     run_ids = None if run_ids is None else list(run_ids)
     executor = executor_id or new_id("recover")
+    # Names this pass in its recover events: how a retry knows a committed takeover as its own
+    # (an executor id may be reused by another pass, and a released lease names nobody).
+    pass_id = new_id("pass")
     sleeper = sleeper or SystemSleeper()
     now = ledger.now()
     report = RecoveryReport(executor=executor, now=now)
@@ -270,7 +276,7 @@ def recover(
             adopt = not first[0]  # a retry may find its own committed takeover
             first[0] = False
             return store.take_over(chunk, executor, lease_ttl_s, ledger.now(),
-                                   release=release, adopt=adopt)
+                                   release=release, pass_id=pass_id, adopt=adopt)
 
         taken, skipped = _retrying(attempt, sleeper, report)
         report.runs.extend(_to_run(t) for t in taken)

@@ -66,7 +66,7 @@ class Takeover:
     selected_route: str
     current_route: str | None
     status: str
-    adopted: bool = False  # already taken over by this executor (a retried, committed takeover)
+    adopted: bool = False  # already taken over by this pass (a retried, committed takeover)
 
 
 @dataclass
@@ -126,6 +126,36 @@ def _event_row(run_id: str, attempt_id: str | None, kind: str, data: Mapping[str
                now: float) -> dict[str, Any]:
     return {"run_id": run_id, "attempt_id": attempt_id, "kind": kind, "data": event_json(data),
             "created_at": now}
+
+
+def _own_takeovers(conn: Connection, rows: Mapping[str, Any], executor: str,
+                   pass_id: str) -> dict[str, dict[str, Any]]:
+    """The data of each run's latest ``recover`` event, for the runs of ``rows`` whose latest
+    takeover is this pass's and still stands (its fence is the run's). Neither the lease nor
+    the executor id tells: a released lease names nobody, and another pass may reuse the id."""
+    if not rows:
+        return {}
+    e = s.events.c
+    # The event stores its strings redacted: compare what it would have stored.
+    mine = json.loads(event_json({"executor": executor, "pass": pass_id}))
+    latest: dict[str, dict[str, Any]] = {}
+    for chunk in _chunks(sorted(rows)):
+        last = (select(func.max(e.event_id)).where(e.run_id.in_(chunk), e.kind == "recover")
+                .group_by(e.run_id))
+        for run_id, data in conn.execute(select(e.run_id, e.data)
+                                         .where(e.event_id.in_(last.scalar_subquery()))):
+            latest[run_id] = json.loads(data)
+    return {rid: data for rid, data in latest.items()
+            if data.get("pass") == mine["pass"] and data.get("executor") == mine["executor"]
+            and data.get("fence") == int(rows[rid].fence)}
+
+
+def _ids(data: Mapping[str, Any] | None, key: str) -> list[str]:
+    return [str(x) for x in (data or {}).get(key) or []]
+
+
+def _count(data: Mapping[str, Any] | None) -> int:
+    return int((data or {}).get("slots_released") or 0)
 
 
 def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
@@ -192,14 +222,18 @@ class RecoveryQueries:
         return sorted(found, key=lambda rid: (found[rid], rid))[:limit]
 
     def take_over(self, run_ids: Sequence[str], executor: str, ttl_s: float, now: float,
-                  *, release: bool, adopt: bool = False) -> tuple[list[Takeover], list[str]]:
+                  *, release: bool, pass_id: str,
+                  adopt: bool = False) -> tuple[list[Takeover], list[str]]:
         """Take the expired runs of ``run_ids`` over for ``executor`` in one transaction: new
         fences, dispatching Attempts unknown (holds kept), unsent holds voided (an ended Child
         gives what that releases back to its parent), slots freed (once committed, each wakes
         a waiter of its group in this process); the new lease lasts ``ttl_s`` (or is released
-        at once with ``release``). ``adopt`` also reports runs this executor already took over
-        (a retried takeover whose commit landed). Returns the takeovers and the runs not (or no
-        longer) to take."""
+        at once with ``release``). Each ``recover`` event carries ``pass_id``, the recovery
+        pass's id. ``adopt`` also reports the runs this pass already took over (a retried
+        takeover whose commit landed), found by their latest ``recover`` event (this pass's,
+        under the run's current fence) whether the lease was kept or released, with what that
+        takeover marked unknown, voided and freed. Returns the takeovers and the runs not (or
+        no longer) to take."""
         r = s.runs.c
         a = s.attempts.c
         d = s.debits.c
@@ -207,12 +241,14 @@ class RecoveryQueries:
         with self.ctx.writing() as conn:
             q = self.ctx.claiming(select(s.runs).where(r.run_id.in_(list(run_ids))))
             rows = {row.run_id: row for row in conn.execute(q)}
+            ours = _own_takeovers(conn, rows, executor, pass_id) if adopt else {}
             take = [rows[i] for i in run_ids if i in rows and _expired(rows[i], now)]
-            # A takeover of ours whose commit succeeded but whose acknowledgement was lost.
+            # A takeover of this pass whose commit succeeded but whose acknowledgement was lost:
+            # its lease still held, or released (a released lease names nobody, so only the
+            # event can tell).
             adopted = [rows[i] for i in run_ids
-                       if adopt and i in rows and not _expired(rows[i], now)
-                       and rows[i].lease_holder == executor
-                       and (rows[i].lease_expires_at or 0) > now]
+                       if i in ours and not _expired(rows[i], now)
+                       and rows[i].lease_holder in (None, executor)]
             ids = [row.run_id for row in take]
             fence = {row.run_id: int(row.fence) + 1 for row in take}
             in_flight: dict[str, list[str]] = {i: [] for i in ids}
@@ -283,6 +319,7 @@ class RecoveryQueries:
                     "previous_fence": int(row.fence), "fence": fence[row.run_id],
                     "unknown": in_flight[row.run_id], "voided": voided[row.run_id],
                     "slots_released": slots[row.run_id], "released": release,
+                    "pass": pass_id,
                 }, now) for row in take]
                 conn.execute(s.events.insert(), events)
             reported = ids + [row.run_id for row in adopted]
@@ -297,21 +334,32 @@ class RecoveryQueries:
                     .where(a.run_id.in_(reported)).order_by(a.run_id, a.seq)
                 ):
                     timelines[x.run_id].append(attempt_record(x, x.debit_state))
+            # A run this pass took over before, and now again (its kept lease expired while
+            # the retry waited): what the pass did to it is both takeovers' work.
+            before = {row.run_id: ours[row.run_id] for row in take if row.run_id in ours}
             out = [Takeover(
-                run_id=row.run_id, previous_executor=row.lease_holder,
-                previous_fence=int(row.fence),
+                run_id=row.run_id,
+                previous_executor=before[row.run_id].get("previous")
+                if row.run_id in before else row.lease_holder,
+                previous_fence=int(before[row.run_id].get("previous_fence", row.fence)
+                                   if row.run_id in before else row.fence),
                 lease=None if release else Lease(row.run_id, executor, fence[row.run_id],
                                                  now + ttl_s),
-                fence=fence[row.run_id], newly_unknown=in_flight[row.run_id],
-                voided=voided[row.run_id], slots_released=slots[row.run_id],
+                fence=fence[row.run_id],
+                newly_unknown=_ids(before.get(row.run_id), "unknown") + in_flight[row.run_id],
+                voided=_ids(before.get(row.run_id), "voided") + voided[row.run_id],
+                slots_released=_count(before.get(row.run_id)) + slots[row.run_id],
                 attempts=timelines[row.run_id], selected_route=after[row.run_id].selected_route,
                 current_route=after[row.run_id].current_route, status=after[row.run_id].status,
             ) for row in take]
             out += [Takeover(
-                run_id=row.run_id, previous_executor=row.lease_holder,
-                previous_fence=int(row.fence),
-                lease=Lease(row.run_id, executor, int(row.fence), row.lease_expires_at),
-                fence=int(row.fence), newly_unknown=[], voided=[], slots_released=0,
+                run_id=row.run_id, previous_executor=ours[row.run_id].get("previous"),
+                previous_fence=int(ours[row.run_id].get("previous_fence", 0)),
+                lease=None if row.lease_holder is None
+                else Lease(row.run_id, executor, int(row.fence), row.lease_expires_at),
+                fence=int(row.fence), newly_unknown=_ids(ours[row.run_id], "unknown"),
+                voided=_ids(ours[row.run_id], "voided"),
+                slots_released=_count(ours[row.run_id]),
                 attempts=timelines[row.run_id], selected_route=row.selected_route,
                 current_route=row.current_route, status=row.status, adopted=True,
             ) for row in adopted]

@@ -11,7 +11,7 @@ from ledger import faults
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, DebitState
-from ledger.errors import FencedOut, InvalidArgument
+from ledger.errors import DatabaseUnavailable, FencedOut, InvalidArgument
 from ledger.faults import FaultInjected
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import arecover, recover
@@ -236,4 +236,96 @@ def test_recovery_repair_of_a_never_sent_hold_releases_its_token_reserve_too(
     assert (r.reserved, r.tokens_reserved) == (Decimal("0.05"), 20)
     books = reconcile(led)
     assert books.ok, books.violations
+    led.close()
+
+
+def _lose_ack(_name: str) -> None:
+    raise DatabaseUnavailable("simulated: the connection was lost after COMMIT")
+
+
+class _SlowSleeper:
+    """Waits ``extra`` seconds longer than asked: a retry that outlasts the kept lease."""
+
+    def __init__(self, clock: ManualClock, extra: float) -> None:
+        self.clock, self.extra = clock, extra
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.advance(seconds + self.extra)
+
+
+@pytest.mark.parametrize(("release", "late"), [(False, 0.0), (True, 0.0), (False, 31.0)],
+                         ids=["keep-lease", "release", "kept-lease-expired-meanwhile"])
+def test_a_takeover_whose_acknowledgement_is_lost_is_reported_as_the_recoverers_own(
+        db_url: str, release: bool, late: float) -> None:
+    """The takeover committed, then DatabaseUnavailable: the in-pass retry reports the Runs as
+    taken over by this pass, with the Attempts it marked unknown, the holds it voided and the
+    slots it freed, whether it kept the leases or released them (the command's default), and
+    also when the kept lease expired before the retry and the retry took the Runs again."""
+    clock = ManualClock()
+    led = Ledger.open(db_url, clock=clock, executor_id="worker-1")
+    led.configure_group("g", max_in_flight=5)
+    inflight: dict[str, list[str]] = {}
+    fences: dict[str, int] = {}
+    for i, n in enumerate((1, 1, 2)):
+        run_id = f"r{i}"
+        led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease(run_id, ttl_s=10)
+        fences[run_id] = lease.fence
+        if i == 2:
+            stray_never_sent_hold(led, lease, "not_sent")
+        inflight[run_id] = [led.begin_attempt(lease, route="a", envelope_hash=f"sha256:{i}{k}",
+                                              reserve="0.01", turn_id=f"t{k}").attempt_id
+                            for k in range(n)]
+    clock.advance(11)
+    faults.arm("recover.after_commit", _lose_ack)
+    try:
+        rep = recover(led, executor_id="rec", release=release, lease_ttl_s=30,
+                      sleeper=_SlowSleeper(clock, late))
+    finally:
+        faults.disarm()
+    assert rep.retries == 1 and rep.skipped == []
+    assert sorted(r.run_id for r in rep.runs) == sorted(inflight)
+    assert rep.unknown_attempts == 4
+    takeovers = 2 if late else 1  # a kept lease that expired was taken again, by this pass
+    for r in rep.runs:
+        event, *_ = led.events(r.run_id, ["recover"])
+        assert len(_) == takeovers - 1
+        assert r.newly_unknown == inflight[r.run_id] == event.data["unknown"]
+        assert r.voided == event.data["voided"] and len(r.voided) == (r.run_id == "r2")
+        assert r.slots_released == len(inflight[r.run_id]) == event.data["slots_released"]
+        assert (r.previous_executor, r.previous_fence) == ("worker-1", fences[r.run_id])
+        assert r.fence == fences[r.run_id] + takeovers == led.get_run(r.run_id).fence
+        assert (r.lease is None) is release
+        if r.lease is not None:
+            assert (r.lease.executor, r.lease.fence) == ("rec", r.fence)
+    assert reconcile(led).violations == []
+    led.close()
+
+
+def test_a_takeover_by_another_pass_under_the_same_executor_id_is_not_adopted(
+        db_url: str) -> None:
+    """A retry adopts only its own pass's takeovers: a Run another pass (reusing the executor
+    id) took over between the listing and the retried claim is skipped, not reported as ours."""
+    clock = ManualClock()
+    led = Ledger.open(db_url, clock=clock, executor_id="worker-1")
+    for run_id in ("p1", "p2"):
+        led.admit_run(run_id, plan=routes(), budget=budget(), grant=grant())
+        lease = led.acquire_lease(run_id, ttl_s=10)
+        led.begin_attempt(lease, route="a", envelope_hash="sha256:1", reserve="0.01")
+    clock.advance(11)
+
+    def meanwhile(done: int, _total: int) -> None:
+        if done == 1:  # after the first batch: another pass takes p2 over, then a lost commit
+            other = recover(led, executor_id="rec", run_ids=["p2"], lease_ttl_s=60)
+            assert [r.run_id for r in other.runs] == ["p2"]
+            faults.arm("recover.before_commit", _lose_ack)
+
+    try:
+        rep = recover(led, executor_id="rec", batch=1, progress=meanwhile, sleeper=clock)
+    finally:
+        faults.disarm()
+    assert rep.retries == 1
+    assert [r.run_id for r in rep.runs] == ["p1"] and rep.skipped == ["p2"]
+    assert rep.unknown_attempts == 1
+    assert len(led.events("p2", ["recover"])) == 1
     led.close()
