@@ -50,6 +50,12 @@ CARRIED_HOUR = -(1 << 40)
 OPEN_STATES = (AttemptState.DISPATCHING.value,)
 #: The statuses of a Run that may still change what it counts; ``run_rollups`` keeps the others.
 LIVE_STATUSES = (RunStatus.ADMITTED.value, RunStatus.RUNNING.value)
+#: PostgreSQL: the first key of an hour's advisory lock, ``(PG_HOUR_LOCK, hour % 2^31)``
+#: (PostgreSQL's ``%``, keeping the sign): the triggers of migrations 0011 and 0013 take it
+#: shared for each row they see written, a roll-up exclusive before it reads the hour
+#: (:meth:`~ledger.storage.context.SqlContext.lock_hour`), and retention shared before it
+#: moves rows (:mod:`ledger.storage.retention`).
+PG_HOUR_LOCK = 7894
 
 
 def hour_of(t: float) -> int:
@@ -242,6 +248,6 @@ def bucketed_split(conn: Any, since: float | None, until: float | None, width: f
     return hours if hours.stretches else None
 
 
-__all__ = ["CARRIED_HOUR", "DAY_HOURS", "HOUR", "LIVE_STATUSES", "OPEN_STATES", "Split",
-           "bucketed_split", "first_hour_from", "hour_of", "hours_in", "rolled_stretches",
+__all__ = ["CARRIED_HOUR", "DAY_HOURS", "HOUR", "LIVE_STATUSES", "OPEN_STATES", "PG_HOUR_LOCK",
+           "Split", "bucketed_split", "first_hour_from", "hour_of", "hours_in", "rolled_stretches",
            "rollup_sums", "split", "summed", "time_range"]

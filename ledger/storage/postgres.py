@@ -30,6 +30,7 @@ from ledger.storage.context import RowMap, SqlContext
 from ledger.storage.driver import PgDriver
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
+from ledger.storage.hours import PG_HOUR_LOCK
 from ledger.storage.pgpool import PgPool, own_pids
 from ledger.storage.store import Store
 from ledger.storage.wake import LISTEN_CHECK_S, Stopping
@@ -119,7 +120,7 @@ class PostgresContext(SqlContext):
 
     #: The first key of the hour locks (``pg_advisory_xact_lock(7894, hour % 2^31)``) the
     #: trigger of migration 0011 takes shared for each attempt it sees written.
-    HOUR_LOCK = 7894
+    HOUR_LOCK = PG_HOUR_LOCK
 
     def lock_hour(self, conn: Connection, hour: int, *, wait: bool = True) -> bool:
         """The hour's advisory lock, exclusive: writes to its attempts wait (their trigger

@@ -4,7 +4,8 @@ On PostgreSQL the history (``attempts``, ``events``) is partitioned by month
 (:mod:`ledger.storage.partitions`) and retention drops whole partitions: each one whose month
 ends at or before the cut-off is dropped, unless a row of a *held* Run is inside.
 Rows of such old months that sit in a default partition (written while their month had no
-partition) are first moved into a partition of their own.
+partition) are first moved into a partition of their own; the moves fire the roll-ups' row
+triggers, so their hours' locks are taken (shared) before the tables' (:func:`_split_default`).
 On SQLite, which has no partitions, it deletes the same rows one by one: those older than the
 cut-off whose Run is not held. Either way, in one transaction with a ``retention`` event that
 records who, why, the cut-off and what went; on SQLite in slices of the old history, oldest
@@ -59,7 +60,7 @@ from ledger.storage import partitions as parts
 from ledger.storage import schema as s
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.encode import event_json
-from ledger.storage.hours import CARRIED_HOUR, DAY_HOURS, hour_of, time_range
+from ledger.storage.hours import CARRIED_HOUR, DAY_HOURS, PG_HOUR_LOCK, hour_of, time_range
 from ledger.storage.rollups import FOLDED, fold_rows, roll_counts
 from ledger.storage.series import metric_counts
 
@@ -161,7 +162,7 @@ class RetentionQueries:
             cutoff = now - older_than_s
             months = _default_months(conn, cutoff)
             if not dry_run:
-                _split_default(conn, months)
+                _split_default(conn, months, self.ctx.where)
             dropped: list[HistoryPart] = []
             kept: list[HistoryPart] = []
             # First every check, each old partition locked against inserts (only a write
@@ -384,14 +385,67 @@ def _default_months(conn: Connection, cutoff: float) -> list[tuple[str, int, int
     return todo
 
 
-def _split_default(conn: Connection, months: list[tuple[str, int, int]]) -> None:
+def _split_default(conn: Connection, months: list[tuple[str, int, int]], where: str) -> None:
     """Give each of ``months`` (:func:`_default_months`) its own partition, so retention can
-    drop it like any other: rows never stay in a default partition for ever."""
-    if months:
-        # A new partition of attempts locks runs too (its foreign key): all of them first.
-        _lock_as_writers_do(conn)
+    drop it like any other: rows never stay in a default partition for ever.
+
+    Moving a month's rows fires the roll-ups' row triggers (migrations 0011, 0013), each of
+    which takes its row's hour lock shared, waiting for a roll-up that holds it exclusive;
+    that roll-up then reads ``attempts``, which retention holds from
+    :func:`_lock_as_writers_do` on: a deadlock. So the hours are taken first, before any
+    table lock (:func:`_hold_hours`), and the triggers find them held."""
+    if not months:
+        return
+    _hold_hours(conn, months, wait=True)
+    # A new partition of attempts locks runs too (its foreign key): all of them first.
+    _lock_as_writers_do(conn)
+    # A row written into an old month since (a writer with a clock months behind) may be in
+    # an hour not taken: taken now without waiting, since waiting here, holding the tables,
+    # is the deadlock above.
+    if not _hold_hours(conn, months, wait=False):
+        raise DatabaseUnavailable(
+            f"database {where}: a roll-up held an hour of the old months that retention moves "
+            "out of the default partition, and a write had just added a row to it; nothing "
+            "was dropped or recorded; run it again once the roll-up is done",
+            url=where, contention="55P03")
     for table, y, m in months:
         parts.create_partition(conn, table, y, m)
+
+
+# The hour of a row's ``created_at``, as the triggers compute it (floor of the quotient, less
+# one where it was rounded up to the next hour), and the key of its lock (as an int4, with
+# PostgreSQL's sign-keeping ``%``, as the triggers and ``lock_hour`` make it).
+_PG_HOUR = "floor(created_at / 3600)::bigint - (floor(created_at / 3600) * 3600 > created_at)::int"
+_PG_HOUR_KEY = f"{PG_HOUR_LOCK}, (h % 2147483648)::integer"
+
+
+def _hold_hours(conn: Connection, months: list[tuple[str, int, int]], *, wait: bool) -> bool:
+    """Take, shared, the hour lock of every hour holding a row of ``months`` in a default
+    partition that moving it fires a trigger for (every attempt; the events of
+    :data:`~ledger.storage.schema.ROLLED_EVENTS`), in one statement, ascending. With ``wait``
+    it waits for a roll-up holding one (up to the lock timeout); without, it returns whether
+    all are held now (those this transaction holds already always are). The hours that hold
+    rows, not the months' every hour: as many locks as the triggers take anyway (the
+    server's lock table is shared and bounded, ``max_locks_per_transaction``)."""
+    picks = []
+    args: dict[str, Any] = {"rolled": list(s.ROLLED_EVENTS)}
+    for table in parts.PARTITIONED:
+        spans = []
+        for i, (t, y, m) in enumerate(months):
+            if t == table:
+                args[f"lo{i}"], args[f"hi{i}"] = parts.month_range(y, m)
+                spans.append(f"(created_at >= :lo{i} AND created_at < :hi{i})")
+        if spans:
+            kinds = "kind = ANY(:rolled) AND " if table == "events" else ""
+            picks.append(f'SELECT {_PG_HOUR} AS h FROM "{table}_default" '
+                         f"WHERE {kinds}({' OR '.join(spans)})")
+    take = "pg_advisory_xact_lock_shared" if wait else "pg_try_advisory_xact_lock_shared"
+    # count() of a void function counts its calls; bool_and() whether every one was granted.
+    agg = "count" if wait else "bool_and"
+    held = conn.execute(text(
+        f"SELECT {agg}({take}({_PG_HOUR_KEY})) FROM ("
+        f"SELECT h FROM ({' UNION '.join(picks)}) AS u ORDER BY h) AS x"), args).scalar_one()
+    return wait or held is not False
 
 
 def _old_partitions(conn: Connection, table: str, cutoff: float,

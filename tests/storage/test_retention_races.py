@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, text
 
-from ledger import Ledger
+from ledger import Budget, Ledger
 from ledger.clock import ManualClock
 from ledger.errors import DatabaseUnavailable
 from ledger.ops.audit import Audit
 from ledger.ops.reconcile import reconcile
+from ledger.storage.engine import normalize_url
+from ledger.storage.hours import PG_HOUR_LOCK, hour_of
 from tests.audit.test_retention_metrics import (
     DAY,
     END,
@@ -28,8 +31,8 @@ from tests.audit.test_retention_metrics import (
 )
 from tests.audit.test_rollups import _metrics, _sql
 
-from .helpers import collect, spawn
-from .test_history_scales import _dump, _history, _t
+from .helpers import collect, spawn, sql_context
+from .test_history_scales import HASH, ROUTE, _dump, _history, _t
 
 
 def _at_once(url: str, tmp_path: Path, n: int = 2) -> list[dict[str, Any]]:
@@ -167,3 +170,135 @@ def test_a_missing_history_partition_is_retryable_not_an_outdated_schema(
         told = ledger_error(refused(pg_empty_url, sql), "db")
         assert isinstance(told, DatabaseSetupError), told
         assert told.fields["problem"] == "schema_outdated"
+
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("held", ["attempt", "move"])
+def test_retention_takes_the_hour_locks_of_default_rows_before_the_tables_no_deadlock(
+        pg_url: str, held: str) -> None:
+    """Moving an old month's rows out of the default partition fires the roll-ups' row
+    triggers (every attempt; a ``move``), each taking its row's hour lock shared. A roll-up
+    holding one of those hours exclusive, then reading ``attempts``, would wait for
+    retention's table locks while retention's trigger waited for the roll-up: retention takes
+    the hours first, before any table lock, so it waits for the roll-up (which holds nothing
+    retention needs) and the two go one after the other; neither is a deadlock's victim."""
+    now = _t(2026, 8, 5)
+    clock = ManualClock(now)  # opened in August: January gets no partition of its own
+    with Ledger.open(pg_url, clock=clock) as led:
+        clock.set(_t(2026, 1))
+        led.admit_run("old", plan=[ROUTE], budget=Budget(max_calls=9, max_retries=0,
+                                                          max_cost=1))
+        lease = led.acquire_lease("old", ttl_s=DAY)
+        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+        clock.set(_t(2026, 1) + 3 * 3600)  # a host's own move, in an hour without attempts
+        led.append_event(lease, "move", {"from_route": "a", "to_route": "b"})
+        led.finish_run(lease, "succeeded")
+        led.release_lease(lease)
+        clock.set(now)
+        assert {r[0] for r in _sql(pg_url, "SELECT tableoid::regclass::text FROM attempts "
+                                   "UNION SELECT tableoid::regclass::text FROM events "
+                                   "WHERE kind = 'move'")} == {"attempts_default",
+                                                               "events_default"}
+        hour = hour_of(_t(2026, 1) + (0 if held == "attempt" else 3 * 3600))
+        engine = create_engine(normalize_url(pg_url))
+
+        def waiting() -> bool:  # a session waits for an hour lock
+            with engine.connect() as c:
+                return bool(c.execute(text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND NOT granted AND classid = :k"), {"k": PG_HOUR_LOCK}).scalar_one())
+
+        pool = ThreadPoolExecutor(1)
+        try:
+            with engine.connect() as rollup:  # a roll-up of the hour, locked as rollups.py does
+                rollup.execute(text("SET LOCAL statement_timeout = '60s'"))
+                assert sql_context(led).lock_hour(rollup, hour)
+                ret = pool.submit(led.drop_history, 90 * DAY, by="ops", reason="90 days")
+                deadline = time.monotonic() + 60
+                while not (waiting() or ret.done()):
+                    assert time.monotonic() < deadline, "retention never waited for the hour"
+                    time.sleep(0.01)  # polling another session's lock wait, not passing time
+                assert not ret.done(), ret.exception()
+                # The roll-up reads its hour: no table lock of retention's is in its way.
+                assert rollup.execute(text(
+                    "SELECT count(*) FROM attempts WHERE run_id = 'old'")).scalar_one() == 1
+                rollup.commit()
+            report = ret.result(60)
+        finally:
+            pool.shutdown(wait=True)
+            engine.dispose()
+        assert report.rows("attempts") == 1, report
+        assert {p.partition for p in report.dropped} == {"attempts_p202601", "events_p202601"}
+        assert _sql(pg_url, "SELECT count(*) FROM attempts WHERE run_id = 'old'") == [(0,)]
+        books = reconcile(led)
+        assert books.ok, books.violations
+
+
+@pytest.mark.postgres
+def test_retention_refuses_an_hour_written_into_after_it_took_the_hours_rather_than_wait(
+        pg_url: str, monkeypatch: Any) -> None:
+    """A row written into an old month's default partition after retention took the hours
+    of its rows (a writer with a clock months behind), in an hour a roll-up then holds: with
+    the tables locked, retention does not wait for that hour (the roll-up's read would wait
+    for retention: a deadlock); it fails typed, changes nothing, and the next run goes
+    through."""
+    from ledger.storage import retention
+
+    now = _t(2026, 8, 5)
+    clock = ManualClock(now)  # opened in August: January gets no partition of its own
+    late = _t(2026, 1) + 5 * 3600
+    engine = create_engine(normalize_url(pg_url))
+    rollup = engine.connect()
+    take = retention._lock_as_writers_do
+
+    once: list[bool] = []
+
+    def written_meanwhile(conn: Any) -> None:
+        if not once:  # the first run only
+            once.append(True)
+            with engine.begin() as writer:  # a move of the old Run, in an hour of its own
+                writer.execute(text(
+                    "INSERT INTO events (run_id, kind, data, created_at) "
+                    "VALUES ('old', 'move', '{}', :t)"), {"t": late})
+            assert sql_context(led).lock_hour(rollup, hour_of(late))  # then rolled up
+        take(conn)
+
+    monkeypatch.setattr(retention, "_lock_as_writers_do", written_meanwhile)
+    pool = ThreadPoolExecutor(1)
+    try:
+        with Ledger.open(pg_url, clock=clock) as led:
+            clock.set(_t(2026, 1))
+            led.admit_run("old", plan=[ROUTE], budget=Budget(max_calls=9, max_retries=0,
+                                                              max_cost=1))
+            lease = led.acquire_lease("old", ttl_s=DAY)
+            att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+            led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+            led.finish_run(lease, "succeeded")
+            led.release_lease(lease)
+            clock.set(now)
+            ret = pool.submit(led.drop_history, 90 * DAY, by="ops", reason="90 days")
+            deadline = time.monotonic() + 60
+            while not ret.done() and not _sql(pg_url, (
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                    f"AND NOT granted AND classid = {PG_HOUR_LOCK}"))[0][0]:
+                assert time.monotonic() < deadline, "retention neither waited nor ended"
+                time.sleep(0.01)  # polling another session's lock wait, not passing time
+            # The roll-up reads its hour (it would wait for retention's table locks).
+            assert rollup.execute(text(
+                "SELECT count(*) FROM events WHERE kind = 'move'")).scalar_one() == 1
+            rollup.commit()
+            with pytest.raises(DatabaseUnavailable) as ei:
+                ret.result(60)
+            assert ei.value.fields["contention"] == "55P03", ei.value
+            assert "roll-up" in str(ei.value) and "nothing was dropped" in str(ei.value)
+            assert Audit(led).actions(kinds=["retention"]).items == []
+            assert _sql(pg_url, "SELECT count(*) FROM attempts") == [(1,)]
+            # Run again (the roll-up done): it goes through.
+            report = led.drop_history(90 * DAY, by="ops", reason="90 days")
+            assert report.rows("attempts") == 1 and report.rows("events") > 1
+    finally:
+        pool.shutdown(wait=True)
+        rollup.close()
+        engine.dispose()
