@@ -80,7 +80,7 @@ class RunRecovery:
         fence: The Run's new fence.
         lease: The recovering executor's new lease (``None`` with ``release=True``).
         newly_unknown: Attempts this pass marked unknown (their holds kept).
-        voided: Attempts whose provably unsent holds this pass voided.
+        voided: The debits (ids) of provably unsent Attempts whose holds this pass voided.
         slots_released: Capacity slots of the dead executor released.
         settled: The Run's Attempts that succeeded or failed.
         unknown: The Run's unknown Attempts (never sent again).

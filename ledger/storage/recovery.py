@@ -158,26 +158,6 @@ def _count(data: Mapping[str, Any] | None) -> int:
     return int((data or {}).get("slots_released") or 0)
 
 
-def _report(conn: Connection, row: Any, old_holder: str | None, old_fence: int,
-            unknown: list[str], voided: list[str], slots: int, lease: Lease | None,
-            adopted: bool = False) -> Takeover:
-    a = s.attempts.c
-    d = s.debits.c
-    rows = conn.execute(
-        select(s.attempts, d.state.label("debit_state"))
-        .join(s.debits, d.debit_id == a.debit_id)
-        .where(a.run_id == row.run_id).order_by(a.seq)
-    ).all()
-    return Takeover(
-        run_id=row.run_id, previous_executor=old_holder, previous_fence=old_fence,
-        lease=lease, fence=int(row.fence), newly_unknown=list(unknown), voided=list(voided),
-        slots_released=int(slots or 0),
-        attempts=[attempt_record(x, x.debit_state) for x in rows],
-        selected_route=row.selected_route, current_route=row.current_route, status=row.status,
-        adopted=adopted,
-    )
-
-
 CLOSE_UNKNOWN_REASON = "closed: dispatched without a receipt (the Run was closed)"
 
 
