@@ -22,8 +22,7 @@ def to_micros(amount: Decimal | int | float | str) -> int:
     Rounded up so a hold never under-reserves and a cost is never under-counted. A budget
     limit is converted with :func:`limit_micros` instead.
     """
-    d = Decimal(str(amount)) * MICROS
-    return int(d.to_integral_value(rounding="ROUND_CEILING"))
+    return _micros(amount, "ROUND_CEILING")
 
 
 def limit_micros(amount: Decimal | int | float | str) -> int:
@@ -32,8 +31,11 @@ def limit_micros(amount: Decimal | int | float | str) -> int:
     Rounded down because holds and costs round up: a limit rounded up would let a Run reserve
     and post more than the budget it was given (``max_cost="0.0000015"`` would allow 2 micros).
     """
-    d = Decimal(str(amount)) * MICROS
-    return int(d.to_integral_value(rounding="ROUND_FLOOR"))
+    return _micros(amount, "ROUND_FLOOR")
+
+
+def _micros(amount: Decimal | int | float | str, rounding: str) -> int:
+    return int((Decimal(str(amount)) * MICROS).to_integral_value(rounding=rounding))
 
 
 def from_micros(micros: int) -> Decimal:

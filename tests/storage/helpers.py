@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from ledger import Ledger
+from ledger.domain.envelope import Envelope
 from ledger.domain.values import Budget, Grant, Price, Route
+from ledger.errors import DatabaseUnavailable
 from ledger.storage.context import SqlContext
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,3 +129,43 @@ def stray_never_sent_hold(led: Any, lease: Any, state: str, *, tokens: int = 40)
             reserved_micros=r.reserved_micros + to_micros(a.reserved),
             tokens_reserved=r.tokens_reserved + tokens))
     return str(a.attempt_id)
+
+
+def session_failing_once(led: Any, terms: dict[str, Any], envelope: Envelope, again: str,
+                         failed: Callable[[DatabaseUnavailable], None],
+                         around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                         ) -> BaseException | None:
+    """Run ``r``'s session (``led`` a ``Ledger`` or an ``AsyncLedger``) inside ``around()``:
+    its first turn raises :class:`DatabaseUnavailable`, handed to ``failed``; with ``again ==
+    "next_turn"`` a second turn follows, otherwise the error leaves the block. What the block
+    raised (a ``DatabaseUnavailable``), or ``None``."""
+    if isinstance(led, Ledger):
+        try:
+            with around(), led.run("r", **terms) as run:
+                try:
+                    run.turn(envelope)
+                except DatabaseUnavailable as e:
+                    failed(e)
+                    if again != "next_turn":
+                        raise
+                    run.turn(envelope)
+        except DatabaseUnavailable as e:
+            return e
+        return None
+
+    async def main() -> BaseException | None:
+        try:
+            with around():
+                async with led.run("r", **terms) as run:
+                    try:
+                        await run.turn(envelope)
+                    except DatabaseUnavailable as e:
+                        failed(e)
+                        if again != "next_turn":
+                            raise
+                        await run.turn(envelope)
+        except DatabaseUnavailable as e:
+            return e
+        return None
+
+    return asyncio.run(main())

@@ -173,6 +173,23 @@ def test_a_missing_history_partition_is_retryable_not_an_outdated_schema(
 
 
 
+def _old_run(led: Ledger, clock: ManualClock, now: float, *, move: bool = False) -> None:
+    """A finished Run "old" of January 2026 with one succeeded Attempt (and, with ``move``, a
+    host's own ``move`` three hours later, in an hour without attempts); the clock back at
+    ``now``."""
+    clock.set(_t(2026, 1))
+    led.admit_run("old", plan=[ROUTE], budget=Budget(max_calls=9, max_retries=0, max_cost=1))
+    lease = led.acquire_lease("old", ttl_s=DAY)
+    att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
+    led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
+    if move:
+        clock.set(_t(2026, 1) + 3 * 3600)
+        led.append_event(lease, "move", {"from_route": "a", "to_route": "b"})
+    led.finish_run(lease, "succeeded")
+    led.release_lease(lease)
+    clock.set(now)
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("held", ["attempt", "move"])
 def test_retention_takes_the_hour_locks_of_default_rows_before_the_tables_no_deadlock(
@@ -186,17 +203,7 @@ def test_retention_takes_the_hour_locks_of_default_rows_before_the_tables_no_dea
     now = _t(2026, 8, 5)
     clock = ManualClock(now)  # opened in August: January gets no partition of its own
     with Ledger.open(pg_url, clock=clock) as led:
-        clock.set(_t(2026, 1))
-        led.admit_run("old", plan=[ROUTE], budget=Budget(max_calls=9, max_retries=0,
-                                                          max_cost=1))
-        lease = led.acquire_lease("old", ttl_s=DAY)
-        att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
-        led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
-        clock.set(_t(2026, 1) + 3 * 3600)  # a host's own move, in an hour without attempts
-        led.append_event(lease, "move", {"from_route": "a", "to_route": "b"})
-        led.finish_run(lease, "succeeded")
-        led.release_lease(lease)
-        clock.set(now)
+        _old_run(led, clock, now, move=True)  # its move in an hour without attempts
         assert {r[0] for r in _sql(pg_url, "SELECT tableoid::regclass::text FROM attempts "
                                    "UNION SELECT tableoid::regclass::text FROM events "
                                    "WHERE kind = 'move'")} == {"attempts_default",
@@ -269,15 +276,7 @@ def test_retention_refuses_an_hour_written_into_after_it_took_the_hours_rather_t
     pool = ThreadPoolExecutor(1)
     try:
         with Ledger.open(pg_url, clock=clock) as led:
-            clock.set(_t(2026, 1))
-            led.admit_run("old", plan=[ROUTE], budget=Budget(max_calls=9, max_retries=0,
-                                                              max_cost=1))
-            lease = led.acquire_lease("old", ttl_s=DAY)
-            att = led.begin_attempt(lease, route="a", envelope_hash=HASH, reserve="0.01")
-            led.settle_attempt(lease, att.attempt_id, outcome="succeeded")
-            led.finish_run(lease, "succeeded")
-            led.release_lease(lease)
-            clock.set(now)
+            _old_run(led, clock, now)
             ret = pool.submit(led.drop_history, 90 * DAY, by="ops", reason="90 days")
             deadline = time.monotonic() + 60
             while not ret.done() and not _sql(pg_url, (

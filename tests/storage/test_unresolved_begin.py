@@ -14,7 +14,6 @@ same on PostgreSQL through a proxy that really drops the connections:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -35,6 +34,8 @@ from ledger.ops.recovery import recover
 from ledger.testing import FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
+
+from .helpers import session_failing_once
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -196,36 +197,7 @@ def _session(led: Ledger | AsyncLedger, fake: FakeProvider, again: str
             faults.arm("settle.before_commit", _away)  # still away when the session ends
 
     terms = {"plan": plan(fake), "budget": BUDGET, "grant": GRANT, "lease_ttl_s": TTL_S}
-    if isinstance(led, Ledger):
-        try:
-            with lands_unresolved(), led.run("r", **terms) as run:
-                try:
-                    run.turn(ENV)
-                except DatabaseUnavailable as e:
-                    failed(e)
-                    if again != "next_turn":
-                        raise
-                    run.turn(ENV)
-        except DatabaseUnavailable as e:
-            return lost[0], e
-        return lost[0], None
-
-    async def main() -> BaseException | None:
-        try:
-            with lands_unresolved():
-                async with led.run("r", **terms) as run:
-                    try:
-                        await run.turn(ENV)
-                    except DatabaseUnavailable as e:
-                        failed(e)
-                        if again != "next_turn":
-                            raise
-                        await run.turn(ENV)
-        except DatabaseUnavailable as e:
-            return e
-        return None
-
-    raised = asyncio.run(main())
+    raised = session_failing_once(led, terms, ENV, again, failed, lands_unresolved)
     return lost[0], raised
 
 

@@ -13,7 +13,6 @@ usage the provider reported is posted, and the session leaves cleanly.
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import time
 from decimal import Decimal
@@ -36,6 +35,8 @@ from ledger.storage.engine import normalize_url
 from ledger.testing import Behavior, FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
+
+from .helpers import session_failing_once
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -118,35 +119,7 @@ def _session(led: Ledger | AsyncLedger, fake: FakeProvider, lock: WriteLock, aga
         if again != "close":
             lock.release()
 
-    if isinstance(led, Ledger):
-        try:
-            with led.run("r", **terms) as run:
-                try:
-                    run.turn(ENV)
-                except DatabaseUnavailable as e:
-                    failed(e)
-                    if again != "next_turn":
-                        raise
-                    run.turn(ENV)
-        except DatabaseUnavailable as e:
-            return lost[0], e
-        return lost[0], None
-
-    async def main() -> BaseException | None:
-        try:
-            async with led.run("r", **terms) as run:
-                try:
-                    await run.turn(ENV)
-                except DatabaseUnavailable as e:
-                    failed(e)
-                    if again != "next_turn":
-                        raise
-                    await run.turn(ENV)
-        except DatabaseUnavailable as e:
-            return e
-        return None
-
-    raised = asyncio.run(main())
+    raised = session_failing_once(led, terms, ENV, again, failed)
     return lost[0], raised
 
 
