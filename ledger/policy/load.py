@@ -19,6 +19,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import reprlib
 from collections.abc import Mapping, Set
 from pathlib import Path
@@ -309,6 +310,14 @@ _UniqueKeyLoader.add_constructor(
     _construct_mapping,
 )
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+# YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent, so ``base_s: 1e3``
+# or ``1.5e3`` was the text "1e3" and refused as "wrong type" although it is a number to anyone
+# who writes it (and to YAML 1.2, JSON and the published schema's editors).
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _load_file(path: Path) -> Policy:

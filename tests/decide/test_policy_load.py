@@ -371,3 +371,22 @@ def test_group_evidence_is_not_stale_the_moment_it_is_read(tmp_path: Path) -> No
 def test_a_policy_is_named_by_more_than_blanks(tmp_path: Path, name: str) -> None:
     _, problem, fix = _only(_error(_write(tmp_path, f"name: {name}\n")), "name")
     assert "blank" in problem and fix
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("1e3", 1000.0), ("1.5e3", 1500.0), ("2E+2", 200.0), ("+1e2", 100.0), ("6_0e0", 60.0),
+])
+def test_a_number_in_exponent_notation_is_read_as_a_number(tmp_path: Path, value: str,
+                                                            seconds: float) -> None:
+    """PyYAML's YAML 1.1 reads ``1e3`` (no dot, or an unsigned exponent) as text, which was
+    refused as "wrong type: write a number" though it is one in YAML 1.2, JSON and the
+    published schema."""
+    text = f"name: x\nhealth:\n  cooldown:\n    base_s: {value}\n    cap_s: 1.0e+6\n"
+    assert load_policy(_write(tmp_path, text)).health.cooldown.base_s == seconds
+
+
+def test_text_that_only_starts_like_a_number_stays_text(tmp_path: Path) -> None:
+    """The resolver matches whole numbers only: a description that merely starts with digits
+    and an ``e`` stays text."""
+    text = "name: x\ndescription: 1e3 requests a day\n"
+    assert load_policy(_write(tmp_path, text)).description == "1e3 requests a day"
