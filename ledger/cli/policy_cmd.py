@@ -1,4 +1,5 @@
-"""``ledger policy``: print the policy JSON schema, check a policy file, show a resolved policy."""
+"""``ledger policy``: print the policy JSON schema, check a policy file, show a resolved policy,
+export a preset's file to start one's own from."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ledger.policy import PRESETS
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("policy", help="policy files: schema, check, show")
+    p = subparsers.add_parser("policy", help="policy files: schema, check, show, export")
     sub = p.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", required=True)
 
     schema = sub.add_parser("schema", help="print the JSON schema of a policy file")
@@ -26,6 +27,12 @@ def register(subparsers: Any) -> None:
     show = sub.add_parser("show", help="print a policy as resolved JSON, with its hash")
     show.add_argument("file", metavar="FILE", help=f"a path, or {', '.join(PRESETS)}")
     show.set_defaults(func=_show)
+
+    export = sub.add_parser(
+        "export", help="print a preset's file as shipped, comments included, to edit a copy of")
+    export.add_argument("preset", metavar="PRESET", choices=list(PRESETS),
+                        help=", ".join(PRESETS))
+    export.set_defaults(func=_export)
 
 
 def schema_text() -> str:
@@ -81,4 +88,18 @@ def _show(args: argparse.Namespace) -> int:
         return 2
     out = {"hash": policy_hash(policy), "policy": policy.model_dump(mode="json")}
     sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    # The file itself, not the resolved JSON: its comments say why each value is what it is,
+    # and an installed wheel keeps the presets where a user would not look for them.
+    from ledger.policy.load import preset_path
+
+    try:
+        path = preset_path(args.preset)
+    except PolicyError as e:
+        _report(e, args.preset)
+        return 2
+    sys.stdout.write(path.read_text(encoding="utf-8"))
     return 0

@@ -76,7 +76,12 @@ def preset_dirs() -> list[Path]:
     return [pkg / "_policies", pkg.parent / "policies"]
 
 
-def _preset_path(name: str) -> Path:
+def preset_path(name: str) -> Path:
+    """The file of preset ``name`` (one of :data:`~ledger.policy.PRESETS`).
+
+    Raises:
+        PolicyError: the preset's file is missing from the installation.
+    """
     for d in preset_dirs():
         p = d / f"{name}.yaml"
         if p.is_file():
@@ -136,7 +141,7 @@ def shared_preset(name: str) -> Policy:
             file=None,
             errors=[("<preset>", f"unknown preset {name!r}", f"use one of: {valid}")],
         )
-    return _load_file(_preset_path(name))
+    return _load_file(preset_path(name))
 
 
 def default_policy() -> Policy:

@@ -69,3 +69,26 @@ def test_show_prints_hash_and_policy() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["hash"].startswith("sha256:") and out["policy"]["name"] == "failure-domain"
+
+
+def test_export_prints_the_preset_file_with_its_comments_and_it_loads_back(
+        tmp_path: Path) -> None:
+    """A user without the repository (an installed wheel) starts a policy of their own from a
+    preset: the file as shipped, comments included, which loads to the preset's own hash."""
+    from ledger.policy.load import policy_hash, preset
+
+    r = _ledger("policy", "export", "failure-domain")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (REPO / "policies" / "failure-domain.yaml").read_text(encoding="utf-8")
+    assert "\n#" in r.stdout or r.stdout.startswith("#")
+    copy = tmp_path / "mine.yaml"
+    copy.write_text(r.stdout, encoding="utf-8")
+    check = _ledger("policy", "check", str(copy))
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.split()[-1] == policy_hash(preset("failure-domain"))
+
+
+def test_export_of_an_unknown_preset_lists_the_presets() -> None:
+    r = _ledger("policy", "export", "nosuch")
+    assert r.returncode == 2
+    assert "goclaw" in r.stderr and "failure-domain" in r.stderr and "Traceback" not in r.stderr
