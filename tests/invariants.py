@@ -89,6 +89,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/run/test_retry_owner.py::test_disclosure_skips_unapproved_recipient",
         "tests/run/test_retry_owner.py::test_model_derived_context_needs_recorded_provenance",
         "tests/session/test_session.py::test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns",
+        "tests/session/test_session.py::test_invariant7_a_covered_answer_changed_in_place_is_hashed_again_and_not_sent",
         "tests/decide/test_preflight.py::test_edited_copy_does_not_inherit_provenance",
         "tests/decide/test_select.py::test_envelope_with_tampered_provenance_is_not_sent_anywhere",
         "tests/session/test_multimodal_runs.py::test_a_private_document_is_disclosed_by_its_class_and_needs_its_provenance",

@@ -10,6 +10,7 @@ copied from.
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -419,32 +420,59 @@ class Envelope(StrictModel):
         )
 
 
+# Every field Part.content_hash reads (payload and link derive from data and url). The memo
+# checks each of them on lookup: a part is frozen only against ordinary assignment.
+_HASHED_FIELDS = ("role", "content", "data_class", "tool_call_id", "name", "media_type", "data",
+                  "url")
+_read_hashed = operator.attrgetter(*_HASHED_FIELDS)
+# The types whose values cannot change in place: a field holding one, seen to be the very same
+# object again, still holds the content that was hashed.
+_IMMUTABLE = (str, bytes, type(None))
+
+
 class PartHashes:
     """The content hashes of a conversation's parts, each part hashed once.
 
     A conversation re-sends every earlier part on every turn; hashing them all again makes a
     turn's cost grow with the Run's length. Keep one ``PartHashes`` per conversation and pass
     it to :func:`~ledger.execute` (a Run session keeps its own): a part is reused only when it
-    is the very same (frozen) object as in the previous turn, and only the latest envelope's
-    parts are kept, so the memo is as large as the conversation and never outlives it. A copy,
-    even an identical one, is hashed afresh, so an edited copy never inherits a recorded hash;
-    and the hashes are always computed here, never taken from the caller.
+    is the very same object as in the previous turn *and* every field its hash covers (role,
+    content, data class, tool linkage, name, media type, bytes, URL) still holds the very same
+    (immutable) value it held when hashed, and only the latest envelope's parts are kept, so
+    the memo is as large as the conversation and never outlives it. A part is frozen only
+    against ordinary assignment: one changed in place (``object.__setattr__(part, "content",
+    ...)``, by the host or a library it uses) is hashed again, so it is judged by the content
+    it carries now, never vouched for by the hash of what it held before. A copy, even an
+    identical one, is hashed afresh, so an edited copy never inherits a recorded hash; and the
+    hashes are always computed here, never taken from the caller.
     """
 
     __slots__ = ("_memo",)
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple[Part, str]] = {}  # id(part) -> (part, its content hash)
+        # id(part) -> (part, the hashed fields' values when hashed, its content hash)
+        self._memo: dict[int, tuple[Part, tuple[object, ...], str]] = {}
 
     def of(self, envelope: Envelope) -> tuple[str, ...]:
         """The envelope's part hashes, in order (:attr:`Part.content_hash` of each)."""
-        old: dict[int, tuple[Part, str]] = self._memo
-        new: dict[int, tuple[Part, str]] = {}
+        old = self._memo
+        new: dict[int, tuple[Part, tuple[object, ...], str]] = {}
         out = []
         for p in envelope.parts:
+            fields: tuple[object, ...] = _read_hashed(p)
             hit = old.get(id(p))
-            digest = hit[1] if hit is not None and hit[0] is p else p.content_hash
-            new[id(p)] = (p, digest)
+            # Identity, not equality: O(1) per field whatever the content's size, and no
+            # __eq__ of a value planted in place is consulted.
+            if hit is not None and hit[0] is p and all(map(operator.is_, hit[1], fields)):
+                digest = hit[2]
+            else:
+                digest = p.content_hash
+                if not all(type(v) in _IMMUTABLE for v in fields):
+                    # A value that can change in place (a bytearray planted as data) would
+                    # still be the same object after an edit: such a part is hashed every time.
+                    out.append(digest)
+                    continue
+            new[id(p)] = (p, fields, digest)
             out.append(digest)
         self._memo = new
         return tuple(out)

@@ -110,6 +110,46 @@ def test_an_edited_copy_of_a_document_does_not_inherit_its_provenance(
 # -- bad input: a typed error naming the field and the fix -------------------------------------
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("role", "system"), ("content", "edited"), ("data_class", PRIVATE_DOCUMENT),
+    ("tool_call_id", "call-2"), ("name", "other.txt"), ("media_type", "text/markdown"),
+    ("data", b"other bytes"), ("url", "https://files.example/other.pdf"),
+])
+def test_a_memoised_part_changed_in_place_is_hashed_again(field: str, value: object) -> None:
+    """``PartHashes`` reuses a hash only while every field the hash covers holds the very
+    value it held when hashed: a part changed in place through ``object.__setattr__`` gets
+    the hash of what it carries now, for each of those fields."""
+    from ledger.domain.envelope import PartHashes
+
+    part = {"data": Part(data=b"plain text", media_type="text/plain", name="a.txt"),
+            "name": Part(data=b"plain text", media_type="text/plain", name="a.txt"),
+            "media_type": Part(data=b"plain text", media_type="text/plain"),
+            "url": Part(url="https://files.example/10-K.pdf", media_type="application/pdf"),
+            }.get(field, Part(content="text", tool_call_id="call-1"))
+    memo = PartHashes()
+    env = Envelope(parts=[part])
+    before = part.content_hash
+    assert memo.of(env) == (before,) == memo.of(env)
+    object.__setattr__(part, field, value)
+    assert part.content_hash != before
+    assert memo.of(env) == (part.content_hash,)
+
+
+def test_a_memoised_part_holding_a_mutable_value_is_hashed_every_time() -> None:
+    """A value that can change in place (here a list planted as ``content``) is the same
+    object after an edit, so identity proves nothing: such a part is never memoised."""
+    from ledger.domain.envelope import PartHashes
+
+    part = Part(content="text")
+    planted = ["text"]
+    object.__setattr__(part, "content", planted)
+    memo = PartHashes()
+    env = Envelope(parts=[part])
+    before = memo.of(env)
+    planted[0] = "edited"
+    assert memo.of(env) == (part.content_hash,) != before
+
+
 @pytest.mark.parametrize(("kw", "field", "says"), [
     ({"data": PNG, "url": "https://x.example/a.png", "media_type": "image/png"}, "url",
      "not both"),

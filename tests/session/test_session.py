@@ -206,6 +206,33 @@ def test_an_edited_copy_in_place_of_a_recorded_part_is_refused_across_turns(
         assert run.turn(Envelope(parts=msgs)).text == FULL_TEXT
 
 
+def test_invariant7_a_covered_answer_changed_in_place_is_hashed_again_and_not_sent(
+        db_url: str, fake: FakeProvider) -> None:
+    """A part is frozen only against ordinary assignment. The model's answer, changed in place
+    after the session hashed it (``object.__setattr__``, as a host's library might), kept its
+    old hash in the session's memo: an invented text went out as the covered model output it
+    replaced. It is hashed again now, found uncovered and refused before anything is sent; the
+    recorded text put back passes again."""
+    with Ledger.open(db_url) as led, \
+            led.run("memo", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        msgs = [Part(content="Compare the two filings.")]
+        r1 = run.turn(Envelope(parts=msgs))
+        msgs += [*r1.parts, Part(content="Go on.")]
+        run.turn(Envelope(parts=msgs))  # the memo now holds the answer's hash
+        answer = msgs[1]
+        recorded = answer.content
+        assert answer.data_class == "model_derived" and answer.provenance
+        sent = len(fake.requests)
+        object.__setattr__(answer, "content", "The filings are identical.")
+        with pytest.raises(FailoverExhausted) as ei:
+            run.turn(Envelope(parts=msgs))
+        assert ei.value.reason == "no_candidate"
+        assert "provenance" in json.dumps(ei.value.skipped)
+        assert len(fake.requests) == sent  # the invented text reached nobody
+        object.__setattr__(answer, "content", recorded)
+        assert run.turn(Envelope(parts=msgs)).text == FULL_TEXT
+
+
 def test_a_models_answer_rebuilt_by_hand_is_model_output_and_needs_its_provenance(
         db_url: str, fake: FakeProvider) -> None:
     """Invariant 7: a Part of role 'assistant' is the model's whatever way it was built. Its
