@@ -104,6 +104,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_session.py::test_invariant7_a_host_cannot_record_provenance_for_a_models_output",
         "tests/session/test_multimodal_runs.py::test_invariant7_a_tools_file_cannot_be_relabelled_as_the_users_input",
         "tests/session/test_params_disclosure.py::test_invariant7_tool_definitions_in_params_reach_no_recipient_unapproved_for_them",
+        "tests/session/test_params_disclosure.py::test_invariant7_a_tool_spec_data_class_adds_to_tool_description_never_replaces_it",
         "tests/session/test_params_disclosure.py::test_invariant7_no_request_makes_the_provider_forward_content_to_an_unapproved_server",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.

@@ -449,7 +449,9 @@ def envelope_needs(
         part_hashes if part_hashes is not None else [None] * len(envelope.parts)
     )
     param_tools, forwards = param_disclosures(envelope.params)
-    classes = {t.data_class for t in envelope.tools}
+    # A ToolSpec's own data_class is added to tool_description, never put in its place: a
+    # relabelled definition must not reach a recipient not approved for tool descriptions.
+    classes = {c for t in envelope.tools for c in t.data_classes}
     if param_tools:
         classes.add(TOOL_DESCRIPTION)
     return RequestNeeds(

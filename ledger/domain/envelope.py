@@ -341,6 +341,13 @@ class ToolSpec(StrictModel):
     """A tool the model may call (its description is data too).
 
     ``name`` is an identifier; ``parameters`` (a JSON schema) must be JSON data.
+
+    The tool's definition (name, description, parameters) is always ``tool_description``
+    data. ``data_class`` adds a class for a definition that carries more than that (a
+    ``secret`` or ``pii`` description, say): the tool is then disclosed under both
+    classes (:attr:`data_classes`), and only a recipient the grant approves for both receives
+    it. It never replaces ``tool_description``, so no label the host gives (``user_input``
+    included) sends a tool description to a recipient not approved for tool descriptions.
     """
 
     name: Id
@@ -349,6 +356,11 @@ class ToolSpec(StrictModel):
     data_class: Id = TOOL_DESCRIPTION
 
     _parameters_are_json = field_validator("parameters")(_json_data)
+
+    @property
+    def data_classes(self) -> frozenset[str]:
+        """The classes a recipient must be approved for: ``tool_description``, ``data_class``."""
+        return frozenset((TOOL_DESCRIPTION, self.data_class))
 
 
 #: The output tokens a request is taken to allow when its envelope sets no
@@ -396,7 +408,8 @@ class Envelope(StrictModel):
     def data_classes(self) -> set[str]:
         """Every data class the request carries (its parts' and its tools')."""
         classes = {p.data_class for p in self.parts}
-        classes.update(t.data_class for t in self.tools)
+        for t in self.tools:
+            classes |= t.data_classes
         return classes
 
     @property

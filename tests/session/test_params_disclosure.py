@@ -1,7 +1,8 @@
-"""Invariant 7 through ``Envelope.params``: what a parameter carries to a recipient (tool
-definitions) or makes the provider carry on (the conversation, to an MCP server) is disclosed
-as the parts and ``Envelope.tools`` are. Real HTTP over loopback, requests counted at the fake
-provider, on both backends.
+"""Invariant 7 through ``Envelope.params`` and ``Envelope.tools``: what a parameter carries to
+a recipient (tool definitions) or makes the provider carry on (the conversation, to an MCP
+server) is disclosed as the parts and ``Envelope.tools`` are, and a ``ToolSpec``'s own
+``data_class`` adds to ``tool_description``, never replaces it. Real HTTP over loopback,
+requests counted at the fake provider, on both backends.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part
+from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part, ToolSpec
 from ledger.testing import FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
@@ -75,3 +76,32 @@ def test_invariant7_no_request_makes_the_provider_forward_content_to_an_unapprov
         with led.run("t2", plan=plan(fake, protocol), budget=BUDGET, grant=approved) as run:
             run.turn(env)
         assert len(fake.requests) == 1 and MCP_URL in json.dumps(fake.requests[0].json)
+
+
+def test_invariant7_a_tool_spec_data_class_adds_to_tool_description_never_replaces_it(
+        db_url: str, fake: FakeProvider) -> None:
+    """``ToolSpec(data_class=...)`` marks a definition that carries more than a tool
+    description. Labelled ``user_input``, it went to a recipient approved for ``user_input``
+    only; it is disclosed under ``tool_description`` and its own class now, so that recipient
+    receives nothing. A ``secret`` description needs a recipient approved for both."""
+    relabelled = Envelope(parts=[Part(content="question")],
+                          tools=[ToolSpec(name="search", description="SECRET relabelled",
+                                          data_class="user_input")])
+    secret = Envelope(parts=[Part(content="question")],
+                      tools=[ToolSpec(name="vault", description="SECRET vault layout",
+                                      data_class="secret")])
+    tools_ok = Grant(recipients={"fake": ["user_input", "tool_description"]})
+    with Ledger.open(db_url) as led:
+        for run_id, env, grant, missing in [("t1", relabelled, USER_ONLY, "tool_description"),
+                                            ("t2", secret, tools_ok, "secret")]:
+            with led.run(run_id, plan=plan(fake), budget=BUDGET, grant=grant) as run, \
+                    pytest.raises(FailoverExhausted) as ei:
+                run.turn(env)
+            assert f"not approved for: {missing}" in json.dumps(ei.value.skipped)
+            assert fake.requests == [] and led.timeline(run_id) == []
+        with led.run("t3", plan=plan(fake), budget=BUDGET, grant=tools_ok) as run:
+            run.turn(relabelled)
+        every = Grant(recipients={"fake": ["user_input", "tool_description", "secret"]})
+        with led.run("t4", plan=plan(fake), budget=BUDGET, grant=every) as run:
+            run.turn(secret)
+        assert len(fake.requests) == 2
