@@ -346,11 +346,12 @@ def record_repeat(
 
 
 def _overlapping(health: Health, began_at: float | None, now: float, hp: HealthPolicy) -> bool:
-    """Whether a failure is one of an outage already counted, that its request was in flight for.
+    """Whether an outcome is of a request that was in flight when an outage already counted began.
 
     Its Attempt began before the key's last failure, and the window that failure set is still
     running: every worker's request in flight when the route went dark would otherwise step
-    the curve once more, and one short burst would cool it for the cap.
+    the curve once more on failing, and one short burst would cool it for the cap; or, on
+    succeeding, reopen it for every worker while it is still dark.
     """
     return (not hp.count_overlapping_failures and began_at is not None
             and health.error_count > 0 and health.last_failure_at is not None
@@ -378,11 +379,18 @@ def _restart(health: Health, category: Category, *, provider: str | None, now: f
     return _with_reset(health.model_copy(update=update), policy)
 
 
-def record_success(health: Health, now: float, policy: Policy) -> Health:
+def record_success(health: Health, now: float, policy: Policy,
+                   began_at: float | None = None) -> Health:
     """A successful call: the key was used, and (per policy) all error state is cleared.
 
     ``last_used`` is rewritten only once it is ``last_used_interval_s`` old, so a success on
     a healthy key that changes nothing else leaves the row as it is (and settle skips it).
+
+    Unless the policy counts overlapping failures, a success of an Attempt that began
+    (``began_at``) before the key's last failure, while the window that failure set still runs,
+    clears nothing: it is evidence from before the outage (a long stream sent before the route
+    went dark), and clearing on it would reopen the route to every worker at once. It is the
+    mirror of :func:`record_failure`'s overlap rule. ``began_at`` ``None``: not known, it clears.
     """
     hp = policy.health
     update: dict[str, object] = {}
@@ -390,7 +398,7 @@ def record_success(health: Health, now: float, policy: Policy) -> Health:
         health.last_used is None or now - health.last_used >= hp.last_used_interval_s
     ):
         update["last_used"] = now
-    if hp.reset_on_success:
+    if hp.reset_on_success and not _overlapping(health, began_at, now, hp):
         update.update(_cleared())
     return health.model_copy(update=update)
 

@@ -63,8 +63,9 @@ def health_updates(
     ``repeat``: the Attempt was a same-route retry of a failure this request already counted;
     its failure restarts the key's window instead of counting again (``record_repeat``).
     ``began_at``: when the Attempt began; a failure of one begun before the key's last failure
-    was in flight through that outage (``health.count_overlapping_failures``). ``None``: not
-    known, counted as every failure is.
+    was in flight through that outage, and its success is evidence from before it
+    (``health.count_overlapping_failures``). ``None``: not known, counted (a failure) or
+    clearing (a success) as every outcome does.
     """
     out: dict[str, tuple[str, str | None, HealthUpdate]] = {}
     update = _health_update(policy, route, outcome, fact, now, repeat, began_at)
@@ -83,7 +84,7 @@ _NOT_ABOUT_THE_ROUTE = frozenset({Category.CANCELLED, Category.UNUSABLE})
 def _health_update(policy: Policy, route: Route, outcome: Outcome, fact: FailureFact | None,
                    now: float, repeat: bool, began_at: float | None) -> HealthUpdate | None:
     if outcome is Outcome.SUCCEEDED:
-        return lambda h: record_success(h, now=now, policy=policy)
+        return lambda h: record_success(h, now=now, policy=policy, began_at=began_at)
     if fact is not None and fact.category not in _NOT_ABOUT_THE_ROUTE:
         # failed, or unknown with an observed fact (a timeout after send)
         category: Category = fact.category

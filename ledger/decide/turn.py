@@ -913,7 +913,8 @@ class TurnLoop:
         """Settle ``attempt_id`` (on ``route`` with ``profile``) as the pure rules say.
 
         ``times``: the send's first byte and first token, in seconds from the begin;
-        ``began_at``: when the Attempt began (its failure's health update reads it);
+        ``began_at``: when the Attempt began (its health update reads it: an outcome of a
+        request in flight when the key's last failure was counted is of that outage);
         ``keep_profile``: a success leaves the Run's (user-pinned) profile as it is.
 
         A settle the database does not take raises its ``DatabaseUnavailable`` unchanged
@@ -945,7 +946,8 @@ class TurnLoop:
             model_reported=_short(result.model_reported), output_hash=result.output_hash,
             tool_started=progress.tool_started or None, provenance=result.provenance,
             events=u.events, cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
-            times=progress.since(att.created_at), keep_profile=keep_profile))
+            times=progress.since(att.created_at), began_at=att.created_at,
+            keep_profile=keep_profile))
 
     def _settle_failure(self, route: Route, profile: str | None, att: AttemptRecord,
                         fact: FailureFact, result: SendResult, discarded: bool, now: float, *,

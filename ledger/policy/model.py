@@ -563,7 +563,9 @@ class HealthPolicy(_Section):
     # Whether a failure of a request that was already in flight when the key's last failure was
     # counted steps the cooldown again. True (GoClaw and Fased: every failure counts): N workers
     # caught by one outage step the curve N times. False: such a failure restarts the running
-    # window with the count it has; only a request begun after the last failure steps it.
+    # window with the count it has; only a request begun after the last failure steps it. Its
+    # success likewise is evidence from before the outage: it leaves the key cooling (only a
+    # success of a request begun after the last failure clears it).
     count_overlapping_failures: StrictBool = True
 
     @field_validator("cooldown_after", mode="before")

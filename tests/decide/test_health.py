@@ -14,7 +14,9 @@ from ledger.decide.health import (
     record_success,
     refresh,
 )
+from ledger.decide.settle import health_updates
 from ledger.domain.facts import Category
+from ledger.domain.records import Outcome
 from ledger.domain.values import Health, Route
 from ledger.policy.load import apply_overrides, preset
 from ledger.policy.model import Policy
@@ -188,3 +190,42 @@ def test_a_policy_frozen_before_the_overlap_rule_counts_every_failure() -> None:
     h = record_failure(h, Category.OVERLOADED, provider="x", now=101.0, policy=old,
                        began_at=99.0)
     assert (h.error_count, h.cooldown_until) == (2, 401.0)
+
+
+def test_a_success_in_flight_when_the_key_started_cooling_leaves_its_cooldown() -> None:
+    # A long request (a stream) begun at 99, before the failure that cooled the key at 100,
+    # answers at 120: it is evidence from before the outage, and the key keeps cooling.
+    h = _cooling_from_100(DOMAIN)
+    assert record_success(h, 120.0, DOMAIN, began_at=99.0) == h
+    # The settle passes the Attempt's begin to the success as it does to a failure.
+    route = Route(id="a", provider="x", model="m", group="g", recipient="r")
+    [(_kind, _provider, update)] = health_updates(DOMAIN, route, None, Outcome.SUCCEEDED, None,
+                                                  120.0, began_at=99.0).values()
+    assert update(h) == h and not is_available(update(h), 120.0)
+
+
+def test_a_success_begun_after_the_last_failure_clears_the_cooldown() -> None:
+    h = _cooling_from_100(DOMAIN)
+    for began in (100.0, 110.0):  # a request sent at or after the cooling failure: it works
+        cleared = record_success(h, 120.0, DOMAIN, began_at=began)
+        assert (cleared.error_count, cleared.cooldown_until) == (0, None)
+        assert is_available(cleared, 120.0)
+
+
+def test_a_success_whose_begin_is_unknown_clears_the_cooldown() -> None:
+    h = record_success(_cooling_from_100(DOMAIN), 120.0, DOMAIN)
+    assert (h.error_count, h.cooldown_until) == (0, None)
+
+
+def test_a_success_in_flight_after_the_window_expired_clears_the_counters() -> None:
+    h = record_success(_cooling_from_100(DOMAIN), 170.0, DOMAIN, began_at=99.0)
+    assert (h.error_count, h.cooldown_until, h.last_failure_at) == (0, None, 100.0)
+
+
+def test_goclaw_and_fased_clear_on_every_success_as_their_seeds_do() -> None:
+    for policy in (GOCLAW, FASED):
+        h = record_failure(Health(key="p"), Category.OVERLOADED, provider="x", now=100.0,
+                           policy=policy, began_at=99.0)
+        assert not is_available(h, 120.0)
+        h = record_success(h, 120.0, policy, began_at=50.0)
+        assert (h.error_count, h.cooldown_until, h.last_used) == (0, None, 120.0)

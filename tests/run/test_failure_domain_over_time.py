@@ -195,3 +195,45 @@ def test_selected_route_is_the_original_choice_and_later_turns_continue_on_the_r
     assert execute(led, lease, ENV, send, turn_id="t2").route.id == "b" and send.sent == ["b"]
     run = led.get_run("r")
     assert (run.selected_route, run.current_route) == ("a", "b")
+
+
+# -- one outage: a request in flight when the route went dark is evidence from before it -------
+
+
+@pytest.mark.parametrize(("policy", "key", "reopened"), [
+    ("failure-domain", "a", False),  # count_overlapping_failures: false
+    ("goclaw", "provider:pa", True),  # every outcome counts, as the seed's do
+])
+def test_a_success_begun_before_the_route_started_cooling_does_not_reopen_it(
+        led: Ledger, clock: ManualClock, policy: str, key: str, reopened: bool) -> None:
+    # Run "long" sends a long request (a stream) to a. While it runs, other Runs' requests to
+    # a answer 503 and a starts cooling for the fleet; then the stream completes. Under
+    # failure-domain that answer is from before the outage: a keeps cooling, and the next Run
+    # goes to b. Under goclaw the success clears the provider's cooldown, as its seed does.
+    began: list[float] = []
+
+    def long_stream(d: Dispatch) -> SendResult:
+        began.append(clock.now())
+        for n in range(3):  # three failures within 60 s: failure-domain's threshold
+            clock.advance(1)
+            with pytest.raises(FailoverExhausted):
+                execute(led, admit(led, f"b{n}", [A], policy=policy), ENV,
+                        Script({"a": UNAVAILABLE}))
+        assert led.health([key])[key].error_count > 0  # a cools for the fleet
+        clock.advance(5)  # the stream ends inside the cooldown
+        return OK
+
+    assert execute(led, admit(led, "long", [A], policy=policy), ENV,
+                   long_stream).route.id == "a"
+    health = led.health([key])[key]
+    if reopened:
+        assert (health.error_count, health.cooldown_until) == (0, None)
+    else:
+        assert health.last_failure_at is not None and began[0] < health.last_failure_at
+        assert health.error_count == 1
+        assert health.cooldown_until == pytest.approx(health.last_failure_at + 60)
+        assert clock.now() < health.cooldown_until
+    send = Script()
+    assert execute(led, admit(led, "next", [A, B], policy=policy), ENV, send).route.id == (
+        "a" if reopened else "b")
+    assert send.sent == (["a"] if reopened else ["b"])
