@@ -19,8 +19,9 @@ Decision order (``docs/selector.md`` walks through it with examples):
    case the last candidate that failed on health alone is chosen anyway, provided it is still
    ahead of the route that just failed in plan order (the walk never goes back).
 
-A decision acted on after a wait (a full group's queue) is looked at again with fresh facts by
-:func:`recheck`: the chosen route must still pass its checks, else the turn decides again.
+A decision acted on after a wait (a full group's queue, a group's waiting floor) is looked at
+again with fresh facts by :func:`recheck`: the chosen route must still pass its checks, else the
+turn decides again.
 
 Every behaviour above is driven by fields of the failure fact and the policy; nothing here knows
 a preset by name.
@@ -695,12 +696,13 @@ def recheck(inp: SelectionInput, decision: Decision) -> Skip | None:
     """Why the route ``decision`` chose no longer serves on fresher facts, or ``None``.
 
     ``inp`` is the decision's input with a fresh read (health, groups, the time) after the
-    turn waited to act on it (a full group's queue): the chosen route (and its credential
-    profile) must still pass the checks the walk made of it (group evidence, health,
-    capability, role, disclosure). A route the selector would choose again as it stands (the
-    last candidate always tried) still serves. A probe is not looked at again: it was chosen
-    because the route cools. ``None`` also for a still eligible route that is no longer the
-    first choice (an earlier one reopened): the decision keeps the place it waited for.
+    turn waited to act on it (a full group's queue, a group's waiting floor): the chosen route
+    (and its credential profile) must still pass the checks the walk made of it (group
+    evidence, health, capability, role, disclosure). A route the selector would choose again
+    as it stands (the last candidate always tried) still serves. A probe is not looked at
+    again: it was chosen because the route cools. ``None`` also for a still eligible route
+    that is no longer the first choice (an earlier one reopened): the decision keeps the place
+    it waited for.
     """
     route = decision.route
     if decision.kind is not DecisionKind.ROUTE or route is None:

@@ -253,11 +253,12 @@ class _Unclaimed:
 
 @dataclass(frozen=True)
 class _Outdated:
-    """A chosen route that stopped serving while the turn waited in its group's queue.
+    """A chosen route that stopped serving while the turn waited to begin on it.
 
-    ``skip`` says why (read from ``snap``, the fresh snapshot the turn decides again on);
-    ``events`` are the ones that led to the queued begin (its ``move`` and ``select`` left
-    out): they go with the next Attempt.
+    The wait was in its group's queue or for its group's waiting floor. ``skip`` says why (read
+    from ``snap``, the fresh snapshot the turn decides again on); ``events`` are the ones that
+    led to the begin it waited for (its ``move`` and ``select`` left out): they go with the
+    next Attempt.
     """
 
     route: Route
@@ -502,8 +503,18 @@ class TurnLoop:
         if wait > 0:
             yield from perform(Sleep(wait))
             turn.waited += wait
-            turn.pending.append(("wait", {"for": "group_floor", "group": route.group,
-                                          "waited_s": round(wait, 6)}))
+            floor = {"for": "group_floor", "group": route.group, "waited_s": round(wait, 6)}
+            # As after a wait in a full group's queue: the route may have stopped serving
+            # while the turn slept (another worker's failures cooled it).
+            outdated = yield from self._rechecked(turn, attempt)
+            if outdated is not None:
+                yield from self._record_redecided("wait", floor, outdated)
+                # What led here goes with the Attempt decided instead, but the move to this
+                # route, which is not made.
+                led_here = tuple((k, d) for k, d in turn.pending if k != "move")
+                turn.pending = []
+                return replace(outdated, events=led_here)
+            turn.pending.append(("wait", floor))
         reserve, reserve_tokens = self._holds(route)
         attempt_id = new_id("att")
         # The headers that will name this Attempt on the wire, recorded before it is sent.
@@ -801,9 +812,6 @@ class TurnLoop:
             return result
         first = result
         group, waiter = begin.route.group, begin.attempt_id
-        # The policy's same-route retry was not the selector's choice, and a probe was chosen
-        # because the route cools: neither is looked at again.
-        rechecked = attempt.retries == 0 and attempt.decision.kind is DecisionKind.ROUTE
         waits = 0
         outdated: _Outdated | None = None
         try:
@@ -822,8 +830,8 @@ class TurnLoop:
                 # decision); after a real one, a begin on the old snapshot's choice would send
                 # to a route that may have started cooling meanwhile, and its failure, begun
                 # after the route's last one, would step the cooldown as a new outage.
-                if rechecked and waits > 1:
-                    outdated = yield from self._outdated(turn, attempt.decision)
+                if waits > 1:
+                    outdated = yield from self._rechecked(turn, attempt)
                     if outdated is not None:
                         break
                 result = yield from perform(begin)
@@ -842,19 +850,24 @@ class TurnLoop:
             yield from perform(LeaveQueue(group, waiter, drop=True))
             waited = max(0.0, outdated.snap.now - first.since)
             turn.waited += waited
-            yield from self._record_quietly("capacity_wait", {
-                "group": group, "limit": first.limit, "outcome": "redecided",
-                "waited_s": round(waited, 6), "route": begin.route.id,
-                "why": outdated.skip.to_json()})
+            yield from self._record_redecided("capacity_wait", {
+                "group": group, "limit": first.limit, "waited_s": round(waited, 6)}, outdated)
             return outdated
         assert isinstance(result, AttemptRecord)
         yield from perform(LeaveQueue(group, waiter, drop=False))
         turn.waited += max(0.0, result.created_at - first.since)
         return result
 
-    def _outdated(self, turn: _Turn, decision: Decision
-                  ) -> Generator[Effect[Any], Any, _Outdated | None]:
-        """The decision as it stands on a fresh snapshot: ``None`` while its route serves."""
+    def _rechecked(self, turn: _Turn, attempt: _Try
+                   ) -> Generator[Effect[Any], Any, _Outdated | None]:
+        """The attempt's decision, after a wait, as it stands on a fresh snapshot.
+
+        ``None`` while its route serves. The policy's same-route retry was not the selector's
+        choice, and a probe was chosen because the route cools: neither is looked at again.
+        """
+        decision = attempt.decision
+        if attempt.retries > 0 or decision.kind is not DecisionKind.ROUTE:
+            return None
         snap = yield from perform(self._read())
         skip = recheck(self._input(snap, turn, **turn.basis), decision)
         if skip is None:
@@ -862,16 +875,28 @@ class TurnLoop:
         assert decision.route is not None
         return _Outdated(decision.route, snap, skip)
 
+    def _record_redecided(self, kind: str, wait: dict[str, Any], outdated: _Outdated
+                          ) -> Generator[Effect[Any], Any, None]:
+        """Record a wait that ended with its route no longer serving (outcome ``redecided``).
+
+        ``kind``: ``capacity_wait`` (a full group's queue) or ``wait`` (a group's floor). It is
+        recorded on the Run at once, with the route and why: no Attempt came of it.
+        """
+        yield from self._record_quietly(kind, {
+            **wait, "outcome": "redecided", "route": outdated.route.id,
+            "why": outdated.skip.to_json()})
+
     def _decide_again(self, turn: _Turn, attempt: _Try, ended: _Outdated
                       ) -> Generator[Effect[Any], Any, tuple[_Try, TurnSnapshot]]:
-        """Decide again on the same basis after the chosen route stopped serving in a queue.
+        """Decide again on the same basis after the chosen route stopped serving during a wait.
 
-        Nothing was begun: no retry permission or model call was taken, so the next Attempt is
-        what the queued one would have been (the turn's first, or a further one taking its
-        one permission), now on the route the fresh facts choose.
+        The wait was in a full group's queue or for a group's waiting floor. Nothing was
+        begun: no retry permission or model call was taken, so the next Attempt is what the
+        waiting one would have been (the turn's first, or a further one taking its one
+        permission), now on the route the fresh facts choose.
         """
         route = ended.route
-        log.info("[admission] %s/%s stopped serving while the turn waited for a slot: %s; "
+        log.info("[admission] %s/%s stopped serving while the turn waited to begin on it: %s; "
                  "deciding again", route.provider, route.model, ended.skip.detail)
         turn.pending.extend(ended.events)
         decision, snap = yield from self._decide(ended.snap, turn, turn.basis)

@@ -21,6 +21,7 @@ from ledger.domain.facts import Observation
 from ledger.domain.records import AttemptState, Lease
 from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import CapacityUnavailable, FailoverExhausted, ProviderError
+from ledger.ops.audit import Audit
 
 FREE = Price()
 A = Route(id="a", provider="pa", model="m-a", group="ga", recipient="r", price=FREE)
@@ -164,6 +165,62 @@ def test_after_a_trusted_429_the_same_group_is_not_waited_for(
         execute(led, admit(led, "r", [GO_DS, GO_GLM]), ENV, send)
     assert ei.value.reason == "no_candidate" and send.sent == ["go-deepseek"]
     assert clock.slept == []
+
+
+class _FailureDuringTheWait:
+    """Waits through the clock; during the first wait the call another Run (under ``policy``)
+    has in flight on ``route`` answers 503, which cools the route for the fleet."""
+
+    def __init__(self, led: Ledger, clock: ManualClock, route: Route, policy: str) -> None:
+        self.led, self.clock = led, clock
+        self.lease = admit(led, "holder", [route], policy=policy)
+        self.held: str | None = led.begin_attempt(self.lease, route=route.id, reserve="0",
+                                                  envelope_hash="sha256:held").attempt_id
+        self.waits: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        if self.held is not None:
+            self.clock.advance(0.1)
+            self.led.settle_attempt(self.lease, self.held, outcome="failed",
+                                    observation={"status": 503})
+            self.held = None
+        self.clock.sleep(seconds)
+
+    async def asleep(self, seconds: float) -> None:  # pragma: no cover - sync turns only
+        self.sleep(seconds)
+
+
+def test_a_turn_that_waited_out_a_group_floor_never_sends_to_a_route_that_started_cooling(
+        led: Ledger, clock: ManualClock) -> None:
+    # fased does not read capacity groups when it selects (failover.group_aware: false): it
+    # chooses go-deepseek, and the turn waits out its group's 2 s floor (a trusted 429) before
+    # the begin. During the wait another Run's 503 cools go-deepseek. The turn looks at its
+    # choice again, as after a wait in a full group's queue: go-deepseek is cooling, so it
+    # decides again and serves on b. Sent to go-deepseek on the old choice, its 503 would step
+    # the route's cooldown to 5 min for the fleet.
+    during = _FailureDuringTheWait(led, clock, GO_DS, "fased")
+    _trusted_429(led, 2)
+    send = Script()
+    res = execute(led, admit(led, "r", [GO_DS, B], policy="fased"), ENV, send, sleeper=during)
+    assert res.route.id == "b" and send.sent == ["b"]  # nothing reached go-deepseek
+    assert during.waits == [pytest.approx(2.0)]
+    assert [(a.route_id, a.kind.value, a.state) for a in led.timeline("r")] == [
+        ("b", "first", AttemptState.SUCCEEDED)]
+    assert led.get_run("r").retries_used == 0  # no permission taken for the change
+    assert led.health([GO_DS.id])[GO_DS.id].error_count == 1  # the other Run's 503 only
+    # The wait is recorded at once, with no Attempt, as a queue's redecided wait is.
+    [wait] = led.events("r", ["wait"])
+    assert wait.attempt_id is None and wait.data["for"] == "group_floor"
+    assert wait.data["outcome"] == "redecided" and wait.data["route"] == GO_DS.id
+    assert wait.data["group"] == "go" and wait.data["why"]["reason"] == "route_cooldown"
+    assert wait.data["waited_s"] == pytest.approx(2.0)
+    [select] = led.events("r", ["select"])
+    assert select.data["route"] == B.id
+    assert (GO_DS.id, "route_cooldown") in [(sk["route"], sk["reason"])
+                                            for sk in select.data["skipped"]]
+    assert [(w.kind, w.group, w.outcome, w.attempt_id) for w in Audit(led).timeline("r").waits
+            ] == [("group_floor", "go", "redecided", None)]
 
 
 # -- 11. the seed's role words ----------------------------------------------------------------
