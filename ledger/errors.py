@@ -191,7 +191,11 @@ class DatabaseSetupError(ConfigError):
     create or change the ledger's tables; for SQLite, the file's folder does not exist, this
     process may not write it, the path is a directory, or the file is another application's
     database (tables, but not the ledger's) or no SQLite database at all, which the ledger
-    will not add its schema to. Nothing was written. ``fields``:
+    will not add its schema to. The command line says the same where ``--db`` holds no ledger
+    for a command that opens an existing one (every command but ``db init``, ``demo`` and
+    ``generate``): a SQLite file that does not exist (``database_missing``), a database without
+    the ledger's tables (``schema_outdated``), another application's file
+    (``not_a_ledger``). Nothing was written. ``fields``:
     ``url`` (without its password), ``problem`` (one of ``database_missing``, ``role_missing``,
     ``login_refused``, ``auth_failed``, ``password_missing``, ``hba_rejected``,
     ``connect_privilege``, ``connections_disabled``, ``createdb_privilege``,

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns its exit code (2 for bad input, 1 for other ledger errors).
+    """Run one command; returns its exit code (2 for bad input and set-up problems: no
+    ledger at ``--db``, a schema older or newer than the package; 1 for other ledger errors).
 
     Without ``argv`` it is the program (``failover-ledger``, ``python -m ledger``): the
     process ends when it returns, so what the command loaded is left for the operating

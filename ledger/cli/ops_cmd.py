@@ -32,7 +32,7 @@ from ledger.cli.common import PROG, add_who_and_why, operator_name
 from ledger.cli.progress import Progress, wanted
 from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
 from ledger.domain.timefmt import data_text, iso, relative, when
-from ledger.errors import DatabaseUnavailable, InvalidArgument
+from ledger.errors import DatabaseSetupError, InvalidArgument
 
 _REL = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -114,32 +114,50 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     (naming ``db init`` where that is the fix), and not a byte written to a SQLite file that
     holds no ledger.
 
+    Every command but ``db init``, ``demo`` and ``generate`` opens the ledger here, so they
+    all answer alike where there is no ledger: a SQLite file that does not exist
+    (``problem="database_missing"``), a database without the ledger's tables (an empty file,
+    what ``createdb`` makes: ``"schema_outdated"``, as the library's first statement says)
+    and a file of another application (``"not_a_ledger"``) are a
+    :class:`~ledger.errors.DatabaseSetupError` (exit 2, as a missing PostgreSQL database, an
+    older schema and :class:`~ledger.errors.SchemaTooNew` are), never the retry-safe
+    :class:`~ledger.errors.DatabaseUnavailable`: no retry will make a ledger appear.
+
     ``read_url`` (``--read-url``, ``$LEDGER_READ_URL``): a read replica the audit reads from
     (:meth:`ledger.Ledger.open`); it must hold the ledger too."""
     from ledger.api.facade import Ledger
     from ledger.api.face import reads_of
     from ledger.storage.audit import AuditQueries
-    from ledger.storage.engine import file_holds, normalize_url, not_a_ledger, redact_url
+    from ledger.storage.engine import (
+        database_name,
+        file_holds,
+        normalize_url,
+        not_a_ledger,
+        parse,
+        redact_url,
+    )
 
     norm = normalize_url(url)
     if norm.startswith("sqlite:///"):
         path = norm[len("sqlite:///"):]
         init = f"{PROG} db init --db {shlex.quote(path)}"
         if not os.path.exists(path):
-            raise DatabaseUnavailable(
+            raise _no_ledger(
                 f"no ledger at {path}: the file does not exist; create one with `{init}` (or "
-                f"`{PROG} demo` for a sample), or pass --db URL / set LEDGER_URL", url=norm)
+                f"`{PROG} demo` for a sample), or pass --db URL / set LEDGER_URL",
+                norm, "database_missing", path)
         # Before any connection: the engine's first one writes (the switch to WAL), and a
         # file that is not a ledger must stay byte for byte as it was.
         holds = file_holds(path)
         if holds == "empty":
-            raise DatabaseUnavailable(
+            raise _no_ledger(
                 f"{path} holds no ledger tables (an empty database); create them with "
-                f"`{init}`, or point --db at a ledger database", url=norm)
+                f"`{init}`, or point --db at a ledger database", norm, "schema_outdated", path)
         if holds != "ledger":
-            raise DatabaseUnavailable(
+            raise _no_ledger(
                 f"{path} holds no ledger tables: {not_a_ledger(holds)}; point --db at a "
-                f"ledger database (`{PROG} db init --db NEW.db` creates one)", url=norm)
+                f"ledger database (`{PROG} db init --db NEW.db` creates one)", norm,
+                "not_a_ledger", path)
     led = Ledger.open(url, migrate_schema=False, read_url=read_url)
     try:
         present = AuditQueries(reads_of(led).context).schema_present()
@@ -150,14 +168,22 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
         led.close()
         if read_url is not None:
             where = redact_url(normalize_url(read_url))
-            raise DatabaseUnavailable(
+            raise _no_ledger(
                 f"{where} holds no ledger tables; point --read-url at a replica of the "
-                "ledger's database", url=where)
+                "ledger's database", where, "schema_outdated",
+                database_name(parse(read_url)[1]))
         where = redact_url(norm)
-        raise DatabaseUnavailable(
+        raise _no_ledger(
             f"{where} holds no ledger tables; create them with `{PROG} db init --db "
-            f"{shlex.quote(where)}`, or point --db at a ledger database", url=where)
+            f"{shlex.quote(where)}`, or point --db at a ledger database", where,
+            "schema_outdated", database_name(parse(url)[1]))
     return led
+
+
+def _no_ledger(message: str, where: str, problem: str, database: str | None
+               ) -> DatabaseSetupError:
+    """No ledger at ``where``: a set-up problem (exit 2), which retrying will not fix."""
+    return DatabaseSetupError(message, url=where, problem=problem, database=database, role=None)
 
 
 @contextlib.contextmanager

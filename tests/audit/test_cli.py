@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from ledger.cli.main import main
+from ledger.testing.pgserver import PgServer
 
 from .seed import T0, seed
 
@@ -137,7 +138,7 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     assert res.stderr == ("failover-ledger: error: unknown run id 'nope'; list runs with "
                           "`failover-ledger runs`\n")
     res = cli("--db", str(tmp_path / "absent.db"), "runs")
-    assert res.returncode == 1 and len(res.stderr.splitlines()) == 1
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1  # no ledger: set-up
     assert "no ledger at" in res.stderr and "does not exist" in res.stderr
     assert not (tmp_path / "absent.db").exists()  # a reader never creates a database
     res = cli("--db", sqlite_url, "failovers", "--since", "yesterday-ish")
@@ -146,7 +147,7 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     # LEDGER_URL, then the default ./ledger.db in the working folder.
     assert json.loads(ok("runs", "--json", env={"LEDGER_URL": sqlite_url}))["items"]
     res = cli("runs", cwd=str(tmp_path))
-    assert res.returncode == 1 and "ledger.db" in res.stderr
+    assert res.returncode == 2 and "ledger.db" in res.stderr
     res = cli("--db", sqlite_url, "dashboard", "--refresh", "-1")
     assert res.returncode == 2 and "--refresh must be from 0 to 86400" in res.stderr
 
@@ -162,7 +163,7 @@ def test_a_missing_or_empty_ledger_names_db_init_and_is_left_byte_for_byte(
     # makes one (the README's), and reading never writes (not even SQLite's header) into a
     # file it refuses.
     missing = tmp_path / "ledger.db"
-    assert main(["--db", str(missing), "runs"]) == 1
+    assert main(["--db", str(missing), "runs"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "does not exist" in err
     assert f"`failover-ledger db init --db {missing}`" in err, err
@@ -175,12 +176,12 @@ def test_a_missing_or_empty_ledger_names_db_init_and_is_left_byte_for_byte(
         conn.commit()
     before = {p: p.read_bytes() for p in (empty, app)}
     for command in _READERS:
-        assert main(["--db", str(empty), *command]) == 1, command
+        assert main(["--db", str(empty), *command]) == 2, command
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "holds no ledger tables" in err, err
         assert f"`failover-ledger db init --db {empty}`" in err, err
         # Another application's file: db init would refuse it too, so it is not offered.
-        assert main(["--db", str(app), *command]) == 1, command
+        assert main(["--db", str(app), *command]) == 2, command
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "another application's tables" in err, err
         assert f"db init --db {app}" not in err, err
@@ -193,10 +194,80 @@ def test_an_empty_postgresql_database_names_db_init(
         pg_empty_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     # What createdb makes: a database with no ledger tables yet.
     for command in _READERS:
-        assert main(["--db", pg_empty_url, *command]) == 1, command
+        assert main(["--db", pg_empty_url, *command]) == 2, command
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "holds no ledger tables" in err, err
         assert "`failover-ledger db init --db postgresql+psycopg://" in err, err
+
+
+def _same_answer_everywhere(db: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line every command that opens a ledger answers at ``db``, exit 2."""
+    answers = {}
+    for name, command in _ON_A_LEDGER.items():
+        assert main(["--db", db, *command]) == 2, name
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.splitlines()) == 1, (name, out)
+        answers[name] = out.err
+    assert len(set(answers.values())) == 1, answers  # one code path, not one per command
+    return next(iter(answers.values()))
+
+
+def test_no_ledger_is_a_set_up_error_exit_2_alike_on_every_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where there is no ledger (no file, an empty one, another application's), every command
+    that opens one said DatabaseUnavailable and exited 1, as if the database were down:
+    retrying would never help. It is a DatabaseSetupError (exit 2, as a missing PostgreSQL
+    database, an older schema and SchemaTooNew are) naming the fix, the same from every
+    command, and nothing is created or written."""
+    from ledger.cli.ops_cmd import open_reader
+    from ledger.errors import DatabaseSetupError, DatabaseUnavailable
+
+    assert set(_ON_A_LEDGER) == _commands()  # a new command is classed there
+    for missing in (tmp_path / "none.db", tmp_path / "x" / "none.db"):  # a missing folder too
+        err = _same_answer_everywhere(str(missing), capsys)
+        assert f"no ledger at {missing}: the file does not exist" in err, err
+        assert f"`failover-ledger db init --db {missing}`" in err, err
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    app = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    before = {p: p.read_bytes() for p in (empty, app)}
+    assert "holds no ledger tables (an empty database)" in _same_answer_everywhere(
+        str(empty), capsys)
+    assert "another application's tables" in _same_answer_everywhere(str(app), capsys)
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "empty.db"]
+    for db, problem in ((tmp_path / "none.db", "database_missing"),
+                        (empty, "schema_outdated"), (app, "not_a_ledger")):
+        with pytest.raises(DatabaseSetupError) as caught:
+            open_reader(str(db))
+        assert not isinstance(caught.value, DatabaseUnavailable)
+        assert caught.value.fields["problem"] == problem
+        assert caught.value.fields["url"] == f"sqlite:///{db}"
+
+
+@pytest.mark.postgres
+def test_no_postgresql_ledger_is_a_set_up_error_exit_2_alike_on_every_command(
+        pg_server: PgServer, pg_empty_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A database that does not exist, and one createdb just made (no ledger tables): exit 2,
+    a DatabaseSetupError naming db init, the same from every command, nothing created."""
+    from ledger.cli.ops_cmd import open_reader
+    from ledger.errors import DatabaseSetupError
+
+    absent = pg_server.url("no_such_ledger")
+    err = _same_answer_everywhere(absent, capsys)
+    assert 'database "no_such_ledger" does not exist' in err and "db init" in err, err
+    err = _same_answer_everywhere(pg_empty_url, capsys)
+    assert "holds no ledger tables" in err and "`failover-ledger db init --db " in err, err
+    for url, problem in ((absent, "database_missing"), (pg_empty_url, "schema_outdated")):
+        with pytest.raises(DatabaseSetupError) as caught:
+            open_reader(url)
+        assert caught.value.fields["problem"] == problem
+    assert "no_such_ledger" not in pg_server.psql("SELECT datname FROM pg_database")
+    assert pg_server.psql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'",
+                          db=pg_empty_url.rsplit("/", 1)[1]).strip() == "0"
 
 
 def test_a_cursor_past_what_the_backend_binds_is_one_line_exit_2(sqlite_url: str) -> None:

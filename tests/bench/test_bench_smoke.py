@@ -622,7 +622,7 @@ def test_bulk_generate_refuses_a_ledger_with_other_runs(tmp_path: Path) -> None:
     empty = _bench("audit", "--db", db, "--repeat", "1")
     assert empty.returncode == 1 and "no attempts" in empty.stderr
     missing = _bench("audit", "--db", str(tmp_path / "none.db"))
-    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "none.db").exists()
 
 

@@ -42,7 +42,7 @@ def test_recover_and_reconcile_never_make_a_ledger_where_there_is_none(
     # A mistyped --db (or LEDGER_URL) in a cron job must fail, not report a clean, empty
     # ledger forever.
     absent = tmp_path / "typo.db"
-    assert main(["--db", str(absent), *command]) == 1
+    assert main(["--db", str(absent), *command]) == 2  # a set-up problem, not an outage
     err = capsys.readouterr().err
     assert "no ledger at" in err and "does not exist" in err
     assert not absent.exists()
