@@ -136,6 +136,7 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
         parse,
         redact_url,
     )
+    from ledger.storage.failure import init_command
 
     norm = normalize_url(url)
     if norm.startswith("sqlite:///"):
@@ -174,9 +175,9 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
                 database_name(parse(read_url)[1]))
         where = redact_url(norm)
         raise _no_ledger(
-            f"{where} holds no ledger tables; create them with `{PROG} db init --db "
-            f"{shlex.quote(where)}`, or point --db at a ledger database", where,
-            "schema_outdated", database_name(parse(url)[1]))
+            f"{where} holds no ledger tables; create them with "
+            f"{init_command(where, option='--db ')}, or point --db at a ledger database",
+            where, "schema_outdated", database_name(parse(url)[1]))
     return led
 
 

@@ -45,6 +45,7 @@ have raised, so psycopg is looked up only when it is loaded (it is an optional e
 from __future__ import annotations
 
 import re
+import shlex
 import sqlite3
 import sys
 from collections.abc import Iterator
@@ -190,6 +191,19 @@ def _quoted(name: str | None, placeholder: str) -> str:
     return '"' + name.replace('"', '""') + '"' if name else placeholder
 
 
+def init_command(where: str, *, option: str = "") -> str:
+    """```failover-ledger db init URL``` for a message: ``where`` (the URL without its
+    password) shell-quoted after ``option`` (``"--db "`` or nothing). The password is never
+    printed, so where it was masked (``***``) the command cannot be pasted as shown: the hint
+    says to put it back, or to hand the URL over in ``$LEDGER_URL``, which ``db init`` reads."""
+    command = f"`failover-ledger db init {option}{shlex.quote(where)}`"
+    if "***" not in where:
+        return command
+    return (f"{command} (*** stands for the password, which is never printed: put yours back "
+            "in its place, or set LEDGER_URL to the whole URL and run `failover-ledger db "
+            "init` alone)")
+
+
 def setup_error(problem: str, where: str, *, database: str | None = None,
                 role: str | None = None, text: str = "") -> DatabaseSetupError:
     """The :class:`~ledger.errors.DatabaseSetupError` of ``problem`` on the database at
@@ -206,8 +220,8 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
         "database_missing": (
             f"database {db} does not exist on {server}: create it as a role that may "
             f"create databases, `createdb -h {hostname} -p {port} -O {role or 'ROLE'} "
-            f"{database or 'DBNAME'}` (in psql: CREATE DATABASE {db} OWNER {who};), or run "
-            f"`failover-ledger db init {where}` with a role that has CREATEDB"),
+            f"{database or 'DBNAME'}` (in psql: CREATE DATABASE {db} OWNER {who};), or, with "
+            f"a role that has CREATEDB, run {init_command(where)}"),
         "role_missing": (
             f"role {who} does not exist on {server}: create it as a superuser (in psql: "
             f"CREATE ROLE {who} LOGIN PASSWORD '...';) or correct the user name in the URL"),
@@ -245,9 +259,9 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
             f"the ledger's schema in {_shown(database, where)} is older than this ledger, or "
             f"was never created{said}: the ledger was opened with migrate_schema=False (any "
             "command but db init, the dashboard, a role that may not migrate) before a "
-            f"process of this version migrated it; run `failover-ledger db init {where}` as "
-            "the role that owns its tables (or open it once with migrate_schema=True); "
-            "nothing was written"),
+            "process of this version migrated it; as the role that owns its tables, run "
+            f"{init_command(where)} (or open it once with migrate_schema=True); nothing was "
+            "written"),
         "connections_disabled": (
             f"database {db} does not accept connections: as its owner, ALTER DATABASE {db} "
             "ALLOW_CONNECTIONS true;"),

@@ -270,6 +270,41 @@ def test_no_postgresql_ledger_is_a_set_up_error_exit_2_alike_on_every_command(
                           db=pg_empty_url.rsplit("/", 1)[1]).strip() == "0"
 
 
+def test_a_db_init_hint_keeps_the_password_masked_and_says_where_it_goes() -> None:
+    """The hint printed the URL with its password masked as a command to paste, which then
+    failed on the password ***. The password stays unprinted; the hint says so and how to run
+    it (put the password back, or hand the URL over in $LEDGER_URL, which db init reads)."""
+    from ledger.storage.failure import init_command, setup_error
+
+    masked = "postgresql+psycopg://u:***@db.internal:5432/ledger"
+    says = ("(*** stands for the password, which is never printed: put yours back in its "
+            "place, or set LEDGER_URL to the whole URL and run `failover-ledger db init` "
+            "alone)")
+    assert init_command(masked, option="--db ") == (
+        f"`failover-ledger db init --db '{masked}'` {says}")
+    query = "postgresql+psycopg://u@db.internal/ledger?password=***&sslmode=require"
+    assert init_command(query) == f"`failover-ledger db init '{query}'` {says}"
+    plain = "postgresql+psycopg://u@db.internal:5432/ledger"
+    assert init_command(plain) == f"`failover-ledger db init {plain}`"  # pasted as is
+    for problem in ("database_missing", "schema_outdated"):
+        assert f"`failover-ledger db init '{masked}'` {says}" in str(setup_error(problem, masked))
+
+
+@pytest.mark.postgres
+def test_no_postgresql_ledger_at_a_url_with_a_password_prints_no_password(
+        pg_server: PgServer, pg_empty_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The test server trusts loopback: the password is carried, never checked.
+    empty = pg_empty_url.replace("://postgres@", "://postgres:Hunter2-secret@")
+    absent = pg_server.url("no_such_ledger").replace("://postgres@",
+                                                     "://postgres:Hunter2-secret@")
+    for url, option in ((empty, "--db "), (absent, "")):
+        assert main(["--db", url, "runs"]) == 2
+        err = capsys.readouterr().err
+        assert "Hunter2" not in err, err
+        shown = url.replace("Hunter2-secret", "***")
+        assert f"`failover-ledger db init {option}'{shown}'` (*** stands for the password" in err
+
+
 def test_a_cursor_past_what_the_backend_binds_is_one_line_exit_2(sqlite_url: str) -> None:
     for args in (["costs", "--cursor", "o:99999999999999999999"],
                  ["costs", "--by", "tenant", "--budget-cursor", "o:99999999999999999999"],
