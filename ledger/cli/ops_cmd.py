@@ -140,7 +140,8 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
 
     norm = normalize_url(url)
     if norm.startswith("sqlite:///"):
-        path = norm[len("sqlite:///"):]
+        # The URL's file, without its options (``?timeout=5``): not the text after the scheme.
+        path = parse(url)[1].database or ""
         init = f"{PROG} db init --db {shlex.quote(path)}"
         if not os.path.exists(path):
             raise _no_ledger(

@@ -270,6 +270,21 @@ def test_no_postgresql_ledger_is_a_set_up_error_exit_2_alike_on_every_command(
                           db=pg_empty_url.rsplit("/", 1)[1]).strip() == "0"
 
 
+def test_a_sqlite_url_with_options_is_read_at_the_file_it_names(
+        sqlite_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sqlite:///PATH?timeout=5`` (the busy timeout, which Ledger.open takes) was looked for
+    as a file named ``PATH?timeout=5``: every reading command said there was no ledger."""
+    for command in (["runs"], ["reconcile"], ["run", "show", "r1"]):
+        assert main(["--db", f"sqlite:///{sqlite_url}?timeout=5", *command]) == 0, command
+        assert capsys.readouterr().err == ""
+    missing = tmp_path / "none.db"
+    assert main(["--db", f"sqlite:///{missing}?timeout=5", "runs"]) == 2
+    err = capsys.readouterr().err
+    assert f"no ledger at {missing}: the file does not exist" in err, err
+    assert f"`failover-ledger db init --db {missing}`" in err, err
+    assert not missing.exists()
+
+
 def test_a_db_init_hint_keeps_the_password_masked_and_says_where_it_goes() -> None:
     """The hint printed the URL with its password masked as a command to paste, which then
     failed on the password ***. The password stays unprinted; the hint says so and how to run
