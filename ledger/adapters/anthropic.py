@@ -91,7 +91,6 @@ from ledger.errors import InvalidArgument
 
 ANTHROPIC_VERSION = "2023-06-01"
 
-_RESERVED = {"model", "messages", "system", "tools", "stream", "max_tokens"}
 # The blocks of an answer that are its reasoning, and the keys each keeps when carried back
 # (the API verifies them unchanged: nothing is added).
 _THINKING_KEYS = {"thinking": ("type", "thinking", "signature"),
@@ -262,7 +261,7 @@ class AnthropicCodec(Codec):
                 field="envelope.parts",
             )
         params = dict(envelope.params)
-        check_params(route, params, _RESERVED)
+        check_params(route, params)
         if "stop" in params:
             stop = params.pop("stop")
             params["stop_sequences"] = [stop] if isinstance(stop, str) else stop

@@ -24,6 +24,7 @@ from ledger.domain.media import (
     kind_of,
     sniff_image_type,
 )
+from ledger.domain.params import refused_params
 from ledger.domain.values import Route, canonical_json
 from ledger.errors import InvalidArgument
 from ledger.redaction import redact
@@ -456,25 +457,19 @@ def join_url(endpoint: str, path: str) -> str:
     return endpoint.rstrip("/") + "/" + path.lstrip("/")
 
 
-def check_params(route: Route, params: Mapping[str, Any], reserved: set[str]) -> None:
+def check_params(route: Route, params: Mapping[str, Any]) -> None:
     """Refuse (InvalidArgument) parameters a request may not carry on ``route``.
 
-    Those are parameters that would overwrite the request's structure (``reserved``) and those
-    the route declares it does not support (``Capabilities.parameters``).
+    Those are parameters that would overwrite the request's structure or that ``route``'s
+    protocol refuses (:data:`~ledger.domain.params.RESERVED_PARAMS`) and those the route
+    declares it does not support (``Capabilities.parameters``). A turn never gets here with
+    one: preflight makes such a route ineligible before any Attempt is begun
+    (:func:`~ledger.domain.params.refused_params`); this is for a codec called directly.
     """
-    for name in params:
-        if name in reserved:
-            raise InvalidArgument(
-                f"Envelope.params may not set {name!r}: the adapter builds it from the envelope",
-                field=f"envelope.params.{name}",
-            )
-        allowed = route.capabilities.parameters
-        if allowed is not None and name not in allowed:
-            raise InvalidArgument(
-                f"route {route.id!r} does not support parameter {name!r} (supported: {allowed}); "
-                "drop it or add it to Capabilities.parameters",
-                field=f"envelope.params.{name}",
-            )
+    refused = refused_params(route, params)
+    if refused:
+        first = refused[0]
+        raise InvalidArgument(f"{first.message}; {first.fix}", field=first.field)
 
 
 # --------------------------------------------------------------------------------------------

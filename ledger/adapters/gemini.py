@@ -96,7 +96,6 @@ from ledger.domain.media import MediaKind, b64, wire_media_type
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
-_RESERVED = {"contents", "systemInstruction", "tools", "generationConfig", "model"}
 # The request's own fields beside generationConfig (GenerateContentRequest): sent at the top.
 _TOP_LEVEL = frozenset({"safetySettings", "toolConfig", "cachedContent"})
 _RENAME = {
@@ -297,7 +296,7 @@ class GeminiCodec(Codec):
                 "a Gemini request needs at least one user or assistant part besides system",
                 field="envelope.parts",
             )
-        check_params(route, envelope.params, _RESERVED)
+        check_params(route, envelope.params)
         config: dict[str, Any] = {}
         top: dict[str, Any] = {}
         for key, value in envelope.params.items():

@@ -87,17 +87,6 @@ from ledger.domain.media import MediaKind, data_url
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
-_RESERVED = {
-    "model",
-    "messages",
-    "tools",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "max_completion_tokens",
-    "n",
-}
-
 
 def _usage(value: Any) -> Usage | None:
     if value is None:
@@ -251,7 +240,7 @@ class OpenAICodec(Codec):
                 if part.name and part.role == "user":
                     msg["name"] = part.name
                 messages.append(msg)
-        check_params(route, envelope.params, _RESERVED)
+        check_params(route, envelope.params)
         body: dict[str, Any] = {"model": route.model, "messages": messages}
         body.update(envelope.params)
         declared = route.capabilities.parameters

@@ -109,17 +109,6 @@ from ledger.domain.media import MediaKind, data_url
 from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 
-_RESERVED = {"model", "input", "instructions", "tools", "stream", "max_output_tokens"}
-# Parameters that keep the conversation at the provider, which a failover cannot follow.
-_STATEFUL = {
-    "previous_response_id": "it continues a conversation the provider stored, which no other "
-    "route holds; the ledger sends the whole conversation with every request instead (store="
-    "false), so a failover can resend it elsewhere",
-    "conversation": "it continues a conversation the provider stored, which no other route "
-    "holds; the ledger sends the whole conversation with every request instead",
-    "background": "a background response is fetched later by polling, which the adapter does "
-    "not do; send the request in the foreground (stream=True for a long answer)",
-}
 # What a reasoning item keeps when carried back: the provider needs no more to read it.
 _REASONING_KEYS = ("type", "id", "summary", "encrypted_content", "content")
 
@@ -270,10 +259,7 @@ class OpenAIResponsesCodec(Codec):
     def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
         """A Responses request; InvalidArgument for parts or parameters it cannot carry."""
         assert route.endpoint is not None  # checked by the engine before building
-        for name, why in _STATEFUL.items():
-            if name in envelope.params:
-                raise InvalidArgument(f"Envelope.params may not set {name!r}: {why}",
-                                      field=f"envelope.params.{name}")
+        check_params(route, envelope.params)
         instructions: list[str] = []
         items: list[dict[str, Any]] = []
         notes: list[str] = []
@@ -318,7 +304,6 @@ class OpenAIResponsesCodec(Codec):
             raise InvalidArgument(
                 "a Responses request needs at least one user or assistant part besides system",
                 field="envelope.parts")
-        check_params(route, envelope.params, _RESERVED - {"tools"})
         params = dict(envelope.params)
         builtin = _builtin_tools(params.pop("tools", None))
         body: dict[str, Any] = {"model": route.model, "input": items, "store": False}

@@ -3,8 +3,10 @@
 Three independent claims must all hold before any Attempt is begun on a route:
 
 1. **capability** - the route can serve the request: protocol, tools, streaming, prefill,
-   required parameters, a context window that fits the request's token estimate, and the
-   request's images and documents (``image input``, ``pdf input``: declared by the route's
+   its parameters (none the protocol builds itself,
+   :data:`~ledger.domain.params.RESERVED_PARAMS`, and only those ``Capabilities.parameters``
+   lists), a context window that fits the request's token estimate, and the request's
+   images and documents (``image input``, ``pdf input``: declared by the route's
    :class:`~ledger.domain.values.Capabilities`, sizes, links the provider must fetch and links
    the protocol cannot carry at all). A request the route cannot serve is rejected here, never
    "tested by sending" and learning from a 400.
@@ -60,6 +62,7 @@ from ledger.domain.media import (
     image_size,
     pdf_pages,
 )
+from ledger.domain.params import RESERVED_PARAMS, refused_params
 from ledger.domain.values import Grant, Route, canonical_json
 from ledger.errors import InvalidArgument, PreflightRefused
 from ledger.policy.model import EnvelopePolicy
@@ -674,13 +677,61 @@ def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
             f"{caps.context_window}",
             "shorten the conversation (or max_output_tokens), or plan a route with a larger "
             "context window"))
-    if caps.parameters is not None:
-        unsupported = sorted(needs.parameters - set(caps.parameters))
+    if needs.parameters:
+        out.extend(_param_capability(route, needs.parameters))
+    out.extend(_media_capability(route, needs))
+    return [PreflightFailure(Check.CAPABILITY, d, f) for d, f in out]
+
+
+def _param_capability(route: Route, names: frozenset[str]) -> list[tuple[str, str]]:
+    """The parameters ``route`` cannot carry: its protocol builds them, or it declares others.
+
+    A name one protocol builds itself may be another's own parameter (``tools`` holds the
+    Responses API's built-in tools, ``max_output_tokens`` is Gemini's), so only this route is
+    ruled out; a turn whose plan has no route left for them is refused before any begin
+    (:func:`require_params_carried`).
+    """
+    out: list[tuple[str, str]] = []
+    reserved = RESERVED_PARAMS.get(route.protocol, {})
+    built = sorted(names & reserved.keys())
+    if built:
+        out.append((f"Envelope.params may not set {', '.join(built)} on protocol "
+                    f"{route.protocol.value}: " + "; ".join(f"{n}: {reserved[n]}" for n in built),
+                    f"leave {', '.join(built)} out of Envelope.params, or plan a route whose "
+                    "protocol takes them"))
+    if route.capabilities.parameters is not None:
+        unsupported = sorted(names - set(route.capabilities.parameters) - reserved.keys())
         if unsupported:
             out.append((f"unsupported parameters: {', '.join(unsupported)}",
                         f"leave out {', '.join(unsupported)}, or plan a route that takes them"))
-    out.extend(_media_capability(route, needs))
-    return [PreflightFailure(Check.CAPABILITY, d, f) for d, f in out]
+    return out
+
+
+def require_params_carried(params: Mapping[str, Any], plan: Sequence[Route]) -> None:
+    """Refuse a request whose ``params`` no route of ``plan`` can carry.
+
+    Each route that cannot is ineligible (preflight, capability); with none left the request
+    itself is wrong, and the turn refuses it before anything is recorded: no Attempt, no hold,
+    no retry permission. Checked once per turn, on the parameters' names only.
+
+    Raises:
+        InvalidArgument: naming ``envelope.params.<name>`` of the plan's first route that
+            refuses one, and what every route refuses.
+    """
+    if not params or not plan:
+        return
+    per_route = []
+    for r in plan:
+        refused = refused_params(r, params)
+        if not refused:
+            return  # the usual case: the first route carries them, the rest is preflight's
+        per_route.append((r, refused))
+    first = per_route[0][1][0]
+    rest = "".join(f"; {refused[0].message}" for _, refused in per_route[1:])
+    raise InvalidArgument(
+        f"no route of the Run's plan can carry this request's Envelope.params: {first.message}"
+        f"{rest}; fix: {first.fix}", field=first.field,
+        routes={r.id: [x.name for x in refused] for r, refused in per_route})
 
 
 def _qualification(
@@ -909,5 +960,6 @@ __all__ = [
     "param_disclosures",
     "part_coverage",
     "preflight",
+    "require_params_carried",
     "with_prompt",
 ]

@@ -56,7 +56,13 @@ from ledger.decide.effects import (
 )
 from ledger.decide.health import route_key
 from ledger.decide.inputs import record_inputs
-from ledger.decide.preflight import Denials, TokenCounter, check_envelope_limits, needs_cover
+from ledger.decide.preflight import (
+    Denials,
+    TokenCounter,
+    check_envelope_limits,
+    needs_cover,
+    require_params_carried,
+)
 from ledger.decide.profiles import Pin, keeps_pinned_profile, marks_profile_tried
 from ledger.decide.resolve import Resolution, stays, unresolved_begin
 from ledger.decide.retry import retry_decision
@@ -465,6 +471,9 @@ class TurnLoop:
         if snap.unreceipted:
             raise (yield from self._sent_before(turn, snap.unreceipted))
         run = snap.run
+        # Parameters no route of the plan can carry are the request's fault, refused as the
+        # bounds above are; a route that alone cannot is skipped by preflight.
+        require_params_carried(self.envelope.params, run.plan)
         turn.plan = run.plan
         # A new turn keeps the session's profile (a user pin survives a compaction).
         turn.basis = {"failure": None, "current": run.current_route,

@@ -378,8 +378,12 @@ class Envelope(StrictModel):
     """The complete request. Its :attr:`hash` is what an Attempt records.
 
     ``parts`` holds at least one part (a turn checks it again, :func:`require_parts`, for one
-    built without validation); ``params`` (temperature, top_p, ...) must be JSON data;
-    ``max_output_tokens`` an integer from 1 to 10^15, or ``None``.
+    built without validation); ``params`` (temperature, top_p, ...) must be JSON data, and a
+    route whose protocol builds one of their names itself (``messages``, ``contents``, ...) or
+    whose ``Capabilities.parameters`` leaves one out cannot carry them
+    (:mod:`ledger.domain.params`: preflight skips it; a turn whose plan has no route left
+    refuses the envelope before any Attempt); ``max_output_tokens`` an integer from 1 to
+    10^15, or ``None``.
     """
 
     parts: list[Part]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +20,7 @@ from ledger.decide.preflight import (
     narrow_grant,
     part_coverage,
     preflight,
+    require_params_carried,
 )
 from ledger.domain.envelope import (
     MEMORY,
@@ -32,7 +35,7 @@ from ledger.domain.envelope import (
 )
 from ledger.domain.facts import WireProtocol
 from ledger.domain.values import Grant, Route
-from ledger.errors import PreflightRefused
+from ledger.errors import InvalidArgument, PreflightRefused
 
 
 def route(**kw: object) -> Route:
@@ -319,6 +322,14 @@ def test_tool_descriptions_need_approval_of_their_class() -> None:
     assert preflight(route(), env, grant=g2, role="r").ok
 
 
+def carrier(params: Mapping[str, object], **kw: object) -> Route:
+    """A route whose protocol can carry ``params``: the Responses API's ``tools``, Anthropic's
+    ``mcp_servers`` (chat completions builds ``tools`` itself, which preflight refuses)."""
+    protocol = ("openai_responses" if "tools" in params
+                else "anthropic" if "mcp_servers" in params else "openai")
+    return route(protocol=protocol, **kw)
+
+
 @pytest.mark.parametrize(("params", "where"), [
     ({"functions": [{"name": "search", "description": "SECRET"}]}, "functions"),
     ({"tools": [{"type": "web_search"},
@@ -328,15 +339,16 @@ def test_tool_descriptions_need_approval_of_their_class() -> None:
 def test_tool_definitions_in_params_are_tool_descriptions(params: dict[str, object],
                                                           where: str) -> None:
     env = Envelope(parts=[USER], params=params)
-    r = preflight(route(), env, grant=Grant(recipients={"deepseek": [USER_INPUT]}), role="r")
+    r = preflight(carrier(params), env, grant=Grant(recipients={"deepseek": [USER_INPUT]}),
+                  role="r")
     [failure] = r.failures
     assert failure.check is Check.DISCLOSURE and "not approved for: tool_description" in (
         failure.detail)
     assert where in failure.fix  # the fix names the parameter, which a host may not suspect
     g2 = Grant(recipients={"deepseek": [USER_INPUT, TOOL_DESCRIPTION]})
-    assert preflight(route(), env, grant=g2, role="r").ok
+    assert preflight(carrier(params), env, grant=g2, role="r").ok
     # They offer tools: a route without tool support cannot serve them.
-    no_tools = route(capabilities={"tools": False})
+    no_tools = carrier(params, capabilities={"tools": False})
     assert Check.CAPABILITY in preflight(no_tools, env, grant=g2, role="r").checks
 
 
@@ -348,7 +360,7 @@ def test_provider_built_in_tools_and_references_disclose_nothing_more() -> None:
                               {"type": "image_generation"}]},
                    {"prompt": {"id": "pmpt_1"}}, {"cachedContent": "cachedContents/abc"}):
         env = Envelope(parts=[USER], params=params)
-        assert preflight(route(), env, grant=Grant(recipients={"deepseek": [USER_INPUT]}),
+        assert preflight(carrier(params), env, grant=Grant(recipients={"deepseek": [USER_INPUT]}),
                          role="r").ok, params
 
 
@@ -364,29 +376,56 @@ def test_a_server_params_make_the_provider_forward_to_is_a_recipient_the_grant_a
         params: dict[str, object]) -> None:
     env = Envelope(parts=[USER], params=params)
     g = Grant(recipients={"deepseek": [USER_INPUT]})
-    [failure] = preflight(route(), env, grant=g, role="r").failures
+    [failure] = preflight(carrier(params), env, grant=g, role="r").failures
     assert failure.check is Check.DISCLOSURE
     assert repr(MCP_URL) in failure.detail and "user_input" in failure.detail
     assert f"Grant.recipients[{MCP_URL!r}]" in failure.fix and "drop" in failure.fix
     # No grant approves only the plan's recipients, which the server is not.
-    assert preflight(route(), env, grant=None, role="r").checks == {Check.DISCLOSURE}
+    assert preflight(carrier(params), env, grant=None, role="r").checks == {Check.DISCLOSURE}
     approved = Grant(recipients={"deepseek": [USER_INPUT], MCP_URL: [USER_INPUT]})
-    assert preflight(route(), env, grant=approved, role="r").ok
+    assert preflight(carrier(params), env, grant=approved, role="r").ok
     # The server needs every class the request carries, and a current denial revokes it.
     derived = Envelope(parts=[USER, ANALYSIS], params=params)
     both = Grant(recipients={"deepseek": [USER_INPUT, MODEL_DERIVED], MCP_URL: [USER_INPUT]})
-    [failure] = preflight(route(), derived, grant=both, role="r", provenance=RECORDED).failures
+    [failure] = preflight(carrier(params), derived, grant=both, role="r",
+                          provenance=RECORDED).failures
     assert "does not approve for: model_derived" in failure.detail
     den = Denials(recipients=frozenset({MCP_URL}))
-    assert not preflight(route(), env, grant=approved, role="r", denials=den).ok
+    assert not preflight(carrier(params), env, grant=approved, role="r", denials=den).ok
 
 
 def test_a_forwarding_server_without_a_url_is_refused_whatever_the_grant() -> None:
     for params in ({"tools": [{"type": "mcp", "server_label": "x"}]},
                    {"mcp_servers": "https://third-party.example/mcp"}):
         env = Envelope(parts=[USER], params=params)
-        [failure] = preflight(route(), env, grant=None, role="r").failures
+        [failure] = preflight(carrier(params), env, grant=None, role="r").failures
         assert "does not name by URL" in failure.detail, params
+
+
+@pytest.mark.parametrize(("protocol", "name", "other"), [
+    ("openai", "messages", "gemini"), ("openai", "n", "anthropic"),
+    ("openai_responses", "input", "anthropic"),
+    ("openai_responses", "previous_response_id", "anthropic"),
+    ("anthropic", "system", "openai_responses"), ("gemini", "contents", "openai"),
+    ("gemini", "generationConfig", "openai"),
+])
+def test_a_param_the_routes_protocol_builds_makes_the_route_ineligible(
+        protocol: str, name: str, other: str) -> None:
+    """A capability failure naming the parameter and the fix; a route of ``other`` protocol,
+    for which the name is an ordinary parameter, stays eligible."""
+    env = Envelope(parts=[USER], params={name: "x", "temperature": 0.1})
+    builder = route(protocol=protocol)
+    r = preflight(builder, env, grant=None, role="r")
+    assert r.checks == {Check.CAPABILITY}
+    assert r.first is not None and name in r.first.detail
+    assert f"leave {name} out of Envelope.params" in r.first.fix
+    carrier_route = route(id="other", protocol=other)
+    assert preflight(carrier_route, env, grant=None, role="r").ok
+    # The request is refused only when no route of the plan can carry it.
+    require_params_carried(env.params, [builder, carrier_route])
+    with pytest.raises(InvalidArgument) as ei:
+        require_params_carried(env.params, [builder])
+    assert ei.value.field == f"envelope.params.{name}"
 
 
 def test_revoked_recipient_fails_although_the_frozen_grant_allows_it() -> None:
