@@ -65,6 +65,8 @@ total_timeout_s ran out                total_timeout                   how far i
 clean end without completion signal    stream_cut                      mid_stream
 event not parsable / wrong shape       malformed_event                 mid_stream (stream),
                                                                        after_headers (body)
+an answer the ledger cannot carry      malformed_event                 after_headers
+  (a Responses custom_tool_call)
 error event inside a stream            (none; status 200, body)        mid_stream
 a stream's final status event          (none; status 200, body)        after_headers
   (Responses response.failed/.incomplete)
@@ -1020,6 +1022,9 @@ class HttpAdapter:
                 body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
             ))
         except _BAD_PAYLOAD as exc:
+            if isinstance(exc, MalformedPayload):
+                # An answer refused whole may still say what it cost and who answered.
+                call.usage, call.model = exc.usage or call.usage, exc.model or call.model
             return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
@@ -1104,10 +1109,12 @@ class HttpAdapter:
                     ))
                 except _BAD_PAYLOAD as exc:
                     self._absorb(call, state)
+                    final = isinstance(exc, MalformedPayload) and exc.final
                     return (yield from self._fail(
                         call,
                         transport=Transport.MALFORMED_EVENT,
-                        phase=Phase.MID_STREAM,
+                        # Refused on the answer's completion: its verdict is the whole body's.
+                        phase=Phase.AFTER_HEADERS if final else Phase.MID_STREAM,
                         message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     ))

@@ -201,7 +201,22 @@ class Reply:
 
 
 class MalformedPayload(ValueError):
-    """A body or event that does not have the protocol's shape."""
+    """A body or event that does not have the protocol's shape, or an answer not to carry.
+
+    An answer the ledger cannot carry (a Responses ``custom_tool_call``) is refused as one.
+
+    ``usage`` and ``model`` are what the answer reported (it was run, and may be billed).
+    ``final``: in a stream, raised on the answer's own completion, so the whole answer is
+    known and refused as the same whole body is (phase ``after_headers``), not as a stream
+    that broke off (``mid_stream``, whose execution is unknown).
+    """
+
+    def __init__(self, message: str, *, usage: Usage | None = None, model: str | None = None,
+                 final: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
+        self.model = model
+        self.final = final
 
 
 #: The most tool calls one answer may propose; one more makes the answer ``malformed_event``.

@@ -41,10 +41,13 @@ through. With
 without being stored.
 
 Answers: the ``output`` items' ``output_text`` (and ``refusal``) text, ``function_call`` items
-as tool calls, ``reasoning`` items that carry ``encrypted_content`` as reasoning to carry back,
-``image_generation_call`` items (the ``image_generation`` tool's) as the answer's images (their
-base64 ``result``; the media type from ``output_format``, else from the bytes' signature);
-usage ``input_tokens`` (``input_tokens_details.cached_tokens`` included) and ``output_tokens``
+as tool calls (a ``custom_tool_call`` item, a ``custom`` tool's call with free-text input, makes
+the answer ``malformed_event``: a tool call the ledger carries has a JSON object for arguments,
+and dropping the item would pass the answer off as plain text), ``reasoning`` items that
+carry ``encrypted_content`` as reasoning to carry back, ``image_generation_call`` items (the
+``image_generation`` tool's) as the answer's images (their base64 ``result``; the media type
+from ``output_format``, else from the bytes' signature); usage ``input_tokens``
+(``input_tokens_details.cached_tokens`` included) and ``output_tokens``
 (``output_tokens_details.reasoning_tokens`` included); the finish is the response's ``status``.
 A response whose status is ``failed`` or ``incomplete`` is a failure, not an answer: its
 ``error`` (``incomplete_details.reason`` for an incomplete one, e.g. ``max_output_tokens``) is
@@ -229,6 +232,30 @@ def _call_of(item: dict[str, Any], j: int) -> ToolCall:
     )
 
 
+def _custom_call(item: dict[str, Any], where: str, *, usage: Usage | None = None,
+                 model: str | None = None, final: bool = False) -> MalformedPayload:
+    """The refusal of a ``custom_tool_call`` output item (a ``custom`` tool's call).
+
+    Its input is free text, and a tool call the ledger hands on carries its arguments as a
+    JSON object (the assistant part the next turn sends back), which it would go back as: a
+    ``function_call`` the provider does not match to the custom tool. Dropping the item would
+    make the answer look like plain text, the call never run: the answer is refused instead.
+    """
+    name = item.get("name")
+    shown = f" to tool {name[:64]!r}" if isinstance(name, str) and name else ""
+    return MalformedPayload(
+        f"{where} is a custom_tool_call{shown} (a custom tool's free-text input), which the "
+        "ledger cannot carry as a tool call (its arguments are a JSON object, sent back as a "
+        "function_call); offer the tool as a function tool in Envelope.tools, or leave the "
+        "custom tool out of Envelope.params['tools']", usage=usage, model=model, final=final)
+
+
+def _where(data: dict[str, Any]) -> str:
+    """The output item a stream event is about, as a whole body would name it."""
+    index = data.get("output_index")
+    return f"output[{index}]" if isinstance(index, int) else "an output item"
+
+
 def _message_text(item: dict[str, Any], j: int) -> str:
     content = item.get("content") or []
     if isinstance(content, str):
@@ -375,6 +402,8 @@ class OpenAIResponsesCodec(Codec):
             elif kind == "function_call":
                 reply.tool_calls.append(
                     proposed_call(_call_of(item, j), reply.tool_calls, f"output[{j}]"))
+            elif kind == "custom_tool_call":
+                raise _custom_call(item, f"output[{j}]", usage=reply.usage, model=reply.model)
             elif kind == "reasoning":
                 carried = _reasoning(item)
                 if carried is not None:
@@ -411,6 +440,8 @@ class _ResponsesStream(StreamState):
         # function calls by item id: [call id, name, argument pieces, final arguments]
         self._calls: dict[str, list[Any]] = {}
         self._done: set[str] = set()
+        # The first custom_tool_call item and where it stands: the answer is refused with it.
+        self._custom: tuple[dict[str, Any], str] | None = None
 
     def feed(self, event: SSEEvent) -> list[StreamEvent]:
         if event.data.strip() == "[DONE]":  # some compatible servers end with it anyway
@@ -430,6 +461,9 @@ class _ResponsesStream(StreamState):
             if response.get("usage") is not None:
                 self.usage = _usage(response["usage"])
             if kind == "response.completed":
+                if self._custom is not None:
+                    raise _custom_call(*self._custom, usage=self.usage, model=self.model,
+                                       final=True)
                 self.finish_reason = optional_str(response.get("status"), "status") or "completed"
                 self.terminated = True
                 return self._flush()
@@ -447,6 +481,10 @@ class _ResponsesStream(StreamState):
                 out.append(TextDelta(text))
         elif kind == "response.output_item.added":
             item = require_object(data.get("item"), "output_item.added.item")
+            if item.get("type") == "custom_tool_call":
+                # Refused on completion, so the whole answer (and its usage) is known.
+                self._custom = self._custom or (item, _where(data))
+                self.content_seen = True
             if item.get("type") == "function_call":
                 iid = self._item_id(item, data)
                 name = optional_str(item.get("name"), "function_call.name")
@@ -473,6 +511,8 @@ class _ResponsesStream(StreamState):
                     slot[3] = args
                 out.extend(self._propose(iid))
                 self.content_seen = True
+            elif item.get("type") == "custom_tool_call":
+                self._custom = self._custom or (item, _where(data))
             elif item.get("type") == "reasoning":
                 carried = _reasoning(item)
                 if carried is not None:

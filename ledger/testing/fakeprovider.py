@@ -131,6 +131,10 @@ class Behavior:
     # the answer is never finished.
     fault_after_content: bool = False
     tool_call: tuple[str, dict[str, Any]] | None = None  # answer with this call if tools were sent
+    # The Responses API: answer with a custom_tool_call item (a custom tool's name and its
+    # free-text input) if tools were sent, after the message and any function call (streamed
+    # as response.custom_tool_call_input.delta / .done). Other protocols: ignored.
+    custom_tool_call: tuple[str, str] | None = None
     raw: tuple[bytes, ...] = ()  # RAW: the bytes to write, one write per item
     raw_hold: bool = False  # RAW: keep the connection open (sending nothing) after writing
     # Answer with reasoning, "encrypted" or signed for the requested model (only that model's
@@ -1028,6 +1032,7 @@ class _Answer:
     cached_tokens: int = 0
     reasoning_tokens: int = 0
     image: tuple[str, bytes] | None = None  # (media type, bytes) of an image in the answer
+    custom: tuple[str, str] | None = None  # Responses: a custom_tool_call (name, input)
 
     @classmethod
     def build(cls, req: ReceivedRequest, b: Behavior) -> _Answer:
@@ -1042,6 +1047,7 @@ class _Answer:
             model=b.model or f"{req.model or 'fake'}-fake-001",
             usage=b.usage,
             tool=b.tool_call if has_tools else None,
+            custom=b.custom_tool_call if has_tools else None,
             incomplete=b.fault is Fault.INCOMPLETE,
             reasoning=b.reasoning,
             secret=reasoning_secret(req.model, b.reasoning) if b.reasoning else "",
@@ -1152,6 +1158,10 @@ class _Answer:
             items.append({"type": "function_call", "id": "fc_fake_1", "call_id": "call_fake_1",
                           "name": self.tool[0], "arguments": json.dumps(self.tool[1]),
                           "status": "completed"})
+        if self.custom:
+            items.append({"type": "custom_tool_call", "id": "ctc_fake_1",
+                          "call_id": "call_fake_2", "name": self.custom[0],
+                          "input": self.custom[1], "status": "completed"})
         return items
 
     def _response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1284,6 +1294,14 @@ class _Answer:
                     "output_index": index, "content_index": 0, "text": self.text})
                 ev({"type": "response.content_part.done", "item_id": item["id"],
                     "output_index": index, "content_index": 0, "part": item["content"][0]})
+                ev({"type": "response.output_item.done", "output_index": index, "item": item})
+            elif item["type"] == "custom_tool_call":
+                ev({"type": "response.output_item.added", "output_index": index,
+                    "item": {**item, "input": "", "status": "in_progress"}}, True)
+                ev({"type": "response.custom_tool_call_input.delta", "item_id": item["id"],
+                    "output_index": index, "delta": item["input"]}, True)
+                ev({"type": "response.custom_tool_call_input.done", "item_id": item["id"],
+                    "output_index": index, "input": item["input"]})
                 ev({"type": "response.output_item.done", "output_index": index, "item": item})
             else:
                 args = item["arguments"]
