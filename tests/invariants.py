@@ -106,6 +106,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/session/test_params_disclosure.py::test_invariant7_tool_definitions_in_params_reach_no_recipient_unapproved_for_them",
         "tests/session/test_params_disclosure.py::test_invariant7_a_tool_spec_data_class_adds_to_tool_description_never_replaces_it",
         "tests/session/test_params_disclosure.py::test_invariant7_no_request_makes_the_provider_forward_content_to_an_unapproved_server",
+        "tests/session/test_params_disclosure.py::test_invariant7_a_long_mcp_server_url_can_be_granted_and_is_refused_unless_it_is",
     ),
     # 8. Group limits hold across processes; dead executors' slots come back.
     8: (

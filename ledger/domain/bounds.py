@@ -16,6 +16,8 @@ money                  finite decimals 0 to 10^12 currency units (stored as micr
 durations              finite seconds; a lease TTL is in (0, 86 400]
 times (deadlines, …)   finite epoch seconds in [0, 10^11)
 a Run's labels         at most 64 (keys ids, values texts of at most 200 characters)
+recipients             1 to 2,048 characters, printable (a grant's keys, a route's
+                       recipient): a forwarding server is named by its URL
 =====================  ==========================================================
 """
 
@@ -24,6 +26,11 @@ from __future__ import annotations
 from decimal import Decimal
 
 MAX_ID_LENGTH = 200
+#: The longest recipient name (a grant's keys, ``Route.recipient``). A server a request
+#: parameter makes the provider forward to (an MCP server) is a recipient named by its URL,
+#: and 2,048 characters is the URL length browsers, proxies and CDNs commonly accept; recipients
+#: are stored only inside the Run's frozen JSON (plan, grant), never in a sized column.
+MAX_RECIPIENT_LENGTH = 2048
 MAX_COUNT = 10**9
 MAX_TOKENS = 10**15
 MAX_AMOUNT = Decimal(10**12)
@@ -64,6 +71,7 @@ __all__ = [
     "MAX_ID_LENGTH",
     "MAX_LABELS",
     "MAX_LEASE_TTL_S",
+    "MAX_RECIPIENT_LENGTH",
     "MAX_TIME",
     "MAX_TOKENS",
     "canonical_decimal",

@@ -68,6 +68,7 @@ from ledger.domain.bounds import (
     MAX_COUNT,
     MAX_ID_LENGTH,
     MAX_LABELS,
+    MAX_RECIPIENT_LENGTH,
     MAX_TIME,
     MAX_TOKENS,
 )
@@ -367,6 +368,11 @@ NewId = Annotated[StrictStr, as_new_id]
 """The id of a Run or Attempt a call creates: an :data:`Id` other than ``.`` and ``..``."""
 Text = Annotated[StrictStr, text()]
 """A short printable text (a name, a reason): at most 200 characters."""
+Recipient = Annotated[StrictStr, text(
+    MAX_RECIPIENT_LENGTH, empty=False,
+    fix="pass the recipient's name (a provider such as 'openai', or a forwarding server's URL)")]
+"""A data recipient as a grant names it: 1 to 2,048 printable characters (a server's URL fits:
+:data:`~ledger.domain.bounds.MAX_RECIPIENT_LENGTH`)."""
 LabelKey = Annotated[StrictStr, label_key]
 """A Run label's key (:data:`label_key`)."""
 Labels = Annotated[Mapping[LabelKey, Text], Rule(_few_labels, before=True)]
@@ -815,6 +821,7 @@ __all__ = [
     "NewId",
     "Problem",
     "Reason",
+    "Recipient",
     "Rule",
     "Secrets",
     "StrictModel",

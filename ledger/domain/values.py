@@ -21,7 +21,15 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator
 from ledger.domain.bounds import MAX_AMOUNT, MAX_COUNT, MAX_TOKENS, canonical_decimal
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MAX_BINARY_BYTES
-from ledger.domain.validation import Count, Id, Instant, Problem, StrictModel, Text
+from ledger.domain.validation import (
+    Count,
+    Id,
+    Instant,
+    Problem,
+    Recipient,
+    StrictModel,
+    Text,
+)
 
 # A route's endpoint is a URL. Only its size is bounded here: an endpoint that cannot make a
 # request is the adapter's `cannot_build` result (the Run skips that route), not misuse.
@@ -133,7 +141,7 @@ class Route(StrictModel):
     provider: Id
     model: Id
     group: Id
-    recipient: Id
+    recipient: Recipient
     protocol: WireProtocol = WireProtocol.OPENAI
     endpoint: str | None = Field(default=None, max_length=MAX_ENDPOINT)
     capabilities: Capabilities = Field(default_factory=Capabilities)
@@ -173,10 +181,13 @@ class Route(StrictModel):
 class Grant(StrictModel):
     """Which recipients may receive which data classes, and which roles the run may use.
 
-    ``recipients`` maps a recipient to the data classes approved for it.
+    ``recipients`` maps a recipient to the data classes approved for it. A recipient is a name
+    of up to 2,048 characters: a provider's (as ``Route.recipient`` says it), or the URL of a
+    server a request parameter makes the provider forward the conversation to (an MCP server's
+    ``server_url``), compared exactly as written.
     """
 
-    recipients: dict[Id, list[Id]] = Field(default_factory=dict, max_length=MAX_LIST)
+    recipients: dict[Recipient, list[Id]] = Field(default_factory=dict, max_length=MAX_LIST)
     roles: list[Id] | None = Field(default=None, max_length=MAX_LIST)
 
     @field_validator("recipients")

@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 
-from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part, ToolSpec
+from ledger import (
+    Budget,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    InvalidArgument,
+    Ledger,
+    Part,
+    ToolSpec,
+)
 from ledger.testing import FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
@@ -105,3 +114,36 @@ def test_invariant7_a_tool_spec_data_class_adds_to_tool_description_never_replac
         with led.run("t4", plan=plan(fake), budget=BUDGET, grant=every) as run:
             run.turn(secret)
         assert len(fake.requests) == 2
+
+
+@pytest.mark.parametrize(("protocol", "entry"), [
+    ("openai_responses", lambda url: {"tools": [{"type": "mcp", "server_label": "x",
+                                                 "server_url": url,
+                                                 "require_approval": "never"}]}),
+    ("anthropic", lambda url: {"mcp_servers": [{"type": "url", "url": url, "name": "x"}]}),
+])
+def test_invariant7_a_long_mcp_server_url_can_be_granted_and_is_refused_unless_it_is(
+        db_url: str, fake: FakeProvider, protocol: str, entry: Any) -> None:
+    """A server is a recipient named by its URL, and URLs run past 200 characters (a path, a
+    signed query): the grant takes one of up to 2,048. Granted explicitly, the request is sent
+    with it (the frozen grant stored and read back whole on either backend); not granted, it is
+    refused as any unapproved recipient is. Longer than 2,048, the grant itself is refused with
+    the bound and the fix."""
+    url = "https://mcp.example.com/tenants/acme/servers/" + "s" * 255  # 300 characters
+    assert len(url) == 300
+    env = Envelope(parts=[Part(content="summarise my private data")], params=entry(url))
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=plan(fake, protocol), budget=BUDGET, grant=USER_ONLY) as run, \
+                pytest.raises(FailoverExhausted) as ei:
+            run.turn(env)
+        assert url in json.dumps(ei.value.skipped)
+        assert fake.requests == [] and led.timeline("t") == []
+        approved = Grant(recipients={"fake": ["user_input"], url: ["user_input"]})
+        with led.run("t2", plan=plan(fake, protocol), budget=BUDGET, grant=approved) as run:
+            run.turn(env)
+        assert len(fake.requests) == 1 and url in json.dumps(fake.requests[0].json)
+        assert led.frozen_run("t2").grant.recipients[url] == ["user_input"]
+    with pytest.raises(InvalidArgument) as too_long:
+        Grant(recipients={url + "x" * 1749: ["user_input"]})
+    assert "at most 2048 characters" in str(too_long.value)
+    assert (too_long.value.field or "").startswith("recipients[")
