@@ -12,6 +12,8 @@ same few things, written once here:
 - tool results recorded through the session the first time they are sent (adopting the calls
   an earlier session proposed, for a host resuming after a crash), and images or documents of a
   class other than ``user_input`` recorded as uploads;
+- the media type of a file a framework gives by link or by name only, told from its URL's
+  path or its file name, or refused with the fix (never guessed as a PDF);
 - stable tool-call ids: an id a provider did not give (the adapters number such calls
   ``call_0``, ``call_1`` ...) or one the Run used already is replaced by one derived from the
   Attempt, whose part the integration records as that Attempt's provenance (and an audit
@@ -31,12 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import mimetypes
 import re
 import threading
 import weakref
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from ledger.api.session import AsyncRunSession, RunSession
 from ledger.decide.preflight import Denials
@@ -97,6 +101,40 @@ def turn_ids_of(envelope: Envelope, part_hashes: Sequence[str] | None = None
     plain, streamed = (envelope.model_copy(update={"stream": s}).hash_with(part_hashes)
                        for s in (False, True))
     return f"turn-{plain[7:19]}", f"turn-{streamed[7:19]}"
+
+
+def media_type_of(url: str | None, filename: str | None = None, *, what: str, fix: str,
+                  field: str) -> str | None:
+    """The media type of a file a framework gave by link, or as bytes with a file name only.
+
+    A ``data:`` URL says its own (``None``: the part reads it there). Otherwise it is told by
+    extension from the URL's path, then from ``filename`` (``.png``, ``.pdf``, ``.txt``, ...):
+    the frameworks' links carry no type, and a type assumed instead (every file a PDF) would
+    send the provider a text file as a PDF document.
+
+    Args:
+        url: The file's URL, if it was given by one.
+        filename: The file's name, where the framework gives one.
+        what: The file, for the message (``the input_image``, ``the image block``, ...).
+        fix: How to give the type in the framework's terms, for the message.
+        field: The error's field.
+
+    Raises:
+        InvalidArgument: neither the URL nor the file name tells the type.
+    """
+    if url is not None and url[:5].lower() == "data:":
+        return None
+    for name in (urlsplit(url).path if url else None, filename):
+        guessed = mimetypes.guess_type(name)[0] if name else None
+        if guessed is not None:
+            return guessed
+    if url:
+        shown = f"{what} {url[:80]!r} cannot be told from its URL" + (
+            f" nor from its file name {filename!r}" if filename else "")
+    else:
+        shown = f"{what} cannot be told " + (
+            f"from its file name {filename!r}" if filename else "without a file name")
+    raise InvalidArgument(f"the media type of {shown}; {fix}", field=field)
 
 
 @dataclass
@@ -430,4 +468,4 @@ def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
             "cost": None if att.cost is None else str(att.cost)}
 
 
-__all__ = ["RunLink", "attempts_detail", "drive", "turn_ids_of", "wait_out"]
+__all__ = ["RunLink", "attempts_detail", "drive", "media_type_of", "turn_ids_of", "wait_out"]

@@ -41,18 +41,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import mimetypes
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from ledger.api.session import AsyncRunSession, RunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, Part, ToolSpec
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument
-from ledger.integrations._run import RunLink, attempts_detail, drive, wait_out
+from ledger.integrations._run import RunLink, attempts_detail, drive, media_type_of, wait_out
 
 try:
     from langchain.agents.middleware import AgentMiddleware
@@ -165,13 +163,10 @@ def _media_part(block: dict[str, Any], role: str, data_class: str) -> Part:
                         name=block.get("filename"))
         url = block.get("url")
         if isinstance(url, str):
-            if mime is None and not url.startswith("data:"):
-                mime = mimetypes.guess_type(urlsplit(url).path)[0]
-                if mime is None:
-                    raise InvalidArgument(
-                        f"the media type of the {kind} block {url[:80]!r} cannot be told from "
-                        "its URL; give the block a mime_type ('image/png', "
-                        "'application/pdf', ...)", field="messages")
+            if mime is None:
+                mime = media_type_of(url, block.get("filename"), what=f"the {kind} block",
+                                     fix="give the block a mime_type ('image/png', "
+                                         "'application/pdf', ...)", field="messages")
             return Part(role=role, url=url, media_type=mime, data_class=data_class)
     except InvalidArgument as e:
         if e.field == "messages":

@@ -16,7 +16,9 @@ policy's ``failover.new_turn`` (by default the route the Run used last).
 
 Items both ways (the Responses format the SDK speaks): the instructions and ``system`` /
 ``developer`` messages are ``system`` parts, user messages ``user_input`` (``input_text``,
-``input_image`` and ``input_file`` as text, image and document parts), the model's earlier
+``input_image`` and ``input_file`` as text, image and document parts; the SDK's items carry no
+media type, so a file's is a ``data:`` URL's own, else the one its URL's path or its
+``filename`` says by extension, else it is refused), the model's earlier
 output ``model_derived`` with the Attempt that produced it as provenance (its item ids name the
 Attempt: ``msg_<attempt>``, ``fc_<attempt>_<n>``, ``rs_<attempt>_<n>``), and
 ``function_call_output`` items ``tool_result``, recorded through the session the first time
@@ -50,7 +52,7 @@ from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, 
 from ledger.domain.facts import Category, Phase
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError, ProviderError
-from ledger.integrations._run import RunLink, attempts_detail, wait_out
+from ledger.integrations._run import RunLink, attempts_detail, media_type_of, wait_out
 
 try:
     from agents import FunctionTool, Handoff, Model, ModelProvider, ModelSettings, ModelTracing
@@ -143,15 +145,29 @@ def _user_parts(content: Any, data_class: str) -> list[Part]:
             if kind == "input_text":
                 out.append(Part(content=str(c.get("text", "")), data_class=USER_INPUT))
             elif kind == "input_image" and isinstance(c.get("image_url"), str):
-                out.append(Part(url=c["image_url"], data_class=data_class))
+                # The SDK's input_image has no field for the type: told from the URL.
+                url = c["image_url"]
+                out.append(Part(url=url, data_class=data_class, media_type=media_type_of(
+                    url, what="the input_image", field="input",
+                    fix="send the image as a data: URL with its type "
+                        "(image_url='data:image/png;base64,...')")))
             elif kind == "input_file" and isinstance(c.get("file_data"), str):
-                data = c["file_data"]
-                out.append(Part(url=data if data.startswith("data:") else
-                                f"data:application/pdf;base64,{data}",
-                                data_class=data_class, name=c.get("filename")))
+                data, name = c["file_data"], c.get("filename")
+                if data[:5].lower() != "data:":
+                    # Bare base64: only the file name can say what the bytes are.
+                    data = "data:{};base64,{}".format(media_type_of(
+                        None, name, what="the input_file's file_data", field="input",
+                        fix="give file_data as a data: URL with its type "
+                            "('data:application/pdf;base64,...'), or a filename with the "
+                            "file's extension (.pdf, .txt, .md, .csv, .png, ...)"), data)
+                out.append(Part(url=data, data_class=data_class, name=name))
             elif kind == "input_file" and isinstance(c.get("file_url"), str):
-                out.append(Part(url=c["file_url"], media_type="application/pdf",
-                                data_class=data_class, name=c.get("filename")))
+                url, name = c["file_url"], c.get("filename")
+                out.append(Part(url=url, data_class=data_class, name=name,
+                                media_type=media_type_of(
+                                    url, name, what="the input_file", field="input",
+                                    fix="send the file as file_data, a data: URL with its "
+                                        "type ('data:application/pdf;base64,...')")))
             else:
                 raise InvalidArgument(
                     f"a user content part of type {kind!r} cannot be sent through a ledger Run "

@@ -57,7 +57,7 @@ from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
-from ledger.integrations._run import RunLink, wait_out
+from ledger.integrations._run import RunLink, media_type_of, wait_out
 
 try:
     from pydantic_ai import RunContext
@@ -208,12 +208,14 @@ def _media_part(item: Any, data_class: str) -> Part:
         if isinstance(item, BinaryContent):
             return Part(data=item.data, media_type=item.media_type, data_class=data_class)
         try:
-            media_type = item.media_type
+            media_type: str | None = item.media_type
         except ValueError:
-            raise InvalidArgument(
-                f"the media type of {kind} {item.url[:80]!r} cannot be told from its URL; pass "
-                f"{type(item).__name__}(url, media_type='image/png' or 'application/pdf' ...)",
-                field="messages") from None
+            # pydantic-ai guesses from the whole URL, which a query string defeats: told from
+            # its path as the other integrations do.
+            media_type = media_type_of(
+                item.url, what=kind, field="messages",
+                fix=f"pass {type(item).__name__}(url, media_type='image/png' or "
+                    "'application/pdf' ...)")
         return Part(url=item.url, media_type=media_type, data_class=data_class)
     except InvalidArgument as e:
         if e.field == "messages":

@@ -9,6 +9,7 @@ before anything is sent. Tracing is off: nothing leaves loopback.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -523,6 +524,53 @@ def test_items_the_run_did_not_produce_are_refused_before_sending(
             ok = await Runner.run(researcher, [*history, {"role": "user", "content": "Go on."}],
                                   run_config=config(run))
             assert ok.final_output == FULL_TEXT
+
+    asyncio.run(main())
+
+
+# -- images and files of user messages -------------------------------------------------------------
+
+
+def test_a_user_file_given_by_link_or_by_name_goes_as_the_type_its_url_or_name_says(
+        db_url: str, fake: FakeProvider) -> None:
+    """The SDK's ``input_image`` has no field for a media type, and ``input_file`` none either:
+    the type is told from the URL's path or the file name (a ``.txt`` is no PDF), and a file
+    whose type nothing tells is refused with the fix, nothing sent."""
+    notes = base64.b64encode(b"hello notes").decode()
+    sent_as = {
+        "https image": ({"type": "input_image", "image_url": "https://example.com/a.png?v=2",
+                         "detail": "auto"}, ("image/png", None, "https://example.com/a.png?v=2")),
+        "text file by url": ({"type": "input_file", "file_url": "https://example.com/notes.txt",
+                              "filename": "notes.txt"},
+                             ("text/plain", None, "https://example.com/notes.txt")),
+        "bare base64 named": ({"type": "input_file", "file_data": notes,
+                               "filename": "notes.txt"}, ("text/plain", b"hello notes", None)),
+    }
+    refused = {
+        "https image without a type": ({"type": "input_image",
+                                        "image_url": "https://example.com/render"}, "data:"),
+        "bare base64 without a name": ({"type": "input_file", "file_data": notes}, "filename"),
+        "url without a type": ({"type": "input_file", "file_url": "https://example.com/get?id=3"},
+                               "file_data"),
+    }
+
+    def asking(part: dict[str, Any]) -> list[Any]:
+        return [{"role": "user", "content": [{"type": "input_text", "text": "Read it."}, part]}]
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("files", plan=routes(fake, "gemini"), budget=BUDGET, grant=GRANT) as run:
+            for case, (part, want) in sent_as.items():
+                await Runner.run(Agent(name="a"), asking(part), run_config=config(run))
+                (media,) = fake.requests[-1].media
+                assert (media.media_type, media.data, media.url) == want, case
+            sent = len(fake.requests)
+            for case, (part, fix) in refused.items():
+                with pytest.raises(InvalidArgument) as ei:
+                    await Runner.run(Agent(name="a"), asking(part), run_config=config(run))
+                assert ei.value.field == "input", case
+                assert "media type" in str(ei.value) and fix in str(ei.value), case
+            assert len(fake.requests) == sent
 
     asyncio.run(main())
 

@@ -186,3 +186,18 @@ def test_content_a_run_cannot_send_is_refused_naming_the_fix(
 
     asyncio.run(main())
     assert fake.requests == []
+
+
+def test_a_links_type_is_told_from_its_path_whatever_its_query_string(
+        db_url: str, fake: FakeProvider) -> None:
+    # pydantic-ai guesses from the whole URL, and a signed link's query string defeats that; the
+    # integrations tell the type from the URL's path alike.
+    signed = "https://files.example/q3.png?X-Amz-Signature=abc&v=2"
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("signed", plan=plan(fake, "gemini"), budget=BUDGET, grant=GRANT) as run:
+            assert (await agent_for(run).run(["Look.", ImageUrl(signed)])).output == FULL_TEXT
+
+    asyncio.run(main())
+    assert [(m.media_type, m.url) for m in fake.requests[-1].media] == [("image/png", signed)]
