@@ -4,13 +4,14 @@ plan (primary and backup, in different capacity groups) on it."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Awaitable, Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 
-from ledger import Price, Route
+from ledger import Grant, Price, Route
 from ledger.domain.facts import WireProtocol
 from ledger.testing import FakeProvider, Fault, ReceivedRequest
 
@@ -79,3 +80,23 @@ async def cancelled_often(task: asyncio.Future[Any], times: int, *, gap_s: float
         await asyncio.sleep(gap_s)
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def narrow_first(routes: list[Route]) -> tuple[list[Route], Grant]:
+    """``routes`` whose first recipient the grant approves for the user's input, not for tool
+    results (``narrow``; the others, ``fake``, for every class), and that grant."""
+    everything = ["user_input", "model_derived", "tool_result", "tool_description", "system"]
+    first, *rest = routes
+    return ([first.model_copy(update={"recipient": "narrow"}), *rest],
+            Grant(recipients={"narrow": [c for c in everything if c != "tool_result"],
+                              "fake": everything}))
+
+
+def carried_tool_file(request: ReceivedRequest, data: bytes, result: str) -> None:
+    """Assert that ``request`` carried ``data`` as its one image, in a user part after the
+    tool result that says ``result`` (each wire takes a turn's tool results first)."""
+    assert request.problem is None
+    assert [(m.media_type, m.data, m.role) for m in request.media] == [
+        ("image/png", data, "user")]
+    body = request.body.decode()
+    assert body.index(result) < body.index(base64.b64encode(data).decode())

@@ -10,8 +10,10 @@ same few things, written once here:
   ``Agent(model=...)``) checked against the Run's frozen plan and turned into the turn's
   ``denials`` (the routes before it in the plan are not used for that request);
 - tool results recorded through the session the first time they are sent (adopting the calls
-  an earlier session proposed, for a host resuming after a crash), and images or documents of a
-  class other than ``user_input`` recorded as uploads;
+  an earlier session proposed, for a host resuming after a crash), with the images and
+  documents a tool returned as the call's files (of the tool's data class, covered by the
+  call's provenance: never the user's input), and images or documents of a class other than
+  ``user_input`` recorded as uploads;
 - the media type of a file a framework gives by link or by name only, told from its URL's
   path or its file name, or refused with the fix (never guessed as a PDF);
 - stable tool-call ids: an id a provider did not give (the adapters number such calls
@@ -43,6 +45,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ledger.api.session import AsyncRunSession, RunSession
+from ledger.api.session import _tool_file as tool_file
 from ledger.decide.preflight import Denials
 from ledger.domain.envelope import USER_INPUT, Envelope, Part
 from ledger.domain.media import bytes_digest
@@ -103,6 +106,11 @@ def turn_ids_of(envelope: Envelope, part_hashes: Sequence[str] | None = None
     return f"turn-{plain[7:19]}", f"turn-{streamed[7:19]}"
 
 
+def spliced(parts: Sequence[Part], at: dict[int, list[Part]]) -> list[Part]:
+    """``parts`` with the part at each index of ``at`` replaced by the parts given there."""
+    return [q for i, p in enumerate(parts) for q in at.get(i, [p])]
+
+
 def media_type_of(url: str | None, filename: str | None = None, *, what: str, fix: str,
                   field: str) -> str | None:
     """The media type of a file a framework gave by link, or as bytes with a file name only.
@@ -141,7 +149,7 @@ def media_type_of(url: str | None, filename: str | None = None, *, what: str, fi
 class _Memory:
     """What the integrations remember per Run session (shared by every model of it)."""
 
-    results: dict[str, Part] = field(default_factory=dict)  # call id -> its result, recorded
+    results: dict[str, list[Part]] = field(default_factory=dict)  # call id -> its result, files
     documents: set[str] = field(default_factory=set)  # hashes of uploads recorded
     stopped: dict[str, FailoverExhausted] = field(default_factory=dict)  # turn id -> stop
     orphans: dict[str, list[str]] | None = None  # turn id -> attempts sent without a receipt
@@ -369,19 +377,34 @@ class RunLink:
             self.memory.documents.add(digest)
         return made
 
-    async def tool_part(self, call_id: str, name: str | None, content: str,
-                        calls: Sequence[Part]) -> Part:
-        """A tool's result as the part the ledger recorded (recorded now, the first time).
+    async def tool_parts(self, call_id: str, name: str | None, content: str,
+                         calls: Sequence[Part], files: Sequence[Part] = (), *,
+                         field: str = "messages", bytes_fix: str = "") -> list[Part]:
+        """A tool's result as the parts the ledger recorded (recorded now, the first time).
 
-        A result for a call no Attempt of the Run proposed, or with other content than was
-        first sent for that call, stays unrecorded: preflight refuses it.
+        The text result, then the images and documents the tool returned (``files``, user
+        parts of :attr:`tool_data_class`) as the call's files: covered by the call's
+        provenance, as ``run.tool_result(call, Part(...))`` makes them. A tool's file is not
+        the user's input, which needs no provenance and reaches recipients the grant approved
+        for the user's input only. Every codec sends a turn's tool results before its files.
+
+        A result for a call no Attempt of the Run proposed, or with other content (text or
+        files) than was first sent for that call, stays unrecorded: preflight refuses it.
+
+        Raises:
+            InvalidArgument: (``field``) a file is an ``https://`` link (``bytes_fix`` says
+                how the framework's tool returns bytes instead), or a file the session would
+                refuse as a tool's.
         """
         memory = self.memory
-        unrecorded = Part(role="tool", content=content, data_class=self.tool_data_class,
-                          provenance=call_id, tool_call_id=call_id, name=name or None)
+        unrecorded = [Part(role="tool", content=content, data_class=self.tool_data_class,
+                           provenance=call_id, tool_call_id=call_id, name=name or None),
+                      *(self._tool_file(call_id, name, f, field, bytes_fix) for f in files)]
         if call_id in memory.results:
             first = memory.results[call_id]
-            return first if first.content == content else unrecorded
+            same = first[0].content == content and [p.content_hash for p in first[1:]] == [
+                p.content_hash for p in unrecorded[1:]]
+            return list(first) if same else unrecorded
         if not self.run.proposed(call_id):
             # Proposed by an earlier session of the Run (a host resuming with the history it
             # kept): its result counts as that session recorded it, and a call no Attempt of
@@ -397,15 +420,35 @@ class RunLink:
             # pairs a functionResponse with its functionCall by name): the session names a
             # call id by the latest Attempt that proposed it, and a provider that reuses ids
             # (another conversation of the Run got the same one) would make that another tool.
-            made = Part(role="tool", content=content, data_class=self.tool_data_class,
-                        provenance=call_id, tool_call_id=call_id, name=name)
+            made = unrecorded[0]
             await self._call(self.run.ledger.record_provenance(
                 self.run.lease, call_id, made.content_hash, "tool_result"))
         else:
             made = await self._call(self.run.tool_result(call_id, content,
                                                          data_class=self.tool_data_class))
-        memory.results[call_id] = made
-        return made
+        parts = [made]
+        for file in files:
+            parts.append(await self._call(self.run.tool_result(
+                call_id, file, data_class=self.tool_data_class)))
+        memory.results[call_id] = parts
+        return list(parts)
+
+    def _tool_file(self, call_id: str, name: str | None, file: Part, field: str,
+                   bytes_fix: str) -> Part:
+        """A file a tool returned as the call's file, or the error in the framework's terms."""
+        tool = f"tool {name or call_id!r}"
+        if file.link is not None:
+            raise InvalidArgument(
+                f"{self.who}: {tool} returned a link ({file.link[:80]!r}); a provider would "
+                "fetch it, and the link's host, which no grant names, would receive whatever "
+                "the URL carries, so the ledger never sends a link a tool returned. Have the "
+                f"tool fetch the file, check it and return its bytes ({bytes_fix})",
+                field=field)
+        try:
+            return tool_file(call_id, file, self.tool_data_class)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{self.who}: a file {tool} returned cannot be sent: "
+                                  f"{e.message}", field=field, part_field=e.field) from e
 
     # -- after a turn ---------------------------------------------------------------------
 
@@ -468,4 +511,5 @@ def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
             "cost": None if att.cost is None else str(att.cost)}
 
 
-__all__ = ["RunLink", "attempts_detail", "drive", "media_type_of", "turn_ids_of", "wait_out"]
+__all__ = ["RunLink", "attempts_detail", "drive", "media_type_of", "spliced", "turn_ids_of",
+           "wait_out"]

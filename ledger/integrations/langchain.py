@@ -27,7 +27,9 @@ calls with their arguments as the model wrote them, the reasoning a route return
 carried back — a Responses-API route's items, Anthropic's thinking blocks, Gemini's thought
 signatures, kept in ``response_metadata["ledger"]["reasoning"]`` — and images a model
 returned) ``model_derived`` with their Attempt, and tool messages ``tool_result``, recorded
-through the session the first time they are sent.
+through the session the first time they are sent: their text, and their image and file blocks
+(a tool that returned an image or a document) as the call's files, of the same class and
+covered by the call's provenance, never the user's input.
 
 A stop raises :class:`~ledger.errors.FailoverExhausted` out of the model call (and out of
 ``invoke``), or, with ``LedgerMiddleware(run, exit_behavior="end")``, ends the agent with an
@@ -50,7 +52,14 @@ from ledger.api.session import AsyncRunSession, RunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, Part, ToolSpec
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument
-from ledger.integrations._run import RunLink, attempts_detail, drive, media_type_of, wait_out
+from ledger.integrations._run import (
+    RunLink,
+    attempts_detail,
+    drive,
+    media_type_of,
+    spliced,
+    wait_out,
+)
 
 try:
     from langchain.agents.middleware import AgentMiddleware
@@ -135,18 +144,26 @@ def _details(message: BaseMessage) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _text_of(message: BaseMessage, what: str) -> str:
-    """The text of a message whose content may only be text."""
-    out = []
+def _text_and_files(message: BaseMessage, what: str, data_class: str | None
+                    ) -> tuple[str, list[Part]]:
+    """A message's text, and its files (``None`` for ``data_class``: text only).
+
+    Its ``image``, ``file`` and ``text-plain`` blocks become user parts of ``data_class``.
+    """
+    out: list[str] = []
+    files: list[Part] = []
     for block in message.content_blocks:
         kind = block.get("type")
         if kind == "text":
             out.append(str(block.get("text", "")))
+        elif kind in ("image", "file", "text-plain") and data_class is not None:
+            files.append(_media_part(dict(block), "user", data_class))
         elif kind not in ("reasoning", "tool_call", "tool_call_chunk", "invalid_tool_call"):
             raise InvalidArgument(
                 f"{what} holds a {kind!r} block; a ledger Run sends text there (images and "
-                "documents go in a human message)", field="messages")
-    return "".join(out)
+                "documents go in a human message, or in a tool message when a tool returned "
+                "them)", field="messages")
+    return "".join(out), files
 
 
 def _media_part(block: dict[str, Any], role: str, data_class: str) -> Part:
@@ -361,7 +378,8 @@ class LedgerChatModel(BaseChatModel):
             which also sizes each Attempt's hold); a call's own ``max_tokens`` wins.
         temperature: Sent with every request (a call's own wins).
         top_p: Sent with every request (a call's own wins).
-        tool_data_class: The data class tool results are recorded under (``tool_result``).
+        tool_data_class: The data class tool results (and the files tools returned) are
+            recorded under (``tool_result``).
         document_data_class: The data class of the images and documents of human messages
             (``user_input``; any other class, e.g. ``private_document``, has each file's
             provenance recorded the first time it is sent).
@@ -485,8 +503,8 @@ class LedgerChatModel(BaseChatModel):
                 calls += [p for p in answer if p.tool_call_id is not None]
                 parts += answer
             elif isinstance(message, SystemMessage):
-                parts.append(Part(role="system", content=_text_of(message, "a system message"),
-                                  data_class=SYSTEM))
+                text, _none = _text_and_files(message, "a system message", None)
+                parts.append(Part(role="system", content=text, data_class=SYSTEM))
             elif isinstance(message, HumanMessage):
                 for block in message.content_blocks:
                     if block.get("type") == "text":
@@ -507,14 +525,17 @@ class LedgerChatModel(BaseChatModel):
                 raise InvalidArgument(
                     f"a {type(message).__name__} cannot be sent through a ledger Run (system, "
                     "human, AI and tool messages can)", field="messages")
+        results: dict[int, list[Part]] = {}
         for index, tool in returns:
             tool_name: str | None = next((c.name for c in calls
                                           if c.tool_call_id == tool.tool_call_id), tool.name)
-            parts[index] = await link.tool_part(
-                tool.tool_call_id, tool_name, _text_of(tool, f"tool message {tool.tool_call_id!r}"),
-                calls)
+            text, files = _text_and_files(tool, f"tool message {tool.tool_call_id!r}",
+                                          link.tool_data_class)
+            results[index] = await link.tool_parts(
+                tool.tool_call_id, tool_name, text, calls, files, field="messages",
+                bytes_fix="an image or file block with base64 and mime_type")
         try:
-            return Envelope(parts=parts, tools=tools, stream=stream, **out)
+            return Envelope(parts=spliced(parts, results), tools=tools, stream=stream, **out)
         except InvalidArgument as e:
             raise InvalidArgument(f"the call's settings cannot be sent: {e.message}",
                                   field=e.field) from e

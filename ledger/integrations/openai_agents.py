@@ -22,8 +22,10 @@ media type, so a file's is a ``data:`` URL's own, else the one its URL's path or
 output ``model_derived`` with the Attempt that produced it as provenance (its item ids name the
 Attempt: ``msg_<attempt>``, ``fc_<attempt>_<n>``, ``rs_<attempt>_<n>``), and
 ``function_call_output`` items ``tool_result``, recorded through the session the first time
-they are sent. A route's reasoning to carry back (a Responses-API route's encrypted items,
-Anthropic's thinking blocks, Gemini's thought signatures) comes back as a ``reasoning`` item
+they are sent (their ``input_image`` and ``input_file`` parts, a tool's images and documents,
+as the call's files: of the same class, covered by the call's provenance). A route's
+reasoning to carry back (a Responses-API route's encrypted items, Anthropic's thinking blocks,
+Gemini's thought signatures) comes back as a ``reasoning`` item
 whose ``encrypted_content`` carries the ledger's opaque reasoning part, and goes back to that
 route only. Tool calls keep their ids across failover between protocols; a provider that gives none
 (Gemini) gets one made from the Attempt, recorded.
@@ -52,7 +54,13 @@ from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, 
 from ledger.domain.facts import Category, Phase
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError, ProviderError
-from ledger.integrations._run import RunLink, attempts_detail, media_type_of, wait_out
+from ledger.integrations._run import (
+    RunLink,
+    attempts_detail,
+    media_type_of,
+    spliced,
+    wait_out,
+)
 
 try:
     from agents import FunctionTool, Handoff, Model, ModelProvider, ModelSettings, ModelTracing
@@ -129,12 +137,31 @@ def _content_text(content: Any, what: str) -> str:
             out.append(str(c.get("refusal", "")))
         else:
             raise InvalidArgument(f"{what} holds a {c.get('type')!r} part; a ledger Run sends "
-                                  "text there (images and files go in a user message)",
+                                  "text there (images and files go in a user message, or in a "
+                                  "function_call_output when a tool returned them)",
                                   field="input")
     return "".join(out)
 
 
-def _user_parts(content: Any, data_class: str) -> list[Part]:
+def _tool_output(output: Any, call_id: str, data_class: str) -> tuple[str, list[Part]]:
+    """A ``function_call_output``'s text, and the files the tool returned.
+
+    Its ``input_image`` and ``input_file`` parts become user parts of ``data_class``.
+    """
+    if isinstance(output, str):
+        return output, []
+    texts: list[Any] = []
+    files: list[Part] = []
+    for c in output or []:
+        c = _plain(c)
+        if c.get("type") in ("input_image", "input_file"):
+            files += _user_parts([c], data_class, whose=f"call {call_id!r}'s")
+        else:
+            texts.append(c)
+    return _content_text(texts, f"the output of call {call_id!r}"), files
+
+
+def _user_parts(content: Any, data_class: str, whose: str = "a user") -> list[Part]:
     if isinstance(content, str):
         return [Part(content=content, data_class=USER_INPUT)]
     out = []
@@ -170,13 +197,13 @@ def _user_parts(content: Any, data_class: str) -> list[Part]:
                                         "type ('data:application/pdf;base64,...')")))
             else:
                 raise InvalidArgument(
-                    f"a user content part of type {kind!r} cannot be sent through a ledger Run "
+                    f"{whose} content part of type {kind!r} cannot be sent through a ledger Run "
                     "(text, and images and files given as data: or https:// URLs, can; a "
                     "provider file_id is one provider's)", field="input")
         except InvalidArgument as e:
             if e.field == "input":
                 raise
-            raise InvalidArgument(f"a user {kind} cannot be sent: {e.message}", field="input",
+            raise InvalidArgument(f"{whose} {kind} cannot be sent: {e.message}", field="input",
                                   part_field=e.field) from e
     return out
 
@@ -351,7 +378,8 @@ class LedgerAgentModel(Model):
             goes on down the plan from it; where a request starts among the routes left is
             the policy's ``failover.new_turn``, by default the route the Run used last).
             ``None``: every route of the plan.
-        tool_data_class: The data class tool outputs are recorded under (``tool_result``).
+        tool_data_class: The data class tool outputs (and the files tools returned) are
+            recorded under (``tool_result``).
         document_data_class: The data class of the images and files of user messages
             (``user_input``; another class has each file's provenance recorded).
 
@@ -462,14 +490,19 @@ class LedgerAgentModel(Model):
                     f"an input item of type {kind!r} cannot be sent through a ledger Run "
                     "(messages, function calls and their outputs, and the reasoning items it "
                     "returned can)", field="input")
+        results: dict[int, list[Part]] = {}
         for index, item in returns:
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise InvalidArgument("a function_call_output item needs its call_id",
                                       field="input")
             tool_name: str | None = next((c.name for c in calls if c.tool_call_id == call_id), None)
-            output = _content_text(item.get("output"), f"the output of call {call_id!r}")
-            parts[index] = await link.tool_part(call_id, tool_name, output, calls)
+            output, files = _tool_output(item.get("output"), call_id, link.tool_data_class)
+            results[index] = await link.tool_parts(
+                call_id, tool_name, output, calls, files, field="input",
+                bytes_fix="ToolOutputImage or ToolOutputFileContent with a data: URL or "
+                          "file_data, not a URL")
+        parts = spliced(parts, results)
         out: dict[str, Any] = {}
         if model_settings.max_tokens is not None:
             out["max_output_tokens"] = model_settings.max_tokens

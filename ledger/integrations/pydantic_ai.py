@@ -15,12 +15,14 @@ data classes the ledger's disclosure preflight checks: system prompts and instru
 ``system``, user prompts ``user_input``, the model's earlier answers (text and tool calls)
 ``model_derived`` with the Attempt that produced them as provenance (carried in
 ``ModelResponse.provider_details["ledger"]``), and tool returns ``tool_result``, recorded through
-the session the first time they are sent. Images and documents in a user prompt
-(``BinaryContent``, ``ImageUrl``, ``DocumentUrl``) become binary parts of class ``user_input``
-(or the model's ``document_data_class``); the reasoning a route returns to be carried back
-(a Responses-API route's encrypted items, Anthropic's thinking blocks, Gemini's thought
-signatures) comes back as a ``ThinkingPart`` (an Anthropic block's thinking as its content)
-that carries it to that route on the next request; an image or a document the
+the session the first time they are sent (the ``BinaryContent`` a tool returned as the call's
+files, of the same class and covered by the call's provenance; a ``ToolReturn``'s ``content``
+is a user prompt to pydantic-ai, and goes as ``user_input``). Images and documents in a user
+prompt (``BinaryContent``, ``ImageUrl``, ``DocumentUrl``) become binary parts of class
+``user_input`` (or the model's ``document_data_class``); the reasoning a route returns to be
+carried back (a Responses-API route's encrypted items, Anthropic's thinking blocks, Gemini's
+thought signatures) comes back as a ``ThinkingPart`` (an Anthropic block's thinking as its
+content) that carries it to that route on the next request; an image or a document the
 model returned comes back as a ``FilePart`` (``BinaryImage`` for an image), ``model_derived``
 with its Attempt's provenance, and goes back as that assistant part (a file the provider
 returned as a link, which a ``FilePart`` cannot hold, is kept in the provider details). A
@@ -57,7 +59,7 @@ from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
-from ledger.integrations._run import RunLink, media_type_of, wait_out
+from ledger.integrations._run import RunLink, media_type_of, spliced, wait_out
 
 try:
     from pydantic_ai import RunContext
@@ -196,8 +198,11 @@ def _carried(part: ThinkingPart) -> bytes | None:
     return base64.b64decode(data) if isinstance(data, str) else None
 
 
-def _media_part(item: Any, data_class: str) -> Part:
-    """An image or a document of a user prompt as a binary part (the ledger never fetches)."""
+def _media_part(item: Any, data_class: str, whose: str = "user content") -> Part:
+    """An image or a document of a user prompt or a tool's return, as a binary part.
+
+    A link stays a link: the ledger never fetches.
+    """
     kind = getattr(item, "kind", type(item).__name__)
     if isinstance(item, ImageUrl | DocumentUrl) and item.force_download:
         raise InvalidArgument(
@@ -220,7 +225,7 @@ def _media_part(item: Any, data_class: str) -> Part:
     except InvalidArgument as e:
         if e.field == "messages":
             raise
-        raise InvalidArgument(f"user content of kind {kind!r} cannot be sent: {e.message}",
+        raise InvalidArgument(f"{whose} of kind {kind!r} cannot be sent: {e.message}",
                               field="messages", part_field=e.field) from e
 
 
@@ -379,9 +384,9 @@ class LedgerModel(Model):
             led.run(...) as run``, on an :class:`~ledger.AsyncLedger`).
         model_name: The name pydantic-ai knows the model by (default: the model of the Run's
             selected route).
-        tool_data_class: The data class tool returns are recorded under (``tool_result``; a
-            host registering e.g. ``private_document`` for a tool that reads such documents
-            passes that).
+        tool_data_class: The data class tool returns (their files too) are recorded under
+            (``tool_result``; a host registering e.g. ``private_document`` for a tool that
+            reads such documents passes that).
         document_data_class: The data class of the images and documents in user prompts
             (``user_input``, which needs the grant only). Any other class (e.g.
             ``private_document``: uploads the grant must approve per recipient) has each file's
@@ -424,7 +429,6 @@ class LedgerModel(Model):
         self._link = RunLink(run, who="LedgerModel", tool_data_class=tool_data_class,
                              document_data_class=document_data_class, need_async=True)
         self._model_name = model_name
-        self._results: dict[str, Part] = {}  # tool-call id -> its result, as recorded
         self._documents: set[str] = set()  # content hashes of uploads recorded as provenance
 
     @property
@@ -546,8 +550,8 @@ class LedgerModel(Model):
                     raise InvalidArgument(
                         f"a request part of kind {part.part_kind!r} cannot be sent through a "
                         "ledger Run", field="messages")
-        for index, part in returns:
-            parts[index] = await self._tool_part(part, calls)
+        results = {index: await self._tool_parts(part, calls) for index, part in returns}
+        parts = spliced(parts, results)
         lead = next((i for i, p in enumerate(parts) if p.role != "system"), len(parts))
         instructions = self._get_instruction_parts(list(messages), params) or []
         parts[lead:lead] = [Part(role="system", content=i.content, data_class=SYSTEM)
@@ -572,30 +576,18 @@ class LedgerModel(Model):
             self._documents.add(digest)
         return Part.model_validate(made.model_dump())
 
-    async def _tool_part(self, part: ToolReturnPart, calls: Sequence[Part]) -> Part:
-        if part.files:
-            raise InvalidArgument(
-                f"tool {part.tool_name!r} returned files; a ledger Run's envelopes carry text",
-                field="messages")
-        call_id, content = part.tool_call_id, part.model_response_str()
-        # A tool's result is recorded once, the first time it is sent: a later copy with other
-        # content (a history edited by the host) stays unrecorded, and preflight refuses it.
-        unrecorded = Part(role="tool", content=content, data_class=self.tool_data_class,
-                          provenance=call_id, tool_call_id=call_id, name=part.tool_name)
-        if call_id in self._results:
-            first = self._results[call_id]
-            return first if first.content == content else unrecorded
-        if not self.run.proposed(call_id):
-            # Not proposed in this session: the Run's earlier session may have (a host resuming
-            # the Run with the history it kept). Its result counts as that session recorded
-            # it; a call no Attempt of the Run proposed is never adopted.
-            recorded = await self.run.ledger.provenance(self.run.run_id)
-            if call_id in recorded or call_id not in await self.run.adopt_tool_calls(calls):
-                return unrecorded
-        made: Part = await self.run.tool_result(call_id, content,
-                                                data_class=self.tool_data_class)
-        self._results[call_id] = made
-        return made
+    async def _tool_parts(self, part: ToolReturnPart, calls: Sequence[Part]) -> list[Part]:
+        """A tool's return as the parts the ledger recorded: its text, then its files.
+
+        The files it returned (``BinaryContent``, alone or in a list) are the call's files, of
+        the tool data class and covered by the call's provenance (:meth:`RunLink.tool_parts`).
+        """
+        files = [_media_part(f, self.tool_data_class, f"a file tool {part.tool_name!r} returned")
+                 for f in part.files]
+        return await self._link.tool_parts(
+            part.tool_call_id, part.tool_name, part.model_response_str(), calls, files,
+            field="messages", bytes_fix="BinaryContent(data, media_type=...), not an ImageUrl "
+                                        "or a DocumentUrl")
 
 
 def _tools(defs: Iterable[Any]) -> list[_ToolSpec]:

