@@ -716,7 +716,13 @@ def _path(root: Any, loc: tuple[int | str, ...]) -> tuple[str, type[BaseModel] |
 
 
 def _got(err: Mapping[str, Any]) -> str:
-    return f" (got {_SHORT.repr(err.get('input'))})" if "input" in err else ""
+    if "input" not in err:
+        return ""
+    value = err["input"]
+    # An object's default repr, cut short, is a module path and an address: its type says more.
+    default = getattr(type(value), "__repr__", None) is object.__repr__
+    shown = type(value).__name__ if default else _SHORT.repr(value)
+    return f" (got {shown})"
 
 
 def _fields_of(owner: type[BaseModel] | None) -> list[str]:

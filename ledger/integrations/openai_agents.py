@@ -684,6 +684,11 @@ class LedgerModelProvider(ModelProvider):
     may be one an earlier agent's ``model`` led to). Every agent of the run
     (handoffs included) draws on the one Run: its budget, its grant, its Attempts.
 
+    The agents run with ``await Runner.run(...)`` or ``Runner.run_streamed(...)``; not
+    ``Runner.run_sync(...)``, which refuses to run inside the event loop the async session
+    needs (from synchronous code: ``asyncio.run(main())``, with the ``async with led.run(...)``
+    block inside ``main``).
+
     Args:
         run: The :class:`~ledger.AsyncRunSession` (``async with led.run(...) as run``).
         tool_data_class: As :class:`LedgerAgentModel`.

@@ -398,6 +398,11 @@ class LedgerModel(Model):
         InvalidArgument: ``run`` is not an async Run session, or ``tool_data_class`` or
             ``document_data_class`` is empty.
 
+    The agent runs with ``await agent.run(...)``, ``agent.run_stream(...)`` or
+    ``agent.iter(...)``; not ``agent.run_sync(...)``, which refuses to run inside the event loop
+    the async session needs (from synchronous code: ``asyncio.run(main())``, with the ``async
+    with led.run(...)`` block inside ``main``).
+
     Supported model settings: ``max_tokens`` (the envelope's ``max_output_tokens``),
     ``temperature`` and ``top_p`` (envelope parameters). The ledger's policy owns retries and
     timeouts, so ``timeout``, ``max_retries`` and the rest are ignored (pydantic-ai warns about

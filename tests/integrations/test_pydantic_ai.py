@@ -39,6 +39,7 @@ from ledger import (
     Budget,
     FailoverExhausted,
     Grant,
+    InvalidArgument,
     Ledger,
     Price,
     ProviderError,
@@ -498,6 +499,20 @@ def test_a_stop_the_host_caught_ends_the_agents_run_failed_or_stopped(
 
 
 # -- history the Run did not produce -----------------------------------------------------
+
+
+def test_a_blocking_run_session_is_refused_naming_its_type_and_the_fix(
+        db_url: str, fake: FakeProvider) -> None:
+    # pydantic-ai's run_sync cannot run on the async session the model needs (the session
+    # exists inside a running loop only); a blocking one is refused, saying what it got.
+    with Ledger.open(db_url) as led, \
+            led.run("blocking", plan=plan(fake), budget=BUDGET, grant=GRANT) as blocking, \
+            pytest.raises(InvalidArgument) as info:
+        LedgerModel(blocking)  # type: ignore[arg-type]
+    assert info.value.field == "run"
+    assert "(got RunSession)" in str(info.value) and " at 0x" not in str(info.value)
+    assert "async with led.run(...) as run" in str(info.value)
+    assert fake.requests == []
 
 
 def test_history_the_run_did_not_produce_is_refused_before_sending(
