@@ -748,8 +748,9 @@ class LedgerMiddleware(AgentMiddleware):
         route: As :class:`LedgerChatModel`.
         exit_behavior: What a stop does: ``"error"`` raises
             :class:`~ledger.errors.FailoverExhausted` out of the agent; ``"end"`` ends the
-            agent with an ``AIMessage`` saying why (its ``response_metadata["ledger"]`` has the
-            reason, the Attempts and any output shown), as ``ModelCallLimitMiddleware`` does.
+            agent with an ``AIMessage`` saying why (its ``response_metadata["ledger"]`` has
+            ``stop``, the reason; ``attempts``, the Attempt ids; ``partial``, any text shown),
+            as ``ModelCallLimitMiddleware`` does.
             Either way the Run ends ``stopped`` or ``failed`` by the stop's reason.
         tool_data_class: As :class:`LedgerChatModel`.
         document_data_class: As :class:`LedgerChatModel`.
