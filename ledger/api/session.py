@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import inspect
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -87,6 +88,18 @@ ToolResult = Annotated[str | Part, instance(
     (str, Part), "text or a file Part",
     "serialise it, e.g. json.dumps(result), or pass the tool's file as "
     "Part(data=..., media_type=...)")]
+
+
+async def _then(first: Awaitable[Any], then: EventCallback, event: Any) -> None:
+    """``first`` awaited, then ``then(event)`` called (and awaited when it returns one).
+
+    In that order, as for plain functions: ``on_event`` hears a text delta after ``on_text``
+    did, and not at all when ``on_text`` raised.
+    """
+    await first
+    out = then(event)
+    if inspect.isawaitable(out):
+        await out
 
 
 def _tool_file(call_id: str, file: Part, data_class: str) -> Part:
@@ -477,9 +490,10 @@ class _SessionCore:
                  mine: list[Dispatch]) -> Callable[[Any], Any] | None:
         """The stream callback of a turn, or ``None`` when the caller watches nothing.
 
-        Text goes to ``on_text``, every event to ``on_event``, tool-call proposals are
-        remembered. Without a callback streamed text stays a buffer, and it is no effective
-        output until the answer completes.
+        Text goes to ``on_text``, every event to ``on_event`` (a text delta to ``on_text``
+        first, then to ``on_event``), tool-call proposals are remembered. Without a callback
+        streamed text stays a buffer, and it is no effective output until the answer
+        completes.
         """
         from ledger.adapters.contract import TextDelta, ToolCallProposal
 
@@ -494,6 +508,11 @@ class _SessionCore:
                 out = on_text(event.text)
                 if on_event is None:
                     return out
+                if inspect.isawaitable(out):
+                    # The driver awaits one result per event: both callbacks' must be in it,
+                    # or an async on_text's text never reaches the caller, though the
+                    # Attempt records it as shown.
+                    return _then(out, on_event, event)
             return on_event(event) if on_event is not None else None
 
         return watch
@@ -752,7 +771,10 @@ class RunSession(_SessionCore):
                 ``result.parts`` and tool results to it).
             on_text: Receives the answer's text as it streams (this turn only). Text shown
                 this way counts as delivered: a failure after it is not silently retried.
-            on_event: Receives every stream event (text, tool-call proposals, resets).
+            on_event: Receives every stream event (text, tool-call proposals, resets). With
+                ``on_text`` too, each text delta goes to ``on_text`` first, then here (not
+                when ``on_text`` raised). Either may be a coroutine function: its coroutine
+                is awaited before the stream goes on.
             turn_id: Names the logical turn (default: from the envelope's hash).
             send: Replaces the session's adapter: a function of a
                 :class:`~ledger.Dispatch` returning a :class:`~ledger.SendResult`.
@@ -1021,7 +1043,8 @@ class AsyncRunSession(_SessionCore):
         """Serve one logical turn (see :meth:`RunSession.turn`).
 
         The same arguments, errors and result, awaited; ``on_text``, ``on_event`` and ``send``
-        may be coroutine functions.
+        may be coroutine functions (given both callbacks, a text delta's ``on_text`` is awaited
+        before its ``on_event`` runs).
         """
         from ledger.adapters import async_sender
         from ledger.api.turn import _turn_async

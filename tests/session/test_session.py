@@ -326,6 +326,54 @@ def test_delivered_partial_output_is_handed_back_when_the_turn_stops(
         assert att.effective_output and att.route_id == "primary"
 
 
+@pytest.mark.parametrize("session", ["async", "sync"])
+def test_an_async_on_text_hears_every_delta_when_on_event_is_given_too(
+        db_url: str, fake: FakeProvider, session: str) -> None:
+    # Each delta goes to on_text, then to on_event; an async on_text's coroutine is awaited,
+    # never dropped. The Attempt records as shown only text the caller was given: what a cut
+    # hands back is exactly what on_text heard.
+    fake.enqueue(Behavior(fault=Fault.STREAM_CUT, content_before_fault=2),
+                 model="primary-model")
+    heard: list[tuple[str, str]] = []
+
+    async def on_text(text: str) -> None:
+        await asyncio.sleep(0)
+        heard.append(("text", text))
+
+    async def on_event_async(event: object) -> None:
+        heard.append(("event", getattr(event, "text", type(event).__name__)))
+
+    def on_event_sync(event: object) -> None:
+        heard.append(("event", getattr(event, "text", type(event).__name__)))
+
+    env = Envelope(parts=[Part(content="hi")], stream=True)
+
+    async def main() -> tuple[FailoverExhausted, AttemptState, bool]:
+        async with AsyncLedger.open(db_url) as led:
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                with pytest.raises(FailoverExhausted) as ei:
+                    await run.turn(env, on_text=on_text, on_event=on_event_async)
+            att = await led.get_attempt(ei.value.partial.attempt_id)  # type: ignore[union-attr]
+            return ei.value, att.state, att.effective_output
+
+    if session == "async":
+        stop, state, effective = asyncio.run(main())
+    else:
+        with Ledger.open(db_url) as led:
+            with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as srun, \
+                    pytest.raises(FailoverExhausted) as ei:
+                srun.turn(env, on_text=on_text, on_event=on_event_sync)
+            stop = ei.value
+            att = led.get_attempt(stop.partial.attempt_id)  # type: ignore[union-attr]
+            state, effective = att.state, att.effective_output
+    texts = [t for kind, t in heard if kind == "text"]
+    assert len(texts) == 2
+    assert heard == [*[x for t in texts for x in (("text", t), ("event", t))],
+                     ("event", "Reset")]
+    assert stop.partial is not None and stop.partial.text == "".join(texts)
+    assert state is AttemptState.UNKNOWN and effective
+
+
 def test_the_runs_frozen_streaming_limits_reach_the_adapter(db_url: str,
                                                             fake: FakeProvider) -> None:
     fake.set_default(Behavior(fault=Fault.SLOW_FIRST_TOKEN, delay_s=5.0))
