@@ -25,7 +25,9 @@ an envelope without parts, streaming, tools or prefill the route's capabilities 
 parts or parameters the codec cannot map) raises :class:`~ledger.errors.InvalidArgument`, always
 before anything is sent. Cancellation by the caller (``asyncio.CancelledError``) and exceptions
 raised by the caller's own ``on_event`` callback propagate unchanged: they are the caller's facts,
-not the provider's.
+not the provider's. A failure is put on ``progress.failure`` before its :class:`Reset` is
+delivered, so a callback that raises there (or a cancellation while it runs) does not hide it:
+the retry owner settles the Attempt with it, then lets the exception go on.
 
 The engine owns no retries: httpx transports are built with ``retries=0`` and nothing here loops.
 The Run is the only retry owner.
@@ -151,7 +153,7 @@ from ledger.adapters.transport import (
     describe_exception,
     map_transport_error,
 )
-from ledger.decide.effects import SendProgress, attempt_headers
+from ledger.decide.effects import SendProgress, SendResult, attempt_headers
 from ledger.domain.envelope import Envelope, require_parts
 from ledger.domain.facts import Observation, Phase, Source, Transport
 from ledger.domain.media import MediaKind
@@ -215,6 +217,11 @@ class _Progress:
         """Output reached the caller: an interrupted call is recorded with effective output."""
         if self.report is not None:
             self.report.delivered = True
+
+    def failed(self, result: AdapterResult) -> None:
+        """The call failed as ``result`` says: an interrupted call is settled with it."""
+        if self.report is not None:
+            self.report.failure = failed_send(result)
 
     def headers(self) -> None:
         """The response's status line and headers arrived: its first byte, for the report."""
@@ -292,6 +299,27 @@ def _request_id(headers: httpx.Headers, secrets: list[str | None]) -> str | None
 def _reported(model: str | None, secrets: list[str | None]) -> str | None:
     """The model a provider says served the call, redacted (it is the provider's text)."""
     return redact(model, secrets) if model else None
+
+
+def failed_send(result: AdapterResult) -> SendResult:
+    """What the retry owner records for the failed ``result`` (``sent`` as reported).
+
+    It carries the usage the failure reported as an answer does: the provider may have billed
+    it (a Responses ``incomplete`` answer, a stream its error event ended), and the Run is
+    posted that cost rather than nothing or the whole hold; and the model the provider named
+    (``model_reported``), which the failed or unknown Attempt records.
+    """
+    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
+    # again, records the Attempt with no usage, and keeps the report in a usage_invalid event.
+    usage = result.usage or result.rejected_usage
+    obs = result.observation or Observation(message="adapter failure without observation")
+    return SendResult(
+        ok=False, observation=obs, sent=result.sent, partial_text=result.partial_text,
+        prompt_tokens=usage.prompt_tokens if usage else None,
+        completion_tokens=usage.completion_tokens if usage else None,
+        cached_tokens=usage.cached_tokens if usage else None,
+        reasoning_tokens=usage.reasoning_tokens if usage else None,
+        cost=result.cost, model_reported=result.model_reported)
 
 
 @dataclass
@@ -645,7 +673,8 @@ class HttpAdapter:
                 fails after delivering any of them.
             limits: This call's time limits (default: the adapter's).
             progress: Told when the first request byte is written, so a cancelled call is
-                known to have been sent, or not (the retry owner's ``Dispatch.progress``).
+                known to have been sent, or not (the retry owner's ``Dispatch.progress``), and
+                told a failure (``failure``) before its :class:`Reset` is delivered.
             attempt_id: The Attempt this call is (the retry owner's ``Dispatch.attempt_id``):
                 the request carries it in the headers
                 :func:`~ledger.decide.effects.attempt_headers` names (``X-Ledger-Attempt``,
@@ -861,14 +890,9 @@ class HttpAdapter:
         body: str | None = None,
         evidence: str | None = None,
     ) -> Exchange[AdapterResult]:
-        if call.delivered_any and call.on_event is not None:
-            # Tell the caller that what it showed is not an answer; the Run decides what's next.
-            yield from self._deliver(
-                call, Reset(reason=transport.value if transport else "provider_error")
-            )
         obs = self._observation(call, transport=transport, phase=phase, message=message, body=body)
         usage, cost, rejected = self._billing(call, call.usage)
-        return AdapterResult(
+        result = AdapterResult(
             ok=False,
             route_id=call.route.id,
             usage=usage,
@@ -885,6 +909,16 @@ class HttpAdapter:
             sent=call.progress.request_sent,
             notes=call.notes,
         )
+        # Known before the caller hears more: its callback may raise on the Reset, or be
+        # cancelled in it, and the failure is still the provider's (the retry owner settles
+        # the Attempt with it, then lets the callback's exception go on).
+        call.progress.failed(result)
+        if call.delivered_any and call.on_event is not None:
+            # Tell the caller that what it showed is not an answer; the Run decides what's next.
+            yield from self._deliver(
+                call, Reset(reason=transport.value if transport else "provider_error")
+            )
+        return result
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
         usage, cost, rejected = self._billing(call, reply.usage)

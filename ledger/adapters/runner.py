@@ -16,14 +16,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-from ledger.adapters.base import HttpAdapter, Limits, OnEvent
+from ledger.adapters.base import HttpAdapter, Limits, OnEvent, failed_send
 from ledger.adapters.contract import (
     AdapterResult,
 )
 from ledger.adapters.sync import SyncAdapter
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.domain.envelope import MODEL_DERIVED, Part
-from ledger.domain.facts import Observation
 from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.domain.validation import checked, instance
 
@@ -68,20 +67,16 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     A failure carries the usage it reported as an answer does: the provider may have billed it
     (a Responses ``incomplete`` answer, a stream its error event ended), and the Run is posted
     that cost rather than nothing or the whole hold. It carries the model the provider named
-    too (``model_reported``), which the failed or unknown Attempt records.
+    too (``model_reported``), which the failed or unknown Attempt records
+    (:func:`~ledger.adapters.base.failed_send`).
     """
+    if not result.ok:
+        return failed_send(result)
     # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
     # again, records the Attempt with no usage, and keeps the report in a usage_invalid event.
     usage = result.usage or result.rejected_usage
     pt, ct = (usage.prompt_tokens, usage.completion_tokens) if usage else (None, None)
     cached, reasoning = (usage.cached_tokens, usage.reasoning_tokens) if usage else (None, None)
-    if not result.ok:
-        obs = result.observation or Observation(message="adapter failure without observation")
-        return SendResult(ok=False, observation=obs, sent=result.sent,
-                          partial_text=result.partial_text, prompt_tokens=pt,
-                          completion_tokens=ct, cached_tokens=cached,
-                          reasoning_tokens=reasoning, cost=result.cost,
-                          model_reported=result.model_reported)
     return SendResult(
         ok=True,
         output=result,

@@ -90,6 +90,13 @@ class SendProgress:
     ledger's clock, which the driver hands over as ``clock``; the sender marks them with
     :meth:`first_byte` and :meth:`first_token` (the adapters do), and the Attempt's settle
     records them as seconds from its begin.
+    ``failure``: the failure the sender observed, set as soon as it is known and before the
+    sender tells the caller anything more (the adapters set it before the ``Reset`` that
+    follows output already shown). When the send then raises (that callback raised, or the
+    caller cancelled it there), the retry owner settles the Attempt with this failure as
+    observed, its fact counted in route health as any failure's, and lets the exception go
+    on: what the caller's callback did renames nothing the provider did. ``None``: no failure
+    known, and an interrupted send is settled as the caller's cancellation.
     """
 
     handed_over: bool = False
@@ -100,6 +107,8 @@ class SendProgress:
     tool_started: bool = False
     first_byte_at: float | None = None
     first_token_at: float | None = None
+    # The failure observed before the send was interrupted (see the docstring).
+    failure: SendResult | None = None
     # The ledger's clock (set by the driver as it hands the send over; None: not timed).
     clock: Callable[[], float] | None = field(default=None, repr=False, compare=False)
 

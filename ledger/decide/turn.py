@@ -15,7 +15,9 @@ new budget: every attempt draws on the Run's allowances.
 Interruptions (``CancelledError``, ``KeyboardInterrupt``, ``GeneratorExit``, a timeout) are
 recorded truthfully before they propagate unchanged: a begin or settle already under way is
 completed first; an attempt whose request provably never left is settled *not sent* (hold
-voided); one that may have left is settled *unknown* with a ``cancelled`` fact (hold kept).
+voided); one that may have left is settled *unknown* with a ``cancelled`` fact (hold kept),
+unless the send observed its failure first (``SendProgress.failure``: a callback that raised on
+the ``Reset`` after it): that failure is settled, as observed, in its place.
 """
 
 from __future__ import annotations
@@ -601,7 +603,8 @@ class TurnLoop:
         except GeneratorExit:
             raise  # closed with no driver left: recovery settles it
         except BaseException:
-            yield from self._settle_interrupted(route, profile, att, dispatch)
+            yield from self._settle_interrupted(route, profile, att, dispatch,
+                                                repeat=attempt.retries > 0)
             raise
         if result.ok:
             # A failover's success under a user pin leaves the session on its pinned profile.
@@ -633,10 +636,9 @@ class TurnLoop:
             "acquire the lease again before more work", run_id=self.lease.run_id,
             attempt_id=att.attempt_id)
 
-    def _failed(self, turn: _Turn, attempt: _Try, route: Route, profile: str | None,
-                att: AttemptRecord, result: SendResult, dispatch: Dispatch
-                ) -> Generator[Effect[Any], Any, _Failed]:
-        """Classify and settle a failed send; tell the caller what it must discard."""
+    def _fact_of(self, result: SendResult, dispatch: Dispatch
+                 ) -> Generator[Effect[Any], Any, tuple[FailureFact, float]]:
+        """The fact of a failed send, classified from what was observed, and when."""
         obs = result.observation or Observation(message="send reported failure without "
                                                         "an observation")
         if dispatch.progress.tool_started:
@@ -647,11 +649,16 @@ class TurnLoop:
             # the send said it left, so nothing is known after sending: it may have run.
             obs = obs.model_copy(update={"phase": Phase.AFTER_SEND})
         now = yield from perform(Now())
-        fact = classify(obs, self._policy, now=now)
-        discarded = bool(result.partial_text) and not fact.effective_output
+        return classify(obs, self._policy, now=now), now
+
+    def _failed(self, turn: _Turn, attempt: _Try, route: Route, profile: str | None,
+                att: AttemptRecord, result: SendResult, dispatch: Dispatch
+                ) -> Generator[Effect[Any], Any, _Failed]:
+        """Classify and settle a failed send; tell the caller what it must discard."""
+        fact, now = yield from self._fact_of(result, dispatch)
         # A same-route retry's failure was counted with the request's first: not again.
-        settled = yield from self._settle_failure(route, profile, att, fact, result,
-                                                  discarded, now, repeat=attempt.retries > 0,
+        settled = yield from self._settle_failure(route, profile, att, fact, result, now,
+                                                  repeat=attempt.retries > 0,
                                                   times=dispatch.progress.since(att.created_at))
         if fact.effective_output and result.partial_text:
             turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
@@ -984,11 +991,12 @@ class TurnLoop:
             keep_profile=keep_profile))
 
     def _settle_failure(self, route: Route, profile: str | None, att: AttemptRecord,
-                        fact: FailureFact, result: SendResult, discarded: bool, now: float, *,
+                        fact: FailureFact, result: SendResult, now: float, *,
                         repeat: bool = False,
                         times: tuple[float | None, float | None] = (None, None),
                         ) -> Generator[Effect[Any], Any, AttemptRecord]:
         outcome = failure_outcome(fact, result.sent)
+        discarded = bool(result.partial_text) and not fact.effective_output
         # Streamed text nobody was shown (the caller buffered) is no effective output: it is
         # discarded, and that is recorded; the policy may then move on.
         events = [("discarded", {"reason": "partial output of a failed attempt that was "
@@ -1017,9 +1025,25 @@ class TurnLoop:
             model_reported=model, began_at=att.created_at))
 
     def _settle_interrupted(self, route: Route, profile: str | None, att: AttemptRecord,
-                            dispatch: Dispatch) -> Generator[Effect[Any], Any, None]:
-        """The send was interrupted (or the send function broke): settle truthfully."""
+                            dispatch: Dispatch, *, repeat: bool = False,
+                            ) -> Generator[Effect[Any], Any, None]:
+        """The send was interrupted (or the send function broke): settle truthfully.
+
+        A failure the sender observed before the interruption (``progress.failure``: the
+        caller's callback raised on, or was cancelled in, the ``Reset`` that followed it) is
+        settled as observed, as :meth:`_failed` would (``repeat``: a same-route retry's), but
+        with no ``reset`` notice: the caller is leaving with its own exception.
+        """
         progress = dispatch.progress
+        observed = progress.failure
+        if observed is not None and not observed.ok:
+            # Classification depends only on observed facts (DESIGN section 2): the caller's
+            # exception is not the provider's failure, which route health must count.
+            fact, now = yield from self._fact_of(observed, dispatch)
+            yield from self._quietly(att.attempt_id, self._settle_failure(
+                route, profile, att, fact, observed, now, repeat=repeat,
+                times=progress.since(att.created_at)))
+            return
         if progress.provably_unsent:
             yield from self._settle_quietly(
                 route, profile, att.attempt_id, Outcome.NOT_SENT,
@@ -1043,8 +1067,15 @@ class TurnLoop:
         What cannot be written is left to recovery (an attempt whose run was taken over, or a
         database that went away); an attempt that was never recorded has nothing to settle.
         """
+        yield from self._quietly(attempt_id, self._settle(route, profile, attempt_id, outcome,
+                                                          fact=fact, times=times))
+
+    @staticmethod
+    def _quietly(attempt_id: str, settle: Generator[Effect[Any], Any, AttemptRecord]
+                 ) -> Generator[Effect[Any], Any, None]:
+        """``settle`` on the way out of an interruption (see :meth:`_settle_quietly`)."""
         try:
-            yield from self._settle(route, profile, attempt_id, outcome, fact=fact, times=times)
+            yield from settle
         except NotFound:
             log.info("attempt %s was never recorded (its begin did not commit): nothing to "
                      "settle on interruption", attempt_id)

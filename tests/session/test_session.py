@@ -31,7 +31,8 @@ from ledger import (
     ToolSpec,
 )
 from ledger.adapters import ToolCallProposal
-from ledger.domain.records import AttemptState
+from ledger.domain.records import AttemptRecord, AttemptState
+from ledger.domain.values import Health
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import plan
@@ -372,6 +373,82 @@ def test_an_async_on_text_hears_every_delta_when_on_event_is_given_too(
                      ("event", "Reset")]
     assert stop.partial is not None and stop.partial.text == "".join(texts)
     assert state is AttemptState.UNKNOWN and effective
+
+
+class _ResetHandlerBug(Exception):
+    pass
+
+
+@pytest.mark.parametrize("handler", ["raises", "cancelled", "raises_sync"])
+def test_a_stream_failure_keeps_its_observed_fact_when_the_reset_handler_raises_or_is_cancelled(
+        db_url: str, fake: FakeProvider, handler: str) -> None:
+    # goclaw moves on after a cut that followed shown text, first sending a Reset. A handler
+    # that raises on it, or is cancelled in it, ends the turn with its own exception, but the
+    # failure is the provider's: the Attempt is settled with the observed fact (not a caller
+    # cancellation), route health counts it, and it stays unknown with its hold, never re-sent
+    # (DESIGN section 2, invariant 6).
+    fake.enqueue(Behavior(fault=Fault.STREAM_CUT, content_before_fault=2),
+                 model="primary-model")
+    env = Envelope(parts=[Part(content="hi")], stream=True)
+    seen: list[str] = []
+    notices: list[str] = []
+
+    def on_notice(n: object) -> None:
+        notices.append(getattr(n, "kind", ""))
+
+    def on_event_sync(event: object) -> None:
+        seen.append(type(event).__name__)
+        if type(event).__name__ == "Reset":
+            raise _ResetHandlerBug
+
+    async def main() -> tuple[BaseException, list[AttemptRecord], dict[str, Health]]:
+        entered = asyncio.Event()
+
+        async def on_event(event: object) -> None:
+            if handler == "raises":
+                on_event_sync(event)
+                return
+            seen.append(type(event).__name__)
+            if type(event).__name__ == "Reset":
+                entered.set()
+                await asyncio.Event().wait()  # until the caller cancels the turn
+
+        async with AsyncLedger.open(db_url) as led:
+            async def agent() -> None:
+                async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                                   policy="goclaw") as run:
+                    await run.turn(env, on_event=on_event, on_notice=on_notice)
+
+            task = asyncio.ensure_future(agent())
+            if handler == "cancelled":
+                await entered.wait()
+                task.cancel()
+            try:
+                await task
+            except BaseException as e:  # what reached the caller
+                err: BaseException = e
+            else:
+                raise AssertionError("the turn was not interrupted")
+            return err, await led.timeline("r"), await led.health()
+
+    if handler == "raises_sync":
+        with Ledger.open(db_url) as led:
+            with pytest.raises(_ResetHandlerBug), led.run(
+                    "r", plan=plan(fake), budget=BUDGET, grant=GRANT, policy="goclaw") as srun:
+                srun.turn(env, on_event=on_event_sync, on_notice=on_notice)
+            atts, health = led.timeline("r"), led.health()
+    else:
+        err, atts, health = asyncio.run(main())
+        expected = asyncio.CancelledError if handler == "cancelled" else _ResetHandlerBug
+        assert isinstance(err, expected)
+    assert seen == ["TextDelta", "TextDelta", "Reset"] and notices == []
+    assert [r.model for r in fake.requests] == ["primary-model"]  # nothing sent again
+    [att] = atts
+    assert att.route_id == "primary" and att.state is AttemptState.UNKNOWN
+    assert att.debit_state.value == "reserved" and att.effective_output
+    assert att.fact is not None and att.fact.category.value == "network"
+    assert att.fact.transport is not None and att.fact.transport.value == "stream_cut"
+    assert health["provider:fake"].failure_counts == {"network": 1}
 
 
 def test_the_runs_frozen_streaming_limits_reach_the_adapter(db_url: str,
