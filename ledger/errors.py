@@ -217,8 +217,10 @@ class StorageError(LedgerError):
 class DatabaseUnavailable(StorageError):
     """The database could not be reached or opened. Safe to retry once it is back.
 
-    ``fields``: ``url`` (without its password); ``commit="unknown"`` when the connection was
-    lost after a write's ``COMMIT`` was sent (it may have landed). A write of the hot path also
+    ``fields``: ``url`` (without its password); ``commit="unknown"`` when the error came after
+    a write's ``COMMIT`` was sent and is not the server's answer to a statement of it (the
+    connection lost, the session terminated, also before the driver saw the connection close):
+    it may have landed. A write of the hot path also
     says which it was and what became of it: ``operation`` (``begin``, ``settle``, ``finish``,
     ``release``, ``renew``, ``acquire``), ``resolved`` (whether its outcome is now certain:
     a lost acknowledgement is resolved under the Run's row lock before this is raised) and

@@ -15,6 +15,13 @@ Armed with ``arm(n)``, the n-th ``COMMIT`` loses its connection:
   lands; its acknowledgement is lost.
 * ``mode="instead"``: the ``COMMIT`` is never forwarded; both sides are closed. The server
   rolls the transaction back; the client cannot tell the two apart.
+* ``mode="terminated"``: the ``COMMIT`` (through its ``Sync``) is forwarded and the server's
+  answers reach the client up to the ``ReadyForQuery`` that ends them, which is replaced by the
+  ``FATAL`` error (SQLSTATE 57P01) of a backend ended by ``pg_terminate_backend``; then both
+  sides are closed. The commit lands, and the client reads its ``COMMIT``'s success and then a
+  session ended in the middle of its pipeline, before it sees the connection close — what a
+  terminate landing between the server's ``COMMIT`` and its ``ReadyForQuery`` looks like (psycopg
+  raises ``cannot exit pipeline mode while busy`` on a connection not yet closed).
 
 ``arm_kind(..., down=True)`` then takes the database away right after the cut, as a primary that
 died with no standby promoted yet: every connection is closed, and every new one is closed as
@@ -37,6 +44,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+_MODES = ("after", "instead", "terminated")
+# What a server sends a session pg_terminate_backend ends (severity, SQLSTATE 57P01, message).
+_TERMINATED = b"".join((b"SFATAL\0", b"VFATAL\0", b"C57P01\0",
+                        b"Mterminating connection due to administrator command\0", b"\0"))
+_TERMINATED_MSG = b"E" + struct.pack("!i", 4 + len(_TERMINATED)) + _TERMINATED
 
 # Startup-phase request codes that are followed by another startup message.
 _SSL_REQUEST = 80877103
@@ -97,6 +110,10 @@ class _Conn:
     tx: list[str] = field(default_factory=list)  # statements since the last COMMIT/ROLLBACK
     cutting: str | None = None  # a cut under way: forward through the next Sync, then cut
     dead: bool = False
+    # Set by a "terminated" cut, before the COMMIT reaches the server: the server's answers
+    # from then on are read message by message (it flushes them at the Sync, so the first
+    # byte after the cut starts a message), up to the ReadyForQuery the FATAL replaces.
+    terminating: bool = False
 
 
 class CommitCutter:
@@ -133,7 +150,7 @@ class CommitCutter:
         """Count COMMITs from zero; lose the connection of each ``cuts``-th (none: none),
         the ``mode`` way, or the way a ``(n, mode)`` pair says."""
         modes = dict(c if isinstance(c, tuple) else (c, mode) for c in cuts)
-        assert set(modes.values()) <= {"after", "instead"}
+        assert set(modes.values()) <= set(_MODES)
         with self._lock:
             self._cuts, self._kinds, self._then = modes, {}, []
             self._down_after = False
@@ -144,7 +161,7 @@ class CommitCutter:
         """Count COMMITs from zero; lose the connection of the first one of ``kind``, and of
         the ``len(then)`` COMMITs right after it, the ways ``then`` says; with ``down``, the
         database is away from the first cut on (until :meth:`up`)."""
-        assert {mode, *then} <= {"after", "instead"}
+        assert {mode, *then} <= set(_MODES)
         with self._lock:
             self._cuts, self._kinds, self._then = {}, {kind: mode}, list(then)
             self._down_after = down
@@ -226,6 +243,7 @@ class CommitCutter:
 
     def _downstream(self, conn: _Conn) -> None:
         """Server to client, until either side ends (or the connection is cut)."""
+        pending = b""
         while True:
             try:
                 data = conn.server.recv(65536)
@@ -235,6 +253,13 @@ class CommitCutter:
                 break
             if conn.dead:
                 continue  # a cut connection: the server's answers are drained, never told
+            if conn.terminating:
+                data, pending, ready = _until_ready(pending + data)
+                if ready:
+                    with contextlib.suppress(OSError):
+                        conn.client.sendall(data + _TERMINATED_MSG)
+                    self._kill(conn)
+                    return
             try:
                 conn.client.sendall(data)
             except OSError:
@@ -257,7 +282,7 @@ class CommitCutter:
             conn.buf += data
             out, cut = self._messages(conn)
             if cut is not None:
-                self._cut_off(conn, out)
+                self._cut_off(conn, out, cut)
                 if self._down_after:
                     self._go_down()
                 return
@@ -313,10 +338,10 @@ class CommitCutter:
                 cut = self._count(conn)
                 if cut == "instead":
                     return bytes(out), "instead"  # the COMMIT never reaches the server
-                if cut == "after":
-                    conn.cutting = "after"
+                if cut in ("after", "terminated"):
+                    conn.cutting = cut
                     if kind == b"Q":
-                        return bytes(out + msg), "after"
+                        return bytes(out + msg), cut
             out += msg
             if conn.cutting is not None and kind == b"S":
                 return bytes(out), conn.cutting
@@ -343,9 +368,16 @@ class CommitCutter:
                 commit.cut = self._cuts.get(commit.n) or self._kinds.pop(commit.kind, None)
         return commit.cut
 
-    def _cut_off(self, conn: _Conn, last: bytes) -> None:
+    def _cut_off(self, conn: _Conn, last: bytes, how: str) -> None:
         """Lose the connection: the client hears nothing more (not even an answer the server
-        gives ``last``); the server reads ``last``, then the end of its input."""
+        gives ``last``); the server reads ``last``, then the end of its input. ``terminated``:
+        the client hears the server's answers to ``last`` but for its ``ReadyForQuery``, then
+        the session's end (:meth:`_downstream`)."""
+        if how == "terminated":
+            conn.terminating = True  # before ``last`` leaves: its answers are read as such
+            with contextlib.suppress(OSError):
+                conn.server.sendall(last)
+            return
         conn.dead = True  # before ``last`` leaves: no answer to it can reach the client
         with contextlib.suppress(OSError):
             conn.client.shutdown(socket.SHUT_RDWR)
@@ -383,3 +415,18 @@ def commit_cutter(target_port: int) -> Iterator[CommitCutter]:
         yield cutter
     finally:
         cutter.close()
+
+
+def _until_ready(data: bytes) -> tuple[bytes, bytes, bool]:
+    """The server's complete messages at the start of ``data`` up to its first
+    ``ReadyForQuery`` (excluded), what is left (an incomplete message), and whether the
+    ``ReadyForQuery`` came."""
+    at = 0
+    while len(data) - at >= 5:
+        (length,) = struct.unpack("!i", data[at + 1:at + 5])
+        if len(data) - at < 1 + length:
+            break
+        if data[at:at + 1] == b"Z":
+            return data[:at], b"", True
+        at += 1 + length
+    return data[:at], data[at:], False

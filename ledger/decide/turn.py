@@ -1093,8 +1093,10 @@ class TurnLoop:
                        error: DatabaseUnavailable) -> Generator[Effect[Any], Any, None]:
         """A begin the database failed: make its outcome certain, then let ``error`` go.
 
-        Nothing was sent: sending waits for the begin's acknowledgement. When the connection
-        was lost after its ``COMMIT`` was sent, the begin may have landed, so it is settled
+        Nothing was sent: sending waits for the begin's acknowledgement. When its ``COMMIT``'s
+        outcome is unknown (``commit="unknown"``: the connection lost or the session ended
+        after the ``COMMIT`` was sent, :mod:`ledger.storage.driver`), the begin may have
+        landed, so it is settled
         ``not_sent`` (hold voided, slot freed, the call given back, a ``commit_unknown`` event
         saying why). A settle locks the Run's row before it reads the Attempt, so it waits for
         the server to finish the old transaction and then sees its outcome: the Attempt, or

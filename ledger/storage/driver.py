@@ -17,9 +17,14 @@ generator, and commit — on PostgreSQL the last writes and the ``COMMIT`` go as
 a begin or a settle costs two round trips. A driver's error leaves as the ledger error that
 :mod:`ledger.storage.failure` names for it (a lost or refused connection is
 :class:`~ledger.errors.DatabaseUnavailable`: retry-safe, the transaction was rolled back, or its
-commit outcome is unknown and every write is idempotent per id; a connection lost once a
-write's ``COMMIT`` may have reached the server is told with ``fields["commit"] = "unknown"``,
-for the store to resolve under the Run's row lock). Statements are compiled once
+commit outcome is unknown and every write is idempotent per id). Such an error raised once a
+write's ``COMMIT`` was handed to the connection is told with ``fields["commit"] = "unknown"``,
+for the store to resolve under the Run's row lock, unless it is the server's answer to a
+statement of the transaction on a connection it still serves (a SQLSTATE of severity
+``ERROR``: a serialization failure, a deadlock): a lost connection, and also a session the
+server terminated while psycopg had not yet seen the connection end (a ``FATAL``, or
+``cannot exit pipeline mode while busy``), since the ``COMMIT`` may have been carried out
+before it. Statements are compiled once
 per database from the schema (:mod:`ledger.storage.statements`) and executed through each
 driver's public API, with named parameters on SQLite and positional ones on psycopg, which
 prepares the repeated ones on the server. What differs between the databases is the driver
@@ -328,11 +333,12 @@ class PgDriver:
             # The server (or the network) ended it, not the abort; or it is a standby's.
             standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
             dropped = conn.closed or standby
+            answered = _answered(e, conn)  # before the abort ends what it reads
             _abort(conn)
             if standby:
                 raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
-                raise committing.told(driver_error(e, self.where), dropped) from e
+                raise committing.told(driver_error(e, self.where), answered, conn) from e
             raise
         finally:
             if dropped:
@@ -394,11 +400,12 @@ class PgDriver:
             # The server (or the network) ended it, not the abort; or it is a standby's.
             standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
             dropped = conn.closed or standby
+            answered = _answered(e, conn)  # before the abort ends what it reads
             await _aabort(conn)
             if standby:
                 raise standby_error(e, self.where) from e
             if isinstance(e, psycopg.Error):
-                raise committing.told(driver_error(e, self.where), dropped) from e
+                raise committing.told(driver_error(e, self.where), answered, conn) from e
             raise
         finally:
             if dropped:
@@ -475,9 +482,12 @@ def _cursor(conn: Any, kept: dict[Any, Any], key: Any, busy: list[tuple[Any, boo
 class _Committing:
     """Whether a writing transaction's ``COMMIT`` was handed to the connection (``sent``).
 
-    A connection lost after that leaves the outcome unknown: the server may have received the
+    An error after that leaves the outcome unknown — the server may have received the
     ``COMMIT`` and made it durable, or not, and only a read under the Run's row lock, once the
-    server has finished with the old connection, can tell (:mod:`ledger.storage.store`). A
+    server has finished with the old connection, can tell (:mod:`ledger.storage.store`) —
+    unless the server itself answered it for a statement of the transaction on a connection
+    it still serves (:func:`_answered`), and the connection came out of the abort open: then
+    nothing of it was committed (a serialization failure, a deadlock, a lock timeout). A
     read's outcome needs no telling.
     """
 
@@ -487,11 +497,47 @@ class _Committing:
         self.write = write
         self.sent = False
 
-    def told(self, err: LedgerError, lost: bool) -> LedgerError:
-        """``err``, marked ``commit="unknown"`` when the connection was lost mid-COMMIT."""
-        if self.write and self.sent and lost and isinstance(err, DatabaseUnavailable):
+    def told(self, err: LedgerError, answered: bool, conn: Any) -> LedgerError:
+        """``err``, marked ``commit="unknown"`` when the ``COMMIT`` was sent and the error was
+        not ``answered`` by the server (:func:`_answered`, read before the abort), or the
+        abort had to close ``conn`` (it could not end the transaction on it)."""
+        known = answered and not conn.closed
+        if self.write and self.sent and not known and isinstance(err, DatabaseUnavailable):
             err.fields["commit"] = "unknown"
         return err
+
+
+# SQLSTATEs that end the session rather than answer a statement: a connection exception
+# (class 08), and an administrator's or a shutdown's termination, a database dropped, an idle
+# session timed out (57P01-57P05; not 57014, a cancelled statement).
+_SESSION_ENDED = ("08", "57P")
+
+
+def _answered(e: BaseException, conn: Any) -> bool:
+    """Whether ``e`` is the server's answer to a statement of the transaction on ``conn``,
+    which it still serves: an error with a SQLSTATE and severity ``ERROR``, the connection
+    open and idle, in the transaction or in its failed one. Only such an error says that a
+    ``COMMIT`` sent before it did not commit.
+
+    Anything else leaves that unknown, also on a connection not yet seen closed: an error
+    without a SQLSTATE (the connection lost, psycopg's own — with pipeline mode, a backend
+    terminated around the ``COMMIT`` can surface as ``cannot exit pipeline mode while busy``
+    while libpq has not yet read the end of the connection), a ``FATAL`` or ``PANIC`` (a
+    terminated session, a shutdown: it may come after the ``COMMIT`` was carried out, in place
+    of the answer to the pipeline's ``Sync``), one of the SQLSTATEs that end a session
+    (:data:`_SESSION_ENDED`) whatever its severity says, and a connection still busy with the
+    pipeline. A cancelled statement (``57014``, a statement timeout) is an answer: it is of
+    severity ``ERROR``, and the transaction it ended was rolled back.
+    """
+    from psycopg.pq import TransactionStatus
+
+    state = getattr(e, "sqlstate", None)
+    if conn.closed or not state or state.startswith(_SESSION_ENDED):
+        return False
+    diag = getattr(e, "diag", None)
+    severity = getattr(diag, "severity_nonlocalized", None) or getattr(diag, "severity", None)
+    return severity == "ERROR" and conn.info.transaction_status in (
+        TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
 
 def _standby_refusal(e: Any, conn: Any) -> bool:

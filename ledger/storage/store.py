@@ -27,17 +27,22 @@ What every flow promises:
 * arguments are taken as already checked (ids, amounts, leases); the store checks only what
   only the database knows (a live lease, a budget left, a row that exists). ``clock`` is read
   once the transaction holds its locks, so a decision is recorded at the time it was taken;
-* a write whose ``COMMIT`` outcome is unknown (the connection was lost after the ``COMMIT``
-  was sent: ``DatabaseUnavailable`` with ``fields["commit"] == "unknown"``) is resolved before
-  the flow returns or raises. A settle, finish, release, renew or acquire is run once more, on a
-  new connection: each locks the Run's row before it reads anything, so it waits until the
-  server has finished with the old transaction (committed or rolled back) and then finds the
-  write done (the same write again is the same record) or does it. Only when that fails too
+* a write whose ``COMMIT`` outcome is unknown (an error after the ``COMMIT`` was sent that is
+  not the server's answer to a statement of the transaction on a connection it still serves —
+  the connection lost, the session terminated, even before the driver saw the connection
+  close: ``DatabaseUnavailable`` with ``fields["commit"] == "unknown"``,
+  :mod:`ledger.storage.driver`) is resolved before the flow returns or raises. A settle,
+  finish, release, renew or acquire is run once more, on a new connection: each locks the
+  Run's row before it reads anything, so it waits until the server has finished with the old
+  transaction (committed or rolled back) and then finds the write done (the same write again
+  is the same record) or does it. Only when that fails too
   does the original :class:`~ledger.errors.DatabaseUnavailable` leave, with
   ``fields["operation"]`` and ``fields["resolved"] = False``. A begin is not run again here (a
   host retries it with the same attempt id, or the retry owner settles it ``not_sent``:
   :mod:`ledger.decide.turn`); its error says ``operation="begin"``. An error raised before the
-  ``COMMIT`` was sent is told with ``resolved=True, landed=False``: nothing was written;
+  ``COMMIT`` was sent, or the server's answer to a statement of the transaction (a
+  serialization failure, a deadlock, a lock timeout), is told with ``resolved=True,
+  landed=False``: nothing was written;
 * what stays unresolved because the database did not answer (the retry owner's begin that was
   never sent, the retry owner's settle, a Run session's exit: :mod:`ledger.decide.resolve`) is
   remembered in
@@ -101,8 +106,10 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
     ``write(True)`` is the same write again, run on a new connection: it locks the Run's row
     before reading, so it waits for the old transaction to end on the server and then finds it
     done, or does it (the caller makes it idempotent). ``again=False``: told, not resolved
-    (the caller resolves it). The error that leaves is always the first one, with
-    ``operation``, ``resolved`` and ``landed`` (and ``about``) in its fields.
+    (the caller resolves it). An error without ``commit="unknown"`` (raised before the
+    ``COMMIT`` was sent, or the server's answer to a statement) is told ``landed=False``
+    unread: the driver marks every other one. The error that leaves is always the first one,
+    with ``operation``, ``resolved`` and ``landed`` (and ``about``) in its fields.
     """
     try:
         return (yield from txn(write(False)))

@@ -2,8 +2,12 @@
 
 A real loopback proxy (:mod:`tests.pgcut`) stands between the ledger (hot and cold path) and a
 real PostgreSQL server, and loses the connection of the n-th COMMIT, either right after
-forwarding it (the commit lands, its acknowledgement is lost) or instead of forwarding it (it
-never lands; the ledger cannot tell the two apart). For every n — every commit of a Run
+forwarding it (the commit lands, its acknowledgement is lost), instead of forwarding it (it
+never lands; the ledger cannot tell the two apart), or by ending the session the way
+``pg_terminate_backend`` does between the server's COMMIT and its answer to the pipeline's
+Sync (the commit lands; the client reads its success, then a FATAL on a connection not yet
+seen closed, which psycopg raises as ``cannot exit pipeline mode while busy``: no answer of
+the server to a statement, so the outcome is unknown too). For every n — every commit of a Run
 session's entry, of a plain and of a failover turn, and of the session's exit — on the sync and
 the async ledger, the books are checked against what the fake provider received:
 
@@ -31,6 +35,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -204,18 +209,20 @@ def _check_books(out: Outcome, how: str) -> None:
     if out.cut == "begin":
         assert isinstance(out.error, DatabaseUnavailable)
         fields = out.error.fields
+        lands = how != "instead"
         assert fields["operation"] == "begin" and fields["resolved"] is True
-        assert fields["landed"] is (how == "after")
+        assert fields["landed"] is lands
         landed = [a.state for a in out.attempts if a.attempt_id == fields["attempt_id"]]
-        assert landed == ([AttemptState.NOT_SENT] if how == "after" else [])
-        assert out.unknown_events == ([fields["attempt_id"]] if how == "after" else [])
+        assert landed == ([AttemptState.NOT_SENT] if lands else [])
+        assert out.unknown_events == ([fields["attempt_id"]] if lands else [])
         assert fields["attempt_id"] not in out.requests
         assert out.status is RunStatus.FAILED
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("how", ["after", "instead"],
-                         ids=["commit-lands-ack-lost", "commit-never-lands"])
+@pytest.mark.parametrize("how", ["after", "instead", "terminated"],
+                         ids=["commit-lands-ack-lost", "commit-never-lands",
+                              "commit-lands-session-terminated"])
 @pytest.mark.parametrize("failover", [False, True], ids=["plain", "failover"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_every_commit_of_a_session_whose_acknowledgement_is_lost_is_resolved_truthfully(
@@ -239,6 +246,78 @@ def test_every_commit_of_a_session_whose_acknowledgement_is_lost_is_resolved_tru
     writes = [k for k in cut_kinds if k != "read"]
     assert writes == ["admit", "acquire", *turn, "finish", "release"], cut_kinds
 
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("kind", ["acquire", "begin", "settle", "release"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_write_whose_session_is_terminated_after_its_commit_is_never_told_unwritten(
+    books: Books, mode: str, kind: str
+) -> None:
+    """``pg_terminate_backend`` landing between a write's COMMIT and the server's answer to
+    its pipeline's Sync: the commit is durable, and psycopg raises ``cannot exit pipeline mode
+    while busy`` on a connection it has not yet seen closed. That is no answer of the server to
+    a statement, so the write's outcome is unknown and is resolved under the Run's row lock: an
+    acquire, settle or release goes on as if nothing happened, and the turn's begin is told
+    ``landed=True`` and ends ``not_sent`` with nothing held — never ``landed=False`` with its
+    Attempt left ``dispatching``, its hold and its capacity slot kept, or a lease held that
+    its caller was told was not taken."""
+    out = books.run_cut(1, mode, False, (), "terminated", kind=(kind, ()))
+    assert out.cut == kind
+    _check_books(out, "terminated")
+    if kind == "begin":
+        assert isinstance(out.error, DatabaseUnavailable)
+        assert out.error.fields["commit"] == "unknown"
+        assert "cannot exit pipeline mode while busy" in str(out.error.__cause__)
+
+
+
+@pytest.mark.postgres
+def test_a_write_the_server_refused_in_its_commit_pipeline_is_told_not_landed(
+    books: Books
+) -> None:
+    """The other side of the split: a statement the server answers with an error in the same
+    pipeline as the COMMIT (here a lock not granted within the lock timeout, SQLSTATE 55P03, on
+    the settle's debit row another session holds), on a connection it still serves, is the
+    server saying nothing of the transaction committed. It is told ``resolved=True,
+    landed=False`` without a resolution, and nothing of it is recorded."""
+    books.pg_server.psql(f"ALTER DATABASE {books.db} SET lock_timeout = '200ms'")
+    url = books.pg_server.url(books.db)
+    committing: list[str] = []
+    with Ledger.open(url) as led:
+        led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+        lease = led.acquire_lease("r", ttl_s=TTL_S)
+        att = led.begin_attempt(lease, route="primary", envelope_hash="sha256:e",
+                                reserve="0.1")
+        holder = _locking(books, "SELECT 1 FROM debits WHERE attempt_id = "
+                          f"'{att.attempt_id}' FOR UPDATE")
+        faults.arm("settle.before_commit", committing.append)
+        try:
+            with pytest.raises(DatabaseUnavailable) as err:
+                led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.05")
+        finally:
+            faults.disarm()
+            holder.rollback()
+            holder.close()
+        assert committing == ["settle.before_commit"]  # the COMMIT went with the lock wait
+        fields = err.value.fields
+        assert fields["contention"] == "55P03" and "commit" not in fields
+        assert fields["operation"] == "settle"
+        assert fields["resolved"] is True and fields["landed"] is False
+        assert led.get_attempt(att.attempt_id).state is AttemptState.DISPATCHING
+        assert led.get_run("r").reserved == Decimal("0.1")
+        done = led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.05")
+        assert done.state is AttemptState.SUCCEEDED
+        led.release_lease(lease)
+
+
+def _locking(books: Books, sql: str) -> Any:
+    """A session of its own holding the row locks ``sql`` takes, until rolled back."""
+    import psycopg
+
+    conn = psycopg.connect(f"host=127.0.0.1 port={books.pg_server.port} dbname={books.db} "
+                           "user=postgres")
+    conn.execute(sql)
+    return conn
 
 # When the database answers again, in each case: the session's next turn, its exit, the
 # ledger's close() after an exit that failed too.
@@ -386,7 +465,7 @@ def test_a_lost_settle_whose_resolution_is_lost_too_is_retried_by_the_caller_ide
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("how", ["after", "instead"])
+@pytest.mark.parametrize("how", ["after", "instead", "terminated"])
 def test_a_lost_renew_is_resolved_and_a_hosts_lost_begin_is_told_for_it_to_retry(
     books: Books, how: str
 ) -> None:
