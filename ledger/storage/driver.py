@@ -123,13 +123,19 @@ class SqliteDriver:
     """One :mod:`sqlite3` connection per thread (WAL, ``synchronous=FULL``), transactions
     opened with ``BEGIN IMMEDIATE`` for writes.
 
-    Async callers' transactions run on one dedicated thread of this database, never on the
-    event loop: a write waits for another process's write lock for up to the busy timeout, and
-    the loop must keep running meanwhile. One thread is enough (SQLite serializes writers), its
+    Async callers' writes run on one dedicated thread of this database, never on the event
+    loop: a write waits for another process's write lock for up to the busy timeout, and the
+    loop must keep running meanwhile. One thread is enough (SQLite serializes writers), its
     connection stays warm, and the transactions that queue on it while it is busy commit
     together (:mod:`ledger.storage.groupcommit`). The busy timeout there counts from when the
     caller submitted its transaction, its time queued behind others included: one queued
     behind a write stuck on the lock does not start a busy timeout of its own.
+
+    Async callers' reads (``write=False``) run on a second thread of this database, with its
+    own connection, and those queued together share one read transaction: in WAL mode a read
+    takes no write lock, so it never waits behind a write stuck on another process's lock, nor
+    is told ``database is locked`` with it. A caller that awaited its write sees it in its next
+    read (the write's future is done once committed).
     """
 
     def __init__(self, path: str, *, busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> None:
@@ -140,6 +146,7 @@ class SqliteDriver:
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._writer: GroupWriter | None = None
+        self._reader: GroupWriter | None = None
         self._closed = False
 
     def connection(self) -> sqlite3.Connection:
@@ -236,17 +243,25 @@ class SqliteDriver:
         return err
 
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
-        """Run ``tx`` on the database's own thread, grouped with the transactions queued with
-        it (:mod:`ledger.storage.groupcommit`); the event loop waits without blocking."""
+        """Run a write on the database's own thread, a read on its reading thread, each grouped
+        with the transactions queued with it there (:mod:`ledger.storage.groupcommit`); the
+        event loop waits without blocking."""
         with self._lock:
             if self._closed:
                 raise closed_error(self.path)
-            if self._writer is None:
-                self._writer = GroupWriter(self)
-            writer = self._writer
+            if write:
+                if self._writer is None:
+                    self._writer = GroupWriter(self)
+                group = self._writer
+            else:
+                if self._reader is None:
+                    # Its own thread and connection: a read queued on the writer's would wait
+                    # for the write lock the writer waits for, though a WAL reader needs none.
+                    self._reader = GroupWriter(self, name="ledger-sqlite-read")
+                group = self._reader
         try:
-            future = writer.submit(tx, write)
-        except RuntimeError:  # the writer's thread was shut down by a close meanwhile
+            future = group.submit(tx, write)
+        except RuntimeError:  # the thread was shut down by a close meanwhile
             if self._closed:
                 raise closed_error(self.path) from None
             raise
@@ -258,8 +273,11 @@ class SqliteDriver:
             self._closed = True
             conns, self._all = self._all, []
             writer, self._writer = self._writer, None
+            reader, self._reader = self._reader, None
         if writer is not None:
             writer.close()
+        if reader is not None:
+            reader.close()
         for c in conns:
             with contextlib.suppress(sqlite3.Error):  # closing is best effort
                 c.close()

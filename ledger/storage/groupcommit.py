@@ -1,7 +1,7 @@
-"""Group commit for SQLite's asyncio callers: the transactions that queued on the database's
-own thread while it was busy run as one SQLite transaction with one ``COMMIT``.
+"""Group commit for SQLite's asyncio callers: the writes that queued on the database's own
+thread while it was busy run as one SQLite transaction with one ``COMMIT``.
 
-Every asyncio transaction of a SQLite ledger runs on one thread of the database
+Every asyncio write of a SQLite ledger runs on one thread of the database
 (:meth:`~ledger.storage.driver.SqliteDriver.arun`), one after another, since SQLite has one
 writer anyway. With many turns on one event loop, transactions queue behind the one running, and
 each of them then paid its own ``COMMIT``: the WAL frames of the pages it touched and an
@@ -31,6 +31,21 @@ every transaction waiting when it gets free and runs them in one transaction:
 Alone in the queue, a transaction runs as it always did (no savepoints). Blocking callers
 (:meth:`~ledger.storage.driver.SqliteDriver.run`) are not grouped: each thread has its own
 connection and its own transactions.
+
+Asyncio reads (``write=False``) are not queued with the writes: the driver runs them on a
+second group, a reading thread of the database with its own connection, where the reads queued
+together run as one read transaction (a deferred ``BEGIN``, a ``SAVEPOINT`` each, one
+``COMMIT``: one snapshot). Queued with the writes, a read would wait behind a group stuck on
+another process's write lock and, grouped with writes, be told ``database is locked`` with
+them, though in WAL mode a reader takes no write lock and reads the last commit. A caller still
+reads its own writes: a write's future is done only once its ``COMMIT`` (the group's, or its
+own alone) has returned, and a flow awaits it before it submits its next transaction; a read
+group is taken off the queue before its ``BEGIN``, and its snapshot is taken at its first
+statement, after that, so after every commit its members' callers awaited. A read in flight
+beside another caller's write may see the database from before that write or after it, as it
+could when it queued with the writes (that write was not acknowledged yet). The busy timeout
+above does not concern reads: a deferred ``BEGIN`` waits for no lock. The reading
+thread and its connection close with the driver, once what was queued on it has finished.
 """
 
 from __future__ import annotations
@@ -105,16 +120,20 @@ class _Job:
 
 @dataclass(slots=True)
 class GroupWriter:
-    """The database's own thread, running queued transactions in groups (see the module)."""
+    """A thread of the database, running queued transactions in groups (see the module): the
+    writes' (``name`` ``ledger-sqlite``), or the reads' (``ledger-sqlite-read``)."""
 
     driver: Members
+    clock: Callable[[], float] = time.monotonic  # seconds, for the members' deadlines
+    name: str = "ledger-sqlite"  # its thread's
     _queue: collections.deque[_Job] = field(default_factory=collections.deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _draining: bool = False
-    _thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ledger-sqlite"))
-    clock: Callable[[], float] = time.monotonic  # seconds, for the members' deadlines
+    _thread: concurrent.futures.ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=self.name)
 
     def submit(self, tx: Tx, write: bool) -> concurrent.futures.Future[Any]:
         """Queue ``tx``; its future is done once it is committed (or failed). Its wait for

@@ -21,12 +21,15 @@ from ledger.storage.context import SqlContext
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A process that takes a SQLite database's write lock (argv[1]), says "locked", holds the lock
-# until a line arrives on its stdin, then commits and says "released".
+# A process that takes a SQLite database's write lock (argv[1]), runs the statements of the
+# further arguments in that transaction (a write held uncommitted), says "locked", holds the
+# lock until a line arrives on its stdin, then commits and says "released".
 SQLITE_LOCK_HOLDER = """
 import sqlite3, sys
 conn = sqlite3.connect(sys.argv[1], isolation_level=None)
 conn.execute("BEGIN IMMEDIATE")
+for statement in sys.argv[2:]:
+    conn.execute(statement)
 print("locked", flush=True)
 sys.stdin.readline()
 conn.execute("COMMIT")

@@ -235,6 +235,47 @@ def test_a_transaction_whose_caller_was_cancelled_before_it_was_taken_never_runs
     assert _keys(path) == ["gate", "kept"]
 
 
+def count() -> Tx[int]:
+    [(n,)] = yield Q(COUNT)
+    return int(n)
+
+
+def _old_snapshot(started: threading.Event, go: threading.Event) -> Tx[tuple[int, int]]:
+    """A read that takes its snapshot, holds the reading thread until ``go``, reads again."""
+    [(before,)] = yield Q(COUNT)
+    started.set()
+    assert go.wait(PATIENCE_S)
+    [(after,)] = yield Q(COUNT)
+    return int(before), int(after)
+
+
+def test_a_read_sees_every_write_its_caller_awaited_though_an_older_snapshot_is_open(
+        tmp_path: Path) -> None:
+    """Reads run on their own thread and connection, and those queued together share one
+    snapshot; a read submitted once its caller's write is committed never joins a snapshot
+    taken before that commit: it waits for the next read transaction, which sees the write."""
+    path = _db(tmp_path)
+    driver = SqliteDriver(path)
+
+    async def main() -> tuple[tuple[int, int], int, list[int]]:
+        started, go = threading.Event(), threading.Event()
+        old = asyncio.ensure_future(driver.arun(_old_snapshot(started, go), write=False))
+        assert await asyncio.to_thread(started.wait, PATIENCE_S)
+        # The reading thread is inside a read transaction: the write commits beside it.
+        wrote = await asyncio.wait_for(driver.arun(insert("w"), write=True), PATIENCE_S)
+        reads = [asyncio.ensure_future(driver.arun(count(), write=False)) for _ in range(3)]
+        await asyncio.sleep(0)  # all three queue behind the old snapshot: one group
+        go.set()
+        return await old, wrote, await asyncio.gather(*reads)
+
+    try:
+        old, wrote, reads = asyncio.run(main())
+    finally:
+        driver.close()
+    assert old == (0, 0)  # its snapshot is from before the write, to its end
+    assert wrote == 1 and reads == [1, 1, 1]
+
+
 HOLDER = SQLITE_LOCK_HOLDER
 
 
@@ -351,7 +392,8 @@ def test_a_write_queued_behind_one_waiting_for_the_lock_waits_one_busy_timeout_i
         yield Q(COUNT)
 
     async def main() -> tuple[list[tuple[Any, float]], int, int]:
-        await driver.arun(watch(), write=False)  # on the database's thread, its connection
+        # On the database's writing thread, its connection (reads have a thread of their own).
+        await driver.arun(watch(), write=True)
         holder = _lock(path)
         try:
             first = asyncio.ensure_future(_timed(driver.arun(insert("first"), write=True)))
@@ -362,7 +404,7 @@ def test_a_write_queued_behind_one_waiting_for_the_lock_waits_one_busy_timeout_i
         finally:
             holder.close()
         after = await driver.arun(insert("after"), write=True)
-        return got, after, await driver.arun(_busy_timeout(), write=False)
+        return got, after, await driver.arun(_busy_timeout(), write=True)  # the writer's
 
     try:
         got, after, busy_ms = asyncio.run(main())
@@ -380,10 +422,11 @@ def test_a_write_queued_behind_one_waiting_for_the_lock_waits_one_busy_timeout_i
     assert _keys(path) == ["after"]
 
 
-def _skewed_writer(driver: SqliteDriver, skew: list[float]) -> None:
+def _skewed_writer(driver: SqliteDriver, skew: list[float]) -> GroupWriter:
     """The driver's thread, its clock ``skew[0]`` seconds off: a transaction submitted with it
     set to ``-BUSY_S`` is one whose busy timeout is already up."""
     driver._writer = GroupWriter(driver, clock=lambda: time.monotonic() + skew[0])
+    return driver._writer
 
 
 def _late_and_fresh(path: str, holder: bool) -> tuple[tuple[Any, float], tuple[Any, float]]:
@@ -392,13 +435,14 @@ def _late_and_fresh(path: str, holder: bool) -> tuple[tuple[Any, float], tuple[A
     long after the gate let go (the first) or after it was submitted (the second)."""
     driver = SqliteDriver(path, busy_timeout_s=BUSY_S)
     skew = [0.0]
-    _skewed_writer(driver, skew)
+    writer = _skewed_writer(driver, skew)
     started, go = threading.Event(), threading.Event()
 
     async def main() -> tuple[tuple[Any, float], tuple[Any, float]]:
         lock = _lock(path) if holder else None
         try:
-            gate = asyncio.ensure_future(driver.arun(_held_reading(started, go), write=False))
+            # Straight to the writing thread: the driver sends its reads to another one.
+            gate = asyncio.wrap_future(writer.submit(_held_reading(started, go), False))
             assert await asyncio.to_thread(started.wait, PATIENCE_S)
             skew[0] = -BUSY_S
             late = asyncio.ensure_future(driver.arun(insert("late"), write=True))

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from ledger import AsyncLedger, Budget, Price, Route
+from ledger.api.face import storage_of
 from ledger.domain.records import AttemptState
 from ledger.errors import InvalidState
 
@@ -62,6 +63,86 @@ def test_a_write_behind_another_process_s_lock_leaves_the_event_loop_running(
             finally:
                 holder.kill()
                 holder.communicate(timeout=PATIENCE_S)
+
+    asyncio.run(main())
+
+
+READ_BUSY_S = 5  # the ledger's busy timeout below: the write waits this long at most
+
+
+def _sqlite_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("ledger-sqlite"))
+
+
+def test_a_read_never_waits_for_the_write_lock_another_process_holds(tmp_path: Path) -> None:
+    """Another process holds the write lock with a write of its own uncommitted. An
+    AsyncLedger's write waits for the lock, a second write queues behind it; a read submitted
+    after both (a WAL reader needs no write lock) answers at once, while both writes still wait,
+    and the event loop ticks on. Once the lock is free the writes land, and the caller's next
+    read sees what it wrote; closing the ledger ends its threads, the reading one too."""
+    path = tmp_path / "ledger.db"
+    url = f"sqlite:///{path}?timeout={READ_BUSY_S}"
+    route = Route(id="a", provider="p", model="m", group="g", recipient="r", price=Price())
+    threads_before = _sqlite_threads()
+
+    async def main() -> None:
+        async with AsyncLedger.open(url) as led:
+            await led.admit_run("r", plan=[route],
+                                budget=Budget(max_calls=5, max_retries=0, max_cost=Decimal(1)))
+            lease = await led.acquire_lease("r", ttl_s=600)
+            first = await led.begin_attempt(lease, route="a", envelope_hash="sha256:e0",
+                                            reserve="0")
+            driver = storage_of(led).driver
+            # The writing thread has reached its BEGIN IMMEDIATE (and waits there for the lock).
+            waiting = threading.Event()
+            begin, arun, writes = driver.begin, driver.arun, [0]
+
+            def watched(conn: Any, *, write: bool, wait_s: float | None = None) -> None:
+                if write:
+                    waiting.set()
+                begin(conn, write=write, wait_s=wait_s)
+
+            async def counted(tx: Any, *, write: bool) -> Any:
+                writes[0] += write  # counted as it is submitted (arun submits before it awaits)
+                return await arun(tx, write=write)
+
+            driver.begin, driver.arun = watched, counted
+            holder = subprocess.Popen(
+                [sys.executable, "-c", HOLDER, str(path), "CREATE TABLE held (x)",
+                 "INSERT INTO held VALUES (1)"],
+                text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            assert holder.stdout is not None and holder.stdin is not None
+            try:
+                assert holder.stdout.readline().strip() == "locked"
+                w1 = asyncio.create_task(led.begin_attempt(
+                    lease, route="a", envelope_hash="sha256:e1", reserve="0"))
+                while not waiting.is_set():  # the loop runs while the write waits for the lock
+                    await asyncio.sleep(0.005)
+                w2 = asyncio.create_task(led.begin_attempt(
+                    lease, route="a", envelope_hash="sha256:e2", reserve="0"))
+                while writes[0] < 2:
+                    await asyncio.sleep(0.005)
+                read = asyncio.create_task(led.get_attempt(first.attempt_id))
+                done, _ = await asyncio.wait({read, w1, w2}, timeout=PATIENCE_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                assert done == {read}, "the read waited behind the writes waiting for the lock"
+                assert read.result().attempt_id == first.attempt_id  # not "database is locked"
+                for _ in range(TICKS):  # the loop runs on, the writes still waiting
+                    await asyncio.sleep(0.005)
+                    assert not w1.done() and not w2.done(), "a write did not wait for the lock"
+                holder.stdin.write("go\n")
+                holder.stdin.flush()
+                assert holder.stdout.readline().strip() == "released"
+                begun = await asyncio.wait_for(asyncio.gather(w1, w2), PATIENCE_S)
+            finally:
+                holder.kill()
+                holder.communicate(timeout=PATIENCE_S)
+            # The caller awaited its writes: its next reads (the reading thread's) see them.
+            for att in begun:
+                got = await led.get_attempt(att.attempt_id)
+                assert got.state is AttemptState.DISPATCHING
+            assert any(t.startswith("ledger-sqlite-read") for t in _sqlite_threads())
+        assert _sqlite_threads() == threads_before
 
     asyncio.run(main())
 
