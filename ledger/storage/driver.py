@@ -131,10 +131,11 @@ class SqliteDriver:
     caller submitted its transaction, its time queued behind others included: one queued
     behind a write stuck on the lock does not start a busy timeout of its own.
 
-    Async callers' reads (``write=False``) run on a second thread of this database, with its
-    own connection, and those queued together share one read transaction: in WAL mode a read
-    takes no write lock, so it never waits behind a write stuck on another process's lock, nor
-    is told ``database is locked`` with it. A caller that awaited its write sees it in its next
+    Async callers' reads (``write=False``) run on that thread when it is idle (its connection
+    is warm), else on a second thread of this database with its own connection, where those
+    queued together share one read transaction: in WAL mode a read takes no write lock, so it
+    never waits behind a write stuck on another process's lock, nor is told ``database is
+    locked`` with it. A caller that awaited its write sees it in its next
     read (the write's future is done once committed).
     """
 
@@ -243,24 +244,28 @@ class SqliteDriver:
         return err
 
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
-        """Run a write on the database's own thread, a read on its reading thread, each grouped
-        with the transactions queued with it there (:mod:`ledger.storage.groupcommit`); the
-        event loop waits without blocking."""
+        """Run ``tx`` on the database's own thread, grouped with the transactions queued with
+        it there (:mod:`ledger.storage.groupcommit`), or a read on its reading thread when the
+        own one is busy; the event loop waits without blocking."""
         with self._lock:
             if self._closed:
                 raise closed_error(self.path)
-            if write:
-                if self._writer is None:
-                    self._writer = GroupWriter(self)
-                group = self._writer
-            else:
-                if self._reader is None:
-                    # Its own thread and connection: a read queued on the writer's would wait
-                    # for the write lock the writer waits for, though a WAL reader needs none.
-                    self._reader = GroupWriter(self, name="ledger-sqlite-read")
-                group = self._reader
+            if self._writer is None:
+                self._writer = GroupWriter(self)
+            writer = self._writer
+            if not write and self._reader is None:
+                self._reader = GroupWriter(self, name="ledger-sqlite-read")
+            reader = self._reader
         try:
-            future = group.submit(tx, write)
+            if write:
+                future = writer.submit(tx, write)
+            else:
+                assert reader is not None
+                # On the idle writer's thread a read runs at once on a warm connection (one of
+                # its own finds its page cache stale after every write); behind a busy one it
+                # would wait for the write lock the writer waits for, though a WAL reader
+                # needs none: then it goes to the reading thread.
+                future = writer.submit_if_idle(tx, write) or reader.submit(tx, write)
         except RuntimeError:  # the thread was shut down by a close meanwhile
             if self._closed:
                 raise closed_error(self.path) from None

@@ -32,20 +32,24 @@ Alone in the queue, a transaction runs as it always did (no savepoints). Blockin
 (:meth:`~ledger.storage.driver.SqliteDriver.run`) are not grouped: each thread has its own
 connection and its own transactions.
 
-Asyncio reads (``write=False``) are not queued with the writes: the driver runs them on a
-second group, a reading thread of the database with its own connection, where the reads queued
-together run as one read transaction (a deferred ``BEGIN``, a ``SAVEPOINT`` each, one
-``COMMIT``: one snapshot). Queued with the writes, a read would wait behind a group stuck on
-another process's write lock and, grouped with writes, be told ``database is locked`` with
-them, though in WAL mode a reader takes no write lock and reads the last commit. A caller still
-reads its own writes: a write's future is done only once its ``COMMIT`` (the group's, or its
-own alone) has returned, and a flow awaits it before it submits its next transaction; a read
-group is taken off the queue before its ``BEGIN``, and its snapshot is taken at its first
-statement, after that, so after every commit its members' callers awaited. A read in flight
-beside another caller's write may see the database from before that write or after it, as it
-could when it queued with the writes (that write was not acknowledged yet). The busy timeout
-above does not concern reads: a deferred ``BEGIN`` waits for no lock. The reading
-thread and its connection close with the driver, once what was queued on it has finished.
+Asyncio reads (``write=False``) are never queued behind writes. A read the database's thread
+can take at once (nothing queued, every transaction it took done) runs there, next, in a group
+of its own kind, on the warm connection (a connection of its own would find its page cache
+stale after every write). Otherwise the driver runs it on a second group, a reading thread of
+the database with its own connection, where the reads queued together run as one read
+transaction (a deferred ``BEGIN``, a ``SAVEPOINT`` each, one ``COMMIT``: one snapshot). Queued
+with the writes, a read would wait behind a group stuck on another process's write lock and,
+grouped with writes, be told ``database is locked`` with them, though in WAL mode a reader
+takes no write lock and reads the last commit. A group is of one kind: reads or writes. A
+caller still reads its own writes: a write's future is done only once its ``COMMIT`` (the
+group's, or its own alone) has returned, and a flow awaits it before it submits its next
+transaction; a read group is taken off the queue before its ``BEGIN``, and its snapshot is
+taken at its first statement, after that, so after every commit its members' callers awaited.
+A read in flight beside another caller's write may see the database from before that write or
+after it, as it could when it queued with the writes (that write was not acknowledged yet).
+The busy timeout above does not concern reads: a deferred ``BEGIN`` waits for no lock. The
+reading thread and its connection close with the driver, once what was queued on it has
+finished.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ class GroupWriter:
     _queue: collections.deque[_Job] = field(default_factory=collections.deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _draining: bool = False
+    _taken: list[_Job] = field(default_factory=list)  # the group the thread runs (or ran last)
     _thread: concurrent.futures.ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -138,9 +143,24 @@ class GroupWriter:
     def submit(self, tx: Tx, write: bool) -> concurrent.futures.Future[Any]:
         """Queue ``tx``; its future is done once it is committed (or failed). Its wait for
         another connection's write lock ends the busy timeout from now (see the module)."""
+        future = self._put(tx, write, only_if_idle=False)
+        assert future is not None
+        return future
+
+    def submit_if_idle(self, tx: Tx, write: bool) -> concurrent.futures.Future[Any] | None:
+        """:meth:`submit` ``tx`` if the thread runs and holds nothing, so that it runs next,
+        alone of its kind; ``None`` (nothing queued) otherwise."""
+        return self._put(tx, write, only_if_idle=True)
+
+    def _put(self, tx: Tx, write: bool, *, only_if_idle: bool
+             ) -> concurrent.futures.Future[Any] | None:
         job = _Job(tx, write, concurrent.futures.Future(),
                    self.clock() + self.driver.busy_timeout_s)
         with self._lock:
+            # Idle: nothing queued, and every transaction the thread took is done (it may not
+            # have looped back yet: its caller hears of a commit first).
+            if only_if_idle and (self._queue or not all(j.future.done() for j in self._taken)):
+                return None
             self._queue.append(job)
             start, self._draining = not self._draining, True
         if start:
@@ -163,7 +183,14 @@ class GroupWriter:
                 if not self._queue:
                     self._draining = False
                     return
-                jobs = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_GROUP))]
+                # A group is of one kind: a read taken while the thread was idle must not
+                # open a write's transaction (and wait for its lock) with a write queued
+                # after it.
+                kind = self._queue[0].write
+                jobs: list[_Job] = []
+                while self._queue and len(jobs) < MAX_GROUP and self._queue[0].write == kind:
+                    jobs.append(self._queue.popleft())
+                self._taken = jobs
             live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
             try:
                 if len(live) == 1:
