@@ -1174,7 +1174,7 @@ class TurnLoop:
         detail; ``sent_before`` are Attempts of earlier calls the stop is about.
         """
         exc = self._stop(turn, decision, error, reason=reason, cause=cause, detail=detail,
-                         sent_before=sent_before)
+                         sent_before=sent_before, begun=begun[0] if begun else None)
         made: dict[str, Any] = {}
         if decision is not None:
             made = {"kind": decision.kind.value,
@@ -1198,8 +1198,8 @@ class TurnLoop:
 
     def _stop(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
               reason: str | None = None, cause: Exception | None = None,
-              detail: str | None = None, sent_before: tuple[str, ...] = ()
-              ) -> FailoverExhausted:
+              detail: str | None = None, sent_before: tuple[str, ...] = (),
+              begun: Decision | None = None) -> FailoverExhausted:
         if decision is not None:
             why = decision.reason.value if decision.reason else "no_candidate"
             said = decision.detail
@@ -1225,11 +1225,13 @@ class TurnLoop:
                 errors.append(_skipped_error(skip))
         states = {a.attempt_id: a.state for a in turn.attempts}
         lines = candidate_lines(turn.plan, _failures_by_route(errors, states), turn.skips)
+        # A refused begin's decision skipped candidates too: they are why it was the one.
+        chosen = decision if decision is not None else begun
         exc = FailoverExhausted(
             f"the turn stopped ({why}): {detail}" + "".join(f"\n  {ln}" for ln in lines),
             errors, reason=why, attempts=[*sent_before, *(a.attempt_id for a in turn.attempts)],
             detail=detail,
-            skipped=[s.to_json() for s in decision.skipped] if decision else [],
+            skipped=[s.to_json() for s in chosen.skipped] if chosen else [],
             partial=turn.partial, candidates=lines,
             **({"cause": str(cause)} if cause is not None else {}),
         )

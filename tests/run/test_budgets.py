@@ -141,3 +141,19 @@ def test_reported_cost_above_the_hold_is_posted_at_the_hold_and_reported(
     cli = subprocess.run([sys.executable, "-m", "ledger.cli.main", "--db", db_url, "reconcile"],
                          capture_output=True, text=True)
     assert cli.returncode == 0 and "cost_over_hold" in cli.stdout
+
+
+def test_a_stop_on_a_refused_begin_keeps_the_candidates_its_decision_skipped(
+        led: Ledger) -> None:
+    """The selector skipped ``a`` (its recipient is not in the grant) and chose ``b``, whose
+    begin the token budget refused: the stop (its error, its event, the span's
+    ``ledger.stop.skipped``) still says ``a`` was skipped and why. It said nothing was."""
+    plan = [PLAN[0].model_copy(update={"recipient": "unapproved"}), PLAN[1]]
+    lease = _admit(led, tokens=150, plan=plan)
+    with pytest.raises(FailoverExhausted) as ei:
+        execute(led, lease, ENV, Sender())  # type: ignore[arg-type]
+    assert ei.value.reason == "budget"
+    assert [(s["route"], s["reason"]) for s in ei.value.fields["skipped"]] == [
+        ("a", "disclosure")]
+    stop = led.events("r", ["stop"])[0].data
+    assert [s["route"] for s in stop["skipped"]] == ["a"]
