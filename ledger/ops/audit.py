@@ -1588,6 +1588,10 @@ class Audit:
                         int(r["n"]) for r in m["moves"]}
         waits = {(str(r["group"]), str(r["outcome"] or "admitted")): h for r in m["waits"]
                  if (h := _histogram(r, "waited_s")) is not None}
+        # A group that ever queued keeps its series at 0 once nobody waits, as the other gauges
+        # do: an alert on the queue's length must see 0, not no data.
+        waiting = {group: 0 for group, _ in waits}
+        waiting.update((str(r["group"]), int(r["n"])) for r in m["waiting"])
         return MetricsSnapshot(
             now=t,
             attempts=attempts, in_flight=in_flight, unknown=unknown,
@@ -1599,7 +1603,7 @@ class Audit:
             failovers_by=failovers_by, latency=hists["latency_s"],
             first_token=hists["first_token_s"], first_byte=hists["first_byte_s"],
             tokens=tokens, cost={k: from_micros(v) for k, v in cost.items()},
-            queue_waits=waits, waiting={str(r["group"]): int(r["n"]) for r in m["waiting"]},
+            queue_waits=waits, waiting=waiting,
         )
 
 

@@ -481,7 +481,9 @@ def test_metrics_count_real_turns_times_tokens_failovers_and_queue_waits(
     wait = m.queue_waits[("gq", "timed_out")]
     assert (wait.count, wait.sum) == (1, pytest.approx(30.0))
     assert wait.counts[-1] == 1 and wait.counts[wait.bounds.index(20.48)] == 0
-    assert m.waiting == {}  # the waiter left the queue
+    # The waiter left the queue: its group's gauge reads 0, not no series (an alert on the
+    # queue's length would see no data).
+    assert m.waiting == {"gq": 0}
     assert (m.first_byte[("primary", "failed")].sum, m.first_token[("backup", "succeeded")].sum,
             m.latency[("backup", "succeeded")].sum) == (
         pytest.approx(0.25, abs=TICK), pytest.approx(1.5, abs=TICK),
