@@ -169,7 +169,8 @@ class AsyncLedger(AsyncFace["AsyncRunSession", _Opening]):
 
     Every operation is :class:`Ledger`'s own (the same checks, docstring and transactions),
     awaited: on PostgreSQL on psycopg's asyncio connections, on SQLite on the database's own
-    thread, so the event loop never blocks on the database. What has only a blocking form
+    threads (one for the writes, which also takes a read when idle, and one for the reads that
+    find it busy), so the event loop never blocks on the database. What has only a blocking form
     (admission, the cold path's reads and writes, recovery) runs on the ledger's own bounded
     threads (``ledger-cold``), never on the event loop's default executor: one of those calls
     may wait up to SQLite's busy timeout for another process's write lock, and the host's own

@@ -11,7 +11,7 @@ it in one transaction. The store is private to the ledger; ops and tools reach i
 Every operation is a flow (:mod:`ledger.storage.runner`) decorated with
 :class:`~ledger.api.calls.op`: :class:`SyncFace` (:class:`~ledger.Ledger`'s base) performs it on
 the blocking runner, :class:`AsyncFace` (:class:`~ledger.AsyncLedger`'s) awaits it on the asyncio
-one (on SQLite, the database's own thread), with the same checks and the same transactions. The
+one (on SQLite, the database's own threads), with the same checks and the same transactions. The
 cold path's SQLAlchemy reads and writes (admission, reads for people) have only a blocking form:
 an AsyncLedger runs those steps in a worker thread.
 

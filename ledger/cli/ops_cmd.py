@@ -144,6 +144,10 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
         path = parse(url)[1].database or ""
         init = f"{PROG} db init --db {shlex.quote(path)}"
         if not os.path.exists(path):
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                # ``db init`` would refuse next: it creates the file, not its folder.
+                init = f"mkdir -p {shlex.quote(folder)} && {init}"
             raise _no_ledger(
                 f"no ledger at {path}: the file does not exist; create one with `{init}` (or "
                 f"`{PROG} demo` for a sample), or pass --db URL / set LEDGER_URL",

@@ -133,7 +133,7 @@ def media_type_of(url: str | None, filename: str | None = None, *, what: str, fi
     if url is not None and url[:5].lower() == "data:":
         return None
     for name in (urlsplit(url).path if url else None, filename):
-        guessed = mimetypes.guess_type(name)[0] if name else None
+        guessed = _by_extension(name) if name else None
         if guessed is not None:
             return guessed
     if url:
@@ -143,6 +143,22 @@ def media_type_of(url: str | None, filename: str | None = None, *, what: str, fi
         shown = f"{what} cannot be told " + (
             f"from its file name {filename!r}" if filename else "without a file name")
     raise InvalidArgument(f"the media type of {shown}; {fix}", field=field)
+
+
+# The extensions of the types a part may carry, said here: ``mimetypes`` reads the host's
+# /etc/mime.types, so a slim image (no such file) did not know ``.md`` or ``.webp``, and one
+# link worked on one host and was refused on another.
+_EXTENSIONS = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
+               ".gif": "image/gif", ".webp": "image/webp", ".pdf": "application/pdf",
+               ".txt": "text/plain", ".md": "text/markdown", ".markdown": "text/markdown",
+               ".csv": "text/csv"}
+
+
+def _by_extension(name: str) -> str | None:
+    """The media type ``name``'s extension says: the ledger's own table, then the host's."""
+    dot = name.rfind(".")
+    own = _EXTENSIONS.get(name[dot:].lower()) if dot > name.rfind("/") else None
+    return own or mimetypes.guess_type(name)[0]
 
 
 @dataclass

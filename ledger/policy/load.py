@@ -320,8 +320,8 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 # who writes it (and to YAML 1.2, JSON and the published schema's editors).
 _UniqueKeyLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
 )
 
 

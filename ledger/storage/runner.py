@@ -8,7 +8,7 @@ sent each one's result (or thrown its error). It never touches a connection, a t
 event loop.
 
 A :class:`Runner` performs flows: :meth:`Runner.run` on the calling thread, :meth:`Runner.arun`
-for an asyncio caller (the database's asyncio driver; on SQLite the database's own thread).
+for an asyncio caller (the database's asyncio driver; on SQLite the database's own threads).
 :class:`ledger.Ledger` and :class:`ledger.AsyncLedger` are the same operations, differing only
 in which of the two they call: sync and async are chosen once, here.
 

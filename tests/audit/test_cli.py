@@ -223,10 +223,12 @@ def test_no_ledger_is_a_set_up_error_exit_2_alike_on_every_command(
     from ledger.errors import DatabaseSetupError, DatabaseUnavailable
 
     assert set(_ON_A_LEDGER) == _commands()  # a new command is classed there
-    for missing in (tmp_path / "none.db", tmp_path / "x" / "none.db"):  # a missing folder too
+    for missing, mkdir in ((tmp_path / "none.db", ""),
+                           # A missing folder too: db init creates the file, not its folder.
+                           (tmp_path / "x" / "none.db", f"mkdir -p {tmp_path / 'x'} && ")):
         err = _same_answer_everywhere(str(missing), capsys)
         assert f"no ledger at {missing}: the file does not exist" in err, err
-        assert f"`failover-ledger db init --db {missing}`" in err, err
+        assert f"`{mkdir}failover-ledger db init --db {missing}`" in err, err
     empty = tmp_path / "empty.db"
     empty.touch()
     app = tmp_path / "app.db"

@@ -375,6 +375,7 @@ def test_a_policy_is_named_by_more_than_blanks(tmp_path: Path, name: str) -> Non
 
 @pytest.mark.parametrize(("value", "seconds"), [
     ("1e3", 1000.0), ("1.5e3", 1500.0), ("2E+2", 200.0), ("+1e2", 100.0), ("6_0e0", 60.0),
+    (".5e2", 50.0),
 ])
 def test_a_number_in_exponent_notation_is_read_as_a_number(tmp_path: Path, value: str,
                                                             seconds: float) -> None:
