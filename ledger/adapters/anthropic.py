@@ -79,15 +79,14 @@ from ledger.adapters.contract import (
     register_codec,
     reported_usage,
     require_object,
-    tool_arguments,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
+from ledger.domain.carried import message_refusal, require_tool_result, tool_arguments
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, b64
 from ledger.domain.values import Route
-from ledger.errors import InvalidArgument
 
 ANTHROPIC_VERSION = "2023-06-01"
 
@@ -203,14 +202,10 @@ class AnthropicCodec(Codec):
                 messages.append({"role": role, "content": [block]})
 
         for i, part in wire_order(envelope.parts):
-            where = f"envelope.parts[{i}]"
             if part.role == "system":
                 system.append(part.content)
             elif part.role == "tool":
-                if not part.tool_call_id:
-                    raise InvalidArgument(
-                        "a tool part needs tool_call_id= (the tool_use it answers)", field=where
-                    )
+                require_tool_result(self.protocol, part, i)
                 add(
                     "user",
                     {
@@ -220,17 +215,13 @@ class AnthropicCodec(Codec):
                     },
                 )
             elif part.role == "assistant" and part.tool_call_id:
-                if not part.name:
-                    raise InvalidArgument(
-                        "an assistant tool-call part needs name= (the tool's name)", field=where
-                    )
                 add(
                     "assistant",
                     {
                         "type": "tool_use",
                         "id": part.tool_call_id,
                         "name": part.name,
-                        "input": tool_arguments(part.content, where),
+                        "input": tool_arguments(part, i),
                     },
                 )
             elif part.kind is MediaKind.REASONING:
@@ -255,11 +246,9 @@ class AnthropicCodec(Codec):
                 notes.append(empty_text_note(route, i))
             else:
                 add(part.role, {"type": "text", "text": part.content})
-        if not messages:
-            raise InvalidArgument(
-                "an Anthropic request needs at least one user or assistant part besides system",
-                field="envelope.parts",
-            )
+        nothing = message_refusal(self.protocol, envelope.parts)
+        if nothing is not None:
+            raise nothing.error()
         params = dict(envelope.params)
         check_params(route, params)
         if "stop" in params:

@@ -23,11 +23,13 @@ transport ``cannot_build``, phase ``before_send``, source ``local``, with a mess
 problem and the fix. Only caller misuse (a profile id that is not the route's,
 an envelope without parts, streaming, tools or prefill the route's capabilities refuse, envelope
 parts or parameters the codec cannot map) raises :class:`~ledger.errors.InvalidArgument`, always
-before anything is sent. Cancellation by the caller (``asyncio.CancelledError``) and exceptions
-raised by the caller's own ``on_event`` callback propagate unchanged: they are the caller's facts,
-not the provider's. A failure is put on ``progress.failure`` before its :class:`Reset` is
-delivered, so a callback that raises there (or a cancellation while it runs) does not hide it:
-the retry owner settles the Attempt with it, then lets the exception go on.
+before anything is sent; a Run's turn never meets one of these here with the built-in codecs:
+preflight finds each of them before an Attempt is begun (:mod:`ledger.domain.params`,
+:mod:`ledger.domain.carried`). Cancellation by the caller (``asyncio.CancelledError``) and
+exceptions raised by the caller's own ``on_event`` callback propagate unchanged: they are the
+caller's facts, not the provider's. A failure is put on ``progress.failure`` before its
+:class:`Reset` is delivered, so a callback that raises there (or a cancellation while it runs)
+does not hide it: the retry owner settles the Attempt with it, then lets the exception go on.
 
 The engine owns no retries: httpx transports are built with ``retries=0`` and nothing here loops.
 The Run is the only retry owner.
@@ -462,7 +464,8 @@ class HttpAdapter:
     # -- preparation ---------------------------------------------------------------------------
     #
     # Two kinds of problem are found before anything is sent. Caller misuse (an envelope or a
-    # profile id that does not fit the route) raises InvalidArgument: the caller has a bug.
+    # profile id that does not fit the route) raises InvalidArgument: the caller has a bug. A
+    # turn's preflight applies the same rules before its begin, so an Attempt never ends here.
     # A route whose configuration cannot make a request (no secret, no usable endpoint, no
     # codec, a body that cannot be encoded) is a `cannot_build` failure result, never an
     # exception: the Run can skip that route and go on, and it knows nothing was sent.

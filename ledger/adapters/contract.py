@@ -13,6 +13,7 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
+from ledger.domain.carried import json_object
 from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.media import (
@@ -64,11 +65,7 @@ class ToolCall:
     @property
     def arguments(self) -> dict[str, Any] | None:
         """The arguments as an object, or ``None`` when the model's JSON is not an object."""
-        try:
-            value = json.loads(self.arguments_json or "{}")
-        except (ValueError, RecursionError):
-            return None
-        return value if isinstance(value, dict) else None
+        return json_object(self.arguments_json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +227,8 @@ def proposed_call(call: ToolCall, calls: Sequence[ToolCall], where: str) -> Tool
 
     Its arguments must be a JSON object: the host sends a proposal back as an assistant part
     in the next turn, where any other text is refused as caller misuse
-    (:func:`tool_arguments`), so it is the provider's malformed answer, not a success.
+    (:func:`ledger.domain.carried.tool_arguments`, the same rule), so it is the provider's
+    malformed answer, not a success.
     """
     if len(calls) >= MAX_TOOL_CALLS:
         raise MalformedPayload(
@@ -637,21 +635,6 @@ def made_up_call_id() -> str:
     and a result would answer the wrong call).
     """
     return "call_" + os.urandom(12).hex()
-
-
-def tool_arguments(part_content: str, field_name: str) -> dict[str, Any]:
-    """The arguments of an assistant tool-call part, which carries them as a JSON object."""
-    try:
-        value = json.loads(part_content or "{}")
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict):
-        raise InvalidArgument(
-            "an assistant part with tool_call_id carries the call's arguments as a JSON object "
-            "in its content",
-            field=field_name,
-        )
-    return value
 
 
 def _in_tool_results(part: Part) -> bool:

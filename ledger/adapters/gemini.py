@@ -86,15 +86,14 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     take_output_media,
-    tool_arguments,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
+from ledger.domain.carried import message_refusal, require_tool_result, tool_arguments
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, b64, wire_media_type
 from ledger.domain.values import Route
-from ledger.errors import InvalidArgument
 
 # The request's own fields beside generationConfig (GenerateContentRequest): sent at the top.
 _TOP_LEVEL = frozenset({"safetySettings", "toolConfig", "cachedContent"})
@@ -236,15 +235,11 @@ class GeminiCodec(Codec):
                 contents.append({"role": role, "parts": [part]})
 
         for i, p in wire_order(envelope.parts):
-            where = f"envelope.parts[{i}]"
             if p.role == "system":
                 system.append(p.content)
             elif p.role == "tool":
-                if not p.name:
-                    raise InvalidArgument(
-                        "a tool part for Gemini needs name= (the function it answers)",
-                        field=where,
-                    )
+                require_tool_result(self.protocol, p, i)
+                assert p.name is not None  # require_tool_result refused a part without one
                 try:
                     response = json.loads(p.content)
                 except (ValueError, RecursionError):
@@ -253,11 +248,9 @@ class GeminiCodec(Codec):
                     response = {"result": p.content}
                 add("user", {"functionResponse": {"name": p.name, "response": response}})
             elif p.role == "assistant" and p.tool_call_id:
-                if not p.name:
-                    raise InvalidArgument(
-                        "an assistant tool-call part needs name= (the tool's name)", field=where
-                    )
-                call = {"functionCall": {"name": p.name, "args": tool_arguments(p.content, where)}}
+                args = tool_arguments(p, i)
+                assert p.name is not None  # tool_arguments refused a part without one
+                call = {"functionCall": {"name": p.name, "args": args}}
                 turn.call(call, p.name)
                 add("model", call)
             elif p.kind is MediaKind.REASONING:
@@ -291,11 +284,9 @@ class GeminiCodec(Codec):
             else:
                 add("user", {"text": p.content})
         turn.end()
-        if not contents:
-            raise InvalidArgument(
-                "a Gemini request needs at least one user or assistant part besides system",
-                field="envelope.parts",
-            )
+        nothing = message_refusal(self.protocol, envelope.parts)
+        if nothing is not None:
+            raise nothing.error()
         check_params(route, envelope.params)
         config: dict[str, Any] = {}
         top: dict[str, Any] = {}

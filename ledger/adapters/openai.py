@@ -77,15 +77,14 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     take_output_media,
-    tool_arguments,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
+from ledger.domain.carried import require_tool_result, tool_arguments
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, data_url
 from ledger.domain.values import Route
-from ledger.errors import InvalidArgument
 
 
 def _usage(value: Any) -> Usage | None:
@@ -186,18 +185,13 @@ class OpenAICodec(Codec):
         messages: list[dict[str, Any]] = []
         notes: list[str] = []
         for i, part in wire_order(envelope.parts):
-            where = f"envelope.parts[{i}]"
             if part.role == "assistant" and part.tool_call_id:
-                if not part.name:
-                    raise InvalidArgument(
-                        "an assistant tool-call part needs name= (the tool's name)", field=where
-                    )
                 call = {
                     "id": part.tool_call_id,
                     "type": "function",
                     "function": {
                         "name": part.name,
-                        "arguments": json.dumps(tool_arguments(part.content, where)),
+                        "arguments": json.dumps(tool_arguments(part, i)),
                     },
                 }
                 last = messages[-1] if messages else None
@@ -207,10 +201,7 @@ class OpenAICodec(Codec):
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif part.role == "tool":
-                if not part.tool_call_id:
-                    raise InvalidArgument(
-                        "a tool part needs tool_call_id= (the call it answers)", field=where
-                    )
+                require_tool_result(self.protocol, part, i)
                 messages.append(
                     {"role": "tool", "tool_call_id": part.tool_call_id, "content": part.content}
                 )

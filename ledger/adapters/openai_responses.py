@@ -30,7 +30,8 @@ came from this very route, and left out, with a note, otherwise: encrypted reaso
 only by the account and model that wrote it. Tools are ``{"type": "function",
 "name", "description", "parameters"}``, followed by the provider's built-in tools a host names
 in ``params["tools"]`` (``[{"type": "image_generation"}]`` asks for images; a function tool
-there is refused: it belongs in ``Envelope.tools``; disclosure preflight counts a ``custom``
+there is refused, :func:`~ledger.domain.carried.builtin_tools`, before any Attempt in a Run: it
+belongs in ``Envelope.tools``; disclosure preflight counts a ``custom``
 tool's description as ``tool_description`` data and an ``mcp`` tool's server as a recipient the
 grant must approve, :func:`~ledger.decide.preflight.param_disclosures`); ``max_output_tokens``
 is sent as is; other
@@ -102,15 +103,19 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     take_output_media,
-    tool_arguments,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
+from ledger.domain.carried import (
+    builtin_tools,
+    message_refusal,
+    require_tool_result,
+    tool_arguments,
+)
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, data_url
 from ledger.domain.values import Route
-from ledger.errors import InvalidArgument
 
 # What a reasoning item keeps when carried back: the provider needs no more to read it.
 _REASONING_KEYS = ("type", "id", "summary", "encrypted_content", "content")
@@ -171,29 +176,6 @@ def _reasoning(item: dict[str, Any]) -> dict[str, Any] | None:
         # Without store, an item the provider did not encrypt cannot be referenced again.
         return None
     return {k: item[k] for k in _REASONING_KEYS if k in item}
-
-
-def _builtin_tools(value: Any) -> list[dict[str, Any]]:
-    """``Envelope.params["tools"]``: the provider's built-in tools (``image_generation``, ...).
-
-    The host's own function tools are ``Envelope.tools`` (their descriptions are data the grant
-    discloses), never a parameter.
-    """
-    if value is None:
-        return []
-    fix = ("pass the provider's built-in tools as a list of objects, e.g. "
-           "params={'tools': [{'type': 'image_generation'}]}; function tools go in "
-           "Envelope.tools")
-    if not isinstance(value, list):
-        raise InvalidArgument(f"Envelope.params['tools'] is not a list; {fix}",
-                              field="envelope.params.tools")
-    for k, tool in enumerate(value):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if not isinstance(kind, str) or not kind or kind == "function":
-            raise InvalidArgument(f"Envelope.params['tools'][{k}] is not a built-in tool "
-                                  f"(type {kind!r}); {fix}",
-                                  field=f"envelope.params.tools[{k}]")
-    return [dict(t) for t in value]
 
 
 # The formats the image_generation tool writes (its output_format), by media type.
@@ -291,7 +273,6 @@ class OpenAIResponsesCodec(Codec):
         items: list[dict[str, Any]] = []
         notes: list[str] = []
         for i, part in wire_order(envelope.parts):
-            where = f"envelope.parts[{i}]"
             if part.role == "system":
                 instructions.append(part.content)
             elif part.kind is MediaKind.REASONING:
@@ -311,28 +292,22 @@ class OpenAIResponsesCodec(Codec):
             elif part.media_type is not None:
                 self._user(items).append(_media_item(part, i, route))
             elif part.role == "tool":
-                if not part.tool_call_id:
-                    raise InvalidArgument(
-                        "a tool part needs tool_call_id= (the call it answers)", field=where)
+                require_tool_result(self.protocol, part, i)
                 items.append({"type": "function_call_output", "call_id": part.tool_call_id,
                               "output": part.content})
             elif part.role == "assistant" and part.tool_call_id:
-                if not part.name:
-                    raise InvalidArgument(
-                        "an assistant tool-call part needs name= (the tool's name)", field=where)
+                args = tool_arguments(part, i)
                 items.append({"type": "function_call", "call_id": part.tool_call_id,
-                              "name": part.name,
-                              "arguments": json.dumps(tool_arguments(part.content, where))})
+                              "name": part.name, "arguments": json.dumps(args)})
             elif part.role == "assistant":
                 items.append({"type": "message", "role": "assistant", "content": part.content})
             else:
                 self._user(items).append({"type": "input_text", "text": part.content})
-        if not items:
-            raise InvalidArgument(
-                "a Responses request needs at least one user or assistant part besides system",
-                field="envelope.parts")
+        nothing = message_refusal(self.protocol, envelope.parts)
+        if nothing is not None:
+            raise nothing.error()
         params = dict(envelope.params)
-        builtin = _builtin_tools(params.pop("tools", None))
+        builtin = builtin_tools(params.pop("tools", None))
         body: dict[str, Any] = {"model": route.model, "input": items, "store": False}
         if instructions:
             body["instructions"] = "\n\n".join(instructions)

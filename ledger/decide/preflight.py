@@ -5,7 +5,10 @@ Three independent claims must all hold before any Attempt is begun on a route:
 1. **capability** - the route can serve the request: protocol, tools, streaming, prefill,
    its parameters (none the protocol builds itself,
    :data:`~ledger.domain.params.RESERVED_PARAMS`, and only those ``Capabilities.parameters``
-   lists), a context window that fits the request's token estimate, and the request's
+   lists), parts and parameter values its protocol's codec can build a request of
+   (:mod:`ledger.domain.carried`: a tool-call part with its name and JSON-object arguments, a
+   tool result naming its call, something to send besides system parts, the Responses API's
+   built-in ``tools``), a context window that fits the request's token estimate, and the request's
    images and documents (``image input``, ``pdf input``: declared by the route's
    :class:`~ledger.domain.values.Capabilities`, sizes, links the provider must fetch and links
    the protocol cannot carry at all). A request the route cannot serve is rejected here, never
@@ -45,6 +48,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ledger.domain.carried import Uncarried, refusals_for, uncarried
 from ledger.domain.envelope import (
     DERIVED_ROLE_CLASS,
     EXEMPT_CLASSES,
@@ -62,7 +66,7 @@ from ledger.domain.media import (
     image_size,
     pdf_pages,
 )
-from ledger.domain.params import RESERVED_PARAMS, refused_params
+from ledger.domain.params import RESERVED_PARAMS, ParamRefusal, refused_params
 from ledger.domain.values import Grant, Route, canonical_json
 from ledger.errors import InvalidArgument, PreflightRefused
 from ledger.policy.model import EnvelopePolicy
@@ -163,7 +167,9 @@ class RequestNeeds:
     outside ``parts`` (e.g. tool descriptions) that the recipient must also be approved for;
     ``param_tools`` the parameters that carry tool definitions (their class is in
     ``classes``); ``forwards`` the third-party servers the provider would send the request's
-    content to, each of which the grant must approve for every class the request carries.
+    content to, each of which the grant must approve for every class the request carries;
+    ``uncarried`` what of the request some protocols' codecs cannot build a request of
+    (:func:`~ledger.domain.carried.uncarried`): the routes of those protocols cannot serve it.
     """
 
     tools: bool = False
@@ -177,6 +183,7 @@ class RequestNeeds:
     media: tuple[MediaNeed, ...] = ()
     param_tools: tuple[str, ...] = ()
     forwards: tuple[ForwardNeed, ...] = ()
+    uncarried: tuple[Uncarried, ...] = ()
 
     @property
     def data_classes(self) -> frozenset[str]:
@@ -441,12 +448,15 @@ def envelope_needs(
     recorded: Mapping[str, Set[str]],
     protocols: frozenset[WireProtocol] | None = None,
     part_hashes: Sequence[str] | None = None,
+    found: Sequence[Uncarried] | None = None,
 ) -> RequestNeeds:
     """The needs of an envelope that hold for every route: all but the context size.
 
     Part coverage re-hashes every part, the costliest check; the selector computes it once per
     decision instead of once per candidate (see :func:`with_prompt`); ``part_hashes``, the
-    parts' hashes in order, saves even that when the caller has them.
+    parts' hashes in order, saves even that when the caller has them, as ``found`` (what
+    :func:`~ledger.domain.carried.uncarried` found in it, as :func:`require_carried` returns it)
+    saves reading its tool parts again.
     """
     digests: Sequence[str | None] = (
         part_hashes if part_hashes is not None else [None] * len(envelope.parts)
@@ -472,6 +482,7 @@ def envelope_needs(
         media=media_needs(envelope),
         param_tools=param_tools,
         forwards=forwards,
+        uncarried=tuple(found) if found is not None else uncarried(envelope),
     )
 
 
@@ -679,6 +690,9 @@ def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
             "context window"))
     if needs.parameters:
         out.extend(_param_capability(route, needs.parameters))
+    if needs.uncarried:
+        out.extend((f"{u.field}: {u.message} (protocol {route.protocol.value})", u.fix)
+                   for u in refusals_for(route.protocol, needs.uncarried))
     out.extend(_media_capability(route, needs))
     return [PreflightFailure(Check.CAPABILITY, d, f) for d, f in out]
 
@@ -689,7 +703,7 @@ def _param_capability(route: Route, names: frozenset[str]) -> list[tuple[str, st
     A name one protocol builds itself may be another's own parameter (``tools`` holds the
     Responses API's built-in tools, ``max_output_tokens`` is Gemini's), so only this route is
     ruled out; a turn whose plan has no route left for them is refused before any begin
-    (:func:`require_params_carried`).
+    (:func:`require_carried`).
     """
     out: list[tuple[str, str]] = []
     reserved = RESERVED_PARAMS.get(route.protocol, {})
@@ -707,31 +721,48 @@ def _param_capability(route: Route, names: frozenset[str]) -> list[tuple[str, st
     return out
 
 
-def require_params_carried(params: Mapping[str, Any], plan: Sequence[Route]) -> None:
-    """Refuse a request whose ``params`` no route of ``plan`` can carry.
+def require_carried(envelope: Envelope, plan: Sequence[Route]) -> tuple[Uncarried, ...]:
+    """Refuse a request no route of ``plan`` can build: its parameters, parts or values.
 
-    Each route that cannot is ineligible (preflight, capability); with none left the request
-    itself is wrong, and the turn refuses it before anything is recorded: no Attempt, no hold,
-    no retry permission. Checked once per turn, on the parameters' names only.
+    A route cannot carry a parameter its protocol builds itself or its
+    ``Capabilities.parameters`` leaves out (:func:`~ledger.domain.params.refused_params`), nor
+    what its protocol's codec cannot build a request of
+    (:func:`~ledger.domain.carried.uncarried`). Each such route is ineligible (preflight,
+    capability); with none left the request itself is wrong, and the turn refuses it before
+    anything is recorded: no Attempt, no hold, no retry permission. Checked once per turn.
+
+    Returns:
+        What :func:`~ledger.domain.carried.uncarried` found (for :func:`envelope_needs`, so
+        the selector does not read the parts again); empty for the usual request.
 
     Raises:
-        InvalidArgument: naming ``envelope.params.<name>`` of the plan's first route that
-            refuses one, and what every route refuses.
+        InvalidArgument: naming the field (``envelope.params.<name>``,
+            ``envelope.parts[<i>]``, ``envelope.params.tools[<k>]``) the plan's first route
+            refuses first, with what every route refuses (``routes``: route id -> fields).
     """
-    if not params or not plan:
-        return
-    per_route = []
+    found = uncarried(envelope)
+    params = envelope.params
+    if not plan or (not params and not found):
+        return found
+    per_route: list[tuple[Route, list[ParamRefusal | Uncarried]]] = []
     for r in plan:
-        refused = refused_params(r, params)
+        refused: list[ParamRefusal | Uncarried] = [
+            *(refused_params(r, params) if params else ()), *refusals_for(r.protocol, found)]
         if not refused:
-            return  # the usual case: the first route carries them, the rest is preflight's
+            return found  # the usual case: the first route carries it, the rest is preflight's
         per_route.append((r, refused))
     first = per_route[0][1][0]
-    rest = "".join(f"; {refused[0].message}" for _, refused in per_route[1:])
+    rest = "".join(f"; {_refusal(r, refused[0])}" for r, refused in per_route[1:])
     raise InvalidArgument(
-        f"no route of the Run's plan can carry this request's Envelope.params: {first.message}"
-        f"{rest}; fix: {first.fix}", field=first.field,
-        routes={r.id: [x.name for x in refused] for r, refused in per_route})
+        f"no route of the Run's plan can carry this request: "
+        f"{_refusal(per_route[0][0], first)}{rest}; fix: {first.fix}", field=first.field,
+        routes={r.id: [x.field for x in refused] for r, refused in per_route})
+
+
+def _refusal(route: Route, refused: ParamRefusal | Uncarried) -> str:
+    if isinstance(refused, ParamRefusal):
+        return refused.message  # names the route already
+    return f"route {route.id!r} ({route.protocol.value}): {refused.field}: {refused.message}"
 
 
 def _qualification(
@@ -960,6 +991,6 @@ __all__ = [
     "param_disclosures",
     "part_coverage",
     "preflight",
-    "require_params_carried",
+    "require_carried",
     "with_prompt",
 ]

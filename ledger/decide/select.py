@@ -54,6 +54,7 @@ from ledger.decide.profiles import (
     sticky_profile,
     usable,
 )
+from ledger.domain.carried import Uncarried
 from ledger.domain.envelope import Envelope
 from ledger.domain.facts import FailureFact, Phase, Scope, Source
 from ledger.domain.timefmt import duration, iso, relative
@@ -194,6 +195,8 @@ class SelectionInput:
     preflight check of each plan route for this request (absent or ``None``: it passes), decided
     beforehand (:func:`preflight_verdicts`; a replay passes the recorded ones); ``None``
     (the default): each candidate is checked from ``request`` as the walk reaches it.
+    ``part_hashes`` and ``uncarried`` (what :func:`~ledger.domain.carried.uncarried` found in
+    the request envelope) save computing them again when the caller has them.
     """
 
     plan: Sequence[Route]
@@ -213,6 +216,7 @@ class SelectionInput:
     provenance: Mapping[str, Set[str]] = field(default_factory=dict)
     token_counter: TokenCounter = DEFAULT_TOKEN_COUNTER
     part_hashes: Sequence[str] | None = None
+    uncarried: Sequence[Uncarried] | None = None
     no_probe: frozenset[str] = frozenset()
     verdicts: Mapping[str, PreflightFailure | None] | None = None
 
@@ -339,7 +343,7 @@ class _Walk:
             return self._shared[key]
         if self._base is None:
             self._base = envelope_needs(request, recorded=inp.provenance,
-                                        part_hashes=inp.part_hashes)
+                                        part_hashes=inp.part_hashes, found=inp.uncarried)
         needs = with_prompt(self._base, request, counter.count_tokens(request, route))
         if key is not None:
             self._shared[key] = needs

@@ -63,7 +63,7 @@ from ledger.decide.preflight import (
     TokenCounter,
     check_envelope_limits,
     needs_cover,
-    require_params_carried,
+    require_carried,
 )
 from ledger.decide.profiles import Pin, keeps_pinned_profile, marks_profile_tried
 from ledger.decide.resolve import Resolution, stays, unresolved_begin
@@ -83,6 +83,7 @@ from ledger.decide.select import (
 )
 from ledger.decide.settle import failure_outcome, settle_spec
 from ledger.domain.bounds import MAX_TOKENS
+from ledger.domain.carried import Uncarried
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, DERIVED_ROLE_CLASS, Envelope, Part
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.domain.records import (
@@ -384,6 +385,8 @@ class TurnLoop:
         self.part_hashes = (tuple(p.content_hash for p in envelope.parts)
                             if part_hashes is None else tuple(part_hashes))
         self.envelope_hash = envelope.hash_with(self.part_hashes)
+        # What of the request some protocols cannot build (read once, by require_carried).
+        self.uncarried: tuple[Uncarried, ...] | None = None
         self.turn_id = turn_id or f"turn-{self.envelope_hash[7:19]}"
         # Only the references the disclosure check reads: the user's own input needs none,
         # and a reference it carries (recorded by nobody) cost a read of the whole tree.
@@ -432,7 +435,8 @@ class TurnLoop:
             grant=run.grant, groups=groups, health=snap.health, current=current,
             current_profile=current_profile, pin=self.pin, failure=failure,
             denials=self.denials, provenance=snap.provenance, token_counter=self.counter,
-            part_hashes=self.part_hashes, no_probe=frozenset(turn.refused_probes),
+            part_hashes=self.part_hashes, uncarried=self.uncarried,
+            no_probe=frozenset(turn.refused_probes),
         )
         # Every plan route's preflight verdict, decided once: the selector uses them and the
         # decision's record keeps them, so it can be recomputed under any policy.
@@ -473,9 +477,9 @@ class TurnLoop:
         if snap.unreceipted:
             raise (yield from self._sent_before(turn, snap.unreceipted))
         run = snap.run
-        # Parameters no route of the plan can carry are the request's fault, refused as the
-        # bounds above are; a route that alone cannot is skipped by preflight.
-        require_params_carried(self.envelope.params, run.plan)
+        # Parameters, parts or values no route of the plan can carry are the request's fault,
+        # refused as the bounds above are; a route that alone cannot is skipped by preflight.
+        self.uncarried = require_carried(self.envelope, run.plan)
         turn.plan = run.plan
         # A new turn keeps the session's profile (a user pin survives a compaction).
         turn.basis = {"failure": None, "current": run.current_route,

@@ -9,16 +9,24 @@ import pytest
 
 from ledger.adapters import anthropic, gemini, openai, openai_responses
 from ledger.adapters.contract import (
+    Codec,
     MalformedPayload,
     ProviderErrorPayload,
     TextDelta,
+    reasoning_data,
 )
 from ledger.adapters.sse import SSEEvent
+from ledger.domain.carried import refusals_for, uncarried
 from ledger.domain.envelope import Envelope, Part, ToolSpec
+from ledger.domain.facts import WireProtocol
+from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.domain.values import Capabilities
 from ledger.errors import InvalidArgument
 
 from .conftest import make_route
+
+CODECS: dict[str, Codec] = {"openai": openai.CODEC, "openai_responses": openai_responses.CODEC,
+                            "anthropic": anthropic.CODEC, "gemini": gemini.CODEC}
 
 CONVERSATION = Envelope(
     parts=[
@@ -159,6 +167,70 @@ def test_tool_call_part_needs_json_object_arguments() -> None:
         with pytest.raises(InvalidArgument) as err:
             codec.build_request(make_route("https://h", proto), bad)
         assert err.value.field == "envelope.parts[1]"
+
+
+def _thinking_of(protocol: str) -> Part:
+    """A reasoning item the route ``r-<protocol>`` returned, as a turn carries it back."""
+    item = {"type": "thinking", "thinking": "hm", "signature": "sig"}
+    return Part(role="assistant", media_type=REASONING_MEDIA_TYPE, data_class="model_derived",
+                data=reasoning_data(make_route("https://h", protocol), item))
+
+
+UNBUILDABLE = [
+    [Part(content="q"), Part(role="assistant", content="{}", tool_call_id="c",
+                             data_class="model_derived")],
+    [Part(content="q"), Part(role="assistant", content="[1]", tool_call_id="c", name="t",
+                             data_class="model_derived")],
+    [Part(content="q"), Part(role="tool", content="r", name="t", data_class="tool_result")],
+    [Part(content="q"), Part(role="tool", content="r", tool_call_id="c",
+                             data_class="tool_result")],
+    [Part(role="system", content="s")],
+    [Part(role="system", content="s"), Part(content="")],
+    [Part(role="system", content="s"), Part(role="assistant", content="",
+                                            data_class="model_derived")],
+    [Part(content="")],
+]
+
+
+@pytest.mark.parametrize("parts", UNBUILDABLE)
+@pytest.mark.parametrize("protocol", ["openai", "openai_responses", "anthropic", "gemini"])
+def test_a_codec_refuses_exactly_what_preflight_finds_it_cannot_carry(
+        protocol: str, parts: list[Part]) -> None:
+    """One rule (ledger.domain.carried), two callers: what a turn's preflight rules a route
+    out for is what its codec raises, field for field, and a codec builds what it lets by."""
+    route = make_route("https://h", protocol)
+    for env in (Envelope(parts=parts), Envelope(parts=[*parts[:1], _thinking_of(protocol),
+                                                       *parts[1:]])):
+        refused = refusals_for(route.protocol, uncarried(env))
+        if not refused:
+            CODECS[protocol].build_request(route, env)
+            continue
+        with pytest.raises(InvalidArgument) as err:
+            CODECS[protocol].build_request(route, env)
+        assert err.value.field == refused[0].field, (protocol, env)
+        assert str(err.value) == str(refused[0].error())
+
+
+def test_responses_params_tools_refused_by_the_codec_as_by_preflight() -> None:
+    route = make_route("https://h", "openai_responses")
+    for tools in ({"type": "web_search"}, [{"type": "function"}], [{"type": ""}], ["x"]):
+        env = Envelope(parts=[Part(content="q")], params={"tools": tools})
+        [refused] = uncarried(env)
+        assert refused.protocols == {WireProtocol.OPENAI_RESPONSES}
+        with pytest.raises(InvalidArgument) as err:
+            openai_responses.CODEC.build_request(route, env)
+        assert err.value.field == refused.field
+    # With a part it cannot map too, the part is what both name first.
+    both = Envelope(parts=[Part(content="q"), Part(role="tool", content="r", name="t",
+                                                    data_class="tool_result")],
+                    params={"tools": ["x"]})
+    with pytest.raises(InvalidArgument) as err:
+        openai_responses.CODEC.build_request(route, both)
+    assert err.value.field == uncarried(both)[0].field == "envelope.parts[1]"
+    ok = Envelope(parts=[Part(content="q")], params={"tools": [{"type": "web_search"}]})
+    assert uncarried(ok) == ()
+    assert openai_responses.CODEC.build_request(route, ok).body["tools"] == [
+        {"type": "web_search"}]
 
 
 def test_parse_replies() -> None:

@@ -20,8 +20,9 @@ from ledger.decide.preflight import (
     narrow_grant,
     part_coverage,
     preflight,
-    require_params_carried,
+    require_carried,
 )
+from ledger.domain.carried import builtin_tools_refusal
 from ledger.domain.envelope import (
     MEMORY,
     MODEL_DERIVED,
@@ -324,9 +325,11 @@ def test_tool_descriptions_need_approval_of_their_class() -> None:
 
 def carrier(params: Mapping[str, object], **kw: object) -> Route:
     """A route whose protocol can carry ``params``: the Responses API's ``tools``, Anthropic's
-    ``mcp_servers`` (chat completions builds ``tools`` itself, which preflight refuses)."""
-    protocol = ("openai_responses" if "tools" in params
-                else "anthropic" if "mcp_servers" in params else "openai")
+    ``mcp_servers`` (chat completions builds ``tools`` itself, which preflight refuses); a
+    ``function`` entry in ``tools`` no codec of the ledger's sends, a ``generic`` route may."""
+    tools = params.get("tools")
+    protocol = ("openai_responses" if builtin_tools_refusal(tools) is None else "generic"
+                ) if tools is not None else "anthropic" if "mcp_servers" in params else "openai"
     return route(protocol=protocol, **kw)
 
 
@@ -422,9 +425,9 @@ def test_a_param_the_routes_protocol_builds_makes_the_route_ineligible(
     carrier_route = route(id="other", protocol=other)
     assert preflight(carrier_route, env, grant=None, role="r").ok
     # The request is refused only when no route of the plan can carry it.
-    require_params_carried(env.params, [builder, carrier_route])
+    assert require_carried(env, [builder, carrier_route]) == ()
     with pytest.raises(InvalidArgument) as ei:
-        require_params_carried(env.params, [builder])
+        require_carried(env, [builder])
     assert ei.value.field == f"envelope.params.{name}"
 
 

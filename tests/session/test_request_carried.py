@@ -1,0 +1,162 @@
+"""What a route's protocol cannot build a request of is judged before any Attempt is begun.
+
+A codec cannot map an assistant tool-call part without ``name`` or whose content is not a JSON
+object (no protocol), a ``tool`` part without ``tool_call_id`` (chat completions, Responses,
+Anthropic) or without ``name`` (Gemini), an envelope of system parts alone (Responses,
+Anthropic, Gemini) and, on the Responses API, a ``params["tools"]`` that is not a list of
+built-in tools. A route that cannot build the request is ineligible (preflight, capability);
+a request no route of its plan can build is bad input, refused with ``InvalidArgument`` naming
+the field before anything is recorded: no Attempt, no hold, no retry permission, no decision.
+Before, the turn began an Attempt and the codec raised: a ``not_sent`` Attempt (and on a
+failover a spent retry permission) for the caller's bad input. Real HTTP over loopback, on
+both backends; every part is covered for disclosure (the host records its provenance), so
+only the carrying decides.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from ledger import (
+    Budget,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    InvalidArgument,
+    Ledger,
+    Part,
+    Route,
+)
+from ledger.api.session import RunSession
+from ledger.domain.facts import WireProtocol
+from ledger.testing import FakeProvider, Fault
+from tests import fakeplan
+from tests.fakeplan import PRICE, plan
+
+fake = fakeplan.fake  # the shared fixtures: one fake provider per module, cleared per test
+_clear = fakeplan._clear
+
+BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+QUESTION = Part(content="what is the weather in Oslo?")
+# Every class these requests carry, for the fake provider: only the carrying decides.
+GRANT = Grant(recipients={"fake": ["user_input", "system", "model_derived", "tool_result",
+                                   "tool_description"]})
+
+
+def _route(fake: FakeProvider, rid: str, protocol: str, group: str) -> Route:
+    return Route(id=rid, provider="fake", model=f"{rid}-model", group=group, recipient="fake",
+                 protocol=WireProtocol(protocol), endpoint=fake.endpoint(protocol), price=PRICE)
+
+
+def _covered(led: Ledger, run: RunSession, part: Part) -> Part:
+    """``part`` as the host vouches for it: disclosure preflight passes it on every route."""
+    ref = f"host-{part.content_hash[7:19]}"
+    led.record_provenance(run.lease, ref, part.content_hash, "host")
+    return part.model_copy(update={"provenance": ref})
+
+
+def _recorded_nothing(led: Ledger, fake: FakeProvider, run_id: str = "t") -> None:
+    assert led.timeline(run_id) == [] and fake.requests == []  # no Attempt row, nothing sent
+    rec = led.get_run(run_id)
+    assert rec.calls_used == 0 and rec.retries_used == 0
+    assert [e.kind for e in led.events(run_id) if e.kind in ("select", "stop")] == []
+
+
+# -- what no protocol carries, whatever the plan ------------------------------------------------
+
+CALL_WITHOUT_NAME = Part(role="assistant", content='{"city": "Oslo"}', tool_call_id="call_1",
+                         data_class="model_derived")
+CALL_NOT_AN_OBJECT = Part(role="assistant", content='["Oslo"]', tool_call_id="call_1",
+                          name="weather", data_class="model_derived")
+
+
+@pytest.mark.parametrize("protocol", ["openai", "openai_responses", "anthropic", "gemini"])
+@pytest.mark.parametrize(("call", "said"), [
+    (CALL_WITHOUT_NAME, "needs name="), (CALL_NOT_AN_OBJECT, "as a JSON object")])
+def test_a_tool_call_part_no_protocol_carries_is_refused_before_any_attempt(
+        db_url: str, fake: FakeProvider, protocol: str, call: Part, said: str) -> None:
+    """The typed error names the part; the Run has no Attempt, no spent call or retry and no
+    decision recorded, and goes on."""
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=plan(fake, protocol), budget=BUDGET, grant=GRANT) as run:
+            env = Envelope(parts=[QUESTION, _covered(led, run, call)])
+            with pytest.raises(InvalidArgument) as ei:
+                run.turn(env)
+            _recorded_nothing(led, fake)
+            assert ei.value.field == "envelope.parts[1]" and said in str(ei.value)
+            assert set(ei.value.fields["routes"]) == {"primary", "backup"}
+            run.turn(Envelope(parts=[QUESTION]))  # the Run goes on
+        assert len(led.timeline("t")) == 1
+
+
+# -- what some protocols carry: the others' routes are skipped ----------------------------------
+
+RESULT_WITHOUT_CALL_ID = Part(role="tool", content="12 C", name="weather",
+                              data_class="tool_result")
+RESULT_WITHOUT_NAME = Part(role="tool", content="12 C", tool_call_id="call_1",
+                           data_class="tool_result")
+SYSTEM_ONLY = [Part(role="system", content="You answer about the weather.")]
+
+
+@pytest.mark.parametrize(("parts", "refuser", "carrier", "field"), [
+    ([QUESTION, RESULT_WITHOUT_CALL_ID], "openai", "gemini", "envelope.parts[1]"),
+    ([QUESTION, RESULT_WITHOUT_CALL_ID], "anthropic", "gemini", "envelope.parts[1]"),
+    ([QUESTION, RESULT_WITHOUT_CALL_ID], "openai_responses", "gemini", "envelope.parts[1]"),
+    ([QUESTION, RESULT_WITHOUT_NAME], "gemini", "anthropic", "envelope.parts[1]"),
+    (SYSTEM_ONLY, "anthropic", "openai", "envelope.parts"),
+    (SYSTEM_ONLY, "gemini", "openai", "envelope.parts"),
+    (SYSTEM_ONLY, "openai_responses", "openai", "envelope.parts"),
+])
+def test_a_route_whose_protocol_cannot_build_the_request_is_skipped_without_an_attempt(
+        db_url: str, fake: FakeProvider, parts: list[Part], refuser: str, carrier: str,
+        field: str) -> None:
+    """Failing over to a route that cannot build the request: it is skipped (capability,
+    naming the field) with no Attempt and no retry permission taken. And a plan of such
+    routes only refuses the request with the typed error, nothing recorded."""
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    routes = [_route(fake, "primary", carrier, "ga"), _route(fake, "backup", refuser, "gb")]
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=routes, budget=BUDGET, grant=GRANT) as run:
+            env = Envelope(parts=[_covered(led, run, p) for p in parts])
+            with pytest.raises(FailoverExhausted):
+                run.turn(env)
+            assert [a.route_id for a in led.timeline("t")] == ["primary"]
+            assert led.get_run("t").retries_used == 0
+            stop = next(e for e in led.events("t") if e.kind == "stop")
+            [skip] = [s for s in stop.data["skipped"] if s["route"] == "backup"]
+            assert skip["reason"] == "capability" and skip["detail"].startswith(field)
+        fake.clear()
+        with led.run("only", plan=plan(fake, refuser), budget=BUDGET, grant=GRANT) as run:
+            env = Envelope(parts=[_covered(led, run, p) for p in parts])
+            with pytest.raises(InvalidArgument) as ei:
+                run.turn(env)
+            assert ei.value.field == field
+            _recorded_nothing(led, fake, "only")
+
+
+# -- the Responses API's built-in tools -----------------------------------------------------------
+
+@pytest.mark.parametrize(("tools", "field"), [
+    ({"type": "web_search"}, "envelope.params.tools"),
+    ([{"type": "function", "name": "weather", "parameters": {}}], "envelope.params.tools[0]"),
+    ([{"type": "web_search"}, "image_generation"], "envelope.params.tools[1]"),
+])
+def test_responses_params_tools_that_are_no_built_in_tools_are_refused_before_any_attempt(
+        db_url: str, fake: FakeProvider, tools: Any, field: str) -> None:
+    """``params["tools"]`` on a Responses route holds the provider's built-in tools only; no
+    other protocol takes ``tools`` as a parameter, so a plan of any of them refuses it."""
+    env = Envelope(parts=[QUESTION], params={"tools": tools})
+    for protocols in (("openai_responses", "openai_responses"), ("openai_responses", "gemini")):
+        fake.clear()
+        routes = [_route(fake, "primary", protocols[0], "ga"),
+                  _route(fake, "backup", protocols[1], "gb")]
+        with Ledger.open(db_url) as led:
+            with led.run(f"t-{protocols[1]}", plan=routes, budget=BUDGET, grant=GRANT) as run, \
+                    pytest.raises(InvalidArgument) as ei:
+                run.turn(env)
+            assert led.timeline(f"t-{protocols[1]}") == [] and fake.requests == []
+            assert led.get_run(f"t-{protocols[1]}").retries_used == 0
+        assert ei.value.field == field and "Envelope.tools" in str(ei.value)
