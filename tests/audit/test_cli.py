@@ -152,6 +152,17 @@ def test_errors_are_one_clear_line(sqlite_url: str, tmp_path: Path) -> None:
     assert res.returncode == 2 and "--refresh must be from 0 to 86400" in res.stderr
 
 
+def _no_ledger_files(tmp_path: Path) -> tuple[Path, Path]:
+    """An empty SQLite file and another application's database: neither holds a ledger."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    app = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    return empty, app
+
+
 # Every command that reads an existing ledger, and never creates one.
 _READERS = (["runs"], ["health"], ["run", "show", "r1"], ["replay", "--policy", "failure-domain"],
             ["recover"], ["reconcile"])
@@ -168,12 +179,7 @@ def test_a_missing_or_empty_ledger_names_db_init_and_is_left_byte_for_byte(
     assert len(err.splitlines()) == 1 and "does not exist" in err
     assert f"`failover-ledger db init --db {missing}`" in err, err
     assert not missing.exists()
-    empty = tmp_path / "empty.db"
-    empty.touch()
-    app = tmp_path / "app.db"
-    with contextlib.closing(sqlite3.connect(app)) as conn:
-        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
-        conn.commit()
+    empty, app = _no_ledger_files(tmp_path)
     before = {p: p.read_bytes() for p in (empty, app)}
     for command in _READERS:
         assert main(["--db", str(empty), *command]) == 2, command
@@ -229,12 +235,7 @@ def test_no_ledger_is_a_set_up_error_exit_2_alike_on_every_command(
         err = _same_answer_everywhere(str(missing), capsys)
         assert f"no ledger at {missing}: the file does not exist" in err, err
         assert f"`{mkdir}failover-ledger db init --db {missing}`" in err, err
-    empty = tmp_path / "empty.db"
-    empty.touch()
-    app = tmp_path / "app.db"
-    with contextlib.closing(sqlite3.connect(app)) as conn:
-        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
-        conn.commit()
+    empty, app = _no_ledger_files(tmp_path)
     before = {p: p.read_bytes() for p in (empty, app)}
     assert "holds no ledger tables (an empty database)" in _same_answer_everywhere(
         str(empty), capsys)
