@@ -23,6 +23,7 @@ without tool calls costs two attribute reads per part.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,18 +81,43 @@ def json_object(content: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+# Every turn judges the whole history's tool calls (:func:`uncarried`); a conversation's parts
+# are the same objects turn after turn, and a str keeps its hash, so their verdicts are
+# remembered by their text: the short ones, so that the memo stays small.
+_MEMO_CHARS = 16 * 1024
+
+
+@functools.lru_cache(maxsize=1024)
+def _remembered_object(content: str) -> bool:
+    return json_object(content) is not None
+
+
+def _is_object(content: str) -> bool:
+    if len(content) <= _MEMO_CHARS:
+        return _remembered_object(content)
+    return json_object(content) is not None
+
+
+def _unnamed_call(where: str) -> Uncarried:
+    return Uncarried(CODEC_PROTOCOLS, where, "an assistant tool-call part needs name= (the "
+                     "tool's name)", "carry the part as a turn's result.parts returned it, or "
+                     "set name= to the tool the model called")
+
+
+def _not_an_object(where: str) -> Uncarried:
+    return Uncarried(CODEC_PROTOCOLS, where, "an assistant part with tool_call_id carries the "
+                     "call's arguments as a JSON object in its content",
+                     "put the arguments as a JSON object (e.g. '{\"city\": \"Oslo\"}', "
+                     "'{}' for none) in content")
+
+
 def tool_call_refusal(part: Part, index: int) -> Uncarried | None:
     """Why an assistant tool-call part (``tool_call_id`` set) cannot be sent, or ``None``."""
     where = f"envelope.parts[{index}]"
     if not part.name:
-        return Uncarried(CODEC_PROTOCOLS, where, "an assistant tool-call part needs name= "
-                         "(the tool's name)", "carry the part as a turn's result.parts "
-                         "returned it, or set name= to the tool the model called")
-    if json_object(part.content) is None:
-        return Uncarried(CODEC_PROTOCOLS, where, "an assistant part with tool_call_id carries "
-                         "the call's arguments as a JSON object in its content",
-                         "put the arguments as a JSON object (e.g. '{\"city\": \"Oslo\"}', "
-                         "'{}' for none) in content")
+        return _unnamed_call(where)
+    if not _is_object(part.content):
+        return _not_an_object(where)
     return None
 
 
@@ -102,11 +128,12 @@ def tool_arguments(part: Part, index: int) -> dict[str, Any]:
         InvalidArgument: the part has no ``name`` or its content is not a JSON object
             (:func:`tool_call_refusal`), naming ``envelope.parts[index]``.
     """
-    refusal = tool_call_refusal(part, index)
-    if refusal is not None:
-        raise refusal.error()
-    args = json_object(part.content)
-    assert args is not None  # tool_call_refusal parsed the same content
+    where = f"envelope.parts[{index}]"
+    if not part.name:
+        raise _unnamed_call(where).error()
+    args = json_object(part.content)  # parsed once: the codec sends what it reads here
+    if args is None:
+        raise _not_an_object(where).error()
     return args
 
 

@@ -520,3 +520,27 @@ def test_gemini_request_fields_go_at_the_top_and_generation_parameters_in_their_
     assert (body["safetySettings"], body["toolConfig"], body["cachedContent"]) == (
         safety, tool_config, "cachedContents/c1")
     assert body["generationConfig"] == {"temperature": 0.5}
+
+
+def test_a_conversations_tool_calls_are_parsed_once_not_again_every_turn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every turn judges the whole history's tool calls before any begin (issue 23: the turn's
+    CPU); an agent loop re-sends the same parts every turn, so their arguments are parsed the
+    first time only, and a codec reads each call's arguments once per request."""
+    from ledger.domain import carried
+
+    calls = [Part(role="assistant", content=json.dumps({"q": f"call {i}", "n": i}),
+                  tool_call_id=f"c{i}", name="search") for i in range(20)]
+    env = Envelope(parts=[Part(content="go"), *calls])
+    parsed: list[str] = []
+    real = carried.json_object
+    monkeypatch.setattr(carried, "json_object",
+                        lambda content: parsed.append(content) or real(content))
+    carried.uncarried(env)
+    first = len(parsed)
+    assert first <= 20
+    carried.uncarried(env)
+    assert len(parsed) == first  # the second turn parses nothing again
+    parsed.clear()
+    carried.tool_arguments(calls[0], 1)
+    assert parsed == [calls[0].content]  # one parse, not a check and then a parse
