@@ -170,9 +170,16 @@ class SqliteDriver:
             except sqlite3.Error as e:
                 conn.close()
                 raise driver_error(e, self.path) from e
-            self._local.conn = conn
             with self._lock:
-                self._all.append(conn)
+                # A close() between the check above and here took the list already: a
+                # connection added now would be closed by nobody.
+                closed = self._closed
+                if not closed:
+                    self._all.append(conn)
+            if closed:
+                conn.close()
+                raise closed_error(self.path)
+            self._local.conn = conn
         return conn
 
     def begin(self, conn: sqlite3.Connection, *, write: bool, wait_s: float | None = None

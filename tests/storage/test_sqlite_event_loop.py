@@ -248,3 +248,31 @@ def test_the_ledger_s_threads_end_when_it_closes(tmp_path: Path) -> None:
         assert not _ledger_threads()
 
     asyncio.run(main())
+
+
+def test_a_connection_opened_while_the_driver_closes_is_closed_not_leaked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread (the reading thread opens its connection late, on the first read that finds
+    the writer busy) may pass the "closed?" check, then open its connection while close() takes
+    the list of connections: that connection was added to a list nobody closes. It is closed,
+    and the caller told the driver is closed."""
+    import sqlite3
+
+    from ledger.storage.driver import SqliteDriver
+
+    driver = SqliteDriver(str(tmp_path / "l.db"))
+    opened: list[sqlite3.Connection] = []
+    connect = sqlite3.connect
+
+    def connect_while_closing(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = connect(*args, **kwargs)
+        opened.append(conn)
+        driver.close()  # the close lands between the check and the bookkeeping
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", connect_while_closing)
+    with pytest.raises(InvalidState, match="is closed"):
+        driver.connection()
+    [conn] = opened
+    with pytest.raises(sqlite3.ProgrammingError):  # closed: "Cannot operate on a closed database"
+        conn.execute("SELECT 1")
