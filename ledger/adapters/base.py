@@ -311,17 +311,24 @@ def failed_send(result: AdapterResult) -> SendResult:
     posted that cost rather than nothing or the whole hold; and the model the provider named
     (``model_reported``), which the failed or unknown Attempt records.
     """
-    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
-    # again, records the Attempt with no usage, and keeps the report in a usage_invalid event.
-    usage = result.usage or result.rejected_usage
     obs = result.observation or Observation(message="adapter failure without observation")
-    return SendResult(
-        ok=False, observation=obs, sent=result.sent, partial_text=result.partial_text,
-        prompt_tokens=usage.prompt_tokens if usage else None,
-        completion_tokens=usage.completion_tokens if usage else None,
-        cached_tokens=usage.cached_tokens if usage else None,
-        reasoning_tokens=usage.reasoning_tokens if usage else None,
-        cost=result.cost, model_reported=result.model_reported)
+    return SendResult(ok=False, observation=obs, sent=result.sent,
+                      partial_text=result.partial_text, **reported(result))
+
+
+def reported(result: AdapterResult) -> dict[str, Any]:
+    """The usage, cost and model ``result`` reported, as :class:`SendResult`'s fields.
+
+    Usage the adapter refused goes on as the provider's report: the retry owner bounds it
+    again, records the Attempt with no usage, and keeps the report in a ``usage_invalid``
+    event.
+    """
+    usage = result.usage or result.rejected_usage
+    return {"prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "cached_tokens": usage.cached_tokens if usage else None,
+            "reasoning_tokens": usage.reasoning_tokens if usage else None,
+            "cost": result.cost, "model_reported": result.model_reported}
 
 
 @dataclass

@@ -481,8 +481,7 @@ def check_params(route: Route, params: Mapping[str, Any]) -> None:
     """
     refused = refused_params(route, params)
     if refused:
-        first = refused[0]
-        raise InvalidArgument(f"{first.message}; {first.fix}", field=first.field)
+        raise refused[0].error()
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-from ledger.adapters.base import HttpAdapter, Limits, OnEvent, failed_send
+from ledger.adapters.base import HttpAdapter, Limits, OnEvent, failed_send, reported
 from ledger.adapters.contract import (
     AdapterResult,
 )
@@ -72,20 +72,10 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     """
     if not result.ok:
         return failed_send(result)
-    # Usage the adapter refused goes on as the provider's report: the retry owner bounds it
-    # again, records the Attempt with no usage, and keeps the report in a usage_invalid event.
-    usage = result.usage or result.rejected_usage
-    pt, ct = (usage.prompt_tokens, usage.completion_tokens) if usage else (None, None)
-    cached, reasoning = (usage.cached_tokens, usage.reasoning_tokens) if usage else (None, None)
     return SendResult(
         ok=True,
         output=result,
-        prompt_tokens=pt,
-        completion_tokens=ct,
-        cached_tokens=cached,
-        reasoning_tokens=reasoning,
-        cost=result.cost,
-        model_reported=result.model_reported,
+        **reported(result),
         output_hash=output_part(result, attempt_id).content_hash,
         parts=output_parts(result, attempt_id),
     )

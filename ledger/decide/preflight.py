@@ -66,7 +66,7 @@ from ledger.domain.media import (
     image_size,
     pdf_pages,
 )
-from ledger.domain.params import RESERVED_PARAMS, ParamRefusal, refused_params
+from ledger.domain.params import ParamRefusal, refused_params
 from ledger.domain.values import Grant, Route, canonical_json
 from ledger.errors import InvalidArgument, PreflightRefused
 from ledger.policy.model import EnvelopePolicy
@@ -705,19 +705,19 @@ def _param_capability(route: Route, names: frozenset[str]) -> list[tuple[str, st
     ruled out; a turn whose plan has no route left for them is refused before any begin
     (:func:`require_carried`).
     """
+    refused = refused_params(route, sorted(names))
     out: list[tuple[str, str]] = []
-    reserved = RESERVED_PARAMS.get(route.protocol, {})
-    built = sorted(names & reserved.keys())
+    built = [r for r in refused if r.why is not None]
     if built:
-        out.append((f"Envelope.params may not set {', '.join(built)} on protocol "
-                    f"{route.protocol.value}: " + "; ".join(f"{n}: {reserved[n]}" for n in built),
-                    f"leave {', '.join(built)} out of Envelope.params, or plan a route whose "
-                    "protocol takes them"))
-    if route.capabilities.parameters is not None:
-        unsupported = sorted(names - set(route.capabilities.parameters) - reserved.keys())
-        if unsupported:
-            out.append((f"unsupported parameters: {', '.join(unsupported)}",
-                        f"leave out {', '.join(unsupported)}, or plan a route that takes them"))
+        listed = ", ".join(r.name for r in built)
+        out.append((f"Envelope.params may not set {listed} on protocol {route.protocol.value}: "
+                    + "; ".join(f"{r.name}: {r.why}" for r in built),
+                    f"leave {listed} out of Envelope.params, or plan a route whose protocol "
+                    "takes them"))
+    unsupported = ", ".join(r.name for r in refused if r.why is None)
+    if unsupported:
+        out.append((f"unsupported parameters: {unsupported}",
+                    f"leave out {unsupported}, or plan a route that takes them"))
     return out
 
 

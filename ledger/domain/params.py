@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ledger.domain.facts import WireProtocol
 from ledger.domain.values import Route
+from ledger.errors import InvalidArgument
 
 # Where the request field a reserved parameter would overwrite comes from: the fix to name.
 _FROM = {
@@ -77,17 +78,24 @@ RESERVED_PARAMS: Mapping[WireProtocol, Mapping[str, str]] = {
 class ParamRefusal:
     """A parameter a route cannot carry.
 
-    Its ``name``, what is wrong (``message``, the sentence of the typed error) and the ``fix``.
+    Its ``name``, what is wrong (``message``, the sentence of the typed error) and the
+    ``fix``; ``why``: why its protocol builds or refuses it, ``None`` when the route's
+    ``Capabilities.parameters`` leaves it out.
     """
 
     name: str
     message: str
     fix: str
+    why: str | None = None
 
     @property
     def field(self) -> str:
         """The field an :class:`~ledger.errors.InvalidArgument` names."""
         return f"envelope.params.{self.name}"
+
+    def error(self) -> InvalidArgument:
+        """The typed error a codec raises for it."""
+        return InvalidArgument(f"{self.message}; {self.fix}", field=self.field)
 
 
 def refused_params(route: Route, names: Iterable[str]) -> list[ParamRefusal]:
@@ -104,7 +112,7 @@ def refused_params(route: Route, names: Iterable[str]) -> list[ParamRefusal]:
         if why is not None:
             out.append(ParamRefusal(
                 name, f"Envelope.params may not set {name!r} for route {route.id!r} "
-                f"({route.protocol.value}): {why}", f"leave {name!r} out of Envelope.params"))
+                f"({route.protocol.value}): {why}", f"leave {name!r} out of Envelope.params", why))
         elif allowed is not None and name not in allowed:
             out.append(ParamRefusal(
                 name, f"route {route.id!r} does not support parameter {name!r} (supported: "
