@@ -181,7 +181,7 @@ async def _measure(url: str, backend: str, *, sessions: int, turns: int, limit: 
     begins = counting.counts["begin_tx"]
     return QueueRow(
         backend=backend, sessions=sessions, turns=turns, limit=limit, delay_ms=delay_ms,
-        served=served, queued=queued, wall_s=round(wall, 3), floor_s=round(floor, 3),
+        served=served, queued=queued, wall_s=round(wall, 6), floor_s=round(floor, 6),
         x_floor=round(wall / floor, 2) if floor > 0 else math.nan, begins=begins,
         begins_per_turn=round(begins / n, 2),
         tx_per_turn=round(sum(counting.counts.values()) / n, 2),
