@@ -44,12 +44,16 @@ def output_parts(result: AdapterResult, attempt_id: str) -> tuple[Part, ...]:
     arguments as JSON text). The Run records every part's hash as the Attempt's provenance, so
     each may be carried into the next turn as it is, and an edited copy is not covered.
     """
+    return _parts(result, attempt_id, output_part(result, attempt_id))
+
+
+def _parts(result: AdapterResult, attempt_id: str, text: Part) -> tuple[Part, ...]:
     parts: list[Part] = [
         Part(role="assistant", data=data, media_type=REASONING_MEDIA_TYPE,
              data_class=MODEL_DERIVED, provenance=attempt_id)
         for data in result.reasoning]
     if result.text or not (result.tool_calls or result.media):
-        parts.append(output_part(result, attempt_id))
+        parts.append(text)
     for m in result.media:
         where = {"data": m.data} if m.data is not None else {"url": m.url}
         parts.append(Part(role="assistant", media_type=m.media_type, data_class=MODEL_DERIVED,
@@ -72,12 +76,14 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     """
     if not result.ok:
         return failed_send(result)
+    # One text part serves both: building a Part hashes its content, and this is every call.
+    text = output_part(result, attempt_id)
     return SendResult(
         ok=True,
         output=result,
         **reported(result),
-        output_hash=output_part(result, attempt_id).content_hash,
-        parts=output_parts(result, attempt_id),
+        output_hash=text.content_hash,
+        parts=_parts(result, attempt_id, text),
     )
 
 
