@@ -102,7 +102,7 @@ async def _then(first: Awaitable[Any], then: EventCallback, event: Any) -> None:
         await out
 
 
-def _tool_file(call_id: str, file: Part, data_class: str) -> Part:
+def tool_file(call_id: str, file: Part, data_class: str) -> Part:
     """A tool's file as a user part of the tool's data class, covered by ``call_id``.
 
     Wires carry a tool result as text, so the file goes in a user part next to it (sent
@@ -550,7 +550,7 @@ class _SessionCore:
     def _tool_part(self, call_id: str, content: str | Part, data_class: str) -> Part:
         _attempt, name = self._call(call_id)
         if isinstance(content, Part):
-            return _tool_file(call_id, content, data_class)
+            return tool_file(call_id, content, data_class)
         return Part(role="tool", content=content, data_class=data_class, provenance=call_id,
                     tool_call_id=call_id, name=name or None)
 

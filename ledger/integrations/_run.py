@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from ledger.api.session import AsyncRunSession, RunSession
-from ledger.api.session import _tool_file as tool_file
+from ledger.api.session import AsyncRunSession, RunSession, tool_file
 from ledger.decide.preflight import Denials
 from ledger.domain.envelope import USER_INPUT, Envelope, Part
 from ledger.domain.media import bytes_digest

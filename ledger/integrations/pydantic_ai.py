@@ -55,7 +55,7 @@ from pydantic import SkipValidation
 from ledger.api.session import AsyncRunSession
 from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, TOOL_RESULT, USER_INPUT, Envelope, Part
 from ledger.domain.envelope import ToolSpec as _ToolSpec
-from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind, bytes_digest
+from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
@@ -434,7 +434,6 @@ class LedgerModel(Model):
         self._link = RunLink(run, who="LedgerModel", tool_data_class=tool_data_class,
                              document_data_class=document_data_class, need_async=True)
         self._model_name = model_name
-        self._documents: set[str] = set()  # content hashes of uploads recorded as provenance
 
     @property
     def model_name(self) -> str:
@@ -546,7 +545,7 @@ class LedgerModel(Model):
                 if isinstance(part, SystemPromptPart):
                     parts.append(Part(role="system", content=part.content, data_class=SYSTEM))
                 elif isinstance(part, UserPromptPart):
-                    parts += [await self._document(p)
+                    parts += [await self._link.document(p)
                               for p in _user_parts(part, self.document_data_class)]
                 elif isinstance(part, ToolReturnPart):
                     returns.append((len(parts), part))
@@ -563,23 +562,6 @@ class LedgerModel(Model):
                             for i in instructions]
         return Envelope(parts=parts, tools=_tools(params.tool_defs.values()), stream=stream,
                         **_settings(settings))
-
-    async def _document(self, part: Part) -> Part:
-        """A binary part of a class that needs provenance, with its provenance recorded.
-
-        Recorded once, the first time it is sent; the same bytes again carry the same reference.
-        """
-        if part.media_type is None or part.data_class == USER_INPUT:
-            return part
-        payload = part.payload
-        ref = "upload-" + bytes_digest(payload if payload is not None
-                                       else (part.url or "").encode())[:32]
-        made = part.model_copy(update={"provenance": ref})
-        digest = made.content_hash
-        if digest not in self._documents:
-            await self.run.ledger.record_provenance(self.run.lease, ref, digest, "document")
-            self._documents.add(digest)
-        return Part.model_validate(made.model_dump())
 
     async def _tool_parts(self, part: ToolReturnPart, calls: Sequence[Part]) -> list[Part]:
         """A tool's return as the parts the ledger recorded: its text, then its files.
