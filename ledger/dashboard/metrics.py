@@ -123,7 +123,8 @@ def families(m: MetricsSnapshot) -> Iterator[Metric]:
         "Waits of a turn in a full capacity group's queue, by group and how the wait ended "
         "(admitted, rejected, timed_out, redecided).",
         ["ledger_capacity_group", "ledger_outcome"], m.queue_waits)
-    yield _gauge("ledger_capacity_waiting", "Turns waiting in a full capacity group's queue now.",
+    yield _gauge("ledger_capacity_waiting", "Turns waiting in a full capacity group's queue "
+                 "now; every limited group has its series (0 while nobody waits).",
                  "ledger_capacity_group", m.waiting)
     yield _gauge("ledger_cooldowns_active", "Routes and credential profiles cooling or "
                  "disabled, and capacity groups not open, now.", "ledger_kind", m.cooldowns)

@@ -1542,7 +1542,8 @@ class Audit:
         token and time to first byte as histograms, and their tokens and cost charged per
         route; the attempts dispatching and unknown now per route (gauges: their state will
         change, and a counter of them would go down); failovers by their routes and cause;
-        waits in full groups' queues by group and outcome, and the places waiting now;
+        waits in full groups' queues by group and outcome, and the places waiting now (for
+        every limited group, 0 when its queue is empty, and every group that ever queued);
         cooldowns active now; and the budget used (posted and held cost) per tenant.
 
         Args:
@@ -1588,9 +1589,12 @@ class Audit:
                         int(r["n"]) for r in m["moves"]}
         waits = {(str(r["group"]), str(r["outcome"] or "admitted")): h for r in m["waits"]
                  if (h := _histogram(r, "waited_s")) is not None}
-        # A group that ever queued keeps its series at 0 once nobody waits, as the other gauges
-        # do: an alert on the queue's length must see 0, not no data.
-        waiting = {group: 0 for group, _ in waits}
+        # Every limited group has its series, 0 while nobody waits, from its configuration on
+        # (not from its first queued turn), and a group that ever queued keeps it once made
+        # unlimited: an alert on the queue's length must see 0, not no data, and an operator
+        # must tell a group with an empty queue from one the ledger does not know.
+        waiting = {str(r["group"]): 0 for r in m["limited"]}
+        waiting.update((group, 0) for group, _ in waits)
         waiting.update((str(r["group"]), int(r["n"])) for r in m["waiting"])
         return MetricsSnapshot(
             now=t,

@@ -154,7 +154,8 @@ class SeriesQueries:
         ``dispatching`` and ``unknown`` too, which :meth:`~ledger.ops.audit.Audit.metrics`
         turns into gauges (their state will change) and leaves out of the counters. Moves to
         another route by their routes and cause; capacity waits by group and outcome (with
-        the same buckets); the places waiting in each group's queue now.
+        the same buckets); the places waiting in each group's queue now, and the limited
+        groups (``limited``: each has a queue, empty or not).
 
         The attempts, moves and capacity waits retention dropped count too (the roll-ups'
         rows it carried over, :data:`~ledger.storage.hours.CARRIED_HOUR`), so no counter goes
@@ -172,10 +173,11 @@ class SeriesQueries:
                 _maps(conn.execute(q).all()) for q in self._metric_history(bounds, hours))
             at = {"now": now}
             waiting = _maps(conn.execute(_WAITING, at).all())
+            limited = _maps(conn.execute(_LIMITED).all())
             cooling = _maps(conn.execute(_COOLING, at).all())
             groups = _maps(conn.execute(_GROUPS_NOT_OPEN, at).all())
         return {"attempts": attempts, "moves": moves, "money": money, "cooling": cooling,
-                "groups": groups, "waits": waits, "waiting": waiting}
+                "groups": groups, "waits": waits, "waiting": waiting, "limited": limited}
 
     def _metric_history(self, bounds: Sequence[float], hours: Split | None
                         ) -> list[Select[Any]]:
@@ -233,6 +235,11 @@ def _now_counts() -> tuple[Select[Any], Select[Any], Select[Any]]:
 
 
 _WAITING, _COOLING, _GROUPS_NOT_OPEN = _now_counts()
+# Every limited group has a queue, so /metrics gives each its waiting gauge even before anyone
+# has queued in it (an unlimited group never queues).
+_LIMITED = (select(s.capacity_groups.c.group_id.label("group"))
+            .where(s.capacity_groups.c.max_in_flight.is_not(None))
+            .order_by(s.capacity_groups.c.group_id))
 
 
 @dataclass(frozen=True)

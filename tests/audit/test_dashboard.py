@@ -332,6 +332,24 @@ def test_metrics_have_latency_histograms_and_token_and_cost_counters(seeded_url:
     assert families["ledger_capacity_wait_duration_seconds"].samples == []  # no queue waits
 
 
+def test_every_limited_capacity_group_has_a_waiting_series_from_its_configuration_on(
+        db_url: str) -> None:
+    # Nobody has ever queued here: a limited group's queue is empty, and its gauge reads 0 so
+    # an alert on it sees 0, not no data; an unlimited group has no queue and no series.
+    led = Ledger.open(db_url, clock=ManualClock(NOW))
+    try:
+        led.configure_group("limited", max_in_flight=2)
+        led.configure_group("unlimited", max_in_flight=None)
+    finally:
+        led.close()
+    with _client(db_url) as c:
+        families = _families(c.get("/metrics").text)
+    waiting = families["ledger_capacity_waiting"]
+    assert waiting.type == "gauge"
+    assert _by(waiting, "waiting", "ledger_capacity_group") == {("limited",): 0}
+    assert families["ledger_capacity_wait_duration_seconds"].samples == []  # never queued
+
+
 def test_metrics_speak_openmetrics_when_asked(seeded_url: str) -> None:
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
