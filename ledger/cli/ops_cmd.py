@@ -122,6 +122,9 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     :class:`~ledger.errors.DatabaseSetupError` (exit 2, as a missing PostgreSQL database, an
     older schema and :class:`~ledger.errors.SchemaTooNew` are), never the retry-safe
     :class:`~ledger.errors.DatabaseUnavailable`: no retry will make a ledger appear.
+    SQLite's in-memory database (``:memory:``, ``sqlite:///:memory:``) or a SQLite URL naming
+    no file is :class:`~ledger.errors.InvalidArgument` (``field="db"``, exit 2): it lives only
+    inside the process that opens it, so no command can read a ledger there.
 
     ``read_url`` (``--read-url``, ``$LEDGER_READ_URL``): a read replica the audit reads from
     (:meth:`ledger.Ledger.open`); it must hold the ledger too."""
@@ -142,6 +145,17 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     if norm.startswith("sqlite:///"):
         # The URL's file, without its options (``?timeout=5``): not the text after the scheme.
         path = parse(url)[1].database or ""
+        if path in ("", ":memory:"):
+            # SQLite's in-memory database lives and dies inside the process that opens it: no
+            # command can read a ledger another process wrote there, and "no ledger at
+            # :memory:" sent operators looking for a file of that name.
+            raise InvalidArgument(
+                f"--db {url!r} names "
+                + ("SQLite's in-memory database, which exists only inside the process that "
+                   "opens it: no command can read a ledger another process wrote there"
+                   if path else "no SQLite file")
+                + "; pass --db the path of the ledger's file (such as ./ledger.db) or its "
+                "postgresql+psycopg:// URL, or set LEDGER_URL", field="db")
         init = f"{PROG} db init --db {shlex.quote(path)}"
         if not os.path.exists(path):
             folder = os.path.dirname(os.path.abspath(path))

@@ -323,6 +323,35 @@ def test_no_postgresql_ledger_at_a_url_with_a_password_prints_no_password(
         assert f"`failover-ledger db init {option}'{shown}'` (*** stands for the password" in err
 
 
+def test_an_in_memory_sqlite_database_is_refused_as_unreadable_not_as_a_missing_file(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--db :memory:`` said "no ledger at :memory:: the file does not exist" and offered
+    ``db init --db :memory:``, sending the operator looking for a file. SQLite's in-memory
+    database exists only inside the process that opens it: no command can read a ledger
+    there. An InvalidArgument naming --db and what to pass instead, exit 2, from every
+    command alike."""
+    from ledger.cli.ops_cmd import open_reader
+    from ledger.errors import InvalidArgument
+
+    for db in (":memory:", "sqlite:///:memory:"):
+        err = _same_answer_everywhere(db, capsys)
+        assert f"--db {db!r} names SQLite's in-memory database, which exists only inside the " \
+            "process that opens it: no command can read a ledger another process wrote " \
+            "there; pass --db the path of the ledger's file (such as ./ledger.db) or its " \
+            "postgresql+psycopg:// URL, or set LEDGER_URL" in err, err
+        assert "no ledger at" not in err and "db init" not in err, err
+        with pytest.raises(InvalidArgument) as caught:
+            open_reader(db)
+        assert caught.value.fields["field"] == "db"
+    assert main(["--db", "sqlite:///", "runs"]) == 2
+    assert "--db 'sqlite:///' names no SQLite file; pass --db the path of the ledger's file" \
+        in capsys.readouterr().err
+    # Through the module's entry point too, in a process of its own; no file is made.
+    res = cli("--db", ":memory:", "runs")
+    assert res.returncode == 2 and "in-memory database" in res.stderr, res.stderr
+    assert not (REPO / ":memory:").exists()
+
+
 def test_a_cursor_past_what_the_backend_binds_is_one_line_exit_2(sqlite_url: str) -> None:
     for args in (["costs", "--cursor", "o:99999999999999999999"],
                  ["costs", "--by", "tenant", "--budget-cursor", "o:99999999999999999999"],
