@@ -127,7 +127,11 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     inside the process that opens it, so no command can read a ledger there.
 
     ``read_url`` (``--read-url``, ``$LEDGER_READ_URL``): a read replica the audit reads from
-    (:meth:`ledger.Ledger.open`); it must hold the ledger too."""
+    (:meth:`ledger.Ledger.open`); it must hold the ledger too. Nothing connects to ``url``
+    while the replica holds a ledger; when the replica shows a set-up problem (no ledger
+    tables, a database that does not exist, ...), ``url``'s own problem, if it has one, is
+    raised instead: the primary is the one to fix first. A primary that cannot be reached
+    then leaves the replica's problem to be raised."""
     from ledger.api.facade import Ledger
     from ledger.api.face import reads_of
     from ledger.storage.audit import AuditQueries
@@ -139,7 +143,6 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
         parse,
         redact_url,
     )
-    from ledger.storage.failure import init_command
 
     norm = normalize_url(url)
     if norm.startswith("sqlite:///"):
@@ -180,24 +183,59 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
                 "not_a_ledger", path)
     led = Ledger.open(url, migrate_schema=False, read_url=read_url)
     try:
-        present = AuditQueries(reads_of(led).context).schema_present()
-    except BaseException:
-        led.close()
-        raise
-    if not present:
-        led.close()
-        if read_url is not None:
+        try:
+            present = AuditQueries(reads_of(led).context).schema_present()
+        except DatabaseSetupError:
+            if read_url is not None:
+                _primary_first(led, url)
+            raise
+        if not present:
+            if read_url is None:
+                raise _no_tables(url)
+            _primary_first(led, url)
             where = redact_url(normalize_url(read_url))
             raise _no_ledger(
                 f"{where} holds no ledger tables; point --read-url at a replica of the "
                 "ledger's database", where, "schema_outdated",
                 database_name(parse(read_url)[1]))
-        where = redact_url(norm)
-        raise _no_ledger(
-            f"{where} holds no ledger tables; create them with "
-            f"{init_command(where, option='--db ')}, or point --db at a ledger database",
-            where, "schema_outdated", database_name(parse(url)[1]))
+    except BaseException:
+        led.close()
+        raise
     return led
+
+
+def _primary_first(led: Any, url: str) -> None:
+    """Raise ``--db``'s own set-up problem, if it has one, before the replica's.
+
+    Called only once the replica has shown a problem: a replica of a database that does not
+    exist, or holds no ledger, holds none either, and ``--db`` is the one to fix first. A
+    primary that cannot be reached (away in a failover) leaves the replica's problem to be
+    told: nothing connects to ``--db`` while the replica answers, so reading a healthy replica
+    never waits on the primary.
+    """
+    from ledger.api.face import storage_of
+    from ledger.errors import DatabaseUnavailable
+    from ledger.storage.audit import AuditQueries
+
+    try:
+        present = AuditQueries(storage_of(led).context).schema_present()
+    except DatabaseUnavailable:
+        return
+    if not present:
+        raise _no_tables(url)
+
+
+def _no_tables(url: str) -> DatabaseSetupError:
+    """``--db`` (a PostgreSQL database: a SQLite file is looked at before it is opened) holds
+    no ledger tables."""
+    from ledger.storage.engine import database_name, normalize_url, parse, redact_url
+    from ledger.storage.failure import init_command
+
+    where = redact_url(normalize_url(url))
+    return _no_ledger(
+        f"{where} holds no ledger tables; create them with "
+        f"{init_command(where, option='--db ')}, or point --db at a ledger database",
+        where, "schema_outdated", database_name(parse(url)[1]))
 
 
 def _no_ledger(message: str, where: str, problem: str, database: str | None

@@ -352,6 +352,59 @@ def test_an_in_memory_sqlite_database_is_refused_as_unreadable_not_as_a_missing_
     assert not (REPO / ":memory:").exists()
 
 
+@pytest.mark.postgres
+def test_with_a_read_url_the_primarys_missing_ledger_is_told_before_the_replicas(
+        pg_server: PgServer, pg_url: str, pg_empty_url: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With --read-url, a replica without the ledger was reported even when --db named a
+    database that does not exist: the operator fixed the replica first, which a replica of
+    nothing can never be. --db's own problem is told first (it is the one to fix), whichever
+    of the two has which problem; then, --db fixed, the replica's. A replica that holds the
+    ledger is read without touching --db, and a --db that cannot be reached leaves the
+    replica's problem to be told."""
+    from ledger.cli.ops_cmd import open_reader
+    from ledger.errors import DatabaseSetupError
+    from ledger.testing.pgserver import free_port
+
+    absent = pg_server.url("no_such_ledger")
+    replica_absent = pg_server.url("no_such_replica")
+    away = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/ledger"  # nothing listens
+    empty_name = pg_empty_url.rsplit("/", 1)[1]
+
+    def told(db: str, replica: str) -> str:
+        assert main(["--db", db, "--read-url", replica, "runs"]) == 2, (db, replica)
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.splitlines()) == 1, out
+        return out.err
+
+    # The primary missing, the replica empty: the missing primary.
+    err = told(absent, pg_empty_url)
+    assert 'database "no_such_ledger" does not exist' in err and "--read-url" not in err, err
+    # The other way round: the primary empty, the replica missing: the empty primary.
+    err = told(pg_empty_url, replica_absent)
+    assert "holds no ledger tables; create them with `failover-ledger db init --db " in err, err
+    assert "no_such_replica" not in err, err
+    for db, replica, problem, database in (
+            (absent, pg_empty_url, "database_missing", "no_such_ledger"),
+            (pg_empty_url, replica_absent, "schema_outdated", empty_name),
+            # --db fixed: now the replica's.
+            (pg_url, pg_empty_url, "schema_outdated", empty_name),
+            (pg_url, replica_absent, "database_missing", "no_such_replica"),
+            # --db away: the replica's problem is all there is to tell.
+            (away, pg_empty_url, "schema_outdated", empty_name)):
+        with pytest.raises(DatabaseSetupError) as caught:
+            open_reader(db, replica)
+        assert (caught.value.fields["problem"], caught.value.fields["database"]) == (
+            problem, database), (db, replica, caught.value)
+    err = told(pg_url, pg_empty_url)
+    assert "holds no ledger tables; point --read-url at a replica of the ledger's database" \
+        in err, err
+    # A replica holding the ledger is read whatever --db is: nothing connects to it.
+    assert main(["--db", away, "--read-url", pg_url, "runs"]) == 0
+    assert capsys.readouterr().err == ""
+    assert "no_such_ledger" not in pg_server.psql("SELECT datname FROM pg_database")
+
+
 def test_a_cursor_past_what_the_backend_binds_is_one_line_exit_2(sqlite_url: str) -> None:
     for args in (["costs", "--cursor", "o:99999999999999999999"],
                  ["costs", "--by", "tenant", "--budget-cursor", "o:99999999999999999999"],
