@@ -182,7 +182,8 @@ def snapshot_tx(sql: Statements, run_id: str, groups: Sequence[str], keys: Seque
     prov: dict[str, set[str]] = {}
     for ref, digest in (res[4] if refs else ()):
         prov.setdefault(ref, set()).add(digest)
-    unreceipted = tuple(row[0] for row in res[-1]) if turn_id is not None else ()
+    unreceipted = (tuple(row[0] for row in sorted(res[-1], key=lambda row: int(row[1])))
+                   if turn_id is not None else ())
     return SnapshotRows(run, projections, health, {k: frozenset(v) for k, v in prov.items()}, now,
                         unreceipted)
 

@@ -436,11 +436,12 @@ class Statements:
         _prov.c.ref, _prov.c.content_hash,
     ).where(_prov.c.run_id.in_(run_tree(p("root"))), in_list(_prov.c.ref, p("refs"))))
     # A turn's Attempts sent before it started and still without a receipt: the turn must
-    # not send that request again (invariant 6).
-    unreceipted = _stmt(lambda k, p=bindparam: select(_att.c.attempt_id).where(
+    # not send that request again (invariant 6). Unordered, with ``seq`` for the caller to
+    # sort: ordered by ``seq``, SQLite (no ANALYZE) walks the Run's whole (run_id, seq) index
+    # instead of the few rows (run_id, state) finds, on every turn of a long Run.
+    unreceipted = _stmt(lambda k, p=bindparam: select(_att.c.attempt_id, _att.c.seq).where(
         _att.c.run_id == p("run_id"), _att.c.turn_id == p("turn_id"),
-        or_(_att.c.state == lit("unknown"), _att.c.state == lit("dispatching")),
-    ).order_by(_att.c.seq))
+        or_(_att.c.state == lit("unknown"), _att.c.state == lit("dispatching"))))
 
     # -- locks ---------------------------------------------------------------------------------
 

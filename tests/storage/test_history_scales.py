@@ -597,3 +597,50 @@ def test_ledgers_opening_at_once_make_each_missing_partition_once(pg_url: str) -
     every = sorted(n for m in made for n in m)
     assert every == sorted(f"{t}_p2031{m:02d}" for t in ("attempts", "events")
                            for m in (3, 4, 5))
+
+
+# -- a long Run's turn -----------------------------------------------------------------------
+
+
+def test_a_turns_statements_cost_the_same_at_a_runs_thousandth_attempt_as_at_its_tenth(
+        tmp_path: Any) -> None:
+    """SQLite (no statistics) once read a turn's unreceipted Attempts through the Run's whole
+    (run_id, seq) index, so every turn of a long Run walked all its earlier Attempts. The work
+    SQLite's engine does for a turn (its virtual machine's steps, counted: deterministic, not
+    timed) must not grow with the Run's history."""
+    from decimal import Decimal
+
+    from ledger import Budget as B
+    from ledger.api.face import storage_of
+    from ledger.api.turn import SendResult, execute
+    from ledger.domain.envelope import Envelope, Part
+
+    ok = SendResult(ok=True, output="answer", prompt_tokens=1, completion_tokens=1,
+                    cost=Decimal(0), model_reported="m")
+    with Ledger.open(f"sqlite:///{tmp_path / 'l.db'}") as led:
+        led.admit_run("long", plan=[ROUTE], budget=B(max_calls=10_000, max_retries=0,
+                                                     max_cost=Decimal(1)))
+        lease = led.acquire_lease("long", ttl_s=3600)
+        steps = [0]
+
+        def counted() -> int:
+            steps[0] += 1
+            return 0
+
+        def turns(first: int, n: int) -> int:
+            conn = storage_of(led).driver.connection()  # the sync path runs on this thread
+            steps[0] = 0
+            conn.set_progress_handler(counted, 50)
+            try:
+                for i in range(first, first + n):
+                    execute(led, lease, Envelope(parts=[Part(content=f"q{i}")]),
+                            lambda _d: ok)
+            finally:
+                conn.set_progress_handler(None, 0)
+            return steps[0]
+
+        turns(0, 10)
+        early = turns(10, 10)
+        turns(20, 980)
+        late = turns(1000, 10)
+    assert late < early * 1.5, (early, late)
