@@ -147,6 +147,7 @@ def _cleared() -> dict[str, object]:
         "disabled_reason": None,
         "reset_at": None,
         "recent_failures": (),
+        "counted_at": None,
     }
 
 
@@ -259,10 +260,12 @@ def record_failure(
     A failure that neither cools nor disables (e.g. a Fased timeout) is not counted at all, so
     it cannot lengthen the next real cooldown. A failure inside an active window raises the
     count and recomputes the window from this failure — unless the policy does not count
-    overlapping failures and its Attempt began (``began_at``) before the key's last failure:
-    then it is the same outage, seen late by a request already in flight, and it restarts the
-    window with the count it has (as a same-route retry does). ``began_at`` ``None``: not known,
-    counted.
+    overlapping failures and its Attempt began (``began_at``) before the failure that counted
+    the key's current outage (``counted_at``): then it is the same outage, seen late by a
+    request already in flight, and it restarts the window with the count it has (as a
+    same-route retry does), leaving ``counted_at`` where it is. A request begun after that
+    failure (a probe, say) is new evidence and counted, however many restarts came since.
+    ``began_at`` ``None``: not known, counted.
     """
     effect = cooldown_effect(category, provider, Source.PROVIDER, policy)
     if effect is CooldownEffect.NONE:
@@ -287,6 +290,7 @@ def _count(h: Health, category: Category, effect: CooldownEffect, *, provider: s
         "error_count": n,
         "failure_counts": counts,
         "last_failure_at": now,
+        "counted_at": now,
         "recent_failures": (),
     }
     rule = _disable_rule(category, policy.health)
@@ -348,19 +352,28 @@ def record_repeat(
 def _overlapping(health: Health, began_at: float | None, now: float, hp: HealthPolicy) -> bool:
     """Whether an outcome is of a request that was in flight when an outage already counted began.
 
-    Its Attempt began before the key's last failure, and the window that failure set is still
-    running: every worker's request in flight when the route went dark would otherwise step
-    the curve once more on failing, and one short burst would cool it for the cap; or, on
+    Its Attempt began before the failure that counted the outage, and the outage's window is
+    still running: every worker's request in flight when the route went dark would otherwise
+    step the curve once more on failing, and one short burst would cool it for the cap; or, on
     succeeding, reopen it for every worker while it is still dark.
+
+    Measured from the counting failure (``counted_at``), not the latest one: each overlapping
+    failure restarts the window and moves ``last_failure_at``, and a probe begun after the
+    count but before such a restart is evidence about the route since the outage, not from
+    before it. A row kept before ``counted_at`` existed falls back to ``last_failure_at``.
     """
+    counted = health.counted_at if health.counted_at is not None else health.last_failure_at
     return (not hp.count_overlapping_failures and began_at is not None
-            and health.error_count > 0 and health.last_failure_at is not None
-            and began_at < health.last_failure_at and not is_available(health, now))
+            and health.error_count > 0 and counted is not None
+            and began_at < counted and not is_available(health, now))
 
 
 def _restart(health: Health, category: Category, *, provider: str | None, now: float,
              policy: Policy) -> Health:
     """The window restarts from this failure with the count the key has; nothing is counted.
+
+    ``last_failure_at`` moves to this failure; ``counted_at`` stays on the failure that counted
+    the outage, so what overlaps it does not move with each restart.
 
     A disable this category's rule has not counted yet is a different failure, not a repeat:
     it is counted.
@@ -387,10 +400,12 @@ def record_success(health: Health, now: float, policy: Policy,
     a healthy key that changes nothing else leaves the row as it is (and settle skips it).
 
     Unless the policy counts overlapping failures, a success of an Attempt that began
-    (``began_at``) before the key's last failure, while the window that failure set still runs,
-    clears nothing: it is evidence from before the outage (a long stream sent before the route
-    went dark), and clearing on it would reopen the route to every worker at once. It is the
-    mirror of :func:`record_failure`'s overlap rule. ``began_at`` ``None``: not known, it clears.
+    (``began_at``) before the failure that counted the key's current outage (``counted_at``),
+    while the outage's window still runs, clears nothing: it is evidence from before the
+    outage (a long stream sent before the route went dark), and clearing on it would reopen
+    the route to every worker at once. A success of one begun after it (a probe) clears, even
+    when failures of requests in flight restarted the window since. It is the mirror of
+    :func:`record_failure`'s overlap rule. ``began_at`` ``None``: not known, it clears.
     """
     hp = policy.health
     update: dict[str, object] = {}

@@ -62,10 +62,10 @@ def health_updates(
 
     ``repeat``: the Attempt was a same-route retry of a failure this request already counted;
     its failure restarts the key's window instead of counting again (``record_repeat``).
-    ``began_at``: when the Attempt began; a failure of one begun before the key's last failure
-    was in flight through that outage, and its success is evidence from before it
-    (``health.count_overlapping_failures``). ``None``: not known, counted (a failure) or
-    clearing (a success) as every outcome does.
+    ``began_at``: when the Attempt began; a failure of one begun before the failure that
+    counted the key's outage (``Health.counted_at``) was in flight through that outage, and
+    its success is evidence from before it (``health.count_overlapping_failures``). ``None``:
+    not known, counted (a failure) or clearing (a success) as every outcome does.
     """
     out: dict[str, tuple[str, str | None, HealthUpdate]] = {}
     update = _health_update(policy, route, outcome, fact, now, repeat, began_at)

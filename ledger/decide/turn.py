@@ -959,7 +959,7 @@ class TurnLoop:
 
         ``times``: the send's first byte and first token, in seconds from the begin;
         ``began_at``: when the Attempt began (its health update reads it: an outcome of a
-        request in flight when the key's last failure was counted is of that outage);
+        request in flight when the key's outage was counted is of that outage);
         ``keep_profile``: a success leaves the Run's (user-pinned) profile as it is.
 
         A settle the database does not take raises its ``DatabaseUnavailable`` unchanged

@@ -263,6 +263,11 @@ class Health(StrictModel):
     error_count: Count = 0
     failure_counts: dict[Text, Count] = Field(default_factory=dict)
     last_failure_at: Instant | None = None
+    # The failure that counted the current outage (stepped ``error_count``); a failure of the
+    # same outage restarts the window and moves ``last_failure_at``, not this. An Attempt that
+    # began before it overlaps the outage (``health.count_overlapping_failures``); ``None``
+    # with counters: a row written before it was kept, read as ``last_failure_at``.
+    counted_at: Instant | None = None
     last_used: Instant | None = None
     last_probe_at: Instant | None = None
     # When the counters reset by themselves under the policy that counted the last failure

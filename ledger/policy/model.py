@@ -560,12 +560,13 @@ class HealthPolicy(_Section):
     # not step the cooldown up (GoClaw: "when every try fails, the request fails, or moves on,
     # with the error it failed with before").
     count_same_route_retries: StrictBool = False
-    # Whether a failure of a request that was already in flight when the key's last failure was
+    # Whether a failure of a request that was already in flight when the key's outage was
     # counted steps the cooldown again. True (GoClaw and Fased: every failure counts): N workers
     # caught by one outage step the curve N times. False: such a failure restarts the running
-    # window with the count it has; only a request begun after the last failure steps it. Its
-    # success likewise is evidence from before the outage: it leaves the key cooling (only a
-    # success of a request begun after the last failure clears it).
+    # window with the count it has; only a request begun after the counting failure
+    # (Health.counted_at, which a restart leaves) steps it. Its success likewise is evidence from
+    # before the outage: it leaves the key cooling (only a success of a request begun after the
+    # counting failure clears it).
     count_overlapping_failures: StrictBool = True
 
     @field_validator("cooldown_after", mode="before")

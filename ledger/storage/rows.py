@@ -152,6 +152,7 @@ def health_record(row: Any) -> Health:
         error_count=row.error_count,
         failure_counts=json.loads(row.failure_counts or "{}"),
         last_failure_at=row.last_failure_at,
+        counted_at=row.counted_at,
         last_used=row.last_used,
         last_probe_at=row.last_probe_at,
         reset_at=row.reset_at,

@@ -254,6 +254,8 @@ health = Table(
     Column("error_count", Integer, nullable=False, default=0),
     Column("failure_counts", Text, nullable=False),  # JSON {reason: n}
     Column("last_failure_at", _T, nullable=True),
+    # The failure that counted the current outage (0019); NULL on older rows: last_failure_at.
+    Column("counted_at", _T, nullable=True),
     Column("last_used", _T, nullable=True),
     Column("last_probe_at", _T, nullable=True),
     # When the counters reset by themselves under the policy that counted them (reads apply it).

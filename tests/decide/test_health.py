@@ -212,6 +212,50 @@ def test_a_success_begun_after_the_last_failure_clears_the_cooldown() -> None:
         assert is_available(cleared, 120.0)
 
 
+def _restarted_after_a_probe_began() -> Health:
+    """Cooling since its counting failure at 100; a probe begins at 130; a request in flight
+    since 99 fails at 140, the same outage: the window restarts from 140, unstepped."""
+    h = _cooling_from_100(DOMAIN)
+    h = record_failure(h, Category.OVERLOADED, provider="x", now=140.0, policy=DOMAIN,
+                       began_at=99.0)
+    assert (h.error_count, h.counted_at, h.last_failure_at, h.cooldown_until) == (
+        1, 100.0, 140.0, 200.0)
+    return h
+
+
+def test_a_probe_begun_after_the_counting_failure_clears_though_a_late_failure_restarted_it(
+) -> None:
+    # The probe began at 130, after the outage was counted (100) and before the in-flight
+    # failure that restarted the window (140): its success says the route is back.
+    h = record_success(_restarted_after_a_probe_began(), 150.0, DOMAIN, began_at=130.0)
+    assert (h.error_count, h.cooldown_until, h.counted_at) == (0, None, None)
+    assert is_available(h, 150.0)
+    # One in flight since before the count still clears nothing, however late it answers.
+    h = _restarted_after_a_probe_began()
+    assert record_success(h, 150.0, DOMAIN, began_at=99.0) == h
+
+
+def test_a_probe_begun_after_the_counting_failure_steps_the_curve_when_it_fails() -> None:
+    h = record_failure(_restarted_after_a_probe_began(), Category.OVERLOADED, provider="x",
+                       now=150.0, policy=DOMAIN, began_at=130.0)
+    assert (h.error_count, h.counted_at, h.last_failure_at, h.cooldown_until) == (
+        2, 150.0, 150.0, 450.0)
+    # The outage is counted again at 150: a request begun at 145 now overlaps it.
+    again = record_failure(h, Category.OVERLOADED, provider="x", now=155.0, policy=DOMAIN,
+                           began_at=145.0)
+    assert (again.error_count, again.counted_at, again.cooldown_until) == (2, 150.0, 455.0)
+
+
+def test_a_row_kept_before_counted_at_existed_measures_the_overlap_from_its_last_failure(
+) -> None:
+    # Migration 0019 leaves counted_at NULL: such a row behaves as it did before.
+    h = _restarted_after_a_probe_began().model_copy(update={"counted_at": None})
+    assert record_success(h, 150.0, DOMAIN, began_at=130.0) == h
+    h = record_failure(h, Category.OVERLOADED, provider="x", now=150.0, policy=DOMAIN,
+                       began_at=130.0)
+    assert (h.error_count, h.counted_at, h.cooldown_until) == (1, None, 210.0)
+
+
 def test_a_success_whose_begin_is_unknown_clears_the_cooldown() -> None:
     h = record_success(_cooling_from_100(DOMAIN), 120.0, DOMAIN)
     assert (h.error_count, h.cooldown_until) == (0, None)
