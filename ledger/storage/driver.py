@@ -340,7 +340,13 @@ def _rollback(conn: sqlite3.Connection) -> None:
 class PgDriver:
     """psycopg 3 connections of the store's pool (:class:`~ledger.storage.pgpool.PgPool`),
     blocking and asyncio, in autocommit mode with the transaction's ``BEGIN`` and ``COMMIT``
-    pipelined with its statements."""
+    pipelined with its statements.
+
+    A transaction that fails leaves no transaction open on its connection (it is rolled back)
+    or closes it; a connection that ends closed, whether the server or the network closed it
+    or the abort had to, goes back as a dropped one (:meth:`PgPool.lost
+    <ledger.storage.pgpool.PgPool.lost>`: its idle neighbours are drained), read in one place
+    for both drivers (:class:`_Failed`)."""
 
     def __init__(self, pool: PgPool) -> None:
         self.pool = pool
@@ -360,16 +366,13 @@ class PgDriver:
         try:
             return self._feed(conn, tx, committing)
         except BaseException as e:
-            # The server (or the network) ended it, not the abort; or it is a standby's.
-            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
-            dropped = conn.closed or standby
-            answered = _answered(e, conn)  # before the abort ends what it reads
+            failed = _Failed(e, conn, committing)  # before the abort ends what it reads
             _abort(conn)
-            if standby:
-                raise standby_error(e, self.where) from e
-            if isinstance(e, psycopg.Error):
-                raise committing.told(driver_error(e, self.where), answered, conn) from e
-            raise
+            dropped = failed.dropped(conn)
+            told = failed.told(conn, self.where)
+            if told is e:
+                raise
+            raise told from e
         finally:
             if dropped:
                 self.pool.lost(conn)  # the idle ones beside it are as suspect
@@ -427,16 +430,13 @@ class PgDriver:
         try:
             return await self._afeed(conn, tx, committing)
         except BaseException as e:
-            # The server (or the network) ended it, not the abort; or it is a standby's.
-            standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
-            dropped = conn.closed or standby
-            answered = _answered(e, conn)  # before the abort ends what it reads
+            failed = _Failed(e, conn, committing)
             await _aabort(conn)
-            if standby:
-                raise standby_error(e, self.where) from e
-            if isinstance(e, psycopg.Error):
-                raise committing.told(driver_error(e, self.where), answered, conn) from e
-            raise
+            dropped = failed.dropped(conn)
+            told = failed.told(conn, self.where)
+            if told is e:
+                raise
+            raise told from e
         finally:
             if dropped:
                 await self.pool.alost(conn)
@@ -535,6 +535,43 @@ class _Committing:
         if self.write and self.sent and not known and isinstance(err, DatabaseUnavailable):
             err.fields["commit"] = "unknown"
         return err
+
+
+class _Failed:
+    """A PostgreSQL transaction's error as the sync and the async driver read it, once: what
+    it says is read before the abort ends what it reads, where the connection goes after it.
+    """
+
+    __slots__ = ("answered", "committing", "error", "standby")
+
+    def __init__(self, e: BaseException, conn: Any, committing: _Committing) -> None:
+        import psycopg
+
+        self.error = e
+        self.committing = committing
+        self.standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+        self.answered = _answered(e, conn)
+
+    def dropped(self, conn: Any) -> bool:
+        """Whether ``conn``, after the abort, goes as a dropped connection does
+        (:meth:`~ledger.storage.pgpool.PgPool.lost`: the idle ones beside it are drained, the
+        next checkout connects by itself): it ended closed, whether the server or the network
+        closed it or the abort had to (``cannot exit pipeline mode while busy``, a connection
+        still busy with a pipeline: the same server restart or termination may have ended its
+        idle neighbours too), or its server is a standby."""
+        return bool(self.standby or conn.closed)
+
+    def told(self, conn: Any, where: str) -> BaseException:
+        """What the caller is told (after the abort): a standby's refusal, the ledger error a
+        driver error means (:meth:`_Committing.told`), or the exception itself."""
+        import psycopg
+
+        e = self.error
+        if self.standby:
+            return standby_error(e, where)
+        if isinstance(e, psycopg.Error):
+            return self.committing.told(driver_error(e, where), self.answered, conn)
+        return e
 
 
 # SQLSTATEs that end the session rather than answer a statement: a connection exception

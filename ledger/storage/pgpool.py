@@ -15,7 +15,10 @@ pool bounds, checks and closes every connection a store holds to its database:
   file, means it is gone); one idle longer than :data:`IDLE_CHECK_S` is asked (one round
   trip). A connection found dead (the server was restarted, failed over, or terminated the
   session) is never used: it is closed, the idle ones beside it go too (the server that
-  dropped one dropped them all), and the pool opens new ones;
+  dropped one dropped them all), and the pool opens new ones. So it is with a connection a
+  transaction left closed (:meth:`PgPool.lost`), whether psycopg saw the server end it or the
+  driver's abort had to close it (a session ended mid-pipeline, reported before psycopg saw
+  the end: ``cannot exit pipeline mode while busy``);
 * **errors told at once**: psycopg_pool opens connections in its own workers, and a caller
   waiting for one only learns of a timeout. So until a connection has been seen working (at
   the first checkout; after one was found dead or failed, or the pool's worker failed to
@@ -354,9 +357,11 @@ class PgPool:
         return True
 
     def lost(self, conn: Any) -> None:
-        """``conn`` was found dead, or failed: it goes, the idle ones beside it go too (the
-        server that dropped one dropped them all), and the next checkout connects by itself
-        until a connection is seen working again."""
+        """``conn`` was found dead, or failed and ended closed (the server or the network
+        closed it, or the driver's abort had to: :class:`~ledger.storage.driver.PgDriver`), or
+        its server is a standby: it goes, the idle ones beside it go too (the server that
+        dropped one dropped them all), and the next checkout connects by itself until a
+        connection is seen working again."""
         self._proven = False
         pool = conn._ledger_pool
         if pool is not None and not pool.closed:

@@ -52,9 +52,11 @@ from ledger import (
     faults,
 )
 from ledger.adapters import ATTEMPT_HEADER
-from ledger.domain.records import AttemptRecord, AttemptState, DebitState
+from ledger.api.face import storage_of
+from ledger.domain.records import AttemptRecord, AttemptState, DebitState, Lease
 from ledger.errors import DatabaseUnavailable, NotFound
 from ledger.ops.reconcile import reconcile
+from ledger.storage.pgpool import arelease, release
 from ledger.testing import FakeProvider, Fault
 from ledger.testing.pgserver import PgServer
 from tests import fakeplan
@@ -528,3 +530,54 @@ def test_a_begin_that_failed_before_its_commit_was_sent_is_told_as_not_landed(
         assert run.reserved == 0 and run.lease_holder is None
         assert run.status is RunStatus.FAILED
         assert led.events("r-1", ["commit_unknown"]) == []
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_connection_the_abort_had_to_close_goes_as_a_dropped_one_draining_its_idle_neighbours(
+    books: Books, mode: str
+) -> None:
+    """A session terminated between a begin's COMMIT and the answer to its Sync surfaces while
+    psycopg has not yet seen the connection end; the abort cannot end the transaction on it and
+    closes it. It is a dropped connection all the same: the pool drains the idle connections
+    beside it (the same restart or termination may have ended them), as it does for one the
+    server was seen to drop, and never lends them again."""
+    url = books.cutter.url(books.db)
+
+    def begin(led: Any, lease: Lease) -> Any:
+        return led.begin_attempt(lease, route="primary", envelope_hash="sha256:e",
+                                 reserve="0.1", attempt_id="att-cut")
+
+    if mode == "sync":
+        with Ledger.open(url) as led:
+            led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+            lease = led.acquire_lease("r", ttl_s=TTL_S)  # the pool is proven: it lends now
+            pool = storage_of(led).driver.pool
+            idle = [pool.checkout() for _ in range(3)]
+            for conn in idle:
+                release(conn)
+            assert not any(c.closed for c in idle)
+            books.cutter.arm_kind("begin", "terminated")
+            with pytest.raises(DatabaseUnavailable) as err:
+                begin(led, lease)
+            books.cutter.arm()
+            error, closed = err.value, [c.closed for c in idle]
+    else:
+        async def main() -> tuple[DatabaseUnavailable, list[bool]]:
+            async with AsyncLedger.open(url) as led:
+                await led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+                lease = await led.acquire_lease("r", ttl_s=TTL_S)
+                pool = storage_of(led).driver.pool
+                idle = [await pool.acheckout() for _ in range(3)]
+                for conn in idle:
+                    await arelease(conn)
+                assert not any(c.closed for c in idle)
+                books.cutter.arm_kind("begin", "terminated")
+                with pytest.raises(DatabaseUnavailable) as err:
+                    await begin(led, lease)
+                books.cutter.arm()
+                return err.value, [c.closed for c in idle]
+
+        error, closed = asyncio.run(main())
+    assert error.fields["commit"] == "unknown"
+    assert closed == [True, True, True], "the idle neighbours of the closed one stayed in the pool"
