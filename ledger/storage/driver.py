@@ -24,7 +24,11 @@ statement of the transaction on a connection it still serves (a SQLSTATE of seve
 ``ERROR``: a serialization failure, a deadlock): a lost connection, and also a session the
 server terminated while psycopg had not yet seen the connection end (a ``FATAL``, or
 ``cannot exit pipeline mode while busy``), since the ``COMMIT`` may have been carried out
-before it. Statements are compiled once
+before it. An exception that is not the driver's raised while the ``COMMIT``'s answer is
+awaited (an interruption: ``KeyboardInterrupt``, ``asyncio.CancelledError``) is raised
+unchanged, never swallowed nor turned into a ledger error, with a note saying that the write's
+outcome is unknown and that the same call again (the same ids) learns it: no resolution runs
+before an interruption reaches its caller. Statements are compiled once
 per database from the schema (:mod:`ledger.storage.statements`) and executed through each
 driver's public API, with named parameters on SQLite and positional ones on psycopg, which
 prepares the repeated ones on the server. What differs between the databases is the driver
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import sqlite3
 import threading
@@ -51,6 +56,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+log = logging.getLogger("ledger.storage")
 
 
 class Statement(Protocol):
@@ -393,7 +399,7 @@ class PgDriver:
                 return stop.value  # type: ignore[no-any-return]
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
-            committing.sent = commit
+            committing.sent, committing.done = commit, False
             kept = _kept_cursors(conn)
             with conn.pipeline():
                 cursors: list[tuple[Any, bool]] = []
@@ -409,6 +415,7 @@ class PgDriver:
                     cursors.append((cur, stmt.rows and not q.many))
                 if commit:
                     _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
+            committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
             committed = committed or commit
             rows = [cur.fetchall() if fetch else [] for cur, fetch in cursors]
@@ -457,7 +464,7 @@ class PgDriver:
                 return stop.value  # type: ignore[no-any-return]
             items = (step,) if isinstance(step, Q) else step.items
             commit = isinstance(step, Flush) and step.commit
-            committing.sent = commit
+            committing.sent, committing.done = commit, False
             kept = _kept_cursors(conn)
             async with conn.pipeline():
                 cursors: list[tuple[Any, bool]] = []
@@ -473,6 +480,7 @@ class PgDriver:
                     cursors.append((cur, stmt.rows and not q.many))
                 if commit:
                     await _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
+            committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
             committed = committed or commit
             rows = [await cur.fetchall() if fetch else [] for cur, fetch in cursors]
@@ -510,7 +518,8 @@ def _cursor(conn: Any, kept: dict[Any, Any], key: Any, busy: list[tuple[Any, boo
 
 
 class _Committing:
-    """Whether a writing transaction's ``COMMIT`` was handed to the connection (``sent``).
+    """Whether a writing transaction's ``COMMIT`` was handed to the connection (``sent``), and
+    whether its answer was read since (``done``: it committed).
 
     An error after that leaves the outcome unknown — the server may have received the
     ``COMMIT`` and made it durable, or not, and only a read under the Run's row lock, once the
@@ -521,11 +530,12 @@ class _Committing:
     read's outcome needs no telling.
     """
 
-    __slots__ = ("sent", "write")
+    __slots__ = ("done", "sent", "write")
 
     def __init__(self, write: bool) -> None:
         self.write = write
         self.sent = False
+        self.done = False
 
     def told(self, err: LedgerError, answered: bool, conn: Any) -> LedgerError:
         """``err``, marked ``commit="unknown"`` when the ``COMMIT`` was sent and the error was
@@ -535,6 +545,38 @@ class _Committing:
         if self.write and self.sent and not known and isinstance(err, DatabaseUnavailable):
             err.fields["commit"] = "unknown"
         return err
+
+    def interrupted(self, e: BaseException, where: str) -> None:
+        """Note on ``e``, an exception not of the driver (an interruption such as
+        ``KeyboardInterrupt`` or ``asyncio.CancelledError``, or any other), that it came while
+        the write's ``COMMIT`` had been sent and its answer not yet read, so the outcome is
+        unknown; ``e`` itself is raised unchanged, never swallowed. (psycopg asks the server to
+        cancel the statement it is interrupted in; the request may come after the ``COMMIT``
+        was carried out.) One raised once the answer was read comes after a commit: it is the
+        caller's, as anything raised past a commit point is.
+
+        No resolution runs here: resolving is another transaction, which waits for the Run's
+        row lock (up to the lock timeout, or for a database that is away) before the
+        interruption would reach its caller. The turn and a Run session learn the outcome of
+        their own writes themselves (the same write again, or shielded); a host's own call
+        learns it by making the same call again (:data:`INTERRUPTED_NOTE`).
+        """
+        if not (self.write and self.sent) or self.done:
+            return
+        log.warning("a write's COMMIT was sent when %s interrupted it, on %s: whether it "
+                    "committed is unknown", type(e).__name__, where)
+        e.add_note(INTERRUPTED_NOTE)
+
+
+#: The note an exception that is not the driver's carries when it came while a write's
+#: ``COMMIT`` had been sent and its answer not yet read (:meth:`_Committing.interrupted`).
+INTERRUPTED_NOTE = (
+    "ledger: commit unknown: this write's COMMIT had been sent to PostgreSQL when the "
+    "interruption came, so it may have committed or not. The ledger's turn and Run session "
+    "resolve their own writes before the interruption reaches you; for a call of your own "
+    "(begin_attempt, settle_attempt, acquire_lease, renew_lease, release_lease, finish_run, "
+    "...) make the same call again with the same ids (the same attempt_id for a begin): it is "
+    "the same write, found done or done now")
 
 
 class _Failed:
@@ -563,7 +605,8 @@ class _Failed:
 
     def told(self, conn: Any, where: str) -> BaseException:
         """What the caller is told (after the abort): a standby's refusal, the ledger error a
-        driver error means (:meth:`_Committing.told`), or the exception itself."""
+        driver error means (:meth:`_Committing.told`), or the exception itself, noted when it
+        came while a write's ``COMMIT`` awaited its answer (:meth:`_Committing.interrupted`)."""
         import psycopg
 
         e = self.error
@@ -571,6 +614,7 @@ class _Failed:
             return standby_error(e, where)
         if isinstance(e, psycopg.Error):
             return self.committing.told(driver_error(e, where), self.answered, conn)
+        self.committing.interrupted(e, where)
         return e
 
 

@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -581,3 +583,112 @@ def test_a_connection_the_abort_had_to_close_goes_as_a_dropped_one_draining_its_
         error, closed = asyncio.run(main())
     assert error.fields["commit"] == "unknown"
     assert closed == [True, True, True], "the idle neighbours of the closed one stayed in the pool"
+
+
+def _same_write(led: Any, point: str, lease: Lease | None) -> Any:
+    """The host's own write at ``point`` (a coroutine on an AsyncLedger): the same again is
+    the same write."""
+    if point == "begin":
+        assert lease is not None
+        return led.begin_attempt(lease, route="primary", envelope_hash="sha256:e",
+                                 reserve="0.1", attempt_id="att-1")
+    if point == "settle":
+        assert lease is not None
+        return led.settle_attempt(lease, "att-1", outcome="succeeded", cost="0.05")
+    return led.acquire_lease("r", ttl_s=TTL_S)
+
+
+def _when_it_waits(books: Books, interrupt: Callable[[], None]) -> threading.Thread:
+    """A thread that calls ``interrupt`` once a statement of the database waits for a row
+    lock (the settle's COMMIT pipeline, behind :func:`_locking`'s session)."""
+    import psycopg
+
+    def watch() -> None:
+        with psycopg.connect(f"host=127.0.0.1 port={books.pg_server.port} "
+                             f"dbname={books.db} user=postgres", autocommit=True) as conn:
+            while True:
+                row = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted "
+                                   "AND pid <> pg_backend_pid()").fetchone()
+                if row is not None and row[0]:
+                    break
+        interrupt()
+
+    thread = threading.Thread(target=watch, daemon=True, name="interrupter")
+    thread.start()
+    return thread
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)  # a settle that never waited on the lock would wait for ever
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_interruption_while_a_commit_awaits_its_answer_says_its_outcome_is_unknown(
+    books: Books, mode: str
+) -> None:
+    """A host's own settle whose COMMIT pipeline waits on a row lock another session holds is
+    interrupted while it waits: a ``KeyboardInterrupt`` (a real SIGINT) on the blocking ledger,
+    a cancellation on the asyncio one. psycopg then asks the server to cancel the statement, a
+    request that may arrive before the COMMIT is carried out or after it: the outcome is
+    unknown. The interruption propagates unchanged, never swallowed, and says so; the same call
+    again, under the Run's row lock, finds the settle done or does it: recorded once."""
+    url = books.pg_server.url(books.db)
+    seen: list[BaseException] = []
+    if mode == "sync":
+        with Ledger.open(url) as led:
+            led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+            lease = led.acquire_lease("r", ttl_s=TTL_S)
+            _same_write(led, "begin", lease)
+            holder = _locking(books, "SELECT 1 FROM debits WHERE attempt_id = 'att-1' "
+                                     "FOR UPDATE")
+            main = threading.main_thread().ident
+            assert main == threading.get_ident()
+            try:
+                watcher = _when_it_waits(books,
+                                         lambda: signal.pthread_kill(main, signal.SIGINT))
+                with pytest.raises(KeyboardInterrupt) as caught:
+                    _same_write(led, "settle", lease)
+                watcher.join(30)
+                seen.append(caught.value)
+            finally:
+                holder.rollback()
+                holder.close()
+            done = _same_write(led, "settle", lease)  # the same write: found done, or done
+            assert done.state is AttemptState.SUCCEEDED
+            led.release_lease(lease)
+    else:
+        async def amain() -> None:
+            async with AsyncLedger.open(url) as led:
+                await led.admit_run("r", plan=plan_routes(), budget=BUDGET, grant=GRANT)
+                lease = await led.acquire_lease("r", ttl_s=TTL_S)
+                await _same_write(led, "begin", lease)
+                holder = _locking(books, "SELECT 1 FROM debits WHERE attempt_id = 'att-1' "
+                                         "FOR UPDATE")
+
+                async def host() -> None:
+                    try:
+                        await _same_write(led, "settle", lease)
+                    except asyncio.CancelledError as e:
+                        seen.append(e)  # as the host's own code sees it
+                        raise
+
+                try:
+                    task = asyncio.ensure_future(host())
+                    loop = asyncio.get_running_loop()
+                    watcher = _when_it_waits(books, lambda: loop.call_soon_threadsafe(
+                        task.cancel))
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    watcher.join(30)
+                finally:
+                    holder.rollback()
+                    holder.close()
+                done = await _same_write(led, "settle", lease)
+                assert done.state is AttemptState.SUCCEEDED
+                await led.release_lease(lease)
+
+        asyncio.run(amain())
+    [interrupted] = seen
+    notes = "\n".join(getattr(interrupted, "__notes__", []))
+    assert "commit unknown" in notes and "make the same call again" in notes, notes
+    run = books.led.get_run("r")
+    assert run.calls_used == 1 and run.posted == Decimal("0.05") and run.reserved == 0
+    assert run.lease_holder is None
