@@ -6,8 +6,9 @@ forwarding it (the commit lands, its acknowledgement is lost), instead of forwar
 never lands; the ledger cannot tell the two apart), or by ending the session the way
 ``pg_terminate_backend`` does between the server's COMMIT and its answer to the pipeline's
 Sync (the commit lands; the client reads its success, then a FATAL on a connection not yet
-seen closed, which psycopg raises as ``cannot exit pipeline mode while busy``: no answer of
-the server to a statement, so the outcome is unknown too). For every n — every commit of a Run
+seen closed, which psycopg reports before it has seen the end, today as ``cannot exit
+pipeline mode while busy``; no answer of the server to a statement, so the outcome is unknown
+too). For every n — every commit of a Run
 session's entry, of a plain and of a failover turn, and of the session's exit — on the sync and
 the async ledger, the books are checked against what the fake provider received:
 
@@ -258,8 +259,9 @@ def test_a_write_whose_session_is_terminated_after_its_commit_is_never_told_unwr
     books: Books, mode: str, kind: str
 ) -> None:
     """``pg_terminate_backend`` landing between a write's COMMIT and the server's answer to
-    its pipeline's Sync: the commit is durable, and psycopg raises ``cannot exit pipeline mode
-    while busy`` on a connection it has not yet seen closed. That is no answer of the server to
+    its pipeline's Sync: the commit is durable, and psycopg reports an error on a connection it
+    has not yet seen closed (today ``cannot exit pipeline mode while busy``; the test does not
+    depend on the wording). That is no answer of the server to
     a statement, so the write's outcome is unknown and is resolved under the Run's row lock: an
     acquire, settle or release goes on as if nothing happened, and the turn's begin is told
     ``landed=True`` and ends ``not_sent`` with nothing held — never ``landed=False`` with its
@@ -269,9 +271,16 @@ def test_a_write_whose_session_is_terminated_after_its_commit_is_never_told_unwr
     assert out.cut == kind
     _check_books(out, "terminated")
     if kind == "begin":
+        # What holds, whatever psycopg's (or libpq's) wording for a session ended in the middle
+        # of its pipeline: the driver's error, told commit unknown, resolved under the row
+        # lock, and told landed (it did).
+        import psycopg
+
         assert isinstance(out.error, DatabaseUnavailable)
-        assert out.error.fields["commit"] == "unknown"
-        assert "cannot exit pipeline mode while busy" in str(out.error.__cause__)
+        assert isinstance(out.error.__cause__, psycopg.Error)
+        fields = out.error.fields
+        assert fields["commit"] == "unknown"
+        assert fields["resolved"] is True and fields["landed"] is True
 
 
 

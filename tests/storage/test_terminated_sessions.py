@@ -4,7 +4,8 @@ Run sessions (entry, one turn, exit) go on one after another while another sessi
 ``pg_terminate_backend`` on the ledger's connections every few milliseconds, as an operator's
 script, a connection pooler or a failover manager may. A backend terminated around a
 ``COMMIT`` can end it either way, and psycopg may report it before it has seen the connection
-close (``cannot exit pipeline mode while busy``, or the ``FATAL`` itself): the ledger must
+close (today as ``cannot exit pipeline mode while busy``, or as the ``FATAL`` itself; nothing
+here depends on the wording): the ledger must
 treat every such outcome as unknown and resolve it under the Run's row lock, never tell it
 ``landed=False`` unread. Once the database answers again (the terminations stop, the ledger
 closes):
