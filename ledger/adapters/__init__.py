@@ -27,7 +27,13 @@ from ledger.adapters.contract import (
     codec_for,
     register_codec,
 )
-from ledger.adapters.runner import async_sender, output_part, sync_sender, to_send_result
+from ledger.adapters.runner import (
+    async_sender,
+    output_part,
+    output_parts,
+    sync_sender,
+    to_send_result,
+)
 from ledger.adapters.secrets import (
     EnvSecretProvider,
     SecretProvider,
@@ -71,6 +77,7 @@ __all__ = [
     "map_transport_error",
     "openai_responses",
     "output_part",
+    "output_parts",
     "redact",
     "register_codec",
     "register_secret",
