@@ -4,6 +4,9 @@ Precedence (the conformance rules, for every preset): caller facts; a local 429;
 kind; context overflow; the provider's structured error field; the HTTP status; free-text
 patterns; else ``unknown``. Which codes, statuses and patterns map where is policy data.
 
+The retry hint is the longest of ``Retry-After``, ``retry-after-ms``, ``x-ms-retry-after-ms`` and
+Gemini's ``RetryInfo``; a wait named only in the message's text is not read.
+
 Every text a fact carries (``message``, ``provider_code``) has been through
 :func:`ledger.redaction.redact`; decisions read the unredacted observation.
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from ledger.decide.health import cooldown_effect
-from ledger.decide.hints import gemini_retry_delay, parse_retry_after
+from ledger.decide.hints import gemini_retry_delay, parse_retry_after, parse_retry_after_ms
 from ledger.domain.facts import (
     Category,
     FailureFact,
@@ -187,6 +190,10 @@ def _retry_after(
         h
         for h in (
             parse_retry_after(obs.header("Retry-After"), now=now, date=obs.header("Date")),
+            # OpenAI's and Azure's millisecond forms, which their SDKs read first: Azure OpenAI
+            # may send nothing else.
+            parse_retry_after_ms(obs.header("retry-after-ms")),
+            parse_retry_after_ms(obs.header("x-ms-retry-after-ms")),
             err.retry_delay_s,
         )
         if h is not None and math.isfinite(h) and h >= 0

@@ -1,4 +1,7 @@
-"""Wait hints a provider sends with a failure: ``Retry-After`` and Gemini's ``RetryInfo``.
+"""Wait hints a provider sends with a failure.
+
+``Retry-After`` (delta-seconds or an HTTP-date), its millisecond forms (``retry-after-ms``,
+``x-ms-retry-after-ms``) and Gemini's ``RetryInfo``.
 
 Every parser here is total: garbage, negative or absurd input yields ``None`` (no usable hint),
 never an exception, because a hint is advisory and a malformed one must not lose the failure.
@@ -65,6 +68,22 @@ def parse_retry_after(
     return max(0.0, at - ref)
 
 
+def parse_retry_after_ms(value: str | None) -> float | None:
+    """Seconds to wait from a ``retry-after-ms`` or ``x-ms-retry-after-ms`` value.
+
+    Milliseconds as a non-negative decimal number, the form OpenAI and Azure OpenAI send and
+    their SDKs read before ``Retry-After`` (Azure may send only this). No date form exists; the
+    same length bound as ``Retry-After`` applies, and anything else is ``None``.
+    """
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not text or len(text) > _MAX_HEADER or not _DELTA.fullmatch(text):
+        return None
+    seconds = float(text) / 1000.0
+    return seconds if math.isfinite(seconds) else None
+
+
 def _proto_duration(value: Any) -> float | None:
     """A protobuf Duration in its JSON form ("8s", "1.5s") or as {seconds, nanos}."""
     if isinstance(value, str):
@@ -103,4 +122,4 @@ def gemini_retry_delay(error: Any) -> float | None:
     return None
 
 
-__all__ = ["gemini_retry_delay", "parse_retry_after"]
+__all__ = ["gemini_retry_delay", "parse_retry_after", "parse_retry_after_ms"]

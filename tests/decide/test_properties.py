@@ -17,7 +17,7 @@ from ledger.decide.health import (
     record_failure,
     unavailable_until,
 )
-from ledger.decide.hints import gemini_retry_delay, parse_retry_after
+from ledger.decide.hints import gemini_retry_delay, parse_retry_after, parse_retry_after_ms
 from ledger.decide.retry import retry_decision
 from ledger.domain.facts import Category, Observation, Phase, Source, Transport, WireProtocol
 from ledger.domain.values import Health
@@ -109,6 +109,8 @@ def test_retry_after_parsing_never_raises(
 ) -> None:
     got = parse_retry_after(value, now=now, date=date)
     assert got is None or got >= 0
+    in_ms = parse_retry_after_ms(value)
+    assert in_ms is None or in_ms >= 0
 
 
 @FEW

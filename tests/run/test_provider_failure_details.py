@@ -1,0 +1,144 @@
+"""What a provider says about its failure beyond status and error type is read.
+
+* Wait hints in milliseconds: ``retry-after-ms`` (OpenAI) and ``x-ms-retry-after-ms`` (Azure
+  OpenAI, which may send nothing else) are hints as ``Retry-After`` is, the longest of them
+  winning: a 429 that says 45 s closes its capacity group for 45 s, not the default 30, and a
+  same-route retry waits out exactly what it says.
+
+Real HTTP over loopback (the fake provider's raw answers), through a Run session on SQLite, on
+a manual clock (the retry owner's waits jump it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger.api.facade import Ledger
+from ledger.clock import ManualClock
+from ledger.decide.health import route_key
+from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Category, FailureFact
+from ledger.domain.records import AttemptRecord, AttemptState
+from ledger.domain.values import Budget, Health, Price, Route, WireProtocol
+from ledger.errors import FailoverExhausted
+from ledger.policy.load import preset
+from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
+from tests.run.rawanswers import http
+
+RUN = "r"
+T0 = 1_000_000.0
+PRICE = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
+PRESETS = ["failure-domain", "fased", "goclaw"]
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider().in_thread() as f:
+        yield f
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return str(tmp_path / "ledger.db")
+
+
+def _plan(fake: FakeProvider, protocol: str) -> list[Route]:
+    proto = WireProtocol(protocol)
+    return [Route(id="primary", provider="pa", model="m-primary", group="ga", recipient="p",
+                  protocol=proto, endpoint=fake.endpoint(protocol), price=PRICE),
+            Route(id="backup", provider="pb", model="m-backup", group="gb", recipient="p",
+                  protocol=proto, endpoint=fake.endpoint(protocol), price=PRICE)]
+
+
+def _answer(status: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
+    raw = http(json.dumps(body).encode(), "application/json", status)
+    head, _, rest = raw.partition(b"\r\n")
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+    return head + b"\r\n" + extra + rest
+
+
+class Turn:
+    """One turn on the two-route plan whose primary answers with ``raws`` (one per call)."""
+
+    def __init__(self, db: str, fake: FakeProvider, protocol: str, policy: str,
+                 *raws: bytes, stream: bool = False) -> None:
+        fake.clear()
+        for raw in raws:
+            fake.enqueue(Behavior(fault=Fault.RAW, raw=(raw,)), model="m-primary")
+        self.plan = _plan(fake, protocol)
+        self.clock = ManualClock(T0)
+        envelope = Envelope(parts=[Part(content="hi")], stream=stream, max_output_tokens=64)
+        with Ledger.open(db, clock=self.clock) as led:
+            with led.run(RUN, plan=self.plan, policy=policy,
+                         budget=Budget(max_calls=4, max_retries=3,
+                                       max_cost=Decimal(1))) as run:
+                try:
+                    self.served: str | None = run.turn(envelope).route.id
+                except FailoverExhausted:
+                    self.served = None
+            self.timeline: list[AttemptRecord] = led.timeline(RUN)
+            self.groups = led.group_projections()
+            self.health = led.health()
+
+    def key_health(self, policy: str) -> Health:
+        """The health row the primary's failure counts against (route, provider or profile)."""
+        return self.health[route_key(self.plan[0], preset(policy))]
+
+    @property
+    def fact(self) -> FailureFact:
+        first = self.timeline[0]
+        assert first.route_id == "primary" and first.fact is not None
+        return first.fact
+
+
+# -- wait hints in milliseconds ---------------------------------------------------------------
+
+_RATE_LIMITED = {"error": {"message": "Rate limit reached", "type": "requests", "param": None,
+                           "code": "rate_limit_exceeded"}}
+
+
+@pytest.mark.parametrize("header", ["retry-after-ms", "x-ms-retry-after-ms"])
+def test_a_millisecond_retry_hint_closes_the_group_as_long_as_it_says(
+        db: str, fake: FakeProvider, header: str) -> None:
+    turn = Turn(db, fake, "openai", "failure-domain",
+                _answer("429 Too Many Requests", _RATE_LIMITED, {header: "45000"}))
+    assert turn.fact.category is Category.RATE_LIMIT
+    assert turn.fact.retry_after_s == 45.0
+    assert turn.served == "backup"
+    # Not the policy's 30 s default for a 429 without a hint.
+    assert turn.groups["ga"].until == T0 + 45.0
+
+
+@pytest.mark.parametrize(("headers", "hint"), [
+    ({"retry-after": "7", "retry-after-ms": "45000"}, 45.0),
+    ({"retry-after": "60", "x-ms-retry-after-ms": "1500"}, 60.0),
+    ({"retry-after-ms": "2500", "x-ms-retry-after-ms": "12500"}, 12.5),
+    # Not milliseconds: ignored, as a malformed Retry-After is.
+    ({"retry-after": "9", "retry-after-ms": "-5000"}, 9.0),
+    ({"retry-after": "9", "retry-after-ms": "Thu, 01 Jan 2099 00:00:00 GMT"}, 9.0),
+])
+def test_the_longest_wait_hint_wins_whatever_its_unit(
+        db: str, fake: FakeProvider, headers: dict[str, str], hint: float) -> None:
+    turn = Turn(db, fake, "openai", "failure-domain",
+                _answer("429 Too Many Requests", _RATE_LIMITED, headers))
+    assert turn.fact.retry_after_s == hint
+    assert turn.groups["ga"].until == T0 + hint
+
+
+def test_goclaw_waits_out_a_millisecond_retry_hint_exactly(
+        db: str, fake: FakeProvider) -> None:
+    overloaded = {"error": {"message": "The engine is currently overloaded.",
+                            "type": "server_error", "param": None, "code": "overloaded"}}
+    turn = Turn(db, fake, "openai", "goclaw",
+                _answer("503 Service Unavailable", overloaded, {"retry-after-ms": "12500"}))
+    first, retry = turn.timeline[:2]
+    assert first.fact is not None and first.fact.retry_after_s == 12.5
+    # Longer than the nominal 2 s and within goclaw's 20 s cap: waited exactly.
+    assert retry.route_id == "primary" and retry.state is AttemptState.SUCCEEDED
+    assert retry.created_at - first.created_at == pytest.approx(12.5)
