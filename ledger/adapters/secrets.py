@@ -288,7 +288,8 @@ def evidence_excerpt(
 
     A JSON body that is too large is shrunk by shortening its long strings and lists, so the
     structured fields a classifier reads (``error.code``, ``error.type``, ``error.status``,
-    ``RetryInfo``) survive the cap; anything else is cut at the cap.
+    ``error.details``: Anthropic's ``error_code``, Gemini's ``RetryInfo`` and ``ErrorInfo``)
+    survive the cap; anything else is cut at the cap.
     """
     if body is None:
         return None

@@ -1,8 +1,9 @@
 """Classification: an :class:`Observation` becomes a :class:`FailureFact` under a policy.
 
 Precedence (the conformance rules, for every preset): caller facts; a local 429; the transport
-kind; context overflow; the provider's structured error field; the HTTP status; free-text
-patterns; else ``unknown``. Which codes, statuses and patterns map where is policy data.
+kind; context overflow; the provider's structured error field (a detail such as Gemini's
+``ErrorInfo`` reason before the field it refines); the HTTP status; free-text patterns; else
+``unknown``. Which codes, statuses and patterns map where is policy data.
 
 The retry hint is the longest of ``Retry-After``, ``retry-after-ms``, ``x-ms-retry-after-ms`` and
 Gemini's ``RetryInfo``; a wait named only in the message's text is not read.
@@ -38,15 +39,22 @@ from ledger.domain.validation import Problem, Rule, checked, instance
 from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy, PolicyArg
 from ledger.redaction import redact
 
-# Which structured fields each protocol's error body carries; `generic` tries them all in order.
+# Which structured fields each protocol's error body carries, in the order they are looked up;
+# `generic` tries them all. A provider's detail (Anthropic's `error.details.error_code`,
+# Gemini's `ErrorInfo.reason`) comes before the coarse field it refines: a spend limit is sent
+# as a `rate_limit_error`, a bad Gemini key as `INVALID_ARGUMENT`.
 _FIELDS: dict[WireProtocol, tuple[str, ...]] = {
     WireProtocol.OPENAI: ("openai.code", "openai.type"),
     # The Responses API's errors are OpenAI's (error.code, error.type), also in failed events.
     WireProtocol.OPENAI_RESPONSES: ("openai.code", "openai.type"),
-    WireProtocol.ANTHROPIC: ("anthropic.type",),
-    WireProtocol.GEMINI: ("gemini.status",),
-    WireProtocol.GENERIC: ("openai.code", "openai.type", "anthropic.type", "gemini.status"),
+    WireProtocol.ANTHROPIC: ("anthropic.error_code", "anthropic.type"),
+    WireProtocol.GEMINI: ("gemini.reason", "gemini.status"),
+    WireProtocol.GENERIC: ("openai.code", "openai.type", "anthropic.error_code", "anthropic.type",
+                           "gemini.reason", "gemini.status"),
 }
+# The details: the code a fact names when no table knows any field is the coarse one, as before
+# details were read (a replay rebuilds the body from it).
+_DETAILS = frozenset({"anthropic.error_code", "gemini.reason"})
 _CODE_LIMIT = 128
 
 
@@ -67,6 +75,29 @@ def _body_text(body: str | bytes | None, limit: int) -> str:
     return body[:limit]
 
 
+def _short(value: Any) -> str | None:
+    return value[:_CODE_LIMIT] if isinstance(value, str) and value else None
+
+
+def _gemini_reason(err: Mapping[str, Any]) -> str | None:
+    """``reason`` of the first ``google.rpc.ErrorInfo`` in a Gemini error's ``details``."""
+    details = err.get("details")
+    if not isinstance(details, list):
+        return None
+    for item in details[:64]:
+        if isinstance(item, dict):
+            kind = item.get("@type")
+            if isinstance(kind, str) and kind.endswith("google.rpc.ErrorInfo"):
+                return _short(item.get("reason"))
+    return None
+
+
+def _anthropic_error_code(err: Mapping[str, Any]) -> str | None:
+    """Anthropic's ``error.details.error_code`` (e.g. ``enforced_spend_limit_reached``)."""
+    details = err.get("details")
+    return _short(details.get("error_code")) if isinstance(details, dict) else None
+
+
 def _parse_error(text: str, protocol: WireProtocol) -> _ProviderError:
     empty = _ProviderError({}, None, None)
     if not text.lstrip().startswith(("{", "[")):
@@ -84,15 +115,13 @@ def _parse_error(text: str, protocol: WireProtocol) -> _ProviderError:
     if not isinstance(err, dict):
         return empty
 
-    def text_of(key: str) -> str | None:
-        v = err.get(key)
-        return v[:_CODE_LIMIT] if isinstance(v, str) and v else None
-
     raw = {
-        "openai.code": text_of("code"),
-        "openai.type": text_of("type"),
-        "anthropic.type": text_of("type"),
-        "gemini.status": text_of("status"),
+        "openai.code": _short(err.get("code")),
+        "openai.type": _short(err.get("type")),
+        "anthropic.error_code": _anthropic_error_code(err),
+        "anthropic.type": _short(err.get("type")),
+        "gemini.reason": _gemini_reason(err),
+        "gemini.status": _short(err.get("status")),
     }
     fields = {k: v for k in _FIELDS[protocol] if (v := raw[k]) is not None}
     message = err.get("message")
@@ -131,7 +160,9 @@ def _structured(cls: ClassificationPolicy, err: _ProviderError) -> tuple[Categor
     tables = {
         "openai.code": cls.codes.openai_code,
         "openai.type": cls.codes.openai_type,
+        "anthropic.error_code": cls.codes.anthropic_error_code,
         "anthropic.type": cls.codes.anthropic_type,
+        "gemini.reason": cls.codes.gemini_reason,
         "gemini.status": cls.codes.gemini_status,
     }
     for name, value in err.fields.items():
@@ -289,7 +320,8 @@ def classify(obs: ObservationArg, policy: PolicyArg,
     text = f"{body}\n{message}".casefold()
     category, code = _category(obs, cls, err, text)
     if code is None and err.fields:
-        code = next(iter(err.fields.values()))
+        coarse = [v for k, v in err.fields.items() if k not in _DETAILS]
+        code = coarse[0] if coarse else next(iter(err.fields.values()))
     if code is not None:
         code = redact(_clean(code))
     scope = _move(policy, category, phase, obs.transport)

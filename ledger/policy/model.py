@@ -258,19 +258,28 @@ class RetryRule(_Section):
 
 # --------------------------------------------------------------------------- classification
 
-CodeField = Literal["openai.code", "openai.type", "anthropic.type", "gemini.status"]
+CodeField = Literal["openai.code", "openai.type", "anthropic.error_code", "anthropic.type",
+                    "gemini.reason", "gemini.status"]
 
 
 class ProviderCodes(_Section):
     """Maps from a provider's structured error field to a category (compared case-insensitively).
 
-    OpenAI-compatible bodies carry ``error.code`` and ``error.type``, Anthropic ``error.type``,
-    Gemini ``error.status``. For protocol ``generic`` every shape is tried in this order.
+    OpenAI-compatible bodies carry ``error.code`` and ``error.type``; Anthropic ``error.type``
+    and sometimes ``error.details.error_code`` (``anthropic_error_code``: a spend limit is a
+    ``rate_limit_error`` whose detail says ``enforced_spend_limit_reached``); Gemini
+    ``error.status`` and, in ``error.details``, a ``google.rpc.ErrorInfo`` whose ``reason``
+    (``gemini_reason``) refines it (a bad key is ``INVALID_ARGUMENT`` with reason
+    ``API_KEY_INVALID``). A detail is looked up before the field it refines. For protocol
+    ``generic`` every field is tried in this order. A table left out is empty: a Run frozen
+    before the detail tables existed reads back deciding as it did.
     """
 
     openai_code: dict[str, Category] = Field(default_factory=dict)
     openai_type: dict[str, Category] = Field(default_factory=dict)
+    anthropic_error_code: dict[str, Category] = Field(default_factory=dict)
     anthropic_type: dict[str, Category] = Field(default_factory=dict)
+    gemini_reason: dict[str, Category] = Field(default_factory=dict)
     gemini_status: dict[str, Category] = Field(default_factory=dict)
 
 
@@ -381,6 +390,7 @@ def _default_codes() -> ProviderCodes:
             "content_policy_violation": c.CONTENT_POLICY,
             "content_filter": c.CONTENT_POLICY,
         },
+        anthropic_error_code={"enforced_spend_limit_reached": c.BILLING},
         anthropic_type={
             "overloaded_error": c.OVERLOADED,
             "rate_limit_error": c.RATE_LIMIT,
@@ -389,6 +399,7 @@ def _default_codes() -> ProviderCodes:
             "not_found_error": c.MODEL_NOT_FOUND,
             "api_error": c.SERVER_ERROR,
         },
+        gemini_reason={"API_KEY_INVALID": c.AUTH},
         gemini_status={
             "UNAVAILABLE": c.OVERLOADED,
             "RESOURCE_EXHAUSTED": c.RATE_LIMIT,

@@ -10,6 +10,7 @@ from ledger.decide.classify import classify
 from ledger.decide.hints import parse_retry_after
 from ledger.domain.facts import Category, CooldownEffect, Observation, Phase, Source
 from ledger.policy.load import preset
+from ledger.policy.model import FROZEN, Policy
 
 GOCLAW = preset("goclaw")
 FASED = preset("fased")
@@ -209,3 +210,40 @@ def test_lone_surrogates_never_reach_the_fact() -> None:
     assert fact.provider_code is not None and fact.message is not None
     fact.provider_code.encode("utf-8")
     fact.message.encode("utf-8")
+
+
+_GEMINI_BAD_KEY = json.dumps({"error": {
+    "code": 400, "status": "INVALID_ARGUMENT", "message": "API key not valid.",
+    "details": [{"@type": "type.googleapis.com/google.rpc.LocalizedMessage", "locale": "en-US"},
+                {"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                 "reason": "API_KEY_INVALID", "domain": "googleapis.com"}]}})
+
+
+def test_a_detail_the_tables_do_not_know_leaves_the_coarse_field_deciding_and_named() -> None:
+    body = json.dumps({"error": {
+        "code": 429, "status": "RESOURCE_EXHAUSTED", "message": "quota",
+        "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                     "reason": "RATE_LIMIT_EXCEEDED"}]}})
+    fact = classify(_obs(status=429, body=body, protocol="gemini"), FD)
+    assert fact.category is Category.RATE_LIMIT
+    assert fact.provider_code == "RESOURCE_EXHAUSTED"
+    spend = json.dumps({"type": "error", "error": {
+        "type": "overloaded_error", "message": "x", "details": {"error_code": "something_new"}}})
+    fact = classify(_obs(status=529, body=spend, protocol="anthropic"), FD)
+    assert (fact.category, fact.provider_code) == (Category.OVERLOADED, "overloaded_error")
+
+
+def test_the_generic_protocol_reads_the_details_too() -> None:
+    fact = classify(_obs(status=400, body=_GEMINI_BAD_KEY), FD)
+    assert (fact.category, fact.provider_code) == (Category.AUTH, "API_KEY_INVALID")
+
+
+def test_a_policy_frozen_before_the_detail_tables_decides_as_it_did() -> None:
+    """Invariant 5: a Run admitted before the detail tables existed reads back without them."""
+    older = FD.model_dump(mode="json")
+    del older["classification"]["codes"]["gemini_reason"]
+    del older["classification"]["codes"]["anthropic_error_code"]
+    frozen = Policy.model_validate(older, context=FROZEN)
+    assert frozen.classification.codes.gemini_reason == {}
+    fact = classify(_obs(status=400, body=_GEMINI_BAD_KEY, protocol="gemini"), frozen)
+    assert (fact.category, fact.provider_code) == (Category.FORMAT, "INVALID_ARGUMENT")

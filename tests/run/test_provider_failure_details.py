@@ -1,9 +1,14 @@
-"""What a provider says about its failure beyond status and error type is read.
+"""What a provider says about its failure beyond status and error type is read, under every preset.
 
 * Wait hints in milliseconds: ``retry-after-ms`` (OpenAI) and ``x-ms-retry-after-ms`` (Azure
   OpenAI, which may send nothing else) are hints as ``Retry-After`` is, the longest of them
   winning: a 429 that says 45 s closes its capacity group for 45 s, not the default 30, and a
   same-route retry waits out exactly what it says.
+* A provider's detail that refines its coarse error field decides the category: a Gemini
+  ``INVALID_ARGUMENT`` whose ``google.rpc.ErrorInfo`` reason is ``API_KEY_INVALID`` is ``auth``;
+  an Anthropic ``rate_limit_error`` whose ``details.error_code`` is
+  ``enforced_spend_limit_reached`` is ``billing`` (it closes no group, and fased disables the
+  key as for billing).
 
 Real HTTP over loopback (the fake provider's raw answers), through a Run session on SQLite, on
 a manual clock (the retry owner's waits jump it).
@@ -23,7 +28,7 @@ from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 from ledger.decide.health import route_key
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.facts import Category, FailureFact
+from ledger.domain.facts import Category, CooldownEffect, FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.domain.values import Budget, Health, Price, Route, WireProtocol
 from ledger.errors import FailoverExhausted
@@ -142,3 +147,51 @@ def test_goclaw_waits_out_a_millisecond_retry_hint_exactly(
     # Longer than the nominal 2 s and within goclaw's 20 s cap: waited exactly.
     assert retry.route_id == "primary" and retry.state is AttemptState.SUCCEEDED
     assert retry.created_at - first.created_at == pytest.approx(12.5)
+
+
+# -- provider details ---------------------------------------------------------------------------
+
+_GEMINI_BAD_KEY = {"error": {
+    "code": 400, "message": "API key not valid. Please pass a valid API key.",
+    "status": "INVALID_ARGUMENT",
+    "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "API_KEY_INVALID",
+                 "domain": "googleapis.com",
+                 "metadata": {"service": "generativelanguage.googleapis.com"}}]}}
+
+_ANTHROPIC_SPEND_LIMIT = {"type": "error", "error": {
+    "type": "rate_limit_error", "message": "You have reached your specified API usage limits.",
+    "details": {"error_code": "enforced_spend_limit_reached"}}}
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+def test_a_gemini_bad_key_is_an_auth_failure_under_every_preset(
+        db: str, fake: FakeProvider, policy: str) -> None:
+    turn = Turn(db, fake, "gemini", policy, _answer("400 Bad Request", _GEMINI_BAD_KEY))
+    assert turn.fact.category is Category.AUTH
+    assert turn.fact.provider_code == "API_KEY_INVALID"
+    if policy == "failure-domain":
+        assert turn.served is None  # auth is the Run's to fix, not another route's
+    else:
+        # goclaw and fased move on for auth, and cool the dead key instead of sending to it
+        # again on every Run.
+        assert turn.served == "backup"
+        assert turn.fact.cooldown is CooldownEffect.COOLDOWN
+        assert turn.key_health(policy).cooldown_until is not None
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+def test_an_anthropic_spend_limit_is_a_billing_failure_under_every_preset(
+        db: str, fake: FakeProvider, policy: str) -> None:
+    turn = Turn(db, fake, "anthropic", policy,
+                _answer("429 Too Many Requests", _ANTHROPIC_SPEND_LIMIT))
+    assert turn.fact.category is Category.BILLING
+    assert turn.fact.provider_code == "enforced_spend_limit_reached"
+    # Not a rate limit: the group is not closed for the fleet to hit again when it reopens.
+    assert "ga" not in turn.groups or turn.groups["ga"].until is None
+    if policy == "failure-domain":
+        assert turn.served is None
+    else:
+        assert turn.served == "backup"
+    if policy == "fased":
+        assert turn.fact.cooldown is CooldownEffect.DISABLE
+        assert turn.key_health(policy).disabled_reason == "billing"
