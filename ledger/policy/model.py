@@ -389,6 +389,8 @@ def _default_codes() -> ProviderCodes:
             "overloaded": c.OVERLOADED,
             "content_policy_violation": c.CONTENT_POLICY,
             "content_filter": c.CONTENT_POLICY,
+            # A Responses `response.failed` or `error` event's code: the 500 of a 200 answer.
+            "server_error": c.SERVER_ERROR,
         },
         anthropic_error_code={"enforced_spend_limit_reached": c.BILLING},
         anthropic_type={

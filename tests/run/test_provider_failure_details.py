@@ -9,6 +9,10 @@
   an Anthropic ``rate_limit_error`` whose ``details.error_code`` is
   ``enforced_spend_limit_reached`` is ``billing`` (it closes no group, and fased disables the
   key as for billing).
+* An OpenAI ``server_error`` reported inside a 200 answer (a Responses ``response.failed`` or
+  ``error`` event) is decided as the same error with status 500 is: ``server_error`` under
+  failure-domain and fased; ``unknown`` under goclaw, whose seed has no such reason. The type
+  ``server_error`` alone stays unmapped: OpenAI's 503 overload carries it too.
 
 Real HTTP over loopback (the fake provider's raw answers), through a Run session on SQLite, on
 a manual clock (the retry owner's waits jump it).
@@ -34,7 +38,7 @@ from ledger.domain.values import Budget, Health, Price, Route, WireProtocol
 from ledger.errors import FailoverExhausted
 from ledger.policy.load import preset
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
-from tests.run.rawanswers import http
+from tests.run.rawanswers import http, sse
 
 RUN = "r"
 T0 = 1_000_000.0
@@ -195,3 +199,61 @@ def test_an_anthropic_spend_limit_is_a_billing_failure_under_every_preset(
     if policy == "fased":
         assert turn.fact.cooldown is CooldownEffect.DISABLE
         assert turn.key_health(policy).disabled_reason == "billing"
+
+
+# -- an OpenAI server_error in a 200 answer -------------------------------------------------------
+
+_SERVER_ERROR = {"code": "server_error", "message": "The model failed to generate a response."}
+_FAILED = {"id": "resp_1", "object": "response", "status": "failed", "model": "m", "output": [],
+           "error": _SERVER_ERROR}
+# name: the provider's answer, streamed; all of them Responses answers
+IN_A_200 = {
+    "response_failed_body": (_answer("200 OK", _FAILED), False),
+    "response_failed_event": (sse(
+        ("response.created", {"type": "response.created",
+                              "response": {**_FAILED, "status": "in_progress", "error": None}}),
+        ("response.failed", {"type": "response.failed", "response": _FAILED})), True),
+    "error_event": (sse(("error", {"type": "error", "param": None, **_SERVER_ERROR})), True),
+}
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+@pytest.mark.parametrize("case", list(IN_A_200))
+def test_an_openai_server_error_in_a_200_answer_is_decided_as_the_500_is(
+        db: str, fake: FakeProvider, policy: str, case: str) -> None:
+    raw, stream = IN_A_200[case]
+    as_500 = Turn(db, fake, "openai_responses", policy,
+                  _answer("500 Internal Server Error", {"error": _SERVER_ERROR}))
+    Path(db).unlink()
+    in_200 = Turn(db, fake, "openai_responses", policy, raw, stream=stream)
+    assert in_200.fact.status == 200 and in_200.fact.provider_code == "server_error"
+    # goclaw's seed has eight reasons and no server error: a 500 is `unknown` there too.
+    expected = Category.UNKNOWN if policy == "goclaw" else Category.SERVER_ERROR
+    assert as_500.fact.category is expected
+    assert in_200.fact.category is expected
+    if case == "response_failed_body" or case == "response_failed_event":
+        # The whole failed response, after headers: where the 500 moves on, so does it.
+        assert in_200.fact.moves_on is as_500.fact.moves_on
+        assert in_200.served == as_500.served
+    if policy == "failure-domain":
+        assert as_500.served == "backup"
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+def test_the_server_error_type_stays_unmapped_so_an_overloaded_503_stays_an_overload(
+        db: str, fake: FakeProvider, policy: str) -> None:
+    """OpenAI's 503 overload says ``type: server_error`` with no code: a mapped type would
+    outrank the status. So a chat error object naming only that type, in a 200, is `unknown`
+    (goclaw's keywords would still read "overloaded" in its message)."""
+    overloaded = {"error": {"message": "That model is currently overloaded with other requests.",
+                            "type": "server_error", "param": None, "code": None}}
+    as_503 = Turn(db, fake, "openai", policy, _answer("503 Service Unavailable", overloaded),
+                  _answer("503 Service Unavailable", overloaded),
+                  _answer("503 Service Unavailable", overloaded))
+    assert as_503.fact.category is Category.OVERLOADED
+    assert as_503.served == "backup"
+    Path(db).unlink()
+    upstream = {"error": {"message": "The server had an error while processing your request.",
+                          "type": "server_error", "param": None, "code": None}}
+    in_200 = Turn(db, fake, "openai", policy, _answer("200 OK", upstream))
+    assert in_200.fact.category is Category.UNKNOWN
