@@ -10,7 +10,9 @@ counts every alias as the size of what it refers to (so an alias bomb is refused
 thousand nodes, not after expanding it), a nesting limit, plain-value mapping keys only, and
 integers of at most :data:`MAX_INT_DIGITS` digits; then the data (a file's, or a mapping a host
 passed in) is walked once against the same budget, refusing cycles, non-finite or huge numbers
-and over-long strings with their field path.
+and over-long strings with their field path. A policy is JSON data: YAML's ``!!set``, ``!!omap``,
+``!!pairs``, ``!!binary`` and ``!!timestamp``, and a Python set in a mapping, are refused (a set's
+order, and so the policy's hash, would follow PYTHONHASHSEED).
 """
 
 from __future__ import annotations
@@ -298,6 +300,36 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
     return out
 
 
+class _Refused(yaml.constructor.ConstructorError):
+    """A YAML construct the loader refuses, with the fix to report instead of a generic one."""
+
+    def __init__(self, problem: str, fix: str, mark: Any) -> None:
+        super().__init__(None, None, problem, mark)
+        self.fix = fix
+
+
+# A policy is JSON data: it is hashed as its canonical JSON. A set has no order (a list built
+# from it follows PYTHONHASHSEED, so a Run resumed by another process has another policy hash);
+# the other types have no JSON form to hash at all.
+_NOT_JSON = {
+    "tag:yaml.org,2002:set": ("a YAML set (!!set) has no order, so the policy's hash would "
+                              "differ from one process to the next", "write a YAML list [a, b]"),
+    "tag:yaml.org,2002:omap": ("an ordered mapping (!!omap) is not JSON data",
+                               "write a plain mapping {a: 1, b: 2}"),
+    "tag:yaml.org,2002:pairs": ("a list of pairs (!!pairs) is not JSON data",
+                                "write a plain mapping {a: 1, b: 2}"),
+    "tag:yaml.org,2002:binary": ("binary data (!!binary) is not JSON data",
+                                 "write the value as text"),
+    "tag:yaml.org,2002:timestamp": ("a date or time (!!timestamp) is not JSON data",
+                                    "write it as a quoted string, or a number of seconds"),
+}
+
+
+def _construct_not_json(loader: _UniqueKeyLoader, node: yaml.Node) -> Any:
+    problem, fix = _NOT_JSON[str(node.tag)]
+    raise _Refused(problem, fix, node.start_mark)
+
+
 def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
     text = str(node.value)
     digits = sum(c.isalnum() for c in text)
@@ -315,6 +347,8 @@ _UniqueKeyLoader.add_constructor(
     _construct_mapping,
 )
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+for _tag in _NOT_JSON:
+    _UniqueKeyLoader.add_constructor(_tag, _construct_not_json)
 # YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent, so ``base_s: 1e3``
 # or ``1.5e3`` was the text "1e3" and refused as "wrong type" although it is a number to anyone
 # who writes it (and to YAML 1.2, JSON and the published schema's editors).
@@ -351,8 +385,10 @@ def _load_file(path: Path) -> Policy:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
         problem = _shown(getattr(e, "problem", None) or e)
-        fix = ("fix the YAML syntax at that position" if isinstance(e, yaml.scanner.ScannerError
-               | yaml.parser.ParserError) else "simplify the YAML at that position")
+        fix = (e.fix if isinstance(e, _Refused)
+               else "fix the YAML syntax at that position" if isinstance(
+                   e, yaml.scanner.ScannerError | yaml.parser.ParserError)
+               else "simplify the YAML at that position")
         raise PolicyError(
             f"{file}: YAML error at {where}: {problem}",
             file=file,
@@ -452,7 +488,14 @@ def _check_shape(
             problems.append((_path(loc), f"a text of {len(value)} characters",
                              f"use at most {MAX_STRING_CHARS} characters"))
         return
-    if not isinstance(value, Mapping | list | tuple | Set):
+    if isinstance(value, Set):
+        # A list validated from it follows the set's iteration order, which PYTHONHASHSEED
+        # picks: the same policy would hash differently in each process.
+        problems.append((_path(loc), "a set has no order, so the policy's hash would differ "
+                         "from one process to the next", "pass a list [a, b] (sorted, if the "
+                         "order means nothing)"))
+        return
+    if not isinstance(value, Mapping | list | tuple):
         return  # dates and other scalars: the model says what it wants instead
     if id(value) in path_ids:
         problems.append((_path(loc), "the value contains itself",

@@ -9,7 +9,8 @@ fix, which :mod:`ledger.policy.load` turns into a :class:`ledger.errors.PolicyEr
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -117,6 +118,33 @@ SEED_EXCLUDED_ROLES: tuple[str, ...] = (
 # the loader validates files and mappings past it, to report PolicyError with its own paths.
 class _Section(StrictModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sets(cls, data: object) -> object:
+        return _without_sets(data)
+
+
+def _without_sets(data: object) -> object:
+    """``data``, refused if a field (or a mapping field's value) holds a set.
+
+    A list validated from a set follows its iteration order, which PYTHONHASHSEED picks: the
+    same policy, built in code, would hash differently in each process, and a Run resumed by
+    another process would be refused for a policy it was admitted with.
+    """
+    if not isinstance(data, Mapping):
+        return data
+    for name, value in data.items():
+        inner = value.items() if isinstance(value, Mapping) else [(None, value)]
+        for key, v in inner:
+            if isinstance(v, AbstractSet):
+                raise PolicyValueError(
+                    "a set has no order, so the policy's hash would differ from one process "
+                    "to the next",
+                    "pass a list [a, b] (sorted, if the order means nothing)",
+                    field=str(name) if key is None else f"{name}.{key}",
+                )
+    return data
 
 
 # --------------------------------------------------------------------------- failover

@@ -1,0 +1,63 @@
+"""Policy authoring: what a file, a JSON file or a mapping says is what the policy is.
+
+The audit of policy authoring found values that changed silently on the way in (YAML 1.1's
+octal, base 60 and ``no:``), a hash that followed PYTHONHASHSEED (a ``!!set``), keys dropped
+without a word and settings that could never apply; each rule here refuses or reads them as an
+author expects, naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ledger.errors import InvalidArgument, PolicyError
+from ledger.policy.load import load_policy, validate_policy
+from ledger.policy.model import FailoverPolicy, Policy
+
+
+def _write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def _refused(source: Path | dict[str, object]) -> list[tuple[str, str, str]]:
+    with pytest.raises(PolicyError) as info:
+        if isinstance(source, Path):
+            load_policy(source)
+        else:
+            validate_policy(source)
+    return info.value.errors
+
+
+# -- a policy is JSON data: nothing whose order or form a process picks -------------------------
+
+
+@pytest.mark.parametrize(("value", "says", "fix"), [
+    ("!!set {a, b}", "has no order", "write a YAML list [a, b]"),
+    ("!!binary aGVsbG8=", "not JSON data", "as text"),
+    ("!!omap [a: 1]", "not JSON data", "plain mapping"),
+    ("!!pairs [a: 1]", "not JSON data", "plain mapping"),
+    ("!!timestamp 2024-01-01", "not JSON data", "quoted string"),
+])
+def test_a_policy_file_holds_only_json_data(tmp_path: Path, value: str, says: str,
+                                            fix: str) -> None:
+    """A ``!!set`` became a list in PYTHONHASHSEED's order, so the same file had another hash
+    in the next process and resuming its Run raised AdmissionConflict ['policy_hash']."""
+    errors = _refused(_write(tmp_path, f"name: t\nfailover:\n  excluded_roles: {value}\n"))
+    assert len(errors) == 1
+    field, problem, got_fix = errors[0]
+    assert field.startswith("<yaml line 3") and says in problem and fix in got_fix
+
+
+def test_a_set_in_a_policy_mapping_or_model_is_refused_not_ordered_by_the_hash_seed() -> None:
+    data: dict[str, object] = {"name": "t", "failover": {"excluded_roles": {"a", "b"}},
+                               "profiles": {"auth_order": {"openai": frozenset({"x", "y"})}}}
+    errors = _refused(data)
+    assert [e[0] for e in errors] == ["failover.excluded_roles", "profiles.auth_order.openai"]
+    assert all("no order" in problem and "list" in fix for _, problem, fix in errors)
+    with pytest.raises(InvalidArgument) as info:
+        Policy(name="t", failover=FailoverPolicy(excluded_roles={"a", "b"}))  # type: ignore[arg-type]
+    assert "no order" in str(info.value)
