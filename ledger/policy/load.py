@@ -281,10 +281,43 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return node
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    out: dict[Any, Any] = {}
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _merged_entries(node: yaml.MappingNode, seen: set[int]) -> list[tuple[Any, Any]]:
+    """The entries ``<<`` merges into ``node``, the one that takes precedence first.
+
+    YAML's merge key fills only what the mapping does not say itself; of several merged
+    mappings (``<<: [*a, *b]``) the first wins, and a merged mapping's own merges come after
+    its own keys. Nodes are read, never changed: an anchored mapping is constructed once and
+    may be merged again elsewhere.
+    """
+    if id(node) in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, "a mapping merges itself (<<: refers to the mapping it is in)",
+            node.start_mark)
+    seen = seen | {id(node)}
+    out: list[tuple[Any, Any]] = []
     for key_node, value_node in node.value:
+        if key_node.tag != _MERGE_TAG:
+            continue
+        sources = (value_node.value if isinstance(value_node, yaml.SequenceNode)
+                   else [value_node])
+        for source in sources:
+            if not isinstance(source, yaml.MappingNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "<< merges a mapping or a list of mappings, not "
+                    f"{source.id}", source.start_mark)
+            out += [(k, v) for k, v in source.value if k.tag != _MERGE_TAG]
+            out += _merged_entries(source, seen)
+    return out
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    own = [(k, v) for k, v in node.value if k.tag != _MERGE_TAG]
+    merged = _merged_entries(node, set()) if len(own) < len(node.value) else []
+    out: dict[Any, Any] = {}
+    for i, (key_node, value_node) in enumerate(own + merged):
         if not isinstance(key_node, yaml.ScalarNode):
             raise yaml.constructor.ConstructorError(
                 None, None,
@@ -293,6 +326,8 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
             )
         key = loader.construct_object(key_node, deep=True)
         if key in out:
+            if i >= len(own):
+                continue  # a merged key the mapping (or an earlier merge) already says
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {_SHORT.repr(key)}", key_node.start_mark
             )

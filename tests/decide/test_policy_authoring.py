@@ -61,3 +61,29 @@ def test_a_set_in_a_policy_mapping_or_model_is_refused_not_ordered_by_the_hash_s
     with pytest.raises(InvalidArgument) as info:
         Policy(name="t", failover=FailoverPolicy(excluded_roles={"a", "b"}))  # type: ignore[arg-type]
     assert "no order" in str(info.value)
+
+
+# -- YAML merge keys: a mapping's own keys override what it merges -------------------------------
+
+RETRIES = """name: t
+same_route_retry:
+  - &r {categories: [overloaded], max: 2, delays_s: [1, 2]}
+  - &s {categories: [server_error], max: 1, delays_s: [5], jitter: 0.5}
+  - <<: [*r, *s]
+    categories: [rate_limit]
+"""
+
+
+def test_a_merged_key_is_overridden_by_the_mappings_own_key(tmp_path: Path) -> None:
+    """``<<: *r`` then ``categories:`` was refused as "duplicate key 'categories'": the merged
+    keys were checked as if the mapping had written them twice."""
+    rule = load_policy(_write(tmp_path, RETRIES)).same_route_retry[2]
+    assert [c.value for c in rule.categories] == ["rate_limit"]  # its own key wins
+    assert (rule.max, rule.delays_s) == (2, [1, 2])  # of several merged, the first wins
+    assert rule.jitter == 0.5  # what only a later merge says still fills in
+
+
+def test_a_key_a_mapping_itself_says_twice_is_still_a_duplicate(tmp_path: Path) -> None:
+    text = RETRIES + "    categories: [timeout]\n"
+    [(field, problem, _)] = _refused(_write(tmp_path, text))
+    assert field.startswith("<yaml line 7") and problem == "duplicate key 'categories'"
