@@ -22,6 +22,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
@@ -310,6 +311,26 @@ class ProviderCodes(_Section):
     gemini_reason: dict[str, Category] = Field(default_factory=dict)
     gemini_status: dict[str, Category] = Field(default_factory=dict)
 
+    @field_validator("openai_code", "openai_type", "anthropic_type", "gemini_status")
+    @classmethod
+    def _one_entry_per_code(cls, v: dict[str, Category],
+                            info: ValidationInfo) -> dict[str, Category]:
+        if not _admitting(info):
+            return v
+        # The classifier compares codes case-insensitively and takes the first entry that
+        # matches: a second spelling of one code would be silently ignored.
+        seen: dict[str, str] = {}
+        for code in v:
+            first = seen.setdefault(code.casefold(), code)
+            if first != code:
+                raise PolicyValueError(
+                    f"{first!r} and {code!r} are the same code (codes are compared "
+                    "case-insensitively), so one of the two entries would never apply",
+                    f"keep one entry for {code!r}",
+                    field=code,
+                )
+        return v
+
 
 class OverflowRule(_Section):
     """A structured signal of context overflow, optionally narrowed by the error message."""
@@ -491,6 +512,26 @@ class ClassificationPolicy(_Section):
     def _status_range(cls, v: dict[int, Category]) -> dict[int, Category]:
         _http_statuses(v)
         return v
+
+    @field_validator("status", mode="wrap")
+    @classmethod
+    def _one_entry_per_status(cls, v: object, handler: ValidatorFunctionWrapHandler,
+                              info: ValidationInfo) -> dict[int, Category]:
+        out: dict[int, Category] = handler(v)
+        if isinstance(v, Mapping) and len(out) < len(v) and _admitting(info):
+            # "503" and 503 (or "503.0") are one status: the dict kept whichever came last.
+            seen: dict[int, object] = {}
+            for key, category in v.items():
+                [code] = handler({key: category})
+                if code in seen:
+                    raise PolicyValueError(
+                        f"{seen[code]!r} and {key!r} are the same status {code}, so one of the "
+                        "two entries would be dropped",
+                        f"keep one entry for {code}",
+                        field=str(code),
+                    )
+                seen[code] = key
+        return out
 
 
 # --------------------------------------------------------------------------- health

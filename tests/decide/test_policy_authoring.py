@@ -87,3 +87,34 @@ def test_a_key_a_mapping_itself_says_twice_is_still_a_duplicate(tmp_path: Path) 
     text = RETRIES + "    categories: [timeout]\n"
     [(field, problem, _)] = _refused(_write(tmp_path, text))
     assert field.startswith("<yaml line 7") and problem == "duplicate key 'categories'"
+
+
+# -- two keys that mean one entry: refused, not one of them dropped -----------------------------
+
+COLLIDING = [
+    ({"status": {"503": "overloaded", 503: "server_error"}},
+     '  status:\n    "503": overloaded\n    503: server_error\n',
+     '"status": {"503": "overloaded", "503.0": "server_error"}',
+     "classification.status.503", "same status 503"),
+    ({"codes": {"openai_code": {"Overloaded": "overloaded", "overloaded": "rate_limit"}}},
+     "  codes:\n    openai_code: {Overloaded: overloaded, overloaded: rate_limit}\n",
+     '"codes": {"openai_code": {"Overloaded": "overloaded", "overloaded": "rate_limit"}}',
+     "classification.codes.openai_code.overloaded", "compared case-insensitively"),
+]
+
+
+@pytest.mark.parametrize(("mapping", "yaml_text", "json_text", "field", "says"), COLLIDING,
+                         ids=["status", "codes"])
+def test_two_keys_for_one_status_or_code_are_refused_not_one_dropped(
+        tmp_path: Path, mapping: dict[str, object], yaml_text: str, json_text: str,
+        field: str, says: str) -> None:
+    """``{"503": overloaded, 503: server_error}`` kept one of the two silently, as did two
+    spellings of a code the classifier compares case-insensitively."""
+    sources: list[Path | dict[str, object]] = [
+        {"name": "t", "classification": mapping},
+        _write(tmp_path, "name: t\nclassification:\n" + yaml_text),
+        _write(tmp_path, '{"name": "t", "classification": {' + json_text + "}}", "p.json"),
+    ]
+    for source in sources:
+        [(got_field, problem, fix)] = _refused(source)
+        assert got_field == field and says in problem and fix.startswith("keep one entry")
