@@ -5,7 +5,8 @@ Every failure becomes a :class:`ledger.errors.PolicyError` naming the file, the 
 hostile input could provoke (``TypeError``, ``RecursionError``, ``OSError``, ...), never escape.
 
 Time and memory are bounded before any validation runs, for files and for mappings alike: a file
-is read up to :data:`MAX_FILE_BYTES`; YAML is composed by a safe loader with a node budget that
+is read up to :data:`MAX_FILE_BYTES`; YAML is read by YAML 1.2's core schema (``010`` is ten,
+``no`` is text, ``1:30`` is text) and composed by a safe loader with a node budget that
 counts every alias as the size of what it refers to (so an alias bomb is refused after a few
 thousand nodes, not after expanding it), a nesting limit, plain-value mapping keys only, and
 integers of at most :data:`MAX_INT_DIGITS` digits; then the data (a file's, or a mapping a host
@@ -365,6 +366,12 @@ def _construct_not_json(loader: _UniqueKeyLoader, node: yaml.Node) -> Any:
     raise _Refused(problem, fix, node.start_mark)
 
 
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_BOOL = "tag:yaml.org,2002:bool"
+_DECIMAL = re.compile(r"[-+]?[0-9][0-9_]*")
+
+
 def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
     text = str(node.value)
     digits = sum(c.isalnum() for c in text)
@@ -374,22 +381,65 @@ def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
             f"an integer of {digits} digits; policy numbers have at most {MAX_INT_DIGITS}",
             node.start_mark,
         )
-    return loader.construct_yaml_int(node)
+    # YAML 1.2: 010 is ten (YAML 1.1, PyYAML's own reading, made it eight), 0o10 is eight.
+    if _DECIMAL.fullmatch(text):
+        return int(text.replace("_", ""), 10)
+    try:
+        return int(text[2:], {"0o": 8, "0x": 16}[text[:2].lower()])
+    except (KeyError, ValueError):
+        raise _Refused(f"{_SHORT.repr(text)} is not a YAML 1.2 integer",
+                       "write a decimal integer, or one in 0o (octal) or 0x (hex)",
+                       node.start_mark) from None
+
+
+def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    text = str(node.value).replace("_", "").lower()
+    special = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+    if text in special:
+        return special[text]
+    try:
+        return float(text)  # never base 60 (YAML 1.1 read 1:30 as 90)
+    except ValueError:
+        raise _Refused(f"{_SHORT.repr(node.value)} is not a YAML 1.2 number",
+                       "write a number such as 1.5, 1e3 or 600", node.start_mark) from None
+
+
+def _construct_bool(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    text = str(node.value).lower()
+    if text not in ("true", "false"):  # YAML 1.1 also read yes, no, on, off
+        raise _Refused(f"{_SHORT.repr(node.value)} is not a YAML 1.2 boolean",
+                       "write true or false", node.start_mark)
+    return text == "true"
 
 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
     _construct_mapping,
 )
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_UniqueKeyLoader.add_constructor(_INT, _construct_int)
+_UniqueKeyLoader.add_constructor(_FLOAT, _construct_float)
+_UniqueKeyLoader.add_constructor(_BOOL, _construct_bool)
 for _tag in _NOT_JSON:
     _UniqueKeyLoader.add_constructor(_tag, _construct_not_json)
-# YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent, so ``base_s: 1e3``
-# or ``1.5e3`` was the text "1e3" and refused as "wrong type" although it is a number to anyone
-# who writes it (and to YAML 1.2, JSON and the published schema's editors).
+
+# Plain scalars are read by YAML 1.2's core schema, as the docs promise; PyYAML implements
+# YAML 1.1, which changed values silently: `no:` (a provider's key) was the boolean False, 010
+# was eight, 1:30 was ninety, a date a date. Now only true/false are booleans, 010 is ten, 0o10
+# eight, 1:30 and dates are text, 1e3 is a number. ``_`` between digits is still read, as PyYAML
+# did; null and the merge key ``<<`` are as before.
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag in ("tag:yaml.org,2002:null", _MERGE_TAG, "tag:yaml.org,2002:yaml")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_UniqueKeyLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+_UniqueKeyLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(r"^(?:[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+.0123456789"),
 )
 

@@ -118,3 +118,42 @@ def test_two_keys_for_one_status_or_code_are_refused_not_one_dropped(
     for source in sources:
         [(got_field, problem, fix)] = _refused(source)
         assert got_field == field and says in problem and fix.startswith("keep one entry")
+
+
+# -- YAML 1.2, as the docs say: no value changes on the way in ----------------------------------
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("010", 10.0), ("0o10", 8.0), ("0x10", 16.0), ("1_000", 1000.0), ("600.", 600.0),
+    ("1e3", 1000.0), (".5e2", 50.0),
+])
+def test_numbers_are_read_as_yaml_1_2_and_json_read_them(tmp_path: Path, value: str,
+                                                         seconds: float) -> None:
+    """YAML 1.1 read ``010`` as 8 (octal) and refused 1.2's ``0o10`` as text."""
+    text = f"name: t\nhealth:\n  cooldown:\n    base_s: {value}\n    cap_s: 1e6\n"
+    assert load_policy(_write(tmp_path, text)).health.cooldown.base_s == seconds
+
+
+def test_base_60_is_text_not_a_number(tmp_path: Path) -> None:
+    """YAML 1.1 read ``1:30`` as 90 seconds."""
+    [(field, problem, fix)] = _refused(
+        _write(tmp_path, "name: t\nhealth:\n  cooldown:\n    base_s: 1:30\n"))
+    assert field == "health.cooldown.base_s" and "'1:30'" in problem and "a number" in fix
+
+
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "n"])
+def test_only_true_and_false_are_booleans(tmp_path: Path, word: str) -> None:
+    """``no:`` as a provider key was the boolean False, ``enabled: yes`` silently true."""
+    policy = load_policy(_write(tmp_path, f"name: {word}\nprofiles:\n  auth_order:\n"
+                                          f"    {word}: [p1]\n"))
+    assert policy.name == word and policy.profiles.auth_order == {word: ["p1"]}
+    [(field, problem, fix)] = _refused(
+        _write(tmp_path, f"name: t\nfailover:\n  enabled: {word}\n"))
+    assert field == "failover.enabled" and "wrong type" in problem and "true or false" in fix
+    for spelled in ("true", "True", "TRUE", "false", "False", "FALSE"):
+        text = f"name: t\nfailover:\n  enabled: {spelled}\n"
+        assert load_policy(_write(tmp_path, text)).failover.enabled is (spelled.lower() == "true")
+
+
+def test_a_date_is_text(tmp_path: Path) -> None:
+    assert load_policy(_write(tmp_path, "name: 2024-01-01\n")).name == "2024-01-01"
