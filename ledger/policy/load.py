@@ -5,7 +5,8 @@ Every failure becomes a :class:`ledger.errors.PolicyError` naming the file, the 
 hostile input could provoke (``TypeError``, ``RecursionError``, ``OSError``, ...), never escape.
 
 Time and memory are bounded before any validation runs, for files and for mappings alike: a file
-is read up to :data:`MAX_FILE_BYTES`; YAML is read by YAML 1.2's core schema (``010`` is ten,
+is read up to :data:`MAX_FILE_BYTES`; a ``.json`` file, or text that starts with ``{``, is read
+as JSON (with duplicate keys refused); YAML is read by YAML 1.2's core schema (``010`` is ten,
 ``no`` is text, ``1:30`` is text) and composed by a safe loader with a node budget that
 counts every alias as the size of what it refers to (so an alias bomb is refused after a few
 thousand nodes, not after expanding it), a nesting limit, plain-value mapping keys only, and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import math
 import os
 import re
@@ -159,7 +161,7 @@ def _shown(value: object, limit: int = 200) -> str:
 
 @checked
 def load_policy(path_or_preset: PolicySource) -> Policy:
-    """A policy from a YAML file path, or from a preset name.
+    """A policy from a YAML or JSON file path, or from a preset name.
 
     The file is bounded before it is parsed (size, depth, nodes, duplicate keys) and then
     validated; every problem is reported at once.
@@ -464,8 +466,92 @@ def _load_file(path: Path) -> Policy:
             file=file,
             errors=[("<file>", _shown(e), "make the file readable UTF-8 text")],
         ) from e
+    data, form = _json_document(path, text, file), "JSON"
+    if data is _NOT_JSON_TEXT:
+        data, form = _yaml_document(text, file), "YAML"
+    if not isinstance(data, dict):
+        kind = ("empty" if data is None and form == "YAML" else "null" if data is None
+                else f"a {form} {type(data).__name__}")
+        raise PolicyError(
+            f"{file}: a policy file must be a mapping of sections, but it is {kind}",
+            file=file,
+            errors=[
+                (
+                    "<root>",
+                    f"the document is {kind}",
+                    "start from a preset: name:, failover:, classification:, moves_on:, ...",
+                )
+            ],
+        )
+    return validate_policy(data, file=file)
+
+
+_NOT_JSON_TEXT = object()
+
+
+class _DuplicateJsonKey(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # json.loads would let the last win
+            raise _DuplicateJsonKey(key)
+        out[key] = value
+    return out
+
+
+def _json_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits; policy numbers have at most "
+                         f"{MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _json_document(path: Path, text: str, file: str) -> Any:
+    """The data of a JSON policy, or :data:`_NOT_JSON_TEXT` for YAML text.
+
+    A ``.json`` file, or text that starts with ``{``, is JSON: YAML reads most JSON, but not
+    JSON indented with tabs, which it refused as a syntax error. Text that only starts like
+    JSON but is not (a YAML flow mapping such as ``{name: x}``) is left to YAML.
+    """
+    body = text.lstrip("\ufeff")
+    strict = path.suffix.lower() == ".json"
+    if not strict and not body.lstrip().startswith("{"):
+        return _NOT_JSON_TEXT
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe: no arbitrary objects
+        return json.loads(body, object_pairs_hook=_unique_pairs, parse_int=_json_int)
+    except _DuplicateJsonKey as e:
+        key = _SHORT.repr(e.args[0])
+        raise PolicyError(
+            f"{file}: JSON error: duplicate key {key}",
+            file=file,
+            errors=[("<json>", f"duplicate key {key}", "keep one of the two entries")],
+        ) from e
+    except json.JSONDecodeError as e:
+        if not strict:
+            return _NOT_JSON_TEXT
+        where = f"line {e.lineno}, column {e.colno}"
+        raise PolicyError(
+            f"{file}: JSON error at {where}: {_shown(e.msg)}",
+            file=file,
+            errors=[(f"<json {where}>", _shown(e.msg), "fix the JSON syntax at that position")],
+        ) from e
+    except (ValueError, RecursionError) as e:
+        problem = (f"nesting deeper than {MAX_DEPTH} levels" if isinstance(e, RecursionError)
+                   else _shown(e))
+        raise PolicyError(
+            f"{file}: the JSON could not be read: {problem}",
+            file=file,
+            errors=[("<json>", problem, "write plain JSON: objects, arrays, strings, numbers")],
+        ) from e
+
+
+def _yaml_document(text: str, file: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # safe: no arbitrary objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
@@ -485,20 +571,6 @@ def _load_file(path: Path) -> Policy:
             file=file,
             errors=[("<yaml>", _shown(e), "write plain YAML: mappings, lists, names, numbers")],
         ) from e
-    if not isinstance(data, dict):
-        kind = "empty" if data is None else f"a YAML {type(data).__name__}"
-        raise PolicyError(
-            f"{file}: a policy file must be a mapping of sections, but it is {kind}",
-            file=file,
-            errors=[
-                (
-                    "<root>",
-                    f"the document is {kind}",
-                    "start from a preset: name:, failover:, classification:, moves_on:, ...",
-                )
-            ],
-        )
-    return validate_policy(data, file=file)
 
 
 def validate_policy(data: Mapping[str, Any] | object, *, file: str | None = None) -> Policy:

@@ -157,3 +157,35 @@ def test_only_true_and_false_are_booleans(tmp_path: Path, word: str) -> None:
 
 def test_a_date_is_text(tmp_path: Path) -> None:
     assert load_policy(_write(tmp_path, "name: 2024-01-01\n")).name == "2024-01-01"
+
+
+# -- a JSON policy is read as JSON ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["p.json", "p.yaml"])
+def test_a_json_policy_indented_with_tabs_loads(tmp_path: Path, name: str) -> None:
+    """YAML reads most JSON but no tab indentation: such a file was "a YAML syntax error"."""
+    text = '\ufeff{\n\t"name": "t",\n\t"streaming": {\n\t\t"connect_timeout_s": 5\n\t}\n}\n'
+    assert load_policy(_write(tmp_path, text, name)).streaming.connect_timeout_s == 5
+
+
+def test_a_json_policy_is_refused_as_json_with_the_loaders_checks(tmp_path: Path) -> None:
+    def errors(text: str) -> list[tuple[str, str, str]]:
+        return _refused(_write(tmp_path, text, "p.json"))
+
+    assert errors('{"name": "t", "name": "u"}') == [
+        ("<json>", "duplicate key 'name'", "keep one of the two entries")]
+    [(field, problem, fix)] = errors('{"name": "t",}')
+    assert field == "<json line 1, column 14>" and "double quotes" in problem
+    assert fix == "fix the JSON syntax at that position"
+    assert errors('{"name": "t", "streaming": {"idle_timeout_s": NaN}}') == _refused(
+        {"name": "t", "streaming": {"idle_timeout_s": float("nan")}})
+    [(field, problem, _)] = errors('{"name": "t", "probe": {"max_keys": ' + "9" * 5000 + "}}")
+    assert field == "<json>" and "5000 digits" in problem
+    [(field, problem, _)] = errors("[1, 2]")
+    assert field == "<root>" and problem == "the document is a JSON list"
+
+
+def test_a_yaml_flow_mapping_is_still_yaml(tmp_path: Path) -> None:
+    assert not load_policy(_write(tmp_path, "{name: t, failover: {enabled: false}}\n")
+                           ).failover.enabled
