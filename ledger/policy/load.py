@@ -751,6 +751,8 @@ def _path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int) and not isinstance(part, bool):
             out += f"[{part}]"
+        elif isinstance(part, str) and part.startswith("[") and out:
+            out += part  # a validator's own index into the field (PolicyValueError.field)
         else:
             out += ("." if out else "") + _shown(part, 64)
     return out or "<root>"

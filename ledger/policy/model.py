@@ -102,6 +102,32 @@ class _CallerFactsExcluded:
 RuleCategory = Annotated[Category, AfterValidator(_not_a_caller_fact), _CallerFactsExcluded()]
 
 
+def _classified_as_caller_fact(category: Category, info: ValidationInfo,
+                               field: str | None = None) -> Category:
+    if category in CALLER_CATEGORIES and _admitting(info):
+        # The classifier decides the caller's facts from the caller's own report first; a
+        # provider's response classified as one would stop the request as if the caller had
+        # cancelled it (or run out of budget), against every rule.
+        why = ("the caller cancelled the call" if category is Category.CANCELLED
+               else "the request is over the Run's token budget")
+        raise PolicyValueError(
+            f"{category.value!r} is the caller's own fact ({why}): no provider response or "
+            "transport failure is one, and the request would stop as if it were",
+            "classify it as a route's failure (e.g. server_error or unknown), or remove it",
+            field=field,
+        )
+    return category
+
+
+def _not_a_provider_fact(category: Category, info: ValidationInfo) -> Category:
+    return _classified_as_caller_fact(category, info)
+
+
+#: A category the classification maps a provider's response or a transport failure onto.
+ClassifiedCategory = Annotated[Category, AfterValidator(_not_a_provider_fact),
+                               _CallerFactsExcluded()]
+
+
 # Seed 003 section 8's roles that are "outside the scope of automatically broadening this
 # failover strategy", with the forms a host is likely to name them by.
 SEED_EXCLUDED_ROLES: tuple[str, ...] = (
@@ -111,6 +137,15 @@ SEED_EXCLUDED_ROLES: tuple[str, ...] = (
     "scheduled", "scheduled_task", "scheduled_tasks", "schedule", "scheduler",
     "compaction", "compactions", "compact", "context_compaction", "compactor",
 )
+
+
+def _no_blanks(v: list[str], info: ValidationInfo, what: str) -> list[str]:
+    for i, name in enumerate(v):
+        if not name.strip() and _admitting(info):
+            # Matched against real names: a blank one excludes or exempts nothing.
+            raise PolicyValueError(f"the {what} name {name!r} is blank, so it matches nothing",
+                                   "remove it, or write the name", field=f"[{i}]")
+    return v
 
 
 # defer_build: a model's validator is built when it first validates a policy, so a process
@@ -179,6 +214,11 @@ class FailoverPolicy(_Section):
     # Run's deadline, then try it (recorded as a probe), instead of stopping with no attempt;
     # also after a failure. Without it only a new turn waits, and only for group floors.
     wait_for_reopening: StrictBool = False
+
+    @field_validator("excluded_roles")
+    @classmethod
+    def _roles_named(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return _no_blanks(v, info, "role")
 
     @model_validator(mode="after")
     def _group_facts_can_be_fresh(self, info: ValidationInfo) -> FailoverPolicy:
@@ -304,14 +344,15 @@ class ProviderCodes(_Section):
     before the detail tables existed reads back deciding as it did.
     """
 
-    openai_code: dict[str, Category] = Field(default_factory=dict)
-    openai_type: dict[str, Category] = Field(default_factory=dict)
-    anthropic_error_code: dict[str, Category] = Field(default_factory=dict)
-    anthropic_type: dict[str, Category] = Field(default_factory=dict)
-    gemini_reason: dict[str, Category] = Field(default_factory=dict)
-    gemini_status: dict[str, Category] = Field(default_factory=dict)
+    openai_code: dict[str, ClassifiedCategory] = Field(default_factory=dict)
+    openai_type: dict[str, ClassifiedCategory] = Field(default_factory=dict)
+    anthropic_error_code: dict[str, ClassifiedCategory] = Field(default_factory=dict)
+    anthropic_type: dict[str, ClassifiedCategory] = Field(default_factory=dict)
+    gemini_reason: dict[str, ClassifiedCategory] = Field(default_factory=dict)
+    gemini_status: dict[str, ClassifiedCategory] = Field(default_factory=dict)
 
-    @field_validator("openai_code", "openai_type", "anthropic_type", "gemini_status")
+    @field_validator("openai_code", "openai_type", "anthropic_error_code", "anthropic_type",
+                     "gemini_reason", "gemini_status")
     @classmethod
     def _one_entry_per_code(cls, v: dict[str, Category],
                             info: ValidationInfo) -> dict[str, Category]:
@@ -344,7 +385,7 @@ class OverflowRule(_Section):
 class TextRule(_Section):
     """Free-text patterns (case-insensitive substrings) over the body and message."""
 
-    category: Category
+    category: ClassifiedCategory
     patterns: list[Pattern]
 
     @field_validator("patterns")
@@ -372,7 +413,7 @@ class StatusTextRule(_Section):
 
     statuses: list[StrictInt]
     patterns: list[Pattern]
-    category: Category
+    category: ClassifiedCategory
 
     @field_validator("statuses")
     @classmethod
@@ -489,14 +530,16 @@ class ClassificationPolicy(_Section):
     classifier on structured facts only (the failure-domain default).
     """
 
-    transports: dict[Transport, Category] = Field(default_factory=_default_transports)
+    transports: dict[Transport, ClassifiedCategory] = Field(default_factory=_default_transports)
     context_overflow: list[OverflowRule] = Field(default_factory=_default_overflow)
     context_overflow_text: list[Pattern] = Field(default_factory=list)
     codes: ProviderCodes = Field(default_factory=_default_codes)
-    status: dict[int, Category] = Field(default_factory=_default_status)
+    # Values checked by _status_range, to name the status as classification.status.499.
+    status: dict[int, Annotated[Category, _CallerFactsExcluded()]] = Field(
+        default_factory=_default_status)
     # Unlisted 4xx / 5xx statuses; null leaves them to the text rules, then `unknown`.
-    status_4xx: Category | None = Category.FORMAT
-    status_5xx: Category | None = Category.SERVER_ERROR
+    status_4xx: ClassifiedCategory | None = Category.FORMAT
+    status_5xx: ClassifiedCategory | None = Category.SERVER_ERROR
     status_text: list[StatusTextRule] = Field(default_factory=list)
     text: list[TextRule] = Field(default_factory=list)
     # Hints beyond this are clamped, and so is every wait or group cooldown derived from one: a
@@ -509,8 +552,10 @@ class ClassificationPolicy(_Section):
 
     @field_validator("status")
     @classmethod
-    def _status_range(cls, v: dict[int, Category]) -> dict[int, Category]:
+    def _status_range(cls, v: dict[int, Category], info: ValidationInfo) -> dict[int, Category]:
         _http_statuses(v)
+        for code, category in v.items():
+            _classified_as_caller_fact(category, info, field=str(code))
         return v
 
     @field_validator("status", mode="wrap")
@@ -650,6 +695,11 @@ class HealthPolicy(_Section):
     # before the outage: it leaves the key cooling (only a success of a request begun after the
     # counting failure clears it).
     count_overlapping_failures: StrictBool = True
+
+    @field_validator("exempt_providers")
+    @classmethod
+    def _providers_named(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return _no_blanks(v, info, "provider")
 
     @field_validator("cooldown_after", mode="before")
     @classmethod
@@ -813,6 +863,24 @@ class StreamingPolicy(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _total_holds_every_limit(self, info: ValidationInfo) -> StreamingPolicy:
+        if not _admitting(info):
+            return self
+        for name, what in (("connect_timeout_s", "connect"), ("read_timeout_s", "read"),
+                           ("idle_timeout_s", "idle")):
+            limit = getattr(self, name)
+            if limit > self.total_timeout_s:
+                # The total limit always ends the call first: this one (and its transport kind)
+                # could never apply, though the file says it does.
+                raise PolicyValueError(
+                    f"{name} ({limit:g}) is above total_timeout_s ({self.total_timeout_s:g}), "
+                    f"so the {what} limit never applies",
+                    f"lower {name} to at most total_timeout_s, or raise total_timeout_s",
+                    field=name,
+                )
+        return self
+
 
 class EnvelopePolicy(_Section):
     """Bounds on the images and documents a request carries, checked before anything is recorded.
@@ -872,6 +940,28 @@ class Policy(StrictModel):
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
     streaming: StreamingPolicy = Field(default_factory=StreamingPolicy)
     envelope: EnvelopePolicy = Field(default_factory=EnvelopePolicy)
+
+    @model_validator(mode="after")
+    def _every_retry_rule_reachable(self, info: ValidationInfo) -> Policy:
+        if not _admitting(info):
+            return self
+        # The first rule that lists a failure's category (or transport kind) applies: a later
+        # rule's entry for it is never read, whatever its max and delays say.
+        seen: dict[str, int] = {}
+        for i, rule in enumerate(self.same_route_retry):
+            for name, values in (("categories", rule.categories),
+                                 ("transports", rule.transports)):
+                for value in values:
+                    first = seen.setdefault(f"{name}:{value.value}", i)
+                    if first != i:
+                        raise PolicyValueError(
+                            f"{value.value!r} is listed by same_route_retry[{first}] already, "
+                            "and the first rule that lists it applies: this one never does "
+                            "for it",
+                            f"remove {value.value!r} here, or merge the two rules",
+                            field=f"same_route_retry[{i}].{name}",
+                        )
+        return self
 
     @field_validator("name")
     @classmethod

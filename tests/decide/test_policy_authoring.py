@@ -189,3 +189,58 @@ def test_a_json_policy_is_refused_as_json_with_the_loaders_checks(tmp_path: Path
 def test_a_yaml_flow_mapping_is_still_yaml(tmp_path: Path) -> None:
     assert not load_policy(_write(tmp_path, "{name: t, failover: {enabled: false}}\n")
                            ).failover.enabled
+
+
+# -- settings that could never apply are refused at load -----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["connect_timeout_s", "read_timeout_s", "idle_timeout_s"])
+def test_no_time_limit_is_above_the_total_limit(tmp_path: Path, name: str) -> None:
+    """As total_timeout_s below first_token_timeout_s is refused: the total always ends the
+    call first, so a longer limit (and its transport kind) could never fire."""
+    [(field, problem, fix)] = _refused(
+        {"name": "t", "streaming": {name: 1000, "total_timeout_s": 600}})
+    assert field == f"streaming.{name}" and "never applies" in problem
+    assert f"lower {name}" in fix and "raise total_timeout_s" in fix
+    equal = validate_policy({"name": "t", "streaming": {name: 600, "total_timeout_s": 600}})
+    assert getattr(equal.streaming, name) == 600
+
+
+@pytest.mark.parametrize(("second", "field"), [
+    ({"categories": ["rate_limit", "overloaded"], "max": 2, "delays_s": [1, 2]},
+     "same_route_retry[1].categories"),
+    ({"transports": ["stream_cut"], "max": 1, "delays_s": [1]},
+     "same_route_retry[1].transports"),
+], ids=["category", "transport"])
+def test_a_retry_rule_never_lists_what_an_earlier_rule_already_takes(
+        second: dict[str, object], field: str) -> None:
+    """The first rule that lists a failure's category (or transport kind) applies."""
+    first = {"categories": ["overloaded"], "transports": ["stream_cut"], "max": 1,
+             "delays_s": [1]}
+    [(got, problem, fix)] = _refused({"name": "t", "same_route_retry": [first, second]})
+    assert got == field and "same_route_retry[0] already" in problem and "remove" in fix
+
+
+@pytest.mark.parametrize(("section", "key"), [("failover", "excluded_roles"),
+                                              ("health", "exempt_providers")])
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_role_or_provider_is_named_by_more_than_blanks(section: str, key: str,
+                                                         blank: str) -> None:
+    [(field, problem, fix)] = _refused({"name": "t", section: {key: ["ok", blank]}})
+    assert field == f"{section}.{key}[1]" and "blank" in problem and "remove it" in fix
+
+
+@pytest.mark.parametrize(("classification", "field"), [
+    ({"status": {499: "cancelled"}}, "classification.status.499"),
+    ({"status_5xx": "budget_exceeded"}, "classification.status_5xx"),
+    ({"codes": {"openai_code": {"user_abort": "cancelled"}}},
+     "classification.codes.openai_code.user_abort"),
+    ({"text": [{"category": "cancelled", "patterns": ["aborted"]}]},
+     "classification.text[0].category"),
+], ids=["status", "status_5xx", "codes", "text"])
+def test_no_provider_response_is_classified_as_the_callers_own_fact(
+        classification: dict[str, object], field: str) -> None:
+    """``status: {499: cancelled}`` would stop the request as if the caller had cancelled it;
+    the docs already forbid the caller's facts in every rule's categories."""
+    [(got, problem, fix)] = _refused({"name": "t", "classification": classification})
+    assert got == field and "caller's own fact" in problem and "route's failure" in fix

@@ -344,7 +344,8 @@ def test_a_total_limit_below_the_first_token_limit_is_refused(tmp_path: Path) ->
     text = "name: x\nstreaming:\n  first_token_timeout_s: 60\n  total_timeout_s: 5\n"
     _, problem, fix = _only(_error(_write(tmp_path, text)), "streaming.total_timeout_s")
     assert "never applies" in problem and "first_token_timeout_s" in fix
-    equal = "name: x\nstreaming:\n  first_token_timeout_s: 5\n  total_timeout_s: 5\n"
+    equal = ("name: x\nstreaming:\n  first_token_timeout_s: 5\n  total_timeout_s: 5\n"
+             "  connect_timeout_s: 5\n  read_timeout_s: 5\n  idle_timeout_s: 5\n")
     assert load_policy(_write(tmp_path, equal)).streaming.total_timeout_s == 5
 
 
