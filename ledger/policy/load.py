@@ -851,9 +851,33 @@ def policy_hash(policy: PolicyArg) -> str:
 
 
 def policy_json_schema() -> dict[str, Any]:
-    """The published JSON schema of a policy file."""
+    """The published JSON schema of a policy file.
+
+    Besides each field's own bounds it carries the loader's: every number within
+    :data:`MAX_NUMBER`, every text within :data:`MAX_STRING_CHARS`.
+    """
     schema = Policy.model_json_schema(mode="validation")
+    _with_loader_bounds(schema)
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def _with_loader_bounds(node: Any) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _with_loader_bounds(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("type") in ("number", "integer"):
+        if not any(k in node for k in ("maximum", "exclusiveMaximum")):
+            node["maximum"] = MAX_NUMBER
+        if not any(k in node for k in ("minimum", "exclusiveMinimum")):
+            node["minimum"] = -MAX_NUMBER
+    if node.get("type") == "string" and "enum" not in node and "maxLength" not in node:
+        node["maxLength"] = MAX_STRING_CHARS
+    for key, value in node.items():
+        if key not in ("default", "enum", "const", "examples"):
+            _with_loader_bounds(value)
 
 
 __all__ = [

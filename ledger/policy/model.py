@@ -15,17 +15,18 @@ from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
     Strict,
     StrictBool,
-    StrictInt,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
@@ -41,6 +42,24 @@ Number = Annotated[float, Strict()]
 Seconds = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 Pattern = Annotated[str, Field(min_length=1)]
+
+
+def _whole(v: object) -> object:
+    """An integer-valued float (``2.0``) as the integer; anything else unchanged.
+
+    JSON has one number type and JSON Schema's ``integer`` accepts ``2.0``; ``2.5``, a bool and
+    text are left to the field to refuse.
+    """
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+# A whole number, strictly: no bool, no text; ``2.0`` is 2, as JSON Schema reads it.
+WholeNumber = Annotated[int, BeforeValidator(_whole), Strict()]
+_NON_EMPTY: JsonDict = {"minItems": 1}
+# The loader refuses a blank name (and a blank role or provider): "not only whitespace".
+_NOT_BLANK = r"\S"
 
 
 #: Categories only the caller reports (``Observation.cancelled``, ``over_token_budget``): the
@@ -193,7 +212,8 @@ class FailoverPolicy(_Section):
     # Roles that never fail over, compared case-insensitively. Seed 003's words ("independent
     # reviewers, fixed-model evaluations, diagnostic invocations, scheduled tasks, and context
     # compaction") and their common forms.
-    excluded_roles: list[str] = Field(default_factory=lambda: list(SEED_EXCLUDED_ROLES))
+    excluded_roles: list[Annotated[str, Field(json_schema_extra={"pattern": _NOT_BLANK})]] = Field(
+        default_factory=lambda: list(SEED_EXCLUDED_ROLES))
     # "stop": effective output rules out another route; "discard": discard it, tell the caller,
     # move on (goclaw). A started tool always stops.
     after_effective_output: Literal["stop", "discard"] = "stop"
@@ -243,9 +263,11 @@ class MoveRule(_Section):
     carried nothing of the request.
     """
 
-    categories: list[RuleCategory]
-    phases: list[Phase] | None = None  # None = any phase
-    transports: list[Transport] | None = None  # None = whatever the transport kind (or none)
+    categories: list[RuleCategory] = Field(json_schema_extra=_NON_EMPTY)
+    # None = any phase
+    phases: list[Phase] | None = Field(default=None, json_schema_extra=_NON_EMPTY)
+    # None = whatever the transport kind (or none)
+    transports: list[Transport] | None = Field(default=None, json_schema_extra=_NON_EMPTY)
     scope: Scope = Scope.ROUTE
 
     @field_validator("categories")
@@ -292,9 +314,11 @@ class RetryRule(_Section):
 
     categories: list[RuleCategory] = Field(default_factory=list)
     transports: list[Transport] = Field(default_factory=list)
-    max: StrictInt = Field(default=0, ge=0)
+    max: WholeNumber = Field(default=0, ge=0)
     delays_s: list[Seconds] = Field(default_factory=list)
-    jitter: Number = Field(default=0.0, allow_inf_nan=False)
+    # Bounds checked by _jitter_range (its message says what jitter means); shown here.
+    jitter: Number = Field(default=0.0, allow_inf_nan=False,
+                           json_schema_extra={"minimum": 0, "exclusiveMaximum": 1})
     honor_retry_after: StrictBool = False
     retry_after_cap_s: Seconds | None = None
 
@@ -386,7 +410,7 @@ class TextRule(_Section):
     """Free-text patterns (case-insensitive substrings) over the body and message."""
 
     category: ClassifiedCategory
-    patterns: list[Pattern]
+    patterns: list[Pattern] = Field(json_schema_extra=_NON_EMPTY)
 
     @field_validator("patterns")
     @classmethod
@@ -397,6 +421,10 @@ class TextRule(_Section):
                 "list at least one pattern, or delete the rule",
             )
         return v
+
+
+#: A status the classification names (range checked by _http_statuses, shown by the schema).
+HttpStatus = Annotated[WholeNumber, Field(json_schema_extra={"minimum": 100, "maximum": 599})]
 
 
 def _http_statuses(codes: Iterable[int]) -> None:
@@ -411,8 +439,8 @@ def _http_statuses(codes: Iterable[int]) -> None:
 class StatusTextRule(_Section):
     """A status whose text says otherwise: e.g. goclaw's 429 that says 'overloaded'."""
 
-    statuses: list[StrictInt]
-    patterns: list[Pattern]
+    statuses: list[HttpStatus] = Field(json_schema_extra=_NON_EMPTY)
+    patterns: list[Pattern] = Field(json_schema_extra=_NON_EMPTY)
     category: ClassifiedCategory
 
     @field_validator("statuses")
@@ -536,7 +564,8 @@ class ClassificationPolicy(_Section):
     codes: ProviderCodes = Field(default_factory=_default_codes)
     # Values checked by _status_range, to name the status as classification.status.499.
     status: dict[int, Annotated[Category, _CallerFactsExcluded()]] = Field(
-        default_factory=_default_status)
+        default_factory=_default_status,
+        json_schema_extra={"propertyNames": {"pattern": "^[1-5][0-9][0-9]$"}})
     # Unlisted 4xx / 5xx statuses; null leaves them to the text rules, then `unknown`.
     status_4xx: ClassifiedCategory | None = Category.FORMAT
     status_5xx: ClassifiedCategory | None = Category.SERVER_ERROR
@@ -547,8 +576,8 @@ class ClassificationPolicy(_Section):
     # response must not close a capacity group for a day.
     retry_after_limit_s: PositiveSeconds = 3_600.0
     # Only this much of a body is parsed or scanned; error bodies are small, hostile ones are not.
-    body_limit_bytes: StrictInt = Field(default=262_144, ge=1)
-    message_limit_chars: StrictInt = Field(default=300, ge=16)
+    body_limit_bytes: WholeNumber = Field(default=262_144, ge=1)
+    message_limit_chars: WholeNumber = Field(default=300, ge=16)
 
     @field_validator("status")
     @classmethod
@@ -587,7 +616,7 @@ class CooldownCurve(_Section):
 
     base_s: PositiveSeconds = 60.0
     factor: Number = Field(default=5.0, ge=1.0, le=1000.0, allow_inf_nan=False)
-    max_exponent: StrictInt = Field(default=3, ge=0, le=64)
+    max_exponent: WholeNumber = Field(default=3, ge=0, le=64)
     cap_s: PositiveSeconds = 3_600.0
 
     @model_validator(mode="after")
@@ -608,7 +637,7 @@ class DisableRule(_Section):
     base for named providers.
     """
 
-    categories: list[RuleCategory]
+    categories: list[RuleCategory] = Field(json_schema_extra=_NON_EMPTY)
     base_s: PositiveSeconds = 18_000.0
     factor: Number = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
     cap_s: PositiveSeconds = 86_400.0
@@ -669,7 +698,8 @@ class HealthPolicy(_Section):
     # Counters reset before counting a failure once every cooldown/disable window has expired.
     reset_on_expiry: StrictBool = True
     # Routers that spread load over many upstreams: their keys are never cooled nor disabled.
-    exempt_providers: list[str] = Field(default_factory=list)
+    exempt_providers: list[Annotated[str, Field(json_schema_extra={"pattern": _NOT_BLANK})]] = (
+        Field(default_factory=list))
     # Record each key's last successful use. Profile rotation orders by it (fased); where no
     # decision reads it, leaving it off lets a success on a healthy key write nothing, so the
     # settles of many workers on one route do not queue on its health row.
@@ -680,8 +710,9 @@ class HealthPolicy(_Section):
     # One failed call is not an outage: a key cools only once this many failures that would
     # cool it fell within ``cooldown_window_s`` (1: the first one cools it, as GoClaw and Fased
     # do). The failures before that are remembered (``Health.recent_failures``), not counted.
-    cooldown_after: StrictInt = 1
-    cooldown_window_s: Number | None = None
+    # Bounds checked by _threshold and _window (their messages say why); shown here.
+    cooldown_after: WholeNumber = Field(default=1, json_schema_extra={"minimum": 1})
+    cooldown_window_s: Number | None = Field(default=None, json_schema_extra={"minimum": 1})
     # Whether each failed try of a same-route retry counts again. False: a route's failure is
     # counted once per request; a retry's failure restarts its window from the last try but does
     # not step the cooldown up (GoClaw: "when every try fails, the request fails, or moves on,
@@ -704,6 +735,7 @@ class HealthPolicy(_Section):
     @field_validator("cooldown_after", mode="before")
     @classmethod
     def _threshold(cls, v: object) -> object:
+        v = _whole(v)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PolicyValueError(
                 f"cooldown_after must be a whole number of failures of at least 1 (got {v!r}); "
@@ -762,7 +794,7 @@ class ProbePolicy(_Section):
     interval_s: Seconds = 30.0
     margin_s: Seconds = 120.0
     ttl_s: PositiveSeconds = 86_400.0
-    max_keys: StrictInt = Field(default=256, ge=1)
+    max_keys: WholeNumber = Field(default=256, ge=1)
 
     @model_validator(mode="after")
     def _probes_spaced(self, info: ValidationInfo) -> ProbePolicy:
@@ -799,7 +831,8 @@ class ProfilePolicy(_Section):
     type_order: list[ProfileType] = Field(
         default_factory=lambda: [ProfileType.OAUTH, ProfileType.TOKEN, ProfileType.API_KEY]
     )
-    auth_order: dict[str, list[str]] = Field(default_factory=dict)
+    auth_order: dict[str, Annotated[list[str], Field(
+        json_schema_extra={"minItems": 1, "uniqueItems": True})]] = Field(default_factory=dict)
     # A new turn keeps the profile the Run used last while it is usable, as if the caller had
     # passed ``pin="auto"`` (Fased's session stickiness); a recorded compaction drops it.
     sticky: StrictBool = False
@@ -896,12 +929,16 @@ class EnvelopePolicy(_Section):
     accepts the request; for a provider's own limit, set a bound of about 3/4 of it.
     """
 
-    max_part_bytes: StrictInt = 20 * 1024 * 1024
-    max_envelope_bytes: StrictInt = 32 * 1024 * 1024
+    # Bounds checked by _byte_count (its message says the alternative); shown here.
+    max_part_bytes: WholeNumber = Field(
+        default=20 * 1024 * 1024, json_schema_extra={"minimum": 1, "maximum": MAX_BINARY_BYTES})
+    max_envelope_bytes: WholeNumber = Field(
+        default=32 * 1024 * 1024, json_schema_extra={"minimum": 1, "maximum": MAX_BINARY_BYTES})
 
     @field_validator("max_part_bytes", "max_envelope_bytes", mode="before")
     @classmethod
     def _byte_count(cls, v: object) -> object:
+        v = _whole(v)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_BINARY_BYTES:
             raise PolicyValueError(
                 f"a byte limit must be a whole number of bytes from 1 to {MAX_BINARY_BYTES} "
@@ -928,7 +965,7 @@ class Policy(StrictModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, json_schema_extra={"pattern": _NOT_BLANK})
     description: str = ""
     failover: FailoverPolicy = Field(default_factory=FailoverPolicy)
     classification: ClassificationPolicy = Field(default_factory=ClassificationPolicy)

@@ -8,13 +8,23 @@ author expects, naming the field and the fix.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from ledger.domain.media import MAX_BINARY_BYTES
 from ledger.errors import InvalidArgument, PolicyError
-from ledger.policy.load import load_policy, validate_policy
+from ledger.policy.load import (
+    MAX_NUMBER,
+    load_policy,
+    policy_hash,
+    policy_json_schema,
+    validate_policy,
+)
 from ledger.policy.model import FailoverPolicy, Policy
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
@@ -244,3 +254,74 @@ def test_no_provider_response_is_classified_as_the_callers_own_fact(
     the docs already forbid the caller's facts in every rule's categories."""
     [(got, problem, fix)] = _refused({"name": "t", "classification": classification})
     assert got == field and "caller's own fact" in problem and "route's failure" in fix
+
+
+# -- the published schema refuses what loading refuses, field by field ---------------------------
+
+SCHEMA_AND_LOADER_REFUSE = {
+    "envelope.max_part_bytes": {"envelope": {"max_part_bytes": 0}},
+    "envelope.max_envelope_bytes": {"envelope": {"max_envelope_bytes": 10**12}},
+    "classification.status": {"classification": {"status": {"600": "overloaded"}}},
+    "classification.status_text[0].statuses": {"classification": {"status_text": [
+        {"statuses": [700], "patterns": ["x"], "category": "overloaded"}]}},
+    "health.cooldown_after": {"health": {"cooldown_after": 0}},
+    "health.cooldown_window_s": {"health": {"cooldown_after": 2, "cooldown_window_s": 0.5}},
+    "same_route_retry[0].jitter": {"same_route_retry": [
+        {"categories": ["overloaded"], "max": 1, "delays_s": [1], "jitter": 1.0}]},
+    "streaming.total_timeout_s": {"streaming": {"total_timeout_s": 1e308}},
+    "moves_on[0].categories": {"moves_on": [{"categories": []}]},
+    "name": {"name": "  "},
+    "failover.excluded_roles[0]": {"failover": {"excluded_roles": [""]}},
+}
+
+
+def _schema_errors(data: dict[str, object]) -> list[str]:
+    """What the published schema says of ``data``: with jsonschema where it is installed."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((REPO / "docs" / "policy.schema.json").read_text(encoding="utf-8"))
+    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(data)]
+
+
+@pytest.mark.parametrize("field", sorted(SCHEMA_AND_LOADER_REFUSE))
+def test_the_schema_refuses_each_single_field_limit_the_loader_refuses(field: str) -> None:
+    """The schema let an editor accept a zero byte limit, status 600, a jitter of 1 or a
+    number of 1e308, which loading then refused."""
+    data = {"name": "t", **SCHEMA_AND_LOADER_REFUSE[field]}
+    assert field in [f for f, _, _ in _refused(dict(data))]
+    assert _schema_errors(data)
+
+
+def test_the_schema_states_the_loaders_bounds() -> None:
+    """Said without a validator: the bounds an editor reads."""
+    defs = policy_json_schema()["$defs"]
+    envelope = defs["EnvelopePolicy"]["properties"]["max_part_bytes"]
+    assert (envelope["minimum"], envelope["maximum"]) == (1, MAX_BINARY_BYTES)
+    assert defs["StatusTextRule"]["properties"]["statuses"]["items"] == {
+        "maximum": 599, "minimum": 100, "type": "integer"}
+    status = defs["ClassificationPolicy"]["properties"]["status"]
+    assert status["propertyNames"] == {"pattern": "^[1-5][0-9][0-9]$"}
+    health = defs["HealthPolicy"]["properties"]
+    assert health["cooldown_after"]["minimum"] == health["cooldown_window_s"]["minimum"] == 1
+    jitter = defs["RetryRule"]["properties"]["jitter"]
+    assert (jitter["minimum"], jitter["exclusiveMaximum"]) == (0, 1)
+    assert defs["StreamingPolicy"]["properties"]["total_timeout_s"]["maximum"] == MAX_NUMBER
+
+
+@pytest.mark.parametrize(("section", "values"), [
+    ("probe", {"max_keys": 2.0}),
+    ("envelope", {"max_part_bytes": 1024.0, "max_envelope_bytes": 2048.0}),
+    ("health", {"cooldown_after": 3.0, "cooldown_window_s": 60}),
+    ("classification", {"status_text": [{"statuses": [429.0], "patterns": ["busy"],
+                                         "category": "overloaded"}]}),
+])
+def test_a_whole_number_written_as_2_0_is_the_integer_json_schema_says_it_is(
+        section: str, values: dict[str, object]) -> None:
+    """JSON Schema's ``integer`` accepts ``2.0``; the loader refused it as a wrong type. It is
+    the integer, so the policy (and its hash) is the one written with ``2``."""
+    data = {"name": "t", section: values}
+    as_float = validate_policy(data)
+    as_int = validate_policy(json.loads(json.dumps(data).replace(".0", "")))
+    assert policy_hash(as_float) == policy_hash(as_int)
+    assert not _schema_errors(data)
+    half = {"name": "t", "probe": {"max_keys": 2.5}}
+    assert _refused(half)[0][0] == "probe.max_keys" and _schema_errors(half)
