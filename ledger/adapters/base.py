@@ -17,12 +17,13 @@ every such failure comes back as an :class:`AdapterResult` with ``ok=False``, ``
 whether any byte of the request was handed to the socket, and an
 :class:`~ledger.domain.facts.Observation` (transport kind, phase, status, effective output, redacted
 evidence). A route that cannot build a request (no endpoint or not a usable http(s) URL, no codec
-for its protocol, no secret for its profile or one that cannot go in a header, a body that cannot
-be JSON-encoded, a codec header named like one of the headers that carry the Attempt's id) is
-transport ``cannot_build``, phase ``before_send``, source ``local``, with a message naming the
-problem and the fix. Only caller misuse (a profile id that is not the route's,
-an envelope without parts, streaming, tools or prefill the route's capabilities refuse, envelope
-parts or parameters the codec cannot map) raises :class:`~ledger.errors.InvalidArgument`, always
+for its protocol, no secret for its profile or one that cannot go in a header, a body its codec
+made that cannot be JSON-encoded, a codec header named like one of the headers that carry the
+Attempt's id) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a
+message naming the problem and the fix. Only caller misuse (a profile id that is not the
+route's, an envelope without parts, streaming, tools or prefill the route's capabilities refuse,
+envelope parts or parameters the codec cannot map, text or params no JSON body can carry: a
+lone surrogate, NaN) raises :class:`~ledger.errors.InvalidArgument`, always
 before anything is sent; a Run's turn never meets one of these here with the built-in codecs:
 preflight finds each of them before an Attempt is begun (:mod:`ledger.domain.params`,
 :mod:`ledger.domain.carried`). Cancellation by the caller (``asyncio.CancelledError``) and
@@ -156,6 +157,7 @@ from ledger.adapters.transport import (
     map_transport_error,
 )
 from ledger.decide.effects import SendProgress, SendResult, attempt_headers
+from ledger.domain.carried import require_encodable
 from ledger.domain.envelope import Envelope, require_parts
 from ledger.domain.facts import Observation, Phase, Source, Transport
 from ledger.domain.media import MediaKind
@@ -474,8 +476,8 @@ class HttpAdapter:
     # profile id that does not fit the route) raises InvalidArgument: the caller has a bug. A
     # turn's preflight applies the same rules before its begin, so an Attempt never ends here.
     # A route whose configuration cannot make a request (no secret, no usable endpoint, no
-    # codec, a body that cannot be encoded) is a `cannot_build` failure result, never an
-    # exception: the Run can skip that route and go on, and it knows nothing was sent.
+    # codec, a body its codec made that cannot be encoded) is a `cannot_build` failure result,
+    # never an exception: the Run can skip that route and go on, and it knows nothing was sent.
 
     @staticmethod
     def _check_misuse(route: Route, envelope: Envelope, profile_id: str | None) -> None:
@@ -494,6 +496,9 @@ class HttpAdapter:
                 field="profile_id",
             )
         require_parts(envelope)
+        # What no UTF-8 JSON body can carry is the caller's: the rule preflight applies
+        # (a turn refuses it before its begin), not the route's cannot_build.
+        require_encodable(envelope)
         caps = route.capabilities
         if envelope.stream and caps.streaming is False:
             raise InvalidArgument(

@@ -64,7 +64,11 @@ class ToolCall:
 
     @property
     def arguments(self) -> dict[str, Any] | None:
-        """The arguments as an object, or ``None`` when the model's JSON is not an object."""
+        """The arguments as an object, or ``None`` when they are not one a request can carry.
+
+        :func:`~ledger.domain.carried.json_object`: a JSON object holding no NaN, infinity or
+        lone surrogate.
+        """
         return json_object(self.arguments_json)
 
 
@@ -225,18 +229,18 @@ MAX_TOOL_CALLS = 128
 def proposed_call(call: ToolCall, calls: Sequence[ToolCall], where: str) -> ToolCall:
     """``call``, checked before it joins ``calls`` (the answer's proposals so far).
 
-    Its arguments must be a JSON object: the host sends a proposal back as an assistant part
-    in the next turn, where any other text is refused as caller misuse
-    (:func:`ledger.domain.carried.tool_arguments`, the same rule), so it is the provider's
-    malformed answer, not a success.
+    Its arguments must be a JSON object a request body can carry (no NaN, infinity or lone
+    surrogate): the host sends a proposal back as an assistant part in the next turn, where
+    any other text is refused as caller misuse (:func:`ledger.domain.carried.tool_arguments`,
+    the same rule), so it is the provider's malformed answer, not a success.
     """
     if len(calls) >= MAX_TOOL_CALLS:
         raise MalformedPayload(
             f"the answer proposes more than {MAX_TOOL_CALLS} tool calls (MAX_TOOL_CALLS)")
     if call.arguments is None:
         raise MalformedPayload(
-            f"{where}: the arguments of tool call {call.name[:64]!r} are not a JSON object: "
-            f"{call.arguments_json[:64]!r}")
+            f"{where}: the arguments of tool call {call.name[:64]!r} are not a JSON object a "
+            f"request can carry back: {call.arguments_json[:64]!r}")
     return call
 
 

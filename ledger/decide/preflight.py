@@ -8,11 +8,12 @@ Three independent claims must all hold before any Attempt is begun on a route:
    lists), parts and parameter values its protocol's codec can build a request of
    (:mod:`ledger.domain.carried`: a tool-call part with its name and JSON-object arguments, a
    tool result naming its call, something to send besides system parts, the Responses API's
-   built-in ``tools``), a context window that fits the request's token estimate, and the request's
-   images and documents (``image input``, ``pdf input``: declared by the route's
-   :class:`~ledger.domain.values.Capabilities`, sizes, links the provider must fetch and links
-   the protocol cannot carry at all). A request the route cannot serve is rejected here, never
-   "tested by sending" and learning from a 400.
+   built-in ``tools``, and on every protocol text and params a UTF-8 JSON body can carry: no
+   lone surrogate, no NaN or infinity), a context window that fits the request's token
+   estimate, and the request's images and documents (``image input``, ``pdf input``: declared
+   by the route's :class:`~ledger.domain.values.Capabilities`, sizes, links the provider must
+   fetch and links the protocol cannot carry at all). A request the route cannot serve is
+   rejected here, never "tested by sending" and learning from a 400.
 2. **role qualification** - the exact route is qualified for the Run's role (``route.roles``
    ``None`` means every role), the Run's grant allows the role, and the route is not switched
    off in the *current* configuration.
@@ -737,8 +738,9 @@ def require_carried(envelope: Envelope, plan: Sequence[Route]) -> tuple[Uncarrie
 
     Raises:
         InvalidArgument: naming the field (``envelope.params.<name>``,
-            ``envelope.parts[<i>]``, ``envelope.params.tools[<k>]``) the plan's first route
-            refuses first, with what every route refuses (``routes``: route id -> fields).
+            ``envelope.parts[<i>]``, ``envelope.parts[<i>].content``,
+            ``envelope.params.tools[<k>]``) the plan's first route refuses first, with what
+            every route refuses (``routes``: route id -> fields).
     """
     found = uncarried(envelope)
     params = envelope.params

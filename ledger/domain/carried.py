@@ -1,35 +1,50 @@
 """Which envelope parts (and parameter values) a route's wire protocol can build a request of.
 
-A codec maps each part to its protocol's structure. A few parts cannot be mapped, whatever
-the route: an assistant tool-call part (``tool_call_id`` set) without the tool's ``name`` or
-whose ``content`` is not the call's arguments as a JSON object, a ``tool`` part without the
-``tool_call_id`` of the call it answers (chat completions, Responses, Anthropic) or without
-the ``name`` of the function (Gemini), an envelope with nothing to send but system parts
-(Responses, Anthropic and Gemini, which leave reasoning items out and, Anthropic and Gemini,
-empty text parts), and on the Responses API a ``params["tools"]`` that is not a list of the
-provider's built-in tools.
+A codec maps each part to its protocol's structure, and the adapter sends the body as UTF-8
+JSON. A few parts cannot be mapped, whatever the route: an assistant tool-call part
+(``tool_call_id`` set) without the tool's ``name`` or whose ``content`` is not the call's
+arguments as a JSON object a body can carry (none holding ``NaN``, an infinity or a lone
+surrogate), a part whose text holds a lone surrogate and params that are no JSON data (these
+two on every protocol, a codec of your own included: no UTF-8 body can carry them), a
+``tool`` part without the ``tool_call_id`` of the call it answers (chat completions,
+Responses, Anthropic) or without the ``name`` of the function (Gemini), an envelope with
+nothing to send but system parts (Responses, Anthropic and Gemini, which leave reasoning items
+out and, Anthropic and Gemini, empty text parts), and on the Responses API a
+``params["tools"]`` that is not a list of the provider's built-in tools.
 
 The rules live in the pure core so that preflight judges every candidate before an Attempt is
 begun: a route whose protocol cannot build the request is ineligible (``capability``), and a
 request no route of its plan can carry is refused with :class:`~ledger.errors.InvalidArgument`
 naming the field before anything is recorded. Each codec raises the same error through the
-same functions when it is called directly. A protocol without a codec here (``generic``, a
-codec of your own) refuses none of these.
+same functions when it is called directly, and the adapter the unencodable text and params
+(:func:`require_encodable`) before any codec builds a body. A protocol without a codec here
+(``generic``, a codec of your own) refuses none of the others.
 
-The per-request judgement (:func:`uncarried`) reads only the tool parts, the tool-call parts
-and ``params["tools"]``, and the parts up to the first one that would be sent: a request
-without tool calls costs two attribute reads per part.
+The per-request judgement (:func:`uncarried`) reads the tool parts, the tool-call parts and
+``params``, each part's text only when it is not ASCII (a flag in CPython), and the parts up
+to the first one that would be sent: a request of ASCII text without tool calls costs a few
+attribute reads per part. The verdicts on tool calls' arguments and non-ASCII text are
+remembered by the text (up to 16 KiB each, 1,024 of each), so a conversation's history is
+not read again every turn.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from ledger.domain.envelope import Envelope, Part
+from ledger.domain.envelope import (
+    SURROGATE_FIX,
+    SURROGATE_PROBLEM,
+    Envelope,
+    Part,
+    json_data_problem,
+    lone_surrogate,
+)
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind
 from ledger.errors import InvalidArgument
@@ -38,6 +53,9 @@ _P = WireProtocol
 #: The protocols whose codecs these rules are: a route of another protocol is judged by its
 #: own codec.
 CODEC_PROTOCOLS = frozenset({_P.OPENAI, _P.OPENAI_RESPONSES, _P.ANTHROPIC, _P.GEMINI})
+#: The protocols that refuse what no JSON body can carry: all of them, a codec of your own
+#: included, since the adapter sends every codec's body as UTF-8 JSON.
+EVERY_PROTOCOL = frozenset(WireProtocol)
 # A tool result names its call by id on these; Gemini names the function instead.
 _RESULT_BY_ID = frozenset({_P.OPENAI, _P.OPENAI_RESPONSES, _P.ANTHROPIC})
 _RESULT_BY_NAME = frozenset({_P.GEMINI})
@@ -67,35 +85,93 @@ class Uncarried:
         return InvalidArgument(f"{self.message}; {self.fix}", field=self.field)
 
 
-def json_object(content: str) -> dict[str, Any] | None:
-    """``content`` as a JSON object (empty text: ``{}``), else ``None``.
+class _NotFinite(ValueError):
+    """A number the JSON text spells that no JSON body can carry (NaN, an infinity)."""
 
-    A tool call's arguments, both ways: an answer's proposal whose arguments are not one is
-    the provider's malformed answer (``ToolCall.arguments``), a tool-call part whose content
-    is not one cannot be sent (:func:`tool_call_refusal`).
-    """
+
+def _no_constant(name: str) -> NoReturn:
+    raise _NotFinite(name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text)  # 1e400 reads as inf
+    return value
+
+
+# What is wrong with a tool call's arguments, as :func:`_read_arguments` says it.
+_NOT_OBJECT = "not an object"
+_NOT_FINITE = "not finite"
+_SURROGATE = "a lone surrogate"
+
+
+def _holds_surrogate(value: Any) -> bool:
+    """Whether a key or a string anywhere in the parsed ``value`` holds a lone surrogate."""
+    todo = [value]  # a loop, not recursion: the parser took nesting as deep as the stack
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if lone_surrogate(v) is not None:
+                return True
+        elif isinstance(v, dict):
+            todo.extend(v)
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return False
+
+
+def _read_arguments(content: str) -> dict[str, Any] | str:
+    """``content`` as a JSON object a request body can carry, else what is wrong with it."""
     try:
-        value = json.loads(content or "{}")
+        value = json.loads(content or "{}", parse_float=_finite, parse_constant=_no_constant)
+    except _NotFinite:
+        return _NOT_FINITE
     except (ValueError, RecursionError):
-        return None
+        return _NOT_OBJECT
+    if not isinstance(value, dict):
+        return _NOT_OBJECT
+    # A parsed string holds a surrogate only if the text holds one, or escapes one (\ud800).
+    if (not content.isascii() or "\\u" in content) and _holds_surrogate(value):
+        return _SURROGATE
+    return value
+
+
+def json_object(content: str) -> dict[str, Any] | None:
+    """``content`` as a JSON object a request can carry (empty text: ``{}``), else ``None``.
+
+    Not one: text that is not JSON or not an object, and an object holding ``NaN`` or an
+    infinity (Python's reader takes ``NaN``, ``Infinity`` and ``1e400``; JSON has none) or a
+    string or key with a lone surrogate (no UTF-8 body carries one). A tool call's arguments,
+    both ways: an answer's proposal whose arguments are not one is the provider's malformed
+    answer (``ToolCall.arguments``), a tool-call part whose content is not one cannot be sent
+    (:func:`tool_call_refusal`).
+    """
+    value = _read_arguments(content)
     return value if isinstance(value, dict) else None
 
 
-# Every turn judges the whole history's tool calls (:func:`uncarried`); a conversation's parts
-# are the same objects turn after turn, and a str keeps its hash, so their verdicts are
-# remembered by their text: the short ones, so that the memo stays small.
+# Every turn judges the whole history's tool calls (:func:`uncarried`) and texts; a
+# conversation's parts are the same objects turn after turn, and a str keeps its hash, so their
+# verdicts are remembered by their text: the short ones, so that the memo stays small.
 _MEMO_CHARS = 16 * 1024
 
 
 @functools.lru_cache(maxsize=1024)
-def _remembered_object(content: str) -> bool:
-    return json_object(content) is not None
+def _remembered_arguments(content: str) -> str | None:
+    value = _read_arguments(content)
+    return value if isinstance(value, str) else None
 
 
-def _is_object(content: str) -> bool:
+def _arguments_problem(content: str) -> str | None:
     if len(content) <= _MEMO_CHARS:
-        return _remembered_object(content)
-    return json_object(content) is not None
+        return _remembered_arguments(content)
+    value = _read_arguments(content)
+    return value if isinstance(value, str) else None
+
+
+_remembered_surrogate = functools.lru_cache(maxsize=1024)(lone_surrogate)
 
 
 def _unnamed_call(where: str) -> Uncarried:
@@ -104,36 +180,119 @@ def _unnamed_call(where: str) -> Uncarried:
                      "set name= to the tool the model called")
 
 
-def _not_an_object(where: str) -> Uncarried:
-    return Uncarried(CODEC_PROTOCOLS, where, "an assistant part with tool_call_id carries the "
-                     "call's arguments as a JSON object in its content",
-                     "put the arguments as a JSON object (e.g. '{\"city\": \"Oslo\"}', "
-                     "'{}' for none) in content")
+def _arguments_refusal(problem: str, index: int) -> Uncarried:
+    if problem == _NOT_OBJECT:
+        return Uncarried(CODEC_PROTOCOLS, f"envelope.parts[{index}]", "an assistant part with "
+                         "tool_call_id carries the call's arguments as a JSON object in its "
+                         "content", "put the arguments as a JSON object (e.g. "
+                         "'{\"city\": \"Oslo\"}', '{}' for none) in content")
+    where = f"envelope.parts[{index}].content"
+    if problem == _NOT_FINITE:
+        return Uncarried(CODEC_PROTOCOLS, where, "the tool call's arguments hold NaN or an "
+                         "infinity (NaN, Infinity, a number such as 1e400), which JSON does not "
+                         "have and no request body can carry", "write the value as a finite "
+                         "number, a string or null (json.dumps(args, allow_nan=False) finds "
+                         "them)")
+    return Uncarried(CODEC_PROTOCOLS, where, f"a string of the tool call's arguments "
+                     f"{SURROGATE_PROBLEM}", SURROGATE_FIX)
 
 
 def tool_call_refusal(part: Part, index: int) -> Uncarried | None:
-    """Why an assistant tool-call part (``tool_call_id`` set) cannot be sent, or ``None``."""
-    where = f"envelope.parts[{index}]"
+    """Why an assistant tool-call part (``tool_call_id`` set) cannot be sent, or ``None``.
+
+    It needs a ``name`` and its content must be the arguments as a JSON object a body can
+    carry (:func:`json_object`); the field is ``envelope.parts[index]``, or
+    ``envelope.parts[index].content`` for an object no body can carry.
+    """
     if not part.name:
-        return _unnamed_call(where)
-    if not _is_object(part.content):
-        return _not_an_object(where)
-    return None
+        return _unnamed_call(f"envelope.parts[{index}]")
+    problem = _arguments_problem(part.content)
+    return None if problem is None else _arguments_refusal(problem, index)
+
+
+def text_refusal(part: Part, index: int) -> Uncarried | None:
+    """Why ``part``'s text can go in no request body (a lone surrogate), or ``None``.
+
+    Every protocol refuses it (:data:`EVERY_PROTOCOL`). An assistant tool-call part's content
+    is its arguments, judged by :func:`tool_call_refusal` instead. The usual (ASCII) text costs
+    a flag read; other text is read once and its verdict remembered.
+    """
+    content = part.content
+    if content.isascii():
+        return None  # the usual text: a flag read, no memo entry
+    at = (_remembered_surrogate(content) if len(content) <= _MEMO_CHARS
+          else lone_surrogate(content))
+    if at is None:
+        return None
+    return Uncarried(EVERY_PROTOCOL, f"envelope.parts[{index}].content",
+                     f"the part's content, at character {at}, {SURROGATE_PROBLEM}", SURROGATE_FIX)
+
+
+def params_refusal(params: Mapping[str, Any]) -> Uncarried | None:
+    """Why ``params`` can go in no request body, or ``None`` (:func:`json_data_problem`).
+
+    ``Envelope`` refuses such params when it is built; this finds them in one built without
+    validation (``model_copy(update=...)``, ``model_construct``) or changed in place. Every
+    protocol refuses them; the field names the first parameter that holds the problem.
+    """
+    if not params:
+        return None
+    problem = json_data_problem(params)
+    if problem is None:
+        return None
+    field = "envelope.params"
+    for name, value in params.items():
+        found = json_data_problem(value)
+        if found is not None:
+            problem, field = found, f"envelope.params.{name}"
+            break
+    message, fix = problem
+    shown = field.removeprefix("envelope.params").removeprefix(".")
+    what = f"Envelope.params[{shown!r}]" if shown else "a key of Envelope.params"
+    return Uncarried(EVERY_PROTOCOL, field, f"{what} {message}", fix)
+
+
+def unencodable(envelope: Envelope) -> list[Uncarried]:
+    """What of ``envelope`` no protocol's request body can carry, in the order found.
+
+    The parts' text (:func:`text_refusal`; a tool call's arguments are its codec's, through
+    :func:`tool_arguments`) and the parameters (:func:`params_refusal`). The adapter refuses
+    them for every route (:func:`require_encodable`); a turn finds them in :func:`uncarried`.
+    """
+    out = [r for i, p in enumerate(envelope.parts)
+           if not (p.tool_call_id and p.role == "assistant")
+           and (r := text_refusal(p, i)) is not None]
+    refusal = params_refusal(envelope.params)
+    if refusal is not None:
+        out.append(refusal)
+    return out
+
+
+def require_encodable(envelope: Envelope) -> None:
+    """Refuse an envelope no request body can carry (:func:`unencodable`).
+
+    Raises:
+        InvalidArgument: naming the first such field (``envelope.parts[<i>].content``,
+            ``envelope.params.<name>``) and the fix.
+    """
+    found = unencodable(envelope)
+    if found:
+        raise found[0].error()
 
 
 def tool_arguments(part: Part, index: int) -> dict[str, Any]:
     """The arguments of an assistant tool-call part, which carries them as a JSON object.
 
     Raises:
-        InvalidArgument: the part has no ``name`` or its content is not a JSON object
-            (:func:`tool_call_refusal`), naming ``envelope.parts[index]``.
+        InvalidArgument: the part has no ``name`` or its content is not a JSON object a body
+            can carry (:func:`tool_call_refusal`), naming ``envelope.parts[index]`` (or its
+            ``.content``: NaN, an infinity, a lone surrogate).
     """
-    where = f"envelope.parts[{index}]"
     if not part.name:
-        raise _unnamed_call(where).error()
-    args = json_object(part.content)  # parsed once: the codec sends what it reads here
-    if args is None:
-        raise _not_an_object(where).error()
+        raise _unnamed_call(f"envelope.parts[{index}]").error()
+    args = _read_arguments(part.content)  # parsed once: the codec sends what it reads here
+    if isinstance(args, str):
+        raise _arguments_refusal(args, index).error()
     return args
 
 
@@ -234,29 +393,35 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
 
     Judged once per request: a route is ineligible for the refusals whose ``protocols`` hold
     its protocol, in the order its codec finds them (the first is the one it raises). Empty for
-    the usual request, which costs two attribute reads per part and a look at the parts up to
-    the first one that is sent.
+    the usual request, which costs three attribute reads and a flag per part (its text's
+    verdict, :func:`text_refusal`), a look at the parts up to the first one that is sent, and
+    one encoding of the parameters.
     """
     out: list[Uncarried] = []
     for i, p in enumerate(envelope.parts):
-        if not p.tool_call_id and p.role != "tool":
-            continue
-        if p.role == "tool":
-            out.extend(tool_result_refusals(p, i))
-        elif p.role == "assistant":
+        if p.tool_call_id and p.role == "assistant":
             refusal = tool_call_refusal(p, i)
-            if refusal is not None:
-                out.append(refusal)
+        else:
+            # ASCII text (the usual part) holds no surrogate: one flag read, no call.
+            refusal = None if p.content.isascii() else text_refusal(p, i)
+            if p.role == "tool":
+                out.extend(tool_result_refusals(p, i))
+        if refusal is not None:
+            out.append(refusal)
     for protocol in _NEEDS_MESSAGE:
         refusal = message_refusal(protocol, envelope.parts)
         if refusal is not None:
             out.append(refusal)
     # Last, as the Responses codec reads it: the first refusal is the one the codec raises.
-    tools = envelope.params.get("tools") if envelope.params else None
+    params = envelope.params
+    tools = params.get("tools") if params else None
     if tools is not None:
         refusal = builtin_tools_refusal(tools)
         if refusal is not None:
             out.append(refusal)
+    refusal = params_refusal(params)
+    if refusal is not None:
+        out.append(refusal)
     return tuple(out)
 
 
@@ -267,15 +432,20 @@ def refusals_for(protocol: WireProtocol, found: Sequence[Uncarried]) -> list[Unc
 
 __all__ = [
     "CODEC_PROTOCOLS",
+    "EVERY_PROTOCOL",
     "Uncarried",
     "builtin_tools",
     "builtin_tools_refusal",
     "json_object",
     "message_refusal",
+    "params_refusal",
     "refusals_for",
+    "require_encodable",
     "require_tool_result",
+    "text_refusal",
     "tool_arguments",
     "tool_call_refusal",
     "tool_result_refusals",
     "uncarried",
+    "unencodable",
 ]

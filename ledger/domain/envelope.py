@@ -59,16 +59,71 @@ DERIVED_ROLE_CLASS = {"assistant": MODEL_DERIVED, "tool": TOOL_RESULT}
 EXEMPT_CLASSES = frozenset({USER_INPUT, SYSTEM})
 
 
+#: What a lone surrogate is, and the fix, as every refusal of one says it.
+SURROGATE_PROBLEM = ("holds a lone surrogate (a character from U+D800 to U+DFFF, half of a "
+                     "UTF-16 pair), which no UTF-8 request body can carry")
+SURROGATE_FIX = ("mend or drop it before it goes in the request: "
+                 "text.encode('utf-8', 'replace').decode('utf-8') makes each one a '?' (a JSON "
+                 "text escaping one, \"\\ud800\", decodes to one)")
+_NOT_JSON = ("is not JSON data", "pass only strings, finite numbers, booleans, None, lists and "
+             "mappings with string keys")
+# Built once: json.dumps with options builds a new encoder on each call.
+_STRICT_JSON = json.JSONEncoder(sort_keys=True, allow_nan=False)
+_RAW_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (U+D800 to U+DFFF), or ``None``.
+
+    A str holds one when it was decoded leniently: ``json.loads`` of a JSON string escaping one
+    (a JavaScript string cut between the two halves of an emoji), a file read with
+    ``errors="surrogateescape"``. Every request body is sent as UTF-8 JSON, and UTF-8 has no
+    encoding for one. ASCII text, the usual part, is answered without reading it
+    (``str.isascii`` reads a flag in CPython).
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")  # C speed, several times a regular expression's scan
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def json_data_problem(value: Any) -> tuple[str, str] | None:
+    """What keeps ``value`` out of a JSON request body, with the fix; ``None``: nothing does.
+
+    JSON data is strings, finite numbers, booleans, ``None``, lists and mappings with string
+    keys; a set, an object, ``NaN`` or an infinity is not, nor a string (value or key) holding
+    a lone surrogate (:func:`lone_surrogate`). The one rule of ``Envelope.params`` and
+    ``ToolSpec.parameters``, when they are built and when a turn sends them.
+    """
+    try:
+        text = _STRICT_JSON.encode(value)
+    except (TypeError, ValueError, RecursionError):
+        return _NOT_JSON
+    # The ASCII encoding writes every surrogate as \udXXX (and every character beyond the BMP
+    # as a pair of them): without one, there is nothing to look for.
+    if "\\ud" in text and lone_surrogate(_RAW_JSON.encode(value)) is not None:
+        return SURROGATE_PROBLEM, SURROGATE_FIX
+    return None
+
+
 def _json_data(value: Any) -> Any:
-    """``value`` itself, when it is JSON data (finite numbers; a set, an object or NaN is not).
+    """``value`` itself, when it is JSON data a request body can carry (:func:`json_data_problem`).
 
     Parameters are hashed into the Attempt's envelope hash and sent as JSON.
     """
-    try:
-        json.dumps(value, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        raise Problem("is not JSON data", "pass only strings, finite numbers, booleans, None, "
-                      "lists and mappings with string keys") from None
+    problem = json_data_problem(value)
+    if problem is not None:
+        raise Problem(*problem)
+    return value
+
+
+def _text(value: str) -> str:
+    """``value`` itself, when it holds no lone surrogate (a tool's description is sent)."""
+    if lone_surrogate(value) is not None:
+        raise Problem(SURROGATE_PROBLEM, SURROGATE_FIX)
     return value
 
 
@@ -99,7 +154,9 @@ class Part(StrictModel):
     ``run.tool_result(...)`` carry it; a copy rebuilt by hand has none).
 
     ``data_class``, ``provenance`` and ``tool_call_id`` are identifiers (1 to 200 printable
-    characters); ``name`` a short printable text; ``content`` any text.
+    characters); ``name`` a short printable text; ``content`` any text (one holding a lone
+    surrogate, which no UTF-8 request body can carry, is refused when a turn or an adapter
+    would send it, naming ``envelope.parts[i].content``: :func:`lone_surrogate`).
 
     Example:
         >>> Part(data=open("10-K.pdf", "rb").read(), media_type="application/pdf",
@@ -340,7 +397,9 @@ class Part(StrictModel):
 class ToolSpec(StrictModel):
     """A tool the model may call (its description is data too).
 
-    ``name`` is an identifier; ``parameters`` (a JSON schema) must be JSON data.
+    ``name`` is an identifier; ``parameters`` (a JSON schema) must be JSON data and
+    ``description`` text a request body can carry (:func:`json_data_problem`: no NaN, no
+    lone surrogate).
 
     The tool's definition (name, description, parameters) is always ``tool_description``
     data. ``data_class`` adds a class for a definition that carries more than that (a
@@ -356,6 +415,7 @@ class ToolSpec(StrictModel):
     data_class: Id = TOOL_DESCRIPTION
 
     _parameters_are_json = field_validator("parameters")(_json_data)
+    _description_is_text = field_validator("description")(_text)
 
     @property
     def data_classes(self) -> frozenset[str]:
@@ -378,7 +438,9 @@ class Envelope(StrictModel):
     """The complete request. Its :attr:`hash` is what an Attempt records.
 
     ``parts`` holds at least one part (a turn checks it again, :func:`require_parts`, for one
-    built without validation); ``params`` (temperature, top_p, ...) must be JSON data, and a
+    built without validation); ``params`` (temperature, top_p, ...) must be JSON data a
+    request body can carry (:func:`json_data_problem`: finite numbers, no lone surrogate; a
+    turn checks them again, for an envelope built without validation), and a
     route whose protocol builds one of their names itself (``messages``, ``contents``, ...) or
     whose ``Capabilities.parameters`` leaves one out cannot carry them
     (:mod:`ledger.domain.params`: preflight skips it; a turn whose plan has no route left
@@ -516,6 +578,8 @@ __all__ = [
     "MEMORY",
     "MODEL_DERIVED",
     "PRIVATE_DOCUMENT",
+    "SURROGATE_FIX",
+    "SURROGATE_PROBLEM",
     "SYSTEM",
     "TOOL_DESCRIPTION",
     "TOOL_RESULT",
@@ -524,5 +588,7 @@ __all__ = [
     "Part",
     "PartHashes",
     "ToolSpec",
+    "json_data_problem",
+    "lone_surrogate",
     "require_parts",
 ]

@@ -15,7 +15,7 @@ import pytest
 from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider, to_send_result
 from ledger.decide.classify import classify
 from ledger.decide.effects import SendProgress
-from ledger.domain.envelope import Envelope, Part
+from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Category, Phase, Source, Transport
 from ledger.errors import InvalidArgument
 from ledger.policy.load import PRESETS, preset
@@ -133,22 +133,43 @@ async def test_a_secret_that_cannot_go_in_a_header_is_not_sent(
 
 
 @pytest.mark.parametrize(
-    "envelope",
+    ("envelope", "field"),
     [
         # Envelope(...) refuses such params (InvalidArgument naming `params`); built without
-        # validation here, they show the adapter's own defence still holds.
-        Envelope.model_construct(parts=[Part(content="hi")], params={"seed": {1, 2}},
-                                 tools=[], stream=False, max_output_tokens=None),
-        Envelope.model_construct(parts=[Part(content="hi")],
-                                 params={"temperature": float("nan")}, tools=[], stream=False,
-                                 max_output_tokens=None),
-        Envelope(parts=[Part(content="lone \ud800 surrogate")]),
+        # validation here, the adapter refuses them the same way, as preflight does in a turn.
+        (Envelope.model_construct(parts=[Part(content="hi")], params={"seed": {1, 2}},
+                                  tools=[], stream=False, max_output_tokens=None),
+         "envelope.params.seed"),
+        (Envelope.model_construct(parts=[Part(content="hi")],
+                                  params={"temperature": float("nan")}, tools=[], stream=False,
+                                  max_output_tokens=None),
+         "envelope.params.temperature"),
+        (Envelope(parts=[Part(content="hi"), Part(content="lone \ud800 surrogate")]),
+         "envelope.parts[1].content"),
     ],
     ids=["set", "nan", "surrogate"],
 )
-async def test_a_body_that_cannot_be_encoded_is_not_sent(
-    adapter: HttpAdapter, fake: FakeProvider, envelope: Envelope
+async def test_a_body_no_json_can_carry_is_caller_misuse_not_sent(
+    adapter: HttpAdapter, fake: FakeProvider, envelope: Envelope, field: str
 ) -> None:
+    """Text or params no UTF-8 JSON body carries are the caller's (the rule a turn's
+    preflight applies before its begin), refused before anything is sent."""
+    with pytest.raises(InvalidArgument) as ei:
+        await adapter.send(make_route(fake.endpoint("openai"), "openai"), envelope,
+                           profile_id=PROFILE)
+    assert ei.value.field == field
+    assert fake.connections == 0
+
+
+async def test_a_body_a_codec_makes_unencodable_is_not_sent(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    """What the envelope rules cannot see (here a tool whose schema was built without
+    validation holds NaN) still never leaves: the adapter's encoding is the last defence."""
+    tool = ToolSpec.model_construct(name="t", description="", parameters={"x": float("nan")},
+                                    data_class="tool_description")
+    envelope = Envelope.model_construct(parts=[Part(content="hi")], params={}, tools=[tool],
+                                        stream=False, max_output_tokens=None)
     result = await adapter.send(make_route(fake.endpoint("openai"), "openai"), envelope,
                                 profile_id=PROFILE)
     _assert_cannot_build(result, "cannot be JSON-encoded", "Envelope.params")

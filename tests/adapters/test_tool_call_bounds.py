@@ -1,8 +1,9 @@
 """A tool call the host could not send back, or too many of them, is a malformed answer.
 
 The host carries an answer's tool calls into its next turn as assistant parts, which must hold
-a JSON object (anything else is refused there as caller misuse): a proposal whose arguments are
-not one is the provider's malformed answer, never a success. An answer may propose at most
+a JSON object a request body can carry (anything else, NaN or a lone surrogate included, is
+refused there as caller misuse): a proposal whose arguments are not one is the provider's
+malformed answer, never a success. An answer may propose at most
 ``MAX_TOOL_CALLS`` (128) calls: a 16 MiB body could otherwise propose 275,000, each held in
 memory and recorded. An answer proposing calls to a request that offered no tools proposes
 tools of the model's own invention, which the host cannot run: malformed too (a parameter that
@@ -132,6 +133,18 @@ async def test_tool_call_arguments_that_are_not_json_are_a_malformed_answer(
     result, events = await _send(adapter, fake, protocol, stream)
     _assert_malformed(result, events, stream=stream, after_text=False)
     assert "'not json {'" in result.observation.message
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("args", ['{"days": NaN}', '{"days": 1e400}', '{"city": "\\ud800"}'])
+async def test_a_tool_call_whose_arguments_no_request_can_carry_back_is_a_malformed_answer(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, args: str) -> None:
+    """NaN, an infinity or a lone surrogate: Python's reader takes them, no JSON body carries
+    them, so the next turn would refuse the call's part (the same rule, json_object)."""
+    fake.enqueue(_raw(_body(protocol, 1, args), stream=False))
+    result, events = await _send(adapter, fake, protocol, False)
+    _assert_malformed(result, events, stream=False, after_text=False)
+    assert "a request can carry back" in result.observation.message
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
