@@ -221,6 +221,7 @@ CASES: list[Case] = [
       lambda f: Route(id="x", provider="p", model="m", recipient="r")),
     C("route id too long", "id", "shorter", lambda f: _route(id=ID_TOO_LONG)),
     C("route id with NUL", "id", "printable", lambda f: _route(id="a\x00b")),
+    C("route id with a lone surrogate", "id", "lone surrogate", lambda f: _route(id="a\ud800b")),
     C("route id empty", "id", "non-empty", lambda f: _route(id="  ")),
     C("route bad protocol", "protocol", "one of", lambda f: _route(protocol="grpc")),
     C("route api_key_env not a name", "api_key_env", "OPENAI_API_KEY",

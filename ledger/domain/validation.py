@@ -182,8 +182,10 @@ def text(maximum: int = MAX_TEXT, *, empty: bool = True, fix: str = "pass a stri
         if not value.isprintable():
             # str.isprintable: no NUL, newline, other control or format characters, no lone
             # surrogates: what both backends store and compare alike.
-            raise Problem("contains control characters (NUL, newline, ...)",
-                          "use printable text only")
+            bad = next(c for c in value if not c.isprintable())
+            what = ("a lone surrogate" if "\ud800" <= bad <= "\udfff"
+                    else "control characters (NUL, newline, ...)")
+            raise Problem(f"contains {what}", "use printable text only")
         return value
 
     return Rule(check, before=True)
