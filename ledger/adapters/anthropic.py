@@ -40,8 +40,10 @@ Answers are text, ``tool_use`` and thinking blocks: the Messages API returns no 
 documents, so an Anthropic answer's ``AdapterResult.media`` is always empty.
 
 Stream completion: ``message_stop`` terminates. A body that ends cleanly without it is complete
-only if a ``message_delta`` carried a ``stop_reason``. An ``error`` event is a provider failure in
-mid-stream, reported with its body (e.g. ``overloaded_error``).
+only if a ``message_delta`` carried a ``stop_reason``. An ``error`` event is a provider failure,
+reported with its body (e.g. ``overloaded_error``): phase ``after_headers`` when it comes before
+any text or ``tool_use`` (the same verdict a 529 gives; thinking alone is not content),
+``mid_stream`` once the answer had begun.
 """
 
 from __future__ import annotations

@@ -72,7 +72,11 @@ event not parsable / wrong shape       malformed_event                 mid_strea
                                                                        after_headers (body)
 an answer the ledger cannot carry      malformed_event                 after_headers
   (a Responses custom_tool_call)
-error event inside a stream            (none; status 200, body)        mid_stream
+error event inside a stream, after     (none; status 200, body)        mid_stream
+  text, a tool call or media began
+error event inside a stream before     (none; status 200, body)        after_headers
+  any content (reasoning alone is not
+  content)
 a stream's final status event          (none; status 200, body)        after_headers
   (Responses response.failed/.incomplete)
 2xx body that is an error object       (none; status, body)            after_headers
@@ -1147,12 +1151,17 @@ class HttpAdapter:
                     # usage), as for a whole body.
                     call.usage, call.model = exc.usage or call.usage, exc.model or call.model
                     # An event that is the answer's final status is the provider's whole,
-                    # known verdict, decided as the same body would be; only an error that
-                    # broke the stream off leaves it mid-stream.
+                    # known verdict, decided as the same body would be. So is an error event
+                    # before any content: no answer was begun, shown or buffered, and the
+                    # provider refused the request as an error status would have (Anthropic
+                    # sends an in-stream overloaded_error where a 529 would say the same).
+                    # Only an error that broke off an answer under way leaves it mid-stream.
+                    verdict = exc.final or not (
+                        state.content_seen or call.delivered_any or call.effective_output)
                     return (yield from self._fail(
                         call,
                         transport=None,
-                        phase=Phase.AFTER_HEADERS if exc.final else Phase.MID_STREAM,
+                        phase=Phase.AFTER_HEADERS if verdict else Phase.MID_STREAM,
                         message=str(exc),
                         body=evidence_excerpt(exc.body, call.secrets, self.evidence_cap_bytes),
                     ))

@@ -269,6 +269,8 @@ class ProviderErrorPayload(Exception):
     whole response). The provider's verdict is then complete and known, so the failure is
     observed as the same whole body is (phase ``after_headers``), not as a stream that broke
     off (``mid_stream``, which no policy resubmits unless it resubmits unknown executions).
+    An error event that comes before any content is observed as a verdict too (``after_headers``,
+    as the error status it stands for), whatever ``final`` says: no answer was begun.
     Whether its text reached the caller is ``effective_output``'s to say, as for any failure.
     """
 

@@ -61,8 +61,9 @@ Streams (no ``[DONE]``; each event's ``type`` says what it is): ``response.outpu
 item or a generated image (whole: ``response.image_generation_call.partial_image`` previews
 are not the answer); ``response.completed`` terminates with the final usage; ``response.failed``
 and ``response.incomplete`` are provider failures holding the whole response, observed as the
-same whole body is (``ProviderErrorPayload.final``), and ``error`` events provider failures in
-mid-stream. Other events
+same whole body is (``ProviderErrorPayload.final``), and ``error`` events provider failures
+(phase ``after_headers`` before any content, as an error status; ``mid_stream`` once text, a
+call or an image had begun). Other events
 (``response.created``, ``response.in_progress``, content-part and reasoning-summary events,
 events added later) are read for the model name at most and otherwise ignored.
 """

@@ -125,7 +125,10 @@ class Behavior:
     usage: tuple[int, int] = (11, 7)  # prompt, completion tokens
     retry_after: str = "7"  # for RATE_LIMIT_RETRY_AFTER (seconds or an HTTP date)
     delay_s: float = 1.0  # SLOW_FIRST_TOKEN wait; TRICKLE interval
-    content_before_fault: int = 2  # content events sent before a mid-stream fault
+    # Content events sent before a mid-stream fault; 0 strikes before any content (after the
+    # protocol's prelude, e.g. Anthropic's message_start): an error event then is the provider
+    # refusing the request once the stream opened.
+    content_before_fault: int = 2
     # Fire a mid-stream cut or reset only after every content event and its block's end (an
     # Anthropic tool_use block is then a complete proposal), before the completion signal:
     # the answer is never finished.

@@ -339,6 +339,36 @@ async def test_in_stream_error_event_is_a_provider_failure(
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_in_stream_error_event_before_any_content_is_a_verdict(
+    adapter: HttpAdapter, fake: FakeProvider, protocol: str
+) -> None:
+    """An error event before any answer began is the provider refusing the request, as the
+    error status it stands for: phase ``after_headers``, never ``mid_stream`` (whose
+    execution is unknown), with no output and no Reset to tell anyone."""
+    fake.enqueue(Behavior(fault=Fault.ERROR_EVENT, content_before_fault=0))
+    result, events = await send(adapter, fake, protocol, True)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert not result.ok  # type: ignore[attr-defined]
+    assert (obs.transport, obs.phase, obs.status) == (None, Phase.AFTER_HEADERS, 200)
+    assert obs.accepted and not obs.effective_output
+    assert result.partial_text == "" and events == []  # type: ignore[attr-defined]
+
+
+async def test_anthropic_error_event_after_thinking_only_is_a_verdict(
+    adapter: HttpAdapter, fake: FakeProvider
+) -> None:
+    """Reasoning is not the answer: an overloaded_error after a thinking block (the fake
+    streams it before the text), before any text or tool_use, is still the verdict a 529
+    would be."""
+    fake.enqueue(Behavior(fault=Fault.ERROR_EVENT, content_before_fault=0, reasoning="Hmm."))
+    result, events = await send(adapter, fake, "anthropic", True)
+    obs = result.observation  # type: ignore[attr-defined]
+    assert (obs.phase, json.loads(obs.body)["error"]["type"]) == (
+        Phase.AFTER_HEADERS, "overloaded_error")
+    assert not obs.effective_output and events == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_missing_terminator_after_completion_signal_is_success(
     adapter: HttpAdapter, fake: FakeProvider, protocol: str
 ) -> None:

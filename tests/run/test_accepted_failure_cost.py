@@ -124,10 +124,10 @@ def test_a_failure_inside_a_2xx_answer_without_usage_posts_the_whole_hold(
         att = _failing_turn(led, fake, protocol, stream, Behavior(fault=Fault.RAW, raw=(raw,)))
         assert (att.state, att.debit_state) == (AttemptState.FAILED, DebitState.POSTED)
         assert att.fact is not None and att.fact.status == 200 and att.fact.accepted
-        # A Responses answer's final status event holds the whole response, as the body does:
-        # it is observed so (after_headers); other error events break a stream off.
-        whole = not stream or case == "responses_incomplete_stream"
-        assert att.fact.phase is (Phase.AFTER_HEADERS if whole else Phase.MID_STREAM)
+        # A Responses answer's final status event holds the whole response, as the body does,
+        # and every other error event here comes before any content, so no answer was begun:
+        # each is the provider's verdict, observed as the same body is (after_headers).
+        assert att.fact.phase is Phase.AFTER_HEADERS
         # Nothing reported stays nothing reported on the Attempt: the hold is what is posted.
         assert (att.prompt_tokens, att.completion_tokens, att.cost) == (None, None, None)
         assert att.reserved_tokens > 0

@@ -22,6 +22,7 @@ from ledger import faults
 from ledger.adapters import StaticSecretProvider
 from ledger.api.facade import AsyncLedger, Ledger
 from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Category, Phase, WireProtocol
 from ledger.domain.records import AttemptRecord, AttemptState, DebitState
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted
@@ -55,17 +56,21 @@ def _clean(fakes: tuple[FakeProvider, FakeProvider]) -> Iterator[None]:
     faults.disarm()
 
 
-def _plan(fakes: tuple[FakeProvider, FakeProvider]) -> list[Route]:
+def _plan(fakes: tuple[FakeProvider, FakeProvider], protocol: str = "openai") -> list[Route]:
     a, b = fakes
     price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
+    wire = WireProtocol(protocol)
     return [Route(id="primary", provider="pa", model="m-a", group="ga", recipient="ra",
-                  endpoint=a.endpoint("openai"), profiles=[Profile(id="p:a")], price=price),
+                  protocol=wire, endpoint=a.endpoint(protocol), profiles=[Profile(id="p:a")],
+                  price=price),
             Route(id="backup", provider="pb", model="m-b", group="gb", recipient="rb",
-                  endpoint=b.endpoint("openai"), profiles=[Profile(id="p:b")], price=price)]
+                  protocol=wire, endpoint=b.endpoint(protocol), profiles=[Profile(id="p:b")],
+                  price=price)]
 
 
-def _session_args(fakes: tuple[FakeProvider, FakeProvider]) -> dict[str, Any]:
-    return {"plan": _plan(fakes), "policy": POLICY,
+def _session_args(fakes: tuple[FakeProvider, FakeProvider],
+                  protocol: str = "openai") -> dict[str, Any]:
+    return {"plan": _plan(fakes, protocol), "policy": POLICY,
             "budget": Budget(max_calls=4, max_retries=2, max_cost=Decimal("1")),
             "grant": Grant(recipients={"ra": ["user_input"], "rb": ["user_input"]})}
 
@@ -75,18 +80,42 @@ ENVELOPE = Envelope(parts=[Part(content="Summarise the filing.")], stream=True,
 
 
 def _turn(db_url: str, fakes: tuple[FakeProvider, FakeProvider], behavior: Behavior, *,
-          watch: bool) -> tuple[Ledger, list[str], BaseException | None]:
+          watch: bool, protocol: str = "openai"
+          ) -> tuple[Ledger, list[str], BaseException | None]:
     """One session turn with ``behavior`` on the primary; (ledger, text shown, what it raised)."""
     fakes[0].enqueue(behavior, model="m-a")
     shown: list[str] = []
     led = Ledger.open(db_url)
     raised: BaseException | None = None
     try:
-        with led.run(RUN, secrets=SECRETS, **_session_args(fakes)) as run:
+        with led.run(RUN, secrets=SECRETS, **_session_args(fakes, protocol)) as run:
             run.turn(ENVELOPE, on_text=shown.append if watch else None, reserve=HOLD)
     except FailoverExhausted as e:
         raised = e
     return led, shown, raised
+
+
+def _async_turn(db_url: str, fakes: tuple[FakeProvider, FakeProvider], behavior: Behavior, *,
+                watch: bool, protocol: str = "openai"
+                ) -> tuple[Ledger, list[str], BaseException | None]:
+    """:func:`_turn` through ``AsyncLedger`` on an event loop."""
+    fakes[0].enqueue(behavior, model="m-a")
+    shown: list[str] = []
+
+    async def main() -> BaseException | None:
+        try:
+            async with AsyncLedger.open(db_url) as led, led.run(
+                    RUN, secrets=SECRETS, **_session_args(fakes, protocol)) as run:
+                await run.turn(ENVELOPE, on_text=shown.append if watch else None, reserve=HOLD)
+        except FailoverExhausted as e:
+            return e
+        return None
+
+    raised = asyncio.run(main())
+    return Ledger.open(db_url), shown, raised
+
+
+TURNS = {"sync": _turn, "async": _async_turn}
 
 
 def _first(led: Ledger) -> AttemptRecord:
@@ -204,6 +233,55 @@ def test_provider_error_event_after_delivered_output_is_failed_and_posts_its_hol
         AttemptState.FAILED, True, DebitState.POSTED)
     assert_books(led, charged=HOLD, held=ZERO)
     assert isinstance(raised, FailoverExhausted) and raised.reason == "output_exists"
+    assert not _moved_on(fakes)
+    led.close()
+
+
+# An error event before any content is the provider refusing the request once the stream opened
+# (Anthropic's overloaded_error right after message_start, Gemini's UNAVAILABLE chunk): the
+# verdict its 529 or 503 would be, so the default moves on, as it does for that status.
+ERROR_FIRST = ["anthropic", "gemini"]
+
+
+@pytest.mark.parametrize("driver", sorted(TURNS))
+@pytest.mark.parametrize("protocol", ERROR_FIRST)
+def test_provider_error_event_before_any_content_is_a_verdict_and_moves_on(
+        db_url: str, fakes: tuple[FakeProvider, FakeProvider], protocol: str,
+        driver: str) -> None:
+    led, shown, raised = TURNS[driver](
+        db_url, fakes, Behavior(fault=Fault.ERROR_EVENT, content_before_fault=0),
+        watch=True, protocol=protocol)
+    assert raised is None
+    first, second = led.timeline(RUN)
+    assert (first.state, first.effective_output, first.debit_state) == (
+        AttemptState.FAILED, False, DebitState.POSTED)
+    assert first.fact is not None
+    assert (first.fact.category, first.fact.phase, first.fact.moves_on) == (
+        Category.OVERLOADED, Phase.AFTER_HEADERS, True)
+    assert (second.route_id, second.state) == ("backup", AttemptState.SUCCEEDED)
+    assert "".join(shown) == "Hello from the fake provider, streaming in pieces."
+    assert _moved_on(fakes)
+    led.close()
+
+
+@pytest.mark.parametrize("driver", sorted(TURNS))
+@pytest.mark.parametrize("protocol", ERROR_FIRST)
+@pytest.mark.parametrize("watch", [True, False], ids=["shown", "buffered"])
+def test_provider_error_event_after_some_text_stays_mid_stream_and_stops(
+        db_url: str, fakes: tuple[FakeProvider, FakeProvider], protocol: str, driver: str,
+        watch: bool) -> None:
+    """The contrast: once an answer had begun, the same error broke it off (``mid_stream``),
+    and the default neither resubmits it nor moves on, shown or only buffered."""
+    led, shown, raised = TURNS[driver](
+        db_url, fakes, Behavior(fault=Fault.ERROR_EVENT, content_before_fault=1),
+        watch=watch, protocol=protocol)
+    [att] = led.timeline(RUN)
+    assert (att.state, att.effective_output) == (AttemptState.FAILED, watch)
+    assert att.fact is not None
+    assert (att.fact.category, att.fact.phase) == (Category.OVERLOADED, Phase.MID_STREAM)
+    assert isinstance(raised, FailoverExhausted)
+    assert raised.reason == ("output_exists" if watch else "execution_unknown")
+    assert (shown != []) is watch
     assert not _moved_on(fakes)
     led.close()
 
