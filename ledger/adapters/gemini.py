@@ -48,7 +48,12 @@ left out with a note.
 Stream completion: Gemini has no terminator event; a stream whose body ends cleanly is complete
 only if a candidate carried a ``finishReason``. A response without candidates whose
 ``promptFeedback`` has a ``blockReason`` is a provider refusal, reported as a failure with the
-usage (``usageMetadata``) it reports.
+usage (``usageMetadata``) it reports; so is a candidate withheld for its content
+(``finishReason`` ``SAFETY``, ``RECITATION``, ``BLOCKLIST``, ``PROHIBITED_CONTENT``, ``SPII``,
+``IMAGE_SAFETY``, ...) that carries no text, call or media. Both are the provider's whole
+verdict (phase ``after_headers``, streamed or not); the policies classify the reason
+(``codes.gemini_status``) as ``content_policy``. A candidate that carries some text before such
+a ``finishReason`` is that text: a success whose ``finish_reason`` says it was cut short.
 """
 
 from __future__ import annotations
@@ -367,9 +372,10 @@ class _Chunk:
             feedback = obj.get("promptFeedback")
             if isinstance(feedback, dict) and feedback.get("blockReason"):
                 # Its usageMetadata (the prompt's tokens) is what the refusal is billed at.
+                # The whole verdict on the request, streamed or not (``final``).
                 raise ProviderErrorPayload(
                     f"prompt blocked: blockReason={feedback.get('blockReason')}", json.dumps(obj),
-                    usage=reply.usage, model=reply.model)
+                    usage=reply.usage, model=reply.model, final=True)
             if whole:
                 raise MalformedPayload("candidates is missing or empty")
             return False  # a usage-only chunk
@@ -428,10 +434,20 @@ class _Chunk:
         finish = optional_str(cand.get("finishReason"), "finishReason")
         if finish:
             reply.finish_reason = finish
+            if finish.upper() in _BLOCKED and not (reply.text or reply.tool_calls or reply.media):
+                # Nothing of an answer, and the provider says why: it refused this request's
+                # content, as a blocked prompt is refused. An answer cut short by the same
+                # reason after some text is that text (a success whose finish_reason says so).
+                raise ProviderErrorPayload(
+                    f"answer blocked: finishReason={finish}", json.dumps(obj),
+                    usage=reply.usage, model=reply.model, final=True)
         return content_seen
 
 
 _MEDIA_KEYS = frozenset({"inlineData", "inline_data", "fileData", "file_data"})
+# The finishReasons by which Gemini withholds an answer for its content (FinishReason).
+_BLOCKED = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII",
+                      "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION"})
 
 
 def _take_media(reply: Reply, part: dict[str, Any], where: str) -> bool:

@@ -113,6 +113,8 @@ def _parse_error(text: str, protocol: WireProtocol) -> _ProviderError:
         return empty
     err = doc.get("error")
     if not isinstance(err, dict):
+        if protocol in (WireProtocol.GEMINI, WireProtocol.GENERIC):
+            return _ProviderError(_gemini_refusal(doc), None, None)
         return empty
 
     raw = {
@@ -128,6 +130,24 @@ def _parse_error(text: str, protocol: WireProtocol) -> _ProviderError:
     gemini_like = protocol in (WireProtocol.GEMINI, WireProtocol.GENERIC)
     delay = gemini_retry_delay(err) if gemini_like else None
     return _ProviderError(fields, message if isinstance(message, str) else None, delay)
+
+
+def _gemini_refusal(doc: Mapping[str, Any]) -> dict[str, str]:
+    """A Gemini answer that withheld itself (a 2xx without an ``error`` object): its reason.
+
+    The prompt's ``promptFeedback.blockReason``, else the first candidate's ``finishReason``,
+    read as the structured ``gemini.status`` the policy's ``codes.gemini_status`` maps: the
+    provider's own word on why, which no error object carries here.
+    """
+    feedback = doc.get("promptFeedback")
+    reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
+    if not isinstance(reason, str) or not reason:
+        candidates = doc.get("candidates")
+        first = candidates[0] if isinstance(candidates, list) and candidates else None
+        reason = first.get("finishReason") if isinstance(first, dict) else None
+    if isinstance(reason, str) and reason:
+        return {"gemini.status": reason[:_CODE_LIMIT]}
+    return {}
 
 
 def _lookup(table: Mapping[str, Category], value: str) -> Category | None:

@@ -355,6 +355,11 @@ CodeField = Literal["openai.code", "openai.type", "anthropic.error_code", "anthr
                     "gemini.reason", "gemini.status"]
 
 
+# Gemini's reasons for withholding an answer for its content, read as ``gemini.status``.
+_GEMINI_CONTENT_REFUSALS = ("SAFETY", "BLOCKLIST", "PROHIBITED_CONTENT", "IMAGE_SAFETY",
+                           "RECITATION", "SPII", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION")
+
+
 class ProviderCodes(_Section):
     """Maps from a provider's structured error field to a category (compared case-insensitively).
 
@@ -364,8 +369,12 @@ class ProviderCodes(_Section):
     ``error.status`` and, in ``error.details``, a ``google.rpc.ErrorInfo`` whose ``reason``
     (``gemini_reason``) refines it (a bad key is ``INVALID_ARGUMENT`` with reason
     ``API_KEY_INVALID``). A detail is looked up before the field it refines. For protocol
-    ``generic`` every field is tried in this order. A table left out is empty: a Run frozen
-    before the detail tables existed reads back deciding as it did.
+    ``generic`` every field is tried in this order. A Gemini 2xx answer that withheld itself
+    carries no error object: its ``promptFeedback.blockReason``, else its first candidate's
+    ``finishReason`` (``SAFETY``, ``RECITATION``, ``PROHIBITED_CONTENT``, ...), is read as
+    ``gemini.status`` instead; the defaults and every preset map those reasons to
+    ``content_policy``. A table left out is empty: a Run frozen before the detail tables
+    existed reads back deciding as it did.
     """
 
     openai_code: dict[str, ClassifiedCategory] = Field(default_factory=dict)
@@ -528,6 +537,8 @@ def _default_codes() -> ProviderCodes:
             "NOT_FOUND": c.MODEL_NOT_FOUND,
             "DEADLINE_EXCEEDED": c.TIMEOUT,
             "INTERNAL": c.SERVER_ERROR,
+            # Reasons of a 2xx answer withheld for its content (see ProviderCodes).
+            **dict.fromkeys(_GEMINI_CONTENT_REFUSALS, c.CONTENT_POLICY),
         },
     )
 
