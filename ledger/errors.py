@@ -338,7 +338,10 @@ class ProviderError(LedgerError):
 
     ``fact`` is the structured failure fact (:class:`~ledger.domain.facts.FailureFact`),
     ``attempt_id`` and ``route`` name the Attempt; ``fields["fact"]`` holds the same fact as JSON
-    for logs.
+    for logs. A Run's turn words its message so one log line says why: provider and model, the
+    category, the HTTP status (or transport kind and phase), the provider's code and its
+    message, redacted and cut to 200 characters (``acme/large: unknown (HTTP 200, code
+    server_error): The model failed to generate a response.``).
     """
 
     def __init__(self, message: str, *, fact: Any = None, attempt_id: str | None = None,

@@ -1363,12 +1363,22 @@ def _describe(fact: FailureFact) -> str:
 
 
 def _failure_text(fact: FailureFact) -> str:
-    """A failure as a stop's message names it: category, then the status or transport kind."""
-    if fact.status:
-        return f"{fact.category.value} (HTTP {fact.status})"
-    if fact.transport is not None:
-        return f"{fact.category.value} ({fact.transport.value}, {fact.phase.value})"
-    return fact.category.value
+    """A failure as its error and a stop's message name it, so one log line says why.
+
+    The category, the status (or transport kind and phase) and the provider's code, then what
+    was said of it: the provider's message, redacted, at most 200 characters.
+    """
+    said = [f"HTTP {fact.status}"] if fact.status else []
+    if not fact.status and fact.transport is not None:
+        said += [fact.transport.value, fact.phase.value]
+    if fact.provider_code:
+        said.append(f"code {_short(fact.provider_code)}")
+    text = fact.category.value + (f" ({', '.join(said)})" if said else "")
+    message = _short(fact.message)
+    # The adapter's own note for a body that said nothing ("HTTP 502") would only repeat it.
+    if message and message != f"HTTP {fact.status}":
+        text += f": {message}"
+    return text
 
 
 __all__ = [

@@ -374,7 +374,8 @@ def test_run_page_says_why_the_run_stopped(demo_url: tuple[str, str]) -> None:
     assert "<b>official-deepseek</b>: skipped (disclosure)" in stops
     assert "add model_derived to Grant.recipients" in stops  # the fix, where there is one
     assert "<b>go-glm</b>: skipped (same_group_unavailable)" in stops
-    assert "<b>go-deepseek</b>: failed: go/deepseek-v4: rate_limit (HTTP 429)" in stops
+    assert ("<b>go-deepseek</b>: failed: go/deepseek-v4: rate_limit (HTTP 429, code "
+            "rate_limit_exceeded): Rate limit reached for requests per min." in stops)
     assert doc["stops"][0]["reason"] == "no_candidate"
 
 

@@ -83,8 +83,9 @@ def test_run_show_says_why_the_demo_run_stopped(tmp_path: Path) -> None:
     assert lines[at].endswith(": no_candidate: every remaining candidate was eliminated")
     # One line per candidate: how it failed, or why it was skipped and the fix.
     after = lines[at + 1:]
-    assert any(line.startswith("  go-deepseek: failed: go/deepseek-v4: rate_limit (HTTP 429)")
-               for line in after)
+    assert any(line.startswith("  go-deepseek: failed: go/deepseek-v4: rate_limit (HTTP 429, "
+                               "code rate_limit_exceeded): Rate limit reached for requests per "
+                               "min. [attempt ") for line in after)
     assert "  go-glm: skipped (same_group_unavailable): provider 429 on 'go-deepseek' " \
            "established group 'go' unavailable" in after
     assert "  official-deepseek: skipped (disclosure): recipient 'deepseek' is not approved " \

@@ -15,6 +15,8 @@ Real HTTP over loopback (the fake provider's raw answers), through a Run session
 
 from __future__ import annotations
 
+import json
+import pickle
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -29,10 +31,10 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Phase
 from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.domain.values import Budget, Price, Route, WireProtocol
-from ledger.errors import FailoverExhausted, SettleConflict
+from ledger.errors import FailoverExhausted, ProviderError, SettleConflict
 from ledger.redaction import forget_secret, register_secret
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
-from tests.run.rawanswers import sse, whole
+from tests.run.rawanswers import http, sse, whole
 
 RUN = "r"
 PRICE = Price(input_per_mtok=Decimal(100), output_per_mtok=Decimal(200))
@@ -363,3 +365,79 @@ def test_a_streamed_final_status_after_buffered_text_discards_it_and_moves_on(
         first = led.timeline(RUN)[0]
         assert not first.effective_output
         assert [e.attempt_id for e in led.events(RUN, ["discarded"])] == [first.attempt_id]
+
+
+def _stopped_turn(led: Ledger, fake: FakeProvider, protocol: str, stream: bool,
+                  raw: bytes) -> FailoverExhausted:
+    """One turn of one route whose only call is answered with ``raw``; how it stopped."""
+    fake.clear()
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(raw,)))
+    envelope = Envelope(parts=[Part(content="hi")], stream=stream, max_output_tokens=64)
+    with led.run(RUN, plan=[_route(fake, protocol)], budget=_budget()) as run, \
+            pytest.raises(FailoverExhausted) as stopped:
+        run.turn(envelope, reserve=HOLD)
+    return stopped.value
+
+
+# protocol, streamed, the provider's raw answer, what its error must name
+WHY = {
+    "responses_failed_body": ("openai_responses", False, whole({
+        "id": "resp_1", "object": "response", "status": "failed", "model": SERVED,
+        "output": [], "error": {"code": "server_error",
+                                "message": "The model failed to generate a response."}}),
+        "unknown (HTTP 200, code server_error): The model failed to generate a response."),
+    "chat_error_chunk": ("openai", True, sse(
+        (None, {"error": {"message": "upstream failed", "type": "server_error"}})),
+        "unknown (HTTP 200, code server_error): upstream failed"),
+    "anthropic_529": ("anthropic", False, http(
+        json.dumps({"type": "error", "error": {"type": "overloaded_error",
+                                               "message": "Overloaded"}}).encode(),
+        "application/json", "529 Overloaded"),
+        "overloaded (HTTP 529, code overloaded_error): Overloaded"),
+    "gemini_blocked_prompt": ("gemini", False, whole({
+        "promptFeedback": {"blockReason": "SAFETY"}, "modelVersion": SERVED,
+        "usageMetadata": {"promptTokenCount": 11, "totalTokenCount": 11}}),
+        "content_policy (HTTP 200, code SAFETY): prompt blocked: blockReason=SAFETY"),
+    "html_502": ("openai", False, http(b"<html>502 Bad Gateway</html>", "text/html",
+                                        "502 Bad Gateway"),
+                 "server_error (HTTP 502)"),
+}
+
+
+@pytest.mark.parametrize("case", list(WHY))
+def test_a_failed_attempts_error_names_the_provider_code_and_message(
+        db: str, fake: FakeProvider, case: str) -> None:
+    """The error of a failed Attempt, and the stop's message that lists it, say why in one
+    line: the provider's code and its message, not only the category and the status. It
+    still pickles whole, its fact and attributes kept."""
+    protocol, stream, raw, why = WHY[case]
+    with Ledger.open(db) as led:
+        stopped = _stopped_turn(led, fake, protocol, stream, raw)
+    err = stopped.exceptions[0]
+    assert isinstance(err, ProviderError)
+    assert str(err) == f"p/m: {why}"
+    assert f"r1: failed: p/m: {why} [attempt {err.attempt_id}]" in str(stopped)
+    back = pickle.loads(pickle.dumps(err))
+    assert (str(back), back.fact, back.attempt_id, back.route) == (
+        str(err), err.fact, err.attempt_id, "r1")
+
+
+def test_the_provider_message_an_error_names_is_redacted_and_bounded(
+        db: str, fake: FakeProvider) -> None:
+    """A provider message that echoes a key and runs on for 1000 characters: the error names
+    it redacted, cut to 200 characters."""
+    key = "sk-live-9fQ2xZ7rT4mW8kP1vB6nD3hJ"
+    register_secret(key)
+    try:
+        message = f"bad key {key} " + "x" * 1000
+        raw = whole({"error": {"message": message, "type": "invalid_request_error",
+                               "code": "invalid_api_key"}})
+        with Ledger.open(db) as led:
+            stopped = _stopped_turn(led, fake, "openai", False, raw)
+        text = str(stopped.exceptions[0])
+        head = "p/m: auth (HTTP 200, code invalid_api_key): "
+        assert text.startswith(head + "bad key [REDACTED] xxx")
+        assert key not in text and key not in str(stopped)
+        assert len(text) == len(head) + 200
+    finally:
+        forget_secret(key)

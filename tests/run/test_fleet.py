@@ -373,7 +373,8 @@ def test_a_stop_after_a_failure_names_the_failure_and_the_skip(
                 update={"roles": ["reviewer"]})]
     err = stopped(led, "r", plan)
     text = str(err)
-    assert "a: failed: fake/a-model: overloaded (HTTP 503)" in text
+    assert ("a: failed: fake/a-model: overloaded (HTTP 503, code server_error): The engine is "
+            "currently overloaded, please try again later." in text)
     assert "b: skipped (not_qualified)" in text and "add 'research' to Route(id='b').roles" in text
     assert [type(e) for e in err.exceptions] == [ProviderError, CandidateSkipped]
 
