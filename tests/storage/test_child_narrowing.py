@@ -100,3 +100,41 @@ def test_invariant4_tokens_carved_for_a_child_are_not_the_parents_to_hold(db_url
         att = led.begin_attempt(pl, route="a", envelope_hash="sha256:e", reserve="0",
                                 reserve_tokens=200)
         assert att.reserved_tokens == 200
+
+
+def test_a_child_naming_its_parents_preset_inherits_the_copy_an_earlier_version_froze(
+        led: Ledger, db_url: str) -> None:
+    """The parent was admitted under ``failure-domain`` by an earlier version, whose preset
+    differed; a Child naming ``failure-domain`` runs under the parent's frozen copy, as one
+    naming no policy does, instead of being refused as another policy."""
+    import json
+
+    from sqlalchemy import update
+
+    from ledger.domain.values import content_hash
+    from ledger.storage import schema as s
+
+    from .helpers import sql_context
+
+    frozen = dict(led.frozen_run("p").policy)
+    # As a version before the detail code tables froze it.
+    codes = {k: v for k, v in frozen["classification"]["codes"].items()
+             if k not in ("anthropic_error_code", "gemini_reason")}
+    frozen["classification"] = {**frozen["classification"], "codes": codes}
+    with sql_context(led).engine.begin() as conn:
+        conn.execute(update(s.runs).where(s.runs.c.run_id == "p").values(
+            policy=json.dumps(frozen), policy_hash=content_hash(frozen)))
+    with Ledger.open(db_url) as later:  # the later version: nothing cached
+        pl = later.acquire_lease("p")
+        terms = {"plan": routes()[:1], "budget": budget(calls=1, retries=0, cost="0.1"),
+                 "grant": Grant(recipients={"r1": ["user_input"]}), "parent": pl}
+        inherited = later.admit_run("c0", **terms)  # type: ignore[arg-type]
+        named = later.admit_run("c", policy="failure-domain", **terms)  # type: ignore[arg-type]
+        assert named.policy_hash == inherited.policy_hash
+        assert later.run_policy("c") == later.run_policy("p")
+        with pytest.raises(InvalidArgument) as ei:
+            later.admit_run("c2", plan=routes()[:1], budget=budget(calls=1, retries=0, cost="0.1"),
+                            grant=Grant(recipients={"r1": ["user_input"]}), policy="goclaw",
+                            parent=pl)
+        assert ei.value.field == "policy"
+
