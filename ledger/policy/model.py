@@ -93,15 +93,20 @@ def _admitting(info: ValidationInfo) -> bool:
     return not (isinstance(info.context, dict) and info.context.get("frozen"))
 
 
+def _why(category: Category) -> str:
+    """Why a caller's own fact is the caller's."""
+    return ("the caller cancelled the call" if category is Category.CANCELLED
+            else "the request is over the Run's token budget")
+
+
 def _not_a_caller_fact(category: Category, info: ValidationInfo) -> Category:
     if category in CALLER_CATEGORIES and _admitting(info):
         # The retry owner obeys its rules: a cancelled call would be retried, a request over its
         # token budget served by a backup, against what the caller asked for.
-        why = ("the caller cancelled the call" if category is Category.CANCELLED
-               else "the request is over the Run's token budget")
         raise PolicyValueError(
-            f"{category.value!r} is the caller's own fact ({why}), not a route's failure: the "
-            "request stops on it and never retries, moves on, cools or disables a key",
+            f"{category.value!r} is the caller's own fact ({_why(category)}), not a route's "
+            "failure: the request stops on it and never retries, moves on, cools or disables a "
+            "key",
             f"remove {category.value!r} from this list",
         )
     return category
@@ -127,10 +132,9 @@ def _classified_as_caller_fact(category: Category, info: ValidationInfo,
         # The classifier decides the caller's facts from the caller's own report first; a
         # provider's response classified as one would stop the request as if the caller had
         # cancelled it (or run out of budget), against every rule.
-        why = ("the caller cancelled the call" if category is Category.CANCELLED
-               else "the request is over the Run's token budget")
         raise PolicyValueError(
-            f"{category.value!r} is the caller's own fact ({why}): no provider response or "
+            f"{category.value!r} is the caller's own fact ({_why(category)}): no provider "
+            "response or "
             "transport failure is one, and the request would stop as if it were",
             "classify it as a route's failure (e.g. server_error or unknown), or remove it",
             field=field,

@@ -45,9 +45,9 @@ def sql_context(led: Any) -> SqlContext:
     return storage_of(led).context
 
 
-def downgrade_schema(url: str, revision: str) -> set[str]:
+def downgrade_schema(url: str, revision: str, table: str = "attempts") -> set[str]:
     """Take the ledger's schema at ``url`` back to ``revision`` (an older package's); the
-    columns ``attempts`` has there."""
+    columns ``table`` has there."""
     from alembic import command
     from sqlalchemy import create_engine, inspect
 
@@ -60,7 +60,7 @@ def downgrade_schema(url: str, revision: str) -> set[str]:
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
             command.downgrade(cfg, revision)
-            return {c["name"] for c in inspect(conn).get_columns("attempts")}
+            return {c["name"] for c in inspect(conn).get_columns(table)}
     finally:
         engine.dispose()
 

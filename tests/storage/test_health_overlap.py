@@ -9,7 +9,7 @@ curve. Migration 0019 keeps the counting failure in ``health.counted_at``.
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine, text
 
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
@@ -17,7 +17,7 @@ from ledger.domain.facts import Category, FailureFact, Phase, Scope
 from ledger.domain.records import Lease
 from ledger.storage.engine import normalize_url
 
-from .helpers import budget, grant, routes
+from .helpers import budget, downgrade_schema, grant, routes
 
 T0 = 10_000.0
 
@@ -91,23 +91,6 @@ def test_a_probe_begun_after_the_counting_failure_steps_the_curve_when_it_fails(
                             "last_failure_at": T0 + 6, "counted_at": T0 + 6}
 
 
-def _downgrade_health(url: str, revision: str) -> set[str]:
-    """The ledger's schema back to ``revision``; the columns ``health`` has there."""
-    from alembic import command
-
-    from ledger.storage.migrate import alembic_config
-
-    engine = create_engine(normalize_url(url))
-    try:
-        with engine.begin() as conn:
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, revision)
-            return {c["name"] for c in inspect(conn).get_columns("health")}
-    finally:
-        engine.dispose()
-
-
 def test_migration_0019_reads_a_row_kept_before_it_by_its_last_failure(
         db_url: str, clock: ManualClock) -> None:
     """A ledger from before 0019 (the column dropped) keeps its cooling rows; opened again,
@@ -116,7 +99,7 @@ def test_migration_0019_reads_a_row_kept_before_it_by_its_last_failure(
     with Ledger.open(db_url, clock=clock) as led:
         probe, attempt = _cooled_with_a_probe_in_flight(led, clock)
         before = led.health()
-    assert "counted_at" not in _downgrade_health(db_url, "0018")
+    assert "counted_at" not in downgrade_schema(db_url, "0018", "health")
     with Ledger.open(db_url, clock=clock) as led:  # migrates to head again
         after = led.health()
         assert after == {k: h.model_copy(update={"counted_at": None})
