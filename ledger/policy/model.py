@@ -134,8 +134,7 @@ def _classified_as_caller_fact(category: Category, info: ValidationInfo,
         # cancelled it (or run out of budget), against every rule.
         raise PolicyValueError(
             f"{category.value!r} is the caller's own fact ({_why(category)}): no provider "
-            "response or "
-            "transport failure is one, and the request would stop as if it were",
+            "response or transport failure is one, and the request would stop as if it were",
             "classify it as a route's failure (e.g. server_error or unknown), or remove it",
             field=field,
         )
