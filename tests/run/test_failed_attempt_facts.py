@@ -385,7 +385,7 @@ WHY = {
         "id": "resp_1", "object": "response", "status": "failed", "model": SERVED,
         "output": [], "error": {"code": "server_error",
                                 "message": "The model failed to generate a response."}}),
-        "unknown (HTTP 200, code server_error): The model failed to generate a response."),
+        "server_error (HTTP 200, code server_error): The model failed to generate a response."),
     "chat_error_chunk": ("openai", True, sse(
         (None, {"error": {"message": "upstream failed", "type": "server_error"}})),
         "unknown (HTTP 200, code server_error): upstream failed"),
