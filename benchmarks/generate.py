@@ -63,7 +63,7 @@ from ledger.decide.select import (
     select,
 )
 from ledger.decide.settle import failure_outcome, settle_holds, settle_spec
-from ledger.decide.turn import candidate_lines
+from ledger.decide.stops import candidate_lines
 from ledger.domain.facts import Category, FailureFact, Observation, Transport, WireProtocol
 from ledger.domain.records import (
     AttemptKind,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import random
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
@@ -82,6 +82,18 @@ from ledger.decide.select import (
     select,
 )
 from ledger.decide.settle import failure_outcome, settle_spec
+from ledger.decide.stops import (
+    candidate_lines,
+    cause_of,
+    describe,
+    failure_text,
+    failures_by_route,
+    provider_text,
+    queue_timeout,
+    rejected_record,
+    reopening_note,
+    skipped_error,
+)
 from ledger.domain.bounds import MAX_TOKENS
 from ledger.domain.carried import Uncarried
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, DERIVED_ROLE_CLASS, Envelope, Part
@@ -95,13 +107,12 @@ from ledger.domain.records import (
     Queued,
     to_micros,
 )
-from ledger.domain.timefmt import duration, iso, relative
+from ledger.domain.timefmt import iso
 from ledger.domain.validation import amount_in_range, tokens_in_range
 from ledger.domain.values import GroupMode, GroupProjection, Route, new_id
 from ledger.errors import (
     AllowanceExhausted,
     BudgetExceeded,
-    CandidateSkipped,
     CapacityUnavailable,
     DatabaseUnavailable,
     FailoverExhausted,
@@ -116,7 +127,6 @@ from ledger.errors import (
     SettleConflict,
 )
 from ledger.policy.model import Policy
-from ledger.redaction import redact
 
 # The retry owner's log lines (the seeds' "[fallback] ..." lines) keep the logger name
 # operators filter on.
@@ -550,7 +560,7 @@ class TurnLoop:
         except CapacityUnavailable as e:
             turn.errors.append(e)
             if not e.fields.get("queued"):  # a queue's wait wrote no Attempt
-                turn.attempts.append(_rejected_record(begin, e, snap.now))
+                turn.attempts.append(rejected_record(begin, e, snap.now))
             return _Refused(route, e)
         except (BudgetExceeded, AllowanceExhausted) as e:
             turn.errors.append(e)
@@ -668,7 +678,7 @@ class TurnLoop:
             turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
         turn.attempts.append(settled)
         turn.errors.append(ProviderError(
-            f"{route.provider}/{route.model}: {_failure_text(fact)}",
+            f"{route.provider}/{route.model}: {failure_text(fact)}",
             attempt_id=att.attempt_id, route=route.id, fact=fact,
         ))
         if fact.effective_output and not fact.tool_started:
@@ -724,7 +734,7 @@ class TurnLoop:
             n = attempt.retries + 1
             log.info("[LLM] %s:%s: %s; retry %d in %.1fs", route.provider, route.model,
                      fact.category.value, n, rd.delay_s)
-            turn.pending.append(("retry", {"route": route.id, "cause": _cause(fact),
+            turn.pending.append(("retry", {"route": route.id, "cause": cause_of(fact),
                                            "delay_s": rd.delay_s, "n": n,
                                            "from_attempt": ended.attempt_id}))
             yield from perform(Sleep(rd.delay_s))
@@ -760,9 +770,9 @@ class TurnLoop:
                                             reason="budget" if over_budget else None))
         nxt = decision.route
         log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
-                 nxt.model, route.provider, route.model, _describe(fact))
+                 nxt.model, route.provider, route.model, describe(fact))
         turn.pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
-                                      "profile": decision.profile, "cause": _cause(fact),
+                                      "profile": decision.profile, "cause": cause_of(fact),
                                       "from_attempt": ended.attempt_id}))
         kind = AttemptKind.RETRY if nxt.id == route.id else AttemptKind.FAILOVER
         return _Try(decision, kind, 0), snap
@@ -843,7 +853,7 @@ class TurnLoop:
             while isinstance(result, Queued):
                 left = (begin.queue_until or result.now) - result.now
                 if left <= 0:
-                    raise _queue_timeout(begin, first, result, policy)
+                    raise queue_timeout(begin, first, result, policy)
                 yield from perform(AwaitSlot(group, waiter, left, result.ticket))
                 waits += 1
                 # The first wait only registered the waiter (nothing changed since the
@@ -931,7 +941,7 @@ class TurnLoop:
         nxt = decision.route
         if fact is not None and failed is not None and nxt is not None:
             turn.pending.append(("move", {"from_route": failed, "to_route": nxt.id,
-                                          "profile": decision.profile, "cause": _cause(fact),
+                                          "profile": decision.profile, "cause": cause_of(fact),
                                           "from_attempt": turn.failed}))
         return _Try(decision, kind, 0), snap
 
@@ -988,7 +998,7 @@ class TurnLoop:
         return (yield from self._settle(
             route, profile, att.attempt_id, Outcome.SUCCEEDED, prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens, cost=u.cost,
-            model_reported=_short(result.model_reported), output_hash=result.output_hash,
+            model_reported=provider_text(result.model_reported), output_hash=result.output_hash,
             tool_started=progress.tool_started or None, provenance=result.provenance,
             events=u.events, cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
             times=progress.since(att.created_at), began_at=att.created_at,
@@ -1020,7 +1030,7 @@ class TurnLoop:
         # The model the provider named before it failed (an error answer's ``model``, the
         # ``message_start`` of a stream it then ended) is which model answered, for the audit
         # trail, kept as an answer's is; a request that never left was answered by none.
-        model = None if outcome is Outcome.NOT_SENT else _short(result.model_reported)
+        model = None if outcome is Outcome.NOT_SENT else provider_text(result.model_reported)
         return (yield from self._settle(
             route, profile, att.attempt_id, outcome, now=now, fact=fact,
             events=[*events, *u.events], repeat=repeat, times=times,
@@ -1208,7 +1218,7 @@ class TurnLoop:
             why = decision.reason.value if decision.reason else "no_candidate"
             said = decision.detail
             if decision.reason is Reason.NO_CANDIDATE:
-                said += _reopening_note(turn.reopens_at, turn.bound, turn.now)
+                said += reopening_note(turn.reopens_at, turn.bound, turn.now)
         elif isinstance(error, BudgetExceeded):
             why, said = "budget", str(error)
         elif isinstance(error, CapacityUnavailable):
@@ -1226,9 +1236,9 @@ class TurnLoop:
         failed = {getattr(e, "route", None) for e in errors}
         for skip in turn.skips.values():
             if skip.route not in failed:
-                errors.append(_skipped_error(skip))
+                errors.append(skipped_error(skip))
         states = {a.attempt_id: a.state for a in turn.attempts}
-        lines = candidate_lines(turn.plan, _failures_by_route(errors, states), turn.skips)
+        lines = candidate_lines(turn.plan, failures_by_route(errors, states), turn.skips)
         # A refused begin's decision skipped candidates too: they are why it was the one.
         chosen = decision if decision is not None else begun
         exc = FailoverExhausted(
@@ -1244,143 +1254,6 @@ class TurnLoop:
         return exc
 
 
-def _reopening_note(at: float | None, bound: float | None, now: float | None) -> str:
-    """Why a stop did not wait for the first candidate that reopens, when one does."""
-    if at is None or now is None:
-        return ""
-    note = f"; the first candidate reopens at {iso(at)} ({relative(at, now)})"
-    if bound is not None:
-        note += f", beyond what this turn may wait ({duration(bound)}, " \
-                "admission.max_capacity_wait_s, or the Run's deadline)"
-    return note
-
-
-def _skipped_error(skip: Skip) -> CandidateSkipped:
-    """The typed error a stop holds for a candidate it passed over and never tried."""
-    fix = f" — fix: {skip.fix}" if skip.fix else ""
-    return CandidateSkipped(
-        f"route {skip.route!r} skipped ({skip.reason.value}): {skip.detail}{fix}",
-        route=skip.route, reason=skip.reason.value, detail=skip.detail, fix=skip.fix,
-        profile=skip.profile)
-
-
-def _failures_by_route(errors: Sequence[Exception], states: Mapping[str, AttemptState]
-                       ) -> dict[str, list[str]]:
-    """What became of each candidate's Attempts, each said as it ended (skips are not here).
-
-    ``errors`` are the turn's errors, ``states`` its Attempts' states by id.
-
-    An operator reads "failed" as "over, nothing owed": an unknown Attempt may have run and
-    keeps its hold, and a refusal at the begin (a full or closed group, the budget) or a
-    connection that never carried the request never left.
-    """
-    out: dict[str, list[str]] = {}
-    for e in errors:
-        route = getattr(e, "route", None)
-        if route is None or isinstance(e, CandidateSkipped):
-            continue
-        attempt = getattr(e, "attempt_id", None)
-        state = states.get(attempt or "")
-        if not isinstance(e, ProviderError) or state is AttemptState.NOT_SENT:
-            said = f"not sent: {e}"
-        elif state is AttemptState.UNKNOWN:
-            said = f"unknown (may have run; hold kept): {e}"
-        else:
-            said = f"failed: {e}"
-        out.setdefault(route, []).append(
-            said + (f" [attempt {attempt}]" if attempt and isinstance(e, ProviderError)
-                    else ""))
-    return out
-
-
-def candidate_lines(plan: Sequence[Route], failures: Mapping[str, Sequence[str]],
-                    skips: Mapping[str, Skip]) -> list[str]:
-    """One line per candidate of the plan: what became of it, why it was skipped, or untried.
-
-    ``failures`` gives each tried route's outcomes in order, each already saying how it ended
-    (``failed: ...``, ``unknown (may have run; hold kept): ...``, ``not sent: ...``), ``skips``
-    each route's latest skip (the stop's message, its ``stop`` event and ``run show`` say these
-    lines).
-    """
-    lines = []
-    for r in plan:
-        if failures.get(r.id):
-            lines.append(f"{r.id}: " + "; then ".join(failures[r.id]))
-        elif r.id in skips:
-            # A route never sent to may still be ruled out as tried (its every profile failed
-            # on another route): "not tried" would hide why the turn could not use it.
-            skip = skips[r.id]
-            fix = f" — fix: {skip.fix}" if skip.fix else ""
-            lines.append(f"{r.id}: skipped ({skip.reason.value}): {skip.detail}{fix}")
-        else:
-            lines.append(f"{r.id}: not tried (the turn stopped first)")
-    return lines
-
-
-def _queue_timeout(begin: Begin, first: Queued, last: Queued, policy: Policy
-                   ) -> CapacityUnavailable:
-    """The error of a wait in a full group's queue that reached its bound."""
-    waited = last.now - first.since
-    bound = policy.admission.max_capacity_wait_s
-    return CapacityUnavailable(
-        f"capacity group {first.group!r} stayed full (limit {last.limit}: {last.in_flight} in "
-        f"flight, {last.ahead} waiting ahead) for the {duration(waited)} this turn could wait "
-        f"(admission.max_capacity_wait_s {duration(bound)}, or the Run's deadline); nothing "
-        "was sent", group=first.group, limit=last.limit, waited_s=round(waited, 6),
-        reason="capacity_full", queued=True, route=begin.route.id)
-
-
-def _rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> AttemptRecord:
-    """The rejected Attempt as admission recorded it (no read back needed)."""
-    return AttemptRecord(
-        attempt_id=begin.attempt_id, run_id=begin.spec.run_id, turn_id=begin.turn_id,
-        seq=int(e.fields.get("seq") or 0),
-        kind=begin.kind, route_id=begin.route.id, provider=begin.route.provider,
-        model=begin.route.model, group_id=begin.route.group, profile_id=begin.profile_id,
-        debit_id="d-" + begin.attempt_id, envelope_hash=begin.spec.envelope_hash,
-        state=AttemptState.REJECTED, reject_reason=str(e.fields.get("reason")), fact=None,
-        category=None, http_status=None, effective_output=False, tool_started=False,
-        prompt_tokens=None, completion_tokens=None, cost=None, reserved=begin.reserve,
-        reserved_tokens=0, model_reported=None, output_hash=None, fence=begin.spec.fence,
-        executor=begin.spec.executor, created_at=now, settled_at=now)
-
-
-def _short(text: str | None) -> str | None:
-    # Provider text: what is stored is printable (both backends store it alike), at most 200.
-    # Redacted before it is cut: a secret straddling the cut would leave its head unmatched.
-    if text is None:
-        return None
-    return "".join(c if c.isprintable() else "?" for c in redact(text)[:200])
-
-
-def _cause(fact: FailureFact) -> dict[str, Any]:
-    return {"category": fact.category.value, "status": fact.status, "scope": fact.scope.value,
-            "phase": fact.phase.value}
-
-
-def _describe(fact: FailureFact) -> str:
-    return f"{fact.status} {fact.category.value}" if fact.status else fact.category.value
-
-
-def _failure_text(fact: FailureFact) -> str:
-    """A failure as its error and a stop's message name it, so one log line says why.
-
-    The category, the status (or transport kind and phase) and the provider's code, then what
-    was said of it: the provider's message, redacted, at most 200 characters.
-    """
-    said = [f"HTTP {fact.status}"] if fact.status else []
-    if not fact.status and fact.transport is not None:
-        said += [fact.transport.value, fact.phase.value]
-    if fact.provider_code:
-        said.append(f"code {_short(fact.provider_code)}")
-    text = fact.category.value + (f" ({', '.join(said)})" if said else "")
-    message = _short(fact.message)
-    # The adapter's own note for a body that said nothing ("HTTP 502") would only repeat it.
-    if message and message != f"HTTP {fact.status}":
-        text += f": {message}"
-    return text
-
-
 __all__ = [
     "CANCELLED_FACT",
     "REJECTED",
@@ -1390,6 +1263,5 @@ __all__ = [
     "SendFn",
     "Steps",
     "TurnLoop",
-    "candidate_lines",
     "group_wait",
 ]
