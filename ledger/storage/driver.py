@@ -126,8 +126,9 @@ SQLITE_WAIT_SLACK_MS = 50
 
 
 class SqliteDriver:
-    """One :mod:`sqlite3` connection per thread (WAL, ``synchronous=FULL``), transactions
-    opened with ``BEGIN IMMEDIATE`` for writes.
+    """One :mod:`sqlite3` connection per live thread (WAL, ``synchronous=FULL``), transactions
+    opened with ``BEGIN IMMEDIATE`` for writes. A thread's connection is closed once the thread
+    has ended, when another opens one (:meth:`connection`) or at :meth:`close`.
 
     Async callers' writes run on one dedicated thread of this database, never on the event
     loop: a write waits for another process's write lock for up to the busy timeout, and the
@@ -150,14 +151,20 @@ class SqliteDriver:
         self.busy_timeout_s = busy_timeout_s
         self._busy_ms = int(busy_timeout_s * 1000)
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        # Each connection with the thread it is that thread's own: one of a thread that has
+        # ended is closed when the next thread opens one (see connection()).
+        self._all: list[tuple[threading.Thread, sqlite3.Connection]] = []
         self._lock = threading.Lock()
         self._writer: GroupWriter | None = None
         self._reader: GroupWriter | None = None
         self._closed = False
 
     def connection(self) -> sqlite3.Connection:
-        """This thread's connection, opened on first use (never once the driver closed)."""
+        """This thread's connection, opened on first use (never once the driver closed).
+
+        Opening one closes those of the threads that have ended since: a process that serves
+        each request on a thread of its own holds one connection per live thread (plus those
+        ended since the last one was opened), not one per thread it ever ran."""
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             if self._closed:
@@ -176,12 +183,26 @@ class SqliteDriver:
             except sqlite3.Error as e:
                 conn.close()
                 raise driver_error(e, self.path) from e
+            ended: list[sqlite3.Connection] = []
             with self._lock:
                 # A close() between the check above and here took the list already: a
                 # connection added now would be closed by nobody.
                 closed = self._closed
                 if not closed:
-                    self._all.append(conn)
+                    # An ended thread's thread-local is gone with it, so nothing can use its
+                    # connection again; left here it would hold its file descriptors until
+                    # close(). A thread that is not alive never runs again (its object is
+                    # kept, not its ident, which a new thread may reuse).
+                    kept = [(threading.current_thread(), conn)]
+                    for t, c in self._all:
+                        if t.is_alive():
+                            kept.append((t, c))
+                        else:
+                            ended.append(c)
+                    self._all = kept
+            for c in ended:  # opened with check_same_thread=False: any thread may close it
+                with contextlib.suppress(sqlite3.Error):
+                    c.close()
             if closed:
                 conn.close()
                 raise closed_error(self.path)
@@ -296,7 +317,7 @@ class SqliteDriver:
             writer.close()
         if reader is not None:
             reader.close()
-        for c in conns:
+        for _, c in conns:
             with contextlib.suppress(sqlite3.Error):  # closing is best effort
                 c.close()
         self._local = threading.local()

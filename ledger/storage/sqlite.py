@@ -1,7 +1,7 @@
 """SQLite: :class:`SqliteContext`, and the store it opens.
 
 One file shared by every process on the host: the hot path runs on :mod:`sqlite3` directly (one
-connection per thread, ``BEGIN IMMEDIATE`` for writes, WAL with ``synchronous=FULL``), the cold
+connection per live thread, ``BEGIN IMMEDIATE`` for writes, WAL with ``synchronous=FULL``), the cold
 path on a SQLAlchemy engine over the same file. Writers serialize on the database's write lock,
 so no statement takes a row lock; a connection waits for another's write lock up to the busy
 timeout (30 s, or the URL's ``?timeout=`` in seconds), then answers

@@ -1,0 +1,115 @@
+"""A blocking SQLite ledger holds a connection per live thread, not per thread it ever served.
+
+Each thread that uses a :class:`~ledger.Ledger` on SQLite gets its own :mod:`sqlite3`
+connection (the database file and its WAL open: file descriptors). A long-lived worker that
+serves each request on a thread of its own starts and ends threads without end: a connection
+of a thread that has ended must not stay open until the ledger is closed, or the process runs
+out of file descriptors. The threads here are started and joined one by one, as such a worker
+does; nothing waits for time to pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ledger import Ledger
+from ledger.api.face import storage_of
+from ledger.storage.driver import SqliteDriver
+
+from .helpers import budget, routes
+
+THREADS = 60
+PROC_FD = Path("/proc/self/fd")
+
+
+def _fds_on(db: Path) -> int:
+    """This process's open file descriptors on the database's files (the file, its WAL)."""
+    n = 0
+    for fd in PROC_FD.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed between the listing and the read
+            continue
+        n += target.startswith(str(db))
+    return n
+
+
+def _in_a_thread(work: Callable[[], None]) -> None:
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            work()
+        except BaseException as e:  # told on the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.skipif(not PROC_FD.is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_a_sqlite_ledger_keeps_no_connection_of_a_thread_that_has_ended(
+        tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    with Ledger.open(str(db)) as led:
+        def serve(i: int) -> None:
+            led.admit_run(f"r{i}", plan=routes(), budget=budget())
+            led.acquire_lease(f"r{i}", ttl_s=60)
+
+        _in_a_thread(lambda: serve(0))
+        first = _fds_on(db)
+        assert first > 0
+        for i in range(1, THREADS):
+            _in_a_thread(lambda i=i: serve(i))  # type: ignore[misc]
+            # At most the ended thread's connection beside the one just opened.
+            assert _fds_on(db) <= first + 2, f"after {i + 1} threads"
+        driver = storage_of(led).driver
+        assert isinstance(driver, SqliteDriver)
+        assert len(driver._all) == 1  # the last thread's, closed by the next one or close()
+        assert led.get_run(f"r{THREADS - 1}").lease_holder is not None
+    assert _fds_on(db) == 0
+
+
+def test_a_live_thread_s_sqlite_connection_is_kept_while_others_come_and_go(
+        tmp_path: Path) -> None:
+    driver = SqliteDriver(str(tmp_path / "ledger.db"))
+    try:
+        ready = threading.Barrier(4)
+        done = threading.Event()
+        seen: dict[str, sqlite3.Connection] = {}
+        answers: dict[str, list[object]] = {}
+
+        def live(name: str) -> None:
+            seen[name] = driver.connection()
+            ready.wait()
+            done.wait()
+            # The same connection, still open, after many threads opened and ended theirs.
+            conn = driver.connection()
+            answers[name] = [conn is seen[name], conn.execute("SELECT 1").fetchone()]
+
+        holders = [threading.Thread(target=live, args=(f"t{i}",)) for i in range(3)]
+        for t in holders:
+            t.start()
+        try:
+            ready.wait()
+            for _ in range(20):
+                _in_a_thread(lambda: driver.connection().execute("SELECT 1").fetchone()
+                             and None)
+            assert len(driver._all) == 4  # the three live threads' and the last ended one's
+        finally:
+            done.set()
+            for t in holders:
+                t.join()
+        assert answers == {f"t{i}": [True, (1,)] for i in range(3)}
+    finally:
+        driver.close()
+    assert driver._all == []
