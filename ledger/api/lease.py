@@ -405,7 +405,9 @@ class AsyncLeaseKeeper:
         self._sleeper = sleeper
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
-        self._watched: list[asyncio.Task[Any]] = []
+        # The watched tasks not yet done: each leaves when it ends, so a host that watches
+        # every turn of a long Run does not keep every finished turn alive here.
+        self._watched: set[asyncio.Task[Any]] = set()
         self.core._on_lost.append(self._cancel_watched)
 
     @property
@@ -476,13 +478,20 @@ class AsyncLeaseKeeper:
         self.core.untrack(attempt_id)
 
     def watch(self, task: asyncio.Task[Any]) -> None:
-        """Cancel ``task`` the moment the run is lost."""
-        self._watched.append(task)
+        """Cancel ``task`` the moment the run is lost (at once if it is lost already).
+
+        The keeper holds ``task`` only until it ends: watching every turn of a long Run keeps
+        none of the finished ones.
+        """
+        if not task.done():
+            self._watched.add(task)
+            task.add_done_callback(self._watched.discard)
         if self.core.error is not None:
             task.cancel()
 
     def _cancel_watched(self, _err: FencedOut) -> None:
-        for t in self._watched:
+        # A copy: the loss may be learned on another thread while tasks end on their loop.
+        for t in tuple(self._watched):
             loop = t.get_loop()
             loop.call_soon_threadsafe(t.cancel)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -268,6 +270,44 @@ def test_async_keeper_cancels_the_work_when_fenced(tmp_path: Path) -> None:
             await work
         with pytest.raises(FencedOut):
             keeper.check()
+        await keeper.close()  # fenced: writes nothing, releases nothing
+
+    asyncio.run(main())
+    assert led.get_run("r1").lease_holder == "other"
+    led.close()
+
+
+def test_the_async_keeper_holds_no_watched_task_once_it_has_ended(tmp_path: Path) -> None:
+    """A host watches every turn of a long Run: the finished turns are not kept alive by the
+    keeper, and the turn still running is the one cancelled when the Run is lost."""
+    clock = ManualClock()
+    led = _ledger(str(tmp_path / "l.db"), clock)
+    lease = led.acquire_lease("r1", ttl_s=3)
+
+    async def main() -> None:
+        keeper = AsyncLeaseKeeper(AsyncLedger(led), lease, ttl_s=3, sleeper=clock)
+
+        async def turn() -> None:
+            await asyncio.sleep(0)
+
+        ended: list[weakref.ref[asyncio.Task[None]]] = []
+        for _ in range(50):
+            task = asyncio.create_task(turn())
+            keeper.watch(task)
+            await task
+            ended.append(weakref.ref(task))
+        del task
+        await asyncio.sleep(0)  # the loop's handle that woke this task holds the last turn
+        gc.collect()
+        assert [r for r in ended if r() is not None] == []
+
+        work = asyncio.create_task(asyncio.Event().wait())  # the turn in flight
+        keeper.watch(work)
+        clock.advance(4)
+        led.acquire_lease("r1", ttl_s=3, executor_id="other")  # taken over meanwhile
+        keeper.start()
+        with pytest.raises(asyncio.CancelledError):
+            await work
         await keeper.close()  # fenced: writes nothing, releases nothing
 
     asyncio.run(main())
