@@ -31,8 +31,8 @@ P = ParamSpec("P")
 class Lru(Generic[K, V]):
     """A small thread-safe LRU map, of at most ``size`` items.
 
-    Frozen Runs and parsed policies are read once per Run and kept while in use, without growing
-    with the number of Runs a process ever served.
+    What a Run's decisions read (its frozen Run, its parsed policy) is read once and kept while in
+    use; the size bounds what is kept, whatever the number of Runs a process ever served.
     """
 
     def __init__(self, size: int) -> None:
@@ -55,6 +55,20 @@ class Lru(Generic[K, V]):
             self._items.move_to_end(key)
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
+
+    def drop(self, key: K) -> None:
+        """Forget ``key`` (nothing when it is not kept)."""
+        with self._lock:
+            self._items.pop(key, None)
+
+    def drop_where(self, gone: Callable[[V], bool]) -> None:
+        """Forget every item whose value is ``gone``."""
+        with self._lock:
+            for key in [k for k, v in self._items.items() if gone(v)]:
+                del self._items[key]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class op(Generic[P, T]):

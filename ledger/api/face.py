@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, Unpack, cast
@@ -195,15 +196,27 @@ class Face(Generic[SessionT, OpenedT]):
         self._runs = RunQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
+        # Per Run, what never changes once it is admitted, read once: its frozen Run, and what
+        # its decisions read besides its live row (its ancestors up to its root, for
+        # provenance; its groups and its health keys). A Run session's exit drops its Run's
+        # entries (_let_go); the sizes bound what operations outside a session leave.
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
-        self._policies: Lru[str, Policy] = Lru(1024)
-        # What a Run's decisions read besides its live row: its ancestors up to its root (for
-        # provenance), its groups and its health keys, all fixed by its admission.
         self._reads: Lru[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = Lru(1024)
+        # Parsed policies by their hash, which names their content: every Run frozen under one
+        # policy (a preset's Runs) shares one parse, some 30 KB. Sharing is safe because the
+        # ledger never changes a policy (a frozen model, whose lists and dicts no decision
+        # writes) and hands every caller a copy of its own (run_policy, turn_snapshot).
+        self._policies: Lru[str, Policy] = Lru(32)
         # What a settle must know of an Attempt before its transaction (its Run, route and
         # profile choose the health rows it reads), as this ledger's begin recorded it: fixed
         # once the Attempt exists, so a settle of an Attempt begun here reads nothing first.
+        # Kept until the Attempt is settled here, or its Run's last session exits.
         self._begun: Lru[str, tuple[str, str, str | None, float]] = Lru(4096)
+        # How many Run sessions of each Run are open on this ledger: one process may hold two
+        # of one Run at once (its own live lease is taken again), and the first to exit must
+        # not drop what the other still reads.
+        self._sessions: dict[str, int] = {}
+        self._sessions_lock = threading.Lock()
 
     @property
     def backend(self) -> str:
@@ -477,7 +490,7 @@ class Face(Generic[SessionT, OpenedT]):
 
     @op
     def run_policy(self, run_id: Id) -> Flow[Policy]:
-        """The policy snapshot the run froze at admission (parsed once per Run).
+        """The policy snapshot the run froze at admission (parsed once per policy, cached).
 
         Each call returns a copy of its own: changing it changes nothing the Run decides by.
 
@@ -501,13 +514,36 @@ class Face(Generic[SessionT, OpenedT]):
         return bool((yield from self._frozen(run_id)).policy.get("name") == policy)
 
     def _policy(self, run_id: str) -> Flow[Policy]:
-        """:meth:`run_policy`, for a ``run_id`` already checked."""
-        pol = self._policies.get(run_id)
+        """:meth:`run_policy`, for a ``run_id`` already checked: shared, never to be changed."""
+        frozen = yield from self._frozen(run_id)
+        pol = self._policies.get(frozen.policy_hash)
         if pol is None:
-            pol = Policy.model_validate((yield from self._frozen(run_id)).policy,
-                                       context=FROZEN)
-            self._policies.put(run_id, pol)
+            pol = Policy.model_validate(frozen.policy, context=FROZEN)
+            self._policies.put(frozen.policy_hash, pol)
         return pol
+
+    def _hold(self, run_id: str) -> None:
+        """A Run session of ``run_id`` is being entered: its Run's cached entries are in use."""
+        with self._sessions_lock:
+            self._sessions[run_id] = self._sessions.get(run_id, 0) + 1
+
+    def _let_go(self, run_id: str) -> None:
+        """A Run session of ``run_id`` has exited (or failed to enter): the last one drops them.
+
+        The last session of the Run open on this ledger drops the Run's cached entries. A
+        long-lived process serves one Run after another, and what it read for a Run it no
+        longer holds would otherwise stay until 1,024 later Runs pushed it out. They are
+        caches: a later read of the Run reads it again.
+        """
+        with self._sessions_lock:
+            left = self._sessions.get(run_id, 0) - 1
+            if left > 0:
+                self._sessions[run_id] = left
+                return
+            self._sessions.pop(run_id, None)
+            self._frozen_runs.drop(run_id)
+            self._reads.drop(run_id)
+            self._begun.drop_where(lambda begun: begun[0] == run_id)
 
     @op
     def close_run(self, run_id: Id, *, status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)],
@@ -882,7 +918,10 @@ class Face(Generic[SessionT, OpenedT]):
             provenance=tuple(provenance_hashes), repeat=repeat, cached_tokens=cached_tokens,
             reasoning_tokens=reasoning_tokens, first_byte_s=first_byte_s,
             first_token_s=first_token_s, began_at=began_at)
-        return (yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now))
+        rec = yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now)
+        # Settled: nothing asks for it again but a repeated settle, which reads it.
+        self._begun.drop(attempt_id)
+        return rec
 
     @op
     def mark_unknown(self, lease: LeaseArg, attempt_id: Id,
@@ -1002,12 +1041,19 @@ class Face(Generic[SessionT, OpenedT]):
                 passes no reference of an exempt part, the user's own input or system text).
 
         Returns:
-            A :class:`~ledger.decide.effects.TurnSnapshot`.
+            A :class:`~ledger.decide.effects.TurnSnapshot`. Its ``policy`` is a copy of its
+            own: changing it changes nothing any Run decides by.
 
         Raises:
             NotFound: no Run has this id.
         """
-        return (yield from self._snapshot(run_id, tuple(refs)))
+        from dataclasses import replace
+
+        from ledger.policy.load import own_copy
+
+        snap = yield from self._snapshot(run_id, tuple(refs))
+        # The turns' snapshot carries the policy every Run frozen under it shares.
+        return replace(snap, policy=own_copy(snap.policy))
 
     def _snapshot(self, run_id: str, refs: tuple[str, ...], turn_id: str | None = None,
                   carried: tuple[tuple[str, str], ...] | None = None) -> Flow[TurnSnapshot]:

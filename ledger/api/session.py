@@ -247,6 +247,8 @@ class _SessionCore:
         # The status the exit decided on: a second try of an interrupted exit ends the Run
         # with it, not with one read from a record the first try may have finished.
         self._leaving: RunStatus | None = None
+        # Whether this session holds its Run's entries in the ledger's caches (Face._hold).
+        self._held = False
 
     def _turn_ended(self, status: RunStatus) -> None:
         """Record how the block's latest turn ended.
@@ -419,6 +421,18 @@ class _SessionCore:
         if self._state != "new":
             raise InvalidState("a Run session is entered once; open a new one with "
                                "ledger.run(...)", run_id=self.run_id)
+        self.ledger._hold(self.run_id)
+        self._held = True
+
+    def _let_go(self) -> None:
+        """The session is over (exited, or its entry raised): let go of the Run's cache entries.
+
+        The ledger drops them once no other session of the Run is open on it
+        (:meth:`~ledger.api.face.Face._let_go`).
+        """
+        if self._held:
+            self._held = False
+            self.ledger._let_go(self.run_id)
 
     @checked
     def child(self, child_id: NewId, *, budget: BudgetArg, plan: Sequence[Route] | None = None,
@@ -654,9 +668,14 @@ class RunSession(_SessionCore):
         from ledger.api.lease import LeaseKeeper
 
         self._enter()
-        # Admission checks every route's key first, with the provider this session sends with.
-        self.record = self.ledger.admit_run(
-            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
+        try:
+            # Admission checks every route's key first, with the provider this session sends
+            # with.
+            self.record = self.ledger.admit_run(
+                self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
+        except BaseException:
+            self._let_go()
+            raise
         # No exit runs for an entry that raised: whatever it took is given back here, or the
         # lease would refuse the Run to every other executor until it lapsed.
         lease: Lease | None = None
@@ -669,7 +688,10 @@ class RunSession(_SessionCore):
 
                 self._adapter = SyncAdapter(secrets=self._secrets)
         except BaseException as e:
-            self._give_back(lease, e, made)
+            try:
+                self._give_back(lease, e, made)
+            finally:
+                self._let_go()
             raise
         self._state = "open"
         return self
@@ -712,6 +734,7 @@ class RunSession(_SessionCore):
         try:
             self._finish(exc)
         finally:
+            self._let_go()
             if self._owns_adapter and self._adapter is not None:
                 self._adapter.close()
 
@@ -950,11 +973,16 @@ class AsyncRunSession(_SessionCore):
             # event loop, which the session must never hold up.
             await self.ledger._store.workers.call(importlib.import_module, "ledger.adapters")
         self._enter()
-        self.record = await self.ledger.admit_run(
-            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
-        # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
-        # before the lease is taken: an entry that fails holds nothing (no exit will run).
-        await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
+        try:
+            self.record = await self.ledger.admit_run(
+                self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
+            # Read now, awaited: child() and the turns then find the frozen Run in the cache.
+            # Read before the lease is taken: an entry that fails holds nothing (no exit will
+            # run).
+            await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
+        except BaseException:
+            self._let_go()
+            raise
         # No exit runs for an entry that raised: whatever it took is given back here, or the
         # lease would refuse the Run to every other executor until it lapsed.
         lease: Lease | None = None
@@ -978,7 +1006,10 @@ class AsyncRunSession(_SessionCore):
 
                 self._adapter = HttpAdapter(secrets=self._secrets)
         except BaseException as e:
-            await self._give_back(lease, e, made, refused)
+            try:
+                await self._give_back(lease, e, made, refused)
+            finally:
+                self._let_go()
             raise
         self._state = "open"
         return self
@@ -1025,6 +1056,7 @@ class AsyncRunSession(_SessionCore):
             if cancelled is not None:
                 raise cancelled
         finally:
+            self._let_go()
             if self._owns_adapter and self._adapter is not None:
                 await self._adapter.aclose()
 

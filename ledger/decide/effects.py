@@ -58,10 +58,11 @@ class TurnSnapshot:
     """Everything one decision reads, from one read transaction.
 
     ``run`` is the Run as it stands (counters, current route); ``policy`` its frozen policy,
-    parsed once per Run; ``groups`` the plan's capacity-group projections; ``health`` the plan's
-    route and profile health; ``provenance`` the recorded content hashes of the references the
-    envelope's parts carry (recorded anywhere in the Run's tree: its root and every
-    descendant), never the Run's whole history.
+    parsed once and shared by every Run frozen under it (never to be changed); ``groups`` the
+    plan's capacity-group projections; ``health`` the plan's route and profile health;
+    ``provenance`` the recorded content hashes of the references the envelope's parts carry
+    (recorded anywhere in the Run's tree: its root and every descendant), never the Run's
+    whole history.
     """
 
     run: RunRecord

@@ -83,3 +83,16 @@ def test_invariant5_a_frozen_run_changed_in_place_by_a_caller_changes_nothing_th
     again = led.frozen_run("r")
     assert again.policy["moves_on"] and again.labels == {"team": "a"} and again.plan
     assert policy_hash(led.run_policy("r")) == rec.policy_hash
+
+
+def test_invariant5_a_snapshots_policy_changed_in_place_changes_nothing_a_run_decides_by(
+        led: Ledger) -> None:
+    # Runs frozen under one policy share one parse of it: the snapshot a caller is handed
+    # carries a copy, or changing it would change every such Run's decisions.
+    budget = {"max_calls": 3, "max_retries": 1, "max_cost": 1}
+    rec = led.admit_run("r", plan=routes(), policy="goclaw", budget=budget)
+    led.admit_run("s", plan=routes(), policy="goclaw", budget=budget)
+    led.turn_snapshot("r").policy.moves_on.clear()
+    assert policy_hash(led.turn_snapshot("r").policy) == rec.policy_hash
+    assert policy_hash(led.turn_snapshot("s").policy) == rec.policy_hash
+    assert policy_hash(led.run_policy("s")) == rec.policy_hash
