@@ -710,10 +710,8 @@ class AuditQueries:
 
     def schema_present(self) -> bool:
         """Whether the ledger's tables exist (a reader never creates them)."""
-        from sqlalchemy import inspect
-
         with self.ctx.reading() as conn:
-            return bool(inspect(conn).has_table("runs"))
+            return self.ctx.has_table(conn, "runs")
 
     def first_run_other_than(self, *, policy_hash: str | None = None,
                              tenant: str | None = None) -> str | None:

@@ -52,10 +52,13 @@ class SqlContext(abc.ABC):
         self.where = where
         #: How long before its end a lease stops starting work (seconds).
         self.lease_margin_s = lease_margin_s
-        self._closed = False
         # Where the engine makes a connection of its own (a PostgreSQL engine's come from the
-        # store's pool, which refuses them itself once closed).
-        event.listen(engine, "do_connect", self._refuse_closed)
+        # store's pool, which refuses them itself once closed). The listener is kept by the
+        # engine's dialect, which SQLAlchemy may keep long after the ledger's close (a
+        # reflection cache of the dialect's class, such as Alembic's migration fills): it holds
+        # neither this context nor its engine, which would stay in memory with it.
+        self._refusal = _Refusal(where)
+        event.listen(engine, "do_connect", self._refusal)
 
     # -- what differs between the databases ------------------------------------------------
 
@@ -63,6 +66,15 @@ class SqlContext(abc.ABC):
         """Whether the schema's revision may be read here without writing: a server's
         database may always be."""
         return True
+
+    @abc.abstractmethod
+    def has_table(self, conn: Connection, name: str) -> bool:
+        """Whether table (or view) ``name`` is where the ledger's unqualified queries find it,
+        read on ``conn`` from the database's catalog.
+
+        Not with SQLAlchemy's ``inspect(conn).has_table``: PostgreSQL's dialect caches its
+        reflection queries per dialect instance in caches of its class (the last 128), and
+        every ledger opened would stay reachable from there after its close."""
 
     @abc.abstractmethod
     def refuse_foreign(self) -> None:
@@ -167,12 +179,20 @@ class SqlContext(abc.ABC):
     def close(self) -> None:
         """Close the engine's connections, for good: a connection asked of it afterwards is
         :class:`~ledger.errors.InvalidState` (it would outlive the close)."""
-        self._closed = True
+        self._refusal.closed = True
         with mapped(self.where):
             self.engine.dispose()
 
-    def _refuse_closed(self, *_connect: Any) -> None:
-        if self._closed:
+
+class _Refusal:
+    """A ``do_connect`` listener: refuses a connection once its context is closed."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.closed = False
+
+    def __call__(self, *_connect: Any) -> None:
+        if self.closed:
             raise closed_error(self.where)
 
 

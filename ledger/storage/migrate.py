@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, inspect, text
+from sqlalchemy import Connection, Engine, text
 
 from ledger.errors import DatabaseSetupError, SchemaTooNew, StorageError
 from ledger.storage.engine import mapped_errors, redact_url
@@ -102,9 +102,9 @@ def head_revision() -> str:
     return script_revisions()[0]
 
 
-def current_revision(conn: Connection) -> str | None:
-    """The database's schema revision (``None``: no schema yet)."""
-    if not inspect(conn).has_table("alembic_version"):
+def current_revision(ctx: SqlContext, conn: Connection) -> str | None:
+    """The database's schema revision (``None``: no schema yet), read on ``conn`` of ``ctx``."""
+    if not ctx.has_table(conn, "alembic_version"):
         return None
     return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
@@ -135,7 +135,7 @@ def check_current(ctx: SqlContext, url: str) -> None:
         return
     try:
         with mapped_errors(url), ctx.engine.connect() as conn:
-            found = current_revision(conn)
+            found = current_revision(ctx, conn)
             conn.rollback()
     except (StorageError, DatabaseSetupError):
         return
@@ -160,7 +160,7 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
     head = head_revision()
     ctx.refuse_foreign()  # before the first connection, which may write (SQLite's WAL switch)
     with mapped_errors(url), ctx.engine.connect() as conn:
-        found = current_revision(conn)
+        found = current_revision(ctx, conn)
         conn.rollback()
     check_not_newer(found, url)
     if found == head:
@@ -169,7 +169,8 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
 
     try:
         with mapped_errors(url), ctx.migration_lock() as conn:
-            found = current_revision(conn)  # again, under the lock: another may have migrated
+            # Again, under the lock: another may have migrated.
+            found = current_revision(ctx, conn)
             check_not_newer(found, url)
             if found == head:
                 conn.rollback()

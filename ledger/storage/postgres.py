@@ -101,6 +101,17 @@ class PostgresContext(SqlContext):
                 raise driver_error(e, where) from e
         return True
 
+    def has_table(self, conn: Connection, name: str) -> bool:
+        """Whether a table or view ``name`` is visible on the role's ``search_path`` (where the
+        ledger's unqualified statements find it; ``pg_catalog``'s own excepted), as SQLAlchemy's
+        ``has_table`` reads it."""
+        return bool(conn.execute(text(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE c.relname = :name "
+            "AND c.relkind IN ('r', 'p', 'f', 'v', 'm') "
+            "AND pg_catalog.pg_table_is_visible(c.oid) AND n.nspname <> 'pg_catalog')"),
+            {"name": name}).scalar())
+
     def refuse_foreign(self) -> None:
         """Nothing: a PostgreSQL database is shared by design (other applications' tables,
         other schemas), and the ledger's tables go into the role's schema beside them; one of

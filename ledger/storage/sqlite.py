@@ -27,6 +27,7 @@ from sqlalchemy import (
     cast,
     func,
     select,
+    text,
 )
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import URL
@@ -79,6 +80,12 @@ class SqliteContext(SqlContext):
             return eng.file_holds(str(self.engine.url.database)) == "ledger"
         except StorageError:
             return False  # the first call tells what is wrong with the file
+
+    def has_table(self, conn: Connection, name: str) -> bool:
+        """Whether the file (its ``main`` schema) holds table or view ``name``."""
+        return bool(conn.execute(text(
+            "SELECT EXISTS (SELECT 1 FROM main.sqlite_master WHERE type IN ('table', 'view') "
+            "AND name = :name)"), {"name": name}).scalar())
 
     def refuse_foreign(self) -> None:
         """Refuse a file that holds tables but not the ledger's

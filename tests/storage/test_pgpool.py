@@ -11,6 +11,7 @@ import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from ledger.api.facade import AsyncLedger, Ledger
 from ledger.api.face import storage_of
 from ledger.clock import ManualClock
 from ledger.errors import DatabaseUnavailable, InvalidState
+from ledger.storage.audit import AuditQueries
 from ledger.storage.pgpool import PgPool, release
 from ledger.testing.pgserver import PgServer, start_server
 
@@ -281,3 +283,42 @@ def _closed_ledgers_refusals(ends: list[BaseException | None], callers: int) -> 
     for e in ends:
         assert isinstance(e, InvalidState), repr(e)
         assert e.fields["problem"] == "ledger_closed" and "Ledger.open" in str(e)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_closed_ledger_leaves_no_engine_nor_pool_in_memory(pg_url: str, pg_empty_url: str,
+                                                             kind: str) -> None:
+    # SQLAlchemy's PostgreSQL dialect keeps its last 128 instances in reflection caches of its
+    # class: nothing the ledger makes may hang off a dialect (an event listener) or send one
+    # there on every open (a reflected has_table), or each closed ledger's engine, context
+    # and pool would stay for 128 opens. The first open migrates a database with no schema
+    # (Alembic reflects its version table); the others find it at head.
+    alive: list[weakref.ref[Any]] = []
+
+    def kept(led: Any) -> None:
+        store = storage_of(led)
+        alive.extend(weakref.ref(o) for o in (store, store.context, store.context.engine,
+                                              store.driver.pool))
+        assert AuditQueries(store.context).schema_present()
+
+    def sync(url: str) -> None:
+        with Ledger.open(url) as led:
+            kept(led)
+            led.health()
+
+    async def awaited(url: str) -> None:
+        async with AsyncLedger.open(url) as led:
+            kept(led)
+            await led.health()
+
+    for i in range(20):
+        url = pg_empty_url if i == 0 else pg_url
+        if kind == "sync":
+            sync(url)
+        else:
+            asyncio.run(awaited(url))
+    for thread in threading.enumerate():
+        if thread.name == "ledger-close":
+            thread.join()  # an AsyncLedger's close was awaited: its thread is on its way out
+    gc.collect()
+    assert [r() for r in alive if r() is not None] == []
