@@ -715,7 +715,7 @@ class HttpAdapter:
                            driver)
         if isinstance(call, AdapterResult):
             return call
-        return await arun(self._exchange(call, self.clients.get(call.url),
+        return await arun(self._exchange(call, await self.clients.aget(call.url),
                                          call.progress.trace))
 
     def _start(self, route: Route, envelope: Envelope, profile_id: str | None,

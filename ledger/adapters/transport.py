@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import http.cookiejar
+import os
 import socket
 import ssl
 import threading
@@ -328,9 +329,54 @@ def _via(proxy: httpx.Proxy) -> dict[str, Any]:
             "proxy_ssl_context": proxy.ssl_context}
 
 
+# Built once per process for each TLS configuration: building one loads a whole bundle of
+# certificate authorities (some 50 ms, the event loop held all the while when built on it), and
+# an SSLContext is safe to share between clients, loops and threads.
+_TLS_CONTEXTS: dict[tuple[str, ...], ssl.SSLContext] = {}
+_TLS_LOCK = threading.Lock()
+
+
+def _tls_key(verify: bool, trust_env: bool) -> tuple[str, ...]:
+    """What the context httpx builds for these settings depends on.
+
+    httpx reads ``SSL_CERT_FILE``, else ``SSL_CERT_DIR``, with ``verify=True`` and
+    ``trust_env`` (``httpx.create_ssl_context``); nothing else reaches the context (a proxy is
+    chosen per origin, and an ``https://`` proxy's own TLS is httpcore's).
+    """
+    if not verify:
+        return ("unverified",)
+    if trust_env and os.environ.get("SSL_CERT_FILE"):
+        return ("cafile", os.environ["SSL_CERT_FILE"])
+    if trust_env and os.environ.get("SSL_CERT_DIR"):
+        return ("capath", os.environ["SSL_CERT_DIR"])
+    return ("certifi",)
+
+
+class _AsyncTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport over a pool of ours (see :meth:`ClientRegistry._pool_args`).
+
+    httpx's own constructor is not run: it would build a pool, and a TLS context even for an
+    ``http://`` origin, only for them to be replaced.
+    """
+
+    def __init__(self, pool: httpcore.AsyncConnectionPool) -> None:
+        self._pool = pool
+
+
+class _Transport(httpx.HTTPTransport):
+    """The blocking :class:`_AsyncTransport`."""
+
+    def __init__(self, pool: httpcore.ConnectionPool) -> None:
+        self._pool = pool
+
+
 # Only the codings the engine inflates piece by piece (exchange.BodyDecoder), not httpx's
 # default list: with zstd a few KiB on the wire are gigabytes in memory.
 _HEADERS = {"Accept-Encoding": ACCEPT_ENCODING}
+
+
+def _secure(origin: str) -> bool:
+    return origin.startswith("https:")
 
 
 class ClientRegistry:
@@ -342,6 +388,11 @@ class ClientRegistry:
     their socket waits ends by the deadline of the call's step in progress. Transports have
     ``retries=0``: no request is ever sent twice by us, and redirects are not followed. No
     client keeps a cookie: what one answer sets never goes out with another request.
+
+    Only ``https://`` origins' clients have a TLS context: one per process for each TLS
+    configuration (``verify``, and with ``trust_env`` the ``SSL_CERT_FILE`` or ``SSL_CERT_DIR``
+    it names), shared by every registry of that configuration and built when a client first
+    needs it; :meth:`aget` builds it on a worker thread, never on the loop.
 
     Requests to an origin go through an HTTP(S) proxy when ``proxy`` names one, or else, with
     ``trust_env``, when the environment does (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``,
@@ -390,24 +441,51 @@ class ClientRegistry:
         return f"{parts.scheme}://{parts.netloc}".lower()
 
     def get(self, url: str) -> httpx.AsyncClient:
-        """The running loop's client for ``url``'s origin, created on first use."""
+        """The running loop's client for ``url``'s origin, created on first use.
+
+        An ``https://`` origin's first client may build the process's TLS context for the
+        registry's settings on the calling thread, the loop held meanwhile: :meth:`aget`
+        builds it on a worker thread instead.
+        """
         loop = asyncio.get_running_loop()
-        clients = self._by_loop.setdefault(loop, {})
         key = self.origin(url)
-        client = clients.get(key)
+        client = self._by_loop.get(loop, {}).get(key)
         if client is None:
-            ssl_context = self._tls()
-            transport = httpx.AsyncHTTPTransport(retries=0, verify=ssl_context,
-                                                 limits=self._limits)
-            args = self._pool_args(ssl_context, _PolledBackend())
-            proxy = self.proxy_for(url)
-            transport._pool = (httpcore.AsyncConnectionPool(**args) if proxy is None
-                               else httpcore.AsyncHTTPProxy(**_via(proxy), **args))
-            # follow_redirects stays off: a redirect is an answer we report, not one we chase
-            # (following it could send the request, and its credential, somewhere else).
-            client = httpx.AsyncClient(transport=transport, follow_redirects=False,
-                                       cookies=_NoCookies(), headers=_HEADERS)
-            clients[key] = client
+            client = self._make(loop, key, url, self._tls() if _secure(key) else None)
+        return client
+
+    async def aget(self, url: str) -> httpx.AsyncClient:
+        """:meth:`get`, building a TLS context the process does not have yet off the loop.
+
+        Only an ``https://`` origin needs one, and the process builds one per TLS
+        configuration (``verify``, and with ``trust_env`` the ``SSL_CERT_FILE`` or
+        ``SSL_CERT_DIR`` it names), however many registries, sessions and loops use it.
+        """
+        loop = asyncio.get_running_loop()
+        key = self.origin(url)
+        client = self._by_loop.get(loop, {}).get(key)
+        if client is not None:
+            return client
+        ssl_context = None
+        if _secure(key):
+            ssl_context = self._known_tls()
+            if ssl_context is None:
+                ssl_context = await asyncio.to_thread(self._tls)
+        # Another task may have made the origin's client while the context was built.
+        client = self._by_loop.get(loop, {}).get(key)
+        return client if client is not None else self._make(loop, key, url, ssl_context)
+
+    def _make(self, loop: asyncio.AbstractEventLoop, key: str, url: str,
+              ssl_context: ssl.SSLContext | None) -> httpx.AsyncClient:
+        args = self._pool_args(ssl_context, _PolledBackend())
+        proxy = self.proxy_for(url)
+        transport = _AsyncTransport(httpcore.AsyncConnectionPool(**args) if proxy is None
+                                    else httpcore.AsyncHTTPProxy(**_via(proxy), **args))
+        # follow_redirects stays off: a redirect is an answer we report, not one we chase
+        # (following it could send the request, and its credential, somewhere else).
+        client = httpx.AsyncClient(transport=transport, follow_redirects=False,
+                                   cookies=_NoCookies(), headers=_HEADERS)
+        self._by_loop.setdefault(loop, {})[key] = client
         return client
 
     def get_sync(self, url: str) -> httpx.Client:
@@ -444,19 +522,31 @@ class ClientRegistry:
         return None
 
     def _sync_transport(self, url: str) -> httpx.HTTPTransport:
-        # One TLS context for the transport and the pool that replaces its own.
-        ssl_context = self._tls()
-        transport = httpx.HTTPTransport(retries=0, verify=ssl_context, limits=self._limits)
-        args = self._pool_args(ssl_context, _DeadlineBackend())
+        args = self._pool_args(self._tls() if _secure(self.origin(url)) else None,
+                               _DeadlineBackend())
         proxy = self.proxy_for(url)
-        transport._pool = (httpcore.ConnectionPool(**args) if proxy is None
-                           else httpcore.HTTPProxy(**_via(proxy), **args))
-        return transport
+        return _Transport(httpcore.ConnectionPool(**args) if proxy is None
+                          else httpcore.HTTPProxy(**_via(proxy), **args))
+
+    def _known_tls(self) -> ssl.SSLContext | None:
+        """The TLS context of the registry's settings if the process has it, else ``None``."""
+        if isinstance(self._verify, ssl.SSLContext):
+            return self._verify
+        return _TLS_CONTEXTS.get(_tls_key(self._verify, self._trust_env))
 
     def _tls(self) -> ssl.SSLContext:
-        return httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env)
+        """The process's TLS context for the registry's settings, built on first use."""
+        if isinstance(self._verify, ssl.SSLContext):
+            return self._verify
+        key = _tls_key(self._verify, self._trust_env)
+        with _TLS_LOCK:  # one build per configuration, whichever threads ask at once
+            context = _TLS_CONTEXTS.get(key)
+            if context is None:
+                context = httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env)
+                _TLS_CONTEXTS[key] = context
+        return context
 
-    def _pool_args(self, ssl_context: ssl.SSLContext, backend: Any) -> dict[str, Any]:
+    def _pool_args(self, ssl_context: ssl.SSLContext | None, backend: Any) -> dict[str, Any]:
         # httpx offers no public way to give its transport a network backend, so the pool is
         # rebuilt as httpx builds it, on sockets of ours: blocking ones that cut every wait to
         # the step's deadline (httpcore reads a body with the one read limit it took when the
