@@ -363,6 +363,7 @@ class _Call:
     model: str | None = None
     notes: tuple[str, ...] = ()  # what the codec left out of the request, and why
     offers_tools: bool = True  # whether the request let the model propose tool calls
+    client: httpx.Client | httpx.AsyncClient | None = None  # the client the call is sent with
 
     @property
     def secrets(self) -> list[str | None]:
@@ -471,7 +472,11 @@ class HttpAdapter:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the pooled clients of the running event loop."""
+        """Close the pooled clients of the running event loop.
+
+        A call still in flight on one fails as a local cancellation (``Observation.cancelled``,
+        source ``local``), not as a failure of the provider's.
+        """
         await self.clients.aclose()
 
     # -- preparation ---------------------------------------------------------------------------
@@ -766,6 +771,7 @@ class HttpAdapter:
     def _steps(self, call: _Call, client: httpx.Client | httpx.AsyncClient,
                trace: Callable[..., Any]) -> Exchange[AdapterResult]:
         lim = call.limits
+        call.client = client
         try:
             request = client.build_request(
                 "POST",
@@ -861,6 +867,7 @@ class HttpAdapter:
         phase: Phase,
         message: str,
         body: str | None = None,
+        closed: bool = False,
     ) -> Observation:
         return Observation(
             status=call.status,
@@ -875,6 +882,8 @@ class HttpAdapter:
             # The provider took the request and ran it: whatever failed after a 2xx status
             # may be billed, reported usage or not.
             accepted=call.status is not None and 200 <= call.status < 300,
+            cancelled=closed,
+            source=Source.LOCAL if closed else Source.PROVIDER,
         )
 
     @staticmethod
@@ -908,8 +917,10 @@ class HttpAdapter:
         message: str,
         body: str | None = None,
         evidence: str | None = None,
+        closed: bool = False,
     ) -> Exchange[AdapterResult]:
-        obs = self._observation(call, transport=transport, phase=phase, message=message, body=body)
+        obs = self._observation(call, transport=transport, phase=phase, message=message, body=body,
+                                closed=closed)
         usage, cost, rejected = self._billing(call, call.usage)
         result = AdapterResult(
             ok=False,
@@ -934,9 +945,8 @@ class HttpAdapter:
         call.progress.failed(result)
         if call.delivered_any and call.on_event is not None:
             # Tell the caller that what it showed is not an answer; the Run decides what's next.
-            yield from self._deliver(
-                call, Reset(reason=transport.value if transport else "provider_error")
-            )
+            reason = "cancelled" if closed else transport.value if transport else "provider_error"
+            yield from self._deliver(call, Reset(reason=reason))
         return result
 
     def _success(self, call: _Call, reply: Reply) -> AdapterResult:
@@ -969,6 +979,15 @@ class HttpAdapter:
             headers_received=call.progress.headers_received,
         )
         message = describe_exception(exc)
+        if call.client is not None and call.client.is_closed:
+            # Closed here, under the call (HttpAdapter.aclose, SyncAdapter.close, a Run
+            # session's block left while its turn was in flight): whatever the socket raised
+            # then is our own doing, not the provider's, so it is no evidence against the route.
+            message = (f"the adapter's client was closed while this call was in flight (the "
+                       f"adapter closed, or the Run session's block left under its turn): a "
+                       f"local cancellation, not the provider's ({message})")
+            return (yield from self._fail(call, transport=None, phase=phase, message=message,
+                                          closed=True))
         if isinstance(exc, httpx.ProxyError) and phase is Phase.BEFORE_SEND:
             message = (f"the proxy refused the tunnel (CONNECT) to the provider, so nothing was "
                        f"sent to it: {message}")

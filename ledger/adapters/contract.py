@@ -105,7 +105,8 @@ class ToolCallProposal:
 class Reset:
     """Everything delivered so far for this call must be discarded: it is not an answer.
 
-    ``reason`` is the transport kind (or ``provider_error``) that ended the stream.
+    ``reason`` is the transport kind (or ``provider_error``) that ended the stream, or
+    ``cancelled`` when the adapter's client was closed under it (a local cancellation).
     """
 
     reason: str

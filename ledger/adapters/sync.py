@@ -74,7 +74,12 @@ class SyncAdapter:
                                     call.progress.trace_sync))
 
     def close(self) -> None:
-        """Close the blocking clients (a second close does nothing)."""
+        """Close the blocking clients (a second close does nothing).
+
+        A call still in flight on one (another thread's) fails as a local cancellation, as
+        :meth:`HttpAdapter.aclose <ledger.adapters.HttpAdapter.aclose>` says, once its blocked
+        read ends: closing does not wake it, so it waits out its read limit first.
+        """
         if self._closed:
             return
         self._closed = True

@@ -37,6 +37,9 @@ from ledger.clock import ManualClock
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import AttemptState
 from ledger.errors import InvalidState, NotFound, SettleConflict
+from ledger.policy.load import preset
+from ledger.policy.model import StreamingPolicy
+from ledger.testing import Fault
 from tests import fakeplan
 from tests.fakeplan import cancelled_often, plan
 from tests.storage.helpers import sql_context
@@ -500,6 +503,66 @@ def test_an_async_turn_its_block_left_under_is_told_why_its_answer_was_not_recor
             assert (await led.get_run("r")).status is RunStatus.CANCELLED
 
     asyncio.run(main())
+
+
+def _closed_under_it(receipt: Any) -> None:
+    """A late receipt of a send whose client the session closed: the ledger's own doing."""
+    fact = receipt.data["fact"]
+    assert (fact["category"], fact["source"], fact["transport"]) == ("cancelled", "local", None)
+    assert "closed while this call was in flight" in fact["message"]
+
+
+def test_an_async_turn_its_block_left_under_is_a_local_cancellation_not_a_provider_reset(
+        db_url: str, fake: Any) -> None:
+    # The session's own adapter is closed when the block is left, under the request still
+    # waiting on the provider: what the socket raised then (a ReadError) is the ledger's
+    # doing, and its late receipt says so, not that the provider reset the connection.
+    fake.enqueue(Fault.NO_RESPONSE)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                task = asyncio.ensure_future(run.turn(HELLO))
+                while not fake.requests:
+                    await asyncio.sleep(0.005)
+            with pytest.raises(InvalidState, match="left while this turn's request"):
+                await task
+            [att] = await led.timeline("r")
+            assert att.state is AttemptState.UNKNOWN
+            [receipt] = await led.events("r", ["late_receipt"])
+            _closed_under_it(receipt)
+
+    asyncio.run(main())
+
+
+def test_a_turn_its_block_left_under_is_a_local_cancellation_not_a_provider_reset(
+        db_url: str, fake: Any) -> None:
+    # The same with a thread's turn, on the session's blocking adapter. Closing a blocking
+    # client does not wake a thread blocked in its read: the turn waits out its read limit
+    # (short here), and what it then records is still the ledger's doing, not a timeout of
+    # the provider's.
+    fake.enqueue(Fault.NO_RESPONSE)
+    short = preset("failure-domain").model_copy(update={"streaming": StreamingPolicy(
+        read_timeout_s=2.0)})
+    caught: list[BaseException] = []
+    with Ledger.open(db_url) as led:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, policy=short) as run:
+
+            def work() -> None:
+                try:
+                    run.turn(HELLO)
+                except BaseException as e:  # what the turn raised, read below
+                    caught.append(e)
+
+            worker = threading.Thread(target=work)
+            worker.start()
+            while not fake.requests:
+                threading.Event().wait(0.005)
+        worker.join(30)
+        [err] = caught
+        assert isinstance(err, InvalidState), repr(err)
+        [receipt] = led.events("r", ["late_receipt"])
+        _closed_under_it(receipt)
 
 
 class _Misconfigured(RuntimeError):
