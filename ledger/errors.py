@@ -280,7 +280,12 @@ class LeaseLost(FencedOut):
 
 
 class LeaseHeld(LedgerError):
-    """Another executor holds an unexpired lease on the run."""
+    """Another executor holds an unexpired lease on the run.
+
+    ``holder`` and ``expires_at`` name the lease. Entering a Run session is refused so too when
+    a session of the same Run is open on this ledger (``problem="session_open"``, ``holder``
+    this ledger's executor): the two would share one lease.
+    """
 
 
 class Refused(LedgerError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, Unpack, cast
@@ -212,9 +213,17 @@ class Face(Generic[SessionT, OpenedT]):
         # once the Attempt exists, so a settle of an Attempt begun here reads nothing first.
         # Kept until the Attempt is settled here, or its Run's last session exits.
         self._begun: Lru[str, tuple[str, str, str | None, float]] = Lru(4096)
-        # How many Run sessions of each Run are open on this ledger: one process may hold two
-        # of one Run at once (its own live lease is taken again), and the first to exit must
-        # not drop what the other still reads.
+        # The Run sessions open (or entering) on this ledger, by Run id: a second session of
+        # one Run would get this executor's own lease back under the same fence, and the
+        # first to leave would end the Run under the other (ledger.api.session). Weak: a
+        # session dropped without leaving its block does not keep its Run refused. Shared
+        # with an AsyncLedger over this ledger (its ``sync``), whose executor id is the same.
+        self._open_sessions: weakref.WeakValueDictionary[str, Any] = \
+            weakref.WeakValueDictionary()
+        self._open_sessions_lock = threading.Lock()  # sessions entered on several threads
+        # How many Run sessions of each Run hold its cached entries (entering, open or leaving):
+        # the last to let go drops them (one is open at a time, _open_sessions below, but an
+        # entry refused as a second session holds and lets go too).
         self._sessions: dict[str, int] = {}
         self._sessions_lock = threading.Lock()
 
@@ -343,6 +352,10 @@ class Face(Generic[SessionT, OpenedT]):
                 out of range, an ``adapter`` of the other kind, ``secrets`` with ``adapter``;
                 on entering, a route whose key cannot be resolved (nothing is recorded), and
                 the errors of :meth:`admit_run` and :meth:`acquire_lease`.
+            LeaseHeld: (entering) besides another executor's live lease, a session of the
+                same Run open on this ledger (``fields["problem"] == "session_open"``): one
+                session per Run per ledger at a time; share it between threads or tasks, or
+                leave its block first. Nothing is recorded.
 
         Example:
             >>> with led.run("task-1", plan=routes, budget=budget) as run:  # doctest: +SKIP

@@ -9,6 +9,12 @@
             answer = search(call.arguments)           # the host runs its tool
             parts.append(run.tool_result(call, answer))
 
+One session per Run per ledger at a time: a session's turns may run at once, so threads and tasks
+share the open session; entering a second session of the Run on the same ledger while one is open
+is refused with :class:`~ledger.errors.LeaseHeld` (``problem="session_open"``), recording
+nothing (both would hold the executor's one lease, and the first to leave would end the Run under
+the other's turns). Leaving the block, or an entry that raised, frees the Run id.
+
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
 renewed in the background (an entry that raises after that gives the lease back, whatever it
@@ -418,21 +424,60 @@ class _SessionCore:
         return self._keeper.lease  # type: ignore[no-any-return]
 
     def _enter(self) -> None:
+        """Claim the Run id on this ledger for this session, or refuse (writing nothing).
+
+        A second session of the Run on this ledger would get the first one's lease back from
+        ``acquire_lease`` (this executor's own, under the same fence): its exit would know
+        only its own turns, so whichever left first would end the Run, or give up its lease,
+        under the other's turns. The claim lasts until the block is left (or its entry
+        raised); a session dropped without leaving does not keep it (the registry is weak).
+        """
         if self._state != "new":
             raise InvalidState("a Run session is entered once; open a new one with "
                                "ledger.run(...)", run_id=self.run_id)
-        self.ledger._hold(self.run_id)
+        led = self.ledger
+        with led._open_sessions_lock:
+            other = led._open_sessions.get(self.run_id)
+            if other is self:
+                # Entered twice at once (two tasks awaiting one session's entry).
+                raise InvalidState("a Run session is entered once; share the session the "
+                                   "first entry opens", run_id=self.run_id)
+            if other is not None:
+                keeper = other._keeper
+                raise LeaseHeld(
+                    f"run {self.run_id!r} already has a Run session open on this ledger "
+                    f"(executor {led.executor_id!r}; entered, its block not yet left): a "
+                    "second session would share its lease, and the first to leave would end "
+                    "the Run under the other's turns. Use the open session: its turns may run "
+                    "at once, and threads or tasks can share it; or leave its block first, "
+                    "then open a new one",
+                    run_id=self.run_id, holder=led.executor_id,
+                    expires_at=None if keeper is None else keeper.lease.expires_at,
+                    problem="session_open")
+            led._open_sessions[self.run_id] = self
+        led._hold(self.run_id)
         self._held = True
 
     def _let_go(self) -> None:
         """The session is over (exited, or its entry raised): let go of the Run's cache entries.
 
-        The ledger drops them once no other session of the Run is open on it
+        The ledger drops them once no other session of the Run holds them
         (:meth:`~ledger.api.face.Face._let_go`).
         """
         if self._held:
             self._held = False
             self.ledger._let_go(self.run_id)
+
+    def _free(self) -> None:
+        """Give up this session's claim on its Run id and its hold on the Run's cached entries.
+
+        The claim (see :meth:`_enter`) only if this session holds it.
+        """
+        self._let_go()
+        led = self.ledger
+        with led._open_sessions_lock:
+            if led._open_sessions.get(self.run_id) is self:
+                del led._open_sessions[self.run_id]
 
     @checked
     def child(self, child_id: NewId, *, budget: BudgetArg, plan: Sequence[Route] | None = None,
@@ -630,7 +675,10 @@ class RunSession(_SessionCore):
             a route's key cannot be resolved (the route, the variable, the fix; nothing is
             recorded), or an admission argument is wrong (see :meth:`Ledger.admit_run`).
         AdmissionConflict: (entering) the run id was admitted with other content.
-        LeaseHeld: (entering) another live executor holds the Run.
+        LeaseHeld: (entering) another live executor holds the Run; or another session of the
+            Run is open on this ledger (``fields["problem"] == "session_open"``; entered, its
+            block not yet left): share that session between threads or tasks, or leave its
+            block first. Nothing is recorded then.
         InvalidState: (entering) the session was entered before, or the Run was closed
             (:meth:`Ledger.close_run`): a closed Run is never resumed (nothing is written).
         FencedOut: (leaving) the block succeeded but the Run was taken over, so it could not
@@ -665,17 +713,19 @@ class RunSession(_SessionCore):
     # -- the block -------------------------------------------------------------------------
 
     def __enter__(self) -> RunSession:
-        from ledger.api.lease import LeaseKeeper
-
         self._enter()
         try:
-            # Admission checks every route's key first, with the provider this session sends
-            # with.
-            self.record = self.ledger.admit_run(
-                self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
+            return self._open()
         except BaseException:
-            self._let_go()
+            self._free()  # after the give-back: the Run's lease is no longer this session's
             raise
+
+    def _open(self) -> RunSession:
+        from ledger.api.lease import LeaseKeeper
+
+        # Admission checks every route's key first, with the provider this session sends with.
+        self.record = self.ledger.admit_run(
+            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
         # No exit runs for an entry that raised: whatever it took is given back here, or the
         # lease would refuse the Run to every other executor until it lapsed.
         lease: Lease | None = None
@@ -688,10 +738,7 @@ class RunSession(_SessionCore):
 
                 self._adapter = SyncAdapter(secrets=self._secrets)
         except BaseException as e:
-            try:
-                self._give_back(lease, e, made)
-            finally:
-                self._let_go()
+            self._give_back(lease, e, made)
             raise
         self._state = "open"
         return self
@@ -734,7 +781,9 @@ class RunSession(_SessionCore):
         try:
             self._finish(exc)
         finally:
-            self._let_go()
+            # Once the finish and release were written (or remembered): a new session of
+            # the Run entering earlier would be handed the lease this exit releases.
+            self._free()
             if self._owns_adapter and self._adapter is not None:
                 self._adapter.close()
 
@@ -966,23 +1015,25 @@ class AsyncRunSession(_SessionCore):
         return ledger.lease_margin_s, "HttpAdapter"
 
     async def __aenter__(self) -> AsyncRunSession:
-        from ledger.api.lease import AsyncLeaseKeeper
-
         if "ledger.adapters" not in sys.modules:
             # The first import of the adapters (httpx, the protocols) takes some 0.2 s: off the
             # event loop, which the session must never hold up.
             await self.ledger._store.workers.call(importlib.import_module, "ledger.adapters")
         self._enter()
         try:
-            self.record = await self.ledger.admit_run(
-                self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
-            # Read now, awaited: child() and the turns then find the frozen Run in the cache.
-            # Read before the lease is taken: an entry that fails holds nothing (no exit will
-            # run).
-            await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
+            return await self._open()
         except BaseException:
-            self._let_go()
+            self._free()  # after the give-back (see RunSession.__enter__)
             raise
+
+    async def _open(self) -> AsyncRunSession:
+        from ledger.api.lease import AsyncLeaseKeeper
+
+        self.record = await self.ledger.admit_run(
+            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
+        # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
+        # before the lease is taken: an entry that fails holds nothing (no exit will run).
+        await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
         # No exit runs for an entry that raised: whatever it took is given back here, or the
         # lease would refuse the Run to every other executor until it lapsed.
         lease: Lease | None = None
@@ -1006,10 +1057,7 @@ class AsyncRunSession(_SessionCore):
 
                 self._adapter = HttpAdapter(secrets=self._secrets)
         except BaseException as e:
-            try:
-                await self._give_back(lease, e, made, refused)
-            finally:
-                self._let_go()
+            await self._give_back(lease, e, made, refused)
             raise
         self._state = "open"
         return self
@@ -1056,7 +1104,7 @@ class AsyncRunSession(_SessionCore):
             if cancelled is not None:
                 raise cancelled
         finally:
-            self._let_go()
+            self._free()  # the finish has ended (outlasted): see RunSession.__exit__
             if self._owns_adapter and self._adapter is not None:
                 await self._adapter.aclose()
 
