@@ -430,10 +430,6 @@ class Face(Generic[SessionT, OpenedT]):
         plan = resolve_prices(plan, cast(Budget, admission["budget"]), at=self.now(),
                               inherited=prec.plan if prec is not None else ())
         # A Child given no policy inherits its parent's; a root Run's None is the default preset.
-        # A Child naming the preset its parent was frozen under inherits it too: the parent's
-        # frozen copy, which a later version of the library may have changed since.
-        if prec is not None and (yield from self._same_preset(prec.run_id, policy)):
-            policy = None
         inherit = policy is None and prec is not None
         parent_policy = (yield from self._policy(prec.run_id)) if prec is not None else None
         pol, grant = admission_terms(
