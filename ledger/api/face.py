@@ -448,13 +448,11 @@ class Face(Generic[SessionT, OpenedT]):
         try:
             rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
         except AdmissionConflict as e:
-            if inherit or e.differing != ["policy_hash"] or not (
-                    policy is None or (yield from self._same_preset(run_id, policy))):
+            if policy is not None or inherit or e.differing != ["policy_hash"]:
                 raise
-            # No policy was asked for, or a preset by the name the Run was frozen under: a Run
-            # admitted before keeps the policy it was frozen with (invariant 5). A preset's hash
-            # moves when a version of the library adds a policy field or changes the preset's
-            # tables, and a Run admitted by the version before is continued.
+            # No policy was asked for: a Run admitted before keeps the one it was frozen with
+            # (invariant 5). The default preset's hash moves when a version of the library
+            # adds a policy field, and a Run admitted by the version before is continued.
             rec = yield from blocking(lambda: self._runs.get_run(run_id))
         return rec
 
@@ -509,18 +507,6 @@ class Face(Generic[SessionT, OpenedT]):
         from ledger.policy.load import own_copy
 
         return own_copy((yield from self._policy(run_id)))
-
-    def _same_preset(self, run_id: str, policy: object) -> Flow[bool]:
-        """Whether ``policy`` names a preset and the Run was frozen under that preset's name.
-
-        A file or a mapping is the caller's own content and stays other content: only the
-        library's presets change under a Run between versions.
-        """
-        from ledger.policy import PRESETS
-
-        if not (isinstance(policy, str) and policy in PRESETS):
-            return False
-        return bool((yield from self._frozen(run_id)).policy.get("name") == policy)
 
     def _policy(self, run_id: str) -> Flow[Policy]:
         """:meth:`run_policy`, for a ``run_id`` already checked: shared, never to be changed."""
