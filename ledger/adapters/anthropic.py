@@ -316,7 +316,7 @@ class AnthropicCodec(Codec):
             elif kind in _THINKING_KEYS:
                 # Reasoning, not answer text: carried back to this route on the next turn.
                 _thinking(reply, block, f"content[{j}]")
-            # other block types (server tools' results, ...) are not the host's answer
+            # other block types (server tools' calls and results, ...) are not the host's answer
         reply.text = "".join(text)
         reply.tool_calls = calls
         reply.usage = _usage(obj.get("usage"))
@@ -368,6 +368,10 @@ class _AnthropicStream(StreamState):
                     self.content_seen = True
                     self.text_parts.append(text)
                     out.append(TextDelta(text))
+            else:
+                # Anything else (server_tool_use, mcp_tool_use, web_search_tool_result,
+                # mcp_tool_result, a type added later) is a tool the provider runs itself.
+                self.provider_ran = True
         elif kind == "content_block_delta":
             index = self._index(data)
             delta = require_object(data.get("delta"), "content_block_delta.delta")

@@ -359,6 +359,7 @@ class _Call:
     delivered: list[str] = field(default_factory=list)  # text delivered to the caller
     delivered_any: bool = False  # text or a proposal reached the caller
     effective_output: bool = False
+    provider_ran: bool = False  # the provider ran something for the request (a hosted tool)
     usage: Usage | None = None
     model: str | None = None
     notes: tuple[str, ...] = ()  # what the codec left out of the request, and why
@@ -879,6 +880,9 @@ class HttpAdapter:
             transport=transport,
             phase=phase,
             effective_output=call.effective_output,
+            # A tool the provider ran (a hosted MCP call, a web search) would run again on any
+            # resubmission, as a host tool would: the same stop, under every policy (inv. 9).
+            tool_started=call.provider_ran,
             # The provider took the request and ran it: whatever failed after a 2xx status
             # may be billed, reported usage or not.
             accepted=call.status is not None and 200 <= call.status < 300,
@@ -1086,6 +1090,7 @@ class HttpAdapter:
             offered_calls(reply.tool_calls, call.offers_tools)
         except ProviderErrorPayload as exc:
             call.usage, call.model = exc.usage or call.usage, exc.model or call.model
+            call.provider_ran = exc.provider_ran
             return (yield from self._fail(
                 call,
                 transport=None,
@@ -1097,6 +1102,7 @@ class HttpAdapter:
             if isinstance(exc, MalformedPayload):
                 # An answer refused whole may still say what it cost and who answered.
                 call.usage, call.model = exc.usage or call.usage, exc.model or call.model
+                call.provider_ran = exc.provider_ran
             return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
@@ -1166,6 +1172,7 @@ class HttpAdapter:
                                   call.offers_tools)
                 except ProviderErrorPayload as exc:
                     self._absorb(call, state)
+                    call.provider_ran = call.provider_ran or exc.provider_ran
                     # What the error itself reported (Gemini's blocked prompt carries its
                     # usage), as for a whole body.
                     call.usage, call.model = exc.usage or call.usage, exc.model or call.model
@@ -1174,9 +1181,12 @@ class HttpAdapter:
                     # before any content: no answer was begun, shown or buffered, and the
                     # provider refused the request as an error status would have (Anthropic
                     # sends an in-stream overloaded_error where a 529 would say the same).
-                    # Only an error that broke off an answer under way leaves it mid-stream.
+                    # A hosted tool the provider ran is an answer begun, though nothing of
+                    # it is the host's content. Only an error that broke off an answer under
+                    # way leaves it mid-stream.
                     verdict = exc.final or not (
-                        state.content_seen or call.delivered_any or call.effective_output)
+                        state.content_seen or state.provider_ran or call.delivered_any
+                        or call.effective_output)
                     return (yield from self._fail(
                         call,
                         transport=None,
@@ -1289,3 +1299,4 @@ class HttpAdapter:
         # A failed stream still reports the usage and model it saw: they may be billed.
         call.usage = state.usage
         call.model = state.model
+        call.provider_ran = call.provider_ran or state.provider_ran

@@ -211,14 +211,17 @@ class MalformedPayload(ValueError):
     ``final``: in a stream, raised on the answer's own completion, so the whole answer is
     known and refused as the same whole body is (phase ``after_headers``), not as a stream
     that broke off (``mid_stream``, whose execution is unknown).
+    ``provider_ran``: the refused answer shows the provider already ran something on the
+    request's behalf (:attr:`StreamState.provider_ran`), so it is never sent again.
     """
 
     def __init__(self, message: str, *, usage: Usage | None = None, model: str | None = None,
-                 final: bool = False) -> None:
+                 final: bool = False, provider_ran: bool = False) -> None:
         super().__init__(message)
         self.usage = usage
         self.model = model
         self.final = final
+        self.provider_ran = provider_ran
 
 
 #: The most tool calls one answer may propose; one more makes the answer ``malformed_event``.
@@ -271,17 +274,25 @@ class ProviderErrorPayload(Exception):
     observed as the same whole body is (phase ``after_headers``), not as a stream that broke
     off (``mid_stream``, which no policy resubmits unless it resubmits unknown executions).
     An error event that comes before any content is observed as a verdict too (``after_headers``,
-    as the error status it stands for), whatever ``final`` says: no answer was begun.
+    as the error status it stands for), whatever ``final`` says: no answer was begun. One that
+    comes after the provider ran something for the request (a hosted tool's call or result:
+    :attr:`StreamState.provider_ran`) is not: an answer was under way (``mid_stream``).
     Whether its text reached the caller is ``effective_output``'s to say, as for any failure.
+
+    ``provider_ran``: the failed answer itself shows the provider already ran something on the
+    request's behalf (a failed Responses response whose ``output`` holds an ``mcp_call``): the
+    failure is observed with ``tool_started``, which no policy sends again (invariant 9).
     """
 
     def __init__(self, message: str, body: str, *, usage: Usage | None = None,
-                 model: str | None = None, final: bool = False) -> None:
+                 model: str | None = None, final: bool = False,
+                 provider_ran: bool = False) -> None:
         super().__init__(message)
         self.body = body
         self.usage = usage
         self.model = model
         self.final = final
+        self.provider_ran = provider_ran
 
 
 def error_extras(obj: Mapping[str, Any], usage_of: Callable[[Any], Usage | None],
@@ -394,6 +405,12 @@ class StreamState(ABC):
         self.terminated = False  # the protocol's terminator arrived
         self.completed = False  # the protocol's completion signal arrived
         self.content_seen = False  # any text or tool-call fragment (stops the first-token clock)
+        # The provider ran something on the request's behalf: any output item or block other
+        # than text, reasoning and the host's own tool calls (a hosted MCP call, a web search,
+        # executed code). Decided by exclusion, so a hosted tool type added later counts too.
+        # A failure after it is observed with ``tool_started``: sending the request again, on
+        # any route, would run that tool again (invariant 9).
+        self.provider_ran = False
 
     @abstractmethod
     def feed(self, event: SSEEvent) -> list[StreamEvent]:

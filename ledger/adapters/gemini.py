@@ -358,6 +358,7 @@ class _Chunk:
         if "error" in obj and "candidates" not in obj:
             raise _error(obj)
         self.obj = obj
+        self.provider_ran = False  # a part or metadata of a tool Gemini ran itself
 
     def apply(self, reply: Reply, out: list[StreamEvent], *, whole: bool) -> bool:
         """Fold the chunk into ``reply``; append events to ``out``; True if content arrived."""
@@ -383,6 +384,8 @@ class _Chunk:
             raise MalformedPayload("candidates is not a list")
         cand = require_object(candidates[0], "candidates[0]")
         content_seen = False
+        if _GROUNDING_KEYS & cand.keys():
+            self.provider_ran = True  # it searched (Google Search, URL context) for the answer
         content = cand.get("content")
         parts = require_object(content, "candidate.content").get("parts") if content else []
         if parts is None:
@@ -392,6 +395,9 @@ class _Chunk:
         for j, raw in enumerate(parts):
             part = require_object(raw, f"parts[{j}]")
             where = f"candidates[0].content.parts[{j}]"
+            if part.keys() - _HOSTS_PART_KEYS:
+                # executableCode, codeExecutionResult, a tool part added later: Gemini ran it.
+                self.provider_ran = True
             signature = part.get(_SIGNATURE, part.get("thought_signature"))
             if signature is not None and (not isinstance(signature, str) or not signature):
                 raise MalformedPayload(f"{where}.thoughtSignature is not a signature text")
@@ -440,11 +446,22 @@ class _Chunk:
                 # reason after some text is that text (a success whose finish_reason says so).
                 raise ProviderErrorPayload(
                     f"answer blocked: finishReason={finish}", json.dumps(obj),
-                    usage=reply.usage, model=reply.model, final=True)
+                    usage=reply.usage, model=reply.model, final=True,
+                    provider_ran=self.provider_ran)
         return content_seen
 
 
 _MEDIA_KEYS = frozenset({"inlineData", "inline_data", "fileData", "file_data"})
+#: The keys of the parts that are the host's (text, thoughts, media, its own tools' calls) and
+#: their metadata: a part with any other key (executableCode, codeExecutionResult, a tool part
+#: added later) is something Gemini ran for the request, so the request is never sent again.
+_HOSTS_PART_KEYS = _MEDIA_KEYS | frozenset({
+    "text", "thought", _SIGNATURE, "thought_signature", "functionCall", "function_call",
+    "videoMetadata", "video_metadata", "partMetadata", "part_metadata", "mediaResolution",
+    "media_resolution"})
+#: Candidate metadata that says Gemini ran a search or fetched pages for the answer.
+_GROUNDING_KEYS = frozenset({"groundingMetadata", "grounding_metadata", "urlContextMetadata",
+                             "url_context_metadata"})
 # The finishReasons by which Gemini withholds an answer for its content (FinishReason).
 _BLOCKED = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII",
                       "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION"})
@@ -477,8 +494,12 @@ class _GeminiStream(StreamState):
 
     def feed(self, event: SSEEvent) -> list[StreamEvent]:
         out: list[StreamEvent] = []
-        if _Chunk(parse_json_event(event)).apply(self._reply, out, whole=False):
-            self.content_seen = True
+        chunk = _Chunk(parse_json_event(event))
+        try:
+            if chunk.apply(self._reply, out, whole=False):
+                self.content_seen = True
+        finally:
+            self.provider_ran = self.provider_ran or chunk.provider_ran
         r = self._reply
         self.usage, self.model = r.usage, r.model
         if r.finish_reason:

@@ -171,6 +171,21 @@ def _ended_badly(response: dict[str, Any]) -> ProviderErrorPayload | None:
     return None
 
 
+#: The output items that are the host's (text, reasoning, its own tools' calls): any other
+#: item is one the provider ran for the request (mcp_call, web_search_call, file_search_call,
+#: code_interpreter_call, image_generation_call, a type added later), so it is never sent again.
+_HOSTS_ITEMS = frozenset({"message", "reasoning", "function_call", "custom_tool_call"})
+
+
+def _provider_ran(item: Any) -> bool:
+    """Whether an output item is one the provider ran (by exclusion: safe for new types)."""
+    return isinstance(item, dict) and item.get("type") not in _HOSTS_ITEMS
+
+
+def _ran_any(output: Any) -> bool:
+    return isinstance(output, list) and any(_provider_ran(item) for item in output)
+
+
 def _reasoning(item: dict[str, Any]) -> dict[str, Any] | None:
     """A reasoning output item as it is carried back (``None``: it cannot be, unencrypted)."""
     if not isinstance(item.get("encrypted_content"), str) or not item["encrypted_content"]:
@@ -358,15 +373,29 @@ class OpenAIResponsesCodec(Codec):
             # A failed response is billed, and the model it names is the one that answered.
             err.usage, err.model = error_extras(obj, _usage)
             raise err
-        bad = _ended_badly(obj)
+        try:
+            bad = _ended_badly(obj)
+        except MalformedPayload as exc:
+            exc.provider_ran = _ran_any(obj.get("output"))
+            raise
         if bad is not None:
             # A failed or incomplete response is billed: its usage stays on the result.
             bad.usage = _usage(obj.get("usage"))
             bad.model = optional_str(obj.get("model"), "model")
+            # A hosted tool it ran before it failed (an mcp_call) is never run again.
+            bad.provider_ran = _ran_any(obj.get("output"))
             raise bad
         output = obj.get("output")
         if not isinstance(output, list):
             raise MalformedPayload("output is missing or not a list")
+        try:
+            return self._output(obj, output)
+        except MalformedPayload as exc:
+            exc.provider_ran = exc.provider_ran or _ran_any(output)
+            raise
+
+    @staticmethod
+    def _output(obj: dict[str, Any], output: list[Any]) -> Reply:
         reply = Reply(usage=_usage(obj.get("usage")), model=optional_str(obj.get("model"), "model"),
                       finish_reason=optional_str(obj.get("status"), "status"))
         text: list[str] = []
@@ -448,6 +477,7 @@ class _ResponsesStream(StreamState):
                     {"code": None, "message": f"{kind} without a status"}, status=kind[9:])
                 # The whole response with its final status: the same verdict as the body.
                 bad.final = True
+                bad.provider_ran = self.provider_ran or _ran_any(response.get("output"))
                 raise bad
         elif kind in ("response.output_text.delta", "response.refusal.delta"):
             text = optional_str(data.get("delta"), f"{kind}.delta") or ""
@@ -457,6 +487,8 @@ class _ResponsesStream(StreamState):
                 out.append(TextDelta(text))
         elif kind == "response.output_item.added":
             item = require_object(data.get("item"), "output_item.added.item")
+            # Added is when the provider starts running it: whatever follows, it may have run.
+            self.provider_ran = self.provider_ran or _provider_ran(item)
             if item.get("type") == "custom_tool_call":
                 # Refused on completion, so the whole answer (and its usage) is known.
                 self._custom = self._custom or (item, _where(data))
@@ -477,6 +509,7 @@ class _ResponsesStream(StreamState):
             slot[1] = optional_str(data.get("name"), f"{kind}.name") or slot[1]
         elif kind == "response.output_item.done":
             item = require_object(data.get("item"), "output_item.done.item")
+            self.provider_ran = self.provider_ran or _provider_ran(item)
             if item.get("type") == "function_call":
                 iid = self._item_id(item, data)
                 slot = self._calls.setdefault(iid, [None, None, [], None])
