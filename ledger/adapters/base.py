@@ -987,10 +987,12 @@ class HttpAdapter:
             # Closed here, under the call (HttpAdapter.aclose, SyncAdapter.close, a Run
             # session's block left while its turn was in flight): whatever the socket raised
             # then is our own doing, not the provider's, so it is no evidence against the route.
+            # The transport kind stays: an answer cut by our close, as by the caller's own
+            # cancellation, is unknown (the provider may go on and bill), its hold kept.
             message = (f"the adapter's client was closed while this call was in flight (the "
                        f"adapter closed, or the Run session's block left under its turn): a "
                        f"local cancellation, not the provider's ({message})")
-            return (yield from self._fail(call, transport=None, phase=phase, message=message,
+            return (yield from self._fail(call, transport=kind, phase=phase, message=message,
                                           closed=True))
         if isinstance(exc, httpx.ProxyError) and phase is Phase.BEFORE_SEND:
             message = (f"the proxy refused the tunnel (CONNECT) to the provider, so nothing was "
