@@ -410,7 +410,8 @@ class ClientRegistry:
             ``SSL_CERT_DIR`` (as httpx does) instead of certifi's.
 
     Raises:
-        InvalidArgument: ``proxy`` is not an ``http://`` or ``https://`` URL.
+        InvalidArgument: ``proxy`` is not an ``http://`` or ``https://`` URL, or ``verify`` is
+            not ``True``, ``False`` or an ``SSLContext``.
     """
 
     def __init__(
@@ -422,6 +423,13 @@ class ClientRegistry:
         proxy: str | None = None,
         trust_env: bool = True,
     ) -> None:
+        if not isinstance(verify, bool | ssl.SSLContext):
+            # The process shares one TLS context per configuration: a CA bundle's path given
+            # here would have been built under the default's key and served to every client.
+            raise InvalidArgument(
+                f"verify is True, False or an ssl.SSLContext (got {type(verify).__name__}); for "
+                "a bundle of certificate authorities pass "
+                "ssl.create_default_context(cafile=path)", field="verify")
         self._verify = verify
         self._proxy = None if proxy is None else _proxy(proxy, "proxy")
         self._trust_env = trust_env

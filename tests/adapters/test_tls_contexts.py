@@ -151,3 +151,14 @@ def test_two_tls_settings_build_two_contexts_each_once(
     asyncio.run(main())
     a, b = builds.contexts
     assert a is not b
+
+
+def test_a_ca_bundle_path_as_verify_is_refused_not_shared_as_the_default_context() -> None:
+    # The process shares one TLS context per configuration; a path would have been built and
+    # kept under the default's key, so every later verify=True client trusted only that CA.
+    from ledger.adapters.transport import ClientRegistry
+    from ledger.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as got:
+        ClientRegistry(verify="/etc/ssl/private-ca.pem")  # type: ignore[arg-type]
+    assert got.value.field == "verify" and "cafile" in str(got.value)
