@@ -96,6 +96,10 @@ ANTHROPIC_VERSION = "2023-06-01"
 # (the API verifies them unchanged: nothing is added).
 _THINKING_KEYS = {"thinking": ("type", "thinking", "signature"),
                   "redacted_thinking": ("type", "data")}
+# The blocks that are the host's: its answer's text, its own tools' calls, the reasoning. Any
+# other (server_tool_use, mcp_tool_use, their results, a type added later) is a tool the
+# provider ran itself.
+_HOSTS_BLOCKS = frozenset({"text", "tool_use", *_THINKING_KEYS})
 
 
 def _thinking(into: Reply | StreamState, block: dict[str, Any], where: str) -> None:
@@ -295,6 +299,19 @@ class AnthropicCodec(Codec):
         content = obj.get("content")
         if not isinstance(content, list):
             raise MalformedPayload("content is not a list")
+        # Any block but text, the host's tool calls and thinking is a tool the provider ran
+        # itself (an MCP call, a web search, their results): known before any refusal below.
+        ran = any(isinstance(b, dict) and b.get("type") not in _HOSTS_BLOCKS for b in content)
+        try:
+            reply = self._reply(obj, content)
+        except MalformedPayload as exc:
+            exc.provider_ran = exc.provider_ran or ran
+            raise
+        reply.provider_ran = ran
+        return reply
+
+    @staticmethod
+    def _reply(obj: dict[str, Any], content: list[Any]) -> Reply:
         text: list[str] = []
         calls: list[ToolCall] = []
         reply = Reply()

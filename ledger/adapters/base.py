@@ -1089,10 +1089,13 @@ class HttpAdapter:
     def _parsed_reply(self, call: _Call, data: Any, raw: bytes) -> Exchange[AdapterResult]:
         try:
             reply = call.codec.parse_reply(data)
+            # Kept before the checks below: a refusal of the parsed answer is a failure after
+            # whatever the provider ran (invariant 9).
+            call.provider_ran = call.provider_ran or reply.provider_ran
             offered_calls(reply.tool_calls, call.offers_tools)
         except ProviderErrorPayload as exc:
             call.usage, call.model = exc.usage or call.usage, exc.model or call.model
-            call.provider_ran = exc.provider_ran
+            call.provider_ran = call.provider_ran or exc.provider_ran
             return (yield from self._fail(
                 call,
                 transport=None,
@@ -1104,7 +1107,7 @@ class HttpAdapter:
             if isinstance(exc, MalformedPayload):
                 # An answer refused whole may still say what it cost and who answered.
                 call.usage, call.model = exc.usage or call.usage, exc.model or call.model
-                call.provider_ran = exc.provider_ran
+                call.provider_ran = call.provider_ran or exc.provider_ran
             return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
@@ -1283,6 +1286,7 @@ class HttpAdapter:
         try:
             final = state.end()
             reply = state.reply()
+            call.provider_ran = call.provider_ran or state.provider_ran or reply.provider_ran
             offered_calls(reply.tool_calls, call.offers_tools)
         except _BAD_PAYLOAD as exc:
             self._absorb(call, state)

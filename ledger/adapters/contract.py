@@ -200,6 +200,9 @@ class Reply:
     reasoning: list[dict[str, Any]] = field(default_factory=list)
     media: list[OutputMedia] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The provider ran something of its own for the request (a hosted tool): a failure found
+    # after parsing (an answer no caller could store) is never sent again either.
+    provider_ran: bool = False
 
 
 class MalformedPayload(ValueError):

@@ -343,7 +343,14 @@ class GeminiCodec(Codec):
         """A ``GenerateContentResponse`` body; an error object raises."""
         obj = require_object(data, "response body")
         reply = Reply()
-        _Chunk(obj).apply(reply, [], whole=True)
+        chunk = _Chunk(obj)
+        try:
+            chunk.apply(reply, [], whole=True)
+        except (MalformedPayload, ProviderErrorPayload) as exc:
+            # Refused after a tool Gemini ran (executed code): never sent again (invariant 9).
+            exc.provider_ran = exc.provider_ran or chunk.provider_ran
+            raise
+        reply.provider_ran = chunk.provider_ran
         return reply
 
     def new_stream(self) -> StreamState:

@@ -389,10 +389,12 @@ class OpenAIResponsesCodec(Codec):
         if not isinstance(output, list):
             raise MalformedPayload("output is missing or not a list")
         try:
-            return self._output(obj, output)
+            reply = self._output(obj, output)
         except MalformedPayload as exc:
             exc.provider_ran = exc.provider_ran or _ran_any(output)
             raise
+        reply.provider_ran = _ran_any(output)
+        return reply
 
     @staticmethod
     def _output(obj: dict[str, Any], output: list[Any]) -> Reply:

@@ -94,6 +94,39 @@ RAN = {
         _GEMINI_UNAVAILABLE)),
 }
 
+# (protocol, streamed, the primary's answer): a tool the provider ran, then an answer the
+# adapter refuses once parsed (a host tool call without a name, text no caller can store):
+# a `format` failure, which `fased` moves on from, unless a tool already ran.
+REFUSED = {
+    "anthropic-whole-mcp-then-unnamed-tool-call": ("anthropic", False, whole({
+        "id": "m1", "type": "message", "role": "assistant", "model": "claude-x", "content": [
+            {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "create_ticket",
+             "server_name": "tracker", "input": {}},
+            {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "is_error": False,
+             "content": [{"type": "text", "text": "ticket 42 created"}]},
+            {"type": "tool_use", "id": "toolu_1", "input": {}}],
+        "stop_reason": "tool_use", "usage": {"input_tokens": 10, "output_tokens": 3}})),
+    "gemini-whole-code-then-unnamed-call": ("gemini", False, whole({
+        "candidates": [{"content": {"role": "model", "parts": [
+            {"executableCode": {"language": "PYTHON", "code": "print(open_ticket())"}},
+            {"codeExecutionResult": {"outcome": "OUTCOME_OK", "output": "ticket 42"}},
+            {"functionCall": {"args": {}}}]}, "finishReason": "STOP"}],
+        "modelVersion": "gemini-x"})),
+    "responses-whole-mcp-then-lone-surrogate": ("openai_responses", False, whole({
+        "id": "r1", "object": "response", "model": "gpt-x", "status": "completed",
+        "output": [_MCP_DONE, {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "done \ud83d"}]}],
+        "usage": {"input_tokens": 10, "output_tokens": 3, "total_tokens": 13}})),
+    "responses-stream-mcp-then-lone-surrogate": ("openai_responses", True, sse(
+        _CREATED, *_item(0, _MCP_CALL, _MCP_DONE),
+        ("response.output_text.delta", {"type": "response.output_text.delta",
+                                        "output_index": 1, "content_index": 0,
+                                        "item_id": "msg_1", "delta": "done \ud83d"}),
+        ("response.completed", {"type": "response.completed", "response": {
+            "id": "r1", "model": "gpt-x", "status": "completed", "output": [_MCP_DONE],
+            "usage": {"input_tokens": 10, "output_tokens": 3, "total_tokens": 13}}}))),
+}
+
 # The controls: nothing of the provider's own tools ran, so the verdict moves on as before.
 CLEAN = {
     "anthropic-overloaded-first": ("anthropic", sse(_MESSAGE_START, _OVERLOADED)),
@@ -210,3 +243,16 @@ def test_an_error_before_any_hosted_tool_ran_is_still_a_verdict_that_moves_on(
         Phase.AFTER_HEADERS, False, False)
     assert (second.route_id, second.state) == ("backup", AttemptState.SUCCEEDED)
     assert len(fakes[1].requests) == 1
+
+
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_invariant9_an_answer_refused_after_a_hosted_tool_ran_is_never_sent_again(
+        db_url: str, fakes: tuple[FakeProvider, FakeProvider], case: str, driver: str) -> None:
+    """Whole or streamed, refused while parsed or once parsed: the tool that ran is known."""
+    protocol, stream, raw = REFUSED[case]
+    attempts, raised = _turn(db_url, fakes, protocol, stream, raw, driver, policy="fased")
+    [att] = attempts
+    assert att.tool_started and att.fact is not None and att.fact.tool_started
+    assert isinstance(raised, FailoverExhausted) and raised.reason == "output_exists"
+    assert fakes[1].requests == [] and len(fakes[0].requests) == 1
