@@ -222,8 +222,8 @@ class Face(Generic[SessionT, OpenedT]):
             weakref.WeakValueDictionary()
         self._open_sessions_lock = threading.Lock()  # sessions entered on several threads
         # How many Run sessions of each Run hold its cached entries (entering, open or leaving):
-        # the last to let go drops them (one is open at a time, _open_sessions below, but an
-        # entry refused as a second session holds and lets go too).
+        # the last to let go drops them. One is open at a time (_open_sessions above): an
+        # entry refused as a second session holds nothing.
         self._sessions: dict[str, int] = {}
         self._sessions_lock = threading.Lock()
 
