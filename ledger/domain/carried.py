@@ -158,17 +158,18 @@ def json_object(content: str) -> dict[str, Any] | None:
 _MEMO_CHARS = 16 * 1024
 
 
-@functools.lru_cache(maxsize=1024)
-def _remembered_arguments(content: str) -> str | None:
+def _problem_of(content: str) -> str | None:
+    """What is wrong with a tool call's arguments (:func:`_read_arguments`), or ``None``."""
     value = _read_arguments(content)
     return value if isinstance(value, str) else None
+
+
+_remembered_arguments = functools.lru_cache(maxsize=1024)(_problem_of)
 
 
 def _arguments_problem(content: str) -> str | None:
-    if len(content) <= _MEMO_CHARS:
-        return _remembered_arguments(content)
-    value = _read_arguments(content)
-    return value if isinstance(value, str) else None
+    return (_remembered_arguments(content) if len(content) <= _MEMO_CHARS
+            else _problem_of(content))
 
 
 _remembered_surrogate = functools.lru_cache(maxsize=1024)(lone_surrogate)
