@@ -200,7 +200,7 @@ class Face(Generic[SessionT, OpenedT]):
         # Per Run, what never changes once it is admitted, read once: its frozen Run, and what
         # its decisions read besides its live row (its ancestors up to its root, for
         # provenance; its groups and its health keys). A Run session's exit drops its Run's
-        # entries (_let_go); the sizes bound what operations outside a session leave.
+        # entries (_drop_cached); the sizes bound what operations outside a session leave.
         self._frozen_runs: Lru[str, FrozenRun] = Lru(1024)
         self._reads: Lru[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = Lru(1024)
         # Parsed policies by their hash, which names their content: every Run frozen under one
@@ -221,11 +221,6 @@ class Face(Generic[SessionT, OpenedT]):
         self._open_sessions: weakref.WeakValueDictionary[str, Any] = \
             weakref.WeakValueDictionary()
         self._open_sessions_lock = threading.Lock()  # sessions entered on several threads
-        # How many Run sessions of each Run hold its cached entries (entering, open or leaving):
-        # the last to let go drops them. One is open at a time (_open_sessions above): an
-        # entry refused as a second session holds nothing.
-        self._sessions: dict[str, int] = {}
-        self._sessions_lock = threading.Lock()
 
     @property
     def backend(self) -> str:
@@ -517,28 +512,17 @@ class Face(Generic[SessionT, OpenedT]):
             self._policies.put(frozen.policy_hash, pol)
         return pol
 
-    def _hold(self, run_id: str) -> None:
-        """A Run session of ``run_id`` is being entered: its Run's cached entries are in use."""
-        with self._sessions_lock:
-            self._sessions[run_id] = self._sessions.get(run_id, 0) + 1
+    def _drop_cached(self, run_id: str) -> None:
+        """The Run session of ``run_id`` open on this ledger has exited: drop its cached entries.
 
-    def _let_go(self, run_id: str) -> None:
-        """A Run session of ``run_id`` has exited (or failed to enter): the last one drops them.
-
-        The last session of the Run open on this ledger drops the Run's cached entries. A
-        long-lived process serves one Run after another, and what it read for a Run it no
+        A long-lived process serves one Run after another, and what it read for a Run it no
         longer holds would otherwise stay until 1,024 later Runs pushed it out. They are
-        caches: a later read of the Run reads it again.
+        caches: a later read of the Run reads it again. One session of a Run is open on a
+        ledger at a time (``_open_sessions``), so its exit is the last use of them.
         """
-        with self._sessions_lock:
-            left = self._sessions.get(run_id, 0) - 1
-            if left > 0:
-                self._sessions[run_id] = left
-                return
-            self._sessions.pop(run_id, None)
-            self._frozen_runs.drop(run_id)
-            self._reads.drop(run_id)
-            self._begun.drop_where(lambda begun: begun[0] == run_id)
+        self._frozen_runs.drop(run_id)
+        self._reads.drop(run_id)
+        self._begun.drop_where(lambda begun: begun[0] == run_id)
 
     @op
     def close_run(self, run_id: Id, *, status: Annotated[RunStatus | str, one_of(RunStatus, ENDED)],

@@ -253,8 +253,6 @@ class _SessionCore:
         # The status the exit decided on: a second try of an interrupted exit ends the Run
         # with it, not with one read from a record the first try may have finished.
         self._leaving: RunStatus | None = None
-        # Whether this session holds its Run's entries in the ledger's caches (Face._hold).
-        self._held = False
 
     def _turn_ended(self, status: RunStatus) -> None:
         """Record how the block's latest turn ended.
@@ -455,29 +453,20 @@ class _SessionCore:
                     expires_at=None if keeper is None else keeper.lease.expires_at,
                     problem="session_open")
             led._open_sessions[self.run_id] = self
-        led._hold(self.run_id)
-        self._held = True
-
-    def _let_go(self) -> None:
-        """The session is over (exited, or its entry raised): let go of the Run's cache entries.
-
-        The ledger drops them once no other session of the Run holds them
-        (:meth:`~ledger.api.face.Face._let_go`).
-        """
-        if self._held:
-            self._held = False
-            self.ledger._let_go(self.run_id)
 
     def _free(self) -> None:
-        """Give up this session's claim on its Run id and its hold on the Run's cached entries.
+        """The session is over (exited, or its entry raised): give up its claim on its Run id.
 
-        The claim (see :meth:`_enter`) only if this session holds it.
+        Only if this session holds the claim (see :meth:`_enter`): a second session refused
+        at its entry leaves the open one's claim and the Run's cached entries alone. With
+        the claim go the Run's entries in the ledger's caches
+        (:meth:`~ledger.api.face.Face._drop_cached`).
         """
-        self._let_go()
         led = self.ledger
         with led._open_sessions_lock:
             if led._open_sessions.get(self.run_id) is self:
                 del led._open_sessions[self.run_id]
+                led._drop_cached(self.run_id)
 
     @checked
     def child(self, child_id: NewId, *, budget: BudgetArg, plan: Sequence[Route] | None = None,

@@ -42,7 +42,7 @@ RUNS = 6
 def _held(led: Face[Any, Any]) -> dict[str, int]:
     """How many entries each of the ledger's per-Run caches holds."""
     return {"frozen_runs": len(led._frozen_runs), "reads": len(led._reads),
-            "begun": len(led._begun), "sessions": len(led._sessions)}
+            "begun": len(led._begun), "sessions": len(led._open_sessions)}
 
 
 EMPTY = {"frozen_runs": 0, "reads": 0, "begun": 0, "sessions": 0}
@@ -64,7 +64,7 @@ def test_a_run_sessions_cached_entries_go_when_it_exits_and_runs_of_one_preset_s
                         child.turn(Envelope(parts=[Part(content="sub-task")]))
                         policies.add(id(led._runner.run(led._policy(f"c{i}"))))
                 policies.add(id(led._runner.run(led._policy(f"r{i}"))))
-                assert _held(led)["frozen_runs"] >= 1 and led._sessions == {f"r{i}": 1}
+                assert _held(led)["frozen_runs"] >= 1 and set(led._open_sessions) == {f"r{i}"}
             assert _held(led) == EMPTY
         # One parse of the default preset for every Run and Child frozen under it.
         assert len(policies) == 1 and len(led._policies) == 1
@@ -111,6 +111,6 @@ def test_a_run_keeps_its_cached_entries_while_another_of_its_sessions_is_refused
                 with pytest.raises(LeaseHeld), led.run("r", budget=BUDGET, grant=GRANT,
                                                        **terms):
                     pass
-            assert _held(led) == held and led._sessions == {"r": 1}
+            assert _held(led) == held and set(led._open_sessions) == {"r"}
             assert led._frozen_runs.get("r") is not None
         assert _held(led) == EMPTY
