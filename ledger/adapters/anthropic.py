@@ -305,7 +305,7 @@ class AnthropicCodec(Codec):
         try:
             reply = self._reply(obj, content)
         except MalformedPayload as exc:
-            exc.provider_ran = exc.provider_ran or ran
+            exc.provider_ran |= ran
             raise
         reply.provider_ran = ran
         return reply

@@ -1091,11 +1091,11 @@ class HttpAdapter:
             reply = call.codec.parse_reply(data)
             # Kept before the checks below: a refusal of the parsed answer is a failure after
             # whatever the provider ran (invariant 9).
-            call.provider_ran = call.provider_ran or reply.provider_ran
+            call.provider_ran |= reply.provider_ran
             offered_calls(reply.tool_calls, call.offers_tools)
         except ProviderErrorPayload as exc:
             call.usage, call.model = exc.usage or call.usage, exc.model or call.model
-            call.provider_ran = call.provider_ran or exc.provider_ran
+            call.provider_ran |= exc.provider_ran
             return (yield from self._fail(
                 call,
                 transport=None,
@@ -1107,7 +1107,7 @@ class HttpAdapter:
             if isinstance(exc, MalformedPayload):
                 # An answer refused whole may still say what it cost and who answered.
                 call.usage, call.model = exc.usage or call.usage, exc.model or call.model
-                call.provider_ran = call.provider_ran or exc.provider_ran
+                call.provider_ran |= exc.provider_ran
             return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
@@ -1177,7 +1177,7 @@ class HttpAdapter:
                                   call.offers_tools)
                 except ProviderErrorPayload as exc:
                     self._absorb(call, state)
-                    call.provider_ran = call.provider_ran or exc.provider_ran
+                    call.provider_ran |= exc.provider_ran
                     # What the error itself reported (Gemini's blocked prompt carries its
                     # usage), as for a whole body.
                     call.usage, call.model = exc.usage or call.usage, exc.model or call.model
@@ -1286,7 +1286,7 @@ class HttpAdapter:
         try:
             final = state.end()
             reply = state.reply()
-            call.provider_ran = call.provider_ran or state.provider_ran or reply.provider_ran
+            call.provider_ran |= state.provider_ran or reply.provider_ran
             offered_calls(reply.tool_calls, call.offers_tools)
         except _BAD_PAYLOAD as exc:
             self._absorb(call, state)
@@ -1305,4 +1305,4 @@ class HttpAdapter:
         # A failed stream still reports the usage and model it saw: they may be billed.
         call.usage = state.usage
         call.model = state.model
-        call.provider_ran = call.provider_ran or state.provider_ran
+        call.provider_ran |= state.provider_ran

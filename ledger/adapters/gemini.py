@@ -348,7 +348,7 @@ class GeminiCodec(Codec):
             chunk.apply(reply, [], whole=True)
         except (MalformedPayload, ProviderErrorPayload) as exc:
             # Refused after a tool Gemini ran (executed code): never sent again (invariant 9).
-            exc.provider_ran = exc.provider_ran or chunk.provider_ran
+            exc.provider_ran |= chunk.provider_ran
             raise
         reply.provider_ran = chunk.provider_ran
         return reply
@@ -506,7 +506,7 @@ class _GeminiStream(StreamState):
             if chunk.apply(self._reply, out, whole=False):
                 self.content_seen = True
         finally:
-            self.provider_ran = self.provider_ran or chunk.provider_ran
+            self.provider_ran |= chunk.provider_ran
         r = self._reply
         self.usage, self.model = r.usage, r.model
         if r.finish_reason:

@@ -391,7 +391,7 @@ class OpenAIResponsesCodec(Codec):
         try:
             reply = self._output(obj, output)
         except MalformedPayload as exc:
-            exc.provider_ran = exc.provider_ran or _ran_any(output)
+            exc.provider_ran |= _ran_any(output)
             raise
         reply.provider_ran = _ran_any(output)
         return reply
@@ -490,7 +490,7 @@ class _ResponsesStream(StreamState):
         elif kind == "response.output_item.added":
             item = require_object(data.get("item"), "output_item.added.item")
             # Added is when the provider starts running it: whatever follows, it may have run.
-            self.provider_ran = self.provider_ran or _provider_ran(item)
+            self.provider_ran |= _provider_ran(item)
             if item.get("type") == "custom_tool_call":
                 # Refused on completion, so the whole answer (and its usage) is known.
                 self._custom = self._custom or (item, _where(data))
@@ -511,7 +511,7 @@ class _ResponsesStream(StreamState):
             slot[1] = optional_str(data.get("name"), f"{kind}.name") or slot[1]
         elif kind == "response.output_item.done":
             item = require_object(data.get("item"), "output_item.done.item")
-            self.provider_ran = self.provider_ran or _provider_ran(item)
+            self.provider_ran |= _provider_ran(item)
             if item.get("type") == "function_call":
                 iid = self._item_id(item, data)
                 slot = self._calls.setdefault(iid, [None, None, [], None])
