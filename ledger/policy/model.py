@@ -376,8 +376,10 @@ class ProviderCodes(_Section):
     carries no error object: its ``promptFeedback.blockReason``, else its first candidate's
     ``finishReason`` (``SAFETY``, ``RECITATION``, ``PROHIBITED_CONTENT``, ...), is read as
     ``gemini.status`` instead; the defaults and every preset map those reasons to
-    ``content_policy``. A table left out is empty: a Run frozen before the detail tables
-    existed reads back deciding as it did.
+    ``content_policy``. A Gemini 403 ``PERMISSION_DENIED`` whose ``ErrorInfo`` reason is
+    ``BILLING_DISABLED`` (the project's billing is off) is ``billing``, as Anthropic's spend
+    limit and OpenAI's ``insufficient_quota`` are, not ``auth``. A table left out is empty: a
+    Run frozen before the detail tables existed reads back deciding as it did.
     """
 
     openai_code: dict[str, ClassifiedCategory] = Field(default_factory=dict)
@@ -531,7 +533,7 @@ def _default_codes() -> ProviderCodes:
             "not_found_error": c.MODEL_NOT_FOUND,
             "api_error": c.SERVER_ERROR,
         },
-        gemini_reason={"API_KEY_INVALID": c.AUTH},
+        gemini_reason={"API_KEY_INVALID": c.AUTH, "BILLING_DISABLED": c.BILLING},
         gemini_status={
             "UNAVAILABLE": c.OVERLOADED,
             "RESOURCE_EXHAUSTED": c.RATE_LIMIT,

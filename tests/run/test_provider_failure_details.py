@@ -8,7 +8,7 @@
   ``INVALID_ARGUMENT`` whose ``google.rpc.ErrorInfo`` reason is ``API_KEY_INVALID`` is ``auth``;
   an Anthropic ``rate_limit_error`` whose ``details.error_code`` is
   ``enforced_spend_limit_reached`` is ``billing`` (it closes no group, and fased disables the
-  key as for billing).
+  key as for billing); so is a Gemini ``PERMISSION_DENIED`` whose reason is ``BILLING_DISABLED``.
 * An OpenAI ``server_error`` reported inside a 200 answer (a Responses ``response.failed`` or
   ``error`` event) is decided as the same error with status 500 is: ``server_error`` under
   failure-domain and fased; ``unknown`` under goclaw, whose seed has no such reason. The type
@@ -194,6 +194,35 @@ def test_an_anthropic_spend_limit_is_a_billing_failure_under_every_preset(
     assert "ga" not in turn.groups or turn.groups["ga"].until is None
     if policy == "failure-domain":
         assert turn.served is None
+    else:
+        assert turn.served == "backup"
+    if policy == "fased":
+        assert turn.fact.cooldown is CooldownEffect.DISABLE
+        assert turn.key_health(policy).disabled_reason == "billing"
+
+
+_GEMINI_BILLING_DISABLED = {"error": {
+    "code": 403, "status": "PERMISSION_DENIED",
+    "message": "This API method requires billing to be enabled. Please enable billing on "
+               "project #123 by visiting the Google Cloud console, then retry.",
+    "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "BILLING_DISABLED",
+                 "domain": "googleapis.com",
+                 "metadata": {"service": "generativelanguage.googleapis.com",
+                              "consumer": "projects/123"}}]}}
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+def test_a_gemini_billing_disabled_is_a_billing_failure_under_every_preset(
+        db: str, fake: FakeProvider, policy: str) -> None:
+    """A 403 PERMISSION_DENIED whose ErrorInfo reason is BILLING_DISABLED is the project's
+    billing, not its key: ``billing``, as Anthropic's spend limit and OpenAI's
+    ``insufficient_quota`` are, so fased disables the key for the billing backoff instead of
+    cooling it for a minute and sending to it again."""
+    turn = Turn(db, fake, "gemini", policy, _answer("403 Forbidden", _GEMINI_BILLING_DISABLED))
+    assert turn.fact.category is Category.BILLING
+    assert turn.fact.provider_code == "BILLING_DISABLED"
+    if policy == "failure-domain":
+        assert turn.served is None  # the Run's billing is the operator's to fix
     else:
         assert turn.served == "backup"
     if policy == "fased":
