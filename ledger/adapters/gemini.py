@@ -50,10 +50,13 @@ only if a candidate carried a ``finishReason``. A response without candidates wh
 ``promptFeedback`` has a ``blockReason`` is a provider refusal, reported as a failure with the
 usage (``usageMetadata``) it reports; so is a candidate withheld for its content
 (``finishReason`` ``SAFETY``, ``RECITATION``, ``BLOCKLIST``, ``PROHIBITED_CONTENT``, ``SPII``,
-``IMAGE_SAFETY``, ...) that carries no text, call or media. Both are the provider's whole
+``IMAGE_SAFETY``, ...) that carries no text, call or media, and so is a candidate that ends
+empty with ``MALFORMED_FUNCTION_CALL``, ``LANGUAGE`` or ``OTHER``. Each is the provider's whole
 verdict (phase ``after_headers``, streamed or not); the policies classify the reason
-(``codes.gemini_status``) as ``content_policy``. A candidate that carries some text before such
-a ``finishReason`` is that text: a success whose ``finish_reason`` says it was cut short.
+(``codes.gemini_status``): the content reasons as ``content_policy``, ``MALFORMED_FUNCTION_CALL``
+and ``LANGUAGE`` as ``format``, ``OTHER`` (unmapped) as ``unknown``. A candidate that carries
+some text before such a ``finishReason`` is that text: a success whose ``finish_reason`` says it
+was cut short.
 """
 
 from __future__ import annotations
@@ -447,12 +450,16 @@ class _Chunk:
         finish = optional_str(cand.get("finishReason"), "finishReason")
         if finish:
             reply.finish_reason = finish
-            if finish.upper() in _BLOCKED and not (reply.text or reply.tool_calls or reply.media):
+            reason = finish.upper()
+            if reason in _NOT_AN_ANSWER and not (reply.text or reply.tool_calls or reply.media):
                 # Nothing of an answer, and the provider says why: it refused this request's
-                # content, as a blocked prompt is refused. An answer cut short by the same
-                # reason after some text is that text (a success whose finish_reason says so).
+                # content, as a blocked prompt is refused, or the model failed to answer it.
+                # An empty success would count for the route's health and hand the caller
+                # nothing. An answer cut short by the same reason after some text is that
+                # text (a success whose finish_reason says so).
+                said = "answer blocked" if reason in _BLOCKED else "no answer"
                 raise ProviderErrorPayload(
-                    f"answer blocked: finishReason={finish}", json.dumps(obj),
+                    f"{said}: finishReason={finish}", json.dumps(obj),
                     usage=reply.usage, model=reply.model, final=True,
                     provider_ran=self.provider_ran)
         return content_seen
@@ -472,6 +479,10 @@ _GROUNDING_KEYS = frozenset({"groundingMetadata", "grounding_metadata", "urlCont
 # The finishReasons by which Gemini withholds an answer for its content (FinishReason).
 _BLOCKED = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII",
                       "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION"})
+# The finishReasons by which a candidate with nothing in it is a failure: the content refusals,
+# a function call the model botched (MALFORMED_FUNCTION_CALL), a language it does not serve
+# (LANGUAGE), and OTHER (Gemini names no reason). STOP and MAX_TOKENS stay what they say.
+_NOT_AN_ANSWER = _BLOCKED | frozenset({"MALFORMED_FUNCTION_CALL", "LANGUAGE", "OTHER"})
 
 
 def _take_media(reply: Reply, part: dict[str, Any], where: str) -> bool:

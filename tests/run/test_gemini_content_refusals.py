@@ -6,7 +6,9 @@ the answer (a candidate whose ``finishReason`` is ``SAFETY``, ``RECITATION``,
 whole verdict: a ``failed`` Attempt of category ``content_policy``, scope ``request``, no
 cooldown, and the turn stops as every preset's content-policy rule says (none moves on after it).
 A candidate that carries some text before ``finishReason: SAFETY`` stays that text, a success
-whose ``finish_reason`` says so (docs/adapters.md). Real HTTP over loopback (the fake provider's
+whose ``finish_reason`` says so (docs/adapters.md). A candidate that ends empty with
+``MALFORMED_FUNCTION_CALL`` or ``LANGUAGE`` (``format``) or ``OTHER`` (``unknown``) is a failure
+too, never an empty success. Real HTTP over loopback (the fake provider's
 raw answers), through a Run session, whole bodies and streams, both backends.
 """
 
@@ -125,4 +127,49 @@ def test_gemini_answer_cut_short_by_safety_after_some_text_stays_a_success(
     assert (outcome.text, outcome.output.finish_reason) == ("Sure, here is", "SAFETY")
     [att] = led.timeline(RUN)
     assert att.state is AttemptState.SUCCEEDED
+    led.close()
+
+
+# the finishReason of a candidate that ends with nothing in it, the category every preset reads
+EMPTY_ANSWERS = {
+    # The model wrote a function call that is not one: a bad answer, as a malformed event is.
+    "MALFORMED_FUNCTION_CALL": Category.FORMAT,
+    # A language the model does not serve: this request does not fit this route.
+    "LANGUAGE": Category.FORMAT,
+    # No reason given.
+    "OTHER": Category.UNKNOWN,
+}
+
+
+@pytest.mark.parametrize("policy", ["failure-domain", "goclaw", "fased"])
+@pytest.mark.parametrize("shape", ["whole", "stream"])
+@pytest.mark.parametrize("finish", list(EMPTY_ANSWERS))
+def test_gemini_empty_answer_that_gemini_failed_is_a_failure_never_an_empty_success(
+        db_url: str, fakes: tuple[FakeProvider, FakeProvider], finish: str, shape: str,
+        policy: str) -> None:
+    """A candidate with no text, call or media that ends ``MALFORMED_FUNCTION_CALL``,
+    ``LANGUAGE`` or ``OTHER`` is no answer: a ``failed`` Attempt of the reason's category (a
+    success would hand the caller nothing and count for the route's health), decided as each
+    preset decides that category: fased rotates on ``format``, no other preset moves on."""
+    obj = {"candidates": [{"finishReason": finish, "index": 0}], "usageMetadata": USAGE,
+           "modelVersion": "m-001"}
+    led, outcome = _turn(db_url, fakes, _answers(obj)[shape], stream=shape == "stream",
+                         policy=policy)
+    first = led.timeline(RUN)[0]
+    assert first.route_id == "primary" and first.state is AttemptState.FAILED
+    fact = first.fact
+    assert fact is not None
+    assert (fact.category, fact.provider_code, fact.phase, fact.status) == (
+        EMPTY_ANSWERS[finish], finish, Phase.AFTER_HEADERS, 200)
+    # It ran and said how much: the prompt's tokens are what it is posted at.
+    assert first.prompt_tokens == USAGE["promptTokenCount"]
+    moves = policy == "fased" and EMPTY_ANSWERS[finish] is Category.FORMAT
+    assert fact.moves_on is moves
+    if moves:
+        assert not isinstance(outcome, FailoverExhausted)
+        assert outcome.route.id == "backup"
+    else:
+        assert isinstance(outcome, FailoverExhausted)
+        assert outcome.reason == "not_eligible_failure"
+        assert not fakes[1].requests
     led.close()
