@@ -332,10 +332,14 @@ def classify(obs: ObservationArg, policy: PolicyArg,
         >>> fact.category.value, fact.retry_after_s
         ('rate_limit', 7.0)
     """
+    body = _body_text(obs.body, policy.classification.body_limit_bytes)
+    return _fact(obs, policy, body, _parse_error(body, obs.protocol), now)
+
+
+def _fact(obs: Observation, policy: Policy, body: str, err: _ProviderError,
+          now: float | None) -> FailureFact:
     cls = policy.classification
     phase = obs.effective_phase()
-    body = _body_text(obs.body, cls.body_limit_bytes)
-    err = _parse_error(body, obs.protocol)
     message = obs.message[: cls.body_limit_bytes] if isinstance(obs.message, str) else ""
     text = f"{body}\n{message}".casefold()
     category, code = _category(obs, cls, err, text)
@@ -371,6 +375,46 @@ def classify(obs: ObservationArg, policy: PolicyArg,
     )
 
 
+def _recorded_observation(fact: FailureFact) -> Observation:
+    """The observation a recorded fact keeps the structured evidence of."""
+    headers = {}
+    if fact.retry_after_s is not None:
+        headers["Retry-After"] = f"{fact.retry_after_s:.6f}"
+    body = None
+    if fact.provider_code is not None or fact.message is not None:
+        err: dict[str, Any] = {"message": fact.message or ""}
+        if fact.provider_code is not None:
+            err.update(code=fact.provider_code, type=fact.provider_code,
+                       status=fact.provider_code)
+        body = json.dumps({"error": err})
+    return Observation(
+        status=fact.status, headers=headers, body=body, provider=fact.provider,
+        message=fact.message, transport=fact.transport, phase=fact.phase, source=fact.source,
+        effective_output=fact.effective_output, tool_started=fact.tool_started,
+        cancelled=fact.category is Category.CANCELLED,
+        over_token_budget=fact.category is Category.BUDGET_EXCEEDED, accepted=fact.accepted)
+
+
+def reclassify(fact: FailureFact, policy: Policy) -> FailureFact:
+    """The fact ``policy`` gives the evidence ``fact`` recorded, decided as :func:`classify` is.
+
+    A fact keeps one provider code (the value a table matched, else the coarse field's) and not
+    which field of the body held it, so the code is looked up as every field the generic
+    protocol reads, in the live precedence: a detail (Anthropic's ``error.details.error_code``,
+    Gemini's ``ErrorInfo`` reason) before the field it refines. A spend limit or a
+    ``BILLING_DISABLED`` recorded as its detail is read by ``policy``'s detail tables, as the
+    live path read it, not by the coarse status it came with. The status, transport kind,
+    phase, source, Retry-After and redacted message are the rest of the evidence.
+    """
+    obs = _recorded_observation(fact)
+    body = _body_text(obs.body, policy.classification.body_limit_bytes)
+    err = _parse_error(body, WireProtocol.GENERIC)
+    if fact.provider_code is not None:
+        err = _ProviderError(dict.fromkeys(_FIELDS[WireProtocol.GENERIC], fact.provider_code),
+                             err.message, err.retry_delay_s)
+    return _fact(obs, policy, body, err, None)
+
+
 def refile(fact: FailureFact, policy: Policy) -> FailureFact:
     """``fact`` with its policy-dependent verdict as ``policy`` gives it, its category kept.
 
@@ -392,4 +436,4 @@ def refile(fact: FailureFact, policy: Policy) -> FailureFact:
         "cooldown": cooldown_effect(fact.category, fact.provider, fact.source, policy)})
 
 
-__all__ = ["classify", "refile", "resubmittable"]
+__all__ = ["classify", "reclassify", "refile", "resubmittable"]

@@ -35,7 +35,6 @@ the other policy stops ends there; a Run whose turn it stops makes no further tu
 from __future__ import annotations
 
 import bisect
-import json
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
-from ledger.decide.classify import classify, refile
+from ledger.decide.classify import reclassify, refile
 from ledger.decide.health import as_read, route_key
 from ledger.decide.inputs import RecordedInputs, parse_inputs, selection_input
 from ledger.decide.profiles import marks_profile_tried
@@ -57,7 +56,7 @@ from ledger.decide.select import (
     select,
 )
 from ledger.decide.settle import group_update, health_updates
-from ledger.domain.facts import Category, FailureFact, Observation
+from ledger.domain.facts import Category, FailureFact
 from ledger.domain.records import Outcome, from_micros
 from ledger.domain.values import Grant, GroupProjection, Health, Price, Route
 from ledger.errors import InvalidArgument
@@ -325,26 +324,6 @@ class ReplayReport:
 # -- facts under the other policy --------------------------------------------------------------
 
 
-def _observation(fact: FailureFact) -> Observation:
-    """The observation a recorded fact keeps the structured evidence of."""
-    headers = {}
-    if fact.retry_after_s is not None:
-        headers["Retry-After"] = f"{fact.retry_after_s:.6f}"
-    body = None
-    if fact.provider_code is not None or fact.message is not None:
-        err: dict[str, Any] = {"message": fact.message or ""}
-        if fact.provider_code is not None:
-            err.update(code=fact.provider_code, type=fact.provider_code,
-                       status=fact.provider_code)
-        body = json.dumps({"error": err})
-    return Observation(
-        status=fact.status, headers=headers, body=body, provider=fact.provider,
-        message=fact.message, transport=fact.transport, phase=fact.phase, source=fact.source,
-        effective_output=fact.effective_output, tool_started=fact.tool_started,
-        cancelled=fact.category is Category.CANCELLED,
-        over_token_budget=fact.category is Category.BUDGET_EXCEEDED, accepted=fact.accepted)
-
-
 def _verdict(fact: FailureFact) -> tuple[Any, ...]:
     return (fact.category, fact.scope, fact.resubmit, fact.moves_on, fact.cooldown)
 
@@ -352,15 +331,15 @@ def _verdict(fact: FailureFact) -> tuple[Any, ...]:
 def refact(fact: FailureFact, source: Policy | None, target: Policy) -> FailureFact:
     """The failure fact ``target`` would have recorded for what ``fact`` records.
 
-    The observation is rebuilt from the fact's structured fields (status, provider code,
-    transport kind, phase, source, Retry-After, the redacted message) and classified under
-    ``target``, when that rebuilt observation gives ``fact`` again under the policy that
-    recorded it (``source``). Otherwise the category stays as recorded and only the verdict
-    that is the policy's is ``target``'s (:func:`ledger.decide.classify.refile`).
+    The fact's structured evidence (status, provider code, transport kind, phase, source,
+    Retry-After, the redacted message) is classified again under ``target`` by the live
+    classifier (:func:`ledger.decide.classify.reclassify`: a recorded detail code is read by
+    the detail tables, as the live path read it), when that evidence gives ``fact`` again under
+    the policy that recorded it (``source``). Otherwise the category stays as recorded and only
+    the verdict that is the policy's is ``target``'s (:func:`ledger.decide.classify.refile`).
     """
-    obs = _observation(fact)
-    if source is not None and _verdict(classify(obs, source)) == _verdict(fact):
-        return classify(obs, target)
+    if source is not None and _verdict(reclassify(fact, source)) == _verdict(fact):
+        return reclassify(fact, target)
     return refile(fact, target)
 
 

@@ -30,13 +30,17 @@ import pytest
 
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
+from ledger.decide.classify import classify
 from ledger.decide.health import route_key
+from ledger.decide.replay import refact
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.facts import Category, CooldownEffect, FailureFact
+from ledger.domain.facts import Category, CooldownEffect, FailureFact, Observation
 from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.domain.values import Budget, Health, Price, Route, WireProtocol
 from ledger.errors import FailoverExhausted
+from ledger.ops.audit import Audit
 from ledger.policy.load import preset
+from ledger.policy.model import Policy
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 from tests.run.rawanswers import http, sse
 
@@ -286,3 +290,62 @@ def test_the_server_error_type_stays_unmapped_so_an_overloaded_503_stays_an_over
                           "type": "server_error", "param": None, "code": None}}
     in_200 = Turn(db, fake, "openai", policy, _answer("200 OK", upstream))
     assert in_200.fact.category is Category.UNKNOWN
+
+
+# -- a replay reads the detail codes as the live path does -------------------------------------
+
+_DETAILS = {
+    "anthropic_spend_limit": ("anthropic", 429, _ANTHROPIC_SPEND_LIMIT),
+    "gemini_bad_key": ("gemini", 400, _GEMINI_BAD_KEY),
+    "gemini_billing_disabled": ("gemini", 403, _GEMINI_BILLING_DISABLED),
+}
+
+
+def _without_detail_tables(policy: Policy) -> Policy:
+    """``policy`` whose detail tables are empty: its codes are read by the coarse fields only."""
+    data = policy.model_dump(mode="json")
+    data["name"] = f"{policy.name}-coarse"
+    data["classification"]["codes"].update(anthropic_error_code={}, gemini_reason={})
+    return Policy.model_validate(data)
+
+
+def _verdict(fact: FailureFact) -> tuple[Any, ...]:
+    return (fact.category, fact.scope, fact.resubmit, fact.moves_on, fact.cooldown)
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+@pytest.mark.parametrize("case", list(_DETAILS))
+def test_replay_reads_a_recorded_detail_code_as_the_live_classifier_does(
+        policy: str, case: str) -> None:
+    """Replay decides a recorded failure again under another policy from the fact alone. The
+    fact keeps the detail code its category came from (a spend limit's ``error_code``, a Gemini
+    ``ErrorInfo`` reason): under a policy whose detail tables differ, the replayed fact is the
+    one the live classifier gives the same answer under that policy, and under its own policy
+    the one it recorded."""
+    protocol, status, body = _DETAILS[case]
+    obs = Observation(status=status, body=json.dumps(body), protocol=WireProtocol(protocol))
+    source = preset(policy)
+    recorded = classify(obs, source)
+    for target in (source, _without_detail_tables(source)):
+        assert _verdict(refact(recorded, source, target)) == _verdict(classify(obs, target))
+
+
+def test_a_replay_under_a_policy_without_the_spend_limit_detail_moves_on_as_it_would_live(
+        db: str, fake: FakeProvider, tmp_path: Path) -> None:
+    """An Anthropic spend limit recorded under failure-domain is ``billing`` and stops. A copy
+    of the preset that does not map the detail reads it as the ``rate_limit_error`` it came
+    with: a provider 429 that moves on to another group. ``ledger replay`` under that copy says
+    so, as that policy would have decided live, instead of keeping the recorded ``billing``."""
+    turn = Turn(db, fake, "anthropic", "failure-domain",
+                _answer("429 Too Many Requests", _ANTHROPIC_SPEND_LIMIT))
+    assert turn.fact.category is Category.BILLING and turn.served is None
+    coarse = _without_detail_tables(preset("failure-domain"))
+    live = classify(Observation(status=429, body=json.dumps(_ANTHROPIC_SPEND_LIMIT),
+                                protocol=WireProtocol.ANTHROPIC), coarse)
+    assert (live.category, live.moves_on) == (Category.RATE_LIMIT, True)
+    with Ledger.open(db, clock=ManualClock(T0 + 60)) as led:
+        report = Audit(led).replay(coarse, run=RUN)
+        same = Audit(led).replay("failure-domain", run=RUN)
+    assert same.differing == 0
+    [moved] = [f for f in report.findings if f.key == "moved_on"]
+    assert (moved.subject, moved.count) == ("rate_limit (HTTP 429)", 1)
