@@ -34,7 +34,7 @@ from ledger.decide.classify import classify
 from ledger.decide.health import route_key
 from ledger.decide.replay import refact
 from ledger.domain.envelope import Envelope, Part
-from ledger.domain.facts import Category, CooldownEffect, FailureFact, Observation
+from ledger.domain.facts import Category, CooldownEffect, FailureFact, Observation, Scope
 from ledger.domain.records import AttemptRecord, AttemptState
 from ledger.domain.values import Budget, Health, Price, Route, WireProtocol
 from ledger.errors import FailoverExhausted
@@ -349,3 +349,41 @@ def test_a_replay_under_a_policy_without_the_spend_limit_detail_moves_on_as_it_w
     assert same.differing == 0
     [moved] = [f for f in report.findings if f.key == "moved_on"]
     assert (moved.subject, moved.count) == ("rate_limit (HTTP 429)", 1)
+
+
+# -- a 408 --------------------------------------------------------------------------------------
+
+_TIMED_OUT = {"error": {"code": 408, "message": "Your request timed out"}}
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+@pytest.mark.parametrize("body", [_TIMED_OUT, {}], ids=["timed_out", "bare"])
+def test_a_408_is_a_timeout_decided_as_each_preset_decides_an_answered_timeout(
+        db: str, fake: FakeProvider, policy: str, body: dict[str, Any]) -> None:
+    """docs/presets: a 408 is ``timeout`` by the shared status rule. failure-domain moves on
+    after no timeout the provider answered (its seed's table does not list 408): the turn
+    stops. fased moves on. goclaw maps no 408 status: its keywords decide ("timed out" is a
+    timeout and moves on; no keyword is ``unknown`` and stops)."""
+    turn = Turn(db, fake, "openai", policy, _answer("408 Request Timeout", body))
+    expected = {
+        "failure-domain": (Category.TIMEOUT, None),
+        "fased": (Category.TIMEOUT, "backup"),
+        "goclaw": ((Category.TIMEOUT, "backup") if body else (Category.UNKNOWN, None)),
+    }[policy]
+    assert (turn.fact.category, turn.served) == expected
+    assert turn.fact.status == 408 and turn.fact.resubmit
+
+
+def test_a_copy_of_failure_domain_that_maps_408_as_a_server_error_moves_on_after_it(
+        db: str, fake: FakeProvider) -> None:
+    """The documented opt-in: ``408: server_error`` in a copy's status table decides a 408 as a
+    bare 504 is, moving on to the next route."""
+    data = preset("failure-domain").model_dump(mode="json")
+    data["name"] = "failure-domain-408"
+    data["classification"]["status"]["408"] = "server_error"
+    fact = classify(Observation(status=408, body=json.dumps(_TIMED_OUT)),
+                    Policy.model_validate(data))
+    as_504 = classify(Observation(status=504, body="Gateway Timeout"), preset("failure-domain"))
+    assert _verdict(fact) == _verdict(as_504)
+    assert (fact.category, fact.scope, fact.moves_on) == (
+        Category.SERVER_ERROR, Scope.ROUTE, True)
