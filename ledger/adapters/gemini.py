@@ -51,10 +51,13 @@ only if a candidate carried a ``finishReason``. A response without candidates wh
 usage (``usageMetadata``) it reports; so is a candidate withheld for its content
 (``finishReason`` ``SAFETY``, ``RECITATION``, ``BLOCKLIST``, ``PROHIBITED_CONTENT``, ``SPII``,
 ``IMAGE_SAFETY``, ...) that carries no text, call or media, and so is a candidate that ends
-empty with ``MALFORMED_FUNCTION_CALL``, ``LANGUAGE`` or ``OTHER``. Each is the provider's whole
+empty for any reason but ``STOP`` or ``MAX_TOKENS`` (``MALFORMED_FUNCTION_CALL``, ``LANGUAGE``,
+``OTHER``, ...). Each is the provider's whole
 verdict (phase ``after_headers``, streamed or not); the policies classify the reason
-(``codes.gemini_status``): the content reasons as ``content_policy``, ``MALFORMED_FUNCTION_CALL``
-and ``LANGUAGE`` as ``format``, ``OTHER`` (unmapped) as ``unknown``. A candidate that carries
+(``codes.gemini_status``): the content reasons as ``content_policy``, a botched call or answer
+(``MALFORMED_FUNCTION_CALL``, ``UNEXPECTED_TOOL_CALL``, ``TOO_MANY_TOOL_CALLS``,
+``MALFORMED_RESPONSE``) and ``LANGUAGE`` as ``format``, the rest (``OTHER``, ``NO_IMAGE``, ...,
+unmapped) as ``unknown``. A candidate that carries
 some text before such a ``finishReason`` is that text: a success whose ``finish_reason`` says it
 was cut short.
 """
@@ -451,7 +454,7 @@ class _Chunk:
         if finish:
             reply.finish_reason = finish
             reason = finish.upper()
-            if reason in _NOT_AN_ANSWER and not (reply.text or reply.tool_calls or reply.media):
+            if reason not in _ANSWERED and not (reply.text or reply.tool_calls or reply.media):
                 # Nothing of an answer, and the provider says why: it refused this request's
                 # content, as a blocked prompt is refused, or the model failed to answer it.
                 # An empty success would count for the route's health and hand the caller
@@ -479,10 +482,13 @@ _GROUNDING_KEYS = frozenset({"groundingMetadata", "grounding_metadata", "urlCont
 # The finishReasons by which Gemini withholds an answer for its content (FinishReason).
 _BLOCKED = frozenset({"SAFETY", "RECITATION", "BLOCKLIST", "PROHIBITED_CONTENT", "SPII",
                       "IMAGE_SAFETY", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION"})
-# The finishReasons by which a candidate with nothing in it is a failure: the content refusals,
-# a function call the model botched (MALFORMED_FUNCTION_CALL), a language it does not serve
-# (LANGUAGE), and OTHER (Gemini names no reason). STOP and MAX_TOKENS stay what they say.
-_NOT_AN_ANSWER = _BLOCKED | frozenset({"MALFORMED_FUNCTION_CALL", "LANGUAGE", "OTHER"})
+# The finishReasons of a candidate that answered: with nothing in it, it is still what it says
+# (MAX_TOKENS spent on thinking, an empty STOP). Every other reason of an empty candidate is a
+# failure: the content refusals (_BLOCKED), a tool call or answer the model botched
+# (MALFORMED_FUNCTION_CALL, UNEXPECTED_TOOL_CALL, TOO_MANY_TOOL_CALLS, MALFORMED_RESPONSE), a
+# language it does not serve (LANGUAGE), no image made (NO_IMAGE, IMAGE_OTHER), OTHER, and any
+# reason Gemini adds later: an empty success would count for the route's health.
+_ANSWERED = frozenset({"STOP", "MAX_TOKENS", "FINISH_REASON_UNSPECIFIED"})
 
 
 def _take_media(reply: Reply, part: dict[str, Any], where: str) -> bool:

@@ -361,11 +361,13 @@ CodeField = Literal["openai.code", "openai.type", "anthropic.error_code", "anthr
 # Gemini's reasons for withholding an answer for its content, read as ``gemini.status``.
 _GEMINI_CONTENT_REFUSALS = ("SAFETY", "BLOCKLIST", "PROHIBITED_CONTENT", "IMAGE_SAFETY",
                            "RECITATION", "SPII", "IMAGE_PROHIBITED_CONTENT", "IMAGE_RECITATION")
-# Gemini's other reasons for an answer with nothing in it, read the same way: the model wrote a
-# function call that is not one (a bad answer, as a malformed event is ``format``), or it does
-# not serve the request's language (this request does not fit this model). ``OTHER`` stays
-# unmapped: Gemini names no reason, so it is ``unknown``.
-_GEMINI_EMPTY_ANSWERS = {"MALFORMED_FUNCTION_CALL": Category.FORMAT, "LANGUAGE": Category.FORMAT}
+# Gemini's other reasons for an answer with nothing in it, read the same way: the model botched
+# a function call or the answer (a bad answer, as a malformed event is ``format``), or it does
+# not serve the request's language (this request does not fit this model). ``OTHER``,
+# ``NO_IMAGE`` and the rest stay unmapped: Gemini names no reason, so they are ``unknown``.
+_GEMINI_EMPTY_ANSWERS = dict.fromkeys(
+    ("MALFORMED_FUNCTION_CALL", "UNEXPECTED_TOOL_CALL", "TOO_MANY_TOOL_CALLS",
+     "MALFORMED_RESPONSE", "LANGUAGE"), Category.FORMAT)
 
 
 class ProviderCodes(_Section):
@@ -381,11 +383,12 @@ class ProviderCodes(_Section):
     carries no error object: its ``promptFeedback.blockReason``, else its first candidate's
     ``finishReason`` (``SAFETY``, ``RECITATION``, ``PROHIBITED_CONTENT``, ...), is read as
     ``gemini.status`` instead; the defaults and every preset map those reasons to
-    ``content_policy``, and a candidate that ends empty with ``MALFORMED_FUNCTION_CALL`` (a bad
-    answer) or ``LANGUAGE`` (a language the model does not serve) to ``format``; ``OTHER`` is
-    unmapped (``unknown``). A Gemini 403 ``PERMISSION_DENIED`` whose ``ErrorInfo`` reason is
-    ``BILLING_DISABLED`` (the project's billing is off) is ``billing``, as Anthropic's spend
-    limit and OpenAI's ``insufficient_quota`` are, not ``auth``. A table left out is empty: a
+    ``content_policy``, and a candidate that ends empty with ``MALFORMED_FUNCTION_CALL`` or
+    another botched call or answer (a bad answer) or ``LANGUAGE`` (a language the model does
+    not serve) to ``format``; ``OTHER`` and the rest are unmapped (``unknown``). A Gemini 403
+    ``PERMISSION_DENIED`` whose ``ErrorInfo`` reason is ``BILLING_DISABLED`` (the project's
+    billing is off) is ``billing``, as Anthropic's spend limit and OpenAI's
+    ``insufficient_quota`` are, not ``auth``. A table left out is empty: a
     Run frozen before the detail tables existed reads back deciding as it did.
     """
 

@@ -135,9 +135,14 @@ EMPTY_ANSWERS = {
     # The model wrote a function call that is not one: a bad answer, as a malformed event is.
     "MALFORMED_FUNCTION_CALL": Category.FORMAT,
     # A language the model does not serve: this request does not fit this route.
+    "UNEXPECTED_TOOL_CALL": Category.FORMAT,
+    "TOO_MANY_TOOL_CALLS": Category.FORMAT,
+    "MALFORMED_RESPONSE": Category.FORMAT,
     "LANGUAGE": Category.FORMAT,
-    # No reason given.
+    # No reason given, no image made, and a reason Gemini adds later: unmapped, unknown.
     "OTHER": Category.UNKNOWN,
+    "NO_IMAGE": Category.UNKNOWN,
+    "A_REASON_GEMINI_ADDS_LATER": Category.UNKNOWN,
 }
 
 
