@@ -17,8 +17,9 @@ the other's turns). Leaving the block, or an entry that raised, frees the Run id
 
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
-renewed in the background (an entry that raises after that gives the lease back, whatever it
-raises); leaving finishes the Run and releases the lease, on every path,
+renewed in the background (an entry that raises after that gives the
+lease back, whatever it raises, and ends a Child Run no lease had held before, which gives its
+carve back to the parent); leaving finishes the Run and releases the lease, on every path,
 cancellation included, and an interruption of the exit's own writes (when the database does not
 answer, as soon as it does: :mod:`ledger.decide.resolve`). The status says what happened
 (:mod:`ledger.decide.ending`): ``succeeded`` only when the last turn was served, ``cancelled``
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -181,6 +183,20 @@ def _note_kept(session: _SessionCore, exc: BaseException, error: BaseException) 
     exc.add_note(f"entering the Run session, giving back run {session.run_id!r}'s lease "
                  f"failed too ({type(error).__name__}: {error}); it lapses in "
                  f"{session.lease_ttl_s:g} s")
+
+
+@dataclasses.dataclass
+class _Entry:
+    """How far an entry of a Run session came: what its give-back undoes."""
+
+    #: The lease it holds (taken, or found taken after an interruption).
+    lease: Lease | None = None
+    #: Whether the acquisition of the lease was started.
+    acquiring: bool = False
+    #: What the acquisition raised (its cancellation included).
+    refused: BaseException | None = None
+    #: What the admission raised (its cancellation included).
+    unadmitted: BaseException | None = None
 
 
 def _key_source(adapter: Any, secrets: Any) -> Any:
@@ -359,6 +375,41 @@ class _SessionCore:
         store.pending.add(UnresolvedExit(keeper.lease, status, tried=again))
         yield from self._write_exit(status)
 
+    def _unwind(self, got: _Entry, exc: BaseException) -> Flow[None]:
+        """Undo what an entry that raised ``exc`` after ``got`` left: its lease, a fresh Child.
+
+        A lease the acquisition may have taken though it raised (:func:`_may_have_taken`) is
+        acquired again (one's own live lease comes back under its fence), then released. A
+        Child Run that no lease had held before this entry's (admitted by it, or by an entry
+        interrupted before its lease) is ended first, with the status a block raising ``exc``
+        ends in: its block never ran, and a Child left admitted would keep its carve out of
+        the parent's budget until someone entered it again. The finish gives the carve back.
+        A Root Run stays admitted as it was, for the next session with its id to resume.
+        """
+        led = self.ledger
+        fresh = False
+        if self._parent is not None:
+            rec = self.record
+            if rec is None and got.unadmitted is not None and _may_have_taken(got.unadmitted):
+                # An interruption of the admission: it may have committed (and carved).
+                with contextlib.suppress(NotFound):
+                    rec = yield from Face.get_run.flow(led, self.run_id)
+            fresh = (rec is not None and rec.fence == 0
+                     and rec.parent_run_id == self._parent.run_id)
+        lease = got.lease
+        if lease is None and (_may_have_taken(got.refused) if got.acquiring else fresh):
+            with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
+                lease = yield from Face.acquire_lease.flow(led, self.run_id,
+                                                           ttl_s=self.lease_ttl_s)
+        if lease is None:
+            return
+        # Fence 1: the first lease ever taken on it, this entry's (no other session ran it).
+        if fresh and lease.fence == 1:
+            status = turn_end(exc)
+            yield from Face.finish_run.flow(led, lease, status)
+            self.ended = status
+        yield from Face.release_lease.flow(led, lease)
+
     def _write_exit(self, status: RunStatus) -> Flow[None]:
         """Write the Run's remembered exit (and what comes before it), ending it ``status``."""
         try:
@@ -478,8 +529,12 @@ class _SessionCore:
         its budget is carved from this Run's when it is entered. When its block ends, whatever
         its status, what the Child did not use goes back to this Run (its budget less what it
         posted, what its ``unknown`` Attempts still hold and what it carved for its own
-        Children), which may spend it at once; the Child never uses it again. It sends with
-        this session's adapter (``async with`` for an :class:`AsyncRunSession`'s).
+        Children), which may spend it at once; the Child never uses it again. An entry that
+        raises once the Child is admitted (a cancellation, ``KeyboardInterrupt``, an error)
+        ends a Child that no lease held before (``cancelled``, or ``failed`` for an error) and
+        gives its whole carve back before the exception propagates: its id is spent, open the
+        next Child under a new one. A Child held before (resumed) stays as it was. It sends
+        with this session's adapter (``async with`` for an :class:`AsyncRunSession`'s).
 
         Args:
             child_id: The Child Run's id.
@@ -632,15 +687,17 @@ class RunSession(_SessionCore):
 
     Entering checks every route's key, admits the Run (or resumes it: the same id and
     content), takes its lease and starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving
-    finishes the Run and releases the lease. A session is entered once; its methods work only
-    inside the block. An entry that raises once the Run is admitted (an ordinary error, such
-    as an adapter that cannot be built, or an interruption such as ``KeyboardInterrupt``,
-    even one landing right after the lease's commit) gives back the lease it took before the
-    exception propagates unchanged, as the async entry does (a cancellation included): the
-    Run stays admitted, and the next session (any executor) enters it at once. Likewise an
-    exit that an interruption cuts short (a ``KeyboardInterrupt`` landing in its finish or
-    release, even right after a commit) completes the finish and release once more before
-    the interruption propagates, as the async exit outlasts cancellations: the Run ends as
+    finishes the Run and releases the lease. A session is entered once; its methods
+    work only inside the block. An entry that raises once the Run is admitted (an ordinary
+    error, such as an adapter that cannot be built, or an interruption such as
+    ``KeyboardInterrupt``, even one landing right after the lease's commit) gives back the
+    lease it took before the exception propagates unchanged, as the async entry does (a
+    cancellation included): a root Run stays admitted, and the next session (any executor)
+    enters it at once; a Child Run that no lease had held before is ended (``cancelled``, or
+    ``failed`` for an error), which gives its carve back to the parent (:meth:`child`).
+    Likewise an exit that an interruption cuts short (a ``KeyboardInterrupt`` landing in its
+    finish or release, even right after a commit) completes the finish and release once more
+    before the interruption propagates, as the async exit outlasts cancellations: the Run ends as
     its block did, and the next session enters it at once.
 
     The status the Run ends in: when the block raised, ``cancelled`` for a cancellation
@@ -712,35 +769,49 @@ class RunSession(_SessionCore):
     def _open(self) -> RunSession:
         from ledger.api.lease import LeaseKeeper
 
-        # Admission checks every route's key first, with the provider this session sends with.
-        self.record = self.ledger.admit_run(
-            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
         # No exit runs for an entry that raised: whatever it took is given back here, or the
-        # lease would refuse the Run to every other executor until it lapsed.
-        lease: Lease | None = None
+        # lease would refuse the Run to every other executor until it lapsed (and a Child's
+        # carve would stay out of its parent's budget).
+        got = _Entry()
         made = self._adapter is None
         try:
-            lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
-            self._keeper = LeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+            try:
+                # Admission checks every route's key first, with the provider this session
+                # sends with.
+                self.record = self.ledger.admit_run(
+                    self.run_id, **self.admission,
+                    secrets=_key_source(self._adapter, self._secrets))
+            except BaseException as e:
+                got.unadmitted = e
+                raise
+            got.acquiring = True
+            try:
+                got.lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
+            except BaseException as e:
+                got.refused = e
+                raise
+            self._keeper = LeaseKeeper(self.ledger, got.lease, ttl_s=self.lease_ttl_s)
+            self._keeper.start()
             if made:
                 from ledger.adapters import SyncAdapter
 
                 self._adapter = SyncAdapter(secrets=self._secrets)
         except BaseException as e:
-            self._give_back(lease, e, made)
+            self._give_back(got, e, made)
             raise
         self._state = "open"
         return self
 
-    def _give_back(self, lease: Lease | None, exc: BaseException, made: bool) -> None:
+    def _give_back(self, got: _Entry, exc: BaseException, made: bool) -> None:
         """Give back what an entry that raised ``exc`` took (keeper, lease, adapter ``made``).
 
-        ``lease`` is ``None`` when the acquisition itself raised. Its own errors
-        (``LeaseHeld``, a closed Run, a database that stayed away) took nothing; anything
-        else (an interruption such as ``KeyboardInterrupt``, or an ordinary exception of the
-        driver) may land after its commit, the lease taken but never returned: that is
-        resolved as a lost acknowledgement is, by acquiring it again (one's own live lease
-        comes back under its fence; one that never landed is taken now), then released
+        ``got`` says how far the entry came (:meth:`_SessionCore._unwind` says what is
+        undone). An acquisition that raised anything but the ledger's own refusals
+        (``LeaseHeld``, a closed Run, a database that stayed away: they took nothing), such as
+        an interruption like ``KeyboardInterrupt`` or an ordinary exception of the driver,
+        may land after its commit, the lease taken but never returned: that is resolved as a
+        lost acknowledgement is, by acquiring it again (one's own live lease comes back under
+        its fence; one that never landed is taken now), then released
         (:func:`_may_have_taken`). Once the lease is taken, whatever raises (starting the
         keeper, building the adapter) finds the keeper, which is stopped, and its lease
         released. A give-back that fails (or is interrupted in its turn) is logged and
@@ -753,12 +824,8 @@ class RunSession(_SessionCore):
         try:
             if keeper is not None:
                 keeper.stop()
-                lease = keeper.lease
-            elif lease is None and _may_have_taken(exc):
-                with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
-                    lease = self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
-            if lease is not None:
-                self.ledger.release_lease(lease)
+                got.lease = keeper.lease
+            self.ledger._runner.run(self._unwind(got, exc))
         except BaseException as e:
             _note_kept(self, exc, e)
         finally:
@@ -990,8 +1057,10 @@ class AsyncRunSession(_SessionCore):
     The same block, methods and errors, awaited; it sends with an
     :class:`~ledger.adapters.HttpAdapter`, and leaving finishes the Run and releases its lease
     even when the block is cancelled. An entry that raises once the Run is admitted (a
-    cancellation, or an ordinary error) gives back the lease it took, however often it is
-    cancelled meanwhile, before the exception propagates unchanged.
+    cancellation, or an ordinary error) gives back the lease it took, and ends a Child Run no
+    lease had held before (its carve back to the parent), however often it is cancelled
+    meanwhile, before the exception propagates unchanged: the entry waits for its admission's
+    and its acquisition's outcomes, which may commit although it was cancelled.
     """
 
     ledger: AsyncFace[Any, Any]
@@ -1018,51 +1087,58 @@ class AsyncRunSession(_SessionCore):
     async def _open(self) -> AsyncRunSession:
         from ledger.api.lease import AsyncLeaseKeeper
 
-        self.record = await self.ledger.admit_run(
-            self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets))
-        # Read now, awaited: child() and the turns then find the frozen Run in the cache. Read
-        # before the lease is taken: an entry that fails holds nothing (no exit will run).
-        await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
         # No exit runs for an entry that raised: whatever it took is given back here, or the
-        # lease would refuse the Run to every other executor until it lapsed.
-        lease: Lease | None = None
-        refused: BaseException | None = None  # what the acquisition itself raised
+        # lease would refuse the Run to every other executor until it lapsed (and a Child's
+        # carve would stay out of its parent's budget).
+        got = _Entry()
         made = self._adapter is None
         try:
-            acquiring = asyncio.ensure_future(
-                self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s))
-            # The acquisition may commit although the entry was cancelled (the database
-            # finishes what it was sent): its outcome decides what is given back.
-            cancelled = await outlast(acquiring)
-            refused = _error_of(acquiring)
-            if refused is None:
-                lease = acquiring.result()
+            # The admission (a Child's carves its parent's budget) and the acquisition may
+            # commit although the entry was cancelled (the database finishes what it was
+            # sent): their outcomes decide what is given back.
+            admitting = asyncio.ensure_future(self.ledger.admit_run(
+                self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets)))
+            cancelled = await outlast(admitting)
+            got.unadmitted = _error_of(admitting)
+            if got.unadmitted is None:
+                self.record = admitting.result()
             if cancelled is not None:
                 raise cancelled
-            lease = acquiring.result()
-            self._keeper = AsyncLeaseKeeper(self.ledger, lease, ttl_s=self.lease_ttl_s).start()
+            self.record = admitting.result()
+            # Read now, awaited: child() and the turns then find the frozen Run in the cache.
+            await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
+            got.acquiring = True
+            acquiring = asyncio.ensure_future(
+                self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s))
+            cancelled = await outlast(acquiring)
+            got.refused = _error_of(acquiring)
+            if got.refused is None:
+                got.lease = acquiring.result()
+            if cancelled is not None:
+                raise cancelled
+            got.lease = acquiring.result()
+            self._keeper = AsyncLeaseKeeper(self.ledger, got.lease, ttl_s=self.lease_ttl_s)
+            self._keeper.start()
             if made:
                 from ledger.adapters import HttpAdapter
 
                 self._adapter = HttpAdapter(secrets=self._secrets)
         except BaseException as e:
-            await self._give_back(lease, e, made, refused)
+            await self._give_back(got, e, made)
             raise
         self._state = "open"
         return self
 
-    async def _give_back(self, lease: Lease | None, exc: BaseException, made: bool,
-                         refused: BaseException | None) -> None:
+    async def _give_back(self, got: _Entry, exc: BaseException, made: bool) -> None:
         """Give back what an entry that raised ``exc`` took (keeper, lease, adapter ``made``).
 
-        As :meth:`RunSession._give_back`; ``refused`` is what the acquisition raised (then
-        ``lease`` is ``None``). The give-back outlasts cancellations of the entry (the
-        original ``exc`` is what the entry raises).
+        As :meth:`RunSession._give_back`. The give-back outlasts cancellations of the entry
+        (the original ``exc`` is what the entry raises).
         """
         keeper, self._keeper = self._keeper, None
         adapter = self._adapter if made else None
         self._adapter = None if made else self._adapter
-        giving = asyncio.ensure_future(self._return_lease(lease, keeper, refused))
+        giving = asyncio.ensure_future(self._return_lease(got, keeper, exc))
         await outlast(giving)  # cancelled meanwhile: the give-back still ends first
         failed = _error_of(giving)
         if failed is not None:
@@ -1070,16 +1146,12 @@ class AsyncRunSession(_SessionCore):
         if adapter is not None:
             await adapter.aclose()
 
-    async def _return_lease(self, lease: Lease | None, keeper: AsyncLeaseKeeper | None,
-                            refused: BaseException | None) -> None:
+    async def _return_lease(self, got: _Entry, keeper: AsyncLeaseKeeper | None,
+                            exc: BaseException) -> None:
         if keeper is not None:
             await keeper.stop()
-            lease = keeper.lease
-        elif lease is None and _may_have_taken(refused):
-            with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
-                lease = await self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s)
-        if lease is not None:
-            await self.ledger.release_lease(lease)
+            got.lease = keeper.lease
+        await self.ledger._runner.arun(self._unwind(got, exc))
 
     async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
         self._state = "ended"

@@ -7,8 +7,10 @@ the lease back, and so does an entry of either kind failing with an ordinary err
 lease is taken (right after its commit, or building its adapter); a Run admitted by an entry
 cancelled before its lease is resumed by the next entry; an exit cancelled again and again still
 finishes the Run and releases it, and so does a sync exit interrupted in its finish or release
-(a second interruption is noted, and the exit is written at the ledger's close()). The turns
-send with a function (no provider is needed); both backends.
+(a second interruption is noted, and the exit is written at the ledger's close()). A Child whose
+entry raised after its admission (which carved the parent's budget) is ended and gives the carve
+back, unless a lease held it before (then it stays resumable). The turns send with a function (no
+provider is needed); both backends.
 """
 
 from __future__ import annotations
@@ -710,3 +712,111 @@ def test_an_async_entry_whose_adapter_cannot_be_built_gives_its_lease_back(
             await _enters_at_once_async(db_url, clock, "r", fake)
 
     asyncio.run(main())
+
+
+# -- a Child whose entry raised ----------------------------------------------------------------
+
+CHILD = Budget(max_calls=2, max_retries=1, max_cost=Decimal("0.3"))
+
+
+def _nothing_stranded(parent: Any, child: Any) -> None:
+    """The parent's carve is all back, and a Child the entry admitted ended, holding nothing."""
+    assert parent.carved == 0 and parent.carved_calls == 0 and parent.carved_retries == 0
+    if child is not None:  # None: the entry raised before the Child was admitted
+        assert (child.status, child.lease_holder) == (RunStatus.CANCELLED, None)
+        assert child.returned == CHILD.max_cost
+
+
+def test_a_child_whose_entry_is_cancelled_after_its_carve_is_ended_and_gives_it_back(
+        db_url: str, fake: Any) -> None:
+    # The cancellation lands at each clock reading of a Child's entry in turn (its admission,
+    # which carves the parent's budget, the lease's acquisition): wherever it lands, the
+    # parent's money is not kept by a Child whose block never ran.
+    clock = _CancelsEntry(80_000.0)
+
+    async def main() -> int:
+        admitted = 0
+        async with AsyncLedger.open(db_url, clock=clock) as led, \
+                led.run("p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            for at in range(1, 12):
+                child_id = f"c{at}"
+
+                ran: list[str] = []
+
+                async def enter(child_id: str = child_id, ran: list[str] = ran) -> None:
+                    async with run.child(child_id, budget=CHILD):
+                        ran.append(child_id)
+
+                clock.reads, clock.at = 0, at
+                clock.task = asyncio.ensure_future(enter())
+                try:
+                    await clock.task
+                except asyncio.CancelledError:
+                    pass
+                finally:
+                    clock.task = None
+                if ran:
+                    break  # the entry reads the clock fewer times: every reading was tried
+                try:
+                    child = await led.get_run(child_id)
+                    admitted += 1
+                except NotFound:
+                    child = None
+                _nothing_stranded(await led.get_run("p"), child)
+            # The parent spends its whole budget: none of it is kept by a Child.
+            assert (await run.turn(HELLO, send=_served)).output == "ok"
+        return admitted
+
+    assert asyncio.run(main()) > 0  # the scene happened: a cancelled entry's Child was carved
+
+
+def test_a_child_whose_sync_entry_is_interrupted_after_its_carve_is_ended_and_gives_it_back(
+        db_url: str, fake: Any) -> None:
+    # KeyboardInterrupt lands at each clock reading of a sync Child entry in turn (admission,
+    # the lease's acquisition, the keeper's start): the parent's carve always comes back.
+    clock = _InterruptsEntry(80_000.0)
+    admitted = 0
+    with Ledger.open(db_url, clock=clock) as led, \
+            led.run("p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        for at in range(1, 12):
+            child_id = f"c{at}"
+            clock.reads, clock.at = 0, at
+            try:
+                with run.child(child_id, budget=CHILD):
+                    clock.at = 0
+                    break  # the entry reads the clock fewer times: every reading was tried
+            except KeyboardInterrupt:
+                pass
+            finally:
+                clock.at = 0
+            try:
+                child = led.get_run(child_id)
+                admitted += 1
+            except NotFound:
+                child = None
+            _nothing_stranded(led.get_run("p"), child)
+    assert admitted > 0
+
+
+def test_a_child_entered_before_whose_entry_is_interrupted_stays_resumable(
+        db_url: str, fake: Any) -> None:
+    # A Child some lease held before is not this entry's to end: it stays as it was (its carve
+    # with it, for what it holds and will do), and the next entry continues it.
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led, \
+            led.run("p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        led.admit_run("c", plan=plan(fake), budget=CHILD, grant=GRANT, parent=run.lease)
+        led.release_lease(led.acquire_lease("c", ttl_s=TTL))  # a host held it once
+        faults.arm("acquire.after_commit", _ctrl_c)
+        try:
+            with pytest.raises(KeyboardInterrupt), run.child("c", budget=CHILD):
+                pass  # pragma: no cover - the entry raised
+        finally:
+            faults.disarm()
+        child = led.get_run("c")
+        assert (child.status, child.lease_holder, child.returned) == (
+            RunStatus.ADMITTED, None, 0)
+        assert led.get_run("p").carved == CHILD.max_cost
+        with run.child("c", budget=CHILD) as sub:
+            assert sub.turn(HELLO, send=_served_sync).output == "ok"
+        assert led.get_run("c").status is RunStatus.SUCCEEDED
