@@ -21,6 +21,10 @@ whose ``COMMIT``'s outcome was unknown and that was never sent: ``not_sent``; a 
 retry owner the database did not take: as the turn decided it), as soon as the database answers
 again (:mod:`ledger.decide.resolve`).
 
+A Run session's keeper renews only while the session exists (it holds it weakly): a session
+dropped without leaving its block stops the renewals at the next tick, and its lease lapses for
+another executor to take the Run over.
+
 Both twins share one implementation of the schedule (:class:`KeeperCore.tick`); time comes from
 an injectable clock and the waits from an injectable sleeper, so tests never sleep.
 """
@@ -32,6 +36,7 @@ import contextlib
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -95,6 +100,17 @@ class KeeperCore:
         self._on_lost: list[Callable[[FencedOut], None]] = []
         #: Why the last renewal failed; ``None`` once one succeeded.
         self._failed: Exception | None = None
+        #: What the lease is kept for (a Run session), when :meth:`_held_by` named it.
+        self._owner: weakref.ref[object] | None = None
+
+    def _held_by(self, owner: object) -> None:
+        """Keep the lease only while ``owner`` (a Run session) exists.
+
+        Held weakly: a session dropped without leaving its block (never exited, then
+        garbage-collected) has nobody working under its lease, which must then lapse for
+        another executor to take the Run over, not stay renewed until the process exits.
+        """
+        self._owner = weakref.ref(owner)
 
     def _due(self, lease: Lease, now: float) -> float:
         """When ``lease`` is next renewed (an interval on, or sooner by its own end).
@@ -151,16 +167,17 @@ class KeeperCore:
         A renewal is due an interval after the last one, or sooner once no more of the lease is
         left than ``ttl_s - interval_s`` (a lease the keeper was handed partly run out: at once
         when it is that close to its end already).
-        A renewal refused with :class:`FencedOut` loses the Run. An unreachable database
-        (:class:`DatabaseUnavailable`) is retried every quarter interval while a renewal can
-        still be accepted, that is until the ledger's ``lease_margin_s`` before the lease's
-        end, and at that moment it is lost with :class:`LeaseLost`, without a last try the
-        database would refuse. Nothing is raised: :meth:`check` raises afterwards. Each tick
-        first resolves what the process left unresolved for the Run (a begin of the retry
-        owner whose ``COMMIT``'s outcome was unknown and that was never sent: settled
-        ``not_sent``; a settle of the retry owner the database did not take: written as the
-        turn decided it, which frees its capacity slot), every quarter interval while the
-        database does not answer.
+        A keeper of a Run session that was dropped without leaving its block renews no more
+        (``math.inf``). A renewal refused with :class:`FencedOut` loses the Run. An
+        unreachable database (:class:`DatabaseUnavailable`) is retried every quarter interval
+        while a renewal can still be accepted, that is until the ledger's ``lease_margin_s``
+        before the lease's end, and at that moment it is lost with :class:`LeaseLost`, without
+        a last try the database would refuse. Nothing is raised: :meth:`check` raises
+        afterwards. Each tick first resolves what the process left unresolved for the Run (a
+        begin of the retry owner whose ``COMMIT``'s outcome was unknown and that was never
+        sent: settled ``not_sent``; a settle of the retry owner the database did not take:
+        written as the turn decided it, which frees its capacity slot), every quarter interval
+        while the database does not answer.
         """
         return self.ledger._runner.run(self._tick())
 
@@ -169,6 +186,12 @@ class KeeperCore:
         if self.error is not None:
             return math.inf
         lease = self.lease
+        if self._owner is not None and self._owner() is None:
+            log.warning("run %s: its Run session was dropped without leaving its block; its "
+                        "lease (fence %d) is no longer renewed and lapses at %s, for another "
+                        "executor (or recovery) to take the Run over", lease.run_id,
+                        lease.fence, lease.expires_at)
+            return math.inf
         pending = yield from self._resolve(lease)
         now = self.clock.now()
         # Past this, a renewal is refused as expired: one that failed is given up here rather

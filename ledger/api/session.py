@@ -17,7 +17,7 @@ the other's turns). Leaving the block, or an entry that raised, frees the Run id
 
 Entering checks that every route's key can be resolved (nothing is recorded when one cannot),
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
-renewed in the background (an entry that raises after that gives the
+renewed in the background while the session exists (an entry that raises after that gives the
 lease back, whatever it raises, and ends a Child Run no lease had held before, which gives its
 carve back to the parent); leaving finishes the Run and releases the lease, on every path,
 cancellation included, and an interruption of the exit's own writes (when the database does not
@@ -686,8 +686,9 @@ class RunSession(_SessionCore):
     """A Run held in a ``with`` block (see the module docstring); made by :meth:`Ledger.run`.
 
     Entering checks every route's key, admits the Run (or resumes it: the same id and
-    content), takes its lease and starts a :class:`~ledger.api.lease.LeaseKeeper`; leaving
-    finishes the Run and releases the lease. A session is entered once; its methods
+    content), takes its lease and starts a :class:`~ledger.api.lease.LeaseKeeper`, which renews
+    it while the session exists (a session dropped without leaving its block lets it lapse);
+    leaving finishes the Run and releases the lease. A session is entered once; its methods
     work only inside the block. An entry that raises once the Run is admitted (an ordinary
     error, such as an adapter that cannot be built, or an interruption such as
     ``KeyboardInterrupt``, even one landing right after the lease's commit) gives back the
@@ -791,6 +792,7 @@ class RunSession(_SessionCore):
                 got.refused = e
                 raise
             self._keeper = LeaseKeeper(self.ledger, got.lease, ttl_s=self.lease_ttl_s)
+            self._keeper._held_by(self)
             self._keeper.start()
             if made:
                 from ledger.adapters import SyncAdapter
@@ -1118,6 +1120,7 @@ class AsyncRunSession(_SessionCore):
                 raise cancelled
             got.lease = acquiring.result()
             self._keeper = AsyncLeaseKeeper(self.ledger, got.lease, ttl_s=self.lease_ttl_s)
+            self._keeper.core._held_by(self)
             self._keeper.start()
             if made:
                 from ledger.adapters import HttpAdapter

@@ -9,13 +9,16 @@ cancelled before its lease is resumed by the next entry; an exit cancelled again
 finishes the Run and releases it, and so does a sync exit interrupted in its finish or release
 (a second interruption is noted, and the exit is written at the ledger's close()). A Child whose
 entry raised after its admission (which carved the parent's budget) is ended and gives the carve
-back, unless a lease held it before (then it stays resumable). The turns send with a function (no
-provider is needed); both backends.
+back, unless a lease held it before (then it stays resumable); a session dropped without leaving
+its block stops renewing its lease, which lapses for a takeover. The turns send with a function
+(no provider is needed); both backends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import math
 import threading
 from decimal import Decimal
 from typing import Any
@@ -820,3 +823,62 @@ def test_a_child_entered_before_whose_entry_is_interrupted_stays_resumable(
         with run.child("c", budget=CHILD) as sub:
             assert sub.turn(HELLO, send=_served_sync).output == "ok"
         assert led.get_run("c").status is RunStatus.SUCCEEDED
+
+
+# -- a session dropped without leaving its block -----------------------------------------------
+
+
+def _dropped(led: Ledger, run_id: str, fake: Any) -> Any:
+    """A session entered and never left (its object then dropped); its keeper, stopped so
+    that the test ticks it by the manual clock."""
+    session = led.run(run_id, plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL)
+    keeper = session.__enter__()._keeper
+    keeper.stop()
+    return keeper
+
+
+def test_a_dropped_sessions_lease_is_no_longer_renewed_and_lapses_for_a_takeover(
+        db_url: str, fake: Any) -> None:
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        keeper = _dropped(led, "r", fake)
+        gc.collect()  # the session is gone: nothing refers to it but the keeper, weakly
+        clock.advance(TTL / 3)
+        assert math.isinf(keeper.tick()) and keeper.renewals == 0
+        clock.advance(TTL)  # the lease lapsed: another executor takes the Run over
+        _enters_at_once(db_url, clock, "r", fake)
+
+
+def test_a_kept_sessions_lease_is_renewed_by_the_same_ticks(db_url: str, fake: Any) -> None:
+    # The other side of the one above: while the session exists, the ticks renew its lease.
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led, \
+            led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL) as run:
+        run._keeper.stop()
+        for _ in range(4):
+            clock.advance(TTL / 3)
+            gc.collect()
+            assert not math.isinf(run._keeper.tick())
+        assert run._keeper.renewals >= 3 and run.lease.expires_at > clock.now()
+
+
+def test_a_dropped_async_sessions_lease_is_no_longer_renewed_and_lapses_for_a_takeover(
+        db_url: str, fake: Any) -> None:
+    clock = ManualClock(80_000.0)
+
+    async def dropped(led: AsyncLedger) -> Any:
+        session = led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL)
+        keeper = (await session.__aenter__())._keeper
+        await keeper.stop()
+        return keeper
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            keeper = await dropped(led)
+            gc.collect()
+            clock.advance(TTL / 3)
+            assert math.isinf(await keeper.tick()) and keeper.renewals == 0
+            clock.advance(TTL)
+            await _enters_at_once_async(db_url, clock, "r", fake)
+
+    asyncio.run(main())
