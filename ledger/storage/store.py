@@ -84,6 +84,7 @@ from ledger.errors import (
 from ledger.storage import hot
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver, Tx
+from ledger.storage.failure import closed_error
 from ledger.storage.rows import SnapshotRows
 from ledger.storage.runner import Flow, Runner, Workers, blocking, txn
 from ledger.storage.runs import RunQueries
@@ -214,6 +215,8 @@ class Store:
         self._runs = RunQueries(context)
         #: Whether :meth:`close` was called: a connection asked of it since is refused.
         self.closed = False
+        #: Whether :meth:`leave_queues` ran (the ledger is closing): no begin is made since.
+        self.closing = False
 
     def close(self) -> None:
         """Close every connection, for good: what asks for one afterwards (a call made after
@@ -426,7 +429,12 @@ class Store:
         processes), nothing is recorded as an Attempt, and the same begin again records it
         once its place comes up (with a ``capacity_wait`` event). A begin retried under a lease
         acquired again whose adoption the group refuses voids its record and frees its slot:
-        the error says ``adoption=True``, and a waiter of the group here is woken."""
+        the error says ``adoption=True``, and a waiter of the group here is woken. Once the
+        ledger is closing (:meth:`leave_queues`), every begin is refused as after its close
+        (``InvalidState``, ``problem="ledger_closed"``), writing nothing."""
+        if self.closing:
+            # A waiter woken between its place's removal and the close would queue anew.
+            raise closed_error(self.where)
         yield from self._first(spec.run_id, clock)
         out = yield from resolving(
             "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
@@ -436,6 +444,26 @@ class Store:
                 self.waker.poke(spec.route.group)  # committed already: as a settle's slot
             raise out.error
         return out
+
+    def leave_queues(self) -> Flow[None]:
+        """Give up the queue places of this store's waiters (the ledger's ``close()``).
+
+        From now on no begin is made here (:meth:`begin_attempt`): a waiter woken meanwhile
+        would take a place again. A place left in the table would otherwise count as a waiter
+        ahead of every later one, in every process, until its Run's lease lapsed (its session
+        cannot leave its block on a closed ledger) or its own bound passed. One try each; what
+        the database does not take is logged at WARNING and lapses that way, as a crashed
+        process's places do.
+        """
+        self.closing = True
+        for waiter, group in self.waker.queued():
+            try:
+                yield from self.leave_queue(waiter, group)
+            except LedgerError as e:
+                log.warning("closing the ledger, the place of waiter %s in group %s's queue "
+                            "was not given up (it lapses with its Run's lease): %s",
+                            waiter, group, e)
+                return
 
     def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in

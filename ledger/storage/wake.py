@@ -295,6 +295,10 @@ class SlotWaker:
         #: The database's listening connection in this process, shared with every other store
         #: open on it (``None``: no channel, or this store is closed).
         self._channel = None if listen is None else _CHANNELS.open(key, self)
+        #: This store's waiters (the registry is the process's): waiter id -> group, for the
+        #: store's close to give up their places (:meth:`queued`).
+        self._mine: dict[str, str] = {}
+        self._mine_lock = threading.Lock()
 
     def poke(self, group: str | None) -> None:
         """Wake this process's earliest waiter of ``group`` not woken yet: one slot came free
@@ -307,6 +311,7 @@ class SlotWaker:
 
         Returns once the listening connection listens, or after :data:`LISTEN_READY_S`.
         """
+        self._own(waiter, group)
         if self._known(waiter, ticket):
             return False
         _REGISTRY.add(self.key, waiter, _Signal(group, ticket))
@@ -320,6 +325,7 @@ class SlotWaker:
         :class:`asyncio.Event`, and the wait for the listening connection is on a worker
         thread, so the loop runs meanwhile (a server slow to accept a connection would
         otherwise stop it for up to :data:`LISTEN_READY_S`)."""
+        self._own(waiter, group)
         if self._known(waiter, ticket):
             return False
         signal = _Signal(group, ticket, loop=asyncio.get_running_loop(),
@@ -329,6 +335,15 @@ class SlotWaker:
         if ready is not None and not ready.is_set():
             await self._offload(ready.wait, LISTEN_READY_S)
         return True
+
+    def _own(self, waiter: str, group: str) -> None:
+        with self._mine_lock:
+            self._mine[waiter] = group
+
+    def queued(self) -> list[tuple[str, str]]:
+        """This store's waiters still registered: (waiter id, group) each."""
+        with self._mine_lock:
+            return list(self._mine.items())
 
     def _known(self, waiter: str, ticket: int) -> bool:
         return _REGISTRY.retick(self.key, waiter, ticket)
@@ -353,6 +368,8 @@ class SlotWaker:
     def leave(self, waiter: str) -> None:
         """Forget ``waiter`` (it was served, gave up or was cancelled); a wake it did not use
         goes to the next waiter of its group."""
+        with self._mine_lock:
+            self._mine.pop(waiter, None)
         if _REGISTRY.remove(self.key, waiter):
             # By key, not this store's: a waiter of a store closed meanwhile may be the last.
             _CHANNELS.idle(self.key)

@@ -3,9 +3,10 @@
 A turn whose target group is full waits for a slot, bounded by ``max_capacity_wait_s`` and the
 Run's deadline; waiters are served first come, first served across processes; a waiter that is
 cancelled or times out leaves the queue and nothing else behind; a dead waiter's place lapses
-with its lease. A wait writes no ``rejected`` Attempt: it is recorded once (``capacity_wait``)
-and shows in the audit timeline and ``run show``. Waits wake when a slot frees (PostgreSQL
-``LISTEN/NOTIFY``, or in-process signals), polling only as a bounded fallback.
+with its lease, and a closed ledger's waiters give their places up at the close. A wait writes
+no ``rejected`` Attempt: it is recorded once (``capacity_wait``) and shows in the audit timeline
+and ``run show``. Waits wake when a slot frees (PostgreSQL ``LISTEN/NOTIFY``, or in-process
+signals), polling only as a bounded fallback.
 
 Real HTTP over loopback (the fake provider), real PostgreSQL and SQLite files, real OS
 processes for order and reclaiming; no test sleeps to make time pass.
@@ -37,6 +38,7 @@ from ledger import (
     Envelope,
     FailoverExhausted,
     Grant,
+    InvalidState,
     Ledger,
     ManualClock,
     Notice,
@@ -401,6 +403,47 @@ def test_a_cancelled_waiter_leaves_the_queue_and_nothing_else(
                                               reserve="0")
                 assert att.state is AttemptState.DISPATCHING
             assert await led.timeline("w") == []  # nothing recorded for the cancelled wait
+
+    asyncio.run(main())
+
+
+def test_a_closed_ledgers_waiters_leave_no_place_to_count_or_wait_behind(
+        db_url: str, fake: FakeProvider) -> None:
+    # A ledger closed while its turns wait in a full group's queue: their sessions cannot leave
+    # their blocks on it (their leases stay until they lapse), yet their places go at the
+    # close, so nobody counts them as waiting nor waits behind them.
+    route = _route(fake)
+
+    async def main() -> None:
+        with Ledger.open(db_url) as other:
+            lease, held = _hold(other, route)
+            queued = asyncio.Event()
+            waiting: list[str] = []
+
+            def on_notice(n: Notice) -> None:
+                if n.kind == "queued":
+                    waiting.append(n.kind)
+                    if len(waiting) == 2:
+                        queued.set()
+
+            async with AsyncLedger.open(db_url) as led:
+
+                async def wait_in(run_id: str) -> None:
+                    async with led.run(run_id, plan=[route], budget=BUDGET, grant=GRANT) as run:
+                        await run.turn(ENV, on_notice=on_notice)
+
+                tasks = [asyncio.ensure_future(wait_in(f"w{i}")) for i in range(2)]
+                await asyncio.wait_for(queued.wait(), PATIENCE_S)
+                assert _waiting(other) == 2
+                await led.close()
+                for t in await asyncio.gather(*tasks, return_exceptions=True):
+                    assert isinstance(t, InvalidState) and t.fields["problem"] == "ledger_closed"
+            assert _waiting(other) == 0
+            other.settle_attempt(lease, held, outcome="succeeded", cost="0")
+            # A begin that is not queued is refused while anyone waits ahead: nobody does.
+            att = other.begin_attempt(lease, route="a", envelope_hash="sha256:next", reserve="0")
+            assert att.state is AttemptState.DISPATCHING
+            assert other.timeline("w0") == [] and other.timeline("w1") == []
 
     asyncio.run(main())
 

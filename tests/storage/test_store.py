@@ -39,6 +39,8 @@ STORE_FLOWS = {
     # What the process left unresolved (ledger.decide.resolve), resolved before the Run's next
     # write, by the lease keeper and on close().
     "resolve_begin", "resolve_run", "settle_pending",
+    # A closing ledger's waiters give up their places in capacity queues.
+    "leave_queues",
 }
 QUERY_OBJECTS = [RunQueries, RecoveryQueries, AuditQueries, SeriesQueries]
 
