@@ -676,13 +676,15 @@ def _health(args: argparse.Namespace) -> int:
         return 0
     now = rep.now
     print("routes and profiles")
+    # COUNTED SINCE last, so the columns scripts already read keep their places; with its
+    # instant, as an operator compares it with when Attempts began.
     print(table(["KEY", "KIND", "PROVIDER", "STATUS", "COOLDOWN", "DISABLED", "ERRORS",
-                 "RECENT", "LAST FAILURE", "LAST PROBE"],
+                 "RECENT", "LAST FAILURE", "LAST PROBE", "COUNTED SINCE"],
                 [[k.key, k.kind, k.provider, k.status, fmt_until(k.cooldown_until, now),
                   fmt_until(k.disabled_until, now)
                   + (f" ({k.disabled_reason})" if k.disabled_reason else ""),
                   k.error_count, k.recent_failures, relative(k.last_failure_at, now),
-                  relative(k.last_probe_at, now)]
+                  relative(k.last_probe_at, now), fmt_until(k.counted_at, now)]
                  for k in rep.routes + rep.profiles]))
     print()
     print("capacity groups")

@@ -256,7 +256,8 @@ def _health_html(rep: HealthReport) -> str:
              _until(k.disabled_until, now) + (f" ({_e(k.disabled_reason)})"
                                               if k.disabled_reason else ""),
              str(k.error_count), str(k.recent_failures), _ago(k.last_failure_at, now),
-             _ago(k.last_probe_at, now)] for k in rep.routes + rep.profiles]
+             _ago(k.last_probe_at, now), _ago(k.counted_at, now)]
+            for k in rep.routes + rep.profiles]
     groups = [[_e(g.group), _tag(g.mode), _until(g.until, now) if g.mode != "open" else _e(None),
                _e(g.reason) if g.mode != "open" else _e(None), _e(g.in_flight), _e(g.limit),
                _e(g.waiting)]
@@ -264,9 +265,10 @@ def _health_html(rep: HealthReport) -> str:
     return (
         '<section><h2>Routes and credential profiles</h2>'
         + _table(["key", "kind", "provider", "status", "cooldown until", "disabled until",
-                  "errors", "recent failures", "last failure", "last probe"], keys,
-                 "health-table", "no health recorded yet",
-                 ["id", "", "", "", "nowrap", "nowrap", "num", "num", "nowrap", "nowrap"])
+                  "errors", "recent failures", "last failure", "last probe", "counted since"],
+                 keys, "health-table", "no health recorded yet",
+                 ["id", "", "", "", "nowrap", "nowrap", "num", "num", "nowrap", "nowrap",
+                  "nowrap"])
         + '</section><section><h2>Capacity groups</h2>'
         + _table(["group", "mode", "waiting floor", "reason", "in flight", "limit", "waiting"],
                  groups, "groups-table", "no capacity groups yet",

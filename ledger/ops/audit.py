@@ -425,6 +425,16 @@ class KeyHealth:
     """One health row now: ``status`` is ``ok``, ``cooling`` or ``disabled``, with its counters.
 
     Counters past their reset time read as reset, as the selector would read them.
+
+    ``counted_at`` is when the failure that counted the key's current outage was recorded
+    (it stepped ``error_count``): its cooldown or disable runs from that outage, and the
+    failures of requests already in flight then restart the window (``last_failure_at``
+    moves) without moving it. Under ``health.count_overlapping_failures: false`` an outcome
+    of an Attempt begun before it is the same outage: its failure steps nothing, its success
+    does not reopen the key; one begun after it (a probe) steps the curve or reopens the key.
+    ``None`` when the key counts no outage (``error_count`` 0, also once its counters read
+    as reset), and on a row kept from before migration 0019 until the key's next counted
+    failure (the overlap is then measured from ``last_failure_at``).
     """
 
     key: str
@@ -441,6 +451,8 @@ class KeyHealth:
     last_probe_at: float | None
     # Failures below the policy's cooling threshold (health.cooldown_after), not yet forgotten.
     recent_failures: int = 0
+    # Last, with a default: a new field must not move the positions of the ones before it.
+    counted_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -744,6 +756,9 @@ def _key_health(row: Mapping[str, Any], now: float) -> KeyHealth:
         last_failure_at=row["last_failure_at"], last_used=row["last_used"],
         last_probe_at=row["last_probe_at"],
         recent_failures=0 if reset else len(json.loads(row.get("recent_failures") or "[]")),
+        # A reset clears it with the counters (ledger.decide.health.as_read): the next write
+        # would find no outage counted.
+        counted_at=None if reset else row.get("counted_at"),
     )
 
 
