@@ -6,11 +6,12 @@ kind's :meth:`~ledger.api.face.Face.run` gives (:mod:`ledger.api.session`).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Annotated, Any
 
 from ledger.api.arguments import SessionOptions
-from ledger.api.face import AsyncFace, SyncFace
+from ledger.api.face import AsyncFace, SyncFace, check_executor_free, release_executor
 from ledger.clock import Clock
 from ledger.domain.validation import checked, instance
 from ledger.storage.runner import in_own_thread
@@ -42,11 +43,14 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
 
     :class:`AsyncLedger` has the same methods, awaited. ``Ledger(store)`` builds one over a
     store that is already open (see :func:`ledger.storage.open_store`); the ledger owns it from
-    then on and closes it.
+    then on and closes it (unless it refused its ``executor_id``, one another ledger open in
+    this process holds on the same database: the store is then still the caller's).
 
     Attributes:
         clock: Where the ledger reads time (:class:`~ledger.SystemClock` by default).
-        executor_id: This process's name as a lease holder.
+        executor_id: This process's name as a lease holder; one open ledger's per database
+            in this process (a second ledger on the database under it is refused until this
+            one is closed).
 
     Example:
         >>> led = Ledger.open("ledger.db", clock=ManualClock())  # doctest: +SKIP
@@ -87,8 +91,11 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
             try:
                 self._store.close()
             finally:
-                if self._replica is not None:
-                    self._replica.close()
+                try:
+                    if self._replica is not None:
+                        self._replica.close()
+                finally:
+                    release_executor(self)
 
     def __enter__(self) -> Ledger:
         return self
@@ -101,6 +108,7 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
               migrate_schema: bool, lease_margin_s: float, read_url: str | None) -> Ledger:
         from ledger.storage import engine, open_reads, open_store
 
+        check_executor_free(executor_id, url)  # before the database is opened or migrated
         reads = None
         if read_url is not None:
             engine.parse(url)  # the URL's own faults first, named as its own
@@ -113,7 +121,16 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
             if reads is not None:
                 reads.close()
             raise
-        led = Ledger(store, clock=clock, executor_id=executor_id)
+        try:
+            # Claimed again here: another thread may have opened one under it meanwhile.
+            led = Ledger(store, clock=clock, executor_id=executor_id)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the refusal is the error to tell
+                store.close()
+            if reads is not None:
+                with contextlib.suppress(Exception):
+                    reads.close()
+            raise
         led._replica = reads
         return led
 

@@ -114,7 +114,13 @@ from ledger.domain.values import (
     Route,
     new_id,
 )
-from ledger.errors import AdmissionConflict, DatabaseUnavailable, InvalidArgument, NotFound
+from ledger.errors import (
+    AdmissionConflict,
+    DatabaseUnavailable,
+    InvalidArgument,
+    LedgerError,
+    NotFound,
+)
 from ledger.policy.model import FROZEN, Policy
 from ledger.storage.runner import Flow, Workers, blocking
 
@@ -167,6 +173,56 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
+# The executor ids of the ledgers open in this process, per database (its URL normalized and
+# redacted, as the store names it). Two ledgers on one database under one id would each take
+# the other's leases for their own (acquire_lease hands an executor its own live lease back,
+# under the same fence), which each ledger's registry of open Run sessions cannot see: a Run
+# session on each would run turns under one fence, and the first to leave would end the Run
+# under the other's. Ledgers on other databases never meet each other's leases. Weak, as that
+# registry is: a ledger dropped without close() stops holding its id once it is collected.
+_executors: weakref.WeakValueDictionary[tuple[str, str], Face[Any, Any]] = \
+    weakref.WeakValueDictionary()
+_executors_lock = threading.Lock()
+
+
+def _executor_in_use(executor_id: str, where: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"executor_id {executor_id!r} is already the executor of another ledger open in this "
+        f"process on {where}: the two would each take the other's Run leases for their own "
+        "(an executor's own lease comes back to it under the same fence), so a Run session on "
+        "each would run turns under one fence and the first to leave would end the Run under "
+        "the other's turns. Give each ledger its own executor_id (the default is a new unique "
+        "one), share the open ledger (its Run sessions may run at once, from threads or "
+        "tasks; AsyncLedger(ledger) shares it with async code), or close it first",
+        field="executor_id", problem="executor_in_use", executor_id=executor_id)
+
+
+def check_executor_free(executor_id: str | None, url: str) -> None:
+    """Refuse an ``executor_id`` a ledger open in this process holds on the database ``url``.
+
+    ``InvalidArgument`` (``problem="executor_in_use"``), before anything is opened for it. A
+    URL that cannot be parsed is left to the open, which names its fault.
+    """
+    if executor_id is None:
+        return
+    from ledger.storage import engine
+
+    try:
+        where = engine.redact_url(engine.normalize_url(url))
+    except LedgerError:
+        return
+    if _executors.get((executor_id, where)) is not None:
+        raise _executor_in_use(executor_id, where)
+
+
+def release_executor(ledger: Face[Any, Any]) -> None:
+    """A closed ledger gives up its executor id on its database in this process."""
+    key = (ledger.executor_id, ledger._store.context.where)
+    with _executors_lock:
+        if _executors.get(key) is ledger:
+            del _executors[key]
+
+
 class Face(Generic[SessionT, OpenedT]):
     """What :class:`Ledger` and :class:`AsyncLedger` share: every operation, written once.
 
@@ -197,6 +253,11 @@ class Face(Generic[SessionT, OpenedT]):
         self._runs = RunQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
+        key = (self.executor_id, store.context.where)
+        with _executors_lock:
+            if _executors.get(key) is not None:
+                raise _executor_in_use(*key)
+            _executors[key] = self
         # Per Run, what never changes once it is admitted, read once: its frozen Run, and what
         # its decisions read besides its live row (its ancestors up to its root, for
         # provenance; its groups and its health keys). A Run session's exit drops its Run's
@@ -265,6 +326,9 @@ class Face(Generic[SessionT, OpenedT]):
             clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
                 pass a :class:`~ledger.ManualClock`).
             executor_id: This process's name as a lease holder (default: a new unique id).
+                One open ledger's per database in this process (see Raises); across
+                processes and hosts, keep it unique yourself (``docs/operations.md``,
+                "Leases and fences").
             migrate_schema: Create or upgrade the schema first (``False`` for a read-only
                 role, or when migrations run separately: then a schema older or newer than
                 this package's is refused at open, see Raises).
@@ -287,7 +351,10 @@ class Face(Generic[SessionT, OpenedT]):
                 backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
                 ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range; a
                 ``read_url`` (``field="read_url"``) that cannot be parsed or is not
-                PostgreSQL's, or given with a SQLite ledger.
+                PostgreSQL's, or given with a SQLite ledger; an ``executor_id`` another ledger
+                open in this process holds on the same database
+                (``problem="executor_in_use"``, before anything is opened: the two would share
+                every lease; give each its own, or close the other first).
             DatabaseSetupError: the database is not set up for this URL, which no retry
                 fixes: the database or role does not exist, the server refused the
                 credentials, the role may not connect or migrate, a missing SQLite folder, a

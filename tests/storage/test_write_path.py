@@ -151,7 +151,9 @@ def test_a_settle_finds_the_attempts_run_and_route_whoever_began_it(
     l1, l2 = led.acquire_lease("r1"), led.acquire_lease("r2")
     mine = led.begin_attempt(l1, route="b", envelope_hash="sha256:e", reserve="0.1")
     theirs = led.begin_attempt(l1, route="c", envelope_hash="sha256:e", reserve="0.1")
-    with Ledger.open(db_url, clock=clock, executor_id="w1") as other:
+    # Its own executor id: one process refuses a second open ledger under "w1"; the lease it
+    # is handed is what it settles under.
+    with Ledger.open(db_url, clock=clock, executor_id="w2") as other:
         for settler, att in ((led, mine), (other, theirs)):
             with pytest.raises(NotFound):
                 settler.settle_attempt(l2, att.attempt_id, outcome="succeeded", cost="0.1")
