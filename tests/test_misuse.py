@@ -59,7 +59,7 @@ from ledger.ops.audit import AsyncAudit, Audit
 from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import arecover, recover
 from ledger.policy.load import load_policy, policy_hash, preset
-from ledger.policy.model import CooldownCurve
+from ledger.policy.model import CooldownCurve, ProfilePolicy
 from ledger.storage import schema
 from tests.storage.helpers import as_an_earlier_version, sql_context
 
@@ -269,6 +269,8 @@ CASES: list[Case] = [
       lambda f: Policy.model_validate_json('{"name": "x", "moves_on": [{"categories": []}]}')),
     C("policy section built in code", "cap_s", "raise cap_s",
       lambda f: CooldownCurve(base_s=100, cap_s=10)),
+    C("policy list naming an entry twice", "type_order[1]", "list each profile type once",
+      lambda f: ProfilePolicy(type_order=["oauth", "oauth"])),
     C("policy assignment", "name", "build a new Policy",
       lambda f: setattr(preset("fased"), "name", "y")),
     # -- admission ----------------------------------------------------------------------------

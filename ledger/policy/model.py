@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     GetJsonSchemaHandler,
     Strict,
     StrictBool,
@@ -28,7 +29,7 @@ from pydantic import (
 )
 from pydantic.config import JsonDict
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import CoreSchema
+from pydantic_core import CoreSchema, core_schema
 
 from ledger.domain.facts import Category, Phase, Scope, Transport
 from ledger.domain.media import MAX_BINARY_BYTES
@@ -150,6 +151,60 @@ ClassifiedCategory = Annotated[Category, AfterValidator(_not_a_provider_fact),
                                _CallerFactsExcluded()]
 
 
+class _EachOnce:
+    """A list setting whose entries are each listed once, refused at load otherwise.
+
+    Every list of a policy that names things (roles, providers, categories, phases, transport
+    kinds, statuses, patterns, profile types) means a set with, at most, an order: a second
+    entry for one thing changes nothing, or (``type_order``) silently moves the first one, and
+    in either case stands where another was likely meant. ``case`` says how text entries are
+    compared where they are used (case-insensitively): two spellings are then one entry.
+    ``delays_s`` is a sequence, not a set, and does not use it.
+    """
+
+    def __init__(self, what: str, case: str | None = None) -> None:
+        self.what = what
+        self.case = case
+
+    def __get_pydantic_core_schema__(self, source: Any,
+                                     handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.with_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        out = handler(schema)
+        # Exact repeats only: a schema cannot say "case-insensitively"; loading does.
+        out["uniqueItems"] = True
+        return out
+
+    def _check(self, values: list[Any], info: ValidationInfo) -> list[Any]:
+        if not _admitting(info):
+            return values
+        seen: dict[object, int] = {}
+        for i, value in enumerate(values):
+            key = value.casefold() if self.case and isinstance(value, str) else value
+            first = seen.setdefault(key, i)
+            if first == i:
+                continue
+            earlier = values[first]
+            shown = str(value) if isinstance(value, int) else repr(str(value))
+            if earlier == value:
+                problem = f"the {self.what} {shown} is listed twice (at [{first}] and [{i}])"
+            else:
+                problem = (f"{str(earlier)!r} (at [{first}]) and {shown} are one {self.what}: "
+                           f"{self.case}")
+            raise PolicyValueError(
+                problem, f"list each {self.what} once: remove [{i}], or correct it to the "
+                "one that was meant", field=f"[{i}]")
+        return values
+
+
+_CATEGORIES = _EachOnce("category")
+_TRANSPORTS = _EachOnce("transport kind")
+_PATTERNS = _EachOnce("pattern", "patterns are matched case-insensitively")
+_NAME = Annotated[str, Field(json_schema_extra={"pattern": _NOT_BLANK})]
+
+
 # Seed 003 section 8's roles that are "outside the scope of automatically broadening this
 # failover strategy", with the forms a host is likely to name them by.
 SEED_EXCLUDED_ROLES: tuple[str, ...] = (
@@ -215,7 +270,8 @@ class FailoverPolicy(_Section):
     # Roles that never fail over, compared case-insensitively. Seed 003's words ("independent
     # reviewers, fixed-model evaluations, diagnostic invocations, scheduled tasks, and context
     # compaction") and their common forms.
-    excluded_roles: list[Annotated[str, Field(json_schema_extra={"pattern": _NOT_BLANK})]] = Field(
+    excluded_roles: Annotated[
+        list[_NAME], _EachOnce("role", "roles are compared case-insensitively")] = Field(
         default_factory=lambda: list(SEED_EXCLUDED_ROLES))
     # "stop": effective output rules out another route; "discard": discard it, tell the caller,
     # move on (goclaw). A started tool always stops.
@@ -266,11 +322,13 @@ class MoveRule(_Section):
     carried nothing of the request.
     """
 
-    categories: list[RuleCategory] = Field(json_schema_extra=_NON_EMPTY)
+    categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(json_schema_extra=_NON_EMPTY)
     # None = any phase
-    phases: list[Phase] | None = Field(default=None, json_schema_extra=_NON_EMPTY)
+    phases: Annotated[list[Phase], _EachOnce("phase")] | None = Field(
+        default=None, json_schema_extra=_NON_EMPTY)
     # None = whatever the transport kind (or none)
-    transports: list[Transport] | None = Field(default=None, json_schema_extra=_NON_EMPTY)
+    transports: Annotated[list[Transport], _TRANSPORTS] | None = Field(
+        default=None, json_schema_extra=_NON_EMPTY)
     scope: Scope = Scope.ROUTE
 
     @field_validator("categories")
@@ -315,8 +373,8 @@ class RetryRule(_Section):
     when ``honor_retry_after``; a hint above ``retry_after_cap_s`` means no retry at all.
     """
 
-    categories: list[RuleCategory] = Field(default_factory=list)
-    transports: list[Transport] = Field(default_factory=list)
+    categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(default_factory=list)
+    transports: Annotated[list[Transport], _TRANSPORTS] = Field(default_factory=list)
     max: WholeNumber = Field(default=0, ge=0)
     delays_s: list[Seconds] = Field(default_factory=list)
     # Bounds checked by _jitter_range (its message says what jitter means); shown here.
@@ -434,7 +492,7 @@ class TextRule(_Section):
     """Free-text patterns (case-insensitive substrings) over the body and message."""
 
     category: ClassifiedCategory
-    patterns: list[Pattern] = Field(json_schema_extra=_NON_EMPTY)
+    patterns: Annotated[list[Pattern], _PATTERNS] = Field(json_schema_extra=_NON_EMPTY)
 
     @field_validator("patterns")
     @classmethod
@@ -463,8 +521,9 @@ def _http_statuses(codes: Iterable[int]) -> None:
 class StatusTextRule(_Section):
     """A status whose text says otherwise: e.g. goclaw's 429 that says 'overloaded'."""
 
-    statuses: list[HttpStatus] = Field(json_schema_extra=_NON_EMPTY)
-    patterns: list[Pattern] = Field(json_schema_extra=_NON_EMPTY)
+    statuses: Annotated[list[HttpStatus], _EachOnce("status")] = Field(
+        json_schema_extra=_NON_EMPTY)
+    patterns: Annotated[list[Pattern], _PATTERNS] = Field(json_schema_extra=_NON_EMPTY)
     category: ClassifiedCategory
 
     @field_validator("statuses")
@@ -587,7 +646,7 @@ class ClassificationPolicy(_Section):
 
     transports: dict[Transport, ClassifiedCategory] = Field(default_factory=_default_transports)
     context_overflow: list[OverflowRule] = Field(default_factory=_default_overflow)
-    context_overflow_text: list[Pattern] = Field(default_factory=list)
+    context_overflow_text: Annotated[list[Pattern], _PATTERNS] = Field(default_factory=list)
     codes: ProviderCodes = Field(default_factory=_default_codes)
     # Values checked by _status_range, to name the status as classification.status.499.
     status: dict[int, Annotated[Category, _CallerFactsExcluded()]] = Field(
@@ -664,7 +723,7 @@ class DisableRule(_Section):
     base for named providers.
     """
 
-    categories: list[RuleCategory] = Field(json_schema_extra=_NON_EMPTY)
+    categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(json_schema_extra=_NON_EMPTY)
     base_s: PositiveSeconds = 18_000.0
     factor: Number = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
     cap_s: PositiveSeconds = 86_400.0
@@ -710,7 +769,7 @@ class HealthPolicy(_Section):
     # profiles, else per route; "provider": every route of one provider shares one row, keyed
     # ``provider:<name>`` (GoClaw's cooldowns and usage stats belong to the provider).
     key: Literal["route", "profile", "provider"] = "route"
-    cooldown_categories: list[RuleCategory] = Field(
+    cooldown_categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(
         default_factory=lambda: [
             Category.OVERLOADED,
             Category.SERVER_ERROR,
@@ -725,7 +784,8 @@ class HealthPolicy(_Section):
     # Counters reset before counting a failure once every cooldown/disable window has expired.
     reset_on_expiry: StrictBool = True
     # Routers that spread load over many upstreams: their keys are never cooled nor disabled.
-    exempt_providers: list[Annotated[str, Field(json_schema_extra={"pattern": _NOT_BLANK})]] = (
+    exempt_providers: Annotated[
+        list[_NAME], _EachOnce("provider", "providers are compared case-insensitively")] = (
         Field(default_factory=list))
     # Record each key's last successful use. Profile rotation orders by it (fased); where no
     # decision reads it, leaving it off lets a success on a healthy key write nothing, so the
@@ -797,17 +857,30 @@ class HealthPolicy(_Section):
 
     @model_validator(mode="after")
     def _disjoint(self) -> HealthPolicy:
-        seen = set(self.cooldown_categories)
+        # A failure's effect is read from the first disable rule that lists its category, and
+        # only without one from cooldown_categories (decide.health.cooldown_effect): a second
+        # listing is never read, whatever it says.
+        cools = set(self.cooldown_categories)
+        first_rule: dict[Category, int] = {}
         for i, rule in enumerate(self.disables):
-            both = seen.intersection(rule.categories)
-            if both:
-                names = ", ".join(sorted(both))
-                raise PolicyValueError(
-                    f"{names} both cools and disables",
-                    "list each category either in cooldown_categories or in one disable rule",
-                    field=f"disables[{i}].categories",
-                )
-            seen.update(rule.categories)
+            for category in rule.categories:
+                name = category.value
+                if category in cools:
+                    raise PolicyValueError(
+                        f"{name!r} is in cooldown_categories and in disables[{i}]: the disable "
+                        "rule applies, so a failure of it disables the key and never cools it",
+                        f"remove {name!r} from cooldown_categories to disable on it, or from "
+                        "this rule to cool on it",
+                        field=f"disables[{i}].categories",
+                    )
+                first = first_rule.setdefault(category, i)
+                if first != i:
+                    raise PolicyValueError(
+                        f"{name!r} is listed by disables[{first}] already, and the first rule "
+                        "that lists it applies: this one never does for it",
+                        f"remove {name!r} here, or merge the two rules",
+                        field=f"disables[{i}].categories",
+                    )
         return self
 
 
@@ -855,7 +928,7 @@ class ProfilePolicy(_Section):
     """Credential-profile rotation inside a route before model fallback (fased)."""
 
     rotate_before_model: StrictBool = False
-    type_order: list[ProfileType] = Field(
+    type_order: Annotated[list[ProfileType], _EachOnce("profile type")] = Field(
         default_factory=lambda: [ProfileType.OAUTH, ProfileType.TOKEN, ProfileType.API_KEY]
     )
     auth_order: dict[str, Annotated[list[str], Field(

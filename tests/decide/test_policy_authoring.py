@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ledger.domain.facts import Category
 from ledger.domain.media import MAX_BINARY_BYTES
 from ledger.errors import InvalidArgument, PolicyError
 from ledger.policy.load import (
@@ -22,7 +24,7 @@ from ledger.policy.load import (
     policy_json_schema,
     validate_policy,
 )
-from ledger.policy.model import FailoverPolicy, Policy
+from ledger.policy.model import FROZEN, DisableRule, FailoverPolicy, HealthPolicy, Policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,6 +130,114 @@ def test_two_keys_for_one_status_or_code_are_refused_not_one_dropped(
     for source in sources:
         [(got_field, problem, fix)] = _refused(source)
         assert got_field == field and says in problem and fix.startswith("keep one entry")
+
+
+# -- a list that names things names each once -----------------------------------------------------
+
+_RETRY = {"max": 1, "delays_s": [1]}
+LISTED_TWICE = [
+    ({"failover": {"excluded_roles": ["eval", "review", "EVAL"]}},
+     "failover.excluded_roles[2]", "one role: roles are compared case-insensitively"),
+    ({"health": {"exempt_providers": ["openrouter", "OpenRouter"]}},
+     "health.exempt_providers[1]", "one provider: providers are compared case-insensitively"),
+    ({"health": {"cooldown_categories": ["overloaded", "timeout", "overloaded"]}},
+     "health.cooldown_categories[2]", "category 'overloaded' is listed twice (at [0] and [2])"),
+    ({"health": {"cooldown_categories": [], "disables": [{"categories": ["billing", "billing"]}]}},
+     "health.disables[0].categories[1]", "category 'billing' is listed twice"),
+    ({"profiles": {"type_order": ["oauth", "token", "oauth"]}},
+     "profiles.type_order[2]", "profile type 'oauth' is listed twice"),
+    ({"moves_on": [{"categories": ["rate_limit", "rate_limit"]}]},
+     "moves_on[0].categories[1]", "category 'rate_limit' is listed twice"),
+    ({"moves_on": [{"categories": ["network"], "phases": ["before_send", "before_send"]}]},
+     "moves_on[0].phases[1]", "phase 'before_send' is listed twice"),
+    ({"moves_on": [{"categories": ["network"], "transports": ["stream_cut", "stream_cut"]}]},
+     "moves_on[0].transports[1]", "transport kind 'stream_cut' is listed twice"),
+    ({"same_route_retry": [{"categories": ["overloaded", "overloaded"], **_RETRY}]},
+     "same_route_retry[0].categories[1]", "category 'overloaded' is listed twice"),
+    ({"same_route_retry": [{"transports": ["stream_cut", "stream_cut"], **_RETRY}]},
+     "same_route_retry[0].transports[1]", "transport kind 'stream_cut' is listed twice"),
+    ({"classification": {"context_overflow_text": ["too long", "Too Long"]}},
+     "classification.context_overflow_text[1]", "one pattern: patterns are matched"),
+    ({"classification": {"text": [{"category": "overloaded", "patterns": ["busy", "BUSY"]}]}},
+     "classification.text[0].patterns[1]", "one pattern: patterns are matched"),
+    ({"classification": {"status_text": [{"statuses": [429, 429.0], "patterns": ["x"],
+                                          "category": "overloaded"}]}},
+     "classification.status_text[0].statuses[1]", "status 429 is listed twice"),
+    ({"classification": {"status_text": [{"statuses": [429], "patterns": ["Busy", "busy"],
+                                          "category": "overloaded"}]}},
+     "classification.status_text[0].patterns[1]", "one pattern: patterns are matched"),
+]
+
+
+@pytest.mark.parametrize(("data", "field", "says"), LISTED_TWICE,
+                         ids=[case[1] for case in LISTED_TWICE])
+def test_a_list_setting_names_each_entry_once(data: dict[str, object], field: str,
+                                               says: str) -> None:
+    """``type_order: [oauth, token, oauth]`` ranked OAuth after tokens (the last entry set its
+    rank), and every other list took a second entry (or a second spelling of a role, provider
+    or pattern compared case-insensitively) without a word, where another was likely meant."""
+    [(got, problem, fix)] = _refused({"name": "t", **data})
+    assert got == field and says in problem
+    assert fix.startswith("list each ") and f"remove {field[field.rindex('['):]}" in fix
+    with pytest.raises(InvalidArgument) as info:
+        Policy(**{"name": "t", **data})  # type: ignore[arg-type]
+    assert field in str(info.value) and "list each " in str(info.value)
+    # Invariant 5: a Run admitted with such a list before this rule reads back under it.
+    frozen = Policy.model_validate({"name": "t", **data}, context=FROZEN)
+    assert policy_hash(frozen)
+
+
+def _array_fields(node: object, path: str, out: dict[str, dict[str, Any]]) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "array":
+            out[path] = node
+        for key, value in node.items():
+            _array_fields(value, f"{path}/{key}", out)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _array_fields(value, f"{path}/{i}", out)
+
+
+def test_every_list_of_names_in_the_schema_says_its_entries_are_unique() -> None:
+    """Every list-valued setting is covered by the one rule (so a new one is too): all but the
+    lists of rules (each rule its own entry) and ``delays_s``, a sequence of waits."""
+    schema = policy_json_schema()
+    arrays: dict[str, dict[str, Any]] = {}
+    _array_fields(schema, "", arrays)
+
+    def of_rules(array: dict[str, Any]) -> bool:
+        ref = array.get("items", {}).get("$ref", "")
+        return bool(ref) and schema["$defs"][ref.rsplit("/", 1)[1]].get("type") == "object"
+
+    of_values = {p: a for p, a in arrays.items()
+                 if not of_rules(a) and not p.endswith("/delays_s")}
+    assert len(of_values) == 15  # auth_order's lists too, refused by their own rule
+    assert [p for p, a in of_values.items() if a.get("uniqueItems") is not True] == []
+
+
+def test_a_category_two_disable_rules_list_is_refused_as_a_rule_never_read() -> None:
+    """It was refused as "billing both cools and disables" though nothing cooled on it: the
+    first rule that lists a category is the one that applies."""
+    [(field, problem, fix)] = _refused({"name": "t", "health": {
+        "cooldown_categories": ["overloaded"],
+        "disables": [{"categories": ["billing"]}, {"categories": ["auth", "billing"]}]}})
+    assert field == "health.disables[1].categories"
+    assert problem == ("'billing' is listed by disables[0] already, and the first rule that "
+                       "lists it applies: this one never does for it")
+    assert fix == "remove 'billing' here, or merge the two rules"
+    assert "cool" not in problem
+
+
+def test_a_category_that_cools_and_disables_is_refused_saying_it_only_disables() -> None:
+    """A disable rule is read first: such a failure disables the key and never cools it."""
+    [(field, problem, fix)] = _refused({"name": "t", "health": {
+        "cooldown_categories": ["billing"], "disables": [{"categories": ["billing"]}]}})
+    assert field == "health.disables[0].categories"
+    assert "disables the key and never cools it" in problem
+    assert "from cooldown_categories to disable on it" in fix and "to cool on it" in fix
+    with pytest.raises(InvalidArgument, match="never cools it"):
+        HealthPolicy(cooldown_categories=[Category.BILLING],
+                     disables=[DisableRule(categories=[Category.BILLING])])
 
 
 # -- YAML 1.2, as the docs say: no value changes on the way in ----------------------------------
@@ -272,6 +382,8 @@ SCHEMA_AND_LOADER_REFUSE = {
     "moves_on[0].categories": {"moves_on": [{"categories": []}]},
     "name": {"name": "  "},
     "failover.excluded_roles[0]": {"failover": {"excluded_roles": [""]}},
+    "profiles.type_order[1]": {"profiles": {"type_order": ["oauth", "oauth"]}},
+    "health.cooldown_categories[1]": {"health": {"cooldown_categories": ["timeout", "timeout"]}},
 }
 
 
