@@ -322,7 +322,11 @@ class Face(Generic[SessionT, OpenedT]):
                 SQLite file that does not exist, or holds no table, is made a ledger; one
                 that holds another application's tables is refused, untouched (a ledger
                 keeps a file of its own). A PostgreSQL database may hold other tables: the
-                ledger's go beside them (``docs/postgresql.md``).
+                ledger's go beside them (``docs/postgresql.md``). SQLite's in-memory
+                database, in any spelling (``:memory:``, ``sqlite:///:memory:``,
+                ``file::memory:``, ``sqlite:///file:NAME?mode=memory&uri=true``, the ``memdb``
+                VFS), is refused: the ledger's connections and processes share one file. So
+                is a ``file:`` URI filename (``sqlite:///file:ledger.db``): pass the path.
             clock: Where the ledger reads time (default :class:`~ledger.SystemClock`; tests
                 pass a :class:`~ledger.ManualClock`).
             executor_id: This process's name as a lease holder (default: a new unique id).
@@ -348,7 +352,9 @@ class Face(Generic[SessionT, OpenedT]):
 
         Raises:
             InvalidArgument: a URL that is not a string, cannot be parsed or names another
-                backend, a PostgreSQL URL without psycopg installed, a ``clock`` without
+                backend, a SQLite URL naming no file, an in-memory database or a ``file:``
+                URI filename (``field="url"``),
+                a PostgreSQL URL without psycopg installed, a ``clock`` without
                 ``now()``, a malformed ``executor_id``, ``lease_margin_s`` out of range; a
                 ``read_url`` (``field="read_url"``) that cannot be parsed or is not
                 PostgreSQL's, or given with a SQLite ledger; an ``executor_id`` another ledger

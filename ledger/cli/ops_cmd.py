@@ -122,9 +122,11 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     :class:`~ledger.errors.DatabaseSetupError` (exit 2, as a missing PostgreSQL database, an
     older schema and :class:`~ledger.errors.SchemaTooNew` are), never the retry-safe
     :class:`~ledger.errors.DatabaseUnavailable`: no retry will make a ledger appear.
-    SQLite's in-memory database (``:memory:``, ``sqlite:///:memory:``) or a SQLite URL naming
-    no file is :class:`~ledger.errors.InvalidArgument` (``field="db"``, exit 2): it lives only
-    inside the process that opens it, so no command can read a ledger there.
+    SQLite's in-memory database, in any spelling (``:memory:``, ``sqlite:///:memory:``,
+    ``file::memory:``, ``sqlite:///file:x?mode=memory&uri=true``, ...:
+    :func:`~ledger.storage.engine.sqlite_not_a_file`), or a SQLite URL naming no file is
+    :class:`~ledger.errors.InvalidArgument` (``field="db"``, exit 2): it lives only inside the
+    process that opens it, so no command can read a ledger there.
 
     ``read_url`` (``--read-url``, ``$LEDGER_READ_URL``): a read replica the audit reads from
     (:meth:`ledger.Ledger.open`); it must hold the ledger too. Nothing connects to ``url``
@@ -142,13 +144,16 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
         not_a_ledger,
         parse,
         redact_url,
+        sqlite_not_a_file,
     )
 
     norm = normalize_url(url)
     if norm.startswith("sqlite:///"):
         # The URL's file, without its options (``?timeout=5``): not the text after the scheme.
-        path = parse(url)[1].database or ""
-        if path in ("", ":memory:"):
+        parsed = parse(url)[1]
+        path = parsed.database or ""
+        not_a_file = sqlite_not_a_file(parsed)
+        if not_a_file is not None:
             # SQLite's in-memory database lives and dies inside the process that opens it: no
             # command can read a ledger another process wrote there, and "no ledger at
             # :memory:" sent operators looking for a file of that name.
@@ -156,7 +161,7 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
                 f"--db {url!r} names "
                 + ("SQLite's in-memory database, which exists only inside the process that "
                    "opens it: no command can read a ledger another process wrote there"
-                   if path else "no SQLite file")
+                   if not_a_file != "no file" else "no SQLite file")
                 + "; pass --db the path of the ledger's file (such as ./ledger.db) or its "
                 "postgresql+psycopg:// URL, or set LEDGER_URL", field="db")
         init = f"{PROG} db init --db {shlex.quote(path)}"

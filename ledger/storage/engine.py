@@ -40,10 +40,12 @@ def normalize_url(url: str) -> str:
         )
     url = url.strip()
     if "://" not in url:
-        if url == ":memory:":
-            # SQLite's name for a private in-memory database, not a file name: refused with
-            # the URL spelling of it (sqlite_file) rather than made a file called ":memory:".
-            return "sqlite:///:memory:"
+        if url == ":memory:" or url.startswith("file:"):
+            # SQLite's name for a private in-memory database, or one of its URI filenames
+            # (file::memory:, file:x?mode=memory), not a file name: left as SQLite reads it,
+            # so that sqlite_file refuses it rather than a file called ":memory:" or "file:x"
+            # being made in the working folder.
+            return "sqlite:///" + url
         return "sqlite:///" + os.path.abspath(url)
     if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
@@ -131,14 +133,56 @@ def database_name(parsed: URL) -> str | None:
     return given if isinstance(given, str) and given else None
 
 
+def _uri_options(query: str) -> dict[str, str]:
+    return {k: v for k, _, v in (pair.partition("=") for pair in query.split("&"))}
+
+
+def sqlite_not_a_file(parsed: URL) -> str | None:
+    """What a SQLite URL names instead of a database file: ``"no file"`` (a temporary database),
+    ``"an in-memory database"``, or ``None`` when it names a file.
+
+    Every spelling SQLite (or SQLAlchemy's ``uri=true``) reads as in memory: ``:memory:``,
+    the URI filenames ``file::memory:`` and ``file:NAME?mode=memory`` (the options in the
+    URL's query or in the name), and the ``memdb`` VFS. Without ``uri=true`` SQLite reads a
+    ``file:`` name as a file name, and would make a file called ``file::memory:``.
+    """
+    db = parsed.database or ""
+    options: dict[str, str] = {}
+    for key, value in parsed.query.items():
+        options[key] = value if isinstance(value, str) else value[-1]
+    if db.startswith("file:"):
+        name, _, query = db[len("file:"):].partition("?")
+        options.update(_uri_options(query))
+        if name.startswith("//"):  # file://HOST/path: the path after the authority
+            name = "/" + name[2:].partition("/")[2]
+        db = name
+    if db == ":memory:" or options.get("mode", "").casefold() == "memory" \
+            or options.get("vfs", "").casefold() == "memdb":
+        return "an in-memory database"
+    return None if db else "no file"
+
+
 def sqlite_file(norm: str, parsed: URL) -> str:
-    """The database file of a SQLite URL, whose folder exists."""
+    """The database file of a SQLite URL, whose folder exists: never an in-memory database
+    (:func:`sqlite_not_a_file`), whatever its spelling, nor a ``file:`` URI filename."""
     db = parsed.database
-    if not db or db == ":memory:":
-        what = "an in-memory database" if db else "no file"
+    what = sqlite_not_a_file(parsed)
+    if not db or what is not None:
+        what = what or "no file"
         raise InvalidArgument(
             f"url {norm!r} names {what}: the ledger needs a SQLite *file* (several connections "
             "share it); pass a path such as ./ledger.db",
+            field="url",
+        )
+    if db.startswith("file:"):
+        # SQLAlchemy opens a file: name as a plain path unless the URL says uri=true, while the
+        # ledger's own sqlite3 connections hand SQLite the name as it is (a URI wherever SQLite
+        # reads URI filenames): the schema went to a file called "file:x.db" and the Attempts
+        # to x.db.
+        raise InvalidArgument(
+            f"url {norm!r} names the SQLite URI filename {db!r}, which the ledger's connections "
+            "would not all open as one file; pass the file's path, such as ./ledger.db or "
+            "sqlite:///path/to/ledger.db",
             field="url",
         )
     parent = os.path.dirname(os.path.abspath(db))

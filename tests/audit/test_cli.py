@@ -324,7 +324,8 @@ def test_no_postgresql_ledger_at_a_url_with_a_password_prints_no_password(
 
 
 def test_an_in_memory_sqlite_database_is_refused_as_unreadable_not_as_a_missing_file(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``--db :memory:`` said "no ledger at :memory:: the file does not exist" and offered
     ``db init --db :memory:``, sending the operator looking for a file. SQLite's in-memory
     database exists only inside the process that opens it: no command can read a ledger
@@ -333,7 +334,11 @@ def test_an_in_memory_sqlite_database_is_refused_as_unreadable_not_as_a_missing_
     from ledger.cli.ops_cmd import open_reader
     from ledger.errors import InvalidArgument
 
-    for db in (":memory:", "sqlite:///:memory:"):
+    # SQLite's URI spellings too: they said "no ledger at .../file::memory:" (as a file).
+    monkeypatch.chdir(tmp_path)
+    for db in (":memory:", "sqlite:///:memory:", "file::memory:", "file:x?mode=memory",
+               "sqlite:///file::memory:?cache=shared",
+               "sqlite:///file:memdb1?mode=memory&cache=shared&uri=true"):
         err = _same_answer_everywhere(db, capsys)
         assert f"--db {db!r} names SQLite's in-memory database, which exists only inside the " \
             "process that opens it: no command can read a ledger another process wrote " \
@@ -343,6 +348,7 @@ def test_an_in_memory_sqlite_database_is_refused_as_unreadable_not_as_a_missing_
         with pytest.raises(InvalidArgument) as caught:
             open_reader(db)
         assert caught.value.fields["field"] == "db"
+    assert os.listdir(tmp_path) == []
     assert main(["--db", "sqlite:///", "runs"]) == 2
     assert "--db 'sqlite:///' names no SQLite file; pass --db the path of the ledger's file" \
         in capsys.readouterr().err
