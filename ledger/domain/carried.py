@@ -4,8 +4,9 @@ A codec maps each part to its protocol's structure, and the adapter sends the bo
 JSON. A few parts cannot be mapped, whatever the route: an assistant tool-call part
 (``tool_call_id`` set) without the tool's ``name`` or whose ``content`` is not the call's
 arguments as a JSON object a body can carry (none holding ``NaN``, an infinity or a lone
-surrogate), a part whose text holds a lone surrogate and params that are no JSON data (these
-two on every protocol, a codec of your own included: no UTF-8 body can carry them), a
+surrogate), a part whose text holds a lone surrogate, and params or a tool's parameters
+(or its description) that are no JSON data (these on every protocol, a codec of your own
+included: no UTF-8 body can carry them), a
 ``tool`` part without the ``tool_call_id`` of the call it answers (chat completions,
 Responses, Anthropic) or without the ``name`` of the function (Gemini), an envelope with
 nothing to send but system parts (Responses, Anthropic and Gemini, which leave reasoning items
@@ -42,6 +43,7 @@ from ledger.domain.envelope import (
     SURROGATE_PROBLEM,
     Envelope,
     Part,
+    ToolSpec,
     json_data_problem,
     lone_surrogate,
 )
@@ -229,6 +231,25 @@ def text_refusal(part: Part, index: int) -> Uncarried | None:
                      f"the part's content, at character {at}, {SURROGATE_PROBLEM}", SURROGATE_FIX)
 
 
+def _json_refusal(values: Mapping[str, Any], field: str, shown: str) -> Uncarried | None:
+    """Why ``values`` (at ``field``, shown as ``shown``) can go in no request body, or ``None``.
+
+    The refusal names the first entry that holds the problem.
+    """
+    problem = json_data_problem(values)
+    if problem is None:
+        return None
+    what = f"a key of {shown}"
+    if isinstance(values, Mapping):
+        for name, value in values.items():
+            found = json_data_problem(value)
+            if found is not None:
+                problem, field, what = found, f"{field}.{name}", f"{shown}[{name!r}]"
+                break
+    message, fix = problem
+    return Uncarried(EVERY_PROTOCOL, field, f"{what} {message}", fix)
+
+
 def params_refusal(params: Mapping[str, Any]) -> Uncarried | None:
     """Why ``params`` can go in no request body, or ``None`` (:func:`json_data_problem`).
 
@@ -238,31 +259,46 @@ def params_refusal(params: Mapping[str, Any]) -> Uncarried | None:
     """
     if not params:
         return None
-    problem = json_data_problem(params)
-    if problem is None:
-        return None
-    field = "envelope.params"
-    for name, value in params.items():
-        found = json_data_problem(value)
-        if found is not None:
-            problem, field = found, f"envelope.params.{name}"
-            break
-    message, fix = problem
-    shown = field.removeprefix("envelope.params").removeprefix(".")
-    what = f"Envelope.params[{shown!r}]" if shown else "a key of Envelope.params"
-    return Uncarried(EVERY_PROTOCOL, field, f"{what} {message}", fix)
+    return _json_refusal(params, "envelope.params", "Envelope.params")
+
+
+def tool_refusals(tools: Sequence[ToolSpec]) -> list[Uncarried]:
+    """Why tools' definitions can go in no request body, in order (none: every one can).
+
+    ``ToolSpec`` refuses parameters that are no JSON data (``NaN``, an infinity, a set, a lone
+    surrogate) and a description with a lone surrogate when it is built; this finds them in
+    one built without validation (``model_construct``, ``model_copy(update=...)``) or changed
+    in place, which every route's codec would otherwise put in a body the adapter cannot
+    encode. Every protocol refuses them; the field is ``envelope.tools[i].description`` or
+    ``envelope.tools[i].parameters.<first key that holds the problem>``.
+    """
+    out: list[Uncarried] = []
+    for i, tool in enumerate(tools):
+        description = tool.description
+        if (isinstance(description, str) and not description.isascii()
+                and lone_surrogate(description) is not None):
+            out.append(Uncarried(EVERY_PROTOCOL, f"envelope.tools[{i}].description",
+                                 f"Envelope.tools[{i}].description {SURROGATE_PROBLEM}",
+                                 SURROGATE_FIX))
+        refusal = _json_refusal(tool.parameters, f"envelope.tools[{i}].parameters",
+                                f"Envelope.tools[{i}].parameters")
+        if refusal is not None:
+            out.append(refusal)
+    return out
 
 
 def unencodable(envelope: Envelope) -> list[Uncarried]:
     """What of ``envelope`` no protocol's request body can carry, in the order found.
 
     The parts' text (:func:`text_refusal`; a tool call's arguments are its codec's, through
-    :func:`tool_arguments`) and the parameters (:func:`params_refusal`). The adapter refuses
-    them for every route (:func:`require_encodable`); a turn finds them in :func:`uncarried`.
+    :func:`tool_arguments`), the tools' definitions (:func:`tool_refusals`) and the parameters
+    (:func:`params_refusal`). The adapter refuses them for every route
+    (:func:`require_encodable`); a turn finds them in :func:`uncarried`.
     """
     out = [r for i, p in enumerate(envelope.parts)
            if not (p.tool_call_id and p.role == "assistant")
            and (r := text_refusal(p, i)) is not None]
+    out.extend(tool_refusals(envelope.tools))
     refusal = params_refusal(envelope.params)
     if refusal is not None:
         out.append(refusal)
@@ -274,7 +310,8 @@ def require_encodable(envelope: Envelope) -> None:
 
     Raises:
         InvalidArgument: naming the first such field (``envelope.parts[<i>].content``,
-            ``envelope.params.<name>``) and the fix.
+            ``envelope.tools[<i>].parameters.<name>``, ``envelope.params.<name>``) and the
+            fix.
     """
     found = unencodable(envelope)
     if found:
@@ -396,7 +433,7 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
     its protocol, in the order its codec finds them (the first is the one it raises). Empty for
     the usual request, which costs three attribute reads and a flag per part (its text's
     verdict, :func:`text_refusal`), a look at the parts up to the first one that is sent, and
-    one encoding of the parameters.
+    one encoding of the parameters and of each tool's (:func:`tool_refusals`).
     """
     out: list[Uncarried] = []
     for i, p in enumerate(envelope.parts):
@@ -413,6 +450,7 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
         refusal = message_refusal(protocol, envelope.parts)
         if refusal is not None:
             out.append(refusal)
+    out.extend(tool_refusals(envelope.tools))
     # Last, as the Responses codec reads it: the first refusal is the one the codec raises.
     params = envelope.params
     tools = params.get("tools") if params else None
@@ -446,6 +484,7 @@ __all__ = [
     "text_refusal",
     "tool_arguments",
     "tool_call_refusal",
+    "tool_refusals",
     "tool_result_refusals",
     "uncarried",
     "unencodable",

@@ -399,7 +399,10 @@ class ToolSpec(StrictModel):
 
     ``name`` is an identifier; ``parameters`` (a JSON schema) must be JSON data and
     ``description`` text a request body can carry (:func:`json_data_problem`: no NaN, no
-    lone surrogate).
+    lone surrogate). One built without validation (``model_construct``,
+    ``model_copy(update=...)``) or changed in place is judged again by a turn, before any
+    Attempt, and by the adapter (:func:`ledger.domain.carried.tool_refusals`): refused with
+    :class:`~ledger.errors.InvalidArgument` on ``envelope.tools[i]...``.
 
     The tool's definition (name, description, parameters) is always ``tool_description``
     data. ``data_class`` adds a class for a definition that carries more than that (a

@@ -8,15 +8,19 @@ is sent.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import ClassVar
 
 import pytest
 
 from ledger.adapters import EnvSecretProvider, HttpAdapter, StaticSecretProvider, to_send_result
+from ledger.adapters.contract import _CODECS, WireRequest, register_codec
+from ledger.adapters.openai import OpenAICodec
 from ledger.decide.classify import classify
 from ledger.decide.effects import SendProgress
 from ledger.domain.envelope import Envelope, Part, ToolSpec
-from ledger.domain.facts import Category, Phase, Source, Transport
+from ledger.domain.facts import Category, Phase, Source, Transport, WireProtocol
+from ledger.domain.values import Route
 from ledger.errors import InvalidArgument
 from ledger.policy.load import PRESETS, preset
 from ledger.testing import FakeProvider, Fault
@@ -146,8 +150,13 @@ async def test_a_secret_that_cannot_go_in_a_header_is_not_sent(
          "envelope.params.temperature"),
         (Envelope(parts=[Part(content="hi"), Part(content="lone \ud800 surrogate")]),
          "envelope.parts[1].content"),
+        # A tool's schema built without validation: before, the codec built it into a body
+        # the adapter then could not encode (cannot_build), on every route of a turn.
+        (Envelope(parts=[Part(content="hi")], tools=[ToolSpec.model_construct(
+            name="t", description="", parameters={"x": float("nan")},
+            data_class="tool_description")]), "envelope.tools[0].parameters.x"),
     ],
-    ids=["set", "nan", "surrogate"],
+    ids=["set", "nan", "surrogate", "tool nan"],
 )
 async def test_a_body_no_json_can_carry_is_caller_misuse_not_sent(
     adapter: HttpAdapter, fake: FakeProvider, envelope: Envelope, field: str
@@ -161,16 +170,33 @@ async def test_a_body_no_json_can_carry_is_caller_misuse_not_sent(
     assert fake.connections == 0
 
 
+class _NaNCodec(OpenAICodec):
+    """A host's codec that puts into the body what no envelope holds: a NaN of its own."""
+
+    protocol: ClassVar[WireProtocol] = WireProtocol.GENERIC
+
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        wire = super().build_request(route, envelope)
+        return WireRequest(url=wire.url, headers=wire.headers,
+                           body={**wire.body, "x-weight": float("nan")}, notes=wire.notes)
+
+
+@pytest.fixture
+def nan_codec() -> Iterator[None]:
+    assert WireProtocol.GENERIC not in _CODECS
+    register_codec(_NaNCodec())
+    try:
+        yield
+    finally:
+        del _CODECS[WireProtocol.GENERIC]
+
+
 async def test_a_body_a_codec_makes_unencodable_is_not_sent(
-    adapter: HttpAdapter, fake: FakeProvider
+    adapter: HttpAdapter, fake: FakeProvider, nan_codec: None
 ) -> None:
-    """What the envelope rules cannot see (here a tool whose schema was built without
-    validation holds NaN) still never leaves: the adapter's encoding is the last defence."""
-    tool = ToolSpec.model_construct(name="t", description="", parameters={"x": float("nan")},
-                                    data_class="tool_description")
-    envelope = Envelope.model_construct(parts=[Part(content="hi")], params={}, tools=[tool],
-                                        stream=False, max_output_tokens=None)
-    result = await adapter.send(make_route(fake.endpoint("openai"), "openai"), envelope,
+    """What the envelope rules cannot see (here a codec of the host's own that adds a NaN)
+    still never leaves: the adapter's encoding is the last defence."""
+    result = await adapter.send(make_route(fake.endpoint("openai"), "generic"), ENV,
                                 profile_id=PROFILE)
     _assert_cannot_build(result, "cannot be JSON-encoded", "Envelope.params")
     assert fake.connections == 0

@@ -3,8 +3,9 @@
 Every request body is sent as UTF-8 JSON. A lone surrogate (U+D800 to U+DFFF) in a part's
 text has no UTF-8 encoding; a tool call's arguments holding ``NaN`` or an infinity (Python's
 JSON reader takes ``NaN``, ``Infinity``, ``1e400``) or a lone surrogate (escaped, ``\\ud800``)
-are not JSON; and params built without validation (``model_copy(update=...)``) may hold
-either. Before, these passed preflight: every route of the plan then began an Attempt that the
+are not JSON; and params or a tool's definition built without validation
+(``model_copy(update=...)``, ``model_construct``) or changed in place may hold either.
+Before, these passed preflight: every route of the plan then began an Attempt that the
 adapter ended ``not_sent`` (``cannot_build``), each further route taking a retry permission,
 or (chat completions, Responses) the arguments went out as text no JSON reader takes. Now they
 are the caller's bad input, refused with ``InvalidArgument`` naming the field and the fix
@@ -22,7 +23,7 @@ from decimal import Decimal
 
 import pytest
 
-from ledger import AsyncLedger, Budget, Envelope, Grant, InvalidArgument, Ledger, Part
+from ledger import AsyncLedger, Budget, Envelope, Grant, InvalidArgument, Ledger, Part, ToolSpec
 from ledger.testing import FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
@@ -32,7 +33,8 @@ _clear = fakeplan._clear
 
 PROTOCOLS = ["openai", "openai_responses", "anthropic", "gemini"]
 BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
-GRANT = Grant(recipients={"fake": ["user_input", "system", "model_derived", "tool_result"]})
+GRANT = Grant(recipients={"fake": ["user_input", "system", "model_derived", "tool_result",
+                                    "tool_description"]})
 QUESTION = Part(content="what is the weather in Oslo?")
 
 
@@ -53,6 +55,21 @@ def _params(**params: object) -> Callable[[list[Part]], Envelope]:
 
 def _plain(parts: list[Part]) -> Envelope:
     return Envelope(parts=parts)
+
+
+WEATHER = ToolSpec(name="weather", description="the forecast",
+                   parameters={"type": "object", "properties": {"days": {"type": "integer"}}})
+
+
+def _tools(tool: ToolSpec) -> Callable[[list[Part]], Envelope]:
+    # ToolSpec(...) refuses such a definition when built; model_construct and a copy skip that.
+    return lambda parts: Envelope(parts=parts, tools=[WEATHER, tool])
+
+
+def _changed_in_place(parts: list[Part]) -> Envelope:
+    tool = WEATHER.model_copy(deep=True)
+    tool.parameters["properties"]["days"]["maximum"] = math.inf
+    return Envelope(parts=parts, tools=[tool])
 
 
 # (parts, how the envelope is made of them, the field named, what the message says)
@@ -83,6 +100,19 @@ CASES = {
         "not JSON data"),
     "surrogate in params": (
         [QUESTION], _params(stop=["\n", "\ud800"]), "envelope.params.stop", "lone surrogate"),
+    # Before, every route's codec built the tool into a body the adapter could not encode: each
+    # route began an Attempt ended cannot_build, the caller's bad input paid for per route.
+    "NaN in a tool's parameters": (
+        [QUESTION], _tools(ToolSpec.model_construct(
+            name="forecast", description="", parameters={"type": "object", "x-max": math.nan},
+            data_class="tool_description")),
+        "envelope.tools[1].parameters.x-max", "not JSON data"),
+    "infinity in a tool's parameters changed in place": (
+        [QUESTION], _changed_in_place, "envelope.tools[0].parameters.properties",
+        "not JSON data"),
+    "surrogate in a tool's description": (
+        [QUESTION], _tools(WEATHER.model_copy(update={"description": "the \ud800 forecast"})),
+        "envelope.tools[1].description", "lone surrogate"),
 }
 
 
