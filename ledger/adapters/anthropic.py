@@ -350,6 +350,9 @@ class _AnthropicStream(StreamState):
     def __init__(self) -> None:
         super().__init__()
         self._tools: dict[int, list[Any]] = {}  # index -> [id, name, json pieces]
+        # The blocks of tools the provider runs itself (server_tool_use, mcp_tool_use): their
+        # input streams as input_json_delta too, and is the provider's, not a host tool call.
+        self._hosted: set[int] = set()
         # index -> [block type, thinking pieces, signature pieces, redacted data]
         self._thinking: dict[int, list[Any]] = {}
 
@@ -389,6 +392,7 @@ class _AnthropicStream(StreamState):
                 # Anything else (server_tool_use, mcp_tool_use, web_search_tool_result,
                 # mcp_tool_result, a type added later) is a tool the provider runs itself.
                 self.provider_ran = True
+                self._hosted.add(index)
         elif kind == "content_block_delta":
             index = self._index(data)
             delta = require_object(data.get("delta"), "content_block_delta.delta")
@@ -399,6 +403,8 @@ class _AnthropicStream(StreamState):
                     self.content_seen = True
                     self.text_parts.append(text)
                     out.append(TextDelta(text))
+            elif dkind == "input_json_delta" and index in self._hosted:
+                pass  # the input of a tool the provider runs: no call of the host's
             elif dkind == "input_json_delta":
                 if index not in self._tools:
                     raise MalformedPayload(f"input_json_delta for block {index} without tool_use")
