@@ -97,9 +97,11 @@ failure, and when text or a tool-call proposal was already delivered the failure
 
 Time limits (``StreamingPolicy``): ``connect_timeout_s`` bounds connecting (and waiting for a
 pooled connection); ``read_timeout_s`` bounds every single socket read, so also the wait for the
-status line; for a stream, only ``first_token_timeout_s`` applies until the first text or
-tool-call fragment arrives (a model may think silently), then ``idle_timeout_s`` bounds every gap
-between received bytes; ``total_timeout_s`` bounds the whole call. No call is unbounded in time.
+status line; for a stream, only ``first_token_timeout_s`` applies until the answer begins (its
+first text, tool-call fragment or media, or the first event of a tool the provider runs itself:
+a model may think silently, but a hosted tool is work on the answer), then ``idle_timeout_s``
+bounds every gap between received bytes; ``total_timeout_s`` bounds the whole call. No call is
+unbounded in time.
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ class _Progress:
             self.report.first_byte()
 
     def content(self) -> None:
-        """A stream's first content (text or a tool-call fragment) arrived."""
+        """A stream's answer began: its first content, or a hosted tool's first event."""
         if self.report is not None and self.report.first_token_at is None:
             self.report.first_token()
 
@@ -1190,7 +1192,7 @@ class HttpAdapter:
                     # it is the host's content. Only an error that broke off an answer under
                     # way leaves it mid-stream.
                     verdict = exc.final or not (
-                        state.content_seen or state.provider_ran or call.delivered_any
+                        state.begun or call.delivered_any
                         or call.effective_output)
                     return (yield from self._fail(
                         call,
@@ -1210,7 +1212,7 @@ class HttpAdapter:
                         message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     ))
-                if state.content_seen:
+                if state.begun:
                     call.progress.content()
                 for item in out:
                     yield from self._deliver(call, item)
@@ -1218,10 +1220,11 @@ class HttpAdapter:
 
         eof = False
         while not state.terminated:
-            # Before the first content only the first-token limit applies (a model may think
-            # silently); after it, a gap longer than the idle limit is a stall.
-            waiting_first = not state.content_seen and first_token_at < total_at
-            if state.content_seen:
+            # Before the answer begins (content, or a hosted tool the provider runs) only the
+            # first-token limit applies (a model may think silently); after it, a gap longer
+            # than the idle limit is a stall.
+            waiting_first = not state.begun and first_token_at < total_at
+            if state.begun:
                 deadline = min(total_at, last_byte + idle)
             else:
                 deadline = min(total_at, first_token_at)

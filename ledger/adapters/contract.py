@@ -407,13 +407,25 @@ class StreamState(ABC):
         self.notes: list[str] = []
         self.terminated = False  # the protocol's terminator arrived
         self.completed = False  # the protocol's completion signal arrived
-        self.content_seen = False  # any text or tool-call fragment (stops the first-token clock)
+        # Any text, host tool-call fragment or media the model returned: the host's content.
+        self.content_seen = False
         # The provider ran something on the request's behalf: any output item or block other
         # than text, reasoning and the host's own tool calls (a hosted MCP call, a web search,
         # executed code). Decided by exclusion, so a hosted tool type added later counts too.
         # A failure after it is observed with ``tool_started``: sending the request again, on
         # any route, would run that tool again (invariant 9).
         self.provider_ran = False
+
+    @property
+    def begun(self) -> bool:
+        """Whether the answer has begun: content arrived, or the provider ran a hosted tool.
+
+        This stops the first-token clock (and marks the first token): a hosted tool is the
+        provider working on the answer, not silence, and once it ran the failure is never
+        sent again (``tool_started``), so a first-token limit could only cut off an answer
+        under way, not move a slow route's request on. Reasoning alone has not begun it.
+        """
+        return self.content_seen or self.provider_ran
 
     @abstractmethod
     def feed(self, event: SSEEvent) -> list[StreamEvent]:

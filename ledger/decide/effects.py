@@ -87,7 +87,8 @@ class SendProgress:
     callback saw it): effective output, recorded as such even when the send is then cancelled.
     The adapters set it; a host's own send function sets it when it shows output.
     ``first_byte_at`` and ``first_token_at``: when the response's first byte (its status line
-    and headers) and a stream's first content (text or a tool-call fragment) arrived, by the
+    and headers) and a stream's first content (text, a tool-call fragment or media, or the
+    first event of a tool the provider runs itself; not reasoning) arrived, by the
     ledger's clock, which the driver hands over as ``clock``; the sender marks them with
     :meth:`first_byte` and :meth:`first_token` (the adapters do), and the Attempt's settle
     records them as seconds from its begin.
