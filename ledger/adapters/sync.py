@@ -76,9 +76,10 @@ class SyncAdapter:
     def close(self) -> None:
         """Close the blocking clients (a second close does nothing).
 
-        A call still in flight on one (another thread's) fails as a local cancellation, as
-        :meth:`HttpAdapter.aclose <ledger.adapters.HttpAdapter.aclose>` says, once its blocked
-        read ends: closing does not wake it, so it waits out its read limit first.
+        A call still in flight on one (another thread's) fails at once as a local
+        cancellation, as :meth:`HttpAdapter.aclose <ledger.adapters.HttpAdapter.aclose>`
+        says: its connection is shut down, which ends a read blocked on it (for the status
+        line or inside a body, over TLS too), rather than waiting out its read limit.
         """
         if self._closed:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.cookiejar
 import os
 import socket
@@ -185,14 +186,34 @@ class _DeadlineStream(httpcore.NetworkStream):
 
     def __init__(self, inner: httpcore.NetworkStream) -> None:
         self._inner = inner
+        self._closed = False
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _cut(timeout if READ_LIMIT.get() else None))
+        data = self._inner.read(max_bytes, _cut(timeout if READ_LIMIT.get() else None))
+        if not data and self._closed:
+            # The end of the stream our own close made (below), not the peer's: a body that
+            # ends with its connection would otherwise end cleanly, as if the provider had
+            # ended it.
+            raise httpcore.ReadError("the connection was closed under this read")
+        return data
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._inner.write(buffer, _cut(timeout))
 
     def close(self) -> None:
+        # The client closing its pool (SyncAdapter.close, a Run session's block left) closes
+        # connections other threads are still reading: a close alone does not wake a thread
+        # blocked in a socket wait, which then waits out its read limit. Shutting the socket
+        # down first ends that wait at once: the reader sees an error, or an end of stream
+        # that read() turns into one, and by then the client is closed, so the call is a
+        # local cancellation. The base class's shutdown, also on a TLS socket:
+        # SSLSocket.shutdown would drop its SSL object under the reader.
+        self._closed = True
+        sock = self._inner.get_extra_info("socket")
+        if isinstance(sock, socket.socket):
+            # OSError: not connected any more (the peer reset it, or it is closed already).
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
         self._inner.close()
 
     def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
@@ -568,7 +589,11 @@ class ClientRegistry:
                 "network_backend": backend}
 
     def close(self) -> None:
-        """Close the blocking clients."""
+        """Close the blocking clients.
+
+        Their connections are shut down first, so a thread blocked reading one (another
+        thread's call in flight) wakes at once and ends as a local cancellation.
+        """
         with self._sync_lock:
             clients, self._sync = list(self._sync.values()), {}
         for client in clients:

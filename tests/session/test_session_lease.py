@@ -575,9 +575,9 @@ def test_an_async_turn_its_block_left_under_is_a_local_cancellation_not_a_provid
 def test_a_turn_its_block_left_under_is_a_local_cancellation_not_a_provider_reset(
         db_url: str, fake: Any) -> None:
     # The same with a thread's turn, on the session's blocking adapter. Closing a blocking
-    # client does not wake a thread blocked in its read: the turn waits out its read limit
-    # (short here), and what it then records is still the ledger's doing, not a timeout of
-    # the provider's.
+    # client shuts its connections down, which wakes the thread blocked in its read (the
+    # read limit, short here, is only a backstop), and what it then records is still the
+    # ledger's doing, not a reset of the provider's.
     fake.enqueue(Fault.NO_RESPONSE)
     short = preset("failure-domain").model_copy(update={"streaming": StreamingPolicy(
         read_timeout_s=2.0)})
