@@ -342,12 +342,19 @@ def _proxy(url: str, field: str) -> httpx.Proxy:
 
 
 def _via(proxy: httpx.Proxy) -> dict[str, Any]:
-    """The arguments of httpcore's pool through ``proxy``, as httpx gives them."""
+    """The arguments of httpcore's pool through ``proxy``, as httpx gives them.
+
+    An ``https://`` proxy's TLS context is the process's (:func:`_proxy_tls`): given none,
+    httpcore builds its default one for every connection to the proxy, on the event loop.
+    """
     url = proxy.url
+    context = proxy.ssl_context
+    if context is None and url.scheme == "https":
+        context = _proxy_tls()
     return {"proxy_url": httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
                                       target=url.raw_path),
             "proxy_auth": proxy.raw_auth, "proxy_headers": proxy.headers.raw,
-            "proxy_ssl_context": proxy.ssl_context}
+            "proxy_ssl_context": context}
 
 
 # Built once per process for each TLS configuration: building one loads a whole bundle of
@@ -357,12 +364,36 @@ _TLS_CONTEXTS: dict[tuple[str, ...], ssl.SSLContext] = {}
 _TLS_LOCK = threading.Lock()
 
 
+# An https:// proxy's context: httpcore's default, certifi's bundle, the same for the process.
+_PROXY_TLS = ("proxy",)
+
+
+def _known_proxy_tls() -> ssl.SSLContext | None:
+    """The process's TLS context for ``https://`` proxies if it has it, else ``None``."""
+    return _TLS_CONTEXTS.get(_PROXY_TLS)
+
+
+def _proxy_tls() -> ssl.SSLContext:
+    """The process's TLS context for ``https://`` proxies, built on first use.
+
+    The context httpcore (and so httpx) gives a proxy of its own, certifi's authorities
+    (not ``verify``'s, nor ``SSL_CERT_FILE``'s): only built once, not per connection.
+    """
+    with _TLS_LOCK:
+        context = _TLS_CONTEXTS.get(_PROXY_TLS)
+        if context is None:
+            context = httpcore.default_ssl_context()
+            _TLS_CONTEXTS[_PROXY_TLS] = context
+    return context
+
+
 def _tls_key(verify: bool, trust_env: bool) -> tuple[str, ...]:
     """What the context httpx builds for these settings depends on.
 
     httpx reads ``SSL_CERT_FILE``, else ``SSL_CERT_DIR``, with ``verify=True`` and
     ``trust_env`` (``httpx.create_ssl_context``); nothing else reaches the context (a proxy is
-    chosen per origin, and an ``https://`` proxy's own TLS is httpcore's).
+    chosen per origin, and an ``https://`` proxy's own TLS has a context of its own,
+    :func:`_proxy_tls`).
     """
     if not verify:
         return ("unverified",)
@@ -413,7 +444,9 @@ class ClientRegistry:
     Only ``https://`` origins' clients have a TLS context: one per process for each TLS
     configuration (``verify``, and with ``trust_env`` the ``SSL_CERT_FILE`` or ``SSL_CERT_DIR``
     it names), shared by every registry of that configuration and built when a client first
-    needs it; :meth:`aget` builds it on a worker thread, never on the loop.
+    needs it; :meth:`aget` builds it on a worker thread, never on the loop. An ``https://``
+    proxy's own connection has one more, httpcore's default (certifi's authorities, as with
+    httpx), likewise built once per process and off the loop.
 
     Requests to an origin go through an HTTP(S) proxy when ``proxy`` names one, or else, with
     ``trust_env``, when the environment does (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``,
@@ -500,6 +533,9 @@ class ClientRegistry:
             ssl_context = self._known_tls()
             if ssl_context is None:
                 ssl_context = await asyncio.to_thread(self._tls)
+        proxy = self.proxy_for(url)
+        if proxy is not None and proxy.url.scheme == "https" and _known_proxy_tls() is None:
+            await asyncio.to_thread(_proxy_tls)  # _make's _via finds it built
         # Another task may have made the origin's client while the context was built.
         client = self._by_loop.get(loop, {}).get(key)
         return client if client is not None else self._make(loop, key, url, ssl_context)
