@@ -481,6 +481,16 @@ class Face(Generic[SessionT, OpenedT]):
             BudgetExceeded: a Child asks for more cost or tokens than its parent has left
                 (:class:`~ledger.errors.AllowanceExhausted` for calls and retries).
             LeaseLost: the parent's lease lapsed (``FencedOut``: the parent was taken over).
+            DatabaseUnavailable: the database did not answer (``fields["operation"] ==
+                "admit"``). One whose connection was lost after the ``COMMIT`` was sent is
+                admitted again at once (the same content is the same Run) and returns as if
+                nothing happened; only when that fails too is it raised, with
+                ``resolved=False``. For a Child (``parent``) it is then remembered
+                (``deferred=True``): as soon as the database answers again (the parent's next
+                write, its lease keeper, ``close()``), a Child that landed and that no lease
+                has held since is ended ``failed`` and its carve given back to the parent, so
+                admit the next Child under a new id. Any other ``DatabaseUnavailable`` wrote
+                nothing (``resolved=True, landed=False``): retrying is safe.
 
         Example:
             >>> rec = led.admit_run("task-1", plan=[primary, backup],  # doctest: +SKIP
@@ -514,7 +524,7 @@ class Face(Generic[SessionT, OpenedT]):
 
             check_keys(plan, secrets, keyless_ok=keyless)
         try:
-            rec, _created = yield from blocking(lambda: self._runs.admit(spec, self.clock.now))
+            rec, _created = yield from self._store.admit(spec, self.clock.now)
         except AdmissionConflict as e:
             if policy is not None or inherit or e.differing != ["policy_hash"]:
                 raise

@@ -176,8 +176,9 @@ class KeeperCore:
         afterwards. Each tick first resolves what the process left unresolved for the Run (a
         begin of the retry owner whose ``COMMIT``'s outcome was unknown and that was never
         sent: settled ``not_sent``; a settle of the retry owner the database did not take:
-        written as the turn decided it, which frees its capacity slot), every quarter interval
-        while the database does not answer.
+        written as the turn decided it, which frees its capacity slot; a Child's admission told
+        failed whose outcome was unknown: the Child ended and its carve given back if it landed),
+        every quarter interval while the database does not answer.
         """
         return self.ledger._runner.run(self._tick())
 

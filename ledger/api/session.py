@@ -19,9 +19,11 @@ Entering checks that every route's key can be resolved (nothing is recorded when
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
 renewed in the background while the session exists (an entry that raises after that gives the
 lease back, whatever it raises, and ends a Child Run no lease had held before, which gives its
-carve back to the parent); leaving finishes the Run and releases the lease, on every path,
-cancellation included, and an interruption of the exit's own writes (when the database does not
-answer, as soon as it does: :mod:`ledger.decide.resolve`). The status says what happened
+carve back to the parent; a Child's admission whose outcome the database could not tell is
+ended so as soon as it answers: :meth:`_SessionCore.child`); leaving finishes the Run and
+releases the lease, on every path, cancellation included, and an interruption of the exit's
+own writes (when the database does not answer, as soon as it does:
+:mod:`ledger.decide.resolve`). The status says what happened
 (:mod:`ledger.decide.ending`): ``succeeded`` only when the last turn was served, ``cancelled``
 after a cancelled turn (even one the host caught), ``stopped`` or ``failed`` after a stop,
 ``failed`` or ``cancelled`` when the block raised.
@@ -536,6 +538,18 @@ class _SessionCore:
         next Child under a new one. A Child held before (resumed) stays as it was. It sends
         with this session's adapter (``async with`` for an :class:`AsyncRunSession`'s).
 
+        An admission whose connection was lost after its ``COMMIT`` was sent (PostgreSQL: the
+        Child may have landed, its carve taken, or not) is admitted again at once on a new
+        connection, and the block runs as if nothing happened. When the database does not
+        answer that either, entering raises ``DatabaseUnavailable`` (``operation="admit"``,
+        ``resolved=False``, ``deferred=True``) and the process remembers the admission under
+        this Run: as soon as the database answers again (this Run's next write, its lease
+        keeper's heartbeat, or the ledger's ``close()``), a Child that landed and that no lease
+        has held since is ended ``failed`` under this Run's fence and its whole carve given
+        back; one that did not land leaves nothing. If this process ends first, or this Run
+        was taken over meanwhile, the Child stays admitted with its carve until an operator
+        closes it (``failover-ledger run close``) or an entry under its id ends it.
+
         Args:
             child_id: The Child Run's id.
             budget: Its budget (a :class:`~ledger.Budget` or a mapping of its fields).
@@ -553,6 +567,9 @@ class _SessionCore:
             InvalidState: this session is not open.
             BudgetExceeded: (entering) the Child asks for more than this Run has left
                 (``AllowanceExhausted`` for calls and retries).
+            DatabaseUnavailable: (entering) the database did not answer; after a lost
+                acknowledgement of the admission, ``fields["deferred"]`` says the Child is
+                ended once it does (above).
         """
         self._check_open()
         if "parent" in terms:

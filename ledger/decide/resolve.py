@@ -26,6 +26,13 @@ lock past the busy or lock timeout, a lost acknowledgement):
 * :class:`UnresolvedExit`: a Run session's exit whose finish or release could not be written: it
   is finished with the status the block ended in, then its lease released, while that lease is
   still the Run's.
+* :class:`UnresolvedAdmission`: a Child Run's admission (which carves the Child's budget out of
+  its parent's) whose ``COMMIT``'s outcome stayed unknown: its caller was told it failed, so
+  nobody will run the Child. Kept under the parent (the parent's writes, its lease keeper and
+  ``close()`` resolve it), it is resolved under the parent's fence: a Child that landed and that
+  no lease ever held is ended (the status an entry that raised the error ends it in:
+  ``failed``), which gives its whole carve back to the parent; one that did not land leaves
+  nothing; a Child some lease took since, or a parent taken over, is left to its holder.
 
 The verdicts below map what the database answered to what it means; they read nothing.
 """
@@ -35,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ledger.decide.ending import turn_end
 from ledger.decide.settle import settle_spec
 from ledger.domain.records import AttemptRecord, AttemptState, DebitState, Lease, Outcome, RunStatus
 from ledger.domain.specs import ReceiptSpec, SettleSpec
@@ -68,6 +76,9 @@ class Resolution(Enum):
     RECORDED = "recorded"
     #: The session's exit is written: the Run finished, the lease released.
     FINISHED = "finished"
+    #: The Child's admission had landed and no lease ever held it: it is ended now (or was,
+    #: by an earlier try), its carve given back to the parent.
+    ENDED = "ended"
     #: Someone else decided first (an operator's receipt, a takeover that has not marked it
     #: yet): nothing of this process is written; recovery or the operator has it.
     LEFT = "left"
@@ -139,7 +150,39 @@ class UnresolvedExit:
         return self.lease.run_id
 
 
-Unresolved = UnresolvedBegin | UnresolvedSettle | UnresolvedExit
+@dataclass(frozen=True)
+class UnresolvedAdmission:
+    """A Child Run's admission whose ``COMMIT``'s outcome is unknown, told failed to its caller.
+
+    Attributes:
+        parent: The parent's lease the admission carved under (its fence decides: the
+            resolution writes only while the parent's fence is still this lease's).
+        child_id: The Child Run's id.
+        status: What a Child that landed is ended with.
+    """
+
+    parent: Lease
+    child_id: str
+    status: RunStatus
+
+    @property
+    def run_id(self) -> str:
+        """The Run it is kept under: the parent's (the Child has no lease to write with)."""
+        return self.parent.run_id
+
+
+Unresolved = UnresolvedBegin | UnresolvedSettle | UnresolvedExit | UnresolvedAdmission
+
+
+def unresolved_admission(parent: Lease, child_id: str,
+                         error: BaseException) -> UnresolvedAdmission:
+    """What ends ``child_id``, admitted under ``parent`` with ``error`` told to its caller.
+
+    The status is the one a Run session's entry that raised ``error`` ends a fresh Child in
+    (:func:`ledger.decide.ending.turn_end`: ``failed`` for a database that did not answer): the
+    caller was told the admission failed, and its block never ran.
+    """
+    return UnresolvedAdmission(parent, child_id, turn_end(error))
 
 
 def unresolved_begin(policy: Policy, route: Route, profile_id: str | None, lease: Lease,
@@ -216,11 +259,13 @@ __all__ = [
     "COMMIT_UNKNOWN",
     "Resolution",
     "Unresolved",
+    "UnresolvedAdmission",
     "UnresolvedBegin",
     "UnresolvedExit",
     "UnresolvedSettle",
     "attempt_verdict",
     "settle_verdict",
     "stays",
+    "unresolved_admission",
     "unresolved_begin",
 ]

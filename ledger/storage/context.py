@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, Engine, Select, event
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
+from ledger.errors import DatabaseUnavailable
 from ledger.storage import schema as s
 from ledger.storage.encode import event_json
 from ledger.storage.failure import closed_error, mapped
@@ -154,13 +155,36 @@ class SqlContext(abc.ABC):
 
     # -- transactions ---------------------------------------------------------------------
 
+    def commit_unknown(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a write transaction's ``COMMIT`` (SQLAlchemy's
+        exception, the driver's as its ``orig``), leaves that ``COMMIT``'s outcome unknown.
+
+        ``False`` here: SQLite's ``COMMIT`` is a call into the library in this process, which
+        returns only once it is decided, and an error it returns is a commit that did not
+        happen; no connection can be lost between sending it and hearing its answer. A server
+        database says otherwise (:class:`~ledger.storage.postgres.PostgresContext`)."""
+        return False
+
     @contextmanager
     def writing(self) -> Iterator[Connection]:
-        """One write transaction (``BEGIN IMMEDIATE`` on SQLite)."""
-        with mapped(self.where), self.engine.connect() as conn:
-            conn = conn.execution_options(ledger_write=True)
-            with conn.begin():
-                yield conn
+        """One write transaction (``BEGIN IMMEDIATE`` on SQLite).
+
+        A :class:`~ledger.errors.DatabaseUnavailable` its ``COMMIT`` raised whose outcome is
+        unknown (:meth:`commit_unknown`) is told ``fields["commit"] = "unknown"``, as the hot
+        path's drivers tell theirs (:mod:`ledger.storage.driver`): the write may have landed.
+        """
+        committing = False
+        try:
+            with mapped(self.where), self.engine.connect() as conn:
+                conn = conn.execution_options(ledger_write=True)
+                with conn.begin():
+                    yield conn
+                    # The block is done: what raises from here on is the COMMIT's.
+                    committing = True
+        except DatabaseUnavailable as e:
+            if committing and self.commit_unknown(e.__cause__ or e):
+                e.fields["commit"] = "unknown"
+            raise
 
     @contextmanager
     def reading(self) -> Iterator[Connection]:

@@ -663,13 +663,22 @@ def _answered(e: BaseException, conn: Any) -> bool:
     """
     from psycopg.pq import TransactionStatus
 
+    if conn.closed or not statement_answer(e):
+        return False
+    return conn.info.transaction_status in (
+        TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def statement_answer(e: BaseException) -> bool:
+    """Whether ``e`` itself reads as the server's answer to a statement: a SQLSTATE that does
+    not end the session (:data:`_SESSION_ENDED`), of severity ``ERROR``. What :func:`_answered`
+    asks of the error; the state of the connection it came on is the caller's to add."""
     state = getattr(e, "sqlstate", None)
-    if conn.closed or not state or state.startswith(_SESSION_ENDED):
+    if not state or state.startswith(_SESSION_ENDED):
         return False
     diag = getattr(e, "diag", None)
     severity = getattr(diag, "severity_nonlocalized", None) or getattr(diag, "severity", None)
-    return severity == "ERROR" and conn.info.transaction_status in (
-        TransactionStatus.IDLE, TransactionStatus.INTRANS, TransactionStatus.INERROR)
+    return severity == "ERROR"
 
 
 def _standby_refusal(e: Any, conn: Any) -> bool:
@@ -721,4 +730,5 @@ async def _aabort(conn: Any) -> None:
     await ahard_close(conn)
 
 
-__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Statement", "Tx"]
+__all__ = ["Driver", "Flush", "PgDriver", "Q", "SqliteDriver", "Statement", "Tx",
+           "statement_answer"]

@@ -27,7 +27,7 @@ from ledger.storage import engine as eng
 from ledger.storage import migrate, statements
 from ledger.storage import schema as s
 from ledger.storage.context import RowMap, SqlContext
-from ledger.storage.driver import PgDriver
+from ledger.storage.driver import PgDriver, statement_answer
 from ledger.storage.engine import redact_url
 from ledger.storage.failure import driver_error, mapped, setup_error
 from ledger.storage.hours import PG_HOUR_LOCK
@@ -111,6 +111,16 @@ class PostgresContext(SqlContext):
             "AND c.relkind IN ('r', 'p', 'f', 'v', 'm') "
             "AND pg_catalog.pg_table_is_visible(c.oid) AND n.nspname <> 'pg_catalog')"),
             {"name": name}).scalar())
+
+    def commit_unknown(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a write transaction's ``COMMIT``, leaves its outcome
+        unknown: anything but the server's answer to a statement on a connection it still
+        serves (:func:`~ledger.storage.driver.statement_answer`), as the hot path reads it. A
+        connection lost or a session ended after the ``COMMIT`` was sent may come after the
+        server carried it out; SQLAlchemy marks a lost connection ``connection_invalidated``."""
+        if getattr(error, "connection_invalidated", False):
+            return True
+        return not statement_answer(getattr(error, "orig", None) or error)
 
     def refuse_foreign(self) -> None:
         """Nothing: a PostgreSQL database is shared by design (other applications' tables,

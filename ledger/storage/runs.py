@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, func, literal, or_, select
 
 from ledger.decide.health import group_closed, operator_clear
+from ledger.decide.resolve import COMMIT_UNKNOWN, Resolution, UnresolvedAdmission
 from ledger.decide.settle import settle_holds
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
@@ -293,6 +294,47 @@ class RunQueries:
             give_back(self.ctx, conn, run.run_id, now)
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
         return attempt_record(row, row.debit_state)
+
+    def end_unheld_child(self, item: UnresolvedAdmission, clock: ClockFn) -> Resolution:
+        """Resolve a Child's admission whose ``COMMIT``'s outcome was unknown, in one
+        transaction under the Child's row lock, then its parent's (as a finish gives back):
+
+        * no such Run: the admission never landed (``ABSENT``);
+        * the parent's fence is no longer ``item.parent``'s (the parent was taken over), or
+          the Child was held by a lease (its fence moved on), or ended otherwise: someone
+          else has it, nothing is written (``LEFT``);
+        * still ``admitted`` with fence 0: it is ended ``item.status`` (a ``finish`` event
+          and a ``commit_unknown`` one saying why) and its whole carve goes back to the
+          parent (:func:`~ledger.storage.carve.give_back`), ``ENDED``. Found ended so already
+          with fence 0, it is an earlier try's doing (whose acknowledgement was lost):
+          ``ENDED``, nothing written.
+
+        No lease is taken on the Child: it is written under the parent's fence, as its
+        admission was, so a Child this leaves has never been held (fence 0)."""
+        r = s.runs.c
+        child_id, parent = item.child_id, item.parent
+        with self.ctx.writing() as conn:
+            child = conn.execute(select(r.run_id, r.parent_run_id, r.fence, r.status)
+                                 .where(r.run_id == child_id).with_for_update()).first()
+            if child is None:
+                return Resolution.ABSENT
+            held = conn.execute(select(r.fence).where(r.run_id == parent.run_id)
+                                .with_for_update()).first()
+            if (held is None or int(held.fence) != parent.fence
+                    or child.parent_run_id != parent.run_id or int(child.fence) != 0):
+                return Resolution.LEFT
+            if child.status != RunStatus.ADMITTED.value:
+                return Resolution.ENDED if child.status == item.status.value else Resolution.LEFT
+            now = clock()
+            conn.execute(s.runs.update().where(r.run_id == child_id).values(
+                status=item.status.value, updated_at=now))
+            self.ctx.add_event(conn, child_id, None, "finish", {"status": item.status.value},
+                               now)
+            self.ctx.add_event(conn, child_id, None, COMMIT_UNKNOWN, {
+                "operation": "admit", "resolution": "ended", "parent": parent.run_id,
+                "parent_fence": parent.fence}, now)
+            give_back(self.ctx, conn, child_id, now)
+        return Resolution.ENDED
 
     @staticmethod
     def _no_attempt(attempt_id: str) -> NotFound:

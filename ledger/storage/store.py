@@ -35,7 +35,9 @@ What every flow promises:
   finish, release, renew or acquire is run once more, on a new connection: each locks the
   Run's row before it reads anything, so it waits until the server has finished with the old
   transaction (committed or rolled back) and then finds the write done (the same write again
-  is the same record) or does it. Only when that fails too
+  is the same record) or does it. An admission (:meth:`Store.admit`, the cold path's
+  transaction, marked the same way by :meth:`~ledger.storage.context.SqlContext.writing`) is
+  run once more too: the same content again is the same Run. Only when that fails too
   does the original :class:`~ledger.errors.DatabaseUnavailable` leave, with
   ``fields["operation"]`` and ``fields["resolved"] = False``. A begin is not run again here (a
   host retries it with the same attempt id, or the retry owner settles it ``not_sent``:
@@ -44,8 +46,8 @@ What every flow promises:
   serialization failure, a deadlock, a lock timeout), is told with ``resolved=True,
   landed=False``: nothing was written;
 * what stays unresolved because the database did not answer (the retry owner's begin that was
-  never sent, the retry owner's settle, a Run session's exit: :mod:`ledger.decide.resolve`) is
-  remembered in
+  never sent, the retry owner's settle, a Run session's exit, a Child's admission told failed,
+  kept under its parent: :mod:`ledger.decide.resolve`) is remembered in
   :attr:`Store.pending`, and every write for its Run (and the turn's snapshot) resolves it
   first: nothing else is written for that Run until it is, and while the database stays away
   that write fails with the same :class:`~ledger.errors.DatabaseUnavailable`. The lease keeper
@@ -64,15 +66,24 @@ from ledger import faults
 from ledger.decide.resolve import (
     Resolution,
     Unresolved,
+    UnresolvedAdmission,
     UnresolvedBegin,
     UnresolvedExit,
     UnresolvedSettle,
     attempt_verdict,
     settle_verdict,
     stays,
+    unresolved_admission,
 )
-from ledger.domain.records import AttemptRecord, AttemptState, Lease, Queued, RunStatus
-from ledger.domain.specs import BeginSpec, ReceiptSpec, SettleSpec
+from ledger.domain.records import (
+    AttemptRecord,
+    AttemptState,
+    Lease,
+    Queued,
+    RunRecord,
+    RunStatus,
+)
+from ledger.domain.specs import AdmitSpec, BeginSpec, ReceiptSpec, SettleSpec
 from ledger.errors import (
     DatabaseUnavailable,
     FencedOut,
@@ -157,6 +168,8 @@ class Pending:
             return item.attempt_id
         if isinstance(item, UnresolvedSettle):
             return "settle " + item.attempt_id
+        if isinstance(item, UnresolvedAdmission):
+            return "admit " + item.child_id
         return ""
 
     def add(self, item: Unresolved) -> None:
@@ -297,6 +310,10 @@ class Store:
                 out = yield from self._unsent(item, clock)
             elif isinstance(item, UnresolvedSettle):
                 out = yield from self._recorded(item, clock)
+            elif isinstance(item, UnresolvedAdmission):
+                admission = item
+                out = yield from blocking(
+                    lambda: self._runs.end_unheld_child(admission, clock))
             else:
                 out = yield from self._exit(item, clock)
         except LedgerError as e:
@@ -414,6 +431,57 @@ class Store:
                                   write=False)
             rows = replace(rows, provenance={**rows.provenance, **more})
         return rows
+
+    def admit(self, spec: AdmitSpec, clock: ClockFn) -> Flow[tuple[RunRecord, bool]]:
+        """Admit the Run of ``spec`` (:meth:`~ledger.storage.runs.RunQueries.admit`: the
+        same content again returns the first record), resolving a ``COMMIT`` whose outcome
+        is unknown.
+
+        A Child's admission is a write for its parent (it carves the parent's budget under
+        the parent's lease), so the parent's unresolved writes come first. When the
+        ``COMMIT``'s outcome is unknown (``fields["commit"] == "unknown"``), the admission
+        is run once more on a new connection: the same content again is the same Run (found,
+        or admitted now; a Child's carve waits for the parent's row lock, which the old
+        transaction holds until the server has ended it), and the caller gets the record as
+        if nothing had happened. When that fails too, the first error leaves
+        (``operation="admit"``, ``resolved=False``); for a Child it is remembered
+        (:class:`~ledger.decide.resolve.UnresolvedAdmission`, ``deferred=True``): its caller
+        was told the admission failed and will never run it, so as soon as the database
+        answers (the parent's next write, its lease keeper, ``close()``) a Child that landed
+        and that no lease held is ended ``failed`` and its carve given back."""
+        parent = spec.parent_lease if spec.parent_run_id is not None else None
+        if parent is not None:
+            yield from self._first(parent.run_id, clock)
+        try:
+            return (yield from blocking(lambda: self._runs.admit(spec, clock)))
+        except DatabaseUnavailable as e:
+            e.fields.update(operation="admit", run_id=spec.run_id)
+            if not commit_unknown(e):
+                e.fields.update(resolved=True, landed=False)  # rolled back: nothing written
+                raise
+            e.fields.update(resolved=False, landed=None)
+            first = e
+        log.warning("admit: the connection was lost after its COMMIT was sent; admitting run "
+                    "%s again on a new connection (%s)", spec.run_id, first)
+        try:
+            out = yield from blocking(lambda: self._runs.admit(spec, clock))
+        except DatabaseUnavailable as second:
+            first.add_note(f"resolving the admit failed too: {second}")
+            if parent is not None:
+                self.pending.add(unresolved_admission(parent, spec.run_id, first))
+                first.fields["deferred"] = True
+                first.add_note(
+                    f"child run {spec.run_id} may have been admitted, its budget carved out "
+                    f"of run {parent.run_id}'s; this process ends it (failed) and gives its "
+                    "carve back as soon as the database answers again (before the parent's "
+                    "next write, from the parent's lease keeper, or when the ledger is "
+                    "closed), unless a lease took it meanwhile; admit the next Child under a "
+                    "new id")
+            log.warning("admit of run %s: not resolved (%s)", spec.run_id, second)
+            raise first from first.__cause__
+        log.warning("admit of run %s: resolved: the Run is recorded (%s)", spec.run_id,
+                    "it had landed" if not out[1] else "admitted now")
+        return out
 
     def begin_attempt(self, spec: BeginSpec, clock: ClockFn) -> Flow[AttemptRecord | Queued]:
         """Record the Attempt of ``spec`` before it is sent, in one transaction: live lease,
@@ -624,6 +692,9 @@ def _what(item: Unresolved) -> str:
         return (f"the {spec.outcome.value} settle of attempt {item.attempt_id} (run "
                 f"{item.run_id}; prompt_tokens={spec.prompt_tokens}, completion_tokens="
                 f"{spec.completion_tokens}, cost_micros={spec.cost_micros})")
+    if isinstance(item, UnresolvedAdmission):
+        return (f"the admission of child run {item.child_id} (of run {item.run_id}, fence "
+                f"{item.parent.fence}), told failed")
     return f"the exit of run {item.run_id}'s session (finish and release)"
 
 

@@ -18,8 +18,9 @@ the async ledger, the books are checked against what the fake provider received:
   whether it had landed), never another error hiding it;
 * every Attempt that was never sent ends ``not_sent`` (or ``rejected``) with its hold voided
   and its slot freed; nothing stays reserved, the lease is released;
-* a settle, finish, release or acquire whose acknowledgement was lost is resolved (run again
-  under the Run's row lock): the block goes on as if nothing happened.
+* an admission, settle, finish, release or acquire whose acknowledgement was lost is resolved
+  (run again: under the Run's row lock, or for an admission, as the same content again): the
+  block goes on as if nothing happened.
 
 And when the database goes away right after a begin's acknowledgement is lost (the proxy then
 refuses every connection, so the resolution cannot be made either), the caller is told so
@@ -77,7 +78,7 @@ _names = itertools.count()
 
 # The writes that are run again under the Run's row lock when their acknowledgement is lost:
 # the block goes on as if nothing had happened.
-RESOLVED_TRANSPARENTLY = {"acquire", "settle", "finish", "release", "renew"}
+RESOLVED_TRANSPARENTLY = {"admit", "acquire", "settle", "finish", "release", "renew"}
 
 
 @dataclass

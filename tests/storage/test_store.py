@@ -39,6 +39,9 @@ STORE_FLOWS = {
     # What the process left unresolved (ledger.decide.resolve), resolved before the Run's next
     # write, by the lease keeper and on close().
     "resolve_begin", "resolve_run", "settle_pending",
+    # An admission: a Child's is a write for its parent (the parent's unresolved writes come
+    # first), and one whose COMMIT's outcome stays unknown is remembered with them.
+    "admit",
     # A closing ledger's waiters give up their places in capacity queues.
     "leave_queues",
 }
