@@ -66,7 +66,7 @@ def rotation_order(
     3. In both cases, cooling and disabled profiles go to the end, soonest expiry first, so
        the head of the list is always the best usable choice.
     """
-    explicit = policy.auth_order.get(provider)
+    explicit = _auth_order(policy, provider)
     if explicit is not None:
         by_id = {p.id: p for p in profiles}
         base = [by_id[pid] for pid in explicit if pid in by_id]
@@ -86,6 +86,19 @@ def rotation_order(
     waiting = [p for p in base if not usable(p.id, health, now)]
     waiting.sort(key=lambda p: available_at(health.get(p.id), now) or now)
     return ready + waiting
+
+
+def _auth_order(policy: ProfilePolicy, provider: str) -> list[str] | None:
+    """The explicit order of ``provider``'s profiles, its key matched case-insensitively.
+
+    The key spelled exactly as the route's provider comes first: a frozen policy admitted
+    before two spellings of one provider were refused keeps the order it decided by then.
+    """
+    exact = policy.auth_order.get(provider)
+    if exact is not None:
+        return exact
+    p = provider.casefold()
+    return next((ids for name, ids in policy.auth_order.items() if name.casefold() == p), None)
 
 
 def first_usable(

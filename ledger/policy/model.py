@@ -216,6 +216,28 @@ SEED_EXCLUDED_ROLES: tuple[str, ...] = (
 )
 
 
+def _one_key_each(v: Mapping[str, Any], info: ValidationInfo, what: str) -> None:
+    """Refuse two keys of ``v`` that differ only in case.
+
+    Where it is used, a ``what`` (a code, a provider) is compared case-insensitively, and the
+    first key that matches is taken, so the entry of the other spelling would silently never
+    apply. A frozen read keeps what it was admitted with (the decision then takes the entry
+    it took before).
+    """
+    if not _admitting(info):
+        return
+    seen: dict[str, str] = {}
+    for key in v:
+        first = seen.setdefault(key.casefold(), key)
+        if first != key:
+            raise PolicyValueError(
+                f"{first!r} and {key!r} are the same {what} ({what}s are compared "
+                "case-insensitively), so one of the two entries would never apply",
+                f"keep one entry for {key!r}",
+                field=key,
+            )
+
+
 def _no_blanks(v: list[str], info: ValidationInfo, what: str) -> list[str]:
     for i, name in enumerate(v):
         if not name.strip() and _admitting(info):
@@ -462,20 +484,9 @@ class ProviderCodes(_Section):
     @classmethod
     def _one_entry_per_code(cls, v: dict[str, Category],
                             info: ValidationInfo) -> dict[str, Category]:
-        if not _admitting(info):
-            return v
         # The classifier compares codes case-insensitively and takes the first entry that
         # matches: a second spelling of one code would be silently ignored.
-        seen: dict[str, str] = {}
-        for code in v:
-            first = seen.setdefault(code.casefold(), code)
-            if first != code:
-                raise PolicyValueError(
-                    f"{first!r} and {code!r} are the same code (codes are compared "
-                    "case-insensitively), so one of the two entries would never apply",
-                    f"keep one entry for {code!r}",
-                    field=code,
-                )
+        _one_key_each(v, info, "code")
         return v
 
 
@@ -720,7 +731,8 @@ class DisableRule(_Section):
     """A failure that disables a key for long (fased billing): ``base * factor ** (k - 1)``.
 
     ``k`` counts this rule's failures since the last reset; ``base_s_by_provider`` overrides the
-    base for named providers.
+    base for named providers, matched case-insensitively (two keys that differ only in case
+    name one provider, and are refused).
     """
 
     categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(json_schema_extra=_NON_EMPTY)
@@ -737,6 +749,13 @@ class DisableRule(_Section):
                 "a disable rule with no categories disables nothing",
                 "list the categories (e.g. [billing]), or delete the rule",
             )
+        return v
+
+    @field_validator("base_s_by_provider")
+    @classmethod
+    def _one_base_per_provider(cls, v: dict[str, float],
+                               info: ValidationInfo) -> dict[str, float]:
+        _one_key_each(v, info, "provider")
         return v
 
     @model_validator(mode="after")
@@ -925,7 +944,14 @@ class ProbePolicy(_Section):
 
 
 class ProfilePolicy(_Section):
-    """Credential-profile rotation inside a route before model fallback (fased)."""
+    """Credential-profile rotation inside a route before model fallback (fased).
+
+    ``auth_order`` is ``{provider: [profile ids]}``: an explicit order that also restricts a
+    route to the listed profiles. Its provider keys are matched case-insensitively against a
+    route's provider, as ``health.exempt_providers`` and a disable rule's
+    ``base_s_by_provider`` are (two keys that differ only in case name one provider, and are
+    refused).
+    """
 
     rotate_before_model: StrictBool = False
     type_order: Annotated[list[ProfileType], _EachOnce("profile type")] = Field(
@@ -943,7 +969,10 @@ class ProfilePolicy(_Section):
 
     @field_validator("auth_order")
     @classmethod
-    def _orders_list_profiles(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+    def _orders_list_profiles(cls, v: dict[str, list[str]],
+                              info: ValidationInfo) -> dict[str, list[str]]:
+        # Providers are matched case-insensitively, as everywhere in a policy.
+        _one_key_each(v, info, "provider")
         for provider, ids in v.items():
             if not ids:
                 raise PolicyValueError(

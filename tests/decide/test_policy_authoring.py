@@ -132,6 +132,33 @@ def test_two_keys_for_one_status_or_code_are_refused_not_one_dropped(
         assert got_field == field and says in problem and fix.startswith("keep one entry")
 
 
+PROVIDER_KEYED = [
+    ({"health": {"cooldown_categories": [], "disables": [
+        {"categories": ["billing"], "base_s_by_provider": {"OpenAI": 60, "openai": 120}}]}},
+     "health.disables[0].base_s_by_provider.openai"),
+    ({"profiles": {"auth_order": {"Anthropic": ["a"], "anthropic": ["b"]}}},
+     "profiles.auth_order.anthropic"),
+]
+
+
+@pytest.mark.parametrize(("data", "field"), PROVIDER_KEYED,
+                         ids=["base_s_by_provider", "auth_order"])
+def test_two_spellings_of_one_provider_key_are_refused_not_one_ignored(
+        data: dict[str, object], field: str) -> None:
+    """Provider keys are matched case-insensitively everywhere in a policy (as
+    ``exempt_providers`` is), and the first key that matches is taken: a second spelling of
+    one provider was accepted, and one of its two entries silently never applied."""
+    [(got, problem, fix)] = _refused({"name": "t", **data})
+    assert got == field and "same provider" in problem
+    assert "compared case-insensitively" in problem and fix.startswith("keep one entry")
+    with pytest.raises(InvalidArgument) as info:
+        Policy(**{"name": "t", **data})  # type: ignore[arg-type]
+    assert "same provider" in str(info.value)
+    # Invariant 5: a Run admitted with both spellings before this rule reads back under it.
+    frozen = Policy.model_validate({"name": "t", **data}, context=FROZEN)
+    assert policy_hash(frozen)
+
+
 # -- a list that names things names each once -----------------------------------------------------
 
 _RETRY = {"max": 1, "delays_s": [1]}

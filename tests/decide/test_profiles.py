@@ -15,7 +15,7 @@ from ledger.decide.profiles import (
     usable,
 )
 from ledger.domain.values import Health, Profile, ProfileType
-from ledger.policy.model import ProfilePolicy
+from ledger.policy.model import FROZEN, ProfilePolicy
 
 NOW = 10_000.0
 POLICY = ProfilePolicy()
@@ -75,6 +75,25 @@ def test_explicit_auth_order_lists_only_the_named_profiles() -> None:
     assert ids(order) == [KEY.id, OAUTH.id]  # TOKEN is not listed; unknown ids are ignored
     # Another provider keeps the type order.
     assert ids(rotation_order(PROFILES, "openai", {}, NOW, policy))[0] == OAUTH.id
+
+
+def test_an_auth_order_key_matches_its_provider_case_insensitively() -> None:
+    """``auth_order: {Anthropic: [...]}`` was ignored for routes of provider ``anthropic``
+    (matched exactly), while ``exempt_providers`` and ``base_s_by_provider`` of the same
+    policy matched them case-insensitively."""
+    policy = ProfilePolicy(auth_order={"Anthropic": [KEY.id]})
+    assert ids(rotation_order(PROFILES, "anthropic", {}, NOW, policy)) == [KEY.id]
+    assert ids(rotation_order(PROFILES, "ANTHROPIC", {}, NOW, policy)) == [KEY.id]
+    assert first_usable(PROFILES, "anthropic", {}, NOW, policy) == KEY
+
+
+def test_a_frozen_auth_order_with_two_spellings_keeps_deciding_by_the_exact_one() -> None:
+    """Invariant 5: a Run admitted before two spellings of one provider were refused reads
+    back, and the key spelled as its route's provider still decides, as it did then."""
+    policy = ProfilePolicy.model_validate(
+        {"auth_order": {"Anthropic": [OAUTH.id], "anthropic": [KEY.id]}}, context=FROZEN)
+    assert ids(rotation_order(PROFILES, "anthropic", {}, NOW, policy)) == [KEY.id]
+    assert ids(rotation_order(PROFILES, "Anthropic", {}, NOW, policy)) == [OAUTH.id]
 
 
 def test_custom_type_order_is_read_from_policy() -> None:
