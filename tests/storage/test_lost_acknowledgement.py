@@ -35,6 +35,7 @@ import asyncio
 import itertools
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -325,11 +326,15 @@ def test_a_write_the_server_refused_in_its_commit_pipeline_is_told_not_landed(
 
 
 def _locking(books: Books, sql: str) -> Any:
-    """A session of its own holding the row locks ``sql`` takes, until rolled back."""
+    """A session of its own holding the row locks ``sql`` takes, until rolled back.
+
+    At most a minute idle: the server then ends it, so a test whose interruption never lands
+    fails (the write it holds up goes through) instead of waiting for ever."""
     import psycopg
 
     conn = psycopg.connect(f"host=127.0.0.1 port={books.pg_server.port} dbname={books.db} "
                            "user=postgres")
+    conn.execute("SET idle_in_transaction_session_timeout = '60s'")
     conn.execute(sql)
     return conn
 
@@ -608,9 +613,27 @@ def _same_write(led: Any, point: str, lease: Lease | None) -> Any:
     return led.acquire_lease("r", ttl_s=TTL_S)
 
 
-def _when_it_waits(books: Books, interrupt: Callable[[], None]) -> threading.Thread:
+def _in_psycopg_wait(thread_id: int) -> Callable[[], bool]:
+    """Whether the thread ``thread_id`` is inside psycopg's wait for the server's answer.
+
+    A SIGINT that lands there makes psycopg cancel the statement (its outcome then unknown),
+    which is what the test is about; one that lands a moment earlier, in Python code inside
+    the pipeline's block, leaves psycopg waiting for the answer of a statement nothing
+    cancels, behind a lock the test releases only after the interruption."""
+
+    def waiting() -> bool:
+        frame = sys._current_frames().get(thread_id)
+        return (frame is not None and frame.f_code.co_name.startswith("wait")
+                and "psycopg" in frame.f_code.co_filename)
+
+    return waiting
+
+
+def _when_it_waits(books: Books, interrupt: Callable[[], None],
+                   ready: Callable[[], bool] = lambda: True) -> threading.Thread:
     """A thread that calls ``interrupt`` once a statement of the database waits for a row
-    lock (the settle's COMMIT pipeline, behind :func:`_locking`'s session)."""
+    lock (the settle's COMMIT pipeline, behind :func:`_locking`'s session) and ``ready()``
+    holds."""
     import psycopg
 
     def watch() -> None:
@@ -619,7 +642,7 @@ def _when_it_waits(books: Books, interrupt: Callable[[], None]) -> threading.Thr
             while True:
                 row = conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted "
                                    "AND pid <> pg_backend_pid()").fetchone()
-                if row is not None and row[0]:
+                if row is not None and row[0] and ready():
                     break
         interrupt()
 
@@ -653,7 +676,8 @@ def test_an_interruption_while_a_commit_awaits_its_answer_says_its_outcome_is_un
             assert main == threading.get_ident()
             try:
                 watcher = _when_it_waits(books,
-                                         lambda: signal.pthread_kill(main, signal.SIGINT))
+                                         lambda: signal.pthread_kill(main, signal.SIGINT),
+                                         _in_psycopg_wait(main))
                 with pytest.raises(KeyboardInterrupt) as caught:
                     _same_write(led, "settle", lease)
                 watcher.join(30)
