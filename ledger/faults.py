@@ -26,8 +26,9 @@ Points in the ledger:
     for the driver that sends the request (the retry owner, or a host using the low-level API):
     after begin returned and before the request leaves, and after the response arrived and
     before settle is called.
-``acquire.after_commit``
-    inside :meth:`ledger.storage.store.Store.acquire_lease`: right after the lease's commit,
+``acquire.before_commit`` / ``acquire.after_commit``
+    inside :meth:`ledger.storage.store.Store.acquire_lease` taking a lease anew: before its
+    statements are sent (an acquisition that takes nothing), and right after the lease's commit,
     before the lease is returned (an acquisition whose acknowledgement is lost, or which an
     interruption cut short).
 ``finish.before_commit`` / ``finish.after_commit``
@@ -64,6 +65,7 @@ KNOWN_POINTS = (
     "settle.after_commit",
     "dispatch.before_send",
     "dispatch.after_send",
+    "acquire.before_commit",
     "acquire.after_commit",
     "finish.before_commit",
     "finish.after_commit",

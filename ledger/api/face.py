@@ -173,13 +173,14 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
-# The executor ids of the ledgers open in this process, per database (its URL normalized and
-# redacted, as the store names it). Two ledgers on one database under one id would each take
-# the other's leases for their own (acquire_lease hands an executor its own live lease back,
-# under the same fence), which each ledger's registry of open Run sessions cannot see: a Run
-# session on each would run turns under one fence, and the first to leave would end the Run
-# under the other's. Ledgers on other databases never meet each other's leases. Weak, as that
-# registry is: a ledger dropped without close() stops holding its id once it is collected.
+# The executor ids of the ledgers open in this process, per database (engine.database_key: a
+# SQLite file by its resolved path, a PostgreSQL database by its URL normalized). Two ledgers
+# on one database under one id would each take the other's leases for their own
+# (acquire_lease hands an executor its own live lease back, under the same fence), which each
+# ledger's registry of open Run sessions cannot see: a Run session on each would run turns
+# under one fence, and the first to leave would end the Run under the other's. Ledgers on
+# other databases never meet each other's leases. Weak, as that registry is: a ledger dropped
+# without close() stops holding its id once it is collected.
 _executors: weakref.WeakValueDictionary[tuple[str, str], Face[Any, Any]] = \
     weakref.WeakValueDictionary()
 _executors_lock = threading.Lock()
@@ -208,7 +209,7 @@ def check_executor_free(executor_id: str | None, url: str) -> None:
     from ledger.storage import engine
 
     try:
-        where = engine.redact_url(engine.normalize_url(url))
+        where = engine.database_key(url)
     except LedgerError:
         return
     if _executors.get((executor_id, where)) is not None:
@@ -217,7 +218,7 @@ def check_executor_free(executor_id: str | None, url: str) -> None:
 
 def release_executor(ledger: Face[Any, Any]) -> None:
     """A closed ledger gives up its executor id on its database in this process."""
-    key = (ledger.executor_id, ledger._store.context.where)
+    key = (ledger.executor_id, ledger._database)
     with _executors_lock:
         if _executors.get(key) is ledger:
             del _executors[key]
@@ -253,7 +254,11 @@ class Face(Generic[SessionT, OpenedT]):
         self._runs = RunQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
-        key = (self.executor_id, store.context.where)
+        from ledger.storage.engine import database_key
+
+        # The database, not the URL's spelling: a path and its sqlite:/// URL are one.
+        self._database = database_key(store.context.where)
+        key = (self.executor_id, self._database)
         with _executors_lock:
             if _executors.get(key) is not None:
                 raise _executor_in_use(*key)

@@ -399,7 +399,10 @@ class _SessionCore:
             fresh = (rec is not None and rec.fence == 0
                      and rec.parent_run_id == self._parent.run_id)
         lease = got.lease
-        if lease is None and (_may_have_taken(got.refused) if got.acquiring else fresh):
+        # A fresh Child is ended whatever its acquisition raised (a refusal that took nothing
+        # leaves it admitted, its carve out of the parent's budget); otherwise the lease is
+        # taken again only when the acquisition may have taken it.
+        if lease is None and (fresh or (got.acquiring and _may_have_taken(got.refused))):
             with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
                 lease = yield from Face.acquire_lease.flow(led, self.run_id,
                                                            ttl_s=self.lease_ttl_s)

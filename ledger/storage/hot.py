@@ -825,6 +825,7 @@ def acquire_tx(sql: Statements, run_id: str, executor: str, ttl_s: float, clock:
         faults.point("acquire.after_commit")
         return Lease(run_id, executor, int(row.fence), expires)
     fence = int(row.fence) + 1
+    faults.point("acquire.before_commit")
     yield Flush((
         Q(sql.acquire, {"holder": executor, "fence": fence, "expires": now + ttl_s, "now": now,
                         "run_id": run_id}),

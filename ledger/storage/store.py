@@ -521,7 +521,7 @@ class Store:
         ahead of every later one, in every process, until its Run's lease lapsed (its session
         cannot leave its block on a closed ledger) or its own bound passed. One try each; what
         the database does not take is logged at WARNING and lapses that way, as a crashed
-        process's places do.
+        process's places do (a database that is away: the rest are not tried).
         """
         self.closing = True
         for waiter, group in self.waker.queued():
@@ -531,7 +531,8 @@ class Store:
                 log.warning("closing the ledger, the place of waiter %s in group %s's queue "
                             "was not given up (it lapses with its Run's lease): %s",
                             waiter, group, e)
-                return
+                if isinstance(e, DatabaseUnavailable):
+                    return  # the others would wait for a database that is away, in vain
 
     def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in

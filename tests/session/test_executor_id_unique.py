@@ -45,7 +45,7 @@ def _in_use(error: InvalidArgument) -> None:
 
 
 def test_a_second_ledger_under_an_executor_id_in_use_is_refused_before_it_opens_anything(
-        db_url: str, fake: Any, tmp_path: Path) -> None:
+        db_url: str, fake: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = ManualClock(90_000.0)
     with Ledger.open(db_url, clock=clock, executor_id="host-1") as led:
         with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
@@ -60,10 +60,18 @@ def test_a_second_ledger_under_an_executor_id_in_use_is_refused_before_it_opens_
                 assert beside.executor_id == "host-1"
             if led.backend == "sqlite":
                 # The same file under another spelling is the same database.
-                spelled = f"sqlite:///{db_url}"
-                with pytest.raises(InvalidArgument) as refused:
-                    Ledger.open(spelled, clock=clock, executor_id="host-1")
-                _in_use(refused.value)
+                # The same file under another spelling is the same database: its URL, a
+                # relative URL, a link to it.
+                folder = Path(db_url).parent
+                link = folder / "link.db"
+                link.symlink_to(db_url)
+                for spelled in (f"sqlite:///{db_url}", "sqlite:///ledger.db", "ledger.db",
+                                str(link)):
+                    with monkeypatch.context() as m:
+                        m.chdir(folder)
+                        with pytest.raises(InvalidArgument) as refused:
+                            Ledger.open(spelled, clock=clock, executor_id="host-1")
+                    _in_use(refused.value)
 
             async def async_open() -> None:
                 with pytest.raises(InvalidArgument) as refused:

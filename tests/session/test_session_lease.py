@@ -41,7 +41,7 @@ from ledger import (
 from ledger.clock import ManualClock
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.records import AttemptState
-from ledger.errors import InvalidState, NotFound, SettleConflict
+from ledger.errors import DatabaseUnavailable, InvalidState, NotFound, SettleConflict
 from ledger.policy.load import preset
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import Fault
@@ -799,6 +799,32 @@ def test_a_child_whose_sync_entry_is_interrupted_after_its_carve_is_ended_and_gi
                 child = None
             _nothing_stranded(led.get_run("p"), child)
     assert admitted > 0
+
+
+def _refused(_point: str) -> None:
+    # What a busy SQLite (its busy timeout) or a PostgreSQL serialization failure tells: the
+    # acquisition took nothing.
+    raise DatabaseUnavailable("the database refused the acquisition (simulated)",
+                              operation="acquire", resolved=True, landed=False)
+
+
+def test_a_child_whose_acquisition_is_refused_after_its_carve_is_ended_and_gives_it_back(
+        db_url: str, fake: Any) -> None:
+    # The ledger's own refusal of the acquisition took nothing, but the admission before it
+    # carved the parent's budget: the entry ends the Child it admitted all the same.
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led, \
+            led.run("p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        faults.arm("acquire.before_commit", _refused)
+        try:
+            with pytest.raises(DatabaseUnavailable), run.child("c", budget=CHILD):
+                pass  # pragma: no cover - the entry raised
+        finally:
+            faults.disarm()
+        child, parent = led.get_run("c"), led.get_run("p")
+        assert (child.status, child.lease_holder, child.returned) == (
+            RunStatus.FAILED, None, CHILD.max_cost)
+        assert parent.carved == 0 and parent.carved_calls == 0
 
 
 def test_a_child_entered_before_whose_entry_is_interrupted_stays_resumable(
