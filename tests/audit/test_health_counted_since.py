@@ -23,32 +23,16 @@ from sqlalchemy import create_engine, text
 from ledger.api.facade import Ledger
 from ledger.cli.main import main
 from ledger.clock import ManualClock
-from ledger.domain.facts import Category, FailureFact, Phase, Scope
 from ledger.domain.records import Lease
 from ledger.domain.timefmt import iso, relative
 from ledger.ops.audit import Audit, KeyHealth
 from ledger.storage.engine import normalize_url
-from tests.storage.helpers import budget, grant, routes
+from tests.storage.helpers import begin_on_a, health_lease, overloaded
 
 # The command line reads the health at the system clock's now, which it has no option to
 # move: the ledger's clock is set decades ahead of it, so the outage is live when it reads.
 T0 = 4_000_000_000.0
 
-
-def _fail() -> FailureFact:
-    return FailureFact(category=Category.OVERLOADED, status=503, phase=Phase.AFTER_HEADERS,
-                       scope=Scope.ROUTE, moves_on=True, resubmit=True)
-
-
-def _lease(led: Ledger, run_id: str) -> Lease:
-    led.admit_run(run_id, plan=routes(), budget=budget(cost="1.00"), grant=grant(),
-                  policy="failure-domain")
-    return led.acquire_lease(run_id)
-
-
-def _begin(led: Ledger, lease: Lease) -> str:
-    return led.begin_attempt(lease, route="a", envelope_hash="sha256:e",
-                             reserve="0").attempt_id
 
 
 def _row(url: str) -> dict[str, Any]:
@@ -76,17 +60,17 @@ def led(db_url: str, clock: ManualClock) -> Iterator[Ledger]:
 def _outage(led: Ledger, clock: ManualClock) -> tuple[Lease, str]:
     """A stream begins at T0; 503s at T0+1..3 cool ``a`` (counted at T0+3); a probe begins at
     T0+4; the stream's 503 at T0+5 restarts the window. Returns the probe, in flight."""
-    slow = _lease(led, "slow")
-    stream = _begin(led, slow)
+    slow = health_lease(led, "slow")
+    stream = begin_on_a(led, slow)
     for n in range(3):
         clock.advance(1)
-        lease = _lease(led, f"burst{n}")
-        led.settle_attempt(lease, _begin(led, lease), outcome="failed", fact=_fail())
+        lease = health_lease(led, f"burst{n}")
+        led.settle_attempt(lease, begin_on_a(led, lease), outcome="failed", fact=overloaded())
     clock.advance(1)
-    probe = _lease(led, "probe")
-    attempt = _begin(led, probe)
+    probe = health_lease(led, "probe")
+    attempt = begin_on_a(led, probe)
     clock.advance(1)
-    led.settle_attempt(slow, stream, outcome="failed", fact=_fail())
+    led.settle_attempt(slow, stream, outcome="failed", fact=overloaded())
     return probe, attempt
 
 
@@ -132,7 +116,7 @@ def test_health_shows_since_when_a_keys_outage_is_counted_as_its_row_keeps_it(
 
     # The probe, begun after the counting failure, fails: new evidence, counted.
     clock.advance(1)
-    led.settle_attempt(probe, attempt, outcome="failed", fact=_fail())
+    led.settle_attempt(probe, attempt, outcome="failed", fact=overloaded())
     row = _row(db_url)
     assert (row["error_count"], row["counted_at"]) == (2, T0 + 6)
     assert _key(led, clock.now()).counted_at == row["counted_at"]

@@ -15,6 +15,8 @@ from typing import Any
 
 from ledger import Ledger
 from ledger.domain.envelope import Envelope
+from ledger.domain.facts import Category, FailureFact, Phase, Scope
+from ledger.domain.records import Lease
 from ledger.domain.values import Budget, Grant, Price, Route
 from ledger.errors import DatabaseUnavailable
 from ledger.storage.context import SqlContext
@@ -172,3 +174,23 @@ def session_failing_once(led: Any, terms: dict[str, Any], envelope: Envelope, ag
         return None
 
     return asyncio.run(main())
+
+
+def overloaded() -> FailureFact:
+    """A 503 overload answered after the headers: a failure that moves on and counts for the
+    route's health (what health tests fail a route with)."""
+    return FailureFact(category=Category.OVERLOADED, status=503, phase=Phase.AFTER_HEADERS,
+                       scope=Scope.ROUTE, moves_on=True, resubmit=True)
+
+
+def health_lease(led: Ledger, run_id: str) -> Lease:
+    """``run_id`` admitted on :func:`routes` under ``failure-domain``, and its lease."""
+    led.admit_run(run_id, plan=routes(), budget=budget(cost="1.00"), grant=grant(),
+                  policy="failure-domain")
+    return led.acquire_lease(run_id)
+
+
+def begin_on_a(led: Ledger, lease: Lease) -> str:
+    """An Attempt begun on route ``a`` with nothing held: its id."""
+    return led.begin_attempt(lease, route="a", envelope_hash="sha256:e",
+                             reserve="0").attempt_id

@@ -13,46 +13,30 @@ from sqlalchemy import create_engine, text
 
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.domain.facts import Category, FailureFact, Phase, Scope
 from ledger.domain.records import Lease
 from ledger.storage.engine import normalize_url
 
-from .helpers import budget, downgrade_schema, grant, routes
+from .helpers import begin_on_a, downgrade_schema, health_lease, overloaded
 
 T0 = 10_000.0
 
-
-def _fail() -> FailureFact:
-    return FailureFact(category=Category.OVERLOADED, status=503, phase=Phase.AFTER_HEADERS,
-                       scope=Scope.ROUTE, moves_on=True, resubmit=True)
-
-
-def _lease(led: Ledger, run_id: str) -> Lease:
-    led.admit_run(run_id, plan=routes(), budget=budget(cost="1.00"), grant=grant(),
-                  policy="failure-domain")
-    return led.acquire_lease(run_id)
-
-
-def _begin(led: Ledger, lease: Lease) -> str:
-    return led.begin_attempt(lease, route="a", envelope_hash="sha256:e",
-                             reserve="0").attempt_id
 
 
 def _cooled_with_a_probe_in_flight(led: Ledger, clock: ManualClock) -> tuple[Lease, str]:
     """A stream begun at T0; three 503s at T0+1..3 cool ``a`` (counted at T0+3); a probe
     begins at T0+4; the stream's 503 at T0+5 restarts the window. The probe, still in flight."""
-    slow = _lease(led, "slow")
-    stream = _begin(led, slow)
+    slow = health_lease(led, "slow")
+    stream = begin_on_a(led, slow)
     for n in range(3):  # failure-domain cools on the third 503 within 60 s
         clock.advance(1)
-        lease = _lease(led, f"burst{n}")
-        led.settle_attempt(lease, _begin(led, lease), outcome="failed", fact=_fail())
+        lease = health_lease(led, f"burst{n}")
+        led.settle_attempt(lease, begin_on_a(led, lease), outcome="failed", fact=overloaded())
     assert led.health(["a"])["a"].counted_at == T0 + 3
     clock.advance(1)
-    probe = _lease(led, "probe")
-    probe_attempt = _begin(led, probe)
+    probe = health_lease(led, "probe")
+    probe_attempt = begin_on_a(led, probe)
     clock.advance(1)
-    led.settle_attempt(slow, stream, outcome="failed", fact=_fail())
+    led.settle_attempt(slow, stream, outcome="failed", fact=overloaded())
     h = led.health(["a"])["a"]
     assert (h.error_count, h.counted_at, h.last_failure_at, h.cooldown_until) == (
         1, T0 + 3, T0 + 5, T0 + 65)
@@ -86,7 +70,7 @@ def test_a_probe_begun_after_the_counting_failure_clears_the_cooldown_a_late_fai
 def test_a_probe_begun_after_the_counting_failure_steps_the_curve_when_it_fails(
         led: Ledger, db_url: str, clock: ManualClock) -> None:
     probe, attempt = _cooled_with_a_probe_in_flight(led, clock)
-    led.settle_attempt(probe, attempt, outcome="failed", fact=_fail())
+    led.settle_attempt(probe, attempt, outcome="failed", fact=overloaded())
     assert _row(db_url) == {"error_count": 2, "cooldown_until": T0 + 6 + 300,
                             "last_failure_at": T0 + 6, "counted_at": T0 + 6}
 
@@ -111,10 +95,10 @@ def test_migration_0019_reads_a_row_kept_before_it_by_its_last_failure(
         assert (kept.error_count, kept.cooldown_until, kept.counted_at) == (1, T0 + 65, None)
         # A request begun after the last failure steps the curve and records its count.
         clock.advance(1)
-        lease = _lease(led, "late")
-        att = _begin(led, lease)
+        lease = health_lease(led, "late")
+        att = begin_on_a(led, lease)
         clock.advance(1)
-        led.settle_attempt(lease, att, outcome="failed", fact=_fail())
+        led.settle_attempt(lease, att, outcome="failed", fact=overloaded())
         assert led.health(["a"])["a"].counted_at == clock.now()
     assert _row(db_url)["error_count"] == 2
 
