@@ -238,6 +238,14 @@ def _one_key_each(v: Mapping[str, Any], info: ValidationInfo, what: str) -> None
             )
 
 
+def _no_blank_keys(v: Mapping[str, Any], info: ValidationInfo, what: str) -> None:
+    """Refuse a blank key of ``v``: matched against real names, its entry applies to nothing."""
+    for key in v:
+        if not key.strip() and _admitting(info):
+            raise PolicyValueError(f"the {what} name {key!r} is blank, so its entry matches "
+                                   "nothing", "remove the entry, or write the name", field=key)
+
+
 def _no_blanks(v: list[str], info: ValidationInfo, what: str) -> list[str]:
     for i, name in enumerate(v):
         if not name.strip() and _admitting(info):
@@ -755,6 +763,7 @@ class DisableRule(_Section):
     @classmethod
     def _one_base_per_provider(cls, v: dict[str, float],
                                info: ValidationInfo) -> dict[str, float]:
+        _no_blank_keys(v, info, "provider")
         _one_key_each(v, info, "provider")
         return v
 
@@ -972,6 +981,7 @@ class ProfilePolicy(_Section):
     def _orders_list_profiles(cls, v: dict[str, list[str]],
                               info: ValidationInfo) -> dict[str, list[str]]:
         # Providers are matched case-insensitively, as everywhere in a policy.
+        _no_blank_keys(v, info, "provider")
         _one_key_each(v, info, "provider")
         for provider, ids in v.items():
             if not ids:

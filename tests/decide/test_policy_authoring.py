@@ -159,6 +159,26 @@ def test_two_spellings_of_one_provider_key_are_refused_not_one_ignored(
     assert policy_hash(frozen)
 
 
+BLANK_PROVIDER_KEYS = [
+    ({"health": {"cooldown_categories": [], "disables": [
+        {"categories": ["billing"], "base_s_by_provider": {" ": 60}}]}},
+     "health.disables[0].base_s_by_provider. "),
+    ({"profiles": {"auth_order": {"": ["a"]}}}, "profiles.auth_order"),  # the key is ""
+]
+
+
+@pytest.mark.parametrize(("data", "field"), BLANK_PROVIDER_KEYS,
+                         ids=["base_s_by_provider", "auth_order"])
+def test_a_blank_provider_key_is_refused_as_matching_nothing(
+        data: dict[str, object], field: str) -> None:
+    """A provider key is matched against routes' provider names: a blank one applies to no
+    route, as a blank name in ``exempt_providers`` exempts none (refused there already)."""
+    [(got, problem, fix)] = _refused({"name": "t", **data})
+    assert got == field and "is blank" in problem and fix.startswith("remove the entry")
+    frozen = Policy.model_validate({"name": "t", **data}, context=FROZEN)
+    assert policy_hash(frozen)
+
+
 # -- a list that names things names each once -----------------------------------------------------
 
 _RETRY = {"max": 1, "delays_s": [1]}
