@@ -235,6 +235,8 @@ def operator_clear(health: Health, now: float) -> tuple[Health, dict[str, object
         "error_count": seen.error_count,
         "failure_counts": dict(seen.failure_counts),
         "recent_failures": len(seen.recent_failures),
+        # Since when the outage it clears was counted: when its evidence began.
+        "counted_at": seen.counted_at,
     }
     return seen.model_copy(update=_cleared()), before
 

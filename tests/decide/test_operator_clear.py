@@ -14,7 +14,8 @@ NOW = 1_000.0
 def test_a_cooling_key_is_available_at_once_and_counts_from_zero() -> None:
     h = Health(key="a", cooldown_until=NOW + 60, error_count=3,
                failure_counts={"overloaded": 3}, last_failure_at=NOW - 1, last_used=NOW - 5,
-               last_probe_at=NOW - 2, reset_at=NOW + 60, recent_failures=(NOW - 1,))
+               last_probe_at=NOW - 2, reset_at=NOW + 60, recent_failures=(NOW - 1,),
+               counted_at=NOW - 3)
     found = operator_clear(h, NOW)
     assert found is not None
     after, before = found
@@ -25,7 +26,8 @@ def test_a_cooling_key_is_available_at_once_and_counts_from_zero() -> None:
         NOW - 1, NOW - 5, NOW - 2)
     assert before == {"status": "cooling", "cooldown_until": NOW + 60, "disabled_until": None,
                       "disabled_reason": None, "error_count": 3,
-                      "failure_counts": {"overloaded": 3}, "recent_failures": 1}
+                      "failure_counts": {"overloaded": 3}, "recent_failures": 1,
+                      "counted_at": NOW - 3}
 
 
 def test_a_disabled_key_reports_its_disable() -> None:

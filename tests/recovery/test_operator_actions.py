@@ -112,6 +112,7 @@ def test_a_cleared_route_serves_the_very_next_turn_and_the_clear_is_recorded(
     prev = ev.data["previous"]
     assert prev["status"] == "cooling" and prev["cooldown_until"] == before.cooldown_until
     assert prev["error_count"] == before.error_count >= 1
+    assert prev["counted_at"] == before.counted_at is not None  # since when it was counted
 
     after = led.health(["a"])["a"]
     assert after.available(clock.now()) and after.error_count == 0
