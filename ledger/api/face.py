@@ -173,7 +173,7 @@ def _policy_hash(policy: Policy) -> str:
     return policy_hash(policy)
 
 
-# The executor ids of the ledgers open in this process, per database (engine.database_key: a
+# The executor ids of the ledgers open in this process, per database (storage.database_key: a
 # SQLite file by its resolved path, a PostgreSQL database by its URL normalized). Two ledgers
 # on one database under one id would each take the other's leases for their own
 # (acquire_lease hands an executor its own live lease back, under the same fence), which each
@@ -206,10 +206,10 @@ def check_executor_free(executor_id: str | None, url: str) -> None:
     """
     if executor_id is None:
         return
-    from ledger.storage import engine
+    from ledger.storage import database_key
 
     try:
-        where = engine.database_key(url)
+        where = database_key(url)
     except LedgerError:
         return
     if _executors.get((executor_id, where)) is not None:
@@ -254,7 +254,7 @@ class Face(Generic[SessionT, OpenedT]):
         self._runs = RunQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
-        from ledger.storage.engine import database_key
+        from ledger.storage import database_key
 
         # The database, not the URL's spelling: a path and its sqlite:/// URL are one.
         self._database = database_key(store.context.where)

@@ -106,6 +106,16 @@ def open_reads(url: str, read_url: str) -> Store:
     return PostgresContext.open(norm, parsed, reads=True)
 
 
+def database_key(url: str) -> str:
+    """Which database ``url`` names, one string per database wherever that can be told (a
+    SQLite file by its resolved path; a PostgreSQL database by its URL normalized). Raises
+    what :func:`ledger.storage.engine.parse` raises."""
+    from ledger.storage import engine
+
+    norm, parsed = engine.parse(url)
+    return context_class(parsed).database_key(norm, parsed)
+
+
 def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
     """The context of the parsed URL ``parsed`` (checked by
     :func:`ledger.storage.engine.parse`): the one place that tells the backends apart."""
@@ -120,4 +130,5 @@ def context_class(parsed: URL) -> type[SqliteContext] | type[PostgresContext]:
     return PostgresContext
 
 
-__all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "open_reads", "open_store"]
+__all__ = ["DEFAULT_LEASE_MARGIN_S", "context_class", "database_key", "open_reads",
+           "open_store"]

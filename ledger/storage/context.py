@@ -21,12 +21,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, Engine, Select, event
+from sqlalchemy import URL, Connection, Engine, Select, event
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseUnavailable
 from ledger.storage import schema as s
 from ledger.storage.encode import event_json
+from ledger.storage.engine import redact_url
 from ledger.storage.failure import closed_error, mapped
 
 #: A clock read inside a transaction, once it holds its locks.
@@ -152,6 +153,13 @@ class SqlContext(abc.ABC):
         Both databases give the same answers, :func:`percentile_cont`'s: PostgreSQL's
         aggregate of that name, and on SQLite, which has none, the rows' values sorted here.
         """
+
+    @classmethod
+    def database_key(cls, norm: str, parsed: URL) -> str:
+        """Which database the normalized URL ``norm`` names, as one string per database
+        wherever that can be told: here the URL, redacted (another host name for the same
+        server is another key; nothing short of asking the server tells them apart)."""
+        return redact_url(norm)
 
     # -- transactions ---------------------------------------------------------------------
 

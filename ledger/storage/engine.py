@@ -127,21 +127,6 @@ def parse(url: str) -> tuple[str, URL]:
     return norm, parsed
 
 
-def database_key(url: str) -> str:
-    """Which database ``url`` names, as one string per database wherever that can be told.
-
-    A SQLite database is its file, its path resolved (relative to the working folder, links
-    followed): a bare path, its ``sqlite:///`` URL and a link to it are one key. A PostgreSQL
-    database is its URL normalized and redacted: another host name for the same server is
-    another key (nothing short of asking the server tells them apart). Raises what
-    :func:`parse` raises.
-    """
-    norm, parsed = parse(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database:
-        return "sqlite:" + os.path.realpath(parsed.database)
-    return redact_url(norm)
-
-
 def database_name(parsed: URL) -> str | None:
     """The database a PostgreSQL URL names: in its path, or as libpq's ``dbname=``."""
     given = parsed.database or parsed.query.get("dbname")

@@ -67,6 +67,12 @@ class SqliteContext(SqlContext):
                      queue_poll_s=cls.QUEUE_POLL_S)
 
     @classmethod
+    def database_key(cls, norm: str, parsed: URL) -> str:
+        """A SQLite database is its file, its path resolved (relative to the working folder,
+        links followed): a bare path, its ``sqlite:///`` URL and a link to it are one key."""
+        return "sqlite:" + os.path.realpath(parsed.database or "")
+
+    @classmethod
     def prepare_database(cls, norm: str, parsed: URL) -> bool:
         """Its folder must exist; the file itself is made by the first connection (the
         migration's), so ``True`` says it does not exist yet."""
