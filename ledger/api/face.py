@@ -833,7 +833,9 @@ class Face(Generic[SessionT, OpenedT]):
                 Attempt of a turn does).
 
         Returns:
-            The :class:`~ledger.AttemptRecord`, ``dispatching``.
+            The :class:`~ledger.AttemptRecord`, ``dispatching``. Its ``created_at`` is the
+            time of the decision; in a limited group on PostgreSQL, the time its slot was
+            taken (the clock read again after the claim, the lease judged live at it).
 
         Raises:
             InvalidArgument: a route not in the Run's frozen plan (or differing from its

@@ -428,8 +428,9 @@ def _admit(sql: Statements, spec: BeginSpec, looked: tuple[Any, Any, Any, Any], 
         if not sql.spelling.numbers_slots:
             return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
                               limit=limit)
-        if (yield from _claim_number(sql, spec, slots, limit, now, tries=limit)):
-            return _Admission(now, place=mine, leaving=leaving, in_flight=in_flight,
+        claimed = yield from _claim_number(sql, spec, slots, limit, now, clock, tries=limit)
+        if claimed is not None:
+            return _Admission(claimed, place=mine, leaving=leaving, in_flight=in_flight,
                               limit=limit, numbered=True)
         # Begins that took no lock took the numbers this read saw free; slots may have been
         # freed since too, so a lost claim does not mean the group is full: only a fresh read
@@ -474,16 +475,18 @@ def _admit_numbered(sql: Statements, spec: BeginSpec, limit: int, mode: Any, unt
     live = [n for _a, n, e in slots if e is not None and float(e) > now]
     if len(live) >= limit or any(n is None or n >= limit for n in live):
         return None
-    if not (yield from _claim_number(sql, spec, slots, limit, now, tries=FAST_CLAIMS)):
+    claimed = yield from _claim_number(sql, spec, slots, limit, now, clock, tries=FAST_CLAIMS)
+    if claimed is None:
         return None
-    return _Admission(now, in_flight=len(live), limit=limit, numbered=True)
+    return _Admission(claimed, in_flight=len(live), limit=limit, numbered=True)
 
 
 def _claim_number(sql: Statements, spec: BeginSpec, slots: Sequence[Any], limit: int,
-                  now: float, *, tries: int) -> Tx[bool]:
+                  now: float, clock: ClockFn, *, tries: int) -> Tx[float | None]:
     """Write the begin's slot with a number of ``[0, limit)`` no live slot holds (a lapsed
-    slot's number is taken over); False when ``tries`` numbers were all taken meanwhile or
-    none is free.
+    slot's number is taken over) and return the time it was taken: the begin's time from then
+    on (its ``created_at``, its lease checked at it); None when ``tries`` numbers were all
+    taken meanwhile or none is free.
 
     The first number tried follows from the attempt id, so concurrent begins spread over the
     numbers instead of all trying the lowest free one.
@@ -502,7 +505,7 @@ def _claim_number(sql: Statements, spec: BeginSpec, slots: Sequence[Any], limit:
         n = next(((start + i) % limit for i in range(limit)
                   if (start + i) % limit not in held), None)
         if n is None:
-            return False
+            return None
         items = []
         if n in lapsed:
             items.append(Q(sql.free_slot_no, {"attempt_id": lapsed.pop(n), "slot_no": n}))
@@ -511,10 +514,17 @@ def _claim_number(sql: Statements, spec: BeginSpec, slots: Sequence[Any], limit:
             "run_id": spec.run_id, "fence": spec.fence, "acquired_at": now, "slot_no": n}))
         res = yield Flush(tuple(items))
         if res[-1]:
-            return True
+            # The clock is read again once the number is ours: ``now`` was read before the
+            # claim, and a begin paused in between (descheduled, SIGSTOPped) may find the number
+            # freed by a settle that came and went meanwhile. Recorded at ``now`` it would
+            # overlap that settled Attempt in the ledger's own history (two in flight in a
+            # group of one), and its lease would be judged at a time already past. Read after
+            # the claim, the time follows every settle (its time read before its commit) and
+            # every lapse that freed the number.
+            return max(now, clock())
         held.add(n)
         start = n
-    return False
+    return None
 
 
 def _enqueue(sql: Statements, spec: BeginSpec, adm: _Admission) -> Tx[Queued]:

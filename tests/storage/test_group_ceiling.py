@@ -23,7 +23,8 @@ from sqlalchemy import select, text
 from ledger import faults
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
-from ledger.errors import CapacityUnavailable
+from ledger.errors import CapacityUnavailable, LeaseLost
+from ledger.storage import hot
 from ledger.storage import schema as s
 
 from .helpers import budget, collect, routes, spawn, sql_context
@@ -254,3 +255,75 @@ def test_invariant8_a_begin_is_refused_only_when_the_group_is_full_not_when_its_
     finally:
         for led in leds.values():
             led.close()
+
+
+def _paused_before_claim(monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None]) -> None:
+    """Pause the next begin between its count of the group's slots (and its clock read) and
+    the claim of its slot number, running ``meanwhile`` there: what the OS does to a process
+    descheduled (or SIGSTOPped) at that point while other processes work on."""
+    real = hot._claim_number
+    fired: list[bool] = []
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            meanwhile()
+        return (yield from real(*args, **kwargs))
+
+    monkeypatch.setattr(hot, "_claim_number", claim)
+
+
+@pytest.mark.postgres
+def test_invariant8_a_begin_is_recorded_at_its_slot_not_before_a_slot_freed_meanwhile(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorded intervals of a group's Attempts (begin to settle) never overlap beyond the
+    limit: a begin paused after reading the clock, while another begin took the only slot and
+    settled, is recorded when it took the slot, after that settle, not at its stale reading.
+
+    (Under load the SIGSTOP test of ``test_lease_lapse_processes`` saw two Attempts of a group
+    of one recorded in flight at once this way.)
+    """
+    clock = ManualClock(1000.0)
+    with Ledger.open(pg_url, clock=clock, executor_id="a") as led_a, \
+            Ledger.open(pg_url, clock=clock, executor_id="b") as led_b:
+        led_a.configure_group("g", max_in_flight=1)
+        for k in ("a", "b"):
+            led_a.admit_run(k, plan=routes(), budget=budget(calls=10, cost="10"))
+        lease_a = led_a.acquire_lease("a", ttl_s=600)
+        lease_b = led_b.acquire_lease("b", ttl_s=600)
+
+        def other_begins_and_settles() -> None:
+            clock.advance(1)
+            b = led_b.begin_attempt(lease_b, route="a", envelope_hash="sha256:b", reserve="0")
+            clock.advance(1)
+            led_b.settle_attempt(lease_b, b.attempt_id, outcome="succeeded", cost="0")
+            clock.advance(1)
+
+        _paused_before_claim(monkeypatch, other_begins_and_settles)
+        a = led_a.begin_attempt(lease_a, route="a", envelope_hash="sha256:a", reserve="0")
+        clock.advance(1)
+        led_a.settle_attempt(lease_a, a.attempt_id, outcome="succeeded", cost="0")
+        [b] = led_b.timeline("b")
+        [a] = led_a.timeline("a")
+        assert b.settled_at is not None and a.settled_at is not None
+        # Without the fix a is recorded at 1000.0, inside b's [1001.0, 1002.0].
+        assert a.created_at >= b.settled_at, (a.created_at, b.created_at, b.settled_at)
+        assert _max_overlap([(b.created_at, b.settled_at), (a.created_at, a.settled_at)]) == 1
+
+
+@pytest.mark.postgres
+def test_invariant3_a_begin_paused_past_its_lease_before_its_slot_records_nothing(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A begin paused between its lease check and its slot until its lease lapsed is refused
+    (``LeaseLost``), not committed with the time it read before the pause: its slot would be
+    born lapsed, counted by nobody, while its request went out (invariants 3 and 8)."""
+    clock = ManualClock(1000.0)
+    with Ledger.open(pg_url, clock=clock, executor_id="a", lease_margin_s=1.0) as led:
+        led.configure_group("g", max_in_flight=1)
+        led.admit_run("a", plan=routes(), budget=budget(calls=10, cost="10"))
+        lease = led.acquire_lease("a", ttl_s=10)
+        _paused_before_claim(monkeypatch, lambda: clock.advance(11))  # past 1010.0
+        with pytest.raises(LeaseLost):
+            led.begin_attempt(lease, route="a", envelope_hash="sha256:a", reserve="0")
+        assert led.timeline("a") == []
+        assert _slots(led) == []

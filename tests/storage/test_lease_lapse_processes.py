@@ -6,6 +6,14 @@ their leases lapse while they are stopped (and, often, while they work). Afterwa
 own records are replayed: every Attempt was begun under a live lease, and the Attempts counted
 against the group (from begin until settle or until their lease ended) never overlap beyond
 the limit.
+
+That is what invariant 8 promises as the ledger records it: a slot counts from the begin's
+``created_at`` until its settle or the end of its lease, whichever comes first (a lapsed
+lease's slot stops counting at once: docs/operations.md). A begin's ``created_at`` is read
+after its slot is taken, so a begin paused between its count and its claim (a SIGSTOP or the
+scheduler landing there) is recorded after the settle that freed its slot, never beside it
+(``test_group_ceiling``'s ``..._recorded_at_its_slot_...`` pins that interleaving). On a
+failure the overlapping Attempts are printed.
 """
 
 from __future__ import annotations
@@ -90,7 +98,7 @@ def test_invariant8_group_limit_holds_while_workers_pause_past_their_lease(
     assert sum(r["lapsed"] for r in results) > 0  # leases did lapse, and were refused
 
     limit = 1
-    intervals: list[tuple[float, float]] = []
+    intervals: list[tuple[float, float, str]] = []
     with Ledger.open(db_url, clock=clock) as led:
         for i in range(WORKERS):
             expiry = _leases(logs[i])
@@ -101,12 +109,18 @@ def test_invariant8_group_limit_holds_while_workers_pause_past_their_lease(
                 # Begun under a live lease: before its end (invariant 3).
                 assert att.created_at < ends, (att.attempt_id, att.created_at, ends)
                 assert att.state is AttemptState.SUCCEEDED and att.settled_at is not None
-                intervals.append((att.created_at, min(att.settled_at, ends)))
-    points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals],
+                intervals.append((att.created_at, min(att.settled_at, ends),
+                                  f"{att.attempt_id} of w{i} (fence {att.fence}): begun "
+                                  f"{att.created_at:.3f}, settled {att.settled_at:.3f}, "
+                                  f"lease ended {ends:.3f}"))
+    points = sorted([(a, 1) for a, _, _ in intervals] + [(b, -1) for _, b, _ in intervals],
                     key=lambda p: (p[0], p[1]))
     live = peak = 0
     for _t, delta in points:
         live += delta
         peak = max(peak, live)
-    assert peak <= limit
+    intervals.sort()
+    overlaps = [f"{x[2]}\n  and {y[2]}" for j, x in enumerate(intervals)
+                for y in intervals[j + 1:] if y[0] < x[1]]
+    assert peak <= limit, "counted in flight at once:\n" + "\n".join(overlaps)
     assert len(intervals) == WORKERS * ATTEMPTS
