@@ -173,7 +173,7 @@ def test_admissions_behind_another_process_s_lock_leave_the_default_executor_to_
         host_pool = concurrent.futures.ThreadPoolExecutor(HOST_THREADS)
         loop.set_default_executor(host_pool)
         async with AsyncLedger.open(url) as led:
-            runs = led._runs  # the admission's blocking call: counted on entry
+            runs = led._store._runs  # the admission's blocking call: counted on entry
             admit, entered, lock = runs.admit, [0], threading.Lock()
 
             def counted(*args: Any, **kwargs: Any) -> Any:
