@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.astparse import parse_file
+
 PKG = Path(__file__).resolve().parents[1] / "ledger"
 
 # Module prefix -> room. The longest matching prefix wins.
@@ -80,7 +82,7 @@ def room_of(module: str) -> str | None:
 def _imports(path: Path) -> list[tuple[int, str]]:
     """Every ledger module ``path`` imports, with the line; ``from ledger import x`` names the
     submodule ``ledger.x`` (or the root itself for a name defined there)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse_file(path)
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -162,7 +164,7 @@ def test_nothing_in_the_package_imports_the_benchmarks() -> None:
     # ledger/ would work in a checkout and fail in every installation.
     wrong = []
     for path in sorted(PKG.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_file(path)):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             wrong += [f"{path.relative_to(PKG.parent)}:{node.lineno} imports {n}"
@@ -196,7 +198,7 @@ def _module_graph() -> dict[str, set[str]]:
         if name == "ledger":
             continue
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_file(path)):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names if a.name in modules}
             elif isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0:

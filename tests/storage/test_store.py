@@ -28,6 +28,7 @@ from ledger.storage.runs import RunQueries
 from ledger.storage.series import SeriesQueries
 from ledger.storage.sqlite import SqliteContext
 from ledger.storage.store import Store
+from tests.astparse import parse_file, parse_source
 
 PKG = Path(__file__).resolve().parents[2] / "ledger"
 
@@ -67,7 +68,7 @@ def test_query_objects_are_built_on_a_context_and_do_their_own_sql(cls: type) ->
     assert list(inspect.signature(cls).parameters) == ["ctx"]
     for name, fn in _public_methods(cls).items():
         assert inspect.getdoc(fn), f"{cls.__name__}.{name} has no docstring"
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
+        tree = parse_source(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
         func = tree.body[0]
         assert isinstance(func, ast.FunctionDef)
         # A method that only hands its arguments to another object is a forwarding layer.
@@ -116,7 +117,7 @@ def test_a_ledger_has_no_public_store_and_reaches_it_deliberately(db_url: str) -
 def _imports_of(path: Path) -> list[tuple[int, str, str]]:
     """(line, module, name) of every ``from module import name`` and ``import module``."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.ImportFrom) and node.module:
             out += [(node.lineno, node.module, a.name) for a in node.names]
         elif isinstance(node, ast.Import):
@@ -161,7 +162,7 @@ def _string_comparisons(path: Path) -> list[str]:
         for child in ast.iter_child_nodes(node):
             visit(child, scope)
 
-    visit(ast.parse(path.read_text(), str(path)), "<module>")
+    visit(parse_file(path), "<module>")
     return found
 
 
