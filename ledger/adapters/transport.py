@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.request
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -379,11 +379,19 @@ def _proxy_tls() -> ssl.SSLContext:
     The context httpcore (and so httpx) gives a proxy of its own, certifi's authorities
     (not ``verify``'s, nor ``SSL_CERT_FILE``'s): only built once, not per connection.
     """
+    return _built(_PROXY_TLS, httpcore.default_ssl_context)
+
+
+def _built(key: tuple[str, ...], build: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+    """The process's TLS context for ``key``, made by ``build`` once.
+
+    Whichever threads ask at once: building one loads a whole bundle of certificates.
+    """
     with _TLS_LOCK:
-        context = _TLS_CONTEXTS.get(_PROXY_TLS)
+        context = _TLS_CONTEXTS.get(key)
         if context is None:
-            context = httpcore.default_ssl_context()
-            _TLS_CONTEXTS[_PROXY_TLS] = context
+            context = build()
+            _TLS_CONTEXTS[key] = context
     return context
 
 
@@ -603,13 +611,9 @@ class ClientRegistry:
         """The process's TLS context for the registry's settings, built on first use."""
         if isinstance(self._verify, ssl.SSLContext):
             return self._verify
-        key = _tls_key(self._verify, self._trust_env)
-        with _TLS_LOCK:  # one build per configuration, whichever threads ask at once
-            context = _TLS_CONTEXTS.get(key)
-            if context is None:
-                context = httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env)
-                _TLS_CONTEXTS[key] = context
-        return context
+        verify, trust_env = self._verify, self._trust_env
+        return _built(_tls_key(verify, trust_env),
+                      lambda: httpx.create_ssl_context(verify=verify, trust_env=trust_env))
 
     def _pool_args(self, ssl_context: ssl.SSLContext | None, backend: Any) -> dict[str, Any]:
         # httpx offers no public way to give its transport a network backend, so the pool is
