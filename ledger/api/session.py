@@ -47,7 +47,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Self, Unpack, cast
+from typing import TYPE_CHECKING, Annotated, Any, Self, TypeVar, Unpack, cast
 
 from ledger.api.arguments import SessionOptions
 from ledger.api.face import AsyncFace, Face, SyncFace
@@ -176,6 +176,30 @@ def _error_of(future: asyncio.Future[Any]) -> BaseException | None:
     if future.cancelled():
         return asyncio.CancelledError()
     return future.exception()
+
+
+_T = TypeVar("_T")
+
+
+async def _to_its_end(
+        write: Awaitable[_T]) -> tuple[_T | None, BaseException | None, BaseException | None]:
+    """Run ``write`` to its end, however often the caller is cancelled meanwhile.
+
+    A write may commit although its caller was cancelled (:func:`~ledger.api.turn.outlast`).
+    Returns its result (``None`` when it raised), what it raised, and the caller's last
+    cancellation; the caller records the outcome, then raises (:func:`_raise_first`).
+    """
+    task = asyncio.ensure_future(write)
+    cancelled = await outlast(task)
+    error = _error_of(task)
+    return (task.result() if error is None else None), error, cancelled
+
+
+def _raise_first(*raised: BaseException | None) -> None:
+    """Raise the first of ``raised`` that is not ``None``."""
+    for e in raised:
+        if e is not None:
+            raise e
 
 
 def _note_kept(session: _SessionCore, exc: BaseException, error: BaseException) -> None:
@@ -1118,27 +1142,16 @@ class AsyncRunSession(_SessionCore):
             # The admission (a Child's carves its parent's budget) and the acquisition may
             # commit although the entry was cancelled (the database finishes what it was
             # sent): their outcomes decide what is given back.
-            admitting = asyncio.ensure_future(self.ledger.admit_run(
+            self.record, got.unadmitted, cancelled = await _to_its_end(self.ledger.admit_run(
                 self.run_id, **self.admission, secrets=_key_source(self._adapter, self._secrets)))
-            cancelled = await outlast(admitting)
-            got.unadmitted = _error_of(admitting)
-            if got.unadmitted is None:
-                self.record = admitting.result()
-            if cancelled is not None:
-                raise cancelled
-            self.record = admitting.result()
+            _raise_first(cancelled, got.unadmitted)
             # Read now, awaited: child() and the turns then find the frozen Run in the cache.
             await self.ledger._runner.arun(self.ledger._frozen(self.run_id))
             got.acquiring = True
-            acquiring = asyncio.ensure_future(
+            got.lease, got.refused, cancelled = await _to_its_end(
                 self.ledger.acquire_lease(self.run_id, ttl_s=self.lease_ttl_s))
-            cancelled = await outlast(acquiring)
-            got.refused = _error_of(acquiring)
-            if got.refused is None:
-                got.lease = acquiring.result()
-            if cancelled is not None:
-                raise cancelled
-            got.lease = acquiring.result()
+            _raise_first(cancelled, got.refused)
+            assert got.lease is not None  # taken: the acquisition raised nothing
             self._keeper = AsyncLeaseKeeper(self.ledger, got.lease, ttl_s=self.lease_ttl_s)
             self._keeper.core._held_by(self)
             self._keeper.start()
