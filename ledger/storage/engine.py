@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote_plus
+from urllib.parse import parse_qsl, unquote_plus
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -133,10 +133,6 @@ def database_name(parsed: URL) -> str | None:
     return given if isinstance(given, str) and given else None
 
 
-def _uri_options(query: str) -> dict[str, str]:
-    return {k: v for k, _, v in (pair.partition("=") for pair in query.split("&"))}
-
-
 def sqlite_not_a_file(parsed: URL) -> str | None:
     """What a SQLite URL names instead of a database file: ``"no file"`` (a temporary database),
     ``"an in-memory database"``, or ``None`` when it names a file.
@@ -152,7 +148,7 @@ def sqlite_not_a_file(parsed: URL) -> str | None:
         options[key] = value if isinstance(value, str) else value[-1]
     if db.startswith("file:"):
         name, _, query = db[len("file:"):].partition("?")
-        options.update(_uri_options(query))
+        options.update(parse_qsl(query, keep_blank_values=True))
         if name.startswith("//"):  # file://HOST/path: the path after the authority
             name = "/" + name[2:].partition("/")[2]
         db = name
