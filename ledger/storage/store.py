@@ -56,9 +56,10 @@ What every flow promises:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -104,6 +105,34 @@ from ledger.storage.wake import Listener, SlotWaker
 
 T = TypeVar("T")
 log = logging.getLogger("ledger.storage")
+
+#: How long a ledger's close waits for the begins under way to end before it gives up the
+#: queue places of its waiters.
+CLOSE_WAITS_BEGINS_S = 5.0
+
+
+class _UnderWay:
+    """A count of flows under way, which a closing thread can wait to see end."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._n = 0
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        with self._cond:
+            self._n += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._n -= 1
+                self._cond.notify_all()
+
+    def ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until none is under way; whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._n == 0, timeout_s)
 
 
 def commit_unknown(error: DatabaseUnavailable) -> bool:
@@ -230,6 +259,10 @@ class Store:
         self.closed = False
         #: Whether :meth:`leave_queues` ran (the ledger is closing): no begin is made since.
         self.closing = False
+        #: Begins under way: the close waits for them before it gives up the places that
+        #: they may take (a begin whose transaction commits after the close has left the
+        #: queues would otherwise take a place nobody gives up).
+        self._begins = _UnderWay()
 
     def close(self) -> None:
         """Close every connection, for good: what asks for one afterwards (a call made after
@@ -500,13 +533,19 @@ class Store:
         the error says ``adoption=True``, and a waiter of the group here is woken. Once the
         ledger is closing (:meth:`leave_queues`), every begin is refused as after its close
         (``InvalidState``, ``problem="ledger_closed"``), writing nothing."""
-        if self.closing:
-            # A waiter woken between its place's removal and the close would queue anew.
-            raise closed_error(self.where)
-        yield from self._first(spec.run_id, clock)
-        out = yield from resolving(
-            "begin", lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
-            again=False, run_id=spec.run_id, attempt_id=spec.attempt_id)
+        with self._begins.one():
+            if self.closing:  # read once counted: a close either waits for it or is seen
+                # A waiter woken between its place's removal and the close would queue anew.
+                raise closed_error(self.where)
+            yield from self._first(spec.run_id, clock)
+            out = yield from resolving(
+                "begin",
+                lambda _again: hot.begin_tx(self.sql, spec, clock, self.lease_margin_s),
+                again=False, run_id=spec.run_id, attempt_id=spec.attempt_id)
+            if isinstance(out, Queued):
+                # Owned before the begin counts as ended: the close gives up every place
+                # owned once no begin is under way.
+                self.waker.own(spec.attempt_id, spec.route.group)
         if isinstance(out, hot.Refusal):
             if out.freed_slot:
                 self.waker.poke(spec.route.group)  # committed already: as a settle's slot
@@ -517,13 +556,18 @@ class Store:
         """Give up the queue places of this store's waiters (the ledger's ``close()``).
 
         From now on no begin is made here (:meth:`begin_attempt`): a waiter woken meanwhile
-        would take a place again. A place left in the table would otherwise count as a waiter
-        ahead of every later one, in every process, until its Run's lease lapsed (its session
-        cannot leave its block on a closed ledger) or its own bound passed. One try each; what
-        the database does not take is logged at WARNING and lapses that way, as a crashed
-        process's places do (a database that is away: the rest are not tried).
+        would take a place again. The begins already under way are waited for first (up to
+        :data:`CLOSE_WAITS_BEGINS_S`): one whose transaction commits after the places were
+        given up would take a place nobody gives up. A place left in the table would otherwise
+        count as a waiter ahead of every later one, in every process, until its Run's lease
+        lapsed (its session cannot leave its block on a closed ledger) or its own bound passed.
+        One try each; what the database does not take is logged at WARNING and lapses that way,
+        as a crashed process's places do (a database that is away: the rest are not tried).
         """
         self.closing = True
+        if not self._begins.ended(CLOSE_WAITS_BEGINS_S):
+            log.warning("closing the ledger with a begin still under way after %ss: a queue "
+                        "place it takes lapses with its Run's lease", CLOSE_WAITS_BEGINS_S)
         for waiter, group in self.waker.queued():
             try:
                 yield from self.leave_queue(waiter, group)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from ledger import (
     AsyncLedger,
@@ -51,6 +52,7 @@ from ledger.api.face import storage_of
 from ledger.domain.records import AttemptState
 from ledger.ops.audit import Audit
 from ledger.ops.recovery import recover
+from ledger.storage.engine import normalize_url
 from ledger.storage.pgpool import own_pids
 from ledger.storage.statements import QUEUE_CHANNEL
 from ledger.storage.wake import LISTEN_READY_S
@@ -446,6 +448,54 @@ def test_a_closed_ledgers_waiters_leave_no_place_to_count_or_wait_behind(
             assert other.timeline("w0") == [] and other.timeline("w1") == []
 
     asyncio.run(main())
+
+
+@pytest.mark.postgres
+def test_a_begin_under_way_at_the_close_takes_no_place_the_close_leaves_behind(
+        pg_url: str, fake: FakeProvider) -> None:
+    # A waiter's begin whose transaction commits after the close started giving places up
+    # takes its place when nobody is left to give it up: the close waits for such begins.
+    # The group's row lock, held here, keeps the begin inside its transaction until then.
+    route = _route(fake)
+    eng = create_engine(normalize_url(pg_url))
+    with Ledger.open(pg_url) as other:
+        lease, held = _hold(other, route)
+        led = Ledger.open(pg_url)
+        errors: list[BaseException] = []
+
+        def wait_in() -> None:
+            try:
+                with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                    run.turn(ENV)
+            except BaseException as e:
+                errors.append(e)
+
+        with eng.connect() as raw:
+            raw.execute(text("SELECT 1 FROM capacity_groups WHERE group_id = 'ga' FOR UPDATE"))
+            waiter = threading.Thread(target=wait_in)
+            waiter.start()
+            _until(lambda: raw.execute(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()")).scalar_one() == 1)
+            closer = threading.Thread(target=led.close)
+            closer.start()
+            _until(lambda: storage_of(led).closing)
+            raw.rollback()  # the begin goes on and queues: the close has begun by now
+        closer.join(PATIENCE_S)
+        waiter.join(PATIENCE_S)
+        eng.dispose()
+        assert _waiting(other) == 0
+        [err] = errors
+        assert isinstance(err, InvalidState) and err.fields["problem"] == "ledger_closed"
+        other.settle_attempt(lease, held, outcome="succeeded", cost="0")
+
+
+def _until(cond: Callable[[], bool]) -> None:
+    """Wait for ``cond`` (another thread's progress), up to :data:`PATIENCE_S`."""
+    deadline = time.monotonic() + PATIENCE_S
+    while not cond():
+        assert time.monotonic() < deadline, "the other thread made no progress"
+        time.sleep(0.005)
 
 
 @pytest.mark.postgres
