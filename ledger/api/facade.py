@@ -72,10 +72,11 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         retry owner that was never sent is settled ``not_sent``, a settle of the retry owner the
         database did not take is written as decided (freeing its capacity slot), a Run
         session's exit finishes the Run and releases its lease. What the database still does
-        not take is logged at WARNING and left to recovery. Then the places this ledger's
-        turns hold in full capacity groups' queues are given up (one try each), so no waiter
-        anywhere waits behind them or counts them; from then on it begins nothing (the turns
-        still waiting raise the closed ledger's ``InvalidState``).
+        not take is logged at WARNING and left to recovery. Then, once the begins under way
+        have ended (up to 5 s), the places this ledger's turns hold in full capacity groups'
+        queues are given up (one try each), so no waiter anywhere waits behind them or counts
+        them; from then on it begins nothing (the turns still waiting raise the closed
+        ledger's ``InvalidState``).
 
         Last, the ledger's own threads (``ledger-cold``, where an :class:`AsyncLedger` runs
         its blocking calls) end: a call already running on one is waited for (it may wait up
