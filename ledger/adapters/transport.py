@@ -341,16 +341,19 @@ def _proxy(url: str, field: str) -> httpx.Proxy:
     return proxy
 
 
-def _via(proxy: httpx.Proxy) -> dict[str, Any]:
+def _via(proxy: httpx.Proxy, tls: Callable[[], ssl.SSLContext]) -> dict[str, Any]:
     """The arguments of httpcore's pool through ``proxy``, as httpx gives them.
 
-    An ``https://`` proxy's TLS context is the process's (:func:`_proxy_tls`): given none,
-    httpcore builds its default one for every connection to the proxy, on the event loop.
+    An ``https://`` proxy's own connection is verified with ``tls()``, the registry's context
+    (its origins'), unless ``proxy`` carries a context of its own. Given none, httpcore would
+    build its default for every connection to the proxy, on the event loop, trusting
+    certifi's authorities and OpenSSL's default paths whatever ``verify`` and ``trust_env``
+    say: an authority given as ``verify`` would not reach the proxy, nor ``verify=False``.
     """
     url = proxy.url
     context = proxy.ssl_context
     if context is None and url.scheme == "https":
-        context = _proxy_tls()
+        context = tls()
     return {"proxy_url": httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
                                       target=url.raw_path),
             "proxy_auth": proxy.raw_auth, "proxy_headers": proxy.headers.raw,
@@ -362,24 +365,6 @@ def _via(proxy: httpx.Proxy) -> dict[str, Any]:
 # an SSLContext is safe to share between clients, loops and threads.
 _TLS_CONTEXTS: dict[tuple[str, ...], ssl.SSLContext] = {}
 _TLS_LOCK = threading.Lock()
-
-
-# An https:// proxy's context: httpcore's default, certifi's bundle, the same for the process.
-_PROXY_TLS = ("proxy",)
-
-
-def _known_proxy_tls() -> ssl.SSLContext | None:
-    """The process's TLS context for ``https://`` proxies if it has it, else ``None``."""
-    return _TLS_CONTEXTS.get(_PROXY_TLS)
-
-
-def _proxy_tls() -> ssl.SSLContext:
-    """The process's TLS context for ``https://`` proxies, built on first use.
-
-    The context httpcore (and so httpx) gives a proxy of its own, certifi's authorities
-    (not ``verify``'s, nor ``SSL_CERT_FILE``'s): only built once, not per connection.
-    """
-    return _built(_PROXY_TLS, httpcore.default_ssl_context)
 
 
 def _built(key: tuple[str, ...], build: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
@@ -400,8 +385,8 @@ def _tls_key(verify: bool, trust_env: bool) -> tuple[str, ...]:
 
     httpx reads ``SSL_CERT_FILE``, else ``SSL_CERT_DIR``, with ``verify=True`` and
     ``trust_env`` (``httpx.create_ssl_context``); nothing else reaches the context (a proxy is
-    chosen per origin, and an ``https://`` proxy's own TLS has a context of its own,
-    :func:`_proxy_tls`).
+    chosen per origin, and an ``https://`` proxy's own connection is verified with this same
+    context, :func:`_via`).
     """
     if not verify:
         return ("unverified",)
@@ -439,6 +424,11 @@ def _secure(origin: str) -> bool:
     return origin.startswith("https:")
 
 
+def _verified_by_us(proxy: httpx.Proxy | None) -> bool:
+    """Whether ``proxy``'s own connection is TLS verified with the registry's context."""
+    return proxy is not None and proxy.url.scheme == "https" and proxy.ssl_context is None
+
+
 class ClientRegistry:
     """One pooled httpx client per endpoint origin (scheme, host, port) and kind.
 
@@ -449,12 +439,16 @@ class ClientRegistry:
     ``retries=0``: no request is ever sent twice by us, and redirects are not followed. No
     client keeps a cookie: what one answer sets never goes out with another request.
 
-    Only ``https://`` origins' clients have a TLS context: one per process for each TLS
-    configuration (``verify``, and with ``trust_env`` the ``SSL_CERT_FILE`` or ``SSL_CERT_DIR``
-    it names), shared by every registry of that configuration and built when a client first
-    needs it; :meth:`aget` builds it on a worker thread, never on the loop. An ``https://``
-    proxy's own connection has one more, httpcore's default (certifi's authorities, as with
-    httpx), likewise built once per process and off the loop.
+    Only ``https://`` origins' clients, and those going through an ``https://`` proxy, have a
+    TLS context: one per process for each TLS configuration (``verify``, and with
+    ``trust_env`` the ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` it names), shared by every
+    registry of that configuration and built when a client first needs it; :meth:`aget`
+    builds it on a worker thread, never on the loop. An ``https://`` proxy's own connection
+    (the hop to the proxy) is verified with that same context, so it trusts what the origins
+    do: ``verify``'s ``SSLContext`` as given, nothing with ``verify=False``, else
+    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` with ``trust_env``, else certifi's authorities (httpx
+    would give the proxy httpcore's default instead: certifi's and the system's, whatever
+    ``verify`` says).
 
     Requests to an origin go through an HTTP(S) proxy when ``proxy`` names one, or else, with
     ``trust_env``, when the environment does (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``,
@@ -462,14 +456,16 @@ class ClientRegistry:
     the providers' own SDKs do; through a proxy every time limit holds as it does without one.
 
     Args:
-        verify: TLS verification of every client (``True``, ``False`` or an ``SSLContext``).
+        verify: TLS verification of every client and of an ``https://`` proxy's own
+            connection (``True``, ``False`` or an ``SSLContext``).
         max_connections: httpx's pool limit, per origin and loop.
         max_keepalive_connections: Idle connections kept, per origin and loop.
         proxy: An ``http://`` or ``https://`` proxy URL for every origin (credentials in it
             go to the proxy only); ``None``: the environment's, with ``trust_env``.
         trust_env: Take proxies from the environment when ``proxy`` is ``None``, and with
             ``verify=True`` the certificate authorities of ``SSL_CERT_FILE`` or
-            ``SSL_CERT_DIR`` (as httpx does) instead of certifi's.
+            ``SSL_CERT_DIR`` (as httpx does) instead of certifi's, for the origins and an
+            ``https://`` proxy alike.
 
     Raises:
         InvalidArgument: ``proxy`` is not an ``http://`` or ``https://`` URL, or ``verify`` is
@@ -521,39 +517,35 @@ class ClientRegistry:
         key = self.origin(url)
         client = self._by_loop.get(loop, {}).get(key)
         if client is None:
-            client = self._make(loop, key, url, self._tls() if _secure(key) else None)
+            client = self._make(loop, key, url, self.proxy_for(url))
         return client
 
     async def aget(self, url: str) -> httpx.AsyncClient:
         """:meth:`get`, building a TLS context the process does not have yet off the loop.
 
-        Only an ``https://`` origin needs one, and the process builds one per TLS
-        configuration (``verify``, and with ``trust_env`` the ``SSL_CERT_FILE`` or
-        ``SSL_CERT_DIR`` it names), however many registries, sessions and loops use it.
+        Only an ``https://`` origin, or an origin reached through an ``https://`` proxy, needs
+        one, and the process builds one per TLS configuration (``verify``, and with
+        ``trust_env`` the ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` it names), however many
+        registries, sessions and loops use it.
         """
         loop = asyncio.get_running_loop()
         key = self.origin(url)
         client = self._by_loop.get(loop, {}).get(key)
         if client is not None:
             return client
-        ssl_context = None
-        if _secure(key):
-            ssl_context = self._known_tls()
-            if ssl_context is None:
-                ssl_context = await asyncio.to_thread(self._tls)
         proxy = self.proxy_for(url)
-        if proxy is not None and proxy.url.scheme == "https" and _known_proxy_tls() is None:
-            await asyncio.to_thread(_proxy_tls)  # _make's _via finds it built
+        if (_secure(key) or _verified_by_us(proxy)) and self._known_tls() is None:
+            await asyncio.to_thread(self._tls)  # _make finds it built
         # Another task may have made the origin's client while the context was built.
         client = self._by_loop.get(loop, {}).get(key)
-        return client if client is not None else self._make(loop, key, url, ssl_context)
+        return client if client is not None else self._make(loop, key, url, proxy)
 
     def _make(self, loop: asyncio.AbstractEventLoop, key: str, url: str,
-              ssl_context: ssl.SSLContext | None) -> httpx.AsyncClient:
-        args = self._pool_args(ssl_context, _PolledBackend())
-        proxy = self.proxy_for(url)
+              proxy: httpx.Proxy | None) -> httpx.AsyncClient:
+        args = self._pool_args(self._tls() if _secure(key) else None, _PolledBackend())
         transport = _AsyncTransport(httpcore.AsyncConnectionPool(**args) if proxy is None
-                                    else httpcore.AsyncHTTPProxy(**_via(proxy), **args))
+                                    else httpcore.AsyncHTTPProxy(**_via(proxy, self._tls),
+                                                                 **args))
         # follow_redirects stays off: a redirect is an answer we report, not one we chase
         # (following it could send the request, and its credential, somewhere else).
         client = httpx.AsyncClient(transport=transport, follow_redirects=False,
@@ -599,7 +591,7 @@ class ClientRegistry:
                                _DeadlineBackend())
         proxy = self.proxy_for(url)
         return _Transport(httpcore.ConnectionPool(**args) if proxy is None
-                          else httpcore.HTTPProxy(**_via(proxy), **args))
+                          else httpcore.HTTPProxy(**_via(proxy, self._tls), **args))
 
     def _known_tls(self) -> ssl.SSLContext | None:
         """The TLS context of the registry's settings if the process has it, else ``None``."""

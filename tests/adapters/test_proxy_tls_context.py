@@ -3,13 +3,16 @@
 Given no context for the proxy, httpcore builds its default one (certifi's authorities, some
 50 ms) for every connection to the proxy, on the event loop for the asyncio driver: a proxy
 that closes each connection after its answer (the forwarding proxy here does) cost one build
-per request. The adapter now hands httpcore the process's one, the same context as before.
+per request. The adapter hands httpcore the process's one for the registry's TLS
+configuration, the context its origins have (what that context trusts:
+``tests/adapters/test_proxy_tls_trust.py``).
 
 A real TLS forwarding proxy on loopback with a self-signed certificate (``openssl``), which the
-proxy's context trusts through certifi's bundle (``certifi.where``, as httpcore reads it);
-the provider behind it is plain HTTP. The counts are the standard library's
-``ssl.create_default_context`` calls, which every such build makes; each test starts from a
-process with no proxy context (the registry's cache is the test's own).
+registry's default context trusts through certifi's bundle (``certifi.where``, as
+``httpx.create_ssl_context`` reads it, ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` unset); the
+provider behind it is plain HTTP, so the proxy's is the only context built. The counts are the
+standard library's ``ssl.create_default_context`` calls, which every such build makes; each
+test starts from a process with no TLS context (the registry's cache is the test's own).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class Builds:
 @pytest.fixture
 def tls_proxy(self_signed: tuple[Path, Path], tmp_path: Path,
               monkeypatch: pytest.MonkeyPatch) -> Iterator[_TLSProxy]:
-    """An https:// proxy the proxy context trusts; a process with no proxy context yet."""
+    """An https:// proxy the default context trusts; a process with no TLS context yet."""
     cert, key = self_signed
     served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # built before the counting starts
     served.load_cert_chain(cert, key)
@@ -83,7 +86,8 @@ def tls_proxy(self_signed: tuple[Path, Path], tmp_path: Path,
     bundle.write_bytes(cert.read_bytes())
     monkeypatch.setattr(certifi, "where", lambda: str(bundle))
     monkeypatch.setattr(transport_module, "_TLS_CONTEXTS", {})
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE",
+                 "SSL_CERT_DIR"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
     proxy = _TLSProxy(served)
