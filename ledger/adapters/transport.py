@@ -344,11 +344,12 @@ def _proxy(url: str, field: str) -> httpx.Proxy:
 def _via(proxy: httpx.Proxy, tls: Callable[[], ssl.SSLContext]) -> dict[str, Any]:
     """The arguments of httpcore's pool through ``proxy``, as httpx gives them.
 
-    An ``https://`` proxy's own connection is verified with ``tls()``, the registry's context
-    (its origins'), unless ``proxy`` carries a context of its own. Given none, httpcore would
-    build its default for every connection to the proxy, on the event loop, trusting
-    certifi's authorities and OpenSSL's default paths whatever ``verify`` and ``trust_env``
-    say: an authority given as ``verify`` would not reach the proxy, nor ``verify=False``.
+    An ``https://`` proxy's own connection is verified with ``tls()``, the registry's
+    (:meth:`ClientRegistry._proxy_tls`), unless ``proxy`` carries a context of its own. Given
+    none, httpcore would build its default for every connection to the proxy, on the event
+    loop, trusting certifi's authorities and OpenSSL's default paths whatever ``verify`` and
+    ``trust_env`` say: an authority given as ``verify`` would not reach the proxy, nor
+    ``verify=False``.
     """
     url = proxy.url
     context = proxy.ssl_context
@@ -365,6 +366,10 @@ def _via(proxy: httpx.Proxy, tls: Callable[[], ssl.SSLContext]) -> dict[str, Any
 # an SSLContext is safe to share between clients, loops and threads.
 _TLS_CONTEXTS: dict[tuple[str, ...], ssl.SSLContext] = {}
 _TLS_LOCK = threading.Lock()
+
+
+# The default configuration's proxy hop (ClientRegistry._proxy_key).
+_PROXY_DEFAULT = ("proxy-default",)
 
 
 def _built(key: tuple[str, ...], build: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
@@ -444,11 +449,12 @@ class ClientRegistry:
     ``trust_env`` the ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` it names), shared by every
     registry of that configuration and built when a client first needs it; :meth:`aget`
     builds it on a worker thread, never on the loop. An ``https://`` proxy's own connection
-    (the hop to the proxy) is verified with that same context, so it trusts what the origins
-    do: ``verify``'s ``SSLContext`` as given, nothing with ``verify=False``, else
-    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` with ``trust_env``, else certifi's authorities (httpx
-    would give the proxy httpcore's default instead: certifi's and the system's, whatever
-    ``verify`` says).
+    (the hop to the proxy) trusts what the settings say: ``verify``'s ``SSLContext`` as
+    given, nothing with ``verify=False``, ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` with
+    ``trust_env``, certifi's authorities with ``trust_env=False``; with the defaults (none of
+    those said), httpcore's default as with httpx, certifi's authorities and the system's
+    store, so that a company proxy trusted through the system store stays trusted (httpx gives
+    the proxy that default whatever the settings say).
 
     Requests to an origin go through an HTTP(S) proxy when ``proxy`` names one, or else, with
     ``trust_env``, when the environment does (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``,
@@ -534,8 +540,10 @@ class ClientRegistry:
         if client is not None:
             return client
         proxy = self.proxy_for(url)
-        if (_secure(key) or _verified_by_us(proxy)) and self._known_tls() is None:
+        if _secure(key) and self._known_tls() is None:
             await asyncio.to_thread(self._tls)  # _make finds it built
+        if _verified_by_us(proxy) and self._known_proxy_tls() is None:
+            await asyncio.to_thread(self._proxy_tls)
         # Another task may have made the origin's client while the context was built.
         client = self._by_loop.get(loop, {}).get(key)
         return client if client is not None else self._make(loop, key, url, proxy)
@@ -544,7 +552,7 @@ class ClientRegistry:
               proxy: httpx.Proxy | None) -> httpx.AsyncClient:
         args = self._pool_args(self._tls() if _secure(key) else None, _PolledBackend())
         transport = _AsyncTransport(httpcore.AsyncConnectionPool(**args) if proxy is None
-                                    else httpcore.AsyncHTTPProxy(**_via(proxy, self._tls),
+                                    else httpcore.AsyncHTTPProxy(**_via(proxy, self._proxy_tls),
                                                                  **args))
         # follow_redirects stays off: a redirect is an answer we report, not one we chase
         # (following it could send the request, and its credential, somewhere else).
@@ -591,13 +599,35 @@ class ClientRegistry:
                                _DeadlineBackend())
         proxy = self.proxy_for(url)
         return _Transport(httpcore.ConnectionPool(**args) if proxy is None
-                          else httpcore.HTTPProxy(**_via(proxy, self._tls), **args))
+                          else httpcore.HTTPProxy(**_via(proxy, self._proxy_tls), **args))
 
     def _known_tls(self) -> ssl.SSLContext | None:
         """The TLS context of the registry's settings if the process has it, else ``None``."""
         if isinstance(self._verify, ssl.SSLContext):
             return self._verify
         return _TLS_CONTEXTS.get(_tls_key(self._verify, self._trust_env))
+
+    def _proxy_key(self) -> tuple[str, ...] | None:
+        """The key of the proxy hop's own context, or ``None``: the hop uses :meth:`_tls`.
+
+        With ``verify=True``, ``trust_env`` and neither ``SSL_CERT_FILE`` nor
+        ``SSL_CERT_DIR``, the hop gets httpcore's default (certifi's authorities and the
+        system's), as httpx gives it, so that a proxy whose authority only the system store
+        holds stays trusted.
+        """
+        if self._verify is True and self._trust_env and _tls_key(True, True) == ("certifi",):
+            return _PROXY_DEFAULT
+        return None
+
+    def _known_proxy_tls(self) -> ssl.SSLContext | None:
+        """The proxy hop's TLS context if the process has it, else ``None``."""
+        key = self._proxy_key()
+        return self._known_tls() if key is None else _TLS_CONTEXTS.get(key)
+
+    def _proxy_tls(self) -> ssl.SSLContext:
+        """The TLS context of an ``https://`` proxy's own connection, built on first use."""
+        key = self._proxy_key()
+        return self._tls() if key is None else _built(key, httpcore.default_ssl_context)
 
     def _tls(self) -> ssl.SSLContext:
         """The process's TLS context for the registry's settings, built on first use."""
