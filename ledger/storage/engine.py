@@ -30,6 +30,10 @@ from ledger.storage.pgurl import PASSWORD_USER, conninfo, hosts_to_query, refuse
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
+#: SQLite's URI filename options (https://sqlite.org/uri.html): what SQLAlchemy would pass to
+#: SQLite for the cold path only, so a SQLite URL may not give them.
+SQLITE_URI_OPTIONS = frozenset({"mode", "immutable", "vfs", "cache", "nolock", "psow", "modeof"})
+
 
 def normalize_url(url: str) -> str:
     """Accept a SQLite file path or an SQLAlchemy URL; PostgreSQL URLs use psycopg 3."""
@@ -168,6 +172,17 @@ def sqlite_file(norm: str, parsed: URL) -> str:
         raise InvalidArgument(
             f"url {norm!r} names {what}: the ledger needs a SQLite *file* (several connections "
             "share it); pass a path such as ./ledger.db",
+            field="url",
+        )
+    unheld = sorted(k for k in parsed.query if k.casefold() in SQLITE_URI_OPTIONS)
+    if unheld:
+        # SQLAlchemy hands these to SQLite with uri=true (and ignores them without it), while
+        # the hot path opens the file as named: mode=ro made the schema's connection read-only
+        # and the Attempts' read-write.
+        raise InvalidArgument(
+            f"url {norm!r} gives the SQLite URI option(s) {', '.join(unheld)}, which the "
+            "ledger's own connections do not take (a ledger reads and writes its file as it "
+            "is); drop them from the URL (timeout=SECONDS is the one option it takes)",
             field="url",
         )
     if db.startswith("file:"):

@@ -92,3 +92,22 @@ def test_a_file_whose_name_only_mentions_memory_is_still_a_file(
         with Ledger.open(name) as led:
             assert led.backend == "sqlite"
         assert (tmp_path / name).is_file()
+
+
+@pytest.mark.parametrize("url", ["sqlite:///led.db?uri=true&mode=ro", "sqlite:///led.db?mode=ro",
+                                 "sqlite:///led.db?uri=true&immutable=1",
+                                 "sqlite:///led.db?uri=true&cache=shared&timeout=5"])
+def test_sqlite_uri_options_the_hot_path_would_not_take_are_refused_before_anything_opens(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``?uri=true&mode=ro`` opened the schema's connection read-only (SQLAlchemy hands URI
+    options to SQLite) and the Attempts' read-write (the hot path opens the file as named);
+    without ``uri=true`` SQLAlchemy dropped them with a warning: an option that says what the
+    database is must hold for every connection or be refused."""
+    monkeypatch.chdir(tmp_path)
+    for opening in (lambda: Ledger.open(url), lambda: asyncio.run(AsyncLedger.open(url))):
+        with pytest.raises(InvalidArgument) as info:
+            opening()
+        assert info.value.fields["field"] == "url"
+        assert "which the ledger's own connections do not take" in str(info.value)
+        assert "timeout=SECONDS is the one option it takes" in str(info.value)
+    assert os.listdir(tmp_path) == []
