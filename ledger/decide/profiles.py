@@ -88,17 +88,23 @@ def rotation_order(
     return ready + waiting
 
 
-def _auth_order(policy: ProfilePolicy, provider: str) -> list[str] | None:
-    """The explicit order of ``provider``'s profiles, its key matched case-insensitively.
+def auth_order_key(policy: ProfilePolicy, provider: str) -> str | None:
+    """The ``policy.auth_order`` key ordering ``provider``'s profiles, or ``None``.
 
-    The key spelled exactly as the route's provider comes first: a frozen policy admitted
-    before two spellings of one provider were refused keeps the order it decided by then.
+    Matched case-insensitively: the key spelled exactly as the route's provider comes first (a
+    frozen policy admitted before two spellings of one provider were refused keeps the order
+    it decided by then).
     """
-    exact = policy.auth_order.get(provider)
-    if exact is not None:
-        return exact
+    if provider in policy.auth_order:
+        return provider
     p = provider.casefold()
-    return next((ids for name, ids in policy.auth_order.items() if name.casefold() == p), None)
+    return next((name for name in policy.auth_order if name.casefold() == p), None)
+
+
+def _auth_order(policy: ProfilePolicy, provider: str) -> list[str] | None:
+    """The explicit order of ``provider``'s profiles (:func:`auth_order_key`)."""
+    key = auth_order_key(policy, provider)
+    return None if key is None else policy.auth_order[key]
 
 
 def first_usable(

@@ -48,6 +48,7 @@ from ledger.decide.preflight import (
 )
 from ledger.decide.profiles import (
     Pin,
+    auth_order_key,
     available_at,
     first_usable,
     rotation_order,
@@ -60,7 +61,7 @@ from ledger.domain.facts import FailureFact, Phase, Scope, Source
 from ledger.domain.timefmt import duration, iso, relative
 from ledger.domain.values import Grant, GroupMode, GroupProjection, Health, Profile, Route
 from ledger.errors import InvalidArgument
-from ledger.policy.model import FailoverPolicy, Policy
+from ledger.policy.model import FailoverPolicy, Policy, ProfilePolicy
 
 
 class Reason(StrEnum):
@@ -90,9 +91,11 @@ class Reason(StrEnum):
 _NO_CREDENTIAL = (Reason.ALREADY_TRIED, Reason.NOT_QUALIFIED)
 
 
-def _unlisted(route: Route) -> str:
+def _unlisted(route: Route, policy: ProfilePolicy) -> str:
     ids = ", ".join(p.id for p in route.profiles)
-    return (f"profiles.auth_order[{route.provider!r}] lists none of its profiles ({ids}); "
+    # The key as the policy spells it: auth_order matches the provider case-insensitively.
+    key = auth_order_key(policy, route.provider) or route.provider
+    return (f"profiles.auth_order[{key!r}] lists none of its profiles ({ids}); "
             "list one of them there, or remove the entry to use them all")
 
 
@@ -464,7 +467,7 @@ class _Walk:
                 if not order:
                     # auth_order names none of this route's profiles: it has no credential the
                     # policy lets it use.
-                    return None, (Reason.NOT_QUALIFIED, _unlisted(route)), False
+                    return None, (Reason.NOT_QUALIFIED, _unlisted(route, pp)), False
                 left = [p for p in order if p.id not in tried]
                 if not left:
                     return None, (Reason.ALREADY_TRIED, "every profile already tried"), False

@@ -796,6 +796,18 @@ def test_a_route_whose_profiles_auth_order_leaves_out_is_skipped_not_a_crash() -
     assert _fased(policy=policy).route_id == "mini"  # after a failure too
 
 
+def test_a_not_qualified_skip_names_the_auth_order_key_as_the_policy_spells_it() -> None:
+    """``auth_order`` matches the provider case-insensitively, so the skip's fix must name the
+    key the user wrote (``Anthropic``), not the route's spelling (``anthropic``): the user
+    would look for an entry that is not there."""
+    policy = tune(FASED, "profiles", auth_order={"Anthropic": ["anthropic:typo"]})
+    fresh = _fased(policy=policy, failure=None, current_profile=None, pin=None,
+                   permissions=RunPermissions(retries_left=4, calls_left=6))
+    [skip] = [x for x in fresh.skipped if x.route == "claude"]
+    assert skip.reason is Reason.NOT_QUALIFIED
+    assert "profiles.auth_order['Anthropic'] lists none of its profiles" in skip.detail
+
+
 def test_rotation_is_off_unless_the_policy_rotates() -> None:
     no_rotation = tune(FASED, "profiles", rotate_before_model=False)
     assert _fased(policy=no_rotation).route_id == "mini"
