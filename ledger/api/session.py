@@ -19,8 +19,9 @@ Entering checks that every route's key can be resolved (nothing is recorded when
 admits the Run (or resumes it: the same id with identical content), takes its lease and keeps it
 renewed in the background while the session exists (an entry that raises after that gives the
 lease back, whatever it raises, and ends a Child Run no lease had held before, which gives its
-carve back to the parent; a Child's admission whose outcome the database could not tell is
-ended so as soon as it answers: :meth:`_SessionCore.child`); leaving finishes the Run and
+carve back to the parent; a Child's admission whose outcome the database could not tell, or
+a fresh Child's ending that the database did not take, is written as soon as it answers:
+:meth:`_SessionCore.child`); leaving finishes the Run and
 releases the lease, on every path, cancellation included, and an interruption of the exit's
 own writes (when the database does not answer, as soon as it does:
 :mod:`ledger.decide.resolve`). The status says what happened
@@ -55,7 +56,7 @@ from ledger.api.turn import TurnOptions, outlast
 from ledger.decide.admission import Admission, BudgetArg, GrantArg, Role, Terms
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import idle_end, last_turn_served, turn_end
-from ledger.decide.resolve import UnresolvedExit, stays
+from ledger.decide.resolve import UnresolvedChildEnd, UnresolvedExit, stays
 from ledger.decide.settle import check_lease_ttl
 from ledger.decide.turn import RunResult
 from ledger.domain.envelope import EXEMPT_CLASSES, Envelope, Part, PartHashes, require_parts
@@ -203,7 +204,24 @@ def _raise_first(*raised: BaseException | None) -> None:
 
 
 def _note_kept(session: _SessionCore, exc: BaseException, error: BaseException) -> None:
-    """An entry that raised ``exc`` could not give its lease back (``error``): it lapses."""
+    """An entry that raised ``exc`` could not give its lease back (``error``): it lapses.
+
+    A fresh Child's ending that the database did not take is remembered (``error`` says
+    ``deferred``): told on ``exc``, logged at INFO; the ledger's ``close()`` warns of it if it
+    is still not written then.
+    """
+    if isinstance(error, LedgerError) and error.fields.get("deferred"):
+        parent = session._parent.run_id if session._parent is not None else "?"
+        log.info("run %s: the ending of the Child whose entry raised %r is not written yet "
+                 "(%r); it is written before run %s's next write", session.run_id, exc, error,
+                 parent)
+        exc.add_note(
+            f"entering the Run session, ending child run {session.run_id!r} (which gives its "
+            f"carve back to run {parent!r}) failed too ({type(error).__name__}: {error}); "
+            "this process ends it and gives the carve back as soon as the database answers "
+            f"again (before run {parent!r}'s next write, from its lease keeper, or when the "
+            "ledger is closed), unless another executor took the Child meanwhile")
+        return
     log.warning("run %s: the lease taken by an entry that raised %r was not released; "
                 "it lapses in %g s: %r", session.run_id, exc, session.lease_ttl_s, error)
     exc.add_note(f"entering the Run session, giving back run {session.run_id!r}'s lease "
@@ -411,33 +429,52 @@ class _SessionCore:
         ends in: its block never ran, and a Child left admitted would keep its carve out of
         the parent's budget until someone entered it again. The finish gives the carve back.
         A Root Run stays admitted as it was, for the next session with its id to resume.
+
+        When the database does not answer any of that for a Child that is (or may be) fresh,
+        its ending is remembered under the parent
+        (:class:`~ledger.decide.resolve.UnresolvedChildEnd`) before the error leaves: the
+        parent's next write, its lease keeper or the ledger's ``close()`` writes it.
         """
         led = self.ledger
-        fresh = False
-        if self._parent is not None:
-            rec = self.record
-            if rec is None and got.unadmitted is not None and _may_have_taken(got.unadmitted):
-                # An interruption of the admission: it may have committed (and carved).
-                with contextlib.suppress(NotFound):
-                    rec = yield from Face.get_run.flow(led, self.run_id)
-            fresh = (rec is not None and rec.fence == 0
-                     and rec.parent_run_id == self._parent.run_id)
-        lease = got.lease
-        # A fresh Child is ended whatever its acquisition raised (a refusal that took nothing
-        # leaves it admitted, its carve out of the parent's budget); otherwise the lease is
-        # taken again only when the acquisition may have taken it.
-        if lease is None and (fresh or (got.acquiring and _may_have_taken(got.refused))):
-            with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
-                lease = yield from Face.acquire_lease.flow(led, self.run_id,
-                                                           ttl_s=self.lease_ttl_s)
-        if lease is None:
-            return
-        # Fence 1: the first lease ever taken on it, this entry's (no other session ran it).
-        if fresh and lease.fence == 1:
-            status = turn_end(exc)
-            yield from Face.finish_run.flow(led, lease, status)
-            self.ended = status
-        yield from Face.release_lease.flow(led, lease)
+        # The lease the Child's admission carved under (the parent's fence decides later).
+        parent = self.admission.get("parent") if self._parent is not None else None
+        # Whether the Child is one no lease had held before; None: it may be, unread yet.
+        fresh: bool | None = False
+        try:
+            if parent is not None:
+                rec = self.record
+                if (rec is None and got.unadmitted is not None
+                        and _may_have_taken(got.unadmitted)):
+                    # An interruption of the admission: it may have committed (and carved).
+                    fresh = None
+                    with contextlib.suppress(NotFound):
+                        rec = yield from Face.get_run.flow(led, self.run_id)
+                fresh = (rec is not None and rec.fence == 0
+                         and rec.parent_run_id == parent.run_id)
+            lease = got.lease
+            # A fresh Child is ended whatever its acquisition raised (a refusal that took
+            # nothing leaves it admitted, its carve out of the parent's budget); otherwise the
+            # lease is taken again only when the acquisition may have taken it.
+            if lease is None and (fresh or (got.acquiring and _may_have_taken(got.refused))):
+                with contextlib.suppress(LeaseHeld, InvalidState, NotFound):
+                    lease = yield from Face.acquire_lease.flow(led, self.run_id,
+                                                               ttl_s=self.lease_ttl_s)
+            if lease is None:
+                return
+            # Fence 1: the first lease ever taken on it, this entry's (no other session ran it).
+            if fresh and lease.fence == 1:
+                status = turn_end(exc)
+                yield from Face.finish_run.flow(led, lease, status)
+                self.ended = status
+            yield from Face.release_lease.flow(led, lease)
+        except LedgerError as e:
+            if parent is not None and fresh is not False and stays(e):
+                # Unread (None): the entry never reached its acquisition, so no lease of its
+                # own can be on the Child; read fresh, this entry took (or tried) its first.
+                led._store.pending.add(UnresolvedChildEnd(
+                    parent, self.run_id, turn_end(exc), fence=0 if fresh is None else 1))
+                e.fields["deferred"] = True
+            raise
 
     def _write_exit(self, status: RunStatus) -> Flow[None]:
         """Write the Run's remembered exit (and what comes before it), ending it ``status``."""
@@ -562,7 +599,15 @@ class _SessionCore:
         raises once the Child is admitted (a cancellation, ``KeyboardInterrupt``, an error)
         ends a Child that no lease held before (``cancelled``, or ``failed`` for an error) and
         gives its whole carve back before the exception propagates: its id is spent, open the
-        next Child under a new one. A Child held before (resumed) stays as it was. It sends
+        next Child under a new one. When the database does not take that ending (it is away:
+        the entry's acquisition, the Child's finish or its release raised
+        ``DatabaseUnavailable``), the entry's exception still propagates unchanged, with a
+        note saying so, and the process remembers the ending under this Run
+        (:class:`~ledger.decide.resolve.UnresolvedChildEnd`): as soon as the database answers
+        again (this Run's next write, its lease keeper's heartbeat, or the ledger's
+        ``close()``, which logs a WARNING only for one still not written then), a Child still
+        ``admitted`` whose only lease was the entry's is ended, its lease released and its
+        whole carve given back. A Child held before (resumed) stays as it was. It sends
         with this session's adapter (``async with`` for an :class:`AsyncRunSession`'s).
 
         An admission whose connection was lost after its ``COMMIT`` was sent (PostgreSQL: the
@@ -739,7 +784,8 @@ class RunSession(_SessionCore):
     lease it took before the exception propagates unchanged, as the async entry does (a
     cancellation included): a root Run stays admitted, and the next session (any executor)
     enters it at once; a Child Run that no lease had held before is ended (``cancelled``, or
-    ``failed`` for an error), which gives its carve back to the parent (:meth:`child`).
+    ``failed`` for an error), which gives its carve back to the parent, or, when the database
+    does not answer, as soon as it does, before the parent's next write (:meth:`child`).
     Likewise an exit that an interruption cuts short (a ``KeyboardInterrupt`` landing in its
     finish or release, even right after a commit) completes the finish and release once more
     before the interruption propagates, as the async exit outlasts cancellations: the Run ends as
@@ -1104,7 +1150,8 @@ class AsyncRunSession(_SessionCore):
     :class:`~ledger.adapters.HttpAdapter`, and leaving finishes the Run and releases its lease
     even when the block is cancelled. An entry that raises once the Run is admitted (a
     cancellation, or an ordinary error) gives back the lease it took, and ends a Child Run no
-    lease had held before (its carve back to the parent), however often it is cancelled
+    lease had held before (its carve back to the parent; when the database does not answer,
+    as soon as it does: :meth:`RunSession.child`), however often it is cancelled
     meanwhile, before the exception propagates unchanged: the entry waits for its admission's
     and its acquisition's outcomes, which may commit although it was cancelled.
     """

@@ -33,6 +33,14 @@ lock past the busy or lock timeout, a lost acknowledgement):
   no lease ever held is ended (the status an entry that raised the error ends it in:
   ``failed``), which gives its whole carve back to the parent; one that did not land leaves
   nothing; a Child some lease took since, or a parent taken over, is left to its holder.
+* :class:`UnresolvedChildEnd`: the ending of a fresh Child Run (one no lease had held before)
+  whose session's entry raised after its admission, which the database did not take (the
+  give-back of :meth:`ledger.api.session._SessionCore.child`'s entry: its acquisition, finish
+  or release). Kept under the parent and resolved as an admission is, under the parent's
+  fence: a Child still ``admitted`` that no lease but this entry's ever held is ended (the
+  status the entry's exception ends it in), its lease released if it is still held, and its
+  whole carve given back; a Child that is gone (its admission never landed) leaves nothing; a
+  Child another lease took since, or a parent taken over, is left to its holder.
 
 The verdicts below map what the database answered to what it means; they read nothing.
 """
@@ -59,6 +67,8 @@ from ledger.policy.model import Policy
 
 #: The event a begin whose acknowledgement was lost is settled with (data: how it was resolved).
 COMMIT_UNKNOWN = "commit_unknown"
+#: The event a fresh Child is ended with when its entry's own ending was written later.
+UNWOUND = "unwound"
 
 
 class Resolution(Enum):
@@ -76,8 +86,9 @@ class Resolution(Enum):
     RECORDED = "recorded"
     #: The session's exit is written: the Run finished, the lease released.
     FINISHED = "finished"
-    #: The Child's admission had landed and no lease ever held it: it is ended now (or was,
-    #: by an earlier try), its carve given back to the parent.
+    #: The Child's admission had landed and no lease ever held it (but the entry's own, for
+    #: an entry's ending): it is ended now (or was, by an earlier try), its carve given back
+    #: to the parent.
     ENDED = "ended"
     #: Someone else decided first (an operator's receipt, a takeover that has not marked it
     #: yet): nothing of this process is written; recovery or the operator has it.
@@ -171,7 +182,38 @@ class UnresolvedAdmission:
         return self.parent.run_id
 
 
-Unresolved = UnresolvedBegin | UnresolvedSettle | UnresolvedExit | UnresolvedAdmission
+@dataclass(frozen=True)
+class UnresolvedChildEnd:
+    """A fresh Child Run whose session's entry raised, and whose ending the database did not take.
+
+    The entry's give-back (finish the Child, release its lease, which gives the carve back)
+    met a database that did not answer; until it is written the Child keeps its carve out of
+    the parent's budget, and nobody will run it (its id is spent).
+
+    Attributes:
+        parent: The parent's lease (its fence decides: the resolution writes only while the
+            parent's fence is still this lease's). Its executor is the Child's lease holder's
+            too: a Child session runs on its parent's ledger.
+        child_id: The Child Run's id.
+        status: What the Child is ended with (as its entry's exception ends a fresh Child).
+        fence: The highest fence the entry may have given the Child: 1 when it took (or may
+            have taken) the Child's first lease, 0 when it took none. A Child found at a higher
+            fence, or at fence 1 under another executor's lease, was taken by someone else.
+    """
+
+    parent: Lease
+    child_id: str
+    status: RunStatus
+    fence: int
+
+    @property
+    def run_id(self) -> str:
+        """The Run it is kept under: the parent's (whose next write resolves it)."""
+        return self.parent.run_id
+
+
+Unresolved = (UnresolvedBegin | UnresolvedSettle | UnresolvedExit | UnresolvedAdmission
+              | UnresolvedChildEnd)
 
 
 def unresolved_admission(parent: Lease, child_id: str,
@@ -257,10 +299,12 @@ def attempt_verdict(att: AttemptRecord, item: UnresolvedBegin) -> Resolution | R
 
 __all__ = [
     "COMMIT_UNKNOWN",
+    "UNWOUND",
     "Resolution",
     "Unresolved",
     "UnresolvedAdmission",
     "UnresolvedBegin",
+    "UnresolvedChildEnd",
     "UnresolvedExit",
     "UnresolvedSettle",
     "attempt_verdict",

@@ -18,7 +18,13 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, func, literal, or_, select
 
 from ledger.decide.health import group_closed, operator_clear
-from ledger.decide.resolve import COMMIT_UNKNOWN, Resolution, UnresolvedAdmission
+from ledger.decide.resolve import (
+    COMMIT_UNKNOWN,
+    UNWOUND,
+    Resolution,
+    UnresolvedAdmission,
+    UnresolvedChildEnd,
+)
 from ledger.decide.settle import settle_holds
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import (
@@ -295,46 +301,82 @@ class RunQueries:
             row = conn.execute(SEL_ATTEMPT_WITH_DEBIT, {"k_attempt_id": spec.attempt_id}).one()
         return attempt_record(row, row.debit_state)
 
-    def end_unheld_child(self, item: UnresolvedAdmission, clock: ClockFn) -> Resolution:
-        """Resolve a Child's admission whose ``COMMIT``'s outcome was unknown, in one
-        transaction under the Child's row lock, then its parent's (as a finish gives back):
+    def end_unheld_child(self, item: UnresolvedAdmission | UnresolvedChildEnd,
+                         clock: ClockFn) -> Resolution:
+        """End a fresh Child the process told failed, in one transaction under the Child's
+        row lock, then its parent's (as a finish gives back): the Child of an admission whose
+        ``COMMIT``'s outcome was unknown, or of a session entry that raised and whose own
+        ending the database did not take (:class:`UnresolvedChildEnd`).
 
         * no such Run: the admission never landed (``ABSENT``);
-        * the parent's fence is no longer ``item.parent``'s (the parent was taken over), or
-          the Child was held by a lease (its fence moved on), or ended otherwise: someone
-          else has it, nothing is written (``LEFT``);
-        * still ``admitted`` with fence 0: it is ended ``item.status`` (a ``finish`` event
-          and a ``commit_unknown`` one saying why) and its whole carve goes back to the
-          parent (:func:`~ledger.storage.carve.give_back`), ``ENDED``. Found ended so already
-          with fence 0, it is an earlier try's doing (whose acknowledgement was lost):
-          ``ENDED``, nothing written.
+        * the parent's fence is no longer ``item.parent``'s (the parent was taken over), or a
+          lease other than the entry's held the Child (its fence is above ``item.fence``, or
+          its first lease was another executor's), or it ended otherwise: someone else has it,
+          nothing is written (``LEFT``);
+        * still ``admitted``: it is ended ``item.status`` (a ``finish`` event, and one saying
+          why: ``commit_unknown`` for an admission, ``unwound`` for an entry's ending), its
+          lease released if the entry's is still on it, and its whole carve goes back to the
+          parent (:func:`~ledger.storage.carve.give_back`), ``ENDED``. Found ended so already,
+          it is an earlier try's doing (whose acknowledgement was lost, or whose release the
+          database did not take): ``ENDED``, only a lease still held being released.
 
         No lease is taken on the Child: it is written under the parent's fence, as its
-        admission was, so a Child this leaves has never been held (fence 0)."""
+        admission was."""
         r = s.runs.c
         child_id, parent = item.child_id, item.parent
+        took = item.fence if isinstance(item, UnresolvedChildEnd) else 0
         with self.ctx.writing() as conn:
-            child = conn.execute(select(r.run_id, r.parent_run_id, r.fence, r.status)
+            child = conn.execute(select(r.run_id, r.parent_run_id, r.fence, r.status,
+                                        r.lease_holder)
                                  .where(r.run_id == child_id).with_for_update()).first()
             if child is None:
                 return Resolution.ABSENT
             held = conn.execute(select(r.fence).where(r.run_id == parent.run_id)
                                 .with_for_update()).first()
             if (held is None or int(held.fence) != parent.fence
-                    or child.parent_run_id != parent.run_id or int(child.fence) != 0):
+                    or child.parent_run_id != parent.run_id or int(child.fence) > took
+                    or (int(child.fence) > 0 and not self._first_lease_by(
+                        conn, child_id, parent.executor))):
                 return Resolution.LEFT
-            if child.status != RunStatus.ADMITTED.value:
-                return Resolution.ENDED if child.status == item.status.value else Resolution.LEFT
             now = clock()
+            # The entry's lease (fence 1, this executor's: checked above) is given up with the
+            # ending: the Child's block never ran, so nothing of it is in flight.
+            release = ({"lease_holder": None, "lease_expires_at": None}
+                       if child.lease_holder is not None else {})
+            if child.status != RunStatus.ADMITTED.value:
+                if child.status != item.status.value:
+                    return Resolution.LEFT
+                if release:
+                    conn.execute(s.runs.update().where(r.run_id == child_id).values(
+                        **release, updated_at=now))
+                return Resolution.ENDED
             conn.execute(s.runs.update().where(r.run_id == child_id).values(
-                status=item.status.value, updated_at=now))
+                status=item.status.value, updated_at=now, **release))
             self.ctx.add_event(conn, child_id, None, "finish", {"status": item.status.value},
                                now)
-            self.ctx.add_event(conn, child_id, None, COMMIT_UNKNOWN, {
-                "operation": "admit", "resolution": "ended", "parent": parent.run_id,
-                "parent_fence": parent.fence}, now)
+            if isinstance(item, UnresolvedChildEnd):
+                self.ctx.add_event(conn, child_id, None, UNWOUND, {
+                    "resolution": "ended", "parent": parent.run_id,
+                    "parent_fence": parent.fence, "fence": int(child.fence)}, now)
+            else:
+                self.ctx.add_event(conn, child_id, None, COMMIT_UNKNOWN, {
+                    "operation": "admit", "resolution": "ended", "parent": parent.run_id,
+                    "parent_fence": parent.fence}, now)
             give_back(self.ctx, conn, child_id, now)
         return Resolution.ENDED
+
+    @staticmethod
+    def _first_lease_by(conn: Connection, run_id: str, executor: str) -> bool:
+        """Whether the first lease ever taken on ``run_id`` (fence 1) was ``executor``'s."""
+        e = s.events.c
+        # As the event stored it (its strings redacted): an executor id is compared so.
+        stored = json.loads(event_json({"executor": executor}))["executor"]
+        for (data,) in conn.execute(select(e.data).where(e.run_id == run_id,
+                                                         e.kind == "lease")):
+            found = json.loads(data)
+            if found.get("fence") == 1:
+                return bool(found.get("executor") == stored)
+        return False
 
     @staticmethod
     def _no_attempt(attempt_id: str) -> NotFound:

@@ -46,8 +46,9 @@ What every flow promises:
   serialization failure, a deadlock, a lock timeout), is told with ``resolved=True,
   landed=False``: nothing was written;
 * what stays unresolved because the database did not answer (the retry owner's begin that was
-  never sent, the retry owner's settle, a Run session's exit, a Child's admission told failed,
-  kept under its parent: :mod:`ledger.decide.resolve`) is remembered in
+  never sent, the retry owner's settle, a Run session's exit, a Child's admission told failed
+  and the ending of a fresh Child whose entry raised, both kept under the parent:
+  :mod:`ledger.decide.resolve`) is remembered in
   :attr:`Store.pending`, and every write for its Run (and the turn's snapshot) resolves it
   first: nothing else is written for that Run until it is, and while the database stays away
   that write fails with the same :class:`~ledger.errors.DatabaseUnavailable`. The lease keeper
@@ -69,6 +70,7 @@ from ledger.decide.resolve import (
     Unresolved,
     UnresolvedAdmission,
     UnresolvedBegin,
+    UnresolvedChildEnd,
     UnresolvedExit,
     UnresolvedSettle,
     attempt_verdict,
@@ -199,6 +201,8 @@ class Pending:
             return "settle " + item.attempt_id
         if isinstance(item, UnresolvedAdmission):
             return "admit " + item.child_id
+        if isinstance(item, UnresolvedChildEnd):
+            return "end " + item.child_id
         return ""
 
     def add(self, item: Unresolved) -> None:
@@ -298,8 +302,8 @@ class Store:
                 except LedgerError as e:
                     away = e
             for item in self.pending.of(run_id):
-                log.warning("closing the ledger with %s unresolved (%s): recovery settles it "
-                            "once the lease lapses", _what(item), away)
+                log.warning("closing the ledger with %s unresolved (%s): %s", _what(item), away,
+                            _left_to(item))
 
     def resolve_run(self, run_id: str, clock: ClockFn, *, raising: bool = False
                     ) -> Flow[None]:
@@ -334,19 +338,14 @@ class Store:
         Raises what the database answered when it is no resolution (a lapsed lease for an
         exit, ...), and :class:`~ledger.errors.DatabaseUnavailable` (it stays).
         """
-        # A begin or a settle is remembered only when the database did not take it; an exit,
-        # every time a session ends, so its first try succeeding is routine (a lost
-        # acknowledgement on the way is logged by resolving()).
-        news = not isinstance(item, UnresolvedExit) or item.tried
         try:
             if isinstance(item, UnresolvedBegin):
                 out = yield from self._unsent(item, clock)
             elif isinstance(item, UnresolvedSettle):
                 out = yield from self._recorded(item, clock)
-            elif isinstance(item, UnresolvedAdmission):
-                admission = item
-                out = yield from blocking(
-                    lambda: self._runs.end_unheld_child(admission, clock))
+            elif isinstance(item, UnresolvedAdmission | UnresolvedChildEnd):
+                child = item
+                out = yield from blocking(lambda: self._runs.end_unheld_child(child, clock))
             else:
                 out = yield from self._exit(item, clock)
         except LedgerError as e:
@@ -354,8 +353,7 @@ class Store:
                 self.pending.drop(item)
             raise
         self.pending.drop(item)
-        log.log(logging.WARNING if news else logging.DEBUG, "%s: resolved (%s)", _what(item),
-                out.value)
+        log.log(_level(item, out), "%s: resolved (%s)", _what(item), out.value)
         return out
 
     def _unsent(self, item: UnresolvedBegin, clock: ClockFn) -> Flow[Resolution]:
@@ -740,7 +738,35 @@ def _what(item: Unresolved) -> str:
     if isinstance(item, UnresolvedAdmission):
         return (f"the admission of child run {item.child_id} (of run {item.run_id}, fence "
                 f"{item.parent.fence}), told failed")
+    if isinstance(item, UnresolvedChildEnd):
+        return (f"the ending ({item.status.value}) of child run {item.child_id} (of run "
+                f"{item.run_id}, fence {item.parent.fence}), whose entry raised; its carve is "
+                "given back with it")
     return f"the exit of run {item.run_id}'s session (finish and release)"
+
+
+def _level(item: Unresolved, out: Resolution) -> int:
+    """How loudly the resolution ``out`` of ``item`` is logged."""
+    if isinstance(item, UnresolvedExit) and not item.tried:
+        # An exit is remembered every time a session ends, so its first try succeeding is
+        # routine (a lost acknowledgement on the way is logged by resolving()).
+        return logging.DEBUG
+    if isinstance(item, UnresolvedChildEnd) and out is not Resolution.LEFT:
+        # What the entry would have written itself, nothing lost or guessed: the entry's note
+        # told it, and close() warns of one still not written.
+        return logging.INFO
+    # A begin or a settle is remembered only when the database did not take it; a Child left
+    # to another holder keeps its carve.
+    return logging.WARNING
+
+
+def _left_to(item: Unresolved) -> str:
+    """Who settles ``item`` once this process no longer can, as a log line says it."""
+    if isinstance(item, UnresolvedAdmission | UnresolvedChildEnd):
+        # Recovery ends no Run that nothing holds: the Child's carve waits for an operator.
+        return (f"an operator ends it with `failover-ledger run close {item.child_id} "
+                "--status failed`, which gives its carve back")
+    return "recovery settles it once the lease lapses"
 
 
 def _late(e: FencedOut | SettleConflict) -> bool:

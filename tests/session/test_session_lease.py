@@ -9,7 +9,8 @@ cancelled before its lease is resumed by the next entry; an exit cancelled again
 finishes the Run and releases it, and so does a sync exit interrupted in its finish or release
 (a second interruption is noted, and the exit is written at the ledger's close()). A Child whose
 entry raised after its admission (which carved the parent's budget) is ended and gives the carve
-back, unless a lease held it before (then it stays resumable); a session dropped without leaving
+back, unless a lease held it before (then it stays resumable), and when the database does not
+take that ending, the parent's next write writes it; a session dropped without leaving
 its block stops renewing its lease, which lapses for a takeover. The turns send with a function
 (no provider is needed); both backends.
 """
@@ -825,6 +826,98 @@ def test_a_child_whose_acquisition_is_refused_after_its_carve_is_ended_and_gives
         assert (child.status, child.lease_holder, child.returned) == (
             RunStatus.FAILED, None, CHILD.max_cost)
         assert parent.carved == 0 and parent.carved_calls == 0
+
+
+class _Away:
+    """The database going away once an entry has taken a Child's lease: the acquisition's
+    caller hears an ordinary error right after its commit, and the give-back's finish is
+    refused as by a database that does not answer, until :meth:`back`."""
+
+    def __init__(self) -> None:
+        self.away = False
+
+    def arm(self) -> None:
+        faults.arm("acquire.after_commit", self._taken)
+        faults.arm("finish.before_commit", self._refuse)
+
+    def _taken(self, _point: str) -> None:
+        self.away = True
+        raise _Misconfigured("the session's adapter cannot be built")
+
+    def _refuse(self, _point: str) -> None:
+        if self.away:
+            raise DatabaseUnavailable("the database is away (simulated)", operation="finish",
+                                      resolved=True, landed=False)
+
+    def back(self) -> None:
+        self.away = False
+        faults.disarm()
+
+
+def _told_ended_later(error: BaseException) -> None:
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert "ending child run 'c'" in notes and "DatabaseUnavailable" in notes
+    assert "gives the carve back as soon as the database answers again" in notes
+
+
+def _stranded_then_given_back(led: Any, before: Any) -> None:
+    """``before``: the parent while the database was away (the Child's carve out of it); now
+    the Child is ended failed, its lease released, and the carve is the parent's again."""
+    assert before.carved == CHILD.max_cost
+    child, parent = led.get_run("c"), led.get_run("p")
+    assert (child.status, child.fence, child.lease_holder) == (RunStatus.FAILED, 1, None)
+    assert child.returned == CHILD.max_cost
+    assert parent.carved == 0 and parent.carved_calls == 0 and parent.carved_retries == 0
+    assert [e.kind for e in led.events("c")] == [
+        "admit", "lease", "finish", "unwound", "give_back"]
+
+
+def test_a_child_whose_entry_raised_with_the_database_away_is_ended_by_the_next_write(
+        db_url: str, fake: Any) -> None:
+    # The entry took the Child's lease, then raised; its give-back's finish met a database
+    # that did not answer. The ending is remembered under the parent and written before the
+    # parent's next write: the parent's budget has the carve back for that very turn.
+    away = _Away()
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led, \
+            led.run("p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+        away.arm()
+        try:
+            with pytest.raises(_Misconfigured) as caught, run.child("c", budget=CHILD):
+                pass  # pragma: no cover - the entry raised
+            _told_ended_later(caught.value)
+            before = led.get_run("p")
+            assert led.get_run("c").status is RunStatus.ADMITTED
+        finally:
+            away.back()
+        assert run.turn(HELLO, send=_served_sync).output == "ok"
+        assert not led._store.pending
+        _stranded_then_given_back(led, before)
+
+
+def test_an_async_child_whose_entry_raised_with_the_database_away_is_ended_by_the_next_write(
+        db_url: str, fake: Any) -> None:
+    away = _Away()
+    clock = ManualClock(80_000.0)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url, clock=clock) as led, \
+                led.run("p", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            away.arm()
+            try:
+                with pytest.raises(_Misconfigured) as caught:
+                    async with run.child("c", budget=CHILD):
+                        pass  # pragma: no cover - the entry raised
+                _told_ended_later(caught.value)
+                before = await led.get_run("p")
+                assert (await led.get_run("c")).status is RunStatus.ADMITTED
+            finally:
+                away.back()
+            assert (await run.turn(HELLO, send=_served)).output == "ok"
+            assert not led._store.pending
+            _stranded_then_given_back(led.sync, before)
+
+    asyncio.run(main())
 
 
 def test_a_child_entered_before_whose_entry_is_interrupted_stays_resumable(
