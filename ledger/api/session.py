@@ -816,7 +816,9 @@ class RunSession(_SessionCore):
             Run is open on this ledger (``fields["problem"] == "session_open"``; entered, its
             block not yet left): share that session between threads or tasks, or leave its
             block first. Nothing is recorded then.
-        InvalidState: (entering) the session was entered before, or the Run was closed
+        InvalidState: (entering) the session was entered before, or is being entered at
+            once by another thread or task (share the session its first entry opens; that
+            entry goes on unaffected), or the Run was closed
             (:meth:`Ledger.close_run`): a closed Run is never resumed (nothing is written).
         FencedOut: (leaving) the block succeeded but the Run was taken over, so it could not
             be finished.

@@ -30,9 +30,10 @@ from ledger import (
     Part,
     RunStatus,
     SendResult,
+    faults,
 )
 from ledger.clock import ManualClock
-from ledger.errors import AdmissionConflict, LeaseHeld
+from ledger.errors import AdmissionConflict, InvalidState, LeaseHeld
 from tests import fakeplan
 from tests.fakeplan import plan
 
@@ -140,6 +141,81 @@ def test_a_second_async_session_of_an_open_run_is_refused_while_the_first_ones_t
                 assert (await again.turn(HELLO, send=served)).output == "ok"
             assert _kinds(await led.events("r", ["admit"])) == ["admit"]
             assert len(await led.timeline("r")) == 2
+
+    asyncio.run(main())
+
+
+def _entered_twice(error: BaseException) -> None:
+    """The refusal of a session's second entry while its first is under way."""
+    assert isinstance(error, InvalidState), repr(error)
+    assert error.fields["run_id"] == "r"
+    assert "a Run session is entered once" in str(error)
+    assert "share the session the first entry opens" in str(error)
+
+
+def test_one_session_entered_twice_at_once_is_refused_with_invalid_state(
+        db_url: str, fake: Any) -> None:
+    # The same session object entered again while its first entry is taking the lease (a
+    # second thread, here the entry's own fault point) and again once open: each is refused,
+    # naming the problem, and the first entry, its claim on the Run id and its block go on.
+    clock = ManualClock(90_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        session = led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT)
+        caught: list[BaseException] = []
+
+        def again(_point: str) -> None:
+            try:
+                session.__enter__()
+            except BaseException as e:  # what the second entry raised, kept
+                caught.append(e)
+
+        faults.arm("acquire.before_commit", again)
+        try:
+            with session as run:
+                faults.disarm()
+                [error] = caught
+                _entered_twice(error)
+                with pytest.raises(InvalidState) as reentered:
+                    session.__enter__()
+                assert "a Run session is entered once" in str(reentered.value)
+                assert reentered.value.fields["run_id"] == "r"
+                # The first entry's claim on the Run id stands: another session is refused.
+                with pytest.raises(LeaseHeld) as other, \
+                        led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+                    raise AssertionError("never entered")
+                _refused(other.value, led)
+                assert run.turn(HELLO, send=lambda _d: OK).output == "ok"
+        finally:
+            faults.disarm()
+        rec = led.get_run("r")
+        assert (rec.status, rec.lease_holder) == (RunStatus.SUCCEEDED, None)
+        assert _kinds(led.events("r", ["admit", "lease"])) == ["admit", "lease"]
+
+
+def test_one_async_session_entered_twice_at_once_is_refused_with_invalid_state(
+        db_url: str, fake: Any) -> None:
+    import ledger.adapters  # noqa: F401 - imported: each entry claims the Run id at once
+
+    clock = ManualClock(90_000.0)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url, clock=clock) as led:
+            session = led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT)
+            first, second = await asyncio.gather(session.__aenter__(), session.__aenter__(),
+                                                 return_exceptions=True)
+            assert first is session  # the first entry opened it, unaffected
+            assert isinstance(second, BaseException)
+            _entered_twice(second)
+            try:
+                async def served(_d: Dispatch) -> SendResult:
+                    return OK
+
+                assert (await session.turn(HELLO, send=served)).output == "ok"
+            finally:
+                await session.__aexit__(None, None, None)
+            rec = await led.get_run("r")
+            assert (rec.status, rec.lease_holder) == (RunStatus.SUCCEEDED, None)
+            assert _kinds(await led.events("r", ["admit", "lease"])) == ["admit", "lease"]
 
     asyncio.run(main())
 
