@@ -78,6 +78,16 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         them; from then on it begins nothing (the turns still waiting raise the closed
         ledger's ``InvalidState``).
 
+        Then the Run sessions still open on it (entered, their blocks not left) give up their
+        leases: their keepers stop, and each lease is released (one try each), so the next
+        session of the Run, in any executor, resumes it at once. The Runs are not finished
+        (their blocks have not ended). A release settles nothing: a session with an Attempt in
+        flight (sent, its outcome unknown) keeps its lease, which lapses, and the Attempt is
+        left to recovery. What the database does not take is logged at WARNING and lapses.
+        Such a session's exit writes nothing: it raises the closed ledger's ``InvalidState``
+        (a block that raised keeps its own exception), noted with what the close did with its
+        lease. A session still entering is left as it is.
+
         Last, the ledger's own threads (``ledger-cold``, where an :class:`AsyncLedger` runs
         its blocking calls) end: a call already running on one is waited for (it may wait up
         to SQLite's busy timeout for another process's write lock), the queued ones raise the
@@ -88,6 +98,11 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         try:
             self._runner.run(self._store.settle_pending(self.clock.now))
             self._runner.run(self._store.leave_queues())
+            if self._open_sessions:
+                # Loaded already: a session is open.
+                from ledger.api.session import give_up_open
+
+                self._runner.run(give_up_open(self))
         finally:
             try:
                 self._store.close()

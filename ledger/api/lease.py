@@ -23,7 +23,8 @@ again (:mod:`ledger.decide.resolve`).
 
 A Run session's keeper renews only while the session exists (it holds it weakly): a session
 dropped without leaving its block stops the renewals at the next tick, and its lease lapses for
-another executor to take the Run over.
+another executor to take the Run over. A ledger closed while the session is open stops them at
+once, and releases the lease itself (:meth:`ledger.Ledger.close`).
 
 Both twins share one implementation of the schedule (:class:`KeeperCore.tick`); time comes from
 an injectable clock and the waits from an injectable sleeper, so tests never sleep.
@@ -102,6 +103,8 @@ class KeeperCore:
         self._failed: Exception | None = None
         #: What the lease is kept for (a Run session), when :meth:`_held_by` named it.
         self._owner: weakref.ref[object] | None = None
+        #: Set by the ledger's close, which gives the lease up itself (:meth:`_halt`).
+        self._halted = False
 
     def _held_by(self, owner: object) -> None:
         """Keep the lease only while ``owner`` (a Run session) exists.
@@ -111,6 +114,15 @@ class KeeperCore:
         another executor to take the Run over, not stay renewed until the process exits.
         """
         self._owner = weakref.ref(owner)
+
+    def _halt(self) -> None:
+        """Renew no more, from any thread: the ledger is closing and gives the lease up.
+
+        A tick already under way may still try a renewal: the closed ledger refuses it, or the
+        release that follows does (a renewal after it is refused as released), and that tick
+        ends quietly.
+        """
+        self._halted = True
 
     def _due(self, lease: Lease, now: float) -> float:
         """When ``lease`` is next renewed (an interval on, or sooner by its own end).
@@ -184,7 +196,7 @@ class KeeperCore:
 
     def _tick(self) -> Flow[float]:
         """:meth:`tick` as a flow, for either kind of ledger."""
-        if self.error is not None:
+        if self.error is not None or self._halted:
             return math.inf
         lease = self.lease
         if self._owner is not None and self._owner() is None:
@@ -210,6 +222,8 @@ class KeeperCore:
             self._lose(e)
             return math.inf
         except Exception as e:
+            if self._halted:
+                return math.inf  # the ledger closed under the renewal: nothing to tell
             # An unreachable database, or any other fault of the renewal (a read-only or
             # corrupt file, a database moved away): tried again every quarter interval while
             # the lease may still be renewed, then lost. A keeper that died of it would leave
@@ -266,7 +280,7 @@ class KeeperCore:
         try:
             yield from store.resolve_run(lease.run_id, self.ledger.clock.now)
         except Exception as e:  # it stays remembered, and is tried again at the next tick
-            if not isinstance(e, DatabaseUnavailable):
+            if not isinstance(e, DatabaseUnavailable) and not self._halted:
                 log.warning("run %s: resolving its unresolved writes failed: %s",
                             lease.run_id, e)
             return True
@@ -363,6 +377,10 @@ class LeaseKeeper(KeeperCore):
                 self._sleeper.sleep(delay)
             else:
                 self._stop.wait(delay)
+
+    def _halt(self) -> None:
+        super()._halt()
+        self._stop.set()  # the thread's wait ends now, not an interval later
 
     def stop(self) -> None:
         """Stop renewing (the lease is kept until it expires) and wait for the thread."""
@@ -534,6 +552,15 @@ class AsyncLeaseKeeper:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
+
+    def _halt(self) -> None:
+        """Renew no more (see :meth:`KeeperCore._halt`); called from the closing thread."""
+        self.core._halt()
+        task = self._task
+        if task is not None and not task.done():
+            # The event is the loop's: set there, so the task's wait ends now.
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing waits
+                task.get_loop().call_soon_threadsafe(self._stop.set)
 
     async def stop(self) -> None:
         """Stop renewing and wait for the task to end."""

@@ -27,7 +27,10 @@ own writes (when the database does not answer, as soon as it does:
 :mod:`ledger.decide.resolve`). The status says what happened
 (:mod:`ledger.decide.ending`): ``succeeded`` only when the last turn was served, ``cancelled``
 after a cancelled turn (even one the host caught), ``stopped`` or ``failed`` after a stop,
-``failed`` or ``cancelled`` when the block raised.
+``failed`` or ``cancelled`` when the block raised. A ledger closed while the session is open
+releases its lease instead, the Run left unfinished for the next session to resume
+(:func:`give_up_open`); the exit then writes nothing and raises the closed ledger's
+``InvalidState``.
 
 A turn is one logical turn through the retry owner (:func:`ledger.api.turn.execute`) with the
 route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
@@ -73,6 +76,7 @@ from ledger.errors import (
     NotFound,
     SettleConflict,
 )
+from ledger.storage.failure import closed_error
 from ledger.storage.runner import Flow
 
 if TYPE_CHECKING:
@@ -243,6 +247,43 @@ class _Entry:
     unadmitted: BaseException | None = None
 
 
+def give_up_open(ledger: Face[Any, Any]) -> Flow[None]:
+    """Release the leases of the Run sessions still open on ``ledger``, which is closing.
+
+    Run by :meth:`ledger.Ledger.close` once no begin is under way or can start: from then on
+    nothing of these sessions can send, so a lease released now is given up for good, and
+    the next session of the Run (any executor) resumes it at once instead of waiting for it
+    to lapse. The Runs are not finished (their blocks have not ended). A release settles
+    nothing: an Attempt still in flight (sent, its outcome unknown) refuses it, and stays as
+    it is for recovery, its lease left to lapse. One try each; what the database does not
+    take is logged at WARNING and lapses (a database that is away: the rest are not tried).
+    Each session's exit then writes nothing (:meth:`_SessionCore._closed_under`).
+    """
+    with ledger._open_sessions_lock:
+        sessions = [s for s in list(ledger._open_sessions.values()) if s._give_up()]
+    away: LedgerError | None = None
+    for session in sessions:
+        lease = session._keeper.lease
+        error = away
+        if error is None:
+            try:
+                yield from ledger._store.release_lease(lease, ledger.clock.now)
+            except LedgerError as e:
+                error = e
+                if isinstance(e, DatabaseUnavailable):
+                    away = e  # the others would wait for a database that is away, in vain
+            else:
+                session._given_up = ("the ledger's close released its lease: the next session "
+                                     "with its id (any executor) resumes it now")
+                continue
+        session._given_up = (f"the ledger's close could not release its lease "
+                             f"({type(error).__name__}: {error}); it lapses at "
+                             f"{lease.expires_at}, then any executor may resume it")
+        log.warning("closing the ledger with the Run session of run %s open, its lease (fence "
+                    "%d) was not released; it lapses at %s: %s", lease.run_id, lease.fence,
+                    lease.expires_at, error)
+
+
 def _key_source(adapter: Any, secrets: Any) -> Any:
     """The secret provider the session's sender resolves credential profiles with."""
     if secrets is not None:
@@ -313,6 +354,9 @@ class _SessionCore:
         # The status the exit decided on: a second try of an interrupted exit ends the Run
         # with it, not with one read from a record the first try may have finished.
         self._leaving: RunStatus | None = None
+        # What the ledger's close did with the lease, when it found the session open
+        # (give_up_open): the exit then writes nothing. None: no close came while it was open.
+        self._given_up: str | None = None
 
     def _turn_ended(self, status: RunStatus) -> None:
         """Record how the block's latest turn ended.
@@ -571,6 +615,52 @@ class _SessionCore:
                     problem="session_open")
             led._open_sessions[self.run_id] = self
 
+    def _leave(self) -> None:
+        """The block is left: the session has ended.
+
+        Under the registry's lock, as the ledger's close takes the sessions it finds open
+        (:func:`give_up_open`): either the exit comes first and ends the Run as usual, or the
+        close does, and the exit writes nothing (:meth:`_closed_under`), so the two never
+        write under one lease at once.
+        """
+        with self.ledger._open_sessions_lock:
+            self._state = "ended"
+
+    def _give_up(self) -> bool:
+        """Whether the closing ledger releases this open session's lease (its keeper stopped).
+
+        Called under the registry's lock (see :meth:`_leave`). Not a session that is
+        entering (it holds no lease yet), nor left, nor one whose keeper lost the Run (the
+        lease is someone else's).
+        """
+        keeper = self._keeper
+        if self._state != "open" or keeper is None or keeper.error is not None:
+            return False
+        keeper._halt()
+        self._given_up = ("the ledger's close gives its lease up (one that the database does "
+                          "not take lapses, logged at WARNING)")
+        return True
+
+    def _closed_under(self, exc: BaseException | None) -> None:
+        """Leave a block whose ledger was closed while it was open (:func:`give_up_open`).
+
+        Nothing is written: the ledger is closed, and its close gave up the lease, or left
+        it to lapse. The Run is not finished: it stays resumable. After a block that
+        succeeded that is the closed ledger's :class:`~ledger.errors.InvalidState`
+        (``problem="ledger_closed"``), raised; after one that raised, its exception stays
+        the one raised, noted.
+        """
+        note = (f"the ledger was closed while the Run session of run {self.run_id!r} was "
+                f"open, so the Run was not finished (it stays resumable): {self._given_up}")
+        if exc is None:
+            error = closed_error(self.ledger._store.where)
+            error.fields["run_id"] = self.run_id
+            error.add_note(note)
+            raise error
+        # The close logged what it could not give up; the block's error is the host's news.
+        log.info("run %s: left after %r; %s", self.run_id, exc, note)
+        exc.add_note(note)
+
     def _free(self) -> None:
         """The session is over (exited, or its entry raised): give up its claim on its Run id.
 
@@ -820,6 +910,9 @@ class RunSession(_SessionCore):
             once by another thread or task (share the session its first entry opens; that
             entry goes on unaffected), or the Run was closed
             (:meth:`Ledger.close_run`): a closed Run is never resumed (nothing is written).
+            (Leaving) the block succeeded but its ledger was closed while it was open
+            (``problem="ledger_closed"``): the Run was not finished, and the close gave its
+            lease up (a note says whether it was released); nothing is written.
         FencedOut: (leaving) the block succeeded but the Run was taken over, so it could not
             be finished.
         DatabaseUnavailable: (entering or leaving) the database could not be reached; its
@@ -927,7 +1020,7 @@ class RunSession(_SessionCore):
                 adapter.close()
 
     def __exit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
-        self._state = "ended"
+        self._leave()
         try:
             self._finish(exc)
         finally:
@@ -939,6 +1032,10 @@ class RunSession(_SessionCore):
 
     def _finish(self, exc: BaseException | None) -> None:
         keeper = self._keeper
+        if self._given_up is not None:
+            keeper.stop()
+            self._closed_under(exc)
+            return
         try:
             keeper.stop()
             self.ledger._runner.run(self._exit(exc, keeper))
@@ -1239,7 +1336,7 @@ class AsyncRunSession(_SessionCore):
         await self.ledger._runner.arun(self._unwind(got, exc))
 
     async def __aexit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
-        self._state = "ended"
+        self._leave()
         # The Run is finished and its lease released even when the block was cancelled, as
         # often as it is cancelled meanwhile.
         task = asyncio.ensure_future(self._finish(exc))
@@ -1257,6 +1354,9 @@ class AsyncRunSession(_SessionCore):
     async def _finish(self, exc: BaseException | None) -> None:
         keeper = self._keeper
         await keeper.stop()
+        if self._given_up is not None:
+            self._closed_under(exc)
+            return
         try:
             await self.ledger._runner.arun(self._exit(exc, keeper.core))
         except LedgerError as e:

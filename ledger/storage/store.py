@@ -558,7 +558,8 @@ class Store:
         :data:`CLOSE_WAITS_BEGINS_S`): one whose transaction commits after the places were
         given up would take a place nobody gives up. A place left in the table would otherwise
         count as a waiter ahead of every later one, in every process, until its Run's lease
-        lapsed (its session cannot leave its block on a closed ledger) or its own bound passed.
+        ended (the close releases an open session's lease after this, one try; it may lapse
+        instead) or its own bound passed.
         One try each; what the database does not take is logged at WARNING and lapses that way,
         as a crashed process's places do (a database that is away: the rest are not tried).
         """

@@ -1,0 +1,150 @@
+"""A ledger closed while Run sessions are open on it gives their leases up.
+
+Their blocks cannot end the Runs on a closed ledger, so the close releases each one's lease
+(once no begin is under way or can start): another worker resumes the Run at once instead of
+waiting for the lease to lapse. The Run is not finished, and a release settles nothing: an
+Attempt in flight stays ``dispatching`` for recovery, and its lease is left to lapse. The
+session's exit then writes nothing and raises the closed ledger's ``InvalidState`` (a block that
+raised keeps its own exception), noted with what the close did. Both backends, both faces; the
+turns send with a function (no provider is needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from ledger import (
+    AsyncLedger,
+    Budget,
+    Dispatch,
+    Envelope,
+    Grant,
+    Ledger,
+    Part,
+    RunStatus,
+    SendResult,
+)
+from ledger.domain.records import AttemptState
+from ledger.errors import InvalidState, LeaseHeld
+from tests import fakeplan
+from tests.fakeplan import plan
+
+fake = fakeplan.fake
+_clear = fakeplan._clear
+
+BUDGET = Budget(max_calls=10, max_retries=5, max_cost=Decimal("1"))
+GRANT = Grant(recipients={"fake": ["user_input", "model_derived"]})
+HELLO = Envelope(parts=[Part(content="hello")])
+# Long enough that only the close's release can free the Run within the test.
+TTL = 3600.0
+OK = SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
+
+
+def _served(_d: Dispatch) -> SendResult:
+    return OK
+
+
+async def _served_async(_d: Dispatch) -> SendResult:
+    return OK
+
+
+def _resumed_by_another_worker(db_url: str, run_id: str) -> None:
+    with Ledger.open(db_url) as other:
+        lease = other.acquire_lease(run_id, ttl_s=TTL)  # no LeaseHeld: the close released it
+        assert lease.fence == 2
+        run = other.get_run(run_id)
+        assert run.status is RunStatus.RUNNING  # not finished: its block never ended
+        other.release_lease(lease)
+
+
+def _told_closed(error: BaseException, what: str) -> None:
+    assert isinstance(error, InvalidState) and error.fields["problem"] == "ledger_closed"
+    assert any("not finished" in n and what in n for n in getattr(error, "__notes__", []))
+
+
+def test_a_ledger_closed_with_a_session_open_releases_its_lease_for_another_worker(
+        db_url: str, fake: Any) -> None:
+    led = Ledger.open(db_url)
+    with pytest.raises(InvalidState) as caught, \
+            led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL) as run:
+        run.turn(HELLO, send=_served)
+        led.close()
+        _resumed_by_another_worker(db_url, "r")
+    _told_closed(caught.value, "released its lease")
+
+
+def test_an_async_ledger_closed_with_a_session_open_releases_its_lease_for_another_worker(
+        db_url: str, fake: Any) -> None:
+    async def main() -> None:
+        led = await AsyncLedger.open(db_url)
+        with pytest.raises(InvalidState) as caught:
+            async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                               lease_ttl_s=TTL) as run:
+                await run.turn(HELLO, send=_served_async)
+                await led.close()
+                _resumed_by_another_worker(db_url, "r")
+        _told_closed(caught.value, "released its lease")
+
+    asyncio.run(main())
+
+
+def test_a_block_that_raised_after_the_close_keeps_its_own_exception(
+        db_url: str, fake: Any) -> None:
+    led = Ledger.open(db_url)
+    with pytest.raises(KeyError) as caught, \
+            led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL) as run:
+        run.turn(HELLO, send=_served)
+        led.close()
+        raise KeyError("the host's own")
+    assert any("released its lease" in n for n in getattr(caught.value, "__notes__", []))
+    _resumed_by_another_worker(db_url, "r")
+
+
+def test_a_close_leaves_an_attempt_in_flight_dispatching_and_its_lease_to_lapse(
+        db_url: str, fake: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # A turn's request is on the wire when the ledger closes: its outcome is unknown, so the
+    # release (which needs nothing in flight) is refused, and the Attempt stays as it is.
+    caplog.set_level(logging.WARNING)
+    on_wire, answer = threading.Event(), threading.Event()
+    raised: list[BaseException] = []
+
+    def send(_d: Dispatch) -> SendResult:
+        on_wire.set()
+        answer.wait(30)
+        return OK
+
+    led = Ledger.open(db_url)
+    with pytest.raises(InvalidState) as caught, \
+            led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL) as run:
+
+        def work() -> None:
+            try:
+                run.turn(HELLO, send=send)
+            except BaseException as e:  # read below
+                raised.append(e)
+
+        turn = threading.Thread(target=work)
+        turn.start()
+        assert on_wire.wait(30)
+        led.close()
+        with Ledger.open(db_url) as other:
+            [att] = other.timeline("r")
+            assert att.state is AttemptState.DISPATCHING  # not settled by the close
+            with pytest.raises(LeaseHeld):
+                other.acquire_lease("r", ttl_s=TTL)
+        answer.set()
+        turn.join(30)
+    _told_closed(caught.value, "could not release its lease")
+    [err] = raised  # the turn's settle found the ledger closed
+    assert isinstance(err, InvalidState) and err.fields["problem"] == "ledger_closed"
+    assert any("was not released" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+    with Ledger.open(db_url) as other:
+        [att] = other.timeline("r")
+        assert att.state is AttemptState.DISPATCHING  # recovery's, once the lease lapses
