@@ -51,6 +51,7 @@ from ledger.decide.turn import (
     SendFn,
     Steps,
     TurnLoop,
+    ledger_closed,
 )
 from ledger.domain.envelope import Envelope, PartHashes, require_parts
 from ledger.domain.records import Lease, LeaseArg
@@ -363,6 +364,10 @@ def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunRes
                         value = perform_one(item)
                     except Exception as again:
                         error = again
+                        if ledger_closed(again):
+                            # Refused unread: the interrupted try's outcome stays unknown, and
+                            # the loop hears the interruption there (it settles what it can).
+                            error, pending = e, None
         done, item = _advance(gen, value, error)
     if pending is not None:
         raise pending  # the turn's last write completed; the interruption still stands
@@ -403,6 +408,9 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
                     value = task.result()
                 except Exception as inner:
                     error = inner
+                    if not again and pending is not None and ledger_closed(inner):
+                        # The write done again was refused unread: as in the sync driver.
+                        error, pending = pending, None
                 break
         else:
             try:

@@ -346,6 +346,17 @@ class _Usage:
         return cls(pt, ct, cost, cached, reasoning)
 
 
+def ledger_closed(error: BaseException) -> bool:
+    """Whether ``error`` is a closed (or closing) ledger's refusal.
+
+    The store raises it when a write asks for a connection, or a begin comes once the close
+    has begun (:func:`ledger.storage.failure.closed_error`): before any transaction, so that
+    try wrote nothing. (A write done again after an interruption to learn its outcome learns
+    nothing from it: the drivers of :mod:`ledger.api.turn` deliver the interruption instead.)
+    """
+    return isinstance(error, InvalidState) and error.fields.get("problem") == "ledger_closed"
+
+
 def _usage_ok(result: SendResult) -> bool:
     return (all(v is None or tokens_in_range(v)
                 for v in (result.prompt_tokens, result.completion_tokens))
@@ -574,9 +585,12 @@ class TurnLoop:
             # begin rolled back): there is nothing to settle, and a settle would only be kept
             # as the late receipt of an attempt that never existed.
             raise
-        except BaseException:
-            # Interrupted: the begin may have committed; if it did, it was never sent.
-            yield from self._settle_quietly(route, profile, attempt_id, Outcome.NOT_SENT)
+        except BaseException as e:
+            # A closed (or closing) ledger refuses a begin before it opens a transaction: no
+            # Attempt to settle, and a settle's refusal would read as one left to recovery.
+            if not ledger_closed(e):
+                # Interrupted: the begin may have committed; if it did, it was never sent.
+                yield from self._settle_quietly(route, profile, attempt_id, Outcome.NOT_SENT)
             raise
         if isinstance(att, _Outdated):
             # Nothing was begun: what led here goes with the Attempt decided instead, but the
@@ -1264,4 +1278,5 @@ __all__ = [
     "Steps",
     "TurnLoop",
     "group_wait",
+    "ledger_closed",
 ]
