@@ -128,7 +128,8 @@ SQLITE_WAIT_SLACK_MS = 50
 class SqliteDriver:
     """One :mod:`sqlite3` connection per live thread (WAL, ``synchronous=FULL``), transactions
     opened with ``BEGIN IMMEDIATE`` for writes. A thread's connection is closed once the thread
-    has ended, when another opens one (:meth:`connection`) or at :meth:`close`.
+    has ended, when another opens one (:meth:`connection`) or at :meth:`close` (one a
+    transaction runs on then: by its thread, when the transaction ends).
 
     Async callers' writes run on one dedicated thread of this database, never on the event
     loop: a write waits for another process's write lock for up to the busy timeout, and the
@@ -158,6 +159,10 @@ class SqliteDriver:
         self._writer: GroupWriter | None = None
         self._reader: GroupWriter | None = None
         self._closed = False
+        # The connections a transaction runs on now: close() leaves each to its thread, which
+        # closes it when the transaction ends (closing a connection another thread is
+        # executing on can crash the process).
+        self._using: set[sqlite3.Connection] = set()
 
     def connection(self) -> sqlite3.Connection:
         """This thread's connection, opened on first use (never once the driver closed).
@@ -236,6 +241,10 @@ class SqliteDriver:
         """Run ``tx`` in one transaction (``BEGIN IMMEDIATE`` when it writes), waiting for
         another connection's write lock at most ``wait_s`` (:meth:`begin`)."""
         conn = self.connection()
+        with self._lock:
+            if self._closed:  # its connection is closed, or about to be
+                raise closed_error(self.path)
+            self._using.add(conn)
         try:
             self.begin(conn, write=write, wait_s=wait_s)
             try:
@@ -249,6 +258,13 @@ class SqliteDriver:
         except sqlite3.Error as e:
             _rollback(conn)
             raise driver_error(e, self.path) from e
+        finally:
+            with self._lock:
+                self._using.discard(conn)
+                orphaned = self._closed
+            if orphaned:  # the close left it to this thread
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
 
     def finish(self, conn: sqlite3.Connection, tx: Tx[T], value: Any) -> T:
         """Feed ``tx`` from ``value`` to its end outside a transaction of this driver (a group
@@ -308,16 +324,20 @@ class SqliteDriver:
         return result
 
     def close(self) -> None:
+        """Close every connection, for good; one a transaction runs on now is closed by its
+        own thread when the transaction ends (:meth:`run`)."""
         with self._lock:
             self._closed = True
             conns, self._all = self._all, []
             writer, self._writer = self._writer, None
             reader, self._reader = self._reader, None
         if writer is not None:
-            writer.close()
+            writer.close()  # waits for its thread: its connection is idle after
         if reader is not None:
             reader.close()
-        for _, c in conns:
+        with self._lock:
+            idle = [c for _, c in conns if c not in self._using]
+        for c in idle:
             with contextlib.suppress(sqlite3.Error):  # closing is best effort
                 c.close()
         self._local = threading.local()

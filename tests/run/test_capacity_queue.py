@@ -462,11 +462,6 @@ def test_a_turn_queued_when_its_ledger_closes_settles_no_attempt_it_never_began(
     queued: list[str] = []
     errors: list[BaseException] = []
     with Ledger.open(db_url) as other:
-        if face == "sync" and other.backend == "sqlite":
-            # The woken waiter's own write (giving its place up) may still run on its thread
-            # when the close closes that thread's SQLite connection, which can crash the
-            # process: a hazard of the SQLite driver's close, not of this path.
-            pytest.skip("the SQLite driver's close races a sync waiter's last write")
         lease, held = _hold(other, route)
         led = Ledger.open(db_url)
         if face == "sync":
