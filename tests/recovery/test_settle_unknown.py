@@ -24,6 +24,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from ledger.api.facade import AsyncLedger, Ledger
+from ledger.cli.main import main
 from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, DebitState, Lease
 from ledger.domain.values import Budget, Price, Route
@@ -403,18 +404,24 @@ def test_cli_json_and_separate_token_options(db_url: str) -> None:
 ], ids=["one-count", "not-numbers", "both-forms", "negative", "negative-spaced",
         "negative-completion", "negative-prompt-tokens", "negative-cost", "negative-cost-spaced",
         "not-sent-usage"])
-def test_cli_bad_input_is_one_line_and_changes_nothing(db_url: str, args: list[str], code: int,
-                                                      says: str) -> None:
+def test_cli_bad_input_is_one_line_and_changes_nothing(
+        db_url: str, args: list[str], code: int, says: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # In this process (main() is the console script's body; the other tests here run the real
+    # entry point): one interpreter start per case would be most of this test's time.
+    monkeypatch.delenv("LEDGER_URL", raising=False)
     led = Ledger.open(db_url)
     attempt_id, _ = _unknown(led)
     books = _books(led)
-    res = cli("--db", db_url, "attempt", "settle", attempt_id, *args, "--reason", "evidence")
-    assert res.returncode == code and len(res.stderr.splitlines()) == 1, res.stderr
-    assert says in res.stderr
+    capsys.readouterr()
+    assert main(["--db", db_url, "attempt", "settle", attempt_id, *args,
+                 "--reason", "evidence"]) == code
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and says in err, err
     assert _books(led) == books
-    res = cli("--db", db_url, "attempt", "settle", "att-nope", "--outcome", "failed",
-              "--reason", "evidence")
-    assert res.returncode == 1 and "unknown attempt id 'att-nope'" in res.stderr
+    assert main(["--db", db_url, "attempt", "settle", "att-nope", "--outcome", "failed",
+                 "--reason", "evidence"]) == 1
+    assert "unknown attempt id 'att-nope'" in capsys.readouterr().err
     assert _books(led) == books
     led.close()
 
