@@ -17,7 +17,7 @@ from ledger.policy.load import preset
 from ledger.storage.engine import normalize_url
 from ledger.storage.provision import init_database
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
-from ledger.tools.generate import generate
+from tests.audit.generated import generated
 from tests.storage.helpers import downgrade_schema
 from tests.storage.test_history_scales import FACT
 
@@ -48,9 +48,7 @@ def _ids(url: str, sql: str) -> set[str]:
 
 
 def _generated(url: str) -> Ledger:
-    led = Ledger.open(url, clock=ManualClock(END - SPAN))
-    generate(led, attempts=300, days=SPAN / 86400, end=END, seed=11)
-    return led
+    return generated(url, start=END - SPAN, attempts=300, days=SPAN / 86400, end=END, seed=11)
 
 
 def _all_failovers(audit: Audit, **window: Any) -> set[str]:

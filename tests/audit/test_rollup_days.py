@@ -19,6 +19,7 @@ from ledger.ops.audit import Audit, to_jsonable
 from ledger.storage.engine import normalize_url
 from ledger.storage.hours import hour_of
 from ledger.tools.generate import generate
+from tests.audit.generated import generated
 from tests.audit.test_rollups import _metrics, _rolled, _sql, _unroll_all
 from tests.storage.test_history_scales import HASH, ROUTE, _alembic
 
@@ -45,9 +46,7 @@ CHARTS = [  # (since, until, buckets): each folded day whole in one bucket, or n
 
 
 def _generated(url: str) -> Ledger:
-    led = Ledger.open(url, clock=ManualClock(END - 4 * DAY))
-    generate(led, attempts=500, days=3.5, end=END, seed=11)
-    return led
+    return generated(url, start=END - 4 * DAY, attempts=500, days=3.5, end=END, seed=11)
 
 
 def _answers(led: Ledger) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from decimal import Decimal
 from typing import Any
 
@@ -18,7 +19,7 @@ from ledger.clock import ManualClock
 from ledger.ops.audit import Audit, to_jsonable
 from ledger.storage.engine import normalize_url
 from ledger.storage.hours import CARRIED_HOUR, hour_of
-from ledger.tools.generate import generate
+from tests.audit.generated import generated
 from tests.storage.test_history_scales import HASH, ROUTE, _alembic, _history, _t
 
 END = 1_700_000_000.0  # 22:13:20 UTC: the newest hour is not whole
@@ -44,9 +45,8 @@ CHARTS = [  # (since, until, buckets, counted from the roll-ups)
 
 
 def _generated(url: str, attempts: int = 400) -> Ledger:
-    led = Ledger.open(url, clock=ManualClock(END - SPAN))
-    generate(led, attempts=attempts, days=SPAN / 86400, end=END, seed=7)
-    return led
+    return generated(url, start=END - SPAN, attempts=attempts, days=SPAN / 86400, end=END,
+                     seed=7)
 
 
 def _answers(led: Ledger) -> dict[str, Any]:
@@ -384,8 +384,10 @@ def test_a_rollup_refuses_bad_arguments_by_name(tmp_path: Any, kwargs: dict[str,
 
 
 def test_the_rollup_command_reports_what_it_did(tmp_path: Any, capsys: Any) -> None:
-    db = str(tmp_path / "g.db")
-    _generated(db, attempts=60).close()
+    # The command rolls up to the wall clock: a history of twelve hours up to now (one ending
+    # years ago left every hour since to roll, a little more each day the suite ran).
+    db, now = str(tmp_path / "g.db"), time.time()
+    generated(db, start=now - 12 * HOUR, attempts=60, days=0.5, end=now, seed=7).close()
     assert main(["rollup", "--db", db, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["hours"] >= 10 and rep["pending"] == 0 and rep["rows"] > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,6 +131,13 @@ def test_gemini_answer_cut_short_by_safety_after_some_text_stays_a_success(
     led.close()
 
 
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A SQLite file: the matrix below is the adapter's and the presets' reading, which the
+    database only records (both databases record these facts in the tests above)."""
+    return str(tmp_path / "ledger.db")
+
+
 # the finishReason of a candidate that ends with nothing in it, the category every preset reads
 EMPTY_ANSWERS = {
     # The model wrote a function call that is not one: a bad answer, as a malformed event is.
@@ -150,7 +158,7 @@ EMPTY_ANSWERS = {
 @pytest.mark.parametrize("shape", ["whole", "stream"])
 @pytest.mark.parametrize("finish", list(EMPTY_ANSWERS))
 def test_gemini_empty_answer_that_gemini_failed_is_a_failure_never_an_empty_success(
-        db_url: str, fakes: tuple[FakeProvider, FakeProvider], finish: str, shape: str,
+        sqlite_url: str, fakes: tuple[FakeProvider, FakeProvider], finish: str, shape: str,
         policy: str) -> None:
     """A candidate with no text, call or media that ends ``MALFORMED_FUNCTION_CALL``,
     ``LANGUAGE`` or ``OTHER`` is no answer: a ``failed`` Attempt of the reason's category (a
@@ -158,7 +166,7 @@ def test_gemini_empty_answer_that_gemini_failed_is_a_failure_never_an_empty_succ
     preset decides that category: fased rotates on ``format``, no other preset moves on."""
     obj = {"candidates": [{"finishReason": finish, "index": 0}], "usageMetadata": USAGE,
            "modelVersion": "m-001"}
-    led, outcome = _turn(db_url, fakes, _answers(obj)[shape], stream=shape == "stream",
+    led, outcome = _turn(sqlite_url, fakes, _answers(obj)[shape], stream=shape == "stream",
                          policy=policy)
     first = led.timeline(RUN)[0]
     assert first.route_id == "primary" and first.state is AttemptState.FAILED
