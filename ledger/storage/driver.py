@@ -376,8 +376,9 @@ def _sqlite_exec(conn: sqlite3.Connection, q: Q) -> list[Row]:
 def _rollback(conn: sqlite3.Connection) -> None:
     """End a failed transaction; a rollback that fails too (the file went away) leaves the
     connection to SQLite, which rolls back on its own, and the first error is the one told."""
-    if conn.in_transaction:
-        with contextlib.suppress(sqlite3.Error):
+    # A closed connection raises on reading in_transaction too, which would hide the first.
+    with contextlib.suppress(sqlite3.Error):
+        if conn.in_transaction:
             conn.execute("ROLLBACK")
 
 

@@ -8,13 +8,19 @@ its thread, which closes it when its transaction ends.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from ledger import Budget, Grant, Ledger, Price, Route, faults
 from ledger.api.face import storage_of
 from ledger.domain.records import AttemptRecord, AttemptState
+from ledger.errors import LedgerError
 
 ROUTE = Route(id="a", provider="fake", model="m", group="g", recipient="fake",
               endpoint="http://127.0.0.1:9/v1", price=Price())
@@ -60,3 +66,21 @@ def test_a_transaction_running_when_the_sqlite_driver_closes_ends_on_its_own_con
     with Ledger.open(path) as again:
         [row] = again.timeline("r")
         assert row.attempt_id == att.attempt_id and row.state is AttemptState.DISPATCHING
+
+
+def test_a_transaction_on_a_closed_sqlite_connection_fails_as_the_ledgers_error(
+        tmp_path: Path) -> None:
+    # Rolling back read the closed connection's in_transaction, which raised sqlite3's own
+    # ProgrammingError past the driver's wrapping, hiding the transaction's error.
+    led = Ledger.open(str(tmp_path / "ledger.db"))
+    driver = storage_of(led).driver
+    driver.connection().close()  # this thread's: as a close under a transaction leaves it
+
+    def tx() -> Iterator[Any]:
+        return
+        yield
+
+    with pytest.raises(LedgerError) as info:
+        driver.run(tx(), write=True)
+    assert isinstance(info.value.__cause__, sqlite3.ProgrammingError)
+    led.close()
