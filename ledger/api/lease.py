@@ -218,12 +218,14 @@ class KeeperCore:
             return min(self._next - now, self.retry_s) if pending else self._next - now
         try:
             new = yield from Face.renew_lease.flow(self.ledger, lease, ttl_s=self.ttl_s)
-        except FencedOut as e:
-            self._lose(e)
-            return math.inf
         except Exception as e:
             if self._halted:
-                return math.inf  # the ledger closed under the renewal: nothing to tell
+                # The ledger closed under the renewal (a refusal of the closed ledger, or of
+                # the lease its close released): nothing to tell, nobody lost the Run.
+                return math.inf
+            if isinstance(e, FencedOut):
+                self._lose(e)
+                return math.inf
             # An unreachable database, or any other fault of the renewal (a read-only or
             # corrupt file, a database moved away): tried again every quarter interval while
             # the lease may still be renewed, then lost. A keeper that died of it would leave

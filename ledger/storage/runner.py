@@ -181,6 +181,9 @@ class Runner:
                     value = step.call()
             except Exception as e:  # handed to the flow, which may act on it or raise it
                 error = e
+            except BaseException:
+                _close_interrupted(flow)
+                raise
 
     async def arun(self, flow: Flow[T]) -> T:
         """Perform ``flow`` for an asyncio caller: the event loop never blocks on it."""
@@ -199,6 +202,17 @@ class Runner:
                     value = await self.workers.call(step.call)
             except Exception as e:
                 error = e
+            except BaseException:
+                _close_interrupted(flow)
+                raise
+
+
+def _close_interrupted(flow: Flow[Any]) -> None:
+    """Close ``flow``, which an interruption (``KeyboardInterrupt``, a cancellation) left at a
+    step it is not told of: its ``finally`` blocks run now (what it counts as under way ends
+    with it), not whenever the generator is collected, which the interruption's traceback,
+    holding this frame, puts off."""
+    flow.close()
 
 
 __all__ = ["WORKERS_MAX", "Blocking", "Flow", "Runner", "Step", "Txn", "Workers", "blocking",

@@ -549,6 +549,33 @@ def test_a_begin_under_way_at_the_close_takes_no_place_the_close_leaves_behind(
         other.settle_attempt(lease, held, outcome="succeeded", cost="0")
 
 
+def test_a_begin_an_interruption_cut_short_is_not_waited_for_at_the_close(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    # The close waits for the begins under way; one a KeyboardInterrupt left (or a
+    # cancellation) is not under way: it counted as such until the garbage collector closed
+    # its flow, and the close waited its whole bound for it, then warned of a begin that was
+    # not there.
+    route = Route(id="a", provider="fake", model="m", group="g", recipient="fake",
+                  endpoint="http://127.0.0.1:9/v1", price=PRICE)
+    led = Ledger.open(db_url)
+    led.admit_run("r", plan=[route], budget=BUDGET, grant=GRANT)
+    lease = led.acquire_lease("r", ttl_s=3600)
+
+    def interrupt(_point: str) -> None:
+        raise KeyboardInterrupt
+
+    faults.arm("begin.before_commit", interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            led.begin_attempt(lease, route="a", envelope_hash="sha256:x", reserve="0")
+    finally:
+        faults.disarm()
+    assert storage_of(led)._begins.ended(0)
+    with caplog.at_level(logging.WARNING, logger="ledger"):
+        led.close()
+    assert not [r for r in caplog.records if "still under way" in r.getMessage()]
+
+
 def _until(cond: Callable[[], bool]) -> None:
     """Wait for ``cond`` (another thread's progress), up to :data:`PATIENCE_S`."""
     deadline = time.monotonic() + PATIENCE_S
