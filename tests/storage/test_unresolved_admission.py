@@ -24,66 +24,31 @@ its answer), so a SQLite admission's error is always one that wrote nothing
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from decimal import Decimal
 
 import pytest
 
-from ledger import AsyncLedger, Budget, Envelope, Grant, Ledger, Part, Price, Route, RunStatus
-from ledger.decide.effects import Dispatch, SendResult
+from ledger import AsyncLedger, Ledger, RunStatus
 from ledger.errors import DatabaseUnavailable, NotFound
-from ledger.ops.reconcile import reconcile
 from ledger.testing.pgserver import PgServer
-from tests.pgcut import CommitCutter
-
-BUDGET = Budget(max_calls=6, max_retries=4, max_cost=Decimal("1"))
-CHILD = Budget(max_calls=2, max_retries=1, max_cost=Decimal("0.3"))
-GRANT = Grant(recipients={"fake": ["user_input"]})
-HELLO = Envelope(parts=[Part(content="hello")])
-OK = SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
-TTL_S = 600.0  # the keepers never renew during a test: the tests tick them by hand
-_names = itertools.count()
-
-
-def _served(_d: Dispatch) -> SendResult:
-    return OK
-
-
-async def _aserved(_d: Dispatch) -> SendResult:
-    return OK
-
-
-def _routes() -> list[Route]:
-    """A plan whose endpoint is never called (every turn here passes its own ``send``)."""
-    price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
-    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
-                  recipient="fake", protocol="openai", endpoint="http://127.0.0.1:9/v1",
-                  price=price)]
-
-
-@dataclass
-class Db:
-    """One test's database: behind the proxy, and read directly."""
-
-    cutter: CommitCutter
-    db: str
-    led: Ledger  # directly on the server, never through the proxy
-
-    @property
-    def url(self) -> str:
-        return self.cutter.url(self.db)
+from tests.storage.childcut import (
+    BUDGET,
+    CHILD,
+    GRANT,
+    HELLO,
+    TTL_S,
+    Db,
+    aserved,
+    cut_db,
+    routes,
+    served,
+)
 
 
 @pytest.fixture
 def db(pg_server: PgServer) -> Iterator[Db]:
-    name = f"adm_{os.getpid()}_{next(_names)}"
-    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
-    with CommitCutter(pg_server.port) as cutter, Ledger.open(pg_server.url(name)) as led:
-        yield Db(cutter, name, led)
-        assert reconcile(led).violations == []
+    with cut_db(pg_server, "adm") as d:
+        yield d
 
 
 def _told_deferred(error: DatabaseUnavailable) -> None:
@@ -127,23 +92,23 @@ def test_a_child_admission_whose_acknowledgement_is_lost_is_resolved_and_its_blo
 ) -> None:
     if mode == "sync":
         with Ledger.open(db.url) as led, \
-                led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+                led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                         lease_ttl_s=TTL_S) as run:
             db.cutter.arm_kind("admit", how)
             with run.child("c", budget=CHILD) as sub:
                 cuts = [c.kind for c in db.cutter.cuts]
-                assert sub.turn(HELLO, send=_served).output == "ok"
+                assert sub.turn(HELLO, send=served).output == "ok"
             db.cutter.arm()
             assert not led._store.pending
     else:
         async def main() -> list[str]:
             async with AsyncLedger.open(db.url) as led, \
-                    led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+                    led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                             lease_ttl_s=TTL_S) as run:
                 db.cutter.arm_kind("admit", how)
                 async with run.child("c", budget=CHILD) as sub:
                     cuts = [c.kind for c in db.cutter.cuts]
-                    assert (await sub.turn(HELLO, send=_aserved)).output == "ok"
+                    assert (await sub.turn(HELLO, send=aserved)).output == "ok"
                 db.cutter.arm()
                 assert not led._store.pending
             return cuts
@@ -174,10 +139,10 @@ def test_a_child_admission_left_unknown_while_the_database_is_away_ends_and_give
     exit_error: DatabaseUnavailable | None = None
     fence = 0
     try:
-        with led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+        with led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                      lease_ttl_s=TTL_S) as run:
             run._keeper.stop()  # ticked by hand below
-            assert run.turn(HELLO, send=_served).output == "ok"
+            assert run.turn(HELLO, send=served).output == "ok"
             fence = run.lease.fence
             db.cutter.arm_kind("admit", how, down=True)
             with pytest.raises(DatabaseUnavailable) as err, run.child("c", budget=CHILD):
@@ -191,7 +156,7 @@ def test_a_child_admission_left_unknown_while_the_database_is_away_ends_and_give
                     run._keeper.tick()
                     assert not led._store.pending
                 else:
-                    assert run.turn(HELLO, send=_served).output == "ok"
+                    assert run.turn(HELLO, send=served).output == "ok"
                 if how == "after":
                     _ended_and_given_back(db.led, fence)
                 else:
@@ -217,7 +182,7 @@ def test_a_child_admission_left_unknown_while_the_database_is_away_ends_and_give
 def test_an_async_child_admission_left_unknown_is_ended_by_the_parents_keeper(db: Db) -> None:
     async def main() -> int:
         async with AsyncLedger.open(db.url) as led, \
-                led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+                led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                         lease_ttl_s=TTL_S) as run:
             await run._keeper.stop()
             fence = run.lease.fence
@@ -230,7 +195,7 @@ def test_an_async_child_admission_left_unknown_is_ended_by_the_parents_keeper(db
             await run._keeper.tick()
             assert not led._store.pending
             _ended_and_given_back(db.led, fence)
-            assert (await run.turn(HELLO, send=_aserved)).output == "ok"
+            assert (await run.turn(HELLO, send=aserved)).output == "ok"
         return fence
 
     fence = asyncio.run(main())
@@ -243,7 +208,7 @@ def test_a_child_some_lease_took_before_the_resolution_is_left_to_its_holder(db:
     process's resolution: the Child is the holder's, and it is left running, carve and all."""
     led = Ledger.open(db.url)
     try:
-        with led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+        with led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                      lease_ttl_s=TTL_S) as run:
             run._keeper.stop()
             db.cutter.arm_kind("admit", "after", down=True)

@@ -20,68 +20,33 @@ backends in ``tests/session/test_session_lease.py``.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from decimal import Decimal
 
 import pytest
 
-from ledger import AsyncLedger, Budget, Envelope, Grant, Ledger, Part, Price, Route, RunStatus
-from ledger.decide.effects import Dispatch, SendResult
+from ledger import AsyncLedger, Ledger, RunStatus
 from ledger.decide.resolve import UnresolvedChildEnd
 from ledger.errors import DatabaseUnavailable
-from ledger.ops.reconcile import reconcile
 from ledger.testing.pgserver import PgServer
-from tests.pgcut import CommitCutter
-
-BUDGET = Budget(max_calls=6, max_retries=4, max_cost=Decimal("1"))
-CHILD = Budget(max_calls=2, max_retries=1, max_cost=Decimal("0.3"))
-GRANT = Grant(recipients={"fake": ["user_input"]})
-HELLO = Envelope(parts=[Part(content="hello")])
-OK = SendResult(ok=True, output="ok", prompt_tokens=1, completion_tokens=1)
-TTL_S = 600.0  # the keepers never renew during a test: the tests tick them by hand
-_names = itertools.count()
-
-
-def _served(_d: Dispatch) -> SendResult:
-    return OK
-
-
-async def _aserved(_d: Dispatch) -> SendResult:
-    return OK
-
-
-def _routes() -> list[Route]:
-    """A plan whose endpoint is never called (every turn here passes its own ``send``)."""
-    price = Price(input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))
-    return [Route(id="primary", provider="fake", model="primary-model", group="ga",
-                  recipient="fake", protocol="openai", endpoint="http://127.0.0.1:9/v1",
-                  price=price)]
-
-
-@dataclass
-class Db:
-    """One test's database: behind the proxy, and read directly."""
-
-    cutter: CommitCutter
-    db: str
-    led: Ledger  # directly on the server, never through the proxy
-
-    @property
-    def url(self) -> str:
-        return self.cutter.url(self.db)
+from tests.storage.childcut import (
+    BUDGET,
+    CHILD,
+    GRANT,
+    HELLO,
+    TTL_S,
+    Db,
+    aserved,
+    cut_db,
+    routes,
+    served,
+)
 
 
 @pytest.fixture
 def db(pg_server: PgServer) -> Iterator[Db]:
-    name = f"end_{os.getpid()}_{next(_names)}"
-    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
-    with CommitCutter(pg_server.port) as cutter, Ledger.open(pg_server.url(name)) as led:
-        yield Db(cutter, name, led)
-        assert reconcile(led).violations == []
+    with cut_db(pg_server, "end") as d:
+        yield d
 
 
 def _told_deferred(error: DatabaseUnavailable) -> None:
@@ -130,10 +95,10 @@ def test_a_child_whose_entry_raised_while_the_database_was_away_is_ended_when_it
     exit_error: DatabaseUnavailable | None = None
     fence = 0
     try:
-        with led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+        with led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                      lease_ttl_s=TTL_S) as run:
             run._keeper.stop()  # ticked by hand below
-            assert run.turn(HELLO, send=_served).output == "ok"
+            assert run.turn(HELLO, send=served).output == "ok"
             fence = run.lease.fence
             db.cutter.arm_kind("acquire", how, down=True)
             with pytest.raises(DatabaseUnavailable) as err, run.child("c", budget=CHILD):
@@ -149,7 +114,7 @@ def test_a_child_whose_entry_raised_while_the_database_was_away_is_ended_when_it
                     run._keeper.tick()
                     assert not led._store.pending
                 else:
-                    assert run.turn(HELLO, send=_served).output == "ok"
+                    assert run.turn(HELLO, send=served).output == "ok"
                 _ended_and_given_back(db.led, how, fence)
     except DatabaseUnavailable as e:
         exit_error = e
@@ -173,7 +138,7 @@ def test_an_async_child_whose_entry_raised_while_the_database_was_away_is_ended_
 ) -> None:
     async def main() -> int:
         async with AsyncLedger.open(db.url) as led, \
-                led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+                led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                         lease_ttl_s=TTL_S) as run:
             await run._keeper.stop()
             fence = run.lease.fence
@@ -185,7 +150,7 @@ def test_an_async_child_whose_entry_raised_while_the_database_was_away_is_ended_
             _stranded(db.led)
             db.cutter.up()
             # The parent's next write ends the Child first, and spends what came back.
-            assert (await run.turn(HELLO, send=_aserved)).output == "ok"
+            assert (await run.turn(HELLO, send=aserved)).output == "ok"
             assert not led._store.pending
             _ended_and_given_back(db.led, how, fence)
         return fence
@@ -204,7 +169,7 @@ def test_a_child_ending_still_not_written_at_close_is_logged_at_warning_and_only
     led = Ledger.open(db.url)
     caplog.set_level(logging.INFO)
     try:
-        with led.run("p", plan=_routes(), budget=BUDGET, grant=GRANT,
+        with led.run("p", plan=routes(), budget=BUDGET, grant=GRANT,
                      lease_ttl_s=TTL_S) as run:
             run._keeper.stop()
             db.cutter.arm_kind("acquire", "instead", down=True)
