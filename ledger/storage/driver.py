@@ -445,18 +445,22 @@ class PgDriver:
             kept = _kept_cursors(conn)
             with conn.pipeline():
                 cursors: list[tuple[Any, bool]] = []
-                if first:
-                    _cursor(conn, kept, _BEGIN, cursors).execute(_BEGIN)
-                for q in items:
-                    stmt = q.stmt
-                    cur = _cursor(conn, kept, stmt, cursors)
-                    if q.many:
-                        cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
-                    else:
-                        cur.execute(stmt.text, stmt.args(q.params))
-                    cursors.append((cur, stmt.rows and not q.many))
-                if commit:
-                    _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
+                try:
+                    if first:
+                        _cursor(conn, kept, _BEGIN, cursors).execute(_BEGIN)
+                    for q in items:
+                        stmt = q.stmt
+                        cur = _cursor(conn, kept, stmt, cursors)
+                        if q.many:
+                            cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
+                        else:
+                            cur.execute(stmt.text, stmt.args(q.params))
+                        cursors.append((cur, stmt.rows and not q.many))
+                    if commit:
+                        _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
+                except BaseException:
+                    _cancel(conn)
+                    raise
             committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
             committed = committed or commit
@@ -510,18 +514,22 @@ class PgDriver:
             kept = _kept_cursors(conn)
             async with conn.pipeline():
                 cursors: list[tuple[Any, bool]] = []
-                if first:
-                    await _cursor(conn, kept, _BEGIN, cursors).execute(_BEGIN)
-                for q in items:
-                    stmt = q.stmt
-                    cur = _cursor(conn, kept, stmt, cursors)
-                    if q.many:
-                        await cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
-                    else:
-                        await cur.execute(stmt.text, stmt.args(q.params))
-                    cursors.append((cur, stmt.rows and not q.many))
-                if commit:
-                    await _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
+                try:
+                    if first:
+                        await _cursor(conn, kept, _BEGIN, cursors).execute(_BEGIN)
+                    for q in items:
+                        stmt = q.stmt
+                        cur = _cursor(conn, kept, stmt, cursors)
+                        if q.many:
+                            await cur.executemany(stmt.text, [stmt.args(r) for r in q.params])
+                        else:
+                            await cur.execute(stmt.text, stmt.args(q.params))
+                        cursors.append((cur, stmt.rows and not q.many))
+                    if commit:
+                        await _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
+                except BaseException:
+                    await _acancel(conn)
+                    raise
             committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
             committed = committed or commit
@@ -708,6 +716,27 @@ def _standby_refusal(e: Any, conn: Any) -> bool:
     from ledger.storage.pgpool import on_standby
 
     return getattr(e, "sqlstate", None) == "25006" and not conn.closed and on_standby(conn)
+
+
+#: How long a cancel request may take (a new connection to the server) before it is given up.
+CANCEL_TIMEOUT_S = 5.0
+
+
+def _cancel(conn: Any) -> None:
+    """Ask the server to cancel what ``conn`` runs: a pipeline left by an exception raised
+    while it was being filled (an interruption landing in Python code, not in psycopg's wait,
+    which would cancel it itself) otherwise waits at its exit for every statement already
+    sent, behind whatever lock holds one. Best effort: the transaction is aborted after it
+    anyway, and a ``COMMIT`` already sent may still have been carried out (its outcome is
+    unknown, as for any interruption of it)."""
+    with contextlib.suppress(Exception):
+        conn.cancel_safe(timeout=CANCEL_TIMEOUT_S)
+
+
+async def _acancel(conn: Any) -> None:
+    """:func:`_cancel` for an asyncio connection."""
+    with contextlib.suppress(Exception):
+        await conn.cancel_safe(timeout=CANCEL_TIMEOUT_S)
 
 
 def _abort(conn: Any) -> None:
