@@ -232,9 +232,10 @@ async def test_tls_to_a_plain_http_server_is_not_sent(
     assert fake.requests == []  # the server saw a ClientHello, never a request
 
 
-async def test_connect_timeout_is_not_sent(adapter: HttpAdapter, full_backlog: int) -> None:
+async def test_connect_timeout_is_not_sent(fast_adapter: HttpAdapter, full_backlog: int) -> None:
+    # The connect limit is what ends it: the fast one (a patient one made this test wait 10 s).
     route = make_route(f"http://127.0.0.1:{full_backlog}/v1", "anthropic")
-    result = await adapter.send(route, ENV, profile_id=PROFILE)
+    result = await fast_adapter.send(route, ENV, profile_id=PROFILE)
     obs = result.observation
     assert obs is not None and not result.sent
     assert (obs.transport, obs.phase) == (Transport.CONNECT_TIMEOUT, Phase.BEFORE_SEND)

@@ -15,7 +15,7 @@ from ledger.domain.facts import Phase, Transport
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests.netfaults import closed_port
 
-from .conftest import FAST, PROFILE, PROTOCOLS, SECRET, make_route
+from .conftest import FAST, PATIENT, PROFILE, PROTOCOLS, SECRET, adapter_for, make_route
 
 pytestmark = pytest.mark.anyio
 
@@ -143,12 +143,16 @@ async def test_connections_are_pooled_per_endpoint(
     assert fake.connections == 1
 
 
-async def test_a_failed_stream_is_never_reused(adapter: HttpAdapter, fake: FakeProvider) -> None:
+async def test_a_failed_stream_is_never_reused(driver: str, fake: FakeProvider) -> None:
+    # The stall ends at the first-token limit: 2 s, not the patient 10 (the second send's first
+    # token still has all of 2 s on a loaded machine).
+    limits = PATIENT.model_copy(update={"first_token_timeout_s": 2.0, "idle_timeout_s": 2.0})
     fake.enqueue(Fault.STALL)
     route = make_route(fake.endpoint("openai"), "openai")
     stream = Envelope(parts=[Part(content="hi")], stream=True)
-    assert not (await adapter.send(route, stream, profile_id=PROFILE)).ok
-    assert (await adapter.send(route, stream, profile_id=PROFILE)).ok
+    async for adapter in adapter_for(driver, limits):
+        assert not (await adapter.send(route, stream, profile_id=PROFILE)).ok
+        assert (await adapter.send(route, stream, profile_id=PROFILE)).ok
     assert fake.connections == 2
 
 
