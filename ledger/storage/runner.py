@@ -182,7 +182,10 @@ class Runner:
             except Exception as e:  # handed to the flow, which may act on it or raise it
                 error = e
             except BaseException:
-                _close_interrupted(flow)
+                # An interruption the flow is not told of (KeyboardInterrupt): closed now, so
+                # its finally blocks run now, not when the generator is collected (which the
+                # interruption's traceback, holding this frame, puts off).
+                flow.close()
                 raise
 
     async def arun(self, flow: Flow[T]) -> T:
@@ -203,16 +206,8 @@ class Runner:
             except Exception as e:
                 error = e
             except BaseException:
-                _close_interrupted(flow)
+                flow.close()  # a cancellation: as in run()
                 raise
-
-
-def _close_interrupted(flow: Flow[Any]) -> None:
-    """Close ``flow``, which an interruption (``KeyboardInterrupt``, a cancellation) left at a
-    step it is not told of: its ``finally`` blocks run now (what it counts as under way ends
-    with it), not whenever the generator is collected, which the interruption's traceback,
-    holding this frame, puts off."""
-    flow.close()
 
 
 __all__ = ["WORKERS_MAX", "Blocking", "Flow", "Runner", "Step", "Txn", "Workers", "blocking",

@@ -311,7 +311,6 @@ class SlotWaker:
 
         Returns once the listening connection listens, or after :data:`LISTEN_READY_S`.
         """
-        self.own(waiter, group)
         if self._known(waiter, ticket):
             return False
         _REGISTRY.add(self.key, waiter, _Signal(group, ticket))
@@ -325,7 +324,6 @@ class SlotWaker:
         :class:`asyncio.Event`, and the wait for the listening connection is on a worker
         thread, so the loop runs meanwhile (a server slow to accept a connection would
         otherwise stop it for up to :data:`LISTEN_READY_S`)."""
-        self.own(waiter, group)
         if self._known(waiter, ticket):
             return False
         signal = _Signal(group, ticket, loop=asyncio.get_running_loop(),
@@ -337,7 +335,9 @@ class SlotWaker:
         return True
 
     def own(self, waiter: str, group: str) -> None:
-        """Count ``waiter``'s place in ``group`` as this store's, for its close to give up."""
+        """Count ``waiter``'s place in ``group`` as this store's, for its close to give up
+        (:meth:`~ledger.storage.store.Store.begin_attempt`, as its begin queues: before the
+        waiter joins, so a close in between finds it)."""
         with self._mine_lock:
             self._mine[waiter] = group
 
