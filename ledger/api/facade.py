@@ -7,14 +7,23 @@ kind's :meth:`~ledger.api.face.Face.run` gives (:mod:`ledger.api.session`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Annotated, Any
 
 from ledger.api.arguments import SessionOptions
-from ledger.api.face import AsyncFace, SyncFace, check_executor_free, release_executor
+from ledger.api.face import (
+    CLOSE_WAITS_ENTRIES_S,
+    AsyncFace,
+    SyncFace,
+    check_executor_free,
+    release_executor,
+)
 from ledger.clock import Clock
 from ledger.domain.validation import checked, instance
 from ledger.storage.runner import in_own_thread
+
+log = logging.getLogger("ledger.session")
 
 if TYPE_CHECKING:
     # The sessions bring the turn loop; a ledger opened only to read (the audit, the CLI's
@@ -86,7 +95,10 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         left to recovery. What the database does not take is logged at WARNING and lapses.
         Such a session's exit writes nothing: it raises the closed ledger's ``InvalidState``
         (a block that raised keeps its own exception), noted with what the close did with its
-        lease. A session still entering is left as it is.
+        lease. No session enters once the close has begun (its entry raises the closed
+        ledger's ``InvalidState``); one whose entry was under way is waited for (up to
+        5 s, :data:`~ledger.api.face.CLOSE_WAITS_ENTRIES_S`, then a WARNING) and gives
+        back what it took, raising the same error.
 
         Last, the ledger's own threads (``ledger-cold``, where an :class:`AsyncLedger` runs
         its blocking calls) end: a call already running on one is waited for (it may wait up
@@ -95,9 +107,15 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         """
         if self._store.closed:
             return
+        self._entries.close()
         try:
             self._runner.run(self._store.settle_pending(self.clock.now))
             self._runner.run(self._store.leave_queues())
+            # An entry under way gives back what it took once it finds the close begun: while
+            # the database is still open to take it.
+            if not self._entries.ended(CLOSE_WAITS_ENTRIES_S):
+                log.warning("closing the ledger with a Run session still entering after %ss: "
+                            "a lease it takes lapses", CLOSE_WAITS_ENTRIES_S)
             if self._open_sessions:
                 # Loaded already: a session is open.
                 from ledger.api.session import give_up_open

@@ -224,6 +224,48 @@ def release_executor(ledger: Face[Any, Any]) -> None:
             del _executors[key]
 
 
+#: How long a ledger's close waits for the Run sessions entering on it (then a WARNING): an
+#: entry may wait for SQLite's busy timeout (30 s) behind another process's write lock.
+CLOSE_WAITS_ENTRIES_S = 5.0
+
+
+class Entries:
+    """The Run sessions entering on one ledger, counted so that its close can wait for them.
+
+    From the close on, no session enters (:mod:`ledger.api.session`). A session counted here had
+    not yet found the ledger closing when its entry began; its entry ends by checking again
+    under the same lock, so it either is open before the close looks for open sessions (and the
+    close gives its lease up) or finds the close begun and gives back what it took, while the
+    database is still there to take it.
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._cond = threading.Condition(lock)
+        self._n = 0
+        #: Whether the ledger's close has begun (read and set under the lock).
+        self.closing = False
+
+    def begun(self) -> None:
+        """One more entry under way (called under the lock, once ``closing`` was read)."""
+        self._n += 1
+
+    def ended_one(self) -> None:
+        """An entry under way ended, whichever way (takes the lock)."""
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The ledger's close has begun: no session enters from now on."""
+        with self._cond:
+            self.closing = True
+
+    def ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no entry is under way; whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._n == 0, timeout_s)
+
+
 class Face(Generic[SessionT, OpenedT]):
     """What :class:`Ledger` and :class:`AsyncLedger` share: every operation, written once.
 
@@ -287,6 +329,9 @@ class Face(Generic[SessionT, OpenedT]):
         self._open_sessions: weakref.WeakValueDictionary[str, Any] = \
             weakref.WeakValueDictionary()
         self._open_sessions_lock = threading.Lock()  # sessions entered on several threads
+        # The sessions still entering, which the ledger's close waits for (a shared object, so
+        # an AsyncLedger over this ledger counts and closes with it).
+        self._entries = Entries(self._open_sessions_lock)
 
     @property
     def backend(self) -> str:

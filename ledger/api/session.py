@@ -30,7 +30,8 @@ after a cancelled turn (even one the host caught), ``stopped`` or ``failed`` aft
 ``failed`` or ``cancelled`` when the block raised. A ledger closed while the session is open
 releases its lease instead, the Run left unfinished for the next session to resume
 (:func:`give_up_open`); the exit then writes nothing and raises the closed ledger's
-``InvalidState``.
+``InvalidState``. No session enters a closing ledger: one whose entry was under way when the
+close began is waited for, and gives back what it took (:meth:`_SessionCore._opened`).
 
 A turn is one logical turn through the retry owner (:func:`ledger.api.turn.execute`) with the
 route's built-in adapter and the Run's frozen streaming limits. Its answer comes back as
@@ -596,6 +597,10 @@ class _SessionCore:
                                "ledger.run(...)", run_id=self.run_id)
         led = self.ledger
         with led._open_sessions_lock:
+            if led._entries.closing:
+                error = closed_error(led._store.where)
+                error.fields["run_id"] = self.run_id
+                raise error
             other = led._open_sessions.get(self.run_id)
             if other is self:
                 # Entered twice at once (two tasks awaiting one session's entry).
@@ -614,6 +619,32 @@ class _SessionCore:
                     expires_at=None if keeper is None else keeper.lease.expires_at,
                     problem="session_open")
             led._open_sessions[self.run_id] = self
+            led._entries.begun()
+
+    def _entered(self) -> None:
+        """The entry that :meth:`_enter` counted has ended, whichever way."""
+        self.ledger._entries.ended_one()
+
+    def _opened(self) -> None:
+        """The last step of a successful entry: the session is open, unless the close began.
+
+        The ledger's close waits for entries under way, then gives up the leases of the
+        sessions it finds open. An entry that finds the close begun raises the closed
+        ledger's :class:`~ledger.errors.InvalidState`, and the entry gives back what it
+        took, as any entry that raised does: its lease is released while the database is
+        still open (a Child it admitted is ended), so the next session with its id, in any
+        executor, resumes the Run at once.
+        """
+        led = self.ledger
+        with led._open_sessions_lock:
+            if not led._entries.closing:
+                self._state = "open"
+                return
+        error = closed_error(led._store.where)
+        error.fields["run_id"] = self.run_id
+        error.add_note(f"the ledger began closing while the Run session of run {self.run_id!r} "
+                       "was entering: the entry gave back what it took")
+        raise error
 
     def _leave(self) -> None:
         """The block is left: the session has ended.
@@ -951,6 +982,8 @@ class RunSession(_SessionCore):
         except BaseException:
             self._free()  # after the give-back: the Run's lease is no longer this session's
             raise
+        finally:
+            self._entered()
 
     def _open(self) -> RunSession:
         from ledger.api.lease import LeaseKeeper
@@ -983,10 +1016,10 @@ class RunSession(_SessionCore):
                 from ledger.adapters import SyncAdapter
 
                 self._adapter = SyncAdapter(secrets=self._secrets)
+            self._opened()
         except BaseException as e:
             self._give_back(got, e, made)
             raise
-        self._state = "open"
         return self
 
     def _give_back(self, got: _Entry, exc: BaseException, made: bool) -> None:
@@ -1275,6 +1308,8 @@ class AsyncRunSession(_SessionCore):
         except BaseException:
             self._free()  # after the give-back (see RunSession.__enter__)
             raise
+        finally:
+            self._entered()
 
     async def _open(self) -> AsyncRunSession:
         from ledger.api.lease import AsyncLeaseKeeper
@@ -1305,10 +1340,10 @@ class AsyncRunSession(_SessionCore):
                 from ledger.adapters import HttpAdapter
 
                 self._adapter = HttpAdapter(secrets=self._secrets)
+            self._opened()
         except BaseException as e:
             await self._give_back(got, e, made)
             raise
-        self._state = "open"
         return self
 
     async def _give_back(self, got: _Entry, exc: BaseException, made: bool) -> None:

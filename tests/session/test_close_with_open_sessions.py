@@ -29,9 +29,10 @@ from ledger import (
     Part,
     RunStatus,
     SendResult,
+    faults,
 )
 from ledger.domain.records import AttemptState
-from ledger.errors import InvalidState, LeaseHeld
+from ledger.errors import InvalidState, LeaseHeld, NotFound
 from tests import fakeplan
 from tests.fakeplan import plan
 
@@ -54,12 +55,13 @@ async def _served_async(_d: Dispatch) -> SendResult:
     return OK
 
 
-def _resumed_by_another_worker(db_url: str, run_id: str) -> None:
+def _resumed_by_another_worker(db_url: str, run_id: str,
+                               status: RunStatus = RunStatus.RUNNING) -> None:
     with Ledger.open(db_url) as other:
         lease = other.acquire_lease(run_id, ttl_s=TTL)  # no LeaseHeld: the close released it
         assert lease.fence == 2
         run = other.get_run(run_id)
-        assert run.status is RunStatus.RUNNING  # not finished: its block never ended
+        assert run.status is status  # not finished: its block never ended
         other.release_lease(lease)
 
 
@@ -148,3 +150,80 @@ def test_a_close_leaves_an_attempt_in_flight_dispatching_and_its_lease_to_lapse(
     with Ledger.open(db_url) as other:
         [att] = other.timeline("r")
         assert att.state is AttemptState.DISPATCHING  # recovery's, once the lease lapses
+
+
+# -- a session entering when the close begins -------------------------------------------------
+
+
+def _held_until_the_close_begins(led: Ledger, closer: threading.Thread) -> None:
+    """Arm the lease's acquisition to pause right after its COMMIT (the lease taken, the
+    session not open yet) until ``closer`` has begun closing ``led``."""
+    def hold(_name: str) -> None:
+        closer.start()
+        # The close's first step, which every entry ending after it reads under the same lock.
+        for _ in range(30_000):
+            if led._entries.closing:
+                return
+            threading.Event().wait(0.001)
+        raise AssertionError("the close did not begin")
+
+    faults.arm("acquire.after_commit", hold)
+
+
+def _entry_gave_back(error: BaseException, db_url: str) -> None:
+    assert isinstance(error, InvalidState) and error.fields["problem"] == "ledger_closed"
+    assert error.fields["run_id"] == "r"
+    assert any("began closing while the Run session" in n
+               for n in getattr(error, "__notes__", []))
+    # The lease the entry took was released before the database closed: another worker
+    # resumes the (Root) Run at once, not after the hour-long lease lapses; no turn ran.
+    _resumed_by_another_worker(db_url, "r", RunStatus.ADMITTED)
+
+
+def test_a_session_entering_when_the_close_begins_gives_its_lease_back(
+        db_url: str, fake: Any) -> None:
+    led = Ledger.open(db_url)
+    closer = threading.Thread(target=led.close)
+    _held_until_the_close_begins(led, closer)
+    try:
+        with pytest.raises(InvalidState) as caught, \
+                led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL):
+            pytest.fail("the block of a session entered on a closing ledger ran")
+    finally:
+        faults.disarm()
+        closer.join(30)
+    assert not closer.is_alive()
+    _entry_gave_back(caught.value, db_url)
+
+
+def test_an_async_session_entering_when_the_close_begins_gives_its_lease_back(
+        db_url: str, fake: Any) -> None:
+    async def main() -> BaseException:
+        led = await AsyncLedger.open(db_url)
+        closer = threading.Thread(target=asyncio.run, args=(led.close(),))
+        _held_until_the_close_begins(led.sync, closer)
+        try:
+            with pytest.raises(InvalidState) as caught:
+                async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                                   lease_ttl_s=TTL):
+                    pytest.fail("the block of a session entered on a closing ledger ran")
+        finally:
+            faults.disarm()
+            closer.join(30)
+        assert not closer.is_alive()
+        return caught.value
+
+    _entry_gave_back(asyncio.run(main()), db_url)
+
+
+def test_no_session_enters_a_closing_ledger(db_url: str, fake: Any) -> None:
+    # Refused before anything is written: the Run is never admitted.
+    led = Ledger.open(db_url)
+    led._entries.close()  # the close's first step; the rest of it runs below
+    with pytest.raises(InvalidState) as caught, \
+            led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL):
+        pytest.fail("the block of a session entered on a closing ledger ran")
+    led.close()
+    assert caught.value.fields["problem"] == "ledger_closed"
+    with Ledger.open(db_url) as other, pytest.raises(NotFound):
+        other.get_run("r")
