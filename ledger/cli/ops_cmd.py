@@ -610,6 +610,10 @@ def _costs(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--label {args.label!r} names the label to total by and goes with "
                               f"--by label; add --by label (it has no effect with --by "
                               f"{args.by})", field="label")
+    if args.by == "label" and args.label is None:
+        # The library's own message names its keyword (label='team'), not this flag.
+        raise InvalidArgument("--by label totals by the values of one label; name it with "
+                              "--label KEY (e.g. --label team)", field="label")
     budgets_wanted = args.by in ("tenant", "label")
     if args.every is not None and not budgets_wanted:
         raise InvalidArgument("--every splits the budgets of --by tenant or --by label; pass "

@@ -431,6 +431,15 @@ def test_costs_label_without_by_label_is_refused_not_ignored(sqlite_url: str) ->
     assert res.returncode == 2 and "--label 'team'" in res.stderr
 
 
+def test_costs_by_label_without_its_label_names_the_flag(sqlite_url: str) -> None:
+    """--by label needs --label KEY: the refusal names the flag to add, not the library's
+    keyword (``label='team'``), which the command line has no way to pass."""
+    res = cli("--db", sqlite_url, "costs", "--by", "label", *SINCE)
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.splitlines()) == 1 and "--label KEY" in res.stderr
+    assert "label=" not in res.stderr
+
+
 EPOCH = re.compile(r"\b1\d{9}(\.\d+)?\b")  # an epoch-seconds time (2001..2286)
 
 
