@@ -14,7 +14,8 @@ from ledger.cli.common import PROG
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run a small research task against local fake providers "
-                       "(into a fresh ledger: replaces an earlier demo's, refuses other history)")
+                       "(into a fresh ledger: replaces an earlier demo's SQLite file; refuses "
+                       "other history, and on PostgreSQL a database holding any run)")
     p.add_argument("--db", default=argparse.SUPPRESS, help="the ledger file to write")
     p.set_defaults(func=_demo)
 

@@ -123,8 +123,8 @@ DEMO_TENANT = "demo"
 def fresh_ledger(db_url: str) -> str | None:
     """Make ``db_url`` a fresh ledger for one demo; returns a note for the reader, or ``None``.
 
-    A SQLite file that does not exist, or holds no tables, is made a ledger by the demo; one
-    that holds only earlier demo runs (tenant ``demo``) is deleted first. A file holding
+    A SQLite file that does not exist, or holds no tables or no run, is made a ledger by the
+    demo; one that holds only earlier demo runs (tenant ``demo``) is deleted first. A file holding
     anything else (other runs, another application's tables, or not a SQLite database at all:
     :func:`ledger.storage.engine.file_holds`, read without writing), or a PostgreSQL database
     holding any run, is refused with :class:`InvalidArgument` naming ``--db``: the demo never
@@ -154,6 +154,8 @@ def fresh_ledger(db_url: str) -> str | None:
                 return None  # an empty PostgreSQL database: the demo migrates it
             other = (store.first_run_other_than(tenant=DEMO_TENANT) if path is not None
                      else store.first_run_other_than())
+            # A ledger with no run at all (``db init`` made it): the demo writes into it.
+            empty = other is None and store.first_run_other_than() is None
     except DatabaseSetupError as e:
         if e.fields.get("problem") != "schema_outdated":
             raise
@@ -164,7 +166,7 @@ def fresh_ledger(db_url: str) -> str | None:
         held = "runs other than the demo's" if path is not None else "runs"
         raise InvalidArgument(f"the demo will not write into {where}: it holds {held} (e.g. "
                               f"{other!r}); {fix}", field="db", run_id=other)
-    if path is None:
+    if path is None or empty:
         return None
     for suffix in ("", "-wal", "-shm"):
         with contextlib.suppress(FileNotFoundError):

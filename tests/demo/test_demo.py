@@ -72,6 +72,16 @@ def test_demo_rerun_in_the_same_folder_tells_the_same_story(tmp_path: Path) -> N
     assert len(runs) == 3 and all(r in second.stdout for r in runs)
 
 
+def test_demo_into_a_ledger_db_init_just_made_replaces_nothing(tmp_path: Path) -> None:
+    """A ledger with no run (``db init`` made it) is written into as it is: nothing earlier
+    was there to replace, so the demo does not say it replaced an earlier demo."""
+    made = _demo(tmp_path, "db", "init", str(tmp_path / "ledger.db"))
+    assert made.returncode == 0, made.stderr
+    res = _demo(tmp_path, "demo")
+    assert res.returncode == 0, res.stderr
+    assert "replaced" not in res.stdout
+
+
 def test_run_show_says_why_the_demo_run_stopped(tmp_path: Path) -> None:
     res = _demo(tmp_path, "demo")
     assert res.returncode == 0, res.stderr
