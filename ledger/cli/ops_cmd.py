@@ -30,7 +30,7 @@ from typing import Any
 
 from ledger.cli.common import PROG, add_who_and_why, operator_name
 from ledger.cli.progress import Progress, wanted
-from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
+from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, MAX_TIME
 from ledger.domain.timefmt import data_text, iso, relative, when
 from ledger.errors import DatabaseSetupError, InvalidArgument
 
@@ -47,9 +47,9 @@ def parse_time(text: str | None, now: float, field: str) -> float | None:
         return None
     m = _REL.match(text.strip())
     if m:
-        return now - float(m.group(1)) * _UNIT[m.group(2)]
+        return _in_range(now - float(m.group(1)) * _UNIT[m.group(2)], text, field)
     try:
-        return float(text)
+        return _in_range(float(text), text, field)
     except ValueError:
         pass
     try:
@@ -60,7 +60,18 @@ def parse_time(text: str | None, now: float, field: str) -> float | None:
             "2026-01-31T18:00 (UTC), or epoch seconds", field=field) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
+    return _in_range(dt.timestamp(), text, field)
+
+
+def _in_range(t: float, text: str, field: str) -> float:
+    """``t``, a time the ledger can hold; else the flag's own refusal (the library's would
+    speak of its keyword and of ``clock.now()``)."""
+    if not 0 <= t < MAX_TIME:  # NaN and the infinities too
+        raise InvalidArgument(
+            f"--{field} {text!r} is not a time the ledger holds: epoch seconds between 0 and "
+            f"{MAX_TIME:g} (not milliseconds), an ISO time such as 2026-01-31T18:00 (UTC), or "
+            "24h, 30m, 7d (ago)", field=field)
+    return t
 
 
 def fmt_time(t: float | None) -> str:

@@ -706,3 +706,14 @@ def test_a_negative_age_or_span_gets_the_options_own_range_message(
     assert main(["--db", sqlite_url, *args]) == 2
     err = capsys.readouterr().err
     assert says in err and "expected one argument" not in err, err
+
+
+def test_a_time_flag_outside_what_the_ledger_holds_is_refused_in_the_flags_words(
+        sqlite_url: str) -> None:
+    """--since/--until take epoch seconds; infinities, NaN, milliseconds and times before 1970
+    are refused naming the flag, not the library's keyword and its clock.now()."""
+    for text in ("1e400", "nan", "-inf", "1796583592939", "-5", "1000000d"):
+        res = cli("--db", sqlite_url, "runs", f"--since={text}")
+        assert res.returncode == 2 and res.stdout == "", text
+        assert len(res.stderr.splitlines()) == 1, text
+        assert f"--since '{text}'" in res.stderr and "clock.now()" not in res.stderr, text
