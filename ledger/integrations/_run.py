@@ -21,7 +21,8 @@ same few things, written once here:
   Attempt, whose part the integration records as that Attempt's provenance (and an audit
   event ``tool_call_id`` says which provider id it stands for);
 - two guards that keep the Run the only retry owner: a request the Run stopped is not sent
-  again in the same session (a retry the framework makes around the ledger), and a request
+  again in the same session (a retry the framework makes around the ledger, refused naming
+  that framework's own retry mechanisms), and a request
   sent without a receipt (``unknown``, or still ``dispatching`` when its executor died) is not
   sent again: not after a resume (LangGraph re-runs an interrupted node), not in the same
   session (a cancelled or timed-out call asked again), and not while it is still in flight in
@@ -190,6 +191,10 @@ class RunLink:
         tool_data_class: The data class tool results are recorded under.
         document_data_class: The data class of the images and documents of user messages.
         need_async: ``True`` when only an :class:`~ledger.AsyncRunSession` will do.
+        retries: The framework's own ways of sending a request again (its retry middleware,
+            settings, wrappers), named as the fix when one sends a request the Run stopped.
+            ``None``: the framework retries no model call itself, so a stopped request asked
+            again is the host's new request, and is sent.
 
     Raises:
         InvalidArgument: ``run`` is not a Run session (of the kind needed), a data class is
@@ -199,7 +204,7 @@ class RunLink:
 
     def __init__(self, run: Any, *, who: str, route: str | None = None,
                  tool_data_class: str = "tool_result", document_data_class: str = USER_INPUT,
-                 need_async: bool = False) -> None:
+                 need_async: bool = False, retries: str | None = None) -> None:
         kinds: tuple[type[Any], ...] = (AsyncRunSession,) if need_async else (
             AsyncRunSession, RunSession)
         if not isinstance(run, kinds):
@@ -221,6 +226,7 @@ class RunLink:
         self.tool_data_class = tool_data_class
         self.document_data_class = document_data_class
         self.route = route
+        self.retries = retries
         self.denials: Denials | None = None
         if route is not None:
             self.denials = self._denials(route)
@@ -290,7 +296,7 @@ class RunLink:
 
         Raises:
             InvalidArgument: the Run stopped this very request in this session before (a
-                retry made around the ledger).
+                retry made around the ledger, by a framework with ``retries``).
             FailoverExhausted: (reason ``execution_unknown``) this request was sent before
                 (by an earlier executor of the Run, or by this session: a cancelled or
                 timed-out call) and no receipt came, or it is in flight in another thread or
@@ -300,14 +306,13 @@ class RunLink:
         # Hashed through the session's own memo: the turn that follows finds these parts
         # hashed (a conversation's documents and images were hashed twice a call).
         turn_id, streamed = turn_ids_of(envelope, self.run._hashes.of(envelope))
-        stop = memory.stopped.get(turn_id)
+        stop = memory.stopped.get(turn_id) if self.retries is not None else None
         if stop is not None:
             raise InvalidArgument(
                 f"{self.who}: the Run stopped this request ({stop.reason}) and it is being "
                 "sent again. The Run is the retry owner and already retried and failed over "
-                "as its policy allows: remove the retry around it (ModelRetryMiddleware, "
-                "ModelFallbackMiddleware, .with_retry(), a LangGraph RetryPolicy, "
-                "ModelSettings(retry=...)), or continue the conversation with another request",
+                f"as its policy allows: remove the retry around it ({self.retries}), or "
+                "continue the conversation with another request",
                 field="retry", reason=stop.reason) from stop
         with memory.lock:
             # Taken before the first await: two tasks asking the same request at once must
@@ -367,9 +372,13 @@ class RunLink:
             self.memory.running.discard(turn_id)
 
     def sent(self, envelope: Envelope, turn_id: str, error: BaseException | None) -> None:
-        """Remember a turn of this session ended (and its stop, which is not retried)."""
+        """Remember a turn of this session ended (and its stop, which is not retried).
+
+        A stop is remembered only where the framework has retries of its own (``retries``):
+        elsewhere the same request asked again is the host's, and is sent.
+        """
         self._release(turn_id)
-        if isinstance(error, FailoverExhausted):
+        if isinstance(error, FailoverExhausted) and self.retries is not None:
             self.memory.stopped[turn_id] = error
 
     # -- parts that need recording --------------------------------------------------------

@@ -124,6 +124,11 @@ _RUN_OWNS = {
 _RUN_OWNS.update(request_timeout=_RUN_OWNS["timeout"], stop_sequences=_RUN_OWNS["stop"],
                  model_name=_RUN_OWNS["model"])
 
+# LangChain's and LangGraph's ways of sending a model request again, for the refusal of a
+# request the Run stopped.
+_RETRIES = ("ModelRetryMiddleware, ModelFallbackMiddleware, .with_retry(), a LangGraph "
+            "RetryPolicy")
+
 
 def _stateful(name: str) -> InvalidArgument:
     return InvalidArgument(
@@ -420,7 +425,7 @@ class LedgerChatModel(BaseChatModel):
         super().__init__(run=run, **kwargs)
         self._link = RunLink(run, who="LedgerChatModel", route=self.route,
                              tool_data_class=self.tool_data_class,
-                             document_data_class=self.document_data_class)
+                             document_data_class=self.document_data_class, retries=_RETRIES)
         if self.profile is None:
             # Tools yes; provider-native structured output no (each protocol asks for it its
             # own way, and a Run may fail over to another): create_agent uses ToolStrategy.

@@ -97,7 +97,38 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess by test
 _STATE_FIX = ("a ledger Run sends the whole input on every request, so that a failover can "
               "send it to another route; keep the conversation in the input (or an SDK "
               "Session) instead")
+# The SDK's ways of sending a model request again, for the refusal of a request the Run
+# stopped (its runner's own retries are ModelSettings.retry's, refused as soon as asked).
+_RETRIES = ("a loop or retry decorator, such as tenacity's @retry, that calls Runner.run again "
+            "with the same input; ModelSettings(retry=...)")
 _DONE = object()  # the end of a streamed turn's events
+
+
+def _chained(previous_response_id: str, input: Any) -> InvalidArgument:
+    """The refusal of a request chained to an earlier response, naming the host's setting.
+
+    ``Runner.run(..., previous_response_id=...)`` reaches the run's first model call, with the
+    host's input. ``auto_previous_response_id=True`` reaches no model before the run's second
+    call (the SDK's runner keeps it to itself until then), which carries the first response's
+    id and only the items since it (tool outputs, never a message).
+    """
+    def kind(item: Any) -> Any:
+        return (item.get("type") if isinstance(item, dict) else getattr(item, "type", None)) \
+            or "message"
+
+    if isinstance(input, str) or any(kind(i) == "message" for i in input):
+        return InvalidArgument(
+            "Runner.run(..., previous_response_id=...) asks the provider to hold the "
+            f"conversation. Remove previous_response_id: {_STATE_FIX}",
+            field="previous_response_id")
+    return InvalidArgument(
+        "Runner.run(..., auto_previous_response_id=True) chains each model call of a run after "
+        "the first to the previous response, which the provider would have to hold (this "
+        f"call carries previous_response_id {previous_response_id!r} and only the items since "
+        "it). The SDK tells a model nothing of it before the run's second call, so the run's "
+        "first model call was served and its tools ran. Remove auto_previous_response_id (and "
+        f"any previous_response_id) from Runner.run: {_STATE_FIX}",
+        field="auto_previous_response_id")
 
 
 def _plain(item: Any) -> dict[str, Any]:
@@ -400,7 +431,8 @@ class LedgerAgentModel(Model):
                  document_data_class: str = USER_INPUT) -> None:
         self.link = RunLink(run, who="LedgerAgentModel", route=route,
                             tool_data_class=tool_data_class,
-                            document_data_class=document_data_class, need_async=True)
+                            document_data_class=document_data_class, need_async=True,
+                            retries=_RETRIES)
         self.run = run
 
     def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
@@ -422,14 +454,19 @@ class LedgerAgentModel(Model):
                 state, SDK retries), or input it cannot send (the field names it).
         """
         link = self.link
-        for name, value in (("previous_response_id", previous_response_id),
-                            ("conversation_id", conversation_id)):
-            if value:
-                raise InvalidArgument(f"{name} asks the provider to hold the conversation; "
-                                      f"{_STATE_FIX}", field=name)
+        if previous_response_id:
+            raise _chained(previous_response_id, input)
+        if conversation_id:
+            raise InvalidArgument(f"conversation_id asks the provider to hold the conversation; "
+                                  f"{_STATE_FIX}", field="conversation_id")
         if prompt is not None:
-            raise InvalidArgument(f"a stored prompt (Agent.prompt) lives at one provider; "
-                                  f"{_STATE_FIX}", field="prompt")
+            stored = prompt.get("id") if isinstance(prompt, dict) else None
+            raise InvalidArgument(
+                f"a stored prompt (Agent(prompt=...){f', id {stored!r}' if stored else ''}) "
+                "lives at one provider, and a ledger Run may fail over to another route: put "
+                "the prompt's text in Agent(instructions=...) instead (a string, or a function "
+                "of the run context and the agent that returns it, for the prompt's variables)",
+                field="prompt")
         retry = model_settings.retry
         if retry is not None and (retry.max_retries or 0) > 0:
             raise InvalidArgument(
@@ -438,8 +475,12 @@ class LedgerAgentModel(Model):
                 "within its budget. Remove retry (or set max_retries=0)",
                 field="model_settings.retry")
         if model_settings.store:
-            raise InvalidArgument(f"store=True asks the provider to keep the response; "
-                                  f"{_STATE_FIX}", field="model_settings.store")
+            raise InvalidArgument(
+                "ModelSettings(store=True) asks the provider to keep the response, and a "
+                "ledger Run keeps no response at a provider (it sends store: false: the "
+                "conversation is the input, which a failover sends to another route). Remove "
+                "store=True from the agent's model_settings and the RunConfig's (or set "
+                "store=False)", field="model_settings.store")
         parts: list[Part] = []
         if system_instructions:
             parts.append(Part(role="system", content=system_instructions, data_class=SYSTEM))

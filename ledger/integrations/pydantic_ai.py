@@ -430,7 +430,8 @@ class LedgerModel(Model):
         # The check the integrations make before a turn (RunLink.guard): a request sent
         # without a receipt (by an earlier executor, or by this session) is never sent again.
         # A request the Run stopped may be asked again here (pydantic-ai retries no model call
-        # by itself), so its stop is not remembered as LangChain's and the Agents SDK's are.
+        # by itself), so the link has no ``retries``: the stop is not remembered as LangChain's
+        # and the Agents SDK's are.
         self._link = RunLink(run, who="LedgerModel", tool_data_class=tool_data_class,
                              document_data_class=document_data_class, need_async=True)
         self._model_name = model_name

@@ -423,6 +423,36 @@ def test_retry_advice_maps_the_ledgers_facts_and_sdk_retries_are_refused(
     asyncio.run(main())
 
 
+# Another framework's retry mechanisms, which an Agents SDK user has none of.
+OTHER_RETRIES = ("ModelRetryMiddleware", "ModelFallbackMiddleware", "with_retry", "LangGraph",
+                 "RetryPolicy", "LangChain")
+
+
+def test_a_stopped_request_sent_again_is_refused_naming_the_sdks_own_retries_only(
+        db_url: str, fake: FakeProvider) -> None:
+    fake.set_default(Fault.UNAVAILABLE)
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("again", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            agent = Agent(name="plain")
+            with pytest.raises(FailoverExhausted):
+                await Runner.run(agent, "Anyone?", run_config=config(run))
+            sent = len(fake.requests)
+            # The host's retry around Runner.run: the very request, refused, nothing sent.
+            with pytest.raises(InvalidArgument) as ei:
+                await Runner.run(agent, "Anyone?", run_config=config(run))
+            message = str(ei.value)
+            assert ei.value.field == "retry" and isinstance(ei.value.__cause__,
+                                                            FailoverExhausted)
+            assert "calls Runner.run again with the same input" in message
+            assert "ModelSettings(retry=...)" in message
+            assert [m for m in OTHER_RETRIES if m in message] == []
+            assert len(fake.requests) == sent
+
+    asyncio.run(main())
+
+
 # -- history the Run did not produce -------------------------------------------------------------
 
 
@@ -656,10 +686,22 @@ def test_misuse_is_refused_with_the_fix_and_records_nothing(
                     with pytest.raises(InvalidArgument) as ei:
                         await Runner.run(plain, "Hi", run_config=config(run), **kw)
                     assert ei.value.field == field and "failover" in str(ei.value)
+                    assert "keep the conversation in the input" in str(ei.value)
+                    assert "auto_previous_response_id" not in str(ei.value)
+                # Each refusal gives its own fix: store is dropped, a stored prompt's text
+                # goes in the instructions (the conversation is not what they are about).
                 with pytest.raises(InvalidArgument) as ei:
                     await Runner.run(Agent(name="s", model_settings=ModelSettings(store=True)),
                                      "Hi", run_config=config(run))
                 assert ei.value.field == "model_settings.store"
+                assert "Remove store=True" in str(ei.value) and "store=False" in str(ei.value)
+                assert "keep the conversation" not in str(ei.value)
+                with pytest.raises(InvalidArgument) as ei:
+                    await Runner.run(Agent(name="p", prompt={"id": "pmpt_1", "version": "2"}),
+                                     "Hi", run_config=config(run))
+                assert ei.value.field == "prompt" and "'pmpt_1'" in str(ei.value)
+                assert "Agent(instructions=...)" in str(ei.value)
+                assert "keep the conversation" not in str(ei.value)
                 with pytest.raises(InvalidArgument) as ei:
                     await Runner.run(Agent(name="w", tools=[WebSearchTool()]), "Hi",
                                      run_config=config(run))
@@ -680,6 +722,45 @@ def test_misuse_is_refused_with_the_fix_and_records_nothing(
 
     asyncio.run(main())
     assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_auto_previous_response_id_is_refused_naming_it_before_the_chained_call_is_sent(
+        db_url: str, fake: FakeProvider, streamed: bool) -> None:
+    # The SDK tells a model nothing of auto_previous_response_id before a run's second call
+    # (that call carries the first response's id): the first call is served, its tool runs,
+    # and nothing of the chained call is sent or recorded.
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})), model="primary-model")
+    searched.clear()
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("chained", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            agent = Agent(name="a", tools=[search])
+            with pytest.raises(InvalidArgument) as ei:
+                if streamed:
+                    result = Runner.run_streamed(agent, "Compare the two filings.",
+                                                 run_config=config(run),
+                                                 auto_previous_response_id=True)
+                    async for _event in result.stream_events():
+                        pass
+                else:
+                    await Runner.run(agent, "Compare the two filings.", run_config=config(run),
+                                     auto_previous_response_id=True)
+            message = str(ei.value)
+            assert ei.value.field == "auto_previous_response_id"
+            assert "Remove auto_previous_response_id" in message
+            assert "keep the conversation in the input (or an SDK Session)" in message
+            assert "first model call was served and its tools ran" in message
+            timeline = await led.timeline("chained")
+            assert len(timeline) == 1 and f"{timeline[0].attempt_id!r}" in message
+            assert len(fake.requests) == 1 and searched == ["10-K"]
+            # A run of one model call is never chained: it is served, nothing refused.
+            answered = await Runner.run(Agent(name="b"), "Hi", run_config=config(run),
+                                        auto_previous_response_id=True)
+            assert answered.final_output == FULL_TEXT and len(fake.requests) == 2
+
+    asyncio.run(main())
 
 
 # -- a crash and the resume in another process ----------------------------------------------------
