@@ -34,7 +34,9 @@ The SDK's runner and the ledger never both retry: ``ModelSettings(retry=...)`` w
 refused, a request the Run stopped is not sent again, and :meth:`LedgerAgentModel.get_retry_advice`
 tells the SDK what the ledger knows (a stop is no retry; an Attempt whose outcome is unknown is
 ``replay_safety="unsafe"``). ``previous_response_id``, ``conversation_id`` and stored prompts are
-refused: a failover must resend the whole input.
+refused: a failover must resend the whole input. ``auto_previous_response_id=True`` is refused at
+the run's second model call, the first the SDK tells a model of it (the first call is served and
+its tools run).
 
 Needs the ``openai-agents`` extra (``pip install 'failover-ledger[openai-agents]'``).
 """
