@@ -1,8 +1,8 @@
 """What the framework integrations share: a Run session seen the same way, sync or async.
 
-Both integrations (LangChain/LangGraph, the OpenAI Agents SDK) turn a framework's model call
-into one turn of the Run a ``with led.run(...)`` block holds. Around that turn they need the
-same few things, written once here:
+The integrations (LangChain/LangGraph, the OpenAI Agents SDK, pydantic-ai) turn a framework's
+model call into one turn of the Run a ``with led.run(...)`` block holds. Around that turn they
+need the same few things, written once here:
 
 - the session checked open, with an error that names the fix when it is not (a middleware or
   a model used outside its Run's block);
