@@ -630,6 +630,9 @@ def _costs(args: argparse.Namespace) -> int:
         raise InvalidArgument("--every splits the budgets of --by tenant or --by label; pass "
                               "one of those", field="every")
     every = None if args.every is None else _span(args.every, "every")
+    if every is not None and not every >= 60:
+        raise InvalidArgument(f"--every {args.every!r} is too fine: pass at least 1m (1d: UTC "
+                              "days)", field="every")
     audit = _audit(args)
     try:
         since, until = _range(args, audit.now())

@@ -717,3 +717,11 @@ def test_a_time_flag_outside_what_the_ledger_holds_is_refused_in_the_flags_words
         assert res.returncode == 2 and res.stdout == "", text
         assert len(res.stderr.splitlines()) == 1, text
         assert f"--since '{text}'" in res.stderr and "clock.now()" not in res.stderr, text
+
+
+def test_costs_every_is_refused_in_the_flags_words(sqlite_url: str) -> None:
+    """--every below a minute is refused naming the flag (the library's words are every=)."""
+    res = cli("--db", sqlite_url, "costs", "--by", "tenant", "--every", "10s", *SINCE)
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.splitlines()) == 1 and "--every '10s' is too fine" in res.stderr
+    assert "every=" not in res.stderr
