@@ -112,9 +112,24 @@ _SQLITE_SCHEMA_MISSING = re.compile(r"(?:no such (?:table|column)|table \S+ has 
 _PG_SETUP_STATES = {"3D000": "database_missing", "28P01": "auth_failed"}
 
 
+# libpq's account of a multi-host connection string that no host answered: a line per host
+# tried after this one. Its first line is only the last host's failure.
+_EVERY_HOST = "Multiple connection attempts failed. All failures were:"
+_HOST_TRIED = re.compile(r"^- host: '(?P<host>[^']*)', port: '(?P<port>[^']*)'[^:]*: "
+                         r"(?:.*? port \d+ failed: )?(?P<why>.*)$")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    lines = text.splitlines()
+    if _EVERY_HOST in lines:
+        tried = [m for m in map(_HOST_TRIED.match, lines[lines.index(_EVERY_HOST) + 1:]) if m]
+        if tried:
+            return "no host answered: " + "; ".join(
+                f"{m['host']}:{m['port']} ({m['why'].strip()})" for m in tried)
+    return lines[0]
 
 
 def _unavailable(text: str, where: str) -> DatabaseUnavailable:

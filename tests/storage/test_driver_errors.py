@@ -164,6 +164,18 @@ def test_an_unreachable_database_is_database_unavailable_on_every_face(unreachab
         led.close()
 
 
+def test_a_multi_host_url_no_host_answers_names_every_host_and_why() -> None:
+    # libpq tries each host in turn; its error's first line is only the last one's failure,
+    # so an operator whose first host is the one misconfigured was never told of it.
+    first, second = free_port(), free_port()
+    url = f"postgresql+psycopg://nobody:secret@127.0.0.1:{first},127.0.0.1:{second}/x"
+    err = mapped(lambda: Ledger.open(url), DatabaseUnavailable)
+    text = str(err)
+    assert f"127.0.0.1:{first} (Connection refused)" in text, text
+    assert f"127.0.0.1:{second} (Connection refused)" in text, text
+    assert "secret" not in text
+
+
 def test_a_sqlite_file_in_a_missing_folder_is_refused_before_the_driver(tmp_path: Path) -> None:
     # The ledger checks the folder itself (SQLite would create the file anywhere it can), so
     # this one carries no driver error: there was none. Retrying cannot create the folder: a
