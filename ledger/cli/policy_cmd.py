@@ -1,5 +1,5 @@
-"""``ledger policy``: print the policy JSON schema, check a policy file, show a resolved policy,
-export a preset's file to start one's own from."""
+"""``failover-ledger policy``: print the policy JSON schema, check a policy file, show a resolved
+policy, export a preset's file to start one's own from."""
 
 from __future__ import annotations
 

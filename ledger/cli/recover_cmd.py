@@ -47,6 +47,7 @@ def register(subparsers: Any) -> None:
                    "live executor holds, under a fresh fence, with a close event")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--progress", action="store_true", help="show progress even when piped")
+    p.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
     p.set_defaults(func=_recover)
 
     att = subparsers.add_parser("attempt", help=f"one attempt: {PROG} attempt settle ID ...")
@@ -81,6 +82,7 @@ def register(subparsers: Any) -> None:
 
     c = subparsers.add_parser("reconcile", help="check every stored invariant over the ledger")
     c.add_argument("--json", action="store_true", help="print the figures as JSON")
+    c.add_argument("--db", default=argparse.SUPPRESS, help="database URL or SQLite path")
     c.set_defaults(func=_reconcile)
 
 

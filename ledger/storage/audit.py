@@ -129,7 +129,8 @@ def parse_cursor(cursor: str | None) -> tuple[float, str] | None:
         raise _bad_cursor(cursor) from None
     # NaN and infinity are no row's time, and the backends order them differently (NaN
     # after every number on PostgreSQL, as NULL on SQLite): refused, so both answer alike.
-    if not math.isfinite(ts):
+    if not math.isfinite(ts) or not last_id:
+        # No row has an empty id: "1|" read as a cursor past every row, an empty page.
         raise _bad_cursor(cursor)
     return ts, last_id
 

@@ -128,7 +128,49 @@ def parse(url: str) -> tuple[str, URL]:
             "postgresql+psycopg://",
             field="url",
         )
+    if name == "sqlite":
+        _sqlite_url(parsed, where)
     return norm, parsed
+
+
+#: The one option of a SQLite URL the ledger takes (:func:`sqlite_busy_timeout`).
+SQLITE_OPTIONS = frozenset({"timeout"})
+SQLITE_URL_FORMS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or a plain file path"
+
+
+def _sqlite_url(parsed: URL, where: str) -> None:
+    """Refuse what SQLAlchemy would fail on, or drop, in a SQLite URL, before anything opens.
+
+    SQLAlchemy raises its own ArgumentError for a user, password, host or port (a
+    ``sqlite://host/x.db`` with two slashes), an ImportError for an async driver, and only
+    warns of an option SQLite does not take, which it then ignores. SQLite's URI options
+    (and ``uri``) pass here: :func:`sqlite_not_a_file` and :func:`sqlite_file` name them.
+    """
+    driver = parsed.get_driver_name()
+    if driver != "pysqlite":
+        raise InvalidArgument(
+            f"database URL {where!r}: unsupported SQLite driver {driver!r}; the ledger opens "
+            "SQLite through Python's sqlite3 module: write sqlite:///PATH (or "
+            "sqlite+pysqlite:///PATH)", field="url")
+    authority = [name for name, value in (("user", parsed.username), ("password",
+                 parsed.password), ("host", parsed.host), ("port", parsed.port)) if value]
+    if authority:
+        raise InvalidArgument(
+            f"database URL {where!r} gives a SQLite file a {' and a '.join(authority)}, "
+            "which a file has none of (two slashes after 'sqlite:' begin a host); write "
+            f"{SQLITE_URL_FORMS}", field="url")
+    for key, value in parsed.query.items():
+        if key in SQLITE_OPTIONS:
+            if not isinstance(value, str):
+                # SQLAlchemy keeps every value; which one would hold is no one's guess.
+                raise InvalidArgument(
+                    f"database URL {where!r} gives the SQLite option {key!r} "
+                    f"{len(value)} times; give it once", field="url")
+        elif key.casefold() not in SQLITE_URI_OPTIONS and key.casefold() != "uri":
+            raise InvalidArgument(
+                f"database URL {where!r} gives the option {key!r}, which a SQLite ledger "
+                "does not take; drop it (timeout=SECONDS is the one option it takes)",
+                field="url")
 
 
 def database_name(parsed: URL) -> str | None:
@@ -196,6 +238,16 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             "sqlite:///path/to/ledger.db",
             field="url",
         )
+    uri = sorted(k for k in parsed.query if k.casefold() == "uri")
+    if uri:
+        # Alone it changes nothing SQLite reads (a plain path is no URI filename), and the
+        # ledger takes no option it would not honour on every connection.
+        raise InvalidArgument(
+            f"url {norm!r} gives the SQLite URI option {uri[0]}, which the ledger's own "
+            "connections do not take (they open the file as named); drop it from the URL "
+            "(timeout=SECONDS is the one option it takes)",
+            field="url",
+        )
     parent = os.path.dirname(os.path.abspath(db))
     if not os.path.isdir(parent):
         # Retrying cannot create a folder: a set-up problem, not an unavailable database.
@@ -204,14 +256,7 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             "create it (mkdir -p) or choose another path; retrying will not help",
             url=redact_url(norm), problem="folder_missing", database=db, role=None,
         )
-    if os.path.isdir(db):
-        # SQLite says only "unable to open database file", which read as an outage.
-        raise DatabaseSetupError(
-            f"cannot open SQLite database {db!r}: it is a directory, not a file; name a file "
-            f"inside it (e.g. {os.path.join(db, 'ledger.db')!r}) or another path; retrying will "
-            "not help",
-            url=redact_url(norm), problem="not_a_file", database=db, role=None,
-        )
+    _refuse_directory(norm, db)
     # SQLite makes the file there, and in WAL mode its -wal and -shm files beside it (they go
     # when the last connection closes): without the right to, it says only "unable to open
     # database file", or blames the file.
@@ -226,6 +271,19 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             url=redact_url(norm), problem="folder_read_only", database=db, role=None,
         )
     return db
+
+
+def _refuse_directory(norm: str, db: str) -> None:
+    """Refuse a SQLite "file" that is a directory: a set-up problem, not an outage."""
+    if os.path.isdir(db):
+        # SQLite says only "unable to open database file" (or "disk I/O error"), which read
+        # as an outage, and a wrapper retried it for ever.
+        raise DatabaseSetupError(
+            f"cannot open SQLite database {db!r}: it is a directory, not a file; name a file "
+            f"inside it (e.g. {os.path.join(db, 'ledger.db')!r}) or another path; retrying will "
+            "not help",
+            url=redact_url(norm), problem="not_a_file", database=db, role=None,
+        )
 
 
 #: What a SQLite file holds (:func:`file_holds`).
@@ -245,7 +303,12 @@ def file_holds(path: str) -> Holds:
     ledger": migrating
     (:meth:`ledger.storage.sqlite.SqliteContext.refuse_foreign`), the reporting commands and the
     demo all ask it.
+
+    Raises:
+        DatabaseSetupError: ``path`` is a directory (``problem="not_a_file"``), as
+            :func:`sqlite_file` says; no retry makes it a file.
     """
+    _refuse_directory("sqlite:///" + os.path.abspath(path), path)
     try:
         if os.path.getsize(path) == 0:
             return "empty"

@@ -188,6 +188,9 @@ def hosts_to_query(norm: str, where: str) -> str:
     if "," not in hostlist:
         if hostlist.startswith("["):
             _host(hostlist, where)  # SQLAlchemy drops the brackets: check them while they show
+        elif hostlist.count(":") == 1:
+            # SQLAlchemy's own refusal of the port is Python's int() message.
+            _port(hostlist.partition(":")[2], where)
         return norm
     hosts, ports = [], []
     for entry in _split_hosts(hostlist):

@@ -725,3 +725,116 @@ def test_costs_every_is_refused_in_the_flags_words(sqlite_url: str) -> None:
     assert res.returncode == 2 and res.stdout == ""
     assert len(res.stderr.splitlines()) == 1 and "--every '10s' is too fine" in res.stderr
     assert "every=" not in res.stderr
+
+
+def test_a_directory_as_db_is_a_set_up_error_exit_2_alike_on_every_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--db /tmp`` said "database sqlite:////tmp is unavailable (disk I/O error) ... safe to
+    retry" (exit 1) from every reading command, while db init said it is a directory (exit 2):
+    a wrapper retried for ever. No retry makes a directory a file: the set-up error db init
+    gives, exit 2, from every command, and nothing is made inside the directory."""
+    from ledger.cli.ops_cmd import open_reader
+    from ledger.errors import DatabaseSetupError, DatabaseUnavailable
+
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    for db in (str(folder), f"{folder}/", f"sqlite:///{folder}"):
+        err = _same_answer_everywhere(db, capsys)
+        assert f"cannot open SQLite database {str(folder)!r}: it is a directory, not a file" \
+            in err or f"cannot open SQLite database '{folder}/'" in err, err
+        assert "retrying will not help" in err and "safe to retry" not in err, err
+        for command in (["db", "init"], ["demo"]):
+            assert main(["--db", db, *command]) == 2, command
+            assert capsys.readouterr().err == err, command
+        with pytest.raises(DatabaseSetupError) as caught:
+            open_reader(db)
+        assert not isinstance(caught.value, DatabaseUnavailable)
+        assert caught.value.fields["problem"] == "not_a_file"
+    assert list(folder.iterdir()) == []
+    # The file system's root, as a URL: read, never written.
+    assert main(["--db", "sqlite:////", "runs"]) == 2
+    assert "cannot open SQLite database '/': it is a directory" in capsys.readouterr().err
+
+
+def _every_command() -> dict[str, Any]:
+    """Every command of the parser tree (a parser that runs something), by its name."""
+    import argparse
+
+    from ledger.cli.main import build_parser
+
+    found: dict[str, Any] = {}
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        if name and parser.get_default("func") is not None:
+            found[name] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}".strip())
+
+    walk(build_parser(), "")
+    return found
+
+
+# The commands that open no database: --db means nothing to them.
+_NO_DATABASE = {"policy schema", "policy check", "policy show", "policy export"}
+
+
+def test_every_command_takes_db_after_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/audit.md: every command takes ``--db URL`` before or after the command; ``recover
+    --db X`` and ``reconcile --db X`` were "unrecognized arguments". Every command the parser
+    holds takes it (a new one cannot miss it), and it is the database used."""
+    commands = _every_command()
+    assert set(_ON_A_LEDGER) | {"db init", "demo", "generate"} | _NO_DATABASE == set(commands)
+    missing = sorted(name for name, parser in commands.items()
+                     if name not in _NO_DATABASE and "--db" not in parser._option_string_actions)
+    assert missing == []
+    db = tmp_path / "after.db"
+    assert main(["db", "init", str(db)]) == 0
+    capsys.readouterr()
+    for command in (["recover", "--json"], ["reconcile", "--json"]):
+        assert main([*command, "--db", str(db)]) == 0, command
+        assert json.loads(capsys.readouterr().out), command
+    # The global --db stays the default when the command's is not given.
+    assert main(["--db", str(db), "reconcile"]) == 0
+    capsys.readouterr()
+
+
+def test_a_cursor_without_its_id_is_malformed_exit_2_on_every_listing(
+        sqlite_url: str) -> None:
+    """``--cursor '1|'`` (a time, no id) listed an empty page, exit 0, where every other
+    malformed cursor is refused: no page hands it out, and no row has an empty id."""
+    for command in (["runs"], ["attempts"], ["failovers"]):
+        for cursor in ("1|", f"{T0!r}|"):
+            res = cli("--db", sqlite_url, *command, "--cursor", cursor, *SINCE)
+            assert res.returncode == 2 and res.stdout == "", (command, cursor, res.stdout)
+            assert res.stderr == (f"failover-ledger: error: malformed cursor {cursor!r}; pass "
+                                  "back next_cursor unchanged (none for the first page)\n")
+
+
+@pytest.mark.parametrize(("url", "fault"), [
+    ("sqlite://host/{name}", "gives a SQLite file a host"),
+    ("sqlite+aiosqlite:///{path}", "unsupported SQLite driver 'aiosqlite'"),
+    ("sqlite:///{path}?foo=1", "gives the option 'foo', which a SQLite ledger does not take"),
+    ("sqlite:///{path}?timeout=5&timeout=6", "gives the SQLite option 'timeout' 2 times"),
+])
+def test_a_sqlite_url_the_ledger_cannot_take_is_one_line_exit_2_on_every_command(
+        url: str, fault: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sqlite://host/x.db`` and ``sqlite+aiosqlite:///x.db`` ended in a traceback (exit 1),
+    ``?foo=1`` in a SQLAlchemy warning on stderr and the option ignored (exit 0), and
+    ``?timeout=5&timeout=6`` was taken: the URL's fault, one line, exit 2, from every command,
+    db init too, at a real ledger."""
+    path = tmp_path / "led.db"
+    assert main(["db", "init", str(path)]) == 0
+    capsys.readouterr()
+    before = path.read_bytes()
+    db = url.format(name=path.name, path=path)
+    err = _same_answer_everywhere(db, capsys)
+    assert fault in err and err.startswith("failover-ledger: error: database URL "), err
+    assert main(["db", "init", db]) == 2
+    assert capsys.readouterr().err == err
+    res = cli("--db", db, "runs")  # a process of its own: no warning, no traceback
+    assert (res.returncode, res.stderr) == (2, err)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["led.db"]

@@ -254,7 +254,9 @@ def test_unknown_and_unsettled_attempts(audit: Audit) -> None:
 # Cursors no listing hands out: offsets and event ids past a 64-bit integer (which SQLite
 # and PostgreSQL failed to bind, each its own way), and times that are no row's time.
 BAD_OFFSETS = ["o:99999999999999999999", "o:9223372036854775808", "o:+5", "o:1_0", "o: 5"]
-BAD_KEYSETS = ["nan|r1", "inf|r1", "-inf|r1", "1e400|r1"]
+BAD_KEYSETS = ["nan|r1", "inf|r1", "-inf|r1", "1e400|r1",
+               # A time without its id: listed an empty page as if past every row.
+               "1|", "1700000000.0|"]
 
 
 def test_a_cursor_no_page_handed_out_is_refused_naming_cursor_on_either_backend(

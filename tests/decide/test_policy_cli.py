@@ -92,3 +92,24 @@ def test_export_of_an_unknown_preset_lists_the_presets() -> None:
     r = _ledger("policy", "export", "nosuch")
     assert r.returncode == 2
     assert "goclaw" in r.stderr and "failure-domain" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_presets_and_docs_name_the_command_as_it_is_installed() -> None:
+    """The preset files (which ``policy export`` prints) said to check a copy with ``ledger
+    policy check FILE``: no such command is installed; it is ``failover-ledger``."""
+    import argparse
+    import re
+
+    from ledger.cli.common import PROG
+    from ledger.cli.main import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    named = re.compile(r"`(?:python -m )?ledger (" + "|".join(map(re.escape, commands)) + r")\b")
+    texts = [*sorted((REPO / "policies").glob("*.yaml")), *sorted((REPO / "docs").rglob("*.md")),
+             REPO / "README.md"]
+    wrong = [(p.name, m[0]) for p in texts for m in named.finditer(p.read_text("utf-8"))]
+    assert wrong == []
+    for preset in ("failure-domain", "fased", "goclaw"):
+        said = _ledger("policy", "export", preset).stdout
+        assert f"`{PROG} policy check FILE`" in said, preset

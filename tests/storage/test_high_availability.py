@@ -136,6 +136,25 @@ def test_an_unreadable_url_is_invalid_argument_naming_its_fault_before_any_looku
     assert no_name_lookup == []
 
 
+@pytest.mark.parametrize("port", ["abc", "", "0", "70000", "5x"])
+def test_a_single_hosts_bad_port_is_told_as_a_list_of_hosts_port_is(
+        port: str, no_name_lookup: list[Any]) -> None:
+    """One host's port that is not a number said Python's "(invalid literal for int() with
+    base 10: 'abc')"; a list of hosts named the port and its range. Both say the same."""
+    said = []
+    for url in (f"postgresql+psycopg://u@127.0.0.1:{port}/ledger",
+                f"postgresql+psycopg://u@127.0.0.1:{port},127.0.0.2/ledger",
+                f"postgresql+psycopg://u@[::1]:{port}/ledger"):
+        with pytest.raises(InvalidArgument) as caught:
+            Ledger.open(url)
+        assert caught.value.fields["field"] == "url"
+        said.append(str(caught.value).split(": ", 1)[1])
+        assert "int()" not in said[-1], said[-1]
+    assert len(set(said)) == 1 and said[0].startswith(
+        f"port {port!r} is not a number from 1 to 65535"), said
+    assert no_name_lookup == []
+
+
 def test_the_password_stays_out_of_the_message() -> None:
     with pytest.raises(InvalidArgument) as caught:
         Ledger.open("postgresql+psycopg://u@/db?host=a,b,c&port=1,2&password=hunter2")
