@@ -741,7 +741,7 @@ def test_a_directory_as_db_is_a_set_up_error_exit_2_alike_on_every_command(
     for db in (str(folder), f"{folder}/", f"sqlite:///{folder}"):
         err = _same_answer_everywhere(db, capsys)
         assert f"cannot open SQLite database {str(folder)!r}: it is a directory, not a file" \
-            in err or f"cannot open SQLite database '{folder}/'" in err, err
+            in err, err
         assert "retrying will not help" in err and "safe to retry" not in err, err
         for command in (["db", "init"], ["demo"]):
             assert main(["--db", db, *command]) == 2, command
