@@ -135,7 +135,7 @@ def parse(url: str) -> tuple[str, URL]:
 
 #: The one option of a SQLite URL the ledger takes (:func:`sqlite_busy_timeout`).
 SQLITE_OPTIONS = frozenset({"timeout"})
-SQLITE_URL_FORMS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or a plain file path"
+_SQLITE_URL_FORMS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or a plain file path"
 
 
 def _sqlite_url(parsed: URL, where: str) -> None:
@@ -158,7 +158,7 @@ def _sqlite_url(parsed: URL, where: str) -> None:
         raise InvalidArgument(
             f"database URL {where!r} gives a SQLite file a {' and a '.join(authority)}, "
             "which a file has none of (two slashes after 'sqlite:' begin a host); write "
-            f"{SQLITE_URL_FORMS}", field="url")
+            f"{_SQLITE_URL_FORMS}", field="url")
     for key, value in parsed.query.items():
         if key in SQLITE_OPTIONS:
             if not isinstance(value, str):
