@@ -197,14 +197,31 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
                 f"{path} holds no ledger tables: {not_a_ledger(holds)}; point --db at a "
                 f"ledger database (`{PROG} db init --db NEW.db` creates one)", norm,
                 "not_a_ledger", path)
+    if read_url is not None and norm.startswith("sqlite"):
+        # The library's own refusal names its keyword (read_url=), not the flag or variable.
+        raise InvalidArgument(
+            "--read-url (or LEDGER_READ_URL) names a read replica of a ledger on PostgreSQL; a "
+            "SQLite ledger has none (its readers open the same file): drop --read-url, or "
+            "unset LEDGER_READ_URL", field="read_url")
     led = Ledger.open(url, migrate_schema=False, read_url=read_url)
     try:
         try:
             present = AuditQueries(reads_of(led).context).schema_present()
-        except DatabaseSetupError:
-            if read_url is not None:
-                _primary_first(led, url)
-            raise
+        except DatabaseSetupError as e:
+            if read_url is None:
+                raise
+            _primary_first(led, url)
+            # The primary holds the ledger: the replica is the one to fix, not with db init.
+            where = redact_url(normalize_url(read_url))
+            problem = str(e.fields.get("problem") or "")
+            # The library's message goes on to offer createdb and db init, which make a
+            # database where the replica should be one.
+            fact = (f"database {e.fields.get('database')!r} does not exist there"
+                    if problem == "database_missing" else str(e).split(";")[0])
+            raise _no_ledger(
+                f"the read replica {where} (--read-url or LEDGER_READ_URL) cannot be read: "
+                f"{fact}; point --read-url at a replica of the ledger's database", where,
+                problem or "database_missing", e.fields.get("database")) from e
         if not present:
             if read_url is None:
                 raise _no_tables(url)

@@ -405,6 +405,11 @@ def test_with_a_read_url_the_primarys_missing_ledger_is_told_before_the_replicas
     err = told(pg_url, pg_empty_url)
     assert "holds no ledger tables; point --read-url at a replica of the ledger's database" \
         in err, err
+    # A replica database that does not exist: the fix is --read-url, not createdb or db init
+    # (which the library's message offers for a database it was asked to open).
+    err = told(pg_url, replica_absent)
+    assert "the read replica" in err and "point --read-url at a replica" in err, err
+    assert "createdb" not in err and "db init" not in err, err
     # A replica holding the ledger is read whatever --db is: nothing connects to it.
     assert main(["--db", away, "--read-url", pg_url, "runs"]) == 0
     assert capsys.readouterr().err == ""
@@ -838,3 +843,11 @@ def test_a_sqlite_url_the_ledger_cannot_take_is_one_line_exit_2_on_every_command
     assert (res.returncode, res.stderr) == (2, err)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["led.db"]
+
+
+def test_a_read_url_for_a_sqlite_ledger_is_refused_naming_the_flag(sqlite_url: str) -> None:
+    """A SQLite ledger has no read replica: --read-url (or LEDGER_READ_URL) is refused naming
+    them, not the library's read_url= keyword."""
+    res = cli("--db", sqlite_url, "--read-url", sqlite_url, "runs", *SINCE)
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.splitlines()) == 1 and "drop --read-url" in res.stderr, res.stderr
