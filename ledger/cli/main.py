@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from ledger import __version__
 from ledger.cli.common import PROG
-from ledger.errors import ConfigError, LedgerError, SchemaTooNew
+from ledger.errors import ConfigError, InvalidArgument, LedgerError, SchemaTooNew
 
 DEFAULT_DB = "ledger.db"
 
@@ -121,6 +121,22 @@ def _signed_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# The library's argument names that a command's flag spells otherwise.
+_FLAG_OF = {"lease_ttl_s": "ttl"}
+
+
+def _in_flag_words(e: Exception, args: argparse.Namespace) -> str:
+    """The error as the command line reads it: the library's ``invalid lease_ttl_s: ...``
+    of a value the command passed from a flag says ``--ttl ...``."""
+    text = str(e)
+    field = getattr(e, "field", None)
+    if isinstance(e, InvalidArgument) and field and text.startswith(f"invalid {field}: "):
+        dest = _FLAG_OF.get(field, field)
+        if dest in vars(args):
+            return f"--{dest.replace('_', '-')} {text[len(f'invalid {field}: '):]}"
+    return text
+
+
 def _command(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(_signed_values(sys.argv[1:] if argv is None else argv))
@@ -139,7 +155,7 @@ def _command(argv: Sequence[str] | None) -> int:
     except (ConfigError, SchemaTooNew) as e:
         # A schema newer than the package is a set-up problem like an older one (exit 2, not
         # 1 as for a server away): retrying will not help, upgrading the package will.
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {_in_flag_words(e, args)}", file=sys.stderr)
         return 2
     except LedgerError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

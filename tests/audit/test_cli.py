@@ -851,3 +851,16 @@ def test_a_read_url_for_a_sqlite_ledger_is_refused_naming_the_flag(sqlite_url: s
     res = cli("--db", sqlite_url, "--read-url", sqlite_url, "runs", *SINCE)
     assert res.returncode == 2 and res.stdout == ""
     assert len(res.stderr.splitlines()) == 1 and "drop --read-url" in res.stderr, res.stderr
+
+
+def test_a_bad_flag_value_is_told_by_the_flag_not_the_librarys_argument(sqlite_url: str
+                                                                         ) -> None:
+    """The library's ``invalid lease_ttl_s: ...`` of a value the command passed from --ttl
+    reads ``--ttl ...`` on the command line."""
+    for args, said in ((["recover", "--ttl", "0"], "--ttl is not a usable duration"),
+                       (["recover", "--batch", "0"], "--batch is out of range"),
+                       (["runs", "--limit", "0"], "--limit is out of range")):
+        res = cli("--db", sqlite_url, *args)
+        assert res.returncode == 2 and res.stdout == "", args
+        assert len(res.stderr.splitlines()) == 1 and said in res.stderr, (args, res.stderr)
+        assert "invalid " not in res.stderr and "lease_ttl_s" not in res.stderr, args

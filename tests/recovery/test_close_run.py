@@ -289,7 +289,7 @@ def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixtur
     why = ["--reason", "nobody resumes it"]
     assert main(["--db", db_url, "run", "close", "r1", "--status", "running", *why]) == 2
     err = capsys.readouterr().err
-    assert "invalid status: is not one of the choices (got 'running')" in err
+    assert "--status is not one of the choices (got 'running')" in err
     assert "'failed'" in err
     assert main(["--db", db_url, "run", "close", "nope", "--status", "failed", *why]) == 1
     assert "unknown run id 'nope'" in capsys.readouterr().err

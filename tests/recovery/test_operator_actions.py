@@ -324,7 +324,7 @@ def test_health_clear_on_the_command_line(db_url: str, led: Ledger, clock: Manua
     assert usage_error(["--db", db_url, "health", "clear", "a"]) == 2  # no reason
     assert "required: --reason" in capsys.readouterr().err
     assert main(["--db", db_url, "health", "clear", "a", "--reason", " "]) == 2
-    assert "invalid reason: is empty" in capsys.readouterr().err
+    assert "--reason is empty" in capsys.readouterr().err
     assert main(["--db", db_url, "health", "clear", "nope", "--reason", "typo"]) == 1
     assert "no health is recorded for key 'nope'" in capsys.readouterr().err
     assert main(["--db", db_url, "health", "clear", "ga", "--reason", "typo"]) == 1
