@@ -908,13 +908,12 @@ def _rollup(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from ledger.api.facade import Ledger
     from ledger.clock import ManualClock
-    from ledger.tools.generate import generate
+    from ledger.tools.generate import check_window, generate
 
-    if args.attempts < 1:
-        raise InvalidArgument("--attempts must be >= 1", field="attempts")
-    if args.days <= 0:
-        raise InvalidArgument("--days must be > 0", field="days")
     end = args.end if args.end is not None else time.time()
+    # Before the ledger is opened: opening makes a new database, and an --end no other command
+    # reads (milliseconds) made PostgreSQL fail on the history's partitions after it.
+    check_window(attempts=args.attempts, days=args.days, end=end, flag="--")
     # The history's own time: generate moves it through the --days window.
     led = Ledger.open(args.db, clock=ManualClock(end))
     try:
@@ -1183,8 +1182,8 @@ def register(subparsers: Any) -> None:
                    help="attempts (default 10000: about a minute; see docs/audit.md)")
     p.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--end", type=float, default=None, help="epoch of the newest history "
-                   "(default: now)")
+    p.add_argument("--end", type=float, default=None, help="epoch seconds (not "
+                   "milliseconds) of the newest history (default: now)")
     p.add_argument("--progress", action="store_true", help="show progress even when piped")
     p.add_argument("--into-existing", action="store_true",
                    help="write into a ledger that already holds runs generate did not write "

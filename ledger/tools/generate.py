@@ -22,8 +22,11 @@ reconcile`` finds nothing to report. At the recent end a few Runs are still in f
 Attempt begun (:meth:`~ledger.Ledger.begin_attempt`) and not answered, under a lease its
 executor keeps renewed until the end of the history.
 
-Deterministic for a given seed (the Runs, their turns, what each call answers, the retry owner's
-jitter), except the ids the ledger draws itself (attempt ids). It writes through the ledger's
+Deterministic for a given seed (the Runs, their ids and turns, what each call answers, the retry
+owner's jitter), except the ids the ledger draws itself (attempt ids). Run again on a ledger that
+holds a history of the same seed, it names its Runs anew (ids derived from the seed's and the
+histories already there), so a second history adds Runs of its own and never writes into the
+first's. It writes through the ledger's
 transactions, a few per Attempt, so it is far slower than bulk loading (``docs/audit.md`` gives
 the rate); the benchmarks' bulk generator (``python -m benchmarks generate``) makes the
 millions of Attempts the audit benchmarks need.
@@ -31,6 +34,7 @@ millions of Attempts the audit benchmarks need.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import uuid
@@ -45,11 +49,13 @@ from ledger.clock import ManualClock
 from ledger.decide.effects import Dispatch, SendResult
 from ledger.decide.ending import turn_end
 from ledger.decide.preflight import CharEstimator
+from ledger.domain.bounds import MAX_TIME
 from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT, Envelope, Part
 from ledger.domain.facts import Observation, Transport, WireProtocol
 from ledger.domain.records import AttemptState, Lease, RunStatus
+from ledger.domain.timefmt import iso
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
-from ledger.errors import FailoverExhausted, InvalidArgument
+from ledger.errors import FailoverExhausted, InvalidArgument, NotFound
 from ledger.policy.load import policy_hash, preset
 from ledger.policy.model import Policy
 from ledger.storage.partitions import ensure_partitions
@@ -230,6 +236,10 @@ class _Provider:
         return SendResult.failed(obs)
 
 
+def _run_id(tag: str, i: int) -> str:
+    return f"gen-{tag}-{i:08d}"
+
+
 class _Generator:
     """Runs the Runs, one after another on the ledger's manual clock."""
 
@@ -241,7 +251,7 @@ class _Generator:
         self.in_flight_from = in_flight_from  # Runs started from then on may be in flight
         self.attempts = attempts
         self.stats = stats
-        self.tag = uuid.UUID(int=rng.getrandbits(128)).hex[:8]
+        self.tag = self._free_tag(uuid.UUID(int=rng.getrandbits(128)).hex[:8])
         self.policy = generated_policy()
         self.routes = catalog()
         self.send = _Provider(rng, clock, self.routes, stats, attempts)
@@ -255,11 +265,30 @@ class _Generator:
         self.grant = Grant(recipients={p: [USER_INPUT, MODEL_DERIVED] for p in _PROVIDERS})
         self.in_flight: list[Lease] = []
 
+    def _free_tag(self, tag: str) -> str:
+        """``tag``, or when the ledger holds Runs under it (generate ran on it with this seed
+        before), the first tag derived from it that names none: admitting the seed's Runs again
+        under their old ids met the first history's Runs, added Attempts to them and then
+        failed (the frozen content of a later Run differed)."""
+        # Every history admits its Run number 1 first, so that one tells whether a tag is used.
+        n, free = 0, tag
+        while self._taken(free):
+            n += 1
+            free = hashlib.sha256(f"{tag}/{n}".encode()).hexdigest()[:8]
+        return free
+
+    def _taken(self, tag: str) -> bool:
+        try:
+            self.led.get_run(_run_id(tag, 1))
+        except NotFound:
+            return False
+        return True
+
     def run(self, i: int) -> None:
         """Run number ``i``, admitted now; it makes at most the Attempts still asked for."""
         rng, led, stats = self.rng, self.led, self.stats
         plan = self.plans[rng.randrange(len(self.plans))]
-        run_id = f"gen-{self.tag}-{i:08d}"
+        run_id = _run_id(self.tag, i)
         led.admit_run(run_id, plan=plan, budget=_BUDGET, grant=self.grant, policy=self.policy,
                       tenant=rng.choice(_TENANTS),
                       labels={"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)})
@@ -324,6 +353,34 @@ class _Generator:
         st.events += len(self.led.events(run_id))
 
 
+def check_window(*, attempts: int, days: float, end: float, flag: str = "") -> None:
+    """Refuse what :func:`generate` cannot write as a history every command can read.
+
+    ``end`` is a time as every other command takes one (epoch seconds in ``[0, MAX_TIME)``), and
+    the history's start, ``days`` before it, no earlier than 1970: past those bounds SQLite took
+    a history no command could reach (``--end`` in milliseconds wrote year 58901) and
+    PostgreSQL failed on the months' partitions after the ledger was opened. ``flag`` prefixes
+    the names in the messages (``"--"`` for the command line's options).
+
+    Raises:
+        InvalidArgument: naming ``attempts``, ``days`` or ``end`` and the fix.
+    """
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise InvalidArgument(f"{flag}attempts must be an integer >= 1", field="attempts")
+    if isinstance(end, bool) or not isinstance(end, int | float) or not 0 <= end < MAX_TIME:
+        raise InvalidArgument(
+            f"{flag}end {end!r} is not a time the ledger reads: pass seconds since 1970, not "
+            f"milliseconds, from 0 to below {MAX_TIME:g} (e.g. {flag}end 1796000000)",
+            field="end")
+    if isinstance(days, bool) or not isinstance(days, int | float) or not 0 < days < math.inf:
+        raise InvalidArgument(f"{flag}days must be a number of days > 0", field="days")
+    if days * 86400.0 > end:
+        raise InvalidArgument(
+            f"{flag}days {days:g} reaches back before 1970 from {flag}end ({iso(end)}): pass "
+            f"at most {math.floor(end / 864.0) / 100} days, or a later {flag}end",
+            field="days")
+
+
 def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed: int = 1,
              progress: Progress | None = None) -> GenStats:
     """Write exactly ``attempts`` Attempts of history, in Runs admitted over the ``days`` days
@@ -333,8 +390,9 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
         led: A ledger opened with a :class:`~ledger.clock.ManualClock`
             (``Ledger.open(url, clock=ManualClock())``); generating moves that clock.
         attempts: How many Attempts to write (at least 1).
-        days: The span of the history (above 0).
-        end: The end of the history, in epoch seconds.
+        days: The span of the history (above 0; it starts in 1970 or later).
+        end: The end of the history, in epoch seconds (below
+            :data:`~ledger.domain.bounds.MAX_TIME`, as every time the ledger reads).
         seed: Makes the history reproducible.
         progress: Called with (Attempts written, ``attempts``) after each Run.
 
@@ -349,12 +407,7 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     if not isinstance(clock, ManualClock):
         raise InvalidArgument("generate moves the ledger's clock through the history: open "
                               "the ledger with clock=ManualClock()", field="ledger")
-    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        raise InvalidArgument("attempts must be an integer >= 1", field="attempts")
-    if isinstance(days, bool) or not isinstance(days, int | float) or not 0 < days < math.inf:
-        raise InvalidArgument("days must be a number of days > 0", field="days")
-    if isinstance(end, bool) or not isinstance(end, int | float) or not math.isfinite(end):
-        raise InvalidArgument("end must be finite epoch seconds", field="end")
+    check_window(attempts=attempts, days=days, end=end)
     rng = random.Random(seed)
     span = days * 86400.0
     stats = GenStats(since=end - span, until=end)
@@ -389,4 +442,5 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     return stats
 
 
-__all__ = ["GenStats", "catalog", "generate", "generated_policy", "generated_policy_hash"]
+__all__ = ["GenStats", "catalog", "check_window", "generate", "generated_policy",
+           "generated_policy_hash"]

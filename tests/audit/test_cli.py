@@ -481,6 +481,47 @@ def test_generate_refuses_a_ledger_holding_real_runs(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    # Milliseconds, an easy slip: SQLite wrote a history in year 58901 that no command reaches,
+    # PostgreSQL failed with a traceback on the year's partition.
+    (["--end", "1796583592939"], "--end 1796583592939.0 is not a time the ledger reads: pass "
+                                 "seconds since 1970, not milliseconds"),
+    (["--end", "1e20", "--into-existing"], "--end 1e+20 is not a time the ledger reads"),
+    (["--end", "nan"], "--end nan is not a time the ledger reads"),
+    (["--days", "1e20", "--end", str(T0)], "--days 1e+20 reaches back before 1970 from --end "
+                                           "(2023-11-14T22:13:20Z): pass at most"),
+    (["--attempts", "0"], "--attempts must be an integer >= 1")])
+def test_generate_refuses_times_no_other_command_reads_alike_on_both_backends_writing_nothing(
+        db_url: str, capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    assert main(["--db", db_url, "generate", "--attempts", "5", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.splitlines()) == 1, err
+    if "://" not in db_url:
+        assert not os.path.exists(db_url)  # refused before the ledger was made
+        return
+    assert main(["--db", db_url, "runs", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["items"] == []
+
+
+def test_generate_again_with_its_seed_adds_a_history_and_leaves_the_first_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The second run admitted the first history's Runs again (their ids came from the seed),
+    added 14 Attempts to them and failed (exit 1) on the first Run whose content differed."""
+    db = str(tmp_path / "g.db")
+    made = ["--db", db, "generate", "--attempts", "50", "--days", "1", "--end", str(T0),
+            "--json"]
+    assert main(made) == 0
+    first = {r["run_id"]: r for r in json.loads(ok("--db", db, "runs", "--json", "--limit",
+                                                   "500"))["items"]}
+    capsys.readouterr()
+    assert main(made) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["attempts"] == 50
+    runs = json.loads(ok("--db", db, "runs", "--json", "--limit", "500"))["items"]
+    assert {r["run_id"]: r for r in runs if r["run_id"] in first} == first
+    books = json.loads(ok("--db", db, "reconcile", "--json"))
+    assert books["attempts"] == 100 and books["violations"] == []
+
+
 def _on_a_terminal(*args: str, module: str = "ledger.cli.main") -> tuple[int, str, str]:
     """Run the command with stderr on a pseudo-terminal (as a person's shell has it)."""
     import pty

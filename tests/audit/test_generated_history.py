@@ -174,6 +174,48 @@ def test_generate_needs_a_manual_clock_and_writes_nothing_without_one(tmp_path: 
         assert Audit(led).runs().items == []
 
 
+def _history(led: Ledger) -> dict[str, list[tuple[str, str, str, int, str | None]]]:
+    """Per Run, its Attempts as the ledger holds them."""
+    return {run.run_id: [(a.attempt_id, a.turn_id, a.state.value, a.seq, a.debit_state.value
+                          if a.debit_state else None) for a in led.timeline(run.run_id)]
+            for run in Audit(led).runs(limit=500).items}
+
+
+def test_a_second_history_of_the_same_seed_never_touches_the_first_ones_runs(
+        db_url: str) -> None:
+    """Run ids came from the seed alone: generating again on the same ledger admitted the
+    first history's Runs again, added Attempts to them, then failed half-way."""
+    with Ledger.open(db_url, clock=ManualClock(END)) as led:
+        assert generate(led, attempts=60, days=0.5, end=END, seed=11).attempts == 60
+        first = _history(led)
+        for _ in range(2):  # a third one finds both ids taken
+            assert generate(led, attempts=60, days=0.5, end=END, seed=11).attempts == 60
+        after = _history(led)
+        assert {r: after[r] for r in first} == first
+        # Each history its own Runs (how many depends on the health the earlier ones left).
+        assert len({r.rsplit("-", 1)[0] for r in after}) == 3
+        assert sum(map(len, after.values())) == 180
+        books = reconcile(led)
+        assert books.attempts == 180 and books.violations == [] and books.ok
+
+
+@pytest.mark.parametrize(("kw", "field", "says"), [
+    ({"end": 1_796_583_592_939}, "end", "not milliseconds"),  # milliseconds: year 58901
+    ({"end": 1e20}, "end", "below 1e+11"),
+    ({"end": -1.0}, "end", "seconds since 1970"),
+    ({"end": float("nan")}, "end", "seconds since 1970"),
+    ({"days": 1e20}, "days", "before 1970"),
+    ({"days": 30_000, "end": 1e9}, "days", "at most 11574.07 days"),
+])
+def test_generate_refuses_a_history_outside_the_times_the_ledger_reads_and_writes_nothing(
+        db_url: str, kw: dict[str, Any], field: str, says: str) -> None:
+    with Ledger.open(db_url, clock=ManualClock(END)) as led:
+        with pytest.raises(InvalidArgument) as e:
+            generate(led, **{"attempts": 10, "days": 1, "end": END, **kw})
+        assert e.value.field == field and says in str(e.value), str(e.value)
+        assert Audit(led).runs().items == []
+
+
 # -- the shape of what the retry owner writes ----------------------------------------------------
 
 
