@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, Un
 from pydantic import SkipValidation, StrictStr
 
 from ledger.api.arguments import (
+    MAX_RETENTION_S,
     AttemptFilters,
     AuditData,
     ClockArg,
@@ -1334,7 +1335,7 @@ class Face(Generic[SessionT, OpenedT]):
             older_than, self.clock.now, by=who, reason=reason, dry_run=dry_run)))
 
     @op
-    def roll_up(self, *, lag: Annotated[float, duration()] = 300.0,
+    def roll_up(self, *, lag: Annotated[float, duration(MAX_RETENTION_S)] = 300.0,
                 max_hours: Annotated[int, integers(1)] | None = None,
                 fold_after: Annotated[float, duration()] | None = DEFAULT_FOLD_AFTER_S
                 ) -> Flow[Rollup]:
@@ -1362,7 +1363,8 @@ class Face(Generic[SessionT, OpenedT]):
 
         Args:
             lag: How long after its end an hour is rolled up, in seconds (default 300: an
-                hour still being settled would be rolled and undone again).
+                hour still being settled would be rolled and undone again); at most 36 500
+                days, as a retention age (a longer one ends the hours to roll before 1970).
             max_hours: Roll up at most this many hours in this call (the oldest; the rest
                 are ``pending`` in the report). Default: every hour due.
             fold_after: How long after its end a day is folded, in seconds (default 8 days:
@@ -1373,8 +1375,8 @@ class Face(Generic[SessionT, OpenedT]):
             The :class:`~ledger.domain.records.Rollup` report.
 
         Raises:
-            InvalidArgument: ``lag`` or ``fold_after`` is not finite seconds from 0,
-                ``max_hours`` is not an integer of at least 1.
+            InvalidArgument: ``lag`` or ``fold_after`` is not finite seconds from 0 (``lag``
+                up to 36 500 days), ``max_hours`` is not an integer of at least 1.
 
         Example:
             >>> led.roll_up()  # doctest: +SKIP

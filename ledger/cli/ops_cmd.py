@@ -890,7 +890,15 @@ def _retention(args: argparse.Namespace) -> int:
 
 
 def _rollup(args: argparse.Namespace) -> int:
+    from ledger.api.arguments import MAX_RETENTION_S
+
     lag = _span(args.lag, "lag")
+    if lag > MAX_RETENTION_S:
+        # The hours it leaves to roll would end before 1970: a slip of the unit, told as such
+        # rather than as "ending by -1e+20 s since 1970".
+        raise InvalidArgument(f"--lag {args.lag!r} is longer than 36500 days, the longest "
+                              "age the ledger takes: pass a span such as 5m (the default), "
+                              "1h, 2d or seconds", field="lag")
     fold = None if args.fold_after == "never" else _span(args.fold_after, "fold-after")
     led = open_writer(args.db)
     try:

@@ -371,6 +371,7 @@ def test_a_rollup_of_an_empty_ledger_or_one_rolled_already_does_nothing(
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"lag": -1}, "lag"),
                                                ({"lag": float("nan")}, "lag"),
+                                               ({"lag": 1e20}, "lag"),
                                                ({"max_hours": 0}, "max_hours"),
                                                ({"max_hours": 1.5}, "max_hours"),
                                                ({"fold_after": -1}, "fold_after"),
@@ -396,6 +397,20 @@ def test_the_rollup_command_reports_what_it_did(tmp_path: Any, capsys: Any) -> N
     assert re.match(r"rolled up [01] hour\(s\)", capsys.readouterr().out)
     assert main(["rollup", "--db", db, "--lag", "soon"]) == 2
     assert "--lag 'soon' is not a span of time" in capsys.readouterr().err
+
+
+def test_a_lag_longer_than_any_history_is_refused_naming_the_flag(tmp_path: Any,
+                                                                   capsys: Any) -> None:
+    """``--lag 1e20`` rolled the hours ending by ``-1e+20 s since 1970`` and exited 0."""
+    db = str(tmp_path / "g.db")
+    generated(db, start=END - 12 * HOUR, attempts=20, days=0.5, end=END, seed=7).close()
+    for lag in ("1e20", "36501d"):
+        assert main(["rollup", "--db", db, "--lag", lag]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert f"--lag '{lag}' is longer than 36500 days" in captured.err
+    assert main(["rollup", "--db", db, "--lag", "36500d", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hours"] == 0
 
 
 def test_migration_0011_downgrade_leaves_no_trigger_behind(db_url: str) -> None:
