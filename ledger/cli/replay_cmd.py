@@ -29,12 +29,16 @@ def _latency(t: Any) -> str:
     return "-" if t.latency_s is None else f"{t.latency_s:.2f} s"
 
 
-def report_lines(rep: Any, *, examples: int = 1) -> list[str]:
-    """The report as an operator reads it (``failover-ledger replay`` prints these lines)."""
+def report_lines(rep: Any, *, examples: int = 1, run: str | None = None) -> list[str]:
+    """The report as an operator reads it (``failover-ledger replay`` prints these lines);
+    ``run`` the one Run replayed (``--run``), if one was."""
     who = ", ".join(rep.recorded) or "no readable policy"
+    # One Run's window is unbounded unless --since/--until bound it: its start is 0, which
+    # printed as an admission in 1970.
+    over = (f"over {rep.runs} runs admitted {iso(rep.since)} to {iso(rep.until)}" if run is None
+            else f"over run {run}")
     lines = [
-        f"replay of {rep.policy} ({rep.policy_hash[:19]}) over {rep.runs} runs admitted "
-        f"{iso(rep.since)} to {iso(rep.until)}, recorded under {who}",
+        f"replay of {rep.policy} ({rep.policy_hash[:19]}) {over}, recorded under {who}",
         f"{rep.decisions} decisions replayed, {rep.differing} decided differently; "
         f"{rep.check.agree} of {rep.check.decisions} recorded decisions recomputed exactly from "
         "their recorded inputs",
@@ -54,7 +58,9 @@ def report_lines(rep: Any, *, examples: int = 1) -> list[str]:
         ["runs stopped", _num(b.runs_stopped), _num(o.runs_stopped)],
     ])]
     lines.append("")
-    if not rep.findings:
+    if not rep.decisions:
+        lines.append(f"nothing was replayed: {_why_nothing(rep, run)}")
+    elif not rep.findings:
         lines.append(f"{rep.policy} decides every replayed decision as recorded")
     else:
         lines.append("differences, largest first:")
@@ -82,6 +88,25 @@ def report_lines(rep: Any, *, examples: int = 1) -> list[str]:
     return lines
 
 
+def _why_nothing(rep: Any, run: str | None) -> str:
+    """Why a report replayed no decision, so that it never reads as a policy that agrees."""
+    cov = rep.coverage
+    if not rep.runs:
+        return (f"run {run} was not admitted between --since and --until" if run is not None
+                else "no run was admitted in the window; widen it with --since and --until")
+    why = []
+    if cov.runs_without_policy:
+        why.append(f"{cov.runs_without_policy} of the {rep.runs} runs have no frozen policy "
+                   "that reads (a bulk-loaded history's marker, say): their decisions cannot "
+                   "be decided again")
+    if cov.decisions_without_inputs:
+        why.append(f"{cov.decisions_without_inputs} decisions were recorded without their "
+                   "inputs")
+    if cov.malformed:
+        why.append(f"{cov.malformed} recorded inputs do not read")
+    return "; ".join(why) or "the runs recorded no decision"
+
+
 def _replay(args: argparse.Namespace) -> int:
     from ledger.ops.audit import Audit, to_jsonable
 
@@ -100,7 +125,7 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(to_jsonable(rep), indent=2, sort_keys=True) + "\n")
         return 0
-    print("\n".join(report_lines(rep, examples=args.examples)))
+    print("\n".join(report_lines(rep, examples=args.examples, run=args.run)))
     return 0
 
 

@@ -345,6 +345,46 @@ def test_the_replay_command_prints_the_report_and_its_json(history: tuple[str, A
     assert doc["findings"][0]["examples"][0]["run_id"].startswith("auth-")
 
 
+def test_the_replay_command_names_the_one_run_it_replays_never_an_admission_in_1970(
+        history: tuple[str, Any]) -> None:
+    """With --run the window is unbounded: its start, 0, printed as "admitted
+    1970-01-01T00:00:00Z to ..."."""
+    rc, out = _cli(history[0], "replay", "--policy", "failure-domain", "--run", "auth-1")
+    assert rc == 0
+    assert out.splitlines()[0].startswith("replay of failure-domain (sha256:")
+    assert "over run auth-1, recorded under goclaw" in out.splitlines()[0]
+    assert "1970" not in out and "2 decisions replayed" in out
+
+
+def test_a_replay_of_no_decision_says_nothing_was_replayed_and_why_never_that_all_agree(
+        history: tuple[str, Any], tmp_path: Path) -> None:
+    from benchmarks.generate import generate as bulk_generate
+
+    agree = "decides every replayed decision as recorded"
+    # The bulk generator's Runs carry a marker, not a policy: none of them can be replayed.
+    bulk = str(tmp_path / "bulk.db")
+    with Ledger.open(bulk, clock=ManualClock(END)) as led:
+        runs = bulk_generate(led, attempts=30, days=1, end=END).runs
+    rc, out = _cli(bulk, "replay", "--policy", "goclaw", "--since", str(END - 86400.0),
+                   "--until", str(END + 1))
+    assert rc == 0 and "0 decisions replayed" in out and agree not in out
+    assert (f"nothing was replayed: {runs} of the {runs} runs have no frozen policy that "
+            "reads") in out
+    # A Run outside the window given, and a window without Runs.
+    rc, out = _cli(history[0], "replay", "--policy", "failure-domain", "--run", "auth-1",
+                   "--until", str(START))
+    assert rc == 0 and agree not in out
+    assert "nothing was replayed: run auth-1 was not admitted between --since and --until" in out
+    rc, out = _cli(history[0], "replay", "--policy", "failure-domain", "--since", str(NOW + 10),
+                   "--until", str(NOW + 20))
+    assert rc == 0 and agree not in out
+    assert "nothing was replayed: no run was admitted in the window" in out
+    # Where decisions were replayed, the verdict stands.
+    rc, out = _cli(history[0], "replay", "--policy", "goclaw", "--tenant", "official",
+                   "--since", str(SINCE), "--until", str(NOW))
+    assert rc == 0 and f"goclaw {agree}" in out and "nothing was replayed" not in out
+
+
 def test_the_replay_command_exits_1_on_an_unknown_run_as_run_show_does(
         history: tuple[str, Any], capsys: Any) -> None:
     shown, out = _cli(history[0], "run", "show", "auth-l")
