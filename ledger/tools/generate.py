@@ -369,7 +369,7 @@ def check_window(*, attempts: int, days: float, end: float, flag: str = "") -> N
         raise InvalidArgument(f"{flag}attempts must be an integer >= 1", field="attempts")
     if isinstance(end, bool) or not isinstance(end, int | float) or not 0 <= end < MAX_TIME:
         raise InvalidArgument(
-            f"{flag}end {end!r} is not a time the ledger reads: pass seconds since 1970, not "
+            f"{flag}end {end!r} is not a time the ledger holds: pass seconds since 1970, not "
             f"milliseconds, from 0 to below {MAX_TIME:g} (e.g. {flag}end 1796000000)",
             field="end")
     if isinstance(days, bool) or not isinstance(days, int | float) or not 0 < days < math.inf:

@@ -484,10 +484,10 @@ def test_generate_refuses_a_ledger_holding_real_runs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "says"), [
     # Milliseconds, an easy slip: SQLite wrote a history in year 58901 that no command reaches,
     # PostgreSQL failed with a traceback on the year's partition.
-    (["--end", "1796583592939"], "--end 1796583592939.0 is not a time the ledger reads: pass "
+    (["--end", "1796583592939"], "--end 1796583592939.0 is not a time the ledger holds: pass "
                                  "seconds since 1970, not milliseconds"),
-    (["--end", "1e20", "--into-existing"], "--end 1e+20 is not a time the ledger reads"),
-    (["--end", "nan"], "--end nan is not a time the ledger reads"),
+    (["--end", "1e20", "--into-existing"], "--end 1e+20 is not a time the ledger holds"),
+    (["--end", "nan"], "--end nan is not a time the ledger holds"),
     (["--days", "1e20", "--end", str(T0)], "--days 1e+20 reaches back before 1970 from --end "
                                            "(2023-11-14T22:13:20Z): pass at most"),
     (["--attempts", "0"], "--attempts must be an integer >= 1")])
