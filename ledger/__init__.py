@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from ledger.errors import CapacityUnavailable as CapacityUnavailable
     from ledger.errors import ConfigError as ConfigError
     from ledger.errors import Conflict as Conflict
+    from ledger.errors import DatabaseReadOnly as DatabaseReadOnly
     from ledger.errors import DatabaseSetupError as DatabaseSetupError
     from ledger.errors import DatabaseUnavailable as DatabaseUnavailable
     from ledger.errors import FailoverExhausted as FailoverExhausted
@@ -115,6 +116,7 @@ _LAZY: dict[str, str] = {
     "ConfigError": "ledger.errors",
     "Conflict": "ledger.errors",
     "CooldownEffect": "ledger.domain.facts",
+    "DatabaseReadOnly": "ledger.errors",
     "DatabaseSetupError": "ledger.errors",
     "DatabaseUnavailable": "ledger.errors",
     "DebitState": "ledger.domain.records",

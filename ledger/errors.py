@@ -10,9 +10,12 @@ The tree::
     │   │   └── ArgumentMismatch        a call that fits no signature: an unknown keyword, a
     │   │                               missing or extra argument (also a TypeError)
     │   └── DatabaseSetupError          the database is not set up for this URL: no such database
-    │                                   or role, credentials or pg_hba refused, no privilege, a
-    │                                   schema older than the code (names the fix; retrying
-    │                                   will not help)
+    │       │                           or role, credentials or pg_hba refused, no privilege, a
+    │       │                           schema older than the code (names the fix; retrying
+    │       │                           will not help)
+    │       └── DatabaseReadOnly        the role (its session, the database, the file) may not
+    │                                   write: a reader's role used for a write (also a
+    │                                   StorageError, read_only=True)
     ├── StorageError                    the database could not do what was asked
     │   ├── DatabaseUnavailable         the server is down or went away, the file is busy
     │   │                               (retry-safe)
@@ -235,6 +238,27 @@ class DatabaseUnavailable(StorageError):
     ``fields["partition"]`` names a month's partition of the history (``attempts_p202601``)
     that a statement named and found dropped (by a retention run) since it listed it: run it
     again, it plans from what is left.
+    """
+
+
+class DatabaseReadOnly(DatabaseSetupError, StorageError):
+    """The database refused a write because it is read-only to this connection.
+
+    The role may not write (its sessions are read-only, ``ALTER ROLE ... SET
+    default_transaction_read_only = on``, as an auditor's role is: ``docs/auditor-role.md``;
+    or the database's or the URL's ``options`` make them so), it lacks the privilege on a
+    ledger table (it was granted ``SELECT`` only), or the SQLite file is read-only to this
+    process. The server that refused is the primary: a standby's refusal during a failover is
+    :class:`DatabaseUnavailable` (``standby=True``) instead, which a retry gets past. Nothing
+    was written, and retrying will not help: the message names the fix, to write with the
+    role that writes the ledger (the one that runs ``failover-ledger db init``) or to use this
+    one only to read. ``fields``: ``url`` (without its password), ``problem``
+    (``read_only``: the session, database or file is read-only; ``write_privilege``: the role
+    lacks the privilege), ``role`` and ``database`` where known, and ``read_only=True``.
+
+    A set-up problem, so a :class:`DatabaseSetupError` (the command line exits with 2, the
+    dashboard answers 403); also a :class:`StorageError`, which it was before it had a class
+    of its own, so code that caught that and read ``fields["read_only"]`` keeps working.
     """
 
 
@@ -471,6 +495,7 @@ __all__ = [
     "CapacityUnavailable",
     "ConfigError",
     "Conflict",
+    "DatabaseReadOnly",
     "DatabaseSetupError",
     "DatabaseUnavailable",
     "FailoverExhausted",

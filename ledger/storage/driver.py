@@ -416,6 +416,7 @@ class PgDriver:
         except BaseException as e:
             failed = _Failed(e, conn, committing)  # before the abort ends what it reads
             _abort(conn)
+            failed.ask(conn)
             dropped = failed.dropped(conn)
             told = failed.told(conn, self.where)
             if told is e:
@@ -485,6 +486,7 @@ class PgDriver:
         except BaseException as e:
             failed = _Failed(e, conn, committing)
             await _aabort(conn)
+            await failed.aask(conn)
             dropped = failed.dropped(conn)
             told = failed.told(conn, self.where)
             if told is e:
@@ -634,7 +636,7 @@ class _Failed:
     it says is read before the abort ends what it reads, where the connection goes after it.
     """
 
-    __slots__ = ("answered", "committing", "error", "standby")
+    __slots__ = ("answered", "committing", "error", "read_only", "standby")
 
     def __init__(self, e: BaseException, conn: Any, committing: _Committing) -> None:
         import psycopg
@@ -642,7 +644,27 @@ class _Failed:
         self.error = e
         self.committing = committing
         self.standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+        # A read-only transaction the server did not say it is a standby for: asked once the
+        # abort has ended the transaction (ask, aask), whether it is a primary refusing this
+        # role's writes (a set-up problem) or a failover's (retry-safe, as a standby's).
+        self.read_only = not self.standby and getattr(e, "sqlstate", None) == "25006"
         self.answered = _answered(e, conn)
+
+    def ask(self, conn: Any) -> None:
+        """After the abort: tell a read-only transaction's refusal a standby's unless the
+        server says this session may not write on the primary
+        (:func:`~ledger.storage.pgpool.read_only_session`)."""
+        from ledger.storage.pgpool import read_only_session
+
+        if self.read_only and not read_only_session(conn):
+            self.standby, self.read_only = True, False
+
+    async def aask(self, conn: Any) -> None:
+        """:meth:`ask` for an asyncio connection."""
+        from ledger.storage.pgpool import aread_only_session
+
+        if self.read_only and not await aread_only_session(conn):
+            self.standby, self.read_only = True, False
 
     def dropped(self, conn: Any) -> bool:
         """Whether ``conn``, after the abort, goes as a dropped connection does

@@ -436,15 +436,31 @@ def postgres_engine(parsed: URL, creator: Callable[[], Any], **options: Any) -> 
 def _standby_drops(context: Any) -> None:
     """A write a standby refused drops its connection (SQLAlchemy invalidates it, as it does
     a lost one), so that no later statement runs on it; the error says why
-    (:func:`ledger.storage.failure.standby_error`)."""
-    from ledger.storage.pgpool import on_standby
+    (:func:`ledger.storage.failure.standby_error`). A server that does not report itself a
+    standby is asked (:func:`~ledger.storage.pgpool.read_only_session`, once the refused
+    transaction is rolled back): a primary that refuses this session's writes leaves the
+    connection be, and the error is the set-up problem it is
+    (:class:`~ledger.errors.DatabaseReadOnly`)."""
+    from ledger.storage.pgpool import on_standby, read_only_session
 
     if getattr(context.original_exception, "sqlstate", None) != "25006":
         return
     conn = context.connection
     raw = conn.connection.driver_connection if conn is not None and not conn.invalidated \
         else None
-    if raw is not None and not raw.closed and on_standby(raw):
+    if raw is None or raw.closed:
+        return
+    if on_standby(raw):
+        context.is_disconnect = True
+        return
+    # The refused transaction is over (the server rolls it back on any error): ended here so
+    # that the server can be asked; SQLAlchemy's own rollback after this finds nothing to end.
+    try:
+        raw.rollback()
+    except Exception:
+        context.is_disconnect = True  # no answer: as a standby's, retried on a new connection
+        return
+    if not read_only_session(raw):
         context.is_disconnect = True
 
 

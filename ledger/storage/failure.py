@@ -19,11 +19,17 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   PostgreSQL transaction another one was in the way of (a deadlock, a serialization
   failure, a lock not granted within the lock timeout): its message says which, and
   ``contention`` holds the SQLSTATE (``40P01``, ``40001``, ``55P03``);
-* a write the database refuses to make at all (a read-only file or transaction, a role without
-  the privilege): :class:`~ledger.errors.StorageError` with ``read_only=True``. Retrying will
-  not help; the message says so. A write refused because the server is a standby (in
-  recovery: SQLSTATE 25006 there) is :class:`~ledger.errors.DatabaseUnavailable` with
-  ``standby=True`` instead: the connection is dropped, and the retry reaches the primary;
+* a write the database refuses to make at all (a read-only file, a role whose sessions are
+  read-only, a role without the privilege): :class:`~ledger.errors.DatabaseReadOnly` (a
+  :class:`~ledger.errors.DatabaseSetupError` and a :class:`~ledger.errors.StorageError`, with
+  ``read_only=True``) naming the role and the fix. Retrying will not help; the message says
+  so. SQLSTATE 25006 is also what a standby (a server in recovery) answers every write, where
+  a retry that reaches the primary does help: the code that holds the connection tells the two
+  apart before it maps the error (:func:`ledger.storage.pgpool.read_only_session`: the
+  driver, the engine's ``handle_error``), and a standby's refusal is
+  :class:`~ledger.errors.DatabaseUnavailable` with ``standby=True``: the connection is
+  dropped, and the retry reaches the primary. A 25006 that reaches :func:`ledger_error`
+  unmarked was a primary's;
 * a table or column the ledger uses is missing (SQLSTATE 42P01 and 42703; SQLite's ``no such
   table``/``no such column``): the schema is older than this code, because the ledger was
   opened with ``migrate_schema=False`` (a command other than ``db init``, the dashboard, a
@@ -54,6 +60,7 @@ from typing import Any
 
 from ledger.errors import (
     Conflict,
+    DatabaseReadOnly,
     DatabaseSetupError,
     DatabaseUnavailable,
     InvalidState,
@@ -172,11 +179,31 @@ def _partition_gone(name: str, text: str, where: str) -> DatabaseUnavailable:
         "reads (or drops) what is left", url=where, partition=name)
 
 
-def _refused(text: str, where: str) -> StorageError:
-    return StorageError(
-        f"database {where} refused the write ({text}): it is read-only to this connection; "
-        "open the ledger with a role (or a file) that may write, or use it only to read "
-        "(an audit)", url=where, read_only=True)
+def _refused(text: str, where: str, *, privilege: bool = False) -> DatabaseReadOnly:
+    """A write the database refused because it is read-only to this connection (``privilege``:
+    the role lacks a privilege on a table, PostgreSQL's 42501; else its sessions, the database
+    or the file are read-only)."""
+    problem = "write_privilege" if privilege else "read_only"
+    if not where.startswith("postgresql"):
+        return DatabaseReadOnly(
+            f"database {where} refused the write ({text}): the file (or its folder) is "
+            "read-only to this process; nothing was written, and retrying will not help: make "
+            "it writable for the user this process runs as, or use it only to read (an audit)",
+            url=where, problem=problem, database=None, role=None, read_only=True)
+    database, role, _host = _names(where)
+    who = f"role {_quoted(role, '')}" if role else "the role of this URL"
+    why = (f"{who} lacks a privilege this write needs on the ledger's tables (a reader's "
+           "role is granted SELECT only: docs/auditor-role.md)" if privilege else
+           f"{who} may not write here: its sessions are read-only (default_transaction_"
+           "read_only is on for the role, the database or the URL's options, as for a "
+           "reader's role: docs/auditor-role.md), and the server is the primary, not a "
+           "standby")
+    return DatabaseReadOnly(
+        f"database {where} refused the write ({text}): {why}; nothing was written, and "
+        "retrying will not help: connect as the role that writes the ledger (the one that "
+        "runs `failover-ledger db init`), or use this one only to read (an audit, the "
+        "dashboard without --allow-actions)", url=where, problem=problem, database=database,
+        role=role, read_only=True)
 
 
 def _duplicate(text: str, where: str) -> Conflict:
@@ -341,7 +368,7 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
     if setup is not None:
         return setup
     if state in _PG_REFUSED:
-        return _refused(text, where)
+        return _refused(text, where, privilege=state == "42501")
     if state == _PG_DISK_FULL:
         return _full(text, where)
     if state == _PG_DUPLICATE:

@@ -150,6 +150,49 @@ def on_standby(conn: Any) -> bool:
         conn.info.parameter_status("in_hot_standby") == "on")
 
 
+#: Asked of the server that refused a write with SQLSTATE 25006, once that transaction ended:
+#: whether it is a primary (not in recovery) on which a new transaction of this session is
+#: read-only too, by the session's own settings.
+_READ_ONLY_SESSION = ("SELECT NOT pg_is_in_recovery() "
+                      "AND current_setting('transaction_read_only')::bool")
+
+
+def read_only_session(conn: Any) -> bool:
+    """Whether a write ``conn``'s server refused with SQLSTATE 25006 (read-only transaction)
+    was refused because this session may not write there: the server, asked on ``conn`` (out
+    of the refused transaction, which the caller has ended), is the primary, and a new
+    transaction of the session is read-only too (``default_transaction_read_only`` of the
+    role, the database or the URL's ``options``). A set-up problem, which no retry gets past.
+
+    False for a standby's refusal (the server is in recovery: a failover, which a retry that
+    reaches the primary gets past), and also when the server was a standby as the refused
+    transaction began and is the primary now (promoted since: a new transaction may write),
+    or cannot be asked (the connection failed): those are told as a standby's, retry-safe,
+    and the connection is dropped. One round trip, on that error only; a server that reports
+    itself in recovery (``in_hot_standby``, :func:`on_standby`) is not asked."""
+    if conn.closed or on_standby(conn):
+        return False
+    try:
+        row = conn.execute(_READ_ONLY_SESSION).fetchone()
+        if not conn.autocommit:
+            conn.rollback()  # the question's own transaction: the connection as it was
+    except Exception:  # no answer: the refusal cannot be told a set-up problem
+        return False
+    return bool(row and row[0])
+
+
+async def aread_only_session(conn: Any) -> bool:
+    """:func:`read_only_session` for an asyncio connection (autocommit: the hot path's)."""
+    if conn.closed or on_standby(conn):
+        return False
+    try:
+        cur = await conn.execute(_READ_ONLY_SESSION)
+        row = await cur.fetchone()
+    except Exception:
+        return False
+    return bool(row and row[0])
+
+
 def _fresh(conn: Any) -> None:
     """Made just now by the pool: as good as just used."""
     conn._ledger_idle_since = time.monotonic()
@@ -502,4 +545,5 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 
 
 __all__ = ["CHECKOUT_TIMEOUT_S", "IDLE_CHECK_S", "MAX_IDLE_S", "MAX_SIZE", "PgPool",
-           "ahard_close", "arelease", "hard_close", "on_standby", "own_pids", "release"]
+           "ahard_close", "aread_only_session", "arelease", "hard_close", "on_standby",
+           "own_pids", "read_only_session", "release"]

@@ -37,6 +37,7 @@ from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState, Lease
 from ledger.errors import (
     Conflict,
+    DatabaseReadOnly,
     DatabaseSetupError,
     DatabaseUnavailable,
     LedgerError,
@@ -49,6 +50,7 @@ from ledger.ops.reconcile import reconcile
 from ledger.ops.recovery import recover
 from ledger.storage.engine import normalize_url
 from ledger.testing.pgserver import PgServer, free_port
+from tests.pgroles import reader_role
 
 from ._readonly import driver_cause
 from .helpers import REPO, budget, grant, routes, sql_context
@@ -476,6 +478,57 @@ def test_a_read_only_postgres_database_refuses_writes_and_still_answers_reads(
     _still_there(pg_url, att, AttemptState.DISPATCHING)
 
 
+def _writes(led: Ledger, aled: AsyncLedger, lease: Lease, att: str
+            ) -> list[Callable[[], Any]]:
+    """A write of each path: the cold path's (SQLAlchemy) and the hot path's, blocking and
+    asyncio."""
+    return [
+        lambda: led.configure_group("g2", max_in_flight=1),
+        lambda: led.admit_run("r2", plan=routes(), budget=budget(), grant=grant()),
+        lambda: led.clear_cooldown("a", reason="audit", by="ops"),
+        lambda: led.begin_attempt(lease, route="a", envelope_hash=ENV, reserve="0.01"),
+        lambda: led.settle_attempt(lease, att, outcome="succeeded"),
+        lambda: led.renew_lease(lease, ttl_s=30),
+        lambda: aled.mark_unknown(lease, att, "stop"),
+        lambda: aled.acquire_lease("r1", executor_id="w9"),
+    ]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("read_only_sessions", [True, False],
+                         ids=["read_only_sessions", "select_only"])
+def test_a_reader_roles_write_on_the_primary_is_a_set_up_error_naming_the_role_never_a_retry(
+        pg_server: PgServer, pg_url: str, clock: ManualClock, read_only_sessions: bool) -> None:
+    # docs/auditor-role.md's role: SELECT only, its sessions read-only or not. The server
+    # refuses its writes with 25006 (the SQLSTATE a standby answers too: here the server is
+    # the primary, asked) or 42501; no retry gets past either.
+    with Ledger.open(pg_url, clock=clock) as owner:
+        lease, att = _seed(owner)
+    ro_url = reader_role(pg_server, pg_url, read_only_sessions=read_only_sessions)
+    role = ro_url.split("://", 1)[1].split("@", 1)[0]
+    led = Ledger.open(ro_url, clock=clock, migrate_schema=False)
+    aled = AsyncLedger(led)
+    try:
+        for call in _writes(led, aled, lease, att):
+            err = mapped(call, DatabaseReadOnly)
+            assert isinstance(err, DatabaseSetupError) and isinstance(err, StorageError)
+            assert not isinstance(err, DatabaseUnavailable), err  # not a standby's
+            assert err.fields["problem"] == ("read_only" if read_only_sessions
+                                             else "write_privilege"), err
+            assert err.fields["read_only"] is True and err.fields["role"] == role
+            assert f'role "{role}"' in str(err) and "retrying will not help" in str(err)
+            assert "the role that writes the ledger" in str(err)
+            cause = driver_cause(err)
+            assert getattr(getattr(cause, "orig", cause), "sqlstate", None) == (
+                "25006" if read_only_sessions else "42501")
+        # Its connections were not dropped as a standby's, and it still reads.
+        assert led.get_attempt(att).state is AttemptState.DISPATCHING
+        assert Audit(led).runs().items[0].run_id == "r1"
+    finally:
+        led.close()
+    _still_there(pg_url, att, AttemptState.DISPATCHING)
+
+
 def _unprivileged(args: list[str]) -> Any:
     """The JSON a Python child with ``args`` prints last, run where file modes bind: as root,
     without CAP_DAC_OVERRIDE (root reads and writes whatever the modes say otherwise)."""
@@ -509,8 +562,10 @@ def test_a_read_only_sqlite_file_refuses_writes_and_still_answers_reads(
               "AsyncLedger.mark_unknown", "recover")
     for name in writes:
         out = got[name]
-        assert out.get("error") == "ledger.errors.StorageError", (name, out)
+        # A set-up problem (also the StorageError it was before it had a class of its own).
+        assert out.get("error") == "ledger.errors.DatabaseReadOnly", (name, out)
         assert out["read_only"] is True and out["cause"], (name, out)
+        assert "retrying will not help" in out["message"], (name, out)
     # Opening at head only reads the revision (under the write lock SQLite grants a reader).
     for name in ("Ledger.open", "get_run", "timeline", "Audit.runs", "reconcile"):
         assert got[name] == {"ok": True}, (name, got[name])
