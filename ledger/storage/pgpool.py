@@ -168,9 +168,10 @@ def read_only_session(conn: Any) -> bool:
     reaches the primary gets past), and also when the server was a standby as the refused
     transaction began and is the primary now (promoted since: a new transaction may write),
     or cannot be asked (the connection failed): those are told as a standby's, retry-safe,
-    and the connection is dropped. One round trip, on that error only; a server that reports
-    itself in recovery (``in_hot_standby``, :func:`on_standby`) is not asked."""
-    if conn.closed or on_standby(conn):
+    and the connection is dropped. One round trip, on that error only: the callers ask only
+    when the server did not report itself in recovery already (``in_hot_standby``,
+    :func:`on_standby`; not reported before PostgreSQL 14)."""
+    if conn.closed:
         return False
     try:
         row = conn.execute(_READ_ONLY_SESSION).fetchone()
@@ -183,7 +184,7 @@ def read_only_session(conn: Any) -> bool:
 
 async def aread_only_session(conn: Any) -> bool:
     """:func:`read_only_session` for an asyncio connection (autocommit: the hot path's)."""
-    if conn.closed or on_standby(conn):
+    if conn.closed:
         return False
     try:
         cur = await conn.execute(_READ_ONLY_SESSION)

@@ -380,6 +380,44 @@ def test_a_failover_to_the_promoted_standby_loses_nothing_acknowledged_and_recon
         led.close()
 
 
+@pytest.mark.postgres
+def test_a_read_only_refusal_is_a_set_up_error_only_where_the_server_says_it_is_the_primary(
+        cluster: tuple[PgServer, PgServer]) -> None:
+    # 25006 is both a standby's answer to any write (a failover: retrying helps) and a read-only
+    # role's on the primary (set-up: it never does). A server that does not report
+    # in_hot_standby (before PostgreSQL 14), or a refused transaction begun before a
+    # promotion, is asked; only a primary on which this session's next transaction is
+    # read-only too makes it a set-up error.
+    import psycopg
+    from psycopg.pq import TransactionStatus
+
+    from ledger.storage.pgpool import read_only_session
+
+    primary, standby = cluster
+    primary.psql("CREATE ROLE reader LOGIN; GRANT SELECT ON ALL TABLES IN SCHEMA public TO "
+                 "reader; ALTER ROLE reader IN DATABASE ha SET default_transaction_read_only = "
+                 "on", db="ha")
+    caught_up(primary, standby)
+
+    def asked(server: PgServer, user: str, *, autocommit: bool = True) -> bool:
+        with psycopg.connect(host="127.0.0.1", port=server.port, user=user, dbname="ha",
+                             autocommit=autocommit) as conn:
+            answer = read_only_session(conn)
+            # SQLAlchemy's connection (not in autocommit) is left out of a transaction.
+            assert conn.info.transaction_status is TransactionStatus.IDLE
+            return answer
+
+    for autocommit in (True, False):
+        assert asked(standby, "reader", autocommit=autocommit) is False  # in recovery
+        assert asked(standby, "postgres", autocommit=autocommit) is False
+        assert asked(primary, "postgres", autocommit=autocommit) is False  # it may write
+        assert asked(primary, "reader", autocommit=autocommit) is True
+    primary.stop("immediate")
+    promote(standby)
+    assert asked(standby, "reader") is True  # the primary now
+    assert asked(standby, "postgres") is False
+
+
 async def _renew(aled: AsyncLedger, lease: Any) -> None:
     await aled.renew_lease(lease, ttl_s=300)
 
