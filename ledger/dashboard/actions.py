@@ -26,7 +26,9 @@ origin, a wrong token in a header) is refused before the body is read; the body 
 to 64 KiB only (413 for a larger ``Content-Length`` at once, or as soon as a body without
 one passes it), and JSON the parser cannot read, however deep, is 400. Bad input is the
 ledger's typed error: 400 (``InvalidArgument``), 404 (``NotFound``), 409 (``InvalidState``,
-``LeaseHeld``: a Run or key not in a state that allows it), each recording nothing.
+``LeaseHeld``: a Run or key not in a state that allows it), each recording nothing. A
+dashboard whose role may not write (a reader's role: ``DatabaseReadOnly``) answers 403, its
+message naming the fix; 503 is left to a database that is away or busy (retry later).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ledger.dashboard.links import run_href, segment
 from ledger.domain.timefmt import iso, relative
 from ledger.errors import (
     Conflict,
+    DatabaseReadOnly,
     InvalidArgument,
     LeaseHeld,
     LedgerError,
@@ -360,6 +363,11 @@ def action_routes(audit: Callable[[], Audit], token: str,
                 return _answer(as_json, 404, str(e), None, page)
             except (Conflict, LeaseHeld) as e:
                 return _answer(as_json, 409, str(e), None, page)
+            except DatabaseReadOnly as e:
+                # The dashboard's role may not write: not a state a retry waits out (503).
+                return _answer(as_json, 403, f"{e} (the dashboard's role may not record "
+                               "actions: start it with the URL of the role that writes the "
+                               "ledger, or without --allow-actions)", None, page)
             except LedgerError as e:
                 return _answer(as_json, 503, str(e), None, page)
             if as_json:

@@ -29,6 +29,7 @@ import contextlib
 import errno
 import html
 import ipaddress
+import logging
 import math
 import re
 import socket
@@ -50,6 +51,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.clock import Clock
 from ledger.dashboard.actions import (
     action_routes,
@@ -88,6 +90,8 @@ from ledger.ops.audit import (
     to_jsonable,
 )
 from ledger.policy import PRESETS
+
+log = logging.getLogger(__name__)
 
 DAY = 86400.0
 #: The longest ``?hours=`` window: 366 days.
@@ -639,6 +643,8 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
                                                             migrate_schema=False,
                                                             read_url=read_url)
         state["audit"] = Audit(led)
+        if actions:
+            _warn_if_read_only(led)
         # The index's slowest read (health, with the window's exact latency percentiles) runs
         # here while the request's thread reads the rest: the page takes about as long as
         # that read instead of the sum of all. Two at once, whatever the number of requests.
@@ -1074,6 +1080,22 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
     # Without actions only GET is routed: the dashboard has no way to change anything.
     return Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(_ServedNamesOnly, names=names)])
+
+
+def _warn_if_read_only(led: Ledger) -> None:
+    """Started with actions on a role (or file) that may not write: said at once, as a warning
+    (every action would be refused, 403). Not a refusal to start: the pages still serve the
+    reading they are for, and the role may be granted what it lacks while the dashboard runs
+    (each action asks the server anew). A database that cannot be asked now is left to the
+    first action."""
+    try:
+        why = storage_of(led).context.write_refusal()
+    except LedgerError:
+        return
+    if why is not None:
+        log.warning("the dashboard serves operator actions (--allow-actions), but %s: every "
+                    "action will be refused (403) and nothing recorded; start it with the URL "
+                    "of the role that writes the ledger, or without --allow-actions", why)
 
 
 def _with_status(resp: Response, status: int) -> Response:

@@ -69,6 +69,13 @@ class SqlContext(abc.ABC):
         database may always be."""
         return True
 
+    def write_refusal(self) -> str | None:
+        """Why this connection's writes (an operator's action: an event, a Run, an Attempt, its
+        debit, a health key, a group) would be refused for good, asked without writing; ``None``
+        when nothing says so. Its refusals are :class:`~ledger.errors.DatabaseReadOnly`; this
+        tells it before the first one (the dashboard started with actions)."""
+        return None
+
     @abc.abstractmethod
     def has_table(self, conn: Connection, name: str) -> bool:
         """Whether table (or view) ``name`` is where the ledger's unqualified queries find it,

@@ -35,6 +35,11 @@ from ledger.storage.pgpool import PgPool, own_pids
 from ledger.storage.store import Store
 from ledger.storage.wake import LISTEN_CHECK_S, Stopping
 
+#: What an operator's action writes (clear a cooldown, close a Run, settle an unknown
+#: Attempt): (table, privilege).
+_ACTION_WRITES = (("events", "INSERT"), ("runs", "UPDATE"), ("attempts", "UPDATE"),
+                  ("debits", "UPDATE"), ("health", "UPDATE"), ("capacity_groups", "UPDATE"))
+
 
 class PostgresContext(SqlContext):
     """One PostgreSQL database, for the queries built on it."""
@@ -100,6 +105,23 @@ class PostgresContext(SqlContext):
                                       text=str(e.orig).strip().splitlines()[0]) from e
                 raise driver_error(e, where) from e
         return True
+
+    def write_refusal(self) -> str | None:
+        """:meth:`SqlContext.write_refusal`: the role's sessions are read-only here
+        (``default_transaction_read_only``, which a standby's recovery does not set), or it
+        lacks a privilege an operator's action uses; asked of the catalog, on any server."""
+        granted = ", ".join(f"has_table_privilege('{t}', '{p}')" for t, p in _ACTION_WRITES)
+        with self.reading() as conn:
+            role, read_only, *held = conn.execute(text(
+                "SELECT current_user, current_setting('default_transaction_read_only')::bool, "
+                f"{granted}")).one()
+        who = '"' + str(role).replace('"', '""') + '"'
+        if read_only:
+            return (f"role {who}'s sessions are read-only (default_transaction_read_only is on "
+                    "for the role, the database or the URL's options)")
+        missing = [f"{p} on {t}" for (t, p), ok in zip(_ACTION_WRITES, held, strict=True)
+                   if not ok]
+        return f"role {who} lacks {', '.join(missing)}" if missing else None
 
     def has_table(self, conn: Connection, name: str) -> bool:
         """Whether a table or view ``name`` is visible on the role's ``search_path`` (where the

@@ -87,6 +87,13 @@ class SqliteContext(SqlContext):
         except StorageError:
             return False  # the first call tells what is wrong with the file
 
+    def write_refusal(self) -> str | None:
+        """:meth:`SqlContext.write_refusal`: the file is read-only to this process."""
+        path = self.engine.url.database
+        if path and os.path.isfile(path) and not os.access(path, os.W_OK):
+            return f"the file {path} is read-only to this process"
+        return None
+
     def has_table(self, conn: Connection, name: str) -> bool:
         """Whether the file (its ``main`` schema) holds table or view ``name``."""
         return bool(conn.execute(text(

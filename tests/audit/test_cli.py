@@ -17,6 +17,7 @@ import pytest
 
 from ledger.cli.main import main
 from ledger.testing.pgserver import PgServer
+from tests.pgroles import reader_role
 
 from .seed import T0, seed
 
@@ -680,6 +681,27 @@ def _written(url: str) -> dict[str, Any]:
             return state
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_readers_role_refused_write_is_a_set_up_error_exit_2_naming_the_role_and_the_fix(
+        pg_server: PgServer, pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # docs/auditor-role.md's role on the primary: its refusal is not the database away (exit
+    # 1, "retry"), no retry gets past it; retention (the tables' owner only) said so already.
+    seed(pg_url)
+    ro_url = reader_role(pg_server, pg_url)
+    role = ro_url.split("://", 1)[1].split("@", 1)[0]
+    before = _written(pg_url)
+    for args in (["health", "clear", "A", "--reason", "fixed"],
+                 ["run", "close", "r4", "--status", "failed", "--reason", "stuck"],
+                 ["attempt", "settle", "r4-a1", "--outcome", "failed", "--reason", "x"],
+                 ["rollup"], ["retention", "--older-than", "90d"]):
+        assert main([*args, "--db", ro_url]) == 2, args
+        err = capsys.readouterr().err
+        assert "retrying will not help" in err and role in err, (args, err)
+        if args[0] != "retention":
+            assert "read-only" in err and "the role that writes the ledger" in err, err
+    assert _written(pg_url) == before
 
 
 def test_every_command_but_db_init_refuses_a_schema_older_or_newer_than_the_package(

@@ -13,6 +13,7 @@ attacker: a page of another origin that posts the form, token included, is refus
 from __future__ import annotations
 
 import http.client
+import logging
 import os
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from ledger.clock import ManualClock
 from ledger.errors import InvalidArgument
 from ledger.ops.audit import Audit, to_jsonable
 from ledger.storage import schema as s
+from tests.pgroles import reader_role
 from tests.storage.helpers import as_an_earlier_version, sql_context
 
 from .seed import T0, seed
@@ -385,6 +387,42 @@ def test_bad_input_is_the_ledgers_typed_error_and_records_nothing(
         "field", "")
     assert html.status_code == status and "refused" in html.text
     assert _recorded(written) == before
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("read_only_sessions", [True, False],
+                         ids=["read_only_sessions", "select_only"])
+def test_a_dashboard_on_a_readers_role_warns_at_start_and_refuses_each_action_403_with_the_fix(
+        pg_server: Any, pg_url: str, caplog: pytest.LogCaptureFixture,
+        read_only_sessions: bool) -> None:
+    # Not 503 ("unavailable": clients retry): the role can never write. Nothing is recorded.
+    seed(pg_url)
+    ro_url = reader_role(pg_server, pg_url, read_only_sessions=read_only_sessions)
+    role = ro_url.split("://", 1)[1].split("@", 1)[0]
+    before = _recorded(pg_url)
+    with caplog.at_level(logging.WARNING, logger="ledger.dashboard.app"), \
+            _client(ro_url, actions=True, token=TOKEN) as c:
+        warned = [r.getMessage() for r in caplog.records if r.name == "ledger.dashboard.app"]
+        for path, good in GOOD_JSON.items():
+            res = c.post(path, json=good, headers=HEADER)
+            assert res.status_code == 403, (path, res.text)
+            doc = res.json()
+            assert doc["ok"] is False and set(doc) == {"ok", "error"}, doc
+            assert f'role "{role}"' in doc["error"] and "without --allow-actions" in doc["error"]
+            assert "retrying will not help" in doc["error"]
+            form = {k: str(v) for k, v in good.items()} | {"token": TOKEN}
+            page = c.post(path.removeprefix("/api"), data=form)
+            assert page.status_code == 403 and "refused" in page.text
+        assert c.get("/").status_code == 200  # reading is what the role is for
+    assert _recorded(pg_url) == before
+    assert len(warned) == 1 and role in warned[0] and "--allow-actions" in warned[0], warned
+    assert ("read-only" if read_only_sessions else "lacks INSERT on events") in warned[0]
+    # The writing role's dashboard says nothing.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ledger.dashboard.app"), \
+            _client(pg_url, actions=True, token=TOKEN):
+        pass
+    assert [r for r in caplog.records if r.name == "ledger.dashboard.app"] == []
 
 
 # Each JSON action with its good fields, and which of them take what but text.
