@@ -203,7 +203,8 @@ class DatabaseSetupError(ConfigError):
     ``login_refused``, ``auth_failed``, ``password_missing``, ``hba_rejected``,
     ``connect_privilege``, ``connections_disabled``, ``createdb_privilege``,
     ``schema_privilege``, ``schema_outdated``, ``folder_missing``, ``folder_read_only``,
-    ``not_a_file``, ``not_a_ledger``) and
+    ``not_a_file``, ``not_a_ledger``; :class:`DatabaseReadOnly`'s ``read_only`` and
+    ``write_privilege``) and
     ``database`` / ``role`` where known. ``schema_outdated``: the database was opened with
     ``migrate_schema=False`` before a process of this version migrated it: its revision is
     older (refused at open), or a table or column this ledger uses is missing (refused by the

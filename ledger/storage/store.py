@@ -21,8 +21,9 @@ What every flow promises:
 * a driver's exception never leaves it: it is a :class:`~ledger.errors.LedgerError` with the
   driver's exception as ``__cause__`` (:mod:`ledger.storage.failure`):
   :class:`~ledger.errors.DatabaseUnavailable` when the database cannot be reached, went away or
-  stayed busy (retry-safe), :class:`~ledger.errors.StorageError` (``read_only=True``) for a
-  write the database refuses, :class:`~ledger.errors.Conflict` for a key recorded already,
+  stayed busy (retry-safe), :class:`~ledger.errors.DatabaseReadOnly` (a set-up error, also a
+  :class:`~ledger.errors.StorageError` with ``read_only=True``) for a write the database
+  refuses on the primary, :class:`~ledger.errors.Conflict` for a key recorded already,
   :class:`~ledger.errors.StorageError` for the rest;
 * arguments are taken as already checked (ids, amounts, leases); the store checks only what
   only the database knows (a live lease, a budget left, a row that exists). ``clock`` is read
