@@ -89,22 +89,11 @@ def report_lines(rep: Any, *, examples: int = 1, run: str | None = None) -> list
 
 
 def _why_nothing(rep: Any, run: str | None) -> str:
-    """Why a report replayed no decision, so that it never reads as a policy that agrees."""
-    cov = rep.coverage
+    """Why a report replayed no decision, in the command's words for its window."""
     if not rep.runs:
         return (f"run {run} was not admitted between --since and --until" if run is not None
                 else "no run was admitted in the window; widen it with --since and --until")
-    why = []
-    if cov.runs_without_policy:
-        why.append(f"{cov.runs_without_policy} of the {rep.runs} runs have no frozen policy "
-                   "that reads (a bulk-loaded history's marker, say): their decisions cannot "
-                   "be decided again")
-    if cov.decisions_without_inputs:
-        why.append(f"{cov.decisions_without_inputs} decisions were recorded without their "
-                   "inputs")
-    if cov.malformed:
-        why.append(f"{cov.malformed} recorded inputs do not read")
-    return "; ".join(why) or "the runs recorded no decision"
+    return str(rep.not_replayed())
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -88,6 +88,11 @@ def _totals(rep: ReplayReport) -> str:
 
 
 def _findings(rep: ReplayReport) -> str:
+    nothing = rep.not_replayed()
+    if nothing is not None:
+        return ('<section id="replay-findings"><h2>Differences</h2><p class="muted" '
+                f'id="replay-findings-empty">Nothing was replayed: {_e(nothing)}.</p>'
+                "</section>")
     if not rep.findings:
         return ('<section id="replay-findings"><h2>Differences</h2><p class="muted" '
                 f'id="replay-findings-empty">{_e(rep.policy)} decides every replayed decision '

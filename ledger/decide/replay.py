@@ -320,6 +320,28 @@ class ReplayReport:
     check: Check
     coverage: Coverage
 
+    def not_replayed(self) -> str | None:
+        """Why this report replayed no decision (``None``: it replayed some).
+
+        So that a report of nothing never reads as a policy that agrees with every decision.
+        """
+        if self.decisions:
+            return None
+        cov = self.coverage
+        if not self.runs:
+            return "no run was admitted in the window"
+        why = []
+        if cov.runs_without_policy:
+            why.append(f"{cov.runs_without_policy} of the {self.runs} runs have no frozen "
+                       "policy that reads (a bulk-loaded history's marker, say): their "
+                       "decisions cannot be decided again")
+        if cov.decisions_without_inputs:
+            why.append(f"{cov.decisions_without_inputs} decisions were recorded without their "
+                       "inputs")
+        if cov.malformed:
+            why.append(f"{cov.malformed} recorded inputs do not read")
+        return "; ".join(why) or "the runs recorded no decision"
+
 
 # -- facts under the other policy --------------------------------------------------------------
 

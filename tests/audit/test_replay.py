@@ -440,6 +440,12 @@ def test_the_dashboard_replays_a_preset_on_request(history: tuple[str, Any],
         assert one.json()["runs"] == 1 and one.json()["decisions"] == 2
         assert c.get("/api/replay", params={"policy": "failure-domain", "run": "auth-1",
                                             "until": str(START)}).json()["runs"] == 0
+        # A replay of no decision says so and why, never that the policy agrees.
+        empty = c.get("/replay", params={"policy": "failure-domain", "since": NOW + 10,
+                                         "until": NOW + 20})
+        assert empty.status_code == 200
+        assert "Nothing was replayed: no run was admitted in the window." in empty.text
+        assert "decides every replayed decision as recorded" not in empty.text
         typo = {"policy": "failure-domain", "run": "auth-l", "hours": 24}
         missing = c.get("/api/replay", params=typo)
         assert missing.status_code == 404 and missing.json() == {
