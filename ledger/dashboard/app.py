@@ -971,10 +971,13 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         return JSONResponse(to_jsonable(audit().timeline(request.path_params["run_id"])))
 
     def api_runs(request: Request) -> Response:
+        # The filters of the runs command (--since/--until as epoch seconds): unbounded
+        # unless given, as Audit.runs is.
         p = request.query_params
         return JSONResponse(to_jsonable(audit().runs(
-            status=p.get("status"), tenant=p.get("tenant"),
-            limit=_int(request, "limit", 50), cursor=p.get("cursor"))))
+            status=p.get("status"), tenant=p.get("tenant"), since=_opt(request, "since"),
+            until=_opt(request, "until"), limit=_int(request, "limit", 50),
+            cursor=p.get("cursor"))))
 
     def api_failovers(request: Request) -> Response:
         au = audit()

@@ -67,6 +67,11 @@ def test_pages_and_json_endpoints(seeded_url: str) -> None:
         assert c.get("/runs?id=r3").status_code == 200
         assert c.get("/runs/nope").status_code == 404
         assert c.get("/api/runs/r1").json()["served_route"] == "B"
+        # The runs command's window (--since/--until), as epoch seconds; unbounded unless given.
+        every = c.get("/api/runs").json()["items"]
+        assert every and c.get("/api/runs", params={"until": T0 - 1}).json()["items"] == []
+        assert len(c.get("/api/runs", params={"since": T0 - 1}).json()["items"]) == len(every)
+        assert c.get("/api/runs", params={"since": "abc"}).status_code == 400
         fo = c.get("/api/failovers", params={"since": T0 - 1}).json()
         assert [f["run_id"] for f in fo["items"]] == ["r6", "r1"]
         groups = {g["group"]: g for g in c.get("/api/health").json()["groups"]}
