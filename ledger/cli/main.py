@@ -125,15 +125,31 @@ def _signed_values(argv: Sequence[str]) -> list[str]:
 _FLAG_OF = {"lease_ttl_s": "ttl"}
 
 
-def _in_flag_words(e: Exception, args: argparse.Namespace) -> str:
+def _options_of(parser: argparse.ArgumentParser, func: object) -> dict[str, str]:
+    """The command's own options by destination (``ttl`` -> ``--ttl``): those of the
+    (sub)parser whose command is ``func``, positionals left out (they have no flag)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if sub.get_default("func") is func:
+                    return {a.dest: a.option_strings[-1] for a in sub._actions
+                            if a.option_strings}
+                found = _options_of(sub, func)
+                if found:
+                    return found
+    return {}
+
+
+def _in_flag_words(e: Exception, args: argparse.Namespace,
+                   parser: argparse.ArgumentParser) -> str:
     """The error as the command line reads it: the library's ``invalid lease_ttl_s: ...``
     of a value the command passed from a flag says ``--ttl ...``."""
     text = str(e)
     field = getattr(e, "field", None)
     if isinstance(e, InvalidArgument) and field and text.startswith(f"invalid {field}: "):
-        dest = _FLAG_OF.get(field, field)
-        if dest in vars(args):
-            return f"--{dest.replace('_', '-')} {text[len(f'invalid {field}: '):]}"
+        flag = _options_of(parser, getattr(args, "func", None)).get(_FLAG_OF.get(field, field))
+        if flag is not None:
+            return f"{flag} {text[len(f'invalid {field}: '):]}"
     return text
 
 
@@ -155,7 +171,7 @@ def _command(argv: Sequence[str] | None) -> int:
     except (ConfigError, SchemaTooNew) as e:
         # A schema newer than the package is a set-up problem like an older one (exit 2, not
         # 1 as for a server away): retrying will not help, upgrading the package will.
-        print(f"{PROG}: error: {_in_flag_words(e, args)}", file=sys.stderr)
+        print(f"{PROG}: error: {_in_flag_words(e, args, parser)}", file=sys.stderr)
         return 2
     except LedgerError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
