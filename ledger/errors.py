@@ -255,7 +255,8 @@ class DatabaseReadOnly(DatabaseSetupError, StorageError):
     role that writes the ledger (the one that runs ``failover-ledger db init``) or to use this
     one only to read. ``fields``: ``url`` (without its password), ``problem``
     (``read_only``: the session, database or file is read-only; ``write_privilege``: the role
-    lacks the privilege), ``role`` and ``database`` where known, and ``read_only=True``.
+    lacks the privilege, which is also what a read of a table the role was not granted
+    ``SELECT`` on is told as), ``role`` and ``database`` where known, and ``read_only=True``.
 
     A set-up problem, so a :class:`DatabaseSetupError` (the command line exits with 2, the
     dashboard answers 403); also a :class:`StorageError`, which it was before it had a class

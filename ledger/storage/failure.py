@@ -192,9 +192,17 @@ def _refused(text: str, where: str, *, privilege: bool = False) -> DatabaseReadO
             url=where, problem=problem, database=None, role=None, read_only=True)
     database, role, _host = _names(where)
     who = f"role {_quoted(role, '')}" if role else "the role of this URL"
-    why = (f"{who} lacks a privilege this write needs on the ledger's tables (a reader's "
-           "role is granted SELECT only: docs/auditor-role.md)" if privilege else
-           f"{who} may not write here: its sessions are read-only (default_transaction_"
+    if privilege:
+        # 42501 is also a read the role may not make (a table it was not granted SELECT on):
+        # the statement is not known to be a write.
+        return DatabaseReadOnly(
+            f"database {where} refused the statement ({text}): {who} lacks a privilege it "
+            "needs on the ledger's tables; nothing was written, and retrying will not help: "
+            "connect as the role that writes the ledger (the one that runs `failover-ledger "
+            "db init`) to write, or, for a reader's role, grant it SELECT on every ledger "
+            "table (docs/auditor-role.md)", url=where, problem=problem, database=database,
+            role=role, read_only=True)
+    why = (f"{who} may not write here: its sessions are read-only (default_transaction_"
            "read_only is on for the role, the database or the URL's options, as for a "
            "reader's role: docs/auditor-role.md), and the server is the primary, not a "
            "standby")

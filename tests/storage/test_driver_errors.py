@@ -524,6 +524,11 @@ def test_a_reader_roles_write_on_the_primary_is_a_set_up_error_naming_the_role_n
         # Its connections were not dropped as a standby's, and it still reads.
         assert led.get_attempt(att).state is AttemptState.DISPATCHING
         assert Audit(led).runs().items[0].run_id == "r1"
+        # A read of a table it was not granted is 42501 too: not told as a refused write.
+        pg_server.psql(f"REVOKE SELECT ON runs FROM {role}", pg_url.rsplit("/", 1)[1])
+        err = mapped(lambda: Audit(led).runs(), DatabaseReadOnly)
+        assert "refused the statement" in str(err) and "refused the write" not in str(err)
+        assert "grant it SELECT" in str(err), err
     finally:
         led.close()
     _still_there(pg_url, att, AttemptState.DISPATCHING)
