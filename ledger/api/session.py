@@ -661,8 +661,9 @@ class _SessionCore:
         """Whether the closing ledger releases this open session's lease (its keeper stopped).
 
         Called under the registry's lock (see :meth:`_leave`). Not a session that is
-        entering (it holds no lease yet), nor left, nor one whose keeper lost the Run (the
-        lease is someone else's).
+        entering (the close waited for entries under way, which give back what they took on
+        their own; one still entering after that wait holds a lease that lapses), nor left,
+        nor one whose keeper lost the Run (the lease is someone else's).
         """
         keeper = self._keeper
         if self._state != "open" or keeper is None or keeper.error is not None:
