@@ -29,9 +29,12 @@ def _latency(t: Any) -> str:
     return "-" if t.latency_s is None else f"{t.latency_s:.2f} s"
 
 
-def report_lines(rep: Any, *, examples: int = 1, run: str | None = None) -> list[str]:
+def report_lines(rep: Any, *, examples: int = 1, run: str | None = None,
+                 tenant: str | None = None, bounded: bool = False) -> list[str]:
     """The report as an operator reads it (``failover-ledger replay`` prints these lines);
-    ``run`` the one Run replayed (``--run``), if one was."""
+    ``run`` the one Run replayed (``--run``) and ``tenant`` the one tenant (``--tenant``), if
+    asked for, and ``bounded`` whether ``--since`` or ``--until`` was given: a report of
+    nothing names what kept the Runs out."""
     who = ", ".join(rep.recorded) or "no readable policy"
     # One Run's window is unbounded unless --since/--until bound it: its start is 0, which
     # printed as an admission in 1970.
@@ -59,7 +62,7 @@ def report_lines(rep: Any, *, examples: int = 1, run: str | None = None) -> list
     ])]
     lines.append("")
     if not rep.decisions:
-        lines.append(f"nothing was replayed: {_why_nothing(rep, run)}")
+        lines.append(f"nothing was replayed: {_why_nothing(rep, run, tenant, bounded)}")
     elif not rep.findings:
         lines.append(f"{rep.policy} decides every replayed decision as recorded")
     else:
@@ -88,12 +91,17 @@ def report_lines(rep: Any, *, examples: int = 1, run: str | None = None) -> list
     return lines
 
 
-def _why_nothing(rep: Any, run: str | None) -> str:
-    """Why a report replayed no decision, in the command's words for its window."""
-    if not rep.runs:
-        return (f"run {run} was not admitted between --since and --until" if run is not None
-                else "no run was admitted in the window; widen it with --since and --until")
-    return str(rep.not_replayed())
+def _why_nothing(rep: Any, run: str | None, tenant: str | None, bounded: bool) -> str:
+    """Why a report replayed no decision, in the command's words for what it asked
+    (``bounded``: --since or --until was given)."""
+    if rep.runs:
+        return str(rep.not_replayed())
+    of = f" for tenant {tenant!r}" if tenant is not None else ""
+    if run is not None:
+        # --run reads the run whenever it was admitted, unless --since/--until bound it.
+        return f"run {run} was not admitted{of}" + (
+            " between --since and --until" if bounded else "")
+    return f"no run was admitted{of} in the window; widen it with --since and --until"
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -114,7 +122,9 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(to_jsonable(rep), indent=2, sort_keys=True) + "\n")
         return 0
-    print("\n".join(report_lines(rep, examples=args.examples, run=args.run)))
+    bounded = args.since is not None or args.until is not None
+    print("\n".join(report_lines(rep, examples=args.examples, run=args.run,
+                                  tenant=args.tenant, bounded=bounded)))
     return 0
 
 

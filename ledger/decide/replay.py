@@ -329,7 +329,7 @@ class ReplayReport:
             return None
         cov = self.coverage
         if not self.runs:
-            return "no run was admitted in the window"
+            return "no run was admitted in the window (for the tenant or run asked for)"
         why = []
         if cov.runs_without_policy:
             why.append(f"{cov.runs_without_policy} of the {self.runs} runs have no frozen "

@@ -379,6 +379,13 @@ def test_a_replay_of_no_decision_says_nothing_was_replayed_and_why_never_that_al
                    "--until", str(NOW + 20))
     assert rc == 0 and agree not in out
     assert "nothing was replayed: no run was admitted in the window" in out
+    # The tenant that kept the Runs out is named, and a window nobody gave is not.
+    rc, out = _cli(history[0], "replay", "--policy", "failure-domain", "--run", "auth-1",
+                   "--tenant", "nosuch")
+    assert rc == 0
+    assert "nothing was replayed: run auth-1 was not admitted for tenant 'nosuch'\n" in out
+    rc, out = _cli(history[0], "replay", "--policy", "failure-domain", "--tenant", "nosuch")
+    assert rc == 0 and "no run was admitted for tenant 'nosuch' in the window" in out
     # Where decisions were replayed, the verdict stands.
     rc, out = _cli(history[0], "replay", "--policy", "goclaw", "--tenant", "official",
                    "--since", str(SINCE), "--until", str(NOW))
@@ -444,7 +451,7 @@ def test_the_dashboard_replays_a_preset_on_request(history: tuple[str, Any],
         empty = c.get("/replay", params={"policy": "failure-domain", "since": NOW + 10,
                                          "until": NOW + 20})
         assert empty.status_code == 200
-        assert "Nothing was replayed: no run was admitted in the window." in empty.text
+        assert "Nothing was replayed: no run was admitted in the window" in empty.text
         assert "decides every replayed decision as recorded" not in empty.text
         typo = {"policy": "failure-domain", "run": "auth-l", "hours": 24}
         missing = c.get("/api/replay", params=typo)
