@@ -149,6 +149,7 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     from ledger.api.face import reads_of
     from ledger.storage.audit import AuditQueries
     from ledger.storage.engine import (
+        check_sqlite_url,
         database_name,
         file_holds,
         normalize_url,
@@ -162,6 +163,7 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     if norm.startswith("sqlite:///"):
         # The URL's file, without its options (``?timeout=5``): not the text after the scheme.
         parsed = parse(url)[1]
+        check_sqlite_url(parsed, redact_url(norm))  # before the file is looked at
         path = parsed.database or ""
         not_a_file = sqlite_not_a_file(parsed)
         if not_a_file is not None:

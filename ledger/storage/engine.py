@@ -128,8 +128,6 @@ def parse(url: str) -> tuple[str, URL]:
             "postgresql+psycopg://",
             field="url",
         )
-    if name == "sqlite":
-        _sqlite_url(parsed, where)
     return norm, parsed
 
 
@@ -138,7 +136,7 @@ SQLITE_OPTIONS = frozenset({"timeout"})
 _SQLITE_URL_FORMS = "sqlite:///relative/path.db, sqlite:////absolute/path.db or a plain file path"
 
 
-def _sqlite_url(parsed: URL, where: str) -> None:
+def check_sqlite_url(parsed: URL, where: str) -> None:
     """Refuse what SQLAlchemy would fail on, or drop, in a SQLite URL, before anything opens.
 
     SQLAlchemy raises its own ArgumentError for a user, password, host or port (a
@@ -207,6 +205,7 @@ def sqlite_not_a_file(parsed: URL) -> str | None:
 def sqlite_file(norm: str, parsed: URL) -> str:
     """The database file of a SQLite URL, whose folder exists: never an in-memory database
     (:func:`sqlite_not_a_file`), whatever its spelling, nor a ``file:`` URI filename."""
+    check_sqlite_url(parsed, redact_url(norm))
     db = parsed.database
     what = sqlite_not_a_file(parsed)
     if not db or what is not None:
