@@ -433,8 +433,8 @@ class _SessionCore:
         status = self._leaving
         if status is not None:
             # The first try decided it, and settled what was abandoned on the wire.
-            store.pending.add(UnresolvedExit(keeper.lease, status, tried=True))
-            yield from self._write_exit(status)
+            yield from self._claimed_exit(UnresolvedExit(keeper.lease, status, tried=True),
+                                          status)
             return
         status = self._end_status(exc)
         for abandoned in list(self._sending.values()):
@@ -461,8 +461,20 @@ class _SessionCore:
                                   (yield from Face.timeline.flow(led, run_id)),
                                   (yield from Face.events.flow(led, run_id, ["stop"])))
         self._leaving = status
-        store.pending.add(UnresolvedExit(keeper.lease, status, tried=again))
-        yield from self._write_exit(status)
+        yield from self._claimed_exit(UnresolvedExit(keeper.lease, status, tried=again),
+                                      status)
+
+    def _claimed_exit(self, exit: UnresolvedExit, status: RunStatus) -> Flow[None]:
+        """Remember the exit, then write it, the Run's writes claimed meanwhile.
+
+        A ledger closing at the same moment waits for this write instead of writing the same
+        exit from its own thread (one of the two then found the lease released, and a session
+        whose block succeeded raised ``LeaseLost``).
+        """
+        pending = self.ledger._store.pending
+        with pending.claim(self.run_id):
+            pending.add(exit)
+            yield from self._write_exit(status)
 
     def _unwind(self, got: _Entry, exc: BaseException) -> Flow[None]:
         """Undo what an entry that raised ``exc`` after ``got`` left: its lease, a fresh Child.

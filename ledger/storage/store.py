@@ -190,6 +190,11 @@ class Pending:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._runs: dict[str, dict[str, Unresolved]] = {}
+        # The Runs whose writes a session's exit is resolving itself (claim): the ledger's
+        # close leaves them to it, waiting for the claims to end, rather than writing the same
+        # exit at once from its own thread (one of the two then found the lease gone).
+        self._claims: dict[str, int] = {}
+        self._unclaimed = threading.Condition(self._lock)
 
     def __bool__(self) -> bool:
         return bool(self._runs)  # read without the lock: a hint for the hot path's fast check
@@ -227,9 +232,28 @@ class Pending:
         return sorted(items, key=lambda i: isinstance(i, UnresolvedExit))
 
     def runs(self) -> list[str]:
-        """The Runs with an unresolved write."""
+        """The Runs with an unresolved write that no session's exit is resolving itself."""
         with self._lock:
-            return list(self._runs)
+            return [r for r in self._runs if r not in self._claims]
+
+    @contextlib.contextmanager
+    def claim(self, run_id: str) -> Iterator[None]:
+        """Resolve ``run_id``'s writes in this block, and nobody's :meth:`runs` else."""
+        with self._lock:
+            self._claims[run_id] = self._claims.get(run_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._claims.pop(run_id) - 1
+                if left:
+                    self._claims[run_id] = left
+                self._unclaimed.notify_all()
+
+    def claims_ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no Run is claimed; whether none is."""
+        with self._lock:
+            return self._unclaimed.wait_for(lambda: not self._claims, timeout_s)
 
 
 class Store:
@@ -291,10 +315,16 @@ class Store:
     def settle_pending(self, clock: ClockFn) -> Flow[None]:
         """Resolve every Run's unresolved writes once (the ledger's ``close()``).
 
-        Bounded: one try each, and none once the database did not answer. What is left is
-        logged at WARNING: recovery settles it once the lease lapses.
+        A Run session's exit that is being written (:meth:`Pending.claim`) is waited for first
+        (up to :data:`CLOSE_WAITS_BEGINS_S`, then a WARNING) and left to its session. Bounded:
+        one try each, and none once the database did not answer. What is left is logged at
+        WARNING: recovery settles it once the lease lapses.
         """
         away: LedgerError | None = None
+        # A session leaving its block writes its own exit: waited for, not written over.
+        if not self.pending.claims_ended(CLOSE_WAITS_BEGINS_S):
+            log.warning("closing the ledger with a Run session's exit still being written "
+                        "after %ss: it is left to that session", CLOSE_WAITS_BEGINS_S)
         for run_id in self.pending.runs():
             if away is None:
                 try:

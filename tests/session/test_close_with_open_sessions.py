@@ -227,3 +227,38 @@ def test_no_session_enters_a_closing_ledger(db_url: str, fake: Any) -> None:
     assert caught.value.fields["problem"] == "ledger_closed"
     with Ledger.open(db_url) as other, pytest.raises(NotFound):
         other.get_run("r")
+
+
+# -- a session leaving when the close begins --------------------------------------------------
+
+
+def test_a_session_leaving_when_the_close_begins_ends_its_run_itself_raising_nothing(
+        db_url: str, fake: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # The session's exit has finished the Run and is about to release its lease when the
+    # close begins: the close waits for that exit instead of writing the same exit from its
+    # own thread, where one of the two found the lease released (the session, whose block
+    # succeeded, raised LeaseLost; or the close logged an exit "not resolved here").
+    caplog.set_level(logging.WARNING)
+    led = Ledger.open(db_url)
+    closer = threading.Thread(target=led.close)
+
+    def hold(_name: str) -> None:
+        closer.start()
+        for _ in range(30_000):
+            if led._entries.closing:  # the close's first step; its exit writes come after
+                return
+            threading.Event().wait(0.001)
+        raise AssertionError("the close did not begin")
+
+    try:
+        with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT, lease_ttl_s=TTL) as run:
+            run.turn(HELLO, send=_served)
+            faults.arm("finish.after_commit", hold)
+    finally:
+        faults.disarm()
+        closer.join(30)
+    assert not closer.is_alive()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    with Ledger.open(db_url) as other:
+        run_record = other.get_run("r")
+        assert run_record.status is RunStatus.SUCCEEDED and run_record.lease_holder is None
