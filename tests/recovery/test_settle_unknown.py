@@ -397,7 +397,7 @@ def test_cli_json_and_separate_token_options(db_url: str) -> None:
     (["--outcome", "succeeded", "--usage=-5,2"], 2, "'-5,2' has a negative token count"),
     (["--outcome", "succeeded", "--usage", "-5,2"], 2, "'-5,2' has a negative token count"),
     (["--outcome", "succeeded", "--usage", "5,-2"], 2, "'5,-2' has a negative token count"),
-    (["--outcome", "succeeded", "--prompt-tokens", "-5"], 2, "prompt_tokens"),
+    (["--outcome", "succeeded", "--prompt-tokens", "-5"], 2, "--prompt-tokens"),
     (["--outcome", "failed", "--cost=-1"], 2, "cost"),
     (["--outcome", "failed", "--cost", "-1"], 2, "cost"),
     (["--outcome", "not_sent", "--usage", "1,1"], 2, "not_sent"),

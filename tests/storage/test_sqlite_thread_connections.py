@@ -87,28 +87,38 @@ def test_a_live_thread_s_sqlite_connection_is_kept_while_others_come_and_go(
         done = threading.Event()
         seen: dict[str, sqlite3.Connection] = {}
         answers: dict[str, list[object]] = {}
+        failed: dict[str, BaseException] = {}
 
         def live(name: str) -> None:
-            seen[name] = driver.connection()
-            ready.wait()
-            done.wait()
-            # The same connection, still open, after many threads opened and ended theirs.
-            conn = driver.connection()
-            answers[name] = [conn is seen[name], conn.execute("SELECT 1").fetchone()]
+            try:
+                seen[name] = driver.connection()
+                ready.wait(timeout=60)
+                done.wait(timeout=60)
+                # The same connection, still open, after many threads opened and ended theirs.
+                conn = driver.connection()
+                answers[name] = [conn is seen[name], conn.execute("SELECT 1").fetchone()]
+            except BaseException as e:  # told below; a holder that dies must not hang the test
+                failed[name] = e
+                ready.abort()
 
         holders = [threading.Thread(target=live, args=(f"t{i}",)) for i in range(3)]
         for t in holders:
             t.start()
         try:
-            ready.wait()
+            ready.wait(timeout=60)
             for _ in range(20):
                 _in_a_thread(lambda: driver.connection().execute("SELECT 1").fetchone()
                              and None)
             assert len(driver._all) == 4  # the three live threads' and the last ended one's
+        except threading.BrokenBarrierError:
+            assert not failed, failed  # a holder failed before the barrier: its error
+            raise
         finally:
             done.set()
+            ready.abort()  # a holder still before the barrier (the main thread failed) leaves
             for t in holders:
-                t.join()
+                t.join(timeout=60)
+        assert not failed, failed
         assert answers == {f"t{i}": [True, (1,)] for i in range(3)}
     finally:
         driver.close()
