@@ -123,7 +123,7 @@ from ledger.errors import (
     NotFound,
 )
 from ledger.policy.model import FROZEN, Policy
-from ledger.storage.runner import Flow, Workers, blocking
+from ledger.storage.runner import Flow, UnderWay, Workers, blocking
 
 if TYPE_CHECKING:
     from ledger.decide.effects import TurnSnapshot
@@ -241,30 +241,27 @@ class Entries:
     """
 
     def __init__(self, lock: threading.Lock) -> None:
-        self._cond = threading.Condition(lock)
-        self._n = 0
+        self._lock = lock
+        self._under_way = UnderWay(lock)
         #: Whether the ledger's close has begun (read and set under the lock).
         self.closing = False
 
     def begun(self) -> None:
         """One more entry under way (called under the lock, once ``closing`` was read)."""
-        self._n += 1
+        self._under_way.begun()
 
     def ended_one(self) -> None:
         """An entry under way ended, whichever way (takes the lock)."""
-        with self._cond:
-            self._n -= 1
-            self._cond.notify_all()
+        self._under_way.ended_one()
 
     def close(self) -> None:
         """The ledger's close has begun: no session enters from now on."""
-        with self._cond:
+        with self._lock:
             self.closing = True
 
     def ended(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no entry is under way; whether none is."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._n == 0, timeout_s)
+        return self._under_way.ended(timeout_s)
 
 
 class Face(Generic[SessionT, OpenedT]):

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import os
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -210,5 +211,40 @@ class Runner:
                 raise
 
 
-__all__ = ["WORKERS_MAX", "Blocking", "Flow", "Runner", "Step", "Txn", "Workers", "blocking",
-           "in_own_thread", "txn"]
+class UnderWay:
+    """A count of things under way (begins, Run sessions entering), which a closing thread
+    can wait to see end; on ``lock`` when given, so that a caller can count one atomically
+    with a check of its own under that lock."""
+
+    def __init__(self, lock: threading.Lock | None = None) -> None:
+        self._cond = threading.Condition(lock)
+        self._n = 0
+
+    def begun(self) -> None:
+        """One more under way (the caller holds the lock)."""
+        self._n += 1
+
+    def ended_one(self) -> None:
+        """One under way ended, whichever way (takes the lock)."""
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        """One under way for the block."""
+        with self._cond:
+            self.begun()
+        try:
+            yield
+        finally:
+            self.ended_one()
+
+    def ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until none is under way; whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._n == 0, timeout_s)
+
+
+__all__ = ["WORKERS_MAX", "Blocking", "Flow", "Runner", "Step", "Txn", "UnderWay", "Workers",
+           "blocking", "in_own_thread", "txn"]

@@ -101,7 +101,7 @@ from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver, Tx
 from ledger.storage.failure import closed_error
 from ledger.storage.rows import SnapshotRows
-from ledger.storage.runner import Flow, Runner, Workers, blocking, txn
+from ledger.storage.runner import Flow, Runner, UnderWay, Workers, blocking, txn
 from ledger.storage.runs import RunQueries
 from ledger.storage.statements import Statements
 from ledger.storage.wake import Listener, SlotWaker
@@ -112,30 +112,6 @@ log = logging.getLogger("ledger.storage")
 #: How long a ledger's close waits for the begins under way to end before it gives up the
 #: queue places of its waiters.
 CLOSE_WAITS_BEGINS_S = 5.0
-
-
-class _UnderWay:
-    """A count of flows under way, which a closing thread can wait to see end."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._n = 0
-
-    @contextlib.contextmanager
-    def one(self) -> Iterator[None]:
-        with self._cond:
-            self._n += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._n -= 1
-                self._cond.notify_all()
-
-    def ended(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until none is under way; whether none is."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._n == 0, timeout_s)
 
 
 def commit_unknown(error: DatabaseUnavailable) -> bool:
@@ -291,7 +267,7 @@ class Store:
         #: Begins under way: the close waits for them before it gives up the places that
         #: they may take (a begin whose transaction commits after the close has left the
         #: queues would otherwise take a place nobody gives up).
-        self._begins = _UnderWay()
+        self._begins = UnderWay()
 
     def close(self) -> None:
         """Close every connection, for good: what asks for one afterwards (a call made after
