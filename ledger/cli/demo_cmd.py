@@ -7,6 +7,7 @@ be re-run in the same folder and tells the same story every time.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from ledger.cli.common import PROG
@@ -25,6 +26,7 @@ def _demo(args: argparse.Namespace) -> int:
     from ledger.tools.demo import run_demo
 
     ids = run_demo(args.db, sys.stdout)
-    db = "" if args.db == default_db_url() else f" --db {args.db}"
+    # Quoted, so the line can be pasted into a shell whatever the file is called.
+    db = "" if args.db == default_db_url() else f" --db {shlex.quote(args.db)}"
     print(f"\nwritten to {args.db}; inspect with: {PROG}{db} run show {ids[-1]}")
     return 0

@@ -160,8 +160,10 @@ def open_reader(url: str, read_url: str | None = None) -> Any:
     )
 
     norm = normalize_url(url)
-    if norm.startswith("sqlite:///"):
+    if norm.startswith("sqlite"):
         # The URL's file, without its options (``?timeout=5``): not the text after the scheme.
+        # Every spelling (``sqlite+pysqlite:///``, ``sqlite://``) is looked at, so each is told
+        # of a missing file alike; check_sqlite_url refuses those that name none.
         parsed = parse(url)[1]
         check_sqlite_url(parsed, redact_url(norm))  # before the file is looked at
         path = parsed.database or ""

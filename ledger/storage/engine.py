@@ -50,10 +50,17 @@ def normalize_url(url: str) -> str:
             # so that sqlite_file refuses it rather than a file called ":memory:" or "file:x"
             # being made in the working folder.
             return "sqlite:///" + url
-        return "sqlite:///" + os.path.abspath(url)
+        # A URL's path is percent-decoded and ends at '?' or '#': a file called "my?file.db"
+        # opened "my", and "p%20q.db" opened "p q.db". Quoted here, SQLAlchemy's parse gives
+        # the path back as written.
+        return "sqlite:///" + _quote_path(os.path.abspath(url))
     if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
+
+
+def _quote_path(path: str) -> str:
+    return path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
 
 
 # libpq's connection options that carry a secret: the password, the passphrase of the client's
@@ -98,6 +105,20 @@ def redact_url(url: str) -> str:
     return _QUERY_PAIR.sub(pair, url)
 
 
+def _refuse_blank_sqlite_options(norm: str, where: str) -> None:
+    # SQLAlchemy drops an option given no value (``?timeout=``, ``?timeout``), so the default
+    # held where the URL meant something else.
+    if not norm.startswith("sqlite"):
+        return
+    query = norm.partition("?")[2].partition("#")[0]
+    for pair in filter(None, query.split("&")):
+        key, eq, value = pair.partition("=")
+        if not eq or not value:
+            raise InvalidArgument(
+                f"database URL {where!r} gives the option {key!r} no value: give it one "
+                "(e.g. timeout=5), or leave it out", field="url")
+
+
 def parse(url: str) -> tuple[str, URL]:
     """``url`` normalized (:func:`normalize_url`) and parsed; names the backend's problems."""
     norm = normalize_url(url)
@@ -112,6 +133,7 @@ def parse(url: str) -> tuple[str, URL]:
             "part (a raw '@' in the password, or in a query value): percent-encode it as %40",
             field="url")
     refuse_blank_options(norm, where)
+    _refuse_blank_sqlite_options(norm, where)
     norm = hosts_to_query(norm, where)
     try:
         parsed = make_url(norm)

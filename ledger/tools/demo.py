@@ -132,10 +132,11 @@ def fresh_ledger(db_url: str) -> str | None:
     """
     from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
-    from ledger.storage.engine import file_holds, normalize_url, not_a_ledger, redact_url
+    from ledger.storage.engine import file_holds, normalize_url, not_a_ledger, parse, redact_url
 
     norm = normalize_url(db_url)
-    path = norm[len("sqlite:///"):] if norm.startswith("sqlite:///") else None
+    # The file as SQLAlchemy reads the URL (percent-decoded, without its options).
+    path = (parse(norm)[1].database or None) if norm.startswith("sqlite:///") else None
     where = path or redact_url(norm)
     fix = ("pass --db a new file, e.g. --db demo.db" if path is not None
            else "pass --db an empty database, or a new SQLite file (e.g. --db demo.db)")

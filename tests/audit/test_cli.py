@@ -180,6 +180,11 @@ def test_a_missing_or_empty_ledger_names_db_init_and_is_left_byte_for_byte(
     assert len(err.splitlines()) == 1 and "does not exist" in err
     assert f"`failover-ledger db init --db {missing}`" in err, err
     assert not missing.exists()
+    # Every spelling of a SQLite URL is told so (sqlite+pysqlite:/// skipped the check, and
+    # the engine's first connection made the file).
+    assert main(["--db", f"sqlite+pysqlite:///{missing}", "runs"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not missing.exists()
     empty, app = _no_ledger_files(tmp_path)
     before = {p: p.read_bytes() for p in (empty, app)}
     for command in _READERS:

@@ -42,6 +42,9 @@ def _openings(url: str) -> list[Callable[[], Any]]:
     ("sqlite:///led.db?Timeout=5", "gives the option 'Timeout'"),
     ("sqlite:///led.db?timeout=5&timeout=6", "gives the SQLite option 'timeout' 2 times"),
     ("sqlite:///led.db?uri=true", "gives the SQLite URI option uri"),
+    ("sqlite:///led.db?timeout=", "gives the option 'timeout' no value"),
+    ("sqlite:///led.db?timeout", "gives the option 'timeout' no value"),
+    ("sqlite:///led.db?timeout=5&foo", "gives the option 'foo' no value"),
 ])
 def test_a_sqlite_url_the_ledger_cannot_take_is_invalid_argument_naming_its_fault(
         url: str, fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,3 +79,22 @@ def test_every_documented_sqlite_spelling_still_opens(
             with Ledger.open(url) as led:
                 assert led.backend == "sqlite"
     assert sorted(os.listdir(tmp_path)) == ["a.db", "b.db", "c.db", "d.db", "e.db", "f.db"]
+
+
+@pytest.mark.parametrize("name", ["my?file.db", "p%20q.db", "a#b.db", "a?b=1.db", "100%.db"])
+def test_a_plain_path_is_the_file_of_that_name_whatever_characters_it_holds(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A URL's path ends at '?' or '#' and is percent-decoded: "my?file.db" opened "my",
+    # "p%20q.db" opened "p q.db", and "a?b=1.db" was refused as an option 'b'. A plain path is a
+    # file name, not a URL.
+    from ledger.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    for opening in _openings(name):
+        opening()
+        assert os.listdir(tmp_path) == [name]
+    capsys.readouterr()
+    assert main(["--db", name, "runs"]) == 0
+    assert "RUN" in capsys.readouterr().out
+    assert os.listdir(tmp_path) == [name]
