@@ -28,7 +28,8 @@ one passes it), and JSON the parser cannot read, however deep, is 400. Bad input
 ledger's typed error: 400 (``InvalidArgument``), 404 (``NotFound``), 409 (``InvalidState``,
 ``LeaseHeld``: a Run or key not in a state that allows it), each recording nothing. A
 dashboard whose role may not write (a reader's role: ``DatabaseReadOnly``) answers 403, its
-message naming the fix; 503 is left to a database that is away or busy (retry later).
+message naming the fix; 503 is left to a database that is away or busy (retry later), and any
+other error of the ledger (a set-up error: a schema older or newer than the code) is 500.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from ledger.domain.timefmt import iso, relative
 from ledger.errors import (
     Conflict,
     DatabaseReadOnly,
+    DatabaseUnavailable,
     InvalidArgument,
     LeaseHeld,
     LedgerError,
@@ -368,8 +370,12 @@ def action_routes(audit: Callable[[], Audit], token: str,
                 return _answer(as_json, 403, f"{e} (the dashboard's role may not record "
                                "actions: start it with the URL of the role that writes the "
                                "ledger, or without --allow-actions)", None, page)
-            except LedgerError as e:
+            except DatabaseUnavailable as e:
                 return _answer(as_json, 503, str(e), None, page)
+            except LedgerError as e:
+                # A set-up error (a schema too old or too new, tables gone) or a defect: a
+                # retry will not help, as a 503 would have told the client.
+                return _answer(as_json, 500, str(e), None, page)
             if as_json:
                 return JSONResponse({"ok": True, "message": text, **doc})
             return _answer(False, 200, text, back, page)

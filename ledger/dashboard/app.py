@@ -73,7 +73,13 @@ from ledger.dashboard.metrics import encode
 from ledger.dashboard.replay import replay_form, replay_html
 from ledger.dashboard.spend import spend_section
 from ledger.domain.timefmt import data_text, iso, relative
-from ledger.errors import InvalidArgument, LedgerError, NotFound
+from ledger.errors import (
+    DatabaseReadOnly,
+    DatabaseUnavailable,
+    InvalidArgument,
+    LedgerError,
+    NotFound,
+)
 from ledger.ops.audit import (
     ACTION_KINDS,
     Audit,
@@ -104,6 +110,24 @@ TRUSTED_PROXIES = ("127.0.0.1", "::1")
 #: The slowest auto-refresh a page takes (``?refresh=``, ``refresh_s``): a day.
 MAX_REFRESH_S = 86400
 DEFAULT_METRICS_TTL_S = 10.0
+
+_PAGE = frozenset({"limit", "cursor"})
+_WINDOW = frozenset({"since", "until"})
+#: The query parameters each JSON route takes; any other is refused (400, naming it).
+API_PARAMETERS: dict[str, frozenset[str]] = {
+    "/api/latency": _WINDOW | {"hours", "route", "group", "category", "tenant", "state"},
+    "/api/health": frozenset(),
+    "/api/runs": _WINDOW | _PAGE | {"status", "tenant"},
+    "/api/runs/{run_id:path}": frozenset(),
+    "/api/failovers": _WINDOW | _PAGE,
+    "/api/costs": _WINDOW | _PAGE | {"by", "label"},
+    "/api/costs/days": frozenset({"days"}),
+    "/api/activity": _WINDOW | {"buckets"},
+    "/api/routes": _WINDOW | {"buckets", "routes"},
+    "/api/budgets": _WINDOW | _PAGE | {"by", "label", "every"},
+    "/api/actions": _WINDOW | _PAGE | {"kind"},
+    "/api/replay": _WINDOW | {"policy", "hours", "tenant", "run"},
+}
 # No network at all: nothing but inline styles and same-origin links and forms.
 _CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
         "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -660,17 +684,39 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         a: Audit = state["audit"]
         return a
 
-    def handled(fn: Callable[[Request], Response]) -> Callable[[Request], Response]:
+    def handled(fn: Callable[[Request], Response],
+                takes: frozenset[str] | None = None) -> Callable[[Request], Response]:
+        """``fn`` with the ledger's errors as HTTP statuses; ``takes``: the query parameters
+        a JSON route reads, any other refused (400) rather than ignored (a misspelt
+        ``?tenat=`` answered for every tenant)."""
         def endpoint(request: Request) -> Response:
             try:
+                if takes is not None:
+                    _only(request, takes)
                 return fn(request)
             except NotFound as e:
                 return _refused(request, 404, "not found", e)
             except (InvalidArgument, ValueError) as e:
                 return _refused(request, 400, "bad request", e)
-            except LedgerError as e:
+            except DatabaseReadOnly as e:
+                # 42501: the dashboard's role may not read these tables. A retry will not
+                # grant it.
+                return _refused(request, 403, "forbidden", e)
+            except DatabaseUnavailable as e:
                 return _refused(request, 503, "unavailable", e)
+            except LedgerError as e:
+                # A set-up error (a schema too old or too new, a role refused) or a defect:
+                # not a state a client's retry waits out, as a 503 would tell it.
+                return _refused(request, 500, "server error", e)
         return endpoint
+
+    def _only(request: Request, takes: frozenset[str]) -> None:
+        unknown = sorted(set(request.query_params) - takes)
+        if unknown:
+            accepted = ", ".join(sorted(takes)) or "none"
+            raise InvalidArgument(
+                f"unknown query parameter {unknown[0][:40]!r} for {request.url.path}; it takes: "
+                f"{accepted}", field=unknown[0][:40])
 
     def _refused(request: Request, status: int, title: str, e: Exception) -> Response:
         """The error as the route speaks: JSON under /api and for /metrics, else a page."""
@@ -1062,21 +1108,16 @@ def create_app(url: str | None = None, *, ledger: Ledger | None = None,
         Route("/runs/{run_id:path}", handled(run_page)),
         Route("/latency", handled(latency_page)),
         Route("/metrics", handled(metrics)),
-        Route("/api/latency", handled(api_latency)),
-        Route("/api/health", handled(api_health)),
-        Route("/api/runs", handled(api_runs)),
-        Route("/api/runs/{run_id:path}", handled(api_run)),
-        Route("/api/failovers", handled(api_failovers)),
-        Route("/api/costs", handled(api_costs)),
-        Route("/api/costs/days", handled(api_costs_days)),
-        Route("/api/activity", handled(api_activity)),
-        Route("/api/routes", handled(api_routes)),
         Route("/budgets", handled(budgets_page)),
-        Route("/api/budgets", handled(api_budgets)),
-        Route("/api/actions", handled(api_actions)),
         Route("/replay", handled(replay_page)),
-        Route("/api/replay", handled(api_replay)),
     ]
+    for path, api in (("/api/latency", api_latency), ("/api/health", api_health),
+                      ("/api/runs", api_runs), ("/api/runs/{run_id:path}", api_run),
+                      ("/api/failovers", api_failovers), ("/api/costs", api_costs),
+                      ("/api/costs/days", api_costs_days), ("/api/activity", api_activity),
+                      ("/api/routes", api_routes), ("/api/budgets", api_budgets),
+                      ("/api/actions", api_actions), ("/api/replay", api_replay)):
+        routes.append(Route(path, handled(api, API_PARAMETERS[path])))
     if actions:
         assert token is not None
         routes += action_routes(audit, token, _page)

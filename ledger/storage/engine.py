@@ -313,14 +313,15 @@ Holds = Literal["empty", "ledger", "foreign", "not_sqlite"]
 _LEDGER_TABLES = frozenset({"alembic_version", "runs"})
 
 
-def file_holds(path: str) -> Holds:
+def file_holds(path: str, timeout_s: float = 5.0) -> Holds:
     """What the SQLite file at ``path`` holds, read without writing a byte of it, and leaving
     no ``-wal`` or ``-shm`` file beside it that was not there.
 
     ``"empty"``: no file, an empty one, or a database without tables (the ledger may create
     its schema there); ``"ledger"``: the ledger's schema (its ``alembic_version`` and ``runs``
     tables); ``"foreign"``: tables, but not the ledger's (another application's database);
-    ``"not_sqlite"``: a file that is not a SQLite database. The one rule for "is this file a
+    ``"not_sqlite"``: a file that is not a SQLite database. ``timeout_s``: how long it waits
+    for another connection's lock. The one rule for "is this file a
     ledger": migrating
     (:meth:`ledger.storage.sqlite.SqliteContext.refuse_foreign`), the reporting commands and the
     demo all ask it.
@@ -340,7 +341,7 @@ def file_holds(path: str) -> Holds:
     uri = Path(path).resolve().as_uri() + ("?mode=rw" if _wal_unopened(path) else "?mode=ro")
     with mapped_errors("sqlite:///" + os.path.abspath(path)):
         try:
-            conn = sqlite3.connect(uri, uri=True)
+            conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
             try:
                 names = {str(r[0]) for r in conn.execute(
                     "SELECT name FROM sqlite_master WHERE type = 'table'")}

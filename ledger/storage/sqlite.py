@@ -53,6 +53,9 @@ class SqliteContext(SqlContext):
     #: The longest a queued begin waits without a signal before it begins again: another
     #: process's settle signals nothing on SQLite.
     QUEUE_POLL_S = 0.1
+    #: How long the look at the file before the first connection waits for another's lock:
+    #: the URL's ``timeout=`` when shorter (a URL asking 0.2 s waited 5).
+    holds_timeout_s = 5.0
 
     @classmethod
     def open(cls, norm: str, parsed: URL, *,
@@ -63,6 +66,7 @@ class SqliteContext(SqlContext):
         timeout = eng.sqlite_busy_timeout(parsed)
         ctx = cls(eng.sqlite_engine(parsed, timeout), redact_url(norm),
                   lease_margin_s=lease_margin_s)
+        ctx.holds_timeout_s = min(timeout, cls.holds_timeout_s)
         return Store(ctx, SqliteDriver(path, busy_timeout_s=timeout), statements.SQLITE,
                      queue_poll_s=cls.QUEUE_POLL_S)
 
@@ -83,7 +87,8 @@ class SqliteContext(SqlContext):
         (:func:`~ledger.storage.engine.file_holds`): the engine's first connection switches
         a file to WAL, a write, and one that is not a ledger must stay as it was."""
         try:
-            return eng.file_holds(str(self.engine.url.database)) == "ledger"
+            return eng.file_holds(str(self.engine.url.database),
+                                  self.holds_timeout_s) == "ledger"
         except StorageError:
             return False  # the first call tells what is wrong with the file
 
