@@ -72,43 +72,46 @@ def _split_hosts(text: str) -> list[str]:
     return out
 
 
-def _port(text: str, where: str) -> str:
+def _port(text: str, where: str, *, hosts: bool = True) -> str:
     if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
-        raise _refuse(where, f"port {text!r} is not a number from 1 to 65535")
+        raise _refuse(where, f"port {text!r} is not a number from 1 to 65535", hosts=hosts)
     return str(int(text))
 
 
-def _host(text: str, where: str) -> tuple[str, str | None]:
-    """One entry of a host list: ``(host, port or None)``, both checked."""
+def _host(text: str, where: str, *, hosts: bool = True) -> tuple[str, str | None]:
+    """One entry of a host list: ``(host, port or None)``, both checked; ``hosts``: whether
+    a refusal ends with how to write several hosts (not for a URL of one)."""
     if text.startswith("/"):
         return text, None  # a Unix socket directory
     bracketed = _BRACKETED.fullmatch(text)
     if bracketed is not None:
         host, port = bracketed["host"], bracketed["port"]
         if ":" not in host:  # brackets are for an IPv6 address; anything else is no host
-            raise _refuse(where, f"host {text!r} is in brackets but is not an IPv6 address")
+            raise _refuse(where, f"host {text!r} is in brackets but is not an IPv6 address",
+                          hosts=hosts)
     elif text.count(":") >= 2:
         host, port = text, None  # an IPv6 address without a port
     else:
         host, _, port_text = text.partition(":")
         port = port_text if ":" in text else None
     if not host:
-        raise _refuse(where, f"an empty host in {text!r}" if text else "an empty host")
+        raise _refuse(where, f"an empty host in {text!r}" if text else "an empty host",
+                      hosts=hosts)
     if ":" in host:
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise _refuse(where, f"host {host!r} is not an IPv6 address") from None
+            raise _refuse(where, f"host {host!r} is not an IPv6 address", hosts=hosts) from None
     elif not _HOSTNAME.fullmatch(host):
         raise _refuse(where, f"host {host!r} is not a host name, an IP address or a socket "
-                             "directory")
+                             "directory", hosts=hosts)
     elif re.fullmatch(r"[0-9.]+", host):
         # No top-level domain is numeric: libpq would look a mistyped address up as a name.
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
-            raise _refuse(where, f"host {host!r} is not an IPv4 address") from None
-    return host, None if port is None else _port(port, where)
+            raise _refuse(where, f"host {host!r} is not an IPv4 address", hosts=hosts) from None
+    return host, None if port is None else _port(port, where, hosts=hosts)
 
 
 # The values libpq accepts for the connection options the ledger's users set most; libpq
@@ -187,10 +190,11 @@ def hosts_to_query(norm: str, where: str) -> str:
     user, hostlist, tail = rest[:user_end], after["hosts"], after["tail"]
     if "," not in hostlist:
         if hostlist.startswith("["):
-            _host(hostlist, where)  # SQLAlchemy drops the brackets: check them while they show
+            # SQLAlchemy drops the brackets: check them while they show.
+            _host(hostlist, where, hosts=False)
         elif hostlist.count(":") == 1:
             # SQLAlchemy's own refusal of the port is Python's int() message.
-            _port(hostlist.partition(":")[2], where)
+            _port(hostlist.partition(":")[2], where, hosts=False)
         return norm
     hosts, ports = [], []
     for entry in _split_hosts(hostlist):
@@ -238,7 +242,7 @@ def conninfo(parsed: URL, where: str, *, reads: bool = False) -> str:
     if inline and listed:
         raise _refuse(where, "the ports are named twice: as host=HOST:PORT and as port=")
     if listed:
-        ports = [_port(p, where) if p else "" for p in listed]
+        ports = [_port(p, where, hosts=len(entries) > 1) if p else "" for p in listed]
         if len(ports) != 1 and len(ports) != len(entries):
             raise _refuse(where, f"{len(entries)} host(s) but {len(ports)} ports: give one port "
                                  "for every host, or one for all")

@@ -140,18 +140,24 @@ def test_an_unreadable_url_is_invalid_argument_naming_its_fault_before_any_looku
 def test_a_single_hosts_bad_port_is_told_as_a_list_of_hosts_port_is(
         port: str, no_name_lookup: list[Any]) -> None:
     """One host's port that is not a number said Python's "(invalid literal for int() with
-    base 10: 'abc')"; a list of hosts named the port and its range. Both say the same."""
-    said = []
+    base 10: 'abc')"; a list of hosts named the port and its range. Both say the same fault;
+    only a URL of several hosts goes on to say how several are written (for one host, that
+    hint was beside the point)."""
+    said, hinted = [], []
+    # (An empty port= is "given no value", said of every parameter.)
+    query = [f"postgresql+psycopg://u@/ledger?host=127.0.0.1&port={port}"] if port else []
     for url in (f"postgresql+psycopg://u@127.0.0.1:{port}/ledger",
                 f"postgresql+psycopg://u@127.0.0.1:{port},127.0.0.2/ledger",
-                f"postgresql+psycopg://u@[::1]:{port}/ledger"):
+                f"postgresql+psycopg://u@[::1]:{port}/ledger", *query):
         with pytest.raises(InvalidArgument) as caught:
             Ledger.open(url)
         assert caught.value.fields["field"] == "url"
-        said.append(str(caught.value).split(": ", 1)[1])
-        assert "int()" not in said[-1], said[-1]
-    assert len(set(said)) == 1 and said[0].startswith(
-        f"port {port!r} is not a number from 1 to 65535"), said
+        fault, _, hint = str(caught.value).split(": ", 1)[1].partition("; ")
+        said.append(fault)
+        hinted.append("write several hosts" in hint)
+        assert "int()" not in fault, fault
+    assert len(set(said)) == 1 and said[0] == f"port {port!r} is not a number from 1 to 65535", said
+    assert hinted == [False, True, False, False][:len(hinted)]
     assert no_name_lookup == []
 
 
