@@ -126,14 +126,16 @@ _FLAG_OF = {"lease_ttl_s": "ttl"}
 
 
 def _options_of(parser: argparse.ArgumentParser, func: object) -> dict[str, str]:
-    """The command's own options by destination (``ttl`` -> ``--ttl``): those of the
-    (sub)parser whose command is ``func``, positionals left out (they have no flag)."""
+    """The command's own arguments by destination as its usage line names them (``ttl`` ->
+    ``--ttl``, ``run_id`` -> ``RUN_ID``): those of the (sub)parser whose command is
+    ``func``."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 if sub.get_default("func") is func:
-                    return {a.dest: a.option_strings[-1] for a in sub._actions
-                            if a.option_strings}
+                    return {a.dest: a.option_strings[-1] if a.option_strings
+                            else str(a.metavar or a.dest.upper()) for a in sub._actions
+                            if a.dest != argparse.SUPPRESS}
                 found = _options_of(sub, func)
                 if found:
                     return found

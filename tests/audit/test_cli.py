@@ -932,6 +932,8 @@ def test_a_bad_flag_value_is_told_by_the_flag_not_the_librarys_argument(sqlite_u
         assert res.returncode == 2 and res.stdout == "", args
         assert len(res.stderr.splitlines()) == 1 and said in res.stderr, (args, res.stderr)
         assert "invalid " not in res.stderr and "lease_ttl_s" not in res.stderr, args
-    # A positional argument has no flag to name: the library's words stay.
+    # A positional argument is named as the usage line names it ("invalid run_id: ..." named
+    # a keyword of the library's, not anything on the command line).
     res = cli("--db", sqlite_url, "run", "show", "")
     assert res.returncode == 2 and "--run-id" not in res.stderr, res.stderr
+    assert "error: ID is empty" in res.stderr and "run_id" not in res.stderr, res.stderr
