@@ -70,6 +70,7 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     empty_text_note,
+    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -207,19 +208,26 @@ class AnthropicCodec(Codec):
             else:
                 messages.append({"role": role, "content": [block]})
 
+        files_only = files_only_results(envelope.parts)
+        in_results = {k for files in files_only.values() for k in files}
         for i, part in wire_order(envelope.parts):
+            if i in in_results:
+                continue  # sent in its call's tool_result
             if part.role == "system":
                 system.append(part.content)
             elif part.role == "tool":
                 require_tool_result(self.protocol, part, i)
-                add(
-                    "user",
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": part.tool_call_id,
-                        "content": part.content,
-                    },
-                )
+                result: dict[str, Any] = {"type": "tool_result", "tool_use_id": part.tool_call_id}
+                if i in files_only:
+                    # A tool_result's content may be image and document blocks: the files
+                    # are the result, where an empty text would be refused.
+                    result["content"] = [_media_block(envelope.parts[k], k, route)
+                                         for k in files_only[i]]
+                elif part.content:
+                    result["content"] = part.content
+                # else no content (optional): a tool that returned nothing, without the
+                # empty text the API refuses.
+                add("user", result)
             elif part.role == "assistant" and part.tool_call_id:
                 add(
                     "assistant",

@@ -680,6 +680,25 @@ def _in_tool_results(part: Part) -> bool:
     return part.role == "tool" or (part.role == "user" and part.media_type is not None)
 
 
+def _result_runs(parts: Sequence[Part]) -> list[range]:
+    """The runs of a turn's tool results in ``parts`` (see :func:`wire_order`), in order."""
+    runs: list[range] = []
+    i = 0
+    while i < len(parts):
+        end = i
+        while end < len(parts) and _in_tool_results(parts[end]):
+            end += 1
+        opens = parts[i].role == "tool" or (
+            i > 0 and parts[i - 1].role == "assistant" and parts[i - 1].tool_call_id is not None)
+        run = range(i, end)
+        if not opens or not any(parts[k].role == "tool" for k in run):
+            i += 1
+            continue
+        runs.append(run)
+        i = end
+    return runs
+
+
 def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
     """The envelope's parts, each with its index, in the order every codec sends them.
 
@@ -693,19 +712,60 @@ def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
     Anthropic a user message whose ``tool_result`` blocks do not come first.
     """
     out: list[tuple[int, Part]] = []
+    runs = iter(_result_runs(parts))
+    run = next(runs, None)
     i = 0
     while i < len(parts):
-        end = i
-        while end < len(parts) and _in_tool_results(parts[end]):
-            end += 1
-        opens = parts[i].role == "tool" or (
-            i > 0 and parts[i - 1].role == "assistant" and parts[i - 1].tool_call_id is not None)
-        run = list(range(i, end))
-        if not opens or not any(parts[k].role == "tool" for k in run):
+        if run is None or i != run.start:
             out.append((i, parts[i]))
             i += 1
             continue
         out.extend((k, parts[k]) for k in run if parts[k].role == "tool")
         out.extend((k, parts[k]) for k in run if parts[k].role != "tool")
-        i = end
+        i = run.stop
+        run = next(runs, None)
     return out
+
+
+def files_only_results(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
+    """The tool results that are files alone: each one's index, with its files' indices.
+
+    A tool that returned only an image or a document leaves an empty ``tool`` part
+    (``run.tool_result(call, "")``, or a framework's tool message without text) beside the
+    file it returned, a user part whose ``provenance`` is the call's id, in the same turn's
+    tool results (:func:`wire_order`). Sent as they stand, the result would be an empty text,
+    which Anthropic refuses, and the model would read that the tool returned nothing. A codec
+    whose protocol carries files in a tool result puts them there instead (Anthropic's
+    ``tool_result`` content, the Responses API's ``function_call_output``); the others send
+    :data:`TOOL_FILES_TEXT` as the result (:func:`tool_files_note`).
+
+    A file goes with the first empty result of its call; files of a call whose result has
+    text, and a run's files of no call, are sent after the turn's results as before.
+    """
+    out: dict[int, tuple[int, ...]] = {}
+    for run in _result_runs(parts):
+        claimed: set[int] = set()
+        for k in run:
+            part = parts[k]
+            if part.role != "tool" or part.content or part.tool_call_id is None:
+                continue
+            files = tuple(j for j in run if j not in claimed and parts[j].role != "tool"
+                          and parts[j].provenance == part.tool_call_id)
+            if files:
+                out[k] = files
+                claimed.update(files)
+    return out
+
+
+#: The text of a tool result that is files alone, where the protocol carries only text in a
+#: tool result (chat completions' ``tool`` message, Gemini's ``functionResponse``): the files
+#: follow the turn's tool results, and this says so (see :func:`files_only_results`).
+TOOL_FILES_TEXT = "[The tool returned no text, only the files that follow the tool results.]"
+
+
+def tool_files_note(route: Route, index: int, files: Sequence[int]) -> str:
+    """The note of a tool result that is files alone, sent as :data:`TOOL_FILES_TEXT`."""
+    shown = ", ".join(f"envelope.parts[{k}]" for k in files)
+    return (f"envelope.parts[{index}]: the tool result has no text, only the files {shown}: "
+            f"{route.protocol.value} carries no file in a tool result, so the result is sent "
+            f"as {TOOL_FILES_TEXT!r} and the files after the turn's tool results")

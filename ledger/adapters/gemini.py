@@ -70,6 +70,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ledger.adapters.contract import (
+    TOOL_FILES_TEXT,
     Codec,
     MalformedPayload,
     ProviderErrorPayload,
@@ -85,6 +86,7 @@ from ledger.adapters.contract import (
     detail_count,
     dropped_reasoning,
     empty_text_note,
+    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -97,6 +99,7 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     take_output_media,
+    tool_files_note,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
@@ -245,6 +248,7 @@ class GeminiCodec(Codec):
             else:
                 contents.append({"role": role, "parts": [part]})
 
+        files_only = files_only_results(envelope.parts)
         for i, p in wire_order(envelope.parts):
             if p.role == "system":
                 system.append(p.content)
@@ -255,7 +259,12 @@ class GeminiCodec(Codec):
                     response = json.loads(p.content)
                 except (ValueError, RecursionError):
                     response = None
-                if not isinstance(response, dict):
+                if i in files_only:
+                    # The files follow the turn's functionResponse parts (the response object
+                    # every Gemini model takes is JSON), and the result says so, not nothing.
+                    response = {"result": TOOL_FILES_TEXT}
+                    notes.append(tool_files_note(route, i, files_only[i]))
+                elif not isinstance(response, dict):
                     response = {"result": p.content}
                 add("user", {"functionResponse": {"name": p.name, "response": response}})
             elif p.role == "assistant" and p.tool_call_id:

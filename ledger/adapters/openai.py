@@ -49,6 +49,7 @@ from typing import Any
 from ledger.adapters.contract import (
     ASSISTANT_MEDIA_TEXT,
     MAX_TOOL_CALLS,
+    TOOL_FILES_TEXT,
     Codec,
     MalformedPayload,
     ProviderErrorPayload,
@@ -66,6 +67,7 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     error_extras,
+    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -77,6 +79,7 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     take_output_media,
+    tool_files_note,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
@@ -184,6 +187,7 @@ class OpenAICodec(Codec):
         )
         messages: list[dict[str, Any]] = []
         notes: list[str] = []
+        files_only = files_only_results(envelope.parts)
         for i, part in wire_order(envelope.parts):
             if part.role == "assistant" and part.tool_call_id:
                 call = {
@@ -202,8 +206,14 @@ class OpenAICodec(Codec):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif part.role == "tool":
                 require_tool_result(self.protocol, part, i)
+                content = part.content
+                if i in files_only:
+                    # A tool message carries text only: the files go in the user message after
+                    # the turn's results, and the result says so rather than nothing.
+                    content = TOOL_FILES_TEXT
+                    notes.append(tool_files_note(route, i, files_only[i]))
                 messages.append(
-                    {"role": "tool", "tool_call_id": part.tool_call_id, "content": part.content}
+                    {"role": "tool", "tool_call_id": part.tool_call_id, "content": content}
                 )
             elif part.kind is MediaKind.REASONING:
                 notes.append(dropped_reasoning(route, part, i))

@@ -92,6 +92,7 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     error_extras,
+    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -288,7 +289,11 @@ class OpenAIResponsesCodec(Codec):
         instructions: list[str] = []
         items: list[dict[str, Any]] = []
         notes: list[str] = []
+        files_only = files_only_results(envelope.parts)
+        in_results = {k for files in files_only.values() for k in files}
         for i, part in wire_order(envelope.parts):
+            if i in in_results:
+                continue  # sent in its call's function_call_output
             if part.role == "system":
                 instructions.append(part.content)
             elif part.kind is MediaKind.REASONING:
@@ -309,8 +314,12 @@ class OpenAIResponsesCodec(Codec):
                 self._user(items).append(_media_item(part, i, route))
             elif part.role == "tool":
                 require_tool_result(self.protocol, part, i)
+                # A function_call_output's output may be input_image, input_file and
+                # input_text items: a tool that returned files alone answers with them.
+                output: str | list[dict[str, Any]] = part.content if i not in files_only else [
+                    _media_item(envelope.parts[k], k, route) for k in files_only[i]]
                 items.append({"type": "function_call_output", "call_id": part.tool_call_id,
-                              "output": part.content})
+                              "output": output})
             elif part.role == "assistant" and part.tool_call_id:
                 args = tool_arguments(part, i)
                 items.append({"type": "function_call", "call_id": part.tool_call_id,

@@ -37,7 +37,8 @@ class ReceivedMedia:
 
     ``data`` holds the decoded bytes (a plain-text document's UTF-8 text too), ``url`` the
     link the provider would fetch; ``filename`` the name sent with a file, if any; ``role``
-    the role of the message (or Gemini turn: ``user``, ``model``) that carried it.
+    the role of the message (or Gemini turn: ``user``, ``model``) that carried it, ``tool``
+    for one in a Responses ``function_call_output``.
     """
 
     media_type: str
@@ -252,9 +253,13 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             except ValueError:
                 raise BadRequest(f"{where}.arguments is not JSON") from None
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"),
-                                                                          str):
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
                 raise BadRequest(f"{where} needs call_id and output")
+            # An output may be input_text, input_image and input_file items.
+            for j, rc in enumerate(output if isinstance(output, list) else []):
+                media.extend(replace(m, role="tool") for m in _responses_content(
+                    _obj(rc, f"{where}.output[{j}]"), f"{where}.output[{j}]", "tool"))
         elif kind == "reasoning":
             secret = item.get("encrypted_content")
             if not isinstance(secret, str) or not secret.startswith(f"enc:{model}:"):
@@ -384,36 +389,52 @@ def _anthropic(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             if kind in ("thinking", "redacted_thinking"):
                 _anthropic_thinking(block, where, msg.get("role"), model)
                 continue
-            if kind not in ("image", "document"):
+            if kind == "tool_result" and isinstance(block.get("content"), list):
+                # A tool's result may be text, image and document blocks.
+                for k, rn in enumerate(block["content"]):
+                    inner = f"{where}.content.{k}"
+                    nested = _obj(rn, inner)
+                    if nested.get("type") not in ("text", "image", "document"):
+                        raise BadRequest(f"{inner}.type: {nested.get('type')!r} is not valid in "
+                                         "a tool_result (text, image or document)")
+                    media.extend(_anthropic_block(nested, inner, msg.get("role")))
                 continue
-            if msg.get("role") != "user":
-                raise BadRequest(f"{where}: {kind} blocks belong in user messages")
-            source = _obj(block.get("source"), f"{where}.source")
-            stype = source.get("type")
-            allowed = _IMAGES if kind == "image" else ("application/pdf",)
-            if stype == "base64":
-                mt = source.get("media_type")
-                if not isinstance(mt, str) or mt not in allowed:
-                    raise BadRequest(f"{where}.source.media_type: {mt!r} is not one of "
-                                     f"{', '.join(allowed)}")
-                data = _b64(source.get("data"), f"{where}.source.data")
-                _fits(mt, data, where)
-                media.append(ReceivedMedia(mt, data, None, block.get("title"), "user"))
-            elif stype == "url":
-                url = source.get("url")
-                if not isinstance(url, str) or not url.startswith("https://"):
-                    raise BadRequest(f"{where}.source.url must be an https:// URL")
-                media.append(ReceivedMedia("", None, url, block.get("title"), "user"))
-            elif stype == "text" and kind == "document":
-                text = source.get("data")
-                if source.get("media_type") != "text/plain" or not isinstance(text, str):
-                    raise BadRequest(f"{where}.source: a text source is text/plain data")
-                media.append(ReceivedMedia("text/plain", text.encode(), None,
-                                           block.get("title"), "user"))
-            else:
-                raise BadRequest(f"{where}.source.type: {stype!r} is not valid here")
+            media.extend(_anthropic_block(block, where, msg.get("role")))
     _anthropic_tool_turn(messages, obj)
     return media
+
+
+def _anthropic_block(block: dict[str, Any], where: str, role: Any) -> list[ReceivedMedia]:
+    """The media of a text, image or document block, checked as the Messages API does."""
+    kind = block.get("type")
+    if kind == "text" and block.get("text") == "":
+        raise BadRequest(f"{where}: text content blocks must be non-empty")
+    if kind not in ("image", "document"):
+        return []
+    if role != "user":
+        raise BadRequest(f"{where}: {kind} blocks belong in user messages")
+    source = _obj(block.get("source"), f"{where}.source")
+    stype = source.get("type")
+    allowed = _IMAGES if kind == "image" else ("application/pdf",)
+    if stype == "base64":
+        mt = source.get("media_type")
+        if not isinstance(mt, str) or mt not in allowed:
+            raise BadRequest(f"{where}.source.media_type: {mt!r} is not one of "
+                             f"{', '.join(allowed)}")
+        data = _b64(source.get("data"), f"{where}.source.data")
+        _fits(mt, data, where)
+        return [ReceivedMedia(mt, data, None, block.get("title"), "user")]
+    if stype == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url.startswith("https://"):
+            raise BadRequest(f"{where}.source.url must be an https:// URL")
+        return [ReceivedMedia("", None, url, block.get("title"), "user")]
+    if stype == "text" and kind == "document":
+        text = source.get("data")
+        if source.get("media_type") != "text/plain" or not isinstance(text, str):
+            raise BadRequest(f"{where}.source: a text source is text/plain data")
+        return [ReceivedMedia("text/plain", text.encode(), None, block.get("title"), "user")]
+    raise BadRequest(f"{where}.source.type: {stype!r} is not valid here")
 
 
 def _gemini_signature(part: dict[str, Any], where: str, role: str,

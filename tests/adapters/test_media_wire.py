@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from ledger.adapters import HttpAdapter, TextDelta, openai
-from ledger.adapters.contract import wire_order
+from ledger.adapters.contract import TOOL_FILES_TEXT, files_only_results, wire_order
 from ledger.adapters.runner import output_parts
 from ledger.decide.classify import classify
 from ledger.domain.envelope import Envelope, Part, ToolSpec
@@ -254,6 +254,136 @@ def test_only_a_turns_tool_results_are_reordered_and_the_users_own_files_stay_in
         ("user", ["text", "image_url"]), ("assistant", None), ("tool", "fetched a"),
         ("user", ["file"]), ("user", ["text", "image_url"])]
     assert [i for i, _ in wire_order(env.parts)] == [0, 1, 2, 4, 3, 5, 6]
+
+def files_alone() -> Envelope:
+    """Two parallel calls: ``call_a`` answered with text and a PDF, ``call_b`` with an image
+    alone (an empty text result beside it, as ``run.tool_result(call, "")`` and the framework
+    integrations leave for a tool that returned no text)."""
+    parts = [Part(content="Fetch the filing and take a screenshot."),
+             *(Part(role="assistant", content="{}", tool_call_id=f"call_{c}", name=n,
+                    data_class="model_derived") for c, n in (("a", "fetch"), ("b", "shot")))]
+    parts += [
+        Part(role="tool", content="fetched a", tool_call_id="call_a", name="fetch",
+             data_class="tool_result", provenance="call_a"),
+        Part(data=PDF, media_type="application/pdf", name="a.pdf", data_class="tool_result",
+             provenance="call_a"),
+        Part(data=PNG, media_type="image/png", data_class="tool_result", provenance="call_b"),
+        Part(role="tool", content="", tool_call_id="call_b", name="shot",
+             data_class="tool_result", provenance="call_b")]
+    return Envelope(parts=parts)
+
+
+def empty_texts(value: Any, key: str = "") -> list[str]:
+    """The keys under which ``value`` (a request body) holds an empty string."""
+    if isinstance(value, dict):
+        return [k for v_key, v in value.items() for k in empty_texts(v, v_key)]
+    if isinstance(value, list):
+        return [k for v in value for k in empty_texts(v, key)]
+    return [key] if value == "" else []
+
+
+FILES_ALONE = {
+    # The protocols whose tool result carries files: the image is call_b's result.
+    "openai_responses": [
+        ("call_a", "fetched a"),
+        ("call_b", [{"type": "input_image", "image_url": "data:image/png;base64,"
+                     + base64.b64encode(PNG).decode(), "detail": "auto"}]),
+        ("user", ["input_file"])],
+    "anthropic": [
+        ("call_a", "fetched a"),
+        ("call_b", [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": base64.b64encode(PNG).decode()}}]),
+        ("user", ["document"])],
+    # Text only in a tool result: the result says where the image is, which follows.
+    "openai": [("call_a", "fetched a"), ("call_b", TOOL_FILES_TEXT),
+               ("user", ["file", "image_url"])],
+    "gemini": [("fetch", {"result": "fetched a"}), ("shot", {"result": TOOL_FILES_TEXT}),
+               ("user", ["application/pdf", "image/png"])],
+}
+
+
+def results_and_files(protocol: str, body: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What follows the assistant's tool calls: ``(call, its result)`` in the order sent, then
+    ``("user", [the types of the files sent after the results])``."""
+    out: list[tuple[str, Any]] = []
+    files: list[str] = []
+    if protocol == "openai":
+        for m in body["messages"][2:]:
+            if m["role"] == "tool":
+                out.append((m["tool_call_id"], m["content"]))
+            else:
+                files += [c["type"] for c in m["content"]]
+    elif protocol == "openai_responses":
+        for item in body["input"][3:]:
+            if item["type"] == "function_call_output":
+                out.append((item["call_id"], item["output"]))
+            else:
+                files += [c["type"] for c in item["content"]]
+    elif protocol == "anthropic":
+        (message,) = body["messages"][2:]
+        for b in message["content"]:
+            if b["type"] == "tool_result":
+                out.append((b["tool_use_id"], b["content"]))
+            else:
+                files.append(b["type"])
+    else:
+        (content,) = body["contents"][2:]
+        for p in content["parts"]:
+            if "functionResponse" in p:
+                out.append((p["functionResponse"]["name"], p["functionResponse"]["response"]))
+            else:
+                files.append(p["inline_data"]["mime_type"])
+    return [*out, ("user", files)]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_tool_result_of_files_alone_reaches_the_model_without_an_empty_text(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    # Anthropic refuses an empty text block, and an empty result tells the model the tool
+    # returned nothing. Where the protocol's tool result carries files (Anthropic's
+    # tool_result, the Responses API's function_call_output), the image is the result; where
+    # it carries text only, the result says the files follow, and they do.
+    result, _ = await send(adapter, fake, protocol, files_alone())
+    (req,) = fake.requests
+    assert req.problem is None and result.ok, (req.problem, result.observation)
+    assert sorted(m.data or b"" for m in req.media) == sorted([PDF, PNG])
+    assert empty_texts(req.json) == []
+    assert results_and_files(protocol, req.json) == FILES_ALONE[protocol]
+    said = [n for n in result.notes if "no text, only the files envelope.parts[5]" in n]
+    assert len(said) == (1 if protocol in ("openai", "gemini") else 0), result.notes
+
+
+async def test_an_empty_tool_result_goes_to_anthropic_without_empty_content(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    # A tool that returned nothing: the tool_result's content is optional, and an empty text
+    # is what the Messages API refuses.
+    env = Envelope(parts=[
+        Part(content="Clear the cache."),
+        Part(role="assistant", content="{}", tool_call_id="call_a", name="clear",
+             data_class="model_derived"),
+        Part(role="tool", content="", tool_call_id="call_a", name="clear",
+             data_class="tool_result", provenance="call_a")])
+    result, _ = await send(adapter, fake, "anthropic", env)
+    (req,) = fake.requests
+    assert req.problem is None and result.ok, (req.problem, result.observation)
+    assert req.json["messages"][2]["content"] == [{"type": "tool_result",
+                                                   "tool_use_id": "call_a"}]
+
+
+def test_only_a_files_own_empty_result_carries_it() -> None:
+    # A file goes with the empty result of the call that returned it, within the turn's tool
+    # results: not with another call's, nor with a result of an earlier turn.
+    shot = Part(data=PNG, media_type="image/png", data_class="tool_result", provenance="call_b")
+    empty_a, empty_b = (Part(role="tool", content="", tool_call_id=f"call_{c}", name="f",
+                             data_class="tool_result", provenance=f"call_{c}") for c in "ab")
+    calls = [Part(role="assistant", content="{}", tool_call_id=f"call_{c}", name="f",
+                  data_class="model_derived") for c in "ab"]
+    parts = [Part(content="Go."), calls[0], empty_a, Part(content="And now?"), calls[1], shot,
+             empty_b, Part(data=PDF, media_type="application/pdf", name="a.pdf",
+                           data_class="tool_result", provenance="call_a")]
+    assert files_only_results(parts) == {6: (5,)}
+    assert [i for i, _ in wire_order(parts)] == [0, 1, 2, 3, 4, 6, 5, 7]
+
 
 # -- the Responses API ---------------------------------------------------------------------
 
