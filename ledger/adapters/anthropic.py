@@ -10,9 +10,12 @@ parts of one role are merged): an assistant part with ``tool_call_id`` is a ``to
 (``name``, JSON-object ``content`` as ``input``), a ``tool`` part a ``tool_result`` block in a user
 message; a turn's ``tool_result`` blocks open their user message, and the files the tools
 returned follow them (the API refuses a ``tool_result`` after another block;
-:func:`~ledger.adapters.contract.wire_order`). A trailing assistant part is Anthropic's native
-prefill: the answer continues it, and the
-result's text is the continuation only. ``max_tokens`` is required by the API:
+:func:`~ledger.adapters.contract.wire_order`). A call whose tool returned files alone (an empty
+``tool`` part) has them as its ``tool_result``'s content, and an empty result with no file goes
+without content: never an empty text, which the API refuses
+(:func:`~ledger.adapters.contract.files_only_results`). A trailing assistant part is
+Anthropic's native prefill: the answer continues it, and the result's text is the continuation
+only. ``max_tokens`` is required by the API:
 ``max_output_tokens`` or ``default_max_tokens`` (4096,
 :data:`~ledger.domain.envelope.DEFAULT_OUTPUT_TOKENS`, which the Run's hold also counts). The
 ``stop`` parameter is sent as ``stop_sequences``; other parameters pass through, and disclosure

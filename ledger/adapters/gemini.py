@@ -12,7 +12,10 @@ assistant part with ``tool_call_id`` is a ``functionCall`` (``name``, JSON-objec
 ``args``), a ``tool`` part a ``functionResponse`` (``name`` required; JSON content is passed as
 the response object, other text as ``{"result": text}``); a turn's ``functionResponse`` parts
 open the user turn, and the files its tools returned follow them
-(:func:`~ledger.adapters.contract.wire_order`, as on every protocol). A trailing assistant part
+(:func:`~ledger.adapters.contract.wire_order`, as on every protocol); the result of a call whose
+tool returned files alone (an empty ``tool`` part) has
+:data:`~ledger.adapters.contract.TOOL_FILES_TEXT` as its ``result``, with a note, and the files
+follow (:func:`~ledger.adapters.contract.files_only_results`). A trailing assistant part
 is sent as a final ``model`` turn (prefill); models that refuse it answer with a 400. The
 request's own fields ``safetySettings``, ``toolConfig`` and ``cachedContent`` in
 ``Envelope.params`` are sent at the top level of the request; every other parameter goes into

@@ -12,7 +12,10 @@ part is a tool result for ``tool_call_id``. A trailing assistant part (prefill) 
 message: servers that continue it do, others answer with a 400 that is reported as observed.
 A turn's tool results are sent first, a ``tool`` message for each call right after the
 assistant's, then the files the tools returned, in a user message (the API refuses anything
-between the tool calls and their results; :func:`~ledger.adapters.contract.wire_order`).
+between the tool calls and their results; :func:`~ledger.adapters.contract.wire_order`). A
+``tool`` message carries text only: the result of a call whose tool returned files alone (an
+empty ``tool`` part) is :data:`~ledger.adapters.contract.TOOL_FILES_TEXT`, with a note, and the
+files follow as any tool's do (:func:`~ledger.adapters.contract.files_only_results`).
 ``max_output_tokens`` is sent as ``max_tokens``, or as ``max_completion_tokens`` when the route's
 ``Capabilities.parameters`` lists that name and not ``max_tokens``. Streaming asks for
 ``stream_options.include_usage`` (so cost is known) unless the route's declared parameters omit

@@ -19,7 +19,9 @@ assistant ``message`` (its text); an assistant part with ``tool_call_id`` a ``fu
 item (``call_id``, ``name``, ``arguments`` as JSON text); a ``tool`` part a
 ``function_call_output`` (``call_id``, ``output``); a turn's ``function_call_output`` items come
 first, then the files its tools returned, in a user message
-(:func:`~ledger.adapters.contract.wire_order`, as on every protocol). An image or a document a
+(:func:`~ledger.adapters.contract.wire_order`, as on every protocol); a call whose tool returned
+files alone (an empty ``tool`` part) has them as its ``output``, a list of those items
+(:func:`~ledger.adapters.contract.files_only_results`). An image or a document a
 model returned (an assistant binary part) cannot go back as it came: an assistant message holds
 ``output_text`` only, and an ``image_generation_call`` item is read back by its id from the
 provider's store, which ``store: false`` leaves empty (and another route's image has no such

@@ -121,8 +121,9 @@ async def _then(first: Awaitable[Any], then: EventCallback, event: Any) -> None:
 def tool_file(call_id: str, file: Part, data_class: str) -> Part:
     """A tool's file as a user part of the tool's data class, covered by ``call_id``.
 
-    Wires carry a tool result as text, so the file goes in a user part next to it (sent
-    after all of the turn's results: ``contract.wire_order``); left as
+    A tool part is text, so the file goes in a user part next to it (sent after all of the
+    turn's results, ``contract.wire_order``, or in the result of a call that returned files
+    alone where the protocol carries them there, ``contract.files_only_results``); left as
     ``user_input`` it would need no provenance and reach recipients the grant approved for the
     user's input only.
     """
@@ -1206,11 +1207,12 @@ class RunSession(_SessionCore):
                 (or that of a call adopted with :meth:`adopt_tool_calls`).
             content: The tool's result, as text (serialise structured results); or a file
                 the tool returned, as a user ``Part(data=..., media_type=...)`` (call again
-                for each file: wires carry tool results as text). Its bytes, never a link:
+                for each file: a tool part is text). Its bytes, never a link:
                 a provider would fetch a link, sending its host what the URL carries.
                 Append a turn's results and files call by call, in either order: every
                 codec sends all of the turn's tool results first, then the files (the wires
-                refuse a file between them).
+                refuse a file between them). A tool that returned files alone gets ``""``
+                as its text: no codec sends that empty text (``docs/adapters.md``).
             data_class: The data class of that text or file, which disclosure preflight
                 checks (``tool_result``; e.g. ``private_document`` for a tool that reads one);
                 never ``user_input`` nor ``system``, the classes that need no provenance.

@@ -14,6 +14,9 @@ carry the signature on its first ``functionCall`` part. Tool results as chat com
 Anthropic check them: an assistant message's ``tool_calls`` answered by a ``tool`` message each,
 with nothing between (a user message with a tool's file included); a ``tool_use`` answered by
 a ``tool_result`` in the next message, whose ``tool_result`` blocks come before any other.
+Anthropic's empty text blocks are refused ("text content blocks must be non-empty"); the files
+in a ``tool_result``'s content and in a Responses ``function_call_output``'s ``output`` list
+are checked and received as any other.
 Standard library only, like the fake.
 """
 

@@ -156,6 +156,20 @@ _RESULT_A, _RESULT_B = ({"type": "tool_result", "tool_use_id": c, "content": c.u
      "`tool_use` ids were found without `tool_result` blocks immediately after: b"),
     ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
         {"role": "user", "content": [_RESULT_A]}]}, "unexpected `tool_use_id`"),
+    # An empty text block, and a file in a tool_result checked as one anywhere else.
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "text content blocks must be non-empty"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Go."}, _TOOL_USE_AB,
+        {"role": "user", "content": [_RESULT_A, {**_RESULT_B, "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/tiff",
+                                         "data": "AAAA"}}]}]}]}, "image/tiff"),
+    ("openai_responses", {"model": "m", "input": [
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": [
+            {"type": "input_image", "image_url": "data:image/png;base64,@@@"}]}]},
+     "not valid base64"),
 ])
 async def test_the_fake_refuses_what_a_provider_would(
         fake: FakeProvider, protocol: str, body: dict[str, Any], says: str) -> None:
