@@ -182,7 +182,7 @@ class SqliteDriver:
                 raise driver_error(e, self.path) from e
             try:
                 conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-                conn.execute("PRAGMA journal_mode = WAL")
+                _switch_to_wal(conn)
                 conn.execute("PRAGMA synchronous = FULL")
                 conn.execute("PRAGMA foreign_keys = ON")
             except sqlite3.Error as e:
@@ -341,6 +341,25 @@ class SqliteDriver:
             with contextlib.suppress(sqlite3.Error):  # closing is best effort
                 c.close()
         self._local = threading.local()
+
+
+def _switch_to_wal(conn: sqlite3.Connection) -> None:
+    """Put the file in WAL mode (a no-op read once it is).
+
+    The switch reads the file's header under a shared lock, then takes the exclusive one.
+    Connections of a file not yet in WAL that switch at once each hold the shared lock and
+    wait for the other's: SQLite answers one of them "database is locked" at once, without
+    its busy wait (it would never end). By then another is switching the file, so asked
+    again the connection waits for that switch (it holds no lock now) and finds WAL. A few
+    asks, not one: of three at once, two can meet that way.
+    """
+    for left in range(2, -1, -1):
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if left == 0 or getattr(e, "sqlite_errorname", "") != "SQLITE_BUSY":
+                raise
 
 
 def _advance(conn: sqlite3.Connection, tx: Tx[Any], value: Any) -> tuple[bool, Any]:
