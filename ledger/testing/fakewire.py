@@ -14,6 +14,9 @@ carry the signature on its first ``functionCall`` part. Tool results as chat com
 Anthropic check them: an assistant message's ``tool_calls`` answered by a ``tool`` message each,
 with nothing between (a user message with a tool's file included); a ``tool_use`` answered by
 a ``tool_result`` in the next message, whose ``tool_result`` blocks come before any other.
+A Responses ``function_call`` without its ``function_call_output`` before the conversation
+goes on is refused ("No tool output found for function call ..."), and so is a Gemini turn
+that calls functions followed by one without a ``functionResponse`` for each.
 Anthropic's empty text blocks are refused ("text content blocks must be non-empty"); the files
 in a ``tool_result``'s content and in a Responses ``function_call_output``'s ``output`` list
 are checked and received as any other.
@@ -234,10 +237,16 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     if obj.get("previous_response_id") is not None:
         raise BadRequest("previous_response_id: no response is stored here (store=false)")
     media: list[ReceivedMedia] = []
+    pending: list[str] = []  # function calls whose output has not come yet
     for i, raw in enumerate(_list(obj.get("input"), "input")):
         where = f"input[{i}]"
         item = _obj(raw, where)
         kind = item.get("type", "message")
+        if kind == "function_call_output" and item.get("call_id") in pending:
+            pending.remove(item["call_id"])
+        elif pending and kind not in ("function_call", "function_call_output", "reasoning"):
+            # The conversation goes on while a call has no output.
+            raise BadRequest(f"No tool output found for function call {pending[0]}.")
         if kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise BadRequest(f"{where}.role is not a message role")
@@ -251,6 +260,7 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str) or not item[key]:
                     raise BadRequest(f"{where}.{key} is required")
+            pending.append(item["call_id"])
             try:
                 json.loads(item["arguments"])
             except ValueError:
@@ -487,6 +497,23 @@ def _gemini_current_turn(contents: list[Any]) -> None:
             break  # only the first call of a step carries it
 
 
+def _gemini_count(content: Any, *keys: str) -> int:
+    """How many parts of ``content`` hold one of ``keys`` (either spelling of a field)."""
+    parts = content.get("parts") if isinstance(content, dict) else None
+    return sum(1 for p in parts or [] if isinstance(p, dict) and any(k in p for k in keys))
+
+
+def _gemini_responses(contents: list[Any]) -> None:
+    """A turn that calls functions is followed, if at all, by a response to each call."""
+    for i in range(len(contents) - 1):
+        calls = _gemini_count(contents[i], "functionCall", "function_call")
+        if calls and _gemini_count(contents[i + 1], "functionResponse",
+                                   "function_response") != calls:
+            raise BadRequest("Please ensure that the number of function response parts is "
+                             "equal to the number of function call parts of the function call "
+                             "turn.")
+
+
 def _gemini(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
     contents = _list(obj.get("contents"), "contents")
@@ -518,6 +545,7 @@ def _gemini(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
                 if mt not in _IMAGES + _DOCUMENTS:
                     raise BadRequest(f"{where}.file_data.mime_type: unsupported {mt!r}")
                 media.append(ReceivedMedia(mt, None, uri, role=role))
+    _gemini_responses(contents)
     if _gemini_thinking(obj, model):
         _gemini_current_turn(contents)
     return media
