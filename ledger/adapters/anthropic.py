@@ -11,8 +11,8 @@ parts of one role are merged): an assistant part with ``tool_call_id`` is a ``to
 message; a turn's ``tool_result`` blocks open their user message, and the files the tools
 returned follow them (the API refuses a ``tool_result`` after another block;
 :func:`~ledger.adapters.contract.wire_order`). A call whose tool returned files alone (an empty
-``tool`` part) has them as its ``tool_result``'s content, and an empty result with no file goes
-without content: never an empty text, which the API refuses
+``tool`` part, or none) has them as its ``tool_result``'s content, and an empty result with no file
+goes without content: never an empty text, which the API refuses
 (:func:`~ledger.adapters.contract.files_only_results`). A trailing assistant part is
 Anthropic's native prefill: the answer continues it, and the result's text is the continuation
 only. ``max_tokens`` is required by the API:
@@ -88,7 +88,12 @@ from ledger.adapters.contract import (
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import message_refusal, require_tool_result, tool_arguments
+from ledger.domain.carried import (
+    message_refusal,
+    require_answered,
+    require_tool_result,
+    tool_arguments,
+)
 from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, b64
@@ -263,6 +268,7 @@ class AnthropicCodec(Codec):
                 notes.append(empty_text_note(route, i))
             else:
                 add(part.role, {"type": "text", "text": part.content})
+        require_answered(self.protocol, envelope.parts)
         nothing = message_refusal(self.protocol, envelope.parts)
         if nothing is not None:
             raise nothing.error()

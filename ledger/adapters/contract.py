@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import json_object
+from ledger.domain.carried import files_alone, json_object, result_runs
 from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.media import (
@@ -675,44 +675,29 @@ def made_up_call_id() -> str:
     return "call_" + os.urandom(12).hex()
 
 
-def _in_tool_results(part: Part) -> bool:
-    """A part a turn's tool results may hold: a ``tool`` part, or a user file (a tool's)."""
-    return part.role == "tool" or (part.role == "user" and part.media_type is not None)
-
-
-def _result_runs(parts: Sequence[Part]) -> list[range]:
-    """The runs of a turn's tool results in ``parts`` (see :func:`wire_order`), in order."""
-    runs: list[range] = []
-    i = 0
-    while i < len(parts):
-        end = i
-        while end < len(parts) and _in_tool_results(parts[end]):
-            end += 1
-        opens = parts[i].role == "tool" or (
-            i > 0 and parts[i - 1].role == "assistant" and parts[i - 1].tool_call_id is not None)
-        run = range(i, end)
-        if not opens or not any(parts[k].role == "tool" for k in run):
-            i += 1
-            continue
-        runs.append(run)
-        i = end
-    return runs
-
-
 def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
     """The envelope's parts, each with its index, in the order every codec sends them.
 
     The order is the envelope's except within a turn's tool results: a run of consecutive
     ``tool`` parts and user files that opens with a ``tool`` part or right after the
-    assistant's tool calls. There the ``tool`` parts come first, in their order, then the
-    files, in theirs. A tool's file is a user part next to its text result
-    (``run.tool_result(call, text)`` then ``run.tool_result(call, file)``, call after call),
-    and sent where it stands it would split the results: chat completions refuses anything
-    between an assistant message's ``tool_calls`` and a ``tool`` message for each of them,
-    Anthropic a user message whose ``tool_result`` blocks do not come first.
+    assistant's tool calls (:func:`~ledger.domain.carried.result_runs`). There the ``tool``
+    parts come first, in their order, then the files, in theirs. A tool's file is a user part
+    next to its text result (``run.tool_result(call, text)`` then ``run.tool_result(call,
+    file)``, call after call), and sent where it stands it would split the results: chat
+    completions refuses anything between an assistant message's ``tool_calls`` and a ``tool``
+    message for each of them, Anthropic a user message whose ``tool_result`` blocks do not
+    come first.
+
+    A call whose tool returned files alone and that no ``tool`` part answers
+    (``run.tool_result(call, Part(...))`` alone) gets the empty ``tool`` part it lacks, with
+    the call's name, among the results where its first file stands, and with the call's
+    index (:func:`files_only_results`): every wire refuses a call without its result, and
+    the codecs send its files as that result, as for an empty result beside its files.
     """
+    alone = files_only_results(parts)
+    lacking = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
     out: list[tuple[int, Part]] = []
-    runs = iter(_result_runs(parts))
+    runs = iter(result_runs(parts))
     run = next(runs, None)
     i = 0
     while i < len(parts):
@@ -720,11 +705,21 @@ def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
             out.append((i, parts[i]))
             i += 1
             continue
-        out.extend((k, parts[k]) for k in run if parts[k].role == "tool")
+        for k in run:
+            if parts[k].role == "tool":
+                out.append((k, parts[k]))
+            elif k in lacking:
+                out.append((lacking[k], _empty_result(parts[lacking[k]])))
         out.extend((k, parts[k]) for k in run if parts[k].role != "tool")
         i = run.stop
         run = next(runs, None)
     return out
+
+
+def _empty_result(call: Part) -> Part:
+    """The empty result of ``call`` (an assistant tool-call part), which its files carry."""
+    return Part(role="tool", content="", tool_call_id=call.tool_call_id, name=call.name,
+                provenance=call.tool_call_id)
 
 
 def files_only_results(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
@@ -733,28 +728,20 @@ def files_only_results(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
     A tool that returned only an image or a document leaves an empty ``tool`` part
     (``run.tool_result(call, "")``, or a framework's tool message without text) beside the
     file it returned, a user part whose ``provenance`` is the call's id, in the same turn's
-    tool results (:func:`wire_order`). Sent as they stand, the result would be an empty text,
-    which Anthropic refuses, and the model would read that the tool returned nothing. A codec
-    whose protocol carries files in a tool result puts them there instead (Anthropic's
-    ``tool_result`` content, the Responses API's ``function_call_output``); the others send
-    :data:`TOOL_FILES_TEXT` as the result (:func:`tool_files_note`).
+    tool results (:func:`wire_order`), or no ``tool`` part at all (``run.tool_result(call,
+    Part(...))`` alone): then the index is the call's own (the assistant part), and
+    :func:`wire_order` gives the call the empty result it lacks, at that index. Sent as they
+    stand, the result would be an empty text, which Anthropic refuses, and the model would
+    read that the tool returned nothing. A codec whose protocol carries files in a tool result
+    puts them there instead (Anthropic's ``tool_result`` content, the Responses API's
+    ``function_call_output``); the others send :data:`TOOL_FILES_TEXT` as the result
+    (:func:`tool_files_note`).
 
     A file goes with the first empty result of its call; files of a call whose result has
-    text, and a run's files of no call, are sent after the turn's results as before.
+    text, and a run's files of no call, are sent after the turn's results as before
+    (:func:`~ledger.domain.carried.files_alone`).
     """
-    out: dict[int, tuple[int, ...]] = {}
-    for run in _result_runs(parts):
-        claimed: set[int] = set()
-        for k in run:
-            part = parts[k]
-            if part.role != "tool" or part.content or part.tool_call_id is None:
-                continue
-            files = tuple(j for j in run if j not in claimed and parts[j].role != "tool"
-                          and parts[j].provenance == part.tool_call_id)
-            if files:
-                out[k] = files
-                claimed.update(files)
-    return out
+    return files_alone(parts)
 
 
 #: The text of a tool result that is files alone, where the protocol carries only text in a
@@ -763,9 +750,16 @@ def files_only_results(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
 TOOL_FILES_TEXT = "[The tool returned no text, only the files that follow the tool results.]"
 
 
-def tool_files_note(route: Route, index: int, files: Sequence[int]) -> str:
-    """The note of a tool result that is files alone, sent as :data:`TOOL_FILES_TEXT`."""
+def tool_files_note(route: Route, parts: Sequence[Part], index: int,
+                    files: Sequence[int]) -> str:
+    """The note of a tool result that is files alone, sent as :data:`TOOL_FILES_TEXT`.
+
+    ``index`` is the empty ``tool`` part's, or the call's for one no ``tool`` part answers
+    (:func:`files_only_results`).
+    """
     shown = ", ".join(f"envelope.parts[{k}]" for k in files)
-    return (f"envelope.parts[{index}]: the tool result has no text, only the files {shown}: "
+    what = ("the tool call has no tool part, only the files" if parts[index].role == "assistant"
+            else "the tool result has no text, only the files")
+    return (f"envelope.parts[{index}]: {what} {shown}: "
             f"{route.protocol.value} carries no file in a tool result, so the result is sent "
             f"as {TOOL_FILES_TEXT!r} and the files after the turn's tool results")

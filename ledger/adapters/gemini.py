@@ -13,7 +13,7 @@ assistant part with ``tool_call_id`` is a ``functionCall`` (``name``, JSON-objec
 the response object, other text as ``{"result": text}``); a turn's ``functionResponse`` parts
 open the user turn, and the files its tools returned follow them
 (:func:`~ledger.adapters.contract.wire_order`, as on every protocol); the result of a call whose
-tool returned files alone (an empty ``tool`` part) has
+tool returned files alone (an empty ``tool`` part, or none) has
 :data:`~ledger.adapters.contract.TOOL_FILES_TEXT` as its ``result``, with a note, and the files
 follow (:func:`~ledger.adapters.contract.files_only_results`). A trailing assistant part
 is sent as a final ``model`` turn (prefill); models that refuse it answer with a 400. The
@@ -106,7 +106,12 @@ from ledger.adapters.contract import (
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import message_refusal, require_tool_result, tool_arguments
+from ledger.domain.carried import (
+    message_refusal,
+    require_answered,
+    require_tool_result,
+    tool_arguments,
+)
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, b64, wire_media_type
@@ -266,7 +271,7 @@ class GeminiCodec(Codec):
                     # The files follow the turn's functionResponse parts (the response object
                     # every Gemini model takes is JSON), and the result says so, not nothing.
                     response = {"result": TOOL_FILES_TEXT}
-                    notes.append(tool_files_note(route, i, files_only[i]))
+                    notes.append(tool_files_note(route, envelope.parts, i, files_only[i]))
                 elif not isinstance(response, dict):
                     response = {"result": p.content}
                 add("user", {"functionResponse": {"name": p.name, "response": response}})
@@ -307,6 +312,7 @@ class GeminiCodec(Codec):
             else:
                 add("user", {"text": p.content})
         turn.end()
+        require_answered(self.protocol, envelope.parts)
         nothing = message_refusal(self.protocol, envelope.parts)
         if nothing is not None:
             raise nothing.error()

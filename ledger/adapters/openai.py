@@ -13,9 +13,10 @@ message: servers that continue it do, others answer with a 400 that is reported 
 A turn's tool results are sent first, a ``tool`` message for each call right after the
 assistant's, then the files the tools returned, in a user message (the API refuses anything
 between the tool calls and their results; :func:`~ledger.adapters.contract.wire_order`). A
-``tool`` message carries text only: the result of a call whose tool returned files alone (an
-empty ``tool`` part) is :data:`~ledger.adapters.contract.TOOL_FILES_TEXT`, with a note, and the
-files follow as any tool's do (:func:`~ledger.adapters.contract.files_only_results`).
+``tool`` message carries text only: the result of a call whose tool returned files alone (an empty
+``tool`` part, or none: the call gets one) is :data:`~ledger.adapters.contract.TOOL_FILES_TEXT`,
+with a note, and the files follow as any tool's do
+(:func:`~ledger.adapters.contract.files_only_results`).
 ``max_output_tokens`` is sent as ``max_tokens``, or as ``max_completion_tokens`` when the route's
 ``Capabilities.parameters`` lists that name and not ``max_tokens``. Streaming asks for
 ``stream_options.include_usage`` (so cost is known) unless the route's declared parameters omit
@@ -86,7 +87,7 @@ from ledger.adapters.contract import (
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import require_tool_result, tool_arguments
+from ledger.domain.carried import require_answered, require_tool_result, tool_arguments
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, data_url
@@ -214,7 +215,7 @@ class OpenAICodec(Codec):
                     # A tool message carries text only: the files go in the user message after
                     # the turn's results, and the result says so rather than nothing.
                     content = TOOL_FILES_TEXT
-                    notes.append(tool_files_note(route, i, files_only[i]))
+                    notes.append(tool_files_note(route, envelope.parts, i, files_only[i]))
                 messages.append(
                     {"role": "tool", "tool_call_id": part.tool_call_id, "content": content}
                 )
@@ -244,6 +245,7 @@ class OpenAICodec(Codec):
                 if part.name and part.role == "user":
                     msg["name"] = part.name
                 messages.append(msg)
+        require_answered(self.protocol, envelope.parts)
         check_params(route, envelope.params)
         body: dict[str, Any] = {"model": route.model, "messages": messages}
         body.update(envelope.params)

@@ -20,7 +20,7 @@ item (``call_id``, ``name``, ``arguments`` as JSON text); a ``tool`` part a
 ``function_call_output`` (``call_id``, ``output``); a turn's ``function_call_output`` items come
 first, then the files its tools returned, in a user message
 (:func:`~ledger.adapters.contract.wire_order`, as on every protocol); a call whose tool returned
-files alone (an empty ``tool`` part) has them as its ``output``, a list of those items
+files alone (an empty ``tool`` part, or none) has them as its ``output``, a list of those items
 (:func:`~ledger.adapters.contract.files_only_results`). An image or a document a
 model returned (an assistant binary part) cannot go back as it came: an assistant message holds
 ``output_text`` only, and an ``image_generation_call`` item is read back by its id from the
@@ -113,6 +113,7 @@ from ledger.adapters.sse import SSEEvent
 from ledger.domain.carried import (
     builtin_tools,
     message_refusal,
+    require_answered,
     require_tool_result,
     tool_arguments,
 )
@@ -330,6 +331,7 @@ class OpenAIResponsesCodec(Codec):
                 items.append({"type": "message", "role": "assistant", "content": part.content})
             else:
                 self._user(items).append({"type": "input_text", "text": part.content})
+        require_answered(self.protocol, envelope.parts)
         nothing = message_refusal(self.protocol, envelope.parts)
         if nothing is not None:
             raise nothing.error()

@@ -1211,8 +1211,10 @@ class RunSession(_SessionCore):
                 a provider would fetch a link, sending its host what the URL carries.
                 Append a turn's results and files call by call, in either order: every
                 codec sends all of the turn's tool results first, then the files (the wires
-                refuse a file between them). A tool that returned files alone gets ``""``
-                as its text: no codec sends that empty text (``docs/adapters.md``).
+                refuse a file between them). A tool that returned files alone needs no
+                text result: its files answer the call (with ``""`` as its text or
+                without, no codec sends an empty text; ``docs/adapters.md``). A call
+                answered by nothing is refused before the next turn sends anything.
             data_class: The data class of that text or file, which disclosure preflight
                 checks (``tool_result``; e.g. ``private_document`` for a tool that reads one);
                 never ``user_input`` nor ``system``, the classes that need no provenance.

@@ -10,8 +10,10 @@ included: no UTF-8 body can carry them), a
 ``tool`` part without the ``tool_call_id`` of the call it answers (chat completions,
 Responses, Anthropic) or without the ``name`` of the function (Gemini), an envelope with
 nothing to send but system parts (Responses, Anthropic and Gemini, which leave reasoning items
-out and, Anthropic and Gemini, empty text parts), and on the Responses API a
-``params["tools"]`` that is not a list of the provider's built-in tools.
+out and, Anthropic and Gemini, empty text parts), a tool call that nothing answers (no ``tool``
+part of its id, nor files its tool returned alone) while the conversation goes on after it
+(every protocol of these codecs) or at the request's end (chat completions), and on the
+Responses API a ``params["tools"]`` that is not a list of the provider's built-in tools.
 
 The rules live in the pure core so that preflight judges every candidate before an Attempt is
 begun: a route whose protocol cannot build the request is ineligible (``capability``), and a
@@ -360,6 +362,153 @@ def require_tool_result(protocol: WireProtocol, part: Part, index: int) -> None:
             raise refusal.error()
 
 
+def _in_tool_results(part: Part) -> bool:
+    """A part a turn's tool results may hold: a ``tool`` part, or a user file (a tool's)."""
+    return part.role == "tool" or (part.role == "user" and part.media_type is not None)
+
+
+def _turn_calls(parts: Sequence[Part], start: int) -> dict[str, int]:
+    """The tool calls of the assistant parts right before ``parts[start]``: id -> index."""
+    first = start
+    while first > 0 and parts[first - 1].role == "assistant":
+        first -= 1
+    out: dict[str, int] = {}
+    for k in range(first, start):
+        call_id = parts[k].tool_call_id
+        if call_id and call_id not in out:
+            out[call_id] = k
+    return out
+
+
+def result_runs(parts: Sequence[Part]) -> list[range]:
+    """The runs of a turn's tool results in ``parts``, in order.
+
+    A run is consecutive ``tool`` parts and user files that opens with a ``tool`` part or
+    right after the assistant's tool calls, and answers a call: it holds a ``tool`` part, or a
+    file whose ``provenance`` is a call of the assistant parts right before it (a tool that
+    returned a file alone, :func:`files_alone`). Every codec sends a run's ``tool`` parts
+    first, then its files (:func:`ledger.adapters.contract.wire_order`).
+    """
+    runs: list[range] = []
+    i = 0
+    while i < len(parts):
+        end = i
+        while end < len(parts) and _in_tool_results(parts[end]):
+            end += 1
+        opens = parts[i].role == "tool" or (
+            i > 0 and parts[i - 1].role == "assistant" and parts[i - 1].tool_call_id is not None)
+        run = range(i, end)
+        answers = any(parts[k].role == "tool" for k in run)
+        if opens and not answers and run:
+            calls = _turn_calls(parts, i)
+            answers = any(parts[k].provenance in calls for k in run)
+        if not opens or not answers:
+            i += 1
+            continue
+        runs.append(run)
+        i = end
+    return runs
+
+
+def files_alone(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
+    """The tool results that are files alone: each one's index, with its files' indices.
+
+    A tool that returned only an image or a document leaves its file, a user part whose
+    ``provenance`` is the call's id, in the turn's tool results (:func:`result_runs`), and
+    either an empty ``tool`` part beside it (``run.tool_result(call, "")``, or a framework's
+    tool message without text) or no ``tool`` part at all (``run.tool_result(call,
+    Part(...))`` alone). The index is the empty ``tool`` part's; for a call with no ``tool``
+    part, it is the index of the call itself (the assistant part), whose result the codecs
+    send as an empty one (:func:`ledger.adapters.contract.wire_order`): a call needs a result
+    on every wire (:func:`unanswered_refusals`).
+
+    A file goes with the first empty result of its call; files of a call whose result has
+    text, and a run's files of no call, are sent after the turn's results.
+    """
+    out: dict[int, tuple[int, ...]] = {}
+    for run in result_runs(parts):
+        results = [k for k in run if parts[k].role == "tool" and parts[k].tool_call_id]
+        answered = {parts[k].tool_call_id for k in results}
+        # The empty results first, in order, then the calls no tool part answers.
+        empty = [(k, parts[k].tool_call_id) for k in results if not parts[k].content]
+        lacking = [(k, c) for c, k in _turn_calls(parts, run.start).items() if c not in answered]
+        claimed: set[int] = set()
+        for k, call_id in empty + lacking:
+            files = tuple(j for j in run if j not in claimed and parts[j].role != "tool"
+                          and parts[j].provenance == call_id)
+            if files:
+                out[k] = files
+                claimed.update(files)
+    return out
+
+
+def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
+    """The tool calls of ``parts`` that no later part answers, as refusals, in order.
+
+    A call (an assistant part with ``tool_call_id``) is answered by a later ``tool`` part of
+    its id, or by the files its tool returned alone (:func:`files_alone`). Chat completions,
+    the Responses API, Anthropic and Gemini all refuse, with a 400, a request whose
+    conversation goes on after a call without its result ("An assistant message with
+    'tool_calls' must be followed by tool messages responding to each 'tool_call_id'", "No
+    tool output found for function call", "`tool_use` ids were found without `tool_result`
+    blocks immediately after", "the number of function response parts is equal to the number
+    of function call parts"). A call among the request's last assistant parts (nothing but
+    assistant and system parts after it) is refused on chat completions only, whose message
+    says it must be followed by its results; the others' prefill is theirs to judge.
+    """
+    last_result: dict[str, int] = {}
+    calls: list[int] = []
+    last_other = -1  # the last part that is neither the assistant's nor a system part
+    for k, p in enumerate(parts):
+        role = p.role
+        if role == "assistant":
+            if p.tool_call_id:
+                calls.append(k)
+            continue
+        if role == "system":
+            continue
+        last_other = k
+        if role == "tool" and p.tool_call_id:
+            last_result[p.tool_call_id] = k
+    pending = [j for j in calls if last_result.get(parts[j].tool_call_id or "", -1) < j]
+    if not pending:
+        return []
+    alone = files_alone(parts)
+    out = []
+    for j in pending:
+        if j in alone:
+            continue
+        call = parts[j]
+        shown = f"tool call {call.tool_call_id!r}" + (f" ({call.name})" if call.name else "")
+        fix = ("record the call's result with run.tool_result(call, ...) and put the part it "
+               "returns after the call's part (a tool that returned only a file answers with "
+               "run.tool_result(call, Part(data=..., media_type=...))), or leave the call's "
+               "part out")
+        if j > last_other:
+            out.append(Uncarried(frozenset({_P.OPENAI}), f"envelope.parts[{j}]",
+                                 f"{shown} has no result and ends the request: chat "
+                                 "completions refuses an assistant message with tool_calls "
+                                 "that no tool message for each follows", fix))
+        else:
+            out.append(Uncarried(CODEC_PROTOCOLS, f"envelope.parts[{j}]",
+                                 f"{shown} has no result, and the conversation goes on after "
+                                 f"it: no tool part with tool_call_id={call.tool_call_id!r} "
+                                 "answers it (chat completions, the Responses API, Anthropic "
+                                 "and Gemini refuse a tool call without its result)", fix))
+    return out
+
+
+def require_answered(protocol: WireProtocol, parts: Sequence[Part]) -> None:
+    """Refuse a call without its result that ``protocol`` refuses (:func:`unanswered_refusals`).
+
+    Raises:
+        InvalidArgument: naming ``envelope.parts[index]`` of the call.
+    """
+    for refusal in unanswered_refusals(parts):
+        if protocol in refusal.protocols:
+            raise refusal.error()
+
+
 def _sends_something(protocol: WireProtocol, part: Part) -> bool:
     """Whether ``protocol``'s codec makes something of ``part`` that a request may hold alone."""
     role = part.role
@@ -433,11 +582,14 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
     its protocol, in the order its codec finds them (the first is the one it raises). Empty for
     the usual request, which costs three attribute reads and a flag per part (its text's
     verdict, :func:`text_refusal`), a look at the parts up to the first one that is sent, and
-    one encoding of the parameters and of each tool's (:func:`tool_refusals`).
+    one encoding of the parameters and of each tool's (:func:`tool_refusals`); one that holds
+    tool calls, one more look at each part for their results (:func:`unanswered_refusals`).
     """
     out: list[Uncarried] = []
+    calls = False
     for i, p in enumerate(envelope.parts):
         if p.tool_call_id and p.role == "assistant":
+            calls = True
             refusal = tool_call_refusal(p, i)
         else:
             # ASCII text (the usual part) holds no surrogate: one flag read, no call.
@@ -446,6 +598,8 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
                 out.extend(tool_result_refusals(p, i))
         if refusal is not None:
             out.append(refusal)
+    if calls:
+        out.extend(unanswered_refusals(envelope.parts))
     for protocol in _NEEDS_MESSAGE:
         refusal = message_refusal(protocol, envelope.parts)
         if refusal is not None:
@@ -475,17 +629,21 @@ __all__ = [
     "Uncarried",
     "builtin_tools",
     "builtin_tools_refusal",
+    "files_alone",
     "json_object",
     "message_refusal",
     "params_refusal",
     "refusals_for",
+    "require_answered",
     "require_encodable",
     "require_tool_result",
+    "result_runs",
     "text_refusal",
     "tool_arguments",
     "tool_call_refusal",
     "tool_refusals",
     "tool_result_refusals",
+    "unanswered_refusals",
     "uncarried",
     "unencodable",
 ]

@@ -22,6 +22,7 @@ from ledger.adapters import HttpAdapter, TextDelta, openai
 from ledger.adapters.contract import TOOL_FILES_TEXT, files_only_results, wire_order
 from ledger.adapters.runner import output_parts
 from ledger.decide.classify import classify
+from ledger.domain.carried import unanswered_refusals
 from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Category, Phase
 from ledger.domain.media import REASONING_MEDIA_TYPE
@@ -397,6 +398,79 @@ def test_only_a_files_own_empty_result_carries_it() -> None:
                            data_class="tool_result", provenance="call_a")]
     assert files_only_results(parts) == {6: (5,)}
     assert [i for i, _ in wire_order(parts)] == [0, 1, 2, 3, 4, 6, 5, 7]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_call_answered_by_its_files_alone_has_them_as_its_result(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    # run.tool_result(call, Part(...)) with no text result leaves no tool part for the call,
+    # and every provider refuses a call without its result (a 400). The call gets the empty
+    # result it lacks, named as the call, and its image goes as that result, exactly as for
+    # an empty result beside the image.
+    env = Envelope(parts=files_alone().parts[:-1])  # no tool part for call_b
+    result, _ = await send(adapter, fake, protocol, env)
+    (req,) = fake.requests
+    assert req.problem is None and result.ok, (req.problem, result.observation)
+    assert sorted(m.data or b"" for m in req.media) == sorted([PDF, PNG])
+    assert empty_texts(req.json) == []
+    assert results_and_files(protocol, req.json) == FILES_ALONE[protocol]
+    said = [n for n in result.notes if n.startswith(
+        "envelope.parts[2]: the tool call has no tool part, only the files envelope.parts[5]")]
+    assert len(said) == (1 if protocol in ("openai", "gemini") else 0), result.notes
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_tool_call_without_its_result_is_refused_before_anything_is_sent(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    # Followed by more conversation, every provider answers it with a 400; at the end of the
+    # request, chat completions does ("must be followed by tool messages"), while the others'
+    # prefill is theirs to judge.
+    question, call, _, result = files_alone().parts[:4]
+    goes_on = Envelope(parts=[question, call, Part(content="Never mind: what is 2 + 2?")])
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, protocol, goes_on)
+    assert info.value.field == "envelope.parts[1]"
+    assert "'call_a' (fetch) has no result" in str(info.value)
+    assert "run.tool_result(call, ...)" in str(info.value)
+    assert fake.requests == []
+    answered, _ = await send(adapter, fake, protocol, Envelope(
+        parts=[question, call, result, goes_on.parts[-1]]))
+    assert answered.ok and fake.requests[-1].problem is None
+    ends = Envelope(parts=[question, call])
+    if protocol == "openai":
+        with pytest.raises(InvalidArgument) as info:
+            await send(adapter, fake, protocol, ends)
+        assert info.value.field == "envelope.parts[1]" and "ends the request" in str(info.value)
+        assert len(fake.requests) == 1
+    else:
+        prefill, _ = await send(adapter, fake, protocol, ends)
+        assert prefill.ok and fake.requests[-1].problem is None
+
+
+def test_a_calls_files_alone_stand_for_its_result_in_its_own_turn_only() -> None:
+    # The file of a call no tool part answers is that call's result, where the file stands
+    # among the turn's results; a file of that call in a later turn's results is no result of
+    # it (that turn's calls are others), and is sent after those results as any other.
+    calls = [Part(role="assistant", content="{}", tool_call_id=f"call_{c}", name="f",
+                  data_class="model_derived") for c in "abc"]
+    shot, later = (Part(data=d, media_type=t, data_class="tool_result", provenance="call_b")
+                   for d, t in ((PNG, "image/png"), (PDF, "application/pdf")))
+    fetched = Part(role="tool", content="fetched", tool_call_id="call_a", name="f",
+                   data_class="tool_result", provenance="call_a")
+    done = Part(role="tool", content="done", tool_call_id="call_c", name="f",
+                data_class="tool_result", provenance="call_c")
+    parts = [Part(content="Go."), calls[0], calls[1], shot, fetched, Part(content="Again."),
+             calls[2], done, later]
+    assert files_only_results(parts) == {2: (3,)}
+    order = wire_order(parts)
+    assert [i for i, _ in order] == [0, 1, 2, 2, 4, 3, 5, 6, 7, 8]
+    lacking = order[3][1]
+    assert (lacking.role, lacking.content, lacking.tool_call_id, lacking.name) == (
+        "tool", "", "call_b", "f")
+    assert unanswered_refusals(parts) == []
+    # Without its file, call_b has no result: refused on every protocol.
+    (refusal,) = unanswered_refusals([p for p in parts if p is not shot])
+    assert refusal.field == "envelope.parts[2]" and len(refusal.protocols) == 4
 
 
 # -- the Responses API ---------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ledger.policy.load import preset
 from ledger.policy.model import EnvelopePolicy
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
-from tests.fakeplan import PRICE, plan
+from tests.fakeplan import PRICE, plan, tool_call_ids
 from tests.media import pdf, png
 
 fake = fakeplan.fake
@@ -281,6 +281,32 @@ def test_a_tools_file_reaches_only_recipients_approved_for_tool_results(
     with pytest.raises(InvalidArgument) as info:
         Part(role="tool", data=PDF, media_type="application/pdf")
     assert "data_class='tool_result'" in str(info.value) and "run.tool_result(" in str(info.value)
+
+
+SHOT = [ToolSpec(name="shot")]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_tools_file_alone_answers_its_call_on_every_protocol(
+        db_url: str, fake: FakeProvider, protocol: str) -> None:
+    # run.tool_result(call, Part(...)) and no text result: the request holds no tool part for
+    # the call, which every provider refuses (a 400, after an Attempt was begun and sent). The
+    # codecs give the call the empty result it lacks, and the file goes as that result (or
+    # right after it, where a tool result is text only), still covered by the call.
+    fake.enqueue(Behavior(tool_call=("shot", {"url": "chart"})), model="primary-model")
+    with Ledger.open(db_url) as led, led.run("shot", plan=plan(fake, protocol), budget=BUDGET,
+                                              grant=GRANT) as run:
+        first = run.turn(Envelope(parts=[QUESTION], tools=SHOT))
+        (call,) = first.tool_calls
+        file = run.tool_result(call, chart())
+        assert (file.role, file.provenance) == ("user", call.tool_call_id)
+        result = run.turn(Envelope(parts=[QUESTION, *first.parts, file], tools=SHOT))
+        assert result.route.id == "primary" and result.text
+        assert len(led.timeline("shot")) == 2
+    sent = fake.requests[-1]
+    assert sent.problem is None and [m.data for m in sent.media] == [PNG]
+    if protocol != "gemini":  # Gemini pairs a result with its call by name
+        assert tool_call_ids(sent) == [call.tool_call_id] * 2
 
 
 def test_invariant7_a_link_a_tool_returned_is_refused_whatever_its_class(

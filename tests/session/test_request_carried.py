@@ -2,11 +2,12 @@
 
 A codec cannot map an assistant tool-call part without ``name`` or whose content is not a JSON
 object (no protocol), a ``tool`` part without ``tool_call_id`` (chat completions, Responses,
-Anthropic) or without ``name`` (Gemini), an envelope of system parts alone (Responses,
-Anthropic, Gemini) and, on the Responses API, a ``params["tools"]`` that is not a list of
-built-in tools. A route that cannot build the request is ineligible (preflight, capability);
-a request no route of its plan can build is bad input, refused with ``InvalidArgument`` naming
-the field before anything is recorded: no Attempt, no hold, no retry permission, no decision.
+Anthropic) or without ``name`` (Gemini), an envelope of system parts alone (Responses, Anthropic,
+Gemini), a tool call without its result (the conversation going on after it: every protocol; ending
+the request: chat completions) and, on the Responses API, a ``params["tools"]`` that is not a list
+of built-in tools. A route that cannot build the request is ineligible (preflight, capability); a
+request no route of its plan can build is bad input, refused with ``InvalidArgument`` naming the
+field before anything is recorded: no Attempt, no hold, no retry permission, no decision.
 Before, the turn began an Attempt and the codec raised: a ``not_sent`` Attempt (and on a
 failover a spent retry permission) for the caller's bad input. Real HTTP over loopback, on
 both backends; every part is covered for disclosure (the host records its provenance), so
@@ -92,6 +93,35 @@ def test_a_tool_call_part_no_protocol_carries_is_refused_before_any_attempt(
         assert len(led.timeline("t")) == 1
 
 
+WEATHER = Part(role="assistant", content='{"city": "Oslo"}', tool_call_id="call_1",
+               name="weather", data_class="model_derived")
+TWELVE = Part(role="tool", content="12 C", tool_call_id="call_1", name="weather",
+              data_class="tool_result")
+BERGEN = Part(content="And in Bergen?")
+
+
+@pytest.mark.parametrize("protocol", ["openai", "openai_responses", "anthropic", "gemini"])
+def test_a_tool_call_without_its_result_before_more_conversation_is_refused_before_any_attempt(
+        db_url: str, fake: FakeProvider, protocol: str) -> None:
+    """Every provider answers a call without its result, the conversation going on after it,
+    with a 400: an Attempt begun and sent for nothing, and after a failover the same 400 on
+    every route. The typed error names the call's part and id and how to answer it; nothing is
+    recorded, and the Run goes on."""
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=plan(fake, protocol), budget=BUDGET, grant=GRANT) as run:
+            call = _covered(led, run, WEATHER)
+            with pytest.raises(InvalidArgument) as ei:
+                run.turn(Envelope(parts=[QUESTION, call, BERGEN]))
+            _recorded_nothing(led, fake)
+            assert ei.value.field == "envelope.parts[1]"
+            assert "tool call 'call_1' (weather) has no result" in str(ei.value)
+            assert "run.tool_result(call, ...)" in str(ei.value)
+            assert set(ei.value.fields["routes"]) == {"primary", "backup"}
+            run.turn(Envelope(parts=[QUESTION, call, _covered(led, run, TWELVE), BERGEN]))
+            assert fake.requests[-1].problem is None
+        assert len(led.timeline("t")) == 1
+
+
 # -- what some protocols carry: the others' routes are skipped ----------------------------------
 
 RESULT_WITHOUT_CALL_ID = Part(role="tool", content="12 C", name="weather",
@@ -109,6 +139,8 @@ SYSTEM_ONLY = [Part(role="system", content="You answer about the weather.")]
     (SYSTEM_ONLY, "anthropic", "openai", "envelope.parts"),
     (SYSTEM_ONLY, "gemini", "openai", "envelope.parts"),
     (SYSTEM_ONLY, "openai_responses", "openai", "envelope.parts"),
+    # A call that ends the request without its result: chat completions refuses it.
+    ([QUESTION, WEATHER], "openai", "anthropic", "envelope.parts[1]"),
 ])
 def test_a_route_whose_protocol_cannot_build_the_request_is_skipped_without_an_attempt(
         db_url: str, fake: FakeProvider, parts: list[Part], refuser: str, carrier: str,
