@@ -457,6 +457,9 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     says it must be followed by its results; the others' prefill is theirs to judge.
     """
     last_result: dict[str, int] = {}
+    # Gemini matches a functionResponse to its call by the function's name: a result without
+    # the call's id that names it answers it there (docs/adapters.md).
+    by_name: dict[str, list[int]] = {}
     calls: list[int] = []
     last_other = -1  # the last part that is neither the assistant's nor a system part
     for k, p in enumerate(parts):
@@ -470,15 +473,25 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
         last_other = k
         if role == "tool" and p.tool_call_id:
             last_result[p.tool_call_id] = k
+        elif role == "tool" and p.name:
+            by_name.setdefault(p.name, []).append(k)
     pending = [j for j in calls if last_result.get(parts[j].tool_call_id or "", -1) < j]
     if not pending:
         return []
     alone = files_alone(parts)
     out = []
+    named = {name: list(ks) for name, ks in by_name.items()}
     for j in pending:
         if j in alone:
             continue
         call = parts[j]
+        # A result without an id answers one call of its name: the first call before it.
+        answers = named.get(call.name or "", [])
+        later = next((k for k in answers if k > j), None)
+        protocols = CODEC_PROTOCOLS
+        if later is not None:
+            answers.remove(later)
+            protocols = CODEC_PROTOCOLS - _RESULT_BY_NAME
         shown = f"tool call {call.tool_call_id!r}" + (f" ({call.name})" if call.name else "")
         fix = ("record the call's result with run.tool_result(call, ...) and put the part it "
                "returns after the call's part (a tool that returned only a file answers with "
@@ -490,7 +503,7 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
                                  "completions refuses an assistant message with tool_calls "
                                  "that no tool message for each follows", fix))
         else:
-            out.append(Uncarried(CODEC_PROTOCOLS, f"envelope.parts[{j}]",
+            out.append(Uncarried(protocols, f"envelope.parts[{j}]",
                                  f"{shown} has no result, and the conversation goes on after "
                                  f"it: no tool part with tool_call_id={call.tool_call_id!r} "
                                  "answers it (chat completions, the Responses API, Anthropic "

@@ -43,6 +43,7 @@ import logging
 import math
 import sqlite3
 import threading
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -182,7 +183,7 @@ class SqliteDriver:
                 raise driver_error(e, self.path) from e
             try:
                 conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-                _switch_to_wal(conn)
+                switch_to_wal(conn, self.busy_timeout_s)
                 conn.execute("PRAGMA synchronous = FULL")
                 conn.execute("PRAGMA foreign_keys = ON")
             except sqlite3.Error as e:
@@ -343,22 +344,28 @@ class SqliteDriver:
         self._local = threading.local()
 
 
-def _switch_to_wal(conn: sqlite3.Connection) -> None:
-    """Put the file in WAL mode (a no-op read once it is).
+def switch_to_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> None:
+    """Put the file in WAL mode (a no-op read once it is), for a new connection whose busy
+    timeout is ``busy_timeout_s``.
 
     The switch reads the file's header under a shared lock, then takes the exclusive one.
     Connections of a file not yet in WAL that switch at once each hold the shared lock and
     wait for the other's: SQLite answers one of them "database is locked" at once, without
     its busy wait (it would never end). By then another is switching the file, so asked
     again the connection waits for that switch (it holds no lock now) and finds WAL. A few
-    asks, not one: of three at once, two can meet that way.
+    asks, not one: of three at once, two can meet that way. Only an answer that came back
+    before half the busy timeout is asked again: one that waited it out is a lock held that
+    long, which the caller is told of after one timeout, not three.
     """
     for left in range(2, -1, -1):
+        started = time.monotonic()
         try:
             conn.execute("PRAGMA journal_mode = WAL")
             return
         except sqlite3.OperationalError as e:
-            if left == 0 or getattr(e, "sqlite_errorname", "") != "SQLITE_BUSY":
+            waited = time.monotonic() - started
+            if left == 0 or getattr(e, "sqlite_errorname", "") != "SQLITE_BUSY" \
+                    or waited >= busy_timeout_s / 2:
                 raise
 
 

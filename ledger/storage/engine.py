@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qsl, unquote_plus
+from urllib.parse import parse_qsl, unquote, unquote_plus
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -25,6 +25,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import NullPool
 
 from ledger.errors import DatabaseSetupError, InvalidArgument
+from ledger.storage.driver import switch_to_wal
 from ledger.storage.failure import mapped
 from ledger.storage.pgurl import PASSWORD_USER, conninfo, hosts_to_query, refuse_blank_options
 
@@ -50,17 +51,33 @@ def normalize_url(url: str) -> str:
             # so that sqlite_file refuses it rather than a file called ":memory:" or "file:x"
             # being made in the working folder.
             return "sqlite:///" + url
-        # A URL's path is percent-decoded and ends at '?' or '#': a file called "my?file.db"
-        # opened "my", and "p%20q.db" opened "p q.db". Quoted here, SQLAlchemy's parse gives
-        # the path back as written.
-        return "sqlite:///" + _quote_path(os.path.abspath(url))
+        return "sqlite:///" + _unescaped_path(url)
     if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
 
 
-def _quote_path(path: str) -> str:
-    return path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def _unescaped_path(path: str) -> str:
+    """A plain path's absolute form, read as a URL's path is: its ``?`` begins the options
+    (``ledger.db?timeout=5``, as it always has; an option the ledger does not take, such as
+    the ``file.db`` of ``my?file.db``, is refused by :func:`check_sqlite_url`).
+
+    A percent-escape is refused: the URL would decode it, and ``p%20q.db`` opened ``p q.db``.
+    Quoting it instead would have opened a new, empty ``p%20q.db`` beside the ledger a
+    deployment had been writing to, without a word."""
+    name = path.partition("?")[0]
+    escape = _ESCAPE.search(name)
+    if escape is not None:
+        raise InvalidArgument(
+            f"the SQLite path {path!r} holds {escape[0]!r}, which a database URL reads as a "
+            "percent-escape (it would open "
+            f"{os.path.basename(unquote(name))!r}): pass the file's URL instead, its '%' "
+            f"written %25 for a name that holds one (sqlite:///{name.replace('%', '%25')})",
+            field="url")
+    return os.path.abspath(path)
 
 
 # libpq's connection options that carry a secret: the password, the passphrase of the client's
@@ -508,7 +525,7 @@ def _install_sqlite_hooks(engine: Engine, busy_timeout_ms: int) -> None:
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
-        cur.execute("PRAGMA journal_mode = WAL")
+        switch_to_wal(dbapi_conn, busy_timeout_ms / 1000)
         cur.execute("PRAGMA synchronous = FULL")
         cur.execute("PRAGMA foreign_keys = ON")
         cur.close()

@@ -229,9 +229,11 @@ def conninfo(parsed: URL, where: str, *, reads: bool = False) -> str:
     if parsed.host:
         if raw_hosts is not None:
             raise _refuse(where, "the host is named twice: in the URL's authority and as host=")
-        entries.append(_host(f"[{parsed.host}]" if ":" in parsed.host else parsed.host, where))
-    for value in (raw_hosts,) if isinstance(raw_hosts, str) else raw_hosts or ():
-        entries += [_host(entry, where) for entry in _split_hosts(value)]
+        entries.append(_host(f"[{parsed.host}]" if ":" in parsed.host else parsed.host, where,
+                             hosts=False))
+    named = [entry for value in ((raw_hosts,) if isinstance(raw_hosts, str) else raw_hosts or ())
+             for entry in _split_hosts(value)]
+    entries += [_host(entry, where, hosts=len(named) > 1) for entry in named]
     listed = [p for value in ((raw_ports,) if isinstance(raw_ports, str) else raw_ports or ())
               for p in value.split(",")]
     if parsed.port is not None:

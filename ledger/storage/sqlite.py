@@ -112,7 +112,7 @@ class SqliteContext(SqlContext):
         triggers beside another's would make it neither's (and the command line would take it
         for a ledger from then on)."""
         path = str(self.engine.url.database)
-        holds = eng.file_holds(path)
+        holds = eng.file_holds(path, self.holds_timeout_s)
         if holds in ("foreign", "not_sqlite"):
             raise DatabaseSetupError(
                 f"cannot make {path!r} a ledger: {eng.not_a_ledger(holds)}, and a ledger keeps a "

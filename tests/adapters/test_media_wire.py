@@ -24,7 +24,7 @@ from ledger.adapters.runner import output_parts
 from ledger.decide.classify import classify
 from ledger.domain.carried import unanswered_refusals
 from ledger.domain.envelope import Envelope, Part, ToolSpec
-from ledger.domain.facts import Category, Phase
+from ledger.domain.facts import Category, Phase, WireProtocol
 from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.errors import InvalidArgument
 from ledger.policy.load import preset
@@ -471,6 +471,27 @@ def test_a_calls_files_alone_stand_for_its_result_in_its_own_turn_only() -> None
     # Without its file, call_b has no result: refused on every protocol.
     (refusal,) = unanswered_refusals([p for p in parts if p is not shot])
     assert refusal.field == "envelope.parts[2]" and len(refusal.protocols) == 4
+
+
+def test_a_gemini_result_that_names_its_function_answers_the_call_there_only() -> None:
+    # Gemini matches a functionResponse to its call by the function's name: a tool part with
+    # the name and no tool_call_id answers the call on Gemini (docs/adapters.md), where the
+    # refusal of unanswered calls took it for none and refused a request Gemini takes.
+    call = Part(role="assistant", content='{"city": "Paris"}', tool_call_id="c1",
+                name="get_weather", data_class="model_derived")
+    result = Part(role="tool", content='{"t": 20}', name="get_weather", provenance="c1",
+                  data_class="tool_result")
+    parts = [Part(content="Weather in Paris?"), call, result,
+             Part(role="assistant", content="It is 20C.", data_class="model_derived"),
+             Part(content="And tomorrow?")]
+    (refusal,) = unanswered_refusals(parts)
+    assert WireProtocol.GEMINI not in refusal.protocols and len(refusal.protocols) == 3
+    # One result answers one call: a second call of the name is still unanswered on Gemini.
+    again = Part(role="assistant", content='{"city": "Rome"}', tool_call_id="c2",
+                 name="get_weather", data_class="model_derived")
+    refusals = unanswered_refusals([*parts[:2], again, *parts[2:]])
+    assert [r.field for r in refusals] == ["envelope.parts[1]", "envelope.parts[2]"]
+    assert [WireProtocol.GEMINI in r.protocols for r in refusals] == [False, True]
 
 
 # -- the Responses API ---------------------------------------------------------------------

@@ -136,6 +136,21 @@ def test_an_unreadable_url_is_invalid_argument_naming_its_fault_before_any_looku
     assert no_name_lookup == []
 
 
+def test_a_bad_host_is_told_how_several_hosts_are_written_only_in_a_url_of_several(
+        no_name_lookup: list[Any]) -> None:
+    for url, several in (("postgresql+psycopg://u@999.1.1.1/ledger", False),
+                         ("postgresql+psycopg://u@/ledger?host=999.1.1.1", False),
+                         ("postgresql+psycopg://u@/ledger?host=127.0.0.1,999.1.1.1", True),
+                         ("postgresql+psycopg://u@/ledger?host=127.0.0.1&host=999.1.1.1", True),
+                         ("postgresql+psycopg://u@127.0.0.1,999.1.1.1/ledger", True)):
+        with pytest.raises(InvalidArgument) as caught:
+            Ledger.open(url)
+        said = str(caught.value)
+        assert "host '999.1.1.1' is not an IPv4 address" in said, said
+        assert ("write several hosts" in said) is several, said
+    assert no_name_lookup == []
+
+
 @pytest.mark.parametrize("port", ["abc", "", "0", "70000", "5x"])
 def test_a_single_hosts_bad_port_is_told_as_a_list_of_hosts_port_is(
         port: str, no_name_lookup: list[Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from ledger import Ledger
 from ledger.api.face import storage_of
+from ledger.errors import DatabaseUnavailable
 from ledger.storage.driver import SqliteDriver
 
 from .helpers import budget, routes
@@ -149,3 +151,26 @@ def test_threads_opening_a_fresh_sqlite_file_at_once_each_get_a_connection(
             t.join(timeout=60)
         driver.close()
     assert failures == []
+
+
+def test_a_first_connection_behind_a_held_lock_waits_one_busy_timeout_not_three(
+        tmp_path: Path) -> None:
+    # The switch to WAL is asked again only when SQLite answered at once (two switches
+    # meeting); a lock held past the whole busy timeout was asked about three times, so the
+    # caller heard of it after three timeouts (90 s by default) instead of one.
+    path = tmp_path / "ledger.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("CREATE TABLE t (x)")
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("SELECT count(*) FROM t").fetchall()
+        driver = SqliteDriver(str(path), busy_timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailable):
+            driver.connection()
+        waited = time.monotonic() - started
+        driver.close()
+    finally:
+        holder.close()
+    assert 1.0 <= waited < 2.0, waited

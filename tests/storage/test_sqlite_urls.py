@@ -81,20 +81,63 @@ def test_every_documented_sqlite_spelling_still_opens(
     assert sorted(os.listdir(tmp_path)) == ["a.db", "b.db", "c.db", "d.db", "e.db", "f.db"]
 
 
-@pytest.mark.parametrize("name", ["my?file.db", "p%20q.db", "a#b.db", "a?b=1.db", "100%.db"])
-def test_a_plain_path_is_the_file_of_that_name_whatever_characters_it_holds(
-        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    # A URL's path ends at '?' or '#' and is percent-decoded: "my?file.db" opened "my",
-    # "p%20q.db" opened "p q.db", and "a?b=1.db" was refused as an option 'b'. A plain path is a
-    # file name, not a URL.
+@pytest.mark.parametrize(("path", "opens", "refused"), [
+    ("100%.db", "100%.db", None),
+    ("a#b.db", "a#b.db", None),
+    ("led.db?timeout=5", "led.db", None),  # a plain path's '?' begins its options, as always
+    ("my?file.db", None, "gives the option 'file.db' no value"),
+    ("a?b=1.db", None, "gives the option 'b', which a SQLite ledger does not take"),
+    ("p%20q.db", None, "holds '%20', which a database URL reads as a percent-escape (it "
+                       "would open 'p q.db')"),
+])
+def test_a_plain_path_opens_the_file_it_names_or_is_refused_never_another(
+        path: str, opens: str | None, refused: str | None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # "my?file.db" opened "my" (SQLAlchemy dropped the option without a value) and "p%20q.db"
+    # opened "p q.db": each without a word. Quoting the path instead would have moved
+    # "led.db?timeout=5" to a new, empty file of that name.
     from ledger.cli.main import main
 
     monkeypatch.chdir(tmp_path)
-    for opening in _openings(name):
-        opening()
-        assert os.listdir(tmp_path) == [name]
+    for opening in _openings(path):
+        if refused is None:
+            opening()
+            assert os.listdir(tmp_path) == [opens]
+        else:
+            with pytest.raises(InvalidArgument) as caught:
+                opening()
+            assert caught.value.fields["field"] == "url"
+            assert refused in str(caught.value), str(caught.value)
+            assert os.listdir(tmp_path) == []
     capsys.readouterr()
-    assert main(["--db", name, "runs"]) == 0
-    assert "RUN" in capsys.readouterr().out
-    assert os.listdir(tmp_path) == [name]
+    assert main(["--db", path, "runs"]) == (0 if refused is None else 2)
+    assert os.listdir(tmp_path) == ([opens] if opens else [])
+
+
+def test_opening_a_ledger_behind_a_held_lock_waits_no_longer_than_the_urls_timeout(
+        tmp_path: Path) -> None:
+    # The look at the file before the schema's first connection waited 5 s whatever the URL
+    # asked: a URL of timeout=0.2 heard of a held lock after 5 s.
+    import sqlite3
+    import time
+
+    from ledger.errors import DatabaseUnavailable
+
+    path = tmp_path / "ledger.db"
+    Ledger.open(str(path)).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("SELECT count(*) FROM runs").fetchall()
+        for migrate in (True, False):
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailable):
+                led = Ledger.open(f"sqlite:///{path}?timeout=0.2", migrate_schema=migrate)
+                try:
+                    led.get_run("r-1")  # the first statement, when opening read nothing
+                finally:
+                    led.close()
+            assert time.monotonic() - started < 2.5, migrate
+    finally:
+        holder.close()
