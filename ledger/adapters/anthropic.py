@@ -13,7 +13,7 @@ returned follow them (the API refuses a ``tool_result`` after another block;
 :func:`~ledger.adapters.contract.wire_order`). A call whose tool returned files alone (an empty
 ``tool`` part, or none) has them as its ``tool_result``'s content, and an empty result with no file
 goes without content: never an empty text, which the API refuses
-(:func:`~ledger.adapters.contract.files_only_results`). A trailing assistant part is
+(:func:`~ledger.domain.carried.files_alone`). A trailing assistant part is
 Anthropic's native prefill: the answer continues it, and the result's text is the continuation
 only. ``max_tokens`` is required by the API:
 ``max_output_tokens`` or ``default_max_tokens`` (4096,
@@ -73,7 +73,6 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     empty_text_note,
-    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -89,6 +88,7 @@ from ledger.adapters.contract import (
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.carried import (
+    files_alone,
     message_refusal,
     require_answered,
     require_tool_result,
@@ -216,7 +216,7 @@ class AnthropicCodec(Codec):
             else:
                 messages.append({"role": role, "content": [block]})
 
-        files_only = files_only_results(envelope.parts)
+        files_only = files_alone(envelope.parts)
         in_results = {k for files in files_only.values() for k in files}
         for i, part in wire_order(envelope.parts):
             if i in in_results:

@@ -691,10 +691,11 @@ def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
     A call whose tool returned files alone and that no ``tool`` part answers
     (``run.tool_result(call, Part(...))`` alone) gets the empty ``tool`` part it lacks, with
     the call's name, among the results where its first file stands, and with the call's
-    index (:func:`files_only_results`): every wire refuses a call without its result, and
-    the codecs send its files as that result, as for an empty result beside its files.
+    index (:func:`~ledger.domain.carried.files_alone`): every wire refuses a call without its
+    result, and the codecs send its files as that result, as for an empty result beside its
+    files.
     """
-    alone = files_only_results(parts)
+    alone = files_alone(parts)
     lacking = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
     out: list[tuple[int, Part]] = []
     runs = iter(result_runs(parts))
@@ -722,31 +723,10 @@ def _empty_result(call: Part) -> Part:
                 provenance=call.tool_call_id)
 
 
-def files_only_results(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
-    """The tool results that are files alone: each one's index, with its files' indices.
-
-    A tool that returned only an image or a document leaves an empty ``tool`` part
-    (``run.tool_result(call, "")``, or a framework's tool message without text) beside the
-    file it returned, a user part whose ``provenance`` is the call's id, in the same turn's
-    tool results (:func:`wire_order`), or no ``tool`` part at all (``run.tool_result(call,
-    Part(...))`` alone): then the index is the call's own (the assistant part), and
-    :func:`wire_order` gives the call the empty result it lacks, at that index. Sent as they
-    stand, the result would be an empty text, which Anthropic refuses, and the model would
-    read that the tool returned nothing. A codec whose protocol carries files in a tool result
-    puts them there instead (Anthropic's ``tool_result`` content, the Responses API's
-    ``function_call_output``); the others send :data:`TOOL_FILES_TEXT` as the result
-    (:func:`tool_files_note`).
-
-    A file goes with the first empty result of its call; files of a call whose result has
-    text, and a run's files of no call, are sent after the turn's results as before
-    (:func:`~ledger.domain.carried.files_alone`).
-    """
-    return files_alone(parts)
-
-
 #: The text of a tool result that is files alone, where the protocol carries only text in a
 #: tool result (chat completions' ``tool`` message, Gemini's ``functionResponse``): the files
-#: follow the turn's tool results, and this says so (see :func:`files_only_results`).
+#: follow the turn's tool results, and this says so (see
+#: :func:`~ledger.domain.carried.files_alone`).
 TOOL_FILES_TEXT = "[The tool returned no text, only the files that follow the tool results.]"
 
 
@@ -755,7 +735,7 @@ def tool_files_note(route: Route, parts: Sequence[Part], index: int,
     """The note of a tool result that is files alone, sent as :data:`TOOL_FILES_TEXT`.
 
     ``index`` is the empty ``tool`` part's, or the call's for one no ``tool`` part answers
-    (:func:`files_only_results`).
+    (:func:`~ledger.domain.carried.files_alone`).
     """
     shown = ", ".join(f"envelope.parts[{k}]" for k in files)
     what = ("the tool call has no tool part, only the files" if parts[index].role == "assistant"

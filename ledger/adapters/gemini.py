@@ -15,7 +15,7 @@ open the user turn, and the files its tools returned follow them
 (:func:`~ledger.adapters.contract.wire_order`, as on every protocol); the result of a call whose
 tool returned files alone (an empty ``tool`` part, or none) has
 :data:`~ledger.adapters.contract.TOOL_FILES_TEXT` as its ``result``, with a note, and the files
-follow (:func:`~ledger.adapters.contract.files_only_results`). A trailing assistant part
+follow (:func:`~ledger.domain.carried.files_alone`). A trailing assistant part
 is sent as a final ``model`` turn (prefill); models that refuse it answer with a 400. The
 request's own fields ``safetySettings``, ``toolConfig`` and ``cachedContent`` in
 ``Envelope.params`` are sent at the top level of the request; every other parameter goes into
@@ -89,7 +89,6 @@ from ledger.adapters.contract import (
     detail_count,
     dropped_reasoning,
     empty_text_note,
-    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -107,6 +106,7 @@ from ledger.adapters.contract import (
 )
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.carried import (
+    files_alone,
     message_refusal,
     require_answered,
     require_tool_result,
@@ -256,7 +256,7 @@ class GeminiCodec(Codec):
             else:
                 contents.append({"role": role, "parts": [part]})
 
-        files_only = files_only_results(envelope.parts)
+        files_only = files_alone(envelope.parts)
         for i, p in wire_order(envelope.parts):
             if p.role == "system":
                 system.append(p.content)

@@ -16,7 +16,7 @@ between the tool calls and their results; :func:`~ledger.adapters.contract.wire_
 ``tool`` message carries text only: the result of a call whose tool returned files alone (an empty
 ``tool`` part, or none: the call gets one) is :data:`~ledger.adapters.contract.TOOL_FILES_TEXT`,
 with a note, and the files follow as any tool's do
-(:func:`~ledger.adapters.contract.files_only_results`).
+(:func:`~ledger.domain.carried.files_alone`).
 ``max_output_tokens`` is sent as ``max_tokens``, or as ``max_completion_tokens`` when the route's
 ``Capabilities.parameters`` lists that name and not ``max_tokens``. Streaming asks for
 ``stream_options.include_usage`` (so cost is known) unless the route's declared parameters omit
@@ -71,7 +71,6 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     error_extras,
-    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -87,7 +86,12 @@ from ledger.adapters.contract import (
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import require_answered, require_tool_result, tool_arguments
+from ledger.domain.carried import (
+    files_alone,
+    require_answered,
+    require_tool_result,
+    tool_arguments,
+)
 from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MediaKind, data_url
@@ -191,7 +195,7 @@ class OpenAICodec(Codec):
         )
         messages: list[dict[str, Any]] = []
         notes: list[str] = []
-        files_only = files_only_results(envelope.parts)
+        files_only = files_alone(envelope.parts)
         for i, part in wire_order(envelope.parts):
             if part.role == "assistant" and part.tool_call_id:
                 call = {

@@ -21,7 +21,7 @@ item (``call_id``, ``name``, ``arguments`` as JSON text); a ``tool`` part a
 first, then the files its tools returned, in a user message
 (:func:`~ledger.adapters.contract.wire_order`, as on every protocol); a call whose tool returned
 files alone (an empty ``tool`` part, or none) has them as its ``output``, a list of those items
-(:func:`~ledger.adapters.contract.files_only_results`). An image or a document a
+(:func:`~ledger.domain.carried.files_alone`). An image or a document a
 model returned (an assistant binary part) cannot go back as it came: an assistant message holds
 ``output_text`` only, and an ``image_generation_call`` item is read back by its id from the
 provider's store, which ``store: false`` leaves empty (and another route's image has no such
@@ -94,7 +94,6 @@ from ledger.adapters.contract import (
     document_text,
     dropped_reasoning,
     error_extras,
-    files_only_results,
     join_url,
     made_up_call_id,
     media_of,
@@ -112,6 +111,7 @@ from ledger.adapters.contract import (
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.carried import (
     builtin_tools,
+    files_alone,
     message_refusal,
     require_answered,
     require_tool_result,
@@ -292,7 +292,7 @@ class OpenAIResponsesCodec(Codec):
         instructions: list[str] = []
         items: list[dict[str, Any]] = []
         notes: list[str] = []
-        files_only = files_only_results(envelope.parts)
+        files_only = files_alone(envelope.parts)
         in_results = {k for files in files_only.values() for k in files}
         for i, part in wire_order(envelope.parts):
             if i in in_results:

@@ -123,7 +123,7 @@ def tool_file(call_id: str, file: Part, data_class: str) -> Part:
 
     A tool part is text, so the file goes in a user part next to it (sent after all of the
     turn's results, ``contract.wire_order``, or in the result of a call that returned files
-    alone where the protocol carries them there, ``contract.files_only_results``); left as
+    alone where the protocol carries them there, ``carried.files_alone``); left as
     ``user_input`` it would need no provenance and reach recipients the grant approved for the
     user's input only.
     """

@@ -422,6 +422,12 @@ def files_alone(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
     send as an empty one (:func:`ledger.adapters.contract.wire_order`): a call needs a result
     on every wire (:func:`unanswered_refusals`).
 
+    Sent as they stand, the result would be an empty text, which Anthropic refuses, and the
+    model would read that the tool returned nothing. A codec whose protocol carries files in a
+    tool result puts them there instead (Anthropic's ``tool_result`` content, the Responses
+    API's ``function_call_output``); the others send
+    :data:`~ledger.adapters.contract.TOOL_FILES_TEXT` as the result.
+
     A file goes with the first empty result of its call; files of a call whose result has
     text, and a run's files of no call, are sent after the turn's results.
     """

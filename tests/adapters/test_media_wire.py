@@ -19,9 +19,10 @@ import httpx
 import pytest
 
 from ledger.adapters import HttpAdapter, TextDelta, openai
-from ledger.adapters.contract import TOOL_FILES_TEXT, files_only_results, wire_order
+from ledger.adapters.contract import TOOL_FILES_TEXT, wire_order
 from ledger.adapters.runner import output_parts
 from ledger.decide.classify import classify
+from ledger.domain.carried import files_alone as results_of_files_alone
 from ledger.domain.carried import unanswered_refusals
 from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Category, Phase, WireProtocol
@@ -396,7 +397,7 @@ def test_only_a_files_own_empty_result_carries_it() -> None:
     parts = [Part(content="Go."), calls[0], empty_a, Part(content="And now?"), calls[1], shot,
              empty_b, Part(data=PDF, media_type="application/pdf", name="a.pdf",
                            data_class="tool_result", provenance="call_a")]
-    assert files_only_results(parts) == {6: (5,)}
+    assert results_of_files_alone(parts) == {6: (5,)}
     assert [i for i, _ in wire_order(parts)] == [0, 1, 2, 3, 4, 6, 5, 7]
 
 
@@ -461,7 +462,7 @@ def test_a_calls_files_alone_stand_for_its_result_in_its_own_turn_only() -> None
                 data_class="tool_result", provenance="call_c")
     parts = [Part(content="Go."), calls[0], calls[1], shot, fetched, Part(content="Again."),
              calls[2], done, later]
-    assert files_only_results(parts) == {2: (3,)}
+    assert results_of_files_alone(parts) == {2: (3,)}
     order = wire_order(parts)
     assert [i for i, _ in order] == [0, 1, 2, 2, 4, 3, 5, 6, 7, 8]
     lacking = order[3][1]
