@@ -16,6 +16,7 @@ from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
 
 from ..pgroles import reader_role
+from ..storage.helpers import sqlite_held
 
 pytest.importorskip("starlette", reason="the dashboard extra is not installed")
 
@@ -67,30 +68,22 @@ def test_a_busy_database_is_503_a_ledger_without_its_tables_is_500_never_retry(
         tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     Ledger.open(str(path)).close()
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
-        # Another process's lock that outlasts the busy timeout: away for now, retry. (Taken
-        # before the dashboard's connections open: WAL's exclusive mode needs the file alone.)
-        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
-        holder.execute("BEGIN EXCLUSIVE")
-        holder.execute("SELECT count(*) FROM runs").fetchall()
-        with _client(f"sqlite:///{path}?timeout=0.2") as c:
-            got = c.get("/api/runs")
-            assert got.status_code == 503, got.text
-            assert "unavailable" in got.json()["error"]
-            holder.execute("COMMIT")
-            holder.close()
-            assert c.get("/api/runs").status_code == 200
-            other = sqlite3.connect(path, isolation_level=None)
-            other.execute("ALTER TABLE runs RENAME TO runs_elsewhere")
-            other.close()
-            # A ledger whose tables are gone: no retry brings them back.
-            got = c.get("/api/runs")
-            assert got.status_code == 500, got.text
-            page = c.get("/runs?id=r-1")
-            assert page.status_code == 500 and "server error" in page.text
-    finally:
+    # Another process's lock that outlasts the busy timeout: away for now, retry.
+    with sqlite_held(path) as holder, _client(f"sqlite:///{path}?timeout=0.2") as c:
+        got = c.get("/api/runs")
+        assert got.status_code == 503, got.text
+        assert "unavailable" in got.json()["error"]
+        holder.execute("COMMIT")
         holder.close()
+        assert c.get("/api/runs").status_code == 200
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("ALTER TABLE runs RENAME TO runs_elsewhere")
+        other.close()
+        # A ledger whose tables are gone: no retry brings them back.
+        got = c.get("/api/runs")
+        assert got.status_code == 500, got.text
+        page = c.get("/runs?id=r-1")
+        assert page.status_code == 500 and "server error" in page.text
     # An operator's action on it alike: 500, not "retry later".
     token = "op-token-7c1e0b5d2f9a4e36"
     app = create_app(str(path), clock=ManualClock(1.8e9), actions=True, token=token)

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -194,3 +195,18 @@ def begin_on_a(led: Ledger, lease: Lease) -> str:
     """An Attempt begun on route ``a`` with nothing held: its id."""
     return led.begin_attempt(lease, route="a", envelope_hash="sha256:e",
                              reserve="0").attempt_id
+
+
+@contextlib.contextmanager
+def sqlite_held(path: Path) -> Iterator[sqlite3.Connection]:
+    """Another connection holding ``path``'s lock against readers and writers alike until the
+    block ends (or it is closed): SQLite's exclusive locking mode, which a WAL file grants only
+    to a connection that has it alone, so it is taken before the ledger's connections open."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        yield holder
+    finally:
+        holder.close()

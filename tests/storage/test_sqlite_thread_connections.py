@@ -24,7 +24,7 @@ from ledger.api.face import storage_of
 from ledger.errors import DatabaseUnavailable
 from ledger.storage.driver import SqliteDriver
 
-from .helpers import budget, routes
+from .helpers import budget, routes, sqlite_held
 
 THREADS = 60
 PROC_FD = Path("/proc/self/fd")
@@ -159,18 +159,11 @@ def test_a_first_connection_behind_a_held_lock_waits_one_busy_timeout_not_three(
     # meeting); a lock held past the whole busy timeout was asked about three times, so the
     # caller heard of it after three timeouts (90 s by default) instead of one.
     path = tmp_path / "ledger.db"
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
-        holder.execute("CREATE TABLE t (x)")
-        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
-        holder.execute("BEGIN EXCLUSIVE")
-        holder.execute("SELECT count(*) FROM t").fetchall()
+    with sqlite_held(path):
         driver = SqliteDriver(str(path), busy_timeout_s=1.0)
         started = time.monotonic()
         with pytest.raises(DatabaseUnavailable):
             driver.connection()
         waited = time.monotonic() - started
         driver.close()
-    finally:
-        holder.close()
     assert 1.0 <= waited < 2.0, waited

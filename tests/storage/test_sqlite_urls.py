@@ -118,18 +118,15 @@ def test_opening_a_ledger_behind_a_held_lock_waits_no_longer_than_the_urls_timeo
         tmp_path: Path) -> None:
     # The look at the file before the schema's first connection waited 5 s whatever the URL
     # asked: a URL of timeout=0.2 heard of a held lock after 5 s.
-    import sqlite3
     import time
 
     from ledger.errors import DatabaseUnavailable
 
+    from .helpers import sqlite_held
+
     path = tmp_path / "ledger.db"
     Ledger.open(str(path)).close()
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
-        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
-        holder.execute("BEGIN EXCLUSIVE")
-        holder.execute("SELECT count(*) FROM runs").fetchall()
+    with sqlite_held(path):
         for migrate in (True, False):
             started = time.monotonic()
             with pytest.raises(DatabaseUnavailable):
@@ -139,5 +136,3 @@ def test_opening_a_ledger_behind_a_held_lock_waits_no_longer_than_the_urls_timeo
                 finally:
                     led.close()
             assert time.monotonic() - started < 2.5, migrate
-    finally:
-        holder.close()
