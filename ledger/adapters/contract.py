@@ -675,7 +675,8 @@ def made_up_call_id() -> str:
     return "call_" + os.urandom(12).hex()
 
 
-def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
+def wire_order(parts: Sequence[Part], alone: Mapping[int, tuple[int, ...]] | None = None
+               ) -> list[tuple[int, Part]]:
     """The envelope's parts, each with its index, in the order every codec sends them.
 
     The order is the envelope's except within a turn's tool results: a run of consecutive
@@ -693,9 +694,11 @@ def wire_order(parts: Sequence[Part]) -> list[tuple[int, Part]]:
     the call's name, among the results where its first file stands, and with the call's
     index (:func:`~ledger.domain.carried.files_alone`): every wire refuses a call without its
     result, and the codecs send its files as that result, as for an empty result beside its
-    files.
+    files. ``alone``: the parts' :func:`~ledger.domain.carried.files_alone`, when the caller
+    has it already (a codec, which sends those files itself).
     """
-    alone = files_alone(parts)
+    if alone is None:
+        alone = files_alone(parts)
     lacking = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
     out: list[tuple[int, Part]] = []
     runs = iter(result_runs(parts))

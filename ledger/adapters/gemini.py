@@ -257,7 +257,7 @@ class GeminiCodec(Codec):
                 contents.append({"role": role, "parts": [part]})
 
         files_only = files_alone(envelope.parts)
-        for i, p in wire_order(envelope.parts):
+        for i, p in wire_order(envelope.parts, files_only):
             if p.role == "system":
                 system.append(p.content)
             elif p.role == "tool":

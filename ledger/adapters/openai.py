@@ -196,7 +196,7 @@ class OpenAICodec(Codec):
         messages: list[dict[str, Any]] = []
         notes: list[str] = []
         files_only = files_alone(envelope.parts)
-        for i, part in wire_order(envelope.parts):
+        for i, part in wire_order(envelope.parts, files_only):
             if part.role == "assistant" and part.tool_call_id:
                 call = {
                     "id": part.tool_call_id,

@@ -294,7 +294,7 @@ class OpenAIResponsesCodec(Codec):
         notes: list[str] = []
         files_only = files_alone(envelope.parts)
         in_results = {k for files in files_only.values() for k in files}
-        for i, part in wire_order(envelope.parts):
+        for i, part in wire_order(envelope.parts, files_only):
             if i in in_results:
                 continue  # sent in its call's function_call_output
             if part.role == "system":
