@@ -62,7 +62,7 @@ from ledger.decide.admission import (
 )
 from ledger.decide.begin import begin_spec
 from ledger.decide.ending import ENDED
-from ledger.decide.health import as_read, probe_key_kind, route_key
+from ledger.decide.health import as_read, canonical_key, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import check_lease_ttl, settle_spec
 from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, DEFAULT_LEASE_MARGIN_S
@@ -1400,7 +1400,9 @@ class Face(Generic[SessionT, OpenedT]):
 
         Args:
             keys: The keys to read (route ids, profile ids, ``provider:<name>``); ``None``:
-                every row. A key with no row (never failed) is absent.
+                every row. A key with no row (never failed) is absent. A provider's row is
+                stored (and returned) under its name case-folded, ``provider:openai``;
+                ``provider:OpenAI`` reads it too.
         """
         wanted, now = None if keys is None else list(keys), self.now()
         rows = yield from blocking(lambda: self._runs.health(wanted))
@@ -1421,14 +1423,16 @@ class Face(Generic[SessionT, OpenedT]):
             route: The cooling route to probe.
             interval_s: The least time between two probes of the key.
             key: The health key the probe state lives under (default: the route id; the
-                retry owner passes the policy's key, e.g. ``provider:<name>``).
+                retry owner passes the policy's key, e.g. ``provider:<name>``, whose name is
+                matched case-insensitively: one probe slot per provider).
             ttl_s: Probe times at least this old are forgotten (``None``: kept).
             max_keys: At most this many keys keep a probe time (``None``: no limit).
 
         Returns:
             Whether this caller got the slot (and so may send the probe).
         """
-        k = key if key is not None else route.id
+        # A provider key spelled as the route's provider is: the row its settles write.
+        k = route.id if key is None or key == route.id else canonical_key(key)
         return (yield from self._store.claim_probe(k, route.provider, self.now(), interval_s,
                                                    kind=probe_key_kind(route, k), ttl_s=ttl_s,
                                                    max_keys=max_keys))

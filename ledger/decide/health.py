@@ -26,14 +26,36 @@ _MAX_EXPONENT: Final = 1024
 PROVIDER_KEY_PREFIX = "provider:"
 
 
+def provider_key(provider: str) -> str:
+    """The health key every route of ``provider`` shares under ``health.key: provider``.
+
+    ``provider:`` and the name case-folded: ``OpenAI`` and ``openai`` are one provider, as
+    ``health.exempt_providers``, ``base_s_by_provider`` and ``profiles.auth_order`` already
+    match them, so a cooldown seen through one spelling darkens every route of the provider.
+    Only the key is folded: ``Route.provider`` stays as written, since it is part of a Run's
+    frozen plan and its hash.
+    """
+    return PROVIDER_KEY_PREFIX + provider.casefold()
+
+
+def canonical_key(key: str) -> str:
+    """``key`` as its health row is stored, for a key a host or operator spells.
+
+    A ``provider:<name>`` key with the name folded (:func:`provider_key`), any other as it is.
+    """
+    if key.startswith(PROVIDER_KEY_PREFIX):
+        return provider_key(key[len(PROVIDER_KEY_PREFIX):])
+    return key
+
+
 def route_key(route: Route, policy: Policy) -> str:
     """The key a route's own health is kept under.
 
-    Its id, or ``provider:<name>`` where the policy keys health by provider (every route of that
-    provider shares the row).
+    Its id, or :func:`provider_key` where the policy keys health by provider (every route of
+    that provider, however its name is capitalised, shares the row).
     """
     if policy.health.key == "provider":
-        return PROVIDER_KEY_PREFIX + route.provider
+        return provider_key(route.provider)
     return route.id
 
 
@@ -489,6 +511,7 @@ __all__ = [
     "PROVIDER_KEY_PREFIX",
     "ProbeThrottle",
     "as_read",
+    "canonical_key",
     "cooldown_effect",
     "cooldown_seconds",
     "disable_seconds",
@@ -499,6 +522,7 @@ __all__ = [
     "operator_clear",
     "probe_eligible",
     "probe_key_kind",
+    "provider_key",
     "record_failure",
     "record_repeat",
     "record_success",

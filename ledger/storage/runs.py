@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, func, literal, or_, select
 
-from ledger.decide.health import group_closed, operator_clear
+from ledger.decide.health import canonical_key, group_closed, operator_clear
 from ledger.decide.resolve import (
     COMMIT_UNKNOWN,
     UNWOUND,
@@ -395,6 +395,11 @@ class RunQueries:
         h = s.health.c
         with self.ctx.writing() as conn:
             row = conn.execute(select(s.health).where(h.key == key).with_for_update()).first()
+            if row is None and canonical_key(key) != key:
+                # provider:OpenAI names the row of provider:openai (its name is folded).
+                key = canonical_key(key)
+                row = conn.execute(select(s.health).where(h.key == key)
+                                   .with_for_update()).first()
             if row is None:
                 group = conn.execute(select(s.capacity_groups.c.group_id).where(
                     s.capacity_groups.c.group_id == key)).first()
@@ -530,12 +535,17 @@ class RunQueries:
             .where(gs.group_id == group, s.held_until(gs.fence) > now)).scalar_one())
 
     def health(self, keys: Iterable[str] | None = None) -> dict[str, Health]:
-        """The stored health rows of ``keys`` (None: all), as stored (not read at a time)."""
+        """The stored health rows of ``keys`` (None: all), as stored (not read at a time).
+
+        A ``provider:<name>`` key also reads the row of its folded name (``provider:OpenAI``
+        that of ``provider:openai``), under the key the row is stored as."""
         h = s.health.c
         with self.ctx.reading() as conn:
             q = select(s.health)
             if keys is not None:
-                q = q.where(h.key.in_(list(keys)))
+                wanted = list(keys)
+                q = q.where(h.key.in_(list(dict.fromkeys(
+                    [*wanted, *map(canonical_key, wanted)]))))
             return {row.key: health_record(row) for row in conn.execute(q).all()}
 
     def provenance(self, run_ids: Sequence[str]) -> dict[str, set[str]]:

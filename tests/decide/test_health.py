@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ledger.decide.health import (
     ProbeThrottle,
+    canonical_key,
     cooldown_seconds,
     disable_seconds,
     health_key,
@@ -94,6 +95,16 @@ def test_health_key_follows_the_policy_key() -> None:
     # goclaw: the cooldown belongs to the provider, shared by all its routes.
     assert health_key(route, "prof", GOCLAW) == "provider:gemini"
     assert health_key(route, None, preset("failure-domain")) == "route"
+
+
+def test_a_providers_key_is_one_for_every_spelling_of_its_name() -> None:
+    spelt = [Route(id=f"r{i}", provider=name, model="m", group="g", recipient="r")
+             for i, name in enumerate(("OpenAI", "openai", "OPENAI"))]
+    assert {health_key(r, None, GOCLAW) for r in spelt} == {"provider:openai"}
+    # The route's own provider stays as written: it is part of the frozen plan and its hash.
+    assert spelt[0].provider == "OpenAI"
+    assert canonical_key("provider:OpenAI") == "provider:openai"
+    assert canonical_key("OpenAI-direct") == "OpenAI-direct"  # a route or profile id is as is
 
 
 def test_probe_eligibility() -> None:
