@@ -57,6 +57,8 @@ from ledger.decide.admission import (
     Admission,
     admission_spec,
     admission_terms,
+    admitted_before_inheritance,
+    child_terms,
     keyless_ids,
     validate_plan,
 )
@@ -562,7 +564,9 @@ class Face(Generic[SessionT, OpenedT]):
             plan, cast(Grant | None, admission.get("grant")), admission.get("role", DEFAULT_ROLE),
             None if inherit else _resolve_policy(policy), policy_hash=_policy_hash, parent=prec,
             parent_policy=parent_policy)
-        spec = admission_spec(run_id, admission, plan=plan, grant=grant, policy=pol,
+        # A Child's tenant, labels and deadline are its parent's (its own only narrowing them).
+        terms = child_terms(prec, admission) if prec is not None else admission
+        spec = admission_spec(run_id, terms, plan=plan, grant=grant, policy=pol,
                               policy_hash=_policy_hash(pol))
         # The last check before the write: every argument is known good, so a missing key is
         # the one thing this refusal is about. (The adapters, and httpx with them, are loaded
@@ -574,6 +578,13 @@ class Face(Generic[SessionT, OpenedT]):
         try:
             rec, _created = yield from self._store.admit(spec, self.clock.now)
         except AdmissionConflict as e:
+            if prec is not None and set(e.differing) <= {"tenant", "labels", "deadline"}:
+                # A Child admitted by a version before Children took these from their parent,
+                # entered again on the same terms, is continued as it was frozen (invariant 5).
+                old = yield from self._frozen(run_id)
+                if admitted_before_inheritance(old, admission):
+                    return (yield from blocking(lambda: self._runs.get_run(run_id)))
+                raise
             if policy is not None or inherit or e.differing != ["policy_hash"]:
                 raise
             # No policy was asked for: a Run admitted before keeps the one it was frozen with

@@ -4,7 +4,9 @@ What an admission freezes is :func:`admission_terms` and :func:`admission_spec`.
 
 A Child Run is never broader than its parent: it uses a subset of the parent's frozen route
 snapshots, a grant inside the parent's (recipients, data classes and roles), a role the parent's
-grant allows, and the parent's frozen policy itself (``docs/disclosure.md``).
+grant allows, and the parent's frozen policy itself (``docs/disclosure.md``). It spends its
+parent's money by its parent's time: it belongs to the parent's tenant, carries the parent's
+labels (its own added or winning) and ends by the parent's deadline (:func:`child_terms`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import Field, SkipValidation
 from typing_extensions import TypedDict
 
+from ledger.domain.bounds import MAX_LABELS
 from ledger.domain.records import FrozenRun, LeaseArg, limit_micros
 from ledger.domain.specs import AdmitSpec
+from ledger.domain.timefmt import iso
 from ledger.domain.validation import As, Id, Labels, Problem, Time, rule
 from ledger.domain.values import Budget, Grant, Route, content_hash
 from ledger.errors import InvalidArgument
@@ -91,10 +95,13 @@ class Admission(Terms, total=False):
             parent's under that lease, and its plan, grant, role and policy may only narrow
             the parent's. What the Child has not used when it ends (``finish_run``,
             ``close_run``, recovery past its deadline) goes back to the parent.
-        tenant: Whose Run it is (for the audit's totals and ``/metrics``).
-        labels: Free labels, string to string (the audit totals by a label); at most 64.
+        tenant: Whose Run it is (for the audit's totals and ``/metrics``). A Child's is its
+            parent's: left out, it is inherited; another is refused.
+        labels: Free labels, string to string (the audit totals by a label); at most 64. A
+            Child carries its parent's too, its own winning on a shared key.
         deadline: When the Run must be done by (epoch seconds); capacity waits stop short of
-            it.
+            it. A Child's is at most its parent's: left out, it is inherited; a later one is
+            refused.
         selected_route: The route the first turn starts on (default: the plan's first).
         keyless_ok: Route ids (or credential profile ids) of the plan allowed to lack a key,
             e.g. ``{"local-llama"}``; ``True`` for every route. Their keys are not checked at
@@ -275,6 +282,62 @@ def admission_terms(plan: Sequence[Route], grant: Grant | None, role: str,
     return policy, child_grant(parent.plan, parent.grant, plan, grant, role)
 
 
+def child_terms(parent: FrozenRun, terms: Admission) -> Admission:
+    """``terms`` of a Child of ``parent`` with the tenant, labels and deadline it runs under.
+
+    A Child spends what was carved out of its parent's budget, so its spend is its parent's
+    tenant's: no ``tenant`` inherits the parent's, and another one is refused (the audit would
+    count the parent's money under a tenant that never had it). Labels are merged, the
+    Child's own winning on a shared key, so a total by one of the parent's labels includes the
+    Child's spend. A deadline is carved like the budget: no ``deadline`` takes the parent's,
+    one at or before it is kept, and a later one is refused as a Child asking for more money
+    than its parent has left is (a clamp would silently change what the caller froze).
+
+    Raises:
+        InvalidArgument: another ``tenant``, a later ``deadline``, or more than
+            :data:`~ledger.domain.bounds.MAX_LABELS` labels once merged; ``field`` names which.
+    """
+    tenant = terms.get("tenant")
+    if tenant is None:
+        tenant = parent.tenant
+    elif tenant != parent.tenant:
+        fix = ("leave tenant out to inherit it" if parent.tenant is not None
+               else "admit the parent with that tenant, or leave the child's out")
+        raise InvalidArgument(
+            f"a child spends its parent's budget, so it belongs to the parent's tenant "
+            f"({parent.tenant!r}), not {tenant!r}: {fix}", field="tenant",
+            tenant=tenant, parent_tenant=parent.tenant)
+    deadline = terms.get("deadline")
+    if deadline is None:
+        deadline = parent.deadline
+    elif parent.deadline is not None and deadline > parent.deadline:
+        raise InvalidArgument(
+            f"a child cannot outlive its parent: its deadline {iso(deadline)} ({deadline}) is "
+            f"after the parent {parent.run_id!r}'s, {iso(parent.deadline)} "
+            f"({parent.deadline}); pass one at or before it, or leave deadline out to inherit "
+            "it", field="deadline",
+            deadline=deadline, parent_deadline=parent.deadline)
+    labels = {**parent.labels, **(terms.get("labels") or {})}
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(
+            f"the child's labels with its parent's (which it carries) are {len(labels)}, over "
+            f"the limit of {MAX_LABELS}: pass fewer labels of its own (a key the parent has "
+            "already is inherited)", field="labels")
+    return cast(Admission, {**terms, "tenant": tenant, "labels": labels, "deadline": deadline})
+
+
+def admitted_before_inheritance(existing: FrozenRun, terms: Admission) -> bool:
+    """Whether ``existing`` (a Child) is what ``terms`` admitted before inheritance.
+
+    Before Children took their parent's tenant, labels and deadline, a Child froze the
+    caller's own terms as they were passed. Found so under the id ``terms`` admit again, it is
+    the same Run, continued, not a conflict.
+    """
+    return (existing.tenant == terms.get("tenant")
+            and existing.labels == dict(terms.get("labels") or {})
+            and existing.deadline == terms.get("deadline"))
+
+
 def admission_spec(run_id: str, terms: Admission, *, plan: Sequence[Route], grant: Grant,
                    policy: Policy, policy_hash: str) -> AdmitSpec:
     """What admitting ``run_id`` on ``terms`` (validated) writes.
@@ -341,8 +404,10 @@ __all__ = [
     "Terms",
     "admission_spec",
     "admission_terms",
+    "admitted_before_inheritance",
     "check_child_policy",
     "child_grant",
+    "child_terms",
     "default_grant",
     "keyless_ids",
     "validate_plan",
