@@ -2,8 +2,9 @@
 / --by label`` and ``/api/budgets``, on SQLite and PostgreSQL.
 
 A history written through the real write API over three UTC days: Runs of two tenants and none,
-with a ``team`` label or without, a parent that carves a Child of another tenant, charges whose
-sum is exact only in decimal (0.1 + 0.2), an unknown Attempt that keeps its hold. Every figure
+with a ``team`` label or without, a parent that carves a Child (of its tenant, under a ``team``
+of its own), charges whose sum is exact only in decimal (0.1 + 0.2), an unknown Attempt that
+keeps its hold. Every figure
 is checked against the Runs' own records (``Ledger.get_run``), summed here in Python: the sum of
 the budgets admitted (less what a parent carved, which its Child counts), what was posted and
 what is held, per key and per admission day.
@@ -67,13 +68,14 @@ def _history(led: Ledger, clock: ManualClock) -> None:
             else:
                 led.settle_attempt(lease, att.attempt_id, outcome=outcome, cost=charged)
         led.release_lease(lease)
-    # A parent of tenant acme carves a Child of tenant beta: each counts its own share.
+    # A parent of tenant acme carves a Child, acme's too (it spends acme's money), whose own
+    # team label wins over the parent's: each counts its own share.
     clock.set(T0 + 2 * DAY + 300)
     led.admit_run(IDS[6], plan=plan, budget=_budget("1.00"), grant=grant(), tenant="acme",
                   labels={"team": "search"})
     parent = led.acquire_lease(IDS[6], ttl_s=60)
     clock.advance(5)
-    led.admit_run(IDS[7], plan=plan, grant=grant(), tenant="beta", parent=parent,
+    led.admit_run(IDS[7], plan=plan, grant=grant(), labels={"team": "eval"}, parent=parent,
                   budget=Budget(max_calls=2, max_retries=1, max_cost=Decimal("0.40")))
     child = led.acquire_lease(IDS[7], ttl_s=60)
     att = led.begin_attempt(child, route="a", envelope_hash=ENV, reserve="0.10")
@@ -132,16 +134,17 @@ def test_spend_per_tenant_equals_the_runs_own_records_exactly(ledger: Ledger) ->
         k: (v["runs"], v["budget"], v["posted"], v["held"],
             v["budget"] - v["posted"] - v["held"]) for k, v in want.items()}
     got = {s.key: s for s in page.items}
-    # Exact decimal money: 0.1 + 0.2 (+ the parent's 0.01) is 0.31 to the last digit, and the
-    # 0.000001 charge is kept.
-    assert got["acme"].posted == Decimal("0.610001")
-    # The parent counts its budget less the Child's carve; the Child counts the carve.
+    # Exact decimal money: 0.1 + 0.2 (+ the parent's 0.01 and its Child's 0.07) is 0.38 to the
+    # last digit, and the 0.000001 charge is kept.
+    assert got["acme"].posted == Decimal("0.680001")
+    # The parent counts its budget less the Child's carve; the Child, its tenant's, the carve.
     assert got["acme"].budget == Decimal("1.00") + Decimal("0.50") + Decimal("2.00") + Decimal(
-        "0.60")
-    assert got["beta"].budget == Decimal("0.25") + Decimal("3.00") + Decimal("0.40")
+        "0.60") + Decimal("0.40")
+    assert got["acme"].runs == 5
+    assert got["beta"].budget == Decimal("0.25") + Decimal("3.00")
     assert got["beta"].held == Decimal("0.02")  # the unknown attempt keeps its hold
     # Most posted first; the Runs without a tenant as None.
-    assert [s.key for s in page.items] == ["acme", "beta", None]
+    assert [s.key for s in page.items] == ["acme", None, "beta"]
     # Money never exceeds what was admitted: a Run never overdraws.
     for s in page.items:
         assert s.posted + s.held <= s.budget and s.left >= 0
@@ -156,7 +159,7 @@ def test_spend_per_label_and_by_admission_day(ledger: Ledger) -> None:
     assert _as_dict(page.items) == {
         k: (v["runs"], v["budget"], v["posted"], v["held"],
             v["budget"] - v["posted"] - v["held"]) for k, v in want.items()}
-    assert set(want) == {"search", "eval", None}  # the Child carries no label
+    assert set(want) == {"search", "eval", None}  # the Child's own team wins
     for s in page.items:
         # One bucket per UTC day of the window (until defaults to now), empty ones included.
         assert [p.start for p in s.points] == [T0, T0 + DAY, T0 + 2 * DAY]
@@ -244,9 +247,9 @@ def test_costs_by_tenant_and_label_show_spend_against_budgets(ledger: Ledger,
     assert lines[start + 1].split() == ["TENANT", "RUNS", "BUDGET", "CHARGED", "HELD", "LEFT",
                                         "USED"]
     assert [line.split() for line in lines[start + 3:start + 6]] == [
-        ["acme", "4", "4.100000", "0.610001", "0.000000", "3.489999", "14.9%"],
-        ["beta", "3", "3.650000", "0.070000", "0.020000", "3.560000", "2.5%"],
-        ["-", "1", "0.750000", "0.050000", "0.000000", "0.700000", "6.7%"]]
+        ["acme", "5", "4.500000", "0.680001", "0.000000", "3.819999", "15.1%"],
+        ["-", "1", "0.750000", "0.050000", "0.000000", "0.700000", "6.7%"],
+        ["beta", "2", "3.250000", "0.000000", "0.020000", "3.230000", "0.6%"]]
 
     res = cli("--db", db_url, "costs", "--by", "label", "--label", "team", "--every", "1d",
               "--json", *window)
