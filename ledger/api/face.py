@@ -521,8 +521,9 @@ class Face(Generic[SessionT, OpenedT]):
         Raises:
             InvalidArgument: an argument is wrong (an empty plan, duplicate route ids, a
                 ``selected_route`` not in the plan, a Child broader than its parent in route,
-                recipient, data class, role or policy, ...), naming the field; or a route's
-                key cannot be resolved (the route, the variable or profile, and the fixes:
+                recipient, data class, role or policy, of another tenant, with a deadline
+                after its parent's, ...), naming the field; or a route's key cannot be
+                resolved (the route, the variable or profile, and the fixes:
                 provide the key, or name the route in ``keyless_ok``); nothing is recorded.
             PolicyError: ``policy`` does not validate (a file, a name or a mapping).
             AdmissionConflict: ``run_id`` was admitted before with different content

@@ -763,9 +763,11 @@ class _SessionCore:
             plan: A subset of this Run's frozen routes (default: all of them).
             grant: A grant inside this Run's (default: inherited for the Child's recipients).
             role: Its role (default: this Run's).
-            **terms: Other terms of :meth:`Ledger.admit_run` (``tenant``, ``labels``,
-                ``deadline``, ``selected_route``, ``policy``, ``keyless_ok``: by default what
-                this Run may lack of the Child's routes); not ``parent``.
+            **terms: Other terms of :meth:`Ledger.admit_run`: ``tenant``, ``labels`` and
+                ``deadline`` (this Run's by default: its labels under the Child's own, and a
+                deadline no later than this Run's), ``selected_route``, ``policy``,
+                ``keyless_ok`` (by default what this Run may lack of the Child's routes); not
+                ``parent``.
 
         Raises:
             InvalidArgument: a malformed ``child_id``, ``plan`` or ``role``, or ``parent``

@@ -58,7 +58,8 @@ class Terms(TypedDict, total=False):
     """A Run's terms besides its plan, budget, grant and role (see :class:`Admission`).
 
     A Child session takes these as they are (``RunSession.child``); the others it derives from
-    its parent's.
+    its parent's. A Child's tenant, labels and deadline come from its parent at admission
+    (:func:`child_terms`).
     """
 
     policy: SkipValidation[Policy | str | Mapping[str, Any] | None]
