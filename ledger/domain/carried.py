@@ -431,8 +431,13 @@ def files_alone(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
     A file goes with the first empty result of its call; files of a call whose result has
     text, and a run's files of no call, are sent after the turn's results.
     """
+    return _files_alone(parts, result_runs(parts))
+
+
+def _files_alone(parts: Sequence[Part], runs: Sequence[range]) -> dict[int, tuple[int, ...]]:
+    """:func:`files_alone` of ``parts`` whose :func:`result_runs` are ``runs``."""
     out: dict[int, tuple[int, ...]] = {}
-    for run in result_runs(parts):
+    for run in runs:
         results = [k for k in run if parts[k].role == "tool" and parts[k].tool_call_id]
         answered = {parts[k].tool_call_id for k in results}
         # The empty results first, in order, then the calls no tool part answers.
@@ -449,7 +454,7 @@ def files_alone(parts: Sequence[Part]) -> dict[int, tuple[int, ...]]:
 
 
 def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
-    """The tool calls of ``parts`` that no later part answers, as refusals, in order.
+    """The tool calls of ``parts`` without their result where it must be, as refusals, in order.
 
     A call (an assistant part with ``tool_call_id``) is answered by a later ``tool`` part of
     its id, or by the files its tool returned alone (:func:`files_alone`). Chat completions,
@@ -461,6 +466,14 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     of function call parts"). A call among the request's last assistant parts (nothing but
     assistant and system parts after it) is refused on chat completions only, whose message
     says it must be followed by its results; the others' prefill is theirs to judge.
+
+    A later result must also be where the protocol reads it (:func:`_misplaced`): chat
+    completions takes a call's ``tool`` message only among those right after the assistant
+    message, Anthropic a ``tool_result`` only among the blocks that open the next user
+    message, Gemini a ``functionResponse`` only in the turn right after the call's. A result
+    with the user's text, a file or another message sent before it is refused there, as the
+    provider would; the Responses API pairs a ``function_call_output`` with its call by
+    ``call_id`` wherever it stands, and takes it.
     """
     last_result: dict[str, int] = {}
     # Gemini matches a functionResponse to its call by the function's name: a result without
@@ -481,16 +494,19 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
             last_result[p.tool_call_id] = k
         elif role == "tool" and p.name:
             by_name.setdefault(p.name, []).append(k)
-    pending = [j for j in calls if last_result.get(parts[j].tool_call_id or "", -1) < j]
-    if not pending:
+    if not calls:
         return []
-    alone = files_alone(parts)
-    out = []
+    runs = result_runs(parts)
+    alone = _files_alone(parts, runs)
     named = {name: list(ks) for name, ks in by_name.items()}
-    for j in pending:
-        if j in alone:
-            continue
+    found: dict[int, list[Uncarried]] = {}
+    # The calls a later part answers, with the protocols it answers them on.
+    answered: dict[int, frozenset[WireProtocol]] = {}
+    for j in calls:
         call = parts[j]
+        if last_result.get(call.tool_call_id or "", -1) > j or j in alone:
+            answered[j] = CODEC_PROTOCOLS
+            continue
         # A result without an id answers one call of its name: the first call before it.
         answers = named.get(call.name or "", [])
         later = next((k for k in answers if k > j), None)
@@ -498,23 +514,183 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
         if later is not None:
             answers.remove(later)
             protocols = CODEC_PROTOCOLS - _RESULT_BY_NAME
-        shown = f"tool call {call.tool_call_id!r}" + (f" ({call.name})" if call.name else "")
+            answered[j] = _RESULT_BY_NAME
         fix = ("record the call's result with run.tool_result(call, ...) and put the part it "
                "returns after the call's part (a tool that returned only a file answers with "
                "run.tool_result(call, Part(data=..., media_type=...))), or leave the call's "
                "part out")
         if j > last_other:
-            out.append(Uncarried(frozenset({_P.OPENAI}), f"envelope.parts[{j}]",
-                                 f"{shown} has no result and ends the request: chat "
-                                 "completions refuses an assistant message with tool_calls "
-                                 "that no tool message for each follows", fix))
+            found[j] = [Uncarried(frozenset({_P.OPENAI}), f"envelope.parts[{j}]",
+                                  f"{_shown(call)} has no result and ends the request: chat "
+                                  "completions refuses an assistant message with tool_calls "
+                                  "that no tool message for each follows", fix)]
         else:
-            out.append(Uncarried(protocols, f"envelope.parts[{j}]",
-                                 f"{shown} has no result, and the conversation goes on after "
-                                 f"it: no tool part with tool_call_id={call.tool_call_id!r} "
-                                 "answers it (chat completions, the Responses API, Anthropic "
-                                 "and Gemini refuse a tool call without its result)", fix))
+            found[j] = [Uncarried(protocols, f"envelope.parts[{j}]",
+                                  f"{_shown(call)} has no result, and the conversation goes "
+                                  f"on after it: no tool part with tool_call_id="
+                                  f"{call.tool_call_id!r} answers it (chat completions, the "
+                                  "Responses API, Anthropic and Gemini refuse a tool call "
+                                  "without its result)", fix)]
+    if answered:
+        items = _wire_items(parts, runs, alone)
+        for protocol in _PLACED:
+            for j, (k, m) in _misplaced(protocol, parts, items).items():
+                if protocol in answered.get(j, ()):
+                    found.setdefault(j, []).append(_misplaced_refusal(protocol, parts, j, k, m))
+    return [u for j in sorted(found) for u in found[j]]
+
+
+def _shown(call: Part) -> str:
+    return f"tool call {call.tool_call_id!r}" + (f" ({call.name})" if call.name else "")
+
+
+# The protocols that take a call's result only right after the call (the Responses API pairs
+# a function_call_output with its call by call_id wherever it stands), and why.
+_PLACED = (_P.OPENAI, _P.ANTHROPIC, _P.GEMINI)
+_PLACE_RULES = {
+    _P.OPENAI: "chat completions refuses an assistant message with tool_calls that the tool "
+               "messages answering each call do not follow at once",
+    _P.ANTHROPIC: "Anthropic refuses a tool_use whose tool_result is not among the blocks that "
+                  "open the next user message, before any text or file",
+    _P.GEMINI: "Gemini refuses a functionCall turn whose functionResponse is not in the turn "
+               "right after it",
+}
+
+# A part as the codecs send it (:func:`_wire_items`): its index, the key of the call it answers
+# (a result's ``tool_call_id``, or ``("name", name)`` for one without), and the part (``None``:
+# the empty result a call answered by its files alone gets; its index is its first file's).
+_Item = tuple[int, "str | tuple[str, str] | None", "Part | None"]
+
+
+def _wire_items(parts: Sequence[Part], runs: Sequence[range],
+                alone: Mapping[int, tuple[int, ...]]) -> list[_Item]:
+    """The parts in the order every codec sends them (:func:`~ledger.adapters.contract.wire_order`).
+
+    A turn's results (:func:`result_runs`) go first, a call its files alone answer with the
+    empty result it gets where its first file stands, then the turn's files.
+    """
+    lacking = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
+    starts = {r.start: r for r in runs}
+    out: list[_Item] = []
+    i = 0
+    while i < len(parts):
+        run = starts.get(i)
+        if run is None:
+            p = parts[i]
+            out.append((i, _result_key(p), p))
+            i += 1
+            continue
+        for k in run:
+            p = parts[k]
+            if p.role == "tool":
+                out.append((k, _result_key(p), p))
+            elif k in lacking:
+                out.append((k, parts[lacking[k]].tool_call_id, None))
+        out.extend((k, None, parts[k]) for k in run if parts[k].role != "tool")
+        i = run.stop
     return out
+
+
+def _result_key(part: Part) -> str | tuple[str, str] | None:
+    if part.role != "tool":
+        return None
+    return part.tool_call_id or ("name", part.name or "")
+
+
+def _sent_in(protocol: WireProtocol, part: Part | None) -> str | None:
+    """The role of the message (Gemini: the turn) ``protocol``'s codec sends ``part`` in.
+
+    ``None``: in no message of its own (a system part goes in the top-level system text but on
+    chat completions, a reasoning item is left out or joins its turn's assistant message, an
+    empty text is left out on Anthropic and Gemini). ``tool`` is chat completions' tool
+    message; the others carry a result in the user's.
+    """
+    role = "tool" if part is None else part.role
+    if role == "tool":
+        return "tool" if protocol is _P.OPENAI else "user"
+    assert part is not None
+    if part.kind is MediaKind.REASONING:
+        return None
+    if role == "system":
+        return "system" if protocol is _P.OPENAI else None
+    if part.media_type is not None:
+        # A file the model returned goes back in a user message (a model turn on Gemini).
+        return "assistant" if role == "assistant" and protocol is _P.GEMINI else "user"
+    if not part.content and not part.tool_call_id and protocol in _DROPS_EMPTY_TEXT:
+        return None
+    return role
+
+
+def _misplaced(protocol: WireProtocol, parts: Sequence[Part],
+               items: Sequence[_Item]) -> dict[int, tuple[int, int]]:
+    """The calls whose results ``protocol`` does not read where they are sent.
+
+    The parts go in ``items``' order, grouped as ``protocol`` groups them into messages:
+    consecutive parts of one role (on chat completions an assistant's text opens a message of
+    its own, and its tool calls join the assistant message before them). A call's result is
+    in its place in the group right after the call's: among the ``tool`` messages there (chat
+    completions), among the results that open that user message (Anthropic), anywhere in that
+    user turn (Gemini, which matches a result without an id by the function's name).
+
+    Returns:
+        call index -> ``(k, m)``: ``k`` the first result of the call sent later (a file's
+        index for a call answered by its files alone), ``m`` the first part sent before it
+        past that place. A call no later part answers is not here.
+    """
+    sent: list[_Item] = []  # the items sent, in order
+    groups: list[tuple[str, int, int]] = []  # (role, start, stop) in ``sent``
+    for item in items:
+        role = _sent_in(protocol, item[2])
+        if role is None:
+            continue
+        part = item[2]
+        opens = (protocol is _P.OPENAI and role == "assistant" and part is not None
+                 and not part.tool_call_id)
+        sent.append(item)
+        if groups and groups[-1][0] == role and not opens:
+            groups[-1] = (role, groups[-1][1], len(sent))
+        else:
+            groups.append((role, len(sent) - 1, len(sent)))
+    out: dict[int, tuple[int, int]] = {}
+    for g, (role, start, stop) in enumerate(groups):
+        if role != "assistant":
+            continue
+        calls = [(k, p) for k, _, p in sent[start:stop] if p is not None and p.tool_call_id]
+        if not calls:
+            continue
+        nxt_role, _, nxt_stop = groups[g + 1] if g + 1 < len(groups) else ("", stop, stop)
+        # sent[stop:place] is where the results of these calls are read.
+        if protocol is _P.ANTHROPIC:
+            place = stop
+            while nxt_role == "user" and place < nxt_stop and sent[place][1] is not None:
+                place += 1
+        else:
+            place = nxt_stop if nxt_role == ("tool" if protocol is _P.OPENAI else "user") \
+                else stop
+        keys = {item[1] for item in sent[stop:place]}
+        for j, call in calls:
+            wanted: set[object] = {call.tool_call_id}
+            if protocol in _RESULT_BY_NAME:
+                wanted.add(("name", call.name or ""))
+            if keys & wanted:
+                continue
+            k = next((it[0] for it in sent[place:] if it[1] in wanted), None)
+            if k is not None:
+                out[j] = (k, sent[place][0])
+    return out
+
+
+def _misplaced_refusal(protocol: WireProtocol, parts: Sequence[Part], j: int, k: int,
+                       m: int) -> Uncarried:
+    """The refusal of call ``j``, whose result ``k`` ``protocol`` reads nowhere after ``m``."""
+    return Uncarried(
+        frozenset({protocol}), f"envelope.parts[{j}]",
+        f"{_shown(parts[j])} has its result, envelope.parts[{k}], sent after "
+        f"envelope.parts[{m}]: {_PLACE_RULES[protocol]}",
+        f"put the call's result right after the call's part (a turn's tool results before "
+        f"anything else of the conversation): move envelope.parts[{m}] after the results, or "
+        f"the result before it; a route of the Responses API, which pairs a result with its "
+        f"call wherever it stands, takes it as it is")
 
 
 def require_answered(protocol: WireProtocol, parts: Sequence[Part]) -> None:

@@ -14,9 +14,10 @@ carry the signature on its first ``functionCall`` part. Tool results as chat com
 Anthropic check them: an assistant message's ``tool_calls`` answered by a ``tool`` message each,
 with nothing between (a user message with a tool's file included); a ``tool_use`` answered by
 a ``tool_result`` in the next message, whose ``tool_result`` blocks come before any other.
-A Responses ``function_call`` without its ``function_call_output`` before the conversation
-goes on is refused ("No tool output found for function call ..."), and so is a Gemini turn
-that calls functions followed by one without a ``functionResponse`` for each.
+A Responses ``function_call`` with no ``function_call_output`` after it, the conversation going
+on, is refused ("No tool output found for function call ..."; the output may come anywhere
+after its call, which the API finds by ``call_id``), and so is a Gemini turn that calls
+functions followed by one without a ``functionResponse`` for each.
 Anthropic's empty text blocks are refused ("text content blocks must be non-empty"); the files
 in a ``tool_result``'s content and in a Responses ``function_call_output``'s ``output`` list
 are checked and received as any other.
@@ -237,14 +238,16 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     if obj.get("previous_response_id") is not None:
         raise BadRequest("previous_response_id: no response is stored here (store=false)")
     media: list[ReceivedMedia] = []
-    pending: list[str] = []  # function calls whose output has not come yet
-    for i, raw in enumerate(_list(obj.get("input"), "input")):
+    pending: list[str] = []  # function calls no output after them answers
+    items = _list(obj.get("input"), "input")
+    # The API pairs an output with its call by call_id, wherever it stands after the call.
+    output_at = {raw.get("call_id"): i for i, raw in enumerate(items)
+                 if isinstance(raw, dict) and raw.get("type") == "function_call_output"}
+    for i, raw in enumerate(items):
         where = f"input[{i}]"
         item = _obj(raw, where)
         kind = item.get("type", "message")
-        if kind == "function_call_output" and item.get("call_id") in pending:
-            pending.remove(item["call_id"])
-        elif pending and kind not in ("function_call", "function_call_output", "reasoning"):
+        if pending and kind not in ("function_call", "function_call_output", "reasoning"):
             # The conversation goes on while a call has no output.
             raise BadRequest(f"No tool output found for function call {pending[0]}.")
         if kind == "message":
@@ -260,7 +263,8 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str) or not item[key]:
                     raise BadRequest(f"{where}.{key} is required")
-            pending.append(item["call_id"])
+            if output_at.get(item["call_id"], -1) < i:
+                pending.append(item["call_id"])
             try:
                 json.loads(item["arguments"])
             except ValueError:

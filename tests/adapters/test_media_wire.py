@@ -448,6 +448,50 @@ async def test_a_tool_call_without_its_result_is_refused_before_anything_is_sent
         assert prefill.ok and fake.requests[-1].problem is None
 
 
+# Where each protocol reads a call's result: chat completions among the tool messages right
+# after the assistant message, Anthropic among the tool_result blocks that open the next user
+# message, Gemini in the turn right after the call's; the Responses API anywhere after the call.
+ASKS = Part(content="Also: which quarter was it?")
+ANSWERS = Part(role="assistant", content="Q3.", data_class="model_derived")
+STEERS = Part(role="system", content="Answer in one line.")
+# Case: (the parts between the call and its result, {refusing protocol: the part named as
+# sent before the result past its place}).
+MISPLACED = {
+    # The user's text: Anthropic merges it and the result into one user message, text first;
+    # Gemini's next user turn holds the result still.
+    "user text": ([ASKS], {"openai": 2, "anthropic": 2}),
+    # The user's text and the assistant's answer: Gemini's next turn is the text alone.
+    "a whole turn": ([ASKS, ANSWERS], {"openai": 2, "anthropic": 2, "gemini": 3}),
+    # A system part: Anthropic and Gemini send it in the top-level system text.
+    "a system part": ([STEERS], {"openai": 2}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISPLACED))
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_tool_result_where_its_protocol_reads_none_is_refused_before_sending(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, case: str) -> None:
+    # A call answered later in the conversation, but not where the provider reads its result,
+    # is a 400 there (after an Attempt was begun, and on every route of a failover); a
+    # protocol whose codec sends the result where the provider reads it takes the request.
+    question, call, _, result = files_alone().parts[:4]
+    between, refusing = MISPLACED[case]
+    env = Envelope(parts=[question, call, *between, result])
+    if protocol in refusing:
+        with pytest.raises(InvalidArgument) as info:
+            await send(adapter, fake, protocol, env)
+        assert info.value.field == "envelope.parts[1]"
+        said = str(info.value)
+        assert (f"'call_a' (fetch) has its result, envelope.parts[{len(between) + 2}], sent "
+                f"after envelope.parts[{refusing[protocol]}]") in said, said
+        assert "Responses API" in said  # the fix names the protocol that takes it as it is
+        assert fake.requests == []
+    else:
+        sent, _ = await send(adapter, fake, protocol, env)
+        (req,) = fake.requests
+        assert req.problem is None and sent.ok, (req.problem, sent.observation)
+
+
 def test_a_calls_files_alone_stand_for_its_result_in_its_own_turn_only() -> None:
     # The file of a call no tool part answers is that call's result, where the file stands
     # among the turn's results; a file of that call in a later turn's results is no result of

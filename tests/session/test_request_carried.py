@@ -169,6 +169,42 @@ def test_a_route_whose_protocol_cannot_build_the_request_is_skipped_without_an_a
             _recorded_nothing(led, fake, "only")
 
 
+@pytest.mark.parametrize(("refuser", "carrier"), [
+    ("openai", "openai_responses"), ("anthropic", "gemini"), ("anthropic", "openai_responses")])
+def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_one_that_does(
+        db_url: str, fake: FakeProvider, refuser: str, carrier: str) -> None:
+    """The user's text between a call and its result: chat completions reads the result only
+    among the tool messages right after the call, Anthropic only among the tool_result blocks
+    that open the next user message (where the codec puts the text first), so each would answer
+    with a 400, on every route of the plan. That route is skipped (capability, naming the call)
+    with no Attempt; Gemini, which reads the result in the next turn, and the Responses API,
+    which pairs it by id, take the request."""
+    routes = [_route(fake, "primary", refuser, "ga"), _route(fake, "backup", carrier, "gb")]
+    with Ledger.open(db_url) as led:
+        with led.run("t", plan=routes, budget=BUDGET, grant=GRANT) as run:
+            env = Envelope(parts=[_covered(led, run, p) for p in (QUESTION, WEATHER, BERGEN,
+                                                                   TWELVE)])
+            result = run.turn(env)
+            assert result.route.id == "backup" and len(result.attempts) == 1
+            (select,) = [e.data for e in led.events("t", ["select"])]
+            (skip,) = select["skipped"]
+            assert (skip["route"], skip["reason"]) == ("primary", "capability")
+            assert skip["detail"].startswith("envelope.parts[1]: tool call 'call_1' (weather) "
+                                             "has its result, envelope.parts[3], sent after "
+                                             "envelope.parts[2]")
+    assert [r.model for r in fake.requests] == ["backup-model"]
+    assert fake.requests[0].problem is None
+    fake.clear()
+    with Ledger.open(db_url) as led:
+        with led.run("only", plan=plan(fake, refuser), budget=BUDGET, grant=GRANT) as run:
+            env = Envelope(parts=[_covered(led, run, p) for p in (QUESTION, WEATHER, BERGEN,
+                                                                   TWELVE)])
+            with pytest.raises(InvalidArgument) as ei:
+                run.turn(env)
+            assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
+            _recorded_nothing(led, fake, "only")
+
+
 # -- the Responses API's built-in tools -----------------------------------------------------------
 
 @pytest.mark.parametrize(("tools", "field"), [
