@@ -12,7 +12,9 @@ Responses, Anthropic) or without the ``name`` of the function (Gemini), an envel
 nothing to send but system parts (Responses, Anthropic and Gemini, which leave reasoning items
 out and, Anthropic and Gemini, empty text parts), a tool call that nothing answers (no ``tool``
 part of its id, nor files its tool returned alone) while the conversation goes on after it
-(every protocol of these codecs) or at the request's end (chat completions), and on the
+(every protocol of these codecs) or at the request's end (chat completions), a tool call whose
+result is sent where the protocol reads none (chat completions, Anthropic, Gemini: something
+sent between the call and its result; the Responses API pairs them by id), and on the
 Responses API a ``params["tools"]`` that is not a list of the provider's built-in tools.
 
 The rules live in the pure core so that preflight judges every candidate before an Attempt is
@@ -778,7 +780,8 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
     the usual request, which costs three attribute reads and a flag per part (its text's
     verdict, :func:`text_refusal`), a look at the parts up to the first one that is sent, and
     one encoding of the parameters and of each tool's (:func:`tool_refusals`); one that holds
-    tool calls, one more look at each part for their results (:func:`unanswered_refusals`).
+    tool calls, a few more looks at each part for their results and where each protocol reads
+    them (:func:`unanswered_refusals`).
     """
     out: list[Uncarried] = []
     calls = False

@@ -180,29 +180,26 @@ def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_o
     with no Attempt; Gemini, which reads the result in the next turn, and the Responses API,
     which pairs it by id, take the request."""
     routes = [_route(fake, "primary", refuser, "ga"), _route(fake, "backup", carrier, "gb")]
-    with Ledger.open(db_url) as led:
-        with led.run("t", plan=routes, budget=BUDGET, grant=GRANT) as run:
-            env = Envelope(parts=[_covered(led, run, p) for p in (QUESTION, WEATHER, BERGEN,
-                                                                   TWELVE)])
-            result = run.turn(env)
-            assert result.route.id == "backup" and len(result.attempts) == 1
-            (select,) = [e.data for e in led.events("t", ["select"])]
-            (skip,) = select["skipped"]
-            assert (skip["route"], skip["reason"]) == ("primary", "capability")
-            assert skip["detail"].startswith("envelope.parts[1]: tool call 'call_1' (weather) "
-                                             "has its result, envelope.parts[3], sent after "
-                                             "envelope.parts[2]")
+    parts = (QUESTION, WEATHER, BERGEN, TWELVE)
+    with Ledger.open(db_url) as led, led.run("t", plan=routes, budget=BUDGET,
+                                              grant=GRANT) as run:
+        result = run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
+        assert result.route.id == "backup" and len(result.attempts) == 1
+        (select,) = [e.data for e in led.events("t", ["select"])]
+        (skip,) = select["skipped"]
+        assert (skip["route"], skip["reason"]) == ("primary", "capability")
+        assert skip["detail"].startswith("envelope.parts[1]: tool call 'call_1' (weather) has "
+                                         "its result, envelope.parts[3], sent after "
+                                         "envelope.parts[2]")
     assert [r.model for r in fake.requests] == ["backup-model"]
     assert fake.requests[0].problem is None
     fake.clear()
-    with Ledger.open(db_url) as led:
-        with led.run("only", plan=plan(fake, refuser), budget=BUDGET, grant=GRANT) as run:
-            env = Envelope(parts=[_covered(led, run, p) for p in (QUESTION, WEATHER, BERGEN,
-                                                                   TWELVE)])
-            with pytest.raises(InvalidArgument) as ei:
-                run.turn(env)
-            assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
-            _recorded_nothing(led, fake, "only")
+    with Ledger.open(db_url) as led, led.run("only", plan=plan(fake, refuser), budget=BUDGET,
+                                              grant=GRANT) as run:
+        with pytest.raises(InvalidArgument) as ei:
+            run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
+        assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
+        _recorded_nothing(led, fake, "only")
 
 
 # -- the Responses API's built-in tools -----------------------------------------------------------
