@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from ledger.decide.effects import Begin, Effect, Record, Send, SendResult, Settle
+from ledger.domain.carried import files_alone
 from ledger.domain.media import kind_of
 from ledger.domain.records import DURATION_BUCKETS, AttemptRecord, AttemptState
 from ledger.errors import CapacityUnavailable, InvalidArgument
@@ -604,29 +605,50 @@ def _describe(record: AttemptRecord) -> str:
 def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The envelope as semconv's system instructions and input messages, every text redacted.
 
-    Consecutive parts of one role form one message.
+    Consecutive parts of one role form one message. A tool result that is files alone
+    (:func:`~ledger.domain.carried.files_alone`: an empty ``tool`` part beside them, or none)
+    is a ``tool_call_response`` whose response is those files, described as a user's are: the
+    call's result, as the codecs send it, rather than an empty text or no response at all.
     """
+    parts = env.parts
+    # Files answer a call only as a tool's files, beside the call's results: the usual
+    # conversation has none, and is not read again for them.
+    alone = (files_alone(parts) if any(p.provenance is not None and p.media_type is not None
+                                       and p.role == "user" for p in parts) else {})
+    # The first file of a call no tool part answers stands for its result; its other files go
+    # in that result, as the files of an empty one do.
+    stands_for = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
+    claimed = {j for files in alone.values() for j in files}
     system: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
-    for part in env.parts:
-        if part.role == "system":
+    for i, part in enumerate(parts):
+        role = part.role
+        if role == "system":
             system.append({"type": "text", "content": redact(part.content)})
             continue
-        if part.role == "tool":
-            item: dict[str, Any] = {"type": "tool_call_response",
-                                    "id": part.tool_call_id, "response": redact(part.content)}
+        if i in stands_for:
+            k, role = stands_for[i], "tool"
+            item: dict[str, Any] = {"type": "tool_call_response", "id": parts[k].tool_call_id,
+                                    "response": [_media_item(parts[j]) for j in alone[k]]}
+        elif i in claimed:
+            continue  # in its call's tool_call_response
+        elif role == "tool":
+            response: Any = redact(part.content)
+            if i in alone:
+                response = [_media_item(parts[j]) for j in alone[i]]
+            item = {"type": "tool_call_response", "id": part.tool_call_id, "response": response}
         elif part.media_type is not None:
             item = _media_item(part)
-        elif part.role == "assistant" and part.tool_call_id is not None:
+        elif role == "assistant" and part.tool_call_id is not None:
             # A tool call of an earlier turn carried back (its arguments as JSON text).
             item = {"type": "tool_call", "id": part.tool_call_id,
                     "name": redact(part.name or ""), "arguments": _arguments(part.content)}
         else:
             item = {"type": "text", "content": redact(part.content)}
-        if messages and messages[-1]["role"] == part.role:
+        if messages and messages[-1]["role"] == role:
             messages[-1]["parts"].append(item)
         else:
-            messages.append({"role": part.role, "parts": [item]})
+            messages.append({"role": role, "parts": [item]})
     return system, messages
 
 

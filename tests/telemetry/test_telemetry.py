@@ -801,6 +801,50 @@ def test_captured_input_of_a_session_turn_carries_its_tool_call_and_result(
                                      "response": TOOL_ANSWER}]
 
 
+@pytest.mark.parametrize("empty_text", [False, True])
+def test_a_captured_tool_result_of_files_alone_is_the_calls_response_described_never_its_bytes(
+        db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider], empty_text: bool) -> None:
+    """A tool that returned only an image answers its call with it (no text result part, or
+    an empty one): the exported conversation shows that call's response, the image described
+    as a user's is, never its bytes, rather than a call without a response and a stray file."""
+    from tests.media import png
+
+    a, b = clean_fakes
+    image = png(8, 8) + b"CONFIDENTIAL-PIXELS"
+    a.set_default(Behavior(text=ANSWER, tool_call=("search", TOOL_ARGS)), model="gpt-primary")
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
+                     capture_content=True)
+    try:
+        with Ledger.open(db_url) as led, led.run(
+                "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+                secrets=StaticSecretProvider(SECRETS)) as run:
+            msgs = [Part(content=PROMPT)]
+            r1 = run.turn(Envelope(parts=msgs, tools=TOOLS))
+            [call] = r1.tool_calls
+            msgs += r1.parts
+            if empty_text:
+                msgs.append(run.tool_result(call, ""))
+            msgs.append(run.tool_result(call, Part(data=image, media_type="image/png",
+                                                   data_class="tool_result")))
+            a.set_default(Behavior(text=ANSWER), model="gpt-primary")
+            run.turn(Envelope(parts=msgs, tools=TOOLS))
+    finally:
+        telemetry.disable()
+    second = max((s for s in spans.get_finished_spans() if s.name != "ledger.turn"),
+                 key=lambda s: s.start_time or 0)
+    messages = json.loads(str(dict(second.attributes or {})["gen_ai.input.messages"]))
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[2]["parts"] == [{
+        "type": "tool_call_response", "id": call.tool_call_id,
+        "response": [{"type": "blob", "modality": "image", "mime_type": "image/png",
+                      "size": len(image)}]}]
+    text = "\n".join(s.to_json() for s in spans.get_finished_spans())
+    assert "CONFIDENTIAL-PIXELS" not in text
+
+
 def test_a_streamed_attempt_reports_time_to_first_chunk_and_token_details(
         db_url: str, otel: Otel, clean_fakes: tuple[FakeProvider, FakeProvider],
         adapter: SyncAdapter) -> None:
