@@ -147,20 +147,22 @@ def _option(key: str, value: str, where: str) -> str:
     return value
 
 
-_BLANK = re.compile(r"[?&]([^&=#]+)=(?=&|#|$)")
-
-
 def refuse_blank_options(norm: str, where: str) -> None:
-    """Refuse a query parameter given without a value (``?host=``, ``sslmode=``): SQLAlchemy
-    drops it, so libpq would silently use its default (for ``host=``, the local socket)."""
+    """Refuse a query parameter given without a value (``?host=``, ``sslmode=``, a bare
+    ``?sslmode``): SQLAlchemy drops it, so libpq would silently use its default (for
+    ``host=``, the local socket; for ``sslmode``, ``prefer``)."""
     if not norm.startswith(_SCHEME):
         return
-    query = norm.partition("?")[2]
-    # An empty dbname= is the URL naming no database, which its own check names as such.
-    blank = next((m for m in _BLANK.finditer("?" + query) if m[1] != "dbname"), None)
-    if blank is not None:
-        raise _refuse(where, f"parameter {blank[1]!r} is given no value: give it one, or leave "
-                             "it out", hosts=False)
+    # A password may hold a raw '?' (SQLAlchemy reads it up to its '@'): the query begins
+    # after the user part, or a password's tail would be read as a bare parameter.
+    user = PASSWORD_USER.match(norm, len(_SCHEME))
+    query = norm[len(_SCHEME) if user is None else user.end():].partition("?")[2]
+    for pair in query.split("&"):
+        key, eq, value = pair.partition("=")
+        # An empty dbname= is the URL naming no database, which its own check names as such.
+        if key and key != "dbname" and (not eq or not value or value.startswith("#")):
+            raise _refuse(where, f"parameter {key!r} is given no value: give it one "
+                                 f"({key}=VALUE), or leave it out", hosts=False)
 
 
 def hosts_to_query(norm: str, where: str) -> str:

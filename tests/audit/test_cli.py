@@ -915,6 +915,33 @@ def test_a_sqlite_url_the_ledger_cannot_take_is_one_line_exit_2_on_every_command
     assert sorted(p.name for p in tmp_path.iterdir()) == ["led.db"]
 
 
+@pytest.mark.parametrize("query", ["sslmode", "sslmode=require&target_session_attrs"])
+def test_a_bare_option_on_a_postgresql_url_is_one_line_exit_2_on_every_path_naming_it(
+        query: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``?sslmode`` (no '=') was dropped by SQLAlchemy's parser without a word, and libpq
+    used its default: refused as ``?sslmode=`` is, naming the option and the fix, from --db,
+    $LEDGER_URL, --read-url and db init alike, before any connection is tried (nothing
+    listens at the URL's port: a connection would be an outage, exit 1)."""
+    from ledger.testing.pgserver import free_port
+
+    port = free_port()
+    option = query.rpartition("&")[2]
+    bare = f"postgresql+psycopg://u@127.0.0.1:{port}/ledger?{query}"
+    said = (f"failover-ledger: error: database URL {bare!r}: parameter {option!r} is given no "
+            f"value: give it one ({option}=VALUE), or leave it out\n")
+    assert _same_answer_everywhere(bare, capsys) == said
+    for argv in (["db", "init", bare], ["generate", "--attempts", "1", "--db", bare]):
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err == said, argv
+    res = cli("runs", env={"LEDGER_URL": bare}, cwd=str(tmp_path))
+    assert (res.returncode, res.stderr) == (2, said)
+    good = f"postgresql+psycopg://u@127.0.0.1:{port}/ledger"
+    res = cli("--db", good, "--read-url", bare, "runs", cwd=str(tmp_path))
+    assert res.returncode == 2 and f"parameter {option!r} is given no value" in res.stderr, \
+        res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_read_url_for_a_sqlite_ledger_is_refused_naming_the_flag(sqlite_url: str) -> None:
     """A SQLite ledger has no read replica: --read-url (or LEDGER_READ_URL) is refused naming
     them, not the library's read_url= keyword."""

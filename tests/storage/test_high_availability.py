@@ -115,6 +115,12 @@ def no_name_lookup(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     # A parameter without a value: dropped, libpq would use its default (host=: the socket).
     ("postgresql+psycopg://u@/db?host=", "'host' is given no value"),
     ("postgresql+psycopg://u@127.0.0.1/db?sslmode=&connect_timeout=2", "'sslmode' is given"),
+    # ... and one without even the '=' (SQLAlchemy's parser drops it alike).
+    ("postgresql+psycopg://u@127.0.0.1:5432/db?sslmode", "'sslmode' is given no value"),
+    ("postgresql+psycopg://u@127.0.0.1/db?sslmode=require&target_session_attrs",
+     "'target_session_attrs' is given no value: give it one (target_session_attrs=VALUE)"),
+    ("postgresql+psycopg://u@127.0.0.1,127.0.0.2/db?keepalives&connect_timeout=2",
+     "'keepalives' is given no value"),
     # A mistyped address is never looked up as a name; hostaddr= takes addresses only.
     ("postgresql+psycopg://u@/db?host=999.1.1.1", "'999.1.1.1' is not an IPv4 address"),
     ("postgresql+psycopg://u@127.0.0.1,10.0.0.256/db", "'10.0.0.256' is not an IPv4"),
@@ -134,6 +140,19 @@ def test_an_unreadable_url_is_invalid_argument_naming_its_fault_before_any_looku
         assert caught.value.fields["field"] == "url" and fault in str(caught.value), \
             str(caught.value)
     assert no_name_lookup == []
+
+
+def test_only_the_query_is_read_for_a_bare_option_not_a_password_holding_a_question_mark(
+        ) -> None:
+    """A password may hold a raw '?' (SQLAlchemy reads it up to its '@'): its tail is no
+    parameter given without a value, and the URL's own options are read as given."""
+    for url in ("postgresql+psycopg://u:pa?ss@127.0.0.1:5432/db",
+                "postgresql+psycopg://u:pa?ss@127.0.0.1:5432/db?sslmode=require"):
+        assert eng.parse(url)[1].password == "pa?ss", url
+    assert dict(eng.parse("postgresql+psycopg://u:pa?ss@127.0.0.1/db?sslmode=require")[1]
+                .query) == {"sslmode": "require"}
+    with pytest.raises(InvalidArgument, match="'sslmode' is given no value"):
+        eng.parse("postgresql+psycopg://u:pa?ss@127.0.0.1:5432/db?sslmode")
 
 
 def test_a_bad_host_is_told_how_several_hosts_are_written_only_in_a_url_of_several(

@@ -168,6 +168,7 @@ PG = "postgresql+psycopg://u@127.0.0.1:5432/db"
     (PG, "postgresql+psycopg://u@127.0.0.1:54x2/db", "read_url: "),
     (PG, "postgresql+psycopg://u@/db?host=127.0.0.1:5432&port=5433", "named twice"),
     (PG, "postgresql+psycopg://u:hunter2@/db?host=a,b,c&port=1,2", "3 host(s) but 2 ports"),
+    (PG, f"{PG}?sslmode", "parameter 'sslmode' is given no value"),
     (PG, "mysql://u@127.0.0.1/db", "unsupported database backend"),
     (PG, "replica.db", "must be the postgresql+psycopg:// URL of a replica"),
     ("ledger.db", PG, "a SQLite ledger has no read replica"),
