@@ -13,8 +13,23 @@ from ledger.errors import PolicyError
 from ledger.policy import PRESETS
 
 
+class _NoDatabase(argparse.Action):
+    """``--db`` after a policy command, which opens no database: every other command takes
+    ``--db`` there, so an operator's habit meets a refusal that says why, not argparse's
+    "unrecognized arguments" (and not an option taken and then ignored)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: '{parser.prog.removeprefix(PROG + ' ')}' works on "
+                     "policy files alone and opens no database; drop --db (replay --policy "
+                     "FILE --db URL runs a policy over a ledger's history)")
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("policy", help="policy files: schema, check, show, export")
+    p = subparsers.add_parser(
+        "policy", help="policy files: schema, check, show, export (no database)",
+        description="Work on policy files alone: no policy command opens a database, so none "
+        "takes --db (replay --policy FILE runs a policy over a ledger's history).")
     sub = p.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", required=True)
 
     schema = sub.add_parser("schema", help="print the JSON schema of a policy file")
@@ -33,6 +48,8 @@ def register(subparsers: Any) -> None:
     export.add_argument("preset", metavar="PRESET", choices=list(PRESETS),
                         help=", ".join(PRESETS))
     export.set_defaults(func=_export)
+    for command in (schema, check, show, export):
+        command.add_argument("--db", action=_NoDatabase, help=argparse.SUPPRESS)
 
 
 def schema_text() -> str:

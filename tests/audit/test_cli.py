@@ -876,6 +876,29 @@ def test_every_command_takes_db_after_it(
     capsys.readouterr()
 
 
+def test_a_command_that_opens_no_database_refuses_db_after_it_saying_why(
+        tmp_path: Path) -> None:
+    """``policy check FILE --db URL`` (the habit every other command's --db after it teaches)
+    was argparse's bare "unrecognized arguments: --db URL": the policy commands work on
+    policy files alone. It stays refused (taking it and ignoring it would pretend the policy
+    was checked against a ledger), saying why and what runs a policy over a ledger, exit 2,
+    nothing opened or created; without --db each works as before."""
+    db = tmp_path / "ledger.db"
+    for command in _NO_DATABASE:
+        words = command.split()
+        args = {"policy check": ["goclaw"], "policy show": ["goclaw"],
+                "policy export": ["goclaw"], "policy schema": []}[command]
+        for argv in ([*words, *args, "--db", str(db)], [*words, f"--db={db}", *args]):
+            res = cli(*argv, cwd=str(tmp_path))
+            assert (res.returncode, res.stdout) == (2, ""), (argv, res)
+            assert res.stderr.splitlines()[-1] == (
+                f"failover-ledger {command}: error: --db: {command!r} works on policy files "
+                "alone and opens no database; drop --db (replay --policy FILE --db URL runs a "
+                "policy over a ledger's history)"), res.stderr
+        assert cli(*words, *args, cwd=str(tmp_path)).returncode == 0, command
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_cursor_without_its_id_is_malformed_exit_2_on_every_listing(
         sqlite_url: str) -> None:
     """``--cursor '1|'`` (a time, no id) listed an empty page, exit 0, where every other
