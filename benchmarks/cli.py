@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         "failover-ledger generate writes through the ledger itself, far slower). Refuses a "
         "ledger holding runs it did not generate unless --into-existing is given.")
     _add_ledger_db(g)
-    g.add_argument("--attempts", type=int, default=100_000, help="attempts (default 100000)")
+    g.add_argument("--attempts", type=int, default=100_000,
+                   help="attempts (default 100000; at most 100000000)")
     g.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--end", type=float, default=None,
@@ -506,7 +507,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from benchmarks.generate import POLICY_HASH, generate
+    from benchmarks.generate import MAX_ATTEMPTS, POLICY_HASH, generate
     from ledger.api.facade import Ledger
     from ledger.api.face import storage_of
     from ledger.domain.timefmt import iso
@@ -514,6 +515,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.attempts < 1:
         raise InvalidArgument("--attempts must be >= 1", field="attempts")
+    if args.attempts > MAX_ATTEMPTS:
+        raise InvalidArgument(
+            f"--attempts {args.attempts} is more than {MAX_ATTEMPTS:,}, the most one load "
+            f"writes (about 350 GB): pass at most {MAX_ATTEMPTS}, or deepen a smaller history "
+            "(python -m benchmarks deepen)", field="attempts")
     if args.days <= 0:
         raise InvalidArgument("--days must be > 0", field="days")
     led = Ledger.open(_ledger_db(args))

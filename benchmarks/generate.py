@@ -116,6 +116,10 @@ _LATENCY = {"ok": (0.4, 12.0), "status": (0.1, 2.0), "timeout": (30.0, 120.0),
 # Generated runs carry this policy hash (and the marker as their policy): how ``generate`` tells
 # its own history from real runs.
 POLICY_HASH = "generated"
+#: The most Attempts one load writes: a hundred million, ten times the largest history measured
+#: (``docs/benchmarks.md``: 100 M would take about 350 GB). Past it is a slip of extra zeros that
+#: would fill the disk before it ended.
+MAX_ATTEMPTS = 100_000_000
 _PRESET = "goclaw"
 _POLICY_MARKER = json.dumps({"generated": True, "preset": _PRESET})
 # With frozen_policy=True: the preset itself, as admission freezes a policy (what a replay reads).
@@ -676,4 +680,4 @@ def _health_rows(rng: random.Random, routes: list[Route], end: float
     return {"health": list(seen.values()), "capacity_groups": groups}
 
 
-__all__ = ["POLICY_HASH", "GenStats", "catalog", "generate"]
+__all__ = ["MAX_ATTEMPTS", "POLICY_HASH", "GenStats", "catalog", "generate"]

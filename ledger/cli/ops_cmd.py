@@ -893,17 +893,33 @@ def _retention(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rollup(args: argparse.Namespace) -> int:
-    from ledger.api.arguments import MAX_RETENTION_S
+#: The longest ``rollup --lag``: a week. The lag keeps an hour still being settled from being
+#: rolled and undone again, which minutes do (a later write undoes a roll-up anyway); a longer
+#: one only leaves the cheap sums unwritten (36500d: nothing ever rolled or folded) and is a slip
+#: of the unit (an hour written in milliseconds, 3600000, is 41 days).
+MAX_LAG_S = 7 * 86_400.0
+#: The longest ``rollup --fold-after``: 366 days. A fold keeps the totals' answers and only
+#: merges an old day's hours, so a longer wait means no fold ('never' says so), and is a slip of
+#: the unit (the default 8 days written in milliseconds, 691200000, is 8,000 days).
+MAX_FOLD_AFTER_S = 366 * 86_400.0
 
-    lag = _span(args.lag, "lag")
-    if lag > MAX_RETENTION_S:
-        # The hours it leaves to roll would end before 1970: a slip of the unit, told as such
-        # rather than as "ending by -1e+20 s since 1970".
-        raise InvalidArgument(f"--lag {args.lag!r} is longer than 36500 days, the longest "
-                              "age the ledger takes: pass a span such as 5m (the default), "
-                              "1h, 2d or seconds", field="lag")
-    fold = None if args.fold_after == "never" else _span(args.fold_after, "fold-after")
+
+def _span_within(text: str, field: str, most: float, fix: str) -> float:
+    """:func:`_span`, from 0 to ``most`` seconds; else the flag's refusal naming the bound."""
+    span = _span(text, field)
+    if not 0 <= span <= most:  # NaN and the infinities too
+        raise InvalidArgument(f"--{field} {text!r} is not a span from 0 to {most / 86_400:g} "
+                              f"days, the longest {field} rollup takes: {fix}", field=field)
+    return span
+
+
+def _rollup(args: argparse.Namespace) -> int:
+    lag = _span_within(args.lag, "lag", MAX_LAG_S,
+                       "pass a span such as 5m (the default), 1h, 2d or seconds")
+    fold = None if args.fold_after == "never" else _span_within(
+        args.fold_after, "fold-after", MAX_FOLD_AFTER_S,
+        f"pass a span such as {DEFAULT_FOLD_AFTER_S / 86_400:g}d (the default), 30d or "
+        "seconds, or 'never' to fold nothing")
     led = open_writer(args.db)
     try:
         rep = led.roll_up(lag=lag, max_hours=args.max_hours, fold_after=fold)
@@ -1172,13 +1188,14 @@ def register(subparsers: Any) -> None:
         "it every few minutes from cron. See docs/operations.md.")
     p.add_argument("--lag", default="5m", metavar="SPAN",
                    help="how long after its end an hour is rolled up: 5m (default), 1h, "
-                        "seconds")
+                        f"seconds; at most {MAX_LAG_S / 86_400:g} days")
     p.add_argument("--max-hours", type=int, default=None, metavar="N",
                    help="roll up at most N hours in this run (the oldest first)")
     fold_days = f"{DEFAULT_FOLD_AFTER_S / 86_400:g}d"
     p.add_argument("--fold-after", default=fold_days, metavar="SPAN",
                    help="how long after its end a day whose hours are rolled is folded into "
-                        f"one set of rows: {fold_days} (default), 'never', seconds")
+                        f"one set of rows: {fold_days} (default), 'never', seconds; at most "
+                        f"{MAX_FOLD_AFTER_S / 86_400:g} days")
     _add_db(p, reads=False)
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.set_defaults(func=_rollup)
@@ -1191,7 +1208,8 @@ def register(subparsers: Any) -> None:
         "Attempts. About 6 ms of CPU per Attempt (docs/audit.md): for millions, use the "
         "benchmarks' bulk generator (python -m benchmarks generate, from a checkout).")
     p.add_argument("--attempts", type=int, default=10_000,
-                   help="attempts (default 10000: about a minute; see docs/audit.md)")
+                   help="attempts (default 10000: about a minute; at most 1000000, about two "
+                   "hours; see docs/audit.md)")
     p.add_argument("--days", type=float, default=7.0, help="history span in days (default 7)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--end", type=float, default=None, help="epoch seconds (not "

@@ -353,6 +353,13 @@ class _Generator:
         st.events += len(self.led.events(run_id))
 
 
+#: The most Attempts one ``generate`` writes: a million, about two hours of a core and 7.5 GB
+#: through the ledger (``docs/audit.md``). A count past it is a slip of extra zeros that would
+#: fill the disk over days; a larger history is the benchmarks' bulk generator's, or several
+#: runs of this one (each adds a history of its own).
+MAX_ATTEMPTS = 1_000_000
+
+
 def check_window(*, attempts: int, days: float, end: float, flag: str = "") -> None:
     """Refuse what :func:`generate` cannot write as a history every command can read.
 
@@ -363,10 +370,17 @@ def check_window(*, attempts: int, days: float, end: float, flag: str = "") -> N
     the names in the messages (``"--"`` for the command line's options).
 
     Raises:
-        InvalidArgument: naming ``attempts``, ``days`` or ``end`` and the fix.
+        InvalidArgument: naming ``attempts`` (at least 1, at most :data:`MAX_ATTEMPTS`),
+            ``days`` or ``end`` and the fix.
     """
     if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
         raise InvalidArgument(f"{flag}attempts must be an integer >= 1", field="attempts")
+    if attempts > MAX_ATTEMPTS:
+        raise InvalidArgument(
+            f"{flag}attempts {attempts} is more than {MAX_ATTEMPTS:,}, the most one generate "
+            f"writes (about two hours and 7.5 GB through the ledger): pass at most "
+            f"{MAX_ATTEMPTS}, run generate again to add more, or use the benchmarks' bulk "
+            "generator (python -m benchmarks generate) for larger histories", field="attempts")
     if isinstance(end, bool) or not isinstance(end, int | float) or not 0 <= end < MAX_TIME:
         raise InvalidArgument(
             f"{flag}end {end!r} is not a time the ledger holds: pass seconds since 1970, not "
@@ -389,7 +403,7 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     Args:
         led: A ledger opened with a :class:`~ledger.clock.ManualClock`
             (``Ledger.open(url, clock=ManualClock())``); generating moves that clock.
-        attempts: How many Attempts to write (at least 1).
+        attempts: How many Attempts to write (at least 1, at most :data:`MAX_ATTEMPTS`).
         days: The span of the history (above 0; it starts in 1970 or later).
         end: The end of the history, in epoch seconds (below
             :data:`~ledger.domain.bounds.MAX_TIME`, as every time the ledger reads).
@@ -442,5 +456,5 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     return stats
 
 
-__all__ = ["GenStats", "catalog", "check_window", "generate", "generated_policy",
+__all__ = ["MAX_ATTEMPTS", "GenStats", "catalog", "check_window", "generate", "generated_policy",
            "generated_policy_hash"]

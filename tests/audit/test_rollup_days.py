@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,6 +244,28 @@ def test_the_rollup_command_folds_after_its_span_or_never(tmp_path: Any, capsys:
     assert max(_folded(db)) == (time.time() - 3600) // DAY - 1
     assert main(["rollup", "--db", db, "--fold-after", "later"]) == 2
     assert "--fold-after 'later' is not a span of time" in capsys.readouterr().err
+
+
+def test_a_fold_after_past_a_year_is_refused_naming_the_flag_and_its_bound(
+        tmp_path: Any, capsys: Any) -> None:
+    """``--fold-after 1e20`` was taken (a fold in three trillion years: never, which 'never'
+    says), as was the default 8 days written in milliseconds. Past 366 days it is refused with
+    its bound and 'never', before the ledger is written; up to it, and 'never', are taken."""
+    db = str(tmp_path / "g.db")
+    assert main(["db", "init", db]) == 0
+    capsys.readouterr()
+    before = Path(db).read_bytes()
+    for span in ("1e20", "691200000", "367d", "inf", "nan", "-1"):
+        assert main(["rollup", "--db", db, "--fold-after", span]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert f"--fold-after '{span}' is not a span from 0 to 366 days, the longest " \
+            "fold-after rollup takes: pass a span such as 8d (the default), 30d or seconds, " \
+            "or 'never' to fold nothing" in captured.err, captured
+    assert Path(db).read_bytes() == before
+    for span in ("366d", "31622400", "0", "never"):
+        assert main(["rollup", "--db", db, "--fold-after", span]) == 0, span
+        assert "folded 0 day(s)" in capsys.readouterr().out
 
 
 def test_a_fold_keeps_every_roll_up_tables_keys_and_sums_every_other_column() -> None:

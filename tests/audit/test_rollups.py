@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -399,18 +400,24 @@ def test_the_rollup_command_reports_what_it_did(tmp_path: Any, capsys: Any) -> N
     assert "--lag 'soon' is not a span of time" in capsys.readouterr().err
 
 
-def test_a_lag_longer_than_any_history_is_refused_naming_the_flag(tmp_path: Any,
-                                                                   capsys: Any) -> None:
-    """``--lag 1e20`` rolled the hours ending by ``-1e+20 s since 1970`` and exited 0."""
+def test_a_lag_longer_than_a_week_is_refused_naming_the_flag_and_its_bound(
+        tmp_path: Any, capsys: Any) -> None:
+    """``--lag 1e20`` rolled the hours ending by ``-1e+20 s since 1970`` and exited 0, and
+    ``--lag 36500d`` (a hundred years: nothing ever rolled, nor folded) was taken. A lag is
+    minutes; past a week it is refused with its bound, before the ledger is written."""
     db = str(tmp_path / "g.db")
     generated(db, start=END - 12 * HOUR, attempts=20, days=0.5, end=END, seed=7).close()
-    for lag in ("1e20", "36501d"):
+    before = Path(db).read_bytes()
+    for lag in ("1e20", "36500d", "8d", "604801", "inf", "nan", "-300"):
         assert main(["rollup", "--db", db, "--lag", lag]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.count("\n") == 1, captured
-        assert f"--lag '{lag}' is longer than 36500 days" in captured.err
-    assert main(["rollup", "--db", db, "--lag", "36500d", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["hours"] == 0
+        assert f"--lag '{lag}' is not a span from 0 to 7 days, the longest lag rollup takes: " \
+            "pass a span such as 5m (the default), 1h, 2d or seconds" in captured.err, captured
+    assert Path(db).read_bytes() == before
+    for lag in ("7d", "604800", "0"):
+        assert main(["rollup", "--db", db, "--lag", lag, "--json"]) == 0, lag
+        assert json.loads(capsys.readouterr().out)["pending"] == 0
 
 
 def test_migration_0011_downgrade_leaves_no_trigger_behind(db_url: str) -> None:

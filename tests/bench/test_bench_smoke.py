@@ -500,6 +500,10 @@ def test_cli_bad_input_is_a_typed_error(tmp_path: Path,
         (["group-ceiling", "--db", db, "--pairs", "1", "--workers", "2"], "--pairs"),
         (["select", "--iterations", "0"], "--iterations"),
         (["generate", "--db", db, "--attempts", "0"], "--attempts"),
+        # A slip of extra zeros would fill the disk before it ended. (With --days 0, checked
+        # after it: were the count taken, this fails at once rather than loading for hours.)
+        (["generate", "--db", db, "--attempts", "100000001", "--days", "0"],
+         "--attempts 100000001 is more than 100,000,000"),
         (["generate", "--db", db, "--days", "0"], "--days"),
         (["audit", "--db", db, "--repeat", "0"], "--repeat"),
         (["deepen", "--db", db, "--copies", "0"], "--copies"),
