@@ -10,7 +10,10 @@ bulk-loads the rows.
 Runs over many routes, providers, capacity groups, tenants and labels, of one to three turns
 each; failures observed as a provider or the transport reports them (rate limits with
 Retry-After, overloads, server errors, read timeouts, refused connections, auth, context
-overflow); at the recent end, a few Runs still in flight. Deterministic for a given seed.
+overflow); at the recent end, a few Runs still in flight. Deterministic for a given seed: on
+a ledger that already holds a load of the same seed, the same history under Run ids of its own
+(derived from the seed's and the loads already there), so that a second load adds Runs and
+never meets the first's keys.
 
 The history is what the ledger itself would have written for such Runs under the ``goclaw``
 preset, because every decision and every record is made by the ledger's own pure rules: the
@@ -37,6 +40,7 @@ itself, still under the marker hash, so that ``failover-ledger replay`` can repl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import uuid
@@ -45,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
-from benchmarks.bulk import analyze, bulk_insert
+from benchmarks.bulk import analyze, bulk_insert, has_run
 from ledger.api.facade import Ledger
 from ledger.api.face import storage_of
 from ledger.decide.begin import begin_spec
@@ -195,6 +199,24 @@ class _Rows:
         return row
 
 
+def _run_id(tag: str, i: int) -> str:
+    return f"run-{tag}-{i:08d}"
+
+
+def _free_tag(led: Ledger, tag: str) -> str:
+    """``tag``, or when the ledger holds a load under it (this seed was loaded there before),
+    the first tag derived from it that names none: the seed's ids again met the first load's
+    keys, and the load ended in a Conflict that blamed "another writer". The history itself
+    (every draw of the seeded generator) is the same whatever its tag."""
+    # Every load writes its Run number 1 in its first batch: that one tells whether a tag is
+    # used (deepen's copies carry a suffix, and take none).
+    n, free = 0, tag
+    while has_run(led, _run_id(free, 1)):
+        n += 1
+        free = hashlib.sha256(f"{tag}/{n}".encode()).hexdigest()[:8]
+    return free
+
+
 class _Generator:
     """Simulates Runs, one at a time, with the ledger's own rules (see the module docstring)."""
 
@@ -228,7 +250,7 @@ class _Generator:
         rng = self.rng
         pi = rng.randrange(len(self.plans))
         plan = self.plans[pi]
-        run_id = f"run-{self.tag}-{i:08d}"
+        run_id = _run_id(self.tag, i)
         tenant = rng.choice(_TENANTS)
         labels = {"team": rng.choice(_TEAMS), "env": rng.choice(_ENVS)}
         self.labels_json = json.dumps(labels, sort_keys=True)  # the Run's and its attempts'
@@ -605,7 +627,8 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
     rng = random.Random(seed)
-    gen = _Generator(rng, end, uuid.UUID(int=rng.getrandbits(128)).hex[:8], frozen_policy)
+    gen = _Generator(rng, end, _free_tag(led, uuid.UUID(int=rng.getrandbits(128)).hex[:8]),
+                     frozen_policy)
     stats = gen.stats
     stats.since, stats.until = end - days * 86400.0, end
     stats.routes = [r.id for r in gen.routes]

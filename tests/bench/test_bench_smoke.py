@@ -547,7 +547,7 @@ def test_bulk_generate_then_audit_through_python_dash_m(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stderr
     summary = json.loads(made.stdout)
     assert summary["attempts"] == 600 and summary["runs"] > 100 and made.stderr == ""
-    # Its own history again (another seed: the same seed writes the same ids) is accepted.
+    # Its own history again is accepted (the same seed too: test_a_second_bulk_load_...).
     more = _bench("generate", "--db", db, "--attempts", "50", "--days", "1", "--end",
                   str(END), "--seed", "2")
     assert more.returncode == 0, more.stderr
@@ -628,6 +628,40 @@ def test_bulk_generate_refuses_a_ledger_with_other_runs(tmp_path: Path) -> None:
     missing = _bench("audit", "--db", str(tmp_path / "none.db"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "none.db").exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_bulk_load_of_one_seed_adds_the_same_history_under_ids_of_its_own(
+        backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A second ``generate`` with the seed of a load already in the ledger wrote the first's
+    run ids again: a Conflict ("another writer recorded it first"), exit 1. It writes the
+    seed's history again under a tag of its own, derived from the seed's and the loads there,
+    so an empty ledger still gets the seed's own ids, and the two histories reconcile."""
+    from benchmarks.generate import generate
+
+    def load(db: str) -> dict[str, list[tuple[object, ...]]]:
+        """The Runs of each load (by tag), each without its tag, oldest first."""
+        with Ledger.open(db) as led:
+            stats = generate(led, attempts=200, days=1, end=END, seed=4)
+            assert stats.attempts == 200
+            assert reconcile(led).violations == []
+            by_tag: dict[str, list[tuple[object, ...]]] = {}
+            for r in Audit(led).runs(limit=1000).items:
+                _, tag, number = r.run_id.split("-")
+                by_tag.setdefault(tag, []).append((number, r.created_at, r.status,
+                                                   r.calls_used, r.selected_route))
+        return {tag: sorted(runs) for tag, runs in by_tag.items()}
+
+    db = (str(tmp_path / "twice.db") if backend == "sqlite"
+          else str(request.getfixturevalue("pg_url")))
+    first = load(db)
+    assert len(first) == 1
+    both = load(db)
+    assert len(both) == 2 and set(first) < set(both)
+    # The same history, under another tag.
+    assert [both[tag] for tag in both] == [first[next(iter(first))]] * 2
+    # From an empty ledger, the seed's own ids, as before.
+    assert load(str(tmp_path / "again.db")) == first
 
 
 def test_the_cli_defaults_are_the_benchmarks_own() -> None:
