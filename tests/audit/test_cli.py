@@ -499,10 +499,10 @@ def test_generate_refuses_a_ledger_holding_real_runs(tmp_path: Path) -> None:
     (["--attempts", "0"], "--attempts must be an integer >= 1"),
     # A slip of extra zeros: days of writing, past the disk. (With an --end checked after
     # it: were the count taken, this fails at once on the --end rather than writing for hours.)
-    (["--attempts", "1000001", "--end", "nan"], "--attempts 1000001 is more than 1,000,000, the most one "
-                                "generate writes (about two hours and 7.5 GB through the "
-                                "ledger): pass at most 1000000, run generate again to add "
-                                "more, or use the benchmarks' bulk generator")])
+    (["--attempts", "1000001", "--end", "nan"],
+     "--attempts 1000001 is more than 1,000,000, the most one generate writes (about two hours "
+     "and 7.5 GB through the ledger): pass at most 1000000, run generate again to add more, or "
+     "use the benchmarks' bulk generator")])
 def test_generate_refuses_times_no_other_command_reads_alike_on_both_backends_writing_nothing(
         db_url: str, capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
     if "://" not in db_url:
