@@ -18,7 +18,7 @@ class _NoDatabase(argparse.Action):
     ``--db`` there, so an operator's habit meets a refusal that says why, not argparse's
     "unrecognized arguments" (and not an option taken and then ignored)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+    def __call__(self, parser: argparse.ArgumentParser, _namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         parser.error(f"{option_string}: '{parser.prog.removeprefix(PROG + ' ')}' works on "
                      "policy files alone and opens no database; drop --db (replay --policy "
