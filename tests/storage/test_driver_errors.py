@@ -641,15 +641,32 @@ def test_a_missing_row_is_not_found_on_every_face(db_url: str, clock: ManualCloc
 
 def test_history_loaded_twice_is_a_conflict_that_adds_nothing(db_url: str,
                                                               clock: ManualClock) -> None:
+    from sqlalchemy import func, select
+
+    from benchmarks.bulk import bulk_insert
+    from benchmarks.generate import POLICY_HASH
+    from ledger.api.face import storage_of
+    from ledger.storage import schema as s
+
     with Ledger.open(db_url, clock=clock) as led:
         _lease, att = _seed(led)
         generate(led, attempts=40, days=1.0, end=T0, seed=3)
         before = reconcile(led)
-        # The same seed writes the same ids: the first batch's insert hits the primary keys.
-        mapped(lambda: generate(led, attempts=40, days=1.0, end=T0, seed=3), Conflict)
+        # Rows recorded already, loaded again after a new Run's: the insert hits the primary
+        # keys, and the batch goes whole (the new Run too).
+        engine = storage_of(led).context.engine
+        with engine.connect() as conn:
+            runs = [dict(r._mapping) for r in conn.execute(
+                select(s.runs).where(s.runs.c.policy_hash == POLICY_HASH)
+                .order_by(s.runs.c.run_id).limit(3))]
+        mapped(lambda: bulk_insert(led, {"runs": [{**runs[0], "run_id": "fresh"}, *runs]}),
+               Conflict)
         after = reconcile(led)
         assert (after.runs, after.attempts, after.by_state) == (
             before.runs, before.attempts, before.by_state)
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(s.runs)
+                                .where(s.runs.c.run_id == "fresh")).scalar_one() == 0
         assert led.get_attempt(att).state is AttemptState.DISPATCHING
 
 
