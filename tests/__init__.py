@@ -1,1 +1,4 @@
-"""The ledger's test suite (run from the repository root: ``python -m pytest -q``)."""
+"""The ledger's test suite.
+
+Run from the repository root: ``python -m pytest -q -n auto --dist loadfile``.
+"""
