@@ -57,8 +57,8 @@ from ledger.decide.admission import (
     Admission,
     admission_spec,
     admission_terms,
-    admitted_before_inheritance,
     child_terms,
+    continued_child_terms,
     keyless_ids,
     validate_plan,
 )
@@ -566,7 +566,17 @@ class Face(Generic[SessionT, OpenedT]):
             None if inherit else _resolve_policy(policy), policy_hash=_policy_hash, parent=prec,
             parent_policy=parent_policy)
         # A Child's tenant, labels and deadline are its parent's (its own only narrowing them).
-        terms = child_terms(prec, admission) if prec is not None else admission
+        try:
+            terms = child_terms(prec, admission) if prec is not None else admission
+        except InvalidArgument as e:
+            # A Child frozen before that rule, with a tenant or deadline it no longer allows,
+            # is still continued when entered again (below).
+            earlier = None
+            if prec is not None and e.fields.get("field") in ("tenant", "deadline"):
+                earlier = yield from self._continued_child(run_id, prec, admission)
+            if earlier is None:
+                raise
+            terms = earlier
         spec = admission_spec(run_id, terms, plan=plan, grant=grant, policy=pol,
                               policy_hash=_policy_hash(pol))
         # The last check before the write: every argument is known good, so a missing key is
@@ -580,12 +590,15 @@ class Face(Generic[SessionT, OpenedT]):
             rec, _created = yield from self._store.admit(spec, self.clock.now)
         except AdmissionConflict as e:
             if prec is not None and set(e.differing) <= {"tenant", "labels", "deadline"}:
-                # A Child admitted by a version before Children took these from their parent,
-                # entered again on the same terms, is continued as it was frozen (invariant 5).
-                old = yield from self._frozen(run_id)
-                if admitted_before_inheritance(old, admission):
-                    return (yield from blocking(lambda: self._runs.get_run(run_id)))
-                raise
+                # A Child admitted by a version before Children took these from their parent
+                # is continued as it was frozen (invariant 5), unless the caller names others.
+                earlier = yield from self._continued_child(run_id, prec, admission)
+                if earlier is None or earlier == terms:
+                    raise
+                spec = admission_spec(run_id, earlier, plan=plan, grant=grant, policy=pol,
+                                      policy_hash=_policy_hash(pol))
+                rec, _created = yield from self._store.admit(spec, self.clock.now)
+                return rec
             if policy is not None or inherit or e.differing != ["policy_hash"]:
                 raise
             # No policy was asked for: a Run admitted before keeps the one it was frozen with
@@ -623,6 +636,15 @@ class Face(Generic[SessionT, OpenedT]):
         """
         # The cache is what the turns read (the policy is parsed from it): never handed out.
         return copy.deepcopy((yield from self._frozen(run_id)))
+
+    def _continued_child(self, run_id: str, parent: FrozenRun,
+                         admission: Admission) -> Flow[Admission | None]:
+        """:func:`continued_child_terms` of the Run ``run_id`` if it exists, else ``None``."""
+        try:
+            frozen = yield from self._frozen(run_id)
+        except NotFound:
+            return None
+        return continued_child_terms(frozen, parent, admission)
 
     def _frozen(self, run_id: str) -> Flow[FrozenRun]:
         """:meth:`frozen_run`, for a ``run_id`` already checked."""

@@ -49,7 +49,8 @@ def register(subparsers: Any) -> None:
                         help=", ".join(PRESETS))
     export.set_defaults(func=_export)
     for command in (schema, check, show, export):
-        command.add_argument("--db", action=_NoDatabase, help=argparse.SUPPRESS)
+        # nargs="?": a bare --db is told the same, not "expected one argument".
+        command.add_argument("--db", nargs="?", action=_NoDatabase, help=argparse.SUPPRESS)
 
 
 def schema_text() -> str:

@@ -327,16 +327,33 @@ def child_terms(parent: FrozenRun, terms: Admission) -> Admission:
     return cast(Admission, {**terms, "tenant": tenant, "labels": labels, "deadline": deadline})
 
 
-def admitted_before_inheritance(existing: FrozenRun, terms: Admission) -> bool:
-    """Whether ``existing`` (a Child) is what ``terms`` admitted before inheritance.
+def continued_child_terms(frozen: FrozenRun, parent: FrozenRun,
+                          terms: Admission) -> Admission | None:
+    """``terms`` with the tenant, labels and deadline the Child ``frozen`` was frozen with.
 
-    Before Children took their parent's tenant, labels and deadline, a Child froze the
-    caller's own terms as they were passed. Found so under the id ``terms`` admit again, it is
-    the same Run, continued, not a conflict.
+    A Child admitted before Children took these from their parent froze the caller's own,
+    which may be another tenant or a later deadline than :func:`child_terms` now allows.
+    Entered again under its id, it is the same Run and is continued as it was frozen
+    (invariant 5), so long as the caller names none of the three otherwise: a tenant or a
+    deadline left out, or the one it holds; labels left out, or the ones it holds (as frozen
+    before, or with its parent's under them, as :func:`child_terms` merges them now).
+
+    Returns:
+        The terms to admit it again with (the store still compares every other frozen
+        term), or ``None``: ``frozen`` is not a Child of ``parent``, or the caller asks for
+        another tenant, deadline or labels.
     """
-    return (existing.tenant == terms.get("tenant")
-            and existing.labels == dict(terms.get("labels") or {})
-            and existing.deadline == terms.get("deadline"))
+    if frozen.parent_run_id != parent.run_id:
+        return None
+    for key, held in (("tenant", frozen.tenant), ("deadline", frozen.deadline)):
+        given = terms.get(key)
+        if given is not None and given != held:
+            return None
+    labels = terms.get("labels")
+    if labels is not None and frozen.labels not in (dict(labels), {**parent.labels, **labels}):
+        return None
+    return cast(Admission, {**terms, "tenant": frozen.tenant, "labels": frozen.labels,
+                            "deadline": frozen.deadline})
 
 
 def admission_spec(run_id: str, terms: Admission, *, plan: Sequence[Route], grant: Grant,
@@ -405,10 +422,10 @@ __all__ = [
     "Terms",
     "admission_spec",
     "admission_terms",
-    "admitted_before_inheritance",
     "check_child_policy",
     "child_grant",
     "child_terms",
+    "continued_child_terms",
     "default_grant",
     "keyless_ids",
     "validate_plan",

@@ -161,6 +161,8 @@ def refuse_blank_options(norm: str, where: str) -> None:
         key, eq, value = pair.partition("=")
         # An empty dbname= is the URL naming no database, which its own check names as such.
         if key and key != "dbname" and (not eq or not value or value.startswith("#")):
+            # A bare key's '#...' is a fragment, not part of its name.
+            key = key.partition("#")[0] or key
             raise _refuse(where, f"parameter {key!r} is given no value: give it one "
                                  f"({key}=VALUE), or leave it out", hosts=False)
 

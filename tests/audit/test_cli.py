@@ -894,7 +894,8 @@ def test_a_command_that_opens_no_database_refuses_db_after_it_saying_why(
         words = command.split()
         args = {"policy check": ["goclaw"], "policy show": ["goclaw"],
                 "policy export": ["goclaw"], "policy schema": []}[command]
-        for argv in ([*words, *args, "--db", str(db)], [*words, f"--db={db}", *args]):
+        for argv in ([*words, *args, "--db", str(db)], [*words, f"--db={db}", *args],
+                     [*words, *args, "--db"]):
             res = cli(*argv, cwd=str(tmp_path))
             assert (res.returncode, res.stdout) == (2, ""), (argv, res)
             assert res.stderr.splitlines()[-1] == (

@@ -172,6 +172,37 @@ def test_a_child_admitted_before_children_inherited_is_continued_on_its_own_term
         assert "labels" in ei.value.differing
 
 
+@pytest.mark.parametrize("entered", ["as_admitted", "terms_left_out"])
+def test_a_child_frozen_with_a_tenant_and_deadline_now_refused_is_still_continued(
+        db_url: str, entered: str) -> None:
+    """A Child an earlier version froze under another tenant than its parent's and a later
+    deadline (both allowed then) is continued when entered again after an upgrade, whether
+    the caller passes those terms again or leaves them out (the refusal's own fix), never
+    refused so that its carve stays taken; a term it does not hold is still a conflict."""
+    with Ledger.open(db_url, clock=ManualClock(T0), executor_id="w") as led:
+        led.admit_run("p", plan=routes(), budget=budget(), grant=grant(), tenant="acme",
+                      deadline=DEADLINE)
+        pl = led.acquire_lease("p")
+        led.admit_run("c", plan=routes(), grant=grant(), budget=SMALL, parent=pl)
+        with sql_context(led).engine.begin() as conn:
+            conn.execute(update(s.runs).where(s.runs.c.run_id == "c").values(
+                tenant="research", labels='{"step": "1"}', deadline=DEADLINE + 60))
+    own = ({"tenant": "research", "labels": {"step": "1"}, "deadline": DEADLINE + 60}
+           if entered == "as_admitted" else {})
+    with Ledger.open(db_url, clock=ManualClock(T0), executor_id="w") as led:
+        with led.run("p", plan=routes(), budget=budget(), grant=grant(), tenant="acme",
+                     deadline=DEADLINE) as run:
+            for other in ({"tenant": "beta"}, {"deadline": DEADLINE + 1}):
+                with pytest.raises((InvalidArgument, AdmissionConflict)), \
+                        run.child("c", budget=SMALL, **other):
+                    pass
+            with run.child("c", budget=SMALL, **own):
+                rec = led.get_run("c")
+                assert led.get_run("p").carved_calls == SMALL.max_calls  # carved once
+        assert (rec.tenant, rec.labels, rec.deadline) == (
+            "research", {"step": "1"}, DEADLINE + 60)
+
+
 def test_a_child_session_takes_its_parents_tenant_labels_and_deadline(db_url: str) -> None:
     with Ledger.open(db_url, clock=ManualClock(T0)) as led, \
             led.run("p", plan=routes(), budget=budget(), grant=grant(), tenant="acme",

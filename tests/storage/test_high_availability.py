@@ -117,6 +117,8 @@ def no_name_lookup(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     ("postgresql+psycopg://u@127.0.0.1/db?sslmode=&connect_timeout=2", "'sslmode' is given"),
     # ... and one without even the '=' (SQLAlchemy's parser drops it alike).
     ("postgresql+psycopg://u@127.0.0.1:5432/db?sslmode", "'sslmode' is given no value"),
+    ("postgresql+psycopg://u@127.0.0.1/db?sslmode#frag", "'sslmode' is given no value: give "
+     "it one (sslmode=VALUE)"),
     ("postgresql+psycopg://u@127.0.0.1/db?sslmode=require&target_session_attrs",
      "'target_session_attrs' is given no value: give it one (target_session_attrs=VALUE)"),
     ("postgresql+psycopg://u@127.0.0.1,127.0.0.2/db?keepalives&connect_timeout=2",
