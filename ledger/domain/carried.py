@@ -14,7 +14,9 @@ out and, Anthropic and Gemini, empty text parts), a tool call that nothing answe
 part of its id, nor files its tool returned alone) while the conversation goes on after it
 (every protocol of these codecs) or at the request's end (chat completions), a tool call whose
 result is sent where the protocol reads none (chat completions, Anthropic, Gemini: something
-sent between the call and its result; the Responses API pairs them by id), and on the
+sent between the call and its result; the Responses API pairs them by id), a tool result that
+answers no call before it (every protocol of these codecs; on Gemini, a result without an id
+that no call of its name before it is left for), and on the
 Responses API a ``params["tools"]`` that is not a list of the provider's built-in tools.
 
 The rules live in the pure core so that preflight judges every candidate before an Attempt is
@@ -456,7 +458,9 @@ def _files_alone(parts: Sequence[Part], runs: Sequence[range]) -> dict[int, tupl
 
 
 def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
-    """The tool calls of ``parts`` without their result where it must be, as refusals, in order.
+    """The refusals of ``parts``' tool calls without their result and results without a call.
+
+    They come in the order of the parts they name.
 
     A call (an assistant part with ``tool_call_id``) is answered by a later ``tool`` part of
     its id, or by the files its tool returned alone (:func:`files_alone`). Chat completions,
@@ -476,32 +480,60 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     with the user's text, a file or another message sent before it is refused there, as the
     provider would; the Responses API pairs a ``function_call_output`` with its call by
     ``call_id`` wherever it stands, and takes it.
+
+    A result that answers no call before it (:func:`_orphans`: a typo'd id, a call trimmed out
+    of a truncated conversation, a result put before its call) is refused on every protocol
+    ("messages with role 'tool' must be a response to a preceeding message with
+    'tool_calls'", "No tool call found for function call output with call_id ...", "unexpected
+    `tool_use_id` found in `tool_result` blocks", "function response turn comes immediately
+    after a function call turn"); on Gemini, which pairs a result without an id with a call of
+    its function's name, one that no call of its name before it is left for.
     """
     last_result: dict[str, int] = {}
     # Gemini matches a functionResponse to its call by the function's name: a result without
     # the call's id that names it answers it there (docs/adapters.md).
     by_name: dict[str, list[int]] = {}
     calls: list[int] = []
+    first_call: dict[str, int] = {}
+    results: list[int] = []  # the tool parts with an id, which answer the call of that id
     last_other = -1  # the last part that is neither the assistant's nor a system part
     for k, p in enumerate(parts):
         role = p.role
         if role == "assistant":
             if p.tool_call_id:
                 calls.append(k)
+                first_call.setdefault(p.tool_call_id, k)
             continue
         if role == "system":
             continue
         last_other = k
         if role == "tool" and p.tool_call_id:
             last_result[p.tool_call_id] = k
+            results.append(k)
         elif role == "tool" and p.name:
             by_name.setdefault(p.name, []).append(k)
-    if not calls:
+    if not calls and not results and not by_name:
         return []
+    found: dict[int, list[Uncarried]] = {}
+    # Left in ``named``: the results without an id that no call of their name took.
+    named = {name: list(ks) for name, ks in by_name.items()}
+    if calls:
+        _refuse_unanswered(parts, calls, last_result, named, last_other, found)
+    for k, refusal in _orphans(parts, results, first_call, named):
+        found.setdefault(k, []).append(refusal)
+    return [u for j in sorted(found) for u in found[j]]
+
+
+def _refuse_unanswered(parts: Sequence[Part], calls: Sequence[int],
+                       last_result: Mapping[str, int], named: dict[str, list[int]],
+                       last_other: int, found: dict[int, list[Uncarried]]) -> None:
+    """The refusals of ``calls`` without their result where it must be, into ``found``.
+
+    Each call of a name no later result of its id answers takes (removes) the first result
+    of that name without an id after it from ``named``.
+    """
     runs = result_runs(parts)
     alone = _files_alone(parts, runs)
-    named = {name: list(ks) for name, ks in by_name.items()}
-    found: dict[int, list[Uncarried]] = {}
     # The calls a later part answers, with the protocols it answers them on.
     answered: dict[int, frozenset[WireProtocol]] = {}
     for j in calls:
@@ -539,7 +571,55 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
             for j, (k, m) in _misplaced(protocol, parts, items).items():
                 if protocol in answered.get(j, ()):
                     found.setdefault(j, []).append(_misplaced_refusal(protocol, parts, j, k, m))
-    return [u for j in sorted(found) for u in found[j]]
+
+
+_ORPHAN_FIX = ("drop the result, or keep its call's part (the assistant part with that "
+               "tool_call_id) before it in the conversation: when trimming a conversation, "
+               "trim a call and its results together")
+
+
+def _orphans(parts: Sequence[Part], results: Sequence[int], first_call: Mapping[str, int],
+             named: Mapping[str, Sequence[int]]) -> list[tuple[int, Uncarried]]:
+    """The tool results that answer no call before them, each with its index.
+
+    ``results`` are the tool parts with an id: each needs an assistant part of its id before
+    it (``first_call``: id -> the first such part), on every protocol of these codecs, each
+    provider matching a result to a call it has read already: chat completions a ``tool``
+    message to the ``tool_calls`` of the assistant message before it, Anthropic a
+    ``tool_result`` to a ``tool_use`` of the message before, the Responses API a
+    ``function_call_output`` to a ``function_call`` by ``call_id``, Gemini a
+    ``functionResponse`` to a function call turn right before its own (the count of its
+    responses the count of the calls). ``named`` are the results without an id that no call
+    of their name took (:func:`_refuse_unanswered`): on Gemini, a response beyond the calls
+    before it (the others refuse a result without an id already, :func:`tool_result_refusals`).
+    """
+    out: list[tuple[int, Uncarried]] = []
+    for k in results:
+        part = parts[k]
+        call_id = part.tool_call_id
+        j = first_call.get(call_id or "")
+        if j is not None and j < k:
+            continue
+        where = (f"its call, envelope.parts[{j}], comes after it" if j is not None
+                 else f"no assistant part with tool_call_id={call_id!r} is in the request")
+        out.append((k, Uncarried(
+            CODEC_PROTOCOLS, f"envelope.parts[{k}]",
+            f"the tool result for tool_call_id={call_id!r} answers no tool call before it: "
+            f"{where} (chat completions, the Responses API, Anthropic and Gemini refuse a "
+            f"tool result without its call before it)", _ORPHAN_FIX)))
+    for name, ks in named.items():
+        for k in ks:
+            earlier = any(parts[j].role == "assistant" and parts[j].tool_call_id
+                          and parts[j].name == name for j in range(k))
+            why = ("each call of that name before it has its result already" if earlier
+                   else "no tool call of that name comes before it")
+            out.append((k, Uncarried(
+                _RESULT_BY_NAME, f"envelope.parts[{k}]",
+                f"the tool result of {name!r} without tool_call_id answers no tool call "
+                f"before it: Gemini pairs it with a call of its name, and {why} (Gemini "
+                "refuses a functionResponse that no function call of the turn before it "
+                "asks for)", _ORPHAN_FIX)))
+    return out
 
 
 def _shown(call: Part) -> str:
@@ -696,10 +776,12 @@ def _misplaced_refusal(protocol: WireProtocol, parts: Sequence[Part], j: int, k:
 
 
 def require_answered(protocol: WireProtocol, parts: Sequence[Part]) -> None:
-    """Refuse a call without its result that ``protocol`` refuses (:func:`unanswered_refusals`).
+    """Refuse a call without its result or a result without its call, on ``protocol``.
+
+    The refusals are :func:`unanswered_refusals`'.
 
     Raises:
-        InvalidArgument: naming ``envelope.parts[index]`` of the call.
+        InvalidArgument: naming ``envelope.parts[index]`` of the call (or of the result).
     """
     for refusal in unanswered_refusals(parts):
         if protocol in refusal.protocols:
@@ -780,23 +862,24 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
     the usual request, which costs three attribute reads and a flag per part (its text's
     verdict, :func:`text_refusal`), a look at the parts up to the first one that is sent, and
     one encoding of the parameters and of each tool's (:func:`tool_refusals`); one that holds
-    tool calls, a few more looks at each part for their results and where each protocol reads
-    them (:func:`unanswered_refusals`).
+    tool calls or results, a few more looks at each part for the calls' results, where each
+    protocol reads them, and the results' calls (:func:`unanswered_refusals`).
     """
     out: list[Uncarried] = []
-    calls = False
+    paired = False  # a tool call or a tool result: each needs the other
     for i, p in enumerate(envelope.parts):
         if p.tool_call_id and p.role == "assistant":
-            calls = True
+            paired = True
             refusal = tool_call_refusal(p, i)
         else:
             # ASCII text (the usual part) holds no surrogate: one flag read, no call.
             refusal = None if p.content.isascii() else text_refusal(p, i)
             if p.role == "tool":
+                paired = True
                 out.extend(tool_result_refusals(p, i))
         if refusal is not None:
             out.append(refusal)
-    if calls:
+    if paired:
         out.extend(unanswered_refusals(envelope.parts))
     for protocol in _NEEDS_MESSAGE:
         refusal = message_refusal(protocol, envelope.parts)

@@ -17,7 +17,12 @@ a ``tool_result`` in the next message, whose ``tool_result`` blocks come before 
 A Responses ``function_call`` with no ``function_call_output`` after it, the conversation going
 on, is refused ("No tool output found for function call ..."; the output may come anywhere
 after its call, which the API finds by ``call_id``), and so is a Gemini turn that calls
-functions followed by one without a ``functionResponse`` for each.
+functions followed by one without a ``functionResponse`` for each. A result that answers no
+call before it is refused as each API does: a chat completions ``tool`` message whose
+``tool_call_id`` is none of the assistant message's before it, an Anthropic ``tool_result``
+whose ``tool_use_id`` is no ``tool_use`` of the message before, a Responses
+``function_call_output`` whose ``call_id`` no ``function_call`` before it has, a Gemini turn
+with a ``functionResponse`` that does not follow a turn that calls functions.
 Anthropic's empty text blocks are refused ("text content blocks must be non-empty"); the files
 in a ``tool_result``'s content and in a Responses ``function_call_output``'s ``output`` list
 are checked and received as any other.
@@ -163,9 +168,10 @@ def _openai_tool_answers(messages: list[Any]) -> None:
     """Each assistant message's ``tool_calls`` answered by the ``tool`` messages right after it.
 
     As chat completions checks it: nothing else may come between (a user message with a
-    tool's file included), and a ``tool`` message answers the calls before it.
+    tool's file included), and a ``tool`` message answers one of the calls before it.
     """
     pending: list[str] = []
+    asked: set[str] = set()
     answering = False
     for i, msg in enumerate(messages):
         role = msg.get("role")
@@ -174,8 +180,12 @@ def _openai_tool_answers(messages: list[Any]) -> None:
                 raise BadRequest(f"Invalid parameter: messages with role 'tool' must be a "
                                  f"response to a preceeding message with 'tool_calls' "
                                  f"(messages[{i}]).")
-            if msg.get("tool_call_id") in pending:
-                pending.remove(msg["tool_call_id"])
+            call_id = msg.get("tool_call_id")
+            if call_id not in asked:
+                raise BadRequest(f"Invalid parameter: 'tool_call_id' of {call_id!r} not found "
+                                 f"in 'tool_calls' of previous message (messages[{i}]).")
+            if call_id in pending:
+                pending.remove(call_id)
             continue
         if pending:
             raise BadRequest("An assistant message with 'tool_calls' must be followed by tool "
@@ -185,6 +195,7 @@ def _openai_tool_answers(messages: list[Any]) -> None:
         calls = msg.get("tool_calls") if role == "assistant" else None
         answering = bool(calls)
         pending = [str(c.get("id")) for c in calls or [] if isinstance(c, dict)]
+        asked = set(pending)
     if pending:
         raise BadRequest("An assistant message with 'tool_calls' must be followed by tool "
                          "messages responding to each 'tool_call_id'. The following "
@@ -239,6 +250,7 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
         raise BadRequest("previous_response_id: no response is stored here (store=false)")
     media: list[ReceivedMedia] = []
     pending: list[str] = []  # function calls no output after them answers
+    called: set[str] = set()  # the call_id of each function_call so far
     items = _list(obj.get("input"), "input")
     # The API pairs an output with its call by call_id, wherever it stands after the call.
     output_at = {raw.get("call_id"): i for i, raw in enumerate(items)
@@ -263,6 +275,7 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str) or not item[key]:
                     raise BadRequest(f"{where}.{key} is required")
+            called.add(item["call_id"])
             if output_at.get(item["call_id"], -1) < i:
                 pending.append(item["call_id"])
             try:
@@ -273,6 +286,9 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
                 raise BadRequest(f"{where} needs call_id and output")
+            if item["call_id"] not in called:
+                raise BadRequest(f"No tool call found for function call output with call_id "
+                                 f"{item['call_id']}.")
             # An output may be input_text, input_image and input_file items.
             for j, rc in enumerate(output if isinstance(output, list) else []):
                 media.extend(replace(m, role="tool") for m in _responses_content(
@@ -508,7 +524,15 @@ def _gemini_count(content: Any, *keys: str) -> int:
 
 
 def _gemini_responses(contents: list[Any]) -> None:
-    """A turn that calls functions is followed, if at all, by a response to each call."""
+    """A turn that calls functions is followed, if at all, by a response to each call.
+
+    And a turn that responds follows a turn that calls.
+    """
+    for i, content in enumerate(contents):
+        if _gemini_count(content, "functionResponse", "function_response") and (
+                i == 0 or not _gemini_count(contents[i - 1], "functionCall", "function_call")):
+            raise BadRequest("Please ensure that function response turn comes immediately after "
+                             "a function call turn.")
     for i in range(len(contents) - 1):
         calls = _gemini_count(contents[i], "functionCall", "function_call")
         if calls and _gemini_count(contents[i + 1], "functionResponse",

@@ -158,6 +158,31 @@ _RESULT_A, _RESULT_B = ({"type": "tool_result", "tool_use_id": c, "content": c.u
      "`tool_use` ids were found without `tool_result` blocks immediately after: b"),
     ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
         {"role": "user", "content": [_RESULT_A]}]}, "unexpected `tool_use_id`"),
+    # A result that answers no call before it.
+    ("openai", {"model": "m", "messages": [
+        {"role": "user", "content": "Go."}, {"role": "assistant", "content": None,
+                                             "tool_calls": [_CALL_A]},
+        {"role": "tool", "tool_call_id": "a", "content": "A"},
+        {"role": "tool", "tool_call_id": "x", "content": "X"}]},
+     "'tool_call_id' of 'x' not found in 'tool_calls' of previous message"),
+    ("openai_responses", {"model": "m", "input": [
+        {"type": "message", "role": "user", "content": "Go."},
+        {"type": "function_call_output", "call_id": "a", "output": "A"}]},
+     "No tool call found for function call output with call_id a"),
+    ("openai_responses", {"model": "m", "input": [
+        {"type": "function_call_output", "call_id": "a", "output": "A"},
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "A"}]},
+     "No tool call found for function call output with call_id a"),
+    ("gemini", {"contents": [{"role": "user", "parts": [
+        {"text": "Go."}, {"functionResponse": {"name": "f", "response": {}}}]}]},
+     "function response turn comes immediately after a function call turn"),
+    ("gemini", {"contents": [
+        {"role": "user", "parts": [{"text": "Go."}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "f", "args": {}}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {}}},
+                                   {"functionResponse": {"name": "f", "response": {}}}]}]},
+     "the number of function response parts is equal to the number of function call parts"),
     # An empty text block, and a file in a tool_result checked as one anywhere else.
     ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
         {"role": "user", "content": [{"type": "text", "text": ""}]}]},
@@ -490,6 +515,78 @@ async def test_a_tool_result_where_its_protocol_reads_none_is_refused_before_sen
         sent, _ = await send(adapter, fake, protocol, env)
         (req,) = fake.requests
         assert req.problem is None and sent.ok, (req.problem, sent.observation)
+
+
+# A tool result that answers no call before it: every provider matches a result to a call
+# it has read already, and answers one without with a 400 ("messages with role 'tool' must be
+# a response to a preceeding message with 'tool_calls'", "'tool_call_id' of ... not found in
+# 'tool_calls' of previous message", "No tool call found for function call output with
+# call_id ...", "unexpected `tool_use_id` found in `tool_result` blocks", "function response
+# turn comes immediately after a function call turn"). Case: (the parts after the question,
+# the index of the result refused, what the message says of its call).
+THEN = Part(content="And what changed since?")
+REPLIED = Part(role="assistant", content="Margins widened.", data_class="model_derived")
+TYPO = Part(role="tool", content="fetched again", tool_call_id="call_x", name="fetch",
+            data_class="tool_result", provenance="call_x")
+ORPHANED = {
+    # A memory window dropped the turn's call and kept its result.
+    "its call trimmed away": (lambda call, result: [result, REPLIED, THEN], 1,
+                              "no assistant part with tool_call_id='call_a' is in the request"),
+    # Its call answered, and a result of an id no call has beside it.
+    "a typo'd id": (lambda call, result: [call, result, TYPO, THEN], 3,
+                    "no assistant part with tool_call_id='call_x' is in the request"),
+    # The result sent before its call (which a later result answers).
+    "the result before its call": (lambda call, result: [result, call, result, THEN], 1,
+                                   "its call, envelope.parts[2], comes after it"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ORPHANED))
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_tool_result_that_answers_no_call_before_it_is_refused_before_sending(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, case: str) -> None:
+    # Every provider refuses it with a 400 (the fake as each does): sent, an Attempt was begun
+    # for nothing, and on a failover every route would get the same 400.
+    question, call, _, result = files_alone().parts[:4]
+    parts_of, index, said = ORPHANED[case]
+    env = Envelope(parts=[question, *parts_of(call, result)])
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, protocol, env)
+    assert info.value.field == f"envelope.parts[{index}]"
+    message = str(info.value)
+    assert "answers no tool call before it" in message and said in message, message
+    assert "drop the result, or keep its call's part" in message
+    assert "trim a call and its results together" in message
+    assert fake.requests == []
+    # Without the result, or with its call before it, the provider takes the request.
+    for fixed in ([p for i, p in enumerate(env.parts) if i != index],
+                  [question, call, result, THEN]):
+        sent, _ = await send(adapter, fake, protocol, Envelope(parts=fixed))
+        assert fake.requests[-1].problem is None and sent.ok, (fake.requests[-1].problem,
+                                                               sent.observation)
+
+
+def test_a_result_without_an_id_that_no_call_of_its_name_is_left_for_is_refused_on_gemini(
+) -> None:
+    # Gemini pairs a result without an id with a call of its function's name (the others need
+    # the id, and refuse it for that): one result per call, the call's empty result included
+    # when the files its tool returned alone answer it.
+    question, call_a, call_b, result_a, pdf_a, png_b, _ = files_alone().parts
+    fetch, shot = (Part(role="tool", content="again", name=n, data_class="tool_result")
+                   for n in ("fetch", "shot"))
+    answered = [question, call_a, call_b, result_a, pdf_a, png_b]  # call_b: its image alone
+    assert unanswered_refusals(answered) == []
+    for parts, index, why in (
+            ([question, fetch, call_a, result_a], 1, "no tool call of that name comes before"),
+            ([*answered, fetch], 6, "each call of that name before it has its result already"),
+            ([*answered, shot], 6, "each call of that name before it has its result already")):
+        (refusal,) = unanswered_refusals(parts)
+        assert refusal.protocols == {WireProtocol.GEMINI}, parts
+        assert refusal.field == f"envelope.parts[{index}]" and why in refusal.message
+    # Taken by a call of its name that no result of its id answers, it is that call's result
+    # there: only the call is refused, and not on Gemini.
+    (refusal,) = unanswered_refusals([question, call_a, fetch, THEN])
+    assert refusal.field == "envelope.parts[1]" and WireProtocol.GEMINI not in refusal.protocols
 
 
 def test_a_calls_files_alone_stand_for_its_result_in_its_own_turn_only() -> None:

@@ -235,12 +235,19 @@ def test_a_models_or_tools_part_relabelled_as_exempt_still_needs_provenance() ->
     # Part refuses an assistant or a tool part of class user_input or system; model_copy skips
     # that check, so preflight judges such a part by its role, not by the class it claims.
     user_only = Grant(recipients={"deepseek": [USER_INPUT, "system"]})
-    relabelled = [ANALYSIS.model_copy(update={"data_class": USER_INPUT}),
-                  Part(role="tool", content="42", provenance="call-1",
-                       tool_call_id="call-1").model_copy(update={"data_class": "system"})]
-    for copy in relabelled:
-        r = preflight(route(), Envelope(parts=[USER, copy]), grant=user_only, role="r",
-                      provenance=RECORDED)
+    # The tool part answers a call the model made, disclosed as it was recorded (a result
+    # without its call is one no route's protocol carries).
+    call = Part(role="assistant", content="{}", tool_call_id="call-1", name="f",
+                data_class=MODEL_DERIVED, provenance="attempt-a1")
+    recorded = {"attempt-a1": {ANALYSIS.content_hash, call.content_hash}}
+    relabelled = [
+        ([USER, ANALYSIS.model_copy(update={"data_class": USER_INPUT})], user_only),
+        ([USER, call, Part(role="tool", content="42", provenance="call-1",
+                           tool_call_id="call-1").model_copy(update={"data_class": "system"})],
+         Grant(recipients={"deepseek": [USER_INPUT, "system", MODEL_DERIVED]}))]
+    for parts, grant in relabelled:
+        r = preflight(route(), Envelope(parts=parts), grant=grant, role="r",
+                      provenance=recorded)
         assert r.checks == {Check.DISCLOSURE}
         assert r.first is not None and "no covering provenance" in r.first.detail
         assert "user_input if it is the user's own" not in r.first.fix

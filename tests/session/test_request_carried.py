@@ -16,8 +16,9 @@ only the carrying decides.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from decimal import Decimal
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -31,6 +32,8 @@ from ledger import (
     Part,
     Route,
 )
+from ledger.adapters.contract import _CODECS, WireRequest, register_codec
+from ledger.adapters.openai import OpenAICodec
 from ledger.api.session import RunSession
 from ledger.domain.facts import WireProtocol
 from ledger.testing import FakeProvider, Fault
@@ -132,10 +135,11 @@ SYSTEM_ONLY = [Part(role="system", content="You answer about the weather.")]
 
 
 @pytest.mark.parametrize(("parts", "refuser", "carrier", "field"), [
-    ([QUESTION, RESULT_WITHOUT_CALL_ID], "openai", "gemini", "envelope.parts[1]"),
-    ([QUESTION, RESULT_WITHOUT_CALL_ID], "anthropic", "gemini", "envelope.parts[1]"),
-    ([QUESTION, RESULT_WITHOUT_CALL_ID], "openai_responses", "gemini", "envelope.parts[1]"),
-    ([QUESTION, RESULT_WITHOUT_NAME], "gemini", "anthropic", "envelope.parts[1]"),
+    ([QUESTION, WEATHER, RESULT_WITHOUT_CALL_ID], "openai", "gemini", "envelope.parts[2]"),
+    ([QUESTION, WEATHER, RESULT_WITHOUT_CALL_ID], "anthropic", "gemini", "envelope.parts[2]"),
+    ([QUESTION, WEATHER, RESULT_WITHOUT_CALL_ID], "openai_responses", "gemini",
+     "envelope.parts[2]"),
+    ([QUESTION, WEATHER, RESULT_WITHOUT_NAME], "gemini", "anthropic", "envelope.parts[2]"),
     (SYSTEM_ONLY, "anthropic", "openai", "envelope.parts"),
     (SYSTEM_ONLY, "gemini", "openai", "envelope.parts"),
     (SYSTEM_ONLY, "openai_responses", "openai", "envelope.parts"),
@@ -200,6 +204,80 @@ def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_o
             run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
         assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
         _recorded_nothing(led, fake, "only")
+
+
+class _TrimmingCodec(OpenAICodec):
+    """A host's codec of its own (chat completions on the wire) that leaves out the tool
+    results no call before them asks for, where the ledger's codecs refuse them."""
+
+    protocol: ClassVar[WireProtocol] = WireProtocol.GENERIC
+
+    def build_request(self, route: Route, envelope: Envelope) -> WireRequest:
+        called: set[str] = set()
+        kept = []
+        for part in envelope.parts:
+            if part.role == "assistant" and part.tool_call_id:
+                called.add(part.tool_call_id)
+            elif part.role == "tool" and part.tool_call_id not in called:
+                continue
+            kept.append(part)
+        return super().build_request(route, envelope.model_copy(update={"parts": kept}))
+
+
+@pytest.fixture
+def trimming_codec() -> Iterator[None]:
+    assert WireProtocol.GENERIC not in _CODECS
+    register_codec(_TrimmingCodec())
+    try:
+        yield
+    finally:
+        del _CODECS[WireProtocol.GENERIC]
+
+
+# A memory window dropped the turn's call, and kept its result.
+TRIMMED = (QUESTION, TWELVE, BERGEN)
+
+
+@pytest.mark.parametrize("refuser", ["openai", "openai_responses", "anthropic", "gemini"])
+def test_a_tool_result_without_its_call_skips_the_routes_that_refuse_it_and_none_records_it(
+        db_url: str, fake: FakeProvider, trimming_codec: None, refuser: str) -> None:
+    """A result whose call is not before it (trimmed out of the conversation, a typo'd id):
+    every provider of the ledger's codecs answers it with a 400, after an Attempt was begun,
+    and on a failover the same on every route. Such a route is skipped (capability, naming the
+    result) with no Attempt, for a route of a codec that carries it; a plan of such routes
+    only refuses the request with the typed error naming the result and the fix, nothing
+    recorded, and the Run goes on."""
+    carrier = Route(id="backup", provider="fake", model="backup-model", group="gb",
+                    recipient="fake", protocol=WireProtocol.GENERIC,
+                    endpoint=fake.endpoint("openai"), price=PRICE)
+    routes = [_route(fake, "primary", refuser, "ga"), carrier]
+    with Ledger.open(db_url) as led, led.run("t", plan=routes, budget=BUDGET,
+                                              grant=GRANT) as run:
+        result = run.turn(Envelope(parts=[_covered(led, run, p) for p in TRIMMED]))
+        assert result.route.id == "backup" and len(result.attempts) == 1
+        (select,) = [e.data for e in led.events("t", ["select"])]
+        (skip,) = select["skipped"]
+        assert (skip["route"], skip["reason"]) == ("primary", "capability")
+        assert skip["detail"].startswith("envelope.parts[1]: the tool result for "
+                                         "tool_call_id='call_1' answers no tool call before it")
+        assert led.get_run("t").retries_used == 0
+    assert [r.model for r in fake.requests] == ["backup-model"]
+    assert fake.requests[0].problem is None
+    fake.clear()
+    with Ledger.open(db_url) as led, led.run("only", plan=plan(fake, refuser), budget=BUDGET,
+                                              grant=GRANT) as run:
+        with pytest.raises(InvalidArgument) as ei:
+            run.turn(Envelope(parts=[_covered(led, run, p) for p in TRIMMED]))
+        assert ei.value.field == "envelope.parts[1]"
+        assert "no assistant part with tool_call_id='call_1' is in the request" in str(ei.value)
+        assert "trim a call and its results together" in str(ei.value)
+        assert set(ei.value.fields["routes"]) == {"primary", "backup"}
+        _recorded_nothing(led, fake, "only")
+        # With its call before it, the result goes to the provider, which takes it.
+        run.turn(Envelope(parts=[_covered(led, run, p) for p in (QUESTION, WEATHER, TWELVE,
+                                                                    BERGEN)]))
+        assert fake.requests[-1].problem is None
+        assert len(led.timeline("only")) == 1
 
 
 # -- the Responses API's built-in tools -----------------------------------------------------------
