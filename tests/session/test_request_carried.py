@@ -3,11 +3,12 @@
 A codec cannot map an assistant tool-call part without ``name`` or whose content is not a JSON
 object (no protocol), a ``tool`` part without ``tool_call_id`` (chat completions, Responses,
 Anthropic) or without ``name`` (Gemini), an envelope of system parts alone (Responses, Anthropic,
-Gemini), a tool call without its result (the conversation going on after it: every protocol; ending
-the request: chat completions) and, on the Responses API, a ``params["tools"]`` that is not a list
-of built-in tools. A route that cannot build the request is ineligible (preflight, capability); a
-request no route of its plan can build is bad input, refused with ``InvalidArgument`` naming the
-field before anything is recorded: no Attempt, no hold, no retry permission, no decision.
+Gemini), a tool call without its result (the conversation going on after it: every protocol;
+ending the request: chat completions), a tool result without its call before it (every protocol)
+and, on the Responses API, a ``params["tools"]`` that is not a list of built-in tools. A route
+that cannot build the request is ineligible (preflight, capability); a request no route of its
+plan can build is bad input, refused with ``InvalidArgument`` naming the field before anything
+is recorded: no Attempt, no hold, no retry permission, no decision.
 Before, the turn began an Attempt and the codec raised: a ``not_sent`` Attempt (and on a
 failover a spent retry permission) for the caller's bad input. Real HTTP over loopback, on
 both backends; every part is covered for disclosure (the host records its provenance), so
