@@ -144,7 +144,8 @@ def _normalized(story: str) -> str:
     story = re.sub(r"demo-\d{8}-\d{6}-[0-9a-f]{4}", "RUN", story)
     story = re.sub(r"d-att-\.\.[0-9a-f]{8}", "DEBIT", story)  # a debit id by its tail
     story = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", "TIME", story)
-    return "\n".join(line for line in story.splitlines() if not line.startswith("(replaced"))
+    return "\n".join(line for line in story.splitlines()
+                     if not line.startswith("(the ledger holds earlier demo runs"))
 
 
 def test_fresh_venv_gets_the_command_and_runs_the_demo_twice(wheel: Path,
@@ -192,12 +193,12 @@ def test_fresh_venv_gets_the_command_and_runs_the_demo_twice(wheel: Path,
     assert first.returncode == 0, first.stderr
     second = run("demo")
     assert second.returncode == 0, second.stderr
-    assert "replaced the earlier demo ledger" in second.stdout
+    assert second.stdout.startswith("(the ledger holds earlier demo runs: they stay")
     assert _normalized(second.stdout) == _normalized(first.stdout)
     assert "answered by go-glm" in second.stdout and "stopped: no_candidate" in second.stdout
     runs = run("runs", "--json")
     assert runs.returncode == 0, runs.stderr
-    assert '"next_cursor": null' in runs.stdout and runs.stdout.count('"run_id"') == 3
+    assert '"next_cursor": null' in runs.stdout and runs.stdout.count('"run_id"') == 6
 
     pg = run("--db", "postgresql+psycopg://u:secret@127.0.0.1:9/none", "runs")
     assert pg.returncode == 2

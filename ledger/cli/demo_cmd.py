@@ -1,7 +1,8 @@
 """``failover-ledger demo``: the failover scenarios of the brief against local fake providers.
 
-Each demo writes a fresh ledger of its own (see :func:`ledger.tools.demo.fresh_ledger`), so it can
-be re-run in the same folder and tells the same story every time.
+A demo writes into a new database or one holding only earlier demo runs, which it keeps (see
+:func:`ledger.tools.demo.demo_ledger`), so it can be re-run on the same ledger and tells the same
+story every time, in runs of its own.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from ledger.cli.common import PROG
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run a small research task against local fake providers "
-                       "(into a fresh ledger: replaces an earlier demo's SQLite file; refuses "
-                       "other history, and on PostgreSQL a database holding any run)")
+                       "(into a new ledger or one holding only earlier demo runs, which stay; "
+                       "refuses other history)")
     p.add_argument("--db", default=argparse.SUPPRESS, help="the ledger file to write")
     p.set_defaults(func=_demo)
 

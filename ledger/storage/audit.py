@@ -714,6 +714,19 @@ class AuditQueries:
         with self.ctx.reading() as conn:
             return self.ctx.has_table(conn, "runs")
 
+    def latest_instant(self) -> float | None:
+        """The latest time the ledger holds: of a write, or of a cooldown or waiting floor
+        still ahead of it; None when it holds none (no run, no health, no group)."""
+        cols = (s.runs.c.updated_at, s.attempts.c.created_at, s.attempts.c.settled_at,
+                s.events.c.created_at, s.capacity_groups.c.updated_at,
+                s.capacity_groups.c.until, s.capacity_groups.c.sampled_at,
+                s.health.c.updated_at, s.health.c.cooldown_until, s.health.c.disabled_until)
+        q = select(*(select(func.max(c)).scalar_subquery() for c in cols))
+        with self.ctx.reading() as conn:
+            row = conn.execute(q).one()
+        times = [float(t) for t in row if t is not None]
+        return max(times) if times else None
+
     def first_run_other_than(self, *, policy_hash: str | None = None,
                              tenant: str | None = None) -> str | None:
         """The id of one run not carrying ``policy_hash`` (or ``tenant``), else None."""

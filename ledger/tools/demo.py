@@ -13,18 +13,19 @@ scenarios:
 Everything goes to a real ledger (the embedded SQLite file by default), so
 ``failover-ledger runs`` and ``failover-ledger run show`` can read it afterwards.
 
-Each demo gets a fresh ledger of its own (:func:`fresh_ledger`): cooldowns and group floors are
-durable, so a second demo on the first one's ledger would start with the gateway still cooling
-(and, as simulated time starts hours back again, with health "sampled in the future"), and
-would tell another story than its headings. A SQLite file that holds only an earlier demo's runs
-is replaced, and an empty file (or none) becomes one; anything else is refused, never written
-to.
+A demo writes into a new or empty database, or a ledger holding only earlier demo runs (on
+either backend alike, :func:`demo_ledger`); anything else is refused, never written to. The
+earlier runs stay, and the new ones get ids of their own. Cooldowns and group floors are durable,
+so a demo that started where the last one did would find the gateway still cooling (and its
+health "sampled in the future") and tell another story than its headings: its simulated time
+starts after the latest instant the ledger holds instead (:func:`demo_start`), and each scenario
+first lets two simulated hours pass, longer than any cooldown the demo leaves (the policy caps
+them at one hour).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
+import math
 import time
 import uuid
 from decimal import Decimal
@@ -38,8 +39,9 @@ from ledger.api.turn import execute
 from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.records import AttemptRecord
+from ledger.domain.timefmt import iso
 from ledger.domain.values import Budget, Capabilities, Grant, Price, Profile, Route
-from ledger.errors import DatabaseSetupError, FailoverExhausted, InvalidArgument
+from ledger.errors import DatabaseSetupError, FailoverExhausted, InvalidArgument, NotFound
 from ledger.testing.fakeprovider import Behavior, FakeProvider, Fault
 
 
@@ -100,8 +102,8 @@ def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
 class SimulatedClock:
     """Wall time plus an offset that waits advance instead of blocking (a demo never stalls).
 
-    It starts hours in the past, so everything the demo records lies before the real "now" that
-    the operator commands read with afterwards.
+    It starts where :func:`demo_start` says: hours in the past on a new ledger, so everything
+    the demo records lies before the real "now" that the operator commands read with afterwards.
     """
 
     def __init__(self, start_offset: float = 0.0) -> None:
@@ -120,15 +122,16 @@ class SimulatedClock:
 DEMO_TENANT = "demo"
 
 
-def fresh_ledger(db_url: str) -> str | None:
-    """Make ``db_url`` a fresh ledger for one demo; returns a note for the reader, or ``None``.
+def demo_ledger(db_url: str) -> float | None:
+    """Check that the demo may write into ``db_url``; returns the latest instant it holds.
 
-    A SQLite file that does not exist, or holds no tables or no run, is made a ledger by the
-    demo; one that holds only earlier demo runs (tenant ``demo``) is deleted first. A file holding
-    anything else (other runs, another application's tables, or not a SQLite database at all:
-    :func:`ledger.storage.engine.file_holds`, read without writing), or a PostgreSQL database
-    holding any run, is refused with :class:`InvalidArgument` naming ``--db``: the demo never
-    writes next to other history.
+    A database that does not exist, or holds no tables or no run, is made a ledger by the demo;
+    one that holds only earlier demo runs (tenant ``demo``) is written into as it is, keeping
+    them (the latest instant it holds is returned, for :func:`demo_start`; ``None`` when it holds
+    none). A file holding anything else (other runs, another application's tables, or not a
+    SQLite database at all: :func:`ledger.storage.engine.file_holds`, read without writing), or
+    a PostgreSQL database holding other runs, is refused with :class:`InvalidArgument` naming
+    ``--db``: the demo never writes next to other history.
     """
     from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
@@ -153,10 +156,8 @@ def fresh_ledger(db_url: str) -> str | None:
             store = AuditQueries(storage_of(led).context)
             if path is None and not store.schema_present():
                 return None  # an empty PostgreSQL database: the demo migrates it
-            other = (store.first_run_other_than(tenant=DEMO_TENANT) if path is not None
-                     else store.first_run_other_than())
-            # A ledger with no run at all (``db init`` made it): the demo writes into it.
-            empty = other is None and store.first_run_other_than() is None
+            other = store.first_run_other_than(tenant=DEMO_TENANT)
+            latest = store.latest_instant() if other is None else None
     except DatabaseSetupError as e:
         if e.fields.get("problem") != "schema_outdated":
             raise
@@ -164,32 +165,55 @@ def fresh_ledger(db_url: str) -> str | None:
                               f"an older schema, which the demo leaves alone; {fix}",
                               field="db") from e
     if other is not None:
-        held = "runs other than the demo's" if path is not None else "runs"
-        raise InvalidArgument(f"the demo will not write into {where}: it holds {held} (e.g. "
-                              f"{other!r}); {fix}", field="db", run_id=other)
-    if path is None or empty:
-        return None
-    for suffix in ("", "-wal", "-shm"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path + suffix)
-    return f"(replaced the earlier demo ledger {path}: each demo starts from a fresh one)"
+        raise InvalidArgument(f"the demo will not write into {where}: it holds runs other "
+                              f"than the demo's (e.g. {other!r}); {fix}", field="db",
+                              run_id=other)
+    return latest
+
+
+#: Where a demo's simulated time starts on a ledger holding nothing later: hours back, so that
+#: what it records lies before the real "now" the operator commands read with afterwards.
+_HOURS_BACK = 8 * 3600.0
+
+
+def demo_start(now: float, latest: float | None) -> float:
+    """The instant a demo's simulated time starts at: :data:`_HOURS_BACK` before ``now``, or the
+    ``latest`` instant the ledger holds (an earlier demo's) when that is later, so the new demo
+    never reads state from its own future. A demo run again soon after the last one so records
+    past the real ``now``; a later demo starts from there on."""
+    return max(now - _HOURS_BACK, latest if latest is not None else -math.inf)
+
+
+def _free_suffix(led: Ledger) -> str:
+    """A suffix for the demo's run ids that names no run yet (as ``generate`` takes a fresh
+    tag): the time with a random tail, drawn again in the unlikely case another demo took it."""
+    while True:
+        suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+        try:
+            led.get_run(f"demo-{suffix}-1")
+        except NotFound:
+            return suffix
 
 
 def run_demo(db_url: str, out: TextIO) -> list[str]:
-    """Run the three scenarios on a fresh ledger (see :func:`fresh_ledger`); returns the run ids
-    written."""
-    note = fresh_ledger(db_url)
-    if note:
-        print(note, file=out)
-    suffix = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+    """Run the three scenarios into ``db_url`` (see :func:`demo_ledger`), after anything
+    recorded there; returns the run ids written."""
+    latest = demo_ledger(db_url)
+    if latest is not None:
+        print("(the ledger holds earlier demo runs: they stay, and this demo's runs are new "
+              "ones after them)", file=out)
+    now = time.time()
+    start = demo_start(now, latest)
     secrets = StaticSecretProvider({"go:demo": "demo-key-go", "deepseek:demo": "demo-key-ds"})
     run_ids: list[str] = []
-    clock = SimulatedClock(start_offset=-8 * 3600)
-    print("(simulated time: the demo's waits and cooldowns pass instantly, hours ago)", file=out)
+    clock = SimulatedClock(start_offset=start - now)
+    print("(simulated time: the demo's waits and cooldowns pass instantly, from "
+          f"{iso(start)} on)", file=out)
     with FakeProvider().in_thread() as go, FakeProvider().in_thread() as official, \
             Ledger.open(db_url, clock=clock) as led:
         adapter = SyncAdapter(secrets=secrets)
         try:
+            suffix = _free_suffix(led)
             send = sync_sender(adapter)
             plan = _routes(go, official)
             budget = Budget(max_calls=6, max_retries=3, max_cost=Decimal("0.05"))

@@ -1,5 +1,6 @@
-"""The demo through the real entry point: three scenarios, written to a fresh ledger of its own
-(re-runnable in the same folder), and the stopped run's reasons in ``run show``."""
+"""The demo through the real entry point: three scenarios, written to a new ledger or after the
+earlier demo runs of one (re-runnable in the same folder, or on the same PostgreSQL database),
+and the stopped run's reasons in ``run show``."""
 
 from __future__ import annotations
 
@@ -55,7 +56,12 @@ def _story(out: str) -> str:
     out = re.sub(r"demo-\d{8}-\d{6}-[0-9a-f]{4}", "RUN", out)
     out = re.sub(r"d-att-\.\.[0-9a-f]{8}", "DEBIT", out)
     out = re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", "TIME", out)
-    return "\n".join(line for line in out.splitlines() if not line.startswith("(replaced"))
+    return "\n".join(line for line in out.splitlines()
+                     if not line.startswith("(the ledger holds earlier demo runs"))
+
+
+def _runs_of(out: str) -> list[str]:
+    return sorted(set(re.findall(r"demo-\d{8}-\d{6}-[0-9a-f]{4}-\d", out)))
 
 
 def test_demo_rerun_in_the_same_folder_tells_the_same_story(tmp_path: Path) -> None:
@@ -63,23 +69,42 @@ def test_demo_rerun_in_the_same_folder_tells_the_same_story(tmp_path: Path) -> N
     assert first.returncode == 0, first.stderr
     second = _demo(tmp_path, "demo")
     assert second.returncode == 0, second.stderr
-    assert second.stdout.startswith("(replaced the earlier demo ledger ")
+    assert second.stdout.startswith("(the ledger holds earlier demo runs: they stay")
     assert _story(second.stdout) == _story(first.stdout)
-    # Its ledger holds this demo's three runs only, and no time reads like an epoch float.
+    # Its ledger holds both demos' runs, and no time reads like an epoch float.
     assert not re.search(r"\b1\d{9}\.\d", second.stdout)
     with Ledger.open(str(tmp_path / "ledger.db")) as led:
         runs = {a.run_id for a in led.attempts(limit=100).items}
-    assert len(runs) == 3 and all(r in second.stdout for r in runs)
+    assert runs == set(_runs_of(first.stdout)) | set(_runs_of(second.stdout)) and len(runs) == 6
+
+
+def test_demo_run_again_on_a_ledger_of_earlier_demos_adds_new_runs_telling_the_same_story(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """On either backend alike (a PostgreSQL database holding earlier demo runs was refused):
+    the earlier runs stay, the new ones have ids of their own and come after them in time (so
+    no cooldown the earlier demo left is still on), and the inspect line names the new run."""
+    assert main(["demo", "--db", db_url]) == 0
+    first = capsys.readouterr().out
+    assert main(["demo", "--db", db_url]) == 0
+    second = capsys.readouterr().out
+    assert _story(second) == _story(first)
+    old, new = _runs_of(first), _runs_of(second)
+    assert len(old) == len(new) == 3 and not set(old) & set(new)
+    assert second.rstrip().endswith(f"run show {new[-1]}")
+    with Ledger.open(db_url) as led:
+        assert {a.run_id for a in led.attempts(limit=100).items} == set(old) | set(new)
+        last_old = max(a.created_at for r in old for a in led.timeline(r))
+        assert all(a.created_at > last_old for r in new for a in led.timeline(r))
 
 
 def test_demo_into_a_ledger_db_init_just_made_replaces_nothing(tmp_path: Path) -> None:
     """A ledger with no run (``db init`` made it) is written into as it is: nothing earlier
-    was there to replace, so the demo does not say it replaced an earlier demo."""
+    was there to keep, so the demo does not say it kept earlier demo runs."""
     made = _demo(tmp_path, "db", "init", str(tmp_path / "ledger.db"))
     assert made.returncode == 0, made.stderr
     res = _demo(tmp_path, "demo")
     assert res.returncode == 0, res.stderr
-    assert "replaced" not in res.stdout
+    assert "earlier demo runs" not in res.stdout
 
 
 def test_run_show_says_why_the_demo_run_stopped(tmp_path: Path) -> None:
