@@ -34,12 +34,14 @@ from ledger.decide.effects import (
     Notify,
     Now,
     Record,
+    RecordedTurn,
     ResolveBegin,
     Send,
     SendResult,
     Settle,
     Sleep,
     Snapshot,
+    TurnRecord,
 )
 from ledger.decide.health import probe_key_kind
 from ledger.decide.preflight import NO_DENIALS, CharEstimator, Denials, TokenCounter
@@ -68,7 +70,7 @@ from ledger.domain.validation import (
     that,
 )
 from ledger.domain.values import Route
-from ledger.storage.runner import Flow
+from ledger.storage.runner import Flow, blocking
 
 
 @rule
@@ -445,6 +447,11 @@ async def outlast(task: asyncio.Future[Any]) -> asyncio.CancelledError | None:
             return pending  # the task's own error: its caller reads it from the task
 
 
+def _turn_record(ledger: Face[Any, Any], run_id: str, turn_id: str) -> Flow[RecordedTurn]:
+    attempts, skipped = yield from blocking(lambda: ledger._runs.turn_record(run_id, turn_id))
+    return RecordedTurn(tuple(attempts), tuple(tuple(d) for d in skipped))
+
+
 def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
     """The storage flow a database effect asks for: one mapping for both drivers.
 
@@ -470,6 +477,8 @@ def _flow_of(ledger: Face[Any, Any], eff: Effect[Any]) -> Flow[Any]:
                                      max_keys=eff.max_keys)
         case Record(lease=lease, kind=kind, data=data, attempt_id=attempt_id):
             return store.append_event(lease, attempt_id, kind, data, clock)
+        case TurnRecord(run_id=run_id, turn_id=turn_id):
+            return _turn_record(ledger, run_id, turn_id)
     raise TypeError(f"not a database effect: {eff!r}")  # pragma: no cover
 
 

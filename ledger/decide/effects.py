@@ -525,6 +525,31 @@ class Record(Effect[None]):
 
 
 @dataclass(frozen=True)
+class RecordedTurn:
+    """A turn as recorded, read back for a stop that names its candidates.
+
+    ``attempts``: its Attempts in order; ``skipped``: each ``skipped`` list of its decisions in
+    order (the ``select`` events of its Attempts, then its ``stop`` events), as
+    :meth:`ledger.decide.select.Skip.to_json` wrote them.
+    """
+
+    attempts: tuple[AttemptRecord, ...]
+    skipped: tuple[tuple[Mapping[str, Any], ...], ...]
+
+
+@dataclass(frozen=True)
+class TurnRecord(Effect[RecordedTurn]):
+    """Read what a turn recorded: its Attempts and the candidates its decisions passed over.
+
+    Asked only by a turn that stops before deciding (asked again while an Attempt of it has no
+    receipt), so that its stop names the candidates as the first call's did.
+    """
+
+    run_id: str
+    turn_id: str
+
+
+@dataclass(frozen=True)
 class Now(Effect[float]):
     """The injectable clock's time."""
 
@@ -553,6 +578,7 @@ __all__ = [
     "Notify",
     "Now",
     "Record",
+    "RecordedTurn",
     "ResolveBegin",
     "Send",
     "SendProgress",
@@ -560,6 +586,7 @@ __all__ = [
     "Settle",
     "Sleep",
     "Snapshot",
+    "TurnRecord",
     "TurnSnapshot",
     "attempt_headers",
     "perform",

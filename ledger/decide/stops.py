@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ledger.decide.effects import Begin
-from ledger.decide.select import Skip
+from ledger.decide.effects import Begin, RecordedTurn
+from ledger.decide.select import Reason, Skip
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Queued
 from ledger.domain.timefmt import duration, iso, relative
@@ -64,6 +64,8 @@ def failures_by_route(errors: Sequence[Exception], states: Mapping[str, AttemptS
             said = f"not sent: {e}"
         elif state is AttemptState.UNKNOWN:
             said = f"unknown (may have run; hold kept): {e}"
+        elif state is AttemptState.DISPATCHING:  # only in a turn read back from its records
+            said = f"in flight (sent; hold kept): {e}"
         else:
             said = f"failed: {e}"
         out.setdefault(route, []).append(
@@ -94,6 +96,45 @@ def candidate_lines(plan: Sequence[Route], failures: Mapping[str, Sequence[str]]
         else:
             lines.append(f"{r.id}: not tried (the turn stopped first)")
     return lines
+
+
+def attempt_error(attempt_id: str, route: str, provider: str, model: str,
+                  fact: FailureFact) -> ProviderError:
+    """The error of an Attempt that gave no answer, as a turn holds it and a stop names it."""
+    return ProviderError(f"{provider}/{model}: {failure_text(fact)}", attempt_id=attempt_id,
+                         route=route, fact=fact)
+
+
+def recorded_candidate_lines(plan: Sequence[Route], turn: RecordedTurn) -> list[str]:
+    """:func:`candidate_lines` of a turn from what it recorded, as its own stop said them.
+
+    A turn asked again while an Attempt of it has no receipt stops before deciding anything:
+    its stop names the candidates from the first call's Attempts (their facts and states) and
+    the skips its decisions recorded, by the same rules, so an operator reading either stop
+    (or a process that crashed before the first could stop) sees why each candidate was left.
+    A begin that admission refused names only its reason here (its message was not recorded).
+    """
+    errors: list[Exception] = []
+    for a in turn.attempts:
+        if a.fact is not None:
+            errors.append(attempt_error(a.attempt_id, a.route_id, a.provider, a.model, a.fact))
+        elif a.state in (AttemptState.UNKNOWN, AttemptState.DISPATCHING):
+            # Left by a process that never settled it (recovery made it unknown, or it is
+            # still in flight): sent, with nothing known of how it ended.
+            errors.append(ProviderError(f"{a.provider}/{a.model}: no receipt",
+                                        attempt_id=a.attempt_id, route=a.route_id))
+        elif a.reject_reason is not None:
+            errors.append(CapacityUnavailable(
+                f"admission refused the begin ({a.reject_reason}); nothing was sent",
+                route=a.route_id, reason=a.reject_reason))
+    skips: dict[str, Skip] = {}
+    for decision in turn.skipped:
+        for s in decision:
+            skips[s["route"]] = Skip(route=s["route"], reason=Reason(s["reason"]),
+                                     detail=s.get("detail", ""), profile=s.get("profile"),
+                                     fix=s.get("fix", ""))
+    states = {a.attempt_id: a.state for a in turn.attempts}
+    return candidate_lines(plan, failures_by_route(errors, states), skips)
 
 
 def queue_timeout(begin: Begin, first: Queued, last: Queued, policy: Policy
@@ -164,6 +205,7 @@ def failure_text(fact: FailureFact) -> str:
 
 
 __all__ = [
+    "attempt_error",
     "candidate_lines",
     "cause_of",
     "describe",
@@ -171,6 +213,7 @@ __all__ = [
     "failures_by_route",
     "provider_text",
     "queue_timeout",
+    "recorded_candidate_lines",
     "rejected_record",
     "reopening_note",
     "skipped_error",

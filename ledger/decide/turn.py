@@ -52,6 +52,7 @@ from ledger.decide.effects import (
     Settle,
     Sleep,
     Snapshot,
+    TurnRecord,
     TurnSnapshot,
     attempt_headers,
     perform,
@@ -83,13 +84,14 @@ from ledger.decide.select import (
 )
 from ledger.decide.settle import failure_outcome, settle_spec
 from ledger.decide.stops import (
+    attempt_error,
     candidate_lines,
     cause_of,
     describe,
-    failure_text,
     failures_by_route,
     provider_text,
     queue_timeout,
+    recorded_candidate_lines,
     rejected_record,
     reopening_note,
     skipped_error,
@@ -496,7 +498,7 @@ class TurnLoop:
         # recorded (the snapshot is a read).
         check_envelope_limits(self.envelope, snap.policy.envelope)
         if snap.unreceipted:
-            raise (yield from self._sent_before(turn, snap.unreceipted))
+            raise (yield from self._sent_before(turn, snap.run.plan, snap.unreceipted))
         run = snap.run
         # Parameters, parts or values no route of the plan can carry are the request's fault,
         # refused as the bounds above are; a route that alone cannot is skipped by preflight.
@@ -691,10 +693,8 @@ class TurnLoop:
         if fact.effective_output and result.partial_text:
             turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
         turn.attempts.append(settled)
-        turn.errors.append(ProviderError(
-            f"{route.provider}/{route.model}: {failure_text(fact)}",
-            attempt_id=att.attempt_id, route=route.id, fact=fact,
-        ))
+        turn.errors.append(attempt_error(att.attempt_id, route.id, route.provider, route.model,
+                                         fact))
         if fact.effective_output and not fact.tool_started:
             turn.resets += 1
             yield from perform(Notify(Notice("reset", att.attempt_id, route.id,
@@ -1169,19 +1169,23 @@ class TurnLoop:
 
     # -- stopping ----------------------------------------------------------------------------
 
-    def _sent_before(self, turn: _Turn, attempts: tuple[str, ...]
+    def _sent_before(self, turn: _Turn, plan: list[Route], attempts: tuple[str, ...]
                      ) -> Generator[Effect[Any], Any, FailoverExhausted]:
         """The stop of a turn asked again while an earlier Attempt of it has no receipt.
 
         That request may have run (a crash, a cut, a cancellation after it left): sending it
         again could run it twice (invariant 6), under any policy. The host settles the Attempt
-        with evidence (``settle_unknown``) or asks under another turn id.
+        with evidence (``settle_unknown``) or asks under another turn id. The stop names the
+        candidates as the first call's did, from what that call recorded.
         """
         run_id = self.lease.run_id
         turn.errors.extend(InvalidState(
             f"attempt {a} of turn {self.turn_id} of run {run_id!r} was sent and has no "
             "receipt", run_id=run_id, attempt_id=a, turn_id=self.turn_id) for a in attempts)
-        return (yield from self._stopped(turn, None, None, reason=EXECUTION_UNKNOWN, detail=(
+        recorded = yield from perform(TurnRecord(run_id, self.turn_id))
+        return (yield from self._stopped(turn, None, None, reason=EXECUTION_UNKNOWN,
+                                         candidates=recorded_candidate_lines(plan, recorded),
+                                         detail=(
             f"this turn ({self.turn_id}) was sent before (attempt {', '.join(attempts)}) and "
             "no receipt came; the ledger never sends a request whose execution is unknown "
             "again: settle the attempt with evidence (Ledger.settle_unknown, failover-ledger "
@@ -1190,7 +1194,7 @@ class TurnLoop:
     def _stopped(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
                  reason: str | None = None, cause: Exception | None = None,
                  begun: tuple[Decision, AttemptKind] | None = None, detail: str | None = None,
-                 sent_before: tuple[str, ...] = ()
+                 sent_before: tuple[str, ...] = (), candidates: list[str] | None = None
                  ) -> Generator[Effect[Any], Any, FailoverExhausted]:
         """Record the stop with its reasons (an audit event), then build the error to raise.
 
@@ -1199,10 +1203,12 @@ class TurnLoop:
         ``begun``: the decision (and the kind of its Attempt) whose begin was refused (a budget
         or an allowance). The event keeps the decision the turn stopped on (the selector's
         stop, or ``begun``) with the inputs it was made from. ``detail`` overrides the stop's
-        detail; ``sent_before`` are Attempts of earlier calls the stop is about.
+        detail; ``sent_before`` are Attempts of earlier calls the stop is about, and
+        ``candidates`` the candidates' lines when they are not this call's (theirs).
         """
         exc = self._stop(turn, decision, error, reason=reason, cause=cause, detail=detail,
-                         sent_before=sent_before, begun=begun[0] if begun else None)
+                         sent_before=sent_before, begun=begun[0] if begun else None,
+                         candidates=candidates)
         made: dict[str, Any] = {}
         if decision is not None:
             made = {"kind": decision.kind.value,
@@ -1227,7 +1233,8 @@ class TurnLoop:
     def _stop(self, turn: _Turn, decision: Decision | None, error: LedgerError | None, *,
               reason: str | None = None, cause: Exception | None = None,
               detail: str | None = None, sent_before: tuple[str, ...] = (),
-              begun: Decision | None = None) -> FailoverExhausted:
+              begun: Decision | None = None, candidates: list[str] | None = None
+              ) -> FailoverExhausted:
         if decision is not None:
             why = decision.reason.value if decision.reason else "no_candidate"
             said = decision.detail
@@ -1252,7 +1259,8 @@ class TurnLoop:
             if skip.route not in failed:
                 errors.append(skipped_error(skip))
         states = {a.attempt_id: a.state for a in turn.attempts}
-        lines = candidate_lines(turn.plan, failures_by_route(errors, states), turn.skips)
+        lines = candidates if candidates is not None else candidate_lines(
+            turn.plan, failures_by_route(errors, states), turn.skips)
         # A refused begin's decision skipped candidates too: they are why it was the one.
         chosen = decision if decision is not None else begun
         exc = FailoverExhausted(

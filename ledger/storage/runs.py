@@ -592,6 +592,35 @@ class RunQueries:
             ).all()
         return [attempt_record(row, row.debit_state) for row in rows]
 
+    def turn_record(self, run_id: str, turn_id: str
+                    ) -> tuple[list[AttemptRecord], list[list[dict[str, Any]]]]:
+        """A turn's Attempts in sequence, and the ``skipped`` list of each of its decisions in
+        order: the ``select`` events of its Attempts, then the ``stop`` events naming them.
+        Read by a turn asked again while an Attempt of it has no receipt (a rare read: it
+        reads the Run's decision events, however long the Run)."""
+        a, d, e = s.attempts.c, s.debits.c, s.events.c
+        with self.ctx.reading() as conn:
+            rows = conn.execute(
+                select(s.attempts, d.state.label("debit_state"))
+                .join(s.debits, d.debit_id == a.debit_id)
+                .where(a.run_id == run_id, a.turn_id == turn_id).order_by(a.seq)
+            ).all()
+            events = conn.execute(
+                select(e.kind, e.attempt_id, e.data)
+                .where(e.run_id == run_id, e.kind.in_(("select", "stop")))
+                .order_by(e.event_id)).all()
+        attempts = [attempt_record(row, row.debit_state) for row in rows]
+        ids = {att.attempt_id for att in attempts}
+        selects: list[list[dict[str, Any]]] = []
+        stops: list[list[dict[str, Any]]] = []
+        for kind, attempt_id, text in events:
+            data = json.loads(text)
+            if kind == "select" and attempt_id in ids:
+                selects.append(list(data.get("skipped") or []))
+            elif kind == "stop" and ids & set(data.get("attempts") or []):
+                stops.append(list(data.get("skipped") or []))
+        return attempts, selects + stops
+
     def attempts(
         self,
         *,
