@@ -185,6 +185,29 @@ def describe(fact: FailureFact) -> str:
     return f"{fact.status} {fact.category.value}" if fact.status else fact.category.value
 
 
+def failover_details(run_id: str, attempt_id: str, route: str, fact: FailureFact, *,
+                     to: str | None = None, stop: str | None = None,
+                     backoff_s: float = 0.0) -> str:
+    """What the ``[fallback]`` log line says of a failover beyond the seed's few words.
+
+    The Run, the Attempt that failed and its route, the failure (category, HTTP status or
+    transport kind and phase, the provider's code), the route the turn moves to (``to``) or
+    the reason it stops (``stop``), and the backoff it waited before that decision. Ids, route
+    ids and codes only: never a prompt, a key or a body (the code is redacted and cut as a
+    stop's message says it).
+    """
+    said = [fact.category.value]
+    if fact.status:
+        said.append(f"HTTP {fact.status}")
+    elif fact.transport is not None:
+        said += [fact.transport.value, fact.phase.value]
+    if fact.provider_code:
+        said.append(f"code {provider_text(fact.provider_code)}")
+    then = f"moving to route {to}" if to is not None else f"stopping ({stop})"
+    return (f"run {run_id}, attempt {attempt_id} failed on route {route} ({', '.join(said)}), "
+            f"{then}, backoff {backoff_s:.1f}s")
+
+
 def failure_text(fact: FailureFact) -> str:
     """A failure as its error and a stop's message name it, so one log line says why.
 
@@ -209,6 +232,7 @@ __all__ = [
     "candidate_lines",
     "cause_of",
     "describe",
+    "failover_details",
     "failure_text",
     "failures_by_route",
     "provider_text",

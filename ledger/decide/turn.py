@@ -88,6 +88,7 @@ from ledger.decide.stops import (
     candidate_lines,
     cause_of,
     describe,
+    failover_details,
     failures_by_route,
     provider_text,
     queue_timeout,
@@ -777,14 +778,25 @@ class TurnLoop:
         snap = yield from perform(self._read())
         turn.basis = {"failure": fact, "current": route.id, "current_profile": profile}
         turn.on, turn.failed = "failure", ended.attempt_id
+        waited = turn.waited
         decision, snap = yield from self._decide(snap, turn, turn.basis)
+        # The backoff is what the decision waited for a candidate to reopen (none is usual).
+        backoff = turn.waited - waited
         if decision.kind is DecisionKind.STOP or decision.route is None:
             over_budget = fact.category is Category.BUDGET_EXCEEDED
+            reason = "budget" if over_budget else (
+                decision.reason.value if decision.reason else "no_candidate")
+            log.info("[fallback] no route to move to (%s/%s: %s): %s", route.provider,
+                     route.model, describe(fact), failover_details(
+                         self.lease.run_id, ended.attempt_id, route.id, fact, stop=reason,
+                         backoff_s=backoff))
             raise (yield from self._stopped(turn, decision, None,
                                             reason="budget" if over_budget else None))
         nxt = decision.route
-        log.info("[fallback] serving the request with %s/%s (%s/%s: %s)", nxt.provider,
-                 nxt.model, route.provider, route.model, describe(fact))
+        log.info("[fallback] serving the request with %s/%s (%s/%s: %s): %s", nxt.provider,
+                 nxt.model, route.provider, route.model, describe(fact), failover_details(
+                     self.lease.run_id, ended.attempt_id, route.id, fact, to=nxt.id,
+                     backoff_s=backoff))
         turn.pending.append(("move", {"from_route": route.id, "to_route": nxt.id,
                                       "profile": decision.profile, "cause": cause_of(fact),
                                       "from_attempt": ended.attempt_id}))
