@@ -19,8 +19,8 @@ earlier runs stay, and the new ones get ids of their own. Cooldowns and group fl
 so a demo that started where the last one did would find the gateway still cooling (and its
 health "sampled in the future") and tell another story than its headings: its simulated time
 starts after the latest instant the ledger holds instead (:func:`demo_start`), and each scenario
-first lets two simulated hours pass, longer than any cooldown the demo leaves (the policy caps
-them at one hour).
+first lets :data:`SCENARIO_GAP_S` of simulated time pass, longer than any cooldown or group
+floor the demo leaves.
 """
 
 from __future__ import annotations
@@ -174,13 +174,19 @@ def demo_ledger(db_url: str) -> float | None:
 #: Where a demo's simulated time starts on a ledger holding nothing later: hours back, so that
 #: what it records lies before the real "now" the operator commands read with afterwards.
 _HOURS_BACK = 8 * 3600.0
+#: The simulated time let pass before each scenario: longer than any cooldown or group floor
+#: the failure-domain policy leaves (each capped at an hour: ``health.cooldown.cap_s``,
+#: ``classification.retry_after_limit_s``), so each scenario starts on healthy routes; short
+#: enough that a demo run again soon after another (it starts where that one ended) still
+#: records before the real "now" (two demos take about 6.5 of the 8 hours).
+SCENARIO_GAP_S = 65 * 60.0
 
 
 def demo_start(now: float, latest: float | None) -> float:
     """The instant a demo's simulated time starts at: :data:`_HOURS_BACK` before ``now``, or the
     ``latest`` instant the ledger holds (an earlier demo's) when that is later, so the new demo
-    never reads state from its own future. A demo run again soon after the last one so records
-    past the real ``now``; a later demo starts from there on."""
+    never reads state from its own future. From the third demo run in quick succession on, the
+    records lie past the real ``now``; each demo still starts where the last one ended."""
     return max(now - _HOURS_BACK, latest if latest is not None else -math.inf)
 
 
@@ -234,7 +240,7 @@ def run_demo(db_url: str, out: TextIO) -> list[str]:
                 print(f"\n== scenario {i}: {title}", file=out)
                 # Cooldowns are durable and shared: let simulated time pass so that each
                 # scenario starts with healthy routes and an open gateway group.
-                clock.sleep(2 * 3600)
+                clock.sleep(SCENARIO_GAP_S)
                 led.admit_run(run_id, plan=plan, budget=budget, grant=grant,
                               policy="failure-domain", tenant=DEMO_TENANT,
                               labels={"task": "filings"})

@@ -11,6 +11,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,8 @@ def test_demo_run_again_on_a_ledger_of_earlier_demos_adds_new_runs_telling_the_s
         assert {a.run_id for a in led.attempts(limit=100).items} == set(old) | set(new)
         last_old = max(a.created_at for r in old for a in led.timeline(r))
         assert all(a.created_at > last_old for r in new for a in led.timeline(r))
+        # Still before the real "now" the operator commands read with (a second demo fits).
+        assert all((a.settled_at or 0) < time.time() for r in new for a in led.timeline(r))
 
 
 def test_demo_into_a_ledger_db_init_just_made_replaces_nothing(tmp_path: Path) -> None:
