@@ -263,6 +263,11 @@ class CommitCutter:
             try:
                 conn.client.sendall(data)
             except OSError:
+                if conn.dead:
+                    # Cut while this answer was on its way: the cut closed the client, and
+                    # has yet to forward the COMMIT. Closing the server's side here could
+                    # drop it (an "after" cut told "instead"): drain until the server ends.
+                    continue
                 break
         if not conn.dead:
             self._kill(conn)
