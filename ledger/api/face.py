@@ -569,10 +569,11 @@ class Face(Generic[SessionT, OpenedT]):
         try:
             terms = child_terms(prec, admission) if prec is not None else admission
         except InvalidArgument as e:
-            # A Child frozen before that rule, with a tenant or deadline it no longer allows,
-            # is still continued when entered again (below).
+            # A Child frozen before that rule, with terms it no longer allows (another tenant,
+            # a later deadline, labels too many with its parent's), is still continued when
+            # entered again.
             earlier = None
-            if prec is not None and e.fields.get("field") in ("tenant", "deadline"):
+            if prec is not None and e.fields.get("field") in ("tenant", "labels", "deadline"):
                 earlier = yield from self._continued_child(run_id, prec, admission)
             if earlier is None:
                 raise

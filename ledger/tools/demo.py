@@ -172,21 +172,23 @@ def demo_ledger(db_url: str) -> float | None:
 
 
 #: Where a demo's simulated time starts on a ledger holding nothing later: hours back, so that
-#: what it records lies before the real "now" the operator commands read with afterwards.
-_HOURS_BACK = 8 * 3600.0
+#: what it records lies before the real "now" the operator commands read with afterwards, and
+#: inside their default window (the last 24 hours) for demos run again one after another (each
+#: takes about 3.25 hours of simulated time: six fit).
+_HOURS_BACK = 20 * 3600.0
 #: The simulated time let pass before each scenario: longer than any cooldown or group floor
 #: the failure-domain policy leaves (each capped at an hour: ``health.cooldown.cap_s``,
 #: ``classification.retry_after_limit_s``), so each scenario starts on healthy routes; short
-#: enough that a demo run again soon after another (it starts where that one ended) still
-#: records before the real "now" (two demos take about 6.5 of the 8 hours).
+#: enough that demos run again soon after another (each starts where the last one ended) still
+#: record before the real "now" (six take about 19.5 of the 20 hours).
 SCENARIO_GAP_S = 65 * 60.0
 
 
 def demo_start(now: float, latest: float | None) -> float:
     """The instant a demo's simulated time starts at: :data:`_HOURS_BACK` before ``now``, or the
     ``latest`` instant the ledger holds (an earlier demo's) when that is later, so the new demo
-    never reads state from its own future. From the third demo run in quick succession on, the
-    records lie past the real ``now``; each demo still starts where the last one ended."""
+    never reads state from its own future. From the seventh demo run in quick succession on,
+    the records lie past the real ``now``; each demo still starts where the last one ended."""
     return max(now - _HOURS_BACK, latest if latest is not None else -math.inf)
 
 

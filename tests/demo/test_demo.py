@@ -98,6 +98,14 @@ def test_demo_run_again_on_a_ledger_of_earlier_demos_adds_new_runs_telling_the_s
         assert all(a.created_at > last_old for r in new for a in led.timeline(r))
         # Still before the real "now" the operator commands read with (a second demo fits).
         assert all((a.settled_at or 0) < time.time() for r in new for a in led.timeline(r))
+    # A third in quick succession still records before the real "now", and inside the last
+    # 24 hours the reading commands show by default (it was stamped two hours ahead).
+    assert main(["demo", "--db", db_url]) == 0
+    third = _runs_of(capsys.readouterr().out)
+    with Ledger.open(db_url) as led:
+        stamps = [t for r in third for a in led.timeline(r)
+                  for t in (a.created_at, a.settled_at) if t is not None]
+    assert stamps and all(time.time() - 24 * 3600 < t < time.time() for t in stamps)
 
 
 def test_demo_into_a_ledger_db_init_just_made_replaces_nothing(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ session's ``child`` share the rule, on SQLite and PostgreSQL, sync and async.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from decimal import Decimal
 
@@ -201,6 +202,25 @@ def test_a_child_frozen_with_a_tenant_and_deadline_now_refused_is_still_continue
                 assert led.get_run("p").carved_calls == SMALL.max_calls  # carved once
         assert (rec.tenant, rec.labels, rec.deadline) == (
             "research", {"step": "1"}, DEADLINE + 60)
+
+
+def test_a_child_frozen_with_labels_too_many_beside_its_parents_is_still_continued(
+        db_url: str) -> None:
+    """A Child an earlier version froze with labels of its own that, with its parent's, are
+    over the limit is continued when entered again with them, not refused."""
+    theirs = {f"p{i}": "x" for i in range(40)}
+    mine = {f"c{i}": "y" for i in range(30)}
+    with Ledger.open(db_url, clock=ManualClock(T0), executor_id="w") as led:
+        led.admit_run("p", plan=routes(), budget=budget(), grant=grant(), labels=theirs)
+        pl = led.acquire_lease("p")
+        led.admit_run("c", plan=routes(), grant=grant(), budget=SMALL, parent=pl)
+        with sql_context(led).engine.begin() as conn:
+            conn.execute(update(s.runs).where(s.runs.c.run_id == "c").values(
+                labels=json.dumps(mine)))
+        again = led.admit_run("c", plan=routes(), grant=grant(), budget=SMALL, parent=pl,
+                              labels=mine)
+        assert again.labels == mine
+        assert led.get_run("p").carved_calls == SMALL.max_calls  # carved once
 
 
 def test_a_child_session_takes_its_parents_tenant_labels_and_deadline(db_url: str) -> None:
