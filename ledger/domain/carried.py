@@ -16,7 +16,8 @@ part of its id, nor files its tool returned alone) while the conversation goes o
 result is sent where the protocol reads none (chat completions, Anthropic, Gemini: something
 sent between the call and its result; the Responses API pairs them by id), a tool result that
 answers no call before it (every protocol of these codecs; on Gemini, a result without an id
-that no call of its name before it is left for), and on the
+that no call of its name before it is left for) or repeats the result of a call answered
+already (every protocol of these codecs), and on the
 Responses API a ``params["tools"]`` that is not a list of the provider's built-in tools.
 
 The rules live in the pure core so that preflight judges every candidate before an Attempt is
@@ -487,66 +488,142 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     'tool_calls'", "No tool call found for function call output with call_id ...", "unexpected
     `tool_use_id` found in `tool_result` blocks", "function response turn comes immediately
     after a function call turn"); on Gemini, which pairs a result without an id with a call of
-    its function's name, one that no call of its name before it is left for.
+    its function's name, one that no call of its name before it is left for. So is a second
+    result of a call a result answers already ("Duplicate value for 'tool_call_id'",
+    "Duplicate function_call_output for call_id", "each tool_use must have a single result",
+    Gemini's count): a result answers the latest call of its id before it that none answers
+    yet, so an id reused for a new call in a later turn is that call's (:func:`_pair`).
     """
-    last_result: dict[str, int] = {}
-    # Gemini matches a functionResponse to its call by the function's name: a result without
-    # the call's id that names it answers it there (docs/adapters.md).
-    by_name: dict[str, list[int]] = {}
-    calls: list[int] = []
-    first_call: dict[str, int] = {}
-    results: list[int] = []  # the tool parts with an id, which answer the call of that id
-    last_other = -1  # the last part that is neither the assistant's nor a system part
-    for k, p in enumerate(parts):
-        role = p.role
-        if role == "assistant":
-            if p.tool_call_id:
-                calls.append(k)
-                first_call.setdefault(p.tool_call_id, k)
-            continue
-        if role == "system":
-            continue
-        last_other = k
-        if role == "tool" and p.tool_call_id:
-            last_result[p.tool_call_id] = k
-            results.append(k)
-        elif role == "tool" and p.name:
-            by_name.setdefault(p.name, []).append(k)
-    if not calls and not results and not by_name:
+    if not any(p.role == "tool" or (p.role == "assistant" and p.tool_call_id) for p in parts):
         return []
+    runs = result_runs(parts)
+    alone = _files_alone(parts, runs)
+    pairing = _pair(parts, alone)
     found: dict[int, list[Uncarried]] = {}
-    # Left in ``named``: the results without an id that no call of their name took.
-    named = {name: list(ks) for name, ks in by_name.items()}
-    if calls:
-        _refuse_unanswered(parts, calls, last_result, named, last_other, found)
-    for k, refusal in _orphans(parts, results, first_call, named):
+    _refuse_unanswered(parts, runs, alone, pairing, found)
+    for k, refusal in _orphans(parts, pairing):
         found.setdefault(k, []).append(refusal)
     return [u for j in sorted(found) for u in found[j]]
 
 
-def _refuse_unanswered(parts: Sequence[Part], calls: Sequence[int],
-                       last_result: Mapping[str, int], named: dict[str, list[int]],
-                       last_other: int, found: dict[int, list[Uncarried]]) -> None:
-    """The refusals of ``calls`` without their result where it must be, into ``found``.
+@dataclass(frozen=True, slots=True)
+class _Pairing:
+    """Which result answers each call of a conversation (:func:`_pair`).
 
-    Each call of a name no later result of its id answers takes (removes) the first result
-    of that name without an id after it from ``named``.
+    ``by_id``: call index -> the index of its result (a ``tool`` part of its id; for a call
+    answered by the files its tool returned alone, the first file's, where its codec sends the
+    empty result it gets). ``by_name``: call index -> a result without an id that answers it on
+    Gemini. ``repeated``: result index -> ``(j, r)``, a result of the id of call ``j``, which
+    result ``r`` before it answers already. ``uncalled``: the results with an id that no call
+    of their id comes before. ``unnamed``: function name -> the results without an id that no
+    call of their name before them is left for.
     """
-    runs = result_runs(parts)
-    alone = _files_alone(parts, runs)
+
+    by_id: dict[int, int]
+    by_name: dict[int, int]
+    repeated: dict[int, tuple[int, int]]
+    uncalled: list[int]
+    unnamed: dict[str, list[int]]
+
+
+def _take(open_calls: list[int], turn: Mapping[int, int]) -> int:
+    """The call of ``open_calls`` a result answers, removed from them.
+
+    A provider reads a result as the answer to a call of the turn right before it, in the
+    order the calls stand there: the first call of the latest turn among them.
+    """
+    j = max(open_calls, key=lambda c: (turn[c], -c))
+    open_calls.remove(j)
+    return j
+
+
+def _pair(parts: Sequence[Part], alone: Mapping[int, tuple[int, ...]]) -> _Pairing:
+    """Pair each call with the result that answers it, and find the results no call is left for.
+
+    A result with an id answers the latest call of its id before it that no result answers
+    yet (an id reused in a later turn is a new call there; one its call's result answered
+    already is ``repeated``). Then, for Gemini, each result without an id answers the latest
+    call of its function's name before it that nothing answers: the one its turn reads.
+    """
+    turn: dict[int, int] = {}  # call -> the index of the first assistant part of its turn
+    open_ids: dict[str, list[int]] = {}
+    last: dict[str, tuple[int, int]] = {}  # id -> (the call, its result) paired last
+    # A call its files alone answer has its (empty) result where its first file stands.
+    by_files = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
+    by_id: dict[int, int] = {}
+    repeated: dict[int, tuple[int, int]] = {}
+    uncalled: list[int] = []
+    named: list[int] = []
+    start = 0
+    for k, p in enumerate(parts):
+        if p.role == "assistant":
+            if k == 0 or parts[k - 1].role != "assistant":
+                start = k
+            if p.tool_call_id:
+                turn[k] = start
+                open_ids.setdefault(p.tool_call_id, []).append(k)
+            continue
+        lacking = by_files.get(k)
+        if lacking is not None:
+            lacking_id = parts[lacking].tool_call_id or ""
+            if lacking in open_ids.get(lacking_id, ()):
+                open_ids[lacking_id].remove(lacking)
+            by_id[lacking] = k
+            last[lacking_id] = (lacking, k)
+        if p.role != "tool":
+            continue
+        call_id = p.tool_call_id
+        if not call_id:
+            if p.name:
+                named.append(k)
+            continue
+        waiting = open_ids.get(call_id)
+        if waiting:
+            j = _take(waiting, turn)
+            by_id[j] = k
+            last[call_id] = (j, k)
+        elif call_id in last:
+            repeated[k] = last[call_id]
+        else:
+            uncalled.append(k)
+    by_name: dict[int, int] = {}
+    unnamed: dict[str, list[int]] = {}
+    if named:
+        # Gemini matches a functionResponse to its call by the function's name: a result
+        # without the call's id that names it answers it there (docs/adapters.md).
+        waiting_named: dict[str, list[int]] = {}
+        for j in turn:
+            if j not in by_id:
+                waiting_named.setdefault(parts[j].name or "", []).append(j)
+        for k in named:
+            name = parts[k].name or ""
+            before = [j for j in waiting_named.get(name, ()) if j < k]
+            if before:
+                j = _take(before, turn)
+                waiting_named[name].remove(j)
+                by_name[j] = k
+            else:
+                unnamed.setdefault(name, []).append(k)
+    return _Pairing(by_id, by_name, repeated, uncalled, unnamed)
+
+
+def _refuse_unanswered(parts: Sequence[Part], runs: Sequence[range],
+                       alone: Mapping[int, tuple[int, ...]], pairing: _Pairing,
+                       found: dict[int, list[Uncarried]]) -> None:
+    """The refusals of the calls without their result where it must be, into ``found``."""
+    # The last part that is neither the assistant's nor a system part.
+    last_other = max((k for k, p in enumerate(parts) if p.role not in ("assistant", "system")),
+                     default=-1)
     # The calls a later part answers, with the protocols it answers them on.
     answered: dict[int, frozenset[WireProtocol]] = {}
+    calls = [k for k, p in enumerate(parts) if p.role == "assistant" and p.tool_call_id]
     for j in calls:
         call = parts[j]
-        if last_result.get(call.tool_call_id or "", -1) > j or j in alone:
+        if j in pairing.by_id:
             answered[j] = CODEC_PROTOCOLS
             continue
-        # A result without an id answers one call of its name: the first call before it.
-        answers = named.get(call.name or "", [])
-        later = next((k for k in answers if k > j), None)
         protocols = CODEC_PROTOCOLS
-        if later is not None:
-            answers.remove(later)
+        if j in pairing.by_name:
             protocols = CODEC_PROTOCOLS - _RESULT_BY_NAME
             answered[j] = _RESULT_BY_NAME
         fix = ("record the call's result with run.tool_result(call, ...) and put the part it "
@@ -567,8 +644,9 @@ def _refuse_unanswered(parts: Sequence[Part], calls: Sequence[int],
                                   "without its result)", fix)]
     if answered:
         items = _wire_items(parts, runs, alone)
+        results = {**pairing.by_id, **pairing.by_name}
         for protocol in _PLACED:
-            for j, (k, m) in _misplaced(protocol, parts, items).items():
+            for j, (k, m) in _misplaced(protocol, results, items).items():
                 if protocol in answered.get(j, ()):
                     found.setdefault(j, []).append(_misplaced_refusal(protocol, parts, j, k, m))
 
@@ -576,38 +654,49 @@ def _refuse_unanswered(parts: Sequence[Part], calls: Sequence[int],
 _ORPHAN_FIX = ("drop the result, or keep its call's part (the assistant part with that "
                "tool_call_id) before it in the conversation: when trimming a conversation, "
                "trim a call and its results together")
+_REPEATED_FIX = ("drop the repeated result: a call has one result (a call made again with the "
+                 "same id is a new assistant part of that id before its own result)")
 
 
-def _orphans(parts: Sequence[Part], results: Sequence[int], first_call: Mapping[str, int],
-             named: Mapping[str, Sequence[int]]) -> list[tuple[int, Uncarried]]:
+def _orphans(parts: Sequence[Part], pairing: _Pairing) -> list[tuple[int, Uncarried]]:
     """The tool results that answer no call before them, each with its index.
 
-    ``results`` are the tool parts with an id: each needs an assistant part of its id before
-    it (``first_call``: id -> the first such part), on every protocol of these codecs, each
-    provider matching a result to a call it has read already: chat completions a ``tool``
-    message to the ``tool_calls`` of the assistant message before it, Anthropic a
-    ``tool_result`` to a ``tool_use`` of the message before, the Responses API a
-    ``function_call_output`` to a ``function_call`` by ``call_id``, Gemini a
-    ``functionResponse`` to a function call turn right before its own (the count of its
-    responses the count of the calls). ``named`` are the results without an id that no call
-    of their name took (:func:`_refuse_unanswered`): on Gemini, a response beyond the calls
-    before it (the others refuse a result without an id already, :func:`tool_result_refusals`).
+    A tool part with an id needs an assistant part of its id before it that no other result
+    answers (:func:`_pair`), on every protocol of these codecs, each provider matching a
+    result to a call it has read already: chat completions a ``tool`` message to the
+    ``tool_calls`` of the assistant message before it, Anthropic a ``tool_result`` to a
+    ``tool_use`` of the message before, the Responses API a ``function_call_output`` to a
+    ``function_call`` by ``call_id``, Gemini a ``functionResponse`` to a function call turn
+    right before its own (the count of its responses the count of the calls). A second result
+    of a call is refused too ("Duplicate value for 'tool_call_id'", "Duplicate
+    function_call_output for call_id", "each tool_use must have a single result", Gemini's
+    count; in a later turn, the rules above). The results without an id that no call of their
+    name is left for are refused on Gemini (the others refuse a result without an id already,
+    :func:`tool_result_refusals`).
     """
     out: list[tuple[int, Uncarried]] = []
-    for k in results:
-        part = parts[k]
-        call_id = part.tool_call_id
-        j = first_call.get(call_id or "")
-        if j is not None and j < k:
-            continue
-        where = (f"its call, envelope.parts[{j}], comes after it" if j is not None
+    first_call: dict[str, int] = {}
+    for j, p in enumerate(parts):
+        if p.role == "assistant" and p.tool_call_id:
+            first_call.setdefault(p.tool_call_id, j)
+    for k in pairing.uncalled:
+        call_id = parts[k].tool_call_id
+        after = first_call.get(call_id or "")
+        where = (f"its call, envelope.parts[{after}], comes after it" if after is not None
                  else f"no assistant part with tool_call_id={call_id!r} is in the request")
         out.append((k, Uncarried(
             CODEC_PROTOCOLS, f"envelope.parts[{k}]",
             f"the tool result for tool_call_id={call_id!r} answers no tool call before it: "
             f"{where} (chat completions, the Responses API, Anthropic and Gemini refuse a "
             f"tool result without its call before it)", _ORPHAN_FIX)))
-    for name, ks in named.items():
+    for k, (j, r) in pairing.repeated.items():
+        out.append((k, Uncarried(
+            CODEC_PROTOCOLS, f"envelope.parts[{k}]",
+            f"the tool result for tool_call_id={parts[k].tool_call_id!r} repeats a result: "
+            f"its call, envelope.parts[{j}], has its result already, envelope.parts[{r}], and "
+            f"no later call of that id comes before it (chat completions, the Responses API, "
+            f"Anthropic and Gemini refuse a second result of a call)", _REPEATED_FIX)))
+    for name, ks in pairing.unnamed.items():
         for k in ks:
             earlier = any(parts[j].role == "assistant" and parts[j].tool_call_id
                           and parts[j].name == name for j in range(k))
@@ -703,7 +792,7 @@ def _sent_in(protocol: WireProtocol, part: Part | None) -> str | None:
     return role
 
 
-def _misplaced(protocol: WireProtocol, parts: Sequence[Part],
+def _misplaced(protocol: WireProtocol, results: Mapping[int, int],
                items: Sequence[_Item]) -> dict[int, tuple[int, int]]:
     """The calls whose results ``protocol`` does not read where they are sent.
 
@@ -712,7 +801,9 @@ def _misplaced(protocol: WireProtocol, parts: Sequence[Part],
     its own, and its tool calls join the assistant message before them). A call's result is
     in its place in the group right after the call's: among the ``tool`` messages there (chat
     completions), among the results that open that user message (Anthropic), anywhere in that
-    user turn (Gemini, which matches a result without an id by the function's name).
+    user turn (Gemini, which matches a result without an id by the function's name). Which
+    result is a call's is ``results`` (call index -> result index, :func:`_pair`): the one the
+    refusals of unanswered calls read, so that both name the same result.
 
     Returns:
         call index -> ``(k, m)``: ``k`` the first result of the call sent later (a file's
@@ -733,6 +824,8 @@ def _misplaced(protocol: WireProtocol, parts: Sequence[Part],
             groups[-1] = (role, groups[-1][1], len(sent))
         else:
             groups.append((role, len(sent) - 1, len(sent)))
+    # Where each result is sent (a call's empty result shares its index with its first file).
+    at_result = {item[0]: n for n, item in enumerate(sent) if item[1] is not None}
     out: dict[int, tuple[int, int]] = {}
     for g, (role, start, stop) in enumerate(groups):
         if role != "assistant":
@@ -749,15 +842,9 @@ def _misplaced(protocol: WireProtocol, parts: Sequence[Part],
         else:
             place = nxt_stop if nxt_role == ("tool" if protocol is _P.OPENAI else "user") \
                 else stop
-        keys = {item[1] for item in sent[stop:place]}
-        for j, call in calls:
-            wanted: set[object] = {call.tool_call_id}
-            if protocol in _RESULT_BY_NAME:
-                wanted.add(("name", call.name or ""))
-            if keys & wanted:
-                continue
-            k = next((it[0] for it in sent[place:] if it[1] in wanted), None)
-            if k is not None:
+        for j, _ in calls:
+            k = results.get(j)
+            if k is not None and at_result.get(k, -1) >= place:
                 out[j] = (k, sent[place][0])
     return out
 

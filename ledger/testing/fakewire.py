@@ -22,7 +22,10 @@ call before it is refused as each API does: a chat completions ``tool`` message 
 ``tool_call_id`` is none of the assistant message's before it, an Anthropic ``tool_result``
 whose ``tool_use_id`` is no ``tool_use`` of the message before, a Responses
 ``function_call_output`` whose ``call_id`` no ``function_call`` before it has, a Gemini turn
-with a ``functionResponse`` that does not follow a turn that calls functions.
+with a ``functionResponse`` that does not follow a turn that calls functions. A second result
+of one call is refused as each does: "Duplicate value for 'tool_call_id'", "each tool_use must
+have a single result", "Duplicate function_call_output for call_id" (an id a later
+``function_call`` reuses is a new call), and on Gemini by the count of the responses.
 Anthropic's empty text blocks are refused ("text content blocks must be non-empty"); the files
 in a ``tool_result``'s content and in a Responses ``function_call_output``'s ``output`` list
 are checked and received as any other.
@@ -184,8 +187,10 @@ def _openai_tool_answers(messages: list[Any]) -> None:
             if call_id not in asked:
                 raise BadRequest(f"Invalid parameter: 'tool_call_id' of {call_id!r} not found "
                                  f"in 'tool_calls' of previous message (messages[{i}]).")
-            if call_id in pending:
-                pending.remove(call_id)
+            if call_id not in pending:
+                raise BadRequest(f"Invalid parameter: Duplicate value for 'tool_call_id' of "
+                                 f"{call_id!r} (messages[{i}]).")
+            pending.remove(call_id)
             continue
         if pending:
             raise BadRequest("An assistant message with 'tool_calls' must be followed by tool "
@@ -251,6 +256,7 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
     media: list[ReceivedMedia] = []
     pending: list[str] = []  # function calls no output after them answers
     called: set[str] = set()  # the call_id of each function_call so far
+    answered: set[str] = set()  # the call_id of each call an output answers already
     items = _list(obj.get("input"), "input")
     # The API pairs an output with its call by call_id, wherever it stands after the call.
     output_at = {raw.get("call_id"): i for i, raw in enumerate(items)
@@ -276,6 +282,7 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
                 if not isinstance(item.get(key), str) or not item[key]:
                     raise BadRequest(f"{where}.{key} is required")
             called.add(item["call_id"])
+            answered.discard(item["call_id"])  # an id reused: a new call, answered anew
             if output_at.get(item["call_id"], -1) < i:
                 pending.append(item["call_id"])
             try:
@@ -289,6 +296,11 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             if item["call_id"] not in called:
                 raise BadRequest(f"No tool call found for function call output with call_id "
                                  f"{item['call_id']}.")
+            if item["call_id"] in answered:
+                raise BadRequest(f"Duplicate function_call_output for call_id "
+                                 f"{item['call_id']!r}. Each function_call must have exactly "
+                                 "one matching function_call_output")
+            answered.add(item["call_id"])
             # An output may be input_text, input_image and input_file items.
             for j, rc in enumerate(output if isinstance(output, list) else []):
                 media.extend(replace(m, role="tool") for m in _responses_content(
@@ -396,6 +408,10 @@ def _anthropic_tool_results(messages: list[Any]) -> None:
                 raise BadRequest(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in "
                                  "`tool_result` blocks: each `tool_result` block must have a "
                                  "corresponding `tool_use` block in the previous message.")
+            if block["tool_use_id"] in answered:
+                raise BadRequest(f"messages.{i}.content.{j}: each tool_use must have a single "
+                                 "result. Found multiple `tool_result` blocks with id: "
+                                 f"{block['tool_use_id']}")
             answered.add(block["tool_use_id"])
         if asked and answered != asked:
             missing = ", ".join(sorted(str(x) for x in asked - answered))

@@ -183,6 +183,23 @@ _RESULT_A, _RESULT_B = ({"type": "tool_result", "tool_use_id": c, "content": c.u
         {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {}}},
                                    {"functionResponse": {"name": "f", "response": {}}}]}]},
      "the number of function response parts is equal to the number of function call parts"),
+    # A second result of one call, in the turn that answers it.
+    ("openai", {"model": "m", "messages": [
+        {"role": "user", "content": "Go."}, {"role": "assistant", "content": None,
+                                             "tool_calls": [_CALL_A]},
+        {"role": "tool", "tool_call_id": "a", "content": "A"},
+        {"role": "tool", "tool_call_id": "a", "content": "A"}]},
+     "Duplicate value for 'tool_call_id' of 'a'"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Go."}, _TOOL_USE_AB,
+        {"role": "user", "content": [_RESULT_A, _RESULT_B, _RESULT_A]}]},
+     "each tool_use must have a single result"),
+    ("openai_responses", {"model": "m", "input": [
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "A"},
+        {"type": "message", "role": "user", "content": "Again?"},
+        {"type": "function_call_output", "call_id": "a", "output": "A"}]},
+     "Duplicate function_call_output for call_id 'a'"),
     # An empty text block, and a file in a tool_result checked as one anywhere else.
     ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
         {"role": "user", "content": [{"type": "text", "text": ""}]}]},
@@ -564,6 +581,79 @@ async def test_a_tool_result_that_answers_no_call_before_it_is_refused_before_se
         sent, _ = await send(adapter, fake, protocol, Envelope(parts=fixed))
         assert fake.requests[-1].problem is None and sent.ok, (fake.requests[-1].problem,
                                                                sent.observation)
+
+
+# A second result of a call its first result answers already: chat completions ("Duplicate
+# value for 'tool_call_id'"; in a later turn, "must be a response to a preceeding message with
+# 'tool_calls'"), the Responses API ("Duplicate function_call_output for call_id"), Anthropic
+# ("each tool_use must have a single result"; later, no tool_use of its id in the message
+# before) and Gemini (more responses than calls; later, no call turn before) answer a 400.
+# Case: (the parts after the question, the index of the repeated result).
+REPEATED = {
+    "in a later turn": (lambda call, result: [call, result, THEN, REPLIED, THEN, result], 6),
+    "in the same turn": (lambda call, result: [call, result, result, THEN], 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPEATED))
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_second_result_of_an_answered_call_is_refused_before_sending(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, case: str) -> None:
+    question, call, _, result = files_alone().parts[:4]
+    parts_of, index = REPEATED[case]
+    env = Envelope(parts=[question, *parts_of(call, result)])
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, protocol, env)
+    assert info.value.field == f"envelope.parts[{index}]"
+    message = str(info.value)
+    assert ("tool_call_id='call_a' repeats a result: its call, envelope.parts[1], has its "
+            "result already, envelope.parts[2]") in message, message
+    assert "drop the repeated result" in message
+    assert fake.requests == []
+    # Without the repeated result, the provider takes the request.
+    fixed = [p for i, p in enumerate(env.parts) if i != index]
+    sent, _ = await send(adapter, fake, protocol, Envelope(parts=fixed))
+    assert fake.requests[-1].problem is None and sent.ok, (fake.requests[-1].problem,
+                                                           sent.observation)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_call_id_reused_in_a_later_turn_is_a_new_call_with_its_own_result(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    # Frameworks that number calls per turn (call_0, call_0, ...) reuse an id: each result
+    # answers the latest call of its id before it, so none of them is a repeat.
+    def turn(n: int) -> list[Part]:
+        return [Part(role="assistant", content="{}", tool_call_id="call_0", name="fetch",
+                     data_class="model_derived"),
+                Part(role="tool", content=f"fetched {n}", tool_call_id="call_0",
+                     name="fetch", data_class="tool_result")]
+    parts = [Part(content="Fetch it."), *turn(1), REPLIED, THEN, *turn(2), THEN]
+    assert unanswered_refusals(parts) == []
+    sent, _ = await send(adapter, fake, protocol, Envelope(parts=parts))
+    assert fake.requests[-1].problem is None and sent.ok, (fake.requests[-1].problem,
+                                                           sent.observation)
+
+
+def test_a_gemini_result_without_an_id_answers_the_call_of_its_turn_in_every_refusal() -> None:
+    # By name, a result answers the call of its name in the turn right before it (as Gemini
+    # pairs a functionResponse): here call b, so call a has no result. It was taken for a's
+    # (the first call of its name), and the refusal said "tool call 'a' (search) has its
+    # result, envelope.parts[5], sent after envelope.parts[3]"; the refusals of unanswered and
+    # of misplaced results now read one pairing.
+    def search(call_id: str) -> Part:
+        return Part(role="assistant", content="{}", tool_call_id=call_id, name="search",
+                    data_class="model_derived")
+    found = Part(role="tool", content="found", name="search", data_class="tool_result")
+    parts = [Part(content="Search."), search("a"), Part(content="hm"),
+             Part(role="assistant", content="ok", data_class="model_derived"), search("b"),
+             found, Part(content="Go on.")]
+    gemini = [r for r in unanswered_refusals(parts) if WireProtocol.GEMINI in r.protocols]
+    assert [r.field for r in gemini] == ["envelope.parts[1]"], gemini
+    assert "tool call 'a' (search) has no result" in gemini[0].message
+    assert all("has its result" not in r.message for r in gemini)
+    # Call b is answered there on Gemini only (the others need the id).
+    (b,) = [r for r in unanswered_refusals(parts) if r.field == "envelope.parts[4]"]
+    assert WireProtocol.GEMINI not in b.protocols
 
 
 def test_a_result_without_an_id_that_no_call_of_its_name_is_left_for_is_refused_on_gemini(
