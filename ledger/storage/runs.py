@@ -308,7 +308,8 @@ class RunQueries:
         ``COMMIT``'s outcome was unknown, or of a session entry that raised and whose own
         ending the database did not take (:class:`UnresolvedChildEnd`).
 
-        * no such Run: the admission never landed (``ABSENT``);
+        * no such Run, looked for again under the parent's row lock (which an admission still
+          committing holds, since it carved): the admission never landed (``ABSENT``);
         * the parent's fence is no longer ``item.parent``'s (the parent was taken over), or a
           lease other than the entry's held the Child (its fence is above ``item.fence``, or
           its first lease was another executor's), or it ended otherwise: someone else has it,
@@ -325,12 +326,19 @@ class RunQueries:
         r = s.runs.c
         child_id, parent = item.child_id, item.parent
         took = item.fence if isinstance(item, UnresolvedChildEnd) else 0
+        find = (select(r.run_id, r.parent_run_id, r.fence, r.status, r.lease_holder)
+                .where(r.run_id == child_id).with_for_update())
         with self.ctx.writing() as conn:
-            child = conn.execute(select(r.run_id, r.parent_run_id, r.fence, r.status,
-                                        r.lease_holder)
-                                 .where(r.run_id == child_id).with_for_update()).first()
+            child = conn.execute(find).first()
             if child is None:
-                return Resolution.ABSENT
+                # Not seen is not absent: an admission whose COMMIT is still on its way to the
+                # server (its acknowledgement lost, the resolution quicker) inserted a row no
+                # lock can wait on yet. It holds its parent's row (it carved): wait for it to
+                # end there, then look again (each statement reads what is committed by then).
+                conn.execute(select(r.fence).where(r.run_id == parent.run_id).with_for_update())
+                child = conn.execute(find).first()
+                if child is None:
+                    return Resolution.ABSENT
             held = conn.execute(select(r.fence).where(r.run_id == parent.run_id)
                                 .with_for_update()).first()
             if (held is None or int(held.fence) != parent.fence

@@ -24,7 +24,9 @@ its answer), so a SQLite admission's error is always one that wrote nothing
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -229,3 +231,61 @@ def test_a_child_some_lease_took_before_the_resolution_is_left_to_its_holder(db:
     finally:
         led.close()
     assert db.led.get_run("p").carved == 0
+
+
+@pytest.mark.postgres
+def test_a_child_admission_still_committing_is_waited_for_never_told_absent(pg_url: str) -> None:
+    """The resolution of a Child admission told failed can run before that admission's COMMIT
+    reaches the server (its acknowledgement lost, the next connection quicker): the Child's
+    row is not yet there, and no lock can wait on a row not yet committed. It was told absent,
+    and the Child that landed a moment later stayed ``admitted`` with its carve. The admission
+    holds its parent's row until it ends; the resolution waits for it there and finds it.
+
+    Here another connection holds the parent's row, an admission queues behind it, and the
+    resolution is asked while that admission has not written yet."""
+    import psycopg
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from ledger.decide.resolve import Resolution, UnresolvedAdmission
+    from ledger.storage.engine import normalize_url
+
+    watcher = create_engine(normalize_url(pg_url))
+
+    def waiting() -> int:
+        with watcher.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()")).scalar_one())
+
+    def until(cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)  # polling other sessions' lock waits, not passing time
+
+    conninfo = make_url(normalize_url(pg_url)).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        with Ledger.open(pg_url, executor_id="w") as led:
+            led.admit_run("p", plan=routes(), budget=BUDGET, grant=GRANT)
+            parent = led.acquire_lease("p", ttl_s=TTL_S)
+            holder = psycopg.connect(conninfo)  # a transaction until rolled back
+            holder.execute("SELECT 1 FROM runs WHERE run_id = 'p' FOR UPDATE")
+            admitted = pool.submit(led.admit_run, "c", plan=routes(), budget=CHILD,
+                                   grant=GRANT, parent=parent)
+            until(lambda: waiting() >= 1, "the admission waits for the parent's row")
+            resolved = pool.submit(led._runs.end_unheld_child,
+                                   UnresolvedAdmission(parent, "c", RunStatus.FAILED),
+                                   led.clock.now)
+            until(lambda: resolved.done() or waiting() >= 2,
+                  "the resolution answers, or waits behind the admission")
+            holder.rollback()
+            holder.close()
+            admitted.result(timeout=60)
+            assert resolved.result(timeout=60) is Resolution.ENDED
+            _ended_and_given_back(led, parent.fence)
+    finally:
+        pool.shutdown(wait=True)
+        watcher.dispose()
