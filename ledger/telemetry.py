@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from ledger.decide.effects import Begin, Effect, Record, Send, SendResult, Settle
-from ledger.domain.carried import files_alone
+from ledger.domain.carried import files_alone, lacking_results
 from ledger.domain.media import kind_of
 from ledger.domain.records import DURATION_BUCKETS, AttemptRecord, AttemptState
 from ledger.errors import CapacityUnavailable, InvalidArgument
@@ -617,7 +617,7 @@ def _input_messages(env: Envelope) -> tuple[list[dict[str, Any]], list[dict[str,
                                        and p.role == "user" for p in parts) else {})
     # The first file of a call no tool part answers stands for its result; its other files go
     # in that result, as the files of an empty one do.
-    stands_for = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
+    stands_for = lacking_results(parts, alone)
     claimed = {j for files in alone.values() for j in files}
     system: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []

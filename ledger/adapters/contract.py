@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import files_alone, json_object, result_runs
+from ledger.domain.carried import files_alone, json_object, sent_order
 from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.media import (
@@ -699,25 +699,8 @@ def wire_order(parts: Sequence[Part], alone: Mapping[int, tuple[int, ...]] | Non
     """
     if alone is None:
         alone = files_alone(parts)
-    lacking = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
-    out: list[tuple[int, Part]] = []
-    runs = iter(result_runs(parts))
-    run = next(runs, None)
-    i = 0
-    while i < len(parts):
-        if run is None or i != run.start:
-            out.append((i, parts[i]))
-            i += 1
-            continue
-        for k in run:
-            if parts[k].role == "tool":
-                out.append((k, parts[k]))
-            elif k in lacking:
-                out.append((lacking[k], _empty_result(parts[lacking[k]])))
-        out.extend((k, parts[k]) for k in run if parts[k].role != "tool")
-        i = run.stop
-        run = next(runs, None)
-    return out
+    return [(k, parts[k]) if call is None else (call, _empty_result(parts[call]))
+            for k, call in sent_order(parts, alone)]
 
 
 def _empty_result(call: Part) -> Part:

@@ -458,6 +458,47 @@ def _files_alone(parts: Sequence[Part], runs: Sequence[range]) -> dict[int, tupl
     return out
 
 
+def lacking_results(parts: Sequence[Part],
+                    alone: Mapping[int, tuple[int, ...]]) -> dict[int, int]:
+    """The calls of ``alone`` (:func:`files_alone`) that no ``tool`` part answers: file -> call.
+
+    Each is keyed by the index of its first file, where the codecs send the empty result it
+    gets.
+    """
+    return {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
+
+
+def sent_order(parts: Sequence[Part], alone: Mapping[int, tuple[int, ...]],
+               runs: Sequence[range] | None = None) -> list[tuple[int, int | None]]:
+    """The parts in the order every codec sends them, as ``(index, call)`` pairs.
+
+    The order is the envelope's except within a turn's tool results (:func:`result_runs`):
+    there the ``tool`` parts come first, in their order, then the files, in theirs. ``call``
+    is ``None`` for a part sent as it stands; for the empty result a call answered by its files
+    alone gets (:func:`lacking_results`), it is the call's index, and ``index`` its first
+    file's, where that result goes among the results. ``alone``: the parts'
+    :func:`files_alone`; ``runs``: their :func:`result_runs`, when the caller has them.
+    """
+    lacking = lacking_results(parts, alone)
+    out: list[tuple[int, int | None]] = []
+    starts = {r.start: r for r in (result_runs(parts) if runs is None else runs)}
+    i = 0
+    while i < len(parts):
+        run = starts.get(i)
+        if run is None:
+            out.append((i, None))
+            i += 1
+            continue
+        for k in run:
+            if parts[k].role == "tool":
+                out.append((k, None))
+            elif k in lacking:
+                out.append((k, lacking[k]))
+        out.extend((k, None) for k in run if parts[k].role != "tool")
+        i = run.stop
+    return out
+
+
 def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     """The refusals of ``parts``' tool calls without their result and results without a call.
 
@@ -549,7 +590,7 @@ def _pair(parts: Sequence[Part], alone: Mapping[int, tuple[int, ...]]) -> _Pairi
     open_ids: dict[str, list[int]] = {}
     last: dict[str, tuple[int, int]] = {}  # id -> (the call, its result) paired last
     # A call its files alone answer has its (empty) result where its first file stands.
-    by_files = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
+    by_files = lacking_results(parts, alone)
     by_id: dict[int, int] = {}
     repeated: dict[int, tuple[int, int]] = {}
     uncalled: list[int] = []
@@ -727,45 +768,17 @@ _PLACE_RULES = {
                "right after it",
 }
 
-# A part as the codecs send it (:func:`_wire_items`): its index, the key of the call it answers
-# (a result's ``tool_call_id``, or ``("name", name)`` for one without), and the part (``None``:
-# the empty result a call answered by its files alone gets; its index is its first file's).
-_Item = tuple[int, "str | tuple[str, str] | None", "Part | None"]
+# A part as the codecs send it (:func:`_wire_items`): its index, whether it is a result, and
+# the part (``None``: the empty result a call answered by its files alone gets; its index is its
+# first file's).
+_Item = tuple[int, bool, "Part | None"]
 
 
 def _wire_items(parts: Sequence[Part], runs: Sequence[range],
                 alone: Mapping[int, tuple[int, ...]]) -> list[_Item]:
-    """The parts in the order every codec sends them (:func:`~ledger.adapters.contract.wire_order`).
-
-    A turn's results (:func:`result_runs`) go first, a call its files alone answer with the
-    empty result it gets where its first file stands, then the turn's files.
-    """
-    lacking = {files[0]: k for k, files in alone.items() if parts[k].role == "assistant"}
-    starts = {r.start: r for r in runs}
-    out: list[_Item] = []
-    i = 0
-    while i < len(parts):
-        run = starts.get(i)
-        if run is None:
-            p = parts[i]
-            out.append((i, _result_key(p), p))
-            i += 1
-            continue
-        for k in run:
-            p = parts[k]
-            if p.role == "tool":
-                out.append((k, _result_key(p), p))
-            elif k in lacking:
-                out.append((k, parts[lacking[k]].tool_call_id, None))
-        out.extend((k, None, parts[k]) for k in run if parts[k].role != "tool")
-        i = run.stop
-    return out
-
-
-def _result_key(part: Part) -> str | tuple[str, str] | None:
-    if part.role != "tool":
-        return None
-    return part.tool_call_id or ("name", part.name or "")
+    """The parts in the order every codec sends them (:func:`sent_order`)."""
+    return [(k, True, None) if call is not None else (k, parts[k].role == "tool", parts[k])
+            for k, call in sent_order(parts, alone, runs)]
 
 
 def _sent_in(protocol: WireProtocol, part: Part | None) -> str | None:
@@ -825,7 +838,7 @@ def _misplaced(protocol: WireProtocol, results: Mapping[int, int],
         else:
             groups.append((role, len(sent) - 1, len(sent)))
     # Where each result is sent (a call's empty result shares its index with its first file).
-    at_result = {item[0]: n for n, item in enumerate(sent) if item[1] is not None}
+    at_result = {item[0]: n for n, item in enumerate(sent) if item[1]}
     out: dict[int, tuple[int, int]] = {}
     for g, (role, start, stop) in enumerate(groups):
         if role != "assistant":
@@ -837,7 +850,7 @@ def _misplaced(protocol: WireProtocol, results: Mapping[int, int],
         # sent[stop:place] is where the results of these calls are read.
         if protocol is _P.ANTHROPIC:
             place = stop
-            while nxt_role == "user" and place < nxt_stop and sent[place][1] is not None:
+            while nxt_role == "user" and place < nxt_stop and sent[place][1]:
                 place += 1
         else:
             place = nxt_stop if nxt_role == ("tool" if protocol is _P.OPENAI else "user") \
@@ -999,6 +1012,7 @@ __all__ = [
     "builtin_tools_refusal",
     "files_alone",
     "json_object",
+    "lacking_results",
     "message_refusal",
     "params_refusal",
     "refusals_for",
@@ -1006,6 +1020,7 @@ __all__ = [
     "require_encodable",
     "require_tool_result",
     "result_runs",
+    "sent_order",
     "text_refusal",
     "tool_arguments",
     "tool_call_refusal",
