@@ -113,13 +113,6 @@ def sample_runs(led: Ledger, *, since: float, until: float, n: int) -> list[str]
         ).scalars())
 
 
-def has_run(led: Ledger, run_id: str) -> bool:
-    """Whether the ledger holds the Run ``run_id``."""
-    r = s.runs.c
-    with _transaction(led) as conn:
-        return conn.execute(select(r.run_id).where(r.run_id == run_id)).first() is not None
-
-
 def sample_route(led: Ledger) -> str | None:
     """The route of the newest Attempt (None: there is none)."""
     a = s.attempts.c
@@ -128,4 +121,4 @@ def sample_route(led: Ledger) -> str | None:
     return None if route is None else str(route)
 
 
-__all__ = ["analyze", "bulk_insert", "has_run", "history_bounds", "sample_route", "sample_runs"]
+__all__ = ["analyze", "bulk_insert", "history_bounds", "sample_route", "sample_runs"]

@@ -40,7 +40,6 @@ itself, still under the marker hash, so that ``failover-ledger replay`` can repl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import uuid
@@ -49,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
-from benchmarks.bulk import analyze, bulk_insert, has_run
+from benchmarks.bulk import analyze, bulk_insert
 from ledger.api.facade import Ledger
 from ledger.api.face import storage_of
 from ledger.decide.begin import begin_spec
@@ -82,6 +81,7 @@ from ledger.domain.values import Budget, Grant, Health, Price, Profile, Route, c
 from ledger.policy.load import preset
 from ledger.policy.model import Policy
 from ledger.storage.partitions import ensure_partitions
+from ledger.tools.generate import free_tag
 
 Progress = Callable[[int, int], None]
 
@@ -201,20 +201,6 @@ class _Rows:
 
 def _run_id(tag: str, i: int) -> str:
     return f"run-{tag}-{i:08d}"
-
-
-def _free_tag(led: Ledger, tag: str) -> str:
-    """``tag``, or when the ledger holds a load under it (this seed was loaded there before),
-    the first tag derived from it that names none: the seed's ids again met the first load's
-    keys, and the load ended in a Conflict that blamed "another writer". The history itself
-    (every draw of the seeded generator) is the same whatever its tag."""
-    # Every load writes its Run number 1 in its first batch: that one tells whether a tag is
-    # used (deepen's copies carry a suffix, and take none).
-    n, free = 0, tag
-    while has_run(led, _run_id(free, 1)):
-        n += 1
-        free = hashlib.sha256(f"{tag}/{n}".encode()).hexdigest()[:8]
-    return free
 
 
 class _Generator:
@@ -627,8 +613,9 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     if attempts < 1:
         raise ValueError("attempts must be >= 1")
     rng = random.Random(seed)
-    gen = _Generator(rng, end, _free_tag(led, uuid.UUID(int=rng.getrandbits(128)).hex[:8]),
-                     frozen_policy)
+    # The seed's history loaded again takes a tag of its own (its Run ids met the first's).
+    tag = free_tag(led, uuid.UUID(int=rng.getrandbits(128)).hex[:8], _run_id)
+    gen = _Generator(rng, end, tag, frozen_policy)
     stats = gen.stats
     stats.since, stats.until = end - days * 86400.0, end
     stats.routes = [r.id for r in gen.routes]

@@ -565,19 +565,13 @@ class Face(Generic[SessionT, OpenedT]):
             plan, cast(Grant | None, admission.get("grant")), admission.get("role", DEFAULT_ROLE),
             None if inherit else _resolve_policy(policy), policy_hash=_policy_hash, parent=prec,
             parent_policy=parent_policy)
-        # A Child's tenant, labels and deadline are its parent's (its own only narrowing them).
-        try:
-            terms = child_terms(prec, admission) if prec is not None else admission
-        except InvalidArgument as e:
-            # A Child frozen before that rule, with terms it no longer allows (another tenant,
-            # a later deadline, labels too many with its parent's), is still continued when
-            # entered again.
-            earlier = None
-            if prec is not None and e.fields.get("field") in ("tenant", "labels", "deadline"):
-                earlier = yield from self._continued_child(run_id, prec, admission)
-            if earlier is None:
-                raise
-            terms = earlier
+        # A Child's tenant, labels and deadline are its parent's (its own only narrowing them),
+        # but one frozen before that rule, on terms it no longer allows (another tenant, a later
+        # deadline, labels too many with its parent's), is continued as it was (invariant 5).
+        terms = admission
+        if prec is not None:
+            earlier = yield from self._continued_child(run_id, prec, admission)
+            terms = earlier if earlier is not None else child_terms(prec, admission)
         spec = admission_spec(run_id, terms, plan=plan, grant=grant, policy=pol,
                               policy_hash=_policy_hash(pol))
         # The last check before the write: every argument is known good, so a missing key is
@@ -590,16 +584,6 @@ class Face(Generic[SessionT, OpenedT]):
         try:
             rec, _created = yield from self._store.admit(spec, self.clock.now)
         except AdmissionConflict as e:
-            if prec is not None and set(e.differing) <= {"tenant", "labels", "deadline"}:
-                # A Child admitted by a version before Children took these from their parent
-                # is continued as it was frozen (invariant 5), unless the caller names others.
-                earlier = yield from self._continued_child(run_id, prec, admission)
-                if earlier is None or earlier == terms:
-                    raise
-                spec = admission_spec(run_id, earlier, plan=plan, grant=grant, policy=pol,
-                                      policy_hash=_policy_hash(pol))
-                rec, _created = yield from self._store.admit(spec, self.clock.now)
-                return rec
             if policy is not None or inherit or e.differing != ["policy_hash"]:
                 raise
             # No policy was asked for: a Run admitted before keeps the one it was frozen with
@@ -640,7 +624,10 @@ class Face(Generic[SessionT, OpenedT]):
 
     def _continued_child(self, run_id: str, parent: FrozenRun,
                          admission: Admission) -> Flow[Admission | None]:
-        """:func:`continued_child_terms` of the Run ``run_id`` if it exists, else ``None``."""
+        """:func:`continued_child_terms` of the Run ``run_id`` if it exists, else ``None``.
+
+        A read by key for each Child admitted (a cold path; the parent's was read already).
+        """
         try:
             frozen = yield from self._frozen(run_id)
         except NotFound:

@@ -147,6 +147,13 @@ class Skip:
             out["fix"] = self.fix
         return out
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Skip:
+        """The skip :meth:`to_json` wrote."""
+        return cls(route=data["route"], reason=Reason(data["reason"]),
+                   detail=data.get("detail", ""), profile=data.get("profile"),
+                   fix=data.get("fix", ""))
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ledger.decide.effects import Begin, RecordedTurn
-from ledger.decide.select import Reason, Skip
+from ledger.decide.select import Skip
 from ledger.domain.facts import FailureFact
 from ledger.domain.records import AttemptRecord, AttemptState, Queued
 from ledger.domain.timefmt import duration, iso, relative
@@ -130,9 +130,7 @@ def recorded_candidate_lines(plan: Sequence[Route], turn: RecordedTurn) -> list[
     skips: dict[str, Skip] = {}
     for decision in turn.skipped:
         for s in decision:
-            skips[s["route"]] = Skip(route=s["route"], reason=Reason(s["reason"]),
-                                     detail=s.get("detail", ""), profile=s.get("profile"),
-                                     fix=s.get("fix", ""))
+            skips[s["route"]] = Skip.from_json(s)
     states = {a.attempt_id: a.state for a in turn.attempts}
     return candidate_lines(plan, failures_by_route(errors, states), skips)
 

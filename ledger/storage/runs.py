@@ -66,6 +66,14 @@ from ledger.storage.hot import check_live, moved
 from ledger.storage.rows import attempt_record, health_record, run_record
 from ledger.storage.statements import run_tree
 
+
+def _attempts_with_debits(*where: Any) -> Any:
+    """The Attempts ``where`` says, each with its debit's state, in sequence."""
+    a, d = s.attempts.c, s.debits.c
+    return (select(s.attempts, d.state.label("debit_state"))
+            .join(s.debits, d.debit_id == a.debit_id).where(*where).order_by(a.seq))
+
+
 SEL_ATTEMPT_WITH_DEBIT = (
     select(s.attempts, s.debits.c.state.label("debit_state"))
     .outerjoin(s.debits, s.debits.c.debit_id == s.attempts.c.debit_id)
@@ -588,16 +596,11 @@ class RunQueries:
         """The Run's Attempts in sequence. Raises :class:`~ledger.errors.NotFound` for an
         unknown run."""
         a = s.attempts.c
-        d = s.debits.c
         with self.ctx.reading() as conn:
             known = conn.execute(select(s.runs.c.run_id).where(s.runs.c.run_id == run_id))
             if known.first() is None:
                 raise NotFound(f"unknown run id {run_id!r}", run_id=run_id)
-            rows = conn.execute(
-                select(s.attempts, d.state.label("debit_state"))
-                .join(s.debits, d.debit_id == a.debit_id)
-                .where(a.run_id == run_id).order_by(a.seq)
-            ).all()
+            rows = conn.execute(_attempts_with_debits(a.run_id == run_id)).all()
         return [attempt_record(row, row.debit_state) for row in rows]
 
     def turn_record(self, run_id: str, turn_id: str
@@ -606,13 +609,10 @@ class RunQueries:
         order: the ``select`` events of its Attempts, then the ``stop`` events naming them.
         Read by a turn asked again while an Attempt of it has no receipt (a rare read: it
         reads the Run's decision events, however long the Run)."""
-        a, d, e = s.attempts.c, s.debits.c, s.events.c
+        a, e = s.attempts.c, s.events.c
         with self.ctx.reading() as conn:
             rows = conn.execute(
-                select(s.attempts, d.state.label("debit_state"))
-                .join(s.debits, d.debit_id == a.debit_id)
-                .where(a.run_id == run_id, a.turn_id == turn_id).order_by(a.seq)
-            ).all()
+                _attempts_with_debits(a.run_id == run_id, a.turn_id == turn_id)).all()
             events = conn.execute(
                 select(e.kind, e.attempt_id, e.data)
                 .where(e.run_id == run_id, e.kind.in_(("select", "stop")))

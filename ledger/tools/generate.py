@@ -236,6 +236,28 @@ class _Provider:
         return SendResult.failed(obs)
 
 
+def free_tag(led: Ledger, tag: str, run_id: Callable[[str, int], str]) -> str:
+    """``tag``, or the first tag derived from it (its seed's history loaded again) whose Run
+    number 1, ``run_id(tag, 1)``, the ledger does not hold.
+
+    Every history admits (or loads) its Run number 1 first, so that one tells whether a tag is
+    used. The derivation depends on ``tag`` alone: the same ledger gives the same tags.
+    """
+    n, free = 0, tag
+    while _holds(led, run_id(free, 1)):
+        n += 1
+        free = hashlib.sha256(f"{tag}/{n}".encode()).hexdigest()[:8]
+    return free
+
+
+def _holds(led: Ledger, run_id: str) -> bool:
+    try:
+        led.get_run(run_id)
+    except NotFound:
+        return False
+    return True
+
+
 def _run_id(tag: str, i: int) -> str:
     return f"gen-{tag}-{i:08d}"
 
@@ -251,7 +273,9 @@ class _Generator:
         self.in_flight_from = in_flight_from  # Runs started from then on may be in flight
         self.attempts = attempts
         self.stats = stats
-        self.tag = self._free_tag(uuid.UUID(int=rng.getrandbits(128)).hex[:8])
+        # Admitting the seed's Runs again under their old ids (generate ran here with this seed
+        # before) met the first history's Runs: a tag of its own (free_tag).
+        self.tag = free_tag(led, uuid.UUID(int=rng.getrandbits(128)).hex[:8], _run_id)
         self.policy = generated_policy()
         self.routes = catalog()
         self.send = _Provider(rng, clock, self.routes, stats, attempts)
@@ -264,25 +288,6 @@ class _Generator:
         # Every provider may receive the user's input and the earlier answers.
         self.grant = Grant(recipients={p: [USER_INPUT, MODEL_DERIVED] for p in _PROVIDERS})
         self.in_flight: list[Lease] = []
-
-    def _free_tag(self, tag: str) -> str:
-        """``tag``, or when the ledger holds Runs under it (generate ran on it with this seed
-        before), the first tag derived from it that names none: admitting the seed's Runs again
-        under their old ids met the first history's Runs, added Attempts to them and then
-        failed (the frozen content of a later Run differed)."""
-        # Every history admits its Run number 1 first, so that one tells whether a tag is used.
-        n, free = 0, tag
-        while self._taken(free):
-            n += 1
-            free = hashlib.sha256(f"{tag}/{n}".encode()).hexdigest()[:8]
-        return free
-
-    def _taken(self, tag: str) -> bool:
-        try:
-            self.led.get_run(_run_id(tag, 1))
-        except NotFound:
-            return False
-        return True
 
     def run(self, i: int) -> None:
         """Run number ``i``, admitted now; it makes at most the Attempts still asked for."""
@@ -456,5 +461,5 @@ def generate(led: Ledger, *, attempts: int, days: float = 7.0, end: float, seed:
     return stats
 
 
-__all__ = ["MAX_ATTEMPTS", "GenStats", "catalog", "check_window", "generate", "generated_policy",
-           "generated_policy_hash"]
+__all__ = ["MAX_ATTEMPTS", "GenStats", "catalog", "check_window", "free_tag", "generate",
+           "generated_policy", "generated_policy_hash"]
