@@ -189,10 +189,7 @@ def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_o
     with Ledger.open(db_url) as led, led.run("t", plan=routes, budget=BUDGET,
                                               grant=GRANT) as run:
         result = run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
-        assert result.route.id == "backup" and len(result.attempts) == 1
-        (select,) = [e.data for e in led.events("t", ["select"])]
-        (skip,) = select["skipped"]
-        assert (skip["route"], skip["reason"]) == ("primary", "capability")
+        skip = _served_past_primary(led, result)
         assert skip["detail"].startswith("envelope.parts[1]: tool call 'call_1' (weather) has "
                                          "its result, envelope.parts[3], sent after "
                                          "envelope.parts[2]")
@@ -205,6 +202,16 @@ def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_o
             run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
         assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
         _recorded_nothing(led, fake, "only")
+
+
+def _served_past_primary(led: Ledger, result: Any) -> dict[str, Any]:
+    """The backup served ``result`` in one Attempt, the primary skipped for ``capability``
+    (none begun): that skip, as the ``select`` event of Run ``t`` recorded it."""
+    assert result.route.id == "backup" and len(result.attempts) == 1
+    (select,) = [e.data for e in led.events("t", ["select"])]
+    (skip,) = select["skipped"]
+    assert (skip["route"], skip["reason"]) == ("primary", "capability")
+    return dict(skip)
 
 
 class _TrimmingCodec(OpenAICodec):
@@ -255,10 +262,7 @@ def test_a_tool_result_without_its_call_skips_the_routes_that_refuse_it_and_none
     with Ledger.open(db_url) as led, led.run("t", plan=routes, budget=BUDGET,
                                               grant=GRANT) as run:
         result = run.turn(Envelope(parts=[_covered(led, run, p) for p in TRIMMED]))
-        assert result.route.id == "backup" and len(result.attempts) == 1
-        (select,) = [e.data for e in led.events("t", ["select"])]
-        (skip,) = select["skipped"]
-        assert (skip["route"], skip["reason"]) == ("primary", "capability")
+        skip = _served_past_primary(led, result)
         assert skip["detail"].startswith("envelope.parts[1]: the tool result for "
                                          "tool_call_id='call_1' answers no tool call before it")
         assert led.get_run("t").retries_used == 0

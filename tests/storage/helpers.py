@@ -9,6 +9,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -210,3 +211,34 @@ def sqlite_held(path: Path) -> Iterator[sqlite3.Connection]:
         yield holder
     finally:
         holder.close()
+
+
+@contextlib.contextmanager
+def lock_waits(pg_url: str) -> Iterator[Callable[[], int]]:
+    """A count, asked each time it is called, of the sessions of ``pg_url``'s database that
+    wait for a lock (``pg_stat_activity``), on a connection of its own."""
+    from sqlalchemy import create_engine, text
+
+    from ledger.storage.engine import normalize_url
+
+    watcher = create_engine(normalize_url(pg_url))
+
+    def waiting() -> int:
+        with watcher.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()")).scalar_one())
+
+    try:
+        yield waiting
+    finally:
+        watcher.dispose()
+
+
+def until(cond: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    """Wait until ``cond()`` holds, polling other sessions' state (not passing time), or fail
+    saying ``what`` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)

@@ -28,6 +28,7 @@ from ledger.storage import partitions
 from ledger.storage.engine import normalize_url
 from ledger.storage.migrate import alembic_config
 
+from .helpers import lock_waits, until
 from .test_schema import _diff
 
 ROUTE = Route(id="a", provider="p", model="m", group="g", recipient="p", price=Price())
@@ -518,38 +519,24 @@ def test_retention_and_writes_in_flight_wait_for_each_other_without_deadlock(
         leds[k].settle_attempt(leases[k], att.attempt_id, outcome="succeeded")
         return att.attempt_id
 
-    watcher = create_engine(normalize_url(pg_url))
-
-    def waiting() -> int:
-        with watcher.connect() as conn:
-            return int(conn.execute(text(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()")).scalar_one())
-
-    def until(cond: Any, what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not cond():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.01)  # polling other sessions' lock waits, not passing time
-
-    pool = ThreadPoolExecutor(max_workers=3)
-    try:
-        faults.arm("begin.before_commit", at_commit)  # the first begin only: A's
-        a = pool.submit(write, "a")
-        until(lambda: held.is_set() or a.done(), "A never reached its commit")
-        assert not a.done(), a.exception()
-        ret = pool.submit(leds["ret"].drop_history, 60 * 86400, by="ops", reason="60 days")
-        until(lambda: waiting() == 1 or ret.done(), "retention never waited for A")
-        assert not ret.done(), ret.exception()
-        b = pool.submit(write, "b")
-        until(lambda: waiting() == 2 or b.done(), "B never waited")
-        go.set()
-        rep, a_id, b_id = ret.result(60), a.result(60), b.result(60)
-    finally:
-        faults.disarm()
-        go.set()
-        pool.shutdown(wait=True)
-        watcher.dispose()
+    with lock_waits(pg_url) as waiting:
+        pool = ThreadPoolExecutor(max_workers=3)
+        try:
+            faults.arm("begin.before_commit", at_commit)  # the first begin only: A's
+            a = pool.submit(write, "a")
+            until(lambda: held.is_set() or a.done(), "A never reached its commit")
+            assert not a.done(), a.exception()
+            ret = pool.submit(leds["ret"].drop_history, 60 * 86400, by="ops", reason="60 days")
+            until(lambda: waiting() == 1 or ret.done(), "retention never waited for A")
+            assert not ret.done(), ret.exception()
+            b = pool.submit(write, "b")
+            until(lambda: waiting() == 2 or b.done(), "B never waited")
+            go.set()
+            rep, a_id, b_id = ret.result(60), a.result(60), b.result(60)
+        finally:
+            faults.disarm()
+            go.set()
+            pool.shutdown(wait=True)
     try:
         assert rep.rows("attempts") == 1 and leds["ret"].timeline("old") == []
         assert [x.attempt_id for x in leds["a"].timeline("a")] == [a_id]

@@ -24,8 +24,7 @@ its answer), so a SQLite admission's error is always one that wrote nothing
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -45,6 +44,7 @@ from tests.storage.childcut import (
     routes,
     served,
 )
+from tests.storage.helpers import lock_waits, until
 
 
 @pytest.fixture
@@ -244,31 +244,16 @@ def test_a_child_admission_still_committing_is_waited_for_never_told_absent(pg_u
     Here another connection holds the parent's row, an admission queues behind it, and the
     resolution is asked while that admission has not written yet."""
     import psycopg
-    from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
     from ledger.decide.resolve import Resolution, UnresolvedAdmission
     from ledger.storage.engine import normalize_url
 
-    watcher = create_engine(normalize_url(pg_url))
-
-    def waiting() -> int:
-        with watcher.connect() as conn:
-            return int(conn.execute(text(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()")).scalar_one())
-
-    def until(cond: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not cond():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.01)  # polling other sessions' lock waits, not passing time
-
     conninfo = make_url(normalize_url(pg_url)).set(drivername="postgresql").render_as_string(
         hide_password=False)
     pool = ThreadPoolExecutor(max_workers=2)
     try:
-        with Ledger.open(pg_url, executor_id="w") as led:
+        with lock_waits(pg_url) as waiting, Ledger.open(pg_url, executor_id="w") as led:
             led.admit_run("p", plan=routes(), budget=BUDGET, grant=GRANT)
             parent = led.acquire_lease("p", ttl_s=TTL_S)
             holder = psycopg.connect(conninfo)  # a transaction until rolled back
@@ -288,4 +273,3 @@ def test_a_child_admission_still_committing_is_waited_for_never_told_absent(pg_u
             _ended_and_given_back(led, parent.fence)
     finally:
         pool.shutdown(wait=True)
-        watcher.dispose()

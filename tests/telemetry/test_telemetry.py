@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -481,17 +482,9 @@ def test_content_is_captured_only_when_opted_in_and_then_redacted(
     env = Envelope(parts=[Part(role="system", content=SYSTEM),
                           Part(content=f"{PROMPT} (my key is {pasted_key})")],
                    max_output_tokens=64)
-    spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
-                     capture_content=True)
-    try:
-        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
-            lease = admit(led, routes(a, b))
-            execute(led, lease, env, sync_sender(adapter, limits=PATIENT))
-    finally:
-        telemetry.disable()
+    with _capturing() as spans, Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+        lease = admit(led, routes(a, b))
+        execute(led, lease, env, sync_sender(adapter, limits=PATIENT))
     [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
     attrs = dict(span.attributes or {})
     assert json.loads(str(attrs["gen_ai.system_instructions"])) == [
@@ -506,25 +499,31 @@ def test_content_is_captured_only_when_opted_in_and_then_redacted(
     assert pasted_key not in text and all(s not in text for s in SECRETS.values())
 
 
-def _captured_on_anthropic(db_url: str, fakes: tuple[FakeProvider, FakeProvider],
-                           adapter: SyncAdapter, env: Envelope
-                           ) -> tuple[InMemorySpanExporter, Any]:
-    """One turn of ``env`` on Anthropic routes with content captured: the spans, and the
-    attempt's one input message."""
-    a, b = fakes
+@contextmanager
+def _capturing() -> Iterator[InMemorySpanExporter]:
+    """Telemetry enabled with content captured, into the spans yielded, until the block ends."""
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
                      capture_content=True)
     try:
-        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
-            lease = admit(led, [r.model_copy(update={"protocol": WireProtocol.ANTHROPIC,
-                                                     "endpoint": f.endpoint("anthropic")})
-                                for r, f in zip(routes(a, b), (a, b), strict=True)])
-            execute(led, lease, env, sync_sender(adapter, limits=PATIENT))
+        yield spans
     finally:
         telemetry.disable()
+
+
+def _captured_on_anthropic(db_url: str, fakes: tuple[FakeProvider, FakeProvider],
+                           adapter: SyncAdapter, env: Envelope
+                           ) -> tuple[InMemorySpanExporter, Any]:
+    """One turn of ``env`` on Anthropic routes with content captured: the spans, and the
+    attempt's one input message."""
+    a, b = fakes
+    with _capturing() as spans, Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+        lease = admit(led, [r.model_copy(update={"protocol": WireProtocol.ANTHROPIC,
+                                                 "endpoint": f.endpoint("anthropic")})
+                            for r, f in zip(routes(a, b), (a, b), strict=True)])
+        execute(led, lease, env, sync_sender(adapter, limits=PATIENT))
     [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
     [message] = json.loads(str(dict(span.attributes or {})["gen_ai.input.messages"]))
     return spans, message
@@ -576,18 +575,10 @@ def test_a_captured_answers_image_is_described_never_its_bytes(
     a, b = clean_fakes
     image = png(16, 16) + b"CONFIDENTIAL-PIXELS"
     a.enqueue(Behavior(image_out=("image/png", image)))  # the primary speaks chat completions
-    spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
-                     capture_content=True)
-    try:
-        with Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
-            lease = admit(led, routes(a, b))
-            result = execute(led, lease, Envelope(parts=[Part(content=PROMPT)]),
-                             sync_sender(adapter, limits=PATIENT))
-    finally:
-        telemetry.disable()
+    with _capturing() as spans, Ledger.open(db_url, clock=ManualClock(1_000.0)) as led:
+        lease = admit(led, routes(a, b))
+        result = execute(led, lease, Envelope(parts=[Part(content=PROMPT)]),
+                         sync_sender(adapter, limits=PATIENT))
     assert [p.data for p in result.parts if p.media_type] == [image]
     [span] = [s for s in spans.get_finished_spans() if s.name != "ledger.turn"]
     [message] = json.loads(str(dict(span.attributes or {})["gen_ai.output.messages"]))
@@ -769,23 +760,15 @@ def test_captured_input_of_a_session_turn_carries_its_tool_call_and_result(
         db_url: str, clean_fakes: tuple[FakeProvider, FakeProvider]) -> None:
     a, b = clean_fakes
     a.set_default(Behavior(text=ANSWER, tool_call=("search", TOOL_ARGS)), model="gpt-primary")
-    spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
-                     capture_content=True)
-    try:
-        with Ledger.open(db_url) as led, led.run(
-                "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
-                secrets=StaticSecretProvider(SECRETS)) as run:
-            msgs = [Part(content=PROMPT)]
-            r1 = run.turn(Envelope(parts=msgs, tools=TOOLS))
-            [call] = r1.tool_calls
-            msgs += [*r1.parts, run.tool_result(call.tool_call_id or "", TOOL_ANSWER)]
-            a.set_default(Behavior(text=ANSWER), model="gpt-primary")
-            run.turn(Envelope(parts=msgs, tools=TOOLS))
-    finally:
-        telemetry.disable()
+    with _capturing() as spans, Ledger.open(db_url) as led, led.run(
+            "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+            secrets=StaticSecretProvider(SECRETS)) as run:
+        msgs = [Part(content=PROMPT)]
+        r1 = run.turn(Envelope(parts=msgs, tools=TOOLS))
+        [call] = r1.tool_calls
+        msgs += [*r1.parts, run.tool_result(call.tool_call_id or "", TOOL_ANSWER)]
+        a.set_default(Behavior(text=ANSWER), model="gpt-primary")
+        run.turn(Envelope(parts=msgs, tools=TOOLS))
     first, second = [s for s in sorted(spans.get_finished_spans(),
                                        key=lambda s: s.start_time or 0)
                      if s.name != "ledger.turn"]
@@ -812,27 +795,19 @@ def test_a_captured_tool_result_of_files_alone_is_the_calls_response_described_n
     a, b = clean_fakes
     image = png(8, 8) + b"CONFIDENTIAL-PIXELS"
     a.set_default(Behavior(text=ANSWER, tool_call=("search", TOOL_ARGS)), model="gpt-primary")
-    spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    telemetry.enable(tracer_provider=tracer_provider, meter_provider=MeterProvider(),
-                     capture_content=True)
-    try:
-        with Ledger.open(db_url) as led, led.run(
-                "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
-                secrets=StaticSecretProvider(SECRETS)) as run:
-            msgs = [Part(content=PROMPT)]
-            r1 = run.turn(Envelope(parts=msgs, tools=TOOLS))
-            [call] = r1.tool_calls
-            msgs += r1.parts
-            if empty_text:
-                msgs.append(run.tool_result(call, ""))
-            msgs.append(run.tool_result(call, Part(data=image, media_type="image/png",
-                                                   data_class="tool_result")))
-            a.set_default(Behavior(text=ANSWER), model="gpt-primary")
-            run.turn(Envelope(parts=msgs, tools=TOOLS))
-    finally:
-        telemetry.disable()
+    with _capturing() as spans, Ledger.open(db_url) as led, led.run(
+            "agent", plan=routes(a, b), budget=SESSION_BUDGET, grant=SESSION_GRANT,
+            secrets=StaticSecretProvider(SECRETS)) as run:
+        msgs = [Part(content=PROMPT)]
+        r1 = run.turn(Envelope(parts=msgs, tools=TOOLS))
+        [call] = r1.tool_calls
+        msgs += r1.parts
+        if empty_text:
+            msgs.append(run.tool_result(call, ""))
+        msgs.append(run.tool_result(call, Part(data=image, media_type="image/png",
+                                               data_class="tool_result")))
+        a.set_default(Behavior(text=ANSWER), model="gpt-primary")
+        run.turn(Envelope(parts=msgs, tools=TOOLS))
     second = max((s for s in spans.get_finished_spans() if s.name != "ledger.turn"),
                  key=lambda s: s.start_time or 0)
     messages = json.loads(str(dict(second.attributes or {})["gen_ai.input.messages"]))
