@@ -110,17 +110,21 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         self._entries.close()
         try:
             self._runner.run(self._store.settle_pending(self.clock.now))
+            taken: list[Any] = []
+            if self._open_sessions:
+                # Loaded already: a session is open. Taken before the queues are left, so that
+                # a turn the close wakes leaves a session whose exit writes nothing.
+                from ledger.api.session import give_up_open, take_open
+
+                taken = take_open(self)
             self._runner.run(self._store.leave_queues())
             # An entry under way gives back what it took once it finds the close begun: while
             # the database is still open to take it.
             if not self._entries.ended(CLOSE_WAITS_ENTRIES_S):
                 log.warning("closing the ledger with a Run session still entering after %ss: "
                             "a lease it takes lapses", CLOSE_WAITS_ENTRIES_S)
-            if self._open_sessions:
-                # Loaded already: a session is open.
-                from ledger.api.session import give_up_open
-
-                self._runner.run(give_up_open(self))
+            if taken:
+                self._runner.run(give_up_open(self, taken))
         finally:
             try:
                 self._store.close()

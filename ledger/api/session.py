@@ -249,8 +249,20 @@ class _Entry:
     unadmitted: BaseException | None = None
 
 
-def give_up_open(ledger: Face[Any, Any]) -> Flow[None]:
-    """Release the leases of the Run sessions still open on ``ledger``, which is closing.
+def take_open(ledger: Face[Any, Any]) -> list[Any]:
+    """The Run sessions open on ``ledger``, which is closing, each taken by the close.
+
+    Their keepers stop, and each one's exit writes nothing from then on
+    (:meth:`_SessionCore._closed_under`). Taken before the close wakes the turns queued for a
+    capacity slot: a woken turn's block ends at once, and its exit must find its session
+    taken, rather than race the close to write under the same lease.
+    """
+    with ledger._open_sessions_lock:
+        return [s for s in list(ledger._open_sessions.values()) if s._give_up()]
+
+
+def give_up_open(ledger: Face[Any, Any], sessions: list[Any]) -> Flow[None]:
+    """Release the leases of the Run ``sessions`` the closing ``ledger`` took (:func:`take_open`).
 
     Run by :meth:`ledger.Ledger.close` once no begin is under way or can start: from then on
     nothing of these sessions can send, so a lease released now is given up for good, and
@@ -261,8 +273,6 @@ def give_up_open(ledger: Face[Any, Any]) -> Flow[None]:
     take is logged at WARNING and lapses (a database that is away: the rest are not tried).
     Each session's exit then writes nothing (:meth:`_SessionCore._closed_under`).
     """
-    with ledger._open_sessions_lock:
-        sessions = [s for s in list(ledger._open_sessions.values()) if s._give_up()]
     away: LedgerError | None = None
     for session in sessions:
         lease = session._keeper.lease

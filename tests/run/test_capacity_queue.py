@@ -46,6 +46,7 @@ from ledger import (
     Notice,
     Part,
     Route,
+    RunStatus,
     faults,
     preset,
 )
@@ -506,6 +507,73 @@ def test_a_turn_queued_when_its_ledger_closes_settles_no_attempt_it_never_began(
         assert not [r.getMessage() for r in caplog.records
                     if r.name.startswith("ledger") and r.levelno >= logging.WARNING]
         assert other.timeline("w") == []
+        other.settle_attempt(lease, held, outcome="succeeded", cost="0")
+
+
+def test_a_turn_the_close_wakes_leaves_a_session_the_close_took_and_writes_nothing(
+        db_url: str, fake: FakeProvider, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close wakes the turns queued for a slot; a woken turn's block ends at once. Its
+    exit found its session not yet taken by the close (which took the open sessions only
+    after waking the queues), so it went on to write the Run's end and met the closed
+    ledger: a WARNING, the lease left to lapse. The close now takes the open sessions before
+    it wakes the queues, so that exit writes nothing and the close releases the lease.
+
+    Here the close goes on only once the woken block has been left, and that exit is held
+    until the close has ended: the order that, before, left it to write on a closed ledger
+    (one CI run of the suite on two cores met it)."""
+    from ledger.api.session import RunSession
+
+    caplog.set_level(logging.DEBUG, logger="ledger")
+    route = _route(fake)
+    queued: list[str] = []
+    errors: list[BaseException] = []
+    finish = RunSession._finish
+
+    def after_the_close(self: RunSession, exc: BaseException | None) -> None:
+        _until(lambda: self.ledger._store.closed)
+        finish(self, exc)
+
+    left = threading.Event()
+    leave = RunSession._leave
+
+    def leaving(self: RunSession) -> None:
+        leave(self)
+        left.set()
+
+    monkeypatch.setattr(RunSession, "_finish", after_the_close)
+    monkeypatch.setattr(RunSession, "_leave", leaving)
+    with Ledger.open(db_url) as other:
+        lease, held = _hold(other, route)
+        led = Ledger.open(db_url)
+        # The close goes on past the queues it woke once the woken block has been left.
+        entries_ended = led._entries.ended
+
+        def once_left(timeout_s: float) -> bool:
+            assert left.wait(PATIENCE_S), "the woken turn's block was never left"
+            return entries_ended(timeout_s)
+
+        monkeypatch.setattr(led._entries, "ended", once_left)
+
+        def wait_in() -> None:
+            try:
+                with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                    run.turn(ENV, on_notice=lambda n: queued.append(n.attempt_id))
+            except BaseException as e:  # read below
+                errors.append(e)
+
+        waiter = threading.Thread(target=wait_in)
+        waiter.start()
+        _until(lambda: bool(queued))
+        led.close()
+        waiter.join(PATIENCE_S)
+        [err] = errors
+        assert isinstance(err, InvalidState) and err.fields["problem"] == "ledger_closed"
+        assert not [r.getMessage() for r in caplog.records
+                    if r.name.startswith("ledger") and r.levelno >= logging.WARNING]
+        # The close released the lease: the Run is free to resume at once, not finished.
+        run = other.get_run("w")
+        assert run.lease_holder is None and run.status in (RunStatus.ADMITTED, RunStatus.RUNNING)
         other.settle_attempt(lease, held, outcome="succeeded", cost="0")
 
 
