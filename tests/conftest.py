@@ -24,6 +24,8 @@ from tests.netfaults import full_backlog  # noqa: F401  (a fixture for every tes
 
 REQUIRE_PG = os.environ.get("LEDGER_REQUIRE_POSTGRES") == "1"
 
+pytest_plugins = ["tests.hangguard"]
+
 # The adapters take proxies from the environment, as httpx does. The tests talk to loopback
 # only, directly; a machine's proxy settings (a CI runner's, for its package downloads) must
 # not route them elsewhere. The tests of proxies set their own. Processes the tests start
